@@ -1,0 +1,1 @@
+"""bitchat: the interactive terminal chat, built on engine's public generator API only."""

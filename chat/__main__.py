@@ -1,0 +1,5 @@
+import sys
+
+from chat.app import main
+
+sys.exit(main())

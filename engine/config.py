@@ -1,0 +1,63 @@
+"""ModelConfig: every dimension of a BitNet model, read from the file's metadata; nothing hard-coded."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from .errors import FormatError
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    hidden_size: int                 # D, e.g. 2560
+    intermediate_size: int           # I, e.g. 6912
+    n_layers: int                    # e.g. 30
+    n_heads: int                     # query heads, e.g. 20
+    n_kv_heads: int                  # key/value heads (GQA), e.g. 5
+    head_dim: int                    # e.g. 128 (1bitLLM-3B: 100)
+    vocab_size: int                  # e.g. 128256
+    context_length: int = 4096       # max_position_embeddings
+    rope_theta: float = 500000.0
+    rms_norm_eps: float = 1e-5
+    hidden_act: str = "relu2"        # "relu2" (2B-4T) or "silu" (1bitLLM llama-style)
+    tie_word_embeddings: bool = True
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()   # stop on any of these (2B-4T: 128001 and 128009)
+    arch: str = "bitnet-b1.58"       # informational: where it came from
+    name: str = ""                   # human name of the model
+
+    def __post_init__(self):
+        for f in ("hidden_size", "intermediate_size", "n_layers", "n_heads", "n_kv_heads", "head_dim", "vocab_size", "context_length"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or v <= 0 or v > 1 << 24:
+                raise FormatError(f"model config: {f}={v!r} is not a sane positive size")
+        if self.n_heads % self.n_kv_heads:
+            raise FormatError(f"model config: n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
+        if self.hidden_act not in ("relu2", "silu"):
+            raise FormatError(f"model config: unknown hidden_act {self.hidden_act!r} (expected relu2 or silu)")
+        if not (self.rms_norm_eps > 0 and self.rope_theta > 0):
+            raise FormatError("model config: rms_norm_eps and rope_theta must be positive")
+
+    @property
+    def q_dim(self) -> int:
+        return self.n_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.n_kv_heads * self.head_dim
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["eos_token_ids"] = list(self.eos_token_ids)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        kw = {k: v for k, v in d.items() if k in names}
+        if "eos_token_ids" in kw:
+            kw["eos_token_ids"] = tuple(int(x) for x in kw["eos_token_ids"])
+        try:
+            return cls(**kw)
+        except TypeError as e:
+            raise FormatError(f"model config: {e}") from None

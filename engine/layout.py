@@ -1,0 +1,111 @@
+"""The engine's packed weight layouts: the single definition shared by the converter, the kernels' tests
+and the kernels themselves (simd/kernels/*.c implement exactly what is written here).
+
+Ternary weights W_t[N, K] in {-1, 0, +1} are stored as 2-bit codes u = W_t + 1 in {0, 1, 2}
+("tile16" layout). Rows are grouped in tiles of 16, columns in blocks of 16:
+
+    N_pad = ceil(N / 16) * 16,   K_pad = ceil(K / 64) * 64
+    tile t (rows 16t .. 16t+15), block b (cols 16b .. 16b+15) -> 64 bytes at ((t * K_pad/16) + b) * 64
+    inside: byte r*4 + j (r = row in tile 0..15, j = 0..3), bits 2i..2i+1 (i = 0..3)
+            hold u[16t + r, 16b + 4i + j]
+
+Why: one 64-byte load, shifted right by 2i and masked with 3, gives 16 rows x 4 consecutive columns,
+i.e. exactly the operand of one AVX-512 VNNI `vpdpbusd` against the 4 activation bytes
+x[16b+4i .. 16b+4i+3] broadcast to every dword lane. Each lane accumulates one output row, so no
+horizontal reduction is ever needed; AVX2 uses the two 32-byte halves (rows 0-7, 8-15) the same way.
+A tile's blocks are contiguous, so a GEMV streams memory linearly. Padding codes are 1 (weight 0) and
+padded activations are 0, so padding never changes a result.
+
+The int8 LM head ("i8_tile16"): W_q[N, K] int8 in [-127, 127] with one f32 scale per row:
+    tile t, group g (cols 4g .. 4g+3) -> 64 bytes at (t * K_pad/4 + g) * 64, byte r*4 + j = W_q[16t+r, 4g+j]
+
+The f16 LM head ("f16_tile16"): tile t, column k -> 16 halves at (t * K + k) * 16, half r = W[16t+r, k].
+Each row's dot product is accumulated strictly in order k = 0, 1, ..., K-1 with a fused multiply-add,
+in every ISA path, so all paths give identical floats.
+
+Kernel output for ternary and int8 (all paths, bit-identical):
+    dot[n]  = sum_k W[n, k] * x_q[k]            (exact int32; ternary: sum u*x_q - sum x_q)
+    out[n]  = ((float)dot[n] / act_scale) * row_scale[n]
+where act_scale = 127 / max(max|x|, 1e-5) is the per-token activation scale (FORMATS.md §1) and
+row_scale is the weight scale (mean|W| for autobitlinear; 1/scale for the legacy dividing class).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+TILE_ROWS = 16
+K_ALIGN = 64
+
+
+def pad_to(n: int, multiple: int) -> int:
+    return (n + multiple - 1) // multiple * multiple
+
+
+def padded_shape(n: int, k: int) -> tuple[int, int]:
+    return pad_to(n, TILE_ROWS), pad_to(k, K_ALIGN)
+
+
+def pack_ternary(w_t: np.ndarray) -> np.ndarray:
+    """W_t int [N, K] in {-1,0,1} -> uint8 [N_pad * K_pad / 4] in the tile16 layout."""
+    w_t = np.asarray(w_t)
+    if w_t.ndim != 2:
+        raise ValueError(f"pack_ternary: expected a 2-D matrix, got shape {w_t.shape}")
+    n, k = w_t.shape
+    if w_t.size and (w_t.min() < -1 or w_t.max() > 1):
+        raise ValueError("pack_ternary: weights must be in {-1, 0, +1}")
+    n_pad, k_pad = padded_shape(n, k)
+    codes = np.ones((n_pad, k_pad), dtype=np.uint8)
+    codes[:n, :k] = (w_t + 1).astype(np.uint8)
+    t, kb = n_pad // 16, k_pad // 16
+    c = codes.reshape(t, 16, kb, 4, 4).transpose(0, 2, 1, 4, 3)  # [t, b, r, j, i]
+    packed = c[..., 0] | (c[..., 1] << 2) | (c[..., 2] << 4) | (c[..., 3] << 6)
+    return np.ascontiguousarray(packed).reshape(-1)
+
+
+def unpack_ternary(packed: np.ndarray, n: int, k: int) -> np.ndarray:
+    """Inverse of pack_ternary: int8 [N, K] in {-1, 0, +1}."""
+    n_pad, k_pad = padded_shape(n, k)
+    p = np.asarray(packed, dtype=np.uint8).reshape(n_pad // 16, k_pad // 16, 16, 4)  # [t, b, r, j]
+    c = np.stack([(p >> (2 * i)) & 3 for i in range(4)], axis=-1)  # [t, b, r, j, i]
+    codes = c.transpose(0, 2, 1, 4, 3).reshape(n_pad, k_pad)
+    return (codes[:n, :k].astype(np.int8) - 1)
+
+
+def pack_i8(w_q: np.ndarray) -> np.ndarray:
+    """int8 [N, K] -> int8 [N_pad * K_pad] in the i8_tile16 layout (padding 0)."""
+    n, k = w_q.shape
+    n_pad, k_pad = padded_shape(n, k)
+    buf = np.zeros((n_pad, k_pad), dtype=np.int8)
+    buf[:n, :k] = w_q
+    c = buf.reshape(n_pad // 16, 16, k_pad // 4, 4).transpose(0, 2, 1, 3)
+    return np.ascontiguousarray(c).reshape(-1)
+
+
+def unpack_i8(packed: np.ndarray, n: int, k: int) -> np.ndarray:
+    n_pad, k_pad = padded_shape(n, k)
+    c = np.asarray(packed, dtype=np.int8).reshape(n_pad // 16, k_pad // 4, 16, 4).transpose(0, 2, 1, 3)
+    return c.reshape(n_pad, k_pad)[:n, :k]
+
+
+def quantize_rows_i8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric per-row int8 (range [-127, 127], round half to even): returns (W_q int8 [N, K], scale f32 [N])
+    with W ~= W_q * scale[:, None]."""
+    w = np.asarray(w, dtype=np.float32)
+    amax = np.abs(w).max(axis=1)
+    scale = (np.maximum(amax, np.float32(1e-10)) / np.float32(127)).astype(np.float32)
+    q = np.clip(np.rint(w / scale[:, None]), -127, 127).astype(np.int8)
+    return q, scale
+
+
+def pack_f16(w: np.ndarray) -> np.ndarray:
+    """float [N, K] -> float16 [N_pad * K] in the f16_tile16 layout (padding rows 0)."""
+    n, k = w.shape
+    n_pad = pad_to(n, TILE_ROWS)
+    buf = np.zeros((n_pad, k), dtype=np.float16)
+    buf[:n] = w
+    return np.ascontiguousarray(buf.reshape(n_pad // 16, 16, k).transpose(0, 2, 1)).reshape(-1)
+
+
+def unpack_f16(packed: np.ndarray, n: int, k: int) -> np.ndarray:
+    n_pad = pad_to(n, TILE_ROWS)
+    return np.asarray(packed, dtype=np.float16).reshape(n_pad // 16, k, 16).transpose(0, 2, 1).reshape(n_pad, k)[:n]

@@ -1,0 +1,70 @@
+"""Build the C SIMD kernels and their thin Cython wrappers.
+
+Two extension modules:
+  simd._kernels  ternary / int8 / f16 GEMV + GEMM, activation quantization, CPU dispatch
+                 (sources: simd/_kernels.pyx + simd/kernels/*.c)
+  simd._ops      small runtime helpers: RMSNorm, RoPE, attention over the KV cache, activations
+                 (sources: simd/_ops.pyx + simd/ops/*.c)
+
+Never -march=native: every ISA variant is compiled in one build with per-function
+target attributes and chosen at run time (see simd/kernels/dispatch.c).
+"""
+import glob
+import os
+import platform
+
+import numpy
+from setuptools import Extension, setup
+
+try:
+    from Cython.Build import cythonize
+except ImportError:  # pragma: no cover - build isolation always provides Cython
+    cythonize = None
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+COMPILE_ARGS = [
+    "-O3",
+    "-fopenmp",
+    # bit-identical float results across ISA paths: never fuse a*b+c behind our back
+    "-ffp-contract=off",
+    "-fno-strict-aliasing",
+    "-std=c11",
+    "-Wall",
+    "-Wno-unused-function",
+    "-Wno-unknown-pragmas",
+]
+if os.environ.get("BITNET_SANITIZE"):
+    COMPILE_ARGS += ["-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-O1"]
+LINK_ARGS = ["-fopenmp"] + (["-fsanitize=address,undefined"] if os.environ.get("BITNET_SANITIZE") else [])
+
+
+def _extension(name, pyx, c_dir):
+    sources = [pyx] + sorted(glob.glob(os.path.join(c_dir, "*.c")))
+    return Extension(
+        name,
+        sources=[os.path.relpath(os.path.join(HERE, s), HERE) if not os.path.isabs(s) else os.path.relpath(s, HERE) for s in sources],
+        include_dirs=[numpy.get_include(), c_dir],
+        extra_compile_args=COMPILE_ARGS,
+        extra_link_args=LINK_ARGS,
+        define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
+    )
+
+
+extensions = []
+for name, pyx, c_dir in [
+    ("simd._kernels", "simd/_kernels.pyx", "simd/kernels"),
+    ("simd._ops", "simd/_ops.pyx", "simd/ops"),
+]:
+    if os.path.exists(os.path.join(HERE, pyx)):
+        extensions.append(_extension(name, pyx, c_dir))
+
+setup(
+    ext_modules=cythonize(
+        extensions,
+        language_level=3,
+        compiler_directives={"boundscheck": False, "wraparound": False, "cdivision": True},
+    )
+    if cythonize and extensions
+    else [],
+)

@@ -1,0 +1,16 @@
+"""SIMD kernels for BitNet inference (C with intrinsics + thin Cython wrappers).
+
+`simd.features()` -> CPU features seen by the dispatcher; `simd.active()` -> the chosen path
+("avx512" | "avx2" | "scalar" | "neon"). `BITNET_ISA=scalar|avx2|avx512` forces a path; forcing one the
+CPU cannot run raises. Everything else lives in simd._kernels (see engine/INTERFACES.md).
+"""
+try:
+    from . import _kernels  # noqa: F401
+    from ._kernels import *  # noqa: F401,F403
+except ImportError as _e:  # pragma: no cover - only when the package was not built
+    _import_error = _e
+
+    def __getattr__(name):
+        raise ImportError(
+            f"simd kernels are not built ({_import_error}); run `pip install .` (or `pip install -e .`)"
+        )

@@ -1,0 +1,57 @@
+"""Plain numpy versions of every kernel in simd._kernels, with the same signatures and the same math
+(engine/layout.py). The kernel tests use them as the oracle; they are slow and never used at run time.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from engine import layout
+
+
+def quantize_act(x, xq, act_scale, act_sum):
+    """x f32 [M, K] -> xq int8 [M, K_pad] (padding 0), act_scale f32 [M] = 127/max(max|x|,1e-5), act_sum i32 [M]."""
+    x2 = np.atleast_2d(np.asarray(x, dtype=np.float32))
+    xq2 = xq.reshape(x2.shape[0], -1)
+    amax = np.maximum(np.abs(x2).max(axis=1), np.float32(1e-5)).astype(np.float32)
+    s = (np.float32(127.0) / amax).astype(np.float32)
+    q = np.clip(np.rint(x2 * s[:, None]), -128, 127).astype(np.int8)
+    xq2[:] = 0
+    xq2[:, : x2.shape[1]] = q
+    np.asarray(act_scale).reshape(-1)[:] = s
+    np.asarray(act_sum).reshape(-1)[:] = q.astype(np.int32).sum(axis=1)
+
+
+def ternary_dot(w, n, xq):
+    """Exact int32 dots W_t[n, :] . xq for xq [M, K_pad] -> int32 [M, n]."""
+    xq2 = np.atleast_2d(xq)
+    k_pad = xq2.shape[1]
+    wt = layout.unpack_ternary(w, n, k_pad).astype(np.int32)
+    return xq2.astype(np.int32) @ wt.T
+
+
+def gemm_ternary(w, row_scale, xq, act_scale, act_sum, out):
+    m, n = out.shape
+    dot = ternary_dot(w, n, xq)
+    out[:] = (dot.astype(np.float32) / np.asarray(act_scale, np.float32)[:, None]) * row_scale[None, :n]
+
+
+def gemv_ternary(w, row_scale, xq, act_scale, act_sum, out):
+    n = out.shape[0]
+    dot = ternary_dot(w, n, xq)[0]
+    out[:] = (dot.astype(np.float32) / np.float32(act_scale)) * row_scale[:n]
+
+
+def gemv_i8(w, row_scale, w_rowsum, xq, act_scale, out):
+    n = out.shape[0]
+    k_pad = xq.shape[0]
+    wq = layout.unpack_i8(w, n, k_pad).astype(np.int32)
+    dot = wq @ xq.astype(np.int32)
+    out[:] = (dot.astype(np.float32) / np.float32(act_scale)) * row_scale[:n]
+
+
+def gemv_f16(w, x, out):
+    """Sequential-in-k fused multiply-add per row (the canonical order; float64 here, so only close)."""
+    n = out.shape[0]
+    k = x.shape[0]
+    wf = layout.unpack_f16(np.asarray(w).view(np.float16), n, k).astype(np.float64)
+    out[:] = (wf @ x.astype(np.float64)).astype(np.float32)

@@ -1,0 +1,57 @@
+"""The weight store writes, maps zero-copy, and refuses corrupt files with a FormatError."""
+import os
+
+import numpy as np
+import pytest
+
+from engine.config import ModelConfig
+from engine.errors import FormatError
+from engine.store import TensorSpec, open_store, write_store
+
+CFG = ModelConfig(hidden_size=64, intermediate_size=128, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=16, vocab_size=100)
+
+
+def _write(tmp_path):
+    a = np.arange(1000, dtype=np.float32)
+    b = np.arange(77, dtype=np.uint8)
+    p = write_store(tmp_path / "m.bnstore", CFG, [TensorSpec("a", a, {"layout": "plain"}), TensorSpec("b", b)],
+                    meta={"source": "test"}, chat_template="{{x}}", tokenizer_kind="hf_json", tokenizer_blob=b"{}")
+    return p, a, b
+
+
+def test_round_trip_zero_copy(tmp_path):
+    p, a, b = _write(tmp_path)
+    s = open_store(p)
+    assert s.config == CFG
+    assert np.array_equal(s.tensor("a"), a) and np.array_equal(s.tensor("b"), b)
+    assert not s.tensor("a").flags.writeable and not s.tensor("a").flags.owndata
+    assert s.tensor("a").ctypes.data % 64 == 0
+    assert s.info("a")["layout"] == "plain"
+    assert s.tokenizer_spec == ("hf_json", b"{}")
+    assert s.chat_template == "{{x}}" and s.meta["source"] == "test"
+
+
+@pytest.mark.parametrize("mutate", ["truncate", "magic", "index", "version", "empty"])
+def test_corrupt_files_raise(tmp_path, mutate):
+    p, _, _ = _write(tmp_path)
+    data = bytearray(open(p, "rb").read())
+    if mutate == "truncate":
+        data = data[: len(data) // 2]
+    elif mutate == "magic":
+        data[0:4] = b"GGUF"
+    elif mutate == "index":
+        data[-5] ^= 0xFF
+    elif mutate == "version":
+        data[8] = 99
+    else:
+        data = b""
+    with open(p, "wb") as f:
+        f.write(data)
+    with pytest.raises(FormatError):
+        open_store(p)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(FormatError, match="cannot open"):
+        open_store(tmp_path / "nope")
+    assert not os.path.exists(tmp_path / "nope")
