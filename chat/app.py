@@ -1,10 +1,115 @@
-"""bitchat entry point (placeholder until issue 6 lands)."""
+"""`bitchat`: the interactive terminal chat (console script entry point `main`).
+
+    bitchat [-m MODEL] [--system TEXT] [--temp T] [--top-k K] [--top-p P] [--min-p P]
+            [--repeat-penalty R] [--seed S] [-n N] [-c CTX] [-t THREADS]
+
+No -m opens the bundled default model. On a terminal it is a prompt_toolkit REPL; when stdin or
+stdout is not a terminal, input lines become turns and the output is plain text.
+Exit codes: 0 normal end, 1 a piped command/turn failed, 2 bad flag or model, 130 Ctrl-C while loading.
+"""
+from __future__ import annotations
+
+import argparse
+import os
 import sys
+import time
+
+from chat.commands import CommandError, Settings, parse_setting
+from chat.render import Output
 
 
-def main(argv=None) -> int:
-    print("bitchat: not yet implemented", file=sys.stderr)
-    return 2
+def build_parser() -> argparse.ArgumentParser:
+    d = Settings()
+    p = argparse.ArgumentParser(
+        prog="bitchat",
+        description="Chat with a BitNet b1.58 model in the terminal. Type /help inside for commands.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("-m", "--model", default=None,
+                   help="model: a converted store, a GGUF file or an HF directory (default: the bundled model)")
+    p.add_argument("--system", default=None, help="system prompt")
+    p.add_argument("--temp", default=str(d.temp), help="sampling temperature (0 = greedy)")
+    p.add_argument("--top-k", default=str(d.top_k), help="top-k sampling (0 = off)")
+    p.add_argument("--top-p", default=str(d.top_p), help="nucleus sampling (1 = off)")
+    p.add_argument("--min-p", default=str(d.min_p), help="min-p sampling (0 = off)")
+    p.add_argument("--repeat-penalty", default=str(d.repeat_penalty), help="repetition penalty (1 = off)")
+    p.add_argument("--seed", default=None, help="random seed (default: random)")
+    p.add_argument("-n", "--max-tokens", default=str(d.max_tokens), help="max tokens per answer")
+    p.add_argument("-c", "--ctx-size", type=int, default=None, help="context window in tokens (default: the model's)")
+    p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    p.add_argument("--version", action="version", version="bitchat (bitnet-cpu)")
+    return p
+
+
+def settings_from_args(args, parser) -> Settings:
+    s = Settings()
+    for flag, key in (("temp", "temp"), ("top_k", "top_k"), ("top_p", "top_p"), ("min_p", "min_p"),
+                      ("repeat_penalty", "repeat_penalty"), ("seed", "seed"), ("max_tokens", "max_tokens")):
+        value = getattr(args, flag)
+        if value is None:
+            continue
+        try:
+            name, typed = parse_setting(key, str(value))
+        except CommandError as e:
+            # say it with the flag's own name, not the /set name
+            parser.error(f"--{flag.replace('_', '-')}: " + str(e).split(": ", 1)[-1])
+        setattr(s, name, typed)
+    if args.ctx_size is not None and args.ctx_size < 16:
+        parser.error(f"-c/--ctx-size: {args.ctx_size} is too small (at least 16)")
+    if args.threads is not None and args.threads < 1:
+        parser.error(f"-t/--threads: {args.threads} must be >= 1")
+    return s
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    settings = settings_from_args(args, parser)
+    interactive = sys.stdin.isatty() and sys.stdout.isatty()
+    out = Output(interactive=interactive)
+    try:
+        return _run(args, settings, out, interactive)
+    except KeyboardInterrupt:
+        print("", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        try:  # stdout went away (e.g. `| head`): nothing more to say
+            sys.stdout = open(os.devnull, "w")
+        except OSError:
+            pass
+        return 0
+
+
+def _run(args, settings: Settings, out: Output, interactive: bool) -> int:
+    from engine.errors import BitNetError
+
+    label = args.model or "the bundled default model"
+    print(f"bitchat: loading {label} ...", file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    try:
+        from engine.api import load_model
+
+        llm = load_model(args.model, ctx=args.ctx_size, threads=args.threads, progress=True)
+    except BitNetError as e:
+        print(f"bitchat: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except (ImportError, OSError, MemoryError) as e:
+        print(f"bitchat: error: cannot load {label}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+    load_s = time.perf_counter() - t0
+    if settings.max_tokens > llm.n_ctx:
+        settings.max_tokens = llm.n_ctx
+
+    from chat.repl import run_plain, run_repl
+    from chat.session import ChatSession
+
+    session = ChatSession(llm, settings, out, system=args.system, threads=args.threads, model_label=args.model)
+    ready = f"bitchat: {llm.name} ready in {load_s:.1f} s ({llm.n_ctx}-token context)."
+    if interactive:
+        print(ready + " Type /help for commands, /bye or Ctrl-D to exit.", file=sys.stderr, flush=True)
+        return run_repl(session)
+    print(ready, file=sys.stderr, flush=True)
+    return run_plain(session)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,184 @@
+"""Slash commands: the table (name, argument, help), parsing with validation, and the sampling settings.
+
+Every mistake becomes a CommandError whose message is one line saying what is wrong and what to
+type instead; the REPL prints it and the session goes on. Pure logic: unit-tested directly.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+# name -> (argument synopsis, one-line help). Order is the order /help shows.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "/help": ("", "show this help"),
+    "/reset": ("", "forget the conversation (the system prompt stays)"),
+    "/system": ("[TEXT|--clear]", "show, set or clear the system prompt"),
+    "/set": ("[NAME VALUE]", "show settings, or set temp|top_k|top_p|min_p|repeat_penalty|seed|max_tokens"),
+    "/show": ("", "model information and current settings"),
+    "/save": ("FILE", "save the conversation as JSON (atomic write)"),
+    "/load": ("FILE", "load a conversation saved with /save and prefill it"),
+    "/retry": ("", "regenerate the last answer"),
+    "/stats": ("", "timings of the last answer and of the session"),
+    "/bye": ("", "exit (Ctrl-D also exits)"),
+}
+ALIASES = {"/exit": "/bye", "/quit": "/bye", "/?": "/help", "/clear": "/reset"}
+
+
+class CommandError(Exception):
+    """One-line hint for a command the user mistyped."""
+
+
+@dataclass
+class Settings:
+    """Sampling settings of the session (flag names as `bitnet run`; /set names in snake_case)."""
+    temp: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0
+    seed: int | None = None
+    max_tokens: int = 512
+
+    def describe(self) -> str:
+        seed = "random" if self.seed is None else str(self.seed)
+        return (f"temp={self.temp:g} top_k={self.top_k} top_p={self.top_p:g} min_p={self.min_p:g} "
+                f"repeat_penalty={self.repeat_penalty:g} seed={seed} max_tokens={self.max_tokens}")
+
+
+SETTING_NAMES = [f.name for f in fields(Settings)]
+SETTING_ALIASES = {"temperature": "temp", "t": "temp", "n": "max_tokens", "max-tokens": "max_tokens",
+                   "top-k": "top_k", "top-p": "top_p", "min-p": "min_p", "repeat-penalty": "repeat_penalty",
+                   "n_predict": "max_tokens"}
+
+
+def _number(name: str, text: str, kind):
+    try:
+        value = kind(text)
+    except ValueError:
+        what = "an integer" if kind is int else "a number"
+        raise CommandError(f"/set {name}: {text!r} is not {what}") from None
+    if kind is float and not math.isfinite(value):
+        raise CommandError(f"/set {name}: {text!r} must be finite")
+    return value
+
+
+def parse_setting(name: str, text: str, *, max_tokens_limit: int | None = None) -> tuple[str, object]:
+    """Validate `/set NAME VALUE`; returns (canonical name, typed value) or raises CommandError."""
+    key = name.lower()
+    key = SETTING_ALIASES.get(key, key)
+    if key not in SETTING_NAMES:
+        raise CommandError(f"/set: unknown setting {name!r} (one of: {', '.join(SETTING_NAMES)})")
+    if key == "temp":
+        v = _number(key, text, float)
+        if v < 0:
+            raise CommandError("/set temp: must be >= 0 (0 = greedy)")
+    elif key == "top_k":
+        v = _number(key, text, int)
+        if v < 0:
+            raise CommandError("/set top_k: must be >= 0 (0 = off)")
+    elif key == "top_p":
+        v = _number(key, text, float)
+        if not 0 < v <= 1:
+            raise CommandError("/set top_p: must be in (0, 1] (1 = off)")
+    elif key == "min_p":
+        v = _number(key, text, float)
+        if not 0 <= v <= 1:
+            raise CommandError("/set min_p: must be in [0, 1] (0 = off)")
+    elif key == "repeat_penalty":
+        v = _number(key, text, float)
+        if v <= 0:
+            raise CommandError("/set repeat_penalty: must be > 0 (1 = off)")
+    elif key == "seed":
+        if text.lower() in ("none", "random", "off", "-1"):
+            v = None
+        else:
+            v = _number(key, text, int)
+            if v < 0:
+                raise CommandError("/set seed: must be >= 0, or 'random'")
+    else:  # max_tokens
+        v = _number(key, text, int)
+        if v < 1:
+            raise CommandError("/set max_tokens: must be >= 1")
+        if max_tokens_limit is not None and v > max_tokens_limit:
+            raise CommandError(f"/set max_tokens: must be <= {max_tokens_limit} (the context window)")
+    return key, v
+
+
+@dataclass(frozen=True)
+class Command:
+    name: str      # canonical, e.g. "/set"
+    arg: str       # the rest of the line, stripped ("" if none)
+
+
+NEEDS_ARG = {"/save", "/load"}
+NO_ARG = {"/help", "/reset", "/show", "/retry", "/stats", "/bye"}
+
+
+def is_command(line: str) -> bool:
+    """A line is a command when it starts with '/' followed by a letter or '?' (so '/ 2' or a path
+    typed as a question still reaches the model only if it does not look like a command)."""
+    s = line.lstrip()
+    return len(s) >= 2 and s[0] == "/" and (s[1].isalpha() or s[1] == "?")
+
+
+def parse_command(line: str) -> Command:
+    """Parse a slash command line; raises CommandError with a one-line hint when it is not valid."""
+    s = line.strip()
+    head, _, rest = s.partition(" ")
+    name = head.lower()
+    name = ALIASES.get(name, name)
+    rest = rest.strip()
+    if name not in COMMANDS:
+        close = [c for c in COMMANDS if c.startswith(name[:3])] if len(name) > 1 else []
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        raise CommandError(f"unknown command {head}{hint}; type /help for the list")
+    if name in NEEDS_ARG and not rest:
+        raise CommandError(f"{name} needs a file name: {name} {COMMANDS[name][0]}")
+    if name in NO_ARG and rest:
+        raise CommandError(f"{name} takes no argument (got {rest!r})")
+    if name == "/set" and rest:
+        parts = rest.split()
+        if len(parts) != 2:
+            raise CommandError("/set needs NAME VALUE, e.g. /set temp 0.7 (or /set alone to show settings)")
+    return Command(name, rest)
+
+
+def help_text() -> str:
+    width = max(len(n) + 1 + len(a) for n, (a, _) in COMMANDS.items())
+    lines = [f"  {(n + ' ' + a).strip():<{width}}  {h}" for n, (a, h) in COMMANDS.items()]
+    lines.append('  """ starts a multi-line message, """ ends it; Esc-Enter inserts a newline.')
+    lines.append("  Ctrl-C stops an answer (what was shown is kept); Ctrl-D exits.")
+    return "\n".join(lines)
+
+
+def completions(text_before_cursor: str) -> list[str]:
+    """Candidates for tab completion of the text before the cursor (command names, /set names)."""
+    if not text_before_cursor.startswith("/") or "\n" in text_before_cursor:
+        return []
+    if " " not in text_before_cursor:
+        return [c for c in COMMANDS if c.startswith(text_before_cursor.lower())]
+    head, _, rest = text_before_cursor.partition(" ")
+    if head.lower() == "/set" and " " not in rest.lstrip():
+        return [n for n in SETTING_NAMES if n.startswith(rest.lstrip().lower())]
+    return []
+
+
+def open_block(text: str) -> bool:
+    '''True when `text` opened a """ multi-line block that is not closed yet.'''
+    s = text.lstrip()
+    if not s.startswith('"""'):
+        return False
+    body = s[3:]
+    return '"""' not in body
+
+
+def strip_block(text: str) -> str:
+    '''The message inside a """ ... """ block (or the text itself when it is not a block).'''
+    s = text.strip()
+    if s.startswith('"""'):
+        s = s[3:]
+        end = s.rfind('"""')
+        if end >= 0:
+            s = s[:end]
+        return s.strip("\n").strip()
+    return text.strip()

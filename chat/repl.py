@@ -1,0 +1,149 @@
+'''The two front ends of a ChatSession: the prompt_toolkit REPL (a terminal) and the plain line loop
+(stdin is a pipe or a file, so scripts can drive bitchat).
+
+REPL keys: Enter sends, except inside an open """ block where it adds a line; Esc-Enter always adds
+a line; Tab completes commands and /set names; Ctrl-C clears the line (twice at an empty prompt:
+a hint how to leave); Ctrl-D at an empty prompt exits. Input history persists in a file.
+'''
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+
+from chat.commands import COMMANDS, CommandError, completions, is_command, open_block, parse_command, strip_block
+from chat.session import ChatSession, ExitChat
+
+PROMPT = ">>> "
+CONTINUATION = "... "
+
+
+def history_path() -> str | None:
+    """$BITCHAT_HISTORY (empty: no history file), else the XDG state dir."""
+    env = os.environ.get("BITCHAT_HISTORY")
+    if env is not None:
+        return os.path.expanduser(env) if env.strip() else None
+    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return os.path.join(base, "bitchat", "history")
+
+
+def handle_line(session: ChatSession, text: str) -> bool:
+    """Run one complete input (a command or a message). False when the user asked to leave;
+    errors become one line and the session goes on. Returns True otherwise."""
+    try:
+        if is_command(text):
+            session.run_command(parse_command(text))
+        else:
+            message = strip_block(text)
+            if message:
+                session.ask(message)
+    except ExitChat:
+        return False
+    except CommandError as e:
+        session.out.notice(str(e))
+        session.had_errors = True
+    except Exception as e:  # a bug must not take the transcript with it
+        session.out.end_answer()
+        session.out.notice(f"[internal error: {type(e).__name__}: {e}; the session goes on — /save keeps your work]")
+        if os.environ.get("BITCHAT_DEBUG"):
+            traceback.print_exc()
+        session.had_errors = True
+    return True
+
+
+def run_plain(session: ChatSession, stream=None) -> int:
+    """Lines of `stream` (stdin) become turns; a line that is a command runs it; \"\"\" blocks span
+    lines. Exit 0 at end of input, 1 if a command or turn failed on the way."""
+    stream = stream or sys.stdin
+    block: list[str] | None = None
+    for raw in stream:
+        line = raw.rstrip("\n")
+        if block is not None:
+            block.append(line)
+            if line.rstrip().endswith('"""'):
+                text, block = "\n".join(block), None
+                if not handle_line(session, text):
+                    break
+            continue
+        if not line.strip():
+            continue
+        if open_block(line):
+            block = [line]
+            continue
+        if not handle_line(session, line):
+            break
+    else:
+        if block is not None:  # unterminated block at end of input: send what there is
+            handle_line(session, "\n".join(block) + '\n"""')
+    return 1 if session.had_errors else 0
+
+
+def run_repl(session: ChatSession) -> int:
+    from prompt_toolkit import PromptSession
+    from prompt_toolkit.application import run_in_terminal
+    from prompt_toolkit.completion import Completer, Completion
+    from prompt_toolkit.history import FileHistory, InMemoryHistory
+    from prompt_toolkit.key_binding import KeyBindings
+
+    class SlashCompleter(Completer):
+        def get_completions(self, document, complete_event):
+            before = document.text_before_cursor
+            word = before.rsplit(" ", 1)[-1]
+            for cand in completions(before):
+                meta = COMMANDS[cand][1] if cand in COMMANDS else ""
+                yield Completion(cand, start_position=-len(word), display_meta=meta)
+
+    path = history_path()
+    history = InMemoryHistory()
+    if path:
+        try:
+            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+            with open(path, "a", encoding="utf-8"):
+                pass
+            history = FileHistory(path)
+        except OSError as e:
+            session.out.notice(f"[history file {path}: {e.strerror}; history kept in memory only]")
+
+    empty_interrupts = [0]
+    keys = KeyBindings()
+
+    @keys.add("enter")
+    def _enter(event):
+        buf = event.current_buffer
+        if open_block(buf.text):
+            buf.insert_text("\n")
+        else:
+            buf.validate_and_handle()
+
+    @keys.add("escape", "enter")
+    def _newline(event):
+        event.current_buffer.insert_text("\n")
+
+    @keys.add("c-c")
+    def _interrupt(event):
+        buf = event.current_buffer
+        if buf.text:
+            buf.reset()
+            empty_interrupts[0] = 0
+            return
+        empty_interrupts[0] += 1
+        if empty_interrupts[0] >= 2:
+            run_in_terminal(lambda: session.out.dim("(use /bye or Ctrl-D to exit)"))
+
+    prompt = PromptSession(history=history, completer=SlashCompleter(), complete_while_typing=False,
+                           key_bindings=keys, multiline=True,
+                           prompt_continuation=lambda width, line_number, soft_wrap: CONTINUATION)
+    while True:
+        try:
+            text = prompt.prompt(PROMPT)
+        except KeyboardInterrupt:   # should not happen (Ctrl-C is bound), but never a traceback
+            continue
+        except EOFError:
+            session.out.end_answer()
+            break
+        empty_interrupts[0] = 0
+        if not text.strip():
+            continue
+        if not handle_line(session, text):
+            break
+    return 0

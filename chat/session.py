@@ -1,0 +1,331 @@
+"""A chat session: the conversation, the sampling settings and one loaded model, one turn at a time.
+
+Used by both front ends (the prompt_toolkit REPL and the plain piped loop). Talks to the engine only
+through its public API (engine/api.py): `chat_prompt` renders the window with the model's own
+template, `generate` streams the answer and reuses the KV cache for the common prefix, so a new
+turn only prefills its new tokens.
+
+Ctrl-C during an answer: a SIGINT handler sets a flag that is checked between chunks, so the
+engine is never interrupted in the middle of a step; the answer stops, what was shown is kept
+(marked interrupted) and the session goes on. A second Ctrl-C while the first is pending raises
+KeyboardInterrupt the usual way (for a stuck prefill).
+"""
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from chat.commands import Command, CommandError, Settings, help_text, parse_setting
+from chat.render import Output, format_stats
+from chat.transcript import Conversation, TranscriptError
+
+
+class ExitChat(Exception):
+    """/bye: leave the session."""
+
+
+@dataclass
+class LocalStats:
+    """Timings measured on our side (used when the engine's final Stats never arrived: Ctrl-C)."""
+    n_prompt: int | None
+    n_cached: int | None
+    n_generated: int
+    ttft_s: float | None
+    decode_tps: float | None
+    finish_reason: str
+    prefill_tps: float | None = None
+    load_s: float | None = None
+
+
+class _InterruptFlag:
+    def __init__(self):
+        self.hit = False
+
+
+@contextmanager
+def sigint_as_flag():
+    """While active, the first Ctrl-C only sets `flag.hit`; a second one raises KeyboardInterrupt."""
+    flag = _InterruptFlag()
+    if threading.current_thread() is not threading.main_thread():
+        yield flag
+        return
+
+    def handler(signum, frame):
+        if flag.hit:
+            raise KeyboardInterrupt
+        flag.hit = True
+
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield flag
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+class ChatSession:
+    def __init__(self, llm, settings: Settings, output: Output, *, system: str | None = None,
+                 threads: int | None = None, model_label: str | None = None):
+        self.llm = llm
+        self.settings = settings
+        self.out = output
+        self.conv = Conversation(system=system or None)
+        self.threads = threads
+        self.model_label = model_label
+        self.last_stats = None
+        self.n_answers = 0            # answers made (also advances a fixed seed so /retry differs)
+        self.total_generated = 0
+        self.total_decode_s = 0.0
+        self.tokens_in_cache = 0      # prompt + generated tokens of the last call (what the KV holds)
+        self.n_dropped = 0            # turns that left the window for lack of room
+        self.had_errors = False       # a command or turn failed (the plain loop's exit code)
+
+    # ---- engine adapters -----------------------------------------------------------------------
+    def sampling_params(self):
+        from engine.api import SamplingParams
+
+        s = self.settings
+        seed = None if s.seed is None else s.seed + self.n_answers
+        return SamplingParams(temperature=s.temp, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p,
+                              repeat_penalty=s.repeat_penalty, seed=seed)
+
+    def count_tokens(self, messages: list[dict], generation_prompt: bool = True) -> int:
+        return len(self.llm.chat_prompt(messages, add_generation_prompt=generation_prompt))
+
+    # ---- context window ------------------------------------------------------------------------
+    def _reserve(self) -> int:
+        """Room kept free for the answer when deciding whether the prompt fits."""
+        return max(1, min(self.settings.max_tokens, self.llm.n_ctx // 2))
+
+    def _fit(self, generation_prompt: bool = True) -> list[int] | None:
+        """Trim the window so prompt + answer room fit n_ctx; the prompt ids, or None when even the
+        newest message alone cannot fit (then that turn is removed and the user is told)."""
+        n_ctx = self.llm.n_ctx
+        budget = n_ctx - self._reserve()
+        dropped = self.conv.fit_window(lambda m: self.count_tokens(m, generation_prompt), budget,
+                                       target=budget - n_ctx // 4)
+        if dropped:
+            self.n_dropped += dropped
+            self.out.notice(f"[context window full ({n_ctx} tokens): dropped the {dropped} oldest "
+                            f"turn{'s' if dropped > 1 else ''} from the model's view; the system prompt "
+                            "is kept and /save still has everything]")
+        ids = self.llm.chat_prompt(self.conv.messages(), add_generation_prompt=generation_prompt)
+        if len(ids) >= n_ctx:
+            return None
+        return ids
+
+    # ---- one answer ----------------------------------------------------------------------------
+    def ask(self, text: str) -> None:
+        turn = self.conv.add_user(text)
+        self._answer(turn)
+
+    def retry(self) -> None:
+        turn = self.conv.last_turn()
+        if turn is None:
+            raise CommandError("/retry: nothing to retry yet; ask something first")
+        turn.assistant = None
+        turn.interrupted = False
+        turn.finish_reason = None
+        self._answer(turn)
+
+    def _answer(self, turn) -> None:
+        from engine.errors import BitNetError, ContextOverflowError
+
+        ids = self._fit()
+        if ids is None:
+            n = self.count_tokens(self.conv.messages())
+            self.conv.drop_last_turn()
+            self.out.notice(f"[message not sent: it needs {n} tokens but the context window is "
+                            f"{self.llm.n_ctx}; shorten it or start bitchat with a larger -c]")
+            return
+        max_tokens = max(1, min(self.settings.max_tokens, self.llm.n_ctx - len(ids)))
+        params = self.sampling_params()
+        pieces: list[str] = []
+        stats = None
+        n_tokens = 0
+        t0 = time.perf_counter()
+        t_first = None
+        interrupted = False
+        gen = None
+        try:
+            with sigint_as_flag() as flag:
+                gen = self.llm.generate(ids, params, max_tokens=max_tokens)
+                try:
+                    for chunk in gen:
+                        if chunk.token is not None:
+                            n_tokens += 1
+                            if t_first is None:
+                                t_first = time.perf_counter()
+                        if chunk.text:
+                            pieces.append(chunk.text)
+                            self.out.stream(chunk.text)
+                        if chunk.stats is not None:
+                            stats = chunk.stats
+                        if flag.hit:
+                            interrupted = True
+                            break
+                except KeyboardInterrupt:
+                    interrupted = True
+                finally:
+                    gen.close()
+                if flag.hit:
+                    interrupted = True
+        except KeyboardInterrupt:   # a Ctrl-C that landed outside the loop (e.g. in close)
+            interrupted = True
+        except BitNetError as e:   # ContextOverflowError included: one line, the session goes on
+            self.out.end_answer()
+            if pieces:
+                turn.assistant, turn.interrupted, turn.finish_reason = "".join(pieces), True, "error"
+            else:
+                self.conv.drop_last_turn()
+            kind = "context overflow" if isinstance(e, ContextOverflowError) else "error"
+            self.out.notice(f"[{kind}: {e}]")
+            return
+        t_end = time.perf_counter()
+        self.out.end_answer()
+        turn.assistant = "".join(pieces)
+        self.n_answers += 1
+        if interrupted or stats is None:
+            decode_s = (t_end - t_first) if t_first else 0.0
+            stats = LocalStats(n_prompt=len(ids), n_cached=None, n_generated=n_tokens,
+                               ttft_s=(t_first - t0) if t_first else None,
+                               decode_tps=((n_tokens - 1) / decode_s) if n_tokens > 1 and decode_s > 0 else None,
+                               finish_reason="interrupted" if interrupted else "unknown")
+        turn.interrupted = interrupted
+        turn.finish_reason = "interrupted" if interrupted else getattr(stats, "finish_reason", None)
+        self.last_stats = stats
+        self.total_generated += n_tokens
+        if stats.decode_tps and n_tokens > 1:
+            self.total_decode_s += (n_tokens - 1) / stats.decode_tps
+        self.tokens_in_cache = len(ids) + n_tokens
+        if interrupted:
+            self.out.notice("[interrupted: the answer so far is kept]")
+        elif turn.finish_reason == "context":
+            self.out.notice("[the context window is full; the oldest turns will be dropped next turn]")
+        self.out.dim(format_stats(stats, n_tokens))
+
+    # ---- loading a saved conversation ----------------------------------------------------------
+    def prefill_conversation(self) -> None:
+        """Feed the whole window to the model now so the next turn starts fast (re-prefill)."""
+        if not self.conv.turns and not self.conv.system:
+            return
+        ids = self._fit(generation_prompt=False)
+        if ids is None or not ids:
+            return
+        t0 = time.perf_counter()
+        interrupted = False
+        with sigint_as_flag() as flag:
+            try:
+                _prefill(self.llm, ids, self.sampling_params())
+            except KeyboardInterrupt:
+                interrupted = True
+            interrupted = interrupted or flag.hit
+        dt = time.perf_counter() - t0
+        self.tokens_in_cache = len(ids)
+        if interrupted:
+            self.out.notice("[prefill interrupted; it will finish with the next question]")
+        else:
+            self.out.dim(f"[prefilled {len(ids)} tokens in {dt:.2f} s]")
+
+    # ---- slash commands ------------------------------------------------------------------------
+    def run_command(self, cmd: Command) -> None:
+        """Carry out a parsed command; raises CommandError (one-line hint) or ExitChat."""
+        name, arg = cmd.name, cmd.arg
+        if name == "/bye":
+            raise ExitChat
+        if name == "/help":
+            self.out.info(help_text())
+        elif name == "/reset":
+            self.conv.reset()
+            self.out.info("[conversation cleared]")
+        elif name == "/system":
+            if not arg:
+                self.out.info(f"system prompt: {self.conv.system!r}" if self.conv.system else "no system prompt")
+            elif arg == "--clear":
+                self.conv.system = None
+                self.out.info("[system prompt cleared]")
+            else:
+                self.conv.system = arg
+                self.out.info("[system prompt set]")
+        elif name == "/set":
+            if not arg:
+                self.out.info(self.settings.describe())
+            else:
+                key, text = arg.split()
+                key, value = parse_setting(key, text, max_tokens_limit=self.llm.n_ctx)
+                setattr(self.settings, key, value)
+                self.out.info(f"[{key} = {'random' if value is None else value}]")
+        elif name == "/show":
+            self.out.info(self.describe_model())
+        elif name == "/stats":
+            self.out.info(self.describe_stats())
+        elif name == "/save":
+            try:
+                path = self.conv.save(arg, meta={"model": self.llm.name, "settings": vars(self.settings).copy()})
+            except TranscriptError as e:
+                raise CommandError(f"/save: {e}") from None
+            self.out.info(f"[saved {len(self.conv.turns)} turns to {path}]")
+        elif name == "/load":
+            try:
+                conv = Conversation.load(arg)
+            except TranscriptError as e:
+                raise CommandError(f"/load: {e}") from None
+            self.conv = conv
+            self.out.info(f"[loaded {len(conv.turns)} turns from {arg}]")
+            self.prefill_conversation()
+        elif name == "/retry":
+            self.retry()
+
+    def describe_model(self) -> str:
+        llm, c = self.llm, self.llm.config
+        lines = [
+            f"model:    {llm.name}" + (f"  ({self.model_label})" if self.model_label and self.model_label != llm.name else ""),
+            f"shape:    {c.n_layers} layers, hidden {c.hidden_size}, ffn {c.intermediate_size}, "
+            f"{c.n_heads} heads ({c.n_kv_heads} kv, dim {c.head_dim}), vocab {c.vocab_size}, {c.hidden_act}",
+            f"context:  {llm.n_ctx} tokens (model max {c.context_length}); in use {self.tokens_in_cache}",
+            f"threads:  {self.threads if self.threads else 'auto'}",
+            f"sampling: {self.settings.describe()}",
+            f"system:   {self.conv.system!r}" if self.conv.system else "system:   (none)",
+        ]
+        return "\n".join(lines)
+
+    def describe_stats(self) -> str:
+        s = self.last_stats
+        lines = []
+        if s is None:
+            lines.append("last answer: none yet")
+        else:
+            ttft = f"{s.ttft_s * 1000:.0f} ms" if s.ttft_s is not None else "-"
+            cached = "-" if s.n_cached is None else str(s.n_cached)
+            pre = f", prefill {s.prefill_tps:.1f} tok/s" if getattr(s, "prefill_tps", None) else ""
+            dec = f"{s.decode_tps:.1f} tok/s" if s.decode_tps else "-"
+            lines.append(f"last answer: {s.n_generated} tokens ({s.finish_reason}), prompt {s.n_prompt} "
+                         f"tokens ({cached} reused from cache), first token {ttft}{pre}, decode {dec}")
+        mean = f"{(self.total_generated - self.n_answers) / self.total_decode_s:.1f} tok/s" if self.total_decode_s > 0 else "-"
+        lines.append(f"session:     {len(self.conv.turns)} turns ({len(self.conv.window_turns())} in the window, "
+                     f"{self.n_dropped} dropped), {self.total_generated} tokens generated, mean decode {mean}")
+        lines.append(f"context:     {self.tokens_in_cache} / {self.llm.n_ctx} tokens")
+        return "\n".join(lines)
+
+
+def _prefill(llm, ids: list[int], params) -> None:
+    """Put `ids` in the KV cache without keeping any generated token.
+
+    Asks generate() for max_tokens=0 (see the REQUEST (chat) line in engine/INTERFACES.md); an
+    engine that refuses 0 gets max_tokens=1 and the one sampled token is simply never reused
+    (the next prompt shares every id but that one, so only it is recomputed)."""
+    try:
+        gen = llm.generate(ids, params, max_tokens=0)
+        for _ in gen:
+            pass
+        return
+    except (ValueError, TypeError):
+        pass
+    gen = llm.generate(ids, params, max_tokens=1)
+    try:
+        for _ in gen:
+            pass
+    finally:
+        gen.close()

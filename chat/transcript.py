@@ -1,0 +1,191 @@
+"""The conversation: system prompt + turns, the window the model sees, and atomic JSON save/load.
+
+A transcript is never lost: when the context window fills, the oldest turns leave the *window*
+(what is rendered into the prompt) but stay in the conversation, so `/save` still writes them all.
+Pure logic, no engine and no terminal: unit-tested directly.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from typing import Callable
+
+FORMAT = "bitchat-conversation"
+FORMAT_VERSION = 1
+
+
+class TranscriptError(Exception):
+    """A conversation file cannot be read or written (message names the file and the problem)."""
+
+
+@dataclass
+class Turn:
+    user: str
+    assistant: str | None = None     # None while the answer is being made (or was never made)
+    interrupted: bool = False        # Ctrl-C stopped the answer; what was shown is kept
+    finish_reason: str | None = None  # "eos" | "stop" | "length" | "context" | "interrupted"
+
+    def to_dict(self) -> dict:
+        d = {"user": self.user, "assistant": self.assistant}
+        if self.interrupted:
+            d["interrupted"] = True
+        if self.finish_reason:
+            d["finish_reason"] = self.finish_reason
+        return d
+
+
+@dataclass
+class Conversation:
+    system: str | None = None
+    turns: list[Turn] = field(default_factory=list)
+    window_start: int = 0            # index of the oldest turn still rendered into the prompt
+
+    # ---- editing -------------------------------------------------------------------------------
+    def add_user(self, text: str) -> Turn:
+        turn = Turn(user=text)
+        self.turns.append(turn)
+        return turn
+
+    def reset(self) -> None:
+        """Forget every turn (the system prompt stays)."""
+        self.turns.clear()
+        self.window_start = 0
+
+    def last_turn(self) -> Turn | None:
+        return self.turns[-1] if self.turns else None
+
+    def drop_last_turn(self) -> None:
+        if self.turns:
+            self.turns.pop()
+        self.window_start = min(self.window_start, len(self.turns))
+
+    # ---- what the model sees -------------------------------------------------------------------
+    def window_turns(self) -> list[Turn]:
+        return self.turns[self.window_start:]
+
+    def messages(self, start: int | None = None) -> list[dict]:
+        """Chat messages (role/content) of the window, ready for llm.chat_prompt."""
+        start = self.window_start if start is None else start
+        msgs = []
+        if self.system:
+            msgs.append({"role": "system", "content": self.system})
+        for t in self.turns[start:]:
+            msgs.append({"role": "user", "content": t.user})
+            if t.assistant is not None:
+                msgs.append({"role": "assistant", "content": t.assistant})
+        return msgs
+
+    def fit_window(self, count_tokens: Callable[[list[dict]], int], budget: int, target: int | None = None) -> int:
+        """Move the window start forward (dropping oldest turns, never the system prompt nor the
+        newest turn) until `count_tokens(messages) <= budget`. Once trimming is needed it trims
+        down to `target` (<= budget) so the next few turns do not each trigger a new trim (every
+        trim changes the prompt prefix and costs a full re-prefill). Returns how many turns left
+        the window; raises nothing: the caller checks whether the newest turn alone fits.
+        """
+        if count_tokens(self.messages()) <= budget:
+            return 0
+        goal = budget if target is None else min(target, budget)
+        dropped = 0
+        last = len(self.turns) - 1
+        while self.window_start < last:
+            self.window_start += 1
+            dropped += 1
+            if count_tokens(self.messages()) <= goal:
+                break
+        return dropped
+
+    # ---- JSON ----------------------------------------------------------------------------------
+    def to_dict(self, meta: dict | None = None) -> dict:
+        d = {
+            "format": FORMAT,
+            "version": FORMAT_VERSION,
+            "system": self.system,
+            "turns": [t.to_dict() for t in self.turns],
+            "window_start": self.window_start,
+        }
+        if meta:
+            d["meta"] = meta
+        return d
+
+    @classmethod
+    def from_dict(cls, d, where: str = "conversation") -> "Conversation":
+        if not isinstance(d, dict):
+            raise TranscriptError(f"{where}: expected a JSON object, got {type(d).__name__}")
+        if d.get("format", FORMAT) != FORMAT:
+            raise TranscriptError(f"{where}: not a bitchat conversation (format={d.get('format')!r})")
+        version = d.get("version", FORMAT_VERSION)
+        if not isinstance(version, int) or version > FORMAT_VERSION:
+            raise TranscriptError(f"{where}: conversation format version {version!r} is newer than this bitchat")
+        system = d.get("system")
+        if system is not None and not isinstance(system, str):
+            raise TranscriptError(f"{where}: 'system' must be a string or null")
+        raw_turns = d.get("turns", [])
+        if not isinstance(raw_turns, list):
+            raise TranscriptError(f"{where}: 'turns' must be a list")
+        turns = []
+        for i, t in enumerate(raw_turns):
+            if not isinstance(t, dict) or not isinstance(t.get("user"), str):
+                raise TranscriptError(f"{where}: turn {i} needs a string 'user'")
+            answer = t.get("assistant")
+            if answer is not None and not isinstance(answer, str):
+                raise TranscriptError(f"{where}: turn {i}: 'assistant' must be a string or null")
+            turns.append(Turn(user=t["user"], assistant=answer, interrupted=bool(t.get("interrupted", False)),
+                              finish_reason=t.get("finish_reason") if isinstance(t.get("finish_reason"), str) else None))
+        start = d.get("window_start", 0)
+        if not isinstance(start, int) or not 0 <= start <= len(turns):
+            start = 0
+        return cls(system=system or None, turns=turns, window_start=start)
+
+    def save(self, path: str, meta: dict | None = None) -> str:
+        """Write atomically: temp file in the same directory, fsync, rename, fsync the directory.
+        A crash at any point leaves either the old file or the new one, never half of one."""
+        path = os.path.abspath(os.path.expanduser(path))
+        directory = os.path.dirname(path)
+        if os.path.isdir(path):
+            raise TranscriptError(f"{path}: is a directory")
+        if not os.path.isdir(directory):
+            raise TranscriptError(f"{path}: directory {directory} does not exist")
+        data = json.dumps(self.to_dict(meta), ensure_ascii=False, indent=1) + "\n"
+        try:
+            fd, tmp = tempfile.mkstemp(prefix=".bitchat-", suffix=".tmp", dir=directory)
+        except OSError as e:
+            raise TranscriptError(f"{path}: cannot write here ({e.strerror})") from None
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except OSError as e:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise TranscriptError(f"{path}: write failed ({e.strerror})") from None
+        try:  # make the rename itself durable
+            dfd = os.open(directory, os.O_RDONLY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+        except OSError:
+            pass
+        return path
+
+    @classmethod
+    def load(cls, path: str) -> "Conversation":
+        path = os.path.expanduser(path)
+        try:
+            with open(path, encoding="utf-8") as f:
+                d = json.load(f)
+        except FileNotFoundError:
+            raise TranscriptError(f"{path}: no such file") from None
+        except IsADirectoryError:
+            raise TranscriptError(f"{path}: is a directory") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise TranscriptError(f"{path}: cannot read ({getattr(e, 'strerror', None) or e})") from None
+        except json.JSONDecodeError as e:
+            raise TranscriptError(f"{path}: not valid JSON (line {e.lineno}: {e.msg})") from None
+        return cls.from_dict(d, where=path)

@@ -1,0 +1,282 @@
+"""bitchat's pure logic: transcript model + window trimming + atomic save/load, slash command parsing
+and validation, multi-line blocks, completion, stats rendering. No engine, no terminal."""
+import io
+import json
+import os
+import stat
+
+import pytest
+
+from chat.commands import (CommandError, Settings, completions, help_text, is_command, open_block,
+                           parse_command, parse_setting, strip_block)
+from chat.render import Output, format_stats
+from chat.transcript import Conversation, TranscriptError, Turn
+
+
+def words(messages):
+    """A token counter for trimming tests: one token per whitespace word plus 3 per message."""
+    return sum(len(m["content"].split()) + 3 for m in messages)
+
+
+def make_conv(n_turns, system="be brief"):
+    c = Conversation(system=system)
+    for i in range(n_turns):
+        t = c.add_user(f"question {i} " + "w " * 10)
+        t.assistant = f"answer {i} " + "w " * 10
+    return c
+
+
+# ---- transcript -------------------------------------------------------------------------------
+
+def test_messages_roles_and_system_first():
+    c = make_conv(2)
+    c.add_user("pending")
+    msgs = c.messages()
+    assert [m["role"] for m in msgs] == ["system", "user", "assistant", "user", "assistant", "user"]
+    assert msgs[0]["content"] == "be brief" and msgs[-1]["content"] == "pending"
+    assert [m["role"] for m in Conversation().messages()] == []
+
+
+def test_fit_window_keeps_everything_when_it_fits():
+    c = make_conv(3)
+    assert c.fit_window(words, budget=10_000) == 0
+    assert c.window_start == 0
+
+
+def test_fit_window_drops_oldest_keeps_system_and_newest():
+    c = make_conv(6)
+    c.add_user("newest question")
+    total = words(c.messages())
+    dropped = c.fit_window(words, budget=total - 1)
+    assert dropped >= 1
+    msgs = c.messages()
+    assert msgs[0] == {"role": "system", "content": "be brief"}
+    assert msgs[-1]["content"] == "newest question"
+    assert words(msgs) <= total - 1
+    # the oldest turns left the window, not the transcript
+    assert len(c.turns) == 7 and c.turns[0].user.startswith("question 0")
+    assert msgs[1]["content"].startswith(f"question {dropped}")
+
+
+def test_fit_window_trims_down_to_target_for_hysteresis():
+    c = make_conv(8)
+    total = words(c.messages())
+    one_turn = 2 * (12 + 3)
+    dropped = c.fit_window(words, budget=total - 1, target=total - 3 * one_turn)
+    assert dropped == 3
+    assert words(c.messages()) <= total - 3 * one_turn
+
+
+def test_fit_window_never_drops_the_newest_turn():
+    c = make_conv(3)
+    c.add_user("x " * 500)
+    c.fit_window(words, budget=50)
+    assert c.window_turns() == [c.turns[-1]]
+    assert words(c.messages()) > 50   # caller sees it still does not fit and refuses the message
+
+
+def test_reset_and_drop_last_turn():
+    c = make_conv(3)
+    c.window_start = 3
+    c.drop_last_turn()
+    assert len(c.turns) == 2 and c.window_start == 2
+    c.reset()
+    assert c.turns == [] and c.window_start == 0 and c.system == "be brief"
+
+
+def test_save_load_round_trip(tmp_path):
+    c = make_conv(3, system="sys ü ✓")
+    c.turns[1].interrupted = True
+    c.turns[1].finish_reason = "interrupted"
+    c.add_user("unanswered")
+    c.window_start = 1
+    path = c.save(str(tmp_path / "conv.json"), meta={"model": "m"})
+    back = Conversation.load(path)
+    assert back.system == c.system
+    assert back.turns == c.turns
+    assert back.window_start == 1
+    assert json.loads(open(path, encoding="utf-8").read())["meta"] == {"model": "m"}
+
+
+def test_save_is_atomic_and_leaves_no_temp_files(tmp_path):
+    target = tmp_path / "conv.json"
+    target.write_text("old content")
+    make_conv(2).save(str(target))
+    assert json.loads(target.read_text())["format"] == "bitchat-conversation"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["conv.json"]
+
+
+def test_failed_save_keeps_the_old_file(tmp_path):
+    if os.geteuid() == 0:
+        pytest.skip("root ignores directory permissions, so the write cannot be made to fail this way")
+    target = tmp_path / "conv.json"
+    target.write_text("old content")
+    tmp_path.chmod(stat.S_IRUSR | stat.S_IXUSR)
+    try:
+        with pytest.raises(TranscriptError, match="conv.json"):
+            make_conv(2).save(str(target))
+    finally:
+        tmp_path.chmod(stat.S_IRWXU)
+    assert target.read_text() == "old content"
+
+
+def test_save_errors_name_the_file(tmp_path):
+    with pytest.raises(TranscriptError, match="does not exist"):
+        make_conv(1).save(str(tmp_path / "nodir" / "c.json"))
+    with pytest.raises(TranscriptError, match="is a directory"):
+        make_conv(1).save(str(tmp_path))
+
+
+@pytest.mark.parametrize("content, message", [
+    ("{not json", "not valid JSON"),
+    ("[1, 2]", "expected a JSON object"),
+    ('{"format": "other"}', "not a bitchat conversation"),
+    ('{"turns": [{"assistant": "a"}]}', "turn 0 needs a string 'user'"),
+    ('{"turns": "x"}', "'turns' must be a list"),
+    ('{"system": 3}', "'system' must be a string"),
+    ('{"version": 99}', "newer"),
+])
+def test_load_rejects_bad_files_with_one_line(tmp_path, content, message):
+    p = tmp_path / "bad.json"
+    p.write_text(content)
+    with pytest.raises(TranscriptError) as e:
+        Conversation.load(str(p))
+    assert message in str(e.value) and str(p) in str(e.value) and "\n" not in str(e.value)
+
+
+def test_load_missing_file(tmp_path):
+    with pytest.raises(TranscriptError, match="no such file"):
+        Conversation.load(str(tmp_path / "missing.json"))
+
+
+def test_load_clamps_a_bad_window_start(tmp_path):
+    p = tmp_path / "c.json"
+    p.write_text(json.dumps({"turns": [{"user": "a", "assistant": "b"}], "window_start": 7}))
+    assert Conversation.load(str(p)).window_start == 0
+
+
+# ---- commands ---------------------------------------------------------------------------------
+
+def test_is_command():
+    assert is_command("/help") and is_command("  /set temp 1") and is_command("/?")
+    assert not is_command("hello /help") and not is_command("/") and not is_command("/ 2 is a slash")
+    assert not is_command("")
+
+
+@pytest.mark.parametrize("line, name, arg", [
+    ("/help", "/help", ""), ("/HELP", "/help", ""), ("/quit", "/bye", ""), ("/exit", "/bye", ""),
+    ("/system  You are terse.  ", "/system", "You are terse."), ("/set temp 0.2", "/set", "temp 0.2"),
+    ("/set", "/set", ""), ("/save a b.json", "/save", "a b.json"), ("/retry", "/retry", ""),
+])
+def test_parse_command_ok(line, name, arg):
+    cmd = parse_command(line)
+    assert (cmd.name, cmd.arg) == (name, arg)
+
+
+@pytest.mark.parametrize("line, fragment", [
+    ("/frobnicate", "unknown command /frobnicate"),
+    ("/sav x", "did you mean /save"),
+    ("/save", "needs a file name"),
+    ("/load   ", "needs a file name"),
+    ("/reset now", "takes no argument"),
+    ("/set temp", "needs NAME VALUE"),
+    ("/set temp 1 2", "needs NAME VALUE"),
+])
+def test_parse_command_errors_are_one_line_hints(line, fragment):
+    with pytest.raises(CommandError) as e:
+        parse_command(line)
+    assert fragment in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("name, text, key, value", [
+    ("temp", "0", "temp", 0.0), ("temperature", "1.5", "temp", 1.5), ("top_k", "0", "top_k", 0),
+    ("top-p", "1", "top_p", 1.0), ("min_p", "0.1", "min_p", 0.1), ("seed", "42", "seed", 42),
+    ("seed", "random", "seed", None), ("max_tokens", "16", "max_tokens", 16),
+    ("repeat_penalty", "1.1", "repeat_penalty", 1.1), ("TOP_K", "5", "top_k", 5),
+])
+def test_parse_setting_ok(name, text, key, value):
+    assert parse_setting(name, text) == (key, value)
+
+
+@pytest.mark.parametrize("name, text, fragment", [
+    ("temp", "hot", "not a number"), ("temp", "-1", ">= 0"), ("temp", "nan", "finite"),
+    ("top_k", "2.5", "not an integer"), ("top_k", "-3", ">= 0"), ("top_p", "0", "(0, 1]"),
+    ("top_p", "1.5", "(0, 1]"), ("min_p", "2", "[0, 1]"), ("seed", "-5", ">= 0"),
+    ("max_tokens", "0", ">= 1"), ("repeat_penalty", "0", "> 0"), ("colour", "red", "unknown setting"),
+])
+def test_parse_setting_rejects(name, text, fragment):
+    with pytest.raises(CommandError) as e:
+        parse_setting(name, text)
+    assert fragment in str(e.value)
+
+
+def test_max_tokens_limited_by_context():
+    with pytest.raises(CommandError, match="<= 128"):
+        parse_setting("max_tokens", "129", max_tokens_limit=128)
+    assert parse_setting("max_tokens", "128", max_tokens_limit=128) == ("max_tokens", 128)
+
+
+def test_settings_describe_lists_every_setting():
+    text = Settings(seed=3).describe()
+    for name in ("temp", "top_k", "top_p", "min_p", "repeat_penalty", "seed=3", "max_tokens"):
+        assert name in text
+
+
+def test_help_lists_every_command():
+    text = help_text()
+    for name in ("/help", "/reset", "/system", "/set", "/show", "/save", "/load", "/retry", "/stats", "/bye"):
+        assert name in text
+
+
+def test_completions():
+    assert completions("/s") == ["/system", "/set", "/show", "/save", "/stats"]
+    assert completions("/re") == ["/reset", "/retry"]
+    assert completions("/set t") == ["temp", "top_k", "top_p"]
+    assert completions("/set temp 0") == []
+    assert completions("hello") == []
+
+
+def test_multiline_blocks():
+    assert open_block('"""') and open_block('"""first line\nsecond')
+    assert not open_block('"""one"""') and not open_block('"""a\nb\n"""') and not open_block("plain")
+    assert strip_block('"""\nline one\nline two\n"""') == "line one\nline two"
+    assert strip_block('"""inline"""') == "inline"
+    assert strip_block("  plain  ") == "plain"
+
+
+# ---- rendering --------------------------------------------------------------------------------
+
+class _Stats:
+    n_prompt, n_cached, n_generated = 40, 30, 12
+    ttft_s, decode_tps, finish_reason = 0.0123, 45.67, "length"
+
+
+def test_format_stats():
+    line = format_stats(_Stats())
+    assert line.startswith("[12 tokens") and "first token 12 ms" in line and "45.7 tok/s" in line
+    assert "prefill 10 new of 40" in line and "max_tokens" in line
+    assert format_stats(None, 3) == "[3 tokens]"
+
+
+def test_output_plain_when_not_a_terminal():
+    out, err = io.StringIO(), io.StringIO()
+    o = Output(out, err, interactive=False)
+    o.stream("Hello")
+    o.stream(" world")
+    o.dim("[2 tokens]")
+    o.notice("[hint]")
+    assert out.getvalue() == "Hello world\n"        # answers only, newline-terminated
+    assert err.getvalue() == "[2 tokens]\n[hint]\n"  # no escape codes
+    assert "\x1b" not in out.getvalue() + err.getvalue()
+
+
+def test_output_dim_on_a_terminal(monkeypatch):
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    out = io.StringIO()
+    o = Output(out, io.StringIO(), interactive=True)
+    o.dim("[stats]")
+    assert out.getvalue() == "\x1b[2m[stats]\x1b[0m\n"
+    monkeypatch.setenv("NO_COLOR", "1")
+    out2 = io.StringIO()
+    Output(out2, io.StringIO(), interactive=True).dim("[stats]")
+    assert out2.getvalue() == "[stats]\n"
