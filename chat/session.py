@@ -154,6 +154,9 @@ class ChatSession:
                 gen = self.llm.generate(ids, params, max_tokens=max_tokens)
                 try:
                     for chunk in gen:
+                        if flag.hit:   # stop before showing more than the user saw when pressing Ctrl-C
+                            interrupted = True
+                            break
                         if chunk.token is not None:
                             n_tokens += 1
                             if t_first is None:
@@ -163,9 +166,6 @@ class ChatSession:
                             self.out.stream(chunk.text)
                         if chunk.stats is not None:
                             stats = chunk.stats
-                        if flag.hit:
-                            interrupted = True
-                            break
                 except KeyboardInterrupt:
                     interrupted = True
                 finally:
