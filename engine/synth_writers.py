@@ -46,6 +46,12 @@ def tq2_pack(w_t: np.ndarray, scale: float) -> np.ndarray:
     return np.concatenate([qs.reshape(-1, 64), d], axis=1).reshape(w_t.shape[0], -1)
 
 
+def embed_chunked(m, convert: Callable[[np.ndarray], np.ndarray], rows: int = 8192) -> np.ndarray:
+    """The embedding converted chunk by chunk (never the whole f32 matrix in memory)."""
+    parts = [np.ascontiguousarray(convert(m.embed(slice(s, s + rows)))) for s in range(0, m.V, rows)]
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # safetensors (streaming)
 def write_safetensors(path: str, specs: list[tuple[str, str, list[int], Callable[[], np.ndarray]]]):
@@ -86,10 +92,9 @@ def write_hf_dir(m, out_dir: str, *, form: str = "packed", linear_class: str = "
     ftag = "F16" if onebit else "BF16"
     etag = {"bf16": "BF16", "f32": "F32", "f16": "F16"}[embed_dtype]
     specs: list = []
-    chunks = range(0, m.V, 8192)
 
     def embed_maker():
-        return np.concatenate([_float_tag(m.embed(slice(s, s + 8192)), etag) for s in chunks])
+        return embed_chunked(m, lambda e: _float_tag(e, etag))
 
     specs.append(("model.embed_tokens.weight", etag, [m.V, m.D], embed_maker))
     for i in range(m.L):
@@ -215,11 +220,11 @@ def write_gguf_tq(m, path: str, qtype: str = "TQ2_0", *, embed_type: str = "F16"
             if et in (gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.F32):
                 dt = np.float16 if et == gguf.GGMLQuantizationType.F16 else np.float32
                 plan.append((name, shape, np.dtype(dt), m.V * m.D * np.dtype(dt).itemsize, None,
-                             lambda dt=dt: m.embed().astype(dt)))
+                             lambda dt=dt: embed_chunked(m, lambda e: e.astype(dt))))
             else:
                 bs, ts = gguf.GGML_QUANT_SIZES[et]
                 plan.append((name, [m.V, m.D // bs * ts], np.dtype(np.uint8), m.V * m.D // bs * ts, et,
-                             lambda: gguf.quants.quantize(m.embed(), et)))
+                             lambda: embed_chunked(m, lambda e: gguf.quants.quantize(e, et))))
         elif what.startswith("norm:"):
             hf = what[5:]
             n = m.norm(hf).size
@@ -344,8 +349,7 @@ def write_gguf_i2s(m, path: str, *, arch: str = "bitnet-b1.58", pre: str | None 
     for name, what in _gguf_tensor_order(m):
         if what == "embed":
             w.add_tensor_info(name, [m.V, m.D], 1, m.V * m.D * 2)
-            makers.append(lambda: b"".join(m.embed(slice(s, s + 8192)).astype(np.float16).tobytes()
-                                           for s in range(0, m.V, 8192)))
+            makers.append(lambda: embed_chunked(m, lambda e: e.astype(np.float16)))
         elif what.startswith("norm:"):
             hf = what[5:]
             w.add_tensor_info(name, [m.norm(hf).size], 0, m.norm(hf).size * 4)
