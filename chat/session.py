@@ -137,6 +137,7 @@ class ChatSession:
         if ids is None:
             n = self.count_tokens(self.conv.messages())
             self.conv.drop_last_turn()
+            self.had_errors = True
             self.out.notice(f"[message not sent: it needs {n} tokens but the context window is "
                             f"{self.llm.n_ctx}; shorten it or start bitchat with a larger -c]")
             return
@@ -180,6 +181,7 @@ class ChatSession:
                 turn.assistant, turn.interrupted, turn.finish_reason = "".join(pieces), True, "error"
             else:
                 self.conv.drop_last_turn()
+            self.had_errors = True
             kind = "context overflow" if isinstance(e, ContextOverflowError) else "error"
             self.out.notice(f"[{kind}: {e}]")
             return

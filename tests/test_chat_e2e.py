@@ -1,0 +1,308 @@
+'''bitchat end to end: the real `bitchat` program driven through a pseudo-terminal (pexpect) and
+through a pipe, on a real model (the bundled default if there is one, else a small synthetic model
+converted by engine.convert). Timeouts are generous and answers short: the CI machine is a loaded
+2-core box.
+'''
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+pexpect = pytest.importorskip("pexpect", reason="pexpect drives the terminal tests (pip install pexpect)")
+
+TIMEOUT = 180
+# prompt_toolkit enables bracketed paste when a prompt starts and disables it when the input is
+# accepted: these two markers tell a fresh prompt from a re-render of the line being typed.
+PROMPT_RE = re.compile(r"\x1b\[\?2004h[^>]*>>>")
+ACCEPTED = "\x1b[?2004l"
+STATS_RE = re.compile(r"\[(\d+) tokens(?:, first token (\d+) ms)?[^\]\r\n]*\]")
+ANSI_RE = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+
+def bitchat_command() -> list[str]:
+    """The installed console script next to this interpreter, else `python -m chat`."""
+    here = os.path.join(os.path.dirname(sys.executable), "bitchat")
+    if os.path.exists(here):
+        return [here]
+    found = shutil.which("bitchat")
+    return [found] if found else [sys.executable, "-m", "chat"]
+
+
+@pytest.fixture(scope="session")
+def chat_model(tmp_path_factory):
+    """Path of the model the chat tests talk to."""
+    from engine.convert import convert, resolve_model
+    from engine.errors import BitNetError
+
+    try:
+        return resolve_model(None, progress=False)
+    except (BitNetError, OSError):
+        pass
+    from engine.synth import SynthModel, small_config, write_hf_dir
+
+    synth = SynthModel(small_config(max_position_embeddings=2048), seed=11)
+    d = tmp_path_factory.mktemp("chat_model")
+    src = write_hf_dir(synth, str(d / "hf"))
+    return convert(src, str(d / "chat.bnstore"), progress=False)
+
+
+def test_env(tmp_path) -> dict:
+    env = dict(os.environ)
+    env.update(TERM="xterm-256color", PROMPT_TOOLKIT_NO_CPR="1", NO_COLOR="1",
+               BITCHAT_HISTORY=str(tmp_path / "history"), PYTHONUNBUFFERED="1")
+    env.pop("BITCHAT_DEBUG", None)
+    return env
+
+
+test_env.__test__ = False  # a helper, not a test
+
+
+class Chat:
+    """A bitchat process in a pseudo-terminal."""
+
+    def __init__(self, model, tmp_path, *extra):
+        cmd = bitchat_command()
+        args = cmd[1:] + ["-m", model, "-t", "1", "--seed", "1", "-n", "8", *extra]
+        self.child = pexpect.spawn(cmd[0], args, env=test_env(tmp_path), encoding="utf-8",
+                                   timeout=TIMEOUT, dimensions=(50, 220))
+        self.log = []
+        self.wait_prompt()
+
+    def expect(self, pattern):
+        try:
+            i = self.child.expect(pattern)
+        except (pexpect.TIMEOUT, pexpect.EOF):
+            raise AssertionError(f"bitchat never printed {pattern!r}; last output:\n{self.child.before[-2000:]!r}")
+        self.log.append(self.child.before + (self.child.after if isinstance(self.child.after, str) else ""))
+        return i
+
+    def wait_prompt(self):
+        self.expect(PROMPT_RE)
+
+    def enter(self, text):
+        """Type a line and press Enter; returns once bitchat has accepted it."""
+        self.child.send(text)
+        self.child.send("\r")
+        self.expect(re.escape(ACCEPTED))
+
+    def ask(self, text):
+        """Ask a question; returns (answer as shown, number of tokens, ttft ms)."""
+        self.enter(text)
+        self.expect(STATS_RE)
+        shown = self.child.before
+        n, ttft = int(self.child.match.group(1)), self.child.match.group(2)
+        self.wait_prompt()
+        return shown, n, ttft
+
+    def command(self, text, expected):
+        self.enter(text)
+        self.expect(expected)
+        out = self.child.before + self.child.after
+        self.wait_prompt()
+        return out
+
+    def finish(self, how="/bye"):
+        if how == "/bye":
+            self.enter("/bye")
+        else:
+            self.child.send(how)
+        self.expect(pexpect.EOF)
+        self.child.close()
+        return self.child.exitstatus
+
+
+def plain(text: str) -> str:
+    return " ".join(ANSI_RE.sub("", text).split())
+
+
+def test_question_streams_an_answer_with_stats_and_bye_exits(chat_model, tmp_path):
+    chat = Chat(chat_model, tmp_path)
+    shown, n, ttft = chat.ask("Hello, who are you?")
+    assert 1 <= n <= 8 and ttft is not None
+    chat.command(f"/save {tmp_path / 'c.json'}", r"\[saved 1 turns")
+    saved = json.loads((tmp_path / "c.json").read_text())
+    answer = saved["turns"][0]["assistant"]
+    assert saved["turns"][0]["user"] == "Hello, who are you?"
+    assert answer.strip(), "the model produced no visible text"
+    assert plain(answer) in plain(shown)          # what was saved is what was shown
+    assert chat.finish("/bye") == 0
+
+
+def test_every_slash_command(chat_model, tmp_path):
+    chat = Chat(chat_model, tmp_path)
+    out = chat.command("/help", r"/retry")
+    assert "/save" in out
+    chat.command("/set temp 0", r"\[temp = 0\.0\]")
+    chat.command("/set top_k 5", r"\[top_k = 5\]")
+    chat.command("/set top_p 0.9", r"\[top_p = 0\.9\]")
+    chat.command("/set min_p 0.1", r"\[min_p = 0\.1\]")
+    chat.command("/set seed 7", r"\[seed = 7\]")
+    chat.command("/set max_tokens 6", r"\[max_tokens = 6\]")
+    chat.command("/set", r"temp=0 top_k=5 top_p=0\.9 min_p=0\.1 repeat_penalty=1 seed=7 max_tokens=6")
+    # mistakes: one line of hint, the session goes on
+    chat.command("/set temp hot", r"/set temp: 'hot' is not a number")
+    chat.command("/set top_p 3", r"must be in \(0, 1\]")
+    chat.command("/set colour red", r"unknown setting 'colour'")
+    chat.command("/frobnicate", r"unknown command /frobnicate")
+    chat.command("/save", r"/save needs a file name")
+    chat.command(f"/load {tmp_path / 'missing.json'}", r"no such file")
+    chat.command("/retry", r"nothing to retry")
+    chat.command("/system You are terse.", r"\[system prompt set\]")
+    chat.command("/system", r"system prompt: 'You are terse\.'")
+    out = chat.command("/show", r"system: [^\r\n]*")
+    assert "layers" in out and "context:" in out and "You are terse." in out
+    _, n1, _ = chat.ask("Say something.")
+    assert n1 <= 6
+    chat.enter("/retry")                              # regenerates the last answer
+    chat.expect(STATS_RE)
+    chat.wait_prompt()
+    out = chat.command("/stats", r"context: [^\r\n]*")
+    assert "last answer:" in out and "session:     1 turns" in out
+    chat.command("/reset", r"\[conversation cleared\]")
+    chat.command("/stats", r"session:     0 turns")
+    # tab completion: "/he" + Tab completes to /help
+    chat.child.send("/he\t")
+    chat.child.send("\r")
+    chat.expect(re.escape(ACCEPTED))
+    chat.expect(r"/retry")
+    chat.wait_prompt()
+    assert chat.finish("\x04") == 0
+
+
+def test_ctrl_c_stops_a_long_answer_and_the_chat_goes_on(chat_model, tmp_path):
+    chat = Chat(chat_model, tmp_path, "-n", "1500", "--temp", "1.0")
+    chat.enter("Tell me a very long story about a dragon, with many chapters.")
+    chat.expect(r"\S")                                # the answer has started streaming
+    chat.child.send("\x03")
+    chat.expect(r"\[interrupted: the answer so far is kept\]")
+    chat.expect(STATS_RE)
+    assert int(chat.child.match.group(1)) < 1500
+    chat.wait_prompt()
+    chat.command("/set max_tokens 4", r"\[max_tokens = 4\]")
+    _, n, _ = chat.ask("And now a short answer.")
+    assert 1 <= n <= 4
+    chat.command(f"/save {tmp_path / 'c.json'}", r"\[saved 2 turns")
+    turns = json.loads((tmp_path / "c.json").read_text())["turns"]
+    assert turns[0]["interrupted"] is True and turns[0]["finish_reason"] == "interrupted"
+    assert turns[0]["assistant"] is not None
+    assert not turns[1].get("interrupted")
+    assert chat.finish("/bye") == 0
+
+
+def test_ctrl_c_at_the_prompt_clears_the_line_and_hints(chat_model, tmp_path):
+    chat = Chat(chat_model, tmp_path)
+    chat.child.send("some text I regret")
+    chat.child.send("\x03")          # clears the line
+    chat.child.send("\x03")          # empty prompt: nothing
+    chat.child.send("\x03")          # again: the hint
+    chat.expect(r"use /bye or Ctrl-D to exit")
+    chat.wait_prompt()
+    chat.command("/stats", r"session:     0 turns")   # the cleared text was never sent
+    assert chat.finish("\x04") == 0
+
+
+def test_multiline_input(chat_model, tmp_path):
+    chat = Chat(chat_model, tmp_path, "-n", "2")
+    chat.child.send('"""')
+    chat.child.send("\r")            # inside an open block Enter adds a line
+    chat.child.send("first line\r")
+    chat.child.send('second line"""')
+    chat.enter("")
+    chat.expect(STATS_RE)
+    chat.wait_prompt()
+    chat.child.send("alpha")
+    chat.child.send("\x1b\r")        # Esc-Enter: a newline, not a send
+    chat.enter("beta")
+    chat.expect(STATS_RE)
+    chat.wait_prompt()
+    chat.command(f"/save {tmp_path / 'm.json'}", r"\[saved 2 turns")
+    turns = json.loads((tmp_path / "m.json").read_text())["turns"]
+    assert turns[0]["user"] == "first line\nsecond line"
+    assert turns[1]["user"] == "alpha\nbeta"
+    assert chat.finish("/bye") == 0
+    history = (tmp_path / "history").read_text()     # persistent input history
+    assert "alpha" in history and "/save" in history
+
+
+def test_save_and_load_reprefills_and_reuses_the_cache(chat_model, tmp_path):
+    chat = Chat(chat_model, tmp_path, "-n", "4", "--system", "You are a test.")
+    chat.ask("First question?")
+    chat.ask("Second question?")
+    path = tmp_path / "conv.json"
+    chat.command(f"/save {path}", r"\[saved 2 turns")
+    chat.finish("/bye")
+    saved = json.loads(path.read_text())
+    assert saved["system"] == "You are a test." and len(saved["turns"]) == 2
+
+    chat = Chat(chat_model, tmp_path, "-n", "4")
+    chat.command(f"/load {path}", r"\[prefilled (\d+) tokens")
+    out = chat.command("/show", r"system: [^\r\n]*")
+    assert "You are a test." in out
+    chat.enter("Third question?")
+    chat.expect(r"prefill (\d+) new of (\d+)")
+    new, total = int(chat.child.match.group(1)), int(chat.child.match.group(2))
+    assert new < total / 2, f"after /load the conversation should come from the cache ({new} new of {total})"
+    chat.wait_prompt()
+    chat.command(f"/save {path}", r"\[saved 3 turns")
+    turns = json.loads(path.read_text())["turns"]
+    assert [t["user"] for t in turns] == ["First question?", "Second question?", "Third question?"]
+    assert turns[:2] == saved["turns"]
+    # a corrupt file is refused with one line and the conversation stays
+    bad = tmp_path / "bad.json"
+    bad.write_text("{ not json")
+    chat.command(f"/load {bad}", r"not valid JSON")
+    chat.command("/stats", r"session:     3 turns")
+    assert chat.finish("\x04") == 0
+
+
+def run_piped(model, tmp_path, stdin, *extra):
+    cmd = bitchat_command() + ["-m", model, "-t", "1", "--seed", "1", "-n", "6", *extra]
+    return subprocess.run(cmd, input=stdin, capture_output=True, text=True, timeout=TIMEOUT * 2,
+                          env=test_env(tmp_path))
+
+
+def test_piped_stdin_turns_and_plain_output(chat_model, tmp_path):
+    path = tmp_path / "p.json"
+    r = run_piped(chat_model, tmp_path, f"Hello there.\n/set temp 0\nWhat next?\n/save {path}\n")
+    assert r.returncode == 0, r.stderr
+    assert "\x1b" not in r.stdout and "\x1b" not in r.stderr   # plain text for scripts
+    assert "Traceback" not in r.stderr
+    turns = json.loads(path.read_text())["turns"]
+    assert [t["user"] for t in turns] == ["Hello there.", "What next?"]
+    assert plain(turns[0]["assistant"] + " " + turns[1]["assistant"]) == plain(r.stdout)  # stdout = answers only
+    stats = re.findall(r"prefill (\d+) new of (\d+)", r.stderr)
+    assert len(stats) == 2
+    assert int(stats[1][0]) < int(stats[1][1])                # turn 2 reused turn 1's cache
+
+
+def test_piped_bad_command_hints_and_exits_1(chat_model, tmp_path):
+    r = run_piped(chat_model, tmp_path, "/set temp hot\n/nope\n")
+    assert r.returncode == 1
+    assert "/set temp: 'hot' is not a number" in r.stderr and "unknown command /nope" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_context_overflow_drops_oldest_turns_keeps_system(chat_model, tmp_path):
+    path = tmp_path / "long.json"
+    questions = "".join(f"Question number {i}: " + "tell me more about it " * 6 + "\n" for i in range(8))
+    r = run_piped(chat_model, tmp_path, questions + f"/save {path}\n", "-c", "160", "--system", "Be brief.")
+    assert r.returncode == 0, r.stderr
+    assert "dropped the" in r.stderr and "Traceback" not in r.stderr
+    saved = json.loads(path.read_text())
+    assert len(saved["turns"]) == 8                   # the transcript keeps everything
+    assert saved["window_start"] > 0 and saved["system"] == "Be brief."
+
+
+def test_bad_model_and_bad_flags_one_line_exit_2(tmp_path):
+    r = run_piped(str(tmp_path / "no_such_model.gguf"), tmp_path, "")
+    assert r.returncode == 2
+    assert "bitchat: error:" in r.stderr and "no_such_model.gguf" in r.stderr and "Traceback" not in r.stderr
+    cmd = bitchat_command()
+    r = subprocess.run(cmd + ["--temp", "hot"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--temp" in r.stderr and "Traceback" not in r.stderr
+    r = subprocess.run(cmd + ["--top-p", "2"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--top-p" in r.stderr
