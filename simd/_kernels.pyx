@@ -1,0 +1,350 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
+"""Thin Python boundary of the C kernels in simd/kernels/ (contract: engine/INTERFACES.md, layouts:
+engine/layout.py, numpy oracle: simd/reference.py).
+
+Every precondition (type, dtype, byte order, C-contiguity, writability, shapes, K_pad % 64 == 0, packed
+sizes, scale lengths, M consistency) is checked here once and raises engine.errors.KernelError (a
+ValueError) naming the kernel and the argument; the C loops trust them. Arrays are read through the numpy
+C API (no memoryview acquisition: a few hundred ns per call matter at ~120 GEMVs per token), and the GIL is
+released around every kernel. No alignment is required: the kernels use unaligned vector loads, which cost
+nothing extra on aligned data (store tensors are 64-byte aligned anyway).
+"""
+import os
+
+cimport numpy as cnp
+from libc.stdint cimport int8_t, int32_t, int64_t, uint8_t, uint16_t, uint64_t
+
+import numpy as np
+
+from engine.errors import KernelError
+
+cnp.import_array()
+
+cdef extern from "kernels.h" nogil:
+    ctypedef struct bk_features_t:
+        int sse41, avx2, fma, f16c, avx512f, avx512bw, avx512vl, avx512vnni, avx512bf16, avxvnni, neon, dotprod
+    const bk_features_t *bk_get_features()
+    int bk_isa_supported(int isa)
+    int bk_set_isa(int isa)
+    int bk_get_isa()
+    int bk_best_isa()
+    void bk_set_num_threads(int n)
+    int bk_get_num_threads()
+    void bk_init()
+    void bk_quantize_act(const float *x, int m, int k, int k_pad, int8_t *xq, float *act_scale, int32_t *act_sum)
+    void bk_gemv_ternary(const uint8_t *w, const float *row_scale, const int8_t *xq, int k_pad, float act_scale,
+                         int32_t act_sum, float *out, int32_t *out_i32, int n)
+    void bk_gemm_ternary(const uint8_t *w, const float *row_scale, const int8_t *xq, int m, int k_pad,
+                         const float *act_scale, const int32_t *act_sum, float *out, int32_t *out_i32, int n)
+    int bk_gemv_i8(const int8_t *w, const float *row_scale, const int32_t *w_rowsum, const int8_t *xq, int k_pad,
+                   float act_scale, float *out, int32_t *out_i32, int n)
+    void bk_gemv_f16(const uint16_t *w, const float *x, int k, float *out, int n)
+    uint64_t bk_stream_read(const uint8_t *buf, size_t nbytes)
+    int64_t bk_peak_dot(long iters)
+    int64_t bk_peak_dot_macs_per_iter()
+
+ISA_NAMES = ("scalar", "avx2", "avx512", "neon")
+cdef Py_ssize_t MAX_DIM = 1 << 30
+
+
+# ---------------------------------------------------------------- dispatch
+def features():
+    """CPU features the dispatcher sees (cpuid AND the OS saving the register state, via xgetbv)."""
+    cdef const bk_features_t *f = bk_get_features()
+    return {
+        "sse4.1": bool(f.sse41), "avx2": bool(f.avx2), "fma": bool(f.fma), "f16c": bool(f.f16c),
+        "avx512f": bool(f.avx512f), "avx512bw": bool(f.avx512bw), "avx512vl": bool(f.avx512vl),
+        "avx512vnni": bool(f.avx512vnni), "avx512bf16": bool(f.avx512bf16), "avxvnni": bool(f.avxvnni),
+        "neon": bool(f.neon), "dotprod": bool(f.dotprod),
+    }
+
+
+def supported_isas():
+    """The paths this CPU can run, worst to best."""
+    return [name for i, name in enumerate(ISA_NAMES) if bk_isa_supported(i)]
+
+
+def active():
+    """The path in use: "avx512" | "avx2" | "scalar" | "neon"."""
+    return ISA_NAMES[bk_get_isa()]
+
+
+def set_isa(name=None):
+    """Force a path by name (None or "auto": the best this CPU runs). Raises KernelError if the CPU cannot."""
+    if name is None or name == "" or name == "auto":
+        bk_set_isa(-1)
+        return active()
+    if name not in ISA_NAMES:
+        raise KernelError(f"unknown ISA {name!r}", hint=f"use one of {', '.join(ISA_NAMES)}")
+    if bk_set_isa(ISA_NAMES.index(name)) != 0:
+        raise KernelError(f"this CPU cannot run the {name!r} kernels",
+                          hint=f"it supports: {', '.join(supported_isas())}")
+    return active()
+
+
+def set_num_threads(int n):
+    """Threads used by every kernel (n <= 0: all processors)."""
+    bk_set_num_threads(n)
+
+
+def get_num_threads():
+    return bk_get_num_threads()
+
+
+# ---------------------------------------------------------------- argument checks
+cdef inline cnp.ndarray _arr(str fn, str name, object a, int typenum, int ndim, bint writable):
+    if not isinstance(a, cnp.ndarray):
+        raise KernelError(f"{fn}: {name} must be a numpy array, got {type(a).__name__}")
+    cdef cnp.ndarray arr = <cnp.ndarray>a
+    if cnp.PyArray_TYPE(arr) != typenum or not cnp.PyArray_ISNOTSWAPPED(arr):
+        raise KernelError(f"{fn}: {name} has dtype {(<object>arr).dtype}, expected {_DTYPE_NAMES[typenum]} (native byte order)")
+    if ndim > 0 and cnp.PyArray_NDIM(arr) != ndim:
+        raise KernelError(f"{fn}: {name} must be {ndim}-D, got shape {(<object>arr).shape}")
+    if not cnp.PyArray_IS_C_CONTIGUOUS(arr):
+        raise KernelError(f"{fn}: {name} must be C-contiguous", hint="use np.ascontiguousarray")
+    if writable and not cnp.PyArray_ISWRITEABLE(arr):
+        raise KernelError(f"{fn}: {name} is read-only but is an output")
+    return arr
+
+_DTYPE_NAMES = {cnp.NPY_FLOAT32: "float32", cnp.NPY_INT8: "int8", cnp.NPY_UINT8: "uint8", cnp.NPY_INT32: "int32",
+                cnp.NPY_UINT16: "uint16 or float16"}
+
+
+cdef inline Py_ssize_t _k_pad_of(str fn, Py_ssize_t k_pad) except -1:
+    if k_pad <= 0 or k_pad % 64 != 0 or k_pad > MAX_DIM:
+        raise KernelError(f"{fn}: xq has {k_pad} columns; K_pad must be a positive multiple of 64",
+                          hint="quantize_act into a buffer of layout.pad_to(K, 64) columns")
+    return k_pad
+
+
+cdef inline Py_ssize_t _n_of(str fn, Py_ssize_t n) except -1:
+    if n <= 0 or n > MAX_DIM:
+        raise KernelError(f"{fn}: out has {n} rows; N must be positive")
+    return n
+
+
+cdef inline void _check_size(str fn, str name, cnp.ndarray a, Py_ssize_t expected, str what) except *:
+    if cnp.PyArray_SIZE(a) != expected:
+        raise KernelError(f"{fn}: {name} has {cnp.PyArray_SIZE(a)} elements, expected {what} = {expected}")
+
+
+cdef inline void _check_at_least(str fn, str name, cnp.ndarray a, Py_ssize_t n) except *:
+    if cnp.PyArray_SIZE(a) < n:
+        raise KernelError(f"{fn}: {name} has {cnp.PyArray_SIZE(a)} elements, needs at least N = {n}")
+
+
+cdef inline Py_ssize_t _pad16(Py_ssize_t n):
+    return (n + 15) // 16 * 16
+
+
+# ---------------------------------------------------------------- kernels
+def quantize_act(x, xq, act_scale, act_sum):
+    """x f32 [M, K] | [K] -> xq int8 [M, K_pad] | [K_pad] (0 in padding), act_scale f32 [M] = 127/max(max|x|, 1e-5),
+    act_sum int32 [M] = sum(xq). Round half to even."""
+    cdef str fn = "quantize_act"
+    cdef cnp.ndarray ax = _arr(fn, "x", x, cnp.NPY_FLOAT32, 0, False)
+    cdef cnp.ndarray aq = _arr(fn, "xq", xq, cnp.NPY_INT8, 0, True)
+    cdef cnp.ndarray asc = _arr(fn, "act_scale", act_scale, cnp.NPY_FLOAT32, 0, True)
+    cdef cnp.ndarray asm = _arr(fn, "act_sum", act_sum, cnp.NPY_INT32, 0, True)
+    cdef int nd = cnp.PyArray_NDIM(ax)
+    if nd not in (1, 2) or cnp.PyArray_NDIM(aq) != nd:
+        raise KernelError(f"{fn}: x {(<object>ax).shape} and xq {(<object>aq).shape} must both be 1-D or both 2-D")
+    cdef Py_ssize_t m = 1 if nd == 1 else cnp.PyArray_DIM(ax, 0)
+    cdef Py_ssize_t k = cnp.PyArray_DIM(ax, nd - 1)
+    cdef Py_ssize_t k_pad = _k_pad_of(fn, cnp.PyArray_DIM(aq, nd - 1))
+    if nd == 2 and cnp.PyArray_DIM(aq, 0) != m:
+        raise KernelError(f"{fn}: x has {m} rows but xq has {cnp.PyArray_DIM(aq, 0)}")
+    if k <= 0 or k > k_pad:
+        raise KernelError(f"{fn}: x has {k} columns, must be in 1..K_pad={k_pad} (xq's last dim)")
+    _check_size(fn, "act_scale", asc, m, "M")
+    _check_size(fn, "act_sum", asm, m, "M")
+    cdef const float *px = <const float *>cnp.PyArray_DATA(ax)
+    cdef int8_t *pq = <int8_t *>cnp.PyArray_DATA(aq)
+    cdef float *ps = <float *>cnp.PyArray_DATA(asc)
+    cdef int32_t *pm = <int32_t *>cnp.PyArray_DATA(asm)
+    with nogil:
+        bk_quantize_act(px, <int>m, <int>k, <int>k_pad, pq, ps, pm)
+
+
+cdef inline void _ternary_w(str fn, cnp.ndarray aw, Py_ssize_t n, Py_ssize_t k_pad) except *:
+    _check_size(fn, "w", aw, _pad16(n) * k_pad // 4, f"N_pad*K_pad/4 (N={n}, K_pad={k_pad})")
+
+
+def gemv_ternary(w, row_scale, xq, float act_scale, int act_sum, out):
+    """out[n] = ((float)(W_t[n] . xq) / act_scale) * row_scale[n]; w uint8 tile16 [N_pad*K_pad/4]."""
+    cdef str fn = "gemv_ternary"
+    cdef cnp.ndarray aw = _arr(fn, "w", w, cnp.NPY_UINT8, 1, False)
+    cdef cnp.ndarray ars = _arr(fn, "row_scale", row_scale, cnp.NPY_FLOAT32, 1, False)
+    cdef cnp.ndarray aq = _arr(fn, "xq", xq, cnp.NPY_INT8, 1, False)
+    cdef cnp.ndarray ao = _arr(fn, "out", out, cnp.NPY_FLOAT32, 1, True)
+    cdef Py_ssize_t k_pad = _k_pad_of(fn, cnp.PyArray_DIM(aq, 0))
+    cdef Py_ssize_t n = _n_of(fn, cnp.PyArray_DIM(ao, 0))
+    _ternary_w(fn, aw, n, k_pad)
+    _check_at_least(fn, "row_scale", ars, n)
+    cdef const uint8_t *pw = <const uint8_t *>cnp.PyArray_DATA(aw)
+    cdef const float *prs = <const float *>cnp.PyArray_DATA(ars)
+    cdef const int8_t *pq = <const int8_t *>cnp.PyArray_DATA(aq)
+    cdef float *po = <float *>cnp.PyArray_DATA(ao)
+    with nogil:
+        bk_gemv_ternary(pw, prs, pq, <int>k_pad, act_scale, act_sum, po, NULL, <int>n)
+
+
+def gemv_ternary_i32(w, xq, int act_sum, out):
+    """Raw exact dots out[n] = W_t[n] . xq as int32 (tests; act_sum must be sum(xq))."""
+    cdef str fn = "gemv_ternary_i32"
+    cdef cnp.ndarray aw = _arr(fn, "w", w, cnp.NPY_UINT8, 1, False)
+    cdef cnp.ndarray aq = _arr(fn, "xq", xq, cnp.NPY_INT8, 1, False)
+    cdef cnp.ndarray ao = _arr(fn, "out", out, cnp.NPY_INT32, 1, True)
+    cdef Py_ssize_t k_pad = _k_pad_of(fn, cnp.PyArray_DIM(aq, 0))
+    cdef Py_ssize_t n = _n_of(fn, cnp.PyArray_DIM(ao, 0))
+    _ternary_w(fn, aw, n, k_pad)
+    cdef const uint8_t *pw = <const uint8_t *>cnp.PyArray_DATA(aw)
+    cdef const int8_t *pq = <const int8_t *>cnp.PyArray_DATA(aq)
+    cdef int32_t *po = <int32_t *>cnp.PyArray_DATA(ao)
+    with nogil:
+        bk_gemv_ternary(pw, NULL, pq, <int>k_pad, 1.0, act_sum, NULL, po, <int>n)
+
+
+cdef inline Py_ssize_t _gemm_m(str fn, cnp.ndarray aq, cnp.ndarray asc, cnp.ndarray asm, cnp.ndarray ao) except -1:
+    cdef Py_ssize_t m = cnp.PyArray_DIM(aq, 0)
+    if m <= 0 or cnp.PyArray_DIM(ao, 0) != m:
+        raise KernelError(f"{fn}: xq has {m} rows but out has {cnp.PyArray_DIM(ao, 0)} (both are M, M >= 1)")
+    if asc is not None:
+        _check_size(fn, "act_scale", asc, m, "M")
+    _check_size(fn, "act_sum", asm, m, "M")
+    return m
+
+
+def gemm_ternary(w, row_scale, xq, act_scale, act_sum, out):
+    """out[m, n] = ((float)(W_t[n] . xq[m]) / act_scale[m]) * row_scale[n] for M tokens (prefill)."""
+    cdef str fn = "gemm_ternary"
+    cdef cnp.ndarray aw = _arr(fn, "w", w, cnp.NPY_UINT8, 1, False)
+    cdef cnp.ndarray ars = _arr(fn, "row_scale", row_scale, cnp.NPY_FLOAT32, 1, False)
+    cdef cnp.ndarray aq = _arr(fn, "xq", xq, cnp.NPY_INT8, 2, False)
+    cdef cnp.ndarray asc = _arr(fn, "act_scale", act_scale, cnp.NPY_FLOAT32, 1, False)
+    cdef cnp.ndarray asm = _arr(fn, "act_sum", act_sum, cnp.NPY_INT32, 1, False)
+    cdef cnp.ndarray ao = _arr(fn, "out", out, cnp.NPY_FLOAT32, 2, True)
+    cdef Py_ssize_t k_pad = _k_pad_of(fn, cnp.PyArray_DIM(aq, 1))
+    cdef Py_ssize_t n = _n_of(fn, cnp.PyArray_DIM(ao, 1))
+    cdef Py_ssize_t m = _gemm_m(fn, aq, asc, asm, ao)
+    _ternary_w(fn, aw, n, k_pad)
+    _check_at_least(fn, "row_scale", ars, n)
+    cdef const uint8_t *pw = <const uint8_t *>cnp.PyArray_DATA(aw)
+    cdef const float *prs = <const float *>cnp.PyArray_DATA(ars)
+    cdef const int8_t *pq = <const int8_t *>cnp.PyArray_DATA(aq)
+    cdef const float *ps = <const float *>cnp.PyArray_DATA(asc)
+    cdef const int32_t *pm = <const int32_t *>cnp.PyArray_DATA(asm)
+    cdef float *po = <float *>cnp.PyArray_DATA(ao)
+    with nogil:
+        bk_gemm_ternary(pw, prs, pq, <int>m, <int>k_pad, ps, pm, po, NULL, <int>n)
+
+
+def gemm_ternary_i32(w, xq, act_sum, out):
+    """Raw exact dots out[m, n] = W_t[n] . xq[m] as int32 (tests; act_sum[m] must be sum(xq[m]))."""
+    cdef str fn = "gemm_ternary_i32"
+    cdef cnp.ndarray aw = _arr(fn, "w", w, cnp.NPY_UINT8, 1, False)
+    cdef cnp.ndarray aq = _arr(fn, "xq", xq, cnp.NPY_INT8, 2, False)
+    cdef cnp.ndarray asm = _arr(fn, "act_sum", act_sum, cnp.NPY_INT32, 1, False)
+    cdef cnp.ndarray ao = _arr(fn, "out", out, cnp.NPY_INT32, 2, True)
+    cdef Py_ssize_t k_pad = _k_pad_of(fn, cnp.PyArray_DIM(aq, 1))
+    cdef Py_ssize_t n = _n_of(fn, cnp.PyArray_DIM(ao, 1))
+    cdef Py_ssize_t m = _gemm_m(fn, aq, None, asm, ao)
+    _ternary_w(fn, aw, n, k_pad)
+    cdef const uint8_t *pw = <const uint8_t *>cnp.PyArray_DATA(aw)
+    cdef const int8_t *pq = <const int8_t *>cnp.PyArray_DATA(aq)
+    cdef const int32_t *pm = <const int32_t *>cnp.PyArray_DATA(asm)
+    cdef int32_t *po = <int32_t *>cnp.PyArray_DATA(ao)
+    cdef cnp.ndarray unit_scale = np.ones(m, np.float32)  # unused by the raw path, but never NULL
+    cdef const float *ps = <const float *>cnp.PyArray_DATA(unit_scale)
+    with nogil:
+        bk_gemm_ternary(pw, NULL, pq, <int>m, <int>k_pad, ps, pm, NULL, po, <int>n)
+
+
+cdef inline _gemv_i8_call(str fn, w, row_scale, w_rowsum, xq, float act_scale, out, bint raw):
+    cdef cnp.ndarray aw = _arr(fn, "w", w, cnp.NPY_INT8, 1, False)
+    cdef cnp.ndarray ars = None
+    cdef cnp.ndarray arw = _arr(fn, "w_rowsum", w_rowsum, cnp.NPY_INT32, 1, False)
+    cdef cnp.ndarray aq = _arr(fn, "xq", xq, cnp.NPY_INT8, 1, False)
+    cdef cnp.ndarray ao = _arr(fn, "out", out, cnp.NPY_INT32 if raw else cnp.NPY_FLOAT32, 1, True)
+    cdef Py_ssize_t k_pad = _k_pad_of(fn, cnp.PyArray_DIM(aq, 0))
+    cdef Py_ssize_t n = _n_of(fn, cnp.PyArray_DIM(ao, 0))
+    _check_size(fn, "w", aw, _pad16(n) * k_pad, f"N_pad*K_pad (N={n}, K_pad={k_pad})")
+    _check_at_least(fn, "w_rowsum", arw, n)
+    cdef const float *prs = NULL
+    if not raw:
+        ars = _arr(fn, "row_scale", row_scale, cnp.NPY_FLOAT32, 1, False)
+        _check_at_least(fn, "row_scale", ars, n)
+        prs = <const float *>cnp.PyArray_DATA(ars)
+    cdef const int8_t *pw = <const int8_t *>cnp.PyArray_DATA(aw)
+    cdef const int32_t *prw = <const int32_t *>cnp.PyArray_DATA(arw)
+    cdef const int8_t *pq = <const int8_t *>cnp.PyArray_DATA(aq)
+    cdef void *po = cnp.PyArray_DATA(ao)
+    cdef int rc
+    with nogil:
+        rc = bk_gemv_i8(pw, prs, prw, pq, <int>k_pad, act_scale, NULL if raw else <float *>po,
+                        <int32_t *>po if raw else NULL, <int>n)
+    if rc != 0:
+        raise MemoryError(f"{fn}: out of memory for a {k_pad}-column activation buffer")
+
+
+def gemv_i8(w, row_scale, w_rowsum, xq, float act_scale, out):
+    """int8 LM head: out[n] = ((float)(W_q[n] . xq) / act_scale) * row_scale[n]; w int8 i8_tile16 [N_pad*K_pad],
+    w_rowsum int32 [>= N] = sum_k W_q[n, k] (used by the AVX-512 u8 offset trick)."""
+    _gemv_i8_call("gemv_i8", w, row_scale, w_rowsum, xq, act_scale, out, False)
+
+
+def gemv_i8_i32(w, w_rowsum, xq, out):
+    """Raw exact dots of the int8 head as int32 (tests)."""
+    _gemv_i8_call("gemv_i8_i32", w, None, w_rowsum, xq, 1.0, out, True)
+
+
+def gemv_f16(w, x, out):
+    """f16 LM head: out[n] = sum_k W[n,k] * x[k], sequential-in-k fmaf per row; w uint16|float16 f16_tile16 [N_pad*K]."""
+    cdef str fn = "gemv_f16"
+    if isinstance(w, cnp.ndarray) and cnp.PyArray_TYPE(<cnp.ndarray>w) == cnp.NPY_FLOAT16:
+        w = (<cnp.ndarray>w).view(np.uint16)
+    cdef cnp.ndarray aw = _arr(fn, "w", w, cnp.NPY_UINT16, 1, False)
+    cdef cnp.ndarray ax = _arr(fn, "x", x, cnp.NPY_FLOAT32, 1, False)
+    cdef cnp.ndarray ao = _arr(fn, "out", out, cnp.NPY_FLOAT32, 1, True)
+    cdef Py_ssize_t k = cnp.PyArray_DIM(ax, 0)
+    cdef Py_ssize_t n = _n_of(fn, cnp.PyArray_DIM(ao, 0))
+    if k <= 0 or k > MAX_DIM:
+        raise KernelError(f"{fn}: x has {k} elements; K must be positive")
+    _check_size(fn, "w", aw, _pad16(n) * k, f"N_pad*K (N={n}, K={k})")
+    cdef const uint16_t *pw = <const uint16_t *>cnp.PyArray_DATA(aw)
+    cdef const float *px = <const float *>cnp.PyArray_DATA(ax)
+    cdef float *po = <float *>cnp.PyArray_DATA(ao)
+    with nogil:
+        bk_gemv_f16(pw, px, <int>k, po, <int>n)
+
+
+# ---------------------------------------------------------------- benchmark probes
+def stream_read(buf):
+    """Read every byte of a C-contiguous uint8 buffer with vector loads on all kernel threads (bandwidth probe).
+    Returns a checksum (keeps the loads alive)."""
+    cdef cnp.ndarray ab = _arr("stream_read", "buf", buf, cnp.NPY_UINT8, 0, False)
+    cdef const uint8_t *p = <const uint8_t *>cnp.PyArray_DATA(ab)
+    cdef size_t nbytes = <size_t>cnp.PyArray_SIZE(ab)
+    cdef uint64_t s
+    with nogil:
+        s = bk_stream_read(p, nbytes)
+    return s
+
+
+def peak_dot(long iters):
+    """Run the register-only int8 dot-product loop of the active path on all kernel threads.
+    Returns the number of int8 multiply-adds done (0 if the path has no probe)."""
+    cdef int64_t r
+    with nogil:
+        r = bk_peak_dot(iters)
+    return int(bk_peak_dot_macs_per_iter() * iters * bk_get_num_threads()) + 0 * r
+
+
+# ---------------------------------------------------------------- import-time choice
+bk_init()
+_forced = os.environ.get("BITNET_ISA", "").strip().lower()
+if _forced:
+    try:
+        set_isa(_forced)
+    except KernelError as _e:
+        raise KernelError(f"BITNET_ISA={_forced}: {_e}") from None

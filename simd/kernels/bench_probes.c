@@ -1,0 +1,131 @@
+/* Machine limits measured by bench/bench_kernels.py in the same run as the kernels:
+ *   bk_stream_read: the streaming read bandwidth (the bound of a memory-bound GEMV), vector loads over a
+ *     buffer split into contiguous per-thread ranges like the kernels split their tiles;
+ *   bk_peak_dot: the int8 dot-product peak of the active path from a register-only loop (no loads): the
+ *     bound of the compute-bound GEMM. Returns MACs done through *macs.
+ */
+#include "kernels.h"
+
+#include <omp.h>
+
+#if defined(__x86_64__)
+#include "x86_common.h"
+
+AVX512_TARGET static uint64_t stream_range_avx512(const uint8_t *p, size_t nbytes) {
+    __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
+    size_t i = 0;
+    for (; i + 256 <= nbytes; i += 256) {
+        a0 = _mm512_add_epi64(a0, _mm512_loadu_si512(p + i));
+        a1 = _mm512_add_epi64(a1, _mm512_loadu_si512(p + i + 64));
+        a2 = _mm512_add_epi64(a2, _mm512_loadu_si512(p + i + 128));
+        a3 = _mm512_add_epi64(a3, _mm512_loadu_si512(p + i + 192));
+    }
+    uint64_t s = (uint64_t)_mm512_reduce_add_epi64(_mm512_add_epi64(_mm512_add_epi64(a0, a1), _mm512_add_epi64(a2, a3)));
+    for (; i < nbytes; i++) s += p[i];
+    return s;
+}
+
+AVX2_TARGET static uint64_t stream_range_avx2(const uint8_t *p, size_t nbytes) {
+    __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
+    size_t i = 0;
+    for (; i + 128 <= nbytes; i += 128) {
+        a0 = _mm256_add_epi64(a0, _mm256_loadu_si256((const __m256i *)(p + i)));
+        a1 = _mm256_add_epi64(a1, _mm256_loadu_si256((const __m256i *)(p + i + 32)));
+        a2 = _mm256_add_epi64(a2, _mm256_loadu_si256((const __m256i *)(p + i + 64)));
+        a3 = _mm256_add_epi64(a3, _mm256_loadu_si256((const __m256i *)(p + i + 96)));
+    }
+    __m256i a = _mm256_add_epi64(_mm256_add_epi64(a0, a1), _mm256_add_epi64(a2, a3));
+    uint64_t t[4];
+    _mm256_storeu_si256((__m256i *)t, a);
+    uint64_t s = t[0] + t[1] + t[2] + t[3];
+    for (; i < nbytes; i++) s += p[i];
+    return s;
+}
+
+AVX512_TARGET static int64_t peak_dot_avx512(long iters) {
+    /* 12 independent vpdpbusd chains: enough to cover latency x throughput on current cores */
+    __m512i a[12];
+    __m512i u = _mm512_set1_epi8(1), x = _mm512_set1_epi8(2);
+    for (int j = 0; j < 12; j++) a[j] = _mm512_set1_epi32(j);
+    for (long it = 0; it < iters; it++) {
+#pragma GCC unroll 12
+        for (int j = 0; j < 12; j++) a[j] = _mm512_dpbusd_epi32(a[j], u, x);
+        __asm__ volatile("" : "+v"(u), "+v"(x)); /* keep the operands opaque to the optimizer */
+    }
+    __m512i s = a[0];
+    for (int j = 1; j < 12; j++) s = _mm512_add_epi32(s, a[j]);
+    return _mm512_reduce_add_epi32(s);
+}
+
+AVX2_TARGET static int64_t peak_dot_avx2(long iters) {
+    /* the ternary AVX2 inner step: pmaddubsw + int16 add per 32 MACs */
+    __m256i a[8];
+    __m256i u = _mm256_set1_epi8(1), x = _mm256_set1_epi8(2);
+    for (int j = 0; j < 8; j++) a[j] = _mm256_set1_epi16((short)j);
+    for (long it = 0; it < iters; it++) {
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; j++) a[j] = _mm256_add_epi16(a[j], _mm256_maddubs_epi16(u, x));
+        __asm__ volatile("" : "+x"(u), "+x"(x));
+    }
+    __m256i s = a[0];
+    for (int j = 1; j < 8; j++) s = _mm256_add_epi16(s, a[j]);
+    return _mm256_extract_epi16(s, 0);
+}
+#endif
+
+static uint64_t stream_range_scalar(const uint8_t *p, size_t nbytes) {
+    uint64_t s = 0;
+    size_t i = 0;
+    for (; i + 8 <= nbytes; i += 8) s += load_i32(p + i) + (uint64_t)load_i32(p + i + 4);
+    for (; i < nbytes; i++) s += p[i];
+    return s;
+}
+
+uint64_t bk_stream_read(const uint8_t *buf, size_t nbytes) {
+    int isa = bk_get_isa();
+    int nt = bk_get_num_threads();
+    uint64_t total = 0;
+#pragma omp parallel num_threads(nt) reduction(+ : total)
+    {
+        int parts = omp_get_num_threads(), me = omp_get_thread_num();
+        size_t chunk = (nbytes / parts) & ~(size_t)255;
+        size_t b = chunk * me, e = me == parts - 1 ? nbytes : b + chunk;
+#if defined(__x86_64__)
+        if (isa == BK_ISA_AVX512)
+            total += stream_range_avx512(buf + b, e - b);
+        else if (isa == BK_ISA_AVX2)
+            total += stream_range_avx2(buf + b, e - b);
+        else
+#endif
+            total += stream_range_scalar(buf + b, e - b);
+    }
+    (void)isa;
+    return total;
+}
+
+/* MACs per iteration of the register-only loop, per thread. */
+int64_t bk_peak_dot_macs_per_iter(void) {
+    switch (bk_get_isa()) {
+    case BK_ISA_AVX512: return 12 * 64;
+    case BK_ISA_AVX2: return 8 * 32;
+    default: return 0;
+    }
+}
+
+int64_t bk_peak_dot(long iters) {
+    int isa = bk_get_isa();
+    int nt = bk_get_num_threads();
+    int64_t total = 0;
+#pragma omp parallel num_threads(nt) reduction(+ : total)
+    {
+#if defined(__x86_64__)
+        if (isa == BK_ISA_AVX512)
+            total += peak_dot_avx512(iters);
+        else if (isa == BK_ISA_AVX2)
+            total += peak_dot_avx2(iters);
+#endif
+    }
+    (void)isa;
+    (void)iters;
+    return total;
+}

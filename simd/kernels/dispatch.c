@@ -1,0 +1,135 @@
+/* Run-time choice of the kernel bodies (one build holds every x86 path).
+ *
+ * x86: cpuid says what the core implements, xgetbv says whether the OS saves the wide registers
+ * (XCR0: SSE+AVX state for ymm, plus opmask/zmm state for AVX-512); a feature counts only if both agree.
+ * aarch64: NEON is baseline; dot-product (sdot) from HWCAP.
+ * The choice is made once (bk_init, at import) and cached in bk_table; bk_set_isa changes it explicitly.
+ */
+#include "kernels.h"
+
+#include <omp.h>
+#include <string.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#define BK_X86 1
+#endif
+#if defined(__aarch64__) && defined(__linux__)
+#include <sys/auxv.h>
+#ifndef HWCAP_ASIMDDP
+#define HWCAP_ASIMDDP (1 << 20)
+#endif
+#endif
+
+bk_table_t bk_table;
+static bk_features_t features;
+static int features_ready = 0;
+static int current_isa = BK_ISA_SCALAR;
+static int num_threads = 0;
+
+#ifdef BK_X86
+static uint64_t read_xcr0(void) {
+    uint32_t eax, edx;
+    /* xgetbv with ecx = 0 (encoded as bytes so old assemblers accept it) */
+    __asm__ volatile(".byte 0x0f, 0x01, 0xd0" : "=a"(eax), "=d"(edx) : "c"(0));
+    return ((uint64_t)edx << 32) | eax;
+}
+#endif
+
+static void detect(void) {
+    memset(&features, 0, sizeof features);
+#ifdef BK_X86
+    unsigned a, b, c, d;
+    if (!__get_cpuid(1, &a, &b, &c, &d)) return;
+    int osxsave = (c >> 27) & 1;
+    features.sse41 = (c >> 19) & 1;
+    int fma = (c >> 12) & 1, f16c = (c >> 29) & 1, avx = (c >> 28) & 1;
+    uint64_t xcr0 = osxsave ? read_xcr0() : 0;
+    int os_ymm = (xcr0 & 0x6) == 0x6;            /* SSE + AVX state */
+    int os_zmm = os_ymm && (xcr0 & 0xe0) == 0xe0; /* opmask + ZMM_Hi256 + Hi16_ZMM */
+    unsigned max_leaf = __get_cpuid_max(0, NULL);
+    unsigned b7 = 0, c7 = 0, d7 = 0, a71 = 0;
+    if (max_leaf >= 7) {
+        __cpuid_count(7, 0, a, b7, c7, d7);
+        unsigned b1, c1, d1;
+        __cpuid_count(7, 1, a71, b1, c1, d1);
+    }
+    if (os_ymm && avx) {
+        features.avx2 = (b7 >> 5) & 1;
+        features.fma = fma;
+        features.f16c = f16c;
+        features.avxvnni = (a71 >> 4) & 1;
+    }
+    if (os_zmm) {
+        features.avx512f = (b7 >> 16) & 1;
+        features.avx512bw = (b7 >> 30) & 1;
+        features.avx512vl = (b7 >> 31) & 1;
+        features.avx512vnni = (c7 >> 11) & 1;
+        features.avx512bf16 = (a71 >> 5) & 1;
+    }
+#elif defined(__aarch64__)
+    features.neon = 1;
+#if defined(__linux__)
+    features.dotprod = (getauxval(AT_HWCAP) & HWCAP_ASIMDDP) != 0;
+#endif
+#endif
+}
+
+const bk_features_t *bk_get_features(void) {
+    if (!features_ready) {
+        detect();
+        features_ready = 1;
+    }
+    return &features;
+}
+
+int bk_isa_supported(int isa) {
+    const bk_features_t *f = bk_get_features();
+    switch (isa) {
+    case BK_ISA_SCALAR: return 1;
+    case BK_ISA_AVX2: return f->avx2 && f->fma && f->f16c;
+    case BK_ISA_AVX512: return f->avx512f && f->avx512bw && f->avx512vl && f->avx512vnni && f->f16c && f->fma;
+    case BK_ISA_NEON: return f->neon && f->dotprod;
+    default: return 0;
+    }
+}
+
+int bk_best_isa(void) {
+    if (bk_isa_supported(BK_ISA_AVX512)) return BK_ISA_AVX512;
+    if (bk_isa_supported(BK_ISA_AVX2)) return BK_ISA_AVX2;
+    if (bk_isa_supported(BK_ISA_NEON)) return BK_ISA_NEON;
+    return BK_ISA_SCALAR;
+}
+
+/* Per job: the body of the chosen ISA if compiled in, else the scalar reference (never NULL). */
+void bk_fill_table(bk_table_t *t, int isa) {
+#define PICK(field, bodies) t->field = bodies[isa] ? bodies[isa] : bodies[BK_ISA_SCALAR]
+    PICK(quantize_act, bk_quantize_bodies);
+    PICK(gemv_ternary, bk_gemv_ternary_bodies);
+    PICK(gemm_ternary, bk_gemm_ternary_bodies);
+    PICK(gemv_i8, bk_gemv_i8_bodies);
+    PICK(gemv_f16, bk_gemv_f16_bodies);
+#undef PICK
+}
+
+int bk_set_isa(int isa) {
+    if (isa < 0) isa = bk_best_isa();
+    if (!bk_isa_supported(isa)) return -1;
+    bk_fill_table(&bk_table, isa);
+    current_isa = isa;
+    return 0;
+}
+
+int bk_get_isa(void) { return current_isa; }
+
+void bk_set_num_threads(int n) { num_threads = n > 0 ? n : omp_get_num_procs(); }
+
+int bk_get_num_threads(void) {
+    if (num_threads <= 0) num_threads = omp_get_max_threads();
+    return num_threads;
+}
+
+void bk_init(void) {
+    bk_get_features();
+    bk_set_isa(-1);
+}

@@ -1,0 +1,223 @@
+/* Ternary GEMM (M tokens, prefill) on the tile16 layout:
+ *   out[m, n] = ((float)(sum_k u[n,k] * xq[m,k] - act_sum[m]) / act_scale[m]) * row_scale[n]
+ * Prefill is compute-bound, so the unpacked codes of a block (4 shift+and per 64 bytes) are reused for a
+ * group of tokens held in registers: AVX-512 keeps 2 tiles x 8 tokens = 16 accumulators + 8 unpacked
+ * operands in the 32 zmm registers, and each activation broadcast feeds both tiles. Tiles go to threads in
+ * contiguous ranges; a tile pair's weights (K_pad * 8 bytes) stay in L1/L2 while the token groups sweep.
+ */
+#include "kernels.h"
+
+#include <omp.h>
+
+#if defined(__x86_64__)
+#include "x86_common.h"
+#endif
+#if defined(__aarch64__)
+#include <arm_neon.h>
+#endif
+
+/* The scalar reference: the GEMV reference body once per token. */
+static void gemm_ternary_scalar(const uint8_t *w, const float *row_scale, const int8_t *xq, int m, int k_pad,
+                                const float *act_scale, const int32_t *act_sum, float *out, int32_t *out_i32,
+                                int n, int tile_begin, int tile_end) {
+    bk_gemv_ternary_fn gemv = bk_gemv_ternary_bodies[BK_ISA_SCALAR];
+    for (int i = 0; i < m; i++)
+        gemv(w, row_scale, xq + (size_t)i * k_pad, k_pad, act_scale[i], act_sum[i], out ? out + (size_t)i * n : NULL,
+             out_i32 ? out_i32 + (size_t)i * n : NULL, n, tile_begin, tile_end);
+}
+
+#if defined(__x86_64__)
+/* ---------------- AVX-512 VNNI ---------------- */
+/* TG tiles (1..2) starting at tile t, MG tokens (1..8) starting at m0; TG and MG are constants after
+ * inlining, so the accumulator arrays live in registers. */
+AVX512_TARGET __attribute__((always_inline)) static inline void gemm_group_avx512(
+    const uint8_t *w, size_t tile_bytes, int t, const int TG, const int8_t *xq, int m0, const int MG, int k_pad,
+    const float *row_scale, const float *act_scale, const int32_t *act_sum, float *out, int32_t *out_i32, int n) {
+    const int kb = k_pad / 16;
+    const __m512i m3 = _mm512_set1_epi8(3);
+    __m512i acc[2][8];
+#pragma GCC unroll 2
+    for (int j = 0; j < TG; j++)
+#pragma GCC unroll 8
+        for (int i = 0; i < MG; i++) acc[j][i] = _mm512_setzero_si512();
+    const uint8_t *p = w + (size_t)t * tile_bytes;
+    const int8_t *x = xq + (size_t)m0 * k_pad;
+    for (int b = 0; b < kb; b++) {
+        __m512i u[2][4];
+#pragma GCC unroll 2
+        for (int j = 0; j < TG; j++) {
+            __m512i v = _mm512_loadu_si512(p + j * tile_bytes + (size_t)b * 64);
+            u[j][0] = _mm512_and_si512(v, m3);
+            u[j][1] = _mm512_and_si512(_mm512_srli_epi16(v, 2), m3);
+            u[j][2] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m3);
+            u[j][3] = _mm512_and_si512(_mm512_srli_epi16(v, 6), m3);
+        }
+#pragma GCC unroll 8
+        for (int i = 0; i < MG; i++) {
+            const int8_t *xb = x + (size_t)i * k_pad + 16 * b;
+#pragma GCC unroll 4
+            for (int s = 0; s < 4; s++) {
+                __m512i xs = _mm512_set1_epi32(load_i32(xb + 4 * s));
+#pragma GCC unroll 2
+                for (int j = 0; j < TG; j++) acc[j][i] = _mm512_dpbusd_epi32(acc[j][i], u[j][s], xs);
+            }
+        }
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < MG; i++) {
+        size_t off = (size_t)(m0 + i) * n;
+#pragma GCC unroll 2
+        for (int j = 0; j < TG; j++)
+            finish_tile_avx512(acc[j][i], act_sum[m0 + i], (t + j) * 16, n, row_scale, act_scale[m0 + i],
+                               out ? out + off : NULL, out_i32 ? out_i32 + off : NULL);
+    }
+}
+
+#define GEMM_TOKENS(BODY, TG)                                                                                  \
+    do {                                                                                                       \
+        int m0_ = 0;                                                                                           \
+        for (; m0_ + 8 <= m; m0_ += 8) BODY(w, tile_bytes, t, TG, xq, m0_, 8, k_pad, row_scale, act_scale, act_sum, out, out_i32, n); \
+        if (m0_ + 4 <= m) { BODY(w, tile_bytes, t, TG, xq, m0_, 4, k_pad, row_scale, act_scale, act_sum, out, out_i32, n); m0_ += 4; } \
+        if (m0_ + 2 <= m) { BODY(w, tile_bytes, t, TG, xq, m0_, 2, k_pad, row_scale, act_scale, act_sum, out, out_i32, n); m0_ += 2; } \
+        if (m0_ < m) BODY(w, tile_bytes, t, TG, xq, m0_, 1, k_pad, row_scale, act_scale, act_sum, out, out_i32, n); \
+    } while (0)
+
+AVX512_TARGET static void gemm_ternary_avx512(const uint8_t *w, const float *row_scale, const int8_t *xq, int m,
+                                              int k_pad, const float *act_scale, const int32_t *act_sum,
+                                              float *out, int32_t *out_i32, int n, int tile_begin, int tile_end) {
+    const size_t tile_bytes = (size_t)(k_pad / 16) * 64;
+    int t = tile_begin;
+    for (; t + 2 <= tile_end; t += 2) GEMM_TOKENS(gemm_group_avx512, 2);
+    if (t < tile_end) GEMM_TOKENS(gemm_group_avx512, 1);
+}
+
+/* ---------------- AVX2 (pmaddubsw into int16, widened every 16 blocks) ---------------- */
+AVX2_TARGET __attribute__((always_inline)) static inline void gemm_group_avx2(
+    const uint8_t *w, size_t tile_bytes, int t, const int TG, const int8_t *xq, int m0, const int MG, int k_pad,
+    const float *row_scale, const float *act_scale, const int32_t *act_sum, float *out, int32_t *out_i32, int n) {
+    (void)TG; /* one tile at a time: 16 ymm registers hold 2 halves x 4 tokens + the unpacked codes */
+    const int kb = k_pad / 16;
+    const __m256i m3 = _mm256_set1_epi8(3), ones = _mm256_set1_epi16(1);
+    __m256i acc32[2][4];
+#pragma GCC unroll 4
+    for (int i = 0; i < MG; i++) acc32[0][i] = acc32[1][i] = _mm256_setzero_si256();
+    const uint8_t *p = w + (size_t)t * tile_bytes;
+    const int8_t *x = xq + (size_t)m0 * k_pad;
+    for (int b0 = 0; b0 < kb; b0 += 16) {
+        int b1 = b0 + 16 < kb ? b0 + 16 : kb;
+        __m256i acc16[2][4];
+#pragma GCC unroll 4
+        for (int i = 0; i < MG; i++) acc16[0][i] = acc16[1][i] = _mm256_setzero_si256();
+        for (int b = b0; b < b1; b++) {
+#pragma GCC unroll 2
+            for (int h = 0; h < 2; h++) {
+                __m256i v = _mm256_loadu_si256((const __m256i *)(p + (size_t)b * 64 + 32 * h));
+                __m256i u0 = _mm256_and_si256(v, m3);
+                __m256i u1 = _mm256_and_si256(_mm256_srli_epi16(v, 2), m3);
+                __m256i u2 = _mm256_and_si256(_mm256_srli_epi16(v, 4), m3);
+                __m256i u3 = _mm256_and_si256(_mm256_srli_epi16(v, 6), m3);
+#pragma GCC unroll 4
+                for (int i = 0; i < MG; i++) {
+                    const int8_t *xb = x + (size_t)i * k_pad + 16 * b;
+                    __m256i s01 = _mm256_add_epi16(_mm256_maddubs_epi16(u0, _mm256_set1_epi32(load_i32(xb))),
+                                                   _mm256_maddubs_epi16(u1, _mm256_set1_epi32(load_i32(xb + 4))));
+                    __m256i s23 = _mm256_add_epi16(_mm256_maddubs_epi16(u2, _mm256_set1_epi32(load_i32(xb + 8))),
+                                                   _mm256_maddubs_epi16(u3, _mm256_set1_epi32(load_i32(xb + 12))));
+                    acc16[h][i] = _mm256_add_epi16(acc16[h][i], _mm256_add_epi16(s01, s23));
+                }
+            }
+        }
+#pragma GCC unroll 4
+        for (int i = 0; i < MG; i++) {
+            acc32[0][i] = _mm256_add_epi32(acc32[0][i], _mm256_madd_epi16(acc16[0][i], ones));
+            acc32[1][i] = _mm256_add_epi32(acc32[1][i], _mm256_madd_epi16(acc16[1][i], ones));
+        }
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < MG; i++) {
+        size_t off = (size_t)(m0 + i) * n;
+        float *o = out ? out + off : NULL;
+        int32_t *oi = out_i32 ? out_i32 + off : NULL;
+        finish_half_avx2(acc32[0][i], act_sum[m0 + i], t * 16, n, row_scale, act_scale[m0 + i], o, oi);
+        finish_half_avx2(acc32[1][i], act_sum[m0 + i], t * 16 + 8, n, row_scale, act_scale[m0 + i], o, oi);
+    }
+}
+
+AVX2_TARGET static void gemm_ternary_avx2(const uint8_t *w, const float *row_scale, const int8_t *xq, int m,
+                                          int k_pad, const float *act_scale, const int32_t *act_sum, float *out,
+                                          int32_t *out_i32, int n, int tile_begin, int tile_end) {
+    const size_t tile_bytes = (size_t)(k_pad / 16) * 64;
+    for (int t = tile_begin; t < tile_end; t++) {
+        int m0 = 0;
+        for (; m0 + 4 <= m; m0 += 4)
+            gemm_group_avx2(w, tile_bytes, t, 1, xq, m0, 4, k_pad, row_scale, act_scale, act_sum, out, out_i32, n);
+        if (m0 + 2 <= m) {
+            gemm_group_avx2(w, tile_bytes, t, 1, xq, m0, 2, k_pad, row_scale, act_scale, act_sum, out, out_i32, n);
+            m0 += 2;
+        }
+        if (m0 < m)
+            gemm_group_avx2(w, tile_bytes, t, 1, xq, m0, 1, k_pad, row_scale, act_scale, act_sum, out, out_i32, n);
+    }
+}
+#endif
+
+#if defined(__aarch64__)
+/* ---------------- NEON (sdot), 4 tokens per pass over a tile ---------------- */
+__attribute__((target("+dotprod")))
+static void gemm_ternary_neon(const uint8_t *w, const float *row_scale, const int8_t *xq, int m, int k_pad,
+                              const float *act_scale, const int32_t *act_sum, float *out, int32_t *out_i32, int n,
+                              int tile_begin, int tile_end) {
+    const int kb = k_pad / 16;
+    const uint8x16_t m3 = vdupq_n_u8(3);
+    for (int t = tile_begin; t < tile_end; t++) {
+        const uint8_t *p = w + (size_t)t * kb * 64;
+        for (int i = 0; i < m; i++) {
+            const int8_t *x = xq + (size_t)i * k_pad;
+            int32x4_t acc[4] = {vdupq_n_s32(0), vdupq_n_s32(0), vdupq_n_s32(0), vdupq_n_s32(0)};
+            for (int b = 0; b < kb; b++) {
+                int8x16_t xv = vld1q_s8(x + 16 * b);
+                for (int q = 0; q < 4; q++) {
+                    uint8x16_t v = vld1q_u8(p + (size_t)b * 64 + 16 * q);
+                    acc[q] = vdotq_laneq_s32(acc[q], vreinterpretq_s8_u8(vandq_u8(v, m3)), xv, 0);
+                    acc[q] = vdotq_laneq_s32(acc[q], vreinterpretq_s8_u8(vandq_u8(vshrq_n_u8(v, 2), m3)), xv, 1);
+                    acc[q] = vdotq_laneq_s32(acc[q], vreinterpretq_s8_u8(vandq_u8(vshrq_n_u8(v, 4), m3)), xv, 2);
+                    acc[q] = vdotq_laneq_s32(acc[q], vreinterpretq_s8_u8(vshrq_n_u8(v, 6)), xv, 3);
+                }
+            }
+            int32_t dots[16];
+            for (int q = 0; q < 4; q++) vst1q_s32(dots + 4 * q, vsubq_s32(acc[q], vdupq_n_s32(act_sum[i])));
+            bk_store_tile(dots, t * 16, n, row_scale, act_scale[i], out ? out + (size_t)i * n : NULL,
+                          out_i32 ? out_i32 + (size_t)i * n : NULL);
+        }
+    }
+}
+#endif
+
+const bk_gemm_ternary_fn bk_gemm_ternary_bodies[4] = {
+    [BK_ISA_SCALAR] = gemm_ternary_scalar,
+#if defined(__x86_64__)
+    [BK_ISA_AVX2] = gemm_ternary_avx2,
+    [BK_ISA_AVX512] = gemm_ternary_avx512,
+#endif
+#if defined(__aarch64__)
+    [BK_ISA_NEON] = gemm_ternary_neon,
+#endif
+};
+
+void bk_gemm_ternary(const uint8_t *w, const float *row_scale, const int8_t *xq, int m, int k_pad,
+                     const float *act_scale, const int32_t *act_sum, float *out, int32_t *out_i32, int n) {
+    bk_gemm_ternary_fn fn = bk_table.gemm_ternary;
+    int n_tiles = (n + 15) / 16;
+    int nt = bk_get_num_threads();
+    if (nt > n_tiles) nt = n_tiles;
+    if (nt <= 1 || (size_t)n_tiles * k_pad * m < 16 * 4096) {
+        fn(w, row_scale, xq, m, k_pad, act_scale, act_sum, out, out_i32, n, 0, n_tiles);
+        return;
+    }
+#pragma omp parallel num_threads(nt)
+    {
+        int b, e;
+        bk_split(n_tiles, omp_get_num_threads(), omp_get_thread_num(), &b, &e);
+        fn(w, row_scale, xq, m, k_pad, act_scale, act_sum, out, out_i32, n, b, e);
+    }
+}

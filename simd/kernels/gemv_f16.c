@@ -1,0 +1,174 @@
+/* f16 GEMV for the LM head ("f16_tile16", engine/layout.py): tile t, column k -> 16 halves of rows 16t..16t+15.
+ *   out[n] = fma(W[n,K-1], x[K-1], ... fma(W[n,1], x[1], fma(W[n,0], x[0], 0)))
+ * Each row is accumulated strictly in order k = 0..K-1 with a fused multiply-add, one lane per row, in every
+ * path, so all paths give identical floats. The sequential chain per row means FMA latency, not throughput,
+ * bounds one tile: the bodies interleave several tiles to keep enough independent chains in flight.
+ */
+#include "kernels.h"
+
+#include <math.h>
+#include <omp.h>
+
+#if defined(__x86_64__)
+#include "x86_common.h"
+#endif
+#if defined(__aarch64__)
+#include <arm_neon.h>
+#endif
+
+/* IEEE half -> float, exact (normals, subnormals, inf, nan). */
+static inline float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff, bits;
+    if (exp == 0x1f) {
+        bits = sign | 0x7f800000u | (mant << 13);
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112) << 23) | (mant << 13);
+    } else if (mant == 0) {
+        bits = sign;
+    } else { /* subnormal: normalize */
+        int e = -1;
+        do {
+            e++;
+            mant <<= 1;
+        } while (!(mant & 0x400));
+        bits = sign | ((uint32_t)(112 - e) << 23) | ((mant & 0x3ff) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static void gemv_f16_scalar(const uint16_t *w, const float *x, int k, float *out, int n, int tile_begin, int tile_end) {
+    for (int t = tile_begin; t < tile_end; t++) {
+        const uint16_t *tile = w + (size_t)t * k * 16;
+        float acc[16] = {0};
+        for (int c = 0; c < k; c++)
+            for (int r = 0; r < 16; r++) acc[r] = fmaf(half_to_float(tile[(size_t)c * 16 + r]), x[c], acc[r]);
+        for (int r = 0; r < 16 && t * 16 + r < n; r++) out[t * 16 + r] = acc[r];
+    }
+}
+
+#if defined(__x86_64__)
+AVX512_TARGET static inline void store_rows_avx512(__m512 acc, int row0, int n, float *out) {
+    __mmask16 mk = n - row0 >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - row0)) - 1);
+    _mm512_mask_storeu_ps(out + row0, mk, acc);
+}
+
+#define F16_STEP_AVX512(acc, ptr) acc = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(ptr))), xc, acc)
+
+AVX512_TARGET static void gemv_f16_avx512(const uint16_t *w, const float *x, int k, float *out, int n,
+                                          int tile_begin, int tile_end) {
+    const size_t tile_halves = (size_t)k * 16;
+    int t = tile_begin;
+    /* 8 tiles: 8 independent FMA chains cover latency 4 x 2 FMA/cycle */
+    for (; t + 8 <= tile_end; t += 8) {
+        const uint16_t *p = w + (size_t)t * tile_halves;
+        __m512 a[8];
+        for (int j = 0; j < 8; j++) a[j] = _mm512_setzero_ps();
+        for (int c = 0; c < k; c++) {
+            __m512 xc = _mm512_set1_ps(x[c]);
+#pragma GCC unroll 8
+            for (int j = 0; j < 8; j++) F16_STEP_AVX512(a[j], p + j * tile_halves + (size_t)c * 16);
+        }
+        for (int j = 0; j < 8; j++) store_rows_avx512(a[j], (t + j) * 16, n, out);
+    }
+    for (; t < tile_end; t++) {
+        const uint16_t *p = w + (size_t)t * tile_halves;
+        __m512 a0 = _mm512_setzero_ps();
+        for (int c = 0; c < k; c++) {
+            __m512 xc = _mm512_set1_ps(x[c]);
+            F16_STEP_AVX512(a0, p + (size_t)c * 16);
+        }
+        store_rows_avx512(a0, t * 16, n, out);
+    }
+}
+
+AVX2_TARGET static inline void store_rows_avx2(__m256 lo, __m256 hi, int row0, int n, float *out) {
+    if (row0 + 16 <= n) {
+        _mm256_storeu_ps(out + row0, lo);
+        _mm256_storeu_ps(out + row0 + 8, hi);
+    } else {
+        float tmp[16];
+        _mm256_storeu_ps(tmp, lo);
+        _mm256_storeu_ps(tmp + 8, hi);
+        for (int r = 0; r < 16 && row0 + r < n; r++) out[row0 + r] = tmp[r];
+    }
+}
+
+#define F16_STEP_AVX2(acc, ptr) acc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(ptr))), xc, acc)
+
+AVX2_TARGET static void gemv_f16_avx2(const uint16_t *w, const float *x, int k, float *out, int n, int tile_begin,
+                                      int tile_end) {
+    const size_t tile_halves = (size_t)k * 16;
+    int t = tile_begin;
+    for (; t + 4 <= tile_end; t += 4) {
+        const uint16_t *p = w + (size_t)t * tile_halves;
+        __m256 a[8];
+        for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
+        for (int c = 0; c < k; c++) {
+            __m256 xc = _mm256_set1_ps(x[c]);
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; j++) {
+                F16_STEP_AVX2(a[2 * j], p + j * tile_halves + (size_t)c * 16);
+                F16_STEP_AVX2(a[2 * j + 1], p + j * tile_halves + (size_t)c * 16 + 8);
+            }
+        }
+        for (int j = 0; j < 4; j++) store_rows_avx2(a[2 * j], a[2 * j + 1], (t + j) * 16, n, out);
+    }
+    for (; t < tile_end; t++) {
+        const uint16_t *p = w + (size_t)t * tile_halves;
+        __m256 lo = _mm256_setzero_ps(), hi = lo;
+        for (int c = 0; c < k; c++) {
+            __m256 xc = _mm256_set1_ps(x[c]);
+            F16_STEP_AVX2(lo, p + (size_t)c * 16);
+            F16_STEP_AVX2(hi, p + (size_t)c * 16 + 8);
+        }
+        store_rows_avx2(lo, hi, t * 16, n, out);
+    }
+}
+#endif
+
+#if defined(__aarch64__)
+static void gemv_f16_neon(const uint16_t *w, const float *x, int k, float *out, int n, int tile_begin, int tile_end) {
+    for (int t = tile_begin; t < tile_end; t++) {
+        const uint16_t *p = w + (size_t)t * k * 16;
+        float32x4_t a[4] = {vdupq_n_f32(0), vdupq_n_f32(0), vdupq_n_f32(0), vdupq_n_f32(0)};
+        for (int c = 0; c < k; c++) {
+            float32x4_t xc = vdupq_n_f32(x[c]);
+            for (int q = 0; q < 4; q++) /* vfmaq: fused, same as fmaf */
+                a[q] = vfmaq_f32(a[q], vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p + (size_t)c * 16 + 4 * q))), xc);
+        }
+        float tmp[16];
+        for (int q = 0; q < 4; q++) vst1q_f32(tmp + 4 * q, a[q]);
+        for (int r = 0; r < 16 && t * 16 + r < n; r++) out[t * 16 + r] = tmp[r];
+    }
+}
+#endif
+
+const bk_gemv_f16_fn bk_gemv_f16_bodies[4] = {
+    [BK_ISA_SCALAR] = gemv_f16_scalar,
+#if defined(__x86_64__)
+    [BK_ISA_AVX2] = gemv_f16_avx2,
+    [BK_ISA_AVX512] = gemv_f16_avx512,
+#endif
+#if defined(__aarch64__)
+    [BK_ISA_NEON] = gemv_f16_neon,
+#endif
+};
+
+void bk_gemv_f16(const uint16_t *w, const float *x, int k, float *out, int n) {
+    bk_gemv_f16_fn fn = bk_table.gemv_f16;
+    int n_tiles = (n + 15) / 16;
+    int nt = bk_get_num_threads();
+    if (nt > n_tiles) nt = n_tiles;
+    if (nt <= 1 || (size_t)n_tiles * k < 16 * 1024) {
+        fn(w, x, k, out, n, 0, n_tiles);
+        return;
+    }
+#pragma omp parallel num_threads(nt)
+    {
+        int b, e;
+        bk_split(n_tiles, omp_get_num_threads(), omp_get_thread_num(), &b, &e);
+        fn(w, x, k, out, n, b, e);
+    }
+}

@@ -1,0 +1,197 @@
+/* int8 GEMV for the LM head ("i8_tile16", engine/layout.py): W_q int8 in [-127, 127], per-row f32 scale.
+ *   dot[n] = sum_k W_q[n,k] * xq[k];   out[n] = ((float)dot[n] / act_scale) * row_scale[n]
+ * A 64-byte group is 16 rows x 4 columns (one dword per row).
+ *   AVX-512 VNNI: vpdpbusd needs an unsigned operand, so the activations are offset to u8 = xq + 128 (xq ^ 0x80)
+ *     and the weights stay signed: sum (xq+128)*W = dot + 128 * w_rowsum[n]; w_rowsum comes with the head.
+ *   AVX2: pmaddubsw(|xq| as u8, sign(W, xq)); |xq| <= 128 and |W| <= 127, so a pair sum <= 32512: no
+ *     saturation. (|W| x sign(xq, W) would break on xq = -128, whose negation does not fit in int8.)
+ * aux holds xq ^ 0x80 (first k_pad bytes) and |xq| (next k_pad bytes), computed once per call.
+ */
+#include "kernels.h"
+
+#include <omp.h>
+#include <stdlib.h>
+
+#if defined(__x86_64__)
+#include "x86_common.h"
+#endif
+#if defined(__aarch64__)
+#include <arm_neon.h>
+#endif
+
+static void gemv_i8_scalar(const int8_t *w, const float *row_scale, const int32_t *w_rowsum, const int8_t *xq,
+                           const uint8_t *aux, int k_pad, float act_scale, float *out, int32_t *out_i32, int n,
+                           int tile_begin, int tile_end) {
+    (void)w_rowsum;
+    (void)aux;
+    const int groups = k_pad / 4;
+    int32_t dots[16];
+    for (int t = tile_begin; t < tile_end; t++) {
+        const int8_t *tile = w + (size_t)t * groups * 64;
+        for (int r = 0; r < 16; r++) dots[r] = 0;
+        for (int g = 0; g < groups; g++)
+            for (int r = 0; r < 16; r++)
+                for (int j = 0; j < 4; j++) dots[r] += (int32_t)tile[(size_t)g * 64 + r * 4 + j] * xq[4 * g + j];
+        bk_store_tile(dots, t * 16, n, row_scale, act_scale, out, out_i32);
+    }
+}
+
+#if defined(__x86_64__)
+AVX512_TARGET static inline __m512i rowsum_correction_avx512(const int32_t *w_rowsum, int row0, int n) {
+    __mmask16 mk = n - row0 >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - row0)) - 1);
+    return _mm512_slli_epi32(_mm512_maskz_loadu_epi32(mk, w_rowsum + row0), 7);
+}
+
+AVX512_TARGET static void gemv_i8_avx512(const int8_t *w, const float *row_scale, const int32_t *w_rowsum,
+                                         const int8_t *xq, const uint8_t *aux, int k_pad, float act_scale,
+                                         float *out, int32_t *out_i32, int n, int tile_begin, int tile_end) {
+    (void)xq;
+    const int groups = k_pad / 4;
+    const size_t tile_bytes = (size_t)groups * 64;
+    const uint8_t *xu = aux; /* xq + 128 */
+    int t = tile_begin;
+    for (; t + 4 <= tile_end; t += 4) {
+        const int8_t *p = w + (size_t)t * tile_bytes;
+        __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0, c0 = a0, c1 = a0, c2 = a0, c3 = a0;
+        int g = 0;
+        for (; g + 2 <= groups; g += 2) {
+            __m512i xa = _mm512_set1_epi32(load_i32(xu + 4 * g)), xb = _mm512_set1_epi32(load_i32(xu + 4 * g + 4));
+            const int8_t *q = p + (size_t)g * 64;
+            a0 = _mm512_dpbusd_epi32(a0, xa, _mm512_loadu_si512(q));
+            c0 = _mm512_dpbusd_epi32(c0, xb, _mm512_loadu_si512(q + 64));
+            a1 = _mm512_dpbusd_epi32(a1, xa, _mm512_loadu_si512(q + tile_bytes));
+            c1 = _mm512_dpbusd_epi32(c1, xb, _mm512_loadu_si512(q + tile_bytes + 64));
+            a2 = _mm512_dpbusd_epi32(a2, xa, _mm512_loadu_si512(q + 2 * tile_bytes));
+            c2 = _mm512_dpbusd_epi32(c2, xb, _mm512_loadu_si512(q + 2 * tile_bytes + 64));
+            a3 = _mm512_dpbusd_epi32(a3, xa, _mm512_loadu_si512(q + 3 * tile_bytes));
+            c3 = _mm512_dpbusd_epi32(c3, xb, _mm512_loadu_si512(q + 3 * tile_bytes + 64));
+        }
+        /* k_pad is a multiple of 64, so groups is even: no tail */
+        __m512i acc[4] = {_mm512_add_epi32(a0, c0), _mm512_add_epi32(a1, c1), _mm512_add_epi32(a2, c2),
+                          _mm512_add_epi32(a3, c3)};
+        for (int j = 0; j < 4; j++) {
+            int row0 = (t + j) * 16;
+            finish_tile_avx512(_mm512_sub_epi32(acc[j], rowsum_correction_avx512(w_rowsum, row0, n)), 0, row0, n,
+                               row_scale, act_scale, out, out_i32);
+        }
+    }
+    for (; t < tile_end; t++) {
+        const int8_t *p = w + (size_t)t * tile_bytes;
+        __m512i a0 = _mm512_setzero_si512();
+        for (int g = 0; g < groups; g++)
+            a0 = _mm512_dpbusd_epi32(a0, _mm512_set1_epi32(load_i32(xu + 4 * g)), _mm512_loadu_si512(p + (size_t)g * 64));
+        int row0 = t * 16;
+        finish_tile_avx512(_mm512_sub_epi32(a0, rowsum_correction_avx512(w_rowsum, row0, n)), 0, row0, n, row_scale,
+                           act_scale, out, out_i32);
+    }
+}
+
+AVX2_TARGET static void gemv_i8_avx2(const int8_t *w, const float *row_scale, const int32_t *w_rowsum,
+                                     const int8_t *xq, const uint8_t *aux, int k_pad, float act_scale, float *out,
+                                     int32_t *out_i32, int n, int tile_begin, int tile_end) {
+    (void)w_rowsum;
+    const int groups = k_pad / 4;
+    const size_t tile_bytes = (size_t)groups * 64;
+    const uint8_t *xabs = aux + k_pad;
+    const __m256i ones = _mm256_set1_epi16(1);
+    int t = tile_begin;
+    for (; t + 2 <= tile_end; t += 2) {
+        const int8_t *p = w + (size_t)t * tile_bytes;
+        __m256i lo0 = _mm256_setzero_si256(), hi0 = lo0, lo1 = lo0, hi1 = lo0;
+        for (int g = 0; g < groups; g++) {
+            __m256i xa = _mm256_set1_epi32(load_i32(xabs + 4 * g)), xs = _mm256_set1_epi32(load_i32(xq + 4 * g));
+            const int8_t *q = p + (size_t)g * 64;
+#define I8_HALF_AVX2(acc, ptr)                                                                              \
+    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(                                    \
+                                    xa, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(ptr)), xs)), \
+                                ones))
+            I8_HALF_AVX2(lo0, q);
+            I8_HALF_AVX2(hi0, q + 32);
+            I8_HALF_AVX2(lo1, q + tile_bytes);
+            I8_HALF_AVX2(hi1, q + tile_bytes + 32);
+        }
+        finish_half_avx2(lo0, 0, t * 16, n, row_scale, act_scale, out, out_i32);
+        finish_half_avx2(hi0, 0, t * 16 + 8, n, row_scale, act_scale, out, out_i32);
+        finish_half_avx2(lo1, 0, t * 16 + 16, n, row_scale, act_scale, out, out_i32);
+        finish_half_avx2(hi1, 0, t * 16 + 24, n, row_scale, act_scale, out, out_i32);
+    }
+    for (; t < tile_end; t++) {
+        const int8_t *p = w + (size_t)t * tile_bytes;
+        __m256i lo0 = _mm256_setzero_si256(), hi0 = lo0;
+        for (int g = 0; g < groups; g++) {
+            __m256i xa = _mm256_set1_epi32(load_i32(xabs + 4 * g)), xs = _mm256_set1_epi32(load_i32(xq + 4 * g));
+            I8_HALF_AVX2(lo0, p + (size_t)g * 64);
+            I8_HALF_AVX2(hi0, p + (size_t)g * 64 + 32);
+        }
+        finish_half_avx2(lo0, 0, t * 16, n, row_scale, act_scale, out, out_i32);
+        finish_half_avx2(hi0, 0, t * 16 + 8, n, row_scale, act_scale, out, out_i32);
+    }
+#undef I8_HALF_AVX2
+}
+#endif
+
+#if defined(__aarch64__)
+__attribute__((target("+dotprod")))
+static void gemv_i8_neon(const int8_t *w, const float *row_scale, const int32_t *w_rowsum, const int8_t *xq,
+                         const uint8_t *aux, int k_pad, float act_scale, float *out, int32_t *out_i32, int n,
+                         int tile_begin, int tile_end) {
+    (void)w_rowsum;
+    (void)aux;
+    const int groups = k_pad / 4;
+    for (int t = tile_begin; t < tile_end; t++) {
+        const int8_t *p = w + (size_t)t * groups * 64;
+        int32x4_t acc[4] = {vdupq_n_s32(0), vdupq_n_s32(0), vdupq_n_s32(0), vdupq_n_s32(0)};
+        for (int g = 0; g < groups; g += 4) { /* 4 groups share one 16-byte activation load */
+            int8x16_t xv = vld1q_s8(xq + 4 * g);
+            for (int q = 0; q < 4; q++) {
+                const int8_t *blk = p + (size_t)g * 64 + 16 * q;
+                acc[q] = vdotq_laneq_s32(acc[q], vld1q_s8(blk), xv, 0);
+                acc[q] = vdotq_laneq_s32(acc[q], vld1q_s8(blk + 64), xv, 1);
+                acc[q] = vdotq_laneq_s32(acc[q], vld1q_s8(blk + 128), xv, 2);
+                acc[q] = vdotq_laneq_s32(acc[q], vld1q_s8(blk + 192), xv, 3);
+            }
+        }
+        int32_t dots[16];
+        for (int q = 0; q < 4; q++) vst1q_s32(dots + 4 * q, acc[q]);
+        bk_store_tile(dots, t * 16, n, row_scale, act_scale, out, out_i32);
+    }
+}
+#endif
+
+const bk_gemv_i8_fn bk_gemv_i8_bodies[4] = {
+    [BK_ISA_SCALAR] = gemv_i8_scalar,
+#if defined(__x86_64__)
+    [BK_ISA_AVX2] = gemv_i8_avx2,
+    [BK_ISA_AVX512] = gemv_i8_avx512,
+#endif
+#if defined(__aarch64__)
+    [BK_ISA_NEON] = gemv_i8_neon,
+#endif
+};
+
+int bk_gemv_i8(const int8_t *w, const float *row_scale, const int32_t *w_rowsum, const int8_t *xq, int k_pad,
+               float act_scale, float *out, int32_t *out_i32, int n) {
+    bk_gemv_i8_fn fn = bk_table.gemv_i8;
+    uint8_t stack_aux[2 * 8192];
+    uint8_t *aux = 2 * (size_t)k_pad <= sizeof stack_aux ? stack_aux : malloc(2 * (size_t)k_pad);
+    if (!aux) return -1;
+    for (int k = 0; k < k_pad; k++) {
+        aux[k] = (uint8_t)(xq[k] ^ 0x80);
+        aux[k_pad + k] = (uint8_t)(xq[k] < 0 ? -xq[k] : xq[k]); /* -(-128) = 128 fits in u8 */
+    }
+    int n_tiles = (n + 15) / 16;
+    int nt = bk_get_num_threads();
+    if (nt > n_tiles) nt = n_tiles;
+    if (nt <= 1 || (size_t)n_tiles * k_pad < 16 * 4096) {
+        fn(w, row_scale, w_rowsum, xq, aux, k_pad, act_scale, out, out_i32, n, 0, n_tiles);
+    } else {
+#pragma omp parallel num_threads(nt)
+        {
+            int b, e;
+            bk_split(n_tiles, omp_get_num_threads(), omp_get_thread_num(), &b, &e);
+            fn(w, row_scale, w_rowsum, xq, aux, k_pad, act_scale, out, out_i32, n, b, e);
+        }
+    }
+    if (aux != stack_aux) free(aux);
+    return 0;
+}

@@ -1,0 +1,224 @@
+/* Ternary GEMV (one token) on the tile16 layout (engine/layout.py):
+ *   dot[n] = sum_k (u[n,k] - 1) * xq[k] = sum_k u[n,k] * xq[k] - act_sum,   u = 2-bit code in {0,1,2}
+ *   out[n] = ((float)dot[n] / act_scale) * row_scale[n]
+ * A 64-byte block holds 16 rows x 16 columns; (block >> 2i) & 3 is 16 rows x 4 columns (4i..4i+3), one
+ * dword per row: exactly the operand of vpdpbusd (u8 codes x s8 activations broadcast to every lane).
+ * Decode is memory-bound, so the bodies interleave several tiles (independent accumulator chains, several
+ * prefetch streams) and share the activation broadcasts between them.
+ */
+#include "kernels.h"
+
+#include <omp.h>
+#include <string.h>
+
+#if defined(__x86_64__)
+#include "x86_common.h"
+#endif
+#if defined(__aarch64__)
+#include <arm_neon.h>
+#endif
+
+/* sum_k u[16t + r, k] * xq[k] for the 16 rows of one tile (the scalar reference of every body). */
+static void tile_code_dots_scalar(const uint8_t *tile, const int8_t *xq, int kb, int32_t *dots) {
+    for (int r = 0; r < 16; r++) dots[r] = 0;
+    for (int b = 0; b < kb; b++) {
+        const uint8_t *blk = tile + (size_t)b * 64;
+        const int8_t *xb = xq + 16 * b;
+        for (int r = 0; r < 16; r++) {
+            int32_t s = 0;
+            for (int j = 0; j < 4; j++) {
+                unsigned byte = blk[r * 4 + j];
+                for (int i = 0; i < 4; i++) s += (int32_t)((byte >> (2 * i)) & 3) * xb[4 * i + j];
+            }
+            dots[r] += s;
+        }
+    }
+}
+
+static void gemv_ternary_scalar(const uint8_t *w, const float *row_scale, const int8_t *xq, int k_pad,
+                                float act_scale, int32_t act_sum, float *out, int32_t *out_i32, int n,
+                                int tile_begin, int tile_end) {
+    int kb = k_pad / 16;
+    int32_t dots[16];
+    for (int t = tile_begin; t < tile_end; t++) {
+        tile_code_dots_scalar(w + (size_t)t * kb * 64, xq, kb, dots);
+        for (int r = 0; r < 16; r++) dots[r] -= act_sum;
+        bk_store_tile(dots, t * 16, n, row_scale, act_scale, out, out_i32);
+    }
+}
+
+#if defined(__x86_64__)
+/* ---------------- AVX-512 VNNI ---------------- */
+#define TERNARY_STEP_AVX512(acc_a, acc_b, ptr)                                                      \
+    do {                                                                                            \
+        __m512i v_ = _mm512_loadu_si512(ptr);                                                       \
+        acc_a = _mm512_dpbusd_epi32(acc_a, _mm512_and_si512(v_, m3), x0);                           \
+        acc_b = _mm512_dpbusd_epi32(acc_b, _mm512_and_si512(_mm512_srli_epi16(v_, 2), m3), x1);     \
+        acc_a = _mm512_dpbusd_epi32(acc_a, _mm512_and_si512(_mm512_srli_epi16(v_, 4), m3), x2);     \
+        acc_b = _mm512_dpbusd_epi32(acc_b, _mm512_and_si512(_mm512_srli_epi16(v_, 6), m3), x3);     \
+    } while (0)
+
+AVX512_TARGET static void gemv_ternary_avx512(const uint8_t *w, const float *row_scale, const int8_t *xq,
+                                              int k_pad, float act_scale, int32_t act_sum, float *out,
+                                              int32_t *out_i32, int n, int tile_begin, int tile_end) {
+    const int kb = k_pad / 16;
+    const size_t tile_bytes = (size_t)kb * 64;
+    const __m512i m3 = _mm512_set1_epi8(3);
+    int t = tile_begin;
+    for (; t + 4 <= tile_end; t += 4) {
+        const uint8_t *p = w + (size_t)t * tile_bytes;
+        __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0, c0 = a0, c1 = a0, c2 = a0, c3 = a0;
+        for (int b = 0; b < kb; b++) {
+            const int8_t *xb = xq + 16 * b;
+            __m512i x0 = _mm512_set1_epi32(load_i32(xb)), x1 = _mm512_set1_epi32(load_i32(xb + 4));
+            __m512i x2 = _mm512_set1_epi32(load_i32(xb + 8)), x3 = _mm512_set1_epi32(load_i32(xb + 12));
+            const uint8_t *q = p + (size_t)b * 64;
+            TERNARY_STEP_AVX512(a0, c0, q);
+            TERNARY_STEP_AVX512(a1, c1, q + tile_bytes);
+            TERNARY_STEP_AVX512(a2, c2, q + 2 * tile_bytes);
+            TERNARY_STEP_AVX512(a3, c3, q + 3 * tile_bytes);
+        }
+        finish_tile_avx512(_mm512_add_epi32(a0, c0), act_sum, t * 16, n, row_scale, act_scale, out, out_i32);
+        finish_tile_avx512(_mm512_add_epi32(a1, c1), act_sum, t * 16 + 16, n, row_scale, act_scale, out, out_i32);
+        finish_tile_avx512(_mm512_add_epi32(a2, c2), act_sum, t * 16 + 32, n, row_scale, act_scale, out, out_i32);
+        finish_tile_avx512(_mm512_add_epi32(a3, c3), act_sum, t * 16 + 48, n, row_scale, act_scale, out, out_i32);
+    }
+    for (; t < tile_end; t++) {
+        const uint8_t *p = w + (size_t)t * tile_bytes;
+        __m512i a0 = _mm512_setzero_si512(), c0 = a0;
+        for (int b = 0; b < kb; b++) {
+            const int8_t *xb = xq + 16 * b;
+            __m512i x0 = _mm512_set1_epi32(load_i32(xb)), x1 = _mm512_set1_epi32(load_i32(xb + 4));
+            __m512i x2 = _mm512_set1_epi32(load_i32(xb + 8)), x3 = _mm512_set1_epi32(load_i32(xb + 12));
+            TERNARY_STEP_AVX512(a0, c0, p + (size_t)b * 64);
+        }
+        finish_tile_avx512(_mm512_add_epi32(a0, c0), act_sum, t * 16, n, row_scale, act_scale, out, out_i32);
+    }
+}
+
+/* ---------------- AVX2 (pmaddubsw, int16 partial sums) ---------------- */
+/* One 32-byte half block (8 rows x 16 columns) into an int16 accumulator: |pair sum| <= 2*2*128 = 512 and
+ * 4 pairs per block, so 16 blocks fit in int16 before the widening to int32 (AVX2_FLUSH_BLOCKS). */
+#define TERNARY_HALF_AVX2(acc16, ptr)                                                                  \
+    do {                                                                                               \
+        __m256i v_ = _mm256_loadu_si256((const __m256i *)(ptr));                                       \
+        __m256i s01_ = _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_and_si256(v_, m3), x0),            \
+                                        _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v_, 2), m3), x1)); \
+        __m256i s23_ = _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v_, 4), m3), x2), \
+                                        _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v_, 6), m3), x3)); \
+        acc16 = _mm256_add_epi16(acc16, _mm256_add_epi16(s01_, s23_));                                  \
+    } while (0)
+#define AVX2_FLUSH_BLOCKS 16
+
+AVX2_TARGET static void gemv_ternary_avx2(const uint8_t *w, const float *row_scale, const int8_t *xq, int k_pad,
+                                          float act_scale, int32_t act_sum, float *out, int32_t *out_i32, int n,
+                                          int tile_begin, int tile_end) {
+    const int kb = k_pad / 16;
+    const size_t tile_bytes = (size_t)kb * 64;
+    const __m256i m3 = _mm256_set1_epi8(3), ones = _mm256_set1_epi16(1);
+    int t = tile_begin;
+    for (; t + 2 <= tile_end; t += 2) {
+        const uint8_t *p = w + (size_t)t * tile_bytes;
+        __m256i lo0 = _mm256_setzero_si256(), hi0 = lo0, lo1 = lo0, hi1 = lo0;
+        for (int b0 = 0; b0 < kb; b0 += AVX2_FLUSH_BLOCKS) {
+            int b1 = b0 + AVX2_FLUSH_BLOCKS < kb ? b0 + AVX2_FLUSH_BLOCKS : kb;
+            __m256i l0 = _mm256_setzero_si256(), h0 = l0, l1 = l0, h1 = l0;
+            for (int b = b0; b < b1; b++) {
+                const int8_t *xb = xq + 16 * b;
+                __m256i x0 = _mm256_set1_epi32(load_i32(xb)), x1 = _mm256_set1_epi32(load_i32(xb + 4));
+                __m256i x2 = _mm256_set1_epi32(load_i32(xb + 8)), x3 = _mm256_set1_epi32(load_i32(xb + 12));
+                const uint8_t *q = p + (size_t)b * 64;
+                TERNARY_HALF_AVX2(l0, q);
+                TERNARY_HALF_AVX2(h0, q + 32);
+                TERNARY_HALF_AVX2(l1, q + tile_bytes);
+                TERNARY_HALF_AVX2(h1, q + tile_bytes + 32);
+            }
+            lo0 = _mm256_add_epi32(lo0, _mm256_madd_epi16(l0, ones));
+            hi0 = _mm256_add_epi32(hi0, _mm256_madd_epi16(h0, ones));
+            lo1 = _mm256_add_epi32(lo1, _mm256_madd_epi16(l1, ones));
+            hi1 = _mm256_add_epi32(hi1, _mm256_madd_epi16(h1, ones));
+        }
+        finish_half_avx2(lo0, act_sum, t * 16, n, row_scale, act_scale, out, out_i32);
+        finish_half_avx2(hi0, act_sum, t * 16 + 8, n, row_scale, act_scale, out, out_i32);
+        finish_half_avx2(lo1, act_sum, t * 16 + 16, n, row_scale, act_scale, out, out_i32);
+        finish_half_avx2(hi1, act_sum, t * 16 + 24, n, row_scale, act_scale, out, out_i32);
+    }
+    for (; t < tile_end; t++) {
+        const uint8_t *p = w + (size_t)t * tile_bytes;
+        __m256i lo0 = _mm256_setzero_si256(), hi0 = lo0;
+        for (int b0 = 0; b0 < kb; b0 += AVX2_FLUSH_BLOCKS) {
+            int b1 = b0 + AVX2_FLUSH_BLOCKS < kb ? b0 + AVX2_FLUSH_BLOCKS : kb;
+            __m256i l0 = _mm256_setzero_si256(), h0 = l0;
+            for (int b = b0; b < b1; b++) {
+                const int8_t *xb = xq + 16 * b;
+                __m256i x0 = _mm256_set1_epi32(load_i32(xb)), x1 = _mm256_set1_epi32(load_i32(xb + 4));
+                __m256i x2 = _mm256_set1_epi32(load_i32(xb + 8)), x3 = _mm256_set1_epi32(load_i32(xb + 12));
+                TERNARY_HALF_AVX2(l0, p + (size_t)b * 64);
+                TERNARY_HALF_AVX2(h0, p + (size_t)b * 64 + 32);
+            }
+            lo0 = _mm256_add_epi32(lo0, _mm256_madd_epi16(l0, ones));
+            hi0 = _mm256_add_epi32(hi0, _mm256_madd_epi16(h0, ones));
+        }
+        finish_half_avx2(lo0, act_sum, t * 16, n, row_scale, act_scale, out, out_i32);
+        finish_half_avx2(hi0, act_sum, t * 16 + 8, n, row_scale, act_scale, out, out_i32);
+    }
+}
+#endif
+
+#if defined(__aarch64__)
+/* ---------------- NEON (sdot: codes {0,1,2} are valid s8) ---------------- */
+__attribute__((target("+dotprod")))
+static void gemv_ternary_neon(const uint8_t *w, const float *row_scale, const int8_t *xq, int k_pad,
+                              float act_scale, int32_t act_sum, float *out, int32_t *out_i32, int n,
+                              int tile_begin, int tile_end) {
+    const int kb = k_pad / 16;
+    const uint8x16_t m3 = vdupq_n_u8(3);
+    for (int t = tile_begin; t < tile_end; t++) {
+        const uint8_t *p = w + (size_t)t * kb * 64;
+        int32x4_t acc[4] = {vdupq_n_s32(0), vdupq_n_s32(0), vdupq_n_s32(0), vdupq_n_s32(0)};
+        for (int b = 0; b < kb; b++) {
+            int8x16_t xv = vld1q_s8(xq + 16 * b);
+            for (int q = 0; q < 4; q++) { /* 16 bytes = rows 4q..4q+3 */
+                uint8x16_t v = vld1q_u8(p + (size_t)b * 64 + 16 * q);
+                acc[q] = vdotq_laneq_s32(acc[q], vreinterpretq_s8_u8(vandq_u8(v, m3)), xv, 0);
+                acc[q] = vdotq_laneq_s32(acc[q], vreinterpretq_s8_u8(vandq_u8(vshrq_n_u8(v, 2), m3)), xv, 1);
+                acc[q] = vdotq_laneq_s32(acc[q], vreinterpretq_s8_u8(vandq_u8(vshrq_n_u8(v, 4), m3)), xv, 2);
+                acc[q] = vdotq_laneq_s32(acc[q], vreinterpretq_s8_u8(vshrq_n_u8(v, 6)), xv, 3);
+            }
+        }
+        int32_t dots[16];
+        for (int q = 0; q < 4; q++) vst1q_s32(dots + 4 * q, vsubq_s32(acc[q], vdupq_n_s32(act_sum)));
+        bk_store_tile(dots, t * 16, n, row_scale, act_scale, out, out_i32);
+    }
+}
+#endif
+
+const bk_gemv_ternary_fn bk_gemv_ternary_bodies[4] = {
+    [BK_ISA_SCALAR] = gemv_ternary_scalar,
+#if defined(__x86_64__)
+    [BK_ISA_AVX2] = gemv_ternary_avx2,
+    [BK_ISA_AVX512] = gemv_ternary_avx512,
+#endif
+#if defined(__aarch64__)
+    [BK_ISA_NEON] = gemv_ternary_neon,
+#endif
+};
+
+void bk_gemv_ternary(const uint8_t *w, const float *row_scale, const int8_t *xq, int k_pad, float act_scale,
+                     int32_t act_sum, float *out, int32_t *out_i32, int n) {
+    bk_gemv_ternary_fn fn = bk_table.gemv_ternary;
+    int n_tiles = (n + 15) / 16;
+    int nt = bk_get_num_threads();
+    /* tiny matrices: thread start-up costs more than the work */
+    if (nt > n_tiles) nt = n_tiles;
+    if (nt <= 1 || (size_t)n_tiles * k_pad < 16 * 4096) {
+        fn(w, row_scale, xq, k_pad, act_scale, act_sum, out, out_i32, n, 0, n_tiles);
+        return;
+    }
+#pragma omp parallel num_threads(nt)
+    {
+        int b, e;
+        bk_split(n_tiles, omp_get_num_threads(), omp_get_thread_num(), &b, &e);
+        fn(w, row_scale, xq, k_pad, act_scale, act_sum, out, out_i32, n, b, e);
+    }
+}

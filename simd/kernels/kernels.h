@@ -1,0 +1,113 @@
+/* Shared declarations of the ternary / int8 / f16 kernels (layouts: engine/layout.py).
+ *
+ * Every job lives in its own C file with a scalar reference body (always compiled) and per-ISA bodies
+ * (AVX2, AVX-512 VNNI with per-function target attributes; NEON under __aarch64__). dispatch.c picks one
+ * body per job once (cpuid + xgetbv, or BITNET_ISA / bk_set_isa) and caches it in bk_table; a job whose
+ * ISA body is missing keeps the scalar one, so a kernel is never absent.
+ *
+ * Bodies work on a contiguous range of 16-row tiles [tile_begin, tile_end); the public bk_* drivers split
+ * the tiles across OpenMP threads in contiguous ranges (each thread streams its own part of the weights).
+ * Pointers need no particular alignment (all vector loads are unaligned loads).
+ */
+#ifndef BITNET_KERNELS_H
+#define BITNET_KERNELS_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#define BK_TILE_ROWS 16
+
+enum bk_isa { BK_ISA_SCALAR = 0, BK_ISA_AVX2 = 1, BK_ISA_AVX512 = 2, BK_ISA_NEON = 3 };
+
+/* CPU features seen by the dispatcher (cpuid bits AND the OS saving the matching register state). */
+typedef struct {
+    int sse41, avx2, fma, f16c, avx512f, avx512bw, avx512vl, avx512vnni, avx512bf16, avxvnni, neon, dotprod;
+} bk_features_t;
+
+/* Raw int32 results of the integer kernels go to out_i32 when it is non-NULL (tests); otherwise the f32
+ * formula of layout.py goes to out: ((float)dot / act_scale) * row_scale[n]. */
+typedef void (*bk_quantize_fn)(const float *x, int k, int k_pad, int8_t *xq, float *act_scale, int32_t *act_sum);
+typedef void (*bk_gemv_ternary_fn)(const uint8_t *w, const float *row_scale, const int8_t *xq, int k_pad,
+                                   float act_scale, int32_t act_sum, float *out, int32_t *out_i32, int n,
+                                   int tile_begin, int tile_end);
+typedef void (*bk_gemm_ternary_fn)(const uint8_t *w, const float *row_scale, const int8_t *xq, int m, int k_pad,
+                                   const float *act_scale, const int32_t *act_sum, float *out, int32_t *out_i32,
+                                   int n, int tile_begin, int tile_end);
+typedef void (*bk_gemv_i8_fn)(const int8_t *w, const float *row_scale, const int32_t *w_rowsum, const int8_t *xq,
+                              const uint8_t *xq_aux, int k_pad, float act_scale, float *out, int32_t *out_i32, int n,
+                              int tile_begin, int tile_end);
+typedef void (*bk_gemv_f16_fn)(const uint16_t *w, const float *x, int k, float *out, int n, int tile_begin,
+                               int tile_end);
+
+typedef struct {
+    bk_quantize_fn quantize_act;
+    bk_gemv_ternary_fn gemv_ternary;
+    bk_gemm_ternary_fn gemm_ternary;
+    bk_gemv_i8_fn gemv_i8;
+    bk_gemv_f16_fn gemv_f16;
+} bk_table_t;
+
+extern bk_table_t bk_table;
+
+/* dispatch.c */
+const bk_features_t *bk_get_features(void);
+int bk_isa_supported(int isa);
+int bk_set_isa(int isa);            /* 0 ok, -1 the CPU cannot run it */
+int bk_get_isa(void);
+int bk_best_isa(void);
+void bk_set_num_threads(int n);
+int bk_get_num_threads(void);
+void bk_init(void);
+/* The scalar body of every job (the reference) and the per-ISA bodies (NULL when not compiled in). */
+void bk_fill_table(bk_table_t *t, int isa);
+
+/* per-job tables filled by each file: entry [isa] or NULL */
+extern const bk_quantize_fn bk_quantize_bodies[4];
+extern const bk_gemv_ternary_fn bk_gemv_ternary_bodies[4];
+extern const bk_gemm_ternary_fn bk_gemm_ternary_bodies[4];
+extern const bk_gemv_i8_fn bk_gemv_i8_bodies[4];
+extern const bk_gemv_f16_fn bk_gemv_f16_bodies[4];
+
+/* Threaded drivers (GIL must already be released by the caller). */
+void bk_quantize_act(const float *x, int m, int k, int k_pad, int8_t *xq, float *act_scale, int32_t *act_sum);
+void bk_gemv_ternary(const uint8_t *w, const float *row_scale, const int8_t *xq, int k_pad, float act_scale,
+                     int32_t act_sum, float *out, int32_t *out_i32, int n);
+void bk_gemm_ternary(const uint8_t *w, const float *row_scale, const int8_t *xq, int m, int k_pad,
+                     const float *act_scale, const int32_t *act_sum, float *out, int32_t *out_i32, int n);
+int bk_gemv_i8(const int8_t *w, const float *row_scale, const int32_t *w_rowsum, const int8_t *xq, int k_pad,
+               float act_scale, float *out, int32_t *out_i32, int n);   /* -1 on allocation failure */
+void bk_gemv_f16(const uint16_t *w, const float *x, int k, float *out, int n);
+/* Streaming read of a buffer (bandwidth benchmark): returns a checksum so the loads are not elided. */
+uint64_t bk_stream_read(const uint8_t *buf, size_t nbytes);
+/* Register-only vpdpbusd loop (peak int8 MAC rate of the path): returns a value to keep it alive. */
+int64_t bk_peak_dot(long iters);
+int64_t bk_peak_dot_macs_per_iter(void); /* per thread, 0 when the path has no probe */
+
+/* 4 activation bytes as one dword (the broadcast operand of the dot-product instructions). */
+static inline int32_t load_i32(const void *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+/* Split tiles [0, n_tiles) into n_parts contiguous ranges; part p gets [*b, *e). */
+static inline void bk_split(int n_tiles, int n_parts, int p, int *b, int *e) {
+    int base = n_tiles / n_parts, rem = n_tiles % n_parts;
+    *b = p * base + (p < rem ? p : rem);
+    *e = *b + base + (p < rem ? 1 : 0);
+}
+
+/* Finish a 16-row tile whose int32 dots are in dots[16] (partial last tiles and scalar bodies). */
+static inline void bk_store_tile(const int32_t *dots, int row0, int n, const float *row_scale, float act_scale,
+                                 float *out, int32_t *out_i32) {
+    int rows = n - row0 < BK_TILE_ROWS ? n - row0 : BK_TILE_ROWS;
+    for (int r = 0; r < rows; r++) {
+        if (out_i32)
+            out_i32[row0 + r] = dots[r];
+        else
+            out[row0 + r] = ((float)dots[r] / act_scale) * row_scale[row0 + r];
+    }
+}
+
+#endif

@@ -1,0 +1,53 @@
+/* x86 helpers shared by the kernel files: target attributes and the f32 epilogue of a tile
+ * (dot - act_sum, then ((float)dot / act_scale) * row_scale, or the raw int32 dot for tests). */
+#ifndef BITNET_X86_COMMON_H
+#define BITNET_X86_COMMON_H
+#include <immintrin.h>
+
+#include "kernels.h"
+
+#define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c,avx2")))
+#define AVX2_TARGET __attribute__((target("avx2,fma,f16c")))
+
+AVX512_TARGET static inline void finish_tile_avx512(__m512i code_dot, int32_t act_sum, int row0, int n,
+                                                    const float *row_scale, float act_scale, float *out,
+                                                    int32_t *out_i32) {
+    __m512i dot = _mm512_sub_epi32(code_dot, _mm512_set1_epi32(act_sum));
+    if (row0 + 16 <= n) {
+        if (out_i32) {
+            _mm512_storeu_si512(out_i32 + row0, dot);
+        } else {
+            __m512 f = _mm512_div_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(act_scale));
+            _mm512_storeu_ps(out + row0, _mm512_mul_ps(f, _mm512_loadu_ps(row_scale + row0)));
+        }
+    } else {
+        int32_t dots[16];
+        _mm512_storeu_si512(dots, dot);
+        bk_store_tile(dots, row0, n, row_scale, act_scale, out, out_i32);
+    }
+}
+
+AVX2_TARGET static inline void finish_half_avx2(__m256i code_dot, int32_t act_sum, int row0, int n,
+                                                const float *row_scale, float act_scale, float *out,
+                                                int32_t *out_i32) {
+    __m256i dot = _mm256_sub_epi32(code_dot, _mm256_set1_epi32(act_sum));
+    if (row0 + 8 <= n) {
+        if (out_i32) {
+            _mm256_storeu_si256((__m256i *)(out_i32 + row0), dot);
+        } else {
+            __m256 f = _mm256_div_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(act_scale));
+            _mm256_storeu_ps(out + row0, _mm256_mul_ps(f, _mm256_loadu_ps(row_scale + row0)));
+        }
+    } else if (row0 < n) {
+        int32_t dots[8];
+        _mm256_storeu_si256((__m256i *)dots, dot);
+        for (int r = 0; r < 8 && row0 + r < n; r++) {
+            if (out_i32)
+                out_i32[row0 + r] = dots[r];
+            else
+                out[row0 + r] = ((float)dots[r] / act_scale) * row_scale[row0 + r];
+        }
+    }
+}
+
+#endif
