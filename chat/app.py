@@ -78,6 +78,11 @@ def main(argv: list[str] | None = None) -> int:
         except OSError:
             pass
         return 0
+    except Exception as e:  # a bug: one line (BITCHAT_DEBUG=1 shows the traceback), never a raw dump
+        if os.environ.get("BITCHAT_DEBUG"):
+            raise
+        print(f"bitchat: internal error: {type(e).__name__}: {e} (set BITCHAT_DEBUG=1 for details)", file=sys.stderr)
+        return 1
 
 
 def _run(args, settings: Settings, out: Output, interactive: bool) -> int:

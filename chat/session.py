@@ -65,6 +65,33 @@ def sigint_as_flag():
         signal.signal(signal.SIGINT, previous)
 
 
+@contextmanager
+def quiet_terminal(enabled: bool):
+    """While an answer streams, keys typed on the terminal are not echoed (no stray "^C" inside the
+    answer); they stay buffered and appear at the next prompt. Restored whatever happens."""
+    fd = None
+    if enabled:
+        try:
+            import sys
+            import termios
+
+            fd = sys.stdin.fileno()
+            saved = termios.tcgetattr(fd)
+            quiet = list(saved)
+            quiet[3] &= ~(termios.ECHO | getattr(termios, "ECHOCTL", 0))
+            termios.tcsetattr(fd, termios.TCSANOW, quiet)
+        except (ImportError, OSError, ValueError, AttributeError):
+            fd = None
+    try:
+        yield
+    finally:
+        if fd is not None:
+            try:
+                termios.tcsetattr(fd, termios.TCSANOW, saved)
+            except OSError:
+                pass
+
+
 class ChatSession:
     def __init__(self, llm, settings: Settings, output: Output, *, system: str | None = None,
                  threads: int | None = None, model_label: str | None = None):
@@ -151,7 +178,7 @@ class ChatSession:
         interrupted = False
         gen = None
         try:
-            with sigint_as_flag() as flag:
+            with sigint_as_flag() as flag, quiet_terminal(self.out.interactive):
                 gen = self.llm.generate(ids, params, max_tokens=max_tokens)
                 try:
                     for chunk in gen:
