@@ -1,0 +1,118 @@
+"""Generate (once, cached) the benchmark models: a synthetic BitNet b1.58 model of the exact 2B-4T shape
+(hidden 2560, intermediate 6912, 30 layers, 20 heads, 5 KV heads, vocab 128256, tied f16 token_embd) with
+random ternary weights, written as a TQ2_0 GGUF (what llama.cpp runs) and converted from that very file
+into our store (int8 LM head, the default; and the f16 LM head variant). TQ1_0 on request.
+
+    python bench/make_models.py [--tq1] [--no-f16] [--force] [--cache bench/cache] [--shape 2b4t|small]
+
+Everything is streamed tensor by tensor by engine.synth / engine.convert, so memory stays near one tensor
+(the f16 embedding, 656 MB, is the largest). Prints each file's size and the total disk used.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+DEFAULT_CACHE = os.path.join(HERE, "cache")
+SEED = 0
+
+
+def model_paths(cache: str = DEFAULT_CACHE, shape: str = "2b4t") -> dict[str, str]:
+    return {
+        "tq2_0": os.path.join(cache, f"{shape}.tq2_0.gguf"),
+        "tq1_0": os.path.join(cache, f"{shape}.tq1_0.gguf"),
+        "store_i8": os.path.join(cache, f"{shape}.i8.bnstore"),
+        "store_f16": os.path.join(cache, f"{shape}.f16.bnstore"),
+        "manifest": os.path.join(cache, f"{shape}.manifest.json"),
+    }
+
+
+def synth_model(shape: str, seed: int = SEED):
+    from engine.synth import SynthModel, bitnet_2b4t_config, small_config
+
+    if shape == "2b4t":
+        cfg = bitnet_2b4t_config()
+    elif shape == "small":
+        # smallest shape llama.cpp accepts for TQ types (ternary input dims multiples of 256)
+        cfg = small_config(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, vocab_size=1024, max_position_embeddings=2048)
+    else:
+        raise SystemExit(f"make_models: --shape {shape!r}: expected 2b4t or small")
+    return SynthModel(cfg, seed=seed)
+
+
+def _human(n: int) -> str:
+    return f"{n / (1 << 30):.2f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
+
+
+def make(cache: str = DEFAULT_CACHE, shape: str = "2b4t", *, tq1: bool = False, f16: bool = True,
+         force: bool = False, progress: bool = True, stores: bool = True) -> dict[str, str]:
+    """Create the missing files; return the paths of the ones that exist afterwards."""
+    from engine.synth import write_gguf_tq
+
+    os.makedirs(cache, exist_ok=True)
+    paths = model_paths(cache, shape)
+    manifest = {}
+    if os.path.exists(paths["manifest"]):
+        with open(paths["manifest"]) as f:
+            manifest = json.load(f)
+    model = None
+    want = [("tq2_0", True), ("tq1_0", tq1)]
+    for key, wanted in want:
+        p = paths[key]
+        if not wanted or (os.path.exists(p) and not force):
+            continue
+        model = model or synth_model(shape)
+        t0 = time.perf_counter()
+        print(f"writing {p} ...", file=sys.stderr, flush=True)
+        # TQ2_0 has a fast numpy packer (identical bytes to gguf's quantizer); TQ1_0 goes through gguf
+        write_gguf_tq(model, p, qtype=key.upper(), embed_type="F16", hidden_activation="relu2",
+                      quantizer="fast" if key == "tq2_0" else "gguf")
+        manifest[key] = {"seconds": round(time.perf_counter() - t0, 1), "seed": SEED}
+    for key, head, wanted in (("store_i8", "i8", stores), ("store_f16", "f16", stores and f16)):
+        p = paths[key]
+        if not wanted or (os.path.exists(p) and not force and
+                          os.path.getmtime(p) >= os.path.getmtime(paths["tq2_0"])):
+            continue
+        from engine.convert import convert
+
+        t0 = time.perf_counter()
+        print(f"converting {paths['tq2_0']} -> {p} (lm head {head}) ...", file=sys.stderr, flush=True)
+        convert(paths["tq2_0"], p, lm_head=head, progress=progress)
+        manifest[key] = {"seconds": round(time.perf_counter() - t0, 1), "source": os.path.basename(paths["tq2_0"])}
+    with open(paths["manifest"], "w") as f:
+        json.dump(manifest, f, indent=1)
+    return {k: v for k, v in paths.items() if os.path.exists(v)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cache", default=DEFAULT_CACHE, help="where the files go (default: bench/cache)")
+    ap.add_argument("--shape", default="2b4t", help="2b4t (the benchmark) or small (a quick check)")
+    ap.add_argument("--tq1", action="store_true", help="also write the TQ1_0 GGUF")
+    ap.add_argument("--no-f16", action="store_true", help="skip the f16-LM-head store")
+    ap.add_argument("--force", action="store_true", help="regenerate even if cached")
+    ap.add_argument("--gguf-only", action="store_true", help="write the GGUF files only (no conversion)")
+    a = ap.parse_args(argv)
+    t0 = time.perf_counter()
+    paths = make(a.cache, a.shape, tq1=a.tq1, f16=not a.no_f16, force=a.force, stores=not a.gguf_only)
+    total = 0
+    for key, p in paths.items():
+        size = os.path.getsize(p)
+        total += size
+        if key != "manifest":
+            print(f"{key:10s} {_human(size):>10s}  {p}")
+    print(f"{'total':10s} {_human(total):>10s}  on disk under {a.cache} ({time.perf_counter() - t0:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
