@@ -1,0 +1,280 @@
+"""The BitNet b1.58 transformer over a weight store (FORMATS.md §1), with a preallocated KV cache.
+
+Per layer (D hidden, q_dim = heads * head_dim, I intermediate):
+    h  = rmsnorm(x) -> int8            ops.add_rmsnorm_quant (adds the previous layer's residual first)
+    qkv = BL_qkv(h)                    one fused ternary GEMV/GEMM: rows q | k | v
+    a  = attention(rope(q), rope(k), v) over the cache      ops.attention (also writes k, v to the cache)
+    a  = rmsnorm(a, attn_sub_norm) -> int8                  ops.add_rmsnorm_quant
+    x += BL_o(a)                       (the add happens inside the next add_rmsnorm_quant)
+    h  = rmsnorm(x, ffn_norm) -> int8
+    gu = BL_gate_up(h)                 one fused ternary GEMV/GEMM: rows gate | up
+    f  = rmsnorm(relu(g)^2 * u, ffn_sub_norm) -> int8       ops.glu_rmsnorm_quant (silu(g) * u for "silu")
+    x += BL_down(f)
+logits = lm_head(rmsnorm(x, output_norm))   f16 GEMV, or int8 GEMV on the quantized normed x
+
+Nine C calls per layer in a decode step, each on buffers allocated once in __init__ (`out=` style): nothing
+is allocated per token. Prefill runs the prompt in chunks of `chunk` rows through gemm_ternary; decode
+uses gemv_ternary. The residual stream and the MLP intermediate stay f32; the KV cache is f16 by default.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+import simd._ops as ops
+
+from .config import ModelConfig
+from .errors import BitNetError, ContextOverflowError, FormatError
+from .layout import pad_to, K_ALIGN
+
+try:
+    import simd._kernels as K
+except ImportError:  # pragma: no cover - only before the compiled kernels exist (development)
+    import simd.reference as K
+
+DEFAULT_CHUNK = 64
+
+
+class _Layer:
+    """Read-only views of one block's weights in the store."""
+
+    __slots__ = ("attn_norm", "qkv", "qkv_scale", "attn_sub_norm", "o", "o_scale", "ffn_norm", "gate_up",
+                 "gate_up_scale", "ffn_sub_norm", "down", "down_scale")
+
+    def __init__(self, store, i: int, cfg: ModelConfig):
+        def t(name, dtype, size=None):
+            full = f"blk.{i}.{name}"
+            a = store.tensor(full)
+            if a.dtype != dtype or (size is not None and a.size != size) or not a.flags.c_contiguous:
+                raise FormatError(f"{store.path}: tensor {full} has dtype {a.dtype} / {a.size} values "
+                                  f"(expected {np.dtype(dtype)}{'' if size is None else f' / {size}'})")
+            return a.reshape(-1)
+
+        def ternary(name, rows, cols):
+            info = store.info(f"blk.{i}.{name}")
+            if info.get("layout", "tile16") != "tile16" or info.get("rows", rows) != rows or info.get("cols", cols) != cols:
+                raise FormatError(f"{store.path}: blk.{i}.{name} is {info.get('rows')}x{info.get('cols')} "
+                                  f"{info.get('layout')} (expected {rows}x{cols} tile16)")
+            w = t(name, np.uint8, pad_to(rows, 16) * pad_to(cols, K_ALIGN) // 4)
+            s = t(name + ".scale", np.float32)
+            if s.size < rows:
+                raise FormatError(f"{store.path}: blk.{i}.{name}.scale has {s.size} values for {rows} rows")
+            return w, s
+
+        D, Q, KV, I = cfg.hidden_size, cfg.q_dim, cfg.kv_dim, cfg.intermediate_size
+        self.attn_norm = t("attn_norm", np.float32, D)
+        self.qkv, self.qkv_scale = ternary("attn_qkv", Q + 2 * KV, D)
+        self.attn_sub_norm = t("attn_sub_norm", np.float32, Q)
+        self.o, self.o_scale = ternary("attn_output", D, Q)
+        self.ffn_norm = t("ffn_norm", np.float32, D)
+        self.gate_up, self.gate_up_scale = ternary("ffn_gate_up", 2 * I, D)
+        self.ffn_sub_norm = t("ffn_sub_norm", np.float32, I)
+        self.down, self.down_scale = ternary("ffn_down", D, I)
+
+
+class _Views:
+    """The session buffers cut to `m` rows (2-D views; the kernels take the row count from them)."""
+
+    def __init__(self, b: "Model", m: int):
+        self.m = m
+        self.x, self.delta, self.h_d = b._x[:m], b._delta[:m], b._h_d[:m]
+        self.h_q, self.qkv, self.att, self.gu = b._h_q[:m], b._qkv[:m], b._att[:m], b._gu[:m]
+        self.xq_d = b._xq_buf[: m * b._kp_d].reshape(m, b._kp_d)
+        self.xq_q = b._xq_buf[: m * b._kp_q].reshape(m, b._kp_q)
+        self.xq_i = b._xq_buf[: m * b._kp_i].reshape(m, b._kp_i)
+        self.act_scale, self.act_sum = b._act_scale[:m], b._act_sum[:m]
+        self.ids = b._ids[:m]
+        # 1-row forms for the GEMV path
+        self.xq_d1, self.xq_q1, self.xq_i1 = self.xq_d[0], self.xq_q[0], self.xq_i[0]
+        self.qkv1, self.delta1, self.gu1 = self.qkv[0], self.delta[0], self.gu[0]
+
+
+class Model:
+    """One inference session: weights (views into the store), run-state buffers and the KV cache.
+
+    `cache_ids` lists the tokens whose keys/values are in the cache (positions 0 .. n_past-1)."""
+
+    def __init__(self, store, *, n_ctx: int | None = None, kv_dtype: str = "f16", chunk: int = DEFAULT_CHUNK):
+        cfg: ModelConfig = store.config
+        self.store, self.config = store, cfg
+        if kv_dtype not in ("f16", "f32"):
+            raise BitNetError(f"kv_dtype {kv_dtype!r}: expected 'f16' or 'f32'")
+        n_ctx = int(n_ctx or min(cfg.context_length, 4096))
+        if n_ctx < 1:
+            raise BitNetError(f"-c/--ctx {n_ctx}: the context must hold at least one token")
+        self.n_ctx, self.kv_dtype, self.chunk = n_ctx, kv_dtype, max(1, int(chunk))
+        D, Q, KV, I, V = cfg.hidden_size, cfg.q_dim, cfg.kv_dim, cfg.intermediate_size, cfg.vocab_size
+        hd, L = cfg.head_dim, cfg.n_layers
+        if hd % 2:
+            raise FormatError(f"{store.path}: head_dim {hd} is odd (RoPE needs pairs)")
+        self._act = ops.ACT_RELU2 if cfg.hidden_act == "relu2" else ops.ACT_SILU
+        self._eps = float(cfg.rms_norm_eps)
+
+        # ---- weights (zero-copy views) ----
+        emb = store.tensor("token_embd")
+        if emb.dtype != np.float16 or emb.shape != (V, D):
+            raise FormatError(f"{store.path}: token_embd is {emb.dtype} {emb.shape} (expected float16 {(V, D)})")
+        self._embd = emb.view(np.uint16)
+        self._out_norm = store.tensor("output_norm").reshape(-1)
+        info = store.info("output")
+        self.lm_head = "i8" if info.get("layout") == "i8_tile16" else "f16"
+        self._out_w = store.tensor("output").reshape(-1)
+        if self.lm_head == "i8":
+            self._out_scale = store.tensor("output.scale").reshape(-1)
+            self._out_rowsum = store.tensor("output.rowsum").reshape(-1)
+        elif info.get("layout", "f16_tile16") != "f16_tile16":
+            raise FormatError(f"{store.path}: lm head layout {info.get('layout')!r} is not supported")
+        else:
+            self._out_w = self._out_w.view(np.uint16)
+        self.layers = [_Layer(store, i, cfg) for i in range(L)]
+
+        # ---- run state, allocated once: M = chunk rows ----
+        M = self.chunk
+        self._kp_d, self._kp_q, self._kp_i = pad_to(D, K_ALIGN), pad_to(Q, K_ALIGN), pad_to(I, K_ALIGN)
+        self._x = np.zeros((M, D), np.float32)             # residual stream
+        self._delta = np.zeros((M, D), np.float32)         # output of o_proj / down_proj, added lazily to x
+        self._h_d = np.zeros((M, D), np.float32)           # normed x (f32 copy of what gets quantized)
+        self._h_q = np.zeros((M, Q), np.float32)           # normed attention output
+        self._qkv = np.zeros((M, Q + 2 * KV), np.float32)  # q | k | v
+        self._att = np.zeros((M, Q), np.float32)           # attention output (before attn_sub_norm)
+        self._gu = np.zeros((M, 2 * I), np.float32)        # gate | up; gate half becomes the normed MLP act
+        self._xq_buf = np.zeros(M * max(self._kp_d, self._kp_q, self._kp_i), np.int8)  # quantized activations
+        self._act_scale = np.zeros(M, np.float32)
+        self._act_sum = np.zeros(M, np.int32)
+        self._ids = np.zeros(M, np.int32)
+        self._head_x = np.zeros((1, D), np.float32)        # normed last row for the f16 head
+        self._logits = np.zeros(V, np.float32)
+        kv_np = np.uint16 if kv_dtype == "f16" else np.float32   # f16 stored as its bits
+        self._k_cache = np.zeros((L, cfg.n_kv_heads, n_ctx, hd), kv_np)
+        self._v_cache = np.zeros((L, cfg.n_kv_heads, n_ctx, hd), kv_np)
+        self._scratch = np.zeros((cfg.n_heads, n_ctx), np.float32)  # attention scores, one row per head
+        # RoPE tables computed as transformers does (f32 inv_freq, f32 position * inv_freq)
+        inv_freq = (1.0 / (np.float32(cfg.rope_theta) ** (np.arange(0, hd, 2, dtype=np.float32) / np.float32(hd)))).astype(np.float32)
+        freqs = np.arange(n_ctx, dtype=np.float32)[:, None] * inv_freq[None, :]
+        self._cos = np.ascontiguousarray(np.cos(freqs), dtype=np.float32)
+        self._sin = np.ascontiguousarray(np.sin(freqs), dtype=np.float32)
+        self._views: dict[int, _Views] = {1: _Views(self, 1), M: _Views(self, M)}
+        self.n_past = 0
+        self.cache_ids: list[int] = []
+
+    # ---- state ----------------------------------------------------------------------------------
+    def reset(self):
+        self.truncate(0)
+
+    def truncate(self, n: int):
+        """Forget cached positions >= n (their cache slots are simply overwritten later)."""
+        n = max(0, min(n, self.n_past))
+        self.n_past = n
+        del self.cache_ids[n:]
+
+    @staticmethod
+    def set_threads(n: int | None):
+        if n:
+            K.set_num_threads(int(n))
+            ops.set_num_threads(int(n))
+
+    # ---- the forward pass ---------------------------------------------------------------------------
+    def _view(self, m: int) -> _Views:
+        v = self._views.get(m)
+        if v is None:
+            v = _Views(self, m)
+        return v
+
+    def _blocks(self, v: _Views, pos0: int):
+        """All layers for v.m tokens (ids already embedded into v.x) at positions pos0 .."""
+        cfg, eps, act = self.config, self._eps, self._act
+        nh, nkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        kc, vc, cos, sin, scr = self._k_cache, self._v_cache, self._cos, self._sin, self._scratch
+        x, delta, h_d, h_q, qkv, att, gu = v.x, v.delta, v.h_d, v.h_q, v.qkv, v.att, v.gu
+        xq_d, xq_q, xq_i, s, sm = v.xq_d, v.xq_q, v.xq_i, v.act_scale, v.act_sum
+        add_norm_q, attention, glu = ops.add_rmsnorm_quant, ops.attention, ops.glu_rmsnorm_quant
+        residual = None  # layer 0: x is the embedding, nothing to add yet
+        if v.m == 1:
+            gemv = K.gemv_ternary
+            xq_d1, xq_q1, xq_i1, qkv1, delta1, gu1 = v.xq_d1, v.xq_q1, v.xq_i1, v.qkv1, v.delta1, v.gu1
+            for li, w in enumerate(self.layers):
+                add_norm_q(x, residual, w.attn_norm, eps, h_d, xq_d, s, sm)
+                gemv(w.qkv, w.qkv_scale, xq_d1, s[0], sm[0], qkv1)
+                attention(qkv, nh, nkv, hd, cos, sin, pos0, kc[li], vc[li], att, scr)
+                add_norm_q(att, None, w.attn_sub_norm, eps, h_q, xq_q, s, sm)
+                gemv(w.o, w.o_scale, xq_q1, s[0], sm[0], delta1)
+                add_norm_q(x, delta, w.ffn_norm, eps, h_d, xq_d, s, sm)
+                gemv(w.gate_up, w.gate_up_scale, xq_d1, s[0], sm[0], gu1)
+                glu(gu, act, w.ffn_sub_norm, eps, xq_i, s, sm)
+                gemv(w.down, w.down_scale, xq_i1, s[0], sm[0], delta1)
+                residual = delta
+        else:
+            gemm = K.gemm_ternary
+            for li, w in enumerate(self.layers):
+                add_norm_q(x, residual, w.attn_norm, eps, h_d, xq_d, s, sm)
+                gemm(w.qkv, w.qkv_scale, xq_d, s, sm, qkv)
+                attention(qkv, nh, nkv, hd, cos, sin, pos0, kc[li], vc[li], att, scr)
+                add_norm_q(att, None, w.attn_sub_norm, eps, h_q, xq_q, s, sm)
+                gemm(w.o, w.o_scale, xq_q, s, sm, delta)
+                add_norm_q(x, delta, w.ffn_norm, eps, h_d, xq_d, s, sm)
+                gemm(w.gate_up, w.gate_up_scale, xq_d, s, sm, gu)
+                glu(gu, act, w.ffn_sub_norm, eps, xq_i, s, sm)
+                gemm(w.down, w.down_scale, xq_i, s, sm, delta)
+                residual = delta
+
+    def _head(self, v: _Views, row: int, out: np.ndarray):
+        """Logits of one row of the last chunk (its residual still lacks the last down_proj output)."""
+        x, delta = v.x[row: row + 1], v.delta[row: row + 1]
+        if self.lm_head == "f16":
+            ops.add_rmsnorm(x, delta, self._out_norm, self._eps, self._head_x)
+            K.gemv_f16(self._out_w, self._head_x[0], out)
+        else:
+            v1 = self._views[1]
+            ops.add_rmsnorm_quant(x, delta, self._out_norm, self._eps, self._head_x, v1.xq_d, v1.act_scale, v1.act_sum)
+            K.gemv_i8(self._out_w, self._out_scale, self._out_rowsum, v1.xq_d1, v1.act_scale[0], out)
+
+    def _check_room(self, n_new: int):
+        if self.n_past + n_new > self.n_ctx:
+            raise ContextOverflowError(
+                f"context window full: {self.n_past} cached + {n_new} new tokens > n_ctx {self.n_ctx}",
+                hint="raise -c/--ctx or shorten the prompt")
+
+    def decode(self, token: int) -> np.ndarray:
+        """Run one token at position n_past; returns the session's logits buffer (overwritten next call)."""
+        self._check_room(1)
+        v = self._views[1]
+        v.ids[0] = token
+        ops.embed_f16(self._embd, v.ids, v.x)
+        self._blocks(v, self.n_past)
+        self._head(v, 0, self._logits)
+        self.n_past += 1
+        self.cache_ids.append(int(token))
+        return self._logits
+
+    def prefill(self, ids, all_logits: bool = False) -> np.ndarray:
+        """Run tokens at positions n_past.. in chunks. Returns the last token's logits (the session buffer),
+        or a new [len(ids), V] array when all_logits. The cache advances chunk by chunk, so an interrupt
+        leaves it consistent with `cache_ids`."""
+        ids = [int(t) for t in ids]
+        if not ids:
+            raise BitNetError("prefill: no tokens to process")
+        self._check_room(len(ids))
+        vocab = self.config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise BitNetError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+        result = np.empty((len(ids), vocab), np.float32) if all_logits else None
+        for start in range(0, len(ids), self.chunk):
+            part = ids[start: start + self.chunk]
+            m = len(part)
+            v = self._view(m)
+            v.ids[:] = part
+            ops.embed_f16(self._embd, v.ids, v.x)
+            self._blocks(v, self.n_past)
+            if all_logits:
+                for r in range(m):
+                    self._head(v, r, result[start + r])
+            elif start + m == len(ids):
+                self._head(v, m - 1, self._logits)
+            self.n_past += m
+            self.cache_ids.extend(part)
+        return result if all_logits else self._logits
+
+    def forward(self, ids) -> np.ndarray:
+        """Logits [len(ids), V] for ids from position 0 (fresh cache)."""
+        self.reset()
+        return self.prefill(ids, all_logits=True)

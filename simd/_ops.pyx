@@ -1,0 +1,137 @@
+# cython: language_level=3
+"""simd._ops: runtime helper kernels of the transformer (C in simd/ops/, see ops.h): fused residual add +
+RMSNorm + int8 activation quantization, the gated MLP activation, RoPE + KV-cache write + causal GQA
+attention, f16 embedding lookup. Thin wrappers: shapes checked here, the GIL released in C.
+"""
+from libc.stdint cimport int8_t, int32_t, int64_t, uint16_t
+
+cdef extern from "ops.h":
+    int ops_isa() nogil
+    int ops_set_isa(int isa) nogil
+    int ops_cpu_max_isa() nogil
+    void ops_set_num_threads(int n) nogil
+    int ops_get_num_threads() nogil
+    void ops_add_rmsnorm_quant(float *x, const float *delta, const float *w, int m, int d, float eps, float *h,
+                               int8_t *xq, int k_pad, float *act_scale, int32_t *act_sum) nogil
+    void ops_add_rmsnorm(float *x, const float *delta, const float *w, int m, int d, float eps, float *out) nogil
+    void ops_glu_rmsnorm_quant(float *gu, int m, int inter, int act, const float *w, float eps, int8_t *xq,
+                               int k_pad, float *act_scale, int32_t *act_sum) nogil
+    int ops_embed_f16(const uint16_t *table, int64_t vocab, int d, const int32_t *ids, int m, float *out) nogil
+    void ops_attention(float *qkv, int m, int n_heads, int n_kv, int head_dim, const float *rope_cos,
+                       const float *rope_sin, int pos0, void *k_cache, void *v_cache, int kv_f16, int n_ctx,
+                       float *out, float *scratch) nogil
+
+ACT_RELU2 = 0
+ACT_SILU = 1
+_ISA_NAMES = ("scalar", "avx2", "avx512")
+
+ctypedef fused kv_t:
+    float
+    uint16_t
+
+
+cdef _fail(str msg):
+    from engine.errors import KernelError
+    raise KernelError("simd._ops." + msg)
+
+
+def active():
+    """The path the helpers use: "scalar" | "avx2" | "avx512" (env BITNET_ISA overrides at import)."""
+    return _ISA_NAMES[ops_isa()]
+
+
+def set_isa(name=None):
+    cdef int want = -1 if name is None else (_ISA_NAMES.index(name) if name in _ISA_NAMES else -3)
+    if want == -3:
+        _fail(f"set_isa: unknown ISA {name!r} (expected one of {_ISA_NAMES})")
+    if ops_set_isa(want) != 0:
+        _fail(f"set_isa: this CPU cannot run {name!r} (best: {_ISA_NAMES[ops_cpu_max_isa()]})")
+
+
+def set_num_threads(int n):
+    ops_set_num_threads(n)
+
+
+def get_num_threads():
+    return ops_get_num_threads()
+
+
+cdef inline int _check_quant(str fn, int m, int d, int8_t[:, ::1] xq, float[::1] act_scale, int32_t[::1] act_sum) except -1:
+    if xq.shape[0] < m or xq.shape[1] < d or xq.shape[1] % 64:
+        _fail(f"{fn}: xq shape ({xq.shape[0]}, {xq.shape[1]}) cannot hold {m} rows of {d} (last dim: multiple of 64)")
+    if act_scale.shape[0] < m or act_sum.shape[0] < m:
+        _fail(f"{fn}: act_scale/act_sum hold fewer than {m} rows")
+    return 0
+
+
+def add_rmsnorm_quant(float[:, ::1] x, float[:, ::1] delta, const float[::1] w, float eps, float[:, ::1] h,
+                      int8_t[:, ::1] xq, float[::1] act_scale, int32_t[::1] act_sum):
+    """x += delta (skipped if delta is None); h = rmsnorm(x) * w; xq, act_scale, act_sum = quantize(h)."""
+    cdef int m = x.shape[0], d = x.shape[1]
+    if w.shape[0] != d or h.shape[0] != m or h.shape[1] != d:
+        _fail(f"add_rmsnorm_quant: x {m}x{d}, w {w.shape[0]}, h {h.shape[0]}x{h.shape[1]} do not match")
+    if delta is not None and (delta.shape[0] != m or delta.shape[1] != d):
+        _fail("add_rmsnorm_quant: delta shape differs from x")
+    _check_quant("add_rmsnorm_quant", m, d, xq, act_scale, act_sum)
+    cdef float *dp = &delta[0, 0] if delta is not None else NULL
+    with nogil:
+        ops_add_rmsnorm_quant(&x[0, 0], dp, &w[0], m, d, eps, &h[0, 0], &xq[0, 0], xq.shape[1], &act_scale[0], &act_sum[0])
+
+
+def add_rmsnorm(float[:, ::1] x, float[:, ::1] delta, const float[::1] w, float eps, float[:, ::1] out):
+    """x += delta (skipped if delta is None); out = rmsnorm(x) * w."""
+    cdef int m = x.shape[0], d = x.shape[1]
+    if w.shape[0] != d or out.shape[0] != m or out.shape[1] != d:
+        _fail("add_rmsnorm: shapes of x, w, out do not match")
+    if delta is not None and (delta.shape[0] != m or delta.shape[1] != d):
+        _fail("add_rmsnorm: delta shape differs from x")
+    cdef float *dp = &delta[0, 0] if delta is not None else NULL
+    with nogil:
+        ops_add_rmsnorm(&x[0, 0], dp, &w[0], m, d, eps, &out[0, 0])
+
+
+def glu_rmsnorm_quant(float[:, ::1] gu, int act, const float[::1] w, float eps, int8_t[:, ::1] xq,
+                      float[::1] act_scale, int32_t[::1] act_sum):
+    """gu [m, 2I] = [gate | up] -> gate half := rmsnorm(act(gate) * up) * w, quantized into xq."""
+    cdef int m = gu.shape[0], inter = gu.shape[1] // 2
+    if gu.shape[1] != 2 * inter or w.shape[0] != inter or act not in (0, 1):
+        _fail(f"glu_rmsnorm_quant: gu width {gu.shape[1]}, w {w.shape[0]}, act {act} do not fit")
+    _check_quant("glu_rmsnorm_quant", m, inter, xq, act_scale, act_sum)
+    with nogil:
+        ops_glu_rmsnorm_quant(&gu[0, 0], m, inter, act, &w[0], eps, &xq[0, 0], xq.shape[1], &act_scale[0], &act_sum[0])
+
+
+def embed_f16(const uint16_t[:, ::1] table, const int32_t[::1] ids, float[:, ::1] out):
+    """out[i] = f32(table[ids[i]]) for a row-major f16 table (viewed as uint16)."""
+    cdef int m = ids.shape[0]
+    if out.shape[0] < m or out.shape[1] != table.shape[1]:
+        _fail("embed_f16: out does not fit the ids / table width")
+    cdef int bad
+    with nogil:
+        bad = ops_embed_f16(&table[0, 0], table.shape[0], table.shape[1], &ids[0], m, &out[0, 0])
+    if bad >= 0:
+        _fail(f"embed_f16: token id {ids[bad]} is outside the vocabulary (0..{table.shape[0] - 1})")
+
+
+def attention(float[:, ::1] qkv, int n_heads, int n_kv, int head_dim, const float[:, ::1] rope_cos,
+              const float[:, ::1] rope_sin, int pos0, kv_t[:, :, ::1] k_cache, kv_t[:, :, ::1] v_cache,
+              float[:, ::1] out, float[:, ::1] scratch):
+    """RoPE on q, k of rows at pos0.., write k, v into this layer's cache [n_kv, n_ctx, head_dim]
+    (float32 or float16-as-uint16), causal GQA attention into out [m, n_heads*head_dim]."""
+    cdef int m = qkv.shape[0]
+    cdef int n_ctx = k_cache.shape[1]
+    cdef int q_dim = n_heads * head_dim
+    if n_kv <= 0 or n_heads % n_kv or head_dim % 2 or qkv.shape[1] != q_dim + 2 * n_kv * head_dim:
+        _fail(f"attention: qkv width {qkv.shape[1]} does not fit {n_heads} heads / {n_kv} kv heads x {head_dim}")
+    if (k_cache.shape[0] != n_kv or k_cache.shape[2] != head_dim or v_cache.shape[0] != n_kv
+            or v_cache.shape[1] != n_ctx or v_cache.shape[2] != head_dim):
+        _fail("attention: cache shape is not [n_kv, n_ctx, head_dim]")
+    if pos0 < 0 or pos0 + m > n_ctx or rope_cos.shape[0] < pos0 + m or rope_cos.shape[1] != head_dim // 2 \
+            or rope_sin.shape[0] != rope_cos.shape[0] or rope_sin.shape[1] != rope_cos.shape[1]:
+        _fail(f"attention: positions {pos0}..{pos0 + m - 1} do not fit the cache ({n_ctx}) / rope tables")
+    if out.shape[0] < m or out.shape[1] != q_dim or scratch.shape[0] < n_heads or scratch.shape[1] < n_ctx:
+        _fail("attention: out or scratch too small")
+    cdef int kv_f16 = 1 if kv_t is uint16_t else 0
+    with nogil:
+        ops_attention(&qkv[0, 0], m, n_heads, n_kv, head_dim, &rope_cos[0, 0], &rope_sin[0, 0], pos0,
+                      <void *>&k_cache[0, 0, 0], <void *>&v_cache[0, 0, 0], kv_f16, n_ctx, &out[0, 0], &scratch[0, 0])

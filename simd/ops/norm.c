@@ -1,0 +1,272 @@
+/* RMSNorm (f32, no +1 offset, as transformers' BitNetRMSNorm: x * rsqrt(mean(x^2) + eps) * w) fused with
+ * the residual add before it and the per-token int8 quantization after it (FORMATS.md §1), the gated MLP
+ * activation (relu(g)^2 * u or silu(g) * u), and the f16 embedding lookup.
+ *
+ * Quantization matches simd._kernels.quantize_act bit for bit: act_scale = 127 / max(amax, 1e-5) and
+ * round half to even (cvtps2dq under the default MXCSR mode, nearbyintf in the scalar path).
+ */
+#include "ops.h"
+
+#include <math.h>
+#include <string.h>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+/* ---------- scalar bodies ---------- */
+
+static float sumsq_scalar(const float *x, int n) {
+    /* four partial sums: less rounding error than one running sum, and the compiler keeps them in lanes */
+    float s[4] = {0, 0, 0, 0};
+    int i = 0;
+    for (; i + 4 <= n; i += 4)
+        for (int j = 0; j < 4; j++) s[j] += x[i + j] * x[i + j];
+    for (; i < n; i++) s[0] += x[i] * x[i];
+    return (s[0] + s[1]) + (s[2] + s[3]);
+}
+
+static float scale_mul_scalar(const float *x, float r, const float *w, int n, float *h) {
+    float amax = 0.0f;
+    for (int i = 0; i < n; i++) {
+        float v = (x[i] * r) * w[i];
+        h[i] = v;
+        float a = fabsf(v);
+        if (a > amax) amax = a;
+    }
+    return amax;
+}
+
+static int32_t quant_scalar(const float *h, int n, float s, int8_t *xq) {
+    int32_t sum = 0;
+    for (int i = 0; i < n; i++) {
+        float r = nearbyintf(h[i] * s);
+        int8_t q = !(r >= -128.0f) ? -128 : (r > 127.0f ? 127 : (int8_t)r);
+        xq[i] = q;
+        sum += q;
+    }
+    return sum;
+}
+
+static void add_scalar(float *x, const float *d, int n) {
+    for (int i = 0; i < n; i++) x[i] += d[i];
+}
+
+/* ---------- AVX2 bodies ---------- */
+#if defined(__x86_64__)
+__attribute__((target("avx2,fma"))) static inline float hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    return _mm_cvtss_f32(s);
+}
+
+__attribute__((target("avx2,fma"))) static float sumsq_avx2(const float *x, int n) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m256 v0 = _mm256_loadu_ps(x + i), v1 = _mm256_loadu_ps(x + i + 8);
+        a0 = _mm256_add_ps(a0, _mm256_mul_ps(v0, v0));
+        a1 = _mm256_add_ps(a1, _mm256_mul_ps(v1, v1));
+    }
+    float s = hsum256(_mm256_add_ps(a0, a1));
+    for (; i < n; i++) s += x[i] * x[i];
+    return s;
+}
+
+__attribute__((target("avx2,fma"))) static float scale_mul_avx2(const float *x, float r, const float *w, int n, float *h) {
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const __m256 vr = _mm256_set1_ps(r);
+    __m256 vmax = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 v = _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), vr), _mm256_loadu_ps(w + i));
+        _mm256_storeu_ps(h + i, v);
+        vmax = _mm256_max_ps(vmax, _mm256_and_ps(v, abs_mask));
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+    float amax = _mm_cvtss_f32(m4);
+    for (; i < n; i++) {
+        float v = (x[i] * r) * w[i];
+        h[i] = v;
+        if (fabsf(v) > amax) amax = fabsf(v);
+    }
+    return amax;
+}
+
+__attribute__((target("avx2,fma"))) static int32_t quant_avx2(const float *h, int n, float s, int8_t *xq) {
+    const __m256 vs = _mm256_set1_ps(s);
+    const __m256i lo = _mm256_set1_epi32(-128), hi = _mm256_set1_epi32(127);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    __m256i vsum = _mm256_setzero_si256();
+    int i = 0;
+    for (; i + 32 <= n; i += 32) {
+        __m256i q[4];
+        for (int j = 0; j < 4; j++) {
+            q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(h + i + 8 * j), vs));
+            q[j] = _mm256_max_epi32(_mm256_min_epi32(q[j], hi), lo);
+            vsum = _mm256_add_epi32(vsum, q[j]);
+        }
+        __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+        _mm256_storeu_si256((__m256i *)(xq + i), _mm256_permutevar8x32_epi32(p, order));
+    }
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(vsum), _mm256_extracti128_si256(vsum, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+    return _mm_cvtsi128_si32(s4) + quant_scalar(h + i, n - i, s, xq + i);
+}
+
+__attribute__((target("avx2,fma"))) static void add_avx2(float *x, const float *d, int n) {
+    int i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, _mm256_add_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(d + i)));
+    for (; i < n; i++) x[i] += d[i];
+}
+#endif
+
+/* ---------- dispatch helpers ---------- */
+
+static inline float sumsq(const float *x, int n) {
+#if defined(__x86_64__)
+    if (ops_isa() >= OPS_ISA_AVX2) return sumsq_avx2(x, n);
+#endif
+    return sumsq_scalar(x, n);
+}
+
+static inline float scale_mul(const float *x, float r, const float *w, int n, float *h) {
+#if defined(__x86_64__)
+    if (ops_isa() >= OPS_ISA_AVX2) return scale_mul_avx2(x, r, w, n, h);
+#endif
+    return scale_mul_scalar(x, r, w, n, h);
+}
+
+static inline int32_t quant(const float *h, int n, float s, int8_t *xq) {
+#if defined(__x86_64__)
+    if (ops_isa() >= OPS_ISA_AVX2) return quant_avx2(h, n, s, xq);
+#endif
+    return quant_scalar(h, n, s, xq);
+}
+
+static inline void add(float *x, const float *d, int n) {
+#if defined(__x86_64__)
+    if (ops_isa() >= OPS_ISA_AVX2) {
+        add_avx2(x, d, n);
+        return;
+    }
+#endif
+    add_scalar(x, d, n);
+}
+
+/* rsqrt as torch computes it for f32: 1 / sqrt(mean + eps), both single-precision IEEE operations */
+static inline float inv_rms(const float *x, int n, float eps) {
+    float mean = sumsq(x, n) / (float)n;
+    return 1.0f / sqrtf(mean + eps);
+}
+
+static inline float act_scale_of(float amax) { return 127.0f / (amax > 1e-5f ? amax : 1e-5f); }
+
+/* rows are independent: prefill chunks spread them over threads, a single decode row stays serial */
+#define ROWS_PARALLEL(m) if ((m) >= 8) num_threads(ops_get_num_threads())
+
+void ops_add_rmsnorm_quant(float *x, const float *delta, const float *w, int m, int d, float eps, float *h,
+                           int8_t *xq, int k_pad, float *act_scale, int32_t *act_sum) {
+    ops_isa();
+#pragma omp parallel for ROWS_PARALLEL(m)
+    for (int r = 0; r < m; r++) {
+        float *xr = x + (int64_t)r * d, *hr = h + (int64_t)r * d;
+        int8_t *qr = xq + (int64_t)r * k_pad;
+        if (delta) add(xr, delta + (int64_t)r * d, d);
+        float amax = scale_mul(xr, inv_rms(xr, d, eps), w, d, hr);
+        float s = act_scale_of(amax);
+        act_sum[r] = quant(hr, d, s, qr);
+        memset(qr + d, 0, (size_t)(k_pad - d));
+        act_scale[r] = s;
+    }
+}
+
+void ops_add_rmsnorm(float *x, const float *delta, const float *w, int m, int d, float eps, float *out) {
+    ops_isa();
+#pragma omp parallel for ROWS_PARALLEL(m)
+    for (int r = 0; r < m; r++) {
+        float *xr = x + (int64_t)r * d;
+        if (delta) add(xr, delta + (int64_t)r * d, d);
+        scale_mul(xr, inv_rms(xr, d, eps), w, d, out + (int64_t)r * d);
+    }
+}
+
+void ops_glu_rmsnorm_quant(float *gu, int m, int inter, int act, const float *w, float eps, int8_t *xq,
+                           int k_pad, float *act_scale, int32_t *act_sum) {
+    ops_isa();
+#pragma omp parallel for ROWS_PARALLEL(m)
+    for (int r = 0; r < m; r++) {
+        float *g = gu + (int64_t)r * 2 * inter;
+        const float *u = g + inter;
+        int8_t *qr = xq + (int64_t)r * k_pad;
+        if (act == OPS_ACT_RELU2) {
+            for (int i = 0; i < inter; i++) {
+                float a = g[i] > 0.0f ? g[i] : 0.0f;
+                g[i] = (a * a) * u[i];
+            }
+        } else {
+            for (int i = 0; i < inter; i++) {
+                float a = g[i] / (1.0f + expf(-g[i]));
+                g[i] = a * u[i];
+            }
+        }
+        /* normalize in place over the gate half, then quantize it */
+        float amax = scale_mul(g, inv_rms(g, inter, eps), w, inter, g);
+        float s = act_scale_of(amax);
+        act_sum[r] = quant(g, inter, s, qr);
+        memset(qr + inter, 0, (size_t)(k_pad - inter));
+        act_scale[r] = s;
+    }
+}
+
+static inline float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0) {
+        if (man == 0) {
+            bits = sign;
+        } else { /* subnormal: renormalize */
+            int e = -1;
+            do {
+                e++;
+                man <<= 1;
+            } while (!(man & 0x400));
+            bits = sign | ((uint32_t)(112 - e) << 23) | ((man & 0x3ff) << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+#if defined(__x86_64__)
+__attribute__((target("avx2,f16c"))) static void f16_row_avx2(const uint16_t *src, int d, float *dst) {
+    int i = 0;
+    for (; i + 8 <= d; i += 8) _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i))));
+    for (; i < d; i++) dst[i] = half_to_float(src[i]);
+}
+#endif
+
+int ops_embed_f16(const uint16_t *table, int64_t vocab, int d, const int32_t *ids, int m, float *out) {
+    for (int r = 0; r < m; r++)
+        if (ids[r] < 0 || ids[r] >= vocab) return r;
+    for (int r = 0; r < m; r++) {
+        const uint16_t *src = table + (int64_t)ids[r] * d;
+        float *dst = out + (int64_t)r * d;
+#if defined(__x86_64__)
+        if (ops_isa() >= OPS_ISA_AVX2) {
+            f16_row_avx2(src, d, dst);
+            continue;
+        }
+#endif
+        for (int i = 0; i < d; i++) dst[i] = half_to_float(src[i]);
+    }
+    return -1;
+}

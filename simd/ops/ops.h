@@ -1,0 +1,46 @@
+/* Runtime helper kernels of the transformer (issue 4): everything around the ternary GEMV/GEMM that
+ * simd/kernels does not cover. RMSNorm fused with the residual add and the per-token int8 activation
+ * quantization, the gated MLP activation, RoPE + KV-cache write + causal attention, embedding lookup.
+ * Fusing keeps the number of Python-level calls per layer small (see engine/model.py).
+ *
+ * All arrays are C-contiguous f32 unless stated; shapes are checked by the Cython wrapper (simd/_ops.pyx).
+ */
+#ifndef BITNET_OPS_H
+#define BITNET_OPS_H
+
+#include <stdint.h>
+
+enum { OPS_ISA_SCALAR = 0, OPS_ISA_AVX2 = 1, OPS_ISA_AVX512 = 2 };
+enum { OPS_ACT_RELU2 = 0, OPS_ACT_SILU = 1 };
+
+/* isa.c */
+int ops_isa(void);                     /* chosen path (decided once; env BITNET_ISA overrides) */
+int ops_set_isa(int isa);              /* -1 best; returns 0 on success, -1 if the CPU cannot run it */
+int ops_cpu_max_isa(void);
+void ops_set_num_threads(int n);
+int ops_get_num_threads(void);
+
+/* norm.c */
+/* x[m, d] += delta (if delta != NULL); h = rmsnorm(x) * w; then h quantized per row into xq[m, k_pad]
+ * (act_scale = 127 / max(max|h|, 1e-5), xq = clamp(round_half_even(h * act_scale)), 0 in padding). */
+void ops_add_rmsnorm_quant(float *x, const float *delta, const float *w, int m, int d, float eps, float *h,
+                           int8_t *xq, int k_pad, float *act_scale, int32_t *act_sum);
+/* x += delta (if not NULL); out = rmsnorm(x) * w */
+void ops_add_rmsnorm(float *x, const float *delta, const float *w, int m, int d, float eps, float *out);
+/* gu[m, 2*inter] = [gate | up]: f = act(gate) * up, then rmsnorm(f) * w written over the gate half, then
+ * quantized into xq[m, k_pad]. */
+void ops_glu_rmsnorm_quant(float *gu, int m, int inter, int act, const float *w, float eps, int8_t *xq,
+                           int k_pad, float *act_scale, int32_t *act_sum);
+/* out[i, :] = (float)table[ids[i], :] (f16 table [vocab, d]); returns the index of the first bad id or -1 */
+int ops_embed_f16(const uint16_t *table, int64_t vocab, int d, const int32_t *ids, int m, float *out);
+
+/* attention.c */
+/* qkv[m, q_dim + 2*kv_dim] (q heads, then k heads, then v heads), rows at positions pos0 .. pos0+m-1:
+ * rotates q and k (half-split RoPE, tables cos/sin [n_ctx, head_dim/2]), writes k and v into this layer's
+ * cache k_cache/v_cache [n_kv, n_ctx, head_dim] (f16 bits when kv_f16, else f32), then causal GQA
+ * attention of every row over positions 0 .. its own into out[m, q_dim]. scratch: f32 [n_heads, n_ctx]. */
+void ops_attention(float *qkv, int m, int n_heads, int n_kv, int head_dim, const float *rope_cos,
+                   const float *rope_sin, int pos0, void *k_cache, void *v_cache, int kv_f16, int n_ctx,
+                   float *out, float *scratch);
+
+#endif
