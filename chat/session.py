@@ -131,16 +131,18 @@ class ChatSession:
         newest message alone cannot fit (then that turn is removed and the user is told)."""
         n_ctx = self.llm.n_ctx
         budget = n_ctx - self._reserve()
+        start_before = self.conv.window_start
         dropped = self.conv.fit_window(lambda m: self.count_tokens(m, generation_prompt), budget,
                                        target=budget - n_ctx // 4)
+        ids = self.llm.chat_prompt(self.conv.messages(), add_generation_prompt=generation_prompt)
+        if len(ids) >= n_ctx:
+            self.conv.window_start = start_before   # refused message: the older turns stay in view
+            return None
         if dropped:
             self.n_dropped += dropped
             self.out.notice(f"[context window full ({n_ctx} tokens): dropped the {dropped} oldest "
                             f"turn{'s' if dropped > 1 else ''} from the model's view; the system prompt "
                             "is kept and /save still has everything]")
-        ids = self.llm.chat_prompt(self.conv.messages(), add_generation_prompt=generation_prompt)
-        if len(ids) >= n_ctx:
-            return None
         return ids
 
     # ---- one answer ----------------------------------------------------------------------------
@@ -162,7 +164,7 @@ class ChatSession:
 
         ids = self._fit()
         if ids is None:
-            n = self.count_tokens(self.conv.messages())
+            n = self.count_tokens(self.conv.messages(start=len(self.conv.turns) - 1))
             self.conv.drop_last_turn()
             self.had_errors = True
             self.out.notice(f"[message not sent: it needs {n} tokens but the context window is "
