@@ -1,0 +1,374 @@
+"""Readers that present every supported source (bitnet.cpp / llama.cpp GGUF, HF safetensors directories) as
+one interface for engine.convert:
+
+    src.config: ModelConfig        src.source_format: str      src.meta: dict (notes: how things were decided)
+    src.embed(r0, r1) -> f32 rows  src.norm(short, i) -> f32   (short: attn_norm ffn_norm attn_sub_norm ffn_sub_norm;
+                                                                 i None: output_norm)
+    src.linear(short, i) -> (W_t int8 [out, in], scale f32 multiplying form, scales_seen list)
+    src.lm_head(r0, r1) -> f32 rows, or None when tied     src.tokenizer -> (kind, bytes) | None
+    src.chat_template -> str | None
+
+Facts (which scale multiplies, which activation, tensor names) come from shared FORMATS.md.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+from .config import ModelConfig
+from .errors import FormatError, UnsupportedError
+from .gguf import GGUFFile
+from .safetensors_io import SafetensorsDir
+from .tokenizer_build import fix_chat_template, gguf_tokenizer, special_ids_from_hf_json
+
+LINEARS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+HF_LINEAR = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+             "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+             "ffn_down": "mlp.down_proj"}
+GGUF_ARCHS = ("bitnet-b1.58", "bitnet-25", "bitnet")
+
+
+def ternarize_online(w: np.ndarray) -> tuple[np.ndarray, float]:
+    """The reference's online quantization (transformers WeightQuant, computed in f32):
+    s_w = 1/max(mean|W|, 1e-5); W_t = clamp(round_half_even(W*s_w), -1, 1); effective scale 1/s_w (multiplies).
+    The mean is accumulated in float64 (torch's f32 pairwise sum agrees to the last bit or one ulp)."""
+    w = np.asarray(w, dtype=np.float32)
+    mean = np.float32(np.abs(w).mean(dtype=np.float64))
+    s_w = np.float32(1.0) / np.maximum(mean, np.float32(1e-5))
+    w_t = np.clip(np.rint(w * s_w), -1, 1).astype(np.int8)
+    return w_t, float(np.float32(1.0) / s_w)
+
+
+def _f32(v) -> float:
+    """A GGUF f32 value as the decimal it was written from (1e-5, not 9.999999747378752e-06)."""
+    return float(str(np.float32(v))) if isinstance(v, (float, np.floating)) else float(v)
+
+
+def _check_scale(path: str, name: str, s: float) -> float:
+    if not np.isfinite(s) or s == 0:
+        raise FormatError(f"{path}: tensor {name!r} has a {'NaN/inf' if not np.isfinite(s) else 'zero'} weight scale")
+    return float(s)
+
+
+def _shape_check(path, name, got, want):
+    if tuple(got) != tuple(want):
+        raise FormatError(f"{path}: tensor {name!r} has shape {tuple(got)}, expected {tuple(want)}")
+
+
+# ---------------------------------------------------------------------------------------------------------
+class GGUFSource:
+    def __init__(self, path: str, hidden_act: str | None = None):
+        self.path = path
+        self.g = g = GGUFFile(path)
+        arch = g.arch
+        if arch not in GGUF_ARCHS:
+            raise UnsupportedError(f"{path}: unsupported GGUF architecture {arch!r}",
+                                   hint="this engine runs BitNet b1.58 models (bitnet-b1.58, bitnet-25, bitnet)")
+        self.meta: dict = {"gguf_arch": arch}
+
+        def key(k, typ=int, default=None):
+            v = g.kv.get(f"{arch}.{k}", default)
+            if v is None:
+                raise FormatError(f"{path}: missing GGUF key {arch}.{k}")
+            try:
+                return typ(v)
+            except (TypeError, ValueError):
+                raise FormatError(f"{path}: GGUF key {arch}.{k} has a bad value {v!r}") from None
+
+        D, L, H = key("embedding_length"), key("block_count"), key("attention.head_count")
+        if H <= 0 or D % H:
+            raise FormatError(f"{path}: embedding_length {D} is not a multiple of head_count {H}")
+        emb = g.info("token_embd.weight")
+        if len(emb.shape) != 2 or emb.shape[1] != D:
+            raise FormatError(f"{path}: token_embd.weight has shape {emb.shape}, expected [vocab, {D}]")
+        V = key("vocab_size", int, emb.shape[0])
+        _shape_check(path, "token_embd.weight", emb.shape, (V, D))
+        tok = gguf_tokenizer(g)
+        self.tokenizer, self.chat_template = tok["blob"], tok["chat_template"]
+        self.meta.update(tok["meta"])
+        self.hidden_act = self._activation(arch, hidden_act, tok["kind"])
+        self.config = ModelConfig(
+            hidden_size=D, intermediate_size=key("feed_forward_length"), n_layers=L, n_heads=H,
+            n_kv_heads=key("attention.head_count_kv", int, H), head_dim=D // H, vocab_size=V,
+            context_length=key("context_length", int, 4096), rope_theta=key("rope.freq_base", _f32, 10000.0),
+            rms_norm_eps=key("attention.layer_norm_rms_epsilon", _f32, 1e-5), hidden_act=self.hidden_act,
+            tie_word_embeddings="output.weight" not in g.tensors, bos_token_id=tok["bos"],
+            eos_token_ids=tuple(tok["eos"]), arch=arch, name=str(g.kv.get("general.name", ""))[:200])
+        rd = g.kv.get(f"{arch}.rope.dimension_count")
+        if rd is not None and rd != D // H:
+            raise UnsupportedError(f"{path}: partial RoPE (rope.dimension_count {rd} != head_dim {D // H})")
+        types = sorted({g.info(f"blk.0.{s}.weight").type_name for s in LINEARS})
+        self.source_format = f"gguf-{arch}-" + "+".join(t.lower() for t in types)
+
+    def _activation(self, arch, override, tok_kind) -> str:
+        act = self.g.kv.get(f"{arch}.hidden_activation")
+        if override:
+            self.meta["hidden_act_from"] = "caller"
+            return override
+        if act is not None:
+            act = {"relu2": "relu2", "relu_sqr": "relu2", "relu_squared": "relu2", "silu": "silu",
+                   "swiglu": "silu"}.get(str(act).lower())
+            if act is None:
+                raise UnsupportedError(f"{self.path}: unsupported {arch}.hidden_activation "
+                                       f"{self.g.kv[f'{arch}.hidden_activation']!r}")
+            self.meta["hidden_act_from"] = "gguf key"
+            return act
+        if arch in ("bitnet-b1.58", "bitnet-25"):
+            self.meta["hidden_act_from"] = "architecture (bitnet.cpp b1.58 models use relu2)"
+            return "relu2"
+        # llama.cpp `bitnet` without the key: its graph assumes SiLU, right for 1bitLLM (SentencePiece vocab),
+        # wrong for the 2B-4T family (LLaMA-3 byte-level BPE vocab), so decide by the tokenizer.
+        self.meta["hidden_act_from"] = f"inferred from the {tok_kind} tokenizer (no {arch}.hidden_activation key)"
+        return "relu2" if tok_kind == "gpt2" else "silu"
+
+    def embed(self, r0, r1):
+        return self.g.dequantize("token_embd.weight", slice(r0, r1))
+
+    def lm_head(self, r0, r1):
+        if "output.weight" not in self.g.tensors:
+            return None
+        _shape_check(self.path, "output.weight", self.g.info("output.weight").shape,
+                     (self.config.vocab_size, self.config.hidden_size))
+        return self.g.dequantize("output.weight", slice(r0, r1))
+
+    def norm(self, short, i):
+        c = self.config
+        name = "output_norm.weight" if i is None else f"blk.{i}.{short}.weight"
+        size = {"attn_sub_norm": c.q_dim, "ffn_sub_norm": c.intermediate_size}.get(short, c.hidden_size)
+        t = self.g.info(name)
+        if t.n_elements != size:
+            raise FormatError(f"{self.path}: tensor {name!r} has {t.n_elements} values, expected {size}")
+        return self.g.dequantize(name).reshape(-1)
+
+    def linear(self, short, i):
+        c = self.config
+        name = f"blk.{i}.{short}.weight"
+        out, inp = {"attn_q": (c.q_dim, c.hidden_size), "attn_k": (c.kv_dim, c.hidden_size),
+                    "attn_v": (c.kv_dim, c.hidden_size), "attn_output": (c.hidden_size, c.q_dim),
+                    "ffn_gate": (c.intermediate_size, c.hidden_size), "ffn_up": (c.intermediate_size, c.hidden_size),
+                    "ffn_down": (c.hidden_size, c.intermediate_size)}[short]
+        t = self.g.info(name)
+        _shape_check(self.path, name, t.shape, (out, inp))
+        if t.type_name in ("I2_S", "TQ1_0", "TQ2_0"):
+            w, d = self.g.ternary(name)
+            if t.type_name == "I2_S":
+                scale = float(d[0])
+            else:
+                # llama.cpp folds the per-tensor scale into every block's d: they must agree, except blocks that
+                # are all zero (their d is irrelevant and may be 0)
+                live = np.abs(w.reshape(d.size, -1)).any(axis=1)
+                ds = np.unique(d[live])
+                if ds.size > 1:
+                    raise UnsupportedError(f"{self.path}: tensor {name!r} has {ds.size} different block scales"
+                                           " (not a BitNet per-tensor scale; re-convert the model)")
+                scale = float(ds[0]) if ds.size else 1.0
+        elif t.type_name in ("F32", "F16", "BF16"):
+            wf = self.g.dequantize(name).reshape(out, inp)
+            vals = np.unique(np.abs(wf))
+            if vals.size <= 2 and vals[0] == 0 or vals.size == 1:
+                scale = float(vals[-1]) or 1.0  # already ternary times a scale (llama.cpp f16/f32 output)
+                w = np.sign(wf).astype(np.int8)
+            else:
+                w, scale = ternarize_online(wf)
+        else:
+            raise UnsupportedError(f"{self.path}: tensor {name!r} has type {t.type_name}, not a ternary type",
+                                   hint="expected I2_S, TQ1_0, TQ2_0 (or F16/F32 full-precision weights)")
+        sname = f"blk.{i}.{short}.scale"
+        if sname in self.g.tensors:
+            s = self.g.dequantize(sname).reshape(-1)
+            if s.size != 1:
+                raise FormatError(f"{self.path}: tensor {sname!r} has {s.size} values, expected 1")
+            scale *= float(s[0])
+        return w, _check_scale(self.path, name, np.float32(scale)), [scale]
+
+    def close(self):
+        self.g.close()
+
+
+# ---------------------------------------------------------------------------------------------------------
+class HFSource:
+    def __init__(self, path: str, hidden_act: str | None = None):
+        self.path = path
+        try:
+            with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+                cfg = json.load(f)
+            if not isinstance(cfg, dict):
+                raise ValueError("not a JSON object")
+        except OSError as e:
+            raise FormatError(f"{path}: no readable config.json ({e.strerror})") from None
+        except ValueError as e:
+            raise FormatError(f"{path}/config.json: invalid JSON: {e}") from None
+        self.cfg = cfg
+        self.st = SafetensorsDir(path)
+        archs = cfg.get("architectures") or []
+        mt = cfg.get("model_type", "")
+        if not ({"BitNetForCausalLM", "BitnetForCausalLM"} & set(archs) or mt == "bitnet"):
+            raise UnsupportedError(f"{path}: unsupported model (architectures {archs}, model_type {mt!r})",
+                                   hint="this engine runs BitNet b1.58 models")
+        q = cfg.get("quantization_config") or {}
+        self.linear_class = q.get("linear_class", "autobitlinear")
+        if self.linear_class not in ("autobitlinear", "bitlinear"):
+            raise UnsupportedError(f"{path}: unknown quantization_config.linear_class {self.linear_class!r}")
+        self.mode = q.get("quantization_mode", "offline" if q else "online")
+        self.meta: dict = {"hf_linear_class": self.linear_class, "hf_quantization_mode": self.mode}
+        names = set(self.st.names())
+        self.attn_sub = "attn_sub_norm" if "model.layers.0.self_attn.attn_sub_norm.weight" in names else "inner_attn_ln"
+        self.ffn_sub = "ffn_sub_norm" if "model.layers.0.mlp.ffn_sub_norm.weight" in names else "ffn_layernorm"
+        act = hidden_act or cfg.get("hidden_act") or ("relu2" if mt == "bitnet" else "silu")
+        act = {"relu2": "relu2", "relu_squared": "relu2", "silu": "silu", "swish": "silu"}.get(act)
+        if act is None:
+            raise UnsupportedError(f"{path}/config.json: unsupported hidden_act {cfg.get('hidden_act')!r}")
+        try:
+            D, H = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+            hd = int(cfg.get("head_dim") or D // H)
+            tok, tmpl, bos, eos = self._tokenizer(cfg)
+            self.config = ModelConfig(
+                hidden_size=D, intermediate_size=int(cfg["intermediate_size"]),
+                n_layers=int(cfg["num_hidden_layers"]), n_heads=H,
+                n_kv_heads=int(cfg.get("num_key_value_heads") or H), head_dim=hd, vocab_size=int(cfg["vocab_size"]),
+                context_length=int(cfg.get("max_position_embeddings", 4096)),
+                rope_theta=float(cfg.get("rope_theta", 10000.0)), rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
+                hidden_act=act, tie_word_embeddings="lm_head.weight" not in names,
+                bos_token_id=bos, eos_token_ids=tuple(eos), arch="bitnet-b1.58" if mt == "bitnet" else "1bitllm",
+                name=os.path.basename(os.path.abspath(path)))
+        except (KeyError, TypeError, ValueError) as e:
+            raise FormatError(f"{path}/config.json: missing or bad field: {e}") from None
+        self.tokenizer, self.chat_template = tok, tmpl
+        kind = "packed" if self.st.info("model.layers.0.self_attn.q_proj.weight")[0] == "U8" else "online"
+        self.source_format = f"hf-{kind}-{self.linear_class}"
+
+    def _read_json(self, fn):
+        p = os.path.join(self.path, fn)
+        if not os.path.isfile(p):
+            return None
+        try:
+            with open(p, encoding="utf-8") as f:
+                return json.load(f)
+        except (OSError, ValueError) as e:
+            raise FormatError(f"{p}: unreadable JSON: {e}") from None
+
+    def _tokenizer(self, cfg):
+        tj = os.path.join(self.path, "tokenizer.json")
+        sp = os.path.join(self.path, "tokenizer.model")
+        tc = self._read_json("tokenizer_config.json") or {}
+        gen = self._read_json("generation_config.json") or {}
+        eos: list[int] = []
+        for v in (cfg.get("eos_token_id"), gen.get("eos_token_id")):
+            for x in (v if isinstance(v, list) else [v]):
+                if isinstance(x, int) and x not in eos:
+                    eos.append(x)
+        if os.path.isfile(tj):
+            blob, kind = open(tj, "rb").read(), "hf_json"
+            for x in special_ids_from_hf_json(blob, ("<|eot_id|>", "<|end_of_text|>")):
+                if x not in eos:
+                    eos.append(x)
+        elif os.path.isfile(sp):
+            blob, kind = open(sp, "rb").read(), "sentencepiece"
+        else:
+            blob, kind = None, None
+            self.meta["tokenizer_note"] = "no tokenizer.json or tokenizer.model in the directory"
+        tmpl = tc.get("chat_template")
+        if isinstance(tmpl, list):  # [{"name": ..., "template": ...}]
+            tmpl = next((t.get("template") for t in tmpl if t.get("name") == "default"), None)
+        jinja = os.path.join(self.path, "chat_template.jinja")
+        if tmpl is None and os.path.isfile(jinja):
+            tmpl = open(jinja, encoding="utf-8").read()
+        if tmpl is None and cfg.get("model_type") == "bitnet":
+            tmpl = fix_chat_template(None)
+        elif tmpl is not None:
+            tmpl = fix_chat_template(tmpl)
+        bos = cfg.get("bos_token_id")
+        return ((kind, blob) if blob is not None else None), tmpl, (bos if isinstance(bos, int) else None), eos
+
+    def _hf(self, short, i):
+        return f"model.layers.{i}.{HF_LINEAR[short]}"
+
+    def embed(self, r0, r1):
+        name = "model.embed_tokens.weight"
+        _shape_check(self.path, name, self.st.info(name)[1], (self.config.vocab_size, self.config.hidden_size))
+        return self._rows_f32(name, r0, r1)
+
+    def _rows_f32(self, name, r0, r1):
+        from .safetensors_io import bf16_to_f32
+
+        tag, _ = self.st.info(name)
+        v = self.st.get(name)[r0:r1]
+        if tag == "BF16":
+            return bf16_to_f32(v)
+        if tag in ("F16", "F32"):
+            return v.astype(np.float32)
+        raise FormatError(f"{self.path}: tensor {name!r} is {tag}, expected a float tensor")
+
+    def lm_head(self, r0, r1):
+        if self.config.tie_word_embeddings:
+            return None
+        _shape_check(self.path, "lm_head.weight", self.st.info("lm_head.weight")[1],
+                     (self.config.vocab_size, self.config.hidden_size))
+        return self._rows_f32("lm_head.weight", r0, r1)
+
+    def norm(self, short, i):
+        c = self.config
+        if i is None:
+            name, size = "model.norm.weight", c.hidden_size
+        else:
+            p = f"model.layers.{i}"
+            name, size = {"attn_norm": (f"{p}.input_layernorm.weight", c.hidden_size),
+                          "ffn_norm": (f"{p}.post_attention_layernorm.weight", c.hidden_size),
+                          "attn_sub_norm": (f"{p}.self_attn.{self.attn_sub}.weight", c.q_dim),
+                          "ffn_sub_norm": (f"{p}.mlp.{self.ffn_sub}.weight", c.intermediate_size)}[short]
+        _shape_check(self.path, name, self.st.info(name)[1], (size,))
+        return self.st.get_f32(name).reshape(-1)
+
+    def linear(self, short, i):
+        c = self.config
+        out, inp = {"attn_q": (c.q_dim, c.hidden_size), "attn_k": (c.kv_dim, c.hidden_size),
+                    "attn_v": (c.kv_dim, c.hidden_size), "attn_output": (c.hidden_size, c.q_dim),
+                    "ffn_gate": (c.intermediate_size, c.hidden_size), "ffn_up": (c.intermediate_size, c.hidden_size),
+                    "ffn_down": (c.hidden_size, c.intermediate_size)}[short]
+        name = self._hf(short, i) + ".weight"
+        tag, shape = self.st.info(name)
+        if tag == "U8":
+            if out % 4:
+                raise FormatError(f"{self.path}: {name!r}: output dim {out} is not a multiple of 4")
+            _shape_check(self.path, name, shape, (out // 4, inp))
+            p = self.st.get(name)
+            w = np.empty((4, out // 4, inp), np.uint8)
+            for k in range(4):  # low bits = first quarter of the rows (FORMATS.md §1)
+                np.bitwise_and(p >> (2 * k), 3, out=w[k])
+            if (w == 3).any():
+                raise FormatError(f"{self.path}: tensor {name!r} holds invalid packed code 3")
+            w = (w.view(np.int8) - np.int8(1)).reshape(out, inp)
+            sname = self._hf(short, i) + ".weight_scale"
+            s = self.st.get_f32(sname).reshape(-1)
+            if s.size != 1:
+                raise FormatError(f"{self.path}: tensor {sname!r} has {s.size} values, expected 1")
+            raw = float(s[0])
+            _check_scale(self.path, sname, raw)
+            # autobitlinear multiplies by weight_scale; the legacy bitlinear class divides
+            scale = raw if self.linear_class == "autobitlinear" else float(np.float32(1.0) / np.float32(raw))
+            return w, _check_scale(self.path, sname, scale), [raw]
+        if tag in ("BF16", "F16", "F32"):
+            _shape_check(self.path, name, shape, (out, inp))
+            w, scale = ternarize_online(self.st.get_f32(name))
+            return w, _check_scale(self.path, name, scale), [scale]
+        raise UnsupportedError(f"{self.path}: tensor {name!r} has dtype {tag} (expected U8 packed or float)")
+
+    def close(self):
+        self.st.close()
+
+
+def open_source(path: str, hidden_act: str | None = None):
+    """GGUFSource for a GGUF file, HFSource for a directory; FormatError otherwise."""
+    from .gguf import is_gguf
+
+    if os.path.isdir(path):
+        return HFSource(path, hidden_act)
+    if not os.path.exists(path):
+        raise FormatError(f"{path}: no such file or directory")
+    if is_gguf(path):
+        return GGUFSource(path, hidden_act)
+    if path.endswith(".safetensors"):
+        return HFSource(os.path.dirname(os.path.abspath(path)), hidden_act)
+    raise FormatError(f"{path}: not a GGUF file, a BitNet store or a Hugging Face model directory")
