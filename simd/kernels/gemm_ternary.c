@@ -163,7 +163,7 @@ AVX2_TARGET static void gemm_ternary_avx2(const uint8_t *w, const float *row_sca
 
 #if defined(__aarch64__)
 /* ---------------- NEON (sdot), 4 tokens per pass over a tile ---------------- */
-__attribute__((target("+dotprod")))
+__attribute__((target("arch=armv8.2-a+dotprod")))
 static void gemm_ternary_neon(const uint8_t *w, const float *row_scale, const int8_t *xq, int m, int k_pad,
                               const float *act_scale, const int32_t *act_sum, float *out, int32_t *out_i32, int n,
                               int tile_begin, int tile_end) {

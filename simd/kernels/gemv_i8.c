@@ -131,7 +131,7 @@ AVX2_TARGET static void gemv_i8_avx2(const int8_t *w, const float *row_scale, co
 #endif
 
 #if defined(__aarch64__)
-__attribute__((target("+dotprod")))
+__attribute__((target("arch=armv8.2-a+dotprod")))
 static void gemv_i8_neon(const int8_t *w, const float *row_scale, const int32_t *w_rowsum, const int8_t *xq,
                          const uint8_t *aux, int k_pad, float act_scale, float *out, int32_t *out_i32, int n,
                          int tile_begin, int tile_end) {

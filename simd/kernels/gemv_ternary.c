@@ -167,7 +167,7 @@ AVX2_TARGET static void gemv_ternary_avx2(const uint8_t *w, const float *row_sca
 
 #if defined(__aarch64__)
 /* ---------------- NEON (sdot: codes {0,1,2} are valid s8) ---------------- */
-__attribute__((target("+dotprod")))
+__attribute__((target("arch=armv8.2-a+dotprod")))
 static void gemv_ternary_neon(const uint8_t *w, const float *row_scale, const int8_t *xq, int k_pad,
                               float act_scale, int32_t act_sum, float *out, int32_t *out_i32, int n,
                               int tile_begin, int tile_end) {
