@@ -1,0 +1,20 @@
+"""`bitnet convert SRC [-o OUT] [--lm-head i8|f16]`: write the engine's weight store from a GGUF file or a
+Hugging Face model directory (progress on stderr, the store path on stdout)."""
+HELP = "convert a GGUF file or Hugging Face model directory into the engine's weight store"
+
+
+def add_arguments(p):
+    p.add_argument("src", metavar="SRC", help="GGUF file (bitnet.cpp I2_S, llama.cpp TQ1_0/TQ2_0) or HF model directory")
+    p.add_argument("-o", "--output", dest="out", metavar="OUT", default=None,
+                   help="store path (default: next to SRC, with the .bnstore extension)")
+    p.add_argument("--lm-head", choices=["i8", "f16"], default="i8",
+                   help="LM head precision: int8 rows with per-row scales (half the bytes per token) or f16")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def main(args) -> int:
+    from engine.convert import convert
+
+    out = convert(args.src, args.out, lm_head=args.lm_head, progress=not args.no_progress)
+    print(out)
+    return 0
