@@ -1,0 +1,112 @@
+"""The public runtime API: the only thing chat/ and bench/ use (contract: engine/INTERFACES.md).
+
+    from engine.api import load_model, SamplingParams
+    llm = load_model("model.gguf", ctx=2048, threads=2)          # None -> the bundled default model
+    ids = llm.chat_prompt([{"role": "user", "content": "Hi"}])
+    for chunk in llm.generate(ids, SamplingParams(temperature=0.7), max_tokens=128):
+        print(chunk.text, end="", flush=True)
+        if chunk.finish_reason:
+            print(chunk.stats)
+
+One LLM object is one session: one KV cache, reused across generate() calls by longest common prefix.
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from . import chat_template as _ct
+from .config import ModelConfig
+from .errors import BitNetError
+from .generate import Chunk, Stats, generate as _generate
+from .model import Model
+from .sampling import SamplingParams
+from .store import Store, is_store
+from .tokenizer import Tokenizer
+
+__all__ = ["load_model", "LLM", "SamplingParams", "Chunk", "Stats"]
+
+
+def _resolve(model: str | None, lm_head: str | None, progress: bool) -> str:
+    if model is not None and is_store(model):
+        return os.fspath(model)
+    if model is not None and not os.path.exists(model):
+        raise BitNetError(f"-m/--model {model}: no such file or directory")
+    try:
+        from .convert import resolve_model
+    except ImportError as e:  # pragma: no cover - only while the converter is missing
+        raise BitNetError(f"cannot convert {model or 'the default model'}: converter unavailable ({e})") from None
+    return resolve_model(model, lm_head=lm_head, progress=progress)
+
+
+class LLM:
+    """A loaded model session. Attributes: config, n_ctx, name, tokenizer, load_s."""
+
+    def __init__(self, store: Store, *, ctx: int | None = None, threads: int | None = None,
+                 kv_dtype: str = "f16", load_s: float = 0.0):
+        t0 = time.perf_counter()
+        self.store = store
+        self.config: ModelConfig = store.config
+        if threads is not None and threads < 1:
+            raise BitNetError(f"-t/--threads {threads}: must be >= 1")
+        if ctx is not None and ctx < 1:
+            raise BitNetError(f"-c/--ctx {ctx}: must be >= 1")
+        Model.set_threads(threads)
+        self.model = Model(store, n_ctx=ctx, kv_dtype=kv_dtype)
+        self.tokenizer = Tokenizer.from_store(store)
+        self.n_ctx = self.model.n_ctx
+        self.name = self.config.name or os.path.splitext(os.path.basename(store.meta.get("source") or store.path))[0]
+        self.load_s = load_s + (time.perf_counter() - t0)
+
+    # ---- text <-> ids ----
+    def tokenize(self, text: str, *, add_bos: bool = False, special: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_bos=add_bos, special=special)
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(ids)
+
+    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of `messages` rendered with the model's own chat template (or the built-in fallback)."""
+        tok = self.tokenizer
+        bos = tok.id_to_token(tok.bos_id) if tok.bos_id is not None else ""
+        eos = tok.id_to_token(tok.eos_ids[0]) if tok.eos_ids else ""
+        text = _ct.render(self.store.chat_template, messages, add_generation_prompt=add_generation_prompt,
+                          bos_token=bos or "", eos_token=eos or "")
+        return tok.encode(text, add_bos=False, special=True)
+
+    # ---- running ----
+    def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
+                 max_tokens: int = 256, stop: Sequence[str] = ()) -> Iterator[Chunk]:
+        """Stream Chunk(text, token) per generated token, then Chunk("", None, finish_reason, stats).
+        A str prompt is tokenized with BOS. finish_reason: "eos" | "stop" | "length" | "context".
+        max_tokens=0 only prefills the prompt into the cache. Raises ContextOverflowError when the
+        prompt alone does not fit n_ctx."""
+        ids = self.tokenize(prompt, add_bos=True) if isinstance(prompt, str) else list(prompt)
+        return _generate(self.model, self.tokenizer, ids, params, max_tokens=max_tokens, stop=stop, load_s=self.load_s)
+
+    def forward(self, ids: Sequence[int]) -> np.ndarray:
+        """Logits [len(ids), vocab] f32 from a fresh cache (for tests)."""
+        return self.model.forward(ids)
+
+    def reset(self):
+        self.model.reset()
+
+    @property
+    def cached_tokens(self) -> list[int]:
+        return list(self.model.cache_ids)
+
+    def close(self):
+        self.store.close()
+
+
+def load_model(model: str | None = None, *, ctx: int | None = None, threads: int | None = None,
+               kv_dtype: str = "f16", progress: bool = True, lm_head: str | None = None) -> LLM:
+    """Open (converting once if needed) a model: a store, GGUF file or HF dir; None -> bundled default.
+    lm_head ("i8" | "f16") is passed to the converter when a conversion happens."""
+    t0 = time.perf_counter()
+    path = _resolve(model, lm_head, progress)
+    store = Store(path)
+    return LLM(store, ctx=ctx, threads=threads, kv_dtype=kv_dtype, load_s=time.perf_counter() - t0)

@@ -1,0 +1,158 @@
+"""The one streaming generator (consumed by `bitnet run`, bitchat and benchmarks through engine/api.py).
+
+generate() reuses the longest common prefix of the prompt with the tokens already in the KV cache,
+prefills the rest in chunks, then samples / decodes one token at a time, yielding a Chunk per token (text
+may be "" while a UTF-8 character is incomplete or might start a stop string) and a final Chunk with the
+finish reason and Stats. The cache only ever advances by fully processed tokens, so a consumer that stops
+iterating (break, Ctrl-C) leaves it consistent.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+from .errors import BitNetError, ContextOverflowError
+from .sampling import Sampler, SamplingParams
+
+FINISH_MESSAGES = {
+    "eos": "end of sequence",
+    "stop": "stop string",
+    "length": "max tokens reached",
+    "context": "context window full: generation stopped (raise -c/--ctx for longer output)",
+}
+
+
+@dataclass
+class Stats:
+    n_prompt: int          # prompt tokens
+    n_cached: int          # of which reused from the KV cache
+    n_generated: int       # tokens sampled (the eos token counts)
+    load_s: float          # model load time of the session
+    ttft_s: float          # time to first token: prefill + first sample
+    prefill_tps: float     # prompt tokens processed per second (cached ones excluded)
+    decode_tps: float      # generated tokens per second after the first
+    finish_reason: str | None = None
+
+
+@dataclass
+class Chunk:
+    text: str
+    token: int | None
+    finish_reason: str | None = None
+    stats: Stats | None = None
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class _StopMatcher:
+    """Holds back text that could be the start of a stop string; reports where a stop string ends."""
+
+    def __init__(self, stops: Sequence[str]):
+        self.stops = [s for s in stops if s]
+        self.pending = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """-> (text safe to emit now, stopped)."""
+        if not self.stops:
+            return text, False
+        self.pending += text
+        best = -1
+        for s in self.stops:
+            i = self.pending.find(s)
+            if i >= 0 and (best < 0 or i < best):
+                best = i
+        if best >= 0:
+            out, self.pending = self.pending[:best], ""
+            return out, True
+        hold = 0
+        for s in self.stops:  # longest suffix of pending that is a proper prefix of a stop string
+            for n in range(min(len(s) - 1, len(self.pending)), hold, -1):
+                if self.pending.endswith(s[:n]):
+                    hold = n
+                    break
+        out = self.pending[: len(self.pending) - hold]
+        self.pending = self.pending[len(self.pending) - hold:]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
+
+
+def generate(model, tokenizer, prompt_ids: Sequence[int], params: SamplingParams | None = None, *,
+             max_tokens: int = 256, stop: Sequence[str] = (), load_s: float = 0.0) -> Iterator[Chunk]:
+    """See engine/api.py LLM.generate."""
+    t_start = time.perf_counter()
+    prompt = [int(t) for t in prompt_ids]
+    if not prompt:
+        if tokenizer.bos_id is None:
+            raise BitNetError("empty prompt and the model has no BOS token to start from")
+        prompt = [tokenizer.bos_id]
+    if len(prompt) > model.n_ctx:
+        raise ContextOverflowError(f"the prompt has {len(prompt)} tokens but the context holds {model.n_ctx}",
+                                   hint="raise -c/--ctx or shorten the prompt")
+    if max_tokens < 0:
+        raise BitNetError(f"max_tokens {max_tokens}: must be >= 0")
+    sampler = Sampler(params, model.config.vocab_size)
+    eos = set(tokenizer.eos_ids)
+
+    # reuse the cached prefix; the last prompt token is always run, since its logits pick the first token
+    n_cached = common_prefix(model.cache_ids, prompt)
+    if n_cached == len(prompt) and max_tokens > 0:
+        n_cached -= 1
+    model.truncate(n_cached)
+    todo = prompt[n_cached:]
+    logits = model.prefill(todo) if todo else None
+    t_prefill = time.perf_counter()
+    prefill_s = t_prefill - t_start
+    prefill_tps = len(todo) / prefill_s if todo and prefill_s > 0 else 0.0
+
+    def stats(n_gen, ttft, t_first, reason):
+        dt = time.perf_counter() - t_first if t_first else 0.0
+        return Stats(n_prompt=len(prompt), n_cached=n_cached, n_generated=n_gen, load_s=load_s, ttft_s=ttft,
+                     prefill_tps=prefill_tps, decode_tps=(n_gen - 1) / dt if n_gen > 1 and dt > 0 else 0.0,
+                     finish_reason=reason)
+
+    if max_tokens == 0:  # prefill only (chat re-prefills a loaded conversation this way)
+        yield Chunk("", None, "length", stats(0, prefill_s, 0.0, "length"))
+        return
+
+    history = list(prompt)
+    stream = tokenizer.stream()
+    matcher = _StopMatcher(stop)
+    n_gen, ttft, t_first, reason = 0, 0.0, 0.0, None
+    while True:
+        tok = sampler.sample(logits, history)
+        n_gen += 1
+        if n_gen == 1:
+            t_first = time.perf_counter()
+            ttft = t_first - t_start
+        if tok in eos:
+            reason = "eos"
+            break
+        history.append(tok)
+        text, stopped = matcher.feed(stream.push(tok))
+        yield Chunk(text, tok)
+        if stopped:
+            reason = "stop"
+            break
+        if n_gen >= max_tokens:
+            reason = "length"
+            break
+        if model.n_past >= model.n_ctx:
+            reason = "context"
+            break
+        logits = model.decode(tok)
+    if reason != "stop":
+        rest, _ = matcher.feed(stream.flush())
+        rest += matcher.flush()
+        if rest:
+            yield Chunk(rest, None)
+    yield Chunk("", None, reason, stats(n_gen, ttft, t_first, reason))

@@ -1,0 +1,95 @@
+"""Choosing the next token from logits: greedy at temperature 0, else llama.cpp's default chain
+repetition penalty -> top-k -> top-p -> min-p -> temperature -> draw. Seeded (same seed, same output).
+
+Work stays on the few candidates that survive top-k (or the min-p threshold when top-k is off), so a
+128k-vocabulary step costs one partial partition of the logits, not a full sort or softmax.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import BitNetError
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 0.8     # 0 -> greedy
+    top_k: int = 40              # 0 -> off
+    top_p: float = 0.95          # 1 -> off
+    min_p: float = 0.05          # 0 -> off
+    repeat_penalty: float = 1.0  # 1 -> off
+    repeat_last_n: int = 64      # how many recent tokens the penalty looks at
+    seed: int | None = None      # None -> a fresh random seed
+
+    def check(self):
+        if not (self.temperature >= 0):
+            raise BitNetError(f"--temp {self.temperature}: must be >= 0")
+        if self.top_k < 0:
+            raise BitNetError(f"--top-k {self.top_k}: must be >= 0 (0 disables)")
+        if not (0.0 < self.top_p <= 1.0):
+            raise BitNetError(f"--top-p {self.top_p}: must be in (0, 1]")
+        if not (0.0 <= self.min_p <= 1.0):
+            raise BitNetError(f"--min-p {self.min_p}: must be in [0, 1]")
+        if not (self.repeat_penalty > 0):
+            raise BitNetError(f"--repeat-penalty {self.repeat_penalty}: must be > 0")
+        if self.repeat_last_n < 0:
+            raise BitNetError(f"repeat_last_n {self.repeat_last_n}: must be >= 0")
+        return self
+
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+class Sampler:
+    """sample(logits, history) -> token id. The logits array is modified in place (it is the model's
+    per-step buffer); `history` is the list of ids seen so far (prompt + generated)."""
+
+    def __init__(self, params: SamplingParams | None, vocab_size: int):
+        self.p = (params or SamplingParams()).check()
+        self.vocab_size = vocab_size
+        self.rng = np.random.default_rng(self.p.seed)
+        self._seen = np.zeros(vocab_size, dtype=bool)  # which ids the penalty touches (reused every step)
+
+    def _penalize(self, logits: np.ndarray, history):
+        p, n = self.p.repeat_penalty, self.p.repeat_last_n
+        if p == 1.0 or n == 0 or not history:
+            return
+        recent = np.fromiter((t for t in history[-n:] if 0 <= t < self.vocab_size), dtype=np.int64)
+        if recent.size == 0:
+            return
+        ids = np.unique(recent)
+        vals = logits[ids]
+        # CTRL / llama.cpp rule: shrink positive logits, push negative ones further down
+        logits[ids] = np.where(vals > 0, vals / np.float32(p), vals * np.float32(p))
+
+    def sample(self, logits: np.ndarray, history=()) -> int:
+        p = self.p
+        self._penalize(logits, history)
+        if p.temperature <= 0.0:
+            return int(np.argmax(logits))
+        v = logits.shape[0]
+        k = p.top_k if 0 < p.top_k < v else v
+        if k < v:
+            cand = np.argpartition(logits, v - k)[v - k:]
+        elif p.min_p > 0.0:
+            # min-p keeps prob >= min_p * max_prob, i.e. logit >= max + log(min_p): prefilter on that
+            cand = np.flatnonzero(logits >= logits.max() + np.float32(np.log(p.min_p)))
+        else:
+            cand = np.arange(v)
+        vals = logits[cand].astype(np.float64)
+        order = np.argsort(-vals, kind="stable")
+        cand, vals = cand[order], vals[order]
+        probs = np.exp(vals - vals[0])
+        probs /= probs.sum()
+        keep = len(cand)
+        if p.top_p < 1.0:
+            keep = min(keep, int(np.searchsorted(np.cumsum(probs), p.top_p)) + 1)
+        if p.min_p > 0.0:
+            keep = min(keep, max(1, int(np.count_nonzero(probs >= p.min_p * probs[0]))))
+        cand, vals = cand[:keep], vals[:keep]
+        w = np.exp((vals - vals[0]) / p.temperature)
+        c = np.cumsum(w)
+        i = int(np.searchsorted(c, self.rng.random() * c[-1], side="right"))
+        return int(cand[min(i, keep - 1)])
