@@ -235,7 +235,8 @@ def write_gguf_tq(m, path: str, qtype: str = "TQ2_0", *, embed_type: str = "F16"
             bs, ts = gguf.GGML_QUANT_SIZES[qt]
 
             def make(prefix=prefix):
-                wt, s = m.ternary(prefix), m.weight_scale(prefix)
+                # older llama.cpp files: d = 1 in the blocks and the scale in a separate blk.N.*.scale tensor
+                wt, s = m.ternary(prefix), (1.0 if scale_tensors else m.weight_scale(prefix))
                 if quantizer == "fast":
                     return tq2_pack(wt, s)
                 return gguf.quants.quantize(wt.astype(np.float32) * np.float32(s), qt)

@@ -1,0 +1,307 @@
+"""engine.convert: every source form of the same synthetic weights gives the same store, the store holds
+exactly the source's ternary weights and scales (seen through layout.unpack_*), and bad input fails with one
+line naming the file."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from engine import layout
+from engine.convert import convert, resolve_model
+from engine.errors import BitNetError, FormatError, UnsupportedError
+from engine.store import Store
+from engine.synth import SynthModel, write_gguf_i2s, write_gguf_tq, write_hf_dir
+
+SHORT = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
+         "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
+FUSED = {"attn_qkv": ("q_proj", "k_proj", "v_proj"), "attn_output": ("o_proj",),
+         "ffn_gate_up": ("gate_proj", "up_proj"), "ffn_down": ("down_proj",)}
+
+
+def _prefix(i, kind):
+    return f"model.layers.{i}.{'self_attn' if kind in ('q_proj', 'k_proj', 'v_proj', 'o_proj') else 'mlp'}.{kind}"
+
+
+@pytest.fixture(scope="module")
+def model():
+    return SynthModel(seed=33)
+
+
+@pytest.fixture(scope="module")
+def stores(model, tmp_path_factory):
+    d = tmp_path_factory.mktemp("conv")
+    srcs = {
+        "hf": write_hf_dir(model, str(d / "hf")),
+        "hf_sharded": write_hf_dir(model, str(d / "hf3"), shards=3, embed_dtype="f32"),
+        "tq2": write_gguf_tq(model, str(d / "tq2.gguf"), "TQ2_0"),
+        "tq1": write_gguf_tq(model, str(d / "tq1.gguf"), "TQ1_0", embed_type="F32"),
+        "tq2_scales": write_gguf_tq(model, str(d / "tq2s.gguf"), "TQ2_0", scale_tensors=True,
+                                    hidden_activation=None),
+        "i2s": write_gguf_i2s(model, str(d / "i2s.gguf")),
+    }
+    out = {k: Store(convert(p, str(d / f"{k}.bnstore"), progress=False)) for k, p in srcs.items()}
+    out["_srcs"] = srcs
+    return out
+
+
+def _ternary(store, name):
+    e = store.info(name)
+    return layout.unpack_ternary(store.tensor(name), e["rows"], e["cols"])
+
+
+def test_store_holds_source_ternary_and_scales(model, stores):
+    s = stores["hf"]
+    c = s.config
+    assert (c.hidden_size, c.intermediate_size, c.n_layers, c.hidden_act) == (model.D, model.I, model.L, "relu2")
+    for i in range(model.L):
+        for fused, kinds in FUSED.items():
+            prefixes = [_prefix(i, k) for k in kinds]
+            want = np.concatenate([model.ternary(p) for p in prefixes])
+            assert np.array_equal(_ternary(s, f"blk.{i}.{fused}"), want), fused
+            scale = s.tensor(f"blk.{i}.{fused}.scale")
+            want_s = np.concatenate([np.full(model.ternary(p).shape[0], model.weight_scale(p), np.float32)
+                                     for p in prefixes])
+            assert scale.dtype == np.float32 and scale.size == layout.pad_to(want.shape[0], 16)
+            assert np.array_equal(scale[:want.shape[0]], want_s)
+        for short, hf in model.norm_names(i).items():
+            assert np.array_equal(s.tensor(f"blk.{i}.{short}"), model.norm(hf))
+    assert np.array_equal(s.tensor("token_embd"), model.embed().astype(np.float16))
+    assert s.tensor("token_embd").dtype == np.float16
+    st = s.meta["ternary_stats"]["blk.0.attn_q"]
+    w = model.ternary("model.layers.0.self_attn.q_proj")
+    assert st["zero"] == pytest.approx((w == 0).mean()) and st["scale"] == [model.weight_scale(_prefix(0, "q_proj"))]
+
+
+@pytest.mark.parametrize("kind", ["hf_sharded", "tq2", "tq1", "tq2_scales", "i2s"])
+def test_all_sources_give_identical_stores(stores, kind):
+    a, b = stores["hf"], stores[kind]
+    assert set(a.tensor_names) == set(b.tensor_names)
+    for n in a.tensor_names:
+        if n == "tokenizer.blob":
+            continue
+        assert np.array_equal(a.tensor(n), b.tensor(n)), n
+    for f in ("hidden_size", "intermediate_size", "n_layers", "n_heads", "n_kv_heads", "head_dim", "vocab_size",
+              "rope_theta", "rms_norm_eps", "hidden_act", "bos_token_id", "eos_token_ids", "tie_word_embeddings"):
+        assert getattr(a.config, f) == getattr(b.config, f), f
+    assert a.chat_template == b.chat_template
+
+
+@pytest.mark.parametrize("kind", ["tq1", "tq2"])
+def test_store_equals_gguf_dequantizer(stores, kind):
+    gguf = pytest.importorskip("gguf")
+    s = stores[kind]
+    r = gguf.GGUFReader(stores["_srcs"][kind])
+    t = {x.name: x for x in r.tensors}
+    w = _ternary(s, "blk.1.ffn_gate_up").astype(np.float32) * s.tensor("blk.1.ffn_gate_up.scale")[:, None][:2 * 512]
+    for j, short in enumerate(("ffn_gate", "ffn_up")):
+        x = t[f"blk.1.{short}.weight"]
+        assert np.array_equal(w[j * 512:(j + 1) * 512], gguf.quants.dequantize(x.data, x.tensor_type))
+
+
+def test_gguf_tokenizer_gives_same_ids(stores):
+    from tokenizers import Tokenizer
+
+    from engine.synth import TRAIN_TEXT
+
+    ref = Tokenizer.from_str(stores["hf"].tokenizer_spec[1].decode())
+    for kind in ("tq2", "i2s"):
+        kind_, blob = stores[kind].tokenizer_spec
+        assert kind_ == "hf_json"
+        tok = Tokenizer.from_str(blob.decode())
+        for text in (TRAIN_TEXT, "<|begin_of_text|>User: hé 🙂<|eot_id|>Assistant: ", "  a\n\n\tb 1234567"):
+            assert tok.encode(text).ids == ref.encode(text).ids
+
+
+def test_broken_official_template_replaced(stores):
+    s = stores["i2s"]
+    assert "BITNETAssistant" not in s.chat_template and s.meta["chat_template_note"]
+    from jinja2 import Template
+
+    text = Template(s.chat_template).render(messages=[{"role": "user", "content": "Hi"}], add_generation_prompt=True,
+                                            bos_token="<|begin_of_text|>")
+    assert text == "<|begin_of_text|>User: Hi<|eot_id|>Assistant: "
+
+
+def test_lm_head_i8_and_f16(model, stores, tmp_path):
+    s = stores["hf"]
+    e = s.info("output")
+    assert e["layout"] == "i8_tile16" and s.meta["lm_head"] == "i8"
+    q = layout.unpack_i8(s.tensor("output"), e["rows"], e["cols"])
+    scale, rowsum = s.tensor("output.scale"), s.tensor("output.rowsum")
+    V = model.V
+    wq, ws = layout.quantize_rows_i8(model.embed().astype(np.float16).astype(np.float32))
+    assert np.array_equal(q, wq) and np.array_equal(scale[:V], ws)
+    assert np.array_equal(rowsum[:V], wq.sum(axis=1, dtype=np.int32)) and rowsum.dtype == np.int32
+    f = Store(convert(stores["_srcs"]["hf"], str(tmp_path / "f16.bnstore"), lm_head="f16", progress=False))
+    e = f.info("output")
+    assert e["layout"] == "f16_tile16"
+    assert np.array_equal(layout.unpack_f16(f.tensor("output"), V, model.D), model.embed().astype(np.float16))
+
+
+def _reference_online(w):
+    """Independent numpy restatement of transformers' WeightQuant (f32): scale = 1/clamp(mean|W|, 1e-5)."""
+    w = w.astype(np.float32)
+    s = np.float32(1) / max(np.float32(np.mean(np.abs(w.astype(np.float64)))), np.float32(1e-5))
+    return np.clip(np.round(w * s), -1, 1), np.float32(1) / s
+
+
+def test_online_bf16_checkpoint_ternarized_like_reference(model, tmp_path):
+    src = write_hf_dir(model, str(tmp_path / "bf16"), form="online")
+    s = Store(convert(src, str(tmp_path / "o.bnstore"), progress=False))
+    assert s.meta["source_format"] == "hf-online-autobitlinear"
+    for i in range(model.L):
+        for fused, kinds in FUSED.items():
+            refs = [_reference_online(model.master(_prefix(i, k))) for k in kinds]
+            assert np.array_equal(_ternary(s, f"blk.{i}.{fused}"), np.concatenate([r[0] for r in refs]))
+            rows = np.concatenate([np.full(r[0].shape[0], r[1], np.float32) for r in refs])
+            assert np.array_equal(s.tensor(f"blk.{i}.{fused}.scale")[:rows.size], rows)
+
+
+def test_legacy_bitlinear_divides(model, tmp_path):
+    src = write_hf_dir(model, str(tmp_path / "bl"), linear_class="bitlinear")
+    s = Store(convert(src, str(tmp_path / "bl.bnstore"), progress=False))
+    p = _prefix(0, "down_proj")
+    stored = np.float32(1.0 / model.weight_scale(p))  # what the checkpoint holds (the divisor)
+    assert s.tensor("blk.0.ffn_down.scale")[0] == np.float32(1) / stored
+    assert s.tensor("blk.0.ffn_down.scale")[0] == pytest.approx(model.weight_scale(p), rel=1e-6)
+
+
+def test_1bitllm_style_and_odd_dims(tmp_path):
+    # 1bitLLM-3B-like shapes: multiples of 4 but not of 16/64 (padded in the store)
+    m = SynthModel(dict(hidden_size=200, intermediate_size=344, num_attention_heads=4, num_key_value_heads=4,
+                        vocab_size=300), seed=4, style="1bitllm")
+    src = write_hf_dir(m, str(tmp_path / "onebit"))
+    s = Store(convert(src, str(tmp_path / "ob.bnstore"), progress=False))
+    c = s.config
+    assert c.hidden_act == "silu" and not c.tie_word_embeddings and c.rope_theta == 10000.0
+    assert s.info("blk.0.ffn_down")["cols"] == 344
+    w = _ternary(s, "blk.0.ffn_down")
+    assert np.array_equal(w, _reference_online(m.master("model.layers.0.mlp.down_proj"))[0])
+    assert np.array_equal(s.tensor("blk.0.attn_sub_norm"), m.norm("model.layers.0.self_attn.inner_attn_ln.weight"))
+    e = s.info("output")
+    q = layout.unpack_i8(s.tensor("output"), e["rows"], e["cols"])
+    assert np.array_equal(q, layout.quantize_rows_i8(m.lm_head().astype(np.float16).astype(np.float32))[0])
+
+
+def test_hidden_activation_key_and_inference(model, tmp_path):
+    p = write_gguf_tq(model, str(tmp_path / "silu.gguf"), hidden_activation="silu")
+    assert Store(convert(p, str(tmp_path / "a.bnstore"), progress=False)).config.hidden_act == "silu"
+    p = write_gguf_tq(model, str(tmp_path / "nokey.gguf"), hidden_activation=None)
+    s = Store(convert(p, str(tmp_path / "b.bnstore"), progress=False))
+    assert s.config.hidden_act == "relu2" and "inferred" in s.meta["hidden_act_from"]
+
+
+# ---- bad input -----------------------------------------------------------------------------------------
+def _hf_copy(model, tmp_path, name="bad"):
+    return write_hf_dir(model, str(tmp_path / name))
+
+
+def _edit_config(d, **kw):
+    p = os.path.join(d, "config.json")
+    cfg = json.load(open(p))
+    cfg.update(kw)
+    json.dump(cfg, open(p, "w"))
+
+
+def test_bad_sources(model, tmp_path):
+    with pytest.raises(FormatError, match="no such file"):
+        convert(str(tmp_path / "nothing"), progress=False)
+    (tmp_path / "junk.bin").write_bytes(b"hello world" * 10)
+    with pytest.raises(FormatError, match="not a GGUF file"):
+        convert(str(tmp_path / "junk.bin"), progress=False)
+    d = _hf_copy(model, tmp_path, "arch")
+    _edit_config(d, architectures=["LlamaForCausalLM"], model_type="llama")
+    with pytest.raises(UnsupportedError, match="unsupported model"):
+        convert(d, progress=False)
+    d = _hf_copy(model, tmp_path, "shape")
+    _edit_config(d, intermediate_size=768)
+    with pytest.raises(FormatError, match="shape"):
+        convert(d, str(tmp_path / "x.bnstore"), progress=False)
+    assert not os.path.exists(tmp_path / "x.bnstore")
+
+
+@pytest.mark.parametrize("value", [0.0, float("nan")])
+def test_zero_or_nan_scale(model, tmp_path, value):
+    from engine.synth_writers import hf_pack, write_safetensors
+
+    d = str(tmp_path / "ns")
+    write_hf_dir(model, d)
+    # rewrite the checkpoint with one bad weight_scale (f32) and the rest unchanged
+    from engine.safetensors_io import SafetensorsFile
+
+    f = SafetensorsFile(os.path.join(d, "model.safetensors"))
+    specs = []
+    for n in f.names():
+        tag, shape = f.info(n)
+        arr = np.array(f.get(n))
+        if n == "model.layers.1.mlp.up_proj.weight_scale":
+            tag, arr = "F32", np.array([value], np.float32)
+        specs.append((n, tag, list(shape), lambda a=arr: a))
+    f.close()
+    write_safetensors(os.path.join(d, "model.safetensors"), specs)
+    with pytest.raises(FormatError, match="up_proj.weight_scale.*(zero|NaN)"):
+        convert(d, str(tmp_path / "ns.bnstore"), progress=False)
+    assert hf_pack is not None
+
+
+def test_mixed_block_scales_rejected(tmp_path):
+    gguf = pytest.importorskip("gguf")
+    from engine.synth_writers import _gguf_tensor_order
+
+    m = SynthModel(seed=2)
+    p = str(tmp_path / "mixed.gguf")
+    write_gguf_tq(m, p)
+    # rewrite one tensor's second block with a different d
+    from engine.gguf import GGUFFile
+
+    g = GGUFFile(p)
+    t = g.info("blk.0.attn_k.weight")
+    g.close()
+    data = bytearray(open(p, "rb").read())
+    data[t.offset + 66 + 64: t.offset + 66 + 66] = np.float16(0.5).tobytes()
+    open(p, "wb").write(bytes(data))
+    with pytest.raises(UnsupportedError, match="attn_k.*different block scales"):
+        convert(p, str(tmp_path / "m.bnstore"), progress=False)
+    assert gguf and _gguf_tensor_order
+
+
+def test_cli_errors_one_line_exit_2(tmp_path):
+    (tmp_path / "t.gguf").write_bytes(b"GGUF\x03\0\0\0" + b"\xff" * 16)
+    for args in (["convert", str(tmp_path / "t.gguf")], ["inspect", str(tmp_path / "missing")],
+                 ["convert", str(tmp_path / "t.gguf"), "--lm-head", "f16"]):
+        r = subprocess.run([sys.executable, "-m", "engine", *args], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2, r.stderr
+        assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr and str(tmp_path) in r.stderr
+
+
+def test_cli_convert_and_inspect(model, tmp_path):
+    src = write_gguf_i2s(model, str(tmp_path / "m.gguf"))
+    out = str(tmp_path / "m.bnstore")
+    r = subprocess.run([sys.executable, "-m", "engine", "convert", src, "-o", out, "--lm-head", "f16"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == out, r.stderr
+    for f in (out, src):
+        r = subprocess.run([sys.executable, "-m", "engine", "inspect", f], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        assert "hidden 256" in r.stdout and "blk.1.ffn_down" in r.stdout and "hf_json (512 tokens" in r.stdout
+        assert "Assistant: " in r.stdout and " / 0." in r.stdout
+
+
+def test_resolve_model_caches(model, tmp_path, monkeypatch):
+    monkeypatch.setenv("BITNET_CACHE", str(tmp_path / "cache"))
+    src = write_gguf_i2s(model, str(tmp_path / "m.gguf"))
+    p1 = resolve_model(src, progress=False)
+    assert p1.startswith(str(tmp_path / "cache")) and os.path.exists(p1)
+    t1 = os.stat(p1).st_mtime_ns
+    assert resolve_model(src, progress=False) == p1 and os.stat(p1).st_mtime_ns == t1
+    assert resolve_model(p1) == p1  # a store is itself
+    os.utime(src, ns=(t1 + 10**9, t1 + 10**9))  # changed source -> new conversion
+    p2 = resolve_model(src, progress=False)
+    assert p2 != p1 and os.path.exists(p2)
+    p3 = resolve_model(src, lm_head="f16", progress=False, cache_dir=str(tmp_path / "c2"))
+    assert Store(p3).meta["lm_head"] == "f16"
+    with pytest.raises(BitNetError):
+        resolve_model(str(tmp_path / "nope.gguf"))

@@ -1,0 +1,174 @@
+"""engine.gguf: our GGUF reader against the `gguf` package (reference writer and dequantizer) on synthetic
+files, bitnet.cpp's I2_S layout, and every kind of bad header named in the issue."""
+import struct
+
+import numpy as np
+import pytest
+
+from engine.errors import FormatError, UnsupportedError
+from engine.gguf import GGUFFile, decode_blocks
+from engine.synth import SynthModel, write_gguf_i2s, write_gguf_tq
+from engine.synth_writers import RawGGUFWriter
+
+gguf = pytest.importorskip("gguf", reason="the gguf package is the reference writer (pip install '.[test]')")
+
+
+@pytest.fixture(scope="module")
+def model():
+    return SynthModel(seed=21)
+
+
+@pytest.mark.parametrize("qtype,embed", [("TQ2_0", "F16"), ("TQ1_0", "Q8_0"), ("TQ2_0", "F32"), ("TQ1_0", "BF16")])
+def test_every_tensor_matches_gguf_dequantizer(tmp_path, model, qtype, embed):
+    path = write_gguf_tq(model, str(tmp_path / "m.gguf"), qtype, embed_type=embed)
+    ours, ref = GGUFFile(path), gguf.GGUFReader(path)
+    assert ours.arch == "bitnet" and ours.version == 3
+    assert len(ours.tensors) == len(ref.tensors)
+    for t in ref.tensors:
+        mine = ours.info(t.name)
+        assert mine.type_id == int(t.tensor_type) and mine.nbytes == t.n_bytes
+        assert mine.shape == tuple(int(x) for x in reversed(t.shape))
+        want = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32).reshape(-1)
+        assert np.array_equal(ours.dequantize(t.name).reshape(-1), want), t.name
+    # metadata round trip
+    assert ours.kv["bitnet.embedding_length"] == model.D
+    assert ours.kv["tokenizer.ggml.tokens"] == model.tokenizer_info()["tokens"]
+    assert list(ours.kv["tokenizer.ggml.token_type"]) == model.tokenizer_info()["types"]
+    assert ours.kv["bitnet.attention.layer_norm_rms_epsilon"] == np.float32(1e-5)
+    w, d = ours.ternary("blk.0.ffn_up.weight")
+    assert np.array_equal(w, model.ternary("model.layers.0.mlp.up_proj"))
+    assert np.all(d == np.float32(model.weight_scale("model.layers.0.mlp.up_proj")))
+    # row slices of the embedding decode the same values as the whole
+    assert np.array_equal(ours.dequantize("token_embd.weight", slice(37, 200)),
+                          ours.dequantize("token_embd.weight")[37:200])
+
+
+@pytest.mark.parametrize("qtype,bs,ts", [("Q4_K", 256, 144), ("Q6_K", 256, 210), ("Q8_0", 32, 34)])
+def test_k_quants_match_gguf(tmp_path, qtype, bs, ts):
+    rng = np.random.default_rng(5)
+    raw = rng.integers(0, 256, (48, ts), dtype=np.uint8)
+    # keep the f16 super-scales finite and small so every value is comparable
+    if qtype == "Q4_K":
+        raw[:, 0:4] = np.frombuffer(np.float16([0.01, 0.003]).tobytes(), np.uint8)
+    elif qtype == "Q6_K":
+        raw[:, 208:210] = np.frombuffer(np.float16([0.02]).tobytes(), np.uint8)
+    else:
+        raw[:, 0:2] = np.frombuffer(np.float16([0.05]).tobytes(), np.uint8)
+    qt = gguf.GGMLQuantizationType[qtype]
+    want = gguf.quants.dequantize(raw, qt).reshape(-1)
+    assert np.array_equal(decode_blocks(raw.reshape(-1), qtype), want)
+    # and through a file: a [12, 4*bs] tensor
+    w = RawGGUFWriter(str(tmp_path / "k.gguf"))
+    w.add("general.architecture", "str", "bitnet")
+    w.add_tensor_info("x", [12, 48 * bs // 12], int(qt), raw.nbytes)
+    w.write([lambda: raw.tobytes()])
+    g = GGUFFile(str(tmp_path / "k.gguf"))
+    assert np.array_equal(g.dequantize("x").reshape(-1), want)
+
+
+def test_i2s_round_trip(tmp_path, model):
+    path = write_gguf_i2s(model, str(tmp_path / "i.gguf"))
+    g = GGUFFile(path)
+    assert g.arch == "bitnet-b1.58" and "tokenizer.ggml.pre" not in g.kv
+    for prefix, out, inp in model.linears():
+        i, kind = prefix.split(".")[2], prefix.split(".")[-1]
+        short = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
+                 "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}[kind]
+        t = g.info(f"blk.{i}.{short}.weight")
+        assert t.type_name == "I2_S" and t.nbytes == out * inp // 4 + 32 and t.shape == (out, inp)
+        w, s = g.ternary(t.name)
+        assert np.array_equal(w, model.ternary(prefix))
+        assert s[0] == np.float32(model.weight_scale(prefix))
+        assert np.array_equal(g.dequantize(t.name), w * s[0])
+
+
+def test_type36_outside_bitnet_is_unsupported(tmp_path):
+    w = RawGGUFWriter(str(tmp_path / "x.gguf"))
+    w.add("general.architecture", "str", "llama")
+    w.add_tensor_info("blk.0.attn_q.weight", [128, 128], 36, 128 * 128 // 4 + 32)
+    w.write([lambda: b"\0" * (128 * 128 // 4 + 32)])
+    g = GGUFFile(str(tmp_path / "x.gguf"))
+    with pytest.raises(UnsupportedError, match="blk.0.attn_q.weight"):
+        g.dequantize("blk.0.attn_q.weight")
+
+
+def test_unknown_and_undecodable_types_name_the_tensor(tmp_path):
+    w = RawGGUFWriter(str(tmp_path / "x.gguf"))
+    w.add("general.architecture", "str", "bitnet")
+    w.add_tensor_info("weird", [4, 32], 2, 4 * 18)     # Q4_0: known size, no decoder here
+    w.add_tensor_info("alien", [4, 32], 77, 16)        # a type nobody knows
+    w.write([lambda: b"\0" * 72, lambda: b"\0" * 16])
+    g = GGUFFile(str(tmp_path / "x.gguf"))
+    with pytest.raises(UnsupportedError, match="'weird'.*Q4_0"):
+        g.dequantize("weird")
+    with pytest.raises(UnsupportedError, match="'alien'.*type 77"):
+        g.raw("alien")
+
+
+# ---- bad headers ------------------------------------------------------------------------------------------
+def _header(n_tensors=0, n_kv=0, version=3, magic=b"GGUF"):
+    return magic + struct.pack("<IQQ", version, n_tensors, n_kv)
+
+
+def _kv_str(key, val):
+    k, v = key.encode(), val.encode()
+    return struct.pack("<Q", len(k)) + k + struct.pack("<IQ", 8, len(v)) + v
+
+
+def _tinfo(name, dims, typ, off):
+    n = name.encode()
+    return struct.pack("<Q", len(n)) + n + struct.pack("<I", len(dims)) + struct.pack(f"<{len(dims)}Q", *dims) + \
+        struct.pack("<IQ", typ, off)
+
+
+def _write(tmp_path, data: bytes):
+    p = tmp_path / "bad.gguf"
+    p.write_bytes(data)
+    return str(p)
+
+
+def _pad(b: bytes, a=32):
+    return b + b"\0" * (-len(b) % a)
+
+
+@pytest.mark.parametrize("data,err,msg", [
+    (b"GGU", FormatError, "only 3 bytes"),
+    (b"GGML" + b"\0" * 40, FormatError, "bad magic"),
+    (_header(version=1) + b"\0" * 8, UnsupportedError, "version 1"),
+    (_header(version=99) + b"\0" * 8, UnsupportedError, "version 99"),
+    (_header(version=3 << 24) + b"\0" * 8, UnsupportedError, "big-endian"),
+    (_header(n_tensors=1 << 60), FormatError, "absurd"),
+    (_header(n_kv=1 << 50) + b"\0" * 16, FormatError, "absurd"),
+    (_header(n_kv=1) + struct.pack("<Q", 1 << 62) + b"abc" * 8, FormatError, "truncated"),
+    (_header(n_kv=1) + struct.pack("<Q", 1) + b"k" + struct.pack("<IIQ", 9, 6, 1 << 61) + b"\0" * 16, FormatError,
+     "truncated"),
+    (_header(n_kv=1) + struct.pack("<Q", 1) + b"k" + struct.pack("<I", 42) + b"\0" * 16, FormatError,
+     "unknown GGUF value type"),
+    (_header(n_tensors=1) + _tinfo("t", [4, 4, 4, 4, 4], 0, 0) + b"\0" * 64, FormatError, "5 dimensions"),
+    (_pad(_header(n_tensors=1) + _tinfo("t", [32, 0], 0, 0)) + b"\0" * 64, FormatError, "bad dimension"),
+    (_pad(_header(n_tensors=1) + _tinfo("t", [1 << 30, 1 << 30], 0, 0)) + b"\0" * 64, FormatError, "absurdly large"),
+    (_pad(_header(n_tensors=1) + _tinfo("t", [1000, 1000], 0, 0)) + b"\0" * 64, FormatError, "past the end"),
+    (_pad(_header(n_tensors=1) + _tinfo("t", [8], 0, 1 << 62)) + b"\0" * 64, FormatError, "past the end"),
+    (_pad(_header(n_tensors=1) + _tinfo("t", [8], 0, 4)) + b"\0" * 64, FormatError, "aligned"),
+    (_pad(_header(n_tensors=1) + _tinfo("t", [100], 8, 0)) + b"\0" * 256, FormatError, "block size"),
+    (_pad(_header(n_tensors=2) + _tinfo("t", [8], 0, 0) + _tinfo("t", [8], 0, 32)) + b"\0" * 64, FormatError,
+     "duplicate"),
+    (_header(n_kv=1) + _kv_str("general.architecture", "bitnet")[:-3], FormatError, "truncated"),
+])
+def test_bad_headers(tmp_path, data, err, msg):
+    path = _write(tmp_path, data)
+    with pytest.raises(err, match=msg) as e:
+        GGUFFile(path)
+    assert path in str(e.value) and "\n" not in str(e.value)
+
+
+def test_bad_alignment_key(tmp_path):
+    k = b"general.alignment"
+    data = _header(n_kv=1) + struct.pack("<Q", len(k)) + k + struct.pack("<II", 4, 24) + b"\0" * 32
+    with pytest.raises(FormatError, match="alignment"):
+        GGUFFile(_write(tmp_path, data))
+
+
+def test_unreadable_path(tmp_path):
+    with pytest.raises(FormatError, match="cannot open"):
+        GGUFFile(str(tmp_path / "missing.gguf"))
