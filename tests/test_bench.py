@@ -1,0 +1,141 @@
+"""Smoke tests of the benchmark harness (bench/) at tiny sizes: the pieces run and their arithmetic is right.
+No timing is asserted (speed is what the benchmark prints, not what a unit test checks)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(ROOT, "bench")
+sys.path.insert(0, BENCH)
+
+import e2e_worker  # noqa: E402
+import limits  # noqa: E402
+import report  # noqa: E402
+
+
+def test_stream_bandwidth_small_buffer():
+    res = limits.stream_bandwidth(threads=1, mib=8, passes=2)
+    assert res["bandwidth_Bps"] > 1e8  # anything below 100 MB/s means the measurement is broken
+    assert res["buffer_bytes"] >= 8 << 20 and res["method"]
+
+
+def test_stats_and_dotted_lookup():
+    assert report.stats([3.0, None, 1.0, 2.0]) == {"min": 1.0, "median": 2.0, "max": 3.0, "n": 3}
+    assert report.stats([None]) is None
+    s = {"prefill_tps": {"512": 7.0}, "chat_ttft_s": [1.0, 2.0]}
+    assert report._get(s, "prefill_tps.512") == 7.0
+    assert report._get(s, "chat_ttft_s.1") == 2.0 and report._get(s, "chat_ttft_s.5") is None
+
+
+def _session(engine, rep, decode, pp512, ttft1, ttft5, rss):
+    return {"engine": engine, "repeat": rep, "load_s": 0.1, "first_token_s": 0.2, "decode_tps": decode,
+            "prefill_tps": {"128": pp512 * 1.1, "512": pp512}, "ttft_s": 0.5,
+            "chat_ttft_s": [ttft1, 0, 0, 0, ttft5], "peak_rss": rss}
+
+
+def test_aggregate_pairs_ratios_per_repeat_and_checks_targets():
+    sessions = [_session("ours", 0, 30.0, 150.0, 0.40, 0.44, 900 << 20),
+                _session("llama", 0, 10.0, 50.0, 1.0, 1.5, 1200 << 20),
+                _session("ours", 1, 24.0, 140.0, 0.40, 0.60, 950 << 20),
+                _session("llama", 1, 12.0, 45.0, 1.0, 1.4, 1200 << 20)]
+    table = report.aggregate(sessions, [], turns=5)
+    # per-repeat ratios 3.0 and 2.0, not a ratio of medians (27 / 11)
+    assert table["decode"]["ratio"]["min"] == pytest.approx(2.0)
+    assert table["decode"]["ratio"]["max"] == pytest.approx(3.0)
+    assert table["decode"]["ours"]["median"] == pytest.approx(27.0)
+    assert table["chat_ttft_ratio"]["ours"]["max"] == pytest.approx(1.5)
+    tg = {t["target"]: t for t in report.targets(table, ours_bytes_per_token=1 << 30, bandwidth_Bps=32 << 30,
+                                                     store_bytes=1000 << 20, kv_bytes=100 << 20, turns=5,
+                                                     peak_mac_per_s=None, macs_per_token=1e9)}
+    assert tg["decode vs llama.cpp TQ2_0, same file"]["status"] == "met"  # median ratio 2.5
+    bw = tg["decode share of read bandwidth"]  # 27 tok/s of a 32 tok/s limit = 84%
+    assert bw["status"] == "met" and bw["measured"] == "84%"
+    assert tg["prefill 512 vs 2x bitnet.cpp 67.5 tok/s (quoted)"]["status"] == "met"  # 145 >= 135
+    assert tg["chat TTFT turn 5 within 20% of turn 1"]["status"] == "MISSED"  # median 1.3
+    assert "1.08x over" in tg["chat TTFT turn 5 within 20% of turn 1"]["note"]
+
+
+def test_markdown_and_chart(tmp_path):
+    sessions = [_session("ours", 0, 30.0, 150.0, 0.4, 0.44, 900 << 20),
+                _session("llama", 0, 10.0, 50.0, 1.0, 1.5, 1200 << 20)]
+    table = report.aggregate(sessions, [dict(s, load_s=1.0) for s in sessions], turns=5)
+    assert table["load_cold_s"]["ours"]["median"] == 1.0
+    ctx = {"command": "x", "date": "d", "machine": {"cpu": "c", "cores": 2, "flags": "f", "ram_gib": 1.0,
+                                                     "kernel": "k", "python": "p", "numpy": "n",
+                                                     "kernel_path": "avx512", "llama_cpp": "v"},
+           "threads": 2, "limits": {"bandwidth_Bps": 3.3e10, "method": "m"}, "setup": ["s"], "repeats": 1,
+           "table": table, "bandwidth_rows": [{"engine": "ours", "bytes": 800 << 20, "what": "w", "limit": 39.0,
+                                               "decode": 30.0}],
+           "targets": [], "quoted_rows": [{"name": "bitnet.cpp I2_S decode tok/s", "quoted": 12.6, "ours": 30.0}]}
+    md = report.markdown(ctx)
+    assert "| decode (128 tokens) | tok/s | 30.0 (30.0 .. 30.0) | 10.0 (10.0 .. 10.0) | 3.00" in md
+    assert "NOT measured in this run" in md and "2.38x" in md and "| 77% |" in md
+    png = tmp_path / "r.png"
+    if report.chart(table, str(png), "t"):
+        assert png.stat().st_size > 1000
+
+
+def test_evict_and_prompt_ids(tmp_path):
+    p = tmp_path / "f.bin"
+    p.write_bytes(os.urandom(1 << 20))
+    ev = e2e_worker.evict(str(p))
+    assert ev["method"].startswith("posix_fadvise")
+    if ev["resident_after"] is not None:
+        assert ev["resident_after"] < (1 << 20)
+    ids = e2e_worker.prompt_ids(50, 0, 128256)
+    assert len(ids) == 50 and all(256 <= t < 128000 for t in ids)
+    assert ids == e2e_worker.prompt_ids(50, 0, 128256) != e2e_worker.prompt_ids(50, 1, 128256)
+
+
+@pytest.fixture(scope="module")
+def small_models(tmp_path_factory):
+    import make_models
+
+    cache = str(tmp_path_factory.mktemp("bench_cache"))
+    return make_models.make(cache, "small", f16=False, progress=False)
+
+
+def _worker(engine, model, *extra):
+    r = subprocess.run([sys.executable, os.path.join(BENCH, "e2e_worker.py"), "--engine", engine, "--model", model,
+                        "--threads", "1", "--ctx", "1024", "--prefill", "8,32", "--decode", "8", "--turns", "3",
+                        "--turn-tokens", "8", "--reply-tokens", "4", *extra],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_make_models_small(small_models):
+    assert os.path.getsize(small_models["tq2_0"]) > 0 and os.path.getsize(small_models["store_i8"]) > 0
+    from engine.store import open_store
+
+    with open_store(small_models["store_i8"]) as st:
+        assert st.meta.get("lm_head") == "i8" and st.config.hidden_size == 256
+
+
+def test_worker_session_ours(small_models):
+    res = _worker("ours", small_models["store_i8"])
+    assert set(res["prefill_tps"]) == {"8", "32"} and all(v > 0 for v in res["prefill_tps"].values())
+    assert res["decode_generated"] >= 1 and len(res["chat_ttft_s"]) == 3
+    # each chat turn's prompt is the previous prompt + its reply + 8 new tokens
+    assert res["chat_prompt_tokens"][0] == 8 and res["chat_prompt_tokens"][1] > 8 + 8
+    assert res["peak_rss"] >= res["rss_baseline"] > 0
+
+
+def test_worker_cold_ours(small_models):
+    res = _worker("ours", small_models["store_i8"], "--mode", "cold")
+    assert res["evict"]["method"].startswith("posix_fadvise") and res["first_token_s"] >= res["load_s"] > 0
+    assert "prefill_tps" not in res
+
+
+def test_worker_llama_if_installed(small_models):
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        pytest.skip("llama-cpp-python not installed (optional, `bash bench/setup_llama.sh`)")
+    res = _worker("llama", small_models["tq2_0"])
+    assert res["decode_generated"] == 9 and res["prefill_tps"]["32"] > 0 and len(res["chat_ttft_s"]) == 3
