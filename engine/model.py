@@ -91,7 +91,8 @@ class _Views:
 class Model:
     """One inference session: weights (views into the store), run-state buffers and the KV cache.
 
-    `cache_ids` lists the tokens whose keys/values are in the cache (positions 0 .. n_past-1)."""
+    `cache_ids` lists the tokens whose keys/values are in the cache (positions 0 .. n_past-1); they are
+    kept in a preallocated array so a decode step allocates nothing."""
 
     def __init__(self, store, *, n_ctx: int | None = None, kv_dtype: str = "f16", chunk: int = DEFAULT_CHUNK):
         cfg: ModelConfig = store.config
@@ -154,7 +155,7 @@ class Model:
         self._sin = np.ascontiguousarray(np.sin(freqs), dtype=np.float32)
         self._views: dict[int, _Views] = {1: _Views(self, 1), M: _Views(self, M)}
         self.n_past = 0
-        self.cache_ids: list[int] = []
+        self._cache_ids = np.zeros(n_ctx, np.int32)        # token at every cached position
 
     # ---- state ----------------------------------------------------------------------------------
     def reset(self):
@@ -162,9 +163,11 @@ class Model:
 
     def truncate(self, n: int):
         """Forget cached positions >= n (their cache slots are simply overwritten later)."""
-        n = max(0, min(n, self.n_past))
-        self.n_past = n
-        del self.cache_ids[n:]
+        self.n_past = max(0, min(n, self.n_past))
+
+    @property
+    def cache_ids(self) -> list[int]:
+        return self._cache_ids[: self.n_past].tolist()
 
     @staticmethod
     def set_threads(n: int | None):
@@ -241,8 +244,8 @@ class Model:
         ops.embed_f16(self._embd, v.ids, v.x)
         self._blocks(v, self.n_past)
         self._head(v, 0, self._logits)
+        self._cache_ids[self.n_past] = token
         self.n_past += 1
-        self.cache_ids.append(int(token))
         return self._logits
 
     def prefill(self, ids, all_logits: bool = False) -> np.ndarray:
@@ -270,8 +273,8 @@ class Model:
                     self._head(v, r, result[start + r])
             elif start + m == len(ids):
                 self._head(v, m - 1, self._logits)
+            self._cache_ids[self.n_past: self.n_past + m] = part
             self.n_past += m
-            self.cache_ids.extend(part)
         return result if all_logits else self._logits
 
     def forward(self, ids) -> np.ndarray:

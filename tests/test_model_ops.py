@@ -1,0 +1,137 @@
+"""simd._ops (runtime helpers) against plain numpy, on every ISA path this CPU runs."""
+import numpy as np
+import pytest
+
+import simd._ops as ops
+import simd.reference as ref
+from engine.errors import KernelError
+
+PATHS = [p for p in ("scalar", "avx2", "avx512") if p == "scalar" or ops.active() in (p, "avx512")]
+
+
+@pytest.fixture(params=PATHS)
+def isa(request):
+    ops.set_isa(request.param)
+    yield request.param
+    ops.set_isa(None)
+
+
+def rmsnorm(x, w, eps=1e-5):
+    return (x / np.sqrt((x.astype(np.float64) ** 2).mean(-1, keepdims=True) + eps)).astype(np.float32) * w
+
+
+@pytest.mark.parametrize("d", [200, 256, 1000])
+def test_add_rmsnorm_quant(isa, d):
+    rng = np.random.default_rng(d)
+    m = 9  # > 8 rows: the threaded row loop
+    x = rng.standard_normal((m, d)).astype(np.float32) * 3
+    delta = rng.standard_normal((m, d)).astype(np.float32)
+    w = rng.standard_normal(d).astype(np.float32)
+    k_pad = (d + 63) // 64 * 64
+    xx, h = x.copy(), np.empty_like(x)
+    xq, s, sm = np.full((m, k_pad), 7, np.int8), np.empty(m, np.float32), np.empty(m, np.int32)
+    ops.add_rmsnorm_quant(xx, delta, w, 1e-5, h, xq, s, sm)
+    np.testing.assert_array_equal(xx, x + delta)
+    np.testing.assert_allclose(h, rmsnorm(x + delta, w), rtol=2e-6, atol=2e-6)
+    # the quantization of h is exactly simd._kernels' (the numpy oracle's) quantize_act
+    xq2, s2, sm2 = np.empty_like(xq), np.empty_like(s), np.empty_like(sm)
+    ref.quantize_act(h, xq2, s2, sm2)
+    np.testing.assert_array_equal(xq, xq2)
+    np.testing.assert_array_equal(s, s2)
+    np.testing.assert_array_equal(sm, sm2)
+    out = np.empty_like(x)
+    xx = x.copy()
+    ops.add_rmsnorm(xx, None, w, 1e-5, out)
+    np.testing.assert_allclose(out, rmsnorm(x, w), rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("act", [ops.ACT_RELU2, ops.ACT_SILU])
+def test_glu_rmsnorm_quant(isa, act):
+    rng = np.random.default_rng(act)
+    m, inter = 3, 300
+    gu = rng.standard_normal((m, 2 * inter)).astype(np.float32) * 4
+    w = rng.standard_normal(inter).astype(np.float32)
+    g, u = gu[:, :inter].astype(np.float64), gu[:, inter:].astype(np.float64)
+    f = (np.maximum(g, 0) ** 2 if act == ops.ACT_RELU2 else g / (1 + np.exp(-g))) * u
+    want = rmsnorm(f.astype(np.float32), w)
+    xq, s, sm = np.empty((m, 320), np.int8), np.empty(m, np.float32), np.empty(m, np.int32)
+    work = gu.copy()
+    ops.glu_rmsnorm_quant(work, act, w, 1e-5, xq, s, sm)
+    np.testing.assert_allclose(work[:, :inter], want, rtol=1e-5, atol=1e-5)
+    xq2, s2, sm2 = np.empty_like(xq), np.empty_like(s), np.empty_like(sm)
+    ref.quantize_act(work[:, :inter], xq2, s2, sm2)
+    np.testing.assert_array_equal(xq, xq2)
+
+
+def _attention_numpy(qkv, nh, nkv, hd, cos, sin, kv_f16):
+    n = qkv.shape[0]
+    half = hd // 2
+
+    def rope(v, p):
+        v = v.reshape(-1, hd)
+        x1, x2 = v[:, :half], v[:, half:]
+        return np.concatenate([x1 * cos[p] - x2 * sin[p], x2 * cos[p] + x1 * sin[p]], 1)
+
+    q = np.stack([rope(qkv[p, : nh * hd], p) for p in range(n)])
+    k = np.stack([rope(qkv[p, nh * hd: (nh + nkv) * hd], p) for p in range(n)])
+    v = qkv[:, (nh + nkv) * hd:].reshape(n, nkv, hd)
+    if kv_f16:
+        k, v = k.astype(np.float16).astype(np.float32), v.astype(np.float16).astype(np.float32)
+    out = np.zeros((n, nh, hd))
+    for p in range(n):
+        for h in range(nh):
+            j = h // (nh // nkv)
+            sc = k[: p + 1, j].astype(np.float64) @ q[p, h] / np.sqrt(hd)
+            e = np.exp(sc - sc.max())
+            out[p, h] = (e / e.sum()) @ v[: p + 1, j]
+    return out.reshape(n, nh * hd), k
+
+
+@pytest.mark.parametrize("kv_dtype", [np.float32, np.uint16])
+@pytest.mark.parametrize("nh,nkv,hd", [(4, 2, 16), (3, 3, 20), (4, 1, 100)])
+def test_attention_prefill_and_decode(isa, kv_dtype, nh, nkv, hd):
+    rng = np.random.default_rng(hd)
+    n, ctx = 11, 24
+    qkv = rng.standard_normal((n, (nh + 2 * nkv) * hd)).astype(np.float32)
+    inv = 1.0 / (10000.0 ** (np.arange(0, hd, 2, dtype=np.float32) / hd))
+    fr = np.arange(ctx, dtype=np.float32)[:, None] * inv[None]
+    cos, sin = np.cos(fr).astype(np.float32), np.sin(fr).astype(np.float32)
+    want, k_rot = _attention_numpy(qkv, nh, nkv, hd, cos, sin, kv_dtype == np.uint16)
+    kc, vc = np.zeros((nkv, ctx, hd), kv_dtype), np.zeros((nkv, ctx, hd), kv_dtype)
+    scratch = np.zeros((nh, ctx), np.float32)
+    out = np.zeros((n, nh * hd), np.float32)
+    a = qkv[:7].copy()  # a 7-row prefill chunk, then 4 single-row decode steps
+    ops.attention(a, nh, nkv, hd, cos, sin, 0, kc, vc, out[:7], scratch)
+    for p in range(7, n):
+        r = qkv[p: p + 1].copy()
+        ops.attention(r, nh, nkv, hd, cos, sin, p, kc, vc, out[p: p + 1], scratch)
+    np.testing.assert_allclose(out, want, rtol=2e-5, atol=2e-5)
+    cached = kc[:, :n].view(np.float16).astype(np.float32) if kv_dtype == np.uint16 else kc[:, :n]
+    np.testing.assert_allclose(cached, k_rot.transpose(1, 0, 2), rtol=1e-6, atol=1e-6)
+
+
+def test_embed_f16(isa):
+    table = np.random.default_rng(0).standard_normal((50, 72)).astype(np.float16)
+    ids = np.array([3, 0, 49, 3], np.int32)
+    out = np.empty((4, 72), np.float32)
+    ops.embed_f16(table.view(np.uint16), ids, out)
+    np.testing.assert_array_equal(out, table[ids].astype(np.float32))
+    with pytest.raises(KernelError, match="outside the vocabulary"):
+        ops.embed_f16(table.view(np.uint16), np.array([50], np.int32), out)
+
+
+def test_bad_arguments_raise():
+    x = np.zeros((2, 64), np.float32)
+    with pytest.raises(KernelError):
+        ops.add_rmsnorm_quant(x, None, np.ones(63, np.float32), 1e-5, x.copy(), np.zeros((2, 64), np.int8),
+                              np.zeros(2, np.float32), np.zeros(2, np.int32))
+    with pytest.raises(KernelError):  # xq last dim not a multiple of 64
+        ops.add_rmsnorm_quant(x, None, np.ones(64, np.float32), 1e-5, x.copy(), np.zeros((2, 65), np.int8),
+                              np.zeros(2, np.float32), np.zeros(2, np.int32))
+    kc = np.zeros((1, 4, 8), np.float32)
+    with pytest.raises(KernelError):  # position past the cache
+        ops.attention(np.zeros((1, 24), np.float32), 1, 1, 8, np.zeros((8, 4), np.float32),
+                      np.zeros((8, 4), np.float32), 4, kc, kc.copy(), np.zeros((1, 8), np.float32),
+                      np.zeros((1, 4), np.float32))
+    with pytest.raises(KernelError):
+        ops.set_isa("sse9")
