@@ -73,22 +73,41 @@ AVX512_TARGET __attribute__((always_inline)) static inline void gemm_group_avx51
     }
 }
 
-#define GEMM_TOKENS(BODY, TG)                                                                                  \
-    do {                                                                                                       \
-        int m0_ = 0;                                                                                           \
-        for (; m0_ + 8 <= m; m0_ += 8) BODY(w, tile_bytes, t, TG, xq, m0_, 8, k_pad, row_scale, act_scale, act_sum, out, out_i32, n); \
-        if (m0_ + 4 <= m) { BODY(w, tile_bytes, t, TG, xq, m0_, 4, k_pad, row_scale, act_scale, act_sum, out, out_i32, n); m0_ += 4; } \
-        if (m0_ + 2 <= m) { BODY(w, tile_bytes, t, TG, xq, m0_, 2, k_pad, row_scale, act_scale, act_sum, out, out_i32, n); m0_ += 2; } \
-        if (m0_ < m) BODY(w, tile_bytes, t, TG, xq, m0_, 1, k_pad, row_scale, act_scale, act_sum, out, out_i32, n); \
+/* Loop order: a chunk of tiles small enough to stay in L2 (~256 KB of weights), then token groups of 8, then
+ * tile pairs: each group's activations (8 x K_pad bytes) stay in L1 while the chunk's weights stream from
+ * L2, and every weight byte comes from DRAM once per call. (Tile pairs outer, tokens inner ran at half the
+ * rate for M = 128: the 8-token group and the tile pair evicted each other from L1.) */
+static inline int gemm_chunk_tiles(size_t tile_bytes) {
+    size_t c = ((size_t)256 << 10) / tile_bytes;
+    return c < 2 ? 2 : (int)(c & ~(size_t)1);
+}
+
+#define GEMM_TILE_PAIRS(BODY, MG)                                                                           \
+    do {                                                                                                    \
+        int t = tc;                                                                                         \
+        for (; t + 2 <= tce; t += 2) BODY(w, tile_bytes, t, 2, xq, m0, MG, k_pad, row_scale, act_scale, act_sum, out, out_i32, n); \
+        if (t < tce) BODY(w, tile_bytes, t, 1, xq, m0, MG, k_pad, row_scale, act_scale, act_sum, out, out_i32, n); \
     } while (0)
 
 AVX512_TARGET static void gemm_ternary_avx512(const uint8_t *w, const float *row_scale, const int8_t *xq, int m,
                                               int k_pad, const float *act_scale, const int32_t *act_sum,
                                               float *out, int32_t *out_i32, int n, int tile_begin, int tile_end) {
     const size_t tile_bytes = (size_t)(k_pad / 16) * 64;
-    int t = tile_begin;
-    for (; t + 2 <= tile_end; t += 2) GEMM_TOKENS(gemm_group_avx512, 2);
-    if (t < tile_end) GEMM_TOKENS(gemm_group_avx512, 1);
+    const int chunk = gemm_chunk_tiles(tile_bytes);
+    for (int tc = tile_begin; tc < tile_end; tc += chunk) {
+        int tce = tc + chunk < tile_end ? tc + chunk : tile_end;
+        int m0 = 0;
+        for (; m0 + 8 <= m; m0 += 8) GEMM_TILE_PAIRS(gemm_group_avx512, 8);
+        if (m0 + 4 <= m) {
+            GEMM_TILE_PAIRS(gemm_group_avx512, 4);
+            m0 += 4;
+        }
+        if (m0 + 2 <= m) {
+            GEMM_TILE_PAIRS(gemm_group_avx512, 2);
+            m0 += 2;
+        }
+        if (m0 < m) GEMM_TILE_PAIRS(gemm_group_avx512, 1);
+    }
 }
 
 /* ---------------- AVX2 (pmaddubsw into int16, widened every 16 blocks) ---------------- */
@@ -147,16 +166,21 @@ AVX2_TARGET static void gemm_ternary_avx2(const uint8_t *w, const float *row_sca
                                           int k_pad, const float *act_scale, const int32_t *act_sum, float *out,
                                           int32_t *out_i32, int n, int tile_begin, int tile_end) {
     const size_t tile_bytes = (size_t)(k_pad / 16) * 64;
-    for (int t = tile_begin; t < tile_end; t++) {
+    const int chunk = gemm_chunk_tiles(tile_bytes);
+    for (int tc = tile_begin; tc < tile_end; tc += chunk) {
+        int tce = tc + chunk < tile_end ? tc + chunk : tile_end;
         int m0 = 0;
         for (; m0 + 4 <= m; m0 += 4)
-            gemm_group_avx2(w, tile_bytes, t, 1, xq, m0, 4, k_pad, row_scale, act_scale, act_sum, out, out_i32, n);
+            for (int t = tc; t < tce; t++)
+                gemm_group_avx2(w, tile_bytes, t, 1, xq, m0, 4, k_pad, row_scale, act_scale, act_sum, out, out_i32, n);
         if (m0 + 2 <= m) {
-            gemm_group_avx2(w, tile_bytes, t, 1, xq, m0, 2, k_pad, row_scale, act_scale, act_sum, out, out_i32, n);
+            for (int t = tc; t < tce; t++)
+                gemm_group_avx2(w, tile_bytes, t, 1, xq, m0, 2, k_pad, row_scale, act_scale, act_sum, out, out_i32, n);
             m0 += 2;
         }
         if (m0 < m)
-            gemm_group_avx2(w, tile_bytes, t, 1, xq, m0, 1, k_pad, row_scale, act_scale, act_sum, out, out_i32, n);
+            for (int t = tc; t < tce; t++)
+                gemm_group_avx2(w, tile_bytes, t, 1, xq, m0, 1, k_pad, row_scale, act_scale, act_sum, out, out_i32, n);
     }
 }
 #endif
@@ -214,10 +238,7 @@ void bk_gemm_ternary(const uint8_t *w, const float *row_scale, const int8_t *xq,
         fn(w, row_scale, xq, m, k_pad, act_scale, act_sum, out, out_i32, n, 0, n_tiles);
         return;
     }
-#pragma omp parallel num_threads(nt)
-    {
-        int b, e;
-        bk_split(n_tiles, omp_get_num_threads(), omp_get_thread_num(), &b, &e);
-        fn(w, row_scale, xq, m, k_pad, act_scale, act_sum, out, out_i32, n, b, e);
-    }
+#define RANGE(b, e) fn(w, row_scale, xq, m, k_pad, act_scale, act_sum, out, out_i32, n, b, e)
+    BK_PARALLEL_TILES(n_tiles, nt, RANGE);
+#undef RANGE
 }

@@ -165,10 +165,7 @@ void bk_gemv_f16(const uint16_t *w, const float *x, int k, float *out, int n) {
         fn(w, x, k, out, n, 0, n_tiles);
         return;
     }
-#pragma omp parallel num_threads(nt)
-    {
-        int b, e;
-        bk_split(n_tiles, omp_get_num_threads(), omp_get_thread_num(), &b, &e);
-        fn(w, x, k, out, n, b, e);
-    }
+#define RANGE(b, e) fn(w, x, k, out, n, b, e)
+    BK_PARALLEL_TILES(n_tiles, nt, RANGE);
+#undef RANGE
 }

@@ -185,12 +185,9 @@ int bk_gemv_i8(const int8_t *w, const float *row_scale, const int32_t *w_rowsum,
     if (nt <= 1 || (size_t)n_tiles * k_pad < 16 * 4096) {
         fn(w, row_scale, w_rowsum, xq, aux, k_pad, act_scale, out, out_i32, n, 0, n_tiles);
     } else {
-#pragma omp parallel num_threads(nt)
-        {
-            int b, e;
-            bk_split(n_tiles, omp_get_num_threads(), omp_get_thread_num(), &b, &e);
-            fn(w, row_scale, w_rowsum, xq, aux, k_pad, act_scale, out, out_i32, n, b, e);
-        }
+#define RANGE(b, e) fn(w, row_scale, w_rowsum, xq, aux, k_pad, act_scale, out, out_i32, n, b, e)
+        BK_PARALLEL_TILES(n_tiles, nt, RANGE);
+#undef RANGE
     }
     if (aux != stack_aux) free(aux);
     return 0;

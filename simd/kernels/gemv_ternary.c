@@ -215,10 +215,7 @@ void bk_gemv_ternary(const uint8_t *w, const float *row_scale, const int8_t *xq,
         fn(w, row_scale, xq, k_pad, act_scale, act_sum, out, out_i32, n, 0, n_tiles);
         return;
     }
-#pragma omp parallel num_threads(nt)
-    {
-        int b, e;
-        bk_split(n_tiles, omp_get_num_threads(), omp_get_thread_num(), &b, &e);
-        fn(w, row_scale, xq, k_pad, act_scale, act_sum, out, out_i32, n, b, e);
-    }
+#define RANGE(b, e) fn(w, row_scale, xq, k_pad, act_scale, act_sum, out, out_i32, n, b, e)
+    BK_PARALLEL_TILES(n_tiles, nt, RANGE);
+#undef RANGE
 }
