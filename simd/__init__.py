@@ -2,11 +2,16 @@
 
 `simd.features()` -> CPU features seen by the dispatcher; `simd.active()` -> the chosen path
 ("avx512" | "avx2" | "scalar" | "neon"). `BITNET_ISA=scalar|avx2|avx512` forces a path; forcing one the
-CPU cannot run raises. Everything else lives in simd._kernels (see engine/INTERFACES.md).
+CPU cannot run raises engine.errors.KernelError (at `import simd._kernels`, or at the first use of `simd.*`,
+so that `python -m simd` / `bitnet info` can report it as one line). Everything else lives in
+simd._kernels (see engine/INTERFACES.md).
 """
+from engine.errors import BitNetError as _BitNetError
+
 try:
     from . import _kernels  # noqa: F401
     from ._kernels import *  # noqa: F401,F403
+    from ._kernels import supported_isas  # noqa: F401
 except ImportError as _e:  # pragma: no cover - only when the package was not built
     _import_error = _e
 
@@ -14,3 +19,8 @@ except ImportError as _e:  # pragma: no cover - only when the package was not bu
         raise ImportError(
             f"simd kernels are not built ({_import_error}); run `pip install .` (or `pip install -e .`)"
         )
+except _BitNetError as _e:  # a bad BITNET_ISA: raise it where the kernels are first used
+    _isa_error = _e
+
+    def __getattr__(name):
+        raise _isa_error

@@ -9,6 +9,9 @@ def add_arguments(p):
 def main(args) -> int:
     import simd
 
-    print(f"features: {simd.features()}")
+    feats = simd.features()
+    print(f"features: {feats}")
     print(f"active:   {simd.active()}")
+    print(f"paths:    {', '.join(simd.supported_isas())} (force one with BITNET_ISA=scalar|avx2|avx512)")
+    print(f"threads:  {simd.get_num_threads()}")
     return 0

@@ -1,0 +1,185 @@
+"""Kernel benchmark (not a test): prints a table of time per call, weight GB/s, int8 GOP/s for the 2B-4T
+layer shapes and the 128256 x 2560 LM head, with 1 and 2 threads, next to the machine's limits measured in
+the same run:
+  - read bandwidth: simd._kernels.stream_read over a buffer far larger than the last-level cache;
+    every GEMV's GB/s is printed as a % of it (decode is memory-bound);
+  - int8 dot-product peak of the active path: simd._kernels.peak_dot, a register-only loop of the path's
+    dot-product instruction (vpdpbusd zmm for avx512, pmaddubsw+paddw for avx2); GEMM GOP/s is printed as
+    a % of it (prefill is compute-bound).
+Weight sets are larger than the LLC (several copies, cycled) so GEMV figures are DRAM figures.
+
+    python bench/bench_kernels.py                 # default: ~2-3 minutes
+    python bench/bench_kernels.py --quick         # fewer shapes and M values
+    BITNET_ISA=avx2 python bench/bench_kernels.py # another path
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from engine import layout  # noqa: E402
+from simd import _kernels as K  # noqa: E402
+
+LLC_BYTES = 32 << 20
+WORKING_SET = 8 * LLC_BYTES  # every GEMV's weight copies together exceed the LLC 8 times
+# (name, N, K): the 2B-4T BitLinear shapes (fused where the engine fuses them)
+LAYERS = [
+    ("attn_q/o 2560x2560", 2560, 2560),
+    ("attn_k/v 640x2560", 640, 2560),
+    ("attn_qkv 3840x2560", 3840, 2560),
+    ("ffn_gate 6912x2560", 6912, 2560),
+    ("ffn_gate_up 13824x2560", 13824, 2560),
+    ("ffn_down 2560x6912", 2560, 6912),
+]
+VOCAB, HIDDEN = 128256, 2560
+
+
+def timed(fn, min_time=0.25, max_calls=2000):
+    """Median-of-batches seconds per call (first call is a warm-up)."""
+    fn()
+    calls, t0 = 0, time.perf_counter()
+    batch_times = []
+    while True:
+        b0 = time.perf_counter()
+        fn()
+        batch_times.append(time.perf_counter() - b0)
+        calls += 1
+        if time.perf_counter() - t0 > min_time or calls >= max_calls:
+            break
+    return float(np.median(batch_times))
+
+
+def measure_bandwidth(threads, nbytes=1 << 30):
+    K.set_num_threads(threads)
+    buf = np.ones(nbytes, np.uint8)  # touched: real pages, not the zero page
+    K.stream_read(buf)
+    t = min(_once(lambda: K.stream_read(buf)) for _ in range(4))
+    del buf
+    return nbytes / t / 1e9
+
+
+def _once(fn):
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def measure_peak(threads, iters=20_000_000):
+    K.set_num_threads(threads)
+    K.peak_dot(1000)
+    t0 = time.perf_counter()
+    macs = K.peak_dot(iters)
+    return 2 * macs / (time.perf_counter() - t0) / 1e9  # GOP/s (1 MAC = 2 ops)
+
+
+def random_ternary_packed(rng, n, k, copies):
+    n_pad, k_pad = layout.padded_shape(n, k)
+    nbytes = n_pad * k_pad // 4
+    # bytes & 0x55: every 2-bit code in {0, 1} (valid ternary codes); speed does not depend on the values
+    return [rng.integers(0, 256, nbytes, dtype=np.uint8) & np.uint8(0x55) for _ in range(copies)]
+
+
+def row(name, m, threads, sec, wbytes, ops, limit, limit_kind):
+    gbs = wbytes / sec / 1e9
+    gops = ops / sec / 1e9
+    pct = (gbs if limit_kind == "bw" else gops) / limit * 100
+    print(f"{name:26s} {m:>4d} {threads:>3d} {sec * 1e6:>10.1f} {gbs:>8.1f} {gops:>8.1f} {pct:>6.0f}% {limit_kind}")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="fewer shapes and M values")
+    ap.add_argument("--threads", default="1,2", help="thread counts to run")
+    ap.add_argument("--ms", default="8,32,128,512", help="GEMM token counts")
+    ap.add_argument("--no-head", action="store_true", help="skip the LM head")
+    a = ap.parse_args(argv)
+    thread_list = [int(t) for t in a.threads.split(",")]
+    ms = [int(m) for m in a.ms.split(",")]
+    layers = LAYERS
+    if a.quick:
+        layers, ms = [LAYERS[2], LAYERS[4], LAYERS[5]], [m for m in ms if m in (8, 128)]
+    rng = np.random.default_rng(0)
+
+    print(f"simd path: {K.active()}   features: {', '.join(k for k, v in K.features().items() if v)}")
+    bw = {t: measure_bandwidth(t) for t in thread_list}
+    peak = {t: measure_peak(t) for t in thread_list}
+    for t in thread_list:
+        print(f"limits, {t} thread(s): stream read {bw[t]:.1f} GB/s (1 GiB buffer); "
+              f"int8 dot peak {peak[t]:.0f} GOP/s ({K.active()} register-only loop)")
+    print()
+    print(f"{'kernel / shape':26s} {'M':>4s} {'thr':>3s} {'us/call':>10s} {'w GB/s':>8s} {'GOP/s':>8s} {'of limit':>11s}")
+
+    for name, n, k in layers:
+        n_pad, k_pad = layout.padded_shape(n, k)
+        wbytes = n_pad * k_pad // 4
+        copies = max(2, -(-WORKING_SET // wbytes))
+        ws = random_ternary_packed(rng, n, k, copies)
+        rs = np.ones(n_pad, np.float32)
+        for threads in thread_list:
+            K.set_num_threads(threads)
+            x = rng.standard_normal((max(ms + [1]), k)).astype(np.float32)
+            xq = np.empty((x.shape[0], k_pad), np.int8)
+            s = np.empty(x.shape[0], np.float32)
+            sm = np.empty(x.shape[0], np.int32)
+            K.quantize_act(x, xq, s, sm)
+            out = np.empty(n, np.float32)
+            it = iter(range(1 << 62))
+
+            def gemv():
+                w = ws[next(it) % copies]
+                K.gemv_ternary(w, rs, xq[0], float(s[0]), int(sm[0]), out)
+
+            row(f"gemv {name}", 1, threads, timed(gemv), wbytes, 2 * n * k, bw[threads], "bw")
+            for m in ms:
+                outm = np.empty((m, n), np.float32)
+
+                def gemm():
+                    w = ws[next(it) % copies]
+                    K.gemm_ternary(w, rs, xq[:m], s[:m], sm[:m], outm)
+
+                row(f"gemm {name}", m, threads, timed(gemm, min_time=0.3, max_calls=50), wbytes, 2 * n * k * m,
+                    peak[threads], "peak")
+        del ws
+
+    if not a.no_head:
+        k_pad = layout.pad_to(HIDDEN, 64)
+        n_pad = layout.pad_to(VOCAB, 16)
+        x = rng.standard_normal(HIDDEN).astype(np.float32)
+        xq = np.empty(k_pad, np.int8)
+        s, sm = np.empty(1, np.float32), np.empty(1, np.int32)
+        K.quantize_act(x, xq, s, sm)
+        out = np.empty(VOCAB, np.float32)
+        wi = rng.integers(-127, 128, n_pad * k_pad, dtype=np.int8)
+        rsum = np.zeros(n_pad, np.int32)
+        sc = np.ones(n_pad, np.float32)
+        for threads in thread_list:
+            K.set_num_threads(threads)
+            sec = timed(lambda: K.gemv_i8(wi, sc, rsum, xq, float(s[0]), out), min_time=0.5, max_calls=20)
+            row("gemv_i8 head 128256x2560", 1, threads, sec, wi.nbytes, 2 * VOCAB * HIDDEN, bw[threads], "bw")
+        del wi
+        wf = rng.standard_normal(n_pad * HIDDEN, dtype=np.float32).astype(np.float16)
+        for threads in thread_list:
+            K.set_num_threads(threads)
+            sec = timed(lambda: K.gemv_f16(wf, x, out), min_time=0.5, max_calls=20)
+            row("gemv_f16 head 128256x2560", 1, threads, sec, wf.nbytes, 2 * VOCAB * HIDDEN, bw[threads], "bw")
+        del wf
+
+    # the Python boundary: a tiny GEMV is all call overhead
+    w16 = layout.pack_ternary(np.zeros((16, 64), np.int8))
+    xq = np.zeros(64, np.int8)
+    o16 = np.empty(16, np.float32)
+    r16 = np.ones(16, np.float32)
+    K.set_num_threads(1)
+    sec = timed(lambda: K.gemv_ternary(w16, r16, xq, 1.0, 0, o16), min_time=0.2, max_calls=200000)
+    print(f"\ncall overhead (16x64 gemv_ternary, 1 thread): {sec * 1e6:.2f} us")
+    K.set_num_threads(0)
+
+
+if __name__ == "__main__":
+    main()
