@@ -46,6 +46,13 @@ def _f32(v) -> float:
     return float(str(np.float32(v))) if isinstance(v, (float, np.floating)) else float(v)
 
 
+def _config(path: str, **kw) -> ModelConfig:
+    try:
+        return ModelConfig(**kw)
+    except FormatError as e:
+        raise FormatError(f"{path}: {e}") from None
+
+
 def _check_scale(path: str, name: str, s: float) -> float:
     if not np.isfinite(s) or s == 0:
         raise FormatError(f"{path}: tensor {name!r} has a {'NaN/inf' if not np.isfinite(s) else 'zero'} weight scale")
@@ -89,8 +96,8 @@ class GGUFSource:
         self.tokenizer, self.chat_template = tok["blob"], tok["chat_template"]
         self.meta.update(tok["meta"])
         self.hidden_act = self._activation(arch, hidden_act, tok["kind"])
-        self.config = ModelConfig(
-            hidden_size=D, intermediate_size=key("feed_forward_length"), n_layers=L, n_heads=H,
+        self.config = _config(
+            path, hidden_size=D, intermediate_size=key("feed_forward_length"), n_layers=L, n_heads=H,
             n_kv_heads=key("attention.head_count_kv", int, H), head_dim=D // H, vocab_size=V,
             context_length=key("context_length", int, 4096), rope_theta=key("rope.freq_base", _f32, 10000.0),
             rms_norm_eps=key("attention.layer_norm_rms_epsilon", _f32, 1e-5), hidden_act=self.hidden_act,
@@ -224,8 +231,8 @@ class HFSource:
             D, H = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
             hd = int(cfg.get("head_dim") or D // H)
             tok, tmpl, bos, eos = self._tokenizer(cfg)
-            self.config = ModelConfig(
-                hidden_size=D, intermediate_size=int(cfg["intermediate_size"]),
+            self.config = _config(
+                path, hidden_size=D, intermediate_size=int(cfg["intermediate_size"]),
                 n_layers=int(cfg["num_hidden_layers"]), n_heads=H,
                 n_kv_heads=int(cfg.get("num_key_value_heads") or H), head_dim=hd, vocab_size=int(cfg["vocab_size"]),
                 context_length=int(cfg.get("max_position_embeddings", 4096)),
@@ -261,7 +268,7 @@ class HFSource:
                     eos.append(x)
         if os.path.isfile(tj):
             blob, kind = open(tj, "rb").read(), "hf_json"
-            for x in special_ids_from_hf_json(blob, ("<|eot_id|>", "<|end_of_text|>")):
+            for x in special_ids_from_hf_json(blob, ("<|eot_id|>", "<|end_of_text|>"), tj):
                 if x not in eos:
                     eos.append(x)
         elif os.path.isfile(sp):

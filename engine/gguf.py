@@ -282,6 +282,8 @@ class GGUFFile:
             blocks = raw.reshape(-1, ts)
             d = blocks[:, ts - 2:].copy().view("<f2").astype(np.float32).reshape(-1)
             codes = _tq2_codes(blocks) if t.type_name == "TQ2_0" else _tq1_codes(blocks)
+            if t.type_name == "TQ2_0" and (codes == 3).any():
+                raise FormatError(f"{self.path}: TQ2_0 tensor {name!r} holds invalid code 3")
             return (codes.view(np.int8) - np.int8(1)).reshape(out, inp), d
         raise UnsupportedError(f"{self.path}: tensor {name!r} of type {t.type_name} is not ternary"
                                " (expected I2_S, TQ1_0 or TQ2_0)")

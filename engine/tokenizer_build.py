@@ -35,11 +35,13 @@ def fix_chat_template(tmpl: str | None) -> str:
     return tmpl
 
 
-def special_ids_from_hf_json(blob: bytes, names) -> list[int]:
+def special_ids_from_hf_json(blob: bytes, names, path: str = "tokenizer.json") -> list[int]:
     try:
         tj = json.loads(blob)
+        if not isinstance(tj, dict):
+            raise ValueError("not a JSON object")
     except ValueError as e:
-        raise FormatError(f"tokenizer.json is not valid JSON: {e}") from None
+        raise FormatError(f"{path}: not a valid tokenizer.json: {e}") from None
     found = {}
     for t in tj.get("added_tokens") or []:
         if isinstance(t, dict) and t.get("content") in names:
@@ -85,7 +87,10 @@ def gguf_tokenizer(g) -> dict:
         types = _as_list(kv.get("tokenizer.ggml.token_type"), "tokenizer.ggml.token_type", path) or [1] * n
         if len(types) != n:
             raise FormatError(f"{path}: tokenizer.ggml.token_type has {len(types)} entries for {n} tokens")
-        types = [int(t) for t in types]
+        try:
+            types = [int(t) for t in types]
+        except (TypeError, ValueError):
+            raise FormatError(f"{path}: tokenizer.ggml.token_type is not a list of integers") from None
         for i, t in enumerate(tokens):
             if t in ("<|eot_id|>", "<|end_of_text|>") and i not in eos:
                 eos.append(i)
@@ -95,7 +100,8 @@ def gguf_tokenizer(g) -> dict:
             pre = kv.get("tokenizer.ggml.pre")
             llama3 = pre in LLAMA3_PRES
             meta["tokenizer_pre"] = (pre or "missing") + (" -> llama3 regex" if llama3 else " -> gpt2 regex")
-            js = _bpe_json(tokens, types, merges, llama3, bos if (add_bos if add_bos is not None else llama3) else None)
+            js = _bpe_json(tokens, types, merges, llama3, bos if (add_bos if add_bos is not None else llama3) else None,
+                           path)
             blob = ("hf_json", js.encode("utf-8"))
         elif model == "llama":
             scores = _as_list(kv.get("tokenizer.ggml.scores"), "tokenizer.ggml.scores", path) or [0.0] * n
@@ -133,7 +139,7 @@ def _post(bos, tokens):
             "special_tokens": {b: {"id": b, "ids": [bos], "tokens": [b]}}}
 
 
-def _bpe_json(tokens, types, merges, llama3: bool, bos) -> str:
+def _bpe_json(tokens, types, merges, llama3: bool, bos, path: str) -> str:
     vocab = {}
     for i, t in enumerate(tokens):
         vocab.setdefault(t, i)
@@ -141,7 +147,7 @@ def _bpe_json(tokens, types, merges, llama3: bool, bos) -> str:
     for m in merges:
         a, sep, b = str(m).partition(" ")
         if not sep:
-            raise FormatError(f"tokenizer.ggml.merges: bad merge {m!r}")
+            raise FormatError(f"{path}: tokenizer.ggml.merges holds a bad merge {m!r}")
         pairs.append([a, b])
     tj = {
         "version": "1.0", "truncation": None, "padding": None,
