@@ -213,13 +213,17 @@ class SynthModel:
             head_dim=self.head_dim, vocab_size=self.V, context_length=self.config["max_position_embeddings"],
             rope_theta=float(self.config["rope_theta"]), rms_norm_eps=float(self.config["rms_norm_eps"]),
             hidden_act=self.config["hidden_act"], tie_word_embeddings=bool(self.config["tie_word_embeddings"]),
-            bos_token_id=tok["bos"], eos_token_ids=(tok["eos"], tok["eot"]), arch="bitnet-b1.58", name="synth")
+            bos_token_id=tok["bos"], eos_token_ids=tuple(x for x in (tok["eos"], tok["eot"]) if x is not None),
+            arch="bitnet-b1.58", name="synth")
 
     # ---- tokenizer ---------------------------------------------------------------------------------
     def tokenizer_info(self) -> dict:
-        """{"json": tokenizer.json text, "tokens": [str], "types": [int], "merges": ["a b"], bos, eos, eot}."""
+        """bitnet style: {"kind": "gpt2", "json": tokenizer.json text, "tokens", "types", "merges", bos, eos, eot};
+        1bitllm style: {"kind": "llama", "model": SentencePiece model bytes, "tokens", "types", "scores", bos,
+        eos, eot None} (LLaMA-2-like: byte fallback, <unk> 0, <s> 1, </s> 2; ids past the SentencePiece vocab
+        are <pad>, </line>, <unused_k> as in 1bitLLM's 32000 + 2)."""
         if self._tok is None:
-            self._tok = _build_tokenizer(self.V)
+            self._tok = _build_sp_tokenizer(self.V) if self.style == "1bitllm" else _build_tokenizer(self.V)
         return self._tok
 
     def tokenizer_json(self) -> str:
@@ -268,8 +272,34 @@ def _build_tokenizer(vocab_size: int) -> dict:
         tokens[n_regular + k] = t
     assert final.get_vocab_size() == vocab_size and all(t is not None for t in tokens)
     types = [1] * n_regular + [3] * n_special
-    return {"json": final.to_str(), "tokens": tokens, "types": types, "merges": merges,
+    return {"kind": "gpt2", "json": final.to_str(), "tokens": tokens, "types": types, "merges": merges,
             "bos": bos, "eos": eos, "eot": eot, "specials": specials}
+
+
+def _build_sp_tokenizer(vocab_size: int) -> dict:
+    import io
+
+    import sentencepiece as spm
+
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(TRAIN_TEXT.splitlines() * 3), model_writer=buf, vocab_size=min(vocab_size, 480),
+        model_type="bpe", byte_fallback=True, character_coverage=1.0, hard_vocab_limit=False, unk_id=0, bos_id=1,
+        eos_id=2, pad_id=-1, add_dummy_prefix=True, normalization_rule_name="identity", split_digits=True,
+        remove_extra_whitespaces=False, allow_whitespace_only_pieces=True, minloglevel=2)
+    sp = spm.SentencePieceProcessor(model_proto=buf.getvalue())
+    n = sp.get_piece_size()
+    if n > vocab_size:
+        raise ValueError(f"vocab_size {vocab_size} too small for the SentencePiece model ({n} pieces)")
+    tokens = [sp.id_to_piece(i) for i in range(n)]
+    types = [2 if sp.is_unknown(i) else 3 if sp.is_control(i) else 6 if sp.is_byte(i) else 1 for i in range(n)]
+    scores = [float(sp.get_score(i)) for i in range(n)]
+    extra = ["<pad>", "</line>"] + [f"<unused_{k}>" for k in range(vocab_size - n - 2)]
+    tokens += extra[: vocab_size - n]
+    types += [4] * (vocab_size - n)
+    scores += [0.0] * (vocab_size - n)
+    return {"kind": "llama", "model": buf.getvalue(), "tokens": tokens, "types": types, "scores": scores,
+            "bos": 1, "eos": 2, "eot": None}
 
 
 from .synth_writers import i2s_pack, tq2_pack, write_gguf_i2s, write_gguf_tq, write_hf_dir  # noqa: E402,F401

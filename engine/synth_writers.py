@@ -138,6 +138,13 @@ def write_hf_dir(m, out_dir: str, *, form: str = "packed", linear_class: str = "
                                       "quantization_mode": "online" if form == "online" else "offline"}
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(cfg, f, indent=1)
+    if tok["kind"] == "llama":  # 1bitLLM: SentencePiece model only, no chat template
+        with open(os.path.join(out_dir, "tokenizer.model"), "wb") as f:
+            f.write(tok["model"])
+        with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+            json.dump({"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "add_bos_token": True,
+                       "tokenizer_class": "LlamaTokenizer"}, f, indent=1)
+        return out_dir
     with open(os.path.join(out_dir, "tokenizer.json"), "w", encoding="utf-8") as f:
         f.write(tok["json"])
     with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
@@ -165,6 +172,8 @@ def _gguf_tensor_order(m) -> Iterator[tuple[str, str]]:
             yield f"blk.{i}.{short}.weight", f"lin:model.layers.{i}.{HF_NAMES[short]}"
         yield f"blk.{i}.ffn_sub_norm.weight", "norm:" + nn["ffn_sub_norm"]
     yield "output_norm.weight", "norm:model.norm.weight"
+    if m.style == "1bitllm" or not m.config.get("tie_word_embeddings", True):
+        yield "output.weight", "lm_head"
 
 
 def _hparams(m, arch: str, hidden_activation: str | None) -> list[tuple[str, str, object]]:
@@ -182,6 +191,11 @@ def _hparams(m, arch: str, hidden_activation: str | None) -> list[tuple[str, str
 
 def _tokenizer_kv(m, pre: str | None, template: str) -> list[tuple[str, str, object]]:
     t = m.tokenizer_info()
+    if t["kind"] == "llama":
+        return [("tokenizer.ggml.model", "str", "llama"), ("tokenizer.ggml.tokens", "arr_str", t["tokens"]),
+                ("tokenizer.ggml.scores", "arr_f32", t["scores"]), ("tokenizer.ggml.token_type", "arr_i32", t["types"]),
+                ("tokenizer.ggml.bos_token_id", "u32", t["bos"]), ("tokenizer.ggml.eos_token_id", "u32", t["eos"]),
+                ("tokenizer.ggml.unknown_token_id", "u32", 0), ("tokenizer.ggml.add_bos_token", "bool", True)]
     kv = [("tokenizer.ggml.model", "str", "gpt2")]
     if pre:
         kv.append(("tokenizer.ggml.pre", "str", pre))
@@ -225,6 +239,9 @@ def write_gguf_tq(m, path: str, qtype: str = "TQ2_0", *, embed_type: str = "F16"
                 bs, ts = gguf.GGML_QUANT_SIZES[et]
                 plan.append((name, [m.V, m.D // bs * ts], np.dtype(np.uint8), m.V * m.D // bs * ts, et,
                              lambda: embed_chunked(m, lambda e: gguf.quants.quantize(e, et))))
+        elif what == "lm_head":
+            plan.append((name, [m.V, m.D], np.dtype(np.float16), m.V * m.D * 2, None,
+                         lambda: m.lm_head().astype(np.float16)))
         elif what.startswith("norm:"):
             hf = what[5:]
             n = m.norm(hf).size
@@ -274,6 +291,8 @@ def _gguf_writer_kv(w, key, typ, val):
         w.add_key_value(key, list(val), V.ARRAY, sub_type=V.STRING)
     elif typ == "arr_i32":
         w.add_key_value(key, [int(x) for x in val], V.ARRAY, sub_type=V.INT32)
+    elif typ == "arr_f32":
+        w.add_key_value(key, [float(x) for x in val], V.ARRAY, sub_type=V.FLOAT32)
     else:
         raise ValueError(typ)
 
@@ -351,6 +370,9 @@ def write_gguf_i2s(m, path: str, *, arch: str = "bitnet-b1.58", pre: str | None 
         if what == "embed":
             w.add_tensor_info(name, [m.V, m.D], 1, m.V * m.D * 2)
             makers.append(lambda: embed_chunked(m, lambda e: e.astype(np.float16)))
+        elif what == "lm_head":
+            w.add_tensor_info(name, [m.V, m.D], 1, m.V * m.D * 2)
+            makers.append(lambda: m.lm_head().astype(np.float16))
         elif what.startswith("norm:"):
             hf = what[5:]
             w.add_tensor_info(name, [m.norm(hf).size], 0, m.norm(hf).size * 4)

@@ -172,7 +172,7 @@ def test_legacy_bitlinear_divides(model, tmp_path):
 def test_1bitllm_style_and_odd_dims(tmp_path):
     # 1bitLLM-3B-like shapes: multiples of 4 but not of 16/64 (padded in the store)
     m = SynthModel(dict(hidden_size=200, intermediate_size=344, num_attention_heads=4, num_key_value_heads=4,
-                        vocab_size=300), seed=4, style="1bitllm")
+                        vocab_size=512), seed=4, style="1bitllm")
     src = write_hf_dir(m, str(tmp_path / "onebit"))
     s = Store(convert(src, str(tmp_path / "ob.bnstore"), progress=False))
     c = s.config
@@ -305,3 +305,28 @@ def test_resolve_model_caches(model, tmp_path, monkeypatch):
     assert Store(p3).meta["lm_head"] == "f16"
     with pytest.raises(BitNetError):
         resolve_model(str(tmp_path / "nope.gguf"))
+
+
+def test_sentencepiece_sources(tmp_path):
+    """1bitLLM style: tokenizer.model is stored as is; a GGUF `llama` vocab is rebuilt as a tokenizer.json that
+    gives SentencePiece's ids (best effort, checked on ordinary and byte-fallback text)."""
+    spm = pytest.importorskip("sentencepiece")
+    from tokenizers import Tokenizer
+
+    from engine.synth import TRAIN_TEXT
+
+    m = SynthModel(seed=3, style="1bitllm")
+    a = Store(convert(write_hf_dir(m, str(tmp_path / "hf")), str(tmp_path / "a.bnstore"), progress=False))
+    b = Store(convert(write_gguf_tq(m, str(tmp_path / "t.gguf"), hidden_activation=None), str(tmp_path / "b.bnstore"),
+                      progress=False))
+    assert a.tokenizer_spec[0] == "sentencepiece" and a.tokenizer_spec[1] == m.tokenizer_info()["model"]
+    assert b.config.hidden_act == "silu" and not b.config.tie_word_embeddings  # llama vocab -> 1bitLLM -> SiLU
+    assert a.chat_template is None and b.chat_template is None
+    sp = spm.SentencePieceProcessor(model_proto=a.tokenizer_spec[1])
+    tok = Tokenizer.from_str(b.tokenizer_spec[1].decode())
+    for line in TRAIN_TEXT.splitlines() + ["Hello  world", " leading space", "a\n\nb", "ZZZqqq!! 9876"]:
+        ids = sp.encode(line)
+        assert tok.encode(line, add_special_tokens=False).ids == ids, line
+        assert tok.decode(ids) == line
+    assert tok.encode("hi").ids[0] == 1  # <s> added like LLaMA-2
+    assert np.array_equal(a.tensor("output"), b.tensor("output"))  # untied head, F16 in the GGUF
