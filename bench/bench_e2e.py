@@ -3,6 +3,7 @@ file, same machine, same run, engines alternating; writes bench/RESULTS.md, benc
 bench/results.json.
 
     python bench/bench_e2e.py [--quick] [--repeats 3] [--threads 2] [--lm-head i8|f16] [--engines ours,llama]
+                              [--profile]
 
 Needs the models of bench/make_models.py (made on first use, cached under bench/cache/) and, for the
 llama.cpp side, `bash bench/setup_llama.sh` (without it only our engine is measured, and the report says so).
@@ -130,6 +131,8 @@ def parse_args(argv=None):
     ap.add_argument("--no-cold", action="store_true", help="skip the cold-load measurements")
     ap.add_argument("--drop-caches", action="store_true",
                     help="cold runs also write /proc/sys/vm/drop_caches (drops every file's cache, not only ours)")
+    ap.add_argument("--profile", action="store_true",
+                    help="after the runs, profile our decode and prefill with py-spy and add the tables")
     ap.add_argument("--out", default=os.path.join(HERE, "RESULTS.md"))
     ap.add_argument("--png", default=os.path.join(HERE, "results.png"))
     ap.add_argument("--json", default=os.path.join(HERE, "results.json"))
@@ -185,7 +188,9 @@ def main(argv=None) -> int:
         print(f"bench_e2e: bandwidth measurement failed: {limits[0].get('error')}", file=sys.stderr)
         return 1
     lim = max(good_limits, key=lambda x: x["bandwidth_Bps"])
-    int8 = next((x.get("int8") for x in good_limits if x.get("int8")), None)
+    # the best of the start/end probes of the int8 rate (a lower one is interference)
+    int8s = [x["int8"] for x in good_limits if x.get("int8")]
+    int8 = max(int8s, key=lambda d: d.get("register_peak_mac_per_s") or 0) if int8s else None
 
     facts = store_facts(store, a.ctx)
     llama_bpt = gguf_bytes_per_token(gguf_path)
@@ -250,6 +255,12 @@ def main(argv=None) -> int:
            "peak_note": peak_note, "setup": setup, "repeats": a.repeats, "table": table,
            "bandwidth_rows": bandwidth_rows, "targets": tgt, "quoted_rows": quoted_rows, "notes": notes}
     md = report.markdown(ctx)
+    if a.profile:
+        import profile_ours as bench_profile  # bench/profile_ours.py
+
+        log("profiling our engine with py-spy ...")
+        md += "\n" + bench_profile.markdown({ph: bench_profile.profile_phase(store, args, a.threads, 100)
+                                             for ph, args in bench_profile.PHASES.items()})
     if report.chart(table, a.png, f"2B-4T-shaped model, {a.threads} threads: bitnet-cpu vs llama.cpp "
                                   f"(median, min..max of {a.repeats})"):
         md += f"\n![results]({os.path.basename(a.png)})\n"
