@@ -156,3 +156,77 @@ def generate(model, tokenizer, prompt_ids: Sequence[int], params: SamplingParams
         if rest:
             yield Chunk(rest, None)
     yield Chunk("", None, reason, stats(n_gen, ttft, t_first, reason))
+
+
+# ---- measurement: `python -m engine.generate MODEL [-t THREADS] [-n N] [--prompt P]` ----------------------
+
+def _time_decode(model, n: int) -> float:
+    """Seconds per decode step (median of n), on whatever is in the cache."""
+    times = []
+    tok = 1
+    for _ in range(n):
+        t = time.perf_counter()
+        model.decode(tok)
+        times.append(time.perf_counter() - t)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def python_overhead_per_step(model, n: int = 200) -> float:
+    """Seconds of interpreter + binding overhead in one decode step of `model`: the same decode loop run on
+    a tiny synthetic model with the same layer count and LM head kind, where the C work is negligible
+    (so this slightly over-estimates the overhead)."""
+    import tempfile
+
+    from .convert import convert
+    from .model import Model
+    from .store import Store
+    from .synth import SynthModel, small_config, write_hf_dir
+
+    cfg = model.config
+    tiny = SynthModel(small_config(hidden_size=64, intermediate_size=64, num_hidden_layers=cfg.n_layers,
+                                   num_attention_heads=2, num_key_value_heads=1, vocab_size=512), seed=0)
+    with tempfile.TemporaryDirectory(prefix="bitnet-overhead-") as d:
+        write_hf_dir(tiny, f"{d}/hf")
+        store = Store(convert(f"{d}/hf", f"{d}/tiny.bnstore", lm_head=model.lm_head, progress=False))
+        m = Model(store, n_ctx=n + 16, kv_dtype=model.kv_dtype)
+        m.prefill([1, 2, 3])
+        dt = _time_decode(m, n)
+        store.close()
+    return dt
+
+
+def _bench_main(argv=None) -> int:
+    import argparse
+
+    import numpy as np
+
+    from .api import load_model
+
+    p = argparse.ArgumentParser(prog="python -m engine.generate", description="prefill / decode speed and "
+                                "Python overhead per decode step of one model")
+    p.add_argument("model")
+    p.add_argument("-t", "--threads", type=int, default=None)
+    p.add_argument("-p", "--n-prompt", type=int, default=128)
+    p.add_argument("-n", "--n-gen", type=int, default=32)
+    a = p.parse_args(argv)
+    llm = load_model(a.model, ctx=a.n_prompt + a.n_gen + 8, threads=a.threads, progress=False)
+    m = llm.model
+    ids = np.random.default_rng(0).integers(0, llm.config.vocab_size, a.n_prompt).tolist()
+    m.prefill(ids[:4])  # warm the page cache / lazy state
+    m.reset()
+    t = time.perf_counter()
+    m.prefill(ids)
+    pre = time.perf_counter() - t
+    step = _time_decode(m, a.n_gen)
+    over = python_overhead_per_step(m)
+    print(f"model {llm.name}: {llm.config.n_layers} layers, hidden {llm.config.hidden_size}, {m.lm_head} head, "
+          f"threads {a.threads or 'default'}")
+    print(f"prefill {a.n_prompt} tokens: {a.n_prompt / pre:.1f} tok/s")
+    print(f"decode: {1 / step:.2f} tok/s ({step * 1000:.1f} ms/step, median of {a.n_gen})")
+    print(f"python overhead: {over * 1000:.3f} ms/step = {100 * over / step:.2f}% of the step")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_bench_main())

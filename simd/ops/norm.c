@@ -118,6 +118,19 @@ __attribute__((target("avx2,fma"))) static int32_t quant_avx2(const float *h, in
     return _mm_cvtsi128_si32(s4) + quant_scalar(h + i, n - i, s, xq + i);
 }
 
+__attribute__((target("avx2,fma"))) static void relu2_mul_avx2(float *g, const float *u, int n) {
+    const __m256 zero = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 a = _mm256_max_ps(_mm256_loadu_ps(g + i), zero);
+        _mm256_storeu_ps(g + i, _mm256_mul_ps(_mm256_mul_ps(a, a), _mm256_loadu_ps(u + i)));
+    }
+    for (; i < n; i++) {
+        float a = g[i] > 0.0f ? g[i] : 0.0f;
+        g[i] = (a * a) * u[i];
+    }
+}
+
 __attribute__((target("avx2,fma"))) static void add_avx2(float *x, const float *d, int n) {
     int i = 0;
     for (; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, _mm256_add_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(d + i)));
@@ -204,6 +217,10 @@ void ops_glu_rmsnorm_quant(float *gu, int m, int inter, int act, const float *w,
         const float *u = g + inter;
         int8_t *qr = xq + (int64_t)r * k_pad;
         if (act == OPS_ACT_RELU2) {
+#if defined(__x86_64__)
+            if (ops_isa() >= OPS_ISA_AVX2) relu2_mul_avx2(g, u, inter);
+            else
+#endif
             for (int i = 0; i < inter; i++) {
                 float a = g[i] > 0.0f ? g[i] : 0.0f;
                 g[i] = (a * a) * u[i];
