@@ -75,12 +75,11 @@ def _tensors(src, lm_head: str, stats: dict, bar) -> Iterator[TensorSpec]:
         emb[r0:r1] = e
     yield TensorSpec("token_embd", emb)
     step("token_embd")
-    head_src = src.lm_head if not c.tie_word_embeddings else (lambda r0, r1: emb[r0:r1].astype(np.float32))
+    head_src = src.lm_head if not c.tie_word_embeddings else (lambda r0, r1: emb[r0:r1])
     if lm_head == "i8":
         packs, scales, sums = [], [], []
         for r0, r1 in chunks:
-            h = head_src(r0, r1)
-            q, s = layout.quantize_rows_i8(h)
+            q, s = layout.quantize_rows_i8(head_src(r0, r1))
             packs.append(layout.pack_i8(q))
             scales.append(s)
             sums.append(q.sum(axis=1, dtype=np.int32))

@@ -131,6 +131,11 @@ class GGUFSource:
         return "relu2" if tok_kind == "gpt2" else "silu"
 
     def embed(self, r0, r1):
+        """Rows as f32, or f16 straight from the file when it is F16 (no round trip through f32)."""
+        t = self.g.info("token_embd.weight")
+        if t.type_name == "F16":
+            row = t.shape[-1] * 2
+            return self.g.raw(t.name)[r0 * row: r1 * row].view("<f2").reshape(r1 - r0, -1)
         return self.g.dequantize("token_embd.weight", slice(r0, r1))
 
     def lm_head(self, r0, r1):
