@@ -1,0 +1,107 @@
+"""Tokenizers from the store blob (tokenizers / sentencepiece), UTF-8-safe streaming, chat templates."""
+import io
+
+import pytest
+
+from engine import chat_template as ct
+from engine.errors import BitNetError, FormatError
+from engine.synth import BROKEN_GGUF_TEMPLATE, TRAIN_TEXT, SynthModel
+from engine.tokenizer import Tokenizer
+
+TEXTS = [TRAIN_TEXT, "Café 日本語 🙂🙂 naïve — ‘quotes’", "a\u0301 e\u0301 \U0001F468\u200D\U0001F469", " x  y\n\n\tz"]
+
+
+@pytest.fixture(scope="module")
+def bpe():
+    m = SynthModel(seed=0)
+    info = m.tokenizer_info()
+    return Tokenizer("hf_json", m.tokenizer_json().encode(), bos_id=info["bos"], eos_ids=[info["eos"]]), info
+
+
+@pytest.fixture(scope="module")
+def spm_blob():
+    spm = pytest.importorskip("sentencepiece")
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(TRAIN_TEXT.splitlines() * 3), model_writer=buf,
+                                   vocab_size=600, model_type="bpe", byte_fallback=True, character_coverage=0.98,
+                                   bos_id=1, eos_id=2, unk_id=0, pad_id=-1, minloglevel=2)
+    return buf.getvalue()
+
+
+def _stream(tok, ids):
+    s = tok.stream()
+    pieces = [s.push(i) for i in ids] + [s.flush()]
+    return pieces
+
+
+def test_bpe_round_trip_and_stream(bpe):
+    tok, info = bpe
+    for text in TEXTS:
+        ids = tok.encode(text)
+        assert tok.decode(ids) == text
+        pieces = _stream(tok, ids)
+        assert "".join(pieces) == text
+        assert not any("\ufffd" in p for p in pieces), "a streamed piece split a UTF-8 character"
+    # multi-byte characters really are split over several byte tokens in this vocabulary
+    ids = tok.encode("🙂")
+    assert len(ids) > 1 and _stream(tok, ids)[0] == ""
+
+
+def test_bpe_specials_bos_eos(bpe):
+    tok, info = bpe
+    assert tok.encode("<|eot_id|>", special=True) == [info["eot"]]
+    assert info["eot"] not in tok.encode("<|eot_id|>", special=False)
+    assert tok.encode("hi", add_bos=True)[0] == info["bos"]
+    assert tok.encode("hi", add_bos=True).count(info["bos"]) == 1
+    assert set(tok.eos_ids) == {info["eos"], info["eot"]}  # <|eot_id|> joins config's eos
+    # specials are skipped when streaming, kept by decode()
+    assert "".join(_stream(tok, [info["eot"]] + tok.encode("ok"))) == "ok"
+    assert tok.decode([info["eot"]]) == "<|eot_id|>"
+
+
+def test_sentencepiece(spm_blob):
+    import sentencepiece as spm
+
+    ref = spm.SentencePieceProcessor(model_proto=spm_blob)
+    tok = Tokenizer("sentencepiece", spm_blob, bos_id=1, eos_ids=[2])
+    for text in TEXTS:
+        assert tok.encode(text) == ref.encode(text)
+        assert tok.encode(text, add_bos=True) == [1] + ref.encode(text)
+        assert tok.decode(tok.encode(text)) == ref.decode(ref.encode(text))
+        pieces = _stream(tok, tok.encode(text))
+        assert "".join(pieces) == ref.decode(ref.encode(text))
+        assert not any("\ufffd" in p for p in pieces)
+    assert tok.encode("a</s>b", special=True).count(2) == 1
+    assert 2 not in tok.encode("a</s>b", special=False)
+
+
+def test_bad_blobs():
+    with pytest.raises(FormatError):
+        Tokenizer("hf_json", b"{not json", source="x.bnstore")
+    with pytest.raises(FormatError):
+        Tokenizer("sentencepiece", b"garbage")
+    with pytest.raises(FormatError):
+        Tokenizer("wordpiece", b"")
+
+
+MSGS = [{"role": "system", "content": "You are a helpful AI assistant."}, {"role": "user", "content": "How are you?"}]
+
+
+def test_fallback_template_is_the_2b4t_form():
+    want = "<|begin_of_text|>System: You are a helpful AI assistant.<|eot_id|>User: How are you?<|eot_id|>Assistant: "
+    for tpl in (None, "", BROKEN_GGUF_TEMPLATE):
+        assert ct.render(tpl, MSGS, bos_token="<|begin_of_text|>") == want
+    assert ct.render(None, MSGS, add_generation_prompt=False, bos_token="<|begin_of_text|>") == want[: -len("Assistant: ")]
+
+
+def test_model_template_used_and_sandboxed():
+    tpl = "{% for m in messages %}[{{ m.role }}]{{ m.content | trim }}\n{% endfor %}{% if add_generation_prompt %}>{% endif %}"
+    assert ct.render(tpl, MSGS) == "[system]You are a helpful AI assistant.\n[user]How are you?\n>"
+    with pytest.raises(BitNetError):
+        ct.render("{{ ''.__class__.__mro__[1].__subclasses__() }}", MSGS)
+    with pytest.raises(BitNetError, match="no system"):
+        ct.render("{{ raise_exception('no system role') }}", MSGS)
+    with pytest.raises(BitNetError):
+        ct.render("{% for %}", MSGS)
+    with pytest.raises(BitNetError):
+        ct.render(None, [{"content": "no role"}])
