@@ -330,3 +330,18 @@ def test_sentencepiece_sources(tmp_path):
         assert tok.decode(ids) == line
     assert tok.encode("hi").ids[0] == 1  # <s> added like LLaMA-2
     assert np.array_equal(a.tensor("output"), b.tensor("output"))  # untied head, F16 in the GGUF
+
+
+def test_gguf_tokenizer_matches_llama_cpp(model, tmp_path):
+    """llama.cpp itself loads our TQ2_0 file, and its tokenizer (llama-bpe) gives the ids of the tokenizer.json
+    we build from the same GGUF vocab."""
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python not installed (bench/setup_llama.sh)")
+    from tokenizers import Tokenizer
+
+    from engine.synth import TRAIN_TEXT
+
+    p = write_gguf_tq(model, str(tmp_path / "t.gguf"), pre="llama-bpe")
+    llm = llama_cpp.Llama(p, verbose=False, n_ctx=64)
+    tok = Tokenizer.from_str(Store(convert(p, str(tmp_path / "t.bnstore"), progress=False)).tokenizer_spec[1].decode())
+    for text in TRAIN_TEXT.splitlines() + ["Hello  world\n\n  x", " 12345678 ab", "User: hi<|eot_id|>", "   a \n \n"]:
+        assert llm.tokenize(text.encode(), add_bos=False, special=True) == tok.encode(text, add_special_tokens=False).ids
