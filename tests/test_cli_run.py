@@ -1,0 +1,105 @@
+"""`bitnet run` end to end in a subprocess: stdout is exactly the generated text, prompts from -p/-f/stdin,
+--chat, --verbose on stderr, one-line errors (exit 2), Ctrl-C keeps the printed text (exit 130)."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from engine.api import SamplingParams, load_model
+from test_model_fixtures import make_synth
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    return make_synth(tmp_path_factory.mktemp("cli"), seed=21, lm_heads=("f16",))[2]["f16"]
+
+
+def bitnet(*args, stdin=None, timeout=60):
+    return subprocess.run([sys.executable, "-m", "engine", "run", *args], input=stdin, capture_output=True,
+                          text=True, timeout=timeout, cwd=ROOT)
+
+
+def api_text(store, ids, n):
+    llm = load_model(store, ctx=256, progress=False)
+    return "".join(c.text for c in llm.generate(ids, SamplingParams(temperature=0), max_tokens=n))
+
+
+def test_stdout_is_the_generated_text(store, tmp_path):
+    llm = load_model(store, ctx=256, progress=False)
+    prompt = "Once upon a time"
+    want = api_text(store, llm.tokenize(prompt, add_bos=True), 24)
+    r = bitnet("-m", store, "-p", prompt, "-n", "24", "--temp", "0", "-t", "1")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == want and r.stderr == ""
+    f = tmp_path / "prompt.txt"
+    f.write_text(prompt, encoding="utf-8")
+    assert bitnet("-m", store, "-f", str(f), "-n", "24", "--temp", "0").stdout == want
+    assert bitnet("-m", store, "-f", "-", "-n", "24", "--temp", "0", stdin=prompt).stdout == want
+    assert bitnet("-m", store, "-p", "-", "-n", "24", "--temp", "0", stdin=prompt).stdout == want
+    v = bitnet("-m", store, "-p", prompt, "-n", "24", "--temp", "0", "--verbose")
+    assert v.stdout == want and "tok/s" in v.stderr
+    # seeded sampling is reproducible from the command line too
+    a = bitnet("-m", store, "-p", prompt, "-n", "16", "--seed", "7", "--top-k", "5", "--top-p", "0.9",
+               "--min-p", "0.01", "--repeat-penalty", "1.1")
+    assert a.returncode == 0 and a.stdout == bitnet("-m", store, "-p", prompt, "-n", "16", "--seed", "7", "--top-k", "5",
+                                                    "--top-p", "0.9", "--min-p", "0.01", "--repeat-penalty", "1.1").stdout
+
+
+def test_chat(store):
+    llm = load_model(store, ctx=256, progress=False)
+    ids = llm.chat_prompt([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}])
+    r = bitnet("-m", store, "--chat", "--system", "Be brief.", "-p", "Hello", "-n", "12", "--temp", "0", "-c", "64")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == api_text(store, ids, 12)
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["-m", "/nonexistent/model.gguf", "-p", "x"], "/nonexistent/model.gguf"),
+    (["--system", "s", "-p", "x"], "--system"),
+    (["-p", "x", "--top-p", "3"], "--top-p"),
+    (["-p", "x", "-n", "-2"], "-n"),
+    (["-p", "Once upon a time, in a small village", "-c", "4"], "-c/--ctx"),
+    ([], "prompt"),
+    (["-f", "/nonexistent/prompt.txt"], "/nonexistent/prompt.txt"),
+])
+def test_errors_are_one_line(store, args, needle):
+    if "-m" not in args:
+        args = ["-m", store] + args
+    r = bitnet(*args)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("bitnet: error:") and needle in lines[0], r.stderr
+    assert "Traceback" not in r.stderr and r.stdout == ""
+
+
+def test_context_full_is_reported(store):
+    r = bitnet("-m", store, "-p", "x", "-c", "6", "-n", "50", "--temp", "0")
+    assert r.returncode == 0 and "context window full" in r.stderr and "n_ctx 6" in r.stderr
+
+
+def test_default_model(store):
+    r = bitnet("-p", "Once", "-n", "4", "--temp", "0")
+    from engine.convert import bundled_model
+
+    if bundled_model() is None:
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "-m" in r.stderr
+    else:
+        assert r.returncode == 0, r.stderr
+
+
+def test_ctrl_c_keeps_text(store):
+    p = subprocess.Popen([sys.executable, "-m", "engine", "run", "-m", store, "-p", "Once upon a time", "-n", "100000",
+                          "-c", "60000", "--temp", "1", "--seed", "1", "-t", "1"], cwd=ROOT,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    first = p.stdout.read(1)
+    assert first, p.stderr.read().decode()
+    time.sleep(0.3)
+    p.send_signal(signal.SIGINT)
+    rest, err = p.communicate(timeout=30)
+    assert p.returncode == 130, err.decode()
+    assert len(first + rest) > 1 and b"Traceback" not in err

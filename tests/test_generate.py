@@ -1,0 +1,112 @@
+"""The streaming generator and public API: chunks and stats, KV prefix reuse, consistency after an early
+stop, stop strings / eos / length / context, prefill-only requests."""
+import numpy as np
+import pytest
+
+from engine.api import Chunk, SamplingParams, Stats, load_model
+from engine.errors import ContextOverflowError
+from test_model_fixtures import make_synth
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    return make_synth(tmp_path_factory.mktemp("gen"), seed=11, lm_heads=("i8",))[2]["i8"]
+
+
+@pytest.fixture
+def llm(store):
+    return load_model(store, ctx=128, progress=False)
+
+
+def run(llm, prompt, params=GREEDY, **kw):
+    chunks = list(llm.generate(prompt, params, **kw))
+    assert all(isinstance(c, Chunk) for c in chunks)
+    final = chunks[-1]
+    assert final.finish_reason and final.token is None and final.text == "" and isinstance(final.stats, Stats)
+    assert all(c.finish_reason is None for c in chunks[:-1])
+    toks = [c.token for c in chunks[:-1] if c.token is not None]
+    return toks, "".join(c.text for c in chunks), final
+
+
+def test_stream_matches_greedy_forward(llm):
+    prompt = llm.tokenize("Once upon a time", add_bos=True)
+    toks, text, final = run(llm, prompt, max_tokens=20)
+    assert final.finish_reason in ("length", "eos")
+    # the same tokens as argmax over forward() of the growing sequence
+    seq = list(prompt)
+    for t in toks:
+        assert int(np.argmax(llm.forward(seq)[-1])) == t
+        seq.append(t)
+    assert text == llm.tokenizer.decode(toks, skip_special=True)
+    s = final.stats
+    assert s.n_prompt == len(prompt) and s.n_generated >= len(toks) and s.ttft_s > 0 and s.prefill_tps > 0
+
+
+def test_kv_prefix_reuse_and_same_output(llm):
+    p1 = llm.tokenize("The quick brown fox", add_bos=True)
+    a, _, f1 = run(llm, p1, max_tokens=8)
+    assert f1.stats.n_cached == 0
+    # a follow-up prompt extending the first one (a chat turn) only prefills its new tokens
+    p2 = p1 + a + llm.tokenize(" jumps over")
+    b, _, f2 = run(llm, p2, max_tokens=8)
+    assert f2.stats.n_cached == len(p1) + len(a) - 1  # the last generated token was never fed
+    fresh = load_model(llm.store.path, ctx=128, progress=False)
+    assert run(fresh, p2, max_tokens=8)[0] == b
+    # the identical prompt again: everything but its last token comes from the cache
+    c, _, f3 = run(llm, p2, max_tokens=8)
+    assert c == b and f3.stats.n_cached == len(p2) - 1
+
+
+def test_consumer_stops_midway_cache_stays_consistent(llm):
+    p = llm.tokenize("Lily walked to the river", add_bos=True)
+    want = run(load_model(llm.store.path, ctx=128, progress=False), p, max_tokens=12)[0]
+    gen = llm.generate(p, GREEDY, max_tokens=12)
+    got = [next(gen).token for _ in range(5)]
+    gen.close()  # like a break or Ctrl-C in the consumer
+    assert llm.model.cache_ids == p + got[:4]
+    assert run(llm, p + got, max_tokens=7)[0] == want[5:]
+
+
+def test_seeded_sampling_repeats(llm):
+    p = llm.tokenize("Numbers:", add_bos=True)
+    params = SamplingParams(temperature=1.0, seed=5)
+    a = run(llm, p, params, max_tokens=16)[0]
+    llm.reset()
+    assert run(llm, p, params, max_tokens=16)[0] == a
+
+
+def test_stop_on_eos_and_stop_string(llm):
+    p = llm.tokenize("Once upon a time", add_bos=True)
+    params = SamplingParams(temperature=1.0, seed=1)
+    toks, text, _ = run(llm, p, params, max_tokens=10)
+    # make a token that first appears at position i > 0 an end-of-turn id: generation stops before it
+    i = next(i for i in range(1, len(toks)) if toks[i] not in toks[:i])
+    llm.tokenizer.eos_ids = (toks[i],)
+    t2, _, f = run(llm, p, params, max_tokens=10)
+    assert f.finish_reason == "eos" and t2 == toks[:i] and f.stats.n_generated == i + 1
+    llm.tokenizer.eos_ids = ()
+    # a stop string inside the generated text: output is cut right before it
+    full = run(llm, p, max_tokens=10)[1]
+    stop = full[3:6]
+    _, text, f = run(llm, p, max_tokens=10, stop=[stop])
+    assert f.finish_reason == "stop" and text == full[: full.index(stop)]
+
+
+def test_max_tokens_zero_prefills_only(llm):
+    p = llm.tokenize("Once upon a time", add_bos=True)
+    chunks = list(llm.generate(p, GREEDY, max_tokens=0))
+    assert len(chunks) == 1 and chunks[0].finish_reason == "length" and chunks[0].stats.n_generated == 0
+    assert llm.model.cache_ids == p
+    _, _, f = run(llm, p, max_tokens=3)
+    assert f.stats.n_cached == len(p) - 1
+
+
+def test_context_overflow_and_full(store):
+    llm = load_model(store, ctx=32, progress=False)
+    with pytest.raises(ContextOverflowError):
+        list(llm.generate(list(range(33)), GREEDY, max_tokens=4))
+    toks, _, f = run(llm, list(range(5, 30)), max_tokens=100)
+    assert f.finish_reason == "context" and len(toks) == 32 - 25 + 1
+    assert llm.model.n_past == 32
