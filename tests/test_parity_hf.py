@@ -124,3 +124,18 @@ def test_tokenizer_and_chat_template_match(models):
     want = want["input_ids"] if isinstance(want, dict) or hasattr(want, "keys") else want
     assert llm.chat_prompt(msgs) == list(want)
     assert set(llm.tokenizer.eos_ids) >= {m.tokenizer_info()["eos"], m.tokenizer_info()["eot"]}
+
+
+@pytest.mark.parametrize("form,linear_class", [("online", "autobitlinear"), ("packed", "bitlinear")])
+def test_other_checkpoint_forms(tmp_path, form, linear_class):
+    """The 2B-4T-bf16 form (full-precision weights ternarized at load) and the legacy dividing BitLinear."""
+    from engine.convert import convert
+    from engine.synth import SynthModel, small_config, write_hf_dir
+
+    m = SynthModel(small_config(num_hidden_layers=2), seed=4)
+    d = str(tmp_path / f"{form}-{linear_class}")
+    write_hf_dir(m, d, form=form, linear_class=linear_class)
+    ref_model = load_reference(d)
+    store = convert(d, d + ".bnstore", lm_head="f16", progress=False)
+    ids = _prompt(m, 4, 60)
+    _check_close(Model(Store(store), n_ctx=64, kv_dtype="f32").forward(ids), reference_logits(ref_model, ids), "f32")
