@@ -124,3 +124,29 @@ def test_transformers_loads_hf_dir(tmp_path):
     text = tok.apply_chat_template([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi?"}],
                                    tokenize=False, add_generation_prompt=True)
     assert text == "<|begin_of_text|>System: Be brief.<|eot_id|>User: Hi?<|eot_id|>Assistant: "
+
+
+def test_transformers_online_ternarization_matches_converter(tmp_path):
+    """The bf16 "online" checkpoint: transformers' own WeightQuant and our converter's ternarize_online give
+    the same ternary codes for every linear, and the same scale up to one f32 ulp (torch sums mean|W| in its
+    own f32 reduction order; we take the correctly rounded mean)."""
+    try:
+        import accelerate  # noqa: F401
+        import torch
+        from transformers import AutoModelForCausalLM
+        from transformers.integrations.bitnet import WeightQuant
+    except ImportError as e:
+        pytest.skip(f"reference stack not installed (pip install '.[reference]'): {e}")
+    from engine.convert_sources import ternarize_online
+
+    m = SynthModel(small_config(num_hidden_layers=1), seed=4)
+    write_hf_dir(m, str(tmp_path), form="online")
+    ref = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32)
+    mods = dict(ref.named_modules())
+    for prefix, _, _ in m.linears():
+        w = mods[prefix].weight.data.float()
+        want = WeightQuant.apply(w).numpy()
+        w_t, scale = ternarize_online(w.numpy())
+        assert np.array_equal(np.sign(want), w_t), prefix
+        ref_scale = np.abs(want).max()
+        assert abs(np.float32(scale) - ref_scale) <= np.spacing(ref_scale), prefix
