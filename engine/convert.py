@@ -69,10 +69,9 @@ def _tensors(src, lm_head: str, stats: dict, bar) -> Iterator[TensorSpec]:
 
     emb = np.empty((V, D), np.float16)
     for r0, r1 in chunks:
-        e = src.embed(r0, r1)
-        if not np.isfinite(e).all():
-            raise FormatError(f"{src.path}: the token embedding holds NaN/inf values")
-        emb[r0:r1] = e
+        emb[r0:r1] = src.embed(r0, r1)
+        if not np.isfinite(emb[r0:r1]).all():  # NaN/inf in the source, or values beyond the f16 range
+            raise FormatError(f"{src.path}: the token embedding holds NaN/inf values (or values too large for f16)")
     yield TensorSpec("token_embd", emb)
     step("token_embd")
     head_src = src.lm_head if not c.tie_word_embeddings else (lambda r0, r1: emb[r0:r1])
