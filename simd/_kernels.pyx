@@ -46,6 +46,8 @@ cdef extern from "kernels.h" nogil:
 
 ISA_NAMES = ("scalar", "avx2", "avx512", "neon")
 cdef Py_ssize_t MAX_DIM = 1 << 30
+# int32 accumulators of the AVX-512 ternary GEMV hold 64x a partial dot: exact up to K_pad = 2^18
+MAX_K_PAD = 1 << 18
 
 
 # ---------------------------------------------------------------- dispatch
@@ -119,8 +121,8 @@ _DTYPE_NAMES = {cnp.NPY_FLOAT32: "float32", cnp.NPY_INT8: "int8", cnp.NPY_UINT8:
 
 
 cdef inline Py_ssize_t _k_pad_of(str fn, Py_ssize_t k_pad) except -1:
-    if k_pad <= 0 or k_pad % 64 != 0 or k_pad > MAX_DIM:
-        raise KernelError(f"{fn}: xq has {k_pad} columns; K_pad must be a positive multiple of 64",
+    if k_pad <= 0 or k_pad % 64 != 0 or k_pad > MAX_K_PAD:
+        raise KernelError(f"{fn}: xq has {k_pad} columns; K_pad must be a positive multiple of 64, at most {MAX_K_PAD}",
                           hint="quantize_act into a buffer of layout.pad_to(K, 64) columns")
     return k_pad
 

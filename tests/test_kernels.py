@@ -298,6 +298,7 @@ def test_bad_arguments_raise_kernel_error():
         lambda: K.gemv_ternary(w, rs[:10], xq[0], 1.0, 0, out),                         # row_scale short
         lambda: K.gemv_ternary(w, rs, xq[0, :100], 1.0, 0, out),                        # K_pad % 64
         lambda: K.gemv_ternary(w, rs, xq[:, ::2][0], 1.0, 0, out),                      # K_pad mismatch
+        lambda: K.gemv_ternary(w, rs, np.zeros((1 << 18) + 64, np.int8), 1.0, 0, out),  # K_pad too large
         lambda: K.gemv_ternary(w, rs, np.asfortranarray(xq)[:, 0], 1.0, 0, out),        # non-contiguous
         lambda: K.gemv_ternary(w, rs, xq[0], 1.0, 0, out[::2]),                         # non-contiguous out
         lambda: K.gemv_ternary(w, rs, xq[0], 1.0, 0, out.astype(np.float64)),           # out dtype

@@ -57,14 +57,14 @@ AVX512_TARGET static void gemv_i8_avx512(const int8_t *w, const float *row_scale
         for (; g + 2 <= groups; g += 2) {
             __m512i xa = _mm512_set1_epi32(load_i32(xu + 4 * g)), xb = _mm512_set1_epi32(load_i32(xu + 4 * g + 4));
             const int8_t *q = p + (size_t)g * 64;
-            a0 = _mm512_dpbusd_epi32(a0, xa, _mm512_loadu_si512(q));
-            c0 = _mm512_dpbusd_epi32(c0, xb, _mm512_loadu_si512(q + 64));
-            a1 = _mm512_dpbusd_epi32(a1, xa, _mm512_loadu_si512(q + tile_bytes));
-            c1 = _mm512_dpbusd_epi32(c1, xb, _mm512_loadu_si512(q + tile_bytes + 64));
-            a2 = _mm512_dpbusd_epi32(a2, xa, _mm512_loadu_si512(q + 2 * tile_bytes));
-            c2 = _mm512_dpbusd_epi32(c2, xb, _mm512_loadu_si512(q + 2 * tile_bytes + 64));
-            a3 = _mm512_dpbusd_epi32(a3, xa, _mm512_loadu_si512(q + 3 * tile_bytes));
-            c3 = _mm512_dpbusd_epi32(c3, xb, _mm512_loadu_si512(q + 3 * tile_bytes + 64));
+            a0 = dpbusd512(a0, xa, _mm512_loadu_si512(q));
+            c0 = dpbusd512(c0, xb, _mm512_loadu_si512(q + 64));
+            a1 = dpbusd512(a1, xa, _mm512_loadu_si512(q + tile_bytes));
+            c1 = dpbusd512(c1, xb, _mm512_loadu_si512(q + tile_bytes + 64));
+            a2 = dpbusd512(a2, xa, _mm512_loadu_si512(q + 2 * tile_bytes));
+            c2 = dpbusd512(c2, xb, _mm512_loadu_si512(q + 2 * tile_bytes + 64));
+            a3 = dpbusd512(a3, xa, _mm512_loadu_si512(q + 3 * tile_bytes));
+            c3 = dpbusd512(c3, xb, _mm512_loadu_si512(q + 3 * tile_bytes + 64));
         }
         /* k_pad is a multiple of 64, so groups is even: no tail */
         __m512i acc[4] = {_mm512_add_epi32(a0, c0), _mm512_add_epi32(a1, c1), _mm512_add_epi32(a2, c2),
@@ -79,7 +79,7 @@ AVX512_TARGET static void gemv_i8_avx512(const int8_t *w, const float *row_scale
         const int8_t *p = w + (size_t)t * tile_bytes;
         __m512i a0 = _mm512_setzero_si512();
         for (int g = 0; g < groups; g++)
-            a0 = _mm512_dpbusd_epi32(a0, _mm512_set1_epi32(load_i32(xu + 4 * g)), _mm512_loadu_si512(p + (size_t)g * 64));
+            a0 = dpbusd512(a0, _mm512_set1_epi32(load_i32(xu + 4 * g)), _mm512_loadu_si512(p + (size_t)g * 64));
         int row0 = t * 16;
         finish_tile_avx512(_mm512_sub_epi32(a0, rowsum_correction_avx512(w_rowsum, row0, n)), 0, row0, n, row_scale,
                            act_scale, out, out_i32);

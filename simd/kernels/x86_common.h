@@ -9,6 +9,14 @@
 #define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c,avx2")))
 #define AVX2_TARGET __attribute__((target("avx2,fma,f16c")))
 
+/* acc += dot(u8 a, s8 b) per dword lane, accumulating in place. GCC 12 compiles _mm512_dpbusd_epi32 in a
+ * long-lived accumulator loop as copy -> vpdpbusd -> copy back plus a stack store per instruction (seen in
+ * objdump of the GEMV); the asm form keeps the accumulator in its register. */
+AVX512_TARGET static inline __m512i dpbusd512(__m512i acc, __m512i a_u8, __m512i b_s8) {
+    __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(a_u8), "v"(b_s8));
+    return acc;
+}
+
 AVX512_TARGET static inline void finish_tile_avx512(__m512i code_dot, int32_t act_sum, int row0, int n,
                                                     const float *row_scale, float act_scale, float *out,
                                                     int32_t *out_i32) {
