@@ -9,12 +9,14 @@ def add_arguments(p):
                    help="store path (default: next to SRC, with the .bnstore extension)")
     p.add_argument("--lm-head", choices=["i8", "f16"], default="i8",
                    help="LM head precision: int8 rows with per-row scales (half the bytes per token) or f16")
+    p.add_argument("--hidden-act", choices=["relu2", "silu"], default=None,
+                   help="override the FFN activation (default: from the file; see `bitnet inspect` for how it was decided)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def main(args) -> int:
     from engine.convert import convert
 
-    out = convert(args.src, args.out, lm_head=args.lm_head, progress=not args.no_progress)
+    out = convert(args.src, args.out, lm_head=args.lm_head, progress=not args.no_progress, hidden_act=args.hidden_act)
     print(out)
     return 0
