@@ -47,6 +47,14 @@ def _f32(v) -> float:
     return float(str(np.float32(v))) if isinstance(v, (float, np.floating)) else float(v)
 
 
+def _read_bytes(path: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise FormatError(f"{path}: cannot read: {e.strerror}") from None
+
+
 def _config(path: str, **kw) -> ModelConfig:
     try:
         return ModelConfig(**kw)
@@ -273,12 +281,12 @@ class HFSource:
                 if isinstance(x, int) and x not in eos:
                     eos.append(x)
         if os.path.isfile(tj):
-            blob, kind = open(tj, "rb").read(), "hf_json"
+            blob, kind = _read_bytes(tj), "hf_json"
             for x in special_ids_from_hf_json(blob, ("<|eot_id|>", "<|end_of_text|>"), tj):
                 if x not in eos:
                     eos.append(x)
         elif os.path.isfile(sp):
-            blob, kind = open(sp, "rb").read(), "sentencepiece"
+            blob, kind = _read_bytes(sp), "sentencepiece"
         else:
             blob, kind = None, None
             self.meta["tokenizer_note"] = "no tokenizer.json or tokenizer.model in the directory"
@@ -287,7 +295,7 @@ class HFSource:
             tmpl = next((t.get("template") for t in tmpl if t.get("name") == "default"), None)
         jinja = os.path.join(self.path, "chat_template.jinja")
         if tmpl is None and os.path.isfile(jinja):
-            tmpl = open(jinja, encoding="utf-8").read()
+            tmpl = _read_bytes(jinja).decode("utf-8", errors="replace")
         if tmpl is None and cfg.get("model_type") == "bitnet":
             tmpl = fix_chat_template(None)
         elif tmpl is not None:
@@ -360,6 +368,18 @@ class HFSource:
             raw = float(s[0])
             _check_scale(self.path, sname, raw)
             # autobitlinear multiplies by weight_scale; the legacy bitlinear class divides
+            scale = raw if self.linear_class == "autobitlinear" else float(np.float32(1.0) / np.float32(raw))
+            return w, _check_scale(self.path, sname, scale), [raw]
+        if tag == "I8":  # unpacked ternary values next to a weight_scale
+            _shape_check(self.path, name, shape, (out, inp))
+            w = np.array(self.st.get(name))
+            if w.size and (w.min() < -1 or w.max() > 1):
+                raise FormatError(f"{self.path}: int8 tensor {name!r} is not ternary (values outside -1..1)")
+            sname = self._hf(short, i) + ".weight_scale"
+            s = self.st.get_f32(sname).reshape(-1)
+            if s.size != 1:
+                raise FormatError(f"{self.path}: tensor {sname!r} has {s.size} values, expected 1")
+            raw = _check_scale(self.path, sname, float(s[0]))
             scale = raw if self.linear_class == "autobitlinear" else float(np.float32(1.0) / np.float32(raw))
             return w, _check_scale(self.path, sname, scale), [raw]
         if tag in ("BF16", "F16", "F32"):

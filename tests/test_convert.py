@@ -345,3 +345,26 @@ def test_gguf_tokenizer_matches_llama_cpp(model, tmp_path):
     tok = Tokenizer.from_str(Store(convert(p, str(tmp_path / "t.bnstore"), progress=False)).tokenizer_spec[1].decode())
     for text in TRAIN_TEXT.splitlines() + ["Hello  world\n\n  x", " 12345678 ab", "User: hi<|eot_id|>", "   a \n \n"]:
         assert llm.tokenize(text.encode(), add_bos=False, special=True) == tok.encode(text, add_special_tokens=False).ids
+
+
+def test_unpacked_int8_checkpoint(model, stores, tmp_path):
+    """Ternary weights stored unpacked as I8 (+ weight_scale) give the same store as the packed layout."""
+    from engine.safetensors_io import SafetensorsFile
+    from engine.synth_writers import write_safetensors
+
+    d = write_hf_dir(model, str(tmp_path / "i8"))
+    f = SafetensorsFile(os.path.join(d, "model.safetensors"))
+    specs = []
+    for n in f.names():
+        tag, shape = f.info(n)
+        arr = np.array(f.get(n))
+        if tag == "U8":
+            arr = model.ternary(n[: -len(".weight")])
+            tag, shape = "I8", arr.shape
+        specs.append((n, tag, list(shape), lambda a=arr: a))
+    f.close()
+    write_safetensors(os.path.join(d, "model.safetensors"), specs)
+    s = Store(convert(d, str(tmp_path / "i8.bnstore"), progress=False))
+    ref = stores["hf"]
+    for n in ref.tensor_names:
+        assert np.array_equal(ref.tensor(n), s.tensor(n)), n

@@ -47,7 +47,13 @@ class _Fixtures(dict):
 def _memory_cap():
     """A lying header must never make us allocate gigabytes: cap the address space while fuzzing."""
     soft, hard = resource.getrlimit(resource.RLIMIT_AS)
-    cap = 6 << 30
+    vm = 0
+    try:  # whatever this process already maps (torch from other tests, thread stacks) plus 3 GiB of headroom
+        with open("/proc/self/status") as f:
+            vm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+    except (OSError, StopIteration):
+        pass
+    cap = vm + (3 << 30)
     if hard != resource.RLIM_INFINITY and hard < cap:
         cap = hard
     resource.setrlimit(resource.RLIMIT_AS, (cap, hard))
