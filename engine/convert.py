@@ -188,16 +188,27 @@ def cache_key(src: str, lm_head: str) -> str:
 
 
 def bundled_model() -> str | None:
-    """The store shipped in models/ (the default model), if any."""
-    d = os.path.join(ROOT, "models")
+    """The default model shipped in models/: its store (default.bnstore, else any *.bnstore), else its HF
+    directory (converted into the cache by resolve_model), else None."""
+    try:
+        import models
+
+        d = os.path.dirname(os.path.abspath(models.__file__))
+        hf_dir = getattr(models, "DEFAULT_MODEL_DIR", None)
+    except ImportError:
+        d, hf_dir = os.path.join(ROOT, "models"), None
     try:
         stores = sorted(f for f in os.listdir(d) if f.endswith(".bnstore"))
     except OSError:
-        return None
-    for pref in ("default.bnstore",):
-        if pref in stores:
-            return os.path.join(d, pref)
-    return os.path.join(d, stores[0]) if stores else None
+        stores = []
+    if "default.bnstore" in stores and is_store(os.path.join(d, "default.bnstore")):
+        return os.path.join(d, "default.bnstore")
+    for f in stores:
+        if is_store(os.path.join(d, f)):
+            return os.path.join(d, f)
+    if hf_dir and os.path.isfile(os.path.join(hf_dir, "config.json")):
+        return hf_dir
+    return None
 
 
 def resolve_model(src: str | None, *, cache_dir: str | None = None, lm_head: str | None = None,
@@ -206,11 +217,10 @@ def resolve_model(src: str | None, *, cache_dir: str | None = None, lm_head: str
     conversion (made now if missing or stale)."""
     lm_head = lm_head or "i8"
     if src is None:
-        b = bundled_model()
-        if b is None:
+        src = bundled_model()
+        if src is None:
             raise FormatError(f"{os.path.join(ROOT, 'models')}: no bundled model (*.bnstore) found",
                               hint="pass a model with -m FILE")
-        return b
     src = os.fspath(src)
     if not os.path.exists(src):
         raise FormatError(f"{src}: no such file or directory")
