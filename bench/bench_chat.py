@@ -1,15 +1,19 @@
-"""Chat time-to-first-token per turn: with the KV cache kept across turns (what bitchat does), a turn
-only prefills its new tokens, so TTFT must not grow with the turn number for short turns.
+"""Chat time-to-first-token per turn, measured on bitchat's own session (chat/session.py, which uses
+only the public engine API). With the KV cache kept across turns a turn only prefills its new tokens,
+so TTFT must not grow with the turn number for short turns.
 
     python bench/bench_chat.py [-m MODEL] [--turns 6] [-n 32] [-c CTX] [-t THREADS] [--no-baseline]
+                               [--no-splice]
 
-Uses only the public API (engine.api), like bitchat. For each turn it prints the prompt length, how
-many tokens were reused from the cache, the TTFT with reuse, and (baseline, a second session whose
-cache is reset before every turn) the TTFT of prefilling the whole conversation from scratch.
+Per turn: prompt tokens, how many were reused from the cache, TTFT, and (baseline: a second session
+whose cache is reset before each turn) the TTFT of prefilling the same prompt from scratch.
+--no-splice re-renders the whole conversation each turn instead of extending the cached tokens
+(chat/splice.py), to show what splicing saves.
 """
 from __future__ import annotations
 
 import argparse
+import io
 import os
 import sys
 import time
@@ -30,16 +34,6 @@ QUESTIONS = [
 ]
 
 
-def run_turn(llm, ids, params, max_tokens):
-    """Generate one answer; returns (text, Stats)."""
-    text, stats = [], None
-    for chunk in llm.generate(ids, params, max_tokens=max_tokens):
-        text.append(chunk.text)
-        if chunk.stats is not None:
-            stats = chunk.stats
-    return "".join(text), stats
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("-m", "--model", default=None, help="model (default: the bundled one)")
@@ -48,8 +42,12 @@ def main(argv=None) -> int:
     ap.add_argument("-c", "--ctx-size", type=int, default=None)
     ap.add_argument("-t", "--threads", type=int, default=None)
     ap.add_argument("--no-baseline", action="store_true", help="skip the from-scratch prefill column")
+    ap.add_argument("--no-splice", action="store_true", help="re-render the whole conversation every turn")
     args = ap.parse_args(argv)
 
+    from chat.commands import Settings
+    from chat.render import Output
+    from chat.session import ChatSession
     from engine.api import SamplingParams, load_model
 
     t0 = time.perf_counter()
@@ -57,34 +55,37 @@ def main(argv=None) -> int:
     fresh = None if args.no_baseline else load_model(args.model, ctx=args.ctx_size, threads=args.threads,
                                                      progress=False)
     print(f"# model {llm.name}, n_ctx {llm.n_ctx}, loaded in {time.perf_counter() - t0:.2f} s, "
-          f"{args.turns} turns, answers of <= {args.max_tokens} tokens, greedy", flush=True)
-    params = SamplingParams(temperature=0.0)
-    messages = [{"role": "system", "content": "You are a helpful assistant. Answer briefly."}]
+          f"{args.turns} turns, answers of <= {args.max_tokens} tokens, greedy, "
+          f"{'re-rendered' if args.no_splice else 'spliced'} prompts", flush=True)
+    sink = io.StringIO()
+    session = ChatSession(llm, Settings(temp=0.0, max_tokens=args.max_tokens), Output(sink, sink, interactive=False),
+                          system="You are a helpful assistant. Answer briefly.")
+    session.splice = not args.no_splice
     print(f"{'turn':>4} {'prompt':>7} {'reused':>7} {'new':>5} {'ttft_ms':>9} {'full_prefill_ms':>16} "
           f"{'answer':>7} {'decode_tok/s':>13}")
     ttfts = []
     for turn in range(args.turns):
-        messages.append({"role": "user", "content": QUESTIONS[turn % len(QUESTIONS)]})
-        ids = llm.chat_prompt(messages)
-        if len(ids) + args.max_tokens >= llm.n_ctx:
-            print(f"# stopping: turn {turn + 1} would overflow the {llm.n_ctx}-token context")
+        session.ask(QUESTIONS[turn % len(QUESTIONS)])
+        s = session.last_stats
+        if s is None or getattr(s, "n_cached", None) is None:
+            print(f"# turn {turn + 1}: no answer ({sink.getvalue().strip().splitlines()[-1:]})")
             break
         full = "-"
         if fresh is not None:
             fresh.reset()
-            _, fstats = run_turn(fresh, ids, params, 1)
-            full = f"{fstats.ttft_s * 1000:.1f}"
-        answer, stats = run_turn(llm, ids, params, args.max_tokens)
-        messages.append({"role": "assistant", "content": answer})
-        ttfts.append(stats.ttft_s)
-        print(f"{turn + 1:>4} {stats.n_prompt:>7} {stats.n_cached:>7} {stats.n_prompt - stats.n_cached:>5} "
-              f"{stats.ttft_s * 1000:>9.1f} {full:>16} {stats.n_generated:>7} {stats.decode_tps:>13.1f}",
-              flush=True)
+            for chunk in fresh.generate(session.last_prompt_ids, SamplingParams(temperature=0.0), max_tokens=1):
+                if chunk.stats is not None:
+                    full = f"{chunk.stats.ttft_s * 1000:.1f}"
+        ttfts.append(s.ttft_s)
+        print(f"{turn + 1:>4} {s.n_prompt:>7} {s.n_cached:>7} {s.n_prompt - s.n_cached:>5} "
+              f"{s.ttft_s * 1000:>9.1f} {full:>16} {s.n_generated:>7} {s.decode_tps:>13.1f}", flush=True)
     if len(ttfts) >= 2:
         later = ttfts[1:]
         print(f"# TTFT with KV reuse: turn 1 {ttfts[0] * 1000:.1f} ms, turns 2..{len(ttfts)} "
               f"min {min(later) * 1000:.1f} / max {max(later) * 1000:.1f} ms "
               f"(last/second = {ttfts[-1] / ttfts[1]:.2f})")
+    if session.n_dropped:
+        print(f"# {session.n_dropped} turns were dropped to fit the context")
     return 0
 
 

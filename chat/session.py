@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from chat.commands import Command, CommandError, Settings, help_text, parse_setting
 from chat.render import Output, format_stats
+from chat.splice import CachedTurn, spliced_prompt
 from chat.transcript import Conversation, TranscriptError
 
 
@@ -108,6 +109,9 @@ class ChatSession:
         self.tokens_in_cache = 0      # prompt + generated tokens of the last call (what the KV holds)
         self.n_dropped = 0            # turns that left the window for lack of room
         self.had_errors = False       # a command or turn failed (the plain loop's exit code)
+        self.cached_turn: CachedTurn | None = None   # the exact tokens of the last turn (chat/splice.py)
+        self.last_prompt_ids: list[int] = []
+        self.splice = True            # False: always re-render the whole window (for comparison)
 
     # ---- engine adapters -----------------------------------------------------------------------
     def sampling_params(self):
@@ -134,7 +138,12 @@ class ChatSession:
         start_before = self.conv.window_start
         dropped = self.conv.fit_window(lambda m: self.count_tokens(m, generation_prompt), budget,
                                        target=budget - n_ctx // 4)
-        ids = self.llm.chat_prompt(self.conv.messages(), add_generation_prompt=generation_prompt)
+        messages = self.conv.messages()
+        ids = self.llm.chat_prompt(messages, add_generation_prompt=generation_prompt)
+        if generation_prompt and self.splice:  # same text, but the last answer's own tokens: the cache covers them
+            spliced = spliced_prompt(self.llm, self.cached_turn, messages)
+            if spliced is not None and len(spliced) < n_ctx:
+                ids = spliced
         if len(ids) >= n_ctx:
             self.conv.window_start = start_before   # refused message: the older turns stay in view
             return None
@@ -143,6 +152,7 @@ class ChatSession:
             self.out.notice(f"[context window full ({n_ctx} tokens): dropped the {dropped} oldest "
                             f"turn{'s' if dropped > 1 else ''} from the model's view; the system prompt "
                             "is kept and /save still has everything]")
+        self.last_prompt_ids = ids
         return ids
 
     # ---- one answer ----------------------------------------------------------------------------
@@ -163,6 +173,8 @@ class ChatSession:
         from engine.errors import BitNetError, ContextOverflowError
 
         ids = self._fit()
+        messages = self.conv.messages()
+        self.cached_turn = None   # until this answer is complete, the cache holds something else
         if ids is None:
             n = self.count_tokens(self.conv.messages(start=len(self.conv.turns) - 1))
             self.conv.drop_last_turn()
@@ -173,6 +185,7 @@ class ChatSession:
         max_tokens = max(1, min(self.settings.max_tokens, self.llm.n_ctx - len(ids)))
         params = self.sampling_params()
         pieces: list[str] = []
+        answer_ids: list[int] = []
         stats = None
         n_tokens = 0
         t0 = time.perf_counter()
@@ -188,6 +201,7 @@ class ChatSession:
                             interrupted = True
                             break
                         if chunk.token is not None:
+                            answer_ids.append(chunk.token)
                             n_tokens += 1
                             if t_first is None:
                                 t_first = time.perf_counter()
@@ -217,6 +231,7 @@ class ChatSession:
         t_end = time.perf_counter()
         self.out.end_answer()
         turn.assistant = "".join(pieces)
+        self.cached_turn = CachedTurn(messages, list(ids), answer_ids, turn.assistant)
         self.n_answers += 1
         if interrupted or stats is None:
             decode_s = (t_end - t_first) if t_first else 0.0
@@ -304,6 +319,7 @@ class ChatSession:
             except TranscriptError as e:
                 raise CommandError(f"/load: {e}") from None
             self.conv = conv
+            self.cached_turn = None
             self.out.info(f"[loaded {len(conv.turns)} turns from {arg}]")
             self.prefill_conversation()
         elif name == "/retry":
