@@ -6,7 +6,9 @@
  * KV head j serves query heads j*g .. j*g+g-1 (g = n_heads / n_kv).
  *
  * The cache of one layer is [n_kv, n_ctx, head_dim]: the keys of one head are contiguous, so a decode
- * step streams them linearly. Heads are spread over OpenMP threads; scratch holds one score row per head.
+ * step streams them linearly. Work items (a KV head and the query heads it serves, split finer only when
+ * threads would idle) go to OpenMP threads; the query heads of an item follow each other, so their
+ * K/V rows are still in cache. scratch holds one score row per query head.
  */
 #include "ops.h"
 
@@ -62,26 +64,14 @@ static inline uint16_t f2h(float f) {
     return (uint16_t)(sign | (ax >> 13));
 }
 
-/* ---------- per-ISA row kernels: dot, axpy, f16 row -> f32, exp(x - max) in place ---------- */
+/* ---------- per-ISA kernels: scores of one head, weighted sum of values, exp(x - max) in place ---------- */
 
 typedef struct {
-    float (*dot)(const float *a, const float *b, int n);
-    void (*axpy)(float a, const float *x, float *y, int n);
-    void (*f16_row)(const uint16_t *src, float *dst, int n);
+    void (*scores)(const float *q, const void *kc, int f16, int n, int hd, float scale, float *sc);
+    void (*wsum)(const float *p, const void *vc, int f16, int n, int hd, float *out);
     float (*exp_sum)(float *x, int n, float mx); /* x[i] = exp(x[i] - mx); returns the sum */
 } att_kernels;
 
-static float dot_scalar(const float *a, const float *b, int n) {
-    float s = 0.0f;
-    for (int i = 0; i < n; i++) s += a[i] * b[i];
-    return s;
-}
-static void axpy_scalar(float a, const float *x, float *y, int n) {
-    for (int i = 0; i < n; i++) y[i] += a * x[i];
-}
-static void f16_row_scalar(const uint16_t *src, float *dst, int n) {
-    for (int i = 0; i < n; i++) dst[i] = h2f(src[i]);
-}
 static float exp_sum_scalar(float *x, int n, float mx) {
     float sum = 0.0f;
     for (int i = 0; i < n; i++) {
@@ -110,29 +100,6 @@ AVX2_FN static inline float hsum8(__m256 v) {
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
     return _mm_cvtss_f32(s);
-}
-AVX2_FN static float dot_avx2(const float *a, const float *b, int n) {
-    __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
-    int i = 0;
-    for (; i + 16 <= n; i += 16) {
-        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
-        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
-    }
-    for (; i + 8 <= n; i += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
-    float s = hsum8(_mm256_add_ps(s0, s1));
-    for (; i < n; i++) s += a[i] * b[i];
-    return s;
-}
-AVX2_FN static void axpy_avx2(float a, const float *x, float *y, int n) {
-    __m256 va = _mm256_set1_ps(a);
-    int i = 0;
-    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
-    for (; i < n; i++) y[i] += a * x[i];
-}
-AVX2_FN static void f16_row_avx2(const uint16_t *src, float *dst, int n) {
-    int i = 0;
-    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i))));
-    for (; i < n; i++) dst[i] = h2f(src[i]);
 }
 AVX2_FN static inline __m256 exp_avx2(__m256 x) {
     x = _mm256_max_ps(x, _mm256_set1_ps(EXP_LO));
@@ -165,34 +132,6 @@ AVX2_FN static float exp_sum_avx2(float *x, int n, float mx) {
     return sum;
 }
 
-AVX512_FN static float dot_avx512(const float *a, const float *b, int n) {
-    __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
-    int i = 0;
-    for (; i + 32 <= n; i += 32) {
-        s0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), s0);
-        s1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16), _mm512_loadu_ps(b + i + 16), s1);
-    }
-    if (i < n) { /* masked tail: head_dim need not be a multiple of 16 (e.g. 100) */
-        for (; i < n; i += 16) {
-            __mmask16 k = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
-            s0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, a + i), _mm512_maskz_loadu_ps(k, b + i), s0);
-        }
-    }
-    return _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));
-}
-AVX512_FN static void axpy_avx512(float a, const float *x, float *y, int n) {
-    __m512 va = _mm512_set1_ps(a);
-    for (int i = 0; i < n; i += 16) {
-        __mmask16 k = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
-        _mm512_mask_storeu_ps(y + i, k, _mm512_fmadd_ps(va, _mm512_maskz_loadu_ps(k, x + i), _mm512_maskz_loadu_ps(k, y + i)));
-    }
-}
-AVX512_FN static void f16_row_avx512(const uint16_t *src, float *dst, int n) {
-    for (int i = 0; i < n; i += 16) {
-        __mmask16 k = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
-        _mm512_mask_storeu_ps(dst + i, k, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, src + i)));
-    }
-}
 AVX512_FN static float exp_sum_avx512(float *x, int n, float mx) {
     __m512 vm = _mm512_set1_ps(mx), acc = _mm512_setzero_ps();
     for (int i = 0; i < n; i += 16) {
@@ -222,13 +161,151 @@ AVX2_FN static void store_f16_avx2(const float *src, uint16_t *dst, int n) {
 }
 #endif
 
+/* Per-head bodies: scores[t] = scale * q . k_t for t < n, and out = sum_t p_t v_t, reading the cache rows
+ * directly (f16 rows converted in registers). The weighted sum keeps a block of the output in registers
+ * across all t (no store/reload chain through memory); scores run 4 keys at a time for parallelism. */
+#define KROW16(base, t, hd) ((const uint16_t *)(base) + (int64_t)(t) * (hd))
+#define KROW32(base, t, hd) ((const float *)(base) + (int64_t)(t) * (hd))
+
+static void scores_scalar(const float *q, const void *kc, int f16, int n, int hd, float scale, float *sc) {
+    for (int t = 0; t < n; t++) {
+        float d = 0.0f;
+        if (f16) {
+            const uint16_t *k = KROW16(kc, t, hd);
+            for (int i = 0; i < hd; i++) d += q[i] * h2f(k[i]);
+        } else {
+            const float *k = KROW32(kc, t, hd);
+            for (int i = 0; i < hd; i++) d += q[i] * k[i];
+        }
+        sc[t] = d * scale;
+    }
+}
+static void wsum_scalar(const float *p, const void *vc, int f16, int n, int hd, float *out) {
+    memset(out, 0, sizeof(float) * hd);
+    for (int t = 0; t < n; t++) {
+        if (f16) {
+            const uint16_t *v = KROW16(vc, t, hd);
+            for (int i = 0; i < hd; i++) out[i] += p[t] * h2f(v[i]);
+        } else {
+            const float *v = KROW32(vc, t, hd);
+            for (int i = 0; i < hd; i++) out[i] += p[t] * v[i];
+        }
+    }
+}
+
+#if defined(__x86_64__)
+AVX2_FN static inline __m256 load8(const void *base, int f16, int64_t off, int valid) {
+    if (valid >= 8)
+        return f16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)base + off)))
+                   : _mm256_loadu_ps((const float *)base + off);
+    float tmp[8] = {0};
+    for (int i = 0; i < valid; i++) tmp[i] = f16 ? h2f(((const uint16_t *)base)[off + i]) : ((const float *)base)[off + i];
+    return _mm256_loadu_ps(tmp);
+}
+AVX2_FN static void scores_avx2(const float *q, const void *kc, int f16, int n, int hd, float scale, float *sc) {
+    int t = 0;
+    for (; t + 4 <= n; t += 4) {
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int i = 0; i < hd; i += 8) {
+            int v = hd - i;
+            __m256 qv = load8(q, 0, i, v);
+            a0 = _mm256_fmadd_ps(qv, load8(kc, f16, (int64_t)t * hd + i, v), a0);
+            a1 = _mm256_fmadd_ps(qv, load8(kc, f16, (int64_t)(t + 1) * hd + i, v), a1);
+            a2 = _mm256_fmadd_ps(qv, load8(kc, f16, (int64_t)(t + 2) * hd + i, v), a2);
+            a3 = _mm256_fmadd_ps(qv, load8(kc, f16, (int64_t)(t + 3) * hd + i, v), a3);
+        }
+        sc[t] = hsum8(a0) * scale, sc[t + 1] = hsum8(a1) * scale, sc[t + 2] = hsum8(a2) * scale, sc[t + 3] = hsum8(a3) * scale;
+    }
+    for (; t < n; t++) {
+        __m256 a0 = _mm256_setzero_ps();
+        for (int i = 0; i < hd; i += 8) a0 = _mm256_fmadd_ps(load8(q, 0, i, hd - i), load8(kc, f16, (int64_t)t * hd + i, hd - i), a0);
+        sc[t] = hsum8(a0) * scale;
+    }
+}
+AVX2_FN static void wsum_avx2(const float *p, const void *vc, int f16, int n, int hd, float *out) {
+    for (int c0 = 0; c0 < hd; c0 += 64) { /* 8 ymm accumulators = 64 output columns */
+        __m256 acc[8];
+        int nb = (hd - c0 + 7) / 8 < 8 ? (hd - c0 + 7) / 8 : 8;
+        for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
+        for (int t = 0; t < n; t++) {
+            __m256 w = _mm256_set1_ps(p[t]);
+            for (int j = 0; j < nb; j++) acc[j] = _mm256_fmadd_ps(w, load8(vc, f16, (int64_t)t * hd + c0 + 8 * j, hd - c0 - 8 * j), acc[j]);
+        }
+        for (int j = 0; j < nb; j++) {
+            float tmp[8];
+            _mm256_storeu_ps(tmp, acc[j]);
+            for (int i = 0; i < 8 && c0 + 8 * j + i < hd; i++) out[c0 + 8 * j + i] = tmp[i];
+        }
+    }
+}
+
+AVX512_FN static inline __m512 load16(const void *base, int f16, int64_t off, __mmask16 k) {
+    return f16 ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, (const uint16_t *)base + off))
+               : _mm512_maskz_loadu_ps(k, (const float *)base + off);
+}
+static inline __mmask16 mask16(int valid) { return valid >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (valid > 0 ? valid : 0)) - 1); }
+
+AVX512_FN static void scores_avx512(const float *q, const void *kc, int f16, int n, int hd, float scale, float *sc) {
+    int t = 0;
+    for (; t + 4 <= n; t += 4) {
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int i = 0; i < hd; i += 16) {
+            __mmask16 k = mask16(hd - i);
+            __m512 qv = _mm512_maskz_loadu_ps(k, q + i);
+            a0 = _mm512_fmadd_ps(qv, load16(kc, f16, (int64_t)t * hd + i, k), a0);
+            a1 = _mm512_fmadd_ps(qv, load16(kc, f16, (int64_t)(t + 1) * hd + i, k), a1);
+            a2 = _mm512_fmadd_ps(qv, load16(kc, f16, (int64_t)(t + 2) * hd + i, k), a2);
+            a3 = _mm512_fmadd_ps(qv, load16(kc, f16, (int64_t)(t + 3) * hd + i, k), a3);
+        }
+        sc[t] = _mm512_reduce_add_ps(a0) * scale, sc[t + 1] = _mm512_reduce_add_ps(a1) * scale;
+        sc[t + 2] = _mm512_reduce_add_ps(a2) * scale, sc[t + 3] = _mm512_reduce_add_ps(a3) * scale;
+    }
+    for (; t < n; t++) {
+        __m512 a0 = _mm512_setzero_ps();
+        for (int i = 0; i < hd; i += 16) {
+            __mmask16 k = mask16(hd - i);
+            a0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, q + i), load16(kc, f16, (int64_t)t * hd + i, k), a0);
+        }
+        sc[t] = _mm512_reduce_add_ps(a0) * scale;
+    }
+}
+AVX512_FN static void wsum_avx512(const float *p, const void *vc, int f16, int n, int hd, float *out) {
+    for (int c0 = 0; c0 < hd; c0 += 128) { /* 8 zmm accumulators = 128 output columns */
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+        const int r = hd - c0;
+        const __mmask16 k0 = mask16(r), k1 = mask16(r - 16), k2 = mask16(r - 32), k3 = mask16(r - 48);
+        const __mmask16 k4 = mask16(r - 64), k5 = mask16(r - 80), k6 = mask16(r - 96), k7 = mask16(r - 112);
+        for (int t = 0; t < n; t++) {
+            const __m512 w = _mm512_set1_ps(p[t]);
+            const int64_t o = (int64_t)t * hd + c0;
+            a0 = _mm512_fmadd_ps(w, load16(vc, f16, o, k0), a0);
+            a1 = _mm512_fmadd_ps(w, load16(vc, f16, o + 16, k1), a1);
+            a2 = _mm512_fmadd_ps(w, load16(vc, f16, o + 32, k2), a2);
+            a3 = _mm512_fmadd_ps(w, load16(vc, f16, o + 48, k3), a3);
+            if (k4) {
+                a4 = _mm512_fmadd_ps(w, load16(vc, f16, o + 64, k4), a4);
+                a5 = _mm512_fmadd_ps(w, load16(vc, f16, o + 80, k5), a5);
+                a6 = _mm512_fmadd_ps(w, load16(vc, f16, o + 96, k6), a6);
+                a7 = _mm512_fmadd_ps(w, load16(vc, f16, o + 112, k7), a7);
+            }
+        }
+        _mm512_mask_storeu_ps(out + c0, k0, a0), _mm512_mask_storeu_ps(out + c0 + 16, k1, a1);
+        _mm512_mask_storeu_ps(out + c0 + 32, k2, a2), _mm512_mask_storeu_ps(out + c0 + 48, k3, a3);
+        _mm512_mask_storeu_ps(out + c0 + 64, k4, a4), _mm512_mask_storeu_ps(out + c0 + 80, k5, a5);
+        _mm512_mask_storeu_ps(out + c0 + 96, k6, a6), _mm512_mask_storeu_ps(out + c0 + 112, k7, a7);
+    }
+}
+#endif
+
 static att_kernels kernels_for(int isa) {
-    att_kernels k = {dot_scalar, axpy_scalar, f16_row_scalar, exp_sum_scalar};
+    att_kernels k = {scores_scalar, wsum_scalar, exp_sum_scalar};
 #if defined(__x86_64__)
     if (isa >= OPS_ISA_AVX512) {
-        k.dot = dot_avx512, k.axpy = axpy_avx512, k.f16_row = f16_row_avx512, k.exp_sum = exp_sum_avx512;
+        k.scores = scores_avx512, k.wsum = wsum_avx512;
+        k.exp_sum = exp_sum_avx512;
     } else if (isa >= OPS_ISA_AVX2) {
-        k.dot = dot_avx2, k.axpy = axpy_avx2, k.f16_row = f16_row_avx2, k.exp_sum = exp_sum_avx2;
+        k.scores = scores_avx2, k.wsum = wsum_avx2;
+        k.exp_sum = exp_sum_avx2;
     }
 #endif
     return k;
@@ -251,9 +328,8 @@ void ops_attention(float *qkv, int m, int n_heads, int n_kv, int head_dim, const
                    float *out, float *scratch) {
     const int isa = ops_isa();
     const int q_dim = n_heads * head_dim, kv_dim = n_kv * head_dim, stride = q_dim + 2 * kv_dim;
-    const int group = n_heads / n_kv;
+    const int half = head_dim / 2, group = n_heads / n_kv;
     const float scale = 1.0f / sqrtf((float)head_dim);
-    (void)isa;
 
     /* 1. rotate q and k of every row, append k and v to the cache */
     for (int r = 0; r < m; r++) {
@@ -285,51 +361,28 @@ void ops_attention(float *qkv, int m, int n_heads, int n_kv, int head_dim, const
         }
     }
 
-    /* 2. causal attention. A work item is one KV head with `sub` of the query heads it serves: each cached
-     * key / value row is loaded (and converted from f16) once for all of them. Items are split finer
-     * only when there are too few to keep every thread busy. */
+    /* 2. causal attention: per query head, scores -> softmax -> weighted sum of values */
     const att_kernels K = kernels_for(isa);
     const int threads = ops_get_num_threads();
     int sub = group;
     while (sub % 2 == 0 && n_kv * (group / sub) < 2 * threads) sub /= 2;
     const int n_sub = group / sub, items = n_kv * n_sub;
-#pragma omp parallel num_threads(threads) if (items > 1 && (int64_t)m * (pos0 + m) * n_heads * head_dim > 32768)
-    {
-        float kbuf[head_dim]; /* one key or value row in f32 */
-#pragma omp for schedule(dynamic, 1)
-        for (int item = 0; item < items; item++) {
-            const int kvh = item / n_sub, h0 = kvh * group + (item % n_sub) * sub;
-            const uint16_t *k16 = (const uint16_t *)k_cache + (int64_t)kvh * n_ctx * head_dim;
-            const uint16_t *v16 = (const uint16_t *)v_cache + (int64_t)kvh * n_ctx * head_dim;
-            const float *k32 = (const float *)k_cache + (int64_t)kvh * n_ctx * head_dim;
-            const float *v32 = (const float *)v_cache + (int64_t)kvh * n_ctx * head_dim;
-            for (int r = 0; r < m; r++) {
-                const int n = pos0 + r + 1;
-                const float *q = qkv + (int64_t)r * stride;
-                for (int t = 0; t < n; t++) {
-                    const float *krow = k32 + (int64_t)t * head_dim;
-                    if (kv_f16) {
-                        K.f16_row(k16 + (int64_t)t * head_dim, kbuf, head_dim);
-                        krow = kbuf;
-                    }
-                    for (int h = h0; h < h0 + sub; h++) scratch[(int64_t)h * n_ctx + t] = K.dot(q + h * head_dim, krow, head_dim) * scale;
-                }
-                for (int h = h0; h < h0 + sub; h++) {
-                    float *sc = scratch + (int64_t)h * n_ctx, mx = -INFINITY;
-                    for (int t = 0; t < n; t++) mx = sc[t] > mx ? sc[t] : mx;
-                    float inv = 1.0f / K.exp_sum(sc, n, mx);
-                    for (int t = 0; t < n; t++) sc[t] *= inv;
-                    memset(out + (int64_t)r * q_dim + h * head_dim, 0, sizeof(float) * head_dim);
-                }
-                for (int t = 0; t < n; t++) {
-                    const float *vrow = v32 + (int64_t)t * head_dim;
-                    if (kv_f16) {
-                        K.f16_row(v16 + (int64_t)t * head_dim, kbuf, head_dim);
-                        vrow = kbuf;
-                    }
-                    for (int h = h0; h < h0 + sub; h++)
-                        K.axpy(scratch[(int64_t)h * n_ctx + t], vrow, out + (int64_t)r * q_dim + h * head_dim, head_dim);
-                }
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) \
+    if (items > 1 && (int64_t)m * (pos0 + m) * n_heads * head_dim > 32768)
+    for (int item = 0; item < items; item++) {
+        const int kvh = item / n_sub, h0 = kvh * group + (item % n_sub) * sub;
+        const size_t esize = kv_f16 ? sizeof(uint16_t) : sizeof(float);
+        const char *kbase = (const char *)k_cache + (size_t)kvh * n_ctx * head_dim * esize;
+        const char *vbase = (const char *)v_cache + (size_t)kvh * n_ctx * head_dim * esize;
+        for (int r = 0; r < m; r++) {
+            const int n = pos0 + r + 1;
+            for (int h = h0; h < h0 + sub; h++) {
+                float *sc = scratch + (int64_t)h * n_ctx, mx = -INFINITY;
+                K.scores(qkv + (int64_t)r * stride + h * head_dim, kbase, kv_f16, n, head_dim, scale, sc);
+                for (int t = 0; t < n; t++) mx = sc[t] > mx ? sc[t] : mx;
+                float inv = 1.0f / K.exp_sum(sc, n, mx);
+                for (int t = 0; t < n; t++) sc[t] *= inv;
+                K.wsum(sc, vbase, kv_f16, n, head_dim, out + (int64_t)r * q_dim + h * head_dim);
             }
         }
     }
