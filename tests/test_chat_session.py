@@ -1,0 +1,166 @@
+"""bitchat's session on a real (small, synthetic) model, in process: KV reuse across turns through
+prompt splicing, context-window trimming, refused messages, /retry, /load + re-prefill, Ctrl-C."""
+import io
+import json
+import os
+import signal
+
+import pytest
+
+from chat.commands import CommandError, Settings, parse_command
+from chat.render import Output
+from chat.session import ChatSession, ExitChat
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    from engine.api import load_model
+    from engine.convert import convert
+    from engine.synth import SynthModel, small_config, write_hf_dir
+
+    synth = SynthModel(small_config(max_position_embeddings=1024), seed=5)
+    d = tmp_path_factory.mktemp("session_model")
+    store = convert(write_hf_dir(synth, str(d / "hf")), str(d / "m.bnstore"), progress=False)
+    return load_model(store, threads=1, progress=False)
+
+
+def new_session(llm, *, system="You are a test.", max_tokens=8, temp=0.0):
+    llm.reset()
+    sink = io.StringIO()
+    s = ChatSession(llm, Settings(temp=temp, max_tokens=max_tokens, seed=3), Output(sink, sink, interactive=False),
+                    system=system)
+    return s, sink
+
+
+def test_second_turn_reuses_every_cached_token(llm):
+    s, _ = new_session(llm)
+    s.ask("First question?")
+    first_prompt, first = list(s.last_prompt_ids), s.cached_turn
+    assert first is not None and first.answer_ids
+    s.ask("Second question?")
+    st = s.last_stats
+    # the cache holds prompt 1 + answer 1 (minus the last token when it stopped at max_tokens)
+    held = len(first_prompt) + len(first.answer_ids) - (1 if s.conv.turns[0].finish_reason == "length" else 0)
+    assert st.n_cached == held
+    assert s.last_prompt_ids[:len(first_prompt) + len(first.answer_ids)] == first_prompt + first.answer_ids
+    # same text as rendering the conversation from scratch: splicing changes tokens, never content
+    fresh = llm.chat_prompt(s.conv.messages()[:4])   # system, user, answer, user
+    assert llm.detokenize(s.last_prompt_ids) == llm.detokenize(fresh)
+
+
+def test_without_splicing_the_prompt_is_the_plain_rendering(llm):
+    s, _ = new_session(llm)
+    s.splice = False
+    s.ask("First question?")
+    n_first = len(s.last_prompt_ids)
+    s.ask("Second question?")
+    assert s.last_stats.n_cached >= n_first - 1      # the earlier prompt is still reused
+    assert s.last_prompt_ids == llm.chat_prompt(s.conv.messages()[:4])
+
+
+def test_ttft_tokens_do_not_grow_with_turns(llm):
+    s, _ = new_session(llm, max_tokens=6)
+    new_tokens = []
+    for i in range(6):
+        s.ask(f"Question {i}?")
+        new_tokens.append(s.last_stats.n_prompt - s.last_stats.n_cached)
+    assert max(new_tokens[1:]) <= min(new_tokens[1:]) + 4, new_tokens
+
+
+def test_context_trimming_keeps_system_and_never_overflows(llm):
+    from engine.api import load_model
+
+    small = load_model(llm.store.path, ctx=128, threads=1, progress=False)
+    sink = io.StringIO()
+    s = ChatSession(small, Settings(temp=0.0, max_tokens=8), Output(sink, sink, interactive=False), system="Be brief.")
+    for i in range(10):
+        s.ask(f"Question {i}: " + "more words here " * 5)
+        assert s.tokens_in_cache <= small.n_ctx
+    assert s.n_dropped > 0 and "dropped the" in sink.getvalue()
+    assert len(s.conv.turns) == 10 and all(t.assistant is not None for t in s.conv.turns)
+    assert s.conv.messages()[0] == {"role": "system", "content": "Be brief."}
+    assert s.conv.messages()[-2]["content"].startswith("Question 9:")
+
+
+def test_too_long_message_is_refused_and_the_window_stays(llm):
+    from engine.api import load_model
+
+    small = load_model(llm.store.path, ctx=96, threads=1, progress=False)
+    sink = io.StringIO()
+    s = ChatSession(small, Settings(temp=0.0, max_tokens=4), Output(sink, sink, interactive=False))
+    s.ask("Hello.")
+    s.ask("word " * 400)
+    assert "message not sent" in sink.getvalue()
+    assert len(s.conv.turns) == 1 and s.conv.window_start == 0
+    s.ask("Still there?")
+    assert len(s.conv.turns) == 2 and s.had_errors
+
+
+def test_retry_reuses_the_prompt_and_replaces_the_answer(llm):
+    s, _ = new_session(llm, temp=1.0)
+    s.ask("Tell me something.")
+    prompt = list(s.last_prompt_ids)
+    s.run_command(parse_command("/retry"))
+    assert s.last_prompt_ids == prompt
+    assert s.last_stats.n_cached == len(prompt) - 1   # all but the last prompt token came from the cache
+    assert len(s.conv.turns) == 1 and s.conv.turns[0].assistant is not None
+
+
+def test_commands_change_settings_and_bye_exits(llm):
+    s, sink = new_session(llm)
+    s.run_command(parse_command("/set temp 0.5"))
+    s.run_command(parse_command("/set seed random"))
+    assert s.settings.temp == 0.5 and s.settings.seed is None
+    with pytest.raises(CommandError, match="<= 1024"):
+        s.run_command(parse_command("/set max_tokens 5000"))
+    s.run_command(parse_command("/system New rules."))
+    assert s.conv.messages()[0]["content"] == "New rules."
+    s.run_command(parse_command("/system --clear"))
+    assert s.conv.system is None
+    with pytest.raises(ExitChat):
+        s.run_command(parse_command("/bye"))
+
+
+def test_save_load_prefills_and_next_turn_is_cached(llm, tmp_path):
+    s, _ = new_session(llm)
+    s.ask("One?")
+    s.ask("Two?")
+    path = tmp_path / "c.json"
+    s.run_command(parse_command(f"/save {path}"))
+    assert json.loads(path.read_text())["system"] == "You are a test."
+
+    s2, sink = new_session(llm, system=None)
+    s2.run_command(parse_command(f"/load {path}"))
+    assert "prefilled" in sink.getvalue()
+    n_loaded = s2.tokens_in_cache
+    s2.ask("Three?")
+    assert s2.last_stats.n_cached >= n_loaded - 1
+    assert [t.user for t in s2.conv.turns] == ["One?", "Two?", "Three?"]
+    with pytest.raises(CommandError, match="/load: .*no such file"):
+        s2.run_command(parse_command(f"/load {tmp_path / 'missing.json'}"))
+    assert len(s2.conv.turns) == 3
+
+
+class _InterruptingOutput(Output):
+    """Presses Ctrl-C (a real SIGINT to this process) once the answer has started to show."""
+
+    def stream(self, text):
+        super().stream(text)
+        if text and not getattr(self, "pressed", False):
+            self.pressed = True
+            os.kill(os.getpid(), signal.SIGINT)
+
+
+def test_ctrl_c_keeps_the_partial_answer_and_the_cache_consistent(llm):
+    llm.reset()
+    sink = io.StringIO()
+    s = ChatSession(llm, Settings(temp=0.0, max_tokens=500), _InterruptingOutput(sink, sink, interactive=False))
+    s.ask("Talk for a long time.")
+    turn = s.conv.turns[0]
+    assert turn.interrupted and turn.finish_reason == "interrupted"
+    assert turn.assistant and turn.assistant in sink.getvalue()
+    assert s.last_stats.n_generated < 500
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler   # handler restored
+    s.out = Output(sink, sink, interactive=False)
+    s.ask("Next?")
+    assert not s.conv.turns[1].interrupted and s.last_stats.n_cached > 0
