@@ -23,20 +23,24 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="bitchat",
         description="Chat with a BitNet b1.58 model in the terminal. Type /help inside for commands.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog="Input history: $BITCHAT_HISTORY or $XDG_STATE_HOME/bitchat/history. "
+               "Piped stdin: each line is a turn, answers go to stdout.",
     )
-    p.add_argument("-m", "--model", default=None,
-                   help="model: a converted store, a GGUF file or an HF directory (default: the bundled model)")
-    p.add_argument("--system", default=None, help="system prompt")
-    p.add_argument("--temp", default=str(d.temp), help="sampling temperature (0 = greedy)")
-    p.add_argument("--top-k", default=str(d.top_k), help="top-k sampling (0 = off)")
-    p.add_argument("--top-p", default=str(d.top_p), help="nucleus sampling (1 = off)")
-    p.add_argument("--min-p", default=str(d.min_p), help="min-p sampling (0 = off)")
-    p.add_argument("--repeat-penalty", default=str(d.repeat_penalty), help="repetition penalty (1 = off)")
-    p.add_argument("--seed", default=None, help="random seed (default: random)")
-    p.add_argument("-n", "--max-tokens", default=str(d.max_tokens), help="max tokens per answer")
-    p.add_argument("-c", "--ctx-size", type=int, default=None, help="context window in tokens (default: the model's)")
-    p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    p.add_argument("-m", "--model", metavar="MODEL", default=None,
+                   help="a converted store, a GGUF file or an HF directory (default: the bundled model)")
+    p.add_argument("--system", metavar="TEXT", default=None, help="system prompt (default: none)")
+    p.add_argument("--temp", metavar="T", default=None, help=f"sampling temperature, 0 = greedy (default: {d.temp})")
+    p.add_argument("--top-k", metavar="K", default=None, help=f"top-k sampling, 0 = off (default: {d.top_k})")
+    p.add_argument("--top-p", metavar="P", default=None, help=f"nucleus sampling, 1 = off (default: {d.top_p})")
+    p.add_argument("--min-p", metavar="P", default=None, help=f"min-p sampling, 0 = off (default: {d.min_p})")
+    p.add_argument("--repeat-penalty", metavar="R", default=None,
+                   help=f"repetition penalty, 1 = off (default: {d.repeat_penalty})")
+    p.add_argument("--seed", metavar="S", default=None, help="random seed (default: random)")
+    p.add_argument("-n", "--max-tokens", metavar="N", default=None,
+                   help=f"max tokens per answer (default: {d.max_tokens})")
+    p.add_argument("-c", "--ctx-size", metavar="CTX", type=int, default=None,
+                   help="context window in tokens (default: the model's)")
+    p.add_argument("-t", "--threads", metavar="N", type=int, default=None, help="CPU threads (default: all cores)")
     p.add_argument("--version", action="version", version="bitchat (bitnet-cpu)")
     return p
 
