@@ -113,6 +113,19 @@ def gguf_bytes_per_token(gguf_path: str) -> int:
     return int(sum(int(t.n_bytes) for t in GGUFReader(gguf_path).tensors))
 
 
+def private_copy(path: str) -> str:
+    """A byte-identical copy used only by the cold runs: page-cache eviction cannot drop pages that another
+    process has mapped, and other tools (chat, runtime benchmarks) may have the shared file open."""
+    import shutil
+
+    copy = path + ".cold"
+    if not os.path.exists(copy) or os.path.getsize(copy) != os.path.getsize(path) or \
+            os.path.getmtime(copy) < os.path.getmtime(path):
+        shutil.copyfile(path, copy + ".tmp")
+        os.replace(copy + ".tmp", copy)
+    return copy
+
+
 def git_rev() -> str:
     r = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
     return r.stdout.strip() or "?"
@@ -156,6 +169,7 @@ def main(argv=None) -> int:
     store = paths["store_i8" if a.lm_head == "i8" else "store_f16"]
     gguf_path = paths["tq2_0"]
     model_for = {"ours": store, "llama": gguf_path}
+    cold_model_for = {} if a.no_cold else {e: private_copy(model_for[e]) for e in engines}
     log = lambda *x: print(*x, file=sys.stderr, flush=True)
 
     log(f"limits: streaming read with {a.threads} threads ...")
@@ -169,7 +183,8 @@ def main(argv=None) -> int:
         order = engines if rep % 2 == 0 else engines[::-1]
         plan = ([] if a.no_cold else [("cold", e) for e in order]) + [("session", e) for e in order]
         for mode, eng in plan:
-            cmd = [sys.executable, WORKER, "--engine", eng, "--model", model_for[eng], "--mode", mode] + common
+            model = cold_model_for[eng] if mode == "cold" else model_for[eng]
+            cmd = [sys.executable, WORKER, "--engine", eng, "--model", model, "--mode", mode] + common
             if a.drop_caches:
                 cmd.append("--drop-caches")
             log(f"repeat {rep + 1}/{a.repeats}: {eng} {mode} ...")
@@ -194,7 +209,7 @@ def main(argv=None) -> int:
 
     facts = store_facts(store, a.ctx)
     llama_bpt = gguf_bytes_per_token(gguf_path)
-    table = report.aggregate(sessions, cold, a.turns)
+    table = report.aggregate(sessions, cold, a.turns, a.decode)
     peak_mac = None
     peak_note = None
     if int8:
@@ -228,9 +243,10 @@ def main(argv=None) -> int:
     ev = [c.get("evict") for c in cold if c.get("evict")]
     if ev:
         left = max((e.get("resident_after") or 0) for e in ev)
-        notes.append(f"cold load: the model file was evicted with {ev[0]['method']} before each cold run "
-                     f"(at most {left / (1 << 20):.0f} MiB stayed cached). The VM's disk may itself be cached by "
-                     "the host, so 'cold' is a lower bound of a real cold start.")
+        notes.append(f"cold load: runs on a private byte-identical copy of the model file (`*.cold`, so no other "
+                     f"process has it mapped), evicted with {ev[0]['method']} before each cold run (at most "
+                     f"{left / (1 << 20):.0f} MiB stayed cached). The VM's disk may itself be cached by the host, "
+                     "so 'cold' is a lower bound of a real cold start.")
     if failures:
         for f in failures:
             notes.append(f"FAILED run ({f['engine']}, repeat {f['repeat'] + 1}): {f['error']}")

@@ -23,6 +23,7 @@ WORKER = os.path.join(HERE, "e2e_worker.py")
 
 # phase -> worker arguments that make that phase dominate the session
 PHASES = {
+    "warm load + 1-token prompt": ["--prefill", "1", "--decode", "1", "--turns", "0"],
     "decode (16-token prompt, 128 generated)": ["--prefill", "16", "--decode", "128", "--turns", "0"],
     "prefill (512-token prompt)": ["--prefill", "512", "--inner", "3", "--decode", "1", "--turns", "0"],
 }

@@ -46,7 +46,7 @@ def _get(session: dict, key: str):
 
 
 # metric key -> (label, unit, higher is better, extractor)
-def metric_table(turns: int) -> list[tuple[str, str, str, bool, Callable[[dict], float | None]]]:
+def metric_table(turns: int, decode: int = 128) -> list[tuple[str, str, str, bool, Callable[[dict], float | None]]]:
     last = turns - 1
 
     def chat_ratio(s):
@@ -60,7 +60,7 @@ def metric_table(turns: int) -> list[tuple[str, str, str, bool, Callable[[dict],
         ("first_token_warm_s", "load to first prompt token, warm", "s", False, lambda s: s.get("first_token_s")),
         ("prefill128", "prefill 128 tokens", "tok/s", True, lambda s: _get(s, "prefill_tps.128")),
         ("prefill512", "prefill 512 tokens", "tok/s", True, lambda s: _get(s, "prefill_tps.512")),
-        ("decode", "decode (128 tokens)", "tok/s", True, lambda s: s.get("decode_tps")),
+        ("decode", f"decode ({decode} tokens)", "tok/s", True, lambda s: s.get("decode_tps")),
         ("ttft", "time to first token (128-token prompt)", "s", False, lambda s: s.get("ttft_s")),
         ("chat_ttft_1", "chat turn 1 time to first token", "s", False, lambda s: _get(s, "chat_ttft_s.0")),
         (f"chat_ttft_{turns}", f"chat turn {turns} time to first token", "s", False,
@@ -71,11 +71,11 @@ def metric_table(turns: int) -> list[tuple[str, str, str, bool, Callable[[dict],
     ]
 
 
-def aggregate(sessions: list[dict], cold: list[dict], turns: int) -> dict:
+def aggregate(sessions: list[dict], cold: list[dict], turns: int, decode: int = 128) -> dict:
     """{metric: {engine: stats, "ratio": stats of per-repeat ours/llama}} plus the raw per-repeat values."""
     table = {}
     cold_get = {"load_cold_s": lambda s: s.get("load_s"), "first_token_cold_s": lambda s: s.get("first_token_s")}
-    for key, label, unit, higher, fn in metric_table(turns):
+    for key, label, unit, higher, fn in metric_table(turns, decode):
         src = cold if key in cold_get else sessions
         fn = cold_get.get(key, fn)
         per = {}
