@@ -9,6 +9,11 @@ from __future__ import annotations
 import os
 import sys
 
+# Model output is untrusted text: on a terminal, control characters (an ESC could move the cursor,
+# recolour or clear the screen) are shown as their visible Unicode "control pictures" instead.
+_VISIBLE_CONTROLS = {c: 0x2400 + c for c in range(32) if chr(c) not in "\n\t"}
+_VISIBLE_CONTROLS.update({0x7F: 0x2421, **{c: 0xFFFD for c in range(0x80, 0xA0)}})
+
 DIM = "\x1b[2m"
 YELLOW = "\x1b[33m"
 RESET = "\x1b[0m"
@@ -51,6 +56,8 @@ class Output:
     def stream(self, text: str) -> None:
         if not text:
             return
+        if self.interactive:
+            text = text.translate(_VISIBLE_CONTROLS)
         self.out.write(text)
         self.out.flush()
         self.at_line_start = text.endswith("\n")

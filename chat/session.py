@@ -2,8 +2,9 @@
 
 Used by both front ends (the prompt_toolkit REPL and the plain piped loop). Talks to the engine only
 through its public API (engine/api.py): `chat_prompt` renders the window with the model's own
-template, `generate` streams the answer and reuses the KV cache for the common prefix, so a new
-turn only prefills its new tokens.
+template, `generate` streams the answer and reuses the KV cache for the common prefix, and
+chat/splice.py builds each new prompt on the exact tokens already cached, so a new turn only
+prefills its new tokens.
 
 Ctrl-C during an answer: a SIGINT handler sets a flag that is checked between chunks, so the
 engine is never interrupted in the middle of a step; the answer stops, what was shown is kept

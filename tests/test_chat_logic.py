@@ -280,3 +280,13 @@ def test_output_dim_on_a_terminal(monkeypatch):
     out2 = io.StringIO()
     Output(out2, io.StringIO(), interactive=True).dim("[stats]")
     assert out2.getvalue() == "[stats]\n"
+
+
+def test_control_characters_from_the_model_are_made_visible_on_a_terminal():
+    out = io.StringIO()
+    o = Output(out, io.StringIO(), interactive=True)
+    o.stream("a\x1b[2Jb\rc\td\ne\x07\x9b")
+    assert out.getvalue() == "a\u241b[2Jb\u240dc\td\ne\u2407\ufffd"
+    piped = io.StringIO()
+    Output(piped, io.StringIO(), interactive=False).stream("a\x1bb")
+    assert piped.getvalue() == "a\x1bb"            # scripts get the text as it is
