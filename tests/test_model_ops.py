@@ -135,3 +135,25 @@ def test_bad_arguments_raise():
                       np.zeros((1, 4), np.float32))
     with pytest.raises(KernelError):
         ops.set_isa("sse9")
+
+
+def test_attention_threads_give_identical_results():
+    """Enough work to take the threaded path (heads split over threads): the same bits as one thread."""
+    rng = np.random.default_rng(9)
+    nh, nkv, hd, ctx, m = 8, 2, 64, 64, 48
+    qkv = rng.standard_normal((m, (nh + 2 * nkv) * hd)).astype(np.float32)
+    cos = rng.standard_normal((ctx, hd // 2)).astype(np.float32)
+    sin = rng.standard_normal((ctx, hd // 2)).astype(np.float32)
+    outs = []
+    before = ops.get_num_threads()
+    try:
+        for threads in (1, 2, 3):
+            ops.set_num_threads(threads)
+            kc, vc = np.zeros((nkv, ctx, hd), np.uint16), np.zeros((nkv, ctx, hd), np.uint16)
+            out = np.zeros((m, nh * hd), np.float32)
+            ops.attention(qkv.copy(), nh, nkv, hd, cos, sin, 0, kc, vc, out, np.zeros((nh, ctx), np.float32))
+            outs.append(out)
+    finally:
+        ops.set_num_threads(before)
+    np.testing.assert_array_equal(outs[0], outs[1])
+    np.testing.assert_array_equal(outs[0], outs[2])

@@ -367,8 +367,10 @@ void ops_attention(float *qkv, int m, int n_heads, int n_kv, int head_dim, const
     int sub = group;
     while (sub % 2 == 0 && n_kv * (group / sub) < 2 * threads) sub /= 2;
     const int n_sub = group / sub, items = n_kv * n_sub;
+    /* threads only pay off with enough work: a fork/join costs microseconds, a short-context decode
+     * step of one layer is tens of microseconds */
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) \
-    if (items > 1 && (int64_t)m * (pos0 + m) * n_heads * head_dim > 32768)
+    if (items > 1 && (int64_t)m * (pos0 + m) * n_heads * head_dim > (1 << 20))
     for (int item = 0; item < items; item++) {
         const int kvh = item / n_sub, h0 = kvh * group + (item % n_sub) * sub;
         const size_t esize = kv_f16 ? sizeof(uint16_t) : sizeof(float);
