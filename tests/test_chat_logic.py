@@ -2,8 +2,6 @@
 and validation, multi-line blocks, completion, stats rendering. No engine, no terminal."""
 import io
 import json
-import os
-import stat
 
 import pytest
 
@@ -107,17 +105,25 @@ def test_save_is_atomic_and_leaves_no_temp_files(tmp_path):
 
 
 def test_failed_save_keeps_the_old_file(tmp_path):
-    if os.geteuid() == 0:
-        pytest.skip("root ignores directory permissions, so the write cannot be made to fail this way")
+    """A write that fails half way (here: the file-size limit, which binds root too) leaves the old
+    file untouched and no temp file behind."""
+    import resource
+    import signal
+
     target = tmp_path / "conv.json"
     target.write_text("old content")
-    tmp_path.chmod(stat.S_IRUSR | stat.S_IXUSR)
+    big = make_conv(50)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)   # get EFBIG instead of being killed
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1000, hard))
     try:
-        with pytest.raises(TranscriptError, match="conv.json"):
-            make_conv(2).save(str(target))
+        with pytest.raises(TranscriptError, match="conv.json: write failed"):
+            big.save(str(target))
     finally:
-        tmp_path.chmod(stat.S_IRWXU)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, previous)
     assert target.read_text() == "old content"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["conv.json"]
 
 
 def test_save_errors_name_the_file(tmp_path):
