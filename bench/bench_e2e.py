@@ -139,6 +139,8 @@ def parse_args(argv=None):
     ap.add_argument("--ctx", type=int, default=2048)
     ap.add_argument("--lm-head", choices=("i8", "f16"), default="i8", help="which of our stores to run")
     ap.add_argument("--engines", default="ours,llama")
+    ap.add_argument("--f16-head", action="store_true",
+                    help="also run our f16-LM-head store (sessions only; an extra column and bandwidth row)")
     ap.add_argument("--cache", default=DEFAULT_CACHE)
     ap.add_argument("--shape", default="2b4t", help="2b4t (the benchmark) or small (harness check)")
     ap.add_argument("--no-cold", action="store_true", help="skip the cold-load measurements")
@@ -165,11 +167,14 @@ def main(argv=None) -> int:
     if "llama" in engines and not llama_version:
         engines.remove("llama")
         notes.append("llama-cpp-python is not installed (run `bash bench/setup_llama.sh`): llama.cpp not measured.")
-    paths = make(a.cache, a.shape, f16=(a.lm_head == "f16"), progress=False)
+    paths = make(a.cache, a.shape, f16=(a.lm_head == "f16" or a.f16_head), progress=False)
     store = paths["store_i8" if a.lm_head == "i8" else "store_f16"]
     gguf_path = paths["tq2_0"]
     model_for = {"ours": store, "llama": gguf_path}
     cold_model_for = {} if a.no_cold else {e: private_copy(model_for[e]) for e in engines}
+    if a.f16_head and a.lm_head == "i8":
+        model_for["ours_f16"] = paths["store_f16"]
+        engines.insert(1, "ours_f16")
     log = lambda *x: print(*x, file=sys.stderr, flush=True)
 
     log(f"limits: streaming read with {a.threads} threads ...")
@@ -181,10 +186,11 @@ def main(argv=None) -> int:
     sessions, cold, failures = [], [], []
     for rep in range(a.repeats):
         order = engines if rep % 2 == 0 else engines[::-1]
-        plan = ([] if a.no_cold else [("cold", e) for e in order]) + [("session", e) for e in order]
+        plan = ([] if a.no_cold else [("cold", e) for e in order if e in cold_model_for]) + \
+            [("session", e) for e in order]
         for mode, eng in plan:
             model = cold_model_for[eng] if mode == "cold" else model_for[eng]
-            cmd = [sys.executable, WORKER, "--engine", eng, "--model", model, "--mode", mode] + common
+            cmd = [sys.executable, WORKER, "--engine", eng.split("_")[0], "--model", model, "--mode", mode] + common
             if a.drop_caches:
                 cmd.append("--drop-caches")
             log(f"repeat {rep + 1}/{a.repeats}: {eng} {mode} ...")
@@ -232,6 +238,11 @@ def main(argv=None) -> int:
     bandwidth_rows = [{"engine": f"ours ({facts['lm_head']} LM head)", "bytes": facts["bytes_per_token"],
                        "what": "ternary codes + scales + norms + LM head", "limit": bw / facts["bytes_per_token"],
                        "decode": med("decode", "ours")}]
+    if "ours_f16" in engines:
+        f16 = store_facts(paths["store_f16"], a.ctx)
+        bandwidth_rows.append({"engine": "ours (f16 LM head)", "bytes": f16["bytes_per_token"],
+                               "what": "ternary codes + scales + norms + LM head", "limit": bw / f16["bytes_per_token"],
+                               "decode": med("decode", "ours_f16")})
     if "llama" in engines:
         bandwidth_rows.append({"engine": "llama.cpp TQ2_0", "bytes": llama_bpt,
                                "what": "all GGUF tensors; f16 token_embd is the tied output", "limit": bw / llama_bpt,
@@ -252,8 +263,8 @@ def main(argv=None) -> int:
             notes.append(f"FAILED run ({f['engine']}, repeat {f['repeat'] + 1}): {f['error']}")
     notes.append("Other engineers' jobs were sharing the 2 cores during this run; medians and min..max show the spread.")
     setup = [
-        f"model: synthetic BitNet b1.58, exact 2B-4T shape (`bench/make_models.py --shape {a.shape}`), random "
-        "ternary weights, f16 token_embd tied as the output",
+        f"model: synthetic BitNet b1.58, {'exact 2B-4T shape' if a.shape == '2b4t' else 'tiny test shape'} "
+        f"(`bench/make_models.py --shape {a.shape}`), random ternary weights, f16 token_embd tied as the output",
         f"llama.cpp runs `{os.path.relpath(gguf_path, ROOT)}` ({os.path.getsize(gguf_path) / (1 << 20):.0f} MiB, "
         f"TQ2_0); ours runs `{os.path.relpath(store, ROOT)}` ({facts['store_bytes'] / (1 << 20):.0f} MiB) "
         "converted from that same file",
@@ -277,7 +288,8 @@ def main(argv=None) -> int:
         log("profiling our engine with py-spy ...")
         md += "\n" + bench_profile.markdown({ph: bench_profile.profile_phase(store, args, a.threads, 100)
                                              for ph, args in bench_profile.PHASES.items()})
-    if report.chart(table, a.png, f"2B-4T-shaped model, {a.threads} threads: bitnet-cpu vs llama.cpp "
+    if report.chart(table, a.png, f"{'synthetic 2B-4T-shaped model' if a.shape == '2b4t' else 'tiny model'}, "
+                                  f"{a.threads} threads: bitnet-cpu vs llama.cpp "
                                   f"(median, min..max of {a.repeats})"):
         md += f"\n![results]({os.path.basename(a.png)})\n"
     else:

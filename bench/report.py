@@ -169,10 +169,12 @@ def markdown(ctx: dict) -> str:
         L.append(f"- {line}")
     L.append("")
     L.append(f"## Results ({ctx['repeats']} repeats, engines alternating; median (min .. max))\n")
-    L.append("| metric | unit | ours | llama.cpp | ours / llama.cpp |")
-    L.append("|---|---|---|---|---|")
+    f16 = any("ours_f16" in row for row in ctx["table"].values())
+    L.append("| metric | unit | ours | " + ("ours, f16 LM head | " if f16 else "") + "llama.cpp | ours / llama.cpp |")
+    L.append("|---|---|---|---|" + ("---|" if f16 else "") + "---|")
     for key, row in ctx["table"].items():
-        L.append(f"| {row['label']} | {row['unit']} | {_mmm(row.get('ours'), row['unit'])} | "
+        extra = f"{_mmm(row.get('ours_f16'), row['unit'])} | " if f16 else ""
+        L.append(f"| {row['label']} | {row['unit']} | {_mmm(row.get('ours'), row['unit'])} | {extra}"
                  f"{_mmm(row.get('llama'), row['unit'])} | {_mmm(row.get('ratio'), 'x')} |")
     L.append("")
     L.append("## Decode against the memory limit\n")
@@ -221,21 +223,23 @@ def chart(table: dict, path: str, title: str) -> bool:
               ("latency (s, lower is better)", ["first_token_warm_s", "first_token_cold_s", "ttft", "chat_ttft_1"]
                + last_turn)]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    colors = {"ours": "#2a7ab9", "llama": "#d9822b"}
+    colors = {"ours": "#2a7ab9", "ours_f16": "#7fb3de", "llama": "#d9822b"}
+    names = {"ours": "bitnet-cpu (ours)", "ours_f16": "ours, f16 LM head", "llama": "llama.cpp"}
+    engines = [e for e in colors if any(e in row for row in table.values())]
+    width = 0.8 / max(len(engines), 1)
     for ax, (gtitle, keys) in zip(axes, groups):
         flat = [k for k in keys if k in table]
-        for j, eng in enumerate(("ours", "llama")):
+        for j, eng in enumerate(engines):
             xs, ys, lo, hi = [], [], [], []
             for i, k in enumerate(flat):
                 st = table[k].get(eng)
                 if st:
-                    xs.append(i + (j - 0.5) * 0.38)
+                    xs.append(i + (j - (len(engines) - 1) / 2) * width)
                     ys.append(st["median"])
                     lo.append(st["median"] - st["min"])
                     hi.append(st["max"] - st["median"])
             if xs:
-                ax.bar(xs, ys, width=0.38, color=colors[eng], yerr=[lo, hi], capsize=3,
-                       label="bitnet-cpu (ours)" if eng == "ours" else "llama.cpp")
+                ax.bar(xs, ys, width=width, color=colors[eng], yerr=[lo, hi], capsize=3, label=names[eng])
                 for x_, y_ in zip(xs, ys):
                     ax.annotate(f"{y_:.3g}", (x_, y_), ha="center", va="bottom", fontsize=7)
         ax.set_xticks(range(len(flat)))
