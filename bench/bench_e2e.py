@@ -148,6 +148,7 @@ def parse_args(argv=None):
                     help="cold runs also write /proc/sys/vm/drop_caches (drops every file's cache, not only ours)")
     ap.add_argument("--profile", action="store_true",
                     help="after the runs, profile our decode and prefill with py-spy and add the tables")
+    ap.add_argument("--bw-mib", type=int, default=None, help="bandwidth probe buffer (MiB; default 1024, quick 512)")
     ap.add_argument("--out", default=os.path.join(HERE, "RESULTS.md"))
     ap.add_argument("--png", default=os.path.join(HERE, "results.png"))
     ap.add_argument("--json", default=os.path.join(HERE, "results.json"))
@@ -155,7 +156,7 @@ def parse_args(argv=None):
     if a.quick:
         a.repeats = 1
     a.decode, a.turns, a.turn_tokens, a.reply_tokens = (32, 5, 64, 8) if a.quick else (128, 5, 64, 32)
-    a.bw_mib = 512 if a.quick else 1024
+    a.bw_mib = a.bw_mib or (512 if a.quick else 1024)
     return a
 
 

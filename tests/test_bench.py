@@ -139,3 +139,19 @@ def test_worker_llama_if_installed(small_models):
         pytest.skip("llama-cpp-python not installed (optional, `bash bench/setup_llama.sh`)")
     res = _worker("llama", small_models["tq2_0"])
     assert res["decode_generated"] == 9 and res["prefill_tps"]["32"] > 0 and len(res["chat_ttft_s"]) == 3
+
+
+def test_bench_e2e_orchestrator_small(small_models, tmp_path):
+    """The whole command on the tiny model, our engine only: report, chart and raw JSON are written."""
+    cache = os.path.dirname(small_models["tq2_0"])
+    out, png, js = tmp_path / "R.md", tmp_path / "r.png", tmp_path / "r.json"
+    r = subprocess.run([sys.executable, os.path.join(BENCH, "bench_e2e.py"), "--quick", "--shape", "small",
+                        "--cache", cache, "--engines", "ours", "--ctx", "1024", "--threads", "1", "--bw-mib", "32",
+                        "--out", str(out), "--png", str(png), "--json", str(js)],
+                       capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    md = out.read_text()
+    assert "| prefill 512 tokens | tok/s |" in md and "## Targets (issue 7)" in md and "NOT measured" in md
+    raw = json.loads(js.read_text())
+    assert {s["engine"] for s in raw["sessions"]} == {"ours"} and len(raw["cold"]) == 1 and not raw["failures"]
+    assert raw["facts"]["bytes_per_token"] > 0 and raw["facts"]["macs_per_token"] > 0
