@@ -18,7 +18,11 @@ API
     m.master(prefix)               f32 [out, in], bf16-exact full-precision master (the "online" checkpoint)
     m.embed(rows=None)             f32 [V, D] (or a row slice), bf16- and f16-exact
     m.norm(hf_name)                f32 norm weight, bf16-exact
-    m.tokenizer_json()             str: byte-level BPE tokenizer.json (LLaMA-3 style, trained on built-in text)
+    m.lm_head()                    f32 [V, D] untied output weight (1bitllm style)
+    m.tokenizer_info()             bitnet: byte-level BPE tokenizer.json (LLaMA-3 style: bos/eos/eot specials,
+                                   ignore_merges, trained on built-in text) + GGUF tokens/types/merges;
+                                   1bitllm: SentencePiece model bytes + tokens/types/scores (LLaMA-2 style)
+    m.tokenizer_json()             the tokenizer.json text (bitnet style)
     m.chat_template                the FORMATS.md §2 Jinja template
 
 Writers (return the path written):
@@ -27,12 +31,15 @@ Writers (return the path written):
         packed: microsoft/bitnet-b1.58-2B-4T layout (uint8 [out/4, in] packed along the output dim in quarters
         + weight_scale bf16 [1]; "bitlinear" stores 1/scale because that class divides).
         online: bf16 master weights, quantization_config mode "online" (2B-4T-bf16 form); 1bitllm style is
-        always written this way (f16 weights, no quantization_config).
+        always written this way (f16 weights, no quantization_config, tokenizer.model, untied lm_head).
+        The directory loads in transformers (AutoModelForCausalLM; needs accelerate), tested.
     write_gguf_tq(m, path, qtype="TQ2_0"|"TQ1_0", *, embed_type="F16", hidden_activation="relu2"|None,
                   scale_tensors=False, pre="llama-bpe", quantizer="gguf"|"fast")
         llama.cpp `bitnet` arch via gguf.GGUFWriter (streaming API) and gguf's quantizer (scale folded in d);
         quantizer="fast" packs TQ2_0 with numpy directly (identical bytes; tested), for 2B-sized files.
         Every ternary matrix's input dim must be a multiple of 256 (llama.cpp's block size).
+        scale_tensors=True: the older form, d = 1 in the blocks and blk.N.*.scale tensors holding the scale.
+        hidden_activation=None leaves out the bitnet.hidden_activation key (llama.cpp's default then is SiLU).
     write_gguf_i2s(m, path, *, arch="bitnet-b1.58", pre=None, broken_template=True)
         bitnet.cpp I2_S (type 36) written with our own GGUF writer (gguf does not know type 36); like the
         official file by default: no tokenizer.ggml.pre, the broken "Human:/BITNETAssistant:" template.
