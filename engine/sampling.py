@@ -2,13 +2,15 @@
 repetition penalty -> top-k -> top-p -> min-p -> temperature -> draw. Seeded (same seed, same output).
 
 Work stays on the few candidates that survive top-k (or the min-p threshold when top-k is off), so a
-128k-vocabulary step costs one partial partition of the logits, not a full sort or softmax.
+128k-vocabulary step costs one pass of a C top-k selection over the logits, not a full sort or softmax.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import numpy as np
+
+import simd._ops as ops
 
 from .errors import BitNetError
 
@@ -50,7 +52,9 @@ class Sampler:
         self.p = (params or SamplingParams()).check()
         self.vocab_size = vocab_size
         self.rng = np.random.default_rng(self.p.seed)
-        self._seen = np.zeros(vocab_size, dtype=bool)  # which ids the penalty touches (reused every step)
+        k = self.p.top_k if 0 < self.p.top_k < vocab_size else 0
+        self._top_idx = np.zeros(k, np.int32)        # top-k candidates (reused every step)
+        self._top_heap = np.zeros(k, np.float32)     # scratch of the C top-k selection
 
     def _penalize(self, logits: np.ndarray, history):
         p, n = self.p.repeat_penalty, self.p.repeat_last_n
@@ -72,7 +76,8 @@ class Sampler:
         v = logits.shape[0]
         k = p.top_k if 0 < p.top_k < v else v
         if k < v:
-            cand = np.argpartition(logits, v - k)[v - k:]
+            got = ops.topk(np.ascontiguousarray(logits, dtype=np.float32), self._top_heap, self._top_idx)
+            cand = self._top_idx[:got]
         elif p.min_p > 0.0:
             # min-p keeps prob >= min_p * max_prob, i.e. logit >= max + log(min_p): prefilter on that
             cand = np.flatnonzero(logits >= logits.max() + np.float32(np.log(p.min_p)))

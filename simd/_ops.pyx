@@ -17,6 +17,7 @@ cdef extern from "ops.h":
     void ops_glu_rmsnorm_quant(float *gu, int m, int inter, int act, const float *w, float eps, int8_t *xq,
                                int k_pad, float *act_scale, int32_t *act_sum) nogil
     int ops_embed_f16(const uint16_t *table, int64_t vocab, int d, const int32_t *ids, int m, float *out) nogil
+    int ops_topk(const float *x, int n, int k, float *heap_vals, int32_t *idx) nogil
     void ops_attention(float *qkv, int m, int n_heads, int n_kv, int head_dim, const float *rope_cos,
                        const float *rope_sin, int pos0, void *k_cache, void *v_cache, int kv_f16, int n_ctx,
                        float *out, float *scratch) nogil
@@ -135,3 +136,14 @@ def attention(float[:, ::1] qkv, int n_heads, int n_kv, int head_dim, const floa
     with nogil:
         ops_attention(&qkv[0, 0], m, n_heads, n_kv, head_dim, &rope_cos[0, 0], &rope_sin[0, 0], pos0,
                       <void *>&k_cache[0, 0, 0], <void *>&v_cache[0, 0, 0], kv_f16, n_ctx, &out[0, 0], &scratch[0, 0])
+
+
+def topk(const float[::1] x, float[::1] heap_vals, int32_t[::1] idx):
+    """Indices of the len(idx) largest values of x (unordered) into idx; returns how many were found."""
+    cdef int k = idx.shape[0]
+    if heap_vals.shape[0] < k or k < 1:
+        _fail(f"topk: need 1 <= k ({k}) <= len(heap_vals) ({heap_vals.shape[0]})")
+    cdef int got
+    with nogil:
+        got = ops_topk(&x[0], x.shape[0], k, &heap_vals[0], &idx[0])
+    return got

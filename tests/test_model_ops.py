@@ -158,3 +158,16 @@ def test_attention_threads_give_identical_results():
         ops.set_num_threads(before)
     np.testing.assert_array_equal(outs[0], outs[1])
     np.testing.assert_array_equal(outs[0], outs[2])
+
+
+@pytest.mark.parametrize("n,k", [(1000, 40), (50, 50), (7, 1), (128256, 40)])
+def test_topk(n, k):
+    x = np.random.default_rng(n).standard_normal(n).astype(np.float32)
+    idx, heap = np.zeros(k, np.int32), np.zeros(k, np.float32)
+    assert ops.topk(x, heap, idx) == k
+    assert set(idx.tolist()) == set(np.argsort(-x, kind="stable")[:k].tolist())
+    x[:3] = np.nan  # NaN logits never get picked
+    x[5] = np.inf
+    assert ops.topk(x, heap, idx) == k and 5 in idx and not {0, 1, 2} & set(idx.tolist())
+    with pytest.raises(KernelError):
+        ops.topk(x, np.zeros(k - 1, np.float32), idx)

@@ -43,4 +43,8 @@ void ops_attention(float *qkv, int m, int n_heads, int n_kv, int head_dim, const
                    const float *rope_sin, int pos0, void *k_cache, void *v_cache, int kv_f16, int n_ctx,
                    float *out, float *scratch);
 
+/* topk.c: indices of the k largest finite-or-inf values of x[n] (unordered) into idx[k]; heap_vals is
+ * scratch of k floats. Returns how many were found (k, or fewer when x has NaNs / n < k). */
+int ops_topk(const float *x, int n, int k, float *heap_vals, int32_t *idx);
+
 #endif
