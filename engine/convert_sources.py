@@ -229,6 +229,8 @@ class HFSource:
             raise UnsupportedError(f"{path}: unsupported model (architectures {archs}, model_type {mt!r})",
                                    hint="this engine runs BitNet b1.58 models")
         q = cfg.get("quantization_config") or {}
+        if not isinstance(q, dict):
+            raise FormatError(f"{path}/config.json: quantization_config is not an object")
         self.linear_class = q.get("linear_class", "autobitlinear")
         if self.linear_class not in ("autobitlinear", "bitlinear"):
             raise UnsupportedError(f"{path}: unknown quantization_config.linear_class {self.linear_class!r}")
@@ -238,7 +240,7 @@ class HFSource:
         self.attn_sub = "attn_sub_norm" if "model.layers.0.self_attn.attn_sub_norm.weight" in names else "inner_attn_ln"
         self.ffn_sub = "ffn_sub_norm" if "model.layers.0.mlp.ffn_sub_norm.weight" in names else "ffn_layernorm"
         act = hidden_act or cfg.get("hidden_act") or ("relu2" if mt == "bitnet" else "silu")
-        act = {"relu2": "relu2", "relu_squared": "relu2", "silu": "silu", "swish": "silu"}.get(act)
+        act = {"relu2": "relu2", "relu_squared": "relu2", "silu": "silu", "swish": "silu"}.get(str(act))
         if act is None:
             raise UnsupportedError(f"{path}/config.json: unsupported hidden_act {cfg.get('hidden_act')!r}")
         try:
@@ -254,9 +256,12 @@ class HFSource:
                 hidden_act=act, tie_word_embeddings="lm_head.weight" not in names,
                 bos_token_id=bos, eos_token_ids=tuple(eos), arch="bitnet-b1.58" if mt == "bitnet" else "1bitllm",
                 name=os.path.basename(os.path.abspath(path)))
-        except (KeyError, TypeError, ValueError) as e:
-            raise FormatError(f"{path}/config.json: missing or bad field: {e}") from None
+        except (KeyError, TypeError, ValueError, ZeroDivisionError, OverflowError) as e:
+            raise FormatError(f"{path}/config.json: missing or bad field: {e!r}") from None
         self.tokenizer, self.chat_template = tok, tmpl
+        # before anything is allocated from the config's sizes: the embedding must have exactly that shape
+        _shape_check(path, "model.embed_tokens.weight", self.st.info("model.embed_tokens.weight")[1],
+                     (self.config.vocab_size, self.config.hidden_size))
         kind = "packed" if self.st.info("model.layers.0.self_attn.q_proj.weight")[0] == "U8" else "online"
         self.source_format = f"hf-{kind}-{self.linear_class}"
 

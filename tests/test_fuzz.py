@@ -156,3 +156,27 @@ def test_fuzz_safetensors(fixtures, ops):
         convert(d, str(fixtures["dir"] / "mut_hf.bnstore"), progress=False)
     except BitNetError as e:
         _check_error(e, d)
+
+
+@FUZZ
+@given(field=st.sampled_from(["hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                              "num_key_value_heads", "vocab_size", "max_position_embeddings", "head_dim",
+                              "rope_theta", "rms_norm_eps", "hidden_act", "quantization_config", "bos_token_id"]),
+       value=st.one_of(st.integers(-2, 1 << 62), st.floats(allow_nan=True), st.text(max_size=5), st.none(),
+                       st.lists(st.integers(0, 10), max_size=2), st.sampled_from([{}, {"linear_class": "x"}])))
+def test_fuzz_hf_config(fixtures, field, value):
+    """A lying config.json (sizes that do not match the tensors, wrong types) is a one-line error, and never
+    an allocation sized from the config."""
+    import json
+
+    d = str(fixtures["dir"] / "cfg_hf")
+    if not os.path.isdir(d):
+        shutil.copytree(fixtures["hf"], d)
+    cfg = json.load(open(os.path.join(fixtures["hf"], "config.json")))
+    cfg[field] = value
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    try:
+        convert(d, str(fixtures["dir"] / "cfg.bnstore"), progress=False)
+    except BitNetError as e:
+        _check_error(e, d)
