@@ -168,6 +168,7 @@ def test_topk(n, k):
     assert set(idx.tolist()) == set(np.argsort(-x, kind="stable")[:k].tolist())
     x[:3] = np.nan  # NaN logits never get picked
     x[5] = np.inf
-    assert ops.topk(x, heap, idx) == k and 5 in idx and not {0, 1, 2} & set(idx.tolist())
+    got = ops.topk(x, heap, idx)
+    assert got == min(k, n - 3) and 5 in idx[:got] and not {0, 1, 2} & set(idx[:got].tolist())
     with pytest.raises(KernelError):
         ops.topk(x, np.zeros(k - 1, np.float32), idx)
