@@ -49,15 +49,15 @@ def chat_model(tmp_path_factory):
 def long_model(tmp_path_factory):
     """A synthetic model that, greedy, talks on without an end-of-turn token and is slow enough
     (a few hundred tokens/s) for a Ctrl-C to land in the middle of the answer."""
-    return synth_store(tmp_path_factory, "long_model", hidden_size=512, n_layers=4)
+    return synth_store(tmp_path_factory, "long_model", hidden_size=512, n_layers=4, n_ctx=8192)
 
 
-def synth_store(tmp_path_factory, name, *, hidden_size, n_layers):
+def synth_store(tmp_path_factory, name, *, hidden_size, n_layers, n_ctx=4096):
     from engine.convert import convert
     from engine.synth import SynthModel, small_config, write_hf_dir
 
     synth = SynthModel(small_config(hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-                                    num_hidden_layers=n_layers, max_position_embeddings=4096), seed=11)
+                                    num_hidden_layers=n_layers, max_position_embeddings=n_ctx), seed=11)
     d = tmp_path_factory.mktemp(name)
     src = write_hf_dir(synth, str(d / "hf"))
     return convert(src, str(d / f"{name}.bnstore"), progress=False)
@@ -187,14 +187,14 @@ def test_every_slash_command(chat_model, tmp_path):
 
 
 def test_ctrl_c_stops_a_long_answer_and_the_chat_goes_on(long_model, tmp_path):
-    chat = Chat(long_model, tmp_path, "-n", "3000", "--temp", "0")
+    chat = Chat(long_model, tmp_path, "-n", "8000", "--temp", "0")
     chat.enter("Tell me a very long story about a dragon, with many chapters.")
     chat.expect(r"\S")                                # the answer has started streaming
     chat.child.send("\x03")
     i = chat.expect([r"\[interrupted: the answer so far is kept\]", STATS_RE])
     assert i == 0, f"the answer ended by itself before Ctrl-C landed: {chat.child.after!r}"
     chat.expect(STATS_RE)
-    assert int(chat.child.match.group(1)) < 3000
+    assert int(chat.child.match.group(1)) < 8000
     chat.wait_prompt()
     chat.command("/set max_tokens 4", r"\[max_tokens = 4\]")
     _, n, _ = chat.ask("And now a short answer.")
