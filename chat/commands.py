@@ -115,8 +115,8 @@ NO_ARG = {"/help", "/reset", "/show", "/retry", "/stats", "/bye"}
 
 
 def is_command(line: str) -> bool:
-    """A line is a command when it starts with '/' followed by a letter or '?' (so '/ 2' or a path
-    typed as a question still reaches the model only if it does not look like a command)."""
+    """A line is a command when it starts with '/' followed by a letter or '?' ('/ 2' is a message;
+    a message that must start with a word after '/' is typed '//...')."""
     s = line.lstrip()
     return len(s) >= 2 and s[0] == "/" and (s[1].isalpha() or s[1] == "?")
 
@@ -147,7 +147,8 @@ def help_text() -> str:
     width = max(len(n) + 1 + len(a) for n, (a, _) in COMMANDS.items())
     lines = [f"  {(n + ' ' + a).strip():<{width}}  {h}" for n, (a, h) in COMMANDS.items()]
     lines.append('  """ starts a multi-line message, """ ends it; Esc-Enter inserts a newline.')
-    lines.append("  Ctrl-C stops an answer (what was shown is kept); Ctrl-D exits.")
+    lines.append("  A message that starts with / is written //. Ctrl-C stops an answer (what was shown")
+    lines.append("  is kept) or clears the line; Ctrl-D exits.")
     return "\n".join(lines)
 
 

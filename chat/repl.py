@@ -31,7 +31,9 @@ def handle_line(session: ChatSession, text: str) -> bool:
     """Run one complete input (a command or a message). False when the user asked to leave;
     errors become one line and the session goes on. Returns True otherwise."""
     try:
-        if is_command(text):
+        if text.lstrip().startswith("//"):   # "//etc is a path" sends "/etc is a path"
+            session.ask(text.lstrip()[1:])
+        elif is_command(text):
             session.run_command(parse_command(text))
         else:
             message = strip_block(text)

@@ -164,3 +164,16 @@ def test_ctrl_c_keeps_the_partial_answer_and_the_cache_consistent(llm):
     s.out = Output(sink, sink, interactive=False)
     s.ask("Next?")
     assert not s.conv.turns[1].interrupted and s.last_stats.n_cached > 0
+
+
+def test_input_lines_commands_messages_and_slash_escape(llm):
+    from chat.repl import handle_line
+
+    s, sink = new_session(llm, max_tokens=2)
+    assert handle_line(s, "//etc is a path") is True
+    assert s.conv.turns[-1].user == "/etc is a path"
+    assert handle_line(s, '"""\nline 1\nline 2\n"""') is True
+    assert s.conv.turns[-1].user == "line 1\nline 2"
+    assert handle_line(s, "/nonsense") is True and "unknown command /nonsense" in sink.getvalue()
+    assert s.had_errors and len(s.conv.turns) == 2
+    assert handle_line(s, "/bye") is False
