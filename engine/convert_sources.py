@@ -57,9 +57,13 @@ def _read_bytes(path: str) -> bytes:
 
 def _config(path: str, **kw) -> ModelConfig:
     try:
-        return ModelConfig(**kw)
+        c = ModelConfig(**kw)
     except FormatError as e:
         raise FormatError(f"{path}: {e}") from None
+    for t in ((c.bos_token_id,) if c.bos_token_id is not None else ()) + c.eos_token_ids:
+        if not 0 <= t < c.vocab_size:  # the runtime would index the embedding with it
+            raise FormatError(f"{path}: special token id {t} is outside the vocabulary (size {c.vocab_size})")
+    return c
 
 
 def _check_scale(path: str, name: str, s: float) -> float:
@@ -85,13 +89,10 @@ class GGUFSource:
         self.meta: dict = {"gguf_arch": arch}
 
         def key(k, typ=int, default=None):
-            v = g.kv.get(f"{arch}.{k}", default)
+            v = g.get(f"{arch}.{k}", int if typ is int else float, default)
             if v is None:
                 raise FormatError(f"{path}: missing GGUF key {arch}.{k}")
-            try:
-                return typ(v)
-            except (TypeError, ValueError):
-                raise FormatError(f"{path}: GGUF key {arch}.{k} has a bad value {v!r}") from None
+            return typ(v)
 
         D, L, H = key("embedding_length"), key("block_count"), key("attention.head_count")
         if H <= 0 or D % H:
@@ -111,15 +112,15 @@ class GGUFSource:
             context_length=key("context_length", int, 4096), rope_theta=key("rope.freq_base", _f32, 10000.0),
             rms_norm_eps=key("attention.layer_norm_rms_epsilon", _f32, 1e-5), hidden_act=self.hidden_act,
             tie_word_embeddings="output.weight" not in g.tensors, bos_token_id=tok["bos"],
-            eos_token_ids=tuple(tok["eos"]), arch=arch, name=str(g.kv.get("general.name", ""))[:200])
-        rd = g.kv.get(f"{arch}.rope.dimension_count")
+            eos_token_ids=tuple(tok["eos"]), arch=arch, name=str(g.kv.get("general.name", ""))[:200].replace("\n", " "))
+        rd = g.get(f"{arch}.rope.dimension_count", int)
         if rd is not None and rd != D // H:
             raise UnsupportedError(f"{path}: partial RoPE (rope.dimension_count {rd} != head_dim {D // H})")
         types = sorted({g.info(f"blk.0.{s}.weight").type_name for s in LINEARS})
         self.source_format = f"gguf-{arch}-" + "+".join(t.lower() for t in types)
 
     def _activation(self, arch, override, tok_kind) -> str:
-        act = self.g.kv.get(f"{arch}.hidden_activation")
+        act = self.g.get(f"{arch}.hidden_activation", str)
         if override:
             self.meta["hidden_act_from"] = "caller"
             return override

@@ -252,6 +252,21 @@ class GGUFFile:
                               f" file ({self.size} bytes): truncated?")
         return TensorInfo(name, tid, tname, tuple(reversed(dims)), start, nbytes)
 
+    # ---- typed metadata ----------------------------------------------------------------------------
+    def get(self, key: str, kind: type, default=None):
+        """Metadata value checked to be `kind` (str, int or float; ints are accepted as floats); a value of
+        another type is a FormatError naming the key, a missing one gives `default`."""
+        v = self.kv.get(key)
+        if v is None:
+            return default
+        ok = isinstance(v, str) if kind is str else (
+            isinstance(v, (int, float)) and not isinstance(v, bool) if kind is float else
+            isinstance(v, int) and not isinstance(v, bool) if kind is int else isinstance(v, kind))
+        if not ok:
+            raise FormatError(f"{self.path}: GGUF key {key} has a value of the wrong type ({type(v).__name__},"
+                              f" expected {kind.__name__})")
+        return float(v) if kind is float else v
+
     # ---- access ------------------------------------------------------------------------------------
     def info(self, name: str) -> TensorInfo:
         t = self.tensors.get(name)

@@ -67,16 +67,16 @@ def gguf_tokenizer(g) -> dict:
     """{"kind": "gpt2"|"llama"|None, "blob": (store kind, bytes) | None, "chat_template", "bos", "eos": [..],
     "meta": {...}} from a GGUFFile's tokenizer.ggml.* keys."""
     kv, path = g.kv, g.path
-    model = kv.get("tokenizer.ggml.model")
+    model = g.get("tokenizer.ggml.model", str)
     tokens = _as_list(kv.get("tokenizer.ggml.tokens"), "tokenizer.ggml.tokens", path)
     meta: dict = {}
-    bos = kv.get("tokenizer.ggml.bos_token_id")
+    bos = g.get("tokenizer.ggml.bos_token_id", int)
     eos: list[int] = []
     for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
-        v = kv.get(k)
-        if isinstance(v, int) and v not in eos:
+        v = g.get(k, int)
+        if v is not None and v not in eos:
             eos.append(v)
-    tmpl = kv.get("tokenizer.chat_template")
+    tmpl = g.get("tokenizer.chat_template", str)
     blob = None
     if model is None or tokens is None:
         meta["tokenizer_note"] = "the GGUF file has no tokenizer"
@@ -94,10 +94,10 @@ def gguf_tokenizer(g) -> dict:
         for i, t in enumerate(tokens):
             if t in ("<|eot_id|>", "<|end_of_text|>") and i not in eos:
                 eos.append(i)
-        add_bos = kv.get("tokenizer.ggml.add_bos_token")
+        add_bos = g.get("tokenizer.ggml.add_bos_token", bool)
         if model == "gpt2":
             merges = _as_list(kv.get("tokenizer.ggml.merges"), "tokenizer.ggml.merges", path) or []
-            pre = kv.get("tokenizer.ggml.pre")
+            pre = g.get("tokenizer.ggml.pre", str)
             llama3 = pre in LLAMA3_PRES
             meta["tokenizer_pre"] = (pre or "missing") + (" -> llama3 regex" if llama3 else " -> gpt2 regex")
             js = _bpe_json(tokens, types, merges, llama3, bos if (add_bos if add_bos is not None else llama3) else None,
@@ -105,7 +105,13 @@ def gguf_tokenizer(g) -> dict:
             blob = ("hf_json", js.encode("utf-8"))
         elif model == "llama":
             scores = _as_list(kv.get("tokenizer.ggml.scores"), "tokenizer.ggml.scores", path) or [0.0] * n
-            js = _spm_json(tokens, types, [float(s) for s in scores], bos if add_bos is not False else None)
+            try:
+                scores = [float(x) for x in scores]
+            except (TypeError, ValueError):
+                raise FormatError(f"{path}: tokenizer.ggml.scores is not a list of numbers") from None
+            if len(scores) != n:
+                raise FormatError(f"{path}: tokenizer.ggml.scores has {len(scores)} entries for {n} tokens")
+            js = _spm_json(tokens, types, scores, bos if add_bos is not False else None)
             blob = ("hf_json", js.encode("utf-8"))
             meta["tokenizer_note"] = "SentencePiece vocab rebuilt as an HF BPE tokenizer (best effort)"
         else:

@@ -180,3 +180,55 @@ def test_fuzz_hf_config(fixtures, field, value):
         convert(d, str(fixtures["dir"] / "cfg.bnstore"), progress=False)
     except BitNetError as e:
         _check_error(e, d)
+
+
+_VT = {8: "str", 4: "u32", 5: "i32", 6: "f32", 7: "bool", 10: "u64", 11: "i64", 12: "f64", 0: "u8", 1: "i8"}
+_ARR = {"int32": "arr_i32", "uint32": "arr_u32", "float32": "arr_f32", "uint8": "arr_u8", "int64": "arr_i64"}
+
+
+def _rewrite_gguf(src: str, dst: str, key: str, new):
+    """Copy a GGUF file with metadata `key` replaced by new = (type, value), or removed when new is None."""
+    from engine.synth_writers import RawGGUFWriter
+
+    g = GGUFFile(src)
+    w = RawGGUFWriter(dst, alignment=g.alignment)
+    for k, v in g.kv.items():
+        if k == key:
+            if new is not None:
+                w.add(k, *new)
+            continue
+        t = g.kv_types[k]
+        w.add(k, ("arr_str" if isinstance(v, list) else _ARR[v.dtype.name]) if t == 9 else _VT[t], v)
+    if key not in g.kv and new is not None:
+        w.add(key, *new)
+    infos = list(g.tensors.values())
+    for t in infos:
+        w.add_tensor_info(t.name, list(t.shape), t.type_id, t.nbytes)
+    w.write([lambda t=t: g.raw(t.name).tobytes() for t in infos])
+    g.close()
+
+
+@FUZZ
+@given(which=st.sampled_from(["i2s", "tq2"]),
+       key=st.sampled_from(["embedding_length", "block_count", "feed_forward_length", "attention.head_count",
+                            "attention.head_count_kv", "vocab_size", "context_length", "rope.freq_base",
+                            "attention.layer_norm_rms_epsilon", "rope.dimension_count", "hidden_activation",
+                            "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id", "tokenizer.ggml.model",
+                            "tokenizer.ggml.pre", "tokenizer.chat_template", "general.architecture",
+                            "general.alignment"]),
+       new=st.one_of(st.none(), st.tuples(st.just("u32"), st.integers(0, (1 << 32) - 1)),
+                     st.tuples(st.just("i32"), st.integers(-(1 << 31), (1 << 31) - 1)),
+                     st.tuples(st.just("u64"), st.integers(0, (1 << 64) - 1)),
+                     st.tuples(st.just("f32"), st.floats(width=32)), st.tuples(st.just("str"), st.text(max_size=8)),
+                     st.tuples(st.just("bool"), st.booleans())))
+def test_fuzz_gguf_metadata(fixtures, which, key, new):
+    """Lying or missing hyperparameters / tokenizer keys in a well-formed GGUF: a one-line error or a store."""
+    src = str(fixtures["dir"] / f"{which}.gguf")
+    if not key.startswith(("tokenizer.", "general.")):
+        key = ("bitnet-b1.58." if which == "i2s" else "bitnet.") + key
+    dst = str(fixtures["dir"] / f"meta_{which}.gguf")
+    _rewrite_gguf(src, dst, key, new)
+    try:
+        convert(dst, str(fixtures["dir"] / "meta.bnstore"), progress=False)
+    except BitNetError as e:
+        _check_error(e, dst)
