@@ -140,7 +140,11 @@ class SafetensorsDir:
             except OSError as e:
                 raise FormatError(f"{self.path}: cannot list directory: {e.strerror}") from None
         if not files:
-            raise FormatError(f"{self.path}: no *.safetensors files in this directory")
+            bins = [f for f in os.listdir(self.path) if f.endswith(".bin")] if os.path.isdir(self.path) else []
+            raise FormatError(f"{self.path}: no *.safetensors files in this directory",
+                              hint=("only PyTorch pickles (" + ", ".join(sorted(bins)[:2]) + ") here: re-save the model"
+                                    " with safe_serialization=True (pickles are not loaded: they can run code)")
+                              if bins else None)
         self.files = [SafetensorsFile(os.path.join(self.path, fn)) for fn in files]
         self._where: dict[str, SafetensorsFile] = {}
         for sf in self.files:
