@@ -42,50 +42,39 @@ AVX512_TARGET static inline __m512i rowsum_correction_avx512(const int32_t *w_ro
     return _mm512_slli_epi32(_mm512_maskz_loadu_epi32(mk, w_rowsum + row0), 7);
 }
 
+/* One tile at a time (a single sequential read stream, see gemv_ternary.c), 4 groups per iteration into 4
+ * accumulators to cover the vpdpbusd latency. */
 AVX512_TARGET static void gemv_i8_avx512(const int8_t *w, const float *row_scale, const int32_t *w_rowsum,
                                          const int8_t *xq, const uint8_t *aux, int k_pad, float act_scale,
                                          float *out, int32_t *out_i32, int n, int tile_begin, int tile_end) {
     (void)xq;
-    const int groups = k_pad / 4;
+    const int groups = k_pad / 4; /* a multiple of 16 */
     const size_t tile_bytes = (size_t)groups * 64;
     const uint8_t *xu = aux; /* xq + 128 */
-    int t = tile_begin;
-    for (; t + 4 <= tile_end; t += 4) {
+    for (int t = tile_begin; t < tile_end; t++) {
         const int8_t *p = w + (size_t)t * tile_bytes;
-        __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0, c0 = a0, c1 = a0, c2 = a0, c3 = a0;
-        int g = 0;
-        for (; g + 2 <= groups; g += 2) {
-            __m512i xa = _mm512_set1_epi32(load_i32(xu + 4 * g)), xb = _mm512_set1_epi32(load_i32(xu + 4 * g + 4));
+        __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
+        for (int g = 0; g < groups; g += 4) {
             const int8_t *q = p + (size_t)g * 64;
-            a0 = dpbusd512(a0, xa, _mm512_loadu_si512(q));
-            c0 = dpbusd512(c0, xb, _mm512_loadu_si512(q + 64));
-            a1 = dpbusd512(a1, xa, _mm512_loadu_si512(q + tile_bytes));
-            c1 = dpbusd512(c1, xb, _mm512_loadu_si512(q + tile_bytes + 64));
-            a2 = dpbusd512(a2, xa, _mm512_loadu_si512(q + 2 * tile_bytes));
-            c2 = dpbusd512(c2, xb, _mm512_loadu_si512(q + 2 * tile_bytes + 64));
-            a3 = dpbusd512(a3, xa, _mm512_loadu_si512(q + 3 * tile_bytes));
-            c3 = dpbusd512(c3, xb, _mm512_loadu_si512(q + 3 * tile_bytes + 64));
+            a0 = dpbusd512(a0, _mm512_set1_epi32(load_i32(xu + 4 * g)), _mm512_loadu_si512(q));
+            a1 = dpbusd512(a1, _mm512_set1_epi32(load_i32(xu + 4 * g + 4)), _mm512_loadu_si512(q + 64));
+            a2 = dpbusd512(a2, _mm512_set1_epi32(load_i32(xu + 4 * g + 8)), _mm512_loadu_si512(q + 128));
+            a3 = dpbusd512(a3, _mm512_set1_epi32(load_i32(xu + 4 * g + 12)), _mm512_loadu_si512(q + 192));
         }
-        /* k_pad is a multiple of 64, so groups is even: no tail */
-        __m512i acc[4] = {_mm512_add_epi32(a0, c0), _mm512_add_epi32(a1, c1), _mm512_add_epi32(a2, c2),
-                          _mm512_add_epi32(a3, c3)};
-        for (int j = 0; j < 4; j++) {
-            int row0 = (t + j) * 16;
-            finish_tile_avx512(_mm512_sub_epi32(acc[j], rowsum_correction_avx512(w_rowsum, row0, n)), 0, row0, n,
-                               row_scale, act_scale, out, out_i32);
-        }
-    }
-    for (; t < tile_end; t++) {
-        const int8_t *p = w + (size_t)t * tile_bytes;
-        __m512i a0 = _mm512_setzero_si512();
-        for (int g = 0; g < groups; g++)
-            a0 = dpbusd512(a0, _mm512_set1_epi32(load_i32(xu + 4 * g)), _mm512_loadu_si512(p + (size_t)g * 64));
+        __m512i acc = _mm512_add_epi32(_mm512_add_epi32(a0, a1), _mm512_add_epi32(a2, a3));
         int row0 = t * 16;
-        finish_tile_avx512(_mm512_sub_epi32(a0, rowsum_correction_avx512(w_rowsum, row0, n)), 0, row0, n, row_scale,
+        finish_tile_avx512(_mm512_sub_epi32(acc, rowsum_correction_avx512(w_rowsum, row0, n)), 0, row0, n, row_scale,
                            act_scale, out, out_i32);
     }
 }
 
+/* acc += |x| * sign(W, x), widened to int32 each step (a pair sum can reach 32512: no room to add two) */
+#define I8_HALF_AVX2(acc, ptr)                                                                              \
+    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(                                    \
+                                    xa, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(ptr)), xs)), \
+                                ones))
+
+/* One tile at a time: a single sequential read stream. */
 AVX2_TARGET static void gemv_i8_avx2(const int8_t *w, const float *row_scale, const int32_t *w_rowsum,
                                      const int8_t *xq, const uint8_t *aux, int k_pad, float act_scale, float *out,
                                      int32_t *out_i32, int n, int tile_begin, int tile_end) {
@@ -94,28 +83,7 @@ AVX2_TARGET static void gemv_i8_avx2(const int8_t *w, const float *row_scale, co
     const size_t tile_bytes = (size_t)groups * 64;
     const uint8_t *xabs = aux + k_pad;
     const __m256i ones = _mm256_set1_epi16(1);
-    int t = tile_begin;
-    for (; t + 2 <= tile_end; t += 2) {
-        const int8_t *p = w + (size_t)t * tile_bytes;
-        __m256i lo0 = _mm256_setzero_si256(), hi0 = lo0, lo1 = lo0, hi1 = lo0;
-        for (int g = 0; g < groups; g++) {
-            __m256i xa = _mm256_set1_epi32(load_i32(xabs + 4 * g)), xs = _mm256_set1_epi32(load_i32(xq + 4 * g));
-            const int8_t *q = p + (size_t)g * 64;
-#define I8_HALF_AVX2(acc, ptr)                                                                              \
-    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(                                    \
-                                    xa, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(ptr)), xs)), \
-                                ones))
-            I8_HALF_AVX2(lo0, q);
-            I8_HALF_AVX2(hi0, q + 32);
-            I8_HALF_AVX2(lo1, q + tile_bytes);
-            I8_HALF_AVX2(hi1, q + tile_bytes + 32);
-        }
-        finish_half_avx2(lo0, 0, t * 16, n, row_scale, act_scale, out, out_i32);
-        finish_half_avx2(hi0, 0, t * 16 + 8, n, row_scale, act_scale, out, out_i32);
-        finish_half_avx2(lo1, 0, t * 16 + 16, n, row_scale, act_scale, out, out_i32);
-        finish_half_avx2(hi1, 0, t * 16 + 24, n, row_scale, act_scale, out, out_i32);
-    }
-    for (; t < tile_end; t++) {
+    for (int t = tile_begin; t < tile_end; t++) {
         const int8_t *p = w + (size_t)t * tile_bytes;
         __m256i lo0 = _mm256_setzero_si256(), hi0 = lo0;
         for (int g = 0; g < groups; g++) {

@@ -68,46 +68,36 @@ AVX512_TARGET static inline __m512i combine_scaled_avx512(__m512i c0, __m512i c1
                             _mm512_add_epi32(_mm512_srai_epi32(c2, 4), _mm512_srai_epi32(c3, 6)));
 }
 
-/* (named accumulators, not arrays: GCC kept an accumulator array partly on the stack) */
+/* One tile at a time, two blocks per iteration (8 accumulators), so the weights are read as a single
+ * sequential stream: interleaving 4 tiles (4 streams 10 KB apart, more accumulator chains) read DRAM at
+ * 17 GB/s on one Zen 4 core where this reads 26 GB/s (the hardware prefetchers follow one stream best). */
 AVX512_TARGET static void gemv_ternary_avx512(const uint8_t *w, const float *row_scale, const int8_t *xq,
-                                              int k_pad, float act_scale, int32_t act_sum, float *out,
-                                              int32_t *out_i32, int n, int tile_begin, int tile_end) {
+                                                  int k_pad, float act_scale, int32_t act_sum, float *out,
+                                                  int32_t *out_i32, int n, int tile_begin, int tile_end) {
     const int kb = k_pad / 16;
     const size_t tile_bytes = (size_t)kb * 64;
     const __m512i m0 = _mm512_set1_epi8(0x03), m1 = _mm512_set1_epi8(0x0c), m2 = _mm512_set1_epi8(0x30),
                   m3 = _mm512_set1_epi8((char)0xc0);
-    int t = tile_begin;
-    for (; t + 4 <= tile_end; t += 4) {
+    for (int t = tile_begin; t < tile_end; t++) {
         const uint8_t *p = w + (size_t)t * tile_bytes;
         __m512i z = _mm512_setzero_si512();
         __m512i a0 = z, a1 = z, a2 = z, a3 = z, b0 = z, b1 = z, b2 = z, b3 = z;
-        __m512i c0 = z, c1 = z, c2 = z, c3 = z, d0 = z, d1 = z, d2 = z, d3 = z;
-        for (int b = 0; b < kb; b++) {
+        for (int b = 0; b < kb; b += 2) { /* kb = K_pad/16 is a multiple of 4 */
             const int8_t *xb = xq + 16 * b;
-            __m512i x0 = _mm512_set1_epi32(load_i32(xb)), x1 = _mm512_set1_epi32(load_i32(xb + 4));
-            __m512i x2 = _mm512_set1_epi32(load_i32(xb + 8)), x3 = _mm512_set1_epi32(load_i32(xb + 12));
-            const uint8_t *q = p + (size_t)b * 64;
-            TERNARY_STEP_AVX512(a0, a1, a2, a3, q);
-            TERNARY_STEP_AVX512(b0, b1, b2, b3, q + tile_bytes);
-            TERNARY_STEP_AVX512(c0, c1, c2, c3, q + 2 * tile_bytes);
-            TERNARY_STEP_AVX512(d0, d1, d2, d3, q + 3 * tile_bytes);
+            {
+                __m512i x0 = _mm512_set1_epi32(load_i32(xb)), x1 = _mm512_set1_epi32(load_i32(xb + 4));
+                __m512i x2 = _mm512_set1_epi32(load_i32(xb + 8)), x3 = _mm512_set1_epi32(load_i32(xb + 12));
+                TERNARY_STEP_AVX512(a0, a1, a2, a3, p + (size_t)b * 64);
+            }
+            {
+                __m512i x0 = _mm512_set1_epi32(load_i32(xb + 16)), x1 = _mm512_set1_epi32(load_i32(xb + 20));
+                __m512i x2 = _mm512_set1_epi32(load_i32(xb + 24)), x3 = _mm512_set1_epi32(load_i32(xb + 28));
+                TERNARY_STEP_AVX512(b0, b1, b2, b3, p + (size_t)b * 64 + 64);
+            }
         }
-        int row0 = t * 16;
-        finish_tile_avx512(combine_scaled_avx512(a0, a1, a2, a3), act_sum, row0, n, row_scale, act_scale, out, out_i32);
-        finish_tile_avx512(combine_scaled_avx512(b0, b1, b2, b3), act_sum, row0 + 16, n, row_scale, act_scale, out, out_i32);
-        finish_tile_avx512(combine_scaled_avx512(c0, c1, c2, c3), act_sum, row0 + 32, n, row_scale, act_scale, out, out_i32);
-        finish_tile_avx512(combine_scaled_avx512(d0, d1, d2, d3), act_sum, row0 + 48, n, row_scale, act_scale, out, out_i32);
-    }
-    for (; t < tile_end; t++) {
-        const uint8_t *p = w + (size_t)t * tile_bytes;
-        __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
-        for (int b = 0; b < kb; b++) {
-            const int8_t *xb = xq + 16 * b;
-            __m512i x0 = _mm512_set1_epi32(load_i32(xb)), x1 = _mm512_set1_epi32(load_i32(xb + 4));
-            __m512i x2 = _mm512_set1_epi32(load_i32(xb + 8)), x3 = _mm512_set1_epi32(load_i32(xb + 12));
-            TERNARY_STEP_AVX512(a0, a1, a2, a3, p + (size_t)b * 64);
-        }
-        finish_tile_avx512(combine_scaled_avx512(a0, a1, a2, a3), act_sum, t * 16, n, row_scale, act_scale, out, out_i32);
+        finish_tile_avx512(combine_scaled_avx512(_mm512_add_epi32(a0, b0), _mm512_add_epi32(a1, b1),
+                                                 _mm512_add_epi32(a2, b2), _mm512_add_epi32(a3, b3)),
+                           act_sum, t * 16, n, row_scale, act_scale, out, out_i32);
     }
 }
 
@@ -125,40 +115,14 @@ AVX512_TARGET static void gemv_ternary_avx512(const uint8_t *w, const float *row
     } while (0)
 #define AVX2_FLUSH_BLOCKS 16
 
+/* One tile at a time: a single sequential read stream (see the AVX-512 body). */
 AVX2_TARGET static void gemv_ternary_avx2(const uint8_t *w, const float *row_scale, const int8_t *xq, int k_pad,
                                           float act_scale, int32_t act_sum, float *out, int32_t *out_i32, int n,
                                           int tile_begin, int tile_end) {
     const int kb = k_pad / 16;
     const size_t tile_bytes = (size_t)kb * 64;
     const __m256i m3 = _mm256_set1_epi8(3), ones = _mm256_set1_epi16(1);
-    int t = tile_begin;
-    for (; t + 2 <= tile_end; t += 2) {
-        const uint8_t *p = w + (size_t)t * tile_bytes;
-        __m256i lo0 = _mm256_setzero_si256(), hi0 = lo0, lo1 = lo0, hi1 = lo0;
-        for (int b0 = 0; b0 < kb; b0 += AVX2_FLUSH_BLOCKS) {
-            int b1 = b0 + AVX2_FLUSH_BLOCKS < kb ? b0 + AVX2_FLUSH_BLOCKS : kb;
-            __m256i l0 = _mm256_setzero_si256(), h0 = l0, l1 = l0, h1 = l0;
-            for (int b = b0; b < b1; b++) {
-                const int8_t *xb = xq + 16 * b;
-                __m256i x0 = _mm256_set1_epi32(load_i32(xb)), x1 = _mm256_set1_epi32(load_i32(xb + 4));
-                __m256i x2 = _mm256_set1_epi32(load_i32(xb + 8)), x3 = _mm256_set1_epi32(load_i32(xb + 12));
-                const uint8_t *q = p + (size_t)b * 64;
-                TERNARY_HALF_AVX2(l0, q);
-                TERNARY_HALF_AVX2(h0, q + 32);
-                TERNARY_HALF_AVX2(l1, q + tile_bytes);
-                TERNARY_HALF_AVX2(h1, q + tile_bytes + 32);
-            }
-            lo0 = _mm256_add_epi32(lo0, _mm256_madd_epi16(l0, ones));
-            hi0 = _mm256_add_epi32(hi0, _mm256_madd_epi16(h0, ones));
-            lo1 = _mm256_add_epi32(lo1, _mm256_madd_epi16(l1, ones));
-            hi1 = _mm256_add_epi32(hi1, _mm256_madd_epi16(h1, ones));
-        }
-        finish_half_avx2(lo0, act_sum, t * 16, n, row_scale, act_scale, out, out_i32);
-        finish_half_avx2(hi0, act_sum, t * 16 + 8, n, row_scale, act_scale, out, out_i32);
-        finish_half_avx2(lo1, act_sum, t * 16 + 16, n, row_scale, act_scale, out, out_i32);
-        finish_half_avx2(hi1, act_sum, t * 16 + 24, n, row_scale, act_scale, out, out_i32);
-    }
-    for (; t < tile_end; t++) {
+    for (int t = tile_begin; t < tile_end; t++) {
         const uint8_t *p = w + (size_t)t * tile_bytes;
         __m256i lo0 = _mm256_setzero_si256(), hi0 = lo0;
         for (int b0 = 0; b0 < kb; b0 += AVX2_FLUSH_BLOCKS) {
