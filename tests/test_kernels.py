@@ -265,8 +265,9 @@ def test_thread_counts_give_identical_results(isa):
     _, wi, sci, rsi = make_i8(rng, n, k)
     wf = layout.pack_f16(rng.standard_normal((n, k)).astype(np.float16))
     results = []
-    for threads in (1, 2):
+    for threads, chunks in ((1, 0), (2, 0), (2, 3)):  # chunks: dynamic split into 3 ranges per thread
         K.set_num_threads(threads)
+        K._set_chunks_per_thread(chunks)
         assert K.get_num_threads() == threads
         q = np.empty_like(xq), np.empty_like(s), np.empty_like(sm)
         K.quantize_act(x, *q)
@@ -276,8 +277,10 @@ def test_thread_counts_give_identical_results(isa):
         K.gemv_i8(wi, sci, rsi, xq[0], float(s[0]), o[2])
         K.gemv_f16(wf, x[0], o[3])
         results.append(list(q) + o)
-    for a, b in zip(*results):
-        assert np.array_equal(a, b)
+    K._set_chunks_per_thread(0)
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            assert np.array_equal(a, b)
 
 
 # ---------------------------------------------------------------- bad arguments
