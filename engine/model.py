@@ -145,9 +145,9 @@ class Model:
         self._head_x = np.zeros((1, D), np.float32)        # normed last row for the f16 head
         self._logits = np.zeros(V, np.float32)
         kv_np = np.uint16 if kv_dtype == "f16" else np.float32   # f16 stored as its bits
-        self._k_cache = np.zeros((L, cfg.n_kv_heads, n_ctx, hd), kv_np)
+        self._k_cache = np.zeros((L,) + ops.key_cache_shape(cfg.n_kv_heads, n_ctx, hd), kv_np)  # transposed blocks
         self._v_cache = np.zeros((L, cfg.n_kv_heads, n_ctx, hd), kv_np)
-        self._scratch = np.zeros((cfg.n_heads, n_ctx), np.float32)  # attention scores, one row per head
+        self._scratch = np.zeros((cfg.n_heads * ops.ATTENTION_SCRATCH_ROWS, n_ctx), np.float32)  # attention scores
         # RoPE tables computed as transformers does (f32 inv_freq, f32 position * inv_freq)
         inv_freq = (1.0 / (np.float32(cfg.rope_theta) ** (np.arange(0, hd, 2, dtype=np.float32) / np.float32(hd)))).astype(np.float32)
         freqs = np.arange(n_ctx, dtype=np.float32)[:, None] * inv_freq[None, :]

@@ -22,7 +22,18 @@ cdef extern from "ops.h":
                        const float *rope_sin, int pos0, void *k_cache, void *v_cache, int kv_f16, int n_ctx,
                        float *out, float *scratch) nogil
 
+cdef extern from "ops.h":
+    int OPS_ATT_SCRATCH_ROWS
+    int OPS_KT_BLOCK
+
 ACT_RELU2 = 0
+ATTENTION_SCRATCH_ROWS = OPS_ATT_SCRATCH_ROWS  # scratch rows per query head
+KEY_BLOCK = OPS_KT_BLOCK                       # positions per transposed key block
+
+
+def key_cache_shape(int n_kv, int n_ctx, int head_dim):
+    """Shape of one layer's key cache: [n_kv, ceil(n_ctx / KEY_BLOCK), head_dim, KEY_BLOCK]."""
+    return (n_kv, (n_ctx + OPS_KT_BLOCK - 1) // OPS_KT_BLOCK, head_dim, OPS_KT_BLOCK)
 ACT_SILU = 1
 _ISA_NAMES = ("scalar", "avx2", "avx512")
 
@@ -115,27 +126,30 @@ def embed_f16(const uint16_t[:, ::1] table, const int32_t[::1] ids, float[:, ::1
 
 
 def attention(float[:, ::1] qkv, int n_heads, int n_kv, int head_dim, const float[:, ::1] rope_cos,
-              const float[:, ::1] rope_sin, int pos0, kv_t[:, :, ::1] k_cache, kv_t[:, :, ::1] v_cache,
+              const float[:, ::1] rope_sin, int pos0, kv_t[:, :, :, ::1] k_cache, kv_t[:, :, ::1] v_cache,
               float[:, ::1] out, float[:, ::1] scratch):
-    """RoPE on q, k of rows at pos0.., write k, v into this layer's cache [n_kv, n_ctx, head_dim]
-    (float32 or float16-as-uint16), causal GQA attention into out [m, n_heads*head_dim]."""
+    """RoPE on q, k of rows at pos0.., write k into this layer's key cache (key_cache_shape(): blocks of
+    KEY_BLOCK positions, transposed) and v into the value cache [n_kv, n_ctx, head_dim] (float32 or float16-as-uint16), causal
+    GQA attention into out [m, n_heads*head_dim]. scratch: [n_heads * ATTENTION_SCRATCH_ROWS, n_ctx]."""
     cdef int m = qkv.shape[0]
-    cdef int n_ctx = k_cache.shape[1]
+    cdef int n_ctx = v_cache.shape[1]
     cdef int q_dim = n_heads * head_dim
     if n_kv <= 0 or n_heads % n_kv or head_dim % 2 or qkv.shape[1] != q_dim + 2 * n_kv * head_dim:
         _fail(f"attention: qkv width {qkv.shape[1]} does not fit {n_heads} heads / {n_kv} kv heads x {head_dim}")
-    if (k_cache.shape[0] != n_kv or k_cache.shape[2] != head_dim or v_cache.shape[0] != n_kv
-            or v_cache.shape[1] != n_ctx or v_cache.shape[2] != head_dim):
-        _fail("attention: cache shape is not [n_kv, n_ctx, head_dim]")
+    if (k_cache.shape[0] != n_kv or k_cache.shape[1] != (n_ctx + OPS_KT_BLOCK - 1) // OPS_KT_BLOCK
+            or k_cache.shape[2] != head_dim or k_cache.shape[3] != OPS_KT_BLOCK
+            or v_cache.shape[0] != n_kv or v_cache.shape[2] != head_dim):
+        _fail("attention: caches are not k key_cache_shape(n_kv, n_ctx, head_dim) and v [n_kv, n_ctx, head_dim]")
     if pos0 < 0 or pos0 + m > n_ctx or rope_cos.shape[0] < pos0 + m or rope_cos.shape[1] != head_dim // 2 \
             or rope_sin.shape[0] != rope_cos.shape[0] or rope_sin.shape[1] != rope_cos.shape[1]:
         _fail(f"attention: positions {pos0}..{pos0 + m - 1} do not fit the cache ({n_ctx}) / rope tables")
-    if out.shape[0] < m or out.shape[1] != q_dim or scratch.shape[0] < n_heads or scratch.shape[1] < n_ctx:
+    if (out.shape[0] < m or out.shape[1] != q_dim or scratch.shape[0] < n_heads * OPS_ATT_SCRATCH_ROWS
+            or scratch.shape[1] < n_ctx):
         _fail("attention: out or scratch too small")
     cdef int kv_f16 = 1 if kv_t is uint16_t else 0
     with nogil:
         ops_attention(&qkv[0, 0], m, n_heads, n_kv, head_dim, &rope_cos[0, 0], &rope_sin[0, 0], pos0,
-                      <void *>&k_cache[0, 0, 0], <void *>&v_cache[0, 0, 0], kv_f16, n_ctx, &out[0, 0], &scratch[0, 0])
+                      <void *>&k_cache[0, 0, 0, 0], <void *>&v_cache[0, 0, 0], kv_f16, n_ctx, &out[0, 0], &scratch[0, 0])
 
 
 def topk(const float[::1] x, float[::1] heap_vals, int32_t[::1] idx):

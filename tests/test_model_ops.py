@@ -98,8 +98,8 @@ def test_attention_prefill_and_decode(isa, kv_dtype, nh, nkv, hd):
     fr = np.arange(ctx, dtype=np.float32)[:, None] * inv[None]
     cos, sin = np.cos(fr).astype(np.float32), np.sin(fr).astype(np.float32)
     want, k_rot = _attention_numpy(qkv, nh, nkv, hd, cos, sin, kv_dtype == np.uint16)
-    kc, vc = np.zeros((nkv, ctx, hd), kv_dtype), np.zeros((nkv, ctx, hd), kv_dtype)
-    scratch = np.zeros((nh, ctx), np.float32)
+    kc, vc = np.zeros(ops.key_cache_shape(nkv, ctx, hd), kv_dtype), np.zeros((nkv, ctx, hd), kv_dtype)
+    scratch = np.zeros((nh * ops.ATTENTION_SCRATCH_ROWS, ctx), np.float32)
     out = np.zeros((n, nh * hd), np.float32)
     a = qkv[:7].copy()  # a 7-row prefill chunk, then 4 single-row decode steps
     ops.attention(a, nh, nkv, hd, cos, sin, 0, kc, vc, out[:7], scratch)
@@ -107,7 +107,10 @@ def test_attention_prefill_and_decode(isa, kv_dtype, nh, nkv, hd):
         r = qkv[p: p + 1].copy()
         ops.attention(r, nh, nkv, hd, cos, sin, p, kc, vc, out[p: p + 1], scratch)
     np.testing.assert_allclose(out, want, rtol=2e-5, atol=2e-5)
-    cached = kc[:, :n].view(np.float16).astype(np.float32) if kv_dtype == np.uint16 else kc[:, :n]
+    kb = ops.KEY_BLOCK
+    cached = kc.view(np.float16).astype(np.float32) if kv_dtype == np.uint16 else kc
+    cached = cached.transpose(0, 1, 3, 2).reshape(nkv, -1, hd)[:, :n]  # blocks back to [n_kv, position, hd]
+    assert kb * kc.shape[1] >= ctx
     np.testing.assert_allclose(cached, k_rot.transpose(1, 0, 2), rtol=1e-6, atol=1e-6)
 
 
@@ -129,11 +132,11 @@ def test_bad_arguments_raise():
     with pytest.raises(KernelError):  # xq last dim not a multiple of 64
         ops.add_rmsnorm_quant(x, None, np.ones(64, np.float32), 1e-5, x.copy(), np.zeros((2, 65), np.int8),
                               np.zeros(2, np.float32), np.zeros(2, np.int32))
-    kc = np.zeros((1, 4, 8), np.float32)
+    kc, vc = np.zeros(ops.key_cache_shape(1, 4, 8), np.float32), np.zeros((1, 4, 8), np.float32)
     with pytest.raises(KernelError):  # position past the cache
         ops.attention(np.zeros((1, 24), np.float32), 1, 1, 8, np.zeros((8, 4), np.float32),
-                      np.zeros((8, 4), np.float32), 4, kc, kc.copy(), np.zeros((1, 8), np.float32),
-                      np.zeros((1, 4), np.float32))
+                      np.zeros((8, 4), np.float32), 4, kc, vc, np.zeros((1, 8), np.float32),
+                      np.zeros((4, 4), np.float32))
     with pytest.raises(KernelError):
         ops.set_isa("sse9")
 
@@ -150,9 +153,10 @@ def test_attention_threads_give_identical_results():
     try:
         for threads in (1, 2, 3):
             ops.set_num_threads(threads)
-            kc, vc = np.zeros((nkv, ctx, hd), np.uint16), np.zeros((nkv, ctx, hd), np.uint16)
+            kc, vc = np.zeros(ops.key_cache_shape(nkv, ctx, hd), np.uint16), np.zeros((nkv, ctx, hd), np.uint16)
             out = np.zeros((m, nh * hd), np.float32)
-            ops.attention(qkv.copy(), nh, nkv, hd, cos, sin, 0, kc, vc, out, np.zeros((nh, ctx), np.float32))
+            ops.attention(qkv.copy(), nh, nkv, hd, cos, sin, 0, kc, vc, out,
+                          np.zeros((nh * ops.ATTENTION_SCRATCH_ROWS, ctx), np.float32))
             outs.append(out)
     finally:
         ops.set_num_threads(before)

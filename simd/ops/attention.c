@@ -5,10 +5,10 @@
  * scores = q.k / sqrt(head_dim), softmax in f32 (exp(s - max) / sum), out = sum_t p_t v_t.
  * KV head j serves query heads j*g .. j*g+g-1 (g = n_heads / n_kv).
  *
- * The cache of one layer is [n_kv, n_ctx, head_dim]: the keys of one head are contiguous, so a decode
- * step streams them linearly. Work items (a KV head and the query heads it serves, split finer only when
- * threads would idle) go to OpenMP threads; the query heads of an item follow each other, so their
- * K/V rows are still in cache. scratch holds one score row per query head.
+ * The cache of one layer: keys in transposed blocks [n_kv, n_ctx/32, head_dim, 32] (a block of positions
+ * fills vector registers, so scores need no horizontal sums), values [n_kv, n_ctx, head_dim].
+ * Work items (a KV head and the query heads it serves, split finer only when
+ * threads would idle) go to OpenMP threads. scratch holds MAXQ score rows per query head.
  */
 #include "ops.h"
 
@@ -67,7 +67,8 @@ static inline uint16_t f2h(float f) {
 /* ---------- per-ISA kernels: scores of one head, weighted sum of values, exp(x - max) in place ---------- */
 
 typedef struct {
-    void (*scores)(const float *q, const void *kc, int f16, int n, int hd, float scale, float *sc);
+    void (*scores)(const float *const *q, int R, const void *kt, int f16, int n, int hd, int n_ctx, float scale,
+                   float *const *sc);
     void (*wsum)(const float *p, const void *vc, int f16, int n, int hd, float *out);
     float (*exp_sum)(float *x, int n, float mx); /* x[i] = exp(x[i] - mx); returns the sum */
 } att_kernels;
@@ -161,24 +162,29 @@ AVX2_FN static void store_f16_avx2(const float *src, uint16_t *dst, int n) {
 }
 #endif
 
-/* Per-head bodies: scores[t] = scale * q . k_t for t < n, and out = sum_t p_t v_t, reading the cache rows
- * directly (f16 rows converted in registers). The weighted sum keeps a block of the output in registers
- * across all t (no store/reload chain through memory); scores run 4 keys at a time for parallelism. */
+/* wsum: out = sum_t p_t v_t over the value cache rows (f16 rows converted in registers), keeping a block
+ * of the output in registers across all t (no store/reload chain through memory). */
 #define KROW16(base, t, hd) ((const uint16_t *)(base) + (int64_t)(t) * (hd))
 #define KROW32(base, t, hd) ((const float *)(base) + (int64_t)(t) * (hd))
 
-static void scores_scalar(const float *q, const void *kc, int f16, int n, int hd, float scale, float *sc) {
-    for (int t = 0; t < n; t++) {
-        float d = 0.0f;
-        if (f16) {
-            const uint16_t *k = KROW16(kc, t, hd);
-            for (int i = 0; i < hd; i++) d += q[i] * h2f(k[i]);
-        } else {
-            const float *k = KROW32(kc, t, hd);
-            for (int i = 0; i < hd; i++) d += q[i] * k[i];
+/* scores: S_j[t] = scale * q_j . k_t for R <= MAXQ query vectors and t < n, over the key cache in
+ * transposed blocks [n_ctx / KT_BLOCK][head_dim][KT_BLOCK]: a block of positions sits in vector registers,
+ * so the dot products need no horizontal sums, each key block is loaded once for all R queries, and a
+ * block's keys are one contiguous 4-8 KB run (prefetcher friendly). */
+#define MAXQ OPS_ATT_SCRATCH_ROWS
+#define KT_BLOCK OPS_KT_BLOCK
+static void scores_scalar(const float *const *q, int R, const void *kt, int f16, int n, int hd, int n_ctx,
+                          float scale, float *const *sc) {
+    for (int j = 0; j < R; j++)
+        for (int t = 0; t < n; t++) {
+            float d = 0.0f;
+            const int64_t base = (int64_t)(t / KT_BLOCK) * hd * KT_BLOCK + t % KT_BLOCK;
+            for (int i = 0; i < hd; i++) {
+                const int64_t at = base + (int64_t)i * KT_BLOCK;
+                d += q[j][i] * (f16 ? h2f(((const uint16_t *)kt)[at]) : ((const float *)kt)[at]);
+            }
+            sc[j][t] = d * scale;
         }
-        sc[t] = d * scale;
-    }
 }
 static void wsum_scalar(const float *p, const void *vc, int f16, int n, int hd, float *out) {
     memset(out, 0, sizeof(float) * hd);
@@ -202,24 +208,29 @@ AVX2_FN static inline __m256 load8(const void *base, int f16, int64_t off, int v
     for (int i = 0; i < valid; i++) tmp[i] = f16 ? h2f(((const uint16_t *)base)[off + i]) : ((const float *)base)[off + i];
     return _mm256_loadu_ps(tmp);
 }
-AVX2_FN static void scores_avx2(const float *q, const void *kc, int f16, int n, int hd, float scale, float *sc) {
-    int t = 0;
-    for (; t + 4 <= n; t += 4) {
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        for (int i = 0; i < hd; i += 8) {
-            int v = hd - i;
-            __m256 qv = load8(q, 0, i, v);
-            a0 = _mm256_fmadd_ps(qv, load8(kc, f16, (int64_t)t * hd + i, v), a0);
-            a1 = _mm256_fmadd_ps(qv, load8(kc, f16, (int64_t)(t + 1) * hd + i, v), a1);
-            a2 = _mm256_fmadd_ps(qv, load8(kc, f16, (int64_t)(t + 2) * hd + i, v), a2);
-            a3 = _mm256_fmadd_ps(qv, load8(kc, f16, (int64_t)(t + 3) * hd + i, v), a3);
+AVX2_FN static void scores_avx2(const float *const *q, int R, const void *kt, int f16, int n, int hd, int n_ctx,
+                                float scale, float *const *sc) {
+    const __m256 vs = _mm256_set1_ps(scale);
+    for (int t0 = 0; t0 < n; t0 += 16) {
+        const int valid = n - t0;
+        __m256 acc[MAXQ][2];
+        for (int j = 0; j < MAXQ; j++) acc[j][0] = acc[j][1] = _mm256_setzero_ps();
+        const int64_t base = (int64_t)(t0 / KT_BLOCK) * hd * KT_BLOCK + t0 % KT_BLOCK;
+        for (int i = 0; i < hd; i++) {
+            const int64_t off = base + (int64_t)i * KT_BLOCK;
+            __m256 k0 = load8(kt, f16, off, valid), k1 = load8(kt, f16, off + 8, valid - 8);
+            for (int j = 0; j < R; j++) {
+                __m256 b = _mm256_broadcast_ss(q[j] + i);
+                acc[j][0] = _mm256_fmadd_ps(b, k0, acc[j][0]);
+                acc[j][1] = _mm256_fmadd_ps(b, k1, acc[j][1]);
+            }
         }
-        sc[t] = hsum8(a0) * scale, sc[t + 1] = hsum8(a1) * scale, sc[t + 2] = hsum8(a2) * scale, sc[t + 3] = hsum8(a3) * scale;
-    }
-    for (; t < n; t++) {
-        __m256 a0 = _mm256_setzero_ps();
-        for (int i = 0; i < hd; i += 8) a0 = _mm256_fmadd_ps(load8(q, 0, i, hd - i), load8(kc, f16, (int64_t)t * hd + i, hd - i), a0);
-        sc[t] = hsum8(a0) * scale;
+        for (int j = 0; j < R; j++) {
+            float tmp[16];
+            _mm256_storeu_ps(tmp, _mm256_mul_ps(acc[j][0], vs));
+            _mm256_storeu_ps(tmp + 8, _mm256_mul_ps(acc[j][1], vs));
+            for (int t = 0; t < 16 && t < valid; t++) sc[j][t0 + t] = tmp[t];
+        }
     }
 }
 AVX2_FN static void wsum_avx2(const float *p, const void *vc, int f16, int n, int hd, float *out) {
@@ -245,28 +256,35 @@ AVX512_FN static inline __m512 load16(const void *base, int f16, int64_t off, __
 }
 static inline __mmask16 mask16(int valid) { return valid >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (valid > 0 ? valid : 0)) - 1); }
 
-AVX512_FN static void scores_avx512(const float *q, const void *kc, int f16, int n, int hd, float scale, float *sc) {
-    int t = 0;
-    for (; t + 4 <= n; t += 4) {
-        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        for (int i = 0; i < hd; i += 16) {
-            __mmask16 k = mask16(hd - i);
-            __m512 qv = _mm512_maskz_loadu_ps(k, q + i);
-            a0 = _mm512_fmadd_ps(qv, load16(kc, f16, (int64_t)t * hd + i, k), a0);
-            a1 = _mm512_fmadd_ps(qv, load16(kc, f16, (int64_t)(t + 1) * hd + i, k), a1);
-            a2 = _mm512_fmadd_ps(qv, load16(kc, f16, (int64_t)(t + 2) * hd + i, k), a2);
-            a3 = _mm512_fmadd_ps(qv, load16(kc, f16, (int64_t)(t + 3) * hd + i, k), a3);
+AVX512_FN static void scores_avx512(const float *const *q, int R, const void *kt, int f16, int n, int hd, int n_ctx,
+                                  float scale, float *const *sc) {
+    const __m512 vs = _mm512_set1_ps(scale);
+    for (int t0 = 0; t0 < n; t0 += 32) {
+        const __mmask16 m0 = mask16(n - t0), m1 = mask16(n - t0 - 16);
+        __m512 a00 = _mm512_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00, a31 = a00;
+        const int64_t base = (int64_t)(t0 / KT_BLOCK) * hd * KT_BLOCK;
+        for (int i = 0; i < hd; i++) {
+            const int64_t off = base + (int64_t)i * KT_BLOCK;
+            const __m512 k0 = load16(kt, f16, off, m0), k1 = load16(kt, f16, off + 16, m1);
+            __m512 b = _mm512_set1_ps(q[0][i]);
+            a00 = _mm512_fmadd_ps(b, k0, a00), a01 = _mm512_fmadd_ps(b, k1, a01);
+            if (R > 1) {
+                b = _mm512_set1_ps(q[1][i]);
+                a10 = _mm512_fmadd_ps(b, k0, a10), a11 = _mm512_fmadd_ps(b, k1, a11);
+            }
+            if (R > 2) {
+                b = _mm512_set1_ps(q[2][i]);
+                a20 = _mm512_fmadd_ps(b, k0, a20), a21 = _mm512_fmadd_ps(b, k1, a21);
+            }
+            if (R > 3) {
+                b = _mm512_set1_ps(q[3][i]);
+                a30 = _mm512_fmadd_ps(b, k0, a30), a31 = _mm512_fmadd_ps(b, k1, a31);
+            }
         }
-        sc[t] = _mm512_reduce_add_ps(a0) * scale, sc[t + 1] = _mm512_reduce_add_ps(a1) * scale;
-        sc[t + 2] = _mm512_reduce_add_ps(a2) * scale, sc[t + 3] = _mm512_reduce_add_ps(a3) * scale;
-    }
-    for (; t < n; t++) {
-        __m512 a0 = _mm512_setzero_ps();
-        for (int i = 0; i < hd; i += 16) {
-            __mmask16 k = mask16(hd - i);
-            a0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, q + i), load16(kc, f16, (int64_t)t * hd + i, k), a0);
-        }
-        sc[t] = _mm512_reduce_add_ps(a0) * scale;
+        _mm512_mask_storeu_ps(sc[0] + t0, m0, _mm512_mul_ps(a00, vs)), _mm512_mask_storeu_ps(sc[0] + t0 + 16, m1, _mm512_mul_ps(a01, vs));
+        if (R > 1) _mm512_mask_storeu_ps(sc[1] + t0, m0, _mm512_mul_ps(a10, vs)), _mm512_mask_storeu_ps(sc[1] + t0 + 16, m1, _mm512_mul_ps(a11, vs));
+        if (R > 2) _mm512_mask_storeu_ps(sc[2] + t0, m0, _mm512_mul_ps(a20, vs)), _mm512_mask_storeu_ps(sc[2] + t0 + 16, m1, _mm512_mul_ps(a21, vs));
+        if (R > 3) _mm512_mask_storeu_ps(sc[3] + t0, m0, _mm512_mul_ps(a30, vs)), _mm512_mask_storeu_ps(sc[3] + t0 + 16, m1, _mm512_mul_ps(a31, vs));
     }
 }
 AVX512_FN static void wsum_avx512(const float *p, const void *vc, int f16, int n, int hd, float *out) {
@@ -330,8 +348,9 @@ void ops_attention(float *qkv, int m, int n_heads, int n_kv, int head_dim, const
     const int q_dim = n_heads * head_dim, kv_dim = n_kv * head_dim, stride = q_dim + 2 * kv_dim;
     const int half = head_dim / 2, group = n_heads / n_kv;
     const float scale = 1.0f / sqrtf((float)head_dim);
+    const int64_t kt_head = (int64_t)((n_ctx + KT_BLOCK - 1) / KT_BLOCK) * KT_BLOCK * head_dim; /* keys of one KV head */
 
-    /* 1. rotate q and k of every row, append k and v to the cache */
+    /* 1. rotate q and k of every row, append k (into its transposed block) and v to the cache */
     for (int r = 0; r < m; r++) {
         float *row = qkv + (int64_t)r * stride;
         int pos = pos0 + r;
@@ -339,29 +358,28 @@ void ops_attention(float *qkv, int m, int n_heads, int n_kv, int head_dim, const
         rope_rows(row, n_heads, head_dim, c, s);
         rope_rows(row + q_dim, n_kv, head_dim, c, s);
         for (int j = 0; j < n_kv; j++) {
-            int64_t at = ((int64_t)j * n_ctx + pos) * head_dim;
+            const int64_t vat = ((int64_t)j * n_ctx + pos) * head_dim;
+            const int64_t kat = (int64_t)j * kt_head + (int64_t)(pos / KT_BLOCK) * head_dim * KT_BLOCK + pos % KT_BLOCK;
             const float *kr = row + q_dim + j * head_dim, *vr = row + q_dim + kv_dim + j * head_dim;
             if (kv_f16) {
-                uint16_t *kc = (uint16_t *)k_cache + at, *vc = (uint16_t *)v_cache + at;
+                uint16_t *kc = (uint16_t *)k_cache + kat, *vc = (uint16_t *)v_cache + vat;
 #if defined(__x86_64__)
-                if (isa >= OPS_ISA_AVX2) {
-                    store_f16_avx2(kr, kc, head_dim);
-                    store_f16_avx2(vr, vc, head_dim);
-                    continue;
-                }
+                if (isa >= OPS_ISA_AVX2) store_f16_avx2(vr, vc, head_dim);
+                else
 #endif
-                for (int i = 0; i < head_dim; i++) {
-                    kc[i] = f2h(kr[i]);
-                    vc[i] = f2h(vr[i]);
-                }
+                    for (int i = 0; i < head_dim; i++) vc[i] = f2h(vr[i]);
+                for (int i = 0; i < head_dim; i++) kc[(int64_t)i * KT_BLOCK] = f2h(kr[i]);
             } else {
-                memcpy((float *)k_cache + at, kr, sizeof(float) * head_dim);
-                memcpy((float *)v_cache + at, vr, sizeof(float) * head_dim);
+                float *kc = (float *)k_cache + kat;
+                memcpy((float *)v_cache + vat, vr, sizeof(float) * head_dim);
+                for (int i = 0; i < head_dim; i++) kc[(int64_t)i * KT_BLOCK] = kr[i];
             }
         }
     }
 
-    /* 2. causal attention: per query head, scores -> softmax -> weighted sum of values */
+    /* 2. causal attention: scores of up to MAXQ query vectors per pass over the keys (the query heads
+     * sharing a KV head when decoding, consecutive rows of one head in a prefill chunk), then per
+     * query softmax and the weighted sum of values */
     const att_kernels K = kernels_for(isa);
     const int threads = ops_get_num_threads();
     int sub = group;
@@ -374,17 +392,36 @@ void ops_attention(float *qkv, int m, int n_heads, int n_kv, int head_dim, const
     for (int item = 0; item < items; item++) {
         const int kvh = item / n_sub, h0 = kvh * group + (item % n_sub) * sub;
         const size_t esize = kv_f16 ? sizeof(uint16_t) : sizeof(float);
-        const char *kbase = (const char *)k_cache + (size_t)kvh * n_ctx * head_dim * esize;
+        const char *kbase = (const char *)k_cache + (size_t)kvh * kt_head * esize;
         const char *vbase = (const char *)v_cache + (size_t)kvh * n_ctx * head_dim * esize;
-        for (int r = 0; r < m; r++) {
-            const int n = pos0 + r + 1;
-            for (int h = h0; h < h0 + sub; h++) {
-                float *sc = scratch + (int64_t)h * n_ctx, mx = -INFINITY;
-                K.scores(qkv + (int64_t)r * stride + h * head_dim, kbase, kv_f16, n, head_dim, scale, sc);
+        const float *qs[MAXQ];
+        float *ss[MAXQ], *os[MAXQ];
+        int ns[MAXQ];
+        /* passes: (head block, one row) when decoding, (one head, row block) in a prefill chunk */
+        const int n_pass = m == 1 ? (sub + MAXQ - 1) / MAXQ : sub * ((m + MAXQ - 1) / MAXQ);
+        for (int ps = 0; ps < n_pass; ps++) {
+            int R = 0, n_max = 0;
+            if (m == 1) {
+                for (int h = h0 + ps * MAXQ; h < h0 + sub && R < MAXQ; h++, R++) {
+                    qs[R] = qkv + h * head_dim, os[R] = out + h * head_dim;
+                    ss[R] = scratch + (int64_t)h * MAXQ * n_ctx, ns[R] = pos0 + 1;
+                }
+            } else {
+                const int nb = (m + MAXQ - 1) / MAXQ, h = h0 + ps / nb, r0 = (ps % nb) * MAXQ;
+                for (int r = r0; r < m && R < MAXQ; r++, R++) {
+                    qs[R] = qkv + (int64_t)r * stride + h * head_dim, os[R] = out + (int64_t)r * q_dim + h * head_dim;
+                    ss[R] = scratch + ((int64_t)h * MAXQ + R) * n_ctx, ns[R] = pos0 + r + 1;
+                }
+            }
+            for (int j = 0; j < R; j++) n_max = ns[j] > n_max ? ns[j] : n_max;
+            K.scores(qs, R, kbase, kv_f16, n_max, head_dim, n_ctx, scale, ss);
+            for (int j = 0; j < R; j++) {
+                float *sc = ss[j], mx = -INFINITY;
+                const int n = ns[j];
                 for (int t = 0; t < n; t++) mx = sc[t] > mx ? sc[t] : mx;
                 float inv = 1.0f / K.exp_sum(sc, n, mx);
                 for (int t = 0; t < n; t++) sc[t] *= inv;
-                K.wsum(sc, vbase, kv_f16, n, head_dim, out + (int64_t)r * q_dim + h * head_dim);
+                K.wsum(sc, vbase, kv_f16, n, head_dim, os[j]);
             }
         }
     }

@@ -37,8 +37,12 @@ int ops_embed_f16(const uint16_t *table, int64_t vocab, int d, const int32_t *id
 /* attention.c */
 /* qkv[m, q_dim + 2*kv_dim] (q heads, then k heads, then v heads), rows at positions pos0 .. pos0+m-1:
  * rotates q and k (half-split RoPE, tables cos/sin [n_ctx, head_dim/2]), writes k and v into this layer's
- * cache k_cache/v_cache [n_kv, n_ctx, head_dim] (f16 bits when kv_f16, else f32), then causal GQA
- * attention of every row over positions 0 .. its own into out[m, q_dim]. scratch: f32 [n_heads, n_ctx]. */
+ * cache: k_cache [n_kv, ceil(n_ctx/32), head_dim, 32] (blocks of 32 positions, transposed), v_cache
+ * [n_kv, n_ctx, head_dim] (f16 bits when
+ * kv_f16, else f32), then causal GQA attention of every row over positions 0 .. its own into
+ * out[m, q_dim]. scratch: f32 [n_heads * OPS_ATT_SCRATCH_ROWS, n_ctx]. */
+#define OPS_ATT_SCRATCH_ROWS 4
+#define OPS_KT_BLOCK 32
 void ops_attention(float *qkv, int m, int n_heads, int n_kv, int head_dim, const float *rope_cos,
                    const float *rope_sin, int pos0, void *k_cache, void *v_cache, int kv_f16, int n_ctx,
                    float *out, float *scratch);
