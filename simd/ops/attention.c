@@ -70,6 +70,7 @@ typedef struct {
     void (*scores)(const float *const *q, int R, const void *kt, int f16, int n, int hd, int n_ctx, float scale,
                    float *const *sc);
     void (*wsum)(const float *p, const void *vc, int f16, int n, int hd, float *out);
+    void (*wsum2)(const float *p0, const float *p1, const void *vc, int f16, int n, int hd, float *o0, float *o1);
     float (*exp_sum)(float *x, int n, float mx); /* x[i] = exp(x[i] - mx); returns the sum */
 } att_kernels;
 
@@ -313,13 +314,37 @@ AVX512_FN static void wsum_avx512(const float *p, const void *vc, int f16, int n
         _mm512_mask_storeu_ps(out + c0 + 96, k6, a6), _mm512_mask_storeu_ps(out + c0 + 112, k7, a7);
     }
 }
+/* two queries over the same values: each value row is loaded (and converted) once for both */
+AVX512_FN static void wsum2_avx512(const float *p0, const float *p1, const void *vc, int f16, int n, int hd,
+                                   float *out0, float *out1) {
+    for (int c0 = 0; c0 < hd; c0 += 128) {
+        __m512 a[8], b[8];
+        __mmask16 k[8];
+        for (int j = 0; j < 8; j++) a[j] = b[j] = _mm512_setzero_ps(), k[j] = mask16(hd - c0 - 16 * j);
+        for (int t = 0; t < n; t++) {
+            const __m512 w0 = _mm512_set1_ps(p0[t]), w1 = _mm512_set1_ps(p1[t]);
+            const int64_t o = (int64_t)t * hd + c0;
+#pragma GCC unroll 8
+            for (int j = 0; j < 8; j++) {
+                if (!k[j]) break;
+                const __m512 v = load16(vc, f16, o + 16 * j, k[j]);
+                a[j] = _mm512_fmadd_ps(w0, v, a[j]);
+                b[j] = _mm512_fmadd_ps(w1, v, b[j]);
+            }
+        }
+        for (int j = 0; j < 8; j++) {
+            _mm512_mask_storeu_ps(out0 + c0 + 16 * j, k[j], a[j]);
+            _mm512_mask_storeu_ps(out1 + c0 + 16 * j, k[j], b[j]);
+        }
+    }
+}
 #endif
 
 static att_kernels kernels_for(int isa) {
-    att_kernels k = {scores_scalar, wsum_scalar, exp_sum_scalar};
+    att_kernels k = {scores_scalar, wsum_scalar, NULL, exp_sum_scalar};
 #if defined(__x86_64__)
     if (isa >= OPS_ISA_AVX512) {
-        k.scores = scores_avx512, k.wsum = wsum_avx512;
+        k.scores = scores_avx512, k.wsum = wsum_avx512, k.wsum2 = wsum2_avx512;
         k.exp_sum = exp_sum_avx512;
     } else if (isa >= OPS_ISA_AVX2) {
         k.scores = scores_avx2, k.wsum = wsum_avx2;
@@ -421,8 +446,12 @@ void ops_attention(float *qkv, int m, int n_heads, int n_kv, int head_dim, const
                 for (int t = 0; t < n; t++) mx = sc[t] > mx ? sc[t] : mx;
                 float inv = 1.0f / K.exp_sum(sc, n, mx);
                 for (int t = 0; t < n; t++) sc[t] *= inv;
-                K.wsum(sc, vbase, kv_f16, n, head_dim, os[j]);
+                for (int t = n; t < n_max; t++) sc[t] = 0.0f; /* positions after this row's own: no weight */
             }
+            int j = 0;
+            if (K.wsum2)
+                for (; j + 2 <= R; j += 2) K.wsum2(ss[j], ss[j + 1], vbase, kv_f16, ns[j + 1], head_dim, os[j], os[j + 1]);
+            for (; j < R; j++) K.wsum(ss[j], vbase, kv_f16, ns[j], head_dim, os[j]);
         }
     }
 }
