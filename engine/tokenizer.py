@@ -33,6 +33,9 @@ def _gpt2_byte_map() -> dict[int, str]:
     return out
 
 
+_GPT2_BYTES_INV = {c: b for b, c in _gpt2_byte_map().items()}
+
+
 class Tokenizer:
     """encode / decode / stream. `bos_id`, `eos_ids` (every id that should stop generation)."""
 
@@ -73,7 +76,7 @@ class Tokenizer:
         else:
             raise FormatError(f"{source}: unknown tokenizer kind {kind!r} (expected hf_json or sentencepiece)")
         self.bos_id = bos_id
-        self._bytes_cache = None
+        self._bytes_cache: dict[int, bytes] = {}
         eos = [int(e) for e in eos_ids if e is not None]
         for name in END_OF_TURN_TOKENS:  # e.g. LLaMA-3's <|eot_id|> next to config's <|end_of_text|>
             i = self.token_to_id(name)
@@ -145,25 +148,27 @@ class Tokenizer:
     def is_special(self, i: int) -> bool:
         return i in self._special_ids
 
-    def _byte_table(self) -> list[bytes] | None:
-        """id -> bytes for byte-level BPE tokenizer.json files (GPT-2 byte-to-unicode map), else None."""
-        if self._hf is None:
+    def token_bytes(self, i: int) -> bytes | None:
+        """The exact bytes of token i for byte-level BPE tokenizer.json files (GPT-2 byte-to-unicode map),
+        computed on first use and cached; None for other tokenizers (they stream by decode differences)."""
+        if self._hf is None or not self._byte_level:
             return None
-        if self._bytes_cache is None:
-            if not self._byte_level:
-                self._bytes_cache = False
+        b = self._bytes_cache.get(i)
+        if b is None:
+            t = self._hf.id_to_token(i) if 0 <= i < self.vocab_size else None
+            inv = _GPT2_BYTES_INV
+            if t is None:
+                b = b""
+            elif i in self._added_ids or any(c not in inv for c in t):
+                b = t.encode("utf-8")
             else:
-                inv = {c: b for b, c in _gpt2_byte_map().items()}
-                added = self._added_ids
-                table = []
-                for i in range(self.vocab_size):
-                    t = self._hf.id_to_token(i) or ""
-                    if i in added or any(c not in inv for c in t):
-                        table.append(t.encode("utf-8"))
-                    else:
-                        table.append(bytes(inv[c] for c in t))
-                self._bytes_cache = table
-        return self._bytes_cache or None
+                b = bytes(inv[c] for c in t)
+            self._bytes_cache[i] = b
+        return b
+
+    @property
+    def byte_level(self) -> bool:
+        return self._hf is not None and self._byte_level
 
     def stream(self, *, skip_special: bool = True) -> "StreamDecoder":
         return StreamDecoder(self, skip_special=skip_special)
@@ -176,8 +181,8 @@ class StreamDecoder:
     def __init__(self, tok: Tokenizer, *, skip_special: bool = True):
         self._tok = tok
         self._skip = skip_special
-        self._bytes = tok._byte_table()
-        if self._bytes is not None:
+        self._byte_level = tok.byte_level
+        if self._byte_level:
             import codecs
 
             self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
@@ -187,11 +192,10 @@ class StreamDecoder:
 
     def push(self, token: int) -> str:
         token = int(token)
-        if self._bytes is not None:  # byte-level BPE: exact bytes per token, incremental UTF-8 decoding
+        if self._byte_level:  # byte-level BPE: exact bytes per token, incremental UTF-8 decoding
             if self._skip and self._tok.is_special(token):
                 return ""
-            b = self._bytes[token] if 0 <= token < len(self._bytes) else b""
-            return self._utf8.decode(b)
+            return self._utf8.decode(self._tok.token_bytes(token))
         self._ids.append(token)
         dec = self._tok.decode
         prev = dec(self._ids[self._prefix: self._read], skip_special=self._skip)
@@ -203,7 +207,7 @@ class StreamDecoder:
         return new
 
     def flush(self) -> str:
-        if self._bytes is not None:
+        if self._byte_level:
             return self._utf8.decode(b"", final=True)
         if self._read >= len(self._ids):
             return ""
