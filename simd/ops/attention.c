@@ -67,8 +67,7 @@ static inline uint16_t f2h(float f) {
 /* ---------- per-ISA kernels: scores of one head, weighted sum of values, exp(x - max) in place ---------- */
 
 typedef struct {
-    void (*scores)(const float *const *q, int R, const void *kt, int f16, int n, int hd, int n_ctx, float scale,
-                   float *const *sc);
+    void (*scores)(const float *const *q, int R, const void *kt, int f16, int n, int hd, float scale, float *const *sc);
     void (*wsum)(const float *p, const void *vc, int f16, int n, int hd, float *out);
     void (*wsum2)(const float *p0, const float *p1, const void *vc, int f16, int n, int hd, float *o0, float *o1);
     float (*exp_sum)(float *x, int n, float mx); /* x[i] = exp(x[i] - mx); returns the sum */
@@ -174,8 +173,8 @@ AVX2_FN static void store_f16_avx2(const float *src, uint16_t *dst, int n) {
  * block's keys are one contiguous 4-8 KB run (prefetcher friendly). */
 #define MAXQ OPS_ATT_SCRATCH_ROWS
 #define KT_BLOCK OPS_KT_BLOCK
-static void scores_scalar(const float *const *q, int R, const void *kt, int f16, int n, int hd, int n_ctx,
-                          float scale, float *const *sc) {
+static void scores_scalar(const float *const *q, int R, const void *kt, int f16, int n, int hd, float scale,
+                          float *const *sc) {
     for (int j = 0; j < R; j++)
         for (int t = 0; t < n; t++) {
             float d = 0.0f;
@@ -209,8 +208,8 @@ AVX2_FN static inline __m256 load8(const void *base, int f16, int64_t off, int v
     for (int i = 0; i < valid; i++) tmp[i] = f16 ? h2f(((const uint16_t *)base)[off + i]) : ((const float *)base)[off + i];
     return _mm256_loadu_ps(tmp);
 }
-AVX2_FN static void scores_avx2(const float *const *q, int R, const void *kt, int f16, int n, int hd, int n_ctx,
-                                float scale, float *const *sc) {
+AVX2_FN static void scores_avx2(const float *const *q, int R, const void *kt, int f16, int n, int hd, float scale,
+                                float *const *sc) {
     const __m256 vs = _mm256_set1_ps(scale);
     for (int t0 = 0; t0 < n; t0 += 16) {
         const int valid = n - t0;
@@ -257,8 +256,8 @@ AVX512_FN static inline __m512 load16(const void *base, int f16, int64_t off, __
 }
 static inline __mmask16 mask16(int valid) { return valid >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (valid > 0 ? valid : 0)) - 1); }
 
-AVX512_FN static void scores_avx512(const float *const *q, int R, const void *kt, int f16, int n, int hd, int n_ctx,
-                                  float scale, float *const *sc) {
+AVX512_FN static void scores_avx512(const float *const *q, int R, const void *kt, int f16, int n, int hd, float scale,
+                                  float *const *sc) {
     const __m512 vs = _mm512_set1_ps(scale);
     for (int t0 = 0; t0 < n; t0 += 32) {
         const __mmask16 m0 = mask16(n - t0), m1 = mask16(n - t0 - 16);
@@ -439,7 +438,7 @@ void ops_attention(float *qkv, int m, int n_heads, int n_kv, int head_dim, const
                 }
             }
             for (int j = 0; j < R; j++) n_max = ns[j] > n_max ? ns[j] : n_max;
-            K.scores(qs, R, kbase, kv_f16, n_max, head_dim, n_ctx, scale, ss);
+            K.scores(qs, R, kbase, kv_f16, n_max, head_dim, scale, ss);
             for (int j = 0; j < R; j++) {
                 float *sc = ss[j], mx = -INFINITY;
                 const int n = ns[j];
