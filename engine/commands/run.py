@@ -6,10 +6,11 @@ HELP = "generate text from a prompt (streams to stdout)"
 
 def add_arguments(p):
     p.add_argument("-m", "--model", default=None,
-                   help="model: a GGUF file, a Hugging Face model dir, or a converted store (default: the bundled model)")
+                   help="model: a GGUF file, a Hugging Face model dir, or a converted store "
+                        "(default: the bundled model)%(default).0s")
     src = p.add_mutually_exclusive_group()
-    src.add_argument("-p", "--prompt", default=None, help="prompt text ('-' reads stdin)")
-    src.add_argument("-f", "--file", default=None, help="read the prompt from this file ('-' reads stdin)")
+    src.add_argument("-p", "--prompt", default=None, help="prompt text ('-' reads stdin)%(default).0s")
+    src.add_argument("-f", "--file", default=None, help="read the prompt from this file ('-' reads stdin)%(default).0s")
     p.add_argument("-n", "--n-predict", type=int, default=256, dest="n_predict", help="max tokens to generate")
     p.add_argument("--temp", type=float, default=0.8, help="temperature (0 = greedy)")
     p.add_argument("--top-k", type=int, default=40, help="top-k (0 = off)")
@@ -17,16 +18,16 @@ def add_arguments(p):
     p.add_argument("--min-p", type=float, default=0.05, help="min-p (0 = off)")
     p.add_argument("--repeat-penalty", type=float, default=1.0, help="repetition penalty (1 = off)")
     p.add_argument("--repeat-last-n", type=int, default=64, help="tokens the repetition penalty looks back at")
-    p.add_argument("--seed", type=int, default=None, help="random seed (default: random)")
-    p.add_argument("-t", "--threads", type=int, default=None, help="threads (default: all cores)")
-    p.add_argument("-c", "--ctx", type=int, default=None, help="context size in tokens (default: min(model, 4096))")
-    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    p.add_argument("--system", default=None, help="system message (with --chat)")
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--seed", type=int, default=None, help="random seed (default: random)%(default).0s")
+    p.add_argument("-t", "--threads", type=int, default=None, help="threads (default: all cores)%(default).0s")
+    p.add_argument("-c", "--ctx", type=int, default=None, help="context size in tokens (default: min(model's, 4096))%(default).0s")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template%(default).0s")
+    p.add_argument("--system", default=None, help="system message (with --chat)%(default).0s")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)%(default).0s")
     p.add_argument("--kv", choices=("f16", "f32"), default="f16", help="KV cache precision")
     p.add_argument("--lm-head", choices=("i8", "f16"), default=None,
-                   help="LM head precision when the model gets converted (default: the converter's)")
-    p.add_argument("-v", "--verbose", action="store_true", help="print timings to stderr")
+                   help="LM head precision when the model gets converted (default: the converter's)%(default).0s")
+    p.add_argument("-v", "--verbose", action="store_true", help="print timings to stderr%(default).0s")
 
 
 def _read_prompt(args) -> str:
