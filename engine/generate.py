@@ -102,6 +102,10 @@ def generate(model, tokenizer, prompt_ids: Sequence[int], params: SamplingParams
         raise BitNetError(f"max_tokens {max_tokens}: must be >= 0")
     sampler = Sampler(params, model.config.vocab_size)
     eos = set(tokenizer.eos_ids)
+    # a newer generate() on the same model owns the cache from now on; an older generator that is
+    # resumed afterwards must not decode into it
+    model.generation += 1
+    mine = model.generation
 
     # reuse the cached prefix; the last prompt token is always run, since its logits pick the first token
     n_cached = common_prefix(model.cache_ids, prompt)
@@ -149,6 +153,8 @@ def generate(model, tokenizer, prompt_ids: Sequence[int], params: SamplingParams
         if model.n_past >= model.n_ctx:
             reason = "context"
             break
+        if model.generation != mine:
+            raise BitNetError("this generation was superseded by a newer generate() call on the same model")
         logits = model.decode(tok)
     if reason != "stop":
         rest, _ = matcher.feed(stream.flush())

@@ -156,6 +156,7 @@ class Model:
         self._views: dict[int, _Views] = {1: _Views(self, 1), M: _Views(self, M)}
         self.n_past = 0
         self._cache_ids = np.zeros(n_ctx, np.int32)        # token at every cached position
+        self.generation = 0                                 # bumped by each generate() (engine/generate.py)
 
     # ---- state ----------------------------------------------------------------------------------
     def reset(self):

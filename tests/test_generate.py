@@ -110,3 +110,12 @@ def test_context_overflow_and_full(store):
     toks, _, f = run(llm, list(range(5, 30)), max_tokens=100)
     assert f.finish_reason == "context" and len(toks) == 32 - 25 + 1
     assert llm.model.n_past == 32
+
+
+def test_superseded_generator_stops(llm):
+    p = llm.tokenize("Once upon a time", add_bos=True)
+    old = llm.generate(p, GREEDY, max_tokens=10)
+    next(old)
+    run(llm, llm.tokenize("The sea", add_bos=True), max_tokens=3)
+    with pytest.raises(Exception, match="superseded"):
+        next(old)
