@@ -31,7 +31,7 @@ try:
 except ImportError:  # pragma: no cover - only before the compiled kernels exist (development)
     import simd.reference as K
 
-DEFAULT_CHUNK = 64
+DEFAULT_CHUNK = 128  # prefill rows per GEMM call (measured: 32..256 within 4%, 128 best)
 
 
 class _Layer:

@@ -119,3 +119,11 @@ def test_superseded_generator_stops(llm):
     run(llm, llm.tokenize("The sea", add_bos=True), max_tokens=3)
     with pytest.raises(Exception, match="superseded"):
         next(old)
+
+
+def test_overhead_measurement_runs(llm):
+    from engine.generate import python_overhead_per_step
+
+    llm.generate(llm.tokenize("x", add_bos=True), GREEDY, max_tokens=1)
+    over = python_overhead_per_step(llm.model, n=5)
+    assert 0 < over < 1.0
