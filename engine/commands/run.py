@@ -74,6 +74,10 @@ def main(args) -> int:
     else:
         ids = llm.tokenize(prompt, add_bos=True)
     out = sys.stdout
+    try:  # a non-UTF-8 terminal gets replacement characters, never an encoding traceback
+        out.reconfigure(errors="replace")
+    except (AttributeError, ValueError):
+        pass
     stats = None
     try:
         for chunk in llm.generate(ids, params, max_tokens=args.n_predict, stop=args.stop):
