@@ -15,13 +15,18 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
-def store(tmp_path_factory):
-    return make_synth(tmp_path_factory.mktemp("cli"), seed=21, lm_heads=("f16",))[2]["f16"]
+def synth(tmp_path_factory):
+    return make_synth(tmp_path_factory.mktemp("cli"), seed=21, lm_heads=("f16",))
 
 
-def bitnet(*args, stdin=None, timeout=60):
+@pytest.fixture(scope="module")
+def store(synth):
+    return synth[2]["f16"]
+
+
+def bitnet(*args, stdin=None, timeout=60, env=None):
     return subprocess.run([sys.executable, "-m", "engine", "run", *args], input=stdin, capture_output=True,
-                          text=True, timeout=timeout, cwd=ROOT)
+                          text=True, timeout=timeout, cwd=ROOT, env=env)
 
 
 def api_text(store, ids, n):
@@ -48,6 +53,18 @@ def test_stdout_is_the_generated_text(store, tmp_path):
                "--min-p", "0.01", "--repeat-penalty", "1.1")
     assert a.returncode == 0 and a.stdout == bitnet("-m", store, "-p", prompt, "-n", "16", "--seed", "7", "--top-k", "5",
                                                     "--top-p", "0.9", "--min-p", "0.01", "--repeat-penalty", "1.1").stdout
+
+
+def test_source_model_converted_once_with_lm_head(synth, tmp_path):
+    """-m on an HF dir converts it into the cache (with --lm-head f16 passed through) and runs it."""
+    _, hf_dir, stores = synth
+    env = dict(os.environ, BITNET_CACHE=str(tmp_path / "cache"))
+    llm = load_model(stores["f16"], ctx=256, progress=False)
+    want = api_text(stores["f16"], llm.tokenize("Once", add_bos=True), 10)
+    r = bitnet("-m", hf_dir, "--lm-head", "f16", "-p", "Once", "-n", "10", "--temp", "0", env=env)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == want
+    assert len(os.listdir(tmp_path / "cache")) == 1
 
 
 def test_chat(store):
