@@ -118,8 +118,7 @@ def generate(model, tokenizer, prompt_ids: Sequence[int], params: SamplingParams
     prefill_s = t_prefill - t_start
     prefill_tps = len(todo) / prefill_s if todo and prefill_s > 0 else 0.0
 
-    def stats(n_gen, ttft, t_first, reason):
-        dt = time.perf_counter() - t_first if t_first else 0.0
+    def stats(n_gen, ttft, dt, reason):
         return Stats(n_prompt=len(prompt), n_cached=n_cached, n_generated=n_gen, load_s=load_s, ttft_s=ttft,
                      prefill_tps=prefill_tps, decode_tps=(n_gen - 1) / dt if n_gen > 1 and dt > 0 else 0.0,
                      finish_reason=reason)
@@ -131,19 +130,23 @@ def generate(model, tokenizer, prompt_ids: Sequence[int], params: SamplingParams
     history = list(prompt)
     stream = tokenizer.stream()
     matcher = _StopMatcher(stop)
-    n_gen, ttft, t_first, reason = 0, 0.0, 0.0, None
+    # decode time counts the engine's own work (sampling, detokenizing, decoding), not the consumer's
+    n_gen, ttft, decode_s, reason = 0, 0.0, 0.0, None
+    t0 = t_start
     while True:
         tok = sampler.sample(logits, history)
         n_gen += 1
         if n_gen == 1:
-            t_first = time.perf_counter()
-            ttft = t_first - t_start
+            ttft = time.perf_counter() - t_start
+        else:  # one interval per token after the first: decode of the previous token + this sample
+            decode_s += time.perf_counter() - t0
         if tok in eos:
             reason = "eos"
             break
         history.append(tok)
         text, stopped = matcher.feed(stream.push(tok))
         yield Chunk(text, tok)
+        t0 = time.perf_counter()
         if stopped:
             reason = "stop"
             break
@@ -161,7 +164,7 @@ def generate(model, tokenizer, prompt_ids: Sequence[int], params: SamplingParams
         rest += matcher.flush()
         if rest:
             yield Chunk(rest, None)
-    yield Chunk("", None, reason, stats(n_gen, ttft, t_first, reason))
+    yield Chunk("", None, reason, stats(n_gen, ttft, decode_s, reason))
 
 
 # ---- measurement: `python -m engine.generate MODEL [-t THREADS] [-n N] [--prompt P]` ----------------------
