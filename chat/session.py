@@ -258,8 +258,12 @@ class ChatSession:
         """Feed the whole window to the model now so the next turn starts fast (re-prefill)."""
         if not self.conv.turns and not self.conv.system:
             return
+        from engine.errors import BitNetError
+
         ids = self._fit(generation_prompt=False)
-        if ids is None or not ids:
+        if ids is None:
+            self.out.notice("[the loaded conversation's last turn alone does not fit the context window; "
+                            "it will be trimmed when you ask the next question]")
             return
         t0 = time.perf_counter()
         interrupted = False
@@ -268,6 +272,9 @@ class ChatSession:
                 _prefill(self.llm, ids, self.sampling_params())
             except KeyboardInterrupt:
                 interrupted = True
+            except BitNetError as e:
+                self.out.notice(f"[prefill failed: {e}; the conversation is loaded, the next turn will retry]")
+                return
             interrupted = interrupted or flag.hit
         dt = time.perf_counter() - t0
         self.tokens_in_cache = len(ids)
@@ -359,19 +366,8 @@ class ChatSession:
 
 
 def _prefill(llm, ids: list[int], params) -> None:
-    """Put `ids` in the KV cache without keeping any generated token.
-
-    Asks generate() for max_tokens=0 (see the REQUEST (chat) line in engine/INTERFACES.md); an
-    engine that refuses 0 gets max_tokens=1 and the one sampled token is simply never reused
-    (the next prompt shares every id but that one, so only it is recomputed)."""
-    try:
-        gen = llm.generate(ids, params, max_tokens=0)
-        for _ in gen:
-            pass
-        return
-    except (ValueError, TypeError):
-        pass
-    gen = llm.generate(ids, params, max_tokens=1)
+    """Put `ids` in the KV cache without generating (generate with max_tokens=0, see INTERFACES.md)."""
+    gen = llm.generate(ids, params, max_tokens=0)
     try:
         for _ in gen:
             pass
