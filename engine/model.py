@@ -20,16 +20,12 @@ from __future__ import annotations
 
 import numpy as np
 
+import simd._kernels as K
 import simd._ops as ops
 
 from .config import ModelConfig
 from .errors import BitNetError, ContextOverflowError, FormatError
 from .layout import pad_to, K_ALIGN
-
-try:
-    import simd._kernels as K
-except ImportError:  # pragma: no cover - only before the compiled kernels exist (development)
-    import simd.reference as K
 
 DEFAULT_CHUNK = 128  # prefill rows per GEMM call (measured: 32..256 within 4%, 128 best)
 
