@@ -31,7 +31,8 @@ cdef extern from "kernels.h" nogil:
     void bk_set_num_threads(int n)
     int bk_get_num_threads()
     void bk_init()
-    int bk_chunks_per_thread
+    int bk_use_pool
+    void bk_pool_stats(uint64_t *jobs, uint64_t *worker_chunks)
     void bk_quantize_act(const float *x, int m, int k, int k_pad, int8_t *xq, float *act_scale, int32_t *act_sum)
     void bk_gemv_ternary(const uint8_t *w, const float *row_scale, const int8_t *xq, int k_pad, float act_scale,
                          int32_t act_sum, float *out, int32_t *out_i32, int n)
@@ -94,11 +95,17 @@ def get_num_threads():
     return bk_get_num_threads()
 
 
-def _set_chunks_per_thread(int chunks):
-    """Work split of the threaded kernels (benchmarking): 0 = one contiguous tile range per thread,
-    c > 0 = c contiguous chunks per thread handed out dynamically."""
-    global bk_chunks_per_thread
-    bk_chunks_per_thread = max(0, chunks)
+def _pool_stats():
+    """(jobs run on the worker pool, chunks the workers ran): how much the other threads took part."""
+    cdef uint64_t jobs, chunks
+    bk_pool_stats(&jobs, &chunks)
+    return int(jobs), int(chunks)
+
+
+def _use_thread_pool(bint on):
+    """Threaded kernels on the own worker pool (default) or on OpenMP static regions (for comparison)."""
+    global bk_use_pool
+    bk_use_pool = 1 if on else 0
 
 
 # ---------------------------------------------------------------- argument checks

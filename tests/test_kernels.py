@@ -265,9 +265,9 @@ def test_thread_counts_give_identical_results(isa):
     _, wi, sci, rsi = make_i8(rng, n, k)
     wf = layout.pack_f16(rng.standard_normal((n, k)).astype(np.float16))
     results = []
-    for threads, chunks in ((1, 0), (2, 0), (2, 3)):  # chunks: dynamic split into 3 ranges per thread
+    for threads, pool in ((1, True), (2, True), (2, False)):  # own worker pool, then OpenMP regions
         K.set_num_threads(threads)
-        K._set_chunks_per_thread(chunks)
+        K._use_thread_pool(pool)
         assert K.get_num_threads() == threads
         q = np.empty_like(xq), np.empty_like(s), np.empty_like(sm)
         K.quantize_act(x, *q)
@@ -277,7 +277,7 @@ def test_thread_counts_give_identical_results(isa):
         K.gemv_i8(wi, sci, rsi, xq[0], float(s[0]), o[2])
         K.gemv_f16(wf, x[0], o[3])
         results.append(list(q) + o)
-    K._set_chunks_per_thread(0)
+    K._use_thread_pool(True)
     for other in results[1:]:
         for a, b in zip(results[0], other):
             assert np.array_equal(a, b)
@@ -355,3 +355,64 @@ def test_bench_probes_run():
     buf = np.ones(1 << 20, np.uint8)
     assert isinstance(K.stream_read(buf), int)
     assert K.peak_dot(10) >= 0
+
+
+# ---------------------------------------------------------------- worker pool
+def _pool_case():
+    rng = np.random.default_rng(21)
+    n, k = 2000, 2560
+    _, w, rs = make_ternary(rng, n, k)
+    _, xq, s, sm = quantized(rng, 1, k)
+    ref = np.empty(n, np.float32)
+    K.set_num_threads(1)
+    K.gemv_ternary(w, rs, xq[0], float(s[0]), int(sm[0]), ref)
+    return w, rs, xq, s, sm, ref
+
+
+def test_concurrent_calls_from_python_threads():
+    # the GIL is released: two Python threads may call kernels at once (one gets the pool, one runs alone)
+    import threading
+
+    w, rs, xq, s, sm, ref = _pool_case()
+    K.set_num_threads(2)
+    bad = []
+
+    def worker():
+        out = np.empty_like(ref)
+        for _ in range(50):
+            K.gemv_ternary(w, rs, xq[0], float(s[0]), int(sm[0]), out)
+            if not np.array_equal(out, ref):
+                bad.append(1)
+
+    threads = [threading.Thread(target=worker) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    K.set_num_threads(0)
+    assert not bad and not any(t.is_alive() for t in threads)
+
+
+def test_forked_child_can_use_threaded_kernels():
+    # the pool's workers do not survive fork(); the child must neither hang nor compute garbage
+    import multiprocessing as mp
+
+    w, rs, xq, s, sm, ref = _pool_case()
+    K.set_num_threads(2)
+    out = np.empty_like(ref)
+    K.gemv_ternary(w, rs, xq[0], float(s[0]), int(sm[0]), out)  # workers exist now
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    p = ctx.Process(target=_child_gemv, args=(q, w, rs, xq, s, sm))
+    p.start()
+    got = q.get(timeout=60)
+    p.join(timeout=60)
+    K.set_num_threads(0)
+    assert np.array_equal(got, ref)
+
+
+def _child_gemv(q, w, rs, xq, s, sm):
+    out = np.empty(2000, np.float32)
+    K.set_num_threads(2)
+    K.gemv_ternary(w, rs, xq[0], float(s[0]), int(sm[0]), out)
+    q.put(out)

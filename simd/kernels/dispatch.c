@@ -26,7 +26,6 @@ static bk_features_t features;
 static int features_ready = 0;
 static int current_isa = BK_ISA_SCALAR;
 static int num_threads = 0;
-int bk_chunks_per_thread = 0;
 
 #ifdef BK_X86
 static uint64_t read_xcr0(void) {

@@ -7,7 +7,6 @@
  */
 #include "kernels.h"
 
-#include <omp.h>
 
 #if defined(__x86_64__)
 #include "x86_common.h"
@@ -228,6 +227,24 @@ const bk_gemm_ternary_fn bk_gemm_ternary_bodies[4] = {
 #endif
 };
 
+typedef struct {
+    bk_gemm_ternary_fn fn;
+    const uint8_t *w;
+    const float *row_scale;
+    const int8_t *xq;
+    int m, k_pad;
+    const float *act_scale;
+    const int32_t *act_sum;
+    float *out;
+    int32_t *out_i32;
+    int n;
+} gemm_ternary_job;
+
+static void gemm_ternary_range(void *ctx, int b, int e) {
+    gemm_ternary_job *j = ctx;
+    j->fn(j->w, j->row_scale, j->xq, j->m, j->k_pad, j->act_scale, j->act_sum, j->out, j->out_i32, j->n, b, e);
+}
+
 void bk_gemm_ternary(const uint8_t *w, const float *row_scale, const int8_t *xq, int m, int k_pad,
                      const float *act_scale, const int32_t *act_sum, float *out, int32_t *out_i32, int n) {
     bk_gemm_ternary_fn fn = bk_table.gemm_ternary;
@@ -238,7 +255,6 @@ void bk_gemm_ternary(const uint8_t *w, const float *row_scale, const int8_t *xq,
         fn(w, row_scale, xq, m, k_pad, act_scale, act_sum, out, out_i32, n, 0, n_tiles);
         return;
     }
-#define RANGE(b, e) fn(w, row_scale, xq, m, k_pad, act_scale, act_sum, out, out_i32, n, b, e)
-    BK_PARALLEL_TILES(n_tiles, nt, RANGE);
-#undef RANGE
+    gemm_ternary_job job = {fn, w, row_scale, xq, m, k_pad, act_scale, act_sum, out, out_i32, n};
+    bk_run_tiles(n_tiles, nt, gemm_ternary_range, &job);
 }

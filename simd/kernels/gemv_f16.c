@@ -7,7 +7,6 @@
 #include "kernels.h"
 
 #include <math.h>
-#include <omp.h>
 
 #if defined(__x86_64__)
 #include "x86_common.h"
@@ -158,6 +157,20 @@ const bk_gemv_f16_fn bk_gemv_f16_bodies[4] = {
 #endif
 };
 
+typedef struct {
+    bk_gemv_f16_fn fn;
+    const uint16_t *w;
+    const float *x;
+    int k;
+    float *out;
+    int n;
+} gemv_f16_job;
+
+static void gemv_f16_range(void *ctx, int b, int e) {
+    gemv_f16_job *j = ctx;
+    j->fn(j->w, j->x, j->k, j->out, j->n, b, e);
+}
+
 void bk_gemv_f16(const uint16_t *w, const float *x, int k, float *out, int n) {
     bk_gemv_f16_fn fn = bk_table.gemv_f16;
     int n_tiles = (n + 15) / 16;
@@ -167,7 +180,6 @@ void bk_gemv_f16(const uint16_t *w, const float *x, int k, float *out, int n) {
         fn(w, x, k, out, n, 0, n_tiles);
         return;
     }
-#define RANGE(b, e) fn(w, x, k, out, n, b, e)
-    BK_PARALLEL_TILES(n_tiles, nt, RANGE);
-#undef RANGE
+    gemv_f16_job job = {fn, w, x, k, out, n};
+    bk_run_tiles(n_tiles, nt, gemv_f16_range, &job);
 }

@@ -9,7 +9,6 @@
  */
 #include "kernels.h"
 
-#include <omp.h>
 #include <stdlib.h>
 
 #if defined(__x86_64__)
@@ -137,6 +136,25 @@ const bk_gemv_i8_fn bk_gemv_i8_bodies[4] = {
 #endif
 };
 
+typedef struct {
+    bk_gemv_i8_fn fn;
+    const int8_t *w;
+    const float *row_scale;
+    const int32_t *w_rowsum;
+    const int8_t *xq;
+    const uint8_t *aux;
+    int k_pad;
+    float act_scale;
+    float *out;
+    int32_t *out_i32;
+    int n;
+} gemv_i8_job;
+
+static void gemv_i8_range(void *ctx, int b, int e) {
+    gemv_i8_job *j = ctx;
+    j->fn(j->w, j->row_scale, j->w_rowsum, j->xq, j->aux, j->k_pad, j->act_scale, j->out, j->out_i32, j->n, b, e);
+}
+
 int bk_gemv_i8(const int8_t *w, const float *row_scale, const int32_t *w_rowsum, const int8_t *xq, int k_pad,
                float act_scale, float *out, int32_t *out_i32, int n) {
     bk_gemv_i8_fn fn = bk_table.gemv_i8;
@@ -153,9 +171,8 @@ int bk_gemv_i8(const int8_t *w, const float *row_scale, const int32_t *w_rowsum,
     if (nt <= 1 || (size_t)n_tiles * k_pad < 16 * 4096) {
         fn(w, row_scale, w_rowsum, xq, aux, k_pad, act_scale, out, out_i32, n, 0, n_tiles);
     } else {
-#define RANGE(b, e) fn(w, row_scale, w_rowsum, xq, aux, k_pad, act_scale, out, out_i32, n, b, e)
-        BK_PARALLEL_TILES(n_tiles, nt, RANGE);
-#undef RANGE
+        gemv_i8_job job = {fn, w, row_scale, w_rowsum, xq, aux, k_pad, act_scale, out, out_i32, n};
+        bk_run_tiles(n_tiles, nt, gemv_i8_range, &job);
     }
     if (aux != stack_aux) free(aux);
     return 0;

@@ -8,7 +8,6 @@
  */
 #include "kernels.h"
 
-#include <omp.h>
 #include <string.h>
 
 #if defined(__x86_64__)
@@ -183,6 +182,24 @@ const bk_gemv_ternary_fn bk_gemv_ternary_bodies[4] = {
 #endif
 };
 
+typedef struct {
+    bk_gemv_ternary_fn fn;
+    const uint8_t *w;
+    const float *row_scale;
+    const int8_t *xq;
+    int k_pad;
+    float act_scale;
+    int32_t act_sum;
+    float *out;
+    int32_t *out_i32;
+    int n;
+} gemv_ternary_job;
+
+static void gemv_ternary_range(void *ctx, int b, int e) {
+    gemv_ternary_job *j = ctx;
+    j->fn(j->w, j->row_scale, j->xq, j->k_pad, j->act_scale, j->act_sum, j->out, j->out_i32, j->n, b, e);
+}
+
 void bk_gemv_ternary(const uint8_t *w, const float *row_scale, const int8_t *xq, int k_pad, float act_scale,
                      int32_t act_sum, float *out, int32_t *out_i32, int n) {
     bk_gemv_ternary_fn fn = bk_table.gemv_ternary;
@@ -194,7 +211,6 @@ void bk_gemv_ternary(const uint8_t *w, const float *row_scale, const int8_t *xq,
         fn(w, row_scale, xq, k_pad, act_scale, act_sum, out, out_i32, n, 0, n_tiles);
         return;
     }
-#define RANGE(b, e) fn(w, row_scale, xq, k_pad, act_scale, act_sum, out, out_i32, n, b, e)
-    BK_PARALLEL_TILES(n_tiles, nt, RANGE);
-#undef RANGE
+    gemv_ternary_job job = {fn, w, row_scale, xq, k_pad, act_scale, act_sum, out, out_i32, n};
+    bk_run_tiles(n_tiles, nt, gemv_ternary_range, &job);
 }

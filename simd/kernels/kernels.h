@@ -15,7 +15,6 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
-#include <omp.h>
 
 #define BK_TILE_ROWS 16
 
@@ -99,11 +98,7 @@ static inline void bk_split(int n_tiles, int n_parts, int p, int *b, int *e) {
     *e = *b + base + (p < rem ? 1 : 0);
 }
 
-/* Work split of the threaded drivers: 0 = one contiguous range per thread (static); c > 0 = c contiguous
- * chunks per thread handed out dynamically, so a thread whose core is busy with another process does not
- * hold up the others. Ranges are rounded to 4 tiles (the bodies' interleave width). */
-extern int bk_chunks_per_thread;
-
+/* Ranges of tiles (or rows) are rounded to 4 (the unit of the work split). */
 static inline void bk_split_units(int n_tiles, int parts, int p, int *b, int *e) {
     int units = (n_tiles + 3) / 4;
     bk_split(units, parts, p, b, e);
@@ -111,26 +106,13 @@ static inline void bk_split_units(int n_tiles, int parts, int p, int *b, int *e)
     *e = *e * 4 < n_tiles ? *e * 4 : n_tiles;
 }
 
-/* Run RANGE(b, e) (a macro of the caller) over tiles [0, n_tiles) on nt threads. */
-#define BK_PARALLEL_TILES(n_tiles, nt, RANGE)                                                     \
-    do {                                                                                          \
-        int chunks_ = bk_chunks_per_thread > 0 ? (nt) * bk_chunks_per_thread : (nt);              \
-        if (chunks_ > ((n_tiles) + 3) / 4) chunks_ = ((n_tiles) + 3) / 4;                         \
-        if (chunks_ <= (nt)) {                                                                    \
-            _Pragma("omp parallel num_threads(nt)") {                                             \
-                int b_, e_;                                                                       \
-                bk_split_units(n_tiles, omp_get_num_threads(), omp_get_thread_num(), &b_, &e_);   \
-                RANGE(b_, e_);                                                                    \
-            }                                                                                     \
-        } else {                                                                                  \
-            _Pragma("omp parallel for num_threads(nt) schedule(dynamic, 1)")                      \
-            for (int c_ = 0; c_ < chunks_; c_++) {                                                \
-                int b_, e_;                                                                       \
-                bk_split_units(n_tiles, chunks_, c_, &b_, &e_);                                   \
-                RANGE(b_, e_);                                                                    \
-            }                                                                                     \
-        }                                                                                         \
-    } while (0)
+/* threadpool.c: run fn(ctx, b, e) over [0, n_tiles) on nt threads (the caller included). bk_use_pool = 0
+ * uses an OpenMP parallel region with one contiguous range per thread instead (for comparison). */
+typedef void (*bk_range_fn)(void *ctx, int tile_begin, int tile_end);
+extern int bk_use_pool;
+void bk_parallel_tiles(int n_tiles, int nt, bk_range_fn fn, void *ctx);
+void bk_run_tiles(int n_tiles, int nt, bk_range_fn fn, void *ctx);
+void bk_pool_stats(uint64_t *jobs, uint64_t *worker_chunks);
 
 /* Finish a 16-row tile whose int32 dots are in dots[16] (partial last tiles and scalar bodies). */
 static inline void bk_store_tile(const int32_t *dots, int row0, int n, const float *row_scale, float act_scale,

@@ -159,13 +159,23 @@ const bk_quantize_fn bk_quantize_bodies[4] = {
 #endif
 };
 
+typedef struct {
+    bk_quantize_fn fn;
+    const float *x;
+    int k, k_pad;
+    int8_t *xq;
+    float *act_scale;
+    int32_t *act_sum;
+} quantize_job;
+
+static void quantize_rows(void *ctx, int b, int e) {
+    quantize_job *j = ctx;
+    for (int r = b; r < e; r++)
+        j->fn(j->x + (size_t)r * j->k, j->k, j->k_pad, j->xq + (size_t)r * j->k_pad, j->act_scale + r, j->act_sum + r);
+}
+
 void bk_quantize_act(const float *x, int m, int k, int k_pad, int8_t *xq, float *act_scale, int32_t *act_sum) {
-    bk_quantize_fn fn = bk_table.quantize_act;
-    int nt = bk_get_num_threads();
-    if (m < 4 || nt <= 1) {
-        for (int r = 0; r < m; r++) fn(x + (size_t)r * k, k, k_pad, xq + (size_t)r * k_pad, act_scale + r, act_sum + r);
-        return;
-    }
-#pragma omp parallel for num_threads(nt) schedule(static)
-    for (int r = 0; r < m; r++) fn(x + (size_t)r * k, k, k_pad, xq + (size_t)r * k_pad, act_scale + r, act_sum + r);
+    quantize_job job = {bk_table.quantize_act, x, k, k_pad, xq, act_scale, act_sum};
+    /* rows in units of 4; a single short row is not worth a thread hand-off */
+    bk_run_tiles(m, (size_t)m * k < 32768 ? 1 : bk_get_num_threads(), quantize_rows, &job);
 }
