@@ -123,7 +123,10 @@ def main(argv=None):
     ap.add_argument("--no-head", action="store_true", help="skip the LM head")
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                     help="cpu: time 1-thread runs with the thread's CPU time (for a machine shared with other jobs)")
+    ap.add_argument("--openmp", action="store_true",
+                    help="threaded kernels on OpenMP regions instead of the kernels' worker pool (comparison)")
     a = ap.parse_args(argv)
+    K._use_thread_pool(not a.openmp)
     global CLOCK
     CLOCK = time.thread_time if a.clock == "cpu" else time.perf_counter
     thread_list = [int(t) for t in a.threads.split(",")]
@@ -212,6 +215,10 @@ def main(argv=None):
     K.set_num_threads(1)
     sec = timed(lambda: K.gemv_ternary(w16, r16, xq, 1.0, 0, o16), min_time=0.2, max_calls=200000)
     print(f"\ncall overhead (16x64 gemv_ternary, 1 thread): {sec * 1e6:.2f} us")
+    jobs, worker_chunks = K._pool_stats()
+    if jobs:
+        print(f"worker pool: {jobs} threaded calls, {worker_chunks} of their ~{jobs * 32} chunks ran on the worker "
+              "(the rest on the calling thread: a busy core makes the caller do more)")
     print(f"load average at end: {os.getloadavg()[0]:.1f}")
     if K.active() == "avx512":
         print("peak assumed: 1 vpdpbusd zmm per cycle per core (Zen 4 runs it as 2 x 256 bit) = 64 int8 MAC/cycle;\n"
