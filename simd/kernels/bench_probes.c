@@ -2,7 +2,8 @@
  *   bk_stream_read: the streaming read bandwidth (the bound of a memory-bound GEMV), vector loads over a
  *     buffer split into contiguous per-thread ranges like the kernels split their tiles;
  *   bk_peak_dot: the int8 dot-product peak of the active path from a register-only loop (no loads): the
- *     bound of the compute-bound GEMM. Returns MACs done through *macs.
+ *     bound of the compute-bound GEMM (MACs per iteration: bk_peak_dot_macs_per_iter).
+ * Both use an OpenMP region so that all threads run at once (what a limit should measure).
  */
 #include "kernels.h"
 

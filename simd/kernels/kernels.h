@@ -5,8 +5,8 @@
  * body per job once (cpuid + xgetbv, or BITNET_ISA / bk_set_isa) and caches it in bk_table; a job whose
  * ISA body is missing keeps the scalar one, so a kernel is never absent.
  *
- * Bodies work on a contiguous range of 16-row tiles [tile_begin, tile_end); the public bk_* drivers split
- * the tiles across OpenMP threads in contiguous ranges (each thread streams its own part of the weights).
+ * Bodies work on a contiguous range of 16-row tiles [tile_begin, tile_end); the public bk_* drivers hand
+ * contiguous chunks of tiles to the worker pool of threadpool.c (the calling thread works too).
  * Pointers need no particular alignment (all vector loads are unaligned loads).
  */
 #ifndef BITNET_KERNELS_H
