@@ -302,8 +302,8 @@ def test_piped_bad_command_hints_and_exits_1(chat_model, tmp_path):
 
 def test_context_overflow_drops_oldest_turns_keeps_system(chat_model, tmp_path):
     path = tmp_path / "long.json"
-    questions = "".join(f"Question number {i}: " + "tell me more about it " * 6 + "\n" for i in range(8))
-    r = run_piped(chat_model, tmp_path, questions + f"/save {path}\n", "-c", "160", "--system", "Be brief.")
+    questions = "".join(f"Question number {i}: tell me more about it, please.\n" for i in range(8))
+    r = run_piped(chat_model, tmp_path, questions + f"/save {path}\n", "-c", "128", "--system", "Be brief.")
     assert r.returncode == 0, r.stderr
     assert "dropped the" in r.stderr and "Traceback" not in r.stderr
     saved = json.loads(path.read_text())
