@@ -3,8 +3,9 @@
  *   out[n] = ((float)dot[n] / act_scale) * row_scale[n]
  * A 64-byte block holds 16 rows x 16 columns; (block >> 2i) & 3 is 16 rows x 4 columns (4i..4i+3), one
  * dword per row: exactly the operand of vpdpbusd (u8 codes x s8 activations broadcast to every lane).
- * Decode is memory-bound, so the bodies interleave several tiles (independent accumulator chains, several
- * prefetch streams) and share the activation broadcasts between them.
+ * Decode is memory-bound: the bodies read one tile at a time (a single sequential stream) with enough
+ * independent accumulators to keep the loads flowing; unpacking costs well under the DRAM time
+ * (AVX-512: ~52 GB/s from L2 on one core vs ~33 GB/s streaming from DRAM).
  */
 #include "kernels.h"
 
