@@ -111,8 +111,8 @@ def random_ternary_packed(rng, n, k, copies):
 def row(name, m, threads, sec, wbytes, ops, limit, limit_kind):
     gbs = wbytes / sec / 1e9
     gops = ops / sec / 1e9
-    pct = (gbs if limit_kind == "bw" else gops) / limit * 100
-    print(f"{name:26s} {m:>4d} {threads:>3d} {sec * 1e6:>10.1f} {gbs:>8.1f} {gops:>8.1f} {pct:>6.0f}% {limit_kind}")
+    pct = f"{(gbs if limit_kind == 'bw' else gops) / limit * 100:>6.0f}%" if limit > 0 else "    n/a"
+    print(f"{name:26s} {m:>4d} {threads:>3d} {sec * 1e6:>10.1f} {gbs:>8.1f} {gops:>8.1f} {pct} {limit_kind}")
 
 
 def main(argv=None):

@@ -45,7 +45,7 @@ cdef extern from "kernels.h" nogil:
     int64_t bk_peak_dot(long iters)
     int64_t bk_peak_dot_macs_per_iter()
 
-ISA_NAMES = ("scalar", "avx2", "avx512", "neon")
+ISA_NAMES = ("scalar", "avx2", "avx512", "neon", "avxvnni")
 cdef Py_ssize_t MAX_DIM = 1 << 30
 # int32 accumulators of the AVX-512 ternary GEMV hold 64x a partial dot: exact up to K_pad = 2^18
 MAX_K_PAD = 1 << 18
@@ -69,7 +69,7 @@ def supported_isas():
 
 
 def active():
-    """The path in use: "avx512" | "avx2" | "scalar" | "neon"."""
+    """The path in use: "avx512" | "avxvnni" | "avx2" | "scalar" | "neon"."""
     return ISA_NAMES[bk_get_isa()]
 
 

@@ -12,6 +12,6 @@ def main(args) -> int:
     feats = simd.features()
     print(f"features: {feats}")
     print(f"active:   {simd.active()}")
-    print(f"paths:    {', '.join(simd.supported_isas())} (force one with BITNET_ISA=scalar|avx2|avx512)")
+    print(f"paths:    {', '.join(simd.supported_isas())} (force one with BITNET_ISA=scalar|avx2|avxvnni|avx512)")
     print(f"threads:  {simd.get_num_threads()}")
     return 0

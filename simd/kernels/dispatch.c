@@ -90,26 +90,33 @@ int bk_isa_supported(int isa) {
     case BK_ISA_AVX2: return f->avx2 && f->fma && f->f16c;
     case BK_ISA_AVX512: return f->avx512f && f->avx512bw && f->avx512vl && f->avx512vnni && f->f16c && f->fma;
     case BK_ISA_NEON: return f->neon && f->dotprod;
+    case BK_ISA_AVXVNNI: /* the VEX encoding, or its AVX512-VL twin (same algorithm) */
+        return f->avx2 && f->fma && f->f16c && (f->avxvnni || (f->avx512vnni && f->avx512vl));
     default: return 0;
     }
 }
 
 int bk_best_isa(void) {
     if (bk_isa_supported(BK_ISA_AVX512)) return BK_ISA_AVX512;
+    if (bk_get_features()->avxvnni && bk_isa_supported(BK_ISA_AVXVNNI)) return BK_ISA_AVXVNNI;
     if (bk_isa_supported(BK_ISA_AVX2)) return BK_ISA_AVX2;
     if (bk_isa_supported(BK_ISA_NEON)) return BK_ISA_NEON;
     return BK_ISA_SCALAR;
 }
 
-/* Per job: the body of the chosen ISA if compiled in, else the scalar reference (never NULL). */
+/* Per job: the body of the chosen ISA if compiled in, else that of the next path down (avxvnni -> avx2,
+ * avx512 -> avx2), else the scalar reference: never NULL. */
 void bk_fill_table(bk_table_t *t, int isa) {
-#define PICK(field, bodies) t->field = bodies[isa] ? bodies[isa] : bodies[BK_ISA_SCALAR]
+    int down = (isa == BK_ISA_AVXVNNI || isa == BK_ISA_AVX512) ? BK_ISA_AVX2 : BK_ISA_SCALAR;
+#define PICK(field, bodies) \
+    t->field = bodies[isa] ? bodies[isa] : bodies[down] ? bodies[down] : bodies[BK_ISA_SCALAR]
     PICK(quantize_act, bk_quantize_bodies);
     PICK(gemv_ternary, bk_gemv_ternary_bodies);
     PICK(gemm_ternary, bk_gemm_ternary_bodies);
     PICK(gemv_i8, bk_gemv_i8_bodies);
     PICK(gemv_f16, bk_gemv_f16_bodies);
 #undef PICK
+    if (isa == BK_ISA_AVXVNNI) bk_fill_avxvnni(t, bk_get_features()->avxvnni);
 }
 
 int bk_set_isa(int isa) {

@@ -215,7 +215,7 @@ static void gemm_ternary_neon(const uint8_t *w, const float *row_scale, const in
 }
 #endif
 
-const bk_gemm_ternary_fn bk_gemm_ternary_bodies[4] = {
+const bk_gemm_ternary_fn bk_gemm_ternary_bodies[BK_N_ISA] = {
     [BK_ISA_SCALAR] = gemm_ternary_scalar,
 #if defined(__x86_64__)
     [BK_ISA_AVX2] = gemm_ternary_avx2,

@@ -146,7 +146,7 @@ static void gemv_f16_neon(const uint16_t *w, const float *x, int k, float *out, 
 }
 #endif
 
-const bk_gemv_f16_fn bk_gemv_f16_bodies[4] = {
+const bk_gemv_f16_fn bk_gemv_f16_bodies[BK_N_ISA] = {
     [BK_ISA_SCALAR] = gemv_f16_scalar,
 #if defined(__x86_64__)
     [BK_ISA_AVX2] = gemv_f16_avx2,

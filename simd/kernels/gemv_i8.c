@@ -125,7 +125,7 @@ static void gemv_i8_neon(const int8_t *w, const float *row_scale, const int32_t 
 }
 #endif
 
-const bk_gemv_i8_fn bk_gemv_i8_bodies[4] = {
+const bk_gemv_i8_fn bk_gemv_i8_bodies[BK_N_ISA] = {
     [BK_ISA_SCALAR] = gemv_i8_scalar,
 #if defined(__x86_64__)
     [BK_ISA_AVX2] = gemv_i8_avx2,

@@ -172,7 +172,7 @@ static void gemv_ternary_neon(const uint8_t *w, const float *row_scale, const in
 }
 #endif
 
-const bk_gemv_ternary_fn bk_gemv_ternary_bodies[4] = {
+const bk_gemv_ternary_fn bk_gemv_ternary_bodies[BK_N_ISA] = {
     [BK_ISA_SCALAR] = gemv_ternary_scalar,
 #if defined(__x86_64__)
     [BK_ISA_AVX2] = gemv_ternary_avx2,

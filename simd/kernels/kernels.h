@@ -18,7 +18,8 @@
 
 #define BK_TILE_ROWS 16
 
-enum bk_isa { BK_ISA_SCALAR = 0, BK_ISA_AVX2 = 1, BK_ISA_AVX512 = 2, BK_ISA_NEON = 3 };
+enum bk_isa { BK_ISA_SCALAR = 0, BK_ISA_AVX2 = 1, BK_ISA_AVX512 = 2, BK_ISA_NEON = 3, BK_ISA_AVXVNNI = 4 };
+#define BK_N_ISA 5
 
 /* CPU features seen by the dispatcher (cpuid bits AND the OS saving the matching register state). */
 typedef struct {
@@ -61,13 +62,15 @@ int bk_get_num_threads(void);
 void bk_init(void);
 /* The scalar body of every job (the reference) and the per-ISA bodies (NULL when not compiled in). */
 void bk_fill_table(bk_table_t *t, int isa);
+/* ternary_avxvnni.c: the 256-bit VNNI ternary bodies (vex: AVX-VNNI encoding, else the AVX512-VL twin) */
+void bk_fill_avxvnni(bk_table_t *t, int vex);
 
 /* per-job tables filled by each file: entry [isa] or NULL */
-extern const bk_quantize_fn bk_quantize_bodies[4];
-extern const bk_gemv_ternary_fn bk_gemv_ternary_bodies[4];
-extern const bk_gemm_ternary_fn bk_gemm_ternary_bodies[4];
-extern const bk_gemv_i8_fn bk_gemv_i8_bodies[4];
-extern const bk_gemv_f16_fn bk_gemv_f16_bodies[4];
+extern const bk_quantize_fn bk_quantize_bodies[BK_N_ISA];
+extern const bk_gemv_ternary_fn bk_gemv_ternary_bodies[BK_N_ISA];
+extern const bk_gemm_ternary_fn bk_gemm_ternary_bodies[BK_N_ISA];
+extern const bk_gemv_i8_fn bk_gemv_i8_bodies[BK_N_ISA];
+extern const bk_gemv_f16_fn bk_gemv_f16_bodies[BK_N_ISA];
 
 /* Threaded drivers (GIL must already be released by the caller). */
 void bk_quantize_act(const float *x, int m, int k, int k_pad, int8_t *xq, float *act_scale, int32_t *act_sum);

@@ -148,7 +148,7 @@ static void quantize_act_neon(const float *x, int k, int k_pad, int8_t *xq, floa
 }
 #endif
 
-const bk_quantize_fn bk_quantize_bodies[4] = {
+const bk_quantize_fn bk_quantize_bodies[BK_N_ISA] = {
     [BK_ISA_SCALAR] = quantize_act_scalar,
 #if defined(__x86_64__)
     [BK_ISA_AVX2] = quantize_act_avx2,
