@@ -146,6 +146,10 @@ def run_repl(session: ChatSession) -> int:
         empty_interrupts[0] = 0
         if not text.strip():
             continue
-        if not handle_line(session, text):
-            break
+        try:
+            if not handle_line(session, text):
+                break
+        except KeyboardInterrupt:   # Ctrl-C outside an answer (e.g. while rendering the prompt)
+            session.out.end_answer()
+            session.out.notice("[interrupted]")
     return 0
