@@ -148,11 +148,52 @@ def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * p)))
 
 
+# phase 2 (addition-heavy): stories / chat / bare addition rows. Phase 1 teaches the language; addition
+# needs many more examples than it gets there (measured: ~20% right after phase 1).
+PHASE2_MIX = (0.15, 0.20, 0.65)
+# phase 3: still more addition at a lower learning rate (after phase 2 the units digit is often off by one)
+PHASE3_MIX = (0.10, 0.15, 0.75)
+
+
+def train_phase(model, stream, steps, peak_lr, args, tag, val_batches, save_partial):
+    decay = [p for n, p in model.named_parameters() if p.dim() == 2 and "embed" not in n]
+    other = [p for n, p in model.named_parameters() if not (p.dim() == 2 and "embed" not in n)]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.05}, {"params": other, "weight_decay": 0.0}],
+                            lr=peak_lr, betas=(0.9, 0.95), eps=1e-8)
+    warmup = max(1, min(60, steps // 10))
+    model.train()
+    fwd_loss = torch.compile(loss_of) if args.compile else loss_of
+    t_start = time.time()
+    for step in range(args.bench or steps):
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, steps, peak_lr, warmup)
+        ids, mask = stream.batch(args.batch)
+        loss = fwd_loss(model, ids, mask)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        if step % 25 == 0 or step == steps - 1 or args.bench:
+            el = time.time() - t_start
+            print(f"{tag} step {step} loss {loss.item():.4f} lr {opt.param_groups[0]['lr']:.2e} "
+                  f"{(step + 1) / el:.2f} steps/s elapsed {el:.0f}s", flush=True)
+        if args.eval_every and step and step % args.eval_every == 0:
+            print(f"{tag} step {step} val_loss {validation_loss(model, val_batches):.4f}", flush=True)
+            save_partial(step)
+    model.eval()
+
+
 def main(argv=None) -> int:
     here = os.path.dirname(os.path.abspath(__file__))
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--steps", type=int, default=800)
+    ap.add_argument("--steps2", type=int, default=800, help="addition-heavy phase 2 steps")
+    ap.add_argument("--lr2", type=float, default=2e-3)
+    ap.add_argument("--steps3", type=int, default=1500, help="phase 3 steps (addition-heavy, lower lr)")
+    ap.add_argument("--lr3", type=float, default=1e-3)
+    ap.add_argument("--resume", default=None, help="checkpoint of a phase boundary (<ckpt>.phaseN)")
+    ap.add_argument("--resume-phases", type=int, default=1, help="phases already done in --resume")
     ap.add_argument("--batch", type=int, default=12)
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--lr", type=float, default=3e-3)
@@ -168,6 +209,7 @@ def main(argv=None) -> int:
     ap.add_argument("--eval-every", type=int, default=100)
     ap.add_argument("--no-final-eval", action="store_true", help="skip the 10,000-pair accuracy sweep")
     ap.add_argument("--compile", type=int, default=0, help="torch.compile the training step (fuses the quantization ops)")
+    ap.add_argument("--from-ckpt", default=None, help="skip training: export + evaluate this checkpoint")
     ap.add_argument("--bench", type=int, default=0, help="only time this many steps and exit")
     args = ap.parse_args(argv)
 
@@ -182,6 +224,12 @@ def main(argv=None) -> int:
                      n_layers=args.layers, n_heads=args.heads, n_kv_heads=args.kv_heads,
                      max_position_embeddings=max(512, args.seq_len))
     model = TinyBitNet(cfg)
+    trained_steps = args.steps
+    if args.from_ckpt:
+        ck = torch.load(args.from_ckpt, map_location="cpu")
+        model.load_state_dict(ck["state"])
+        trained_steps = ck.get("step", ck.get("args", {}).get("steps"))
+        args.steps = 0
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: {cfg.to_dict()} params {n_params / 1e6:.2f}M", flush=True)
 
@@ -190,33 +238,28 @@ def main(argv=None) -> int:
     val_stream = RowStream(tok, args.seed * 1000 + 3, args.seq_len, heldout_pairs)
     val_batches = [val_stream.batch(args.batch) for _ in range(4)]
 
-    decay = [p for n, p in model.named_parameters() if p.dim() == 2 and "embed" not in n]
-    other = [p for n, p in model.named_parameters() if not (p.dim() == 2 and "embed" not in n)]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.05}, {"params": other, "weight_decay": 0.0}],
-                            lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
-    warmup = max(1, min(60, args.steps // 10))
     ckpt = args.ckpt or os.path.join(tempfile.gettempdir(), os.path.basename(args.out.rstrip("/")) + ".ckpt.pt")
-    model.train()
-    fwd_loss = torch.compile(loss_of) if args.compile else loss_of
     t_start = time.time()
-    for step in range(args.steps if not args.bench else args.bench):
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, args.steps, args.lr, warmup)
-        ids, mask = stream.batch(args.batch)
-        loss = fwd_loss(model, ids, mask)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        if step % 25 == 0 or step == args.steps - 1 or args.bench:
-            el = time.time() - t_start
-            print(f"step {step} loss {loss.item():.4f} lr {opt.param_groups[0]['lr']:.2e} "
-                  f"{(step + 1) / el:.2f} steps/s elapsed {el:.0f}s", flush=True)
-        if args.eval_every and step and step % args.eval_every == 0:
-            print(f"step {step} val_loss {validation_loss(model, val_batches):.4f}", flush=True)
-            torch.save({"config": cfg.to_dict(), "state": model.state_dict(), "step": step}, ckpt + ".partial")
-    if args.bench:
-        return 0
+    phases = [("phase1", args.steps, args.lr, stream),
+              ("phase2", args.steps2, args.lr2,
+               RowStream(tok, args.seed * 1000 + 4, args.seq_len, train_pairs, mix=PHASE2_MIX)),
+              ("phase3", args.steps3, args.lr3,
+               RowStream(tok, args.seed * 1000 + 5, args.seq_len, train_pairs, mix=PHASE3_MIX))]
+    if args.resume:
+        ck = torch.load(args.resume, map_location="cpu")
+        model.load_state_dict(ck["state"])
+        print(f"resumed from {args.resume}: skipping {args.resume_phases} phase(s)", flush=True)
+    for k, (tag, steps, lr, st) in enumerate(phases if not args.from_ckpt else []):
+        if args.resume and k < args.resume_phases:
+            continue
+        train_phase(model, st, steps, lr, args, tag, val_batches,
+                    lambda step, tag=tag: torch.save({"config": cfg.to_dict(), "state": model.state_dict(),
+                                                      "step": f"{tag}:{step}"}, ckpt + ".partial"))
+        if args.bench:
+            return 0
+        # phase boundary: what is exported so far (bf16 embeddings/norms), a fresh optimizer next phase
+        model.round_to_export_precision()
+        torch.save({"config": cfg.to_dict(), "state": model.state_dict(), "args": vars(args)}, f"{ckpt}.{tag}")
     print(f"training done in {time.time() - t_start:.0f}s", flush=True)
 
     model.round_to_export_precision()
@@ -225,7 +268,8 @@ def main(argv=None) -> int:
     from models.export import export_hf_dir
     export_hf_dir(model, tok, args.out, chat_template=CHAT_TEMPLATE)
     print(f"exported to {args.out} (checkpoint {ckpt})", flush=True)
-    report = {"val_loss": validation_loss(model, val_batches), "steps": args.steps, "seed": args.seed,
+    report = {"val_loss": validation_loss(model, val_batches), "steps": [trained_steps, args.steps2, args.steps3],
+              "seed": args.seed,
               "params": n_params, "train_seconds": round(time.time() - t_start)}
     print(f"final val_loss {report['val_loss']:.4f}", flush=True)
     if not args.no_final_eval:
