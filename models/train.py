@@ -190,7 +190,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=800)
     ap.add_argument("--steps2", type=int, default=800, help="addition-heavy phase 2 steps")
     ap.add_argument("--lr2", type=float, default=2e-3)
-    ap.add_argument("--steps3", type=int, default=1500, help="phase 3 steps (addition-heavy, lower lr)")
+    ap.add_argument("--steps3", type=int, default=0, help="optional phase 3 steps (addition-heavy, lower lr; not in the shipped run)")
     ap.add_argument("--lr3", type=float, default=1e-3)
     ap.add_argument("--resume", default=None, help="checkpoint of a phase boundary (<ckpt>.phaseN)")
     ap.add_argument("--resume-phases", type=int, default=1, help="phases already done in --resume")
