@@ -21,29 +21,6 @@
 
 /* ---------- f16 <-> f32, scalar (round to nearest even, like F16C and numpy) ---------- */
 
-static inline float h2f(uint16_t h) {
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
-    if (exp == 0) {
-        if (man == 0) {
-            bits = sign;
-        } else {
-            int e = -1;
-            do {
-                e++;
-                man <<= 1;
-            } while (!(man & 0x400));
-            bits = sign | ((uint32_t)(112 - e) << 23) | ((man & 0x3ff) << 13);
-        }
-    } else if (exp == 31) {
-        bits = sign | 0x7f800000u | (man << 13);
-    } else {
-        bits = sign | ((exp + 112) << 23) | (man << 13);
-    }
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
 static inline uint16_t f2h(float f) {
     uint32_t x;
     memcpy(&x, &f, 4);
@@ -181,7 +158,7 @@ static void scores_scalar(const float *const *q, int R, const void *kt, int f16,
             const int64_t base = (int64_t)(t / KT_BLOCK) * hd * KT_BLOCK + t % KT_BLOCK;
             for (int i = 0; i < hd; i++) {
                 const int64_t at = base + (int64_t)i * KT_BLOCK;
-                d += q[j][i] * (f16 ? h2f(((const uint16_t *)kt)[at]) : ((const float *)kt)[at]);
+                d += q[j][i] * (f16 ? ops_half_to_float(((const uint16_t *)kt)[at]) : ((const float *)kt)[at]);
             }
             sc[j][t] = d * scale;
         }
@@ -191,7 +168,7 @@ static void wsum_scalar(const float *p, const void *vc, int f16, int n, int hd, 
     for (int t = 0; t < n; t++) {
         if (f16) {
             const uint16_t *v = KROW16(vc, t, hd);
-            for (int i = 0; i < hd; i++) out[i] += p[t] * h2f(v[i]);
+            for (int i = 0; i < hd; i++) out[i] += p[t] * ops_half_to_float(v[i]);
         } else {
             const float *v = KROW32(vc, t, hd);
             for (int i = 0; i < hd; i++) out[i] += p[t] * v[i];
@@ -205,7 +182,7 @@ AVX2_FN static inline __m256 load8(const void *base, int f16, int64_t off, int v
         return f16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)base + off)))
                    : _mm256_loadu_ps((const float *)base + off);
     float tmp[8] = {0};
-    for (int i = 0; i < valid; i++) tmp[i] = f16 ? h2f(((const uint16_t *)base)[off + i]) : ((const float *)base)[off + i];
+    for (int i = 0; i < valid; i++) tmp[i] = f16 ? ops_half_to_float(((const uint16_t *)base)[off + i]) : ((const float *)base)[off + i];
     return _mm256_loadu_ps(tmp);
 }
 AVX2_FN static void scores_avx2(const float *const *q, int R, const void *kt, int f16, int n, int hd, float scale,

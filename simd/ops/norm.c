@@ -275,34 +275,12 @@ void ops_glu_rmsnorm_quant(float *gu, int m, int inter, int act, const float *w,
     }
 }
 
-static inline float half_to_float(uint16_t h) {
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
-    if (exp == 0) {
-        if (man == 0) {
-            bits = sign;
-        } else { /* subnormal: renormalize */
-            int e = -1;
-            do {
-                e++;
-                man <<= 1;
-            } while (!(man & 0x400));
-            bits = sign | ((uint32_t)(112 - e) << 23) | ((man & 0x3ff) << 13);
-        }
-    } else if (exp == 31) {
-        bits = sign | 0x7f800000u | (man << 13);
-    } else {
-        bits = sign | ((exp + 112) << 23) | (man << 13);
-    }
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
 
 #if defined(__x86_64__)
 __attribute__((target("avx2,f16c"))) static void f16_row_avx2(const uint16_t *src, int d, float *dst) {
     int i = 0;
     for (; i + 8 <= d; i += 8) _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i))));
-    for (; i < d; i++) dst[i] = half_to_float(src[i]);
+    for (; i < d; i++) dst[i] = ops_half_to_float(src[i]);
 }
 #endif
 
@@ -318,7 +296,7 @@ int ops_embed_f16(const uint16_t *table, int64_t vocab, int d, const int32_t *id
             continue;
         }
 #endif
-        for (int i = 0; i < d; i++) dst[i] = half_to_float(src[i]);
+        for (int i = 0; i < d; i++) dst[i] = ops_half_to_float(src[i]);
     }
     return -1;
 }

@@ -9,6 +9,31 @@
 #define BITNET_OPS_H
 
 #include <stdint.h>
+#include <string.h>
+
+/* f16 -> f32, scalar (exact; subnormals renormalized): shared by the attention and embedding code */
+static inline float ops_half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0) {
+        if (man == 0) {
+            bits = sign;
+        } else {
+            int e = -1;
+            do {
+                e++;
+                man <<= 1;
+            } while (!(man & 0x400));
+            bits = sign | ((uint32_t)(112 - e) << 23) | ((man & 0x3ff) << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
 
 enum { OPS_ISA_SCALAR = 0, OPS_ISA_AVX2 = 1, OPS_ISA_AVX512 = 2 };
 enum { OPS_ACT_RELU2 = 0, OPS_ACT_SILU = 1 };
