@@ -15,13 +15,13 @@ Layout facts: shared FORMATS.md §3. dims[0] is the fastest axis; TensorInfo.sha
 """
 from __future__ import annotations
 
-import mmap
 import os
 import struct
 from dataclasses import dataclass
 
 import numpy as np
 
+from .fileio import map_readonly
 from .errors import FormatError, UnsupportedError
 
 GGUF_MAGIC = b"GGUF"
@@ -149,18 +149,7 @@ class _Cursor:
 class GGUFFile:
     def __init__(self, path: str | os.PathLike):
         self.path = os.fspath(path)
-        try:
-            fh = open(self.path, "rb")
-        except OSError as e:
-            raise FormatError(f"{self.path}: cannot open: {e.strerror}") from None
-        with fh:
-            size = os.fstat(fh.fileno()).st_size
-            if size < 24:
-                raise FormatError(f"{self.path}: not a GGUF file (only {size} bytes)")
-            try:
-                self._mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
-            except (OSError, ValueError) as e:
-                raise FormatError(f"{self.path}: cannot map file: {e}") from None
+        self._mm, size = map_readonly(self.path, 24, "GGUF file")
         self.size = size
         try:
             self._parse()

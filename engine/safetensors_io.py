@@ -8,12 +8,12 @@ zero-copy numpy views (bf16 as raw uint16 plus a converter), for single files an
 from __future__ import annotations
 
 import json
-import mmap
 import os
 import struct
 
 import numpy as np
 
+from .fileio import map_readonly
 from .errors import FormatError, UnsupportedError
 
 MAX_HEADER = 100 << 20
@@ -31,15 +31,7 @@ def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
 class SafetensorsFile:
     def __init__(self, path: str | os.PathLike):
         self.path = os.fspath(path)
-        try:
-            fh = open(self.path, "rb")
-        except OSError as e:
-            raise FormatError(f"{self.path}: cannot open: {e.strerror}") from None
-        with fh:
-            size = os.fstat(fh.fileno()).st_size
-            if size < 8:
-                raise FormatError(f"{self.path}: not a safetensors file (only {size} bytes)")
-            self._mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) if size else None
+        self._mm, size = map_readonly(self.path, 8, "safetensors file")
         (hlen,) = struct.unpack_from("<Q", self._mm, 0)
         if hlen > MAX_HEADER or 8 + hlen > size:
             raise FormatError(f"{self.path}: corrupt safetensors header (length {hlen}, file {size} bytes)")

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import mmap
 import os
 import struct
 import tempfile
@@ -30,6 +29,7 @@ from typing import Any, Callable, Iterable
 import numpy as np
 
 from .config import ModelConfig
+from .fileio import map_readonly
 from .errors import FormatError
 
 MAGIC = b"BNSTORE\0"
@@ -126,18 +126,7 @@ class Store:
 
     def __init__(self, path: str | os.PathLike):
         self.path = os.fspath(path)
-        try:
-            fh = open(self.path, "rb")
-        except OSError as e:
-            raise FormatError(f"{self.path}: cannot open store: {e.strerror}") from None
-        with fh:
-            size = os.fstat(fh.fileno()).st_size
-            if size < _HEADER.size:
-                raise FormatError(f"{self.path}: not a BitNet store (file is {size} bytes, too short for a header)")
-            try:
-                self._mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
-            except (OSError, ValueError) as e:
-                raise FormatError(f"{self.path}: cannot map file: {e}") from None
+        self._mm, size = map_readonly(self.path, _HEADER.size, "BitNet store")
         magic, version, _, ioff, isize, doff, digest = _HEADER.unpack_from(self._mm, 0)
         if magic != MAGIC:
             raise FormatError(f"{self.path}: not a BitNet store (bad magic {magic!r})", hint="convert the model with `bitnet convert`")
