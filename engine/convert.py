@@ -101,13 +101,15 @@ def _tensors(src, lm_head: str, stats: dict, bar) -> Iterator[TensorSpec]:
             w, s, n, k = _fused(src, shorts, i, stats)
             yield TensorSpec(f"blk.{i}.{name}", w, {"layout": "tile16", "rows": n, "cols": k})
             yield TensorSpec(f"blk.{i}.{name}.scale", s)
-        yield TensorSpec(f"blk.{i}.attn_sub_norm", _finite(src, f"blk.{i}.attn_sub_norm", src.norm("attn_sub_norm", i)))
+        if c.sub_norms:
+            yield TensorSpec(f"blk.{i}.attn_sub_norm", _finite(src, f"blk.{i}.attn_sub_norm", src.norm("attn_sub_norm", i)))
         yield TensorSpec(f"blk.{i}.ffn_norm", _finite(src, f"blk.{i}.ffn_norm", src.norm("ffn_norm", i)))
         for name, shorts in (("ffn_gate_up", ("ffn_gate", "ffn_up")), ("ffn_down", ("ffn_down",))):
             w, s, n, k = _fused(src, shorts, i, stats)
             yield TensorSpec(f"blk.{i}.{name}", w, {"layout": "tile16", "rows": n, "cols": k})
             yield TensorSpec(f"blk.{i}.{name}.scale", s)
-        yield TensorSpec(f"blk.{i}.ffn_sub_norm", _finite(src, f"blk.{i}.ffn_sub_norm", src.norm("ffn_sub_norm", i)))
+        if c.sub_norms:
+            yield TensorSpec(f"blk.{i}.ffn_sub_norm", _finite(src, f"blk.{i}.ffn_sub_norm", src.norm("ffn_sub_norm", i)))
         step(f"blk.{i}")
 
 

@@ -213,8 +213,11 @@ def test_bad_sources(model, tmp_path):
     with pytest.raises(FormatError, match="not a GGUF file"):
         convert(str(tmp_path / "junk.bin"), progress=False)
     d = _hf_copy(model, tmp_path, "arch")
-    _edit_config(d, architectures=["LlamaForCausalLM"], model_type="llama")
+    _edit_config(d, architectures=["MistralForCausalLM"], model_type="mistral")
     with pytest.raises(UnsupportedError, match="unsupported model"):
+        convert(d, progress=False)
+    _edit_config(d, architectures=["MiniCPMForCausalLM"], model_type="minicpm")
+    with pytest.raises(UnsupportedError, match="MiniCPM"):
         convert(d, progress=False)
     d = _hf_copy(model, tmp_path, "shape")
     _edit_config(d, intermediate_size=768)
