@@ -363,6 +363,12 @@ class HFSource:
             for x in special_ids_from_hf_json(blob, ("<|eot_id|>", "<|end_of_text|>"), tj):
                 if x not in eos:
                     eos.append(x)
+            # tokenizer_config's eos_token first: chat templates render it as `eos_token` (Falcon3's does)
+            name = tc.get("eos_token")
+            name = name.get("content") if isinstance(name, dict) else name
+            first = special_ids_from_hf_json(blob, (name,), tj) if isinstance(name, str) else []
+            if first:
+                eos = first + [x for x in eos if x != first[0]]
         elif os.path.isfile(sp):
             blob, kind = _read_bytes(sp), "sentencepiece"
         else:

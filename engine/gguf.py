@@ -208,6 +208,8 @@ class GGUFFile:
     def _type_name(self, tid: int) -> str:
         if tid in BITNET_CPP_TYPES and self.arch.startswith("bitnet") and not (tid == 39 and self.arch == "bitnet"):
             return BITNET_CPP_TYPES[tid]
+        if tid == I2_S and self.arch == "llama":  # bitnet.cpp's Falcon3 / Falcon-E files; upstream never stores 36
+            return "I2_S"
         if tid in GGML_TYPES:
             return GGML_TYPES[tid][0]
         return f"type {tid}"

@@ -61,6 +61,22 @@ CHAT_TEMPLATE = (
     "{{ message['role'] | capitalize }}: {{ message['content'] }}<|eot_id|>"
     "{% endfor %}{% if add_generation_prompt %}Assistant: {% endif %}"
 )
+# Falcon3-*-Instruct(-1.58bit)'s template (its tools branch left out)
+FALCON3_CHAT_TEMPLATE = (
+    "{%- for message in messages %}{%- if message['role'] == 'system' %}"
+    "{{- '<|system|>\n' + message['content'] + '\n' }}{%- elif message['role'] == 'user' %}"
+    "{{- '<|user|>\n' + message['content'] + '\n' }}{%- elif message['role'] == 'assistant' %}"
+    "{%- if not loop.last %}{{- '<|assistant|>\n' + message['content'] + eos_token + '\n' }}"
+    "{%- else %}{{- '<|assistant|>\n' + message['content'] + eos_token }}{%- endif %}{%- endif %}"
+    "{%- if loop.last and add_generation_prompt %}{{- '<|assistant|>\n' }}{%- endif %}{%- endfor %}"
+)
+# Meta-Llama-3-8B-Instruct's template (HF1BitLLM/Llama3-8B-1.58-100B-tokens ships the Llama-3 tokenizer)
+LLAMA3_CHAT_TEMPLATE = (
+    "{% set loop_messages = messages %}{% for message in loop_messages %}"
+    "{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim"
+    " + '<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}{{ content }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+)
 # What the official bitnet-b1.58-2B-4T GGUF embeds (wrong; the converter replaces it).
 BROKEN_GGUF_TEMPLATE = (
     "{% for message in messages %}{% if loop.first %}{{ bos_token }}{% endif %}"
