@@ -328,7 +328,7 @@ class HFSource:
                 hidden_act=act, tie_word_embeddings="lm_head.weight" not in names, sub_norms=sub_norms,
                 bos_token_id=bos, eos_token_ids=tuple(eos),
                 arch="bitnet-b1.58" if mt == "bitnet" else ("llama" if llama else "1bitllm"),
-                family=hf_family(cfg, names, self.mode == "fakequant"), name=os.path.basename(os.path.abspath(path)))
+                family=hf_family(cfg, names, self.mode == "fakequant", path), name=os.path.basename(os.path.abspath(path)))
         except (KeyError, TypeError, ValueError, ZeroDivisionError, OverflowError) as e:
             raise FormatError(f"{path}/config.json: missing or bad field: {e!r}") from None
         self.tokenizer, self.chat_template = tok, tmpl

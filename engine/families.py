@@ -44,15 +44,19 @@ FAMILIES = {
 }
 
 
-def hf_family(cfg: dict, names: set, ternary_floats: bool = False) -> str:
+def hf_family(cfg: dict, names: set, ternary_floats: bool = False, path: str = "") -> str:
+    """Best guess (informational): the architecture first, then the model's name (config `_name_or_path` or
+    the directory name), then its shape (Falcon3: vocab 131072 + head_dim 256; Llama-3: vocab 128256)."""
     archs = set(cfg.get("architectures") or [])
     if "BitNetForCausalLM" in archs or cfg.get("model_type") == "bitnet":
         return "bitnet-b1.58"
     if "BitnetForCausalLM" in archs:
         return "1bitllm"
-    where = str(cfg.get("_name_or_path", "")).lower()
-    if "falcon-e" in where or "falcon_e" in where:
-        return "falcon-e"
+    where = (str(cfg.get("_name_or_path", "")) + " " + path.rstrip("/").rsplit("/", 1)[-1]).lower()
+    for key, pats in (("falcon-e", ("falcon-e", "falcon_e")), ("falcon3-1.58bit", ("falcon3",)),
+                      ("trilm", ("trilm",)), ("llama3-1.58", ("llama3-8b-1.58", "hf1bitllm"))):
+        if any(p in where for p in pats):
+            return key
     q = cfg.get("quantization_config") or {}
     if isinstance(q, dict) and q.get("quant_method") == "bitnet":
         if cfg.get("vocab_size") == 131072 and cfg.get("head_dim") == 256:
@@ -60,8 +64,8 @@ def hf_family(cfg: dict, names: set, ternary_floats: bool = False) -> str:
         if cfg.get("vocab_size") == 128256:
             return "llama3-1.58"
         return "llama-ternary"
-    if "trilm" in where or ternary_floats:
-        return "trilm" if "trilm" in where or cfg.get("torch_dtype") == "float16" else "llama-ternary"
+    if ternary_floats and cfg.get("torch_dtype") == "float16":
+        return "trilm"
     return "llama-ternary"
 
 
@@ -88,7 +92,7 @@ def runtime_summary(c) -> str:
              else "no sub-norms (activations quantized straight after attention / the MLP product)")
     head = "LM head tied to the embedding" if c.tie_word_embeddings else "untied LM head"
     return (f"runtime: {act}; {norms}; {head}; {c.n_heads} query / {c.n_kv_heads} kv heads of {c.head_dim};"
-            f" half-split RoPE theta {c.rope_theta:g}; RMSNorm eps {c.rms_norm_eps:g}; ternary weights with"
+            f" half-split RoPE theta {c.rope_theta:.10g}; RMSNorm eps {c.rms_norm_eps:g}; ternary weights with"
             f" per-row scales, int8 per-token activations")
 
 

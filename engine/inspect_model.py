@@ -20,11 +20,16 @@ def _human(n: int) -> str:
 
 
 def _config_lines(c) -> list[str]:
-    return [f"architecture: {c.arch}  name: {c.name or '-'}",
+    from .families import family_label, runtime_summary
+
+    return [f"family: {family_label(c.family)}" + (f" ({c.family})" if c.family else ""),
+            runtime_summary(c),
+            f"architecture: {c.arch}  name: {c.name or '-'}",
             f"dims: hidden {c.hidden_size}, intermediate {c.intermediate_size}, layers {c.n_layers}, heads {c.n_heads}"
             f" (kv {c.n_kv_heads}, head_dim {c.head_dim}), vocab {c.vocab_size}, context {c.context_length}",
             f"rope_theta {c.rope_theta:g}, rms_norm_eps {c.rms_norm_eps:g}, hidden_act {c.hidden_act},"
-            f" tied embeddings {c.tie_word_embeddings}, bos {c.bos_token_id}, eos {list(c.eos_token_ids)}"]
+            f" tied embeddings {c.tie_word_embeddings}, sub-norms {c.sub_norms}, bos {c.bos_token_id},"
+            f" eos {list(c.eos_token_ids)}"]
 
 
 def _tokenizer_line(spec) -> str:

@@ -35,14 +35,17 @@ from test_parity_hf import TOL, _check_close
 pytestmark = pytest.mark.reference
 
 # name: (SynthModel config overrides, write_hf_dir form, linear_class, chat template, expected family)
-FAMILIES = {
-    "falcon3": ({"head_dim": 96}, "packed", "bitlinear", FALCON3_CHAT_TEMPLATE, "llama-ternary"),
-    "llama3-1.58": ({"head_dim": 64, "rope_theta": 500000.0, "rms_norm_eps": 1e-5, "num_key_value_heads": 1},
-                    "packed", "bitlinear", LLAMA3_CHAT_TEMPLATE, "llama-ternary"),
-    "falcon-e": ({"head_dim": 64, "num_hidden_layers": 3}, "packed", "autobitlinear", FALCON3_CHAT_TEMPLATE,
-                 "llama-ternary"),
-    "falcon-e-bf16": ({"head_dim": 64}, "online", "autobitlinear", None, "llama-ternary"),
-    "trilm": ({"head_dim": 64}, "unpacked", "autobitlinear", None, "trilm"),
+FAMILIES = {  # keys: the directory names a download would have (the family guess also reads them)
+    "Falcon3-1B-Instruct-1.58bit": ({"head_dim": 96}, "packed", "bitlinear", FALCON3_CHAT_TEMPLATE,
+                                    "falcon3-1.58bit"),
+    "Llama3-8B-1.58-100B-tokens": ({"head_dim": 64, "rope_theta": 500000.0, "rms_norm_eps": 1e-5,
+                                    "num_key_value_heads": 1}, "packed", "bitlinear", LLAMA3_CHAT_TEMPLATE,
+                                   "llama3-1.58"),
+    "Falcon-E-1B-Instruct": ({"head_dim": 64, "num_hidden_layers": 3}, "packed", "autobitlinear",
+                             FALCON3_CHAT_TEMPLATE, "falcon-e"),
+    "Falcon-E-1B-Base-bfloat16": ({"head_dim": 64}, "online", "autobitlinear", None, "falcon-e"),
+    "TriLM_99M_Unpacked": ({"head_dim": 64}, "unpacked", "autobitlinear", None, "trilm"),
+    "ternary-llama": ({"head_dim": 64, "vocab_size": 640}, "packed", "autobitlinear", None, "llama-ternary"),
 }
 
 
@@ -108,7 +111,7 @@ def test_trilm_versus_float_activations(families, capsys):
     """TriLM's own model keeps activations in float; ours quantizes them to int8 per token: close, not equal."""
     import torch  # noqa: F401  (reference_or_skip ran in the fixture)
 
-    m, d, store, _ = families["trilm"]
+    m, d, store, _ = families["TriLM_99M_Unpacked"]
     float_ref = load_reference(d)  # plain LlamaForCausalLM on the fp16 ternary x scale weights
     ids = _ids(m, 3, 60)
     ours = Model(Store(store), n_ctx=64, kv_dtype="f32").forward(ids)
@@ -121,7 +124,7 @@ def test_trilm_versus_float_activations(families, capsys):
     assert np.corrcoef(ours.ravel(), ref.ravel())[0, 1] > 0.99 and top1 >= 0.8
 
 
-@pytest.mark.parametrize("name", ["falcon3", "llama3-1.58"])
+@pytest.mark.parametrize("name", ["Falcon3-1B-Instruct-1.58bit", "Llama3-8B-1.58-100B-tokens"])
 def test_chat_template_matches_transformers(families, name):
     from transformers import AutoTokenizer
 
@@ -257,3 +260,15 @@ def test_llama_cpp_agreement_llama_arch(llama_gguf, capsys):
     with capsys.disabled():
         print(f"\nllama.cpp (llama arch, TQ2_0): teacher-forced top-1 agreement {top1:.0%} over {len(ids)} positions")
     assert top1 >= 0.8  # a wrong RoPE convention gives chance-level agreement
+
+
+def test_inspect_names_family_and_runtime(families):
+    m, d, store, _ = families["Falcon3-1B-Instruct-1.58bit"]
+    for target in (d, store):
+        r = subprocess.run([sys.executable, "-m", "engine", "inspect", target], capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == 0, r.stderr
+        assert "family: Falcon3-{1,3,7,10}B(-Instruct)-1.58bit" in r.stdout
+        runtime = next(line for line in r.stdout.splitlines() if line.startswith("runtime:"))
+        assert "silu(gate) * up" in runtime and "no sub-norms" in runtime and "untied LM head" in runtime
+        assert f"of {m.head_dim};" in runtime and "theta 1000042;" in runtime and "eps 1e-06" in runtime
