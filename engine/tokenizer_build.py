@@ -20,7 +20,7 @@ LLAMA3_SPLIT_REGEX = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 GPT2_SPLIT_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-LLAMA3_PRES = {None, "", "llama-bpe", "llama3", "llama-v3", "smaug-bpe"}
+LLAMA3_PRES = {None, "", "llama-bpe", "llama3", "llama-v3", "smaug-bpe", "falcon3"}  # as llama.cpp maps them
 BITNET_CHAT_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}"
     "{{ message['role'] | capitalize }}: {{ message['content'] }}<|eot_id|>"
