@@ -86,6 +86,14 @@ def test_logits_match_transformers(families, name):
     _check_close(ours, reference_logits(ref, ids), "f32")
 
 
+def test_untied_int8_head_and_f16_cache(families):
+    """The default store (int8 LM head built from the untied bf16 lm_head) and f16 KV cache."""
+    m, d, _, ref = families["Falcon3-1B-Instruct-1.58bit"]
+    store = convert(d, d + ".i8.bnstore", lm_head="i8", progress=False)
+    ids = _ids(m, 4, 50)
+    _check_close(Model(Store(store), n_ctx=64).forward(ids), reference_logits(ref, ids), "i8")
+
+
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_greedy_matches_transformers(families, name):
     m, _, store, ref = families[name]
