@@ -116,7 +116,7 @@ def gguf_tokenizer(g) -> dict:
             meta["tokenizer_note"] = "SentencePiece vocab rebuilt as an HF BPE tokenizer (best effort)"
         else:
             raise FormatError(f"{path}: unsupported tokenizer.ggml.model {model!r} (expected gpt2 or llama)")
-    if model == "gpt2" or g.arch != "bitnet":
+    if g.arch != "llama" and (model == "gpt2" or g.arch != "bitnet"):  # llama-arch files: their own or none
         fixed = fix_chat_template(tmpl)
         if fixed != tmpl:
             meta["chat_template_note"] = "missing in the file" if not tmpl else "replaced the broken GGUF template"
