@@ -26,7 +26,6 @@ class ModelConfig:
     sub_norms: bool = True           # attn_sub_norm / ffn_sub_norm before o_proj / down_proj (BitNet b1.58,
                                      # 1bitLLM); False for Llama-architecture ternary models (Falcon3, TriLM)
     arch: str = "bitnet-b1.58"       # informational: where it came from
-    family: str = ""                 # informational: the model family (engine/families.py), "" if unknown
     name: str = ""                   # human name of the model
 
     def __post_init__(self):

@@ -151,7 +151,8 @@ class GGUFSource:
             rms_norm_eps=key("attention.layer_norm_rms_epsilon", _f32, 1e-5), hidden_act=self.hidden_act,
             tie_word_embeddings="output.weight" not in g.tensors, bos_token_id=tok["bos"],
             eos_token_ids=tuple(tok["eos"]), arch=arch, name=str(g.kv.get("general.name", ""))[:200].replace("\n", " "),
-            sub_norms="blk.0.attn_sub_norm.weight" in g.tensors, family=gguf_family(arch, V, hd))
+            sub_norms="blk.0.attn_sub_norm.weight" in g.tensors)
+        self.meta["family"] = gguf_family(arch, V, hd)
         rd = g.get(f"{arch}.rope.dimension_count", int)
         if rd is not None and rd != hd:
             raise UnsupportedError(f"{path}: partial RoPE (rope.dimension_count {rd} != head_dim {hd})")
@@ -328,7 +329,8 @@ class HFSource:
                 hidden_act=act, tie_word_embeddings="lm_head.weight" not in names, sub_norms=sub_norms,
                 bos_token_id=bos, eos_token_ids=tuple(eos),
                 arch="bitnet-b1.58" if mt == "bitnet" else ("llama" if llama else "1bitllm"),
-                family=hf_family(cfg, names, self.mode == "fakequant", path), name=os.path.basename(os.path.abspath(path)))
+                name=os.path.basename(os.path.abspath(path)))
+            self.meta["family"] = hf_family(cfg, names, self.mode == "fakequant", path)
         except (KeyError, TypeError, ValueError, ZeroDivisionError, OverflowError) as e:
             raise FormatError(f"{path}/config.json: missing or bad field: {e!r}") from None
         self.tokenizer, self.chat_template = tok, tmpl
@@ -363,12 +365,6 @@ class HFSource:
             for x in special_ids_from_hf_json(blob, ("<|eot_id|>", "<|end_of_text|>"), tj):
                 if x not in eos:
                     eos.append(x)
-            # tokenizer_config's eos_token first: chat templates render it as `eos_token` (Falcon3's does)
-            name = tc.get("eos_token")
-            name = name.get("content") if isinstance(name, dict) else name
-            first = special_ids_from_hf_json(blob, (name,), tj) if isinstance(name, str) else []
-            if first:
-                eos = first + [x for x in eos if x != first[0]]
         elif os.path.isfile(sp):
             blob, kind = _read_bytes(sp), "sentencepiece"
         else:

@@ -2,9 +2,9 @@
 does with it (for `bitnet inspect`, the README table and error messages).
 
 The runtime never branches on the family: one ModelConfig (activation, sub_norms, tied head, head_dim, RoPE
-theta, eps) drives engine/model.py. The family name is informational and stored in the config.
+theta, eps) drives engine/model.py. The family name is informational, kept in the store's meta ("family").
 
-    FAMILIES: {key: Family}                       key as stored in ModelConfig.family
+    FAMILIES: {key: Family}                       key as stored in meta["family"]
     hf_family(cfg: dict, names: set[str]) -> key  best guess from config.json and tensor names
     gguf_family(arch, g) -> key
     runtime_summary(config) -> str                 one line: what the forward pass does for this model

@@ -43,6 +43,7 @@ GGML_TYPES: dict[int, tuple[str, int, int]] = {
 }
 I2_S = 36                     # bitnet.cpp: n/4 bytes of 2-bit codes + 32-byte tail holding the f32 scale
 BITNET_CPP_TYPES = {36: "I2_S", 37: "I8_S", 38: "TL1", 39: "TL2"}
+BITNET_CPP_FTYPE_I2_S = 40    # general.file_type of bitnet.cpp's I2_S files (LLAMA_FTYPE_MOSTLY_I2_S)
 DECODABLE = {"F32", "F16", "BF16", "Q8_0", "Q4_K", "Q6_K", "TQ1_0", "TQ2_0", "I2_S"}
 
 # value type id -> (struct format, size); 8 = string, 9 = array
@@ -208,8 +209,8 @@ class GGUFFile:
     def _type_name(self, tid: int) -> str:
         if tid in BITNET_CPP_TYPES and self.arch.startswith("bitnet") and not (tid == 39 and self.arch == "bitnet"):
             return BITNET_CPP_TYPES[tid]
-        if tid == I2_S and self.arch == "llama":  # bitnet.cpp's Falcon3 / Falcon-E files; upstream never stores 36
-            return "I2_S"
+        if tid == I2_S and self.arch == "llama" and self.kv.get("general.file_type") == BITNET_CPP_FTYPE_I2_S:
+            return "I2_S"  # bitnet.cpp's Falcon3 / Falcon-E files (upstream's 36 was IQ4_NL_4_4)
         if tid in GGML_TYPES:
             return GGML_TYPES[tid][0]
         return f"type {tid}"

@@ -19,10 +19,10 @@ def _human(n: int) -> str:
     return str(n)
 
 
-def _config_lines(c) -> list[str]:
+def _config_lines(c, family: str = "") -> list[str]:
     from .families import family_label, runtime_summary
 
-    return [f"family: {family_label(c.family)}" + (f" ({c.family})" if c.family else ""),
+    return [f"family: {family_label(family)}" + (f" ({family})" if family else ""),
             runtime_summary(c),
             f"architecture: {c.arch}  name: {c.name or '-'}",
             f"dims: hidden {c.hidden_size}, intermediate {c.intermediate_size}, layers {c.n_layers}, heads {c.n_heads}"
@@ -83,8 +83,8 @@ def describe(path: str, max_tensors: int | None = None) -> Iterator[str]:
     if is_store(path):
         with Store(path) as s:
             yield f"{path}: BitNet weight store ({_human(os.path.getsize(path))})"
-            yield from _config_lines(s.config)
             m = s.meta
+            yield from _config_lines(s.config, m.get("family", ""))
             yield (f"source: {m.get('source', '?')} ({m.get('source_format', '?')}), lm_head {m.get('lm_head', '?')},"
                    f" converter {m.get('converter_version', '?')}")
             rows = []
@@ -104,7 +104,7 @@ def describe(path: str, max_tensors: int | None = None) -> Iterator[str]:
     try:
         kind = "GGUF file" if isinstance(src, GGUFSource) else "Hugging Face model directory"
         yield f"{path}: {kind} ({src.source_format})"
-        yield from _config_lines(src.config)
+        yield from _config_lines(src.config, src.meta.get("family", ""))
         for k, v in sorted(src.meta.items()):
             yield f"{k}: {v}"
         if isinstance(src, GGUFSource):

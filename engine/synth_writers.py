@@ -142,7 +142,9 @@ def write_hf_dir(m, out_dir: str, *, form: str = "packed", linear_class: str = "
             json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=1)
     cfg = dict(m.config)
     tok = m.tokenizer_info()
-    cfg.update(bos_token_id=tok["bos"], eos_token_id=tok["eos"] if onebit else [tok["eos"], tok["eot"]])
+    # llama style: the first stop id is tokenizer_config's eos_token, as in Falcon3 (chat templates render it)
+    stops = [tok["eot"], tok["eos"]] if m.style == "llama" else [tok["eos"], tok["eot"]]
+    cfg.update(bos_token_id=tok["bos"], eos_token_id=tok["eos"] if onebit else stops)
     if m.style == "llama" and form == "packed" and linear_class == "bitlinear":
         # Falcon3-1.58bit / Llama3-8B-1.58: no linear_class key (transformers' default: bitlinear, divides)
         cfg["quantization_config"] = {"modules_to_not_convert": ["lm_head"], "quant_method": "bitnet"}
@@ -169,7 +171,7 @@ def write_hf_dir(m, out_dir: str, *, form: str = "packed", linear_class: str = "
                    "model_max_length": m.config["max_position_embeddings"],
                    "tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": True}, f, indent=1)
     with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
-        json.dump({"bos_token_id": tok["bos"], "eos_token_id": [tok["eos"], tok["eot"]], "do_sample": False}, f)
+        json.dump({"bos_token_id": tok["bos"], "eos_token_id": stops, "do_sample": False}, f)
     return out_dir
 
 

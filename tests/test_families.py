@@ -110,7 +110,7 @@ def test_store_records_the_description(families):
     for name, (m, _, store, _) in families.items():
         c = Store(store).config
         assert (c.sub_norms, c.tie_word_embeddings, c.hidden_act, c.head_dim) == (False, False, "silu", m.head_dim)
-        assert c.family == FAMILIES[name][4] and c.rms_norm_eps == m.config["rms_norm_eps"]
+        assert Store(store).meta["family"] == FAMILIES[name][4] and c.rms_norm_eps == m.config["rms_norm_eps"]
         assert c.rope_theta == m.config["rope_theta"]
         assert not any("sub_norm" in t for t in Store(store).tensor_names)
 
