@@ -1,7 +1,7 @@
 """Convert a BitNet model file (bitnet.cpp / llama.cpp GGUF, HF safetensors directory) into the engine's weight
 store once, and find or make the cached store for `bitnet run -m SRC`.
 
-    convert(src, out=None, *, lm_head="i8"|"f16", progress=True, hidden_act=None) -> store path
+    convert(src, out=None, *, lm_head="i8"|"f16", progress=True, hidden_act=None, ternarize=False) -> store path
     resolve_model(src, *, cache_dir=None, lm_head=None, progress=True) -> store path
 
 What goes into the store (tensor names and layouts: engine/INTERFACES.md):
@@ -127,7 +127,7 @@ def default_store_path(src: str, lm_head: str) -> str:
 
 
 def convert(src: str, out: str | None = None, *, lm_head: str = "i8", progress: bool = True,
-            hidden_act: str | None = None) -> str:
+            hidden_act: str | None = None, ternarize: bool = False) -> str:
     """Convert `src` (GGUF file or HF directory) into a store at `out`; returns the store path."""
     from .convert_sources import open_source
 
@@ -136,7 +136,7 @@ def convert(src: str, out: str | None = None, *, lm_head: str = "i8", progress: 
     src = os.fspath(src)
     if is_store(src):
         raise FormatError(f"{src}: is already a BitNet store (nothing to convert)")
-    source = open_source(src, hidden_act)
+    source = open_source(src, hidden_act, ternarize)
     out = os.fspath(out) if out else default_store_path(src, lm_head)
     stats: dict = {}
     bar = _progress_bar(source.config.n_layers + 2, f"convert {os.path.basename(src.rstrip(os.sep))}", progress)

@@ -55,9 +55,9 @@ def ternary_from_fakequant(path: str, name: str, w: np.ndarray) -> tuple[np.ndar
         r = int(np.nonzero(bad.any(axis=1))[0][0])
         n = np.unique(a[r][a[r] > 0]).size
         raise FormatError(f"{path}: tensor {name!r} is not ternary (row {r} holds {n} different magnitudes)",
-                          hint="this engine runs ternary (1.58-bit) models only; a BitNet checkpoint of latent"
-                               " weights needs quantization_config {\"quant_method\": \"bitnet\", \"linear_class\":"
-                               " \"autobitlinear\", \"quantization_mode\": \"online\"} in config.json")
+                          hint="this engine runs ternary (1.58-bit) models only; for the latent (master) weights"
+                               " of a BitNet model, such as Falcon-E's bfloat16 revision, convert with"
+                               " `bitnet convert --ternarize DIR`")
     if not np.isfinite(mag).all():
         raise FormatError(f"{path}: tensor {name!r} holds NaN/inf values")
     live = mag[mag > 0]
@@ -262,7 +262,7 @@ class GGUFSource:
 
 # ---------------------------------------------------------------------------------------------------------
 class HFSource:
-    def __init__(self, path: str, hidden_act: str | None = None):
+    def __init__(self, path: str, hidden_act: str | None = None, ternarize: bool = False):
         self.path = path
         try:
             with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
@@ -297,6 +297,8 @@ class HFSource:
         if self.linear_class not in ("autobitlinear", "bitlinear"):
             raise UnsupportedError(f"{path}: unknown quantization_config.linear_class {self.linear_class!r}")
         self.mode = q.get("quantization_mode", "offline") if q else ("fakequant" if llama else "online")
+        if ternarize and self.mode == "fakequant":  # the caller says: latent BitNet weights (Falcon-E bfloat16)
+            self.mode = "online"
         self.meta: dict = {"hf_linear_class": self.linear_class, "hf_quantization_mode": self.mode}
         names = set(self.st.names())
         self.attn_sub = "attn_sub_norm" if "model.layers.0.self_attn.attn_sub_norm.weight" in names else "inner_attn_ln"
@@ -476,16 +478,18 @@ class HFSource:
         self.st.close()
 
 
-def open_source(path: str, hidden_act: str | None = None):
-    """GGUFSource for a GGUF file, HFSource for a directory; FormatError otherwise."""
+def open_source(path: str, hidden_act: str | None = None, ternarize: bool = False):
+    """GGUFSource for a GGUF file, HFSource for a directory; FormatError otherwise. ternarize: float weights of
+    a Llama-architecture directory without quantization_config are BitNet latent weights, ternarized like
+    transformers' online AutoBitLinear (otherwise they must already be ternary x scale)."""
     from .gguf import is_gguf
 
     if os.path.isdir(path):
-        return HFSource(path, hidden_act)
+        return HFSource(path, hidden_act, ternarize)
     if not os.path.exists(path):
         raise FormatError(f"{path}: no such file or directory")
     if is_gguf(path):
         return GGUFSource(path, hidden_act)
     if path.endswith(".safetensors"):
-        return HFSource(os.path.dirname(os.path.abspath(path)), hidden_act)
+        return HFSource(os.path.dirname(os.path.abspath(path)), hidden_act, ternarize)
     raise FormatError(f"{path}: not a GGUF file, a BitNet store or a Hugging Face model directory")

@@ -186,7 +186,24 @@ def test_non_ternary_checkpoint_is_refused(tmp_path):
     r = subprocess.run([sys.executable, "-m", "engine", "convert", d, "-o", str(tmp_path / "y.bnstore")],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "not ternary" in r.stderr and "Traceback" not in r.stderr
-    assert len(r.stderr.strip().splitlines()) <= 2
+    assert len(r.stderr.strip().splitlines()) <= 2 and "--ternarize" in r.stderr
+
+
+def test_ternarize_latent_weights_without_quantization_config(tmp_path):
+    """Falcon-E's bfloat16 revision (latent weights, plain Llama config): `bitnet convert --ternarize` gives
+    the same store as the same weights declared quant_method bitnet / online (whose transformers parity the
+    Falcon-E-1B-Base-bfloat16 case above checks)."""
+    m = SynthModel({"head_dim": 64}, seed=5, style="llama")
+    plain = write_hf_dir(m, str(tmp_path / "Falcon-E-1B-Base-plain"), form="float")
+    online = write_hf_dir(m, str(tmp_path / "Falcon-E-1B-Base-online"), form="online")
+    out = str(tmp_path / "t.bnstore")
+    r = subprocess.run([sys.executable, "-m", "engine", "convert", "--ternarize", "--lm-head", "f16", "--no-progress",
+                        plain, "-o", out], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    a, b = Store(out), Store(convert(online, str(tmp_path / "o.bnstore"), lm_head="f16", progress=False))
+    assert sorted(a.tensor_names) == sorted(b.tensor_names)
+    for n in a.tensor_names:
+        assert np.array_equal(a.tensor(n), b.tensor(n)), n
 
 
 def test_unsupported_quantization_and_rope_refused(tmp_path):
