@@ -1,0 +1,176 @@
+"""A GGUF of a ternary model in any tensor type loads (dequantize, check it is ternary, recover the scale) and
+gives the same model as its TQ2_0 file; a GGUF whose weights are not ternary is refused in one line.
+
+Files are made here: gguf's writer with its numpy quantizers (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, TQ1_0),
+llama.cpp's own quantizer (llama-cpp-python's llama_model_quantize) for the K-quants and IQ types.
+Greedy continuations must equal the TQ2_0 file's, or part from it only at a near tie (the TQ2_0 model's own margin
+between the two tokens at most NEAR_TIE, the bound tests/test_parity_hf.py uses): a scale blurred by the container
+moves every logit a little."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from engine.convert import convert
+from engine.errors import FormatError, UnsupportedError
+from engine.inspect_model import describe
+from engine.model import Model
+from engine.store import Store
+from engine.synth import TRAIN_TEXT, SynthModel, write_gguf_tq
+from engine.ternary_check import MAX_OFF_SHARE, TOLERANCE, fit_ternary
+from engine.tokenizer import Tokenizer
+from test_model_fixtures import our_greedy
+
+gguf = pytest.importorskip("gguf", reason="the gguf package writes the test files (pip install '.[test]')")
+
+NEAR_TIE = 0.45
+EXACT = ("F32", "F16", "BF16")  # the ternary values are stored exactly: same store as TQ2_0, bit for bit
+
+
+@pytest.fixture(scope="module")
+def ref(tmp_path_factory):
+    """(SynthModel, directory, TQ2_0 store, prompt ids)."""
+    d = tmp_path_factory.mktemp("types")
+    m = SynthModel(seed=13)
+    path = write_gguf_tq(m, str(d / "m.TQ2_0.gguf"), "TQ2_0")
+    store = convert(path, path + ".bnstore", lm_head="f16", progress=False)
+    info = m.tokenizer_info()
+    ids = Tokenizer("hf_json", m.tokenizer_json().encode(), bos_id=info["bos"]).encode(TRAIN_TEXT[:300], add_bos=True)
+    return m, d, store, ids[:24]
+
+
+def _same_model(ref_store, store, ids, exact, n=24):
+    """Every ternary code equal; scales equal (exact) or within the blur; greedy equal or a near tie."""
+    a, b = Store(ref_store), Store(store)
+    for name in a.tensor_names:
+        if a.info(name).get("layout") == "tile16":
+            assert np.array_equal(a.tensor(name), b.tensor(name)), f"{name}: ternary codes differ"
+            sa, sb = a.tensor(name + ".scale"), b.tensor(name + ".scale")
+            if exact:
+                assert np.array_equal(sa, sb), name
+            else:
+                assert np.allclose(sa, sb, rtol=0.08), (name, sa[:1], sb[:1])
+    ma, mb = Model(a, n_ctx=96), Model(b, n_ctx=96)
+    want, got = our_greedy(ma, ids, n), our_greedy(mb, ids, n)
+    if exact:
+        assert got == want
+    elif got != want:
+        i = next(i for i, (x, y) in enumerate(zip(want, got)) if x != y)
+        lg = ma.forward(ids + want[:i])[-1]
+        assert lg[want[i]] - lg[got[i]] <= NEAR_TIE, f"diverged at step {i} with margin {lg[want[i]] - lg[got[i]]:.3f}"
+
+
+@pytest.mark.parametrize("qtype", ["F32", "F16", "BF16", "Q8_0", "Q5_1", "Q5_0", "Q4_1", "Q4_0", "TQ1_0"])
+def test_gguf_quantizer_types_load_as_the_tq2_model(ref, qtype):
+    m, d, ref_store, ids = ref
+    path = write_gguf_tq(m, str(d / f"m.{qtype}.gguf"), qtype)
+    store = convert(path, path + ".bnstore", lm_head="f16", progress=False)
+    _same_model(ref_store, store, ids, exact=qtype in EXACT or qtype == "TQ1_0")
+    stats = Store(store).meta["ternary_stats"]
+    if qtype != "TQ1_0":
+        for name, s in stats.items():
+            assert s["off"] == 0 and s["tol"] == TOLERANCE[qtype], name
+            assert (s["blur"] == 0) == (qtype in EXACT + ("Q8_0",)), (name, s["blur"])
+
+
+@pytest.mark.parametrize("qtype", ["F16", "Q4_0", "Q8_0"])
+def test_non_ternary_gguf_is_refused_and_leaves_nothing(ref, qtype, tmp_path):
+    m, _, _, _ = ref
+    path = write_gguf_tq(m, str(tmp_path / f"gauss.{qtype}.gguf"), qtype, gaussian=True)
+    out = str(tmp_path / "out" / "x.bnstore")
+    with pytest.raises(UnsupportedError, match=r"'blk\.0\.attn_q\.weight' .*is not ternary: .*% .*llama\.cpp"):
+        convert(path, out, progress=False)
+    assert not os.path.exists(os.path.dirname(out)) or os.listdir(os.path.dirname(out)) == []
+    # the CLI: one line on stderr, exit 2, no traceback
+    r = subprocess.run([sys.executable, "-m", "engine", "convert", path, "-o", out], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2 and "not ternary" in r.stderr and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+    assert not os.path.exists(out)
+    # inspect reports it instead of refusing
+    text = "\n".join(describe(path))
+    assert "NOT TERNARY" in text and "off " in text
+
+
+def test_refusal_midway_leaves_no_store(ref, tmp_path):
+    """Layer 0 ternary, layer 1 Gaussian: the refusal comes after tensors were written; the store must not exist."""
+    m, _, _, _ = ref
+
+    class Mixed(SynthModel):
+        def master(self, prefix):
+            return super().master(prefix) if ".1." in prefix else self.ternary(prefix) * np.float32(
+                self.weight_scale(prefix))
+
+    mixed = Mixed(seed=13)
+    path = write_gguf_tq(mixed, str(tmp_path / "mixed.gguf"), "F16", gaussian=True)
+    with pytest.raises(UnsupportedError, match=r"blk\.1\."):
+        convert(path, str(tmp_path / "mixed.bnstore"), progress=False)
+    assert sorted(os.listdir(tmp_path)) == ["mixed.gguf"]
+
+
+def test_inspect_reports_the_check(ref):
+    m, d, _, _ = ref
+    for qtype, kind in (("F16", "scale exact"), ("Q4_0", "scale best effort")):
+        path = str(d / f"m.{qtype}.gguf")
+        if not os.path.exists(path):
+            write_gguf_tq(m, path, qtype)
+        lines = [ln for ln in describe(path) if ln.startswith("  blk.0.attn_q ")]
+        assert len(lines) == 1 and "off 0.00%" in lines[0] and kind in lines[0], lines
+
+
+# ---- the fit itself ---------------------------------------------------------------------------------------
+def test_fit_exact_and_blurred_and_gaussian():
+    rng = np.random.default_rng(0)
+    codes = rng.integers(-1, 2, (64, 256)).astype(np.int8)
+    s = np.float32(0.0371)
+    fit = fit_ternary(codes * s, "F16")
+    assert np.array_equal(fit.codes, codes) and fit.scale == float(s) and fit.blur == 0 and fit.ok
+    # Q4_0-like: one sign at 7/8 of the scale
+    w = np.where(codes > 0, s, np.float32(-0.875) * s) * (codes != 0)
+    fit = fit_ternary(w.astype(np.float32), "Q4_0")
+    assert np.array_equal(fit.codes, codes) and fit.ok and 0.06 < fit.blur < 0.07
+    assert abs(fit.scale / s - 0.9375) < 0.01
+    # a Gaussian weight is far from ternary in every type's tolerance
+    g = rng.standard_normal((64, 256)).astype(np.float32)
+    for t in TOLERANCE:
+        assert fit_ternary(g, t).off_share > 10 * MAX_OFF_SHARE, t
+    z = fit_ternary(np.zeros((4, 32), np.float32), "Q8_0")
+    assert z.ok and not z.codes.any()
+    with pytest.raises(FormatError, match="NaN"):
+        fit_ternary(np.full((2, 32), np.nan, np.float32), "F16")
+
+
+# ---- K-quants and IQ types, through llama.cpp's own quantizer ---------------------------------------------
+# llama.cpp file types (enum llama_ftype); IQ2_* / IQ1_* need an importance matrix, which the C API takes only
+# as a C++ map: llama.cpp refuses them without one, so they are not made here.
+LLAMA_FTYPES = {"Q2_K": 10, "Q3_K_M": 12, "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18, "Q3_K_S": 11, "Q4_K_S": 14,
+                "Q5_K_S": 16, "IQ3_XXS": 23, "IQ3_M": 27, "IQ3_S": 26, "IQ4_NL": 25, "IQ4_XS": 30}
+
+
+def _llama_quantize(src, dst, ftype):
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python not installed (bash bench/setup_llama.sh)")
+    p = llama_cpp.llama_model_quantize_default_params()
+    p.ftype = ftype
+    p.nthread = 1
+    rc = llama_cpp.llama_model_quantize(src.encode(), dst.encode(), p)
+    if rc != 0:
+        pytest.fail(f"llama_model_quantize returned {rc} for ftype {ftype}")
+    return dst
+
+
+@pytest.mark.parametrize("name", list(LLAMA_FTYPES))
+def test_llama_cpp_quantized_types_load_as_the_tq2_model(ref, name):
+    m, d, ref_store, ids = ref
+    src = str(d / "m.F32.gguf")
+    if not os.path.exists(src):
+        write_gguf_tq(m, src, "F32")
+    path = _llama_quantize(src, str(d / f"m.{name}.gguf"), LLAMA_FTYPES[name])
+    store = convert(path, path + ".bnstore", lm_head="f16", progress=False)
+    types = {t.type_name for t in __import__("engine.gguf", fromlist=["GGUFFile"]).GGUFFile(path).tensors.values()}
+    base = name.split("_")[0] if name.startswith("IQ") else name[:4].rstrip("_")
+    assert any(t.startswith(base) for t in types), (name, types)
+    _same_model(ref_store, store, ids, exact=False)
+    for tname, s in Store(store).meta["ternary_stats"].items():
+        assert s["off"] == 0, (tname, s)
