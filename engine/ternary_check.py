@@ -25,13 +25,16 @@ import numpy as np
 
 from .errors import FormatError, UnsupportedError
 
-# Largest distance |w - s*code| / s a ternary tensor shows after rounding into each type (measured on
-# llama.cpp-quantized ternary files, tests/test_gguf_types.py; a margin above the worst case seen).
+# Largest distance |w - s*code| / s a ternary tensor shows after rounding into each type, with a margin.
+# Measured (tests/test_gguf_types.py files: gguf's quantizers, llama.cpp's llama_model_quantize) -> tolerance:
+# F16/BF16/Q8_0 0 -> 1%; Q6_K 0.4% -> 2%; Q5_K 1.6%, Q4_K 1.4% -> 4%; Q5_0 3.4%, Q5_1 3.2% -> 6%;
+# Q4_0 7.0%, Q4_1 6.7% -> 10%; IQ4_NL 10.3%, IQ4_XS 9.5% -> 15%; Q3_K 23% -> 30%; Q2_K 33% -> 40%;
+# IQ3_S 47% (0.6% of values beyond 40%: its grid cannot hold every ternary pattern) -> 40%.
+# Not measured (llama.cpp makes them only with an importance matrix): IQ3_XXS, IQ2_*, IQ1_*; MXFP4.
 TOLERANCE: dict[str, float] = {
     "F32": 0.01, "F16": 0.01, "BF16": 0.01, "F64": 0.01, "Q8_0": 0.01, "Q8_1": 0.01,
-    "Q6_K": 0.05, "Q5_K": 0.08, "Q4_K": 0.12,
-    "Q5_0": 0.1, "Q5_1": 0.1, "Q4_0": 0.2, "Q4_1": 0.2, "IQ4_NL": 0.2, "IQ4_XS": 0.2, "MXFP4": 0.3,
-    "Q3_K": 0.3, "Q2_K": 0.35, "IQ3_XXS": 0.4, "IQ3_S": 0.4,
+    "Q6_K": 0.02, "Q5_K": 0.04, "Q4_K": 0.04, "Q5_0": 0.06, "Q5_1": 0.06, "Q4_0": 0.1, "Q4_1": 0.1,
+    "IQ4_NL": 0.15, "IQ4_XS": 0.15, "Q3_K": 0.3, "Q2_K": 0.4, "IQ3_S": 0.4, "IQ3_XXS": 0.4, "MXFP4": 0.3,
     "IQ2_XXS": 0.45, "IQ2_XS": 0.45, "IQ2_S": 0.45, "IQ1_S": 0.45, "IQ1_M": 0.45,
 }
 DEFAULT_TOLERANCE = 0.45   # a type not listed: still below 1/2 (the point where a code would flip)
