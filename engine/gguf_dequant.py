@@ -37,7 +37,7 @@ def gguf_decodable() -> frozenset[str]:
     g = _gguf_module()
     if g is None:
         return frozenset()
-    names = set()
+    names = {"F32", "F16"}  # gguf.quants.dequantize handles these two without a trait class
     for qt in g.GGMLQuantizationType:
         cls = g.quants._type_traits.get(qt) if hasattr(g.quants, "_type_traits") else None
         if cls is not None and "dequantize_blocks" in vars(cls):
