@@ -56,7 +56,8 @@ class TernaryFit:
 
     def note(self) -> dict:
         """What the store's ternary_stats and `bitnet inspect` report for this tensor."""
-        return {"off": self.off_share, "tol": self.tolerance, "blur": self.blur, "scale_kind": scale_kind(self.blur)}
+        kind = scale_kind(self.blur) if self.ok else "meaningless: NOT TERNARY"
+        return {"off": self.off_share, "tol": self.tolerance, "blur": self.blur, "scale_kind": kind}
 
 
 def scale_kind(blur: float) -> str:
