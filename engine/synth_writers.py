@@ -215,8 +215,9 @@ def write_gguf_tq(m, path: str, qtype: str = "TQ2_0", *, embed_type: str = "F16"
     import gguf
 
     qt = gguf.GGMLQuantizationType[qtype]
-    if qtype not in ("TQ1_0", "TQ2_0", "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"):
-        raise ValueError(f"qtype {qtype}: not one gguf's numpy quantizers write")
+    if qtype not in ("TQ1_0", "TQ2_0", "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0") and \
+            not callable(quantizer):
+        raise ValueError(f"qtype {qtype}: not one gguf's numpy quantizers write (pass an encoder as quantizer)")
     if quantizer == "fast" and qtype != "TQ2_0":
         raise ValueError("quantizer='fast' exists for TQ2_0 only")
     for p, o, n in m.linears():
@@ -260,7 +261,7 @@ def write_gguf_tq(m, path: str, qtype: str = "TQ2_0", *, embed_type: str = "F16"
                 if quantizer == "fast":
                     return tq2_pack(wt, s)
                 wf = m.master(prefix) if gaussian else wt.astype(np.float32) * np.float32(s)
-                return gguf.quants.quantize(wf, qt)
+                return quantizer(wf) if callable(quantizer) else gguf.quants.quantize(wf, qt)
             plan.append((name, [o, n // bs * ts], np.dtype(np.uint8), o * n // bs * ts, qt, make))
             if scale_tensors:
                 plan.append((name[:-len(".weight")] + ".scale", [1], np.dtype(np.float32), 4, None,

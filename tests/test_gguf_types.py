@@ -185,3 +185,57 @@ def test_llama_cpp_quantized_gaussian_is_refused(ref, name, tmp_path):
     with pytest.raises(UnsupportedError, match=r"is not ternary: .*llama\.cpp"):
         convert(path, str(tmp_path / "g.bnstore"), progress=False)
     assert not os.path.exists(tmp_path / "g.bnstore")
+
+
+# ---- IQ1_S through a small test-only encoder (llama.cpp makes it only with an importance matrix) ------------
+def _iq1s_grid():
+    from gguf.quants import IQ1_S
+
+    IQ1_S.init_grid()
+    return IQ1_S.grid.reshape(2048, 8).astype(np.int8)
+
+
+def _iq1s_nearest():
+    """For each of the 3^8 ternary patterns of 8 values (base-3 index), the nearest IQ1_S grid entry."""
+    grid = _iq1s_grid().astype(np.float32)
+    pats = ((np.arange(6561)[:, None] // 3 ** np.arange(8)) % 3 - 1).astype(np.float32)
+    d2 = (pats ** 2).sum(1)[:, None] - 2 * pats @ grid.T + (grid ** 2).sum(1)[None, :]
+    return d2.argmin(1)
+
+
+def _iq1s_encode(w):
+    """Ternary w = codes * s (codes already IQ1_S grid patterns) -> IQ1_S blocks: d = s/15, every sub-block scale 7
+    (dl = 15 d = s), delta +0.125, so each value decodes to s * (code + 0.125)."""
+    s = float(np.abs(w).max())
+    codes = np.rint(w / s).astype(np.int64).reshape(-1, 8)
+    idx = _iq1s_nearest()[((codes + 1) * 3 ** np.arange(8)).sum(1)]
+    nb = codes.shape[0] // 32
+    idx = idx.reshape(nb, 8, 4)  # block, sub-block, group
+    out = np.zeros((nb, 50), np.uint8)
+    out[:, :2] = np.frombuffer(np.float16(s / 15).tobytes(), np.uint8)
+    out[:, 2:34] = (idx & 0xFF).reshape(nb, 32)
+    qh = (7 << 12) | sum(((idx[:, :, k] >> 8) & 7) << (3 * k) for k in range(4))
+    out[:, 34:] = qh.astype("<u2").view(np.uint8).reshape(nb, 16)
+    return out.reshape(w.shape[0], -1)
+
+
+def test_iq1s_test_encoder_loads_as_its_tq2_model(ref, tmp_path):
+    """The model projected onto what IQ1_S can hold (its grid has 2048 of the 3^8 patterns of 8 ternary values):
+    as IQ1_S (every value blurred by +12.5% of the scale) it is the same model as its TQ2_0 file."""
+    m, _, _, ids = ref
+    nearest, grid = _iq1s_nearest(), _iq1s_grid()
+
+    class Projected(SynthModel):
+        def ternary(self, prefix):
+            t = super().ternary(prefix)
+            g = ((t.reshape(-1, 8).astype(np.int64) + 1) * 3 ** np.arange(8)).sum(1)
+            return grid[nearest[g]].reshape(t.shape)
+
+    p = Projected(seed=13)
+    tq2 = write_gguf_tq(p, str(tmp_path / "p.TQ2_0.gguf"), "TQ2_0")
+    iq1 = write_gguf_tq(p, str(tmp_path / "p.IQ1_S.gguf"), "IQ1_S", quantizer=_iq1s_encode)
+    ref_store = convert(tq2, tq2 + ".bnstore", lm_head="f16", progress=False)
+    store = convert(iq1, iq1 + ".bnstore", lm_head="f16", progress=False)
+    _same_model(ref_store, store, ids, exact=False)
+    for name, s in Store(store).meta["ternary_stats"].items():
+        assert s["off"] == 0 and 0.12 < s["blur"] < 0.2, (name, s)  # +12.5% around a fitted mean
