@@ -121,7 +121,8 @@ class GGUFSource:
         self.fit_notes: dict[str, dict] = {}
         first = g.info("blk.0.attn_q.weight")
         if check_ternary and first.type_name not in ("I2_S", "TQ1_0", "TQ2_0"):
-            self.ternary_fit(first.name, raise_if_not=True)  # refuse a non-ternary file before anything is written
+            # refuse a non-ternary file before anything is written (the fit is kept for linear())
+            self._first_fit = (first.name, self.ternary_fit(first.name, raise_if_not=True))
 
     def _activation(self, arch, override, tok_kind) -> str:
         act = self.g.get(f"{arch}.hidden_activation", str)
@@ -191,7 +192,8 @@ class GGUFSource:
                                            " (not a BitNet per-tensor scale; re-convert the model)")
                 scale = float(ds[0]) if ds.size else 1.0
         else:  # any other type (F16, Q8_0, K-quants, IQ*): dequantize, check it is ternary, recover the scale
-            fit = self.ternary_fit(name, raise_if_not=True)
+            kept = self.__dict__.pop("_first_fit", None)
+            fit = kept[1] if kept and kept[0] == name else self.ternary_fit(name, raise_if_not=True)
             w, scale = fit.codes, fit.scale
         sname = f"blk.{i}.{short}.scale"
         if sname in self.g.tensors:
@@ -204,11 +206,13 @@ class GGUFSource:
     def ternary_fit(self, name: str, raise_if_not: bool = False):
         """engine.ternary_check.TernaryFit of a linear weight stored in a non-ternary type; its report is kept in
         self.fit_notes (the store's ternary_stats and `bitnet inspect` show it)."""
-        from .ternary_check import check_ternary, fit_ternary
+        from .ternary_check import check_ternary, fit_exact_raw, fit_ternary
 
         t = self.g.info(name)
-        wf = self.g.dequantize(name).reshape(t.shape)
-        fit = check_ternary(self.path, name, wf, t.type_name) if raise_if_not else fit_ternary(wf, t.type_name)
+        fit = fit_exact_raw(self.g.raw(name), t.type_name, t.shape)  # F16/BF16/F32/Q8_0 holding exact ternary values
+        if fit is None:
+            wf = self.g.dequantize(name).reshape(t.shape)
+            fit = check_ternary(self.path, name, wf, t.type_name) if raise_if_not else fit_ternary(wf, t.type_name)
         self.fit_notes[name] = fit.note()
         return fit
 

@@ -130,6 +130,61 @@ def fit_ternary(w: np.ndarray, type_name: str) -> TernaryFit:
     return TernaryFit(codes.reshape(w.shape), float(s), off / flat.size, tol, worst / s)
 
 
+_BITS = {"F16": ("<u2", 0x7FFF, "<f2"), "BF16": ("<u2", 0x7FFF, None), "F32": ("<u4", 0x7FFFFFFF, "<f4")}
+
+
+def fit_exact_raw(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> TernaryFit | None:
+    """Fast path on the stored bits for the containers that keep a ternary tensor exactly (F16, BF16, F32: three
+    bit patterns 0, +s, -s; Q8_0: codes 0/+-Q under one block scale). None when the tensor is not stored that
+    way (then dequantize and fit_ternary decide). ~10x cheaper than dequantizing to f32 and fitting."""
+    tol = TOLERANCE.get(type_name, DEFAULT_TOLERANCE)
+    n = int(np.prod(shape, dtype=np.int64))
+    codes = np.zeros(n, np.int8)
+    if type_name in _BITS:
+        ut, mask, ft = _BITS[type_name]
+        u = raw.view(ut)
+        nz = np.flatnonzero(u[: min(u.size, 1 << 16)] & mask)
+        first = int(u[nz[0]]) & mask if nz.size else 0
+        if first == 0 or first >= (0x7C00 if type_name == "F16" else 0x7F80 if type_name == "BF16" else 0x7F800000):
+            return None  # all zero in its first chunk (rare: let the general fit decide) or NaN/inf
+        pos, neg = u.dtype.type(first), u.dtype.type(first | (mask + 1))
+        for i in range(0, n, CHUNK):
+            c, cc = u[i: i + CHUNK], codes[i: i + CHUNK]
+            cp, cn = c == pos, c == neg
+            if int(np.count_nonzero(cp)) + int(np.count_nonzero(cn)) + int(np.count_nonzero((c & mask) == 0)) != c.size:
+                return None
+            cc += cp
+            cc -= cn
+        if type_name == "BF16":
+            s = float(np.array([first << 16], np.uint32).view(np.float32)[0])
+        else:
+            s = float(np.array([first], ut).view(ft)[0])
+        return TernaryFit(codes.reshape(shape), s, 0.0, tol, 0.0)
+    if type_name == "Q8_0":
+        blocks = raw.reshape(-1, 34)
+        d = blocks[:, :2].copy().view("<u2").reshape(-1)
+        q = blocks[:, 2:].view(np.int8)
+        live = q.any(axis=1)
+        if not live.any():
+            return None
+        dl = np.unique(d[live])
+        qmax = int(np.abs(q[live][0].astype(np.int16)).max())
+        if dl.size != 1 or qmax == 0:
+            return None
+        step = max(1, CHUNK // 32)
+        for b in range(0, q.shape[0], step):
+            qq = q[b: b + step]
+            cp, cn = qq == qmax, qq == -qmax
+            if int(np.count_nonzero(cp)) + int(np.count_nonzero(cn)) + int(np.count_nonzero(qq == 0)) != qq.size:
+                return None
+            cc = codes[b * 32: (b + qq.shape[0]) * 32].reshape(qq.shape)
+            cc += cp
+            cc -= cn
+        s = float(np.float32(np.array([dl[0]], "<u2").view("<f2")[0]) * np.float32(qmax))  # as dequantized
+        return TernaryFit(codes.reshape(shape), s, 0.0, tol, 0.0)
+    return None
+
+
 def check_ternary(path: str, name: str, w: np.ndarray, type_name: str) -> TernaryFit:
     """fit_ternary, refusing a tensor that is not ternary in one line that says so."""
     try:

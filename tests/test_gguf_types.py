@@ -239,3 +239,26 @@ def test_iq1s_test_encoder_loads_as_its_tq2_model(ref, tmp_path):
     _same_model(ref_store, store, ids, exact=False)
     for name, s in Store(store).meta["ternary_stats"].items():
         assert s["off"] == 0 and 0.12 < s["blur"] < 0.2, (name, s)  # +12.5% around a fitted mean
+
+
+@pytest.mark.parametrize("qtype", ["F32", "F16", "BF16", "Q8_0"])
+def test_fast_path_on_stored_bits_agrees_with_the_general_fit(ref, qtype):
+    from engine.gguf import GGUFFile
+    from engine.ternary_check import fit_exact_raw
+
+    m, d, _, _ = ref
+    path = str(d / f"m.{qtype}.gguf")
+    if not os.path.exists(path):
+        write_gguf_tq(m, path, qtype)
+    g = GGUFFile(path)
+    for name in ("blk.0.attn_q.weight", "blk.1.ffn_down.weight"):
+        t = g.info(name)
+        fast = fit_exact_raw(g.raw(name), t.type_name, t.shape)
+        slow = fit_ternary(g.dequantize(name).reshape(t.shape), t.type_name)
+        assert fast is not None and np.array_equal(fast.codes, slow.codes) and fast.scale == slow.scale
+        assert fast.blur == slow.blur == 0 and fast.off_share == slow.off_share == 0
+    # one value moved off the three bit patterns: the fast path declines, the general fit decides
+    raw = np.array(g.raw("blk.0.attn_q.weight"))
+    raw[40] ^= 1
+    assert fit_exact_raw(raw, qtype, g.info("blk.0.attn_q.weight").shape) is None
+    g.close()
