@@ -119,6 +119,7 @@ class GGUFSource:
         types = sorted({g.info(f"blk.0.{s}.weight").type_name for s in LINEARS})
         self.source_format = f"gguf-{arch}-" + "+".join(t.lower() for t in types)
         self.fit_notes: dict[str, dict] = {}
+        self._first_fit = None
         first = g.info("blk.0.attn_q.weight")
         if check_ternary and first.type_name not in ("I2_S", "TQ1_0", "TQ2_0"):
             # refuse a non-ternary file before anything is written (the fit is kept for linear())
@@ -192,7 +193,7 @@ class GGUFSource:
                                            " (not a BitNet per-tensor scale; re-convert the model)")
                 scale = float(ds[0]) if ds.size else 1.0
         else:  # any other type (F16, Q8_0, K-quants, IQ*): dequantize, check it is ternary, recover the scale
-            kept = self.__dict__.pop("_first_fit", None)
+            kept, self._first_fit = self._first_fit, None
             fit = kept[1] if kept and kept[0] == name else self.ternary_fit(name, raise_if_not=True)
             w, scale = fit.codes, fit.scale
         sname = f"blk.{i}.{short}.scale"

@@ -276,7 +276,8 @@ class GGUFFile:
         t = self.info(name)
         if t.type_name not in DECODABLE and (t.nbytes < 0 or t.type_name not in gguf_decodable()):
             raise UnsupportedError(f"{self.path}: tensor {name!r} has unsupported tensor type {t.type_name}",
-                                   hint="supported: " + ", ".join(sorted(DECODABLE | gguf_decodable())))
+                                   hint="supported: " + ", ".join(sorted(DECODABLE | gguf_decodable())) + (
+                                       "" if gguf_decodable() else "; pip install gguf for the other types"))
         ne0 = t.shape[-1]
         nrows = t.n_elements // ne0
         r0, r1, _ = (rows or slice(None)).indices(nrows)
@@ -373,9 +374,8 @@ def decode_blocks(raw: np.ndarray, type_name: str) -> np.ndarray:
     if type_name == "TQ1_0":
         b = raw.reshape(-1, 54)
         return (_f16(b[:, 52:]) * (_tq1_codes(b).astype(np.float32) - 1)).reshape(-1)
-    if type_name in ("Q4_K", "Q6_K") or type_name in gguf_decodable():  # hand-written copies dropped: gguf's
-        return decode_with_gguf(raw, type_name, 1)                        # are as fast (Q6_K) or faster (Q4_K)
-    raise UnsupportedError(f"tensor type {type_name} cannot be decoded")
+    # everything else (Q4_K and Q6_K included: our hand-written copies were no faster) through the gguf package
+    return decode_with_gguf(raw, type_name, 1)
 
 
 def is_gguf(path: str | os.PathLike) -> bool:
