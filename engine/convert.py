@@ -48,6 +48,7 @@ def _fused(src, shorts: tuple[str, ...], i: int, stats: dict) -> tuple[np.ndarra
     for s in shorts:
         w, scale, seen = src.linear(s, i)
         stats[f"blk.{i}.{s}"] = _stats(w, seen)
+        stats[f"blk.{i}.{s}"].update(getattr(src, "fit_notes", {}).get(f"blk.{i}.{s}.weight", {}))  # GGUF check
         mats.append(w)
         scales.append(np.full(w.shape[0], scale, np.float32))
     w = mats[0] if len(mats) == 1 else np.concatenate(mats)

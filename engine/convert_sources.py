@@ -111,7 +111,7 @@ def _shape_check(path, name, got, want):
 
 # ---------------------------------------------------------------------------------------------------------
 class GGUFSource:
-    def __init__(self, path: str, hidden_act: str | None = None):
+    def __init__(self, path: str, hidden_act: str | None = None, check_ternary: bool = True):
         self.path = path
         self.g = g = GGUFFile(path)
         arch = g.arch
@@ -160,6 +160,12 @@ class GGUFSource:
             self.meta["qk_rows"] = "un-permuted from llama.cpp's interleaved-RoPE order"
         types = sorted({g.info(f"blk.0.{s}.weight").type_name for s in LINEARS})
         self.source_format = f"gguf-{arch}-" + "+".join(t.lower() for t in types)
+        self.fit_notes: dict[str, dict] = {}
+        self._first_fit = None
+        first = g.info("blk.0.attn_q.weight")
+        if check_ternary and first.type_name not in ("I2_S", "TQ1_0", "TQ2_0"):
+            # refuse a non-ternary file before anything is written (the fit is kept for linear())
+            self._first_fit = (first.name, self.ternary_fit(first.name, raise_if_not=True))
 
     def _activation(self, arch, override, tok_kind) -> str:
         act = self.g.get(f"{arch}.hidden_activation", str)
@@ -231,21 +237,10 @@ class GGUFSource:
                     raise UnsupportedError(f"{self.path}: tensor {name!r} has {ds.size} different block scales"
                                            " (not a BitNet per-tensor scale; re-convert the model)")
                 scale = float(ds[0]) if ds.size else 1.0
-        elif t.type_name in ("F32", "F16", "BF16"):
-            wf = self.g.dequantize(name).reshape(out, inp)
-            vals = np.unique(np.abs(wf))
-            if self.g.arch == "llama":  # an ordinary Llama GGUF must not be ternarized silently
-                w, scale = ternary_from_fakequant(self.path, name, wf)
-                if np.ndim(scale):
-                    raise UnsupportedError(f"{self.path}: tensor {name!r} has per-row scales in a float GGUF")
-            elif vals.size <= 2 and vals[0] == 0 or vals.size == 1:
-                scale = float(vals[-1]) or 1.0  # already ternary times a scale (llama.cpp f16/f32 output)
-                w = np.sign(wf).astype(np.int8)
-            else:
-                w, scale = ternarize_online(wf)
-        else:
-            raise UnsupportedError(f"{self.path}: tensor {name!r} has type {t.type_name}, not a ternary type",
-                                   hint="expected I2_S, TQ1_0, TQ2_0 (or F16/F32 full-precision weights)")
+        else:  # any other type (F16, Q8_0, K-quants, IQ*): dequantize, check it is ternary, recover the scale
+            kept, self._first_fit = self._first_fit, None
+            fit = kept[1] if kept and kept[0] == name else self.ternary_fit(name, raise_if_not=True)
+            w, scale = fit.codes, fit.scale
         sname = f"blk.{i}.{short}.scale"
         if sname in self.g.tensors:
             s = self.g.dequantize(sname).reshape(-1)
@@ -255,6 +250,19 @@ class GGUFSource:
         if self.g.arch == "llama" and short in ("attn_q", "attn_k"):
             w = _llama_unpermute(w, c.n_heads if short == "attn_q" else c.n_kv_heads)
         return w, _check_scale(self.path, name, np.float32(scale)), [scale]
+
+    def ternary_fit(self, name: str, raise_if_not: bool = False):
+        """engine.ternary_check.TernaryFit of a linear weight stored in a non-ternary type; its report is kept in
+        self.fit_notes (the store's ternary_stats and `bitnet inspect` show it)."""
+        from .ternary_check import check_ternary, fit_exact_raw, fit_ternary
+
+        t = self.g.info(name)
+        fit = fit_exact_raw(self.g.raw(name), t.type_name, t.shape)  # F16/BF16/F32/Q8_0 holding exact ternary values
+        if fit is None:
+            wf = self.g.dequantize(name).reshape(t.shape)
+            fit = check_ternary(self.path, name, wf, t.type_name) if raise_if_not else fit_ternary(wf, t.type_name)
+        self.fit_notes[name] = fit.note()
+        return fit
 
     def close(self):
         self.g.close()
@@ -478,10 +486,11 @@ class HFSource:
         self.st.close()
 
 
-def open_source(path: str, hidden_act: str | None = None, ternarize: bool = False):
+def open_source(path: str, hidden_act: str | None = None, ternarize: bool = False, check_ternary: bool = True):
     """GGUFSource for a GGUF file, HFSource for a directory; FormatError otherwise. ternarize: float weights of
     a Llama-architecture directory without quantization_config are BitNet latent weights, ternarized like
-    transformers' online AutoBitLinear (otherwise they must already be ternary x scale)."""
+    transformers' online AutoBitLinear (otherwise they must already be ternary x scale). check_ternary=False
+    (inspect): a GGUF whose weights are not ternary opens anyway (its linear() still refuses them)."""
     from .gguf import is_gguf
 
     if os.path.isdir(path):
@@ -489,7 +498,7 @@ def open_source(path: str, hidden_act: str | None = None, ternarize: bool = Fals
     if not os.path.exists(path):
         raise FormatError(f"{path}: no such file or directory")
     if is_gguf(path):
-        return GGUFSource(path, hidden_act)
+        return GGUFSource(path, hidden_act, check_ternary)
     if path.endswith(".safetensors"):
         return HFSource(os.path.dirname(os.path.abspath(path)), hidden_act, ternarize)
     raise FormatError(f"{path}: not a GGUF file, a BitNet store or a Hugging Face model directory")

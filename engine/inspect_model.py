@@ -58,11 +58,14 @@ def _tokenizer_line(spec) -> str:
 def _stats_lines(stats: dict) -> list[str]:
     if not stats:
         return []
-    out = ["ternary tensors: share of -1 / 0 / +1, scale"]
+    out = ["ternary tensors: share of -1 / 0 / +1, scale" + (
+        "; GGUF tensors not stored as ternary: share of values off -s/0/+s beyond the type's rounding (tol),"
+        " how the scale was recovered" if any("off" in s for s in stats.values()) else "")]
     for name in sorted(stats, key=_natural):
         s = stats[name]
         sc = ", ".join(f"{x:.6g}" for x in s["scale"][:4]) + (" ..." if len(s["scale"]) > 4 else "")
-        out.append(f"  {name:<28} {s['neg']:.3f} / {s['zero']:.3f} / {s['pos']:.3f}   scale {sc}")
+        fit = (f"   off {s['off']:.2%} (tol {s['tol']:.0%}), scale {s['scale_kind']}" if "off" in s else "")
+        out.append(f"  {name:<28} {s['neg']:.3f} / {s['zero']:.3f} / {s['pos']:.3f}   scale {sc}{fit}")
     return out
 
 
@@ -100,7 +103,7 @@ def describe(path: str, max_tensors: int | None = None) -> Iterator[str]:
         return
     from .convert_sources import LINEARS, GGUFSource, open_source
 
-    src = open_source(path)
+    src = open_source(path, check_ternary=False)
     try:
         kind = "GGUF file" if isinstance(src, GGUFSource) else "Hugging Face model directory"
         yield f"{path}: {kind} ({src.source_format})"
@@ -120,13 +123,24 @@ def describe(path: str, max_tensors: int | None = None) -> Iterator[str]:
         yield _tokenizer_line(src.tokenizer)
         yield f"chat template: {src.chat_template!r}"
         stats = {}
+        refused = []
         for i in range(src.config.n_layers):
             for short in LINEARS:
-                w, scale, seen = src.linear(short, i)
+                name = f"blk.{i}.{short}.weight"
+                if isinstance(src, GGUFSource) and src.g.info(name).type_name not in ("I2_S", "TQ1_0", "TQ2_0"):
+                    fit = src.ternary_fit(name)  # reported, not refused: inspect shows why a file would be
+                    w, scale = fit.codes, fit.scale
+                    if not fit.ok:
+                        refused.append(f"blk.{i}.{short}")
+                else:
+                    w, scale, seen = src.linear(short, i)
                 n = w.size
                 neg, zero = int(np.count_nonzero(w == -1)), int(np.count_nonzero(w == 0))
                 stats[f"blk.{i}.{short}"] = {"neg": neg / n, "zero": zero / n, "pos": (n - neg - zero) / n,
-                                             "scale": [scale]}
+                                             "scale": [scale], **getattr(src, "fit_notes", {}).get(name, {})}
         yield from _stats_lines(stats)
+        if refused:
+            yield (f"NOT TERNARY: {len(refused)} linear tensors (first {refused[0]}) are not ternary; conversion"
+                   " refuses this file (run it with llama.cpp)")
     finally:
         src.close()

@@ -245,12 +245,16 @@ def _tokenizer_kv(m, pre: str | None, template: str) -> list[tuple[str, str, obj
 
 def write_gguf_tq(m, path: str, qtype: str = "TQ2_0", *, embed_type: str = "F16",
                   hidden_activation: str | None = "relu2", scale_tensors: bool = False, pre: str | None = "llama-bpe",
-                  quantizer: str = "gguf", arch: str = "bitnet") -> str:
+                  quantizer: str = "gguf", arch: str = "bitnet", gaussian: bool = False) -> str:
+    """Linear weights in `qtype`: TQ1_0 / TQ2_0, or any type gguf's numpy quantizers write (F32, F16, BF16,
+    Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: the ternary values times the scale, as llama.cpp's converter stores them).
+    gaussian=True writes the full-precision masters instead (a non-ternary model, which must be refused)."""
     import gguf
 
     qt = gguf.GGMLQuantizationType[qtype]
-    if qtype not in ("TQ1_0", "TQ2_0"):
-        raise ValueError("qtype must be TQ1_0 or TQ2_0")
+    if qtype not in ("TQ1_0", "TQ2_0", "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0") and \
+            not callable(quantizer):
+        raise ValueError(f"qtype {qtype}: not one gguf's numpy quantizers write (pass an encoder as quantizer)")
     if quantizer == "fast" and qtype != "TQ2_0":
         raise ValueError("quantizer='fast' exists for TQ2_0 only")
     for p, o, n in m.linears():
@@ -294,7 +298,8 @@ def write_gguf_tq(m, path: str, qtype: str = "TQ2_0", *, embed_type: str = "F16"
                 wt, s = _gguf_ternary(m, prefix, arch), (1.0 if scale_tensors else m.weight_scale(prefix))
                 if quantizer == "fast":
                     return tq2_pack(wt, s)
-                return gguf.quants.quantize(wt.astype(np.float32) * np.float32(s), qt)
+                wf = m.master(prefix) if gaussian else wt.astype(np.float32) * np.float32(s)
+                return quantizer(wf) if callable(quantizer) else gguf.quants.quantize(wf, qt)
             plan.append((name, [o, n // bs * ts], np.dtype(np.uint8), o * n // bs * ts, qt, make))
             if scale_tensors:
                 plan.append((name[:-len(".weight")] + ".scale", [1], np.dtype(np.float32), 4, None,
