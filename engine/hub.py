@@ -25,7 +25,9 @@ _REF = re.compile(r"^(?P<repo>[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.
 def parse_hub_ref(ref: str) -> tuple[str, str | None, str | None] | None:
     """(repo id, file or None, revision or None), or None when `ref` is not a hub id."""
     m = _REF.match(ref or "")
-    if not m or ref.startswith(("./", "../")) or ref.endswith((".gguf", ".bnstore", ".safetensors")):
+    if not m or ref.startswith(("./", "../")):
+        return None
+    if m.group("repo").endswith((".gguf", ".bnstore", ".safetensors")):   # a mistyped local path, not a repo
         return None
     return m.group("repo"), m.group("file"), m.group("rev")
 
@@ -118,6 +120,26 @@ def _offline_reason(e: BaseException) -> str | None:
     return None
 
 
+def _unreachable(endpoint: str, timeout: float = 5.0) -> str | None:
+    """Why a TCP connection to the hub endpoint fails (None: it connects, or a proxy is in the way so only the
+    download itself can tell). Probed once so that an offline machine gets its answer at once, rather than
+    after huggingface_hub's retries with backoff."""
+    import socket
+    from urllib.parse import urlsplit
+
+    if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY",
+                                       "all_proxy")):
+        return None
+    u = urlsplit(endpoint)
+    if not u.hostname:
+        return None
+    try:
+        socket.create_connection((u.hostname, u.port or (443 if u.scheme == "https" else 80)), timeout=timeout).close()
+    except OSError as e:
+        return f"cannot reach {endpoint} ({e.strerror or type(e).__name__})"
+    return None
+
+
 def pull(ref: str) -> str:
     """Download REPO[:FILE][@REV] into the hub cache (huggingface_hub's progress bars on stderr); returns the
     local path. Raises BitNetError with one clear line when offline, or when the repo/file/revision is unknown."""
@@ -127,12 +149,29 @@ def pull(ref: str) -> str:
     repo, file, rev = parsed
     from huggingface_hub import hf_hub_download, snapshot_download
     from huggingface_hub.errors import (EntryNotFoundError, GatedRepoError, HfHubHTTPError, HFValidationError,
-                                        RepositoryNotFoundError, RevisionNotFoundError)
+                                        LocalEntryNotFoundError, OfflineModeIsEnabled, RepositoryNotFoundError,
+                                        RevisionNotFoundError)
+
+    def offline(e, reason=None):
+        return BitNetError(f"pull {ref}: offline: {reason or _offline_reason(e) or 'the hub cannot be reached'}",
+                           hint="models already downloaded still run: `bitnet list`, `bitnet run -m REPO`")
+
+    from huggingface_hub import constants
+
+    if not constants.HF_HUB_OFFLINE:
+        reason = _unreachable(constants.ENDPOINT)
+        if reason:
+            try:   # already downloaded: that copy is what the user wants
+                return resolve_hub_ref(ref)[0]
+            except BitNetError:
+                raise offline(None, reason) from None
 
     try:
         if file:
             return hf_hub_download(repo, file, revision=rev)
         return snapshot_download(repo, revision=rev, allow_patterns=MODEL_PATTERNS)
+    except (LocalEntryNotFoundError, OfflineModeIsEnabled) as e:   # not cached, and the hub out of reach
+        raise offline(e) from None
     except GatedRepoError:
         raise BitNetError(f"pull {ref}: the repository is gated", hint="accept its terms on the hub and log in "
                           "with `huggingface-cli login`") from None
@@ -145,8 +184,7 @@ def pull(ref: str) -> str:
     except HFValidationError as e:
         raise BitNetError(f"pull {ref}: not a valid hub id ({e})") from None
     except (HfHubHTTPError, OSError, Exception) as e:  # noqa: BLE001  (network layers raise many types)
-        reason = _offline_reason(e)
-        if reason is None:
-            raise BitNetError(f"pull {ref}: download failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
-        raise BitNetError(f"pull {ref}: offline: {reason}",
-                          hint="models already downloaded still run: `bitnet list`, `bitnet run -m REPO`") from None
+        if _offline_reason(e) is None:
+            first = str(e).splitlines()[0] if str(e) else ""
+            raise BitNetError(f"pull {ref}: download failed: {type(e).__name__}: {first}") from None
+        raise offline(e) from None
