@@ -208,3 +208,15 @@ def test_a_local_path_wins_over_a_hub_id(hub, tmp_path):
                         "--temp", "0"], capture_output=True, text=True, timeout=120, cwd=tmp_path,
                        env=dict(env_for(hub, tmp_path), PYTHONPATH=ROOT))
     assert r.returncode == 0 and r.stdout == greedy(hub["hf"][COMMIT_A]), r.stderr
+
+
+def test_convert_and_inspect_take_a_hub_id(hub, tmp_path):
+    env = env_for(hub, tmp_path)
+    r = subprocess.run([sys.executable, "-m", "engine", "convert", "o/tiny-gguf", "--no-progress"], capture_output=True,
+                       text=True, timeout=120, cwd=tmp_path, env=dict(env, PYTHONPATH=ROOT))
+    assert r.returncode == 0, r.stderr
+    out = r.stdout.strip()
+    assert os.path.basename(out) == "o--tiny-gguf--model-i2_s.bnstore" and os.path.dirname(os.path.abspath(
+        os.path.join(tmp_path, out))) == str(tmp_path)
+    info = bitnet("inspect", os.path.join(tmp_path, out), env=env).stdout
+    assert f"source: o/tiny-gguf:model-i2_s.gguf@{COMMIT_A[:12]}" in info
