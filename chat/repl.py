@@ -44,6 +44,8 @@ def handle_line(session: ChatSession, text: str) -> bool:
     except CommandError as e:
         session.out.notice(str(e))
         session.had_errors = True
+    except BrokenPipeError:   # stdout was closed (`| head`): not a bug; bitchat ends quietly (chat/app.py)
+        raise
     except Exception as e:  # a bug must not take the transcript with it
         session.out.end_answer()
         session.out.notice(f"[internal error: {type(e).__name__}: {e}; the session goes on — /save keeps your work]")

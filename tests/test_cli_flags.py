@@ -155,6 +155,22 @@ def test_closed_stdout_ends_quietly(store, cmd):
     assert "Traceback" not in err and "BrokenPipe" not in err and "Exception ignored" not in err, err
 
 
+@pytest.mark.parametrize("argv", [["engine", "run", "-p", "Once", "-n", "50"], ["chat", "-n", "20"],
+                                  ["engine", "info"]])
+def test_stdout_closed_before_anything_is_written(store, argv):
+    read_end, write_end = os.pipe()
+    os.close(read_end)                                            # nobody will ever read
+    extra = [] if argv[-1] == "info" else ["-m", store]
+    try:
+        r = subprocess.run([sys.executable, "-m", *argv, *extra], stdout=write_end, stderr=subprocess.PIPE,
+                           input=b"Hello\n", cwd=ROOT, timeout=120, env=dict(os.environ, BITCHAT_HISTORY=""))
+    finally:
+        os.close(write_end)
+    err = r.stderr.decode()
+    assert r.returncode == 0, err
+    assert "Traceback" not in err and "Broken pipe" not in err and "internal error" not in err, err
+
+
 def test_versions_agree_and_info_is_a_table_or_json():
     a, b = bitnet("--version"), run("chat", "--version")
     assert a.returncode == 0 and b.returncode == 0
