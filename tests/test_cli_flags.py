@@ -124,6 +124,9 @@ def test_non_utf8_input_is_one_line_naming_the_byte(store, tmp_path):
     r = bitnet("run", "-m", store, "-p", "-", stdin=b"hello \xff\n")
     err = r.stderr.decode()
     assert r.returncode == 2 and len(err.strip().splitlines()) == 1 and "0xff" in err and "UTF-8" in err
+    r = subprocess.run([sys.executable, "-m", "engine", "run", "-m", store, "-p", b"caf\xe9"], capture_output=True,
+                       text=True, cwd=ROOT, timeout=120)               # an argument that is not UTF-8 either
+    assert r.returncode == 2 and "0xe9" in r.stderr and "-p/--prompt" in r.stderr and len(r.stderr.splitlines()) == 1
     bad = tmp_path / "latin1.txt"
     bad.write_bytes("café".encode("latin-1"))
     r = bitnet("run", "-m", store, "-f", str(bad))

@@ -220,3 +220,78 @@ def test_convert_and_inspect_take_a_hub_id(hub, tmp_path):
         os.path.join(tmp_path, out))) == str(tmp_path)
     info = bitnet("inspect", os.path.join(tmp_path, out), env=env).stdout
     assert f"source: o/tiny-gguf:model-i2_s.gguf@{COMMIT_A[:12]}" in info
+
+
+class FakeHub:
+    """The two requests `hf_hub_download` makes (HEAD for the metadata, GET for the bytes), answered on
+    127.0.0.1 for one repository at one commit: enough to see `bitnet pull` download for real."""
+
+    def __init__(self, repo: str, files: dict[str, bytes], commit: str):
+        import http.server
+        import threading
+
+        hub = self
+        self.requests = []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _file(self):
+                prefix = f"/{repo}/resolve/"
+                if not self.path.startswith(prefix):
+                    return None
+                name = self.path[len(prefix):].split("/", 1)[-1]
+                return files.get(name)
+
+            def _answer(self, body: bool):
+                hub.requests.append((self.command, self.path))
+                data = self._file()
+                if data is None:
+                    self.send_response(404)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                self.send_response(200)
+                self.send_header("X-Repo-Commit", commit)
+                self.send_header("ETag", '"%s"' % hashlib.sha256(data).hexdigest())
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                if body:
+                    self.wfile.write(data)
+
+            def do_HEAD(self):
+                self._answer(False)
+
+            def do_GET(self):
+                self._answer(True)
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_pull_downloads_converts_and_then_runs_offline(hub, tmp_path):
+    commit = "c" * 40
+    fake = FakeHub("o/remote", {"model-i2_s.gguf": open(hub["gguf"], "rb").read()}, commit)
+    try:
+        env = env_for(hub, tmp_path, HF_HUB_CACHE=str(tmp_path / "downloads"), HF_HUB_OFFLINE="0",
+                      HF_ENDPOINT=fake.url, HF_HUB_DISABLE_TELEMETRY="1")
+        r = bitnet("pull", "o/remote:model-i2_s.gguf", env=env)
+        assert r.returncode == 0, r.stderr
+        assert ("GET", "/o/remote/resolve/main/model-i2_s.gguf") in fake.requests
+        store = r.stdout.strip()
+        assert os.path.exists(store) and "bitnet run -m o/remote:model-i2_s.gguf" in r.stderr
+        r = bitnet("pull", "o/remote:missing.gguf", env=env)
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "missing.gguf" in r.stderr
+    finally:
+        fake.close()
+    offline = dict(env, HF_HUB_OFFLINE="1")
+    assert run_text("o/remote:model-i2_s.gguf", offline) == greedy(hub["gguf"])
+    rows = [json.loads(x) for x in bitnet("list", "--json", env=offline).stdout.splitlines()]
+    assert [x["source"] for x in rows] == [f"o/remote:model-i2_s.gguf@{commit[:12]}"] and rows[0]["path"] == store
