@@ -117,7 +117,8 @@ def _run(args, settings: Settings, out: Output, interactive: bool, first_message
     try:
         from engine.api import load_model
 
-        llm = load_model(args.model, ctx=args.ctx, threads=args.threads, progress=True)
+        llm = load_model(args.model, ctx=args.ctx, threads=args.threads, progress=True,   # -cnv: run's --kv/--lm-head
+                         kv_dtype=getattr(args, "kv", "f16"), lm_head=getattr(args, "lm_head", None))
     except BitNetError as e:
         print(f"bitchat: error: {e}", file=sys.stderr)
         return e.exit_code

@@ -130,7 +130,7 @@ def test_output_wraps_only_on_a_terminal():
 # ---- through a pseudo-terminal ------------------------------------------------------------------------------
 pexpect = pytest.importorskip("pexpect", reason="pexpect drives the terminal tests (pip install pexpect)")
 
-from test_chat_e2e import ACCEPTED, ANSI_RE, STATS_RE, Chat, chat_model, long_model  # noqa: E402,F401
+from test_chat_e2e import ACCEPTED, ANSI_RE, STATS_RE, Chat, chat_model, long_model  # noqa: E402,F401,F811
 
 
 def test_pty_ollama_commands_and_stats_agree(chat_model, tmp_path):

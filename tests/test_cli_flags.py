@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from engine.api import SamplingParams, load_model
+from engine.api import load_model
 from test_model_fixtures import make_synth
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

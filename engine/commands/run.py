@@ -76,8 +76,9 @@ def main(args) -> int:
         raise BitNetError(problem)
     prompt = _read_prompt(args)
     if args.conversation:
-        if args.json:
-            raise BitNetError("--json and -cnv/--conversation do not go together (bitchat's piped mode is plain text)")
+        for flag, given in (("--json", args.json), ("--ignore-eos", args.ignore_eos), ("--stop", args.stop)):
+            if given:
+                raise BitNetError(f"{flag} does not apply to -cnv/--conversation (the chat has plain text answers that end at the end of a turn)")
         from chat.app import run_chat
 
         return run_chat(args, first_message=prompt)
