@@ -14,6 +14,7 @@ from typing import Iterator, Sequence
 
 from .errors import BitNetError, ContextOverflowError
 from .sampling import Sampler, SamplingParams
+from .speculative import DraftLength, LookupParams, PromptLookup, default_lookup
 
 FINISH_MESSAGES = {
     "eos": "end of sequence",
@@ -33,6 +34,8 @@ class Stats:
     prefill_tps: float     # prompt tokens processed per second (cached ones excluded)
     decode_tps: float      # generated tokens per second after the first
     finish_reason: str | None = None
+    n_drafted: int = 0     # prompt-lookup draft tokens verified (engine/speculative.py)
+    n_accepted: int = 0    # of which accepted
 
 
 @dataclass
@@ -87,8 +90,9 @@ class _StopMatcher:
 
 
 def generate(model, tokenizer, prompt_ids: Sequence[int], params: SamplingParams | None = None, *,
-             max_tokens: int = 256, stop: Sequence[str] = (), load_s: float = 0.0) -> Iterator[Chunk]:
-    """See engine/api.py LLM.generate."""
+             max_tokens: int = 256, stop: Sequence[str] = (), load_s: float = 0.0,
+             lookup: LookupParams | None = None) -> Iterator[Chunk]:
+    """See engine/api.py LLM.generate. lookup: prompt-lookup speculation (None: default_lookup(model))."""
     t_start = time.perf_counter()
     prompt = [int(t) for t in prompt_ids]
     if not prompt:
@@ -118,10 +122,17 @@ def generate(model, tokenizer, prompt_ids: Sequence[int], params: SamplingParams
     prefill_s = t_prefill - t_start
     prefill_tps = len(todo) / prefill_s if todo and prefill_s > 0 else 0.0
 
+    spec = (default_lookup(model) if lookup is None else lookup.check())
+    finder = PromptLookup(spec) if spec.draft_max > 0 and model.verify_max > 1 else None
+    draft_len = DraftLength(min(spec.draft_max, model.verify_max - 1)) if finder else None
+    # the verify pass being consumed: rows[i] = logits after draft[:i]; base = n_past before it; j = row in use
+    rows, draft, base, j = None, [], 0, 0
+    n_drafted = n_accepted = 0
+
     def stats(n_gen, ttft, dt, reason):
         return Stats(n_prompt=len(prompt), n_cached=n_cached, n_generated=n_gen, load_s=load_s, ttft_s=ttft,
                      prefill_tps=prefill_tps, decode_tps=(n_gen - 1) / dt if n_gen > 1 and dt > 0 else 0.0,
-                     finish_reason=reason)
+                     finish_reason=reason, n_drafted=n_drafted, n_accepted=n_accepted)
 
     if max_tokens == 0:  # prefill only (chat re-prefills a loaded conversation this way)
         yield Chunk("", None, "length", stats(0, prefill_s, 0.0, "length"))
@@ -133,32 +144,56 @@ def generate(model, tokenizer, prompt_ids: Sequence[int], params: SamplingParams
     # decode time counts the engine's own work (sampling, detokenizing, decoding), not the consumer's
     n_gen, ttft, decode_s, reason = 0, 0.0, 0.0, None
     t0 = t_start
-    while True:
-        tok = sampler.sample(logits, history)
-        n_gen += 1
-        if n_gen == 1:
-            ttft = time.perf_counter() - t_start
-        else:  # one interval per token after the first: decode of the previous token + this sample
-            decode_s += time.perf_counter() - t0
-        if tok in eos:
-            reason = "eos"
-            break
-        history.append(tok)
-        text, stopped = matcher.feed(stream.push(tok))
-        yield Chunk(text, tok)
-        t0 = time.perf_counter()
-        if stopped:
-            reason = "stop"
-            break
-        if n_gen >= max_tokens:
-            reason = "length"
-            break
-        if model.n_past >= model.n_ctx:
-            reason = "context"
-            break
-        if model.generation != mine:
-            raise BitNetError("this generation was superseded by a newer generate() call on the same model")
-        logits = model.decode(tok)
+    try:
+        while True:
+            tok = sampler.sample(logits, history)
+            n_gen += 1
+            if n_gen == 1:
+                ttft = time.perf_counter() - t_start
+            else:  # one interval per token after the first: decode of the previous token + this sample
+                decode_s += time.perf_counter() - t0
+            if tok in eos:
+                reason = "eos"
+                break
+            history.append(tok)
+            text, stopped = matcher.feed(stream.push(tok))
+            yield Chunk(text, tok)
+            t0 = time.perf_counter()
+            if stopped:
+                reason = "stop"
+                break
+            if n_gen >= max_tokens:
+                reason = "length"
+                break
+            if (base + j + 1 if rows is not None else model.n_past) >= model.n_ctx:
+                reason = "context"
+                break
+            if model.generation != mine:
+                raise BitNetError("this generation was superseded by a newer generate() call on the same model")
+            if rows is not None:
+                if j < len(draft) and tok == draft[j]:  # accepted: its logits are already computed
+                    j += 1
+                    n_accepted += 1
+                    logits = rows[j]
+                    if j == len(draft):
+                        draft_len.update(len(draft), j)
+                        rows = None
+                    continue
+                draft_len.update(len(draft), j)  # rejected: drop the positions after the last accepted token
+                model.truncate(base + j + 1)
+                rows = None
+            if finder is not None:
+                draft = finder.propose(history, min(draft_len.k, model.n_ctx - model.n_past - 1))
+                if draft:
+                    base, j = model.n_past, 0
+                    rows = model.verify([tok] + draft)
+                    n_drafted += len(draft)
+                    logits = rows[0]
+                    continue
+            logits = model.decode(tok)
+    finally:  # the cache keeps only processed tokens (also when the consumer stops iterating)
+        if rows is not None and model.generation == mine:
+            model.truncate(base + j + 1)
     if reason != "stop":
         rest, _ = matcher.feed(stream.flush())
         rest += matcher.flush()

@@ -45,6 +45,14 @@ cdef extern from "kernels.h" nogil:
     int64_t bk_peak_dot(long iters)
     int64_t bk_peak_dot_macs_per_iter()
 
+
+cdef extern from "rows.h" nogil:
+    int BK_ROWS_MAX
+    void bk_gemv_rows_ternary(const uint8_t *w, const float *row_scale, const int8_t *xq, int m, int k_pad,
+                              const float *act_scale, const int32_t *act_sum, float *out, int n)
+    int bk_gemv_rows_i8(const int8_t *w, const float *row_scale, const int32_t *w_rowsum, const int8_t *xq, int m,
+                        int k_pad, const float *act_scale, float *out, int n)
+
 ISA_NAMES = ("scalar", "avx2", "avx512", "neon", "avxvnni")
 cdef Py_ssize_t MAX_DIM = 1 << 30
 # int32 accumulators of the AVX-512 ternary GEMV hold 64x a partial dot: exact up to K_pad = 2^18
@@ -333,6 +341,72 @@ def gemv_f16(w, x, out):
     cdef float *po = <float *>cnp.PyArray_DATA(ao)
     with nogil:
         bk_gemv_f16(pw, px, <int>k, po, <int>n)
+
+
+# ---------------------------------------------------------------- multi-row GEMV (speculative verification)
+ROWS_MAX = BK_ROWS_MAX
+
+
+cdef inline Py_ssize_t _rows_m(str fn, cnp.ndarray aq, cnp.ndarray asc, cnp.ndarray ao) except -1:
+    cdef Py_ssize_t m = cnp.PyArray_DIM(aq, 0)
+    if m <= 0 or m > BK_ROWS_MAX or cnp.PyArray_DIM(ao, 0) != m:
+        raise KernelError(f"{fn}: xq has {m} rows and out {cnp.PyArray_DIM(ao, 0)}; both must be M, 1 <= M <= {BK_ROWS_MAX}",
+                          hint="use gemm_ternary / one gemv_i8 per row for more rows")
+    _check_size(fn, "act_scale", asc, m, "M")
+    return m
+
+
+def gemv_rows_ternary(w, row_scale, xq, act_scale, act_sum, out):
+    """gemm_ternary for M <= ROWS_MAX tokens read as one weight stream (bit-identical to M gemv_ternary calls)."""
+    cdef str fn = "gemv_rows_ternary"
+    cdef cnp.ndarray aw = _arr(fn, "w", w, cnp.NPY_UINT8, 1, False)
+    cdef cnp.ndarray ars = _arr(fn, "row_scale", row_scale, cnp.NPY_FLOAT32, 1, False)
+    cdef cnp.ndarray aq = _arr(fn, "xq", xq, cnp.NPY_INT8, 2, False)
+    cdef cnp.ndarray asc = _arr(fn, "act_scale", act_scale, cnp.NPY_FLOAT32, 1, False)
+    cdef cnp.ndarray asm = _arr(fn, "act_sum", act_sum, cnp.NPY_INT32, 1, False)
+    cdef cnp.ndarray ao = _arr(fn, "out", out, cnp.NPY_FLOAT32, 2, True)
+    cdef Py_ssize_t k_pad = _k_pad_of(fn, cnp.PyArray_DIM(aq, 1))
+    cdef Py_ssize_t n = _n_of(fn, cnp.PyArray_DIM(ao, 1))
+    cdef Py_ssize_t m = _rows_m(fn, aq, asc, ao)
+    _check_size(fn, "act_sum", asm, m, "M")
+    _ternary_w(fn, aw, n, k_pad)
+    _check_at_least(fn, "row_scale", ars, n)
+    cdef const uint8_t *pw = <const uint8_t *>cnp.PyArray_DATA(aw)
+    cdef const float *prs = <const float *>cnp.PyArray_DATA(ars)
+    cdef const int8_t *pq = <const int8_t *>cnp.PyArray_DATA(aq)
+    cdef const float *ps = <const float *>cnp.PyArray_DATA(asc)
+    cdef const int32_t *pm = <const int32_t *>cnp.PyArray_DATA(asm)
+    cdef float *po = <float *>cnp.PyArray_DATA(ao)
+    with nogil:
+        bk_gemv_rows_ternary(pw, prs, pq, <int>m, <int>k_pad, ps, pm, po, <int>n)
+
+
+def gemv_rows_i8(w, row_scale, w_rowsum, xq, act_scale, out):
+    """gemv_i8 for M <= ROWS_MAX rows xq [M, K_pad] with act_scale [M] -> out [M, N], one pass over the head."""
+    cdef str fn = "gemv_rows_i8"
+    cdef cnp.ndarray aw = _arr(fn, "w", w, cnp.NPY_INT8, 1, False)
+    cdef cnp.ndarray ars = _arr(fn, "row_scale", row_scale, cnp.NPY_FLOAT32, 1, False)
+    cdef cnp.ndarray arw = _arr(fn, "w_rowsum", w_rowsum, cnp.NPY_INT32, 1, False)
+    cdef cnp.ndarray aq = _arr(fn, "xq", xq, cnp.NPY_INT8, 2, False)
+    cdef cnp.ndarray asc = _arr(fn, "act_scale", act_scale, cnp.NPY_FLOAT32, 1, False)
+    cdef cnp.ndarray ao = _arr(fn, "out", out, cnp.NPY_FLOAT32, 2, True)
+    cdef Py_ssize_t k_pad = _k_pad_of(fn, cnp.PyArray_DIM(aq, 1))
+    cdef Py_ssize_t n = _n_of(fn, cnp.PyArray_DIM(ao, 1))
+    cdef Py_ssize_t m = _rows_m(fn, aq, asc, ao)
+    _check_size(fn, "w", aw, _pad16(n) * k_pad, f"N_pad*K_pad (N={n}, K_pad={k_pad})")
+    _check_at_least(fn, "w_rowsum", arw, n)
+    _check_at_least(fn, "row_scale", ars, n)
+    cdef const int8_t *pw = <const int8_t *>cnp.PyArray_DATA(aw)
+    cdef const float *prs = <const float *>cnp.PyArray_DATA(ars)
+    cdef const int32_t *prw = <const int32_t *>cnp.PyArray_DATA(arw)
+    cdef const int8_t *pq = <const int8_t *>cnp.PyArray_DATA(aq)
+    cdef const float *ps = <const float *>cnp.PyArray_DATA(asc)
+    cdef float *po = <float *>cnp.PyArray_DATA(ao)
+    cdef int rc
+    with nogil:
+        rc = bk_gemv_rows_i8(pw, prs, prw, pq, <int>m, <int>k_pad, ps, po, <int>n)
+    if rc != 0:
+        raise MemoryError(f"{fn}: out of memory for {m} rows of {k_pad}-column activations")
 
 
 # ---------------------------------------------------------------- benchmark probes
