@@ -41,6 +41,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-c", "--ctx-size", metavar="CTX", type=int, default=None,
                    help="context window in tokens (default: the model's)")
     p.add_argument("-t", "--threads", metavar="N", type=int, default=None, help="CPU threads (default: all cores)")
+    p.add_argument("--draft-max", metavar="K", type=int, default=None,
+                   help="prompt-lookup speculative decoding: most draft tokens per pass, 0 = off "
+                        "(default: on for an int8 LM head; answers are the same either way)")
+    p.add_argument("--lookup-ngram-min", metavar="N", type=int, default=None,
+                   help="prompt lookup: shortest repeated n-gram that proposes a draft (default: 2)")
     p.add_argument("--version", action="version", version="bitchat (bitnet-cpu)")
     return p
 
@@ -62,6 +67,10 @@ def settings_from_args(args, parser) -> Settings:
         parser.error(f"-c/--ctx-size: {args.ctx_size} is too small (at least 16)")
     if args.threads is not None and args.threads < 1:
         parser.error(f"-t/--threads: {args.threads} must be >= 1")
+    if args.draft_max is not None and args.draft_max < 0:
+        parser.error(f"--draft-max: {args.draft_max} must be >= 0 (0 = off)")
+    if args.lookup_ngram_min is not None and args.lookup_ngram_min < 1:
+        parser.error(f"--lookup-ngram-min: {args.lookup_ngram_min} must be >= 1")
     return s
 
 
@@ -98,7 +107,10 @@ def _run(args, settings: Settings, out: Output, interactive: bool) -> int:
     try:
         from engine.api import load_model
 
-        llm = load_model(args.model, ctx=args.ctx_size, threads=args.threads, progress=True)
+        from engine.speculative import lookup_from_flags
+
+        llm = load_model(args.model, ctx=args.ctx_size, threads=args.threads, progress=True,
+                         lookup=lookup_from_flags(args.draft_max, args.lookup_ngram_min))
     except BitNetError as e:
         print(f"bitchat: error: {e}", file=sys.stderr)
         return e.exit_code

@@ -182,7 +182,7 @@ def generate(model, tokenizer, prompt_ids: Sequence[int], params: SamplingParams
                 draft_len.update(len(draft), j)  # rejected: drop the positions after the last accepted token
                 model.truncate(base + j + 1)
                 rows = None
-            if finder is not None:
+            if finder is not None and draft_len.ready():
                 draft = finder.propose(history, min(draft_len.k, model.n_ctx - model.n_past - 1))
                 if draft:
                     base, j = model.n_past, 0

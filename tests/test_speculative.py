@@ -98,6 +98,15 @@ def test_draft_length_adapts():
     d.update(3, 3)
     d.update(4, 4)
     assert d.k == 4
+    # misses pause drafting for 1, 2, 4 ... tokens; a hit resets the pause
+    assert d.ready()
+    d.update(4, 0)
+    assert [d.ready() for _ in range(2)] == [False, True]
+    d.update(2, 0)
+    assert [d.ready() for _ in range(3)] == [False, False, True]
+    d.update(1, 1)
+    d.update(2, 0)
+    assert [d.ready() for _ in range(2)] == [False, True]
 
 
 def test_lookup_params_checked():
@@ -191,3 +200,42 @@ def test_context_limit_with_lookup(stores):
     a, sa = _gen(llm, prompt, GREEDY, OFF, n=100)
     b, sb = _gen(llm, prompt, GREEDY, LookupParams(draft_max=7, ngram_min=1), n=100)
     assert a == b and sa.finish_reason == sb.finish_reason
+
+
+# ---- command line ----------------------------------------------------------------------------------------
+def test_bitnet_run_flags_same_text_and_errors(stores):
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def run(*extra):
+        return subprocess.run([sys.executable, "-m", "engine", "run", "-m", stores["i8"], "-p", "a b a b a b a b",
+                               "-n", "24", "--temp", "0", "-t", "1", *extra], capture_output=True, text=True,
+                              timeout=120, cwd=root)
+
+    off = run("--draft-max", "0")
+    assert off.returncode == 0, off.stderr
+    on = run("--draft-max", "5", "--lookup-ngram-min", "1", "-v")
+    assert on.returncode == 0 and on.stdout == off.stdout
+    assert "draft tokens accepted" in on.stderr
+    bad = run("--draft-max", "-2")
+    assert bad.returncode == 2 and bad.stdout == "" and len(bad.stderr.strip().splitlines()) == 1
+    assert "--draft-max" in bad.stderr
+
+
+def test_bitchat_flags(stores):
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def chat(*extra):
+        return subprocess.run([sys.executable, "-m", "chat", "-m", stores["i8"], "--temp", "0", "-n", "16", *extra],
+                              input="a b a b a b\n", capture_output=True, text=True, timeout=120, cwd=root)
+
+    off, on = chat("--draft-max", "0"), chat("--draft-max", "4", "--lookup-ngram-min", "1")
+    assert off.returncode == 0 and on.returncode == 0, on.stderr
+    assert on.stdout == off.stdout and off.stdout.strip()
+    bad = chat("--draft-max", "-1")
+    assert bad.returncode == 2 and "--draft-max" in bad.stderr
