@@ -10,7 +10,7 @@ Per layer (D hidden, q_dim = heads * head_dim, I intermediate):
     gu = BL_gate_up(h)                 one fused ternary GEMV/GEMM: rows gate | up
     f  = rmsnorm(relu(g)^2 * u, ffn_sub_norm) -> int8       ops.glu_rmsnorm_quant (silu(g) * u for "silu")
     x += BL_down(f)
-logits = lm_head(rmsnorm(x, output_norm))   f16 GEMV, or int8 GEMV on the quantized normed x
+logits = lm_head(rmsnorm(x, output_norm))   f16 GEMV, or int8 / q4g GEMV on the quantized normed x
 
 Nine C calls per layer in a decode step, each on buffers allocated once in __init__ (`out=` style): nothing
 is allocated per token. Prefill runs the prompt in chunks of `chunk` rows through gemm_ternary; decode
@@ -118,9 +118,12 @@ class Model:
         self._embd = emb.view(np.uint16)
         self._out_norm = store.tensor("output_norm").reshape(-1)
         info = store.info("output")
-        self.lm_head = "i8" if info.get("layout") == "i8_tile16" else "f16"
+        self.lm_head = {"i8_tile16": "i8", "q4g_tile16": "q4"}.get(info.get("layout"), "f16")
         self._out_w = store.tensor("output").reshape(-1)
-        if self.lm_head == "i8":
+        if self.lm_head == "q4":
+            self._out_gscale = store.tensor("output.gscale").reshape(-1)
+            self._out_scale = store.tensor("output.scale").reshape(-1)
+        elif self.lm_head == "i8":
             self._out_scale = store.tensor("output.scale").reshape(-1)
             self._out_rowsum = store.tensor("output.rowsum").reshape(-1)
         elif info.get("layout", "f16_tile16") != "f16_tile16":
@@ -145,6 +148,7 @@ class Model:
         self._ids = np.zeros(M, np.int32)
         self._head_x = np.zeros((1, D), np.float32)        # normed last row for the f16 head
         self._logits = np.zeros(V, np.float32)
+        self._logits_row = self._logits.reshape(1, V)       # the same buffer as one row (q4 head kernel)
         self._rows_logits = np.zeros((VERIFY_MAX, V), np.float32)  # logits of every row of a verify pass
         kv_np = np.uint16 if kv_dtype == "f16" else np.float32   # f16 stored as its bits
         self._k_cache = np.zeros((L,) + ops.key_cache_shape(cfg.n_kv_heads, n_ctx, hd), kv_np)  # transposed blocks
@@ -230,13 +234,18 @@ class Model:
         if self.lm_head == "f16":
             ops.add_rmsnorm(x, delta, self._out_norm, self._eps, self._head_x)
             K.gemv_f16(self._out_w, self._head_x[0], out)
+        elif self.lm_head == "q4":
+            v1 = self._views[1]
+            ops.add_rmsnorm_quant(x, delta, self._out_norm, self._eps, self._head_x, v1.xq_d, v1.act_scale, v1.act_sum)
+            K.gemv_q4g(self._out_w, self._out_gscale, self._out_scale, v1.xq_d, v1.act_scale,
+                       self._logits_row if out is self._logits else out.reshape(1, -1))
         else:
             v1 = self._views[1]
             ops.add_rmsnorm_quant(x, delta, self._out_norm, self._eps, self._head_x, v1.xq_d, v1.act_scale, v1.act_sum)
             K.gemv_i8(self._out_w, self._out_scale, self._out_rowsum, v1.xq_d1, v1.act_scale[0], out)
 
     def _head_rows(self, v: _Views, out: np.ndarray):
-        """Logits of all v.m rows of the last chunk into out[:v.m] (one pass over an int8 head)."""
+        """Logits of all v.m rows of the last chunk into out[:v.m] (one pass over an int8 or q4 head)."""
         m = v.m
         if self.lm_head == "f16":
             for r in range(m):
@@ -244,6 +253,9 @@ class Model:
             return
         # the chunk's h_d / xq_d / act buffers are free once the blocks are done
         ops.add_rmsnorm_quant(v.x, v.delta, self._out_norm, self._eps, v.h_d, v.xq_d, v.act_scale, v.act_sum)
+        if self.lm_head == "q4":
+            K.gemv_q4g(self._out_w, self._out_gscale, self._out_scale, v.xq_d, v.act_scale, out[:m])
+            return
         K.gemv_rows_i8(self._out_w, self._out_scale, self._out_rowsum, v.xq_d, v.act_scale, out[:m])
 
     def verify(self, ids) -> np.ndarray:

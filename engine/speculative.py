@@ -104,9 +104,9 @@ class DraftLength:
             self.backoff, self.cooldown = 1, 0
 
 def default_lookup(model) -> LookupParams:
-    """On for an int8 head (its verify rows share one head pass); off for the f16 head, whose verify pays a
-    full head read per row (measured slower, README "Speculative decoding")."""
-    return LookupParams() if getattr(model, "lm_head", "") == "i8" else OFF
+    """On for an int8 / q4 head (the verify rows share one head pass); off for the f16 head, whose verify pays
+    a full head read per row."""
+    return LookupParams() if getattr(model, "lm_head", "") in ("i8", "q4") else OFF
 
 
 def lookup_from_flags(draft_max: int | None, ngram_min: int | None) -> LookupParams | None:

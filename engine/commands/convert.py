@@ -7,7 +7,7 @@ def add_arguments(p):
     p.add_argument("src", metavar="SRC", help="GGUF file (bitnet.cpp I2_S, llama.cpp TQ1_0/TQ2_0) or HF model directory")
     p.add_argument("-o", "--output", dest="out", metavar="OUT", default=None,
                    help="store path (default: next to SRC, with the .bnstore extension)")
-    p.add_argument("--lm-head", choices=["i8", "f16"], default="i8",
+    p.add_argument("--lm-head", choices=["i8", "f16", "q4"], default="i8",
                    help="LM head precision: int8 rows with per-row scales (half the bytes per token) or f16")
     p.add_argument("--hidden-act", choices=["relu2", "silu"], default=None,
                    help="override the FFN activation (default: from the file; see `bitnet inspect` for how it was decided)")

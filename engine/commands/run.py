@@ -25,7 +25,7 @@ def add_arguments(p):
     p.add_argument("--system", default=None, help="system message (with --chat)%(default).0s")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)%(default).0s")
     p.add_argument("--kv", choices=("f16", "f32"), default="f16", help="KV cache precision")
-    p.add_argument("--lm-head", choices=("i8", "f16"), default=None,
+    p.add_argument("--lm-head", choices=("i8", "f16", "q4"), default=None,
                    help="LM head precision when the model gets converted (default: the converter's)%(default).0s")
     p.add_argument("--draft-max", type=int, default=None, metavar="K",
                    help="prompt-lookup speculative decoding: most draft tokens verified per pass, 0 = off "
