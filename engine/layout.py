@@ -123,6 +123,7 @@ def unpack_f16(packed: np.ndarray, n: int, k: int) -> np.ndarray:
 # in all (int8 head: 1.0, f16: 2.0).
 Q4G_GROUP = 32
 Q4G_MAX_K = 8192
+Q4G_STEP_SEARCH = (1.0, 1.05, 1.1, 1.15, 1.2, 1.3)  # candidate amax / (7 f) steps per group
 
 
 def quantize_rows_q4g(w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -134,7 +135,21 @@ def quantize_rows_q4g(w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray
     wp = np.zeros((n, k_pad), np.float32)
     wp[:, :k] = w
     g = wp.reshape(n, k_pad // Q4G_GROUP, Q4G_GROUP)
-    step = (np.abs(g).max(axis=2) / np.float32(7)).astype(np.float32)           # [N, G] ideal group step
+    amax = np.abs(g).max(axis=2)                                                  # [N, G]
+    # per group, the step (among amax / (7 * f)) with the least squared error: clipping the few largest
+    # weights buys finer steps for the rest (bench/head_quality.py, bundled model: top-1
+    # agreement with f16 94.1% -> 95.1%, KL 1.1e-3 -> 7.4e-4)
+    best_err = best = None
+    for f in Q4G_STEP_SEARCH:
+        st = (amax / np.float32(7 * f)).astype(np.float32)
+        safe = np.where(st > 0, st, np.float32(1))[:, :, None]
+        err = ((np.clip(np.rint(g / safe), -8, 7) * safe - g) ** 2).sum(axis=2)
+        if best is None:
+            best, best_err = st, err
+        else:
+            better = err < best_err
+            best, best_err = np.where(better, st, best), np.where(better, err, best_err)
+    step = best.astype(np.float32)
     d = (np.maximum(step.max(axis=1), np.float32(1e-10)) / np.float32(63)).astype(np.float32)
     s = np.clip(np.rint(step / d[:, None]), 0, 63)
     s = np.where(step > 0, np.maximum(s, 1), 0).astype(np.uint8)
