@@ -43,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-t", "--threads", metavar="N", type=int, default=None, help="CPU threads (default: all cores)")
     p.add_argument("--draft-max", metavar="K", type=int, default=None,
                    help="prompt-lookup speculative decoding: most draft tokens per pass, 0 = off "
-                        "(default: on for an int8 LM head; answers are the same either way)")
+                        "(default: off; answers are the same either way)")
     p.add_argument("--lookup-ngram-min", metavar="N", type=int, default=None,
                    help="prompt lookup: shortest repeated n-gram that proposes a draft (default: 2)")
     p.add_argument("--version", action="version", version="bitchat (bitnet-cpu)")

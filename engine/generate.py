@@ -183,7 +183,9 @@ def generate(model, tokenizer, prompt_ids: Sequence[int], params: SamplingParams
                 model.truncate(base + j + 1)
                 rows = None
             if finder is not None and draft_len.ready():
-                draft = finder.propose(history, min(draft_len.k, model.n_ctx - model.n_past - 1))
+                # no draft past the context or past the tokens still wanted (the last one needs no check)
+                room = min(draft_len.k, model.n_ctx - model.n_past - 1, max_tokens - n_gen - 1)
+                draft = finder.propose(history, room)
                 if draft:
                     base, j = model.n_past, 0
                     rows = model.verify([tok] + draft)

@@ -29,7 +29,7 @@ def add_arguments(p):
                    help="LM head precision when the model gets converted (default: the converter's)%(default).0s")
     p.add_argument("--draft-max", type=int, default=None, metavar="K",
                    help="prompt-lookup speculative decoding: most draft tokens verified per pass, 0 = off "
-                        "(default: on with 4 for an int8 LM head, off for f16; same output either way)%(default).0s")
+                        "(default: off; --draft-max 4 is a good start on repetitive text; same output either way)%(default).0s")
     p.add_argument("--lookup-ngram-min", type=int, default=None, metavar="N",
                    help="prompt lookup: shortest repeated n-gram that proposes a draft (default: 2)%(default).0s")
     p.add_argument("-v", "--verbose", action="store_true", help="print timings to stderr%(default).0s")
