@@ -301,7 +301,7 @@ def main(argv=None) -> int:
         log("decode rows per LM head and prompt lookup ...")
         md += "\n" + decode_rows.markdown(decode_rows.measure(decode_rows.parse_args(
             ["--threads", str(a.threads), "--repeats", str(a.repeats), "--tokens", str(a.decode // 2),
-             "--cache", a.cache])))
+             "--cache", a.cache, "--shape", a.shape, "--bw-mib", str(a.bw_mib)])))
     if report.chart(table, a.png, f"{'synthetic 2B-4T-shaped model' if a.shape == '2b4t' else 'tiny model'}, "
                                   f"{a.threads} threads: bitnet-cpu vs llama.cpp "
                                   f"(median, min..max of {a.repeats})"):

@@ -91,29 +91,29 @@ def run_worker(args: list[str], threads: int) -> dict:
     return json.loads(lines[-1])
 
 
-def bandwidth(threads: int) -> float | None:
-    r = subprocess.run([sys.executable, LIMITS, "--threads", str(threads), "--mib", "512"], capture_output=True,
+def bandwidth(threads: int, mib: int = 512) -> float | None:
+    r = subprocess.run([sys.executable, LIMITS, "--threads", str(threads), "--mib", str(mib)], capture_output=True,
                        text=True, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS=str(threads)))
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
     return json.loads(lines[-1]).get("bandwidth_Bps") if lines else None
 
 
-def ensure_q4_store(cache: str) -> str:
-    path = os.path.join(cache, "2b4t.q4.bnstore")
+def ensure_q4_store(cache: str, shape: str = "2b4t") -> str:
+    path = os.path.join(cache, f"{shape}.q4.bnstore")
     if not os.path.exists(path):
         from engine.convert import convert
 
-        convert(model_paths(cache)["tq2_0"], path + ".tmp", lm_head="q4", progress=False)
+        convert(model_paths(cache, shape)["tq2_0"], path + ".tmp", lm_head="q4", progress=False)
         os.replace(path + ".tmp", path)
     return path
 
 
 def measure(a) -> dict:
     log = lambda *x: print(*x, file=sys.stderr, flush=True)
-    paths = model_paths(a.cache)
+    paths = model_paths(a.cache, a.shape)
     stores = {}
     for h in a.heads:
-        p = ensure_q4_store(a.cache) if h == "q4" else paths[f"store_{h}"]
+        p = ensure_q4_store(a.cache, a.shape) if h == "q4" else paths[f"store_{h}"]
         if os.path.exists(p):
             stores[h] = p
     try:
@@ -122,7 +122,7 @@ def measure(a) -> dict:
     except ImportError:
         have_llama = False
     engines = [f"ours_{h}" for h in stores] + (["llama"] if have_llama else [])
-    bws = [bandwidth(a.threads)]
+    bws = [bandwidth(a.threads, a.bw_mib)]
     best: dict[str, float] = {}
     for rep in range(a.repeats):
         for eng in (engines if rep % 2 == 0 else engines[::-1]):
@@ -141,7 +141,7 @@ def measure(a) -> dict:
                                 "--tokens", str(a.tokens)], a.threads)
                 log(f"lookup {prompt} draft_max {dm}: {r}")
                 spec[(prompt, dm)] = r
-    bws.append(bandwidth(a.threads))
+    bws.append(bandwidth(a.threads, a.bw_mib))
     bw = max(b for b in bws if b) if any(bws) else None
     rows = []
     llama_tps = best.get("llama")
@@ -166,7 +166,7 @@ def markdown(res: dict) -> str:
            "| engine | bytes/token | decode tok/s | share of read bandwidth | vs llama.cpp TQ2_0 |",
            "|---|---|---|---|---|"]
     for r in res["rows"]:
-        out.append(f"| {r['engine']} | {r['bytes_per_token'] / 1e6:.0f} MB | {f(r['decode_tps'], '.1f')} | "
+        out.append(f"| {r['engine']} | {r['bytes_per_token'] / 1e6:.2f} MB | {f(r['decode_tps'], '.1f')} | "
                    f"{f(r['bw_share'] and 100 * r['bw_share'], '.0f')}% | {f(r['vs_llama'], '.2f')}x |")
     if res["spec"]:
         out += ["", f"### Prompt-lookup speculative decoding ({res['spec_head']} head, greedy, same output)", "",
@@ -194,6 +194,8 @@ def parse_args(argv=None):
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--heads", type=lambda s: [h for h in s.split(",") if h], default=["i8", "q4", "f16"])
     ap.add_argument("--cache", default=DEFAULT_CACHE)
+    ap.add_argument("--shape", default="2b4t", help="2b4t (the benchmark) or small (harness check)")
+    ap.add_argument("--bw-mib", type=int, default=512, help="bandwidth probe buffer (MiB)")
     return ap.parse_args(argv)
 
 
