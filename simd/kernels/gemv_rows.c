@@ -24,8 +24,8 @@ typedef void (*rows_ternary_fn)(const uint8_t *w, const float *row_scale, const 
                                 const float *act_scale, const int32_t *act_sum, float *out, int n, int tile_begin,
                                 int tile_end);
 typedef void (*rows_i8_fn)(const int8_t *w, const float *row_scale, const int32_t *w_rowsum, const int8_t *xq,
-                           const uint8_t *aux, int m, int k_pad, const float *act_scale, float *out, int n,
-                           int tile_begin, int tile_end);
+                           const uint8_t *aux, const int32_t *xsum, int m, int k_pad, const float *act_scale,
+                           float *out, int n, int tile_begin, int tile_end);
 
 /* ---------------- generic: the path's own GEMV body, tile by tile, once per row ---------------- */
 static void ternary_rows_by_tile(bk_gemv_ternary_fn gemv, const uint8_t *w, const float *row_scale,
@@ -62,15 +62,17 @@ static void i8_rows_by_tile(bk_gemv_i8_fn gemv, const int8_t *w, const float *ro
 }
 
 static void i8_rows_generic(const int8_t *w, const float *row_scale, const int32_t *w_rowsum, const int8_t *xq,
-                            const uint8_t *aux, int m, int k_pad, const float *act_scale, float *out, int n,
+                            const uint8_t *aux, const int32_t *xsum, int m, int k_pad, const float *act_scale, float *out, int n,
                             int tile_begin, int tile_end) {
+    (void)xsum;
     i8_rows_by_tile(bk_table.gemv_i8, w, row_scale, w_rowsum, xq, aux, m, k_pad, act_scale, out, n, tile_begin,
                     tile_end);
 }
 
 static void i8_rows_scalar(const int8_t *w, const float *row_scale, const int32_t *w_rowsum, const int8_t *xq,
-                           const uint8_t *aux, int m, int k_pad, const float *act_scale, float *out, int n,
+                            const uint8_t *aux, const int32_t *xsum, int m, int k_pad, const float *act_scale, float *out, int n,
                            int tile_begin, int tile_end) {
+    (void)xsum;
     i8_rows_by_tile(bk_gemv_i8_bodies[BK_ISA_SCALAR], w, row_scale, w_rowsum, xq, aux, m, k_pad, act_scale, out, n,
                     tile_begin, tile_end);
 }
@@ -146,42 +148,47 @@ AVX512_TARGET static void ternary_rows_avx512(const uint8_t *w, const float *row
     }
 }
 
-/* int8 head: vpdpbusd(xq + 128 as u8, W_q as s8) as in gemv_i8.c, minus 128 * w_rowsum at the end. */
+/* int8 head with the operands swapped against gemv_i8.c: the weights become the unsigned side (W_q ^ 0x80 =
+ * W_q + 128, one xor per 64 bytes shared by all rows) so the activations (s8) can be broadcast from memory
+ * inside vpdpbusd: sum (W_q + 128) * xq = dot + 128 * sum(xq). (The u8-activation form needs a separate
+ * broadcast per row and group: 4-row head passes took 1.9x a 1-row GEMV that way.) Int32 wrap-around in the
+ * accumulator cancels exactly, as in gemv_i8.c. */
 AVX512_TARGET __attribute__((always_inline)) static inline void i8_tile_rows_avx512(
-    const int8_t *p, int t, const int MR, const int32_t *w_rowsum, const uint8_t *aux, int m0, int k_pad,
+    const int8_t *p, int t, const int MR, const int8_t *xq, const int32_t *xsum, int m0, int k_pad,
     const float *row_scale, const float *act_scale, float *out, int n) {
     const int groups = k_pad / 4; /* a multiple of 16 */
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
     __m512i a[8], b[8];
 #pragma GCC unroll 8
     for (int i = 0; i < MR; i++) a[i] = b[i] = _mm512_setzero_si512();
     for (int g = 0; g < groups; g += 2) {
-        __m512i w0 = _mm512_loadu_si512(p + (size_t)g * 64), w1 = _mm512_loadu_si512(p + (size_t)g * 64 + 64);
+        __m512i w0 = _mm512_xor_si512(_mm512_loadu_si512(p + (size_t)g * 64), flip);
+        __m512i w1 = _mm512_xor_si512(_mm512_loadu_si512(p + (size_t)g * 64 + 64), flip);
 #pragma GCC unroll 8
         for (int i = 0; i < MR; i++) {
-            const uint8_t *xu = aux + (size_t)(m0 + i) * 2 * k_pad + 4 * g;
-            a[i] = dpbusd512(a[i], _mm512_set1_epi32(load_i32(xu)), w0);
-            b[i] = dpbusd512(b[i], _mm512_set1_epi32(load_i32(xu + 4)), w1);
+            const int8_t *xb = xq + (size_t)(m0 + i) * k_pad + 4 * g;
+            a[i] = dpbusd512_bcast(a[i], w0, xb);
+            b[i] = dpbusd512_bcast(b[i], w1, xb + 4);
         }
     }
-    int row0 = t * 16;
-    __mmask16 mk = n - row0 >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - row0)) - 1);
-    __m512i corr = _mm512_slli_epi32(_mm512_maskz_loadu_epi32(mk, w_rowsum + row0), 7);
 #pragma GCC unroll 8
     for (int i = 0; i < MR; i++)
-        finish_tile_avx512(_mm512_sub_epi32(_mm512_add_epi32(a[i], b[i]), corr), 0, row0, n, row_scale,
-                           act_scale[m0 + i], out + (size_t)(m0 + i) * n, NULL);
+        finish_tile_avx512(_mm512_add_epi32(a[i], b[i]), (int32_t)((uint32_t)xsum[m0 + i] << 7), t * 16, n,
+                           row_scale, act_scale[m0 + i], out + (size_t)(m0 + i) * n, NULL);
 }
 
 AVX512_TARGET static void i8_rows_avx512(const int8_t *w, const float *row_scale, const int32_t *w_rowsum,
-                                         const int8_t *xq, const uint8_t *aux, int m, int k_pad,
-                                         const float *act_scale, float *out, int n, int tile_begin, int tile_end) {
-    (void)xq;
+                                         const int8_t *xq, const uint8_t *aux, const int32_t *xsum, int m,
+                                         int k_pad, const float *act_scale, float *out, int n, int tile_begin,
+                                         int tile_end) {
+    (void)w_rowsum;
+    (void)aux;
     const size_t tile_bytes = (size_t)(k_pad / 4) * 64;
     for (int t = tile_begin; t < tile_end; t++) {
         const int8_t *p = w + (size_t)t * tile_bytes;
         for (int m0 = 0; m0 < m; m0 += 8) {
             int mr = m - m0 < 8 ? m - m0 : 8;
-#define I8_CALL(R) i8_tile_rows_avx512(p, t, R, w_rowsum, aux, m0, k_pad, row_scale, act_scale, out, n)
+#define I8_CALL(R) i8_tile_rows_avx512(p, t, R, xq, xsum, m0, k_pad, row_scale, act_scale, out, n)
             ROWS_SWITCH(I8_CALL)
 #undef I8_CALL
         }
@@ -246,6 +253,7 @@ typedef struct {
     const int32_t *w_rowsum;
     const int8_t *xq;
     const uint8_t *aux;
+    const int32_t *xsum;
     int m, k_pad;
     const float *act_scale;
     float *out;
@@ -254,7 +262,7 @@ typedef struct {
 
 static void i8_rows_range(void *ctx, int b, int e) {
     i8_rows_job *j = ctx;
-    j->fn(j->w, j->row_scale, j->w_rowsum, j->xq, j->aux, j->m, j->k_pad, j->act_scale, j->out, j->n, b, e);
+    j->fn(j->w, j->row_scale, j->w_rowsum, j->xq, j->aux, j->xsum, j->m, j->k_pad, j->act_scale, j->out, j->n, b, e);
 }
 
 int bk_gemv_rows_i8(const int8_t *w, const float *row_scale, const int32_t *w_rowsum, const int8_t *xq, int m,
@@ -264,22 +272,26 @@ int bk_gemv_rows_i8(const int8_t *w, const float *row_scale, const int32_t *w_ro
     pick(&unused, &fn);
     /* per row: xq ^ 0x80 (k_pad bytes) then |xq| (k_pad bytes), as gemv_i8.c's aux */
     uint8_t *aux = malloc((size_t)m * 2 * k_pad);
+    int32_t xsum[BK_ROWS_MAX];
     if (!aux) return -1;
     for (int i = 0; i < m; i++) {
         const int8_t *x = xq + (size_t)i * k_pad;
         uint8_t *a = aux + (size_t)i * 2 * k_pad;
+        int32_t sx = 0;
         for (int k = 0; k < k_pad; k++) {
             a[k] = (uint8_t)(x[k] ^ 0x80);
             a[k_pad + k] = (uint8_t)(x[k] < 0 ? -x[k] : x[k]);
+            sx += x[k];
         }
+        xsum[i] = sx;
     }
     int n_tiles = (n + 15) / 16;
     int nt = bk_get_num_threads();
     if (nt > n_tiles) nt = n_tiles;
     if (nt <= 1 || (size_t)n_tiles * k_pad < 16 * 4096) {
-        fn(w, row_scale, w_rowsum, xq, aux, m, k_pad, act_scale, out, n, 0, n_tiles);
+        fn(w, row_scale, w_rowsum, xq, aux, xsum, m, k_pad, act_scale, out, n, 0, n_tiles);
     } else {
-        i8_rows_job job = {fn, w, row_scale, w_rowsum, xq, aux, m, k_pad, act_scale, out, n};
+        i8_rows_job job = {fn, w, row_scale, w_rowsum, xq, aux, xsum, m, k_pad, act_scale, out, n};
         bk_run_tiles(n_tiles, nt, i8_rows_range, &job);
     }
     free(aux);
