@@ -4,7 +4,9 @@ generate() reuses the longest common prefix of the prompt with the tokens alread
 prefills the rest in chunks, then samples / decodes one token at a time, yielding a Chunk per token (text
 may be "" while a UTF-8 character is incomplete or might start a stop string) and a final Chunk with the
 finish reason and Stats. The cache only ever advances by fully processed tokens, so a consumer that stops
-iterating (break, Ctrl-C) leaves it consistent.
+iterating (break, Ctrl-C) leaves it consistent. With prompt lookup on (engine/speculative.py), a draft is
+verified in one Model.verify pass and each token is still sampled from its own row of logits, in order, with
+the same sampler: the output is the same as without it; rejected positions are truncated from the cache.
 """
 from __future__ import annotations
 
