@@ -116,6 +116,8 @@ class BatchScheduler:
         self._page_table = np.zeros((self.model.max_logit_rows, self.max_pages), np.int32)
         self._thread = threading.Thread(target=self._loop, name="bitnet-scheduler", daemon=True)
         self._error: BaseException | None = None
+        self._outbox: list[tuple[Stream, Chunk]] = []   # final chunks, emitted once the lock is released
+        self._calls: deque = deque()                      # (fn, result box) to run on the scheduler thread
 
     def start(self):
         self._thread.start()
@@ -188,25 +190,67 @@ class BatchScheduler:
         else:  # never started: end what waits
             for s in list(self._waiting):
                 self._finish(s, "cancelled")
+            self._flush()
 
     # ---- the scheduler thread -------------------------------------------------------------------------
+    def run_in_scheduler(self, fn, timeout: float = 60.0):
+        """fn() on the scheduler thread between two steps (pool and index are quiet); returns its result."""
+        if not self._thread.is_alive() or threading.current_thread() is self._thread:
+            return fn()
+        box: dict = {}
+        done = threading.Event()
+        with self._lock:
+            self._calls.append((fn, box, done))
+            self._wake.notify()
+        if not done.wait(timeout):
+            raise BitNetError(f"the scheduler did not answer within {timeout} s")
+        if "error" in box:
+            raise box["error"]
+        return box["result"]
+
+    def clear_prefix_cache(self) -> int:
+        """Drop every cached prefix page nobody uses; returns how many pages went back to the pool."""
+        return self.run_in_scheduler(lambda: self.prefix.evict(self.pool.n_pages))
+
+    def _run_calls(self):
+        while True:
+            with self._lock:
+                if not self._calls:
+                    return
+                fn, box, done = self._calls.popleft()
+            try:
+                box["result"] = fn()
+            except BaseException as e:
+                box["error"] = e
+            done.set()
+
+    def _flush(self):
+        with self._lock:
+            out, self._outbox = self._outbox, []
+        for stream, chunk in out:
+            stream._emit(chunk)
+
     def _loop(self):
         try:
             while True:
                 with self._lock:
-                    while not self._closed and not self._waiting and not self._running:
+                    while not self._closed and not self._waiting and not self._running and not self._calls:
                         self._wake.wait()
                     if self._closed:
                         break
+                self._run_calls()
                 self._step()
+                self._flush()
         except BaseException as e:  # pragma: no cover - a bug: end every stream instead of hanging consumers
             self._error = e
             import traceback
             traceback.print_exc()
         with self._lock:
             everyone = list(self._running) + list(self._waiting)
-        for s in everyone:
-            self._finish(s, "cancelled")
+            for s in everyone:
+                self._finish(s, "cancelled", locked=True)
+        self._flush()
+        self._run_calls()
 
     def _step(self):
         with self._lock:
@@ -356,7 +400,7 @@ class BatchScheduler:
             rest, _ = s.matcher.feed(s.detok.flush())
             rest += s.matcher.flush()
             if rest:
-                s.stream._emit(Chunk(rest, None))
+                self._outbox.append((s.stream, Chunk(rest, None)))
         n_pre = len(s.prompt) - s.n_cached
         pre_s = (s.t_prefilled - s.t_admit) if s.t_prefilled else 0.0
         dt = s.t_last - s.t_first
@@ -364,11 +408,15 @@ class BatchScheduler:
                    ttft_s=(s.t_first or s.t_prefilled or time.perf_counter()) - s.t_submit,
                    prefill_tps=n_pre / pre_s if n_pre and pre_s > 0 else 0.0,
                    decode_tps=(s.n_gen - 1) / dt if s.n_gen > 1 and dt > 0 else 0.0, finish_reason=reason)
-        s.stream._emit(Chunk("", None, reason, st))
+        self._outbox.append((s.stream, Chunk("", None, reason, st)))
 
     # ---- checks (tests) -------------------------------------------------------------------------------
     def check_consistency(self) -> dict:
-        """Recount every page reference from the holders; raises AssertionError on any mismatch."""
+        """Recount every page reference from the holders (on the scheduler thread, between steps); raises
+        AssertionError on any mismatch."""
+        return self.run_in_scheduler(self._check_consistency)
+
+    def _check_consistency(self) -> dict:
         with self._lock:
             want = np.zeros(self.pool.n_pages, np.int64)
             for s in self._running:
