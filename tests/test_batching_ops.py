@@ -110,3 +110,57 @@ def test_paged_boundary_checks():
     with pytest.raises(KernelError):  # scratch shorter than the positions
         ops.attention_paged(qkv, NH, NKV, HD, cos, sin, rows, np.array([40], np.int32), good, kp, vp, out,
                             np.zeros((ops.ATTENTION_SCRATCH_ROWS, 32), np.float32))
+
+
+# ---- gemm_i8: the batched int8 LM head ------------------------------------------------------------------------
+
+def _supported_kernel_isas():
+    import simd._kernels as K
+    return K.supported_isas()
+
+
+@pytest.mark.parametrize("isa", _supported_kernel_isas())
+@pytest.mark.parametrize("n,k,m", [(1, 4, 1), (37, 100, 3), (250, 68, 8), (517, 2560, 13), (2000, 256, 17)])
+def test_gemm_i8_rows_equal_gemv_i8(isa, n, k, m):
+    import simd._kernels as K
+    from engine import layout
+
+    rng = np.random.default_rng(n + 7 * k + m)
+    wq, sc = layout.quantize_rows_i8(rng.standard_normal((n, k)).astype(np.float32))
+    wq[0, : min(k, 5)] = -127
+    w, rowsum = layout.pack_i8(wq), wq.astype(np.int32).sum(axis=1).astype(np.int32)
+    k_pad = layout.pad_to(k, 64)
+    xq = np.zeros((m, k_pad), np.int8)
+    xq[:, :k] = rng.integers(-128, 128, (m, k))
+    xq[0, :k] = -128   # the extreme activation code
+    s = rng.uniform(0.5, 40, m).astype(np.float32)
+    K.set_isa(isa)
+    try:
+        out = np.zeros((m, n), np.float32)
+        K.gemm_i8(w, sc, rowsum, xq, s, out)
+        raw = np.zeros((m, n), np.int32)
+        K.gemm_i8_i32(w, rowsum, xq, raw)
+        one = np.zeros(n, np.float32)
+        for r in range(m):
+            K.gemv_i8(w, sc, rowsum, xq[r], float(s[r]), one)
+            np.testing.assert_array_equal(out[r], one)
+    finally:
+        K.set_isa(None)
+    np.testing.assert_array_equal(raw, xq[:, :k].astype(np.int64) @ wq.T.astype(np.int64))
+
+
+def test_gemm_i8_checks():
+    import simd._kernels as K
+    from engine import layout
+
+    wq = np.ones((20, 64), np.int8)
+    w, rowsum, sc = layout.pack_i8(wq), np.full(20, 64, np.int32), np.ones(20, np.float32)
+    xq, s = np.ones((3, 64), np.int8), np.ones(3, np.float32)
+    K.gemm_i8(w, sc, rowsum, xq, s, np.zeros((3, 20), np.float32))
+    for bad in [dict(out=np.zeros((2, 20), np.float32)), dict(s=np.ones(2, np.float32)),
+                dict(xq=np.ones((3, 60), np.int8)), dict(out=np.zeros((3, 40), np.float32)),
+                dict(rowsum=np.ones(10, np.int32))]:
+        a = dict(w=w, sc=sc, rowsum=rowsum, xq=xq, s=s, out=np.zeros((3, 20), np.float32))
+        a.update(bad)
+        with pytest.raises(KernelError):
+            K.gemm_i8(a["w"], a["sc"], a["rowsum"], a["xq"], a["s"], a["out"])
