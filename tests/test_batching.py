@@ -234,16 +234,25 @@ def test_submit_errors(synth):
     try:
         with pytest.raises(ContextOverflowError):
             eng.submit(list(range(1, 80)))
-        running = eng.submit([1, 2, 3], GREEDY, max_tokens=60)
-        t0 = time.monotonic()
-        while eng.metrics()["running"] == 0 and time.monotonic() - t0 < 30:
-            time.sleep(0.005)
+        # a callback that blocks holds the scheduler thread: nothing leaves the queue meanwhile
+        release, entered = threading.Event(), threading.Event()
+
+        def hold(c):
+            entered.set()
+            release.wait(60)
+
+        running = eng.submit([1, 2, 3], GREEDY, max_tokens=5, callback=hold)
+        assert entered.wait(60)
         queued = [eng.submit([1, 2], GREEDY, max_tokens=5) for _ in range(2)]
         with pytest.raises(QueueFullError):
             eng.submit([1, 2], GREEDY, max_tokens=5)
-        for s in [running] + queued:
-            _collect(s)
+        assert eng.metrics()["waiting"] == 2
+        release.set()
+        for s in queued:
+            assert _collect(s)[-1].finish_reason in ("length", "eos")
+        assert running.finish_reason is not None or eng.metrics()["running"] == 0
     finally:
+        release.set()
         eng.close()
 
 
