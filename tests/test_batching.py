@@ -316,3 +316,43 @@ def test_engine_attributes(synth):
         assert eng.slots() == []
     finally:
         eng.close()
+
+
+def test_pool_size_in_mib_and_bad_sizes(synth):
+    from engine.errors import BitNetError
+
+    m, _, stores = synth
+    cfg = Store(stores["f16"]).config
+    per_tok = KVPool.bytes_per_token(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, "f16")
+    eng = load_engine(stores["f16"], ctx=64, parallel=2, kv_pool_mib=per_tok * 256 / 2**20, progress=False)
+    try:
+        assert eng.metrics()["kv_pages_total"] == 256 // PAGE_TOKENS
+    finally:
+        eng.close()
+    with pytest.raises(BitNetError):   # smaller than one context
+        load_engine(stores["f16"], ctx=256, kv_pool_tokens=64, progress=False)
+    with pytest.raises(BitNetError):
+        load_engine(stores["f16"], ctx=64, kv_pool_tokens=64, kv_pool_mib=1, progress=False)
+
+
+def test_failing_callback_cancels_only_its_request(synth, capsys):
+    m, _, stores = synth
+    eng = load_engine(stores["f16"], ctx=128, parallel=4, progress=False)
+    try:
+        got = []
+
+        def bad(c):
+            got.append(c)
+            raise RuntimeError("consumer went away")
+
+        eng.submit([1, 2, 3, 4], GREEDY, max_tokens=50, callback=bad)
+        ok = eng.submit([5, 6, 7], GREEDY, max_tokens=5)
+        assert _collect(ok)[-1].finish_reason in ("length", "eos")
+        t0 = time.monotonic()
+        while not (got and got[-1].finish_reason) and time.monotonic() - t0 < 60:
+            time.sleep(0.01)
+        assert got[-1].finish_reason == "cancelled"
+        assert "consumer went away" in capsys.readouterr().err
+        eng.check_consistency()
+    finally:
+        eng.close()

@@ -111,14 +111,16 @@ class BatchModel:
         np.take(v.delta, rows, axis=0, out=hd)
         if w.lm_head == "f16":
             ops.add_rmsnorm(hx, hd, w.out_norm, w.eps, hh)
-            for r in range(k):
-                K.gemv_f16(w.out_w, hh[r], out[r])
+            if k > 1:
+                K.gemm_f16(w.out_w, hh, out)
+            else:
+                K.gemv_f16(w.out_w, hh[0], out[0])
         else:
             kp = self._kp_d
             xq = self._xq_buf[: k * kp].reshape(k, kp)
             s, sm = self._act_scale[:k], self._act_sum[:k]
             ops.add_rmsnorm_quant(hx, hd, w.out_norm, w.eps, hh, xq, s, sm)
-            if k > 1 and hasattr(K, "gemm_i8"):
+            if k > 1:
                 K.gemm_i8(w.out_w, w.out_scale, w.out_rowsum, xq, s, out)
             else:
                 for r in range(k):

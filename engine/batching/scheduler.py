@@ -44,7 +44,13 @@ class Stream:
         if chunk.finish_reason:
             self.finish_reason = chunk.finish_reason
         if self._callback is not None:
-            self._callback(chunk)
+            try:
+                self._callback(chunk)
+            except Exception as e:  # a broken consumer ends its own request, never the engine
+                if not chunk.finish_reason:
+                    import sys
+                    print(f"bitnet engine: stream {self.id}: callback raised {e!r}; cancelling it", file=sys.stderr)
+                    self._engine.cancel(self.id)
         else:
             self._q.put(chunk)
 
