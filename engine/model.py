@@ -74,6 +74,64 @@ class _Layer:
         self.down, self.down_scale = ternary("ffn_down", D, I)
 
 
+def rope_tables(cfg: ModelConfig, n_ctx: int) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin [n_ctx, head_dim/2] f32, computed as transformers does (f32 inv_freq, f32 position * inv_freq)."""
+    hd = cfg.head_dim
+    inv_freq = (1.0 / (np.float32(cfg.rope_theta) ** (np.arange(0, hd, 2, dtype=np.float32) / np.float32(hd)))).astype(np.float32)
+    freqs = np.arange(n_ctx, dtype=np.float32)[:, None] * inv_freq[None, :]
+    return np.ascontiguousarray(np.cos(freqs), dtype=np.float32), np.ascontiguousarray(np.sin(freqs), dtype=np.float32)
+
+
+class Weights:
+    """Every weight of the model as read-only views into the store (shared by Model and the batching engine)."""
+
+    def __init__(self, store):
+        cfg: ModelConfig = store.config
+        D, V = cfg.hidden_size, cfg.vocab_size
+        if cfg.head_dim % 2:
+            raise FormatError(f"{store.path}: head_dim {cfg.head_dim} is odd (RoPE needs pairs)")
+        self.act = ops.ACT_RELU2 if cfg.hidden_act == "relu2" else ops.ACT_SILU
+        self.eps = float(cfg.rms_norm_eps)
+
+        # ---- weights (zero-copy views) ----
+        emb = store.tensor("token_embd")
+        if emb.dtype != np.float16 or emb.shape != (V, D):
+            raise FormatError(f"{store.path}: token_embd is {emb.dtype} {emb.shape} (expected float16 {(V, D)})")
+        self.embd = emb.view(np.uint16)
+        self.out_norm = store.tensor("output_norm").reshape(-1)
+        info = store.info("output")
+        self.lm_head = {"i8_tile16": "i8", "q4g_tile16": "q4"}.get(info.get("layout"), "f16")
+        self.out_w = store.tensor("output").reshape(-1)
+        if self.lm_head == "q4":
+            self.out_gscale = store.tensor("output.gscale").reshape(-1)
+            self.out_scale = store.tensor("output.scale").reshape(-1)
+        elif self.lm_head == "i8":
+            self.out_scale = store.tensor("output.scale").reshape(-1)
+            self.out_rowsum = store.tensor("output.rowsum").reshape(-1)
+        elif info.get("layout", "f16_tile16") != "f16_tile16":
+            raise FormatError(f"{store.path}: lm head layout {info.get('layout')!r} is not supported")
+        else:
+            self.out_w = self.out_w.view(np.uint16)
+        self.layers = [_Layer(store, i, cfg) for i in range(cfg.n_layers)]
+
+
+def alloc_run_state(b, cfg: ModelConfig, M: int):
+    """The per-step buffers of M rows (set as attributes of b; _Views cuts them to m rows)."""
+    D, Q, KV, I = cfg.hidden_size, cfg.q_dim, cfg.kv_dim, cfg.intermediate_size
+    b._kp_d, b._kp_q, b._kp_i = pad_to(D, K_ALIGN), pad_to(Q, K_ALIGN), pad_to(I, K_ALIGN)
+    b._x = np.zeros((M, D), np.float32)         # residual stream
+    b._delta = np.zeros((M, D), np.float32)     # output of o_proj / down_proj, added lazily to x
+    b._h_d = np.zeros((M, D), np.float32)       # normed x (f32 copy of what gets quantized)
+    b._h_q = np.zeros((M, Q), np.float32)       # normed attention output
+    b._qkv = np.zeros((M, Q + 2 * KV), np.float32)  # q | k | v
+    b._att = np.zeros((M, Q), np.float32)       # attention output (before attn_sub_norm)
+    b._gu = np.zeros((M, 2 * I), np.float32)    # gate | up; gate half becomes the normed MLP act
+    b._xq_buf = np.zeros(M * max(b._kp_d, b._kp_q, b._kp_i), np.int8)  # quantized activations
+    b._act_scale = np.zeros(M, np.float32)
+    b._act_sum = np.zeros(M, np.int32)
+    b._ids = np.zeros(M, np.int32)
+
+
 class _Views:
     """The session buffers cut to `m` rows (2-D views; the kernels take the row count from them)."""
 
@@ -106,48 +164,19 @@ class Model:
         if n_ctx < 1:
             raise BitNetError(f"-c/--ctx {n_ctx}: the context must hold at least one token")
         self.n_ctx, self.kv_dtype, self.chunk = n_ctx, kv_dtype, max(1, int(chunk))
-        D, Q, KV, I, V = cfg.hidden_size, cfg.q_dim, cfg.kv_dim, cfg.intermediate_size, cfg.vocab_size
-        hd, L = cfg.head_dim, cfg.n_layers
-        if hd % 2:
-            raise FormatError(f"{store.path}: head_dim {hd} is odd (RoPE needs pairs)")
-        self._act = ops.ACT_RELU2 if cfg.hidden_act == "relu2" else ops.ACT_SILU
-        self._eps = float(cfg.rms_norm_eps)
-
-        # ---- weights (zero-copy views) ----
-        emb = store.tensor("token_embd")
-        if emb.dtype != np.float16 or emb.shape != (V, D):
-            raise FormatError(f"{store.path}: token_embd is {emb.dtype} {emb.shape} (expected float16 {(V, D)})")
-        self._embd = emb.view(np.uint16)
-        self._out_norm = store.tensor("output_norm").reshape(-1)
-        info = store.info("output")
-        self.lm_head = {"i8_tile16": "i8", "q4g_tile16": "q4"}.get(info.get("layout"), "f16")
-        self._out_w = store.tensor("output").reshape(-1)
-        if self.lm_head == "q4":
-            self._out_gscale = store.tensor("output.gscale").reshape(-1)
-            self._out_scale = store.tensor("output.scale").reshape(-1)
-        elif self.lm_head == "i8":
-            self._out_scale = store.tensor("output.scale").reshape(-1)
-            self._out_rowsum = store.tensor("output.rowsum").reshape(-1)
-        elif info.get("layout", "f16_tile16") != "f16_tile16":
-            raise FormatError(f"{store.path}: lm head layout {info.get('layout')!r} is not supported")
-        else:
-            self._out_w = self._out_w.view(np.uint16)
-        self.layers = [_Layer(store, i, cfg) for i in range(L)]
+        D, V, hd, L = cfg.hidden_size, cfg.vocab_size, cfg.head_dim, cfg.n_layers
+        w = Weights(store)
+        self.weights = w
+        self._act, self._eps, self._embd, self._out_norm = w.act, w.eps, w.embd, w.out_norm
+        self.lm_head, self._out_w, self.layers = w.lm_head, w.out_w, w.layers
+        if w.lm_head == "i8":
+            self._out_scale, self._out_rowsum = w.out_scale, w.out_rowsum
+        elif w.lm_head == "q4":
+            self._out_scale, self._out_gscale = w.out_scale, w.out_gscale
 
         # ---- run state, allocated once: M = chunk rows ----
         M = self.chunk
-        self._kp_d, self._kp_q, self._kp_i = pad_to(D, K_ALIGN), pad_to(Q, K_ALIGN), pad_to(I, K_ALIGN)
-        self._x = np.zeros((M, D), np.float32)             # residual stream
-        self._delta = np.zeros((M, D), np.float32)         # output of o_proj / down_proj, added lazily to x
-        self._h_d = np.zeros((M, D), np.float32)           # normed x (f32 copy of what gets quantized)
-        self._h_q = np.zeros((M, Q), np.float32)           # normed attention output
-        self._qkv = np.zeros((M, Q + 2 * KV), np.float32)  # q | k | v
-        self._att = np.zeros((M, Q), np.float32)           # attention output (before attn_sub_norm)
-        self._gu = np.zeros((M, 2 * I), np.float32)        # gate | up; gate half becomes the normed MLP act
-        self._xq_buf = np.zeros(M * max(self._kp_d, self._kp_q, self._kp_i), np.int8)  # quantized activations
-        self._act_scale = np.zeros(M, np.float32)
-        self._act_sum = np.zeros(M, np.int32)
-        self._ids = np.zeros(M, np.int32)
+        alloc_run_state(self, cfg, M)
         self._head_x = np.zeros((1, D), np.float32)        # normed last row for the f16 head
         self._logits = np.zeros(V, np.float32)
         self._logits_row = self._logits.reshape(1, V)       # the same buffer as one row (q4 head kernel)
@@ -156,11 +185,7 @@ class Model:
         self._k_cache = np.zeros((L,) + ops.key_cache_shape(cfg.n_kv_heads, n_ctx, hd), kv_np)  # transposed blocks
         self._v_cache = np.zeros((L, cfg.n_kv_heads, n_ctx, hd), kv_np)
         self._scratch = np.zeros((cfg.n_heads * ops.ATTENTION_SCRATCH_ROWS, n_ctx), np.float32)  # attention scores
-        # RoPE tables computed as transformers does (f32 inv_freq, f32 position * inv_freq)
-        inv_freq = (1.0 / (np.float32(cfg.rope_theta) ** (np.arange(0, hd, 2, dtype=np.float32) / np.float32(hd)))).astype(np.float32)
-        freqs = np.arange(n_ctx, dtype=np.float32)[:, None] * inv_freq[None, :]
-        self._cos = np.ascontiguousarray(np.cos(freqs), dtype=np.float32)
-        self._sin = np.ascontiguousarray(np.sin(freqs), dtype=np.float32)
+        self._cos, self._sin = rope_tables(cfg, n_ctx)
         self.verify_max = min(VERIFY_MAX, M)               # rows of one verify() pass
         self._views: dict[int, _Views] = {m: _Views(self, m) for m in range(1, self.verify_max + 1)}
         self._views[M] = _Views(self, M)
