@@ -9,7 +9,7 @@ import argparse
 import importlib
 import sys
 
-COMMANDS = ["run", "convert", "inspect", "info"]
+COMMANDS = ["run", "convert", "inspect", "info", "serve"]
 
 
 def build_parser() -> argparse.ArgumentParser:
