@@ -42,7 +42,7 @@ class Server:
         raise RuntimeError("bitnet serve did not become healthy in time")
 
     def stop(self, sig=signal.SIGINT, timeout: float = 15.0) -> tuple[int, str]:
-        if self.proc.poll() is None:
+        if sig is not None and self.proc.poll() is None:
             self.proc.send_signal(sig)
         try:
             _, err = self.proc.communicate(timeout=timeout)

@@ -70,25 +70,24 @@ def main(args) -> int:
     app = create_app(load, api_key=args.api_key)
 
     class Server(uvicorn.Server):
-        """uvicorn re-raises the caught signal after shutdown (-> exit 130/143); a drained server exits 0."""
-
-        def install_signal_handlers(self):
-            def handler(sig, frame):
-                if self.should_exit:
-                    self.force_exit = True
-                self.should_exit = True
-                app.state.bitnet.draining = True  # stop admitting; /health says 503 to load balancers
-            for s in (signal.SIGINT, signal.SIGTERM):
-                signal.signal(s, handler)
+        """uvicorn re-raises the caught signal after shutdown (-> exit 130/143); a drained server exits 0.
+        Our handlers are installed before asyncio.run, so its own SIGINT handler (task cancel) stays out."""
 
         @contextlib.contextmanager
         def capture_signals(self):
-            self.install_signal_handlers()
             yield
+
+    def handler(sig, frame):
+        if server.should_exit:
+            server.force_exit = True
+        server.should_exit = True
+        app.state.bitnet.draining = True  # stop admitting; /health says 503 to load balancers
 
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.drain_timeout, lifespan="on")
     server = Server(config)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, handler)
     print(f"bitnet serve: listening on http://{args.host}:{args.port} (loading the model...)", file=sys.stderr, flush=True)
     server.run()
     print("bitnet serve: stopped", file=sys.stderr)
