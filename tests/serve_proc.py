@@ -57,3 +57,13 @@ class Server:
                 if line.startswith("VmRSS:"):
                     return int(line.split()[1])
         return 0
+
+
+def slow_model(tmp_path_factory) -> str:
+    """A small random model (seed chosen so greedy decoding never says eos within 3000 tokens) that makes
+    ~300-500 tok/s here: long answers take seconds, so hang-ups and Stop can be seen cutting them short."""
+    from test_model_fixtures import make_synth
+    _, _, stores = make_synth(tmp_path_factory.getbasetemp() / "serve-slow", seed=2, max_position_embeddings=4096,
+                              hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num_attention_heads=8,
+                              num_key_value_heads=4)
+    return stores["f16"]
