@@ -13,6 +13,7 @@ import contextlib
 import hmac
 import json
 import os
+import socket
 import threading
 import time
 import uuid
@@ -128,6 +129,7 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
     @app.middleware("http")
     async def _count(request: Request, call_next):
         resp = await call_next(request)
+        resp.headers["X-Bitnet-Instance"] = f"{socket.gethostname()}:{os.getpid()}"  # which process answered (load balancers, Ray replicas)
         path = request.url.path
         if path.startswith("/v1/") or path in ("/health", "/slots", "/metrics"):
             metrics.requests.labels(path, str(resp.status_code)).inc()
