@@ -171,18 +171,18 @@ def report(res: dict, out_dir: str):
         print("matplotlib not installed: no PNG (pip install .[bench])")
         return
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    for eng, r in res["engines"].items():
+    for (eng, r), color in zip(res["engines"].items(), ("tab:blue", "tab:orange")):
         cs = [lv["concurrency"] for lv in r["levels"]]
-        ax1.plot(cs, [lv["agg_tps"] for lv in r["levels"]], "o-", label=eng)
-        ax2.plot(cs, [lv["ttft_p50_s"] for lv in r["levels"]], "o-", label=f"{eng} p50")
-        ax2.plot(cs, [lv["ttft_p99_s"] for lv in r["levels"]], "x--", label=f"{eng} p99")
+        ax1.plot(cs, [lv["agg_tps"] for lv in r["levels"]], "o-", color=color, label=eng)
+        ax2.plot(cs, [lv["ttft_p50_s"] for lv in r["levels"]], "o-", color=color, label=f"{eng} p50")
+        ax2.plot(cs, [lv["ttft_p99_s"] for lv in r["levels"]], "x--", color=color, label=f"{eng} p99")
     ax1.set(xlabel="concurrent clients", ylabel="aggregate tok/s", title="Throughput over HTTP", xscale="log", xticks=cs)
     ax2.set(xlabel="concurrent clients", ylabel="seconds", title="Time to first token", xscale="log", xticks=cs)
     for ax in (ax1, ax2):
         ax.set_xticklabels([str(c) for c in cs])
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.suptitle(f"bitnet serve vs llama-server, 2B-4T TQ2_0 (synthetic), {res['threads']} threads, {res['gen']} tok/request",
+    fig.suptitle(f"{' vs '.join(res['engines'])}, 2B-4T TQ2_0 (synthetic), {res['threads']} threads, {res['gen']} tok/request",
                  fontsize=10)
     fig.tight_layout()
     fig.savefig(os.path.join(out_dir, "serve_results.png"), dpi=110)
@@ -199,9 +199,14 @@ def main(argv=None) -> int:
     ap.add_argument("--llama-server", default=None)
     ap.add_argument("--cache", default=DEFAULT_CACHE)
     ap.add_argument("--out-dir", default=HERE)
+    ap.add_argument("--replot", action="store_true", help="rewrite the table and PNG from serve_results.json")
     ap.add_argument("--add", action="store_true",
                     help="keep the other engine's numbers from an earlier serve_results.json (say so in the note)")
     a = ap.parse_args(argv)
+    if a.replot:
+        with open(os.path.join(a.out_dir, "serve_results.json")) as f:
+            report(json.load(f), a.out_dir)
+        return 0
     paths = model_paths(a.cache)
     if not (os.path.exists(paths["manifest"]) and os.path.exists(paths["store_i8"])):
         print(f"no benchmark models in {a.cache}: run python bench/make_models.py first", file=sys.stderr)
@@ -213,11 +218,14 @@ def main(argv=None) -> int:
         print("llama-server not found (build it from llama.cpp with -DLLAMA_BUILD_SERVER=ON; --llama-server PATH): "
               "running ours only")
         engines = [e for e in engines if e != "llama"]
+        missing = " llama-server was not available for this run (not built): ours only, no ratios."
+    else:
+        missing = ""
     load = os.getloadavg()
     res = {"threads": a.threads, "gen": a.gen, "prompt": a.prompt, "engines": {},
            "note": f"Machine: {os.cpu_count()} cores, load average at start {load[0]:.1f} (shared: other jobs ran "
                    f"at the same time; compare the ratios). {a.threads} threads each, greedy, {a.prompt}-token "
-                   f"prompts, {a.gen} tokens/request."}
+                   f"prompts, {a.gen} tokens/request." + missing}
     old = os.path.join(a.out_dir, "serve_results.json")
     if a.add and os.path.exists(old):
         with open(old) as f:
