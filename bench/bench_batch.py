@@ -117,6 +117,32 @@ def worker_ours(a) -> dict:
     return out
 
 
+def worker_ab(a) -> dict:
+    """Single stream, interleaved: engine/model.py (`bitnet run`) vs the batching engine with one request,
+    alternating rounds in one process (a busy machine drifts; alternation keeps the comparison fair)."""
+    from engine.api import SamplingParams, load_engine, load_model
+
+    ctx = a.prompt + a.gen + 16
+    llm = load_model(a.model, ctx=ctx, threads=a.threads, progress=False)
+    eng = load_engine(a.model, ctx=ctx, threads=a.threads, parallel=1, progress=False)
+    greedy = SamplingParams(temperature=0.0)
+    p = prompts(1, a.prompt, llm.config.vocab_size, 7)[0]
+    model_tps, engine_tps = [], []
+    for r in range(a.ab_rounds + 1):
+        m = list(llm.generate(p, greedy, max_tokens=a.gen))[-1].stats.decode_tps
+        e = list(eng.submit(p, greedy, max_tokens=a.gen))[-1].stats.decode_tps
+        eng.clear_prefix_cache()
+        if r:  # round 0 warms both
+            model_tps.append(m)
+            engine_tps.append(e)
+    eng.close()
+    llm.close()
+    med = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
+    print(f"  single stream: model {med(model_tps):.2f} tok/s, engine {med(engine_tps):.2f} tok/s", file=sys.stderr)
+    return {"engine": "ab", "model_tps": model_tps, "engine_tps": engine_tps, "model_median": med(model_tps),
+            "engine_median": med(engine_tps), "gen": a.gen}
+
+
 def worker_llama(a) -> dict:
     import ctypes
 
@@ -124,6 +150,8 @@ def worker_llama(a) -> dict:
     import numpy as np
 
     levels = [int(x) for x in a.levels.split(",")]
+    quiet = L.llama_log_callback(lambda level, text, user: None)  # keep a reference while llama.cpp runs
+    L.llama_log_set(quiet, ctypes.c_void_p(0))
     L.llama_backend_init()
     mp = L.llama_model_default_params()
     model = L.llama_model_load_from_file(a.model.encode(), mp)
@@ -133,7 +161,8 @@ def worker_llama(a) -> dict:
     nv = L.llama_vocab_n_tokens(vocab)
     out = {"engine": "llama", "version": L.__version__, "levels": []}
     per_seq = a.prompt + a.gen + 16
-    for n in [levels[0]] + levels:  # the first run warms the page cache and is dropped
+    for n in [levels[0]] + levels:  # the first run (4 tokens) warms the page cache and is dropped
+        gen = a.gen if out.get("_warm") else 4
         cp = L.llama_context_default_params()
         cp.n_ctx = n * per_seq
         cp.n_batch = max(512, n * a.prompt)
@@ -168,7 +197,7 @@ def worker_llama(a) -> dict:
         now = time.perf_counter()
         last = [argmax(s * a.prompt + a.prompt - 1) for s in range(n)]
         first, ends, counts, times_all = [now] * n, [now] * n, [1] * n, [now] * n
-        for step in range(1, a.gen):
+        for step in range(1, gen):
             decode([(last[s], a.prompt + step - 1, s, True) for s in range(n)])
             last = [argmax(s) for s in range(n)]
             now = time.perf_counter()
@@ -193,8 +222,11 @@ def worker_llama(a) -> dict:
 # ---- driver ----------------------------------------------------------------------------------------------------
 
 def run_worker(engine: str, model: str, a) -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", engine, "--model", model, "--levels", a.levels,
-           "--gen", str(a.gen), "--prompt", str(a.prompt), "--threads", str(a.threads)]
+    levels, gen = (a.llama_levels or a.levels, a.llama_gen or a.gen) if engine == "llama" else (a.levels, a.gen)
+    if engine == "ab":
+        gen = a.ab_gen
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", engine, "--model", model, "--levels", levels,
+           "--gen", str(gen), "--prompt", str(a.prompt), "--threads", str(a.threads), "--ab-rounds", str(a.ab_rounds)]
     env = dict(os.environ, OMP_NUM_THREADS=str(a.threads), PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     r = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT, timeout=7200)
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
@@ -219,6 +251,9 @@ def report(res: dict, out_dir: str):
     ours = {r["n"]: r for r in res.get("ours", {}).get("levels", [])}
     llama = {r["n"]: r for r in res.get("llama", {}).get("levels", [])}
     peak = res.get("int8_peak_mac_per_s")
+    if res.get("ours_from"):
+        old = [p for p in (res["ours_from"].get("peak_start"), res["ours_from"].get("peak_end")) if p]
+        peak = sum(old) / len(old) if old else peak
     mpt = res.get("ours", {}).get("macs_per_token")
     lines = ["# Batched decode: many sequences at once (bench/bench_batch.py)", "",
              f"Run {res['date']} on {res['cpu']}, {res['threads']} threads, load average at start "
@@ -234,17 +269,33 @@ def report(res: dict, out_dir: str):
         ratio = (o["agg_decode_tps"] / l_["agg_decode_tps"]) if o.get("agg_decode_tps") and l_.get("agg_decode_tps") else None
         share = o["agg_decode_tps"] * mpt / peak if o.get("agg_decode_tps") and peak and mpt else None
         lines.append(f"| {n} | {_fmt(o.get('agg_decode_tps'))} | {_fmt(l_.get('agg_decode_tps'))} | "
-                     f"{_fmt(ratio, '.2f')}x | {_fmt(o.get('ttft_median_s'), '.2f')} / {_fmt(o.get('ttft_max_s'), '.2f')} | "
+                     f"{_fmt(ratio, '.2f') + ('x' if ratio else '')} | {_fmt(o.get('ttft_median_s'), '.2f')} / {_fmt(o.get('ttft_max_s'), '.2f')} | "
                      f"{_fmt(l_.get('ttft_median_s'), '.2f')} / {_fmt(l_.get('ttft_max_s'), '.2f')} | "
                      f"{_fmt(share and 100 * share, '.0f')}% |")
     o = res.get("ours", {})
     one = ours.get(1, {}).get("agg_decode_tps")
-    lines += ["",
+    ab = res.get("ab", {})
+    lines += [""]
+    if res.get("ours_from"):
+        of = res["ours_from"]
+        lines.append(f"- Our engine's rows come from the run of {of['date']} (load average {of['load_start']} -> "
+                     f"{of['load_end']}, int8 peak {_fmt(of.get('peak_start') and of['peak_start'] / 1e9)} -> "
+                     f"{_fmt(of.get('peak_end') and of['peak_end'] / 1e9)} G/s); the share column uses that run's peak.")
+    if res.get("llama_gen") != res["gen"] or res.get("llama_levels") != ",".join(str(n) for n in sorted(ours)):
+        lines.append(f"- llama.cpp ran levels {res.get('llama_levels')} with {res.get('llama_gen')} tokens per request "
+                     "(fewer: on this busy machine its decode is very slow); aggregate decode tok/s "
+                     "is a rate, comparable across lengths.")
+    if ab.get("model_median"):
+        lines.append(f"- Single stream, interleaved rounds in one process ({ab['gen']} tokens, median of "
+                     f"{len(ab['model_tps'])}): engine/model.py (`bitnet run`, bitchat) {ab['model_median']:.2f} tok/s, "
+                     f"the batching engine with one request {ab['engine_median']:.2f} tok/s "
+                     f"(ratio {ab['engine_median'] / ab['model_median']:.2f}).")
+    lines += [
               f"- int8 MAC peak of the kernel path (register-only VNNI loop, bench/limits.py): start "
               f"{_fmt(res.get('peak_start') and res['peak_start'] / 1e9)} G/s, end "
               f"{_fmt(res.get('peak_end') and res['peak_end'] / 1e9)} G/s (the share uses their mean; "
               f"{_fmt(mpt and mpt / 1e9, '.2f')} G multiply-adds per token).",
-              f"- Single stream through engine/model.py (`bitnet run`, bitchat) in the same process: "
+              f"- Single stream, not interleaved (model at the end of our worker, engine N=1 at its start): "
               f"{_fmt(o.get('single_stream_decode_tps'))} tok/s; the batching engine with N=1: {_fmt(one)} tok/s "
               f"(ratio {_fmt(one / o['single_stream_decode_tps'] if one and o.get('single_stream_decode_tps') else None, '.2f')}).",
               f"- Peak RSS: ours {_fmt(o.get('peak_rss') and o['peak_rss'] / 2**30, '.2f')} GiB "
@@ -252,6 +303,11 @@ def report(res: dict, out_dir: str):
               f"{_fmt(res.get('llama', {}).get('peak_rss') and res['llama']['peak_rss'] / 2**30, '.2f')} GiB "
               "(weights are mapped files: their resident pages count).",
               ]
+    if llama:
+        lines.append("- Why llama.cpp is so slow here: its CPU backend joins its threads at a barrier after every "
+                     "graph node (~1100 per token); on an oversubscribed machine a descheduled thread stalls each "
+                     "one. Our kernels hand out work without a join barrier (simd/kernels/threadpool.c). On an idle "
+                     "machine the gap is much smaller (bench/RESULTS.md: single-stream decode).")
     if "error" in res.get("llama", {}) or not llama:
         lines.append(f"- llama.cpp: not measured ({res.get('llama', {}).get('error', 'skipped')}).")
     md = os.path.join(out_dir, "BATCH_RESULTS.md")
@@ -293,11 +349,17 @@ def main(argv=None) -> int:
     ap.add_argument("--lm-head", default="i8", choices=("i8", "f16"))
     ap.add_argument("--cache", default=DEFAULT_CACHE)
     ap.add_argument("--out-dir", default=HERE)
-    ap.add_argument("--worker", choices=("ours", "llama"), help=argparse.SUPPRESS)
+    ap.add_argument("--llama-levels", help="llama.cpp's levels when they differ (it is slow on a busy machine)")
+    ap.add_argument("--llama-gen", type=int, help="llama.cpp's tokens per request when they differ")
+    ap.add_argument("--ab-gen", type=int, default=32, help="tokens per single-stream A/B round")
+    ap.add_argument("--ab-rounds", type=int, default=3)
+    ap.add_argument("--ours-from", help="reuse our engine's results from an earlier batch_results.json")
+    ap.add_argument("--worker", choices=("ours", "llama", "ab"), help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.worker:
-        print(json.dumps(worker_ours(a) if a.worker == "ours" else worker_llama(a)))
+        fn = {"ours": worker_ours, "llama": worker_llama, "ab": worker_ab}[a.worker]
+        print(json.dumps(fn(a)))
         return 0
     paths = model_paths(a.cache)
     gguf, store = paths["tq2_0"], paths[f"store_{a.lm_head}"]
@@ -319,7 +381,16 @@ def main(argv=None) -> int:
     lim0 = limits(a.threads)
     res["peak_start"] = (lim0.get("int8") or {}).get("register_peak_mac_per_s")
     engines = a.engines.split(",")
-    if "ours" in engines:
+    res["llama_gen"], res["llama_levels"] = a.llama_gen or a.gen, a.llama_levels or a.levels
+    if a.ours_from:
+        with open(a.ours_from) as f:
+            old = json.load(f)
+        res["ours"], res["ours_from"] = old["ours"], {k: old.get(k) for k in ("date", "load_start", "load_end",
+                                                                              "peak_start", "peak_end", "gen")}
+    if "ab" in engines:
+        print("single stream A/B ...", file=sys.stderr, flush=True)
+        res["ab"] = run_worker("ab", store, a)
+    if "ours" in engines and not a.ours_from:
         print("ours ...", file=sys.stderr, flush=True)
         res["ours"] = run_worker("ours", store, a)
     if "llama" in engines:

@@ -6,7 +6,7 @@ the same synthetic 2B-4T-shaped TQ2_0 file (bench/make_models.py; ours serves th
                                 [--llama-server PATH] [--engines ours,llama]
 
 At each concurrency C, C clients each send --requests streaming /v1/completions requests back to back
-(distinct random 32-token prompts as token ids, greedy, max_tokens=128). Measured per level:
+(distinct random 32-token prompts as token ids, greedy, max_tokens=128, ignore_eos). Measured per level:
   aggregate tok/s   all completion tokens / wall time from the first request to the last token
   TTFT p50 / p99    request sent -> first streamed token, over all requests of the level
 llama-server is looked for at --llama-server, $LLAMA_SERVER, bench/cache/llama-server-bin/llama-server, PATH;
@@ -82,7 +82,7 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 600) -> None
 async def one_request(client, ids, gen) -> dict:
     t0 = time.perf_counter()
     first, n, usage = None, 0, None
-    body = {"prompt": ids, "max_tokens": gen, "temperature": 0, "stream": True,
+    body = {"prompt": ids, "max_tokens": gen, "temperature": 0, "stream": True, "ignore_eos": True,
             "stream_options": {"include_usage": True}}
     async with client.stream("POST", "/v1/completions", json=body) as r:
         if r.status_code != 200:

@@ -145,7 +145,7 @@ class Engine(_Text, BatchScheduler):
 
     def __init__(self, store: Store, *, ctx: int | None = None, threads: int | None = None, parallel: int = 16,
                  kv_pool_tokens: int | None = None, max_batch_tokens: int = 256, max_queue: int = 64,
-                 kv_dtype: str = "f16", load_s: float = 0.0):
+                 kv_dtype: str = "f16", load_s: float = 0.0, kv_pool_mib: float | None = None):
         t0 = time.perf_counter()
         cfg = store.config
         if threads is not None and threads < 1:
@@ -156,9 +156,13 @@ class Engine(_Text, BatchScheduler):
             raise BitNetError(f"kv_dtype {kv_dtype!r}: expected 'f16' or 'f32'")
         Model.set_threads(threads)
         n_ctx = int(ctx or min(cfg.context_length, 4096))
+        from .batching.kv_pool import KVPool
+        per_tok = KVPool.bytes_per_token(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, kv_dtype)
+        if kv_pool_tokens is not None and kv_pool_mib is not None:
+            raise BitNetError("give the KV pool size as kv_pool_tokens or kv_pool_mib, not both")
+        if kv_pool_mib is not None:
+            kv_pool_tokens = int(kv_pool_mib * (1 << 20)) // per_tok
         if kv_pool_tokens is None:
-            from .batching.kv_pool import KVPool
-            per_tok = KVPool.bytes_per_token(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, kv_dtype)
             kv_pool_tokens = max(n_ctx, min(parallel * n_ctx, DEFAULT_POOL_BYTES // per_tok))
         super().__init__(store, Tokenizer.from_store(store), n_ctx=n_ctx, parallel=parallel,
                          kv_pool_tokens=kv_pool_tokens, max_batch_tokens=max_batch_tokens, max_queue=max_queue,
@@ -173,10 +177,12 @@ class Engine(_Text, BatchScheduler):
 
 def load_engine(model: str | None = None, *, ctx: int | None = None, threads: int | None = None, parallel: int = 16,
                 kv_pool_tokens: int | None = None, max_batch_tokens: int = 256, max_queue: int = 64,
-                kv_dtype: str = "f16", progress: bool = True, lm_head: str | None = None) -> Engine:
+                kv_dtype: str = "f16", progress: bool = True, lm_head: str | None = None,
+                kv_pool_mib: float | None = None) -> Engine:
     """A batching engine over `model` (as load_model opens it), its scheduler thread started.
     ctx: per-sequence context; parallel: sequences running at once; kv_pool_tokens: KV pool size in tokens
-    (default parallel*ctx, capped at 4 GiB of pages but at least one context); max_batch_tokens: rows per step;
+    (default parallel*ctx, capped at 4 GiB of pages but at least one context), or kv_pool_mib in MiB;
+    max_batch_tokens: rows per step;
     max_queue: waiting requests before submit() raises QueueFullError."""
     t0 = time.perf_counter()
     path = _resolve(model, lm_head, progress)
@@ -184,7 +190,7 @@ def load_engine(model: str | None = None, *, ctx: int | None = None, threads: in
     try:
         eng = Engine(store, ctx=ctx, threads=threads, parallel=parallel, kv_pool_tokens=kv_pool_tokens,
                      max_batch_tokens=max_batch_tokens, max_queue=max_queue, kv_dtype=kv_dtype,
-                     load_s=time.perf_counter() - t0)
+                     load_s=time.perf_counter() - t0, kv_pool_mib=kv_pool_mib)
     except BaseException:
         store.close()
         raise

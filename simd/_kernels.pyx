@@ -43,6 +43,7 @@ cdef extern from "kernels.h" nogil:
     int bk_gemm_i8(const int8_t *w, const float *row_scale, const int32_t *w_rowsum, const int8_t *xq, int m,
                    int k_pad, const float *act_scale, float *out, int32_t *out_i32, int n)
     void bk_gemv_f16(const uint16_t *w, const float *x, int k, float *out, int n)
+    void bk_gemm_f16(const uint16_t *w, const float *x, int m, int k, float *out, int n)
     uint64_t bk_stream_read(const uint8_t *buf, size_t nbytes)
     int64_t bk_peak_dot(long iters)
     int64_t bk_peak_dot_macs_per_iter()
@@ -384,6 +385,28 @@ def gemv_f16(w, x, out):
     cdef float *po = <float *>cnp.PyArray_DATA(ao)
     with nogil:
         bk_gemv_f16(pw, px, <int>k, po, <int>n)
+
+
+def gemm_f16(w, x, out):
+    """f16 LM head for M rows: out[m] = gemv_f16(w, x[m]) bit for bit; x f32 [M, K], out f32 [M, N]."""
+    cdef str fn = "gemm_f16"
+    if isinstance(w, cnp.ndarray) and cnp.PyArray_TYPE(<cnp.ndarray>w) == cnp.NPY_FLOAT16:
+        w = (<cnp.ndarray>w).view(np.uint16)
+    cdef cnp.ndarray aw = _arr(fn, "w", w, cnp.NPY_UINT16, 1, False)
+    cdef cnp.ndarray ax = _arr(fn, "x", x, cnp.NPY_FLOAT32, 2, False)
+    cdef cnp.ndarray ao = _arr(fn, "out", out, cnp.NPY_FLOAT32, 2, True)
+    cdef Py_ssize_t m = cnp.PyArray_DIM(ax, 0), k = cnp.PyArray_DIM(ax, 1)
+    cdef Py_ssize_t n = _n_of(fn, cnp.PyArray_DIM(ao, 1))
+    if m <= 0 or cnp.PyArray_DIM(ao, 0) != m:
+        raise KernelError(f"{fn}: x has {m} rows but out has {cnp.PyArray_DIM(ao, 0)} (both are M, M >= 1)")
+    if k <= 0 or k > MAX_DIM:
+        raise KernelError(f"{fn}: x has {k} columns; K must be positive")
+    _check_size(fn, "w", aw, _pad16(n) * k, f"N_pad*K (N={n}, K={k})")
+    cdef const uint16_t *pw = <const uint16_t *>cnp.PyArray_DATA(aw)
+    cdef const float *px = <const float *>cnp.PyArray_DATA(ax)
+    cdef float *po = <float *>cnp.PyArray_DATA(ao)
+    with nogil:
+        bk_gemm_f16(pw, px, <int>m, <int>k, po, <int>n)
 
 
 # ---------------------------------------------------------------- benchmark probes

@@ -316,3 +316,82 @@ def test_engine_attributes(synth):
         assert eng.slots() == []
     finally:
         eng.close()
+
+
+def test_pool_size_in_mib_and_bad_sizes(synth):
+    from engine.errors import BitNetError
+
+    m, _, stores = synth
+    cfg = Store(stores["f16"]).config
+    per_tok = KVPool.bytes_per_token(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, "f16")
+    eng = load_engine(stores["f16"], ctx=64, parallel=2, kv_pool_mib=per_tok * 256 / 2**20, progress=False)
+    try:
+        assert eng.metrics()["kv_pages_total"] == 256 // PAGE_TOKENS
+    finally:
+        eng.close()
+    with pytest.raises(BitNetError):   # smaller than one context
+        load_engine(stores["f16"], ctx=256, kv_pool_tokens=64, progress=False)
+    with pytest.raises(BitNetError):
+        load_engine(stores["f16"], ctx=64, kv_pool_tokens=64, kv_pool_mib=1, progress=False)
+
+
+def test_failing_callback_cancels_only_its_request(synth, capsys):
+    m, _, stores = synth
+    eng = load_engine(stores["f16"], ctx=128, parallel=4, progress=False)
+    try:
+        got = []
+
+        def bad(c):
+            got.append(c)
+            raise RuntimeError("consumer went away")
+
+        eng.submit([1, 2, 3, 4], GREEDY, max_tokens=50, callback=bad)
+        ok = eng.submit([5, 6, 7], GREEDY, max_tokens=5)
+        assert _collect(ok)[-1].finish_reason in ("length", "eos")
+        t0 = time.monotonic()
+        while not (got and got[-1].finish_reason) and time.monotonic() - t0 < 60:
+            time.sleep(0.01)
+        assert got[-1].finish_reason == "cancelled"
+        assert "consumer went away" in capsys.readouterr().err
+        eng.check_consistency()
+    finally:
+        eng.close()
+
+
+def test_ignore_eos_matches_generate(synth):
+    m, _, stores = synth
+    llm = load_model(stores["f16"], ctx=128, progress=False)
+    eos = llm.tokenizer.eos_ids
+    p = [5, 6, 7, 8]
+    want = _tokens(llm.generate(p, SamplingParams(temperature=1.5, seed=4), max_tokens=40, ignore_eos=True))
+    llm.close()
+    eng = load_engine(stores["f16"], ctx=128, parallel=2, progress=False)
+    try:
+        out = _collect(eng.submit(p, SamplingParams(temperature=1.5, seed=4), max_tokens=40, ignore_eos=True))
+        assert _tokens(out) == want and len(want) == 40 and not set(want) & set(eos)
+        assert out[-1].finish_reason == "length"
+    finally:
+        eng.close()
+
+
+def test_llama_architecture_model_batched_equals_alone(tmp_path):
+    """Models without sub-norms (Falcon3 / TriLM style) through the batched forward: same logits as alone."""
+    from engine.convert import convert
+    from engine.synth import SynthModel, write_hf_dir
+
+    m = SynthModel({"head_dim": 64, "vocab_size": 640}, seed=8, style="llama")
+    d = write_hf_dir(m, str(tmp_path / "ternary-llama"), form="packed", linear_class="autobitlinear")
+    store = Store(convert(d, str(tmp_path / "tl.bnstore"), lm_head="i8", progress=False))
+    assert store.config.sub_norms is False
+    rng = np.random.default_rng(3)
+    seqs = {s: rng.integers(0, store.config.vocab_size, n).tolist() for s, n in enumerate([30, 12, 41])}
+    model = Model(store, n_ctx=128)
+    want = {s: model.forward(ids) for s, ids in seqs.items()}
+    drv = _Driver(store, n_ctx=128)
+    got = {s: [] for s in seqs}
+    for lo, hi in [(0, 10), (10, 11), (11, 30), (30, 41)]:
+        work = [(s, ids[lo:hi]) for s, ids in seqs.items() if ids[lo:hi]]
+        for s, lg in drv.step(work).items():
+            got[s].append(lg)
+    for s in seqs:
+        np.testing.assert_array_equal(np.concatenate(got[s]), want[s])

@@ -164,3 +164,28 @@ def test_gemm_i8_checks():
         a.update(bad)
         with pytest.raises(KernelError):
             K.gemm_i8(a["w"], a["sc"], a["rowsum"], a["xq"], a["s"], a["out"])
+
+
+@pytest.mark.parametrize("isa", _supported_kernel_isas())
+def test_gemm_f16_rows_equal_gemv_f16(isa):
+    import simd._kernels as K
+    from engine import layout
+
+    rng = np.random.default_rng(2)
+    n, k, m = 300, 192, 5
+    w = layout.pack_f16(rng.standard_normal((n, k)).astype(np.float16))
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    K.set_isa(isa)
+    try:
+        out = np.zeros((m, n), np.float32)
+        K.gemm_f16(w, x, out)
+        one = np.zeros(n, np.float32)
+        for r in range(m):
+            K.gemv_f16(w, x[r], one)
+            np.testing.assert_array_equal(out[r], one)
+        with pytest.raises(KernelError):
+            K.gemm_f16(w, x, np.zeros((m - 1, n), np.float32))
+        with pytest.raises(KernelError):
+            K.gemm_f16(w, x[:, :100], out)
+    finally:
+        K.set_isa(None)

@@ -66,6 +66,14 @@ def test_completions_and_max_tokens(client, model_id):
     assert r2.choices[0].finish_reason == "length" and r2.usage.completion_tokens == 3
 
 
+def test_ignore_eos(client, model_id):
+    r = client.chat.completions.create(model=model_id, messages=Q, temperature=0, max_tokens=40)
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens < 40  # the model ends by itself
+    r = client.chat.completions.create(model=model_id, messages=Q, temperature=0, max_tokens=40,
+                                       extra_body={"ignore_eos": True})
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 40
+
+
 def test_stop_and_seed(client, model_id):
     a = client.chat.completions.create(model=model_id, messages=Q, max_tokens=20, **WILD)
     b = client.chat.completions.create(model=model_id, messages=Q, max_tokens=20, **WILD)

@@ -70,7 +70,7 @@ class BatchModel:
         kp, vp, cos, sin, scr = self.pool.k, self.pool.v, self._cos, self._sin, self._scratch
         x, delta, h_d, h_q, qkv, att, gu = v.x, v.delta, v.h_d, v.h_q, v.qkv, v.att, v.gu
         xq_d, xq_q, xq_i, s, sm = v.xq_d, v.xq_q, v.xq_i, v.act_scale, v.act_sum
-        add_norm_q, attention, glu = ops.add_rmsnorm_quant, ops.attention_paged, ops.glu_rmsnorm_quant
+        add_norm_q, attention, glu, quant = ops.add_rmsnorm_quant, ops.attention_paged, ops.glu_rmsnorm_quant, K.quantize_act
         residual = None
         if v.m == 1:
             gemv = K.gemv_ternary
@@ -79,7 +79,10 @@ class BatchModel:
                 add_norm_q(x, residual, L.attn_norm, eps, h_d, xq_d, s, sm)
                 gemv(L.qkv, L.qkv_scale, xq_d1, s[0], sm[0], qkv1)
                 attention(qkv, nh, nkv, hd, cos, sin, seq_rows, seq_pos0, page_table, kp[li], vp[li], att, scr)
-                add_norm_q(att, None, L.attn_sub_norm, eps, h_q, xq_q, s, sm)
+                if L.attn_sub_norm is not None:
+                    add_norm_q(att, None, L.attn_sub_norm, eps, h_q, xq_q, s, sm)
+                else:  # Llama-architecture models: no sub-norms (as engine/model.py)
+                    quant(att, xq_q, s, sm)
                 gemv(L.o, L.o_scale, xq_q1, s[0], sm[0], delta1)
                 add_norm_q(x, delta, L.ffn_norm, eps, h_d, xq_d, s, sm)
                 gemv(L.gate_up, L.gate_up_scale, xq_d1, s[0], sm[0], gu1)
@@ -92,7 +95,10 @@ class BatchModel:
                 add_norm_q(x, residual, L.attn_norm, eps, h_d, xq_d, s, sm)
                 gemm(L.qkv, L.qkv_scale, xq_d, s, sm, qkv)
                 attention(qkv, nh, nkv, hd, cos, sin, seq_rows, seq_pos0, page_table, kp[li], vp[li], att, scr)
-                add_norm_q(att, None, L.attn_sub_norm, eps, h_q, xq_q, s, sm)
+                if L.attn_sub_norm is not None:
+                    add_norm_q(att, None, L.attn_sub_norm, eps, h_q, xq_q, s, sm)
+                else:  # Llama-architecture models: no sub-norms (as engine/model.py)
+                    quant(att, xq_q, s, sm)
                 gemm(L.o, L.o_scale, xq_q, s, sm, delta)
                 add_norm_q(x, delta, L.ffn_norm, eps, h_d, xq_d, s, sm)
                 gemm(L.gate_up, L.gate_up_scale, xq_d, s, sm, gu)
@@ -111,14 +117,16 @@ class BatchModel:
         np.take(v.delta, rows, axis=0, out=hd)
         if w.lm_head == "f16":
             ops.add_rmsnorm(hx, hd, w.out_norm, w.eps, hh)
-            for r in range(k):
-                K.gemv_f16(w.out_w, hh[r], out[r])
+            if k > 1:
+                K.gemm_f16(w.out_w, hh, out)
+            else:
+                K.gemv_f16(w.out_w, hh[0], out[0])
         else:
             kp = self._kp_d
             xq = self._xq_buf[: k * kp].reshape(k, kp)
             s, sm = self._act_scale[:k], self._act_sum[:k]
             ops.add_rmsnorm_quant(hx, hd, w.out_norm, w.eps, hh, xq, s, sm)
-            if k > 1 and hasattr(K, "gemm_i8"):
+            if k > 1:
                 K.gemm_i8(w.out_w, w.out_scale, w.out_rowsum, xq, s, out)
             else:
                 for r in range(k):

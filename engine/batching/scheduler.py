@@ -44,7 +44,13 @@ class Stream:
         if chunk.finish_reason:
             self.finish_reason = chunk.finish_reason
         if self._callback is not None:
-            self._callback(chunk)
+            try:
+                self._callback(chunk)
+            except Exception as e:  # a broken consumer ends its own request, never the engine
+                if not chunk.finish_reason:
+                    import sys
+                    print(f"bitnet engine: stream {self.id}: callback raised {e!r}; cancelling it", file=sys.stderr)
+                    self._engine.cancel(self.id)
         else:
             self._q.put(chunk)
 
@@ -80,6 +86,7 @@ class _Seq:
         self.cancelled = False
         self.t_submit = time.perf_counter()
         self.t_admit = self.t_prefilled = self.t_first = self.t_last = 0.0
+        self.banned: list[int] = []      # token ids never sampled (ignore_eos)
 
 
 class BatchScheduler:
@@ -125,7 +132,10 @@ class BatchScheduler:
 
     # ---- public, any thread ---------------------------------------------------------------------------
     def submit(self, prompt_ids: Sequence[int], params: SamplingParams | None = None, *, max_tokens: int = 256,
-               stop: Sequence[str] = (), callback: Callable[[Chunk], None] | None = None) -> Stream:
+               stop: Sequence[str] = (), callback: Callable[[Chunk], None] | None = None,
+               ignore_eos: bool = False) -> Stream:
+        """Queue a request (never blocks); see engine.api.Engine. ignore_eos: end-of-text tokens are never
+        sampled, as LLM.generate(ignore_eos=True)."""
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
             if self.tokenizer.bos_id is None:
@@ -152,6 +162,8 @@ class BatchScheduler:
             sid = next(self._ids)
             stream = Stream(sid, self, callback)
             seq = _Seq(sid, prompt, params, int(max_tokens), stop, stream, self.tokenizer, vocab)
+            if ignore_eos:
+                seq.banned = [t for t in self._eos if 0 <= t < vocab]
             self._waiting.append(seq)
             self._by_id[sid] = seq
             self.requests_total += 1
@@ -357,6 +369,8 @@ class BatchScheduler:
         if s.max_tokens == 0:
             self._finish(s, "length")
             return
+        if s.banned:
+            logits[s.banned] = -np.inf
         tok = s.sampler.sample(logits, s.tokens)
         now = time.perf_counter()
         s.n_gen += 1

@@ -170,6 +170,7 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         try:
             params.check()
             stream = eng.submit(prompt_ids, params, max_tokens=max(0, max_tokens), stop=req.stops(),
+                                ignore_eos=req.ignore_eos,
                                 callback=lambda ch: loop.call_soon_threadsafe(q.put_nowait, ch))
         except QueueFullError as e:
             metrics.rejected.inc()

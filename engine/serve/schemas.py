@@ -55,8 +55,6 @@ class _Sampling(BaseModel):
             return "frequency_penalty", "frequency_penalty is not supported (use repeat_penalty)"
         if self.logprobs not in (None, False, 0):
             return "logprobs", "logprobs are not supported"
-        if self.ignore_eos:
-            return "ignore_eos", "ignore_eos=true is not supported by this engine"
         if self.logit_bias:
             return "logit_bias", "logit_bias is not supported"
         if self.stop is not None and len(self.stops()) > 4:

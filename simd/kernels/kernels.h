@@ -84,6 +84,7 @@ int bk_gemv_i8(const int8_t *w, const float *row_scale, const int32_t *w_rowsum,
 int bk_gemm_i8(const int8_t *w, const float *row_scale, const int32_t *w_rowsum, const int8_t *xq, int m, int k_pad,
                const float *act_scale, float *out, int32_t *out_i32, int n);
 void bk_gemv_f16(const uint16_t *w, const float *x, int k, float *out, int n);
+void bk_gemm_f16(const uint16_t *w, const float *x, int m, int k, float *out, int n);   /* row r == bk_gemv_f16(x[r]) */
 /* Streaming read of a buffer (bandwidth benchmark): returns a checksum so the loads are not elided. */
 uint64_t bk_stream_read(const uint8_t *buf, size_t nbytes);
 /* Register-only vpdpbusd loop (peak int8 MAC rate of the path): returns a value to keep it alive. */
