@@ -31,10 +31,12 @@ from .errors import BitNetError, QueueFullError
 from .generate import Chunk, Stats, generate as _generate
 from .model import Model
 from .sampling import SamplingParams
+from .speculative import LookupParams
 from .store import Store, is_store
 from .tokenizer import Tokenizer
 
-__all__ = ["load_model", "LLM", "load_engine", "Engine", "SamplingParams", "Chunk", "Stats", "QueueFullError"]
+__all__ = ["load_model", "LLM", "load_engine", "Engine", "SamplingParams", "LookupParams", "Chunk", "Stats",
+           "QueueFullError"]
 
 
 def _resolve(model: str | None, lm_head: str | None, progress: bool) -> str:
@@ -80,8 +82,9 @@ class LLM(_Text):
     """A loaded model session. Attributes: config, n_ctx, name, source, tokenizer, load_s."""
 
     def __init__(self, store: Store, *, ctx: int | None = None, threads: int | None = None,
-                 kv_dtype: str = "f16", load_s: float = 0.0):
+                 kv_dtype: str = "f16", load_s: float = 0.0, lookup: LookupParams | None = None):
         t0 = time.perf_counter()
+        self.lookup = lookup.check() if lookup is not None else None  # None: engine.speculative.default_lookup
         self.store = store
         self.config: ModelConfig = store.config
         if threads is not None and threads < 1:
@@ -100,15 +103,17 @@ class LLM(_Text):
 
     # ---- running ----
     def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
-                 max_tokens: int = 256, stop: Sequence[str] = (), ignore_eos: bool = False) -> Iterator[Chunk]:
+                 max_tokens: int = 256, stop: Sequence[str] = (), ignore_eos: bool = False,
+                 lookup: LookupParams | None = None) -> Iterator[Chunk]:
         """Stream Chunk(text, token) per generated token, then Chunk("", None, finish_reason, stats).
         A str prompt is tokenized with BOS. finish_reason: "eos" | "stop" | "length" | "context".
         max_tokens=0 only prefills the prompt into the cache. Raises ContextOverflowError when the
         prompt alone does not fit n_ctx. ignore_eos: end-of-text tokens are never sampled (llama.cpp's
-        --ignore-eos)."""
+        --ignore-eos). lookup: prompt-lookup speculative decoding for this call (default: the session's, else
+        engine.speculative.default_lookup); the output is the same with or without it."""
         ids = self.tokenize(prompt, add_bos=True) if isinstance(prompt, str) else list(prompt)
         return _generate(self.model, self.tokenizer, ids, params, max_tokens=max_tokens, stop=stop, load_s=self.load_s,
-                         ignore_eos=ignore_eos)
+                         ignore_eos=ignore_eos, lookup=lookup if lookup is not None else self.lookup)
 
     def forward(self, ids: Sequence[int]) -> np.ndarray:
         """Logits [len(ids), vocab] f32 from a fresh cache (for tests)."""
@@ -126,13 +131,14 @@ class LLM(_Text):
 
 
 def load_model(model: str | None = None, *, ctx: int | None = None, threads: int | None = None,
-               kv_dtype: str = "f16", progress: bool = True, lm_head: str | None = None) -> LLM:
+               kv_dtype: str = "f16", progress: bool = True, lm_head: str | None = None,
+               lookup: LookupParams | None = None) -> LLM:
     """Open (converting once if needed) a model: a store, GGUF file or HF dir; None -> bundled default.
     lm_head ("i8" | "f16") is passed to the converter when a conversion happens."""
     t0 = time.perf_counter()
     path = _resolve(model, lm_head, progress)
     store = Store(path)
-    return LLM(store, ctx=ctx, threads=threads, kv_dtype=kv_dtype, load_s=time.perf_counter() - t0)
+    return LLM(store, ctx=ctx, threads=threads, kv_dtype=kv_dtype, load_s=time.perf_counter() - t0, lookup=lookup)
 
 
 from .batching.scheduler import BatchScheduler, Stream  # noqa: E402  (batching imports nothing of api)

@@ -11,7 +11,7 @@ Per layer (D hidden, q_dim = heads * head_dim, I intermediate):
     f  = rmsnorm(relu(g)^2 * u, ffn_sub_norm) -> int8       ops.glu_rmsnorm_quant (silu(g) * u for "silu";
                                                             no rmsnorm when config.sub_norms is False)
     x += BL_down(f)
-logits = lm_head(rmsnorm(x, output_norm))   f16 GEMV, or int8 GEMV on the quantized normed x
+logits = lm_head(rmsnorm(x, output_norm))   f16 GEMV, or int8 / q4g GEMV on the quantized normed x
 
 Nine C calls per layer in a decode step, each on buffers allocated once in __init__ (`out=` style): nothing
 is allocated per token. Prefill runs the prompt in chunks of `chunk` rows through gemm_ternary; decode
@@ -29,6 +29,11 @@ from .errors import BitNetError, ContextOverflowError, FormatError
 from .layout import pad_to, K_ALIGN
 
 DEFAULT_CHUNK = 128  # prefill rows per GEMM call (measured: 32..256 within 4%, 128 best)
+# chunks of at most this many rows use the multi-row GEMV (one sequential weight stream) instead of the GEMM:
+# 24 out-of-cache 13824x2560 matrices, 2 threads, busy machine, time / one GEMV: rows M=2 1.19x vs GEMM 2.00x,
+# M=4 2.00x vs 1.91x, M=8 4.5x vs 2.8x (the GEMM shares each activation broadcast between two tiles)
+ROWS_GEMV_MAX = 4
+VERIFY_MAX = K.ROWS_MAX  # most rows of one Model.verify pass (the multi-row head kernel's limit)
 
 
 class _Layer:
@@ -95,9 +100,12 @@ class Weights:
         self.embd = emb.view(np.uint16)
         self.out_norm = store.tensor("output_norm").reshape(-1)
         info = store.info("output")
-        self.lm_head = "i8" if info.get("layout") == "i8_tile16" else "f16"
+        self.lm_head = {"i8_tile16": "i8", "q4g_tile16": "q4"}.get(info.get("layout"), "f16")
         self.out_w = store.tensor("output").reshape(-1)
-        if self.lm_head == "i8":
+        if self.lm_head == "q4":
+            self.out_gscale = store.tensor("output.gscale").reshape(-1)
+            self.out_scale = store.tensor("output.scale").reshape(-1)
+        elif self.lm_head == "i8":
             self.out_scale = store.tensor("output.scale").reshape(-1)
             self.out_rowsum = store.tensor("output.rowsum").reshape(-1)
         elif info.get("layout", "f16_tile16") != "f16_tile16":
@@ -163,18 +171,24 @@ class Model:
         self.lm_head, self._out_w, self.layers = w.lm_head, w.out_w, w.layers
         if w.lm_head == "i8":
             self._out_scale, self._out_rowsum = w.out_scale, w.out_rowsum
+        elif w.lm_head == "q4":
+            self._out_scale, self._out_gscale = w.out_scale, w.out_gscale
 
         # ---- run state, allocated once: M = chunk rows ----
         M = self.chunk
         alloc_run_state(self, cfg, M)
         self._head_x = np.zeros((1, D), np.float32)        # normed last row for the f16 head
         self._logits = np.zeros(V, np.float32)
+        self._logits_row = self._logits.reshape(1, V)       # the same buffer as one row (q4 head kernel)
+        self._rows_logits = np.zeros((VERIFY_MAX, V), np.float32)  # logits of every row of a verify pass
         kv_np = np.uint16 if kv_dtype == "f16" else np.float32   # f16 stored as its bits
         self._k_cache = np.zeros((L,) + ops.key_cache_shape(cfg.n_kv_heads, n_ctx, hd), kv_np)  # transposed blocks
         self._v_cache = np.zeros((L, cfg.n_kv_heads, n_ctx, hd), kv_np)
         self._scratch = np.zeros((cfg.n_heads * ops.ATTENTION_SCRATCH_ROWS, n_ctx), np.float32)  # attention scores
         self._cos, self._sin = rope_tables(cfg, n_ctx)
-        self._views: dict[int, _Views] = {1: _Views(self, 1), M: _Views(self, M)}
+        self.verify_max = min(VERIFY_MAX, M)               # rows of one verify() pass
+        self._views: dict[int, _Views] = {m: _Views(self, m) for m in range(1, self.verify_max + 1)}
+        self._views[M] = _Views(self, M)
         self.n_past = 0
         self._cache_ids = np.zeros(n_ctx, np.int32)        # token at every cached position
         self.generation = 0                                 # bumped by each generate() (engine/generate.py)
@@ -231,7 +245,7 @@ class Model:
                 gemv(w.down, w.down_scale, xq_i1, s[0], sm[0], delta1)
                 residual = delta
         else:
-            gemm = K.gemm_ternary
+            gemm = K.gemv_rows_ternary if v.m <= ROWS_GEMV_MAX else K.gemm_ternary
             for li, w in enumerate(self.layers):
                 add_norm_q(x, residual, w.attn_norm, eps, h_d, xq_d, s, sm)
                 gemm(w.qkv, w.qkv_scale, xq_d, s, sm, qkv)
@@ -253,10 +267,54 @@ class Model:
         if self.lm_head == "f16":
             ops.add_rmsnorm(x, delta, self._out_norm, self._eps, self._head_x)
             K.gemv_f16(self._out_w, self._head_x[0], out)
+        elif self.lm_head == "q4":
+            v1 = self._views[1]
+            ops.add_rmsnorm_quant(x, delta, self._out_norm, self._eps, self._head_x, v1.xq_d, v1.act_scale, v1.act_sum)
+            K.gemv_q4g(self._out_w, self._out_gscale, self._out_scale, v1.xq_d, v1.act_scale,
+                       self._logits_row if out is self._logits else out.reshape(1, -1))
         else:
             v1 = self._views[1]
             ops.add_rmsnorm_quant(x, delta, self._out_norm, self._eps, self._head_x, v1.xq_d, v1.act_scale, v1.act_sum)
             K.gemv_i8(self._out_w, self._out_scale, self._out_rowsum, v1.xq_d1, v1.act_scale[0], out)
+
+    def _head_rows(self, v: _Views, out: np.ndarray):
+        """Logits of all v.m rows of the last chunk into out[:v.m] (one pass over an int8 or q4 head)."""
+        m = v.m
+        if self.lm_head == "f16":
+            for r in range(m):
+                self._head(v, r, out[r])
+            return
+        # the chunk's h_d / xq_d / act buffers are free once the blocks are done
+        ops.add_rmsnorm_quant(v.x, v.delta, self._out_norm, self._eps, v.h_d, v.xq_d, v.act_scale, v.act_sum)
+        if self.lm_head == "q4":
+            K.gemv_q4g(self._out_w, self._out_gscale, self._out_scale, v.xq_d, v.act_scale, out[:m])
+            return
+        K.gemv_rows_i8(self._out_w, self._out_scale, self._out_rowsum, v.xq_d, v.act_scale, out[:m])
+
+    def verify(self, ids) -> np.ndarray:
+        """Run 1..VERIFY_MAX tokens at positions n_past.. in one pass (speculative decoding: the last sampled
+        token followed by the draft). Returns logits [len(ids), V] (a session buffer, overwritten next call);
+        row i equals what decode() would give for ids[i] after ids[:i]. Drop rejected positions with truncate()."""
+        m = len(ids)
+        if not 1 <= m <= self.verify_max:
+            raise BitNetError(f"verify: {m} tokens; 1..{self.verify_max} per pass")
+        self._check_room(m)
+        vocab = self.config.vocab_size
+        for t in ids:
+            if not 0 <= t < vocab:
+                raise BitNetError(f"token id {t} is outside the vocabulary (0..{vocab - 1})")
+        v = self._view(m)
+        v.ids[:] = ids
+        ops.embed_f16(self._embd, v.ids, v.x)
+        self._blocks(v, self.n_past)
+        out = self._rows_logits
+        if m == 1:
+            self._head(v, 0, out[0])
+        else:
+            self._head_rows(v, out)
+        self._cache_ids[self.n_past: self.n_past + m] = ids
+        self.n_past += m
+        return out[:m]
 
     def _check_room(self, n_new: int):
         if self.n_past + n_new > self.n_ctx:

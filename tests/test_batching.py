@@ -22,7 +22,7 @@ GREEDY = SamplingParams(temperature=0.0)
 
 @pytest.fixture(scope="module")
 def synth(tmp_path_factory):
-    return make_synth(tmp_path_factory.mktemp("batch"), seed=11, lm_heads=("f16", "i8"))
+    return make_synth(tmp_path_factory.mktemp("batch"), seed=11, lm_heads=("f16", "i8", "q4"))
 
 
 def _collect(stream, timeout=120.0):
@@ -71,7 +71,7 @@ class _Driver:
         return out
 
 
-@pytest.mark.parametrize("head", ["f16", "i8"])
+@pytest.mark.parametrize("head", ["f16", "i8", "q4"])
 def test_batched_logits_equal_alone(synth, head):
     m, _, stores = synth
     rng = np.random.default_rng(5)

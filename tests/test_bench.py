@@ -157,6 +157,21 @@ def test_bench_e2e_orchestrator_small(small_models, tmp_path):
     assert raw["facts"]["bytes_per_token"] > 0 and raw["facts"]["macs_per_token"] > 0
 
 
+def test_decode_rows_small(small_models, capsys):
+    import decode_rows  # bench/decode_rows.py
+
+    cache = os.path.dirname(small_models["tq2_0"])
+    rc = decode_rows.main(["--cache", cache, "--shape", "small", "--heads", "i8,q4", "--tokens", "4",
+                           "--repeats", "1", "--threads", "1", "--bw-mib", "8"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    rows = {ln.split("|")[1].strip(): ln for ln in out.splitlines() if ln.startswith("| ours")}
+    assert set(rows) == {"ours tile16 + i8 head", "ours tile16 + q4 head"}
+    mb = {k: float(v.split("|")[2].split()[0]) for k, v in rows.items()}
+    assert mb["ours tile16 + q4 head"] < mb["ours tile16 + i8 head"]   # the q4 head reads fewer bytes
+    assert "repetitive code | off" in out and "random ids | --draft-max 4" in out
+
+
 def test_bench_batch_arithmetic():
     from types import SimpleNamespace
 

@@ -126,7 +126,11 @@ class BatchModel:
             xq = self._xq_buf[: k * kp].reshape(k, kp)
             s, sm = self._act_scale[:k], self._act_sum[:k]
             ops.add_rmsnorm_quant(hx, hd, w.out_norm, w.eps, hh, xq, s, sm)
-            if k > 1:
+            if w.lm_head == "q4":  # the q4 group head takes up to ROWS_MAX rows per weight pass
+                for r0 in range(0, k, K.ROWS_MAX):
+                    r1 = min(k, r0 + K.ROWS_MAX)
+                    K.gemv_q4g(w.out_w, w.out_gscale, w.out_scale, xq[r0:r1], s[r0:r1], out[r0:r1])
+            elif k > 1:
                 K.gemm_i8(w.out_w, w.out_scale, w.out_rowsum, xq, s, out)
             else:
                 for r in range(k):
