@@ -11,7 +11,7 @@ import argparse
 import importlib
 import sys
 
-COMMANDS = ["run", "convert", "inspect", "info", "pull", "list", "rm"]
+COMMANDS = ["run", "convert", "inspect", "info", "pull", "list", "rm", "serve"]
 
 
 def build_parser(subparsers: dict | None = None) -> argparse.ArgumentParser:

@@ -1,0 +1,56 @@
+"""Prometheus metrics of one server (one registry per app, so several apps in a process never collide).
+
+Counters and histograms are updated by the request handlers; the engine's own numbers (running/waiting
+sequences, KV pool pages, prefix-cache hits) are read from `engine.metrics()` at scrape time by a collector.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+
+
+class _EngineCollector:
+    def __init__(self, get_metrics: Callable[[], dict | None]):
+        self._get = get_metrics
+
+    def collect(self):
+        m = self._get() or {}
+        gauges = [("bitnet_requests_running", "sequences being generated", "running"),
+                  ("bitnet_requests_waiting", "requests queued for a slot", "waiting"),
+                  ("bitnet_kv_pages_total", "pages in the KV pool", "kv_pages_total"),
+                  ("bitnet_kv_pages_used", "KV pool pages in use (sequences and prefix cache)", "kv_pages_used"),
+                  ("bitnet_kv_page_tokens", "tokens per KV page", "kv_page_tokens")]
+        for name, doc, key in gauges:
+            g = GaugeMetricFamily(name, doc)
+            g.add_metric([], float(m.get(key, 0)))
+            yield g
+        if m.get("kv_pages_total"):
+            g = GaugeMetricFamily("bitnet_kv_pool_usage_ratio", "share of KV pool pages in use")
+            g.add_metric([], m.get("kv_pages_used", 0) / m["kv_pages_total"])
+            yield g
+        c = CounterMetricFamily("bitnet_prefix_hit_tokens", "prompt tokens reused from the prefix cache")
+        c.add_metric([], float(m.get("prefix_hits_tokens", 0)))
+        yield c
+
+
+class ServerMetrics:
+    def __init__(self, get_engine_metrics: Callable[[], dict | None]):
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("bitnet_http_requests", "HTTP requests by endpoint and status", ["endpoint", "status"], registry=r)
+        self.prompt_tokens = Counter("bitnet_prompt_tokens", "prompt tokens received", registry=r)
+        self.generated_tokens = Counter("bitnet_generated_tokens", "tokens generated", registry=r)
+        self.rejected = Counter("bitnet_requests_rejected_queue_full", "requests answered 503 because the queue was full", registry=r)
+        self.ttft = Histogram("bitnet_time_to_first_token_seconds", "time from request to first token", buckets=_TTFT_BUCKETS, registry=r)
+        self.tpot = Histogram("bitnet_time_per_output_token_seconds", "time between generated tokens", buckets=_TPOT_BUCKETS, registry=r)
+        self.e2e = Histogram("bitnet_request_duration_seconds", "time from request to last token", registry=r)
+        r.register(_EngineCollector(get_engine_metrics))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

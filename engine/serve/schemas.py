@@ -1,0 +1,110 @@
+"""Request bodies of the OpenAI-compatible endpoints, as pydantic models.
+
+Field names and defaults follow OpenAI's API; llama.cpp's extras that clients send (`top_k`, `min_p`,
+`repeat_penalty`, `ignore_eos`) are accepted too. Unknown fields are ignored (clients send many). Values
+the engine cannot honour (n > 1, penalties, logprobs, echo) are rejected by `unsupported()` with the
+parameter named, so the client gets a clear 400 instead of a silently different answer.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: Optional[str] = None
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    max_tokens: Optional[int] = Field(default=None, ge=0)
+    temperature: float = Field(default=0.8, ge=0.0, le=2.0)
+    top_p: float = Field(default=0.95, gt=0.0, le=1.0)
+    top_k: int = Field(default=40, ge=0)
+    min_p: float = Field(default=0.05, ge=0.0, le=1.0)
+    repeat_penalty: float = Field(default=1.0, gt=0.0)
+    repeat_last_n: int = Field(default=64, ge=0)
+    ignore_eos: bool = False
+    seed: Optional[int] = None
+    stop: Union[str, list[str], None] = None
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: Optional[Any] = None
+    logit_bias: Optional[dict[str, float]] = None
+    user: Optional[str] = None
+
+    def stops(self) -> list[str]:
+        if self.stop is None:
+            return []
+        s = [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        return [x for x in s if x]
+
+    def unsupported(self) -> tuple[str, str] | None:
+        """(param, message) for the first value we cannot honour, else None."""
+        if self.n != 1:
+            return "n", "only n=1 is supported"
+        if self.presence_penalty:
+            return "presence_penalty", "presence_penalty is not supported (use repeat_penalty)"
+        if self.frequency_penalty:
+            return "frequency_penalty", "frequency_penalty is not supported (use repeat_penalty)"
+        if self.logprobs not in (None, False, 0):
+            return "logprobs", "logprobs are not supported"
+        if self.logit_bias:
+            return "logit_bias", "logit_bias is not supported"
+        if self.stop is not None and len(self.stops()) > 4:
+            return "stop", "at most 4 stop sequences"
+        return None
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: str
+    text: Optional[str] = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Union[str, list[ContentPart], None] = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text or "" for p in self.content if p.type == "text")
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: Optional[int] = Field(default=None, ge=0)
+
+    def limit(self) -> Optional[int]:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class CompletionRequest(_Sampling):
+    prompt: Union[str, list[str], list[int]]
+    echo: bool = False
+    best_of: Optional[int] = None
+    suffix: Optional[str] = None
+
+    def limit(self) -> Optional[int]:
+        return 16 if self.max_tokens is None else self.max_tokens  # OpenAI's default for completions
+
+    def unsupported(self):
+        if self.echo:
+            return "echo", "echo is not supported"
+        if self.best_of not in (None, 1):
+            return "best_of", "only best_of=1 is supported"
+        if self.suffix:
+            return "suffix", "suffix is not supported"
+        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str) and len(self.prompt) != 1:
+            return "prompt", "only one prompt per request is supported"
+        return super().unsupported()

@@ -1,0 +1,69 @@
+"""Start a real `bitnet serve` subprocess on 127.0.0.1 (a free port) for the serve tests; bounded waits."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, *extra: str, threads: int = 2, timeout: float = 60.0):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "engine", "serve", "--host", "127.0.0.1", "--port", str(self.port),
+             "-t", str(threads), *extra],
+            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"bitnet serve exited {self.proc.returncode}: {self.proc.stderr.read()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError("bitnet serve did not become healthy in time")
+
+    def stop(self, sig=signal.SIGINT, timeout: float = 15.0) -> tuple[int, str]:
+        if sig is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            _, err = self.proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            _, err = self.proc.communicate()
+        return self.proc.returncode, err
+
+    def rss_kb(self) -> int:
+        with open(f"/proc/{self.proc.pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
+        return 0
+
+
+def slow_model(tmp_path_factory) -> str:
+    """A small random model (seed chosen so greedy decoding never says eos within 3000 tokens) that makes
+    ~300-500 tok/s here: long answers take seconds, so hang-ups and Stop can be seen cutting them short."""
+    from test_model_fixtures import make_synth
+    _, _, stores = make_synth(tmp_path_factory.getbasetemp() / "serve-slow", seed=2, max_position_embeddings=4096,
+                              hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num_attention_heads=8,
+                              num_key_value_heads=4)
+    return stores["f16"]

@@ -1,0 +1,283 @@
+"""`bitnet serve` driven by the official `openai` client (and httpx for raw HTTP) against a real subprocess
+on 127.0.0.1 with the bundled model: shapes, streaming == non-streaming, batching == alone, every error
+status, hang-up frees the slot, Prometheus text parses, SIGINT drains and exits 0."""
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+openai = pytest.importorskip("openai", reason="the serve tests need the openai client (pip install .[test])")
+pytest.importorskip("fastapi", reason="bitnet serve needs the serve extra (pip install .[serve])")
+
+from serve_proc import Server  # noqa: E402
+
+Q = [{"role": "user", "content": "What is 12+7?"}]
+# sampling that avoids an early eos: random tokens at high temperature, nothing cut off
+WILD = dict(temperature=2.0, top_p=1.0, extra_body={"top_k": 0, "min_p": 0.0}, seed=7)
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = Server("--parallel", "16")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def model_id(client):
+    return client.models.list().data[0].id
+
+
+def test_models_list(client):
+    ms = client.models.list().data
+    assert len(ms) == 1 and ms[0].object == "model" and ms[0].id
+
+
+def test_chat_non_stream_and_stream_same_text(client, model_id):
+    r = client.chat.completions.create(model=model_id, messages=Q, temperature=0, max_tokens=24)
+    c = r.choices[0]
+    assert r.object == "chat.completion" and c.message.role == "assistant" and c.message.content
+    assert c.finish_reason in ("stop", "length")
+    assert r.usage.prompt_tokens > 0 and r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    chunks = list(client.chat.completions.create(model=model_id, messages=Q, temperature=0, max_tokens=24,
+                                                 stream=True, stream_options={"include_usage": True}))
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == c.message.content
+    finals = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+    assert finals == [c.finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+
+
+def test_completions_and_max_tokens(client, model_id):
+    r = client.completions.create(model=model_id, prompt="1+1=", max_tokens=5, **WILD)
+    assert r.object == "text_completion" and r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 5
+    r2 = client.chat.completions.create(model=model_id, messages=Q, max_completion_tokens=3, **WILD)
+    assert r2.choices[0].finish_reason == "length" and r2.usage.completion_tokens == 3
+
+
+def test_ignore_eos(client, model_id):
+    r = client.chat.completions.create(model=model_id, messages=Q, temperature=0, max_tokens=40)
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens < 40  # the model ends by itself
+    r = client.chat.completions.create(model=model_id, messages=Q, temperature=0, max_tokens=40,
+                                       extra_body={"ignore_eos": True})
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 40
+
+
+def test_stop_and_seed(client, model_id):
+    a = client.chat.completions.create(model=model_id, messages=Q, max_tokens=20, **WILD)
+    b = client.chat.completions.create(model=model_id, messages=Q, max_tokens=20, **WILD)
+    assert a.choices[0].message.content == b.choices[0].message.content  # same seed, same text
+    text = a.choices[0].message.content
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    if stop.strip():
+        s = client.chat.completions.create(model=model_id, messages=Q, max_tokens=20, stop=[stop], **WILD)
+        assert s.choices[0].finish_reason == "stop" and stop not in s.choices[0].message.content
+
+
+def test_sixteen_concurrent_greedy_equal_alone(client, model_id):
+    prompts = [[{"role": "user", "content": f"What is {i}+{i + 3}?"}] for i in range(16)]
+    alone = [client.chat.completions.create(model=model_id, messages=p, temperature=0, max_tokens=16)
+             .choices[0].message.content for p in prompts]
+    together = [None] * 16
+
+    def one(i):
+        together[i] = client.chat.completions.create(model=model_id, messages=prompts[i], temperature=0,
+                                                     max_tokens=16).choices[0].message.content
+    ts = [threading.Thread(target=one, args=(i,)) for i in range(16)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    assert together == alone
+
+
+def _err(r: httpx.Response, status: int) -> dict:
+    assert r.status_code == status, r.text
+    e = r.json()["error"]
+    assert set(e) == {"message", "type", "param", "code"} and e["message"]
+    return e
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"messages": Q, "temperature": 5}, "temperature"),
+    ({"messages": Q, "top_p": 0}, "top_p"),
+    ({"messages": [], "max_tokens": 4}, "messages"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
+    ({"messages": Q, "n": 2}, "n"),
+    ({"messages": Q, "presence_penalty": 0.5}, "presence_penalty"),
+    ({"messages": Q, "frequency_penalty": 0.5}, "frequency_penalty"),
+    ({"messages": Q, "max_tokens": -1}, "max_tokens"),
+])
+def test_bad_values_400(server, body, param):
+    e = _err(httpx.post(server.url + "/v1/chat/completions", json=body), 400)
+    assert e["param"] == param and e["type"] == "invalid_request_error"
+
+
+def test_malformed_json_400(server):
+    r = httpx.post(server.url + "/v1/chat/completions", content=b'{"messages": [', headers={"content-type": "application/json"})
+    assert _err(r, 400)["code"] == "invalid_json"
+
+
+def test_prompt_over_context_400(client, server, model_id):
+    with pytest.raises(openai.BadRequestError) as ei:
+        client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": "7 + 8 = 15. " * 400}])
+    assert ei.value.status_code == 400 and ei.value.body["code"] == "context_length_exceeded"
+
+
+def test_unknown_model_404(client):
+    with pytest.raises(openai.NotFoundError) as ei:
+        client.chat.completions.create(model="gpt-17", messages=Q, max_tokens=2)
+    assert ei.value.body["param"] == "model"
+
+
+def test_hangup_frees_slot(tmp_path_factory):
+    """A small random model that greedily never says eos, so a full answer takes seconds: hanging up after
+    the first event must cancel the sequence at once (slot gone, far fewer tokens made than a full run)."""
+    from serve_proc import slow_model
+    s = Server("-m", slow_model(tmp_path_factory), "-c", "4096", "--parallel", "2")
+    try:
+        body = {"prompt": "a", "max_tokens": 1500, "temperature": 0}
+        full = httpx.post(s.url + "/v1/completions", json=body, timeout=120).json()
+        assert full["choices"][0]["finish_reason"] == "length"  # run to the end it makes all 1500 tokens
+        before = httpx.get(s.url + "/slots").json()["metrics"]["tokens_generated_total"]
+        with httpx.stream("POST", s.url + "/v1/completions", json=dict(body, stream=True), timeout=30) as r:
+            assert r.status_code == 200
+            assert next(r.iter_lines()).startswith("data: ")
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            st = httpx.get(s.url + "/slots").json()
+            if not st["slots"]:
+                break
+            time.sleep(0.05)
+        assert st["slots"] == [] and st["metrics"]["running"] == 0
+        assert st["metrics"]["tokens_generated_total"] - before < 750  # cut short, not run to the end
+    finally:
+        assert s.stop()[0] == 0
+
+
+def test_metrics_parse(server, client, model_id):
+    from prometheus_client.parser import text_string_to_metric_families
+    client.chat.completions.create(model=model_id, messages=Q, temperature=0, max_tokens=4)
+    r = httpx.get(server.url + "/metrics")
+    assert r.status_code == 200
+    fams = {f.name: f for f in text_string_to_metric_families(r.text)}
+    for name in ("bitnet_http_requests", "bitnet_generated_tokens", "bitnet_requests_waiting", "bitnet_requests_running",
+                 "bitnet_kv_pages_used", "bitnet_kv_pages_total", "bitnet_time_to_first_token_seconds",
+                 "bitnet_time_per_output_token_seconds"):
+        assert name in fams, name
+    ttft_count = [s.value for s in fams["bitnet_time_to_first_token_seconds"].samples if s.name.endswith("_count")]
+    assert ttft_count and ttft_count[0] >= 1
+    assert [s.value for s in fams["bitnet_kv_pages_total"].samples][0] > 0
+
+
+def test_health_and_page(server):
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    r = httpx.get(server.url + "/")
+    assert r.status_code == 200 and "text/html" in r.headers["content-type"] and "/v1/chat/completions" in r.text
+
+
+def test_api_key_and_queue_full():
+    s = Server("--api-key", "sekret", "--parallel", "1", "--max-queue", "1")
+    try:
+        bad = openai.OpenAI(base_url=s.url + "/v1", api_key="wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError) as ei:
+            bad.models.list()
+        assert ei.value.status_code == 401 and ei.value.body["type"] == "authentication_error"
+        assert httpx.get(s.url + "/health").status_code == 200  # health stays open for load balancers
+        good = openai.OpenAI(base_url=s.url + "/v1", api_key="sekret", max_retries=0, timeout=60)
+        mid = good.models.list().data[0].id
+        statuses, retry_after = [], []
+
+        def one():
+            r = httpx.post(s.url + "/v1/completions", headers={"Authorization": "Bearer sekret"}, timeout=60,
+                           json={"model": mid, "prompt": "Once", "max_tokens": 200, "temperature": 2.0,
+                                 "top_p": 1.0, "top_k": 0, "min_p": 0.0, "seed": 3})
+            statuses.append(r.status_code)
+            if r.status_code == 503:
+                retry_after.append(r.headers.get("retry-after"))
+                assert r.json()["error"]["code"] == "queue_full"
+        ts = [threading.Thread(target=one) for _ in range(8)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(60)
+        assert 503 in statuses and 200 in statuses and set(statuses) <= {200, 503}, statuses
+        assert all(ra and int(ra) >= 1 for ra in retry_after)
+    finally:
+        rc, _ = s.stop()
+    assert rc == 0
+
+
+def test_sigint_with_stream_in_flight_exits_0():
+    s = Server()
+    body = {"prompt": "Once", "max_tokens": 500, "stream": True, "temperature": 2.0, "top_p": 1.0, "top_k": 0,
+            "min_p": 0.0}
+    with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=30) as r:
+        it = r.iter_lines()
+        next(it)
+        t0 = time.monotonic()
+        s.proc.send_signal(signal.SIGINT)
+        rest = list(it)
+    rc, err = s.stop(sig=None)
+    assert rc == 0, err
+    assert time.monotonic() - t0 < 10
+    assert "Traceback" not in err
+    assert rest == [] or rest[-1] in ("data: [DONE]", "") or rest[-1].startswith("data: ")
+
+
+def test_sigterm_exits_0():
+    s = Server()
+    rc, err = s.stop(signal.SIGTERM)
+    assert rc == 0 and "Traceback" not in err
+
+
+def test_non_loopback_warning_and_bad_flags(tmp_path):
+    import subprocess
+    import sys
+    from serve_proc import ROOT
+    import os
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    # an invalid port makes it exit before binding: the warning is printed first, then one error line
+    r = subprocess.run([sys.executable, "-m", "engine", "serve", "--host", "0.0.0.0", "--port", "70000"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "warning: listening on 0.0.0.0 without --api-key" in r.stderr
+    assert "--port 70000" in r.stderr and "Traceback" not in r.stderr
+    r = subprocess.run([sys.executable, "-m", "engine", "serve", "--host", "0.0.0.0", "--api-key", "k", "--port", "0"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert "warning" not in r.stderr and r.returncode == 2
+
+
+def test_health_503_while_loading():
+    """In-process: the app answers /health 503 (+ Retry-After) until load() returns, then 200."""
+    from starlette.testclient import TestClient
+
+    from engine.api import load_engine
+    from engine.serve.app import create_app
+    gate = threading.Event()
+
+    def load():
+        gate.wait(30)
+        return load_engine(None, threads=1, parallel=2, progress=False)
+    with TestClient(create_app(load)) as tc:
+        r = tc.get("/health")
+        assert r.status_code == 503 and r.headers["retry-after"] and r.json()["error"]["code"] == "loading"
+        r = tc.post("/v1/chat/completions", json={"messages": Q})
+        assert r.status_code == 503
+        gate.set()
+        deadline = time.monotonic() + 30
+        while tc.get("/health").status_code != 200 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert tc.get("/health").status_code == 200
+        r = tc.post("/v1/chat/completions", json={"messages": Q, "temperature": 0, "max_tokens": 4})
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]

@@ -1,0 +1,92 @@
+"""The chat page at `/` in a real headless browser (Playwright + Chromium): type a question and see the
+streamed answer (the same text the API gives for the same greedy request), stop a long answer, start a new
+chat; the screenshot is kept as an artifact (tests/artifacts/serve_chat_page.png, path printed)."""
+from __future__ import annotations
+
+import os
+import shutil
+import time
+
+import httpx
+import pytest
+
+pw = pytest.importorskip("playwright.sync_api", reason="the page test needs playwright (pip install .[test])")
+from serve_proc import ROOT, Server  # noqa: E402
+
+CHROMIUM = os.environ.get("BITNET_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
+ARTIFACTS = os.path.join(ROOT, "tests", "artifacts")
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if not CHROMIUM:
+        pytest.skip("no chromium binary (apt install chromium, or set BITNET_CHROMIUM)")
+    with pw.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox"])
+        yield b
+        b.close()
+
+
+def _set(page, **settings):
+    for k, v in settings.items():
+        page.fill(f"#{k}", str(v))
+
+
+def test_chat_page_streams_answer(browser):
+    s = Server("--parallel", "4")
+    try:
+        q = "What is 12+7?"
+        want = httpx.post(s.url + "/v1/chat/completions", timeout=60, json={
+            "messages": [{"role": "user", "content": q}], "temperature": 0, "max_tokens": 64}).json()
+        want_text = want["choices"][0]["message"]["content"]
+        page = browser.new_page(viewport={"width": 1100, "height": 700})
+        page.goto(s.url + "/")
+        page.wait_for_function("document.getElementById('model').textContent.includes('ctx')", timeout=20000)
+        _set(page, temperature=0, max_tokens=64)
+        page.fill("#input", q)
+        page.keyboard.press("Enter")
+        page.wait_for_selector("#log .msg.assistant:not(.streaming)", timeout=30000)
+        page.wait_for_function("document.getElementById('stats').textContent.includes('finish')", timeout=30000)
+        got = page.inner_text("#log .msg.assistant .text")
+        assert got == want_text
+        assert page.inner_text("#log .msg.user .text") == q
+        stats = page.inner_text("#stats")
+        assert "tok/s" in stats and "first token" in stats
+        os.makedirs(ARTIFACTS, exist_ok=True)
+        shot = os.path.join(ARTIFACTS, "serve_chat_page.png")
+        page.screenshot(path=shot, full_page=True)
+        print(f"\nscreenshot: {shot}")
+        assert os.path.getsize(shot) > 5000
+        page.click("#new")
+        assert page.locator("#log .msg").count() == 0
+        page.close()
+    finally:
+        assert s.stop()[0] == 0
+
+
+def test_chat_page_stop_long_answer(browser, tmp_path_factory):
+    """A random model that greedily never ends: Stop must end the answer and free the server's slot."""
+    from serve_proc import slow_model
+    s = Server("-m", slow_model(tmp_path_factory), "-c", "4096", "--parallel", "2")
+    try:
+        page = browser.new_page()
+        page.goto(s.url + "/")
+        page.wait_for_function("document.getElementById('model').textContent.includes('ctx')", timeout=20000)
+        _set(page, temperature=0, max_tokens=3000)
+        page.fill("#input", "a")
+        page.click("#send")
+        page.wait_for_function("document.querySelector('#log .msg.assistant .text')?.textContent.length > 0",
+                               timeout=30000)
+        assert page.is_enabled("#stop")
+        page.click("#stop")
+        page.wait_for_function("document.getElementById('stats').textContent.startsWith('stopped after')", timeout=10000)
+        n = int(page.inner_text("#stats").split()[2])
+        assert 0 < n < 3000
+        assert page.is_enabled("#send") and not page.is_enabled("#stop")
+        deadline = time.monotonic() + 5
+        while httpx.get(s.url + "/slots").json()["slots"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert httpx.get(s.url + "/slots").json()["slots"] == []
+        page.close()
+    finally:
+        assert s.stop()[0] == 0
