@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .fileio import map_readonly
+from .fileio import close_map, map_readonly
 from .errors import FormatError, UnsupportedError
 
 GGUF_MAGIC = b"GGUF"
@@ -154,7 +154,7 @@ class GGUFFile:
         try:
             self._parse()
         except BaseException:
-            self._mm.close()
+            close_map(self._mm)
             raise
 
     def _parse(self):
@@ -315,10 +315,7 @@ class GGUFFile:
                                " (expected I2_S, TQ1_0 or TQ2_0)")
 
     def close(self):
-        try:
-            self._mm.close()
-        except BufferError:
-            pass
+        close_map(self._mm)
 
     def __enter__(self):
         return self

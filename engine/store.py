@@ -28,8 +28,9 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 
+from . import faults
 from .config import ModelConfig
-from .fileio import map_readonly
+from .fileio import close_map, map_readonly
 from .errors import FormatError
 
 MAGIC = b"BNSTORE\0"
@@ -74,7 +75,7 @@ def write_store(
         "tensors": {},
     }
     try:
-        with os.fdopen(fd, "wb") as f:
+        with faults.removed_on_fault(tmp), os.fdopen(fd, "wb") as f:  # a SIGBUS reading the source unlinks tmp
             f.write(b"\0" * _HEADER.size)
             data_offset = _align(_HEADER.size)
             f.write(b"\0" * (data_offset - _HEADER.size))
@@ -192,10 +193,7 @@ class Store:
 
     def close(self):
         self._views.clear()
-        try:
-            self._mm.close()
-        except BufferError:
-            pass  # numpy views still alive; the map closes when they go
+        close_map(self._mm)
 
     def __enter__(self):
         return self
