@@ -106,6 +106,8 @@ def _run(args, settings: Settings, out: Output, interactive: bool) -> int:
         print(f"bitchat: error: cannot load {label}: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
     load_s = time.perf_counter() - t0
+    for w in getattr(llm, "warnings", ()):
+        print(f"bitchat: warning: {w}", file=sys.stderr)
     if settings.max_tokens > llm.n_ctx:
         settings.max_tokens = llm.n_ctx
 

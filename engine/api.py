@@ -42,6 +42,14 @@ def _resolve(model: str | None, lm_head: str | None, progress: bool) -> str:
     return resolve_model(model, lm_head=lm_head, progress=progress)
 
 
+def available_cores() -> int:
+    """CPU cores this process may run on (its affinity mask, e.g. under taskset or a container)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
 class LLM:
     """A loaded model session. Attributes: config, n_ctx, name, tokenizer, load_s."""
 
@@ -50,12 +58,18 @@ class LLM:
         t0 = time.perf_counter()
         self.store = store
         self.config: ModelConfig = store.config
+        self.warnings: list[str] = []   # one line each, for the CLI to print ("-c above the trained context", ...)
         if threads is not None and threads < 1:
             raise BitNetError(f"-t/--threads {threads}: must be >= 1")
         if ctx is not None and ctx < 1:
             raise BitNetError(f"-c/--ctx {ctx}: must be >= 1")
+        cores = available_cores()
+        if threads is not None and threads > cores:
+            self.warnings.append(f"-t/--threads {threads} is more than the {cores} CPU cores available; using {cores}")
+            threads = cores
         Model.set_threads(threads)
         self.model = Model(store, n_ctx=ctx, kv_dtype=kv_dtype)
+        self.warnings += self.model.warnings
         self.tokenizer = Tokenizer.from_store(store)
         self.n_ctx = self.model.n_ctx
         self.name = self.config.name or os.path.splitext(os.path.basename(store.meta.get("source") or store.path))[0]

@@ -135,6 +135,11 @@ def convert(src: str, out: str | None = None, *, lm_head: str = "i8", progress: 
     if is_store(src):
         raise FormatError(f"{src}: is already a BitNet store (nothing to convert)")
     source = open_source(src, hidden_act)
+    try:
+        _check_tokenizer(source, src)
+    except BaseException:
+        source.close()
+        raise
     out = os.fspath(out) if out else default_store_path(src, lm_head)
     stats: dict = {}
     bar = _progress_bar(source.config.n_layers + 2, f"convert {os.path.basename(src.rstrip(os.sep))}", progress)
@@ -153,6 +158,19 @@ def convert(src: str, out: str | None = None, *, lm_head: str = "i8", progress: 
             bar.close()
         source.close()
     return out
+
+
+def _check_tokenizer(source, src: str):
+    """Load the tokenizer once now, so a broken one is an error naming the user's file (not the cached store
+    a later run would fail on)."""
+    from .tokenizer import Tokenizer
+
+    if source.tokenizer:
+        kind, blob = source.tokenizer
+        c = source.config
+        tok = Tokenizer(kind, blob, bos_id=c.bos_token_id, eos_ids=c.eos_token_ids,
+                        source=getattr(source, "tokenizer_path", None) or src)
+        tok.decode(tok.encode("Hello, world! 123", add_bos=True))  # a tokenizer that loads but cannot encode
 
 
 def _progress_bar(total: int, desc: str, progress: bool):

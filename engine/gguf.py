@@ -73,9 +73,13 @@ class _Cursor:
         self.buf, self.pos, self.end, self.path = buf, 0, len(buf), path
 
     def need(self, n: int, what: str):
-        if n < 0 or self.pos + n > self.end:
-            raise FormatError(f"{self.path}: truncated GGUF file (reading {what} at byte {self.pos}, needs {n} bytes,"
-                              f" file has {self.end})")
+        if n < 0 or n > self.end:  # a size no file this long could hold: a corrupt field, not a short file
+            raise FormatError(f"{self.path}: corrupt GGUF file ({what} at byte {self.pos} claims {n} bytes; the"
+                              f" whole file has {self.end})")
+        if self.pos + n > self.end:
+            raise FormatError(f"{self.path}: truncated or corrupt GGUF file (reading {what} at byte {self.pos}"
+                              f" needs {n} bytes, only {self.end - self.pos} are left)",
+                              hint="if the file was downloaded, check its size and fetch it again")
 
     def scalar(self, fmt: str, size: int, what: str):
         self.need(size, what)

@@ -30,6 +30,31 @@ from .layout import pad_to, K_ALIGN
 DEFAULT_CHUNK = 128  # prefill rows per GEMM call (measured: 32..256 within 4%, 128 best)
 
 
+def session_bytes(cfg: ModelConfig, n_ctx: int, kv_dtype: str, chunk: int = DEFAULT_CHUNK) -> int:
+    """Bytes Model() allocates for a session: the KV cache, attention scratch, RoPE tables, per-chunk buffers."""
+    kv_item = 2 if kv_dtype == "f16" else 4
+    blocks = -(-n_ctx // ops.KEY_BLOCK) * ops.KEY_BLOCK
+    kv = cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * (blocks + n_ctx) * kv_item
+    scratch = cfg.n_heads * ops.ATTENTION_SCRATCH_ROWS * n_ctx * 4
+    rope = 2 * n_ctx * (cfg.head_dim // 2) * 4 + n_ctx * 4 * 2
+    rows = chunk * (4 * cfg.hidden_size + 2 * cfg.q_dim + 2 * cfg.kv_dim + 2 * cfg.intermediate_size) * 4
+    return kv + scratch + rope + rows + cfg.vocab_size * 4
+
+
+def available_memory() -> int | None:
+    """Bytes that can still be allocated (MemAvailable + free swap on Linux), None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f if line.split()[1:2]}
+        return info["MemAvailable"] + info.get("SwapFree", 0)
+    except (OSError, KeyError, ValueError, IndexError):
+        return None
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):.1f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.0f} MiB"
+
+
 class _Layer:
     """Read-only views of one block's weights in the store."""
 
@@ -99,6 +124,16 @@ class Model:
         if n_ctx < 1:
             raise BitNetError(f"-c/--ctx {n_ctx}: the context must hold at least one token")
         self.n_ctx, self.kv_dtype, self.chunk = n_ctx, kv_dtype, max(1, int(chunk))
+        self.warnings: list[str] = []   # for the CLI to print (one line each)
+        if n_ctx > cfg.context_length:
+            self.warnings.append(f"-c/--ctx {n_ctx} is larger than the {cfg.context_length} tokens the model was "
+                                 "trained on: output past that may be garbage")
+        need = session_bytes(cfg, n_ctx, kv_dtype, self.chunk)
+        avail = available_memory()
+        if avail is not None and need > avail:
+            raise BitNetError(f"-c/--ctx {n_ctx}: the KV cache and buffers would need {_gib(need)}, more than the "
+                              f"{_gib(avail)} of memory available", hint=f"use a smaller -c/--ctx (the model was "
+                              f"trained for {cfg.context_length}; about {max(1, n_ctx * avail // need // 2)} fits)")
         D, Q, KV, I, V = cfg.hidden_size, cfg.q_dim, cfg.kv_dim, cfg.intermediate_size, cfg.vocab_size
         hd, L = cfg.head_dim, cfg.n_layers
         if hd % 2:
@@ -141,9 +176,13 @@ class Model:
         self._head_x = np.zeros((1, D), np.float32)        # normed last row for the f16 head
         self._logits = np.zeros(V, np.float32)
         kv_np = np.uint16 if kv_dtype == "f16" else np.float32   # f16 stored as its bits
-        self._k_cache = np.zeros((L,) + ops.key_cache_shape(cfg.n_kv_heads, n_ctx, hd), kv_np)  # transposed blocks
-        self._v_cache = np.zeros((L, cfg.n_kv_heads, n_ctx, hd), kv_np)
-        self._scratch = np.zeros((cfg.n_heads * ops.ATTENTION_SCRATCH_ROWS, n_ctx), np.float32)  # attention scores
+        try:
+            self._k_cache = np.zeros((L,) + ops.key_cache_shape(cfg.n_kv_heads, n_ctx, hd), kv_np)  # transposed blocks
+            self._v_cache = np.zeros((L, cfg.n_kv_heads, n_ctx, hd), kv_np)
+            self._scratch = np.zeros((cfg.n_heads * ops.ATTENTION_SCRATCH_ROWS, n_ctx), np.float32)  # attention scores
+        except MemoryError:
+            raise BitNetError(f"-c/--ctx {n_ctx}: cannot allocate the KV cache ({_gib(need)} with the buffers)",
+                              hint="use a smaller -c/--ctx") from None
         # RoPE tables computed as transformers does (f32 inv_freq, f32 position * inv_freq)
         inv_freq = (1.0 / (np.float32(cfg.rope_theta) ** (np.arange(0, hd, 2, dtype=np.float32) / np.float32(hd)))).astype(np.float32)
         freqs = np.arange(n_ctx, dtype=np.float32)[:, None] * inv_freq[None, :]
@@ -227,11 +266,18 @@ class Model:
             ops.add_rmsnorm_quant(x, delta, self._out_norm, self._eps, self._head_x, v1.xq_d, v1.act_scale, v1.act_sum)
             K.gemv_i8(self._out_w, self._out_scale, self._out_rowsum, v1.xq_d1, v1.act_scale[0], out)
 
+    def context_hint(self) -> str:
+        """What the user can do when the context is full: raise -c only while it is below the model's own."""
+        trained = self.config.context_length
+        if self.n_ctx < trained:
+            return f"raise -c/--ctx (the model was trained for up to {trained} tokens) or shorten the prompt"
+        return f"the context is already the model's full {trained} tokens: shorten the prompt or ask for less"
+
     def _check_room(self, n_new: int):
         if self.n_past + n_new > self.n_ctx:
             raise ContextOverflowError(
                 f"context window full: {self.n_past} cached + {n_new} new tokens > n_ctx {self.n_ctx}",
-                hint="raise -c/--ctx or shorten the prompt")
+                hint=self.context_hint())
 
     def decode(self, token: int) -> np.ndarray:
         """Run one token at position n_past; returns the session's logits buffer (overwritten next call)."""

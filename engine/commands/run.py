@@ -18,7 +18,7 @@ def add_arguments(p):
     p.add_argument("--min-p", type=float, default=0.05, help="min-p (0 = off)")
     p.add_argument("--repeat-penalty", type=float, default=1.0, help="repetition penalty (1 = off)")
     p.add_argument("--repeat-last-n", type=int, default=64, help="tokens the repetition penalty looks back at")
-    p.add_argument("--seed", type=int, default=None, help="random seed (default: random)%(default).0s")
+    p.add_argument("--seed", type=int, default=None, help="random seed; -1 or none: a random one (printed with -v)%(default).0s")
     p.add_argument("-t", "--threads", type=int, default=None, help="threads (default: all cores)%(default).0s")
     p.add_argument("-c", "--ctx", type=int, default=None, help="context size in tokens (default: min(model's, 4096))%(default).0s")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template%(default).0s")
@@ -52,6 +52,20 @@ def _read_prompt(args) -> str:
     return args.prompt
 
 
+def resolve_seed(seed: int | None) -> int:
+    """llama.cpp's convention: no seed or -1 means a fresh random one, chosen here so -v can print it (and a
+    run can be repeated with --seed N)."""
+    from engine.errors import BitNetError
+
+    if seed is None or seed == -1:
+        import secrets
+
+        return secrets.randbits(32)
+    if seed < 0:
+        raise BitNetError(f"--seed {seed}: must be >= 0, or -1 for a random seed")
+    return seed
+
+
 def main(args) -> int:
     import sys
 
@@ -64,15 +78,21 @@ def main(args) -> int:
     if args.system is not None and not args.chat:
         raise BitNetError("--system needs --chat")
     prompt = _read_prompt(args)
+    seed = resolve_seed(args.seed)
     params = SamplingParams(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                            repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n, seed=args.seed).check()
+                            repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n, seed=seed).check()
     llm = load_model(args.model, ctx=args.ctx, threads=args.threads, kv_dtype=args.kv,
                      progress=sys.stderr.isatty(), lm_head=args.lm_head)
+    for w in llm.warnings:
+        print(f"bitnet: warning: {w}", file=sys.stderr)
     if args.chat:
         msgs = ([{"role": "system", "content": args.system}] if args.system is not None else [])
         ids = llm.chat_prompt(msgs + [{"role": "user", "content": prompt}])
     else:
         ids = llm.tokenize(prompt, add_bos=True)
+        if prompt.strip() and not [i for i in ids if i != llm.tokenizer.bos_id]:
+            raise BitNetError(f"the prompt became no tokens at all: none of its characters are in the vocabulary of"
+                              f" {llm.name}", hint="check the model's tokenizer (bitnet inspect)")
     out = sys.stdout
     try:  # a non-UTF-8 terminal gets replacement characters, never an encoding traceback
         out.reconfigure(errors="replace")
@@ -96,9 +116,9 @@ def main(args) -> int:
         out.write("\n")
     out.flush()
     if stats and stats.finish_reason == "context":
-        print(f"bitnet: {FINISH_MESSAGES['context']} (n_ctx {llm.n_ctx})", file=sys.stderr)
+        print(f"bitnet: {FINISH_MESSAGES['context']} (n_ctx {llm.n_ctx}; {llm.model.context_hint()})", file=sys.stderr)
     if args.verbose and stats:
-        print(f"model: {llm.name} ({llm.model.lm_head} head, kv {args.kv}, n_ctx {llm.n_ctx})\n"
+        print(f"model: {llm.name} ({llm.model.lm_head} head, kv {args.kv}, n_ctx {llm.n_ctx}, seed {seed})\n"
               f"load: {stats.load_s * 1000:.0f} ms | prompt: {stats.n_prompt} tokens ({stats.n_cached} cached), "
               f"{stats.prefill_tps:.1f} tok/s | first token: {stats.ttft_s * 1000:.0f} ms | "
               f"generated: {stats.n_generated} tokens, {stats.decode_tps:.1f} tok/s | stop: {stats.finish_reason}",
