@@ -11,14 +11,15 @@ an exit with EXIT_BAD_INPUT, after unlinking the temporary files registered here
 """
 from __future__ import annotations
 
+import importlib
 import os
 import weakref
 from contextlib import contextmanager
 
 from .errors import EXIT_BAD_INPUT
 
-try:
-    from simd import _faultguard as _fg
+try:  # the submodule itself: `from simd import` would go through simd's lazy error for a bad BITNET_ISA
+    _fg = importlib.import_module("simd._faultguard")
 except ImportError:  # pragma: no cover - an old build without the guard: faults stay plain signals
     _fg = None
 

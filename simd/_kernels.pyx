@@ -364,4 +364,4 @@ if _forced:
     try:
         set_isa(_forced)
     except KernelError as _e:
-        raise KernelError(f"BITNET_ISA={_forced}: {_e}") from None
+        raise IsaChoiceError(f"BITNET_ISA={_forced}: {_e}") from None
