@@ -18,7 +18,7 @@ from functools import lru_cache
 from .errors import BitNetError
 from .template_sandbox import Limits, _guard_filter, render_limited
 
-LIMITS = Limits()   # per render: 2 s, 1 MiB (+4x the messages) per value and output, 1e6 loop iterations
+LIMITS = Limits()   # per render: 2 s, 1 MiB (+4x the messages) per value and output, 200k loop iterations
 
 BITNET_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}"

@@ -42,17 +42,39 @@ def session_bytes(cfg: ModelConfig, n_ctx: int, kv_dtype: str, chunk: int = DEFA
 
 
 def available_memory() -> int | None:
-    """Bytes that can still be allocated (MemAvailable + free swap on Linux), None where unknown."""
+    """Bytes that can still be allocated: MemAvailable + free swap on Linux, or less under an address-space
+    limit (ulimit -v); None where unknown."""
     try:
         with open("/proc/meminfo") as f:
             info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f if line.split()[1:2]}
-        return info["MemAvailable"] + info.get("SwapFree", 0)
+        avail = info["MemAvailable"] + info.get("SwapFree", 0)
     except (OSError, KeyError, ValueError, IndexError):
         return None
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+        if soft != resource.RLIM_INFINITY:
+            with open("/proc/self/status") as f:
+                vm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+            avail = min(avail, max(0, soft - vm))
+    except (ImportError, OSError, StopIteration, ValueError):
+        pass
+    return avail
 
 
 def _gib(n: int) -> str:
     return f"{n / (1 << 30):.1f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.0f} MiB"
+
+
+def _expect(store, name: str, dtype, size: int) -> np.ndarray:
+    """The flat view of tensor `name`, which must have `dtype` (or one of a tuple) and exactly `size` values."""
+    a = store.tensor(name)
+    ok = a.dtype in (dtype if isinstance(dtype, tuple) else (dtype,))
+    if not ok or a.size != size or not a.flags.c_contiguous:
+        raise FormatError(f"{store.path}: tensor {name} has dtype {a.dtype} / {a.size} values (expected "
+                          f"{np.dtype(dtype[0] if isinstance(dtype, tuple) else dtype)} / {size})")
+    return a.reshape(-1)
 
 
 class _Layer:
@@ -146,17 +168,18 @@ class Model:
         if emb.dtype != np.float16 or emb.shape != (V, D):
             raise FormatError(f"{store.path}: token_embd is {emb.dtype} {emb.shape} (expected float16 {(V, D)})")
         self._embd = emb.view(np.uint16)
-        self._out_norm = store.tensor("output_norm").reshape(-1)
+        self._out_norm = _expect(store, "output_norm", np.float32, D)
         info = store.info("output")
         self.lm_head = "i8" if info.get("layout") == "i8_tile16" else "f16"
-        self._out_w = store.tensor("output").reshape(-1)
-        if self.lm_head == "i8":
-            self._out_scale = store.tensor("output.scale").reshape(-1)
-            self._out_rowsum = store.tensor("output.rowsum").reshape(-1)
+        v_pad = pad_to(V, 16)
+        if self.lm_head == "i8":   # the kernels' preconditions, checked here so a bad file is not an engine bug
+            self._out_w = _expect(store, "output", np.int8, v_pad * pad_to(D, K_ALIGN))
+            self._out_scale = _expect(store, "output.scale", np.float32, v_pad)
+            self._out_rowsum = _expect(store, "output.rowsum", np.int32, v_pad)
         elif info.get("layout", "f16_tile16") != "f16_tile16":
             raise FormatError(f"{store.path}: lm head layout {info.get('layout')!r} is not supported")
         else:
-            self._out_w = self._out_w.view(np.uint16)
+            self._out_w = _expect(store, "output", (np.float16, np.uint16), v_pad * D).view(np.uint16)
         self.layers = [_Layer(store, i, cfg) for i in range(L)]
 
         # ---- run state, allocated once: M = chunk rows ----

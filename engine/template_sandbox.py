@@ -8,8 +8,9 @@ signals, every render has a deadline and a size budget, checked where a template
 - every `{% for %}` iterable is wrapped (by rewriting the parsed tree) in a counter that checks the deadline
   and a total iteration budget;
 - the sandbox hooks (calls, attribute and item lookups, the binary operators * ** + %) check the deadline,
-  refuse a product or power that would be too large before computing it, and check the size of what they
-  return; every filter is wrapped the same way (padding filters refuse widths beyond the budget first);
+  refuse a product, power, format width, replace or join that would be too large before computing it, and
+  any integer argument beyond the size budget (widths, indents, counts); they check the size of what they
+  return; every filter is wrapped the same way;
 - `range()` is bounded; `lipsum` is gone; the rendered output is streamed and counted.
 
 Exceeding a limit raises TemplateLimitError (a BitNetError: one line, exit 2). Limits are per render:
@@ -31,7 +32,6 @@ from .errors import BitNetError
 
 MAX_RANGE = 100_000
 _DIGITS = re.compile(r"\d+")
-PAD_FILTERS = ("center", "indent", "wordwrap", "truncate", "format")
 HINT = "the model's chat template loops or grows without bound: fix or replace the template in the model file"
 
 
@@ -43,7 +43,7 @@ class TemplateLimitError(BitNetError):
 class Limits:
     seconds: float = 2.0            # wall time of one render
     max_chars: int = 1 << 20        # size of any value or of the output (plus 4x the input, see for_messages)
-    max_iterations: int = 1_000_000  # loop iterations over the whole render
+    max_iterations: int = 200_000   # loop iterations over the whole render (real templates: a few hundred)
 
     def for_messages(self, messages) -> "Limits":
         n = sum(len(str(m.get("content", ""))) for m in messages if isinstance(m, dict))
@@ -107,16 +107,37 @@ def _bounded_range(*args):
     return r
 
 
+_bounded_range.__name__ = "range"
+
+
+def _precheck(name: str, args, kwargs, self_obj=None):
+    """Refuse, before running it, a call whose result would outgrow the budget: any integer argument beyond
+    it (widths, indents, counts: center(10**10), tojson(indent=10**10), slice(10**9), 'x'.zfill(10**10)), or a
+    replace / join whose result size is known from the arguments."""
+    limit = _max_chars()
+    for v in list(args) + list(kwargs.values()):
+        if isinstance(v, int) and not isinstance(v, bool) and v > limit:
+            _fail(f"{name}() with an argument of {v} (limit {limit})")
+    strs = [a for a in ((self_obj,) if self_obj is not None else ()) + tuple(args) if isinstance(a, str)]
+    if name == "replace" and len(strs) >= 3:
+        text, old, new = strs[:3]
+        hits = (len(text) + 1) if not old else text.count(old)
+        if len(text) + hits * max(0, len(new) - len(old)) > limit:
+            _fail(f"replace() would grow the text past {limit} characters")
+    elif name == "join":
+        seps = [a for a in strs if a is not self_obj] if self_obj is None else [self_obj]
+        items = next((a for a in args if isinstance(a, (list, tuple, dict))), None)
+        if seps and items is not None and len(seps[-1]) * len(items) > limit:
+            _fail(f"join() would grow the text past {limit} characters")
+
+
 def _guard_filter(name, f):
     @functools.wraps(f)   # keeps jinja's pass_context / pass_eval_context markers
     def guarded(*args, **kwargs):
         _tick()
         if name == "format" and args:
             _check_format(args[0])
-        if name in PAD_FILTERS:
-            for v in list(args) + list(kwargs.values()):
-                if isinstance(v, int) and not isinstance(v, bool) and v > _max_chars():
-                    _fail(f"filter {name} with width {v} (limit {_max_chars()})")
+        _precheck(f"filter {name}", args, kwargs) if name not in ("replace", "join") else _precheck(name, args, kwargs)
         return _check_size(f(*args, **kwargs))
 
     return guarded
@@ -141,6 +162,8 @@ class LimitedSandbox(ImmutableSandboxedEnvironment):
 
     def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - jinja's own signature
         _tick()
+        _precheck(getattr(__obj, "__name__", "call"), args, kwargs, getattr(__obj, "__self__", None)
+                  if isinstance(getattr(__obj, "__self__", None), str) else None)
         return _check_size(super().call(__context, __obj, *args, **kwargs))
 
     def wrap_str_format(self, value):
