@@ -35,10 +35,10 @@ class ModelConfig:
             raise FormatError(f"model config: n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
         if self.hidden_act not in ("relu2", "silu"):
             raise FormatError(f"model config: unknown hidden_act {self.hidden_act!r} (expected relu2 or silu)")
-        for f in ("rms_norm_eps", "rope_theta"):
+        for f, top in (("rms_norm_eps", 1.0), ("rope_theta", 1e30)):   # both are used as float32
             v = getattr(self, f)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf"):
-                raise FormatError(f"model config: {f}={v!r} must be a positive number")
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < top:
+                raise FormatError(f"model config: {f}={v!r} must be a positive number below {top:g}")
         ids = ((self.bos_token_id,) if self.bos_token_id is not None else ()) + tuple(self.eos_token_ids)
         for t in ids:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:

@@ -178,8 +178,9 @@ class GGUFFile:
         n_kv = c.u64("metadata count")
         # each KV needs >= 13 bytes (key length, type, 1-byte value); each tensor info >= 32 bytes
         if n_kv * 13 > self.size or n_tensors * 32 > self.size:
-            raise FormatError(f"{self.path}: absurd GGUF header ({n_tensors} tensors, {n_kv} metadata keys"
-                              f" in a {self.size}-byte file)")
+            what = "truncated or corrupt" if n_kv < 1 << 20 and n_tensors < 1 << 20 else "corrupt"
+            raise FormatError(f"{self.path}: {what} GGUF file: the header declares {n_tensors} tensors and {n_kv}"
+                              f" metadata keys, more than its {self.size} bytes can hold")
         self.kv: dict = {}
         self.kv_types: dict[str, int] = {}
         for i in range(n_kv):

@@ -242,6 +242,7 @@ def _cases():
     return [(c, s) for c in CATEGORIES for s in range(per)]
 
 
+@pytest.mark.filterwarnings("error::RuntimeWarning")   # a numpy warning would be a second stderr line for users
 def test_fuzz_cli_in_process(base, tmp_path):
     counts = {c: [0, 0] for c in CATEGORIES}   # [loaded, refused]
     for category, seed in _cases():
