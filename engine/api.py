@@ -20,7 +20,7 @@ import numpy as np
 
 from . import chat_template as _ct
 from .config import ModelConfig
-from .errors import BitNetError
+from .errors import BitNetError, FormatError
 from .generate import Chunk, Stats, generate as _generate
 from .model import Model
 from .sampling import SamplingParams
@@ -122,5 +122,12 @@ def load_model(model: str | None = None, *, ctx: int | None = None, threads: int
     lm_head ("i8" | "f16") is passed to the converter when a conversion happens."""
     t0 = time.perf_counter()
     path = _resolve(model, lm_head, progress)
-    store = Store(path)
-    return LLM(store, ctx=ctx, threads=threads, kv_dtype=kv_dtype, load_s=time.perf_counter() - t0)
+    try:
+        store = Store(path)
+        return LLM(store, ctx=ctx, threads=threads, kv_dtype=kv_dtype, load_s=time.perf_counter() - t0)
+    except FormatError as e:
+        if model is None or os.path.abspath(path) == os.path.abspath(model):
+            raise
+        # a cached conversion of the user's file: name theirs, and say how to redo it
+        raise FormatError(f"{model}: {e.args[0]}", hint=e.hint or f"delete the cached conversion {path} to convert"
+                          " again") from None
