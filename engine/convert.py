@@ -147,10 +147,11 @@ def convert(src: str, out: str | None = None, *, lm_head: str = "i8", progress: 
         meta = {"source": os.path.abspath(src), "source_format": source.source_format, "lm_head": lm_head,
                 "converter_version": CONVERTER_VERSION, "ternary_stats": stats, **source.meta}
         tok = source.tokenizer
-        try:
-            write_store(out, source.config, _tensors(source, lm_head, stats, bar), meta=meta,
-                        chat_template=source.chat_template, tokenizer_kind=tok[0] if tok else None,
-                        tokenizer_blob=tok[1] if tok else None)
+        try:  # values are checked explicitly (NaN/inf -> FormatError): no numpy warning lines on stderr
+            with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+                write_store(out, source.config, _tensors(source, lm_head, stats, bar), meta=meta,
+                            chat_template=source.chat_template, tokenizer_kind=tok[0] if tok else None,
+                            tokenizer_blob=tok[1] if tok else None)
         except OSError as e:
             raise FormatError(f"{out}: cannot write the store: {e.strerror or e}") from None
     finally:

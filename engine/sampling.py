@@ -72,6 +72,10 @@ class Sampler:
 
     def sample(self, logits: np.ndarray, history=()) -> int:
         p = self.p
+        top = logits.max()   # NaN if any logit is NaN (one pass, ~1% of a decode step on a 128k vocabulary)
+        if not np.isfinite(top):
+            raise BitNetError("the model produced NaN or infinite logits: its weights are corrupt",
+                              hint="re-convert the model from its source")
         self._penalize(logits, history)
         if p.temperature <= 0.0:
             return int(np.argmax(logits))
