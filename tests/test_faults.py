@@ -54,6 +54,7 @@ def test_run_store_truncated_during_generation(models, tmp_path):
         p.kill()
     assert p.returncode == 2, (p.returncode, err)
     _one_line_error(err.decode(), victim)
+    assert os.listdir(tmp_path) == ["victim.bnstore"]   # nothing temporary left next to it
 
 
 def test_convert_source_truncated_mid_conversion(models, tmp_path):
