@@ -1,7 +1,7 @@
 """Convert a BitNet model file (bitnet.cpp / llama.cpp GGUF, HF safetensors directory) into the engine's weight
 store once, and find or make the cached store for `bitnet run -m SRC`.
 
-    convert(src, out=None, *, lm_head="i8"|"f16", progress=True, hidden_act=None) -> store path
+    convert(src, out=None, *, lm_head="i8"|"f16", progress=True, hidden_act=None, ternarize=False) -> store path
     resolve_model(src, *, cache_dir=None, lm_head=None, progress=True) -> store path
 
 What goes into the store (tensor names and layouts: engine/INTERFACES.md):
@@ -48,6 +48,7 @@ def _fused(src, shorts: tuple[str, ...], i: int, stats: dict) -> tuple[np.ndarra
     for s in shorts:
         w, scale, seen = src.linear(s, i)
         stats[f"blk.{i}.{s}"] = _stats(w, seen)
+        stats[f"blk.{i}.{s}"].update(getattr(src, "fit_notes", {}).get(f"blk.{i}.{s}.weight", {}))  # GGUF check
         mats.append(w)
         scales.append(np.full(w.shape[0], scale, np.float32))
     w = mats[0] if len(mats) == 1 else np.concatenate(mats)
@@ -101,13 +102,15 @@ def _tensors(src, lm_head: str, stats: dict, bar) -> Iterator[TensorSpec]:
             w, s, n, k = _fused(src, shorts, i, stats)
             yield TensorSpec(f"blk.{i}.{name}", w, {"layout": "tile16", "rows": n, "cols": k})
             yield TensorSpec(f"blk.{i}.{name}.scale", s)
-        yield TensorSpec(f"blk.{i}.attn_sub_norm", _finite(src, f"blk.{i}.attn_sub_norm", src.norm("attn_sub_norm", i)))
+        if c.sub_norms:
+            yield TensorSpec(f"blk.{i}.attn_sub_norm", _finite(src, f"blk.{i}.attn_sub_norm", src.norm("attn_sub_norm", i)))
         yield TensorSpec(f"blk.{i}.ffn_norm", _finite(src, f"blk.{i}.ffn_norm", src.norm("ffn_norm", i)))
         for name, shorts in (("ffn_gate_up", ("ffn_gate", "ffn_up")), ("ffn_down", ("ffn_down",))):
             w, s, n, k = _fused(src, shorts, i, stats)
             yield TensorSpec(f"blk.{i}.{name}", w, {"layout": "tile16", "rows": n, "cols": k})
             yield TensorSpec(f"blk.{i}.{name}.scale", s)
-        yield TensorSpec(f"blk.{i}.ffn_sub_norm", _finite(src, f"blk.{i}.ffn_sub_norm", src.norm("ffn_sub_norm", i)))
+        if c.sub_norms:
+            yield TensorSpec(f"blk.{i}.ffn_sub_norm", _finite(src, f"blk.{i}.ffn_sub_norm", src.norm("ffn_sub_norm", i)))
         step(f"blk.{i}")
 
 
@@ -125,7 +128,7 @@ def default_store_path(src: str, lm_head: str) -> str:
 
 
 def convert(src: str, out: str | None = None, *, lm_head: str = "i8", progress: bool = True,
-            hidden_act: str | None = None) -> str:
+            hidden_act: str | None = None, ternarize: bool = False) -> str:
     """Convert `src` (GGUF file or HF directory) into a store at `out`; returns the store path."""
     from .convert_sources import open_source
 
@@ -134,7 +137,7 @@ def convert(src: str, out: str | None = None, *, lm_head: str = "i8", progress: 
     src = os.fspath(src)
     if is_store(src):
         raise FormatError(f"{src}: is already a BitNet store (nothing to convert)")
-    source = open_source(src, hidden_act)
+    source = open_source(src, hidden_act, ternarize)
     try:
         _check_tokenizer(source, src)
     except BaseException:

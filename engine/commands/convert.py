@@ -11,12 +11,16 @@ def add_arguments(p):
                    help="LM head precision: int8 rows with per-row scales (half the bytes per token) or f16")
     p.add_argument("--hidden-act", choices=["relu2", "silu"], default=None,
                    help="override the FFN activation (default: from the file; see `bitnet inspect` for how it was decided)")
+    p.add_argument("--ternarize", action="store_true",
+                   help="the directory holds BitNet latent (master) float weights without a quantization_config"
+                        " (e.g. Falcon-E's bfloat16 revision): ternarize them per tensor (absmean) as BitNet does")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def main(args) -> int:
     from engine.convert import convert
 
-    out = convert(args.src, args.out, lm_head=args.lm_head, progress=not args.no_progress, hidden_act=args.hidden_act)
+    out = convert(args.src, args.out, lm_head=args.lm_head, progress=not args.no_progress, hidden_act=args.hidden_act,
+                  ternarize=args.ternarize)
     print(out)
     return 0
