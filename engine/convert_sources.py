@@ -307,7 +307,9 @@ class HFSource:
         self.cfg = cfg
         self.st = SafetensorsDir(path)
         archs = cfg.get("architectures") or []
-        archs = [a for a in archs if isinstance(a, str)] if isinstance(archs, list) else []
+        archs = cfg["architectures"] = [a for a in archs if isinstance(a, str)] if isinstance(archs, list) else []
+        if not isinstance(cfg.get("model_type", ""), str):
+            raise FormatError(f"{path}/config.json: model_type must be a string, got {cfg['model_type']!r}")
         mt = cfg.get("model_type", "")
         refuse_unsupported_hf(path, cfg)
         llama = "LlamaForCausalLM" in archs or (mt == "llama" and "BitnetForCausalLM" not in archs)

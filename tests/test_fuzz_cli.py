@@ -146,7 +146,7 @@ def _mutate_json(rng: random.Random, obj):
     for _ in range(rng.randint(1, 3)):
         paths = [p for p in _paths(obj) if p]
         if not paths:
-            return rng.choice(ODD_VALUES)
+            return copy.deepcopy(rng.choice(ODD_VALUES))
         path = rng.choice(paths)
         parent = obj
         for k in path[:-1]:
@@ -158,7 +158,7 @@ def _mutate_json(rng: random.Random, obj):
         elif r < 0.25 and isinstance(parent[key], (dict, list)) and parent[key]:
             parent[key] = type(parent[key])()  # emptied
         else:
-            parent[key] = rng.choice(ODD_VALUES)
+            parent[key] = copy.deepcopy(rng.choice(ODD_VALUES))   # never share (or mutate) the pool
     return obj
 
 
@@ -216,7 +216,7 @@ def _run_case(base, work, category: str, seed: int):
             new = _mutate_bytes(rng, data, len(data))
         else:
             tc = json.load(open(p, encoding="utf-8"))
-            tc["chat_template"] = rng.choice(HOSTILE_TEMPLATES + [rng.choice(ODD_VALUES)])
+            tc["chat_template"] = copy.deepcopy(rng.choice(HOSTILE_TEMPLATES + [rng.choice(ODD_VALUES)]))
             new = _json_bytes(tc)
         with open(p, "wb") as f:
             f.write(new)
