@@ -1,9 +1,12 @@
+# PYTHON_ARGCOMPLETE_OK
 """`bitnet`: the command line. Subcommands live in engine/commands/<name>.py.
 
 Exit codes (engine/errors.py; README "Errors"): 0 ok; 2 bad input — errors the user can act on
 (engine.errors.BitNetError) print one line to stderr, and so does a model file truncated or rewritten while
 mapped (the C SIGBUS guard, engine/faults.py); 70 an engine bug (KernelError or any unexpected exception:
-one line asking for a report, BITNET_DEBUG=1 shows the traceback); 130 Ctrl-C, keeping what was printed.
+one line asking for a report, BITNET_DEBUG=1 shows the traceback); 130 Ctrl-C, keeping what was printed;
+a closed stdout (`| head`) ends quietly (exit 0).
+An unknown flag gets that subcommand's usage and a "did you mean" suggestion.
 """
 from __future__ import annotations
 
@@ -12,10 +15,11 @@ import importlib
 import os
 import sys
 
-COMMANDS = ["run", "convert", "inspect", "info"]
+COMMANDS = ["run", "convert", "inspect", "info", "pull", "list", "rm"]
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(subparsers: dict | None = None) -> argparse.ArgumentParser:
+    """The `bitnet` parser; `subparsers` (if given) is filled with name -> subcommand parser."""
     p = argparse.ArgumentParser(
         prog="bitnet",
         description="Run BitNet b1.58 ternary language models on the CPU.",
@@ -35,6 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
         sp = sub.add_parser(name, help=mod.HELP, description=mod.HELP, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
         mod.add_arguments(sp)
         sp.set_defaults(_main=mod.main)
+        if subparsers is not None:
+            subparsers[name] = sp
     return p
 
 
@@ -56,8 +62,12 @@ def main(argv: list[str] | None = None) -> int:
     from . import faults
     from .errors import EXIT_BAD_INPUT, EXIT_BUG, EXIT_INTERRUPTED, BitNetError
 
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    from .commands.common_args import maybe_autocomplete, parse_args_suggesting
+
+    subparsers: dict = {}
+    parser = build_parser(subparsers)
+    maybe_autocomplete(parser)
+    args = parse_args_suggesting(parser, argv, subparsers)
     if not getattr(args, "_main", None):
         parser.print_help(sys.stderr)
         return EXIT_BAD_INPUT
@@ -73,12 +83,26 @@ def main(argv: list[str] | None = None) -> int:
         print("", file=sys.stderr)
         return EXIT_INTERRUPTED
     except BrokenPipeError:
-        return 0
+        return quiet_broken_pipe()
     except MemoryError:
         print("bitnet: error: out of memory (hint: use a smaller -c/--ctx, or close other programs)", file=sys.stderr)
         return EXIT_BAD_INPUT
     except Exception as e:  # a bug: one line asking for a report, never a raw traceback
         return report_bug("bitnet", e)
+
+
+def quiet_broken_pipe() -> int:
+    """stdout was closed by its reader (`bitnet run ... | head -c 10`): point fd 1 at /dev/null so the
+    interpreter's final flush cannot print "Exception ignored ... BrokenPipeError", and exit 0."""
+    import os
+
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):
+        pass
+    return 0
 
 
 if __name__ == "__main__":

@@ -127,9 +127,21 @@ def default_store_path(src: str, lm_head: str) -> str:
     return f"{base}.{lm_head}.bnstore" if lm_head != "i8" else f"{base}.bnstore"
 
 
+def source_label(meta: dict) -> str:
+    """The source a store records, with nothing of the machine it was built on: the file name of a local
+    source (stores converted before this recorded the absolute path) or the hub reference REPO[:FILE]@REV."""
+    src = str(meta.get("source") or "")
+    if not src:
+        return "?"
+    if os.path.isabs(src) or "\\" in src or re.match(r"^[A-Za-z]:[\\/]", src):
+        return re.split(r"[\\/]", src.rstrip("/\\"))[-1]
+    return src
+
+
 def convert(src: str, out: str | None = None, *, lm_head: str = "i8", progress: bool = True,
-            hidden_act: str | None = None, ternarize: bool = False) -> str:
-    """Convert `src` (GGUF file or HF directory) into a store at `out`; returns the store path."""
+            hidden_act: str | None = None, ternarize: bool = False, source_name: str | None = None) -> str:
+    """Convert `src` (GGUF file or HF directory) into a store at `out`; returns the store path.
+    `source_name` is what the store records as its source (default: the file name of `src`)."""
     from .convert_sources import open_source
 
     if lm_head not in LM_HEADS:
@@ -147,7 +159,7 @@ def convert(src: str, out: str | None = None, *, lm_head: str = "i8", progress: 
     stats: dict = {}
     bar = _progress_bar(source.config.n_layers + 2, f"convert {os.path.basename(src.rstrip(os.sep))}", progress)
     try:
-        meta = {"source": os.path.abspath(src), "source_format": source.source_format, "lm_head": lm_head,
+        meta = {"source": source_name or os.path.basename(os.path.abspath(src).rstrip(os.sep)), "source_format": source.source_format, "lm_head": lm_head,
                 "converter_version": CONVERTER_VERSION, "ternary_stats": stats, **source.meta}
         tok = source.tokenizer
         try:  # values are checked explicitly (NaN/inf -> FormatError): no numpy warning lines on stderr
@@ -235,9 +247,16 @@ def bundled_model() -> str | None:
 
 def resolve_model(src: str | None, *, cache_dir: str | None = None, lm_head: str | None = None,
                   progress: bool = True) -> str:
-    """A store path for `src`: the bundled model for None, the file itself for a store, else the cached
-    conversion (made now if missing or stale)."""
+    """A store path for `src`: the bundled model for None, the file itself for a store, a Hugging Face hub
+    id (REPO[:FILE][@REV], not a local path) found in the hub cache, else the cached conversion (made now
+    if missing or stale)."""
     lm_head = lm_head or "i8"
+    source_name = None
+    if src is not None and not os.path.exists(src):
+        from .hub import is_hub_ref, resolve_hub_ref
+
+        if is_hub_ref(src):
+            src, source_name = resolve_hub_ref(src)
     if src is None:
         src = bundled_model()
         if src is None:
@@ -253,9 +272,12 @@ def resolve_model(src: str | None, *, cache_dir: str | None = None, lm_head: str
     except OSError as e:
         raise FormatError(f"{src}: cannot read: {e.strerror}") from None
     d = cache_dir or cache_dir_default()
-    name = re.sub(r"[^A-Za-z0-9._-]+", "_", os.path.basename(os.path.abspath(src).rstrip(os.sep)))[:80]
+    stem = source_name.split("@")[0].replace("/", "--").replace(":", "--") if source_name else \
+        os.path.basename(os.path.abspath(src).rstrip(os.sep))
+    name = re.sub(r"[^A-Za-z0-9._-]+", "_", stem)[:80]
     path = os.path.join(d, f"{name}-{key}.bnstore")
     if is_store(path):
+        mark_used(path)
         return path
     try:
         os.makedirs(d, exist_ok=True)
@@ -264,4 +286,15 @@ def resolve_model(src: str | None, *, cache_dir: str | None = None, lm_head: str
                           hint="set BITNET_CACHE to a writable directory") from None
     if progress and sys.stderr.isatty():
         print(f"bitnet: converting {src} once into {path}", file=sys.stderr)
-    return convert(src, path, lm_head=lm_head, progress=progress)
+    return convert(src, path, lm_head=lm_head, progress=progress, source_name=source_name)
+
+
+def mark_used(path: str) -> None:
+    """Record a use of a cached store for `bitnet list`: its access time, set explicitly (reads alone do not
+    update it under noatime/relatime mounts); the mtime, which says when it was converted, is kept."""
+    import time
+
+    try:
+        os.utime(path, ns=(time.time_ns(), os.stat(path).st_mtime_ns))
+    except OSError:  # a read-only cache still works, it just does not record the use
+        pass

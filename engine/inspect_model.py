@@ -83,12 +83,17 @@ def _table(rows, limit) -> list[str]:
 
 
 def describe(path: str, max_tensors: int | None = None) -> Iterator[str]:
+    """Lines about `path`, starting with "file: PATH" exactly as given; a store's source is the file name (or
+    hub id) it recorded at conversion, with nothing of the machine it was built on."""
+    from .convert import source_label
+
+    yield f"file: {path}"
     if is_store(path):
         with Store(path) as s:
-            yield f"{path}: BitNet weight store ({_human(os.path.getsize(path))})"
+            yield f"kind: BitNet weight store ({_human(os.path.getsize(path))})"
             m = s.meta
             yield from _config_lines(s.config, m.get("family", ""))
-            yield (f"source: {m.get('source', '?')} ({m.get('source_format', '?')}), lm_head {m.get('lm_head', '?')},"
+            yield (f"source: {source_label(m)} ({m.get('source_format', '?')}), lm_head {m.get('lm_head', '?')},"
                    f" converter {m.get('converter_version', '?')}")
             rows = []
             for n in s.tensor_names:
@@ -106,7 +111,7 @@ def describe(path: str, max_tensors: int | None = None) -> Iterator[str]:
     src = open_source(path, check_ternary=False)
     try:
         kind = "GGUF file" if isinstance(src, GGUFSource) else "Hugging Face model directory"
-        yield f"{path}: {kind} ({src.source_format})"
+        yield f"kind: {kind} ({src.source_format})"
         yield from _config_lines(src.config, src.meta.get("family", ""))
         for k, v in sorted(src.meta.items()):
             yield f"{k}: {v}"

@@ -4,7 +4,8 @@ HELP = "convert a GGUF file or Hugging Face model directory into the engine's we
 
 
 def add_arguments(p):
-    p.add_argument("src", metavar="SRC", help="GGUF file (bitnet.cpp I2_S, llama.cpp TQ1_0/TQ2_0) or HF model directory")
+    p.add_argument("src", metavar="SRC", help="GGUF file (bitnet.cpp I2_S, llama.cpp TQ1_0/TQ2_0), HF model directory, "
+                                              "or a hub id REPO[:FILE][@REV] already downloaded")
     p.add_argument("-o", "--output", dest="out", metavar="OUT", default=None,
                    help="store path (default: next to SRC, with the .bnstore extension)")
     p.add_argument("--lm-head", choices=["i8", "f16"], default="i8",
@@ -18,9 +19,19 @@ def add_arguments(p):
 
 
 def main(args) -> int:
+    import os
+
     from engine.convert import convert
 
+    source_name = None
+    if not os.path.exists(args.src):
+        from engine.hub import is_hub_ref, resolve_hub_ref
+
+        if is_hub_ref(args.src):   # a hub id already downloaded: convert that download (into the cwd by default)
+            args.src, source_name = resolve_hub_ref(args.src)
+            stem = source_name.split("@")[0].replace("/", "--").replace(":", "--").removesuffix(".gguf")
+            args.out = args.out or stem + (".bnstore" if args.lm_head == "i8" else f".{args.lm_head}.bnstore")
     out = convert(args.src, args.out, lm_head=args.lm_head, progress=not args.no_progress, hidden_act=args.hidden_act,
-                  ternarize=args.ternarize)
+                  ternarize=args.ternarize, source_name=source_name)
     print(out)
     return 0
