@@ -51,3 +51,7 @@ class IsaChoiceError(KernelError):
     choice, so an ordinary bad-input error (still a KernelError for callers that catch those)."""
 
     exit_code = EXIT_BAD_INPUT
+
+
+class QueueFullError(BitNetError):
+    """The batching engine already has max_queue requests waiting (the server answers 503 / 429)."""
