@@ -1,10 +1,11 @@
 """Build the C SIMD kernels and their thin Cython wrappers.
 
-Two extension modules:
+Three extension modules:
   simd._kernels  ternary / int8 / f16 GEMV + GEMM, activation quantization, CPU dispatch
                  (sources: simd/_kernels.pyx + simd/kernels/*.c)
   simd._ops      small runtime helpers: RMSNorm, RoPE, attention over the KV cache, activations
                  (sources: simd/_ops.pyx + simd/ops/*.c)
+  simd._faultguard  a C SIGBUS handler for memory-mapped files (simd/_faultguard.pyx + simd/faultguard/*.c)
 
 Never -march=native: every ISA variant is compiled in one build with per-function
 target attributes and chosen at run time (see simd/kernels/dispatch.c).
@@ -55,6 +56,7 @@ extensions = []
 for name, pyx, c_dir in [
     ("simd._kernels", "simd/_kernels.pyx", "simd/kernels"),
     ("simd._ops", "simd/_ops.pyx", "simd/ops"),
+    ("simd._faultguard", "simd/_faultguard.pyx", "simd/faultguard"),
 ]:
     if os.path.exists(os.path.join(HERE, pyx)):
         extensions.append(_extension(name, pyx, c_dir))

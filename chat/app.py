@@ -7,7 +7,12 @@
 The flags are `bitnet run`'s (engine/commands/common_args.py); `bitnet run -cnv` lands here too
 (run_chat). No -m opens the bundled default model. On a terminal it is a prompt_toolkit REPL; when
 stdin or stdout is not a terminal, input lines become turns and the output is plain text.
-Exit codes: 0 normal end, 1 a piped command/turn failed, 2 bad flag or model, 130 Ctrl-C while loading.
+Exit codes: 0 normal end, 1 a piped command/turn failed, 2 bad flag or model (also: the model file was
+truncated or rewritten while in use), 70 an internal error (a bug: please report it), 130 Ctrl-C while loading.
+
+The conversation is kept in a recovery file while the session runs ($BITCHAT_RECOVERY, empty: none; else
+$XDG_STATE_HOME/bitchat/recovery-PID.json), removed on a normal exit: when the process is ended by a fatal
+fault, the one-line message says where it is (/load it).
 """
 from __future__ import annotations
 
@@ -111,15 +116,30 @@ def _guarded(args, settings: Settings, first_message: str | None = None) -> int:
 
         return quiet_broken_pipe()   # stdout went away (e.g. `| head`): nothing more to say
     except Exception as e:  # a bug: one line (BITCHAT_DEBUG=1 shows the traceback), never a raw dump
+        from engine.errors import BUG_REPORT_HINT, EXIT_BUG
+
         if os.environ.get("BITCHAT_DEBUG"):
             raise
-        print(f"bitchat: internal error: {type(e).__name__}: {e} (set BITCHAT_DEBUG=1 for details)", file=sys.stderr)
-        return 1
+        print(f"bitchat: internal error: {type(e).__name__}: {' '.join(str(e).split())} ({BUG_REPORT_HINT};"
+              " set BITCHAT_DEBUG=1 for details)", file=sys.stderr)
+        return EXIT_BUG
+
+
+def recovery_path() -> str | None:
+    """$BITCHAT_RECOVERY (empty: no recovery copy), else recovery-PID.json in the XDG state dir."""
+    env = os.environ.get("BITCHAT_RECOVERY")
+    if env is not None:
+        return os.path.expanduser(env) if env.strip() else None
+    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return os.path.join(base, "bitchat", f"recovery-{os.getpid()}.json")
 
 
 def _run(args, settings: Settings, out: Output, interactive: bool, first_message: str | None = None) -> int:
-    from engine.errors import BitNetError
+    from engine.errors import EXIT_BUG, BitNetError
 
+    from engine import faults
+
+    faults.install("bitchat")
     label = args.model or "the bundled default model"
     print(f"bitchat: loading {label} ...", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
@@ -132,12 +152,18 @@ def _run(args, settings: Settings, out: Output, interactive: bool, first_message
                          kv_dtype=getattr(args, "kv", "f16"), lm_head=getattr(args, "lm_head", None),
                          lookup=lookup_from_flags(getattr(args, "draft_max", None), getattr(args, "lookup_ngram_min", None)))
     except BitNetError as e:
+        if e.exit_code == EXIT_BUG:
+            from engine.cli import report_bug
+
+            return report_bug("bitchat", e)
         print(f"bitchat: error: {e}", file=sys.stderr)
         return e.exit_code
     except (ImportError, OSError, MemoryError) as e:
         print(f"bitchat: error: cannot load {label}: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
     load_s = time.perf_counter() - t0
+    for w in getattr(llm, "warnings", ()):
+        print(f"bitchat: warning: {w}", file=sys.stderr)
     if settings.max_tokens > llm.n_ctx:
         settings.max_tokens = llm.n_ctx
 
@@ -145,16 +171,24 @@ def _run(args, settings: Settings, out: Output, interactive: bool, first_message
     from chat.session import ChatSession
 
     session = ChatSession(llm, settings, out, system=args.system, threads=args.threads, model_label=args.model)
+    path = recovery_path()
+    if path:
+        session.enable_recovery(path)
     ready = f"bitchat: {llm.name} ready in {load_s:.1f} s ({llm.n_ctx}-token context)."
     if interactive:
         print(ready + " Type /help for commands, /bye or Ctrl-D to exit.", file=sys.stderr, flush=True)
         if first_message and not handle_line(session, first_message):
+            session.discard_recovery()
             return 0
-        return run_repl(session)
-    print(ready, file=sys.stderr, flush=True)
-    if first_message and not handle_line(session, first_message):
-        return 1 if session.had_errors else 0
-    return run_plain(session)
+        rc = run_repl(session)
+    else:
+        print(ready, file=sys.stderr, flush=True)
+        if first_message and not handle_line(session, first_message):
+            session.discard_recovery()
+            return 1 if session.had_errors else 0
+        rc = run_plain(session)
+    session.discard_recovery()   # only on a normal end: after a crash the copy is the user's transcript
+    return rc
 
 
 if __name__ == "__main__":

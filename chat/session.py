@@ -13,6 +13,7 @@ KeyboardInterrupt the usual way (for a stuck prefill).
 """
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import time
@@ -114,6 +115,36 @@ class ChatSession:
         self.cached_turn: CachedTurn | None = None   # the exact tokens of the last turn (chat/splice.py)
         self.last_prompt_ids: list[int] = []
         self.splice = True            # False: always re-render the whole window (for comparison)
+        self.recovery_path: str | None = None   # see enable_recovery()
+
+    # ---- crash recovery ------------------------------------------------------------------------
+    def enable_recovery(self, path: str) -> None:
+        """Keep a copy of the conversation at `path`, rewritten before every answer and after it, so a fatal
+        fault (a model file truncated while in use: a C handler ends the process, no Python runs) loses no
+        turn the user has seen; the fatal line says where the copy is. discard_recovery() on a normal exit."""
+        self.recovery_path = path
+
+    def _save_recovery(self) -> None:
+        if not self.recovery_path or not self.conv.turns:
+            return
+        from engine import faults
+
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(self.recovery_path)), exist_ok=True)
+            self.conv.save(self.recovery_path, meta={"model": self.llm.name, "recovered": True}, durable=False)
+        except (TranscriptError, OSError) as e:
+            self.out.notice(f"[cannot keep a recovery copy of the conversation: {e}; /save still works]")
+            self.recovery_path = None
+            faults.set_note("")
+            return
+        faults.set_note(f"; the conversation so far is saved in {self.recovery_path} (/load it in bitchat)")
+
+    def discard_recovery(self) -> None:
+        if self.recovery_path:
+            try:
+                os.unlink(self.recovery_path)
+            except OSError:
+                pass
 
     # ---- engine adapters -----------------------------------------------------------------------
     def sampling_params(self):
@@ -179,7 +210,7 @@ class ChatSession:
         self._answer(turn)
 
     def _answer(self, turn) -> None:
-        from engine.errors import BitNetError, ContextOverflowError
+        from engine.errors import BUG_REPORT_HINT, EXIT_BUG, BitNetError, ContextOverflowError
 
         ids = self._fit()
         messages = self.conv.messages()
@@ -201,6 +232,7 @@ class ChatSession:
         t_first = None
         interrupted = False
         gen = None
+        self._save_recovery()   # the question is on disk before the model reads its weights again
         try:
             with sigint_as_flag() as flag, quiet_terminal(self.out.interactive):
                 gen = self.llm.generate(ids, params, max_tokens=max_tokens)
@@ -234,6 +266,10 @@ class ChatSession:
             else:
                 self.conv.drop_last_turn()
             self.had_errors = True
+            self._save_recovery()
+            if e.exit_code == EXIT_BUG:
+                self.out.notice(f"[internal error: {e}; {BUG_REPORT_HINT}; the session goes on]")
+                return
             kind = "context overflow" if isinstance(e, ContextOverflowError) else "error"
             self.out.notice(f"[{kind}: {e}]")
             return
@@ -250,6 +286,7 @@ class ChatSession:
                                finish_reason="interrupted" if interrupted else "unknown")
         turn.interrupted = interrupted
         turn.finish_reason = "interrupted" if interrupted else getattr(stats, "finish_reason", None)
+        self._save_recovery()
         self.last_stats = stats
         n_counted = stats.n_generated   # the number the stats line shows (the engine counts an end token)
         self.total_generated += n_counted

@@ -138,9 +138,10 @@ class Conversation:
             start = 0
         return cls(system=system or None, turns=turns, window_start=start)
 
-    def save(self, path: str, meta: dict | None = None) -> str:
+    def save(self, path: str, meta: dict | None = None, *, durable: bool = True) -> str:
         """Write atomically: temp file in the same directory, fsync, rename, fsync the directory.
-        A crash at any point leaves either the old file or the new one, never half of one."""
+        A crash at any point leaves either the old file or the new one, never half of one.
+        durable=False skips the fsyncs (the recovery copy: it must survive the process, not the machine)."""
         path = os.path.abspath(os.path.expanduser(path))
         directory = os.path.dirname(path)
         if os.path.isdir(path):
@@ -156,7 +157,8 @@ class Conversation:
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 f.write(data)
                 f.flush()
-                os.fsync(f.fileno())
+                if durable:
+                    os.fsync(f.fileno())
             os.replace(tmp, path)
         except OSError as e:
             try:
@@ -164,6 +166,8 @@ class Conversation:
             except OSError:
                 pass
             raise TranscriptError(f"{path}: write failed ({e.strerror})") from None
+        if not durable:
+            return path
         try:  # make the rename itself durable
             dfd = os.open(directory, os.O_RDONLY)
             try:

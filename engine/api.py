@@ -27,7 +27,7 @@ import numpy as np
 
 from . import chat_template as _ct
 from .config import ModelConfig
-from .errors import BitNetError, QueueFullError
+from .errors import BitNetError, FormatError, QueueFullError
 from .generate import Chunk, Stats, generate as _generate
 from .model import Model
 from .sampling import SamplingParams
@@ -78,6 +78,25 @@ def _display_name(store: Store) -> str:
     return store.config.name or os.path.splitext(os.path.basename(store.meta.get("source") or store.path))[0]
 
 
+def available_cores() -> int:
+    """CPU cores this process may run on (its affinity mask, e.g. under taskset or a container)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def _checked_threads(threads: int | None, warnings: list[str]) -> int | None:
+    """-t below 1 is an error; above the available cores it is capped, with a warning."""
+    if threads is not None and threads < 1:
+        raise BitNetError(f"-t/--threads {threads}: must be >= 1")
+    cores = available_cores()
+    if threads is not None and threads > cores:
+        warnings.append(f"-t/--threads {threads} is more than the {cores} CPU cores available; using {cores}")
+        return cores
+    return threads
+
+
 class LLM(_Text):
     """A loaded model session. Attributes: config, n_ctx, name, source, tokenizer, load_s."""
 
@@ -87,12 +106,13 @@ class LLM(_Text):
         self.lookup = lookup.check() if lookup is not None else None  # None: engine.speculative.default_lookup
         self.store = store
         self.config: ModelConfig = store.config
-        if threads is not None and threads < 1:
-            raise BitNetError(f"-t/--threads {threads}: must be >= 1")
+        self.warnings: list[str] = []   # one line each, for the CLI to print ("-c above the trained context", ...)
         if ctx is not None and ctx < 1:
             raise BitNetError(f"-c/--ctx {ctx}: must be >= 1")
+        threads = _checked_threads(threads, self.warnings)
         Model.set_threads(threads)
         self.model = Model(store, n_ctx=ctx, kv_dtype=kv_dtype)
+        self.warnings += self.model.warnings
         self.tokenizer = Tokenizer.from_store(store)
         self.n_ctx = self.model.n_ctx
         from .convert import source_label
@@ -137,8 +157,15 @@ def load_model(model: str | None = None, *, ctx: int | None = None, threads: int
     lm_head ("i8" | "f16") is passed to the converter when a conversion happens."""
     t0 = time.perf_counter()
     path = _resolve(model, lm_head, progress)
-    store = Store(path)
-    return LLM(store, ctx=ctx, threads=threads, kv_dtype=kv_dtype, load_s=time.perf_counter() - t0, lookup=lookup)
+    try:
+        store = Store(path)
+        return LLM(store, ctx=ctx, threads=threads, kv_dtype=kv_dtype, load_s=time.perf_counter() - t0, lookup=lookup)
+    except FormatError as e:
+        if model is None or os.path.abspath(path) == os.path.abspath(model):
+            raise
+        # a cached conversion of the user's file: name theirs, and say how to redo it
+        raise FormatError(f"{model}: {e.args[0]}", hint=e.hint or f"delete the cached conversion {path} to convert"
+                          " again") from None
 
 
 from .batching.scheduler import BatchScheduler, Stream  # noqa: E402  (batching imports nothing of api)
@@ -154,8 +181,8 @@ class Engine(_Text, BatchScheduler):
                  kv_dtype: str = "f16", load_s: float = 0.0, kv_pool_mib: float | None = None):
         t0 = time.perf_counter()
         cfg = store.config
-        if threads is not None and threads < 1:
-            raise BitNetError(f"-t/--threads {threads}: must be >= 1")
+        self.warnings: list[str] = []
+        threads = _checked_threads(threads, self.warnings)
         if ctx is not None and ctx < 1:
             raise BitNetError(f"-c/--ctx {ctx}: must be >= 1")
         if kv_dtype not in ("f16", "f32"):

@@ -1,14 +1,18 @@
 # PYTHON_ARGCOMPLETE_OK
 """`bitnet`: the command line. Subcommands live in engine/commands/<name>.py.
 
-Errors the user can act on (engine.errors.BitNetError) print one line to stderr and exit 2;
-Ctrl-C exits 130 with whatever was already printed kept; a closed stdout (`| head`) ends quietly (exit 0).
+Exit codes (engine/errors.py; README "Errors"): 0 ok; 2 bad input — errors the user can act on
+(engine.errors.BitNetError) print one line to stderr, and so does a model file truncated or rewritten while
+mapped (the C SIGBUS guard, engine/faults.py); 70 an engine bug (KernelError or any unexpected exception:
+one line asking for a report, BITNET_DEBUG=1 shows the traceback); 130 Ctrl-C, keeping what was printed;
+a closed stdout (`| head`) ends quietly (exit 0).
 An unknown flag gets that subcommand's usage and a "did you mean" suggestion.
 """
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 COMMANDS = ["run", "convert", "inspect", "info", "pull", "list", "rm", "serve"]
@@ -40,8 +44,23 @@ def build_parser(subparsers: dict | None = None) -> argparse.ArgumentParser:
     return p
 
 
+def report_bug(prog: str, e: BaseException) -> int:
+    """One line for an engine bug (never blame the input), EXIT_BUG; $BITNET_DEBUG shows the traceback."""
+    from .errors import BUG_REPORT_HINT, EXIT_BUG, BitNetError
+
+    if os.environ.get("BITNET_DEBUG"):
+        import traceback
+
+        traceback.print_exc()
+    what = str(e) if isinstance(e, BitNetError) else f"{type(e).__name__}: {e}"
+    print(f"{prog}: internal error: {' '.join(what.split())} ({BUG_REPORT_HINT}; BITNET_DEBUG=1 shows the"
+          " traceback)", file=sys.stderr)
+    return EXIT_BUG
+
+
 def main(argv: list[str] | None = None) -> int:
-    from .errors import BitNetError
+    from . import faults
+    from .errors import EXIT_BAD_INPUT, EXIT_BUG, EXIT_INTERRUPTED, BitNetError
 
     from .commands.common_args import maybe_autocomplete, parse_args_suggesting
 
@@ -51,17 +70,25 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args_suggesting(parser, argv, subparsers)
     if not getattr(args, "_main", None):
         parser.print_help(sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
+    faults.install("bitnet")
     try:
         return int(args._main(args) or 0)
     except BitNetError as e:
+        if e.exit_code == EXIT_BUG:
+            return report_bug("bitnet", e)
         print(f"bitnet: error: {e}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
         print("", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
     except BrokenPipeError:
         return quiet_broken_pipe()
+    except MemoryError:
+        print("bitnet: error: out of memory (hint: use a smaller -c/--ctx, or close other programs)", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except Exception as e:  # a bug: one line asking for a report, never a raw traceback
+        return report_bug("bitnet", e)
 
 
 def quiet_broken_pipe() -> int:

@@ -37,8 +37,16 @@ class ModelConfig:
             raise FormatError(f"model config: n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
         if self.hidden_act not in ("relu2", "silu"):
             raise FormatError(f"model config: unknown hidden_act {self.hidden_act!r} (expected relu2 or silu)")
-        if not (self.rms_norm_eps > 0 and self.rope_theta > 0):
-            raise FormatError("model config: rms_norm_eps and rope_theta must be positive")
+        for f, top in (("rms_norm_eps", 1.0), ("rope_theta", 1e30)):   # both are used as float32
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < top:
+                raise FormatError(f"model config: {f}={v!r} must be a positive number below {top:g}")
+        ids = ((self.bos_token_id,) if self.bos_token_id is not None else ()) + tuple(self.eos_token_ids)
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                raise FormatError(f"model config: special token id {t!r} is not in the vocabulary (0..{self.vocab_size - 1})")
+        if not isinstance(self.tie_word_embeddings, bool) or not isinstance(self.arch, str) or not isinstance(self.name, str):
+            raise FormatError("model config: tie_word_embeddings must be a boolean, arch and name strings")
 
     @property
     def q_dim(self) -> int:
@@ -58,7 +66,9 @@ class ModelConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         kw = {k: v for k, v in d.items() if k in names}
         if "eos_token_ids" in kw:
-            kw["eos_token_ids"] = tuple(int(x) for x in kw["eos_token_ids"])
+            if not isinstance(kw["eos_token_ids"], (list, tuple)):
+                raise FormatError(f"model config: eos_token_ids={kw['eos_token_ids']!r} is not a list")
+            kw["eos_token_ids"] = tuple(kw["eos_token_ids"])
         try:
             return cls(**kw)
         except TypeError as e:

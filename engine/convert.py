@@ -166,6 +166,11 @@ def convert(src: str, out: str | None = None, *, lm_head: str = "i8", progress: 
     if is_store(src):
         raise FormatError(f"{src}: is already a BitNet store (nothing to convert)")
     source = open_source(src, hidden_act, ternarize)
+    try:
+        _check_tokenizer(source, src)
+    except BaseException:
+        source.close()
+        raise
     out = os.fspath(out) if out else default_store_path(src, lm_head)
     stats: dict = {}
     bar = _progress_bar(source.config.n_layers + 2, f"convert {os.path.basename(src.rstrip(os.sep))}", progress)
@@ -173,10 +178,11 @@ def convert(src: str, out: str | None = None, *, lm_head: str = "i8", progress: 
         meta = {"source": source_name or os.path.basename(os.path.abspath(src).rstrip(os.sep)), "source_format": source.source_format, "lm_head": lm_head,
                 "converter_version": CONVERTER_VERSION, "ternary_stats": stats, **source.meta}
         tok = source.tokenizer
-        try:
-            write_store(out, source.config, _tensors(source, lm_head, stats, bar), meta=meta,
-                        chat_template=source.chat_template, tokenizer_kind=tok[0] if tok else None,
-                        tokenizer_blob=tok[1] if tok else None)
+        try:  # values are checked explicitly (NaN/inf -> FormatError): no numpy warning lines on stderr
+            with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+                write_store(out, source.config, _tensors(source, lm_head, stats, bar), meta=meta,
+                            chat_template=source.chat_template, tokenizer_kind=tok[0] if tok else None,
+                            tokenizer_blob=tok[1] if tok else None)
         except OSError as e:
             raise FormatError(f"{out}: cannot write the store: {e.strerror or e}") from None
     finally:
@@ -184,6 +190,19 @@ def convert(src: str, out: str | None = None, *, lm_head: str = "i8", progress: 
             bar.close()
         source.close()
     return out
+
+
+def _check_tokenizer(source, src: str):
+    """Load the tokenizer once now, so a broken one is an error naming the user's file (not the cached store
+    a later run would fail on)."""
+    from .tokenizer import Tokenizer
+
+    if source.tokenizer:
+        kind, blob = source.tokenizer
+        c = source.config
+        tok = Tokenizer(kind, blob, bos_id=c.bos_token_id, eos_ids=c.eos_token_ids,
+                        source=getattr(source, "tokenizer_path", None) or src)
+        tok.decode(tok.encode("Hello, world! 123", add_bos=True))  # a tokenizer that loads but cannot encode
 
 
 def _progress_bar(total: int, desc: str, progress: bool):

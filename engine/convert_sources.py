@@ -98,6 +98,29 @@ def _config(path: str, **kw) -> ModelConfig:
     return c
 
 
+def _cfg_int(where: str, cfg: dict, key: str, default: int | None = None) -> int:
+    """A positive integer field of config.json (null or absent -> default); FormatError naming the field."""
+    v = cfg.get(key)
+    if v is None:
+        if default is None:
+            raise FormatError(f"{where}: missing field {key!r}")
+        return default
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)
+    if not isinstance(v, int) or isinstance(v, bool) or not 0 < v <= 1 << 24:
+        raise FormatError(f"{where}: {key} must be a positive integer (at most {1 << 24}), got {v!r}")
+    return v
+
+
+def _cfg_float(where: str, cfg: dict, key: str, default: float) -> float:
+    v = cfg.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or not np.isfinite(v) or v <= 0:
+        raise FormatError(f"{where}: {key} must be a positive number, got {v!r}")
+    return float(v)
+
+
 def _check_scale(path: str, name: str, s: float) -> float:
     if not np.isfinite(s) or s == 0:
         raise FormatError(f"{path}: tensor {name!r} has a {'NaN/inf' if not np.isfinite(s) else 'zero'} weight scale")
@@ -284,6 +307,9 @@ class HFSource:
         self.cfg = cfg
         self.st = SafetensorsDir(path)
         archs = cfg.get("architectures") or []
+        archs = cfg["architectures"] = [a for a in archs if isinstance(a, str)] if isinstance(archs, list) else []
+        if not isinstance(cfg.get("model_type", ""), str):
+            raise FormatError(f"{path}/config.json: model_type must be a string, got {cfg['model_type']!r}")
         mt = cfg.get("model_type", "")
         refuse_unsupported_hf(path, cfg)
         llama = "LlamaForCausalLM" in archs or (mt == "llama" and "BitnetForCausalLM" not in archs)
@@ -325,24 +351,26 @@ class HFSource:
         act = {"relu2": "relu2", "relu_squared": "relu2", "silu": "silu", "swish": "silu"}.get(str(act))
         if act is None:
             raise UnsupportedError(f"{path}/config.json: unsupported hidden_act {cfg.get('hidden_act')!r}")
+        where = os.path.join(path, "config.json")
+        D, H = _cfg_int(where, cfg, "hidden_size"), _cfg_int(where, cfg, "num_attention_heads")
+        tok, tmpl, bos, eos = self._tokenizer(cfg)
+        rope_theta = cfg.get("rope_theta") if cfg.get("rope_theta") is not None else rope_params.get("rope_theta")
+        self.config = _config(
+            path, hidden_size=D, intermediate_size=_cfg_int(where, cfg, "intermediate_size"),
+            n_layers=_cfg_int(where, cfg, "num_hidden_layers"), n_heads=H,
+            n_kv_heads=_cfg_int(where, cfg, "num_key_value_heads", H), head_dim=_cfg_int(where, cfg, "head_dim", D // H),
+            vocab_size=_cfg_int(where, cfg, "vocab_size"),
+            context_length=_cfg_int(where, cfg, "max_position_embeddings", 4096),
+            rope_theta=_cfg_float(where, {"rope_theta": rope_theta}, "rope_theta", 10000.0),
+            rms_norm_eps=_cfg_float(where, cfg, "rms_norm_eps", 1e-5),
+            hidden_act=act, tie_word_embeddings="lm_head.weight" not in names, sub_norms=sub_norms,
+            bos_token_id=bos, eos_token_ids=tuple(eos),
+            arch="bitnet-b1.58" if mt == "bitnet" else ("llama" if llama else "1bitllm"),
+            name=os.path.basename(os.path.abspath(path)))
         try:
-            D, H = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
-            hd = int(cfg.get("head_dim") or D // H)
-            tok, tmpl, bos, eos = self._tokenizer(cfg)
-            self.config = _config(
-                path, hidden_size=D, intermediate_size=int(cfg["intermediate_size"]),
-                n_layers=int(cfg["num_hidden_layers"]), n_heads=H,
-                n_kv_heads=int(cfg.get("num_key_value_heads") or H), head_dim=hd, vocab_size=int(cfg["vocab_size"]),
-                context_length=int(cfg.get("max_position_embeddings", 4096)),
-                rope_theta=float(cfg.get("rope_theta") or rope_params.get("rope_theta") or 10000.0),
-                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
-                hidden_act=act, tie_word_embeddings="lm_head.weight" not in names, sub_norms=sub_norms,
-                bos_token_id=bos, eos_token_ids=tuple(eos),
-                arch="bitnet-b1.58" if mt == "bitnet" else ("llama" if llama else "1bitllm"),
-                name=os.path.basename(os.path.abspath(path)))
             self.meta["family"] = hf_family(cfg, names, self.mode == "fakequant", path)
-        except (KeyError, TypeError, ValueError, ZeroDivisionError, OverflowError) as e:
-            raise FormatError(f"{path}/config.json: missing or bad field: {e!r}") from None
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise FormatError(f"{where}: bad field: {e!r}") from None
         self.tokenizer, self.chat_template = tok, tmpl
         # before anything is allocated from the config's sizes: the embedding must have exactly that shape
         _shape_check(path, "model.embed_tokens.weight", self.st.info("model.embed_tokens.weight")[1],
@@ -356,9 +384,12 @@ class HFSource:
             return None
         try:
             with open(p, encoding="utf-8") as f:
-                return json.load(f)
+                d = json.load(f)
         except (OSError, ValueError) as e:
             raise FormatError(f"{p}: unreadable JSON: {e}") from None
+        if not isinstance(d, dict):
+            raise FormatError(f"{p}: expected a JSON object, got {type(d).__name__}")
+        return d
 
     def _tokenizer(self, cfg):
         tj = os.path.join(self.path, "tokenizer.json")
@@ -370,19 +401,25 @@ class HFSource:
             for x in (v if isinstance(v, list) else [v]):
                 if isinstance(x, int) and x not in eos:
                     eos.append(x)
+        self.tokenizer_path = None
         if os.path.isfile(tj):
             blob, kind = _read_bytes(tj), "hf_json"
+            self.tokenizer_path = tj
             for x in special_ids_from_hf_json(blob, ("<|eot_id|>", "<|end_of_text|>"), tj):
                 if x not in eos:
                     eos.append(x)
         elif os.path.isfile(sp):
             blob, kind = _read_bytes(sp), "sentencepiece"
+            self.tokenizer_path = sp
         else:
             blob, kind = None, None
             self.meta["tokenizer_note"] = "no tokenizer.json or tokenizer.model in the directory"
         tmpl = tc.get("chat_template")
         if isinstance(tmpl, list):  # [{"name": ..., "template": ...}]
-            tmpl = next((t.get("template") for t in tmpl if t.get("name") == "default"), None)
+            tmpl = next((t.get("template") for t in tmpl if isinstance(t, dict) and t.get("name") == "default"), None)
+        if tmpl is not None and not isinstance(tmpl, str):
+            raise FormatError(f"{os.path.join(self.path, 'tokenizer_config.json')}: chat_template must be a string,"
+                              f" got {type(tmpl).__name__}")
         jinja = os.path.join(self.path, "chat_template.jinja")
         if tmpl is None and os.path.isfile(jinja):
             tmpl = _read_bytes(jinja).decode("utf-8", errors="replace")
@@ -497,6 +534,12 @@ def open_source(path: str, hidden_act: str | None = None, ternarize: bool = Fals
         return HFSource(path, hidden_act, ternarize)
     if not os.path.exists(path):
         raise FormatError(f"{path}: no such file or directory")
+    try:
+        size = os.path.getsize(path)
+    except OSError as e:
+        raise FormatError(f"{path}: cannot read: {e.strerror}") from None
+    if size == 0:
+        raise FormatError(f"{path}: the file is empty (0 bytes)", hint="an interrupted download or copy? fetch it again")
     if is_gguf(path):
         return GGUFSource(path, hidden_act, check_ternary)
     if path.endswith(".safetensors"):

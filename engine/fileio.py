@@ -1,10 +1,12 @@
 """Read-only file mapping shared by every reader (GGUF, safetensors, the weight store): one place that
-turns open/map failures and too-short files into a FormatError naming the file."""
+turns open/map failures and too-short or empty files into a FormatError naming the file, and registers the
+map with the SIGBUS guard (engine/faults.py) so a file truncated while in use is one line, not a crash."""
 from __future__ import annotations
 
 import mmap
 import os
 
+from . import faults
 from .errors import FormatError
 
 
@@ -15,10 +17,21 @@ def map_readonly(path: str, min_size: int, kind: str) -> tuple[mmap.mmap, int]:
     except OSError as e:
         raise FormatError(f"{path}: cannot open {kind}: {e.strerror}") from None
     with fh:
-        size = os.fstat(fh.fileno()).st_size
+        st = os.fstat(fh.fileno())
+        size = st.st_size
+        if size == 0:
+            raise FormatError(f"{path}: the file is empty (0 bytes), not a {kind}",
+                              hint="an interrupted download or copy? fetch the file again")
         if size < min_size:
             raise FormatError(f"{path}: not a {kind} (only {size} bytes, too short for a header)")
         try:
-            return mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ), size
+            mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
         except (OSError, ValueError) as e:
             raise FormatError(f"{path}: cannot map {kind}: {e}") from None
+    faults.watch_mapping(mm, path, kind)
+    return mm, size
+
+
+def close_map(mm) -> None:
+    """Close a map made by map_readonly (kept open while numpy views of it are alive)."""
+    faults.close_map(mm)

@@ -24,7 +24,7 @@ FINISH_MESSAGES = {
     "eos": "end of sequence",
     "stop": "stop string",
     "length": "max tokens reached",
-    "context": "context window full: generation stopped (raise -c/--ctx for longer output)",
+    "context": "context window full: generation stopped",
 }
 
 
@@ -107,7 +107,7 @@ def generate(model, tokenizer, prompt_ids: Sequence[int], params: SamplingParams
         prompt = [tokenizer.bos_id]
     if len(prompt) > model.n_ctx:
         raise ContextOverflowError(f"the prompt has {len(prompt)} tokens but the context holds {model.n_ctx}",
-                                   hint="raise -c/--ctx or shorten the prompt")
+                                   hint=model.context_hint())
     if max_tokens < 0:
         raise BitNetError(f"max_tokens {max_tokens}: must be >= 0")
     sampler = Sampler(params, model.config.vocab_size)

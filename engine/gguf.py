@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .fileio import map_readonly
+from .fileio import close_map, map_readonly
 from .errors import FormatError, UnsupportedError
 from .gguf_dequant import OWN_DECODERS, decode_with_gguf, gguf_decodable
 
@@ -76,9 +76,13 @@ class _Cursor:
         self.buf, self.pos, self.end, self.path = buf, 0, len(buf), path
 
     def need(self, n: int, what: str):
-        if n < 0 or self.pos + n > self.end:
-            raise FormatError(f"{self.path}: truncated GGUF file (reading {what} at byte {self.pos}, needs {n} bytes,"
-                              f" file has {self.end})")
+        if n < 0 or n > self.end:  # a size no file this long could hold: a corrupt field, not a short file
+            raise FormatError(f"{self.path}: corrupt GGUF file ({what} at byte {self.pos} claims {n} bytes; the"
+                              f" whole file has {self.end})")
+        if self.pos + n > self.end:
+            raise FormatError(f"{self.path}: truncated or corrupt GGUF file (reading {what} at byte {self.pos}"
+                              f" needs {n} bytes, only {self.end - self.pos} are left)",
+                              hint="if the file was downloaded, check its size and fetch it again")
 
     def scalar(self, fmt: str, size: int, what: str):
         self.need(size, what)
@@ -157,7 +161,7 @@ class GGUFFile:
         try:
             self._parse()
         except BaseException:
-            self._mm.close()
+            close_map(self._mm)
             raise
 
     def _parse(self):
@@ -177,8 +181,9 @@ class GGUFFile:
         n_kv = c.u64("metadata count")
         # each KV needs >= 13 bytes (key length, type, 1-byte value); each tensor info >= 32 bytes
         if n_kv * 13 > self.size or n_tensors * 32 > self.size:
-            raise FormatError(f"{self.path}: absurd GGUF header ({n_tensors} tensors, {n_kv} metadata keys"
-                              f" in a {self.size}-byte file)")
+            what = "truncated or corrupt" if n_kv < 1 << 20 and n_tensors < 1 << 20 else "corrupt"
+            raise FormatError(f"{self.path}: {what} GGUF file: the header declares {n_tensors} tensors and {n_kv}"
+                              f" metadata keys, more than its {self.size} bytes can hold")
         self.kv: dict = {}
         self.kv_types: dict[str, int] = {}
         for i in range(n_kv):
@@ -323,10 +328,7 @@ class GGUFFile:
                                " (expected I2_S, TQ1_0 or TQ2_0)")
 
     def close(self):
-        try:
-            self._mm.close()
-        except BufferError:
-            pass
+        close_map(self._mm)
 
     def __enter__(self):
         return self

@@ -36,6 +36,53 @@ ROWS_GEMV_MAX = 4
 VERIFY_MAX = K.ROWS_MAX  # most rows of one Model.verify pass (the multi-row head kernel's limit)
 
 
+def session_bytes(cfg: ModelConfig, n_ctx: int, kv_dtype: str, chunk: int = DEFAULT_CHUNK) -> int:
+    """Bytes Model() allocates for a session: the KV cache, attention scratch, RoPE tables, per-chunk buffers."""
+    kv_item = 2 if kv_dtype == "f16" else 4
+    blocks = -(-n_ctx // ops.KEY_BLOCK) * ops.KEY_BLOCK
+    kv = cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * (blocks + n_ctx) * kv_item
+    scratch = cfg.n_heads * ops.ATTENTION_SCRATCH_ROWS * n_ctx * 4
+    rope = 2 * n_ctx * (cfg.head_dim // 2) * 4 + n_ctx * 4 * 2
+    rows = chunk * (4 * cfg.hidden_size + 2 * cfg.q_dim + 2 * cfg.kv_dim + 2 * cfg.intermediate_size) * 4
+    return kv + scratch + rope + rows + cfg.vocab_size * 4
+
+
+def available_memory() -> int | None:
+    """Bytes that can still be allocated: MemAvailable + free swap on Linux, or less under an address-space
+    limit (ulimit -v); None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f if line.split()[1:2]}
+        avail = info["MemAvailable"] + info.get("SwapFree", 0)
+    except (OSError, KeyError, ValueError, IndexError):
+        return None
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+        if soft != resource.RLIM_INFINITY:
+            with open("/proc/self/status") as f:
+                vm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+            avail = min(avail, max(0, soft - vm))
+    except (ImportError, OSError, StopIteration, ValueError):
+        pass
+    return avail
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):.1f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.0f} MiB"
+
+
+def _expect(store, name: str, dtype, size: int) -> np.ndarray:
+    """The flat view of tensor `name`, which must have `dtype` (or one of a tuple) and exactly `size` values."""
+    a = store.tensor(name)
+    ok = a.dtype in (dtype if isinstance(dtype, tuple) else (dtype,))
+    if not ok or a.size != size or not a.flags.c_contiguous:
+        raise FormatError(f"{store.path}: tensor {name} has dtype {a.dtype} / {a.size} values (expected "
+                          f"{np.dtype(dtype[0] if isinstance(dtype, tuple) else dtype)} / {size})")
+    return a.reshape(-1)
+
+
 class _Layer:
     """Read-only views of one block's weights in the store."""
 
@@ -98,20 +145,22 @@ class Weights:
         if emb.dtype != np.float16 or emb.shape != (V, D):
             raise FormatError(f"{store.path}: token_embd is {emb.dtype} {emb.shape} (expected float16 {(V, D)})")
         self.embd = emb.view(np.uint16)
-        self.out_norm = store.tensor("output_norm").reshape(-1)
+        self.out_norm = _expect(store, "output_norm", np.float32, D)
         info = store.info("output")
         self.lm_head = {"i8_tile16": "i8", "q4g_tile16": "q4"}.get(info.get("layout"), "f16")
         self.out_w = store.tensor("output").reshape(-1)
+        v_pad = pad_to(V, 16)
         if self.lm_head == "q4":
             self.out_gscale = store.tensor("output.gscale").reshape(-1)
             self.out_scale = store.tensor("output.scale").reshape(-1)
-        elif self.lm_head == "i8":
-            self.out_scale = store.tensor("output.scale").reshape(-1)
-            self.out_rowsum = store.tensor("output.rowsum").reshape(-1)
+        elif self.lm_head == "i8":   # the kernels' preconditions, checked here so a bad file is not an engine bug
+            self.out_w = _expect(store, "output", np.int8, v_pad * pad_to(D, K_ALIGN))
+            self.out_scale = _expect(store, "output.scale", np.float32, v_pad)
+            self.out_rowsum = _expect(store, "output.rowsum", np.int32, v_pad)
         elif info.get("layout", "f16_tile16") != "f16_tile16":
             raise FormatError(f"{store.path}: lm head layout {info.get('layout')!r} is not supported")
         else:
-            self.out_w = self.out_w.view(np.uint16)
+            self.out_w = _expect(store, "output", (np.float16, np.uint16), v_pad * D).view(np.uint16)
         self.layers = [_Layer(store, i, cfg) for i in range(cfg.n_layers)]
 
 
@@ -164,6 +213,16 @@ class Model:
         if n_ctx < 1:
             raise BitNetError(f"-c/--ctx {n_ctx}: the context must hold at least one token")
         self.n_ctx, self.kv_dtype, self.chunk = n_ctx, kv_dtype, max(1, int(chunk))
+        self.warnings: list[str] = []   # for the CLI to print (one line each)
+        if n_ctx > cfg.context_length:
+            self.warnings.append(f"-c/--ctx {n_ctx} is larger than the {cfg.context_length} tokens the model was "
+                                 "trained on: output past that may be garbage")
+        need = session_bytes(cfg, n_ctx, kv_dtype, self.chunk)
+        avail = available_memory()
+        if avail is not None and need > avail:
+            raise BitNetError(f"-c/--ctx {n_ctx}: the KV cache and buffers would need {_gib(need)}, more than the "
+                              f"{_gib(avail)} of memory available", hint=f"use a smaller -c/--ctx (the model was "
+                              f"trained for {cfg.context_length}; about {max(1, n_ctx * avail // need // 2)} fits)")
         D, V, hd, L = cfg.hidden_size, cfg.vocab_size, cfg.head_dim, cfg.n_layers
         w = Weights(store)
         self.weights = w
@@ -182,9 +241,13 @@ class Model:
         self._logits_row = self._logits.reshape(1, V)       # the same buffer as one row (q4 head kernel)
         self._rows_logits = np.zeros((VERIFY_MAX, V), np.float32)  # logits of every row of a verify pass
         kv_np = np.uint16 if kv_dtype == "f16" else np.float32   # f16 stored as its bits
-        self._k_cache = np.zeros((L,) + ops.key_cache_shape(cfg.n_kv_heads, n_ctx, hd), kv_np)  # transposed blocks
-        self._v_cache = np.zeros((L, cfg.n_kv_heads, n_ctx, hd), kv_np)
-        self._scratch = np.zeros((cfg.n_heads * ops.ATTENTION_SCRATCH_ROWS, n_ctx), np.float32)  # attention scores
+        try:
+            self._k_cache = np.zeros((L,) + ops.key_cache_shape(cfg.n_kv_heads, n_ctx, hd), kv_np)  # transposed blocks
+            self._v_cache = np.zeros((L, cfg.n_kv_heads, n_ctx, hd), kv_np)
+            self._scratch = np.zeros((cfg.n_heads * ops.ATTENTION_SCRATCH_ROWS, n_ctx), np.float32)  # attention scores
+        except MemoryError:
+            raise BitNetError(f"-c/--ctx {n_ctx}: cannot allocate the KV cache ({_gib(need)} with the buffers)",
+                              hint="use a smaller -c/--ctx") from None
         self._cos, self._sin = rope_tables(cfg, n_ctx)
         self.verify_max = min(VERIFY_MAX, M)               # rows of one verify() pass
         self._views: dict[int, _Views] = {m: _Views(self, m) for m in range(1, self.verify_max + 1)}
@@ -277,6 +340,13 @@ class Model:
             ops.add_rmsnorm_quant(x, delta, self._out_norm, self._eps, self._head_x, v1.xq_d, v1.act_scale, v1.act_sum)
             K.gemv_i8(self._out_w, self._out_scale, self._out_rowsum, v1.xq_d1, v1.act_scale[0], out)
 
+    def context_hint(self) -> str:
+        """What the user can do when the context is full: raise -c only while it is below the model's own."""
+        trained = self.config.context_length
+        if self.n_ctx < trained:
+            return f"raise -c/--ctx (the model was trained for up to {trained} tokens) or shorten the prompt"
+        return f"the context is already the model's full {trained} tokens: shorten the prompt or ask for less"
+
     def _head_rows(self, v: _Views, out: np.ndarray):
         """Logits of all v.m rows of the last chunk into out[:v.m] (one pass over an int8 or q4 head)."""
         m = v.m
@@ -320,7 +390,7 @@ class Model:
         if self.n_past + n_new > self.n_ctx:
             raise ContextOverflowError(
                 f"context window full: {self.n_past} cached + {n_new} new tokens > n_ctx {self.n_ctx}",
-                hint="raise -c/--ctx or shorten the prompt")
+                hint=self.context_hint())
 
     def decode(self, token: int) -> np.ndarray:
         """Run one token at position n_past; returns the session's logits buffer (overwritten next call)."""

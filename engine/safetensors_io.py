@@ -13,7 +13,7 @@ import struct
 
 import numpy as np
 
-from .fileio import map_readonly
+from .fileio import close_map, map_readonly
 from .errors import FormatError, UnsupportedError
 
 MAX_HEADER = 100 << 20
@@ -100,11 +100,7 @@ class SafetensorsFile:
         raise FormatError(f"{self.path}: tensor {name!r} is {tag}, expected a float tensor")
 
     def close(self):
-        try:
-            if self._mm is not None:
-                self._mm.close()
-        except BufferError:
-            pass
+        close_map(self._mm)
 
 
 class SafetensorsDir:

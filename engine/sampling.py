@@ -38,6 +38,8 @@ class SamplingParams:
             raise BitNetError(f"--repeat-penalty {self.repeat_penalty}: must be > 0")
         if self.repeat_last_n < 0:
             raise BitNetError(f"repeat_last_n {self.repeat_last_n}: must be >= 0")
+        if self.seed is not None and not 0 <= self.seed < 1 << 64:
+            raise BitNetError(f"--seed {self.seed}: must be in 0 .. 2^64-1 (or None/-1 on the command line: random)")
         return self
 
 
@@ -70,6 +72,10 @@ class Sampler:
 
     def sample(self, logits: np.ndarray, history=()) -> int:
         p = self.p
+        top = logits.max()   # NaN if any logit is NaN (one pass, ~1% of a decode step on a 128k vocabulary)
+        if not np.isfinite(top):
+            raise BitNetError("the model produced NaN or infinite logits: its weights are corrupt",
+                              hint="re-convert the model from its source")
         self._penalize(logits, history)
         if p.temperature <= 0.0:
             return int(np.argmax(logits))

@@ -28,8 +28,9 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 
+from . import faults
 from .config import ModelConfig
-from .fileio import map_readonly
+from .fileio import close_map, map_readonly
 from .errors import FormatError
 
 MAGIC = b"BNSTORE\0"
@@ -74,7 +75,7 @@ def write_store(
         "tensors": {},
     }
     try:
-        with os.fdopen(fd, "wb") as f:
+        with faults.removed_on_fault(tmp), os.fdopen(fd, "wb") as f:  # a SIGBUS reading the source unlinks tmp
             f.write(b"\0" * _HEADER.size)
             data_offset = _align(_HEADER.size)
             f.write(b"\0" * (data_offset - _HEADER.size))
@@ -117,6 +118,24 @@ def write_store(
     return path
 
 
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _entry_ok(e, doff: int, ioff: int) -> bool:
+    """An index entry whose dtype, shape, offset and size agree and lie inside the data area."""
+    if not isinstance(e, dict) or not isinstance(e.get("dtype"), str) or e["dtype"] not in _DTYPES \
+            or not isinstance(e.get("shape"), list):
+        return False
+    shape, off, nbytes = e["shape"], e.get("offset"), e.get("nbytes")
+    if not (all(_is_int(d) and 0 <= d <= 1 << 40 for d in shape) and _is_int(off) and _is_int(nbytes)):
+        return False
+    n = np.dtype(e["dtype"]).itemsize
+    for d in shape:
+        n *= d
+    return n == nbytes and off >= 0 and doff + off + n <= ioff
+
+
 def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
@@ -140,24 +159,29 @@ class Store:
             raise FormatError(f"{self.path}: store index checksum mismatch (file corrupt)", hint="re-convert the model")
         try:
             index = json.loads(raw)
+            if not isinstance(index, dict):
+                raise TypeError("not a JSON object")
+            if not isinstance(index["config"], dict):
+                raise TypeError("config is not an object")
             self.config = ModelConfig.from_dict(index["config"])
             self.meta: dict = index.get("meta") or {}
             self.chat_template: str | None = index.get("chat_template")
             self._tok = index.get("tokenizer")
             self._index: dict[str, dict] = index["tensors"]
+            if not isinstance(self.meta, dict) or not isinstance(self._index, dict):
+                raise TypeError("meta and tensors must be objects")
+            if self.chat_template is not None and not isinstance(self.chat_template, str):
+                raise TypeError("chat_template must be a string or null")
+            if self._tok is not None and not (isinstance(self._tok, dict) and isinstance(self._tok.get("kind"), str)
+                                              and self._tok.get("tensor") in self._index):
+                raise TypeError("tokenizer must name its kind and a tensor of the store")
         except (ValueError, KeyError, TypeError) as e:
             raise FormatError(f"{self.path}: corrupt store index: {e}") from None
         self._data_offset = doff
         self._size = size
         self._views: dict[str, np.ndarray] = {}
         for name, e in self._index.items():
-            try:
-                dt = np.dtype(e["dtype"])
-                n = int(np.prod(e["shape"], dtype=np.int64)) * dt.itemsize
-                ok = e["dtype"] in _DTYPES and n == e["nbytes"] and e["offset"] >= 0 and doff + e["offset"] + n <= ioff
-            except (KeyError, TypeError, ValueError):
-                ok = False
-            if not ok:
+            if not _entry_ok(e, doff, ioff):
                 raise FormatError(f"{self.path}: tensor {name!r} has a corrupt index entry")
 
     @property
@@ -192,10 +216,7 @@ class Store:
 
     def close(self):
         self._views.clear()
-        try:
-            self._mm.close()
-        except BufferError:
-            pass  # numpy views still alive; the map closes when they go
+        close_map(self._mm)
 
     def __enter__(self):
         return self

@@ -36,6 +36,59 @@ def _gpt2_byte_map() -> dict[int, str]:
 _GPT2_BYTES_INV = {c: b for b, c in _gpt2_byte_map().items()}
 
 
+def parse_hf_json(blob: bytes, source: str) -> dict:
+    """tokenizer.json parsed and checked for the JSON types we (and the `tokenizers` library) rely on, so a
+    file with fields of the wrong type is one FormatError naming it, not a traceback or a library panic."""
+    try:
+        spec = json.loads(blob.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise FormatError(f"{source}: tokenizer.json is not valid JSON: {e}") from None
+
+    def bad(what, want, got):
+        raise FormatError(f"{source}: tokenizer.json: {what} must be {want}, got {type(got).__name__}",
+                          hint="the tokenizer file is corrupt or not a Hugging Face tokenizer.json")
+
+    if not isinstance(spec, dict):
+        bad("the top level", "an object", spec)
+    model = spec.get("model")
+    if not isinstance(model, dict):
+        bad('"model"', "an object", model)
+    if not isinstance(model.get("type", "BPE"), str):
+        bad('"model.type"', "a string", model.get("type"))
+    vocab = model.get("vocab")
+    if vocab is not None and not isinstance(vocab, (dict, list)):
+        bad('"model.vocab"', "an object or a list", vocab)
+    if isinstance(vocab, dict) and not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                                           for v in vocab.values()):
+        raise FormatError(f"{source}: tokenizer.json: \"model.vocab\" ids must be non-negative integers")
+    merges = model.get("merges")
+    if merges is not None and not isinstance(merges, list):
+        bad('"model.merges"', "a list", merges)
+    for key in ("normalizer", "pre_tokenizer", "post_processor", "decoder", "truncation", "padding"):
+        if spec.get(key) is not None and not isinstance(spec[key], dict):
+            bad(f'"{key}"', "an object or null", spec[key])
+    added = spec.get("added_tokens")
+    if added is not None and not isinstance(added, list):
+        bad('"added_tokens"', "a list", added)
+    for t in added or []:
+        if not isinstance(t, dict) or not isinstance(t.get("content"), str) or \
+                not isinstance(t.get("id"), int) or isinstance(t.get("id"), bool) or t["id"] < 0:
+            raise FormatError(f"{source}: tokenizer.json: every added token needs a string \"content\" and a"
+                              " non-negative integer \"id\"")
+    return spec
+
+
+def _library_call(source: str, what: str, fn, *args):
+    """Call into the tokenizer library; any failure (also a Rust panic, which is a BaseException) becomes a
+    FormatError naming the file."""
+    try:
+        return fn(*args)
+    except (KeyboardInterrupt, SystemExit, MemoryError):
+        raise
+    except BaseException as e:  # noqa: B036 - pyo3's PanicException derives from BaseException
+        raise FormatError(f"{source}: {what}: {' '.join(str(e).split())[:300]}") from None
+
+
 class Tokenizer:
     """encode / decode / stream. `bos_id`, `eos_ids` (every id that should stop generation)."""
 
@@ -45,17 +98,11 @@ class Tokenizer:
         if kind == "hf_json":
             from tokenizers import Tokenizer as HFTokenizer
 
-            try:
-                self._hf = HFTokenizer.from_str(blob.decode("utf-8"))
-            except Exception as e:  # the library raises plain Exceptions for bad JSON
-                raise FormatError(f"{source}: tokenizer.json cannot be loaded: {e}") from None
+            spec = parse_hf_json(blob, source)
+            self._hf = _library_call(source, "tokenizer.json cannot be loaded", HFTokenizer.from_str, blob.decode("utf-8"))
             self._sp = None
             self.vocab_size = self._hf.get_vocab_size(with_added_tokens=True)
             # specials (added tokens flagged special) are what `special=False` must not parse from text
-            try:
-                spec = json.loads(blob.decode("utf-8"))
-            except ValueError:
-                spec = {}
             added = spec.get("added_tokens") or []
             self._special_ids = {int(t["id"]) for t in added if t.get("special")}
             self._added_ids = {int(t["id"]) for t in added}
@@ -64,10 +111,7 @@ class Tokenizer:
             import sentencepiece as spm
 
             self._sp = spm.SentencePieceProcessor()
-            try:
-                self._sp.LoadFromSerializedProto(blob)
-            except Exception as e:
-                raise FormatError(f"{source}: SentencePiece model cannot be loaded: {e}") from None
+            _library_call(source, "SentencePiece model cannot be loaded", self._sp.LoadFromSerializedProto, blob)
             self._hf = None
             self.vocab_size = self._sp.GetPieceSize()
             self._special_ids = {i for i in range(self.vocab_size) if self._sp.IsControl(i)}
@@ -75,6 +119,9 @@ class Tokenizer:
             self._special_re = re.compile("(" + "|".join(re.escape(p) for p in pieces) + ")") if pieces else None
         else:
             raise FormatError(f"{source}: unknown tokenizer kind {kind!r} (expected hf_json or sentencepiece)")
+        if self.vocab_size == 0:
+            raise FormatError(f"{source}: the tokenizer has an empty vocabulary",
+                              hint="the tokenizer file is corrupt; re-convert from a complete model")
         self.bos_id = bos_id
         self._bytes_cache: dict[int, bytes] = {}
         eos = [int(e) for e in eos_ids if e is not None]
@@ -90,7 +137,9 @@ class Tokenizer:
         if spec is None:
             raise FormatError(f"{store.path}: the store has no tokenizer", hint="re-convert the model from a source with one")
         cfg = store.config
-        return cls(spec[0], spec[1], bos_id=cfg.bos_token_id, eos_ids=cfg.eos_token_ids, source=store.path)
+        origin = store.meta.get("source")
+        source = store.path if not isinstance(origin, str) or not origin else f"{store.path} (converted from {origin})"
+        return cls(spec[0], spec[1], bos_id=cfg.bos_token_id, eos_ids=cfg.eos_token_ids, source=source)
 
     # ---- lookups ------------------------------------------------------------------------------------
     def token_to_id(self, token: str) -> int | None:
@@ -110,7 +159,8 @@ class Tokenizer:
         special-token strings like <|eot_id|> in the text into their ids (else they are plain text)."""
         if self._hf is not None:
             self._hf.encode_special_tokens = not special
-            ids = self._hf.encode(text, add_special_tokens=add_bos).ids
+            ids = _library_call(self._source, "the tokenizer cannot encode this text",
+                                lambda: self._hf.encode(text, add_special_tokens=add_bos)).ids
         else:
             ids = []
             parts = self._special_re.split(text) if special and self._special_re else [text]
@@ -128,7 +178,8 @@ class Tokenizer:
     def decode(self, ids, *, skip_special: bool = False) -> str:
         ids = [int(i) for i in ids]
         if self._hf is not None:
-            return self._hf.decode(ids, skip_special_tokens=skip_special)
+            return _library_call(self._source, "the tokenizer cannot decode these tokens",
+                                 lambda: self._hf.decode(ids, skip_special_tokens=skip_special))
         if skip_special:
             ids = [i for i in ids if i not in self._special_ids]
         # sentencepiece drops control tokens when decoding; keep them visible like llama.cpp does

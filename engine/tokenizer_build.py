@@ -36,17 +36,14 @@ def fix_chat_template(tmpl: str | None) -> str:
 
 
 def special_ids_from_hf_json(blob: bytes, names, path: str = "tokenizer.json") -> list[int]:
-    try:
-        tj = json.loads(blob)
-        if not isinstance(tj, dict):
-            raise ValueError("not a JSON object")
-    except ValueError as e:
-        raise FormatError(f"{path}: not a valid tokenizer.json: {e}") from None
+    from .tokenizer import parse_hf_json
+
+    tj = parse_hf_json(blob, path)
     found = {}
     for t in tj.get("added_tokens") or []:
-        if isinstance(t, dict) and t.get("content") in names:
-            found[t["content"]] = t.get("id")
-    vocab = (tj.get("model") or {}).get("vocab")
+        if t["content"] in names:
+            found[t["content"]] = t["id"]
+    vocab = tj["model"].get("vocab")
     if isinstance(vocab, dict):
         for n in names:
             if n not in found and n in vocab:

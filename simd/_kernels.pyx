@@ -16,7 +16,7 @@ from libc.stdint cimport int8_t, int32_t, int64_t, uint8_t, uint16_t, uint64_t
 
 import numpy as np
 
-from engine.errors import KernelError
+from engine.errors import IsaChoiceError, KernelError
 
 cnp.import_array()
 
@@ -95,9 +95,9 @@ def set_isa(name=None):
         bk_set_isa(-1)
         return active()
     if name not in ISA_NAMES:
-        raise KernelError(f"unknown ISA {name!r}", hint=f"use one of {', '.join(ISA_NAMES)}")
+        raise IsaChoiceError(f"unknown ISA {name!r}", hint=f"use one of {', '.join(ISA_NAMES)}")
     if bk_set_isa(ISA_NAMES.index(name)) != 0:
-        raise KernelError(f"this CPU cannot run the {name!r} kernels",
+        raise IsaChoiceError(f"this CPU cannot run the {name!r} kernels",
                           hint=f"it supports: {', '.join(supported_isas())}")
     return active()
 
@@ -573,4 +573,4 @@ if _forced:
     try:
         set_isa(_forced)
     except KernelError as _e:
-        raise KernelError(f"BITNET_ISA={_forced}: {_e}") from None
+        raise IsaChoiceError(f"BITNET_ISA={_forced}: {_e}") from None

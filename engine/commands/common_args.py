@@ -51,7 +51,7 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
                    help="repetition penalty (1 = off)")
     p.add_argument("--repeat-last-n", type=int, default=d["repeat_last_n"], metavar="N",
                    help="tokens the repetition penalty looks back at")
-    p.add_argument("--seed", type=int, default=None, metavar="S", help="random seed (default: random)%(default).0s")
+    p.add_argument("--seed", type=int, default=None, metavar="S", help="random seed; -1 or none: a random one (printed with -v)%(default).0s")
 
 
 def check_n_predict(n: int) -> str | None:

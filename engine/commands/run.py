@@ -71,6 +71,20 @@ def _stats_dict(stats, llm) -> dict:
     return d
 
 
+def resolve_seed(seed: int | None) -> int:
+    """llama.cpp's convention: no seed or -1 means a fresh random one, chosen here so -v can print it (and a
+    run can be repeated with --seed N)."""
+    from engine.errors import BitNetError
+
+    if seed is None or seed == -1:
+        import secrets
+
+        return secrets.randbits(32)
+    if seed < 0:
+        raise BitNetError(f"--seed {seed}: must be >= 0, or -1 for a random seed")
+    return seed
+
+
 def main(args) -> int:
     import sys
 
@@ -91,18 +105,24 @@ def main(args) -> int:
     from engine.api import SamplingParams, load_model
     from engine.generate import FINISH_MESSAGES
 
+    seed = resolve_seed(args.seed)
     params = SamplingParams(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                            repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n, seed=args.seed).check()
+                            repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n, seed=seed).check()
     from engine.speculative import lookup_from_flags
 
     lookup = lookup_from_flags(args.draft_max, args.lookup_ngram_min)
     llm = load_model(args.model, ctx=args.ctx, threads=args.threads, kv_dtype=args.kv,
                      progress=sys.stderr.isatty(), lm_head=args.lm_head, lookup=lookup)
+    for w in llm.warnings:
+        print(f"bitnet: warning: {w}", file=sys.stderr)
     if args.chat or args.system is not None:  # a system prompt only means something in the chat template
         msgs = ([{"role": "system", "content": args.system}] if args.system is not None else [])
         ids = llm.chat_prompt(msgs + [{"role": "user", "content": prompt}])
     else:
         ids = llm.tokenize(prompt, add_bos=True)
+        if prompt.strip() and not [i for i in ids if i != llm.tokenizer.bos_id]:
+            raise BitNetError(f"the prompt became no tokens at all: none of its characters are in the vocabulary of"
+                              f" {llm.name}", hint="check the model's tokenizer (bitnet inspect)")
     until_end = args.n_predict == UNTIL_END
     max_tokens = llm.n_ctx if until_end else args.n_predict
     out = sys.stdout
@@ -141,9 +161,9 @@ def main(args) -> int:
         out.write("\n")
     out.flush()
     if stats and stats.finish_reason == "context" and not until_end:
-        print(f"bitnet: {FINISH_MESSAGES['context']} (n_ctx {llm.n_ctx})", file=sys.stderr)
+        print(f"bitnet: {FINISH_MESSAGES['context']} (n_ctx {llm.n_ctx}; {llm.model.context_hint()})", file=sys.stderr)
     if args.verbose and stats:
-        print(f"model: {llm.name} ({llm.model.lm_head} head, kv {args.kv}, n_ctx {llm.n_ctx})\n"
+        print(f"model: {llm.name} ({llm.model.lm_head} head, kv {args.kv}, n_ctx {llm.n_ctx}, seed {seed})\n"
               f"load: {stats.load_s * 1000:.0f} ms | prompt: {stats.n_prompt} tokens ({stats.n_cached} cached), "
               f"{stats.prefill_tps:.1f} tok/s | first token: {stats.ttft_s * 1000:.0f} ms | "
               f"generated: {stats.n_generated} tokens, {stats.decode_tps:.1f} tok/s | stop: {stats.finish_reason}"

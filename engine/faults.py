@@ -1,0 +1,86 @@
+"""Fatal faults on memory-mapped files: a model file truncated or rewritten while it is mapped (a download
+still being written, `cp` over it, a full disk) makes the next load from it raise SIGBUS inside C code,
+where Python cannot catch anything. simd._faultguard (a C handler) turns that into one line on stderr and
+an exit with EXIT_BAD_INPUT, after unlinking the temporary files registered here.
+
+    install("bitnet")                  the CLIs call this once; library users may too
+    watch_mapping(mm, path, kind)      fileio.map_readonly registers every map it makes
+    close_map(mm)                      close a map and forget its region
+    with removed_on_fault(tmp): ...    a temporary output (the converter's store) unlinked on such a fault
+    set_note(text)                     appended to the fatal line (bitchat: where the transcript is saved)
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import weakref
+from contextlib import contextmanager
+
+from .errors import EXIT_BAD_INPUT
+
+try:  # the submodule itself: `from simd import` would go through simd's lazy error for a bad BITNET_ISA
+    _fg = importlib.import_module("simd._faultguard")
+except ImportError:  # pragma: no cover - an old build without the guard: faults stay plain signals
+    _fg = None
+
+_finalizers: dict[int, weakref.finalize] = {}
+
+
+def install(prog: str) -> bool:
+    """Install the SIGBUS handler (idempotent); messages start with "<prog>: error: "."""
+    if _fg is None:
+        return False
+    _fg.install(f"{prog}: error: ", EXIT_BAD_INPUT)
+    return True
+
+
+def installed() -> bool:
+    return _fg is not None and _fg.installed()
+
+
+def watch_mapping(mm, path: str, kind: str) -> None:
+    """Register the mapped range of `mm` so a fault in it names `path`. Unregistered when the map is
+    closed through close_map() or freed."""
+    if _fg is None:
+        return
+    msg = (f"{path}: the {kind} changed or was truncated while in use (hint: do not overwrite or truncate a"
+           " model file while it is loaded; if it is still being downloaded or copied, wait until it is complete)")
+    slot = _fg.add_region(mm, msg)
+    if slot < 0:
+        return
+    key = id(mm)
+
+    def forget(slot=slot, key=key):
+        _fg.remove_region(slot)
+        _finalizers.pop(key, None)
+
+    _finalizers[key] = weakref.finalize(mm, forget)
+
+
+def close_map(mm) -> None:
+    """Close `mm` and forget its region; if numpy views still hold it, it stays mapped (and watched)
+    until they are gone."""
+    try:
+        mm.close()
+    except BufferError:
+        return
+    f = _finalizers.get(id(mm))
+    if f is not None:
+        f()
+
+
+@contextmanager
+def removed_on_fault(path: str):
+    """While the block runs, a fatal fault unlinks `path` (a temporary file) before the process exits."""
+    slot = _fg.add_cleanup(os.path.abspath(path)) if _fg is not None else -1
+    try:
+        yield
+    finally:
+        if slot >= 0:
+            _fg.remove_cleanup(slot)
+
+
+def set_note(text: str) -> None:
+    """Text appended to the fatal line, e.g. "; the conversation is saved in X"."""
+    if _fg is not None:
+        _fg.set_note(text)

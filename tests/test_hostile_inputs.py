@@ -1,0 +1,204 @@
+"""Hostile files and flags, each reproduced with a small generated model (issue 14): one clear line and the
+documented exit code (README "Errors": 0 ok, 2 bad input, 70 engine bug), never a traceback, a signal, a hang
+or a misleading message; --seed -1 is a random seed; -c / -t beyond the model or the machine are handled."""
+import json
+import os
+import re
+import shutil
+import struct
+import subprocess
+import sys
+import time
+
+import pytest
+
+from engine.chat_template import TemplateError, render
+from engine.convert import convert
+from engine.errors import BitNetError
+from engine.synth import SynthModel, small_config, write_gguf_i2s, write_hf_dir
+from engine.template_sandbox import Limits, TemplateLimitError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    d = tmp_path_factory.mktemp("hostile")
+    m = SynthModel(small_config(num_hidden_layers=1, vocab_size=300, max_position_embeddings=128), seed=4)
+    hf = write_hf_dir(m, str(d / "hf"))
+    return {"dir": d, "m": m, "hf": hf, "store": convert(hf, str(d / "m.bnstore"), progress=False)}
+
+
+def bitnet(*args, env=None, timeout=120):
+    return subprocess.run([sys.executable, "-m", "engine", *args], cwd=ROOT, env=env or ENV, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def one_error_line(r, code=2) -> str:
+    assert r.returncode == code, (r.returncode, r.stderr)
+    assert "Traceback" not in r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip() and "warning:" not in ln]
+    assert len(lines) == 1, r.stderr
+    return lines[0]
+
+
+def hf_copy(model, tmp_path, name="hf"):
+    d = str(tmp_path / name)
+    shutil.copytree(model["hf"], d)
+    return d
+
+
+# ---- flags -------------------------------------------------------------------------------------------
+def test_seed_minus_one_is_random_and_printed(model):
+    seeds = []
+    for _ in range(2):
+        r = bitnet("run", "-m", model["store"], "-p", "Hi", "-n", "3", "--seed", "-1", "-v")
+        assert r.returncode == 0, r.stderr
+        seeds.append(int(re.search(r"seed (\d+)", r.stderr).group(1)))
+    assert seeds[0] != seeds[1]   # 2^-32 chance of a false failure
+    fixed = bitnet("run", "-m", model["store"], "-p", "Hi", "-n", "3", "--seed", str(seeds[0]), "-v")
+    assert f"seed {seeds[0]}" in fixed.stderr
+    assert "--seed -2" in one_error_line(bitnet("run", "-m", model["store"], "-p", "Hi", "--seed", "-2"))
+
+
+def test_ctx_above_training_warns_and_impossible_ctx_is_refused(model):
+    r = bitnet("run", "-m", model["store"], "-p", "Hi", "-n", "2", "-c", "1000")
+    assert r.returncode == 0, r.stderr
+    assert "warning: -c/--ctx 1000 is larger than the 128 tokens the model was trained on" in r.stderr
+    line = one_error_line(bitnet("run", "-m", model["store"], "-p", "Hi", "-c", "2000000000"))
+    assert "-c/--ctx 2000000000" in line and "would need" in line and "GiB" in line and "MemoryError" not in line
+
+
+def test_threads_beyond_the_cores_are_capped(model):
+    r = bitnet("run", "-m", model["store"], "-p", "Hi", "-n", "2", "-t", "999")
+    assert r.returncode == 0, r.stderr
+    cores = len(os.sched_getaffinity(0))
+    assert f"warning: -t/--threads 999 is more than the {cores} CPU cores available; using {cores}" in r.stderr
+
+
+def test_context_hint_only_when_ctx_can_grow(model):
+    long_prompt = "hello " * 400
+    full = one_error_line(bitnet("run", "-m", model["store"], "-p", long_prompt))   # default: the model's 128
+    assert "raise -c" not in full and "already the model's full 128 tokens" in full
+    small = one_error_line(bitnet("run", "-m", model["store"], "-p", long_prompt, "-c", "64"))
+    assert "raise -c/--ctx" in small
+
+
+# ---- files -------------------------------------------------------------------------------------------
+def test_empty_file_is_called_empty(tmp_path):
+    for name in ("model.gguf", "model.bnstore"):
+        p = tmp_path / name
+        p.write_bytes(b"")
+        assert "the file is empty (0 bytes)" in one_error_line(bitnet("run", "-m", str(p), "-p", "Hi"))
+
+
+def test_corrupt_gguf_is_not_called_truncated(model, tmp_path):
+    path = write_gguf_i2s(model["m"], str(tmp_path / "ok.gguf"))
+    data = bytearray(open(path, "rb").read())
+    bad = bytearray(data)
+    struct.pack_into("<Q", bad, 24, (1 << 64) - 255)   # the first key's length: a wrapped-around negative
+    (tmp_path / "corrupt.gguf").write_bytes(bytes(bad))
+    line = one_error_line(bitnet("convert", str(tmp_path / "corrupt.gguf")))
+    assert "corrupt GGUF" in line and "truncated" not in line and "18446744073709551361" in line
+    (tmp_path / "short.gguf").write_bytes(bytes(data[:200]))   # cut inside the metadata: really truncated
+    assert "truncated" in one_error_line(bitnet("convert", str(tmp_path / "short.gguf")))
+
+
+def test_zero_heads_names_the_field(model, tmp_path):
+    d = hf_copy(model, tmp_path)
+    cfg = json.load(open(os.path.join(d, "config.json")))
+    cfg["num_attention_heads"] = 0
+    json.dump(cfg, open(os.path.join(d, "config.json"), "w"))
+    line = one_error_line(bitnet("convert", d))
+    assert "num_attention_heads must be a positive integer" in line and "ZeroDivision" not in line
+
+
+@pytest.mark.parametrize("tokenizer, expect", [
+    ({"model": 5}, '"model" must be an object'),
+    ([], "the top level must be an object"),
+    ({"model": {"type": "BPE", "vocab": {}, "merges": []}}, "empty vocabulary"),
+    ({"model": {"type": "BPE", "vocab": {"a": 0}, "merges": []}, "added_tokens": [{"id": "x"}]}, "added token"),
+    ({"model": {"type": "Unigram", "vocab": [["a", 1.0]]}}, "cannot encode"),
+])
+def test_bad_tokenizer_json_names_the_users_file(model, tmp_path, tokenizer, expect):
+    """Checked at conversion, so the error names the user's tokenizer.json, not the cached store."""
+    d = hf_copy(model, tmp_path)
+    json.dump(tokenizer, open(os.path.join(d, "tokenizer.json"), "w"))
+    cache = str(tmp_path / "cache")
+    line = one_error_line(bitnet("run", "-m", d, "-p", "Hi", env=dict(ENV, BITNET_CACHE=cache)))
+    assert expect in line and os.path.join(d, "tokenizer.json") in line and cache not in line
+    assert not os.path.isdir(cache) or not os.listdir(cache)
+
+
+def test_hostile_chat_template_is_one_line(model, tmp_path):
+    d = hf_copy(model, tmp_path)
+    p = os.path.join(d, "tokenizer_config.json")
+    tc = json.load(open(p))
+    tc["chat_template"] = "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}"
+    json.dump(tc, open(p, "w"))
+    store = convert(d, str(tmp_path / "t.bnstore"), progress=False)
+    t0 = time.monotonic()
+    line = one_error_line(bitnet("run", "-m", store, "--chat", "-p", "Hi"))
+    assert "chat template" in line and "iterations" in line and time.monotonic() - t0 < 30
+
+
+# ---- bugs vs bad input -------------------------------------------------------------------------------
+def test_kernel_error_is_reported_as_a_bug():
+    """An engine bug (KernelError) exits 70 and asks for a report instead of blaming the input."""
+    code = ("import sys; from engine import cli; from engine.errors import KernelError; "
+            "import engine.commands.info as info; "
+            "info.main = lambda a: (_ for _ in ()).throw(KernelError('gemv_ternary: out has 3 rows, expected 4')); "
+            "sys.exit(cli.main(['info']))")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=60)
+    line = one_error_line(r, code=70)
+    assert line.startswith("bitnet: internal error: gemv_ternary") and "bug" in line and "report" in line
+
+
+def test_bad_isa_choice_is_bad_input(model):
+    line = one_error_line(bitnet("run", "-m", model["store"], "-p", "Hi", env=dict(ENV, BITNET_ISA="bogus")))
+    assert "BITNET_ISA=bogus" in line and "internal error" not in line
+
+
+# ---- the template sandbox ------------------------------------------------------------------------------
+MSGS = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+
+
+@pytest.mark.parametrize("template", [
+    "{% for i in range(10**9) %}x{% endfor %}",
+    "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}",
+    "{% set a = range(90000)|list %}{% for i in a %}{% for j in a %}{% endfor %}{% endfor %}",
+    "{{ 'x' * 10000000000 }}",
+    "{% set ns = namespace(s='x') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
+    "{% set ns = namespace(l=[1]) %}{% for i in range(64) %}{% set ns.l = ns.l + ns.l %}{% endfor %}",
+    "{{ '%3000000000s'|format('x') }}", "{{ '%3000000000s' % 'x' }}", "{{ '{:>3000000000}'.format(1) }}",
+    "{{ 'y'|center(5000000000) }}", "{{ messages|tojson(indent=3000000000) }}", "{{ range(5)|slice(3000000000) }}",
+    "{{ ('x' * 100000)|replace('', 'y' * 100000) }}", "{{ ('y' * 100000).join(['a'] * 100000) }}",
+    "{% for i in range(100000) %}{{ 'abcdefghijklmnopqrstuvwxyz' }}{% endfor %}",
+    "{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}",
+])
+def test_template_limits(template):
+    t0 = time.monotonic()
+    with pytest.raises(TemplateError if "macro" in template else TemplateLimitError) as e:
+        render(template, MSGS)
+    assert "\n" not in str(e.value) and time.monotonic() - t0 < 10
+    assert isinstance(e.value, BitNetError) and e.value.exit_code == 2
+
+
+def test_template_deadline():
+    slow = "{% for i in range(100000) %}{{ messages|length }}{% endfor %}{% for i in range(100000) %}{% endfor %}"
+    with pytest.raises(TemplateLimitError, match="took more than"):
+        render(slow, MSGS, limits=Limits(seconds=0.01))
+
+
+def test_real_templates_still_render():
+    llama3 = ("{{ bos_token }}{% for m in messages %}{% set content = '<|start_header_id|>' + m['role'] + "
+              "'<|end_header_id|>\n\n' + m['content'] | trim + '<|eot_id|>' %}{{ content }}{% endfor %}"
+              "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}")
+    out = render(llama3, MSGS, bos_token="<s>")
+    assert out.startswith("<s><|start_header_id|>user") and out.endswith("assistant<|end_header_id|>\n\n")
+    assert render("{% for m in messages %}{{ loop.index }}/{{ loop.length }} {% endfor %}", MSGS) == "1/2 2/2 "
+    assert render("{% for x in [[1, [2]], [3]] recursive %}{% if x is iterable %}{{ loop(x) }}{% else %}{{ x }}"
+                  "{% endif %}{% endfor %}", MSGS) == "123"
+    assert render("{{ messages | tojson }}", MSGS[:1]) == '[{"role": "user", "content": "hi"}]'
+    assert render("{{ ', '.join(['a', 'b']) }}{{ 'a b' | replace(' ', '_') }}{{ '%s!' % 'x' }}", MSGS) == "a, ba_bx!"
