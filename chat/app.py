@@ -1,10 +1,12 @@
+# PYTHON_ARGCOMPLETE_OK
 """`bitchat`: the interactive terminal chat (console script entry point `main`).
 
-    bitchat [-m MODEL] [--system TEXT] [--temp T] [--top-k K] [--top-p P] [--min-p P]
+    bitchat [-m MODEL] [-sys TEXT] [--temp T] [--top-k K] [--top-p P] [--min-p P]
             [--repeat-penalty R] [--seed S] [-n N] [-c CTX] [-t THREADS]
 
-No -m opens the bundled default model. On a terminal it is a prompt_toolkit REPL; when stdin or
-stdout is not a terminal, input lines become turns and the output is plain text.
+The flags are `bitnet run`'s (engine/commands/common_args.py); `bitnet run -cnv` lands here too
+(run_chat). No -m opens the bundled default model. On a terminal it is a prompt_toolkit REPL; when
+stdin or stdout is not a terminal, input lines become turns and the output is plain text.
 Exit codes: 0 normal end, 1 a piped command/turn failed, 2 bad flag or model, 130 Ctrl-C while loading.
 """
 from __future__ import annotations
@@ -16,72 +18,89 @@ import time
 
 from chat.commands import CommandError, Settings, parse_setting
 from chat.render import Output
+from engine.commands.common_args import (UNTIL_END, add_context_args, add_model_args, add_sampling_args,
+                                         add_system_args, check_n_predict, maybe_autocomplete,
+                                         parse_args_suggesting)
+
+UNTIL_END_TOKENS = 1 << 30   # -n -1: clamped to the context window once the model is loaded
 
 
 def build_parser() -> argparse.ArgumentParser:
-    d = Settings()
+    from engine import __version__
+
     p = argparse.ArgumentParser(
         prog="bitchat",
         description="Chat with a BitNet b1.58 model in the terminal. Type /help inside for commands.",
         epilog="Input history: $BITCHAT_HISTORY or $XDG_STATE_HOME/bitchat/history. "
                "Piped stdin: each line is a turn, answers go to stdout.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("-m", "--model", metavar="MODEL", default=None,
-                   help="a converted store, a GGUF file or an HF directory (default: the bundled model)")
-    p.add_argument("--system", metavar="TEXT", default=None, help="system prompt (default: none)")
-    p.add_argument("--temp", metavar="T", default=None, help=f"sampling temperature, 0 = greedy (default: {d.temp})")
-    p.add_argument("--top-k", metavar="K", default=None, help=f"top-k sampling, 0 = off (default: {d.top_k})")
-    p.add_argument("--top-p", metavar="P", default=None, help=f"nucleus sampling, 1 = off (default: {d.top_p})")
-    p.add_argument("--min-p", metavar="P", default=None, help=f"min-p sampling, 0 = off (default: {d.min_p})")
-    p.add_argument("--repeat-penalty", metavar="R", default=None,
-                   help=f"repetition penalty, 1 = off (default: {d.repeat_penalty})")
-    p.add_argument("--seed", metavar="S", default=None, help="random seed (default: random)")
-    p.add_argument("-n", "--max-tokens", metavar="N", default=None,
-                   help=f"max tokens per answer (default: {d.max_tokens})")
-    p.add_argument("-c", "--ctx-size", metavar="CTX", type=int, default=None,
-                   help="context window in tokens (default: the model's)")
-    p.add_argument("-t", "--threads", metavar="N", type=int, default=None, help="CPU threads (default: all cores)")
-    p.add_argument("--version", action="version", version="bitchat (bitnet-cpu)")
+    add_model_args(p)
+    add_system_args(p)
+    add_context_args(p, n_predict_default=Settings().max_tokens)
+    add_sampling_args(p)
+    p.add_argument("--version", action="version", version=f"bitchat {__version__}")
     return p
 
 
-def settings_from_args(args, parser) -> Settings:
+def settings_from_args(args, error) -> Settings:
+    """Settings from the parsed flags; `error(message)` reports a bad value (parser.error or a raise)."""
     s = Settings()
+    problem = check_n_predict(args.n_predict)
+    if problem:
+        error(problem)
     for flag, key in (("temp", "temp"), ("top_k", "top_k"), ("top_p", "top_p"), ("min_p", "min_p"),
-                      ("repeat_penalty", "repeat_penalty"), ("seed", "seed"), ("max_tokens", "max_tokens")):
-        value = getattr(args, flag)
+                      ("repeat_penalty", "repeat_penalty"), ("repeat_last_n", "repeat_last_n"), ("seed", "seed"),
+                      ("n_predict", "max_tokens")):
+        value = getattr(args, flag, None)
         if value is None:
+            continue
+        if key == "max_tokens" and value == UNTIL_END:
+            s.max_tokens = UNTIL_END_TOKENS
             continue
         try:
             name, typed = parse_setting(key, str(value))
         except CommandError as e:
             # say it with the flag's own name, not the /set name
-            parser.error(f"--{flag.replace('_', '-')}: " + str(e).split(": ", 1)[-1])
+            error(f"--{flag.replace('_', '-')}: " + str(e).split(": ", 1)[-1])
         setattr(s, name, typed)
-    if args.ctx_size is not None and args.ctx_size < 16:
-        parser.error(f"-c/--ctx-size: {args.ctx_size} is too small (at least 16)")
+    if args.ctx is not None and args.ctx < 16:
+        error(f"-c/--ctx-size: {args.ctx} is too small (at least 16)")
     if args.threads is not None and args.threads < 1:
-        parser.error(f"-t/--threads: {args.threads} must be >= 1")
+        error(f"-t/--threads: {args.threads} must be >= 1")
     return s
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
-    settings = settings_from_args(args, parser)
+    maybe_autocomplete(parser)
+    args = parse_args_suggesting(parser, argv)
+    settings = settings_from_args(args, parser.error)
+    return _guarded(args, settings)
+
+
+def run_chat(args, first_message: str | None = None) -> int:
+    """`bitnet run -cnv`: the chat with `bitnet run`'s parsed flags; `first_message` (its -p) is the first turn."""
+    from engine.errors import BitNetError
+
+    def error(message):
+        raise BitNetError(message)
+
+    return _guarded(args, settings_from_args(args, error), first_message)
+
+
+def _guarded(args, settings: Settings, first_message: str | None = None) -> int:
     interactive = sys.stdin.isatty() and sys.stdout.isatty()
     out = Output(interactive=interactive)
     try:
-        return _run(args, settings, out, interactive)
+        return _run(args, settings, out, interactive, first_message)
     except KeyboardInterrupt:
         print("", file=sys.stderr)
         return 130
     except BrokenPipeError:
-        try:  # stdout went away (e.g. `| head`): nothing more to say
-            sys.stdout = open(os.devnull, "w")
-        except OSError:
-            pass
-        return 0
+        from engine.cli import quiet_broken_pipe
+
+        return quiet_broken_pipe()   # stdout went away (e.g. `| head`): nothing more to say
     except Exception as e:  # a bug: one line (BITCHAT_DEBUG=1 shows the traceback), never a raw dump
         if os.environ.get("BITCHAT_DEBUG"):
             raise
@@ -89,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
-def _run(args, settings: Settings, out: Output, interactive: bool) -> int:
+def _run(args, settings: Settings, out: Output, interactive: bool, first_message: str | None = None) -> int:
     from engine.errors import BitNetError
 
     label = args.model or "the bundled default model"
@@ -98,7 +117,8 @@ def _run(args, settings: Settings, out: Output, interactive: bool) -> int:
     try:
         from engine.api import load_model
 
-        llm = load_model(args.model, ctx=args.ctx_size, threads=args.threads, progress=True)
+        llm = load_model(args.model, ctx=args.ctx, threads=args.threads, progress=True,   # -cnv: run's --kv/--lm-head
+                         kv_dtype=getattr(args, "kv", "f16"), lm_head=getattr(args, "lm_head", None))
     except BitNetError as e:
         print(f"bitchat: error: {e}", file=sys.stderr)
         return e.exit_code
@@ -109,15 +129,19 @@ def _run(args, settings: Settings, out: Output, interactive: bool) -> int:
     if settings.max_tokens > llm.n_ctx:
         settings.max_tokens = llm.n_ctx
 
-    from chat.repl import run_plain, run_repl
+    from chat.repl import handle_line, run_plain, run_repl
     from chat.session import ChatSession
 
     session = ChatSession(llm, settings, out, system=args.system, threads=args.threads, model_label=args.model)
     ready = f"bitchat: {llm.name} ready in {load_s:.1f} s ({llm.n_ctx}-token context)."
     if interactive:
         print(ready + " Type /help for commands, /bye or Ctrl-D to exit.", file=sys.stderr, flush=True)
+        if first_message and not handle_line(session, first_message):
+            return 0
         return run_repl(session)
     print(ready, file=sys.stderr, flush=True)
+    if first_message and not handle_line(session, first_message):
+        return 1 if session.had_errors else 0
     return run_plain(session)
 
 

@@ -11,10 +11,11 @@ from dataclasses import dataclass, fields
 # name -> (argument synopsis, one-line help). Order is the order /help shows.
 COMMANDS: dict[str, tuple[str, str]] = {
     "/help": ("", "show this help"),
-    "/reset": ("", "forget the conversation (the system prompt stays)"),
+    "/reset": ("", "forget the conversation, the system prompt stays (/clear does the same)"),
     "/system": ("[TEXT|--clear]", "show, set or clear the system prompt"),
-    "/set": ("[NAME VALUE]", "show settings, or set temp|top_k|top_p|min_p|repeat_penalty|seed|max_tokens"),
-    "/show": ("", "model information and current settings"),
+    "/set": ("[NAME VALUE]", "show settings, or set temp|top_k|top_p|min_p|repeat_penalty|repeat_last_n|seed|"
+                             "max_tokens; also ollama's /set parameter NAME VALUE and /set system TEXT"),
+    "/show": ("[info|system|parameters]", "model information (source file, shape, context) and current settings"),
     "/save": ("FILE", "save the conversation as JSON (atomic write)"),
     "/load": ("FILE", "load a conversation saved with /save and prefill it"),
     "/retry": ("", "regenerate the last answer"),
@@ -22,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "/bye": ("", "exit (Ctrl-D also exits)"),
 }
 ALIASES = {"/exit": "/bye", "/quit": "/bye", "/?": "/help", "/clear": "/reset"}
+SHOW_TOPICS = ("info", "system", "parameters")
 
 
 class CommandError(Exception):
@@ -38,17 +40,21 @@ class Settings:
     repeat_penalty: float = 1.0
     seed: int | None = None
     max_tokens: int = 512
+    repeat_last_n: int = 64
 
     def describe(self) -> str:
         seed = "random" if self.seed is None else str(self.seed)
         return (f"temp={self.temp:g} top_k={self.top_k} top_p={self.top_p:g} min_p={self.min_p:g} "
-                f"repeat_penalty={self.repeat_penalty:g} seed={seed} max_tokens={self.max_tokens}")
+                f"repeat_penalty={self.repeat_penalty:g} seed={seed} max_tokens={self.max_tokens} "
+                f"repeat_last_n={self.repeat_last_n}")
 
 
 SETTING_NAMES = [f.name for f in fields(Settings)]
+# ollama's parameter names (num_predict, ...) and llama.cpp's flag spellings are accepted too
 SETTING_ALIASES = {"temperature": "temp", "t": "temp", "n": "max_tokens", "max-tokens": "max_tokens",
                    "top-k": "top_k", "top-p": "top_p", "min-p": "min_p", "repeat-penalty": "repeat_penalty",
-                   "n_predict": "max_tokens"}
+                   "n_predict": "max_tokens", "n-predict": "max_tokens", "num_predict": "max_tokens",
+                   "repeat-last-n": "repeat_last_n"}
 
 
 def _number(name: str, text: str, kind):
@@ -88,6 +94,10 @@ def parse_setting(name: str, text: str, *, max_tokens_limit: int | None = None) 
         v = _number(key, text, float)
         if v <= 0:
             raise CommandError("/set repeat_penalty: must be > 0 (1 = off)")
+    elif key == "repeat_last_n":
+        v = _number(key, text, int)
+        if v < 0:
+            raise CommandError("/set repeat_last_n: must be >= 0 (0 = off)")
     elif key == "seed":
         if text.lower() in ("none", "random", "off", "-1"):
             v = None
@@ -111,7 +121,7 @@ class Command:
 
 
 NEEDS_ARG = {"/save", "/load"}
-NO_ARG = {"/help", "/reset", "/show", "/retry", "/stats", "/bye"}
+NO_ARG = {"/help", "/reset", "/retry", "/stats", "/bye"}
 
 
 def is_command(line: str) -> bool:
@@ -138,9 +148,28 @@ def parse_command(line: str) -> Command:
         raise CommandError(f"{name} takes no argument (got {rest!r})")
     if name == "/set" and rest:
         parts = rest.split()
-        if len(parts) != 2:
+        if parts[0].lower() == "system":            # ollama: /set system TEXT (the text may have spaces)
+            if len(parts) < 2:
+                raise CommandError("/set system needs the text, e.g. /set system You are brief.")
+        elif parts[0].lower() == "parameter":       # ollama: /set parameter NAME VALUE
+            if len(parts) not in (1, 3):
+                raise CommandError("/set parameter needs NAME VALUE, e.g. /set parameter temperature 0.7")
+        elif len(parts) != 2:
             raise CommandError("/set needs NAME VALUE, e.g. /set temp 0.7 (or /set alone to show settings)")
+    if name == "/show" and rest and rest.lower() not in SHOW_TOPICS:
+        raise CommandError(f"/show: unknown topic {rest!r} (one of: {', '.join(SHOW_TOPICS)})")
     return Command(name, rest)
+
+
+def split_set(arg: str) -> tuple[str, str] | None:
+    """`/set` argument -> ("system", TEXT) | (NAME, VALUE); None for `/set parameter` alone (list them)."""
+    parts = arg.split()
+    head = parts[0].lower()
+    if head == "system":
+        return "system", arg.split(None, 1)[1].strip()
+    if head == "parameter":
+        return (parts[1], parts[2]) if len(parts) == 3 else None
+    return parts[0], parts[1]
 
 
 def help_text() -> str:
@@ -160,7 +189,9 @@ def completions(text_before_cursor: str) -> list[str]:
         return [c for c in COMMANDS if c.startswith(text_before_cursor.lower())]
     head, _, rest = text_before_cursor.partition(" ")
     if head.lower() == "/set" and " " not in rest.lstrip():
-        return [n for n in SETTING_NAMES if n.startswith(rest.lstrip().lower())]
+        return [n for n in SETTING_NAMES + ["system", "parameter"] if n.startswith(rest.lstrip().lower())]
+    if head.lower() == "/show" and " " not in rest.lstrip():
+        return [n for n in SHOW_TOPICS if n.startswith(rest.lstrip().lower())]
     return []
 
 

@@ -2,10 +2,13 @@
 
 stdout carries the answers; hints, notices and stats go to stderr when stdout is not a terminal
 (so `bitchat < questions.txt > answers.txt` gives only the answers), and to the terminal otherwise.
-Colour only on a terminal and never when NO_COLOR is set.
+Colour only on a terminal and never when NO_COLOR is set. On a terminal a streamed answer wraps at word
+boundaries at the terminal's width (measured at the start of each answer, so a resize is followed): the
+word being written is held back until it is complete, then goes on this line or the next.
 """
 from __future__ import annotations
 
+import io
 import os
 import sys
 
@@ -42,15 +45,82 @@ def format_stats(stats, n_shown: int | None = None) -> str:
     return "[" + ", ".join(parts) + "]"
 
 
-class Output:
-    """Where each kind of text goes, and whether it is decorated."""
+def _cell_width(text: str) -> int:
+    """Terminal columns `text` takes (wide East Asian characters take two)."""
+    try:
+        from prompt_toolkit.utils import get_cwidth
+    except ImportError:  # pragma: no cover - prompt_toolkit is a dependency
+        return len(text)
+    return sum(get_cwidth(c) for c in text)
 
-    def __init__(self, out=None, err=None, interactive: bool | None = None):
+
+class WordWrapper:
+    """Streaming word wrap: feed(text) -> text to write now, with newlines put where words would cross
+    `width`; the last, possibly unfinished word is held until flush(). A word longer than a line is cut."""
+
+    def __init__(self, width: int):
+        self.width = max(8, width)
+        self.column = 0
+        self.word = ""
+
+    def _word_out(self) -> str:
+        out, w = "", _cell_width(self.word)
+        if self.column and self.column + w > self.width:
+            out, self.column = "\n", 0
+        for ch in self.word:   # only a word longer than the whole line needs cutting
+            cw = _cell_width(ch)
+            if self.column + cw > self.width:
+                out, self.column = out + "\n", 0
+            out += ch
+            self.column += cw
+        self.word = ""
+        return out
+
+    def feed(self, text: str) -> str:
+        out = []
+        for ch in text:
+            if ch == "\n":
+                out.append(self._word_out() + "\n")
+                self.column = 0
+            elif ch in " \t":
+                out.append(self._word_out())
+                step = 8 - self.column % 8 if ch == "\t" else 1
+                if self.column + step > self.width:   # the break replaces the space
+                    out.append("\n")
+                    self.column = 0
+                else:
+                    out.append(ch)
+                    self.column += step
+            else:
+                self.word += ch
+        return "".join(out)
+
+    def flush(self) -> str:
+        return self._word_out()
+
+
+class Output:
+    """Where each kind of text goes, and whether it is decorated. `width`: wrap answers at this many
+    columns (default on a terminal: its width; never when not interactive)."""
+
+    def __init__(self, out=None, err=None, interactive: bool | None = None, width: int | None = None):
         self.out = out or sys.stdout
         self.err = err or sys.stderr
         self.interactive = self.out.isatty() if interactive is None else interactive
         self.color = self.interactive and not os.environ.get("NO_COLOR")
         self.at_line_start = True
+        self.width = width
+        self._wrap: WordWrapper | None = None
+
+    def _terminal_width(self) -> int | None:
+        if self.width:
+            return self.width
+        if not self.interactive:
+            return None
+        try:
+            return os.get_terminal_size(self.out.fileno()).columns or None
+        except (OSError, ValueError, AttributeError, io.UnsupportedOperation):
+            return None
 
     # the answer, piece by piece
     def stream(self, text: str) -> None:
@@ -58,11 +128,29 @@ class Output:
             return
         if self.interactive:
             text = text.translate(_VISIBLE_CONTROLS)
-        self.out.write(text)
-        self.out.flush()
-        self.at_line_start = text.endswith("\n")
+        if self._wrap is None and self.at_line_start:   # a new answer: measure the terminal now
+            width = self._terminal_width()
+            self._wrap = WordWrapper(width) if width else None
+        if self._wrap is not None:
+            text = self._wrap.feed(text)
+            pending = bool(self._wrap.word)
+        else:
+            pending = False
+        if text:
+            self.out.write(text)
+            self.out.flush()
+        if text:
+            self.at_line_start = text.endswith("\n") and not pending
+        elif pending:
+            self.at_line_start = False
 
     def end_answer(self) -> None:
+        if self._wrap is not None:
+            rest = self._wrap.flush()
+            self._wrap = None
+            if rest:
+                self.out.write(rest)
+                self.at_line_start = False
         if not self.at_line_start:
             self.out.write("\n")
             self.out.flush()

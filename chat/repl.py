@@ -44,6 +44,8 @@ def handle_line(session: ChatSession, text: str) -> bool:
     except CommandError as e:
         session.out.notice(str(e))
         session.had_errors = True
+    except BrokenPipeError:   # stdout was closed (`| head`): not a bug; bitchat ends quietly (chat/app.py)
+        raise
     except Exception as e:  # a bug must not take the transcript with it
         session.out.end_answer()
         session.out.notice(f"[internal error: {type(e).__name__}: {e}; the session goes on — /save keeps your work]")
@@ -54,12 +56,21 @@ def handle_line(session: ChatSession, text: str) -> bool:
 
 
 def run_plain(session: ChatSession, stream=None) -> int:
-    """Lines of `stream` (stdin) become turns; a line that is a command runs it; \"\"\" blocks span
-    lines. Exit 0 at end of input, 1 if a command or turn failed on the way."""
-    stream = stream or sys.stdin
+    """Lines of `stream` (stdin's bytes by default; text or bytes) become turns; a line that is a command runs
+    it; \"\"\" blocks span lines. A line that is not UTF-8 is skipped with one line naming the byte. Exit 0
+    at end of input, 1 if a command or turn failed on the way."""
+    from engine.commands.common_args import decode_utf8
+
+    stream = stream or getattr(sys.stdin, "buffer", sys.stdin)
     block: list[str] | None = None
-    for raw in stream:
-        line = raw.rstrip("\n")
+    for number, raw in enumerate(stream, 1):
+        try:
+            line = decode_utf8(raw, f"stdin line {number}").rstrip("\r\n") if isinstance(raw, bytes) \
+                else decode_utf8(raw.rstrip("\n"), f"stdin line {number}")
+        except ValueError as e:
+            session.out.notice(f"[{e}; the line was skipped]")
+            session.had_errors = True
+            continue
         if block is not None:
             block.append(line)
             if line.rstrip().endswith('"""'):

@@ -19,7 +19,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from chat.commands import Command, CommandError, Settings, help_text, parse_setting
+from chat.commands import Command, CommandError, Settings, help_text, parse_setting, split_set
 from chat.render import Output, format_stats
 from chat.splice import CachedTurn, spliced_prompt
 from chat.transcript import Conversation, TranscriptError
@@ -105,7 +105,8 @@ class ChatSession:
         self.model_label = model_label
         self.last_stats = None
         self.n_answers = 0            # answers made (also advances a fixed seed so /retry differs)
-        self.total_generated = 0
+        self.total_generated = 0      # sum of the stats lines' token counts
+        self.total_decode_tokens = 0  # tokens after each answer's first (what decode tok/s counts)
         self.total_decode_s = 0.0
         self.tokens_in_cache = 0      # prompt + generated tokens of the last call (what the KV holds)
         self.n_dropped = 0            # turns that left the window for lack of room
@@ -121,24 +122,25 @@ class ChatSession:
         s = self.settings
         seed = None if s.seed is None else s.seed + self.n_answers
         return SamplingParams(temperature=s.temp, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p,
-                              repeat_penalty=s.repeat_penalty, seed=seed)
+                              repeat_penalty=s.repeat_penalty, repeat_last_n=s.repeat_last_n, seed=seed)
 
     def count_tokens(self, messages: list[dict], generation_prompt: bool = True) -> int:
         return len(self.llm.chat_prompt(messages, add_generation_prompt=generation_prompt))
 
     # ---- context window ------------------------------------------------------------------------
     def _reserve(self) -> int:
-        """Room kept free for the answer when deciding whether the prompt fits."""
+        """Room kept free for the answer: its -n/max_tokens, at most half the window (a -n as large as
+        the context, e.g. -n -1, would otherwise leave no room for any earlier turn)."""
         return max(1, min(self.settings.max_tokens, self.llm.n_ctx // 2))
 
     def _fit(self, generation_prompt: bool = True) -> list[int] | None:
-        """Trim the window so prompt + answer room fit n_ctx; the prompt ids, or None when even the
-        newest message alone cannot fit (then that turn is removed and the user is told)."""
+        """Trim the window so prompt + answer room fit n_ctx, dropping only as many of the oldest turns as
+        needed (every turn that fits stays); the prompt ids, or None when even the newest message alone
+        cannot fit (then that turn is removed and the user is told)."""
         n_ctx = self.llm.n_ctx
         budget = n_ctx - self._reserve()
         start_before = self.conv.window_start
-        dropped = self.conv.fit_window(lambda m: self.count_tokens(m, generation_prompt), budget,
-                                       target=budget - n_ctx // 4)
+        dropped = self.conv.fit_window(lambda m: self.count_tokens(m, generation_prompt), budget)
         messages = self.conv.messages()
         ids = self.llm.chat_prompt(messages, add_generation_prompt=generation_prompt)
         if generation_prompt and self.splice:  # same text, but the last answer's own tokens: the cache covers them
@@ -150,14 +152,20 @@ class ChatSession:
             return None
         if dropped:
             self.n_dropped += dropped
-            self.out.notice(f"[context window full ({n_ctx} tokens): dropped the {dropped} oldest "
-                            f"turn{'s' if dropped > 1 else ''} from the model's view; the system prompt "
-                            "is kept and /save still has everything]")
+            self.out.notice(f"[context full ({n_ctx} tokens, {self._reserve()} kept for the answer): dropped the "
+                            f"{dropped} oldest turn{'s' if dropped > 1 else ''} from the model's view; "
+                            "/save still has them]")
         self.last_prompt_ids = ids
         return ids
 
     # ---- one answer ----------------------------------------------------------------------------
     def ask(self, text: str) -> None:
+        from engine.commands.common_args import decode_utf8
+
+        try:   # lone surrogates (undecodable bytes smuggled in as text) cannot be tokenized
+            decode_utf8(text, "message")
+        except ValueError as e:
+            raise CommandError(f"[{e}; not sent]") from None
         turn = self.conv.add_user(text)
         self._answer(turn)
 
@@ -243,9 +251,11 @@ class ChatSession:
         turn.interrupted = interrupted
         turn.finish_reason = "interrupted" if interrupted else getattr(stats, "finish_reason", None)
         self.last_stats = stats
-        self.total_generated += n_tokens
-        if stats.decode_tps and n_tokens > 1:
-            self.total_decode_s += (n_tokens - 1) / stats.decode_tps
+        n_counted = stats.n_generated   # the number the stats line shows (the engine counts an end token)
+        self.total_generated += n_counted
+        if stats.decode_tps and n_counted > 1:
+            self.total_decode_tokens += n_counted - 1
+            self.total_decode_s += (n_counted - 1) / stats.decode_tps
         self.tokens_in_cache = len(ids) + n_tokens
         if interrupted:
             self.out.notice("[interrupted: the answer so far is kept]")
@@ -304,15 +314,24 @@ class ChatSession:
                 self.conv.system = arg
                 self.out.info("[system prompt set]")
         elif name == "/set":
-            if not arg:
+            pair = split_set(arg) if arg else None
+            if pair is None:
                 self.out.info(self.settings.describe())
+            elif pair[0] == "system":
+                self.conv.system = pair[1]
+                self.out.info("[system prompt set]")
             else:
-                key, text = arg.split()
-                key, value = parse_setting(key, text, max_tokens_limit=self.llm.n_ctx)
+                key, value = parse_setting(pair[0], pair[1], max_tokens_limit=self.llm.n_ctx)
                 setattr(self.settings, key, value)
                 self.out.info(f"[{key} = {'random' if value is None else value}]")
         elif name == "/show":
-            self.out.info(self.describe_model())
+            topic = arg.lower()
+            if topic == "system":
+                self.out.info(f"system prompt: {self.conv.system!r}" if self.conv.system else "no system prompt")
+            elif topic == "parameters":
+                self.out.info(self.settings.describe())
+            else:
+                self.out.info(self.describe_model())
         elif name == "/stats":
             self.out.info(self.describe_stats())
         elif name == "/save":
@@ -337,6 +356,7 @@ class ChatSession:
         llm, c = self.llm, self.llm.config
         lines = [
             f"model:    {llm.name}" + (f"  ({self.model_label})" if self.model_label and self.model_label != llm.name else ""),
+            f"source:   {getattr(llm, 'source', None) or '-'}",
             f"shape:    {c.n_layers} layers, hidden {c.hidden_size}, ffn {c.intermediate_size}, "
             f"{c.n_heads} heads ({c.n_kv_heads} kv, dim {c.head_dim}), vocab {c.vocab_size}, {c.hidden_act}",
             f"context:  {llm.n_ctx} tokens (model max {c.context_length}); in use {self.tokens_in_cache}",
@@ -351,14 +371,10 @@ class ChatSession:
         lines = []
         if s is None:
             lines.append("last answer: none yet")
-        else:
-            ttft = f"{s.ttft_s * 1000:.0f} ms" if s.ttft_s is not None else "-"
-            cached = "-" if s.n_cached is None else str(s.n_cached)
-            pre = f", prefill {s.prefill_tps:.1f} tok/s" if getattr(s, "prefill_tps", None) else ""
-            dec = f"{s.decode_tps:.1f} tok/s" if s.decode_tps else "-"
-            lines.append(f"last answer: {s.n_generated} tokens ({s.finish_reason}), prompt {s.n_prompt} "
-                         f"tokens ({cached} reused from cache), first token {ttft}{pre}, decode {dec}")
-        mean = f"{(self.total_generated - self.n_answers) / self.total_decode_s:.1f} tok/s" if self.total_decode_s > 0 else "-"
+        else:   # the very line shown after the answer, then what it does not say
+            pre = f"prefill {s.prefill_tps:.1f} tok/s, " if getattr(s, "prefill_tps", None) else ""
+            lines.append(f"last answer: {format_stats(s, s.n_generated)}  ({pre}stop: {s.finish_reason})")
+        mean = f"{self.total_decode_tokens / self.total_decode_s:.1f} tok/s" if self.total_decode_s > 0 else "-"
         lines.append(f"session:     {len(self.conv.turns)} turns ({len(self.conv.window_turns())} in the window, "
                      f"{self.n_dropped} dropped), {self.total_generated} tokens generated, mean decode {mean}")
         lines.append(f"context:     {self.tokens_in_cache} / {self.llm.n_ctx} tokens")

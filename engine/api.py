@@ -34,7 +34,11 @@ def _resolve(model: str | None, lm_head: str | None, progress: bool) -> str:
     if model is not None and is_store(model):
         return os.fspath(model)
     if model is not None and not os.path.exists(model):
-        raise BitNetError(f"-m/--model {model}: no such file or directory")
+        from .hub import is_hub_ref
+
+        if not is_hub_ref(model):
+            raise BitNetError(f"-m/--model {model}: no such file or directory",
+                              hint="give a model file, a directory, or a hub id such as microsoft/bitnet-b1.58-2B-4T")
     try:
         from .convert import resolve_model
     except ImportError as e:  # pragma: no cover - only while the converter is missing
@@ -43,7 +47,7 @@ def _resolve(model: str | None, lm_head: str | None, progress: bool) -> str:
 
 
 class LLM:
-    """A loaded model session. Attributes: config, n_ctx, name, tokenizer, load_s."""
+    """A loaded model session. Attributes: config, n_ctx, name, source, tokenizer, load_s."""
 
     def __init__(self, store: Store, *, ctx: int | None = None, threads: int | None = None,
                  kv_dtype: str = "f16", load_s: float = 0.0):
@@ -58,6 +62,9 @@ class LLM:
         self.model = Model(store, n_ctx=ctx, kv_dtype=kv_dtype)
         self.tokenizer = Tokenizer.from_store(store)
         self.n_ctx = self.model.n_ctx
+        from .convert import source_label
+
+        self.source = source_label(store.meta)   # the file (or hub id) the store was converted from
         self.name = self.config.name or os.path.splitext(os.path.basename(store.meta.get("source") or store.path))[0]
         self.load_s = load_s + (time.perf_counter() - t0)
 
@@ -79,13 +86,15 @@ class LLM:
 
     # ---- running ----
     def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
-                 max_tokens: int = 256, stop: Sequence[str] = ()) -> Iterator[Chunk]:
+                 max_tokens: int = 256, stop: Sequence[str] = (), ignore_eos: bool = False) -> Iterator[Chunk]:
         """Stream Chunk(text, token) per generated token, then Chunk("", None, finish_reason, stats).
         A str prompt is tokenized with BOS. finish_reason: "eos" | "stop" | "length" | "context".
         max_tokens=0 only prefills the prompt into the cache. Raises ContextOverflowError when the
-        prompt alone does not fit n_ctx."""
+        prompt alone does not fit n_ctx. ignore_eos: end-of-text tokens are never sampled (llama.cpp's
+        --ignore-eos)."""
         ids = self.tokenize(prompt, add_bos=True) if isinstance(prompt, str) else list(prompt)
-        return _generate(self.model, self.tokenizer, ids, params, max_tokens=max_tokens, stop=stop, load_s=self.load_s)
+        return _generate(self.model, self.tokenizer, ids, params, max_tokens=max_tokens, stop=stop, load_s=self.load_s,
+                         ignore_eos=ignore_eos)
 
     def forward(self, ids: Sequence[int]) -> np.ndarray:
         """Logits [len(ids), vocab] f32 from a fresh cache (for tests)."""

@@ -23,6 +23,8 @@ class ModelConfig:
     tie_word_embeddings: bool = True
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()   # stop on any of these (2B-4T: 128001 and 128009)
+    sub_norms: bool = True           # attn_sub_norm / ffn_sub_norm before o_proj / down_proj (BitNet b1.58,
+                                     # 1bitLLM); False for Llama-architecture ternary models (Falcon3, TriLM)
     arch: str = "bitnet-b1.58"       # informational: where it came from
     name: str = ""                   # human name of the model
 

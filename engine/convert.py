@@ -1,7 +1,7 @@
 """Convert a BitNet model file (bitnet.cpp / llama.cpp GGUF, HF safetensors directory) into the engine's weight
 store once, and find or make the cached store for `bitnet run -m SRC`.
 
-    convert(src, out=None, *, lm_head="i8"|"f16", progress=True, hidden_act=None) -> store path
+    convert(src, out=None, *, lm_head="i8"|"f16", progress=True, hidden_act=None, ternarize=False) -> store path
     resolve_model(src, *, cache_dir=None, lm_head=None, progress=True) -> store path
 
 What goes into the store (tensor names and layouts: engine/INTERFACES.md):
@@ -48,6 +48,7 @@ def _fused(src, shorts: tuple[str, ...], i: int, stats: dict) -> tuple[np.ndarra
     for s in shorts:
         w, scale, seen = src.linear(s, i)
         stats[f"blk.{i}.{s}"] = _stats(w, seen)
+        stats[f"blk.{i}.{s}"].update(getattr(src, "fit_notes", {}).get(f"blk.{i}.{s}.weight", {}))  # GGUF check
         mats.append(w)
         scales.append(np.full(w.shape[0], scale, np.float32))
     w = mats[0] if len(mats) == 1 else np.concatenate(mats)
@@ -101,13 +102,15 @@ def _tensors(src, lm_head: str, stats: dict, bar) -> Iterator[TensorSpec]:
             w, s, n, k = _fused(src, shorts, i, stats)
             yield TensorSpec(f"blk.{i}.{name}", w, {"layout": "tile16", "rows": n, "cols": k})
             yield TensorSpec(f"blk.{i}.{name}.scale", s)
-        yield TensorSpec(f"blk.{i}.attn_sub_norm", _finite(src, f"blk.{i}.attn_sub_norm", src.norm("attn_sub_norm", i)))
+        if c.sub_norms:
+            yield TensorSpec(f"blk.{i}.attn_sub_norm", _finite(src, f"blk.{i}.attn_sub_norm", src.norm("attn_sub_norm", i)))
         yield TensorSpec(f"blk.{i}.ffn_norm", _finite(src, f"blk.{i}.ffn_norm", src.norm("ffn_norm", i)))
         for name, shorts in (("ffn_gate_up", ("ffn_gate", "ffn_up")), ("ffn_down", ("ffn_down",))):
             w, s, n, k = _fused(src, shorts, i, stats)
             yield TensorSpec(f"blk.{i}.{name}", w, {"layout": "tile16", "rows": n, "cols": k})
             yield TensorSpec(f"blk.{i}.{name}.scale", s)
-        yield TensorSpec(f"blk.{i}.ffn_sub_norm", _finite(src, f"blk.{i}.ffn_sub_norm", src.norm("ffn_sub_norm", i)))
+        if c.sub_norms:
+            yield TensorSpec(f"blk.{i}.ffn_sub_norm", _finite(src, f"blk.{i}.ffn_sub_norm", src.norm("ffn_sub_norm", i)))
         step(f"blk.{i}")
 
 
@@ -124,9 +127,21 @@ def default_store_path(src: str, lm_head: str) -> str:
     return f"{base}.{lm_head}.bnstore" if lm_head != "i8" else f"{base}.bnstore"
 
 
+def source_label(meta: dict) -> str:
+    """The source a store records, with nothing of the machine it was built on: the file name of a local
+    source (stores converted before this recorded the absolute path) or the hub reference REPO[:FILE]@REV."""
+    src = str(meta.get("source") or "")
+    if not src:
+        return "?"
+    if os.path.isabs(src) or "\\" in src or re.match(r"^[A-Za-z]:[\\/]", src):
+        return re.split(r"[\\/]", src.rstrip("/\\"))[-1]
+    return src
+
+
 def convert(src: str, out: str | None = None, *, lm_head: str = "i8", progress: bool = True,
-            hidden_act: str | None = None) -> str:
-    """Convert `src` (GGUF file or HF directory) into a store at `out`; returns the store path."""
+            hidden_act: str | None = None, ternarize: bool = False, source_name: str | None = None) -> str:
+    """Convert `src` (GGUF file or HF directory) into a store at `out`; returns the store path.
+    `source_name` is what the store records as its source (default: the file name of `src`)."""
     from .convert_sources import open_source
 
     if lm_head not in LM_HEADS:
@@ -134,12 +149,12 @@ def convert(src: str, out: str | None = None, *, lm_head: str = "i8", progress: 
     src = os.fspath(src)
     if is_store(src):
         raise FormatError(f"{src}: is already a BitNet store (nothing to convert)")
-    source = open_source(src, hidden_act)
+    source = open_source(src, hidden_act, ternarize)
     out = os.fspath(out) if out else default_store_path(src, lm_head)
     stats: dict = {}
     bar = _progress_bar(source.config.n_layers + 2, f"convert {os.path.basename(src.rstrip(os.sep))}", progress)
     try:
-        meta = {"source": os.path.abspath(src), "source_format": source.source_format, "lm_head": lm_head,
+        meta = {"source": source_name or os.path.basename(os.path.abspath(src).rstrip(os.sep)), "source_format": source.source_format, "lm_head": lm_head,
                 "converter_version": CONVERTER_VERSION, "ternary_stats": stats, **source.meta}
         tok = source.tokenizer
         try:
@@ -213,9 +228,16 @@ def bundled_model() -> str | None:
 
 def resolve_model(src: str | None, *, cache_dir: str | None = None, lm_head: str | None = None,
                   progress: bool = True) -> str:
-    """A store path for `src`: the bundled model for None, the file itself for a store, else the cached
-    conversion (made now if missing or stale)."""
+    """A store path for `src`: the bundled model for None, the file itself for a store, a Hugging Face hub
+    id (REPO[:FILE][@REV], not a local path) found in the hub cache, else the cached conversion (made now
+    if missing or stale)."""
     lm_head = lm_head or "i8"
+    source_name = None
+    if src is not None and not os.path.exists(src):
+        from .hub import is_hub_ref, resolve_hub_ref
+
+        if is_hub_ref(src):
+            src, source_name = resolve_hub_ref(src)
     if src is None:
         src = bundled_model()
         if src is None:
@@ -231,9 +253,12 @@ def resolve_model(src: str | None, *, cache_dir: str | None = None, lm_head: str
     except OSError as e:
         raise FormatError(f"{src}: cannot read: {e.strerror}") from None
     d = cache_dir or cache_dir_default()
-    name = re.sub(r"[^A-Za-z0-9._-]+", "_", os.path.basename(os.path.abspath(src).rstrip(os.sep)))[:80]
+    stem = source_name.split("@")[0].replace("/", "--").replace(":", "--") if source_name else \
+        os.path.basename(os.path.abspath(src).rstrip(os.sep))
+    name = re.sub(r"[^A-Za-z0-9._-]+", "_", stem)[:80]
     path = os.path.join(d, f"{name}-{key}.bnstore")
     if is_store(path):
+        mark_used(path)
         return path
     try:
         os.makedirs(d, exist_ok=True)
@@ -242,4 +267,15 @@ def resolve_model(src: str | None, *, cache_dir: str | None = None, lm_head: str
                           hint="set BITNET_CACHE to a writable directory") from None
     if progress and sys.stderr.isatty():
         print(f"bitnet: converting {src} once into {path}", file=sys.stderr)
-    return convert(src, path, lm_head=lm_head, progress=progress)
+    return convert(src, path, lm_head=lm_head, progress=progress, source_name=source_name)
+
+
+def mark_used(path: str) -> None:
+    """Record a use of a cached store for `bitnet list`: its access time, set explicitly (reads alone do not
+    update it under noatime/relatime mounts); the mtime, which says when it was converted, is kept."""
+    import time
+
+    try:
+        os.utime(path, ns=(time.time_ns(), os.stat(path).st_mtime_ns))
+    except OSError:  # a read-only cache still works, it just does not record the use
+        pass

@@ -19,6 +19,7 @@ import numpy as np
 
 from .config import ModelConfig
 from .errors import FormatError, UnsupportedError
+from .families import gguf_family, hf_family, refuse_unsupported_hf
 from .gguf import GGUFFile
 from .safetensors_io import SafetensorsDir
 from .tokenizer_build import fix_chat_template, gguf_tokenizer, special_ids_from_hf_json
@@ -27,7 +28,7 @@ LINEARS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "f
 HF_LINEAR = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
              "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
              "ffn_down": "mlp.down_proj"}
-GGUF_ARCHS = ("bitnet-b1.58", "bitnet-25", "bitnet")
+GGUF_ARCHS = ("bitnet-b1.58", "bitnet-25", "bitnet", "llama")
 
 
 def ternarize_online(w: np.ndarray) -> tuple[np.ndarray, float]:
@@ -40,6 +41,37 @@ def ternarize_online(w: np.ndarray) -> tuple[np.ndarray, float]:
     s_w = np.float32(1.0) / np.maximum(mean, np.float32(1e-5))
     w_t = np.clip(np.rint(w * s_w), -1, 1).astype(np.int8)
     return w_t, float(np.float32(1.0) / s_w)
+
+
+def ternary_from_fakequant(path: str, name: str, w: np.ndarray) -> tuple[np.ndarray, float | np.ndarray]:
+    """A float matrix that is already ternary x scale (TriLM's unpacked checkpoints): every row holds 0 and
+    one magnitude. Returns (W_t, scale): a float when all rows share the magnitude (one scale per tensor),
+    else an f32 per-row array (one scale per row or row block, e.g. per model-parallel shard).
+    Anything else is not a ternary checkpoint: FormatError naming the tensor."""
+    a = np.abs(np.asarray(w, dtype=np.float32))
+    mag = a.max(axis=1)
+    bad = ~((a == 0) | (a == mag[:, None]))
+    if bad.any():
+        r = int(np.nonzero(bad.any(axis=1))[0][0])
+        n = np.unique(a[r][a[r] > 0]).size
+        raise FormatError(f"{path}: tensor {name!r} is not ternary (row {r} holds {n} different magnitudes)",
+                          hint="this engine runs ternary (1.58-bit) models only; for the latent (master) weights"
+                               " of a BitNet model, such as Falcon-E's bfloat16 revision, convert with"
+                               " `bitnet convert --ternarize DIR`")
+    if not np.isfinite(mag).all():
+        raise FormatError(f"{path}: tensor {name!r} holds NaN/inf values")
+    live = mag[mag > 0]
+    w_t = np.sign(w).astype(np.int8)
+    if live.size == 0 or (live == live[0]).all():
+        return w_t, float(live[0]) if live.size else 1.0
+    return w_t, np.where(mag > 0, mag, np.float32(1.0)).astype(np.float32)
+
+
+def _llama_unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation (convert_hf_to_gguf LlamaModel.permute: its `llama` graph rotates
+    interleaved pairs; engine/model.py rotates halves as transformers does)."""
+    return np.ascontiguousarray(w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:])
+                                .swapaxes(1, 2).reshape(w.shape))
 
 
 def _f32(v) -> float:
@@ -79,13 +111,14 @@ def _shape_check(path, name, got, want):
 
 # ---------------------------------------------------------------------------------------------------------
 class GGUFSource:
-    def __init__(self, path: str, hidden_act: str | None = None):
+    def __init__(self, path: str, hidden_act: str | None = None, check_ternary: bool = True):
         self.path = path
         self.g = g = GGUFFile(path)
         arch = g.arch
         if arch not in GGUF_ARCHS:
             raise UnsupportedError(f"{path}: unsupported GGUF architecture {arch!r}",
-                                   hint="this engine runs BitNet b1.58 models (bitnet-b1.58, bitnet-25, bitnet)")
+                                   hint="this engine runs ternary models: GGUF architectures bitnet-b1.58,"
+                                        " bitnet-25, bitnet, and llama with TQ1_0 / TQ2_0 / I2_S tensors")
         self.meta: dict = {"gguf_arch": arch}
 
         def key(k, typ=int, default=None):
@@ -95,8 +128,13 @@ class GGUFSource:
             return typ(v)
 
         D, L, H = key("embedding_length"), key("block_count"), key("attention.head_count")
-        if H <= 0 or D % H:
+        hd = g.get(f"{arch}.attention.key_length", int)  # explicit head_dim (Falcon3: 256)
+        if H <= 0 or (hd is None and D % H):
             raise FormatError(f"{path}: embedding_length {D} is not a multiple of head_count {H}")
+        hd = hd or D // H
+        vd = g.get(f"{arch}.attention.value_length", int)
+        if vd is not None and vd != hd:
+            raise UnsupportedError(f"{path}: attention.value_length {vd} != key_length {hd}")
         emb = g.info("token_embd.weight")
         if len(emb.shape) != 2 or emb.shape[1] != D:
             raise FormatError(f"{path}: token_embd.weight has shape {emb.shape}, expected [vocab, {D}]")
@@ -108,16 +146,26 @@ class GGUFSource:
         self.hidden_act = self._activation(arch, hidden_act, tok["kind"])
         self.config = _config(
             path, hidden_size=D, intermediate_size=key("feed_forward_length"), n_layers=L, n_heads=H,
-            n_kv_heads=key("attention.head_count_kv", int, H), head_dim=D // H, vocab_size=V,
+            n_kv_heads=key("attention.head_count_kv", int, H), head_dim=hd, vocab_size=V,
             context_length=key("context_length", int, 4096), rope_theta=key("rope.freq_base", _f32, 10000.0),
             rms_norm_eps=key("attention.layer_norm_rms_epsilon", _f32, 1e-5), hidden_act=self.hidden_act,
             tie_word_embeddings="output.weight" not in g.tensors, bos_token_id=tok["bos"],
-            eos_token_ids=tuple(tok["eos"]), arch=arch, name=str(g.kv.get("general.name", ""))[:200].replace("\n", " "))
+            eos_token_ids=tuple(tok["eos"]), arch=arch, name=str(g.kv.get("general.name", ""))[:200].replace("\n", " "),
+            sub_norms="blk.0.attn_sub_norm.weight" in g.tensors)
+        self.meta["family"] = gguf_family(arch, V, hd)
         rd = g.get(f"{arch}.rope.dimension_count", int)
-        if rd is not None and rd != D // H:
-            raise UnsupportedError(f"{path}: partial RoPE (rope.dimension_count {rd} != head_dim {D // H})")
+        if rd is not None and rd != hd:
+            raise UnsupportedError(f"{path}: partial RoPE (rope.dimension_count {rd} != head_dim {hd})")
+        if arch == "llama":
+            self.meta["qk_rows"] = "un-permuted from llama.cpp's interleaved-RoPE order"
         types = sorted({g.info(f"blk.0.{s}.weight").type_name for s in LINEARS})
         self.source_format = f"gguf-{arch}-" + "+".join(t.lower() for t in types)
+        self.fit_notes: dict[str, dict] = {}
+        self._first_fit = None
+        first = g.info("blk.0.attn_q.weight")
+        if check_ternary and first.type_name not in ("I2_S", "TQ1_0", "TQ2_0"):
+            # refuse a non-ternary file before anything is written (the fit is kept for linear())
+            self._first_fit = (first.name, self.ternary_fit(first.name, raise_if_not=True))
 
     def _activation(self, arch, override, tok_kind) -> str:
         act = self.g.get(f"{arch}.hidden_activation", str)
@@ -135,6 +183,9 @@ class GGUFSource:
         if arch in ("bitnet-b1.58", "bitnet-25"):
             self.meta["hidden_act_from"] = "architecture (bitnet.cpp b1.58 models use relu2)"
             return "relu2"
+        if arch == "llama":
+            self.meta["hidden_act_from"] = "architecture (llama: SwiGLU)"
+            return "silu"
         # llama.cpp `bitnet` without the key: its graph assumes SiLU, right for 1bitLLM (SentencePiece vocab),
         # wrong for the 2B-4T family (LLaMA-3 byte-level BPE vocab), so decide by the tokenizer.
         self.meta["hidden_act_from"] = f"inferred from the {tok_kind} tokenizer (no {arch}.hidden_activation key)"
@@ -186,24 +237,32 @@ class GGUFSource:
                     raise UnsupportedError(f"{self.path}: tensor {name!r} has {ds.size} different block scales"
                                            " (not a BitNet per-tensor scale; re-convert the model)")
                 scale = float(ds[0]) if ds.size else 1.0
-        elif t.type_name in ("F32", "F16", "BF16"):
-            wf = self.g.dequantize(name).reshape(out, inp)
-            vals = np.unique(np.abs(wf))
-            if vals.size <= 2 and vals[0] == 0 or vals.size == 1:
-                scale = float(vals[-1]) or 1.0  # already ternary times a scale (llama.cpp f16/f32 output)
-                w = np.sign(wf).astype(np.int8)
-            else:
-                w, scale = ternarize_online(wf)
-        else:
-            raise UnsupportedError(f"{self.path}: tensor {name!r} has type {t.type_name}, not a ternary type",
-                                   hint="expected I2_S, TQ1_0, TQ2_0 (or F16/F32 full-precision weights)")
+        else:  # any other type (F16, Q8_0, K-quants, IQ*): dequantize, check it is ternary, recover the scale
+            kept, self._first_fit = self._first_fit, None
+            fit = kept[1] if kept and kept[0] == name else self.ternary_fit(name, raise_if_not=True)
+            w, scale = fit.codes, fit.scale
         sname = f"blk.{i}.{short}.scale"
         if sname in self.g.tensors:
             s = self.g.dequantize(sname).reshape(-1)
             if s.size != 1:
                 raise FormatError(f"{self.path}: tensor {sname!r} has {s.size} values, expected 1")
             scale *= float(s[0])
+        if self.g.arch == "llama" and short in ("attn_q", "attn_k"):
+            w = _llama_unpermute(w, c.n_heads if short == "attn_q" else c.n_kv_heads)
         return w, _check_scale(self.path, name, np.float32(scale)), [scale]
+
+    def ternary_fit(self, name: str, raise_if_not: bool = False):
+        """engine.ternary_check.TernaryFit of a linear weight stored in a non-ternary type; its report is kept in
+        self.fit_notes (the store's ternary_stats and `bitnet inspect` show it)."""
+        from .ternary_check import check_ternary, fit_exact_raw, fit_ternary
+
+        t = self.g.info(name)
+        fit = fit_exact_raw(self.g.raw(name), t.type_name, t.shape)  # F16/BF16/F32/Q8_0 holding exact ternary values
+        if fit is None:
+            wf = self.g.dequantize(name).reshape(t.shape)
+            fit = check_ternary(self.path, name, wf, t.type_name) if raise_if_not else fit_ternary(wf, t.type_name)
+        self.fit_notes[name] = fit.note()
+        return fit
 
     def close(self):
         self.g.close()
@@ -211,7 +270,7 @@ class GGUFSource:
 
 # ---------------------------------------------------------------------------------------------------------
 class HFSource:
-    def __init__(self, path: str, hidden_act: str | None = None):
+    def __init__(self, path: str, hidden_act: str | None = None, ternarize: bool = False):
         self.path = path
         try:
             with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
@@ -226,20 +285,42 @@ class HFSource:
         self.st = SafetensorsDir(path)
         archs = cfg.get("architectures") or []
         mt = cfg.get("model_type", "")
-        if not ({"BitNetForCausalLM", "BitnetForCausalLM"} & set(archs) or mt == "bitnet"):
+        refuse_unsupported_hf(path, cfg)
+        llama = "LlamaForCausalLM" in archs or (mt == "llama" and "BitnetForCausalLM" not in archs)
+        if not ({"BitNetForCausalLM", "BitnetForCausalLM"} & set(archs) or mt == "bitnet" or llama):
             raise UnsupportedError(f"{path}: unsupported model (architectures {archs}, model_type {mt!r})",
-                                   hint="this engine runs BitNet b1.58 models")
+                                   hint="this engine runs ternary BitNet b1.58 / Llama-architecture models (README)")
         q = cfg.get("quantization_config") or {}
         if not isinstance(q, dict):
             raise FormatError(f"{path}/config.json: quantization_config is not an object")
-        self.linear_class = q.get("linear_class", "autobitlinear")
+        if q and q.get("quant_method") != "bitnet":
+            raise UnsupportedError(f"{path}: quantization_config.quant_method {q.get('quant_method')!r} is not a"
+                                   " ternary (bitnet) checkpoint", hint="this engine runs 1.58-bit models only")
+        if q.get("use_rms_norm"):
+            raise UnsupportedError(f"{path}: quantization_config.use_rms_norm (an RMSNorm inside every BitLinear)"
+                                   " is not supported")
+        # transformers' BitNetQuantConfig defaults: linear_class "bitlinear" (divides), mode "offline";
+        # no quantization_config: 1bitLLM (latent weights, quantized online) or fake-quantized floats (TriLM)
+        self.linear_class = q.get("linear_class", "bitlinear") if q else "autobitlinear"
         if self.linear_class not in ("autobitlinear", "bitlinear"):
             raise UnsupportedError(f"{path}: unknown quantization_config.linear_class {self.linear_class!r}")
-        self.mode = q.get("quantization_mode", "offline" if q else "online")
+        self.mode = q.get("quantization_mode", "offline") if q else ("fakequant" if llama else "online")
+        if ternarize and self.mode == "fakequant":  # the caller says: latent BitNet weights (Falcon-E bfloat16)
+            self.mode = "online"
         self.meta: dict = {"hf_linear_class": self.linear_class, "hf_quantization_mode": self.mode}
         names = set(self.st.names())
         self.attn_sub = "attn_sub_norm" if "model.layers.0.self_attn.attn_sub_norm.weight" in names else "inner_attn_ln"
         self.ffn_sub = "ffn_sub_norm" if "model.layers.0.mlp.ffn_sub_norm.weight" in names else "ffn_layernorm"
+        sub_norms = f"model.layers.0.self_attn.{self.attn_sub}.weight" in names
+        biases = sorted(n for n in names if n.endswith(".bias"))
+        if biases:
+            raise UnsupportedError(f"{path}: linear biases ({biases[0]} ...) are not supported")
+        rope = cfg.get("rope_scaling") or {}
+        rope_params = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
+        rope_type = (rope.get("rope_type") or rope.get("type")) if isinstance(rope, dict) else rope
+        rope_type = rope_type or rope_params.get("rope_type")
+        if rope_type not in (None, "default"):
+            raise UnsupportedError(f"{path}/config.json: RoPE scaling {rope_type!r} is not supported")
         act = hidden_act or cfg.get("hidden_act") or ("relu2" if mt == "bitnet" else "silu")
         act = {"relu2": "relu2", "relu_squared": "relu2", "silu": "silu", "swish": "silu"}.get(str(act))
         if act is None:
@@ -253,10 +334,13 @@ class HFSource:
                 n_layers=int(cfg["num_hidden_layers"]), n_heads=H,
                 n_kv_heads=int(cfg.get("num_key_value_heads") or H), head_dim=hd, vocab_size=int(cfg["vocab_size"]),
                 context_length=int(cfg.get("max_position_embeddings", 4096)),
-                rope_theta=float(cfg.get("rope_theta", 10000.0)), rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
-                hidden_act=act, tie_word_embeddings="lm_head.weight" not in names,
-                bos_token_id=bos, eos_token_ids=tuple(eos), arch="bitnet-b1.58" if mt == "bitnet" else "1bitllm",
+                rope_theta=float(cfg.get("rope_theta") or rope_params.get("rope_theta") or 10000.0),
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
+                hidden_act=act, tie_word_embeddings="lm_head.weight" not in names, sub_norms=sub_norms,
+                bos_token_id=bos, eos_token_ids=tuple(eos),
+                arch="bitnet-b1.58" if mt == "bitnet" else ("llama" if llama else "1bitllm"),
                 name=os.path.basename(os.path.abspath(path)))
+            self.meta["family"] = hf_family(cfg, names, self.mode == "fakequant", path)
         except (KeyError, TypeError, ValueError, ZeroDivisionError, OverflowError) as e:
             raise FormatError(f"{path}/config.json: missing or bad field: {e!r}") from None
         self.tokenizer, self.chat_template = tok, tmpl
@@ -390,6 +474,10 @@ class HFSource:
             return w, _check_scale(self.path, sname, scale), [raw]
         if tag in ("BF16", "F16", "F32"):
             _shape_check(self.path, name, shape, (out, inp))
+            if self.mode == "fakequant":  # TriLM: already ternary x scale in float
+                w, scale = ternary_from_fakequant(self.path, name, self.st.get_f32(name))
+                seen = sorted(set(np.atleast_1d(scale).tolist()))
+                return w, scale, seen
             w, scale = ternarize_online(self.st.get_f32(name))
             return w, _check_scale(self.path, name, scale), [scale]
         raise UnsupportedError(f"{self.path}: tensor {name!r} has dtype {tag} (expected U8 packed or float)")
@@ -398,16 +486,19 @@ class HFSource:
         self.st.close()
 
 
-def open_source(path: str, hidden_act: str | None = None):
-    """GGUFSource for a GGUF file, HFSource for a directory; FormatError otherwise."""
+def open_source(path: str, hidden_act: str | None = None, ternarize: bool = False, check_ternary: bool = True):
+    """GGUFSource for a GGUF file, HFSource for a directory; FormatError otherwise. ternarize: float weights of
+    a Llama-architecture directory without quantization_config are BitNet latent weights, ternarized like
+    transformers' online AutoBitLinear (otherwise they must already be ternary x scale). check_ternary=False
+    (inspect): a GGUF whose weights are not ternary opens anyway (its linear() still refuses them)."""
     from .gguf import is_gguf
 
     if os.path.isdir(path):
-        return HFSource(path, hidden_act)
+        return HFSource(path, hidden_act, ternarize)
     if not os.path.exists(path):
         raise FormatError(f"{path}: no such file or directory")
     if is_gguf(path):
-        return GGUFSource(path, hidden_act)
+        return GGUFSource(path, hidden_act, check_ternary)
     if path.endswith(".safetensors"):
-        return HFSource(os.path.dirname(os.path.abspath(path)), hidden_act)
+        return HFSource(os.path.dirname(os.path.abspath(path)), hidden_act, ternarize)
     raise FormatError(f"{path}: not a GGUF file, a BitNet store or a Hugging Face model directory")

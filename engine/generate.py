@@ -12,6 +12,8 @@ import time
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
+import numpy as np
+
 from .errors import BitNetError, ContextOverflowError
 from .sampling import Sampler, SamplingParams
 
@@ -87,8 +89,10 @@ class _StopMatcher:
 
 
 def generate(model, tokenizer, prompt_ids: Sequence[int], params: SamplingParams | None = None, *,
-             max_tokens: int = 256, stop: Sequence[str] = (), load_s: float = 0.0) -> Iterator[Chunk]:
-    """See engine/api.py LLM.generate."""
+             max_tokens: int = 256, stop: Sequence[str] = (), load_s: float = 0.0,
+             ignore_eos: bool = False) -> Iterator[Chunk]:
+    """See engine/api.py LLM.generate. ignore_eos: end-of-text tokens can never be sampled (llama.cpp's
+    --ignore-eos: their logits are set to -inf), so only length, context or a stop string end the text."""
     t_start = time.perf_counter()
     prompt = [int(t) for t in prompt_ids]
     if not prompt:
@@ -102,6 +106,7 @@ def generate(model, tokenizer, prompt_ids: Sequence[int], params: SamplingParams
         raise BitNetError(f"max_tokens {max_tokens}: must be >= 0")
     sampler = Sampler(params, model.config.vocab_size)
     eos = set(tokenizer.eos_ids)
+    banned = [t for t in eos if 0 <= t < model.config.vocab_size] if ignore_eos else []
     # a newer generate() on the same model owns the cache from now on; an older generator that is
     # resumed afterwards must not decode into it
     model.generation += 1
@@ -134,6 +139,8 @@ def generate(model, tokenizer, prompt_ids: Sequence[int], params: SamplingParams
     n_gen, ttft, decode_s, reason = 0, 0.0, 0.0, None
     t0 = t_start
     while True:
+        if banned:
+            logits[banned] = -np.inf
         tok = sampler.sample(logits, history)
         n_gen += 1
         if n_gen == 1:

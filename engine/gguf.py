@@ -8,7 +8,8 @@ anything is allocated, so a lying header gives a FormatError naming the file, ne
     g = GGUFFile(path)            # FormatError / UnsupportedError on bad input
     g.kv["bitnet-b1.58.block_count"], g.arch, g.tensors["blk.0.attn_q.weight"] -> TensorInfo
     g.raw(name)                   # uint8 view of the tensor bytes (zero-copy)
-    g.dequantize(name, rows=None) # f32 [rows, ne0]: F32 F16 BF16 Q8_0 Q4_K Q6_K TQ1_0 TQ2_0 I2_S
+    g.dequantize(name, rows=None) # f32 [rows, ne0]: F32 F16 BF16 Q8_0 TQ1_0 TQ2_0 I2_S here, every other type
+                                  # the `gguf` package decodes (Q4_0..Q8_1, K-quants, IQ*) via engine/gguf_dequant.py
     g.ternary(name)               # (W_t int8 [out, in], per-block scales f32) for TQ1_0 / TQ2_0 / I2_S
 
 Layout facts: shared FORMATS.md §3. dims[0] is the fastest axis; TensorInfo.shape is in numpy order (reversed).
@@ -23,6 +24,7 @@ import numpy as np
 
 from .fileio import map_readonly
 from .errors import FormatError, UnsupportedError
+from .gguf_dequant import OWN_DECODERS, decode_with_gguf, gguf_decodable
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
@@ -43,7 +45,8 @@ GGML_TYPES: dict[int, tuple[str, int, int]] = {
 }
 I2_S = 36                     # bitnet.cpp: n/4 bytes of 2-bit codes + 32-byte tail holding the f32 scale
 BITNET_CPP_TYPES = {36: "I2_S", 37: "I8_S", 38: "TL1", 39: "TL2"}
-DECODABLE = {"F32", "F16", "BF16", "Q8_0", "Q4_K", "Q6_K", "TQ1_0", "TQ2_0", "I2_S"}
+BITNET_CPP_FTYPE_I2_S = 40    # general.file_type of bitnet.cpp's I2_S files (LLAMA_FTYPE_MOSTLY_I2_S)
+DECODABLE = OWN_DECODERS  # decoded here; gguf_decodable() adds what the `gguf` package decodes
 
 # value type id -> (struct format, size); 8 = string, 9 = array
 _SCALARS = {0: ("<B", 1), 1: ("<b", 1), 2: ("<H", 2), 3: ("<h", 2), 4: ("<I", 4), 5: ("<i", 4), 6: ("<f", 4),
@@ -208,6 +211,8 @@ class GGUFFile:
     def _type_name(self, tid: int) -> str:
         if tid in BITNET_CPP_TYPES and self.arch.startswith("bitnet") and not (tid == 39 and self.arch == "bitnet"):
             return BITNET_CPP_TYPES[tid]
+        if tid == I2_S and self.arch == "llama" and self.kv.get("general.file_type") == BITNET_CPP_FTYPE_I2_S:
+            return "I2_S"  # bitnet.cpp's Falcon3 / Falcon-E files (upstream's 36 was IQ4_NL_4_4)
         if tid in GGML_TYPES:
             return GGML_TYPES[tid][0]
         return f"type {tid}"
@@ -272,9 +277,10 @@ class GGUFFile:
     def dequantize(self, name: str, rows: slice | None = None) -> np.ndarray:
         """f32 [rows, ne0] (2-D even for 1-D tensors: [1, n]); rows slices the outer dimension."""
         t = self.info(name)
-        if t.type_name not in DECODABLE:
+        if t.type_name not in DECODABLE and (t.nbytes < 0 or t.type_name not in gguf_decodable()):
             raise UnsupportedError(f"{self.path}: tensor {name!r} has unsupported tensor type {t.type_name}",
-                                   hint="supported: " + ", ".join(sorted(DECODABLE)))
+                                   hint="supported: " + ", ".join(sorted(DECODABLE | gguf_decodable())) + (
+                                       "" if gguf_decodable() else "; pip install gguf for the other types"))
         ne0 = t.shape[-1]
         nrows = t.n_elements // ne0
         r0, r1, _ = (rows or slice(None)).indices(nrows)
@@ -284,6 +290,8 @@ class GGUFFile:
         _, bs, ts = GGML_TYPES[t.type_id]
         row_bytes = ne0 // bs * ts
         raw = self.raw(name)[r0 * row_bytes: r1 * row_bytes]
+        if t.type_name not in DECODABLE:
+            return decode_with_gguf(raw, t.type_name, r1 - r0).reshape(r1 - r0, ne0)
         return decode_blocks(raw, t.type_name).reshape(r1 - r0, ne0)
 
     def ternary(self, name: str) -> tuple[np.ndarray, np.ndarray]:
@@ -369,42 +377,8 @@ def decode_blocks(raw: np.ndarray, type_name: str) -> np.ndarray:
     if type_name == "TQ1_0":
         b = raw.reshape(-1, 54)
         return (_f16(b[:, 52:]) * (_tq1_codes(b).astype(np.float32) - 1)).reshape(-1)
-    if type_name == "Q4_K":
-        return _q4_k(raw.reshape(-1, 144))
-    if type_name == "Q6_K":
-        return _q6_k(raw.reshape(-1, 210))
-    raise UnsupportedError(f"tensor type {type_name} cannot be decoded")
-
-
-def _q4_k(b: np.ndarray) -> np.ndarray:
-    nb = b.shape[0]
-    d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
-    s = b[:, 4:16].astype(np.uint8)
-    sc = np.empty((nb, 8), np.uint8)
-    mn = np.empty((nb, 8), np.uint8)
-    sc[:, :4], mn[:, :4] = s[:, 0:4] & 63, s[:, 4:8] & 63
-    sc[:, 4:] = (s[:, 8:12] & 0xF) | ((s[:, 0:4] >> 6) << 4)
-    mn[:, 4:] = (s[:, 8:12] >> 4) | ((s[:, 4:8] >> 6) << 4)
-    qs = b[:, 16:].reshape(nb, 4, 32)
-    q = np.stack([qs & 0xF, qs >> 4], axis=2).reshape(nb, 8, 32).astype(np.float32)  # sub-block j = 2*chunk + nib
-    dl = (d * sc.astype(np.float32))[:, :, None]
-    ml = (dmin * mn.astype(np.float32))[:, :, None]
-    return (dl * q - ml).reshape(-1)
-
-
-def _q6_k(b: np.ndarray) -> np.ndarray:
-    nb = b.shape[0]
-    ql, qh = b[:, :128].reshape(nb, 2, 64), b[:, 128:192].reshape(nb, 2, 32)
-    sc = b[:, 192:208].view(np.int8).astype(np.float32).reshape(nb, 2, 8)
-    d = _f16(b[:, 208:210]).reshape(nb, 1, 1)
-    q = np.empty((nb, 2, 4, 32), np.int8)
-    q[:, :, 0] = ((ql[:, :, :32] & 0xF) | ((qh & 3) << 4)).astype(np.int8) - 32
-    q[:, :, 1] = ((ql[:, :, 32:] & 0xF) | (((qh >> 2) & 3) << 4)).astype(np.int8) - 32
-    q[:, :, 2] = ((ql[:, :, :32] >> 4) | (((qh >> 4) & 3) << 4)).astype(np.int8) - 32
-    q[:, :, 3] = ((ql[:, :, 32:] >> 4) | (((qh >> 6) & 3) << 4)).astype(np.int8) - 32
-    # scale index for element l of group g in half h: sc[h, g*2 + l // 16]
-    scl = (d * sc).reshape(nb, 2, 4, 2, 1)
-    return (scl * q.reshape(nb, 2, 4, 2, 16).astype(np.float32)).reshape(-1)
+    # everything else (Q4_K and Q6_K included: our hand-written copies were no faster) through the gguf package
+    return decode_with_gguf(raw, type_name, 1)
 
 
 def is_gguf(path: str | os.PathLike) -> bool:

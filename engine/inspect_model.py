@@ -19,12 +19,17 @@ def _human(n: int) -> str:
     return str(n)
 
 
-def _config_lines(c) -> list[str]:
-    return [f"architecture: {c.arch}  name: {c.name or '-'}",
+def _config_lines(c, family: str = "") -> list[str]:
+    from .families import family_label, runtime_summary
+
+    return [f"family: {family_label(family)}" + (f" ({family})" if family else ""),
+            runtime_summary(c),
+            f"architecture: {c.arch}  name: {c.name or '-'}",
             f"dims: hidden {c.hidden_size}, intermediate {c.intermediate_size}, layers {c.n_layers}, heads {c.n_heads}"
             f" (kv {c.n_kv_heads}, head_dim {c.head_dim}), vocab {c.vocab_size}, context {c.context_length}",
             f"rope_theta {c.rope_theta:g}, rms_norm_eps {c.rms_norm_eps:g}, hidden_act {c.hidden_act},"
-            f" tied embeddings {c.tie_word_embeddings}, bos {c.bos_token_id}, eos {list(c.eos_token_ids)}"]
+            f" tied embeddings {c.tie_word_embeddings}, sub-norms {c.sub_norms}, bos {c.bos_token_id},"
+            f" eos {list(c.eos_token_ids)}"]
 
 
 def _tokenizer_line(spec) -> str:
@@ -53,11 +58,14 @@ def _tokenizer_line(spec) -> str:
 def _stats_lines(stats: dict) -> list[str]:
     if not stats:
         return []
-    out = ["ternary tensors: share of -1 / 0 / +1, scale"]
+    out = ["ternary tensors: share of -1 / 0 / +1, scale" + (
+        "; GGUF tensors not stored as ternary: share of values off -s/0/+s beyond the type's rounding (tol),"
+        " how the scale was recovered" if any("off" in s for s in stats.values()) else "")]
     for name in sorted(stats, key=_natural):
         s = stats[name]
         sc = ", ".join(f"{x:.6g}" for x in s["scale"][:4]) + (" ..." if len(s["scale"]) > 4 else "")
-        out.append(f"  {name:<28} {s['neg']:.3f} / {s['zero']:.3f} / {s['pos']:.3f}   scale {sc}")
+        fit = (f"   off {s['off']:.2%} (tol {s['tol']:.0%}), scale {s['scale_kind']}" if "off" in s else "")
+        out.append(f"  {name:<28} {s['neg']:.3f} / {s['zero']:.3f} / {s['pos']:.3f}   scale {sc}{fit}")
     return out
 
 
@@ -75,12 +83,17 @@ def _table(rows, limit) -> list[str]:
 
 
 def describe(path: str, max_tensors: int | None = None) -> Iterator[str]:
+    """Lines about `path`, starting with "file: PATH" exactly as given; a store's source is the file name (or
+    hub id) it recorded at conversion, with nothing of the machine it was built on."""
+    from .convert import source_label
+
+    yield f"file: {path}"
     if is_store(path):
         with Store(path) as s:
-            yield f"{path}: BitNet weight store ({_human(os.path.getsize(path))})"
-            yield from _config_lines(s.config)
+            yield f"kind: BitNet weight store ({_human(os.path.getsize(path))})"
             m = s.meta
-            yield (f"source: {m.get('source', '?')} ({m.get('source_format', '?')}), lm_head {m.get('lm_head', '?')},"
+            yield from _config_lines(s.config, m.get("family", ""))
+            yield (f"source: {source_label(m)} ({m.get('source_format', '?')}), lm_head {m.get('lm_head', '?')},"
                    f" converter {m.get('converter_version', '?')}")
             rows = []
             for n in s.tensor_names:
@@ -95,11 +108,11 @@ def describe(path: str, max_tensors: int | None = None) -> Iterator[str]:
         return
     from .convert_sources import LINEARS, GGUFSource, open_source
 
-    src = open_source(path)
+    src = open_source(path, check_ternary=False)
     try:
         kind = "GGUF file" if isinstance(src, GGUFSource) else "Hugging Face model directory"
-        yield f"{path}: {kind} ({src.source_format})"
-        yield from _config_lines(src.config)
+        yield f"kind: {kind} ({src.source_format})"
+        yield from _config_lines(src.config, src.meta.get("family", ""))
         for k, v in sorted(src.meta.items()):
             yield f"{k}: {v}"
         if isinstance(src, GGUFSource):
@@ -115,13 +128,24 @@ def describe(path: str, max_tensors: int | None = None) -> Iterator[str]:
         yield _tokenizer_line(src.tokenizer)
         yield f"chat template: {src.chat_template!r}"
         stats = {}
+        refused = []
         for i in range(src.config.n_layers):
             for short in LINEARS:
-                w, scale, seen = src.linear(short, i)
+                name = f"blk.{i}.{short}.weight"
+                if isinstance(src, GGUFSource) and src.g.info(name).type_name not in ("I2_S", "TQ1_0", "TQ2_0"):
+                    fit = src.ternary_fit(name)  # reported, not refused: inspect shows why a file would be
+                    w, scale = fit.codes, fit.scale
+                    if not fit.ok:
+                        refused.append(f"blk.{i}.{short}")
+                else:
+                    w, scale, seen = src.linear(short, i)
                 n = w.size
                 neg, zero = int(np.count_nonzero(w == -1)), int(np.count_nonzero(w == 0))
                 stats[f"blk.{i}.{short}"] = {"neg": neg / n, "zero": zero / n, "pos": (n - neg - zero) / n,
-                                             "scale": [scale]}
+                                             "scale": [scale], **getattr(src, "fit_notes", {}).get(name, {})}
         yield from _stats_lines(stats)
+        if refused:
+            yield (f"NOT TERNARY: {len(refused)} linear tensors (first {refused[0]}) are not ternary; conversion"
+                   " refuses this file (run it with llama.cpp)")
     finally:
         src.close()

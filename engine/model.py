@@ -4,11 +4,12 @@ Per layer (D hidden, q_dim = heads * head_dim, I intermediate):
     h  = rmsnorm(x) -> int8            ops.add_rmsnorm_quant (adds the previous layer's residual first)
     qkv = BL_qkv(h)                    one fused ternary GEMV/GEMM: rows q | k | v
     a  = attention(rope(q), rope(k), v) over the cache      ops.attention (also writes k, v to the cache)
-    a  = rmsnorm(a, attn_sub_norm) -> int8                  ops.add_rmsnorm_quant
+    a  = rmsnorm(a, attn_sub_norm) -> int8                  ops.add_rmsnorm_quant (no sub-norms: quantize_act)
     x += BL_o(a)                       (the add happens inside the next add_rmsnorm_quant)
     h  = rmsnorm(x, ffn_norm) -> int8
     gu = BL_gate_up(h)                 one fused ternary GEMV/GEMM: rows gate | up
-    f  = rmsnorm(relu(g)^2 * u, ffn_sub_norm) -> int8       ops.glu_rmsnorm_quant (silu(g) * u for "silu")
+    f  = rmsnorm(relu(g)^2 * u, ffn_sub_norm) -> int8       ops.glu_rmsnorm_quant (silu(g) * u for "silu";
+                                                            no rmsnorm when config.sub_norms is False)
     x += BL_down(f)
 logits = lm_head(rmsnorm(x, output_norm))   f16 GEMV, or int8 GEMV on the quantized normed x
 
@@ -59,11 +60,12 @@ class _Layer:
         D, Q, KV, I = cfg.hidden_size, cfg.q_dim, cfg.kv_dim, cfg.intermediate_size
         self.attn_norm = t("attn_norm", np.float32, D)
         self.qkv, self.qkv_scale = ternary("attn_qkv", Q + 2 * KV, D)
-        self.attn_sub_norm = t("attn_sub_norm", np.float32, Q)
+        # Llama-architecture models have no sub-norms: None makes the op sequence quantize without a norm
+        self.attn_sub_norm = t("attn_sub_norm", np.float32, Q) if cfg.sub_norms else None
         self.o, self.o_scale = ternary("attn_output", D, Q)
         self.ffn_norm = t("ffn_norm", np.float32, D)
         self.gate_up, self.gate_up_scale = ternary("ffn_gate_up", 2 * I, D)
-        self.ffn_sub_norm = t("ffn_sub_norm", np.float32, I)
+        self.ffn_sub_norm = t("ffn_sub_norm", np.float32, I) if cfg.sub_norms else None
         self.down, self.down_scale = ternary("ffn_down", D, I)
 
 
@@ -186,7 +188,7 @@ class Model:
         kc, vc, cos, sin, scr = self._k_cache, self._v_cache, self._cos, self._sin, self._scratch
         x, delta, h_d, h_q, qkv, att, gu = v.x, v.delta, v.h_d, v.h_q, v.qkv, v.att, v.gu
         xq_d, xq_q, xq_i, s, sm = v.xq_d, v.xq_q, v.xq_i, v.act_scale, v.act_sum
-        add_norm_q, attention, glu = ops.add_rmsnorm_quant, ops.attention, ops.glu_rmsnorm_quant
+        add_norm_q, attention, glu, quant = ops.add_rmsnorm_quant, ops.attention, ops.glu_rmsnorm_quant, K.quantize_act
         residual = None  # layer 0: x is the embedding, nothing to add yet
         if v.m == 1:
             gemv = K.gemv_ternary
@@ -195,7 +197,10 @@ class Model:
                 add_norm_q(x, residual, w.attn_norm, eps, h_d, xq_d, s, sm)
                 gemv(w.qkv, w.qkv_scale, xq_d1, s[0], sm[0], qkv1)
                 attention(qkv, nh, nkv, hd, cos, sin, pos0, kc[li], vc[li], att, scr)
-                add_norm_q(att, None, w.attn_sub_norm, eps, h_q, xq_q, s, sm)
+                if w.attn_sub_norm is not None:
+                    add_norm_q(att, None, w.attn_sub_norm, eps, h_q, xq_q, s, sm)
+                else:
+                    quant(att, xq_q, s, sm)
                 gemv(w.o, w.o_scale, xq_q1, s[0], sm[0], delta1)
                 add_norm_q(x, delta, w.ffn_norm, eps, h_d, xq_d, s, sm)
                 gemv(w.gate_up, w.gate_up_scale, xq_d1, s[0], sm[0], gu1)
@@ -208,7 +213,10 @@ class Model:
                 add_norm_q(x, residual, w.attn_norm, eps, h_d, xq_d, s, sm)
                 gemm(w.qkv, w.qkv_scale, xq_d, s, sm, qkv)
                 attention(qkv, nh, nkv, hd, cos, sin, pos0, kc[li], vc[li], att, scr)
-                add_norm_q(att, None, w.attn_sub_norm, eps, h_q, xq_q, s, sm)
+                if w.attn_sub_norm is not None:
+                    add_norm_q(att, None, w.attn_sub_norm, eps, h_q, xq_q, s, sm)
+                else:
+                    quant(att, xq_q, s, sm)
                 gemm(w.o, w.o_scale, xq_q, s, sm, delta)
                 add_norm_q(x, delta, w.ffn_norm, eps, h_d, xq_d, s, sm)
                 gemm(w.gate_up, w.gate_up_scale, xq_d, s, sm, gu)

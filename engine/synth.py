@@ -10,6 +10,8 @@ API
                 come from `small_config()`. `bitnet_2b4t_config()` is the exact 2B-4T shape.
         style:  "bitnet"  -> BitNetForCausalLM (relu2, sub-norms attn_sub_norm / ffn_sub_norm, tied embeddings)
                 "1bitllm" -> BitnetForCausalLM llama style (silu, inner_attn_ln / ffn_layernorm, lm_head)
+                "llama"   -> LlamaForCausalLM ternary (Falcon3-1.58bit, Llama3-8B-1.58, Falcon-E, TriLM): silu,
+                             no sub-norms, untied bf16 lm_head, explicit head_dim, rope_theta 1000042, eps 1e-6
     m.config                       HF config dict (what config.json gets)
     m.model_config()               engine.config.ModelConfig
     m.linears()                    [(hf_prefix, out, in)], e.g. ("model.layers.0.self_attn.q_proj", 64, 64)
@@ -58,6 +60,22 @@ CHAT_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}"
     "{{ message['role'] | capitalize }}: {{ message['content'] }}<|eot_id|>"
     "{% endfor %}{% if add_generation_prompt %}Assistant: {% endif %}"
+)
+# Falcon3-*-Instruct(-1.58bit)'s template (its tools branch left out)
+FALCON3_CHAT_TEMPLATE = (
+    "{%- for message in messages %}{%- if message['role'] == 'system' %}"
+    "{{- '<|system|>\n' + message['content'] + '\n' }}{%- elif message['role'] == 'user' %}"
+    "{{- '<|user|>\n' + message['content'] + '\n' }}{%- elif message['role'] == 'assistant' %}"
+    "{%- if not loop.last %}{{- '<|assistant|>\n' + message['content'] + eos_token + '\n' }}"
+    "{%- else %}{{- '<|assistant|>\n' + message['content'] + eos_token }}{%- endif %}{%- endif %}"
+    "{%- if loop.last and add_generation_prompt %}{{- '<|assistant|>\n' }}{%- endif %}{%- endfor %}"
+)
+# Meta-Llama-3-8B-Instruct's template (HF1BitLLM/Llama3-8B-1.58-100B-tokens ships the Llama-3 tokenizer)
+LLAMA3_CHAT_TEMPLATE = (
+    "{% set loop_messages = messages %}{% for message in loop_messages %}"
+    "{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim"
+    " + '<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}{{ content }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
 )
 # What the official bitnet-b1.58-2B-4T GGUF embeds (wrong; the converter replaces it).
 BROKEN_GGUF_TEMPLATE = (
@@ -127,13 +145,17 @@ _EMBED_CHUNK = 4096
 
 class SynthModel:
     def __init__(self, config: dict | None = None, *, seed: int = 0, style: str = "bitnet"):
-        if style not in ("bitnet", "1bitllm"):
-            raise ValueError(f"style must be 'bitnet' or '1bitllm', not {style!r}")
+        if style not in ("bitnet", "1bitllm", "llama"):
+            raise ValueError(f"style must be 'bitnet', '1bitllm' or 'llama', not {style!r}")
         self.style = style
         base = small_config()
         if style == "1bitllm":
             base.update(architectures=["BitnetForCausalLM"], model_type="llama", hidden_act="silu",
                         tie_word_embeddings=False, rope_theta=10000.0, torch_dtype="float16")
+        elif style == "llama":  # Falcon3-1.58bit's config.json, scaled down
+            base.update(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu",
+                        tie_word_embeddings=False, rope_theta=1000042.0, rms_norm_eps=1e-6, head_dim=64,
+                        mlp_bias=False, pretraining_tp=1, is_bitnet_config=True)
         base.update(config or {})
         self.config = base
         self.seed = int(seed)
@@ -205,8 +227,15 @@ class SynthModel:
             self.H * self.head_dim if "attn_sub_norm" in name or "inner_attn_ln" in name else self.D)
         return _exact_both(1.0 + 0.1 * self._rng(name).standard_normal(size, dtype=np.float32))
 
+    @property
+    def sub_norms(self) -> bool:
+        return self.style != "llama"
+
     def norm_names(self, i: int) -> dict[str, str]:
-        """engine-side short name -> HF name, for layer i."""
+        """engine-side short name -> HF name, for layer i (no sub-norms in the llama style)."""
+        if not self.sub_norms:
+            p = f"model.layers.{i}"
+            return {"attn_norm": f"{p}.input_layernorm.weight", "ffn_norm": f"{p}.post_attention_layernorm.weight"}
         a_sub = "inner_attn_ln" if self.style == "1bitllm" else "attn_sub_norm"
         f_sub = "ffn_layernorm" if self.style == "1bitllm" else "ffn_sub_norm"
         p = f"model.layers.{i}"
@@ -221,7 +250,7 @@ class SynthModel:
             rope_theta=float(self.config["rope_theta"]), rms_norm_eps=float(self.config["rms_norm_eps"]),
             hidden_act=self.config["hidden_act"], tie_word_embeddings=bool(self.config["tie_word_embeddings"]),
             bos_token_id=tok["bos"], eos_token_ids=tuple(x for x in (tok["eos"], tok["eot"]) if x is not None),
-            arch="bitnet-b1.58", name="synth")
+            sub_norms=self.sub_norms, arch="bitnet-b1.58", name="synth")
 
     # ---- tokenizer ---------------------------------------------------------------------------------
     def tokenizer_info(self) -> dict:

@@ -83,13 +83,18 @@ def _float_tag(x: np.ndarray, tag: str) -> np.ndarray:
 
 def write_hf_dir(m, out_dir: str, *, form: str = "packed", linear_class: str = "autobitlinear", shards: int = 1,
                  embed_dtype: str = "bf16") -> str:
-    if form not in ("packed", "online"):
-        raise ValueError("form must be 'packed' or 'online'")
+    if form not in ("packed", "online", "unpacked", "float"):
+        raise ValueError("form must be 'packed', 'online', 'unpacked' or 'float'")
+    if form in ("unpacked", "float") and m.style != "llama":
+        raise ValueError(f"form {form!r} exists for the llama style only")
     if linear_class not in ("autobitlinear", "bitlinear"):
         raise ValueError("linear_class must be 'autobitlinear' or 'bitlinear'")
     os.makedirs(out_dir, exist_ok=True)
     onebit = m.style == "1bitllm"
-    ftag = "F16" if onebit else "BF16"
+    # TriLM's unpacked checkpoints are fp16 (ternary * scale); Falcon3 / Falcon-E / 2B-4T are bf16
+    ftag = "F16" if onebit or form == "unpacked" else "BF16"
+    if form == "unpacked":
+        embed_dtype = "f16"
     etag = {"bf16": "BF16", "f32": "F32", "f16": "F16"}[embed_dtype]
     specs: list = []
 
@@ -103,14 +108,19 @@ def write_hf_dir(m, out_dir: str, *, form: str = "packed", linear_class: str = "
         for prefix, o, n in m.linears():
             if not prefix.startswith(f"model.layers.{i}."):
                 continue
-            if form == "online" or onebit:
+            if form in ("online", "float") or onebit:
                 specs.append((prefix + ".weight", ftag, [o, n], lambda p=prefix: _float_tag(m.master(p), ftag)))
+            elif form == "unpacked":  # TriLM: fake-quantized ternary * scale, no quantization_config
+                specs.append((prefix + ".weight", ftag, [o, n], lambda p=prefix: _float_tag(
+                    m.ternary(p).astype(np.float32) * np.float32(m.weight_scale(p)), ftag)))
             else:
                 specs.append((prefix + ".weight", "U8", [o // 4, n], lambda p=prefix: hf_pack(m.ternary(p))))
                 if linear_class == "bitlinear":
-                    # this class divides by weight_scale: store the reciprocal (f32 so 1/x is exact enough)
-                    specs.append((prefix + ".weight_scale", "F32", [1],
-                                  lambda p=prefix: np.array([1.0 / m.weight_scale(p)], np.float32)))
+                    # this class divides by weight_scale: store the reciprocal (f32 so 1/x is exact enough;
+                    # bf16 as Falcon3 does for the llama style)
+                    st = "BF16" if m.style == "llama" else "F32"
+                    specs.append((prefix + ".weight_scale", st, [1], lambda p=prefix, st=st: _float_tag(
+                        np.array([1.0 / m.weight_scale(p)], np.float32), st)))
                 else:
                     specs.append((prefix + ".weight_scale", "BF16", [1],
                                   lambda p=prefix: _float_tag(np.array([m.weight_scale(p)], np.float32), "BF16")))
@@ -132,10 +142,19 @@ def write_hf_dir(m, out_dir: str, *, form: str = "packed", linear_class: str = "
             json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=1)
     cfg = dict(m.config)
     tok = m.tokenizer_info()
-    cfg.update(bos_token_id=tok["bos"], eos_token_id=tok["eos"] if onebit else [tok["eos"], tok["eot"]])
-    if not onebit:
+    # llama style: the first stop id is tokenizer_config's eos_token, as in Falcon3 (chat templates render it)
+    stops = [tok["eot"], tok["eos"]] if m.style == "llama" else [tok["eos"], tok["eot"]]
+    cfg.update(bos_token_id=tok["bos"], eos_token_id=tok["eos"] if onebit else stops)
+    if m.style == "llama" and form == "packed" and linear_class == "bitlinear":
+        # Falcon3-1.58bit / Llama3-8B-1.58: no linear_class key (transformers' default: bitlinear, divides)
+        cfg["quantization_config"] = {"modules_to_not_convert": ["lm_head"], "quant_method": "bitnet"}
+    elif not onebit and form not in ("unpacked", "float"):
         cfg["quantization_config"] = {"quant_method": "bitnet", "linear_class": linear_class,
                                       "quantization_mode": "online" if form == "online" else "offline"}
+        if m.style == "llama":
+            cfg["quantization_config"]["modules_to_not_convert"] = ["lm_head"]
+    if form == "unpacked":
+        cfg["torch_dtype"] = "float16"
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(cfg, f, indent=1)
     if tok["kind"] == "llama":  # 1bitLLM: SentencePiece model only, no chat template
@@ -152,7 +171,7 @@ def write_hf_dir(m, out_dir: str, *, form: str = "packed", linear_class: str = "
                    "model_max_length": m.config["max_position_embeddings"],
                    "tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": True}, f, indent=1)
     with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
-        json.dump({"bos_token_id": tok["bos"], "eos_token_id": [tok["eos"], tok["eot"]], "do_sample": False}, f)
+        json.dump({"bos_token_id": tok["bos"], "eos_token_id": stops, "do_sample": False}, f)
     return out_dir
 
 
@@ -166,13 +185,15 @@ def _gguf_tensor_order(m) -> Iterator[tuple[str, str]]:
         yield f"blk.{i}.attn_norm.weight", "norm:" + nn["attn_norm"]
         for short in ("attn_q", "attn_k", "attn_v", "attn_output"):
             yield f"blk.{i}.{short}.weight", f"lin:model.layers.{i}.{HF_NAMES[short]}"
-        yield f"blk.{i}.attn_sub_norm.weight", "norm:" + nn["attn_sub_norm"]
+        if m.sub_norms:
+            yield f"blk.{i}.attn_sub_norm.weight", "norm:" + nn["attn_sub_norm"]
         yield f"blk.{i}.ffn_norm.weight", "norm:" + nn["ffn_norm"]
         for short in ("ffn_gate", "ffn_up", "ffn_down"):
             yield f"blk.{i}.{short}.weight", f"lin:model.layers.{i}.{HF_NAMES[short]}"
-        yield f"blk.{i}.ffn_sub_norm.weight", "norm:" + nn["ffn_sub_norm"]
+        if m.sub_norms:
+            yield f"blk.{i}.ffn_sub_norm.weight", "norm:" + nn["ffn_sub_norm"]
     yield "output_norm.weight", "norm:model.norm.weight"
-    if m.style == "1bitllm" or not m.config.get("tie_word_embeddings", True):
+    if m.style != "bitnet" or not m.config.get("tie_word_embeddings", True):
         yield "output.weight", "lm_head"
 
 
@@ -186,7 +207,23 @@ def _hparams(m, arch: str, hidden_activation: str | None) -> list[tuple[str, str
           (f"{arch}.rope.freq_base", "f32", c["rope_theta"])]
     if hidden_activation:
         kv.append((f"{arch}.hidden_activation", "str", hidden_activation))
+    if m.head_dim != m.D // m.H:  # what llama.cpp's converter writes for an explicit head_dim
+        kv += [(f"{arch}.attention.key_length", "u32", m.head_dim), (f"{arch}.attention.value_length", "u32", m.head_dim)]
     return kv
+
+
+def llama_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf LlamaModel.permute of q_proj / k_proj rows (n_head: the kv heads for
+    k): its `llama` graph applies RoPE to interleaved pairs, the HF weights are laid out for half-split RoPE."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _gguf_ternary(m, prefix: str, arch: str) -> np.ndarray:
+    """The ternary matrix as a GGUF of `arch` stores it (q, k rows permuted for the llama arch)."""
+    w = m.ternary(prefix)
+    if arch == "llama" and prefix.endswith((".q_proj", ".k_proj")):
+        w = llama_permute(w, m.H if prefix.endswith(".q_proj") else m.KV)
+    return w
 
 
 def _tokenizer_kv(m, pre: str | None, template: str) -> list[tuple[str, str, object]]:
@@ -208,21 +245,26 @@ def _tokenizer_kv(m, pre: str | None, template: str) -> list[tuple[str, str, obj
 
 def write_gguf_tq(m, path: str, qtype: str = "TQ2_0", *, embed_type: str = "F16",
                   hidden_activation: str | None = "relu2", scale_tensors: bool = False, pre: str | None = "llama-bpe",
-                  quantizer: str = "gguf") -> str:
+                  quantizer: str = "gguf", arch: str = "bitnet", gaussian: bool = False) -> str:
+    """Linear weights in `qtype`: TQ1_0 / TQ2_0, or any type gguf's numpy quantizers write (F32, F16, BF16,
+    Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: the ternary values times the scale, as llama.cpp's converter stores them).
+    gaussian=True writes the full-precision masters instead (a non-ternary model, which must be refused)."""
     import gguf
 
     qt = gguf.GGMLQuantizationType[qtype]
-    if qtype not in ("TQ1_0", "TQ2_0"):
-        raise ValueError("qtype must be TQ1_0 or TQ2_0")
+    if qtype not in ("TQ1_0", "TQ2_0", "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0") and \
+            not callable(quantizer):
+        raise ValueError(f"qtype {qtype}: not one gguf's numpy quantizers write (pass an encoder as quantizer)")
     if quantizer == "fast" and qtype != "TQ2_0":
         raise ValueError("quantizer='fast' exists for TQ2_0 only")
     for p, o, n in m.linears():
         if n % 256:
             raise ValueError(f"{p}: input dim {n} is not a multiple of 256 (TQ block size)")
     et = gguf.GGMLQuantizationType[embed_type]
-    w = gguf.GGUFWriter(path, "bitnet")
-    w.add_name("synth-bitnet")
-    for key, typ, val in _hparams(m, "bitnet", hidden_activation) + _tokenizer_kv(m, pre, m.chat_template):
+    w = gguf.GGUFWriter(path, arch)
+    w.add_name(f"synth-{arch}")
+    act = hidden_activation if arch == "bitnet" else None  # llama: SiLU, no key
+    for key, typ, val in _hparams(m, arch, act) + _tokenizer_kv(m, pre, m.chat_template):
         _gguf_writer_kv(w, key, typ, val)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_TQ2_0 if qtype == "TQ2_0" else gguf.LlamaFileType.MOSTLY_TQ1_0)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
@@ -253,10 +295,11 @@ def write_gguf_tq(m, path: str, qtype: str = "TQ2_0", *, embed_type: str = "F16"
 
             def make(prefix=prefix):
                 # older llama.cpp files: d = 1 in the blocks and the scale in a separate blk.N.*.scale tensor
-                wt, s = m.ternary(prefix), (1.0 if scale_tensors else m.weight_scale(prefix))
+                wt, s = _gguf_ternary(m, prefix, arch), (1.0 if scale_tensors else m.weight_scale(prefix))
                 if quantizer == "fast":
                     return tq2_pack(wt, s)
-                return gguf.quants.quantize(wt.astype(np.float32) * np.float32(s), qt)
+                wf = m.master(prefix) if gaussian else wt.astype(np.float32) * np.float32(s)
+                return quantizer(wf) if callable(quantizer) else gguf.quants.quantize(wf, qt)
             plan.append((name, [o, n // bs * ts], np.dtype(np.uint8), o * n // bs * ts, qt, make))
             if scale_tensors:
                 plan.append((name[:-len(".weight")] + ".scale", [1], np.dtype(np.float32), 4, None,
@@ -381,6 +424,6 @@ def write_gguf_i2s(m, path: str, *, arch: str = "bitnet-b1.58", pre: str | None 
             prefix = what[4:]
             o, n = m._shape(prefix)
             w.add_tensor_info(name, [o, n], 36, o * n // 4 + 32)
-            makers.append(lambda prefix=prefix: i2s_pack(m.ternary(prefix), m.weight_scale(prefix)))
+            makers.append(lambda prefix=prefix: i2s_pack(_gguf_ternary(m, prefix, arch), m.weight_scale(prefix)))
     w.write(makers)
     return path

@@ -20,7 +20,7 @@ LLAMA3_SPLIT_REGEX = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 GPT2_SPLIT_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-LLAMA3_PRES = {None, "", "llama-bpe", "llama3", "llama-v3", "smaug-bpe"}
+LLAMA3_PRES = {None, "", "llama-bpe", "llama3", "llama-v3", "smaug-bpe", "falcon3"}  # as llama.cpp maps them
 BITNET_CHAT_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}"
     "{{ message['role'] | capitalize }}: {{ message['content'] }}<|eot_id|>"
@@ -116,7 +116,7 @@ def gguf_tokenizer(g) -> dict:
             meta["tokenizer_note"] = "SentencePiece vocab rebuilt as an HF BPE tokenizer (best effort)"
         else:
             raise FormatError(f"{path}: unsupported tokenizer.ggml.model {model!r} (expected gpt2 or llama)")
-    if model == "gpt2" or g.arch != "bitnet":
+    if g.arch != "llama" and (model == "gpt2" or g.arch != "bitnet"):  # llama-arch files: their own or none
         fixed = fix_chat_template(tmpl)
         if fixed != tmpl:
             meta["chat_template_note"] = "missing in the file" if not tmpl else "replaced the broken GGUF template"

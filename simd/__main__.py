@@ -1,4 +1,5 @@
-"""`python -m simd`: print CPU features and the chosen kernel path."""
+"""`python -m simd`: print CPU features and the chosen kernel path (`bitnet info` shows the same as a table,
+with --json for scripts; this stays here so the kernels can be checked without the engine's CLI)."""
 import sys
 
 from engine.errors import BitNetError
@@ -6,9 +7,14 @@ from engine.errors import BitNetError
 
 def _main() -> int:
     try:
-        from engine.commands.info import main
+        import simd
 
-        return main(None)
+        feats = simd.features()
+        print(f"features: {', '.join(k for k, v in feats.items() if v)}")
+        print(f"active:   {simd.active()}")
+        print(f"paths:    {', '.join(simd.supported_isas())} (force one with BITNET_ISA=scalar|avx2|avxvnni|avx512)")
+        print(f"threads:  {simd.get_num_threads()}")
+        return 0
     except BitNetError as e:  # e.g. BITNET_ISA naming a path this CPU cannot run
         print(f"python -m simd: error: {e}", file=sys.stderr)
         return e.exit_code

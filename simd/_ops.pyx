@@ -104,13 +104,17 @@ def add_rmsnorm(float[:, ::1] x, float[:, ::1] delta, const float[::1] w, float 
 
 def glu_rmsnorm_quant(float[:, ::1] gu, int act, const float[::1] w, float eps, int8_t[:, ::1] xq,
                       float[::1] act_scale, int32_t[::1] act_sum):
-    """gu [m, 2I] = [gate | up] -> gate half := rmsnorm(act(gate) * up) * w, quantized into xq."""
+    """gu [m, 2I] = [gate | up] -> gate half := rmsnorm(act(gate) * up) * w, quantized into xq.
+    w None: no norm (models without ffn_sub_norm), the gate half := act(gate) * up, quantized."""
     cdef int m = gu.shape[0], inter = gu.shape[1] // 2
-    if gu.shape[1] != 2 * inter or w.shape[0] != inter or act not in (0, 1):
-        _fail(f"glu_rmsnorm_quant: gu width {gu.shape[1]}, w {w.shape[0]}, act {act} do not fit")
+    if gu.shape[1] != 2 * inter or (w is not None and w.shape[0] != inter) or act not in (0, 1):
+        _fail(f"glu_rmsnorm_quant: gu width {gu.shape[1]}, w {None if w is None else w.shape[0]}, act {act} do not fit")
     _check_quant("glu_rmsnorm_quant", m, inter, xq, act_scale, act_sum)
+    cdef const float *wp = NULL
+    if w is not None:
+        wp = &w[0]
     with nogil:
-        ops_glu_rmsnorm_quant(&gu[0, 0], m, inter, act, &w[0], eps, &xq[0, 0], xq.shape[1], &act_scale[0], &act_sum[0])
+        ops_glu_rmsnorm_quant(&gu[0, 0], m, inter, act, wp, eps, &xq[0, 0], xq.shape[1], &act_scale[0], &act_sum[0])
 
 
 def embed_f16(const uint16_t[:, ::1] table, const int32_t[::1] ids, float[:, ::1] out):

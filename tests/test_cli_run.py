@@ -77,7 +77,6 @@ def test_chat(store):
 
 @pytest.mark.parametrize("args,needle", [
     (["-m", "/nonexistent/model.gguf", "-p", "x"], "/nonexistent/model.gguf"),
-    (["--system", "s", "-p", "x"], "--system"),
     (["-p", "x", "--top-p", "3"], "--top-p"),
     (["-p", "x", "-n", "-2"], "-n"),
     (["-p", "Once upon a time, in a small village", "-c", "4"], "-c/--ctx"),

@@ -84,7 +84,8 @@ def test_all_sources_give_identical_stores(stores, kind):
             continue
         assert np.array_equal(a.tensor(n), b.tensor(n)), n
     for f in ("hidden_size", "intermediate_size", "n_layers", "n_heads", "n_kv_heads", "head_dim", "vocab_size",
-              "rope_theta", "rms_norm_eps", "hidden_act", "bos_token_id", "eos_token_ids", "tie_word_embeddings"):
+              "rope_theta", "rms_norm_eps", "hidden_act", "bos_token_id", "eos_token_ids", "tie_word_embeddings",
+              "sub_norms"):
         assert getattr(a.config, f) == getattr(b.config, f), f
     assert a.chat_template == b.chat_template
 
@@ -213,8 +214,11 @@ def test_bad_sources(model, tmp_path):
     with pytest.raises(FormatError, match="not a GGUF file"):
         convert(str(tmp_path / "junk.bin"), progress=False)
     d = _hf_copy(model, tmp_path, "arch")
-    _edit_config(d, architectures=["LlamaForCausalLM"], model_type="llama")
+    _edit_config(d, architectures=["MistralForCausalLM"], model_type="mistral")
     with pytest.raises(UnsupportedError, match="unsupported model"):
+        convert(d, progress=False)
+    _edit_config(d, architectures=["MiniCPMForCausalLM"], model_type="minicpm")
+    with pytest.raises(UnsupportedError, match="MiniCPM"):
         convert(d, progress=False)
     d = _hf_copy(model, tmp_path, "shape")
     _edit_config(d, intermediate_size=768)

@@ -95,14 +95,17 @@ def test_type36_outside_bitnet_is_unsupported(tmp_path):
 def test_unknown_and_undecodable_types_name_the_tensor(tmp_path):
     w = RawGGUFWriter(str(tmp_path / "x.gguf"))
     w.add("general.architecture", "str", "bitnet")
-    w.add_tensor_info("weird", [4, 32], 2, 4 * 18)     # Q4_0: known size, no decoder here
+    w.add_tensor_info("weird", [4, 32], 26, 4 * 32 * 4)  # I32: known size, no dequantizer anywhere
     w.add_tensor_info("alien", [4, 32], 77, 16)        # a type nobody knows
-    w.write([lambda: b"\0" * 72, lambda: b"\0" * 16])
+    w.add_tensor_info("q40", [4, 32], 2, 4 * 18)       # Q4_0: decoded by the gguf package
+    w.write([lambda: b"\0" * 512, lambda: b"\0" * 16, lambda: bytes(range(72))])
     g = GGUFFile(str(tmp_path / "x.gguf"))
-    with pytest.raises(UnsupportedError, match="'weird'.*Q4_0"):
+    with pytest.raises(UnsupportedError, match="'weird'.*I32"):
         g.dequantize("weird")
     with pytest.raises(UnsupportedError, match="'alien'.*type 77"):
         g.raw("alien")
+    want = gguf.quants.dequantize(np.arange(72, dtype=np.uint8).reshape(4, 18), gguf.GGMLQuantizationType.Q4_0)
+    assert np.array_equal(g.dequantize("q40"), want)
 
 
 # ---- bad headers ------------------------------------------------------------------------------------------

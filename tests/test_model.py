@@ -95,3 +95,29 @@ def test_context_limits(synth):
         model.decode(1)
     with pytest.raises(Exception, match="outside the vocabulary"):
         Model(Store(stores["f16"]), n_ctx=16).prefill([m.V])
+
+
+def test_llama_architecture_variant(tmp_path):
+    """Llama-architecture ternary models (no sub-norms, explicit head_dim, untied head): prefill == decode bit
+    for bit, and a decode step allocates nothing there either."""
+    m, _, stores = make_synth(tmp_path, seed=6, style="llama", head_dim=96)
+    store = Store(stores["f16"])
+    assert (store.config.sub_norms, store.config.head_dim) == (False, 96)
+    model = Model(store, n_ctx=256, chunk=16)
+    ids = list(range(3, 40))
+    pre = model.forward(ids)
+    model.reset()
+    np.testing.assert_array_equal(pre, np.stack([model.decode(t).copy() for t in ids]))
+    for t in ids[:5]:
+        model.decode(t)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.take_snapshot()
+        for t in range(100):
+            model.decode(t + 3)
+        after = tracemalloc.take_snapshot()
+    finally:
+        tracemalloc.stop()
+    grown = sum(s.size_diff for s in after.compare_to(before, "filename")
+                if s.size_diff > 0 and "tracemalloc" not in str(s.traceback))
+    assert grown < 4096, f"{grown} bytes allocated and kept over 100 decode steps"

@@ -62,6 +62,13 @@ def test_glu_rmsnorm_quant(isa, act):
     xq2, s2, sm2 = np.empty_like(xq), np.empty_like(s), np.empty_like(sm)
     ref.quantize_act(work[:, :inter], xq2, s2, sm2)
     np.testing.assert_array_equal(xq, xq2)
+    # w None (no FFN sub-norm): the activation product itself, quantized like quantize_act
+    work = gu.copy()
+    ops.glu_rmsnorm_quant(work, act, None, 1e-5, xq, s, sm)
+    np.testing.assert_allclose(work[:, :inter], f.astype(np.float32), rtol=1e-5, atol=1e-4)
+    ref.quantize_act(work[:, :inter], xq2, s2, sm2)
+    np.testing.assert_array_equal(xq, xq2)
+    np.testing.assert_array_equal(s, s2)
 
 
 def _attention_numpy(qkv, nh, nkv, hd, cos, sin, kv_f16):

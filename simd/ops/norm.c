@@ -266,8 +266,12 @@ void ops_glu_rmsnorm_quant(float *gu, int m, int inter, int act, const float *w,
                 g[i] = a * u[i];
             }
         }
-        /* normalize in place over the gate half, then quantize it */
-        float amax = scale_mul(g, inv_rms(g, inter, eps), w, inter, g);
+        /* normalize in place over the gate half (w NULL: no sub-norm, Llama-architecture models), then
+         * quantize it */
+        float amax = 0.0f;
+        if (w) amax = scale_mul(g, inv_rms(g, inter, eps), w, inter, g);
+        else
+            for (int i = 0; i < inter; i++) amax = fabsf(g[i]) > amax ? fabsf(g[i]) : amax;
         float s = act_scale_of(amax);
         act_sum[r] = quant(g, inter, s, qr);
         memset(qr + inter, 0, (size_t)(k_pad - inter));

@@ -53,7 +53,7 @@ void ops_add_rmsnorm_quant(float *x, const float *delta, const float *w, int m, 
 /* x += delta (if not NULL); out = rmsnorm(x) * w */
 void ops_add_rmsnorm(float *x, const float *delta, const float *w, int m, int d, float eps, float *out);
 /* gu[m, 2*inter] = [gate | up]: f = act(gate) * up, then rmsnorm(f) * w written over the gate half, then
- * quantized into xq[m, k_pad]. */
+ * quantized into xq[m, k_pad]. w NULL: no norm (models without an FFN sub-norm), f itself is quantized. */
 void ops_glu_rmsnorm_quant(float *gu, int m, int inter, int act, const float *w, float eps, int8_t *xq,
                            int k_pad, float *act_scale, int32_t *act_sum);
 /* out[i, :] = (float)table[ids[i], :] (f16 table [vocab, d]); returns the index of the first bad id or -1 */

@@ -1,0 +1,203 @@
+"""The command line as llama.cpp and ollama users type it, in subprocesses: llama.cpp flag spellings, -n -1,
+--ignore-eos, -sys, -cnv, unknown flags answered with the subcommand's usage and a suggestion, --json,
+non-UTF-8 input, a closed stdout, --version, `bitnet info`, shell completion."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from engine.api import load_model
+from test_model_fixtures import make_synth
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    return make_synth(tmp_path_factory.mktemp("flags"), seed=21, lm_heads=("f16",))[2]["f16"]
+
+
+@pytest.fixture(scope="module")
+def bundled():
+    from engine.convert import bundled_model
+
+    path = bundled_model()
+    if path is None:
+        pytest.skip("no bundled model in models/ (it ships with the package)")
+    return path
+
+
+def run(module, *args, stdin=None, timeout=120, env=None):
+    return subprocess.run([sys.executable, "-m", module, *args], input=stdin, capture_output=True,
+                          timeout=timeout, cwd=ROOT, env=env, text=not isinstance(stdin, bytes))
+
+
+def bitnet(*args, **kw):
+    return run("engine", *args, **kw)
+
+
+def json_lines(text):
+    return [json.loads(x) for x in text.splitlines()]
+
+
+def test_llama_cpp_spellings_mean_the_same(store):
+    base = bitnet("run", "-m", store, "-p", "Once upon a time", "-n", "12", "-c", "64", "-t", "1", "--temp", "0")
+    assert base.returncode == 0 and base.stdout, base.stderr
+    long = bitnet("run", "--model", store, "--prompt", "Once upon a time", "--n-predict", "12", "--ctx-size", "64",
+                  "--threads", "1", "--temperature", "0")
+    assert long.returncode == 0 and long.stdout == base.stdout, long.stderr
+    assert bitnet("run", "-m", store, "-p", "Once upon a time", "--max-tokens", "12", "--ctx", "64",
+                  "--temp", "0").stdout == base.stdout
+    # -sys / --system-prompt apply the chat template as --chat --system does
+    chat = bitnet("run", "-m", store, "--chat", "--system", "Be brief.", "-p", "Hi", "-n", "8", "--temp", "0")
+    assert chat.returncode == 0 and chat.stdout != ""
+    for flag in ("-sys", "--system-prompt"):
+        r = bitnet("run", "-m", store, flag, "Be brief.", "-p", "Hi", "-n", "8", "--temp", "0")
+        assert r.returncode == 0 and r.stdout == chat.stdout, r.stderr
+
+
+def test_n_minus_one_runs_to_a_full_context_and_stops_cleanly(store):
+    r = bitnet("run", "-m", store, "-p", "Once", "-n", "-1", "-c", "40", "--ignore-eos", "--temp", "0", "--json")
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    done = json_lines(r.stdout)[-1]
+    # the context is full: every position holds a token (the last one sampled needs no room of its own)
+    assert done["finish_reason"] == "context" and done["stats"]["n_prompt"] + done["stats"]["n_generated"] == 41
+    r = bitnet("run", "-m", store, "-p", "Once", "-n", "-2")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "-1" in r.stderr
+
+
+def test_ignore_eos_never_samples_the_end_token(bundled):
+    plain = json_lines(bitnet("run", "-m", bundled, "-p", "2+2=", "-n", "40", "--temp", "0", "--json").stdout)
+    assert plain[-1]["finish_reason"] == "eos", "the bundled model should end its answer to 2+2= by itself"
+    r = bitnet("run", "-m", bundled, "-p", "2+2=", "-n", "40", "--temp", "0", "--json", "--ignore-eos")
+    lines = json_lines(r.stdout)
+    assert lines[-1]["finish_reason"] == "length" and lines[-1]["stats"]["n_generated"] == 40
+    llm = load_model(bundled, progress=False)
+    eos = set(llm.tokenizer.eos_ids)
+    assert not eos & {x["token"] for x in lines[:-1]}
+    # the text before the point where it would have stopped is the same
+    assert "".join(x["text"] for x in lines[:-1]).startswith("".join(x["text"] for x in plain[:-1]))
+
+
+def test_json_lines_are_the_text_then_the_stats(store):
+    plain = bitnet("run", "-m", store, "-p", "Once upon a time", "-n", "12", "--temp", "0")
+    r = bitnet("run", "-m", store, "-p", "Once upon a time", "-n", "12", "--temp", "0", "--json")
+    assert r.returncode == 0, r.stderr
+    lines = json_lines(r.stdout)
+    assert "".join(x["text"] for x in lines[:-1]) == plain.stdout
+    done = lines[-1]
+    assert done["done"] is True and done["finish_reason"] in ("eos", "length")
+    assert done["stats"]["n_generated"] >= len(lines) - 1 and done["stats"]["decode_tps"] >= 0
+
+
+@pytest.mark.parametrize("module,argv,usage,suggested", [
+    ("engine", ["run", "--ctx-szie", "64", "-p", "x"], "usage: bitnet run", "--ctx-size"),
+    ("engine", ["run", "--ignore-eso", "-p", "x"], "usage: bitnet run", "--ignore-eos"),
+    ("engine", ["run", "--n-predcit", "4", "-p", "x"], "usage: bitnet run", "--n-predict"),
+    ("engine", ["list", "--jsno"], "usage: bitnet list", "--json"),
+    ("chat", ["--system-promt", "x"], "usage: bitchat", "--system-prompt"),
+])
+def test_unknown_flag_gets_the_subcommand_usage_and_a_suggestion(module, argv, usage, suggested):
+    r = run(module, *argv)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.startswith(usage), r.stderr
+    assert f"did you mean {suggested}?" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_conversation_mode_chats_on_stdin_like_bitchat(store, tmp_path):
+    env = dict(os.environ, BITCHAT_HISTORY="", NO_COLOR="1")
+    stdin = "Hello there.\n/set temp 0\nWhat next?\n"
+    cnv = bitnet("run", "-m", store, "-cnv", "-n", "6", "--temp", "0", "-t", "1", stdin=stdin, env=env)
+    chat = run("chat", "-m", store, "-n", "6", "--temp", "0", "-t", "1", stdin=stdin, env=env)
+    assert cnv.returncode == 0 and chat.returncode == 0, cnv.stderr + chat.stderr
+    assert cnv.stdout == chat.stdout and cnv.stdout.strip()
+    assert cnv.stderr.count("prefill") == 2                       # two turns, with their stats lines
+    # -p is the first message; --conversation is the long spelling
+    first = bitnet("run", "-m", store, "--conversation", "-p", "Hello there.", "-n", "6", "--temp", "0",
+                   stdin="What next?\n", env=env)
+    assert first.returncode == 0 and first.stdout == chat.stdout, first.stderr
+
+
+def test_non_utf8_input_is_one_line_naming_the_byte(store, tmp_path):
+    r = bitnet("run", "-m", store, "-p", "-", stdin=b"hello \xff\n")
+    err = r.stderr.decode()
+    assert r.returncode == 2 and len(err.strip().splitlines()) == 1 and "0xff" in err and "UTF-8" in err
+    r = subprocess.run([sys.executable, "-m", "engine", "run", "-m", store, "-p", b"caf\xe9"], capture_output=True,
+                       text=True, cwd=ROOT, timeout=120)               # an argument that is not UTF-8 either
+    assert r.returncode == 2 and "0xe9" in r.stderr and "-p/--prompt" in r.stderr and len(r.stderr.splitlines()) == 1
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes("café".encode("latin-1"))
+    r = bitnet("run", "-m", store, "-f", str(bad))
+    assert r.returncode == 2 and "0xe9" in r.stderr and str(bad) in r.stderr and len(r.stderr.splitlines()) == 1
+    # bitchat: the bad line is named and skipped, the session goes on, the exit code says something failed
+    r = run("chat", "-m", store, "-n", "4", "--temp", "0", stdin=b"hello \xff\nsecond line\n",
+            env=dict(os.environ, BITCHAT_HISTORY=""))
+    err = r.stderr.decode()
+    assert r.returncode == 1 and "Traceback" not in err and "internal error" not in err
+    assert [x for x in err.splitlines() if "0xff" in x and "stdin line 1" in x]
+    assert err.count("prefill") == 1 and r.stdout.strip()         # the second line was answered
+
+
+@pytest.mark.parametrize("cmd", [["engine", "run", "-p", "Once", "-n", "5000", "-c", "6000", "--ignore-eos"],
+                                 ["chat", "-n", "5000", "-c", "6000"]])
+def test_closed_stdout_ends_quietly(store, cmd):
+    args = [sys.executable, "-m", cmd[0], "-m", store, "--temp", "1", "--seed", "1", "-t", "1", *cmd[1:]]
+    if cmd[0] == "engine":
+        args = [sys.executable, "-m", "engine", cmd[1], "-m", store, "--temp", "1", "--seed", "1", "-t", "1", *cmd[2:]]
+    p = subprocess.Popen(args, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         env=dict(os.environ, BITCHAT_HISTORY=""))
+    if cmd[0] == "chat":
+        p.stdin.write(b"Tell me everything.\n")
+    p.stdin.close()
+    assert p.stdout.read(3)                                       # like `| head -c 3`
+    p.stdout.close()
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=120) == 0, err
+    assert "Traceback" not in err and "BrokenPipe" not in err and "Exception ignored" not in err, err
+
+
+@pytest.mark.parametrize("argv", [["engine", "run", "-p", "Once", "-n", "50"], ["chat", "-n", "20"],
+                                  ["engine", "info"]])
+def test_stdout_closed_before_anything_is_written(store, argv):
+    read_end, write_end = os.pipe()
+    os.close(read_end)                                            # nobody will ever read
+    extra = [] if argv[-1] == "info" else ["-m", store]
+    try:
+        r = subprocess.run([sys.executable, "-m", *argv, *extra], stdout=write_end, stderr=subprocess.PIPE,
+                           input=b"Hello\n", cwd=ROOT, timeout=120, env=dict(os.environ, BITCHAT_HISTORY=""))
+    finally:
+        os.close(write_end)
+    err = r.stderr.decode()
+    assert r.returncode == 0, err
+    assert "Traceback" not in err and "Broken pipe" not in err and "internal error" not in err, err
+
+
+def test_versions_agree_and_info_is_a_table_or_json():
+    a, b = bitnet("--version"), run("chat", "--version")
+    assert a.returncode == 0 and b.returncode == 0
+    from engine import __version__
+
+    assert a.stdout.split()[-1] == b.stdout.split()[-1] == __version__
+    facts = json.loads(bitnet("info", "--json").stdout)
+    assert facts["version"] == __version__ and facts["active"] in facts["supported"]
+    table = bitnet("info").stdout
+    assert "{" not in table and "'" not in table                  # not a Python dict
+    row = next(x for x in table.splitlines() if x.startswith("kernel path"))
+    assert row.split()[-1] == facts["active"] or facts["active"] in row
+
+
+@pytest.mark.parametrize("module,line,want", [
+    ("engine", "bitnet run --ctx", "--ctx-size"),
+    ("engine", "bitnet pu", "pull"),
+    ("engine", "bitnet run --ign", "--ignore-eos"),
+    ("chat", "bitchat --system-p", "--system-prompt"),
+])
+def test_shell_completion(module, line, want, tmp_path):
+    out = tmp_path / "completions"
+    env = dict(os.environ, _ARGCOMPLETE="1", COMP_LINE=line, COMP_POINT=str(len(line)),
+               _ARGCOMPLETE_STDOUT_FILENAME=str(out))
+    r = run(module, env=env)
+    assert r.returncode == 0, r.stderr
+    assert want in out.read_text().replace("\v", " ").split()

@@ -1,0 +1,297 @@
+"""Models by Hugging Face hub id (`-m REPO[:FILE][@REV]`), `bitnet pull`, `bitnet list`, `bitnet rm`.
+
+The hub cache is built here on disk in huggingface_hub's own layout (models--OWNER--NAME/{blobs,refs,
+snapshots/COMMIT}, snapshot files symlinked to blobs), and the engine finds models in it only through
+huggingface_hub's cache API. Nothing here touches the network: `pull` is tested offline (HF_HUB_OFFLINE=1)
+and against an endpoint on 127.0.0.1 where nothing listens.
+"""
+import hashlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("huggingface_hub", reason="huggingface_hub is a dependency of the hub features")
+
+from engine.api import SamplingParams, load_model  # noqa: E402
+from engine.synth import SynthModel, small_config, write_gguf_i2s, write_hf_dir  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+COMMIT_A = "a" * 40
+COMMIT_B = "b" * 40
+
+
+def add_snapshot(cache: str, repo: str, commit: str, files: dict[str, str], refs=("main",)) -> str:
+    """Put `files` (name -> local file) into `cache` as huggingface_hub stores a download of `repo` at `commit`."""
+    storage = os.path.join(cache, "models--" + repo.replace("/", "--"))
+    snap = os.path.join(storage, "snapshots", commit)
+    os.makedirs(os.path.join(storage, "blobs"), exist_ok=True)
+    os.makedirs(os.path.join(storage, "refs"), exist_ok=True)
+    for name, src in files.items():
+        data = open(src, "rb").read()
+        blob = os.path.join(storage, "blobs", hashlib.sha256(data).hexdigest())
+        with open(blob, "wb") as f:
+            f.write(data)
+        link = os.path.join(snap, name)
+        os.makedirs(os.path.dirname(link), exist_ok=True)
+        os.symlink(os.path.relpath(blob, os.path.dirname(link)), link)
+    for ref in refs:
+        with open(os.path.join(storage, "refs", ref), "w") as f:
+            f.write(commit)   # no newline, as huggingface_hub writes it
+    return snap
+
+
+def hf_files(d: str) -> dict[str, str]:
+    return {f: os.path.join(d, f) for f in os.listdir(d)}
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory):
+    """A hub cache with o/tiny at two commits (main -> B, tag v1 -> A) and o/tiny-gguf (one GGUF file)."""
+    root = tmp_path_factory.mktemp("hub")
+    models = {}
+    for seed, commit, refs in ((3, COMMIT_A, ("v1",)), (4, COMMIT_B, ("main",))):
+        m = SynthModel(small_config(), seed=seed)
+        d = write_hf_dir(m, str(root / f"src{seed}"))
+        add_snapshot(str(root / "cache"), "o/tiny", commit, hf_files(d), refs)
+        models[commit] = d
+    gguf = write_gguf_i2s(SynthModel(small_config(), seed=5), str(root / "model-i2_s.gguf"))
+    add_snapshot(str(root / "cache"), "o/tiny-gguf", COMMIT_A, {"model-i2_s.gguf": gguf})
+    return {"cache": str(root / "cache"), "hf": models, "gguf": gguf}
+
+
+def env_for(hub, tmp_path, **extra):
+    env = dict(os.environ, HF_HUB_CACHE=hub["cache"], BITNET_CACHE=str(tmp_path / "stores"), HF_HUB_OFFLINE="1")
+    env.pop("HF_HOME", None)
+    env.update(extra)
+    return env
+
+
+def bitnet(*args, env, timeout=120):
+    return subprocess.run([sys.executable, "-m", "engine", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT, env=env)
+
+
+def greedy(model_path, n=8):
+    llm = load_model(model_path, ctx=128, progress=False)
+    try:
+        ids = llm.tokenize("Once upon", add_bos=True)
+        return "".join(c.text for c in llm.generate(ids, SamplingParams(temperature=0), max_tokens=n))
+    finally:
+        llm.close()
+
+
+def run_text(ref, env):
+    r = bitnet("run", "-m", ref, "-p", "Once upon", "-n", "8", "--temp", "0", "-t", "1", env=env)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+def test_hub_ids_resolve_through_the_cache_with_revisions(hub, tmp_path):
+    env = env_for(hub, tmp_path)
+    want_b, want_a = greedy(hub["hf"][COMMIT_B]), greedy(hub["hf"][COMMIT_A])
+    assert want_a != want_b, "the two revisions must differ for this test to mean something"
+    assert run_text("o/tiny", env) == want_b                      # refs/main
+    assert run_text(f"o/tiny@{COMMIT_A}", env) == want_a          # a commit hash
+    assert run_text("o/tiny@v1", env) == want_a                   # a tag/branch ref
+    assert run_text("o/tiny-gguf", env) == greedy(hub["gguf"])    # the -gguf repo's single file
+    assert run_text("o/tiny-gguf:model-i2_s.gguf", env) == greedy(hub["gguf"])
+    # HF_HOME alone (no HF_HUB_CACHE) points at HF_HOME/hub
+    home = tmp_path / "hfhome"
+    home.mkdir()
+    os.symlink(hub["cache"], home / "hub")
+    env2 = env_for(hub, tmp_path, HF_HOME=str(home))
+    env2.pop("HF_HUB_CACHE")
+    assert run_text("o/tiny", env2) == want_b
+
+
+def test_missing_hub_id_is_one_line_with_the_pull_hint(hub, tmp_path):
+    r = bitnet("run", "-m", "o/not-downloaded", "-p", "x", env=env_for(hub, tmp_path))
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "bitnet pull o/not-downloaded" in lines[0] and hub["cache"] in lines[0]
+    r = bitnet("run", "-m", "o/tiny:nope.gguf", "-p", "x", env=env_for(hub, tmp_path))
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "o/tiny:nope.gguf" in r.stderr
+
+
+def test_list_inspect_and_rm(hub, tmp_path):
+    env = env_for(hub, tmp_path)
+    r = bitnet("list", env=env)
+    assert r.returncode == 0 and r.stdout == "" and "no converted models" in r.stderr
+    run_text("o/tiny", env)
+    run_text("o/tiny-gguf", env)
+    r = bitnet("list", env=env)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.strip().splitlines()
+    assert lines[0].split() == ["NAME", "SOURCE", "SIZE", "HEAD", "LAST", "USED"] and len(lines) == 3
+    rows = [json.loads(x) for x in bitnet("list", "--json", env=env).stdout.splitlines()]
+    sources = sorted(r["source"] for r in rows)
+    assert sources == [f"o/tiny-gguf:model-i2_s.gguf@{COMMIT_A[:12]}", f"o/tiny@{COMMIT_B[:12]}"]
+    assert all(r["lm_head"] == "i8" and r["size"] == os.path.getsize(r["path"]) for r in rows)
+    assert all(row["name"] in "\n".join(lines) for row in rows)
+    # inspect names the file it was given and the recorded source, with no path of this machine
+    store = next(r for r in rows if r["source"].startswith("o/tiny@"))["path"]
+    out = bitnet("inspect", store, "--tensors", "1", env=env).stdout
+    assert out.splitlines()[0] == f"file: {store}"
+    source_line = next(x for x in out.splitlines() if x.startswith("source:"))
+    assert f"o/tiny@{COMMIT_B[:12]}" in source_line and str(tmp_path) not in source_line and "/" + "root" not in source_line
+    # rm: by hub id (every conversion of it), unknown names refused, --all empties the cache
+    r = bitnet("rm", "o/tiny", env=env)
+    assert r.returncode == 0 and "deleted" in r.stdout, r.stderr
+    assert [json.loads(x)["source"] for x in bitnet("list", "--json", env=env).stdout.splitlines()] == \
+        [f"o/tiny-gguf:model-i2_s.gguf@{COMMIT_A[:12]}"]
+    r = bitnet("rm", "nothing-like-this", env=env)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "bitnet list" in r.stderr
+    assert bitnet("rm", env=env).returncode == 2                  # neither names nor --all
+    r = bitnet("rm", "--all", env=env)
+    assert r.returncode == 0 and r.stdout.count("deleted") == 1
+    assert bitnet("list", "--json", env=env).stdout == ""
+    assert os.path.isdir(hub["cache"]) and os.listdir(hub["cache"])   # the downloads are never touched
+
+
+def test_list_last_used_follows_runs_not_conversion(hub, tmp_path):
+    env = env_for(hub, tmp_path)
+    run_text("o/tiny-gguf", env)
+    row = json.loads(bitnet("list", "--json", env=env).stdout)
+    os.utime(row["path"], (row["last_used"] - 7200, os.stat(row["path"]).st_mtime - 7200))
+    assert "2 hours ago" in bitnet("list", env=env).stdout
+    run_text("o/tiny-gguf", env)
+    assert "just now" in bitnet("list", env=env).stdout
+
+
+def closed_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+@pytest.mark.parametrize("how", ["HF_HUB_OFFLINE", "unreachable endpoint"])
+def test_pull_offline_says_so_in_one_line(hub, tmp_path, how):
+    empty = tmp_path / "empty-cache"
+    extra = {"HF_HUB_CACHE": str(empty)}
+    if how == "HF_HUB_OFFLINE":
+        extra["HF_HUB_OFFLINE"] = "1"
+    else:
+        extra.update(HF_HUB_OFFLINE="0", HF_ENDPOINT=f"http://127.0.0.1:{closed_port()}", HF_HUB_ETAG_TIMEOUT="5",
+                     HF_HUB_DOWNLOAD_TIMEOUT="5")
+    env = env_for(hub, tmp_path, **extra)
+    for ref in ("o/tiny", "o/tiny-gguf:model-i2_s.gguf"):
+        r = bitnet("pull", ref, env=env, timeout=120)
+        assert r.returncode == 2, (r.stdout, r.stderr)
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and "offline" in lines[0] and "Traceback" not in r.stderr, r.stderr
+        assert ("HF_HUB_OFFLINE" in lines[0]) if how == "HF_HUB_OFFLINE" else ("127.0.0.1" in lines[0])
+
+
+def test_pull_of_a_cached_model_works_offline_and_converts(hub, tmp_path):
+    env = env_for(hub, tmp_path)
+    r = bitnet("pull", "o/tiny-gguf:model-i2_s.gguf", env=env)
+    assert r.returncode == 0, r.stderr
+    store = r.stdout.strip()
+    assert store.startswith(str(tmp_path / "stores")) and os.path.exists(store)
+    assert "bitnet run -m o/tiny-gguf:model-i2_s.gguf" in r.stderr
+    r = bitnet("pull", "not a hub id!", env=env)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_a_local_path_wins_over_a_hub_id(hub, tmp_path):
+    """A directory that happens to be called like a repo id is used as the path it is."""
+    local = tmp_path / "o" / "tiny"
+    shutil.copytree(hub["hf"][COMMIT_A], local)
+    r = subprocess.run([sys.executable, "-m", "engine", "run", "-m", "o/tiny", "-p", "Once upon", "-n", "8",
+                        "--temp", "0"], capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                       env=dict(env_for(hub, tmp_path), PYTHONPATH=ROOT))
+    assert r.returncode == 0 and r.stdout == greedy(hub["hf"][COMMIT_A]), r.stderr
+
+
+def test_convert_and_inspect_take_a_hub_id(hub, tmp_path):
+    env = env_for(hub, tmp_path)
+    r = subprocess.run([sys.executable, "-m", "engine", "convert", "o/tiny-gguf", "--no-progress"], capture_output=True,
+                       text=True, timeout=120, cwd=tmp_path, env=dict(env, PYTHONPATH=ROOT))
+    assert r.returncode == 0, r.stderr
+    out = r.stdout.strip()
+    assert os.path.basename(out) == "o--tiny-gguf--model-i2_s.bnstore" and os.path.dirname(os.path.abspath(
+        os.path.join(tmp_path, out))) == str(tmp_path)
+    info = bitnet("inspect", os.path.join(tmp_path, out), env=env).stdout
+    assert f"source: o/tiny-gguf:model-i2_s.gguf@{COMMIT_A[:12]}" in info
+
+
+class FakeHub:
+    """The two requests `hf_hub_download` makes (HEAD for the metadata, GET for the bytes), answered on
+    127.0.0.1 for one repository at one commit: enough to see `bitnet pull` download for real."""
+
+    def __init__(self, repo: str, files: dict[str, bytes], commit: str):
+        import http.server
+        import threading
+
+        hub = self
+        self.requests = []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _file(self):
+                prefix = f"/{repo}/resolve/"
+                if not self.path.startswith(prefix):
+                    return None
+                name = self.path[len(prefix):].split("/", 1)[-1]
+                return files.get(name)
+
+            def _answer(self, body: bool):
+                hub.requests.append((self.command, self.path))
+                data = self._file()
+                if data is None:
+                    self.send_response(404)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                self.send_response(200)
+                self.send_header("X-Repo-Commit", commit)
+                self.send_header("ETag", '"%s"' % hashlib.sha256(data).hexdigest())
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                if body:
+                    self.wfile.write(data)
+
+            def do_HEAD(self):
+                self._answer(False)
+
+            def do_GET(self):
+                self._answer(True)
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_pull_downloads_converts_and_then_runs_offline(hub, tmp_path):
+    commit = "c" * 40
+    fake = FakeHub("o/remote", {"model-i2_s.gguf": open(hub["gguf"], "rb").read()}, commit)
+    try:
+        env = env_for(hub, tmp_path, HF_HUB_CACHE=str(tmp_path / "downloads"), HF_HUB_OFFLINE="0",
+                      HF_ENDPOINT=fake.url, HF_HUB_DISABLE_TELEMETRY="1")
+        r = bitnet("pull", "o/remote:model-i2_s.gguf", env=env)
+        assert r.returncode == 0, r.stderr
+        assert ("GET", "/o/remote/resolve/main/model-i2_s.gguf") in fake.requests
+        store = r.stdout.strip()
+        assert os.path.exists(store) and "bitnet run -m o/remote:model-i2_s.gguf" in r.stderr
+        r = bitnet("pull", "o/remote:missing.gguf", env=env)
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "missing.gguf" in r.stderr
+    finally:
+        fake.close()
+    offline = dict(env, HF_HUB_OFFLINE="1")
+    assert run_text("o/remote:model-i2_s.gguf", offline) == greedy(hub["gguf"])
+    rows = [json.loads(x) for x in bitnet("list", "--json", env=offline).stdout.splitlines()]
+    assert [x["source"] for x in rows] == [f"o/remote:model-i2_s.gguf@{commit[:12]}"] and rows[0]["path"] == store
