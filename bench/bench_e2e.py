@@ -149,6 +149,9 @@ def parse_args(argv=None):
     ap.add_argument("--profile", action="store_true",
                     help="after the runs, profile our decode and prefill with py-spy and add the tables")
     ap.add_argument("--bw-mib", type=int, default=None, help="bandwidth probe buffer (MiB; default 1024, quick 512)")
+    ap.add_argument("--decode-rows", action="store_true",
+                    help="also measure decode per LM head (i8, q4, f16) vs llama.cpp and prompt lookup "
+                         "(bench/decode_rows.py) and append those tables")
     ap.add_argument("--out", default=os.path.join(HERE, "RESULTS.md"))
     ap.add_argument("--png", default=os.path.join(HERE, "results.png"))
     ap.add_argument("--json", default=os.path.join(HERE, "results.json"))
@@ -292,6 +295,13 @@ def main(argv=None) -> int:
         log("profiling our engine with py-spy ...")
         md += "\n" + bench_profile.markdown({ph: bench_profile.profile_phase(store, args, a.threads, 100)
                                              for ph, args in bench_profile.PHASES.items()})
+    if a.decode_rows:
+        import decode_rows  # bench/decode_rows.py
+
+        log("decode rows per LM head and prompt lookup ...")
+        md += "\n" + decode_rows.markdown(decode_rows.measure(decode_rows.parse_args(
+            ["--threads", str(a.threads), "--repeats", str(a.repeats), "--tokens", str(a.decode // 2),
+             "--cache", a.cache, "--shape", a.shape, "--bw-mib", str(a.bw_mib)])))
     if report.chart(table, a.png, f"{'synthetic 2B-4T-shaped model' if a.shape == '2b4t' else 'tiny model'}, "
                                   f"{a.threads} threads: bitnet-cpu vs llama.cpp "
                                   f"(median, min..max of {a.repeats})"):

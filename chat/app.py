@@ -39,6 +39,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_system_args(p)
     add_context_args(p, n_predict_default=Settings().max_tokens)
     add_sampling_args(p)
+    p.add_argument("--draft-max", metavar="K", type=int, default=None,
+                   help="prompt-lookup speculative decoding: most draft tokens per pass, 0 = off "
+                        "(default: off; answers are the same either way)")
+    p.add_argument("--lookup-ngram-min", metavar="N", type=int, default=None,
+                   help="prompt lookup: shortest repeated n-gram that proposes a draft (default: 2)")
     p.add_argument("--version", action="version", version=f"bitchat {__version__}")
     return p
 
@@ -68,6 +73,10 @@ def settings_from_args(args, error) -> Settings:
         error(f"-c/--ctx-size: {args.ctx} is too small (at least 16)")
     if args.threads is not None and args.threads < 1:
         error(f"-t/--threads: {args.threads} must be >= 1")
+    if getattr(args, "draft_max", None) is not None and args.draft_max < 0:
+        error(f"--draft-max: {args.draft_max} must be >= 0 (0 = off)")
+    if getattr(args, "lookup_ngram_min", None) is not None and args.lookup_ngram_min < 1:
+        error(f"--lookup-ngram-min: {args.lookup_ngram_min} must be >= 1")
     return s
 
 
@@ -117,8 +126,11 @@ def _run(args, settings: Settings, out: Output, interactive: bool, first_message
     try:
         from engine.api import load_model
 
+        from engine.speculative import lookup_from_flags
+
         llm = load_model(args.model, ctx=args.ctx, threads=args.threads, progress=True,   # -cnv: run's --kv/--lm-head
-                         kv_dtype=getattr(args, "kv", "f16"), lm_head=getattr(args, "lm_head", None))
+                         kv_dtype=getattr(args, "kv", "f16"), lm_head=getattr(args, "lm_head", None),
+                         lookup=lookup_from_flags(getattr(args, "draft_max", None), getattr(args, "lookup_ngram_min", None)))
     except BitNetError as e:
         print(f"bitchat: error: {e}", file=sys.stderr)
         return e.exit_code

@@ -9,6 +9,13 @@
             print(chunk.stats)
 
 One LLM object is one session: one KV cache, reused across generate() calls by longest common prefix.
+Many sequences at once (continuous batching over a paged KV cache, engine/batching/):
+
+    eng = load_engine("model.gguf", parallel=16, ctx=4096)
+    stream = eng.submit(eng.chat_prompt([{"role": "user", "content": "Hi"}]), max_tokens=64)
+    for chunk in stream:                                        # or submit(..., callback=fn)
+        print(chunk.text, end="")
+    eng.close()
 """
 from __future__ import annotations
 
@@ -20,14 +27,16 @@ import numpy as np
 
 from . import chat_template as _ct
 from .config import ModelConfig
-from .errors import BitNetError
+from .errors import BitNetError, QueueFullError
 from .generate import Chunk, Stats, generate as _generate
 from .model import Model
 from .sampling import SamplingParams
+from .speculative import LookupParams
 from .store import Store, is_store
 from .tokenizer import Tokenizer
 
-__all__ = ["load_model", "LLM", "SamplingParams", "Chunk", "Stats"]
+__all__ = ["load_model", "LLM", "load_engine", "Engine", "SamplingParams", "LookupParams", "Chunk", "Stats",
+           "QueueFullError"]
 
 
 def _resolve(model: str | None, lm_head: str | None, progress: bool) -> str:
@@ -46,29 +55,9 @@ def _resolve(model: str | None, lm_head: str | None, progress: bool) -> str:
     return resolve_model(model, lm_head=lm_head, progress=progress)
 
 
-class LLM:
-    """A loaded model session. Attributes: config, n_ctx, name, source, tokenizer, load_s."""
+class _Text:
+    """text <-> ids helpers shared by LLM and Engine (need self.tokenizer and self.store)."""
 
-    def __init__(self, store: Store, *, ctx: int | None = None, threads: int | None = None,
-                 kv_dtype: str = "f16", load_s: float = 0.0):
-        t0 = time.perf_counter()
-        self.store = store
-        self.config: ModelConfig = store.config
-        if threads is not None and threads < 1:
-            raise BitNetError(f"-t/--threads {threads}: must be >= 1")
-        if ctx is not None and ctx < 1:
-            raise BitNetError(f"-c/--ctx {ctx}: must be >= 1")
-        Model.set_threads(threads)
-        self.model = Model(store, n_ctx=ctx, kv_dtype=kv_dtype)
-        self.tokenizer = Tokenizer.from_store(store)
-        self.n_ctx = self.model.n_ctx
-        from .convert import source_label
-
-        self.source = source_label(store.meta)   # the file (or hub id) the store was converted from
-        self.name = self.config.name or os.path.splitext(os.path.basename(store.meta.get("source") or store.path))[0]
-        self.load_s = load_s + (time.perf_counter() - t0)
-
-    # ---- text <-> ids ----
     def tokenize(self, text: str, *, add_bos: bool = False, special: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_bos=add_bos, special=special)
 
@@ -84,17 +73,47 @@ class LLM:
                           bos_token=bos or "", eos_token=eos or "")
         return tok.encode(text, add_bos=False, special=True)
 
+
+def _display_name(store: Store) -> str:
+    return store.config.name or os.path.splitext(os.path.basename(store.meta.get("source") or store.path))[0]
+
+
+class LLM(_Text):
+    """A loaded model session. Attributes: config, n_ctx, name, source, tokenizer, load_s."""
+
+    def __init__(self, store: Store, *, ctx: int | None = None, threads: int | None = None,
+                 kv_dtype: str = "f16", load_s: float = 0.0, lookup: LookupParams | None = None):
+        t0 = time.perf_counter()
+        self.lookup = lookup.check() if lookup is not None else None  # None: engine.speculative.default_lookup
+        self.store = store
+        self.config: ModelConfig = store.config
+        if threads is not None and threads < 1:
+            raise BitNetError(f"-t/--threads {threads}: must be >= 1")
+        if ctx is not None and ctx < 1:
+            raise BitNetError(f"-c/--ctx {ctx}: must be >= 1")
+        Model.set_threads(threads)
+        self.model = Model(store, n_ctx=ctx, kv_dtype=kv_dtype)
+        self.tokenizer = Tokenizer.from_store(store)
+        self.n_ctx = self.model.n_ctx
+        from .convert import source_label
+
+        self.source = source_label(store.meta)   # the file (or hub id) the store was converted from
+        self.name = _display_name(store)
+        self.load_s = load_s + (time.perf_counter() - t0)
+
     # ---- running ----
     def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
-                 max_tokens: int = 256, stop: Sequence[str] = (), ignore_eos: bool = False) -> Iterator[Chunk]:
+                 max_tokens: int = 256, stop: Sequence[str] = (), ignore_eos: bool = False,
+                 lookup: LookupParams | None = None) -> Iterator[Chunk]:
         """Stream Chunk(text, token) per generated token, then Chunk("", None, finish_reason, stats).
         A str prompt is tokenized with BOS. finish_reason: "eos" | "stop" | "length" | "context".
         max_tokens=0 only prefills the prompt into the cache. Raises ContextOverflowError when the
         prompt alone does not fit n_ctx. ignore_eos: end-of-text tokens are never sampled (llama.cpp's
-        --ignore-eos)."""
+        --ignore-eos). lookup: prompt-lookup speculative decoding for this call (default: the session's, else
+        engine.speculative.default_lookup); the output is the same with or without it."""
         ids = self.tokenize(prompt, add_bos=True) if isinstance(prompt, str) else list(prompt)
         return _generate(self.model, self.tokenizer, ids, params, max_tokens=max_tokens, stop=stop, load_s=self.load_s,
-                         ignore_eos=ignore_eos)
+                         ignore_eos=ignore_eos, lookup=lookup if lookup is not None else self.lookup)
 
     def forward(self, ids: Sequence[int]) -> np.ndarray:
         """Logits [len(ids), vocab] f32 from a fresh cache (for tests)."""
@@ -112,10 +131,73 @@ class LLM:
 
 
 def load_model(model: str | None = None, *, ctx: int | None = None, threads: int | None = None,
-               kv_dtype: str = "f16", progress: bool = True, lm_head: str | None = None) -> LLM:
+               kv_dtype: str = "f16", progress: bool = True, lm_head: str | None = None,
+               lookup: LookupParams | None = None) -> LLM:
     """Open (converting once if needed) a model: a store, GGUF file or HF dir; None -> bundled default.
     lm_head ("i8" | "f16") is passed to the converter when a conversion happens."""
     t0 = time.perf_counter()
     path = _resolve(model, lm_head, progress)
     store = Store(path)
-    return LLM(store, ctx=ctx, threads=threads, kv_dtype=kv_dtype, load_s=time.perf_counter() - t0)
+    return LLM(store, ctx=ctx, threads=threads, kv_dtype=kv_dtype, load_s=time.perf_counter() - t0, lookup=lookup)
+
+
+from .batching.scheduler import BatchScheduler, Stream  # noqa: E402  (batching imports nothing of api)
+
+DEFAULT_POOL_BYTES = 4 << 30  # default KV pool cap (untouched pages cost no memory: the pool is lazily mapped)
+
+
+class Engine(_Text, BatchScheduler):
+    """Many sequences through one model (see load_engine). Attributes: config, n_ctx, name, tokenizer, load_s."""
+
+    def __init__(self, store: Store, *, ctx: int | None = None, threads: int | None = None, parallel: int = 16,
+                 kv_pool_tokens: int | None = None, max_batch_tokens: int = 256, max_queue: int = 64,
+                 kv_dtype: str = "f16", load_s: float = 0.0, kv_pool_mib: float | None = None):
+        t0 = time.perf_counter()
+        cfg = store.config
+        if threads is not None and threads < 1:
+            raise BitNetError(f"-t/--threads {threads}: must be >= 1")
+        if ctx is not None and ctx < 1:
+            raise BitNetError(f"-c/--ctx {ctx}: must be >= 1")
+        if kv_dtype not in ("f16", "f32"):
+            raise BitNetError(f"kv_dtype {kv_dtype!r}: expected 'f16' or 'f32'")
+        Model.set_threads(threads)
+        n_ctx = int(ctx or min(cfg.context_length, 4096))
+        from .batching.kv_pool import KVPool
+        per_tok = KVPool.bytes_per_token(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, kv_dtype)
+        if kv_pool_tokens is not None and kv_pool_mib is not None:
+            raise BitNetError("give the KV pool size as kv_pool_tokens or kv_pool_mib, not both")
+        if kv_pool_mib is not None:
+            kv_pool_tokens = int(kv_pool_mib * (1 << 20)) // per_tok
+        if kv_pool_tokens is None:
+            kv_pool_tokens = max(n_ctx, min(parallel * n_ctx, DEFAULT_POOL_BYTES // per_tok))
+        super().__init__(store, Tokenizer.from_store(store), n_ctx=n_ctx, parallel=parallel,
+                         kv_pool_tokens=kv_pool_tokens, max_batch_tokens=max_batch_tokens, max_queue=max_queue,
+                         kv_dtype=kv_dtype, threads=threads)
+        self.name = _display_name(store)
+        self.load_s = load_s + (time.perf_counter() - t0)
+
+    def close(self):
+        BatchScheduler.close(self)
+        self.store.close()
+
+
+def load_engine(model: str | None = None, *, ctx: int | None = None, threads: int | None = None, parallel: int = 16,
+                kv_pool_tokens: int | None = None, max_batch_tokens: int = 256, max_queue: int = 64,
+                kv_dtype: str = "f16", progress: bool = True, lm_head: str | None = None,
+                kv_pool_mib: float | None = None) -> Engine:
+    """A batching engine over `model` (as load_model opens it), its scheduler thread started.
+    ctx: per-sequence context; parallel: sequences running at once; kv_pool_tokens: KV pool size in tokens
+    (default parallel*ctx, capped at 4 GiB of pages but at least one context), or kv_pool_mib in MiB;
+    max_batch_tokens: rows per step;
+    max_queue: waiting requests before submit() raises QueueFullError."""
+    t0 = time.perf_counter()
+    path = _resolve(model, lm_head, progress)
+    store = Store(path)
+    try:
+        eng = Engine(store, ctx=ctx, threads=threads, parallel=parallel, kv_pool_tokens=kv_pool_tokens,
+                     max_batch_tokens=max_batch_tokens, max_queue=max_queue, kv_dtype=kv_dtype,
+                     load_s=time.perf_counter() - t0, kv_pool_mib=kv_pool_mib)
+    except BaseException:
+        store.close()
+        raise
+    return eng.start()

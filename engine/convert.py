@@ -1,7 +1,7 @@
 """Convert a BitNet model file (bitnet.cpp / llama.cpp GGUF, HF safetensors directory) into the engine's weight
 store once, and find or make the cached store for `bitnet run -m SRC`.
 
-    convert(src, out=None, *, lm_head="i8"|"f16", progress=True, hidden_act=None, ternarize=False) -> store path
+    convert(src, out=None, *, lm_head="i8"|"f16"|"q4", progress=True, hidden_act=None, ternarize=False) -> store path
     resolve_model(src, *, cache_dir=None, lm_head=None, progress=True) -> store path
 
 What goes into the store (tensor names and layouts: engine/INTERFACES.md):
@@ -9,7 +9,8 @@ What goes into the store (tensor names and layouts: engine/INTERFACES.md):
   multiplying form; legacy dividing checkpoints are inverted at conversion), repacked to layout.tile16 with
   N padded to 16 and K to 64 (any dimension that is a multiple of 4 works);
 - token_embd as f16 row-major for lookup; the LM head (tied: the embedding) as int8 rows + scale + row sums
-  (lm_head="i8", default: half the bytes of f16 per decoded token) or f16 (lm_head="f16");
+  (lm_head="i8", default: half the bytes of f16 per decoded token), f16 (lm_head="f16"), or 4-bit codes with
+  6-bit group scales per 32 columns + a row scale (lm_head="q4": 0.53 bytes/weight, layout.quantize_rows_q4g);
 - config, tokenizer blob, chat template, and meta (source, format, per-tensor ternary shares and scales).
 Everything is streamed tensor by tensor (peak memory ~ one layer plus one chunk of the embedding).
 Cache: $BITNET_CACHE, else $XDG_CACHE_HOME/bitnet, else ~/.cache/bitnet; key = absolute path + size + mtime (ns)
@@ -30,7 +31,7 @@ from .errors import BitNetError, FormatError
 from .store import TensorSpec, is_store, write_store
 
 CONVERTER_VERSION = "1"
-LM_HEADS = ("i8", "f16")
+LM_HEADS = ("i8", "f16", "q4")
 EMBED_CHUNK = 8192  # rows per chunk (a multiple of 16 so tile-major packs concatenate)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -90,6 +91,21 @@ def _tensors(src, lm_head: str, stats: dict, bar) -> Iterator[TensorSpec]:
         yield TensorSpec("output", np.concatenate(packs), {"layout": "i8_tile16", "rows": V, "cols": D})
         yield TensorSpec("output.scale", scale)
         yield TensorSpec("output.rowsum", rowsum)
+    elif lm_head == "q4":
+        if layout.pad_to(D, layout.K_ALIGN) > layout.Q4G_MAX_K:
+            raise BitNetError(f"--lm-head q4: hidden size {D} > {layout.Q4G_MAX_K} (the q4 head's int32 bound)",
+                              hint="use --lm-head i8")
+        codes, gscales, ds = [], [], []
+        for r0, r1 in chunks:
+            q, s, d = layout.quantize_rows_q4g(head_src(r0, r1))
+            codes.append(layout.pack_q4g(q))
+            gscales.append(layout.pack_q4g_scales(s))
+            ds.append(d)
+        scale = np.zeros(layout.pad_to(V, layout.TILE_ROWS), np.float32)
+        scale[:V] = np.concatenate(ds)
+        yield TensorSpec("output", np.concatenate(codes), {"layout": "q4g_tile16", "rows": V, "cols": D})
+        yield TensorSpec("output.gscale", np.concatenate(gscales))
+        yield TensorSpec("output.scale", scale)
     else:
         packs = [layout.pack_f16(head_src(r0, r1)) for r0, r1 in chunks]
         yield TensorSpec("output", np.concatenate(packs), {"layout": "f16_tile16", "rows": V, "cols": D})

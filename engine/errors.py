@@ -32,3 +32,7 @@ class ContextOverflowError(BitNetError):
 
 class KernelError(BitNetError, ValueError):
     """A kernel was called with arguments that break its preconditions (raised at the Cython boundary)."""
+
+
+class QueueFullError(BitNetError):
+    """The batching engine already has max_queue requests waiting (the server answers 503 / 429)."""

@@ -109,3 +109,86 @@ def pack_f16(w: np.ndarray) -> np.ndarray:
 def unpack_f16(packed: np.ndarray, n: int, k: int) -> np.ndarray:
     n_pad = pad_to(n, TILE_ROWS)
     return np.asarray(packed, dtype=np.float16).reshape(n_pad // 16, k, 16).transpose(0, 2, 1).reshape(n_pad, k)[:n]
+
+
+# ---- the group-quantized LM head ("q4g_tile16", simd/kernels/gemv_q4g.c) -----------------------------------
+# W[N, K] ~= d[n] * s[n, g] * q[n, k]: q int4 in [-8, 7], s a 6-bit integer scale (0..63) per row and group of
+# Q4G_GROUP = 32 columns, d one f32 per row (Q4_K's two-level scales, kept integer so every ISA path gives the
+# same bits):  dot[n] = sum_g s[n,g] * sum_{k in g} q[n,k] * x_q[k]   (exact int32: |dot| < 2^29 for K <= 8192)
+#              out[n] = ((float)dot[n] / act_scale) * d[n]
+# Codes: tile t (rows 16t..16t+15), group g, quarter j (0..3) -> 64 bytes at ((t * G + g) * 4 + j) * 64,
+#   byte r*4 + c: low nibble q[16t+r, 32g+8j+c] + 8, high nibble q[16t+r, 32g+8j+4+c] + 8  (G = K_pad / 32)
+#   i.e. each nibble plane of a quarter is one vpdpbusd operand (16 rows x 4 columns), like i8_tile16.
+# Group scales: u8, tile t, group g -> 16 bytes at (t * G + g) * 16, byte r = s[16t+r, g]. 0.53 bytes/weight
+# in all (int8 head: 1.0, f16: 2.0).
+Q4G_GROUP = 32
+Q4G_MAX_K = 8192
+Q4G_STEP_SEARCH = (1.0, 1.05, 1.1, 1.15, 1.2, 1.3)  # candidate amax / (7 f) steps per group
+
+
+def quantize_rows_q4g(w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """float [N, K] -> (q int8 [N, K_pad] in [-8, 7], s uint8 [N, K_pad/32] in 0..63, d f32 [N]), round half
+    to even; columns beyond K are 0."""
+    w = np.asarray(w, dtype=np.float32)
+    n, k = w.shape
+    k_pad = pad_to(k, K_ALIGN)
+    wp = np.zeros((n, k_pad), np.float32)
+    wp[:, :k] = w
+    g = wp.reshape(n, k_pad // Q4G_GROUP, Q4G_GROUP)
+    amax = np.abs(g).max(axis=2)                                                  # [N, G]
+    # per group, the step (among amax / (7 * f)) with the least squared error: clipping the few largest
+    # weights buys finer steps for the rest (bench/head_quality.py, bundled model: top-1
+    # agreement with f16 94.1% -> 95.1%, KL 1.1e-3 -> 7.4e-4)
+    best_err = best = None
+    for f in Q4G_STEP_SEARCH:
+        st = (amax / np.float32(7 * f)).astype(np.float32)
+        safe = np.where(st > 0, st, np.float32(1))[:, :, None]
+        err = ((np.clip(np.rint(g / safe), -8, 7) * safe - g) ** 2).sum(axis=2)
+        if best is None:
+            best, best_err = st, err
+        else:
+            better = err < best_err
+            best, best_err = np.where(better, st, best), np.where(better, err, best_err)
+    step = best.astype(np.float32)
+    d = (np.maximum(step.max(axis=1), np.float32(1e-10)) / np.float32(63)).astype(np.float32)
+    s = np.clip(np.rint(step / d[:, None]), 0, 63)
+    s = np.where(step > 0, np.maximum(s, 1), 0).astype(np.uint8)
+    eff = (d[:, None] * s.astype(np.float32)).astype(np.float32)                # [N, G] actual step
+    safe = np.where(eff > 0, eff, np.float32(1))
+    q = np.clip(np.rint(g / safe[:, :, None]), -8, 7)
+    q = np.where(eff[:, :, None] > 0, q, 0).astype(np.int8).reshape(n, k_pad)
+    return q, s, d
+
+
+def dequantize_q4g(q: np.ndarray, s: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """The weights a q4g head stands for: float32 [N, K_pad]."""
+    n, k_pad = q.shape
+    g = q.reshape(n, k_pad // Q4G_GROUP, Q4G_GROUP).astype(np.float32)
+    return (g * (d[:, None] * s.astype(np.float32))[:, :, None]).reshape(n, k_pad)
+
+
+def pack_q4g(q: np.ndarray) -> np.ndarray:
+    """int8 [N, K_pad] in [-8, 7] -> uint8 [N_pad * K_pad / 2] codes (padding rows: code 8 = weight 0)."""
+    n, k_pad = q.shape
+    n_pad = pad_to(n, TILE_ROWS)
+    u = np.full((n_pad, k_pad), 8, np.uint8)
+    u[:n] = (q.astype(np.int16) + 8).astype(np.uint8)
+    # [t, r, g, j, half, c] -> [t, g, j, r, c, half]
+    c = u.reshape(n_pad // 16, 16, k_pad // 32, 4, 2, 4).transpose(0, 2, 3, 1, 5, 4)
+    return np.ascontiguousarray(c[..., 0] | (c[..., 1] << 4)).reshape(-1)
+
+
+def unpack_q4g(packed: np.ndarray, n: int, k_pad: int) -> np.ndarray:
+    n_pad = pad_to(n, TILE_ROWS)
+    p = np.asarray(packed, np.uint8).reshape(n_pad // 16, k_pad // 32, 4, 16, 4)   # [t, g, j, r, c]
+    u = np.stack([p & 15, p >> 4], axis=-1)                                          # [t, g, j, r, c, half]
+    return (u.transpose(0, 3, 1, 2, 5, 4).reshape(n_pad, k_pad)[:n].astype(np.int8) - 8)
+
+
+def pack_q4g_scales(s: np.ndarray) -> np.ndarray:
+    """uint8 [N, G] -> uint8 [N_pad * G] (tile t, group g -> 16 bytes, one per row; padding rows 0)."""
+    n, groups = s.shape
+    n_pad = pad_to(n, TILE_ROWS)
+    buf = np.zeros((n_pad, groups), np.uint8)
+    buf[:n] = s
+    return np.ascontiguousarray(buf.reshape(n_pad // 16, 16, groups).transpose(0, 2, 1)).reshape(-1)

@@ -11,7 +11,7 @@ Per layer (D hidden, q_dim = heads * head_dim, I intermediate):
     f  = rmsnorm(relu(g)^2 * u, ffn_sub_norm) -> int8       ops.glu_rmsnorm_quant (silu(g) * u for "silu";
                                                             no rmsnorm when config.sub_norms is False)
     x += BL_down(f)
-logits = lm_head(rmsnorm(x, output_norm))   f16 GEMV, or int8 GEMV on the quantized normed x
+logits = lm_head(rmsnorm(x, output_norm))   f16 GEMV, or int8 / q4g GEMV on the quantized normed x
 
 Nine C calls per layer in a decode step, each on buffers allocated once in __init__ (`out=` style): nothing
 is allocated per token. Prefill runs the prompt in chunks of `chunk` rows through gemm_ternary; decode
@@ -29,6 +29,11 @@ from .errors import BitNetError, ContextOverflowError, FormatError
 from .layout import pad_to, K_ALIGN
 
 DEFAULT_CHUNK = 128  # prefill rows per GEMM call (measured: 32..256 within 4%, 128 best)
+# chunks of at most this many rows use the multi-row GEMV (one sequential weight stream) instead of the GEMM:
+# 24 out-of-cache 13824x2560 matrices, 2 threads, busy machine, time / one GEMV: rows M=2 1.19x vs GEMM 2.00x,
+# M=4 2.00x vs 1.91x, M=8 4.5x vs 2.8x (the GEMM shares each activation broadcast between two tiles)
+ROWS_GEMV_MAX = 4
+VERIFY_MAX = K.ROWS_MAX  # most rows of one Model.verify pass (the multi-row head kernel's limit)
 
 
 class _Layer:
@@ -69,6 +74,64 @@ class _Layer:
         self.down, self.down_scale = ternary("ffn_down", D, I)
 
 
+def rope_tables(cfg: ModelConfig, n_ctx: int) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin [n_ctx, head_dim/2] f32, computed as transformers does (f32 inv_freq, f32 position * inv_freq)."""
+    hd = cfg.head_dim
+    inv_freq = (1.0 / (np.float32(cfg.rope_theta) ** (np.arange(0, hd, 2, dtype=np.float32) / np.float32(hd)))).astype(np.float32)
+    freqs = np.arange(n_ctx, dtype=np.float32)[:, None] * inv_freq[None, :]
+    return np.ascontiguousarray(np.cos(freqs), dtype=np.float32), np.ascontiguousarray(np.sin(freqs), dtype=np.float32)
+
+
+class Weights:
+    """Every weight of the model as read-only views into the store (shared by Model and the batching engine)."""
+
+    def __init__(self, store):
+        cfg: ModelConfig = store.config
+        D, V = cfg.hidden_size, cfg.vocab_size
+        if cfg.head_dim % 2:
+            raise FormatError(f"{store.path}: head_dim {cfg.head_dim} is odd (RoPE needs pairs)")
+        self.act = ops.ACT_RELU2 if cfg.hidden_act == "relu2" else ops.ACT_SILU
+        self.eps = float(cfg.rms_norm_eps)
+
+        # ---- weights (zero-copy views) ----
+        emb = store.tensor("token_embd")
+        if emb.dtype != np.float16 or emb.shape != (V, D):
+            raise FormatError(f"{store.path}: token_embd is {emb.dtype} {emb.shape} (expected float16 {(V, D)})")
+        self.embd = emb.view(np.uint16)
+        self.out_norm = store.tensor("output_norm").reshape(-1)
+        info = store.info("output")
+        self.lm_head = {"i8_tile16": "i8", "q4g_tile16": "q4"}.get(info.get("layout"), "f16")
+        self.out_w = store.tensor("output").reshape(-1)
+        if self.lm_head == "q4":
+            self.out_gscale = store.tensor("output.gscale").reshape(-1)
+            self.out_scale = store.tensor("output.scale").reshape(-1)
+        elif self.lm_head == "i8":
+            self.out_scale = store.tensor("output.scale").reshape(-1)
+            self.out_rowsum = store.tensor("output.rowsum").reshape(-1)
+        elif info.get("layout", "f16_tile16") != "f16_tile16":
+            raise FormatError(f"{store.path}: lm head layout {info.get('layout')!r} is not supported")
+        else:
+            self.out_w = self.out_w.view(np.uint16)
+        self.layers = [_Layer(store, i, cfg) for i in range(cfg.n_layers)]
+
+
+def alloc_run_state(b, cfg: ModelConfig, M: int):
+    """The per-step buffers of M rows (set as attributes of b; _Views cuts them to m rows)."""
+    D, Q, KV, I = cfg.hidden_size, cfg.q_dim, cfg.kv_dim, cfg.intermediate_size
+    b._kp_d, b._kp_q, b._kp_i = pad_to(D, K_ALIGN), pad_to(Q, K_ALIGN), pad_to(I, K_ALIGN)
+    b._x = np.zeros((M, D), np.float32)         # residual stream
+    b._delta = np.zeros((M, D), np.float32)     # output of o_proj / down_proj, added lazily to x
+    b._h_d = np.zeros((M, D), np.float32)       # normed x (f32 copy of what gets quantized)
+    b._h_q = np.zeros((M, Q), np.float32)       # normed attention output
+    b._qkv = np.zeros((M, Q + 2 * KV), np.float32)  # q | k | v
+    b._att = np.zeros((M, Q), np.float32)       # attention output (before attn_sub_norm)
+    b._gu = np.zeros((M, 2 * I), np.float32)    # gate | up; gate half becomes the normed MLP act
+    b._xq_buf = np.zeros(M * max(b._kp_d, b._kp_q, b._kp_i), np.int8)  # quantized activations
+    b._act_scale = np.zeros(M, np.float32)
+    b._act_sum = np.zeros(M, np.int32)
+    b._ids = np.zeros(M, np.int32)
+
+
 class _Views:
     """The session buffers cut to `m` rows (2-D views; the kernels take the row count from them)."""
 
@@ -101,57 +164,31 @@ class Model:
         if n_ctx < 1:
             raise BitNetError(f"-c/--ctx {n_ctx}: the context must hold at least one token")
         self.n_ctx, self.kv_dtype, self.chunk = n_ctx, kv_dtype, max(1, int(chunk))
-        D, Q, KV, I, V = cfg.hidden_size, cfg.q_dim, cfg.kv_dim, cfg.intermediate_size, cfg.vocab_size
-        hd, L = cfg.head_dim, cfg.n_layers
-        if hd % 2:
-            raise FormatError(f"{store.path}: head_dim {hd} is odd (RoPE needs pairs)")
-        self._act = ops.ACT_RELU2 if cfg.hidden_act == "relu2" else ops.ACT_SILU
-        self._eps = float(cfg.rms_norm_eps)
-
-        # ---- weights (zero-copy views) ----
-        emb = store.tensor("token_embd")
-        if emb.dtype != np.float16 or emb.shape != (V, D):
-            raise FormatError(f"{store.path}: token_embd is {emb.dtype} {emb.shape} (expected float16 {(V, D)})")
-        self._embd = emb.view(np.uint16)
-        self._out_norm = store.tensor("output_norm").reshape(-1)
-        info = store.info("output")
-        self.lm_head = "i8" if info.get("layout") == "i8_tile16" else "f16"
-        self._out_w = store.tensor("output").reshape(-1)
-        if self.lm_head == "i8":
-            self._out_scale = store.tensor("output.scale").reshape(-1)
-            self._out_rowsum = store.tensor("output.rowsum").reshape(-1)
-        elif info.get("layout", "f16_tile16") != "f16_tile16":
-            raise FormatError(f"{store.path}: lm head layout {info.get('layout')!r} is not supported")
-        else:
-            self._out_w = self._out_w.view(np.uint16)
-        self.layers = [_Layer(store, i, cfg) for i in range(L)]
+        D, V, hd, L = cfg.hidden_size, cfg.vocab_size, cfg.head_dim, cfg.n_layers
+        w = Weights(store)
+        self.weights = w
+        self._act, self._eps, self._embd, self._out_norm = w.act, w.eps, w.embd, w.out_norm
+        self.lm_head, self._out_w, self.layers = w.lm_head, w.out_w, w.layers
+        if w.lm_head == "i8":
+            self._out_scale, self._out_rowsum = w.out_scale, w.out_rowsum
+        elif w.lm_head == "q4":
+            self._out_scale, self._out_gscale = w.out_scale, w.out_gscale
 
         # ---- run state, allocated once: M = chunk rows ----
         M = self.chunk
-        self._kp_d, self._kp_q, self._kp_i = pad_to(D, K_ALIGN), pad_to(Q, K_ALIGN), pad_to(I, K_ALIGN)
-        self._x = np.zeros((M, D), np.float32)             # residual stream
-        self._delta = np.zeros((M, D), np.float32)         # output of o_proj / down_proj, added lazily to x
-        self._h_d = np.zeros((M, D), np.float32)           # normed x (f32 copy of what gets quantized)
-        self._h_q = np.zeros((M, Q), np.float32)           # normed attention output
-        self._qkv = np.zeros((M, Q + 2 * KV), np.float32)  # q | k | v
-        self._att = np.zeros((M, Q), np.float32)           # attention output (before attn_sub_norm)
-        self._gu = np.zeros((M, 2 * I), np.float32)        # gate | up; gate half becomes the normed MLP act
-        self._xq_buf = np.zeros(M * max(self._kp_d, self._kp_q, self._kp_i), np.int8)  # quantized activations
-        self._act_scale = np.zeros(M, np.float32)
-        self._act_sum = np.zeros(M, np.int32)
-        self._ids = np.zeros(M, np.int32)
+        alloc_run_state(self, cfg, M)
         self._head_x = np.zeros((1, D), np.float32)        # normed last row for the f16 head
         self._logits = np.zeros(V, np.float32)
+        self._logits_row = self._logits.reshape(1, V)       # the same buffer as one row (q4 head kernel)
+        self._rows_logits = np.zeros((VERIFY_MAX, V), np.float32)  # logits of every row of a verify pass
         kv_np = np.uint16 if kv_dtype == "f16" else np.float32   # f16 stored as its bits
         self._k_cache = np.zeros((L,) + ops.key_cache_shape(cfg.n_kv_heads, n_ctx, hd), kv_np)  # transposed blocks
         self._v_cache = np.zeros((L, cfg.n_kv_heads, n_ctx, hd), kv_np)
         self._scratch = np.zeros((cfg.n_heads * ops.ATTENTION_SCRATCH_ROWS, n_ctx), np.float32)  # attention scores
-        # RoPE tables computed as transformers does (f32 inv_freq, f32 position * inv_freq)
-        inv_freq = (1.0 / (np.float32(cfg.rope_theta) ** (np.arange(0, hd, 2, dtype=np.float32) / np.float32(hd)))).astype(np.float32)
-        freqs = np.arange(n_ctx, dtype=np.float32)[:, None] * inv_freq[None, :]
-        self._cos = np.ascontiguousarray(np.cos(freqs), dtype=np.float32)
-        self._sin = np.ascontiguousarray(np.sin(freqs), dtype=np.float32)
-        self._views: dict[int, _Views] = {1: _Views(self, 1), M: _Views(self, M)}
+        self._cos, self._sin = rope_tables(cfg, n_ctx)
+        self.verify_max = min(VERIFY_MAX, M)               # rows of one verify() pass
+        self._views: dict[int, _Views] = {m: _Views(self, m) for m in range(1, self.verify_max + 1)}
+        self._views[M] = _Views(self, M)
         self.n_past = 0
         self._cache_ids = np.zeros(n_ctx, np.int32)        # token at every cached position
         self.generation = 0                                 # bumped by each generate() (engine/generate.py)
@@ -208,7 +245,7 @@ class Model:
                 gemv(w.down, w.down_scale, xq_i1, s[0], sm[0], delta1)
                 residual = delta
         else:
-            gemm = K.gemm_ternary
+            gemm = K.gemv_rows_ternary if v.m <= ROWS_GEMV_MAX else K.gemm_ternary
             for li, w in enumerate(self.layers):
                 add_norm_q(x, residual, w.attn_norm, eps, h_d, xq_d, s, sm)
                 gemm(w.qkv, w.qkv_scale, xq_d, s, sm, qkv)
@@ -230,10 +267,54 @@ class Model:
         if self.lm_head == "f16":
             ops.add_rmsnorm(x, delta, self._out_norm, self._eps, self._head_x)
             K.gemv_f16(self._out_w, self._head_x[0], out)
+        elif self.lm_head == "q4":
+            v1 = self._views[1]
+            ops.add_rmsnorm_quant(x, delta, self._out_norm, self._eps, self._head_x, v1.xq_d, v1.act_scale, v1.act_sum)
+            K.gemv_q4g(self._out_w, self._out_gscale, self._out_scale, v1.xq_d, v1.act_scale,
+                       self._logits_row if out is self._logits else out.reshape(1, -1))
         else:
             v1 = self._views[1]
             ops.add_rmsnorm_quant(x, delta, self._out_norm, self._eps, self._head_x, v1.xq_d, v1.act_scale, v1.act_sum)
             K.gemv_i8(self._out_w, self._out_scale, self._out_rowsum, v1.xq_d1, v1.act_scale[0], out)
+
+    def _head_rows(self, v: _Views, out: np.ndarray):
+        """Logits of all v.m rows of the last chunk into out[:v.m] (one pass over an int8 or q4 head)."""
+        m = v.m
+        if self.lm_head == "f16":
+            for r in range(m):
+                self._head(v, r, out[r])
+            return
+        # the chunk's h_d / xq_d / act buffers are free once the blocks are done
+        ops.add_rmsnorm_quant(v.x, v.delta, self._out_norm, self._eps, v.h_d, v.xq_d, v.act_scale, v.act_sum)
+        if self.lm_head == "q4":
+            K.gemv_q4g(self._out_w, self._out_gscale, self._out_scale, v.xq_d, v.act_scale, out[:m])
+            return
+        K.gemv_rows_i8(self._out_w, self._out_scale, self._out_rowsum, v.xq_d, v.act_scale, out[:m])
+
+    def verify(self, ids) -> np.ndarray:
+        """Run 1..VERIFY_MAX tokens at positions n_past.. in one pass (speculative decoding: the last sampled
+        token followed by the draft). Returns logits [len(ids), V] (a session buffer, overwritten next call);
+        row i equals what decode() would give for ids[i] after ids[:i]. Drop rejected positions with truncate()."""
+        m = len(ids)
+        if not 1 <= m <= self.verify_max:
+            raise BitNetError(f"verify: {m} tokens; 1..{self.verify_max} per pass")
+        self._check_room(m)
+        vocab = self.config.vocab_size
+        for t in ids:
+            if not 0 <= t < vocab:
+                raise BitNetError(f"token id {t} is outside the vocabulary (0..{vocab - 1})")
+        v = self._view(m)
+        v.ids[:] = ids
+        ops.embed_f16(self._embd, v.ids, v.x)
+        self._blocks(v, self.n_past)
+        out = self._rows_logits
+        if m == 1:
+            self._head(v, 0, out[0])
+        else:
+            self._head_rows(v, out)
+        self._cache_ids[self.n_past: self.n_past + m] = ids
+        self.n_past += m
+        return out[:m]
 
     def _check_room(self, n_new: int):
         if self.n_past + n_new > self.n_ctx:

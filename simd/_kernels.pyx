@@ -40,10 +40,26 @@ cdef extern from "kernels.h" nogil:
                          const float *act_scale, const int32_t *act_sum, float *out, int32_t *out_i32, int n)
     int bk_gemv_i8(const int8_t *w, const float *row_scale, const int32_t *w_rowsum, const int8_t *xq, int k_pad,
                    float act_scale, float *out, int32_t *out_i32, int n)
+    int bk_gemm_i8(const int8_t *w, const float *row_scale, const int32_t *w_rowsum, const int8_t *xq, int m,
+                   int k_pad, const float *act_scale, float *out, int32_t *out_i32, int n)
     void bk_gemv_f16(const uint16_t *w, const float *x, int k, float *out, int n)
+    void bk_gemm_f16(const uint16_t *w, const float *x, int m, int k, float *out, int n)
     uint64_t bk_stream_read(const uint8_t *buf, size_t nbytes)
     int64_t bk_peak_dot(long iters)
     int64_t bk_peak_dot_macs_per_iter()
+
+
+cdef extern from "rows.h" nogil:
+    int BK_ROWS_MAX
+    void bk_gemv_rows_ternary(const uint8_t *w, const float *row_scale, const int8_t *xq, int m, int k_pad,
+                              const float *act_scale, const int32_t *act_sum, float *out, int n)
+    int bk_gemv_rows_i8(const int8_t *w, const float *row_scale, const int32_t *w_rowsum, const int8_t *xq, int m,
+                        int k_pad, const float *act_scale, float *out, int n)
+
+cdef extern from "q4g.h" nogil:
+    int BK_Q4G_MAX_K
+    int bk_gemv_q4g(const uint8_t *codes, const uint8_t *gscale, const float *d, const int8_t *xq, int m, int k_pad,
+                    const float *act_scale, float *out, int32_t *out_i32, int n)
 
 ISA_NAMES = ("scalar", "avx2", "avx512", "neon", "avxvnni")
 cdef Py_ssize_t MAX_DIM = 1 << 30
@@ -315,6 +331,55 @@ def gemv_i8_i32(w, w_rowsum, xq, out):
     _gemv_i8_call("gemv_i8_i32", w, None, w_rowsum, xq, 1.0, out, True)
 
 
+cdef inline _gemm_i8_call(str fn, w, row_scale, w_rowsum, xq, act_scale, out, bint raw):
+    cdef cnp.ndarray aw = _arr(fn, "w", w, cnp.NPY_INT8, 1, False)
+    cdef cnp.ndarray ars = None
+    cdef cnp.ndarray arw = _arr(fn, "w_rowsum", w_rowsum, cnp.NPY_INT32, 1, False)
+    cdef cnp.ndarray aq = _arr(fn, "xq", xq, cnp.NPY_INT8, 2, False)
+    cdef cnp.ndarray asc = None
+    cdef cnp.ndarray ao = _arr(fn, "out", out, cnp.NPY_INT32 if raw else cnp.NPY_FLOAT32, 2, True)
+    cdef Py_ssize_t k_pad = _k_pad_of(fn, cnp.PyArray_DIM(aq, 1))
+    cdef Py_ssize_t n = _n_of(fn, cnp.PyArray_DIM(ao, 1))
+    cdef Py_ssize_t m = cnp.PyArray_DIM(aq, 0)
+    if m <= 0 or cnp.PyArray_DIM(ao, 0) != m:
+        raise KernelError(f"{fn}: xq has {m} rows but out has {cnp.PyArray_DIM(ao, 0)} (both are M, M >= 1)")
+    _check_size(fn, "w", aw, _pad16(n) * k_pad, f"N_pad*K_pad (N={n}, K_pad={k_pad})")
+    _check_at_least(fn, "w_rowsum", arw, n)
+    cdef const float *prs = NULL
+    cdef const float *ps = NULL
+    cdef cnp.ndarray unit_scale
+    if not raw:
+        ars = _arr(fn, "row_scale", row_scale, cnp.NPY_FLOAT32, 1, False)
+        _check_at_least(fn, "row_scale", ars, n)
+        prs = <const float *>cnp.PyArray_DATA(ars)
+        asc = _arr(fn, "act_scale", act_scale, cnp.NPY_FLOAT32, 1, False)
+        _check_size(fn, "act_scale", asc, m, "M")
+    else:
+        asc = np.ones(m, np.float32)
+    ps = <const float *>cnp.PyArray_DATA(asc)
+    cdef const int8_t *pw = <const int8_t *>cnp.PyArray_DATA(aw)
+    cdef const int32_t *prw = <const int32_t *>cnp.PyArray_DATA(arw)
+    cdef const int8_t *pq = <const int8_t *>cnp.PyArray_DATA(aq)
+    cdef void *po = cnp.PyArray_DATA(ao)
+    cdef int rc
+    with nogil:
+        rc = bk_gemm_i8(pw, prs, prw, pq, <int>m, <int>k_pad, ps, NULL if raw else <float *>po,
+                        <int32_t *>po if raw else NULL, <int>n)
+    if rc != 0:
+        raise MemoryError(f"{fn}: out of memory for {m} x {k_pad} activation buffers")
+
+
+def gemm_i8(w, row_scale, w_rowsum, xq, act_scale, out):
+    """int8 LM head for M rows: out[m, n] = ((float)(W_q[n] . xq[m]) / act_scale[m]) * row_scale[n] (row m equals
+    gemv_i8 of xq[m]); xq int8 [M, K_pad], act_scale f32 [M], out f32 [M, N]."""
+    _gemm_i8_call("gemm_i8", w, row_scale, w_rowsum, xq, act_scale, out, False)
+
+
+def gemm_i8_i32(w, w_rowsum, xq, out):
+    """Raw exact dots of the int8 head for M rows as int32 [M, N] (tests)."""
+    _gemm_i8_call("gemm_i8_i32", w, None, w_rowsum, xq, None, out, True)
+
+
 def gemv_f16(w, x, out):
     """f16 LM head: out[n] = sum_k W[n,k] * x[k], sequential-in-k fmaf per row; w uint16|float16 f16_tile16 [N_pad*K]."""
     cdef str fn = "gemv_f16"
@@ -333,6 +398,150 @@ def gemv_f16(w, x, out):
     cdef float *po = <float *>cnp.PyArray_DATA(ao)
     with nogil:
         bk_gemv_f16(pw, px, <int>k, po, <int>n)
+
+
+# ---------------------------------------------------------------- multi-row GEMV (speculative verification)
+ROWS_MAX = BK_ROWS_MAX
+
+
+cdef inline Py_ssize_t _rows_m(str fn, cnp.ndarray aq, cnp.ndarray asc, cnp.ndarray ao) except -1:
+    cdef Py_ssize_t m = cnp.PyArray_DIM(aq, 0)
+    if m <= 0 or m > BK_ROWS_MAX or cnp.PyArray_DIM(ao, 0) != m:
+        raise KernelError(f"{fn}: xq has {m} rows and out {cnp.PyArray_DIM(ao, 0)}; both must be M, 1 <= M <= {BK_ROWS_MAX}",
+                          hint="use gemm_ternary / one gemv_i8 per row for more rows")
+    _check_size(fn, "act_scale", asc, m, "M")
+    return m
+
+
+def gemv_rows_ternary(w, row_scale, xq, act_scale, act_sum, out):
+    """gemm_ternary for M <= ROWS_MAX tokens read as one weight stream (bit-identical to M gemv_ternary calls)."""
+    cdef str fn = "gemv_rows_ternary"
+    cdef cnp.ndarray aw = _arr(fn, "w", w, cnp.NPY_UINT8, 1, False)
+    cdef cnp.ndarray ars = _arr(fn, "row_scale", row_scale, cnp.NPY_FLOAT32, 1, False)
+    cdef cnp.ndarray aq = _arr(fn, "xq", xq, cnp.NPY_INT8, 2, False)
+    cdef cnp.ndarray asc = _arr(fn, "act_scale", act_scale, cnp.NPY_FLOAT32, 1, False)
+    cdef cnp.ndarray asm = _arr(fn, "act_sum", act_sum, cnp.NPY_INT32, 1, False)
+    cdef cnp.ndarray ao = _arr(fn, "out", out, cnp.NPY_FLOAT32, 2, True)
+    cdef Py_ssize_t k_pad = _k_pad_of(fn, cnp.PyArray_DIM(aq, 1))
+    cdef Py_ssize_t n = _n_of(fn, cnp.PyArray_DIM(ao, 1))
+    cdef Py_ssize_t m = _rows_m(fn, aq, asc, ao)
+    _check_size(fn, "act_sum", asm, m, "M")
+    _ternary_w(fn, aw, n, k_pad)
+    _check_at_least(fn, "row_scale", ars, n)
+    cdef const uint8_t *pw = <const uint8_t *>cnp.PyArray_DATA(aw)
+    cdef const float *prs = <const float *>cnp.PyArray_DATA(ars)
+    cdef const int8_t *pq = <const int8_t *>cnp.PyArray_DATA(aq)
+    cdef const float *ps = <const float *>cnp.PyArray_DATA(asc)
+    cdef const int32_t *pm = <const int32_t *>cnp.PyArray_DATA(asm)
+    cdef float *po = <float *>cnp.PyArray_DATA(ao)
+    with nogil:
+        bk_gemv_rows_ternary(pw, prs, pq, <int>m, <int>k_pad, ps, pm, po, <int>n)
+
+
+def gemv_rows_i8(w, row_scale, w_rowsum, xq, act_scale, out):
+    """gemv_i8 for M <= ROWS_MAX rows xq [M, K_pad] with act_scale [M] -> out [M, N], one pass over the head."""
+    cdef str fn = "gemv_rows_i8"
+    cdef cnp.ndarray aw = _arr(fn, "w", w, cnp.NPY_INT8, 1, False)
+    cdef cnp.ndarray ars = _arr(fn, "row_scale", row_scale, cnp.NPY_FLOAT32, 1, False)
+    cdef cnp.ndarray arw = _arr(fn, "w_rowsum", w_rowsum, cnp.NPY_INT32, 1, False)
+    cdef cnp.ndarray aq = _arr(fn, "xq", xq, cnp.NPY_INT8, 2, False)
+    cdef cnp.ndarray asc = _arr(fn, "act_scale", act_scale, cnp.NPY_FLOAT32, 1, False)
+    cdef cnp.ndarray ao = _arr(fn, "out", out, cnp.NPY_FLOAT32, 2, True)
+    cdef Py_ssize_t k_pad = _k_pad_of(fn, cnp.PyArray_DIM(aq, 1))
+    cdef Py_ssize_t n = _n_of(fn, cnp.PyArray_DIM(ao, 1))
+    cdef Py_ssize_t m = _rows_m(fn, aq, asc, ao)
+    _check_size(fn, "w", aw, _pad16(n) * k_pad, f"N_pad*K_pad (N={n}, K_pad={k_pad})")
+    _check_at_least(fn, "w_rowsum", arw, n)
+    _check_at_least(fn, "row_scale", ars, n)
+    cdef const int8_t *pw = <const int8_t *>cnp.PyArray_DATA(aw)
+    cdef const float *prs = <const float *>cnp.PyArray_DATA(ars)
+    cdef const int32_t *prw = <const int32_t *>cnp.PyArray_DATA(arw)
+    cdef const int8_t *pq = <const int8_t *>cnp.PyArray_DATA(aq)
+    cdef const float *ps = <const float *>cnp.PyArray_DATA(asc)
+    cdef float *po = <float *>cnp.PyArray_DATA(ao)
+    cdef int rc
+    with nogil:
+        rc = bk_gemv_rows_i8(pw, prs, prw, pq, <int>m, <int>k_pad, ps, po, <int>n)
+    if rc != 0:
+        raise MemoryError(f"{fn}: out of memory for {m} rows of {k_pad}-column activations")
+
+
+# ---------------------------------------------------------------- group-quantized LM head (q4g_tile16)
+Q4G_MAX_K = BK_Q4G_MAX_K
+
+
+cdef _q4g_call(str fn, codes, gscale, d, xq, act_scale, out, bint raw):
+    cdef cnp.ndarray ac = _arr(fn, "codes", codes, cnp.NPY_UINT8, 1, False)
+    cdef cnp.ndarray ag = _arr(fn, "gscale", gscale, cnp.NPY_UINT8, 1, False)
+    cdef cnp.ndarray aq = _arr(fn, "xq", xq, cnp.NPY_INT8, 2, False)
+    cdef cnp.ndarray ao = _arr(fn, "out", out, cnp.NPY_INT32 if raw else cnp.NPY_FLOAT32, 2, True)
+    cdef Py_ssize_t k_pad = _k_pad_of(fn, cnp.PyArray_DIM(aq, 1))
+    if k_pad > BK_Q4G_MAX_K:
+        raise KernelError(f"{fn}: K_pad {k_pad} > {BK_Q4G_MAX_K} (the int32 dot bound of the q4g head)",
+                          hint="convert with --lm-head i8 for this model")
+    cdef Py_ssize_t n = _n_of(fn, cnp.PyArray_DIM(ao, 1))
+    cdef Py_ssize_t m = cnp.PyArray_DIM(aq, 0)
+    if m <= 0 or m > BK_ROWS_MAX or cnp.PyArray_DIM(ao, 0) != m:
+        raise KernelError(f"{fn}: xq has {m} rows and out {cnp.PyArray_DIM(ao, 0)}; both must be M, 1 <= M <= {BK_ROWS_MAX}")
+    _check_size(fn, "codes", ac, _pad16(n) * k_pad // 2, f"N_pad*K_pad/2 (N={n}, K_pad={k_pad})")
+    _check_size(fn, "gscale", ag, _pad16(n) * k_pad // 32, f"N_pad*K_pad/32 (N={n}, K_pad={k_pad})")
+    cdef cnp.ndarray ad = None
+    cdef cnp.ndarray asc = None
+    cdef const float *pd = NULL
+    cdef const float *ps = NULL
+    cdef cnp.ndarray unit = np.ones(m, np.float32)
+    if raw:
+        ps = <const float *>cnp.PyArray_DATA(unit)
+    else:
+        ad = _arr(fn, "d", d, cnp.NPY_FLOAT32, 1, False)
+        _check_at_least(fn, "d", ad, n)
+        asc = _arr(fn, "act_scale", act_scale, cnp.NPY_FLOAT32, 1, False)
+        _check_size(fn, "act_scale", asc, m, "M")
+        pd = <const float *>cnp.PyArray_DATA(ad)
+        ps = <const float *>cnp.PyArray_DATA(asc)
+    cdef const uint8_t *pc = <const uint8_t *>cnp.PyArray_DATA(ac)
+    cdef const uint8_t *pg = <const uint8_t *>cnp.PyArray_DATA(ag)
+    cdef const int8_t *pq = <const int8_t *>cnp.PyArray_DATA(aq)
+    cdef void *po = cnp.PyArray_DATA(ao)
+    cdef int rc
+    with nogil:
+        rc = bk_gemv_q4g(pc, pg, pd, pq, <int>m, <int>k_pad, ps, NULL if raw else <float *>po,
+                         <int32_t *>po if raw else NULL, <int>n)
+    if rc != 0:
+        raise MemoryError(f"{fn}: out of memory")
+
+
+def gemv_q4g(codes, gscale, d, xq, act_scale, out):
+    """q4g head for M <= ROWS_MAX rows: out[m, n] = ((float)dot / act_scale[m]) * d[n] with
+    dot = sum_g s[n,g] * sum_{k in g} q[n,k] xq[m,k] (layout.py "q4g_tile16"); K_pad <= Q4G_MAX_K."""
+    _q4g_call("gemv_q4g", codes, gscale, d, xq, act_scale, out, False)
+
+
+def gemv_q4g_i32(codes, gscale, xq, out):
+    """Raw exact int32 dots of the q4g head (tests)."""
+    _q4g_call("gemv_q4g_i32", codes, gscale, None, xq, None, out, True)
+
+
+def gemm_f16(w, x, out):
+    """f16 LM head for M rows: out[m] = gemv_f16(w, x[m]) bit for bit; x f32 [M, K], out f32 [M, N]."""
+    cdef str fn = "gemm_f16"
+    if isinstance(w, cnp.ndarray) and cnp.PyArray_TYPE(<cnp.ndarray>w) == cnp.NPY_FLOAT16:
+        w = (<cnp.ndarray>w).view(np.uint16)
+    cdef cnp.ndarray aw = _arr(fn, "w", w, cnp.NPY_UINT16, 1, False)
+    cdef cnp.ndarray ax = _arr(fn, "x", x, cnp.NPY_FLOAT32, 2, False)
+    cdef cnp.ndarray ao = _arr(fn, "out", out, cnp.NPY_FLOAT32, 2, True)
+    cdef Py_ssize_t m = cnp.PyArray_DIM(ax, 0), k = cnp.PyArray_DIM(ax, 1)
+    cdef Py_ssize_t n = _n_of(fn, cnp.PyArray_DIM(ao, 1))
+    if m <= 0 or cnp.PyArray_DIM(ao, 0) != m:
+        raise KernelError(f"{fn}: x has {m} rows but out has {cnp.PyArray_DIM(ao, 0)} (both are M, M >= 1)")
+    if k <= 0 or k > MAX_DIM:
+        raise KernelError(f"{fn}: x has {k} columns; K must be positive")
+    _check_size(fn, "w", aw, _pad16(n) * k, f"N_pad*K (N={n}, K={k})")
+    cdef const uint16_t *pw = <const uint16_t *>cnp.PyArray_DATA(aw)
+    cdef const float *px = <const float *>cnp.PyArray_DATA(ax)
+    cdef float *po = <float *>cnp.PyArray_DATA(ao)
+    with nogil:
+        bk_gemm_f16(pw, px, <int>m, <int>k, po, <int>n)
 
 
 # ---------------------------------------------------------------- benchmark probes

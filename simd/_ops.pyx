@@ -20,7 +20,11 @@ cdef extern from "ops.h":
     int ops_topk(const float *x, int n, int k, float *heap_vals, int32_t *idx) nogil
     void ops_attention(float *qkv, int m, int n_heads, int n_kv, int head_dim, const float *rope_cos,
                        const float *rope_sin, int pos0, void *k_cache, void *v_cache, int kv_f16, int n_ctx,
-                       float *out, float *scratch) nogil
+                       float *out, float *scratch, int scratch_rows) nogil
+    void ops_attention_paged(float *qkv, int n_heads, int n_kv, int head_dim, const float *rope_cos,
+                             const float *rope_sin, int n_seqs, const int32_t *seq_rows, const int32_t *seq_pos0,
+                             const int32_t *page_table, int max_pages, void *k_pool, void *v_pool, int kv_f16,
+                             float *out, float *scratch, int scratch_rows, int scratch_len) nogil
 
 cdef extern from "ops.h":
     int OPS_ATT_SCRATCH_ROWS
@@ -147,13 +151,70 @@ def attention(float[:, ::1] qkv, int n_heads, int n_kv, int head_dim, const floa
     if pos0 < 0 or pos0 + m > n_ctx or rope_cos.shape[0] < pos0 + m or rope_cos.shape[1] != head_dim // 2 \
             or rope_sin.shape[0] != rope_cos.shape[0] or rope_sin.shape[1] != rope_cos.shape[1]:
         _fail(f"attention: positions {pos0}..{pos0 + m - 1} do not fit the cache ({n_ctx}) / rope tables")
-    if (out.shape[0] < m or out.shape[1] != q_dim or scratch.shape[0] < n_heads * OPS_ATT_SCRATCH_ROWS
+    if (out.shape[0] < m or out.shape[1] != q_dim or scratch.shape[0] < OPS_ATT_SCRATCH_ROWS
             or scratch.shape[1] < n_ctx):
         _fail("attention: out or scratch too small")
     cdef int kv_f16 = 1 if kv_t is uint16_t else 0
     with nogil:
         ops_attention(&qkv[0, 0], m, n_heads, n_kv, head_dim, &rope_cos[0, 0], &rope_sin[0, 0], pos0,
-                      <void *>&k_cache[0, 0, 0, 0], <void *>&v_cache[0, 0, 0], kv_f16, n_ctx, &out[0, 0], &scratch[0, 0])
+                      <void *>&k_cache[0, 0, 0, 0], <void *>&v_cache[0, 0, 0], kv_f16, n_ctx, &out[0, 0], &scratch[0, 0],
+                      scratch.shape[0])
+
+
+def attention_paged(float[:, ::1] qkv, int n_heads, int n_kv, int head_dim, const float[:, ::1] rope_cos,
+                    const float[:, ::1] rope_sin, const int32_t[::1] seq_rows, const int32_t[::1] seq_pos0,
+                    const int32_t[:, ::1] page_table, kv_t[:, :, :, ::1] k_pool, kv_t[:, :, :, ::1] v_pool,
+                    float[:, ::1] out, float[:, ::1] scratch):
+    """attention() for a batched step over the paged KV pool of one layer: sequence i owns rows
+    seq_rows[i]:seq_rows[i+1] of qkv / out at positions seq_pos0[i].., its 32-position blocks in pages
+    page_table[i] (k_pool [n_pages, n_kv, head_dim, 32], v_pool [n_pages, n_kv, 32, head_dim]).
+    scratch [>= ATTENTION_SCRATCH_ROWS (per thread), >= every sequence's last position + 1]."""
+    cdef int m = qkv.shape[0], n = seq_pos0.shape[0], q_dim = n_heads * head_dim
+    cdef int max_pages = page_table.shape[1], n_pages = k_pool.shape[0], i, b, r0, r1, last
+    if n_kv <= 0 or n_heads % n_kv or head_dim % 2 or qkv.shape[1] != q_dim + 2 * n_kv * head_dim:
+        _fail(f"attention_paged: qkv width {qkv.shape[1]} does not fit {n_heads} heads / {n_kv} kv heads x {head_dim}")
+    if (k_pool.shape[1] != n_kv or k_pool.shape[2] != head_dim or k_pool.shape[3] != OPS_KT_BLOCK
+            or v_pool.shape[0] != n_pages or v_pool.shape[1] != n_kv or v_pool.shape[2] != OPS_KT_BLOCK
+            or v_pool.shape[3] != head_dim or n_pages < 1):
+        _fail("attention_paged: pools are not k [n_pages, n_kv, head_dim, 32] and v [n_pages, n_kv, 32, head_dim]")
+    if seq_rows.shape[0] != n + 1 or page_table.shape[0] < n or n < 1:
+        _fail(f"attention_paged: seq_rows has {seq_rows.shape[0]} entries, page_table {page_table.shape[0]} rows "
+              f"for {n} sequences")
+    if (out.shape[0] < m or out.shape[1] != q_dim or scratch.shape[0] < OPS_ATT_SCRATCH_ROWS
+            or rope_cos.shape[1] != head_dim // 2 or rope_sin.shape[0] != rope_cos.shape[0]
+            or rope_sin.shape[1] != rope_cos.shape[1]):
+        _fail("attention_paged: out, scratch or rope tables do not fit")
+    if seq_rows[0] < 0 or seq_rows[n] > m:
+        _fail(f"attention_paged: seq_rows span {seq_rows[0]}..{seq_rows[n]} outside the {m} rows of qkv")
+    for i in range(n):
+        r0, r1 = seq_rows[i], seq_rows[i + 1]
+        if r1 < r0:
+            _fail(f"attention_paged: seq_rows is not non-decreasing at sequence {i}")
+        if r1 == r0:
+            continue
+        last = seq_pos0[i] + (r1 - r0) - 1
+        if (seq_pos0[i] < 0 or last >= max_pages * OPS_KT_BLOCK or last >= rope_cos.shape[0]
+                or last >= scratch.shape[1]):
+            _fail(f"attention_paged: sequence {i} positions {seq_pos0[i]}..{last} do not fit its page table, "
+                  "rope tables or scratch")
+        for b in range(last // OPS_KT_BLOCK + 1):
+            if page_table[i, b] < 0 or page_table[i, b] >= n_pages:
+                _fail(f"attention_paged: sequence {i} block {b} is page {page_table[i, b]} (pool has {n_pages})")
+    cdef int kv_f16 = 1 if kv_t is uint16_t else 0
+    with nogil:
+        ops_attention_paged(&qkv[0, 0], n_heads, n_kv, head_dim, &rope_cos[0, 0], &rope_sin[0, 0], n,
+                            &seq_rows[0], &seq_pos0[0], &page_table[0, 0], max_pages, <void *>&k_pool[0, 0, 0, 0],
+                            <void *>&v_pool[0, 0, 0, 0], kv_f16, &out[0, 0], &scratch[0, 0], scratch.shape[0],
+                            scratch.shape[1])
+
+
+def paged_key_pool_shape(int n_pages, int n_kv, int head_dim):
+    """Shape of one layer's paged key pool: [n_pages, n_kv, head_dim, KEY_BLOCK] (a page = KEY_BLOCK positions)."""
+    return (n_pages, n_kv, head_dim, OPS_KT_BLOCK)
+
+
+def paged_value_pool_shape(int n_pages, int n_kv, int head_dim):
+    return (n_pages, n_kv, OPS_KT_BLOCK, head_dim)
 
 
 def topk(const float[::1] x, float[::1] heap_vals, int32_t[::1] idx):

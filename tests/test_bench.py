@@ -155,3 +155,36 @@ def test_bench_e2e_orchestrator_small(small_models, tmp_path):
     raw = json.loads(js.read_text())
     assert {s["engine"] for s in raw["sessions"]} == {"ours"} and len(raw["cold"]) == 1 and not raw["failures"]
     assert raw["facts"]["bytes_per_token"] > 0 and raw["facts"]["macs_per_token"] > 0
+
+
+def test_decode_rows_small(small_models, capsys):
+    import decode_rows  # bench/decode_rows.py
+
+    cache = os.path.dirname(small_models["tq2_0"])
+    rc = decode_rows.main(["--cache", cache, "--shape", "small", "--heads", "i8,q4", "--tokens", "4",
+                           "--repeats", "1", "--threads", "1", "--bw-mib", "8"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    rows = {ln.split("|")[1].strip(): ln for ln in out.splitlines() if ln.startswith("| ours")}
+    assert set(rows) == {"ours tile16 + i8 head", "ours tile16 + q4 head"}
+    mb = {k: float(v.split("|")[2].split()[0]) for k, v in rows.items()}
+    assert mb["ours tile16 + q4 head"] < mb["ours tile16 + i8 head"]   # the q4 head reads fewer bytes
+    assert "repetitive code | off" in out and "random ids | --draft-max 4" in out
+
+
+def test_bench_batch_arithmetic():
+    from types import SimpleNamespace
+
+    import bench_batch
+    from engine.synth import bitnet_2b4t_config
+
+    c = bitnet_2b4t_config()
+    hd = c["hidden_size"] // c["num_attention_heads"]
+    cfg = SimpleNamespace(hidden_size=c["hidden_size"], q_dim=c["num_attention_heads"] * hd,
+                          kv_dim=c["num_key_value_heads"] * hd, intermediate_size=c["intermediate_size"],
+                          vocab_size=c["vocab_size"], n_layers=c["num_hidden_layers"])
+    assert abs(bench_batch.macs_per_token(cfg) / 1e9 - 2.41) < 0.01   # the 2B-4T shape: 2.41 G per token
+    # two sequences: first tokens at t=1 and t=2, then tokens at 3, 4 (both) -> 4 tokens in 2 s after t=2
+    r = bench_batch.summarize(2, 0.0, [1.0, 2.0], [4.0, 4.0], [3, 3], [1.0, 2.0, 3.0, 3.0, 4.0, 4.0])
+    assert r["agg_decode_tps"] == 2.0 and r["e2e_tps"] == 1.5
+    assert r["ttft_median_s"] == 2.0 and r["ttft_max_s"] == 2.0 and r["generated"] == 6

@@ -8,7 +8,7 @@ def add_arguments(p):
                                               "or a hub id REPO[:FILE][@REV] already downloaded")
     p.add_argument("-o", "--output", dest="out", metavar="OUT", default=None,
                    help="store path (default: next to SRC, with the .bnstore extension)")
-    p.add_argument("--lm-head", choices=["i8", "f16"], default="i8",
+    p.add_argument("--lm-head", choices=["i8", "f16", "q4"], default="i8",
                    help="LM head precision: int8 rows with per-row scales (half the bytes per token) or f16")
     p.add_argument("--hidden-act", choices=["relu2", "silu"], default=None,
                    help="override the FFN activation (default: from the file; see `bitnet inspect` for how it was decided)")

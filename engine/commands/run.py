@@ -23,10 +23,15 @@ def add_arguments(p):
                    help="never end at the end-of-text token (only -n, the context or --stop end it)%(default).0s")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)%(default).0s")
     p.add_argument("--kv", choices=("f16", "f32"), default="f16", help="KV cache precision")
-    p.add_argument("--lm-head", choices=("i8", "f16"), default=None,
+    p.add_argument("--lm-head", choices=("i8", "f16", "q4"), default=None,
                    help="LM head precision when the model gets converted (default: the converter's)%(default).0s")
     p.add_argument("--json", action="store_true",
                    help='one JSON object per line: {"text": ...} per piece, then {"done": true, "stats": ...}%(default).0s')
+    p.add_argument("--draft-max", type=int, default=None, metavar="K",
+                   help="prompt-lookup speculative decoding: most draft tokens verified per pass, 0 = off "
+                        "(default: off; --draft-max 4 is a good start on repetitive text; same output either way)%(default).0s")
+    p.add_argument("--lookup-ngram-min", type=int, default=None, metavar="N",
+                   help="prompt lookup: shortest repeated n-gram that proposes a draft (default: 2)%(default).0s")
     p.add_argument("-v", "--verbose", action="store_true", help="print timings to stderr%(default).0s")
 
 
@@ -88,8 +93,11 @@ def main(args) -> int:
 
     params = SamplingParams(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                             repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n, seed=args.seed).check()
+    from engine.speculative import lookup_from_flags
+
+    lookup = lookup_from_flags(args.draft_max, args.lookup_ngram_min)
     llm = load_model(args.model, ctx=args.ctx, threads=args.threads, kv_dtype=args.kv,
-                     progress=sys.stderr.isatty(), lm_head=args.lm_head)
+                     progress=sys.stderr.isatty(), lm_head=args.lm_head, lookup=lookup)
     if args.chat or args.system is not None:  # a system prompt only means something in the chat template
         msgs = ([{"role": "system", "content": args.system}] if args.system is not None else [])
         ids = llm.chat_prompt(msgs + [{"role": "user", "content": prompt}])
@@ -138,6 +146,7 @@ def main(args) -> int:
         print(f"model: {llm.name} ({llm.model.lm_head} head, kv {args.kv}, n_ctx {llm.n_ctx})\n"
               f"load: {stats.load_s * 1000:.0f} ms | prompt: {stats.n_prompt} tokens ({stats.n_cached} cached), "
               f"{stats.prefill_tps:.1f} tok/s | first token: {stats.ttft_s * 1000:.0f} ms | "
-              f"generated: {stats.n_generated} tokens, {stats.decode_tps:.1f} tok/s | stop: {stats.finish_reason}",
+              f"generated: {stats.n_generated} tokens, {stats.decode_tps:.1f} tok/s | stop: {stats.finish_reason}"
+              + (f" | lookup: {stats.n_accepted}/{stats.n_drafted} draft tokens accepted" if stats.n_drafted else ""),
               file=sys.stderr)
     return 0

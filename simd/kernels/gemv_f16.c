@@ -183,3 +183,35 @@ void bk_gemv_f16(const uint16_t *w, const float *x, int k, float *out, int n) {
     gemv_f16_job job = {fn, w, x, k, out, n};
     bk_run_tiles(n_tiles, nt, gemv_f16_range, &job);
 }
+
+/* M rows at once (the batched engine's logits): the GEMV body per row over runs of 4 tiles, so each run of
+ * weights (4 x 16 rows x k halves, ~320 KB at k = 2560) is read from memory once and from L2 for the other
+ * rows. Row r of out equals bk_gemv_f16 of x[r] bit for bit (same body, same order in k). */
+typedef struct {
+    bk_gemv_f16_fn fn;
+    const uint16_t *w;
+    const float *x;
+    int m, k;
+    float *out;
+    int n;
+} gemm_f16_job;
+
+static void gemm_f16_range(void *ctx, int b, int e) {
+    gemm_f16_job *j = ctx;
+    for (int t0 = b; t0 < e; t0 += 4) {
+        const int t1 = t0 + 4 < e ? t0 + 4 : e;
+        for (int r = 0; r < j->m; r++)
+            j->fn(j->w, j->x + (size_t)r * j->k, j->k, j->out + (size_t)r * j->n, j->n, t0, t1);
+    }
+}
+
+void bk_gemm_f16(const uint16_t *w, const float *x, int m, int k, float *out, int n) {
+    gemm_f16_job job = {bk_table.gemv_f16, w, x, m, k, out, n};
+    int n_tiles = (n + 15) / 16;
+    int nt = bk_get_num_threads();
+    if (nt > n_tiles) nt = n_tiles;
+    if (nt <= 1 || (size_t)n_tiles * k * m < 16 * 1024)
+        gemm_f16_range(&job, 0, n_tiles);
+    else
+        bk_run_tiles(n_tiles, nt, gemm_f16_range, &job);
+}

@@ -6,6 +6,9 @@
  *   AVX2: pmaddubsw(|xq| as u8, sign(W, xq)); |xq| <= 128 and |W| <= 127, so a pair sum <= 32512: no
  *     saturation. (|W| x sign(xq, W) would break on xq = -128, whose negation does not fit in int8.)
  * aux holds xq ^ 0x80 (first k_pad bytes) and |xq| (next k_pad bytes), computed once per call.
+ * bk_gemm_i8: the same for M activation rows (the batched engine's logits): each weight tile is read once
+ * for all rows (AVX-512: up to 8 rows share each 64-byte weight load; other paths: the GEMV body per row over
+ * a cache-sized run of tiles). Per row the int32 dots and the f32 epilogue are those of bk_gemv_i8.
  */
 #include "kernels.h"
 
@@ -97,6 +100,58 @@ AVX2_TARGET static void gemv_i8_avx2(const int8_t *w, const float *row_scale, co
 }
 #endif
 
+#if defined(__x86_64__)
+/* rows r0 .. r0+R-1 (R <= 8) of xu [m, 2*k_pad] against tiles [tile_begin, tile_end) */
+AVX512_TARGET static void gemm_i8_avx512(const int8_t *w, const float *row_scale, const int32_t *w_rowsum,
+                                         const uint8_t *aux, int m, int k_pad, const float *act_scale, float *out,
+                                         int32_t *out_i32, int n, int tile_begin, int tile_end) {
+    const int groups = k_pad / 4;
+    const size_t tile_bytes = (size_t)groups * 64, astride = 2 * (size_t)k_pad;
+    for (int t = tile_begin; t < tile_end; t++) {
+        const int8_t *p = w + (size_t)t * tile_bytes;
+        const int row0 = t * 16;
+        const __m512i corr = rowsum_correction_avx512(w_rowsum, row0, n);
+        for (int r0 = 0; r0 < m; r0 += 8) {
+            const int R = m - r0 < 8 ? m - r0 : 8;
+            const uint8_t *x0 = aux + (size_t)r0 * astride;
+            __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+            if (R == 8) {
+                for (int g = 0; g < groups; g++) {
+                    const __m512i wv = _mm512_loadu_si512(p + (size_t)g * 64);
+                    const uint8_t *x = x0 + 4 * g;
+                    a0 = dpbusd512(a0, _mm512_set1_epi32(load_i32(x)), wv);
+                    a1 = dpbusd512(a1, _mm512_set1_epi32(load_i32(x + astride)), wv);
+                    a2 = dpbusd512(a2, _mm512_set1_epi32(load_i32(x + 2 * astride)), wv);
+                    a3 = dpbusd512(a3, _mm512_set1_epi32(load_i32(x + 3 * astride)), wv);
+                    a4 = dpbusd512(a4, _mm512_set1_epi32(load_i32(x + 4 * astride)), wv);
+                    a5 = dpbusd512(a5, _mm512_set1_epi32(load_i32(x + 5 * astride)), wv);
+                    a6 = dpbusd512(a6, _mm512_set1_epi32(load_i32(x + 6 * astride)), wv);
+                    a7 = dpbusd512(a7, _mm512_set1_epi32(load_i32(x + 7 * astride)), wv);
+                }
+            } else {
+                for (int g = 0; g < groups; g++) {
+                    const __m512i wv = _mm512_loadu_si512(p + (size_t)g * 64);
+                    const uint8_t *x = x0 + 4 * g;
+                    a0 = dpbusd512(a0, _mm512_set1_epi32(load_i32(x)), wv);
+                    if (R > 1) a1 = dpbusd512(a1, _mm512_set1_epi32(load_i32(x + astride)), wv);
+                    if (R > 2) a2 = dpbusd512(a2, _mm512_set1_epi32(load_i32(x + 2 * astride)), wv);
+                    if (R > 3) a3 = dpbusd512(a3, _mm512_set1_epi32(load_i32(x + 3 * astride)), wv);
+                    if (R > 4) a4 = dpbusd512(a4, _mm512_set1_epi32(load_i32(x + 4 * astride)), wv);
+                    if (R > 5) a5 = dpbusd512(a5, _mm512_set1_epi32(load_i32(x + 5 * astride)), wv);
+                    if (R > 6) a6 = dpbusd512(a6, _mm512_set1_epi32(load_i32(x + 6 * astride)), wv);
+                }
+            }
+            const __m512i acc[8] = {a0, a1, a2, a3, a4, a5, a6, a7};
+            for (int j = 0; j < R; j++) {
+                const int r = r0 + j;
+                finish_tile_avx512(_mm512_sub_epi32(acc[j], corr), 0, row0, n, row_scale, act_scale[r],
+                                   out ? out + (size_t)r * n : NULL, out_i32 ? out_i32 + (size_t)r * n : NULL);
+            }
+        }
+    }
+}
+#endif
+
 #if defined(__aarch64__)
 __attribute__((target("arch=armv8.2-a+dotprod")))
 static void gemv_i8_neon(const int8_t *w, const float *row_scale, const int32_t *w_rowsum, const int8_t *xq,
@@ -175,5 +230,62 @@ int bk_gemv_i8(const int8_t *w, const float *row_scale, const int32_t *w_rowsum,
         bk_run_tiles(n_tiles, nt, gemv_i8_range, &job);
     }
     if (aux != stack_aux) free(aux);
+    return 0;
+}
+
+typedef struct {
+    bk_gemv_i8_fn fn;
+    const int8_t *w;
+    const float *row_scale;
+    const int32_t *w_rowsum;
+    const int8_t *xq;
+    const uint8_t *aux;
+    int m, k_pad;
+    const float *act_scale;
+    float *out;
+    int32_t *out_i32;
+    int n;
+} gemm_i8_job;
+
+static void gemm_i8_range(void *ctx, int b, int e) {
+    gemm_i8_job *j = ctx;
+#if defined(__x86_64__)
+    if (j->fn == gemv_i8_avx512) {
+        gemm_i8_avx512(j->w, j->row_scale, j->w_rowsum, j->aux, j->m, j->k_pad, j->act_scale, j->out, j->out_i32,
+                       j->n, b, e);
+        return;
+    }
+#endif
+    const int run = 8; /* tiles per run: 8 * 16 rows * k_pad bytes stay in L2 while every row passes */
+    for (int t0 = b; t0 < e; t0 += run) {
+        const int t1 = t0 + run < e ? t0 + run : e;
+        for (int r = 0; r < j->m; r++)
+            j->fn(j->w, j->row_scale, j->w_rowsum, j->xq + (size_t)r * j->k_pad, j->aux + (size_t)r * 2 * j->k_pad,
+                  j->k_pad, j->act_scale[r], j->out ? j->out + (size_t)r * j->n : NULL,
+                  j->out_i32 ? j->out_i32 + (size_t)r * j->n : NULL, j->n, t0, t1);
+    }
+}
+
+int bk_gemm_i8(const int8_t *w, const float *row_scale, const int32_t *w_rowsum, const int8_t *xq, int m, int k_pad,
+               const float *act_scale, float *out, int32_t *out_i32, int n) {
+    uint8_t *aux = malloc(2 * (size_t)k_pad * m);
+    if (!aux) return -1;
+    for (int r = 0; r < m; r++) {
+        const int8_t *x = xq + (size_t)r * k_pad;
+        uint8_t *a = aux + (size_t)r * 2 * k_pad;
+        for (int k = 0; k < k_pad; k++) {
+            a[k] = (uint8_t)(x[k] ^ 0x80);
+            a[k_pad + k] = (uint8_t)(x[k] < 0 ? -x[k] : x[k]);
+        }
+    }
+    gemm_i8_job job = {bk_table.gemv_i8, w, row_scale, w_rowsum, xq, aux, m, k_pad, act_scale, out, out_i32, n};
+    int n_tiles = (n + 15) / 16;
+    int nt = bk_get_num_threads();
+    if (nt > n_tiles) nt = n_tiles;
+    if (nt <= 1 || (size_t)n_tiles * k_pad * m < 16 * 4096)
+        gemm_i8_range(&job, 0, n_tiles);
+    else
+        bk_run_tiles(n_tiles, nt, gemm_i8_range, &job);
+    free(aux);
     return 0;
 }

@@ -80,7 +80,11 @@ void bk_gemm_ternary(const uint8_t *w, const float *row_scale, const int8_t *xq,
                      const float *act_scale, const int32_t *act_sum, float *out, int32_t *out_i32, int n);
 int bk_gemv_i8(const int8_t *w, const float *row_scale, const int32_t *w_rowsum, const int8_t *xq, int k_pad,
                float act_scale, float *out, int32_t *out_i32, int n);   /* -1 on allocation failure */
+/* M rows at once: out[m, n] (or out_i32[m, n]) row r = bk_gemv_i8 of xq[r] with act_scale[r] */
+int bk_gemm_i8(const int8_t *w, const float *row_scale, const int32_t *w_rowsum, const int8_t *xq, int m, int k_pad,
+               const float *act_scale, float *out, int32_t *out_i32, int n);
 void bk_gemv_f16(const uint16_t *w, const float *x, int k, float *out, int n);
+void bk_gemm_f16(const uint16_t *w, const float *x, int m, int k, float *out, int n);   /* row r == bk_gemv_f16(x[r]) */
 /* Streaming read of a buffer (bandwidth benchmark): returns a checksum so the loads are not elided. */
 uint64_t bk_stream_read(const uint8_t *buf, size_t nbytes);
 /* Register-only vpdpbusd loop (peak int8 MAC rate of the path): returns a value to keep it alive. */

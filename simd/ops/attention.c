@@ -13,6 +13,7 @@
 #include "ops.h"
 
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #if defined(__x86_64__)
@@ -43,10 +44,20 @@ static inline uint16_t f2h(float f) {
 
 /* ---------- per-ISA kernels: scores of one head, weighted sum of values, exp(x - max) in place ---------- */
 
+/* Positions live in blocks of KT_BLOCK: block b of one KV head starts at element (pages ? pages[b] : b) * stride
+ * of that head's base (a contiguous cache: pages NULL; the paged pool: the sequence's page table). */
 typedef struct {
-    void (*scores)(const float *const *q, int R, const void *kt, int f16, int n, int hd, float scale, float *const *sc);
-    void (*wsum)(const float *p, const void *vc, int f16, int n, int hd, float *out);
-    void (*wsum2)(const float *p0, const float *p1, const void *vc, int f16, int n, int hd, float *o0, float *o1);
+    const int32_t *pages;
+    int64_t stride;
+} kv_blocks;
+#define BLK(bl, b) ((int64_t)((bl).pages ? (bl).pages[(b)] : (b)) * (bl).stride)
+
+typedef struct {
+    void (*scores)(const float *const *q, int R, const void *kt, kv_blocks bl, int f16, int n, int hd, float scale,
+                   float *const *sc);
+    void (*wsum)(const float *p, const void *vc, kv_blocks bl, int f16, int n, int hd, float *out);
+    void (*wsum2)(const float *p0, const float *p1, const void *vc, kv_blocks bl, int f16, int n, int hd, float *o0,
+                  float *o1);
     float (*exp_sum)(float *x, int n, float mx); /* x[i] = exp(x[i] - mx); returns the sum */
 } att_kernels;
 
@@ -150,12 +161,12 @@ AVX2_FN static void store_f16_avx2(const float *src, uint16_t *dst, int n) {
  * block's keys are one contiguous 4-8 KB run (prefetcher friendly). */
 #define MAXQ OPS_ATT_SCRATCH_ROWS
 #define KT_BLOCK OPS_KT_BLOCK
-static void scores_scalar(const float *const *q, int R, const void *kt, int f16, int n, int hd, float scale,
-                          float *const *sc) {
+static void scores_scalar(const float *const *q, int R, const void *kt, kv_blocks bl, int f16, int n, int hd,
+                          float scale, float *const *sc) {
     for (int j = 0; j < R; j++)
         for (int t = 0; t < n; t++) {
             float d = 0.0f;
-            const int64_t base = (int64_t)(t / KT_BLOCK) * hd * KT_BLOCK + t % KT_BLOCK;
+            const int64_t base = BLK(bl, t / KT_BLOCK) + t % KT_BLOCK;
             for (int i = 0; i < hd; i++) {
                 const int64_t at = base + (int64_t)i * KT_BLOCK;
                 d += q[j][i] * (f16 ? ops_half_to_float(((const uint16_t *)kt)[at]) : ((const float *)kt)[at]);
@@ -163,14 +174,15 @@ static void scores_scalar(const float *const *q, int R, const void *kt, int f16,
             sc[j][t] = d * scale;
         }
 }
-static void wsum_scalar(const float *p, const void *vc, int f16, int n, int hd, float *out) {
+static void wsum_scalar(const float *p, const void *vc, kv_blocks bl, int f16, int n, int hd, float *out) {
     memset(out, 0, sizeof(float) * hd);
     for (int t = 0; t < n; t++) {
+        const int64_t row = BLK(bl, t / KT_BLOCK) / hd + t % KT_BLOCK;
         if (f16) {
-            const uint16_t *v = KROW16(vc, t, hd);
+            const uint16_t *v = KROW16(vc, row, hd);
             for (int i = 0; i < hd; i++) out[i] += p[t] * ops_half_to_float(v[i]);
         } else {
-            const float *v = KROW32(vc, t, hd);
+            const float *v = KROW32(vc, row, hd);
             for (int i = 0; i < hd; i++) out[i] += p[t] * v[i];
         }
     }
@@ -185,14 +197,14 @@ AVX2_FN static inline __m256 load8(const void *base, int f16, int64_t off, int v
     for (int i = 0; i < valid; i++) tmp[i] = f16 ? ops_half_to_float(((const uint16_t *)base)[off + i]) : ((const float *)base)[off + i];
     return _mm256_loadu_ps(tmp);
 }
-AVX2_FN static void scores_avx2(const float *const *q, int R, const void *kt, int f16, int n, int hd, float scale,
-                                float *const *sc) {
+AVX2_FN static void scores_avx2(const float *const *q, int R, const void *kt, kv_blocks bl, int f16, int n, int hd,
+                                float scale, float *const *sc) {
     const __m256 vs = _mm256_set1_ps(scale);
     for (int t0 = 0; t0 < n; t0 += 16) {
         const int valid = n - t0;
         __m256 acc[MAXQ][2];
         for (int j = 0; j < MAXQ; j++) acc[j][0] = acc[j][1] = _mm256_setzero_ps();
-        const int64_t base = (int64_t)(t0 / KT_BLOCK) * hd * KT_BLOCK + t0 % KT_BLOCK;
+        const int64_t base = BLK(bl, t0 / KT_BLOCK) + t0 % KT_BLOCK;
         for (int i = 0; i < hd; i++) {
             const int64_t off = base + (int64_t)i * KT_BLOCK;
             __m256 k0 = load8(kt, f16, off, valid), k1 = load8(kt, f16, off + 8, valid - 8);
@@ -210,14 +222,15 @@ AVX2_FN static void scores_avx2(const float *const *q, int R, const void *kt, in
         }
     }
 }
-AVX2_FN static void wsum_avx2(const float *p, const void *vc, int f16, int n, int hd, float *out) {
+AVX2_FN static void wsum_avx2(const float *p, const void *vc, kv_blocks bl, int f16, int n, int hd, float *out) {
     for (int c0 = 0; c0 < hd; c0 += 64) { /* 8 ymm accumulators = 64 output columns */
         __m256 acc[8];
         int nb = (hd - c0 + 7) / 8 < 8 ? (hd - c0 + 7) / 8 : 8;
         for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
         for (int t = 0; t < n; t++) {
             __m256 w = _mm256_set1_ps(p[t]);
-            for (int j = 0; j < nb; j++) acc[j] = _mm256_fmadd_ps(w, load8(vc, f16, (int64_t)t * hd + c0 + 8 * j, hd - c0 - 8 * j), acc[j]);
+            const int64_t o = BLK(bl, t / KT_BLOCK) + (int64_t)(t % KT_BLOCK) * hd + c0;
+            for (int j = 0; j < nb; j++) acc[j] = _mm256_fmadd_ps(w, load8(vc, f16, o + 8 * j, hd - c0 - 8 * j), acc[j]);
         }
         for (int j = 0; j < nb; j++) {
             float tmp[8];
@@ -233,13 +246,13 @@ AVX512_FN static inline __m512 load16(const void *base, int f16, int64_t off, __
 }
 static inline __mmask16 mask16(int valid) { return valid >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (valid > 0 ? valid : 0)) - 1); }
 
-AVX512_FN static void scores_avx512(const float *const *q, int R, const void *kt, int f16, int n, int hd, float scale,
-                                  float *const *sc) {
+AVX512_FN static void scores_avx512(const float *const *q, int R, const void *kt, kv_blocks bl, int f16, int n,
+                                    int hd, float scale, float *const *sc) {
     const __m512 vs = _mm512_set1_ps(scale);
     for (int t0 = 0; t0 < n; t0 += 32) {
         const __mmask16 m0 = mask16(n - t0), m1 = mask16(n - t0 - 16);
         __m512 a00 = _mm512_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00, a31 = a00;
-        const int64_t base = (int64_t)(t0 / KT_BLOCK) * hd * KT_BLOCK;
+        const int64_t base = BLK(bl, t0 / KT_BLOCK);
         for (int i = 0; i < hd; i++) {
             const int64_t off = base + (int64_t)i * KT_BLOCK;
             const __m512 k0 = load16(kt, f16, off, m0), k1 = load16(kt, f16, off + 16, m1);
@@ -264,7 +277,7 @@ AVX512_FN static void scores_avx512(const float *const *q, int R, const void *kt
         if (R > 3) _mm512_mask_storeu_ps(sc[3] + t0, m0, _mm512_mul_ps(a30, vs)), _mm512_mask_storeu_ps(sc[3] + t0 + 16, m1, _mm512_mul_ps(a31, vs));
     }
 }
-AVX512_FN static void wsum_avx512(const float *p, const void *vc, int f16, int n, int hd, float *out) {
+AVX512_FN static void wsum_avx512(const float *p, const void *vc, kv_blocks bl, int f16, int n, int hd, float *out) {
     for (int c0 = 0; c0 < hd; c0 += 128) { /* 8 zmm accumulators = 128 output columns */
         __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
         const int r = hd - c0;
@@ -272,7 +285,7 @@ AVX512_FN static void wsum_avx512(const float *p, const void *vc, int f16, int n
         const __mmask16 k4 = mask16(r - 64), k5 = mask16(r - 80), k6 = mask16(r - 96), k7 = mask16(r - 112);
         for (int t = 0; t < n; t++) {
             const __m512 w = _mm512_set1_ps(p[t]);
-            const int64_t o = (int64_t)t * hd + c0;
+            const int64_t o = BLK(bl, t / KT_BLOCK) + (int64_t)(t % KT_BLOCK) * hd + c0;
             a0 = _mm512_fmadd_ps(w, load16(vc, f16, o, k0), a0);
             a1 = _mm512_fmadd_ps(w, load16(vc, f16, o + 16, k1), a1);
             a2 = _mm512_fmadd_ps(w, load16(vc, f16, o + 32, k2), a2);
@@ -291,15 +304,15 @@ AVX512_FN static void wsum_avx512(const float *p, const void *vc, int f16, int n
     }
 }
 /* two queries over the same values: each value row is loaded (and converted) once for both */
-AVX512_FN static void wsum2_avx512(const float *p0, const float *p1, const void *vc, int f16, int n, int hd,
-                                   float *out0, float *out1) {
+AVX512_FN static void wsum2_avx512(const float *p0, const float *p1, const void *vc, kv_blocks bl, int f16, int n,
+                                   int hd, float *out0, float *out1) {
     for (int c0 = 0; c0 < hd; c0 += 128) {
         __m512 a[8], b[8];
         __mmask16 k[8];
         for (int j = 0; j < 8; j++) a[j] = b[j] = _mm512_setzero_ps(), k[j] = mask16(hd - c0 - 16 * j);
         for (int t = 0; t < n; t++) {
             const __m512 w0 = _mm512_set1_ps(p0[t]), w1 = _mm512_set1_ps(p1[t]);
-            const int64_t o = (int64_t)t * hd + c0;
+            const int64_t o = BLK(bl, t / KT_BLOCK) + (int64_t)(t % KT_BLOCK) * hd + c0;
 #pragma GCC unroll 8
             for (int j = 0; j < 8; j++) {
                 if (!k[j]) break;
@@ -342,59 +355,84 @@ static void rope_rows(float *x, int n_heads, int head_dim, const float *cos, con
     }
 }
 
-void ops_attention(float *qkv, int m, int n_heads, int n_kv, int head_dim, const float *rope_cos,
-                   const float *rope_sin, int pos0, void *k_cache, void *v_cache, int kv_f16, int n_ctx,
-                   float *out, float *scratch) {
+/* One run of consecutive rows of one sequence: rows row0 .. row0+m-1 of qkv / out at positions pos0 ..,
+ * its blocks addressed through `pages` (NULL: block b is at b * stride). */
+typedef struct {
+    int row0, m, pos0;
+    const int32_t *pages;
+} att_seg;
+
+/* The shared body of ops_attention (one segment, contiguous cache) and ops_attention_paged (one segment per
+ * sequence of a batched step, caches in the page pool). k/v_head: elements between KV heads; stride:
+ * elements between blocks. scratch: [scratch_rows, scratch_len] f32, OPS_ATT_SCRATCH_ROWS rows per thread. */
+static void attention_core(float *qkv, int n_heads, int n_kv, int head_dim, const float *rope_cos,
+                           const float *rope_sin, const att_seg *segs, int n_segs, void *k_cache, void *v_cache,
+                           int kv_f16, int64_t k_head, int64_t v_head, int64_t stride, float *out, float *scratch,
+                           int scratch_rows, int scratch_len) {
     const int isa = ops_isa();
-    const int q_dim = n_heads * head_dim, kv_dim = n_kv * head_dim, stride = q_dim + 2 * kv_dim;
+    const int q_dim = n_heads * head_dim, kv_dim = n_kv * head_dim, row_stride = q_dim + 2 * kv_dim;
     const int half = head_dim / 2, group = n_heads / n_kv;
     const float scale = 1.0f / sqrtf((float)head_dim);
-    const int64_t kt_head = (int64_t)((n_ctx + KT_BLOCK - 1) / KT_BLOCK) * KT_BLOCK * head_dim; /* keys of one KV head */
+    const size_t esize = kv_f16 ? sizeof(uint16_t) : sizeof(float);
 
     /* 1. rotate q and k of every row, append k (into its transposed block) and v to the cache */
-    for (int r = 0; r < m; r++) {
-        float *row = qkv + (int64_t)r * stride;
-        int pos = pos0 + r;
-        const float *c = rope_cos + (int64_t)pos * half, *s = rope_sin + (int64_t)pos * half;
-        rope_rows(row, n_heads, head_dim, c, s);
-        rope_rows(row + q_dim, n_kv, head_dim, c, s);
-        for (int j = 0; j < n_kv; j++) {
-            const int64_t vat = ((int64_t)j * n_ctx + pos) * head_dim;
-            const int64_t kat = (int64_t)j * kt_head + (int64_t)(pos / KT_BLOCK) * head_dim * KT_BLOCK + pos % KT_BLOCK;
-            const float *kr = row + q_dim + j * head_dim, *vr = row + q_dim + kv_dim + j * head_dim;
-            if (kv_f16) {
-                uint16_t *kc = (uint16_t *)k_cache + kat, *vc = (uint16_t *)v_cache + vat;
+    int64_t work = 0;
+    for (int sg = 0; sg < n_segs; sg++) {
+        const att_seg S = segs[sg];
+        const kv_blocks bl = {S.pages, stride};
+        work += (int64_t)S.m * (S.pos0 + S.m);
+        for (int r = 0; r < S.m; r++) {
+            float *row = qkv + (int64_t)(S.row0 + r) * row_stride;
+            const int pos = S.pos0 + r;
+            const float *c = rope_cos + (int64_t)pos * half, *s = rope_sin + (int64_t)pos * half;
+            rope_rows(row, n_heads, head_dim, c, s);
+            rope_rows(row + q_dim, n_kv, head_dim, c, s);
+            const int64_t blk = BLK(bl, pos / KT_BLOCK);
+            for (int j = 0; j < n_kv; j++) {
+                const int64_t vat = j * v_head + blk + (int64_t)(pos % KT_BLOCK) * head_dim;
+                const int64_t kat = j * k_head + blk + pos % KT_BLOCK;
+                const float *kr = row + q_dim + j * head_dim, *vr = row + q_dim + kv_dim + j * head_dim;
+                if (kv_f16) {
+                    uint16_t *kc = (uint16_t *)k_cache + kat, *vc = (uint16_t *)v_cache + vat;
 #if defined(__x86_64__)
-                if (isa >= OPS_ISA_AVX2) store_f16_avx2(vr, vc, head_dim);
-                else
+                    if (isa >= OPS_ISA_AVX2) store_f16_avx2(vr, vc, head_dim);
+                    else
 #endif
-                    for (int i = 0; i < head_dim; i++) vc[i] = f2h(vr[i]);
-                for (int i = 0; i < head_dim; i++) kc[(int64_t)i * KT_BLOCK] = f2h(kr[i]);
-            } else {
-                float *kc = (float *)k_cache + kat;
-                memcpy((float *)v_cache + vat, vr, sizeof(float) * head_dim);
-                for (int i = 0; i < head_dim; i++) kc[(int64_t)i * KT_BLOCK] = kr[i];
+                        for (int i = 0; i < head_dim; i++) vc[i] = f2h(vr[i]);
+                    for (int i = 0; i < head_dim; i++) kc[(int64_t)i * KT_BLOCK] = f2h(kr[i]);
+                } else {
+                    float *kc = (float *)k_cache + kat;
+                    memcpy((float *)v_cache + vat, vr, sizeof(float) * head_dim);
+                    for (int i = 0; i < head_dim; i++) kc[(int64_t)i * KT_BLOCK] = kr[i];
+                }
             }
         }
     }
 
     /* 2. causal attention: scores of up to MAXQ query vectors per pass over the keys (the query heads
      * sharing a KV head when decoding, consecutive rows of one head in a prefill chunk), then per
-     * query softmax and the weighted sum of values */
+     * query softmax and the weighted sum of values. Items: (segment, KV head, part of its query heads). */
     const att_kernels K = kernels_for(isa);
-    const int threads = ops_get_num_threads();
+    int threads = ops_get_num_threads();
+    if (threads > scratch_rows / MAXQ) threads = scratch_rows / MAXQ; /* scratch rows are per thread */
+    if (threads < 1) threads = 1;
     int sub = group;
-    while (sub % 2 == 0 && n_kv * (group / sub) < 2 * threads) sub /= 2;
-    const int n_sub = group / sub, items = n_kv * n_sub;
+    while (sub % 2 == 0 && n_segs * n_kv * (group / sub) < 2 * threads) sub /= 2;
+    const int n_sub = group / sub, per_seg = n_kv * n_sub, items = n_segs * per_seg;
     /* threads only pay off with enough work: a fork/join costs microseconds, a short-context decode
-     * step of one layer is tens of microseconds */
+     * step of one layer is tens of microseconds. A batched step (several segments) stays serial longer:
+     * its join barrier, once per layer, can cost a scheduler slice on a busy machine, while each
+     * sequence's attention is short (measured: 16 sequences at 64 positions, 0.5 ms serial per layer) */
+    const int64_t min_work = n_segs > 1 ? (int64_t)1 << 24 : (int64_t)1 << 20;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) \
-    if (items > 1 && (int64_t)m * (pos0 + m) * n_heads * head_dim > (1 << 20))
+    if (items > 1 && threads > 1 && work * n_heads * head_dim > min_work)
     for (int item = 0; item < items; item++) {
-        const int kvh = item / n_sub, h0 = kvh * group + (item % n_sub) * sub;
-        const size_t esize = kv_f16 ? sizeof(uint16_t) : sizeof(float);
-        const char *kbase = (const char *)k_cache + (size_t)kvh * kt_head * esize;
-        const char *vbase = (const char *)v_cache + (size_t)kvh * n_ctx * head_dim * esize;
+        const att_seg S = segs[item / per_seg];
+        const int it = item % per_seg, kvh = it / n_sub, h0 = kvh * group + (it % n_sub) * sub, m = S.m;
+        const kv_blocks bl = {S.pages, stride};
+        const char *kbase = (const char *)k_cache + (size_t)kvh * k_head * esize;
+        const char *vbase = (const char *)v_cache + (size_t)kvh * v_head * esize;
+        float *my_scratch = scratch + (int64_t)ops_thread_num() * MAXQ * scratch_len;
         const float *qs[MAXQ];
         float *ss[MAXQ], *os[MAXQ];
         int ns[MAXQ];
@@ -403,19 +441,22 @@ void ops_attention(float *qkv, int m, int n_heads, int n_kv, int head_dim, const
         for (int ps = 0; ps < n_pass; ps++) {
             int R = 0, n_max = 0;
             if (m == 1) {
+                const float *qrow = qkv + (int64_t)S.row0 * row_stride;
+                float *orow = out + (int64_t)S.row0 * q_dim;
                 for (int h = h0 + ps * MAXQ; h < h0 + sub && R < MAXQ; h++, R++) {
-                    qs[R] = qkv + h * head_dim, os[R] = out + h * head_dim;
-                    ss[R] = scratch + (int64_t)h * MAXQ * n_ctx, ns[R] = pos0 + 1;
+                    qs[R] = qrow + h * head_dim, os[R] = orow + h * head_dim;
+                    ss[R] = my_scratch + (int64_t)R * scratch_len, ns[R] = S.pos0 + 1;
                 }
             } else {
                 const int nb = (m + MAXQ - 1) / MAXQ, h = h0 + ps / nb, r0 = (ps % nb) * MAXQ;
                 for (int r = r0; r < m && R < MAXQ; r++, R++) {
-                    qs[R] = qkv + (int64_t)r * stride + h * head_dim, os[R] = out + (int64_t)r * q_dim + h * head_dim;
-                    ss[R] = scratch + ((int64_t)h * MAXQ + R) * n_ctx, ns[R] = pos0 + r + 1;
+                    qs[R] = qkv + (int64_t)(S.row0 + r) * row_stride + h * head_dim;
+                    os[R] = out + (int64_t)(S.row0 + r) * q_dim + h * head_dim;
+                    ss[R] = my_scratch + (int64_t)R * scratch_len, ns[R] = S.pos0 + r + 1;
                 }
             }
             for (int j = 0; j < R; j++) n_max = ns[j] > n_max ? ns[j] : n_max;
-            K.scores(qs, R, kbase, kv_f16, n_max, head_dim, scale, ss);
+            K.scores(qs, R, kbase, bl, kv_f16, n_max, head_dim, scale, ss);
             for (int j = 0; j < R; j++) {
                 float *sc = ss[j], mx = -INFINITY;
                 const int n = ns[j];
@@ -426,8 +467,37 @@ void ops_attention(float *qkv, int m, int n_heads, int n_kv, int head_dim, const
             }
             int j = 0;
             if (K.wsum2)
-                for (; j + 2 <= R; j += 2) K.wsum2(ss[j], ss[j + 1], vbase, kv_f16, ns[j + 1], head_dim, os[j], os[j + 1]);
-            for (; j < R; j++) K.wsum(ss[j], vbase, kv_f16, ns[j], head_dim, os[j]);
+                for (; j + 2 <= R; j += 2) K.wsum2(ss[j], ss[j + 1], vbase, bl, kv_f16, ns[j + 1], head_dim, os[j], os[j + 1]);
+            for (; j < R; j++) K.wsum(ss[j], vbase, bl, kv_f16, ns[j], head_dim, os[j]);
         }
     }
+}
+
+void ops_attention(float *qkv, int m, int n_heads, int n_kv, int head_dim, const float *rope_cos,
+                   const float *rope_sin, int pos0, void *k_cache, void *v_cache, int kv_f16, int n_ctx,
+                   float *out, float *scratch, int scratch_rows) {
+    const att_seg seg = {0, m, pos0, NULL};
+    const int64_t blk = (int64_t)KT_BLOCK * head_dim;
+    const int64_t k_head = (int64_t)((n_ctx + KT_BLOCK - 1) / KT_BLOCK) * blk, v_head = (int64_t)n_ctx * head_dim;
+    attention_core(qkv, n_heads, n_kv, head_dim, rope_cos, rope_sin, &seg, 1, k_cache, v_cache, kv_f16, k_head,
+                   v_head, blk, out, scratch, scratch_rows, n_ctx);
+}
+
+void ops_attention_paged(float *qkv, int n_heads, int n_kv, int head_dim, const float *rope_cos,
+                         const float *rope_sin, int n_seqs, const int32_t *seq_rows, const int32_t *seq_pos0,
+                         const int32_t *page_table, int max_pages, void *k_pool, void *v_pool, int kv_f16,
+                         float *out, float *scratch, int scratch_rows, int scratch_len) {
+    att_seg stack_segs[64];
+    att_seg *segs = n_seqs <= 64 ? stack_segs : malloc(sizeof(att_seg) * (size_t)n_seqs);
+    if (!segs) return;
+    int n = 0;
+    for (int i = 0; i < n_seqs; i++) {
+        const int m = seq_rows[i + 1] - seq_rows[i];
+        if (m <= 0) continue;
+        segs[n++] = (att_seg){seq_rows[i], m, seq_pos0[i], page_table + (int64_t)i * max_pages};
+    }
+    const int64_t blk = (int64_t)KT_BLOCK * head_dim;
+    attention_core(qkv, n_heads, n_kv, head_dim, rope_cos, rope_sin, segs, n, k_pool, v_pool, kv_f16, blk, blk,
+                   blk * n_kv, out, scratch, scratch_rows, scratch_len);
+    if (segs != stack_segs) free(segs);
 }

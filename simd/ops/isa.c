@@ -49,3 +49,5 @@ int ops_get_num_threads(void) {
     if (g_threads <= 0) g_threads = omp_get_num_procs();
     return g_threads;
 }
+
+int ops_thread_num(void) { return omp_get_thread_num(); }

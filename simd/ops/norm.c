@@ -210,13 +210,15 @@ static inline float inv_rms(const float *x, int n, float eps) {
 
 static inline float act_scale_of(float amax) { return 127.0f / (amax > 1e-5f ? amax : 1e-5f); }
 
-/* rows are independent: prefill chunks spread them over threads, a single decode row stays serial */
-#define ROWS_PARALLEL(m) if ((m) >= 8) num_threads(ops_get_num_threads())
+/* rows are independent: prefill chunks spread them over threads; a decode row, or the few rows of a batched
+ * decode step (tens of microseconds of work), stay serial: a parallel region's join barrier costs more,
+ * up to a scheduler slice on a busy machine */
+#define ROWS_PARALLEL(m, d) if ((m) >= 8 && (int64_t)(m) * (d) >= (1 << 18)) num_threads(ops_get_num_threads())
 
 void ops_add_rmsnorm_quant(float *x, const float *delta, const float *w, int m, int d, float eps, float *h,
                            int8_t *xq, int k_pad, float *act_scale, int32_t *act_sum) {
     ops_isa();
-#pragma omp parallel for ROWS_PARALLEL(m)
+#pragma omp parallel for ROWS_PARALLEL(m, d)
     for (int r = 0; r < m; r++) {
         float *xr = x + (int64_t)r * d, *hr = h + (int64_t)r * d;
         int8_t *qr = xq + (int64_t)r * k_pad;
@@ -231,7 +233,7 @@ void ops_add_rmsnorm_quant(float *x, const float *delta, const float *w, int m, 
 
 void ops_add_rmsnorm(float *x, const float *delta, const float *w, int m, int d, float eps, float *out) {
     ops_isa();
-#pragma omp parallel for ROWS_PARALLEL(m)
+#pragma omp parallel for ROWS_PARALLEL(m, d)
     for (int r = 0; r < m; r++) {
         float *xr = x + (int64_t)r * d;
         if (delta) add(xr, delta + (int64_t)r * d, d);
@@ -242,7 +244,7 @@ void ops_add_rmsnorm(float *x, const float *delta, const float *w, int m, int d,
 void ops_glu_rmsnorm_quant(float *gu, int m, int inter, int act, const float *w, float eps, int8_t *xq,
                            int k_pad, float *act_scale, int32_t *act_sum) {
     ops_isa();
-#pragma omp parallel for ROWS_PARALLEL(m)
+#pragma omp parallel for ROWS_PARALLEL(m, 3 * inter)
     for (int r = 0; r < m; r++) {
         float *g = gu + (int64_t)r * 2 * inter;
         const float *u = g + inter;

@@ -44,6 +44,7 @@ int ops_set_isa(int isa);              /* -1 best; returns 0 on success, -1 if t
 int ops_cpu_max_isa(void);
 void ops_set_num_threads(int n);
 int ops_get_num_threads(void);
+int ops_thread_num(void);              /* omp_get_thread_num() inside a parallel region */
 
 /* norm.c */
 /* x[m, d] += delta (if delta != NULL); h = rmsnorm(x) * w; then h quantized per row into xq[m, k_pad]
@@ -65,12 +66,23 @@ int ops_embed_f16(const uint16_t *table, int64_t vocab, int d, const int32_t *id
  * cache: k_cache [n_kv, ceil(n_ctx/32), head_dim, 32] (blocks of 32 positions, transposed), v_cache
  * [n_kv, n_ctx, head_dim] (f16 bits when
  * kv_f16, else f32), then causal GQA attention of every row over positions 0 .. its own into
- * out[m, q_dim]. scratch: f32 [n_heads * OPS_ATT_SCRATCH_ROWS, n_ctx]. */
+ * out[m, q_dim]. scratch: f32 [scratch_rows >= OPS_ATT_SCRATCH_ROWS, n_ctx] (OPS_ATT_SCRATCH_ROWS rows per thread). */
 #define OPS_ATT_SCRATCH_ROWS 4
 #define OPS_KT_BLOCK 32
 void ops_attention(float *qkv, int m, int n_heads, int n_kv, int head_dim, const float *rope_cos,
                    const float *rope_sin, int pos0, void *k_cache, void *v_cache, int kv_f16, int n_ctx,
-                   float *out, float *scratch);
+                   float *out, float *scratch, int scratch_rows);
+/* The same for a batched step over the paged KV pool: sequence i owns rows seq_rows[i] .. seq_rows[i+1]-1 of
+ * qkv / out, at positions seq_pos0[i] .., and its positions live in the pages page_table[i, 0..max_pages-1]
+ * (page p holds positions 32p' .. 32p'+31 of block p' of the sequence). Pools of one layer:
+ * k_pool [n_pages, n_kv, head_dim, 32] (transposed blocks), v_pool [n_pages, n_kv, 32, head_dim].
+ * scratch: f32 [scratch_rows, scratch_len], OPS_ATT_SCRATCH_ROWS rows per thread (fewer rows: fewer
+ * threads), scratch_len >= every sequence's last position + 1. Results per row are those of
+ * ops_attention on the same sequence alone. */
+void ops_attention_paged(float *qkv, int n_heads, int n_kv, int head_dim, const float *rope_cos,
+                         const float *rope_sin, int n_seqs, const int32_t *seq_rows, const int32_t *seq_pos0,
+                         const int32_t *page_table, int max_pages, void *k_pool, void *v_pool, int kv_f16,
+                         float *out, float *scratch, int scratch_rows, int scratch_len);
 
 /* topk.c: indices of the k largest finite-or-inf values of x[n] (unordered) into idx[k]; heap_vals is
  * scratch of k floats. Returns how many were found (k, or fewer when x has NaNs / n < k). */

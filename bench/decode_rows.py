@@ -1,0 +1,213 @@
+"""Decode rows per weight layout / LM head, and prompt-lookup speculation, measured in one run (issue 16).
+
+    python bench/decode_rows.py [--tokens 64] [--repeats 2] [--threads 2] [--heads i8,q4,f16]
+    python bench/bench_e2e.py --decode-rows ...      (appends the same tables to RESULTS.md)
+
+For each of our stores of the synthetic 2B-4T file (bench/make_models.py; the q4-head store is converted
+here once, next to the others) and for llama.cpp TQ2_0 on the same source file (when llama-cpp-python is
+installed): bytes read per token, greedy decode tok/s (prompt lookup off), the share of the streaming-read
+bandwidth measured in the same run (bench/limits.py, before and after), and the ratio to llama.cpp.
+Engines alternate, each run in its own process; the best of `repeats` is kept (slower runs are interference
+from other processes on the shared machine: only the ratios of one run mean something).
+
+Prompt lookup: tok/s with --draft-max 0 vs 4 on a repetitive, code-like prompt and on a random
+one (where drafts are rarely made), with the draft acceptance rate.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+sys.path.insert(0, HERE)
+
+from make_models import DEFAULT_CACHE, model_paths  # noqa: E402
+
+LIMITS = os.path.join(HERE, "limits.py")
+CODE = "".join(f"def get_{f}(self):\n    return self._{f}\n\ndef set_{f}(self, value):\n    self._{f} = value\n\n"
+               for f in ("name", "size", "color", "weight", "owner", "price"))
+
+
+def store_bytes_per_token(path: str) -> int:
+    from engine.store import open_store
+
+    st = open_store(path)
+    try:
+        return sum(st.info(n)["nbytes"] for n in st.tensor_names if n not in ("token_embd", "tokenizer.blob"))
+    finally:
+        st.close()
+
+
+def gguf_bytes_per_token(path: str) -> int:
+    from gguf import GGUFReader
+
+    return int(sum(int(t.n_bytes) for t in GGUFReader(path).tensors))
+
+
+# ---- one measurement in its own process ---------------------------------------------------------------------
+def worker(a) -> dict:
+    import numpy as np
+
+    ids = np.random.default_rng(0).integers(0, 1000, 16).tolist()
+    if a.engine == "llama":
+        from llama_cpp import Llama
+
+        llm = Llama(model_path=a.model, n_ctx=512, n_threads=a.threads, n_threads_batch=a.threads, n_batch=512,
+                    logits_all=False, use_mmap=True, verbose=False)
+        times = []
+        for i, _ in enumerate(llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0)):
+            times.append(time.perf_counter())
+            if i >= a.tokens:
+                break
+        return {"decode_tps": (len(times) - 1) / (times[-1] - times[0])}
+    from engine.api import LookupParams, SamplingParams, load_model
+    from engine.speculative import OFF
+
+    llm = load_model(a.model, ctx=1024, threads=a.threads, progress=False)
+    if a.prompt == "code":
+        ids = llm.tokenize(CODE + "def get_", add_bos=True)
+    lookup = OFF if a.draft_max == 0 else (LookupParams(draft_max=a.draft_max) if a.draft_max > 0 else None)
+    stats = None
+    for ch in llm.generate(ids, SamplingParams(temperature=0.0), max_tokens=a.tokens + 1, lookup=lookup):
+        stats = ch.stats or stats
+    return {"decode_tps": stats.decode_tps, "drafted": stats.n_drafted, "accepted": stats.n_accepted,
+            "lm_head": llm.model.lm_head}
+
+
+def run_worker(args: list[str], threads: int) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    r = subprocess.run([sys.executable, __file__, "--worker", *args, "--threads", str(threads)], capture_output=True,
+                       text=True, env=env, cwd=ROOT, timeout=1800)
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
+    if r.returncode != 0 or not lines:
+        return {"error": " | ".join((r.stderr or r.stdout).strip().splitlines()[-2:])}
+    return json.loads(lines[-1])
+
+
+def bandwidth(threads: int, mib: int = 512) -> float | None:
+    r = subprocess.run([sys.executable, LIMITS, "--threads", str(threads), "--mib", str(mib)], capture_output=True,
+                       text=True, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS=str(threads)))
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
+    return json.loads(lines[-1]).get("bandwidth_Bps") if lines else None
+
+
+def ensure_q4_store(cache: str, shape: str = "2b4t") -> str:
+    path = os.path.join(cache, f"{shape}.q4.bnstore")
+    if not os.path.exists(path):
+        from engine.convert import convert
+
+        convert(model_paths(cache, shape)["tq2_0"], path + ".tmp", lm_head="q4", progress=False)
+        os.replace(path + ".tmp", path)
+    return path
+
+
+def measure(a) -> dict:
+    log = lambda *x: print(*x, file=sys.stderr, flush=True)
+    paths = model_paths(a.cache, a.shape)
+    stores = {}
+    for h in a.heads:
+        p = ensure_q4_store(a.cache, a.shape) if h == "q4" else paths[f"store_{h}"]
+        if os.path.exists(p):
+            stores[h] = p
+    try:
+        import llama_cpp  # noqa: F401
+        have_llama = os.path.exists(paths["tq2_0"])
+    except ImportError:
+        have_llama = False
+    engines = [f"ours_{h}" for h in stores] + (["llama"] if have_llama else [])
+    bws = [bandwidth(a.threads, a.bw_mib)]
+    best: dict[str, float] = {}
+    for rep in range(a.repeats):
+        for eng in (engines if rep % 2 == 0 else engines[::-1]):
+            args = (["--engine", "llama", "--model", paths["tq2_0"]] if eng == "llama" else
+                    ["--engine", "ours", "--model", stores[eng[5:]], "--draft-max", "0"])
+            r = run_worker(args + ["--tokens", str(a.tokens)], a.threads)
+            log(f"decode {eng} repeat {rep + 1}: {r}")
+            if "decode_tps" in r:
+                best[eng] = max(best.get(eng, 0.0), r["decode_tps"])
+    spec = {}
+    head = "i8" if "i8" in stores else next(iter(stores), None)
+    if head:
+        for prompt in ("code", "random"):
+            for dm in (0, 4):
+                r = run_worker(["--engine", "ours", "--model", stores[head], "--draft-max", str(dm), "--prompt", prompt,
+                                "--tokens", str(a.tokens)], a.threads)
+                log(f"lookup {prompt} draft_max {dm}: {r}")
+                spec[(prompt, dm)] = r
+    bws.append(bandwidth(a.threads, a.bw_mib))
+    bw = max(b for b in bws if b) if any(bws) else None
+    rows = []
+    llama_tps = best.get("llama")
+    for eng in engines:
+        nbytes = gguf_bytes_per_token(paths["tq2_0"]) if eng == "llama" else store_bytes_per_token(stores[eng[5:]])
+        tps = best.get(eng)
+        rows.append({"engine": "llama.cpp TQ2_0" if eng == "llama" else f"ours tile16 + {eng[5:]} head",
+                     "bytes_per_token": nbytes, "decode_tps": tps,
+                     "bw_share": (tps * nbytes / bw) if tps and bw else None,
+                     "vs_llama": (tps / llama_tps) if tps and llama_tps else None})
+    return {"bandwidth_Bps": bw, "rows": rows, "spec": {f"{p}/{'off' if d == 0 else 'on'}": v
+                                                          for (p, d), v in spec.items()},
+            "spec_head": head, "llama": have_llama, "threads": a.threads, "tokens": a.tokens}
+
+
+def markdown(res: dict) -> str:
+    f = lambda v, fmt: "-" if v is None else format(v, fmt)
+    out = [f"## Decode per layout / LM head ({res['threads']} threads, {res['tokens']} tokens, best of the run)", "",
+           f"Streaming-read bandwidth measured in the same run: {f(res['bandwidth_Bps'] and res['bandwidth_Bps'] / 1e9, '.1f')} GB/s. "
+           "The machine was shared with other jobs: compare the ratios, not the absolute numbers."
+           + ("" if res["llama"] else " llama-cpp-python is not installed: no llama.cpp column."), "",
+           "| engine | bytes/token | decode tok/s | share of read bandwidth | vs llama.cpp TQ2_0 |",
+           "|---|---|---|---|---|"]
+    for r in res["rows"]:
+        out.append(f"| {r['engine']} | {r['bytes_per_token'] / 1e6:.2f} MB | {f(r['decode_tps'], '.1f')} | "
+                   f"{f(r['bw_share'] and 100 * r['bw_share'], '.0f')}% | {f(r['vs_llama'], '.2f')}x |")
+    if res["spec"]:
+        out += ["", f"### Prompt-lookup speculative decoding ({res['spec_head']} head, greedy, same output)", "",
+                "| prompt | lookup | decode tok/s | drafted | accepted | acceptance | speed-up |", "|---|---|---|---|---|---|---|"]
+        for p in ("code", "random"):
+            off, on = res["spec"].get(f"{p}/off", {}), res["spec"].get(f"{p}/on", {})
+            for name, r in (("off", off), ("--draft-max 4", on)):
+                acc = r.get("accepted", 0) / r["drafted"] if r.get("drafted") else None
+                sp = r.get("decode_tps") / off["decode_tps"] if r.get("decode_tps") and off.get("decode_tps") else None
+                out.append(f"| {'repetitive code' if p == 'code' else 'random ids'} | {name} | "
+                           f"{f(r.get('decode_tps'), '.1f')} | {r.get('drafted', '-')} | {r.get('accepted', '-')} | "
+                           f"{f(acc and 100 * acc, '.0f')}% | {f(sp, '.2f')}x |")
+    return "\n".join(out) + "\n"
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--engine", default="ours", help=argparse.SUPPRESS)
+    ap.add_argument("--model", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--draft-max", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--prompt", default="random", help=argparse.SUPPRESS)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--heads", type=lambda s: [h for h in s.split(",") if h], default=["i8", "q4", "f16"])
+    ap.add_argument("--cache", default=DEFAULT_CACHE)
+    ap.add_argument("--shape", default="2b4t", help="2b4t (the benchmark) or small (harness check)")
+    ap.add_argument("--bw-mib", type=int, default=512, help="bandwidth probe buffer (MiB)")
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    if a.worker:
+        print(json.dumps(worker(a)))
+        return 0
+    res = measure(a)
+    print(markdown(res))
+    return 0 if any(r["decode_tps"] for r in res["rows"]) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

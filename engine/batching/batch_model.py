@@ -1,0 +1,138 @@
+"""The batched forward: rows of several sequences, each at its own positions, through one step.
+
+A step's rows are grouped by sequence (sequence i owns rows seq_rows[i] .. seq_rows[i+1]-1, at positions
+seq_pos0[i] ..): a decoding sequence has one row, a prefilling one a chunk. Every weight matrix is one
+ternary GEMM over all rows (GEMV when the step has one row, as engine/model.py decodes); activations are
+quantized per row, so a row's numbers do not depend on the other rows. Attention runs per sequence over its
+own pages of the shared pool (simd.ops.attention_paged). Logits are computed only for the rows asked for.
+The weights are the store's read-only views (engine.model.Weights), shared with nothing mutable.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+import simd._kernels as K
+import simd._ops as ops
+
+from ..config import ModelConfig
+from ..errors import BitNetError
+from ..model import Weights, _Views, alloc_run_state, rope_tables
+from .kv_pool import PAGE_TOKENS, KVPool
+
+
+class BatchModel:
+    def __init__(self, store, pool: KVPool, *, max_rows: int, n_ctx: int, max_logit_rows: int,
+                 weights: Weights | None = None, max_threads: int = 64):
+        cfg: ModelConfig = store.config
+        self.config, self.pool = cfg, pool
+        self.w = weights or Weights(store)
+        self.max_rows, self.n_ctx = int(max_rows), int(n_ctx)
+        self.max_pages = (self.n_ctx + PAGE_TOKENS - 1) // PAGE_TOKENS
+        alloc_run_state(self, cfg, self.max_rows)
+        self._views: dict[int, _Views] = {}
+        self._cos, self._sin = rope_tables(cfg, self.max_pages * PAGE_TOKENS)
+        # attention scores: ATTENTION_SCRATCH_ROWS rows per thread (fewer rows would just use fewer threads)
+        self._scratch = np.zeros((max_threads * ops.ATTENTION_SCRATCH_ROWS, self.max_pages * PAGE_TOKENS), np.float32)
+        D, V = cfg.hidden_size, cfg.vocab_size
+        self.max_logit_rows = int(max_logit_rows)
+        self._head_x = np.zeros((self.max_logit_rows, D), np.float32)
+        self._head_d = np.zeros((self.max_logit_rows, D), np.float32)
+        self._head_h = np.zeros((self.max_logit_rows, D), np.float32)
+        self._logits = np.zeros((self.max_logit_rows, V), np.float32)
+
+    def _view(self, m: int) -> _Views:
+        v = self._views.get(m)
+        if v is None:
+            v = self._views[m] = _Views(self, m)
+        return v
+
+    def step(self, ids: np.ndarray, seq_rows: np.ndarray, seq_pos0: np.ndarray, page_table: np.ndarray,
+             logit_rows) -> np.ndarray:
+        """Run one step; returns logits [len(logit_rows), V] (a view of a buffer reused next step).
+        ids int32 [m]; seq_rows int32 [n+1]; seq_pos0 int32 [n]; page_table int32 [n, max_pages] (only the
+        pages of positions < seq_pos0 + rows are read; the pages written must be held by that sequence alone)."""
+        m = int(ids.shape[0])
+        if not 1 <= m <= self.max_rows:
+            raise BitNetError(f"batched step of {m} rows (1..{self.max_rows})")
+        if len(logit_rows) > self.max_logit_rows:
+            raise BitNetError(f"{len(logit_rows)} logit rows > {self.max_logit_rows}")
+        cfg, w = self.config, self.w
+        v = self._view(m)
+        v.ids[:] = ids
+        ops.embed_f16(w.embd, v.ids, v.x)
+        self._blocks(v, seq_rows, seq_pos0, page_table)
+        return self._head(v, logit_rows)
+
+    def _blocks(self, v: _Views, seq_rows, seq_pos0, page_table):
+        cfg, w = self.config, self.w
+        eps, act = w.eps, w.act
+        nh, nkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        kp, vp, cos, sin, scr = self.pool.k, self.pool.v, self._cos, self._sin, self._scratch
+        x, delta, h_d, h_q, qkv, att, gu = v.x, v.delta, v.h_d, v.h_q, v.qkv, v.att, v.gu
+        xq_d, xq_q, xq_i, s, sm = v.xq_d, v.xq_q, v.xq_i, v.act_scale, v.act_sum
+        add_norm_q, attention, glu, quant = ops.add_rmsnorm_quant, ops.attention_paged, ops.glu_rmsnorm_quant, K.quantize_act
+        residual = None
+        if v.m == 1:
+            gemv = K.gemv_ternary
+            xq_d1, xq_q1, xq_i1, qkv1, delta1, gu1 = v.xq_d1, v.xq_q1, v.xq_i1, v.qkv1, v.delta1, v.gu1
+            for li, L in enumerate(w.layers):
+                add_norm_q(x, residual, L.attn_norm, eps, h_d, xq_d, s, sm)
+                gemv(L.qkv, L.qkv_scale, xq_d1, s[0], sm[0], qkv1)
+                attention(qkv, nh, nkv, hd, cos, sin, seq_rows, seq_pos0, page_table, kp[li], vp[li], att, scr)
+                if L.attn_sub_norm is not None:
+                    add_norm_q(att, None, L.attn_sub_norm, eps, h_q, xq_q, s, sm)
+                else:  # Llama-architecture models: no sub-norms (as engine/model.py)
+                    quant(att, xq_q, s, sm)
+                gemv(L.o, L.o_scale, xq_q1, s[0], sm[0], delta1)
+                add_norm_q(x, delta, L.ffn_norm, eps, h_d, xq_d, s, sm)
+                gemv(L.gate_up, L.gate_up_scale, xq_d1, s[0], sm[0], gu1)
+                glu(gu, act, L.ffn_sub_norm, eps, xq_i, s, sm)
+                gemv(L.down, L.down_scale, xq_i1, s[0], sm[0], delta1)
+                residual = delta
+        else:
+            gemm = K.gemm_ternary
+            for li, L in enumerate(w.layers):
+                add_norm_q(x, residual, L.attn_norm, eps, h_d, xq_d, s, sm)
+                gemm(L.qkv, L.qkv_scale, xq_d, s, sm, qkv)
+                attention(qkv, nh, nkv, hd, cos, sin, seq_rows, seq_pos0, page_table, kp[li], vp[li], att, scr)
+                if L.attn_sub_norm is not None:
+                    add_norm_q(att, None, L.attn_sub_norm, eps, h_q, xq_q, s, sm)
+                else:  # Llama-architecture models: no sub-norms (as engine/model.py)
+                    quant(att, xq_q, s, sm)
+                gemm(L.o, L.o_scale, xq_q, s, sm, delta)
+                add_norm_q(x, delta, L.ffn_norm, eps, h_d, xq_d, s, sm)
+                gemm(L.gate_up, L.gate_up_scale, xq_d, s, sm, gu)
+                glu(gu, act, L.ffn_sub_norm, eps, xq_i, s, sm)
+                gemm(L.down, L.down_scale, xq_i, s, sm, delta)
+                residual = delta
+
+    def _head(self, v: _Views, rows) -> np.ndarray:
+        """Logits of the given rows (their residual still lacks the last down_proj output)."""
+        w, k = self.w, len(rows)
+        out = self._logits[:k]
+        if k == 0:
+            return out
+        hx, hd, hh = self._head_x[:k], self._head_d[:k], self._head_h[:k]
+        np.take(v.x, rows, axis=0, out=hx)
+        np.take(v.delta, rows, axis=0, out=hd)
+        if w.lm_head == "f16":
+            ops.add_rmsnorm(hx, hd, w.out_norm, w.eps, hh)
+            if k > 1:
+                K.gemm_f16(w.out_w, hh, out)
+            else:
+                K.gemv_f16(w.out_w, hh[0], out[0])
+        else:
+            kp = self._kp_d
+            xq = self._xq_buf[: k * kp].reshape(k, kp)
+            s, sm = self._act_scale[:k], self._act_sum[:k]
+            ops.add_rmsnorm_quant(hx, hd, w.out_norm, w.eps, hh, xq, s, sm)
+            if w.lm_head == "q4":  # the q4 group head takes up to ROWS_MAX rows per weight pass
+                for r0 in range(0, k, K.ROWS_MAX):
+                    r1 = min(k, r0 + K.ROWS_MAX)
+                    K.gemv_q4g(w.out_w, w.out_gscale, w.out_scale, xq[r0:r1], s[r0:r1], out[r0:r1])
+            elif k > 1:
+                K.gemm_i8(w.out_w, w.out_scale, w.out_rowsum, xq, s, out)
+            else:
+                for r in range(k):
+                    K.gemv_i8(w.out_w, w.out_scale, w.out_rowsum, xq[r], s[r], out[r])
+        return out

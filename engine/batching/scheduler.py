@@ -1,0 +1,454 @@
+"""The continuous-batching scheduler: one background thread runs every admitted sequence through shared steps.
+
+Each step: retire cancelled sequences, admit waiting requests whose pages can be promised (longest cached
+prefix from the radix index first), then build the step's rows under the token budget -- one row per decoding
+sequence first, then prefill chunks in admission order, so a long prompt never stalls the others -- make sure
+every written position has a page of its own (allocate, or copy-on-write a shared one), run the batched
+forward, sample each sequence with its own sampler, stream its Chunks, and retire the finished ones (pages
+back to the pool; full pages stay in the prefix index for later requests until evicted).
+
+Chunks are exactly those of engine.generate.generate (per token, then a final one with Stats); finish reasons
+add "cancelled". Only the scheduler thread touches the pool, the index and the model; submit/cancel/metrics
+take the lock.
+"""
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from collections import deque
+from typing import Callable, Sequence
+
+import numpy as np
+
+from ..errors import BitNetError, ContextOverflowError, QueueFullError
+from ..generate import Chunk, Stats, _StopMatcher
+from ..sampling import Sampler, SamplingParams
+from .batch_model import BatchModel
+from .kv_pool import PAGE_TOKENS, KVPool
+from .prefix_cache import PrefixCache
+
+
+class Stream:
+    """The consumer's end of one request: iterate it (blocking) or pass a callback to submit()."""
+
+    def __init__(self, sid: int, engine: "BatchScheduler", callback):
+        self.id = sid
+        self._engine = engine
+        self._callback = callback
+        self._q: queue.SimpleQueue | None = None if callback else queue.SimpleQueue()
+        self.finish_reason: str | None = None
+
+    def _emit(self, chunk: Chunk):
+        if chunk.finish_reason:
+            self.finish_reason = chunk.finish_reason
+        if self._callback is not None:
+            try:
+                self._callback(chunk)
+            except Exception as e:  # a broken consumer ends its own request, never the engine
+                if not chunk.finish_reason:
+                    import sys
+                    print(f"bitnet engine: stream {self.id}: callback raised {e!r}; cancelling it", file=sys.stderr)
+                    self._engine.cancel(self.id)
+        else:
+            self._q.put(chunk)
+
+    def __iter__(self):
+        if self._q is None:
+            raise BitNetError("this stream delivers its chunks to a callback")
+        while True:
+            c = self._q.get()
+            yield c
+            if c.finish_reason:
+                return
+
+    def cancel(self):
+        self._engine.cancel(self.id)
+
+
+class _Seq:
+    """Per-sequence state: tokens, KV pages, sampler, detokenizer, stop matcher, timings."""
+
+    def __init__(self, sid, prompt, params, max_tokens, stop, stream, tokenizer, vocab):
+        self.id, self.prompt, self.max_tokens, self.stream = sid, prompt, max_tokens, stream
+        self.sampler = Sampler(params, vocab)
+        self.tokens = list(prompt)       # prompt + sampled tokens still to run
+        self.n_past = 0                  # positions whose K/V are in the pages
+        self.pages: list[int] = []
+        self.reserve = 0                 # pages promised by the pool, not yet taken
+        self.n_indexed = 0               # full pages handed to the prefix index
+        self.n_cached = 0
+        self.n_gen = 0
+        self.detok = tokenizer.stream()
+        self.matcher = _StopMatcher(stop)
+        self.state = "waiting"
+        self.cancelled = False
+        self.t_submit = time.perf_counter()
+        self.t_admit = self.t_prefilled = self.t_first = self.t_last = 0.0
+        self.banned: list[int] = []      # token ids never sampled (ignore_eos)
+
+
+class BatchScheduler:
+    """The engine core (engine.api.Engine adds tokenizer helpers). Start with start(); stop with close()."""
+
+    def __init__(self, store, tokenizer, *, n_ctx: int, parallel: int, kv_pool_tokens: int, max_batch_tokens: int,
+                 max_queue: int, kv_dtype: str = "f16", load_s: float = 0.0, threads: int | None = None):
+        cfg = store.config
+        self.store, self.config, self.tokenizer = store, cfg, tokenizer
+        self.n_ctx, self.parallel, self.max_queue = int(n_ctx), int(parallel), int(max_queue)
+        self.max_batch_tokens = int(max_batch_tokens)
+        if self.parallel < 1 or self.max_batch_tokens < 1 or self.max_queue < 0:
+            raise BitNetError("parallel and max_batch_tokens must be >= 1, max_queue >= 0")
+        self.max_pages = (self.n_ctx + PAGE_TOKENS - 1) // PAGE_TOKENS
+        n_pages = max(1, -(-int(kv_pool_tokens) // PAGE_TOKENS))
+        if n_pages < self.max_pages:
+            raise BitNetError(f"kv_pool_tokens {kv_pool_tokens}: the pool must hold at least one context "
+                              f"({self.n_ctx} tokens)")
+        self.pool = KVPool(cfg.n_layers, n_pages, cfg.n_kv_heads, cfg.head_dim, kv_dtype)
+        self.prefix = PrefixCache(self.pool)
+        self.model = BatchModel(store, self.pool, max_rows=self.max_batch_tokens, n_ctx=self.n_ctx,
+                                max_logit_rows=min(self.parallel, self.max_batch_tokens),
+                                max_threads=max(2, int(threads or 0), _cpu_count()))
+        self.load_s = load_s
+        self._eos = set(tokenizer.eos_ids)
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._waiting: deque[_Seq] = deque()
+        self._running: list[_Seq] = []
+        self._by_id: dict[int, _Seq] = {}
+        self._closed = False
+        self.requests_total = self.tokens_generated_total = self.prefix_hits_tokens = self.steps_total = 0
+        self._page_table = np.zeros((self.model.max_logit_rows, self.max_pages), np.int32)
+        self._thread = threading.Thread(target=self._loop, name="bitnet-scheduler", daemon=True)
+        self._error: BaseException | None = None
+        self._outbox: list[tuple[Stream, Chunk]] = []   # final chunks, emitted once the lock is released
+        self._calls: deque = deque()                      # (fn, result box) to run on the scheduler thread
+
+    def start(self):
+        self._thread.start()
+        return self
+
+    # ---- public, any thread ---------------------------------------------------------------------------
+    def submit(self, prompt_ids: Sequence[int], params: SamplingParams | None = None, *, max_tokens: int = 256,
+               stop: Sequence[str] = (), callback: Callable[[Chunk], None] | None = None,
+               ignore_eos: bool = False) -> Stream:
+        """Queue a request (never blocks); see engine.api.Engine. ignore_eos: end-of-text tokens are never
+        sampled, as LLM.generate(ignore_eos=True)."""
+        prompt = [int(t) for t in prompt_ids]
+        if not prompt:
+            if self.tokenizer.bos_id is None:
+                raise BitNetError("empty prompt and the model has no BOS token to start from")
+            prompt = [self.tokenizer.bos_id]
+        vocab = self.config.vocab_size
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise BitNetError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+        if len(prompt) > self.n_ctx:
+            raise ContextOverflowError(f"the prompt has {len(prompt)} tokens but the context holds {self.n_ctx}",
+                                       hint="raise the context or shorten the prompt")
+        if max_tokens < 0:
+            raise BitNetError(f"max_tokens {max_tokens}: must be >= 0")
+        params = (params or SamplingParams()).check()
+        with self._lock:
+            if self._closed:
+                raise BitNetError("the engine is closed")
+            if self._error is not None:
+                raise BitNetError(f"the engine stopped after an internal error: {self._error}")
+            if len(self._waiting) >= self.max_queue:
+                raise QueueFullError(f"{len(self._waiting)} requests are already waiting (max_queue {self.max_queue})",
+                                     hint="retry later")
+            sid = next(self._ids)
+            stream = Stream(sid, self, callback)
+            seq = _Seq(sid, prompt, params, int(max_tokens), stop, stream, self.tokenizer, vocab)
+            if ignore_eos:
+                seq.banned = [t for t in self._eos if 0 <= t < vocab]
+            self._waiting.append(seq)
+            self._by_id[sid] = seq
+            self.requests_total += 1
+            self._wake.notify()
+        return stream
+
+    def cancel(self, stream_id: int):
+        with self._lock:
+            seq = self._by_id.get(stream_id)
+            if seq is not None:
+                seq.cancelled = True
+                self._wake.notify()
+
+    def metrics(self) -> dict:
+        with self._lock:
+            return {"running": len(self._running), "waiting": len(self._waiting),
+                    "kv_pages_total": self.pool.n_pages, "kv_pages_used": self.pool.n_used,
+                    "kv_pages_free": self.pool.n_free, "kv_pages_reserved": self.pool.reserved,
+                    "kv_pages_cached": self.prefix.n_nodes, "kv_page_tokens": PAGE_TOKENS,
+                    "prefix_hits_tokens": self.prefix_hits_tokens, "requests_total": self.requests_total,
+                    "tokens_generated_total": self.tokens_generated_total, "steps_total": self.steps_total}
+
+    def slots(self) -> list[dict]:
+        with self._lock:
+            return [{"id": s.id, "state": s.state, "n_prompt": len(s.prompt), "n_generated": s.n_gen,
+                     "n_cached": s.n_cached} for s in list(self._running) + list(self._waiting)]
+
+    def close(self):
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._wake.notify()
+        if self._thread.is_alive():
+            self._thread.join()
+        else:  # never started: end what waits
+            for s in list(self._waiting):
+                self._finish(s, "cancelled")
+            self._flush()
+
+    # ---- the scheduler thread -------------------------------------------------------------------------
+    def run_in_scheduler(self, fn, timeout: float = 60.0):
+        """fn() on the scheduler thread between two steps (pool and index are quiet); returns its result."""
+        if not self._thread.is_alive() or threading.current_thread() is self._thread:
+            return fn()
+        box: dict = {}
+        done = threading.Event()
+        with self._lock:
+            self._calls.append((fn, box, done))
+            self._wake.notify()
+        if not done.wait(timeout):
+            raise BitNetError(f"the scheduler did not answer within {timeout} s")
+        if "error" in box:
+            raise box["error"]
+        return box["result"]
+
+    def clear_prefix_cache(self) -> int:
+        """Drop every cached prefix page nobody uses; returns how many pages went back to the pool."""
+        return self.run_in_scheduler(lambda: self.prefix.evict(self.pool.n_pages))
+
+    def _run_calls(self):
+        while True:
+            with self._lock:
+                if not self._calls:
+                    return
+                fn, box, done = self._calls.popleft()
+            try:
+                box["result"] = fn()
+            except BaseException as e:
+                box["error"] = e
+            done.set()
+
+    def _flush(self):
+        with self._lock:
+            out, self._outbox = self._outbox, []
+        for stream, chunk in out:
+            stream._emit(chunk)
+
+    def _loop(self):
+        try:
+            while True:
+                with self._lock:
+                    while not self._closed and not self._waiting and not self._running and not self._calls:
+                        self._wake.wait()
+                    if self._closed:
+                        break
+                self._run_calls()
+                self._step()
+                self._flush()
+        except BaseException as e:  # pragma: no cover - a bug: end every stream instead of hanging consumers
+            self._error = e
+            import traceback
+            traceback.print_exc()
+        with self._lock:
+            everyone = list(self._running) + list(self._waiting)
+            for s in everyone:
+                self._finish(s, "cancelled", locked=True)
+        self._flush()
+        self._run_calls()
+
+    def _step(self):
+        with self._lock:
+            for s in [s for s in self._waiting if s.cancelled]:
+                self._waiting.remove(s)
+                self._finish(s, "cancelled", locked=True)
+            for s in [s for s in self._running if s.cancelled]:
+                self._finish(s, "cancelled", locked=True)
+            self._admit()
+            running = list(self._running)
+        if not running:
+            if self._waiting:  # nothing runs, yet the head cannot be admitted: only possible after a bug
+                time.sleep(0.001)
+            return
+        budget = self.max_batch_tokens
+        plan = []  # (seq, n_rows)
+        for s in running:  # decode rows first
+            if len(s.tokens) - s.n_past == 1 and s.n_gen > 0 and budget > 0:
+                plan.append((s, 1))
+                budget -= 1
+        for s in running:  # then prefill chunks, oldest first
+            todo = len(s.tokens) - s.n_past
+            if budget > 0 and not (todo == 1 and s.n_gen > 0) and todo > 0:
+                r = min(todo, budget)
+                plan.append((s, r))
+                budget -= r
+        plan = plan[: self.model.max_logit_rows]
+        n = len(plan)
+        ids = np.empty(sum(r for _, r in plan), np.int32)
+        seq_rows = np.zeros(n + 1, np.int32)
+        seq_pos0 = np.zeros(n, np.int32)
+        pt = self._page_table[:n]
+        logit_rows, row = [], 0
+        for i, (s, r) in enumerate(plan):
+            self._pages_for(s, s.n_past, s.n_past + r)
+            ids[row: row + r] = s.tokens[s.n_past: s.n_past + r]
+            seq_pos0[i] = s.n_past
+            pt[i, : len(s.pages)] = s.pages
+            row += r
+            seq_rows[i + 1] = row
+            if s.n_past + r == len(s.tokens):
+                logit_rows.append(row - 1)
+        logits = self.model.step(ids, seq_rows, seq_pos0, pt, logit_rows)
+        self.steps_total += 1
+        now = time.perf_counter()
+        li = 0
+        for s, r in plan:
+            s.n_past += r
+            n_full = s.n_past // PAGE_TOKENS
+            if n_full > s.n_indexed:
+                self.prefix.insert(s.tokens, s.pages, n_full)
+                s.n_indexed = n_full
+            if s.n_past == len(s.tokens):
+                if s.n_gen == 0:
+                    s.t_prefilled = now
+                self._sample(s, logits[li])
+                li += 1
+
+    def _admit(self):
+        """Admit waiting requests (FIFO) while there are slots and pages can be promised (lock held)."""
+        while self._waiting and len(self._running) < self.parallel:
+            s = self._waiting[0]
+            limit = len(s.prompt) - (1 if s.max_tokens > 0 else 0)
+            pages, n_cached = self.prefix.match(s.prompt, limit)
+            total = min(len(s.prompt) + max(s.max_tokens - 1, 0), self.n_ctx)
+            need = -(-total // PAGE_TOKENS) - n_cached // PAGE_TOKENS
+            if need > self.pool.n_free + self.prefix.n_evictable() - self.pool.reserved:
+                for p in pages:
+                    self.pool.decref(p)
+                return
+            self._waiting.popleft()
+            s.pages, s.n_past, s.n_cached, s.reserve = pages, n_cached, n_cached, need
+            s.n_indexed = n_cached // PAGE_TOKENS
+            self.pool.reserved += need
+            self.prefix_hits_tokens += n_cached
+            s.state, s.t_admit = "running", time.perf_counter()
+            self._running.append(s)
+            if s.max_tokens == 0 and n_cached == len(s.prompt):
+                s.t_prefilled = s.t_admit
+                self._finish(s, "length", locked=True)
+
+    def _take(self, s: _Seq) -> int:
+        s.reserve -= 1
+        self.pool.reserved -= 1
+        if s.reserve < 0:
+            raise AssertionError(f"sequence {s.id} took more pages than it was promised")
+        return self.pool.alloc()
+
+    def _pages_for(self, s: _Seq, p0: int, p1: int):
+        """Pages of their own for positions p0 .. p1-1 of s (new ones, or copies of shared ones)."""
+        for b in range(p0 // PAGE_TOKENS, (p1 - 1) // PAGE_TOKENS + 1):
+            if b < len(s.pages):
+                p = s.pages[b]
+                if self.pool.refs[p] > 1:  # copy-on-write: another sequence or the index holds it
+                    q = self._take(s)
+                    self.pool.k[:, q] = self.pool.k[:, p]
+                    self.pool.v[:, q] = self.pool.v[:, p]
+                    self.pool.decref(p)
+                    s.pages[b] = q
+            else:
+                s.pages.append(self._take(s))
+
+    def _sample(self, s: _Seq, logits: np.ndarray):
+        if s.max_tokens == 0:
+            self._finish(s, "length")
+            return
+        if s.banned:
+            logits[s.banned] = -np.inf
+        tok = s.sampler.sample(logits, s.tokens)
+        now = time.perf_counter()
+        s.n_gen += 1
+        self.tokens_generated_total += 1
+        if s.n_gen == 1:
+            s.t_first = now
+        s.t_last = now
+        if tok in self._eos:
+            self._finish(s, "eos")
+            return
+        text, stopped = s.matcher.feed(s.detok.push(tok))
+        s.stream._emit(Chunk(text, tok))
+        if stopped:
+            self._finish(s, "stop")
+        elif s.n_gen >= s.max_tokens:
+            self._finish(s, "length")
+        elif s.n_past >= self.n_ctx:
+            self._finish(s, "context")
+        else:
+            s.tokens.append(tok)
+
+    def _finish(self, s: _Seq, reason: str, locked: bool = False):
+        """Release s's pages and promise, emit its last chunks, forget it."""
+        if s.state == "done":
+            return
+        if not locked:
+            with self._lock:
+                return self._finish(s, reason, locked=True)
+        if s in self._running:
+            self._running.remove(s)
+        elif s in self._waiting:
+            self._waiting.remove(s)
+        for p in s.pages:
+            self.pool.decref(p)
+        s.pages = []
+        self.pool.reserved -= s.reserve
+        s.reserve = 0
+        s.state = "done"
+        self._by_id.pop(s.id, None)
+        if reason not in ("stop", "cancelled"):
+            rest, _ = s.matcher.feed(s.detok.flush())
+            rest += s.matcher.flush()
+            if rest:
+                self._outbox.append((s.stream, Chunk(rest, None)))
+        n_pre = len(s.prompt) - s.n_cached
+        pre_s = (s.t_prefilled - s.t_admit) if s.t_prefilled else 0.0
+        dt = s.t_last - s.t_first
+        st = Stats(n_prompt=len(s.prompt), n_cached=s.n_cached, n_generated=s.n_gen, load_s=self.load_s,
+                   ttft_s=(s.t_first or s.t_prefilled or time.perf_counter()) - s.t_submit,
+                   prefill_tps=n_pre / pre_s if n_pre and pre_s > 0 else 0.0,
+                   decode_tps=(s.n_gen - 1) / dt if s.n_gen > 1 and dt > 0 else 0.0, finish_reason=reason)
+        self._outbox.append((s.stream, Chunk("", None, reason, st)))
+
+    # ---- checks (tests) -------------------------------------------------------------------------------
+    def check_consistency(self) -> dict:
+        """Recount every page reference from the holders (on the scheduler thread, between steps); raises
+        AssertionError on any mismatch."""
+        return self.run_in_scheduler(self._check_consistency)
+
+    def _check_consistency(self) -> dict:
+        with self._lock:
+            want = np.zeros(self.pool.n_pages, np.int64)
+            for s in self._running:
+                for p in s.pages:
+                    want[p] += 1
+            stack = list(self.prefix.root.children.values())
+            while stack:
+                n = stack.pop()
+                want[n.page] += 1
+                stack.extend(n.children.values())
+            assert np.array_equal(want, self.pool.refs), "page reference counts do not match their holders"
+            free = set(self.pool._free)
+            assert len(free) == len(self.pool._free), "a page is twice in the free list"
+            assert free == set(np.flatnonzero(want == 0).tolist()), "free list != pages nobody holds"
+            assert self.pool.reserved == sum(s.reserve for s in self._running), "reservations do not add up"
+            return {"held": int((want > 0).sum()), "free": len(free)}
+
+
+def _cpu_count() -> int:
+    import os
+    return os.cpu_count() or 1

@@ -1,0 +1,204 @@
+/* Group-quantized LM head ("q4g_tile16", engine/layout.py): int4 codes, a 6-bit integer scale per row and
+ * group of 32 columns, one f32 scale per row, for M <= BK_ROWS_MAX tokens per pass (M = 1: decode; more: the
+ * verify pass of speculative decoding). All integer until the last step, so every path gives the same bits:
+ *   dot[n] = sum_g s[n,g] * (sum_{k in g} u[n,k] * xq[k] - 8 * sum_{k in g} xq[k]),   u = q + 8 in 0..15
+ *   out[n] = ((float)dot[n] / act_scale) * d[n]
+ * |inner| <= 32 * 8 * 128 = 2^15, times s <= 63 and K/32 <= 256 groups: |dot| < 2^29 (K_pad <= 8192, checked
+ * at the boundary). Reads 0.53 bytes per weight instead of the int8 head's 1.0.
+ * AVX-512 VNNI: a quarter (64 bytes, 16 rows x 8 columns) gives two vpdpbusd operands (low / high nibbles,
+ * codes as the unsigned side, the activations broadcast from memory as the signed side); per group one
+ * vpmulld by the 16 rows' group scales. AVX2: pmaddubsw, int16 sums of one group (<= 8 x 3840 < 2^15).
+ */
+#include "kernels.h"
+#include "q4g.h"
+#include "rows.h"
+
+#include <stdlib.h>
+
+#if defined(__x86_64__)
+#include "x86_common.h"
+#endif
+
+typedef void (*q4g_fn)(const uint8_t *codes, const uint8_t *gscale, const float *d, const int8_t *xq,
+                       const int32_t *xs8, int m, int k_pad, const float *act_scale, float *out, int32_t *out_i32,
+                       int n, int tile_begin, int tile_end);
+
+static void q4g_scalar(const uint8_t *codes, const uint8_t *gscale, const float *d, const int8_t *xq,
+                       const int32_t *xs8, int m, int k_pad, const float *act_scale, float *out, int32_t *out_i32,
+                       int n, int tile_begin, int tile_end) {
+    (void)xs8;
+    const int groups = k_pad / 32;
+    int32_t dots[16];
+    for (int t = tile_begin; t < tile_end; t++)
+        for (int i = 0; i < m; i++) {
+            const int8_t *x = xq + (size_t)i * k_pad;
+            for (int r = 0; r < 16; r++) {
+                int32_t dot = 0;
+                for (int g = 0; g < groups; g++) {
+                    const uint8_t *q = codes + ((size_t)t * groups + g) * 256;
+                    int32_t inner = 0;
+                    for (int j = 0; j < 4; j++)
+                        for (int c = 0; c < 4; c++) {
+                            unsigned b = q[j * 64 + r * 4 + c];
+                            inner += ((int32_t)(b & 15) - 8) * x[32 * g + 8 * j + c] +
+                                     ((int32_t)(b >> 4) - 8) * x[32 * g + 8 * j + 4 + c];
+                        }
+                    dot += (int32_t)gscale[((size_t)t * groups + g) * 16 + r] * inner;
+                }
+                dots[r] = dot;
+            }
+            bk_store_tile(dots, t * 16, n, d, act_scale[i], out ? out + (size_t)i * n : NULL,
+                          out_i32 ? out_i32 + (size_t)i * n : NULL);
+        }
+}
+
+#if defined(__x86_64__)
+AVX512_TARGET static inline __m512i q4g_dpbusd_bcast(__m512i acc, __m512i a_u8, const void *p) {
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(a_u8), "m"(*(const int32_t *)p));
+    return acc;
+}
+
+AVX512_TARGET __attribute__((always_inline)) static inline void q4g_tile_avx512(
+    const uint8_t *codes, const uint8_t *gscale, const float *d, const int8_t *xq, const int32_t *xs8, int m0,
+    const int MR, int k_pad, const float *act_scale, float *out, int32_t *out_i32, int n, int t) {
+    const int groups = k_pad / 32;
+    const __m512i lowmask = _mm512_set1_epi8(0x0f);
+    __m512i tot[8];
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; i++) tot[i] = _mm512_setzero_si512();
+    for (int g = 0; g < groups; g++) {
+        const uint8_t *q = codes + ((size_t)t * groups + g) * 256;
+        __m512i v0 = _mm512_loadu_si512(q), v1 = _mm512_loadu_si512(q + 64);
+        __m512i v2 = _mm512_loadu_si512(q + 128), v3 = _mm512_loadu_si512(q + 192);
+        __m512i l0 = _mm512_and_si512(v0, lowmask), h0 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), lowmask);
+        __m512i l1 = _mm512_and_si512(v1, lowmask), h1 = _mm512_and_si512(_mm512_srli_epi16(v1, 4), lowmask);
+        __m512i l2 = _mm512_and_si512(v2, lowmask), h2 = _mm512_and_si512(_mm512_srli_epi16(v2, 4), lowmask);
+        __m512i l3 = _mm512_and_si512(v3, lowmask), h3 = _mm512_and_si512(_mm512_srli_epi16(v3, 4), lowmask);
+        __m512i sv = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(gscale + ((size_t)t * groups + g) * 16)));
+#pragma GCC unroll 8
+        for (int i = 0; i < MR; i++) {
+            const int8_t *xb = xq + (size_t)(m0 + i) * k_pad + 32 * g;
+            __m512i a = _mm512_setzero_si512(), b = a;
+            a = q4g_dpbusd_bcast(a, l0, xb);
+            b = q4g_dpbusd_bcast(b, h0, xb + 4);
+            a = q4g_dpbusd_bcast(a, l1, xb + 8);
+            b = q4g_dpbusd_bcast(b, h1, xb + 12);
+            a = q4g_dpbusd_bcast(a, l2, xb + 16);
+            b = q4g_dpbusd_bcast(b, h2, xb + 20);
+            a = q4g_dpbusd_bcast(a, l3, xb + 24);
+            b = q4g_dpbusd_bcast(b, h3, xb + 28);
+            __m512i inner = _mm512_sub_epi32(_mm512_add_epi32(a, b), _mm512_set1_epi32(xs8[(size_t)(m0 + i) * groups + g]));
+            tot[i] = _mm512_add_epi32(tot[i], _mm512_mullo_epi32(inner, sv));
+        }
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; i++)
+        finish_tile_avx512(tot[i], 0, t * 16, n, d, act_scale[m0 + i], out ? out + (size_t)(m0 + i) * n : NULL,
+                           out_i32 ? out_i32 + (size_t)(m0 + i) * n : NULL);
+}
+
+AVX512_TARGET static void q4g_avx512(const uint8_t *codes, const uint8_t *gscale, const float *d, const int8_t *xq,
+                                     const int32_t *xs8, int m, int k_pad, const float *act_scale, float *out,
+                                     int32_t *out_i32, int n, int tile_begin, int tile_end) {
+    for (int t = tile_begin; t < tile_end; t++)
+        for (int m0 = 0; m0 < m; m0 += 4) {
+            int mr = m - m0 < 4 ? m - m0 : 4;
+#define Q4G_CALL(R) q4g_tile_avx512(codes, gscale, d, xq, xs8, m0, R, k_pad, act_scale, out, out_i32, n, t)
+            switch (mr) {
+            case 1: Q4G_CALL(1); break;
+            case 2: Q4G_CALL(2); break;
+            case 3: Q4G_CALL(3); break;
+            default: Q4G_CALL(4); break;
+            }
+#undef Q4G_CALL
+        }
+}
+
+AVX2_TARGET static void q4g_avx2(const uint8_t *codes, const uint8_t *gscale, const float *d, const int8_t *xq,
+                                 const int32_t *xs8, int m, int k_pad, const float *act_scale, float *out,
+                                 int32_t *out_i32, int n, int tile_begin, int tile_end) {
+    const int groups = k_pad / 32;
+    const __m256i lowmask = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    for (int t = tile_begin; t < tile_end; t++)
+        for (int i = 0; i < m; i++) {
+            const int8_t *x = xq + (size_t)i * k_pad;
+            __m256i tot[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+            for (int g = 0; g < groups; g++) {
+                const uint8_t *q = codes + ((size_t)t * groups + g) * 256;
+                const uint8_t *sp = gscale + ((size_t)t * groups + g) * 16;
+                __m256i xs = _mm256_set1_epi32(xs8[(size_t)i * groups + g]);
+                for (int h = 0; h < 2; h++) {
+                    __m256i s16 = _mm256_setzero_si256();
+                    for (int j = 0; j < 4; j++) {
+                        __m256i v = _mm256_loadu_si256((const __m256i *)(q + 64 * j + 32 * h));
+                        __m256i lo = _mm256_and_si256(v, lowmask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), lowmask);
+                        s16 = _mm256_add_epi16(s16, _mm256_add_epi16(
+                                  _mm256_maddubs_epi16(lo, _mm256_set1_epi32(load_i32(x + 32 * g + 8 * j))),
+                                  _mm256_maddubs_epi16(hi, _mm256_set1_epi32(load_i32(x + 32 * g + 8 * j + 4)))));
+                    }
+                    __m256i inner = _mm256_sub_epi32(_mm256_madd_epi16(s16, ones), xs);
+                    __m256i sv = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sp + 8 * h)));
+                    tot[h] = _mm256_add_epi32(tot[h], _mm256_mullo_epi32(inner, sv));
+                }
+            }
+            float *o = out ? out + (size_t)i * n : NULL;
+            int32_t *oi = out_i32 ? out_i32 + (size_t)i * n : NULL;
+            finish_half_avx2(tot[0], 0, t * 16, n, d, act_scale[i], o, oi);
+            finish_half_avx2(tot[1], 0, t * 16 + 8, n, d, act_scale[i], o, oi);
+        }
+}
+#endif
+
+static q4g_fn q4g_pick(void) {
+    int isa = bk_get_isa();
+#if defined(__x86_64__)
+    if (isa == BK_ISA_AVX512) return q4g_avx512;
+    if (isa == BK_ISA_AVX2 || isa == BK_ISA_AVXVNNI) return q4g_avx2;
+#endif
+    (void)isa;
+    return q4g_scalar;
+}
+
+typedef struct {
+    q4g_fn fn;
+    const uint8_t *codes, *gscale;
+    const float *d;
+    const int8_t *xq;
+    const int32_t *xs8;
+    int m, k_pad;
+    const float *act_scale;
+    float *out;
+    int32_t *out_i32;
+    int n;
+} q4g_job;
+
+static void q4g_range(void *ctx, int b, int e) {
+    q4g_job *j = ctx;
+    j->fn(j->codes, j->gscale, j->d, j->xq, j->xs8, j->m, j->k_pad, j->act_scale, j->out, j->out_i32, j->n, b, e);
+}
+
+int bk_gemv_q4g(const uint8_t *codes, const uint8_t *gscale, const float *d, const int8_t *xq, int m, int k_pad,
+                const float *act_scale, float *out, int32_t *out_i32, int n) {
+    q4g_fn fn = q4g_pick();
+    const int groups = k_pad / 32;
+    int32_t stack_xs[2048];
+    int32_t *xs8 = (size_t)m * groups <= 2048 ? stack_xs : malloc((size_t)m * groups * sizeof(int32_t));
+    if (!xs8) return -1;
+    for (int i = 0; i < m; i++)
+        for (int g = 0; g < groups; g++) {
+            int32_t s = 0;
+            for (int k = 0; k < 32; k++) s += xq[(size_t)i * k_pad + 32 * g + k];
+            xs8[(size_t)i * groups + g] = 8 * s;
+        }
+    int n_tiles = (n + 15) / 16;
+    int nt = bk_get_num_threads();
+    if (nt > n_tiles) nt = n_tiles;
+    if (nt <= 1 || (size_t)n_tiles * k_pad * m < 16 * 8192) {
+        fn(codes, gscale, d, xq, xs8, m, k_pad, act_scale, out, out_i32, n, 0, n_tiles);
+    } else {
+        q4g_job job = {fn, codes, gscale, d, xq, xs8, m, k_pad, act_scale, out, out_i32, n};
+        bk_run_tiles(n_tiles, nt, q4g_range, &job);
+    }
+    if (xs8 != stack_xs) free(xs8);
+    return 0;
+}

@@ -1,0 +1,14 @@
+/* Group-quantized LM head kernel (gemv_q4g.c; layout "q4g_tile16" in engine/layout.py). */
+#ifndef BITNET_Q4G_H
+#define BITNET_Q4G_H
+
+#include <stdint.h>
+
+#define BK_Q4G_MAX_K 8192 /* keeps |dot| < 2^29 */
+
+/* m <= BK_ROWS_MAX rows xq [m, k_pad] -> out [m, n] (or raw int32 dots into out_i32 when non-NULL);
+ * -1 on allocation failure. */
+int bk_gemv_q4g(const uint8_t *codes, const uint8_t *gscale, const float *d, const int8_t *xq, int m, int k_pad,
+                const float *act_scale, float *out, int32_t *out_i32, int n);
+
+#endif

@@ -1,0 +1,397 @@
+"""The batching engine (engine/batching, engine.api.load_engine) on small synthetic models: batched steps give
+bit-identical logits to each sequence alone (mixed prefill / decode, any chunking, both LM heads), greedy
+output is the same alone, with 15 others and through LLM.generate; pages go back on finish and on cancel;
+prefix sharing reuses pages and copy-on-write keeps the other sequence's output; an exhausted pool makes
+requests wait; random submit/cancel from two threads leaves the pool consistent."""
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from engine.api import Engine, SamplingParams, load_engine, load_model
+from engine.batching.batch_model import BatchModel
+from engine.batching.kv_pool import PAGE_TOKENS, KVPool
+from engine.errors import ContextOverflowError, QueueFullError
+from engine.model import Model
+from engine.store import Store
+from test_model_fixtures import make_synth
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def synth(tmp_path_factory):
+    return make_synth(tmp_path_factory.mktemp("batch"), seed=11, lm_heads=("f16", "i8", "q4"))
+
+
+def _collect(stream, timeout=120.0):
+    out, t0 = [], time.monotonic()
+    for c in stream:
+        out.append(c)
+        assert time.monotonic() - t0 < timeout
+    return out
+
+
+def _tokens(chunks):
+    return [c.token for c in chunks if c.token is not None]
+
+
+# ---- the batched forward ------------------------------------------------------------------------------------
+
+class _Driver:
+    """Runs sequences through a BatchModel by hand: teacher-forced tokens, pages from the pool."""
+
+    def __init__(self, store, n_pages=64, max_rows=256, n_ctx=256):
+        self.pool = KVPool(store.config.n_layers, n_pages, store.config.n_kv_heads, store.config.head_dim)
+        self.bm = BatchModel(store, self.pool, max_rows=max_rows, n_ctx=n_ctx, max_logit_rows=max_rows)
+        self.pages: dict[int, list[int]] = {}
+        self.pos: dict[int, int] = {}
+
+    def step(self, work):
+        """work: [(seq, ids)]; returns {seq: logits of every row}."""
+        n = len(work)
+        rows = np.zeros(n + 1, np.int32)
+        pos0 = np.zeros(n, np.int32)
+        pt = np.zeros((n, self.bm.max_pages), np.int32)
+        ids = []
+        for i, (s, t) in enumerate(work):
+            p = self.pos.setdefault(s, 0)
+            pages = self.pages.setdefault(s, [])
+            while len(pages) * PAGE_TOKENS < p + len(t):
+                pages.append(self.pool.alloc())
+            pos0[i], rows[i + 1] = p, rows[i] + len(t)
+            pt[i, : len(pages)] = pages
+            ids += t
+        logits = self.bm.step(np.array(ids, np.int32), rows, pos0, pt, list(range(len(ids)))).copy()
+        out = {}
+        for i, (s, t) in enumerate(work):
+            self.pos[s] += len(t)
+            out[s] = logits[rows[i]: rows[i + 1]]
+        return out
+
+
+@pytest.mark.parametrize("head", ["f16", "i8", "q4"])
+def test_batched_logits_equal_alone(synth, head):
+    m, _, stores = synth
+    rng = np.random.default_rng(5)
+    seqs = {s: rng.integers(0, m.V, n).tolist() for s, n in enumerate([45, 20, 70, 5, 33])}
+    store = Store(stores[head])
+    # alone: the contiguous single-sequence model, whole sequence at once
+    model = Model(store, n_ctx=256)
+    want = {s: model.forward(ids) for s, ids in seqs.items()}
+    # alone through the paged model, one token at a time (the GEMV path)
+    d = _Driver(store)
+    for s in (1, 3):
+        got = np.concatenate([d.step([(s, [t])])[s] for t in seqs[s]])
+        np.testing.assert_array_equal(got, want[s])
+    # batched: random chunks per sequence, several sequences per step, decode rows beside prefill chunks
+    d = _Driver(store)
+    done = {s: 0 for s in seqs}
+    got = {s: [] for s in seqs}
+    steps = 0
+    while any(done[s] < len(seqs[s]) for s in seqs):
+        work = []
+        for s in seqs:
+            left = len(seqs[s]) - done[s]
+            if left and rng.random() < 0.8:
+                n = 1 if rng.random() < 0.4 else int(rng.integers(1, left + 1))
+                work.append((s, seqs[s][done[s]: done[s] + n]))
+                done[s] += n
+        if not work:
+            continue
+        steps += 1
+        for s, lg in d.step(work).items():
+            got[s].append(lg)
+    assert steps > 5
+    for s in seqs:
+        np.testing.assert_array_equal(np.concatenate(got[s]), want[s])
+
+
+# ---- the engine -----------------------------------------------------------------------------------------------
+
+def _prompts(V, n, rng, lo=3, hi=60):
+    return [rng.integers(1, V, int(rng.integers(lo, hi))).tolist() for _ in range(n)]
+
+
+def test_greedy_same_alone_and_with_15_others(synth):
+    m, _, stores = synth
+    prompts = _prompts(m.V, 16, np.random.default_rng(1))
+    llm = load_model(stores["i8"], ctx=256, progress=False)
+    alone = [_tokens(llm.generate(p, GREEDY, max_tokens=12)) for p in prompts]
+    llm.close()
+    eng = load_engine(stores["i8"], ctx=256, parallel=16, progress=False)
+    try:
+        streams = [eng.submit(p, GREEDY, max_tokens=12) for p in prompts]
+        outs = [_collect(s) for s in streams]
+        assert [_tokens(o) for o in outs] == alone
+        for o in outs:
+            assert o[-1].finish_reason in ("length", "eos") and o[-1].stats.n_generated >= 1
+        one = _collect(eng.submit(prompts[3], GREEDY, max_tokens=12))
+        assert _tokens(one) == alone[3]
+        met = eng.metrics()
+        assert met["requests_total"] == 17 and met["running"] == 0 and met["waiting"] == 0
+        # nothing held but the prefix index; dropping it returns every page
+        assert met["kv_pages_used"] == met["kv_pages_cached"]
+        eng.check_consistency()
+        eng.clear_prefix_cache()
+        assert eng.metrics()["kv_pages_used"] == 0
+    finally:
+        eng.close()
+
+
+def test_cancel_frees_pages_and_close_cancels(synth):
+    m, _, stores = synth
+    eng = load_engine(stores["f16"], ctx=256, parallel=4, progress=False)
+    try:
+        seen = threading.Event()
+        got = []
+
+        def cb(c):
+            got.append(c)
+            if len(got) == 3:
+                seen.set()
+
+        s = eng.submit(list(range(1, 50)), SamplingParams(temperature=0.9, seed=3), max_tokens=200, callback=cb)
+        assert seen.wait(60)
+        s.cancel()
+        t0 = time.monotonic()
+        while not (got and got[-1].finish_reason) and time.monotonic() - t0 < 60:
+            time.sleep(0.01)
+        assert got[-1].finish_reason == "cancelled" and got[-1].stats.n_generated < 200
+        eng.clear_prefix_cache()
+        assert eng.metrics()["kv_pages_used"] == 0
+        eng.check_consistency()
+        # close() ends what is in flight with "cancelled"
+        s2 = eng.submit(list(range(1, 20)), GREEDY, max_tokens=10_000)
+        s3 = eng.submit(list(range(1, 20)), GREEDY, max_tokens=10_000)
+    finally:
+        eng.close()
+    for st in (s2, s3):
+        assert _collect(st)[-1].finish_reason in ("cancelled", "context", "eos")
+
+
+def test_prefix_sharing_reuses_pages_and_cow_keeps_outputs(synth):
+    m, _, stores = synth
+    rng = np.random.default_rng(9)
+    a = rng.integers(1, m.V, 100).tolist()
+    b = a[:80] + rng.integers(1, m.V, 30).tolist()
+    c = a[:40] + rng.integers(1, m.V, 20).tolist()
+    fresh = {}
+    for name, p in (("a", a), ("b", b), ("c", c)):
+        e = load_engine(stores["f16"], ctx=256, parallel=4, progress=False)
+        fresh[name] = _tokens(_collect(e.submit(p, GREEDY, max_tokens=8)))
+        e.close()
+    eng = load_engine(stores["f16"], ctx=256, parallel=4, progress=False)
+    try:
+        out_a = _collect(eng.submit(a, GREEDY, max_tokens=8))
+        assert _tokens(out_a) == fresh["a"]
+        n_a = out_a[-1].stats.n_prompt + out_a[-1].stats.n_generated - 1   # positions computed
+        assert eng.metrics()["kv_pages_cached"] == n_a // PAGE_TOKENS == 3
+        out_b = _collect(eng.submit(b, GREEDY, max_tokens=8))
+        # two whole pages and 16 positions of a third (copied before B writes into it)
+        assert out_b[-1].stats.n_cached == 80
+        assert _tokens(out_b) == fresh["b"]
+        met = eng.metrics()
+        assert met["prefix_hits_tokens"] == 80
+        assert met["kv_pages_cached"] == 4   # B added only its own third page; the first two are A's
+        # A again (its pages were shared and one was copied by B): same output; C and A side by side too
+        sa = eng.submit(a, GREEDY, max_tokens=8)
+        sc = eng.submit(c, GREEDY, max_tokens=8)
+        out_a2, out_c = _collect(sa), _collect(sc)
+        assert out_a2[-1].stats.n_cached == 96 and _tokens(out_a2) == fresh["a"]
+        assert out_c[-1].stats.n_cached == 40 and _tokens(out_c) == fresh["c"]
+        eng.check_consistency()
+        eng.clear_prefix_cache()
+        assert eng.metrics()["kv_pages_used"] == 0
+    finally:
+        eng.close()
+
+
+def test_pool_exhaustion_waits_and_does_not_corrupt(synth):
+    m, _, stores = synth
+    prompts = _prompts(m.V, 6, np.random.default_rng(4), lo=35, hi=45)
+    llm = load_model(stores["f16"], ctx=128, progress=False)
+    alone = [_tokens(llm.generate(p, GREEDY, max_tokens=30)) for p in prompts]
+    llm.close()
+    # 4 pages: each request needs 3 (up to 74 positions), so one runs at a time and the others wait
+    eng = load_engine(stores["f16"], ctx=128, parallel=6, kv_pool_tokens=128, progress=False)
+    try:
+        streams = [eng.submit(p, GREEDY, max_tokens=30) for p in prompts]
+        states = [sl["state"] for sl in eng.slots()]
+        outs = [_collect(s) for s in streams]
+        assert [_tokens(o) for o in outs] == alone
+        assert all(o[-1].finish_reason in ("length", "eos") for o in outs)
+        assert "waiting" in states
+        eng.check_consistency()
+    finally:
+        eng.close()
+
+
+def test_submit_errors(synth):
+    m, _, stores = synth
+    eng = load_engine(stores["f16"], ctx=64, parallel=1, max_queue=2, progress=False)
+    try:
+        with pytest.raises(ContextOverflowError):
+            eng.submit(list(range(1, 80)))
+        # a callback that blocks holds the scheduler thread: nothing leaves the queue meanwhile
+        release, entered = threading.Event(), threading.Event()
+
+        def hold(c):
+            entered.set()
+            release.wait(60)
+
+        running = eng.submit([1, 2, 3], GREEDY, max_tokens=5, callback=hold)
+        assert entered.wait(60)
+        queued = [eng.submit([1, 2], GREEDY, max_tokens=5) for _ in range(2)]
+        with pytest.raises(QueueFullError):
+            eng.submit([1, 2], GREEDY, max_tokens=5)
+        assert eng.metrics()["waiting"] == 2
+        release.set()
+        for s in queued:
+            assert _collect(s)[-1].finish_reason in ("length", "eos")
+        assert running.finish_reason is not None or eng.metrics()["running"] == 0
+    finally:
+        release.set()
+        eng.close()
+
+
+def test_random_submit_cancel_two_threads(synth):
+    m, _, stores = synth
+    eng = load_engine(stores["f16"], ctx=128, parallel=4, kv_pool_tokens=320, max_batch_tokens=48,
+                      max_queue=1000, progress=False)
+    shared = np.random.default_rng(0).integers(1, m.V, 70).tolist()
+    streams, lock = [], threading.Lock()
+    errors = []
+
+    def worker(seed):
+        rng = np.random.default_rng(seed)
+        mine = []
+        try:
+            for _ in range(100):
+                if mine and rng.random() < 0.4:
+                    mine[int(rng.integers(len(mine)))].cancel()
+                else:
+                    k = int(rng.integers(0, 70))
+                    p = shared[:k] + rng.integers(1, m.V, int(rng.integers(1, 30))).tolist()
+                    sp = SamplingParams(temperature=float(rng.choice([0.0, 0.8])), seed=int(rng.integers(1000)))
+                    s = eng.submit(p, sp, max_tokens=int(rng.integers(0, 20)))
+                    mine.append(s)
+                    with lock:
+                        streams.append(s)
+                if rng.random() < 0.2:
+                    time.sleep(0.002)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    try:
+        ts = [threading.Thread(target=worker, args=(i,)) for i in (1, 2)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(120)
+        assert not errors
+        reasons = [_collect(s)[-1].finish_reason for s in streams]
+        assert len(reasons) > 100 and set(reasons) <= {"length", "eos", "cancelled", "context"}
+        assert "cancelled" in reasons
+        met = eng.metrics()
+        assert met["running"] == 0 and met["waiting"] == 0 and met["kv_pages_reserved"] == 0
+        eng.check_consistency()
+        eng.clear_prefix_cache()
+        assert eng.metrics()["kv_pages_used"] == 0
+        # still serving correctly afterwards
+        assert _collect(eng.submit([1, 2, 3], GREEDY, max_tokens=3))[-1].finish_reason in ("length", "eos")
+    finally:
+        eng.close()
+
+
+def test_engine_attributes(synth):
+    m, _, stores = synth
+    eng = load_engine(stores["f16"], ctx=64, parallel=2, progress=False)
+    try:
+        assert isinstance(eng, Engine) and eng.n_ctx == 64 and eng.config.vocab_size == m.V and eng.name
+        ids = eng.tokenize("hello world")
+        assert eng.detokenize(ids) == "hello world"
+        assert eng.chat_prompt([{"role": "user", "content": "hi"}])
+        assert eng.slots() == []
+    finally:
+        eng.close()
+
+
+def test_pool_size_in_mib_and_bad_sizes(synth):
+    from engine.errors import BitNetError
+
+    m, _, stores = synth
+    cfg = Store(stores["f16"]).config
+    per_tok = KVPool.bytes_per_token(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, "f16")
+    eng = load_engine(stores["f16"], ctx=64, parallel=2, kv_pool_mib=per_tok * 256 / 2**20, progress=False)
+    try:
+        assert eng.metrics()["kv_pages_total"] == 256 // PAGE_TOKENS
+    finally:
+        eng.close()
+    with pytest.raises(BitNetError):   # smaller than one context
+        load_engine(stores["f16"], ctx=256, kv_pool_tokens=64, progress=False)
+    with pytest.raises(BitNetError):
+        load_engine(stores["f16"], ctx=64, kv_pool_tokens=64, kv_pool_mib=1, progress=False)
+
+
+def test_failing_callback_cancels_only_its_request(synth, capsys):
+    m, _, stores = synth
+    eng = load_engine(stores["f16"], ctx=128, parallel=4, progress=False)
+    try:
+        got = []
+
+        def bad(c):
+            got.append(c)
+            raise RuntimeError("consumer went away")
+
+        eng.submit([1, 2, 3, 4], GREEDY, max_tokens=50, callback=bad)
+        ok = eng.submit([5, 6, 7], GREEDY, max_tokens=5)
+        assert _collect(ok)[-1].finish_reason in ("length", "eos")
+        t0 = time.monotonic()
+        while not (got and got[-1].finish_reason) and time.monotonic() - t0 < 60:
+            time.sleep(0.01)
+        assert got[-1].finish_reason == "cancelled"
+        assert "consumer went away" in capsys.readouterr().err
+        eng.check_consistency()
+    finally:
+        eng.close()
+
+
+def test_ignore_eos_matches_generate(synth):
+    m, _, stores = synth
+    llm = load_model(stores["f16"], ctx=128, progress=False)
+    eos = llm.tokenizer.eos_ids
+    p = [5, 6, 7, 8]
+    want = _tokens(llm.generate(p, SamplingParams(temperature=1.5, seed=4), max_tokens=40, ignore_eos=True))
+    llm.close()
+    eng = load_engine(stores["f16"], ctx=128, parallel=2, progress=False)
+    try:
+        out = _collect(eng.submit(p, SamplingParams(temperature=1.5, seed=4), max_tokens=40, ignore_eos=True))
+        assert _tokens(out) == want and len(want) == 40 and not set(want) & set(eos)
+        assert out[-1].finish_reason == "length"
+    finally:
+        eng.close()
+
+
+def test_llama_architecture_model_batched_equals_alone(tmp_path):
+    """Models without sub-norms (Falcon3 / TriLM style) through the batched forward: same logits as alone."""
+    from engine.convert import convert
+    from engine.synth import SynthModel, write_hf_dir
+
+    m = SynthModel({"head_dim": 64, "vocab_size": 640}, seed=8, style="llama")
+    d = write_hf_dir(m, str(tmp_path / "ternary-llama"), form="packed", linear_class="autobitlinear")
+    store = Store(convert(d, str(tmp_path / "tl.bnstore"), lm_head="i8", progress=False))
+    assert store.config.sub_norms is False
+    rng = np.random.default_rng(3)
+    seqs = {s: rng.integers(0, store.config.vocab_size, n).tolist() for s, n in enumerate([30, 12, 41])}
+    model = Model(store, n_ctx=128)
+    want = {s: model.forward(ids) for s, ids in seqs.items()}
+    drv = _Driver(store, n_ctx=128)
+    got = {s: [] for s in seqs}
+    for lo, hi in [(0, 10), (10, 11), (11, 30), (30, 41)]:
+        work = [(s, ids[lo:hi]) for s, ids in seqs.items() if ids[lo:hi]]
+        for s, lg in drv.step(work).items():
+            got[s].append(lg)
+    for s in seqs:
+        np.testing.assert_array_equal(np.concatenate(got[s]), want[s])
