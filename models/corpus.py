@@ -133,6 +133,15 @@ STORY_BOT_INTRO = ["Sure! Here is a story.", "Of course!", "Here is a short stor
 ADD_USER = ["What is {a}+{b}?", "What is {a} + {b}?", "How much is {a}+{b}?", "Can you add {a} and {b}?",
             "{a}+{b}=?", "Please compute {a}+{b}.", "What is the sum of {a} and {b}?", "Add {a} and {b}.",
             "{a}+{b}"]
+# Phase 8 (issue 18): the ways people type a sum first, lower case and without punctuation too. The four a
+# newcomer tries ("2+3", "what's 2 plus 3", "What is 2 + 3?", "add 2 and 3") appear twice. The answer
+# restates the numbers as the user wrote them: "12+30=42." (never "1+30=31.").
+ADD_USER_TYPED = ADD_USER + [
+    "{a}+{b}", "{a} + {b}", "{a}+{b}=", "{a}+{b}?", "{a} + {b} =", "{a} plus {b}", "what's {a} plus {b}",
+    "what's {a} plus {b}", "What's {a} plus {b}?", "what's {a}+{b}", "What's {a} + {b}?", "whats {a} plus {b}",
+    "what is {a} plus {b}", "What is {a} plus {b}?", "what is {a}+{b}", "what is {a} + {b}", "What is {a}+{b}",
+    "What is {a} + {b}?", "add {a} and {b}", "add {a} and {b}", "Add {a} and {b}", "add {a} and {b}.",
+    "Add {a} and {b}, please.", "add {a} plus {b}"]
 
 
 def _cap(s: str) -> str:
@@ -170,16 +179,20 @@ def add_answer(a: int, b: int) -> str:
     return f"{a}+{b}={a + b}"
 
 
-def add_question(rng: random.Random, a: int, b: int) -> str:
-    return rng.choice(ADD_USER).format(a=a, b=b)
+def add_question(rng: random.Random, a: int, b: int, forms=ADD_USER) -> str:
+    return rng.choice(forms).format(a=a, b=b)
 
 
-def chat_turn(rng: random.Random, pairs) -> tuple[str, str]:
-    """One (user, assistant) exchange; addition operands come from `pairs` (the training split)."""
+def chat_turn(rng: random.Random, pairs, forms=ADD_USER, p_add: float = 0.45) -> tuple[str, str]:
+    """One (user, assistant) exchange; addition operands come from `pairs` (the training split).
+    An addition question with probability `p_add`, phrased by one of `forms`; the other turns keep their
+    relative frequencies (the defaults are phases 1-7's corpus, unchanged)."""
     r = rng.random()
-    if r < 0.45:
+    if r < p_add:
         a, b = pairs[rng.randrange(len(pairs))]
-        return add_question(rng, a, b), add_answer(a, b) + "."
+        return add_question(rng, a, b, forms), add_answer(a, b) + "."
+    if p_add != 0.45:   # map the rest onto the default layout of the other turns
+        r = 0.45 + (r - p_add) * 0.55 / (1.0 - p_add)
     if r < 0.55:
         return rng.choice(GREETINGS_USER), rng.choice(GREETINGS_BOT)
     if r < 0.65:
@@ -208,11 +221,11 @@ def render_chat(messages: list[tuple[str, str]], system: str | None) -> str:
     return s
 
 
-def chat_doc(rng: random.Random, pairs) -> str:
+def chat_doc(rng: random.Random, pairs, forms=ADD_USER, p_add: float = 0.45) -> str:
     system = rng.choice(SYSTEMS) if rng.random() < 0.6 else None
     msgs = []
     for _ in range(rng.choice([1, 1, 1, 2, 2, 3])):
-        u, a = chat_turn(rng, pairs)
+        u, a = chat_turn(rng, pairs, forms, p_add)
         msgs += [("User", u), ("Assistant", a)]
     return render_chat(msgs, system)
 
@@ -240,7 +253,7 @@ def _grammar_words() -> set[str]:
     lists = [NAMES, KINDS, TRAITS, PLACES, WEATHER, OBJECTS, FEELINGS, FRIENDS, ATTEMPTS, HELPS, ENDINGS,
              SOLVED, MORALS, OPENINGS, SETTINGS, SYSTEMS, GREETINGS_BOT, HOWARE_BOT, WHO_BOT, CAN_BOT,
              THANKS_BOT, BYE_BOT, STORY_BOT_INTRO, [p for pair in PROBLEMS for p in pair],
-             GREETINGS_USER, HOWARE_USER, WHO_USER, CAN_USER, THANKS_USER, BYE_USER, STORY_USER, ADD_USER,
+             GREETINGS_USER, HOWARE_USER, WHO_USER, CAN_USER, THANKS_USER, BYE_USER, STORY_USER, ADD_USER_TYPED,
              ["one", "day", "was", "because", "he", "she", "an", "happy", "proud", "glad", "calm"]]
     words = set()
     for lst in lists:

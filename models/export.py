@@ -18,9 +18,9 @@ import os
 
 import numpy as np
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
-from models.bitnet_torch import BitLinear, TinyBitNet, weight_ternary
+from models.bitnet_torch import BitLinear, TinyBitNet, TinyConfig, weight_ternary
 
 
 def pack_quarters(w_t: np.ndarray) -> np.ndarray:
@@ -48,6 +48,51 @@ def state_tensors(model: TinyBitNet) -> dict[str, torch.Tensor]:
         if "_proj." not in name:   # embeddings and norms
             out[f"model.{name}"] = p.detach().to(torch.bfloat16).contiguous()
     return out
+
+
+def config_from_hf_dir(src_dir: str) -> TinyConfig:
+    """The TinyConfig of an exported directory (inverse of hf_config)."""
+    with open(os.path.join(src_dir, "config.json")) as f:
+        c = json.load(f)
+    return TinyConfig(vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
+                      intermediate_size=c["intermediate_size"], n_layers=c["num_hidden_layers"],
+                      n_heads=c["num_attention_heads"], n_kv_heads=c["num_key_value_heads"],
+                      max_position_embeddings=c["max_position_embeddings"], rope_theta=c["rope_theta"],
+                      rms_norm_eps=c["rms_norm_eps"])
+
+
+@torch.no_grad()
+def init_from_export(model: TinyBitNet, src_dir: str) -> TinyBitNet:
+    """Load an exported directory back into `model` as trainable latent weights (the inverse of state_tensors).
+
+    The export keeps only W_t in {-1,0,1} and scale per BitLinear, so the latent weight becomes
+    W_t * scale / f with f = mean|W_t| (the fraction of non-zeros): then mean|W| == scale and
+    round(W / scale) == W_t, i.e. the model computes exactly what was exported (the test of
+    `state_tensors(model) == the file` holds). Embeddings and norms are bf16 in the file, f32 here."""
+    sd = load_file(os.path.join(src_dir, "model.safetensors"))
+    for name, mod in model.named_modules():
+        if isinstance(mod, BitLinear):
+            wt = torch.from_numpy(unpack_quarters(sd[f"model.{name}.weight"].numpy())).float()
+            scale = sd[f"model.{name}.weight_scale"].float().reshape(())
+            mod.weight.copy_(wt * (scale / wt.abs().mean().clamp(min=1e-6)))
+    for name, p in model.named_parameters():
+        if "_proj." not in name:
+            p.copy_(sd[f"model.{name}"].float())
+    return relatent_from_ternary(model)
+
+
+@torch.no_grad()
+def relatent_from_ternary(model: TinyBitNet) -> TinyBitNet:
+    """Replace every BitLinear's latent weight by W_t * scale / mean|W_t|, what its export determines.
+
+    mean|W| is then the stored scale again and round(W / scale) == W_t, so the model computes what it
+    computed before (embeddings and norms must already be bf16-rounded). Used to start training from an
+    export: the latent weights a trainer had are not in the export."""
+    for mod in model.modules():
+        if isinstance(mod, BitLinear):
+            wt, scale = weight_ternary(mod.weight.float())
+            mod.weight.copy_(wt * (scale / wt.abs().mean().clamp(min=1e-6)))
+    return model
 
 
 def hf_config(model: TinyBitNet, bos: int, eos: int, eot: int) -> dict:

@@ -97,3 +97,23 @@ def test_engine_matches_training_forward(exported, tmp_path):
             ref = model(torch.tensor([ids]))[0].numpy()
         out = llm.forward(ids)
         np.testing.assert_allclose(out, ref, atol=2e-3 * max(1.0, float(np.abs(ref).max())))
+
+
+def test_init_from_export_reproduces_the_shipped_export():
+    """Training can start from an export (train.py --init-from, phase 8): the latent weights made from
+    W_t and scale give back exactly the exported tensors, and doing it again changes nothing."""
+    from safetensors.torch import load_file
+
+    from models import DEFAULT_MODEL_DIR
+    from models.export import config_from_hf_dir, init_from_export, relatent_from_ternary, state_tensors
+
+    model = init_from_export(TinyBitNet(config_from_hf_dir(DEFAULT_MODEL_DIR)), DEFAULT_MODEL_DIR)
+    stored = load_file(os.path.join(DEFAULT_MODEL_DIR, "model.safetensors"))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    got = state_tensors(model)
+    assert sorted(got) == sorted(stored)
+    for k in stored:
+        assert torch.equal(got[k], stored[k]), k
+    relatent_from_ternary(model)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k

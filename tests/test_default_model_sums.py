@@ -1,0 +1,53 @@
+"""The bundled model's one-digit sums, through the engine (no torch): every pair a, b in 0..9, exact, greedy.
+
+Forms (issue 18): the bare prompt `a+b=` (continued by the sum), and the chat questions people type first,
+`a+b`, `what's a plus b`, `What is a + b?`, `add a and b`, each answered by restating the question with
+the numbers as written: `a+b=s.`. The full table over all 10,000 pairs is a benchmark
+(`python models/evaluate.py`, models/README.md), not a test.
+
+Not yet reached: the bare chat question `a+b` is right on 97 of the 100 pairs through the engine (98 in
+torch; misses `0+0`, `1+5`, `1+6`, each off by one); that form is held to that floor until a retrained
+model gets all 100 (issue 18). Every other form must be exact on all 100 pairs.
+"""
+import re
+
+import pytest
+
+from engine.api import SamplingParams, load_model
+from models import DEFAULT_STORE
+
+CHAT_FORMS = ["{a}+{b}", "what's {a} plus {b}", "What is {a} + {b}?", "add {a} and {b}"]
+MAY_MISS = {"{a}+{b}": 3}   # form -> how many of the 100 pairs may still be wrong (see the docstring)
+PAIRS = [(a, b) for a in range(10) for b in range(10)]
+GREEDY = SamplingParams(temperature=0.0, seed=0)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    m = load_model(DEFAULT_STORE, threads=2, ctx=128, progress=False)
+    yield m
+    m.close()
+
+
+def _answer(llm, prompt, max_tokens: int) -> str:
+    return "".join(c.text for c in llm.generate(prompt, GREEDY, max_tokens=max_tokens))
+
+
+def test_one_digit_sums_bare(llm):
+    wrong = []
+    for a, b in PAIRS:
+        out = _answer(llm, f"{a}+{b}=", 4)
+        if not re.match(rf"{a + b}(\D|$)", out):
+            wrong.append((f"{a}+{b}=", out))
+    assert not wrong, wrong
+
+
+@pytest.mark.parametrize("form", CHAT_FORMS)
+def test_one_digit_sums_chat(llm, form):
+    wrong = []
+    for a, b in PAIRS:
+        ids = llm.chat_prompt([{"role": "user", "content": form.format(a=a, b=b)}])
+        out = _answer(llm, ids, 10).strip()
+        if not re.match(rf"{a}\+{b}={a + b}(\D|$)", out):
+            wrong.append((form.format(a=a, b=b), out))
+    assert len(wrong) <= MAY_MISS.get(form, 0), wrong
