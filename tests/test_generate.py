@@ -1,5 +1,8 @@
 """The streaming generator and public API: chunks and stats, KV prefix reuse, consistency after an early
 stop, stop strings / eos / length / context, prefill-only requests."""
+import os
+import sys
+
 import numpy as np
 import pytest
 
@@ -122,7 +125,8 @@ def test_superseded_generator_stops(llm):
 
 
 def test_overhead_measurement_runs(llm):
-    from engine.generate import python_overhead_per_step
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    from bench_step import python_overhead_per_step
 
     llm.generate(llm.tokenize("x", add_bos=True), GREEDY, max_tokens=1)
     over = python_overhead_per_step(llm.model, n=5)
