@@ -257,7 +257,7 @@ def report(res: dict, out_dir: str):
     mpt = res.get("ours", {}).get("macs_per_token")
     lines = ["# Batched decode: many sequences at once (bench/bench_batch.py)", "",
              f"Run {res['date']} on {res['cpu']}, {res['threads']} threads, load average at start "
-             f"{res['load_start']}, at end {res['load_end']} (the machine was shared with other jobs: compare the "
+             f"{res['load_start']}, at end {res['load_end']} (a shared machine: compare the "
              "ratios, measured in the same run). Model: synthetic 2B-4T-shaped TQ2_0 "
              f"(`{os.path.basename(res['gguf'])}`; ours: the converted {res['lm_head']}-head store). "
              f"Each request: {res['prompt']}-token prompt, {res['gen']} greedy tokens; N requests arrive together.", "",
@@ -331,7 +331,7 @@ def report(res: dict, out_dir: str):
             ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
             ax.grid(alpha=0.3)
             ax.legend()
-        fig.suptitle(f"2B-4T shape, {res['threads']} threads, busy shared machine (load {res['load_start']})")
+        fig.suptitle(f"2B-4T shape, {res['threads']} threads, load average at start {res['load_start']}")
         fig.tight_layout()
         fig.savefig(os.path.join(out_dir, "batch_results.png"), dpi=110)
     except Exception as e:  # noqa: BLE001 - the table is the result; the plot is a convenience
