@@ -27,6 +27,7 @@ import numpy as np
 
 from . import chat_template as _ct
 from .config import ModelConfig
+from .cpu import available_cores, default_threads  # noqa: F401  (available_cores: re-exported)
 from .errors import BitNetError, FormatError, QueueFullError
 from .generate import Chunk, Stats, generate as _generate
 from .model import Model
@@ -78,20 +79,15 @@ def _display_name(store: Store) -> str:
     return store.config.name or os.path.splitext(os.path.basename(store.meta.get("source") or store.path))[0]
 
 
-def available_cores() -> int:
-    """CPU cores this process may run on (its affinity mask, e.g. under taskset or a container)."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):
-        return max(1, os.cpu_count() or 1)
-
-
-def _checked_threads(threads: int | None, warnings: list[str]) -> int | None:
-    """-t below 1 is an error; above the available cores it is capped, with a warning."""
-    if threads is not None and threads < 1:
+def _checked_threads(threads: int | None, warnings: list[str]) -> int:
+    """-t below 1 is an error; above the available (logical) CPUs it is capped, with a warning; not given:
+    engine.cpu.default_threads() (one per physical core, or OMP_NUM_THREADS)."""
+    if threads is None:
+        return default_threads()
+    if threads < 1:
         raise BitNetError(f"-t/--threads {threads}: must be >= 1")
     cores = available_cores()
-    if threads is not None and threads > cores:
+    if threads > cores:
         warnings.append(f"-t/--threads {threads} is more than the {cores} CPU cores available; using {cores}")
         return cores
     return threads
@@ -109,7 +105,7 @@ class LLM(_Text):
         self.warnings: list[str] = []   # one line each, for the CLI to print ("-c above the trained context", ...)
         if ctx is not None and ctx < 1:
             raise BitNetError(f"-c/--ctx {ctx}: must be >= 1")
-        threads = _checked_threads(threads, self.warnings)
+        self.threads = threads = _checked_threads(threads, self.warnings)
         Model.set_threads(threads)
         self.model = Model(store, n_ctx=ctx, kv_dtype=kv_dtype)
         self.warnings += self.model.warnings
@@ -182,7 +178,7 @@ class Engine(_Text, BatchScheduler):
         t0 = time.perf_counter()
         cfg = store.config
         self.warnings: list[str] = []
-        threads = _checked_threads(threads, self.warnings)
+        self.threads = threads = _checked_threads(threads, self.warnings)
         if ctx is not None and ctx < 1:
             raise BitNetError(f"-c/--ctx {ctx}: must be >= 1")
         if kv_dtype not in ("f16", "f32"):

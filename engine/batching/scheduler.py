@@ -450,5 +450,9 @@ class BatchScheduler:
 
 
 def _cpu_count() -> int:
+    """An upper bound on the threads the kernels may run with (sizes the per-thread attention scratch):
+    every logical CPU (the C side's fallback) or the default count (OMP_NUM_THREADS may exceed it)."""
     import os
-    return os.cpu_count() or 1
+
+    from ..cpu import default_threads
+    return max(os.cpu_count() or 1, default_threads())

@@ -13,9 +13,11 @@ def facts() -> dict:
 
     import simd
     from engine import __version__
+    from engine.cpu import available_cores, default_threads, physical_cores
 
     return {"version": __version__, "python": platform.python_version(), "machine": platform.machine(),
-            "cpu_count": os.cpu_count(), "threads": simd.get_num_threads(), "active": simd.active(),
+            "cpu_count": os.cpu_count(), "available_cpus": available_cores(), "physical_cores": physical_cores(),
+            "threads": default_threads(), "active": simd.active(),
             "supported": list(simd.supported_isas()), "forced": os.environ.get("BITNET_ISA") or None,
             "features": dict(simd.features())}
 
@@ -33,7 +35,8 @@ def main(args) -> int:
         ("version", f"bitnet-cpu {f['version']} (Python {f['python']}, {f['machine']})"),
         ("kernel path", f["active"] + (f" (forced by BITNET_ISA={f['forced']})" if f["forced"] else "")),
         ("paths this CPU runs", ", ".join(f["supported"]) + "  (force one with BITNET_ISA=...)"),
-        ("threads", f"{f['threads']} of {f['cpu_count']} CPUs  (-t N to change)"),
+        ("threads", f"{f['threads']} (physical cores: {f['physical_cores']} of {f['available_cpus']} CPUs this "
+                    f"process may use, {f['cpu_count']} in the machine; -t N to change)"),
         ("CPU features", ", ".join(have) or "-"),
         ("not present", ", ".join(lacking) or "-"),
     ]

@@ -1,0 +1,78 @@
+"""engine.cpu: the default thread count is one per physical core this process may use, read from a sysfs
+topology tree (a fake one here), intersected with the affinity set; OMP_NUM_THREADS overrides it."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from engine import cpu
+
+
+def _fake_sysfs(tmp_path, siblings: dict[int, str], name="core_cpus_list"):
+    for c, text in siblings.items():
+        d = tmp_path / f"cpu{c}" / "topology"
+        d.mkdir(parents=True)
+        (d / name).write_text(text + "\n")
+    return str(tmp_path)
+
+
+def test_parse_cpu_list():
+    assert cpu.parse_cpu_list("0-3,8,10-11\n") == {0, 1, 2, 3, 8, 10, 11}
+    with pytest.raises(ValueError):
+        cpu.parse_cpu_list("3-1")
+
+
+def test_smt_pairs_count_once(tmp_path):
+    # 4 cores x 2 threads, Intel numbering: cpu i and i+4 share a core
+    root = _fake_sysfs(tmp_path, {i: f"{i % 4},{i % 4 + 4}" for i in range(8)})
+    assert cpu.physical_cores(root, cpus=set(range(8))) == 4
+    # affinity to both threads of core 0 and one of core 1: two cores
+    assert cpu.physical_cores(root, cpus={0, 4, 1}) == 2
+    # affinity to one thread of each core: four
+    assert cpu.physical_cores(root, cpus={0, 1, 2, 3}) == 4
+
+
+def test_older_kernels_thread_siblings_list(tmp_path):
+    # AMD-style numbering (siblings adjacent), only the older file name present
+    root = _fake_sysfs(tmp_path, {i: f"{i - i % 2}-{i - i % 2 + 1}" for i in range(6)}, name="thread_siblings_list")
+    assert cpu.physical_cores(root, cpus=set(range(6))) == 3
+
+
+def test_missing_or_broken_topology_falls_back_to_affinity_count(tmp_path):
+    assert cpu.physical_cores(str(tmp_path / "nothing"), cpus={0, 1, 2}) == 3
+    root = _fake_sysfs(tmp_path, {0: "garbage", 1: "5"})   # unreadable, and a list that omits the cpu itself
+    assert cpu.physical_cores(root, cpus={0, 1}) == 2
+
+
+def test_default_threads_env_and_real_machine(tmp_path, monkeypatch):
+    root = _fake_sysfs(tmp_path, {c: str(c) for c in cpu.affinity_cpus()})   # no SMT: one core per cpu
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert cpu.default_threads(root) == cpu.available_cores()
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert cpu.default_threads(root) == 1
+    monkeypatch.setenv("OMP_NUM_THREADS", "100000")
+    assert cpu.default_threads(root) == cpu.available_cores()
+    monkeypatch.setenv("OMP_NUM_THREADS", "junk")
+    assert cpu.default_threads(root) == cpu.available_cores()
+    assert 1 <= cpu.physical_cores() <= cpu.available_cores()
+
+
+def test_info_and_run_verbose_show_threads(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    out = subprocess.run([sys.executable, "-m", "engine", "info", "--json"], capture_output=True, text=True,
+                         env=env, check=True).stdout
+    f = json.loads(out)
+    assert f["threads"] == f["physical_cores"] == cpu.physical_cores()
+    table = subprocess.run([sys.executable, "-m", "engine", "info"], capture_output=True, text=True, env=env,
+                           check=True).stdout
+    assert f"{f['threads']} (physical cores" in table
+    env["OMP_NUM_THREADS"] = "1"
+    r = subprocess.run([sys.executable, "-m", "engine", "run", "-v", "-n", "2", "-p", "hi"], capture_output=True,
+                       text=True, env=env)
+    assert r.returncode == 0, r.stderr
+    assert "threads 1)" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "engine", "run", "-v", "-t", "1", "-n", "2", "-p", "hi"],
+                       capture_output=True, text=True, env={**env, "OMP_NUM_THREADS": str(cpu.available_cores())})
+    assert r.returncode == 0 and "threads 1)" in r.stderr
