@@ -85,7 +85,8 @@ class Ours:
     def load(self, model: str, threads: int, ctx: int):
         from engine.api import SamplingParams, load_model
 
-        self.llm = load_model(model, ctx=ctx, threads=threads, progress=False)
+        self.llm = load_model(model, ctx=ctx, threads=threads or None, progress=False)  # 0: the default
+        self.threads_used = self.llm.threads
         self.greedy = SamplingParams(temperature=0.0)
         self.vocab = self.llm.config.vocab_size
 
@@ -147,6 +148,7 @@ def run(a) -> dict:
     t0 = time.perf_counter()
     engine.load(a.model, a.threads, a.ctx)
     res["load_s"] = time.perf_counter() - t0
+    res["threads_used"] = getattr(engine, "threads_used", a.threads)
     first = prompt_ids(1, a.seed + 1, engine.vocab)
     _, times, _ = timed_stream(engine, first, 1)
     res["first_token_s"] = times[0] - t0
@@ -194,7 +196,7 @@ def parse_args(argv=None):
     ap.add_argument("--engine", choices=("ours", "llama"), required=True)
     ap.add_argument("--model", required=True, help="our store (ours) or the GGUF (llama)")
     ap.add_argument("--mode", choices=("session", "cold"), default="session")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2, help="0: the engine's default (ours only)")
     ap.add_argument("--ctx", type=int, default=2048)
     ap.add_argument("--prefill", type=lambda s: [int(x) for x in s.split(",")], default=[128, 512])
     ap.add_argument("--inner", type=int, default=1, help="prefill repetitions inside the session (best kept)")

@@ -188,3 +188,27 @@ def test_bench_batch_arithmetic():
     r = bench_batch.summarize(2, 0.0, [1.0, 2.0], [4.0, 4.0], [3, 3], [1.0, 2.0, 3.0, 3.0, 4.0, 4.0])
     assert r["agg_decode_tps"] == 2.0 and r["e2e_tps"] == 1.5
     assert r["ttft_median_s"] == 2.0 and r["ttft_max_s"] == 2.0 and r["generated"] == 6
+
+
+def test_bench_threads_table_ratios_and_plot(tmp_path):
+    import bench_threads
+
+    def sess(dec, pp, used=None):
+        return {"decode_tps": dec, "prefill_tps": {"512": pp}, "threads_used": used}
+
+    rows = [{"threads": 1, "limits": {"bandwidth_Bps": 20e9}, "ours": sess(10.0, 50.0), "llama": sess(5.0, 20.0),
+             "serial": {"serial_s": 0.002}},
+            {"threads": 2, "limits": {"bandwidth_Bps": 30e9}, "ours": sess(15.0, 80.0), "llama": {"error": "boom"},
+             "serial": {"serial_s": 0.003}}]
+    res = {"date": "d", "machine": "m", "cpus": 2, "available": 2, "physical": 2, "load": (1.0, 1.0, 1.0),
+           "store": "s", "gguf": "g", "llama_cpp": "0.3", "decode": 8, "bytes_per_token": 1e9, "command": "c",
+           "total_s": 1.0, "rows": rows, "busy": {"default": sess(12.0, 60.0, 2), "t1": sess(10.0, 40.0, 1)}}
+    md = bench_threads.render(res)
+    # threads 1: limit 20 tok/s, ours 50% of it, 2.00x llama decode, 2.50x prefill, serial 2 ms = 2% of a 100 ms step
+    assert "| 1 | 20.0 | 20.0 | 10.0 | 5.0 | 2.00x | 50% | 50.0 | 20.0 | 2.50x | 1.00 | 2.00 | 2.0% |" in md
+    # threads 2: prefill 80 vs linear 100 -> 0.80; the failed llama session shows as — and is listed
+    assert "| 2 | 30.0 | 30.0 | 15.0 | — | — | 50% | 80.0 | — | — | 0.80 | 3.00 | 4.5% |" in md
+    assert "threads 2 llama: boom" in md
+    assert "| default / -t 1 | 1.20x | 1.50x |" in md and "| default (2) |" in md
+    bench_threads.plot(res, str(tmp_path / "t.png"))
+    assert (tmp_path / "t.png").stat().st_size > 1000
