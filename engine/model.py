@@ -26,7 +26,7 @@ import simd._ops as ops
 
 from .config import ModelConfig
 from .errors import BitNetError, ContextOverflowError, FormatError
-from .layout import pad_to, K_ALIGN
+from simd.layout import K_ALIGN, pad_to
 
 DEFAULT_CHUNK = 128  # prefill rows per GEMM call (measured: 32..256 within 4%, 128 best)
 # chunks of at most this many rows use the multi-row GEMV (one sequential weight stream) instead of the GEMM:
