@@ -23,7 +23,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from engine import layout  # noqa: E402
+from simd import layout  # noqa: E402
 from simd import _kernels as K  # noqa: E402
 
 LLC_BYTES = 32 << 20

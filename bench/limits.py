@@ -89,7 +89,7 @@ def int8_peak(threads: int) -> dict | None:
             out["peak_dot_error"] = str(e)
     if hasattr(kern, "gemm_ternary"):
         try:
-            from engine.layout import pack_ternary, padded_shape
+            from simd.layout import pack_ternary, padded_shape
 
             n, k, m = 512, 2560, 64  # 320 KiB of codes: resident in the two 1 MiB L2 caches
             rng = np.random.default_rng(0)

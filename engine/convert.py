@@ -26,7 +26,7 @@ from typing import Iterator
 
 import numpy as np
 
-from . import layout
+from simd import layout
 from .errors import BitNetError, FormatError
 from .store import TensorSpec, is_store, write_store
 

@@ -5,25 +5,16 @@ everything the user can act on, EXIT_BUG for a KernelError (an engine bug: the m
 for a report). Every message names the file or flag and says what is wrong; `hint` says what to do.
 """
 
-EXIT_OK = 0
-EXIT_BAD_INPUT = 2      # a flag, a prompt or a model file is wrong (also: the file changed while in use)
-EXIT_BUG = 70           # an internal error of bitnet-cpu (EX_SOFTWARE): please report it
-EXIT_INTERRUPTED = 130  # Ctrl-C
-BUG_REPORT_HINT = "this is a bug in bitnet-cpu, not in your input: please report it with the command you ran"
-
-
-class BitNetError(Exception):
-    """Base class: a problem the user can act on (never a bug in the engine)."""
-
-    exit_code = EXIT_BAD_INPUT
-
-    def __init__(self, message: str, hint: str | None = None):
-        super().__init__(message)
-        self.hint = hint
-
-    def __str__(self) -> str:  # one line
-        msg = super().__str__()
-        return f"{msg} (hint: {self.hint})" if self.hint else msg
+from simd.errors import (  # noqa: F401  (the base error and the kernels' errors live at the bottom: simd)
+    BUG_REPORT_HINT,
+    EXIT_BAD_INPUT,
+    EXIT_BUG,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    BitNetError,
+    IsaChoiceError,
+    KernelError,
+)
 
 
 class FormatError(BitNetError):
@@ -36,21 +27,6 @@ class UnsupportedError(BitNetError):
 
 class ContextOverflowError(BitNetError):
     """The prompt (plus what is asked to be generated) does not fit the context window."""
-
-
-class KernelError(BitNetError, ValueError):
-    """A kernel was called with arguments that break its preconditions (raised at the Cython boundary).
-    The engine checks every input before it reaches a kernel, so this is a bug of the engine, not the user's:
-    the CLI says so (BUG_REPORT_HINT) and exits EXIT_BUG."""
-
-    exit_code = EXIT_BUG
-
-
-class IsaChoiceError(KernelError):
-    """BITNET_ISA / set_isa() named a kernel path that does not exist or this CPU cannot run: the user's
-    choice, so an ordinary bad-input error (still a KernelError for callers that catch those)."""
-
-    exit_code = EXIT_BAD_INPUT
 
 
 class QueueFullError(BitNetError):

@@ -26,7 +26,7 @@ import simd._ops as ops
 
 from .config import ModelConfig
 from .errors import BitNetError, ContextOverflowError, FormatError
-from .layout import pad_to, K_ALIGN
+from simd.layout import K_ALIGN, pad_to
 
 DEFAULT_CHUNK = 128  # prefill rows per GEMM call (measured: 32..256 within 4%, 128 best)
 # chunks of at most this many rows use the multi-row GEMV (one sequential weight stream) instead of the GEMM:
@@ -198,6 +198,37 @@ class _Views:
         self.qkv1, self.delta1, self.gu1 = self.qkv[0], self.delta[0], self.gu[0]
 
 
+def run_layers(w: Weights, v: _Views, attend, gemm=K.gemm_ternary):
+    """All layers for the v.m rows of v (ids already embedded into v.x): the model's one per-layer op sequence,
+    shared by Model (contiguous KV cache) and the batching engine (paged KV cache), which differ only in
+    attend(li, qkv, att): RoPE + KV write + attention of layer li. One row runs through gemv_ternary on the
+    1-row operands, more rows through `gemm` (gemm_ternary, or gemv_rows_ternary for a few rows).
+    Models without sub-norms (Llama architecture) quantize the attention output directly."""
+    eps, act = w.eps, w.act
+    x, delta, h_d, h_q, qkv, att, gu = v.x, v.delta, v.h_d, v.h_q, v.qkv, v.att, v.gu
+    xq_d, xq_q, xq_i, s, sm = v.xq_d, v.xq_q, v.xq_i, v.act_scale, v.act_sum
+    add_norm_q, glu, quant = ops.add_rmsnorm_quant, ops.glu_rmsnorm_quant, K.quantize_act
+    one = v.m == 1  # one row: gemv_ternary on the 1-row operands, with act scale / sum as scalars
+    mm = K.gemv_ternary if one else gemm
+    a_d, a_q, a_i, o_qkv, o_delta, o_gu = ((v.xq_d1, v.xq_q1, v.xq_i1, v.qkv1, v.delta1, v.gu1) if one
+                                           else (xq_d, xq_q, xq_i, qkv, delta, gu))
+    residual = None  # layer 0: x is the embedding, nothing to add yet
+    for li, L in enumerate(w.layers):
+        add_norm_q(x, residual, L.attn_norm, eps, h_d, xq_d, s, sm)
+        mm(L.qkv, L.qkv_scale, a_d, s[0] if one else s, sm[0] if one else sm, o_qkv)
+        attend(li, qkv, att)
+        if L.attn_sub_norm is not None:
+            add_norm_q(att, None, L.attn_sub_norm, eps, h_q, xq_q, s, sm)
+        else:
+            quant(att, xq_q, s, sm)
+        mm(L.o, L.o_scale, a_q, s[0] if one else s, sm[0] if one else sm, o_delta)
+        add_norm_q(x, delta, L.ffn_norm, eps, h_d, xq_d, s, sm)
+        mm(L.gate_up, L.gate_up_scale, a_d, s[0] if one else s, sm[0] if one else sm, o_gu)
+        glu(gu, act, L.ffn_sub_norm, eps, xq_i, s, sm)
+        mm(L.down, L.down_scale, a_i, s[0] if one else s, sm[0] if one else sm, o_delta)
+        residual = delta
+
+
 class Model:
     """One inference session: weights (views into the store), run-state buffers and the KV cache.
 
@@ -282,47 +313,15 @@ class Model:
         return v
 
     def _blocks(self, v: _Views, pos0: int):
-        """All layers for v.m tokens (ids already embedded into v.x) at positions pos0 .."""
-        cfg, eps, act = self.config, self._eps, self._act
+        """All layers for v.m tokens (ids already embedded into v.x) at positions pos0 .. (contiguous cache)."""
+        cfg, attention = self.config, ops.attention
         nh, nkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         kc, vc, cos, sin, scr = self._k_cache, self._v_cache, self._cos, self._sin, self._scratch
-        x, delta, h_d, h_q, qkv, att, gu = v.x, v.delta, v.h_d, v.h_q, v.qkv, v.att, v.gu
-        xq_d, xq_q, xq_i, s, sm = v.xq_d, v.xq_q, v.xq_i, v.act_scale, v.act_sum
-        add_norm_q, attention, glu, quant = ops.add_rmsnorm_quant, ops.attention, ops.glu_rmsnorm_quant, K.quantize_act
-        residual = None  # layer 0: x is the embedding, nothing to add yet
-        if v.m == 1:
-            gemv = K.gemv_ternary
-            xq_d1, xq_q1, xq_i1, qkv1, delta1, gu1 = v.xq_d1, v.xq_q1, v.xq_i1, v.qkv1, v.delta1, v.gu1
-            for li, w in enumerate(self.layers):
-                add_norm_q(x, residual, w.attn_norm, eps, h_d, xq_d, s, sm)
-                gemv(w.qkv, w.qkv_scale, xq_d1, s[0], sm[0], qkv1)
-                attention(qkv, nh, nkv, hd, cos, sin, pos0, kc[li], vc[li], att, scr)
-                if w.attn_sub_norm is not None:
-                    add_norm_q(att, None, w.attn_sub_norm, eps, h_q, xq_q, s, sm)
-                else:
-                    quant(att, xq_q, s, sm)
-                gemv(w.o, w.o_scale, xq_q1, s[0], sm[0], delta1)
-                add_norm_q(x, delta, w.ffn_norm, eps, h_d, xq_d, s, sm)
-                gemv(w.gate_up, w.gate_up_scale, xq_d1, s[0], sm[0], gu1)
-                glu(gu, act, w.ffn_sub_norm, eps, xq_i, s, sm)
-                gemv(w.down, w.down_scale, xq_i1, s[0], sm[0], delta1)
-                residual = delta
-        else:
-            gemm = K.gemv_rows_ternary if v.m <= ROWS_GEMV_MAX else K.gemm_ternary
-            for li, w in enumerate(self.layers):
-                add_norm_q(x, residual, w.attn_norm, eps, h_d, xq_d, s, sm)
-                gemm(w.qkv, w.qkv_scale, xq_d, s, sm, qkv)
-                attention(qkv, nh, nkv, hd, cos, sin, pos0, kc[li], vc[li], att, scr)
-                if w.attn_sub_norm is not None:
-                    add_norm_q(att, None, w.attn_sub_norm, eps, h_q, xq_q, s, sm)
-                else:
-                    quant(att, xq_q, s, sm)
-                gemm(w.o, w.o_scale, xq_q, s, sm, delta)
-                add_norm_q(x, delta, w.ffn_norm, eps, h_d, xq_d, s, sm)
-                gemm(w.gate_up, w.gate_up_scale, xq_d, s, sm, gu)
-                glu(gu, act, w.ffn_sub_norm, eps, xq_i, s, sm)
-                gemm(w.down, w.down_scale, xq_i, s, sm, delta)
-                residual = delta
+
+        def attend(li, qkv, att):
+            attention(qkv, nh, nkv, hd, cos, sin, pos0, kc[li], vc[li], att, scr)
+
+        run_layers(self.weights, v, attend, K.gemv_rows_ternary if v.m <= ROWS_GEMV_MAX else K.gemm_ternary)
 
     def _head(self, v: _Views, row: int, out: np.ndarray):
         """Logits of one row of the last chunk (its residual still lacks the last down_proj output)."""

@@ -77,12 +77,6 @@ LLAMA3_CHAT_TEMPLATE = (
     " + '<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}{{ content }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
 )
-# What the official bitnet-b1.58-2B-4T GGUF embeds (wrong; the converter replaces it).
-BROKEN_GGUF_TEMPLATE = (
-    "{% for message in messages %}{% if loop.first %}{{ bos_token }}{% endif %}"
-    "{% if message['role'] == 'user' %}{{ 'Human: ' + message['content'] + '\\n\\nBITNETAssistant: ' }}"
-    "{% elif message['role'] == 'assistant' %}{{ message['content'] + '<|eot_id|>' }}{% endif %}{% endfor %}"
-)
 LLAMA3_SPLIT_REGEX = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
@@ -124,11 +118,6 @@ def bf16_round(x: np.ndarray) -> np.ndarray:
     u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
     r = ((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000))
     return r.view(np.float32)
-
-
-def bf16_bits(x: np.ndarray) -> np.ndarray:
-    """f32 values that are bf16-exact -> uint16 bf16 bit patterns."""
-    return (np.ascontiguousarray(x, dtype=np.float32).view(np.uint32) >> np.uint32(16)).astype(np.uint16)
 
 
 def _exact_both(x: np.ndarray) -> np.ndarray:
@@ -338,4 +327,5 @@ def _build_sp_tokenizer(vocab_size: int) -> dict:
             "bos": 1, "eos": 2, "eot": None}
 
 
-from .synth_writers import i2s_pack, tq2_pack, write_gguf_i2s, write_gguf_tq, write_hf_dir  # noqa: E402,F401
+from .synth_writers import (  # noqa: E402,F401  (the writers own the file formats; synth re-exports them)
+    BROKEN_GGUF_TEMPLATE, bf16_bits, i2s_pack, tq2_pack, write_gguf_i2s, write_gguf_tq, write_hf_dir)

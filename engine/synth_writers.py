@@ -11,6 +11,19 @@ from typing import Callable, Iterator
 
 import numpy as np
 
+# What the official bitnet-b1.58-2B-4T GGUF embeds (wrong; the converter replaces it).
+BROKEN_GGUF_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first %}{{ bos_token }}{% endif %}"
+    "{% if message['role'] == 'user' %}{{ 'Human: ' + message['content'] + '\\n\\nBITNETAssistant: ' }}"
+    "{% elif message['role'] == 'assistant' %}{{ message['content'] + '<|eot_id|>' }}{% endif %}{% endfor %}"
+)
+
+
+def bf16_bits(x: np.ndarray) -> np.ndarray:
+    """f32 values that are bf16-exact -> uint16 bf16 bit patterns."""
+    return (np.ascontiguousarray(x, dtype=np.float32).view(np.uint32) >> np.uint32(16)).astype(np.uint16)
+
+
 HF_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
             "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
             "ffn_down": "mlp.down_proj"}
@@ -74,7 +87,6 @@ def write_safetensors(path: str, specs: list[tuple[str, str, list[int], Callable
 
 
 def _float_tag(x: np.ndarray, tag: str) -> np.ndarray:
-    from .synth import bf16_bits
 
     if tag == "BF16":
         return bf16_bits(x)
@@ -398,7 +410,6 @@ class RawGGUFWriter:
 
 def write_gguf_i2s(m, path: str, *, arch: str = "bitnet-b1.58", pre: str | None = None,
                    broken_template: bool = True) -> str:
-    from .synth import BROKEN_GGUF_TEMPLATE
 
     w = RawGGUFWriter(path)
     w.add("general.architecture", "str", arch)

@@ -3,11 +3,11 @@
 `simd.features()` -> CPU features seen by the dispatcher; `simd.active()` -> the chosen path
 ("avx512" | "avxvnni" | "avx2" | "scalar" | "neon"). `BITNET_ISA=scalar|avx2|avxvnni|avx512` forces a path
 (avxvnni: AVX2 + 256-bit VNNI; on AVX-512 cores it runs the EVEX twin of those bodies); forcing one the
-CPU cannot run raises engine.errors.KernelError (at `import simd._kernels`, or at the first use of `simd.*`,
+CPU cannot run raises simd.errors.KernelError (at `import simd._kernels`, or at the first use of `simd.*`,
 so that `python -m simd` / `bitnet info` can report it as one line). Everything else lives in
 simd._kernels (see engine/INTERFACES.md).
 """
-from engine.errors import BitNetError as _BitNetError
+from .errors import BitNetError as _BitNetError
 
 import os as _os
 

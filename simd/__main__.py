@@ -2,7 +2,7 @@
 with --json for scripts; this stays here so the kernels can be checked without the engine's CLI)."""
 import sys
 
-from engine.errors import BitNetError
+from simd.errors import BitNetError
 
 
 def _main() -> int:

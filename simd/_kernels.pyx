@@ -1,6 +1,6 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
 """Thin Python boundary of the C kernels in simd/kernels/ (contract: engine/INTERFACES.md, layouts:
-engine/layout.py, numpy oracle: simd/reference.py).
+simd/layout.py, numpy oracle: simd/reference.py).
 
 Every precondition (type, dtype, byte order, C-contiguity, writability, shapes, K_pad % 64 == 0, packed
 sizes, scale lengths, M consistency) is checked here once and raises engine.errors.KernelError (a
@@ -16,7 +16,7 @@ from libc.stdint cimport int8_t, int32_t, int64_t, uint8_t, uint16_t, uint64_t
 
 import numpy as np
 
-from engine.errors import IsaChoiceError, KernelError
+from simd.errors import IsaChoiceError, KernelError
 
 cnp.import_array()
 

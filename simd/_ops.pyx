@@ -47,7 +47,7 @@ ctypedef fused kv_t:
 
 
 cdef _fail(str msg):
-    from engine.errors import KernelError
+    from simd.errors import KernelError
     raise KernelError("simd._ops." + msg)
 
 

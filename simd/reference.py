@@ -1,11 +1,11 @@
 """Plain numpy versions of every kernel in simd._kernels, with the same signatures and the same math
-(engine/layout.py). The kernel tests use them as the oracle; they are slow and never used at run time.
+(simd/layout.py). The kernel tests use them as the oracle; they are slow and never used at run time.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from engine import layout
+from . import layout
 
 
 def quantize_act(x, xq, act_scale, act_sum):

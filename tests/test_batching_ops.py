@@ -123,7 +123,7 @@ def _supported_kernel_isas():
 @pytest.mark.parametrize("n,k,m", [(1, 4, 1), (37, 100, 3), (250, 68, 8), (517, 2560, 13), (2000, 256, 17)])
 def test_gemm_i8_rows_equal_gemv_i8(isa, n, k, m):
     import simd._kernels as K
-    from engine import layout
+    from simd import layout
 
     rng = np.random.default_rng(n + 7 * k + m)
     wq, sc = layout.quantize_rows_i8(rng.standard_normal((n, k)).astype(np.float32))
@@ -151,7 +151,7 @@ def test_gemm_i8_rows_equal_gemv_i8(isa, n, k, m):
 
 def test_gemm_i8_checks():
     import simd._kernels as K
-    from engine import layout
+    from simd import layout
 
     wq = np.ones((20, 64), np.int8)
     w, rowsum, sc = layout.pack_i8(wq), np.full(20, 64, np.int32), np.ones(20, np.float32)
@@ -169,7 +169,7 @@ def test_gemm_i8_checks():
 @pytest.mark.parametrize("isa", _supported_kernel_isas())
 def test_gemm_f16_rows_equal_gemv_f16(isa):
     import simd._kernels as K
-    from engine import layout
+    from simd import layout
 
     rng = np.random.default_rng(2)
     n, k, m = 300, 192, 5

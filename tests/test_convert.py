@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from engine import layout
+from simd import layout
 from engine.convert import convert, resolve_model
 from engine.errors import BitNetError, FormatError, UnsupportedError
 from engine.store import Store

@@ -4,7 +4,7 @@ and a q4 model whose prefill equals step-by-step decode and whose verify rows eq
 import numpy as np
 import pytest
 
-from engine import layout
+from simd import layout
 from engine.api import SamplingParams, load_model
 from engine.errors import KernelError
 from engine.speculative import OFF, LookupParams

@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from engine import layout
+from simd import layout
 from engine.errors import KernelError
 from simd import _kernels as K
 from simd import reference as R

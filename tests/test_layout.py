@@ -1,8 +1,8 @@
-"""The packed layouts of engine/layout.py round-trip and place codes exactly where the kernels expect."""
+"""The packed layouts of simd/layout.py round-trip and place codes exactly where the kernels expect."""
 import numpy as np
 import pytest
 
-from engine import layout
+from simd import layout
 
 
 @pytest.mark.parametrize("n,k", [(1, 4), (16, 64), (17, 68), (40, 3200 // 10), (33, 130)])

@@ -5,7 +5,7 @@ and seeded sampling, both head kinds) while actually drafting; an early stop lea
 import numpy as np
 import pytest
 
-from engine import layout
+from simd import layout
 from engine.api import SamplingParams, load_model
 from engine.errors import BitNetError, KernelError
 from engine.speculative import OFF, DraftLength, LookupParams, PromptLookup

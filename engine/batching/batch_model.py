@@ -16,7 +16,7 @@ import simd._ops as ops
 
 from ..config import ModelConfig
 from ..errors import BitNetError
-from ..model import Weights, _Views, alloc_run_state, rope_tables
+from ..model import Weights, _Views, alloc_run_state, rope_tables, run_layers
 from .kv_pool import PAGE_TOKENS, KVPool
 
 
@@ -64,47 +64,15 @@ class BatchModel:
         return self._head(v, logit_rows)
 
     def _blocks(self, v: _Views, seq_rows, seq_pos0, page_table):
-        cfg, w = self.config, self.w
-        eps, act = w.eps, w.act
+        """All layers of one step: engine.model.run_layers with attention over each sequence's own pages."""
+        cfg, attention = self.config, ops.attention_paged
         nh, nkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         kp, vp, cos, sin, scr = self.pool.k, self.pool.v, self._cos, self._sin, self._scratch
-        x, delta, h_d, h_q, qkv, att, gu = v.x, v.delta, v.h_d, v.h_q, v.qkv, v.att, v.gu
-        xq_d, xq_q, xq_i, s, sm = v.xq_d, v.xq_q, v.xq_i, v.act_scale, v.act_sum
-        add_norm_q, attention, glu, quant = ops.add_rmsnorm_quant, ops.attention_paged, ops.glu_rmsnorm_quant, K.quantize_act
-        residual = None
-        if v.m == 1:
-            gemv = K.gemv_ternary
-            xq_d1, xq_q1, xq_i1, qkv1, delta1, gu1 = v.xq_d1, v.xq_q1, v.xq_i1, v.qkv1, v.delta1, v.gu1
-            for li, L in enumerate(w.layers):
-                add_norm_q(x, residual, L.attn_norm, eps, h_d, xq_d, s, sm)
-                gemv(L.qkv, L.qkv_scale, xq_d1, s[0], sm[0], qkv1)
-                attention(qkv, nh, nkv, hd, cos, sin, seq_rows, seq_pos0, page_table, kp[li], vp[li], att, scr)
-                if L.attn_sub_norm is not None:
-                    add_norm_q(att, None, L.attn_sub_norm, eps, h_q, xq_q, s, sm)
-                else:  # Llama-architecture models: no sub-norms (as engine/model.py)
-                    quant(att, xq_q, s, sm)
-                gemv(L.o, L.o_scale, xq_q1, s[0], sm[0], delta1)
-                add_norm_q(x, delta, L.ffn_norm, eps, h_d, xq_d, s, sm)
-                gemv(L.gate_up, L.gate_up_scale, xq_d1, s[0], sm[0], gu1)
-                glu(gu, act, L.ffn_sub_norm, eps, xq_i, s, sm)
-                gemv(L.down, L.down_scale, xq_i1, s[0], sm[0], delta1)
-                residual = delta
-        else:
-            gemm = K.gemm_ternary
-            for li, L in enumerate(w.layers):
-                add_norm_q(x, residual, L.attn_norm, eps, h_d, xq_d, s, sm)
-                gemm(L.qkv, L.qkv_scale, xq_d, s, sm, qkv)
-                attention(qkv, nh, nkv, hd, cos, sin, seq_rows, seq_pos0, page_table, kp[li], vp[li], att, scr)
-                if L.attn_sub_norm is not None:
-                    add_norm_q(att, None, L.attn_sub_norm, eps, h_q, xq_q, s, sm)
-                else:  # Llama-architecture models: no sub-norms (as engine/model.py)
-                    quant(att, xq_q, s, sm)
-                gemm(L.o, L.o_scale, xq_q, s, sm, delta)
-                add_norm_q(x, delta, L.ffn_norm, eps, h_d, xq_d, s, sm)
-                gemm(L.gate_up, L.gate_up_scale, xq_d, s, sm, gu)
-                glu(gu, act, L.ffn_sub_norm, eps, xq_i, s, sm)
-                gemm(L.down, L.down_scale, xq_i, s, sm, delta)
-                residual = delta
+
+        def attend(li, qkv, att):
+            attention(qkv, nh, nkv, hd, cos, sin, seq_rows, seq_pos0, page_table, kp[li], vp[li], att, scr)
+
+        run_layers(self.w, v, attend)
 
     def _head(self, v: _Views, rows) -> np.ndarray:
         """Logits of the given rows (their residual still lacks the last down_proj output)."""

@@ -1,4 +1,4 @@
-/* f16 GEMV for the LM head ("f16_tile16", engine/layout.py): tile t, column k -> 16 halves of rows 16t..16t+15.
+/* f16 GEMV for the LM head ("f16_tile16", simd/layout.py): tile t, column k -> 16 halves of rows 16t..16t+15.
  *   out[n] = fma(W[n,K-1], x[K-1], ... fma(W[n,1], x[1], fma(W[n,0], x[0], 0)))
  * Each row is accumulated strictly in order k = 0..K-1 with a fused multiply-add, one lane per row, in every
  * path, so all paths give identical floats. The sequential chain per row means FMA latency, not throughput,

@@ -1,4 +1,4 @@
-/* int8 GEMV for the LM head ("i8_tile16", engine/layout.py): W_q int8 in [-127, 127], per-row f32 scale.
+/* int8 GEMV for the LM head ("i8_tile16", simd/layout.py): W_q int8 in [-127, 127], per-row f32 scale.
  *   dot[n] = sum_k W_q[n,k] * xq[k];   out[n] = ((float)dot[n] / act_scale) * row_scale[n]
  * A 64-byte group is 16 rows x 4 columns (one dword per row).
  *   AVX-512 VNNI: vpdpbusd needs an unsigned operand, so the activations are offset to u8 = xq + 128 (xq ^ 0x80)

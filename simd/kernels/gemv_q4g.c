@@ -1,4 +1,4 @@
-/* Group-quantized LM head ("q4g_tile16", engine/layout.py): int4 codes, a 6-bit integer scale per row and
+/* Group-quantized LM head ("q4g_tile16", simd/layout.py): int4 codes, a 6-bit integer scale per row and
  * group of 32 columns, one f32 scale per row, for M <= BK_ROWS_MAX tokens per pass (M = 1: decode; more: the
  * verify pass of speculative decoding). All integer until the last step, so every path gives the same bits:
  *   dot[n] = sum_g s[n,g] * (sum_{k in g} u[n,k] * xq[k] - 8 * sum_{k in g} xq[k]),   u = q + 8 in 0..15

@@ -1,4 +1,4 @@
-/* Ternary GEMV (one token) on the tile16 layout (engine/layout.py):
+/* Ternary GEMV (one token) on the tile16 layout (simd/layout.py):
  *   dot[n] = sum_k (u[n,k] - 1) * xq[k] = sum_k u[n,k] * xq[k] - act_sum,   u = 2-bit code in {0,1,2}
  *   out[n] = ((float)dot[n] / act_scale) * row_scale[n]
  * A 64-byte block holds 16 rows x 16 columns; (block >> 2i) & 3 is 16 rows x 4 columns (4i..4i+3), one

@@ -1,4 +1,4 @@
-/* Shared declarations of the ternary / int8 / f16 kernels (layouts: engine/layout.py).
+/* Shared declarations of the ternary / int8 / f16 kernels (layouts: simd/layout.py).
  *
  * Every job lives in its own C file with a scalar reference body (always compiled) and per-ISA bodies
  * (AVX2, AVX-512 VNNI with per-function target attributes; NEON under __aarch64__). dispatch.c picks one

@@ -1,4 +1,4 @@
-/* Group-quantized LM head kernel (gemv_q4g.c; layout "q4g_tile16" in engine/layout.py). */
+/* Group-quantized LM head kernel (gemv_q4g.c; layout "q4g_tile16" in simd/layout.py). */
 #ifndef BITNET_Q4G_H
 #define BITNET_Q4G_H
 
