@@ -272,6 +272,26 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
 
     sse_headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
+    async def respond(request, body, stream, q, n_prompt, make_chunk, make_body):
+        """The one tail of both endpoints: an SSE stream of make_chunk(text, finish, first) objects (each with
+        "usage": null when the client asked for stream_options.include_usage), or the whole answer as
+        make_body(text, finish) plus usage and timings."""
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+            def chunk(text, finish, first=False):
+                c = make_chunk(text, finish, first)
+                if c is not None and include_usage:
+                    c["usage"] = None
+                return c
+            return StreamingResponse(stream_events(stream, q, n_prompt, chunk, include_usage),
+                                     media_type="text/event-stream", headers=sse_headers)
+        text, final, timer = await run_to_end(request, stream, q)
+        if final is None:
+            return Response(status_code=499)
+        usage, timings = timer.done(n_prompt, final)
+        return {**make_body(text, FINISH.get(final.finish_reason, "stop")), "usage": usage, "timings": timings}
+
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         eng = ready(request)
@@ -283,28 +303,19 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
             raise APIError(400, f"messages: {e}", param="messages", code="invalid_value") from None
         stream, q = submit(eng, body, prompt_ids, asyncio.get_running_loop())
         cid, created, model = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time()), state.model_id
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
-            def make_chunk(text, finish, first=False):
-                delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text is not None else {})
-                c = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
-                     "system_fingerprint": None,
-                     "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
-                if include_usage:
-                    c["usage"] = None
-                return c
-            return StreamingResponse(stream_events(stream, q, len(prompt_ids), make_chunk, include_usage),
-                                     media_type="text/event-stream", headers=sse_headers)
-        text, final, timer = await run_to_end(request, stream, q)
-        if final is None:
-            return Response(status_code=499)
-        usage, timings = timer.done(len(prompt_ids), final)
-        return {"id": cid, "object": "chat.completion", "created": created, "model": model,
-                "system_fingerprint": None,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
-                             "logprobs": None, "finish_reason": FINISH.get(final.finish_reason, "stop")}],
-                "usage": usage, "timings": timings}
+        def make_chunk(text, finish, first=False):
+            delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text is not None else {})
+            return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
+                    "system_fingerprint": None,
+                    "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+
+        def make_body(text, finish):
+            return {"id": cid, "object": "chat.completion", "created": created, "model": model,
+                    "system_fingerprint": None,
+                    "choices": [{"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
+                                 "logprobs": None, "finish_reason": finish}]}
+        return await respond(request, body, stream, q, len(prompt_ids), make_chunk, make_body)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -320,29 +331,19 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
             prompt_ids = eng.tokenize(text, add_bos=True)
         stream, q = submit(eng, body, prompt_ids, asyncio.get_running_loop())
         cid, created, model = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time()), state.model_id
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
-            def make_chunk(text, finish, first=False):
-                if first:
-                    return None
-                c = {"id": cid, "object": "text_completion", "created": created, "model": model,
-                     "system_fingerprint": None,
-                     "choices": [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}]}
-                if include_usage:
-                    c["usage"] = None
-                return c
-            return StreamingResponse(stream_events(stream, q, len(prompt_ids), make_chunk, include_usage),
-                                     media_type="text/event-stream", headers=sse_headers)
-        text, final, timer = await run_to_end(request, stream, q)
-        if final is None:
-            return Response(status_code=499)
-        usage, timings = timer.done(len(prompt_ids), final)
-        return {"id": cid, "object": "text_completion", "created": created, "model": model,
-                "system_fingerprint": None,
-                "choices": [{"index": 0, "text": text, "logprobs": None,
-                             "finish_reason": FINISH.get(final.finish_reason, "stop")}],
-                "usage": usage, "timings": timings}
+        def make_chunk(text, finish, first=False):
+            if first:
+                return None
+            return {"id": cid, "object": "text_completion", "created": created, "model": model,
+                    "system_fingerprint": None,
+                    "choices": [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}]}
+
+        def make_body(text, finish):
+            return {"id": cid, "object": "text_completion", "created": created, "model": model,
+                    "system_fingerprint": None,
+                    "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
+        return await respond(request, body, stream, q, len(prompt_ids), make_chunk, make_body)
 
     @app.get("/v1/models")
     async def models(request: Request):
