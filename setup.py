@@ -1,6 +1,6 @@
 """Build the C SIMD kernels and their thin Cython wrappers.
 
-Three extension modules:
+Three extension modules (the import package is `bitnet_cpu`, see pyproject.toml):
   simd._kernels  ternary / int8 / f16 GEMV + GEMM, activation quantization, CPU dispatch
                  (sources: simd/_kernels.pyx + simd/kernels/*.c)
   simd._ops      small runtime helpers: RMSNorm, RoPE, attention over the KV cache, activations
@@ -16,6 +16,7 @@ import platform
 
 import numpy
 from setuptools import Extension, setup
+from setuptools.command.build_py import build_py
 
 try:
     from Cython.Build import cythonize
@@ -54,14 +55,25 @@ def _extension(name, pyx, c_dir):
 
 extensions = []
 for name, pyx, c_dir in [
-    ("simd._kernels", "simd/_kernels.pyx", "simd/kernels"),
-    ("simd._ops", "simd/_ops.pyx", "simd/ops"),
-    ("simd._faultguard", "simd/_faultguard.pyx", "simd/faultguard"),
+    ("bitnet_cpu.simd._kernels", "simd/_kernels.pyx", "simd/kernels"),
+    ("bitnet_cpu.simd._ops", "simd/_ops.pyx", "simd/ops"),
+    ("bitnet_cpu.simd._faultguard", "simd/_faultguard.pyx", "simd/faultguard"),
 ]:
     if os.path.exists(os.path.join(HERE, pyx)):
         extensions.append(_extension(name, pyx, c_dir))
 
+
+class BuildPy(build_py):
+    """The package root `bitnet_cpu` is the repository root (pyproject's package-dir): ship its
+    __init__/__main__, not this build script."""
+
+    def find_package_modules(self, package, package_dir):
+        modules = super().find_package_modules(package, package_dir)
+        return [m for m in modules if not (package == "bitnet_cpu" and m[1] == "setup")]
+
+
 setup(
+    cmdclass={"build_py": BuildPy},
     ext_modules=cythonize(
         extensions,
         language_level=3,

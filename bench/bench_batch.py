@@ -64,7 +64,7 @@ def summarize(n: int, t0: float, first: list[float], ends: list[float], counts: 
 def worker_ours(a) -> dict:
     import threading
 
-    from engine.api import SamplingParams, load_engine, load_model
+    from bitnet_cpu.engine.api import SamplingParams, load_engine, load_model
 
     levels = [int(x) for x in a.levels.split(",")]
     ctx = a.prompt + a.gen + 16
@@ -120,7 +120,7 @@ def worker_ours(a) -> dict:
 def worker_ab(a) -> dict:
     """Single stream, interleaved: engine/model.py (`bitnet run`) vs the batching engine with one request,
     alternating rounds in one process (a busy machine drifts; alternation keeps the comparison fair)."""
-    from engine.api import SamplingParams, load_engine, load_model
+    from bitnet_cpu.engine.api import SamplingParams, load_engine, load_model
 
     ctx = a.prompt + a.gen + 16
     llm = load_model(a.model, ctx=ctx, threads=a.threads, progress=False)

@@ -45,10 +45,10 @@ def main(argv=None) -> int:
     ap.add_argument("--no-splice", action="store_true", help="re-render the whole conversation every turn")
     args = ap.parse_args(argv)
 
-    from chat.commands import Settings
-    from chat.render import Output
-    from chat.session import ChatSession
-    from engine.api import SamplingParams, load_model
+    from bitnet_cpu.chat.commands import Settings
+    from bitnet_cpu.chat.render import Output
+    from bitnet_cpu.chat.session import ChatSession
+    from bitnet_cpu.engine.api import SamplingParams, load_model
 
     t0 = time.perf_counter()
     llm = load_model(args.model, ctx=args.ctx_size, threads=args.threads, progress=False)

@@ -31,7 +31,7 @@ OWN_VS_GGUF = ("F16", "BF16", "Q8_0")
 
 
 def make_files(d: str, layers: int, vocab: int, types: list[str]) -> dict[str, str]:
-    from engine.synth import SynthModel, small_config, write_gguf_tq
+    from bitnet_cpu.engine.synth import SynthModel, small_config, write_gguf_tq
 
     m = SynthModel(small_config(hidden_size=2560, intermediate_size=6912, num_hidden_layers=layers,
                                 num_attention_heads=20, num_key_value_heads=5, vocab_size=vocab), seed=0)
@@ -64,9 +64,9 @@ def make_files(d: str, layers: int, vocab: int, types: list[str]) -> dict[str, s
 
 
 def time_convert(path: str, out: str, force_gguf: bool = False) -> float:
-    import engine.gguf as eg
-    import engine.ternary_check as tc
-    from engine.convert import convert
+    import bitnet_cpu.engine.formats.gguf as eg
+    import bitnet_cpu.engine.formats.ternary_check as tc
+    from bitnet_cpu.engine.formats.convert import convert
 
     saved, fast = eg.DECODABLE, tc.fit_exact_raw
     if force_gguf:  # no fast path on the stored bits, and everything but TQ*/I2_S through gguf.quants
@@ -84,8 +84,8 @@ def time_convert(path: str, out: str, force_gguf: bool = False) -> float:
 
 def time_decoders(path: str, name: str = "blk.0.ffn_up.weight", repeats: int = 3) -> tuple[float, float]:
     """Best-of-N seconds to dequantize one matrix with our decoder and with gguf.quants.dequantize."""
-    from engine.gguf import GGUFFile, decode_blocks
-    from engine.gguf_dequant import decode_with_gguf
+    from bitnet_cpu.engine.formats.gguf import GGUFFile, decode_blocks
+    from bitnet_cpu.engine.formats.gguf_dequant import decode_with_gguf
 
     g = GGUFFile(path)
     t = g.info(name)

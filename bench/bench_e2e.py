@@ -73,7 +73,7 @@ def machine(llama_version: str | None) -> dict:
     with open("/proc/meminfo") as f:
         ram = int(f.readline().split()[1]) * 1024
     try:
-        from simd import _kernels
+        from bitnet_cpu.simd import _kernels
         path = _kernels.active()
     except Exception as e:  # not built: say so
         path = f"unavailable ({type(e).__name__})"
@@ -86,7 +86,7 @@ def machine(llama_version: str | None) -> dict:
 
 def store_facts(store_path: str, ctx: int) -> dict:
     """Bytes our decode reads per token (store layout), MACs per token, KV cache bytes at ctx."""
-    from engine.store import open_store
+    from bitnet_cpu.engine.formats.store import open_store
 
     st = open_store(store_path)
     try:

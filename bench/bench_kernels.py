@@ -23,8 +23,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from simd import layout  # noqa: E402
-from simd import _kernels as K  # noqa: E402
+from bitnet_cpu.simd import layout  # noqa: E402
+from bitnet_cpu.simd import _kernels as K  # noqa: E402
 
 LLC_BYTES = 32 << 20
 WORKING_SET = 8 * LLC_BYTES  # every GEMV's weight copies together exceed the LLC 8 times

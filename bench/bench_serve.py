@@ -54,7 +54,7 @@ def prompts(n: int, length: int, seed: int) -> list[list[int]]:
 def start(engine: str, a, paths, port: int, llama_bin: str | None) -> subprocess.Popen:
     ctx = a.prompt + a.gen + 32
     if engine == "ours":
-        cmd = [sys.executable, "-m", "engine", "serve", "-m", paths["store_i8"], "-t", str(a.threads),
+        cmd = [sys.executable, "-m", "bitnet_cpu", "serve", "-m", paths["store_i8"], "-t", str(a.threads),
                "--parallel", "16", "-c", str(ctx), "--port", str(port), "--max-queue", "256"]
         env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     else:

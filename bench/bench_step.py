@@ -32,10 +32,10 @@ def python_overhead_per_step(model, n: int = 200) -> float:
     (so this slightly over-estimates the overhead)."""
     import tempfile
 
-    from engine.convert import convert
-    from engine.model import Model
-    from engine.store import Store
-    from engine.synth import SynthModel, small_config, write_hf_dir
+    from bitnet_cpu.engine.formats.convert import convert
+    from bitnet_cpu.engine.runtime.model import Model
+    from bitnet_cpu.engine.formats.store import Store
+    from bitnet_cpu.engine.synth import SynthModel, small_config, write_hf_dir
 
     cfg = model.config
     tiny = SynthModel(small_config(hidden_size=64, intermediate_size=64, num_hidden_layers=cfg.n_layers,
@@ -55,7 +55,7 @@ def main(argv=None) -> int:
 
     import numpy as np
 
-    from engine.api import load_model
+    from bitnet_cpu.engine.api import load_model
 
     p = argparse.ArgumentParser(prog="python bench/bench_step.py", description="prefill / decode speed and "
                                 "Python overhead per decode step of one model")

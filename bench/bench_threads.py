@@ -72,7 +72,7 @@ def overhead_worker(store: str) -> int:
     """Child mode: print {"serial_s": ...} for the store's shape at the OMP_NUM_THREADS the parent set."""
     from bench_step import python_overhead_per_step
 
-    from engine.api import load_model
+    from bitnet_cpu.engine.api import load_model
 
     llm = load_model(store, ctx=64, progress=False)
     print(json.dumps({"serial_s": python_overhead_per_step(llm.model, n=200), "threads": llm.threads}))
@@ -214,7 +214,7 @@ def main(argv=None) -> int:
         return overhead_worker(a.overhead_worker)
 
     from bench_e2e import store_facts
-    from engine.cpu import available_cores, default_threads, physical_cores
+    from bitnet_cpu.engine.cpu import available_cores, default_threads, physical_cores
 
     t_start = time.perf_counter()
     store, gguf = os.path.join(CACHE, "2b4t.i8.bnstore"), os.path.join(CACHE, "2b4t.tq2_0.gguf")

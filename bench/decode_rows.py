@@ -36,7 +36,7 @@ CODE = "".join(f"def get_{f}(self):\n    return self._{f}\n\ndef set_{f}(self, v
 
 
 def store_bytes_per_token(path: str) -> int:
-    from engine.store import open_store
+    from bitnet_cpu.engine.formats.store import open_store
 
     st = open_store(path)
     try:
@@ -67,8 +67,8 @@ def worker(a) -> dict:
             if i >= a.tokens:
                 break
         return {"decode_tps": (len(times) - 1) / (times[-1] - times[0])}
-    from engine.api import LookupParams, SamplingParams, load_model
-    from engine.speculative import OFF
+    from bitnet_cpu.engine.api import LookupParams, SamplingParams, load_model
+    from bitnet_cpu.engine.runtime.speculative import OFF
 
     llm = load_model(a.model, ctx=1024, threads=a.threads, progress=False)
     if a.prompt == "code":
@@ -101,7 +101,7 @@ def bandwidth(threads: int, mib: int = 512) -> float | None:
 def ensure_q4_store(cache: str, shape: str = "2b4t") -> str:
     path = os.path.join(cache, f"{shape}.q4.bnstore")
     if not os.path.exists(path):
-        from engine.convert import convert
+        from bitnet_cpu.engine.formats.convert import convert
 
         convert(model_paths(cache, shape)["tq2_0"], path + ".tmp", lm_head="q4", progress=False)
         os.replace(path + ".tmp", path)

@@ -83,7 +83,7 @@ class Ours:
     name = "ours"
 
     def load(self, model: str, threads: int, ctx: int):
-        from engine.api import SamplingParams, load_model
+        from bitnet_cpu.engine.api import SamplingParams, load_model
 
         self.llm = load_model(model, ctx=ctx, threads=threads or None, progress=False)  # 0: the default
         self.threads_used = self.llm.threads

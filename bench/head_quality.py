@@ -20,10 +20,10 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from engine.convert import convert  # noqa: E402
-from engine.model import Model  # noqa: E402
-from engine.store import Store  # noqa: E402
-from engine.synth import SynthModel, small_config, write_hf_dir  # noqa: E402
+from bitnet_cpu.engine.formats.convert import convert  # noqa: E402
+from bitnet_cpu.engine.runtime.model import Model  # noqa: E402
+from bitnet_cpu.engine.formats.store import Store  # noqa: E402
+from bitnet_cpu.engine.synth import SynthModel, small_config, write_hf_dir  # noqa: E402
 
 HEADS = ("i8", "q4")
 
@@ -63,8 +63,8 @@ def main(argv=None) -> int:
         # the bundled model on its own corpus
         sys.path.insert(0, os.path.join(ROOT, "models"))
         import corpus  # models/corpus.py
-        from engine.store import Store as _S
-        from engine.tokenizer import Tokenizer
+        from bitnet_cpu.engine.formats.store import Store as _S
+        from bitnet_cpu.engine.formats.tokenizer import Tokenizer
         bundled = os.path.join(ROOT, "models", "bitnet-b1.58-tiny")
         tok = Tokenizer.from_store(_S(os.path.join(ROOT, "models", "default.bnstore")))
         rng = random.Random(7)

@@ -21,7 +21,7 @@ import time
 
 def _kernels():
     try:
-        from simd import _kernels  # type: ignore
+        from bitnet_cpu.simd import _kernels  # type: ignore
         return _kernels
     except Exception:  # not built yet / other machine: fall back to numpy
         return None
@@ -89,7 +89,7 @@ def int8_peak(threads: int) -> dict | None:
             out["peak_dot_error"] = str(e)
     if hasattr(kern, "gemm_ternary"):
         try:
-            from simd.layout import pack_ternary, padded_shape
+            from bitnet_cpu.simd.layout import pack_ternary, padded_shape
 
             n, k, m = 512, 2560, 64  # 320 KiB of codes: resident in the two 1 MiB L2 caches
             rng = np.random.default_rng(0)

@@ -36,7 +36,7 @@ def model_paths(cache: str = DEFAULT_CACHE, shape: str = "2b4t") -> dict[str, st
 
 
 def synth_model(shape: str, seed: int = SEED):
-    from engine.synth import SynthModel, bitnet_2b4t_config, small_config
+    from bitnet_cpu.engine.synth import SynthModel, bitnet_2b4t_config, small_config
 
     if shape == "2b4t":
         cfg = bitnet_2b4t_config()
@@ -56,7 +56,7 @@ def _human(n: int) -> str:
 def make(cache: str = DEFAULT_CACHE, shape: str = "2b4t", *, tq1: bool = False, f16: bool = True,
          force: bool = False, progress: bool = True, stores: bool = True) -> dict[str, str]:
     """Create the missing files; return the paths of the ones that exist afterwards."""
-    from engine.synth import write_gguf_tq
+    from bitnet_cpu.engine.synth import write_gguf_tq
 
     os.makedirs(cache, exist_ok=True)
     paths = model_paths(cache, shape)
@@ -82,7 +82,7 @@ def make(cache: str = DEFAULT_CACHE, shape: str = "2b4t", *, tq1: bool = False, 
         if not wanted or (os.path.exists(p) and not force and
                           os.path.getmtime(p) >= os.path.getmtime(paths["tq2_0"])):
             continue
-        from engine.convert import convert
+        from bitnet_cpu.engine.formats.convert import convert
 
         t0 = time.perf_counter()
         print(f"converting {paths['tq2_0']} -> {p} (lm head {head}) ...", file=sys.stderr, flush=True)

@@ -1,7 +1,7 @@
-"""bitchat: the interactive terminal chat, built on engine's public generator API only (engine/api.py).
+"""bitchat's REPL, built on engine's public generator API (engine/api.py); its command line (the `bitchat`
+entry point, model loading, choice of front end) is cli/chat.py.
 
 Modules:
-    app.py         command line (`bitchat` entry point), model loading, choice of front end
     repl.py        front ends: prompt_toolkit REPL on a terminal, plain line loop on a pipe
     session.py     one chat session: turns, context-window trimming, streaming, Ctrl-C, commands
     splice.py      next-turn prompt ids that extend the exact tokens in the KV cache

@@ -11,8 +11,8 @@ import os
 import sys
 import traceback
 
-from chat.commands import COMMANDS, CommandError, completions, is_command, open_block, parse_command, strip_block
-from chat.session import ChatSession, ExitChat
+from .commands import COMMANDS, CommandError, completions, is_command, open_block, parse_command, strip_block
+from .session import ChatSession, ExitChat
 
 PROMPT = ">>> "
 CONTINUATION = "... "
@@ -44,7 +44,7 @@ def handle_line(session: ChatSession, text: str) -> bool:
     except CommandError as e:
         session.out.notice(str(e))
         session.had_errors = True
-    except BrokenPipeError:   # stdout was closed (`| head`): not a bug; bitchat ends quietly (chat/app.py)
+    except BrokenPipeError:   # stdout was closed (`| head`): not a bug; bitchat ends quietly (cli/chat.py)
         raise
     except Exception as e:  # a bug must not take the transcript with it
         session.out.end_answer()
@@ -59,7 +59,7 @@ def run_plain(session: ChatSession, stream=None) -> int:
     """Lines of `stream` (stdin's bytes by default; text or bytes) become turns; a line that is a command runs
     it; \"\"\" blocks span lines. A line that is not UTF-8 is skipped with one line naming the byte. Exit 0
     at end of input, 1 if a command or turn failed on the way."""
-    from engine.commands.common_args import decode_utf8
+    from ..engine.formats.tokenizer import decode_utf8
 
     stream = stream or getattr(sys.stdin, "buffer", sys.stdin)
     block: list[str] | None = None

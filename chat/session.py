@@ -20,10 +20,10 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from chat.commands import Command, CommandError, Settings, help_text, parse_setting, split_set
-from chat.render import Output, format_stats
-from chat.splice import CachedTurn, spliced_prompt
-from chat.transcript import Conversation, TranscriptError
+from .commands import Command, CommandError, Settings, help_text, parse_setting, split_set
+from .render import Output, format_stats
+from .splice import CachedTurn, spliced_prompt
+from .transcript import Conversation, TranscriptError
 
 
 class ExitChat(Exception):
@@ -127,7 +127,7 @@ class ChatSession:
     def _save_recovery(self) -> None:
         if not self.recovery_path or not self.conv.turns:
             return
-        from engine import faults
+        from ..engine import faults
 
         try:
             os.makedirs(os.path.dirname(os.path.abspath(self.recovery_path)), exist_ok=True)
@@ -148,7 +148,7 @@ class ChatSession:
 
     # ---- engine adapters -----------------------------------------------------------------------
     def sampling_params(self):
-        from engine.api import SamplingParams
+        from ..engine.api import SamplingParams
 
         s = self.settings
         seed = None if s.seed is None else s.seed + self.n_answers
@@ -191,7 +191,7 @@ class ChatSession:
 
     # ---- one answer ----------------------------------------------------------------------------
     def ask(self, text: str) -> None:
-        from engine.commands.common_args import decode_utf8
+        from ..engine.formats.tokenizer import decode_utf8
 
         try:   # lone surrogates (undecodable bytes smuggled in as text) cannot be tokenized
             decode_utf8(text, "message")
@@ -210,7 +210,7 @@ class ChatSession:
         self._answer(turn)
 
     def _answer(self, turn) -> None:
-        from engine.errors import BUG_REPORT_HINT, EXIT_BUG, BitNetError, ContextOverflowError
+        from ..engine.errors import BUG_REPORT_HINT, EXIT_BUG, BitNetError, ContextOverflowError
 
         ids = self._fit()
         messages = self.conv.messages()
@@ -305,7 +305,7 @@ class ChatSession:
         """Feed the whole window to the model now so the next turn starts fast (re-prefill)."""
         if not self.conv.turns and not self.conv.system:
             return
-        from engine.errors import BitNetError
+        from ..engine.errors import BitNetError
 
         ids = self._fit(generation_prompt=False)
         if ids is None:

@@ -25,16 +25,16 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from . import chat_template as _ct
+from .runtime import chat_template as _ct
 from .config import ModelConfig
 from .cpu import available_cores, default_threads  # noqa: F401  (available_cores: re-exported)
 from .errors import BitNetError, FormatError, QueueFullError
-from .generate import Chunk, Stats, generate as _generate
-from .model import Model
-from .sampling import SamplingParams
-from .speculative import LookupParams
-from .store import Store, is_store
-from .tokenizer import Tokenizer
+from .runtime.generate import Chunk, Stats, generate as _generate
+from .runtime.model import Model
+from .runtime.sampling import SamplingParams
+from .runtime.speculative import LookupParams
+from .formats.store import Store, is_store
+from .formats.tokenizer import Tokenizer
 
 __all__ = ["load_model", "LLM", "load_engine", "Engine", "SamplingParams", "LookupParams", "Chunk", "Stats",
            "QueueFullError"]
@@ -44,13 +44,13 @@ def _resolve(model: str | None, lm_head: str | None, progress: bool) -> str:
     if model is not None and is_store(model):
         return os.fspath(model)
     if model is not None and not os.path.exists(model):
-        from .hub import is_hub_ref
+        from .formats.hub import is_hub_ref
 
         if not is_hub_ref(model):
             raise BitNetError(f"-m/--model {model}: no such file or directory",
                               hint="give a model file, a directory, or a hub id such as microsoft/bitnet-b1.58-2B-4T")
     try:
-        from .convert import resolve_model
+        from .formats.convert import resolve_model
     except ImportError as e:  # pragma: no cover - only while the converter is missing
         raise BitNetError(f"cannot convert {model or 'the default model'}: converter unavailable ({e})") from None
     return resolve_model(model, lm_head=lm_head, progress=progress)
@@ -111,7 +111,7 @@ class LLM(_Text):
         self.warnings += self.model.warnings
         self.tokenizer = Tokenizer.from_store(store)
         self.n_ctx = self.model.n_ctx
-        from .convert import source_label
+        from .formats.convert import source_label
 
         self.source = source_label(store.meta)   # the file (or hub id) the store was converted from
         self.name = _display_name(store)

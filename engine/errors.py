@@ -5,7 +5,7 @@ everything the user can act on, EXIT_BUG for a KernelError (an engine bug: the m
 for a report). Every message names the file or flag and says what is wrong; `hint` says what to do.
 """
 
-from simd.errors import (  # noqa: F401  (the base error and the kernels' errors live at the bottom: simd)
+from ..simd.errors import (  # noqa: F401  (the base error and the kernels' errors live at the bottom: simd)
     BUG_REPORT_HINT,
     EXIT_BAD_INPUT,
     EXIT_BUG,

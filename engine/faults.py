@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from .errors import EXIT_BAD_INPUT
 
 try:  # the submodule itself: `from simd import` would go through simd's lazy error for a bad BITNET_ISA
-    _fg = importlib.import_module("simd._faultguard")
+    _fg = importlib.import_module("..simd._faultguard", __package__)
 except ImportError:  # pragma: no cover - an old build without the guard: faults stay plain signals
     _fg = None
 

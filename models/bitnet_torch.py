@@ -1,6 +1,6 @@
 """BitNet b1.58 in torch for training (quantization-aware) and as the reference for the export test.
 
-Same math as transformers' BitNetForCausalLM (FORMATS.md §1): RMSNorm, half-split RoPE, GQA,
+Same math as transformers' BitNetForCausalLM: RMSNorm, half-split RoPE, GQA,
 attn_sub_norm before o_proj, relu² gated MLP, ffn_sub_norm before down_proj, tied embeddings.
 Every linear is a BitLinear: absmean ternary weights and per-token int8 absmax activations in the
 forward pass, straight-through estimator (identity gradient) in the backward pass. The master weights

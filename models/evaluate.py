@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from models import corpus  # noqa: E402
+from bitnet_cpu.models import corpus  # noqa: E402
 
 
 # form name -> what the user types (None: the bare prompt "a+b=", continued by the sum and end of text)
@@ -135,8 +135,8 @@ def main(argv=None) -> int:
 
     from tokenizers import Tokenizer
 
-    from models import DEFAULT_MODEL_DIR
-    from models.bitnet_torch import TinyBitNet, TinyConfig
+    from bitnet_cpu.models import DEFAULT_MODEL_DIR
+    from bitnet_cpu.models.bitnet_torch import TinyBitNet, TinyConfig
 
     ap = argparse.ArgumentParser(description="addition accuracy (every form) and samples of a trained model")
     ap.add_argument("--model", default=DEFAULT_MODEL_DIR, help="exported directory (default: the shipped model)")
@@ -154,7 +154,7 @@ def main(argv=None) -> int:
         model = TinyBitNet(TinyConfig(**ck["config"]))
         model.load_state_dict(ck["state"])
     else:
-        from models.export import config_from_hf_dir, init_from_export
+        from bitnet_cpu.models.export import config_from_hf_dir, init_from_export
         model = init_from_export(TinyBitNet(config_from_hf_dir(args.model)), args.model)
     tok = Tokenizer.from_file(args.tokenizer or os.path.join(args.model, "tokenizer.json"))
     heldout = corpus.split_pairs(args.seed)[1]

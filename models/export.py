@@ -1,6 +1,6 @@
 """Export a trained TinyBitNet to a Hugging Face directory in the microsoft/bitnet-b1.58-2B-4T packed layout.
 
-What is written (FORMATS.md §1 "HF packed layout"), the same layout engine/synth_writers.write_hf_dir makes:
+What is written (microsoft/bitnet-b1.58-2B-4T's packed layout), the same layout engine/synth/writers.write_hf_dir makes:
 - config.json: BitNetForCausalLM, relu2, tied embeddings, quantization_config
   {quant_method bitnet, linear_class autobitlinear, quantization_mode offline};
 - model.safetensors: per BitLinear a uint8 [out/4, in] tensor packed along the output dim in quarters
@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from models.bitnet_torch import BitLinear, TinyBitNet, TinyConfig, weight_ternary
+from bitnet_cpu.models.bitnet_torch import BitLinear, TinyBitNet, TinyConfig, weight_ternary
 
 
 def pack_quarters(w_t: np.ndarray) -> np.ndarray:

@@ -27,8 +27,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers  # noqa: E402
 
-from models import corpus  # noqa: E402
-from models.bitnet_torch import TinyBitNet, TinyConfig  # noqa: E402
+from bitnet_cpu.models import corpus  # noqa: E402
+from bitnet_cpu.models.bitnet_torch import TinyBitNet, TinyConfig  # noqa: E402
 
 SPECIALS = [corpus.BOS, corpus.EOS, corpus.EOT]
 # LLaMA-3's pre-tokenizer regex, except numbers: one digit per pre-token (so addition is learnable)
@@ -263,7 +263,7 @@ def main(argv=None) -> int:
                      n_layers=args.layers, n_heads=args.heads, n_kv_heads=args.kv_heads,
                      max_position_embeddings=max(512, args.seq_len))
     if args.init_from:
-        from models.export import config_from_hf_dir, init_from_export
+        from bitnet_cpu.models.export import config_from_hf_dir, init_from_export
         cfg = config_from_hf_dir(args.init_from)
         if args.phase < 2:
             ap.error("--init-from needs --phase N (the first phase to run on the exported model)")
@@ -327,7 +327,7 @@ def main(argv=None) -> int:
         if k + 1 < args.phase:
             continue
         if tag == "phase8":   # start from what phase 7 exported, not from its latent weights
-            from models.export import relatent_from_ternary
+            from bitnet_cpu.models.export import relatent_from_ternary
             relatent_from_ternary(model)
             torch.manual_seed(args.seed * 1000 + 8)
         train_phase(model, st, steps, lr, args, tag, val_batches,
@@ -346,7 +346,7 @@ def main(argv=None) -> int:
     model.round_to_export_precision()
     model.eval()
     torch.save({"config": cfg.to_dict(), "state": model.state_dict(), "args": vars(args)}, ckpt)
-    from models.export import export_hf_dir
+    from bitnet_cpu.models.export import export_hf_dir
     export_hf_dir(model, tok, args.out, chat_template=CHAT_TEMPLATE)
     print(f"exported to {args.out} (checkpoint {ckpt})", flush=True)
     report = {"val_loss": validation_loss(model, val_batches),
@@ -356,7 +356,7 @@ def main(argv=None) -> int:
               "params": n_params, "train_seconds": None if args.from_ckpt else round(time.time() - t_start)}
     print(f"final val_loss {report['val_loss']:.4f}", flush=True)
     if not args.no_final_eval:
-        from models.evaluate import FORMS, addition_table, samples, table_markdown
+        from bitnet_cpu.models.evaluate import FORMS, addition_table, samples, table_markdown
         report["addition"] = addition_table(model, tok, heldout_pairs)
         print(table_markdown(report["addition"]), flush=True)
         for form in FORMS:

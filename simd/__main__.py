@@ -2,12 +2,12 @@
 with --json for scripts; this stays here so the kernels can be checked without the engine's CLI)."""
 import sys
 
-from simd.errors import BitNetError
+from .errors import BitNetError
 
 
 def _main() -> int:
     try:
-        import simd
+        from .. import simd
 
         feats = simd.features()
         print(f"features: {', '.join(k for k, v in feats.items() if v)}")

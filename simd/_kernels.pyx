@@ -16,7 +16,7 @@ from libc.stdint cimport int8_t, int32_t, int64_t, uint8_t, uint16_t, uint64_t
 
 import numpy as np
 
-from simd.errors import IsaChoiceError, KernelError
+from bitnet_cpu.simd.errors import IsaChoiceError, KernelError
 
 cnp.import_array()
 

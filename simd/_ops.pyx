@@ -47,7 +47,7 @@ ctypedef fused kv_t:
 
 
 cdef _fail(str msg):
-    from simd.errors import KernelError
+    from bitnet_cpu.simd.errors import KernelError
     raise KernelError("simd._ops." + msg)
 
 

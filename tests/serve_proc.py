@@ -25,7 +25,7 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "engine", "serve", "--host", "127.0.0.1", "--port", str(self.port),
+            [sys.executable, "-m", "bitnet_cpu", "serve", "--host", "127.0.0.1", "--port", str(self.port),
              "-t", str(threads), *extra],
             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         deadline = time.monotonic() + timeout

@@ -9,12 +9,12 @@ import time
 import numpy as np
 import pytest
 
-from engine.api import Engine, SamplingParams, load_engine, load_model
-from engine.batching.batch_model import BatchModel
-from engine.batching.kv_pool import PAGE_TOKENS, KVPool
-from engine.errors import ContextOverflowError, QueueFullError
-from engine.model import Model
-from engine.store import Store
+from bitnet_cpu.engine.api import Engine, SamplingParams, load_engine, load_model
+from bitnet_cpu.engine.batching.batch_model import BatchModel
+from bitnet_cpu.engine.batching.kv_pool import PAGE_TOKENS, KVPool
+from bitnet_cpu.engine.errors import ContextOverflowError, QueueFullError
+from bitnet_cpu.engine.runtime.model import Model
+from bitnet_cpu.engine.formats.store import Store
 from test_model_fixtures import make_synth
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -319,7 +319,7 @@ def test_engine_attributes(synth):
 
 
 def test_pool_size_in_mib_and_bad_sizes(synth):
-    from engine.errors import BitNetError
+    from bitnet_cpu.engine.errors import BitNetError
 
     m, _, stores = synth
     cfg = Store(stores["f16"]).config
@@ -376,8 +376,8 @@ def test_ignore_eos_matches_generate(synth):
 
 def test_llama_architecture_model_batched_equals_alone(tmp_path):
     """Models without sub-norms (Falcon3 / TriLM style) through the batched forward: same logits as alone."""
-    from engine.convert import convert
-    from engine.synth import SynthModel, write_hf_dir
+    from bitnet_cpu.engine.formats.convert import convert
+    from bitnet_cpu.engine.synth import SynthModel, write_hf_dir
 
     m = SynthModel({"head_dim": 64, "vocab_size": 640}, seed=8, style="llama")
     d = write_hf_dir(m, str(tmp_path / "ternary-llama"), form="packed", linear_class="autobitlinear")

@@ -4,8 +4,8 @@ bad page tables / positions are refused at the Cython boundary."""
 import numpy as np
 import pytest
 
-import simd._ops as ops
-from engine.errors import KernelError
+import bitnet_cpu.simd._ops as ops
+from bitnet_cpu.engine.errors import KernelError
 
 NH, NKV, HD = 4, 2, 64
 QD, KVD = NH * HD, NKV * HD
@@ -115,15 +115,15 @@ def test_paged_boundary_checks():
 # ---- gemm_i8: the batched int8 LM head ------------------------------------------------------------------------
 
 def _supported_kernel_isas():
-    import simd._kernels as K
+    import bitnet_cpu.simd._kernels as K
     return K.supported_isas()
 
 
 @pytest.mark.parametrize("isa", _supported_kernel_isas())
 @pytest.mark.parametrize("n,k,m", [(1, 4, 1), (37, 100, 3), (250, 68, 8), (517, 2560, 13), (2000, 256, 17)])
 def test_gemm_i8_rows_equal_gemv_i8(isa, n, k, m):
-    import simd._kernels as K
-    from simd import layout
+    import bitnet_cpu.simd._kernels as K
+    from bitnet_cpu.simd import layout
 
     rng = np.random.default_rng(n + 7 * k + m)
     wq, sc = layout.quantize_rows_i8(rng.standard_normal((n, k)).astype(np.float32))
@@ -150,8 +150,8 @@ def test_gemm_i8_rows_equal_gemv_i8(isa, n, k, m):
 
 
 def test_gemm_i8_checks():
-    import simd._kernels as K
-    from simd import layout
+    import bitnet_cpu.simd._kernels as K
+    from bitnet_cpu.simd import layout
 
     wq = np.ones((20, 64), np.int8)
     w, rowsum, sc = layout.pack_i8(wq), np.full(20, 64, np.int32), np.ones(20, np.float32)
@@ -168,8 +168,8 @@ def test_gemm_i8_checks():
 
 @pytest.mark.parametrize("isa", _supported_kernel_isas())
 def test_gemm_f16_rows_equal_gemv_f16(isa):
-    import simd._kernels as K
-    from simd import layout
+    import bitnet_cpu.simd._kernels as K
+    from bitnet_cpu.simd import layout
 
     rng = np.random.default_rng(2)
     n, k, m = 300, 192, 5

@@ -111,7 +111,7 @@ def _worker(engine, model, *extra):
 
 def test_make_models_small(small_models):
     assert os.path.getsize(small_models["tq2_0"]) > 0 and os.path.getsize(small_models["store_i8"]) > 0
-    from engine.store import open_store
+    from bitnet_cpu.engine.formats.store import open_store
 
     with open_store(small_models["store_i8"]) as st:
         assert st.meta.get("lm_head") == "i8" and st.config.hidden_size == 256
@@ -176,7 +176,7 @@ def test_bench_batch_arithmetic():
     from types import SimpleNamespace
 
     import bench_batch
-    from engine.synth import bitnet_2b4t_config
+    from bitnet_cpu.engine.synth import bitnet_2b4t_config
 
     c = bitnet_2b4t_config()
     hd = c["hidden_size"] // c["num_attention_heads"]

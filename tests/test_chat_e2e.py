@@ -29,14 +29,14 @@ def bitchat_command() -> list[str]:
     if os.path.exists(here):
         return [here]
     found = shutil.which("bitchat")
-    return [found] if found else [sys.executable, "-m", "chat"]
+    return [found] if found else [sys.executable, "-m", "bitnet_cpu.cli.chat"]
 
 
 @pytest.fixture(scope="session")
 def chat_model(tmp_path_factory):
     """Path of the model the chat tests talk to."""
-    from engine.convert import resolve_model
-    from engine.errors import BitNetError
+    from bitnet_cpu.engine.formats.convert import resolve_model
+    from bitnet_cpu.engine.errors import BitNetError
 
     try:
         return resolve_model(None, progress=False)
@@ -53,8 +53,8 @@ def long_model(tmp_path_factory):
 
 
 def synth_store(tmp_path_factory, name, *, hidden_size, n_layers, n_ctx=4096):
-    from engine.convert import convert
-    from engine.synth import SynthModel, small_config, write_hf_dir
+    from bitnet_cpu.engine.formats.convert import convert
+    from bitnet_cpu.engine.synth import SynthModel, small_config, write_hf_dir
 
     synth = SynthModel(small_config(hidden_size=hidden_size, intermediate_size=2 * hidden_size,
                                     num_hidden_layers=n_layers, max_position_embeddings=n_ctx), seed=11)

@@ -5,10 +5,10 @@ import json
 
 import pytest
 
-from chat.commands import (CommandError, Settings, completions, help_text, is_command, open_block,
+from bitnet_cpu.chat.commands import (CommandError, Settings, completions, help_text, is_command, open_block,
                            parse_command, parse_setting, strip_block)
-from chat.render import Output, format_stats
-from chat.transcript import Conversation, TranscriptError, Turn
+from bitnet_cpu.chat.render import Output, format_stats
+from bitnet_cpu.chat.transcript import Conversation, TranscriptError, Turn
 
 
 def words(messages):

@@ -8,16 +8,16 @@ import re
 
 import pytest
 
-from chat.commands import CommandError, Settings, parse_command
-from chat.render import _VISIBLE_CONTROLS, Output, WordWrapper, _cell_width
-from chat.session import ChatSession
+from bitnet_cpu.chat.commands import CommandError, Settings, parse_command
+from bitnet_cpu.chat.render import _VISIBLE_CONTROLS, Output, WordWrapper, _cell_width
+from bitnet_cpu.chat.session import ChatSession
 
 
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory):
-    from engine.api import load_model
-    from engine.convert import convert
-    from engine.synth import SynthModel, small_config, write_hf_dir
+    from bitnet_cpu.engine.api import load_model
+    from bitnet_cpu.engine.formats.convert import convert
+    from bitnet_cpu.engine.synth import SynthModel, small_config, write_hf_dir
 
     synth = SynthModel(small_config(max_position_embeddings=1024), seed=5)
     d = tmp_path_factory.mktemp("ollama_model")

@@ -7,16 +7,16 @@ import signal
 
 import pytest
 
-from chat.commands import CommandError, Settings, parse_command
-from chat.render import Output
-from chat.session import ChatSession, ExitChat
+from bitnet_cpu.chat.commands import CommandError, Settings, parse_command
+from bitnet_cpu.chat.render import Output
+from bitnet_cpu.chat.session import ChatSession, ExitChat
 
 
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory):
-    from engine.api import load_model
-    from engine.convert import convert
-    from engine.synth import SynthModel, small_config, write_hf_dir
+    from bitnet_cpu.engine.api import load_model
+    from bitnet_cpu.engine.formats.convert import convert
+    from bitnet_cpu.engine.synth import SynthModel, small_config, write_hf_dir
 
     synth = SynthModel(small_config(max_position_embeddings=1024), seed=5)
     d = tmp_path_factory.mktemp("session_model")
@@ -68,7 +68,7 @@ def test_ttft_tokens_do_not_grow_with_turns(llm):
 
 
 def test_context_trimming_keeps_system_and_never_overflows(llm):
-    from engine.api import load_model
+    from bitnet_cpu.engine.api import load_model
 
     small = load_model(llm.store.path, ctx=128, threads=1, progress=False)
     sink = io.StringIO()
@@ -83,7 +83,7 @@ def test_context_trimming_keeps_system_and_never_overflows(llm):
 
 
 def test_too_long_message_is_refused_and_the_window_stays(llm):
-    from engine.api import load_model
+    from bitnet_cpu.engine.api import load_model
 
     small = load_model(llm.store.path, ctx=96, threads=1, progress=False)
     sink = io.StringIO()
@@ -167,7 +167,7 @@ def test_ctrl_c_keeps_the_partial_answer_and_the_cache_consistent(llm):
 
 
 def test_input_lines_commands_messages_and_slash_escape(llm):
-    from chat.repl import handle_line
+    from bitnet_cpu.chat.repl import handle_line
 
     s, sink = new_session(llm, max_tokens=2)
     assert handle_line(s, "//etc is a path") is True

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from engine.api import load_model
+from bitnet_cpu.engine.api import load_model
 from test_model_fixtures import make_synth
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -21,7 +21,7 @@ def store(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def bundled():
-    from engine.convert import bundled_model
+    from bitnet_cpu.engine.formats.convert import bundled_model
 
     path = bundled_model()
     if path is None:
@@ -35,7 +35,7 @@ def run(module, *args, stdin=None, timeout=120, env=None):
 
 
 def bitnet(*args, **kw):
-    return run("engine", *args, **kw)
+    return run("bitnet_cpu", *args, **kw)
 
 
 def json_lines(text):
@@ -93,11 +93,11 @@ def test_json_lines_are_the_text_then_the_stats(store):
 
 
 @pytest.mark.parametrize("module,argv,usage,suggested", [
-    ("engine", ["run", "--ctx-szie", "64", "-p", "x"], "usage: bitnet run", "--ctx-size"),
-    ("engine", ["run", "--ignore-eso", "-p", "x"], "usage: bitnet run", "--ignore-eos"),
-    ("engine", ["run", "--n-predcit", "4", "-p", "x"], "usage: bitnet run", "--n-predict"),
-    ("engine", ["list", "--jsno"], "usage: bitnet list", "--json"),
-    ("chat", ["--system-promt", "x"], "usage: bitchat", "--system-prompt"),
+    ("bitnet_cpu", ["run", "--ctx-szie", "64", "-p", "x"], "usage: bitnet run", "--ctx-size"),
+    ("bitnet_cpu", ["run", "--ignore-eso", "-p", "x"], "usage: bitnet run", "--ignore-eos"),
+    ("bitnet_cpu", ["run", "--n-predcit", "4", "-p", "x"], "usage: bitnet run", "--n-predict"),
+    ("bitnet_cpu", ["list", "--jsno"], "usage: bitnet list", "--json"),
+    ("bitnet_cpu.cli.chat", ["--system-promt", "x"], "usage: bitchat", "--system-prompt"),
 ])
 def test_unknown_flag_gets_the_subcommand_usage_and_a_suggestion(module, argv, usage, suggested):
     r = run(module, *argv)
@@ -110,7 +110,7 @@ def test_conversation_mode_chats_on_stdin_like_bitchat(store, tmp_path):
     env = dict(os.environ, BITCHAT_HISTORY="", NO_COLOR="1")
     stdin = "Hello there.\n/set temp 0\nWhat next?\n"
     cnv = bitnet("run", "-m", store, "-cnv", "-n", "6", "--temp", "0", "-t", "1", stdin=stdin, env=env)
-    chat = run("chat", "-m", store, "-n", "6", "--temp", "0", "-t", "1", stdin=stdin, env=env)
+    chat = run("bitnet_cpu.cli.chat", "-m", store, "-n", "6", "--temp", "0", "-t", "1", stdin=stdin, env=env)
     assert cnv.returncode == 0 and chat.returncode == 0, cnv.stderr + chat.stderr
     assert cnv.stdout == chat.stdout and cnv.stdout.strip()
     assert cnv.stderr.count("prefill") == 2                       # two turns, with their stats lines
@@ -124,7 +124,7 @@ def test_non_utf8_input_is_one_line_naming_the_byte(store, tmp_path):
     r = bitnet("run", "-m", store, "-p", "-", stdin=b"hello \xff\n")
     err = r.stderr.decode()
     assert r.returncode == 2 and len(err.strip().splitlines()) == 1 and "0xff" in err and "UTF-8" in err
-    r = subprocess.run([sys.executable, "-m", "engine", "run", "-m", store, "-p", b"caf\xe9"], capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "bitnet_cpu", "run", "-m", store, "-p", b"caf\xe9"], capture_output=True,
                        text=True, cwd=ROOT, timeout=120)               # an argument that is not UTF-8 either
     assert r.returncode == 2 and "0xe9" in r.stderr and "-p/--prompt" in r.stderr and len(r.stderr.splitlines()) == 1
     bad = tmp_path / "latin1.txt"
@@ -132,7 +132,7 @@ def test_non_utf8_input_is_one_line_naming_the_byte(store, tmp_path):
     r = bitnet("run", "-m", store, "-f", str(bad))
     assert r.returncode == 2 and "0xe9" in r.stderr and str(bad) in r.stderr and len(r.stderr.splitlines()) == 1
     # bitchat: the bad line is named and skipped, the session goes on, the exit code says something failed
-    r = run("chat", "-m", store, "-n", "4", "--temp", "0", stdin=b"hello \xff\nsecond line\n",
+    r = run("bitnet_cpu.cli.chat", "-m", store, "-n", "4", "--temp", "0", stdin=b"hello \xff\nsecond line\n",
             env=dict(os.environ, BITCHAT_HISTORY=""))
     err = r.stderr.decode()
     assert r.returncode == 1 and "Traceback" not in err and "internal error" not in err
@@ -140,15 +140,15 @@ def test_non_utf8_input_is_one_line_naming_the_byte(store, tmp_path):
     assert err.count("prefill") == 1 and r.stdout.strip()         # the second line was answered
 
 
-@pytest.mark.parametrize("cmd", [["engine", "run", "-p", "Once", "-n", "5000", "-c", "6000", "--ignore-eos"],
-                                 ["chat", "-n", "5000", "-c", "6000"]])
+@pytest.mark.parametrize("cmd", [["bitnet_cpu", "run", "-p", "Once", "-n", "5000", "-c", "6000", "--ignore-eos"],
+                                 ["bitnet_cpu.cli.chat", "-n", "5000", "-c", "6000"]])
 def test_closed_stdout_ends_quietly(store, cmd):
     args = [sys.executable, "-m", cmd[0], "-m", store, "--temp", "1", "--seed", "1", "-t", "1", *cmd[1:]]
-    if cmd[0] == "engine":
-        args = [sys.executable, "-m", "engine", cmd[1], "-m", store, "--temp", "1", "--seed", "1", "-t", "1", *cmd[2:]]
+    if cmd[0] == "bitnet_cpu":
+        args = [sys.executable, "-m", "bitnet_cpu", cmd[1], "-m", store, "--temp", "1", "--seed", "1", "-t", "1", *cmd[2:]]
     p = subprocess.Popen(args, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          env=dict(os.environ, BITCHAT_HISTORY=""))
-    if cmd[0] == "chat":
+    if cmd[0] == "bitnet_cpu.cli.chat":
         p.stdin.write(b"Tell me everything.\n")
     p.stdin.close()
     assert p.stdout.read(3)                                       # like `| head -c 3`
@@ -158,8 +158,8 @@ def test_closed_stdout_ends_quietly(store, cmd):
     assert "Traceback" not in err and "BrokenPipe" not in err and "Exception ignored" not in err, err
 
 
-@pytest.mark.parametrize("argv", [["engine", "run", "-p", "Once", "-n", "50"], ["chat", "-n", "20"],
-                                  ["engine", "info"]])
+@pytest.mark.parametrize("argv", [["bitnet_cpu", "run", "-p", "Once", "-n", "50"], ["bitnet_cpu.cli.chat", "-n", "20"],
+                                  ["bitnet_cpu", "info"]])
 def test_stdout_closed_before_anything_is_written(store, argv):
     read_end, write_end = os.pipe()
     os.close(read_end)                                            # nobody will ever read
@@ -175,9 +175,9 @@ def test_stdout_closed_before_anything_is_written(store, argv):
 
 
 def test_versions_agree_and_info_is_a_table_or_json():
-    a, b = bitnet("--version"), run("chat", "--version")
+    a, b = bitnet("--version"), run("bitnet_cpu.cli.chat", "--version")
     assert a.returncode == 0 and b.returncode == 0
-    from engine import __version__
+    from bitnet_cpu.engine import __version__
 
     assert a.stdout.split()[-1] == b.stdout.split()[-1] == __version__
     facts = json.loads(bitnet("info", "--json").stdout)
@@ -189,10 +189,10 @@ def test_versions_agree_and_info_is_a_table_or_json():
 
 
 @pytest.mark.parametrize("module,line,want", [
-    ("engine", "bitnet run --ctx", "--ctx-size"),
-    ("engine", "bitnet pu", "pull"),
-    ("engine", "bitnet run --ign", "--ignore-eos"),
-    ("chat", "bitchat --system-p", "--system-prompt"),
+    ("bitnet_cpu", "bitnet run --ctx", "--ctx-size"),
+    ("bitnet_cpu", "bitnet pu", "pull"),
+    ("bitnet_cpu", "bitnet run --ign", "--ignore-eos"),
+    ("bitnet_cpu.cli.chat", "bitchat --system-p", "--system-prompt"),
 ])
 def test_shell_completion(module, line, want, tmp_path):
     out = tmp_path / "completions"

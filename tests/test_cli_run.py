@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from engine.api import SamplingParams, load_model
+from bitnet_cpu.engine.api import SamplingParams, load_model
 from test_model_fixtures import make_synth
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -25,7 +25,7 @@ def store(synth):
 
 
 def bitnet(*args, stdin=None, timeout=60, env=None):
-    return subprocess.run([sys.executable, "-m", "engine", "run", *args], input=stdin, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "bitnet_cpu", "run", *args], input=stdin, capture_output=True,
                           text=True, timeout=timeout, cwd=ROOT, env=env)
 
 
@@ -100,7 +100,7 @@ def test_context_full_is_reported(store):
 
 def test_default_model(store):
     r = bitnet("-p", "Once", "-n", "4", "--temp", "0")
-    from engine.convert import bundled_model
+    from bitnet_cpu.engine.formats.convert import bundled_model
 
     if bundled_model() is None:
         assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "-m" in r.stderr
@@ -109,7 +109,7 @@ def test_default_model(store):
 
 
 def test_ctrl_c_keeps_text(store):
-    p = subprocess.Popen([sys.executable, "-m", "engine", "run", "-m", store, "-p", "Once upon a time", "-n", "100000",
+    p = subprocess.Popen([sys.executable, "-m", "bitnet_cpu", "run", "-m", store, "-p", "Once upon a time", "-n", "100000",
                           "-c", "60000", "--temp", "1", "--seed", "1", "-t", "1"], cwd=ROOT,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     first = p.stdout.read(1)

@@ -9,11 +9,11 @@ import sys
 import numpy as np
 import pytest
 
-from simd import layout
-from engine.convert import convert, resolve_model
-from engine.errors import BitNetError, FormatError, UnsupportedError
-from engine.store import Store
-from engine.synth import SynthModel, write_gguf_i2s, write_gguf_tq, write_hf_dir
+from bitnet_cpu.simd import layout
+from bitnet_cpu.engine.formats.convert import convert, resolve_model
+from bitnet_cpu.engine.errors import BitNetError, FormatError, UnsupportedError
+from bitnet_cpu.engine.formats.store import Store
+from bitnet_cpu.engine.synth import SynthModel, write_gguf_i2s, write_gguf_tq, write_hf_dir
 
 SHORT = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
          "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
@@ -105,7 +105,7 @@ def test_store_equals_gguf_dequantizer(stores, kind):
 def test_gguf_tokenizer_gives_same_ids(stores):
     from tokenizers import Tokenizer
 
-    from engine.synth import TRAIN_TEXT
+    from bitnet_cpu.engine.synth import TRAIN_TEXT
 
     ref = Tokenizer.from_str(stores["hf"].tokenizer_spec[1].decode())
     for kind in ("tq2", "i2s"):
@@ -229,12 +229,12 @@ def test_bad_sources(model, tmp_path):
 
 @pytest.mark.parametrize("value", [0.0, float("nan")])
 def test_zero_or_nan_scale(model, tmp_path, value):
-    from engine.synth_writers import hf_pack, write_safetensors
+    from bitnet_cpu.engine.synth.writers import hf_pack, write_safetensors
 
     d = str(tmp_path / "ns")
     write_hf_dir(model, d)
     # rewrite the checkpoint with one bad weight_scale (f32) and the rest unchanged
-    from engine.safetensors_io import SafetensorsFile
+    from bitnet_cpu.engine.formats.safetensors_io import SafetensorsFile
 
     f = SafetensorsFile(os.path.join(d, "model.safetensors"))
     specs = []
@@ -253,13 +253,13 @@ def test_zero_or_nan_scale(model, tmp_path, value):
 
 def test_mixed_block_scales_rejected(tmp_path):
     gguf = pytest.importorskip("gguf")
-    from engine.synth_writers import _gguf_tensor_order
+    from bitnet_cpu.engine.synth.writers import _gguf_tensor_order
 
     m = SynthModel(seed=2)
     p = str(tmp_path / "mixed.gguf")
     write_gguf_tq(m, p)
     # rewrite one tensor's second block with a different d
-    from engine.gguf import GGUFFile
+    from bitnet_cpu.engine.formats.gguf import GGUFFile
 
     g = GGUFFile(p)
     t = g.info("blk.0.attn_k.weight")
@@ -276,7 +276,7 @@ def test_cli_errors_one_line_exit_2(tmp_path):
     (tmp_path / "t.gguf").write_bytes(b"GGUF\x03\0\0\0" + b"\xff" * 16)
     for args in (["convert", str(tmp_path / "t.gguf")], ["inspect", str(tmp_path / "missing")],
                  ["convert", str(tmp_path / "t.gguf"), "--lm-head", "f16"]):
-        r = subprocess.run([sys.executable, "-m", "engine", *args], capture_output=True, text=True, timeout=120)
+        r = subprocess.run([sys.executable, "-m", "bitnet_cpu", *args], capture_output=True, text=True, timeout=120)
         assert r.returncode == 2, r.stderr
         assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr and str(tmp_path) in r.stderr
 
@@ -284,11 +284,11 @@ def test_cli_errors_one_line_exit_2(tmp_path):
 def test_cli_convert_and_inspect(model, tmp_path):
     src = write_gguf_i2s(model, str(tmp_path / "m.gguf"))
     out = str(tmp_path / "m.bnstore")
-    r = subprocess.run([sys.executable, "-m", "engine", "convert", src, "-o", out, "--lm-head", "f16"],
+    r = subprocess.run([sys.executable, "-m", "bitnet_cpu", "convert", src, "-o", out, "--lm-head", "f16"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == out, r.stderr
     for f in (out, src):
-        r = subprocess.run([sys.executable, "-m", "engine", "inspect", f], capture_output=True, text=True, timeout=120)
+        r = subprocess.run([sys.executable, "-m", "bitnet_cpu", "inspect", f], capture_output=True, text=True, timeout=120)
         assert r.returncode == 0, r.stderr
         assert "hidden 256" in r.stdout and "blk.1.ffn_down" in r.stdout and "hf_json (512 tokens" in r.stdout
         assert "Assistant: " in r.stdout and " / 0." in r.stdout
@@ -317,7 +317,7 @@ def test_sentencepiece_sources(tmp_path):
     spm = pytest.importorskip("sentencepiece")
     from tokenizers import Tokenizer
 
-    from engine.synth import TRAIN_TEXT
+    from bitnet_cpu.engine.synth import TRAIN_TEXT
 
     m = SynthModel(seed=3, style="1bitllm")
     a = Store(convert(write_hf_dir(m, str(tmp_path / "hf")), str(tmp_path / "a.bnstore"), progress=False))
@@ -342,7 +342,7 @@ def test_gguf_tokenizer_matches_llama_cpp(model, tmp_path):
     llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python not installed (bench/setup_llama.sh)")
     from tokenizers import Tokenizer
 
-    from engine.synth import TRAIN_TEXT
+    from bitnet_cpu.engine.synth import TRAIN_TEXT
 
     p = write_gguf_tq(model, str(tmp_path / "t.gguf"), pre="llama-bpe")
     llm = llama_cpp.Llama(p, verbose=False, n_ctx=64)
@@ -353,8 +353,8 @@ def test_gguf_tokenizer_matches_llama_cpp(model, tmp_path):
 
 def test_unpacked_int8_checkpoint(model, stores, tmp_path):
     """Ternary weights stored unpacked as I8 (+ weight_scale) give the same store as the packed layout."""
-    from engine.safetensors_io import SafetensorsFile
-    from engine.synth_writers import write_safetensors
+    from bitnet_cpu.engine.formats.safetensors_io import SafetensorsFile
+    from bitnet_cpu.engine.synth.writers import write_safetensors
 
     d = write_hf_dir(model, str(tmp_path / "i8"))
     f = SafetensorsFile(os.path.join(d, "model.safetensors"))

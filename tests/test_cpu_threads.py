@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from engine import cpu
+from bitnet_cpu.engine import cpu
 
 
 def _fake_sysfs(tmp_path, siblings: dict[int, str], name="core_cpus_list"):
@@ -61,18 +61,18 @@ def test_default_threads_env_and_real_machine(tmp_path, monkeypatch):
 
 def test_info_and_run_verbose_show_threads(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
-    out = subprocess.run([sys.executable, "-m", "engine", "info", "--json"], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "bitnet_cpu", "info", "--json"], capture_output=True, text=True,
                          env=env, check=True).stdout
     f = json.loads(out)
     assert f["threads"] == f["physical_cores"] == cpu.physical_cores()
-    table = subprocess.run([sys.executable, "-m", "engine", "info"], capture_output=True, text=True, env=env,
+    table = subprocess.run([sys.executable, "-m", "bitnet_cpu", "info"], capture_output=True, text=True, env=env,
                            check=True).stdout
     assert f"{f['threads']} (physical cores" in table
     env["OMP_NUM_THREADS"] = "1"
-    r = subprocess.run([sys.executable, "-m", "engine", "run", "-v", "-n", "2", "-p", "hi"], capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "bitnet_cpu", "run", "-v", "-n", "2", "-p", "hi"], capture_output=True,
                        text=True, env=env)
     assert r.returncode == 0, r.stderr
     assert "threads 1)" in r.stderr
-    r = subprocess.run([sys.executable, "-m", "engine", "run", "-v", "-t", "1", "-n", "2", "-p", "hi"],
+    r = subprocess.run([sys.executable, "-m", "bitnet_cpu", "run", "-v", "-t", "1", "-n", "2", "-p", "hi"],
                        capture_output=True, text=True, env={**env, "OMP_NUM_THREADS": str(cpu.available_cores())})
     assert r.returncode == 0 and "threads 1)" in r.stderr

@@ -17,8 +17,8 @@ import sys
 import numpy as np
 import pytest
 
-from models import DEFAULT_MODEL_DIR, DEFAULT_STORE
-from models.corpus import WORDS
+from bitnet_cpu.models import DEFAULT_MODEL_DIR, DEFAULT_STORE
+from bitnet_cpu.models.corpus import WORDS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -27,7 +27,7 @@ def _cli(name: str) -> list[str]:
     exe = shutil.which(name)
     if exe:
         return [exe]
-    return [sys.executable, "-m", "engine"] if name == "bitnet" else [sys.executable, "-m", "chat.app"]
+    return [sys.executable, "-m", "bitnet_cpu"] if name == "bitnet" else [sys.executable, "-m", "bitnet_cpu.cli.chat"]
 
 
 def bitnet_run(*args: str, stdin: str | None = None) -> str:
@@ -44,8 +44,8 @@ def test_shipped_files_and_size():
 
 
 def test_store_is_the_conversion_of_the_hf_dir(tmp_path):
-    from engine.convert import bundled_model, convert
-    from engine.store import Store
+    from bitnet_cpu.engine.formats.convert import bundled_model, convert
+    from bitnet_cpu.engine.formats.store import Store
 
     assert os.path.realpath(bundled_model()) == os.path.realpath(DEFAULT_STORE)
     fresh = convert(DEFAULT_MODEL_DIR, str(tmp_path / "fresh.bnstore"), lm_head="f16", progress=False)

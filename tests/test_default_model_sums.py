@@ -13,8 +13,8 @@ import re
 
 import pytest
 
-from engine.api import SamplingParams, load_model
-from models import DEFAULT_STORE
+from bitnet_cpu.engine.api import SamplingParams, load_model
+from bitnet_cpu.models import DEFAULT_STORE
 
 CHAT_FORMS = ["{a}+{b}", "what's {a} plus {b}", "What is {a} + {b}?", "add {a} and {b}"]
 MAY_MISS = {"{a}+{b}": 3}   # form -> how many of the 100 pairs may still be wrong (see the docstring)

@@ -22,12 +22,12 @@ import sys
 import numpy as np
 import pytest
 
-from engine.api import load_model
-from engine.convert import convert
-from engine.errors import FormatError, UnsupportedError
-from engine.model import Model
-from engine.store import Store
-from engine.synth import (FALCON3_CHAT_TEMPLATE, LLAMA3_CHAT_TEMPLATE, TRAIN_TEXT, SynthModel, write_gguf_i2s,
+from bitnet_cpu.engine.api import load_model
+from bitnet_cpu.engine.formats.convert import convert
+from bitnet_cpu.engine.errors import FormatError, UnsupportedError
+from bitnet_cpu.engine.runtime.model import Model
+from bitnet_cpu.engine.formats.store import Store
+from bitnet_cpu.engine.synth import (FALCON3_CHAT_TEMPLATE, LLAMA3_CHAT_TEMPLATE, TRAIN_TEXT, SynthModel, write_gguf_i2s,
                           write_gguf_tq, write_hf_dir)
 from test_model_fixtures import load_reference, our_greedy, reference_greedy, reference_logits, reference_or_skip
 from test_parity_hf import TOL, _check_close
@@ -150,8 +150,8 @@ def test_chat_template_matches_transformers(families, name):
 def test_per_row_fakequant_scales():
     """A fake-quantized matrix with one magnitude per row block (e.g. per model-parallel shard) keeps every
     row's scale, through to the store's per-row scale vector; anything else is refused as not ternary."""
-    from engine.convert import _fused
-    from engine.convert_sources import ternary_from_fakequant
+    from bitnet_cpu.engine.formats.convert import _fused
+    from bitnet_cpu.engine.formats.sources import ternary_from_fakequant
 
     rng = np.random.default_rng(0)
     t = rng.integers(-1, 2, (8, 16)).astype(np.int8)
@@ -183,7 +183,7 @@ def test_non_ternary_checkpoint_is_refused(tmp_path):
     with pytest.raises(FormatError, match="not ternary"):
         convert(d, str(tmp_path / "x.bnstore"), progress=False)
     assert not os.path.exists(tmp_path / "x.bnstore")
-    r = subprocess.run([sys.executable, "-m", "engine", "convert", d, "-o", str(tmp_path / "y.bnstore")],
+    r = subprocess.run([sys.executable, "-m", "bitnet_cpu", "convert", d, "-o", str(tmp_path / "y.bnstore")],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "not ternary" in r.stderr and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) <= 2 and "--ternarize" in r.stderr
@@ -197,7 +197,7 @@ def test_ternarize_latent_weights_without_quantization_config(tmp_path):
     plain = write_hf_dir(m, str(tmp_path / "Falcon-E-1B-Base-plain"), form="float")
     online = write_hf_dir(m, str(tmp_path / "Falcon-E-1B-Base-online"), form="online")
     out = str(tmp_path / "t.bnstore")
-    r = subprocess.run([sys.executable, "-m", "engine", "convert", "--ternarize", "--lm-head", "f16", "--no-progress",
+    r = subprocess.run([sys.executable, "-m", "bitnet_cpu", "convert", "--ternarize", "--lm-head", "f16", "--no-progress",
                         plain, "-o", out], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     a, b = Store(out), Store(convert(online, str(tmp_path / "o.bnstore"), lm_head="f16", progress=False))
@@ -254,8 +254,8 @@ def test_llama_gguf_same_logits_as_hf_dir(llama_gguf, kind):
 
 def test_llama_gguf_without_permutation_differs(llama_gguf):
     """The q/k un-permutation matters (guards against a no-op in both writer and reader)."""
-    from engine.synth_writers import llama_permute
-    from engine.convert_sources import _llama_unpermute
+    from bitnet_cpu.engine.synth.writers import llama_permute
+    from bitnet_cpu.engine.formats.sources import _llama_unpermute
 
     w = np.arange(2 * 128 * 3).reshape(256, 3)
     p = llama_permute(w, 2)
@@ -290,7 +290,7 @@ def test_llama_cpp_agreement_llama_arch(llama_gguf, capsys):
 def test_inspect_names_family_and_runtime(families):
     m, d, store, _ = families["Falcon3-1B-Instruct-1.58bit"]
     for target in (d, store):
-        r = subprocess.run([sys.executable, "-m", "engine", "inspect", target], capture_output=True, text=True,
+        r = subprocess.run([sys.executable, "-m", "bitnet_cpu", "inspect", target], capture_output=True, text=True,
                            timeout=120)
         assert r.returncode == 0, r.stderr
         assert "family: Falcon3-{1,3,7,10}B(-Instruct)-1.58bit" in r.stdout

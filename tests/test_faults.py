@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from engine.convert import convert
-from engine.synth import SynthModel, small_config, write_hf_dir
+from bitnet_cpu.engine.formats.convert import convert
+from bitnet_cpu.engine.synth import SynthModel, small_config, write_hf_dir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -43,7 +43,7 @@ def test_run_store_truncated_during_generation(models, tmp_path):
     d, store = models
     victim = str(tmp_path / "victim.bnstore")
     shutil.copy(store, victim)
-    p = subprocess.Popen([sys.executable, "-m", "engine", "run", "-m", victim, "-p", "Once", "-n", "100000",
+    p = subprocess.Popen([sys.executable, "-m", "bitnet_cpu", "run", "-m", victim, "-p", "Once", "-n", "100000",
                           "-c", "60000", "--temp", "0.9", "--seed", "1", "-t", "1"], cwd=ROOT, env=ENV,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
@@ -64,7 +64,7 @@ def test_convert_source_truncated_mid_conversion(models, tmp_path):
     out_dir = tmp_path / "out"
     out_dir.mkdir()
     out = str(out_dir / "big.bnstore")
-    p = subprocess.Popen([sys.executable, "-m", "engine", "convert", src, "-o", out, "--no-progress"], cwd=ROOT,
+    p = subprocess.Popen([sys.executable, "-m", "bitnet_cpu", "convert", src, "-o", out, "--no-progress"], cwd=ROOT,
                          env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         t0 = time.monotonic()
@@ -85,7 +85,7 @@ def test_bitchat_keeps_the_transcript(models, tmp_path):
     shutil.copy(store, victim)
     recovery = str(tmp_path / "state" / "recovery.json")
     env = dict(ENV, BITCHAT_RECOVERY=recovery, BITCHAT_HISTORY="")
-    p = subprocess.Popen([sys.executable, "-m", "chat", "-m", victim, "-n", "6", "--temp", "0", "-t", "1"],
+    p = subprocess.Popen([sys.executable, "-m", "bitnet_cpu.cli.chat", "-m", victim, "-n", "6", "--temp", "0", "-t", "1"],
                          cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True)
     try:
@@ -110,7 +110,7 @@ def test_bitchat_keeps_the_transcript(models, tmp_path):
 def test_bitchat_normal_exit_removes_the_recovery_copy(models, tmp_path):
     _, store = models
     recovery = str(tmp_path / "recovery.json")
-    r = subprocess.run([sys.executable, "-m", "chat", "-m", store, "-n", "4", "--temp", "0", "--seed", "-1"],
+    r = subprocess.run([sys.executable, "-m", "bitnet_cpu.cli.chat", "-m", store, "-n", "4", "--temp", "0", "--seed", "-1"],
                        cwd=ROOT, env=dict(ENV, BITCHAT_RECOVERY=recovery, BITCHAT_HISTORY=""), input="hello\n",
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
@@ -123,7 +123,7 @@ def test_sigbus_outside_model_files_is_still_a_crash(tmp_path):
     mapped, tmp = str(tmp_path / "other.bin"), str(tmp_path / "partial.tmp")
     code = f"""
 import mmap, os
-from engine import faults
+from bitnet_cpu.engine import faults
 faults.install("bitnet")
 open({tmp!r}, "wb").close()
 with open({mapped!r}, "wb") as f:

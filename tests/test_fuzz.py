@@ -12,11 +12,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.convert import convert
-from engine.errors import BitNetError
-from engine.gguf import GGUFFile
-from engine.safetensors_io import SafetensorsDir
-from engine.synth import SynthModel, small_config, write_gguf_i2s, write_gguf_tq, write_hf_dir
+from bitnet_cpu.engine.formats.convert import convert
+from bitnet_cpu.engine.errors import BitNetError
+from bitnet_cpu.engine.formats.gguf import GGUFFile
+from bitnet_cpu.engine.formats.safetensors_io import SafetensorsDir
+from bitnet_cpu.engine.synth import SynthModel, small_config, write_gguf_i2s, write_gguf_tq, write_hf_dir
 
 FUZZ = settings(max_examples=int(os.environ.get("BITNET_FUZZ_EXAMPLES", "800")), deadline=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
@@ -188,7 +188,7 @@ _ARR = {"int32": "arr_i32", "uint32": "arr_u32", "float32": "arr_f32", "uint8": 
 
 def _rewrite_gguf(src: str, dst: str, key: str, new):
     """Copy a GGUF file with metadata `key` replaced by new = (type, value), or removed when new is None."""
-    from engine.synth_writers import RawGGUFWriter
+    from bitnet_cpu.engine.synth.writers import RawGGUFWriter
 
     g = GGUFFile(src)
     w = RawGGUFWriter(dst, alignment=g.alignment)

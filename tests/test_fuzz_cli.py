@@ -22,10 +22,10 @@ import time
 
 import pytest
 
-from engine.cli import main
-from engine.gguf import GGUFFile
-from engine.store import _HEADER
-from engine.synth import SynthModel, small_config, write_gguf_i2s, write_gguf_tq, write_hf_dir
+from bitnet_cpu.cli import main
+from bitnet_cpu.engine.formats.gguf import GGUFFile
+from bitnet_cpu.engine.formats.store import _HEADER
+from bitnet_cpu.engine.synth import SynthModel, small_config, write_gguf_i2s, write_gguf_tq, write_hf_dir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CASES = int(os.environ.get("BITNET_FUZZ_CLI_CASES", "1500"))
@@ -269,7 +269,7 @@ def test_fuzz_cli_subprocess_sample(base, tmp_path):
             target = next((os.path.join(work, f) for f in ("mut.gguf", "mut.bnstore", "hf") if
                            os.path.exists(os.path.join(work, f))))
             cache = os.path.join(work, "cache")
-            r = subprocess.run([sys.executable, "-m", "engine", "run", "-m", target, "-p", "Hi", "-n", "2", "--temp",
+            r = subprocess.run([sys.executable, "-m", "bitnet_cpu", "run", "-m", target, "-p", "Hi", "-n", "2", "--temp",
                                 "0", "-t", "1"] + (["--chat"] if rng.random() < 0.5 else []), cwd=ROOT,
                                env=dict(env, BITNET_CACHE=cache), capture_output=True, text=True, timeout=120)
             _check(r.returncode, r.stderr, f"{category}:{seed} subprocess")

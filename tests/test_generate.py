@@ -6,8 +6,8 @@ import sys
 import numpy as np
 import pytest
 
-from engine.api import Chunk, SamplingParams, Stats, load_model
-from engine.errors import ContextOverflowError
+from bitnet_cpu.engine.api import Chunk, SamplingParams, Stats, load_model
+from bitnet_cpu.engine.errors import ContextOverflowError
 from test_model_fixtures import make_synth
 
 GREEDY = SamplingParams(temperature=0.0)

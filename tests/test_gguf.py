@@ -5,10 +5,10 @@ import struct
 import numpy as np
 import pytest
 
-from engine.errors import FormatError, UnsupportedError
-from engine.gguf import GGUFFile, decode_blocks
-from engine.synth import SynthModel, write_gguf_i2s, write_gguf_tq
-from engine.synth_writers import RawGGUFWriter
+from bitnet_cpu.engine.errors import FormatError, UnsupportedError
+from bitnet_cpu.engine.formats.gguf import GGUFFile, decode_blocks
+from bitnet_cpu.engine.synth import SynthModel, write_gguf_i2s, write_gguf_tq
+from bitnet_cpu.engine.synth.writers import RawGGUFWriter
 
 gguf = pytest.importorskip("gguf", reason="the gguf package is the reference writer (pip install '.[test]')")
 

@@ -13,14 +13,14 @@ import sys
 import numpy as np
 import pytest
 
-from engine.convert import convert
-from engine.errors import FormatError, UnsupportedError
-from engine.inspect_model import describe
-from engine.model import Model
-from engine.store import Store
-from engine.synth import TRAIN_TEXT, SynthModel, write_gguf_tq
-from engine.ternary_check import MAX_OFF_SHARE, TOLERANCE, fit_ternary
-from engine.tokenizer import Tokenizer
+from bitnet_cpu.engine.formats.convert import convert
+from bitnet_cpu.engine.errors import FormatError, UnsupportedError
+from bitnet_cpu.engine.formats.describe import describe
+from bitnet_cpu.engine.runtime.model import Model
+from bitnet_cpu.engine.formats.store import Store
+from bitnet_cpu.engine.synth import TRAIN_TEXT, SynthModel, write_gguf_tq
+from bitnet_cpu.engine.formats.ternary_check import MAX_OFF_SHARE, TOLERANCE, fit_ternary
+from bitnet_cpu.engine.formats.tokenizer import Tokenizer
 from test_model_fixtures import our_greedy
 
 gguf = pytest.importorskip("gguf", reason="the gguf package writes the test files (pip install '.[test]')")
@@ -84,7 +84,7 @@ def test_non_ternary_gguf_is_refused_and_leaves_nothing(ref, qtype, tmp_path):
         convert(path, out, progress=False)
     assert not os.path.exists(os.path.dirname(out)) or os.listdir(os.path.dirname(out)) == []
     # the CLI: one line on stderr, exit 2, no traceback
-    r = subprocess.run([sys.executable, "-m", "engine", "convert", path, "-o", out], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-m", "bitnet_cpu", "convert", path, "-o", out], capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 2 and "not ternary" in r.stderr and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
@@ -168,7 +168,7 @@ def test_llama_cpp_quantized_types_load_as_the_tq2_model(ref, name):
         write_gguf_tq(m, src, "F32")
     path = _llama_quantize(src, str(d / f"m.{name}.gguf"), LLAMA_FTYPES[name])
     store = convert(path, path + ".bnstore", lm_head="f16", progress=False)
-    types = {t.type_name for t in __import__("engine.gguf", fromlist=["GGUFFile"]).GGUFFile(path).tensors.values()}
+    types = {t.type_name for t in __import__("bitnet_cpu.engine.formats.gguf", fromlist=["GGUFFile"]).GGUFFile(path).tensors.values()}
     base = name.split("_")[0] if name.startswith("IQ") else name[:4].rstrip("_")
     assert any(t.startswith(base) for t in types), (name, types)
     _same_model(ref_store, store, ids, exact=False)
@@ -243,8 +243,8 @@ def test_iq1s_test_encoder_loads_as_its_tq2_model(ref, tmp_path):
 
 @pytest.mark.parametrize("qtype", ["F32", "F16", "BF16", "Q8_0"])
 def test_fast_path_on_stored_bits_agrees_with_the_general_fit(ref, qtype):
-    from engine.gguf import GGUFFile
-    from engine.ternary_check import fit_exact_raw
+    from bitnet_cpu.engine.formats.gguf import GGUFFile
+    from bitnet_cpu.engine.formats.ternary_check import fit_exact_raw
 
     m, d, _, _ = ref
     path = str(d / f"m.{qtype}.gguf")

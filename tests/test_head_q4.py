@@ -4,11 +4,11 @@ and a q4 model whose prefill equals step-by-step decode and whose verify rows eq
 import numpy as np
 import pytest
 
-from simd import layout
-from engine.api import SamplingParams, load_model
-from engine.errors import KernelError
-from engine.speculative import OFF, LookupParams
-from simd import _kernels as K
+from bitnet_cpu.simd import layout
+from bitnet_cpu.engine.api import SamplingParams, load_model
+from bitnet_cpu.engine.errors import KernelError
+from bitnet_cpu.engine.runtime.speculative import OFF, LookupParams
+from bitnet_cpu.simd import _kernels as K
 from test_kernels import ISAS, quantized
 from test_model_fixtures import make_synth
 

@@ -12,11 +12,11 @@ import time
 
 import pytest
 
-from engine.chat_template import TemplateError, render
-from engine.convert import convert
-from engine.errors import BitNetError
-from engine.synth import SynthModel, small_config, write_gguf_i2s, write_hf_dir
-from engine.template_sandbox import Limits, TemplateLimitError
+from bitnet_cpu.engine.runtime.chat_template import TemplateError, render
+from bitnet_cpu.engine.formats.convert import convert
+from bitnet_cpu.engine.errors import BitNetError
+from bitnet_cpu.engine.synth import SynthModel, small_config, write_gguf_i2s, write_hf_dir
+from bitnet_cpu.engine.runtime.template_sandbox import Limits, TemplateLimitError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -31,7 +31,7 @@ def model(tmp_path_factory):
 
 
 def bitnet(*args, env=None, timeout=120):
-    return subprocess.run([sys.executable, "-m", "engine", *args], cwd=ROOT, env=env or ENV, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "bitnet_cpu", *args], cwd=ROOT, env=env or ENV, capture_output=True,
                           text=True, timeout=timeout)
 
 
@@ -146,8 +146,8 @@ def test_hostile_chat_template_is_one_line(model, tmp_path):
 # ---- bugs vs bad input -------------------------------------------------------------------------------
 def test_kernel_error_is_reported_as_a_bug():
     """An engine bug (KernelError) exits 70 and asks for a report instead of blaming the input."""
-    code = ("import sys; from engine import cli; from engine.errors import KernelError; "
-            "import engine.commands.info as info; "
+    code = ("import sys; from bitnet_cpu import cli; from bitnet_cpu.engine.errors import KernelError; "
+            "import bitnet_cpu.cli.info as info; "
             "info.main = lambda a: (_ for _ in ()).throw(KernelError('gemv_ternary: out has 3 rows, expected 4')); "
             "sys.exit(cli.main(['info']))")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=60)

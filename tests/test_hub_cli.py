@@ -17,8 +17,8 @@ import pytest
 
 pytest.importorskip("huggingface_hub", reason="huggingface_hub is a dependency of the hub features")
 
-from engine.api import SamplingParams, load_model  # noqa: E402
-from engine.synth import SynthModel, small_config, write_gguf_i2s, write_hf_dir  # noqa: E402
+from bitnet_cpu.engine.api import SamplingParams, load_model  # noqa: E402
+from bitnet_cpu.engine.synth import SynthModel, small_config, write_gguf_i2s, write_hf_dir  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMMIT_A = "a" * 40
@@ -72,7 +72,7 @@ def env_for(hub, tmp_path, **extra):
 
 
 def bitnet(*args, env, timeout=120):
-    return subprocess.run([sys.executable, "-m", "engine", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "bitnet_cpu", *args], capture_output=True, text=True,
                           timeout=timeout, cwd=ROOT, env=env)
 
 
@@ -204,7 +204,7 @@ def test_a_local_path_wins_over_a_hub_id(hub, tmp_path):
     """A directory that happens to be called like a repo id is used as the path it is."""
     local = tmp_path / "o" / "tiny"
     shutil.copytree(hub["hf"][COMMIT_A], local)
-    r = subprocess.run([sys.executable, "-m", "engine", "run", "-m", "o/tiny", "-p", "Once upon", "-n", "8",
+    r = subprocess.run([sys.executable, "-m", "bitnet_cpu", "run", "-m", "o/tiny", "-p", "Once upon", "-n", "8",
                         "--temp", "0"], capture_output=True, text=True, timeout=120, cwd=tmp_path,
                        env=dict(env_for(hub, tmp_path), PYTHONPATH=ROOT))
     assert r.returncode == 0 and r.stdout == greedy(hub["hf"][COMMIT_A]), r.stderr
@@ -212,7 +212,7 @@ def test_a_local_path_wins_over_a_hub_id(hub, tmp_path):
 
 def test_convert_and_inspect_take_a_hub_id(hub, tmp_path):
     env = env_for(hub, tmp_path)
-    r = subprocess.run([sys.executable, "-m", "engine", "convert", "o/tiny-gguf", "--no-progress"], capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "bitnet_cpu", "convert", "o/tiny-gguf", "--no-progress"], capture_output=True,
                        text=True, timeout=120, cwd=tmp_path, env=dict(env, PYTHONPATH=ROOT))
     assert r.returncode == 0, r.stderr
     out = r.stdout.strip()

@@ -11,10 +11,10 @@ import sys
 import numpy as np
 import pytest
 
-from simd import layout
-from engine.errors import KernelError
-from simd import _kernels as K
-from simd import reference as R
+from bitnet_cpu.simd import layout
+from bitnet_cpu.engine.errors import KernelError
+from bitnet_cpu.simd import _kernels as K
+from bitnet_cpu.simd import reference as R
 
 ISAS = K.supported_isas()
 SIMD_ISAS = [i for i in ISAS if i != "scalar"]
@@ -81,7 +81,7 @@ def test_set_isa_rejects_unknown_and_unsupported():
 @pytest.mark.parametrize("name", ISAS)
 def test_bitnet_isa_env_forces_path(name):
     env = dict(os.environ, BITNET_ISA=name)
-    r = subprocess.run([sys.executable, "-c", "import simd; print(simd.active())"], env=env,
+    r = subprocess.run([sys.executable, "-c", "from bitnet_cpu import simd; print(simd.active())"], env=env,
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == name
@@ -89,13 +89,13 @@ def test_bitnet_isa_env_forces_path(name):
 
 def test_bitnet_isa_env_bad_value_raises_clearly():
     env = dict(os.environ, BITNET_ISA="bogus")
-    r = subprocess.run([sys.executable, "-c", "import simd._kernels"], env=env, capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-c", "import bitnet_cpu.simd._kernels"], env=env, capture_output=True, text=True,
                        timeout=60)
     assert r.returncode != 0 and "BITNET_ISA=bogus" in r.stderr
 
 
 def test_python_m_simd_prints_path():
-    r = subprocess.run([sys.executable, "-m", "simd"], capture_output=True, text=True, timeout=60)
+    r = subprocess.run([sys.executable, "-m", "bitnet_cpu.simd"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert f"active:   {K.active()}" in r.stdout
 

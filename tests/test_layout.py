@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from simd import layout
+from bitnet_cpu.simd import layout
 
 
 @pytest.mark.parametrize("n,k", [(1, 4), (16, 64), (17, 68), (40, 3200 // 10), (33, 130)])

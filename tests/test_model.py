@@ -5,9 +5,9 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from engine.errors import ContextOverflowError
-from engine.model import Model
-from engine.store import Store
+from bitnet_cpu.engine.errors import ContextOverflowError
+from bitnet_cpu.engine.runtime.model import Model
+from bitnet_cpu.engine.formats.store import Store
 from test_model_fixtures import make_synth
 
 

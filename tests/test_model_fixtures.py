@@ -7,8 +7,8 @@ import os
 import numpy as np
 import pytest
 
-from engine.convert import convert
-from engine.synth import SynthModel, small_config, write_hf_dir
+from bitnet_cpu.engine.formats.convert import convert
+from bitnet_cpu.engine.synth import SynthModel, small_config, write_hf_dir
 
 # torch.compile on transformers' BitLinear helpers only costs compile time on CPU; results are the same
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")

@@ -2,9 +2,9 @@
 import numpy as np
 import pytest
 
-import simd._ops as ops
-import simd.reference as ref
-from engine.errors import KernelError
+import bitnet_cpu.simd._ops as ops
+import bitnet_cpu.simd.reference as ref
+from bitnet_cpu.engine.errors import KernelError
 
 PATHS = [p for p in ("scalar", "avx2", "avx512") if p == "scalar" or ops.active() in (p, "avx512")]
 

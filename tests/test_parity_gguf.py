@@ -6,11 +6,11 @@ import os
 import numpy as np
 import pytest
 
-from engine.api import load_model
-from engine.convert import convert
-from engine.model import Model
-from engine.store import Store
-from engine.synth import TRAIN_TEXT, write_gguf_i2s, write_gguf_tq
+from bitnet_cpu.engine.api import load_model
+from bitnet_cpu.engine.formats.convert import convert
+from bitnet_cpu.engine.runtime.model import Model
+from bitnet_cpu.engine.formats.store import Store
+from bitnet_cpu.engine.synth import TRAIN_TEXT, write_gguf_i2s, write_gguf_tq
 from test_model_fixtures import make_synth, our_greedy
 
 

@@ -15,10 +15,10 @@ a near tie.
 import numpy as np
 import pytest
 
-from engine.api import load_model
-from engine.model import Model
-from engine.store import Store
-from engine.synth import TRAIN_TEXT
+from bitnet_cpu.engine.api import load_model
+from bitnet_cpu.engine.runtime.model import Model
+from bitnet_cpu.engine.formats.store import Store
+from bitnet_cpu.engine.synth import TRAIN_TEXT
 from test_model_fixtures import load_reference, make_synth, our_greedy, reference_greedy, reference_logits, reference_or_skip
 
 pytestmark = pytest.mark.reference
@@ -50,7 +50,7 @@ _TEXT_IDS = {}
 
 def load_model_ids(m, seed):
     if seed not in _TEXT_IDS:
-        from engine.tokenizer import Tokenizer
+        from bitnet_cpu.engine.formats.tokenizer import Tokenizer
 
         info = m.tokenizer_info()
         tok = Tokenizer("hf_json", m.tokenizer_json().encode(), bos_id=info["bos"])
@@ -129,8 +129,8 @@ def test_tokenizer_and_chat_template_match(models):
 @pytest.mark.parametrize("form,linear_class", [("online", "autobitlinear"), ("packed", "bitlinear")])
 def test_other_checkpoint_forms(tmp_path, form, linear_class):
     """The 2B-4T-bf16 form (full-precision weights ternarized at load) and the legacy dividing BitLinear."""
-    from engine.convert import convert
-    from engine.synth import SynthModel, small_config, write_hf_dir
+    from bitnet_cpu.engine.formats.convert import convert
+    from bitnet_cpu.engine.synth import SynthModel, small_config, write_hf_dir
 
     m = SynthModel(small_config(num_hidden_layers=2), seed=4)
     d = str(tmp_path / f"{form}-{linear_class}")

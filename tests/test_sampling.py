@@ -2,8 +2,8 @@
 import numpy as np
 import pytest
 
-from engine.errors import BitNetError
-from engine.sampling import Sampler, SamplingParams
+from bitnet_cpu.engine.errors import BitNetError
+from bitnet_cpu.engine.runtime.sampling import Sampler, SamplingParams
 
 
 def logits_of(probs):

@@ -249,11 +249,11 @@ def test_non_loopback_warning_and_bad_flags(tmp_path):
     import os
     env = dict(os.environ, PYTHONPATH=ROOT)
     # an invalid port makes it exit before binding: the warning is printed first, then one error line
-    r = subprocess.run([sys.executable, "-m", "engine", "serve", "--host", "0.0.0.0", "--port", "70000"],
+    r = subprocess.run([sys.executable, "-m", "bitnet_cpu", "serve", "--host", "0.0.0.0", "--port", "70000"],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "warning: listening on 0.0.0.0 without --api-key" in r.stderr
     assert "--port 70000" in r.stderr and "Traceback" not in r.stderr
-    r = subprocess.run([sys.executable, "-m", "engine", "serve", "--host", "0.0.0.0", "--api-key", "k", "--port", "0"],
+    r = subprocess.run([sys.executable, "-m", "bitnet_cpu", "serve", "--host", "0.0.0.0", "--api-key", "k", "--port", "0"],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert "warning" not in r.stderr and r.returncode == 2
 
@@ -262,8 +262,8 @@ def test_health_503_while_loading():
     """In-process: the app answers /health 503 (+ Retry-After) until load() returns, then 200."""
     from starlette.testclient import TestClient
 
-    from engine.api import load_engine
-    from engine.serve.app import create_app
+    from bitnet_cpu.engine.api import load_engine
+    from bitnet_cpu.serve.app import create_app
     gate = threading.Event()
 
     def load():

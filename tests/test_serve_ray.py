@@ -34,7 +34,7 @@ def test_ray_two_replicas_spread_and_replace():
     port = free_port()
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
                RAY_USAGE_STATS_ENABLED="0")
-    proc = subprocess.Popen([sys.executable, "-m", "engine", "serve", "--ray-replicas", "2", "--host", "127.0.0.1",
+    proc = subprocess.Popen([sys.executable, "-m", "bitnet_cpu", "serve", "--ray-replicas", "2", "--host", "127.0.0.1",
                              "--port", str(port), "-t", "1", "--parallel", "4"],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"

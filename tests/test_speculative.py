@@ -5,11 +5,11 @@ and seeded sampling, both head kinds) while actually drafting; an early stop lea
 import numpy as np
 import pytest
 
-from simd import layout
-from engine.api import SamplingParams, load_model
-from engine.errors import BitNetError, KernelError
-from engine.speculative import OFF, DraftLength, LookupParams, PromptLookup
-from simd import _kernels as K
+from bitnet_cpu.simd import layout
+from bitnet_cpu.engine.api import SamplingParams, load_model
+from bitnet_cpu.engine.errors import BitNetError, KernelError
+from bitnet_cpu.engine.runtime.speculative import OFF, DraftLength, LookupParams, PromptLookup
+from bitnet_cpu.simd import _kernels as K
 from test_kernels import ISAS, make_i8, make_ternary, quantized
 from test_model_fixtures import make_synth
 
@@ -210,7 +210,7 @@ def test_bitnet_run_flags_same_text_and_errors(stores):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
     def run(*extra):
-        return subprocess.run([sys.executable, "-m", "engine", "run", "-m", stores["i8"], "-p", "a b a b a b a b",
+        return subprocess.run([sys.executable, "-m", "bitnet_cpu", "run", "-m", stores["i8"], "-p", "a b a b a b a b",
                                "-n", "24", "--temp", "0", "-t", "1", *extra], capture_output=True, text=True,
                               timeout=120, cwd=root)
 
@@ -231,7 +231,7 @@ def test_bitchat_flags(stores):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
     def chat(*extra):
-        return subprocess.run([sys.executable, "-m", "chat", "-m", stores["i8"], "--temp", "0", "-n", "16", *extra],
+        return subprocess.run([sys.executable, "-m", "bitnet_cpu.cli.chat", "-m", stores["i8"], "--temp", "0", "-n", "16", *extra],
                               input="a b a b a b\n", capture_output=True, text=True, timeout=120, cwd=root)
 
     off, on = chat("--draft-max", "0"), chat("--draft-max", "4", "--lookup-ngram-min", "1")

@@ -4,9 +4,9 @@ import os
 import numpy as np
 import pytest
 
-from engine.config import ModelConfig
-from engine.errors import FormatError
-from engine.store import TensorSpec, open_store, write_store
+from bitnet_cpu.engine.config import ModelConfig
+from bitnet_cpu.engine.errors import FormatError
+from bitnet_cpu.engine.formats.store import TensorSpec, open_store, write_store
 
 CFG = ModelConfig(hidden_size=64, intermediate_size=128, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=16, vocab_size=100)
 

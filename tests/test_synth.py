@@ -6,8 +6,8 @@ import os
 import numpy as np
 import pytest
 
-from engine.synth import SynthModel, small_config, write_gguf_i2s, write_gguf_tq, write_hf_dir
-from engine.synth_writers import hf_pack, tq2_pack
+from bitnet_cpu.engine.synth import SynthModel, small_config, write_gguf_i2s, write_gguf_tq, write_hf_dir
+from bitnet_cpu.engine.synth.writers import hf_pack, tq2_pack
 
 LIN = "model.layers.1.mlp.down_proj"
 
@@ -91,7 +91,7 @@ def test_fast_tq2_equals_gguf_quantizer(model):
 def test_i2s_layout(tmp_path, model):
     path = write_gguf_i2s(model, str(tmp_path / "m.gguf"))
     w = model.ternary(LIN)
-    from engine.synth_writers import i2s_pack
+    from bitnet_cpu.engine.synth.writers import i2s_pack
 
     b = np.frombuffer(i2s_pack(w, 0.5), np.uint8)
     n = w.size
@@ -137,7 +137,7 @@ def test_transformers_online_ternarization_matches_converter(tmp_path):
         from transformers.integrations.bitnet import WeightQuant
     except ImportError as e:
         pytest.skip(f"reference stack not installed (pip install '.[reference]'): {e}")
-    from engine.convert_sources import ternarize_online
+    from bitnet_cpu.engine.formats.sources import ternarize_online
 
     m = SynthModel(small_config(num_hidden_layers=1), seed=4)
     write_hf_dir(m, str(tmp_path), form="online")

@@ -3,10 +3,10 @@ import io
 
 import pytest
 
-from engine import chat_template as ct
-from engine.errors import BitNetError, FormatError
-from engine.synth import BROKEN_GGUF_TEMPLATE, TRAIN_TEXT, SynthModel
-from engine.tokenizer import Tokenizer
+from bitnet_cpu.engine.runtime import chat_template as ct
+from bitnet_cpu.engine.errors import BitNetError, FormatError
+from bitnet_cpu.engine.synth import BROKEN_GGUF_TEMPLATE, TRAIN_TEXT, SynthModel
+from bitnet_cpu.engine.formats.tokenizer import Tokenizer
 
 TEXTS = [TRAIN_TEXT, "Café 日本語 🙂🙂 naïve — ‘quotes’", "a\u0301 e\u0301 \U0001F468\u200D\U0001F469", " x  y\n\n\tz"]
 

@@ -13,10 +13,10 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="torch is the training-only dependency (pip install torch)")
 
-from models import corpus  # noqa: E402
-from models.bitnet_torch import TinyBitNet, TinyConfig  # noqa: E402
-from models.export import export_hf_dir, pack_quarters, unpack_quarters  # noqa: E402
-from models.train import CHAT_TEMPLATE, RowStream, build_tokenizer, loss_of  # noqa: E402
+from bitnet_cpu.models import corpus  # noqa: E402
+from bitnet_cpu.models.bitnet_torch import TinyBitNet, TinyConfig  # noqa: E402
+from bitnet_cpu.models.export import export_hf_dir, pack_quarters, unpack_quarters  # noqa: E402
+from bitnet_cpu.models.train import CHAT_TEMPLATE, RowStream, build_tokenizer, loss_of  # noqa: E402
 
 
 def test_pack_quarters_layout():
@@ -78,8 +78,8 @@ def test_export_files(exported):
 
 def test_engine_matches_training_forward(exported, tmp_path):
     model, tok, d = exported
-    from engine.api import SamplingParams, load_model
-    from engine.convert import convert
+    from bitnet_cpu.engine.api import SamplingParams, load_model
+    from bitnet_cpu.engine.formats.convert import convert
 
     store = convert(d, str(tmp_path / "tiny.bnstore"), lm_head="f16", progress=False)
     llm = load_model(store, progress=False)
@@ -104,8 +104,8 @@ def test_init_from_export_reproduces_the_shipped_export():
     W_t and scale give back exactly the exported tensors, and doing it again changes nothing."""
     from safetensors.torch import load_file
 
-    from models import DEFAULT_MODEL_DIR
-    from models.export import config_from_hf_dir, init_from_export, relatent_from_ternary, state_tensors
+    from bitnet_cpu.models import DEFAULT_MODEL_DIR
+    from bitnet_cpu.models.export import config_from_hf_dir, init_from_export, relatent_from_ternary, state_tensors
 
     model = init_from_export(TinyBitNet(config_from_hf_dir(DEFAULT_MODEL_DIR)), DEFAULT_MODEL_DIR)
     stored = load_file(os.path.join(DEFAULT_MODEL_DIR, "model.safetensors"))

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import numpy as np
 
-import simd._kernels as K
-import simd._ops as ops
+from ...simd import _kernels as K
+from ...simd import _ops as ops
 
 from ..config import ModelConfig
 from ..errors import BitNetError
-from ..model import Weights, _Views, alloc_run_state, rope_tables, run_layers
+from ..runtime.model import Weights, _Views, alloc_run_state, rope_tables, run_layers
 from .kv_pool import PAGE_TOKENS, KVPool
 
 

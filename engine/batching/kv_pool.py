@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-import simd._ops as ops
+from ...simd import _ops as ops
 
 from ..errors import BitNetError
 

@@ -23,8 +23,8 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ..errors import BitNetError, ContextOverflowError, QueueFullError
-from ..generate import Chunk, Stats, _StopMatcher
-from ..sampling import Sampler, SamplingParams
+from ..runtime.generate import Chunk, Stats, _StopMatcher
+from ..runtime.sampling import Sampler, SamplingParams
 from .batch_model import BatchModel
 from .kv_pool import PAGE_TOKENS, KVPool
 from .prefix_cache import PrefixCache

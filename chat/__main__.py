@@ -1,5 +1,0 @@
-import sys
-
-from chat.app import main
-
-sys.exit(main())

@@ -1,0 +1,109 @@
+# PYTHON_ARGCOMPLETE_OK
+"""`bitnet`: the command line. Subcommands live in cli/<name>.py; `bitchat` is cli/chat.py.
+
+Exit codes (engine/errors.py; README "Errors"): 0 ok; 2 bad input — errors the user can act on
+(engine.errors.BitNetError) print one line to stderr, and so does a model file truncated or rewritten while
+mapped (the C SIGBUS guard, engine/faults.py); 70 an engine bug (KernelError or any unexpected exception:
+one line asking for a report, BITNET_DEBUG=1 shows the traceback); 130 Ctrl-C, keeping what was printed;
+a closed stdout (`| head`) ends quietly (exit 0).
+An unknown flag gets that subcommand's usage and a "did you mean" suggestion.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+
+COMMANDS = ["run", "convert", "inspect", "info", "pull", "list", "rm", "serve"]
+
+
+def build_parser(subparsers: dict | None = None) -> argparse.ArgumentParser:
+    """The `bitnet` parser; `subparsers` (if given) is filled with name -> subcommand parser."""
+    p = argparse.ArgumentParser(
+        prog="bitnet",
+        description="Run BitNet b1.58 ternary language models on the CPU.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    from ..engine import __version__
+
+    p.add_argument("--version", action="version", version=f"bitnet {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMANDS:
+        try:
+            mod = importlib.import_module(f".{name}", __name__)
+        except ModuleNotFoundError as e:
+            if e.name != f"{__name__}.{name}":
+                raise
+            continue
+        sp = sub.add_parser(name, help=mod.HELP, description=mod.HELP, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        mod.add_arguments(sp)
+        sp.set_defaults(_main=mod.main)
+        if subparsers is not None:
+            subparsers[name] = sp
+    return p
+
+
+def report_bug(prog: str, e: BaseException) -> int:
+    """One line for an engine bug (never blame the input), EXIT_BUG; $BITNET_DEBUG shows the traceback."""
+    from ..engine.errors import BUG_REPORT_HINT, EXIT_BUG, BitNetError
+
+    if os.environ.get("BITNET_DEBUG"):
+        import traceback
+
+        traceback.print_exc()
+    what = str(e) if isinstance(e, BitNetError) else f"{type(e).__name__}: {e}"
+    print(f"{prog}: internal error: {' '.join(what.split())} ({BUG_REPORT_HINT}; BITNET_DEBUG=1 shows the"
+          " traceback)", file=sys.stderr)
+    return EXIT_BUG
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ..engine import faults
+    from ..engine.errors import EXIT_BAD_INPUT, EXIT_BUG, EXIT_INTERRUPTED, BitNetError
+
+    from .flags import maybe_autocomplete, parse_args_suggesting
+
+    subparsers: dict = {}
+    parser = build_parser(subparsers)
+    maybe_autocomplete(parser)
+    args = parse_args_suggesting(parser, argv, subparsers)
+    if not getattr(args, "_main", None):
+        parser.print_help(sys.stderr)
+        return EXIT_BAD_INPUT
+    faults.install("bitnet")
+    try:
+        return int(args._main(args) or 0)
+    except BitNetError as e:
+        if e.exit_code == EXIT_BUG:
+            return report_bug("bitnet", e)
+        print(f"bitnet: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        return quiet_broken_pipe()
+    except MemoryError:
+        print("bitnet: error: out of memory (hint: use a smaller -c/--ctx, or close other programs)", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except Exception as e:  # a bug: one line asking for a report, never a raw traceback
+        return report_bug("bitnet", e)
+
+
+def quiet_broken_pipe() -> int:
+    """stdout was closed by its reader (`bitnet run ... | head -c 10`): point fd 1 at /dev/null so the
+    interpreter's final flush cannot print "Exception ignored ... BrokenPipeError", and exit 0."""
+    import os
+
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

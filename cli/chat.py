@@ -1,0 +1,195 @@
+# PYTHON_ARGCOMPLETE_OK
+"""`bitchat`: the interactive terminal chat (console script entry point `main`).
+
+    bitchat [-m MODEL] [-sys TEXT] [--temp T] [--top-k K] [--top-p P] [--min-p P]
+            [--repeat-penalty R] [--seed S] [-n N] [-c CTX] [-t THREADS]
+
+The flags are `bitnet run`'s (cli/flags.py); `bitnet run -cnv` lands here too
+(run_chat). No -m opens the bundled default model. On a terminal it is a prompt_toolkit REPL; when
+stdin or stdout is not a terminal, input lines become turns and the output is plain text.
+Exit codes: 0 normal end, 1 a piped command/turn failed, 2 bad flag or model (also: the model file was
+truncated or rewritten while in use), 70 an internal error (a bug: please report it), 130 Ctrl-C while loading.
+
+The conversation is kept in a recovery file while the session runs ($BITCHAT_RECOVERY, empty: none; else
+$XDG_STATE_HOME/bitchat/recovery-PID.json), removed on a normal exit: when the process is ended by a fatal
+fault, the one-line message says where it is (/load it).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+from ..chat.commands import CommandError, Settings, parse_setting
+from ..chat.render import Output
+from .flags import (UNTIL_END, add_context_args, add_model_args, add_sampling_args,
+                                         add_system_args, check_n_predict, maybe_autocomplete,
+                                         parse_args_suggesting)
+
+UNTIL_END_TOKENS = 1 << 30   # -n -1: clamped to the context window once the model is loaded
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from ..engine import __version__
+
+    p = argparse.ArgumentParser(
+        prog="bitchat",
+        description="Chat with a BitNet b1.58 model in the terminal. Type /help inside for commands.",
+        epilog="Input history: $BITCHAT_HISTORY or $XDG_STATE_HOME/bitchat/history. "
+               "Piped stdin: each line is a turn, answers go to stdout.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    add_model_args(p)
+    add_system_args(p)
+    add_context_args(p, n_predict_default=Settings().max_tokens)
+    add_sampling_args(p)
+    p.add_argument("--draft-max", metavar="K", type=int, default=None,
+                   help="prompt-lookup speculative decoding: most draft tokens per pass, 0 = off "
+                        "(default: off; answers are the same either way)")
+    p.add_argument("--lookup-ngram-min", metavar="N", type=int, default=None,
+                   help="prompt lookup: shortest repeated n-gram that proposes a draft (default: 2)")
+    p.add_argument("--version", action="version", version=f"bitchat {__version__}")
+    return p
+
+
+def settings_from_args(args, error) -> Settings:
+    """Settings from the parsed flags; `error(message)` reports a bad value (parser.error or a raise)."""
+    s = Settings()
+    problem = check_n_predict(args.n_predict)
+    if problem:
+        error(problem)
+    for flag, key in (("temp", "temp"), ("top_k", "top_k"), ("top_p", "top_p"), ("min_p", "min_p"),
+                      ("repeat_penalty", "repeat_penalty"), ("repeat_last_n", "repeat_last_n"), ("seed", "seed"),
+                      ("n_predict", "max_tokens")):
+        value = getattr(args, flag, None)
+        if value is None:
+            continue
+        if key == "max_tokens" and value == UNTIL_END:
+            s.max_tokens = UNTIL_END_TOKENS
+            continue
+        try:
+            name, typed = parse_setting(key, str(value))
+        except CommandError as e:
+            # say it with the flag's own name, not the /set name
+            error(f"--{flag.replace('_', '-')}: " + str(e).split(": ", 1)[-1])
+        setattr(s, name, typed)
+    if args.ctx is not None and args.ctx < 16:
+        error(f"-c/--ctx-size: {args.ctx} is too small (at least 16)")
+    if args.threads is not None and args.threads < 1:
+        error(f"-t/--threads: {args.threads} must be >= 1")
+    if getattr(args, "draft_max", None) is not None and args.draft_max < 0:
+        error(f"--draft-max: {args.draft_max} must be >= 0 (0 = off)")
+    if getattr(args, "lookup_ngram_min", None) is not None and args.lookup_ngram_min < 1:
+        error(f"--lookup-ngram-min: {args.lookup_ngram_min} must be >= 1")
+    return s
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    maybe_autocomplete(parser)
+    args = parse_args_suggesting(parser, argv)
+    settings = settings_from_args(args, parser.error)
+    return _guarded(args, settings)
+
+
+def run_chat(args, first_message: str | None = None) -> int:
+    """`bitnet run -cnv`: the chat with `bitnet run`'s parsed flags; `first_message` (its -p) is the first turn."""
+    from ..engine.errors import BitNetError
+
+    def error(message):
+        raise BitNetError(message)
+
+    return _guarded(args, settings_from_args(args, error), first_message)
+
+
+def _guarded(args, settings: Settings, first_message: str | None = None) -> int:
+    interactive = sys.stdin.isatty() and sys.stdout.isatty()
+    out = Output(interactive=interactive)
+    try:
+        return _run(args, settings, out, interactive, first_message)
+    except KeyboardInterrupt:
+        print("", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        from . import quiet_broken_pipe
+
+        return quiet_broken_pipe()   # stdout went away (e.g. `| head`): nothing more to say
+    except Exception as e:  # a bug: one line (BITCHAT_DEBUG=1 shows the traceback), never a raw dump
+        from ..engine.errors import BUG_REPORT_HINT, EXIT_BUG
+
+        if os.environ.get("BITCHAT_DEBUG"):
+            raise
+        print(f"bitchat: internal error: {type(e).__name__}: {' '.join(str(e).split())} ({BUG_REPORT_HINT};"
+              " set BITCHAT_DEBUG=1 for details)", file=sys.stderr)
+        return EXIT_BUG
+
+
+def recovery_path() -> str | None:
+    """$BITCHAT_RECOVERY (empty: no recovery copy), else recovery-PID.json in the XDG state dir."""
+    env = os.environ.get("BITCHAT_RECOVERY")
+    if env is not None:
+        return os.path.expanduser(env) if env.strip() else None
+    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return os.path.join(base, "bitchat", f"recovery-{os.getpid()}.json")
+
+
+def _run(args, settings: Settings, out: Output, interactive: bool, first_message: str | None = None) -> int:
+    from ..engine.errors import EXIT_BUG, BitNetError
+
+    from ..engine import faults
+
+    faults.install("bitchat")
+    label = args.model or "the bundled default model"
+    print(f"bitchat: loading {label} ...", file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    try:
+        from ..engine.api import load_model
+
+        from ..engine.runtime.speculative import lookup_from_flags
+
+        llm = load_model(args.model, ctx=args.ctx, threads=args.threads, progress=True,   # -cnv: run's --kv/--lm-head
+                         kv_dtype=getattr(args, "kv", "f16"), lm_head=getattr(args, "lm_head", None),
+                         lookup=lookup_from_flags(getattr(args, "draft_max", None), getattr(args, "lookup_ngram_min", None)))
+    except BitNetError as e:
+        if e.exit_code == EXIT_BUG:
+            from . import report_bug
+
+            return report_bug("bitchat", e)
+        print(f"bitchat: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except (ImportError, OSError, MemoryError) as e:
+        print(f"bitchat: error: cannot load {label}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+    load_s = time.perf_counter() - t0
+    for w in getattr(llm, "warnings", ()):
+        print(f"bitchat: warning: {w}", file=sys.stderr)
+    if settings.max_tokens > llm.n_ctx:
+        settings.max_tokens = llm.n_ctx
+
+    from ..chat.repl import handle_line, run_plain, run_repl
+    from ..chat.session import ChatSession
+
+    session = ChatSession(llm, settings, out, system=args.system, threads=args.threads, model_label=args.model)
+    path = recovery_path()
+    if path:
+        session.enable_recovery(path)
+    ready = f"bitchat: {llm.name} ready in {load_s:.1f} s ({llm.n_ctx}-token context)."
+    if interactive:
+        print(ready + " Type /help for commands, /bye or Ctrl-D to exit.", file=sys.stderr, flush=True)
+        if first_message and not handle_line(session, first_message):
+            session.discard_recovery()
+            return 0
+        rc = run_repl(session)
+    else:
+        print(ready, file=sys.stderr, flush=True)
+        if first_message and not handle_line(session, first_message):
+            session.discard_recovery()
+            return 1 if session.had_errors else 0
+        rc = run_plain(session)
+    session.discard_recovery()   # only on a normal end: after a crash the copy is the user's transcript
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,37 @@
+"""`bitnet convert SRC [-o OUT] [--lm-head i8|f16]`: write the engine's weight store from a GGUF file or a
+Hugging Face model directory (progress on stderr, the store path on stdout)."""
+HELP = "convert a GGUF file or Hugging Face model directory into the engine's weight store"
+
+
+def add_arguments(p):
+    p.add_argument("src", metavar="SRC", help="GGUF file (bitnet.cpp I2_S, llama.cpp TQ1_0/TQ2_0), HF model directory, "
+                                              "or a hub id REPO[:FILE][@REV] already downloaded")
+    p.add_argument("-o", "--output", dest="out", metavar="OUT", default=None,
+                   help="store path (default: next to SRC, with the .bnstore extension)")
+    p.add_argument("--lm-head", choices=["i8", "f16", "q4"], default="i8",
+                   help="LM head precision: int8 rows with per-row scales (half the bytes per token) or f16")
+    p.add_argument("--hidden-act", choices=["relu2", "silu"], default=None,
+                   help="override the FFN activation (default: from the file; see `bitnet inspect` for how it was decided)")
+    p.add_argument("--ternarize", action="store_true",
+                   help="the directory holds BitNet latent (master) float weights without a quantization_config"
+                        " (e.g. Falcon-E's bfloat16 revision): ternarize them per tensor (absmean) as BitNet does")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def main(args) -> int:
+    import os
+
+    from ..engine.formats.convert import convert
+
+    source_name = None
+    if not os.path.exists(args.src):
+        from ..engine.formats.hub import is_hub_ref, resolve_hub_ref
+
+        if is_hub_ref(args.src):   # a hub id already downloaded: convert that download (into the cwd by default)
+            args.src, source_name = resolve_hub_ref(args.src)
+            stem = source_name.split("@")[0].replace("/", "--").replace(":", "--").removesuffix(".gguf")
+            args.out = args.out or stem + (".bnstore" if args.lm_head == "i8" else f".{args.lm_head}.bnstore")
+    out = convert(args.src, args.out, lm_head=args.lm_head, progress=not args.no_progress, hidden_act=args.hidden_act,
+                  ternarize=args.ternarize, source_name=source_name)
+    print(out)
+    return 0

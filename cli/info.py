@@ -1,0 +1,46 @@
+"""`bitnet info`: version, CPU features and the kernel path the dispatcher chose, as a table (`--json`
+gives the same facts as one JSON object for scripts)."""
+HELP = "print the version, CPU features and the chosen SIMD kernel path (--json for scripts)"
+
+
+def add_arguments(p):
+    p.add_argument("--json", action="store_true", help="one JSON object instead of the table%(default).0s")
+
+
+def facts() -> dict:
+    import os
+    import platform
+
+    from .. import simd
+    from ..engine import __version__
+    from ..engine.cpu import available_cores, default_threads, physical_cores
+
+    return {"version": __version__, "python": platform.python_version(), "machine": platform.machine(),
+            "cpu_count": os.cpu_count(), "available_cpus": available_cores(), "physical_cores": physical_cores(),
+            "threads": default_threads(), "active": simd.active(),
+            "supported": list(simd.supported_isas()), "forced": os.environ.get("BITNET_ISA") or None,
+            "features": dict(simd.features())}
+
+
+def main(args) -> int:
+    import json
+
+    f = facts()
+    if args.json:
+        print(json.dumps(f))
+        return 0
+    have = [k for k, v in f["features"].items() if v]
+    lacking = [k for k, v in f["features"].items() if not v]
+    rows = [
+        ("version", f"bitnet-cpu {f['version']} (Python {f['python']}, {f['machine']})"),
+        ("kernel path", f["active"] + (f" (forced by BITNET_ISA={f['forced']})" if f["forced"] else "")),
+        ("paths this CPU runs", ", ".join(f["supported"]) + "  (force one with BITNET_ISA=...)"),
+        ("threads", f"{f['threads']} (physical cores: {f['physical_cores']} of {f['available_cpus']} CPUs this "
+                    f"process may use, {f['cpu_count']} in the machine; -t N to change)"),
+        ("CPU features", ", ".join(have) or "-"),
+        ("not present", ", ".join(lacking) or "-"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+    return 0

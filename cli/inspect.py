@@ -1,0 +1,21 @@
+"""`bitnet inspect FILE`: what is in a model file (weight store, GGUF, or HF directory): architecture,
+dimensions, tensor table, tokenizer, chat template, and the ternary share of -1/0/+1 with the scale."""
+from __future__ import annotations
+
+import os
+
+HELP = "print what a model file holds (store, GGUF or HF directory)"
+
+
+def add_arguments(p):
+    p.add_argument("file", metavar="FILE", help="weight store, GGUF file or HF model directory")
+    p.add_argument("--tensors", type=int, default=None, metavar="N",
+                   help="show at most N rows of the tensor table (default: all)")
+
+
+def main(args) -> int:
+    from ..engine.formats.describe import describe
+
+    for line in describe(os.fspath(args.file), max_tensors=args.tensors):
+        print(line)
+    return 0

@@ -1,0 +1,82 @@
+"""`bitnet list`: the converted weight stores in the engine's cache ($BITNET_CACHE, else
+$XDG_CACHE_HOME/bitnet): name (what `bitnet rm` takes), source, size, LM head type, last used (the access
+time that engine.convert.mark_used sets on every use)."""
+from __future__ import annotations
+
+HELP = "list the converted models in the cache (name, source, size, head, last used)"
+
+
+def add_arguments(p):
+    p.add_argument("--json", action="store_true", help="one JSON object per model, one per line%(default).0s")
+
+
+def human_size(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return str(n)
+
+
+def ago(seconds: float) -> str:
+    s = max(0, int(seconds))
+    for unit, size in (("day", 86400), ("hour", 3600), ("minute", 60)):
+        if s >= size:
+            k = s // size
+            return f"{k} {unit}{'s' if k > 1 else ''} ago"
+    return "just now"
+
+
+def cached_stores(cache_dir: str | None = None) -> list[dict]:
+    """One dict per *.bnstore in the cache: name, path, source, size, lm_head, last_used (mtime), error."""
+    import os
+
+    from ..engine.formats.convert import cache_dir_default, source_label
+    from ..engine.formats.store import Store
+
+    d = cache_dir or cache_dir_default()
+    try:
+        files = sorted(f for f in os.listdir(d) if f.endswith(".bnstore"))
+    except FileNotFoundError:
+        return []
+    out = []
+    for f in files:
+        path = os.path.join(d, f)
+        st = os.stat(path)
+        row = {"name": f[: -len(".bnstore")], "path": path, "size": st.st_size, "last_used": max(st.st_atime, st.st_mtime),
+               "source": "?", "lm_head": "?", "error": None}
+        try:
+            with Store(path) as s:
+                row["source"] = source_label(s.meta)
+                row["lm_head"] = s.meta.get("lm_head", "?")
+        except Exception as e:  # noqa: BLE001  (a damaged file is listed, so that `bitnet rm` can remove it)
+            row["error"] = f"unreadable: {e}"
+        out.append(row)
+    return out
+
+
+def main(args) -> int:
+    import json
+    import sys
+    import time
+
+    from ..engine.formats.convert import cache_dir_default
+
+    rows = cached_stores()
+    if args.json:
+        for r in rows:
+            print(json.dumps(r))
+        return 0
+    if not rows:
+        print(f"no converted models in {cache_dir_default()} (`bitnet run -m MODEL` or `bitnet pull REPO` adds one)",
+              file=sys.stderr)
+        return 0
+    now = time.time()
+    table = [("NAME", "SOURCE", "SIZE", "HEAD", "LAST USED")]
+    for r in rows:
+        table.append((r["name"], r["error"] or r["source"], human_size(r["size"]), r["lm_head"],
+                      ago(now - r["last_used"])))
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+    for row in table:
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+    return 0

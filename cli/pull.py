@@ -1,0 +1,30 @@
+"""`bitnet pull REPO[:FILE][@REV]`: download a model from the Hugging Face hub into huggingface_hub's cache
+(its progress bars on stderr), then convert it once into the engine's store cache, so `bitnet run -m REPO`
+starts at once. Offline it says so in one line (exit 2)."""
+HELP = "download a model from the Hugging Face hub (REPO[:FILE][@REVISION]) and convert it"
+
+
+def add_arguments(p):
+    p.add_argument("ref", metavar="REPO[:FILE][@REV]",
+                   help="hub id, e.g. microsoft/bitnet-b1.58-2B-4T or microsoft/bitnet-b1.58-2B-4T-gguf:ggml-model-i2_s.gguf")
+    p.add_argument("--no-convert", action="store_true", help="only download (convert on first run)%(default).0s")
+    p.add_argument("--lm-head", choices=("i8", "f16"), default=None,
+                   help="LM head precision of the conversion (default: the converter's)%(default).0s")
+
+
+def main(args) -> int:
+    import sys
+
+    from ..engine.formats.hub import pull
+
+    path = pull(args.ref)
+    print(f"bitnet: downloaded {args.ref} -> {path}", file=sys.stderr)
+    if args.no_convert:
+        print(path)
+        return 0
+    from ..engine.formats.convert import resolve_model
+
+    store = resolve_model(args.ref, lm_head=args.lm_head, progress=True)
+    print(f"bitnet: ready: bitnet run -m {args.ref}", file=sys.stderr)
+    print(store)
+    return 0

@@ -1,0 +1,174 @@
+"""`bitnet run`: one-shot generation. stdout carries only the generated text (streamed, flushed per
+piece); progress, warnings and --verbose timings go to stderr. Ctrl-C stops generation keeping what was
+printed (exit 130). Flags follow llama.cpp (cli/flags.py); `-cnv` runs the chat on stdin
+as bitchat does; `--json` prints one JSON object per line (text pieces, then the stats) for scripts."""
+from .flags import (UNTIL_END, add_context_args, add_model_args, add_sampling_args, add_system_args,
+                                  check_n_predict)
+from ..engine.formats.tokenizer import decode_utf8
+
+HELP = "generate text from a prompt (streams to stdout)"
+
+
+def add_arguments(p):
+    add_model_args(p)
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("-p", "--prompt", default=None, help="prompt text ('-' reads stdin)%(default).0s")
+    src.add_argument("-f", "--file", default=None, help="read the prompt from this file ('-' reads stdin)%(default).0s")
+    add_context_args(p, n_predict_default=256)
+    add_sampling_args(p)
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template%(default).0s")
+    add_system_args(p)
+    p.add_argument("-cnv", "--conversation", action="store_true",
+                   help="chat on stdin as bitchat does (a terminal gets the REPL; -p is the first message)%(default).0s")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="never end at the end-of-text token (only -n, the context or --stop end it)%(default).0s")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)%(default).0s")
+    p.add_argument("--kv", choices=("f16", "f32"), default="f16", help="KV cache precision")
+    p.add_argument("--lm-head", choices=("i8", "f16", "q4"), default=None,
+                   help="LM head precision when the model gets converted (default: the converter's)%(default).0s")
+    p.add_argument("--json", action="store_true",
+                   help='one JSON object per line: {"text": ...} per piece, then {"done": true, "stats": ...}%(default).0s')
+    p.add_argument("--draft-max", type=int, default=None, metavar="K",
+                   help="prompt-lookup speculative decoding: most draft tokens verified per pass, 0 = off "
+                        "(default: off; --draft-max 4 is a good start on repetitive text; same output either way)%(default).0s")
+    p.add_argument("--lookup-ngram-min", type=int, default=None, metavar="N",
+                   help="prompt lookup: shortest repeated n-gram that proposes a draft (default: 2)%(default).0s")
+    p.add_argument("-v", "--verbose", action="store_true", help="print timings to stderr%(default).0s")
+
+
+def _read_prompt(args) -> str | None:
+    import sys
+
+    from ..engine.errors import BitNetError
+
+    def text(data, where):
+        try:
+            return decode_utf8(data, where)
+        except ValueError as e:
+            raise BitNetError(str(e)) from None
+
+    if args.file is not None:
+        if args.file == "-":
+            return text(sys.stdin.buffer.read(), "stdin")
+        try:
+            with open(args.file, "rb") as f:
+                return text(f.read(), f"-f/--file {args.file}")
+        except OSError as e:
+            raise BitNetError(f"-f/--file {args.file}: {e.strerror}") from None
+    if args.prompt == "-":
+        return text(sys.stdin.buffer.read(), "stdin")
+    if args.prompt is None:
+        if args.conversation:
+            return None
+        raise BitNetError("no prompt: give -p/--prompt TEXT or -f/--file FILE ('-' for stdin), or -cnv to chat")
+    return text(args.prompt, "-p/--prompt")
+
+
+def _stats_dict(stats, llm) -> dict:
+    from dataclasses import asdict
+
+    d = asdict(stats)
+    d.update(model=llm.name, n_ctx=llm.n_ctx)
+    return d
+
+
+def resolve_seed(seed: int | None) -> int:
+    """llama.cpp's convention: no seed or -1 means a fresh random one, chosen here so -v can print it (and a
+    run can be repeated with --seed N)."""
+    from ..engine.errors import BitNetError
+
+    if seed is None or seed == -1:
+        import secrets
+
+        return secrets.randbits(32)
+    if seed < 0:
+        raise BitNetError(f"--seed {seed}: must be >= 0, or -1 for a random seed")
+    return seed
+
+
+def main(args) -> int:
+    import sys
+
+    from ..engine.errors import BitNetError
+
+    problem = check_n_predict(args.n_predict)
+    if problem:
+        raise BitNetError(problem)
+    prompt = _read_prompt(args)
+    if args.conversation:
+        for flag, given in (("--json", args.json), ("--ignore-eos", args.ignore_eos), ("--stop", args.stop)):
+            if given:
+                raise BitNetError(f"{flag} does not apply to -cnv/--conversation (the chat has plain text answers that end at the end of a turn)")
+        from .chat import run_chat
+
+        return run_chat(args, first_message=prompt)
+
+    from ..engine.api import SamplingParams, load_model
+    from ..engine.runtime.generate import FINISH_MESSAGES
+
+    seed = resolve_seed(args.seed)
+    params = SamplingParams(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                            repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n, seed=seed).check()
+    from ..engine.runtime.speculative import lookup_from_flags
+
+    lookup = lookup_from_flags(args.draft_max, args.lookup_ngram_min)
+    llm = load_model(args.model, ctx=args.ctx, threads=args.threads, kv_dtype=args.kv,
+                     progress=sys.stderr.isatty(), lm_head=args.lm_head, lookup=lookup)
+    for w in llm.warnings:
+        print(f"bitnet: warning: {w}", file=sys.stderr)
+    if args.chat or args.system is not None:  # a system prompt only means something in the chat template
+        msgs = ([{"role": "system", "content": args.system}] if args.system is not None else [])
+        ids = llm.chat_prompt(msgs + [{"role": "user", "content": prompt}])
+    else:
+        ids = llm.tokenize(prompt, add_bos=True)
+        if prompt.strip() and not [i for i in ids if i != llm.tokenizer.bos_id]:
+            raise BitNetError(f"the prompt became no tokens at all: none of its characters are in the vocabulary of"
+                              f" {llm.name}", hint="check the model's tokenizer (bitnet inspect)")
+    until_end = args.n_predict == UNTIL_END
+    max_tokens = llm.n_ctx if until_end else args.n_predict
+    out = sys.stdout
+    try:  # a non-UTF-8 terminal gets replacement characters, never an encoding traceback
+        out.reconfigure(errors="replace")
+    except (AttributeError, ValueError):
+        pass
+    if args.json:
+        import json
+
+        def emit(text, token):
+            out.write(json.dumps({"text": text, "token": token}, ensure_ascii=False) + "\n")
+    else:
+        def emit(text, token):
+            out.write(text)
+    stats = None
+    try:
+        for chunk in llm.generate(ids, params, max_tokens=max_tokens, stop=args.stop, ignore_eos=args.ignore_eos):
+            if chunk.text:
+                emit(chunk.text, chunk.token)
+                out.flush()
+            if chunk.finish_reason:
+                stats = chunk.stats
+    except KeyboardInterrupt:
+        if out.isatty() and not args.json:
+            out.write("\n")
+        out.flush()
+        print("bitnet: interrupted", file=sys.stderr)
+        return 130
+    if args.json and stats is not None:
+        import json
+
+        out.write(json.dumps({"done": True, "finish_reason": stats.finish_reason,
+                              "stats": _stats_dict(stats, llm)}) + "\n")
+    elif out.isatty():  # a pipe gets exactly the generated text
+        out.write("\n")
+    out.flush()
+    if stats and stats.finish_reason == "context" and not until_end:
+        print(f"bitnet: {FINISH_MESSAGES['context']} (n_ctx {llm.n_ctx}; {llm.model.context_hint()})", file=sys.stderr)
+    if args.verbose and stats:
+        print(f"model: {llm.name} ({llm.model.lm_head} head, kv {args.kv}, n_ctx {llm.n_ctx}, seed {seed}, "
+              f"threads {llm.threads})\n"
+              f"load: {stats.load_s * 1000:.0f} ms | prompt: {stats.n_prompt} tokens ({stats.n_cached} cached), "
+              f"{stats.prefill_tps:.1f} tok/s | first token: {stats.ttft_s * 1000:.0f} ms | "
+              f"generated: {stats.n_generated} tokens, {stats.decode_tps:.1f} tok/s | stop: {stats.finish_reason}"
+              + (f" | lookup: {stats.n_accepted}/{stats.n_drafted} draft tokens accepted" if stats.n_drafted else ""),
+              file=sys.stderr)
+    return 0

@@ -1,0 +1,94 @@
+"""`bitnet serve`: an OpenAI-compatible HTTP server (serve/app.py) on uvicorn, over the batching
+engine. Loopback by default; Ctrl-C / SIGTERM drain (stop admitting, cancel in-flight streams) and exit 0.
+`--ray-replicas N` runs the same app as a Ray Serve deployment with N replicas (needs `pip install .[cluster]`)."""
+HELP = "serve the model over an OpenAI-compatible HTTP API (and a chat page at /)"
+
+
+
+def is_loopback(host: str) -> bool:
+    import ipaddress
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def add_arguments(p):
+    p.add_argument("-m", "--model", default=None,
+                   help="model: a GGUF file, a Hugging Face model dir, or a converted store "
+                        "(default: the bundled model)%(default).0s")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=8080, help="port to listen on")
+    p.add_argument("-t", "--threads", type=int, default=None, help="threads (default: all cores)%(default).0s")
+    p.add_argument("--parallel", "-np", type=int, default=16, help="sequences generated at once")
+    p.add_argument("-c", "--ctx", type=int, default=None, help="context per sequence (default: min(model's, 4096))%(default).0s")
+    p.add_argument("--max-queue", type=int, default=64, help="waiting requests before answering 503 + Retry-After")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* and /slots%(default).0s")
+    p.add_argument("--kv", choices=("f16", "f32"), default="f16", help="KV cache precision")
+    p.add_argument("--ray-replicas", type=int, default=0, help="run as a Ray Serve deployment with N replicas (0 = plain uvicorn)")
+    p.add_argument("--drain-timeout", type=float, default=5.0, help="seconds in-flight requests get to finish on shutdown")
+    p.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"),
+                   help="uvicorn log level")
+
+
+def _check(args):
+    from ..engine.errors import BitNetError
+    if not (0 < args.port < 65536):
+        raise BitNetError(f"--port {args.port}: must be in 1..65535")
+    if args.parallel < 1:
+        raise BitNetError(f"--parallel {args.parallel}: must be >= 1")
+    if args.max_queue < 0:
+        raise BitNetError(f"--max-queue {args.max_queue}: must be >= 0")
+    if args.ray_replicas < 0:
+        raise BitNetError(f"--ray-replicas {args.ray_replicas}: must be >= 0")
+
+
+def main(args) -> int:
+    import contextlib
+    import signal
+    import sys
+
+    if not is_loopback(args.host) and not args.api_key:
+        print(f"bitnet serve: warning: listening on {args.host} without --api-key: anyone who can reach this "
+              "port can use the model", file=sys.stderr, flush=True)
+    _check(args)
+    if args.ray_replicas:
+        from ..serve.ray_app import run_ray
+        return run_ray(args)
+
+    import uvicorn
+
+    from ..engine.api import load_engine
+    from ..serve.app import create_app
+
+    def load():
+        return load_engine(args.model, ctx=args.ctx, threads=args.threads, parallel=args.parallel,
+                           max_queue=args.max_queue, kv_dtype=args.kv, progress=True)
+
+    app = create_app(load, api_key=args.api_key)
+
+    class Server(uvicorn.Server):
+        """uvicorn re-raises the caught signal after shutdown (-> exit 130/143); a drained server exits 0.
+        Our handlers are installed before asyncio.run, so its own SIGINT handler (task cancel) stays out."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            yield
+
+    def handler(sig, frame):
+        if server.should_exit:
+            server.force_exit = True
+        server.should_exit = True
+        app.state.bitnet.draining = True  # stop admitting; /health says 503 to load balancers
+
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=args.drain_timeout, lifespan="on")
+    server = Server(config)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, handler)
+    print(f"bitnet serve: listening on http://{args.host}:{args.port} (loading the model...)", file=sys.stderr, flush=True)
+    server.run()
+    print("bitnet serve: stopped", file=sys.stderr)
+    return 0

@@ -1,5 +1,0 @@
-import sys
-
-from engine.cli import main
-
-sys.exit(main())

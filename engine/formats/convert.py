@@ -1,0 +1,312 @@
+"""Convert a BitNet model file (bitnet.cpp / llama.cpp GGUF, HF safetensors directory) into the engine's weight
+store once, and find or make the cached store for `bitnet run -m SRC`.
+
+    convert(src, out=None, *, lm_head="i8"|"f16"|"q4", progress=True, hidden_act=None, ternarize=False) -> store path
+    resolve_model(src, *, cache_dir=None, lm_head=None, progress=True) -> store path
+
+What goes into the store (tensor names and layouts: engine/INTERFACES.md):
+- per layer q, k, v fused into attn_qkv and gate, up into ffn_gate_up, each with a per-row f32 scale (the
+  multiplying form; legacy dividing checkpoints are inverted at conversion), repacked to layout.tile16 with
+  N padded to 16 and K to 64 (any dimension that is a multiple of 4 works);
+- token_embd as f16 row-major for lookup; the LM head (tied: the embedding) as int8 rows + scale + row sums
+  (lm_head="i8", default: half the bytes of f16 per decoded token), f16 (lm_head="f16"), or 4-bit codes with
+  6-bit group scales per 32 columns + a row scale (lm_head="q4": 0.53 bytes/weight, layout.quantize_rows_q4g);
+- config, tokenizer blob, chat template, and meta (source, format, per-tensor ternary shares and scales).
+Everything is streamed tensor by tensor (peak memory ~ one layer plus one chunk of the embedding).
+Cache: $BITNET_CACHE, else $XDG_CACHE_HOME/bitnet, else ~/.cache/bitnet; key = absolute path + size + mtime (ns)
+of the source (every file of an HF directory) + converter version + LM head kind.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import sys
+from typing import Iterator
+
+import numpy as np
+
+from ...simd import layout
+from ..errors import BitNetError, FormatError
+from .store import TensorSpec, is_store, write_store
+
+CONVERTER_VERSION = "1"
+LM_HEADS = ("i8", "f16", "q4")
+EMBED_CHUNK = 8192  # rows per chunk (a multiple of 16 so tile-major packs concatenate)
+# bitnet_cpu/models: the bundled model's files, found by path (the package that trains it is not imported)
+BUNDLED_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "models")
+BUNDLED_HF_DIR = os.path.join(BUNDLED_DIR, "bitnet-b1.58-tiny")
+
+
+def _stats(w_t: np.ndarray, scales) -> dict:
+    n = max(w_t.size, 1)
+    neg, zero = int(np.count_nonzero(w_t == -1)), int(np.count_nonzero(w_t == 0))
+    return {"neg": neg / n, "zero": zero / n, "pos": (w_t.size - neg - zero) / n,
+            "scale": [float(s) for s in scales]}
+
+
+def _fused(src, shorts: tuple[str, ...], i: int, stats: dict) -> tuple[np.ndarray, np.ndarray, int, int]:
+    """Ternary matrices stacked along the output dim, repacked; per-row scale [N_pad]."""
+    mats, scales = [], []
+    for s in shorts:
+        w, scale, seen = src.linear(s, i)
+        stats[f"blk.{i}.{s}"] = _stats(w, seen)
+        stats[f"blk.{i}.{s}"].update(getattr(src, "fit_notes", {}).get(f"blk.{i}.{s}.weight", {}))  # GGUF check
+        mats.append(w)
+        scales.append(np.full(w.shape[0], scale, np.float32))
+    w = mats[0] if len(mats) == 1 else np.concatenate(mats)
+    n, k = w.shape
+    row_scale = np.zeros(layout.pad_to(n, layout.TILE_ROWS), np.float32)
+    row_scale[:n] = np.concatenate(scales)
+    return layout.pack_ternary(w), row_scale, n, k
+
+
+def _tensors(src, lm_head: str, stats: dict, bar) -> Iterator[TensorSpec]:
+    c = src.config
+    V, D = c.vocab_size, c.hidden_size
+    chunks = [(r, min(r + EMBED_CHUNK, V)) for r in range(0, V, EMBED_CHUNK)]
+
+    def step(name):
+        if bar is not None:
+            bar.set_postfix_str(name, refresh=False)
+            bar.update(1)
+
+    emb = np.empty((V, D), np.float16)
+    for r0, r1 in chunks:
+        emb[r0:r1] = src.embed(r0, r1)
+        if not np.isfinite(emb[r0:r1]).all():  # NaN/inf in the source, or values beyond the f16 range
+            raise FormatError(f"{src.path}: the token embedding holds NaN/inf values (or values too large for f16)")
+    yield TensorSpec("token_embd", emb)
+    step("token_embd")
+    head_src = src.lm_head if not c.tie_word_embeddings else (lambda r0, r1: emb[r0:r1])
+    if lm_head == "i8":
+        packs, scales, sums = [], [], []
+        for r0, r1 in chunks:
+            q, s = layout.quantize_rows_i8(head_src(r0, r1))
+            packs.append(layout.pack_i8(q))
+            scales.append(s)
+            sums.append(q.sum(axis=1, dtype=np.int32))
+        v_pad = layout.pad_to(V, layout.TILE_ROWS)
+        scale = np.zeros(v_pad, np.float32)
+        rowsum = np.zeros(v_pad, np.int32)
+        scale[:V], rowsum[:V] = np.concatenate(scales), np.concatenate(sums)
+        yield TensorSpec("output", np.concatenate(packs), {"layout": "i8_tile16", "rows": V, "cols": D})
+        yield TensorSpec("output.scale", scale)
+        yield TensorSpec("output.rowsum", rowsum)
+    elif lm_head == "q4":
+        if layout.pad_to(D, layout.K_ALIGN) > layout.Q4G_MAX_K:
+            raise BitNetError(f"--lm-head q4: hidden size {D} > {layout.Q4G_MAX_K} (the q4 head's int32 bound)",
+                              hint="use --lm-head i8")
+        codes, gscales, ds = [], [], []
+        for r0, r1 in chunks:
+            q, s, d = layout.quantize_rows_q4g(head_src(r0, r1))
+            codes.append(layout.pack_q4g(q))
+            gscales.append(layout.pack_q4g_scales(s))
+            ds.append(d)
+        scale = np.zeros(layout.pad_to(V, layout.TILE_ROWS), np.float32)
+        scale[:V] = np.concatenate(ds)
+        yield TensorSpec("output", np.concatenate(codes), {"layout": "q4g_tile16", "rows": V, "cols": D})
+        yield TensorSpec("output.gscale", np.concatenate(gscales))
+        yield TensorSpec("output.scale", scale)
+    else:
+        packs = [layout.pack_f16(head_src(r0, r1)) for r0, r1 in chunks]
+        yield TensorSpec("output", np.concatenate(packs), {"layout": "f16_tile16", "rows": V, "cols": D})
+    step("output")
+    emb = None  # free the f16 copy before the layers
+    yield TensorSpec("output_norm", _finite(src, "output_norm", src.norm("output_norm", None)))
+    for i in range(c.n_layers):
+        yield TensorSpec(f"blk.{i}.attn_norm", _finite(src, f"blk.{i}.attn_norm", src.norm("attn_norm", i)))
+        for name, shorts in (("attn_qkv", ("attn_q", "attn_k", "attn_v")), ("attn_output", ("attn_output",))):
+            w, s, n, k = _fused(src, shorts, i, stats)
+            yield TensorSpec(f"blk.{i}.{name}", w, {"layout": "tile16", "rows": n, "cols": k})
+            yield TensorSpec(f"blk.{i}.{name}.scale", s)
+        if c.sub_norms:
+            yield TensorSpec(f"blk.{i}.attn_sub_norm", _finite(src, f"blk.{i}.attn_sub_norm", src.norm("attn_sub_norm", i)))
+        yield TensorSpec(f"blk.{i}.ffn_norm", _finite(src, f"blk.{i}.ffn_norm", src.norm("ffn_norm", i)))
+        for name, shorts in (("ffn_gate_up", ("ffn_gate", "ffn_up")), ("ffn_down", ("ffn_down",))):
+            w, s, n, k = _fused(src, shorts, i, stats)
+            yield TensorSpec(f"blk.{i}.{name}", w, {"layout": "tile16", "rows": n, "cols": k})
+            yield TensorSpec(f"blk.{i}.{name}.scale", s)
+        if c.sub_norms:
+            yield TensorSpec(f"blk.{i}.ffn_sub_norm", _finite(src, f"blk.{i}.ffn_sub_norm", src.norm("ffn_sub_norm", i)))
+        step(f"blk.{i}")
+
+
+def _finite(src, name, v):
+    v = np.ascontiguousarray(v, dtype=np.float32)
+    if not np.isfinite(v).all():
+        raise FormatError(f"{src.path}: norm weight {name} holds NaN/inf values")
+    return v
+
+
+def default_store_path(src: str, lm_head: str) -> str:
+    base = os.path.abspath(src).rstrip(os.sep)
+    base = re.sub(r"\.(gguf|safetensors)$", "", base)
+    return f"{base}.{lm_head}.bnstore" if lm_head != "i8" else f"{base}.bnstore"
+
+
+def source_label(meta: dict) -> str:
+    """The source a store records, with nothing of the machine it was built on: the file name of a local
+    source (stores converted before this recorded the absolute path) or the hub reference REPO[:FILE]@REV."""
+    src = str(meta.get("source") or "")
+    if not src:
+        return "?"
+    if os.path.isabs(src) or "\\" in src or re.match(r"^[A-Za-z]:[\\/]", src):
+        return re.split(r"[\\/]", src.rstrip("/\\"))[-1]
+    return src
+
+
+def convert(src: str, out: str | None = None, *, lm_head: str = "i8", progress: bool = True,
+            hidden_act: str | None = None, ternarize: bool = False, source_name: str | None = None) -> str:
+    """Convert `src` (GGUF file or HF directory) into a store at `out`; returns the store path.
+    `source_name` is what the store records as its source (default: the file name of `src`)."""
+    from .sources import open_source
+
+    if lm_head not in LM_HEADS:
+        raise BitNetError(f"--lm-head: {lm_head!r} is not one of {', '.join(LM_HEADS)}")
+    src = os.fspath(src)
+    if is_store(src):
+        raise FormatError(f"{src}: is already a BitNet store (nothing to convert)")
+    source = open_source(src, hidden_act, ternarize)
+    try:
+        _check_tokenizer(source, src)
+    except BaseException:
+        source.close()
+        raise
+    out = os.fspath(out) if out else default_store_path(src, lm_head)
+    stats: dict = {}
+    bar = _progress_bar(source.config.n_layers + 2, f"convert {os.path.basename(src.rstrip(os.sep))}", progress)
+    try:
+        meta = {"source": source_name or os.path.basename(os.path.abspath(src).rstrip(os.sep)), "source_format": source.source_format, "lm_head": lm_head,
+                "converter_version": CONVERTER_VERSION, "ternary_stats": stats, **source.meta}
+        tok = source.tokenizer
+        try:  # values are checked explicitly (NaN/inf -> FormatError): no numpy warning lines on stderr
+            with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+                write_store(out, source.config, _tensors(source, lm_head, stats, bar), meta=meta,
+                            chat_template=source.chat_template, tokenizer_kind=tok[0] if tok else None,
+                            tokenizer_blob=tok[1] if tok else None)
+        except OSError as e:
+            raise FormatError(f"{out}: cannot write the store: {e.strerror or e}") from None
+    finally:
+        if bar is not None:
+            bar.close()
+        source.close()
+    return out
+
+
+def _check_tokenizer(source, src: str):
+    """Load the tokenizer once now, so a broken one is an error naming the user's file (not the cached store
+    a later run would fail on)."""
+    from .tokenizer import Tokenizer
+
+    if source.tokenizer:
+        kind, blob = source.tokenizer
+        c = source.config
+        tok = Tokenizer(kind, blob, bos_id=c.bos_token_id, eos_ids=c.eos_token_ids,
+                        source=getattr(source, "tokenizer_path", None) or src)
+        tok.decode(tok.encode("Hello, world! 123", add_bos=True))  # a tokenizer that loads but cannot encode
+
+
+def _progress_bar(total: int, desc: str, progress: bool):
+    if not progress or not sys.stderr.isatty():
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, desc=desc, unit="step", file=sys.stderr, leave=False)
+
+
+# ---- cache ------------------------------------------------------------------------------------------------
+def cache_dir_default() -> str:
+    d = os.environ.get("BITNET_CACHE")
+    if d:
+        return d
+    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(xdg, "bitnet")
+
+
+def cache_key(src: str, lm_head: str) -> str:
+    p = os.path.abspath(src)
+    h = hashlib.sha256(f"{p}\0{CONVERTER_VERSION}\0{lm_head}".encode())
+    files = [p]
+    if os.path.isdir(p):
+        files = sorted(os.path.join(p, f) for f in os.listdir(p)
+                       if f.endswith((".safetensors", ".json", ".model", ".jinja")))
+    for f in files:
+        st = os.stat(f)
+        h.update(f"\0{os.path.basename(f)}\0{st.st_size}\0{st.st_mtime_ns}".encode())
+    return h.hexdigest()[:20]
+
+
+def bundled_model() -> str | None:
+    """The default model shipped in models/: its store (default.bnstore, else any *.bnstore), else its HF
+    directory (converted into the cache by resolve_model), else None."""
+    d, hf_dir = BUNDLED_DIR, BUNDLED_HF_DIR
+    try:
+        stores = sorted(f for f in os.listdir(d) if f.endswith(".bnstore"))
+    except OSError:
+        stores = []
+    if "default.bnstore" in stores and is_store(os.path.join(d, "default.bnstore")):
+        return os.path.join(d, "default.bnstore")
+    for f in stores:
+        if is_store(os.path.join(d, f)):
+            return os.path.join(d, f)
+    if hf_dir and os.path.isfile(os.path.join(hf_dir, "config.json")):
+        return hf_dir
+    return None
+
+
+def resolve_model(src: str | None, *, cache_dir: str | None = None, lm_head: str | None = None,
+                  progress: bool = True) -> str:
+    """A store path for `src`: the bundled model for None, the file itself for a store, a Hugging Face hub
+    id (REPO[:FILE][@REV], not a local path) found in the hub cache, else the cached conversion (made now
+    if missing or stale)."""
+    lm_head = lm_head or "i8"
+    source_name = None
+    if src is not None and not os.path.exists(src):
+        from .hub import is_hub_ref, resolve_hub_ref
+
+        if is_hub_ref(src):
+            src, source_name = resolve_hub_ref(src)
+    if src is None:
+        src = bundled_model()
+        if src is None:
+            raise FormatError(f"{BUNDLED_DIR}: no bundled model (*.bnstore) found",
+                              hint="pass a model with -m FILE")
+    src = os.fspath(src)
+    if not os.path.exists(src):
+        raise FormatError(f"{src}: no such file or directory")
+    if is_store(src):
+        return src
+    try:
+        key = cache_key(src, lm_head)
+    except OSError as e:
+        raise FormatError(f"{src}: cannot read: {e.strerror}") from None
+    d = cache_dir or cache_dir_default()
+    stem = source_name.split("@")[0].replace("/", "--").replace(":", "--") if source_name else \
+        os.path.basename(os.path.abspath(src).rstrip(os.sep))
+    name = re.sub(r"[^A-Za-z0-9._-]+", "_", stem)[:80]
+    path = os.path.join(d, f"{name}-{key}.bnstore")
+    if is_store(path):
+        mark_used(path)
+        return path
+    try:
+        os.makedirs(d, exist_ok=True)
+    except OSError as e:
+        raise FormatError(f"{d}: cannot create the cache directory: {e.strerror}",
+                          hint="set BITNET_CACHE to a writable directory") from None
+    if progress and sys.stderr.isatty():
+        print(f"bitnet: converting {src} once into {path}", file=sys.stderr)
+    return convert(src, path, lm_head=lm_head, progress=progress, source_name=source_name)
+
+
+def mark_used(path: str) -> None:
+    """Record a use of a cached store for `bitnet list`: its access time, set explicitly (reads alone do not
+    update it under noatime/relatime mounts); the mtime, which says when it was converted, is kept."""
+    import time
+
+    try:
+        os.utime(path, ns=(time.time_ns(), os.stat(path).st_mtime_ns))
+    except OSError:  # a read-only cache still works, it just does not record the use
+        pass

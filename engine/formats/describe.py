@@ -1,0 +1,151 @@
+"""Human-readable description of a model file for `bitnet inspect`: a weight store, a GGUF file or an HF
+directory. Returns lines; reading GGUF/HF sources decodes each ternary tensor once to count -1/0/+1."""
+from __future__ import annotations
+
+import json
+import os
+from typing import Iterator
+
+import numpy as np
+
+from .store import Store, is_store
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _config_lines(c, family: str = "") -> list[str]:
+    from .families import family_label, runtime_summary
+
+    return [f"family: {family_label(family)}" + (f" ({family})" if family else ""),
+            runtime_summary(c),
+            f"architecture: {c.arch}  name: {c.name or '-'}",
+            f"dims: hidden {c.hidden_size}, intermediate {c.intermediate_size}, layers {c.n_layers}, heads {c.n_heads}"
+            f" (kv {c.n_kv_heads}, head_dim {c.head_dim}), vocab {c.vocab_size}, context {c.context_length}",
+            f"rope_theta {c.rope_theta:g}, rms_norm_eps {c.rms_norm_eps:g}, hidden_act {c.hidden_act},"
+            f" tied embeddings {c.tie_word_embeddings}, sub-norms {c.sub_norms}, bos {c.bos_token_id},"
+            f" eos {list(c.eos_token_ids)}"]
+
+
+def _tokenizer_line(spec) -> str:
+    if not spec:
+        return "tokenizer: none"
+    kind, blob = spec
+    size = "?"
+    if kind == "hf_json":
+        try:
+            tj = json.loads(blob)
+            size = len(tj["model"]["vocab"]) + sum(1 for t in tj.get("added_tokens") or []
+                                                   if t.get("content") not in tj["model"]["vocab"])
+            size = f"{size} tokens, {tj['model'].get('type', '?')}"
+        except (ValueError, KeyError, TypeError):
+            size = "unparsable"
+    else:
+        try:
+            import sentencepiece as spm
+
+            size = f"{spm.SentencePieceProcessor(model_proto=blob).get_piece_size()} pieces"
+        except Exception:  # noqa: BLE001  (any decoding problem: just say so)
+            size = "unparsable"
+    return f"tokenizer: {kind} ({size}, {len(blob)} bytes)"
+
+
+def _stats_lines(stats: dict) -> list[str]:
+    if not stats:
+        return []
+    out = ["ternary tensors: share of -1 / 0 / +1, scale" + (
+        "; GGUF tensors not stored as ternary: share of values off -s/0/+s beyond the type's rounding (tol),"
+        " how the scale was recovered" if any("off" in s for s in stats.values()) else "")]
+    for name in sorted(stats, key=_natural):
+        s = stats[name]
+        sc = ", ".join(f"{x:.6g}" for x in s["scale"][:4]) + (" ..." if len(s["scale"]) > 4 else "")
+        fit = (f"   off {s['off']:.2%} (tol {s['tol']:.0%}), scale {s['scale_kind']}" if "off" in s else "")
+        out.append(f"  {name:<28} {s['neg']:.3f} / {s['zero']:.3f} / {s['pos']:.3f}   scale {sc}{fit}")
+    return out
+
+
+def _natural(s: str):
+    return [int(t) if t.isdigit() else t for t in s.replace(".", " . ").split()]
+
+
+def _table(rows, limit) -> list[str]:
+    out = [f"tensors ({len(rows)}):", f"  {'name':<40} {'type':<14} {'shape':<22} bytes"]
+    for r in rows[: limit if limit is not None else len(rows)]:
+        out.append(f"  {r[0]:<40} {r[1]:<14} {str(list(r[2])):<22} {_human(r[3])}")
+    if limit is not None and len(rows) > limit:
+        out.append(f"  ... {len(rows) - limit} more")
+    return out
+
+
+def describe(path: str, max_tensors: int | None = None) -> Iterator[str]:
+    """Lines about `path`, starting with "file: PATH" exactly as given; a store's source is the file name (or
+    hub id) it recorded at conversion, with nothing of the machine it was built on."""
+    from .convert import source_label
+
+    yield f"file: {path}"
+    if is_store(path):
+        with Store(path) as s:
+            yield f"kind: BitNet weight store ({_human(os.path.getsize(path))})"
+            m = s.meta
+            yield from _config_lines(s.config, m.get("family", ""))
+            yield (f"source: {source_label(m)} ({m.get('source_format', '?')}), lm_head {m.get('lm_head', '?')},"
+                   f" converter {m.get('converter_version', '?')}")
+            rows = []
+            for n in s.tensor_names:
+                e = s.info(n)
+                typ = e.get("layout") or e["dtype"]
+                shape = [e["rows"], e["cols"]] if "rows" in e else e["shape"]
+                rows.append((n, typ, shape, e["nbytes"]))
+            yield from _table(rows, max_tensors)
+            yield _tokenizer_line(s.tokenizer_spec)
+            yield f"chat template: {s.chat_template!r}"
+            yield from _stats_lines(m.get("ternary_stats") or {})
+        return
+    from .sources import LINEARS, GGUFSource, open_source
+
+    src = open_source(path, check_ternary=False)
+    try:
+        kind = "GGUF file" if isinstance(src, GGUFSource) else "Hugging Face model directory"
+        yield f"kind: {kind} ({src.source_format})"
+        yield from _config_lines(src.config, src.meta.get("family", ""))
+        for k, v in sorted(src.meta.items()):
+            yield f"{k}: {v}"
+        if isinstance(src, GGUFSource):
+            rows = [(t.name, t.type_name, t.shape, max(t.nbytes, 0)) for t in src.g.tensors.values()]
+        else:
+            rows = []
+            for n in src.st.names():
+                tag, shape = src.st.info(n)
+                size = int(np.prod(shape, dtype=np.int64)) * np.dtype(
+                    {"U8": "u1", "I8": "i1", "BF16": "u2", "F16": "f2", "F32": "f4"}.get(tag, "f8")).itemsize
+                rows.append((n, tag, shape, size))
+        yield from _table(rows, max_tensors)
+        yield _tokenizer_line(src.tokenizer)
+        yield f"chat template: {src.chat_template!r}"
+        stats = {}
+        refused = []
+        for i in range(src.config.n_layers):
+            for short in LINEARS:
+                name = f"blk.{i}.{short}.weight"
+                if isinstance(src, GGUFSource) and src.g.info(name).type_name not in ("I2_S", "TQ1_0", "TQ2_0"):
+                    fit = src.ternary_fit(name)  # reported, not refused: inspect shows why a file would be
+                    w, scale = fit.codes, fit.scale
+                    if not fit.ok:
+                        refused.append(f"blk.{i}.{short}")
+                else:
+                    w, scale, seen = src.linear(short, i)
+                n = w.size
+                neg, zero = int(np.count_nonzero(w == -1)), int(np.count_nonzero(w == 0))
+                stats[f"blk.{i}.{short}"] = {"neg": neg / n, "zero": zero / n, "pos": (n - neg - zero) / n,
+                                             "scale": [scale], **getattr(src, "fit_notes", {}).get(name, {})}
+        yield from _stats_lines(stats)
+        if refused:
+            yield (f"NOT TERNARY: {len(refused)} linear tensors (first {refused[0]}) are not ternary; conversion"
+                   " refuses this file (run it with llama.cpp)")
+    finally:
+        src.close()

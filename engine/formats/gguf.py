@@ -1,0 +1,391 @@
+"""Our own GGUF reader: maps the file, parses only the header (metadata + tensor infos) eagerly, and gives
+zero-copy views of tensor bytes plus numpy decoders for the types BitNet files carry.
+
+Why not the `gguf` package: it cannot read bitnet.cpp's I2_S (type 36, the official 2B-4T file), and it trusts
+the header. Here every count, string length, dimension and offset is checked against the file size before
+anything is allocated, so a lying header gives a FormatError naming the file, never a huge allocation.
+
+    g = GGUFFile(path)            # FormatError / UnsupportedError on bad input
+    g.kv["bitnet-b1.58.block_count"], g.arch, g.tensors["blk.0.attn_q.weight"] -> TensorInfo
+    g.raw(name)                   # uint8 view of the tensor bytes (zero-copy)
+    g.dequantize(name, rows=None) # f32 [rows, ne0]: F32 F16 BF16 Q8_0 TQ1_0 TQ2_0 I2_S here, every other type
+                                  # the `gguf` package decodes (Q4_0..Q8_1, K-quants, IQ*) via engine/gguf_dequant.py
+    g.ternary(name)               # (W_t int8 [out, in], per-block scales f32) for TQ1_0 / TQ2_0 / I2_S
+
+Layout facts: the GGUF spec (ggml's docs/gguf.md). dims[0] is the fastest axis; TensorInfo.shape is in numpy order (reversed).
+"""
+from __future__ import annotations
+
+import os
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..fileio import close_map, map_readonly
+from ..errors import FormatError, UnsupportedError
+from .gguf_dequant import OWN_DECODERS, decode_with_gguf, gguf_decodable
+
+GGUF_MAGIC = b"GGUF"
+DEFAULT_ALIGNMENT = 32
+MAX_DIMS = 4
+MAX_ELEMENTS = 1 << 40
+MAX_NESTING = 4
+
+# type id -> (name, block size in elements, bytes per block)
+GGML_TYPES: dict[int, tuple[str, int, int]] = {
+    0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22),
+    7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34), 9: ("Q8_1", 32, 36), 10: ("Q2_K", 256, 84), 11: ("Q3_K", 256, 110),
+    12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210), 15: ("Q8_K", 256, 292),
+    16: ("IQ2_XXS", 256, 66), 17: ("IQ2_XS", 256, 74), 18: ("IQ3_XXS", 256, 98), 19: ("IQ1_S", 256, 50),
+    20: ("IQ4_NL", 32, 18), 21: ("IQ3_S", 256, 110), 22: ("IQ2_S", 256, 82), 23: ("IQ4_XS", 256, 136),
+    24: ("I8", 1, 1), 25: ("I16", 1, 2), 26: ("I32", 1, 4), 27: ("I64", 1, 8), 28: ("F64", 1, 8),
+    29: ("IQ1_M", 256, 56), 30: ("BF16", 1, 2), 34: ("TQ1_0", 256, 54), 35: ("TQ2_0", 256, 66),
+    39: ("MXFP4", 32, 17),
+}
+I2_S = 36                     # bitnet.cpp: n/4 bytes of 2-bit codes + 32-byte tail holding the f32 scale
+BITNET_CPP_TYPES = {36: "I2_S", 37: "I8_S", 38: "TL1", 39: "TL2"}
+BITNET_CPP_FTYPE_I2_S = 40    # general.file_type of bitnet.cpp's I2_S files (LLAMA_FTYPE_MOSTLY_I2_S)
+DECODABLE = OWN_DECODERS  # decoded here; gguf_decodable() adds what the `gguf` package decodes
+
+# value type id -> (struct format, size); 8 = string, 9 = array
+_SCALARS = {0: ("<B", 1), 1: ("<b", 1), 2: ("<H", 2), 3: ("<h", 2), 4: ("<I", 4), 5: ("<i", 4), 6: ("<f", 4),
+            7: ("<?", 1), 10: ("<Q", 8), 11: ("<q", 8), 12: ("<d", 8)}
+_NP_SCALARS = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "<u1", 10: "<u8", 11: "<i8",
+               12: "<f8"}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    type_id: int
+    type_name: str
+    shape: tuple[int, ...]   # numpy order: shape[-1] = dims[0] (the fastest axis)
+    offset: int              # absolute offset in the file
+    nbytes: int
+
+    @property
+    def n_elements(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+
+class _Cursor:
+    """Bounds-checked little-endian reader over the mapped bytes."""
+
+    def __init__(self, buf, path: str):
+        self.buf, self.pos, self.end, self.path = buf, 0, len(buf), path
+
+    def need(self, n: int, what: str):
+        if n < 0 or n > self.end:  # a size no file this long could hold: a corrupt field, not a short file
+            raise FormatError(f"{self.path}: corrupt GGUF file ({what} at byte {self.pos} claims {n} bytes; the"
+                              f" whole file has {self.end})")
+        if self.pos + n > self.end:
+            raise FormatError(f"{self.path}: truncated or corrupt GGUF file (reading {what} at byte {self.pos}"
+                              f" needs {n} bytes, only {self.end - self.pos} are left)",
+                              hint="if the file was downloaded, check its size and fetch it again")
+
+    def scalar(self, fmt: str, size: int, what: str):
+        self.need(size, what)
+        v = struct.unpack_from(fmt, self.buf, self.pos)[0]
+        self.pos += size
+        return v
+
+    def u32(self, what: str) -> int:
+        return self.scalar("<I", 4, what)
+
+    def u64(self, what: str) -> int:
+        return self.scalar("<Q", 8, what)
+
+    def string(self, what: str) -> str:
+        n = self.u64(what + " length")
+        self.need(n, what)
+        b = bytes(self.buf[self.pos: self.pos + n])
+        self.pos += n
+        try:
+            return b.decode("utf-8")
+        except UnicodeDecodeError:
+            return b.decode("utf-8", errors="replace")
+
+    def _strings(self, count: int, what: str) -> list[str]:
+        """A string array (a vocabulary: 128k tokens, 280k merges) in one tight loop."""
+        buf, pos, end = self.buf, self.pos, self.end
+        unpack = struct.Struct("<Q").unpack_from
+        out = []
+        append = out.append
+        for _ in range(count):
+            if pos + 8 > end:
+                self.pos = pos
+                self.need(8, what)
+            (n,) = unpack(buf, pos)
+            pos += 8
+            if n > end - pos:
+                self.pos = pos
+                self.need(n, what)
+            append(str(buf[pos: pos + n], "utf-8", "replace"))
+            pos += n
+        self.pos = pos
+        return out
+
+    def value(self, vtype: int, what: str, depth: int = 0):
+        if vtype in _SCALARS:
+            fmt, size = _SCALARS[vtype]
+            return self.scalar(fmt, size, what)
+        if vtype == 8:
+            return self.string(what)
+        if vtype == 9:
+            if depth >= MAX_NESTING:
+                raise FormatError(f"{self.path}: GGUF array nested too deep in {what}")
+            sub = self.u32(what + " element type")
+            count = self.u64(what + " element count")
+            if sub in _SCALARS:
+                size = _SCALARS[sub][1]
+                self.need(count * size, what)  # checked before allocating
+                arr = np.frombuffer(self.buf, dtype=_NP_SCALARS[sub], count=count, offset=self.pos).copy()
+                self.pos += count * size
+                return arr.astype(bool) if sub == 7 else arr
+            if sub == 8:
+                self.need(count * 8, what)  # each string takes at least its 8-byte length
+                return self._strings(count, what)
+            if sub == 9:
+                self.need(count * 12, what)
+                return [self.value(sub, what, depth + 1) for _ in range(count)]
+            raise FormatError(f"{self.path}: unknown GGUF array element type {sub} in {what}")
+        raise FormatError(f"{self.path}: unknown GGUF value type {vtype} for {what}")
+
+
+class GGUFFile:
+    def __init__(self, path: str | os.PathLike):
+        self.path = os.fspath(path)
+        self._mm, size = map_readonly(self.path, 24, "GGUF file")
+        self.size = size
+        try:
+            self._parse()
+        except BaseException:
+            close_map(self._mm)
+            raise
+
+    def _parse(self):
+        c = _Cursor(self._mm, self.path)
+        magic = bytes(self._mm[:4])
+        if magic != GGUF_MAGIC:
+            raise FormatError(f"{self.path}: not a GGUF file (bad magic {magic!r})")
+        c.pos = 4
+        self.version = c.u32("version")
+        if self.version not in (2, 3):
+            if self.version in (1,):
+                raise UnsupportedError(f"{self.path}: GGUF version 1 is not supported", hint="re-convert with a current llama.cpp")
+            if self.version & 0xFFFF == 0 and self.version >> 16:
+                raise UnsupportedError(f"{self.path}: big-endian GGUF files are not supported")
+            raise UnsupportedError(f"{self.path}: unknown GGUF version {self.version}")
+        n_tensors = c.u64("tensor count")
+        n_kv = c.u64("metadata count")
+        # each KV needs >= 13 bytes (key length, type, 1-byte value); each tensor info >= 32 bytes
+        if n_kv * 13 > self.size or n_tensors * 32 > self.size:
+            what = "truncated or corrupt" if n_kv < 1 << 20 and n_tensors < 1 << 20 else "corrupt"
+            raise FormatError(f"{self.path}: {what} GGUF file: the header declares {n_tensors} tensors and {n_kv}"
+                              f" metadata keys, more than its {self.size} bytes can hold")
+        self.kv: dict = {}
+        self.kv_types: dict[str, int] = {}
+        for i in range(n_kv):
+            key = c.string(f"metadata key #{i}")
+            vtype = c.u32(f"type of {key!r}")
+            self.kv[key] = c.value(vtype, repr(key))
+            self.kv_types[key] = vtype
+        self.arch = str(self.kv.get("general.architecture", ""))
+        align = self.kv.get("general.alignment", DEFAULT_ALIGNMENT)
+        if not isinstance(align, int) or align <= 0 or align & (align - 1) or align > 1 << 20:
+            raise FormatError(f"{self.path}: bad general.alignment {align!r} (must be a power of two)")
+        self.alignment = align
+        infos = []
+        for i in range(n_tensors):
+            name = c.string(f"tensor #{i} name")
+            nd = c.u32(f"dims of {name!r}")
+            if not 1 <= nd <= MAX_DIMS:
+                raise FormatError(f"{self.path}: tensor {name!r} has {nd} dimensions (1..{MAX_DIMS} allowed)")
+            dims = [c.u64(f"dims of {name!r}") for _ in range(nd)]
+            tid = c.u32(f"type of {name!r}")
+            off = c.u64(f"offset of {name!r}")
+            infos.append((name, dims, tid, off))
+        self.data_offset = -(-c.pos // align) * align
+        self.tensors: dict[str, TensorInfo] = {}
+        for name, dims, tid, off in infos:
+            self.tensors[name] = self._check_tensor(name, dims, tid, off)
+        if len(self.tensors) != len(infos):
+            raise FormatError(f"{self.path}: duplicate tensor names in GGUF")
+
+    def _type_name(self, tid: int) -> str:
+        if tid in BITNET_CPP_TYPES and self.arch.startswith("bitnet") and not (tid == 39 and self.arch == "bitnet"):
+            return BITNET_CPP_TYPES[tid]
+        if tid == I2_S and self.arch == "llama" and self.kv.get("general.file_type") == BITNET_CPP_FTYPE_I2_S:
+            return "I2_S"  # bitnet.cpp's Falcon3 / Falcon-E files (upstream's 36 was IQ4_NL_4_4)
+        if tid in GGML_TYPES:
+            return GGML_TYPES[tid][0]
+        return f"type {tid}"
+
+    def _check_tensor(self, name, dims, tid, off) -> TensorInfo:
+        if any(d <= 0 or d > MAX_ELEMENTS for d in dims):
+            raise FormatError(f"{self.path}: tensor {name!r} has a bad dimension {dims}")
+        n = 1
+        for d in dims:
+            n *= d
+        if n > MAX_ELEMENTS:
+            raise FormatError(f"{self.path}: tensor {name!r} is absurdly large ({n} elements)")
+        tname = self._type_name(tid)
+        if tname == "I2_S":
+            if n % 128:
+                raise FormatError(f"{self.path}: I2_S tensor {name!r} has {n} elements (not a multiple of 128)")
+            nbytes = n // 4 + 32
+        elif tid in GGML_TYPES and tname == GGML_TYPES[tid][0]:
+            _, bs, ts = GGML_TYPES[tid]
+            if dims[0] % bs:
+                raise FormatError(f"{self.path}: tensor {name!r} row length {dims[0]} is not a multiple of"
+                                  f" the {tname} block size {bs}")
+            nbytes = n // bs * ts
+        else:
+            nbytes = -1  # unknown type: it is an error only when someone reads it
+        if off % self.alignment:
+            raise FormatError(f"{self.path}: tensor {name!r} offset {off} is not {self.alignment}-byte aligned")
+        start = self.data_offset + off
+        if nbytes >= 0 and start + nbytes > self.size:
+            raise FormatError(f"{self.path}: tensor {name!r} ({nbytes} bytes at {start}) lies past the end of the"
+                              f" file ({self.size} bytes): truncated?")
+        return TensorInfo(name, tid, tname, tuple(reversed(dims)), start, nbytes)
+
+    # ---- typed metadata ----------------------------------------------------------------------------
+    def get(self, key: str, kind: type, default=None):
+        """Metadata value checked to be `kind` (str, int or float; ints are accepted as floats); a value of
+        another type is a FormatError naming the key, a missing one gives `default`."""
+        v = self.kv.get(key)
+        if v is None:
+            return default
+        ok = isinstance(v, str) if kind is str else (
+            isinstance(v, (int, float)) and not isinstance(v, bool) if kind is float else
+            isinstance(v, int) and not isinstance(v, bool) if kind is int else isinstance(v, kind))
+        if not ok:
+            raise FormatError(f"{self.path}: GGUF key {key} has a value of the wrong type ({type(v).__name__},"
+                              f" expected {kind.__name__})")
+        return float(v) if kind is float else v
+
+    # ---- access ------------------------------------------------------------------------------------
+    def info(self, name: str) -> TensorInfo:
+        t = self.tensors.get(name)
+        if t is None:
+            raise FormatError(f"{self.path}: tensor {name!r} is missing")
+        return t
+
+    def raw(self, name: str) -> np.ndarray:
+        t = self.info(name)
+        if t.nbytes < 0:
+            raise UnsupportedError(f"{self.path}: tensor {name!r} has unsupported tensor type {t.type_name}")
+        return np.frombuffer(self._mm, dtype=np.uint8, count=t.nbytes, offset=t.offset)
+
+    def dequantize(self, name: str, rows: slice | None = None) -> np.ndarray:
+        """f32 [rows, ne0] (2-D even for 1-D tensors: [1, n]); rows slices the outer dimension."""
+        t = self.info(name)
+        if t.type_name not in DECODABLE and (t.nbytes < 0 or t.type_name not in gguf_decodable()):
+            raise UnsupportedError(f"{self.path}: tensor {name!r} has unsupported tensor type {t.type_name}",
+                                   hint="supported: " + ", ".join(sorted(DECODABLE | gguf_decodable())) + (
+                                       "" if gguf_decodable() else "; pip install gguf for the other types"))
+        ne0 = t.shape[-1]
+        nrows = t.n_elements // ne0
+        r0, r1, _ = (rows or slice(None)).indices(nrows)
+        if t.type_name == "I2_S":
+            w, s = self.ternary(name)
+            return (w.reshape(nrows, ne0)[r0:r1].astype(np.float32) * s[0])
+        _, bs, ts = GGML_TYPES[t.type_id]
+        row_bytes = ne0 // bs * ts
+        raw = self.raw(name)[r0 * row_bytes: r1 * row_bytes]
+        if t.type_name not in DECODABLE:
+            return decode_with_gguf(raw, t.type_name, r1 - r0).reshape(r1 - r0, ne0)
+        return decode_blocks(raw, t.type_name).reshape(r1 - r0, ne0)
+
+    def ternary(self, name: str) -> tuple[np.ndarray, np.ndarray]:
+        """(W_t int8 [out, in] in {-1,0,1}, block scales f32): per 256-block d for TQ*, one scale for I2_S."""
+        t = self.info(name)
+        if len(t.shape) != 2:
+            raise FormatError(f"{self.path}: ternary tensor {name!r} must be 2-D, has shape {t.shape}")
+        out, inp = t.shape
+        raw = self.raw(name)
+        if t.type_name == "I2_S":
+            n = out * inp
+            codes = raw[: n // 4].reshape(-1, 32)
+            w = np.empty((codes.shape[0], 4, 32), np.uint8)
+            for k, shift in enumerate((6, 4, 2, 0)):
+                np.bitwise_and(codes >> shift, 3, out=w[:, k])
+            if (w == 3).any():
+                raise FormatError(f"{self.path}: I2_S tensor {name!r} holds invalid code 3")
+            scale = np.frombuffer(raw[n // 4: n // 4 + 4].tobytes(), "<f4").astype(np.float32)
+            return (w.view(np.int8) - np.int8(1)).reshape(out, inp), scale
+        if t.type_name in ("TQ1_0", "TQ2_0"):
+            _, bs, ts = GGML_TYPES[t.type_id]
+            blocks = raw.reshape(-1, ts)
+            d = blocks[:, ts - 2:].copy().view("<f2").astype(np.float32).reshape(-1)
+            codes = _tq2_codes(blocks) if t.type_name == "TQ2_0" else _tq1_codes(blocks)
+            if t.type_name == "TQ2_0" and (codes == 3).any():
+                raise FormatError(f"{self.path}: TQ2_0 tensor {name!r} holds invalid code 3")
+            return (codes.view(np.int8) - np.int8(1)).reshape(out, inp), d
+        raise UnsupportedError(f"{self.path}: tensor {name!r} of type {t.type_name} is not ternary"
+                               " (expected I2_S, TQ1_0 or TQ2_0)")
+
+    def close(self):
+        close_map(self._mm)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+# ---- block decoders (bytes -> values), matching ggml's reference dequantizers -------------------------
+def _f16(b: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(b).view("<f2").astype(np.float32)
+
+
+def _tq2_codes(blocks: np.ndarray) -> np.ndarray:
+    """TQ2_0 [nb, 66] -> codes uint8 [nb, 256]: half h, byte m, bits 2l -> element h*128 + l*32 + m."""
+    qs = blocks[:, :64].reshape(-1, 2, 1, 32)
+    return ((qs >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 3).reshape(-1, 256)
+
+
+def _tq1_codes(blocks: np.ndarray) -> np.ndarray:
+    """TQ1_0 [nb, 54] -> codes uint8 [nb, 256] (base-3, most significant trit first)."""
+    pow3 = np.array([1, 3, 9, 27, 81], np.uint8)
+
+    def trits(b, n):  # b [nb, k] -> [nb, n, k]
+        q = (b[:, None, :] * pow3[:n, None]).astype(np.uint8)  # wraps mod 256 like the C code
+        return ((q.astype(np.uint16) * 3) >> 8).astype(np.uint8)
+
+    a = trits(blocks[:, :32], 5).reshape(-1, 160)
+    b = trits(blocks[:, 32:48], 5).reshape(-1, 80)
+    c = trits(blocks[:, 48:52], 4).reshape(-1, 16)
+    return np.concatenate([a, b, c], axis=1)
+
+
+def decode_blocks(raw: np.ndarray, type_name: str) -> np.ndarray:
+    """Raw bytes of whole blocks -> flat f32 values."""
+    if type_name == "F32":
+        return raw.view("<f4").astype(np.float32)
+    if type_name == "F16":
+        return raw.view("<f2").astype(np.float32)
+    if type_name == "BF16":
+        return (raw.view("<u2").astype(np.uint32) << 16).view(np.float32)
+    if type_name == "Q8_0":
+        b = raw.reshape(-1, 34)
+        return (_f16(b[:, :2]) * b[:, 2:].view(np.int8).astype(np.float32)).reshape(-1)
+    if type_name == "TQ2_0":
+        b = raw.reshape(-1, 66)
+        return (_f16(b[:, 64:]) * (_tq2_codes(b).astype(np.float32) - 1)).reshape(-1)
+    if type_name == "TQ1_0":
+        b = raw.reshape(-1, 54)
+        return (_f16(b[:, 52:]) * (_tq1_codes(b).astype(np.float32) - 1)).reshape(-1)
+    # everything else (Q4_K and Q6_K included: our hand-written copies were no faster) through the gguf package
+    return decode_with_gguf(raw, type_name, 1)
+
+
+def is_gguf(path: str | os.PathLike) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == GGUF_MAGIC
+    except OSError:
+        return False

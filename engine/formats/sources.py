@@ -1,0 +1,547 @@
+"""Readers that present every supported source (bitnet.cpp / llama.cpp GGUF, HF safetensors directories) as
+one interface for engine.convert:
+
+    src.config: ModelConfig        src.source_format: str      src.meta: dict (notes: how things were decided)
+    src.embed(r0, r1) -> f32 rows  src.norm(short, i) -> f32   (short: attn_norm ffn_norm attn_sub_norm ffn_sub_norm;
+                                                                 i None: output_norm)
+    src.linear(short, i) -> (W_t int8 [out, in], scale f32 multiplying form, scales_seen list)
+    src.lm_head(r0, r1) -> f32 rows, or None when tied     src.tokenizer -> (kind, bytes) | None
+    src.chat_template -> str | None
+
+Facts (which scale multiplies, which activation, tensor names) come from each family's public config and transformers' / llama.cpp's loading code.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+from ..config import ModelConfig
+from ..errors import FormatError, UnsupportedError
+from .families import gguf_family, hf_family, refuse_unsupported_hf
+from .gguf import GGUFFile
+from .safetensors_io import SafetensorsDir
+from .tokenizer_build import fix_chat_template, gguf_tokenizer, special_ids_from_hf_json
+
+LINEARS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+HF_LINEAR = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+             "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+             "ffn_down": "mlp.down_proj"}
+GGUF_ARCHS = ("bitnet-b1.58", "bitnet-25", "bitnet", "llama")
+
+
+def ternarize_online(w: np.ndarray) -> tuple[np.ndarray, float]:
+    """The reference's online quantization (transformers WeightQuant, computed in f32):
+    s_w = 1/max(mean|W|, 1e-5); W_t = clamp(round_half_even(W*s_w), -1, 1); effective scale 1/s_w (multiplies).
+    The mean is accumulated in float64 and rounded once: torch's own f32 reduction order can land one ulp
+    away (scale off by ~1e-7 relative; the ternary codes agree; tests/test_synth.py checks both)."""
+    w = np.asarray(w, dtype=np.float32)
+    mean = np.float32(np.abs(w).mean(dtype=np.float64))
+    s_w = np.float32(1.0) / np.maximum(mean, np.float32(1e-5))
+    w_t = np.clip(np.rint(w * s_w), -1, 1).astype(np.int8)
+    return w_t, float(np.float32(1.0) / s_w)
+
+
+def ternary_from_fakequant(path: str, name: str, w: np.ndarray) -> tuple[np.ndarray, float | np.ndarray]:
+    """A float matrix that is already ternary x scale (TriLM's unpacked checkpoints): every row holds 0 and
+    one magnitude. Returns (W_t, scale): a float when all rows share the magnitude (one scale per tensor),
+    else an f32 per-row array (one scale per row or row block, e.g. per model-parallel shard).
+    Anything else is not a ternary checkpoint: FormatError naming the tensor."""
+    a = np.abs(np.asarray(w, dtype=np.float32))
+    mag = a.max(axis=1)
+    bad = ~((a == 0) | (a == mag[:, None]))
+    if bad.any():
+        r = int(np.nonzero(bad.any(axis=1))[0][0])
+        n = np.unique(a[r][a[r] > 0]).size
+        raise FormatError(f"{path}: tensor {name!r} is not ternary (row {r} holds {n} different magnitudes)",
+                          hint="this engine runs ternary (1.58-bit) models only; for the latent (master) weights"
+                               " of a BitNet model, such as Falcon-E's bfloat16 revision, convert with"
+                               " `bitnet convert --ternarize DIR`")
+    if not np.isfinite(mag).all():
+        raise FormatError(f"{path}: tensor {name!r} holds NaN/inf values")
+    live = mag[mag > 0]
+    w_t = np.sign(w).astype(np.int8)
+    if live.size == 0 or (live == live[0]).all():
+        return w_t, float(live[0]) if live.size else 1.0
+    return w_t, np.where(mag > 0, mag, np.float32(1.0)).astype(np.float32)
+
+
+def _llama_unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation (convert_hf_to_gguf LlamaModel.permute: its `llama` graph rotates
+    interleaved pairs; engine/model.py rotates halves as transformers does)."""
+    return np.ascontiguousarray(w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:])
+                                .swapaxes(1, 2).reshape(w.shape))
+
+
+def _f32(v) -> float:
+    """A GGUF f32 value as the decimal it was written from (1e-5, not 9.999999747378752e-06)."""
+    return float(str(np.float32(v))) if isinstance(v, (float, np.floating)) else float(v)
+
+
+def _read_bytes(path: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise FormatError(f"{path}: cannot read: {e.strerror}") from None
+
+
+def _config(path: str, **kw) -> ModelConfig:
+    try:
+        c = ModelConfig(**kw)
+    except FormatError as e:
+        raise FormatError(f"{path}: {e}") from None
+    for t in ((c.bos_token_id,) if c.bos_token_id is not None else ()) + c.eos_token_ids:
+        if not 0 <= t < c.vocab_size:  # the runtime would index the embedding with it
+            raise FormatError(f"{path}: special token id {t} is outside the vocabulary (size {c.vocab_size})")
+    return c
+
+
+def _cfg_int(where: str, cfg: dict, key: str, default: int | None = None) -> int:
+    """A positive integer field of config.json (null or absent -> default); FormatError naming the field."""
+    v = cfg.get(key)
+    if v is None:
+        if default is None:
+            raise FormatError(f"{where}: missing field {key!r}")
+        return default
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)
+    if not isinstance(v, int) or isinstance(v, bool) or not 0 < v <= 1 << 24:
+        raise FormatError(f"{where}: {key} must be a positive integer (at most {1 << 24}), got {v!r}")
+    return v
+
+
+def _cfg_float(where: str, cfg: dict, key: str, default: float) -> float:
+    v = cfg.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or not np.isfinite(v) or v <= 0:
+        raise FormatError(f"{where}: {key} must be a positive number, got {v!r}")
+    return float(v)
+
+
+def _check_scale(path: str, name: str, s: float) -> float:
+    if not np.isfinite(s) or s == 0:
+        raise FormatError(f"{path}: tensor {name!r} has a {'NaN/inf' if not np.isfinite(s) else 'zero'} weight scale")
+    return float(s)
+
+
+def _shape_check(path, name, got, want):
+    if tuple(got) != tuple(want):
+        raise FormatError(f"{path}: tensor {name!r} has shape {tuple(got)}, expected {tuple(want)}")
+
+
+# ---------------------------------------------------------------------------------------------------------
+class GGUFSource:
+    def __init__(self, path: str, hidden_act: str | None = None, check_ternary: bool = True):
+        self.path = path
+        self.g = g = GGUFFile(path)
+        arch = g.arch
+        if arch not in GGUF_ARCHS:
+            raise UnsupportedError(f"{path}: unsupported GGUF architecture {arch!r}",
+                                   hint="this engine runs ternary models: GGUF architectures bitnet-b1.58,"
+                                        " bitnet-25, bitnet, and llama with TQ1_0 / TQ2_0 / I2_S tensors")
+        self.meta: dict = {"gguf_arch": arch}
+
+        def key(k, typ=int, default=None):
+            v = g.get(f"{arch}.{k}", int if typ is int else float, default)
+            if v is None:
+                raise FormatError(f"{path}: missing GGUF key {arch}.{k}")
+            return typ(v)
+
+        D, L, H = key("embedding_length"), key("block_count"), key("attention.head_count")
+        hd = g.get(f"{arch}.attention.key_length", int)  # explicit head_dim (Falcon3: 256)
+        if H <= 0 or (hd is None and D % H):
+            raise FormatError(f"{path}: embedding_length {D} is not a multiple of head_count {H}")
+        hd = hd or D // H
+        vd = g.get(f"{arch}.attention.value_length", int)
+        if vd is not None and vd != hd:
+            raise UnsupportedError(f"{path}: attention.value_length {vd} != key_length {hd}")
+        emb = g.info("token_embd.weight")
+        if len(emb.shape) != 2 or emb.shape[1] != D:
+            raise FormatError(f"{path}: token_embd.weight has shape {emb.shape}, expected [vocab, {D}]")
+        V = key("vocab_size", int, emb.shape[0])
+        _shape_check(path, "token_embd.weight", emb.shape, (V, D))
+        tok = gguf_tokenizer(g)
+        self.tokenizer, self.chat_template = tok["blob"], tok["chat_template"]
+        self.meta.update(tok["meta"])
+        self.hidden_act = self._activation(arch, hidden_act, tok["kind"])
+        self.config = _config(
+            path, hidden_size=D, intermediate_size=key("feed_forward_length"), n_layers=L, n_heads=H,
+            n_kv_heads=key("attention.head_count_kv", int, H), head_dim=hd, vocab_size=V,
+            context_length=key("context_length", int, 4096), rope_theta=key("rope.freq_base", _f32, 10000.0),
+            rms_norm_eps=key("attention.layer_norm_rms_epsilon", _f32, 1e-5), hidden_act=self.hidden_act,
+            tie_word_embeddings="output.weight" not in g.tensors, bos_token_id=tok["bos"],
+            eos_token_ids=tuple(tok["eos"]), arch=arch, name=str(g.kv.get("general.name", ""))[:200].replace("\n", " "),
+            sub_norms="blk.0.attn_sub_norm.weight" in g.tensors)
+        self.meta["family"] = gguf_family(arch, V, hd)
+        rd = g.get(f"{arch}.rope.dimension_count", int)
+        if rd is not None and rd != hd:
+            raise UnsupportedError(f"{path}: partial RoPE (rope.dimension_count {rd} != head_dim {hd})")
+        if arch == "llama":
+            self.meta["qk_rows"] = "un-permuted from llama.cpp's interleaved-RoPE order"
+        types = sorted({g.info(f"blk.0.{s}.weight").type_name for s in LINEARS})
+        self.source_format = f"gguf-{arch}-" + "+".join(t.lower() for t in types)
+        self.fit_notes: dict[str, dict] = {}
+        self._first_fit = None
+        first = g.info("blk.0.attn_q.weight")
+        if check_ternary and first.type_name not in ("I2_S", "TQ1_0", "TQ2_0"):
+            # refuse a non-ternary file before anything is written (the fit is kept for linear())
+            self._first_fit = (first.name, self.ternary_fit(first.name, raise_if_not=True))
+
+    def _activation(self, arch, override, tok_kind) -> str:
+        act = self.g.get(f"{arch}.hidden_activation", str)
+        if override:
+            self.meta["hidden_act_from"] = "caller"
+            return override
+        if act is not None:
+            act = {"relu2": "relu2", "relu_sqr": "relu2", "relu_squared": "relu2", "silu": "silu",
+                   "swiglu": "silu"}.get(str(act).lower())
+            if act is None:
+                raise UnsupportedError(f"{self.path}: unsupported {arch}.hidden_activation "
+                                       f"{self.g.kv[f'{arch}.hidden_activation']!r}")
+            self.meta["hidden_act_from"] = "gguf key"
+            return act
+        if arch in ("bitnet-b1.58", "bitnet-25"):
+            self.meta["hidden_act_from"] = "architecture (bitnet.cpp b1.58 models use relu2)"
+            return "relu2"
+        if arch == "llama":
+            self.meta["hidden_act_from"] = "architecture (llama: SwiGLU)"
+            return "silu"
+        # llama.cpp `bitnet` without the key: its graph assumes SiLU, right for 1bitLLM (SentencePiece vocab),
+        # wrong for the 2B-4T family (LLaMA-3 byte-level BPE vocab), so decide by the tokenizer.
+        self.meta["hidden_act_from"] = f"inferred from the {tok_kind} tokenizer (no {arch}.hidden_activation key)"
+        return "relu2" if tok_kind == "gpt2" else "silu"
+
+    def embed(self, r0, r1):
+        """Rows as f32, or f16 straight from the file when it is F16 (no round trip through f32)."""
+        t = self.g.info("token_embd.weight")
+        if t.type_name == "F16":
+            row = t.shape[-1] * 2
+            return self.g.raw(t.name)[r0 * row: r1 * row].view("<f2").reshape(r1 - r0, -1)
+        return self.g.dequantize("token_embd.weight", slice(r0, r1))
+
+    def lm_head(self, r0, r1):
+        if "output.weight" not in self.g.tensors:
+            return None
+        _shape_check(self.path, "output.weight", self.g.info("output.weight").shape,
+                     (self.config.vocab_size, self.config.hidden_size))
+        return self.g.dequantize("output.weight", slice(r0, r1))
+
+    def norm(self, short, i):
+        c = self.config
+        name = "output_norm.weight" if i is None else f"blk.{i}.{short}.weight"
+        size = {"attn_sub_norm": c.q_dim, "ffn_sub_norm": c.intermediate_size}.get(short, c.hidden_size)
+        t = self.g.info(name)
+        if t.n_elements != size:
+            raise FormatError(f"{self.path}: tensor {name!r} has {t.n_elements} values, expected {size}")
+        return self.g.dequantize(name).reshape(-1)
+
+    def linear(self, short, i):
+        c = self.config
+        name = f"blk.{i}.{short}.weight"
+        out, inp = {"attn_q": (c.q_dim, c.hidden_size), "attn_k": (c.kv_dim, c.hidden_size),
+                    "attn_v": (c.kv_dim, c.hidden_size), "attn_output": (c.hidden_size, c.q_dim),
+                    "ffn_gate": (c.intermediate_size, c.hidden_size), "ffn_up": (c.intermediate_size, c.hidden_size),
+                    "ffn_down": (c.hidden_size, c.intermediate_size)}[short]
+        t = self.g.info(name)
+        _shape_check(self.path, name, t.shape, (out, inp))
+        if t.type_name in ("I2_S", "TQ1_0", "TQ2_0"):
+            w, d = self.g.ternary(name)
+            if t.type_name == "I2_S":
+                scale = float(d[0])
+            else:
+                # llama.cpp folds the per-tensor scale into every block's d: they must agree, except blocks that
+                # are all zero (their d is irrelevant and may be 0)
+                live = np.abs(w.reshape(d.size, -1)).any(axis=1)
+                ds = np.unique(d[live])
+                if ds.size > 1:
+                    raise UnsupportedError(f"{self.path}: tensor {name!r} has {ds.size} different block scales"
+                                           " (not a BitNet per-tensor scale; re-convert the model)")
+                scale = float(ds[0]) if ds.size else 1.0
+        else:  # any other type (F16, Q8_0, K-quants, IQ*): dequantize, check it is ternary, recover the scale
+            kept, self._first_fit = self._first_fit, None
+            fit = kept[1] if kept and kept[0] == name else self.ternary_fit(name, raise_if_not=True)
+            w, scale = fit.codes, fit.scale
+        sname = f"blk.{i}.{short}.scale"
+        if sname in self.g.tensors:
+            s = self.g.dequantize(sname).reshape(-1)
+            if s.size != 1:
+                raise FormatError(f"{self.path}: tensor {sname!r} has {s.size} values, expected 1")
+            scale *= float(s[0])
+        if self.g.arch == "llama" and short in ("attn_q", "attn_k"):
+            w = _llama_unpermute(w, c.n_heads if short == "attn_q" else c.n_kv_heads)
+        return w, _check_scale(self.path, name, np.float32(scale)), [scale]
+
+    def ternary_fit(self, name: str, raise_if_not: bool = False):
+        """engine.ternary_check.TernaryFit of a linear weight stored in a non-ternary type; its report is kept in
+        self.fit_notes (the store's ternary_stats and `bitnet inspect` show it)."""
+        from .ternary_check import check_ternary, fit_exact_raw, fit_ternary
+
+        t = self.g.info(name)
+        fit = fit_exact_raw(self.g.raw(name), t.type_name, t.shape)  # F16/BF16/F32/Q8_0 holding exact ternary values
+        if fit is None:
+            wf = self.g.dequantize(name).reshape(t.shape)
+            fit = check_ternary(self.path, name, wf, t.type_name) if raise_if_not else fit_ternary(wf, t.type_name)
+        self.fit_notes[name] = fit.note()
+        return fit
+
+    def close(self):
+        self.g.close()
+
+
+# ---------------------------------------------------------------------------------------------------------
+class HFSource:
+    def __init__(self, path: str, hidden_act: str | None = None, ternarize: bool = False):
+        self.path = path
+        try:
+            with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+                cfg = json.load(f)
+            if not isinstance(cfg, dict):
+                raise ValueError("not a JSON object")
+        except OSError as e:
+            raise FormatError(f"{path}: no readable config.json ({e.strerror})") from None
+        except ValueError as e:
+            raise FormatError(f"{path}/config.json: invalid JSON: {e}") from None
+        self.cfg = cfg
+        self.st = SafetensorsDir(path)
+        archs = cfg.get("architectures") or []
+        archs = cfg["architectures"] = [a for a in archs if isinstance(a, str)] if isinstance(archs, list) else []
+        if not isinstance(cfg.get("model_type", ""), str):
+            raise FormatError(f"{path}/config.json: model_type must be a string, got {cfg['model_type']!r}")
+        mt = cfg.get("model_type", "")
+        refuse_unsupported_hf(path, cfg)
+        llama = "LlamaForCausalLM" in archs or (mt == "llama" and "BitnetForCausalLM" not in archs)
+        if not ({"BitNetForCausalLM", "BitnetForCausalLM"} & set(archs) or mt == "bitnet" or llama):
+            raise UnsupportedError(f"{path}: unsupported model (architectures {archs}, model_type {mt!r})",
+                                   hint="this engine runs ternary BitNet b1.58 / Llama-architecture models (README)")
+        q = cfg.get("quantization_config") or {}
+        if not isinstance(q, dict):
+            raise FormatError(f"{path}/config.json: quantization_config is not an object")
+        if q and q.get("quant_method") != "bitnet":
+            raise UnsupportedError(f"{path}: quantization_config.quant_method {q.get('quant_method')!r} is not a"
+                                   " ternary (bitnet) checkpoint", hint="this engine runs 1.58-bit models only")
+        if q.get("use_rms_norm"):
+            raise UnsupportedError(f"{path}: quantization_config.use_rms_norm (an RMSNorm inside every BitLinear)"
+                                   " is not supported")
+        # transformers' BitNetQuantConfig defaults: linear_class "bitlinear" (divides), mode "offline";
+        # no quantization_config: 1bitLLM (latent weights, quantized online) or fake-quantized floats (TriLM)
+        self.linear_class = q.get("linear_class", "bitlinear") if q else "autobitlinear"
+        if self.linear_class not in ("autobitlinear", "bitlinear"):
+            raise UnsupportedError(f"{path}: unknown quantization_config.linear_class {self.linear_class!r}")
+        self.mode = q.get("quantization_mode", "offline") if q else ("fakequant" if llama else "online")
+        if ternarize and self.mode == "fakequant":  # the caller says: latent BitNet weights (Falcon-E bfloat16)
+            self.mode = "online"
+        self.meta: dict = {"hf_linear_class": self.linear_class, "hf_quantization_mode": self.mode}
+        names = set(self.st.names())
+        self.attn_sub = "attn_sub_norm" if "model.layers.0.self_attn.attn_sub_norm.weight" in names else "inner_attn_ln"
+        self.ffn_sub = "ffn_sub_norm" if "model.layers.0.mlp.ffn_sub_norm.weight" in names else "ffn_layernorm"
+        sub_norms = f"model.layers.0.self_attn.{self.attn_sub}.weight" in names
+        biases = sorted(n for n in names if n.endswith(".bias"))
+        if biases:
+            raise UnsupportedError(f"{path}: linear biases ({biases[0]} ...) are not supported")
+        rope = cfg.get("rope_scaling") or {}
+        rope_params = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
+        rope_type = (rope.get("rope_type") or rope.get("type")) if isinstance(rope, dict) else rope
+        rope_type = rope_type or rope_params.get("rope_type")
+        if rope_type not in (None, "default"):
+            raise UnsupportedError(f"{path}/config.json: RoPE scaling {rope_type!r} is not supported")
+        act = hidden_act or cfg.get("hidden_act") or ("relu2" if mt == "bitnet" else "silu")
+        act = {"relu2": "relu2", "relu_squared": "relu2", "silu": "silu", "swish": "silu"}.get(str(act))
+        if act is None:
+            raise UnsupportedError(f"{path}/config.json: unsupported hidden_act {cfg.get('hidden_act')!r}")
+        where = os.path.join(path, "config.json")
+        D, H = _cfg_int(where, cfg, "hidden_size"), _cfg_int(where, cfg, "num_attention_heads")
+        tok, tmpl, bos, eos = self._tokenizer(cfg)
+        rope_theta = cfg.get("rope_theta") if cfg.get("rope_theta") is not None else rope_params.get("rope_theta")
+        self.config = _config(
+            path, hidden_size=D, intermediate_size=_cfg_int(where, cfg, "intermediate_size"),
+            n_layers=_cfg_int(where, cfg, "num_hidden_layers"), n_heads=H,
+            n_kv_heads=_cfg_int(where, cfg, "num_key_value_heads", H), head_dim=_cfg_int(where, cfg, "head_dim", D // H),
+            vocab_size=_cfg_int(where, cfg, "vocab_size"),
+            context_length=_cfg_int(where, cfg, "max_position_embeddings", 4096),
+            rope_theta=_cfg_float(where, {"rope_theta": rope_theta}, "rope_theta", 10000.0),
+            rms_norm_eps=_cfg_float(where, cfg, "rms_norm_eps", 1e-5),
+            hidden_act=act, tie_word_embeddings="lm_head.weight" not in names, sub_norms=sub_norms,
+            bos_token_id=bos, eos_token_ids=tuple(eos),
+            arch="bitnet-b1.58" if mt == "bitnet" else ("llama" if llama else "1bitllm"),
+            name=os.path.basename(os.path.abspath(path)))
+        try:
+            self.meta["family"] = hf_family(cfg, names, self.mode == "fakequant", path)
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise FormatError(f"{where}: bad field: {e!r}") from None
+        self.tokenizer, self.chat_template = tok, tmpl
+        # before anything is allocated from the config's sizes: the embedding must have exactly that shape
+        _shape_check(path, "model.embed_tokens.weight", self.st.info("model.embed_tokens.weight")[1],
+                     (self.config.vocab_size, self.config.hidden_size))
+        kind = "packed" if self.st.info("model.layers.0.self_attn.q_proj.weight")[0] == "U8" else "online"
+        self.source_format = f"hf-{kind}-{self.linear_class}"
+
+    def _read_json(self, fn):
+        p = os.path.join(self.path, fn)
+        if not os.path.isfile(p):
+            return None
+        try:
+            with open(p, encoding="utf-8") as f:
+                d = json.load(f)
+        except (OSError, ValueError) as e:
+            raise FormatError(f"{p}: unreadable JSON: {e}") from None
+        if not isinstance(d, dict):
+            raise FormatError(f"{p}: expected a JSON object, got {type(d).__name__}")
+        return d
+
+    def _tokenizer(self, cfg):
+        tj = os.path.join(self.path, "tokenizer.json")
+        sp = os.path.join(self.path, "tokenizer.model")
+        tc = self._read_json("tokenizer_config.json") or {}
+        gen = self._read_json("generation_config.json") or {}
+        eos: list[int] = []
+        for v in (cfg.get("eos_token_id"), gen.get("eos_token_id")):
+            for x in (v if isinstance(v, list) else [v]):
+                if isinstance(x, int) and x not in eos:
+                    eos.append(x)
+        self.tokenizer_path = None
+        if os.path.isfile(tj):
+            blob, kind = _read_bytes(tj), "hf_json"
+            self.tokenizer_path = tj
+            for x in special_ids_from_hf_json(blob, ("<|eot_id|>", "<|end_of_text|>"), tj):
+                if x not in eos:
+                    eos.append(x)
+        elif os.path.isfile(sp):
+            blob, kind = _read_bytes(sp), "sentencepiece"
+            self.tokenizer_path = sp
+        else:
+            blob, kind = None, None
+            self.meta["tokenizer_note"] = "no tokenizer.json or tokenizer.model in the directory"
+        tmpl = tc.get("chat_template")
+        if isinstance(tmpl, list):  # [{"name": ..., "template": ...}]
+            tmpl = next((t.get("template") for t in tmpl if isinstance(t, dict) and t.get("name") == "default"), None)
+        if tmpl is not None and not isinstance(tmpl, str):
+            raise FormatError(f"{os.path.join(self.path, 'tokenizer_config.json')}: chat_template must be a string,"
+                              f" got {type(tmpl).__name__}")
+        jinja = os.path.join(self.path, "chat_template.jinja")
+        if tmpl is None and os.path.isfile(jinja):
+            tmpl = _read_bytes(jinja).decode("utf-8", errors="replace")
+        if tmpl is None and cfg.get("model_type") == "bitnet":
+            tmpl = fix_chat_template(None)
+        elif tmpl is not None:
+            tmpl = fix_chat_template(tmpl)
+        bos = cfg.get("bos_token_id")
+        return ((kind, blob) if blob is not None else None), tmpl, (bos if isinstance(bos, int) else None), eos
+
+    def _hf(self, short, i):
+        return f"model.layers.{i}.{HF_LINEAR[short]}"
+
+    def embed(self, r0, r1):
+        name = "model.embed_tokens.weight"
+        _shape_check(self.path, name, self.st.info(name)[1], (self.config.vocab_size, self.config.hidden_size))
+        return self._rows_f32(name, r0, r1)
+
+    def _rows_f32(self, name, r0, r1):
+        from .safetensors_io import bf16_to_f32
+
+        tag, _ = self.st.info(name)
+        v = self.st.get(name)[r0:r1]
+        if tag == "BF16":
+            return bf16_to_f32(v)
+        if tag in ("F16", "F32"):
+            return v.astype(np.float32)
+        raise FormatError(f"{self.path}: tensor {name!r} is {tag}, expected a float tensor")
+
+    def lm_head(self, r0, r1):
+        if self.config.tie_word_embeddings:
+            return None
+        _shape_check(self.path, "lm_head.weight", self.st.info("lm_head.weight")[1],
+                     (self.config.vocab_size, self.config.hidden_size))
+        return self._rows_f32("lm_head.weight", r0, r1)
+
+    def norm(self, short, i):
+        c = self.config
+        if i is None:
+            name, size = "model.norm.weight", c.hidden_size
+        else:
+            p = f"model.layers.{i}"
+            name, size = {"attn_norm": (f"{p}.input_layernorm.weight", c.hidden_size),
+                          "ffn_norm": (f"{p}.post_attention_layernorm.weight", c.hidden_size),
+                          "attn_sub_norm": (f"{p}.self_attn.{self.attn_sub}.weight", c.q_dim),
+                          "ffn_sub_norm": (f"{p}.mlp.{self.ffn_sub}.weight", c.intermediate_size)}[short]
+        _shape_check(self.path, name, self.st.info(name)[1], (size,))
+        return self.st.get_f32(name).reshape(-1)
+
+    def linear(self, short, i):
+        c = self.config
+        out, inp = {"attn_q": (c.q_dim, c.hidden_size), "attn_k": (c.kv_dim, c.hidden_size),
+                    "attn_v": (c.kv_dim, c.hidden_size), "attn_output": (c.hidden_size, c.q_dim),
+                    "ffn_gate": (c.intermediate_size, c.hidden_size), "ffn_up": (c.intermediate_size, c.hidden_size),
+                    "ffn_down": (c.hidden_size, c.intermediate_size)}[short]
+        name = self._hf(short, i) + ".weight"
+        tag, shape = self.st.info(name)
+        if tag == "U8":
+            if out % 4:
+                raise FormatError(f"{self.path}: {name!r}: output dim {out} is not a multiple of 4")
+            _shape_check(self.path, name, shape, (out // 4, inp))
+            p = self.st.get(name)
+            w = np.empty((4, out // 4, inp), np.uint8)
+            for k in range(4):  # low bits = first quarter of the rows (transformers' BitNet unpacking order)
+                np.bitwise_and(p >> (2 * k), 3, out=w[k])
+            if (w == 3).any():
+                raise FormatError(f"{self.path}: tensor {name!r} holds invalid packed code 3")
+            w = (w.view(np.int8) - np.int8(1)).reshape(out, inp)
+            sname = self._hf(short, i) + ".weight_scale"
+            s = self.st.get_f32(sname).reshape(-1)
+            if s.size != 1:
+                raise FormatError(f"{self.path}: tensor {sname!r} has {s.size} values, expected 1")
+            raw = float(s[0])
+            _check_scale(self.path, sname, raw)
+            # autobitlinear multiplies by weight_scale; the legacy bitlinear class divides
+            scale = raw if self.linear_class == "autobitlinear" else float(np.float32(1.0) / np.float32(raw))
+            return w, _check_scale(self.path, sname, scale), [raw]
+        if tag == "I8":  # unpacked ternary values next to a weight_scale
+            _shape_check(self.path, name, shape, (out, inp))
+            w = np.array(self.st.get(name))
+            if w.size and (w.min() < -1 or w.max() > 1):
+                raise FormatError(f"{self.path}: int8 tensor {name!r} is not ternary (values outside -1..1)")
+            sname = self._hf(short, i) + ".weight_scale"
+            s = self.st.get_f32(sname).reshape(-1)
+            if s.size != 1:
+                raise FormatError(f"{self.path}: tensor {sname!r} has {s.size} values, expected 1")
+            raw = _check_scale(self.path, sname, float(s[0]))
+            scale = raw if self.linear_class == "autobitlinear" else float(np.float32(1.0) / np.float32(raw))
+            return w, _check_scale(self.path, sname, scale), [raw]
+        if tag in ("BF16", "F16", "F32"):
+            _shape_check(self.path, name, shape, (out, inp))
+            if self.mode == "fakequant":  # TriLM: already ternary x scale in float
+                w, scale = ternary_from_fakequant(self.path, name, self.st.get_f32(name))
+                seen = sorted(set(np.atleast_1d(scale).tolist()))
+                return w, scale, seen
+            w, scale = ternarize_online(self.st.get_f32(name))
+            return w, _check_scale(self.path, name, scale), [scale]
+        raise UnsupportedError(f"{self.path}: tensor {name!r} has dtype {tag} (expected U8 packed or float)")
+
+    def close(self):
+        self.st.close()
+
+
+def open_source(path: str, hidden_act: str | None = None, ternarize: bool = False, check_ternary: bool = True):
+    """GGUFSource for a GGUF file, HFSource for a directory; FormatError otherwise. ternarize: float weights of
+    a Llama-architecture directory without quantization_config are BitNet latent weights, ternarized like
+    transformers' online AutoBitLinear (otherwise they must already be ternary x scale). check_ternary=False
+    (inspect): a GGUF whose weights are not ternary opens anyway (its linear() still refuses them)."""
+    from .gguf import is_gguf
+
+    if os.path.isdir(path):
+        return HFSource(path, hidden_act, ternarize)
+    if not os.path.exists(path):
+        raise FormatError(f"{path}: no such file or directory")
+    try:
+        size = os.path.getsize(path)
+    except OSError as e:
+        raise FormatError(f"{path}: cannot read: {e.strerror}") from None
+    if size == 0:
+        raise FormatError(f"{path}: the file is empty (0 bytes)", hint="an interrupted download or copy? fetch it again")
+    if is_gguf(path):
+        return GGUFSource(path, hidden_act, check_ternary)
+    if path.endswith(".safetensors"):
+        return HFSource(os.path.dirname(os.path.abspath(path)), hidden_act, ternarize)
+    raise FormatError(f"{path}: not a GGUF file, a BitNet store or a Hugging Face model directory")

@@ -1,0 +1,237 @@
+"""The weight store: the engine's own self-contained model file, mapped read-only and viewed zero-copy.
+
+File layout (little-endian):
+    0   8s   magic b"BNSTORE\\0"
+    8   u32  format version (STORE_VERSION)
+    12  u32  reserved (0)
+    16  u64  index offset      24  u64  index size (bytes of UTF-8 JSON)
+    32  u64  data offset (64-aligned; tensor offsets are relative to it)
+    40  32s  sha256 of the index bytes
+    72  ...  tensors, each 64-byte aligned, then the JSON index at the end
+
+Index JSON: {"config": ModelConfig dict, "meta": {...}, "chat_template": str | null,
+             "tokenizer": {"kind": "hf_json" | "sentencepiece", "tensor": name-of-uint8-blob} | null,
+             "tensors": {name: {"dtype", "shape", "offset", "nbytes", ...extra layout keys}}}
+
+Tensor names and layouts are listed in engine/INTERFACES.md. Writing goes to a temporary file that is
+renamed into place, so a crash never leaves a half-written store under the final name.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+import tempfile
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import numpy as np
+
+from .. import faults
+from ..config import ModelConfig
+from ..fileio import close_map, map_readonly
+from ..errors import FormatError
+
+MAGIC = b"BNSTORE\0"
+STORE_VERSION = 1
+ALIGN = 64
+_HEADER = struct.Struct("<8sIIQQQ32s")  # 72 bytes
+_DTYPES = {"uint8", "int8", "uint16", "int16", "int32", "uint32", "float16", "float32", "int64"}
+_MAX_INDEX = 1 << 30
+
+
+@dataclass
+class TensorSpec:
+    """One tensor to write: the array plus extra index keys (layout, rows, cols, ...)."""
+
+    name: str
+    array: np.ndarray
+    extra: dict[str, Any] | None = None
+
+
+def write_store(
+    path: str | os.PathLike,
+    config: ModelConfig,
+    tensors: Iterable[TensorSpec],
+    *,
+    meta: dict | None = None,
+    chat_template: str | None = None,
+    tokenizer_kind: str | None = None,
+    tokenizer_blob: bytes | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> str:
+    """Write a store atomically. `tensors` may be a generator (converted one at a time, low memory).
+    `progress(nbytes)` is called after each tensor with the bytes just written."""
+    path = os.fspath(path)
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".bnstore-", dir=d)
+    index: dict[str, Any] = {
+        "config": config.to_dict(),
+        "meta": meta or {},
+        "chat_template": chat_template,
+        "tokenizer": None,
+        "tensors": {},
+    }
+    try:
+        with faults.removed_on_fault(tmp), os.fdopen(fd, "wb") as f:  # a SIGBUS reading the source unlinks tmp
+            f.write(b"\0" * _HEADER.size)
+            data_offset = _align(_HEADER.size)
+            f.write(b"\0" * (data_offset - _HEADER.size))
+
+            def put(name: str, arr: np.ndarray, extra: dict | None):
+                if name in index["tensors"]:
+                    raise ValueError(f"write_store: duplicate tensor {name!r}")
+                arr = np.ascontiguousarray(arr)
+                if arr.dtype.name not in _DTYPES:
+                    raise ValueError(f"write_store: tensor {name!r} has unsupported dtype {arr.dtype}")
+                pos = f.tell()
+                pad = _align(pos) - pos
+                f.write(b"\0" * pad)
+                off = f.tell() - data_offset
+                f.write(arr.view(np.uint8).reshape(-1).data if arr.size else b"")
+                entry = {"dtype": arr.dtype.name, "shape": list(arr.shape), "offset": off, "nbytes": int(arr.nbytes)}
+                if extra:
+                    entry.update(extra)
+                index["tensors"][name] = entry
+                if progress:
+                    progress(int(arr.nbytes))
+
+            for spec in tensors:
+                put(spec.name, spec.array, spec.extra)
+            if tokenizer_blob is not None:
+                put("tokenizer.blob", np.frombuffer(tokenizer_blob, dtype=np.uint8), None)
+                index["tokenizer"] = {"kind": tokenizer_kind, "tensor": "tokenizer.blob"}
+            raw = json.dumps(index, separators=(",", ":"), sort_keys=True).encode("utf-8")
+            index_offset = f.tell()
+            f.write(raw)
+            f.seek(0)
+            f.write(_HEADER.pack(MAGIC, STORE_VERSION, 0, index_offset, len(raw), data_offset, hashlib.sha256(raw).digest()))
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    return path
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _entry_ok(e, doff: int, ioff: int) -> bool:
+    """An index entry whose dtype, shape, offset and size agree and lie inside the data area."""
+    if not isinstance(e, dict) or not isinstance(e.get("dtype"), str) or e["dtype"] not in _DTYPES \
+            or not isinstance(e.get("shape"), list):
+        return False
+    shape, off, nbytes = e["shape"], e.get("offset"), e.get("nbytes")
+    if not (all(_is_int(d) and 0 <= d <= 1 << 40 for d in shape) and _is_int(off) and _is_int(nbytes)):
+        return False
+    n = np.dtype(e["dtype"]).itemsize
+    for d in shape:
+        n *= d
+    return n == nbytes and off >= 0 and doff + off + n <= ioff
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+class Store:
+    """An open store: `config`, `meta`, `chat_template`, `tensor(name)` (read-only zero-copy views)."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = os.fspath(path)
+        self._mm, size = map_readonly(self.path, _HEADER.size, "BitNet store")
+        magic, version, _, ioff, isize, doff, digest = _HEADER.unpack_from(self._mm, 0)
+        if magic != MAGIC:
+            raise FormatError(f"{self.path}: not a BitNet store (bad magic {magic!r})", hint="convert the model with `bitnet convert`")
+        if version != STORE_VERSION:
+            raise FormatError(f"{self.path}: store format version {version} is not supported (this engine reads {STORE_VERSION})",
+                              hint="re-convert the source model with `bitnet convert`")
+        if isize > _MAX_INDEX or ioff + isize > size or doff > size or doff % ALIGN:
+            raise FormatError(f"{self.path}: truncated or corrupt store (index at {ioff}+{isize}, file {size} bytes)")
+        raw = self._mm[ioff: ioff + isize]
+        if hashlib.sha256(raw).digest() != digest:
+            raise FormatError(f"{self.path}: store index checksum mismatch (file corrupt)", hint="re-convert the model")
+        try:
+            index = json.loads(raw)
+            if not isinstance(index, dict):
+                raise TypeError("not a JSON object")
+            if not isinstance(index["config"], dict):
+                raise TypeError("config is not an object")
+            self.config = ModelConfig.from_dict(index["config"])
+            self.meta: dict = index.get("meta") or {}
+            self.chat_template: str | None = index.get("chat_template")
+            self._tok = index.get("tokenizer")
+            self._index: dict[str, dict] = index["tensors"]
+            if not isinstance(self.meta, dict) or not isinstance(self._index, dict):
+                raise TypeError("meta and tensors must be objects")
+            if self.chat_template is not None and not isinstance(self.chat_template, str):
+                raise TypeError("chat_template must be a string or null")
+            if self._tok is not None and not (isinstance(self._tok, dict) and isinstance(self._tok.get("kind"), str)
+                                              and self._tok.get("tensor") in self._index):
+                raise TypeError("tokenizer must name its kind and a tensor of the store")
+        except (ValueError, KeyError, TypeError) as e:
+            raise FormatError(f"{self.path}: corrupt store index: {e}") from None
+        self._data_offset = doff
+        self._size = size
+        self._views: dict[str, np.ndarray] = {}
+        for name, e in self._index.items():
+            if not _entry_ok(e, doff, ioff):
+                raise FormatError(f"{self.path}: tensor {name!r} has a corrupt index entry")
+
+    @property
+    def tensor_names(self) -> list[str]:
+        return list(self._index)
+
+    def info(self, name: str) -> dict:
+        if name not in self._index:
+            raise FormatError(f"{self.path}: tensor {name!r} is missing from the store")
+        return self._index[name]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._index
+
+    def tensor(self, name: str) -> np.ndarray:
+        """Zero-copy read-only view into the mapped file."""
+        v = self._views.get(name)
+        if v is None:
+            e = self.info(name)
+            dt = np.dtype(e["dtype"])
+            count = int(np.prod(e["shape"], dtype=np.int64))
+            v = np.frombuffer(self._mm, dtype=dt, count=count, offset=self._data_offset + e["offset"]).reshape(e["shape"])
+            self._views[name] = v
+        return v
+
+    @property
+    def tokenizer_spec(self) -> tuple[str, bytes] | None:
+        """(kind, blob): kind "hf_json" (tokenizer.json text) or "sentencepiece" (model proto bytes)."""
+        if not self._tok:
+            return None
+        return self._tok["kind"], self.tensor(self._tok["tensor"]).tobytes()
+
+    def close(self):
+        self._views.clear()
+        close_map(self._mm)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def open_store(path: str | os.PathLike) -> Store:
+    return Store(path)
+
+
+def is_store(path: str | os.PathLike) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(8) == MAGIC
+    except OSError:
+        return False

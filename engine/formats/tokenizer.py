@@ -1,0 +1,289 @@
+"""Tokenizers from the weight store's blob, and streaming detokenization that never splits a UTF-8 character.
+
+Kinds (engine/INTERFACES.md): "hf_json" -> the `tokenizers` library on a tokenizer.json (also what the
+converter builds from a GGUF gpt2 vocab + merges), "sentencepiece" -> `sentencepiece` on a model proto.
+Using the reference libraries themselves is what makes our ids equal to theirs.
+
+Streaming: each generated id is appended to a small window and the window is decoded; new text is emitted
+only once it no longer ends in U+FFFD (an incomplete multi-byte character). Decoding the window from a
+fixed earlier offset (rather than one token alone) keeps SentencePiece's leading-space rule and byte
+fallback pieces right, as transformers' and vLLM's incremental detokenizers do.
+"""
+from __future__ import annotations
+
+import json
+import re
+
+from ..errors import FormatError
+
+# Names under which the end-of-turn token appears in known vocabularies; all present ones stop generation.
+END_OF_TURN_TOKENS = ("<|eot_id|>", "<|end_of_text|>", "<|im_end|>", "<end_of_turn>")
+
+
+def _gpt2_byte_map() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable unicode character map (what ByteLevel token strings use)."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    out, n = {}, 0
+    for b in range(256):
+        if b in keep:
+            out[b] = chr(b)
+        else:
+            out[b] = chr(256 + n)
+            n += 1
+    return out
+
+
+_GPT2_BYTES_INV = {c: b for b, c in _gpt2_byte_map().items()}
+
+
+def parse_hf_json(blob: bytes, source: str) -> dict:
+    """tokenizer.json parsed and checked for the JSON types we (and the `tokenizers` library) rely on, so a
+    file with fields of the wrong type is one FormatError naming it, not a traceback or a library panic."""
+    try:
+        spec = json.loads(blob.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise FormatError(f"{source}: tokenizer.json is not valid JSON: {e}") from None
+
+    def bad(what, want, got):
+        raise FormatError(f"{source}: tokenizer.json: {what} must be {want}, got {type(got).__name__}",
+                          hint="the tokenizer file is corrupt or not a Hugging Face tokenizer.json")
+
+    if not isinstance(spec, dict):
+        bad("the top level", "an object", spec)
+    model = spec.get("model")
+    if not isinstance(model, dict):
+        bad('"model"', "an object", model)
+    if not isinstance(model.get("type", "BPE"), str):
+        bad('"model.type"', "a string", model.get("type"))
+    vocab = model.get("vocab")
+    if vocab is not None and not isinstance(vocab, (dict, list)):
+        bad('"model.vocab"', "an object or a list", vocab)
+    if isinstance(vocab, dict) and not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                                           for v in vocab.values()):
+        raise FormatError(f"{source}: tokenizer.json: \"model.vocab\" ids must be non-negative integers")
+    merges = model.get("merges")
+    if merges is not None and not isinstance(merges, list):
+        bad('"model.merges"', "a list", merges)
+    for key in ("normalizer", "pre_tokenizer", "post_processor", "decoder", "truncation", "padding"):
+        if spec.get(key) is not None and not isinstance(spec[key], dict):
+            bad(f'"{key}"', "an object or null", spec[key])
+    added = spec.get("added_tokens")
+    if added is not None and not isinstance(added, list):
+        bad('"added_tokens"', "a list", added)
+    for t in added or []:
+        if not isinstance(t, dict) or not isinstance(t.get("content"), str) or \
+                not isinstance(t.get("id"), int) or isinstance(t.get("id"), bool) or t["id"] < 0:
+            raise FormatError(f"{source}: tokenizer.json: every added token needs a string \"content\" and a"
+                              " non-negative integer \"id\"")
+    return spec
+
+
+def _library_call(source: str, what: str, fn, *args):
+    """Call into the tokenizer library; any failure (also a Rust panic, which is a BaseException) becomes a
+    FormatError naming the file."""
+    try:
+        return fn(*args)
+    except (KeyboardInterrupt, SystemExit, MemoryError):
+        raise
+    except BaseException as e:  # noqa: B036 - pyo3's PanicException derives from BaseException
+        raise FormatError(f"{source}: {what}: {' '.join(str(e).split())[:300]}") from None
+
+
+class Tokenizer:
+    """encode / decode / stream. `bos_id`, `eos_ids` (every id that should stop generation)."""
+
+    def __init__(self, kind: str, blob: bytes, *, bos_id: int | None = None, eos_ids=(), source: str = "store"):
+        self.kind = kind
+        self._source = source
+        if kind == "hf_json":
+            from tokenizers import Tokenizer as HFTokenizer
+
+            spec = parse_hf_json(blob, source)
+            self._hf = _library_call(source, "tokenizer.json cannot be loaded", HFTokenizer.from_str, blob.decode("utf-8"))
+            self._sp = None
+            self.vocab_size = self._hf.get_vocab_size(with_added_tokens=True)
+            # specials (added tokens flagged special) are what `special=False` must not parse from text
+            added = spec.get("added_tokens") or []
+            self._special_ids = {int(t["id"]) for t in added if t.get("special")}
+            self._added_ids = {int(t["id"]) for t in added}
+            self._byte_level = (spec.get("decoder") or {}).get("type") == "ByteLevel"
+        elif kind == "sentencepiece":
+            import sentencepiece as spm
+
+            self._sp = spm.SentencePieceProcessor()
+            _library_call(source, "SentencePiece model cannot be loaded", self._sp.LoadFromSerializedProto, blob)
+            self._hf = None
+            self.vocab_size = self._sp.GetPieceSize()
+            self._special_ids = {i for i in range(self.vocab_size) if self._sp.IsControl(i)}
+            pieces = sorted((self._sp.IdToPiece(i) for i in self._special_ids if self._sp.IdToPiece(i)), key=len, reverse=True)
+            self._special_re = re.compile("(" + "|".join(re.escape(p) for p in pieces) + ")") if pieces else None
+        else:
+            raise FormatError(f"{source}: unknown tokenizer kind {kind!r} (expected hf_json or sentencepiece)")
+        if self.vocab_size == 0:
+            raise FormatError(f"{source}: the tokenizer has an empty vocabulary",
+                              hint="the tokenizer file is corrupt; re-convert from a complete model")
+        self.bos_id = bos_id
+        self._bytes_cache: dict[int, bytes] = {}
+        eos = [int(e) for e in eos_ids if e is not None]
+        for name in END_OF_TURN_TOKENS:  # e.g. LLaMA-3's <|eot_id|> next to config's <|end_of_text|>
+            i = self.token_to_id(name)
+            if i is not None and i not in eos:
+                eos.append(i)
+        self.eos_ids = tuple(eos)
+
+    @classmethod
+    def from_store(cls, store) -> "Tokenizer":
+        spec = store.tokenizer_spec
+        if spec is None:
+            raise FormatError(f"{store.path}: the store has no tokenizer", hint="re-convert the model from a source with one")
+        cfg = store.config
+        origin = store.meta.get("source")
+        source = store.path if not isinstance(origin, str) or not origin else f"{store.path} (converted from {origin})"
+        return cls(spec[0], spec[1], bos_id=cfg.bos_token_id, eos_ids=cfg.eos_token_ids, source=source)
+
+    # ---- lookups ------------------------------------------------------------------------------------
+    def token_to_id(self, token: str) -> int | None:
+        if self._hf is not None:
+            return self._hf.token_to_id(token)
+        i = self._sp.PieceToId(token)
+        return i if i != self._sp.unk_id() or token == self._sp.IdToPiece(i) else None
+
+    def id_to_token(self, i: int) -> str | None:
+        if self._hf is not None:
+            return self._hf.id_to_token(i)
+        return self._sp.IdToPiece(i) if 0 <= i < self.vocab_size else None
+
+    # ---- encode / decode ----------------------------------------------------------------------------
+    def encode(self, text: str, *, add_bos: bool = False, special: bool = True) -> list[int]:
+        """Token ids of `text`. add_bos: what the reference adds as special tokens (BOS). special: parse
+        special-token strings like <|eot_id|> in the text into their ids (else they are plain text)."""
+        if self._hf is not None:
+            self._hf.encode_special_tokens = not special
+            ids = _library_call(self._source, "the tokenizer cannot encode this text",
+                                lambda: self._hf.encode(text, add_special_tokens=add_bos)).ids
+        else:
+            ids = []
+            parts = self._special_re.split(text) if special and self._special_re else [text]
+            for k, part in enumerate(parts):
+                if not part:
+                    continue
+                if special and k % 2 == 1:
+                    ids.append(self._sp.PieceToId(part))
+                else:
+                    ids.extend(self._sp.EncodeAsIds(part))
+        if add_bos and self.bos_id is not None and (not ids or ids[0] != self.bos_id):
+            ids.insert(0, self.bos_id)
+        return list(ids)
+
+    def decode(self, ids, *, skip_special: bool = False) -> str:
+        ids = [int(i) for i in ids]
+        if self._hf is not None:
+            return _library_call(self._source, "the tokenizer cannot decode these tokens",
+                                 lambda: self._hf.decode(ids, skip_special_tokens=skip_special))
+        if skip_special:
+            ids = [i for i in ids if i not in self._special_ids]
+        # sentencepiece drops control tokens when decoding; keep them visible like llama.cpp does
+        out, run = [], []
+        for i in ids:
+            if i in self._special_ids and not skip_special:
+                if run:
+                    out.append(self._sp.DecodeIds(run))
+                    run = []
+                out.append(self._sp.IdToPiece(i))
+            else:
+                run.append(i)
+        if run:
+            out.append(self._sp.DecodeIds(run))
+        return "".join(out)
+
+    def is_special(self, i: int) -> bool:
+        return i in self._special_ids
+
+    def token_bytes(self, i: int) -> bytes | None:
+        """The exact bytes of token i for byte-level BPE tokenizer.json files (GPT-2 byte-to-unicode map),
+        computed on first use and cached; None for other tokenizers (they stream by decode differences)."""
+        if self._hf is None or not self._byte_level:
+            return None
+        b = self._bytes_cache.get(i)
+        if b is None:
+            t = self._hf.id_to_token(i) if 0 <= i < self.vocab_size else None
+            inv = _GPT2_BYTES_INV
+            if t is None:
+                b = b""
+            elif i in self._added_ids or any(c not in inv for c in t):
+                b = t.encode("utf-8")
+            else:
+                b = bytes(inv[c] for c in t)
+            self._bytes_cache[i] = b
+        return b
+
+    @property
+    def byte_level(self) -> bool:
+        return self._hf is not None and self._byte_level
+
+    def stream(self, *, skip_special: bool = True) -> "StreamDecoder":
+        return StreamDecoder(self, skip_special=skip_special)
+
+
+class StreamDecoder:
+    """push(id) -> the new text that is complete so far ("" while a character is still incomplete);
+    flush() -> whatever is left (an invalid tail decodes to U+FFFD)."""
+
+    def __init__(self, tok: Tokenizer, *, skip_special: bool = True):
+        self._tok = tok
+        self._skip = skip_special
+        self._byte_level = tok.byte_level
+        if self._byte_level:
+            import codecs
+
+            self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._ids: list[int] = []
+        self._prefix = 0   # decode window start: the start of the last emitted piece (a character boundary)
+        self._read = 0     # ids before this index have been emitted
+
+    def push(self, token: int) -> str:
+        token = int(token)
+        if self._byte_level:  # byte-level BPE: exact bytes per token, incremental UTF-8 decoding
+            if self._skip and self._tok.is_special(token):
+                return ""
+            return self._utf8.decode(self._tok.token_bytes(token))
+        self._ids.append(token)
+        dec = self._tok.decode
+        prev = dec(self._ids[self._prefix: self._read], skip_special=self._skip)
+        full = dec(self._ids[self._prefix:], skip_special=self._skip)
+        if (full.endswith("\ufffd") or not full.startswith(prev)) and len(self._ids) - self._read < 4:
+            return ""  # a UTF-8 character spans at most 4 byte pieces; after that give up waiting
+        new = full[len(prev):] if full.startswith(prev) else full
+        self._prefix, self._read = self._read, len(self._ids)
+        return new
+
+    def flush(self) -> str:
+        if self._byte_level:
+            return self._utf8.decode(b"", final=True)
+        if self._read >= len(self._ids):
+            return ""
+        dec = self._tok.decode
+        prev = dec(self._ids[self._prefix: self._read], skip_special=self._skip)
+        full = dec(self._ids[self._prefix:], skip_special=self._skip)
+        self._prefix, self._read = self._read, len(self._ids)
+        return full[len(prev):] if full.startswith(prev) else full
+
+
+# ---- text given by the user (argv, stdin, -f files) ------------------------------------------------------
+ENCODING_HINT = "convert it to UTF-8 first, e.g. `iconv -f latin1 -t utf-8`"
+
+
+def decode_utf8(data: bytes | str, where: str) -> str:
+    """`data` as text, or ValueError with one line naming the first bad byte, where it is and what to do.
+    A str is checked for the lone surrogates Python uses for undecodable bytes of argv/stdin."""
+    if isinstance(data, str):
+        for i, ch in enumerate(data):
+            if "\udc80" <= ch <= "\udcff":
+                raise ValueError(f"{where}: not UTF-8 text: byte 0x{ord(ch) - 0xDC00:02x} at character {i + 1} "
+                                 f"({ENCODING_HINT})")
+        return data
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{where}: not UTF-8 text: byte 0x{data[e.start]:02x} at position {e.start + 1} "
+                         f"({ENCODING_HINT})") from None

@@ -1,0 +1,201 @@
+"""Tokenizer data for the weight store, built from what a source file carries.
+
+- GGUF "gpt2" (byte-level BPE: tokens + merges + token types) -> an HF tokenizer.json that gives the same ids:
+  LLaMA-3 pre-tokenizer regex and ignore_merges when tokenizer.ggml.pre is llama-bpe / llama3 / smaug-bpe or
+  MISSING (the official 2B-4T GGUF has no .pre key), GPT-2's regex otherwise; control tokens (type 3) and
+  user-defined tokens (type 4) become added tokens, so they are matched whole in text.
+- GGUF "llama" (SentencePiece) -> best effort: an HF BPE tokenizer.json in the LLaMA-2 style (metaspace
+  normalizer, byte fallback, merges derived from the token scores the way transformers' SentencePiece
+  converter does). Ids agree with SentencePiece on ordinary text; rare tie-breaks may differ.
+- Chat templates: the official GGUF's broken "Human: ... BITNETAssistant:" template is replaced by the
+  2B-4T chat form; a missing one is filled in for BitNet b1.58 (LLaMA-3 vocab) models.
+"""
+from __future__ import annotations
+
+import json
+
+from ..errors import FormatError
+
+LLAMA3_SPLIT_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+GPT2_SPLIT_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+LLAMA3_PRES = {None, "", "llama-bpe", "llama3", "llama-v3", "smaug-bpe", "falcon3"}  # as llama.cpp maps them
+BITNET_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{{ message['role'] | capitalize }}: {{ message['content'] }}<|eot_id|>"
+    "{% endfor %}{% if add_generation_prompt %}Assistant: {% endif %}"
+)
+
+
+def fix_chat_template(tmpl: str | None) -> str:
+    """The template to store: the 2B-4T form if missing or the known-broken official GGUF one."""
+    if not tmpl or "BITNETAssistant" in tmpl or "Human: " in tmpl:
+        return BITNET_CHAT_TEMPLATE
+    return tmpl
+
+
+def special_ids_from_hf_json(blob: bytes, names, path: str = "tokenizer.json") -> list[int]:
+    from .tokenizer import parse_hf_json
+
+    tj = parse_hf_json(blob, path)
+    found = {}
+    for t in tj.get("added_tokens") or []:
+        if t["content"] in names:
+            found[t["content"]] = t["id"]
+    vocab = tj["model"].get("vocab")
+    if isinstance(vocab, dict):
+        for n in names:
+            if n not in found and n in vocab:
+                found[n] = vocab[n]
+    return [found[n] for n in names if isinstance(found.get(n), int)]
+
+
+def _as_list(v, what, path):
+    if v is None:
+        return None
+    try:
+        return list(v)
+    except TypeError:
+        raise FormatError(f"{path}: GGUF key {what} is not an array") from None
+
+
+def gguf_tokenizer(g) -> dict:
+    """{"kind": "gpt2"|"llama"|None, "blob": (store kind, bytes) | None, "chat_template", "bos", "eos": [..],
+    "meta": {...}} from a GGUFFile's tokenizer.ggml.* keys."""
+    kv, path = g.kv, g.path
+    model = g.get("tokenizer.ggml.model", str)
+    tokens = _as_list(kv.get("tokenizer.ggml.tokens"), "tokenizer.ggml.tokens", path)
+    meta: dict = {}
+    bos = g.get("tokenizer.ggml.bos_token_id", int)
+    eos: list[int] = []
+    for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
+        v = g.get(k, int)
+        if v is not None and v not in eos:
+            eos.append(v)
+    tmpl = g.get("tokenizer.chat_template", str)
+    blob = None
+    if model is None or tokens is None:
+        meta["tokenizer_note"] = "the GGUF file has no tokenizer"
+    else:
+        if not all(isinstance(t, str) for t in tokens):
+            raise FormatError(f"{path}: tokenizer.ggml.tokens is not a list of strings")
+        n = len(tokens)
+        types = _as_list(kv.get("tokenizer.ggml.token_type"), "tokenizer.ggml.token_type", path) or [1] * n
+        if len(types) != n:
+            raise FormatError(f"{path}: tokenizer.ggml.token_type has {len(types)} entries for {n} tokens")
+        try:
+            types = [int(t) for t in types]
+        except (TypeError, ValueError):
+            raise FormatError(f"{path}: tokenizer.ggml.token_type is not a list of integers") from None
+        for i, t in enumerate(tokens):
+            if t in ("<|eot_id|>", "<|end_of_text|>") and i not in eos:
+                eos.append(i)
+        add_bos = g.get("tokenizer.ggml.add_bos_token", bool)
+        if model == "gpt2":
+            merges = _as_list(kv.get("tokenizer.ggml.merges"), "tokenizer.ggml.merges", path) or []
+            pre = g.get("tokenizer.ggml.pre", str)
+            llama3 = pre in LLAMA3_PRES
+            meta["tokenizer_pre"] = (pre or "missing") + (" -> llama3 regex" if llama3 else " -> gpt2 regex")
+            js = _bpe_json(tokens, types, merges, llama3, bos if (add_bos if add_bos is not None else llama3) else None,
+                           path)
+            blob = ("hf_json", js.encode("utf-8"))
+        elif model == "llama":
+            scores = _as_list(kv.get("tokenizer.ggml.scores"), "tokenizer.ggml.scores", path) or [0.0] * n
+            try:
+                scores = [float(x) for x in scores]
+            except (TypeError, ValueError):
+                raise FormatError(f"{path}: tokenizer.ggml.scores is not a list of numbers") from None
+            if len(scores) != n:
+                raise FormatError(f"{path}: tokenizer.ggml.scores has {len(scores)} entries for {n} tokens")
+            js = _spm_json(tokens, types, scores, bos if add_bos is not False else None)
+            blob = ("hf_json", js.encode("utf-8"))
+            meta["tokenizer_note"] = "SentencePiece vocab rebuilt as an HF BPE tokenizer (best effort)"
+        else:
+            raise FormatError(f"{path}: unsupported tokenizer.ggml.model {model!r} (expected gpt2 or llama)")
+    if g.arch != "llama" and (model == "gpt2" or g.arch != "bitnet"):  # llama-arch files: their own or none
+        fixed = fix_chat_template(tmpl)
+        if fixed != tmpl:
+            meta["chat_template_note"] = "missing in the file" if not tmpl else "replaced the broken GGUF template"
+        tmpl = fixed
+    return {"kind": model, "blob": blob, "chat_template": tmpl, "bos": bos if isinstance(bos, int) else None,
+            "eos": eos, "meta": meta}
+
+
+def _added(tokens, types, specials_only=False):
+    out = []
+    for i, (t, ty) in enumerate(zip(tokens, types)):
+        if ty in (3, 4) or (ty == 2 and not specials_only):
+            out.append({"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
+                        "normalized": ty == 4, "special": ty != 4})
+    return out
+
+
+def _post(bos, tokens):
+    if bos is None or not 0 <= bos < len(tokens):
+        return None
+    b = tokens[bos]
+    return {"type": "TemplateProcessing",
+            "single": [{"SpecialToken": {"id": b, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+            "pair": [{"SpecialToken": {"id": b, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                     {"SpecialToken": {"id": b, "type_id": 1}}, {"Sequence": {"id": "B", "type_id": 1}}],
+            "special_tokens": {b: {"id": b, "ids": [bos], "tokens": [b]}}}
+
+
+def _bpe_json(tokens, types, merges, llama3: bool, bos, path: str) -> str:
+    vocab = {}
+    for i, t in enumerate(tokens):
+        vocab.setdefault(t, i)
+    pairs = []
+    for m in merges:
+        a, sep, b = str(m).partition(" ")
+        if not sep:
+            raise FormatError(f"{path}: tokenizer.ggml.merges holds a bad merge {m!r}")
+        pairs.append([a, b])
+    tj = {
+        "version": "1.0", "truncation": None, "padding": None,
+        "added_tokens": _added(tokens, types),
+        "normalizer": None,
+        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": LLAMA3_SPLIT_REGEX if llama3 else GPT2_SPLIT_REGEX},
+             "behavior": "Isolated", "invert": False},
+            {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]},
+        "post_processor": _post(bos, tokens),
+        "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
+                  "ignore_merges": bool(llama3), "vocab": vocab, "merges": pairs},
+    }
+    return json.dumps(tj, ensure_ascii=False)
+
+
+def _spm_json(tokens, types, scores, bos) -> str:
+    """LLaMA-2-style tokenizer.json from a SentencePiece vocab (merges ordered by the merged token's score)."""
+    vocab = {}
+    for i, t in enumerate(tokens):
+        vocab.setdefault(t, i)
+    normal = {t: i for i, t in enumerate(tokens) if types[i] == 1}
+    cands = []
+    for t, i in normal.items():
+        for k in range(1, len(t)):
+            a, b = t[:k], t[k:]
+            if a in normal and b in normal:
+                cands.append((-scores[i], normal[a], normal[b], a, b))
+    cands.sort()
+    unk = next((t for t, ty in zip(tokens, types) if ty == 2), None)
+    tj = {
+        "version": "1.0", "truncation": None, "padding": None,
+        "added_tokens": _added(tokens, types),
+        "normalizer": {"type": "Sequence", "normalizers": [{"type": "Prepend", "prepend": "\u2581"},
+                                                           {"type": "Replace", "pattern": {"String": " "},
+                                                            "content": "\u2581"}]},
+        "pre_tokenizer": None,
+        "post_processor": _post(bos, tokens),
+        "decoder": {"type": "Sequence", "decoders": [
+            {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "}, {"type": "ByteFallback"},
+            {"type": "Fuse"}, {"type": "Strip", "content": " ", "start": 1, "stop": 0}]},
+        "model": {"type": "BPE", "dropout": None, "unk_token": unk, "continuing_subword_prefix": None,
+                  "end_of_word_suffix": None, "fuse_unk": True, "byte_fallback": True, "ignore_merges": False,
+                  "vocab": vocab, "merges": [[a, b] for _, _, _, a, b in cands]},
+    }
+    return json.dumps(tj, ensure_ascii=False)

@@ -1,0 +1,90 @@
+"""Chat templates: the model's own Jinja2 template rendered like transformers renders it (sandboxed,
+trim_blocks + lstrip_blocks, loop controls, raise_exception / strftime_now helpers), with a built-in
+fallback in the BitNet 2B-4T form:
+
+    <|begin_of_text|>System: ...<|eot_id|>User: ...<|eot_id|>Assistant: 
+
+The official 2B-4T GGUF embeds a broken "Human: / BITNETAssistant:" template; it is recognized and
+replaced by the fallback, as is a missing template. Templates come from downloaded files, so they render
+in engine/template_sandbox.py's LimitedSandbox: a deadline and size budget per render, one clear
+TemplateError (exit 2) when a template loops or grows without bound.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+from functools import lru_cache
+
+from ..errors import BitNetError
+from .template_sandbox import Limits, _guard_filter, render_limited
+
+LIMITS = Limits()   # per render: 2 s, 1 MiB (+4x the messages) per value and output, 200k loop iterations
+
+BITNET_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{{ message['role'] | capitalize }}: {{ message['content'] }}<|eot_id|>"
+    "{% endfor %}{% if add_generation_prompt %}Assistant: {% endif %}"
+)
+ROLES = ("system", "user", "assistant")
+
+
+def is_broken_template(template: str | None) -> bool:
+    """Missing, or the official GGUF's wrong "BITNETAssistant" template."""
+    return not template or not template.strip() or "BITNETAssistant" in template
+
+
+def choose_template(template: str | None) -> str:
+    return BITNET_TEMPLATE if is_broken_template(template) else template
+
+
+class TemplateError(BitNetError):
+    """The model's chat template failed to render."""
+
+
+@lru_cache(maxsize=8)
+def _compile(template: str):
+    from jinja2 import TemplateError as JinjaError
+
+    from .template_sandbox import make_environment
+
+    def raise_exception(message):
+        raise TemplateError(f"chat template: {message}")
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    def strftime_now(fmt):
+        return datetime.datetime.now().strftime(fmt)
+
+    env = make_environment()
+    env.filters["tojson"] = _guard_filter("tojson", tojson)
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    try:
+        return env.from_string(template)
+    except (JinjaError, RecursionError, MemoryError, ValueError, TypeError, OverflowError) as e:
+        raise TemplateError(f"chat template does not parse: {_one_line(e)}", hint="the model file's template is broken") from None
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())[:300] or type(e).__name__
+
+
+def render(template: str | None, messages: list[dict], *, add_generation_prompt: bool = True,
+           bos_token: str = "", eos_token: str = "", limits: Limits | None = None) -> str:
+    """Render `messages` ([{"role", "content"}]) with the model's template (or the fallback)."""
+    from jinja2 import TemplateError as JinjaError
+
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise TemplateError(f"chat message {i}: expected a dict with 'role' and 'content'")
+    tpl = _compile(choose_template(template))
+    try:
+        return render_limited(tpl, (limits or LIMITS).for_messages(messages), messages=list(messages),
+                              add_generation_prompt=add_generation_prompt, bos_token=bos_token, eos_token=eos_token)
+    except BitNetError:  # TemplateError, TemplateLimitError
+        raise
+    except (JinjaError, RecursionError, MemoryError, ArithmeticError, LookupError, TypeError, ValueError,
+            AttributeError) as e:  # whatever the template's own code runs into
+        raise TemplateError(f"chat template failed to render: {type(e).__name__}: {_one_line(e)}",
+                            hint="the model file's template is broken") from None

@@ -1,0 +1,213 @@
+"""The one streaming generator (consumed by `bitnet run`, bitchat and benchmarks through engine/api.py).
+
+generate() reuses the longest common prefix of the prompt with the tokens already in the KV cache,
+prefills the rest in chunks, then samples / decodes one token at a time, yielding a Chunk per token (text
+may be "" while a UTF-8 character is incomplete or might start a stop string) and a final Chunk with the
+finish reason and Stats. The cache only ever advances by fully processed tokens, so a consumer that stops
+iterating (break, Ctrl-C) leaves it consistent. With prompt lookup on (engine/speculative.py), a draft is
+verified in one Model.verify pass and each token is still sampled from its own row of logits, in order, with
+the same sampler: the output is the same as without it; rejected positions are truncated from the cache.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from ..errors import BitNetError, ContextOverflowError
+from .sampling import Sampler, SamplingParams
+from .speculative import DraftLength, LookupParams, PromptLookup, default_lookup
+
+FINISH_MESSAGES = {
+    "eos": "end of sequence",
+    "stop": "stop string",
+    "length": "max tokens reached",
+    "context": "context window full: generation stopped",
+}
+
+
+@dataclass
+class Stats:
+    n_prompt: int          # prompt tokens
+    n_cached: int          # of which reused from the KV cache
+    n_generated: int       # tokens sampled (the eos token counts)
+    load_s: float          # model load time of the session
+    ttft_s: float          # time to first token: prefill + first sample
+    prefill_tps: float     # prompt tokens processed per second (cached ones excluded)
+    decode_tps: float      # generated tokens per second after the first
+    finish_reason: str | None = None
+    n_drafted: int = 0     # prompt-lookup draft tokens verified (engine/speculative.py)
+    n_accepted: int = 0    # of which accepted
+
+
+@dataclass
+class Chunk:
+    text: str
+    token: int | None
+    finish_reason: str | None = None
+    stats: Stats | None = None
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class _StopMatcher:
+    """Holds back text that could be the start of a stop string; reports where a stop string ends."""
+
+    def __init__(self, stops: Sequence[str]):
+        self.stops = [s for s in stops if s]
+        self.pending = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """-> (text safe to emit now, stopped)."""
+        if not self.stops:
+            return text, False
+        self.pending += text
+        best = -1
+        for s in self.stops:
+            i = self.pending.find(s)
+            if i >= 0 and (best < 0 or i < best):
+                best = i
+        if best >= 0:
+            out, self.pending = self.pending[:best], ""
+            return out, True
+        hold = 0
+        for s in self.stops:  # longest suffix of pending that is a proper prefix of a stop string
+            for n in range(min(len(s) - 1, len(self.pending)), hold, -1):
+                if self.pending.endswith(s[:n]):
+                    hold = n
+                    break
+        out = self.pending[: len(self.pending) - hold]
+        self.pending = self.pending[len(self.pending) - hold:]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
+
+
+def generate(model, tokenizer, prompt_ids: Sequence[int], params: SamplingParams | None = None, *,
+             max_tokens: int = 256, stop: Sequence[str] = (), load_s: float = 0.0,
+             ignore_eos: bool = False, lookup: LookupParams | None = None) -> Iterator[Chunk]:
+    """See engine/api.py LLM.generate. ignore_eos: end-of-text tokens can never be sampled (llama.cpp's
+    --ignore-eos: their logits are set to -inf), so only length, context or a stop string end the text.
+    lookup: prompt-lookup speculation (None: default_lookup(model))."""
+    t_start = time.perf_counter()
+    prompt = [int(t) for t in prompt_ids]
+    if not prompt:
+        if tokenizer.bos_id is None:
+            raise BitNetError("empty prompt and the model has no BOS token to start from")
+        prompt = [tokenizer.bos_id]
+    if len(prompt) > model.n_ctx:
+        raise ContextOverflowError(f"the prompt has {len(prompt)} tokens but the context holds {model.n_ctx}",
+                                   hint=model.context_hint())
+    if max_tokens < 0:
+        raise BitNetError(f"max_tokens {max_tokens}: must be >= 0")
+    sampler = Sampler(params, model.config.vocab_size)
+    eos = set(tokenizer.eos_ids)
+    banned = [t for t in eos if 0 <= t < model.config.vocab_size] if ignore_eos else []
+    # a newer generate() on the same model owns the cache from now on; an older generator that is
+    # resumed afterwards must not decode into it
+    model.generation += 1
+    mine = model.generation
+
+    # reuse the cached prefix; the last prompt token is always run, since its logits pick the first token
+    n_cached = common_prefix(model.cache_ids, prompt)
+    if n_cached == len(prompt) and max_tokens > 0:
+        n_cached -= 1
+    model.truncate(n_cached)
+    todo = prompt[n_cached:]
+    logits = model.prefill(todo) if todo else None
+    t_prefill = time.perf_counter()
+    prefill_s = t_prefill - t_start
+    prefill_tps = len(todo) / prefill_s if todo and prefill_s > 0 else 0.0
+
+    spec = (default_lookup(model) if lookup is None else lookup.check())
+    finder = PromptLookup(spec) if spec.draft_max > 0 and model.verify_max > 1 else None
+    draft_len = DraftLength(min(spec.draft_max, model.verify_max - 1)) if finder else None
+    # the verify pass being consumed: rows[i] = logits after draft[:i]; base = n_past before it; j = row in use
+    rows, draft, base, j = None, [], 0, 0
+    n_drafted = n_accepted = 0
+
+    def stats(n_gen, ttft, dt, reason):
+        return Stats(n_prompt=len(prompt), n_cached=n_cached, n_generated=n_gen, load_s=load_s, ttft_s=ttft,
+                     prefill_tps=prefill_tps, decode_tps=(n_gen - 1) / dt if n_gen > 1 and dt > 0 else 0.0,
+                     finish_reason=reason, n_drafted=n_drafted, n_accepted=n_accepted)
+
+    if max_tokens == 0:  # prefill only (chat re-prefills a loaded conversation this way)
+        yield Chunk("", None, "length", stats(0, prefill_s, 0.0, "length"))
+        return
+
+    history = list(prompt)
+    stream = tokenizer.stream()
+    matcher = _StopMatcher(stop)
+    # decode time counts the engine's own work (sampling, detokenizing, decoding), not the consumer's
+    n_gen, ttft, decode_s, reason = 0, 0.0, 0.0, None
+    t0 = t_start
+    try:
+        while True:
+            if banned:
+                logits[banned] = -np.inf
+            tok = sampler.sample(logits, history)
+            n_gen += 1
+            if n_gen == 1:
+                ttft = time.perf_counter() - t_start
+            else:  # one interval per token after the first: decode of the previous token + this sample
+                decode_s += time.perf_counter() - t0
+            if tok in eos:
+                reason = "eos"
+                break
+            history.append(tok)
+            text, stopped = matcher.feed(stream.push(tok))
+            yield Chunk(text, tok)
+            t0 = time.perf_counter()
+            if stopped:
+                reason = "stop"
+                break
+            if n_gen >= max_tokens:
+                reason = "length"
+                break
+            if (base + j + 1 if rows is not None else model.n_past) >= model.n_ctx:
+                reason = "context"
+                break
+            if model.generation != mine:
+                raise BitNetError("this generation was superseded by a newer generate() call on the same model")
+            if rows is not None:
+                if j < len(draft) and tok == draft[j]:  # accepted: its logits are already computed
+                    j += 1
+                    n_accepted += 1
+                    logits = rows[j]
+                    if j == len(draft):
+                        draft_len.update(len(draft), j)
+                        rows = None
+                    continue
+                draft_len.update(len(draft), j)  # rejected: drop the positions after the last accepted token
+                model.truncate(base + j + 1)
+                rows = None
+            if finder is not None and draft_len.ready():
+                # no draft past the context or past the tokens still wanted (the last one needs no check)
+                room = min(draft_len.k, model.n_ctx - model.n_past - 1, max_tokens - n_gen - 1)
+                draft = finder.propose(history, room)
+                if draft:
+                    base, j = model.n_past, 0
+                    rows = model.verify([tok] + draft)
+                    n_drafted += len(draft)
+                    logits = rows[0]
+                    continue
+            logits = model.decode(tok)
+    finally:  # the cache keeps only processed tokens (also when the consumer stops iterating)
+        if rows is not None and model.generation == mine:
+            model.truncate(base + j + 1)
+    if reason != "stop":
+        rest, _ = matcher.feed(stream.flush())
+        rest += matcher.flush()
+        if rest:
+            yield Chunk(rest, None)
+    yield Chunk("", None, reason, stats(n_gen, ttft, decode_s, reason))

@@ -1,0 +1,438 @@
+"""The BitNet b1.58 transformer over a weight store (the math of transformers' BitNetForCausalLM), with a preallocated KV cache.
+
+Per layer (D hidden, q_dim = heads * head_dim, I intermediate):
+    h  = rmsnorm(x) -> int8            ops.add_rmsnorm_quant (adds the previous layer's residual first)
+    qkv = BL_qkv(h)                    one fused ternary GEMV/GEMM: rows q | k | v
+    a  = attention(rope(q), rope(k), v) over the cache      ops.attention (also writes k, v to the cache)
+    a  = rmsnorm(a, attn_sub_norm) -> int8                  ops.add_rmsnorm_quant (no sub-norms: quantize_act)
+    x += BL_o(a)                       (the add happens inside the next add_rmsnorm_quant)
+    h  = rmsnorm(x, ffn_norm) -> int8
+    gu = BL_gate_up(h)                 one fused ternary GEMV/GEMM: rows gate | up
+    f  = rmsnorm(relu(g)^2 * u, ffn_sub_norm) -> int8       ops.glu_rmsnorm_quant (silu(g) * u for "silu";
+                                                            no rmsnorm when config.sub_norms is False)
+    x += BL_down(f)
+logits = lm_head(rmsnorm(x, output_norm))   f16 GEMV, or int8 / q4g GEMV on the quantized normed x
+
+Nine C calls per layer in a decode step, each on buffers allocated once in __init__ (`out=` style): nothing
+is allocated per token. Prefill runs the prompt in chunks of `chunk` rows through gemm_ternary; decode
+uses gemv_ternary. The residual stream and the MLP intermediate stay f32; the KV cache is f16 by default.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ...simd import _kernels as K
+from ...simd import _ops as ops
+
+from ..config import ModelConfig
+from ..errors import BitNetError, ContextOverflowError, FormatError
+from ...simd.layout import K_ALIGN, pad_to
+
+DEFAULT_CHUNK = 128  # prefill rows per GEMM call (measured: 32..256 within 4%, 128 best)
+# chunks of at most this many rows use the multi-row GEMV (one sequential weight stream) instead of the GEMM:
+# 24 out-of-cache 13824x2560 matrices, 2 threads, busy machine, time / one GEMV: rows M=2 1.19x vs GEMM 2.00x,
+# M=4 2.00x vs 1.91x, M=8 4.5x vs 2.8x (the GEMM shares each activation broadcast between two tiles)
+ROWS_GEMV_MAX = 4
+VERIFY_MAX = K.ROWS_MAX  # most rows of one Model.verify pass (the multi-row head kernel's limit)
+
+
+def session_bytes(cfg: ModelConfig, n_ctx: int, kv_dtype: str, chunk: int = DEFAULT_CHUNK) -> int:
+    """Bytes Model() allocates for a session: the KV cache, attention scratch, RoPE tables, per-chunk buffers."""
+    kv_item = 2 if kv_dtype == "f16" else 4
+    blocks = -(-n_ctx // ops.KEY_BLOCK) * ops.KEY_BLOCK
+    kv = cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * (blocks + n_ctx) * kv_item
+    scratch = cfg.n_heads * ops.ATTENTION_SCRATCH_ROWS * n_ctx * 4
+    rope = 2 * n_ctx * (cfg.head_dim // 2) * 4 + n_ctx * 4 * 2
+    rows = chunk * (4 * cfg.hidden_size + 2 * cfg.q_dim + 2 * cfg.kv_dim + 2 * cfg.intermediate_size) * 4
+    return kv + scratch + rope + rows + cfg.vocab_size * 4
+
+
+def available_memory() -> int | None:
+    """Bytes that can still be allocated: MemAvailable + free swap on Linux, or less under an address-space
+    limit (ulimit -v); None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f if line.split()[1:2]}
+        avail = info["MemAvailable"] + info.get("SwapFree", 0)
+    except (OSError, KeyError, ValueError, IndexError):
+        return None
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+        if soft != resource.RLIM_INFINITY:
+            with open("/proc/self/status") as f:
+                vm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+            avail = min(avail, max(0, soft - vm))
+    except (ImportError, OSError, StopIteration, ValueError):
+        pass
+    return avail
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):.1f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.0f} MiB"
+
+
+def _expect(store, name: str, dtype, size: int) -> np.ndarray:
+    """The flat view of tensor `name`, which must have `dtype` (or one of a tuple) and exactly `size` values."""
+    a = store.tensor(name)
+    ok = a.dtype in (dtype if isinstance(dtype, tuple) else (dtype,))
+    if not ok or a.size != size or not a.flags.c_contiguous:
+        raise FormatError(f"{store.path}: tensor {name} has dtype {a.dtype} / {a.size} values (expected "
+                          f"{np.dtype(dtype[0] if isinstance(dtype, tuple) else dtype)} / {size})")
+    return a.reshape(-1)
+
+
+class _Layer:
+    """Read-only views of one block's weights in the store."""
+
+    __slots__ = ("attn_norm", "qkv", "qkv_scale", "attn_sub_norm", "o", "o_scale", "ffn_norm", "gate_up",
+                 "gate_up_scale", "ffn_sub_norm", "down", "down_scale")
+
+    def __init__(self, store, i: int, cfg: ModelConfig):
+        def t(name, dtype, size=None):
+            full = f"blk.{i}.{name}"
+            a = store.tensor(full)
+            if a.dtype != dtype or (size is not None and a.size != size) or not a.flags.c_contiguous:
+                raise FormatError(f"{store.path}: tensor {full} has dtype {a.dtype} / {a.size} values "
+                                  f"(expected {np.dtype(dtype)}{'' if size is None else f' / {size}'})")
+            return a.reshape(-1)
+
+        def ternary(name, rows, cols):
+            info = store.info(f"blk.{i}.{name}")
+            if info.get("layout", "tile16") != "tile16" or info.get("rows", rows) != rows or info.get("cols", cols) != cols:
+                raise FormatError(f"{store.path}: blk.{i}.{name} is {info.get('rows')}x{info.get('cols')} "
+                                  f"{info.get('layout')} (expected {rows}x{cols} tile16)")
+            w = t(name, np.uint8, pad_to(rows, 16) * pad_to(cols, K_ALIGN) // 4)
+            s = t(name + ".scale", np.float32)
+            if s.size < rows:
+                raise FormatError(f"{store.path}: blk.{i}.{name}.scale has {s.size} values for {rows} rows")
+            return w, s
+
+        D, Q, KV, I = cfg.hidden_size, cfg.q_dim, cfg.kv_dim, cfg.intermediate_size
+        self.attn_norm = t("attn_norm", np.float32, D)
+        self.qkv, self.qkv_scale = ternary("attn_qkv", Q + 2 * KV, D)
+        # Llama-architecture models have no sub-norms: None makes the op sequence quantize without a norm
+        self.attn_sub_norm = t("attn_sub_norm", np.float32, Q) if cfg.sub_norms else None
+        self.o, self.o_scale = ternary("attn_output", D, Q)
+        self.ffn_norm = t("ffn_norm", np.float32, D)
+        self.gate_up, self.gate_up_scale = ternary("ffn_gate_up", 2 * I, D)
+        self.ffn_sub_norm = t("ffn_sub_norm", np.float32, I) if cfg.sub_norms else None
+        self.down, self.down_scale = ternary("ffn_down", D, I)
+
+
+def rope_tables(cfg: ModelConfig, n_ctx: int) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin [n_ctx, head_dim/2] f32, computed as transformers does (f32 inv_freq, f32 position * inv_freq)."""
+    hd = cfg.head_dim
+    inv_freq = (1.0 / (np.float32(cfg.rope_theta) ** (np.arange(0, hd, 2, dtype=np.float32) / np.float32(hd)))).astype(np.float32)
+    freqs = np.arange(n_ctx, dtype=np.float32)[:, None] * inv_freq[None, :]
+    return np.ascontiguousarray(np.cos(freqs), dtype=np.float32), np.ascontiguousarray(np.sin(freqs), dtype=np.float32)
+
+
+class Weights:
+    """Every weight of the model as read-only views into the store (shared by Model and the batching engine)."""
+
+    def __init__(self, store):
+        cfg: ModelConfig = store.config
+        D, V = cfg.hidden_size, cfg.vocab_size
+        if cfg.head_dim % 2:
+            raise FormatError(f"{store.path}: head_dim {cfg.head_dim} is odd (RoPE needs pairs)")
+        self.act = ops.ACT_RELU2 if cfg.hidden_act == "relu2" else ops.ACT_SILU
+        self.eps = float(cfg.rms_norm_eps)
+
+        # ---- weights (zero-copy views) ----
+        emb = store.tensor("token_embd")
+        if emb.dtype != np.float16 or emb.shape != (V, D):
+            raise FormatError(f"{store.path}: token_embd is {emb.dtype} {emb.shape} (expected float16 {(V, D)})")
+        self.embd = emb.view(np.uint16)
+        self.out_norm = _expect(store, "output_norm", np.float32, D)
+        info = store.info("output")
+        self.lm_head = {"i8_tile16": "i8", "q4g_tile16": "q4"}.get(info.get("layout"), "f16")
+        self.out_w = store.tensor("output").reshape(-1)
+        v_pad = pad_to(V, 16)
+        if self.lm_head == "q4":
+            self.out_gscale = store.tensor("output.gscale").reshape(-1)
+            self.out_scale = store.tensor("output.scale").reshape(-1)
+        elif self.lm_head == "i8":   # the kernels' preconditions, checked here so a bad file is not an engine bug
+            self.out_w = _expect(store, "output", np.int8, v_pad * pad_to(D, K_ALIGN))
+            self.out_scale = _expect(store, "output.scale", np.float32, v_pad)
+            self.out_rowsum = _expect(store, "output.rowsum", np.int32, v_pad)
+        elif info.get("layout", "f16_tile16") != "f16_tile16":
+            raise FormatError(f"{store.path}: lm head layout {info.get('layout')!r} is not supported")
+        else:
+            self.out_w = _expect(store, "output", (np.float16, np.uint16), v_pad * D).view(np.uint16)
+        self.layers = [_Layer(store, i, cfg) for i in range(cfg.n_layers)]
+
+
+def alloc_run_state(b, cfg: ModelConfig, M: int):
+    """The per-step buffers of M rows (set as attributes of b; _Views cuts them to m rows)."""
+    D, Q, KV, I = cfg.hidden_size, cfg.q_dim, cfg.kv_dim, cfg.intermediate_size
+    b._kp_d, b._kp_q, b._kp_i = pad_to(D, K_ALIGN), pad_to(Q, K_ALIGN), pad_to(I, K_ALIGN)
+    b._x = np.zeros((M, D), np.float32)         # residual stream
+    b._delta = np.zeros((M, D), np.float32)     # output of o_proj / down_proj, added lazily to x
+    b._h_d = np.zeros((M, D), np.float32)       # normed x (f32 copy of what gets quantized)
+    b._h_q = np.zeros((M, Q), np.float32)       # normed attention output
+    b._qkv = np.zeros((M, Q + 2 * KV), np.float32)  # q | k | v
+    b._att = np.zeros((M, Q), np.float32)       # attention output (before attn_sub_norm)
+    b._gu = np.zeros((M, 2 * I), np.float32)    # gate | up; gate half becomes the normed MLP act
+    b._xq_buf = np.zeros(M * max(b._kp_d, b._kp_q, b._kp_i), np.int8)  # quantized activations
+    b._act_scale = np.zeros(M, np.float32)
+    b._act_sum = np.zeros(M, np.int32)
+    b._ids = np.zeros(M, np.int32)
+
+
+class _Views:
+    """The session buffers cut to `m` rows (2-D views; the kernels take the row count from them)."""
+
+    def __init__(self, b: "Model", m: int):
+        self.m = m
+        self.x, self.delta, self.h_d = b._x[:m], b._delta[:m], b._h_d[:m]
+        self.h_q, self.qkv, self.att, self.gu = b._h_q[:m], b._qkv[:m], b._att[:m], b._gu[:m]
+        self.xq_d = b._xq_buf[: m * b._kp_d].reshape(m, b._kp_d)
+        self.xq_q = b._xq_buf[: m * b._kp_q].reshape(m, b._kp_q)
+        self.xq_i = b._xq_buf[: m * b._kp_i].reshape(m, b._kp_i)
+        self.act_scale, self.act_sum = b._act_scale[:m], b._act_sum[:m]
+        self.ids = b._ids[:m]
+        # 1-row forms for the GEMV path
+        self.xq_d1, self.xq_q1, self.xq_i1 = self.xq_d[0], self.xq_q[0], self.xq_i[0]
+        self.qkv1, self.delta1, self.gu1 = self.qkv[0], self.delta[0], self.gu[0]
+
+
+def run_layers(w: Weights, v: _Views, attend, gemm=K.gemm_ternary):
+    """All layers for the v.m rows of v (ids already embedded into v.x): the model's one per-layer op sequence,
+    shared by Model (contiguous KV cache) and the batching engine (paged KV cache), which differ only in
+    attend(li, qkv, att): RoPE + KV write + attention of layer li. One row runs through gemv_ternary on the
+    1-row operands, more rows through `gemm` (gemm_ternary, or gemv_rows_ternary for a few rows).
+    Models without sub-norms (Llama architecture) quantize the attention output directly."""
+    eps, act = w.eps, w.act
+    x, delta, h_d, h_q, qkv, att, gu = v.x, v.delta, v.h_d, v.h_q, v.qkv, v.att, v.gu
+    xq_d, xq_q, xq_i, s, sm = v.xq_d, v.xq_q, v.xq_i, v.act_scale, v.act_sum
+    add_norm_q, glu, quant = ops.add_rmsnorm_quant, ops.glu_rmsnorm_quant, K.quantize_act
+    one = v.m == 1  # one row: gemv_ternary on the 1-row operands, with act scale / sum as scalars
+    mm = K.gemv_ternary if one else gemm
+    a_d, a_q, a_i, o_qkv, o_delta, o_gu = ((v.xq_d1, v.xq_q1, v.xq_i1, v.qkv1, v.delta1, v.gu1) if one
+                                           else (xq_d, xq_q, xq_i, qkv, delta, gu))
+    residual = None  # layer 0: x is the embedding, nothing to add yet
+    for li, L in enumerate(w.layers):
+        add_norm_q(x, residual, L.attn_norm, eps, h_d, xq_d, s, sm)
+        mm(L.qkv, L.qkv_scale, a_d, s[0] if one else s, sm[0] if one else sm, o_qkv)
+        attend(li, qkv, att)
+        if L.attn_sub_norm is not None:
+            add_norm_q(att, None, L.attn_sub_norm, eps, h_q, xq_q, s, sm)
+        else:
+            quant(att, xq_q, s, sm)
+        mm(L.o, L.o_scale, a_q, s[0] if one else s, sm[0] if one else sm, o_delta)
+        add_norm_q(x, delta, L.ffn_norm, eps, h_d, xq_d, s, sm)
+        mm(L.gate_up, L.gate_up_scale, a_d, s[0] if one else s, sm[0] if one else sm, o_gu)
+        glu(gu, act, L.ffn_sub_norm, eps, xq_i, s, sm)
+        mm(L.down, L.down_scale, a_i, s[0] if one else s, sm[0] if one else sm, o_delta)
+        residual = delta
+
+
+class Model:
+    """One inference session: weights (views into the store), run-state buffers and the KV cache.
+
+    `cache_ids` lists the tokens whose keys/values are in the cache (positions 0 .. n_past-1); they are
+    kept in a preallocated array so a decode step allocates nothing."""
+
+    def __init__(self, store, *, n_ctx: int | None = None, kv_dtype: str = "f16", chunk: int = DEFAULT_CHUNK):
+        cfg: ModelConfig = store.config
+        self.store, self.config = store, cfg
+        if kv_dtype not in ("f16", "f32"):
+            raise BitNetError(f"kv_dtype {kv_dtype!r}: expected 'f16' or 'f32'")
+        n_ctx = int(n_ctx or min(cfg.context_length, 4096))
+        if n_ctx < 1:
+            raise BitNetError(f"-c/--ctx {n_ctx}: the context must hold at least one token")
+        self.n_ctx, self.kv_dtype, self.chunk = n_ctx, kv_dtype, max(1, int(chunk))
+        self.warnings: list[str] = []   # for the CLI to print (one line each)
+        if n_ctx > cfg.context_length:
+            self.warnings.append(f"-c/--ctx {n_ctx} is larger than the {cfg.context_length} tokens the model was "
+                                 "trained on: output past that may be garbage")
+        need = session_bytes(cfg, n_ctx, kv_dtype, self.chunk)
+        avail = available_memory()
+        if avail is not None and need > avail:
+            raise BitNetError(f"-c/--ctx {n_ctx}: the KV cache and buffers would need {_gib(need)}, more than the "
+                              f"{_gib(avail)} of memory available", hint=f"use a smaller -c/--ctx (the model was "
+                              f"trained for {cfg.context_length}; about {max(1, n_ctx * avail // need // 2)} fits)")
+        D, V, hd, L = cfg.hidden_size, cfg.vocab_size, cfg.head_dim, cfg.n_layers
+        w = Weights(store)
+        self.weights = w
+        self._act, self._eps, self._embd, self._out_norm = w.act, w.eps, w.embd, w.out_norm
+        self.lm_head, self._out_w, self.layers = w.lm_head, w.out_w, w.layers
+        if w.lm_head == "i8":
+            self._out_scale, self._out_rowsum = w.out_scale, w.out_rowsum
+        elif w.lm_head == "q4":
+            self._out_scale, self._out_gscale = w.out_scale, w.out_gscale
+
+        # ---- run state, allocated once: M = chunk rows ----
+        M = self.chunk
+        alloc_run_state(self, cfg, M)
+        self._head_x = np.zeros((1, D), np.float32)        # normed last row for the f16 head
+        self._logits = np.zeros(V, np.float32)
+        self._logits_row = self._logits.reshape(1, V)       # the same buffer as one row (q4 head kernel)
+        self._rows_logits = np.zeros((VERIFY_MAX, V), np.float32)  # logits of every row of a verify pass
+        kv_np = np.uint16 if kv_dtype == "f16" else np.float32   # f16 stored as its bits
+        try:
+            self._k_cache = np.zeros((L,) + ops.key_cache_shape(cfg.n_kv_heads, n_ctx, hd), kv_np)  # transposed blocks
+            self._v_cache = np.zeros((L, cfg.n_kv_heads, n_ctx, hd), kv_np)
+            self._scratch = np.zeros((cfg.n_heads * ops.ATTENTION_SCRATCH_ROWS, n_ctx), np.float32)  # attention scores
+        except MemoryError:
+            raise BitNetError(f"-c/--ctx {n_ctx}: cannot allocate the KV cache ({_gib(need)} with the buffers)",
+                              hint="use a smaller -c/--ctx") from None
+        self._cos, self._sin = rope_tables(cfg, n_ctx)
+        self.verify_max = min(VERIFY_MAX, M)               # rows of one verify() pass
+        self._views: dict[int, _Views] = {m: _Views(self, m) for m in range(1, self.verify_max + 1)}
+        self._views[M] = _Views(self, M)
+        self.n_past = 0
+        self._cache_ids = np.zeros(n_ctx, np.int32)        # token at every cached position
+        self.generation = 0                                 # bumped by each generate() (engine/generate.py)
+
+    # ---- state ----------------------------------------------------------------------------------
+    def reset(self):
+        self.truncate(0)
+
+    def truncate(self, n: int):
+        """Forget cached positions >= n (their cache slots are simply overwritten later)."""
+        self.n_past = max(0, min(n, self.n_past))
+
+    @property
+    def cache_ids(self) -> list[int]:
+        return self._cache_ids[: self.n_past].tolist()
+
+    @staticmethod
+    def set_threads(n: int | None):
+        if n:
+            K.set_num_threads(int(n))
+            ops.set_num_threads(int(n))
+
+    # ---- the forward pass ---------------------------------------------------------------------------
+    def _view(self, m: int) -> _Views:
+        v = self._views.get(m)
+        if v is None:
+            v = _Views(self, m)
+        return v
+
+    def _blocks(self, v: _Views, pos0: int):
+        """All layers for v.m tokens (ids already embedded into v.x) at positions pos0 .. (contiguous cache)."""
+        cfg, attention = self.config, ops.attention
+        nh, nkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        kc, vc, cos, sin, scr = self._k_cache, self._v_cache, self._cos, self._sin, self._scratch
+
+        def attend(li, qkv, att):
+            attention(qkv, nh, nkv, hd, cos, sin, pos0, kc[li], vc[li], att, scr)
+
+        run_layers(self.weights, v, attend, K.gemv_rows_ternary if v.m <= ROWS_GEMV_MAX else K.gemm_ternary)
+
+    def _head(self, v: _Views, row: int, out: np.ndarray):
+        """Logits of one row of the last chunk (its residual still lacks the last down_proj output)."""
+        x, delta = v.x[row: row + 1], v.delta[row: row + 1]
+        if self.lm_head == "f16":
+            ops.add_rmsnorm(x, delta, self._out_norm, self._eps, self._head_x)
+            K.gemv_f16(self._out_w, self._head_x[0], out)
+        elif self.lm_head == "q4":
+            v1 = self._views[1]
+            ops.add_rmsnorm_quant(x, delta, self._out_norm, self._eps, self._head_x, v1.xq_d, v1.act_scale, v1.act_sum)
+            K.gemv_q4g(self._out_w, self._out_gscale, self._out_scale, v1.xq_d, v1.act_scale,
+                       self._logits_row if out is self._logits else out.reshape(1, -1))
+        else:
+            v1 = self._views[1]
+            ops.add_rmsnorm_quant(x, delta, self._out_norm, self._eps, self._head_x, v1.xq_d, v1.act_scale, v1.act_sum)
+            K.gemv_i8(self._out_w, self._out_scale, self._out_rowsum, v1.xq_d1, v1.act_scale[0], out)
+
+    def context_hint(self) -> str:
+        """What the user can do when the context is full: raise -c only while it is below the model's own."""
+        trained = self.config.context_length
+        if self.n_ctx < trained:
+            return f"raise -c/--ctx (the model was trained for up to {trained} tokens) or shorten the prompt"
+        return f"the context is already the model's full {trained} tokens: shorten the prompt or ask for less"
+
+    def _head_rows(self, v: _Views, out: np.ndarray):
+        """Logits of all v.m rows of the last chunk into out[:v.m] (one pass over an int8 or q4 head)."""
+        m = v.m
+        if self.lm_head == "f16":
+            for r in range(m):
+                self._head(v, r, out[r])
+            return
+        # the chunk's h_d / xq_d / act buffers are free once the blocks are done
+        ops.add_rmsnorm_quant(v.x, v.delta, self._out_norm, self._eps, v.h_d, v.xq_d, v.act_scale, v.act_sum)
+        if self.lm_head == "q4":
+            K.gemv_q4g(self._out_w, self._out_gscale, self._out_scale, v.xq_d, v.act_scale, out[:m])
+            return
+        K.gemv_rows_i8(self._out_w, self._out_scale, self._out_rowsum, v.xq_d, v.act_scale, out[:m])
+
+    def verify(self, ids) -> np.ndarray:
+        """Run 1..VERIFY_MAX tokens at positions n_past.. in one pass (speculative decoding: the last sampled
+        token followed by the draft). Returns logits [len(ids), V] (a session buffer, overwritten next call);
+        row i equals what decode() would give for ids[i] after ids[:i]. Drop rejected positions with truncate()."""
+        m = len(ids)
+        if not 1 <= m <= self.verify_max:
+            raise BitNetError(f"verify: {m} tokens; 1..{self.verify_max} per pass")
+        self._check_room(m)
+        vocab = self.config.vocab_size
+        for t in ids:
+            if not 0 <= t < vocab:
+                raise BitNetError(f"token id {t} is outside the vocabulary (0..{vocab - 1})")
+        v = self._view(m)
+        v.ids[:] = ids
+        ops.embed_f16(self._embd, v.ids, v.x)
+        self._blocks(v, self.n_past)
+        out = self._rows_logits
+        if m == 1:
+            self._head(v, 0, out[0])
+        else:
+            self._head_rows(v, out)
+        self._cache_ids[self.n_past: self.n_past + m] = ids
+        self.n_past += m
+        return out[:m]
+
+    def _check_room(self, n_new: int):
+        if self.n_past + n_new > self.n_ctx:
+            raise ContextOverflowError(
+                f"context window full: {self.n_past} cached + {n_new} new tokens > n_ctx {self.n_ctx}",
+                hint=self.context_hint())
+
+    def decode(self, token: int) -> np.ndarray:
+        """Run one token at position n_past; returns the session's logits buffer (overwritten next call)."""
+        self._check_room(1)
+        v = self._views[1]
+        v.ids[0] = token
+        ops.embed_f16(self._embd, v.ids, v.x)
+        self._blocks(v, self.n_past)
+        self._head(v, 0, self._logits)
+        self._cache_ids[self.n_past] = token
+        self.n_past += 1
+        return self._logits
+
+    def prefill(self, ids, all_logits: bool = False) -> np.ndarray:
+        """Run tokens at positions n_past.. in chunks. Returns the last token's logits (the session buffer),
+        or a new [len(ids), V] array when all_logits. The cache advances chunk by chunk, so an interrupt
+        leaves it consistent with `cache_ids`."""
+        ids = [int(t) for t in ids]
+        if not ids:
+            raise BitNetError("prefill: no tokens to process")
+        self._check_room(len(ids))
+        vocab = self.config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise BitNetError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+        result = np.empty((len(ids), vocab), np.float32) if all_logits else None
+        for start in range(0, len(ids), self.chunk):
+            part = ids[start: start + self.chunk]
+            m = len(part)
+            v = self._view(m)
+            v.ids[:] = part
+            ops.embed_f16(self._embd, v.ids, v.x)
+            self._blocks(v, self.n_past)
+            if all_logits:
+                for r in range(m):
+                    self._head(v, r, result[start + r])
+            elif start + m == len(ids):
+                self._head(v, m - 1, self._logits)
+            self._cache_ids[self.n_past: self.n_past + m] = part
+            self.n_past += m
+        return result if all_logits else self._logits
+
+    def forward(self, ids) -> np.ndarray:
+        """Logits [len(ids), V] for ids from position 0 (fresh cache)."""
+        self.reset()
+        return self.prefill(ids, all_logits=True)

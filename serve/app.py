@@ -1,0 +1,377 @@
+"""The OpenAI-compatible HTTP server: an ASGI app (FastAPI) over a batching engine (engine.api.load_engine).
+
+`create_app(load)` returns the app; `load()` builds the engine in a background thread at startup, so
+`/health` answers 503 while the model loads. The handlers only translate HTTP <-> `engine.submit`: each
+request gets an asyncio queue that the engine's scheduler thread feeds via `call_soon_threadsafe`; a client
+that goes away cancels its stream (its KV pages are freed at the next engine step). Nothing here knows of
+kernels. The same app runs under uvicorn (`bitnet serve`) and as a Ray Serve deployment (ray_app.py).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import os
+import socket
+import threading
+import time
+import uuid
+from typing import Any, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .metrics import CONTENT_TYPE, ServerMetrics
+from .schemas import ChatCompletionRequest, CompletionRequest
+
+FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context": "length", "cancelled": "stop"}
+PAGE = os.path.join(os.path.dirname(__file__), "chat.html")
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code, self.headers = status, message, type_, param, code, headers
+
+
+def error_response(status, message, type_="invalid_request_error", param=None, code=None, headers=None):
+    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}},
+                        status_code=status, headers=headers)
+
+
+class ServerState:
+    """The engine once loaded, the in-flight streams (for drain), and the server's settings."""
+
+    def __init__(self, load: Callable[[], Any], api_key: str | None, model_id: str | None, retry_after: int):
+        self.load, self.api_key, self.model_id, self.retry_after = load, api_key, model_id, retry_after
+        self.engine = None
+        self.load_error: str | None = None
+        self.draining = False
+        self.streams: set = set()
+        self.created = int(time.time())
+
+    def engine_metrics(self):
+        return self.engine.metrics() if self.engine is not None else None
+
+    def start_loading(self):
+        def run():
+            try:
+                eng = self.load()
+                if self.model_id is None:
+                    self.model_id = eng.name
+                self.engine = eng
+            except BaseException as e:  # reported by /health; the process keeps answering 503
+                self.load_error = str(e) or type(e).__name__
+        threading.Thread(target=run, name="bitnet-load", daemon=True).start()
+
+    def drain(self):
+        """Stop admitting and cancel what is in flight (their streams end with finish_reason 'stop')."""
+        self.draining = True
+        for s in list(self.streams):
+            s.cancel()
+
+    def close(self):
+        self.drain()
+        if self.engine is not None:
+            self.engine.close()
+
+
+def _sampling(req):
+    from ..engine.api import SamplingParams
+    return SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, min_p=req.min_p,
+                          repeat_penalty=req.repeat_penalty, repeat_last_n=req.repeat_last_n, seed=req.seed)
+
+
+def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id: str | None = None,
+               retry_after: int = 1, on_shutdown: Callable[[], None] | None = None) -> FastAPI:
+    """The ASGI app. load() -> an engine with ENGINE_API.md's interface (called once, in a thread)."""
+    state = ServerState(load, api_key, model_id, retry_after)
+    metrics = ServerMetrics(state.engine_metrics)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        state.start_loading()
+        yield
+        state.close()
+        if on_shutdown:
+            on_shutdown()
+
+    app = FastAPI(title="bitnet serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.bitnet = state
+    app.state.metrics = metrics
+
+    @app.exception_handler(APIError)
+    async def _api_error(request, e: APIError):
+        return error_response(e.status, e.message, e.type, e.param, e.code, e.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request, e: RequestValidationError):
+        err = e.errors()[0] if e.errors() else {}
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        if err.get("type") == "json_invalid":
+            return error_response(400, "request body is not valid JSON", code="invalid_json")
+        if not loc:
+            return error_response(400, "request body must be a JSON object (send Content-Type: application/json)",
+                                  code="invalid_json")
+        param = ".".join(loc) or None
+        return error_response(400, f"{param or 'body'}: {err.get('msg', 'invalid value')}", param=param,
+                              code="invalid_value")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request, e):
+        type_ = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return error_response(e.status_code, str(e.detail), type_)
+
+    @app.middleware("http")
+    async def _count(request: Request, call_next):
+        resp = await call_next(request)
+        resp.headers["X-Bitnet-Instance"] = f"{socket.gethostname()}:{os.getpid()}"  # which process answered (load balancers, Ray replicas)
+        path = request.url.path
+        if path.startswith("/v1/") or path in ("/health", "/slots", "/metrics"):
+            metrics.requests.labels(path, str(resp.status_code)).inc()
+        return resp
+
+    def ready(request: Request):
+        """Auth first (a wrong key learns nothing), then availability."""
+        if state.api_key is not None:
+            auth = request.headers.get("authorization", "")
+            key = auth[7:] if auth.lower().startswith("bearer ") else ""
+            if not hmac.compare_digest(key.encode(), state.api_key.encode()):
+                raise APIError(401, "invalid API key (send 'Authorization: Bearer KEY')", "authentication_error",
+                               code="invalid_api_key")
+        if state.draining:
+            raise APIError(503, "server is shutting down", "server_error", code="shutting_down",
+                           headers={"Retry-After": str(state.retry_after)})
+        if state.engine is None:
+            msg = f"model failed to load: {state.load_error}" if state.load_error else "model is loading"
+            raise APIError(503, msg, "server_error", code="loading", headers={"Retry-After": str(state.retry_after)})
+        return state.engine
+
+    def check_model(name):
+        if name and name != state.model_id:
+            raise APIError(404, f"model '{name}' does not exist (this server has '{state.model_id}')",
+                           "not_found_error", "model", "model_not_found")
+
+    def submit(eng, req, prompt_ids, loop):
+        """Submit to the engine; return (stream, queue of Chunks). Maps engine errors to HTTP ones."""
+        from ..engine.errors import BitNetError, ContextOverflowError, QueueFullError
+        bad = req.unsupported()
+        if bad:
+            raise APIError(400, bad[1], param=bad[0], code="unsupported_parameter")
+        q: asyncio.Queue = asyncio.Queue()
+        limit = req.limit()
+        room = eng.n_ctx - len(prompt_ids)
+        max_tokens = room if limit is None else limit
+        params = _sampling(req)
+        try:
+            params.check()
+            stream = eng.submit(prompt_ids, params, max_tokens=max(0, max_tokens), stop=req.stops(),
+                                ignore_eos=req.ignore_eos,
+                                callback=lambda ch: loop.call_soon_threadsafe(q.put_nowait, ch))
+        except QueueFullError as e:
+            metrics.rejected.inc()
+            raise APIError(503, str(e), "server_error", code="queue_full",
+                           headers={"Retry-After": str(state.retry_after)}) from None
+        except ContextOverflowError as e:
+            raise APIError(400, str(e), param="messages" if hasattr(req, "messages") else "prompt",
+                           code="context_length_exceeded") from None
+        except BitNetError as e:
+            raise APIError(400, str(e), code="invalid_value") from None
+        state.streams.add(stream)
+        metrics.prompt_tokens.inc(len(prompt_ids))
+        return stream, q
+
+    class Timer:
+        def __init__(self):
+            self.t0 = time.perf_counter()
+            self.last = None
+            self.n = 0
+
+        def token(self):
+            now = time.perf_counter()
+            if self.last is None:
+                metrics.ttft.observe(now - self.t0)
+            else:
+                metrics.tpot.observe(now - self.last)
+            self.last = now
+            self.n += 1
+
+        def done(self, n_prompt, final):
+            metrics.generated_tokens.inc(self.n)
+            metrics.e2e.observe(time.perf_counter() - self.t0)
+            st = final.stats if final is not None else None
+            n_gen = st.n_generated if st is not None else self.n
+            usage = {"prompt_tokens": n_prompt, "completion_tokens": n_gen, "total_tokens": n_prompt + n_gen}
+            timings = None
+            if st is not None:
+                timings = {"prompt_n": st.n_prompt, "cached_n": st.n_cached, "predicted_n": st.n_generated,
+                           "ttft_ms": round(st.ttft_s * 1000, 1), "prompt_per_second": round(st.prefill_tps, 1),
+                           "predicted_per_second": round(st.decode_tps, 1)}
+            return usage, timings
+
+    async def run_to_end(request, stream, q):
+        """Collect a whole answer (non-streaming), cancelling if the client goes away."""
+        pieces, final, timer = [], None, Timer()
+        try:
+            while True:
+                try:
+                    ch = await asyncio.wait_for(q.get(), timeout=0.5)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        stream.cancel()
+                        return None, None, timer
+                    continue
+                if ch.token is not None or ch.text:
+                    timer.token()
+                    pieces.append(ch.text)
+                if ch.finish_reason is not None:
+                    final = ch
+                    return "".join(pieces), final, timer
+        finally:
+            if final is None:
+                stream.cancel()
+            state.streams.discard(stream)
+
+    def sse(obj) -> str:
+        return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+    async def stream_events(stream, q, n_prompt, make_chunk, include_usage):
+        """SSE lines for one stream. On client disconnect Starlette cancels this generator: we cancel the
+        engine stream in `finally`, so its sequence stops at the next step."""
+        final, timer = None, Timer()
+        try:
+            first = make_chunk(None, None, first=True)
+            if first is not None:
+                yield sse(first)
+            while True:
+                ch = await q.get()
+                if ch.token is not None or ch.text:
+                    timer.token()
+                    if ch.text:
+                        yield sse(make_chunk(ch.text, None))
+                if ch.finish_reason is not None:
+                    final = ch
+                    break
+            usage, timings = timer.done(n_prompt, final)
+            last = make_chunk(None, FINISH.get(final.finish_reason, "stop"))
+            last["timings"] = timings
+            yield sse(last)
+            if include_usage:
+                u = make_chunk(None, None)
+                u["choices"], u["usage"] = [], usage
+                yield sse(u)
+            yield "data: [DONE]\n\n"
+        finally:
+            if final is None:
+                stream.cancel()
+            state.streams.discard(stream)
+
+    sse_headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+    async def respond(request, body, stream, q, n_prompt, make_chunk, make_body):
+        """The one tail of both endpoints: an SSE stream of make_chunk(text, finish, first) objects (each with
+        "usage": null when the client asked for stream_options.include_usage), or the whole answer as
+        make_body(text, finish) plus usage and timings."""
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+            def chunk(text, finish, first=False):
+                c = make_chunk(text, finish, first)
+                if c is not None and include_usage:
+                    c["usage"] = None
+                return c
+            return StreamingResponse(stream_events(stream, q, n_prompt, chunk, include_usage),
+                                     media_type="text/event-stream", headers=sse_headers)
+        text, final, timer = await run_to_end(request, stream, q)
+        if final is None:
+            return Response(status_code=499)
+        usage, timings = timer.done(n_prompt, final)
+        return {**make_body(text, FINISH.get(final.finish_reason, "stop")), "usage": usage, "timings": timings}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        eng = ready(request)
+        check_model(body.model)
+        msgs = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
+        try:
+            prompt_ids = eng.chat_prompt(msgs)
+        except Exception as e:  # the template rejected the conversation (e.g. roles out of order)
+            raise APIError(400, f"messages: {e}", param="messages", code="invalid_value") from None
+        stream, q = submit(eng, body, prompt_ids, asyncio.get_running_loop())
+        cid, created, model = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time()), state.model_id
+
+        def make_chunk(text, finish, first=False):
+            delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text is not None else {})
+            return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
+                    "system_fingerprint": None,
+                    "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+
+        def make_body(text, finish):
+            return {"id": cid, "object": "chat.completion", "created": created, "model": model,
+                    "system_fingerprint": None,
+                    "choices": [{"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
+                                 "logprobs": None, "finish_reason": finish}]}
+        return await respond(request, body, stream, q, len(prompt_ids), make_chunk, make_body)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        eng = ready(request)
+        check_model(body.model)
+        p = body.prompt
+        if isinstance(p, list) and p and isinstance(p[0], int):
+            prompt_ids = [int(t) for t in p]
+            if any(t < 0 or t >= eng.config.vocab_size for t in prompt_ids):
+                raise APIError(400, "prompt: token id out of the vocabulary", param="prompt", code="invalid_value")
+        else:
+            text = p[0] if isinstance(p, list) and p else (p if isinstance(p, str) else "")
+            prompt_ids = eng.tokenize(text, add_bos=True)
+        stream, q = submit(eng, body, prompt_ids, asyncio.get_running_loop())
+        cid, created, model = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time()), state.model_id
+
+        def make_chunk(text, finish, first=False):
+            if first:
+                return None
+            return {"id": cid, "object": "text_completion", "created": created, "model": model,
+                    "system_fingerprint": None,
+                    "choices": [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}]}
+
+        def make_body(text, finish):
+            return {"id": cid, "object": "text_completion", "created": created, "model": model,
+                    "system_fingerprint": None,
+                    "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
+        return await respond(request, body, stream, q, len(prompt_ids), make_chunk, make_body)
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        eng = ready(request)
+        return {"object": "list", "data": [{"id": state.model_id, "object": "model", "created": state.created,
+                                            "owned_by": "bitnet-cpu", "meta": {"n_ctx": eng.n_ctx}}]}
+
+    @app.get("/health")
+    async def health():
+        if state.engine is not None and not state.draining:
+            return {"status": "ok"}
+        if state.load_error:
+            return error_response(503, f"model failed to load: {state.load_error}", "server_error", code="load_failed")
+        msg = "shutting down" if state.draining else "loading model"
+        return error_response(503, msg, "unavailable_error", code="loading", headers={"Retry-After": str(retry_after)})
+
+    @app.get("/metrics")
+    async def prom():
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/slots")
+    async def slots(request: Request):
+        eng = ready(request)
+        return {"model": state.model_id, "n_ctx": eng.n_ctx, "metrics": eng.metrics(), "slots": eng.slots()}
+
+    @app.get("/", response_class=HTMLResponse)
+    async def page():
+        with open(PAGE, encoding="utf-8") as f:
+            return HTMLResponse(f.read())
+
+    return app

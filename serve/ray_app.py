@@ -1,0 +1,82 @@
+"""Scale-out on Ray Serve: the same ASGI app (app.py) as a Ray Serve deployment, one engine per replica.
+
+    serve run bitnet_cpu.serve.ray_app:app          # settings from BITNET_MODEL, BITNET_THREADS, BITNET_PARALLEL,
+                                                # BITNET_CTX, BITNET_MAX_QUEUE, BITNET_API_KEY, BITNET_REPLICAS
+    bitnet serve --ray-replicas N [...]         # starts a local Ray, runs N replicas, drains on Ctrl-C
+
+Ray Serve's proxy spreads requests over the replicas and its controller replaces a replica that dies or
+fails its health check (`check_health`: the engine failed to load). Needs `pip install .[cluster]`.
+"""
+from __future__ import annotations
+
+import os
+
+from ray import serve
+
+from .app import create_app
+
+
+def build(model: str | None = None, *, threads: int | None = 1, parallel: int = 16, ctx: int | None = None,
+          max_queue: int = 64, api_key: str | None = None, replicas: int = 1, kv: str = "f16"):
+    """A bound Ray Serve application with `replicas` replicas of the server."""
+
+    def load():
+        from ..engine.api import load_engine
+        return load_engine(model, ctx=ctx, threads=threads, parallel=parallel, max_queue=max_queue, kv_dtype=kv,
+                           progress=False)
+
+    fastapi_app = create_app(load, api_key=api_key)
+
+    # num_cpus=0: the engine's own threads do the work; Ray must not refuse replicas on a small machine
+    @serve.deployment(name="bitnet", num_replicas=replicas, ray_actor_options={"num_cpus": 0},
+                      health_check_period_s=2, health_check_timeout_s=30, max_ongoing_requests=max(64, parallel + max_queue))
+    @serve.ingress(fastapi_app)
+    class BitNetServer:
+        def check_health(self):
+            st = self._asgi_app.state.bitnet  # this replica's own copy of the app
+            if st.load_error:
+                raise RuntimeError(f"model failed to load: {st.load_error}")
+
+    return BitNetServer.bind()
+
+
+def _env_int(name, default):
+    v = os.environ.get(name)
+    return int(v) if v else default
+
+
+def build_from_env():
+    return build(os.environ.get("BITNET_MODEL") or None, threads=_env_int("BITNET_THREADS", 1),
+                 parallel=_env_int("BITNET_PARALLEL", 16), ctx=_env_int("BITNET_CTX", None),
+                 max_queue=_env_int("BITNET_MAX_QUEUE", 64), api_key=os.environ.get("BITNET_API_KEY") or None,
+                 replicas=_env_int("BITNET_REPLICAS", 2))
+
+
+app = build_from_env()
+
+
+def run_ray(args) -> int:
+    """`bitnet serve --ray-replicas N`: a local Ray instance, the deployment on host:port, Ctrl-C/SIGTERM stop."""
+    import signal
+    import sys
+    import threading
+
+    import ray
+
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    ray.init(include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    try:
+        serve.start(http_options={"host": args.host, "port": args.port})
+        serve.run(build(args.model, threads=args.threads or 1, parallel=args.parallel, ctx=args.ctx,
+                        max_queue=args.max_queue, api_key=args.api_key, replicas=args.ray_replicas, kv=args.kv),
+                  name="bitnet", route_prefix="/", blocking=False)
+        print(f"bitnet serve: {args.ray_replicas} Ray Serve replicas on http://{args.host}:{args.port}",
+              file=sys.stderr, flush=True)
+        stop.wait()
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    print("bitnet serve: stopped", file=sys.stderr)
+    return 0
