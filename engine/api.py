@@ -106,8 +106,7 @@ class LLM(_Text):
         if ctx is not None and ctx < 1:
             raise BitNetError(f"-c/--ctx {ctx}: must be >= 1")
         self.threads = threads = _checked_threads(threads, self.warnings)
-        Model.set_threads(threads)
-        self.model = Model(store, n_ctx=ctx, kv_dtype=kv_dtype)
+        self.model = Model(store, n_ctx=ctx, kv_dtype=kv_dtype, threads=threads)
         self.warnings += self.model.warnings
         self.tokenizer = Tokenizer.from_store(store)
         self.n_ctx = self.model.n_ctx
@@ -183,7 +182,6 @@ class Engine(_Text, BatchScheduler):
             raise BitNetError(f"-c/--ctx {ctx}: must be >= 1")
         if kv_dtype not in ("f16", "f32"):
             raise BitNetError(f"kv_dtype {kv_dtype!r}: expected 'f16' or 'f32'")
-        Model.set_threads(threads)
         n_ctx = int(ctx or min(cfg.context_length, 4096))
         from .batching.kv_pool import KVPool
         per_tok = KVPool.bytes_per_token(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, kv_dtype)

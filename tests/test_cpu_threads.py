@@ -76,3 +76,24 @@ def test_info_and_run_verbose_show_threads(tmp_path):
     r = subprocess.run([sys.executable, "-m", "bitnet_cpu", "run", "-v", "-t", "1", "-n", "2", "-p", "hi"],
                        capture_output=True, text=True, env={**env, "OMP_NUM_THREADS": str(cpu.available_cores())})
     assert r.returncode == 0 and "threads 1)" in r.stderr
+
+
+def test_two_sessions_keep_their_own_thread_count():
+    """The thread count belongs to the session that owns it: creating a second session (or engine) with another
+    count does not change what the first one runs with."""
+    from bitnet_cpu import simd
+    from bitnet_cpu.engine.api import SamplingParams, load_engine, load_model
+
+    one = load_model(None, threads=1, ctx=64, progress=False)
+    two = load_model(None, threads=2, ctx=64, progress=False)
+    greedy = SamplingParams(temperature=0)
+    for llm, want in ((one, 1), (two, 2), (one, 1)):
+        list(llm.generate("2+3=", greedy, max_tokens=2))
+        assert simd.get_num_threads() == want
+    eng = load_engine(None, threads=2, ctx=64, parallel=2, progress=False)
+    try:
+        list(eng.submit(eng.tokenize("2+3=", add_bos=True), greedy, max_tokens=2))   # in the scheduler thread
+        list(one.generate("2+3=", greedy, max_tokens=2))
+        assert simd.get_num_threads() == 1
+    finally:
+        eng.close()

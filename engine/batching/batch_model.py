@@ -22,9 +22,10 @@ from .kv_pool import PAGE_TOKENS, KVPool
 
 class BatchModel:
     def __init__(self, store, pool: KVPool, *, max_rows: int, n_ctx: int, max_logit_rows: int,
-                 weights: Weights | None = None, max_threads: int = 64):
+                 weights: Weights | None = None, max_threads: int = 64, threads: int | None = None):
         cfg: ModelConfig = store.config
         self.config, self.pool = cfg, pool
+        self.threads = int(threads or 0)   # this engine's kernel thread count, set at every step (0: default)
         self.w = weights or Weights(store)
         self.max_rows, self.n_ctx = int(max_rows), int(n_ctx)
         self.max_pages = (self.n_ctx + PAGE_TOKENS - 1) // PAGE_TOKENS
@@ -57,6 +58,8 @@ class BatchModel:
         if len(logit_rows) > self.max_logit_rows:
             raise BitNetError(f"{len(logit_rows)} logit rows > {self.max_logit_rows}")
         cfg, w = self.config, self.w
+        if self.threads:
+            K.set_num_threads(self.threads)
         v = self._view(m)
         v.ids[:] = ids
         ops.embed_f16(w.embd, v.ids, v.x)

@@ -109,7 +109,7 @@ class BatchScheduler:
         self.prefix = PrefixCache(self.pool)
         self.model = BatchModel(store, self.pool, max_rows=self.max_batch_tokens, n_ctx=self.n_ctx,
                                 max_logit_rows=min(self.parallel, self.max_batch_tokens),
-                                max_threads=max(2, int(threads or 0), _cpu_count()))
+                                max_threads=max(2, int(threads or 0), _cpu_count()), threads=threads)
         self.load_s = load_s
         self._eos = set(tokenizer.eos_ids)
         self._ids = itertools.count(1)

@@ -235,9 +235,13 @@ class Model:
     `cache_ids` lists the tokens whose keys/values are in the cache (positions 0 .. n_past-1); they are
     kept in a preallocated array so a decode step allocates nothing."""
 
-    def __init__(self, store, *, n_ctx: int | None = None, kv_dtype: str = "f16", chunk: int = DEFAULT_CHUNK):
+    def __init__(self, store, *, n_ctx: int | None = None, kv_dtype: str = "f16", chunk: int = DEFAULT_CHUNK,
+                 threads: int | None = None):
         cfg: ModelConfig = store.config
         self.store, self.config = store, cfg
+        # the kernels' thread count is this session's own: applied at the start of every pass, so two sessions
+        # in one process never run with each other's count (None / 0: the kernels' default)
+        self.threads = int(threads or 0)
         if kv_dtype not in ("f16", "f32"):
             raise BitNetError(f"kv_dtype {kv_dtype!r}: expected 'f16' or 'f32'")
         n_ctx = int(n_ctx or min(cfg.context_length, 4096))
@@ -299,11 +303,9 @@ class Model:
     def cache_ids(self) -> list[int]:
         return self._cache_ids[: self.n_past].tolist()
 
-    @staticmethod
-    def set_threads(n: int | None):
-        if n:
-            K.set_num_threads(int(n))
-            ops.set_num_threads(int(n))
+    def _use_threads(self):
+        if self.threads:
+            K.set_num_threads(self.threads)
 
     # ---- the forward pass ---------------------------------------------------------------------------
     def _view(self, m: int) -> _Views:
@@ -368,6 +370,7 @@ class Model:
         if not 1 <= m <= self.verify_max:
             raise BitNetError(f"verify: {m} tokens; 1..{self.verify_max} per pass")
         self._check_room(m)
+        self._use_threads()
         vocab = self.config.vocab_size
         for t in ids:
             if not 0 <= t < vocab:
@@ -394,6 +397,7 @@ class Model:
     def decode(self, token: int) -> np.ndarray:
         """Run one token at position n_past; returns the session's logits buffer (overwritten next call)."""
         self._check_room(1)
+        self._use_threads()
         v = self._views[1]
         v.ids[0] = token
         ops.embed_f16(self._embd, v.ids, v.x)
@@ -411,6 +415,7 @@ class Model:
         if not ids:
             raise BitNetError("prefill: no tokens to process")
         self._check_room(len(ids))
+        self._use_threads()
         vocab = self.config.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
