@@ -23,7 +23,7 @@ import time
 
 from ..chat.commands import CommandError, Settings, parse_setting
 from ..chat.render import Output
-from .flags import (UNTIL_END, add_context_args, add_model_args, add_sampling_args,
+from .flags import (UNTIL_END, add_context_args, add_lookup_args, add_model_args, add_sampling_args,
                                          add_system_args, check_n_predict, maybe_autocomplete,
                                          parse_args_suggesting)
 
@@ -44,11 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_system_args(p)
     add_context_args(p, n_predict_default=Settings().max_tokens)
     add_sampling_args(p)
-    p.add_argument("--draft-max", metavar="K", type=int, default=None,
-                   help="prompt-lookup speculative decoding: most draft tokens per pass, 0 = off "
-                        "(default: off; answers are the same either way)")
-    p.add_argument("--lookup-ngram-min", metavar="N", type=int, default=None,
-                   help="prompt lookup: shortest repeated n-gram that proposes a draft (default: 2)")
+    add_lookup_args(p)
     p.add_argument("--version", action="version", version=f"bitchat {__version__}")
     return p
 

@@ -3,6 +3,7 @@ length, system prompt and sampling, spelled as llama.cpp spells them, plus the p
 unknown flag with the subcommand's own usage and a "did you mean" suggestion.
 
     add_model_args(p); add_context_args(p, n_predict_default=256); add_system_args(p); add_sampling_args(p)
+    add_lookup_args(p)   # --draft-max / --lookup-ngram-min (also `bitnet serve`)
     args = parse_args_suggesting(parser, argv, subparsers={"run": run_parser, ...})
 
 Values are only typed here; range checks stay with their users (SamplingParams.check, engine.api), so every
@@ -52,6 +53,16 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeat-last-n", type=int, default=d["repeat_last_n"], metavar="N",
                    help="tokens the repetition penalty looks back at")
     p.add_argument("--seed", type=int, default=None, metavar="S", help="random seed; -1 or none: a random one (printed with -v)%(default).0s")
+
+
+def add_lookup_args(p: argparse.ArgumentParser) -> None:
+    """Prompt-lookup speculative decoding (engine/runtime/speculative.py; llama.cpp's spelling), shared by
+    `bitnet run`, bitchat and `bitnet serve`; engine.runtime.speculative.lookup_from_flags reads them."""
+    p.add_argument("--draft-max", type=int, default=None, metavar="K",
+                   help="prompt-lookup speculative decoding: most draft tokens verified per pass, 0 = off "
+                        "(default: off; --draft-max 4 is a good start on repetitive text; same output either way)%(default).0s")
+    p.add_argument("--lookup-ngram-min", type=int, default=None, metavar="N",
+                   help="prompt lookup: shortest repeated n-gram that proposes a draft (default: 2)%(default).0s")
 
 
 def check_n_predict(n: int) -> str | None:

@@ -2,8 +2,8 @@
 piece); progress, warnings and --verbose timings go to stderr. Ctrl-C stops generation keeping what was
 printed (exit 130). Flags follow llama.cpp (cli/flags.py); `-cnv` runs the chat on stdin
 as bitchat does; `--json` prints one JSON object per line (text pieces, then the stats) for scripts."""
-from .flags import (UNTIL_END, add_context_args, add_model_args, add_sampling_args, add_system_args,
-                                  check_n_predict)
+from .flags import (UNTIL_END, add_context_args, add_lookup_args, add_model_args, add_sampling_args,
+                    add_system_args, check_n_predict)
 from ..engine.formats.tokenizer import decode_utf8
 
 HELP = "generate text from a prompt (streams to stdout)"
@@ -28,11 +28,7 @@ def add_arguments(p):
                    help="LM head precision when the model gets converted (default: the converter's)%(default).0s")
     p.add_argument("--json", action="store_true",
                    help='one JSON object per line: {"text": ...} per piece, then {"done": true, "stats": ...}%(default).0s')
-    p.add_argument("--draft-max", type=int, default=None, metavar="K",
-                   help="prompt-lookup speculative decoding: most draft tokens verified per pass, 0 = off "
-                        "(default: off; --draft-max 4 is a good start on repetitive text; same output either way)%(default).0s")
-    p.add_argument("--lookup-ngram-min", type=int, default=None, metavar="N",
-                   help="prompt lookup: shortest repeated n-gram that proposes a draft (default: 2)%(default).0s")
+    add_lookup_args(p)
     p.add_argument("-v", "--verbose", action="store_true", help="print timings to stderr%(default).0s")
 
 

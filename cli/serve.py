@@ -1,6 +1,8 @@
 """`bitnet serve`: an OpenAI-compatible HTTP server (serve/app.py) on uvicorn, over the batching
 engine. Loopback by default; Ctrl-C / SIGTERM drain (stop admitting, cancel in-flight streams) and exit 0.
 `--ray-replicas N` runs the same app as a Ray Serve deployment with N replicas (needs `pip install .[cluster]`)."""
+from .flags import add_lookup_args
+
 HELP = "serve the model over an OpenAI-compatible HTTP API (and a chat page at /)"
 
 
@@ -27,6 +29,7 @@ def add_arguments(p):
     p.add_argument("--max-queue", type=int, default=64, help="waiting requests before answering 503 + Retry-After")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* and /slots%(default).0s")
     p.add_argument("--kv", choices=("f16", "f32"), default="f16", help="KV cache precision")
+    add_lookup_args(p)
     p.add_argument("--ray-replicas", type=int, default=0, help="run as a Ray Serve deployment with N replicas (0 = plain uvicorn)")
     p.add_argument("--drain-timeout", type=float, default=5.0, help="seconds in-flight requests get to finish on shutdown")
     p.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"),
@@ -43,6 +46,8 @@ def _check(args):
         raise BitNetError(f"--max-queue {args.max_queue}: must be >= 0")
     if args.ray_replicas < 0:
         raise BitNetError(f"--ray-replicas {args.ray_replicas}: must be >= 0")
+    from ..engine.runtime.speculative import lookup_from_flags
+    return lookup_from_flags(args.draft_max, args.lookup_ngram_min)   # raises on a bad value
 
 
 def main(args) -> int:
@@ -53,7 +58,7 @@ def main(args) -> int:
     if not is_loopback(args.host) and not args.api_key:
         print(f"bitnet serve: warning: listening on {args.host} without --api-key: anyone who can reach this "
               "port can use the model", file=sys.stderr, flush=True)
-    _check(args)
+    lookup = _check(args)
     if args.ray_replicas:
         from ..serve.ray_app import run_ray
         return run_ray(args)
@@ -65,7 +70,7 @@ def main(args) -> int:
 
     def load():
         return load_engine(args.model, ctx=args.ctx, threads=args.threads, parallel=args.parallel,
-                           max_queue=args.max_queue, kv_dtype=args.kv, progress=True)
+                           max_queue=args.max_queue, kv_dtype=args.kv, progress=True, lookup=lookup)
 
     app = create_app(load, api_key=args.api_key)
 

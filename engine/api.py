@@ -173,7 +173,8 @@ class Engine(_Text, BatchScheduler):
 
     def __init__(self, store: Store, *, ctx: int | None = None, threads: int | None = None, parallel: int = 16,
                  kv_pool_tokens: int | None = None, max_batch_tokens: int = 256, max_queue: int = 64,
-                 kv_dtype: str = "f16", load_s: float = 0.0, kv_pool_mib: float | None = None):
+                 kv_dtype: str = "f16", load_s: float = 0.0, kv_pool_mib: float | None = None,
+                 lookup: LookupParams | None = None):
         t0 = time.perf_counter()
         cfg = store.config
         self.warnings: list[str] = []
@@ -193,7 +194,7 @@ class Engine(_Text, BatchScheduler):
             kv_pool_tokens = max(n_ctx, min(parallel * n_ctx, DEFAULT_POOL_BYTES // per_tok))
         super().__init__(store, Tokenizer.from_store(store), n_ctx=n_ctx, parallel=parallel,
                          kv_pool_tokens=kv_pool_tokens, max_batch_tokens=max_batch_tokens, max_queue=max_queue,
-                         kv_dtype=kv_dtype, threads=threads)
+                         kv_dtype=kv_dtype, threads=threads, lookup=lookup)
         self.name = _display_name(store)
         self.load_s = load_s + (time.perf_counter() - t0)
 
@@ -205,19 +206,22 @@ class Engine(_Text, BatchScheduler):
 def load_engine(model: str | None = None, *, ctx: int | None = None, threads: int | None = None, parallel: int = 16,
                 kv_pool_tokens: int | None = None, max_batch_tokens: int = 256, max_queue: int = 64,
                 kv_dtype: str = "f16", progress: bool = True, lm_head: str | None = None,
-                kv_pool_mib: float | None = None) -> Engine:
+                kv_pool_mib: float | None = None, lookup: LookupParams | None = None) -> Engine:
     """A batching engine over `model` (as load_model opens it), its scheduler thread started.
     ctx: per-sequence context; parallel: sequences running at once; kv_pool_tokens: KV pool size in tokens
     (default parallel*ctx, capped at 4 GiB of pages but at least one context), or kv_pool_mib in MiB;
     max_batch_tokens: rows per step;
-    max_queue: waiting requests before submit() raises QueueFullError."""
+    max_queue: waiting requests before submit() raises QueueFullError;
+    lookup: prompt-lookup speculative decoding for every sequence (None: off, as LLM.generate's default): a
+    decoding sequence whose recent tokens repeat runs up to lookup.draft_max draft tokens in the rows a step has
+    left; the output is the same with or without it. Drafted / accepted tokens: metrics()."""
     t0 = time.perf_counter()
     path = _resolve(model, lm_head, progress)
     store = Store(path)
     try:
         eng = Engine(store, ctx=ctx, threads=threads, parallel=parallel, kv_pool_tokens=kv_pool_tokens,
                      max_batch_tokens=max_batch_tokens, max_queue=max_queue, kv_dtype=kv_dtype,
-                     load_s=time.perf_counter() - t0, kv_pool_mib=kv_pool_mib)
+                     load_s=time.perf_counter() - t0, kv_pool_mib=kv_pool_mib, lookup=lookup)
     except BaseException:
         store.close()
         raise

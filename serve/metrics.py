@@ -1,7 +1,8 @@
 """Prometheus metrics of one server (one registry per app, so several apps in a process never collide).
 
 Counters and histograms are updated by the request handlers; the engine's own numbers (running/waiting
-sequences, KV pool pages, prefix-cache hits) are read from `engine.metrics()` at scrape time by a collector.
+sequences, KV pool pages, prefix-cache hits, prompt-lookup drafted / accepted tokens) are read from
+`engine.metrics()` at scrape time by a collector.
 """
 from __future__ import annotations
 
@@ -38,6 +39,11 @@ class _EngineCollector:
         c = CounterMetricFamily("bitnet_prefix_hit_tokens", "prompt tokens reused from the prefix cache")
         c.add_metric([], float(m.get("prefix_hits_tokens", 0)))
         yield c
+        for name, doc, key in (("bitnet_lookup_drafted_tokens", "prompt-lookup draft tokens verified", "lookup_drafted_total"),
+                               ("bitnet_lookup_accepted_tokens", "prompt-lookup draft tokens accepted", "lookup_accepted_total")):
+            c = CounterMetricFamily(name, doc)
+            c.add_metric([], float(m.get(key, 0)))
+            yield c
 
 
 class ServerMetrics:

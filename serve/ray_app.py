@@ -17,13 +17,13 @@ from .app import create_app
 
 
 def build(model: str | None = None, *, threads: int | None = 1, parallel: int = 16, ctx: int | None = None,
-          max_queue: int = 64, api_key: str | None = None, replicas: int = 1, kv: str = "f16"):
-    """A bound Ray Serve application with `replicas` replicas of the server."""
+          max_queue: int = 64, api_key: str | None = None, replicas: int = 1, kv: str = "f16", lookup=None):
+    """A bound Ray Serve application with `replicas` replicas of the server (lookup: engine LookupParams)."""
 
     def load():
         from ..engine.api import load_engine
         return load_engine(model, ctx=ctx, threads=threads, parallel=parallel, max_queue=max_queue, kv_dtype=kv,
-                           progress=False)
+                           progress=False, lookup=lookup)
 
     fastapi_app = create_app(load, api_key=api_key)
 
@@ -69,8 +69,11 @@ def run_ray(args) -> int:
     ray.init(include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
+        from ..engine.runtime.speculative import lookup_from_flags
+
         serve.run(build(args.model, threads=args.threads or 1, parallel=args.parallel, ctx=args.ctx,
-                        max_queue=args.max_queue, api_key=args.api_key, replicas=args.ray_replicas, kv=args.kv),
+                        max_queue=args.max_queue, api_key=args.api_key, replicas=args.ray_replicas, kv=args.kv,
+                        lookup=lookup_from_flags(args.draft_max, args.lookup_ngram_min)),
                   name="bitnet", route_prefix="/", blocking=False)
         print(f"bitnet serve: {args.ray_replicas} Ray Serve replicas on http://{args.host}:{args.port}",
               file=sys.stderr, flush=True)

@@ -7,6 +7,16 @@ every written position has a page of its own (allocate, or copy-on-write a share
 forward, sample each sequence with its own sampler, stream its Chunks, and retire the finished ones (pages
 back to the pool; full pages stay in the prefix index for later requests until evicted).
 
+With prompt lookup on (lookup=LookupParams, engine/runtime/speculative.py), a decoding sequence whose recent
+tokens repeat an earlier n-gram of its own context runs its last sampled token plus up to K draft tokens as
+rows of the same step (positions n_past .. n_past+K, logits of every row), in the room the step's token budget
+leaves after every other sequence's decode row and the prefill chunks. Its rows are then sampled one by one
+exactly as the single-stream generator (engine/runtime/generate.py) samples a verify pass: the draft is kept
+while the sampled token equals it, the first mismatch ends the pass, and n_past rolls back to the committed
+tokens (the rejected positions are overwritten later). Each emitted token comes from the same logits with the
+same sampler state as without lookup, so the output is identical (greedy and seeded). Only committed positions
+ever reach the prefix index: a page is indexed once full, i.e. once every position in it is committed.
+
 Chunks are exactly those of engine.generate.generate (per token, then a final one with Stats); finish reasons
 add "cancelled". Only the scheduler thread touches the pool, the index and the model; submit/cancel/metrics
 take the lock.
@@ -25,6 +35,7 @@ import numpy as np
 from ..errors import BitNetError, ContextOverflowError, QueueFullError
 from ..runtime.generate import Chunk, Stats, _StopMatcher
 from ..runtime.sampling import Sampler, SamplingParams
+from ..runtime.speculative import OFF, DraftLength, LookupParams, PromptLookup
 from .batch_model import BatchModel
 from .kv_pool import PAGE_TOKENS, KVPool
 from .prefix_cache import PrefixCache
@@ -87,13 +98,18 @@ class _Seq:
         self.t_submit = time.perf_counter()
         self.t_admit = self.t_prefilled = self.t_first = self.t_last = 0.0
         self.banned: list[int] = []      # token ids never sampled (ignore_eos)
+        self.finder: PromptLookup | None = None   # prompt lookup (engine lookup on): n-gram index of tokens
+        self.draft_len: DraftLength | None = None
+        self.draft: list[int] = []       # draft tokens run in the current step after tokens[n_past]
+        self.n_drafted = self.n_accepted = 0
 
 
 class BatchScheduler:
     """The engine core (engine.api.Engine adds tokenizer helpers). Start with start(); stop with close()."""
 
     def __init__(self, store, tokenizer, *, n_ctx: int, parallel: int, kv_pool_tokens: int, max_batch_tokens: int,
-                 max_queue: int, kv_dtype: str = "f16", load_s: float = 0.0, threads: int | None = None):
+                 max_queue: int, kv_dtype: str = "f16", load_s: float = 0.0, threads: int | None = None,
+                 lookup: LookupParams | None = None):
         cfg = store.config
         self.store, self.config, self.tokenizer = store, cfg, tokenizer
         self.n_ctx, self.parallel, self.max_queue = int(n_ctx), int(parallel), int(max_queue)
@@ -105,10 +121,14 @@ class BatchScheduler:
         if n_pages < self.max_pages:
             raise BitNetError(f"kv_pool_tokens {kv_pool_tokens}: the pool must hold at least one context "
                               f"({self.n_ctx} tokens)")
+        # prompt lookup (None: off, as `bitnet run`); a draft never exceeds the step's rows
+        self.lookup = (lookup or OFF).check()
+        self.draft_max = min(self.lookup.draft_max, self.max_batch_tokens - 1)
         self.pool = KVPool(cfg.n_layers, n_pages, cfg.n_kv_heads, cfg.head_dim, kv_dtype)
         self.prefix = PrefixCache(self.pool)
+        self.max_step_seqs = min(self.parallel, self.max_batch_tokens)   # sequences in one step
         self.model = BatchModel(store, self.pool, max_rows=self.max_batch_tokens, n_ctx=self.n_ctx,
-                                max_logit_rows=min(self.parallel, self.max_batch_tokens),
+                                max_logit_rows=min(self.max_step_seqs * (1 + self.draft_max), self.max_batch_tokens),
                                 max_threads=max(2, int(threads or 0), _cpu_count()), threads=threads)
         self.load_s = load_s
         self._eos = set(tokenizer.eos_ids)
@@ -120,7 +140,8 @@ class BatchScheduler:
         self._by_id: dict[int, _Seq] = {}
         self._closed = False
         self.requests_total = self.tokens_generated_total = self.prefix_hits_tokens = self.steps_total = 0
-        self._page_table = np.zeros((self.model.max_logit_rows, self.max_pages), np.int32)
+        self.lookup_drafted_total = self.lookup_accepted_total = 0
+        self._page_table = np.zeros((self.max_step_seqs, self.max_pages), np.int32)
         self._thread = threading.Thread(target=self._loop, name="bitnet-scheduler", daemon=True)
         self._error: BaseException | None = None
         self._outbox: list[tuple[Stream, Chunk]] = []   # final chunks, emitted once the lock is released
@@ -164,6 +185,8 @@ class BatchScheduler:
             seq = _Seq(sid, prompt, params, int(max_tokens), stop, stream, self.tokenizer, vocab)
             if ignore_eos:
                 seq.banned = [t for t in self._eos if 0 <= t < vocab]
+            if self.draft_max > 0:
+                seq.finder, seq.draft_len = PromptLookup(self.lookup), DraftLength(self.draft_max)
             self._waiting.append(seq)
             self._by_id[sid] = seq
             self.requests_total += 1
@@ -184,12 +207,15 @@ class BatchScheduler:
                     "kv_pages_free": self.pool.n_free, "kv_pages_reserved": self.pool.reserved,
                     "kv_pages_cached": self.prefix.n_nodes, "kv_page_tokens": PAGE_TOKENS,
                     "prefix_hits_tokens": self.prefix_hits_tokens, "requests_total": self.requests_total,
-                    "tokens_generated_total": self.tokens_generated_total, "steps_total": self.steps_total}
+                    "tokens_generated_total": self.tokens_generated_total, "steps_total": self.steps_total,
+                    "lookup_draft_max": self.draft_max, "lookup_drafted_total": self.lookup_drafted_total,
+                    "lookup_accepted_total": self.lookup_accepted_total}
 
     def slots(self) -> list[dict]:
         with self._lock:
             return [{"id": s.id, "state": s.state, "n_prompt": len(s.prompt), "n_generated": s.n_gen,
-                     "n_cached": s.n_cached} for s in list(self._running) + list(self._waiting)]
+                     "n_cached": s.n_cached, "n_drafted": s.n_drafted, "n_accepted": s.n_accepted}
+                    for s in list(self._running) + list(self._waiting)]
 
     def close(self):
         with self._lock:
@@ -278,18 +304,19 @@ class BatchScheduler:
                 time.sleep(0.001)
             return
         budget = self.max_batch_tokens
-        plan = []  # (seq, n_rows)
+        plan = []  # [seq, n_rows]: a decode row (plus a draft), or a prefill chunk
         for s in running:  # decode rows first
-            if len(s.tokens) - s.n_past == 1 and s.n_gen > 0 and budget > 0:
-                plan.append((s, 1))
+            if len(s.tokens) - s.n_past == 1 and s.n_gen > 0 and budget > 0 and len(plan) < self.max_step_seqs:
+                plan.append([s, 1])
                 budget -= 1
         for s in running:  # then prefill chunks, oldest first
             todo = len(s.tokens) - s.n_past
-            if budget > 0 and not (todo == 1 and s.n_gen > 0) and todo > 0:
+            if budget > 0 and not (todo == 1 and s.n_gen > 0) and todo > 0 and len(plan) < self.max_step_seqs:
                 r = min(todo, budget)
-                plan.append((s, r))
+                plan.append([s, r])
                 budget -= r
-        plan = plan[: self.model.max_logit_rows]
+        if self.draft_max > 0:  # then drafts, in the room left
+            budget = self._plan_drafts(plan, budget)
         n = len(plan)
         ids = np.empty(sum(r for _, r in plan), np.int32)
         seq_rows = np.zeros(n + 1, np.int32)
@@ -298,28 +325,84 @@ class BatchScheduler:
         logit_rows, row = [], 0
         for i, (s, r) in enumerate(plan):
             self._pages_for(s, s.n_past, s.n_past + r)
-            ids[row: row + r] = s.tokens[s.n_past: s.n_past + r]
+            if s.draft:  # the last sampled token, then the draft: every row's logits
+                ids[row] = s.tokens[s.n_past]
+                ids[row + 1: row + r] = s.draft
+                logit_rows.extend(range(row, row + r))
+            else:
+                ids[row: row + r] = s.tokens[s.n_past: s.n_past + r]
+                if s.n_past + r == len(s.tokens):
+                    logit_rows.append(row - 1 + r)
             seq_pos0[i] = s.n_past
             pt[i, : len(s.pages)] = s.pages
             row += r
             seq_rows[i + 1] = row
-            if s.n_past + r == len(s.tokens):
-                logit_rows.append(row - 1)
         logits = self.model.step(ids, seq_rows, seq_pos0, pt, logit_rows)
         self.steps_total += 1
         now = time.perf_counter()
         li = 0
         for s, r in plan:
+            if s.draft:
+                li = self._sample_draft(s, logits, li)
+                continue
             s.n_past += r
-            n_full = s.n_past // PAGE_TOKENS
-            if n_full > s.n_indexed:
-                self.prefix.insert(s.tokens, s.pages, n_full)
-                s.n_indexed = n_full
+            self._index(s)
             if s.n_past == len(s.tokens):
                 if s.n_gen == 0:
                     s.t_prefilled = now
                 self._sample(s, logits[li])
                 li += 1
+
+    def _index(self, s: _Seq):
+        """Hand s's newly full pages to the prefix index (every position below n_past is committed)."""
+        n_full = s.n_past // PAGE_TOKENS
+        if n_full > s.n_indexed:
+            self.prefix.insert(s.tokens, s.pages, n_full)
+            s.n_indexed = n_full
+
+    def _plan_drafts(self, plan, budget: int) -> int:
+        """Give decoding sequences of the plan a prompt-lookup draft in the rows the budget has left (in plan
+        order, as long as the logit rows last); returns the budget left."""
+        logit_room = self.model.max_logit_rows - sum(1 for s, r in plan if s.n_past + r == len(s.tokens))
+        for e in plan:
+            s, r = e
+            if r != 1 or s.n_gen == 0 or len(s.tokens) - s.n_past != 1 or not s.draft_len.ready():
+                continue
+            # no draft past the context, past the tokens still wanted (the last one needs no check), the rows
+            # of the step, or the pages promised to s
+            room = min(s.draft_len.k, self.n_ctx - s.n_past - 1, s.max_tokens - s.n_gen - 1, budget, logit_room)
+            while room > 0 and self._pages_needed(s, s.n_past, s.n_past + 1 + room) > s.reserve:
+                room -= 1
+            if room <= 0:
+                continue
+            draft = s.finder.propose(s.tokens, room)
+            if draft:
+                s.draft = draft
+                e[1] = 1 + len(draft)
+                budget -= len(draft)
+                logit_room -= len(draft)
+                s.n_drafted += len(draft)
+                self.lookup_drafted_total += len(draft)
+        return budget
+
+    def _sample_draft(self, s: _Seq, logits: np.ndarray, li: int) -> int:
+        """Sample the rows of s's draft step as engine/runtime/generate.py samples a verify pass: row j holds the
+        logits after the draft's first j tokens; keep going while the sampled token equals the draft, stop at the
+        first mismatch (or a finish) and roll n_past back to the committed positions. Returns the next logit row."""
+        draft, base, j = s.draft, s.n_past, 0
+        s.draft = []
+        while True:
+            s.n_past = base + j + 1     # positions whose K/V are committed: the pending token and draft[:j]
+            self._index(s)
+            tok = self._sample(s, logits[li + j])
+            if s.state == "done" or j == len(draft) or tok != draft[j]:
+                break
+            j += 1                      # accepted: its logits are already computed
+            s.n_accepted += 1
+            self.lookup_accepted_total += 1
+        if s.state != "done":
+            s.draft_len.update(len(draft), j)
+        return li + len(draft) + 1
 
     def _admit(self):
         """Admit waiting requests (FIFO) while there are slots and pages can be promised (lock held)."""
@@ -351,6 +434,13 @@ class BatchScheduler:
             raise AssertionError(f"sequence {s.id} took more pages than it was promised")
         return self.pool.alloc()
 
+    def _pages_needed(self, s: _Seq, p0: int, p1: int) -> int:
+        """Pages _pages_for(s, p0, p1) would take from s's promise."""
+        n = 0
+        for b in range(p0 // PAGE_TOKENS, (p1 - 1) // PAGE_TOKENS + 1):
+            n += b >= len(s.pages) or self.pool.refs[s.pages[b]] > 1
+        return n
+
     def _pages_for(self, s: _Seq, p0: int, p1: int):
         """Pages of their own for positions p0 .. p1-1 of s (new ones, or copies of shared ones)."""
         for b in range(p0 // PAGE_TOKENS, (p1 - 1) // PAGE_TOKENS + 1):
@@ -365,10 +455,11 @@ class BatchScheduler:
             else:
                 s.pages.append(self._take(s))
 
-    def _sample(self, s: _Seq, logits: np.ndarray):
+    def _sample(self, s: _Seq, logits: np.ndarray) -> int | None:
+        """Sample s's next token from logits (the row after tokens[:n_past]), emit it, finish s or append it."""
         if s.max_tokens == 0:
             self._finish(s, "length")
-            return
+            return None
         if s.banned:
             logits[s.banned] = -np.inf
         tok = s.sampler.sample(logits, s.tokens)
@@ -380,7 +471,7 @@ class BatchScheduler:
         s.t_last = now
         if tok in self._eos:
             self._finish(s, "eos")
-            return
+            return tok
         text, stopped = s.matcher.feed(s.detok.push(tok))
         s.stream._emit(Chunk(text, tok))
         if stopped:
@@ -391,6 +482,7 @@ class BatchScheduler:
             self._finish(s, "context")
         else:
             s.tokens.append(tok)
+        return tok
 
     def _finish(self, s: _Seq, reason: str, locked: bool = False):
         """Release s's pages and promise, emit its last chunks, forget it."""
@@ -421,7 +513,8 @@ class BatchScheduler:
         st = Stats(n_prompt=len(s.prompt), n_cached=s.n_cached, n_generated=s.n_gen, load_s=self.load_s,
                    ttft_s=(s.t_first or s.t_prefilled or time.perf_counter()) - s.t_submit,
                    prefill_tps=n_pre / pre_s if n_pre and pre_s > 0 else 0.0,
-                   decode_tps=(s.n_gen - 1) / dt if s.n_gen > 1 and dt > 0 else 0.0, finish_reason=reason)
+                   decode_tps=(s.n_gen - 1) / dt if s.n_gen > 1 and dt > 0 else 0.0, finish_reason=reason,
+                   n_drafted=s.n_drafted, n_accepted=s.n_accepted)
         self._outbox.append((s.stream, Chunk("", None, reason, st)))
 
     # ---- checks (tests) -------------------------------------------------------------------------------
