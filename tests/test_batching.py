@@ -395,3 +395,145 @@ def test_llama_architecture_model_batched_equals_alone(tmp_path):
             got[s].append(lg)
     for s in seqs:
         np.testing.assert_array_equal(np.concatenate(got[s]), want[s])
+
+
+# ---- prompt lookup (speculative decoding) in the batching engine -------------------------------------------
+
+def _index_pages(eng):
+    """{token-key path of every prefix-index node: (K bytes, V bytes)} read on the scheduler thread."""
+    def read():
+        out, stack = {}, [((), n) for n in eng.prefix.root.children.values()]
+        while stack:
+            path, n = stack.pop()
+            path = path + (n.key,)
+            out[path] = (eng.pool.k[:, n.page].tobytes(), eng.pool.v[:, n.page].tobytes())
+            stack.extend((path, c) for c in n.children.values())
+        return out
+    return eng.run_in_scheduler(read)
+
+
+def _lookup_workload(V):
+    """A shared system prompt (a full page plus a part of the next, so requests copy a shared page), then
+    repetitive and random user parts; greedy, seeded and penalized sampling."""
+    rng = np.random.default_rng(21)
+    system = rng.integers(1, V, 45).tolist()
+    rep = [[5, 9, 13, 2, 7, 21, 4] * 6, [3, 8, 8, 4, 11] * 7, [17, 30, 2] * 10, [40, 41, 42, 43, 44, 45] * 5]
+    rand = [rng.integers(1, V, 25).tolist() for _ in range(2)]
+    params = [GREEDY, SamplingParams(temperature=0.9, seed=3), SamplingParams(temperature=0.7, seed=11),
+              SamplingParams(temperature=0.0, repeat_penalty=1.2), GREEDY, SamplingParams(temperature=1.0, seed=5)]
+    return system, [(system + u, sp) for u, sp in zip(rep + rand, params)]
+
+
+def _run_workload(store, lookup, system, work, max_batch_tokens=256, max_tokens=48):
+    eng = load_engine(store, ctx=256, parallel=8, max_batch_tokens=max_batch_tokens, progress=False, lookup=lookup)
+    try:
+        # the system prompt alone first, so that every request below finds its pages in the prefix index
+        outs = [_collect(eng.submit(system + [1, 2, 3] * 8, GREEDY, max_tokens=4))]
+        streams = [eng.submit(p, sp, max_tokens=max_tokens) for p, sp in work]
+        outs += [_collect(s) for s in streams]
+        met = eng.metrics()
+        eng.check_consistency()
+        pages = _index_pages(eng)
+        assert met["running"] == 0 and met["kv_pages_reserved"] == 0
+        assert met["kv_pages_used"] == met["kv_pages_cached"]  # nothing held but the prefix index
+        eng.clear_prefix_cache()
+        assert eng.metrics()["kv_pages_used"] == 0
+        return outs, met, pages
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("head,max_batch_tokens", [("i8", 256), ("f16", 256), ("i8", 10)])
+def test_lookup_same_streams_as_without(synth, head, max_batch_tokens):
+    """Several concurrent requests (repetitive and not; greedy, seeded, penalized) after a prefix-shared system
+    prompt: the same chunks with lookup on as off, drafts accepted, every page freed, and the prefix index
+    holding the same blocks with bit-identical K/V (no page with a rejected draft position was indexed). A
+    budget of 10 rows for 7 sequences leaves drafts only the rows the decode rows do not use."""
+    from bitnet_cpu.engine.runtime.speculative import LookupParams
+
+    m, _, stores = synth
+    system, work = _lookup_workload(m.V)
+    off, met_off, pages_off = _run_workload(stores[head], None, system, work, max_batch_tokens)
+    assert met_off["lookup_drafted_total"] == 0
+    for lk in (LookupParams(draft_max=4), LookupParams(draft_max=7, ngram_min=1)):
+        on, met, pages = _run_workload(stores[head], lk, system, work, max_batch_tokens)
+        assert [[(c.text, c.token, c.finish_reason) for c in o] for o in on] == \
+               [[(c.text, c.token, c.finish_reason) for c in o] for o in off], lk
+        assert met["prefix_hits_tokens"] == met_off["prefix_hits_tokens"] > 0
+        assert 0 < met["lookup_accepted_total"] <= met["lookup_drafted_total"], met
+        assert met["steps_total"] < met_off["steps_total"]
+        assert sum(o[-1].stats.n_accepted for o in on) == met["lookup_accepted_total"]
+        assert sum(o[-1].stats.n_drafted for o in on) == met["lookup_drafted_total"]
+        assert pages.keys() == pages_off.keys() and pages == pages_off
+
+
+def test_lookup_finish_inside_a_draft_stops_where_plain_decoding_stops(synth):
+    """max_tokens, a stop string and an end-of-text token that land on a token accepted from a draft (rows
+    after it were computed too): the stream ends exactly where it ends without lookup, pages all freed."""
+    from bitnet_cpu.engine.runtime.speculative import LookupParams
+
+    m, _, stores = synth
+    p0 = [1] + [5, 9, 13, 2, 7, 21, 4] * 6
+    off = load_engine(stores["i8"], ctx=256, parallel=4, progress=False)
+    on = load_engine(stores["i8"], ctx=256, parallel=4, progress=False, lookup=LookupParams(draft_max=6))
+    accepted: list[int] = []     # indices (in the output) of the tokens the last `on` request accepted from drafts
+    sample_draft = on._sample_draft
+
+    def spy(s, logits, li):
+        n0, a0 = s.n_gen, s.n_accepted
+        r = sample_draft(s, logits, li)
+        accepted.extend(range(n0, n0 + s.n_accepted - a0))
+        return r
+
+    on._sample_draft = spy
+
+    def both(prompt, params, max_tokens=40, stop=()):
+        return [[(c.text, c.token, c.finish_reason) for c in _collect(e.submit(prompt, params, max_tokens=max_tokens,
+                                                                                    stop=stop))] for e in (off, on)]
+
+    try:
+        toks0 = _tokens(_collect(off.submit(p0, GREEDY, max_tokens=40)))
+        n_eos = n_stop = 0
+        # prompts that end in the model's own output: the continuation repeats them, drafts copy from the prompt
+        for prompt, params in [(p0, GREEDY), (p0 + toks0[:6], GREEDY), (p0 + toks0[:4], GREEDY),
+                               (p0 + toks0[:6], SamplingParams(temperature=0.6, seed=2)),
+                               (p0, SamplingParams(temperature=0.9, seed=3))]:
+            accepted.clear()
+            a, b = both(prompt, params)
+            assert a == b and a[-1][2] == "length"
+            assert accepted, "no draft token was accepted"
+            toks = [t for _, t, _ in a if t is not None]
+            pieces = [x for x, t, _ in a if t is not None]
+            cut = accepted[:: max(1, len(accepted) // 5)]     # a few accepted positions, spread over the output
+            for n in sorted({1, 2, 40} | {i + 1 for i in cut} | {i + 2 for i in cut}):   # max_tokens
+                x, y = both(prompt, params, max_tokens=n)
+                assert x == y and [t for _, t, _ in x if t is not None] == toks[:n] and x[-1][2] == "length"
+            first = [i for i in accepted if toks[i] not in toks[:i]]
+            for i in sorted(set(cut + first[:3])):
+                if pieces[i]:   # a stop string first complete at token i
+                    text = "".join(pieces[: i + 1])
+                    before = "".join(pieces[:i])
+                    stop = next(text[-k:] for k in range(1, len(text) + 1) if text[-k:] not in before)
+                    x, y = both(prompt, params, stop=[stop])
+                    assert x == y and x[-1][2] == "stop", stop
+                    assert "".join(c for c, _, _ in x) == text[: len(text) - len(stop)]
+                    n_stop += 1
+                if toks[i] not in toks[:i]:   # an end-of-text token first sampled at i
+                    for e in (off, on):
+                        e._eos = {toks[i]}
+                    try:
+                        x, y = both(prompt, params)
+                    finally:
+                        for e in (off, on):
+                            e._eos = set(e.tokenizer.eos_ids)
+                    assert x == y and x[-1][2] == "eos"
+                    assert [t for _, t, _ in x if t is not None] == toks[:i]
+                    n_eos += 1
+        assert n_stop > 0 and n_eos > 0, (n_stop, n_eos)
+        for e in (off, on):
+            e.check_consistency()
+            e.clear_prefix_cache()
+            assert e.metrics()["kv_pages_used"] == 0
+    finally:
+        off.close()
+        on.close()
