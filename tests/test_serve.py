@@ -181,6 +181,38 @@ def test_metrics_parse(server, client, model_id):
     assert [s.value for s in fams["bitnet_kv_pages_total"].samples][0] > 0
 
 
+def test_prompt_lookup_same_greedy_text(client, model_id):
+    """`bitnet serve --draft-max 4`: the same greedy text as the server without it, concurrent requests
+    included, with drafted / accepted tokens in /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+    story = "Once upon a time, there was a kind fox named Leo. It was a nice day and the sky was blue. "
+    # the bundled story model repeats itself on these: drafts get accepted
+    prompts = [story * 3 + "Once upon", "Leo loved the big city because it was full of things to see. Leo loved the"
+               " big city because", "What is 2+2?"]
+    want = [client.completions.create(model=model_id, prompt=p, temperature=0, max_tokens=48).choices[0].text
+            for p in prompts]
+    s = Server("--parallel", "4", "--draft-max", "4")
+    try:
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        got = [None] * len(prompts)
+
+        def one(i):
+            got[i] = c.completions.create(model=model_id, prompt=prompts[i], temperature=0, max_tokens=48).choices[0].text
+        ts = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(60)
+        assert got == want
+        assert [one(i) or got[i] for i in range(len(prompts))] == want   # one at a time too
+        fams = {f.name: f for f in text_string_to_metric_families(httpx.get(s.url + "/metrics").text)}
+        drafted = fams["bitnet_lookup_drafted_tokens"].samples[0].value
+        accepted = fams["bitnet_lookup_accepted_tokens"].samples[0].value
+        assert 0 < accepted <= drafted
+    finally:
+        s.stop()
+
+
 def test_health_and_page(server):
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
     r = httpx.get(server.url + "/")
