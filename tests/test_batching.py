@@ -537,3 +537,38 @@ def test_lookup_finish_inside_a_draft_stops_where_plain_decoding_stops(synth):
     finally:
         off.close()
         on.close()
+
+
+def test_lookup_drafts_only_fill_the_rows_left(synth):
+    """With a budget of 6 rows and 4 sequences: every decoding sequence gets its row in every step and drafts
+    get only what is left (never past the budget, never past the step's logit rows); output as without."""
+    from bitnet_cpu.engine.runtime.speculative import LookupParams
+
+    m, _, stores = synth
+    prompts = [[1] + [5, 9, 13, 2, 7, 21, 4] * 6, [1] + [3, 8, 8, 4, 11] * 7, [1] + [17, 30, 2] * 10, [6, 7, 8]]
+    outs = {}
+    for lk in (None, LookupParams(draft_max=4, ngram_min=1)):
+        eng = load_engine(stores["i8"], ctx=256, parallel=4, max_batch_tokens=6, progress=False, lookup=lk)
+        seen = []
+        plan_drafts = eng._plan_drafts
+
+        def spy(plan, budget):
+            decoding = {s.id for s in eng._running if s.n_gen > 0 and len(s.tokens) - s.n_past == 1}
+            assert decoding <= {s.id for s, _ in plan}          # decode rows first, for every sequence
+            left = plan_drafts(plan, budget)
+            rows = sum(r for _, r in plan)
+            assert rows <= 6 and left == 6 - rows >= 0
+            seen.append((len(decoding), rows))
+            return left
+
+        eng._plan_drafts = spy
+        try:
+            outs[lk] = [_tokens(o) for o in [_collect(s) for s in [eng.submit(p, GREEDY, max_tokens=40) for p in prompts]]]
+            met = eng.metrics()
+            eng.check_consistency()
+        finally:
+            eng.close()
+        if lk is not None:
+            assert met["lookup_accepted_total"] > 0
+            assert any(d >= 2 and rows > d for d, rows in seen)   # drafts beside other sequences' decode rows
+    assert outs[None] == outs[LookupParams(draft_max=4, ngram_min=1)]
