@@ -44,8 +44,14 @@
 #define MAX_WORKERS 63
 /* Spin 5 ms before sleeping, yielding the CPU every ~256 pauses: a worker that sleeps between the calls of
  * a token is woken onto the caller's CPU (wake-affine) and then shares it with the caller instead of
- * helping (measured: 200 us of spin left the worker asleep in ~1 of 4 calls, p90 285 us vs 75 us). */
+ * helping (measured: 200 us of spin left the worker asleep in ~1 of 4 calls, p90 285 us vs 75 us).
+ * The yield matters with a busy core (issue 20): without it, 2-thread decode fell to 0.79x of -t 1
+ * (median of 3 paired runs; 1.10x with it). Variants that did not measurably help there (paired runs on
+ * this shared 2-core machine, differences inside the run-to-run spread): a 50 us spin, and a spin that
+ * drops to 50 us after the worker misses whole jobs. */
+#ifndef SPIN_NS
 #define SPIN_NS 5000000
+#endif
 /* chunks per thread: a preempted worker holds up the caller by at most one small chunk of work (plus the
  * time until it runs again: see WAIT_SPIN_NS) */
 #define CHUNKS_PER_THREAD 16
