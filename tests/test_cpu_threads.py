@@ -97,3 +97,19 @@ def test_two_sessions_keep_their_own_thread_count():
         assert simd.get_num_threads() == 1
     finally:
         eng.close()
+
+
+def test_the_kernel_thread_count_is_per_calling_thread():
+    import threading
+
+    from bitnet_cpu import simd
+
+    simd.set_num_threads(1)
+    seen = []
+    t = threading.Thread(target=lambda: (simd.set_num_threads(3), seen.append(simd.get_num_threads())))
+    t.start()
+    t.join()
+    try:
+        assert seen == [3] and simd.get_num_threads() == 1
+    finally:
+        simd.set_num_threads(0)          # back to the process default
