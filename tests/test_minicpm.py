@@ -260,6 +260,7 @@ def test_inspect_names_family(variants):
         assert "family: BitCPM4 (OpenBMB; MiniCPM architecture)" in r.stdout
         runtime = next(line for line in r.stdout.splitlines() if line.startswith("runtime:"))
         assert "LongRoPE (32 per-frequency factors" in runtime and "silu(gate) * up" in runtime
+        assert "folded: scale_emb 12 into token_embd" in r.stdout
 
 
 def test_non_ternary_minicpm_refused(tmp_path):

@@ -2,7 +2,8 @@
 does with it (for `bitnet inspect`, the README table and error messages).
 
 The runtime never branches on the family: one ModelConfig (activation, sub_norms, tied head, head_dim, RoPE
-theta, eps) drives engine/model.py. The family name is informational, kept in the store's meta ("family").
+theta and LongRoPE factors, eps) drives engine/runtime/model.py; constant scalings (MiniCPM) are folded into the
+weights at conversion (engine/formats/sources.py). The family name is informational, kept in the store's meta ("family").
 
     FAMILIES: {key: Family}                       key as stored in meta["family"]
     hf_family(cfg: dict, names: set[str]) -> key  best guess from config.json and tensor names
