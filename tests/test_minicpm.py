@@ -213,6 +213,24 @@ def test_int8_head_and_f16_cache(variants):
     _check_close(Model(Store(store), n_ctx=64).forward(ids), reference_logits(P, cfg, ids), "i8")
 
 
+def test_batching_engine_same_greedy(variants):
+    """The batching engine builds its RoPE tables from the same config: greedy output equals one sequence's."""
+    from bitnet_cpu.engine.api import SamplingParams, load_engine, load_model
+
+    m, _, _, _, store = variants["BitCPM4-0.5B"]
+    greedy = SamplingParams(temperature=0.0)
+    prompts = [_ids(m, 10 + k, 5 + 7 * k) for k in range(3)]
+    llm = load_model(store, ctx=96, progress=False)
+    alone = [[c.token for c in llm.generate(p, greedy, max_tokens=10) if c.token is not None] for p in prompts]
+    llm.close()
+    eng = load_engine(store, ctx=96, parallel=3, progress=False)
+    try:
+        streams = [eng.submit(p, greedy, max_tokens=10) for p in prompts]
+        assert [[c.token for c in s if c.token is not None] for s in streams] == alone
+    finally:
+        eng.close()
+
+
 def test_scalings_matter(variants):
     """Each folded constant and LongRoPE changes the reference by more than the parity tolerance (guards
     against a test that cannot fail)."""

@@ -495,8 +495,11 @@ class HFSource:
         if self.config.tie_word_embeddings:
             return None
         name = "lm_head.weight"
-        if self.minicpm and name not in self.st.names():   # tied in the file: the unscaled embedding rows
+        if self.minicpm and self.cfg.get("tie_word_embeddings", True) is not False:
+            # MiniCPMConfig ties by default (transformers then ignores a saved lm_head): the file's embedding
             name = "model.embed_tokens.weight"
+        elif name not in self.st.names():
+            raise FormatError(f"{self.path}: config.json says tie_word_embeddings false but there is no lm_head.weight")
         _shape_check(self.path, name, self.st.info(name)[1], (self.config.vocab_size, self.config.hidden_size))
         rows = self._rows_f32(name, r0, r1)
         return rows / np.float32(self.logit_div) if self.logit_div != 1.0 else rows
