@@ -148,12 +148,7 @@ class ChatSession:
 
     # ---- engine adapters -----------------------------------------------------------------------
     def sampling_params(self):
-        from ..engine.api import SamplingParams
-
-        s = self.settings
-        seed = None if s.seed is None else s.seed + self.n_answers
-        return SamplingParams(temperature=s.temp, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p,
-                              repeat_penalty=s.repeat_penalty, repeat_last_n=s.repeat_last_n, seed=seed)
+        return self.settings.sampling_params(seed_offset=self.n_answers)
 
     def count_tokens(self, messages: list[dict], generation_prompt: bool = True) -> int:
         return len(self.llm.chat_prompt(messages, add_generation_prompt=generation_prompt))
