@@ -12,16 +12,12 @@ target attributes and chosen at run time (see simd/kernels/dispatch.c).
 """
 import glob
 import os
-import platform
 
 import numpy
 from setuptools import Extension, setup
 from setuptools.command.build_py import build_py
 
-try:
-    from Cython.Build import cythonize
-except ImportError:  # pragma: no cover - build isolation always provides Cython
-    cythonize = None
+from Cython.Build import cythonize   # a build requirement (pyproject.toml [build-system])
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -42,10 +38,10 @@ LINK_ARGS = ["-fopenmp"] + (["-fsanitize=address,undefined"] if os.environ.get("
 
 
 def _extension(name, pyx, c_dir):
-    sources = [pyx] + sorted(glob.glob(os.path.join(c_dir, "*.c")))
+    c_files = sorted(glob.glob(os.path.join(HERE, c_dir, "*.c")))   # from any working directory
     return Extension(
         name,
-        sources=[os.path.relpath(os.path.join(HERE, s), HERE) if not os.path.isabs(s) else os.path.relpath(s, HERE) for s in sources],
+        sources=[pyx] + [os.path.relpath(c, HERE) for c in c_files],   # setuptools wants them relative
         include_dirs=[numpy.get_include(), c_dir],
         extra_compile_args=COMPILE_ARGS,
         extra_link_args=LINK_ARGS,
@@ -53,14 +49,11 @@ def _extension(name, pyx, c_dir):
     )
 
 
-extensions = []
-for name, pyx, c_dir in [
-    ("bitnet_cpu.simd._kernels", "simd/_kernels.pyx", "simd/kernels"),
-    ("bitnet_cpu.simd._ops", "simd/_ops.pyx", "simd/ops"),
-    ("bitnet_cpu.simd._faultguard", "simd/_faultguard.pyx", "simd/faultguard"),
-]:
-    if os.path.exists(os.path.join(HERE, pyx)):
-        extensions.append(_extension(name, pyx, c_dir))
+extensions = [
+    _extension("bitnet_cpu.simd._kernels", "simd/_kernels.pyx", "simd/kernels"),
+    _extension("bitnet_cpu.simd._ops", "simd/_ops.pyx", "simd/ops"),
+    _extension("bitnet_cpu.simd._faultguard", "simd/_faultguard.pyx", "simd/faultguard"),
+]
 
 
 class BuildPy(build_py):
@@ -78,7 +71,5 @@ setup(
         extensions,
         language_level=3,
         compiler_directives={"boundscheck": False, "wraparound": False, "cdivision": True},
-    )
-    if cythonize and extensions
-    else [],
+    ),
 )

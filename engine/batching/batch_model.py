@@ -56,7 +56,7 @@ class BatchModel:
             raise BitNetError(f"batched step of {m} rows (1..{self.max_rows})")
         if len(logit_rows) > self.max_logit_rows:
             raise BitNetError(f"{len(logit_rows)} logit rows > {self.max_logit_rows}")
-        cfg, w = self.config, self.w
+        w = self.w
         v = self._view(m)
         v.ids[:] = ids
         ops.embed_f16(w.embd, v.ids, v.x)
