@@ -55,15 +55,15 @@ def run_json(cmd: list[str], threads: int, timeout: float = 3600) -> dict:
 
 
 def machine(llama_version: str | None) -> dict:
-    cpu, flags = "?", set()
+    from bitnet_cpu.engine.cpu import cpu_brand
+
+    cpu, flags = cpu_brand(), set()
     fam = mod = None
     with open("/proc/cpuinfo") as f:
         for line in f:
             k, _, v = line.partition(":")
             k = k.strip()
-            if k == "model name":
-                cpu = v.strip()
-            elif k == "flags":
+            if k == "flags":
                 flags = set(v.split())
             elif k == "cpu family":
                 fam = v.strip()
