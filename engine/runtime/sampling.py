@@ -11,8 +11,6 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-from ...simd import _ops as ops
-
 from ..errors import BitNetError
 
 
@@ -65,7 +63,12 @@ class Sampler:
     per-step buffer); `history` is the list of ids seen so far (prompt + generated)."""
 
     def __init__(self, params: SamplingParams | None, vocab_size: int):
+        # imported here, not at the top: SamplingParams and setting_problem need no kernels, and the command line
+        # imports them before its error handling (a bad BITNET_ISA must be one line, not a traceback)
+        from ...simd import _ops
+
         self.p = (params or SamplingParams()).check()
+        self._topk = _ops.topk
         self.vocab_size = vocab_size
         self.rng = np.random.default_rng(self.p.seed)
         k = self.p.top_k if 0 < self.p.top_k < vocab_size else 0
@@ -96,7 +99,7 @@ class Sampler:
         v = logits.shape[0]
         k = p.top_k if 0 < p.top_k < v else v
         if k < v:
-            got = ops.topk(np.ascontiguousarray(logits, dtype=np.float32), self._top_heap, self._top_idx)
+            got = self._topk(np.ascontiguousarray(logits, dtype=np.float32), self._top_heap, self._top_idx)
             cand = self._top_idx[:got]
         elif p.min_p > 0.0:
             # min-p keeps prob >= min_p * max_prob, i.e. logit >= max + log(min_p): prefilter on that
