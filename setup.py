@@ -13,16 +13,12 @@ target attributes and chosen at run time (see simd/kernels/dispatch.c).
 """
 import glob
 import os
-import platform
 
 import numpy
 from setuptools import Extension, setup
 from setuptools.command.build_py import build_py
 
-try:
-    from Cython.Build import cythonize
-except ImportError:  # pragma: no cover - build isolation always provides Cython
-    cythonize = None
+from Cython.Build import cythonize   # a build requirement (pyproject.toml [build-system])
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -43,10 +39,10 @@ LINK_ARGS = ["-pthread"] + (["-fsanitize=address,undefined"] if os.environ.get("
 
 
 def _extension(name, pyx, c_dirs, include_dirs):
-    sources = [pyx] + [c for d in c_dirs for c in sorted(glob.glob(os.path.join(d, "*.c")))]
+    c_files = [c for d in c_dirs for c in sorted(glob.glob(os.path.join(HERE, d, "*.c")))]   # from any working directory
     return Extension(
         name,
-        sources=[os.path.relpath(os.path.join(HERE, s), HERE) if not os.path.isabs(s) else os.path.relpath(s, HERE) for s in sources],
+        sources=[pyx] + [os.path.relpath(c, HERE) for c in c_files],   # setuptools wants them relative
         include_dirs=[numpy.get_include()] + include_dirs,
         extra_compile_args=COMPILE_ARGS,
         extra_link_args=LINK_ARGS,
@@ -54,15 +50,12 @@ def _extension(name, pyx, c_dirs, include_dirs):
     )
 
 
-extensions = []
 # (module, its .pyx, the C folders compiled into it, header folders)
-for name, pyx, c_dirs, include_dirs in [
-    ("bitnet_cpu.simd._kernels", "simd/_kernels.pyx", ["simd/kernels", "simd/ops"], ["simd/kernels", "simd/ops"]),
-    ("bitnet_cpu.simd._faultguard", "simd/_faultguard.pyx", ["simd/faultguard"], ["simd/faultguard"]),
-    ("bitnet_cpu.simd._probes", "simd/_probes.pyx", ["simd/probes"], ["simd/kernels"]),
-]:
-    if os.path.exists(os.path.join(HERE, pyx)):
-        extensions.append(_extension(name, pyx, c_dirs, include_dirs))
+extensions = [
+    _extension("bitnet_cpu.simd._kernels", "simd/_kernels.pyx", ["simd/kernels", "simd/ops"], ["simd/kernels", "simd/ops"]),
+    _extension("bitnet_cpu.simd._faultguard", "simd/_faultguard.pyx", ["simd/faultguard"], ["simd/faultguard"]),
+    _extension("bitnet_cpu.simd._probes", "simd/_probes.pyx", ["simd/probes"], ["simd/kernels"]),
+]
 
 
 class BuildPy(build_py):
@@ -80,7 +73,5 @@ setup(
         extensions,
         language_level=3,
         compiler_directives={"boundscheck": False, "wraparound": False, "cdivision": True},
-    )
-    if cythonize and extensions
-    else [],
+    ),
 )

@@ -11,9 +11,9 @@ def add_arguments(p):
 
 
 def human_size(n: float) -> str:
-    from ..engine.formats.describe import human_size as size
+    from ..engine.formats.describe import human_size as of_base
 
-    return size(n, binary=False)
+    return of_base(n, 1000)   # decimal units, as ollama lists models
 
 
 def ago(seconds: float) -> str:

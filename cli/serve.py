@@ -1,8 +1,9 @@
 """`bitnet serve`: an OpenAI-compatible HTTP server (serve/app.py) on uvicorn, over the batching
 engine. Loopback by default; Ctrl-C / SIGTERM drain (stop admitting, cancel in-flight streams) and exit 0.
 `--ray-replicas N` runs the same app as a Ray Serve deployment with N replicas (needs `pip install .[cluster]`)."""
-HELP = "serve the model over an OpenAI-compatible HTTP API (and a chat page at /)"
+from .flags import add_engine_args, check_engine_args
 
+HELP = "serve the model over an OpenAI-compatible HTTP API (and a chat page at /)"
 
 
 def is_loopback(host: str) -> bool:
@@ -16,14 +17,10 @@ def is_loopback(host: str) -> bool:
 
 
 def add_arguments(p):
-    p.add_argument("-m", "--model", default=None,
-                   help="model: a GGUF file, a Hugging Face model dir, or a converted store "
-                        "(default: the bundled model)%(default).0s")
+    add_engine_args(p, sampling=False, lookup=False)   # sampling: per request (serve/schemas.py)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8080, help="port to listen on")
-    p.add_argument("-t", "--threads", type=int, default=None, help="threads (default: all cores)%(default).0s")
     p.add_argument("--parallel", "-np", type=int, default=16, help="sequences generated at once")
-    p.add_argument("-c", "--ctx", type=int, default=None, help="context per sequence (default: min(model's, 4096))%(default).0s")
     p.add_argument("--max-queue", type=int, default=64, help="waiting requests before answering 503 + Retry-After")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* and /slots%(default).0s")
     p.add_argument("--kv", choices=("f16", "f32"), default="f16", help="KV cache precision")
@@ -35,6 +32,9 @@ def add_arguments(p):
 
 def _check(args):
     from ..engine.errors import BitNetError
+    problem = check_engine_args(args)
+    if problem:
+        raise BitNetError(problem)
     if not (0 < args.port < 65536):
         raise BitNetError(f"--port {args.port}: must be in 1..65535")
     if args.parallel < 1:

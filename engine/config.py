@@ -1,8 +1,10 @@
-"""ModelConfig: every dimension of a BitNet model, read from the file's metadata; nothing hard-coded."""
+"""ModelConfig: every dimension of a BitNet model, read from the file's metadata; nothing hard-coded. Also the
+one chat form a model falls back to (BITNET_CHAT_TEMPLATE) and the one rule for when it must
+(is_broken_chat_template): the converter stores it, the runtime renders with it."""
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .errors import FormatError
 
@@ -87,3 +89,17 @@ class ModelConfig:
             return cls(**kw)
         except TypeError as e:
             raise FormatError(f"model config: {e}") from None
+
+
+# The BitNet b1.58 2B-4T chat form: <|begin_of_text|>System: ...<|eot_id|>User: ...<|eot_id|>Assistant:
+BITNET_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{{ message['role'] | capitalize }}: {{ message['content'] }}<|eot_id|>"
+    "{% endfor %}{% if add_generation_prompt %}Assistant: {% endif %}"
+)
+
+
+def is_broken_chat_template(template: str | None) -> bool:
+    """Missing or blank, or the official 2B-4T GGUF's wrong "Human: ... BITNETAssistant:" template (a template
+    that merely contains "Human: " is the model's own and is kept)."""
+    return not template or not template.strip() or "BITNETAssistant" in template

@@ -11,9 +11,9 @@ import numpy as np
 from .store import Store, is_store
 
 
-def human_size(n: float, *, binary: bool = True) -> str:
-    """`1.5 MiB` (binary, inspect's sizes of tensors) or `1.6 MB` (decimal, as `ollama list` shows files)."""
-    base, units = (1024, ("B", "KiB", "MiB", "GiB")) if binary else (1000, ("B", "KB", "MB", "GB"))
+def human_size(n: float, base: int = 1024) -> str:
+    """Bytes for people: base 1024 gives KiB/MiB/GiB (inspect), base 1000 KB/MB/GB (`bitnet list`, as ollama)."""
+    units = ("B", "KiB", "MiB", "GiB") if base == 1024 else ("B", "KB", "MB", "GB")
     for unit in units:
         if n < base or unit == units[-1]:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
