@@ -190,16 +190,17 @@ PHASE8_STEPS, PHASE8_LR, PHASE8_BATCH, PHASE8_SEQ = 1000, 3e-4, 8, 128
 # `a+b` most of all (PHASE9_FORMS), one-digit pairs (and small first operands) oversampled further.
 PHASE9_MIX = (0.10, 0.55, 0.35)
 PHASE9_P_ADD = 0.8
-PHASE9_SUM_WEIGHT = 1.0   # loss weight of the sums in chat answers (RowStream.sum_weight)
-PHASE9_STEPS, PHASE9_LR, PHASE9_BATCH, PHASE9_SEQ = 400, 1e-4, 8, 128
-PHASE9_FORMS = corpus.ADD_USER_TYPED + 6 * ["{a}+{b}"] + ["What is {a}+{b}?", "what's {a} plus {b}",
+PHASE9_SUM_WEIGHT = 5.0   # loss weight of the sums in chat answers (RowStream.sum_weight)
+PHASE9_STEPS, PHASE9_LR, PHASE9_BATCH, PHASE9_SEQ = 400, 2e-4, 8, 128
+PHASE9_FORMS = corpus.ADD_USER_TYPED + 14 * ["{a}+{b}"] + ["What is {a}+{b}?", "what's {a} plus {b}",
                                                        "What is {a} + {b}?", "add {a} and {b}"]
 
 
 def phase9_pairs(train_pairs):
     """phase8_pairs plus the one-digit pairs 24x more (72x in all) and those with a 0 or 1 operand 24x more."""
     return (phase8_pairs(train_pairs) + 24 * [p for p in train_pairs if max(p) < 10]
-            + 24 * [p for p in train_pairs if max(p) < 10 and min(p) <= 1])
+            + 24 * [p for p in train_pairs if max(p) < 10 and min(p) <= 1]
+            + 48 * [p for p in train_pairs if max(p) < 10 and min(p) == 0])
 
 
 def phase8_pairs(train_pairs):
