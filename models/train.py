@@ -185,7 +185,7 @@ PHASE8_P_ADD = 0.8
 PHASE8_STEPS, PHASE8_LR, PHASE8_BATCH, PHASE8_SEQ = 1000, 3e-4, 8, 128
 
 
-# phase 9 (issue 18, point 1): the phase-8 model missed 3 of the 100 one-digit pairs in the bare chat form
+# phase 9: the phase-8 model missed 3 of the 100 one-digit pairs in the bare chat form
 # `a+b` (`0+0=1.`, `1+5=7.`, `1+6=8.`, off by one). A short pass from the phase-8 export with phase 8's rows
 # (stories/chat/bare 10/55/35%, 80% of chat turns sums, 8 x 128 tokens), but: the chat sums asked in
 # PHASE9_FORMS (`a+b` 16 of its 51 phrasings), the sum in chat answers (digits after "=" and the ".")
