@@ -1,33 +1,30 @@
 """Build the C SIMD kernels and their thin Cython wrappers.
 
 Three extension modules (the import package is `bitnet_cpu`, see pyproject.toml):
-  simd._kernels  ternary / int8 / f16 GEMV + GEMM, activation quantization, CPU dispatch
-                 (sources: simd/_kernels.pyx + simd/kernels/*.c)
-  simd._ops      small runtime helpers: RMSNorm, RoPE, attention over the KV cache, activations
-                 (sources: simd/_ops.pyx + simd/ops/*.c)
+  simd._kernels  ternary / int8 / f16 GEMV + GEMM, activation quantization, CPU dispatch, the worker pool,
+                 and the runtime helpers (RMSNorm, RoPE, attention over the KV cache, activations) that
+                 Python imports as simd._ops (simd/_ops.py): one C library, so one ISA choice and one pool
+                 (sources: simd/_kernels.pyx, which includes simd/_ops.pxi, + simd/kernels/*.c + simd/ops/*.c)
   simd._faultguard  a C SIGBUS handler for memory-mapped files (simd/_faultguard.pyx + simd/faultguard/*.c)
+  simd._probes   benchmark-only machine-limit probes (simd/_probes.pyx + simd/probes/*.c)
 
 Never -march=native: every ISA variant is compiled in one build with per-function
 target attributes and chosen at run time (see simd/kernels/dispatch.c).
 """
 import glob
 import os
-import platform
 
 import numpy
 from setuptools import Extension, setup
 from setuptools.command.build_py import build_py
 
-try:
-    from Cython.Build import cythonize
-except ImportError:  # pragma: no cover - build isolation always provides Cython
-    cythonize = None
+from Cython.Build import cythonize   # a build requirement (pyproject.toml [build-system])
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 COMPILE_ARGS = [
     "-O3",
-    "-fopenmp",
+    "-pthread",
     # bit-identical float results across ISA paths: never fuse a*b+c behind our back
     "-ffp-contract=off",
     "-fno-strict-aliasing",
@@ -38,29 +35,27 @@ COMPILE_ARGS = [
 ]
 if os.environ.get("BITNET_SANITIZE"):
     COMPILE_ARGS += ["-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-O1"]
-LINK_ARGS = ["-fopenmp"] + (["-fsanitize=address,undefined"] if os.environ.get("BITNET_SANITIZE") else [])
+LINK_ARGS = ["-pthread"] + (["-fsanitize=address,undefined"] if os.environ.get("BITNET_SANITIZE") else [])
 
 
-def _extension(name, pyx, c_dir):
-    sources = [pyx] + sorted(glob.glob(os.path.join(c_dir, "*.c")))
+def _extension(name, pyx, c_dirs, include_dirs):
+    c_files = [c for d in c_dirs for c in sorted(glob.glob(os.path.join(HERE, d, "*.c")))]   # from any working directory
     return Extension(
         name,
-        sources=[os.path.relpath(os.path.join(HERE, s), HERE) if not os.path.isabs(s) else os.path.relpath(s, HERE) for s in sources],
-        include_dirs=[numpy.get_include(), c_dir],
+        sources=[pyx] + [os.path.relpath(c, HERE) for c in c_files],   # setuptools wants them relative
+        include_dirs=[numpy.get_include()] + include_dirs,
         extra_compile_args=COMPILE_ARGS,
         extra_link_args=LINK_ARGS,
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
     )
 
 
-extensions = []
-for name, pyx, c_dir in [
-    ("bitnet_cpu.simd._kernels", "simd/_kernels.pyx", "simd/kernels"),
-    ("bitnet_cpu.simd._ops", "simd/_ops.pyx", "simd/ops"),
-    ("bitnet_cpu.simd._faultguard", "simd/_faultguard.pyx", "simd/faultguard"),
-]:
-    if os.path.exists(os.path.join(HERE, pyx)):
-        extensions.append(_extension(name, pyx, c_dir))
+# (module, its .pyx, the C folders compiled into it, header folders)
+extensions = [
+    _extension("bitnet_cpu.simd._kernels", "simd/_kernels.pyx", ["simd/kernels", "simd/ops"], ["simd/kernels", "simd/ops"]),
+    _extension("bitnet_cpu.simd._faultguard", "simd/_faultguard.pyx", ["simd/faultguard"], ["simd/faultguard"]),
+    _extension("bitnet_cpu.simd._probes", "simd/_probes.pyx", ["simd/probes"], ["simd/kernels"]),
+]
 
 
 class BuildPy(build_py):
@@ -78,7 +73,5 @@ setup(
         extensions,
         language_level=3,
         compiler_directives={"boundscheck": False, "wraparound": False, "cdivision": True},
-    )
-    if cythonize and extensions
-    else [],
+    ),
 )

@@ -367,14 +367,9 @@ def main(argv=None) -> int:
         if not os.path.exists(p):
             print(f"missing {p}: run python bench/make_models.py first", file=sys.stderr)
             return 2
-    import platform
+    from bitnet_cpu.engine.cpu import cpu_brand
 
-    cpu = platform.processor() or "?"
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    cpu = cpu_brand()
     res = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu": cpu, "threads": a.threads,
            "prompt": a.prompt, "gen": a.gen, "gguf": gguf, "lm_head": a.lm_head,
            "load_start": " ".join(f"{x:.1f}" for x in os.getloadavg())}

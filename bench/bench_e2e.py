@@ -28,7 +28,7 @@ if ROOT not in sys.path:
 sys.path.insert(0, HERE)
 
 import report  # noqa: E402  (bench/report.py)
-from make_models import DEFAULT_CACHE, make, model_paths  # noqa: E402
+from make_models import DEFAULT_CACHE, make  # noqa: E402
 
 WORKER = os.path.join(HERE, "e2e_worker.py")
 LIMITS = os.path.join(HERE, "limits.py")
@@ -55,15 +55,15 @@ def run_json(cmd: list[str], threads: int, timeout: float = 3600) -> dict:
 
 
 def machine(llama_version: str | None) -> dict:
-    cpu, flags = "?", set()
+    from bitnet_cpu.engine.cpu import cpu_brand
+
+    cpu, flags = cpu_brand(), set()
     fam = mod = None
     with open("/proc/cpuinfo") as f:
         for line in f:
             k, _, v = line.partition(":")
             k = k.strip()
-            if k == "model name":
-                cpu = v.strip()
-            elif k == "flags":
+            if k == "flags":
                 flags = set(v.split())
             elif k == "cpu family":
                 fam = v.strip()
@@ -86,9 +86,9 @@ def machine(llama_version: str | None) -> dict:
 
 def store_facts(store_path: str, ctx: int) -> dict:
     """Bytes our decode reads per token (store layout), MACs per token, KV cache bytes at ctx."""
-    from bitnet_cpu.engine.formats.store import open_store
+    from bitnet_cpu.engine.formats.store import Store
 
-    st = open_store(store_path)
+    st = Store(store_path)
     try:
         per_token, macs = 0, 0
         for name in st.tensor_names:

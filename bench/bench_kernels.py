@@ -1,9 +1,9 @@
 """Kernel benchmark (not a test): prints a table of time per call, weight GB/s, int8 GOP/s for the 2B-4T
 layer shapes and the 128256 x 2560 LM head, with 1 and 2 threads, next to the machine's limits measured in
 the same run:
-  - read bandwidth: simd._kernels.stream_read over a buffer far larger than the last-level cache;
+  - read bandwidth: simd._probes.stream_read over a buffer far larger than the last-level cache;
     every GEMV's GB/s is printed as a % of it (decode is memory-bound);
-  - int8 dot-product peak of the active path: simd._kernels.peak_dot, a register-only loop of the path's
+  - int8 dot-product peak of the active path: simd._probes.peak_dot, a register-only loop of the path's
     dot-product instruction (vpdpbusd zmm for avx512, pmaddubsw+paddw for avx2); GEMM GOP/s is printed as
     a % of it (prefill is compute-bound).
 Weight sets are larger than the LLC (several copies, cycled) so GEMV figures are DRAM figures.
@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bitnet_cpu.simd import layout  # noqa: E402
 from bitnet_cpu.simd import _kernels as K  # noqa: E402
+from bitnet_cpu.simd import _probes as P  # noqa: E402  (benchmark-only probes, not in the runtime module)
 
 LLC_BYTES = 32 << 20
 WORKING_SET = 8 * LLC_BYTES  # every GEMV's weight copies together exceed the LLC 8 times
@@ -75,8 +76,8 @@ def measure_bandwidth(threads, nbytes=1 << 30, huge_pages=True):
             buf[i:i + (64 << 20)] = rng.integers(0, 256, min(64 << 20, nbytes - i), dtype=np.uint8)
     else:
         buf = np.frombuffer(rng.bytes(nbytes), np.uint8)
-    K.stream_read(buf)
-    t = min(_once(lambda: K.stream_read(buf), clock_for(threads)) for _ in range(6))
+    P.stream_read(buf)
+    t = min(_once(lambda: P.stream_read(buf), clock_for(threads)) for _ in range(6))
     del buf
     return nbytes / t / 1e9
 
@@ -89,12 +90,12 @@ def _once(fn, clock=time.perf_counter):
 
 def measure_peak(threads, iters=20_000_000):
     K.set_num_threads(threads)
-    K.peak_dot(1000)
+    P.peak_dot(1000)
     clock = clock_for(threads)
     best = 0.0
     for _ in range(3):
         t0 = clock()
-        macs = K.peak_dot(iters)
+        macs = P.peak_dot(iters)
         best = max(best, 2 * macs / (clock() - t0) / 1e9)  # GOP/s (1 MAC = 2 ops)
     return best
 
@@ -123,10 +124,7 @@ def main(argv=None):
     ap.add_argument("--no-head", action="store_true", help="skip the LM head")
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                     help="cpu: time 1-thread runs with the thread's CPU time (for a machine shared with other jobs)")
-    ap.add_argument("--openmp", action="store_true",
-                    help="threaded kernels on OpenMP regions instead of the kernels' worker pool (comparison)")
     a = ap.parse_args(argv)
-    K._use_thread_pool(not a.openmp)
     global CLOCK
     CLOCK = time.thread_time if a.clock == "cpu" else time.perf_counter
     thread_list = [int(t) for t in a.threads.split(",")]
@@ -215,10 +213,11 @@ def main(argv=None):
     K.set_num_threads(1)
     sec = timed(lambda: K.gemv_ternary(w16, r16, xq, 1.0, 0, o16), min_time=0.2, max_calls=200000)
     print(f"\ncall overhead (16x64 gemv_ternary, 1 thread): {sec * 1e6:.2f} us")
-    jobs, worker_chunks = K._pool_stats()
+    jobs, worker_chunks, caller_sleeps = K._pool_stats()
     if jobs:
         print(f"worker pool: {jobs} threaded calls, {worker_chunks} of their ~{jobs * 32} chunks ran on the worker "
-              "(the rest on the calling thread: a busy core makes the caller do more)")
+              "(the rest on the calling thread: a busy core makes the caller do more); the caller slept "
+              f"{caller_sleeps} times waiting for a chunk held by a worker that was not running")
     print(f"load average at end: {os.getloadavg()[0]:.1f}")
     if K.active() == "avx512":
         print("peak assumed: 1 vpdpbusd zmm per cycle per core (Zen 4 runs it as 2 x 256 bit) = 64 int8 MAC/cycle;\n"

@@ -214,7 +214,7 @@ def main(argv=None) -> int:
         return overhead_worker(a.overhead_worker)
 
     from bench_e2e import store_facts
-    from bitnet_cpu.engine.cpu import available_cores, default_threads, physical_cores
+    from bitnet_cpu.engine.cpu import available_cores, cpu_brand, default_threads, physical_cores
 
     t_start = time.perf_counter()
     store, gguf = os.path.join(CACHE, "2b4t.i8.bnstore"), os.path.join(CACHE, "2b4t.tq2_0.gguf")
@@ -233,7 +233,7 @@ def main(argv=None) -> int:
                   file=sys.stderr)
             engines.remove("llama")
     a.max_threads = a.max_threads or default_threads()
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
+    cpu = cpu_brand()
     res = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "machine": cpu,
            "cpus": os.cpu_count(), "available": available_cores(), "physical": physical_cores(),
            "load": os.getloadavg(), "store": os.path.relpath(store, ROOT), "gguf": os.path.relpath(gguf, ROOT),

@@ -36,9 +36,9 @@ CODE = "".join(f"def get_{f}(self):\n    return self._{f}\n\ndef set_{f}(self, v
 
 
 def store_bytes_per_token(path: str) -> int:
-    from bitnet_cpu.engine.formats.store import open_store
+    from bitnet_cpu.engine.formats.store import Store
 
-    st = open_store(path)
+    st = Store(path)
     try:
         return sum(st.info(n)["nbytes"] for n in st.tensor_names if n not in ("token_embd", "tokenizer.blob"))
     finally:

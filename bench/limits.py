@@ -5,8 +5,8 @@ Run as a script it prints one JSON line (bench_e2e.py runs it in a subprocess so
 before any OpenMP / BLAS runtime starts):
     python bench/limits.py --threads 2 [--mib 1024] [--passes 5]
 
-Bandwidth: our kernels' `stream_read` (vector loads over a buffer far larger than the L3 cache, split over
-the OpenMP threads) when simd._kernels has it; otherwise numpy's BLAS sgemv over a large f32 matrix (a
+Bandwidth: our probes' `stream_read` (vector loads over a buffer far larger than the L3 cache, split over
+the kernel thread count, simd._probes) when built; otherwise numpy's BLAS sgemv over a large f32 matrix (a
 matrix-vector product reads the matrix exactly once, and OpenBLAS threads it), which is a slightly lower
 bound. The best of several passes is the limit (slower passes are interference, not the machine).
 """
@@ -27,23 +27,31 @@ def _kernels():
         return None
 
 
+def _probes():
+    """The benchmark-only probes (stream_read, peak_dot): their own extension, out of the runtime module."""
+    try:
+        from bitnet_cpu.simd import _probes  # type: ignore
+        return _probes
+    except Exception:
+        return None
+
+
 def stream_bandwidth(threads: int, mib: int = 1024, passes: int = 5) -> dict:
     """Best-of-`passes` read bandwidth in bytes/s over a `mib` MiB buffer with `threads` threads."""
     import numpy as np
 
     nbytes = mib << 20
-    kern = _kernels()
-    if kern is not None and hasattr(kern, "stream_read"):
-        if hasattr(kern, "set_num_threads"):
-            kern.set_num_threads(threads)
+    kern, probes = _kernels(), _probes()
+    if kern is not None and probes is not None:
+        kern.set_num_threads(threads)
         buf = np.ones(nbytes, dtype=np.uint8)  # touched, so no page faults inside the timed loop
-        kern.stream_read(buf)
+        probes.stream_read(buf)
         times = []
         for _ in range(passes):
             t0 = time.perf_counter()
-            kern.stream_read(buf)
+            probes.stream_read(buf)
             times.append(time.perf_counter() - t0)
-        method = "simd._kernels.stream_read"
+        method = "simd._probes.stream_read"
     else:
         cols = 4096
         a = np.ones((nbytes // (4 * cols), cols), dtype=np.float32)
@@ -56,7 +64,7 @@ def stream_bandwidth(threads: int, mib: int = 1024, passes: int = 5) -> dict:
             np.dot(a, x, out=y)
             times.append(time.perf_counter() - t0)
         nbytes = a.nbytes
-        method = "numpy BLAS sgemv (fallback: simd._kernels.stream_read not available)"
+        method = "numpy BLAS sgemv (fallback: simd._probes.stream_read not available)"
     best = min(times)
     return {"bandwidth_Bps": nbytes / best, "bandwidth_median_Bps": nbytes / sorted(times)[len(times) // 2],
             "buffer_bytes": nbytes, "passes": passes, "method": method}
@@ -73,12 +81,13 @@ def int8_peak(threads: int) -> dict | None:
     if hasattr(kern, "set_num_threads"):
         kern.set_num_threads(threads)
     out: dict = {"isa": kern.active() if hasattr(kern, "active") else "?"}
-    if hasattr(kern, "peak_dot"):
+    probes = _probes()
+    if probes is not None:
         try:
             iters = 20_000_000
-            kern.peak_dot(iters // 10)
+            probes.peak_dot(iters // 10)
             t0 = time.perf_counter()
-            res = kern.peak_dot(iters)
+            res = probes.peak_dot(iters)
             dt = time.perf_counter() - t0
             # peak_dot returns the number of int8 multiply-accumulates it did (all threads)
             macs = res if isinstance(res, int) and res > iters else None

@@ -8,6 +8,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 
+from ..engine.runtime.sampling import SamplingParams, setting_problem
+
 # name -> (argument synopsis, one-line help). Order is the order /help shows.
 COMMANDS: dict[str, tuple[str, str]] = {
     "/help": ("", "show this help"),
@@ -30,17 +32,20 @@ class CommandError(Exception):
     """One-line hint for a command the user mistyped."""
 
 
+_DEFAULT = SamplingParams()   # the one source of the sampling defaults and checks (engine/runtime/sampling.py)
+
+
 @dataclass
 class Settings:
     """Sampling settings of the session (flag names as `bitnet run`; /set names in snake_case)."""
-    temp: float = 0.8
-    top_k: int = 40
-    top_p: float = 0.95
-    min_p: float = 0.05
-    repeat_penalty: float = 1.0
-    seed: int | None = None
+    temp: float = _DEFAULT.temperature
+    top_k: int = _DEFAULT.top_k
+    top_p: float = _DEFAULT.top_p
+    min_p: float = _DEFAULT.min_p
+    repeat_penalty: float = _DEFAULT.repeat_penalty
+    seed: int | None = _DEFAULT.seed
     max_tokens: int = 512
-    repeat_last_n: int = 64
+    repeat_last_n: int = _DEFAULT.repeat_last_n
 
     def describe(self) -> str:
         seed = "random" if self.seed is None else str(self.seed)
@@ -48,8 +53,17 @@ class Settings:
                 f"repeat_penalty={self.repeat_penalty:g} seed={seed} max_tokens={self.max_tokens} "
                 f"repeat_last_n={self.repeat_last_n}")
 
+    def sampling_params(self, seed_offset: int = 0) -> SamplingParams:
+        """The engine's SamplingParams; a fixed seed is advanced by `seed_offset` (so /retry differs)."""
+        values = {field: getattr(self, name) for name, field in FIELD_OF_SETTING.items()}
+        if self.seed is not None:
+            values["seed"] = (self.seed + seed_offset) % (1 << 64)
+        return SamplingParams(**values)
+
 
 SETTING_NAMES = [f.name for f in fields(Settings)]
+# /set name -> SamplingParams field (max_tokens is the session's own: not a sampling parameter)
+FIELD_OF_SETTING = {n: ("temperature" if n == "temp" else n) for n in SETTING_NAMES if n != "max_tokens"}
 # ollama's parameter names (num_predict, ...) and llama.cpp's flag spellings are accepted too
 SETTING_ALIASES = {"temperature": "temp", "t": "temp", "n": "max_tokens", "max-tokens": "max_tokens",
                    "top-k": "top_k", "top-p": "top_p", "min-p": "min_p", "repeat-penalty": "repeat_penalty",
@@ -74,43 +88,21 @@ def parse_setting(name: str, text: str, *, max_tokens_limit: int | None = None) 
     key = SETTING_ALIASES.get(key, key)
     if key not in SETTING_NAMES:
         raise CommandError(f"/set: unknown setting {name!r} (one of: {', '.join(SETTING_NAMES)})")
-    if key == "temp":
-        v = _number(key, text, float)
-        if v < 0:
-            raise CommandError("/set temp: must be >= 0 (0 = greedy)")
-    elif key == "top_k":
-        v = _number(key, text, int)
-        if v < 0:
-            raise CommandError("/set top_k: must be >= 0 (0 = off)")
-    elif key == "top_p":
-        v = _number(key, text, float)
-        if not 0 < v <= 1:
-            raise CommandError("/set top_p: must be in (0, 1] (1 = off)")
-    elif key == "min_p":
-        v = _number(key, text, float)
-        if not 0 <= v <= 1:
-            raise CommandError("/set min_p: must be in [0, 1] (0 = off)")
-    elif key == "repeat_penalty":
-        v = _number(key, text, float)
-        if v <= 0:
-            raise CommandError("/set repeat_penalty: must be > 0 (1 = off)")
-    elif key == "repeat_last_n":
-        v = _number(key, text, int)
-        if v < 0:
-            raise CommandError("/set repeat_last_n: must be >= 0 (0 = off)")
-    elif key == "seed":
-        if text.lower() in ("none", "random", "off", "-1"):
-            v = None
-        else:
-            v = _number(key, text, int)
-            if v < 0:
-                raise CommandError("/set seed: must be >= 0, or 'random'")
-    else:  # max_tokens
+    if key == "max_tokens":
         v = _number(key, text, int)
         if v < 1:
             raise CommandError("/set max_tokens: must be >= 1")
         if max_tokens_limit is not None and v > max_tokens_limit:
             raise CommandError(f"/set max_tokens: must be <= {max_tokens_limit} (the context window)")
+        return key, v
+    field = FIELD_OF_SETTING[key]
+    if key == "seed" and text.lower() in ("none", "random", "off", "-1"):
+        v = None
+    else:
+        v = _number(key, text, type(getattr(_DEFAULT, field)) if field != "seed" else int)
+    problem = setting_problem(field, v, f"/set {key}")
+    if problem:
+        raise CommandError(problem)
     return key, v
 
 

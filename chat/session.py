@@ -18,7 +18,7 @@ import signal
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import replace
 
 from .commands import Command, CommandError, Settings, help_text, parse_setting, split_set
 from .render import Output, format_stats
@@ -28,19 +28,6 @@ from .transcript import Conversation, TranscriptError
 
 class ExitChat(Exception):
     """/bye: leave the session."""
-
-
-@dataclass
-class LocalStats:
-    """Timings measured on our side (used when the engine's final Stats never arrived: Ctrl-C)."""
-    n_prompt: int | None
-    n_cached: int | None
-    n_generated: int
-    ttft_s: float | None
-    decode_tps: float | None
-    finish_reason: str
-    prefill_tps: float | None = None
-    load_s: float | None = None
 
 
 class _InterruptFlag:
@@ -148,12 +135,7 @@ class ChatSession:
 
     # ---- engine adapters -----------------------------------------------------------------------
     def sampling_params(self):
-        from ..engine.api import SamplingParams
-
-        s = self.settings
-        seed = None if s.seed is None else s.seed + self.n_answers
-        return SamplingParams(temperature=s.temp, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p,
-                              repeat_penalty=s.repeat_penalty, repeat_last_n=s.repeat_last_n, seed=seed)
+        return self.settings.sampling_params(seed_offset=self.n_answers)
 
     def count_tokens(self, messages: list[dict], generation_prompt: bool = True) -> int:
         return len(self.llm.chat_prompt(messages, add_generation_prompt=generation_prompt))
@@ -226,10 +208,8 @@ class ChatSession:
         params = self.sampling_params()
         pieces: list[str] = []
         answer_ids: list[int] = []
-        stats = None
+        stats = None      # the engine's running Stats of the last chunk shown (every chunk carries them)
         n_tokens = 0
-        t0 = time.perf_counter()
-        t_first = None
         interrupted = False
         gen = None
         self._save_recovery()   # the question is on disk before the model reads its weights again
@@ -244,13 +224,10 @@ class ChatSession:
                         if chunk.token is not None:
                             answer_ids.append(chunk.token)
                             n_tokens += 1
-                            if t_first is None:
-                                t_first = time.perf_counter()
                         if chunk.text:
                             pieces.append(chunk.text)
                             self.out.stream(chunk.text)
-                        if chunk.stats is not None:
-                            stats = chunk.stats
+                        stats = chunk.stats
                 except KeyboardInterrupt:
                     interrupted = True
                 finally:
@@ -273,24 +250,19 @@ class ChatSession:
             kind = "context overflow" if isinstance(e, ContextOverflowError) else "error"
             self.out.notice(f"[{kind}: {e}]")
             return
-        t_end = time.perf_counter()
         self.out.end_answer()
         turn.assistant = "".join(pieces)
         self.cached_turn = CachedTurn(messages, list(ids), answer_ids, turn.assistant)
         self.n_answers += 1
-        if interrupted or stats is None:
-            decode_s = (t_end - t_first) if t_first else 0.0
-            stats = LocalStats(n_prompt=len(ids), n_cached=None, n_generated=n_tokens,
-                               ttft_s=(t_first - t0) if t_first else None,
-                               decode_tps=((n_tokens - 1) / decode_s) if n_tokens > 1 and decode_s > 0 else None,
-                               finish_reason="interrupted" if interrupted else "unknown")
+        if interrupted and stats is not None:
+            stats = replace(stats, finish_reason="interrupted")
         turn.interrupted = interrupted
         turn.finish_reason = "interrupted" if interrupted else getattr(stats, "finish_reason", None)
         self._save_recovery()
-        self.last_stats = stats
-        n_counted = stats.n_generated   # the number the stats line shows (the engine counts an end token)
+        self.last_stats = stats   # None only when Ctrl-C came before the first token
+        n_counted = stats.n_generated if stats else 0   # what the stats line shows (the engine counts an end token)
         self.total_generated += n_counted
-        if stats.decode_tps and n_counted > 1:
+        if stats and stats.decode_tps and n_counted > 1:
             self.total_decode_tokens += n_counted - 1
             self.total_decode_s += (n_counted - 1) / stats.decode_tps
         self.tokens_in_cache = len(ids) + n_tokens
@@ -409,7 +381,7 @@ class ChatSession:
         if s is None:
             lines.append("last answer: none yet")
         else:   # the very line shown after the answer, then what it does not say
-            pre = f"prefill {s.prefill_tps:.1f} tok/s, " if getattr(s, "prefill_tps", None) else ""
+            pre = f"prefill {s.prefill_tps:.1f} tok/s, " if s.prefill_tps else ""
             lines.append(f"last answer: {format_stats(s, s.n_generated)}  ({pre}stop: {s.finish_reason})")
         mean = f"{self.total_decode_tokens / self.total_decode_s:.1f} tok/s" if self.total_decode_s > 0 else "-"
         lines.append(f"session:     {len(self.conv.turns)} turns ({len(self.conv.window_turns())} in the window, "

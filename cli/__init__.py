@@ -30,12 +30,7 @@ def build_parser(subparsers: dict | None = None) -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"bitnet {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMANDS:
-        try:
-            mod = importlib.import_module(f".{name}", __name__)
-        except ModuleNotFoundError as e:
-            if e.name != f"{__name__}.{name}":
-                raise
-            continue
+        mod = importlib.import_module(f".{name}", __name__)
         sp = sub.add_parser(name, help=mod.HELP, description=mod.HELP, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
         mod.add_arguments(sp)
         sp.set_defaults(_main=mod.main)
@@ -94,8 +89,6 @@ def main(argv: list[str] | None = None) -> int:
 def quiet_broken_pipe() -> int:
     """stdout was closed by its reader (`bitnet run ... | head -c 10`): point fd 1 at /dev/null so the
     interpreter's final flush cannot print "Exception ignored ... BrokenPipeError", and exit 0."""
-    import os
-
     try:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())

@@ -21,11 +21,10 @@ import os
 import sys
 import time
 
-from ..chat.commands import CommandError, Settings, parse_setting
+from ..chat.commands import FIELD_OF_SETTING, Settings
 from ..chat.render import Output
-from .flags import (UNTIL_END, add_context_args, add_lookup_args, add_model_args, add_sampling_args,
-                                         add_system_args, check_n_predict, maybe_autocomplete,
-                                         parse_args_suggesting)
+from .flags import (RANDOM_SEED, UNTIL_END, add_engine_args, add_system_args, check_engine_args, maybe_autocomplete,
+                    parse_args_suggesting)
 
 UNTIL_END_TOKENS = 1 << 30   # -n -1: clamped to the context window once the model is loaded
 
@@ -40,44 +39,24 @@ def build_parser() -> argparse.ArgumentParser:
                "Piped stdin: each line is a turn, answers go to stdout.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    add_model_args(p)
+    add_engine_args(p, n_predict_default=Settings().max_tokens)
     add_system_args(p)
-    add_context_args(p, n_predict_default=Settings().max_tokens)
-    add_sampling_args(p)
-    add_lookup_args(p)
     p.add_argument("--version", action="version", version=f"bitchat {__version__}")
     return p
 
 
 def settings_from_args(args, error) -> Settings:
-    """Settings from the parsed flags; `error(message)` reports a bad value (parser.error or a raise)."""
-    s = Settings()
-    problem = check_n_predict(args.n_predict)
+    """Settings from the parsed flags (cli/flags.py); `error(message)` reports a bad value (parser.error or a
+    raise) in the words every front end uses."""
+    problem = check_engine_args(args)
     if problem:
         error(problem)
-    for flag, key in (("temp", "temp"), ("top_k", "top_k"), ("top_p", "top_p"), ("min_p", "min_p"),
-                      ("repeat_penalty", "repeat_penalty"), ("repeat_last_n", "repeat_last_n"), ("seed", "seed"),
-                      ("n_predict", "max_tokens")):
-        value = getattr(args, flag, None)
-        if value is None:
-            continue
-        if key == "max_tokens" and value == UNTIL_END:
-            s.max_tokens = UNTIL_END_TOKENS
-            continue
-        try:
-            name, typed = parse_setting(key, str(value))
-        except CommandError as e:
-            # say it with the flag's own name, not the /set name
-            error(f"--{flag.replace('_', '-')}: " + str(e).split(": ", 1)[-1])
-        setattr(s, name, typed)
-    if args.ctx is not None and args.ctx < 16:
-        error(f"-c/--ctx-size: {args.ctx} is too small (at least 16)")
-    if args.threads is not None and args.threads < 1:
-        error(f"-t/--threads: {args.threads} must be >= 1")
-    if getattr(args, "draft_max", None) is not None and args.draft_max < 0:
-        error(f"--draft-max: {args.draft_max} must be >= 0 (0 = off)")
-    if getattr(args, "lookup_ngram_min", None) is not None and args.lookup_ngram_min < 1:
-        error(f"--lookup-ngram-min: {args.lookup_ngram_min} must be >= 1")
+    s = Settings()
+    for name, field in FIELD_OF_SETTING.items():
+        setattr(s, name, getattr(args, field))
+    if s.seed == RANDOM_SEED:
+        s.seed = None
+    s.max_tokens = UNTIL_END_TOKENS if args.n_predict == UNTIL_END else args.n_predict
     return s
 
 
@@ -146,7 +125,7 @@ def _run(args, settings: Settings, out: Output, interactive: bool, first_message
 
         llm = load_model(args.model, ctx=args.ctx, threads=args.threads, progress=True,   # -cnv: run's --kv/--lm-head
                          kv_dtype=getattr(args, "kv", "f16"), lm_head=getattr(args, "lm_head", None),
-                         lookup=lookup_from_flags(getattr(args, "draft_max", None), getattr(args, "lookup_ngram_min", None)))
+                         lookup=lookup_from_flags(args.draft_max, args.lookup_ngram_min))
     except BitNetError as e:
         if e.exit_code == EXIT_BUG:
             from . import report_bug

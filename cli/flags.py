@@ -1,13 +1,16 @@
-"""Flags shared by `bitnet run` and `bitchat` (and any later front end): model, context, threads, answer
-length, system prompt and sampling, spelled as llama.cpp spells them, plus the parsing helper that answers an
-unknown flag with the subcommand's own usage and a "did you mean" suggestion.
+"""Flags shared by `bitnet run`, `bitchat` and `bitnet serve`: model, context, threads, answer length, system
+prompt, sampling and prompt lookup, spelled as llama.cpp spells them, with one help text, one minimum and one
+check each; plus the parsing helper that answers an unknown flag with the subcommand's own usage and a "did you
+mean" suggestion.
 
-    add_model_args(p); add_context_args(p, n_predict_default=256); add_system_args(p); add_sampling_args(p)
-    add_lookup_args(p)   # --draft-max / --lookup-ngram-min (also `bitnet serve`)
+    add_engine_args(p, n_predict_default=256)    # -m -c -t [-n] [sampling] [--draft-max ...]
+    add_system_args(p)
+    problem = check_engine_args(args)            # one line naming the flag, or None
+    params = sampling_params_from_args(args)
     args = parse_args_suggesting(parser, argv, subparsers={"run": run_parser, ...})
 
-Values are only typed here; range checks stay with their users (SamplingParams.check, engine.api), so every
-front end reports a bad value the same way.
+The sampling defaults and their checks are the engine's (SamplingParams, setting_problem), so `--top-p 3`,
+bitchat's `/set top_p 3` and the server's `"top_p": 3` are refused with the same words.
 """
 from __future__ import annotations
 
@@ -15,10 +18,25 @@ import argparse
 import difflib
 import sys
 
-# llama.cpp's defaults, shared so `bitnet run --help` and `bitchat --help` show the same numbers
-SAMPLING_DEFAULTS = {"temp": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "repeat_penalty": 1.0,
-                     "repeat_last_n": 64}
+from ..engine.runtime.sampling import SamplingParams, setting_problem
+
 UNTIL_END = -1   # -n -1: until the end of text or a full context (llama.cpp's meaning)
+RANDOM_SEED = -1  # --seed -1: a fresh random seed (llama.cpp's meaning)
+CTX_MIN = 1       # the engine's own minimum (a context must hold one token); a prompt that does not fit is
+                  # then the engine's one-line error, naming -c/--ctx
+THREADS_MIN = 1
+
+_D = SamplingParams()
+# SamplingParams field (the argparse dest) -> (spellings, type, metavar, help); defaults come from SamplingParams
+SAMPLING_FLAGS = {
+    "temperature": (("--temp", "--temperature"), float, "T", "temperature (0 = greedy)"),
+    "top_k": (("--top-k",), int, "K", "top-k (0 = off)"),
+    "top_p": (("--top-p",), float, "P", "top-p (1 = off)"),
+    "min_p": (("--min-p",), float, "P", "min-p (0 = off)"),
+    "repeat_penalty": (("--repeat-penalty",), float, "R", "repetition penalty (1 = off)"),
+    "repeat_last_n": (("--repeat-last-n",), int, "N", "tokens the repetition penalty looks back at"),
+    "seed": (("--seed",), int, "S", "random seed; -1 or none: a random one (printed with -v)"),
+}
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -27,13 +45,31 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "(REPO[:FILE][@REVISION]) already downloaded (default: the bundled model)%(default).0s")
 
 
-def add_context_args(p: argparse.ArgumentParser, *, n_predict_default: int) -> None:
-    p.add_argument("-n", "--n-predict", "--max-tokens", dest="n_predict", type=int, default=n_predict_default,
-                   metavar="N", help="max tokens per answer (-1 = until the end of text or a full context)")
+def add_engine_args(p: argparse.ArgumentParser, *, n_predict_default: int | None = None,
+                    sampling: bool = True, lookup: bool = True) -> None:
+    """-m, -c, -t for every command that loads a model; -n when `n_predict_default` is given; the sampling
+    flags and the prompt-lookup flags unless turned off (`bitnet serve` takes sampling per request, and
+    --draft-max / --lookup-ngram-min for every sequence of its batching engine)."""
+    add_model_args(p)
+    if n_predict_default is not None:
+        p.add_argument("-n", "--n-predict", "--max-tokens", dest="n_predict", type=int, default=n_predict_default,
+                       metavar="N", help="max tokens per answer (-1 = until the end of text or a full context)")
     p.add_argument("-c", "--ctx-size", "--ctx", dest="ctx", type=int, default=None, metavar="N",
-                   help="context size in tokens (default: min(model's, 4096))%(default).0s")
+                   help="context size in tokens, of each sequence (default: min(model's, 4096))%(default).0s")
     p.add_argument("-t", "--threads", type=int, default=None, metavar="N",
-                   help="CPU threads (default: all cores)%(default).0s")
+                   help="CPU threads (default: one per physical core, or $OMP_NUM_THREADS)%(default).0s")
+    if sampling:
+        for field, (spellings, kind, metavar, text) in SAMPLING_FLAGS.items():
+            default = getattr(_D, field)
+            p.add_argument(*spellings, dest=field, type=kind, default=default, metavar=metavar,
+                           help=text + ("%(default).0s" if default is None else ""))
+    if lookup:
+        p.add_argument("--draft-max", type=int, default=None, metavar="K",
+                       help="prompt-lookup speculative decoding: most draft tokens verified per pass, 0 = off "
+                            "(default: off; --draft-max 4 is a good start on repetitive text; same output either "
+                            "way)%(default).0s")
+        p.add_argument("--lookup-ngram-min", type=int, default=None, metavar="N",
+                       help="prompt lookup: shortest repeated n-gram that proposes a draft (default: 2)%(default).0s")
 
 
 def add_system_args(p: argparse.ArgumentParser) -> None:
@@ -41,35 +77,43 @@ def add_system_args(p: argparse.ArgumentParser) -> None:
                    help="system prompt (default: none)%(default).0s")
 
 
-def add_sampling_args(p: argparse.ArgumentParser) -> None:
-    d = SAMPLING_DEFAULTS
-    p.add_argument("--temp", "--temperature", dest="temp", type=float, default=d["temp"], metavar="T",
-                   help="temperature (0 = greedy)")
-    p.add_argument("--top-k", type=int, default=d["top_k"], metavar="K", help="top-k (0 = off)")
-    p.add_argument("--top-p", type=float, default=d["top_p"], metavar="P", help="top-p (1 = off)")
-    p.add_argument("--min-p", type=float, default=d["min_p"], metavar="P", help="min-p (0 = off)")
-    p.add_argument("--repeat-penalty", type=float, default=d["repeat_penalty"], metavar="R",
-                   help="repetition penalty (1 = off)")
-    p.add_argument("--repeat-last-n", type=int, default=d["repeat_last_n"], metavar="N",
-                   help="tokens the repetition penalty looks back at")
-    p.add_argument("--seed", type=int, default=None, metavar="S", help="random seed; -1 or none: a random one (printed with -v)%(default).0s")
-
-
-def add_lookup_args(p: argparse.ArgumentParser) -> None:
-    """Prompt-lookup speculative decoding (engine/runtime/speculative.py; llama.cpp's spelling), shared by
-    `bitnet run`, bitchat and `bitnet serve`; engine.runtime.speculative.lookup_from_flags reads them."""
-    p.add_argument("--draft-max", type=int, default=None, metavar="K",
-                   help="prompt-lookup speculative decoding: most draft tokens verified per pass, 0 = off "
-                        "(default: off; --draft-max 4 is a good start on repetitive text; same output either way)%(default).0s")
-    p.add_argument("--lookup-ngram-min", type=int, default=None, metavar="N",
-                   help="prompt lookup: shortest repeated n-gram that proposes a draft (default: 2)%(default).0s")
-
-
-def check_n_predict(n: int) -> str | None:
-    """A one-line complaint about -n, or None when it is valid."""
-    if n < UNTIL_END:
+def check_engine_args(args: argparse.Namespace) -> str | None:
+    """One line naming the first bad value among the flags add_engine_args added, or None."""
+    n = getattr(args, "n_predict", None)
+    if n is not None and n < UNTIL_END:
         return f"-n/--n-predict {n}: must be >= 0, or -1 for until the end of text or a full context"
+    if args.ctx is not None and args.ctx < CTX_MIN:
+        return f"-c/--ctx {args.ctx}: must be >= {CTX_MIN}"
+    if args.threads is not None and args.threads < THREADS_MIN:
+        return f"-t/--threads {args.threads}: must be >= {THREADS_MIN}"
+    for field, (spellings, *_) in SAMPLING_FLAGS.items():
+        if not hasattr(args, field):
+            continue
+        value = getattr(args, field)
+        if field == "seed" and value == RANDOM_SEED:
+            continue
+        problem = setting_problem(field, value, spellings[0])
+        if problem:
+            return problem
+    if getattr(args, "draft_max", None) is not None or getattr(args, "lookup_ngram_min", None) is not None:
+        from ..engine.errors import BitNetError
+        from ..engine.runtime.speculative import lookup_from_flags
+
+        try:   # the engine's own check (LookupParams.check) says it
+            lookup_from_flags(args.draft_max, args.lookup_ngram_min)
+        except BitNetError as e:
+            return str(e)
     return None
+
+
+def sampling_params_from_args(args: argparse.Namespace, seed: int | None = None) -> SamplingParams:
+    """SamplingParams of the parsed sampling flags; `seed` (if given) replaces --seed."""
+    values = {field: getattr(args, field) for field in SAMPLING_FLAGS}
+    if seed is not None:
+        values["seed"] = seed
+    elif values["seed"] == RANDOM_SEED:
+        values["seed"] = None
+    return SamplingParams(**values).check({f: spellings[0] for f, (spellings, *_) in SAMPLING_FLAGS.items()})
 
 
 # ---- unknown flags: the subcommand's usage and a suggestion -------------------------------------------------
@@ -120,6 +164,3 @@ def maybe_autocomplete(parser: argparse.ArgumentParser) -> None:
     except ImportError:  # pragma: no cover - argcomplete is a dependency
         sys.exit(1)
     argcomplete.autocomplete(parser)
-
-
-# ---- text that must be UTF-8 (prompts, piped chat lines) -----------------------------------------------------

@@ -1,5 +1,5 @@
-"""`bitnet info`: version, CPU features and the kernel path the dispatcher chose, as a table (`--json`
-gives the same facts as one JSON object for scripts)."""
+"""`bitnet info`: version, CPU name (py-cpuinfo: about a second, paid only here), CPU features and the kernel
+path the dispatcher chose, as a table (`--json` gives the same facts as one JSON object for scripts)."""
 HELP = "print the version, CPU features and the chosen SIMD kernel path (--json for scripts)"
 
 
@@ -13,9 +13,10 @@ def facts() -> dict:
 
     from .. import simd
     from ..engine import __version__
-    from ..engine.cpu import available_cores, default_threads, physical_cores
+    from ..engine.cpu import available_cores, cpu_brand, default_threads, physical_cores
 
     return {"version": __version__, "python": platform.python_version(), "machine": platform.machine(),
+            "cpu": cpu_brand(),
             "cpu_count": os.cpu_count(), "available_cpus": available_cores(), "physical_cores": physical_cores(),
             "threads": default_threads(), "active": simd.active(),
             "supported": list(simd.supported_isas()), "forced": os.environ.get("BITNET_ISA") or None,
@@ -33,6 +34,7 @@ def main(args) -> int:
     lacking = [k for k, v in f["features"].items() if not v]
     rows = [
         ("version", f"bitnet-cpu {f['version']} (Python {f['python']}, {f['machine']})"),
+        ("CPU", f["cpu"]),
         ("kernel path", f["active"] + (f" (forced by BITNET_ISA={f['forced']})" if f["forced"] else "")),
         ("paths this CPU runs", ", ".join(f["supported"]) + "  (force one with BITNET_ISA=...)"),
         ("threads", f"{f['threads']} (physical cores: {f['physical_cores']} of {f['available_cpus']} CPUs this "

@@ -11,11 +11,9 @@ def add_arguments(p):
 
 
 def human_size(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1000 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return str(n)
+    from ..engine.formats.describe import human_size as of_base
+
+    return of_base(n, 1000)   # decimal units, as ollama lists models
 
 
 def ago(seconds: float) -> str:

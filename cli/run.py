@@ -2,20 +2,18 @@
 piece); progress, warnings and --verbose timings go to stderr. Ctrl-C stops generation keeping what was
 printed (exit 130). Flags follow llama.cpp (cli/flags.py); `-cnv` runs the chat on stdin
 as bitchat does; `--json` prints one JSON object per line (text pieces, then the stats) for scripts."""
-from .flags import (UNTIL_END, add_context_args, add_lookup_args, add_model_args, add_sampling_args,
-                    add_system_args, check_n_predict)
+from .flags import (RANDOM_SEED, UNTIL_END, add_engine_args, add_system_args, check_engine_args,
+                    sampling_params_from_args)
 from ..engine.formats.tokenizer import decode_utf8
 
 HELP = "generate text from a prompt (streams to stdout)"
 
 
 def add_arguments(p):
-    add_model_args(p)
+    add_engine_args(p, n_predict_default=256)
     src = p.add_mutually_exclusive_group()
     src.add_argument("-p", "--prompt", default=None, help="prompt text ('-' reads stdin)%(default).0s")
     src.add_argument("-f", "--file", default=None, help="read the prompt from this file ('-' reads stdin)%(default).0s")
-    add_context_args(p, n_predict_default=256)
-    add_sampling_args(p)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template%(default).0s")
     add_system_args(p)
     p.add_argument("-cnv", "--conversation", action="store_true",
@@ -28,7 +26,6 @@ def add_arguments(p):
                    help="LM head precision when the model gets converted (default: the converter's)%(default).0s")
     p.add_argument("--json", action="store_true",
                    help='one JSON object per line: {"text": ...} per piece, then {"done": true, "stats": ...}%(default).0s')
-    add_lookup_args(p)
     p.add_argument("-v", "--verbose", action="store_true", help="print timings to stderr%(default).0s")
 
 
@@ -70,15 +67,11 @@ def _stats_dict(stats, llm) -> dict:
 
 def resolve_seed(seed: int | None) -> int:
     """llama.cpp's convention: no seed or -1 means a fresh random one, chosen here so -v can print it (and a
-    run can be repeated with --seed N)."""
-    from ..engine.errors import BitNetError
-
-    if seed is None or seed == -1:
+    run can be repeated with --seed N). Other values were checked with the flags (check_engine_args)."""
+    if seed is None or seed == RANDOM_SEED:
         import secrets
 
         return secrets.randbits(32)
-    if seed < 0:
-        raise BitNetError(f"--seed {seed}: must be >= 0, or -1 for a random seed")
     return seed
 
 
@@ -87,7 +80,7 @@ def main(args) -> int:
 
     from ..engine.errors import BitNetError
 
-    problem = check_n_predict(args.n_predict)
+    problem = check_engine_args(args)
     if problem:
         raise BitNetError(problem)
     prompt = _read_prompt(args)
@@ -99,12 +92,11 @@ def main(args) -> int:
 
         return run_chat(args, first_message=prompt)
 
-    from ..engine.api import SamplingParams, load_model
+    from ..engine.api import load_model
     from ..engine.runtime.generate import FINISH_MESSAGES
 
     seed = resolve_seed(args.seed)
-    params = SamplingParams(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                            repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n, seed=seed).check()
+    params = sampling_params_from_args(args, seed=seed)
     from ..engine.runtime.speculative import lookup_from_flags
 
     lookup = lookup_from_flags(args.draft_max, args.lookup_ngram_min)

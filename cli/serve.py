@@ -1,10 +1,9 @@
 """`bitnet serve`: an OpenAI-compatible HTTP server (serve/app.py) on uvicorn, over the batching
 engine. Loopback by default; Ctrl-C / SIGTERM drain (stop admitting, cancel in-flight streams) and exit 0.
 `--ray-replicas N` runs the same app as a Ray Serve deployment with N replicas (needs `pip install .[cluster]`)."""
-from .flags import add_lookup_args
+from .flags import add_engine_args, check_engine_args
 
 HELP = "serve the model over an OpenAI-compatible HTTP API (and a chat page at /)"
-
 
 
 def is_loopback(host: str) -> bool:
@@ -18,18 +17,13 @@ def is_loopback(host: str) -> bool:
 
 
 def add_arguments(p):
-    p.add_argument("-m", "--model", default=None,
-                   help="model: a GGUF file, a Hugging Face model dir, or a converted store "
-                        "(default: the bundled model)%(default).0s")
+    add_engine_args(p, sampling=False)   # sampling: per request (serve/schemas.py); --draft-max: every sequence
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8080, help="port to listen on")
-    p.add_argument("-t", "--threads", type=int, default=None, help="threads (default: all cores)%(default).0s")
     p.add_argument("--parallel", "-np", type=int, default=16, help="sequences generated at once")
-    p.add_argument("-c", "--ctx", type=int, default=None, help="context per sequence (default: min(model's, 4096))%(default).0s")
     p.add_argument("--max-queue", type=int, default=64, help="waiting requests before answering 503 + Retry-After")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* and /slots%(default).0s")
     p.add_argument("--kv", choices=("f16", "f32"), default="f16", help="KV cache precision")
-    add_lookup_args(p)
     p.add_argument("--ray-replicas", type=int, default=0, help="run as a Ray Serve deployment with N replicas (0 = plain uvicorn)")
     p.add_argument("--drain-timeout", type=float, default=5.0, help="seconds in-flight requests get to finish on shutdown")
     p.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"),
@@ -38,6 +32,9 @@ def add_arguments(p):
 
 def _check(args):
     from ..engine.errors import BitNetError
+    problem = check_engine_args(args)
+    if problem:
+        raise BitNetError(problem)
     if not (0 < args.port < 65536):
         raise BitNetError(f"--port {args.port}: must be in 1..65535")
     if args.parallel < 1:
@@ -46,8 +43,6 @@ def _check(args):
         raise BitNetError(f"--max-queue {args.max_queue}: must be >= 0")
     if args.ray_replicas < 0:
         raise BitNetError(f"--ray-replicas {args.ray_replicas}: must be >= 0")
-    from ..engine.runtime.speculative import lookup_from_flags
-    return lookup_from_flags(args.draft_max, args.lookup_ngram_min)   # raises on a bad value
 
 
 def main(args) -> int:
@@ -58,7 +53,7 @@ def main(args) -> int:
     if not is_loopback(args.host) and not args.api_key:
         print(f"bitnet serve: warning: listening on {args.host} without --api-key: anyone who can reach this "
               "port can use the model", file=sys.stderr, flush=True)
-    lookup = _check(args)
+    _check(args)
     if args.ray_replicas:
         from ..serve.ray_app import run_ray
         return run_ray(args)
@@ -67,6 +62,10 @@ def main(args) -> int:
 
     from ..engine.api import load_engine
     from ..serve.app import create_app
+
+    from ..engine.runtime.speculative import lookup_from_flags
+
+    lookup = lookup_from_flags(args.draft_max, args.lookup_ngram_min)
 
     def load():
         return load_engine(args.model, ctx=args.ctx, threads=args.threads, parallel=args.parallel,

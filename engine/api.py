@@ -27,7 +27,7 @@ import numpy as np
 
 from .runtime import chat_template as _ct
 from .config import ModelConfig
-from .cpu import available_cores, default_threads  # noqa: F401  (available_cores: re-exported)
+from .cpu import available_cores, default_threads
 from .errors import BitNetError, FormatError, QueueFullError
 from .runtime.generate import Chunk, Stats, generate as _generate
 from .runtime.model import Model
@@ -49,10 +49,8 @@ def _resolve(model: str | None, lm_head: str | None, progress: bool) -> str:
         if not is_hub_ref(model):
             raise BitNetError(f"-m/--model {model}: no such file or directory",
                               hint="give a model file, a directory, or a hub id such as microsoft/bitnet-b1.58-2B-4T")
-    try:
-        from .formats.convert import resolve_model
-    except ImportError as e:  # pragma: no cover - only while the converter is missing
-        raise BitNetError(f"cannot convert {model or 'the default model'}: converter unavailable ({e})") from None
+    from .formats.convert import resolve_model
+
     return resolve_model(model, lm_head=lm_head, progress=progress)
 
 
@@ -163,7 +161,7 @@ def load_model(model: str | None = None, *, ctx: int | None = None, threads: int
                           " again") from None
 
 
-from .batching.scheduler import BatchScheduler, Stream  # noqa: E402  (batching imports nothing of api)
+from .batching.scheduler import BatchScheduler  # noqa: E402  (batching imports nothing of api)
 
 DEFAULT_POOL_BYTES = 4 << 30  # default KV pool cap (untouched pages cost no memory: the pool is lazily mapped)
 

@@ -1,8 +1,10 @@
-"""ModelConfig: every dimension of a BitNet model, read from the file's metadata; nothing hard-coded."""
+"""ModelConfig: every dimension of a BitNet model, read from the file's metadata; nothing hard-coded. Also the
+one chat form a model falls back to (BITNET_CHAT_TEMPLATE) and the one rule for when it must
+(is_broken_chat_template): the converter stores it, the runtime renders with it."""
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .errors import FormatError
 
@@ -25,6 +27,9 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()   # stop on any of these (2B-4T: 128001 and 128009)
     sub_norms: bool = True           # attn_sub_norm / ffn_sub_norm before o_proj / down_proj (BitNet b1.58,
                                      # 1bitLLM); False for Llama-architecture ternary models (Falcon3, TriLM)
+    rope_factors: tuple[float, ...] = ()  # LongRoPE (MiniCPM): every RoPE frequency divided by its factor
+                                     # (head_dim/2 values); empty: plain RoPE
+    rope_attn_factor: float = 1.0    # LongRoPE: cos and sin multiplied by this (q.k scaled by its square)
     arch: str = "bitnet-b1.58"       # informational: where it came from
     name: str = ""                   # human name of the model
 
@@ -41,6 +46,12 @@ class ModelConfig:
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < top:
                 raise FormatError(f"model config: {f}={v!r} must be a positive number below {top:g}")
+        if not isinstance(self.rope_factors, tuple) or (self.rope_factors and len(self.rope_factors) != self.head_dim // 2):
+            raise FormatError(f"model config: rope_factors must hold head_dim/2 = {self.head_dim // 2} values,"
+                              f" got {len(self.rope_factors) if isinstance(self.rope_factors, tuple) else self.rope_factors!r}")
+        for v in self.rope_factors + (self.rope_attn_factor,):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < 1e30 or v != v:
+                raise FormatError(f"model config: LongRoPE factor {v!r} must be a positive number")
         ids = ((self.bos_token_id,) if self.bos_token_id is not None else ()) + tuple(self.eos_token_ids)
         for t in ids:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
@@ -59,6 +70,7 @@ class ModelConfig:
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["eos_token_ids"] = list(self.eos_token_ids)
+        d["rope_factors"] = list(self.rope_factors)
         return d
 
     @classmethod
@@ -69,7 +81,25 @@ class ModelConfig:
             if not isinstance(kw["eos_token_ids"], (list, tuple)):
                 raise FormatError(f"model config: eos_token_ids={kw['eos_token_ids']!r} is not a list")
             kw["eos_token_ids"] = tuple(kw["eos_token_ids"])
+        if "rope_factors" in kw:
+            if not isinstance(kw["rope_factors"], (list, tuple)):
+                raise FormatError(f"model config: rope_factors={kw['rope_factors']!r} is not a list")
+            kw["rope_factors"] = tuple(kw["rope_factors"])
         try:
             return cls(**kw)
         except TypeError as e:
             raise FormatError(f"model config: {e}") from None
+
+
+# The BitNet b1.58 2B-4T chat form: <|begin_of_text|>System: ...<|eot_id|>User: ...<|eot_id|>Assistant:
+BITNET_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{{ message['role'] | capitalize }}: {{ message['content'] }}<|eot_id|>"
+    "{% endfor %}{% if add_generation_prompt %}Assistant: {% endif %}"
+)
+
+
+def is_broken_chat_template(template: str | None) -> bool:
+    """Missing or blank, or the official 2B-4T GGUF's wrong "Human: ... BITNETAssistant:" template (a template
+    that merely contains "Human: " is the model's own and is kept)."""
+    return not template or not template.strip() or "BITNETAssistant" in template

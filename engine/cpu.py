@@ -73,3 +73,21 @@ def default_threads(root: str | None = None) -> int:
     if env.isdigit() and int(env) > 0:
         return min(int(env), available_cores())
     return physical_cores(root)
+
+
+def cpu_brand() -> str:
+    """The CPU's marketing name ("AMD EPYC 7B13", "Apple M2", ...) from py-cpuinfo, which knows it on every OS
+    and architecture (Linux on ARM has no "model name" line in /proc/cpuinfo). Slow: py-cpuinfo runs a child
+    process that times the clock (1 to 3 s here), so only `bitnet info` and the benchmarks' headers call it,
+    never the load path (that is why it is imported here and not at the top)."""
+    try:
+        import cpuinfo
+
+        brand = cpuinfo.get_cpu_info().get("brand_raw")
+    except Exception:   # py-cpuinfo parses many OS tools' output: whatever goes wrong, the platform's word
+        brand = None
+    if not brand:
+        import platform
+
+        brand = platform.processor() or platform.machine() or "unknown"
+    return brand

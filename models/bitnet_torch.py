@@ -51,6 +51,29 @@ def act_quant_int(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (x * s).round().clamp(-128, 127), s
 
 
+# How training computes the bf16 products (operands bf16, f32 accumulation, result rounded to bf16):
+# "native": bf16 matmuls (fast on CPUs with AVX512-BF16/AMX; ~40x slower than f32 on CPUs without, e.g.
+# an AMD EPYC without avx512_bf16); "f32": the same products as f32 matmuls of the bf16-rounded operands,
+# rounded to bf16 afterwards. The forward products are exact integers (|x_q| <= 128, W_t in {-1,0,1},
+# sums < 2^24), so both modes give the same forward; backward sums differ only in f32 accumulation order.
+# Phase 9 of train.py uses "f32" (set_bf16_products), so it reproduces on any CPU.
+BF16_PRODUCTS = "native"
+
+
+def set_bf16_products(mode: str) -> None:
+    global BF16_PRODUCTS
+    if mode not in ("native", "f32"):
+        raise ValueError(f"bf16 products mode {mode!r}: 'native' or 'f32'")
+    BF16_PRODUCTS = mode
+
+
+def _mm_bf16(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b of bf16 operands, result rounded to bf16 and returned as f32 (see BF16_PRODUCTS)."""
+    if BF16_PRODUCTS == "f32":
+        return (a.float() @ b.float()).to(torch.bfloat16).float()
+    return (a @ b).float()
+
+
 class _BitLinearTrain(torch.autograd.Function):
     """Training matmul: integer-valued operands in bf16 (exact: |x_q| <= 128, W_t in {-1,0,1}), about 4x
     faster than f32 on this CPU (AVX512-BF16). Only the product is rounded to bf16 (mixed precision, as
@@ -63,14 +86,14 @@ class _BitLinearTrain(torch.autograd.Function):
         xq, sx = act_quant_int(x)
         wt_b, xq_b = wt.to(torch.bfloat16), xq.to(torch.bfloat16)
         ctx.save_for_backward(xq_b, sx, wt_b, ws)
-        return F.linear(xq_b, wt_b).float() / sx * ws
+        return _mm_bf16(xq_b, wt_b.t()) / sx * ws
 
     @staticmethod
     def backward(ctx, gy):
         xq_b, sx, wt_b, ws = ctx.saved_tensors
-        gx = (gy.to(torch.bfloat16) @ wt_b).float() * ws
+        gx = _mm_bf16(gy.to(torch.bfloat16), wt_b) * ws
         gys = (gy / sx).to(torch.bfloat16)
-        gw = (gys.reshape(-1, gys.shape[-1]).t() @ xq_b.reshape(-1, xq_b.shape[-1])).float()
+        gw = _mm_bf16(gys.reshape(-1, gys.shape[-1]).t(), xq_b.reshape(-1, xq_b.shape[-1]))
         return gx, gw
 
 

@@ -133,7 +133,7 @@ STORY_BOT_INTRO = ["Sure! Here is a story.", "Of course!", "Here is a short stor
 ADD_USER = ["What is {a}+{b}?", "What is {a} + {b}?", "How much is {a}+{b}?", "Can you add {a} and {b}?",
             "{a}+{b}=?", "Please compute {a}+{b}.", "What is the sum of {a} and {b}?", "Add {a} and {b}.",
             "{a}+{b}"]
-# Phase 8 (issue 18): the ways people type a sum first, lower case and without punctuation too. The four a
+# Phase 8: the ways people type a sum first, lower case and without punctuation too. The four a
 # newcomer tries ("2+3", "what's 2 plus 3", "What is 2 + 3?", "add 2 and 3") appear twice. The answer
 # restates the numbers as the user wrote them: "12+30=42." (never "1+30=31.").
 ADD_USER_TYPED = ADD_USER + [

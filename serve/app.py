@@ -80,12 +80,6 @@ class ServerState:
             self.engine.close()
 
 
-def _sampling(req):
-    from ..engine.api import SamplingParams
-    return SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, min_p=req.min_p,
-                          repeat_penalty=req.repeat_penalty, repeat_last_n=req.repeat_last_n, seed=req.seed)
-
-
 def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id: str | None = None,
                retry_after: int = 1, on_shutdown: Callable[[], None] | None = None) -> FastAPI:
     """The ASGI app. load() -> an engine with ENGINE_API.md's interface (called once, in a thread)."""
@@ -118,7 +112,10 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
             return error_response(400, "request body must be a JSON object (send Content-Type: application/json)",
                                   code="invalid_json")
         param = ".".join(loc) or None
-        return error_response(400, f"{param or 'body'}: {err.get('msg', 'invalid value')}", param=param,
+        msg = err.get("msg", "invalid value")
+        if err.get("type") != "invalid_setting":   # a sampling setting's message names it already
+            msg = f"{param or 'body'}: {msg}"
+        return error_response(400, msg, param=param,
                               code="invalid_value")
 
     @app.exception_handler(StarletteHTTPException)
@@ -166,9 +163,8 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         limit = req.limit()
         room = eng.n_ctx - len(prompt_ids)
         max_tokens = room if limit is None else limit
-        params = _sampling(req)
+        params = req.sampling_params()   # checked by the request model (serve/schemas.py)
         try:
-            params.check()
             stream = eng.submit(prompt_ids, params, max_tokens=max(0, max_tokens), stop=req.stops(),
                                 ignore_eos=req.ignore_eos,
                                 callback=lambda ch: loop.call_soon_threadsafe(q.put_nowait, ch))

@@ -7,9 +7,20 @@ parameter named, so the client gets a clear 400 instead of a silently different 
 """
 from __future__ import annotations
 
+from dataclasses import fields
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic_core import PydanticCustomError
+
+from ..engine.runtime.sampling import SamplingParams, setting_problem
+
+
+_DEFAULT = SamplingParams()
+SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams))
+# The one range that differs from the engine's on purpose: OpenAI's API takes temperature in [0, 2] only (the
+# engine and llama.cpp take any >= 0), and a client written against OpenAI should get the same 400 here.
+OPENAI_MAX_TEMPERATURE = 2.0
 
 
 class StreamOptions(BaseModel):
@@ -23,14 +34,15 @@ class _Sampling(BaseModel):
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     max_tokens: Optional[int] = Field(default=None, ge=0)
-    temperature: float = Field(default=0.8, ge=0.0, le=2.0)
-    top_p: float = Field(default=0.95, gt=0.0, le=1.0)
-    top_k: int = Field(default=40, ge=0)
-    min_p: float = Field(default=0.05, ge=0.0, le=1.0)
-    repeat_penalty: float = Field(default=1.0, gt=0.0)
-    repeat_last_n: int = Field(default=64, ge=0)
+    # defaults and checks: the engine's SamplingParams / setting_problem (the same words as --temp and /set temp)
+    temperature: float = _DEFAULT.temperature
+    top_p: float = _DEFAULT.top_p
+    top_k: int = _DEFAULT.top_k
+    min_p: float = _DEFAULT.min_p
+    repeat_penalty: float = _DEFAULT.repeat_penalty
+    repeat_last_n: int = _DEFAULT.repeat_last_n
     ignore_eos: bool = False
-    seed: Optional[int] = None
+    seed: Optional[int] = _DEFAULT.seed
     stop: Union[str, list[str], None] = None
     n: int = 1
     presence_penalty: float = 0.0
@@ -38,6 +50,22 @@ class _Sampling(BaseModel):
     logprobs: Optional[Any] = None
     logit_bias: Optional[dict[str, float]] = None
     user: Optional[str] = None
+
+    @field_validator(*SAMPLING_FIELDS)
+    @classmethod
+    def _sampling_value(cls, value, info: ValidationInfo):
+        field = info.field_name
+        if field == "seed" and value == -1:   # llama.cpp's server: -1 is a fresh random seed
+            return None
+        problem = setting_problem(field, value)
+        if problem is None and field == "temperature" and value > OPENAI_MAX_TEMPERATURE:
+            problem = f"temperature {value:g}: must be <= {OPENAI_MAX_TEMPERATURE:g} (OpenAI's API range)"
+        if problem:
+            raise PydanticCustomError("invalid_setting", problem)   # the message as is, named by its field
+        return value
+
+    def sampling_params(self) -> SamplingParams:
+        return SamplingParams(**{f: getattr(self, f) for f in SAMPLING_FIELDS})
 
     def stops(self) -> list[str]:
         if self.stop is None:

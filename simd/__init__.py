@@ -9,14 +9,6 @@ simd._kernels (see engine/INTERFACES.md).
 """
 from .errors import BitNetError as _BitNetError
 
-import os as _os
-
-# simd._ops still uses OpenMP next to the kernels' own worker pool. libgomp's default wait policy spins
-# idle workers for a while after each parallel region, so on 2 cores they steal the core the pool needs
-# (measured on the 2B-4T shape with another process busy: decode 3.8 -> 26 tok/s, prefill-512 45 -> 85
-# tok/s with PASSIVE). libgomp reads this when it is loaded, i.e. on the import below; the user can override.
-_os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
 try:
     from . import _kernels  # noqa: F401
     from ._kernels import *  # noqa: F401,F403

@@ -1,6 +1,8 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
 """Thin Python boundary of the C kernels in simd/kernels/ (contract: engine/INTERFACES.md, layouts:
-simd/layout.py, numpy oracle: simd/reference.py).
+simd/layout.py, numpy oracle: simd/reference.py), and of the runtime helpers in simd/ops/ (simd/_ops.pxi,
+included at the end; Python imports them as simd._ops). One extension, so one ISA choice and one worker
+pool govern both.
 
 Every precondition (type, dtype, byte order, C-contiguity, writability, shapes, K_pad % 64 == 0, packed
 sizes, scale lengths, M consistency) is checked here once and raises engine.errors.KernelError (a
@@ -31,8 +33,7 @@ cdef extern from "kernels.h" nogil:
     void bk_set_num_threads(int n)
     int bk_get_num_threads()
     void bk_init()
-    int bk_use_pool
-    void bk_pool_stats(uint64_t *jobs, uint64_t *worker_chunks)
+    void bk_pool_stats(uint64_t *jobs, uint64_t *worker_chunks, uint64_t *caller_sleeps)
     void bk_quantize_act(const float *x, int m, int k, int k_pad, int8_t *xq, float *act_scale, int32_t *act_sum)
     void bk_gemv_ternary(const uint8_t *w, const float *row_scale, const int8_t *xq, int k_pad, float act_scale,
                          int32_t act_sum, float *out, int32_t *out_i32, int n)
@@ -44,9 +45,6 @@ cdef extern from "kernels.h" nogil:
                    int k_pad, const float *act_scale, float *out, int32_t *out_i32, int n)
     void bk_gemv_f16(const uint16_t *w, const float *x, int k, float *out, int n)
     void bk_gemm_f16(const uint16_t *w, const float *x, int m, int k, float *out, int n)
-    uint64_t bk_stream_read(const uint8_t *buf, size_t nbytes)
-    int64_t bk_peak_dot(long iters)
-    int64_t bk_peak_dot_macs_per_iter()
 
 
 cdef extern from "rows.h" nogil:
@@ -103,7 +101,9 @@ def set_isa(name=None):
 
 
 def set_num_threads(int n):
-    """Threads used by every kernel (n <= 0: all processors)."""
+    """Threads used by every kernel and runtime helper called from THIS thread (n <= 0: back to the process
+    default, which is OMP_NUM_THREADS when it is a positive count, else all available processors). Per
+    calling thread, so sessions driven from different threads keep their own counts."""
     bk_set_num_threads(n)
 
 
@@ -112,16 +112,11 @@ def get_num_threads():
 
 
 def _pool_stats():
-    """(jobs run on the worker pool, chunks the workers ran): how much the other threads took part."""
-    cdef uint64_t jobs, chunks
-    bk_pool_stats(&jobs, &chunks)
-    return int(jobs), int(chunks)
-
-
-def _use_thread_pool(bint on):
-    """Threaded kernels on the own worker pool (default) or on OpenMP static regions (for comparison)."""
-    global bk_use_pool
-    bk_use_pool = 1 if on else 0
+    """(jobs run on the worker pool, chunks the workers ran, times the caller slept waiting for a worker's
+    chunk): how much the other threads took part, and how often one was not running when needed."""
+    cdef uint64_t jobs, chunks, sleeps
+    bk_pool_stats(&jobs, &chunks, &sleeps)
+    return int(jobs), int(chunks), int(sleeps)
 
 
 # ---------------------------------------------------------------- argument checks
@@ -544,26 +539,8 @@ def gemm_f16(w, x, out):
         bk_gemm_f16(pw, px, <int>m, <int>k, po, <int>n)
 
 
-# ---------------------------------------------------------------- benchmark probes
-def stream_read(buf):
-    """Read every byte of a C-contiguous uint8 buffer with vector loads on all kernel threads (bandwidth probe).
-    Returns a checksum (keeps the loads alive)."""
-    cdef cnp.ndarray ab = _arr("stream_read", "buf", buf, cnp.NPY_UINT8, 0, False)
-    cdef const uint8_t *p = <const uint8_t *>cnp.PyArray_DATA(ab)
-    cdef size_t nbytes = <size_t>cnp.PyArray_SIZE(ab)
-    cdef uint64_t s
-    with nogil:
-        s = bk_stream_read(p, nbytes)
-    return s
-
-
-def peak_dot(long iters):
-    """Run the register-only int8 dot-product loop of the active path on all kernel threads.
-    Returns the number of int8 multiply-adds done (0 if the path has no probe)."""
-    cdef int64_t r
-    with nogil:
-        r = bk_peak_dot(iters)
-    return int(bk_peak_dot_macs_per_iter() * iters * bk_get_num_threads()) + 0 * r
+# ---------------------------------------------------------------- runtime helpers (simd._ops)
+include "_ops.pxi"
 
 
 # ---------------------------------------------------------------- import-time choice

@@ -129,6 +129,10 @@ def test_greedy_same_alone_and_with_15_others(synth):
             assert o[-1].finish_reason in ("length", "eos") and o[-1].stats.n_generated >= 1
         one = _collect(eng.submit(prompts[3], GREEDY, max_tokens=12))
         assert _tokens(one) == alone[3]
+        from test_generate import _check_running_stats
+
+        for p, o in zip(prompts, outs):   # every chunk carries the running Stats, as LLM.generate's do
+            _check_running_stats(o, len(p))
         met = eng.metrics()
         assert met["requests_total"] == 17 and met["running"] == 0 and met["waiting"] == 0
         # nothing held but the prefix index; dropping it returns every page

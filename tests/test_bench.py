@@ -111,9 +111,9 @@ def _worker(engine, model, *extra):
 
 def test_make_models_small(small_models):
     assert os.path.getsize(small_models["tq2_0"]) > 0 and os.path.getsize(small_models["store_i8"]) > 0
-    from bitnet_cpu.engine.formats.store import open_store
+    from bitnet_cpu.engine.formats.store import Store
 
-    with open_store(small_models["store_i8"]) as st:
+    with Store(small_models["store_i8"]) as st:
         assert st.meta.get("lm_head") == "i8" and st.config.hidden_size == 256
 
 

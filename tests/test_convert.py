@@ -217,8 +217,11 @@ def test_bad_sources(model, tmp_path):
     _edit_config(d, architectures=["MistralForCausalLM"], model_type="mistral")
     with pytest.raises(UnsupportedError, match="unsupported model"):
         convert(d, progress=False)
-    _edit_config(d, architectures=["MiniCPMForCausalLM"], model_type="minicpm")
-    with pytest.raises(UnsupportedError, match="MiniCPM"):
+    _edit_config(d, architectures=["MiniCPM3ForCausalLM"], model_type="minicpm3")
+    with pytest.raises(UnsupportedError, match="MiniCPM3 .multi-head latent attention"):
+        convert(d, progress=False)
+    _edit_config(d, architectures=["MiniCPMForCausalLM"], model_type="minicpm", num_experts=8)
+    with pytest.raises(UnsupportedError, match="MiniCPM variant: mixture of experts"):
         convert(d, progress=False)
     d = _hf_copy(model, tmp_path, "shape")
     _edit_config(d, intermediate_size=768)

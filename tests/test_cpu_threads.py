@@ -97,3 +97,38 @@ def test_two_sessions_keep_their_own_thread_count():
         assert simd.get_num_threads() == 1
     finally:
         eng.close()
+
+
+def test_the_kernel_thread_count_is_per_calling_thread():
+    import threading
+
+    from bitnet_cpu import simd
+
+    simd.set_num_threads(1)
+    seen = []
+    t = threading.Thread(target=lambda: (simd.set_num_threads(3), seen.append(simd.get_num_threads())))
+    t.start()
+    t.join()
+    try:
+        assert seen == [3] and simd.get_num_threads() == 1
+    finally:
+        simd.set_num_threads(0)          # back to the process default
+
+
+def test_cpu_name_from_py_cpuinfo_in_info_and_never_on_the_load_path():
+    """py-cpuinfo names the CPU in `bitnet info` (and the bench headers); its probe takes about a second, so
+    loading a model, generating and building every command's parser never import it."""
+    cpuinfo = pytest.importorskip("cpuinfo")
+    f = json.loads(subprocess.run([sys.executable, "-m", "bitnet_cpu", "info", "--json"], capture_output=True,
+                                  text=True, check=True).stdout)
+    assert f["cpu"] == (cpuinfo.get_cpu_info().get("brand_raw") or f["cpu"]) and f["cpu"].strip()
+    code = ("import sys\n"
+            "from bitnet_cpu.cli import build_parser\n"
+            "from bitnet_cpu.cli.chat import build_parser as chat_parser\n"
+            "from bitnet_cpu.engine.api import SamplingParams, load_model\n"
+            "build_parser(); chat_parser()\n"
+            "llm = load_model(None, ctx=64, threads=1, progress=False)\n"
+            "list(llm.generate('Hi', SamplingParams(temperature=0), max_tokens=2))\n"
+            "assert 'cpuinfo' not in sys.modules, 'py-cpuinfo was imported on the load path'\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr

@@ -131,3 +131,25 @@ def test_overhead_measurement_runs(llm):
     llm.generate(llm.tokenize("x", add_bos=True), GREEDY, max_tokens=1)
     over = python_overhead_per_step(llm.model, n=5)
     assert 0 < over < 1.0
+
+
+def _check_running_stats(chunks, n_prompt):
+    """Every chunk carries the engine's Stats: the prompt, the tokens sampled so far, one finish reason at the end."""
+    assert all(isinstance(c.stats, Stats) for c in chunks)
+    assert all(c.stats.n_prompt == n_prompt for c in chunks)
+    counts = [c.stats.n_generated for c in chunks]
+    assert counts == sorted(counts) and counts[0] >= 1
+    sampled = 0
+    for c in chunks[:-1]:
+        sampled += c.token is not None
+        assert c.stats.finish_reason is None and c.stats.n_generated >= sampled and c.stats.ttft_s > 0
+    assert chunks[-1].stats.finish_reason == chunks[-1].finish_reason
+    assert chunks[-2].stats is not chunks[-1].stats   # a snapshot each: keeping one never sees it change
+
+
+def test_every_chunk_carries_the_running_stats(llm):
+    prompt = llm.tokenize("Once upon a time", add_bos=True)
+    chunks = list(llm.generate(prompt, GREEDY, max_tokens=16, ignore_eos=True))
+    _check_running_stats(chunks, len(prompt))
+    assert [c.stats.n_generated for c in chunks[:16]] == list(range(1, 17))
+    assert chunks[-2].stats.decode_tps > 0 and chunks[-1].stats.n_generated == 16

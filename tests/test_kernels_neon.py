@@ -94,7 +94,7 @@ def test_neon_bodies_match_scalar_under_qemu(tmp_path):
     src.write_text(HARNESS)
     exe = tmp_path / "neon_harness"
     sources = sorted(glob.glob(os.path.join(KERNELS, "*.c")))
-    cmd = [CC, "-O2", "-fopenmp", "-ffp-contract=off", "-std=c11", "-Wall", "-Wno-unused-function", "-static",
+    cmd = [CC, "-O2", "-pthread", "-ffp-contract=off", "-std=c11", "-Wall", "-Wno-unused-function", "-static",
            "-I", KERNELS, str(src), *sources, "-o", str(exe), "-lm"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr

@@ -1,12 +1,17 @@
 """simd._ops (runtime helpers) against plain numpy, on every ISA path this CPU runs."""
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
+import bitnet_cpu.simd._kernels as K
 import bitnet_cpu.simd._ops as ops
 import bitnet_cpu.simd.reference as ref
 from bitnet_cpu.engine.errors import KernelError
 
-PATHS = [p for p in ("scalar", "avx2", "avx512") if p == "scalar" or ops.active() in (p, "avx512")]
+PATHS = K.supported_isas()  # the helpers follow the kernels' path (avxvnni -> their 256-bit bodies)
 
 
 @pytest.fixture(params=PATHS)
@@ -183,3 +188,98 @@ def test_topk(n, k):
     assert got == min(k, n - 3) and 5 in idx[:got] and not {0, 1, 2} & set(idx[:got].tolist())
     with pytest.raises(KernelError):
         ops.topk(x, np.zeros(k - 1, np.float32), idx)
+
+
+# ---------------------------------------------------------------- one dispatch, one pool (issue 12)
+def test_ops_follow_the_kernels_isa_and_thread_count():
+    before = K.get_num_threads()
+    try:
+        for name in PATHS:
+            K.set_isa(name)
+            assert ops.active() == name == K.active()
+        ops.set_isa("scalar")
+        assert K.active() == "scalar"
+        ops.set_num_threads(3)
+        assert K.get_num_threads() == 3 == ops.get_num_threads()
+    finally:
+        K.set_isa(None)
+        K.set_num_threads(before)
+
+
+def _child(code, **env):
+    r = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, **env), capture_output=True, text=True,
+                       timeout=60, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert r.returncode == 0, r.stderr
+    return r.stdout.split()
+
+
+@pytest.mark.parametrize("name", PATHS)
+def test_bitnet_isa_env_governs_ops_case_insensitively(name):
+    got = _child("import bitnet_cpu.simd._ops as o, bitnet_cpu.simd._kernels as K; print(o.active(), K.active())",
+                 BITNET_ISA=name.upper())
+    assert got == [name, name]
+
+
+def test_one_thread_count_and_no_openmp_in_the_runtime():
+    # OMP_NUM_THREADS=1 used to give the kernels 1 thread and the OpenMP helpers all cores; libgomp is gone
+    code = ("import os, bitnet_cpu.simd, bitnet_cpu.simd._ops as o, bitnet_cpu.simd._kernels as K\n"
+            "maps = open('/proc/self/maps').read()\n"
+            "print(K.get_num_threads(), o.get_num_threads(), 'libgomp' in maps, 'OMP_WAIT_POLICY' in os.environ)")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    r = subprocess.run([sys.executable, "-c", code], env=dict(env, OMP_NUM_THREADS="1"), capture_output=True,
+                       text=True, timeout=60, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["1", "1", "False", "False"]
+
+
+@pytest.mark.parametrize("isa", PATHS, indirect=True)
+def test_norms_threaded_give_identical_results(isa):
+    """Enough rows to go to the pool: 1, 2 and 3 threads give the same bits."""
+    rng = np.random.default_rng(5)
+    m, d, inter = 64, 4096, 4096
+    x = rng.standard_normal((m, d)).astype(np.float32)
+    delta = rng.standard_normal((m, d)).astype(np.float32)
+    w = rng.standard_normal(d).astype(np.float32)
+    gu = rng.standard_normal((m, 2 * inter)).astype(np.float32)
+    outs = []
+    before = K.get_num_threads()
+    try:
+        for threads in (1, 2, 3):
+            K.set_num_threads(threads)
+            xx, h = x.copy(), np.empty_like(x)
+            xq, s, sm = np.empty((m, d), np.int8), np.empty(m, np.float32), np.empty(m, np.int32)
+            ops.add_rmsnorm_quant(xx, delta, w, 1e-5, h, xq, s, sm)
+            g, gq, gs, gsm = gu.copy(), np.empty((m, inter), np.int8), np.empty(m, np.float32), np.empty(m, np.int32)
+            ops.glu_rmsnorm_quant(g, ops.ACT_SILU, w, 1e-5, gq, gs, gsm)
+            outs.append([xx, h, xq, s, sm, g, gq, gs, gsm])
+    finally:
+        K.set_num_threads(before)
+    for other in outs[1:]:
+        for a, b in zip(outs[0], other):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_attention_uses_only_the_threads_its_scratch_has_rows_for():
+    """Workers started by a 3-thread kernel call stay out of a job capped at 2 threads (scratch rows for 2):
+    a third thread would write past the scratch (ASan run) or change the result."""
+    rng = np.random.default_rng(12)
+    nh, nkv, hd, ctx, m = 8, 2, 64, 128, 96
+    qkv = rng.standard_normal((m, (nh + 2 * nkv) * hd)).astype(np.float32)
+    cos = rng.standard_normal((ctx, hd // 2)).astype(np.float32)
+    sin = rng.standard_normal((ctx, hd // 2)).astype(np.float32)
+    before = K.get_num_threads()
+    outs = []
+    try:
+        for threads in (1, 3):
+            K.set_num_threads(threads)
+            big = np.ones((4096, 1024), np.float32)
+            K.quantize_act(big, np.empty((4096, 1024), np.int8), np.empty(4096, np.float32),
+                           np.empty(4096, np.int32))  # the pool now has threads - 1 workers
+            kc, vc = np.zeros(ops.key_cache_shape(nkv, ctx, hd), np.float32), np.zeros((nkv, ctx, hd), np.float32)
+            out = np.zeros((m, nh * hd), np.float32)
+            scratch = np.zeros((2 * ops.ATTENTION_SCRATCH_ROWS, ctx), np.float32)
+            ops.attention(qkv.copy(), nh, nkv, hd, cos, sin, 0, kc, vc, out, scratch)
+            outs.append(out)
+    finally:
+        K.set_num_threads(before)
+    np.testing.assert_array_equal(outs[0], outs[1])

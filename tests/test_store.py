@@ -6,7 +6,7 @@ import pytest
 
 from bitnet_cpu.engine.config import ModelConfig
 from bitnet_cpu.engine.errors import FormatError
-from bitnet_cpu.engine.formats.store import TensorSpec, open_store, write_store
+from bitnet_cpu.engine.formats.store import Store, TensorSpec, write_store
 
 CFG = ModelConfig(hidden_size=64, intermediate_size=128, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=16, vocab_size=100)
 
@@ -21,7 +21,7 @@ def _write(tmp_path):
 
 def test_round_trip_zero_copy(tmp_path):
     p, a, b = _write(tmp_path)
-    s = open_store(p)
+    s = Store(p)
     assert s.config == CFG
     assert np.array_equal(s.tensor("a"), a) and np.array_equal(s.tensor("b"), b)
     assert not s.tensor("a").flags.writeable and not s.tensor("a").flags.owndata
@@ -48,10 +48,10 @@ def test_corrupt_files_raise(tmp_path, mutate):
     with open(p, "wb") as f:
         f.write(data)
     with pytest.raises(FormatError):
-        open_store(p)
+        Store(p)
 
 
 def test_missing_file(tmp_path):
     with pytest.raises(FormatError, match="cannot open"):
-        open_store(tmp_path / "nope")
+        Store(tmp_path / "nope")
     assert not os.path.exists(tmp_path / "nope")

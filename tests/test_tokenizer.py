@@ -105,3 +105,15 @@ def test_model_template_used_and_sandboxed():
         ct.render("{% for %}", MSGS)
     with pytest.raises(BitNetError):
         ct.render(None, [{"content": "no role"}])
+
+
+def test_one_rule_for_a_broken_chat_template():
+    """The converter (what it stores) and the runtime (what it renders) replace the same templates: missing,
+    blank or the official GGUF's "BITNETAssistant" one; a model's own template that says "Human: " is kept."""
+    from bitnet_cpu.engine.formats.tokenizer_build import fix_chat_template
+
+    own = "{% for m in messages %}Human: {{ m.content }}\n{% endfor %}"
+    for tpl in (None, "", "  \n", BROKEN_GGUF_TEMPLATE, own):
+        assert fix_chat_template(tpl) == ct.choose_template(tpl)
+    assert fix_chat_template(own) == own
+    assert fix_chat_template(BROKEN_GGUF_TEMPLATE) != BROKEN_GGUF_TEMPLATE

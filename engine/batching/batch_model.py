@@ -57,7 +57,7 @@ class BatchModel:
             raise BitNetError(f"batched step of {m} rows (1..{self.max_rows})")
         if len(logit_rows) > self.max_logit_rows:
             raise BitNetError(f"{len(logit_rows)} logit rows > {self.max_logit_rows}")
-        cfg, w = self.config, self.w
+        w = self.w
         if self.threads:
             K.set_num_threads(self.threads)
         v = self._view(m)

@@ -17,9 +17,9 @@ tokens (the rejected positions are overwritten later). Each emitted token comes 
 same sampler state as without lookup, so the output is identical (greedy and seeded). Only committed positions
 ever reach the prefix index: a page is indexed once full, i.e. once every position in it is committed.
 
-Chunks are exactly those of engine.generate.generate (per token, then a final one with Stats); finish reasons
-add "cancelled". Only the scheduler thread touches the pool, the index and the model; submit/cancel/metrics
-take the lock.
+Chunks are exactly those of engine.generate.generate (per token with the running Stats, then a final one);
+finish reasons add "cancelled". Only the scheduler thread touches the pool, the index and the model;
+submit/cancel/metrics take the lock.
 """
 from __future__ import annotations
 
@@ -473,7 +473,7 @@ class BatchScheduler:
             self._finish(s, "eos")
             return tok
         text, stopped = s.matcher.feed(s.detok.push(tok))
-        s.stream._emit(Chunk(text, tok))
+        s.stream._emit(Chunk(text, tok, None, self._stats(s, None)))
         if stopped:
             self._finish(s, "stop")
         elif s.n_gen >= s.max_tokens:
@@ -506,16 +506,19 @@ class BatchScheduler:
             rest, _ = s.matcher.feed(s.detok.flush())
             rest += s.matcher.flush()
             if rest:
-                self._outbox.append((s.stream, Chunk(rest, None)))
+                self._outbox.append((s.stream, Chunk(rest, None, None, self._stats(s, None))))
+        self._outbox.append((s.stream, Chunk("", None, reason, self._stats(s, reason))))
+
+    def _stats(self, s: _Seq, reason: str | None) -> Stats:
+        """Where s stands (every Chunk carries one, as generate()'s do)."""
         n_pre = len(s.prompt) - s.n_cached
         pre_s = (s.t_prefilled - s.t_admit) if s.t_prefilled else 0.0
         dt = s.t_last - s.t_first
-        st = Stats(n_prompt=len(s.prompt), n_cached=s.n_cached, n_generated=s.n_gen, load_s=self.load_s,
-                   ttft_s=(s.t_first or s.t_prefilled or time.perf_counter()) - s.t_submit,
-                   prefill_tps=n_pre / pre_s if n_pre and pre_s > 0 else 0.0,
-                   decode_tps=(s.n_gen - 1) / dt if s.n_gen > 1 and dt > 0 else 0.0, finish_reason=reason,
-                   n_drafted=s.n_drafted, n_accepted=s.n_accepted)
-        self._outbox.append((s.stream, Chunk("", None, reason, st)))
+        return Stats(n_prompt=len(s.prompt), n_cached=s.n_cached, n_generated=s.n_gen, load_s=self.load_s,
+                     ttft_s=(s.t_first or s.t_prefilled or time.perf_counter()) - s.t_submit,
+                     prefill_tps=n_pre / pre_s if n_pre and pre_s > 0 else 0.0,
+                     decode_tps=(s.n_gen - 1) / dt if s.n_gen > 1 and dt > 0 else 0.0, finish_reason=reason,
+                     n_drafted=s.n_drafted, n_accepted=s.n_accepted)
 
     # ---- checks (tests) -------------------------------------------------------------------------------
     def check_consistency(self) -> dict:

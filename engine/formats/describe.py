@@ -11,11 +11,13 @@ import numpy as np
 from .store import Store, is_store
 
 
-def _human(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
+def human_size(n: float, base: int = 1024) -> str:
+    """Bytes for people: base 1024 gives KiB/MiB/GiB (inspect), base 1000 KB/MB/GB (`bitnet list`, as ollama)."""
+    units = ("B", "KiB", "MiB", "GiB") if base == 1024 else ("B", "KB", "MB", "GB")
+    for unit in units:
+        if n < base or unit == units[-1]:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
+        n /= base
     return str(n)
 
 
@@ -76,7 +78,7 @@ def _natural(s: str):
 def _table(rows, limit) -> list[str]:
     out = [f"tensors ({len(rows)}):", f"  {'name':<40} {'type':<14} {'shape':<22} bytes"]
     for r in rows[: limit if limit is not None else len(rows)]:
-        out.append(f"  {r[0]:<40} {r[1]:<14} {str(list(r[2])):<22} {_human(r[3])}")
+        out.append(f"  {r[0]:<40} {r[1]:<14} {str(list(r[2])):<22} {human_size(r[3])}")
     if limit is not None and len(rows) > limit:
         out.append(f"  ... {len(rows) - limit} more")
     return out
@@ -90,11 +92,13 @@ def describe(path: str, max_tensors: int | None = None) -> Iterator[str]:
     yield f"file: {path}"
     if is_store(path):
         with Store(path) as s:
-            yield f"kind: BitNet weight store ({_human(os.path.getsize(path))})"
+            yield f"kind: BitNet weight store ({human_size(os.path.getsize(path))})"
             m = s.meta
             yield from _config_lines(s.config, m.get("family", ""))
             yield (f"source: {source_label(m)} ({m.get('source_format', '?')}), lm_head {m.get('lm_head', '?')},"
                    f" converter {m.get('converter_version', '?')}")
+            if m.get("folded"):  # constants folded into the weights at conversion (MiniCPM)
+                yield f"folded: {m['folded']}"
             rows = []
             for n in s.tensor_names:
                 e = s.info(n)

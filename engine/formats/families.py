@@ -2,7 +2,8 @@
 does with it (for `bitnet inspect`, the README table and error messages).
 
 The runtime never branches on the family: one ModelConfig (activation, sub_norms, tied head, head_dim, RoPE
-theta, eps) drives engine/model.py. The family name is informational, kept in the store's meta ("family").
+theta and LongRoPE factors, eps) drives engine/runtime/model.py; constant scalings (MiniCPM) are folded into the
+weights at conversion (engine/formats/sources.py). The family name is informational, kept in the store's meta ("family").
 
     FAMILIES: {key: Family}                       key as stored in meta["family"]
     hf_family(cfg: dict, names: set[str]) -> key  best guess from config.json and tensor names
@@ -38,6 +39,9 @@ FAMILIES = {
                        "HF dir (main: packed; `bfloat16` revision: masters) or a bitnet.cpp I2_S GGUF"),
     "trilm": Family("TriLM (SpectraSuite, `*_Unpacked`)",
                     "HF dir: config.json, model*.safetensors (fp16 ternary x scale), tokenizer files"),
+    "bitcpm4": Family("BitCPM4 (OpenBMB; MiniCPM architecture)",
+                      "HF dir: config.json, model*.safetensors (bf16 ternary x scale), tokenizer files;"
+                      " scale_emb, depth-scaled residuals and the dim_model_base logit scale folded in at conversion"),
     "llama-ternary": Family("other Llama-architecture ternary model",
                             "HF dir with quant_method bitnet, fake-quantized ternary weights, or a `llama` GGUF"
                             " with TQ1_0 / TQ2_0 / I2_S tensors"),
@@ -48,6 +52,8 @@ def hf_family(cfg: dict, names: set, ternary_floats: bool = False, path: str = "
     """Best guess (informational): the architecture first, then the model's name (config `_name_or_path` or
     the directory name), then its shape (Falcon3: vocab 131072 + head_dim 256; Llama-3: vocab 128256)."""
     archs = set(cfg.get("architectures") or [])
+    if "MiniCPMForCausalLM" in archs or cfg.get("model_type") == "minicpm":
+        return "bitcpm4"
     if "BitNetForCausalLM" in archs or cfg.get("model_type") == "bitnet":
         return "bitnet-b1.58"
     if "BitnetForCausalLM" in archs:
@@ -91,17 +97,30 @@ def runtime_summary(c) -> str:
     norms = ("RMSNorm sub-norms before o_proj and down_proj" if c.sub_norms
              else "no sub-norms (activations quantized straight after attention / the MLP product)")
     head = "LM head tied to the embedding" if c.tie_word_embeddings else "untied LM head"
+    rope = f"half-split RoPE theta {c.rope_theta:.10g}"
+    if c.rope_factors:
+        rope += (f" with LongRoPE ({len(c.rope_factors)} per-frequency factors {min(c.rope_factors):.4g}.."
+                 f"{max(c.rope_factors):.4g}, cos/sin x{c.rope_attn_factor:.6g})")
     return (f"runtime: {act}; {norms}; {head}; {c.n_heads} query / {c.n_kv_heads} kv heads of {c.head_dim};"
-            f" half-split RoPE theta {c.rope_theta:.10g}; RMSNorm eps {c.rms_norm_eps:g}; ternary weights with"
+            f" {rope}; RMSNorm eps {c.rms_norm_eps:g}; ternary weights with"
             f" per-row scales, int8 per-token activations")
 
 
 # Architectures people will try that are ternary in name only or need math this engine does not have.
+# (model_type / architecture prefix, checked in this order: "minicpm3" before the MiniCPM family itself)
 _KNOWN_UNSUPPORTED = {
-    "minicpm": "MiniCPM / BitCPM4 (scale_emb, depth-scaled residuals, dim_model_base logit scaling and LongRoPE"
-               " are not implemented)",
+    "minicpm3": "MiniCPM3 (multi-head latent attention, MLA)",
+    "minicpmv": "MiniCPM-V (vision-language)",
+    "minicpmo": "MiniCPM-o (omni-modal)",
     "qwen3": "Qwen3 (ternary Bonsai needs q/k norms and per-128 group scales)",
 }
+_HINT = ("supported: BitNet b1.58, 1bitLLM, Llama-architecture ternary models (Falcon3-1.58bit, Llama3-8B-1.58,"
+         " Falcon-E, TriLM) and BitCPM4 (MiniCPM); see README")
+
+
+def is_minicpm(cfg: dict) -> bool:
+    archs = cfg.get("architectures") or []
+    return "MiniCPMForCausalLM" in archs or str(cfg.get("model_type", "")).lower() == "minicpm"
 
 
 def refuse_unsupported_hf(path: str, cfg: dict):
@@ -109,6 +128,12 @@ def refuse_unsupported_hf(path: str, cfg: dict):
     archs = cfg.get("architectures") or []
     for key, why in _KNOWN_UNSUPPORTED.items():
         if mt.startswith(key) or any(str(a).lower().startswith(key) for a in archs):
-            raise UnsupportedError(f"{path}: unsupported model architecture {why}",
-                                   hint="supported: BitNet b1.58, 1bitLLM, and Llama-architecture ternary models"
-                                        " (Falcon3-1.58bit, Llama3-8B-1.58, Falcon-E, TriLM); see README")
+            raise UnsupportedError(f"{path}: unsupported model architecture {why}", hint=_HINT)
+    if is_minicpm(cfg):  # dense MiniCPM (1/2/4, BitCPM4) only
+        for key, why in (("num_experts", "mixture of experts"), ("q_lora_rank", "multi-head latent attention"),
+                         ("kv_lora_rank", "multi-head latent attention"),
+                         ("sparse_config", "InfLLM v2 sparse attention")):
+            v = cfg.get(key)
+            if v not in (None, 0, False, {}):
+                raise UnsupportedError(f"{path}: unsupported MiniCPM variant: {why} ({key} = {str(v)[:60]})",
+                                       hint="dense MiniCPM / BitCPM4 models only")

@@ -19,7 +19,7 @@ import numpy as np
 
 from ..config import ModelConfig
 from ..errors import FormatError, UnsupportedError
-from .families import gguf_family, hf_family, refuse_unsupported_hf
+from .families import gguf_family, hf_family, is_minicpm, refuse_unsupported_hf
 from .gguf import GGUFFile
 from .safetensors_io import SafetensorsDir
 from .tokenizer_build import fix_chat_template, gguf_tokenizer, special_ids_from_hf_json
@@ -312,7 +312,10 @@ class HFSource:
             raise FormatError(f"{path}/config.json: model_type must be a string, got {cfg['model_type']!r}")
         mt = cfg.get("model_type", "")
         refuse_unsupported_hf(path, cfg)
-        llama = "LlamaForCausalLM" in archs or (mt == "llama" and "BitnetForCausalLM" not in archs)
+        # MiniCPM (BitCPM4): the Llama layout (same tensor names, SwiGLU, no sub-norms, RMSNorm) plus three
+        # constant scalings, folded into the weights below, and LongRoPE, which drives the RoPE tables
+        self.minicpm = minicpm = is_minicpm(cfg)
+        llama = minicpm or "LlamaForCausalLM" in archs or (mt == "llama" and "BitnetForCausalLM" not in archs)
         if not ({"BitNetForCausalLM", "BitnetForCausalLM"} & set(archs) or mt == "bitnet" or llama):
             raise UnsupportedError(f"{path}: unsupported model (architectures {archs}, model_type {mt!r})",
                                    hint="this engine runs ternary BitNet b1.58 / Llama-architecture models (README)")
@@ -345,27 +348,44 @@ class HFSource:
         rope_params = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
         rope_type = (rope.get("rope_type") or rope.get("type")) if isinstance(rope, dict) else rope
         rope_type = rope_type or rope_params.get("rope_type")
-        if rope_type not in (None, "default"):
+        where = os.path.join(path, "config.json")
+        D, H = _cfg_int(where, cfg, "hidden_size"), _cfg_int(where, cfg, "num_attention_heads")
+        hd = _cfg_int(where, cfg, "head_dim", D // H)
+        rope_factors, rope_attn = (), 1.0
+        if minicpm and rope_type == "longrope":
+            rope_factors, rope_attn = self._longrope(where, rope if isinstance(rope, dict) and rope else rope_params, hd, _cfg_int(where, cfg, "max_position_embeddings", 4096))
+        elif rope_type not in (None, "default"):
             raise UnsupportedError(f"{path}/config.json: RoPE scaling {rope_type!r} is not supported")
         act = hidden_act or cfg.get("hidden_act") or ("relu2" if mt == "bitnet" else "silu")
         act = {"relu2": "relu2", "relu_squared": "relu2", "silu": "silu", "swish": "silu"}.get(str(act))
         if act is None:
             raise UnsupportedError(f"{path}/config.json: unsupported hidden_act {cfg.get('hidden_act')!r}")
-        where = os.path.join(path, "config.json")
-        D, H = _cfg_int(where, cfg, "hidden_size"), _cfg_int(where, cfg, "num_attention_heads")
+        self.emb_scale = self.res_scale = self.logit_div = 1.0
+        if minicpm:
+            # modeling_minicpm.py: embeddings x scale_emb; every residual branch x scale_depth / sqrt(layers);
+            # logits = lm_head(h / (hidden_size / dim_model_base))
+            n_layers = _cfg_int(where, cfg, "num_hidden_layers")
+            self.emb_scale = _cfg_float(where, cfg, "scale_emb", 1.0)
+            self.res_scale = _cfg_float(where, cfg, "scale_depth", 1.0) / float(np.sqrt(n_layers))
+            self.logit_div = D / _cfg_float(where, cfg, "dim_model_base", 1.0)
+            self.meta["folded"] = (f"scale_emb {self.emb_scale:g} into token_embd; scale_depth/sqrt(layers) ="
+                                   f" {self.res_scale:.6g} into the attn_output / ffn_down row scales; 1/(hidden_size/"
+                                   f"dim_model_base) = 1/{self.logit_div:.6g} into the output rows (head untied)")
         tok, tmpl, bos, eos = self._tokenizer(cfg)
         rope_theta = cfg.get("rope_theta") if cfg.get("rope_theta") is not None else rope_params.get("rope_theta")
         self.config = _config(
             path, hidden_size=D, intermediate_size=_cfg_int(where, cfg, "intermediate_size"),
             n_layers=_cfg_int(where, cfg, "num_hidden_layers"), n_heads=H,
-            n_kv_heads=_cfg_int(where, cfg, "num_key_value_heads", H), head_dim=_cfg_int(where, cfg, "head_dim", D // H),
+            n_kv_heads=_cfg_int(where, cfg, "num_key_value_heads", H), head_dim=hd,
             vocab_size=_cfg_int(where, cfg, "vocab_size"),
             context_length=_cfg_int(where, cfg, "max_position_embeddings", 4096),
             rope_theta=_cfg_float(where, {"rope_theta": rope_theta}, "rope_theta", 10000.0),
             rms_norm_eps=_cfg_float(where, cfg, "rms_norm_eps", 1e-5),
-            hidden_act=act, tie_word_embeddings="lm_head.weight" not in names, sub_norms=sub_norms,
+            # MiniCPM: the head always gets its own (logit-scaled) rows, since the embedding is stored scaled
+            hidden_act=act, tie_word_embeddings="lm_head.weight" not in names and not minicpm, sub_norms=sub_norms,
+            rope_factors=rope_factors, rope_attn_factor=rope_attn,
             bos_token_id=bos, eos_token_ids=tuple(eos),
-            arch="bitnet-b1.58" if mt == "bitnet" else ("llama" if llama else "1bitllm"),
+            arch="bitnet-b1.58" if mt == "bitnet" else ("minicpm" if minicpm else "llama" if llama else "1bitllm"),
             name=os.path.basename(os.path.abspath(path)))
         try:
             self.meta["family"] = hf_family(cfg, names, self.mode == "fakequant", path)
@@ -377,6 +397,27 @@ class HFSource:
                      (self.config.vocab_size, self.config.hidden_size))
         kind = "packed" if self.st.info("model.layers.0.self_attn.q_proj.weight")[0] == "U8" else "online"
         self.source_format = f"hf-{kind}-{self.linear_class}"
+
+    @staticmethod
+    def _longrope(where: str, rope: dict, hd: int, max_pos: int) -> tuple[tuple[float, ...], float]:
+        """MiniCPM's LongRoPE (modeling_minicpm.py MiniCPMLongRoPE): the cos/sin cache is built once for
+        max_position_embeddings positions, with long_factor when that exceeds original_max_position_embeddings,
+        else short_factor (so the choice is fixed by the config, not by the prompt's length); every frequency
+        is divided by its factor and cos, sin are multiplied by sqrt(1 + ln(scale) / ln(original)),
+        scale = max_position_embeddings / original_max_position_embeddings."""
+        orig = rope.get("original_max_position_embeddings")
+        if isinstance(orig, float) and orig.is_integer():
+            orig = int(orig)
+        if not isinstance(orig, int) or isinstance(orig, bool) or orig < 2:
+            raise FormatError(f"{where}: rope_scaling.original_max_position_embeddings must be an integer >= 2,"
+                              f" got {orig!r}")
+        key = "long_factor" if max_pos > orig else "short_factor"
+        f = rope.get(key)
+        if (not isinstance(f, list) or len(f) != hd // 2
+                or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and np.isfinite(x) and x > 0 for x in f)):
+            raise FormatError(f"{where}: rope_scaling.{key} must be a list of {hd // 2} positive numbers (head_dim/2)")
+        attn = float(np.sqrt(1.0 + np.log(max_pos / orig) / np.log(orig)))
+        return tuple(float(x) for x in f), attn
 
     def _read_json(self, fn):
         p = os.path.join(self.path, fn)
@@ -436,7 +477,8 @@ class HFSource:
     def embed(self, r0, r1):
         name = "model.embed_tokens.weight"
         _shape_check(self.path, name, self.st.info(name)[1], (self.config.vocab_size, self.config.hidden_size))
-        return self._rows_f32(name, r0, r1)
+        rows = self._rows_f32(name, r0, r1)
+        return rows * np.float32(self.emb_scale) if self.emb_scale != 1.0 else rows
 
     def _rows_f32(self, name, r0, r1):
         from .safetensors_io import bf16_to_f32
@@ -452,9 +494,15 @@ class HFSource:
     def lm_head(self, r0, r1):
         if self.config.tie_word_embeddings:
             return None
-        _shape_check(self.path, "lm_head.weight", self.st.info("lm_head.weight")[1],
-                     (self.config.vocab_size, self.config.hidden_size))
-        return self._rows_f32("lm_head.weight", r0, r1)
+        name = "lm_head.weight"
+        if self.minicpm and self.cfg.get("tie_word_embeddings", True) is not False:
+            # MiniCPMConfig ties by default (transformers then ignores a saved lm_head): the file's embedding
+            name = "model.embed_tokens.weight"
+        elif name not in self.st.names():
+            raise FormatError(f"{self.path}: config.json says tie_word_embeddings false but there is no lm_head.weight")
+        _shape_check(self.path, name, self.st.info(name)[1], (self.config.vocab_size, self.config.hidden_size))
+        rows = self._rows_f32(name, r0, r1)
+        return rows / np.float32(self.logit_div) if self.logit_div != 1.0 else rows
 
     def norm(self, short, i):
         c = self.config
@@ -470,6 +518,16 @@ class HFSource:
         return self.st.get_f32(name).reshape(-1)
 
     def linear(self, short, i):
+        w, scale, seen = self._linear(short, i)
+        if self.res_scale != 1.0 and short in ("attn_output", "ffn_down"):
+            # MiniCPM: x += branch * scale_depth / sqrt(layers): folded into the branch's last matrix
+            if isinstance(scale, np.ndarray):
+                scale = (scale.astype(np.float64) * self.res_scale).astype(np.float32)
+            else:
+                scale = _check_scale(self.path, self._hf(short, i) + ".weight", float(np.float32(scale * self.res_scale)))
+        return w, scale, seen
+
+    def _linear(self, short, i):
         c = self.config
         out, inp = {"attn_q": (c.q_dim, c.hidden_size), "attn_k": (c.kv_dim, c.hidden_size),
                     "attn_v": (c.kv_dim, c.hidden_size), "attn_output": (c.hidden_size, c.q_dim),

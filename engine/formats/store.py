@@ -225,10 +225,6 @@ class Store:
         self.close()
 
 
-def open_store(path: str | os.PathLike) -> Store:
-    return Store(path)
-
-
 def is_store(path: str | os.PathLike) -> bool:
     try:
         with open(path, "rb") as f:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 
+from ..config import BITNET_CHAT_TEMPLATE, is_broken_chat_template
 from ..errors import FormatError
 
 LLAMA3_SPLIT_REGEX = (
@@ -21,18 +22,10 @@ LLAMA3_SPLIT_REGEX = (
 )
 GPT2_SPLIT_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 LLAMA3_PRES = {None, "", "llama-bpe", "llama3", "llama-v3", "smaug-bpe", "falcon3"}  # as llama.cpp maps them
-BITNET_CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}"
-    "{{ message['role'] | capitalize }}: {{ message['content'] }}<|eot_id|>"
-    "{% endfor %}{% if add_generation_prompt %}Assistant: {% endif %}"
-)
-
-
 def fix_chat_template(tmpl: str | None) -> str:
-    """The template to store: the 2B-4T form if missing or the known-broken official GGUF one."""
-    if not tmpl or "BITNETAssistant" in tmpl or "Human: " in tmpl:
-        return BITNET_CHAT_TEMPLATE
-    return tmpl
+    """The template to store: the 2B-4T form if missing or the known-broken official GGUF one (the same rule
+    the runtime renders by: engine/config.py)."""
+    return BITNET_CHAT_TEMPLATE if is_broken_chat_template(tmpl) else tmpl
 
 
 def special_ids_from_hf_json(blob: bytes, names, path: str = "tokenizer.json") -> list[int]:

@@ -15,26 +15,18 @@ import datetime
 import json
 from functools import lru_cache
 
+from ..config import BITNET_CHAT_TEMPLATE, is_broken_chat_template
 from ..errors import BitNetError
 from .template_sandbox import Limits, _guard_filter, render_limited
 
 LIMITS = Limits()   # per render: 2 s, 1 MiB (+4x the messages) per value and output, 200k loop iterations
 
-BITNET_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}"
-    "{{ message['role'] | capitalize }}: {{ message['content'] }}<|eot_id|>"
-    "{% endfor %}{% if add_generation_prompt %}Assistant: {% endif %}"
-)
 ROLES = ("system", "user", "assistant")
 
 
-def is_broken_template(template: str | None) -> bool:
-    """Missing, or the official GGUF's wrong "BITNETAssistant" template."""
-    return not template or not template.strip() or "BITNETAssistant" in template
-
-
 def choose_template(template: str | None) -> str:
-    return BITNET_TEMPLATE if is_broken_template(template) else template
+    """The template to render: the model's own, or the fallback (engine/config.py: the one rule for both)."""
+    return BITNET_CHAT_TEMPLATE if is_broken_chat_template(template) else template
 
 
 class TemplateError(BitNetError):

@@ -2,8 +2,8 @@
 
 generate() reuses the longest common prefix of the prompt with the tokens already in the KV cache,
 prefills the rest in chunks, then samples / decodes one token at a time, yielding a Chunk per token (text
-may be "" while a UTF-8 character is incomplete or might start a stop string) and a final Chunk with the
-finish reason and Stats. The cache only ever advances by fully processed tokens, so a consumer that stops
+may be "" while a UTF-8 character is incomplete or might start a stop string) with the running Stats, and a
+final Chunk with the finish reason and the final Stats. The cache only ever advances by fully processed tokens, so a consumer that stops
 iterating (break, Ctrl-C) leaves it consistent. With prompt lookup on (engine/speculative.py), a draft is
 verified in one Model.verify pass and each token is still sampled from its own row of logits, in order, with
 the same sampler: the output is the same as without it; rejected positions are truncated from the cache.
@@ -28,26 +28,29 @@ FINISH_MESSAGES = {
 }
 
 
-@dataclass
+@dataclass(slots=True)
 class Stats:
+    """Where a generation stands. Every Chunk carries a fresh one (as mlx-lm's stream_generate does), so a
+    consumer that stops early (Ctrl-C) still has the engine's numbers; the final Chunk's has the finish reason.
+    Slotted: one small object per token, a fraction of a microsecond next to a decode step."""
     n_prompt: int          # prompt tokens
     n_cached: int          # of which reused from the KV cache
-    n_generated: int       # tokens sampled (the eos token counts)
+    n_generated: int       # tokens sampled so far (the eos token counts)
     load_s: float          # model load time of the session
-    ttft_s: float          # time to first token: prefill + first sample
+    ttft_s: float          # time to first token: prefill + first sample (0 until then)
     prefill_tps: float     # prompt tokens processed per second (cached ones excluded)
-    decode_tps: float      # generated tokens per second after the first
+    decode_tps: float      # generated tokens per second after the first, so far
     finish_reason: str | None = None
     n_drafted: int = 0     # prompt-lookup draft tokens verified (engine/speculative.py)
     n_accepted: int = 0    # of which accepted
 
 
-@dataclass
+@dataclass(slots=True)
 class Chunk:
     text: str
     token: int | None
     finish_reason: str | None = None
-    stats: Stats | None = None
+    stats: Stats | None = None   # always set by generate() and the batching scheduler: the running Stats
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -136,10 +139,11 @@ def generate(model, tokenizer, prompt_ids: Sequence[int], params: SamplingParams
     rows, draft, base, j = None, [], 0, 0
     n_drafted = n_accepted = 0
 
-    def stats(n_gen, ttft, dt, reason):
-        return Stats(n_prompt=len(prompt), n_cached=n_cached, n_generated=n_gen, load_s=load_s, ttft_s=ttft,
-                     prefill_tps=prefill_tps, decode_tps=(n_gen - 1) / dt if n_gen > 1 and dt > 0 else 0.0,
-                     finish_reason=reason, n_drafted=n_drafted, n_accepted=n_accepted)
+    n_prompt = len(prompt)
+
+    def stats(n_gen, ttft, dt, reason):   # called per token: positional, in Stats' field order (cheaper)
+        return Stats(n_prompt, n_cached, n_gen, load_s, ttft, prefill_tps,
+                     (n_gen - 1) / dt if n_gen > 1 and dt > 0 else 0.0, reason, n_drafted, n_accepted)
 
     if max_tokens == 0:  # prefill only (chat re-prefills a loaded conversation this way)
         yield Chunk("", None, "length", stats(0, prefill_s, 0.0, "length"))
@@ -166,7 +170,7 @@ def generate(model, tokenizer, prompt_ids: Sequence[int], params: SamplingParams
                 break
             history.append(tok)
             text, stopped = matcher.feed(stream.push(tok))
-            yield Chunk(text, tok)
+            yield Chunk(text, tok, None, stats(n_gen, ttft, decode_s, None))
             t0 = time.perf_counter()
             if stopped:
                 reason = "stop"
@@ -209,5 +213,5 @@ def generate(model, tokenizer, prompt_ids: Sequence[int], params: SamplingParams
         rest, _ = matcher.feed(stream.flush())
         rest += matcher.flush()
         if rest:
-            yield Chunk(rest, None)
+            yield Chunk(rest, None, None, stats(n_gen, ttft, decode_s, None))
     yield Chunk("", None, reason, stats(n_gen, ttft, decode_s, reason))

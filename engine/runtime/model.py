@@ -122,11 +122,20 @@ class _Layer:
 
 
 def rope_tables(cfg: ModelConfig, n_ctx: int) -> tuple[np.ndarray, np.ndarray]:
-    """cos, sin [n_ctx, head_dim/2] f32, computed as transformers does (f32 inv_freq, f32 position * inv_freq)."""
+    """cos, sin [n_ctx, head_dim/2] f32, computed as transformers does (f32 inv_freq, f32 position * inv_freq).
+    LongRoPE (config.rope_factors, MiniCPM's modeling order): position * (1 / factor) first, then * inv_freq;
+    both tables multiplied by config.rope_attn_factor. Plain RoPE models get exactly the tables they always had."""
     hd = cfg.head_dim
     inv_freq = (1.0 / (np.float32(cfg.rope_theta) ** (np.arange(0, hd, 2, dtype=np.float32) / np.float32(hd)))).astype(np.float32)
-    freqs = np.arange(n_ctx, dtype=np.float32)[:, None] * inv_freq[None, :]
-    return np.ascontiguousarray(np.cos(freqs), dtype=np.float32), np.ascontiguousarray(np.sin(freqs), dtype=np.float32)
+    pos = np.arange(n_ctx, dtype=np.float32)[:, None]
+    if cfg.rope_factors:
+        freqs = (pos * (np.float32(1.0) / np.asarray(cfg.rope_factors, np.float32))[None, :]) * inv_freq[None, :]
+    else:
+        freqs = pos * inv_freq[None, :]
+    cos, sin = np.cos(freqs), np.sin(freqs)
+    if cfg.rope_attn_factor != 1.0:
+        cos, sin = cos * np.float32(cfg.rope_attn_factor), sin * np.float32(cfg.rope_attn_factor)
+    return np.ascontiguousarray(cos, dtype=np.float32), np.ascontiguousarray(sin, dtype=np.float32)
 
 
 class Weights:

@@ -6,17 +6,18 @@ Work stays on the few candidates that survive top-k (or the min-p threshold when
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, fields
 
 import numpy as np
-
-from ...simd import _ops as ops
 
 from ..errors import BitNetError
 
 
 @dataclass
 class SamplingParams:
+    """The one source of the sampling defaults (llama.cpp's) and of their checks: `bitnet run`'s flags, bitchat's
+    /set and the server's request fields take their defaults from here and validate through setting_problem()."""
     temperature: float = 0.8     # 0 -> greedy
     top_k: int = 40              # 0 -> off
     top_p: float = 0.95          # 1 -> off
@@ -25,25 +26,36 @@ class SamplingParams:
     repeat_last_n: int = 64      # how many recent tokens the penalty looks at
     seed: int | None = None      # None -> a fresh random seed
 
-    def check(self):
-        if not (self.temperature >= 0):
-            raise BitNetError(f"--temp {self.temperature}: must be >= 0")
-        if self.top_k < 0:
-            raise BitNetError(f"--top-k {self.top_k}: must be >= 0 (0 disables)")
-        if not (0.0 < self.top_p <= 1.0):
-            raise BitNetError(f"--top-p {self.top_p}: must be in (0, 1]")
-        if not (0.0 <= self.min_p <= 1.0):
-            raise BitNetError(f"--min-p {self.min_p}: must be in [0, 1]")
-        if not (self.repeat_penalty > 0):
-            raise BitNetError(f"--repeat-penalty {self.repeat_penalty}: must be > 0")
-        if self.repeat_last_n < 0:
-            raise BitNetError(f"repeat_last_n {self.repeat_last_n}: must be >= 0")
-        if self.seed is not None and not 0 <= self.seed < 1 << 64:
-            raise BitNetError(f"--seed {self.seed}: must be in 0 .. 2^64-1 (or None/-1 on the command line: random)")
+    def check(self, names: dict[str, str] | None = None):
+        """Raise BitNetError for the first bad field, named as `names[field]` (default: the field's own name)."""
+        for f in fields(self):
+            problem = setting_problem(f.name, getattr(self, f.name), (names or {}).get(f.name))
+            if problem:
+                raise BitNetError(problem)
         return self
 
 
-GREEDY = SamplingParams(temperature=0.0)
+# field -> (is the value valid, what it must be). A float must also be finite; NaN fails every comparison.
+_RULES = {
+    "temperature": (lambda v: v >= 0, "must be >= 0 (0 = greedy)"),
+    "top_k": (lambda v: v >= 0, "must be >= 0 (0 = off)"),
+    "top_p": (lambda v: 0 < v <= 1, "must be in (0, 1] (1 = off)"),
+    "min_p": (lambda v: 0 <= v <= 1, "must be in [0, 1] (0 = off)"),
+    "repeat_penalty": (lambda v: 0 < v < math.inf, "must be > 0 and finite (1 = off)"),
+    "repeat_last_n": (lambda v: v >= 0, "must be >= 0 (0 = off)"),
+    "seed": (lambda v: v is None or 0 <= v < 1 << 64, "must be >= 0 and < 2^64 (-1 or 'random': a fresh one)"),
+}
+
+
+def setting_problem(field: str, value, name: str | None = None) -> str | None:
+    """The one message for a bad value of SamplingParams.`field`, or None when it is valid. `name` is how the
+    caller's user spells the setting (`--temp`, `/set temp`, `temperature`; default: the field name), so every
+    front end says the same thing: "--top-p 1.5: must be in (0, 1] (1 = off)"."""
+    ok, rule = _RULES[field]
+    shown = f"{value:g}" if isinstance(value, float) else str(value)
+    if isinstance(value, bool) or not ok(value):
+        return f"{name or field} {shown}: {rule}"
+    return None
 
 
 class Sampler:
@@ -51,7 +63,12 @@ class Sampler:
     per-step buffer); `history` is the list of ids seen so far (prompt + generated)."""
 
     def __init__(self, params: SamplingParams | None, vocab_size: int):
+        # imported here, not at the top: SamplingParams and setting_problem need no kernels, and the command line
+        # imports them before its error handling (a bad BITNET_ISA must be one line, not a traceback)
+        from ...simd import _ops
+
         self.p = (params or SamplingParams()).check()
+        self._topk = _ops.topk
         self.vocab_size = vocab_size
         self.rng = np.random.default_rng(self.p.seed)
         k = self.p.top_k if 0 < self.p.top_k < vocab_size else 0
@@ -82,7 +99,7 @@ class Sampler:
         v = logits.shape[0]
         k = p.top_k if 0 < p.top_k < v else v
         if k < v:
-            got = ops.topk(np.ascontiguousarray(logits, dtype=np.float32), self._top_heap, self._top_idx)
+            got = self._topk(np.ascontiguousarray(logits, dtype=np.float32), self._top_heap, self._top_idx)
             cand = self._top_idx[:got]
         elif p.min_p > 0.0:
             # min-p keeps prob >= min_p * max_prob, i.e. logit >= max + log(min_p): prefilter on that

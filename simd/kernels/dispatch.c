@@ -4,11 +4,16 @@
  * (XCR0: SSE+AVX state for ymm, plus opmask/zmm state for AVX-512); a feature counts only if both agree.
  * aarch64: NEON is baseline; dot-product (sdot) from HWCAP.
  * The choice is made once (bk_init, at import) and cached in bk_table; bk_set_isa changes it explicitly.
+ * The runtime helpers of simd/ops/ read the same choice (ops_isa() in ops.h), so one set_isa / BITNET_ISA
+ * governs every C path of the extension; one thread count (bk_get_num_threads) does too.
  */
+#define _GNU_SOURCE /* sched_getaffinity */
 #include "kernels.h"
 
-#include <omp.h>
+#include <sched.h>
+#include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <cpuid.h>
@@ -25,7 +30,11 @@ bk_table_t bk_table;
 static bk_features_t features;
 static int features_ready = 0;
 static int current_isa = BK_ISA_SCALAR;
-static int num_threads = 0;
+static int num_threads = 0;                 /* the process default (0: not read yet) */
+/* set_num_threads applies to the calling thread: two sessions, each driving the kernels from its own
+ * thread (a chat in the main thread, a batching engine's scheduler thread), never run with each other's
+ * count. 0: the process default. */
+static _Thread_local int thread_threads = 0;
 
 #ifdef BK_X86
 static uint64_t read_xcr0(void) {
@@ -111,6 +120,7 @@ void bk_fill_table(bk_table_t *t, int isa) {
 #define PICK(field, bodies) \
     t->field = bodies[isa] ? bodies[isa] : bodies[down] ? bodies[down] : bodies[BK_ISA_SCALAR]
     PICK(quantize_act, bk_quantize_bodies);
+    PICK(quantize_scaled, bk_quantize_scaled_bodies);
     PICK(gemv_ternary, bk_gemv_ternary_bodies);
     PICK(gemm_ternary, bk_gemm_ternary_bodies);
     PICK(gemv_i8, bk_gemv_i8_bodies);
@@ -129,10 +139,27 @@ int bk_set_isa(int isa) {
 
 int bk_get_isa(void) { return current_isa; }
 
-void bk_set_num_threads(int n) { num_threads = n > 0 ? n : omp_get_num_procs(); }
+/* Logical CPUs this process may run on (what omp_get_num_procs reported before the pool replaced OpenMP). */
+static int available_cpus(void) {
+#if defined(__linux__)
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0) return CPU_COUNT(&set);
+#endif
+    long n = sysconf(_SC_NPROCESSORS_ONLN);
+    return n > 0 ? (int)n : 1;
+}
 
+void bk_set_num_threads(int n) { thread_threads = n > 0 ? n : 0; }
+
+/* Default: OMP_NUM_THREADS when it names a positive count (scripts and benchmarks set it; engine/cpu.py
+ * reads it the same way), else every available CPU. */
 int bk_get_num_threads(void) {
-    if (num_threads <= 0) num_threads = omp_get_max_threads();
+    if (thread_threads > 0) return thread_threads;
+    if (num_threads <= 0) {
+        const char *env = getenv("OMP_NUM_THREADS");
+        int n = env ? atoi(env) : 0;
+        num_threads = n > 0 ? n : available_cpus();
+    }
     return num_threads;
 }
 

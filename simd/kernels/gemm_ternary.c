@@ -246,14 +246,7 @@ static void gemm_ternary_range(void *ctx, int b, int e) {
 
 void bk_gemm_ternary(const uint8_t *w, const float *row_scale, const int8_t *xq, int m, int k_pad,
                      const float *act_scale, const int32_t *act_sum, float *out, int32_t *out_i32, int n) {
-    bk_gemm_ternary_fn fn = bk_table.gemm_ternary;
     int n_tiles = (n + 15) / 16;
-    int nt = bk_get_num_threads();
-    if (nt > n_tiles) nt = n_tiles;
-    if (nt <= 1 || (size_t)n_tiles * k_pad * m < 16 * 4096) {
-        fn(w, row_scale, xq, m, k_pad, act_scale, act_sum, out, out_i32, n, 0, n_tiles);
-        return;
-    }
-    gemm_ternary_job job = {fn, w, row_scale, xq, m, k_pad, act_scale, act_sum, out, out_i32, n};
-    bk_run_tiles(n_tiles, nt, gemm_ternary_range, &job);
+    gemm_ternary_job job = {bk_table.gemm_ternary, w, row_scale, xq, m, k_pad, act_scale, act_sum, out, out_i32, n};
+    bk_run_tiles(n_tiles, (size_t)n_tiles * k_pad * m, 16 * 4096, gemm_ternary_range, &job);
 }

@@ -172,16 +172,9 @@ static void gemv_f16_range(void *ctx, int b, int e) {
 }
 
 void bk_gemv_f16(const uint16_t *w, const float *x, int k, float *out, int n) {
-    bk_gemv_f16_fn fn = bk_table.gemv_f16;
     int n_tiles = (n + 15) / 16;
-    int nt = bk_get_num_threads();
-    if (nt > n_tiles) nt = n_tiles;
-    if (nt <= 1 || (size_t)n_tiles * k < 16 * 1024) {
-        fn(w, x, k, out, n, 0, n_tiles);
-        return;
-    }
-    gemv_f16_job job = {fn, w, x, k, out, n};
-    bk_run_tiles(n_tiles, nt, gemv_f16_range, &job);
+    gemv_f16_job job = {bk_table.gemv_f16, w, x, k, out, n};
+    bk_run_tiles(n_tiles, (size_t)n_tiles * k, 16 * 1024, gemv_f16_range, &job);
 }
 
 /* M rows at once (the batched engine's logits): the GEMV body per row over runs of 4 tiles, so each run of
@@ -208,10 +201,5 @@ static void gemm_f16_range(void *ctx, int b, int e) {
 void bk_gemm_f16(const uint16_t *w, const float *x, int m, int k, float *out, int n) {
     gemm_f16_job job = {bk_table.gemv_f16, w, x, m, k, out, n};
     int n_tiles = (n + 15) / 16;
-    int nt = bk_get_num_threads();
-    if (nt > n_tiles) nt = n_tiles;
-    if (nt <= 1 || (size_t)n_tiles * k * m < 16 * 1024)
-        gemm_f16_range(&job, 0, n_tiles);
-    else
-        bk_run_tiles(n_tiles, nt, gemm_f16_range, &job);
+    bk_run_tiles(n_tiles, (size_t)n_tiles * k * m, 16 * 1024, gemm_f16_range, &job);
 }

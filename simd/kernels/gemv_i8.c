@@ -212,7 +212,6 @@ static void gemv_i8_range(void *ctx, int b, int e) {
 
 int bk_gemv_i8(const int8_t *w, const float *row_scale, const int32_t *w_rowsum, const int8_t *xq, int k_pad,
                float act_scale, float *out, int32_t *out_i32, int n) {
-    bk_gemv_i8_fn fn = bk_table.gemv_i8;
     uint8_t stack_aux[2 * 8192];
     uint8_t *aux = 2 * (size_t)k_pad <= sizeof stack_aux ? stack_aux : malloc(2 * (size_t)k_pad);
     if (!aux) return -1;
@@ -221,14 +220,8 @@ int bk_gemv_i8(const int8_t *w, const float *row_scale, const int32_t *w_rowsum,
         aux[k_pad + k] = (uint8_t)(xq[k] < 0 ? -xq[k] : xq[k]); /* -(-128) = 128 fits in u8 */
     }
     int n_tiles = (n + 15) / 16;
-    int nt = bk_get_num_threads();
-    if (nt > n_tiles) nt = n_tiles;
-    if (nt <= 1 || (size_t)n_tiles * k_pad < 16 * 4096) {
-        fn(w, row_scale, w_rowsum, xq, aux, k_pad, act_scale, out, out_i32, n, 0, n_tiles);
-    } else {
-        gemv_i8_job job = {fn, w, row_scale, w_rowsum, xq, aux, k_pad, act_scale, out, out_i32, n};
-        bk_run_tiles(n_tiles, nt, gemv_i8_range, &job);
-    }
+    gemv_i8_job job = {bk_table.gemv_i8, w, row_scale, w_rowsum, xq, aux, k_pad, act_scale, out, out_i32, n};
+    bk_run_tiles(n_tiles, (size_t)n_tiles * k_pad, 16 * 4096, gemv_i8_range, &job);
     if (aux != stack_aux) free(aux);
     return 0;
 }
@@ -280,12 +273,7 @@ int bk_gemm_i8(const int8_t *w, const float *row_scale, const int32_t *w_rowsum,
     }
     gemm_i8_job job = {bk_table.gemv_i8, w, row_scale, w_rowsum, xq, aux, m, k_pad, act_scale, out, out_i32, n};
     int n_tiles = (n + 15) / 16;
-    int nt = bk_get_num_threads();
-    if (nt > n_tiles) nt = n_tiles;
-    if (nt <= 1 || (size_t)n_tiles * k_pad * m < 16 * 4096)
-        gemm_i8_range(&job, 0, n_tiles);
-    else
-        bk_run_tiles(n_tiles, nt, gemm_i8_range, &job);
+    bk_run_tiles(n_tiles, (size_t)n_tiles * k_pad * m, 16 * 4096, gemm_i8_range, &job);
     free(aux);
     return 0;
 }

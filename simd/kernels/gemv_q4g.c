@@ -191,14 +191,8 @@ int bk_gemv_q4g(const uint8_t *codes, const uint8_t *gscale, const float *d, con
             xs8[(size_t)i * groups + g] = 8 * s;
         }
     int n_tiles = (n + 15) / 16;
-    int nt = bk_get_num_threads();
-    if (nt > n_tiles) nt = n_tiles;
-    if (nt <= 1 || (size_t)n_tiles * k_pad * m < 16 * 8192) {
-        fn(codes, gscale, d, xq, xs8, m, k_pad, act_scale, out, out_i32, n, 0, n_tiles);
-    } else {
-        q4g_job job = {fn, codes, gscale, d, xq, xs8, m, k_pad, act_scale, out, out_i32, n};
-        bk_run_tiles(n_tiles, nt, q4g_range, &job);
-    }
+    q4g_job job = {fn, codes, gscale, d, xq, xs8, m, k_pad, act_scale, out, out_i32, n};
+    bk_run_tiles(n_tiles, (size_t)n_tiles * k_pad * m, 16 * 8192, q4g_range, &job);
     if (xs8 != stack_xs) free(xs8);
     return 0;
 }

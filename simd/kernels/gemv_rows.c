@@ -236,14 +236,8 @@ void bk_gemv_rows_ternary(const uint8_t *w, const float *row_scale, const int8_t
     rows_i8_fn unused;
     pick(&fn, &unused);
     int n_tiles = (n + 15) / 16;
-    int nt = bk_get_num_threads();
-    if (nt > n_tiles) nt = n_tiles;
-    if (nt <= 1 || (size_t)n_tiles * k_pad < 16 * 4096) {
-        fn(w, row_scale, xq, m, k_pad, act_scale, act_sum, out, n, 0, n_tiles);
-        return;
-    }
     ternary_rows_job job = {fn, w, row_scale, xq, m, k_pad, act_scale, act_sum, out, n};
-    bk_run_tiles(n_tiles, nt, ternary_rows_range, &job);
+    bk_run_tiles(n_tiles, (size_t)n_tiles * k_pad, 16 * 4096, ternary_rows_range, &job);
 }
 
 typedef struct {
@@ -286,14 +280,8 @@ int bk_gemv_rows_i8(const int8_t *w, const float *row_scale, const int32_t *w_ro
         xsum[i] = sx;
     }
     int n_tiles = (n + 15) / 16;
-    int nt = bk_get_num_threads();
-    if (nt > n_tiles) nt = n_tiles;
-    if (nt <= 1 || (size_t)n_tiles * k_pad < 16 * 4096) {
-        fn(w, row_scale, w_rowsum, xq, aux, xsum, m, k_pad, act_scale, out, n, 0, n_tiles);
-    } else {
-        i8_rows_job job = {fn, w, row_scale, w_rowsum, xq, aux, xsum, m, k_pad, act_scale, out, n};
-        bk_run_tiles(n_tiles, nt, i8_rows_range, &job);
-    }
+    i8_rows_job job = {fn, w, row_scale, w_rowsum, xq, aux, xsum, m, k_pad, act_scale, out, n};
+    bk_run_tiles(n_tiles, (size_t)n_tiles * k_pad, 16 * 4096, i8_rows_range, &job);
     free(aux);
     return 0;
 }

@@ -203,15 +203,8 @@ static void gemv_ternary_range(void *ctx, int b, int e) {
 
 void bk_gemv_ternary(const uint8_t *w, const float *row_scale, const int8_t *xq, int k_pad, float act_scale,
                      int32_t act_sum, float *out, int32_t *out_i32, int n) {
-    bk_gemv_ternary_fn fn = bk_table.gemv_ternary;
     int n_tiles = (n + 15) / 16;
-    int nt = bk_get_num_threads();
-    /* tiny matrices: thread start-up costs more than the work */
-    if (nt > n_tiles) nt = n_tiles;
-    if (nt <= 1 || (size_t)n_tiles * k_pad < 16 * 4096) {
-        fn(w, row_scale, xq, k_pad, act_scale, act_sum, out, out_i32, n, 0, n_tiles);
-        return;
-    }
-    gemv_ternary_job job = {fn, w, row_scale, xq, k_pad, act_scale, act_sum, out, out_i32, n};
-    bk_run_tiles(n_tiles, nt, gemv_ternary_range, &job);
+    gemv_ternary_job job = {bk_table.gemv_ternary, w, row_scale, xq, k_pad, act_scale, act_sum, out, out_i32, n};
+    /* tiny matrices: a thread hand-off costs more than the work */
+    bk_run_tiles(n_tiles, (size_t)n_tiles * k_pad, 16 * 4096, gemv_ternary_range, &job);
 }

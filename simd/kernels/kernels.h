@@ -6,7 +6,8 @@
  * ISA body is missing keeps the scalar one, so a kernel is never absent.
  *
  * Bodies work on a contiguous range of 16-row tiles [tile_begin, tile_end); the public bk_* drivers hand
- * contiguous chunks of tiles to the worker pool of threadpool.c (the calling thread works too).
+ * contiguous chunks of tiles to the worker pool of threadpool.c (the calling thread works too). The runtime
+ * helpers of simd/ops/ are built into the same extension and use the same ISA choice and the same pool.
  * Pointers need no particular alignment (all vector loads are unaligned loads).
  */
 #ifndef BITNET_KERNELS_H
@@ -29,6 +30,9 @@ typedef struct {
 /* Raw int32 results of the integer kernels go to out_i32 when it is non-NULL (tests); otherwise the f32
  * formula of layout.py goes to out: ((float)dot / act_scale) * row_scale[n]. */
 typedef void (*bk_quantize_fn)(const float *x, int k, int k_pad, int8_t *xq, float *act_scale, int32_t *act_sum);
+/* The second half of quantize_act, shared with the fused norms of simd/ops/norm.c: xq[0..k) =
+ * clamp(round_half_even(x * scale)), returns sum(xq); no padding written. */
+typedef int32_t (*bk_quantize_scaled_fn)(const float *x, int k, float scale, int8_t *xq);
 typedef void (*bk_gemv_ternary_fn)(const uint8_t *w, const float *row_scale, const int8_t *xq, int k_pad,
                                    float act_scale, int32_t act_sum, float *out, int32_t *out_i32, int n,
                                    int tile_begin, int tile_end);
@@ -43,6 +47,7 @@ typedef void (*bk_gemv_f16_fn)(const uint16_t *w, const float *x, int k, float *
 
 typedef struct {
     bk_quantize_fn quantize_act;
+    bk_quantize_scaled_fn quantize_scaled;
     bk_gemv_ternary_fn gemv_ternary;
     bk_gemm_ternary_fn gemm_ternary;
     bk_gemv_i8_fn gemv_i8;
@@ -67,6 +72,7 @@ void bk_fill_avxvnni(bk_table_t *t, int vex);
 
 /* per-job tables filled by each file: entry [isa] or NULL */
 extern const bk_quantize_fn bk_quantize_bodies[BK_N_ISA];
+extern const bk_quantize_scaled_fn bk_quantize_scaled_bodies[BK_N_ISA];
 extern const bk_gemv_ternary_fn bk_gemv_ternary_bodies[BK_N_ISA];
 extern const bk_gemm_ternary_fn bk_gemm_ternary_bodies[BK_N_ISA];
 extern const bk_gemv_i8_fn bk_gemv_i8_bodies[BK_N_ISA];
@@ -85,11 +91,6 @@ int bk_gemm_i8(const int8_t *w, const float *row_scale, const int32_t *w_rowsum,
                const float *act_scale, float *out, int32_t *out_i32, int n);
 void bk_gemv_f16(const uint16_t *w, const float *x, int k, float *out, int n);
 void bk_gemm_f16(const uint16_t *w, const float *x, int m, int k, float *out, int n);   /* row r == bk_gemv_f16(x[r]) */
-/* Streaming read of a buffer (bandwidth benchmark): returns a checksum so the loads are not elided. */
-uint64_t bk_stream_read(const uint8_t *buf, size_t nbytes);
-/* Register-only vpdpbusd loop (peak int8 MAC rate of the path): returns a value to keep it alive. */
-int64_t bk_peak_dot(long iters);
-int64_t bk_peak_dot_macs_per_iter(void); /* per thread, 0 when the path has no probe */
 
 /* 4 activation bytes as one dword (the broadcast operand of the dot-product instructions). */
 static inline int32_t load_i32(const void *p) {
@@ -105,21 +106,22 @@ static inline void bk_split(int n_tiles, int n_parts, int p, int *b, int *e) {
     *e = *b + base + (p < rem ? 1 : 0);
 }
 
-/* Ranges of tiles (or rows) are rounded to 4 (the unit of the work split). */
-static inline void bk_split_units(int n_tiles, int parts, int p, int *b, int *e) {
-    int units = (n_tiles + 3) / 4;
-    bk_split(units, parts, p, b, e);
-    *b *= 4;
-    *e = *e * 4 < n_tiles ? *e * 4 : n_tiles;
-}
+/* act_scale of a row whose largest magnitude is amax (FORMATS.md §1): one f32 division, on every path. */
+static inline float bk_act_scale(float amax) { return 127.0f / (amax > 1e-5f ? amax : 1e-5f); }
 
-/* threadpool.c: run fn(ctx, b, e) over [0, n_tiles) on nt threads (the caller included). bk_use_pool = 0
- * uses an OpenMP parallel region with one contiguous range per thread instead (for comparison). */
-typedef void (*bk_range_fn)(void *ctx, int tile_begin, int tile_end);
-extern int bk_use_pool;
-void bk_parallel_tiles(int n_tiles, int nt, bk_range_fn fn, void *ctx);
-void bk_run_tiles(int n_tiles, int nt, bk_range_fn fn, void *ctx);
-void bk_pool_stats(uint64_t *jobs, uint64_t *worker_chunks);
+/* threadpool.c: the one worker pool of the extension (kernels and ops).
+ * bk_parallel_for runs fn(ctx, b, e) over [0, n) in chunks whose bounds are multiples of grain, on up to nt
+ * threads (the caller included; nt is per call, so two owners of different thread counts can share the
+ * pool). Inside fn, bk_thread_slot() is 0 on the calling thread and 1 .. nt-1 on the workers that take
+ * part: per-thread scratch indexes by it. One job at a time: a second caller (another Python thread, or
+ * a nested call) runs its whole range itself, as slot 0 of its own thread. */
+typedef void (*bk_range_fn)(void *ctx, int begin, int end);
+void bk_parallel_for(int n, int grain, int nt, bk_range_fn fn, void *ctx);
+int bk_thread_slot(void);
+/* The drivers' common tail: fn over tiles [0, n_tiles) in units of 4 tiles on bk_get_num_threads()
+ * threads, or on the caller alone when work < min_work (a hand-off costs more than it saves). */
+void bk_run_tiles(int n_tiles, size_t work, size_t min_work, bk_range_fn fn, void *ctx);
+void bk_pool_stats(uint64_t *jobs, uint64_t *worker_chunks, uint64_t *caller_sleeps);
 
 /* Finish a 16-row tile whose int32 dots are in dots[16] (partial last tiles and scalar bodies). */
 static inline void bk_store_tile(const int32_t *dots, int row0, int n, const float *row_scale, float act_scale,

@@ -25,8 +25,16 @@ static inline int8_t quantize_one(float v, float scale) {
     return (int8_t)r;
 }
 
-static inline float scale_from_amax(float amax) {
-    return 127.0f / (amax > 1e-5f ? amax : 1e-5f);
+/* Each path in two halves: the largest magnitude, then the quantization at a given scale (the second half
+ * is also bk_table.quantize_scaled, which simd/ops/norm.c uses after its fused RMSNorm). */
+
+static int32_t quantize_scaled_scalar(const float *x, int k, float s, int8_t *xq) {
+    int32_t sum = 0;
+    for (int i = 0; i < k; i++) {
+        xq[i] = quantize_one(x[i], s);
+        sum += xq[i];
+    }
+    return sum;
 }
 
 static void quantize_act_scalar(const float *x, int k, int k_pad, int8_t *xq, float *act_scale, int32_t *act_sum) {
@@ -35,18 +43,35 @@ static void quantize_act_scalar(const float *x, int k, int k_pad, int8_t *xq, fl
         float a = fabsf(x[i]);
         if (a > amax) amax = a;
     }
-    float s = scale_from_amax(amax);
-    int32_t sum = 0;
-    for (int i = 0; i < k; i++) {
-        xq[i] = quantize_one(x[i], s);
-        sum += xq[i];
-    }
+    float s = bk_act_scale(amax);
+    *act_sum = quantize_scaled_scalar(x, k, s, xq);
     memset(xq + k, 0, (size_t)(k_pad - k));
     *act_scale = s;
-    *act_sum = sum;
 }
 
 #if defined(__x86_64__)
+__attribute__((target("avx2,fma"))) static int32_t quantize_scaled_avx2(const float *x, int k, float s, int8_t *xq) {
+    const __m256 vs = _mm256_set1_ps(s);
+    const __m256i lo = _mm256_set1_epi32(-128), hi = _mm256_set1_epi32(127);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    __m256i vsum = _mm256_setzero_si256();
+    int i = 0;
+    for (; i + 32 <= k; i += 32) {
+        __m256i q[4];
+        for (int j = 0; j < 4; j++) {
+            q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i + 8 * j), vs));
+            q[j] = _mm256_max_epi32(_mm256_min_epi32(q[j], hi), lo);
+            vsum = _mm256_add_epi32(vsum, q[j]);
+        }
+        __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+        _mm256_storeu_si256((__m256i *)(xq + i), _mm256_permutevar8x32_epi32(p, order));
+    }
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(vsum), _mm256_extracti128_si256(vsum, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+    return _mm_cvtsi128_si32(s4) + quantize_scaled_scalar(x + i, k - i, s, xq + i);
+}
+
 __attribute__((target("avx2,fma")))
 static void quantize_act_avx2(const float *x, int k, int k_pad, int8_t *xq, float *act_scale, int32_t *act_sum) {
     const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
@@ -61,43 +86,14 @@ static void quantize_act_avx2(const float *x, int k, int k_pad, int8_t *xq, floa
         float a = fabsf(x[i]);
         if (a > amax) amax = a;
     }
-    float s = scale_from_amax(amax);
-    const __m256 vs = _mm256_set1_ps(s);
-    const __m256i lo = _mm256_set1_epi32(-128), hi = _mm256_set1_epi32(127);
-    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-    __m256i vsum = _mm256_setzero_si256();
-    i = 0;
-    for (; i + 32 <= k; i += 32) {
-        __m256i q[4];
-        for (int j = 0; j < 4; j++) {
-            q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i + 8 * j), vs));
-            q[j] = _mm256_max_epi32(_mm256_min_epi32(q[j], hi), lo);
-            vsum = _mm256_add_epi32(vsum, q[j]);
-        }
-        __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
-        _mm256_storeu_si256((__m256i *)(xq + i), _mm256_permutevar8x32_epi32(p, order));
-    }
-    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(vsum), _mm256_extracti128_si256(vsum, 1));
-    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
-    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
-    int32_t sum = _mm_cvtsi128_si32(s4);
-    for (; i < k; i++) {
-        xq[i] = quantize_one(x[i], s);
-        sum += xq[i];
-    }
+    float s = bk_act_scale(amax);
+    *act_sum = quantize_scaled_avx2(x, k, s, xq);
     memset(xq + k, 0, (size_t)(k_pad - k));
     *act_scale = s;
-    *act_sum = sum;
 }
 
 __attribute__((target("avx512f,avx512bw,avx512vl")))
-static void quantize_act_avx512(const float *x, int k, int k_pad, int8_t *xq, float *act_scale, int32_t *act_sum) {
-    __m512 vmax = _mm512_setzero_ps();
-    for (int i = 0; i < k; i += 16) {
-        __mmask16 mk = k - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (k - i)) - 1);
-        vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_maskz_loadu_ps(mk, x + i)));
-    }
-    float s = scale_from_amax(_mm512_reduce_max_ps(vmax));
+static int32_t quantize_scaled_avx512(const float *x, int k, float s, int8_t *xq) {
     const __m512 vs = _mm512_set1_ps(s);
     const __m512i lo = _mm512_set1_epi32(-128), hi = _mm512_set1_epi32(127);
     __m512i vsum = _mm512_setzero_si512();
@@ -109,25 +105,27 @@ static void quantize_act_avx512(const float *x, int k, int k_pad, int8_t *xq, fl
         vsum = _mm512_add_epi32(vsum, q);
         _mm_mask_storeu_epi8(xq + i, mk, _mm512_cvtepi32_epi8(q));
     }
+    return _mm512_reduce_add_epi32(vsum);
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl")))
+static void quantize_act_avx512(const float *x, int k, int k_pad, int8_t *xq, float *act_scale, int32_t *act_sum) {
+    __m512 vmax = _mm512_setzero_ps();
+    for (int i = 0; i < k; i += 16) {
+        __mmask16 mk = k - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (k - i)) - 1);
+        vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_maskz_loadu_ps(mk, x + i)));
+    }
+    float s = bk_act_scale(_mm512_reduce_max_ps(vmax));
+    *act_sum = quantize_scaled_avx512(x, k, s, xq);
     memset(xq + k, 0, (size_t)(k_pad - k));
     *act_scale = s;
-    *act_sum = _mm512_reduce_add_epi32(vsum);
 }
 #endif
 
 #if defined(__aarch64__)
-static void quantize_act_neon(const float *x, int k, int k_pad, int8_t *xq, float *act_scale, int32_t *act_sum) {
-    float32x4_t vmax = vdupq_n_f32(0.0f);
-    int i = 0;
-    for (; i + 4 <= k; i += 4) vmax = vmaxq_f32(vmax, vabsq_f32(vld1q_f32(x + i)));
-    float amax = vmaxvq_f32(vmax);
-    for (; i < k; i++) {
-        float a = fabsf(x[i]);
-        if (a > amax) amax = a;
-    }
-    float s = scale_from_amax(amax);
+static int32_t quantize_scaled_neon(const float *x, int k, float s, int8_t *xq) {
     int32x4_t vsum = vdupq_n_s32(0);
-    i = 0;
+    int i = 0;
     for (; i + 4 <= k; i += 4) {
         /* vcvtnq: round to nearest, ties to even (as the reference) */
         int32x4_t q = vcvtnq_s32_f32(vmulq_n_f32(vld1q_f32(x + i), s));
@@ -137,14 +135,22 @@ static void quantize_act_neon(const float *x, int k, int k_pad, int8_t *xq, floa
         vst1q_s32(t, q);
         for (int j = 0; j < 4; j++) xq[i + j] = (int8_t)t[j];
     }
-    int32_t sum = vaddvq_s32(vsum);
+    return vaddvq_s32(vsum) + quantize_scaled_scalar(x + i, k - i, s, xq + i);
+}
+
+static void quantize_act_neon(const float *x, int k, int k_pad, int8_t *xq, float *act_scale, int32_t *act_sum) {
+    float32x4_t vmax = vdupq_n_f32(0.0f);
+    int i = 0;
+    for (; i + 4 <= k; i += 4) vmax = vmaxq_f32(vmax, vabsq_f32(vld1q_f32(x + i)));
+    float amax = vmaxvq_f32(vmax);
     for (; i < k; i++) {
-        xq[i] = quantize_one(x[i], s);
-        sum += xq[i];
+        float a = fabsf(x[i]);
+        if (a > amax) amax = a;
     }
+    float s = bk_act_scale(amax);
+    *act_sum = quantize_scaled_neon(x, k, s, xq);
     memset(xq + k, 0, (size_t)(k_pad - k));
     *act_scale = s;
-    *act_sum = sum;
 }
 #endif
 
@@ -156,6 +162,17 @@ const bk_quantize_fn bk_quantize_bodies[BK_N_ISA] = {
 #endif
 #if defined(__aarch64__)
     [BK_ISA_NEON] = quantize_act_neon,
+#endif
+};
+
+const bk_quantize_scaled_fn bk_quantize_scaled_bodies[BK_N_ISA] = {
+    [BK_ISA_SCALAR] = quantize_scaled_scalar,
+#if defined(__x86_64__)
+    [BK_ISA_AVX2] = quantize_scaled_avx2,
+    [BK_ISA_AVX512] = quantize_scaled_avx512,
+#endif
+#if defined(__aarch64__)
+    [BK_ISA_NEON] = quantize_scaled_neon,
 #endif
 };
 
@@ -177,5 +194,5 @@ static void quantize_rows(void *ctx, int b, int e) {
 void bk_quantize_act(const float *x, int m, int k, int k_pad, int8_t *xq, float *act_scale, int32_t *act_sum) {
     quantize_job job = {bk_table.quantize_act, x, k, k_pad, xq, act_scale, act_sum};
     /* rows in units of 4; a single short row is not worth a thread hand-off */
-    bk_run_tiles(m, (size_t)m * k < 32768 ? 1 : bk_get_num_threads(), quantize_rows, &job);
+    bk_run_tiles(m, (size_t)m * k, 32768, quantize_rows, &job);
 }

@@ -8,7 +8,7 @@
  * The cache of one layer: keys in transposed blocks [n_kv, n_ctx/32, head_dim, 32] (a block of positions
  * fills vector registers, so scores need no horizontal sums), values [n_kv, n_ctx, head_dim].
  * Work items (a KV head and the query heads it serves, split finer only when
- * threads would idle) go to OpenMP threads. scratch holds MAXQ score rows per query head.
+ * threads would idle) go to the kernels' worker pool one at a time. scratch holds MAXQ score rows per thread.
  */
 #include "ops.h"
 
@@ -362,6 +362,78 @@ typedef struct {
     const int32_t *pages;
 } att_seg;
 
+/* Step 2 of attention_core over work items [item_begin, item_end) (one chunk of the pool). */
+typedef struct {
+    att_kernels K;
+    const att_seg *segs;
+    int per_seg, n_sub, group, sub, kv_f16, head_dim, row_stride, q_dim, scratch_len;
+    int64_t stride, k_head, v_head;
+    size_t esize;
+    const void *k_cache, *v_cache;
+    const float *qkv;
+    float *out, *scratch;
+    float scale;
+} att_job;
+
+static void attention_items(void *ctx, int item_begin, int item_end) {
+    const att_job *J = ctx;
+    const att_kernels K = J->K;
+    const att_seg *segs = J->segs;
+    const int per_seg = J->per_seg, n_sub = J->n_sub, group = J->group, sub = J->sub, kv_f16 = J->kv_f16;
+    const int head_dim = J->head_dim, row_stride = J->row_stride, q_dim = J->q_dim, scratch_len = J->scratch_len;
+    const int64_t stride = J->stride, k_head = J->k_head, v_head = J->v_head;
+    const size_t esize = J->esize;
+    const void *k_cache = J->k_cache, *v_cache = J->v_cache;
+    const float *qkv = J->qkv;
+    float *out = J->out, *scratch = J->scratch;
+    const float scale = J->scale;
+    for (int item = item_begin; item < item_end; item++) {
+        const att_seg S = segs[item / per_seg];
+        const int it = item % per_seg, kvh = it / n_sub, h0 = kvh * group + (it % n_sub) * sub, m = S.m;
+        const kv_blocks bl = {S.pages, stride};
+        const char *kbase = (const char *)k_cache + (size_t)kvh * k_head * esize;
+        const char *vbase = (const char *)v_cache + (size_t)kvh * v_head * esize;
+        float *my_scratch = scratch + (int64_t)bk_thread_slot() * MAXQ * scratch_len;
+        const float *qs[MAXQ];
+        float *ss[MAXQ], *os[MAXQ];
+        int ns[MAXQ];
+        /* passes: (head block, one row) when decoding, (one head, row block) in a prefill chunk */
+        const int n_pass = m == 1 ? (sub + MAXQ - 1) / MAXQ : sub * ((m + MAXQ - 1) / MAXQ);
+        for (int ps = 0; ps < n_pass; ps++) {
+            int R = 0, n_max = 0;
+            if (m == 1) {
+                const float *qrow = qkv + (int64_t)S.row0 * row_stride;
+                float *orow = out + (int64_t)S.row0 * q_dim;
+                for (int h = h0 + ps * MAXQ; h < h0 + sub && R < MAXQ; h++, R++) {
+                    qs[R] = qrow + h * head_dim, os[R] = orow + h * head_dim;
+                    ss[R] = my_scratch + (int64_t)R * scratch_len, ns[R] = S.pos0 + 1;
+                }
+            } else {
+                const int nb = (m + MAXQ - 1) / MAXQ, h = h0 + ps / nb, r0 = (ps % nb) * MAXQ;
+                for (int r = r0; r < m && R < MAXQ; r++, R++) {
+                    qs[R] = qkv + (int64_t)(S.row0 + r) * row_stride + h * head_dim;
+                    os[R] = out + (int64_t)(S.row0 + r) * q_dim + h * head_dim;
+                    ss[R] = my_scratch + (int64_t)R * scratch_len, ns[R] = S.pos0 + r + 1;
+                }
+            }
+            for (int j = 0; j < R; j++) n_max = ns[j] > n_max ? ns[j] : n_max;
+            K.scores(qs, R, kbase, bl, kv_f16, n_max, head_dim, scale, ss);
+            for (int j = 0; j < R; j++) {
+                float *sc = ss[j], mx = -INFINITY;
+                const int n = ns[j];
+                for (int t = 0; t < n; t++) mx = sc[t] > mx ? sc[t] : mx;
+                float inv = 1.0f / K.exp_sum(sc, n, mx);
+                for (int t = 0; t < n; t++) sc[t] *= inv;
+                for (int t = n; t < n_max; t++) sc[t] = 0.0f; /* positions after this row's own: no weight */
+            }
+            int j = 0;
+            if (K.wsum2)
+                for (; j + 2 <= R; j += 2) K.wsum2(ss[j], ss[j + 1], vbase, bl, kv_f16, ns[j + 1], head_dim, os[j], os[j + 1]);
+            for (; j < R; j++) K.wsum(ss[j], vbase, bl, kv_f16, ns[j], head_dim, os[j]);
+        }
+    }
+}
+
 /* The shared body of ops_attention (one segment, contiguous cache) and ops_attention_paged (one segment per
  * sequence of a batched step, caches in the page pool). k/v_head: elements between KV heads; stride:
  * elements between blocks. scratch: [scratch_rows, scratch_len] f32, OPS_ATT_SCRATCH_ROWS rows per thread. */
@@ -413,64 +485,24 @@ static void attention_core(float *qkv, int n_heads, int n_kv, int head_dim, cons
      * sharing a KV head when decoding, consecutive rows of one head in a prefill chunk), then per
      * query softmax and the weighted sum of values. Items: (segment, KV head, part of its query heads). */
     const att_kernels K = kernels_for(isa);
-    int threads = ops_get_num_threads();
+    int threads = bk_get_num_threads();
     if (threads > scratch_rows / MAXQ) threads = scratch_rows / MAXQ; /* scratch rows are per thread */
     if (threads < 1) threads = 1;
     int sub = group;
     while (sub % 2 == 0 && n_segs * n_kv * (group / sub) < 2 * threads) sub /= 2;
     const int n_sub = group / sub, per_seg = n_kv * n_sub, items = n_segs * per_seg;
-    /* threads only pay off with enough work: a fork/join costs microseconds, a short-context decode
+    /* threads only pay off with enough work: a hand-off costs microseconds, a short-context decode
      * step of one layer is tens of microseconds. A batched step (several segments) stays serial longer:
-     * its join barrier, once per layer, can cost a scheduler slice on a busy machine, while each
+     * its wait for the other threads, once per layer, can cost a scheduler slice on a busy machine, while each
      * sequence's attention is short (measured: 16 sequences at 64 positions, 0.5 ms serial per layer) */
     const int64_t min_work = n_segs > 1 ? (int64_t)1 << 24 : (int64_t)1 << 20;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) \
+    const att_job job = {K, segs, per_seg, n_sub, group, sub, kv_f16, head_dim, row_stride, q_dim, scratch_len,
+                         stride, k_head, v_head, esize, k_cache, v_cache, qkv, out, scratch, scale};
+    /* grain 1: items are whole heads, handed out one chunk at a time; slot < threads indexes the scratch */
     if (items > 1 && threads > 1 && work * n_heads * head_dim > min_work)
-    for (int item = 0; item < items; item++) {
-        const att_seg S = segs[item / per_seg];
-        const int it = item % per_seg, kvh = it / n_sub, h0 = kvh * group + (it % n_sub) * sub, m = S.m;
-        const kv_blocks bl = {S.pages, stride};
-        const char *kbase = (const char *)k_cache + (size_t)kvh * k_head * esize;
-        const char *vbase = (const char *)v_cache + (size_t)kvh * v_head * esize;
-        float *my_scratch = scratch + (int64_t)ops_thread_num() * MAXQ * scratch_len;
-        const float *qs[MAXQ];
-        float *ss[MAXQ], *os[MAXQ];
-        int ns[MAXQ];
-        /* passes: (head block, one row) when decoding, (one head, row block) in a prefill chunk */
-        const int n_pass = m == 1 ? (sub + MAXQ - 1) / MAXQ : sub * ((m + MAXQ - 1) / MAXQ);
-        for (int ps = 0; ps < n_pass; ps++) {
-            int R = 0, n_max = 0;
-            if (m == 1) {
-                const float *qrow = qkv + (int64_t)S.row0 * row_stride;
-                float *orow = out + (int64_t)S.row0 * q_dim;
-                for (int h = h0 + ps * MAXQ; h < h0 + sub && R < MAXQ; h++, R++) {
-                    qs[R] = qrow + h * head_dim, os[R] = orow + h * head_dim;
-                    ss[R] = my_scratch + (int64_t)R * scratch_len, ns[R] = S.pos0 + 1;
-                }
-            } else {
-                const int nb = (m + MAXQ - 1) / MAXQ, h = h0 + ps / nb, r0 = (ps % nb) * MAXQ;
-                for (int r = r0; r < m && R < MAXQ; r++, R++) {
-                    qs[R] = qkv + (int64_t)(S.row0 + r) * row_stride + h * head_dim;
-                    os[R] = out + (int64_t)(S.row0 + r) * q_dim + h * head_dim;
-                    ss[R] = my_scratch + (int64_t)R * scratch_len, ns[R] = S.pos0 + r + 1;
-                }
-            }
-            for (int j = 0; j < R; j++) n_max = ns[j] > n_max ? ns[j] : n_max;
-            K.scores(qs, R, kbase, bl, kv_f16, n_max, head_dim, scale, ss);
-            for (int j = 0; j < R; j++) {
-                float *sc = ss[j], mx = -INFINITY;
-                const int n = ns[j];
-                for (int t = 0; t < n; t++) mx = sc[t] > mx ? sc[t] : mx;
-                float inv = 1.0f / K.exp_sum(sc, n, mx);
-                for (int t = 0; t < n; t++) sc[t] *= inv;
-                for (int t = n; t < n_max; t++) sc[t] = 0.0f; /* positions after this row's own: no weight */
-            }
-            int j = 0;
-            if (K.wsum2)
-                for (; j + 2 <= R; j += 2) K.wsum2(ss[j], ss[j + 1], vbase, bl, kv_f16, ns[j + 1], head_dim, os[j], os[j + 1]);
-            for (; j < R; j++) K.wsum(ss[j], vbase, bl, kv_f16, ns[j], head_dim, os[j]);
-        }
-    }
+        bk_parallel_for(items, 1, threads, attention_items, (void *)&job);
+    else
+        attention_items((void *)&job, 0, items);
 }
 
 void ops_attention(float *qkv, int m, int n_heads, int n_kv, int head_dim, const float *rope_cos,

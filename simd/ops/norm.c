@@ -2,8 +2,8 @@
  * the residual add before it and the per-token int8 quantization after it (FORMATS.md §1), the gated MLP
  * activation (relu(g)^2 * u or silu(g) * u), and the f16 embedding lookup.
  *
- * Quantization matches simd._kernels.quantize_act bit for bit: act_scale = 127 / max(amax, 1e-5) and
- * round half to even (cvtps2dq under the default MXCSR mode, nearbyintf in the scalar path).
+ * Quantization is simd/kernels/quantize_act.c's own (bk_table.quantize_scaled, bk_act_scale), so it matches
+ * simd._kernels.quantize_act bit for bit. Rows of a prefill chunk go to the kernels' worker pool.
  */
 #include "ops.h"
 
@@ -35,17 +35,6 @@ static float scale_mul_scalar(const float *x, float r, const float *w, int n, fl
         if (a > amax) amax = a;
     }
     return amax;
-}
-
-static int32_t quant_scalar(const float *h, int n, float s, int8_t *xq) {
-    int32_t sum = 0;
-    for (int i = 0; i < n; i++) {
-        float r = nearbyintf(h[i] * s);
-        int8_t q = !(r >= -128.0f) ? -128 : (r > 127.0f ? 127 : (int8_t)r);
-        xq[i] = q;
-        sum += q;
-    }
-    return sum;
 }
 
 static void add_scalar(float *x, const float *d, int n) {
@@ -94,28 +83,6 @@ __attribute__((target("avx2,fma"))) static float scale_mul_avx2(const float *x, 
         if (fabsf(v) > amax) amax = fabsf(v);
     }
     return amax;
-}
-
-__attribute__((target("avx2,fma"))) static int32_t quant_avx2(const float *h, int n, float s, int8_t *xq) {
-    const __m256 vs = _mm256_set1_ps(s);
-    const __m256i lo = _mm256_set1_epi32(-128), hi = _mm256_set1_epi32(127);
-    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-    __m256i vsum = _mm256_setzero_si256();
-    int i = 0;
-    for (; i + 32 <= n; i += 32) {
-        __m256i q[4];
-        for (int j = 0; j < 4; j++) {
-            q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(h + i + 8 * j), vs));
-            q[j] = _mm256_max_epi32(_mm256_min_epi32(q[j], hi), lo);
-            vsum = _mm256_add_epi32(vsum, q[j]);
-        }
-        __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
-        _mm256_storeu_si256((__m256i *)(xq + i), _mm256_permutevar8x32_epi32(p, order));
-    }
-    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(vsum), _mm256_extracti128_si256(vsum, 1));
-    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
-    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
-    return _mm_cvtsi128_si32(s4) + quant_scalar(h + i, n - i, s, xq + i);
 }
 
 __attribute__((target("avx2,fma"))) static void relu2_mul_avx2(float *g, const float *u, int n) {
@@ -185,13 +152,6 @@ static inline float scale_mul(const float *x, float r, const float *w, int n, fl
     return scale_mul_scalar(x, r, w, n, h);
 }
 
-static inline int32_t quant(const float *h, int n, float s, int8_t *xq) {
-#if defined(__x86_64__)
-    if (ops_isa() >= OPS_ISA_AVX2) return quant_avx2(h, n, s, xq);
-#endif
-    return quant_scalar(h, n, s, xq);
-}
-
 static inline void add(float *x, const float *d, int n) {
 #if defined(__x86_64__)
     if (ops_isa() >= OPS_ISA_AVX2) {
@@ -208,48 +168,82 @@ static inline float inv_rms(const float *x, int n, float eps) {
     return 1.0f / sqrtf(mean + eps);
 }
 
-static inline float act_scale_of(float amax) { return 127.0f / (amax > 1e-5f ? amax : 1e-5f); }
+/* Rows are independent: prefill chunks spread them over the pool; a decode row, or the few rows of a batched
+ * decode step (tens of microseconds of work), stay on the caller: a hand-off costs more than it saves. */
+static void run_rows(int m, int64_t row_work, bk_range_fn fn, void *ctx) {
+    if (m >= 8 && (int64_t)m * row_work >= (1 << 18))
+        bk_parallel_for(m, 1, bk_get_num_threads(), fn, ctx);
+    else
+        fn(ctx, 0, m);
+}
 
-/* rows are independent: prefill chunks spread them over threads; a decode row, or the few rows of a batched
- * decode step (tens of microseconds of work), stay serial: a parallel region's join barrier costs more,
- * up to a scheduler slice on a busy machine */
-#define ROWS_PARALLEL(m, d) if ((m) >= 8 && (int64_t)(m) * (d) >= (1 << 18)) num_threads(ops_get_num_threads())
+typedef struct {
+    float *x;
+    const float *delta, *w;
+    int d, k_pad;
+    float eps;
+    float *h;
+    int8_t *xq;
+    float *act_scale;
+    int32_t *act_sum;
+} norm_job;
+
+static void add_rmsnorm_quant_rows(void *ctx, int b, int e) {
+    const norm_job *j = ctx;
+    const int d = j->d;
+    const bk_quantize_scaled_fn quant = bk_table.quantize_scaled;
+    for (int r = b; r < e; r++) {
+        float *xr = j->x + (int64_t)r * d, *hr = j->h + (int64_t)r * d;
+        int8_t *qr = j->xq + (int64_t)r * j->k_pad;
+        if (j->delta) add(xr, j->delta + (int64_t)r * d, d);
+        float amax = scale_mul(xr, inv_rms(xr, d, j->eps), j->w, d, hr);
+        float s = bk_act_scale(amax);
+        j->act_sum[r] = quant(hr, d, s, qr);
+        memset(qr + d, 0, (size_t)(j->k_pad - d));
+        j->act_scale[r] = s;
+    }
+}
 
 void ops_add_rmsnorm_quant(float *x, const float *delta, const float *w, int m, int d, float eps, float *h,
                            int8_t *xq, int k_pad, float *act_scale, int32_t *act_sum) {
-    ops_isa();
-#pragma omp parallel for ROWS_PARALLEL(m, d)
-    for (int r = 0; r < m; r++) {
-        float *xr = x + (int64_t)r * d, *hr = h + (int64_t)r * d;
-        int8_t *qr = xq + (int64_t)r * k_pad;
-        if (delta) add(xr, delta + (int64_t)r * d, d);
-        float amax = scale_mul(xr, inv_rms(xr, d, eps), w, d, hr);
-        float s = act_scale_of(amax);
-        act_sum[r] = quant(hr, d, s, qr);
-        memset(qr + d, 0, (size_t)(k_pad - d));
-        act_scale[r] = s;
+    norm_job job = {x, delta, w, d, k_pad, eps, h, xq, act_scale, act_sum};
+    run_rows(m, d, add_rmsnorm_quant_rows, &job);
+}
+
+static void add_rmsnorm_rows(void *ctx, int b, int e) {
+    const norm_job *j = ctx;
+    const int d = j->d;
+    for (int r = b; r < e; r++) {
+        float *xr = j->x + (int64_t)r * d;
+        if (j->delta) add(xr, j->delta + (int64_t)r * d, d);
+        scale_mul(xr, inv_rms(xr, d, j->eps), j->w, d, j->h + (int64_t)r * d);
     }
 }
 
 void ops_add_rmsnorm(float *x, const float *delta, const float *w, int m, int d, float eps, float *out) {
-    ops_isa();
-#pragma omp parallel for ROWS_PARALLEL(m, d)
-    for (int r = 0; r < m; r++) {
-        float *xr = x + (int64_t)r * d;
-        if (delta) add(xr, delta + (int64_t)r * d, d);
-        scale_mul(xr, inv_rms(xr, d, eps), w, d, out + (int64_t)r * d);
-    }
+    norm_job job = {x, delta, w, d, 0, eps, out, NULL, NULL, NULL};
+    run_rows(m, d, add_rmsnorm_rows, &job);
 }
 
-void ops_glu_rmsnorm_quant(float *gu, int m, int inter, int act, const float *w, float eps, int8_t *xq,
-                           int k_pad, float *act_scale, int32_t *act_sum) {
-    ops_isa();
-#pragma omp parallel for ROWS_PARALLEL(m, 3 * inter)
-    for (int r = 0; r < m; r++) {
-        float *g = gu + (int64_t)r * 2 * inter;
+typedef struct {
+    float *gu;
+    int inter, act, k_pad;
+    const float *w;
+    float eps;
+    int8_t *xq;
+    float *act_scale;
+    int32_t *act_sum;
+} glu_job;
+
+static void glu_rmsnorm_quant_rows(void *ctx, int b, int e) {
+    const glu_job *j = ctx;
+    const int inter = j->inter;
+    const bk_quantize_scaled_fn quant = bk_table.quantize_scaled;
+    for (int r = b; r < e; r++) {
+        float *g = j->gu + (int64_t)r * 2 * inter;
         const float *u = g + inter;
-        int8_t *qr = xq + (int64_t)r * k_pad;
-        if (act == OPS_ACT_RELU2) {
+        int8_t *qr = j->xq + (int64_t)r * j->k_pad;
+        if (j->act == OPS_ACT_RELU2) {
 #if defined(__x86_64__)
             if (ops_isa() >= OPS_ISA_AVX2) relu2_mul_avx2(g, u, inter);
             else
@@ -271,14 +265,20 @@ void ops_glu_rmsnorm_quant(float *gu, int m, int inter, int act, const float *w,
         /* normalize in place over the gate half (w NULL: no sub-norm, Llama-architecture models), then
          * quantize it */
         float amax = 0.0f;
-        if (w) amax = scale_mul(g, inv_rms(g, inter, eps), w, inter, g);
+        if (j->w) amax = scale_mul(g, inv_rms(g, inter, j->eps), j->w, inter, g);
         else
             for (int i = 0; i < inter; i++) amax = fabsf(g[i]) > amax ? fabsf(g[i]) : amax;
-        float s = act_scale_of(amax);
-        act_sum[r] = quant(g, inter, s, qr);
-        memset(qr + inter, 0, (size_t)(k_pad - inter));
-        act_scale[r] = s;
+        float s = bk_act_scale(amax);
+        j->act_sum[r] = quant(g, inter, s, qr);
+        memset(qr + inter, 0, (size_t)(j->k_pad - inter));
+        j->act_scale[r] = s;
     }
+}
+
+void ops_glu_rmsnorm_quant(float *gu, int m, int inter, int act, const float *w, float eps, int8_t *xq,
+                           int k_pad, float *act_scale, int32_t *act_sum) {
+    glu_job job = {gu, inter, act, k_pad, w, eps, xq, act_scale, act_sum};
+    run_rows(m, 3 * (int64_t)inter, glu_rmsnorm_quant_rows, &job);
 }
 
 

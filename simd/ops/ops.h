@@ -3,13 +3,17 @@
  * quantization, the gated MLP activation, RoPE + KV-cache write + causal attention, embedding lookup.
  * Fusing keeps the number of Python-level calls per layer small (see engine/model.py).
  *
- * All arrays are C-contiguous f32 unless stated; shapes are checked by the Cython wrapper (simd/_ops.pyx).
+ * All arrays are C-contiguous f32 unless stated; shapes are checked by the Cython wrapper (simd/_ops.pxi).
+ * Compiled into the kernels' extension: the ISA choice (set_isa / BITNET_ISA) and the worker pool are
+ * simd/kernels' (dispatch.c, threadpool.c), one for every C path.
  */
 #ifndef BITNET_OPS_H
 #define BITNET_OPS_H
 
 #include <stdint.h>
 #include <string.h>
+
+#include "kernels.h"
 
 /* f16 -> f32, scalar (exact; subnormals renormalized): shared by the attention and embedding code */
 static inline float ops_half_to_float(uint16_t h) {
@@ -35,16 +39,20 @@ static inline float ops_half_to_float(uint16_t h) {
     return f;
 }
 
+/* Vector width the helpers use, from the kernels' path: avx512 (which implies AVX512 F+BW+VL, what the
+ * attention bodies need) -> 512-bit bodies; avxvnni and avx2 -> 256-bit; scalar and neon -> scalar (the
+ * helpers have no NEON bodies). */
 enum { OPS_ISA_SCALAR = 0, OPS_ISA_AVX2 = 1, OPS_ISA_AVX512 = 2 };
 enum { OPS_ACT_RELU2 = 0, OPS_ACT_SILU = 1 };
 
-/* isa.c */
-int ops_isa(void);                     /* chosen path (decided once; env BITNET_ISA overrides) */
-int ops_set_isa(int isa);              /* -1 best; returns 0 on success, -1 if the CPU cannot run it */
-int ops_cpu_max_isa(void);
-void ops_set_num_threads(int n);
-int ops_get_num_threads(void);
-int ops_thread_num(void);              /* omp_get_thread_num() inside a parallel region */
+static inline int ops_isa(void) {
+    switch (bk_get_isa()) {
+    case BK_ISA_AVX512: return OPS_ISA_AVX512;
+    case BK_ISA_AVX2:
+    case BK_ISA_AVXVNNI: return OPS_ISA_AVX2;
+    default: return OPS_ISA_SCALAR;
+    }
+}
 
 /* norm.c */
 /* x[m, d] += delta (if delta != NULL); h = rmsnorm(x) * w; then h quantized per row into xq[m, k_pad]

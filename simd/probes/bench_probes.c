@@ -3,11 +3,15 @@
  *     buffer split into contiguous per-thread ranges like the kernels split their tiles;
  *   bk_peak_dot: the int8 dot-product peak of the active path from a register-only loop (no loads): the
  *     bound of the compute-bound GEMM (MACs per iteration: bk_peak_dot_macs_per_iter).
- * Both use an OpenMP region so that all threads run at once (what a limit should measure).
+ * Both start their own threads so that all run at once (what a limit should measure).
+ *
+ * Benchmark-only: built as its own extension, simd._probes (simd/_probes.pyx), not into the runtime's
+ * simd._kernels. It shares only headers with the kernels; the path, the VEX flag and the thread count come
+ * from the caller (simd._kernels.active() / features() / get_num_threads()).
  */
 #include "kernels.h"
 
-#include <omp.h>
+#include <pthread.h>
 
 #if defined(__x86_64__)
 #include "x86_common.h"
@@ -126,31 +130,53 @@ static uint64_t stream_range_scalar(const uint8_t *p, size_t nbytes) {
     return s;
 }
 
-uint64_t bk_stream_read(const uint8_t *buf, size_t nbytes) {
-    int isa = bk_get_isa();
-    int nt = bk_get_num_threads();
-    uint64_t total = 0;
-#pragma omp parallel num_threads(nt) reduction(+ : total)
-    {
-        int parts = omp_get_num_threads(), me = omp_get_thread_num();
-        size_t chunk = (nbytes / parts) & ~(size_t)255;
-        size_t b = chunk * me, e = me == parts - 1 ? nbytes : b + chunk;
+/* Run body(arg_i) on nt threads at once (the caller is thread 0); each writes its own result slot. */
+typedef struct {
+    int isa, vex, me, parts;
+    const uint8_t *buf;
+    size_t nbytes;
+    long iters;
+    uint64_t result;
+} probe_arg;
+
+static void run_threads(void *(*body)(void *), probe_arg *args, int nt) {
+    pthread_t th[64];
+    int started = 0;
+    for (int i = 1; i < nt; i++, started++)
+        if (pthread_create(&th[i], NULL, body, &args[i]) != 0) break;
+    body(&args[0]);
+    for (int i = 1; i <= started; i++) pthread_join(th[i], NULL);
+}
+
+static void *stream_body(void *p) {
+    probe_arg *a = p;
+    size_t chunk = (a->nbytes / a->parts) & ~(size_t)255;
+    size_t b = chunk * a->me, e = a->me == a->parts - 1 ? a->nbytes : b + chunk;
 #if defined(__x86_64__)
-        if (isa == BK_ISA_AVX512)
-            total += stream_range_avx512(buf + b, e - b);
-        else if (isa == BK_ISA_AVX2 || isa == BK_ISA_AVXVNNI)
-            total += stream_range_avx2(buf + b, e - b);
-        else
+    if (a->isa == BK_ISA_AVX512)
+        a->result = stream_range_avx512(a->buf + b, e - b);
+    else if (a->isa == BK_ISA_AVX2 || a->isa == BK_ISA_AVXVNNI)
+        a->result = stream_range_avx2(a->buf + b, e - b);
+    else
 #endif
-            total += stream_range_scalar(buf + b, e - b);
-    }
-    (void)isa;
+        a->result = stream_range_scalar(a->buf + b, e - b);
+    return NULL;
+}
+
+uint64_t bk_stream_read(const uint8_t *buf, size_t nbytes, int isa, int nt) {
+    probe_arg args[64];
+    if (nt < 1) nt = 1;
+    if (nt > 64) nt = 64;
+    for (int i = 0; i < nt; i++) args[i] = (probe_arg){isa, 0, i, nt, buf, nbytes, 0, 0};
+    run_threads(stream_body, args, nt);
+    uint64_t total = 0;
+    for (int i = 0; i < nt; i++) total += args[i].result;
     return total;
 }
 
 /* MACs per iteration of the register-only loop, per thread. */
-int64_t bk_peak_dot_macs_per_iter(void) {
-    switch (bk_get_isa()) {
+int64_t bk_peak_dot_macs_per_iter(int isa) {
+    switch (isa) {
     case BK_ISA_AVX512: return 12 * 64;
     case BK_ISA_AVX2: return 8 * 32;
     case BK_ISA_AVXVNNI: return 8 * 32;
@@ -158,22 +184,27 @@ int64_t bk_peak_dot_macs_per_iter(void) {
     }
 }
 
-int64_t bk_peak_dot(long iters) {
-    int isa = bk_get_isa();
-    int nt = bk_get_num_threads();
-    int64_t total = 0;
-#pragma omp parallel num_threads(nt) reduction(+ : total)
-    {
+static void *peak_body(void *p) {
+    probe_arg *a = p;
+    a->result = 0;
 #if defined(__x86_64__)
-        if (isa == BK_ISA_AVX512)
-            total += peak_dot_avx512(iters);
-        else if (isa == BK_ISA_AVX2)
-            total += peak_dot_avx2(iters);
-        else if (isa == BK_ISA_AVXVNNI)
-            total += bk_get_features()->avxvnni ? peak_dot_avxvnni(iters) : peak_dot_vnni256_evex(iters);
+    if (a->isa == BK_ISA_AVX512)
+        a->result = (uint64_t)peak_dot_avx512(a->iters);
+    else if (a->isa == BK_ISA_AVX2)
+        a->result = (uint64_t)peak_dot_avx2(a->iters);
+    else if (a->isa == BK_ISA_AVXVNNI)
+        a->result = (uint64_t)(a->vex ? peak_dot_avxvnni(a->iters) : peak_dot_vnni256_evex(a->iters));
 #endif
-    }
-    (void)isa;
-    (void)iters;
+    return NULL;
+}
+
+int64_t bk_peak_dot(long iters, int isa, int vex, int nt) {
+    probe_arg args[64];
+    if (nt < 1) nt = 1;
+    if (nt > 64) nt = 64;
+    for (int i = 0; i < nt; i++) args[i] = (probe_arg){isa, vex, i, nt, NULL, 0, iters, 0};
+    run_threads(peak_body, args, nt);
+    int64_t total = 0;
+    for (int i = 0; i < nt; i++) total += (int64_t)args[i].result;
     return total;
 }

@@ -1,16 +1,10 @@
-# cython: language_level=3
-"""simd._ops: runtime helper kernels of the transformer (C in simd/ops/, see ops.h): fused residual add +
-RMSNorm + int8 activation quantization, the gated MLP activation, RoPE + KV-cache write + causal GQA
-attention, f16 embedding lookup. Thin wrappers: shapes checked here, the GIL released in C.
-"""
-from libc.stdint cimport int8_t, int32_t, int64_t, uint16_t
+# Included by simd/_kernels.pyx: the wrappers of the runtime helper kernels of the transformer (C in
+# simd/ops/, see ops.h): fused residual add + RMSNorm + int8 activation quantization, the gated MLP
+# activation, RoPE + KV-cache write + causal GQA attention, f16 embedding lookup. Thin wrappers: shapes
+# checked here, the GIL released in C. Compiled into the kernels' extension so that the helpers share the
+# kernels' ISA choice and worker pool; Python sees them as simd._ops (simd/_ops.py re-exports them).
 
 cdef extern from "ops.h":
-    int ops_isa() nogil
-    int ops_set_isa(int isa) nogil
-    int ops_cpu_max_isa() nogil
-    void ops_set_num_threads(int n) nogil
-    int ops_get_num_threads() nogil
     void ops_add_rmsnorm_quant(float *x, const float *delta, const float *w, int m, int d, float eps, float *h,
                                int8_t *xq, int k_pad, float *act_scale, int32_t *act_sum) nogil
     void ops_add_rmsnorm(float *x, const float *delta, const float *w, int m, int d, float eps, float *out) nogil
@@ -39,7 +33,6 @@ def key_cache_shape(int n_kv, int n_ctx, int head_dim):
     """Shape of one layer's key cache: [n_kv, ceil(n_ctx / KEY_BLOCK), head_dim, KEY_BLOCK]."""
     return (n_kv, (n_ctx + OPS_KT_BLOCK - 1) // OPS_KT_BLOCK, head_dim, OPS_KT_BLOCK)
 ACT_SILU = 1
-_ISA_NAMES = ("scalar", "avx2", "avx512")
 
 ctypedef fused kv_t:
     float
@@ -47,29 +40,7 @@ ctypedef fused kv_t:
 
 
 cdef _fail(str msg):
-    from bitnet_cpu.simd.errors import KernelError
     raise KernelError("simd._ops." + msg)
-
-
-def active():
-    """The path the helpers use: "scalar" | "avx2" | "avx512" (env BITNET_ISA overrides at import)."""
-    return _ISA_NAMES[ops_isa()]
-
-
-def set_isa(name=None):
-    cdef int want = -1 if name is None else (_ISA_NAMES.index(name) if name in _ISA_NAMES else -3)
-    if want == -3:
-        _fail(f"set_isa: unknown ISA {name!r} (expected one of {_ISA_NAMES})")
-    if ops_set_isa(want) != 0:
-        _fail(f"set_isa: this CPU cannot run {name!r} (best: {_ISA_NAMES[ops_cpu_max_isa()]})")
-
-
-def set_num_threads(int n):
-    ops_set_num_threads(n)
-
-
-def get_num_threads():
-    return ops_get_num_threads()
 
 
 cdef inline int _check_quant(str fn, int m, int d, int8_t[:, ::1] xq, float[::1] act_scale, int32_t[::1] act_sum) except -1:

@@ -1,0 +1,29 @@
+"""simd._ops: the runtime helper kernels of the transformer (C in simd/ops/, wrappers in simd/_ops.pxi):
+fused residual add + RMSNorm + int8 activation quantization, the gated MLP activation, RoPE + KV-cache
+write + causal GQA attention, f16 embedding lookup, top-k.
+
+They are compiled into simd._kernels (one C library): the ISA choice (set_isa, BITNET_ISA) and the worker
+pool and its thread count are the kernels' own, so `active`, `set_isa`, `set_num_threads` and
+`get_num_threads` here are simd._kernels' functions and govern both (issue 12: two dispatchers and two
+thread layers disagreed). This module only gives the helpers their own name.
+"""
+from ._kernels import (  # noqa: F401
+    ACT_RELU2,
+    ACT_SILU,
+    ATTENTION_SCRATCH_ROWS,
+    KEY_BLOCK,
+    active,
+    add_rmsnorm,
+    add_rmsnorm_quant,
+    attention,
+    attention_paged,
+    embed_f16,
+    get_num_threads,
+    glu_rmsnorm_quant,
+    key_cache_shape,
+    paged_key_pool_shape,
+    paged_value_pool_shape,
+    set_isa,
+    set_num_threads,
+    topk,
+)

@@ -1,0 +1,56 @@
+# cython: language_level=3
+"""simd._probes: machine-limit probes for the benchmarks (bench/bench_kernels.py, bench/limits.py), C in
+simd/probes/bench_probes.c. Not used at run time, so not part of simd._kernels: the path and the thread
+count are read from simd._kernels and passed in.
+"""
+cimport numpy as cnp
+from libc.stdint cimport int64_t, uint8_t, uint64_t
+
+from bitnet_cpu.simd import _kernels
+from bitnet_cpu.simd.errors import KernelError
+
+cnp.import_array()
+
+cdef extern from "kernels.h" nogil:
+    pass
+
+cdef extern from *:
+    """
+    uint64_t bk_stream_read(const uint8_t *buf, size_t nbytes, int isa, int nt);
+    int64_t bk_peak_dot(long iters, int isa, int vex, int nt);
+    int64_t bk_peak_dot_macs_per_iter(int isa);
+    """
+    uint64_t bk_stream_read(const uint8_t *buf, size_t nbytes, int isa, int nt) nogil
+    int64_t bk_peak_dot(long iters, int isa, int vex, int nt) nogil
+    int64_t bk_peak_dot_macs_per_iter(int isa) nogil
+
+
+cdef int _isa():
+    return _kernels.ISA_NAMES.index(_kernels.active())
+
+
+def stream_read(buf):
+    """Read every byte of a C-contiguous uint8 buffer with vector loads of the active path, split over
+    simd._kernels.get_num_threads() threads running at once (bandwidth probe). Returns a checksum."""
+    if not isinstance(buf, cnp.ndarray) or cnp.PyArray_TYPE(<cnp.ndarray>buf) != cnp.NPY_UINT8 \
+            or not cnp.PyArray_IS_C_CONTIGUOUS(<cnp.ndarray>buf):
+        raise KernelError("stream_read: buf must be a C-contiguous uint8 numpy array")
+    cdef cnp.ndarray ab = <cnp.ndarray>buf
+    cdef const uint8_t *p = <const uint8_t *>cnp.PyArray_DATA(ab)
+    cdef size_t nbytes = <size_t>cnp.PyArray_SIZE(ab)
+    cdef int isa = _isa(), nt = _kernels.get_num_threads()
+    cdef uint64_t s
+    with nogil:
+        s = bk_stream_read(p, nbytes, isa, nt)
+    return s
+
+
+def peak_dot(long iters):
+    """Run the register-only int8 dot-product loop of the active path on every kernel thread at once.
+    Returns the number of int8 multiply-adds done (0 if the path has no probe)."""
+    cdef int isa = _isa(), nt = _kernels.get_num_threads()
+    cdef int vex = 1 if _kernels.features()["avxvnni"] else 0
+    cdef int64_t r
+    with nogil:
+        r = bk_peak_dot(iters, isa, vex, nt)
+    return int(bk_peak_dot_macs_per_iter(isa) * iters * nt) + 0 * r

@@ -1,0 +1,137 @@
+"""One source for each setting: the sampling defaults and checks are SamplingParams' (engine/runtime/sampling.py),
+and `bitnet run`, `bitchat` and `bitnet serve` take the model / context / thread flags from one helper
+(cli/flags.py): same spellings, same minimums, same help, same words for a bad value. In process, no model."""
+from dataclasses import fields
+
+import pytest
+
+from bitnet_cpu.chat.commands import FIELD_OF_SETTING, CommandError, Settings, parse_setting
+from bitnet_cpu.cli import build_parser
+from bitnet_cpu.cli.chat import build_parser as bitchat_parser
+from bitnet_cpu.cli.flags import check_engine_args
+from bitnet_cpu.engine.errors import BitNetError
+from bitnet_cpu.engine.runtime.sampling import SamplingParams, setting_problem
+
+
+def _parsers():
+    subs = {}
+    build_parser(subs)
+    return {"bitnet run": subs["run"], "bitchat": bitchat_parser(), "bitnet serve": subs["serve"]}
+
+
+PARSERS = _parsers()
+ALL = list(PARSERS)
+SAMPLING = ["bitnet run", "bitchat"]   # the server takes sampling per request
+
+
+def _action(parser, flag):
+    return next(a for a in parser._actions if flag in a.option_strings)
+
+
+@pytest.mark.parametrize("prog", ALL)
+@pytest.mark.parametrize("argv,dest,value", [
+    (["-c", "64"], "ctx", 64), (["--ctx-size", "64"], "ctx", 64), (["--ctx", "64"], "ctx", 64),
+    (["-t", "2"], "threads", 2), (["--threads", "2"], "threads", 2),
+    (["-m", "x.gguf"], "model", "x.gguf"), (["--model", "x.gguf"], "model", "x.gguf"),
+    ([], "ctx", None), ([], "threads", None), ([], "model", None),
+])
+def test_the_same_flag_gives_the_same_value(prog, argv, dest, value):
+    assert getattr(PARSERS[prog].parse_args(argv), dest) == value
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["-c", "0"], "-c/--ctx 0: must be >= 1"),
+    (["--ctx-size", "-5"], "-c/--ctx -5: must be >= 1"),
+    (["-t", "0"], "-t/--threads 0: must be >= 1"),
+])
+def test_the_same_bad_flag_gives_the_same_error(argv, message):
+    got = {prog: check_engine_args(PARSERS[prog].parse_args(argv)) for prog in ALL}
+    assert set(got.values()) == {message}, got
+
+
+def test_the_smallest_context_is_accepted_everywhere():
+    assert all(check_engine_args(PARSERS[prog].parse_args(["-c", "1", "-t", "1"])) is None for prog in ALL)
+
+
+@pytest.mark.parametrize("flag", ["-m", "-c", "-t"])
+def test_the_same_help_text(flag):
+    helps = {_action(PARSERS[prog], flag).help for prog in ALL}
+    specs = {tuple(_action(PARSERS[prog], flag).option_strings) for prog in ALL}
+    assert len(helps) == 1 and len(specs) == 1, (helps, specs)
+
+
+@pytest.mark.parametrize("flag", ["--temp", "--top-k", "--top-p", "--min-p", "--repeat-penalty", "--repeat-last-n",
+                                  "--seed", "-n", "--draft-max", "--lookup-ngram-min"])
+def test_run_and_bitchat_share_the_rest(flag):
+    assert len({_action(PARSERS[prog], flag).help for prog in SAMPLING}) == 1
+
+
+def test_every_default_is_sampling_params():
+    d = SamplingParams()
+    for prog in SAMPLING:
+        args = PARSERS[prog].parse_args([])
+        assert {f.name: getattr(args, f.name) for f in fields(d)} == vars(d), prog
+    s = Settings()
+    assert {field: getattr(s, name) for name, field in FIELD_OF_SETTING.items()} == vars(d)
+    assert s.sampling_params() == d
+    from bitnet_cpu.serve.schemas import ChatCompletionRequest
+
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}])
+    assert req.sampling_params() == d
+
+
+# (field, flag, /set name, request field, bad value as typed)
+BAD = [("temperature", "--temp", "temp", "temperature", "-1"), ("top_k", "--top-k", "top_k", "top_k", "-3"),
+       ("top_p", "--top-p", "top_p", "top_p", "1.5"), ("top_p", "--top-p", "top_p", "top_p", "0"),
+       ("min_p", "--min-p", "min_p", "min_p", "2"), ("repeat_penalty", "--repeat-penalty", "repeat_penalty",
+                                                      "repeat_penalty", "0"),
+       ("repeat_last_n", "--repeat-last-n", "repeat_last_n", "repeat_last_n", "-2"),
+       ("seed", "--seed", "seed", "seed", "-5")]
+
+
+@pytest.mark.parametrize("field,flag,set_name,param,text", BAD)
+def test_a_bad_sampling_value_gets_the_same_words_everywhere(field, flag, set_name, param, text):
+    from pydantic import ValidationError
+
+    from bitnet_cpu.serve.schemas import ChatCompletionRequest
+
+    said = {}
+    for prog in SAMPLING:
+        said[prog] = check_engine_args(PARSERS[prog].parse_args([flag, text]))
+    with pytest.raises(CommandError) as e:
+        parse_setting(set_name, text)
+    said["/set"] = str(e.value)
+    kind = int if field in ("top_k", "repeat_last_n", "seed") else float
+    with pytest.raises(ValidationError) as e:
+        ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], **{param: kind(text)})
+    said["server"] = e.value.errors()[0]["msg"]
+    with pytest.raises(BitNetError) as e:
+        SamplingParams(**{field: kind(text)}).check()
+    said["engine"] = str(e.value)
+    rule = setting_problem(field, kind(text)).split(": ", 1)[1]
+    names = {"bitnet run": flag, "bitchat": flag, "/set": f"/set {set_name}", "server": param, "engine": field}
+    for where, message in said.items():
+        assert message is not None and message.startswith(names[where] + " ") and message.endswith(": " + rule), \
+            (where, message)
+
+
+def test_valid_values_pass_everywhere():
+    for field, value in vars(SamplingParams(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=7)).items():
+        assert setting_problem(field, value) is None
+    assert setting_problem("seed", None) is None
+    # -1 is llama.cpp's "random seed" on the command line, in /set and in a request
+    assert check_engine_args(PARSERS["bitchat"].parse_args(["--seed", "-1"])) is None
+    assert parse_setting("seed", "-1") == ("seed", None)
+    from bitnet_cpu.serve.schemas import ChatCompletionRequest
+
+    assert ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], seed=-1).seed is None
+
+
+def test_the_server_keeps_openai_temperature_range():
+    from pydantic import ValidationError
+
+    from bitnet_cpu.serve.schemas import ChatCompletionRequest
+
+    assert setting_problem("temperature", 5.0) is None       # the engine takes it
+    with pytest.raises(ValidationError, match="temperature 5: must be <= 2"):
+        ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], temperature=5)
