@@ -4,6 +4,7 @@ random ternary weights, written as a TQ2_0 GGUF (what llama.cpp runs) and conver
 into our store (int8 LM head, the default; and the f16 LM head variant). TQ1_0 on request.
 
     python bench/make_models.py [--tq1] [--no-f16] [--force] [--cache bench/cache] [--shape 2b4t|small]
+                                [--ik-quantize PATH/TO/ik_llama.cpp/llama-quantize]
 
 Everything is streamed tensor by tensor by engine.synth / engine.convert, so memory stays near one tensor
 (the f16 embedding, 656 MB, is the largest). Prints each file's size and the total disk used.
@@ -32,6 +33,10 @@ def model_paths(cache: str = DEFAULT_CACHE, shape: str = "2b4t") -> dict[str, st
         "store_i8": os.path.join(cache, f"{shape}.i8.bnstore"),
         "store_f16": os.path.join(cache, f"{shape}.f16.bnstore"),
         "manifest": os.path.join(cache, f"{shape}.manifest.json"),
+        # ik_llama.cpp's source (it has no TQ2_0): F16 weights under its BitNet-2B arch, requantized by its
+        # llama-quantize to IQ2_BN (the type it repacks to IQ2_BN_R4 at load with -rtr)
+        "ik_f16": os.path.join(cache, f"{shape}.bitnet25.f16.gguf"),
+        "iq2_bn": os.path.join(cache, f"{shape}.iq2_bn.gguf"),
     }
 
 
@@ -54,7 +59,8 @@ def _human(n: int) -> str:
 
 
 def make(cache: str = DEFAULT_CACHE, shape: str = "2b4t", *, tq1: bool = False, f16: bool = True,
-         force: bool = False, progress: bool = True, stores: bool = True) -> dict[str, str]:
+         force: bool = False, progress: bool = True, stores: bool = True,
+         ik_quantize: str | None = None) -> dict[str, str]:
     """Create the missing files; return the paths of the ones that exist afterwards."""
     from bitnet_cpu.engine.synth import write_gguf_tq
 
@@ -88,9 +94,30 @@ def make(cache: str = DEFAULT_CACHE, shape: str = "2b4t", *, tq1: bool = False, 
         print(f"converting {paths['tq2_0']} -> {p} (lm head {head}) ...", file=sys.stderr, flush=True)
         convert(paths["tq2_0"], p, lm_head=head, progress=progress)
         manifest[key] = {"seconds": round(time.perf_counter() - t0, 1), "source": os.path.basename(paths["tq2_0"])}
+    if ik_quantize and (force or not os.path.exists(paths["iq2_bn"])):
+        manifest["iq2_bn"] = make_ik(paths, ik_quantize, model or synth_model(shape))
     with open(paths["manifest"], "w") as f:
         json.dump(manifest, f, indent=1)
     return {k: v for k, v in paths.items() if os.path.exists(v)}
+
+
+def make_ik(paths: dict[str, str], quantize: str, model) -> dict:
+    """The same ternary weights for ik_llama.cpp: an F16 GGUF of arch bitnet-25 (its 2B-4T graph: relu2,
+    sub-norms, tied embedding), then its own llama-quantize to IQ2_BN; the F16 file is deleted afterwards."""
+    import subprocess
+
+    from bitnet_cpu.engine.synth import write_gguf_tq
+
+    t0 = time.perf_counter()
+    print(f"writing {paths['ik_f16']} ...", file=sys.stderr, flush=True)
+    write_gguf_tq(model, paths["ik_f16"], qtype="F16", embed_type="F16", arch="bitnet-25")
+    print(f"{quantize} -> {paths['iq2_bn']} (IQ2_BN) ...", file=sys.stderr, flush=True)
+    r = subprocess.run([quantize, paths["ik_f16"], paths["iq2_bn"], "IQ2_BN"], capture_output=True, text=True)
+    os.unlink(paths["ik_f16"])
+    if r.returncode != 0:
+        raise SystemExit(f"make_models: {quantize} failed (exit {r.returncode}): "
+                         + " | ".join((r.stderr or r.stdout).strip().splitlines()[-3:]))
+    return {"seconds": round(time.perf_counter() - t0, 1), "quantize": quantize}
 
 
 def main(argv=None) -> int:
@@ -101,9 +128,12 @@ def main(argv=None) -> int:
     ap.add_argument("--no-f16", action="store_true", help="skip the f16-LM-head store")
     ap.add_argument("--force", action="store_true", help="regenerate even if cached")
     ap.add_argument("--gguf-only", action="store_true", help="write the GGUF files only (no conversion)")
+    ap.add_argument("--ik-quantize", metavar="PATH",
+                    help="ik_llama.cpp's llama-quantize: also write the IQ2_BN GGUF of the same weights")
     a = ap.parse_args(argv)
     t0 = time.perf_counter()
-    paths = make(a.cache, a.shape, tq1=a.tq1, f16=not a.no_f16, force=a.force, stores=not a.gguf_only)
+    paths = make(a.cache, a.shape, tq1=a.tq1, f16=not a.no_f16, force=a.force, stores=not a.gguf_only,
+                 ik_quantize=a.ik_quantize)
     total = 0
     for key, p in paths.items():
         size = os.path.getsize(p)

@@ -197,18 +197,44 @@ def test_bench_threads_table_ratios_and_plot(tmp_path):
         return {"decode_tps": dec, "prefill_tps": {"512": pp}, "threads_used": used}
 
     rows = [{"threads": 1, "limits": {"bandwidth_Bps": 20e9}, "ours": sess(10.0, 50.0), "llama": sess(5.0, 20.0),
-             "serial": {"serial_s": 0.002}},
+             "ik": sess(8.0, 40.0), "serial": {"serial_s": 0.002}},
             {"threads": 2, "limits": {"bandwidth_Bps": 30e9}, "ours": sess(15.0, 80.0), "llama": {"error": "boom"},
              "serial": {"serial_s": 0.003}}]
     res = {"date": "d", "machine": "m", "cpus": 2, "available": 2, "physical": 2, "load": (1.0, 1.0, 1.0),
            "store": "s", "gguf": "g", "llama_cpp": "0.3", "decode": 8, "bytes_per_token": 1e9, "command": "c",
            "total_s": 1.0, "rows": rows, "busy": {"default": sess(12.0, 60.0, 2), "t1": sess(10.0, 40.0, 1)}}
     md = bench_threads.render(res)
-    # threads 1: limit 20 tok/s, ours 50% of it, 2.00x llama decode, 2.50x prefill, serial 2 ms = 2% of a 100 ms step
-    assert "| 1 | 20.0 | 20.0 | 10.0 | 5.0 | 2.00x | 50% | 50.0 | 20.0 | 2.50x | 1.00 | 2.00 | 2.0% |" in md
-    # threads 2: prefill 80 vs linear 100 -> 0.80; the failed llama session shows as — and is listed
-    assert "| 2 | 30.0 | 30.0 | 15.0 | — | — | 50% | 80.0 | — | — | 0.80 | 3.00 | 4.5% |" in md
+    # threads 1: limit 20 tok/s, ours 50% of it, 2.00x llama / 1.25x ik decode, 2.50x / 1.25x prefill,
+    # serial 2 ms = 2% of a 100 ms step
+    assert ("| 1 | 20.0 | 20.0 | 10.0 | 5.0 | 8.0 | 2.00x | 1.25x | 50% | 50.0 | 20.0 | 40.0 | 2.50x | 1.25x | 1.00 "
+            "| 2.00 | 2.0% |") in md
+    # threads 2: prefill 80 vs linear 100 -> 0.80; the failed llama session shows as — and is listed; no ik row
+    assert ("| 2 | 30.0 | 30.0 | 15.0 | — | — | — | — | 50% | 80.0 | — | — | — | — | 0.80 | 3.00 | 4.5% |"
+            in md)
     assert "threads 2 llama: boom" in md
     assert "| default / -t 1 | 1.20x | 1.50x |" in md and "| default (2) |" in md
     bench_threads.plot(res, str(tmp_path / "t.png"))
     assert (tmp_path / "t.png").stat().st_size > 1000
+
+
+def test_bench_threads_reads_llama_bench_json(tmp_path):
+    """llama.cpp's and ik_llama.cpp's llama-bench -o json: pp512 and tg lines become prefill / decode tok/s; a
+    binary that fails is reported with its exit code and last line, not a traceback."""
+    import argparse
+    import stat
+
+    import bench_threads
+
+    fake = tmp_path / "llama-bench"
+    fake.write_text("#!/bin/sh\necho 'build: 1234 (abcd)'\necho \"$@\" > " + str(tmp_path / "args") + "\n"
+                    "cat <<'J'\n[\n {\"n_prompt\": 512, \"n_gen\": 0, \"avg_ts\": 321.5},\n"
+                    " {\"n_prompt\": 0, \"n_gen\": 64, \"avg_ts\": 45.25}\n]\nJ\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    a = argparse.Namespace(decode=64)
+    out = bench_threads.bench_worker(str(fake), "m.gguf", 8, a, ("-rtr", "1"))
+    assert out["decode_tps"] == 45.25 and out["prefill_tps"] == {"512": 321.5} and out["threads_used"] == 8
+    assert (tmp_path / "args").read_text().split() == ["-m", "m.gguf", "-t", "8", "-p", "512", "-n", "64", "-r", "1",
+                                                      "-o", "json", "-rtr", "1"]
+    fake.write_text("#!/bin/sh\necho 'error: failed to load model' >&2\nexit 3\n")
+    bad = bench_threads.bench_worker(str(fake), "m.gguf", 1, a)
+    assert "exit 3" in bad["error"] and "failed to load model" in bad["error"]
