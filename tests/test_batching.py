@@ -13,7 +13,9 @@ from bitnet_cpu.engine.api import Engine, SamplingParams, load_engine, load_mode
 from bitnet_cpu.engine.batching.batch_model import BatchModel
 from bitnet_cpu.engine.batching.kv_pool import PAGE_TOKENS, KVPool
 from bitnet_cpu.engine.errors import ContextOverflowError, QueueFullError
+from bitnet_cpu.engine.runtime import model as model_mod
 from bitnet_cpu.engine.runtime.model import Model
+from bitnet_cpu.simd import _kernels as K
 from bitnet_cpu.engine.formats.store import Store
 from test_model_fixtures import make_synth
 
@@ -71,8 +73,12 @@ class _Driver:
         return out
 
 
+@pytest.mark.parametrize("rows_max", [0, 4], ids=["gemm", "rows-gemv"])
 @pytest.mark.parametrize("head", ["f16", "i8", "q4"])
-def test_batched_logits_equal_alone(synth, head):
+def test_batched_logits_equal_alone(synth, head, rows_max, monkeypatch):
+    """Whichever kernel a few-row pass takes on this path (the GEMM, or the multi-row GEMV that avx512 picks for
+    up to 4 rows), every step's logits equal the sequence run alone."""
+    monkeypatch.setitem(model_mod.ROWS_GEMV_MAX, K.active(), rows_max)
     m, _, stores = synth
     rng = np.random.default_rng(5)
     seqs = {s: rng.integers(0, m.V, n).tolist() for s, n in enumerate([45, 20, 70, 5, 33])}

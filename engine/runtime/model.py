@@ -29,10 +29,20 @@ from ..errors import BitNetError, ContextOverflowError, FormatError
 from ...simd.layout import K_ALIGN, pad_to
 
 DEFAULT_CHUNK = 128  # prefill rows per GEMM call (measured: 32..256 within 4%, 128 best)
-# chunks of at most this many rows use the multi-row GEMV (one sequential weight stream) instead of the GEMM:
-# 24 out-of-cache 13824x2560 matrices, 2 threads, busy machine, time / one GEMV: rows M=2 1.19x vs GEMM 2.00x,
-# M=4 2.00x vs 1.91x, M=8 4.5x vs 2.8x (the GEMM shares each activation broadcast between two tiles)
-ROWS_GEMV_MAX = 4
+# Chunks of at most this many rows use the multi-row GEMV (one sequential weight stream) instead of the GEMM,
+# per kernel path. Time per call / one 1-row GEMV, out-of-cache 13824x2560 matrices, multi-row vs GEMM, same run:
+#   avx512 (16-core Xeon, 2 and 16 threads): M=2 1.28-1.38 vs 1.41-1.56, M=3 1.43-1.61 vs 2.33-2.84,
+#          M=4 1.54-1.70 vs 1.66-1.95, M=8 2.43-2.61 vs 2.36-2.91 (mixed: not used)
+#   avx2 (2-core EPYC, and the Xeon forced to avx2; 2 threads): M=2 1.57-1.93 vs 1.19-1.50, M=4 2.75-4.79 vs
+#          2.36-3.11: the GEMM wins at every M, so never. avxvnni (AVX2-width) unmeasured: as avx2.
+ROWS_GEMV_MAX = {"avx512": 4}
+
+
+def ternary_matmul(m: int):
+    """The ternary kernel for an m-row pass (m >= 2) on the kernel path in use."""
+    return K.gemv_rows_ternary if m <= ROWS_GEMV_MAX.get(K.active(), 0) else K.gemm_ternary
+
+
 VERIFY_MAX = K.ROWS_MAX  # most rows of one Model.verify pass (the multi-row head kernel's limit)
 
 
@@ -332,7 +342,7 @@ class Model:
         def attend(li, qkv, att):
             attention(qkv, nh, nkv, hd, cos, sin, pos0, kc[li], vc[li], att, scr)
 
-        run_layers(self.weights, v, attend, K.gemv_rows_ternary if v.m <= ROWS_GEMV_MAX else K.gemm_ternary)
+        run_layers(self.weights, v, attend, ternary_matmul(v.m))
 
     def _head(self, v: _Views, row: int, out: np.ndarray):
         """Logits of one row of the last chunk (its residual still lacks the last down_proj output)."""
