@@ -1,4 +1,4 @@
-"""Thread sweep (issue 20): decode tok/s and prefill pp512 from 1 to N threads, ours vs llama.cpp on the same
+"""Thread sweep: decode tok/s and prefill pp512 from 1 to N threads, ours vs llama.cpp on the same
 synthetic 2B-4T weights, with the streaming-read rate, the per-token time outside the parallel kernels and the
 busy-core case measured in the same run; writes bench/THREADS_RESULTS.md, bench/threads_results.png and
 bench/threads_results.json.
@@ -161,7 +161,7 @@ def render(res: dict) -> str:
     if any("ik" in r for r in rows):
         llama += (f"; ik_llama.cpp ({res.get('ik_version', '?')}, its llama-bench, -rtr 1: IQ2_BN repacked to "
                   f"IQ2_BN_R4) on `{res.get('ik_model')}` (the same ternary values, its own default embedding type)")
-    L = [f"# Thread sweep (issue 20), {res['date']}", "",
+    L = [f"# Thread sweep, {res['date']}", "",
          f"Machine: {res['machine']}, {res['cpus']} logical CPUs, {res['physical']} physical cores available to "
          f"the process; threads {', '.join(str(r['threads']) for r in rows)}; load average at start {load}. "
          f"Synthetic 2B-4T weights: ours on `{res['store']}` (int8 LM head, {bpt / 1e9:.3f} GB read per token); "
