@@ -1,7 +1,7 @@
-"""Thread sweep: decode tok/s and prefill pp512 from 1 to N threads, ours vs llama.cpp (and ik_llama.cpp) on
-the same synthetic 2B-4T weights, with the streaming-read rate, the per-token time outside the parallel kernels and the
-busy-core case measured in the same run; writes bench/THREADS_RESULTS.md, bench/threads_results.png and
-bench/threads_results.json.
+"""Thread sweep: decode tok/s and prefill pp512 from 1 to N threads, ours vs llama.cpp (and ik_llama.cpp)
+on the same synthetic 2B-4T weights, with the streaming-read rate, the per-token time outside the parallel
+kernels and the busy-core case measured in the same run; writes bench/THREADS_RESULTS.md,
+bench/threads_results.png and bench/threads_results.json.
 
     python bench/bench_threads.py [--max-threads N] [--decode 64] [--engines ours,llama] [--no-busy]
 
