@@ -30,7 +30,8 @@ from ...simd.layout import K_ALIGN, pad_to
 
 DEFAULT_CHUNK = 128  # prefill rows per GEMM call (measured: 32..256 within 4%, 128 best)
 # Chunks of at most this many rows use the multi-row GEMV (one sequential weight stream) instead of the GEMM,
-# per kernel path. Time per call / one 1-row GEMV, out-of-cache 13824x2560 matrices, multi-row vs GEMM, same run:
+# per kernel path. Time per call / one 1-row GEMV, out-of-cache 13824x2560, multi-row vs GEMM, same run
+# (python bench/bench_rows.py):
 #   avx512 (16-core Xeon, 2 and 16 threads): M=2 1.28-1.38 vs 1.41-1.56, M=3 1.43-1.61 vs 2.33-2.84,
 #          M=4 1.54-1.70 vs 1.66-1.95, M=8 2.43-2.61 vs 2.36-2.91 (mixed: not used)
 #   avx2 (2-core EPYC, and the Xeon forced to avx2; 2 threads): M=2 1.57-1.93 vs 1.19-1.50, M=4 2.75-4.79 vs
