@@ -1,7 +1,7 @@
 """`bitnet serve`: an OpenAI-compatible HTTP server (serve/app.py) on uvicorn, over the batching
 engine. Loopback by default; Ctrl-C / SIGTERM drain (stop admitting, cancel in-flight streams) and exit 0.
 `--ray-replicas N` runs the same app as a Ray Serve deployment with N replicas (needs `pip install .[cluster]`)."""
-from .flags import add_engine_args, check_engine_args
+from .flags import add_engine_args, check_engine_args, sampling_params_from_args
 
 HELP = "serve the model over an OpenAI-compatible HTTP API (and a chat page at /)"
 
@@ -17,7 +17,9 @@ def is_loopback(host: str) -> bool:
 
 
 def add_arguments(p):
-    add_engine_args(p, sampling=False)   # sampling: per request (serve/schemas.py); --draft-max: every sequence
+    # sampling flags: the defaults of every request that leaves a field out (a request's own values win);
+    # --draft-max / --lookup-ngram-min: every sequence of the batching engine
+    add_engine_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8080, help="port to listen on")
     p.add_argument("--parallel", "-np", type=int, default=16, help="sequences generated at once")
@@ -54,9 +56,10 @@ def main(args) -> int:
         print(f"bitnet serve: warning: listening on {args.host} without --api-key: anyone who can reach this "
               "port can use the model", file=sys.stderr, flush=True)
     _check(args)
+    sampling = sampling_params_from_args(args)
     if args.ray_replicas:
         from ..serve.ray_app import run_ray
-        return run_ray(args)
+        return run_ray(args, sampling)
 
     import uvicorn
 
@@ -71,7 +74,7 @@ def main(args) -> int:
         return load_engine(args.model, ctx=args.ctx, threads=args.threads, parallel=args.parallel,
                            max_queue=args.max_queue, kv_dtype=args.kv, progress=True, lookup=lookup)
 
-    app = create_app(load, api_key=args.api_key)
+    app = create_app(load, api_key=args.api_key, sampling=sampling)
 
     class Server(uvicorn.Server):
         """uvicorn re-raises the caught signal after shutdown (-> exit 130/143); a drained server exits 0.

@@ -81,8 +81,10 @@ class ServerState:
 
 
 def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id: str | None = None,
-               retry_after: int = 1, on_shutdown: Callable[[], None] | None = None) -> FastAPI:
-    """The ASGI app. load() -> an engine with ENGINE_API.md's interface (called once, in a thread)."""
+               retry_after: int = 1, on_shutdown: Callable[[], None] | None = None,
+               sampling: Any = None) -> FastAPI:
+    """The ASGI app. load() -> an engine with ENGINE_API.md's interface (called once, in a thread).
+    sampling: SamplingParams whose values a request's omitted sampling fields take (None: the engine's)."""
     state = ServerState(load, api_key, model_id, retry_after)
     metrics = ServerMetrics(state.engine_metrics)
 
@@ -163,7 +165,7 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         limit = req.limit()
         room = eng.n_ctx - len(prompt_ids)
         max_tokens = room if limit is None else limit
-        params = req.sampling_params()   # checked by the request model (serve/schemas.py)
+        params = req.sampling_params(sampling)   # checked by the request model (serve/schemas.py)
         try:
             stream = eng.submit(prompt_ids, params, max_tokens=max(0, max_tokens), stop=req.stops(),
                                 ignore_eos=req.ignore_eos,

@@ -64,8 +64,12 @@ class _Sampling(BaseModel):
             raise PydanticCustomError("invalid_setting", problem)   # the message as is, named by its field
         return value
 
-    def sampling_params(self) -> SamplingParams:
-        return SamplingParams(**{f: getattr(self, f) for f in SAMPLING_FIELDS})
+    def sampling_params(self, defaults: SamplingParams | None = None) -> SamplingParams:
+        """The request's sampling; a field the request did not send takes `defaults`' value (the server's
+        --temp / --top-k ... flags), else the engine's default."""
+        base = defaults or _DEFAULT
+        return SamplingParams(**{f: getattr(self, f) if f in self.model_fields_set else getattr(base, f)
+                                 for f in SAMPLING_FIELDS})
 
     def stops(self) -> list[str]:
         if self.stop is None:

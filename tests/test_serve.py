@@ -290,6 +290,43 @@ def test_non_loopback_warning_and_bad_flags(tmp_path):
     assert "warning" not in r.stderr and r.returncode == 2
 
 
+def test_server_sampling_flags_are_request_defaults():
+    """In-process: the server's sampling settings (bitnet serve --temp/--top-k/.../--seed) fill the fields a
+    request leaves out, so a bare request samples exactly as one that sends those values; a request's own
+    values still win."""
+    from starlette.testclient import TestClient
+
+    from bitnet_cpu.engine.api import SamplingParams, load_engine
+    from bitnet_cpu.serve.app import create_app
+
+    wild = dict(temperature=2.0, top_p=1.0, top_k=0, min_p=0.0, seed=7)
+    app = create_app(lambda: load_engine(None, threads=1, parallel=2, progress=False),
+                     sampling=SamplingParams(**wild))
+    with TestClient(app) as tc:
+        deadline = time.monotonic() + 60
+        while tc.get("/health").status_code != 200 and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+        def text(**body):
+            r = tc.post("/v1/chat/completions", json={"messages": Q, "max_tokens": 24, "ignore_eos": True, **body})
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["message"]["content"]
+        bare, explicit, greedy = text(), text(**wild), text(temperature=0)
+        assert bare == explicit
+        assert greedy != explicit   # the request's temperature 0 overrides the server's 2.0
+
+
+def test_serve_sampling_flag_checked_at_start():
+    import os
+    import subprocess
+    import sys
+
+    from serve_proc import ROOT
+    r = subprocess.run([sys.executable, "-m", "bitnet_cpu", "serve", "--top-p", "1.5"],
+                       cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--top-p 1.5" in r.stderr and "Traceback" not in r.stderr
+
+
 def test_health_503_while_loading():
     """In-process: the app answers /health 503 (+ Retry-After) until load() returns, then 200."""
     from starlette.testclient import TestClient
