@@ -3,7 +3,7 @@ prompt, sampling and prompt lookup, spelled as llama.cpp spells them, with one h
 check each; plus the parsing helper that answers an unknown flag with the subcommand's own usage and a "did you
 mean" suggestion.
 
-    add_engine_args(p, n_predict_default=256)    # -m -c -t [-n] [sampling] [--draft-max ...]
+    add_engine_args(p, n_predict_default=256)    # -m -c -t [-n] --temp ... --draft-max ...
     add_system_args(p)
     problem = check_engine_args(args)            # one line naming the flag, or None
     params = sampling_params_from_args(args)
@@ -45,11 +45,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "(REPO[:FILE][@REVISION]) already downloaded (default: the bundled model)%(default).0s")
 
 
-def add_engine_args(p: argparse.ArgumentParser, *, n_predict_default: int | None = None,
-                    sampling: bool = True, lookup: bool = True) -> None:
-    """-m, -c, -t for every command that loads a model; -n when `n_predict_default` is given; the sampling
-    flags and the prompt-lookup flags unless turned off (`bitnet serve` takes sampling per request, and
-    --draft-max / --lookup-ngram-min for every sequence of its batching engine)."""
+def add_engine_args(p: argparse.ArgumentParser, *, n_predict_default: int | None = None) -> None:
+    """-m, -c, -t, the sampling flags and the prompt-lookup flags for every command that loads a model; -n when
+    `n_predict_default` is given. For `bitnet serve` the sampling flags are the defaults of fields a request
+    leaves out, and --draft-max / --lookup-ngram-min apply to every sequence."""
     add_model_args(p)
     if n_predict_default is not None:
         p.add_argument("-n", "--n-predict", "--max-tokens", dest="n_predict", type=int, default=n_predict_default,
@@ -58,18 +57,16 @@ def add_engine_args(p: argparse.ArgumentParser, *, n_predict_default: int | None
                    help="context size in tokens, of each sequence (default: min(model's, 4096))%(default).0s")
     p.add_argument("-t", "--threads", type=int, default=None, metavar="N",
                    help="CPU threads (default: one per physical core, or $OMP_NUM_THREADS)%(default).0s")
-    if sampling:
-        for field, (spellings, kind, metavar, text) in SAMPLING_FLAGS.items():
-            default = getattr(_D, field)
-            p.add_argument(*spellings, dest=field, type=kind, default=default, metavar=metavar,
-                           help=text + ("%(default).0s" if default is None else ""))
-    if lookup:
-        p.add_argument("--draft-max", type=int, default=None, metavar="K",
-                       help="prompt-lookup speculative decoding: most draft tokens verified per pass, 0 = off "
-                            "(default: off; --draft-max 4 is a good start on repetitive text; same output either "
-                            "way)%(default).0s")
-        p.add_argument("--lookup-ngram-min", type=int, default=None, metavar="N",
-                       help="prompt lookup: shortest repeated n-gram that proposes a draft (default: 2)%(default).0s")
+    for field, (spellings, kind, metavar, text) in SAMPLING_FLAGS.items():
+        default = getattr(_D, field)
+        p.add_argument(*spellings, dest=field, type=kind, default=default, metavar=metavar,
+                       help=text + ("%(default).0s" if default is None else ""))
+    p.add_argument("--draft-max", type=int, default=None, metavar="K",
+                   help="prompt-lookup speculative decoding: most draft tokens verified per pass, 0 = off "
+                        "(default: off; --draft-max 4 is a good start on repetitive text; same output either "
+                        "way)%(default).0s")
+    p.add_argument("--lookup-ngram-min", type=int, default=None, metavar="N",
+                   help="prompt lookup: shortest repeated n-gram that proposes a draft (default: 2)%(default).0s")
 
 
 def add_system_args(p: argparse.ArgumentParser) -> None:

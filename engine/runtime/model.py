@@ -37,14 +37,12 @@ DEFAULT_CHUNK = 128  # prefill rows per GEMM call (measured: 32..256 within 4%, 
 #   avx2 (2-core EPYC, and the Xeon forced to avx2; 2 threads): M=2 1.57-1.93 vs 1.19-1.50, M=4 2.75-4.79 vs
 #          2.36-3.11: the GEMM wins at every M, so never. avxvnni (AVX2-width) unmeasured: as avx2.
 ROWS_GEMV_MAX = {"avx512": 4}
+VERIFY_MAX = K.ROWS_MAX  # most rows of one Model.verify pass (the multi-row head kernel's limit)
 
 
 def ternary_matmul(m: int):
     """The ternary kernel for an m-row pass (m >= 2) on the kernel path in use."""
     return K.gemv_rows_ternary if m <= ROWS_GEMV_MAX.get(K.active(), 0) else K.gemm_ternary
-
-
-VERIFY_MAX = K.ROWS_MAX  # most rows of one Model.verify pass (the multi-row head kernel's limit)
 
 
 def session_bytes(cfg: ModelConfig, n_ctx: int, kv_dtype: str, chunk: int = DEFAULT_CHUNK) -> int:
