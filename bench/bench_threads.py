@@ -68,10 +68,10 @@ def worker(engine: str, model: str, threads: int, a) -> dict:
     return run_json(cmd, threads or None)
 
 
-def bench_worker(bench: str, model: str, threads: int, a, extra: tuple[str, ...] = ()) -> dict:
-    """A llama-bench binary (llama.cpp's or ik_llama.cpp's): pp512 and tg<decode> in one process, one
-    repetition. ik_llama.cpp gets -rtr 1: IQ2_BN repacked to IQ2_BN_R4 at load, what its author recommends."""
-    cmd = [bench, "-m", model, "-t", str(threads), "-p", "512", "-n", str(a.decode), "-r", "1", "-o", "json",
+def bench_worker(bench: str, model: str, threads: int, a, extra: tuple[str, ...] = (), prompt: int = 512) -> dict:
+    """A llama-bench binary (llama.cpp's or ik_llama.cpp's): pp<prompt> (0: none) and tg<decode> in one process,
+    one repetition. ik_llama.cpp gets -rtr 1: IQ2_BN repacked to IQ2_BN_R4 at load, what its author recommends."""
+    cmd = [bench, "-m", model, "-t", str(threads), "-p", str(prompt), "-n", str(a.decode), "-r", "1", "-o", "json",
            *extra]
     t0 = time.perf_counter()
     try:

@@ -40,7 +40,9 @@ def store_bytes_per_token(path: str) -> int:
 
     st = Store(path)
     try:
-        return sum(st.info(n)["nbytes"] for n in st.tensor_names if n not in ("token_embd", "tokenizer.blob"))
+        # not read per token: the embedding (one row), the tokenizer, a q4 head's f16 rows (RESCORE_K rows)
+        return sum(st.info(n)["nbytes"] for n in st.tensor_names
+                   if n not in ("token_embd", "tokenizer.blob", "output.rows"))
     finally:
         st.close()
 
@@ -116,11 +118,14 @@ def measure(a) -> dict:
         p = ensure_q4_store(a.cache, a.shape) if h == "q4" else paths[f"store_{h}"]
         if os.path.exists(p):
             stores[h] = p
-    try:
-        import llama_cpp  # noqa: F401
+    if a.llama_bench:
         have_llama = os.path.exists(paths["tq2_0"])
-    except ImportError:
-        have_llama = False
+    else:
+        try:
+            import llama_cpp  # noqa: F401
+            have_llama = os.path.exists(paths["tq2_0"])
+        except ImportError:
+            have_llama = False
     engines = [f"ours_{h}" for h in stores] + (["llama"] if have_llama else [])
     bws = [bandwidth(a.threads, a.bw_mib)]
     best: dict[str, float] = {}
@@ -128,7 +133,13 @@ def measure(a) -> dict:
         for eng in (engines if rep % 2 == 0 else engines[::-1]):
             args = (["--engine", "llama", "--model", paths["tq2_0"]] if eng == "llama" else
                     ["--engine", "ours", "--model", stores[eng[5:]], "--draft-max", "0"])
-            r = run_worker(args + ["--tokens", str(a.tokens)], a.threads)
+            if eng == "llama" and a.llama_bench:   # llama.cpp timed by its own llama-bench (tg only)
+                from bench_threads import bench_worker
+
+                r = bench_worker(a.llama_bench, paths["tq2_0"], a.threads, argparse.Namespace(decode=a.tokens),
+                                 prompt=0)
+            else:
+                r = run_worker(args + ["--tokens", str(a.tokens)], a.threads)
             log(f"decode {eng} repeat {rep + 1}: {r}")
             if "decode_tps" in r:
                 best[eng] = max(best.get(eng, 0.0), r["decode_tps"])
@@ -154,7 +165,8 @@ def measure(a) -> dict:
                      "vs_llama": (tps / llama_tps) if tps and llama_tps else None})
     return {"bandwidth_Bps": bw, "rows": rows, "spec": {f"{p}/{'off' if d == 0 else 'on'}": v
                                                           for (p, d), v in spec.items()},
-            "spec_head": head, "llama": have_llama, "threads": a.threads, "tokens": a.tokens}
+            "spec_head": head, "llama": have_llama, "threads": a.threads, "tokens": a.tokens,
+            "llama_how": "its own llama-bench, tg only" if a.llama_bench else "llama-cpp-python"}
 
 
 def markdown(res: dict) -> str:
@@ -162,7 +174,8 @@ def markdown(res: dict) -> str:
     out = [f"## Decode per layout / LM head ({res['threads']} threads, {res['tokens']} tokens, best of the run)", "",
            f"Streaming-read bandwidth measured in the same run: {f(res['bandwidth_Bps'] and res['bandwidth_Bps'] / 1e9, '.1f')} GB/s. "
            "The machine was shared with other jobs: compare the ratios, not the absolute numbers."
-           + ("" if res["llama"] else " llama-cpp-python is not installed: no llama.cpp column."), "",
+           + (f" llama.cpp timed by {res.get('llama_how', 'llama-cpp-python')}." if res["llama"] else
+              " llama-cpp-python is not installed: no llama.cpp column."), "",
            "| engine | bytes/token | decode tok/s | share of read bandwidth | vs llama.cpp TQ2_0 |",
            "|---|---|---|---|---|"]
     for r in res["rows"]:
@@ -196,6 +209,8 @@ def parse_args(argv=None):
     ap.add_argument("--cache", default=DEFAULT_CACHE)
     ap.add_argument("--shape", default="2b4t", help="2b4t (the benchmark) or small (harness check)")
     ap.add_argument("--bw-mib", type=int, default=512, help="bandwidth probe buffer (MiB)")
+    ap.add_argument("--llama-bench", metavar="PATH", default=os.environ.get("LLAMA_BENCH"),
+                    help="llama.cpp's llama-bench binary instead of llama-cpp-python (or $LLAMA_BENCH)")
     return ap.parse_args(argv)
 
 

@@ -12,6 +12,8 @@ cdef extern from "ops.h":
                                int k_pad, float *act_scale, int32_t *act_sum) nogil
     int ops_embed_f16(const uint16_t *table, int64_t vocab, int d, const int32_t *ids, int m, float *out) nogil
     int ops_topk(const float *x, int n, int k, float *heap_vals, int32_t *idx) nogil
+    void ops_head_rescore(const uint16_t *table, int d, const float *x, int m, float *logits, int vocab, int k,
+                          float *heap_vals, int32_t *idx) nogil
     void ops_attention(float *qkv, int m, int n_heads, int n_kv, int head_dim, const float *rope_cos,
                        const float *rope_sin, int pos0, void *k_cache, void *v_cache, int kv_f16, int n_ctx,
                        float *out, float *scratch, int scratch_rows) nogil
@@ -186,6 +188,28 @@ def paged_key_pool_shape(int n_pages, int n_kv, int head_dim):
 
 def paged_value_pool_shape(int n_pages, int n_kv, int head_dim):
     return (n_pages, n_kv, OPS_KT_BLOCK, head_dim)
+
+
+def head_rescore(const uint16_t[:, ::1] table, const float[:, ::1] x, float[:, ::1] logits,
+                 float[:, ::1] heap_vals, int32_t[:, ::1] idx):
+    """For each of the x.shape[0] rows: the idx.shape[1] largest logits of that row are replaced by the f16
+    head's exact logits table[i] . x[row] (gemv_f16's float, bit for bit); their indices go to idx[row]
+    (unordered, -1 past the number of non-NaN logits). table f16 [vocab, d] as uint16, logits [>= m, vocab],
+    heap_vals [>= m, >= k] scratch."""
+    cdef int m = x.shape[0], d = x.shape[1], vocab = logits.shape[1], k = idx.shape[1]
+    if m < 1 or d < 1 or k < 1:
+        _fail(f"head_rescore: empty x ({m} x {d}) or k {k}")
+    if table.shape[1] != d:
+        _fail(f"head_rescore: table rows have {table.shape[1]} values, x has {d}")
+    if table.shape[0] < vocab:
+        _fail(f"head_rescore: {vocab} logits per row but the table has {table.shape[0]} rows")
+    if logits.shape[0] < m or idx.shape[0] < m or heap_vals.shape[0] < m or heap_vals.shape[1] < k:
+        _fail(f"head_rescore: logits ({logits.shape[0]}, {logits.shape[1]}), idx ({idx.shape[0]}, {idx.shape[1]}) "
+              f"or heap_vals ({heap_vals.shape[0]}, {heap_vals.shape[1]}) do not cover {m} rows of k = {k}")
+    if heap_vals.shape[1] != k:
+        _fail(f"head_rescore: heap_vals rows hold {heap_vals.shape[1]} values, idx rows {k}")
+    with nogil:
+        ops_head_rescore(&table[0, 0], d, &x[0, 0], m, &logits[0, 0], vocab, k, &heap_vals[0, 0], &idx[0, 0])
 
 
 def topk(const float[::1] x, float[::1] heap_vals, int32_t[::1] idx):

@@ -1,6 +1,6 @@
 """simd._ops: the runtime helper kernels of the transformer (C in simd/ops/, wrappers in simd/_ops.pxi):
 fused residual add + RMSNorm + int8 activation quantization, the gated MLP activation, RoPE + KV-cache
-write + causal GQA attention, f16 embedding lookup, top-k.
+write + causal GQA attention, f16 embedding lookup, top-k, exact rescoring of an approximate LM head's best.
 
 They are compiled into simd._kernels (one C library): the ISA choice (set_isa, BITNET_ISA) and the worker
 pool and its thread count are the kernels' own, so `active`, `set_isa`, `set_num_threads` and
@@ -20,6 +20,7 @@ from ._kernels import (  # noqa: F401
     embed_f16,
     get_num_threads,
     glu_rmsnorm_quant,
+    head_rescore,
     key_cache_shape,
     paged_key_pool_shape,
     paged_value_pool_shape,

@@ -1,12 +1,21 @@
 """The group-quantized LM head ("q4g_tile16"): layout round trip, the kernel's exact int32 dots and f32 outputs on
 every ISA path against a numpy oracle (M = 1..8 rows, odd shapes, xq = -128), conversion with --lm-head q4,
-and a q4 model whose prefill equals step-by-step decode and whose verify rows equal decode."""
+and a q4 model whose prefill equals step-by-step decode and whose verify rows equal decode.
+
+Its best RESCORE_K candidates are recomputed from f16 rows (ops.head_rescore): those logits must equal the f16
+head's bit for bit on every path, in decode, verify and the batching engine, for tied and untied heads."""
 import numpy as np
 import pytest
 
 from bitnet_cpu.simd import layout
+from bitnet_cpu.simd import _ops as ops
 from bitnet_cpu.engine.api import SamplingParams, load_model
 from bitnet_cpu.engine.errors import KernelError
+from bitnet_cpu.engine.formats.convert import convert
+from bitnet_cpu.engine.formats.describe import describe, head_line as describe_head
+from bitnet_cpu.engine.formats.store import Store
+from bitnet_cpu.engine.runtime.model import RESCORE_K, Model
+from bitnet_cpu.engine.synth import SynthModel, write_hf_dir
 from bitnet_cpu.engine.runtime.speculative import OFF, LookupParams
 from bitnet_cpu.simd import _kernels as K
 from test_kernels import ISAS, quantized
@@ -113,3 +122,90 @@ def test_q4_model_same_tokens_with_lookup(q4_store):
         out.append([c.token for c in llm.generate(prompt, SamplingParams(temperature=0), max_tokens=30, lookup=lk)
                     if c.token is not None])
     assert out[0] == out[1]
+
+
+# ---------------------------------------------------------------- exact rescoring of the best candidates
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+@pytest.mark.parametrize("v,d,k,m", [(40, 3, 5, 1), (300, 100, 64, 3), (1000, 2560, 64, 2), (77, 37, 13, 9),
+                                     (10, 16, 64, 1)])
+def test_head_rescore_gives_the_f16_head_floats(isa, v, d, k, m):
+    rng = np.random.default_rng(v + d + k)
+    table = rng.standard_normal((v, d)).astype(np.float16)
+    table[0, 0] = np.float16(6e-8)  # a subnormal half
+    x = rng.standard_normal((m, d)).astype(np.float32)
+    exact = np.empty((m, v), np.float32)
+    packed = layout.pack_f16(table)
+    for r in range(m):
+        K.gemv_f16(packed, x[r], exact[r])
+    approx = (exact + rng.standard_normal((m, v)).astype(np.float32) * 0.5).astype(np.float32)
+    approx[0, 3] = np.nan  # never a candidate
+    logits = approx.copy()
+    heap, idx = np.zeros((m, k), np.float32), np.zeros((m, k), np.int32)
+    ops.head_rescore(table.view(np.uint16), x, logits, heap, idx)
+    for r in range(m):
+        finite = np.flatnonzero(~np.isnan(approx[r]))
+        want = finite[np.argsort(-approx[r, finite], kind="stable")[: min(k, finite.size)]]
+        got = idx[r][idx[r] >= 0]
+        assert sorted(got.tolist()) == sorted(want.tolist())
+        assert np.all(idx[r][got.size:] == -1)
+        assert np.array_equal(logits[r, got].view(np.int32), exact[r, got].view(np.int32))  # bit for bit
+        rest = np.setdiff1d(np.arange(v), got)
+        assert np.array_equal(logits[r, rest].view(np.int32), approx[r, rest].view(np.int32))  # untouched
+
+
+def test_head_rescore_checks_arguments():
+    t = np.zeros((10, 8), np.uint16)
+    x = np.zeros((2, 8), np.float32)
+    lg, hp, ix = np.zeros((2, 10), np.float32), np.zeros((2, 4), np.float32), np.zeros((2, 4), np.int32)
+    with pytest.raises(KernelError, match="table rows"):
+        ops.head_rescore(t[:, :7].copy(), x, lg, hp, ix)
+    with pytest.raises(KernelError, match="table has"):
+        ops.head_rescore(t, x, np.zeros((2, 11), np.float32), hp, ix)
+    with pytest.raises(KernelError, match="cover"):
+        ops.head_rescore(t, x, lg[:1], hp, ix)
+    with pytest.raises(KernelError, match="heap_vals"):
+        ops.head_rescore(t, x, lg, hp[:, :3].copy(), ix)
+
+
+def _same_candidates(q4_logits, f16_logits, idx):
+    idx = idx[idx >= 0]
+    assert idx.size == min(RESCORE_K, q4_logits.size)
+    assert np.array_equal(q4_logits[idx].view(np.int32), f16_logits[idx].view(np.int32))
+
+
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+def test_q4_head_candidates_carry_f16_logits_and_greedy_matches(isa, q4_store):
+    """Tied head: rescored from token_embd. Decode and verify rows give the f16 head's floats at the candidates,
+    and greedy decoding picks the f16 head's tokens."""
+    q = load_model(q4_store["q4"], ctx=96, progress=False)
+    f = load_model(q4_store["f16"], ctx=96, progress=False)
+    assert q.model.weights.rescore is q.model.weights.embd
+    assert "exact logits from token_embd (tied)" in describe_head(q.model.store)
+    ids = [1, 7, 3, 9, 12, 5, 40, 2, 2, 8]
+    for t in ids:
+        _same_candidates(q.model.decode(t), f.model.decode(t), q.model._resc_idx[0])
+    rows = q.model.verify([4, 6, 8]).copy()
+    frows = f.model.verify([4, 6, 8])
+    for r in range(3):
+        _same_candidates(rows[r], frows[r], q.model._resc_idx[r])
+    out = []
+    for llm in (q, f):
+        llm.reset()
+        out.append([c.token for c in llm.generate(ids, SamplingParams(temperature=0), max_tokens=40)
+                    if c.token is not None])
+    assert out[0] == out[1]
+
+
+def test_untied_q4_head_stores_f16_rows(tmp_path):
+    m = SynthModel({"head_dim": 64}, seed=4, style="llama")
+    d = str(tmp_path / "llama")
+    write_hf_dir(m, d)
+    q4, f16 = (convert(d, str(tmp_path / f"{h}.bnstore"), lm_head=h, progress=False) for h in ("q4", "f16"))
+    st = Store(q4)
+    assert not st.config.tie_word_embeddings and "output.rows" in st.tensor_names
+    mq, mf = Model(st, n_ctx=32), Model(Store(f16), n_ctx=32)
+    assert mq.weights.rescore is not None and mq.weights.rescore is not mq.weights.embd
+    for t in (1, 5, 9, 30, 2):
+        _same_candidates(mq.decode(t), mf.decode(t), mq._resc_idx[0])
+    lines = {h: [ln for ln in describe(p) if ln.startswith("lm head:")] for h, p in (("q4", q4), ("f16", f16))}
+    assert "exact logits from output.rows" in lines["q4"][0] and "f16 (the reference" in lines["f16"][0]

@@ -16,7 +16,7 @@ from ...simd import _ops as ops
 
 from ..config import ModelConfig
 from ..errors import BitNetError
-from ..runtime.model import Weights, _Views, alloc_run_state, rope_tables, run_layers, ternary_matmul
+from ..runtime.model import RESCORE_K, Weights, _Views, alloc_run_state, rope_tables, run_layers, ternary_matmul
 from .kv_pool import PAGE_TOKENS, KVPool
 
 
@@ -40,6 +40,8 @@ class BatchModel:
         self._head_d = np.zeros((self.max_logit_rows, D), np.float32)
         self._head_h = np.zeros((self.max_logit_rows, D), np.float32)
         self._logits = np.zeros((self.max_logit_rows, V), np.float32)
+        self._resc_heap = np.zeros((self.max_logit_rows, RESCORE_K), np.float32)  # head_rescore scratch
+        self._resc_idx = np.zeros((self.max_logit_rows, RESCORE_K), np.int32)
 
     def _view(self, m: int) -> _Views:
         v = self._views.get(m)
@@ -103,6 +105,8 @@ class BatchModel:
                 for r0 in range(0, k, K.ROWS_MAX):
                     r1 = min(k, r0 + K.ROWS_MAX)
                     K.gemv_q4g(w.out_w, w.out_gscale, w.out_scale, xq[r0:r1], s[r0:r1], out[r0:r1])
+                if w.rescore is not None:
+                    ops.head_rescore(w.rescore, hh, out, self._resc_heap[:k], self._resc_idx[:k])
             elif 1 < k <= K.ROWS_MAX:
                 # one pass over the head for up to ROWS_MAX rows, as Model.verify does: 128256x2560 int8, time /
                 # one GEMV, multi-row vs GEMM: avx512 16 threads M=2 1.06-1.09 vs 1.12-1.15, M=4 1.25 vs 1.32-1.37;

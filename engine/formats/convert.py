@@ -113,6 +113,15 @@ def _tensors(src, lm_head: str, stats: dict, bar) -> Iterator[TensorSpec]:
         yield TensorSpec("output", np.concatenate(packs), {"layout": "f16_tile16", "rows": V, "cols": D})
     step("output")
     emb = None  # free the f16 copy before the layers
+    if lm_head == "q4" and not c.tie_word_embeddings:
+        # the f16 rows the q4 head's best candidates are rescored from (a tied head uses token_embd)
+        rows = np.empty((V, D), np.float16)
+        for r0, r1 in chunks:
+            rows[r0:r1] = head_src(r0, r1)
+        if not np.isfinite(rows).all():
+            raise FormatError(f"{src.path}: the lm_head holds NaN/inf values (or values too large for f16)")
+        yield TensorSpec("output.rows", rows)
+        rows = None
     yield TensorSpec("output_norm", _finite(src, "output_norm", src.norm("output_norm", None)))
     for i in range(c.n_layers):
         yield TensorSpec(f"blk.{i}.attn_norm", _finite(src, f"blk.{i}.attn_norm", src.norm("attn_norm", i)))

@@ -84,6 +84,23 @@ def _table(rows, limit) -> list[str]:
     return out
 
 
+def head_line(s: Store) -> str:
+    """What the runtime does with the store's LM head, and the bytes it reads per token."""
+    names = s.tensor_names
+    layout = s.info("output").get("layout", "f16_tile16") if "output" in names else "?"
+    per_token = human_size(sum(s.info(n)["nbytes"] for n in names if n.startswith("output.") and n != "output.rows")
+                           + (s.info("output")["nbytes"] if "output" in names else 0))
+    if layout == "q4g_tile16":
+        rows = ("output.rows (f16)" if "output.rows" in names else
+                "token_embd (tied)" if s.config.tie_word_embeddings else None)
+        how = (f"4-bit groups rank every token, the best candidates get the f16 head's exact logits from {rows}"
+               if rows else "4-bit groups, no f16 rows to rescore from (approximate logits)")
+    else:
+        how = {"i8_tile16": "int8 rows with per-row scales", "f16_tile16": "f16 (the reference numerics)"}.get(
+            layout, f"unknown layout {layout!r}")
+    return f"lm head: {how}; reads {per_token} per token"
+
+
 def describe(path: str, max_tensors: int | None = None) -> Iterator[str]:
     """Lines about `path`, starting with "file: PATH" exactly as given; a store's source is the file name (or
     hub id) it recorded at conversion, with nothing of the machine it was built on."""
@@ -99,6 +116,7 @@ def describe(path: str, max_tensors: int | None = None) -> Iterator[str]:
                    f" converter {m.get('converter_version', '?')}")
             if m.get("folded"):  # constants folded into the weights at conversion (MiniCPM)
                 yield f"folded: {m['folded']}"
+            yield head_line(s)
             rows = []
             for n in s.tensor_names:
                 e = s.info(n)

@@ -96,4 +96,11 @@ void ops_attention_paged(float *qkv, int n_heads, int n_kv, int head_dim, const 
  * scratch of k floats. Returns how many were found (k, or fewer when x has NaNs / n < k). */
 int ops_topk(const float *x, int n, int k, float *heap_vals, int32_t *idx);
 
+/* rescore.c: for each row r < m of logits [m, vocab] (an approximate LM head's output), the k largest are
+ * replaced by the exact f16-head logits fma-chain(table[i, :] (f16 [vocab, d]), x[r, :]) (simd/kernels/gemv_f16.c's
+ * float, bit for bit); their indices go to idx [m, k] (unordered, -1 where a row had fewer than k non-NaN
+ * logits). heap_vals [m, k] is scratch. */
+void ops_head_rescore(const uint16_t *table, int d, const float *x, int m, float *logits, int vocab, int k,
+                      float *heap_vals, int32_t *idx);
+
 #endif

@@ -1,0 +1,123 @@
+/* Exact logits for the best candidates of an approximate LM head (the q4 group head, engine/runtime/model.py).
+ *
+ * The q4 head reads half the bytes of the int8 head but ranks tokens less precisely; its top k rows are then
+ * recomputed from the f16 rows of the head (for a tied head: the embedding table, already in the store), so
+ * the tokens a sampler can pick carry the f16 head's logits. Each recomputed logit is the f16 head's exact
+ * float (simd/kernels/gemv_f16.c): out = fma(w[d-1], x[d-1], ... fma(w[0], x[0], 0)), one in-order chain per
+ * row, in every path. Reads k * d halves per row of logits: ~0.3 MB for k = 64, d = 2560, against ~170 MB for
+ * the q4 head itself.
+ */
+#include "ops.h"
+
+#include <math.h>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+static void dots_scalar(const uint16_t *table, int d, const int32_t *ids, int n, const float *x, float *out) {
+    for (int j = 0; j < n; j++) {
+        const uint16_t *w = table + (int64_t)ids[j] * d;
+        float acc = 0.0f;
+        for (int c = 0; c < d; c++) acc = fmaf(ops_half_to_float(w[c]), x[c], acc);
+        out[j] = acc;
+    }
+}
+
+#if defined(__x86_64__)
+/* Eight rows at once, one per lane: 8 columns of each row are converted, transposed to 8 vectors of one
+ * column each, and fed to the lane chains in column order. */
+__attribute__((target("avx2,fma,f16c"))) static void dots8_avx2(const uint16_t *table, int d, const int32_t *ids,
+                                                                 const float *x, float *out) {
+    const uint16_t *w[8];
+    for (int j = 0; j < 8; j++) w[j] = table + (int64_t)ids[j] * d;
+    __m256 acc = _mm256_setzero_ps();
+    int c = 0;
+    for (; c + 8 <= d; c += 8) {
+        __m256 r0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w[0] + c)));
+        __m256 r1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w[1] + c)));
+        __m256 r2 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w[2] + c)));
+        __m256 r3 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w[3] + c)));
+        __m256 r4 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w[4] + c)));
+        __m256 r5 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w[5] + c)));
+        __m256 r6 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w[6] + c)));
+        __m256 r7 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w[7] + c)));
+        /* 8x8 transpose: t_i holds column c+i of rows 0..7 */
+        __m256 a0 = _mm256_unpacklo_ps(r0, r1), a1 = _mm256_unpackhi_ps(r0, r1);
+        __m256 a2 = _mm256_unpacklo_ps(r2, r3), a3 = _mm256_unpackhi_ps(r2, r3);
+        __m256 a4 = _mm256_unpacklo_ps(r4, r5), a5 = _mm256_unpackhi_ps(r4, r5);
+        __m256 a6 = _mm256_unpacklo_ps(r6, r7), a7 = _mm256_unpackhi_ps(r6, r7);
+        __m256 b0 = _mm256_shuffle_ps(a0, a2, 0x44), b1 = _mm256_shuffle_ps(a0, a2, 0xEE);
+        __m256 b2 = _mm256_shuffle_ps(a1, a3, 0x44), b3 = _mm256_shuffle_ps(a1, a3, 0xEE);
+        __m256 b4 = _mm256_shuffle_ps(a4, a6, 0x44), b5 = _mm256_shuffle_ps(a4, a6, 0xEE);
+        __m256 b6 = _mm256_shuffle_ps(a5, a7, 0x44), b7 = _mm256_shuffle_ps(a5, a7, 0xEE);
+        __m256 t0 = _mm256_permute2f128_ps(b0, b4, 0x20), t4 = _mm256_permute2f128_ps(b0, b4, 0x31);
+        __m256 t1 = _mm256_permute2f128_ps(b1, b5, 0x20), t5 = _mm256_permute2f128_ps(b1, b5, 0x31);
+        __m256 t2 = _mm256_permute2f128_ps(b2, b6, 0x20), t6 = _mm256_permute2f128_ps(b2, b6, 0x31);
+        __m256 t3 = _mm256_permute2f128_ps(b3, b7, 0x20), t7 = _mm256_permute2f128_ps(b3, b7, 0x31);
+        acc = _mm256_fmadd_ps(t0, _mm256_set1_ps(x[c + 0]), acc);
+        acc = _mm256_fmadd_ps(t1, _mm256_set1_ps(x[c + 1]), acc);
+        acc = _mm256_fmadd_ps(t2, _mm256_set1_ps(x[c + 2]), acc);
+        acc = _mm256_fmadd_ps(t3, _mm256_set1_ps(x[c + 3]), acc);
+        acc = _mm256_fmadd_ps(t4, _mm256_set1_ps(x[c + 4]), acc);
+        acc = _mm256_fmadd_ps(t5, _mm256_set1_ps(x[c + 5]), acc);
+        acc = _mm256_fmadd_ps(t6, _mm256_set1_ps(x[c + 6]), acc);
+        acc = _mm256_fmadd_ps(t7, _mm256_set1_ps(x[c + 7]), acc);
+    }
+    float a[8];
+    _mm256_storeu_ps(a, acc);
+    for (int j = 0; j < 8; j++) { /* the last d % 8 columns continue each lane's chain in order */
+        float s = a[j];
+        for (int cc = c; cc < d; cc++) s = fmaf(_cvtsh_ss(w[j][cc]), x[cc], s);
+        out[j] = s;
+    }
+}
+#endif
+
+static void dots(const uint16_t *table, int d, const int32_t *ids, int n, const float *x, float *out) {
+#if defined(__x86_64__)
+    if (ops_isa() >= OPS_ISA_AVX2) {
+        int j = 0;
+        for (; j + 8 <= n; j += 8) dots8_avx2(table, d, ids + j, x, out + j);
+        if (j < n) { /* a short group: pad with its last row, keep the first n - j results */
+            int32_t pad[8];
+            float tmp[8];
+            for (int q = 0; q < 8; q++) pad[q] = ids[j + (q < n - j ? q : n - j - 1)];
+            dots8_avx2(table, d, pad, x, tmp);
+            for (int q = 0; q < n - j; q++) out[j + q] = tmp[q];
+        }
+        return;
+    }
+#endif
+    dots_scalar(table, d, ids, n, x, out);
+}
+
+typedef struct {
+    const uint16_t *table;
+    int d, vocab, k;
+    const float *x;
+    float *logits, *heap_vals;
+    int32_t *idx;
+} rescore_job;
+
+static void rescore_rows(void *ctx, int b, int e) {
+    const rescore_job *j = ctx;
+    for (int r = b; r < e; r++) {
+        float *lr = j->logits + (int64_t)r * j->vocab, *hv = j->heap_vals + (int64_t)r * j->k;
+        int32_t *ir = j->idx + (int64_t)r * j->k;
+        int got = ops_topk(lr, j->vocab, j->k, hv, ir);
+        dots(j->table, j->d, ir, got, j->x + (int64_t)r * j->d, hv); /* the heap is free again: exact values */
+        for (int q = 0; q < got; q++) lr[ir[q]] = hv[q];
+        for (int q = got; q < j->k; q++) ir[q] = -1;
+    }
+}
+
+void ops_head_rescore(const uint16_t *table, int d, const float *x, int m, float *logits, int vocab, int k,
+                      float *heap_vals, int32_t *idx) {
+    rescore_job job = {table, d, vocab, k, x, logits, heap_vals, idx};
+    /* one row (decode) stays on the caller: ~0.1 ms of work, less than a hand-off saves */
+    if (m >= 2)
+        bk_parallel_for(m, 1, bk_get_num_threads(), rescore_rows, &job);
+    else
+        rescore_rows(&job, 0, m);
+}
