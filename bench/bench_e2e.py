@@ -2,7 +2,7 @@
 file, same machine, same run, engines alternating; writes bench/RESULTS.md, bench/results.png and
 bench/results.json.
 
-    python bench/bench_e2e.py [--quick] [--repeats 3] [--threads 2] [--lm-head i8|f16] [--engines ours,llama]
+    python bench/bench_e2e.py [--quick] [--repeats 3] [--threads 2] [--lm-head q4|i8|f16] [--engines ours,llama]
                               [--profile]
 
 Needs the models of bench/make_models.py (made on first use, cached under bench/cache/) and, for the
@@ -92,8 +92,8 @@ def store_facts(store_path: str, ctx: int) -> dict:
     try:
         per_token, macs = 0, 0
         for name in st.tensor_names:
-            if name in ("token_embd", "tokenizer.blob"):
-                continue  # one embedding row per token; tokenizer never read by decode
+            if name in ("token_embd", "tokenizer.blob", "output.rows"):
+                continue  # one embedding row per token; tokenizer never read by decode; RESCORE_K head rows
             info = st.info(name)
             per_token += info["nbytes"]
             if "rows" in info and "cols" in info:
@@ -137,7 +137,8 @@ def parse_args(argv=None):
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--ctx", type=int, default=2048)
-    ap.add_argument("--lm-head", choices=("i8", "f16"), default="i8", help="which of our stores to run")
+    ap.add_argument("--lm-head", choices=("q4", "i8", "f16"), default="q4",
+                    help="which of our stores to run (default: the converter's default head)")
     ap.add_argument("--engines", default="ours,llama")
     ap.add_argument("--f16-head", action="store_true",
                     help="also run our f16-LM-head store (sessions only; an extra column and bandwidth row)")
@@ -172,11 +173,11 @@ def main(argv=None) -> int:
         engines.remove("llama")
         notes.append("llama-cpp-python is not installed (run `bash bench/setup_llama.sh`): llama.cpp not measured.")
     paths = make(a.cache, a.shape, f16=(a.lm_head == "f16" or a.f16_head), progress=False)
-    store = paths["store_i8" if a.lm_head == "i8" else "store_f16"]
+    store = paths[f"store_{a.lm_head}"]
     gguf_path = paths["tq2_0"]
     model_for = {"ours": store, "llama": gguf_path}
     cold_model_for = {} if a.no_cold else {e: private_copy(model_for[e]) for e in engines}
-    if a.f16_head and a.lm_head == "i8":
+    if a.f16_head and a.lm_head != "f16":
         model_for["ours_f16"] = paths["store_f16"]
         engines.insert(1, "ours_f16")
     log = lambda *x: print(*x, file=sys.stderr, flush=True)

@@ -54,7 +54,7 @@ def prompts(n: int, length: int, seed: int) -> list[list[int]]:
 def start(engine: str, a, paths, port: int, llama_bin: str | None) -> subprocess.Popen:
     ctx = a.prompt + a.gen + 32
     if engine == "ours":
-        cmd = [sys.executable, "-m", "bitnet_cpu", "serve", "-m", paths["store_i8"], "-t", str(a.threads),
+        cmd = [sys.executable, "-m", "bitnet_cpu", "serve", "-m", paths["store_q4"], "-t", str(a.threads),
                "--parallel", "16", "-c", str(ctx), "--port", str(port), "--max-queue", "256"]
         env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     else:
@@ -208,7 +208,7 @@ def main(argv=None) -> int:
             report(json.load(f), a.out_dir)
         return 0
     paths = model_paths(a.cache)
-    if not (os.path.exists(paths["manifest"]) and os.path.exists(paths["store_i8"])):
+    if not (os.path.exists(paths["manifest"]) and os.path.exists(paths["store_q4"])):
         print(f"no benchmark models in {a.cache}: run python bench/make_models.py first", file=sys.stderr)
         return 2
     levels = [int(x) for x in a.levels.split(",")]

@@ -8,7 +8,7 @@ bench/threads_results.png and bench/threads_results.json.
 Per thread count t (1..N, N = engine.cpu.default_threads(): the physical cores here), interleaved in one run:
   stream   bench/limits.py --threads t (best of a few passes over a 512 MiB buffer): the decode limit is that
            rate / the bytes our decode reads per token (store layout, bench_e2e.store_facts)
-  ours     bench/e2e_worker.py on bench/cache/2b4t.i8.bnstore, its own process, OMP_NUM_THREADS=t
+  ours     bench/e2e_worker.py on bench/cache/2b4t.q4.bnstore (the default head), its own process, OMP_NUM_THREADS=t
   llama    the same worker on bench/cache/2b4t.tq2_0.gguf (llama-cpp-python), n_threads = n_threads_batch = t
   serial   ms per decode step outside the parallel kernels: bench_step.python_overhead_per_step (the same
            decode loop on a tiny model of the same layer count and head kind, where the C work is negligible,
@@ -164,7 +164,7 @@ def render(res: dict) -> str:
     L = [f"# Thread sweep, {res['date']}", "",
          f"Machine: {res['machine']}, {res['cpus']} logical CPUs, {res['physical']} physical cores available to "
          f"the process; threads {', '.join(str(r['threads']) for r in rows)}; load average at start {load}. "
-         f"Synthetic 2B-4T weights: ours on `{res['store']}` (int8 LM head, {bpt / 1e9:.3f} GB read per token); "
+         f"Synthetic 2B-4T weights: ours on `{res['store']}` ({res.get('lm_head', 'i8')} LM head, {bpt / 1e9:.3f} GB read per token); "
          f"{llama}. One session per figure, engines interleaved, decode {res['decode']} tokens after a 16-token "
          f"prompt (llama-bench: its tg from an empty cache), "
          f"pp512 = 512 tokens / time to the first token (fresh cache). Command: `{res['command']}` "
@@ -279,7 +279,7 @@ def main(argv=None) -> int:
     from bitnet_cpu.engine.cpu import available_cores, cpu_brand, default_threads, physical_cores
 
     t_start = time.perf_counter()
-    store, gguf = os.path.join(CACHE, "2b4t.i8.bnstore"), os.path.join(CACHE, "2b4t.tq2_0.gguf")
+    store, gguf = os.path.join(CACHE, "2b4t.q4.bnstore"), os.path.join(CACHE, "2b4t.tq2_0.gguf")
     engines = [e for e in a.engines.split(",") if e]
     for path in [store] + ([gguf] if "llama" in engines else []):
         if not os.path.exists(path):
@@ -300,14 +300,14 @@ def main(argv=None) -> int:
                   file=sys.stderr)
             engines.remove("llama")
     a.max_threads = a.max_threads or default_threads()
-    cpu = cpu_brand()
+    cpu, facts = cpu_brand(), store_facts(store, 1024)
     res = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "machine": cpu,
            "cpus": os.cpu_count(), "available": available_cores(), "physical": physical_cores(),
            "load": os.getloadavg(), "store": os.path.relpath(store, ROOT), "gguf": os.path.relpath(gguf, ROOT),
            "llama_cpp": llama_v or "not installed", "decode": a.decode,
            "ik_model": os.path.relpath(a.ik_model, ROOT) if "ik" in engines else None,
            "ik_version": os.environ.get("IK_LLAMA_VERSION", "?"),
-           "bytes_per_token": store_facts(store, 1024)["bytes_per_token"],
+           **{k: facts[k] for k in ("bytes_per_token", "lm_head")},
            "command": "python bench/bench_threads.py " + " ".join(argv if argv is not None else sys.argv[1:])}
     print(f"sweep {a.threads or f'1..{a.max_threads}'} threads, engines {engines}", flush=True)
     print("meta " + json.dumps(res), flush=True)   # with the row lines, a log that is cut short can be rendered

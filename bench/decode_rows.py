@@ -101,7 +101,8 @@ def bandwidth(threads: int, mib: int = 512) -> float | None:
 
 
 def ensure_q4_store(cache: str, shape: str = "2b4t") -> str:
-    path = os.path.join(cache, f"{shape}.q4.bnstore")
+    """The q4-head store (make_models writes it too; this converts it when only the GGUF is there)."""
+    path = model_paths(cache, shape)["store_q4"]
     if not os.path.exists(path):
         from bitnet_cpu.engine.formats.convert import convert
 

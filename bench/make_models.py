@@ -30,6 +30,7 @@ def model_paths(cache: str = DEFAULT_CACHE, shape: str = "2b4t") -> dict[str, st
     return {
         "tq2_0": os.path.join(cache, f"{shape}.tq2_0.gguf"),
         "tq1_0": os.path.join(cache, f"{shape}.tq1_0.gguf"),
+        "store_q4": os.path.join(cache, f"{shape}.q4.bnstore"),   # the converter's default head
         "store_i8": os.path.join(cache, f"{shape}.i8.bnstore"),
         "store_f16": os.path.join(cache, f"{shape}.f16.bnstore"),
         "manifest": os.path.join(cache, f"{shape}.manifest.json"),
@@ -83,7 +84,7 @@ def make(cache: str = DEFAULT_CACHE, shape: str = "2b4t", *, tq1: bool = False, 
         write_gguf_tq(model, p, qtype=key.upper(), embed_type="F16", hidden_activation="relu2",
                       quantizer="fast" if key == "tq2_0" else "gguf")
         manifest[key] = {"seconds": round(time.perf_counter() - t0, 1), "seed": SEED}
-    for key, head, wanted in (("store_i8", "i8", stores), ("store_f16", "f16", stores and f16)):
+    for key, head, wanted in (("store_q4", "q4", stores), ("store_i8", "i8", stores), ("store_f16", "f16", stores and f16)):
         p = paths[key]
         if not wanted or (os.path.exists(p) and not force and
                           os.path.getmtime(p) >= os.path.getmtime(paths["tq2_0"])):

@@ -1,4 +1,4 @@
-"""`bitnet convert SRC [-o OUT] [--lm-head i8|f16]`: write the engine's weight store from a GGUF file or a
+"""`bitnet convert SRC [-o OUT] [--lm-head q4|i8|f16]`: write the engine's weight store from a GGUF file or a
 Hugging Face model directory (progress on stderr, the store path on stdout)."""
 HELP = "convert a GGUF file or Hugging Face model directory into the engine's weight store"
 
@@ -8,8 +8,9 @@ def add_arguments(p):
                                               "or a hub id REPO[:FILE][@REV] already downloaded")
     p.add_argument("-o", "--output", dest="out", metavar="OUT", default=None,
                    help="store path (default: next to SRC, with the .bnstore extension)")
-    p.add_argument("--lm-head", choices=["i8", "f16", "q4"], default="i8",
-                   help="LM head precision: int8 rows with per-row scales (half the bytes per token) or f16")
+    p.add_argument("--lm-head", choices=["q4", "i8", "f16"], default=None,
+                   help="LM head precision (default q4: 4-bit groups whose best 64 tokens get exact f16 logits at run "
+                        "time, i8 where the hidden size is over 8192; i8: int8 rows; f16: the reference numerics)")
     p.add_argument("--hidden-act", choices=["relu2", "silu"], default=None,
                    help="override the FFN activation (default: from the file; see `bitnet inspect` for how it was decided)")
     p.add_argument("--ternarize", action="store_true",
@@ -30,7 +31,7 @@ def main(args) -> int:
         if is_hub_ref(args.src):   # a hub id already downloaded: convert that download (into the cwd by default)
             args.src, source_name = resolve_hub_ref(args.src)
             stem = source_name.split("@")[0].replace("/", "--").replace(":", "--").removesuffix(".gguf")
-            args.out = args.out or stem + (".bnstore" if args.lm_head == "i8" else f".{args.lm_head}.bnstore")
+            args.out = args.out or stem + (f".{args.lm_head}.bnstore" if args.lm_head else ".bnstore")
     out = convert(args.src, args.out, lm_head=args.lm_head, progress=not args.no_progress, hidden_act=args.hidden_act,
                   ternarize=args.ternarize, source_name=source_name)
     print(out)

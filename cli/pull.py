@@ -8,7 +8,7 @@ def add_arguments(p):
     p.add_argument("ref", metavar="REPO[:FILE][@REV]",
                    help="hub id, e.g. microsoft/bitnet-b1.58-2B-4T or microsoft/bitnet-b1.58-2B-4T-gguf:ggml-model-i2_s.gguf")
     p.add_argument("--no-convert", action="store_true", help="only download (convert on first run)%(default).0s")
-    p.add_argument("--lm-head", choices=("i8", "f16"), default=None,
+    p.add_argument("--lm-head", choices=("q4", "i8", "f16"), default=None,
                    help="LM head precision of the conversion (default: the converter's)%(default).0s")
 
 

@@ -22,7 +22,7 @@ def add_arguments(p):
                    help="never end at the end-of-text token (only -n, the context or --stop end it)%(default).0s")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)%(default).0s")
     p.add_argument("--kv", choices=("f16", "f32"), default="f16", help="KV cache precision")
-    p.add_argument("--lm-head", choices=("i8", "f16", "q4"), default=None,
+    p.add_argument("--lm-head", choices=("q4", "i8", "f16"), default=None,
                    help="LM head precision when the model gets converted (default: the converter's)%(default).0s")
     p.add_argument("--json", action="store_true",
                    help='one JSON object per line: {"text": ...} per piece, then {"done": true, "stats": ...}%(default).0s')

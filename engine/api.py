@@ -147,7 +147,8 @@ def load_model(model: str | None = None, *, ctx: int | None = None, threads: int
                kv_dtype: str = "f16", progress: bool = True, lm_head: str | None = None,
                lookup: LookupParams | None = None) -> LLM:
     """Open (converting once if needed) a model: a store, GGUF file or HF dir; None -> bundled default.
-    lm_head ("i8" | "f16") is passed to the converter when a conversion happens."""
+    lm_head ("q4" | "i8" | "f16"; None: the converter's default) is passed to the converter when a conversion
+    happens."""
     t0 = time.perf_counter()
     path = _resolve(model, lm_head, progress)
     try:

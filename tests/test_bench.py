@@ -115,6 +115,8 @@ def test_make_models_small(small_models):
 
     with Store(small_models["store_i8"]) as st:
         assert st.meta.get("lm_head") == "i8" and st.config.hidden_size == 256
+    with Store(small_models["store_q4"]) as st:   # the default head, what the sweeps run
+        assert st.meta.get("lm_head") == "q4" and st.info("output")["layout"] == "q4g_tile16"
 
 
 def test_worker_session_ours(small_models):

@@ -127,7 +127,10 @@ def test_broken_official_template_replaced(stores):
 
 
 def test_lm_head_i8_and_f16(model, stores, tmp_path):
-    s = stores["hf"]
+    s = stores["hf"]   # the default head: q4, rescored from token_embd (tied)
+    assert s.info("output")["layout"] == "q4g_tile16" and s.meta["lm_head"] == "q4"
+    assert "output.rows" not in s.tensor_names
+    s = Store(convert(stores["_srcs"]["hf"], str(tmp_path / "i8.bnstore"), lm_head="i8", progress=False))
     e = s.info("output")
     assert e["layout"] == "i8_tile16" and s.meta["lm_head"] == "i8"
     q = layout.unpack_i8(s.tensor("output"), e["rows"], e["cols"])
@@ -175,7 +178,7 @@ def test_1bitllm_style_and_odd_dims(tmp_path):
     m = SynthModel(dict(hidden_size=200, intermediate_size=344, num_attention_heads=4, num_key_value_heads=4,
                         vocab_size=512), seed=4, style="1bitllm")
     src = write_hf_dir(m, str(tmp_path / "onebit"))
-    s = Store(convert(src, str(tmp_path / "ob.bnstore"), progress=False))
+    s = Store(convert(src, str(tmp_path / "ob.bnstore"), lm_head="i8", progress=False))
     c = s.config
     assert c.hidden_act == "silu" and not c.tie_word_embeddings and c.rope_theta == 10000.0
     assert s.info("blk.0.ffn_down")["cols"] == 344

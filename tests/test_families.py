@@ -87,11 +87,23 @@ def test_logits_match_transformers(families, name):
 
 
 def test_untied_int8_head_and_f16_cache(families):
-    """The default store (int8 LM head built from the untied bf16 lm_head) and f16 KV cache."""
+    """The int8 LM head built from the untied bf16 lm_head, and the f16 KV cache."""
     m, d, _, ref = families["Falcon3-1B-Instruct-1.58bit"]
     store = convert(d, d + ".i8.bnstore", lm_head="i8", progress=False)
     ids = _ids(m, 4, 50)
     _check_close(Model(Store(store), n_ctx=64).forward(ids), reference_logits(ref, ids), "i8")
+
+
+def test_untied_default_q4_head(families):
+    """The default store of an untied family: the q4 head plus the lm_head's own f16 rows (output.rows), which
+    its best candidates are rescored from; greedy tokens as transformers' up to near ties."""
+    m, d, _, ref = families["Falcon3-1B-Instruct-1.58bit"]
+    st = Store(convert(d, d + ".default.bnstore", progress=False))
+    assert st.meta["lm_head"] == "q4" and "output.rows" in st.tensor_names
+    ids = _ids(m, 2, 9)
+    ref_ids, ref_steps = reference_greedy(ref, ids, 24)
+    ours = our_greedy(Model(st, n_ctx=64, kv_dtype="f32"), ids, 24)
+    assert_same_or_near_tie(ours, ref_ids, ref_steps, TOL["f32"][0])
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))

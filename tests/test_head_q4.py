@@ -209,3 +209,13 @@ def test_untied_q4_head_stores_f16_rows(tmp_path):
         _same_candidates(mq.decode(t), mf.decode(t), mq._resc_idx[0])
     lines = {h: [ln for ln in describe(p) if ln.startswith("lm head:")] for h, p in (("q4", q4), ("f16", f16))}
     assert "exact logits from output.rows" in lines["q4"][0] and "f16 (the reference" in lines["f16"][0]
+
+
+def test_default_head_is_q4_within_its_kernel_bound():
+    from types import SimpleNamespace
+
+    from bitnet_cpu.engine.formats.convert import default_lm_head
+
+    assert default_lm_head(SimpleNamespace(hidden_size=2560)) == "q4"
+    assert default_lm_head(SimpleNamespace(hidden_size=layout.Q4G_MAX_K)) == "q4"
+    assert default_lm_head(SimpleNamespace(hidden_size=layout.Q4G_MAX_K + 4)) == "i8"   # beyond the int32 bound

@@ -33,7 +33,7 @@ def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("parity")
     out = {}
     for seed in SEEDS:
-        m, hf_dir, stores = make_synth(root, seed, lm_heads=("f16", "i8"), num_hidden_layers=2 + seed % 2)
+        m, hf_dir, stores = make_synth(root, seed, lm_heads=("f16", "i8", "q4"), num_hidden_layers=2 + seed % 2)
         out[seed] = (m, hf_dir, stores, load_reference(hf_dir))
     return out
 
@@ -98,6 +98,26 @@ def test_greedy_default_f16_cache(models, seed):
     ref_ids, ref_steps = reference_greedy(ref_model, ids, 32)
     ours = our_greedy(Model(Store(stores["f16"]), n_ctx=128), ids, 32)
     assert_same_or_near_tie(ours, ref_ids, ref_steps, TOL["f16"][0])
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_default_q4_head_greedy_and_rescored_logits(models, seed):
+    """The default head (q4, its best RESCORE_K candidates rescored from the f16 embedding): with the default
+    f16 cache, greedy tokens as the reference's up to near ties; step by step with an f32 cache, the reference's
+    top-1 is always a candidate and every candidate's logit is within the f32 tolerance of the reference's."""
+    m, _, stores, ref_model = models[seed]
+    ids = _prompt(m, seed, 12)
+    ref_ids, ref_steps = reference_greedy(ref_model, ids, 32)
+    ours = our_greedy(Model(Store(stores["q4"]), n_ctx=128), ids, 32)
+    assert_same_or_near_tie(ours, ref_ids, ref_steps, TOL["f16"][0])
+    ids = _prompt(m, seed, 40)
+    ref = reference_logits(ref_model, ids)
+    model = Model(Store(stores["q4"]), n_ctx=64, kv_dtype="f32")
+    for i, t in enumerate(ids):
+        lg = model.decode(t)
+        cand = model._resc_idx[0]
+        assert ref[i].argmax() in cand
+        assert np.abs(lg[cand] - ref[i, cand]).max() <= TOL["f32"][0]
 
 
 def test_tokenizer_and_chat_template_match(models):
