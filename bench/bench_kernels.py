@@ -198,6 +198,29 @@ def main(argv=None):
                         clock=clock_for(threads))
             row("gemv_i8 head 128256x2560", 1, threads, sec, wi.nbytes, 2 * VOCAB * HIDDEN, bw[threads], "bw")
         del wi
+        # the default head: 4-bit codes + 6-bit group scales (random bytes: speed does not depend on the values),
+        # then ops.head_rescore of its best RESCORE_K rows from an f16 table (the embedding)
+        codes = rng.integers(0, 256, n_pad * k_pad // 2, dtype=np.uint8)
+        gs = rng.integers(0, 64, n_pad * k_pad // 32, dtype=np.uint8)
+        out1 = out.reshape(1, -1)
+        for threads in thread_list:
+            K.set_num_threads(threads)
+            sec = timed(lambda: K.gemv_q4g(codes, gs, sc, xq.reshape(1, -1), s, out1), min_time=0.5, max_calls=20,
+                        clock=clock_for(threads))
+            row("gemv_q4g head 128256x2560", 1, threads, sec, codes.nbytes + gs.nbytes, 2 * VOCAB * HIDDEN,
+                bw[threads], "bw")
+        del codes, gs
+        from bitnet_cpu.engine.runtime.model import RESCORE_K
+        from bitnet_cpu.simd import _ops
+
+        table = rng.standard_normal((VOCAB, HIDDEN), dtype=np.float32).astype(np.float16).view(np.uint16)
+        heap, idx = np.zeros((1, RESCORE_K), np.float32), np.zeros((1, RESCORE_K), np.int32)
+        logits = rng.standard_normal((1, VOCAB)).astype(np.float32)
+        sec = timed(lambda: _ops.head_rescore(table, x.reshape(1, -1), logits, heap, idx), min_time=0.3,
+                    max_calls=2000)
+        print(f"{'head_rescore top-' + str(RESCORE_K):26s} {1:>4d} {1:>3d} {sec * 1e6:>10.1f}   (top-k over "
+              f"{VOCAB} logits + {RESCORE_K} f16 rows)")
+        del table
         wf = rng.standard_normal(n_pad * HIDDEN, dtype=np.float32).astype(np.float16)
         for threads in thread_list:
             K.set_num_threads(threads)

@@ -176,12 +176,22 @@ def test_attention_threads_give_identical_results():
     np.testing.assert_array_equal(outs[0], outs[2])
 
 
-@pytest.mark.parametrize("n,k", [(1000, 40), (50, 50), (7, 1), (128256, 40)])
-def test_topk(n, k):
+@pytest.mark.parametrize("n,k", [(1000, 40), (50, 50), (7, 1), (128256, 40), (77, 64)])
+def test_topk(isa, n, k):
+    # many ties (rounded values): the k largest values, and the very indices the scalar path picks
+    r = np.round(np.random.default_rng(n + 1).standard_normal(n) * 4).astype(np.float32)
+    idx, heap = np.zeros(k, np.int32), np.zeros(k, np.float32)
+    assert ops.topk(r, heap, idx) == min(k, n)
+    assert np.array_equal(np.sort(r[idx]), np.sort(r)[::-1][:k][::-1])
+    got = set(idx.tolist())
+    ops.set_isa("scalar")
+    ops.topk(r, heap, idx)
+    ops.set_isa(isa)
+    assert got == set(idx.tolist())
     x = np.random.default_rng(n).standard_normal(n).astype(np.float32)
     idx, heap = np.zeros(k, np.int32), np.zeros(k, np.float32)
-    assert ops.topk(x, heap, idx) == k
-    assert set(idx.tolist()) == set(np.argsort(-x, kind="stable")[:k].tolist())
+    assert ops.topk(x, heap, idx) == min(k, n)
+    assert set(idx[:min(k, n)].tolist()) == set(np.argsort(-x, kind="stable")[:k].tolist())
     x[:3] = np.nan  # NaN logits never get picked
     x[5] = np.inf
     got = ops.topk(x, heap, idx)

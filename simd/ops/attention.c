@@ -197,11 +197,41 @@ AVX2_FN static inline __m256 load8(const void *base, int f16, int64_t off, int v
     for (int i = 0; i < valid; i++) tmp[i] = f16 ? ops_half_to_float(((const uint16_t *)base)[off + i]) : ((const float *)base)[off + i];
     return _mm256_loadu_ps(tmp);
 }
+/* The common case, four queries (a KV head's group) over a full block of 16 f16 keys: every accumulator in a
+ * register (the general body below keeps acc[][] in memory: a store-reload chain per FMA, measured 3x
+ * slower). Same operations in the same order: the same floats. */
+AVX2_FN static inline void scores4_f16_avx2(const float *const *q, const uint16_t *kt, int64_t base, int hd,
+                                            __m256 vs, float *const *sc, int t0) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, b0 = a0, b1 = a0, c0 = a0, c1 = a0, d0 = a0, d1 = a0;
+    const float *q0 = q[0], *q1 = q[1], *q2 = q[2], *q3 = q[3];
+    for (int i = 0; i < hd; i++) {
+        const uint16_t *kp = kt + base + (int64_t)i * KT_BLOCK;
+        __m256 k0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)kp));
+        __m256 k1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(kp + 8)));
+        __m256 x = _mm256_broadcast_ss(q0 + i);
+        a0 = _mm256_fmadd_ps(x, k0, a0), a1 = _mm256_fmadd_ps(x, k1, a1);
+        x = _mm256_broadcast_ss(q1 + i);
+        b0 = _mm256_fmadd_ps(x, k0, b0), b1 = _mm256_fmadd_ps(x, k1, b1);
+        x = _mm256_broadcast_ss(q2 + i);
+        c0 = _mm256_fmadd_ps(x, k0, c0), c1 = _mm256_fmadd_ps(x, k1, c1);
+        x = _mm256_broadcast_ss(q3 + i);
+        d0 = _mm256_fmadd_ps(x, k0, d0), d1 = _mm256_fmadd_ps(x, k1, d1);
+    }
+    _mm256_storeu_ps(sc[0] + t0, _mm256_mul_ps(a0, vs)), _mm256_storeu_ps(sc[0] + t0 + 8, _mm256_mul_ps(a1, vs));
+    _mm256_storeu_ps(sc[1] + t0, _mm256_mul_ps(b0, vs)), _mm256_storeu_ps(sc[1] + t0 + 8, _mm256_mul_ps(b1, vs));
+    _mm256_storeu_ps(sc[2] + t0, _mm256_mul_ps(c0, vs)), _mm256_storeu_ps(sc[2] + t0 + 8, _mm256_mul_ps(c1, vs));
+    _mm256_storeu_ps(sc[3] + t0, _mm256_mul_ps(d0, vs)), _mm256_storeu_ps(sc[3] + t0 + 8, _mm256_mul_ps(d1, vs));
+}
+
 AVX2_FN static void scores_avx2(const float *const *q, int R, const void *kt, kv_blocks bl, int f16, int n, int hd,
                                 float scale, float *const *sc) {
     const __m256 vs = _mm256_set1_ps(scale);
     for (int t0 = 0; t0 < n; t0 += 16) {
         const int valid = n - t0;
+        if (R == 4 && f16 && valid >= 16) {
+            scores4_f16_avx2(q, (const uint16_t *)kt, BLK(bl, t0 / KT_BLOCK) + t0 % KT_BLOCK, hd, vs, sc, t0);
+            continue;
+        }
         __m256 acc[MAXQ][2];
         for (int j = 0; j < MAXQ; j++) acc[j][0] = acc[j][1] = _mm256_setzero_ps();
         const int64_t base = BLK(bl, t0 / KT_BLOCK) + t0 % KT_BLOCK;
@@ -223,7 +253,24 @@ AVX2_FN static void scores_avx2(const float *const *q, int R, const void *kt, kv
     }
 }
 AVX2_FN static void wsum_avx2(const float *p, const void *vc, kv_blocks bl, int f16, int n, int hd, float *out) {
-    for (int c0 = 0; c0 < hd; c0 += 64) { /* 8 ymm accumulators = 64 output columns */
+    int c0 = 0;
+    if (f16) /* full 64-column blocks of an f16 cache with the 8 accumulators in registers (see scores4_f16_avx2) */
+        for (; c0 + 64 <= hd; c0 += 64) {
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+            for (int t = 0; t < n; t++) {
+                const __m256 w = _mm256_set1_ps(p[t]);
+                const uint16_t *v = (const uint16_t *)vc + BLK(bl, t / KT_BLOCK) + (int64_t)(t % KT_BLOCK) * hd + c0;
+#define WS_STEP(a, j) a = _mm256_fmadd_ps(w, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(v + 8 * (j)))), a)
+                WS_STEP(a0, 0), WS_STEP(a1, 1), WS_STEP(a2, 2), WS_STEP(a3, 3);
+                WS_STEP(a4, 4), WS_STEP(a5, 5), WS_STEP(a6, 6), WS_STEP(a7, 7);
+#undef WS_STEP
+            }
+            float *o = out + c0;
+            _mm256_storeu_ps(o, a0), _mm256_storeu_ps(o + 8, a1), _mm256_storeu_ps(o + 16, a2);
+            _mm256_storeu_ps(o + 24, a3), _mm256_storeu_ps(o + 32, a4), _mm256_storeu_ps(o + 40, a5);
+            _mm256_storeu_ps(o + 48, a6), _mm256_storeu_ps(o + 56, a7);
+        }
+    for (; c0 < hd; c0 += 64) { /* 8 ymm accumulators = 64 output columns */
         __m256 acc[8];
         int nb = (hd - c0 + 7) / 8 < 8 ? (hd - c0 + 7) / 8 : 8;
         for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
@@ -492,10 +539,12 @@ static void attention_core(float *qkv, int n_heads, int n_kv, int head_dim, cons
     while (sub % 2 == 0 && n_segs * n_kv * (group / sub) < 2 * threads) sub /= 2;
     const int n_sub = group / sub, per_seg = n_kv * n_sub, items = n_segs * per_seg;
     /* threads only pay off with enough work: a hand-off costs microseconds, a short-context decode
-     * step of one layer is tens of microseconds. A batched step (several segments) stays serial longer:
-     * its wait for the other threads, once per layer, can cost a scheduler slice on a busy machine, while each
+     * step of one layer is tens of microseconds (2B-4T shape, avx2, 2 threads vs 1, median us per layer:
+     * 64 positions 17-23 vs 22-30, 128: 33 vs 34-49, 256: 38-52 vs 56-75, 400: 53-57 vs 81-111; so from
+     * ~100 positions, 1 << 18). A batched step (several segments) stays serial longer: its wait for the
+     * other threads, once per layer, can cost a scheduler slice on a busy machine, while each
      * sequence's attention is short (measured: 16 sequences at 64 positions, 0.5 ms serial per layer) */
-    const int64_t min_work = n_segs > 1 ? (int64_t)1 << 24 : (int64_t)1 << 20;
+    const int64_t min_work = n_segs > 1 ? (int64_t)1 << 24 : (int64_t)1 << 18;
     const att_job job = {K, segs, per_seg, n_sub, group, sub, kv_f16, head_dim, row_stride, q_dim, scratch_len,
                          stride, k_head, v_head, esize, k_cache, v_cache, qkv, out, scratch, scale};
     /* grain 1: items are whole heads, handed out one chunk at a time; slot < threads indexes the scratch */
