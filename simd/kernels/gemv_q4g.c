@@ -127,6 +127,10 @@ AVX2_TARGET static void q4g_avx2(const uint8_t *codes, const uint8_t *gscale, co
                 const uint8_t *q = codes + ((size_t)t * groups + g) * 256;
                 const uint8_t *sp = gscale + ((size_t)t * groups + g) * 16;
                 __m256i xs = _mm256_set1_epi32(xs8[(size_t)i * groups + g]);
+                /* software prefetch 2 KB ahead, as gemv_ternary's AVX2 body (hints: never fault) */
+                _mm_prefetch((const char *)q + 2048, _MM_HINT_T0), _mm_prefetch((const char *)q + 2048 + 64, _MM_HINT_T0);
+                _mm_prefetch((const char *)q + 2048 + 128, _MM_HINT_T0), _mm_prefetch((const char *)q + 2048 + 192, _MM_HINT_T0);
+                _mm_prefetch((const char *)sp + 256, _MM_HINT_T0);
                 for (int h = 0; h < 2; h++) {
                     __m256i s16 = _mm256_setzero_si256();
                     for (int j = 0; j < 4; j++) {

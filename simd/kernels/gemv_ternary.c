@@ -115,6 +115,12 @@ AVX512_TARGET static void gemv_ternary_avx512(const uint8_t *w, const float *row
     } while (0)
 #define AVX2_FLUSH_BLOCKS 16
 
+/* Software prefetch distance of the AVX2 body: the hardware prefetchers alone left one Zen core's GEMV at
+ * ~60% of its streaming rate (compute and DRAM latency did not overlap); a prefetch 2 KB ahead of every
+ * 64-byte block, measured on a 13824 x 2560 matrix out of cache: mean 11.5 -> 15.0 GB/s, best 15 -> 20.6
+ * (1 KB: less, 3-4 KB: the same). */
+#define AVX2_PREFETCH_BYTES 2048
+
 /* One tile at a time: a single sequential read stream (see the AVX-512 body). */
 AVX2_TARGET static void gemv_ternary_avx2(const uint8_t *w, const float *row_scale, const int8_t *xq, int k_pad,
                                           float act_scale, int32_t act_sum, float *out, int32_t *out_i32, int n,
@@ -132,6 +138,7 @@ AVX2_TARGET static void gemv_ternary_avx2(const uint8_t *w, const float *row_sca
                 const int8_t *xb = xq + 16 * b;
                 __m256i x0 = _mm256_set1_epi32(load_i32(xb)), x1 = _mm256_set1_epi32(load_i32(xb + 4));
                 __m256i x2 = _mm256_set1_epi32(load_i32(xb + 8)), x3 = _mm256_set1_epi32(load_i32(xb + 12));
+                _mm_prefetch((const char *)p + (size_t)b * 64 + AVX2_PREFETCH_BYTES, _MM_HINT_T0); /* a hint: never faults */
                 TERNARY_HALF_AVX2(l0, p + (size_t)b * 64);
                 TERNARY_HALF_AVX2(h0, p + (size_t)b * 64 + 32);
             }
