@@ -145,7 +145,7 @@ def measure(a) -> dict:
             if "decode_tps" in r:
                 best[eng] = max(best.get(eng, 0.0), r["decode_tps"])
     spec = {}
-    head = "i8" if "i8" in stores else next(iter(stores), None)
+    head = "q4" if "q4" in stores else next(iter(stores), None)   # the default head
     if head:
         for prompt in ("code", "random"):
             for dm in (0, 4):
