@@ -4,7 +4,7 @@ each) on the same synthetic 2B-4T-shaped TQ2_0 file, same machine, same run. Wri
 bench/batch_results.png and bench/batch_results.json.
 
     python bench/bench_batch.py [--levels 1,4,8,16,32] [--gen 128] [--prompt 32] [--threads 2]
-                                [--engines ours,llama] [--lm-head i8|f16]
+                                [--engines ours,llama] [--lm-head q4|i8|f16]
 
 For each concurrency N, N requests (distinct random 32-token prompts, greedy) arrive together; measured:
   aggregate decode tok/s  tokens generated after every sequence has its first token / that window's wall time
@@ -346,7 +346,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--engines", default="ours,llama")
-    ap.add_argument("--lm-head", default="i8", choices=("i8", "f16"))
+    ap.add_argument("--lm-head", default="q4", choices=("q4", "i8", "f16"), help="which store (default: the default head)")
     ap.add_argument("--cache", default=DEFAULT_CACHE)
     ap.add_argument("--out-dir", default=HERE)
     ap.add_argument("--llama-levels", help="llama.cpp's levels when they differ (it is slow on a busy machine)")
