@@ -114,9 +114,67 @@ AVX512_TARGET static void q4g_avx512(const uint8_t *codes, const uint8_t *gscale
         }
 }
 
+/* Several rows (a verify pass, a batched step): each group's codes are unpacked once for up to 4 rows (R, a
+ * compile-time constant so the accumulators stay in registers), one half tile (8 rows of weights) at a time.
+ * Integer sums in another order: the same int32 dots, so the same floats as the one-row body. */
+AVX2_TARGET __attribute__((always_inline)) static inline void q4g_rows_avx2(
+    const uint8_t *codes, const uint8_t *gscale, const float *d, const int8_t *xq, const int32_t *xs8, int i0,
+    const int R, int k_pad, const float *act_scale, float *out, int32_t *out_i32, int n, int t) {
+    const int groups = k_pad / 32;
+    const __m256i lowmask = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    for (int h = 0; h < 2; h++) {
+        __m256i tot[4];
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) tot[r] = _mm256_setzero_si256();
+        for (int g = 0; g < groups; g++) {
+            const uint8_t *q = codes + ((size_t)t * groups + g) * 256 + 32 * h;
+            __m256i s16[4];
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) s16[r] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; j++) {
+                __m256i v = _mm256_loadu_si256((const __m256i *)(q + 64 * j));
+                __m256i lo = _mm256_and_si256(v, lowmask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), lowmask);
+#pragma GCC unroll 4
+                for (int r = 0; r < R; r++) {
+                    const int8_t *x = xq + (size_t)(i0 + r) * k_pad + 32 * g + 8 * j;
+                    s16[r] = _mm256_add_epi16(s16[r], _mm256_add_epi16(
+                                 _mm256_maddubs_epi16(lo, _mm256_set1_epi32(load_i32(x))),
+                                 _mm256_maddubs_epi16(hi, _mm256_set1_epi32(load_i32(x + 4)))));
+                }
+            }
+            __m256i sv = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(gscale + ((size_t)t * groups + g) * 16 + 8 * h)));
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) {
+                __m256i inner = _mm256_sub_epi32(_mm256_madd_epi16(s16[r], ones),
+                                                 _mm256_set1_epi32(xs8[(size_t)(i0 + r) * groups + g]));
+                tot[r] = _mm256_add_epi32(tot[r], _mm256_mullo_epi32(inner, sv));
+            }
+        }
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++)
+            finish_half_avx2(tot[r], 0, t * 16 + 8 * h, n, d, act_scale[i0 + r],
+                             out ? out + (size_t)(i0 + r) * n : NULL, out_i32 ? out_i32 + (size_t)(i0 + r) * n : NULL);
+    }
+}
+
 AVX2_TARGET static void q4g_avx2(const uint8_t *codes, const uint8_t *gscale, const float *d, const int8_t *xq,
                                  const int32_t *xs8, int m, int k_pad, const float *act_scale, float *out,
                                  int32_t *out_i32, int n, int tile_begin, int tile_end) {
+    if (m > 1) {
+        for (int t = tile_begin; t < tile_end; t++)
+            for (int i0 = 0; i0 < m; i0 += 4) {
+#define Q4G_ROWS(R) q4g_rows_avx2(codes, gscale, d, xq, xs8, i0, R, k_pad, act_scale, out, out_i32, n, t)
+                switch (m - i0 < 4 ? m - i0 : 4) {
+                case 1: Q4G_ROWS(1); break;
+                case 2: Q4G_ROWS(2); break;
+                case 3: Q4G_ROWS(3); break;
+                default: Q4G_ROWS(4); break;
+                }
+#undef Q4G_ROWS
+            }
+        return;
+    }
     const int groups = k_pad / 32;
     const __m256i lowmask = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
     for (int t = tile_begin; t < tile_end; t++)
