@@ -33,6 +33,8 @@ for p in (ROOT, HERE):
     if p not in sys.path:
         sys.path.insert(0, p)
 
+from llama_bench import llama_bench  # noqa: E402  (bench/llama_bench.py)
+
 WORKER = os.path.join(HERE, "e2e_worker.py")
 LIMITS = os.path.join(HERE, "limits.py")
 CACHE = os.path.join(HERE, "cache")
@@ -68,30 +70,6 @@ def worker(engine: str, model: str, threads: int, a) -> dict:
     return run_json(cmd, threads or None)
 
 
-def bench_worker(bench: str, model: str, threads: int, a, extra: tuple[str, ...] = (), prompt: int = 512) -> dict:
-    """A llama-bench binary (llama.cpp's or ik_llama.cpp's): pp<prompt> (0: none) and tg<decode> in one process,
-    one repetition. ik_llama.cpp gets -rtr 1: IQ2_BN repacked to IQ2_BN_R4 at load, what its author recommends."""
-    cmd = [bench, "-m", model, "-t", str(threads), "-p", str(prompt), "-n", str(a.decode), "-r", "1", "-o", "json",
-           *extra]
-    t0 = time.perf_counter()
-    try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
-    except subprocess.TimeoutExpired:
-        return {"error": "timed out after 600 s", "cmd": " ".join(cmd)}
-    try:
-        tests = json.loads(r.stdout[r.stdout.index("["):])
-    except ValueError:
-        tail = " | ".join((r.stderr or r.stdout).strip().splitlines()[-3:])
-        return {"error": f"exit {r.returncode}: {tail}", "cmd": " ".join(cmd)}
-    out: dict = {"prefill_tps": {}, "wall_s": time.perf_counter() - t0, "threads_used": threads}
-    for t in tests:
-        if t.get("n_gen", 0) == 0 and t.get("n_prompt"):
-            out["prefill_tps"][str(t["n_prompt"])] = t["avg_ts"]
-        elif t.get("n_prompt", 0) == 0 and t.get("n_gen"):
-            out["decode_tps"] = t["avg_ts"]
-    return out
-
-
 def overhead_worker(store: str) -> int:
     """Child mode: print {"serial_s": ...} for the store's shape at the OMP_NUM_THREADS the parent set."""
     from bench_step import python_overhead_per_step
@@ -112,9 +90,9 @@ def sweep(a, store: str, gguf: str, engines: list[str]) -> list[dict]:
         order = engines if t % 2 else engines[::-1]   # alternate which engine goes first
         for eng in order:
             if eng == "ik":
-                row[eng] = bench_worker(a.ik_bench, a.ik_model, t, a, ("-rtr", "1"))
+                row[eng] = llama_bench(a.ik_bench, a.ik_model, t, a.decode, ("-rtr", "1"))
             elif eng == "llama" and a.llama_bench:
-                row[eng] = bench_worker(a.llama_bench, gguf, t, a)
+                row[eng] = llama_bench(a.llama_bench, gguf, t, a.decode)
             else:
                 row[eng] = worker(eng, store if eng == "ours" else gguf, t, a)
         row["serial"] = run_json([sys.executable, os.path.abspath(__file__), "--overhead-worker", store], t)

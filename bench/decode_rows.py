@@ -135,10 +135,9 @@ def measure(a) -> dict:
             args = (["--engine", "llama", "--model", paths["tq2_0"]] if eng == "llama" else
                     ["--engine", "ours", "--model", stores[eng[5:]], "--draft-max", "0"])
             if eng == "llama" and a.llama_bench:   # llama.cpp timed by its own llama-bench (tg only)
-                from bench_threads import bench_worker
+                from llama_bench import llama_bench
 
-                r = bench_worker(a.llama_bench, paths["tq2_0"], a.threads, argparse.Namespace(decode=a.tokens),
-                                 prompt=0)
+                r = llama_bench(a.llama_bench, paths["tq2_0"], a.threads, a.tokens, prompt=0)
             else:
                 r = run_worker(args + ["--tokens", str(a.tokens)], a.threads)
             log(f"decode {eng} repeat {rep + 1}: {r}")

@@ -219,24 +219,22 @@ def test_bench_threads_table_ratios_and_plot(tmp_path):
     assert (tmp_path / "t.png").stat().st_size > 1000
 
 
-def test_bench_threads_reads_llama_bench_json(tmp_path):
-    """llama.cpp's and ik_llama.cpp's llama-bench -o json: pp512 and tg lines become prefill / decode tok/s; a
-    binary that fails is reported with its exit code and last line, not a traceback."""
-    import argparse
+def test_llama_bench_json_reader(tmp_path):
+    """llama.cpp's and ik_llama.cpp's llama-bench -o json (bench/llama_bench.py): pp512 and tg lines become
+    prefill / decode tok/s; a binary that fails is reported with its exit code and last line, not a traceback."""
     import stat
 
-    import bench_threads
+    from llama_bench import llama_bench
 
     fake = tmp_path / "llama-bench"
     fake.write_text("#!/bin/sh\necho 'build: 1234 (abcd)'\necho \"$@\" > " + str(tmp_path / "args") + "\n"
                     "cat <<'J'\n[\n {\"n_prompt\": 512, \"n_gen\": 0, \"avg_ts\": 321.5},\n"
                     " {\"n_prompt\": 0, \"n_gen\": 64, \"avg_ts\": 45.25}\n]\nJ\n")
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
-    a = argparse.Namespace(decode=64)
-    out = bench_threads.bench_worker(str(fake), "m.gguf", 8, a, ("-rtr", "1"))
+    out = llama_bench(str(fake), "m.gguf", 8, 64, ("-rtr", "1"))
     assert out["decode_tps"] == 45.25 and out["prefill_tps"] == {"512": 321.5} and out["threads_used"] == 8
     assert (tmp_path / "args").read_text().split() == ["-m", "m.gguf", "-t", "8", "-p", "512", "-n", "64", "-r", "1",
                                                       "-o", "json", "-rtr", "1"]
     fake.write_text("#!/bin/sh\necho 'error: failed to load model' >&2\nexit 3\n")
-    bad = bench_threads.bench_worker(str(fake), "m.gguf", 1, a)
+    bad = llama_bench(str(fake), "m.gguf", 1, 64)
     assert "exit 3" in bad["error"] and "failed to load model" in bad["error"]
