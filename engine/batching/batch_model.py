@@ -101,12 +101,8 @@ class BatchModel:
             xq = self._xq_buf[: k * kp].reshape(k, kp)
             s, sm = self._act_scale[:k], self._act_sum[:k]
             ops.add_rmsnorm_quant(hx, hd, w.out_norm, w.eps, hh, xq, s, sm)
-            if w.lm_head == "q4":  # the q4 group head takes up to ROWS_MAX rows per weight pass
-                for r0 in range(0, k, K.ROWS_MAX):
-                    r1 = min(k, r0 + K.ROWS_MAX)
-                    K.gemv_q4g(w.out_w, w.out_gscale, w.out_scale, xq[r0:r1], s[r0:r1], out[r0:r1])
-                if w.rescore is not None:
-                    ops.head_rescore(w.rescore, hh, out, self._resc_heap[:k], self._resc_idx[:k])
+            if w.lm_head == "q4":
+                w.q4_logits(xq, s, hh, out, self._resc_heap, self._resc_idx)
             elif 1 < k <= K.ROWS_MAX:
                 # one pass over the head for up to ROWS_MAX rows, as Model.verify does: 128256x2560 int8, time /
                 # one GEMV, multi-row vs GEMM: avx512 16 threads M=2 1.06-1.09 vs 1.12-1.15, M=4 1.25 vs 1.32-1.37;

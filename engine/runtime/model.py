@@ -194,6 +194,17 @@ class Weights:
             self.out_w = _expect(store, "output", (np.float16, np.uint16), v_pad * D).view(np.uint16)
         self.layers = [_Layer(store, i, cfg) for i in range(cfg.n_layers)]
 
+    def q4_logits(self, xq, act_scale, h, out, heap, idx):
+        """The q4 head for the rows of xq (ROWS_MAX per pass over the head), then its RESCORE_K best per row
+        recomputed from the f16 rows with h (the normed rows before quantization); heap / idx: [>= m, RESCORE_K]
+        scratch, idx left holding each row's candidates."""
+        m = xq.shape[0]
+        for r0 in range(0, m, K.ROWS_MAX):
+            r1 = min(m, r0 + K.ROWS_MAX)
+            K.gemv_q4g(self.out_w, self.out_gscale, self.out_scale, xq[r0:r1], act_scale[r0:r1], out[r0:r1])
+        if self.rescore is not None:
+            ops.head_rescore(self.rescore, h, out, heap[:m], idx[:m])
+
 
 def alloc_run_state(b, cfg: ModelConfig, M: int):
     """The per-step buffers of M rows (set as attributes of b; _Views cuts them to m rows)."""
@@ -296,8 +307,6 @@ class Model:
         self.lm_head, self._out_w, self.layers = w.lm_head, w.out_w, w.layers
         if w.lm_head == "i8":
             self._out_scale, self._out_rowsum = w.out_scale, w.out_rowsum
-        elif w.lm_head == "q4":
-            self._out_scale, self._out_gscale = w.out_scale, w.out_gscale
 
         # ---- run state, allocated once: M = chunk rows ----
         M = self.chunk
@@ -368,9 +377,7 @@ class Model:
             v1 = self._views[1]
             ops.add_rmsnorm_quant(x, delta, self._out_norm, self._eps, self._head_x, v1.xq_d, v1.act_scale, v1.act_sum)
             out2 = self._logits_row if out is self._logits else out.reshape(1, -1)
-            K.gemv_q4g(self._out_w, self._out_gscale, self._out_scale, v1.xq_d, v1.act_scale, out2)
-            if self.weights.rescore is not None:
-                ops.head_rescore(self.weights.rescore, self._head_x, out2, self._resc_heap[:1], self._resc_idx[:1])
+            self.weights.q4_logits(v1.xq_d, v1.act_scale, self._head_x, out2, self._resc_heap, self._resc_idx)
         else:
             v1 = self._views[1]
             ops.add_rmsnorm_quant(x, delta, self._out_norm, self._eps, self._head_x, v1.xq_d, v1.act_scale, v1.act_sum)
@@ -393,9 +400,7 @@ class Model:
         # the chunk's h_d / xq_d / act buffers are free once the blocks are done
         ops.add_rmsnorm_quant(v.x, v.delta, self._out_norm, self._eps, v.h_d, v.xq_d, v.act_scale, v.act_sum)
         if self.lm_head == "q4":
-            K.gemv_q4g(self._out_w, self._out_gscale, self._out_scale, v.xq_d, v.act_scale, out[:m])
-            if self.weights.rescore is not None:
-                ops.head_rescore(self.weights.rescore, v.h_d, out[:m], self._resc_heap[:m], self._resc_idx[:m])
+            self.weights.q4_logits(v.xq_d, v.act_scale, v.h_d, out[:m], self._resc_heap, self._resc_idx)
             return
         K.gemv_rows_i8(self._out_w, self._out_scale, self._out_rowsum, v.xq_d, v.act_scale, out[:m])
 
