@@ -59,6 +59,13 @@ cdef extern from "q4g.h" nogil:
     int bk_gemv_q4g(const uint8_t *codes, const uint8_t *gscale, const float *d, const int8_t *xq, int m, int k_pad,
                     const float *act_scale, float *out, int32_t *out_i32, int n)
 
+cdef extern from "tg.h" nogil:
+    int BK_TG_GROUP
+    int BK_TG_GROUP_BYTES
+    void bk_quantize_act_g128(const float *x, int m, int k, int k_pad, int8_t *xq, float *xd, int32_t *xsum)
+    void bk_gemv_tg(const uint8_t *w, const int8_t *xq, const float *xd, const int32_t *xsum, int m, int k_pad,
+                    float *out, int n)
+
 ISA_NAMES = ("scalar", "avx2", "avx512", "neon", "avxvnni")
 cdef Py_ssize_t MAX_DIM = 1 << 30
 # int32 accumulators of the AVX-512 ternary GEMV hold 64x a partial dot: exact up to K_pad = 2^18
@@ -540,6 +547,78 @@ def gemm_f16(w, x, out):
 
 
 # ---------------------------------------------------------------- runtime helpers (simd._ops)
+
+# ---------------------------------------------------------------- group-scaled ternary (tg128, Ternary Bonsai)
+TG_GROUP = BK_TG_GROUP
+
+
+cdef inline Py_ssize_t _tg_rows(str fn, cnp.ndarray a, int nd) except -1:
+    return 1 if nd == 1 else cnp.PyArray_DIM(a, 0)
+
+
+def quantize_act_g128(x, xq, xd, xsum):
+    """x f32 [M, K] | [K] -> xq int8 [M, K_pad] | [K_pad] (0 in padding), per group of 128 columns: xd f32 = amax/127,
+    xsum int32 = sum of the group's xq ([M, K_pad/128] or [K_pad/128]); round half to even, clamp to +-127."""
+    cdef str fn = "quantize_act_g128"
+    cdef cnp.ndarray ax = _arr(fn, "x", x, cnp.NPY_FLOAT32, 0, False)
+    cdef cnp.ndarray aq = _arr(fn, "xq", xq, cnp.NPY_INT8, 0, True)
+    cdef cnp.ndarray ad = _arr(fn, "xd", xd, cnp.NPY_FLOAT32, 0, True)
+    cdef cnp.ndarray asm = _arr(fn, "xsum", xsum, cnp.NPY_INT32, 0, True)
+    cdef int nd = cnp.PyArray_NDIM(ax)
+    if nd not in (1, 2) or cnp.PyArray_NDIM(aq) != nd:
+        raise KernelError(f"{fn}: x {(<object>ax).shape} and xq {(<object>aq).shape} must both be 1-D or both 2-D")
+    cdef Py_ssize_t m = _tg_rows(fn, ax, nd)
+    cdef Py_ssize_t k = cnp.PyArray_DIM(ax, nd - 1)
+    cdef Py_ssize_t k_pad = _k_pad_of(fn, cnp.PyArray_DIM(aq, nd - 1))
+    if k_pad % BK_TG_GROUP:
+        raise KernelError(f"{fn}: xq has {k_pad} columns, not a multiple of {BK_TG_GROUP}")
+    if nd == 2 and cnp.PyArray_DIM(aq, 0) != m:
+        raise KernelError(f"{fn}: x has {m} rows but xq has {cnp.PyArray_DIM(aq, 0)}")
+    if k <= 0 or k > k_pad:
+        raise KernelError(f"{fn}: x has {k} columns, must be in 1..K_pad={k_pad} (xq's last dim)")
+    _check_size(fn, "xd", ad, m * (k_pad // BK_TG_GROUP), "M*K_pad/128")
+    _check_size(fn, "xsum", asm, m * (k_pad // BK_TG_GROUP), "M*K_pad/128")
+    cdef const float *px = <const float *>cnp.PyArray_DATA(ax)
+    cdef int8_t *pq = <int8_t *>cnp.PyArray_DATA(aq)
+    cdef float *pd = <float *>cnp.PyArray_DATA(ad)
+    cdef int32_t *pm = <int32_t *>cnp.PyArray_DATA(asm)
+    with nogil:
+        bk_quantize_act_g128(px, <int>m, <int>k, <int>k_pad, pq, pd, pm)
+
+
+def gemv_tg(w, xq, xd, xsum, out):
+    """Group-scaled ternary weights (layout.py "tg128") for M rows: xq int8 [M, K] | [K] with xd / xsum from
+    quantize_act_g128, out f32 [M, N] | [N]; K a multiple of 128; w uint8 [N_pad/16 * K/128 * 544]."""
+    cdef str fn = "gemv_tg"
+    cdef cnp.ndarray aw = _arr(fn, "w", w, cnp.NPY_UINT8, 1, False)
+    cdef cnp.ndarray aq = _arr(fn, "xq", xq, cnp.NPY_INT8, 0, False)
+    cdef cnp.ndarray ad = _arr(fn, "xd", xd, cnp.NPY_FLOAT32, 0, False)
+    cdef cnp.ndarray asm = _arr(fn, "xsum", xsum, cnp.NPY_INT32, 0, False)
+    cdef cnp.ndarray ao = _arr(fn, "out", out, cnp.NPY_FLOAT32, 0, True)
+    cdef int nd = cnp.PyArray_NDIM(aq)
+    if nd not in (1, 2) or cnp.PyArray_NDIM(ao) != nd:
+        raise KernelError(f"{fn}: xq {(<object>aq).shape} and out {(<object>ao).shape} must both be 1-D or both 2-D")
+    cdef Py_ssize_t m = _tg_rows(fn, aq, nd)
+    if m <= 0 or (nd == 2 and cnp.PyArray_DIM(ao, 0) != m):
+        raise KernelError(f"{fn}: xq has {m} rows but out has {cnp.PyArray_DIM(ao, 0)} (both are M, M >= 1)")
+    cdef Py_ssize_t k_pad = _k_pad_of(fn, cnp.PyArray_DIM(aq, nd - 1))
+    if k_pad % BK_TG_GROUP:
+        raise KernelError(f"{fn}: xq has {k_pad} columns, not a multiple of {BK_TG_GROUP}")
+    cdef Py_ssize_t n = _n_of(fn, cnp.PyArray_DIM(ao, nd - 1))
+    cdef Py_ssize_t groups = k_pad // BK_TG_GROUP
+    _check_size(fn, "w", aw, _pad16(n) // 16 * groups * BK_TG_GROUP_BYTES,
+                f"N_pad/16*K/128*{BK_TG_GROUP_BYTES} (N={n}, K={k_pad})")
+    _check_size(fn, "xd", ad, m * groups, "M*K/128")
+    _check_size(fn, "xsum", asm, m * groups, "M*K/128")
+    cdef const uint8_t *pw = <const uint8_t *>cnp.PyArray_DATA(aw)
+    cdef const int8_t *pq = <const int8_t *>cnp.PyArray_DATA(aq)
+    cdef const float *pd = <const float *>cnp.PyArray_DATA(ad)
+    cdef const int32_t *pm = <const int32_t *>cnp.PyArray_DATA(asm)
+    cdef float *po = <float *>cnp.PyArray_DATA(ao)
+    with nogil:
+        bk_gemv_tg(pw, pq, pd, pm, <int>m, <int>k_pad, po, <int>n)
+
+
 include "_ops.pxi"
 
 

@@ -192,3 +192,47 @@ def pack_q4g_scales(s: np.ndarray) -> np.ndarray:
     buf = np.zeros((n_pad, groups), np.uint8)
     buf[:n] = s
     return np.ascontiguousarray(buf.reshape(n_pad // 16, 16, groups).transpose(0, 2, 1)).reshape(-1)
+
+
+# ---- group-scaled ternary weights ("tg128", simd/kernels/gemv_tg.c): the Ternary Bonsai models ---------------
+# W[N, K] = scale[n, g] * t[n, k], t in {-1, 0, +1}, one f16 scale per row and group of TG_GROUP = 128 columns
+# (GGUF Q2_0). K must be a multiple of 128 (every Qwen3 size is). Tile t (rows 16t..16t+15), group g ->
+# TG_GROUP_BYTES = 544 bytes at (t * K/128 + g) * 544: first the 16 rows' scales (f16, row r at byte 2r), then
+# 8 tile16 blocks (columns 128g + 16b .. +15, b = 0..7; the tile16 block format above). One sequential stream of
+# 2.125 bits per weight. Activations are quantized per group of 128 too (quantize_act_g128):
+#     dot_g[n] = sum_{k in g} t[n, k] * x_q[k]                      (exact int32)
+#     acc = 0; for g in order: acc = acc + (float)dot_g[n] * (scale[n, g] * x_d[g])   (f32, never fused)
+TG_GROUP = 128
+TG_GROUP_BYTES = 544
+
+
+def pack_tg128(w_t: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """W_t int [N, K] in {-1,0,1} and scales f16 [N, K/128] -> uint8 [N_pad/16 * K/128 * 544] (padding rows:
+    weight 0, scale 0)."""
+    w_t = np.asarray(w_t)
+    n, k = w_t.shape
+    if k % TG_GROUP:
+        raise ValueError(f"pack_tg128: {k} columns is not a multiple of {TG_GROUP}")
+    groups = k // TG_GROUP
+    scales = np.asarray(scales, np.float16)
+    if scales.shape != (n, groups):
+        raise ValueError(f"pack_tg128: scales {scales.shape}, expected {(n, groups)}")
+    n_pad = pad_to(n, TILE_ROWS)
+    blocks = pack_ternary(w_t).reshape(n_pad // 16, groups, 8 * 64)               # tile16: [t, b(16 cols), 64]
+    sc = np.zeros((n_pad, groups), np.float16)
+    sc[:n] = scales
+    sc = np.ascontiguousarray(sc.reshape(n_pad // 16, 16, groups).transpose(0, 2, 1)).view(np.uint8)  # [t, g, 32]
+    return np.ascontiguousarray(np.concatenate([sc, blocks], axis=2)).reshape(-1)
+
+
+def unpack_tg128(packed: np.ndarray, n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Inverse of pack_tg128: (W_t int8 [N, K], scales f16 [N, K/128])."""
+    n_pad, groups = pad_to(n, TILE_ROWS), k // TG_GROUP
+    p = np.asarray(packed, np.uint8).reshape(n_pad // 16, groups, TG_GROUP_BYTES)
+    sc = np.ascontiguousarray(p[:, :, :32]).view(np.float16).reshape(n_pad // 16, groups, 16)
+    scales = sc.transpose(0, 2, 1).reshape(n_pad, groups)[:n]
+    return unpack_ternary(np.ascontiguousarray(p[:, :, 32:]).reshape(-1), n, k), scales
+
+
+def tg128_bytes(n: int, k: int) -> int:
+    return pad_to(n, TILE_ROWS) // 16 * (k // TG_GROUP) * TG_GROUP_BYTES

@@ -55,3 +55,38 @@ def gemv_f16(w, x, out):
     k = x.shape[0]
     wf = layout.unpack_f16(np.asarray(w).view(np.float16), n, k).astype(np.float64)
     out[:] = (wf @ x.astype(np.float64)).astype(np.float32)
+
+
+def quantize_act_g128(x, xq, xd, xsum):
+    """x f32 [M, K] -> xq int8 [M, K_pad], xd f32 [M, K_pad/128] = amax/127, xsum int32 [M, K_pad/128] per
+    group of 128 (bit-exact with the kernel: the same f32 operations)."""
+    x2 = np.atleast_2d(np.asarray(x, dtype=np.float32))
+    m, k = x2.shape
+    k_pad = xq.reshape(m, -1).shape[1]
+    xp = np.zeros((m, k_pad), np.float32)
+    xp[:, :k] = x2
+    g = xp.reshape(m, k_pad // layout.TG_GROUP, layout.TG_GROUP)
+    amax = np.abs(g).max(axis=2).astype(np.float32)
+    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, np.float32(1)), np.float32(0)).astype(np.float32)
+    q = np.clip(np.rint(g * inv[:, :, None]), -127, 127).astype(np.int8)
+    xq.reshape(m, k_pad)[:] = q.reshape(m, k_pad)
+    xd.reshape(m, -1)[:] = (amax / np.float32(127)).astype(np.float32)
+    xsum.reshape(m, -1)[:] = q.astype(np.int32).sum(axis=2)
+
+
+def gemv_tg(w, xq, xd, xsum, out):
+    """The group-scaled ternary kernel for xq [M, K] (bit-exact: the same f32 operations in the same order)."""
+    xq2 = np.atleast_2d(xq)
+    m, k = xq2.shape
+    out2 = out.reshape(m, -1)
+    n = out2.shape[1]
+    wt, sc = layout.unpack_tg128(w, n, k)
+    groups = k // layout.TG_GROUP
+    d = np.asarray(xd, np.float32).reshape(m, groups)
+    dots = np.einsum("ngc,mgc->mng", wt.reshape(n, groups, -1).astype(np.int64),
+                     xq2.reshape(m, groups, -1).astype(np.int64)).astype(np.float32)     # [M, N, G]
+    acc = np.zeros((m, n), np.float32)
+    for g in range(groups):
+        s = (sc[:, g].astype(np.float32)[None, :] * d[:, g:g + 1]).astype(np.float32)
+        acc = (acc + (dots[:, :, g] * s).astype(np.float32)).astype(np.float32)
+    out2[:] = acc

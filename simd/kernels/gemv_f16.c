@@ -5,6 +5,7 @@
  * bounds one tile: the bodies interleave several tiles to keep enough independent chains in flight.
  */
 #include "kernels.h"
+#include "half.h"
 
 #include <math.h>
 
@@ -15,34 +16,12 @@
 #include <arm_neon.h>
 #endif
 
-/* IEEE half -> float, exact (normals, subnormals, inf, nan). */
-static inline float half_to_float(uint16_t h) {
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff, bits;
-    if (exp == 0x1f) {
-        bits = sign | 0x7f800000u | (mant << 13);
-    } else if (exp != 0) {
-        bits = sign | ((exp + 112) << 23) | (mant << 13);
-    } else if (mant == 0) {
-        bits = sign;
-    } else { /* subnormal: normalize */
-        int e = -1;
-        do {
-            e++;
-            mant <<= 1;
-        } while (!(mant & 0x400));
-        bits = sign | ((uint32_t)(112 - e) << 23) | ((mant & 0x3ff) << 13);
-    }
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
 static void gemv_f16_scalar(const uint16_t *w, const float *x, int k, float *out, int n, int tile_begin, int tile_end) {
     for (int t = tile_begin; t < tile_end; t++) {
         const uint16_t *tile = w + (size_t)t * k * 16;
         float acc[16] = {0};
         for (int c = 0; c < k; c++)
-            for (int r = 0; r < 16; r++) acc[r] = fmaf(half_to_float(tile[(size_t)c * 16 + r]), x[c], acc[r]);
+            for (int r = 0; r < 16; r++) acc[r] = fmaf(bk_half_to_float(tile[(size_t)c * 16 + r]), x[c], acc[r]);
         for (int r = 0; r < 16 && t * 16 + r < n; r++) out[t * 16 + r] = acc[r];
     }
 }

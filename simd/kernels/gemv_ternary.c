@@ -102,17 +102,7 @@ AVX512_TARGET static void gemv_ternary_avx512(const uint8_t *w, const float *row
 }
 
 /* ---------------- AVX2 (pmaddubsw, int16 partial sums) ---------------- */
-/* One 32-byte half block (8 rows x 16 columns) into an int16 accumulator: |pair sum| <= 2*2*128 = 512 and
- * 4 pairs per block, so 16 blocks fit in int16 before the widening to int32 (AVX2_FLUSH_BLOCKS). */
-#define TERNARY_HALF_AVX2(acc16, ptr)                                                                  \
-    do {                                                                                               \
-        __m256i v_ = _mm256_loadu_si256((const __m256i *)(ptr));                                       \
-        __m256i s01_ = _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_and_si256(v_, m3), x0),            \
-                                        _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v_, 2), m3), x1)); \
-        __m256i s23_ = _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v_, 4), m3), x2), \
-                                        _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v_, 6), m3), x3)); \
-        acc16 = _mm256_add_epi16(acc16, _mm256_add_epi16(s01_, s23_));                                  \
-    } while (0)
+/* TERNARY_HALF_AVX2 (x86_common.h): one 32-byte half block into an int16 accumulator. */
 #define AVX2_FLUSH_BLOCKS 16
 
 /* Software prefetch distance of the AVX2 body: the hardware prefetchers alone left one Zen core's GEMV at

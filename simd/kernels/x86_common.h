@@ -58,4 +58,17 @@ AVX2_TARGET static inline void finish_half_avx2(__m256i code_dot, int32_t act_su
     }
 }
 
+/* Ternary tile16 (AVX2; gemv_ternary.c, gemv_tg.c; needs m3 = set1_epi8(3) and x0..x3, the block's 4 broadcast
+ * activation dwords, in scope). One 32-byte half block (8 rows x 16 columns) into an int16 accumulator: |pair sum| <= 2*2*128 = 512 and
+ * 4 pairs per block, so 16 blocks fit in int16 before the widening to int32 (AVX2_FLUSH_BLOCKS). */
+#define TERNARY_HALF_AVX2(acc16, ptr)                                                                  \
+    do {                                                                                               \
+        __m256i v_ = _mm256_loadu_si256((const __m256i *)(ptr));                                       \
+        __m256i s01_ = _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_and_si256(v_, m3), x0),            \
+                                        _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v_, 2), m3), x1)); \
+        __m256i s23_ = _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v_, 4), m3), x2), \
+                                        _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v_, 6), m3), x3)); \
+        acc16 = _mm256_add_epi16(acc16, _mm256_add_epi16(s01_, s23_));                                  \
+    } while (0)
+
 #endif

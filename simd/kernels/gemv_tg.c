@@ -1,0 +1,160 @@
+/* Group-scaled ternary GEMV for m rows ("tg128", simd/layout.py; tg.h): the weights of the Ternary Bonsai
+ * models (GGUF Q2_0: one f16 scale per 128 weights of a row), activations quantized per group of 128 too.
+ *   dot_g[n] = sum_{k in g} u[n,k] * xq[k] - xsum[g]          (exact int32; u = t + 1, 2-bit code in {0,1,2})
+ *   acc = 0; for g in order: acc = acc + (float)dot_g[n] * (scale[n,g] * xd[g]);   out[n] = acc
+ * The tile's group (544 bytes: 16 f16 scales, then 8 tile16 blocks) is one contiguous piece of a single
+ * sequential stream; a group's int16 sums (8 blocks, |sum| <= 8 * 2048) never overflow. m > 1 (prefill, verify)
+ * reads each tile's groups once from memory and again from cache for the other rows.
+ */
+#include "kernels.h"
+#include "half.h"
+#include "tg.h"
+
+#include <math.h>
+
+#if defined(__x86_64__)
+#include "x86_common.h"
+#endif
+
+typedef void (*tg_fn)(const uint8_t *w, const int8_t *xq, const float *xd, const int32_t *xsum, int m, int k_pad,
+                      float *out, int n, int tile_begin, int tile_end);
+
+static inline void tg_store(const float *acc, int row0, int n, float *out) {
+    for (int r = 0; r < 16 && row0 + r < n; r++) out[row0 + r] = acc[r];
+}
+
+static void tg_scalar(const uint8_t *w, const int8_t *xq, const float *xd, const int32_t *xsum, int m, int k_pad,
+                      float *out, int n, int tile_begin, int tile_end) {
+    const int groups = k_pad / BK_TG_GROUP;
+    for (int t = tile_begin; t < tile_end; t++)
+        for (int i = 0; i < m; i++) {
+            const int8_t *x = xq + (size_t)i * k_pad;
+            float acc[16] = {0};
+            for (int g = 0; g < groups; g++) {
+                const uint8_t *q = w + ((size_t)t * groups + g) * BK_TG_GROUP_BYTES;
+                const float d = xd[(size_t)i * groups + g];
+                const int32_t s = xsum[(size_t)i * groups + g];
+                for (int r = 0; r < 16; r++) {
+                    int32_t dot = 0;
+                    for (int b = 0; b < 8; b++) {
+                        const uint8_t *blk = q + 32 + b * 64;
+                        const int8_t *xb = x + BK_TG_GROUP * g + 16 * b;
+                        for (int j = 0; j < 4; j++) {
+                            unsigned byte = blk[r * 4 + j];
+                            for (int c = 0; c < 4; c++) dot += (int32_t)((byte >> (2 * c)) & 3) * xb[4 * c + j];
+                        }
+                    }
+                    float sc = bk_half_to_float((uint16_t)(q[2 * r] | (q[2 * r + 1] << 8))) * d;
+                    float p = (float)(dot - s) * sc;
+                    acc[r] = acc[r] + p;
+                }
+            }
+            tg_store(acc, t * 16, n, out + (size_t)i * n);
+        }
+}
+
+#if defined(__x86_64__)
+#define TG_PREFETCH_BYTES 2048 /* as the tile16 AVX2 GEMV (gemv_ternary.c) */
+
+AVX2_TARGET static void tg_avx2(const uint8_t *w, const int8_t *xq, const float *xd, const int32_t *xsum, int m,
+                                int k_pad, float *out, int n, int tile_begin, int tile_end) {
+    const int groups = k_pad / BK_TG_GROUP;
+    const size_t tile_bytes = (size_t)groups * BK_TG_GROUP_BYTES;
+    const __m256i m3 = _mm256_set1_epi8(3), ones = _mm256_set1_epi16(1);
+    for (int t = tile_begin; t < tile_end; t++) {
+        const uint8_t *p = w + (size_t)t * tile_bytes;
+        for (int i = 0; i < m; i++) {
+            const int8_t *x = xq + (size_t)i * k_pad;
+            const float *d = xd + (size_t)i * groups;
+            const int32_t *xs = xsum + (size_t)i * groups;
+            __m256 alo = _mm256_setzero_ps(), ahi = alo;
+            for (int g = 0; g < groups; g++) {
+                const uint8_t *q = p + (size_t)g * BK_TG_GROUP_BYTES;
+                __m256i l0 = _mm256_setzero_si256(), h0 = l0;
+                for (int b = 0; b < 8; b++) {
+                    const int8_t *xb = x + BK_TG_GROUP * g + 16 * b;
+                    __m256i x0 = _mm256_set1_epi32(load_i32(xb)), x1 = _mm256_set1_epi32(load_i32(xb + 4));
+                    __m256i x2 = _mm256_set1_epi32(load_i32(xb + 8)), x3 = _mm256_set1_epi32(load_i32(xb + 12));
+                    _mm_prefetch((const char *)q + 32 + b * 64 + TG_PREFETCH_BYTES, _MM_HINT_T0); /* a hint: never faults */
+                    TERNARY_HALF_AVX2(l0, q + 32 + b * 64);
+                    TERNARY_HALF_AVX2(h0, q + 32 + b * 64 + 32);
+                }
+                __m256i s = _mm256_set1_epi32(xs[g]);
+                __m256 dg = _mm256_set1_ps(d[g]);
+                __m256 slo = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)q)), dg);
+                __m256 shi = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(q + 16))), dg);
+                __m256 dlo = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_madd_epi16(l0, ones), s));
+                __m256 dhi = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_madd_epi16(h0, ones), s));
+                alo = _mm256_add_ps(alo, _mm256_mul_ps(dlo, slo)); /* -ffp-contract=off: never fused */
+                ahi = _mm256_add_ps(ahi, _mm256_mul_ps(dhi, shi));
+            }
+            float *o = out + (size_t)i * n;
+            if (t * 16 + 16 <= n) {
+                _mm256_storeu_ps(o + t * 16, alo);
+                _mm256_storeu_ps(o + t * 16 + 8, ahi);
+            } else {
+                float acc[16];
+                _mm256_storeu_ps(acc, alo);
+                _mm256_storeu_ps(acc + 8, ahi);
+                tg_store(acc, t * 16, n, o);
+            }
+        }
+    }
+}
+#endif
+
+static tg_fn tg_pick(void) {
+#if defined(__x86_64__)
+    int isa = bk_get_isa();
+    if (isa == BK_ISA_AVX2 || isa == BK_ISA_AVX512 || isa == BK_ISA_AVXVNNI) return tg_avx2;
+#endif
+    return tg_scalar;
+}
+
+void bk_quantize_act_g128(const float *x, int m, int k, int k_pad, int8_t *xq, float *xd, int32_t *xsum) {
+    const int groups = k_pad / BK_TG_GROUP;
+    for (int i = 0; i < m; i++)
+        for (int g = 0; g < groups; g++) {
+            const int k0 = g * BK_TG_GROUP, k1 = k0 + BK_TG_GROUP < k ? k0 + BK_TG_GROUP : k;
+            const float *xr = x + (size_t)i * k;
+            int8_t *q = xq + (size_t)i * k_pad + k0;
+            float amax = 0.0f;
+            for (int c = k0; c < k1; c++) amax = fmaxf(amax, fabsf(xr[c]));
+            const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+            int32_t sum = 0;
+            for (int c = k0; c < k0 + BK_TG_GROUP; c++) {
+                int v = 0;
+                if (c < k1) {
+                    v = (int)nearbyintf(xr[c] * inv);
+                    v = v > 127 ? 127 : (v < -127 ? -127 : v);
+                }
+                q[c - k0] = (int8_t)v;
+                sum += v;
+            }
+            xd[(size_t)i * groups + g] = amax / 127.0f;
+            xsum[(size_t)i * groups + g] = sum;
+        }
+}
+
+typedef struct {
+    tg_fn fn;
+    const uint8_t *w;
+    const int8_t *xq;
+    const float *xd;
+    const int32_t *xsum;
+    int m, k_pad;
+    float *out;
+    int n;
+} tg_job;
+
+static void tg_range(void *ctx, int b, int e) {
+    tg_job *j = ctx;
+    j->fn(j->w, j->xq, j->xd, j->xsum, j->m, j->k_pad, j->out, j->n, b, e);
+}
+
+void bk_gemv_tg(const uint8_t *w, const int8_t *xq, const float *xd, const int32_t *xsum, int m, int k_pad,
+                float *out, int n) {
+    int n_tiles = (n + 15) / 16;
+    tg_job job = {tg_pick(), w, xq, xd, xsum, m, k_pad, out, n};
+    bk_run_tiles(n_tiles, (size_t)n_tiles * k_pad * m, 16 * 4096, tg_range, &job);
+}
