@@ -30,6 +30,10 @@ class ModelConfig:
     rope_factors: tuple[float, ...] = ()  # LongRoPE (MiniCPM): every RoPE frequency divided by its factor
                                      # (head_dim/2 values); empty: plain RoPE
     rope_attn_factor: float = 1.0    # LongRoPE: cos and sin multiplied by this (q.k scaled by its square)
+    weight_groups: int = 0           # 0: one scale per weight matrix, int8 activations per token (BitNet);
+                                     # 128: one f16 scale per 128 weights of a row and int8 activations per
+                                     # group of 128 (Ternary Bonsai, GGUF Q2_0; layout "tg128")
+    qk_norm: bool = False            # RMSNorm over each head of q and k before RoPE (Qwen3)
     arch: str = "bitnet-b1.58"       # informational: where it came from
     name: str = ""                   # human name of the model
 
@@ -52,6 +56,15 @@ class ModelConfig:
         for v in self.rope_factors + (self.rope_attn_factor,):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < 1e30 or v != v:
                 raise FormatError(f"model config: LongRoPE factor {v!r} must be a positive number")
+        if self.weight_groups not in (0, 128):
+            raise FormatError(f"model config: weight_groups={self.weight_groups!r} (expected 0 or 128)")
+        if self.weight_groups:
+            for f in ("hidden_size", "intermediate_size", "q_dim"):
+                if getattr(self, f) % self.weight_groups:
+                    raise FormatError(f"model config: {f}={getattr(self, f)} is not a multiple of the "
+                                      f"{self.weight_groups}-weight scale groups")
+        if not isinstance(self.qk_norm, bool):
+            raise FormatError(f"model config: qk_norm={self.qk_norm!r} must be a boolean")
         ids = ((self.bos_token_id,) if self.bos_token_id is not None else ()) + tuple(self.eos_token_ids)
         for t in ids:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:

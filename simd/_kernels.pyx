@@ -62,7 +62,7 @@ cdef extern from "q4g.h" nogil:
 cdef extern from "tg.h" nogil:
     int BK_TG_GROUP
     int BK_TG_GROUP_BYTES
-    void bk_quantize_act_g128(const float *x, int m, int k, int k_pad, int8_t *xq, float *xd, int32_t *xsum)
+    void bk_quantize_act_g128(const float *x, int m, int k, int ldx, int k_pad, int8_t *xq, float *xd, int32_t *xsum)
     void bk_gemv_tg(const uint8_t *w, const int8_t *xq, const float *xd, const int32_t *xsum, int m, int k_pad,
                     float *out, int n)
 
@@ -556,9 +556,10 @@ cdef inline Py_ssize_t _tg_rows(str fn, cnp.ndarray a, int nd) except -1:
     return 1 if nd == 1 else cnp.PyArray_DIM(a, 0)
 
 
-def quantize_act_g128(x, xq, xd, xsum):
+def quantize_act_g128(x, xq, xd, xsum, cols=None):
     """x f32 [M, K] | [K] -> xq int8 [M, K_pad] | [K_pad] (0 in padding), per group of 128 columns: xd f32 = amax/127,
-    xsum int32 = sum of the group's xq ([M, K_pad/128] or [K_pad/128]); round half to even, clamp to +-127."""
+    xsum int32 = sum of the group's xq ([M, K_pad/128] or [K_pad/128]); round half to even, clamp to +-127.
+    cols: quantize only the first cols columns of each row of x (the gate half of [gate | up])."""
     cdef str fn = "quantize_act_g128"
     cdef cnp.ndarray ax = _arr(fn, "x", x, cnp.NPY_FLOAT32, 0, False)
     cdef cnp.ndarray aq = _arr(fn, "xq", xq, cnp.NPY_INT8, 0, True)
@@ -568,7 +569,10 @@ def quantize_act_g128(x, xq, xd, xsum):
     if nd not in (1, 2) or cnp.PyArray_NDIM(aq) != nd:
         raise KernelError(f"{fn}: x {(<object>ax).shape} and xq {(<object>aq).shape} must both be 1-D or both 2-D")
     cdef Py_ssize_t m = _tg_rows(fn, ax, nd)
-    cdef Py_ssize_t k = cnp.PyArray_DIM(ax, nd - 1)
+    cdef Py_ssize_t ldx = cnp.PyArray_DIM(ax, nd - 1)
+    cdef Py_ssize_t k = ldx if cols is None else cols
+    if k > ldx:
+        raise KernelError(f"{fn}: cols={k} is more than the {ldx} columns of x")
     cdef Py_ssize_t k_pad = _k_pad_of(fn, cnp.PyArray_DIM(aq, nd - 1))
     if k_pad % BK_TG_GROUP:
         raise KernelError(f"{fn}: xq has {k_pad} columns, not a multiple of {BK_TG_GROUP}")
@@ -583,7 +587,7 @@ def quantize_act_g128(x, xq, xd, xsum):
     cdef float *pd = <float *>cnp.PyArray_DATA(ad)
     cdef int32_t *pm = <int32_t *>cnp.PyArray_DATA(asm)
     with nogil:
-        bk_quantize_act_g128(px, <int>m, <int>k, <int>k_pad, pq, pd, pm)
+        bk_quantize_act_g128(px, <int>m, <int>k, <int>ldx, <int>k_pad, pq, pd, pm)
 
 
 def gemv_tg(w, xq, xd, xsum, out):

@@ -57,10 +57,11 @@ def gemv_f16(w, x, out):
     out[:] = (wf @ x.astype(np.float64)).astype(np.float32)
 
 
-def quantize_act_g128(x, xq, xd, xsum):
+def quantize_act_g128(x, xq, xd, xsum, k=None):
     """x f32 [M, K] -> xq int8 [M, K_pad], xd f32 [M, K_pad/128] = amax/127, xsum int32 [M, K_pad/128] per
     group of 128 (bit-exact with the kernel: the same f32 operations)."""
     x2 = np.atleast_2d(np.asarray(x, dtype=np.float32))
+    x2 = x2 if k is None else x2[:, :k]
     m, k = x2.shape
     k_pad = xq.reshape(m, -1).shape[1]
     xp = np.zeros((m, k_pad), np.float32)

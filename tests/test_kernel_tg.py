@@ -112,3 +112,15 @@ def test_gemv_tg_checks_its_arguments():
         K.gemv_tg(w, xq.astype(np.int16), xd, xs, out)
     with pytest.raises(KernelError, match="columns"):
         K.quantize_act_g128(np.zeros((1, 300), np.float32), np.zeros((1, 256), np.int8), xd, xs)
+
+
+def test_quantize_act_g128_first_k_columns():
+    """k= quantizes the first k columns of each row (the gate half of [gate | up]) as a copy of them would be."""
+    rng = np.random.default_rng(4)
+    gu = rng.standard_normal((3, 512)).astype(np.float32)
+    xq, xd, xs = np.empty((3, 256), np.int8), np.empty((3, 2), np.float32), np.empty((3, 2), np.int32)
+    K.quantize_act_g128(gu, xq, xd, xs, 256)
+    rq, rd, rs = quantize(np.ascontiguousarray(gu[:, :256]))
+    assert np.array_equal(xq, rq) and np.array_equal(xd, rd) and np.array_equal(xs, rs)
+    with pytest.raises(KernelError, match="more than"):
+        K.quantize_act_g128(gu, xq, xd, xs, 600)

@@ -63,6 +63,29 @@ def _fused(src, shorts: tuple[str, ...], i: int, stats: dict) -> tuple[np.ndarra
     return layout.pack_ternary(w), row_scale, n, k
 
 
+def _fused_groups(src, shorts: tuple[str, ...], i: int, stats: dict) -> tuple[np.ndarray, int, int]:
+    """Group-scaled ternary matrices (config.weight_groups) stacked along the output dim, packed as tg128."""
+    mats, scales = [], []
+    for s in shorts:
+        w, sc, seen = src.linear(s, i)
+        stats[f"blk.{i}.{s}"] = _stats(w, seen)
+        mats.append(w)
+        scales.append(sc)
+    w, sc = (mats[0], scales[0]) if len(mats) == 1 else (np.concatenate(mats), np.concatenate(scales))
+    return layout.pack_tg128(w, sc), w.shape[0], w.shape[1]
+
+
+def _linears(src, i: int, pairs, stats: dict) -> Iterator[TensorSpec]:
+    for name, shorts in pairs:
+        if src.config.weight_groups:
+            w, n, k = _fused_groups(src, shorts, i, stats)
+            yield TensorSpec(f"blk.{i}.{name}", w, {"layout": "tg128", "rows": n, "cols": k})
+        else:
+            w, s, n, k = _fused(src, shorts, i, stats)
+            yield TensorSpec(f"blk.{i}.{name}", w, {"layout": "tile16", "rows": n, "cols": k})
+            yield TensorSpec(f"blk.{i}.{name}.scale", s)
+
+
 def _tensors(src, lm_head: str, stats: dict, bar) -> Iterator[TensorSpec]:
     c = src.config
     V, D = c.vocab_size, c.hidden_size
@@ -127,17 +150,15 @@ def _tensors(src, lm_head: str, stats: dict, bar) -> Iterator[TensorSpec]:
     yield TensorSpec("output_norm", _finite(src, "output_norm", src.norm("output_norm", None)))
     for i in range(c.n_layers):
         yield TensorSpec(f"blk.{i}.attn_norm", _finite(src, f"blk.{i}.attn_norm", src.norm("attn_norm", i)))
-        for name, shorts in (("attn_qkv", ("attn_q", "attn_k", "attn_v")), ("attn_output", ("attn_output",))):
-            w, s, n, k = _fused(src, shorts, i, stats)
-            yield TensorSpec(f"blk.{i}.{name}", w, {"layout": "tile16", "rows": n, "cols": k})
-            yield TensorSpec(f"blk.{i}.{name}.scale", s)
+        yield from _linears(src, i, (("attn_qkv", ("attn_q", "attn_k", "attn_v")), ("attn_output", ("attn_output",))),
+                            stats)
+        if c.qk_norm:
+            for short in ("attn_q_norm", "attn_k_norm"):
+                yield TensorSpec(f"blk.{i}.{short}", _finite(src, f"blk.{i}.{short}", src.norm(short, i)))
         if c.sub_norms:
             yield TensorSpec(f"blk.{i}.attn_sub_norm", _finite(src, f"blk.{i}.attn_sub_norm", src.norm("attn_sub_norm", i)))
         yield TensorSpec(f"blk.{i}.ffn_norm", _finite(src, f"blk.{i}.ffn_norm", src.norm("ffn_norm", i)))
-        for name, shorts in (("ffn_gate_up", ("ffn_gate", "ffn_up")), ("ffn_down", ("ffn_down",))):
-            w, s, n, k = _fused(src, shorts, i, stats)
-            yield TensorSpec(f"blk.{i}.{name}", w, {"layout": "tile16", "rows": n, "cols": k})
-            yield TensorSpec(f"blk.{i}.{name}.scale", s)
+        yield from _linears(src, i, (("ffn_gate_up", ("ffn_gate", "ffn_up")), ("ffn_down", ("ffn_down",))), stats)
         if c.sub_norms:
             yield TensorSpec(f"blk.{i}.ffn_sub_norm", _finite(src, f"blk.{i}.ffn_sub_norm", src.norm("ffn_sub_norm", i)))
         step(f"blk.{i}")

@@ -8,6 +8,7 @@ from typing import Iterator
 
 import numpy as np
 
+from ..errors import FormatError
 from .store import Store, is_store
 
 
@@ -154,7 +155,13 @@ def describe(path: str, max_tensors: int | None = None) -> Iterator[str]:
         for i in range(src.config.n_layers):
             for short in LINEARS:
                 name = f"blk.{i}.{short}.weight"
-                if isinstance(src, GGUFSource) and src.g.info(name).type_name not in ("I2_S", "TQ1_0", "TQ2_0"):
+                if src.config.weight_groups:   # Ternary Bonsai: one scale per 128 weights (range shown)
+                    try:
+                        w, _, scale = src.linear(short, i)
+                    except FormatError:
+                        refused.append(f"blk.{i}.{short}")
+                        continue
+                elif isinstance(src, GGUFSource) and src.g.info(name).type_name not in ("I2_S", "TQ1_0", "TQ2_0"):
                     fit = src.ternary_fit(name)  # reported, not refused: inspect shows why a file would be
                     w, scale = fit.codes, fit.scale
                     if not fit.ok:
@@ -164,7 +171,7 @@ def describe(path: str, max_tensors: int | None = None) -> Iterator[str]:
                 n = w.size
                 neg, zero = int(np.count_nonzero(w == -1)), int(np.count_nonzero(w == 0))
                 stats[f"blk.{i}.{short}"] = {"neg": neg / n, "zero": zero / n, "pos": (n - neg - zero) / n,
-                                             "scale": [scale], **getattr(src, "fit_notes", {}).get(name, {})}
+                                             "scale": scale if isinstance(scale, list) else [scale], **getattr(src, "fit_notes", {}).get(name, {})}
         yield from _stats_lines(stats)
         if refused:
             yield (f"NOT TERNARY: {len(refused)} linear tensors (first {refused[0]}) are not ternary; conversion"

@@ -42,6 +42,9 @@ FAMILIES = {
     "bitcpm4": Family("BitCPM4 (OpenBMB; MiniCPM architecture)",
                       "HF dir: config.json, model*.safetensors (bf16 ternary x scale), tokenizer files;"
                       " scale_emb, depth-scaled residuals and the dim_model_base logit scale folded in at conversion"),
+    "bonsai": Family("Ternary Bonsai 1.7B / 4B / 8B (PrismML; Qwen3 architecture)",
+                     "`Ternary-Bonsai-*-Q2_0.gguf` (or `-F16.gguf`), or the `-unpacked` HF dir (config.json,"
+                     " model*.safetensors, tokenizer.json, tokenizer_config.json)"),
     "llama-ternary": Family("other Llama-architecture ternary model",
                             "HF dir with quant_method bitnet, fake-quantized ternary weights, or a `llama` GGUF"
                             " with TQ1_0 / TQ2_0 / I2_S tensors"),
@@ -52,6 +55,8 @@ def hf_family(cfg: dict, names: set, ternary_floats: bool = False, path: str = "
     """Best guess (informational): the architecture first, then the model's name (config `_name_or_path` or
     the directory name), then its shape (Falcon3: vocab 131072 + head_dim 256; Llama-3: vocab 128256)."""
     archs = set(cfg.get("architectures") or [])
+    if "Qwen3ForCausalLM" in archs or cfg.get("model_type") == "qwen3":
+        return "bonsai"
     if "MiniCPMForCausalLM" in archs or cfg.get("model_type") == "minicpm":
         return "bitcpm4"
     if "BitNetForCausalLM" in archs or cfg.get("model_type") == "bitnet":
@@ -76,6 +81,8 @@ def hf_family(cfg: dict, names: set, ternary_floats: bool = False, path: str = "
 
 
 def gguf_family(arch: str, vocab: int, head_dim: int) -> str:
+    if arch == "qwen3":
+        return "bonsai"
     if arch in ("bitnet-b1.58", "bitnet-25"):
         return "bitnet-b1.58"
     if arch == "bitnet":
@@ -101,9 +108,12 @@ def runtime_summary(c) -> str:
     if c.rope_factors:
         rope += (f" with LongRoPE ({len(c.rope_factors)} per-frequency factors {min(c.rope_factors):.4g}.."
                  f"{max(c.rope_factors):.4g}, cos/sin x{c.rope_attn_factor:.6g})")
-    return (f"runtime: {act}; {norms}; {head}; {c.n_heads} query / {c.n_kv_heads} kv heads of {c.head_dim};"
-            f" {rope}; RMSNorm eps {c.rms_norm_eps:g}; ternary weights with"
-            f" per-row scales, int8 per-token activations")
+    qk = "; RMSNorm of each q and k head before RoPE" if c.qk_norm else ""
+    quant = (f"ternary weights with one f16 scale per {c.weight_groups} weights of a row, int8 activations per"
+             f" group of {c.weight_groups}" if c.weight_groups else "ternary weights with per-row scales, int8"
+             " per-token activations")
+    return (f"runtime: {act}; {norms}; {head}; {c.n_heads} query / {c.n_kv_heads} kv heads of {c.head_dim}{qk};"
+            f" {rope}; RMSNorm eps {c.rms_norm_eps:g}; {quant}")
 
 
 # Architectures people will try that are ternary in name only or need math this engine does not have.
@@ -112,10 +122,13 @@ _KNOWN_UNSUPPORTED = {
     "minicpm3": "MiniCPM3 (multi-head latent attention, MLA)",
     "minicpmv": "MiniCPM-V (vision-language)",
     "minicpmo": "MiniCPM-o (omni-modal)",
-    "qwen3": "Qwen3 (ternary Bonsai needs q/k norms and per-128 group scales)",
+    "qwen3_moe": "Qwen3-MoE (mixture of experts)",
+    "qwen3_next": "Qwen3-Next (hybrid linear attention)",
+    "qwen3_5": "Qwen3.5 (hybrid linear attention)",
+    "qwen3_vl": "Qwen3-VL (vision-language)",
 }
 _HINT = ("supported: BitNet b1.58, 1bitLLM, Llama-architecture ternary models (Falcon3-1.58bit, Llama3-8B-1.58,"
-         " Falcon-E, TriLM) and BitCPM4 (MiniCPM); see README")
+         " Falcon-E, TriLM), BitCPM4 (MiniCPM) and Ternary Bonsai (Qwen3); see README")
 
 
 def is_minicpm(cfg: dict) -> bool:

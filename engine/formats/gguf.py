@@ -8,9 +8,10 @@ anything is allocated, so a lying header gives a FormatError naming the file, ne
     g = GGUFFile(path)            # FormatError / UnsupportedError on bad input
     g.kv["bitnet-b1.58.block_count"], g.arch, g.tensors["blk.0.attn_q.weight"] -> TensorInfo
     g.raw(name)                   # uint8 view of the tensor bytes (zero-copy)
-    g.dequantize(name, rows=None) # f32 [rows, ne0]: F32 F16 BF16 Q8_0 TQ1_0 TQ2_0 I2_S here, every other type
+    g.dequantize(name, rows=None) # f32 [rows, ne0]: F32 F16 BF16 Q8_0 TQ1_0 TQ2_0 Q2_0 I2_S here, every other type
                                   # the `gguf` package decodes (Q4_0..Q8_1, K-quants, IQ*) via engine/gguf_dequant.py
-    g.ternary(name)               # (W_t int8 [out, in], per-block scales f32) for TQ1_0 / TQ2_0 / I2_S
+    g.ternary(name)               # (W_t int8 [out, in], per-block scales f32) for TQ1_0 / TQ2_0 / I2_S;
+                                  # Q2_0 (ternary Bonsai): its f16 scale per 128 weights
 
 Layout facts: the GGUF spec (ggml's docs/gguf.md). dims[0] is the fastest axis; TensorInfo.shape is in numpy order (reversed).
 """
@@ -41,7 +42,7 @@ GGML_TYPES: dict[int, tuple[str, int, int]] = {
     20: ("IQ4_NL", 32, 18), 21: ("IQ3_S", 256, 110), 22: ("IQ2_S", 256, 82), 23: ("IQ4_XS", 256, 136),
     24: ("I8", 1, 1), 25: ("I16", 1, 2), 26: ("I32", 1, 4), 27: ("I64", 1, 8), 28: ("F64", 1, 8),
     29: ("IQ1_M", 256, 56), 30: ("BF16", 1, 2), 34: ("TQ1_0", 256, 54), 35: ("TQ2_0", 256, 66),
-    39: ("MXFP4", 32, 17),
+    39: ("MXFP4", 32, 17), 42: ("Q2_0", 128, 34),   # Q2_0: ternary Bonsai (f16 d, then 32 bytes of 2-bit codes)
 }
 I2_S = 36                     # bitnet.cpp: n/4 bytes of 2-bit codes + 32-byte tail holding the f32 scale
 BITNET_CPP_TYPES = {36: "I2_S", 37: "I8_S", 38: "TL1", 39: "TL2"}
@@ -316,6 +317,13 @@ class GGUFFile:
                 raise FormatError(f"{self.path}: I2_S tensor {name!r} holds invalid code 3")
             scale = np.frombuffer(raw[n // 4: n // 4 + 4].tobytes(), "<f4").astype(np.float32)
             return (w.view(np.int8) - np.int8(1)).reshape(out, inp), scale
+        if t.type_name == "Q2_0":   # d per 128 weights of a row: the caller keeps them (weight_groups models)
+            blocks = raw.reshape(-1, 34)
+            codes = _q2_0_codes(blocks)
+            if (codes == 3).any():
+                raise FormatError(f"{self.path}: Q2_0 tensor {name!r} holds code 3 (+2 x scale): not ternary")
+            d = blocks[:, :2].copy().view("<f2").reshape(-1)
+            return (codes.view(np.int8) - np.int8(1)).reshape(out, inp), d
         if t.type_name in ("TQ1_0", "TQ2_0"):
             _, bs, ts = GGML_TYPES[t.type_id]
             blocks = raw.reshape(-1, ts)
@@ -325,7 +333,7 @@ class GGUFFile:
                 raise FormatError(f"{self.path}: TQ2_0 tensor {name!r} holds invalid code 3")
             return (codes.view(np.int8) - np.int8(1)).reshape(out, inp), d
         raise UnsupportedError(f"{self.path}: tensor {name!r} of type {t.type_name} is not ternary"
-                               " (expected I2_S, TQ1_0 or TQ2_0)")
+                               " (expected I2_S, TQ1_0, TQ2_0 or Q2_0)")
 
     def close(self):
         close_map(self._mm)
@@ -346,6 +354,12 @@ def _tq2_codes(blocks: np.ndarray) -> np.ndarray:
     """TQ2_0 [nb, 66] -> codes uint8 [nb, 256]: half h, byte m, bits 2l -> element h*128 + l*32 + m."""
     qs = blocks[:, :64].reshape(-1, 2, 1, 32)
     return ((qs >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 3).reshape(-1, 256)
+
+
+def _q2_0_codes(blocks: np.ndarray) -> np.ndarray:
+    """Q2_0 [nb, 34] -> codes uint8 [nb, 128]: element j in byte 2 + j/4, bits 2(j%4) (ggml's reference)."""
+    qs = blocks[:, 2:34]
+    return ((qs[:, :, None] >> np.array([0, 2, 4, 6], np.uint8)) & 3).reshape(-1, 128)
 
 
 def _tq1_codes(blocks: np.ndarray) -> np.ndarray:
@@ -376,6 +390,9 @@ def decode_blocks(raw: np.ndarray, type_name: str) -> np.ndarray:
     if type_name == "TQ2_0":
         b = raw.reshape(-1, 66)
         return (_f16(b[:, 64:]) * (_tq2_codes(b).astype(np.float32) - 1)).reshape(-1)
+    if type_name == "Q2_0":
+        b = raw.reshape(-1, 34)
+        return (_f16(b[:, :2]) * (_q2_0_codes(b).astype(np.float32) - 1)).reshape(-1)
     if type_name == "TQ1_0":
         b = raw.reshape(-1, 54)
         return (_f16(b[:, 52:]) * (_tq1_codes(b).astype(np.float32) - 1)).reshape(-1)

@@ -4,7 +4,8 @@ one interface for engine.convert:
     src.config: ModelConfig        src.source_format: str      src.meta: dict (notes: how things were decided)
     src.embed(r0, r1) -> f32 rows  src.norm(short, i) -> f32   (short: attn_norm ffn_norm attn_sub_norm ffn_sub_norm;
                                                                  i None: output_norm)
-    src.linear(short, i) -> (W_t int8 [out, in], scale f32 multiplying form, scales_seen list)
+    src.linear(short, i) -> (W_t int8 [out, in], scale f32 multiplying form, scales_seen list); for a model with
+                            config.weight_groups (Ternary Bonsai): scale is f16 [out, in / 128], one per group
     src.lm_head(r0, r1) -> f32 rows, or None when tied     src.tokenizer -> (kind, bytes) | None
     src.chat_template -> str | None
 
@@ -28,7 +29,8 @@ LINEARS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "f
 HF_LINEAR = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
              "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
              "ffn_down": "mlp.down_proj"}
-GGUF_ARCHS = ("bitnet-b1.58", "bitnet-25", "bitnet", "llama")
+GGUF_ARCHS = ("bitnet-b1.58", "bitnet-25", "bitnet", "llama", "qwen3")
+GROUP = 128   # weights per scale of the group-scaled (Ternary Bonsai) models
 
 
 def ternarize_online(w: np.ndarray) -> tuple[np.ndarray, float]:
@@ -65,6 +67,27 @@ def ternary_from_fakequant(path: str, name: str, w: np.ndarray) -> tuple[np.ndar
     if live.size == 0 or (live == live[0]).all():
         return w_t, float(live[0]) if live.size else 1.0
     return w_t, np.where(mag > 0, mag, np.float32(1.0)).astype(np.float32)
+
+
+def ternary_groups_from_float(path: str, name: str, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A float matrix that is ternary x one scale per 128 weights of a row (Ternary Bonsai's unpacked checkpoints,
+    or a dequantized Q2_0 tensor): every group of 128 holds 0 and one magnitude. Returns (W_t int8, scales f16
+    [out, in / 128]); a bf16 magnitude is rounded to f16 (relative 2^-11). Anything else: FormatError."""
+    w = np.asarray(w, dtype=np.float32)
+    n, k = w.shape
+    if k % GROUP:
+        raise UnsupportedError(f"{path}: tensor {name!r} has {k} columns, not a multiple of the {GROUP}-weight scale groups")
+    a = np.abs(w).reshape(n, k // GROUP, GROUP)
+    mag = a.max(axis=2)
+    bad = ~((a == 0) | (a == mag[:, :, None]))
+    if bad.any():
+        r, g = (int(v[0]) for v in np.nonzero(bad.any(axis=2)))
+        m = np.unique(a[r, g][a[r, g] > 0]).size
+        raise FormatError(f"{path}: tensor {name!r} is not ternary with one scale per {GROUP} weights (row {r}, group"
+                          f" {g} holds {m} different magnitudes)", hint="this engine runs ternary (1.58-bit) models only")
+    if not np.isfinite(mag).all() or mag.max(initial=0) > 65504:
+        raise FormatError(f"{path}: tensor {name!r} holds NaN/inf values or scales beyond the f16 range")
+    return np.sign(w).astype(np.int8), mag.astype(np.float16)
 
 
 def _llama_unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -174,7 +197,8 @@ class GGUFSource:
             rms_norm_eps=key("attention.layer_norm_rms_epsilon", _f32, 1e-5), hidden_act=self.hidden_act,
             tie_word_embeddings="output.weight" not in g.tensors, bos_token_id=tok["bos"],
             eos_token_ids=tuple(tok["eos"]), arch=arch, name=str(g.kv.get("general.name", ""))[:200].replace("\n", " "),
-            sub_norms="blk.0.attn_sub_norm.weight" in g.tensors)
+            sub_norms="blk.0.attn_sub_norm.weight" in g.tensors,
+            weight_groups=GROUP if arch == "qwen3" else 0, qk_norm="blk.0.attn_q_norm.weight" in g.tensors)
         self.meta["family"] = gguf_family(arch, V, hd)
         rd = g.get(f"{arch}.rope.dimension_count", int)
         if rd is not None and rd != hd:
@@ -186,7 +210,10 @@ class GGUFSource:
         self.fit_notes: dict[str, dict] = {}
         self._first_fit = None
         first = g.info("blk.0.attn_q.weight")
-        if check_ternary and first.type_name not in ("I2_S", "TQ1_0", "TQ2_0"):
+        if check_ternary and self.config.weight_groups and first.type_name != "Q2_0":
+            # refuse a non-ternary file before anything is written
+            ternary_groups_from_float(path, first.name, g.dequantize(first.name).reshape(first.shape))
+        elif check_ternary and first.type_name not in ("I2_S", "TQ1_0", "TQ2_0", "Q2_0"):
             # refuse a non-ternary file before anything is written (the fit is kept for linear())
             self._first_fit = (first.name, self.ternary_fit(first.name, raise_if_not=True))
 
@@ -206,8 +233,8 @@ class GGUFSource:
         if arch in ("bitnet-b1.58", "bitnet-25"):
             self.meta["hidden_act_from"] = "architecture (bitnet.cpp b1.58 models use relu2)"
             return "relu2"
-        if arch == "llama":
-            self.meta["hidden_act_from"] = "architecture (llama: SwiGLU)"
+        if arch in ("llama", "qwen3"):
+            self.meta["hidden_act_from"] = f"architecture ({arch}: SwiGLU)"
             return "silu"
         # llama.cpp `bitnet` without the key: its graph assumes SiLU, right for 1bitLLM (SentencePiece vocab),
         # wrong for the 2B-4T family (LLaMA-3 byte-level BPE vocab), so decide by the tokenizer.
@@ -232,7 +259,8 @@ class GGUFSource:
     def norm(self, short, i):
         c = self.config
         name = "output_norm.weight" if i is None else f"blk.{i}.{short}.weight"
-        size = {"attn_sub_norm": c.q_dim, "ffn_sub_norm": c.intermediate_size}.get(short, c.hidden_size)
+        size = {"attn_sub_norm": c.q_dim, "ffn_sub_norm": c.intermediate_size, "attn_q_norm": c.head_dim,
+                "attn_k_norm": c.head_dim}.get(short, c.hidden_size)
         t = self.g.info(name)
         if t.n_elements != size:
             raise FormatError(f"{self.path}: tensor {name!r} has {t.n_elements} values, expected {size}")
@@ -247,6 +275,14 @@ class GGUFSource:
                     "ffn_down": (c.hidden_size, c.intermediate_size)}[short]
         t = self.g.info(name)
         _shape_check(self.path, name, t.shape, (out, inp))
+        if c.weight_groups:   # qwen3 (Ternary Bonsai): Q2_0 as it is, any other type dequantized and fitted
+            if t.type_name == "Q2_0":
+                w, d = self.g.ternary(name)
+                sc = d.reshape(out, inp // GROUP)
+            else:
+                w, sc = ternary_groups_from_float(self.path, name, self.g.dequantize(name).reshape(out, inp))
+            live = sc[sc > 0].astype(np.float32)
+            return w, sc, ([float(live.min()), float(live.max())] if live.size else [])
         if t.type_name in ("I2_S", "TQ1_0", "TQ2_0"):
             w, d = self.g.ternary(name)
             if t.type_name == "I2_S":
@@ -315,7 +351,12 @@ class HFSource:
         # MiniCPM (BitCPM4): the Llama layout (same tensor names, SwiGLU, no sub-norms, RMSNorm) plus three
         # constant scalings, folded into the weights below, and LongRoPE, which drives the RoPE tables
         self.minicpm = minicpm = is_minicpm(cfg)
-        llama = minicpm or "LlamaForCausalLM" in archs or (mt == "llama" and "BitnetForCausalLM" not in archs)
+        # Qwen3 (Ternary Bonsai): the Llama layout plus q/k norms, one scale per 128 weights of a row
+        self.qwen3 = qwen3 = mt == "qwen3" or "Qwen3ForCausalLM" in archs
+        if qwen3 and (cfg.get("use_sliding_window") or cfg.get("attention_bias")):
+            raise UnsupportedError(f"{path}: Qwen3 with {'sliding-window attention' if cfg.get('use_sliding_window') else 'attention biases'}"
+                                   " is not supported")
+        llama = minicpm or qwen3 or "LlamaForCausalLM" in archs or (mt == "llama" and "BitnetForCausalLM" not in archs)
         if not ({"BitNetForCausalLM", "BitnetForCausalLM"} & set(archs) or mt == "bitnet" or llama):
             raise UnsupportedError(f"{path}: unsupported model (architectures {archs}, model_type {mt!r})",
                                    hint="this engine runs ternary BitNet b1.58 / Llama-architecture models (README)")
@@ -382,10 +423,14 @@ class HFSource:
             rope_theta=_cfg_float(where, {"rope_theta": rope_theta}, "rope_theta", 10000.0),
             rms_norm_eps=_cfg_float(where, cfg, "rms_norm_eps", 1e-5),
             # MiniCPM: the head always gets its own (logit-scaled) rows, since the embedding is stored scaled
-            hidden_act=act, tie_word_embeddings="lm_head.weight" not in names and not minicpm, sub_norms=sub_norms,
-            rope_factors=rope_factors, rope_attn_factor=rope_attn,
+            hidden_act=act, sub_norms=sub_norms, rope_factors=rope_factors, rope_attn_factor=rope_attn,
+            # Qwen3Config says whether the head is tied (its default: not); a file may still carry lm_head
+            tie_word_embeddings=(cfg.get("tie_word_embeddings", False) is True) if qwen3 else
+            ("lm_head.weight" not in names and not minicpm),
+            weight_groups=GROUP if qwen3 else 0, qk_norm="model.layers.0.self_attn.q_norm.weight" in names,
             bos_token_id=bos, eos_token_ids=tuple(eos),
-            arch="bitnet-b1.58" if mt == "bitnet" else ("minicpm" if minicpm else "llama" if llama else "1bitllm"),
+            arch="bitnet-b1.58" if mt == "bitnet" else ("minicpm" if minicpm else "qwen3" if qwen3 else
+                                                         "llama" if llama else "1bitllm"),
             name=os.path.basename(os.path.abspath(path)))
         try:
             self.meta["family"] = hf_family(cfg, names, self.mode == "fakequant", path)
@@ -513,7 +558,9 @@ class HFSource:
             name, size = {"attn_norm": (f"{p}.input_layernorm.weight", c.hidden_size),
                           "ffn_norm": (f"{p}.post_attention_layernorm.weight", c.hidden_size),
                           "attn_sub_norm": (f"{p}.self_attn.{self.attn_sub}.weight", c.q_dim),
-                          "ffn_sub_norm": (f"{p}.mlp.{self.ffn_sub}.weight", c.intermediate_size)}[short]
+                          "ffn_sub_norm": (f"{p}.mlp.{self.ffn_sub}.weight", c.intermediate_size),
+                          "attn_q_norm": (f"{p}.self_attn.q_norm.weight", c.head_dim),
+                          "attn_k_norm": (f"{p}.self_attn.k_norm.weight", c.head_dim)}[short]
         _shape_check(self.path, name, self.st.info(name)[1], (size,))
         return self.st.get_f32(name).reshape(-1)
 
@@ -535,6 +582,14 @@ class HFSource:
                     "ffn_down": (c.hidden_size, c.intermediate_size)}[short]
         name = self._hf(short, i) + ".weight"
         tag, shape = self.st.info(name)
+        if c.weight_groups:
+            if tag not in ("BF16", "F16", "F32"):
+                raise UnsupportedError(f"{self.path}: tensor {name!r} has dtype {tag}; a Qwen3 (Ternary Bonsai)"
+                                       " directory holds float weights (the `-unpacked` files)")
+            _shape_check(self.path, name, shape, (out, inp))
+            w, sc = ternary_groups_from_float(self.path, name, self.st.get_f32(name))
+            live = sc[sc > 0].astype(np.float32)
+            return w, sc, ([float(live.min()), float(live.max())] if live.size else [])
         if tag == "U8":
             if out % 4:
                 raise FormatError(f"{self.path}: {name!r}: output dim {out} is not a multiple of 4")

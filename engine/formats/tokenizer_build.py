@@ -22,6 +22,8 @@ LLAMA3_SPLIT_REGEX = (
 )
 GPT2_SPLIT_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 LLAMA3_PRES = {None, "", "llama-bpe", "llama3", "llama-v3", "smaug-bpe", "falcon3"}  # as llama.cpp maps them
+# Qwen2 / Qwen3 (tokenizer.ggml.pre "qwen2"): the LLaMA-3 pattern with single digits, no ignore_merges
+QWEN2_SPLIT_REGEX = LLAMA3_SPLIT_REGEX.replace(r"\p{N}{1,3}", r"\p{N}")
 def fix_chat_template(tmpl: str | None) -> str:
     """The template to store: the 2B-4T form if missing or the known-broken official GGUF one (the same rule
     the runtime renders by: engine/config.py)."""
@@ -89,9 +91,10 @@ def gguf_tokenizer(g) -> dict:
             merges = _as_list(kv.get("tokenizer.ggml.merges"), "tokenizer.ggml.merges", path) or []
             pre = g.get("tokenizer.ggml.pre", str)
             llama3 = pre in LLAMA3_PRES
-            meta["tokenizer_pre"] = (pre or "missing") + (" -> llama3 regex" if llama3 else " -> gpt2 regex")
+            regex = "qwen2" if pre == "qwen2" else "llama3" if llama3 else "gpt2"
+            meta["tokenizer_pre"] = f"{pre or 'missing'} -> {regex} regex"
             js = _bpe_json(tokens, types, merges, llama3, bos if (add_bos if add_bos is not None else llama3) else None,
-                           path)
+                           path, QWEN2_SPLIT_REGEX if regex == "qwen2" else None)
             blob = ("hf_json", js.encode("utf-8"))
         elif model == "llama":
             scores = _as_list(kv.get("tokenizer.ggml.scores"), "tokenizer.ggml.scores", path) or [0.0] * n
@@ -106,7 +109,7 @@ def gguf_tokenizer(g) -> dict:
             meta["tokenizer_note"] = "SentencePiece vocab rebuilt as an HF BPE tokenizer (best effort)"
         else:
             raise FormatError(f"{path}: unsupported tokenizer.ggml.model {model!r} (expected gpt2 or llama)")
-    if g.arch != "llama" and (model == "gpt2" or g.arch != "bitnet"):  # llama-arch files: their own or none
+    if g.arch not in ("llama", "qwen3") and (model == "gpt2" or g.arch != "bitnet"):  # llama / qwen3: their own or none
         fixed = fix_chat_template(tmpl)
         if fixed != tmpl:
             meta["chat_template_note"] = "missing in the file" if not tmpl else "replaced the broken GGUF template"
@@ -135,7 +138,7 @@ def _post(bos, tokens):
             "special_tokens": {b: {"id": b, "ids": [bos], "tokens": [b]}}}
 
 
-def _bpe_json(tokens, types, merges, llama3: bool, bos, path: str) -> str:
+def _bpe_json(tokens, types, merges, llama3: bool, bos, path: str, regex: str | None = None) -> str:
     vocab = {}
     for i, t in enumerate(tokens):
         vocab.setdefault(t, i)
@@ -150,7 +153,7 @@ def _bpe_json(tokens, types, merges, llama3: bool, bos, path: str) -> str:
         "added_tokens": _added(tokens, types),
         "normalizer": None,
         "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
-            {"type": "Split", "pattern": {"Regex": LLAMA3_SPLIT_REGEX if llama3 else GPT2_SPLIT_REGEX},
+            {"type": "Split", "pattern": {"Regex": regex or (LLAMA3_SPLIT_REGEX if llama3 else GPT2_SPLIT_REGEX)},
              "behavior": "Isolated", "invert": False},
             {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]},
         "post_processor": _post(bos, tokens),

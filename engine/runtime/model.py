@@ -27,7 +27,7 @@ from ...simd import _ops as ops
 
 from ..config import ModelConfig
 from ..errors import BitNetError, ContextOverflowError, FormatError
-from ...simd.layout import K_ALIGN, pad_to
+from ...simd.layout import K_ALIGN, TG_GROUP, pad_to, tg128_bytes
 
 DEFAULT_CHUNK = 128  # prefill rows per GEMM call (measured: 32..256 within 4%, 128 best)
 # Chunks of at most this many rows use the multi-row GEMV (one sequential weight stream) instead of the GEMM,
@@ -104,7 +104,7 @@ class _Layer:
     """Read-only views of one block's weights in the store."""
 
     __slots__ = ("attn_norm", "qkv", "qkv_scale", "attn_sub_norm", "o", "o_scale", "ffn_norm", "gate_up",
-                 "gate_up_scale", "ffn_sub_norm", "down", "down_scale")
+                 "gate_up_scale", "ffn_sub_norm", "down", "down_scale", "q_norm", "k_norm")
 
     def __init__(self, store, i: int, cfg: ModelConfig):
         def t(name, dtype, size=None):
@@ -117,6 +117,11 @@ class _Layer:
 
         def ternary(name, rows, cols):
             info = store.info(f"blk.{i}.{name}")
+            if cfg.weight_groups:   # tg128: the group scales live inside the packed tensor
+                if info.get("layout") != "tg128" or info.get("rows", rows) != rows or info.get("cols", cols) != cols:
+                    raise FormatError(f"{store.path}: blk.{i}.{name} is {info.get('rows')}x{info.get('cols')} "
+                                      f"{info.get('layout')} (expected {rows}x{cols} tg128)")
+                return t(name, np.uint8, tg128_bytes(rows, cols)), None
             if info.get("layout", "tile16") != "tile16" or info.get("rows", rows) != rows or info.get("cols", cols) != cols:
                 raise FormatError(f"{store.path}: blk.{i}.{name} is {info.get('rows')}x{info.get('cols')} "
                                   f"{info.get('layout')} (expected {rows}x{cols} tile16)")
@@ -136,6 +141,8 @@ class _Layer:
         self.gate_up, self.gate_up_scale = ternary("ffn_gate_up", 2 * I, D)
         self.ffn_sub_norm = t("ffn_sub_norm", np.float32, I) if cfg.sub_norms else None
         self.down, self.down_scale = ternary("ffn_down", D, I)
+        self.q_norm = t("attn_q_norm", np.float32, cfg.head_dim) if cfg.qk_norm else None
+        self.k_norm = t("attn_k_norm", np.float32, cfg.head_dim) if cfg.qk_norm else None
 
 
 def rope_tables(cfg: ModelConfig, n_ctx: int) -> tuple[np.ndarray, np.ndarray]:
@@ -165,6 +172,8 @@ class Weights:
             raise FormatError(f"{store.path}: head_dim {cfg.head_dim} is odd (RoPE needs pairs)")
         self.act = ops.ACT_RELU2 if cfg.hidden_act == "relu2" else ops.ACT_SILU
         self.eps = float(cfg.rms_norm_eps)
+        self.groups = cfg.weight_groups       # 128: tg128 weights, activations quantized per group (run_layers_tg)
+        self.heads = (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim)
 
         # ---- weights (zero-copy views) ----
         emb = store.tensor("token_embd")
@@ -221,6 +230,12 @@ def alloc_run_state(b, cfg: ModelConfig, M: int):
     b._act_scale = np.zeros(M, np.float32)
     b._act_sum = np.zeros(M, np.int32)
     b._ids = np.zeros(M, np.int32)
+    # per-group activation scales / sums (weight_groups models) and the q/k-norm scratch (qk_norm models)
+    g = max(b._kp_d, b._kp_q, b._kp_i) // TG_GROUP if cfg.weight_groups else 0
+    b._xd = np.zeros(M * g, np.float32)
+    b._xsum = np.zeros(M * g, np.int32)
+    b._qk = np.zeros((M * (cfg.n_heads if cfg.qk_norm else 0), cfg.head_dim), np.float32)
+    b._qk_out = np.zeros_like(b._qk)
 
 
 class _Views:
@@ -235,6 +250,10 @@ class _Views:
         self.xq_i = b._xq_buf[: m * b._kp_i].reshape(m, b._kp_i)
         self.act_scale, self.act_sum = b._act_scale[:m], b._act_sum[:m]
         self.ids = b._ids[:m]
+        if b._xd.size:
+            self.gd = tuple((b._xd[: m * kp // TG_GROUP].reshape(m, -1), b._xsum[: m * kp // TG_GROUP].reshape(m, -1))
+                            for kp in (b._kp_d, b._kp_q, b._kp_i))
+        self.qk, self.qk_out = b._qk, b._qk_out
         # 1-row forms for the GEMV path
         self.xq_d1, self.xq_q1, self.xq_i1 = self.xq_d[0], self.xq_q[0], self.xq_i[0]
         self.qkv1, self.delta1, self.gu1 = self.qkv[0], self.delta[0], self.gu[0]
@@ -246,6 +265,8 @@ def run_layers(w: Weights, v: _Views, attend, gemm=K.gemm_ternary):
     attend(li, qkv, att): RoPE + KV write + attention of layer li. One row runs through gemv_ternary on the
     1-row operands, more rows through `gemm` (gemm_ternary, or gemv_rows_ternary for a few rows).
     Models without sub-norms (Llama architecture) quantize the attention output directly."""
+    if w.groups:
+        return run_layers_tg(w, v, attend)
     eps, act = w.eps, w.act
     x, delta, h_d, h_q, qkv, att, gu = v.x, v.delta, v.h_d, v.h_q, v.qkv, v.att, v.gu
     xq_d, xq_q, xq_i, s, sm = v.xq_d, v.xq_q, v.xq_i, v.act_scale, v.act_sum
@@ -268,6 +289,50 @@ def run_layers(w: Weights, v: _Views, attend, gemm=K.gemm_ternary):
         mm(L.gate_up, L.gate_up_scale, a_d, s[0] if one else s, sm[0] if one else sm, o_gu)
         glu(gu, act, L.ffn_sub_norm, eps, xq_i, s, sm)
         mm(L.down, L.down_scale, a_i, s[0] if one else s, sm[0] if one else sm, o_delta)
+        residual = delta
+
+
+def _qk_norm(w: Weights, v: _Views, L):
+    """Qwen3's per-head RMSNorm of q and k (before RoPE), in place in v.qkv, through the session's scratch."""
+    nh, nkv, hd = w.heads
+    m, q_dim = v.m, nh * hd
+    for norm, lo, heads in ((L.q_norm, 0, nh), (L.k_norm, q_dim, nkv)):
+        part = v.qkv[:, lo: lo + heads * hd].reshape(m, heads, hd)
+        buf, out = v.qk[: m * heads], v.qk_out[: m * heads]
+        np.copyto(buf.reshape(m, heads, hd), part)
+        ops.add_rmsnorm(buf, None, norm, w.eps, out)
+        np.copyto(part, out.reshape(m, heads, hd))
+
+
+def run_layers_tg(w: Weights, v: _Views, attend):
+    """run_layers for group-scaled (tg128) weights: every matrix product quantizes its input per group of 128
+    columns (K.quantize_act_g128) and runs K.gemv_tg on any number of rows; q/k norms where the model has them.
+    The fused norm ops still write the f32 rows (h_d, h_q, the gate half of gu) that get quantized here."""
+    eps, act = w.eps, w.act
+    x, delta, h_d, h_q, qkv, att, gu = v.x, v.delta, v.h_d, v.h_q, v.qkv, v.att, v.gu
+    xq_d, xq_q, xq_i, s, sm = v.xq_d, v.xq_q, v.xq_i, v.act_scale, v.act_sum
+    (gd_d, gs_d), (gd_q, gs_q), (gd_i, gs_i) = v.gd
+    qg, mm, inter = K.quantize_act_g128, K.gemv_tg, gu.shape[1] // 2
+    residual = None
+    for li, L in enumerate(w.layers):
+        ops.add_rmsnorm(x, residual, L.attn_norm, eps, h_d)
+        qg(h_d, xq_d, gd_d, gs_d)
+        mm(L.qkv, xq_d, gd_d, gs_d, qkv)
+        if L.q_norm is not None:
+            _qk_norm(w, v, L)
+        attend(li, qkv, att)
+        if L.attn_sub_norm is not None:
+            ops.add_rmsnorm(att, None, L.attn_sub_norm, eps, h_q)
+            qg(h_q, xq_q, gd_q, gs_q)
+        else:
+            qg(att, xq_q, gd_q, gs_q)
+        mm(L.o, xq_q, gd_q, gs_q, delta)
+        ops.add_rmsnorm(x, delta, L.ffn_norm, eps, h_d)
+        qg(h_d, xq_d, gd_d, gs_d)
+        mm(L.gate_up, xq_d, gd_d, gs_d, gu)
+        ops.glu_rmsnorm_quant(gu, act, L.ffn_sub_norm, eps, xq_i, s, sm)   # gate half := the MLP product
+        qg(gu, xq_i, gd_i, gs_i, inter)
+        mm(L.down, xq_i, gd_i, gs_i, delta)
         residual = delta
 
 

@@ -328,4 +328,5 @@ def _build_sp_tokenizer(vocab_size: int) -> dict:
 
 
 from .writers import (  # noqa: E402,F401  (the writers own the file formats; synth re-exports them)
-    BROKEN_GGUF_TEMPLATE, bf16_bits, i2s_pack, tq2_pack, write_gguf_i2s, write_gguf_tq, write_hf_dir)
+    BROKEN_GGUF_TEMPLATE, QWEN3_CHAT_TEMPLATE, bf16_bits, bonsai_weights, i2s_pack, q2_0_pack, tq2_pack,
+    write_bonsai_dir, write_bonsai_gguf, write_gguf_i2s, write_gguf_tq, write_hf_dir)

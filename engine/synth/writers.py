@@ -438,3 +438,135 @@ def write_gguf_i2s(m, path: str, *, arch: str = "bitnet-b1.58", pre: str | None 
             makers.append(lambda prefix=prefix: i2s_pack(_gguf_ternary(m, prefix, arch), m.weight_scale(prefix)))
     w.write(makers)
     return path
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Ternary Bonsai (Qwen3 architecture, one f16 scale per 128 weights of a row)
+BONSAI_GROUP = 128
+QWEN3_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def bonsai_weights(m, prefix: str) -> tuple[np.ndarray, np.ndarray]:
+    """A SynthModel matrix in the Ternary Bonsai form: its ternary codes and one f16 scale per 128 weights of a
+    row (the matrix's own scale times a per-group factor in 0.5..1.5)."""
+    t = m.ternary(prefix)
+    o, n = t.shape
+    if n % BONSAI_GROUP:
+        raise ValueError(f"{prefix}: input dim {n} is not a multiple of {BONSAI_GROUP}")
+    f = m._rng(prefix + ".g").uniform(0.5, 1.5, (o, n // BONSAI_GROUP))
+    return t, (f * m.weight_scale(prefix)).astype(np.float16)
+
+
+def bonsai_dense(m, prefix: str) -> np.ndarray:
+    """The f16 matrix the unpacked checkpoint holds: ternary x group scale (exact in f16)."""
+    t, sc = bonsai_weights(m, prefix)
+    return t.astype(np.float16) * np.repeat(sc, BONSAI_GROUP, axis=1)
+
+
+def bonsai_qk_norm(m, name: str) -> np.ndarray:
+    from . import _exact_both   # synth's rounding helper (exact in bf16 and f16)
+
+    return _exact_both(1.0 + 0.1 * m._rng(name).standard_normal(m.head_dim, dtype=np.float32))
+
+
+def write_bonsai_dir(m, out_dir: str) -> str:
+    """A Ternary Bonsai `-unpacked` style HF directory (Qwen3ForCausalLM, f16 weights that are ternary x one scale
+    per 128 weights, q_norm / k_norm, tie_word_embeddings from m.config) for a SynthModel of the llama style."""
+    os.makedirs(out_dir, exist_ok=True)
+    tie = bool(m.config.get("tie_word_embeddings", True))
+    specs: list = [("model.embed_tokens.weight", "F16", [m.V, m.D], lambda: embed_chunked(m, lambda e: e.astype(np.float16)))]
+    for i in range(m.L):
+        p = f"model.layers.{i}"
+        for hf in m.norm_names(i).values():
+            specs.append((hf, "F16", [m.D], lambda hf=hf: m.norm(hf).astype(np.float16)))
+        for short in ("q_norm", "k_norm"):
+            nm = f"{p}.self_attn.{short}.weight"
+            specs.append((nm, "F16", [m.head_dim], lambda nm=nm: bonsai_qk_norm(m, nm).astype(np.float16)))
+        for prefix, o, n in m.linears():
+            if prefix.startswith(p + "."):
+                specs.append((prefix + ".weight", "F16", [o, n], lambda prefix=prefix: bonsai_dense(m, prefix)))
+    specs.append(("model.norm.weight", "F16", [m.D], lambda: m.norm("model.norm.weight").astype(np.float16)))
+    if not tie:
+        specs.append(("lm_head.weight", "F16", [m.V, m.D], lambda: m.lm_head().astype(np.float16)))
+    write_safetensors(os.path.join(out_dir, "model.safetensors"), specs)
+    tok = m.tokenizer_info()
+    c = m.config
+    cfg = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": m.D,
+           "intermediate_size": m.I, "num_hidden_layers": m.L, "num_attention_heads": m.H,
+           "num_key_value_heads": m.KV, "head_dim": m.head_dim, "vocab_size": m.V,
+           "max_position_embeddings": c["max_position_embeddings"], "rope_theta": float(c["rope_theta"]),
+           "rms_norm_eps": float(c["rms_norm_eps"]), "hidden_act": "silu", "tie_word_embeddings": tie,
+           "attention_bias": False, "use_sliding_window": False, "torch_dtype": "float16",
+           "bos_token_id": tok["bos"], "eos_token_id": tok["eot"]}
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=1)
+    with open(os.path.join(out_dir, "tokenizer.json"), "w", encoding="utf-8") as f:
+        f.write(tok["json"])
+    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+        json.dump({"eos_token": "<|eot_id|>", "chat_template": QWEN3_CHAT_TEMPLATE,
+                   "model_max_length": c["max_position_embeddings"], "tokenizer_class": "PreTrainedTokenizerFast"},
+                  f, indent=1)
+    return out_dir
+
+
+def q2_0_pack(t: np.ndarray, sc: np.ndarray) -> np.ndarray:
+    """GGUF Q2_0 blocks of a ternary matrix [o, n] with f16 scales [o, n/128]: per block the f16 d, then 32 bytes
+    whose byte j/4, bits 2(j%4) hold t[j] + 1 (ggml's block_q2_0)."""
+    o, n = t.shape
+    codes = (t.astype(np.int16) + 1).astype(np.uint8).reshape(-1, 32, 4)
+    qs = codes[:, :, 0] | (codes[:, :, 1] << 2) | (codes[:, :, 2] << 4) | (codes[:, :, 3] << 6)
+    d = np.ascontiguousarray(sc.astype("<f2").reshape(-1, 1)).view(np.uint8)
+    return np.ascontiguousarray(np.concatenate([d, qs], axis=1)).reshape(-1)
+
+
+def write_bonsai_gguf(m, path: str, *, linear_type: str = "Q2_0") -> str:
+    """The `qwen3` GGUF of the same model, as a Ternary-Bonsai-*-Q2_0.gguf holds it (linear_type "F16": the
+    -F16.gguf form). llama.cpp keeps Qwen's q/k rows in HF order (NEOX RoPE, no permutation)."""
+    arch = "qwen3"
+    w = RawGGUFWriter(path)
+    w.add("general.architecture", "str", arch)
+    w.add("general.name", "str", "synth-ternary-bonsai")
+    w.add("general.quantization_version", "u32", 2)
+    kv = _hparams(m, arch, None) + [(f"{arch}.attention.key_length", "u32", m.head_dim),
+                                     (f"{arch}.attention.value_length", "u32", m.head_dim)]
+    for key, typ, val in dict((k, (k, t, v)) for k, t, v in kv).values():
+        w.add(key, typ, val)
+    for key, typ, val in _tokenizer_kv(m, "qwen2", QWEN3_CHAT_TEMPLATE):
+        w.add(key, typ, val)
+    makers = []
+
+    def f32(name, make, n):
+        w.add_tensor_info(name, [n], 0, n * 4)
+        makers.append(lambda: np.asarray(make(), np.float32))
+
+    def linear(name, prefix, o, n):
+        if linear_type == "Q2_0":
+            w.add_tensor_info(name, [o, n], 42, o * n // BONSAI_GROUP * 34)
+            makers.append(lambda: q2_0_pack(*bonsai_weights(m, prefix)))
+        else:
+            w.add_tensor_info(name, [o, n], 1, o * n * 2)
+            makers.append(lambda: bonsai_dense(m, prefix))
+
+    w.add_tensor_info("token_embd.weight", [m.V, m.D], 1, m.V * m.D * 2)
+    makers.append(lambda: embed_chunked(m, lambda e: e.astype(np.float16)))
+    for i in range(m.L):
+        p, nn = f"model.layers.{i}", m.norm_names(i)
+        f32(f"blk.{i}.attn_norm.weight", lambda h=nn["attn_norm"]: m.norm(h).astype(np.float16), m.D)
+        for short, hf in (("attn_q", "self_attn.q_proj"), ("attn_k", "self_attn.k_proj"),
+                          ("attn_v", "self_attn.v_proj"), ("attn_output", "self_attn.o_proj")):
+            linear(f"blk.{i}.{short}.weight", f"{p}.{hf}", *m._shape(f"{p}.{hf}"))
+        for short in ("q_norm", "k_norm"):
+            nm = f"{p}.self_attn.{short}.weight"
+            f32(f"blk.{i}.attn_{short}.weight", lambda nm=nm: bonsai_qk_norm(m, nm).astype(np.float16), m.head_dim)
+        f32(f"blk.{i}.ffn_norm.weight", lambda h=nn["ffn_norm"]: m.norm(h).astype(np.float16), m.D)
+        for short, hf in (("ffn_gate", "mlp.gate_proj"), ("ffn_up", "mlp.up_proj"), ("ffn_down", "mlp.down_proj")):
+            linear(f"blk.{i}.{short}.weight", f"{p}.{hf}", *m._shape(f"{p}.{hf}"))
+    f32("output_norm.weight", lambda: m.norm("model.norm.weight").astype(np.float16), m.D)
+    if not m.config.get("tie_word_embeddings", True):
+        w.add_tensor_info("output.weight", [m.V, m.D], 1, m.V * m.D * 2)
+        makers.append(lambda: m.lm_head().astype(np.float16))
+    w.write(makers)
+    return path

@@ -111,12 +111,12 @@ static tg_fn tg_pick(void) {
     return tg_scalar;
 }
 
-void bk_quantize_act_g128(const float *x, int m, int k, int k_pad, int8_t *xq, float *xd, int32_t *xsum) {
+void bk_quantize_act_g128(const float *x, int m, int k, int ldx, int k_pad, int8_t *xq, float *xd, int32_t *xsum) {
     const int groups = k_pad / BK_TG_GROUP;
     for (int i = 0; i < m; i++)
         for (int g = 0; g < groups; g++) {
             const int k0 = g * BK_TG_GROUP, k1 = k0 + BK_TG_GROUP < k ? k0 + BK_TG_GROUP : k;
-            const float *xr = x + (size_t)i * k;
+            const float *xr = x + (size_t)i * ldx;
             int8_t *q = xq + (size_t)i * k_pad + k0;
             float amax = 0.0f;
             for (int c = k0; c < k1; c++) amax = fmaxf(amax, fabsf(xr[c]));

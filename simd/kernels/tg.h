@@ -8,10 +8,10 @@
 #define BK_TG_GROUP 128
 #define BK_TG_GROUP_BYTES 544 /* per tile and group: 16 f16 scales (32 bytes), then 8 tile16 blocks (512) */
 
-/* x f32 [m, k] -> xq int8 [m, k_pad] (0 in padding), xd f32 [m, k_pad/128], xsum int32 [m, k_pad/128]:
+/* x f32 [m, k] (row stride ldx >= k floats) -> xq int8 [m, k_pad] (0 in padding), xd f32 [m, k_pad/128], xsum int32 [m, k_pad/128]:
  * per group, amax = max|x|, xd = amax / 127, xq = clamp(round_half_even(x * (127 / amax)), -127, 127)
  * (xq = 0 and xd = 0 for an all-zero group), xsum = sum of the group's xq. k_pad % 128 == 0, k <= k_pad. */
-void bk_quantize_act_g128(const float *x, int m, int k, int k_pad, int8_t *xq, float *xd, int32_t *xsum);
+void bk_quantize_act_g128(const float *x, int m, int k, int ldx, int k_pad, int8_t *xq, float *xd, int32_t *xsum);
 
 /* out[i, n] for m rows: acc = 0; for g in order: acc = acc + (float)dot_g * (scale[n, g] * xd[i, g]), with
  * dot_g = sum_{k in g} t[n, k] * xq[i, k] exact in int32 (two f32 roundings per group, never fused: every
