@@ -10,6 +10,8 @@ Weight sets are larger than the LLC (several copies, cycled) so GEMV figures are
 
     python bench/bench_kernels.py                 # default: ~2-3 minutes
     python bench/bench_kernels.py --quick         # fewer shapes and M values
+    python bench/bench_kernels.py --groups        # also the group-scaled tg128 kernel (Ternary Bonsai), with its
+                                                  # time per call relative to tile16 on the same shape, same run
     BITNET_ISA=avx2 python bench/bench_kernels.py # another path
 """
 from __future__ import annotations
@@ -116,12 +118,51 @@ def row(name, m, threads, sec, wbytes, ops, limit, limit_kind):
     print(f"{name:26s} {m:>4d} {threads:>3d} {sec * 1e6:>10.1f} {gbs:>8.1f} {gops:>8.1f} {pct} {limit_kind}")
 
 
+def group_rows(rng, name, n, k, copies, threads, ms, x, bw, peak, ws, rs, xq, s, sm):
+    """gemv_tg (tg128: ternary codes + one f16 scale per 128 weights of a row, activations per group of 128) on
+    the shape, and its time per call over tile16's (gemv_ternary for 1 row, gemm_ternary for M rows), timed
+    alternately in this run. Bytes: 2.125 bits per weight vs 2."""
+    tbytes = layout.tg128_bytes(n, k)
+    big = rng.integers(0, 256, tbytes * copies, dtype=np.uint8) & np.uint8(0x55)
+    for c in range(copies):   # valid (finite) f16 scales in front of every group
+        big[c * tbytes:(c + 1) * tbytes].reshape(-1, layout.TG_GROUP_BYTES)[:, :32].view(np.float16)[:] = 0.01
+    tws = [big[i * tbytes:(i + 1) * tbytes] for i in range(copies)]
+    mmax = max(ms + [1])
+    gq = np.empty((mmax, k), np.int8)
+    gd, gs = np.empty((mmax, k // layout.TG_GROUP), np.float32), np.empty((mmax, k // layout.TG_GROUP), np.int32)
+    K.quantize_act_g128(x[:mmax], gq, gd, gs)
+    it = iter(range(1 << 62))
+    for m in [1] + ms:
+        out = np.empty((m, n), np.float32)
+
+        def tg():
+            K.gemv_tg(tws[next(it) % copies], gq[:m], gd[:m], gs[:m], out)
+
+        def t16():
+            w = ws[next(it) % copies]
+            if m == 1:
+                K.gemv_ternary(w, rs, xq[0], float(s[0]), int(sm[0]), out[0])
+            else:
+                K.gemm_ternary(w, rs, xq[:m], s[:m], sm[:m], out)
+
+        kw = dict(min_time=0.3, max_calls=50, clock=clock_for(threads))
+        a, b = [], []
+        for _ in range(3):   # alternate, so both see the same machine
+            a.append(timed(tg, **kw))
+            b.append(timed(t16, **kw))
+        sec, ref = float(np.median(a)), float(np.median(b))
+        row(f"gemv_tg {name}", m, threads, sec, tbytes, 2 * n * k * m, bw if m == 1 else peak, "bw" if m == 1 else "peak")
+        print(f"{'':26s} {'':>4s} {'':>3s} time / tile16 {sec / ref:.2f} (bytes 1.06)")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer shapes and M values")
     ap.add_argument("--threads", default="1,2", help="thread counts to run")
     ap.add_argument("--ms", default="8,32,128,512", help="GEMM token counts")
     ap.add_argument("--no-head", action="store_true", help="skip the LM head")
+    ap.add_argument("--groups", action="store_true",
+                    help="also time gemv_tg (one f16 scale per 128 weights, per-group activations) per shape")
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                     help="cpu: time 1-thread runs with the thread's CPU time (for a machine shared with other jobs)")
     a = ap.parse_args(argv)
@@ -179,6 +220,8 @@ def main(argv=None):
 
                 row(f"gemm {name}", m, threads, timed(gemm, min_time=0.3, max_calls=50, clock=clock_for(threads)), wbytes, 2 * n * k * m,
                     peak[threads], "peak")
+            if a.groups and k % layout.TG_GROUP == 0:
+                group_rows(rng, name, n, k, copies, threads, ms, x, bw[threads], peak[threads], ws, rs, xq, s, sm)
         del ws
 
     if not a.no_head:

@@ -393,7 +393,12 @@ def test_llama_architecture_model_batched_equals_alone(tmp_path):
     d = write_hf_dir(m, str(tmp_path / "ternary-llama"), form="packed", linear_class="autobitlinear")
     store = Store(convert(d, str(tmp_path / "tl.bnstore"), lm_head="i8", progress=False))
     assert store.config.sub_norms is False
-    rng = np.random.default_rng(3)
+    _assert_batched_equals_alone(store, seed=3)
+
+
+def _assert_batched_equals_alone(store, seed):
+    """Three sequences stepped together (1..19 rows each) give the logits each gives alone."""
+    rng = np.random.default_rng(seed)
     seqs = {s: rng.integers(0, store.config.vocab_size, n).tolist() for s, n in enumerate([30, 12, 41])}
     model = Model(store, n_ctx=128)
     want = {s: model.forward(ids) for s, ids in seqs.items()}
@@ -405,6 +410,20 @@ def test_llama_architecture_model_batched_equals_alone(tmp_path):
             got[s].append(lg)
     for s in seqs:
         np.testing.assert_array_equal(np.concatenate(got[s]), want[s])
+
+
+def test_group_scaled_qwen3_model_batched_equals_alone(tmp_path):
+    """Ternary Bonsai (tg128 weights, per-group activations, q/k norms) through the batched forward: the same
+    logits as alone, bit for bit (each row is quantized and accumulated on its own)."""
+    from bitnet_cpu.engine.formats.convert import convert
+    from bitnet_cpu.engine.synth import SynthModel, write_bonsai_dir
+
+    m = SynthModel({"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2,
+                    "head_dim": 64, "vocab_size": 640, "tie_word_embeddings": True}, seed=9, style="llama")
+    d = write_bonsai_dir(m, str(tmp_path / "Ternary-Bonsai-tiny-unpacked"))
+    store = Store(convert(d, str(tmp_path / "tb.bnstore"), progress=False))
+    assert store.config.weight_groups == 128 and store.config.qk_norm
+    _assert_batched_equals_alone(store, seed=4)
 
 
 # ---- prompt lookup (speculative decoding) in the batching engine -------------------------------------------

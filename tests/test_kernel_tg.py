@@ -8,15 +8,7 @@ from bitnet_cpu.engine.errors import KernelError
 from bitnet_cpu.simd import _kernels as K
 from bitnet_cpu.simd import layout
 from bitnet_cpu.simd import reference as R
-from test_kernels import ISAS
-
-
-@pytest.fixture
-def isa(request):
-    K.set_isa(request.param)
-    yield request.param
-    K.set_isa(None)
-    K.set_num_threads(0)
+from test_kernels import ISAS, isa  # noqa: F401  (isa: the fixture forcing a path, then restoring it)
 
 
 def group_ternary(rng, n, k, zero_frac=0.4):

@@ -467,9 +467,9 @@ def bonsai_dense(m, prefix: str) -> np.ndarray:
 
 
 def bonsai_qk_norm(m, name: str) -> np.ndarray:
-    from . import _exact_both   # synth's rounding helper (exact in bf16 and f16)
-
-    return _exact_both(1.0 + 0.1 * m._rng(name).standard_normal(m.head_dim, dtype=np.float32))
+    """q_norm / k_norm weights [head_dim], exact in f16 (the files store them so)."""
+    w = 1.0 + 0.1 * m._rng(name).standard_normal(m.head_dim, dtype=np.float32)
+    return w.astype(np.float16).astype(np.float32)
 
 
 def write_bonsai_dir(m, out_dir: str) -> str:
