@@ -59,10 +59,12 @@ def bonsai(tmp_path_factory):
     for k, (key, cfg) in enumerate(CONFIGS.items()):
         m = SynthModel(cfg, seed=40 + k, style="llama")
         d = write_bonsai_dir(m, str(root / f"Ternary-Bonsai-{key}-unpacked"))
-        q2 = write_bonsai_gguf(m, str(root / f"{key}-Q2_0.gguf"))
+        q2 = write_bonsai_gguf(m, str(root / f"{key}-Q2_0.gguf"))                     # PrismML's 128-blocks
+        q64 = write_bonsai_gguf(m, str(root / f"{key}-ggml-Q2_0.gguf"), linear_type="Q2_0")   # ggml's 64-blocks
         f16 = write_bonsai_gguf(m, str(root / f"{key}-F16.gguf"), linear_type="F16")
         stores = {"dir": convert(d, d + ".bnstore", lm_head="f16", progress=False),
                   "q2_0": convert(q2, q2 + ".bnstore", lm_head="f16", progress=False),
+                  "q2_0_64": convert(q64, q64 + ".bnstore", lm_head="f16", progress=False),
                   "f16": convert(f16, f16 + ".bnstore", lm_head="f16", progress=False),
                   "default": convert(d, d + ".default.bnstore", progress=False)}
         out[key] = (m, d, stores, _fake_quant_groups(load_reference(d)), load_reference(d))
@@ -116,11 +118,11 @@ def test_float_reference_gap(bonsai, key, capsys):
 
 
 @pytest.mark.parametrize("key", CONFIGS)
-def test_gguf_q2_0_and_f16_same_logits_as_the_directory(bonsai, key):
+def test_gguf_q2_0_both_block_sizes_and_f16_same_logits_as_the_directory(bonsai, key):
     m, _, stores, _, _ = bonsai[key]
     ids = _ids(m, 5, 20)
     want = Model(Store(stores["dir"])).forward(ids)
-    for form in ("q2_0", "f16"):
+    for form in ("q2_0", "q2_0_64", "f16"):
         assert np.array_equal(Model(Store(stores[form])).forward(ids), want), form
 
 
@@ -184,3 +186,41 @@ def test_inspect_reports_group_ternary_gguf(bonsai, tmp_path):
     assert "NOT TERNARY" not in text
     lines = [ln for ln in text.splitlines() if ln.strip().startswith("blk.0.ffn_up ")]
     assert len(lines) == 1 and "scale" in lines[0] and "," in lines[0]
+
+
+def test_q2_0_block_size_read_from_the_offsets(bonsai, tmp_path):
+    """Type 42 in ggml's 64-weight blocks and in PrismML's 128-weight ones decode to the same weights; a 64-block
+    file whose two halves of a 128-group carry different scales is refused, naming the row and columns."""
+    from bitnet_cpu.engine.errors import UnsupportedError
+    from bitnet_cpu.engine.formats.gguf import GGUFFile
+    from bitnet_cpu.engine.synth import writers
+
+    m, _, _, _, _ = bonsai["tied"]
+    p64 = write_bonsai_gguf(m, str(tmp_path / "a.gguf"), linear_type="Q2_0")
+    p128 = write_bonsai_gguf(m, str(tmp_path / "b.gguf"))
+    with GGUFFile(p64) as g64, GGUFFile(p128) as g128:
+        a, b = g64.info("blk.0.ffn_up.weight"), g128.info("blk.0.ffn_up.weight")
+        assert (a.type_name, b.type_name) == ("Q2_0", "Q2_0_G128") and a.nbytes == b.nbytes * 18 * 2 // 34
+        assert np.array_equal(g64.dequantize(a.name), g128.dequantize(b.name))
+    real = writers.bonsai_weights
+
+    def split(mm, prefix):   # different scales in the two 64-halves of one group
+        t, sc = real(mm, prefix)
+        return t, sc
+
+    orig_pack = writers.q2_0_pack
+
+    def pack(t, sc, block=128):
+        out = orig_pack(t, sc, block).copy()
+        if block == 64 and t.shape == (m.I, m.D):
+            blk = out.reshape(-1, 18)
+            blk[1, :2] = np.frombuffer(np.float16(0.125).tobytes(), np.uint8)   # row 0, columns 64..127
+        return out
+
+    writers.q2_0_pack = pack
+    try:
+        bad = write_bonsai_gguf(m, str(tmp_path / "c.gguf"), linear_type="Q2_0")
+    finally:
+        writers.q2_0_pack = orig_pack
+    with pytest.raises(UnsupportedError, match=r"two different scales in the 128 weights at row 0, columns 0..127"):
+        convert(bad, str(tmp_path / "c.bnstore"), progress=False)

@@ -11,7 +11,7 @@ anything is allocated, so a lying header gives a FormatError naming the file, ne
     g.dequantize(name, rows=None) # f32 [rows, ne0]: F32 F16 BF16 Q8_0 TQ1_0 TQ2_0 Q2_0 I2_S here, every other type
                                   # the `gguf` package decodes (Q4_0..Q8_1, K-quants, IQ*) via engine/gguf_dequant.py
     g.ternary(name)               # (W_t int8 [out, in], per-block scales f32) for TQ1_0 / TQ2_0 / I2_S;
-                                  # Q2_0 (ternary Bonsai): its f16 scale per 128 weights
+                                  # Q2_0 / Q2_0_G128 (ternary Bonsai): its f16 scale per 64 / 128 weights
 
 Layout facts: the GGUF spec (ggml's docs/gguf.md). dims[0] is the fastest axis; TensorInfo.shape is in numpy order (reversed).
 """
@@ -42,8 +42,13 @@ GGML_TYPES: dict[int, tuple[str, int, int]] = {
     20: ("IQ4_NL", 32, 18), 21: ("IQ3_S", 256, 110), 22: ("IQ2_S", 256, 82), 23: ("IQ4_XS", 256, 136),
     24: ("I8", 1, 1), 25: ("I16", 1, 2), 26: ("I32", 1, 4), 27: ("I64", 1, 8), 28: ("F64", 1, 8),
     29: ("IQ1_M", 256, 56), 30: ("BF16", 1, 2), 34: ("TQ1_0", 256, 54), 35: ("TQ2_0", 256, 66),
-    39: ("MXFP4", 32, 17), 42: ("Q2_0", 128, 34),   # Q2_0: ternary Bonsai (f16 d, then 32 bytes of 2-bit codes)
+    39: ("MXFP4", 32, 17), 42: ("Q2_0", 64, 18),
 }
+# Type 42 exists in two block sizes: ggml's Q2_0 (64 weights: f16 d + 16 bytes of 2-bit codes) and PrismML's fork,
+# which Ternary Bonsai's Q2_0 files were made with (128 weights, 34 bytes; "Q2_0_G128" here). A file says which
+# by its tensor offsets (GGUFFile._q2_0_variant).
+Q2_0 = 42
+Q2_0_VARIANTS = {"Q2_0": (64, 18), "Q2_0_G128": (128, 34)}
 I2_S = 36                     # bitnet.cpp: n/4 bytes of 2-bit codes + 32-byte tail holding the f32 scale
 BITNET_CPP_TYPES = {36: "I2_S", 37: "I8_S", 38: "TL1", 39: "TL2"}
 BITNET_CPP_FTYPE_I2_S = 40    # general.file_type of bitnet.cpp's I2_S files (LLAMA_FTYPE_MOSTLY_I2_S)
@@ -208,19 +213,47 @@ class GGUFFile:
             off = c.u64(f"offset of {name!r}")
             infos.append((name, dims, tid, off))
         self.data_offset = -(-c.pos // align) * align
+        self.types = dict(GGML_TYPES)   # this file's: the block size of Q2_0 depends on who wrote it
+        if any(tid == Q2_0 for _, _, tid, _ in infos):
+            name = self._q2_0_variant(infos)
+            self.types[Q2_0] = (name, *Q2_0_VARIANTS[name])
         self.tensors: dict[str, TensorInfo] = {}
         for name, dims, tid, off in infos:
             self.tensors[name] = self._check_tensor(name, dims, tid, off)
         if len(self.tensors) != len(infos):
             raise FormatError(f"{self.path}: duplicate tensor names in GGUF")
 
+    def _q2_0_variant(self, infos) -> str:
+        """ggml's 64-weight Q2_0 blocks or PrismML's 128-weight ones: the one whose sizes fit every Q2_0 tensor
+        between its offset and the next tensor's (or the end of the data), padding included."""
+        ends = sorted(off for _, _, _, off in infos) + [self.size - self.data_offset]
+        fits = []
+        for variant, (bs, ts) in Q2_0_VARIANTS.items():
+            ok = True
+            for _, dims, tid, off in infos:
+                if tid != Q2_0:
+                    continue
+                n = 1
+                for d in dims:
+                    n *= d
+                nxt = next((e for e in ends if e > off), None)
+                if dims[0] % bs or nxt is None or not 0 <= (nxt - off) - n // bs * ts < max(self.alignment, 1):
+                    ok = False
+                    break
+            if ok:
+                fits.append(variant)
+        if not fits:
+            raise FormatError(f"{self.path}: Q2_0 tensors fit neither ggml's 64-weight blocks nor PrismML's"
+                              " 128-weight ones (truncated or corrupt file?)")
+        return fits[0]
+
     def _type_name(self, tid: int) -> str:
         if tid in BITNET_CPP_TYPES and self.arch.startswith("bitnet") and not (tid == 39 and self.arch == "bitnet"):
             return BITNET_CPP_TYPES[tid]
         if tid == I2_S and self.arch == "llama" and self.kv.get("general.file_type") == BITNET_CPP_FTYPE_I2_S:
             return "I2_S"  # bitnet.cpp's Falcon3 / Falcon-E files (upstream's 36 was IQ4_NL_4_4)
-        if tid in GGML_TYPES:
-            return GGML_TYPES[tid][0]
+        if tid in self.types:
+            return self.types[tid][0]
         return f"type {tid}"
 
     def _check_tensor(self, name, dims, tid, off) -> TensorInfo:
@@ -236,8 +269,8 @@ class GGUFFile:
             if n % 128:
                 raise FormatError(f"{self.path}: I2_S tensor {name!r} has {n} elements (not a multiple of 128)")
             nbytes = n // 4 + 32
-        elif tid in GGML_TYPES and tname == GGML_TYPES[tid][0]:
-            _, bs, ts = GGML_TYPES[tid]
+        elif tid in self.types and tname == self.types[tid][0]:
+            _, bs, ts = self.types[tid]
             if dims[0] % bs:
                 raise FormatError(f"{self.path}: tensor {name!r} row length {dims[0]} is not a multiple of"
                                   f" the {tname} block size {bs}")
@@ -293,7 +326,7 @@ class GGUFFile:
         if t.type_name == "I2_S":
             w, s = self.ternary(name)
             return (w.reshape(nrows, ne0)[r0:r1].astype(np.float32) * s[0])
-        _, bs, ts = GGML_TYPES[t.type_id]
+        _, bs, ts = self.types[t.type_id]
         row_bytes = ne0 // bs * ts
         raw = self.raw(name)[r0 * row_bytes: r1 * row_bytes]
         if t.type_name not in DECODABLE:
@@ -317,15 +350,15 @@ class GGUFFile:
                 raise FormatError(f"{self.path}: I2_S tensor {name!r} holds invalid code 3")
             scale = np.frombuffer(raw[n // 4: n // 4 + 4].tobytes(), "<f4").astype(np.float32)
             return (w.view(np.int8) - np.int8(1)).reshape(out, inp), scale
-        if t.type_name == "Q2_0":   # d per 128 weights of a row: the caller keeps them (weight_groups models)
-            blocks = raw.reshape(-1, 34)
+        if t.type_name in Q2_0_VARIANTS:   # d per 64 / 128 weights of a row (weight_groups models keep them)
+            blocks = raw.reshape(-1, self.types[t.type_id][2])
             codes = _q2_0_codes(blocks)
             if (codes == 3).any():
                 raise FormatError(f"{self.path}: Q2_0 tensor {name!r} holds code 3 (+2 x scale): not ternary")
             d = blocks[:, :2].copy().view("<f2").reshape(-1)
             return (codes.view(np.int8) - np.int8(1)).reshape(out, inp), d
         if t.type_name in ("TQ1_0", "TQ2_0"):
-            _, bs, ts = GGML_TYPES[t.type_id]
+            _, bs, ts = self.types[t.type_id]
             blocks = raw.reshape(-1, ts)
             d = blocks[:, ts - 2:].copy().view("<f2").astype(np.float32).reshape(-1)
             codes = _tq2_codes(blocks) if t.type_name == "TQ2_0" else _tq1_codes(blocks)
@@ -357,9 +390,10 @@ def _tq2_codes(blocks: np.ndarray) -> np.ndarray:
 
 
 def _q2_0_codes(blocks: np.ndarray) -> np.ndarray:
-    """Q2_0 [nb, 34] -> codes uint8 [nb, 128]: element j in byte 2 + j/4, bits 2(j%4) (ggml's reference)."""
-    qs = blocks[:, 2:34]
-    return ((qs[:, :, None] >> np.array([0, 2, 4, 6], np.uint8)) & 3).reshape(-1, 128)
+    """Q2_0 [nb, 2 + B/4] -> codes uint8 [nb, B] (B = 64 or 128): element j in byte 2 + j/4, bits 2(j%4)
+    (ggml's reference; the same in both block sizes)."""
+    qs = blocks[:, 2:]
+    return ((qs[:, :, None] >> np.array([0, 2, 4, 6], np.uint8)) & 3).reshape(blocks.shape[0], -1)
 
 
 def _tq1_codes(blocks: np.ndarray) -> np.ndarray:
@@ -390,8 +424,8 @@ def decode_blocks(raw: np.ndarray, type_name: str) -> np.ndarray:
     if type_name == "TQ2_0":
         b = raw.reshape(-1, 66)
         return (_f16(b[:, 64:]) * (_tq2_codes(b).astype(np.float32) - 1)).reshape(-1)
-    if type_name == "Q2_0":
-        b = raw.reshape(-1, 34)
+    if type_name in Q2_0_VARIANTS:
+        b = raw.reshape(-1, Q2_0_VARIANTS[type_name][1])
         return (_f16(b[:, :2]) * (_q2_0_codes(b).astype(np.float32) - 1)).reshape(-1)
     if type_name == "TQ1_0":
         b = raw.reshape(-1, 54)

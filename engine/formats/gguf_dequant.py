@@ -19,7 +19,7 @@ import numpy as np
 from ..errors import UnsupportedError
 
 # decoded by engine/gguf.py itself
-OWN_DECODERS = frozenset({"F32", "F16", "BF16", "Q8_0", "TQ1_0", "TQ2_0", "Q2_0", "I2_S"})
+OWN_DECODERS = frozenset({"F32", "F16", "BF16", "Q8_0", "TQ1_0", "TQ2_0", "Q2_0", "Q2_0_G128", "I2_S"})
 
 
 def _gguf_module():

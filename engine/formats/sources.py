@@ -90,6 +90,25 @@ def ternary_groups_from_float(path: str, name: str, w: np.ndarray) -> tuple[np.n
     return np.sign(w).astype(np.int8), mag.astype(np.float16)
 
 
+def _pair_q2_0_scales(path: str, name: str, w: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """The f16 scale per 128 weights of a Q2_0 tensor: PrismML's blocks hold 128 weights already; ggml's hold 64,
+    and a Ternary Bonsai model written with them repeats each 128-group's scale in both halves (a half whose
+    weights are all 0 may carry any scale). Two different live scales in one 128-group: UnsupportedError."""
+    if d.shape[1] * GROUP == w.shape[1]:
+        return d
+    out = d.shape[0]
+    live = np.abs(w).reshape(out, -1, 64).any(axis=2)                    # [out, in/64]
+    a, b = d[:, 0::2], d[:, 1::2]
+    la, lb = live[:, 0::2], live[:, 1::2]
+    clash = la & lb & (a.view(np.uint16) != b.view(np.uint16))
+    if clash.any():
+        r, g = (int(v[0]) for v in np.nonzero(clash))
+        raise UnsupportedError(f"{path}: Q2_0 tensor {name!r} has two different scales in the 128 weights at row {r},"
+                               f" columns {128 * g}..{128 * g + 127} (a model with one scale per 64 weights); this"
+                               " engine runs one scale per 128 (Ternary Bonsai)")
+    return np.where(la | ~lb, a, b)
+
+
 def _llama_unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     """Undo llama.cpp's q/k row permutation (convert_hf_to_gguf LlamaModel.permute: its `llama` graph rotates
     interleaved pairs; engine/model.py rotates halves as transformers does)."""
@@ -210,10 +229,11 @@ class GGUFSource:
         self.fit_notes: dict[str, dict] = {}
         self._first_fit = None
         first = g.info("blk.0.attn_q.weight")
-        if check_ternary and self.config.weight_groups and first.type_name != "Q2_0":
-            # refuse a non-ternary file before anything is written
+        if not check_ternary or first.type_name in ("I2_S", "TQ1_0", "TQ2_0", "Q2_0", "Q2_0_G128"):
+            pass
+        elif self.config.weight_groups:   # refuse a non-ternary file before anything is written
             ternary_groups_from_float(path, first.name, g.dequantize(first.name).reshape(first.shape))
-        elif check_ternary and first.type_name not in ("I2_S", "TQ1_0", "TQ2_0", "Q2_0"):
+        else:
             # refuse a non-ternary file before anything is written (the fit is kept for linear())
             self._first_fit = (first.name, self.ternary_fit(first.name, raise_if_not=True))
 
@@ -276,9 +296,9 @@ class GGUFSource:
         t = self.g.info(name)
         _shape_check(self.path, name, t.shape, (out, inp))
         if c.weight_groups:   # qwen3 (Ternary Bonsai): Q2_0 as it is, any other type dequantized and fitted
-            if t.type_name == "Q2_0":
+            if t.type_name in ("Q2_0", "Q2_0_G128"):
                 w, d = self.g.ternary(name)
-                sc = d.reshape(out, inp // GROUP)
+                sc = _pair_q2_0_scales(self.path, name, w, d.reshape(out, -1))
             else:
                 w, sc = ternary_groups_from_float(self.path, name, self.g.dequantize(name).reshape(out, inp))
             live = sc[sc > 0].astype(np.float32)

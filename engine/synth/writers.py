@@ -512,19 +512,22 @@ def write_bonsai_dir(m, out_dir: str) -> str:
     return out_dir
 
 
-def q2_0_pack(t: np.ndarray, sc: np.ndarray) -> np.ndarray:
-    """GGUF Q2_0 blocks of a ternary matrix [o, n] with f16 scales [o, n/128]: per block the f16 d, then 32 bytes
-    whose byte j/4, bits 2(j%4) hold t[j] + 1 (ggml's block_q2_0)."""
-    o, n = t.shape
-    codes = (t.astype(np.int16) + 1).astype(np.uint8).reshape(-1, 32, 4)
+def q2_0_pack(t: np.ndarray, sc: np.ndarray, block: int = 128) -> np.ndarray:
+    """GGUF type-42 blocks of a ternary matrix [o, n] with f16 scales [o, n/128]: per block the f16 d, then
+    block/4 bytes whose byte j/4, bits 2(j%4) hold t[j] + 1. block 128: PrismML's Q2_0 (34 bytes, Ternary
+    Bonsai's files); 64: ggml's Q2_0 (18 bytes; each 128-group's scale written in both of its blocks)."""
+    codes = (t.astype(np.int16) + 1).astype(np.uint8).reshape(-1, block // 4, 4)
     qs = codes[:, :, 0] | (codes[:, :, 1] << 2) | (codes[:, :, 2] << 4) | (codes[:, :, 3] << 6)
-    d = np.ascontiguousarray(sc.astype("<f2").reshape(-1, 1)).view(np.uint8)
-    return np.ascontiguousarray(np.concatenate([d, qs], axis=1)).reshape(-1)
+    d = np.repeat(sc.astype("<f2"), BONSAI_GROUP // block, axis=1).reshape(-1, 1)
+    return np.ascontiguousarray(np.concatenate([np.ascontiguousarray(d).view(np.uint8), qs], axis=1)).reshape(-1)
 
 
-def write_bonsai_gguf(m, path: str, *, linear_type: str = "Q2_0") -> str:
-    """The `qwen3` GGUF of the same model, as a Ternary-Bonsai-*-Q2_0.gguf holds it (linear_type "F16": the
-    -F16.gguf form). llama.cpp keeps Qwen's q/k rows in HF order (NEOX RoPE, no permutation)."""
+def write_bonsai_gguf(m, path: str, *, linear_type: str = "Q2_0_G128") -> str:
+    """The `qwen3` GGUF of the same model: linear_type "Q2_0_G128" as Ternary-Bonsai-*-Q2_0.gguf holds it
+    (PrismML's 128-weight blocks, type 42), "Q2_0" in ggml's own 64-weight blocks (same type id: what mainline
+    llama.cpp reads), "F16" the -F16.gguf form. llama.cpp keeps Qwen's q/k rows in HF order (NEOX RoPE)."""
+    if linear_type not in ("Q2_0_G128", "Q2_0", "F16"):
+        raise ValueError(f"linear_type {linear_type!r}: expected Q2_0_G128, Q2_0 or F16")
     arch = "qwen3"
     w = RawGGUFWriter(path)
     w.add("general.architecture", "str", arch)
@@ -543,9 +546,10 @@ def write_bonsai_gguf(m, path: str, *, linear_type: str = "Q2_0") -> str:
         makers.append(lambda: np.asarray(make(), np.float32))
 
     def linear(name, prefix, o, n):
-        if linear_type == "Q2_0":
-            w.add_tensor_info(name, [o, n], 42, o * n // BONSAI_GROUP * 34)
-            makers.append(lambda: q2_0_pack(*bonsai_weights(m, prefix)))
+        if linear_type != "F16":
+            block = 128 if linear_type == "Q2_0_G128" else 64
+            w.add_tensor_info(name, [o, n], 42, o * n // block * (2 + block // 4))
+            makers.append(lambda: q2_0_pack(*bonsai_weights(m, prefix), block=block))
         else:
             w.add_tensor_info(name, [o, n], 1, o * n * 2)
             makers.append(lambda: bonsai_dense(m, prefix))
