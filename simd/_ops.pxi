@@ -8,6 +8,7 @@ cdef extern from "ops.h":
     void ops_add_rmsnorm_quant(float *x, const float *delta, const float *w, int m, int d, float eps, float *h,
                                int8_t *xq, int k_pad, float *act_scale, int32_t *act_sum) nogil
     void ops_add_rmsnorm(float *x, const float *delta, const float *w, int m, int d, float eps, float *out) nogil
+    void ops_head_rmsnorm(float *x, int m, int ld, int col0, int heads, int hd, const float *w, float eps) nogil
     void ops_glu_rmsnorm_quant(float *gu, int m, int inter, int act, const float *w, float eps, int8_t *xq,
                                int k_pad, float *act_scale, int32_t *act_sum) nogil
     int ops_embed_f16(const uint16_t *table, int64_t vocab, int d, const int32_t *ids, int m, float *out) nogil
@@ -77,6 +78,16 @@ def add_rmsnorm(float[:, ::1] x, float[:, ::1] delta, const float[::1] w, float 
     cdef float *dp = &delta[0, 0] if delta is not None else NULL
     with nogil:
         ops_add_rmsnorm(&x[0, 0], dp, &w[0], m, d, eps, &out[0, 0])
+
+
+def head_rmsnorm(float[:, ::1] x, int col0, int heads, const float[::1] w, float eps):
+    """In place: x[:, col0 + h*hd : col0 + (h+1)*hd] := rmsnorm(that run) * w for h < heads, hd = len(w) (Qwen3's
+    q_norm / k_norm over the q or k part of [q | k | v] rows); the same floats as add_rmsnorm on a copy."""
+    cdef int m = x.shape[0], ld = x.shape[1], hd = w.shape[0]
+    if hd <= 0 or heads <= 0 or col0 < 0 or col0 + heads * hd > ld:
+        _fail(f"head_rmsnorm: {heads} heads of {hd} from column {col0} do not fit rows of {ld}")
+    with nogil:
+        ops_head_rmsnorm(&x[0, 0], m, ld, col0, heads, hd, &w[0], eps)
 
 
 def glu_rmsnorm_quant(float[:, ::1] gu, int act, const float[::1] w, float eps, int8_t[:, ::1] xq,

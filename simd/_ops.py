@@ -21,6 +21,7 @@ from ._kernels import (  # noqa: F401
     get_num_threads,
     glu_rmsnorm_quant,
     head_rescore,
+    head_rmsnorm,
     key_cache_shape,
     paged_key_pool_shape,
     paged_value_pool_shape,

@@ -293,3 +293,28 @@ def test_attention_uses_only_the_threads_its_scratch_has_rows_for():
     finally:
         K.set_num_threads(before)
     np.testing.assert_array_equal(outs[0], outs[1])
+
+
+def test_head_rmsnorm_equals_add_rmsnorm_on_each_head():
+    """Qwen3's q/k norm in place over heads inside [q | k | v] rows: the same floats as add_rmsnorm on a copy of
+    every head, on every path; the rest of the row untouched."""
+    from bitnet_cpu.simd import _kernels as K
+
+    rng = np.random.default_rng(11)
+    hd, nh = 64, 3
+    qkv = (rng.standard_normal((5, 7 * hd)) * 3).astype(np.float32)
+    w = (1 + 0.1 * rng.standard_normal(hd)).astype(np.float32)
+    for isa in K.supported_isas():
+        K.set_isa(isa)
+        try:
+            x = qkv.copy()
+            ops.head_rmsnorm(x, 2 * hd, nh, w, 1e-6)
+            heads = np.ascontiguousarray(qkv[:, 2 * hd: 5 * hd].reshape(-1, hd))
+            want = np.empty_like(heads)
+            ops.add_rmsnorm(heads, None, w, 1e-6, want)
+            assert np.array_equal(x[:, 2 * hd: 5 * hd].reshape(-1, hd), want)
+            assert np.array_equal(x[:, :2 * hd], qkv[:, :2 * hd]) and np.array_equal(x[:, 5 * hd:], qkv[:, 5 * hd:])
+        finally:
+            K.set_isa(None)
+    with pytest.raises(Exception, match="do not fit"):
+        ops.head_rmsnorm(qkv.copy(), 5 * hd, 3, w, 1e-6)

@@ -230,12 +230,10 @@ def alloc_run_state(b, cfg: ModelConfig, M: int):
     b._act_scale = np.zeros(M, np.float32)
     b._act_sum = np.zeros(M, np.int32)
     b._ids = np.zeros(M, np.int32)
-    # per-group activation scales / sums (weight_groups models) and the q/k-norm scratch (qk_norm models)
+    # per-group activation scales / sums (weight_groups models)
     g = max(b._kp_d, b._kp_q, b._kp_i) // TG_GROUP if cfg.weight_groups else 0
     b._xd = np.zeros(M * g, np.float32)
     b._xsum = np.zeros(M * g, np.int32)
-    b._qk = np.zeros((M * (cfg.n_heads if cfg.qk_norm else 0), cfg.head_dim), np.float32)
-    b._qk_out = np.zeros_like(b._qk)
 
 
 class _Views:
@@ -253,7 +251,6 @@ class _Views:
         if b._xd.size:
             self.gd = tuple((b._xd[: m * kp // TG_GROUP].reshape(m, -1), b._xsum[: m * kp // TG_GROUP].reshape(m, -1))
                             for kp in (b._kp_d, b._kp_q, b._kp_i))
-        self.qk, self.qk_out = b._qk, b._qk_out
         # 1-row forms for the GEMV path
         self.xq_d1, self.xq_q1, self.xq_i1 = self.xq_d[0], self.xq_q[0], self.xq_i[0]
         self.qkv1, self.delta1, self.gu1 = self.qkv[0], self.delta[0], self.gu[0]
@@ -293,15 +290,10 @@ def run_layers(w: Weights, v: _Views, attend, gemm=K.gemm_ternary):
 
 
 def _qk_norm(w: Weights, v: _Views, L):
-    """Qwen3's per-head RMSNorm of q and k (before RoPE), in place in v.qkv, through the session's scratch."""
+    """Qwen3's per-head RMSNorm of q and k (before RoPE), in place in v.qkv."""
     nh, nkv, hd = w.heads
-    m, q_dim = v.m, nh * hd
-    for norm, lo, heads in ((L.q_norm, 0, nh), (L.k_norm, q_dim, nkv)):
-        part = v.qkv[:, lo: lo + heads * hd].reshape(m, heads, hd)
-        buf, out = v.qk[: m * heads], v.qk_out[: m * heads]
-        np.copyto(buf.reshape(m, heads, hd), part)
-        ops.add_rmsnorm(buf, None, norm, w.eps, out)
-        np.copyto(part, out.reshape(m, heads, hd))
+    ops.head_rmsnorm(v.qkv, 0, nh, L.q_norm, w.eps)
+    ops.head_rmsnorm(v.qkv, nh * hd, nkv, L.k_norm, w.eps)
 
 
 def run_layers_tg(w: Weights, v: _Views, attend):

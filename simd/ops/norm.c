@@ -225,6 +225,16 @@ void ops_add_rmsnorm(float *x, const float *delta, const float *w, int m, int d,
     run_rows(m, d, add_rmsnorm_rows, &job);
 }
 
+/* Per-head RMSNorm in place (Qwen3's q_norm / k_norm): heads of hd floats starting at column col0 of each of the
+ * m rows (row stride ld); the same inv_rms and scale_mul as ops_add_rmsnorm, so the same floats. */
+void ops_head_rmsnorm(float *x, int m, int ld, int col0, int heads, int hd, const float *w, float eps) {
+    for (int r = 0; r < m; r++)
+        for (int h = 0; h < heads; h++) {
+            float *p = x + (int64_t)r * ld + col0 + (int64_t)h * hd;
+            scale_mul(p, inv_rms(p, hd, eps), w, hd, p);
+        }
+}
+
 typedef struct {
     float *gu;
     int inter, act, k_pad;

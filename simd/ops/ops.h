@@ -61,6 +61,8 @@ void ops_add_rmsnorm_quant(float *x, const float *delta, const float *w, int m, 
                            int8_t *xq, int k_pad, float *act_scale, int32_t *act_sum);
 /* x += delta (if not NULL); out = rmsnorm(x) * w */
 void ops_add_rmsnorm(float *x, const float *delta, const float *w, int m, int d, float eps, float *out);
+/* in place: each of `heads` runs of hd floats from column col0 of every row (row stride ld) := rmsnorm(run) * w */
+void ops_head_rmsnorm(float *x, int m, int ld, int col0, int heads, int hd, const float *w, float eps);
 /* gu[m, 2*inter] = [gate | up]: f = act(gate) * up, then rmsnorm(f) * w written over the gate half, then
  * quantized into xq[m, k_pad]. w NULL: no norm (models without an FFN sub-norm), f itself is quantized. */
 void ops_glu_rmsnorm_quant(float *gu, int m, int inter, int act, const float *w, float eps, int8_t *xq,
