@@ -35,13 +35,16 @@ torch = pytest.importorskip("torch", reason="the float32 MiniCPM reference needs
 pytestmark = pytest.mark.reference
 
 HD = 64
-# name: (config overrides, per-row weight scales, untied lm_head)
+# name: (config overrides, per-row weight scales, untied lm_head); "groups": one scale per 128 weights of a row
 VARIANTS = {
     # BitCPM4-0.5B-like: tied embeddings, LongRoPE with max_position_embeddings > original (long factors, scaled cos/sin)
     "BitCPM4-0.5B": ({"max_position_embeddings": 256, "original": 128}, False, False),
     # untied head, per-row scales, original == max (short factors, cos/sin unscaled)
     "BitCPM4-1B": ({"max_position_embeddings": 128, "original": 128, "num_hidden_layers": 2,
                     "dim_model_base": 64}, True, True),
+    # BitCPM-CANN ("ternary ... with group-wise scaling"): one bf16 scale per 128 weights of a row, run with the
+    # group-scaled kernels (activations quantized per group of 128: so is the reference's input here)
+    "BitCPM-CANN-1B": ({"max_position_embeddings": 256, "original": 128, "num_hidden_layers": 2}, "groups", False),
 }
 
 
@@ -84,7 +87,11 @@ def write_minicpm_dir(d: str, seed: int, over: dict, per_row: bool, untied: bool
             w = m.master(prefix)
         else:
             s = np.float32(m.weight_scale(prefix))
-            s = bf16_round(s * rng.uniform(0.5, 1.5, (o, 1)).astype(np.float32)) if per_row else s
+            if per_row == "groups":
+                n_in = m.ternary(prefix).shape[1]
+                s = np.repeat(bf16_round(s * rng.uniform(0.5, 1.5, (o, n_in // 128)).astype(np.float32)), 128, axis=1)
+            elif per_row:
+                s = bf16_round(s * rng.uniform(0.5, 1.5, (o, 1)).astype(np.float32))
             w = m.ternary(prefix).astype(np.float32) * s      # ternary x scale: exact in bf16
         P[prefix + ".weight"] = bf16_round(w)
     if untied:
@@ -128,12 +135,20 @@ def _rotate_half(x):
     return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
 
 
+def _act_quant_groups(x):
+    """Per group of 128 columns, as the engine quantizes inputs of group-scaled matrices."""
+    g = x.reshape(*x.shape[:-1], x.shape[-1] // 128, 128)
+    amax = g.abs().amax(-1, keepdim=True)
+    q = (g * torch.where(amax > 0, 127.0 / amax.clamp(min=1e-30), torch.zeros_like(amax))).round().clamp(-127, 127)
+    return (q * (amax / 127.0)).reshape(x.shape)
+
+
 def reference_logits(P, cfg, ids, act_quant=True):
     T = {k: torch.from_numpy(np.asarray(v, np.float32)) for k, v in P.items()}
     D, H, KV, L = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["num_hidden_layers"]
     hd, eps, n = D // H, cfg["rms_norm_eps"], len(ids)
     sr = cfg["scale_depth"] / math.sqrt(L)
-    q_in = _act_quant if act_quant else (lambda x: x)
+    q_in = (_act_quant_groups if cfg.get("_groups") else _act_quant) if act_quant else (lambda x: x)
 
     def lin(x, name):
         return q_in(x) @ T[name + ".weight"].T
@@ -178,6 +193,7 @@ def variants(tmp_path_factory):
     for k, (name, (over, per_row, untied)) in enumerate(VARIANTS.items()):
         d = str(root / name)
         m, P, cfg = write_minicpm_dir(d, 40 + k, over, per_row, untied)
+        cfg = dict(cfg, _groups=per_row == "groups")   # the reference's activation quantization (not in the file)
         out[name] = (m, P, cfg, d, convert(d, d + ".bnstore", lm_head="f16", progress=False))
     return out
 
@@ -248,6 +264,9 @@ def test_store_records_the_description(variants):
         long_ = cfg["max_position_embeddings"] > rs["original_max_position_embeddings"]
         assert s.meta["family"] == "bitcpm4" and c.arch == "minicpm" and "scale_emb 12" in s.meta["folded"]
         assert (c.sub_norms, c.tie_word_embeddings, c.hidden_act, c.head_dim) == (False, False, "silu", HD)
+        grouped = VARIANTS[name][1] == "groups"
+        assert c.weight_groups == (128 if grouped else 0) and not c.qk_norm
+        assert s.info("blk.0.ffn_down")["layout"] == ("tg128" if grouped else "tile16")
         assert list(c.rope_factors) == pytest.approx(rs["long_factor" if long_ else "short_factor"])
         want = math.sqrt(1 + math.log(2) / math.log(128)) if long_ else 1.0
         assert c.rope_attn_factor == pytest.approx(want)

@@ -432,6 +432,9 @@ class HFSource:
             self.meta["folded"] = (f"scale_emb {self.emb_scale:g} into token_embd; scale_depth/sqrt(layers) ="
                                    f" {self.res_scale:.6g} into the attn_output / ffn_down row scales; 1/(hidden_size/"
                                    f"dim_model_base) = 1/{self.logit_div:.6g} into the output rows (head untied)")
+        # one scale per 128 weights of a row: Qwen3 (Ternary Bonsai) always; a fake-quantized checkpoint (BitCPM-CANN:
+        # "ternary with group-wise scaling") when its first matrix has one magnitude per 128-group, not per row
+        groups = GROUP if qwen3 else (self._group_scaled() if self.mode == "fakequant" else 0)
         tok, tmpl, bos, eos = self._tokenizer(cfg)
         rope_theta = cfg.get("rope_theta") if cfg.get("rope_theta") is not None else rope_params.get("rope_theta")
         self.config = _config(
@@ -447,7 +450,7 @@ class HFSource:
             # Qwen3Config says whether the head is tied (its default: not); a file may still carry lm_head
             tie_word_embeddings=(cfg.get("tie_word_embeddings", False) is True) if qwen3 else
             ("lm_head.weight" not in names and not minicpm),
-            weight_groups=GROUP if qwen3 else 0, qk_norm="model.layers.0.self_attn.q_norm.weight" in names,
+            weight_groups=groups, qk_norm="model.layers.0.self_attn.q_norm.weight" in names,
             bos_token_id=bos, eos_token_ids=tuple(eos),
             arch="bitnet-b1.58" if mt == "bitnet" else ("minicpm" if minicpm else "qwen3" if qwen3 else
                                                          "llama" if llama else "1bitllm"),
@@ -462,6 +465,20 @@ class HFSource:
                      (self.config.vocab_size, self.config.hidden_size))
         kind = "packed" if self.st.info("model.layers.0.self_attn.q_proj.weight")[0] == "U8" else "online"
         self.source_format = f"hf-{kind}-{self.linear_class}"
+
+    def _group_scaled(self) -> int:
+        """GROUP when layer 0's q_proj holds one magnitude per 128 weights of a row but not one per row, else 0."""
+        name = "model.layers.0.self_attn.q_proj.weight"
+        if name not in self.st.names() or self.st.info(name)[0] not in ("BF16", "F16", "F32"):
+            return 0
+        a = np.abs(self.st.get_f32(name))
+        if a.ndim != 2 or a.shape[1] % GROUP:
+            return 0
+        one = lambda g: bool(((g == 0) | (g == g.max(axis=-1, keepdims=True))).all())   # noqa: E731
+        if one(a) or not one(a.reshape(a.shape[0], -1, GROUP)):
+            return 0
+        self.meta["weight_groups"] = f"one scale per {GROUP} weights of a row (read from {name})"
+        return GROUP
 
     @staticmethod
     def _longrope(where: str, rope: dict, hd: int, max_pos: int) -> tuple[tuple[float, ...], float]:
