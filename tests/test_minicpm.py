@@ -291,7 +291,7 @@ def test_inspect_names_family(variants):
         r = subprocess.run([sys.executable, "-m", "bitnet_cpu", "inspect", target], capture_output=True, text=True,
                            timeout=120)
         assert r.returncode == 0, r.stderr
-        assert "family: BitCPM4 (OpenBMB; MiniCPM architecture)" in r.stdout
+        assert "family: BitCPM4 / BitCPM-CANN (OpenBMB; MiniCPM architecture)" in r.stdout
         runtime = next(line for line in r.stdout.splitlines() if line.startswith("runtime:"))
         assert "LongRoPE (32 per-frequency factors" in runtime and "silu(gate) * up" in runtime
         assert "folded: scale_emb 12 into token_embd" in r.stdout

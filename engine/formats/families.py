@@ -39,8 +39,9 @@ FAMILIES = {
                        "HF dir (main: packed; `bfloat16` revision: masters) or a bitnet.cpp I2_S GGUF"),
     "trilm": Family("TriLM (SpectraSuite, `*_Unpacked`)",
                     "HF dir: config.json, model*.safetensors (fp16 ternary x scale), tokenizer files"),
-    "bitcpm4": Family("BitCPM4 (OpenBMB; MiniCPM architecture)",
-                      "HF dir: config.json, model*.safetensors (bf16 ternary x scale), tokenizer files;"
+    "bitcpm4": Family("BitCPM4 / BitCPM-CANN (OpenBMB; MiniCPM architecture)",
+                      "HF dir: config.json, model*.safetensors (bf16 ternary x scale: per tensor, row, or 128 weights"
+                      " of a row), tokenizer files;"
                       " scale_emb, depth-scaled residuals and the dim_model_base logit scale folded in at conversion"),
     "bonsai": Family("Ternary Bonsai 1.7B / 4B / 8B (PrismML; Qwen3 architecture)",
                      "`Ternary-Bonsai-*-Q2_0.gguf` (or `-F16.gguf`), or the `-unpacked` HF dir (config.json,"

@@ -57,9 +57,9 @@ def ternary_from_fakequant(path: str, name: str, w: np.ndarray) -> tuple[np.ndar
         r = int(np.nonzero(bad.any(axis=1))[0][0])
         n = np.unique(a[r][a[r] > 0]).size
         raise FormatError(f"{path}: tensor {name!r} is not ternary (row {r} holds {n} different magnitudes)",
-                          hint="this engine runs ternary (1.58-bit) models only; for the latent (master) weights"
-                               " of a BitNet model, such as Falcon-E's bfloat16 revision, convert with"
-                               " `bitnet convert --ternarize DIR`")
+                          hint="this engine runs ternary (1.58-bit) models only, with one scale per tensor, row or"
+                               " 128 weights of a row; for the latent (master) weights of a BitNet model, such as"
+                               " Falcon-E's bfloat16 revision, convert with `bitnet convert --ternarize DIR`")
     if not np.isfinite(mag).all():
         raise FormatError(f"{path}: tensor {name!r} holds NaN/inf values")
     live = mag[mag > 0]
