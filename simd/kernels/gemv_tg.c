@@ -111,28 +111,84 @@ static tg_fn tg_pick(void) {
     return tg_scalar;
 }
 
+/* One group of 128 (or fewer: k1 - k0 live values, the rest of the group 0): returns the sum of the codes. */
+static int32_t quant_group_scalar(const float *x, int live, int8_t *q, float *xd) {
+    float amax = 0.0f;
+    for (int c = 0; c < live; c++) amax = fmaxf(amax, fabsf(x[c]));
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    int32_t sum = 0;
+    for (int c = 0; c < BK_TG_GROUP; c++) {
+        int v = 0;
+        if (c < live) {
+            v = (int)nearbyintf(x[c] * inv);
+            v = v > 127 ? 127 : (v < -127 ? -127 : v);
+        }
+        q[c] = (int8_t)v;
+        sum += v;
+    }
+    *xd = amax / 127.0f;
+    return sum;
+}
+
+#if defined(__x86_64__)
+/* A full group with AVX2: the same operations (cvtps rounds half to even under the default MXCSR, as
+ * nearbyintf does; |x * inv| <= 127 so the clamp never changes a value but is kept for the last ulp). */
+AVX2_TARGET static int32_t quant_group_avx2(const float *x, int8_t *q, float *xd) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 m = _mm256_setzero_ps();
+    for (int c = 0; c < BK_TG_GROUP; c += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + c)));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+    const float amax = _mm_cvtss_f32(m4);
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    const __m256 vi = _mm256_set1_ps(inv);
+    const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
+    __m256i sum = _mm256_setzero_si256();
+    for (int c = 0; c < BK_TG_GROUP; c += 32) {
+        __m256i v[4];
+        for (int j = 0; j < 4; j++) {
+            v[j] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + c + 8 * j), vi));
+            v[j] = _mm256_min_epi32(_mm256_max_epi32(v[j], lo), hi);
+            sum = _mm256_add_epi32(sum, v[j]);
+        }
+        /* packs interleave 128-bit lanes: undo with a dword permute */
+        __m256i p16 = _mm256_packs_epi32(v[0], v[1]), p16b = _mm256_packs_epi32(v[2], v[3]);
+        __m256i p8 = _mm256_packs_epi16(p16, p16b);
+        p8 = _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256((__m256i *)(q + c), p8);
+    }
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+    *xd = amax / 127.0f;
+    return _mm_cvtsi128_si32(s4);
+}
+#endif
+
 void bk_quantize_act_g128(const float *x, int m, int k, int ldx, int k_pad, int8_t *xq, float *xd, int32_t *xsum) {
     const int groups = k_pad / BK_TG_GROUP;
+#if defined(__x86_64__)
+    const int isa = bk_get_isa();
+    const int simd = isa == BK_ISA_AVX2 || isa == BK_ISA_AVX512 || isa == BK_ISA_AVXVNNI;
+#else
+    const int simd = 0;
+#endif
     for (int i = 0; i < m; i++)
         for (int g = 0; g < groups; g++) {
-            const int k0 = g * BK_TG_GROUP, k1 = k0 + BK_TG_GROUP < k ? k0 + BK_TG_GROUP : k;
-            const float *xr = x + (size_t)i * ldx;
+            const int k0 = g * BK_TG_GROUP, live = k - k0 < BK_TG_GROUP ? (k - k0 > 0 ? k - k0 : 0) : BK_TG_GROUP;
+            const float *xr = x + (size_t)i * ldx + k0;
             int8_t *q = xq + (size_t)i * k_pad + k0;
-            float amax = 0.0f;
-            for (int c = k0; c < k1; c++) amax = fmaxf(amax, fabsf(xr[c]));
-            const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-            int32_t sum = 0;
-            for (int c = k0; c < k0 + BK_TG_GROUP; c++) {
-                int v = 0;
-                if (c < k1) {
-                    v = (int)nearbyintf(xr[c] * inv);
-                    v = v > 127 ? 127 : (v < -127 ? -127 : v);
-                }
-                q[c - k0] = (int8_t)v;
-                sum += v;
+            float *d = xd + (size_t)i * groups + g;
+            int32_t *s = xsum + (size_t)i * groups + g;
+#if defined(__x86_64__)
+            if (simd && live == BK_TG_GROUP) {
+                *s = quant_group_avx2(xr, q, d);
+                continue;
             }
-            xd[(size_t)i * groups + g] = amax / 127.0f;
-            xsum[(size_t)i * groups + g] = sum;
+#endif
+            (void)simd;
+            *s = quant_group_scalar(xr, live, q, d);
         }
 }
 
