@@ -224,3 +224,25 @@ def test_q2_0_block_size_read_from_the_offsets(bonsai, tmp_path):
         writers.q2_0_pack = orig_pack
     with pytest.raises(UnsupportedError, match=r"two different scales in the 128 weights at row 0, columns 0..127"):
         convert(bad, str(tmp_path / "c.bnstore"), progress=False)
+
+
+def test_chat_template_matches_transformers(bonsai):
+    """The directory's Qwen3-style template (namespace scan, string methods, reasoning split, tool calls as JSON)
+    renders to the same prompt ids through our sandbox as through transformers' apply_chat_template."""
+    from transformers import AutoTokenizer
+
+    from bitnet_cpu.engine.api import load_model
+
+    m, d, stores, _, _ = bonsai["tied"]
+    tok = AutoTokenizer.from_pretrained(d)
+    llm = load_model(stores["dir"], ctx=64, progress=False)
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "<think>\nplan\n</think>\n\nHello.",
+             "tool_calls": [{"name": "look", "arguments": {"q": "x", "n": 2}}]},
+            {"role": "user", "content": "Tell me a story"}]
+    for conv in (msgs, msgs[1:2]):
+        want = tok.apply_chat_template(conv, add_generation_prompt=True, tokenize=True)
+        want = want["input_ids"] if hasattr(want, "keys") else want
+        assert llm.chat_prompt(conv) == list(want)
+    assert "<tool_call>" in tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    llm.close()

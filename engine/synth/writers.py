@@ -443,9 +443,31 @@ def write_gguf_i2s(m, path: str, *, arch: str = "bitnet-b1.58", pre: str | None 
 # ---------------------------------------------------------------------------------------------------------
 # Ternary Bonsai (Qwen3 architecture, one f16 scale per 128 weights of a row)
 BONSAI_GROUP = 128
+# Qwen3's template constructs (written here, not copied): a namespace scan of the reversed messages for the last
+# real user query, string tests and methods, reasoning split out of earlier assistant turns, tool calls as JSON,
+# and the no-thinking switch at the generation prompt
 QWEN3_CHAT_TEMPLATE = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    "{%- set ns = namespace(multi=true, last=messages|length - 1) %}"
+    "{%- for m in messages[::-1] %}{%- set i = (messages|length - 1) - loop.index0 %}"
+    "{%- if ns.multi and m.role == 'user' and m.content is string and not (m.content.startswith('<tool_response>')"
+    " and m.content.endswith('</tool_response>')) %}{%- set ns.multi = false %}{%- set ns.last = i %}{%- endif %}"
+    "{%- endfor %}"
+    "{%- for m in messages %}{%- set c = m.content if m.content is string else '' %}"
+    "{%- if m.role == 'user' or (m.role == 'system' and loop.first) %}"
+    "{{- '<|im_start|>' + m.role + '\\n' + c + '<|im_end|>\\n' }}"
+    "{%- elif m.role == 'assistant' %}"
+    "{%- if '</think>' in c %}{%- set r = c.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') %}"
+    "{%- set c = c.split('</think>')[-1].lstrip('\\n') %}{%- else %}{%- set r = '' %}{%- endif %}"
+    "{%- if loop.index0 > ns.last and r %}"
+    "{{- '<|im_start|>assistant\\n<think>\\n' + r.strip('\\n') + '\\n</think>\\n\\n' + c }}"
+    "{%- else %}{{- '<|im_start|>assistant\\n' + c }}{%- endif %}"
+    "{%- for tc in m.tool_calls or [] %}"
+    "{{- '\\n<tool_call>\\n' + ({'name': tc.name, 'arguments': tc.arguments} | tojson) + '\\n</tool_call>' }}"
+    "{%- endfor %}{{- '<|im_end|>\\n' }}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- endif %}"
 )
 
 
