@@ -72,7 +72,7 @@ def worker(a) -> dict:
     from bitnet_cpu.engine.api import LookupParams, SamplingParams, load_model
     from bitnet_cpu.engine.runtime.speculative import OFF
 
-    llm = load_model(a.model, ctx=1024, threads=a.threads, progress=False)
+    llm = load_model(a.model, ctx=1024, threads=a.threads or None, progress=False)
     if a.prompt == "code":
         ids = llm.tokenize(CODE + "def get_", add_bos=True)
     lookup = OFF if a.draft_max == 0 else (LookupParams(draft_max=a.draft_max) if a.draft_max > 0 else None)
@@ -204,7 +204,7 @@ def parse_args(argv=None):
     ap.add_argument("--prompt", default="random", help=argparse.SUPPRESS)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2, help="0: the default count (decode thread count tuned)")
     ap.add_argument("--heads", type=lambda s: [h for h in s.split(",") if h], default=["i8", "q4", "f16"])
     ap.add_argument("--cache", default=DEFAULT_CACHE)
     ap.add_argument("--shape", default="2b4t", help="2b4t (the benchmark) or small (harness check)")

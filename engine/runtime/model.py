@@ -20,6 +20,9 @@ uses gemv_ternary. The residual stream and the MLP intermediate stay f32; the KV
 """
 from __future__ import annotations
 
+import os
+import time
+
 import numpy as np
 
 from ...simd import _kernels as K
@@ -27,6 +30,7 @@ from ...simd import _ops as ops
 
 from ..config import ModelConfig
 from ..errors import BitNetError, ContextOverflowError, FormatError
+from .thread_tuner import ThreadTuner
 from ...simd.layout import K_ALIGN, TG_GROUP, pad_to, tg128_bytes
 
 DEFAULT_CHUNK = 128  # prefill rows per GEMM call (measured: 32..256 within 4%, 128 best)
@@ -341,6 +345,11 @@ class Model:
         # the kernels' thread count is this session's own: applied at the start of every pass, so two sessions
         # in one process never run with each other's count (None / 0: the kernels' default)
         self.threads = int(threads or 0)
+        # the default count: decode's own is measured against one thread fewer (engine/runtime/thread_tuner.py;
+        # BITNET_TUNE_THREADS=0 turns that off)
+        default = K.get_num_threads()
+        self.tuner = (ThreadTuner(default) if not self.threads and default >= 2
+                      and os.environ.get("BITNET_TUNE_THREADS", "1") != "0" else None)
         if kv_dtype not in ("f16", "f32"):
             raise BitNetError(f"kv_dtype {kv_dtype!r}: expected 'f16' or 'f32'")
         n_ctx = int(n_ctx or min(cfg.context_length, 4096))
@@ -405,6 +414,8 @@ class Model:
     def _use_threads(self):
         if self.threads:
             K.set_num_threads(self.threads)
+        elif self.tuner is not None:
+            K.set_num_threads(self.tuner.n)
 
     # ---- the forward pass ---------------------------------------------------------------------------
     def _view(self, m: int) -> _Views:
@@ -496,7 +507,12 @@ class Model:
     def decode(self, token: int) -> np.ndarray:
         """Run one token at position n_past; returns the session's logits buffer (overwritten next call)."""
         self._check_room(1)
-        self._use_threads()
+        tuner = self.tuner
+        if tuner is not None:
+            K.set_num_threads(tuner.threads())
+            t0 = time.perf_counter()
+        else:
+            self._use_threads()
         v = self._views[1]
         v.ids[0] = token
         ops.embed_f16(self._embd, v.ids, v.x)
@@ -504,6 +520,8 @@ class Model:
         self._head(v, 0, self._logits)
         self._cache_ids[self.n_past] = token
         self.n_past += 1
+        if tuner is not None:
+            tuner.record(time.perf_counter() - t0)
         return self._logits
 
     def prefill(self, ids, all_logits: bool = False) -> np.ndarray:
