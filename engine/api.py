@@ -103,8 +103,9 @@ class LLM(_Text):
         self.warnings: list[str] = []   # one line each, for the CLI to print ("-c above the trained context", ...)
         if ctx is not None and ctx < 1:
             raise BitNetError(f"-c/--ctx {ctx}: must be >= 1")
+        chosen = threads is not None   # -t given: used as it is; else the default, decode's count tuned
         self.threads = threads = _checked_threads(threads, self.warnings)
-        self.model = Model(store, n_ctx=ctx, kv_dtype=kv_dtype, threads=threads)
+        self.model = Model(store, n_ctx=ctx, kv_dtype=kv_dtype, threads=threads, tune_threads=not chosen)
         self.warnings += self.model.warnings
         self.tokenizer = Tokenizer.from_store(store)
         self.n_ctx = self.model.n_ctx

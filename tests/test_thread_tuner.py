@@ -69,22 +69,21 @@ def test_needs_two_threads():
 
 
 def test_model_tunes_only_the_default_count(monkeypatch):
-    from bitnet_cpu.engine.runtime.model import Model
-    from bitnet_cpu.engine.formats.store import Store
-    from bitnet_cpu.simd import _kernels as K
+    from bitnet_cpu.engine.api import load_model
     from bitnet_cpu.engine.formats.convert import bundled_model
+    from bitnet_cpu.simd import _kernels as K
 
     path = bundled_model()
     if path is None:
         pytest.skip("no bundled model store")
-    K.set_num_threads(2)
+    monkeypatch.setattr("bitnet_cpu.engine.api.default_threads", lambda: 2)
     try:
-        m = Model(Store(path), n_ctx=64)
+        llm = load_model(path, ctx=64, progress=False)                 # no -t: the default, tuned
+        m = llm.model
         assert m.tuner is not None and m.tuner.n == 2
-        assert Model(Store(path), n_ctx=64, threads=2).tuner is None
+        assert load_model(path, ctx=64, threads=2, progress=False).model.tuner is None   # -t 2: as given
         monkeypatch.setenv("BITNET_TUNE_THREADS", "0")
-        assert Model(Store(path), n_ctx=64).tuner is None
-        monkeypatch.delenv("BITNET_TUNE_THREADS")
+        assert load_model(path, ctx=64, progress=False).model.tuner is None
         # decode on the tuned count, prefill on the default; the outputs do not depend on the count
         m.tuner.cur = 1
         m.prefill([1, 2, 3])

@@ -339,16 +339,16 @@ class Model:
     kept in a preallocated array so a decode step allocates nothing."""
 
     def __init__(self, store, *, n_ctx: int | None = None, kv_dtype: str = "f16", chunk: int = DEFAULT_CHUNK,
-                 threads: int | None = None):
+                 threads: int | None = None, tune_threads: bool = False):
         cfg: ModelConfig = store.config
         self.store, self.config = store, cfg
         # the kernels' thread count is this session's own: applied at the start of every pass, so two sessions
         # in one process never run with each other's count (None / 0: the kernels' default)
         self.threads = int(threads or 0)
-        # the default count: decode's own is measured against one thread fewer (engine/runtime/thread_tuner.py;
-        # BITNET_TUNE_THREADS=0 turns that off)
-        default = K.get_num_threads()
-        self.tuner = (ThreadTuner(default) if not self.threads and default >= 2
+        # tune_threads (the caller chose the count, not the user): decode's count is measured against one thread
+        # fewer (engine/runtime/thread_tuner.py); BITNET_TUNE_THREADS=0 turns that off
+        n = self.threads or K.get_num_threads()
+        self.tuner = (ThreadTuner(n) if tune_threads and n >= 2
                       and os.environ.get("BITNET_TUNE_THREADS", "1") != "0" else None)
         if kv_dtype not in ("f16", "f32"):
             raise BitNetError(f"kv_dtype {kv_dtype!r}: expected 'f16' or 'f32'")
@@ -412,10 +412,10 @@ class Model:
         return self._cache_ids[: self.n_past].tolist()
 
     def _use_threads(self):
-        if self.threads:
-            K.set_num_threads(self.threads)
-        elif self.tuner is not None:
+        if self.tuner is not None:
             K.set_num_threads(self.tuner.n)
+        elif self.threads:
+            K.set_num_threads(self.threads)
 
     # ---- the forward pass ---------------------------------------------------------------------------
     def _view(self, m: int) -> _Views:
