@@ -13,31 +13,12 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "half.h"
 #include "kernels.h"
 
-/* f16 -> f32, scalar (exact; subnormals renormalized): shared by the attention and embedding code */
-static inline float ops_half_to_float(uint16_t h) {
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
-    if (exp == 0) {
-        if (man == 0) {
-            bits = sign;
-        } else {
-            int e = -1;
-            do {
-                e++;
-                man <<= 1;
-            } while (!(man & 0x400));
-            bits = sign | ((uint32_t)(112 - e) << 23) | ((man & 0x3ff) << 13);
-        }
-    } else if (exp == 31) {
-        bits = sign | 0x7f800000u | (man << 13);
-    } else {
-        bits = sign | ((exp + 112) << 23) | (man << 13);
-    }
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
+/* f16 -> f32, scalar (exact; subnormals renormalized): shared by the attention and embedding code; the one
+ * conversion of simd/kernels/half.h */
+static inline float ops_half_to_float(uint16_t h) { return bk_half_to_float(h); }
 
 /* Vector width the helpers use, from the kernels' path: avx512 (which implies AVX512 F+BW+VL, what the
  * attention bodies need) -> 512-bit bodies; avxvnni and avx2 -> 256-bit; scalar and neon -> scalar (the
