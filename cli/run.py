@@ -9,6 +9,13 @@ from ..engine.formats.tokenizer import decode_utf8
 HELP = "generate text from a prompt (streams to stdout)"
 
 
+def _tuned(tuner) -> str:
+    """-v: what decode's thread tuner settled on (engine/runtime/thread_tuner.py), when it ran."""
+    if tuner is None:
+        return ""
+    return f", decode on {tuner.cur} (tuned)" if tuner.cur != tuner.n else ", decode tuned"
+
+
 def add_arguments(p):
     add_engine_args(p, n_predict_default=256)
     src = p.add_mutually_exclusive_group()
@@ -153,7 +160,7 @@ def main(args) -> int:
         print(f"bitnet: {FINISH_MESSAGES['context']} (n_ctx {llm.n_ctx}; {llm.model.context_hint()})", file=sys.stderr)
     if args.verbose and stats:
         print(f"model: {llm.name} ({llm.model.lm_head} head, kv {args.kv}, n_ctx {llm.n_ctx}, seed {seed}, "
-              f"threads {llm.threads})\n"
+              f"threads {llm.threads}{_tuned(llm.model.tuner)})\n"
               f"load: {stats.load_s * 1000:.0f} ms | prompt: {stats.n_prompt} tokens ({stats.n_cached} cached), "
               f"{stats.prefill_tps:.1f} tok/s | first token: {stats.ttft_s * 1000:.0f} ms | "
               f"generated: {stats.n_generated} tokens, {stats.decode_tps:.1f} tok/s | stop: {stats.finish_reason}"
