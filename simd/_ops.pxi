@@ -105,6 +105,19 @@ def glu_rmsnorm_quant(float[:, ::1] gu, int act, const float[::1] w, float eps, 
         ops_glu_rmsnorm_quant(&gu[0, 0], m, inter, act, wp, eps, &xq[0, 0], xq.shape[1], &act_scale[0], &act_sum[0])
 
 
+def glu_rmsnorm(float[:, ::1] gu, int act, const float[::1] w, float eps):
+    """glu_rmsnorm_quant without the quantization: the gate half := rmsnorm(act(gate) * up) * w (w None: no norm),
+    for callers that quantize it themselves (per group: K.quantize_act_g128)."""
+    cdef int m = gu.shape[0], inter = gu.shape[1] // 2
+    if gu.shape[1] != 2 * inter or (w is not None and w.shape[0] != inter) or act not in (0, 1):
+        _fail(f"glu_rmsnorm: gu width {gu.shape[1]}, w {None if w is None else w.shape[0]}, act {act} do not fit")
+    cdef const float *wp = NULL
+    if w is not None:
+        wp = &w[0]
+    with nogil:
+        ops_glu_rmsnorm_quant(&gu[0, 0], m, inter, act, wp, eps, NULL, 0, NULL, NULL)
+
+
 def embed_f16(const uint16_t[:, ::1] table, const int32_t[::1] ids, float[:, ::1] out):
     """out[i] = f32(table[ids[i]]) for a row-major f16 table (viewed as uint16)."""
     cdef int m = ids.shape[0]

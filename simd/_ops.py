@@ -19,6 +19,7 @@ from ._kernels import (  # noqa: F401
     attention_paged,
     embed_f16,
     get_num_threads,
+    glu_rmsnorm,
     glu_rmsnorm_quant,
     head_rescore,
     head_rmsnorm,

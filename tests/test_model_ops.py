@@ -318,3 +318,23 @@ def test_head_rmsnorm_equals_add_rmsnorm_on_each_head():
             K.set_isa(None)
     with pytest.raises(Exception, match="do not fit"):
         ops.head_rmsnorm(qkv.copy(), 5 * hd, 3, w, 1e-6)
+
+
+@pytest.mark.parametrize("with_norm", [True, False])
+def test_glu_rmsnorm_is_glu_rmsnorm_quant_without_the_quantization(with_norm):
+    """The group-scaled path's MLP product (ops.glu_rmsnorm): the same gate half, bit for bit, on every path."""
+    rng = np.random.default_rng(12)
+    inter = 96
+    gu = rng.standard_normal((3, 2 * inter)).astype(np.float32)
+    w = (1 + 0.1 * rng.standard_normal(inter)).astype(np.float32) if with_norm else None
+    for isa in K.supported_isas():
+        K.set_isa(isa)
+        try:
+            for act in (ops.ACT_RELU2, ops.ACT_SILU):
+                a, b = gu.copy(), gu.copy()
+                ops.glu_rmsnorm(a, act, w, 1e-5)
+                xq = np.zeros((3, 128), np.int8)
+                ops.glu_rmsnorm_quant(b, act, w, 1e-5, xq, np.zeros(3, np.float32), np.zeros(3, np.int32))
+                assert np.array_equal(a, b) and np.any(xq != 0)
+        finally:
+            K.set_isa(None)

@@ -306,7 +306,7 @@ def run_layers_tg(w: Weights, v: _Views, attend):
     The fused norm ops still write the f32 rows (h_d, h_q, the gate half of gu) that get quantized here."""
     eps, act = w.eps, w.act
     x, delta, h_d, h_q, qkv, att, gu = v.x, v.delta, v.h_d, v.h_q, v.qkv, v.att, v.gu
-    xq_d, xq_q, xq_i, s, sm = v.xq_d, v.xq_q, v.xq_i, v.act_scale, v.act_sum
+    xq_d, xq_q, xq_i = v.xq_d, v.xq_q, v.xq_i
     (gd_d, gs_d), (gd_q, gs_q), (gd_i, gs_i) = v.gd
     qg, mm, inter = K.quantize_act_g128, K.gemv_tg, gu.shape[1] // 2
     residual = None
@@ -326,7 +326,7 @@ def run_layers_tg(w: Weights, v: _Views, attend):
         ops.add_rmsnorm(x, delta, L.ffn_norm, eps, h_d)
         qg(h_d, xq_d, gd_d, gs_d)
         mm(L.gate_up, xq_d, gd_d, gs_d, gu)
-        ops.glu_rmsnorm_quant(gu, act, L.ffn_sub_norm, eps, xq_i, s, sm)   # gate half := the MLP product
+        ops.glu_rmsnorm(gu, act, L.ffn_sub_norm, eps)    # gate half := the MLP product
         qg(gu, xq_i, gd_i, gs_i, inter)
         mm(L.down, xq_i, gd_i, gs_i, delta)
         residual = delta

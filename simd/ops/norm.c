@@ -252,7 +252,6 @@ static void glu_rmsnorm_quant_rows(void *ctx, int b, int e) {
     for (int r = b; r < e; r++) {
         float *g = j->gu + (int64_t)r * 2 * inter;
         const float *u = g + inter;
-        int8_t *qr = j->xq + (int64_t)r * j->k_pad;
         if (j->act == OPS_ACT_RELU2) {
 #if defined(__x86_64__)
             if (ops_isa() >= OPS_ISA_AVX2) relu2_mul_avx2(g, u, inter);
@@ -273,7 +272,12 @@ static void glu_rmsnorm_quant_rows(void *ctx, int b, int e) {
             }
         }
         /* normalize in place over the gate half (w NULL: no sub-norm, Llama-architecture models), then
-         * quantize it */
+         * quantize it (xq NULL: the caller quantizes, per group: ops.glu_rmsnorm) */
+        if (!j->xq) {
+            if (j->w) scale_mul(g, inv_rms(g, inter, j->eps), j->w, inter, g);
+            continue;
+        }
+        int8_t *qr = j->xq + (int64_t)r * j->k_pad;
         float amax = 0.0f;
         if (j->w) amax = scale_mul(g, inv_rms(g, inter, j->eps), j->w, inter, g);
         else

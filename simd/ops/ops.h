@@ -45,7 +45,8 @@ void ops_add_rmsnorm(float *x, const float *delta, const float *w, int m, int d,
 /* in place: each of `heads` runs of hd floats from column col0 of every row (row stride ld) := rmsnorm(run) * w */
 void ops_head_rmsnorm(float *x, int m, int ld, int col0, int heads, int hd, const float *w, float eps);
 /* gu[m, 2*inter] = [gate | up]: f = act(gate) * up, then rmsnorm(f) * w written over the gate half, then
- * quantized into xq[m, k_pad]. w NULL: no norm (models without an FFN sub-norm), f itself is quantized. */
+ * quantized into xq[m, k_pad]. w NULL: no norm (models without an FFN sub-norm), f itself is quantized.
+ * xq NULL: no quantization (act_scale / act_sum unused; the group-scaled path quantizes per group itself). */
 void ops_glu_rmsnorm_quant(float *gu, int m, int inter, int act, const float *w, float eps, int8_t *xq,
                            int k_pad, float *act_scale, int32_t *act_sum);
 /* out[i, :] = (float)table[ids[i], :] (f16 table [vocab, d]); returns the index of the first bad id or -1 */
