@@ -170,12 +170,23 @@ def test_not_group_ternary_is_refused(tmp_path):
     w = tensors["model.layers.1.mlp.up_proj.weight"].copy()
     w[3, 130] = w[3, 130] * np.float16(0.5) if w[3, 130] != 0 else np.float16(0.01)   # a second magnitude
     tensors["model.layers.1.mlp.up_proj.weight"] = w
-    os.remove(os.path.join(d, "model.safetensors"))
-    write_safetensors(os.path.join(d, "model.safetensors"),
-                      [(n, "F16", list(a.shape), lambda a=a: a) for n, a in tensors.items()])
+
+    def rewrite():
+        os.remove(os.path.join(d, "model.safetensors"))
+        write_safetensors(os.path.join(d, "model.safetensors"),
+                          [(n, "F16", list(a.shape), lambda a=a: a) for n, a in tensors.items()])
+
+    rewrite()
     with pytest.raises(FormatError, match=r"up_proj.weight' is not ternary with one scale per 128 weights \(row 3, group 1"):
         convert(d, str(tmp_path / "bad.bnstore"), progress=False)
     assert json.load(open(os.path.join(d, "config.json")))["model_type"] == "qwen3"
+    # an ordinary Qwen3 (float weights): refused when the source opens, before anything is written
+    q0 = "model.layers.0.self_attn.q_proj.weight"
+    tensors[q0] = np.random.default_rng(1).standard_normal(tensors[q0].shape).astype(np.float16)
+    rewrite()
+    with pytest.raises(FormatError, match=r"q_proj.weight' is not ternary with one scale per 128 weights"):
+        convert(d, str(tmp_path / "plain.bnstore"), progress=False)
+    assert not os.path.exists(tmp_path / "plain.bnstore")
 
 
 def test_inspect_reports_group_ternary_gguf(bonsai, tmp_path):

@@ -90,6 +90,12 @@ def ternary_groups_from_float(path: str, name: str, w: np.ndarray) -> tuple[np.n
     return np.sign(w).astype(np.int8), mag.astype(np.float16)
 
 
+def _group_seen(sc: np.ndarray) -> list[float]:
+    """The range of a matrix's live group scales (the store's ternary_stats, `bitnet inspect`)."""
+    live = sc[sc > 0].astype(np.float32)
+    return [float(live.min()), float(live.max())] if live.size else []
+
+
 def _pair_q2_0_scales(path: str, name: str, w: np.ndarray, d: np.ndarray) -> np.ndarray:
     """The f16 scale per 128 weights of a Q2_0 tensor: PrismML's blocks hold 128 weights already; ggml's hold 64,
     and a Ternary Bonsai model written with them repeats each 128-group's scale in both halves (a half whose
@@ -301,8 +307,7 @@ class GGUFSource:
                 sc = _pair_q2_0_scales(self.path, name, w, d.reshape(out, -1))
             else:
                 w, sc = ternary_groups_from_float(self.path, name, self.g.dequantize(name).reshape(out, inp))
-            live = sc[sc > 0].astype(np.float32)
-            return w, sc, ([float(live.min()), float(live.max())] if live.size else [])
+            return w, sc, _group_seen(sc)
         if t.type_name in ("I2_S", "TQ1_0", "TQ2_0"):
             w, d = self.g.ternary(name)
             if t.type_name == "I2_S":
@@ -463,6 +468,10 @@ class HFSource:
         # before anything is allocated from the config's sizes: the embedding must have exactly that shape
         _shape_check(path, "model.embed_tokens.weight", self.st.info("model.embed_tokens.weight")[1],
                      (self.config.vocab_size, self.config.hidden_size))
+        if qwen3:   # an ordinary (not ternary) Qwen3 is refused before anything is written
+            q0 = "model.layers.0.self_attn.q_proj.weight"
+            if self.st.info(q0)[0] in ("BF16", "F16", "F32"):
+                ternary_groups_from_float(path, q0, self.st.get_f32(q0))
         kind = "packed" if self.st.info("model.layers.0.self_attn.q_proj.weight")[0] == "U8" else "online"
         self.source_format = f"hf-{kind}-{self.linear_class}"
 
@@ -625,8 +634,7 @@ class HFSource:
                                        " directory holds float weights (the `-unpacked` files)")
             _shape_check(self.path, name, shape, (out, inp))
             w, sc = ternary_groups_from_float(self.path, name, self.st.get_f32(name))
-            live = sc[sc > 0].astype(np.float32)
-            return w, sc, ([float(live.min()), float(live.max())] if live.size else [])
+            return w, sc, _group_seen(sc)
         if tag == "U8":
             if out % 4:
                 raise FormatError(f"{self.path}: {name!r}: output dim {out} is not a multiple of 4")
