@@ -488,6 +488,30 @@ def bonsai_dense(m, prefix: str) -> np.ndarray:
     return t.astype(np.float16) * np.repeat(sc, BONSAI_GROUP, axis=1)
 
 
+def bonsai_ternarize(e: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Float rows -> (ternary, f16 scale per 128) as Ternary Bonsai's embedding and head are: per group, the weights
+    above half the mean magnitude keep their sign, the scale is the mean magnitude of those (f16)."""
+    e = np.asarray(e, np.float32)
+    g = e.reshape(e.shape[0], -1, BONSAI_GROUP)
+    a = np.abs(g)
+    t = np.where(a > 0.5 * a.mean(axis=2, keepdims=True), np.sign(g), 0).astype(np.int8)
+    sc = ((a * np.abs(t)).sum(axis=2) / np.maximum(np.abs(t).sum(axis=2), 1)).astype(np.float16)
+    return t.reshape(e.shape), sc
+
+
+def bonsai_rows(t: np.ndarray, sc: np.ndarray) -> np.ndarray:
+    """f16 rows of ternary x group scale (exact)."""
+    return t.astype(np.float16) * np.repeat(sc, BONSAI_GROUP, axis=1)
+
+
+def bonsai_embed(m) -> tuple[np.ndarray, np.ndarray]:
+    return bonsai_ternarize(m.embed())
+
+
+def bonsai_lm_head(m) -> tuple[np.ndarray, np.ndarray]:
+    return bonsai_ternarize(m.lm_head())
+
+
 def bonsai_qk_norm(m, name: str) -> np.ndarray:
     """q_norm / k_norm weights [head_dim], exact in f16 (the files store them so)."""
     w = 1.0 + 0.1 * m._rng(name).standard_normal(m.head_dim, dtype=np.float32)
@@ -496,10 +520,11 @@ def bonsai_qk_norm(m, name: str) -> np.ndarray:
 
 def write_bonsai_dir(m, out_dir: str) -> str:
     """A Ternary Bonsai `-unpacked` style HF directory (Qwen3ForCausalLM, f16 weights that are ternary x one scale
-    per 128 weights, q_norm / k_norm, tie_word_embeddings from m.config) for a SynthModel of the llama style."""
+    per 128 weights, the embedding and an untied head included; q_norm / k_norm, tie_word_embeddings from
+    m.config) for a SynthModel of the llama style."""
     os.makedirs(out_dir, exist_ok=True)
     tie = bool(m.config.get("tie_word_embeddings", True))
-    specs: list = [("model.embed_tokens.weight", "F16", [m.V, m.D], lambda: embed_chunked(m, lambda e: e.astype(np.float16)))]
+    specs: list = [("model.embed_tokens.weight", "F16", [m.V, m.D], lambda: bonsai_rows(*bonsai_embed(m)))]
     for i in range(m.L):
         p = f"model.layers.{i}"
         for hf in m.norm_names(i).values():
@@ -512,7 +537,7 @@ def write_bonsai_dir(m, out_dir: str) -> str:
                 specs.append((prefix + ".weight", "F16", [o, n], lambda prefix=prefix: bonsai_dense(m, prefix)))
     specs.append(("model.norm.weight", "F16", [m.D], lambda: m.norm("model.norm.weight").astype(np.float16)))
     if not tie:
-        specs.append(("lm_head.weight", "F16", [m.V, m.D], lambda: m.lm_head().astype(np.float16)))
+        specs.append(("lm_head.weight", "F16", [m.V, m.D], lambda: bonsai_rows(*bonsai_lm_head(m))))
     write_safetensors(os.path.join(out_dir, "model.safetensors"), specs)
     tok = m.tokenizer_info()
     c = m.config
@@ -576,8 +601,16 @@ def write_bonsai_gguf(m, path: str, *, linear_type: str = "Q2_0_G128") -> str:
             w.add_tensor_info(name, [o, n], 1, o * n * 2)
             makers.append(lambda: bonsai_dense(m, prefix))
 
-    w.add_tensor_info("token_embd.weight", [m.V, m.D], 1, m.V * m.D * 2)
-    makers.append(lambda: embed_chunked(m, lambda e: e.astype(np.float16)))
+    def rows(name, make):   # the embedding / head: Q2_0 like the linears (Ternary Bonsai's files), or F16
+        if linear_type != "F16":
+            block = 128 if linear_type == "Q2_0_G128" else 64
+            w.add_tensor_info(name, [m.V, m.D], 42, m.V * m.D // block * (2 + block // 4))
+            makers.append(lambda: q2_0_pack(*make(), block=block))
+        else:
+            w.add_tensor_info(name, [m.V, m.D], 1, m.V * m.D * 2)
+            makers.append(lambda: bonsai_rows(*make()))
+
+    rows("token_embd.weight", lambda: bonsai_embed(m))
     for i in range(m.L):
         p, nn = f"model.layers.{i}", m.norm_names(i)
         f32(f"blk.{i}.attn_norm.weight", lambda h=nn["attn_norm"]: m.norm(h).astype(np.float16), m.D)
@@ -592,7 +625,6 @@ def write_bonsai_gguf(m, path: str, *, linear_type: str = "Q2_0_G128") -> str:
             linear(f"blk.{i}.{short}.weight", f"{p}.{hf}", *m._shape(f"{p}.{hf}"))
     f32("output_norm.weight", lambda: m.norm("model.norm.weight").astype(np.float16), m.D)
     if not m.config.get("tie_word_embeddings", True):
-        w.add_tensor_info("output.weight", [m.V, m.D], 1, m.V * m.D * 2)
-        makers.append(lambda: m.lm_head().astype(np.float16))
+        rows("output.weight", lambda: bonsai_lm_head(m))
     w.write(makers)
     return path
