@@ -60,7 +60,9 @@ def ensure_models(cache: str, shape: str) -> tuple[str, str]:
         cfg = dict(SHAPES[shape], rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True)
         # ggml's own Q2_0 blocks (64 weights; each 128-group's scale in both halves): what llama.cpp reads.
         # PrismML's 128-weight blocks (Ternary Bonsai's published files) convert to the same store.
-        write_bonsai_gguf(SynthModel(cfg, seed=0, style="llama"), gguf + ".tmp", linear_type="Q2_0")
+        # The embedding stays F16 (the same ternary values): llama.cpp then runs its tied head in F16, its
+        # fastest form, rather than through its scalar Q2_0 dot.
+        write_bonsai_gguf(SynthModel(cfg, seed=0, style="llama"), gguf + ".tmp", linear_type="Q2_0", embed_f16=True)
         os.replace(gguf + ".tmp", gguf)
         print(f"wrote {gguf} ({os.path.getsize(gguf) / 2**30:.2f} GiB) in {time.perf_counter() - t0:.0f} s",
               file=sys.stderr)

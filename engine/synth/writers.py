@@ -569,10 +569,11 @@ def q2_0_pack(t: np.ndarray, sc: np.ndarray, block: int = 128) -> np.ndarray:
     return np.ascontiguousarray(np.concatenate([np.ascontiguousarray(d).view(np.uint8), qs], axis=1)).reshape(-1)
 
 
-def write_bonsai_gguf(m, path: str, *, linear_type: str = "Q2_0_G128") -> str:
+def write_bonsai_gguf(m, path: str, *, linear_type: str = "Q2_0_G128", embed_f16: bool = False) -> str:
     """The `qwen3` GGUF of the same model: linear_type "Q2_0_G128" as Ternary-Bonsai-*-Q2_0.gguf holds it
     (PrismML's 128-weight blocks, type 42), "Q2_0" in ggml's own 64-weight blocks (same type id: what mainline
-    llama.cpp reads), "F16" the -F16.gguf form. llama.cpp keeps Qwen's q/k rows in HF order (NEOX RoPE)."""
+    llama.cpp reads), "F16" the -F16.gguf form. The embedding (and an untied head) in the same type, or F16 with
+    embed_f16 (the same values). llama.cpp keeps Qwen's q/k rows in HF order (NEOX RoPE)."""
     if linear_type not in ("Q2_0_G128", "Q2_0", "F16"):
         raise ValueError(f"linear_type {linear_type!r}: expected Q2_0_G128, Q2_0 or F16")
     arch = "qwen3"
@@ -602,7 +603,7 @@ def write_bonsai_gguf(m, path: str, *, linear_type: str = "Q2_0_G128") -> str:
             makers.append(lambda: bonsai_dense(m, prefix))
 
     def rows(name, make):   # the embedding / head: Q2_0 like the linears (Ternary Bonsai's files), or F16
-        if linear_type != "F16":
+        if linear_type != "F16" and not embed_f16:
             block = 128 if linear_type == "Q2_0_G128" else 64
             w.add_tensor_info(name, [m.V, m.D], 42, m.V * m.D // block * (2 + block // 4))
             makers.append(lambda: q2_0_pack(*make(), block=block))
