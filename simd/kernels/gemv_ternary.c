@@ -102,8 +102,7 @@ AVX512_TARGET static void gemv_ternary_avx512(const uint8_t *w, const float *row
 }
 
 /* ---------------- AVX2 (pmaddubsw, int16 partial sums) ---------------- */
-/* TERNARY_HALF_AVX2 (x86_common.h): one 32-byte half block into an int16 accumulator. */
-#define AVX2_FLUSH_BLOCKS 16
+/* TERNARY_HALF_AVX2 (x86_common.h): one 32-byte half block into a pair of int16 accumulators. */
 
 /* Software prefetch distance of the AVX2 body: the hardware prefetchers alone left one Zen core's GEMV at
  * ~60% of its streaming rate (compute and DRAM latency did not overlap); a prefetch 2 KB ahead of every
@@ -117,23 +116,23 @@ AVX2_TARGET static void gemv_ternary_avx2(const uint8_t *w, const float *row_sca
                                           int tile_begin, int tile_end) {
     const int kb = k_pad / 16;
     const size_t tile_bytes = (size_t)kb * 64;
-    const __m256i m3 = _mm256_set1_epi8(3), ones = _mm256_set1_epi16(1);
+    const __m256i m3 = _mm256_set1_epi8(3), m12 = _mm256_set1_epi8(12), ones = _mm256_set1_epi16(1);
     for (int t = tile_begin; t < tile_end; t++) {
         const uint8_t *p = w + (size_t)t * tile_bytes;
         __m256i lo0 = _mm256_setzero_si256(), hi0 = lo0;
         for (int b0 = 0; b0 < kb; b0 += AVX2_FLUSH_BLOCKS) {
             int b1 = b0 + AVX2_FLUSH_BLOCKS < kb ? b0 + AVX2_FLUSH_BLOCKS : kb;
-            __m256i l0 = _mm256_setzero_si256(), h0 = l0;
+            __m256i l0 = _mm256_setzero_si256(), h0 = l0, l1 = l0, h1 = l0;
             for (int b = b0; b < b1; b++) {
                 const int8_t *xb = xq + 16 * b;
                 __m256i x0 = _mm256_set1_epi32(load_i32(xb)), x1 = _mm256_set1_epi32(load_i32(xb + 4));
                 __m256i x2 = _mm256_set1_epi32(load_i32(xb + 8)), x3 = _mm256_set1_epi32(load_i32(xb + 12));
                 _mm_prefetch((const char *)p + (size_t)b * 64 + AVX2_PREFETCH_BYTES, _MM_HINT_T0); /* a hint: never faults */
-                TERNARY_HALF_AVX2(l0, p + (size_t)b * 64);
-                TERNARY_HALF_AVX2(h0, p + (size_t)b * 64 + 32);
+                TERNARY_HALF_AVX2(l0, l1, p + (size_t)b * 64);
+                TERNARY_HALF_AVX2(h0, h1, p + (size_t)b * 64 + 32);
             }
-            lo0 = _mm256_add_epi32(lo0, _mm256_madd_epi16(l0, ones));
-            hi0 = _mm256_add_epi32(hi0, _mm256_madd_epi16(h0, ones));
+            lo0 = _mm256_add_epi32(lo0, TERNARY_WIDEN_AVX2(l0, l1, ones));
+            hi0 = _mm256_add_epi32(hi0, TERNARY_WIDEN_AVX2(h0, h1, ones));
         }
         finish_half_avx2(lo0, act_sum, t * 16, n, row_scale, act_scale, out, out_i32);
         finish_half_avx2(hi0, act_sum, t * 16 + 8, n, row_scale, act_scale, out, out_i32);

@@ -60,7 +60,7 @@ AVX2_TARGET static void tg_avx2(const uint8_t *w, const int8_t *xq, const float 
                                 int k_pad, float *out, int n, int tile_begin, int tile_end) {
     const int groups = k_pad / BK_TG_GROUP;
     const size_t tile_bytes = (size_t)groups * BK_TG_GROUP_BYTES;
-    const __m256i m3 = _mm256_set1_epi8(3), ones = _mm256_set1_epi16(1);
+    const __m256i m3 = _mm256_set1_epi8(3), m12 = _mm256_set1_epi8(12), ones = _mm256_set1_epi16(1);
     for (int t = tile_begin; t < tile_end; t++) {
         const uint8_t *p = w + (size_t)t * tile_bytes;
         for (int i = 0; i < m; i++) {
@@ -70,21 +70,21 @@ AVX2_TARGET static void tg_avx2(const uint8_t *w, const int8_t *xq, const float 
             __m256 alo = _mm256_setzero_ps(), ahi = alo;
             for (int g = 0; g < groups; g++) {
                 const uint8_t *q = p + (size_t)g * BK_TG_GROUP_BYTES;
-                __m256i l0 = _mm256_setzero_si256(), h0 = l0;
-                for (int b = 0; b < 8; b++) {
+                __m256i l0 = _mm256_setzero_si256(), h0 = l0, l1 = l0, h1 = l0;
+                for (int b = 0; b < 8; b++) { /* one group = AVX2_FLUSH_BLOCKS blocks */
                     const int8_t *xb = x + BK_TG_GROUP * g + 16 * b;
                     __m256i x0 = _mm256_set1_epi32(load_i32(xb)), x1 = _mm256_set1_epi32(load_i32(xb + 4));
                     __m256i x2 = _mm256_set1_epi32(load_i32(xb + 8)), x3 = _mm256_set1_epi32(load_i32(xb + 12));
                     _mm_prefetch((const char *)q + 32 + b * 64 + TG_PREFETCH_BYTES, _MM_HINT_T0); /* a hint: never faults */
-                    TERNARY_HALF_AVX2(l0, q + 32 + b * 64);
-                    TERNARY_HALF_AVX2(h0, q + 32 + b * 64 + 32);
+                    TERNARY_HALF_AVX2(l0, l1, q + 32 + b * 64);
+                    TERNARY_HALF_AVX2(h0, h1, q + 32 + b * 64 + 32);
                 }
                 __m256i s = _mm256_set1_epi32(xs[g]);
                 __m256 dg = _mm256_set1_ps(d[g]);
                 __m256 slo = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)q)), dg);
                 __m256 shi = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(q + 16))), dg);
-                __m256 dlo = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_madd_epi16(l0, ones), s));
-                __m256 dhi = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_madd_epi16(h0, ones), s));
+                __m256 dlo = _mm256_cvtepi32_ps(_mm256_sub_epi32(TERNARY_WIDEN_AVX2(l0, l1, ones), s));
+                __m256 dhi = _mm256_cvtepi32_ps(_mm256_sub_epi32(TERNARY_WIDEN_AVX2(h0, h1, ones), s));
                 alo = _mm256_add_ps(alo, _mm256_mul_ps(dlo, slo)); /* -ffp-contract=off: never fused */
                 ahi = _mm256_add_ps(ahi, _mm256_mul_ps(dhi, shi));
             }
