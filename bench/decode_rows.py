@@ -10,6 +10,10 @@ bandwidth measured in the same run (bench/limits.py, before and after), and the 
 Engines alternate, each run in its own process; the best of `repeats` is kept (slower runs are interference
 from other processes on the shared machine: only the ratios of one run mean something).
 
+Weights: ours read into huge-page memory (the default for a model this size where the kernel has transparent
+huge pages) and, as a second row per head, mapped from the file (--mmap); llama.cpp (llama-bench) both with its
+default mmap and with `-lm none` (read into its own buffers): the best of the two is its ratio's denominator.
+
 Prompt lookup: tok/s with --draft-max 0 vs 4 on a repetitive, code-like prompt and on a random
 one (where drafts are rarely made), with the draft acceptance rate.
 """
@@ -72,7 +76,7 @@ def worker(a) -> dict:
     from bitnet_cpu.engine.api import LookupParams, SamplingParams, load_model
     from bitnet_cpu.engine.runtime.speculative import OFF
 
-    llm = load_model(a.model, ctx=1024, threads=a.threads or None, progress=False)
+    llm = load_model(a.model, ctx=1024, threads=a.threads or None, progress=False, mmap=True if a.mmap else None)
     if a.prompt == "code":
         ids = llm.tokenize(CODE + "def get_", add_bos=True)
     lookup = OFF if a.draft_max == 0 else (LookupParams(draft_max=a.draft_max) if a.draft_max > 0 else None)
@@ -80,7 +84,7 @@ def worker(a) -> dict:
     for ch in llm.generate(ids, SamplingParams(temperature=0.0), max_tokens=a.tokens + 1, lookup=lookup):
         stats = ch.stats or stats
     return {"decode_tps": stats.decode_tps, "drafted": stats.n_drafted, "accepted": stats.n_accepted,
-            "lm_head": llm.model.lm_head}
+            "lm_head": llm.model.lm_head, "load": llm.store.load_mode}
 
 
 def run_worker(args: list[str], threads: int) -> dict:
@@ -127,22 +131,27 @@ def measure(a) -> dict:
             have_llama = os.path.exists(paths["tq2_0"])
         except ImportError:
             have_llama = False
-    engines = [f"ours_{h}" for h in stores] + (["llama"] if have_llama else [])
+    engines = ([f"ours_{h}" for h in stores] + ([f"ours_{h}_mmap" for h in stores] if a.mmap_rows else [])
+               + (["llama"] + (["llama_nommap"] if a.llama_bench else []) if have_llama else []))
     bws = [bandwidth(a.threads, a.bw_mib)]
     best: dict[str, float] = {}
+    loads: dict[str, str | None] = {}
     for rep in range(a.repeats):
         for eng in (engines if rep % 2 == 0 else engines[::-1]):
             args = (["--engine", "llama", "--model", paths["tq2_0"]] if eng == "llama" else
-                    ["--engine", "ours", "--model", stores[eng[5:]], "--draft-max", "0"])
-            if eng == "llama" and a.llama_bench:   # llama.cpp timed by its own llama-bench (tg only)
+                    ["--engine", "ours", "--model", stores.get(eng[5:].removesuffix("_mmap"), ""), "--draft-max", "0"]
+                    + (["--mmap"] if eng.endswith("_mmap") else []))
+            if eng.startswith("llama") and a.llama_bench:   # llama.cpp timed by its own llama-bench (tg only)
                 from llama_bench import llama_bench
 
-                r = llama_bench(a.llama_bench, paths["tq2_0"], a.threads, a.tokens, prompt=0)
+                r = llama_bench(a.llama_bench, paths["tq2_0"], a.threads, a.tokens, prompt=0,
+                                extra=("-lm", "none") if eng == "llama_nommap" else ())
             else:
                 r = run_worker(args + ["--tokens", str(a.tokens)], a.threads)
             log(f"decode {eng} repeat {rep + 1}: {r}")
             if "decode_tps" in r:
                 best[eng] = max(best.get(eng, 0.0), r["decode_tps"])
+                loads[eng] = r.get("load")
     spec = {}
     head = "q4" if "q4" in stores else next(iter(stores), None)   # the default head
     if head:
@@ -155,11 +164,16 @@ def measure(a) -> dict:
     bws.append(bandwidth(a.threads, a.bw_mib))
     bw = max(b for b in bws if b) if any(bws) else None
     rows = []
-    llama_tps = best.get("llama")
+    llama_tps = max(best.get("llama", 0.0), best.get("llama_nommap", 0.0)) or None   # llama.cpp at its best
+    names = {"llama": "llama.cpp TQ2_0 (mmap)", "llama_nommap": "llama.cpp TQ2_0 (-lm none)"}
     for eng in engines:
-        nbytes = gguf_bytes_per_token(paths["tq2_0"]) if eng == "llama" else store_bytes_per_token(stores[eng[5:]])
+        h = eng[5:].removesuffix("_mmap")
+        nbytes = (gguf_bytes_per_token(paths["tq2_0"]) if eng.startswith("llama")
+                  else store_bytes_per_token(stores[h]))
         tps = best.get(eng)
-        rows.append({"engine": "llama.cpp TQ2_0" if eng == "llama" else f"ours tile16 + {eng[5:]} head",
+        how = {"memory": "weights in memory", "mmap": "weights mapped"}.get(loads.get(eng) or "", "")
+        rows.append({"engine": names.get(eng) or f"ours tile16 + {h} head" + (f", {how}" if how else "")
+                     + (" (--mmap)" if eng.endswith("_mmap") else ""),
                      "bytes_per_token": nbytes, "decode_tps": tps,
                      "bw_share": (tps * nbytes / bw) if tps and bw else None,
                      "vs_llama": (tps / llama_tps) if tps and llama_tps else None})
@@ -176,7 +190,7 @@ def markdown(res: dict) -> str:
            "The machine was shared with other jobs: compare the ratios, not the absolute numbers."
            + (f" llama.cpp timed by {res.get('llama_how', 'llama-cpp-python')}." if res["llama"] else
               " llama-cpp-python is not installed: no llama.cpp column."), "",
-           "| engine | bytes/token | decode tok/s | share of read bandwidth | vs llama.cpp TQ2_0 |",
+           "| engine | bytes/token | decode tok/s | share of read bandwidth | vs llama.cpp TQ2_0 (its best) |",
            "|---|---|---|---|---|"]
     for r in res["rows"]:
         out.append(f"| {r['engine']} | {r['bytes_per_token'] / 1e6:.2f} MB | {f(r['decode_tps'], '.1f')} | "
@@ -202,6 +216,9 @@ def parse_args(argv=None):
     ap.add_argument("--model", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--draft-max", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--prompt", default="random", help=argparse.SUPPRESS)
+    ap.add_argument("--mmap", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--no-mmap-rows", dest="mmap_rows", action="store_false",
+                    help="skip our rows with the weights mapped from the file (--mmap)")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2, help="0: the default count (decode thread count tuned)")

@@ -125,7 +125,8 @@ def _run(args, settings: Settings, out: Output, interactive: bool, first_message
 
         llm = load_model(args.model, ctx=args.ctx, threads=args.threads, progress=True,   # -cnv: run's --kv/--lm-head
                          kv_dtype=getattr(args, "kv", "f16"), lm_head=getattr(args, "lm_head", None),
-                         lookup=lookup_from_flags(args.draft_max, args.lookup_ngram_min))
+                         lookup=lookup_from_flags(args.draft_max, args.lookup_ngram_min),
+                         mmap=getattr(args, "mmap", None))
     except BitNetError as e:
         if e.exit_code == EXIT_BUG:
             from . import report_bug

@@ -108,7 +108,7 @@ def main(args) -> int:
 
     lookup = lookup_from_flags(args.draft_max, args.lookup_ngram_min)
     llm = load_model(args.model, ctx=args.ctx, threads=args.threads, kv_dtype=args.kv,
-                     progress=sys.stderr.isatty(), lm_head=args.lm_head, lookup=lookup)
+                     progress=sys.stderr.isatty(), lm_head=args.lm_head, lookup=lookup, mmap=args.mmap)
     for w in llm.warnings:
         print(f"bitnet: warning: {w}", file=sys.stderr)
     if args.chat or args.system is not None:  # a system prompt only means something in the chat template
@@ -160,7 +160,7 @@ def main(args) -> int:
         print(f"bitnet: {FINISH_MESSAGES['context']} (n_ctx {llm.n_ctx}; {llm.model.context_hint()})", file=sys.stderr)
     if args.verbose and stats:
         print(f"model: {llm.name} ({llm.model.lm_head} head, kv {args.kv}, n_ctx {llm.n_ctx}, seed {seed}, "
-              f"threads {llm.threads}{_tuned(llm.model.tuner)})\n"
+              f"threads {llm.threads}{_tuned(llm.model.tuner)}, weights {llm.store.load_summary()})\n"
               f"load: {stats.load_s * 1000:.0f} ms | prompt: {stats.n_prompt} tokens ({stats.n_cached} cached), "
               f"{stats.prefill_tps:.1f} tok/s | first token: {stats.ttft_s * 1000:.0f} ms | "
               f"generated: {stats.n_generated} tokens, {stats.decode_tps:.1f} tok/s | stop: {stats.finish_reason}"

@@ -72,7 +72,8 @@ def main(args) -> int:
 
     def load():
         return load_engine(args.model, ctx=args.ctx, threads=args.threads, parallel=args.parallel,
-                           max_queue=args.max_queue, kv_dtype=args.kv, progress=True, lookup=lookup)
+                           max_queue=args.max_queue, kv_dtype=args.kv, progress=True, lookup=lookup,
+                           mmap=args.mmap)
 
     app = create_app(load, api_key=args.api_key, sampling=sampling)
 

@@ -168,9 +168,10 @@ def test_decode_rows_small(small_models, capsys):
     out = capsys.readouterr().out
     assert rc == 0
     rows = {ln.split("|")[1].strip(): ln for ln in out.splitlines() if ln.startswith("| ours")}
-    assert set(rows) == {"ours tile16 + i8 head", "ours tile16 + q4 head"}
+    # small stores are mapped by default ("auto"); --mmap rows say so too
+    assert set(rows) == {f"ours tile16 + {h} head, weights mapped{m}" for h in ("i8", "q4") for m in ("", " (--mmap)")}
     mb = {k: float(v.split("|")[2].split()[0]) for k, v in rows.items()}
-    assert mb["ours tile16 + q4 head"] < mb["ours tile16 + i8 head"]   # the q4 head reads fewer bytes
+    assert mb["ours tile16 + q4 head, weights mapped"] < mb["ours tile16 + i8 head, weights mapped"]  # q4 reads fewer
     assert "repetitive code | off" in out and "random ids | --draft-max 4" in out
 
 

@@ -44,7 +44,7 @@ def test_run_store_truncated_during_generation(models, tmp_path):
     victim = str(tmp_path / "victim.bnstore")
     shutil.copy(store, victim)
     p = subprocess.Popen([sys.executable, "-m", "bitnet_cpu", "run", "-m", victim, "-p", "Once", "-n", "100000",
-                          "-c", "60000", "--temp", "0.9", "--seed", "1", "-t", "1"], cwd=ROOT, env=ENV,
+                          "-c", "60000", "--temp", "0.9", "--seed", "1", "-t", "1", "--mmap"], cwd=ROOT, env=ENV,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         assert p.stdout.read(1)            # generation is under way
@@ -55,6 +55,27 @@ def test_run_store_truncated_during_generation(models, tmp_path):
     assert p.returncode == 2, (p.returncode, err)
     _one_line_error(err.decode(), victim)
     assert os.listdir(tmp_path) == ["victim.bnstore"]   # nothing temporary left next to it
+
+
+def test_run_store_read_into_memory_survives_truncation(models, tmp_path):
+    # --no-mmap: the weights were read when the model loaded; the file changing afterwards cannot hurt the run
+    d, store = models
+    victim = str(tmp_path / "victim.bnstore")
+    shutil.copy(store, victim)
+    cmd = [sys.executable, "-m", "bitnet_cpu", "run", "-m", victim, "-p", "Once", "-n", "1500", "-c", "2048",
+           "--ignore-eos", "--temp", "0.9", "--seed", "1", "-t", "1", "--no-mmap", "-v"]
+    whole = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, timeout=120)
+    assert whole.returncode == 0, whole.stderr.decode()
+    p = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        first = os.read(p.stdout.fileno(), 1)   # generation is under way (unbuffered: communicate reads the fd)
+        os.truncate(victim, 4096)
+        out, err = p.communicate(timeout=120)
+    finally:
+        p.kill()
+    assert p.returncode == 0, err.decode()
+    assert "weights in memory" in err.decode() and "generated: 1500 tokens" in err.decode()
+    assert first + out == whole.stdout     # the same text as the run the file stayed whole for
 
 
 def test_convert_source_truncated_mid_conversion(models, tmp_path):

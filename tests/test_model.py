@@ -41,6 +41,27 @@ def test_chunk_size_does_not_matter(synth):
     np.testing.assert_array_equal(a, b)
 
 
+def test_weights_in_memory_give_the_same_logits(synth, monkeypatch):
+    """Weights read into (huge-page) memory run the same kernels on the same bytes as the mapped file; "auto"
+    reads a store over the size threshold when the kernel offers huge pages, and maps it when it does not."""
+    import bitnet_cpu.engine.formats.store as store_mod
+
+    m, _, stores = synth
+    ids = np.random.default_rng(4).integers(0, m.V, 20).tolist()
+    mapped = Store(stores["i8"], load="mmap")
+    read = Store(stores["i8"], load="memory")
+    assert (mapped.load_mode, read.load_mode) == ("mmap", "memory")
+    np.testing.assert_array_equal(Model(mapped, n_ctx=32).forward(ids), Model(read, n_ctx=32).forward(ids))
+    monkeypatch.setattr(store_mod, "AUTO_MIN_BYTES", 0)
+    monkeypatch.setattr(store_mod, "thp_mode", lambda: "madvise")
+    assert Store(stores["i8"]).load_mode == "memory"
+    monkeypatch.setattr(store_mod, "thp_mode", lambda: "never")
+    assert Store(stores["i8"]).load_mode == "mmap"
+    monkeypatch.setattr(store_mod, "thp_mode", lambda: "always")
+    monkeypatch.setattr(store_mod, "available_memory", lambda: read.data_bytes)   # no room left beside it
+    assert Store(stores["i8"]).load_mode == "mmap"
+
+
 def test_resume_after_truncate(synth):
     """Rewinding the cache and continuing gives the same logits as a fresh run (prefix reuse)."""
     m, _, stores = synth

@@ -55,3 +55,56 @@ def test_missing_file(tmp_path):
     with pytest.raises(FormatError, match="cannot open"):
         Store(tmp_path / "nope")
     assert not os.path.exists(tmp_path / "nope")
+
+
+# ---------------------------------------------------------------- weights read into (huge-page) memory
+@pytest.mark.parametrize("load", ["memory", "mmap", "auto"])
+def test_load_modes_give_the_same_tensors(tmp_path, load):
+    p, a, b = _write(tmp_path)
+    s = Store(p, load=load)
+    # a tiny store: "auto" maps it (huge pages only pay for large weights)
+    assert s.load_mode == ("memory" if load == "memory" else "mmap")
+    assert np.array_equal(s.tensor("a"), a) and np.array_equal(s.tensor("b"), b)
+    assert not s.tensor("a").flags.writeable                    # read-only in both modes
+    assert s.tensor("a").ctypes.data % 64 == 0
+    assert s.tokenizer_spec == ("hf_json", b"{}")
+    assert ("in memory" if load == "memory" else "mapped") in s.load_summary()
+    assert s.data_bytes >= a.nbytes + b.nbytes
+    s.close()
+
+
+def test_memory_copy_outlives_the_file(tmp_path):
+    # read into memory, the weights no longer depend on the file: truncating it changes nothing
+    p, a, _ = _write(tmp_path)
+    s = Store(p, load="memory")
+    v = s.tensor("a")
+    os.truncate(p, 100)
+    assert np.array_equal(v, a)
+
+
+def test_unknown_load_mode(tmp_path):
+    p, _, _ = _write(tmp_path)
+    from bitnet_cpu.engine.errors import BitNetError
+
+    with pytest.raises(BitNetError, match="load 'fast'"):
+        Store(p, load="fast")
+
+
+def test_read_into_memory_short_file_and_progress(tmp_path):
+    from bitnet_cpu.engine.memory import HUGE, huge_page_bytes, read_into_memory
+
+    f = tmp_path / "blob"
+    data = np.random.default_rng(0).integers(0, 256, 3 * HUGE + 123, dtype=np.uint8)
+    f.write_bytes(data.tobytes())
+    seen = []
+    mm, start = read_into_memory(str(f), 7, data.size - 7, progress=lambda d, t: seen.append((d, t)))
+    got = np.frombuffer(mm, np.uint8, count=data.size - 7, offset=start)
+    assert np.array_equal(got, data[7:])
+    assert got.ctypes.data % HUGE == 0                          # starts on a huge-page boundary
+    assert seen and seen[-1] == (data.size - 7, data.size - 7)
+    hp = huge_page_bytes(got.ctypes.data, data.size - 7)
+    assert hp is None or 0 <= hp <= data.size - 7
+    del got
+    mm.close()
+    with pytest.raises(FormatError, match="truncated"):
+        read_into_memory(str(f), 0, data.size + 1)

@@ -218,7 +218,7 @@ def convert(src: str, out: str | None = None, *, lm_head: str | None = None, pro
     out = os.fspath(out) if out else default_store_path(src, lm_head)
     lm_head = lm_head or default_lm_head(source.config)
     stats: dict = {}
-    bar = _progress_bar(source.config.n_layers + 2, f"convert {os.path.basename(src.rstrip(os.sep))}", progress)
+    bar = progress_bar(source.config.n_layers + 2, f"convert {os.path.basename(src.rstrip(os.sep))}", progress)
     try:
         meta = {"source": source_name or os.path.basename(os.path.abspath(src).rstrip(os.sep)), "source_format": source.source_format, "lm_head": lm_head,
                 "converter_version": CONVERTER_VERSION, "ternary_stats": stats, **source.meta}
@@ -250,14 +250,16 @@ def _check_tokenizer(source, src: str):
         tok.decode(tok.encode("Hello, world! 123", add_bos=True))  # a tokenizer that loads but cannot encode
 
 
-def _progress_bar(total: int, desc: str, progress: bool):
+def progress_bar(total: int, desc: str, progress: bool, unit: str = "step"):
+    """A tqdm bar on stderr when progress is wanted, stderr is a terminal and tqdm is installed; else None."""
     if not progress or not sys.stderr.isatty():
         return None
     try:
         from tqdm import tqdm
     except ImportError:
         return None
-    return tqdm(total=total, desc=desc, unit="step", file=sys.stderr, leave=False)
+    return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, leave=False, unit_scale=unit == "B",
+                unit_divisor=1024 if unit == "B" else 1000)
 
 
 # ---- cache ------------------------------------------------------------------------------------------------

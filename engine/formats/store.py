@@ -1,4 +1,6 @@
-"""The weight store: the engine's own self-contained model file, mapped read-only and viewed zero-copy.
+"""The weight store: the engine's own self-contained model file, mapped read-only and viewed zero-copy, or
+(load="memory", and "auto" for large stores where the kernel has transparent huge pages) its tensor data read
+into anonymous memory backed by 2 MB pages, which decode streams ~15% faster (engine/memory.py).
 
 File layout (little-endian):
     0   8s   magic b"BNSTORE\\0"
@@ -31,7 +33,8 @@ import numpy as np
 from .. import faults
 from ..config import ModelConfig
 from ..fileio import close_map, map_readonly
-from ..errors import FormatError
+from ..errors import BitNetError, FormatError
+from ..memory import available_memory, huge_page_bytes, read_into_memory, thp_mode
 
 MAGIC = b"BNSTORE\0"
 STORE_VERSION = 1
@@ -39,6 +42,9 @@ ALIGN = 64
 _HEADER = struct.Struct("<8sIIQQQ32s")  # 72 bytes
 _DTYPES = {"uint8", "int8", "uint16", "int16", "int32", "uint32", "float16", "float32", "int64"}
 _MAX_INDEX = 1 << 30
+LOADS = ("auto", "memory", "mmap")
+AUTO_MIN_BYTES = 64 << 20      # "auto" reads stores with more tensor data than this into huge pages
+MEMORY_HEADROOM = 512 << 20    # ... when this much memory would still be left
 
 
 @dataclass
@@ -136,14 +142,27 @@ def _entry_ok(e, doff: int, ioff: int) -> bool:
     return n == nbytes and off >= 0 and doff + off + n <= ioff
 
 
+def _size(n: int) -> str:
+    return f"{n / (1 << 30):.2f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
+
+
 def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
 class Store:
-    """An open store: `config`, `meta`, `chat_template`, `tensor(name)` (read-only zero-copy views)."""
+    """An open store: `config`, `meta`, `chat_template`, `tensor(name)` (read-only views).
 
-    def __init__(self, path: str | os.PathLike):
+    load: "mmap" views the mapped file (no copy; pages shared with other processes and the page cache);
+    "memory" reads the tensor data into anonymous memory advised to use huge pages (faster decode, a copy);
+    "auto" is "memory" for stores with over AUTO_MIN_BYTES of tensors when the kernel has transparent huge
+    pages and enough memory is available, else "mmap". `load_mode` says which one happened.
+    progress(done, total) reports the read (memory only)."""
+
+    def __init__(self, path: str | os.PathLike, load: str = "auto",
+                 progress: Callable[[int, int], None] | None = None):
+        if load not in LOADS:
+            raise BitNetError(f"load {load!r}: expected one of {', '.join(LOADS)}")
         self.path = os.fspath(path)
         self._mm, size = map_readonly(self.path, _HEADER.size, "BitNet store")
         magic, version, _, ioff, isize, doff, digest = _HEADER.unpack_from(self._mm, 0)
@@ -183,7 +202,42 @@ class Store:
         for name, e in self._index.items():
             if not _entry_ok(e, doff, ioff):
                 raise FormatError(f"{self.path}: tensor {name!r} has a corrupt index entry")
+        # the tensor data: [doff, doff + data_bytes) of the file
+        self.data_bytes = max((e["offset"] + e["nbytes"] for e in self._index.values()), default=0)
+        self._mem = None
+        self._data: Any = self._mm      # what tensor views are made from, at offset _base + entry offset
+        self._base = doff
+        self.load_mode = "mmap"
+        if self._wants_memory(load):
+            self._mem, start = read_into_memory(self.path, doff, self.data_bytes, huge=thp_mode() != "never",
+                                                progress=progress)
+            self._data, self._base, self.load_mode = self._mem, start, "memory"
 
+    def _wants_memory(self, load: str) -> bool:
+        if load == "mmap" or self.data_bytes == 0:
+            return False
+        if load == "memory":
+            return True
+        if self.data_bytes < AUTO_MIN_BYTES or thp_mode() not in ("always", "madvise"):
+            return False
+        avail = available_memory()
+        return avail is None or avail >= self.data_bytes + MEMORY_HEADROOM
+
+    def load_summary(self) -> str:
+        """How the weights are held, for -v lines: "mapped from the file" or "in memory, X of Y in 2 MB pages"."""
+        if self._mem is None:
+            return "mapped from the file"
+        huge = self.huge_page_bytes()
+        if huge is None:
+            return f"in memory ({_size(self.data_bytes)})"
+        return f"in memory ({_size(huge)} of {_size(self.data_bytes)} in huge pages)"
+
+    def huge_page_bytes(self) -> int | None:
+        """Bytes of the tensor data that sit in huge pages (0 when mapped from the file; None: unknown)."""
+        if self._mem is None:
+            return 0
+        return huge_page_bytes(int(np.frombuffer(self._mem, np.uint8, count=1, offset=self._base).ctypes.data),
+                               self.data_bytes)
     @property
     def tensor_names(self) -> list[str]:
         return list(self._index)
@@ -197,13 +251,14 @@ class Store:
         return name in self._index
 
     def tensor(self, name: str) -> np.ndarray:
-        """Zero-copy read-only view into the mapped file."""
+        """Zero-copy read-only view into the mapped file (or the store's memory copy)."""
         v = self._views.get(name)
         if v is None:
             e = self.info(name)
             dt = np.dtype(e["dtype"])
             count = int(np.prod(e["shape"], dtype=np.int64))
-            v = np.frombuffer(self._mm, dtype=dt, count=count, offset=self._data_offset + e["offset"]).reshape(e["shape"])
+            v = np.frombuffer(self._data, dtype=dt, count=count, offset=self._base + e["offset"]).reshape(e["shape"])
+            v.flags.writeable = False
             self._views[name] = v
         return v
 
@@ -217,6 +272,11 @@ class Store:
     def close(self):
         self._views.clear()
         close_map(self._mm)
+        if self._mem is not None:
+            try:
+                self._mem.close()
+            except BufferError:   # numpy views still hold it: it goes when they do
+                pass
 
     def __enter__(self):
         return self

@@ -30,6 +30,7 @@ from ...simd import _ops as ops
 
 from ..config import ModelConfig
 from ..errors import BitNetError, ContextOverflowError, FormatError
+from ..memory import available_memory
 from .thread_tuner import ThreadTuner
 from ...simd.layout import K_ALIGN, TG_GROUP, pad_to, tg128_bytes
 
@@ -66,28 +67,6 @@ def session_bytes(cfg: ModelConfig, n_ctx: int, kv_dtype: str, chunk: int = DEFA
     rope = 2 * n_ctx * (cfg.head_dim // 2) * 4 + n_ctx * 4 * 2
     rows = chunk * (4 * cfg.hidden_size + 2 * cfg.q_dim + 2 * cfg.kv_dim + 2 * cfg.intermediate_size) * 4
     return kv + scratch + rope + rows + cfg.vocab_size * 4
-
-
-def available_memory() -> int | None:
-    """Bytes that can still be allocated: MemAvailable + free swap on Linux, or less under an address-space
-    limit (ulimit -v); None where unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f if line.split()[1:2]}
-        avail = info["MemAvailable"] + info.get("SwapFree", 0)
-    except (OSError, KeyError, ValueError, IndexError):
-        return None
-    try:
-        import resource
-
-        soft, _ = resource.getrlimit(resource.RLIMIT_AS)
-        if soft != resource.RLIM_INFINITY:
-            with open("/proc/self/status") as f:
-                vm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
-            avail = min(avail, max(0, soft - vm))
-    except (ImportError, OSError, StopIteration, ValueError):
-        pass
-    return avail
 
 
 def _gib(n: int) -> str:
