@@ -160,8 +160,8 @@ def main(args) -> int:
         print(f"bitnet: {FINISH_MESSAGES['context']} (n_ctx {llm.n_ctx}; {llm.model.context_hint()})", file=sys.stderr)
     if args.verbose and stats:
         print(f"model: {llm.name} ({llm.model.lm_head} head, kv {args.kv}, n_ctx {llm.n_ctx}, seed {seed}, "
-              f"threads {llm.threads}{_tuned(llm.model.tuner)}, weights {llm.store.load_summary()})\n"
-              f"load: {stats.load_s * 1000:.0f} ms | prompt: {stats.n_prompt} tokens ({stats.n_cached} cached), "
+              f"threads {llm.threads}{_tuned(llm.model.tuner)})\n"
+              f"load: {stats.load_s * 1000:.0f} ms, weights {llm.store.load_summary()} | prompt: {stats.n_prompt} tokens ({stats.n_cached} cached), "
               f"{stats.prefill_tps:.1f} tok/s | first token: {stats.ttft_s * 1000:.0f} ms | "
               f"generated: {stats.n_generated} tokens, {stats.decode_tps:.1f} tok/s | stop: {stats.finish_reason}"
               + (f" | lookup: {stats.n_accepted}/{stats.n_drafted} draft tokens accepted" if stats.n_drafted else ""),

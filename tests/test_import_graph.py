@@ -5,7 +5,8 @@ import only the rooms below it:
 
     cli                      the `bitnet` / `bitchat` commands
     chat, serve              the REPL and the HTTP server, both over engine.api
-    engine                   api (top) > batching, synth > runtime, formats > config, errors, cpu, faults, fileio
+    engine                   api (top) > batching, synth > runtime, formats > config, errors, cpu, faults, fileio,
+                             memory
     simd                     C kernels and their wrappers: imports nothing of the others
     models                   the bundled model and its trainer: a leaf, imported by nobody in the runtime
 
@@ -85,7 +86,7 @@ def room(mod):
 
 
 # what each room may import (besides itself); everything else is an arrow the wrong way
-ENGINE_BASE = {"engine.errors", "engine.config", "engine.cpu", "engine.faults", "engine.fileio"}
+ENGINE_BASE = {"engine.errors", "engine.config", "engine.cpu", "engine.faults", "engine.fileio", "engine.memory"}
 ALLOWED = {
     "simd": set(),
     "models": set(),
@@ -95,6 +96,7 @@ ALLOWED = {
     "engine.cpu": set(),
     "engine.faults": {"engine.errors", "simd"},
     "engine.fileio": {"engine.errors", "engine.faults"},
+    "engine.memory": {"engine.errors"},
     "engine.formats": ENGINE_BASE | {"simd"},
     "engine.runtime": ENGINE_BASE | {"simd"},
     "engine.batching": ENGINE_BASE | {"simd", "engine.runtime"},
