@@ -60,6 +60,12 @@ def test_weights_in_memory_give_the_same_logits(synth, monkeypatch):
     monkeypatch.setattr(store_mod, "thp_mode", lambda: "always")
     monkeypatch.setattr(store_mod, "available_memory", lambda: read.data_bytes)   # no room left beside it
     assert Store(stores["i8"]).load_mode == "mmap"
+    monkeypatch.setattr(store_mod, "available_memory", lambda: read.data_bytes - 1)
+    from bitnet_cpu.engine.errors import BitNetError
+
+    with pytest.raises(BitNetError, match="more than the") as e:   # asked for explicitly: refused, not an OOM
+        Store(stores["i8"], load="memory")
+    assert "--mmap" in e.value.hint
 
 
 def test_resume_after_truncate(synth):

@@ -217,6 +217,10 @@ class Store:
         if load == "mmap" or self.data_bytes == 0:
             return False
         if load == "memory":
+            avail = available_memory()
+            if avail is not None and avail < self.data_bytes:
+                raise BitNetError(f"{self.path}: reading the weights needs {_size(self.data_bytes)}, more than the "
+                                  f"{_size(avail)} of memory available", hint="use --mmap to map the file instead")
             return True
         if self.data_bytes < AUTO_MIN_BYTES or thp_mode() not in ("always", "madvise"):
             return False
