@@ -338,3 +338,37 @@ def test_glu_rmsnorm_is_glu_rmsnorm_quant_without_the_quantization(with_norm):
                 assert np.array_equal(a, b) and np.any(xq != 0)
         finally:
             K.set_isa(None)
+
+
+@pytest.mark.parametrize("hd", [32, 128])
+def test_grouped_decode_same_bits_as_one_head_per_group(isa, hd):
+    # GQA with 4 query heads per KV head (the decode path that weighs the values for all four in one pass over an
+    # f16 cache, in blocks of 64 positions) gives the same floats as plain multi-head attention whose KV heads
+    # hold copies: past 64 positions and across key blocks, every decode step. One thread and 2 KV heads, so a
+    # KV head's group of 4 is not split across threads (it would be with more threads than groups).
+    rng = np.random.default_rng(hd)
+    nh, nkv, n, ctx = 8, 2, 150, 160
+    inv = 1.0 / (10000.0 ** (np.arange(0, hd, 2, dtype=np.float32) / hd))
+    fr = np.arange(ctx, dtype=np.float32)[:, None] * inv[None]
+    cos, sin = np.cos(fr).astype(np.float32), np.sin(fr).astype(np.float32)
+    q = rng.standard_normal((n, nh * hd)).astype(np.float32)
+    k = rng.standard_normal((n, nkv, hd)).astype(np.float32)
+    v = rng.standard_normal((n, nkv, hd)).astype(np.float32)
+    gqa = np.concatenate([q, k.reshape(n, -1), v.reshape(n, -1)], axis=1)
+    rep = lambda a: np.repeat(a, nh // nkv, axis=1).reshape(n, -1)     # KV head j -> query heads 4j .. 4j+3
+    mha = np.concatenate([q, rep(k), rep(v)], axis=1)
+    before = K.get_num_threads()
+    K.set_num_threads(1)
+    try:
+        outs = []
+        for rows, kvh in ((gqa, nkv), (mha, nh)):
+            kc, vc = np.zeros(ops.key_cache_shape(kvh, ctx, hd), np.uint16), np.zeros((kvh, ctx, hd), np.uint16)
+            scratch = np.zeros((nh * ops.ATTENTION_SCRATCH_ROWS, ctx), np.float32)
+            out = np.zeros((n, nh * hd), np.float32)
+            ops.attention(rows[:20].copy(), nh, kvh, hd, cos, sin, 0, kc, vc, out[:20], scratch)
+            for p in range(20, n):
+                ops.attention(rows[p: p + 1].copy(), nh, kvh, hd, cos, sin, p, kc, vc, out[p: p + 1], scratch)
+            outs.append(out)
+    finally:
+        K.set_num_threads(before)
+    assert np.array_equal(outs[0].view(np.int32), outs[1].view(np.int32))
