@@ -199,6 +199,20 @@ AVX2_FN static inline __m256 load8(const void *base, int f16, int64_t off, int v
     for (int i = 0; i < valid; i++) tmp[i] = f16 ? ops_half_to_float(((const uint16_t *)base)[off + i]) : ((const float *)base)[off + i];
     return _mm256_loadu_ps(tmp);
 }
+/* a0..d1 (8 accumulators in the caller's scope) += broadcast(r0..r3[i]) * k0 | k1: four rows (queries, or
+ * their weights) against 16 values; scores4_f16_avx2 and wsum4_f16_avx2 share it, so both keep the FMA order. */
+#define FMA4X2(r0, r1, r2, r3, i, k0, k1)                                                        \
+    do {                                                                                         \
+        __m256 x_ = _mm256_broadcast_ss((r0) + (i));                                             \
+        a0 = _mm256_fmadd_ps(x_, k0, a0), a1 = _mm256_fmadd_ps(x_, k1, a1);                      \
+        x_ = _mm256_broadcast_ss((r1) + (i));                                                    \
+        b0 = _mm256_fmadd_ps(x_, k0, b0), b1 = _mm256_fmadd_ps(x_, k1, b1);                      \
+        x_ = _mm256_broadcast_ss((r2) + (i));                                                    \
+        c0 = _mm256_fmadd_ps(x_, k0, c0), c1 = _mm256_fmadd_ps(x_, k1, c1);                      \
+        x_ = _mm256_broadcast_ss((r3) + (i));                                                    \
+        d0 = _mm256_fmadd_ps(x_, k0, d0), d1 = _mm256_fmadd_ps(x_, k1, d1);                      \
+    } while (0)
+
 /* The common case, four queries (a KV head's group) over a full block of 16 f16 keys: every accumulator in a
  * register (the general body below keeps acc[][] in memory: a store-reload chain per FMA, measured 3x
  * slower). Same operations in the same order: the same floats. */
@@ -210,14 +224,7 @@ AVX2_FN static inline void scores4_f16_avx2(const float *const *q, const uint16_
         const uint16_t *kp = kt + base + (int64_t)i * KT_BLOCK;
         __m256 k0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)kp));
         __m256 k1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(kp + 8)));
-        __m256 x = _mm256_broadcast_ss(q0 + i);
-        a0 = _mm256_fmadd_ps(x, k0, a0), a1 = _mm256_fmadd_ps(x, k1, a1);
-        x = _mm256_broadcast_ss(q1 + i);
-        b0 = _mm256_fmadd_ps(x, k0, b0), b1 = _mm256_fmadd_ps(x, k1, b1);
-        x = _mm256_broadcast_ss(q2 + i);
-        c0 = _mm256_fmadd_ps(x, k0, c0), c1 = _mm256_fmadd_ps(x, k1, c1);
-        x = _mm256_broadcast_ss(q3 + i);
-        d0 = _mm256_fmadd_ps(x, k0, d0), d1 = _mm256_fmadd_ps(x, k1, d1);
+        FMA4X2(q0, q1, q2, q3, i, k0, k1);
     }
     _mm256_storeu_ps(sc[0] + t0, _mm256_mul_ps(a0, vs)), _mm256_storeu_ps(sc[0] + t0 + 8, _mm256_mul_ps(a1, vs));
     _mm256_storeu_ps(sc[1] + t0, _mm256_mul_ps(b0, vs)), _mm256_storeu_ps(sc[1] + t0 + 8, _mm256_mul_ps(b1, vs));
@@ -306,28 +313,21 @@ AVX2_FN static void wsum4_f16_avx2(const float *const *p, const void *vc, kv_blo
         for (int c = 0; c < hd; c++) acc[j][c] = 0.0f;
     for (int tb = 0; tb < n; tb += WS4_BLOCK) {
         const int te = tb + WS4_BLOCK < n ? tb + WS4_BLOCK : n;
-        for (int c0 = 0; c0 < hd; c0 += 16) {
-            __m256 a0 = _mm256_loadu_ps(acc[0] + c0), a1 = _mm256_loadu_ps(acc[0] + c0 + 8);
-            __m256 b0 = _mm256_loadu_ps(acc[1] + c0), b1 = _mm256_loadu_ps(acc[1] + c0 + 8);
-            __m256 c0_ = _mm256_loadu_ps(acc[2] + c0), c1 = _mm256_loadu_ps(acc[2] + c0 + 8);
-            __m256 d0 = _mm256_loadu_ps(acc[3] + c0), d1 = _mm256_loadu_ps(acc[3] + c0 + 8);
+        for (int col = 0; col < hd; col += 16) {
+            __m256 a0 = _mm256_loadu_ps(acc[0] + col), a1 = _mm256_loadu_ps(acc[0] + col + 8);
+            __m256 b0 = _mm256_loadu_ps(acc[1] + col), b1 = _mm256_loadu_ps(acc[1] + col + 8);
+            __m256 c0 = _mm256_loadu_ps(acc[2] + col), c1 = _mm256_loadu_ps(acc[2] + col + 8);
+            __m256 d0 = _mm256_loadu_ps(acc[3] + col), d1 = _mm256_loadu_ps(acc[3] + col + 8);
             for (int t = tb; t < te; t++) {
-                const uint16_t *v = (const uint16_t *)vc + BLK(bl, t / KT_BLOCK) + (int64_t)(t % KT_BLOCK) * hd + c0;
+                const uint16_t *v = (const uint16_t *)vc + BLK(bl, t / KT_BLOCK) + (int64_t)(t % KT_BLOCK) * hd + col;
                 const __m256 v0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)v));
                 const __m256 v1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(v + 8)));
-                __m256 w = _mm256_broadcast_ss(p0 + t);
-                a0 = _mm256_fmadd_ps(w, v0, a0), a1 = _mm256_fmadd_ps(w, v1, a1);
-                w = _mm256_broadcast_ss(p1 + t);
-                b0 = _mm256_fmadd_ps(w, v0, b0), b1 = _mm256_fmadd_ps(w, v1, b1);
-                w = _mm256_broadcast_ss(p2 + t);
-                c0_ = _mm256_fmadd_ps(w, v0, c0_), c1 = _mm256_fmadd_ps(w, v1, c1);
-                w = _mm256_broadcast_ss(p3 + t);
-                d0 = _mm256_fmadd_ps(w, v0, d0), d1 = _mm256_fmadd_ps(w, v1, d1);
+                FMA4X2(p0, p1, p2, p3, t, v0, v1);
             }
-            _mm256_storeu_ps(acc[0] + c0, a0), _mm256_storeu_ps(acc[0] + c0 + 8, a1);
-            _mm256_storeu_ps(acc[1] + c0, b0), _mm256_storeu_ps(acc[1] + c0 + 8, b1);
-            _mm256_storeu_ps(acc[2] + c0, c0_), _mm256_storeu_ps(acc[2] + c0 + 8, c1);
-            _mm256_storeu_ps(acc[3] + c0, d0), _mm256_storeu_ps(acc[3] + c0 + 8, d1);
+            _mm256_storeu_ps(acc[0] + col, a0), _mm256_storeu_ps(acc[0] + col + 8, a1);
+            _mm256_storeu_ps(acc[1] + col, b0), _mm256_storeu_ps(acc[1] + col + 8, b1);
+            _mm256_storeu_ps(acc[2] + col, c0), _mm256_storeu_ps(acc[2] + col + 8, c1);
+            _mm256_storeu_ps(acc[3] + col, d0), _mm256_storeu_ps(acc[3] + col + 8, d1);
         }
     }
     for (int j = 0; j < 4; j++)
