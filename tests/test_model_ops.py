@@ -110,8 +110,11 @@ def test_attention_prefill_and_decode(isa, kv_dtype, nh, nkv, hd):
     fr = np.arange(ctx, dtype=np.float32)[:, None] * inv[None]
     cos, sin = np.cos(fr).astype(np.float32), np.sin(fr).astype(np.float32)
     want, k_rot = _attention_numpy(qkv, nh, nkv, hd, cos, sin, kv_dtype == np.uint16)
-    kc, vc = np.zeros(ops.key_cache_shape(nkv, ctx, hd), kv_dtype), np.zeros((nkv, ctx, hd), kv_dtype)
-    scratch = np.zeros((nh * ops.ATTENTION_SCRATCH_ROWS, ctx), np.float32)
+    # the cache starts as NaN: a kernel that lets a position past the current one (a vector tail's spare lanes)
+    # reach a score, a softmax sum or an output turns the result into NaN
+    nan = np.uint16(0x7E00) if kv_dtype == np.uint16 else np.float32(np.nan)
+    kc, vc = np.full(ops.key_cache_shape(nkv, ctx, hd), nan, kv_dtype), np.full((nkv, ctx, hd), nan, kv_dtype)
+    scratch = np.full((nh * ops.ATTENTION_SCRATCH_ROWS, ctx), np.nan, np.float32)
     out = np.zeros((n, nh * hd), np.float32)
     a = qkv[:7].copy()  # a 7-row prefill chunk, then 4 single-row decode steps
     ops.attention(a, nh, nkv, hd, cos, sin, 0, kc, vc, out[:7], scratch)

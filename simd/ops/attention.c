@@ -115,12 +115,14 @@ AVX2_FN static float exp_sum_avx2(float *x, int n, float mx) {
         _mm256_storeu_ps(x + i, e);
         acc = _mm256_add_ps(acc, e);
     }
-    float sum = hsum8(acc);
-    for (; i < n; i++) {
-        x[i] = expf(x[i] - mx);
-        sum += x[i];
+    if (i < n) { /* the last 1-7 on the same polynomial as the rest (masked lanes: exp of 0, then dropped) */
+        const __m256i lanes = _mm256_cmpgt_epi32(_mm256_set1_epi32(n - i), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        __m256 e = exp_avx2(_mm256_sub_ps(_mm256_maskload_ps(x + i, lanes), _mm256_and_ps(vm, _mm256_castsi256_ps(lanes))));
+        e = _mm256_and_ps(e, _mm256_castsi256_ps(lanes));
+        _mm256_maskstore_ps(x + i, lanes, e);
+        acc = _mm256_add_ps(acc, e);
     }
-    return sum;
+    return hsum8(acc);
 }
 
 AVX512_FN static float exp_sum_avx512(float *x, int n, float mx) {
@@ -237,16 +239,26 @@ AVX2_FN static void scores_avx2(const float *const *q, int R, const void *kt, kv
     const __m256 vs = _mm256_set1_ps(scale);
     for (int t0 = 0; t0 < n; t0 += 16) {
         const int valid = n - t0;
-        if (R == 4 && f16 && valid >= 16) {
-            scores4_f16_avx2(q, (const uint16_t *)kt, BLK(bl, t0 / KT_BLOCK) + t0 % KT_BLOCK, hd, vs, sc, t0);
+        const int64_t base = BLK(bl, t0 / KT_BLOCK) + t0 % KT_BLOCK;
+        /* A last, partial run of positions is computed on all 16 lanes and only its valid scores are kept: t0 is
+         * a multiple of 16, so the 16 lanes stay inside their allocated KT_BLOCK block (whatever a lane past n
+         * holds only reaches that lane's own discarded score). The per-element masked loads this replaces cost
+         * ~10 us per layer of a decode step (2B-4T, one tail per KV head) at any context length. */
+        if (R == 4 && f16) {
+            if (valid >= 16) {
+                scores4_f16_avx2(q, (const uint16_t *)kt, base, hd, vs, sc, t0);
+            } else {
+                float tmp[4][16], *tp[4] = {tmp[0], tmp[1], tmp[2], tmp[3]};
+                scores4_f16_avx2(q, (const uint16_t *)kt, base, hd, vs, tp, 0);
+                for (int j = 0; j < 4; j++) memcpy(sc[j] + t0, tmp[j], sizeof(float) * (size_t)valid);
+            }
             continue;
         }
         __m256 acc[MAXQ][2];
         for (int j = 0; j < MAXQ; j++) acc[j][0] = acc[j][1] = _mm256_setzero_ps();
-        const int64_t base = BLK(bl, t0 / KT_BLOCK) + t0 % KT_BLOCK;
         for (int i = 0; i < hd; i++) {
             const int64_t off = base + (int64_t)i * KT_BLOCK;
-            __m256 k0 = load8(kt, f16, off, valid), k1 = load8(kt, f16, off + 8, valid - 8);
+            __m256 k0 = load8(kt, f16, off, 8), k1 = load8(kt, f16, off + 8, 8);
             for (int j = 0; j < R; j++) {
                 __m256 b = _mm256_broadcast_ss(q[j] + i);
                 acc[j][0] = _mm256_fmadd_ps(b, k0, acc[j][0]);
@@ -257,7 +269,7 @@ AVX2_FN static void scores_avx2(const float *const *q, int R, const void *kt, kv
             float tmp[16];
             _mm256_storeu_ps(tmp, _mm256_mul_ps(acc[j][0], vs));
             _mm256_storeu_ps(tmp + 8, _mm256_mul_ps(acc[j][1], vs));
-            for (int t = 0; t < 16 && t < valid; t++) sc[j][t0 + t] = tmp[t];
+            memcpy(sc[j] + t0, tmp, sizeof(float) * (size_t)(valid < 16 ? valid : 16));
         }
     }
 }
@@ -303,7 +315,7 @@ AVX2_FN static void wsum_avx2(const float *p, const void *vc, kv_blocks bl, int 
  * accumulators wait in acc[][] (a column pass over a whole long context re-read the values from L3 8 times:
  * measured 2x the time of the scores). Per output element the same FMAs in the same order as wsum_avx2: the
  * same floats. hd <= WS4_MAX_HD. */
-#define WS4_BLOCK 64
+#define WS4_BLOCK 64 /* a multiple of KT_BLOCK */
 #define WS4_MAX_HD 256
 AVX2_FN static void wsum4_f16_avx2(const float *const *p, const void *vc, kv_blocks bl, int n, int hd,
                                    float *const *out) {
@@ -318,11 +330,14 @@ AVX2_FN static void wsum4_f16_avx2(const float *const *p, const void *vc, kv_blo
             __m256 b0 = _mm256_loadu_ps(acc[1] + col), b1 = _mm256_loadu_ps(acc[1] + col + 8);
             __m256 c0 = _mm256_loadu_ps(acc[2] + col), c1 = _mm256_loadu_ps(acc[2] + col + 8);
             __m256 d0 = _mm256_loadu_ps(acc[3] + col), d1 = _mm256_loadu_ps(acc[3] + col + 8);
-            for (int t = tb; t < te; t++) {
-                const uint16_t *v = (const uint16_t *)vc + BLK(bl, t / KT_BLOCK) + (int64_t)(t % KT_BLOCK) * hd + col;
-                const __m256 v0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)v));
-                const __m256 v1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(v + 8)));
-                FMA4X2(p0, p1, p2, p3, t, v0, v1);
+            for (int ts = tb; ts < te; ts += KT_BLOCK) { /* runs inside one KT_BLOCK: rows hd apart */
+                const int tn = ts + KT_BLOCK < te ? ts + KT_BLOCK : te;
+                const uint16_t *v = (const uint16_t *)vc + BLK(bl, ts / KT_BLOCK) + (int64_t)(ts % KT_BLOCK) * hd + col;
+                for (int t = ts; t < tn; t++, v += hd) {
+                    const __m256 v0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)v));
+                    const __m256 v1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(v + 8)));
+                    FMA4X2(p0, p1, p2, p3, t, v0, v1);
+                }
             }
             _mm256_storeu_ps(acc[0] + col, a0), _mm256_storeu_ps(acc[0] + col + 8, a1);
             _mm256_storeu_ps(acc[1] + col, b0), _mm256_storeu_ps(acc[1] + col + 8, b1);
@@ -566,10 +581,15 @@ static void attention_core(float *qkv, int n_heads, int n_kv, int head_dim, cons
                 if (kv_f16) {
                     uint16_t *kc = (uint16_t *)k_cache + kat, *vc = (uint16_t *)v_cache + vat;
 #if defined(__x86_64__)
-                    if (isa >= OPS_ISA_AVX2) store_f16_avx2(vr, vc, head_dim);
-                    else
+                    if (isa >= OPS_ISA_AVX2 && head_dim <= 512) { /* F16C converts; the key's column is scattered */
+                        uint16_t kh[512];
+                        store_f16_avx2(vr, vc, head_dim);
+                        store_f16_avx2(kr, kh, head_dim);
+                        for (int i = 0; i < head_dim; i++) kc[(int64_t)i * KT_BLOCK] = kh[i];
+                        continue;
+                    }
 #endif
-                        for (int i = 0; i < head_dim; i++) vc[i] = f2h(vr[i]);
+                    for (int i = 0; i < head_dim; i++) vc[i] = f2h(vr[i]);
                     for (int i = 0; i < head_dim; i++) kc[(int64_t)i * KT_BLOCK] = f2h(kr[i]);
                 } else {
                     float *kc = (float *)k_cache + kat;
