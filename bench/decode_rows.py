@@ -14,6 +14,9 @@ Weights: ours read into huge-page memory (the default for a model this size wher
 huge pages) and, as a second row per head, mapped from the file (--mmap); llama.cpp (llama-bench) both with its
 default mmap and with `-lm none` (read into its own buffers): the best of the two is its ratio's denominator.
 
+bitnet.cpp (--bitnet-bench PATH: its llama-bench, built by bench/setup_bitnet_cpp.sh) runs the same weights as
+I2_S (make_models.make_i2s) and gets its own ratio column.
+
 Prompt lookup: tok/s with --draft-max 0 vs 4 on a repetitive, code-like prompt and on a random
 one (where drafts are rarely made), with the draft acceptance rate.
 """
@@ -52,9 +55,10 @@ def store_bytes_per_token(path: str) -> int:
 
 
 def gguf_bytes_per_token(path: str) -> int:
-    from gguf import GGUFReader
+    from bitnet_cpu.engine.formats.gguf import GGUFFile   # reads I2_S too (the gguf package does not know it)
 
-    return int(sum(int(t.n_bytes) for t in GGUFReader(path).tensors))
+    with GGUFFile(path) as g:
+        return int(sum(t.nbytes for t in g.tensors.values()))
 
 
 # ---- one measurement in its own process ---------------------------------------------------------------------
@@ -132,7 +136,12 @@ def measure(a) -> dict:
         except ImportError:
             have_llama = False
     engines = ([f"ours_{h}" for h in stores] + ([f"ours_{h}_mmap" for h in stores] if a.mmap_rows else [])
-               + (["llama"] + (["llama_nommap"] if a.llama_bench else []) if have_llama else []))
+               + (["llama"] + (["llama_nommap"] if a.llama_bench else []) if have_llama else [])
+               + (["bitnet"] if a.bitnet_bench else []))
+    if a.bitnet_bench:
+        from make_models import make_i2s
+
+        make_i2s(a.cache, a.shape)
     bws = [bandwidth(a.threads, a.bw_mib)]
     best: dict[str, float] = {}
     loads: dict[str, str | None] = {}
@@ -141,7 +150,11 @@ def measure(a) -> dict:
             args = (["--engine", "llama", "--model", paths["tq2_0"]] if eng == "llama" else
                     ["--engine", "ours", "--model", stores.get(eng[5:].removesuffix("_mmap"), ""), "--draft-max", "0"]
                     + (["--mmap"] if eng.endswith("_mmap") else []))
-            if eng.startswith("llama") and a.llama_bench:   # llama.cpp timed by its own llama-bench (tg only)
+            if eng == "bitnet":   # bitnet.cpp's llama-bench (tg only)
+                from llama_bench import llama_bench
+
+                r = llama_bench(a.bitnet_bench, paths["i2_s"], a.threads, a.tokens, prompt=0)
+            elif eng.startswith("llama") and a.llama_bench:   # llama.cpp timed by its own llama-bench (tg only)
                 from llama_bench import llama_bench
 
                 r = llama_bench(a.llama_bench, paths["tq2_0"], a.threads, a.tokens, prompt=0,
@@ -165,10 +178,13 @@ def measure(a) -> dict:
     bw = max(b for b in bws if b) if any(bws) else None
     rows = []
     llama_tps = max(best.get("llama", 0.0), best.get("llama_nommap", 0.0)) or None   # llama.cpp at its best
-    names = {"llama": "llama.cpp TQ2_0 (mmap)", "llama_nommap": "llama.cpp TQ2_0 (-lm none)"}
+    bitnet_tps = best.get("bitnet") or None
+    names = {"llama": "llama.cpp TQ2_0 (mmap)", "llama_nommap": "llama.cpp TQ2_0 (-lm none)",
+             "bitnet": "bitnet.cpp I2_S"}
     for eng in engines:
         h = eng[5:].removesuffix("_mmap")
         nbytes = (gguf_bytes_per_token(paths["tq2_0"]) if eng.startswith("llama")
+                  else gguf_bytes_per_token(paths["i2_s"]) if eng == "bitnet"
                   else store_bytes_per_token(stores[h]))
         tps = best.get(eng)
         how = {"memory": "weights in memory", "mmap": "weights mapped"}.get(loads.get(eng) or "", "")
@@ -176,11 +192,13 @@ def measure(a) -> dict:
                      + (" (--mmap)" if eng.endswith("_mmap") else ""),
                      "bytes_per_token": nbytes, "decode_tps": tps,
                      "bw_share": (tps * nbytes / bw) if tps and bw else None,
-                     "vs_llama": (tps / llama_tps) if tps and llama_tps else None})
+                     "vs_llama": (tps / llama_tps) if tps and llama_tps else None,
+                     "vs_bitnet": (tps / bitnet_tps) if tps and bitnet_tps else None})
     return {"bandwidth_Bps": bw, "rows": rows, "spec": {f"{p}/{'off' if d == 0 else 'on'}": v
                                                           for (p, d), v in spec.items()},
             "spec_head": head, "llama": have_llama, "threads": a.threads, "tokens": a.tokens,
-            "llama_how": "its own llama-bench, tg only" if a.llama_bench else "llama-cpp-python"}
+            "llama_how": "its own llama-bench, tg only" if a.llama_bench else "llama-cpp-python",
+            "bitnet": bool(a.bitnet_bench)}
 
 
 def markdown(res: dict) -> str:
@@ -190,11 +208,13 @@ def markdown(res: dict) -> str:
            "The machine was shared with other jobs: compare the ratios, not the absolute numbers."
            + (f" llama.cpp timed by {res.get('llama_how', 'llama-cpp-python')}." if res["llama"] else
               " llama-cpp-python is not installed: no llama.cpp column."), "",
-           "| engine | bytes/token | decode tok/s | share of read bandwidth | vs llama.cpp TQ2_0 (its best) |",
-           "|---|---|---|---|---|"]
+           "| engine | bytes/token | decode tok/s | share of read bandwidth | vs llama.cpp TQ2_0 (its best) |"
+           + (" vs bitnet.cpp I2_S |" if res.get("bitnet") else ""),
+           "|---|---|---|---|---|" + ("---|" if res.get("bitnet") else "")]
     for r in res["rows"]:
         out.append(f"| {r['engine']} | {r['bytes_per_token'] / 1e6:.2f} MB | {f(r['decode_tps'], '.1f')} | "
-                   f"{f(r['bw_share'] and 100 * r['bw_share'], '.0f')}% | {f(r['vs_llama'], '.2f')}x |")
+                   f"{f(r['bw_share'] and 100 * r['bw_share'], '.0f')}% | {f(r['vs_llama'], '.2f')}x |"
+                   + (f" {f(r.get('vs_bitnet'), '.2f')}x |" if res.get("bitnet") else ""))
     if res["spec"]:
         out += ["", f"### Prompt-lookup speculative decoding ({res['spec_head']} head, greedy, same output)", "",
                 "| prompt | lookup | decode tok/s | drafted | accepted | acceptance | speed-up |", "|---|---|---|---|---|---|---|"]
@@ -228,6 +248,9 @@ def parse_args(argv=None):
     ap.add_argument("--bw-mib", type=int, default=512, help="bandwidth probe buffer (MiB)")
     ap.add_argument("--llama-bench", metavar="PATH", default=os.environ.get("LLAMA_BENCH"),
                     help="llama.cpp's llama-bench binary instead of llama-cpp-python (or $LLAMA_BENCH)")
+    ap.add_argument("--bitnet-bench", metavar="PATH", default=os.environ.get("BITNET_BENCH"),
+                    help="bitnet.cpp's llama-bench binary (bench/setup_bitnet_cpp.sh; or $BITNET_BENCH): adds its "
+                         "I2_S row and ratio column")
     return ap.parse_args(argv)
 
 

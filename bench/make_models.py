@@ -38,6 +38,9 @@ def model_paths(cache: str = DEFAULT_CACHE, shape: str = "2b4t") -> dict[str, st
         # llama-quantize to IQ2_BN (the type it repacks to IQ2_BN_R4 at load with -rtr)
         "ik_f16": os.path.join(cache, f"{shape}.bitnet25.f16.gguf"),
         "iq2_bn": os.path.join(cache, f"{shape}.iq2_bn.gguf"),
+        # bitnet.cpp's I2_S (2 bits per weight, one f32 scale per tensor) under the `bitnet` architecture of the
+        # llama.cpp fork its releases up to 2024-11 build against (see bench/setup_bitnet_cpp.sh)
+        "i2_s": os.path.join(cache, f"{shape}.bitnet.i2_s.gguf"),
     }
 
 
@@ -100,6 +103,20 @@ def make(cache: str = DEFAULT_CACHE, shape: str = "2b4t", *, tq1: bool = False, 
     with open(paths["manifest"], "w") as f:
         json.dump(manifest, f, indent=1)
     return {k: v for k, v in paths.items() if os.path.exists(v)}
+
+
+def make_i2s(cache: str = DEFAULT_CACHE, shape: str = "2b4t") -> str:
+    """The same ternary weights for bitnet.cpp (written once): I2_S tensors, f16 tied embedding, arch `bitnet`
+    (its fork's graph: sub-norms, GQA, tied head; SiLU where the 2B-4T graph has relu2, which costs nothing
+    measurable beside the weight reads)."""
+    from bitnet_cpu.engine.synth.writers import write_gguf_i2s
+
+    path = model_paths(cache, shape)["i2_s"]
+    if not os.path.exists(path):
+        print(f"writing {path} ...", file=sys.stderr, flush=True)
+        write_gguf_i2s(synth_model(shape), path + ".tmp", arch="bitnet", pre=None)
+        os.replace(path + ".tmp", path)
+    return path
 
 
 def make_ik(paths: dict[str, str], quantize: str, model) -> dict:

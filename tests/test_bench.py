@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -117,6 +118,26 @@ def test_make_models_small(small_models):
         assert st.meta.get("lm_head") == "i8" and st.config.hidden_size == 256
     with Store(small_models["store_q4"]) as st:   # the default head, what the sweeps run
         assert st.meta.get("lm_head") == "q4" and st.info("output")["layout"] == "q4g_tile16"
+
+
+def test_i2s_file_holds_the_same_weights(small_models):
+    """bitnet.cpp's row (decode_rows --bitnet-bench) runs make_i2s's I2_S file: the same ternary matrices and
+    scales as the TQ2_0 file llama.cpp runs and our stores are converted from."""
+    import make_models
+    from bitnet_cpu.engine.formats.gguf import GGUFFile
+
+    cache = os.path.dirname(small_models["tq2_0"])
+    path = make_models.make_i2s(cache, "small")
+    assert path == make_models.model_paths(cache, "small")["i2_s"]
+    with GGUFFile(path) as i2s, GGUFFile(small_models["tq2_0"]) as tq:
+        assert i2s.get("general.architecture", str) == "bitnet"
+        names = [n for n, t in i2s.tensors.items() if t.type_name == "I2_S"]
+        assert len(names) == 7 * 2 and set(names) <= set(tq.tensors)   # 7 matrices per layer, 2 layers
+        for n in names:
+            w_i, s_i = i2s.ternary(n)
+            w_t, s_t = tq.ternary(n)
+            np.testing.assert_array_equal(w_i, w_t)
+            np.testing.assert_allclose(s_t, s_i[0], rtol=1e-3)   # TQ2_0 keeps the scale per block in f16
 
 
 def test_worker_session_ours(small_models):
