@@ -15,10 +15,10 @@ cdef extern from "ops.h":
     int ops_topk(const float *x, int n, int k, float *heap_vals, int32_t *idx) nogil
     void ops_head_rescore(const uint16_t *table, int d, const float *x, int m, float *logits, int vocab, int k,
                           float *heap_vals, int32_t *idx) nogil
-    void ops_attention(float *qkv, int m, int n_heads, int n_kv, int head_dim, const float *rope_cos,
+    int ops_attention(float *qkv, int m, int n_heads, int n_kv, int head_dim, const float *rope_cos,
                        const float *rope_sin, int pos0, void *k_cache, void *v_cache, int kv_f16, int n_ctx,
                        float *out, float *scratch, int scratch_rows) nogil
-    void ops_attention_paged(float *qkv, int n_heads, int n_kv, int head_dim, const float *rope_cos,
+    int ops_attention_paged(float *qkv, int n_heads, int n_kv, int head_dim, const float *rope_cos,
                              const float *rope_sin, int n_seqs, const int32_t *seq_rows, const int32_t *seq_pos0,
                              const int32_t *page_table, int max_pages, void *k_pool, void *v_pool, int kv_f16,
                              float *out, float *scratch, int scratch_rows, int scratch_len) nogil
@@ -151,11 +151,13 @@ def attention(float[:, ::1] qkv, int n_heads, int n_kv, int head_dim, const floa
     if (out.shape[0] < m or out.shape[1] != q_dim or scratch.shape[0] < OPS_ATT_SCRATCH_ROWS
             or scratch.shape[1] < n_ctx):
         _fail("attention: out or scratch too small")
-    cdef int kv_f16 = 1 if kv_t is uint16_t else 0
+    cdef int kv_f16 = 1 if kv_t is uint16_t else 0, rc
     with nogil:
-        ops_attention(&qkv[0, 0], m, n_heads, n_kv, head_dim, &rope_cos[0, 0], &rope_sin[0, 0], pos0,
+        rc = ops_attention(&qkv[0, 0], m, n_heads, n_kv, head_dim, &rope_cos[0, 0], &rope_sin[0, 0], pos0,
                       <void *>&k_cache[0, 0, 0, 0], <void *>&v_cache[0, 0, 0], kv_f16, n_ctx, &out[0, 0], &scratch[0, 0],
                       scratch.shape[0])
+    if rc:
+        raise MemoryError("attention: no memory for the workspace of a long context's pieces")
 
 
 def attention_paged(float[:, ::1] qkv, int n_heads, int n_kv, int head_dim, const float[:, ::1] rope_cos,
@@ -197,12 +199,14 @@ def attention_paged(float[:, ::1] qkv, int n_heads, int n_kv, int head_dim, cons
         for b in range(last // OPS_KT_BLOCK + 1):
             if page_table[i, b] < 0 or page_table[i, b] >= n_pages:
                 _fail(f"attention_paged: sequence {i} block {b} is page {page_table[i, b]} (pool has {n_pages})")
-    cdef int kv_f16 = 1 if kv_t is uint16_t else 0
+    cdef int kv_f16 = 1 if kv_t is uint16_t else 0, rc
     with nogil:
-        ops_attention_paged(&qkv[0, 0], n_heads, n_kv, head_dim, &rope_cos[0, 0], &rope_sin[0, 0], n,
+        rc = ops_attention_paged(&qkv[0, 0], n_heads, n_kv, head_dim, &rope_cos[0, 0], &rope_sin[0, 0], n,
                             &seq_rows[0], &seq_pos0[0], &page_table[0, 0], max_pages, <void *>&k_pool[0, 0, 0, 0],
                             <void *>&v_pool[0, 0, 0, 0], kv_f16, &out[0, 0], &scratch[0, 0], scratch.shape[0],
                             scratch.shape[1])
+    if rc:
+        raise MemoryError("attention_paged: no memory for the sequence table or the pieces' workspace")
 
 
 def paged_key_pool_shape(int n_pages, int n_kv, int head_dim):

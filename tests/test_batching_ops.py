@@ -48,10 +48,12 @@ def _alone(qkv_hist, qkv_step, n_ctx, dt, cos, sin):
 def test_paged_equals_contiguous(isa, kv):
     rng = np.random.default_rng(7)
     dt = np.uint16 if kv == "f16" else np.float32
-    n_ctx, max_pages, n_pages = 160, 5, 40
+    n_ctx, max_pages = 700, 22
     cos, sin = _rope(n_ctx)
-    # (history, step rows): decode rows, a long prefill chunk, a chunk crossing a page boundary, fresh prompt
-    shapes = [(70, 1), (0, 37), (30, 5), (95, 1), (0, 1), (64, 33)]
+    # (history, step rows): decode rows, a long prefill chunk, a chunk crossing a page boundary, fresh prompt;
+    # past 256 positions (attention in pieces): decode rows with 3 pieces, a chunk across a piece boundary
+    shapes = [(70, 1), (0, 37), (30, 5), (95, 1), (0, 1), (64, 33), (600, 1), (240, 40), (300, 1)]
+    n_pages = len(shapes) * max_pages + 3
     seqs = [(rng.standard_normal((h, W)).astype(np.float32), rng.standard_normal((r, W)).astype(np.float32))
             for h, r in shapes]
     perm = rng.permutation(n_pages).astype(np.int32)

@@ -375,3 +375,40 @@ def test_grouped_decode_same_bits_as_one_head_per_group(isa, hd):
     finally:
         K.set_num_threads(before)
     assert np.array_equal(outs[0].view(np.int32), outs[1].view(np.int32))
+
+
+@pytest.mark.parametrize("kv_dtype,hd", [(np.uint16, 128), (np.float32, 64)])
+def test_attention_long_context_in_pieces(isa, kv_dtype, hd):
+    # Rows that see more than 256 positions are computed in pieces of 256 (a softmax per piece, folded in order).
+    # Against the float64 reference; decode rows (pieces as separate work items) bit-equal to the same rows of a
+    # prefill chunk (pieces folded inside the item: what speculative verification relies on); the same bits on
+    # 1 and 2 threads. The cache starts as NaN, so a piece that reads past its row's positions shows.
+    rng = np.random.default_rng(hd + 1)
+    nh, nkv, ctx, n = 8, 2, 800, 620
+    inv = 1.0 / (10000.0 ** (np.arange(0, hd, 2, dtype=np.float32) / hd))
+    fr = np.arange(ctx, dtype=np.float32)[:, None] * inv[None]
+    cos, sin = np.cos(fr).astype(np.float32), np.sin(fr).astype(np.float32)
+    qkv = rng.standard_normal((n, (nh + 2 * nkv) * hd)).astype(np.float32)
+    want, _ = _attention_numpy(qkv, nh, nkv, hd, cos, sin, kv_dtype == np.uint16)
+    nan = np.uint16(0x7E00) if kv_dtype == np.uint16 else np.float32(np.nan)
+
+    def run(threads, decode_from):
+        K.set_num_threads(threads)
+        kc, vc = np.full(ops.key_cache_shape(nkv, ctx, hd), nan, kv_dtype), np.full((nkv, ctx, hd), nan, kv_dtype)
+        scratch = np.zeros((nh * ops.ATTENTION_SCRATCH_ROWS, ctx), np.float32)
+        out = np.zeros((n, nh * hd), np.float32)
+        for a, b in ((0, 250), (250, 530), (530, decode_from)):   # chunks across the 256 / 512 boundaries
+            if b > a:
+                ops.attention(qkv[a:b].copy(), nh, nkv, hd, cos, sin, a, kc, vc, out[a:b], scratch)
+        for p in range(decode_from, n):
+            ops.attention(qkv[p: p + 1].copy(), nh, nkv, hd, cos, sin, p, kc, vc, out[p: p + 1], scratch)
+        return out
+
+    before = K.get_num_threads()
+    try:
+        dec1, dec2, chunk = run(1, 500), run(2, 500), run(2, n)
+    finally:
+        K.set_num_threads(before)
+    np.testing.assert_allclose(dec1, want.astype(np.float32), rtol=3e-5, atol=3e-5)
+    assert np.array_equal(dec1.view(np.int32), dec2.view(np.int32))
+    assert np.array_equal(dec1[500:].view(np.int32), chunk[500:].view(np.int32))

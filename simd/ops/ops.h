@@ -58,12 +58,13 @@ int ops_embed_f16(const uint16_t *table, int64_t vocab, int d, const int32_t *id
  * cache: k_cache [n_kv, ceil(n_ctx/32), head_dim, 32] (blocks of 32 positions, transposed), v_cache
  * [n_kv, n_ctx, head_dim] (f16 bits when
  * kv_f16, else f32), then causal GQA attention of every row over positions 0 .. its own into
- * out[m, q_dim]. scratch: f32 [scratch_rows >= OPS_ATT_SCRATCH_ROWS, n_ctx] (OPS_ATT_SCRATCH_ROWS rows per thread). */
+ * out[m, q_dim]. scratch: f32 [scratch_rows >= OPS_ATT_SCRATCH_ROWS, n_ctx] (OPS_ATT_SCRATCH_ROWS rows per thread).
+ * Returns 0, or -1 when its workspace (partials of long contexts' pieces) cannot be allocated. */
 #define OPS_ATT_SCRATCH_ROWS 4
 #define OPS_KT_BLOCK 32
-void ops_attention(float *qkv, int m, int n_heads, int n_kv, int head_dim, const float *rope_cos,
-                   const float *rope_sin, int pos0, void *k_cache, void *v_cache, int kv_f16, int n_ctx,
-                   float *out, float *scratch, int scratch_rows);
+int ops_attention(float *qkv, int m, int n_heads, int n_kv, int head_dim, const float *rope_cos,
+                  const float *rope_sin, int pos0, void *k_cache, void *v_cache, int kv_f16, int n_ctx,
+                  float *out, float *scratch, int scratch_rows);
 /* The same for a batched step over the paged KV pool: sequence i owns rows seq_rows[i] .. seq_rows[i+1]-1 of
  * qkv / out, at positions seq_pos0[i] .., and its positions live in the pages page_table[i, 0..max_pages-1]
  * (page p holds positions 32p' .. 32p'+31 of block p' of the sequence). Pools of one layer:
@@ -71,7 +72,7 @@ void ops_attention(float *qkv, int m, int n_heads, int n_kv, int head_dim, const
  * scratch: f32 [scratch_rows, scratch_len], OPS_ATT_SCRATCH_ROWS rows per thread (fewer rows: fewer
  * threads), scratch_len >= every sequence's last position + 1. Results per row are those of
  * ops_attention on the same sequence alone. */
-void ops_attention_paged(float *qkv, int n_heads, int n_kv, int head_dim, const float *rope_cos,
+int ops_attention_paged(float *qkv, int n_heads, int n_kv, int head_dim, const float *rope_cos,
                          const float *rope_sin, int n_seqs, const int32_t *seq_rows, const int32_t *seq_pos0,
                          const int32_t *page_table, int max_pages, void *k_pool, void *v_pool, int kv_f16,
                          float *out, float *scratch, int scratch_rows, int scratch_len);
