@@ -621,18 +621,6 @@ static void attention_items(void *ctx, int item_begin, int item_end) {
     }
 }
 
-/* per-thread workspace of attention_core (pieces' partials and fold states, the item table), kept between calls */
-static _Thread_local void *ws_buf;
-static _Thread_local size_t ws_cap;
-static void *workspace(size_t bytes) {
-    if (bytes > ws_cap) {
-        void *p = realloc(ws_buf, bytes);
-        if (!p) return NULL;
-        ws_buf = p, ws_cap = bytes;
-    }
-    return ws_buf;
-}
-
 /* The shared body of ops_attention (one segment, contiguous cache) and ops_attention_paged (one segment per
  * sequence of a batched step, caches in the page pool). k/v_head: elements between KV heads; stride:
  * elements between blocks. scratch: [scratch_rows, scratch_len] f32, OPS_ATT_SCRATCH_ROWS rows per thread.
@@ -712,7 +700,9 @@ static int attention_core(float *qkv, int n_heads, int n_kv, int head_dim, const
     }
     const size_t items_bytes = sizeof(att_item) * (size_t)n_items, off_bytes = sizeof(int64_t) * (size_t)n_segs;
     const size_t head_bytes = (items_bytes + off_bytes + 63) & ~(size_t)63;
-    char *w = workspace(head_bytes + sizeof(float) * (size_t)n_states * (size_t)(head_dim + 2));
+    /* per call: after the first free of a large block glibc raises its mmap threshold, so later calls reuse heap
+     * memory without page faults */
+    char *w = malloc(head_bytes + sizeof(float) * (size_t)n_states * (size_t)(head_dim + 2));
     if (!w) return -1;
     att_item *items = (att_item *)w;
     int64_t *ws_off = (int64_t *)(w + items_bytes);
@@ -760,6 +750,7 @@ static int attention_core(float *qkv, int n_heads, int n_kv, int head_dim, const
             fold_finish(first, head_dim, o + h * head_dim);
         }
     }
+    free(w);
     return 0;
 }
 
