@@ -35,6 +35,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
 
+from llama_bench import llama_bench  # noqa: E402
 from make_models import DEFAULT_CACHE, model_paths  # noqa: E402
 
 LIMITS = os.path.join(HERE, "limits.py")
@@ -151,12 +152,8 @@ def measure(a) -> dict:
                     ["--engine", "ours", "--model", stores.get(eng[5:].removesuffix("_mmap"), ""), "--draft-max", "0"]
                     + (["--mmap"] if eng.endswith("_mmap") else []))
             if eng == "bitnet":   # bitnet.cpp's llama-bench (tg only)
-                from llama_bench import llama_bench
-
                 r = llama_bench(a.bitnet_bench, paths["i2_s"], a.threads, a.tokens, prompt=0)
             elif eng.startswith("llama") and a.llama_bench:   # llama.cpp timed by its own llama-bench (tg only)
-                from llama_bench import llama_bench
-
                 r = llama_bench(a.llama_bench, paths["tq2_0"], a.threads, a.tokens, prompt=0,
                                 extra=("-lm", "none") if eng == "llama_nommap" else ())
             else:
