@@ -54,6 +54,16 @@ cdef extern from "rows.h" nogil:
     int bk_gemv_rows_i8(const int8_t *w, const float *row_scale, const int32_t *w_rowsum, const int8_t *xq, int m,
                         int k_pad, const float *act_scale, float *out, int n)
 
+cdef extern from "b3.h" nogil:
+    size_t bk_b3_tile_bytes(int k_pad)
+    int bk_gemv_b3(const uint8_t *w, const float *row_scale, const int8_t *xq, int k_pad, float act_scale,
+                   int32_t act_sum, float *out, int32_t *out_i32, int n)
+    int bk_gemm_b3(const uint8_t *w, const float *row_scale, const int8_t *xq, int m, int k_pad,
+                   const float *act_scale, const int32_t *act_sum, float *out, int32_t *out_i32, int n)
+    int bk_gemv_rows_b3(const uint8_t *w, const float *row_scale, const int8_t *xq, int m, int k_pad,
+                        const float *act_scale, const int32_t *act_sum, float *out, int n)
+    void bk_b3_to_tile16(const uint8_t *w, int n, int k_pad, uint8_t *dst)
+
 cdef extern from "q4g.h" nogil:
     int BK_Q4G_MAX_K
     int bk_gemv_q4g(const uint8_t *codes, const uint8_t *gscale, const float *d, const int8_t *xq, int m, int k_pad,
@@ -438,6 +448,124 @@ def gemv_rows_ternary(w, row_scale, xq, act_scale, act_sum, out):
     cdef float *po = <float *>cnp.PyArray_DATA(ao)
     with nogil:
         bk_gemv_rows_ternary(pw, prs, pq, <int>m, <int>k_pad, ps, pm, po, <int>n)
+
+
+# ---------------------------------------------------------------- base-3 ternary weights (tile16b3)
+cdef inline void _b3_w(str fn, cnp.ndarray aw, Py_ssize_t n, Py_ssize_t k_pad) except *:
+    _check_size(fn, "w", aw, _pad16(n) // 16 * <Py_ssize_t>bk_b3_tile_bytes(<int>k_pad),
+                f"tile16b3 bytes (N={n}, K_pad={k_pad})")
+
+
+cdef inline _b3_oom(str fn, int rc):
+    if rc != 0:
+        raise MemoryError(f"{fn}: no memory for the decode scratch")
+
+
+def gemv_ternary_b3(w, row_scale, xq, float act_scale, int act_sum, out):
+    """gemv_ternary with w in the base-3 tile16b3 layout (simd/layout.py): the same floats."""
+    cdef str fn = "gemv_ternary_b3"
+    cdef cnp.ndarray aw = _arr(fn, "w", w, cnp.NPY_UINT8, 1, False)
+    cdef cnp.ndarray ars = _arr(fn, "row_scale", row_scale, cnp.NPY_FLOAT32, 1, False)
+    cdef cnp.ndarray aq = _arr(fn, "xq", xq, cnp.NPY_INT8, 1, False)
+    cdef cnp.ndarray ao = _arr(fn, "out", out, cnp.NPY_FLOAT32, 1, True)
+    cdef Py_ssize_t k_pad = _k_pad_of(fn, cnp.PyArray_DIM(aq, 0))
+    cdef Py_ssize_t n = _n_of(fn, cnp.PyArray_DIM(ao, 0))
+    _b3_w(fn, aw, n, k_pad)
+    _check_at_least(fn, "row_scale", ars, n)
+    cdef const uint8_t *pw = <const uint8_t *>cnp.PyArray_DATA(aw)
+    cdef const float *prs = <const float *>cnp.PyArray_DATA(ars)
+    cdef const int8_t *pq = <const int8_t *>cnp.PyArray_DATA(aq)
+    cdef float *po = <float *>cnp.PyArray_DATA(ao)
+    cdef int rc
+    with nogil:
+        rc = bk_gemv_b3(pw, prs, pq, <int>k_pad, act_scale, act_sum, po, NULL, <int>n)
+    _b3_oom(fn, rc)
+
+
+def gemv_ternary_b3_i32(w, xq, int act_sum, out):
+    """Raw exact dots out[n] = W_t[n] . xq as int32 from a tile16b3 matrix (tests; act_sum must be sum(xq))."""
+    cdef str fn = "gemv_ternary_b3_i32"
+    cdef cnp.ndarray aw = _arr(fn, "w", w, cnp.NPY_UINT8, 1, False)
+    cdef cnp.ndarray aq = _arr(fn, "xq", xq, cnp.NPY_INT8, 1, False)
+    cdef cnp.ndarray ao = _arr(fn, "out", out, cnp.NPY_INT32, 1, True)
+    cdef Py_ssize_t k_pad = _k_pad_of(fn, cnp.PyArray_DIM(aq, 0))
+    cdef Py_ssize_t n = _n_of(fn, cnp.PyArray_DIM(ao, 0))
+    _b3_w(fn, aw, n, k_pad)
+    cdef const uint8_t *pw = <const uint8_t *>cnp.PyArray_DATA(aw)
+    cdef const int8_t *pq = <const int8_t *>cnp.PyArray_DATA(aq)
+    cdef int32_t *po = <int32_t *>cnp.PyArray_DATA(ao)
+    cdef int rc
+    with nogil:
+        rc = bk_gemv_b3(pw, NULL, pq, <int>k_pad, 1.0, act_sum, NULL, po, <int>n)
+    _b3_oom(fn, rc)
+
+
+def gemm_ternary_b3(w, row_scale, xq, act_scale, act_sum, out):
+    """gemm_ternary with w in the tile16b3 layout (decoded a few tiles at a time): the same floats."""
+    cdef str fn = "gemm_ternary_b3"
+    cdef cnp.ndarray aw = _arr(fn, "w", w, cnp.NPY_UINT8, 1, False)
+    cdef cnp.ndarray ars = _arr(fn, "row_scale", row_scale, cnp.NPY_FLOAT32, 1, False)
+    cdef cnp.ndarray aq = _arr(fn, "xq", xq, cnp.NPY_INT8, 2, False)
+    cdef cnp.ndarray asc = _arr(fn, "act_scale", act_scale, cnp.NPY_FLOAT32, 1, False)
+    cdef cnp.ndarray asm = _arr(fn, "act_sum", act_sum, cnp.NPY_INT32, 1, False)
+    cdef cnp.ndarray ao = _arr(fn, "out", out, cnp.NPY_FLOAT32, 2, True)
+    cdef Py_ssize_t k_pad = _k_pad_of(fn, cnp.PyArray_DIM(aq, 1))
+    cdef Py_ssize_t n = _n_of(fn, cnp.PyArray_DIM(ao, 1))
+    cdef Py_ssize_t m = _gemm_m(fn, aq, asc, asm, ao)
+    _b3_w(fn, aw, n, k_pad)
+    _check_at_least(fn, "row_scale", ars, n)
+    cdef const uint8_t *pw = <const uint8_t *>cnp.PyArray_DATA(aw)
+    cdef const float *prs = <const float *>cnp.PyArray_DATA(ars)
+    cdef const int8_t *pq = <const int8_t *>cnp.PyArray_DATA(aq)
+    cdef const float *ps = <const float *>cnp.PyArray_DATA(asc)
+    cdef const int32_t *pm = <const int32_t *>cnp.PyArray_DATA(asm)
+    cdef float *po = <float *>cnp.PyArray_DATA(ao)
+    cdef int rc
+    with nogil:
+        rc = bk_gemm_b3(pw, prs, pq, <int>m, <int>k_pad, ps, pm, po, NULL, <int>n)
+    _b3_oom(fn, rc)
+
+
+def gemv_rows_ternary_b3(w, row_scale, xq, act_scale, act_sum, out):
+    """gemv_rows_ternary with w in the tile16b3 layout: the same floats."""
+    cdef str fn = "gemv_rows_ternary_b3"
+    cdef cnp.ndarray aw = _arr(fn, "w", w, cnp.NPY_UINT8, 1, False)
+    cdef cnp.ndarray ars = _arr(fn, "row_scale", row_scale, cnp.NPY_FLOAT32, 1, False)
+    cdef cnp.ndarray aq = _arr(fn, "xq", xq, cnp.NPY_INT8, 2, False)
+    cdef cnp.ndarray asc = _arr(fn, "act_scale", act_scale, cnp.NPY_FLOAT32, 1, False)
+    cdef cnp.ndarray asm = _arr(fn, "act_sum", act_sum, cnp.NPY_INT32, 1, False)
+    cdef cnp.ndarray ao = _arr(fn, "out", out, cnp.NPY_FLOAT32, 2, True)
+    cdef Py_ssize_t k_pad = _k_pad_of(fn, cnp.PyArray_DIM(aq, 1))
+    cdef Py_ssize_t n = _n_of(fn, cnp.PyArray_DIM(ao, 1))
+    cdef Py_ssize_t m = _rows_m(fn, aq, asc, ao)
+    _check_size(fn, "act_sum", asm, m, "M")
+    _b3_w(fn, aw, n, k_pad)
+    _check_at_least(fn, "row_scale", ars, n)
+    cdef const uint8_t *pw = <const uint8_t *>cnp.PyArray_DATA(aw)
+    cdef const float *prs = <const float *>cnp.PyArray_DATA(ars)
+    cdef const int8_t *pq = <const int8_t *>cnp.PyArray_DATA(aq)
+    cdef const float *ps = <const float *>cnp.PyArray_DATA(asc)
+    cdef const int32_t *pm = <const int32_t *>cnp.PyArray_DATA(asm)
+    cdef float *po = <float *>cnp.PyArray_DATA(ao)
+    cdef int rc
+    with nogil:
+        rc = bk_gemv_rows_b3(pw, prs, pq, <int>m, <int>k_pad, ps, pm, po, <int>n)
+    _b3_oom(fn, rc)
+
+
+def b3_to_tile16(w, int n, int k_pad, out):
+    """Decode a whole tile16b3 matrix into tile16 (out: uint8 [N_pad*K_pad/4]) with the active path's decoder."""
+    cdef str fn = "b3_to_tile16"
+    cdef cnp.ndarray aw = _arr(fn, "w", w, cnp.NPY_UINT8, 1, False)
+    cdef cnp.ndarray ao = _arr(fn, "out", out, cnp.NPY_UINT8, 1, True)
+    _k_pad_of(fn, k_pad)
+    _n_of(fn, n)
+    _b3_w(fn, aw, n, k_pad)
+    _ternary_w(fn, ao, n, k_pad)
+    cdef const uint8_t *pw = <const uint8_t *>cnp.PyArray_DATA(aw)
+    cdef uint8_t *po = <uint8_t *>cnp.PyArray_DATA(ao)
+    with nogil:
+        bk_b3_to_tile16(pw, n, k_pad, po)
 
 
 def gemv_rows_i8(w, row_scale, w_rowsum, xq, act_scale, out):

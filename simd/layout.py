@@ -236,3 +236,65 @@ def unpack_tg128(packed: np.ndarray, n: int, k: int) -> tuple[np.ndarray, np.nda
 
 def tg128_bytes(n: int, k: int) -> int:
     return pad_to(n, TILE_ROWS) // 16 * (k // TG_GROUP) * TG_GROUP_BYTES
+
+
+# ---- base-3 ternary weights ("tile16b3", simd/kernels/gemv_b3.c): 1.6 bits per weight -------------------------
+# The same matrix as tile16 (same N_pad, K_pad, codes u = W_t + 1, padding code 1), with every run of 5 tile16
+# blocks of a tile (a "superblock": 80 columns) stored as 256 bytes of base-3 digits instead of 320 bytes of
+# 2-bit codes. A tile's kb = K_pad/16 blocks are ns = kb // 5 superblocks followed by the kb % 5 remaining blocks
+# in the tile16 format, so a tile is B3_SUPER_BYTES * ns + 64 * (kb % 5) bytes (tile16b3_tile_bytes).
+# Superblock s, plane p (0..3) -> 64 bytes at s*256 + p*64; byte r*4 + j holds the codes of row 16t+r in the
+# columns 16*(5s+i) + 4p + j, i = 0..4 (the plane-p operand of tile16 blocks 5s..5s+4):
+#     v = sum_i u_i * 3^(4-i)  (0..242),   byte q = ceil(v * 256 / 243)   (TQ1_0's fixed-point form)
+# Decoding without division: m_0 = q, m_{i+1} = 3 m_i mod 256, and u_i = (3 m_i - m_{i+1}) / 256 exactly, so a
+# row's dot over a trit plane is (3 * (m_i . x) - (m_{i+1} . x)) / 256: two u8 x s8 dot products, no unpacking.
+B3_SUPER_BLOCKS = 5
+B3_SUPER_BYTES = 256
+
+
+def tile16b3_tile_bytes(k_pad: int) -> int:
+    kb = k_pad // 16
+    return kb // B3_SUPER_BLOCKS * B3_SUPER_BYTES + kb % B3_SUPER_BLOCKS * 64
+
+
+def tile16b3_bytes(n: int, k: int) -> int:
+    n_pad, k_pad = padded_shape(n, k)
+    return n_pad // 16 * tile16b3_tile_bytes(k_pad)
+
+
+def pack_ternary_b3(w_t: np.ndarray) -> np.ndarray:
+    """W_t int [N, K] in {-1,0,1} -> uint8 [tile16b3_bytes(N, K)] in the tile16b3 layout."""
+    w_t = np.asarray(w_t)
+    if w_t.ndim != 2:
+        raise ValueError(f"pack_ternary_b3: expected a 2-D matrix, got shape {w_t.shape}")
+    n, k = w_t.shape
+    n_pad, k_pad = padded_shape(n, k)
+    t, kb = n_pad // 16, k_pad // 16
+    ns = kb // B3_SUPER_BLOCKS
+    tiles = pack_ternary(w_t).reshape(t, kb, 64)             # validates the values too
+    codes = np.ones((n_pad, k_pad), np.uint8)
+    codes[:n, :k] = (w_t + 1).astype(np.uint8)
+    c = codes[:, :ns * 80].reshape(t, 16, ns, 5, 4, 4).transpose(0, 2, 4, 1, 5, 3)   # [t, s, p, r, j, i]
+    v = np.zeros(c.shape[:-1], np.int32)
+    for i in range(5):
+        v = v * 3 + c[..., i]
+    q = ((v * 256 + 242) // 243).astype(np.uint8).reshape(t, ns * B3_SUPER_BYTES)
+    return np.ascontiguousarray(np.concatenate([q, tiles[:, ns * 5:].reshape(t, -1)], axis=1)).reshape(-1)
+
+
+def unpack_ternary_b3(packed: np.ndarray, n: int, k: int) -> np.ndarray:
+    """Inverse of pack_ternary_b3: int8 [N, K] in {-1, 0, +1} (decoded the way the kernels do)."""
+    n_pad, k_pad = padded_shape(n, k)
+    t, kb = n_pad // 16, k_pad // 16
+    ns = kb // B3_SUPER_BLOCKS
+    p = np.asarray(packed, np.uint8).reshape(t, -1)
+    m = p[:, :ns * B3_SUPER_BYTES].reshape(t, ns, 4, 16, 4).astype(np.int32)     # [t, s, p, r, j]
+    trits = []
+    for _ in range(5):
+        m3 = 3 * m
+        trits.append((m3 - (m3 & 255)) >> 8)
+        m = m3 & 255
+    c = np.stack(trits, axis=-1).transpose(0, 3, 1, 5, 2, 4).reshape(n_pad, ns * 80)   # [t, r, s, i, p, j]
+    tb = p[:, ns * B3_SUPER_BYTES:].reshape(t, kb % B3_SUPER_BLOCKS, 16, 4)                    # tile16 [t, b, r, j]
+    tail = np.stack([(tb >> (2 * i)) & 3 for i in range(4)], axis=-1).transpose(0, 2, 1, 4, 3).reshape(n_pad, -1)
+    return (np.concatenate([c, tail], axis=1)[:n, :k].astype(np.int8) - 1)

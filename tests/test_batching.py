@@ -601,3 +601,19 @@ def test_lookup_drafts_only_fill_the_rows_left(synth):
             assert met["lookup_accepted_total"] > 0
             assert any(d >= 2 and rows > d for d, rows in seen)   # drafts beside other sequences' decode rows
     assert outs[None] == outs[LookupParams(draft_max=4, ngram_min=1)]
+
+
+def test_base3_weights_batched_equal_alone_and_equal_tile16(tmp_path):
+    """A model converted with --weights t1.6 (tile16b3) through the batched forward gives the logits it gives
+    alone, and those equal the t2 (tile16) conversion's bit for bit."""
+    from bitnet_cpu.engine.formats.convert import convert
+    from bitnet_cpu.engine.synth import SynthModel, small_config, write_hf_dir
+
+    m = SynthModel(small_config(), seed=12)
+    d = write_hf_dir(m, str(tmp_path / "hf"))
+    b3 = Store(convert(d, str(tmp_path / "b3.bnstore"), lm_head="i8", weights="t1.6", progress=False))
+    t2 = Store(convert(d, str(tmp_path / "t2.bnstore"), lm_head="i8", progress=False))
+    assert b3.info("blk.0.ffn_down")["layout"] == "tile16b3" and b3.meta["weights"] == "t1.6"
+    _assert_batched_equals_alone(b3, seed=5)
+    ids = np.random.default_rng(6).integers(0, m.V, 40).tolist()
+    np.testing.assert_array_equal(Model(b3, n_ctx=64).forward(ids), Model(t2, n_ctx=64).forward(ids))

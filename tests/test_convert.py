@@ -378,3 +378,29 @@ def test_unpacked_int8_checkpoint(model, stores, tmp_path):
     ref = stores["hf"]
     for n in ref.tensor_names:
         assert np.array_equal(ref.tensor(n), s.tensor(n)), n
+
+
+def test_cli_weights_t16_and_refusals(model, tmp_path):
+    """`bitnet convert --weights t1.6` writes the base-3 layout (the same ternary matrices); a bad value is one
+    line and exit 2, and so is t1.6 for a group-scaled (tg128) model."""
+    from bitnet_cpu.engine.synth import write_bonsai_dir
+
+    src = write_gguf_tq(model, str(tmp_path / "m.gguf"), "TQ2_0")
+    out = str(tmp_path / "m.t16.bnstore")
+    r = subprocess.run([sys.executable, "-m", "bitnet_cpu", "convert", src, "-o", out, "--weights", "t1.6"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    s, ref = Store(out), Store(convert(src, str(tmp_path / "m.bnstore"), progress=False))
+    for name in ("blk.0.attn_qkv", "blk.1.ffn_down"):
+        e = s.info(name)
+        assert e["layout"] == "tile16b3"
+        assert np.array_equal(layout.unpack_ternary_b3(s.tensor(name), e["rows"], e["cols"]), _ternary(ref, name))
+    r = subprocess.run([sys.executable, "-m", "bitnet_cpu", "convert", src, "--weights", "t1"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "t1.6" in r.stderr and "Traceback" not in r.stderr
+    q = SynthModel({"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2,
+                    "head_dim": 64, "vocab_size": 640, "tie_word_embeddings": True}, seed=2, style="llama")
+    gsrc = write_bonsai_dir(q, str(tmp_path / "Ternary-Bonsai-tiny-unpacked"))
+    with pytest.raises(BitNetError, match="only t2 applies"):
+        convert(gsrc, str(tmp_path / "q.bnstore"), weights="t1.6", progress=False)
+    assert not os.path.exists(str(tmp_path / "q.bnstore"))

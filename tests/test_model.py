@@ -148,3 +148,24 @@ def test_llama_architecture_variant(tmp_path):
     grown = sum(s.size_diff for s in after.compare_to(before, "filename")
                 if s.size_diff > 0 and "tracemalloc" not in str(s.traceback))
     assert grown < 4096, f"{grown} bytes allocated and kept over 100 decode steps"
+
+
+@pytest.mark.parametrize("head", ["q4", "f16"])
+def test_base3_weights_give_identical_logits(tmp_path, head):
+    """--weights t1.6 (tile16b3, 1.6 bits per weight): prefill in chunks (GEMM), multi-row verify and decode
+    (GEMV) give exactly the logits of the t2 (tile16) store of the same model."""
+    from bitnet_cpu.engine.formats.convert import convert
+    from bitnet_cpu.engine.synth import SynthModel, small_config, write_hf_dir
+
+    m = SynthModel(small_config(intermediate_size=400), seed=5)   # K = 400 -> K_pad 448: a tile16 block tail
+    d = write_hf_dir(m, str(tmp_path / "hf"))
+    t2 = Store(convert(d, str(tmp_path / "t2.bnstore"), lm_head=head, progress=False))
+    b3 = Store(convert(d, str(tmp_path / "b3.bnstore"), lm_head=head, weights="t1.6", progress=False))
+    assert b3.info("blk.0.ffn_down")["layout"] == "tile16b3" and t2.info("blk.0.ffn_down")["layout"] == "tile16"
+    assert b3.data_bytes < t2.data_bytes
+    ids = np.random.default_rng(8).integers(0, m.V, 45).tolist()
+    a, b = Model(t2, n_ctx=64, chunk=16), Model(b3, n_ctx=64, chunk=16)
+    assert b.weights.b3 and not a.weights.b3
+    np.testing.assert_array_equal(a.forward(ids[:40]), b.forward(ids[:40]))
+    np.testing.assert_array_equal(a.verify(ids[40:44]), b.verify(ids[40:44]))
+    np.testing.assert_array_equal(a.decode(ids[44]), b.decode(ids[44]))

@@ -79,7 +79,7 @@ class BatchModel:
 
         # a few rows (decode of 2-4 sequences, small draft steps) take the multi-row GEMV where the kernel path
         # makes it cheaper than the GEMM, as Model does (bit-identical either way)
-        run_layers(self.w, v, attend, ternary_matmul(v.m))
+        run_layers(self.w, v, attend, ternary_matmul(v.m, self.w.b3))
 
     def _head(self, v: _Views, rows) -> np.ndarray:
         """Logits of the given rows (their residual still lacks the last down_proj output)."""

@@ -1,7 +1,8 @@
 """Convert a BitNet model file (bitnet.cpp / llama.cpp GGUF, HF safetensors directory) into the engine's weight
 store once, and find or make the cached store for `bitnet run -m SRC`.
 
-    convert(src, out=None, *, lm_head=None|"q4"|"i8"|"f16", progress=True, hidden_act=None, ternarize=False) -> store path
+    convert(src, out=None, *, lm_head=None|"q4"|"i8"|"f16", weights="t2"|"t1.6", progress=True, hidden_act=None,
+            ternarize=False) -> store path
     resolve_model(src, *, cache_dir=None, lm_head=None, progress=True) -> store path
 
 What goes into the store (tensor names and layouts: engine/INTERFACES.md):
@@ -34,6 +35,7 @@ from .store import TensorSpec, is_store, write_store
 
 CONVERTER_VERSION = "1"
 LM_HEADS = ("q4", "i8", "f16")
+WEIGHTS = {"t2": "tile16", "t1.6": "tile16b3"}   # --weights: ternary layout of the linear layers
 EMBED_CHUNK = 8192  # rows per chunk (a multiple of 16 so tile-major packs concatenate)
 # bitnet_cpu/models: the bundled model's files, found by path (the package that trains it is not imported)
 BUNDLED_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "models")
@@ -47,7 +49,7 @@ def _stats(w_t: np.ndarray, scales) -> dict:
             "scale": [float(s) for s in scales]}
 
 
-def _fused(src, shorts: tuple[str, ...], i: int, stats: dict) -> tuple[np.ndarray, np.ndarray, int, int]:
+def _fused(src, shorts: tuple[str, ...], i: int, stats: dict, b3: bool = False) -> tuple[np.ndarray, np.ndarray, int, int]:
     """Ternary matrices stacked along the output dim, repacked; per-row scale [N_pad]."""
     mats, scales = [], []
     for s in shorts:
@@ -60,7 +62,7 @@ def _fused(src, shorts: tuple[str, ...], i: int, stats: dict) -> tuple[np.ndarra
     n, k = w.shape
     row_scale = np.zeros(layout.pad_to(n, layout.TILE_ROWS), np.float32)
     row_scale[:n] = np.concatenate(scales)
-    return layout.pack_ternary(w), row_scale, n, k
+    return (layout.pack_ternary_b3(w) if b3 else layout.pack_ternary(w)), row_scale, n, k
 
 
 def _fused_groups(src, shorts: tuple[str, ...], i: int, stats: dict) -> tuple[np.ndarray, int, int]:
@@ -75,18 +77,18 @@ def _fused_groups(src, shorts: tuple[str, ...], i: int, stats: dict) -> tuple[np
     return layout.pack_tg128(w, sc), w.shape[0], w.shape[1]
 
 
-def _linears(src, i: int, pairs, stats: dict) -> Iterator[TensorSpec]:
+def _linears(src, i: int, pairs, stats: dict, weights: str = "t2") -> Iterator[TensorSpec]:
     for name, shorts in pairs:
         if src.config.weight_groups:
             w, n, k = _fused_groups(src, shorts, i, stats)
             yield TensorSpec(f"blk.{i}.{name}", w, {"layout": "tg128", "rows": n, "cols": k})
         else:
-            w, s, n, k = _fused(src, shorts, i, stats)
-            yield TensorSpec(f"blk.{i}.{name}", w, {"layout": "tile16", "rows": n, "cols": k})
+            w, s, n, k = _fused(src, shorts, i, stats, weights == "t1.6")
+            yield TensorSpec(f"blk.{i}.{name}", w, {"layout": WEIGHTS[weights], "rows": n, "cols": k})
             yield TensorSpec(f"blk.{i}.{name}.scale", s)
 
 
-def _tensors(src, lm_head: str, stats: dict, bar) -> Iterator[TensorSpec]:
+def _tensors(src, lm_head: str, stats: dict, bar, weights: str = "t2") -> Iterator[TensorSpec]:
     c = src.config
     V, D = c.vocab_size, c.hidden_size
     chunks = [(r, min(r + EMBED_CHUNK, V)) for r in range(0, V, EMBED_CHUNK)]
@@ -151,14 +153,15 @@ def _tensors(src, lm_head: str, stats: dict, bar) -> Iterator[TensorSpec]:
     for i in range(c.n_layers):
         yield TensorSpec(f"blk.{i}.attn_norm", _finite(src, f"blk.{i}.attn_norm", src.norm("attn_norm", i)))
         yield from _linears(src, i, (("attn_qkv", ("attn_q", "attn_k", "attn_v")), ("attn_output", ("attn_output",))),
-                            stats)
+                            stats, weights)
         if c.qk_norm:
             for short in ("attn_q_norm", "attn_k_norm"):
                 yield TensorSpec(f"blk.{i}.{short}", _finite(src, f"blk.{i}.{short}", src.norm(short, i)))
         if c.sub_norms:
             yield TensorSpec(f"blk.{i}.attn_sub_norm", _finite(src, f"blk.{i}.attn_sub_norm", src.norm("attn_sub_norm", i)))
         yield TensorSpec(f"blk.{i}.ffn_norm", _finite(src, f"blk.{i}.ffn_norm", src.norm("ffn_norm", i)))
-        yield from _linears(src, i, (("ffn_gate_up", ("ffn_gate", "ffn_up")), ("ffn_down", ("ffn_down",))), stats)
+        yield from _linears(src, i, (("ffn_gate_up", ("ffn_gate", "ffn_up")), ("ffn_down", ("ffn_down",))), stats,
+                            weights)
         if c.sub_norms:
             yield TensorSpec(f"blk.{i}.ffn_sub_norm", _finite(src, f"blk.{i}.ffn_sub_norm", src.norm("ffn_sub_norm", i)))
         step(f"blk.{i}")
@@ -197,20 +200,26 @@ def source_label(meta: dict) -> str:
     return src
 
 
-def convert(src: str, out: str | None = None, *, lm_head: str | None = None, progress: bool = True,
-            hidden_act: str | None = None, ternarize: bool = False, source_name: str | None = None) -> str:
+def convert(src: str, out: str | None = None, *, lm_head: str | None = None, weights: str = "t2",
+            progress: bool = True, hidden_act: str | None = None, ternarize: bool = False,
+            source_name: str | None = None) -> str:
     """Convert `src` (GGUF file or HF directory) into a store at `out`; returns the store path.
-    lm_head None: default_lm_head of the model. `source_name` is what the store records as its source
-    (default: the file name of `src`)."""
+    lm_head None: default_lm_head of the model. weights: "t2" (tile16, 2 bits per weight) or "t1.6" (base-3
+    tile16b3). `source_name` is what the store records as its source (default: the file name of `src`)."""
     from .sources import open_source
 
     if lm_head is not None and lm_head not in LM_HEADS:
         raise BitNetError(f"--lm-head: {lm_head!r} is not one of {', '.join(LM_HEADS)}")
+    if weights not in WEIGHTS:
+        raise BitNetError(f"--weights: {weights!r} is not one of {', '.join(WEIGHTS)}")
     src = os.fspath(src)
     if is_store(src):
         raise FormatError(f"{src}: is already a BitNet store (nothing to convert)")
     source = open_source(src, hidden_act, ternarize)
     try:
+        if weights != "t2" and source.config.weight_groups:
+            raise BitNetError(f"--weights {weights}: {src} scales its weights per group of {source.config.weight_groups} "
+                              f"(group-scaled layout tg128); only t2 applies to it")
         _check_tokenizer(source, src)
     except BaseException:
         source.close()
@@ -221,11 +230,11 @@ def convert(src: str, out: str | None = None, *, lm_head: str | None = None, pro
     bar = progress_bar(source.config.n_layers + 2, f"convert {os.path.basename(src.rstrip(os.sep))}", progress)
     try:
         meta = {"source": source_name or os.path.basename(os.path.abspath(src).rstrip(os.sep)), "source_format": source.source_format, "lm_head": lm_head,
-                "converter_version": CONVERTER_VERSION, "ternary_stats": stats, **source.meta}
+                "weights": weights, "converter_version": CONVERTER_VERSION, "ternary_stats": stats, **source.meta}
         tok = source.tokenizer
         try:  # values are checked explicitly (NaN/inf -> FormatError): no numpy warning lines on stderr
             with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-                write_store(out, source.config, _tensors(source, lm_head, stats, bar), meta=meta,
+                write_store(out, source.config, _tensors(source, lm_head, stats, bar, weights), meta=meta,
                             chat_template=source.chat_template, tokenizer_kind=tok[0] if tok else None,
                             tokenizer_blob=tok[1] if tok else None)
         except OSError as e:

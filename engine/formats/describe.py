@@ -114,7 +114,7 @@ def describe(path: str, max_tensors: int | None = None) -> Iterator[str]:
             m = s.meta
             yield from _config_lines(s.config, m.get("family", ""))
             yield (f"source: {source_label(m)} ({m.get('source_format', '?')}), lm_head {m.get('lm_head', '?')},"
-                   f" converter {m.get('converter_version', '?')}")
+                   f" weights {m.get('weights', 't2')}, converter {m.get('converter_version', '?')}")
             if m.get("folded"):  # constants folded into the weights at conversion (MiniCPM)
                 yield f"folded: {m['folded']}"
             yield head_line(s)

@@ -32,7 +32,7 @@ from ..config import ModelConfig
 from ..errors import BitNetError, ContextOverflowError, FormatError
 from ..memory import available_memory
 from .thread_tuner import ThreadTuner
-from ...simd.layout import K_ALIGN, TG_GROUP, pad_to, tg128_bytes
+from ...simd.layout import K_ALIGN, TG_GROUP, pad_to, tg128_bytes, tile16b3_bytes
 
 DEFAULT_CHUNK = 128  # prefill rows per GEMM call (measured: 32..256 within 4%, 128 best)
 # Chunks of at most this many rows use the multi-row GEMV (one sequential weight stream) instead of the GEMM,
@@ -53,9 +53,12 @@ VERIFY_MAX = K.ROWS_MAX  # most rows of one Model.verify pass (the multi-row hea
 RESCORE_K = 64
 
 
-def ternary_matmul(m: int):
-    """The ternary kernel for an m-row pass (m >= 2) on the kernel path in use."""
-    return K.gemv_rows_ternary if m <= ROWS_GEMV_MAX.get(K.active(), 0) else K.gemm_ternary
+def ternary_matmul(m: int, b3: bool = False):
+    """The ternary kernel for an m-row pass (m >= 2) on the kernel path in use; b3: weights in the base-3
+    tile16b3 layout (--weights t1.6)."""
+    if m <= ROWS_GEMV_MAX.get(K.active(), 0):
+        return K.gemv_rows_ternary_b3 if b3 else K.gemv_rows_ternary
+    return K.gemm_ternary_b3 if b3 else K.gemm_ternary
 
 
 def session_bytes(cfg: ModelConfig, n_ctx: int, kv_dtype: str, chunk: int = DEFAULT_CHUNK) -> int:
@@ -87,7 +90,7 @@ class _Layer:
     """Read-only views of one block's weights in the store."""
 
     __slots__ = ("attn_norm", "qkv", "qkv_scale", "attn_sub_norm", "o", "o_scale", "ffn_norm", "gate_up",
-                 "gate_up_scale", "ffn_sub_norm", "down", "down_scale", "q_norm", "k_norm")
+                 "gate_up_scale", "ffn_sub_norm", "down", "down_scale", "q_norm", "k_norm", "b3")
 
     def __init__(self, store, i: int, cfg: ModelConfig):
         def t(name, dtype, size=None):
@@ -105,15 +108,19 @@ class _Layer:
                     raise FormatError(f"{store.path}: blk.{i}.{name} is {info.get('rows')}x{info.get('cols')} "
                                       f"{info.get('layout')} (expected {rows}x{cols} tg128)")
                 return t(name, np.uint8, tg128_bytes(rows, cols)), None
-            if info.get("layout", "tile16") != "tile16" or info.get("rows", rows) != rows or info.get("cols", cols) != cols:
+            lay = info.get("layout", "tile16")
+            if lay not in ("tile16", "tile16b3") or info.get("rows", rows) != rows or info.get("cols", cols) != cols:
                 raise FormatError(f"{store.path}: blk.{i}.{name} is {info.get('rows')}x{info.get('cols')} "
-                                  f"{info.get('layout')} (expected {rows}x{cols} tile16)")
-            w = t(name, np.uint8, pad_to(rows, 16) * pad_to(cols, K_ALIGN) // 4)
+                                  f"{info.get('layout')} (expected {rows}x{cols} tile16 or tile16b3)")
+            layouts.add(lay)
+            w = t(name, np.uint8, tile16b3_bytes(rows, cols) if lay == "tile16b3"
+                  else pad_to(rows, 16) * pad_to(cols, K_ALIGN) // 4)
             s = t(name + ".scale", np.float32)
             if s.size < rows:
                 raise FormatError(f"{store.path}: blk.{i}.{name}.scale has {s.size} values for {rows} rows")
             return w, s
 
+        layouts: set[str] = set()
         D, Q, KV, I = cfg.hidden_size, cfg.q_dim, cfg.kv_dim, cfg.intermediate_size
         self.attn_norm = t("attn_norm", np.float32, D)
         self.qkv, self.qkv_scale = ternary("attn_qkv", Q + 2 * KV, D)
@@ -126,6 +133,9 @@ class _Layer:
         self.down, self.down_scale = ternary("ffn_down", D, I)
         self.q_norm = t("attn_q_norm", np.float32, cfg.head_dim) if cfg.qk_norm else None
         self.k_norm = t("attn_k_norm", np.float32, cfg.head_dim) if cfg.qk_norm else None
+        if len(layouts) > 1:
+            raise FormatError(f"{store.path}: layer {i} mixes the ternary layouts {sorted(layouts)}")
+        self.b3 = layouts == {"tile16b3"}
 
 
 def rope_tables(cfg: ModelConfig, n_ctx: int) -> tuple[np.ndarray, np.ndarray]:
@@ -185,6 +195,10 @@ class Weights:
         else:
             self.out_w = _expect(store, "output", (np.float16, np.uint16), v_pad * D).view(np.uint16)
         self.layers = [_Layer(store, i, cfg) for i in range(cfg.n_layers)]
+        # base-3 ternary weights (--weights t1.6): the same results through the b3 kernels; one layout per model
+        self.b3 = bool(self.layers) and self.layers[0].b3
+        if any(L.b3 != self.b3 for L in self.layers):
+            raise FormatError(f"{store.path}: the layers mix the ternary layouts tile16 and tile16b3")
 
     def q4_logits(self, xq, act_scale, h, out, heap, idx):
         """The q4 head for the rows of xq (ROWS_MAX per pass over the head), then its RESCORE_K best per row
@@ -252,7 +266,7 @@ def run_layers(w: Weights, v: _Views, attend, gemm=K.gemm_ternary):
     xq_d, xq_q, xq_i, s, sm = v.xq_d, v.xq_q, v.xq_i, v.act_scale, v.act_sum
     add_norm_q, glu, quant = ops.add_rmsnorm_quant, ops.glu_rmsnorm_quant, K.quantize_act
     one = v.m == 1  # one row: gemv_ternary on the 1-row operands, with act scale / sum as scalars
-    mm = K.gemv_ternary if one else gemm
+    mm = (K.gemv_ternary_b3 if w.b3 else K.gemv_ternary) if one else gemm
     a_d, a_q, a_i, o_qkv, o_delta, o_gu = ((v.xq_d1, v.xq_q1, v.xq_i1, v.qkv1, v.delta1, v.gu1) if one
                                            else (xq_d, xq_q, xq_i, qkv, delta, gu))
     residual = None  # layer 0: x is the embedding, nothing to add yet
@@ -412,7 +426,7 @@ class Model:
         def attend(li, qkv, att):
             attention(qkv, nh, nkv, hd, cos, sin, pos0, kc[li], vc[li], att, scr)
 
-        run_layers(self.weights, v, attend, ternary_matmul(v.m))
+        run_layers(self.weights, v, attend, ternary_matmul(v.m, self.weights.b3))
 
     def _head(self, v: _Views, row: int, out: np.ndarray):
         """Logits of one row of the last chunk (its residual still lacks the last down_proj output)."""

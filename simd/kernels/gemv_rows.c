@@ -212,6 +212,17 @@ static void pick(rows_ternary_fn *tf, rows_i8_fn *hf) {
 #endif
 }
 
+/* The multi-row body of the active path over tiles [tile_begin, tile_end), on the calling thread (gemv_b3.c runs
+ * it on tiles it decoded into tile16). */
+void bk_gemv_rows_ternary_tiles(const uint8_t *w, const float *row_scale, const int8_t *xq, int m, int k_pad,
+                                const float *act_scale, const int32_t *act_sum, float *out, int n, int tile_begin,
+                                int tile_end) {
+    rows_ternary_fn fn;
+    rows_i8_fn unused;
+    pick(&fn, &unused);
+    fn(w, row_scale, xq, m, k_pad, act_scale, act_sum, out, n, tile_begin, tile_end);
+}
+
 /* ---------------- threaded drivers ---------------- */
 typedef struct {
     rows_ternary_fn fn;
