@@ -1,6 +1,6 @@
 """Decode rows per weight layout / LM head, and prompt-lookup speculation, measured in one run (issue 16).
 
-    python bench/decode_rows.py [--tokens 64] [--repeats 2] [--threads 2] [--heads i8,q4,f16]
+    python bench/decode_rows.py [--tokens 64] [--repeats 2] [--threads 2] [--heads i8,q4,f16] [--weights t2,t1.6]
     python bench/bench_e2e.py --decode-rows ...      (appends the same tables to RESULTS.md)
 
 For each of our stores of the synthetic 2B-4T file (bench/make_models.py; the q4-head store is converted
@@ -109,25 +109,37 @@ def bandwidth(threads: int, mib: int = 512) -> float | None:
     return json.loads(lines[-1]).get("bandwidth_Bps") if lines else None
 
 
-def ensure_q4_store(cache: str, shape: str = "2b4t") -> str:
-    """The q4-head store (make_models writes it too; this converts it when only the GGUF is there)."""
-    path = model_paths(cache, shape)["store_q4"]
+def ensure_store(cache: str, shape: str = "2b4t", head: str = "q4", weights: str = "t2") -> str:
+    """Our store of the benchmark file with this head and ternary layout (make_models writes the t2 ones; the
+    rest are converted here once, next to them)."""
+    path = model_paths(cache, shape)[f"store_{head}"]
+    if weights != "t2":
+        path = path.removesuffix(".bnstore") + f".{weights}.bnstore"
     if not os.path.exists(path):
         from bitnet_cpu.engine.formats.convert import convert
 
-        convert(model_paths(cache, shape)["tq2_0"], path + ".tmp", lm_head="q4", progress=False)
+        convert(model_paths(cache, shape)["tq2_0"], path + ".tmp", lm_head=head, weights=weights, progress=False)
         os.replace(path + ".tmp", path)
     return path
+
+
+def ensure_q4_store(cache: str, shape: str = "2b4t") -> str:
+    """The q4-head store (make_models writes it too; this converts it when only the GGUF is there)."""
+    return ensure_store(cache, shape, "q4", "t2")
+
+
+LAYOUT_NAMES = {"t2": "tile16", "t1.6": "tile16b3 (t1.6)"}
 
 
 def measure(a) -> dict:
     log = lambda *x: print(*x, file=sys.stderr, flush=True)
     paths = model_paths(a.cache, a.shape)
-    stores = {}
-    for h in a.heads:
-        p = ensure_q4_store(a.cache, a.shape) if h == "q4" else paths[f"store_{h}"]
-        if os.path.exists(p):
-            stores[h] = p
+    stores = {}   # engine -> (store path, head, weights)
+    for wl in a.weights:
+        for h in a.heads:
+            p = ensure_store(a.cache, a.shape, h, wl) if (h == "q4" or wl != "t2") else paths[f"store_{h}"]
+            if os.path.exists(p):
+                stores[f"ours_{h}" + ("" if wl == "t2" else f"_{wl}")] = (p, h, wl)
     if a.llama_bench:
         have_llama = os.path.exists(paths["tq2_0"])
     else:
@@ -136,38 +148,51 @@ def measure(a) -> dict:
             have_llama = os.path.exists(paths["tq2_0"])
         except ImportError:
             have_llama = False
-    engines = ([f"ours_{h}" for h in stores] + ([f"ours_{h}_mmap" for h in stores] if a.mmap_rows else [])
-               + (["llama"] + (["llama_nommap"] if a.llama_bench else []) if have_llama else [])
+    if a.mmap_rows:   # the t2 stores mapped from the file too
+        stores.update({f"{e}_mmap": v for e, v in list(stores.items()) if v[2] == "t2"})
+    engines = (list(stores) + (["llama"] + (["llama_nommap"] if a.llama_bench else []) if have_llama else [])
                + (["bitnet"] if a.bitnet_bench else []))
     if a.bitnet_bench:
         from make_models import make_i2s
 
         make_i2s(a.cache, a.shape)
+    nbytes = {e: (gguf_bytes_per_token(paths["tq2_0"]) if e.startswith("llama")
+                  else gguf_bytes_per_token(paths["i2_s"]) if e == "bitnet"
+                  else store_bytes_per_token(stores[e][0])) for e in engines}
+    # the host's memory bandwidth drifts by tens of percent within minutes: besides the best probe of the run, each
+    # decode run is set against the mean of the probes taken right before and right after it
     bws = [bandwidth(a.threads, a.bw_mib)]
     best: dict[str, float] = {}
+    shares: dict[str, list[tuple[float, float]]] = {}   # engine -> [(tok/s, share of the adjacent probes)]
     loads: dict[str, str | None] = {}
     for rep in range(a.repeats):
         for eng in (engines if rep % 2 == 0 else engines[::-1]):
-            args = (["--engine", "llama", "--model", paths["tq2_0"]] if eng == "llama" else
-                    ["--engine", "ours", "--model", stores.get(eng[5:].removesuffix("_mmap"), ""), "--draft-max", "0"]
-                    + (["--mmap"] if eng.endswith("_mmap") else []))
             if eng == "bitnet":   # bitnet.cpp's llama-bench (tg only)
                 r = llama_bench(a.bitnet_bench, paths["i2_s"], a.threads, a.tokens, prompt=0)
             elif eng.startswith("llama") and a.llama_bench:   # llama.cpp timed by its own llama-bench (tg only)
                 r = llama_bench(a.llama_bench, paths["tq2_0"], a.threads, a.tokens, prompt=0,
                                 extra=("-lm", "none") if eng == "llama_nommap" else ())
+            elif eng.startswith("llama"):
+                r = run_worker(["--engine", "llama", "--model", paths["tq2_0"], "--tokens", str(a.tokens)], a.threads)
             else:
-                r = run_worker(args + ["--tokens", str(a.tokens)], a.threads)
-            log(f"decode {eng} repeat {rep + 1}: {r}")
+                r = run_worker(["--engine", "ours", "--model", stores[eng][0], "--draft-max", "0", "--tokens",
+                                str(a.tokens)] + (["--mmap"] if eng.endswith("_mmap") else []), a.threads)
+            bws.append(bandwidth(a.threads, a.bw_mib))
+            log(f"decode {eng} repeat {rep + 1}: {r} | stream {bws[-2] and bws[-2] / 1e9:.1f} -> "
+                f"{bws[-1] and bws[-1] / 1e9:.1f} GB/s")
             if "decode_tps" in r:
                 best[eng] = max(best.get(eng, 0.0), r["decode_tps"])
                 loads[eng] = r.get("load")
+                if bws[-2] and bws[-1]:
+                    shares.setdefault(eng, []).append(
+                        (r["decode_tps"], r["decode_tps"] * nbytes[eng] / ((bws[-2] + bws[-1]) / 2)))
     spec = {}
-    head = "q4" if "q4" in stores else next(iter(stores), None)   # the default head
+    head = "q4" if "ours_q4" in stores else next((v[1] for v in stores.values()), None)   # the default head
     if head:
+        spec_store = stores.get("ours_q4", next(iter(stores.values())))[0]
         for prompt in ("code", "random"):
             for dm in (0, 4):
-                r = run_worker(["--engine", "ours", "--model", stores[head], "--draft-max", str(dm), "--prompt", prompt,
+                r = run_worker(["--engine", "ours", "--model", spec_store, "--draft-max", str(dm), "--prompt", prompt,
                                 "--tokens", str(a.tokens)], a.threads)
                 log(f"lookup {prompt} draft_max {dm}: {r}")
                 spec[(prompt, dm)] = r
@@ -179,20 +204,22 @@ def measure(a) -> dict:
     names = {"llama": "llama.cpp TQ2_0 (mmap)", "llama_nommap": "llama.cpp TQ2_0 (-lm none)",
              "bitnet": "bitnet.cpp I2_S"}
     for eng in engines:
-        h = eng[5:].removesuffix("_mmap")
-        nbytes = (gguf_bytes_per_token(paths["tq2_0"]) if eng.startswith("llama")
-                  else gguf_bytes_per_token(paths["i2_s"]) if eng == "bitnet"
-                  else store_bytes_per_token(stores[h]))
         tps = best.get(eng)
         how = {"memory": "weights in memory", "mmap": "weights mapped"}.get(loads.get(eng) or "", "")
-        rows.append({"engine": names.get(eng) or f"ours tile16 + {h} head" + (f", {how}" if how else "")
-                     + (" (--mmap)" if eng.endswith("_mmap") else ""),
-                     "bytes_per_token": nbytes, "decode_tps": tps,
-                     "bw_share": (tps * nbytes / bw) if tps and bw else None,
+        label = names.get(eng)
+        if label is None:
+            _, h, wl = stores[eng]
+            label = (f"ours {LAYOUT_NAMES[wl]} + {h} head" + (f", {how}" if how else "")
+                     + (" (--mmap)" if eng.endswith("_mmap") else ""))
+        adj = sorted(shares.get(eng, []))
+        rows.append({"engine": label, "bytes_per_token": nbytes[eng], "decode_tps": tps,
+                     "bw_share": (tps * nbytes[eng] / bw) if tps and bw else None,
+                     "adj_share_best": adj[-1][1] if adj else None,
+                     "adj_share_median": sorted(x[1] for x in adj)[len(adj) // 2] if adj else None,
                      "vs_llama": (tps / llama_tps) if tps and llama_tps else None,
                      "vs_bitnet": (tps / bitnet_tps) if tps and bitnet_tps else None})
-    return {"bandwidth_Bps": bw, "rows": rows, "spec": {f"{p}/{'off' if d == 0 else 'on'}": v
-                                                          for (p, d), v in spec.items()},
+    return {"bandwidth_Bps": bw, "bandwidth_all_Bps": bws, "rows": rows,
+            "spec": {f"{p}/{'off' if d == 0 else 'on'}": v for (p, d), v in spec.items()},
             "spec_head": head, "llama": have_llama, "threads": a.threads, "tokens": a.tokens,
             "llama_how": "its own llama-bench, tg only" if a.llama_bench else "llama-cpp-python",
             "bitnet": bool(a.bitnet_bench)}
@@ -205,12 +232,16 @@ def markdown(res: dict) -> str:
            "The machine was shared with other jobs: compare the ratios, not the absolute numbers."
            + (f" llama.cpp timed by {res.get('llama_how', 'llama-cpp-python')}." if res["llama"] else
               " llama-cpp-python is not installed: no llama.cpp column."), "",
-           "| engine | bytes/token | decode tok/s | share of read bandwidth | vs llama.cpp TQ2_0 (its best) |"
-           + (" vs bitnet.cpp I2_S |" if res.get("bitnet") else ""),
-           "|---|---|---|---|---|" + ("---|" if res.get("bitnet") else "")]
+           "Share of read bandwidth: the best tok/s against the best probe of the run; \"beside it\": each run against "
+           "the mean of the probes taken just before and after it (the run with the best tok/s / the median run).", "",
+           "| engine | bytes/token | decode tok/s | share of read bandwidth | share, probes beside it (best / median run) "
+           "| vs llama.cpp TQ2_0 (its best) |" + (" vs bitnet.cpp I2_S |" if res.get("bitnet") else ""),
+           "|---|---|---|---|---|---|" + ("---|" if res.get("bitnet") else "")]
     for r in res["rows"]:
         out.append(f"| {r['engine']} | {r['bytes_per_token'] / 1e6:.2f} MB | {f(r['decode_tps'], '.1f')} | "
-                   f"{f(r['bw_share'] and 100 * r['bw_share'], '.0f')}% | {f(r['vs_llama'], '.2f')}x |"
+                   f"{f(r['bw_share'] and 100 * r['bw_share'], '.0f')}% | "
+                   f"{f(r.get('adj_share_best') and 100 * r['adj_share_best'], '.0f')}% / "
+                   f"{f(r.get('adj_share_median') and 100 * r['adj_share_median'], '.0f')}% | {f(r['vs_llama'], '.2f')}x |"
                    + (f" {f(r.get('vs_bitnet'), '.2f')}x |" if res.get("bitnet") else ""))
     if res["spec"]:
         out += ["", f"### Prompt-lookup speculative decoding ({res['spec_head']} head, greedy, same output)", "",
@@ -240,6 +271,8 @@ def parse_args(argv=None):
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2, help="0: the default count (decode thread count tuned)")
     ap.add_argument("--heads", type=lambda s: [h for h in s.split(",") if h], default=["i8", "q4", "f16"])
+    ap.add_argument("--weights", type=lambda s: [w for w in s.split(",") if w], default=["t2", "t1.6"],
+                    help="ternary layouts to time (t2 = tile16, t1.6 = base-3 tile16b3; converted once into the cache)")
     ap.add_argument("--cache", default=DEFAULT_CACHE)
     ap.add_argument("--shape", default="2b4t", help="2b4t (the benchmark) or small (harness check)")
     ap.add_argument("--bw-mib", type=int, default=512, help="bandwidth probe buffer (MiB)")

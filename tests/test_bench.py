@@ -189,10 +189,14 @@ def test_decode_rows_small(small_models, capsys):
     out = capsys.readouterr().out
     assert rc == 0
     rows = {ln.split("|")[1].strip(): ln for ln in out.splitlines() if ln.startswith("| ours")}
-    # small stores are mapped by default ("auto"); --mmap rows say so too
-    assert set(rows) == {f"ours tile16 + {h} head, weights mapped{m}" for h in ("i8", "q4") for m in ("", " (--mmap)")}
+    # small stores are mapped by default ("auto"); --mmap rows say so too; t1.6 rows for the base-3 stores
+    assert set(rows) == ({f"ours tile16 + {h} head, weights mapped{m}" for h in ("i8", "q4") for m in ("", " (--mmap)")}
+                         | {f"ours tile16b3 (t1.6) + {h} head, weights mapped" for h in ("i8", "q4")})
     mb = {k: float(v.split("|")[2].split()[0]) for k, v in rows.items()}
     assert mb["ours tile16 + q4 head, weights mapped"] < mb["ours tile16 + i8 head, weights mapped"]  # q4 reads fewer
+    assert mb["ours tile16b3 (t1.6) + q4 head, weights mapped"] < mb["ours tile16 + q4 head, weights mapped"]
+    # every row has a share against the probes taken beside its runs
+    assert all(v.split("|")[5].strip().endswith("%") and "-%" not in v.split("|")[5] for v in rows.values())
     assert "repetitive code | off" in out and "random ids | --draft-max 4" in out
 
 
