@@ -37,6 +37,15 @@ def main(args) -> int:
             args.src, source_name = resolve_hub_ref(args.src)
             stem = source_name.split("@")[0].replace("/", "--").replace(":", "--").removesuffix(".gguf")
             args.out = args.out or stem + (f".{args.lm_head}.bnstore" if args.lm_head else ".bnstore")
+    if args.weights == "t1.6":
+        import sys
+
+        from ..simd import _kernels as K
+
+        if K.active() != "avx512":   # the store is still valid anywhere; only the speed differs
+            print(f"bitnet: warning: --weights t1.6 decodes without unpacking only with AVX-512 VNNI; this CPU's kernel "
+                  f"path is {K.active()}, where it runs about 3x slower than t2 (bitnet convert --weights t2)",
+                  file=sys.stderr)
     out = convert(args.src, args.out, lm_head=args.lm_head, weights=args.weights, progress=not args.no_progress, hidden_act=args.hidden_act,
                   ternarize=args.ternarize, source_name=source_name)
     print(out)

@@ -390,6 +390,9 @@ def test_cli_weights_t16_and_refusals(model, tmp_path):
     r = subprocess.run([sys.executable, "-m", "bitnet_cpu", "convert", src, "-o", out, "--weights", "t1.6"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
+    r2 = subprocess.run([sys.executable, "-m", "bitnet_cpu", "convert", src, "-o", out + "2", "--weights", "t1.6"],
+                        capture_output=True, text=True, timeout=120, env=dict(os.environ, BITNET_ISA="scalar"))
+    assert r2.returncode == 0 and "warning: --weights t1.6" in r2.stderr and "scalar" in r2.stderr, r2.stderr
     s, ref = Store(out), Store(convert(src, str(tmp_path / "m.bnstore"), progress=False))
     for name in ("blk.0.attn_qkv", "blk.1.ffn_down"):
         e = s.info(name)

@@ -11,7 +11,8 @@
  * at ~22 GB/s of these bytes per Zen 4 core, so it pays where a core's share of the memory bandwidth is below
  * that (bench/probes/base3_unpack.c, README "Denser ternary layout").
  *
- * Every other path, and the multi-row and GEMM kernels on every path, decode a few tiles into tile16 in a
+ * Every other path, and the multi-row and GEMM kernels on every path, decode a few tiles into tile16 (AVX-512 and
+ * AVX2 decoders: u = (m >= 86) + (m >= 171); scalar elsewhere) in a
  * per-thread scratch buffer and run the tile16 body of that path on it: identical integer dots by construction
  * (the tests demand equality with tile16 on every path). The drivers allocate the scratch (-1: no memory).
  */
@@ -80,10 +81,42 @@ AVX512_TARGET static void b3_decode_tile_avx512(const uint8_t *src, int kb, uint
 }
 #endif
 
+#if defined(__x86_64__)
+/* The same rule with AVX2 (no unsigned compare): (m >= 86) is (m -sat 85) != 0, (m >= 171) is (m -sat 170) != 0. */
+AVX2_TARGET static void b3_decode_tile_avx2(const uint8_t *src, int kb, uint8_t *dst) {
+    int ns = kb / B3_SUPER_BLOCKS;
+    const __m256i c85 = _mm256_set1_epi8(85), c170 = _mm256_set1_epi8((char)170), z = _mm256_setzero_si256();
+    for (int s = 0; s < ns; s++)
+        for (int h = 0; h < 2; h++) {   /* 32-byte halves: rows 0-7, 8-15 */
+            __m256i acc[B3_SUPER_BLOCKS];
+            for (int i = 0; i < B3_SUPER_BLOCKS; i++) acc[i] = z;
+            for (int p = 0; p < 4; p++) {
+                const __m256i bit = _mm256_set1_epi8((char)(1 << (2 * p)));
+                __m256i m = _mm256_loadu_si256((const __m256i *)(src + (size_t)s * B3_SUPER_BYTES + p * 64 + h * 32));
+                for (int i = 0; i < B3_SUPER_BLOCKS; i++) {
+                    __m256i b1 = _mm256_andnot_si256(_mm256_cmpeq_epi8(_mm256_subs_epu8(m, c85), z), bit);
+                    __m256i b2 = _mm256_andnot_si256(_mm256_cmpeq_epi8(_mm256_subs_epu8(m, c170), z), bit);
+                    acc[i] = _mm256_add_epi8(acc[i], _mm256_add_epi8(b1, b2));
+                    m = _mm256_add_epi8(_mm256_add_epi8(m, m), m);
+                }
+            }
+            for (int i = 0; i < B3_SUPER_BLOCKS; i++)
+                _mm256_storeu_si256((__m256i *)(dst + ((size_t)s * B3_SUPER_BLOCKS + i) * 64 + h * 32), acc[i]);
+        }
+    memcpy(dst + (size_t)ns * B3_SUPER_BLOCKS * 64, src + (size_t)ns * B3_SUPER_BYTES,
+           (size_t)(kb % B3_SUPER_BLOCKS) * 64);
+}
+#endif
+
 static void b3_decode_tile(const uint8_t *src, int kb, uint8_t *dst) {
 #if defined(__x86_64__)
-    if (bk_get_isa() == BK_ISA_AVX512) {
+    int isa = bk_get_isa();
+    if (isa == BK_ISA_AVX512) {
         b3_decode_tile_avx512(src, kb, dst);
+        return;
+    }
+    if (isa == BK_ISA_AVX2 || isa == BK_ISA_AVXVNNI) {
+        b3_decode_tile_avx2(src, kb, dst);
         return;
     }
 #endif
