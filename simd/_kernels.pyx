@@ -215,39 +215,56 @@ cdef inline void _ternary_w(str fn, cnp.ndarray aw, Py_ssize_t n, Py_ssize_t k_p
     _check_size(fn, "w", aw, _pad16(n) * k_pad // 4, f"N_pad*K_pad/4 (N={n}, K_pad={k_pad})")
 
 
-def gemv_ternary(w, row_scale, xq, float act_scale, int act_sum, out):
-    """out[n] = ((float)(W_t[n] . xq) / act_scale) * row_scale[n]; w uint8 tile16 [N_pad*K_pad/4]."""
-    cdef str fn = "gemv_ternary"
+cdef inline void _b3_w(str fn, cnp.ndarray aw, Py_ssize_t n, Py_ssize_t k_pad) except *:
+    _check_size(fn, "w", aw, _pad16(n) // 16 * <Py_ssize_t>bk_b3_tile_bytes(<int>k_pad),
+                f"tile16b3 bytes (N={n}, K_pad={k_pad})")
+
+
+cdef inline _oom(str fn, int rc):
+    if rc != 0:
+        raise MemoryError(f"{fn}: no memory for the decode scratch")
+
+
+cdef _gemv_ternary_call(str fn, w, row_scale, xq, float act_scale, int act_sum, out, bint b3, bint raw):
+    """One token against tile16 (b3 False) or tile16b3 weights; raw: exact int32 dots into out."""
     cdef cnp.ndarray aw = _arr(fn, "w", w, cnp.NPY_UINT8, 1, False)
-    cdef cnp.ndarray ars = _arr(fn, "row_scale", row_scale, cnp.NPY_FLOAT32, 1, False)
+    cdef cnp.ndarray ars = None if raw else _arr(fn, "row_scale", row_scale, cnp.NPY_FLOAT32, 1, False)
     cdef cnp.ndarray aq = _arr(fn, "xq", xq, cnp.NPY_INT8, 1, False)
-    cdef cnp.ndarray ao = _arr(fn, "out", out, cnp.NPY_FLOAT32, 1, True)
+    cdef cnp.ndarray ao = _arr(fn, "out", out, cnp.NPY_INT32 if raw else cnp.NPY_FLOAT32, 1, True)
     cdef Py_ssize_t k_pad = _k_pad_of(fn, cnp.PyArray_DIM(aq, 0))
     cdef Py_ssize_t n = _n_of(fn, cnp.PyArray_DIM(ao, 0))
-    _ternary_w(fn, aw, n, k_pad)
-    _check_at_least(fn, "row_scale", ars, n)
+    if b3:
+        _b3_w(fn, aw, n, k_pad)
+    else:
+        _ternary_w(fn, aw, n, k_pad)
+    if not raw:
+        _check_at_least(fn, "row_scale", ars, n)
     cdef const uint8_t *pw = <const uint8_t *>cnp.PyArray_DATA(aw)
-    cdef const float *prs = <const float *>cnp.PyArray_DATA(ars)
+    cdef const float *prs = NULL
+    if not raw:
+        prs = <const float *>cnp.PyArray_DATA(ars)
     cdef const int8_t *pq = <const int8_t *>cnp.PyArray_DATA(aq)
-    cdef float *po = <float *>cnp.PyArray_DATA(ao)
+    cdef float *po = NULL if raw else <float *>cnp.PyArray_DATA(ao)
+    cdef int32_t *pi = <int32_t *>cnp.PyArray_DATA(ao) if raw else NULL
+    cdef int rc = 0
+    if raw:
+        act_scale = 1.0
     with nogil:
-        bk_gemv_ternary(pw, prs, pq, <int>k_pad, act_scale, act_sum, po, NULL, <int>n)
+        if b3:
+            rc = bk_gemv_b3(pw, prs, pq, <int>k_pad, act_scale, act_sum, po, pi, <int>n)
+        else:
+            bk_gemv_ternary(pw, prs, pq, <int>k_pad, act_scale, act_sum, po, pi, <int>n)
+    _oom(fn, rc)
+
+
+def gemv_ternary(w, row_scale, xq, float act_scale, int act_sum, out):
+    """out[n] = ((float)(W_t[n] . xq) / act_scale) * row_scale[n]; w uint8 tile16 [N_pad*K_pad/4]."""
+    _gemv_ternary_call("gemv_ternary", w, row_scale, xq, act_scale, act_sum, out, False, False)
 
 
 def gemv_ternary_i32(w, xq, int act_sum, out):
     """Raw exact dots out[n] = W_t[n] . xq as int32 (tests; act_sum must be sum(xq))."""
-    cdef str fn = "gemv_ternary_i32"
-    cdef cnp.ndarray aw = _arr(fn, "w", w, cnp.NPY_UINT8, 1, False)
-    cdef cnp.ndarray aq = _arr(fn, "xq", xq, cnp.NPY_INT8, 1, False)
-    cdef cnp.ndarray ao = _arr(fn, "out", out, cnp.NPY_INT32, 1, True)
-    cdef Py_ssize_t k_pad = _k_pad_of(fn, cnp.PyArray_DIM(aq, 0))
-    cdef Py_ssize_t n = _n_of(fn, cnp.PyArray_DIM(ao, 0))
-    _ternary_w(fn, aw, n, k_pad)
-    cdef const uint8_t *pw = <const uint8_t *>cnp.PyArray_DATA(aw)
-    cdef const int8_t *pq = <const int8_t *>cnp.PyArray_DATA(aq)
-    cdef int32_t *po = <int32_t *>cnp.PyArray_DATA(ao)
-    with nogil:
-        bk_gemv_ternary(pw, NULL, pq, <int>k_pad, 1.0, act_sum, NULL, po, <int>n)
+    _gemv_ternary_call("gemv_ternary_i32", w, None, xq, 1.0, act_sum, out, False, True)
 
 
 cdef inline Py_ssize_t _gemm_m(str fn, cnp.ndarray aq, cnp.ndarray asc, cnp.ndarray asm, cnp.ndarray ao) except -1:
@@ -260,9 +277,8 @@ cdef inline Py_ssize_t _gemm_m(str fn, cnp.ndarray aq, cnp.ndarray asc, cnp.ndar
     return m
 
 
-def gemm_ternary(w, row_scale, xq, act_scale, act_sum, out):
-    """out[m, n] = ((float)(W_t[n] . xq[m]) / act_scale[m]) * row_scale[n] for M tokens (prefill)."""
-    cdef str fn = "gemm_ternary"
+cdef _multi_ternary_call(str fn, w, row_scale, xq, act_scale, act_sum, out, bint b3, bint rows):
+    """M tokens against tile16 (b3 False) or tile16b3 weights: the GEMM, or (rows) the multi-row GEMV, M <= ROWS_MAX."""
     cdef cnp.ndarray aw = _arr(fn, "w", w, cnp.NPY_UINT8, 1, False)
     cdef cnp.ndarray ars = _arr(fn, "row_scale", row_scale, cnp.NPY_FLOAT32, 1, False)
     cdef cnp.ndarray aq = _arr(fn, "xq", xq, cnp.NPY_INT8, 2, False)
@@ -271,8 +287,16 @@ def gemm_ternary(w, row_scale, xq, act_scale, act_sum, out):
     cdef cnp.ndarray ao = _arr(fn, "out", out, cnp.NPY_FLOAT32, 2, True)
     cdef Py_ssize_t k_pad = _k_pad_of(fn, cnp.PyArray_DIM(aq, 1))
     cdef Py_ssize_t n = _n_of(fn, cnp.PyArray_DIM(ao, 1))
-    cdef Py_ssize_t m = _gemm_m(fn, aq, asc, asm, ao)
-    _ternary_w(fn, aw, n, k_pad)
+    cdef Py_ssize_t m
+    if rows:
+        m = _rows_m(fn, aq, asc, ao)
+        _check_size(fn, "act_sum", asm, m, "M")
+    else:
+        m = _gemm_m(fn, aq, asc, asm, ao)
+    if b3:
+        _b3_w(fn, aw, n, k_pad)
+    else:
+        _ternary_w(fn, aw, n, k_pad)
     _check_at_least(fn, "row_scale", ars, n)
     cdef const uint8_t *pw = <const uint8_t *>cnp.PyArray_DATA(aw)
     cdef const float *prs = <const float *>cnp.PyArray_DATA(ars)
@@ -280,8 +304,22 @@ def gemm_ternary(w, row_scale, xq, act_scale, act_sum, out):
     cdef const float *ps = <const float *>cnp.PyArray_DATA(asc)
     cdef const int32_t *pm = <const int32_t *>cnp.PyArray_DATA(asm)
     cdef float *po = <float *>cnp.PyArray_DATA(ao)
+    cdef int rc = 0
     with nogil:
-        bk_gemm_ternary(pw, prs, pq, <int>m, <int>k_pad, ps, pm, po, NULL, <int>n)
+        if b3 and rows:
+            rc = bk_gemv_rows_b3(pw, prs, pq, <int>m, <int>k_pad, ps, pm, po, <int>n)
+        elif b3:
+            rc = bk_gemm_b3(pw, prs, pq, <int>m, <int>k_pad, ps, pm, po, NULL, <int>n)
+        elif rows:
+            bk_gemv_rows_ternary(pw, prs, pq, <int>m, <int>k_pad, ps, pm, po, <int>n)
+        else:
+            bk_gemm_ternary(pw, prs, pq, <int>m, <int>k_pad, ps, pm, po, NULL, <int>n)
+    _oom(fn, rc)
+
+
+def gemm_ternary(w, row_scale, xq, act_scale, act_sum, out):
+    """out[m, n] = ((float)(W_t[n] . xq[m]) / act_scale[m]) * row_scale[n] for M tokens (prefill)."""
+    _multi_ternary_call("gemm_ternary", w, row_scale, xq, act_scale, act_sum, out, False, False)
 
 
 def gemm_ternary_i32(w, xq, act_sum, out):
@@ -427,130 +465,28 @@ cdef inline Py_ssize_t _rows_m(str fn, cnp.ndarray aq, cnp.ndarray asc, cnp.ndar
 
 def gemv_rows_ternary(w, row_scale, xq, act_scale, act_sum, out):
     """gemm_ternary for M <= ROWS_MAX tokens read as one weight stream (bit-identical to M gemv_ternary calls)."""
-    cdef str fn = "gemv_rows_ternary"
-    cdef cnp.ndarray aw = _arr(fn, "w", w, cnp.NPY_UINT8, 1, False)
-    cdef cnp.ndarray ars = _arr(fn, "row_scale", row_scale, cnp.NPY_FLOAT32, 1, False)
-    cdef cnp.ndarray aq = _arr(fn, "xq", xq, cnp.NPY_INT8, 2, False)
-    cdef cnp.ndarray asc = _arr(fn, "act_scale", act_scale, cnp.NPY_FLOAT32, 1, False)
-    cdef cnp.ndarray asm = _arr(fn, "act_sum", act_sum, cnp.NPY_INT32, 1, False)
-    cdef cnp.ndarray ao = _arr(fn, "out", out, cnp.NPY_FLOAT32, 2, True)
-    cdef Py_ssize_t k_pad = _k_pad_of(fn, cnp.PyArray_DIM(aq, 1))
-    cdef Py_ssize_t n = _n_of(fn, cnp.PyArray_DIM(ao, 1))
-    cdef Py_ssize_t m = _rows_m(fn, aq, asc, ao)
-    _check_size(fn, "act_sum", asm, m, "M")
-    _ternary_w(fn, aw, n, k_pad)
-    _check_at_least(fn, "row_scale", ars, n)
-    cdef const uint8_t *pw = <const uint8_t *>cnp.PyArray_DATA(aw)
-    cdef const float *prs = <const float *>cnp.PyArray_DATA(ars)
-    cdef const int8_t *pq = <const int8_t *>cnp.PyArray_DATA(aq)
-    cdef const float *ps = <const float *>cnp.PyArray_DATA(asc)
-    cdef const int32_t *pm = <const int32_t *>cnp.PyArray_DATA(asm)
-    cdef float *po = <float *>cnp.PyArray_DATA(ao)
-    with nogil:
-        bk_gemv_rows_ternary(pw, prs, pq, <int>m, <int>k_pad, ps, pm, po, <int>n)
+    _multi_ternary_call("gemv_rows_ternary", w, row_scale, xq, act_scale, act_sum, out, False, True)
 
 
 # ---------------------------------------------------------------- base-3 ternary weights (tile16b3)
-cdef inline void _b3_w(str fn, cnp.ndarray aw, Py_ssize_t n, Py_ssize_t k_pad) except *:
-    _check_size(fn, "w", aw, _pad16(n) // 16 * <Py_ssize_t>bk_b3_tile_bytes(<int>k_pad),
-                f"tile16b3 bytes (N={n}, K_pad={k_pad})")
-
-
-cdef inline _b3_oom(str fn, int rc):
-    if rc != 0:
-        raise MemoryError(f"{fn}: no memory for the decode scratch")
-
-
 def gemv_ternary_b3(w, row_scale, xq, float act_scale, int act_sum, out):
     """gemv_ternary with w in the base-3 tile16b3 layout (simd/layout.py): the same floats."""
-    cdef str fn = "gemv_ternary_b3"
-    cdef cnp.ndarray aw = _arr(fn, "w", w, cnp.NPY_UINT8, 1, False)
-    cdef cnp.ndarray ars = _arr(fn, "row_scale", row_scale, cnp.NPY_FLOAT32, 1, False)
-    cdef cnp.ndarray aq = _arr(fn, "xq", xq, cnp.NPY_INT8, 1, False)
-    cdef cnp.ndarray ao = _arr(fn, "out", out, cnp.NPY_FLOAT32, 1, True)
-    cdef Py_ssize_t k_pad = _k_pad_of(fn, cnp.PyArray_DIM(aq, 0))
-    cdef Py_ssize_t n = _n_of(fn, cnp.PyArray_DIM(ao, 0))
-    _b3_w(fn, aw, n, k_pad)
-    _check_at_least(fn, "row_scale", ars, n)
-    cdef const uint8_t *pw = <const uint8_t *>cnp.PyArray_DATA(aw)
-    cdef const float *prs = <const float *>cnp.PyArray_DATA(ars)
-    cdef const int8_t *pq = <const int8_t *>cnp.PyArray_DATA(aq)
-    cdef float *po = <float *>cnp.PyArray_DATA(ao)
-    cdef int rc
-    with nogil:
-        rc = bk_gemv_b3(pw, prs, pq, <int>k_pad, act_scale, act_sum, po, NULL, <int>n)
-    _b3_oom(fn, rc)
+    _gemv_ternary_call("gemv_ternary_b3", w, row_scale, xq, act_scale, act_sum, out, True, False)
 
 
 def gemv_ternary_b3_i32(w, xq, int act_sum, out):
     """Raw exact dots out[n] = W_t[n] . xq as int32 from a tile16b3 matrix (tests; act_sum must be sum(xq))."""
-    cdef str fn = "gemv_ternary_b3_i32"
-    cdef cnp.ndarray aw = _arr(fn, "w", w, cnp.NPY_UINT8, 1, False)
-    cdef cnp.ndarray aq = _arr(fn, "xq", xq, cnp.NPY_INT8, 1, False)
-    cdef cnp.ndarray ao = _arr(fn, "out", out, cnp.NPY_INT32, 1, True)
-    cdef Py_ssize_t k_pad = _k_pad_of(fn, cnp.PyArray_DIM(aq, 0))
-    cdef Py_ssize_t n = _n_of(fn, cnp.PyArray_DIM(ao, 0))
-    _b3_w(fn, aw, n, k_pad)
-    cdef const uint8_t *pw = <const uint8_t *>cnp.PyArray_DATA(aw)
-    cdef const int8_t *pq = <const int8_t *>cnp.PyArray_DATA(aq)
-    cdef int32_t *po = <int32_t *>cnp.PyArray_DATA(ao)
-    cdef int rc
-    with nogil:
-        rc = bk_gemv_b3(pw, NULL, pq, <int>k_pad, 1.0, act_sum, NULL, po, <int>n)
-    _b3_oom(fn, rc)
+    _gemv_ternary_call("gemv_ternary_b3_i32", w, None, xq, 1.0, act_sum, out, True, True)
 
 
 def gemm_ternary_b3(w, row_scale, xq, act_scale, act_sum, out):
     """gemm_ternary with w in the tile16b3 layout (decoded a few tiles at a time): the same floats."""
-    cdef str fn = "gemm_ternary_b3"
-    cdef cnp.ndarray aw = _arr(fn, "w", w, cnp.NPY_UINT8, 1, False)
-    cdef cnp.ndarray ars = _arr(fn, "row_scale", row_scale, cnp.NPY_FLOAT32, 1, False)
-    cdef cnp.ndarray aq = _arr(fn, "xq", xq, cnp.NPY_INT8, 2, False)
-    cdef cnp.ndarray asc = _arr(fn, "act_scale", act_scale, cnp.NPY_FLOAT32, 1, False)
-    cdef cnp.ndarray asm = _arr(fn, "act_sum", act_sum, cnp.NPY_INT32, 1, False)
-    cdef cnp.ndarray ao = _arr(fn, "out", out, cnp.NPY_FLOAT32, 2, True)
-    cdef Py_ssize_t k_pad = _k_pad_of(fn, cnp.PyArray_DIM(aq, 1))
-    cdef Py_ssize_t n = _n_of(fn, cnp.PyArray_DIM(ao, 1))
-    cdef Py_ssize_t m = _gemm_m(fn, aq, asc, asm, ao)
-    _b3_w(fn, aw, n, k_pad)
-    _check_at_least(fn, "row_scale", ars, n)
-    cdef const uint8_t *pw = <const uint8_t *>cnp.PyArray_DATA(aw)
-    cdef const float *prs = <const float *>cnp.PyArray_DATA(ars)
-    cdef const int8_t *pq = <const int8_t *>cnp.PyArray_DATA(aq)
-    cdef const float *ps = <const float *>cnp.PyArray_DATA(asc)
-    cdef const int32_t *pm = <const int32_t *>cnp.PyArray_DATA(asm)
-    cdef float *po = <float *>cnp.PyArray_DATA(ao)
-    cdef int rc
-    with nogil:
-        rc = bk_gemm_b3(pw, prs, pq, <int>m, <int>k_pad, ps, pm, po, NULL, <int>n)
-    _b3_oom(fn, rc)
+    _multi_ternary_call("gemm_ternary_b3", w, row_scale, xq, act_scale, act_sum, out, True, False)
 
 
 def gemv_rows_ternary_b3(w, row_scale, xq, act_scale, act_sum, out):
     """gemv_rows_ternary with w in the tile16b3 layout: the same floats."""
-    cdef str fn = "gemv_rows_ternary_b3"
-    cdef cnp.ndarray aw = _arr(fn, "w", w, cnp.NPY_UINT8, 1, False)
-    cdef cnp.ndarray ars = _arr(fn, "row_scale", row_scale, cnp.NPY_FLOAT32, 1, False)
-    cdef cnp.ndarray aq = _arr(fn, "xq", xq, cnp.NPY_INT8, 2, False)
-    cdef cnp.ndarray asc = _arr(fn, "act_scale", act_scale, cnp.NPY_FLOAT32, 1, False)
-    cdef cnp.ndarray asm = _arr(fn, "act_sum", act_sum, cnp.NPY_INT32, 1, False)
-    cdef cnp.ndarray ao = _arr(fn, "out", out, cnp.NPY_FLOAT32, 2, True)
-    cdef Py_ssize_t k_pad = _k_pad_of(fn, cnp.PyArray_DIM(aq, 1))
-    cdef Py_ssize_t n = _n_of(fn, cnp.PyArray_DIM(ao, 1))
-    cdef Py_ssize_t m = _rows_m(fn, aq, asc, ao)
-    _check_size(fn, "act_sum", asm, m, "M")
-    _b3_w(fn, aw, n, k_pad)
-    _check_at_least(fn, "row_scale", ars, n)
-    cdef const uint8_t *pw = <const uint8_t *>cnp.PyArray_DATA(aw)
-    cdef const float *prs = <const float *>cnp.PyArray_DATA(ars)
-    cdef const int8_t *pq = <const int8_t *>cnp.PyArray_DATA(aq)
-    cdef const float *ps = <const float *>cnp.PyArray_DATA(asc)
-    cdef const int32_t *pm = <const int32_t *>cnp.PyArray_DATA(asm)
-    cdef float *po = <float *>cnp.PyArray_DATA(ao)
-    cdef int rc
-    with nogil:
-        rc = bk_gemv_rows_b3(pw, prs, pq, <int>m, <int>k_pad, ps, pm, po, <int>n)
-    _b3_oom(fn, rc)
+    _multi_ternary_call("gemv_rows_ternary_b3", w, row_scale, xq, act_scale, act_sum, out, True, True)
 
 
 def b3_to_tile16(w, int n, int k_pad, out):

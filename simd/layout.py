@@ -53,13 +53,23 @@ def pack_ternary(w_t: np.ndarray) -> np.ndarray:
     n, k = w_t.shape
     if w_t.size and (w_t.min() < -1 or w_t.max() > 1):
         raise ValueError("pack_ternary: weights must be in {-1, 0, +1}")
+    return np.ascontiguousarray(_tile16_blocks(_codes(w_t))).reshape(-1)
+
+
+def _codes(w_t: np.ndarray) -> np.ndarray:
+    """u = W_t + 1 as uint8 [N_pad, K_pad], padding code 1 (weight 0)."""
+    n, k = w_t.shape
     n_pad, k_pad = padded_shape(n, k)
     codes = np.ones((n_pad, k_pad), dtype=np.uint8)
     codes[:n, :k] = (w_t + 1).astype(np.uint8)
-    t, kb = n_pad // 16, k_pad // 16
-    c = codes.reshape(t, 16, kb, 4, 4).transpose(0, 2, 1, 4, 3)  # [t, b, r, j, i]
-    packed = c[..., 0] | (c[..., 1] << 2) | (c[..., 2] << 4) | (c[..., 3] << 6)
-    return np.ascontiguousarray(packed).reshape(-1)
+    return codes
+
+
+def _tile16_blocks(codes: np.ndarray) -> np.ndarray:
+    """Codes [N_pad, 16 * nb] -> the tile16 blocks [N_pad / 16, nb, 64] (byte r*4 + j, bits 2i: column 4i + j)."""
+    n_pad, cols = codes.shape
+    c = codes.reshape(n_pad // 16, 16, cols // 16, 4, 4).transpose(0, 2, 1, 4, 3)  # [t, b, r, j, i]
+    return (c[..., 0] | (c[..., 1] << 2) | (c[..., 2] << 4) | (c[..., 3] << 6)).reshape(n_pad // 16, cols // 16, 64)
 
 
 def unpack_ternary(packed: np.ndarray, n: int, k: int) -> np.ndarray:
@@ -267,19 +277,19 @@ def pack_ternary_b3(w_t: np.ndarray) -> np.ndarray:
     w_t = np.asarray(w_t)
     if w_t.ndim != 2:
         raise ValueError(f"pack_ternary_b3: expected a 2-D matrix, got shape {w_t.shape}")
-    n, k = w_t.shape
-    n_pad, k_pad = padded_shape(n, k)
+    if w_t.size and (w_t.min() < -1 or w_t.max() > 1):
+        raise ValueError("pack_ternary_b3: weights must be in {-1, 0, +1}")
+    codes = _codes(w_t)
+    n_pad, k_pad = codes.shape
     t, kb = n_pad // 16, k_pad // 16
     ns = kb // B3_SUPER_BLOCKS
-    tiles = pack_ternary(w_t).reshape(t, kb, 64)             # validates the values too
-    codes = np.ones((n_pad, k_pad), np.uint8)
-    codes[:n, :k] = (w_t + 1).astype(np.uint8)
     c = codes[:, :ns * 80].reshape(t, 16, ns, 5, 4, 4).transpose(0, 2, 4, 1, 5, 3)   # [t, s, p, r, j, i]
     v = np.zeros(c.shape[:-1], np.int32)
     for i in range(5):
         v = v * 3 + c[..., i]
     q = ((v * 256 + 242) // 243).astype(np.uint8).reshape(t, ns * B3_SUPER_BYTES)
-    return np.ascontiguousarray(np.concatenate([q, tiles[:, ns * 5:].reshape(t, -1)], axis=1)).reshape(-1)
+    tail = _tile16_blocks(codes[:, ns * 80:]).reshape(t, -1)   # the last kb % 5 blocks stay tile16
+    return np.ascontiguousarray(np.concatenate([q, tail], axis=1)).reshape(-1)
 
 
 def unpack_ternary_b3(packed: np.ndarray, n: int, k: int) -> np.ndarray:
