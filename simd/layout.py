@@ -50,7 +50,6 @@ def pack_ternary(w_t: np.ndarray) -> np.ndarray:
     w_t = np.asarray(w_t)
     if w_t.ndim != 2:
         raise ValueError(f"pack_ternary: expected a 2-D matrix, got shape {w_t.shape}")
-    n, k = w_t.shape
     if w_t.size and (w_t.min() < -1 or w_t.max() > 1):
         raise ValueError("pack_ternary: weights must be in {-1, 0, +1}")
     return np.ascontiguousarray(_tile16_blocks(_codes(w_t))).reshape(-1)
