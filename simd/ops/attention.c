@@ -82,6 +82,10 @@ static float exp_sum_scalar(float *x, int n, float mx) {
 #define EXP_C4 1.6666665459E-1f
 #define EXP_C5 5.0000001201E-1f
 
+/* the widest head the four-query value pass takes (its accumulators live on the stack); the dispatcher
+ * tests it on every architecture, so it stays outside the x86 block */
+#define WS4_MAX_HD 256
+
 #if defined(__x86_64__)
 #define AVX2_FN __attribute__((target("avx2,fma,f16c")))
 #define AVX512_FN __attribute__((target("avx512f,avx512bw,avx512vl,fma,f16c")))
@@ -316,7 +320,6 @@ AVX2_FN static void wsum_avx2(const float *p, const void *vc, kv_blocks bl, int 
  * measured 2x the time of the scores). Per output element the same FMAs in the same order as wsum_avx2: the
  * same floats. hd <= WS4_MAX_HD. */
 #define WS4_BLOCK 64 /* a multiple of KT_BLOCK */
-#define WS4_MAX_HD 256
 AVX2_FN static void wsum4_f16_avx2(const float *const *p, const void *vc, kv_blocks bl, int n, int hd,
                                    float *const *out) {
     const float *p0 = p[0], *p1 = p[1], *p2 = p[2], *p3 = p[3];
