@@ -12,8 +12,9 @@
  * write into an output buffer that Python already reuses would corrupt it), so the caller has to wait for
  * it. With one core busy (issue 20) that wait is the other process's time slice, and spinning through it
  * keeps the caller's core busy, so the scheduler has no idle core to move the preempted worker to. The
- * caller therefore spins only briefly (WAIT_SPIN_NS, yielding), then sleeps on a futex: its core goes idle
- * and the kernel's idle balancing pulls the runnable worker over, which finishes the chunk and wakes it.
+ * caller therefore spins only briefly (WAIT_SPIN_NS, yielding), then sleeps (a futex on Linux, a condition
+ * variable elsewhere): its core goes idle and the kernel's idle balancing pulls the runnable worker over,
+ * which finishes the chunk and wakes it.
  *
  * The claim word packs (generation, chunk count, next chunk) so a worker can never claim a chunk of a job
  * other than the one it read. Workers spin 5 ms after a job (kernel calls come in bursts during a
@@ -101,22 +102,42 @@ static uint64_t now_ns(void) {
     return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
 }
 
-static void futex_wait(_Atomic uint32_t *addr, uint32_t seen) {
+/* The caller's sleep until `done` moves. Linux: a futex on the word itself. Elsewhere (macOS, the BSDs:
+ * futex is Linux-only): a condition variable; the waker's increment happens before it takes the lock and
+ * the sleeper checks the word under it, so no wake-up is lost. Built for non-Linux only by
+ * tests/test_portable_pool.py on Linux with __linux__ undefined; no macOS machine was available to run it. */
 #if defined(__linux__)
+static void futex_wait(_Atomic uint32_t *addr, uint32_t seen) {
     syscall(SYS_futex, (uint32_t *)addr, FUTEX_WAIT_PRIVATE, seen, NULL, NULL, 0);
-#else
-    (void)addr, (void)seen;
-    sched_yield();
-#endif
 }
 
 static void futex_wake(_Atomic uint32_t *addr) {
-#if defined(__linux__)
     syscall(SYS_futex, (uint32_t *)addr, FUTEX_WAKE_PRIVATE, 1, NULL, NULL, 0);
-#else
-    (void)addr;
-#endif
 }
+
+static void futex_reset_after_fork(void) {}
+#else
+static pthread_mutex_t done_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t done_cond = PTHREAD_COND_INITIALIZER;
+
+static void futex_wait(_Atomic uint32_t *addr, uint32_t seen) {
+    pthread_mutex_lock(&done_lock);
+    while (atomic_load(addr) == seen) pthread_cond_wait(&done_cond, &done_lock);
+    pthread_mutex_unlock(&done_lock);
+}
+
+static void futex_wake(_Atomic uint32_t *addr) {
+    (void)addr;
+    pthread_mutex_lock(&done_lock);
+    pthread_cond_broadcast(&done_cond);
+    pthread_mutex_unlock(&done_lock);
+}
+
+static void futex_reset_after_fork(void) {
+    pthread_mutex_init(&done_lock, NULL);
+    pthread_cond_init(&done_cond, NULL);
+}
+#endif
 
 /* Chunk c of n_chunks over [0, n): contiguous runs of whole grains (the last one may be short). */
 static void chunk_range(int c, int n_chunks, int *b, int *e) {
@@ -181,6 +202,7 @@ static void reset_after_fork(void) {
     pthread_mutex_init(&pool.lock, NULL);
     pthread_cond_init(&pool.wake, NULL);
     pthread_mutex_init(&pool.busy, NULL);
+    futex_reset_after_fork();
     pool.n_workers = 0;
     atomic_store(&pool.sleepers, 0);
     atomic_store(&pool.caller_asleep, 0);
