@@ -76,7 +76,7 @@ cdef extern from "tg.h" nogil:
     void bk_gemv_tg(const uint8_t *w, const int8_t *xq, const float *xd, const int32_t *xsum, int m, int k_pad,
                     float *out, int n)
 
-ISA_NAMES = ("scalar", "avx2", "avx512", "neon", "avxvnni")
+ISA_NAMES = ("scalar", "avx2", "avx512", "neon", "avxvnni", "dotprod")
 cdef Py_ssize_t MAX_DIM = 1 << 30
 # int32 accumulators of the AVX-512 ternary GEMV hold 64x a partial dot: exact up to K_pad = 2^18
 MAX_K_PAD = 1 << 18
@@ -100,7 +100,7 @@ def supported_isas():
 
 
 def active():
-    """The path in use: "avx512" | "avxvnni" | "avx2" | "scalar" | "neon"."""
+    """The path in use: "avx512" | "avxvnni" | "avx2" | "scalar" | "neon" | "dotprod"."""
     return ISA_NAMES[bk_get_isa()]
 
 

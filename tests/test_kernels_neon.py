@@ -1,5 +1,8 @@
 """The NEON bodies, cross-compiled for aarch64 and run under qemu-user: each must give the same bytes as the
-scalar reference body on random data (tails included), and the dispatcher must pick "neon" there.
+scalar reference body on random data (tails included), and the dispatcher must pick "dotprod" there (qemu's
+default CPU has sdot). Kernels with a per-ISA body table are compared body by body; the jobs that choose
+their body inside (the q4 head, the multi-row GEMVs, the norms of simd/ops) are run whole on each path
+(bk_set_isa: scalar, neon, dotprod) and compared.
 
 Needs `aarch64-linux-gnu-gcc` and `qemu-aarch64` (Debian: gcc-aarch64-linux-gnu, qemu-user); skips with
 that reason when they are missing. On an aarch64 host the regular test_kernels.py covers NEON natively.
@@ -13,6 +16,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KERNELS = os.path.join(ROOT, "simd", "kernels")
+OPS = os.path.join(ROOT, "simd", "ops")
 CC = shutil.which("aarch64-linux-gnu-gcc")
 QEMU = shutil.which("qemu-aarch64") or shutil.which("qemu-aarch64-static")
 
@@ -24,17 +28,99 @@ HARNESS = r"""
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <math.h>
 #include "kernels.h"
+#include "ops.h"
+#include "q4g.h"
+#include "rows.h"
 
 static unsigned long long rs = 88172645463325252ull;
 static unsigned rnd(void) { rs ^= rs << 13; rs ^= rs >> 7; rs ^= rs << 17; return (unsigned)rs; }
 static int fails = 0;
 #define CHECK(cond, ...) do { if (!(cond)) { printf("FAIL " __VA_ARGS__); printf("\n"); fails++; } } while (0)
+static const int PATHS[2] = {BK_ISA_NEON, BK_ISA_DOTPROD};
+
+/* the q4 head and the multi-row GEMVs: whole jobs on each path against the scalar path */
+static void check_heads(int n, int k_pad, int m, const int8_t *xq, const float *act_scale, const int32_t *act_sum,
+                        const uint8_t *wt, const int8_t *wi, const int32_t *rowsum, const float *row_scale) {
+    int n_pad = (n + 15) / 16 * 16, groups = k_pad / 32;
+    uint8_t *codes = malloc((size_t)n_pad * k_pad / 2), *gs = malloc((size_t)n_pad * groups);
+    for (size_t i = 0; i < (size_t)n_pad * k_pad / 2; i++) codes[i] = (uint8_t)rnd();
+    for (size_t i = 0; i < (size_t)n_pad * groups; i++) gs[i] = (uint8_t)(rnd() % 64);
+    float *ref = malloc(4 * (size_t)m * n), *got = malloc(4 * (size_t)m * n);
+    int32_t *refi = malloc(4 * (size_t)m * n), *goti = malloc(4 * (size_t)m * n);
+    int mr = m < BK_ROWS_MAX ? m : BK_ROWS_MAX;
+    for (int p = 0; p < 2; p++) {
+        if (k_pad <= BK_Q4G_MAX_K) {
+            bk_set_isa(BK_ISA_SCALAR);
+            bk_gemv_q4g(codes, gs, row_scale, xq, mr, k_pad, act_scale, ref, NULL, n);
+            bk_gemv_q4g(codes, gs, row_scale, xq, mr, k_pad, act_scale, NULL, refi, n);
+            bk_set_isa(PATHS[p]);
+            bk_gemv_q4g(codes, gs, row_scale, xq, mr, k_pad, act_scale, got, NULL, n);
+            bk_gemv_q4g(codes, gs, row_scale, xq, mr, k_pad, act_scale, NULL, goti, n);
+            CHECK(!memcmp(ref, got, 4 * (size_t)mr * n) && !memcmp(refi, goti, 4 * (size_t)mr * n),
+                  "gemv_q4g path %d n %d k %d m %d", PATHS[p], n, k_pad, mr);
+        }
+        bk_set_isa(BK_ISA_SCALAR);
+        bk_gemv_rows_ternary(wt, row_scale, xq, mr, k_pad, act_scale, act_sum, ref, n);
+        bk_set_isa(PATHS[p]);
+        bk_gemv_rows_ternary(wt, row_scale, xq, mr, k_pad, act_scale, act_sum, got, n);
+        CHECK(!memcmp(ref, got, 4 * (size_t)mr * n), "gemv_rows_ternary path %d n %d k %d m %d", PATHS[p], n, k_pad, mr);
+        bk_set_isa(BK_ISA_SCALAR);
+        bk_gemv_rows_i8(wi, row_scale, rowsum, xq, mr, k_pad, act_scale, ref, n);
+        bk_set_isa(PATHS[p]);
+        bk_gemv_rows_i8(wi, row_scale, rowsum, xq, mr, k_pad, act_scale, got, n);
+        CHECK(!memcmp(ref, got, 4 * (size_t)mr * n), "gemv_rows_i8 path %d n %d k %d m %d", PATHS[p], n, k_pad, mr);
+    }
+    bk_set_isa(-1);
+    free(codes), free(gs), free(ref), free(got), free(refi), free(goti);
+}
+
+/* the norms and the relu^2 gate of simd/ops (fused with quantization): every output array compared */
+static void check_norms(int m, int d) {
+    int k_pad = (d + 63) / 64 * 64, rows = m / 2 > 0 ? m / 2 : 1;
+    size_t md = (size_t)m * d, gd = (size_t)rows * 2 * d;
+    float *x0 = malloc(4 * md), *g0 = malloc(4 * gd), *delta = malloc(4 * md), *w = malloc(4 * (size_t)d);
+    for (size_t i = 0; i < md; i++) x0[i] = ((int)(rnd() % 20001) - 10000) / 1234.0f;
+    for (size_t i = 0; i < gd; i++) g0[i] = ((int)(rnd() % 20001) - 10000) / 2345.0f;
+    for (size_t i = 0; i < md; i++) delta[i] = ((int)(rnd() % 2001) - 1000) / 777.0f;
+    for (int i = 0; i < d; i++) w[i] = 0.25f + (rnd() % 1000) / 500.0f;
+    g0[1] = NAN; /* relu^2 of a NaN gate is 0 on every path (`g > 0 ? g : 0`) */
+    float *x[3], *h[3], *gu[3], sc[3][32]; int8_t *q[3], *qg[3]; int32_t sm[3][32];
+    const int paths[3] = {BK_ISA_SCALAR, BK_ISA_NEON, BK_ISA_DOTPROD};
+    for (int v = 0; v < 3; v++) {
+        x[v] = malloc(4 * md), h[v] = malloc(4 * md * 2), gu[v] = malloc(4 * gd);
+        q[v] = malloc((size_t)m * k_pad), qg[v] = malloc((size_t)rows * k_pad);
+        bk_set_isa(paths[v]);
+        memcpy(x[v], x0, 4 * md);
+        memcpy(gu[v], g0, 4 * gd);
+        ops_add_rmsnorm_quant(x[v], delta, w, m, d, 1e-5f, h[v], q[v], k_pad, sc[v], sm[v]);
+        x[v][1] = NAN; /* a NaN must not change amax, nor the other lanes (the scalar `a > amax` skips it) */
+        ops_add_rmsnorm(x[v], delta, w, m, d, 1e-6f, h[v] + md);
+        ops_head_rmsnorm(x[v], m, d, 0, d / 8, 8, w, 1e-6f);
+        ops_glu_rmsnorm_quant(gu[v], rows, d, OPS_ACT_RELU2, w, 1e-5f, qg[v], k_pad, sc[v] + 16, sm[v] + 16);
+    }
+    for (int v = 1; v < 3; v++) {
+        CHECK(!memcmp(x[0], x[v], 4 * md) && !memcmp(h[0], h[v], 4 * md * 2), "norms (x, h) path %d m %d d %d", paths[v], m, d);
+        CHECK(!memcmp(q[0], q[v], (size_t)m * k_pad) && !memcmp(sc[0], sc[v], 4 * m) && !memcmp(sm[0], sm[v], 4 * m),
+              "norm quantization path %d m %d d %d", paths[v], m, d);
+        CHECK(!memcmp(gu[0], gu[v], 4 * gd) && !memcmp(qg[0], qg[v], (size_t)rows * k_pad) &&
+              !memcmp(sc[0] + 16, sc[v] + 16, 4 * rows) && !memcmp(sm[0] + 16, sm[v] + 16, 4 * rows),
+              "glu_rmsnorm_quant path %d m %d d %d", paths[v], m, d);
+    }
+    bk_set_isa(-1);
+    for (int v = 0; v < 3; v++) free(x[v]), free(h[v]), free(gu[v]), free(q[v]), free(qg[v]);
+    free(x0), free(g0), free(delta), free(w);
+}
 
 int main(void) {
     bk_init();
     printf("active %d dotprod %d\n", bk_get_isa(), bk_get_features()->dotprod);
-    CHECK(bk_get_isa() == BK_ISA_NEON, "dispatcher did not pick neon");
+    CHECK(bk_get_isa() == BK_ISA_DOTPROD, "dispatcher did not pick dotprod");
+    CHECK(bk_isa_supported(BK_ISA_NEON) && bk_set_isa(BK_ISA_NEON) == 0 && bk_get_isa() == BK_ISA_NEON, "neon not selectable");
+    bk_set_isa(-1);
+    static const int norm_shapes[][2] = {{1, 64}, {3, 2560}, {5, 37}, {16, 200}};
+    for (unsigned s = 0; s < sizeof norm_shapes / sizeof norm_shapes[0]; s++) check_norms(norm_shapes[s][0], norm_shapes[s][1]);
     static const int shapes[][3] = {{16, 64, 1}, {37, 100, 3}, {100, 3200, 5}, {250, 68, 2}, {640, 2560, 9}, {17, 8640, 2}};
     for (unsigned s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
         int n = shapes[s][0], k = shapes[s][1], m = shapes[s][2];
@@ -64,15 +150,15 @@ int main(void) {
         for (int v = 0; v < 2; v++) {
             int isa = v ? BK_ISA_NEON : BK_ISA_SCALAR;
             o[v] = malloc(4 * (size_t)m * n); oi[v] = malloc(4 * (size_t)m * n);
-            bk_gemv_ternary_bodies[isa](wt, row_scale, xq[0], k_pad, sc[0][0], sm[0][0], o[v], NULL, n, 0, tiles);
-            bk_gemv_ternary_bodies[isa](wt, row_scale, xq[0], k_pad, sc[0][0], sm[0][0], NULL, oi[v], n, 0, tiles);
+            bk_gemv_ternary_bodies[isa == BK_ISA_NEON ? BK_ISA_DOTPROD : isa](wt, row_scale, xq[0], k_pad, sc[0][0], sm[0][0], o[v], NULL, n, 0, tiles);
+            bk_gemv_ternary_bodies[isa == BK_ISA_NEON ? BK_ISA_DOTPROD : isa](wt, row_scale, xq[0], k_pad, sc[0][0], sm[0][0], NULL, oi[v], n, 0, tiles);
         }
         CHECK(!memcmp(o[0], o[1], 4 * n) && !memcmp(oi[0], oi[1], 4 * n), "gemv_ternary %d %d", n, k);
         for (int v = 0; v < 2; v++)
-            bk_gemm_ternary_bodies[v ? BK_ISA_NEON : BK_ISA_SCALAR](wt, row_scale, xq[0], m, k_pad, sc[0], sm[0], o[v], NULL, n, 0, tiles);
+            bk_gemm_ternary_bodies[v ? BK_ISA_DOTPROD : BK_ISA_SCALAR](wt, row_scale, xq[0], m, k_pad, sc[0], sm[0], o[v], NULL, n, 0, tiles);
         CHECK(!memcmp(o[0], o[1], 4 * (size_t)m * n), "gemm_ternary %d %d %d", n, k, m);
         for (int v = 0; v < 2; v++)
-            bk_gemv_i8_bodies[v ? BK_ISA_NEON : BK_ISA_SCALAR](wi, row_scale, rowsum, xq[0], aux, k_pad, sc[0][0], o[v], NULL, n, 0, tiles);
+            bk_gemv_i8_bodies[v ? BK_ISA_DOTPROD : BK_ISA_SCALAR](wi, row_scale, rowsum, xq[0], aux, k_pad, sc[0][0], o[v], NULL, n, 0, tiles);
         CHECK(!memcmp(o[0], o[1], 4 * n), "gemv_i8 %d %d", n, k);
         for (int v = 0; v < 2; v++)
             bk_gemv_f16_bodies[v ? BK_ISA_NEON : BK_ISA_SCALAR](wh, x, k, o[v], n, 0, tiles);
@@ -82,6 +168,7 @@ int main(void) {
         bk_gemm_ternary(wt, row_scale, xq[0], m, k_pad, sc[0], sm[0], o[1], NULL, n);
         bk_gemm_ternary_bodies[BK_ISA_SCALAR](wt, row_scale, xq[0], m, k_pad, sc[0], sm[0], o[0], NULL, n, 0, tiles);
         CHECK(!memcmp(o[0], o[1], 4 * (size_t)m * n), "threaded gemm %d %d %d", n, k, m);
+        check_heads(n, k_pad, m, xq[0], sc[0], sm[0], wt, wi, rowsum, row_scale);
     }
     printf(fails ? "FAILED %d\n" : "ALL OK\n", fails);
     return fails != 0;
@@ -93,9 +180,9 @@ def test_neon_bodies_match_scalar_under_qemu(tmp_path):
     src = tmp_path / "neon_harness.c"
     src.write_text(HARNESS)
     exe = tmp_path / "neon_harness"
-    sources = sorted(glob.glob(os.path.join(KERNELS, "*.c")))
+    sources = sorted(glob.glob(os.path.join(KERNELS, "*.c"))) + sorted(glob.glob(os.path.join(OPS, "*.c")))
     cmd = [CC, "-O2", "-pthread", "-ffp-contract=off", "-std=c11", "-Wall", "-Wno-unused-function", "-static",
-           "-I", KERNELS, str(src), *sources, "-o", str(exe), "-lm"]
+           "-I", KERNELS, "-I", OPS, str(src), *sources, "-o", str(exe), "-lm"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     r = subprocess.run([QEMU, str(exe)], capture_output=True, text=True, timeout=600)

@@ -2,7 +2,7 @@
  *
  * x86: cpuid says what the core implements, xgetbv says whether the OS saves the wide registers
  * (XCR0: SSE+AVX state for ymm, plus opmask/zmm state for AVX-512); a feature counts only if both agree.
- * aarch64: NEON is baseline; dot-product (sdot) from HWCAP.
+ * aarch64: NEON is baseline; dot-product (sdot) from HWCAP (Linux) or sysctl (macOS).
  * The choice is made once (bk_init, at import) and cached in bk_table; bk_set_isa changes it explicitly.
  * The runtime helpers of simd/ops/ read the same choice (ops_isa() in ops.h), so one set_isa / BITNET_ISA
  * governs every C path of the extension; one thread count (bk_get_num_threads) does too.
@@ -18,6 +18,9 @@
 #if defined(__x86_64__) || defined(__i386__)
 #include <cpuid.h>
 #define BK_X86 1
+#endif
+#if defined(__aarch64__) && defined(__APPLE__)
+#include <sys/sysctl.h>
 #endif
 #if defined(__aarch64__) && defined(__linux__)
 #include <sys/auxv.h>
@@ -80,6 +83,11 @@ static void detect(void) {
     features.neon = 1;
 #if defined(__linux__)
     features.dotprod = (getauxval(AT_HWCAP) & HWCAP_ASIMDDP) != 0;
+#elif defined(__APPLE__)
+    /* every Apple M-series core has it; asked anyway (untested: no macOS machine here) */
+    int v = 0;
+    size_t len = sizeof v;
+    features.dotprod = sysctlbyname("hw.optional.arm.FEAT_DotProd", &v, &len, NULL, 0) == 0 && v;
 #endif
 #endif
 }
@@ -98,7 +106,8 @@ int bk_isa_supported(int isa) {
     case BK_ISA_SCALAR: return 1;
     case BK_ISA_AVX2: return f->avx2 && f->fma && f->f16c;
     case BK_ISA_AVX512: return f->avx512f && f->avx512bw && f->avx512vl && f->avx512vnni && f->f16c && f->fma;
-    case BK_ISA_NEON: return f->neon && f->dotprod;
+    case BK_ISA_NEON: return f->neon;
+    case BK_ISA_DOTPROD: return f->neon && f->dotprod;
     case BK_ISA_AVXVNNI: /* the VEX encoding, or its AVX512-VL twin (same algorithm) */
         return f->avx2 && f->fma && f->f16c && (f->avxvnni || (f->avx512vnni && f->avx512vl));
     default: return 0;
@@ -109,14 +118,17 @@ int bk_best_isa(void) {
     if (bk_isa_supported(BK_ISA_AVX512)) return BK_ISA_AVX512;
     if (bk_get_features()->avxvnni && bk_isa_supported(BK_ISA_AVXVNNI)) return BK_ISA_AVXVNNI;
     if (bk_isa_supported(BK_ISA_AVX2)) return BK_ISA_AVX2;
+    if (bk_isa_supported(BK_ISA_DOTPROD)) return BK_ISA_DOTPROD;
     if (bk_isa_supported(BK_ISA_NEON)) return BK_ISA_NEON;
     return BK_ISA_SCALAR;
 }
 
 /* Per job: the body of the chosen ISA if compiled in, else that of the next path down (avxvnni -> avx2,
- * avx512 -> avx2), else the scalar reference: never NULL. */
+ * avx512 -> avx2, dotprod -> neon), else the scalar reference: never NULL. */
 void bk_fill_table(bk_table_t *t, int isa) {
-    int down = (isa == BK_ISA_AVXVNNI || isa == BK_ISA_AVX512) ? BK_ISA_AVX2 : BK_ISA_SCALAR;
+    int down = (isa == BK_ISA_AVXVNNI || isa == BK_ISA_AVX512) ? BK_ISA_AVX2
+               : isa == BK_ISA_DOTPROD                        ? BK_ISA_NEON
+                                                              : BK_ISA_SCALAR;
 #define PICK(field, bodies) \
     t->field = bodies[isa] ? bodies[isa] : bodies[down] ? bodies[down] : bodies[BK_ISA_SCALAR]
     PICK(quantize_act, bk_quantize_bodies);

@@ -222,7 +222,7 @@ const bk_gemm_ternary_fn bk_gemm_ternary_bodies[BK_N_ISA] = {
     [BK_ISA_AVX512] = gemm_ternary_avx512,
 #endif
 #if defined(__aarch64__)
-    [BK_ISA_NEON] = gemm_ternary_neon,
+    [BK_ISA_DOTPROD] = gemm_ternary_neon,
 #endif
 };
 

@@ -187,7 +187,7 @@ const bk_gemv_i8_fn bk_gemv_i8_bodies[BK_N_ISA] = {
     [BK_ISA_AVX512] = gemv_i8_avx512,
 #endif
 #if defined(__aarch64__)
-    [BK_ISA_NEON] = gemv_i8_neon,
+    [BK_ISA_DOTPROD] = gemv_i8_neon,
 #endif
 };
 

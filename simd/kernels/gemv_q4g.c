@@ -18,6 +18,9 @@
 #if defined(__x86_64__)
 #include "x86_common.h"
 #endif
+#if defined(__aarch64__)
+#include <arm_neon.h>
+#endif
 
 typedef void (*q4g_fn)(const uint8_t *codes, const uint8_t *gscale, const float *d, const int8_t *xq,
                        const int32_t *xs8, int m, int k_pad, const float *act_scale, float *out, int32_t *out_i32,
@@ -211,11 +214,113 @@ AVX2_TARGET static void q4g_avx2(const uint8_t *codes, const uint8_t *gscale, co
 }
 #endif
 
+#if defined(__aarch64__)
+/* NEON: a quarter of a group is 4 vectors of 4 rows x 4 code bytes, the layout of sdot's "by element" form
+ * (lane i += the 4 bytes of row i . 4 activation bytes): codes 0..15 are valid s8, so
+ * inner = sum u*x - 8*sum x with no widening, as the x86 bodies. The plain-NEON body does the same products
+ * with widening multiply-accumulates (smlal, int16 lanes: 8 products <= 15 * 128 each, < 2^15) and pairwise
+ * adds. Integer sums either way: the scalar body's dots exactly. */
+#define Q4G_NEON_GROUP_HEAD                                                                                  \
+    const uint8_t *q = codes + ((size_t)t * groups + g) * 256;                                              \
+    const uint8_t *sp = gscale + ((size_t)t * groups + g) * 16;                                             \
+    const int8_t *xg = x + 32 * g;                                                                          \
+    uint8x16_t s8 = vld1q_u8(sp);                                                                           \
+    uint16x8_t s16l = vmovl_u8(vget_low_u8(s8)), s16h = vmovl_u8(vget_high_u8(s8));                        \
+    int32x4_t sv[4] = {vreinterpretq_s32_u32(vmovl_u16(vget_low_u16(s16l))),                               \
+                       vreinterpretq_s32_u32(vmovl_u16(vget_high_u16(s16l))),                              \
+                       vreinterpretq_s32_u32(vmovl_u16(vget_low_u16(s16h))),                               \
+                       vreinterpretq_s32_u32(vmovl_u16(vget_high_u16(s16h)))};                             \
+    const int32x4_t xs = vdupq_n_s32(xs8[(size_t)i * groups + g]);
+
+#define Q4G_NEON_GROUP_TAIL                                                                                  \
+    for (int v = 0; v < 4; v++) tot[v] = vaddq_s32(tot[v], vmulq_s32(vsubq_s32(inner[v], xs), sv[v]));
+
+#define Q4G_NEON_TILE_END                                                                                    \
+    int32_t dots[16];                                                                                        \
+    for (int v = 0; v < 4; v++) vst1q_s32(dots + 4 * v, tot[v]);                                            \
+    bk_store_tile(dots, t * 16, n, d, act_scale[i], out ? out + (size_t)i * n : NULL,                      \
+                  out_i32 ? out_i32 + (size_t)i * n : NULL);
+
+__attribute__((target("arch=armv8.2-a+dotprod")))
+static void q4g_dotprod(const uint8_t *codes, const uint8_t *gscale, const float *d, const int8_t *xq,
+                        const int32_t *xs8, int m, int k_pad, const float *act_scale, float *out, int32_t *out_i32,
+                        int n, int tile_begin, int tile_end) {
+    const int groups = k_pad / 32;
+    const uint8x16_t lowmask = vdupq_n_u8(0x0f);
+    for (int t = tile_begin; t < tile_end; t++)
+        for (int i = 0; i < m; i++) {
+            const int8_t *x = xq + (size_t)i * k_pad;
+            int32x4_t tot[4] = {vdupq_n_s32(0), vdupq_n_s32(0), vdupq_n_s32(0), vdupq_n_s32(0)};
+            for (int g = 0; g < groups; g++) {
+                Q4G_NEON_GROUP_HEAD
+                const int8x16_t x0 = vld1q_s8(xg), x1 = vld1q_s8(xg + 16);
+                int32x4_t inner[4];
+                for (int v = 0; v < 4; v++) {
+                    /* quarter j, rows 4v..4v+3: low nibbles take x[8j..8j+3], high ones x[8j+4..8j+7] */
+                    uint8x16_t c0 = vld1q_u8(q + 16 * v), c1 = vld1q_u8(q + 64 + 16 * v);
+                    uint8x16_t c2 = vld1q_u8(q + 128 + 16 * v), c3 = vld1q_u8(q + 192 + 16 * v);
+                    int32x4_t a = vdupq_n_s32(0), b = vdupq_n_s32(0);
+                    a = vdotq_laneq_s32(a, vreinterpretq_s8_u8(vandq_u8(c0, lowmask)), x0, 0);
+                    b = vdotq_laneq_s32(b, vreinterpretq_s8_u8(vshrq_n_u8(c0, 4)), x0, 1);
+                    a = vdotq_laneq_s32(a, vreinterpretq_s8_u8(vandq_u8(c1, lowmask)), x0, 2);
+                    b = vdotq_laneq_s32(b, vreinterpretq_s8_u8(vshrq_n_u8(c1, 4)), x0, 3);
+                    a = vdotq_laneq_s32(a, vreinterpretq_s8_u8(vandq_u8(c2, lowmask)), x1, 0);
+                    b = vdotq_laneq_s32(b, vreinterpretq_s8_u8(vshrq_n_u8(c2, 4)), x1, 1);
+                    a = vdotq_laneq_s32(a, vreinterpretq_s8_u8(vandq_u8(c3, lowmask)), x1, 2);
+                    b = vdotq_laneq_s32(b, vreinterpretq_s8_u8(vshrq_n_u8(c3, 4)), x1, 3);
+                    inner[v] = vaddq_s32(a, b);
+                }
+                Q4G_NEON_GROUP_TAIL
+            }
+            Q4G_NEON_TILE_END
+        }
+}
+
+/* 4 activation bytes repeated over 8 lanes (the 2 rows x 4 codes of half a vector) */
+static inline int8x8_t q4g_rep4(const int8_t *p) { return vreinterpret_s8_s32(vdup_n_s32(load_i32(p))); }
+
+static void q4g_neon(const uint8_t *codes, const uint8_t *gscale, const float *d, const int8_t *xq,
+                     const int32_t *xs8, int m, int k_pad, const float *act_scale, float *out, int32_t *out_i32,
+                     int n, int tile_begin, int tile_end) {
+    const int groups = k_pad / 32;
+    const uint8x16_t lowmask = vdupq_n_u8(0x0f);
+    for (int t = tile_begin; t < tile_end; t++)
+        for (int i = 0; i < m; i++) {
+            const int8_t *x = xq + (size_t)i * k_pad;
+            int32x4_t tot[4] = {vdupq_n_s32(0), vdupq_n_s32(0), vdupq_n_s32(0), vdupq_n_s32(0)};
+            for (int g = 0; g < groups; g++) {
+                Q4G_NEON_GROUP_HEAD
+                int32x4_t inner[4];
+                for (int v = 0; v < 4; v++) {
+                    int16x8_t lo = vdupq_n_s16(0), hi = vdupq_n_s16(0); /* rows 4v, 4v+1 | rows 4v+2, 4v+3 */
+                    for (int j = 0; j < 4; j++) {
+                        uint8x16_t c = vld1q_u8(q + 64 * j + 16 * v);
+                        int8x16_t l = vreinterpretq_s8_u8(vandq_u8(c, lowmask)), h = vreinterpretq_s8_u8(vshrq_n_u8(c, 4));
+                        int8x8_t xl = q4g_rep4(xg + 8 * j), xh = q4g_rep4(xg + 8 * j + 4);
+                        lo = vmlal_s8(lo, vget_low_s8(l), xl);
+                        hi = vmlal_s8(hi, vget_high_s8(l), xl);
+                        lo = vmlal_s8(lo, vget_low_s8(h), xh);
+                        hi = vmlal_s8(hi, vget_high_s8(h), xh);
+                    }
+                    /* [r0 c0..3, r1 c0..3] [r2 .., r3 ..] -> pairs -> [r0, r1, r2, r3] */
+                    inner[v] = vpaddlq_s16(vpaddq_s16(lo, hi));
+                }
+                Q4G_NEON_GROUP_TAIL
+            }
+            Q4G_NEON_TILE_END
+        }
+}
+#endif
+
 static q4g_fn q4g_pick(void) {
     int isa = bk_get_isa();
 #if defined(__x86_64__)
     if (isa == BK_ISA_AVX512) return q4g_avx512;
     if (isa == BK_ISA_AVX2 || isa == BK_ISA_AVXVNNI) return q4g_avx2;
+#endif
+#if defined(__aarch64__)
+    if (isa == BK_ISA_DOTPROD) return q4g_dotprod;
+    if (isa == BK_ISA_NEON) return q4g_neon;
 #endif
     (void)isa;
     return q4g_scalar;

@@ -175,7 +175,7 @@ const bk_gemv_ternary_fn bk_gemv_ternary_bodies[BK_N_ISA] = {
     [BK_ISA_AVX512] = gemv_ternary_avx512,
 #endif
 #if defined(__aarch64__)
-    [BK_ISA_NEON] = gemv_ternary_neon,
+    [BK_ISA_DOTPROD] = gemv_ternary_neon,
 #endif
 };
 

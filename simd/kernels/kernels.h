@@ -19,8 +19,13 @@
 
 #define BK_TILE_ROWS 16
 
-enum bk_isa { BK_ISA_SCALAR = 0, BK_ISA_AVX2 = 1, BK_ISA_AVX512 = 2, BK_ISA_NEON = 3, BK_ISA_AVXVNNI = 4 };
-#define BK_N_ISA 5
+/* aarch64: NEON is the baseline (Cortex-A72 of the Raspberry Pi 4 has nothing more); DOTPROD adds sdot
+ * (Armv8.2 dot product: every Apple M-series, Graviton 2+, Cortex-A76+ of the Raspberry Pi 5). A job with
+ * no sdot body runs its NEON one on the dotprod path. */
+enum bk_isa {
+    BK_ISA_SCALAR = 0, BK_ISA_AVX2 = 1, BK_ISA_AVX512 = 2, BK_ISA_NEON = 3, BK_ISA_AVXVNNI = 4, BK_ISA_DOTPROD = 5
+};
+#define BK_N_ISA 6
 
 /* CPU features seen by the dispatcher (cpuid bits AND the OS saving the matching register state). */
 typedef struct {

@@ -13,6 +13,9 @@
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
+#if defined(__aarch64__)
+#include <arm_neon.h>
+#endif
 
 /* ---------- scalar bodies ---------- */
 
@@ -136,11 +139,71 @@ __attribute__((target("avx2,fma"))) static void add_avx2(float *x, const float *
 }
 #endif
 
+
+/* ---------- NEON bodies: the scalar bodies' operations in the scalar bodies' order (the four partial sums
+ * of sumsq are the four lanes), so the same floats ---------- */
+#if defined(__aarch64__)
+static float sumsq_neon(const float *x, int n) {
+    float32x4_t acc = vdupq_n_f32(0.0f);
+    int i = 0;
+    for (; i + 4 <= n; i += 4) {
+        float32x4_t v = vld1q_f32(x + i);
+        acc = vaddq_f32(acc, vmulq_f32(v, v)); /* mul then add: never fused, as the scalar (-ffp-contract=off) */
+    }
+    float s[4];
+    vst1q_f32(s, acc);
+    for (; i < n; i++) s[0] += x[i] * x[i];
+    return (s[0] + s[1]) + (s[2] + s[3]);
+}
+
+static float scale_mul_neon(const float *x, float r, const float *w, int n, float *h) {
+    /* maxnm ignores a NaN lane, as the scalar `a > amax` does */
+    float32x4_t am = vdupq_n_f32(0.0f), rv = vdupq_n_f32(r);
+    int i = 0;
+    for (; i + 4 <= n; i += 4) {
+        float32x4_t v = vmulq_f32(vmulq_f32(vld1q_f32(x + i), rv), vld1q_f32(w + i));
+        vst1q_f32(h + i, v);
+        am = vmaxnmq_f32(am, vabsq_f32(v));
+    }
+    float amax = vmaxnmvq_f32(am);
+    for (; i < n; i++) {
+        float v = (x[i] * r) * w[i];
+        h[i] = v;
+        float a = fabsf(v);
+        if (a > amax) amax = a;
+    }
+    return amax;
+}
+
+static void add_neon(float *x, const float *d, int n) {
+    int i = 0;
+    for (; i + 4 <= n; i += 4) vst1q_f32(x + i, vaddq_f32(vld1q_f32(x + i), vld1q_f32(d + i)));
+    for (; i < n; i++) x[i] += d[i];
+}
+
+static void relu2_mul_neon(float *g, const float *u, int n) {
+    const float32x4_t zero = vdupq_n_f32(0.0f);
+    int i = 0;
+    for (; i + 4 <= n; i += 4) {
+        float32x4_t v = vld1q_f32(g + i);
+        float32x4_t a = vbslq_f32(vcgtq_f32(v, zero), v, zero); /* NaN -> 0, as `g > 0 ? g : 0` */
+        vst1q_f32(g + i, vmulq_f32(vmulq_f32(a, a), vld1q_f32(u + i)));
+    }
+    for (; i < n; i++) {
+        float a = g[i] > 0.0f ? g[i] : 0.0f;
+        g[i] = (a * a) * u[i];
+    }
+}
+#endif
+
 /* ---------- dispatch helpers ---------- */
 
 static inline float sumsq(const float *x, int n) {
 #if defined(__x86_64__)
     if (ops_isa() >= OPS_ISA_AVX2) return sumsq_avx2(x, n);
+#endif
+#if defined(__aarch64__)
+    if (ops_neon()) return sumsq_neon(x, n);
 #endif
     return sumsq_scalar(x, n);
 }
@@ -149,6 +212,9 @@ static inline float scale_mul(const float *x, float r, const float *w, int n, fl
 #if defined(__x86_64__)
     if (ops_isa() >= OPS_ISA_AVX2) return scale_mul_avx2(x, r, w, n, h);
 #endif
+#if defined(__aarch64__)
+    if (ops_neon()) return scale_mul_neon(x, r, w, n, h);
+#endif
     return scale_mul_scalar(x, r, w, n, h);
 }
 
@@ -156,6 +222,12 @@ static inline void add(float *x, const float *d, int n) {
 #if defined(__x86_64__)
     if (ops_isa() >= OPS_ISA_AVX2) {
         add_avx2(x, d, n);
+        return;
+    }
+#endif
+#if defined(__aarch64__)
+    if (ops_neon()) {
+        add_neon(x, d, n);
         return;
     }
 #endif
@@ -255,6 +327,10 @@ static void glu_rmsnorm_quant_rows(void *ctx, int b, int e) {
         if (j->act == OPS_ACT_RELU2) {
 #if defined(__x86_64__)
             if (ops_isa() >= OPS_ISA_AVX2) relu2_mul_avx2(g, u, inter);
+            else
+#endif
+#if defined(__aarch64__)
+            if (ops_neon()) relu2_mul_neon(g, u, inter);
             else
 #endif
             for (int i = 0; i < inter; i++) {

@@ -21,8 +21,8 @@
 static inline float ops_half_to_float(uint16_t h) { return bk_half_to_float(h); }
 
 /* Vector width the helpers use, from the kernels' path: avx512 (which implies AVX512 F+BW+VL, what the
- * attention bodies need) -> 512-bit bodies; avxvnni and avx2 -> 256-bit; scalar and neon -> scalar (the
- * helpers have no NEON bodies). */
+ * attention bodies need) -> 512-bit bodies; avxvnni and avx2 -> 256-bit; scalar, neon and dotprod -> scalar
+ * here (the NEON bodies of norm.c ask ops_neon() below; attention has none yet). */
 enum { OPS_ISA_SCALAR = 0, OPS_ISA_AVX2 = 1, OPS_ISA_AVX512 = 2 };
 enum { OPS_ACT_RELU2 = 0, OPS_ACT_SILU = 1 };
 
@@ -33,6 +33,12 @@ static inline int ops_isa(void) {
     case BK_ISA_AVXVNNI: return OPS_ISA_AVX2;
     default: return OPS_ISA_SCALAR;
     }
+}
+
+/* The aarch64 paths (neon, dotprod): the helpers with a NEON body take it (norm.c). */
+static inline int ops_neon(void) {
+    const int isa = bk_get_isa();
+    return isa == BK_ISA_NEON || isa == BK_ISA_DOTPROD;
 }
 
 /* norm.c */
