@@ -113,12 +113,43 @@ static void check_norms(int m, int d) {
     free(x0), free(g0), free(delta), free(w);
 }
 
+/* top-k over logits (NaNs included) and the exact f16 rescoring of the q4 head's candidates: same heaps, same
+ * indices, same floats on every path */
+static void check_select(int vocab, int d, int m, int k) {
+    float *lg0 = malloc(4 * (size_t)m * vocab), *x = malloc(4 * (size_t)m * d);
+    uint16_t *table = malloc(2 * (size_t)vocab * d);
+    for (size_t i = 0; i < (size_t)m * vocab; i++) lg0[i] = ((int)(rnd() % 200001) - 100000) / 3333.0f;
+    for (size_t i = 0; i < (size_t)m * vocab; i += 97) lg0[i] = NAN;
+    for (size_t i = 0; i < (size_t)m * d; i++) x[i] = ((int)(rnd() % 20001) - 10000) / 999.0f;
+    for (size_t i = 0; i < (size_t)vocab * d; i++) table[i] = (uint16_t)((rnd() % 0x7800) | ((rnd() & 1) << 15));
+    const int paths[3] = {BK_ISA_SCALAR, BK_ISA_NEON, BK_ISA_DOTPROD};
+    float *lg[3], *hv[3], tv[3][64]; int32_t *id[3], ti[3][64], got[3];
+    for (int v = 0; v < 3; v++) {
+        lg[v] = malloc(4 * (size_t)m * vocab), hv[v] = malloc(4 * (size_t)m * k), id[v] = malloc(4 * (size_t)m * k);
+        bk_set_isa(paths[v]);
+        got[v] = ops_topk(lg0, vocab, k, tv[v], ti[v]);
+        CHECK(v == 0 || (got[v] == got[0] && !memcmp(ti[0], ti[v], 4 * (size_t)got[0]) && !memcmp(tv[0], tv[v], 4 * (size_t)got[0])),
+              "topk path %d vocab %d k %d", paths[v], vocab, k);
+        memcpy(lg[v], lg0, 4 * (size_t)m * vocab);
+        ops_head_rescore(table, d, x, m, lg[v], vocab, k, hv[v], id[v]);
+    }
+    for (int v = 1; v < 3; v++)
+        CHECK(!memcmp(lg[0], lg[v], 4 * (size_t)m * vocab) && !memcmp(id[0], id[v], 4 * (size_t)m * k),
+              "head_rescore path %d vocab %d d %d m %d k %d", paths[v], vocab, d, m, k);
+    bk_set_isa(-1);
+    for (int v = 0; v < 3; v++) free(lg[v]), free(hv[v]), free(id[v]);
+    free(lg0), free(x), free(table);
+}
+
 int main(void) {
     bk_init();
     printf("active %d dotprod %d\n", bk_get_isa(), bk_get_features()->dotprod);
     CHECK(bk_get_isa() == BK_ISA_DOTPROD, "dispatcher did not pick dotprod");
     CHECK(bk_isa_supported(BK_ISA_NEON) && bk_set_isa(BK_ISA_NEON) == 0 && bk_get_isa() == BK_ISA_NEON, "neon not selectable");
     bk_set_isa(-1);
+    check_select(1000, 64, 1, 40);
+    check_select(3001, 37, 3, 13);
+    check_select(50, 130, 2, 64); /* k > vocab: every non-NaN logit */
     static const int norm_shapes[][2] = {{1, 64}, {3, 2560}, {5, 37}, {16, 200}};
     for (unsigned s = 0; s < sizeof norm_shapes / sizeof norm_shapes[0]; s++) check_norms(norm_shapes[s][0], norm_shapes[s][1]);
     static const int shapes[][3] = {{16, 64, 1}, {37, 100, 3}, {100, 3200, 5}, {250, 68, 2}, {640, 2560, 9}, {17, 8640, 2}};

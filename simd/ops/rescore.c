@@ -14,6 +14,9 @@
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
+#if defined(__aarch64__)
+#include <arm_neon.h>
+#endif
 
 static void dots_scalar(const uint16_t *table, int d, const int32_t *ids, int n, const float *x, float *out) {
     for (int j = 0; j < n; j++) {
@@ -79,6 +82,41 @@ __attribute__((target("avx2,fma,f16c"))) static void dots8_avx2(const uint16_t *
 }
 #endif
 
+#if defined(__aarch64__)
+/* Four rows at once, one per lane, as dots8_avx2: 4 columns of each row converted (f16 -> f32 is exact),
+ * transposed, and fed to the lane chains in column order with fused multiply-adds (fmla = fmaf). */
+static void dots4_neon(const uint16_t *table, int d, const int32_t *ids, const float *x, float *out) {
+    const uint16_t *w[4];
+    for (int j = 0; j < 4; j++) w[j] = table + (int64_t)ids[j] * d;
+    float32x4_t acc = vdupq_n_f32(0.0f);
+    int c = 0;
+    for (; c + 4 <= d; c += 4) {
+        float32x4_t r0 = vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(w[0] + c)));
+        float32x4_t r1 = vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(w[1] + c)));
+        float32x4_t r2 = vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(w[2] + c)));
+        float32x4_t r3 = vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(w[3] + c)));
+        /* 4x4 transpose: t_i holds column c+i of rows 0..3 */
+        float32x4_t a0 = vtrn1q_f32(r0, r1), a1 = vtrn2q_f32(r0, r1);
+        float32x4_t a2 = vtrn1q_f32(r2, r3), a3 = vtrn2q_f32(r2, r3);
+        float32x4_t t0 = vreinterpretq_f32_f64(vtrn1q_f64(vreinterpretq_f64_f32(a0), vreinterpretq_f64_f32(a2)));
+        float32x4_t t1 = vreinterpretq_f32_f64(vtrn1q_f64(vreinterpretq_f64_f32(a1), vreinterpretq_f64_f32(a3)));
+        float32x4_t t2 = vreinterpretq_f32_f64(vtrn2q_f64(vreinterpretq_f64_f32(a0), vreinterpretq_f64_f32(a2)));
+        float32x4_t t3 = vreinterpretq_f32_f64(vtrn2q_f64(vreinterpretq_f64_f32(a1), vreinterpretq_f64_f32(a3)));
+        acc = vfmaq_n_f32(acc, t0, x[c + 0]);
+        acc = vfmaq_n_f32(acc, t1, x[c + 1]);
+        acc = vfmaq_n_f32(acc, t2, x[c + 2]);
+        acc = vfmaq_n_f32(acc, t3, x[c + 3]);
+    }
+    float a[4];
+    vst1q_f32(a, acc);
+    for (int j = 0; j < 4; j++) { /* the last d % 4 columns continue each lane's chain in order */
+        float s = a[j];
+        for (int cc = c; cc < d; cc++) s = fmaf(ops_half_to_float(w[j][cc]), x[cc], s);
+        out[j] = s;
+    }
+}
+#endif
+
 /* Exact logits of candidates ids[0..n) (n <= 8) into out; next: the following group's ids (prefetch) or NULL. */
 static void dots_group(const uint16_t *table, int d, const int32_t *ids, int n, const int32_t *next,
                        const float *x, float *out) {
@@ -93,6 +131,18 @@ static void dots_group(const uint16_t *table, int d, const int32_t *ids, int n, 
         for (int q = 0; q < 8; q++) pad[q] = ids[q < n ? q : n - 1];
         dots8_avx2(table, d, pad, NULL, x, tmp);
         for (int q = 0; q < n; q++) out[q] = tmp[q];
+        return;
+    }
+#endif
+#if defined(__aarch64__)
+    if (ops_neon()) {
+        for (int q0 = 0; q0 < n; q0 += 4) {
+            int32_t pad[4]; /* a short group: pad with its last row, keep the first n results */
+            float tmp[4];
+            for (int q = 0; q < 4; q++) pad[q] = ids[q0 + q < n ? q0 + q : n - 1];
+            dots4_neon(table, d, pad, x, tmp);
+            for (int q = 0; q < 4 && q0 + q < n; q++) out[q0 + q] = tmp[q];
+        }
         return;
     }
 #endif

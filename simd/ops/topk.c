@@ -46,6 +46,19 @@ __attribute__((target("avx2"))) static void scan_avx2(const float *x, int i, int
 }
 #endif
 
+#if defined(__aarch64__)
+#include <arm_neon.h>
+/* The same scan four logits per compare (ordered compare: NaN false), survivors offered in index order. */
+static void scan_neon(const float *x, int i, int n, int k, float *heap_vals, int32_t *idx) {
+    for (; i + 4 <= n; i += 4) {
+        uint32x4_t gt = vcgtq_f32(vld1q_f32(x + i), vdupq_n_f32(heap_vals[0]));
+        if (!vmaxvq_u32(gt)) continue;
+        for (int j = 0; j < 4; j++) offer(x[i + j], i + j, k, heap_vals, idx); /* offer re-checks each one */
+    }
+    for (; i < n; i++) offer(x[i], i, k, heap_vals, idx);
+}
+#endif
+
 int ops_topk(const float *x, int n, int k, float *heap_vals, int32_t *idx) {
     if (k > n) k = n;
     if (k <= 0) return 0;
@@ -61,6 +74,12 @@ int ops_topk(const float *x, int n, int k, float *heap_vals, int32_t *idx) {
 #if defined(__x86_64__)
     if (ops_isa() >= OPS_ISA_AVX2) {
         scan_avx2(x, i, n, k, heap_vals, idx);
+        return filled;
+    }
+#endif
+#if defined(__aarch64__)
+    if (ops_neon()) {
+        scan_neon(x, i, n, k, heap_vals, idx);
         return filled;
     }
 #endif
