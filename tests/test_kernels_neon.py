@@ -33,6 +33,7 @@ HARNESS = r"""
 #include "ops.h"
 #include "q4g.h"
 #include "rows.h"
+#include "tg.h"
 
 static unsigned long long rs = 88172645463325252ull;
 static unsigned rnd(void) { rs ^= rs << 13; rs ^= rs >> 7; rs ^= rs << 17; return (unsigned)rs; }
@@ -141,12 +142,47 @@ static void check_select(int vocab, int d, int m, int k) {
     free(lg0), free(x), free(table);
 }
 
+/* the group-scaled (tg128) path: its per-group activation quantization and its GEMV, whole, on every path */
+static void check_tg(int n, int k, int m) {
+    int k_pad = (k + 127) / 128 * 128, groups = k_pad / 128, tiles = (n + 15) / 16;
+    float *x = malloc(4 * (size_t)m * k);
+    for (size_t i = 0; i < (size_t)m * k; i++) x[i] = ((int)(rnd() % 20001) - 10000) / 1357.0f;
+    for (int c = 0; c < 128 && c < k; c++) x[c] = 0.0f; /* an all-zero group: xd = 0, xq = 0 */
+    uint8_t *w = malloc((size_t)tiles * groups * BK_TG_GROUP_BYTES);
+    for (size_t i = 0; i < (size_t)tiles * groups * BK_TG_GROUP_BYTES; i++) w[i] = (uint8_t)rnd();
+    for (size_t g = 0; g < (size_t)tiles * groups; g++) /* the 16 scales of each group: finite halves */
+        for (int r = 0; r < 16; r++) {
+            uint16_t h = (uint16_t)((rnd() % 0x7800) | ((rnd() & 1) << 15));
+            w[g * BK_TG_GROUP_BYTES + 2 * r] = (uint8_t)h, w[g * BK_TG_GROUP_BYTES + 2 * r + 1] = (uint8_t)(h >> 8);
+        }
+    const int paths[3] = {BK_ISA_SCALAR, BK_ISA_NEON, BK_ISA_DOTPROD};
+    int8_t *q[3]; float *xd[3], *o[3]; int32_t *xs[3];
+    for (int v = 0; v < 3; v++) {
+        q[v] = malloc((size_t)m * k_pad), xd[v] = malloc(4 * (size_t)m * groups), xs[v] = malloc(4 * (size_t)m * groups);
+        o[v] = malloc(4 * (size_t)m * n);
+        bk_set_isa(paths[v]);
+        bk_quantize_act_g128(x, m, k, k, k_pad, q[v], xd[v], xs[v]);
+        bk_gemv_tg(w, q[0], xd[0], xs[0], m, k_pad, o[v], n); /* the scalar path's activations: GEMV alone */
+    }
+    for (int v = 1; v < 3; v++) {
+        CHECK(!memcmp(q[0], q[v], (size_t)m * k_pad) && !memcmp(xd[0], xd[v], 4 * (size_t)m * groups) &&
+              !memcmp(xs[0], xs[v], 4 * (size_t)m * groups), "quantize_act_g128 path %d k %d m %d", paths[v], k, m);
+        CHECK(!memcmp(o[0], o[v], 4 * (size_t)m * n), "gemv_tg path %d n %d k %d m %d", paths[v], n, k, m);
+    }
+    bk_set_isa(-1);
+    for (int v = 0; v < 3; v++) free(q[v]), free(xd[v]), free(xs[v]), free(o[v]);
+    free(x), free(w);
+}
+
 int main(void) {
     bk_init();
     printf("active %d dotprod %d\n", bk_get_isa(), bk_get_features()->dotprod);
     CHECK(bk_get_isa() == BK_ISA_DOTPROD, "dispatcher did not pick dotprod");
     CHECK(bk_isa_supported(BK_ISA_NEON) && bk_set_isa(BK_ISA_NEON) == 0 && bk_get_isa() == BK_ISA_NEON, "neon not selectable");
     bk_set_isa(-1);
+    check_tg(16, 128, 1);
+    check_tg(37, 300, 3);
+    check_tg(250, 2560, 2);
     check_select(1000, 64, 1, 40);
     check_select(3001, 37, 3, 13);
     check_select(50, 130, 2, 64); /* k > vocab: every non-NaN logit */

@@ -15,6 +15,9 @@
 #if defined(__x86_64__)
 #include "x86_common.h"
 #endif
+#if defined(__aarch64__)
+#include <arm_neon.h>
+#endif
 
 typedef void (*tg_fn)(const uint8_t *w, const int8_t *xq, const float *xd, const int32_t *xsum, int m, int k_pad,
                       float *out, int n, int tile_begin, int tile_end);
@@ -103,11 +106,82 @@ AVX2_TARGET static void tg_avx2(const uint8_t *w, const int8_t *xq, const float 
 }
 #endif
 
+#if defined(__aarch64__)
+/* sdot (dotprod path): a tile16 block is 4 vectors of 4 rows x 4 bytes, each 2-bit plane c of a byte holding
+ * columns 4c..4c+3, so plane c meets activation lane c (the gemv_ternary NEON body's scheme); the group's f32
+ * steps are the scalar body's, lane by lane. */
+__attribute__((target("arch=armv8.2-a+dotprod")))
+static void tg_dotprod(const uint8_t *w, const int8_t *xq, const float *xd, const int32_t *xsum, int m, int k_pad,
+                       float *out, int n, int tile_begin, int tile_end) {
+    const int groups = k_pad / BK_TG_GROUP;
+    const size_t tile_bytes = (size_t)groups * BK_TG_GROUP_BYTES;
+    const uint8x16_t m3 = vdupq_n_u8(3);
+    for (int t = tile_begin; t < tile_end; t++) {
+        const uint8_t *p = w + (size_t)t * tile_bytes;
+        for (int i = 0; i < m; i++) {
+            const int8_t *x = xq + (size_t)i * k_pad;
+            const float *d = xd + (size_t)i * groups;
+            const int32_t *xs = xsum + (size_t)i * groups;
+            float32x4_t acc[4] = {vdupq_n_f32(0.0f), vdupq_n_f32(0.0f), vdupq_n_f32(0.0f), vdupq_n_f32(0.0f)};
+            for (int g = 0; g < groups; g++) {
+                const uint8_t *q = p + (size_t)g * BK_TG_GROUP_BYTES;
+                int32x4_t dot[4] = {vdupq_n_s32(0), vdupq_n_s32(0), vdupq_n_s32(0), vdupq_n_s32(0)};
+                for (int b = 0; b < 8; b++) {
+                    const int8x16_t xv = vld1q_s8(x + BK_TG_GROUP * g + 16 * b);
+                    for (int r = 0; r < 4; r++) {
+                        uint8x16_t v = vld1q_u8(q + 32 + b * 64 + 16 * r);
+                        dot[r] = vdotq_laneq_s32(dot[r], vreinterpretq_s8_u8(vandq_u8(v, m3)), xv, 0);
+                        dot[r] = vdotq_laneq_s32(dot[r], vreinterpretq_s8_u8(vandq_u8(vshrq_n_u8(v, 2), m3)), xv, 1);
+                        dot[r] = vdotq_laneq_s32(dot[r], vreinterpretq_s8_u8(vandq_u8(vshrq_n_u8(v, 4), m3)), xv, 2);
+                        dot[r] = vdotq_laneq_s32(dot[r], vreinterpretq_s8_u8(vshrq_n_u8(v, 6)), xv, 3);
+                    }
+                }
+                const int32x4_t s = vdupq_n_s32(xs[g]);
+                const float32x4_t dg = vdupq_n_f32(d[g]);
+                for (int r = 0; r < 4; r++) {
+                    /* f16 -> f32 is exact; then one rounding per step, never fused (-ffp-contract=off) */
+                    float32x4_t sc = vmulq_f32(vcvt_f32_f16(vreinterpret_f16_u8(vld1_u8(q + 8 * r))), dg);
+                    acc[r] = vaddq_f32(acc[r], vmulq_f32(vcvtq_f32_s32(vsubq_s32(dot[r], s)), sc));
+                }
+            }
+            float res[16];
+            for (int r = 0; r < 4; r++) vst1q_f32(res + 4 * r, acc[r]);
+            tg_store(res, t * 16, n, out + (size_t)i * n);
+        }
+    }
+}
+
+/* A full group: the scalar steps four lanes at a time (fcvtns rounds half to even, as nearbyintf; maxnm
+ * skips a NaN as fmaxf does; max is exact, so the order of the amax reduction does not matter). */
+static int32_t quant_group_neon(const float *x, int8_t *q, float *xd) {
+    float32x4_t m = vdupq_n_f32(0.0f);
+    for (int c = 0; c < BK_TG_GROUP; c += 4) m = vmaxnmq_f32(m, vabsq_f32(vld1q_f32(x + c)));
+    const float amax = vmaxnmvq_f32(m);
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    const float32x4_t vi = vdupq_n_f32(inv);
+    const int32x4_t lo = vdupq_n_s32(-127), hi = vdupq_n_s32(127);
+    int32x4_t sum = vdupq_n_s32(0);
+    for (int c = 0; c < BK_TG_GROUP; c += 8) {
+        int32x4_t a = vcvtnq_s32_f32(vmulq_f32(vld1q_f32(x + c), vi));
+        int32x4_t b = vcvtnq_s32_f32(vmulq_f32(vld1q_f32(x + c + 4), vi));
+        a = vminq_s32(vmaxq_s32(a, lo), hi), b = vminq_s32(vmaxq_s32(b, lo), hi);
+        sum = vaddq_s32(sum, vaddq_s32(a, b));
+        vst1_s8(q + c, vmovn_s16(vcombine_s16(vmovn_s32(a), vmovn_s32(b))));
+    }
+    *xd = amax / 127.0f;
+    return vaddvq_s32(sum);
+}
+#endif
+
 static tg_fn tg_pick(void) {
-#if defined(__x86_64__)
     int isa = bk_get_isa();
+#if defined(__x86_64__)
     if (isa == BK_ISA_AVX2 || isa == BK_ISA_AVX512 || isa == BK_ISA_AVXVNNI) return tg_avx2;
 #endif
+#if defined(__aarch64__)
+    if (isa == BK_ISA_DOTPROD) return tg_dotprod;
+#endif
+    (void)isa;
     return tg_scalar;
 }
 
@@ -171,6 +245,9 @@ void bk_quantize_act_g128(const float *x, int m, int k, int ldx, int k_pad, int8
 #if defined(__x86_64__)
     const int isa = bk_get_isa();
     const int simd = isa == BK_ISA_AVX2 || isa == BK_ISA_AVX512 || isa == BK_ISA_AVXVNNI;
+#elif defined(__aarch64__)
+    const int isa = bk_get_isa();
+    const int simd = isa == BK_ISA_NEON || isa == BK_ISA_DOTPROD;
 #else
     const int simd = 0;
 #endif
@@ -184,6 +261,12 @@ void bk_quantize_act_g128(const float *x, int m, int k, int ldx, int k_pad, int8
 #if defined(__x86_64__)
             if (simd && live == BK_TG_GROUP) {
                 *s = quant_group_avx2(xr, q, d);
+                continue;
+            }
+#endif
+#if defined(__aarch64__)
+            if (simd && live == BK_TG_GROUP) {
+                *s = quant_group_neon(xr, q, d);
                 continue;
             }
 #endif
