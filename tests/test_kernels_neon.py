@@ -34,6 +34,7 @@ HARNESS = r"""
 #include "q4g.h"
 #include "rows.h"
 #include "tg.h"
+#include "b3.h"
 
 static unsigned long long rs = 88172645463325252ull;
 static unsigned rnd(void) { rs ^= rs << 13; rs ^= rs >> 7; rs ^= rs << 17; return (unsigned)rs; }
@@ -174,6 +175,34 @@ static void check_tg(int n, int k, int m) {
     free(x), free(w);
 }
 
+/* base-3 weights: decoded on each path (NEON decoder) and run through that path's tile16 bodies, whole */
+static void check_b3(int n, int k_pad, int m, const int8_t *xq, const float *act_scale, const int32_t *act_sum,
+                     const float *row_scale) {
+    int tiles = (n + 15) / 16;
+    size_t tb = bk_b3_tile_bytes(k_pad), bytes = (size_t)tiles * tb;
+    uint8_t *w = malloc(bytes);
+    for (size_t i = 0; i < bytes; i++) w[i] = (uint8_t)rnd(); /* every byte decodes by the same rule */
+    const int paths[3] = {BK_ISA_SCALAR, BK_ISA_NEON, BK_ISA_DOTPROD};
+    uint8_t *dec[3]; float *o[3], *g[3]; int32_t *oi[3];
+    for (int v = 0; v < 3; v++) {
+        dec[v] = malloc((size_t)tiles * k_pad * 4), o[v] = malloc(4 * (size_t)n), oi[v] = malloc(4 * (size_t)n);
+        g[v] = malloc(4 * (size_t)m * n);
+        bk_set_isa(paths[v]);
+        bk_b3_to_tile16(w, n, k_pad, dec[v]);
+        bk_gemv_b3(w, row_scale, xq, k_pad, act_scale[0], act_sum[0], o[v], NULL, n);
+        bk_gemv_b3(w, row_scale, xq, k_pad, act_scale[0], act_sum[0], NULL, oi[v], n);
+        bk_gemm_b3(w, row_scale, xq, m, k_pad, act_scale, act_sum, g[v], NULL, n);
+    }
+    for (int v = 1; v < 3; v++) {
+        CHECK(!memcmp(dec[0], dec[v], (size_t)tiles * k_pad / 4), "b3 decode path %d n %d k %d", paths[v], n, k_pad);
+        CHECK(!memcmp(o[0], o[v], 4 * (size_t)n) && !memcmp(oi[0], oi[v], 4 * (size_t)n), "gemv_b3 path %d n %d k %d", paths[v], n, k_pad);
+        CHECK(!memcmp(g[0], g[v], 4 * (size_t)m * n), "gemm_b3 path %d n %d k %d m %d", paths[v], n, k_pad, m);
+    }
+    bk_set_isa(-1);
+    for (int v = 0; v < 3; v++) free(dec[v]), free(o[v]), free(oi[v]), free(g[v]);
+    free(w);
+}
+
 int main(void) {
     bk_init();
     printf("active %d dotprod %d\n", bk_get_isa(), bk_get_features()->dotprod);
@@ -236,6 +265,7 @@ int main(void) {
         bk_gemm_ternary_bodies[BK_ISA_SCALAR](wt, row_scale, xq[0], m, k_pad, sc[0], sm[0], o[0], NULL, n, 0, tiles);
         CHECK(!memcmp(o[0], o[1], 4 * (size_t)m * n), "threaded gemm %d %d %d", n, k, m);
         check_heads(n, k_pad, m, xq[0], sc[0], sm[0], wt, wi, rowsum, row_scale);
+        check_b3(n, k_pad, m, xq[0], sc[0], sm[0], row_scale);
     }
     printf(fails ? "FAILED %d\n" : "ALL OK\n", fails);
     return fails != 0;

@@ -11,8 +11,8 @@
  * at ~22 GB/s of these bytes per Zen 4 core, so it pays where a core's share of the memory bandwidth is below
  * that (bench/probes/base3_unpack.c, README "Denser ternary layout").
  *
- * Every other path, and the multi-row and GEMM kernels on every path, decode a few tiles into tile16 (AVX-512 and
- * AVX2 decoders: u = (m >= 86) + (m >= 171); scalar elsewhere) in a
+ * Every other path, and the multi-row and GEMM kernels on every path, decode a few tiles into tile16 (AVX-512,
+ * AVX2 and NEON decoders: u = (m >= 86) + (m >= 171); scalar elsewhere) in a
  * per-thread scratch buffer and run the tile16 body of that path on it: identical integer dots by construction
  * (the tests demand equality with tile16 on every path). The drivers allocate the scratch (-1: no memory).
  */
@@ -25,6 +25,9 @@
 
 #if defined(__x86_64__)
 #include "x86_common.h"
+#endif
+#if defined(__aarch64__)
+#include <arm_neon.h>
 #endif
 
 #define B3_GROUP_TILES 4 /* tiles decoded at a time for the multi-row / GEMM bodies (= bk_run_tiles' unit) */
@@ -108,6 +111,31 @@ AVX2_TARGET static void b3_decode_tile_avx2(const uint8_t *src, int kb, uint8_t 
 }
 #endif
 
+#if defined(__aarch64__)
+/* The same rule with NEON's unsigned compares (all ones where true), a 16-byte quarter of each plane at a time. */
+static void b3_decode_tile_neon(const uint8_t *src, int kb, uint8_t *dst) {
+    int ns = kb / B3_SUPER_BLOCKS;
+    const uint8x16_t lo = vdupq_n_u8(86), hi = vdupq_n_u8(171);
+    for (int s = 0; s < ns; s++)
+        for (int h = 0; h < 4; h++) { /* rows 4h .. 4h+3 */
+            uint8x16_t acc[B3_SUPER_BLOCKS];
+            for (int i = 0; i < B3_SUPER_BLOCKS; i++) acc[i] = vdupq_n_u8(0);
+            for (int p = 0; p < 4; p++) {
+                const uint8x16_t bit = vdupq_n_u8((uint8_t)(1 << (2 * p)));
+                uint8x16_t m = vld1q_u8(src + (size_t)s * B3_SUPER_BYTES + p * 64 + h * 16);
+                for (int i = 0; i < B3_SUPER_BLOCKS; i++) {
+                    uint8x16_t b1 = vandq_u8(vcgeq_u8(m, lo), bit), b2 = vandq_u8(vcgeq_u8(m, hi), bit);
+                    acc[i] = vaddq_u8(acc[i], vaddq_u8(b1, b2));
+                    m = vaddq_u8(vaddq_u8(m, m), m);
+                }
+            }
+            for (int i = 0; i < B3_SUPER_BLOCKS; i++) vst1q_u8(dst + ((size_t)s * B3_SUPER_BLOCKS + i) * 64 + h * 16, acc[i]);
+        }
+    memcpy(dst + (size_t)ns * B3_SUPER_BLOCKS * 64, src + (size_t)ns * B3_SUPER_BYTES,
+           (size_t)(kb % B3_SUPER_BLOCKS) * 64);
+}
+#endif
+
 static void b3_decode_tile(const uint8_t *src, int kb, uint8_t *dst) {
 #if defined(__x86_64__)
     int isa = bk_get_isa();
@@ -117,6 +145,13 @@ static void b3_decode_tile(const uint8_t *src, int kb, uint8_t *dst) {
     }
     if (isa == BK_ISA_AVX2 || isa == BK_ISA_AVXVNNI) {
         b3_decode_tile_avx2(src, kb, dst);
+        return;
+    }
+#endif
+#if defined(__aarch64__)
+    const int isa_a = bk_get_isa();
+    if (isa_a == BK_ISA_NEON || isa_a == BK_ISA_DOTPROD) {
+        b3_decode_tile_neon(src, kb, dst);
         return;
     }
 #endif
