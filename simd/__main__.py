@@ -1,5 +1,6 @@
 """`python -m simd`: print CPU features and the chosen kernel path (`bitnet info` shows the same as a table,
 with --json for scripts; this stays here so the kernels can be checked without the engine's CLI)."""
+import platform
 import sys
 
 from .errors import BitNetError
@@ -12,7 +13,9 @@ def _main() -> int:
         feats = simd.features()
         print(f"features: {', '.join(k for k, v in feats.items() if v)}")
         print(f"active:   {simd.active()}")
-        print(f"paths:    {', '.join(simd.supported_isas())} (force one with BITNET_ISA=scalar|avx2|avxvnni|avx512)")
+        arm = platform.machine().lower() in ("aarch64", "arm64")
+        names = "scalar|neon|dotprod" if arm else "scalar|avx2|avxvnni|avx512"
+        print(f"paths:    {', '.join(simd.supported_isas())} (force one with BITNET_ISA={names})")
         print(f"threads:  {simd.get_num_threads()}")
         return 0
     except BitNetError as e:  # e.g. BITNET_ISA naming a path this CPU cannot run
