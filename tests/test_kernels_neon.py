@@ -233,6 +233,8 @@ int main(void) {
         CHECK(!memcmp(xq[0], xq[1], (size_t)m * k_pad) && !memcmp(sc[0], sc[1], 4 * m) && !memcmp(sm[0], sm[1], 4 * m), "quantize %d %d", n, k);
         uint8_t *wt = malloc((size_t)n_pad * k_pad / 4);
         for (size_t i = 0; i < (size_t)n_pad * k_pad / 4; i++) { unsigned b = 0; for (int j = 0; j < 4; j++) b |= (rnd() % 3) << (2 * j); wt[i] = (uint8_t)b; }
+        if (s == 5) /* the plain body's int16 lanes at their bound: codes 2, activations -128 */
+            for (int r = 0; r < m; r++) { memset(xq[0] + (size_t)r * k_pad, 0x80, k_pad); memset(xq[1] + (size_t)r * k_pad, 0x80, k_pad); memset(wt, 0xaa, (size_t)n_pad * k_pad / 4); }
         int8_t *wi = malloc((size_t)n_pad * k_pad);
         int32_t *rowsum = calloc(n_pad, 4);
         for (size_t i = 0; i < (size_t)n_pad * k_pad; i++) wi[i] = (int8_t)((int)(rnd() % 255) - 127);
@@ -243,16 +245,18 @@ int main(void) {
         float *o[2]; int32_t *oi[2];
         uint8_t *aux = malloc(2 * (size_t)k_pad);
         for (int i = 0; i < k_pad; i++) { aux[i] = (uint8_t)(xq[0][i] ^ 0x80); aux[k_pad + i] = (uint8_t)(xq[0][i] < 0 ? -xq[0][i] : xq[0][i]); }
-        for (int v = 0; v < 2; v++) {
-            int isa = v ? BK_ISA_NEON : BK_ISA_SCALAR;
-            o[v] = malloc(4 * (size_t)m * n); oi[v] = malloc(4 * (size_t)m * n);
-            bk_gemv_ternary_bodies[isa == BK_ISA_NEON ? BK_ISA_DOTPROD : isa](wt, row_scale, xq[0], k_pad, sc[0][0], sm[0][0], o[v], NULL, n, 0, tiles);
-            bk_gemv_ternary_bodies[isa == BK_ISA_NEON ? BK_ISA_DOTPROD : isa](wt, row_scale, xq[0], k_pad, sc[0][0], sm[0][0], NULL, oi[v], n, 0, tiles);
+        for (int v = 0; v < 2; v++) { o[v] = malloc(4 * (size_t)m * n); oi[v] = malloc(4 * (size_t)m * n); }
+        for (int p = 0; p < 2; p++) { /* the plain-NEON and the sdot bodies */
+            for (int v = 0; v < 2; v++) {
+                int isa = v ? PATHS[p] : BK_ISA_SCALAR;
+                bk_gemv_ternary_bodies[isa](wt, row_scale, xq[0], k_pad, sc[0][0], sm[0][0], o[v], NULL, n, 0, tiles);
+                bk_gemv_ternary_bodies[isa](wt, row_scale, xq[0], k_pad, sc[0][0], sm[0][0], NULL, oi[v], n, 0, tiles);
+            }
+            CHECK(!memcmp(o[0], o[1], 4 * n) && !memcmp(oi[0], oi[1], 4 * n), "gemv_ternary path %d %d %d", PATHS[p], n, k);
+            for (int v = 0; v < 2; v++)
+                bk_gemm_ternary_bodies[v ? PATHS[p] : BK_ISA_SCALAR](wt, row_scale, xq[0], m, k_pad, sc[0], sm[0], o[v], NULL, n, 0, tiles);
+            CHECK(!memcmp(o[0], o[1], 4 * (size_t)m * n), "gemm_ternary path %d %d %d %d", PATHS[p], n, k, m);
         }
-        CHECK(!memcmp(o[0], o[1], 4 * n) && !memcmp(oi[0], oi[1], 4 * n), "gemv_ternary %d %d", n, k);
-        for (int v = 0; v < 2; v++)
-            bk_gemm_ternary_bodies[v ? BK_ISA_DOTPROD : BK_ISA_SCALAR](wt, row_scale, xq[0], m, k_pad, sc[0], sm[0], o[v], NULL, n, 0, tiles);
-        CHECK(!memcmp(o[0], o[1], 4 * (size_t)m * n), "gemm_ternary %d %d %d", n, k, m);
         for (int v = 0; v < 2; v++)
             bk_gemv_i8_bodies[v ? BK_ISA_DOTPROD : BK_ISA_SCALAR](wi, row_scale, rowsum, xq[0], aux, k_pad, sc[0][0], o[v], NULL, n, 0, tiles);
         CHECK(!memcmp(o[0], o[1], 4 * n), "gemv_i8 %d %d", n, k);

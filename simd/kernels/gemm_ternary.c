@@ -184,6 +184,18 @@ AVX2_TARGET static void gemm_ternary_avx2(const uint8_t *w, const float *row_sca
 #endif
 
 #if defined(__aarch64__)
+/* ---------------- plain NEON: that path's GEMV body per token, tile by tile (the tile stays in cache for the
+ * other tokens); the same dots by construction ---------------- */
+static void gemm_ternary_neon_plain(const uint8_t *w, const float *row_scale, const int8_t *xq, int m, int k_pad,
+                                    const float *act_scale, const int32_t *act_sum, float *out, int32_t *out_i32,
+                                    int n, int tile_begin, int tile_end) {
+    bk_gemv_ternary_fn gemv = bk_gemv_ternary_bodies[BK_ISA_NEON];
+    for (int t = tile_begin; t < tile_end; t++)
+        for (int i = 0; i < m; i++)
+            gemv(w, row_scale, xq + (size_t)i * k_pad, k_pad, act_scale[i], act_sum[i],
+                 out ? out + (size_t)i * n : NULL, out_i32 ? out_i32 + (size_t)i * n : NULL, n, t, t + 1);
+}
+
 /* ---------------- NEON (sdot), 4 tokens per pass over a tile ---------------- */
 __attribute__((target("arch=armv8.2-a+dotprod")))
 static void gemm_ternary_neon(const uint8_t *w, const float *row_scale, const int8_t *xq, int m, int k_pad,
@@ -222,6 +234,7 @@ const bk_gemm_ternary_fn bk_gemm_ternary_bodies[BK_N_ISA] = {
     [BK_ISA_AVX512] = gemm_ternary_avx512,
 #endif
 #if defined(__aarch64__)
+    [BK_ISA_NEON] = gemm_ternary_neon_plain,
     [BK_ISA_DOTPROD] = gemm_ternary_neon,
 #endif
 };

@@ -168,6 +168,51 @@ static void gemv_ternary_neon(const uint8_t *w, const float *row_scale, const in
 }
 #endif
 
+#if defined(__aarch64__)
+/* ---------------- plain NEON (no sdot: Cortex-A72 class, the Raspberry Pi 4) ----------------
+ * The same products by widening multiply-accumulate: plane c of 4 rows x 4 bytes times activation dword c
+ * repeated per row (smlal into int16 lanes, one lane per row and byte), folded into int32 (sadalp) every
+ * 16 blocks: a lane gains at most 4 * 2 * 128 per block, 16 blocks < 2^15. Exact integers: the scalar dots. */
+#define TERNARY_NEON_FOLD 16
+static void gemv_ternary_neon_plain(const uint8_t *w, const float *row_scale, const int8_t *xq, int k_pad,
+                                    float act_scale, int32_t act_sum, float *out, int32_t *out_i32, int n,
+                                    int tile_begin, int tile_end) {
+    const int kb = k_pad / 16;
+    const uint8x16_t m3 = vdupq_n_u8(3);
+    for (int t = tile_begin; t < tile_end; t++) {
+        const uint8_t *p = w + (size_t)t * kb * 64;
+        int32x4_t acc[8]; /* vector q, half h: rows 4q + 2h, 4q + 2h + 1 (byte pairs) */
+        for (int v = 0; v < 8; v++) acc[v] = vdupq_n_s32(0);
+        for (int b0 = 0; b0 < kb; b0 += TERNARY_NEON_FOLD) {
+            const int b1 = b0 + TERNARY_NEON_FOLD < kb ? b0 + TERNARY_NEON_FOLD : kb;
+            int16x8_t s[8];
+            for (int v = 0; v < 8; v++) s[v] = vdupq_n_s16(0);
+            for (int b = b0; b < b1; b++) {
+                const int32x4_t xw = vreinterpretq_s32_s8(vld1q_s8(xq + 16 * b));
+                const int8x8_t x0 = vreinterpret_s8_s32(vdup_laneq_s32(xw, 0)), x1 = vreinterpret_s8_s32(vdup_laneq_s32(xw, 1));
+                const int8x8_t x2 = vreinterpret_s8_s32(vdup_laneq_s32(xw, 2)), x3 = vreinterpret_s8_s32(vdup_laneq_s32(xw, 3));
+                for (int q = 0; q < 4; q++) {
+                    uint8x16_t v = vld1q_u8(p + (size_t)b * 64 + 16 * q);
+                    int8x16_t c0 = vreinterpretq_s8_u8(vandq_u8(v, m3)), c1 = vreinterpretq_s8_u8(vandq_u8(vshrq_n_u8(v, 2), m3));
+                    int8x16_t c2 = vreinterpretq_s8_u8(vandq_u8(vshrq_n_u8(v, 4), m3)), c3 = vreinterpretq_s8_u8(vshrq_n_u8(v, 6));
+                    int16x8_t lo = s[2 * q], hi = s[2 * q + 1];
+                    lo = vmlal_s8(lo, vget_low_s8(c0), x0), hi = vmlal_s8(hi, vget_high_s8(c0), x0);
+                    lo = vmlal_s8(lo, vget_low_s8(c1), x1), hi = vmlal_s8(hi, vget_high_s8(c1), x1);
+                    lo = vmlal_s8(lo, vget_low_s8(c2), x2), hi = vmlal_s8(hi, vget_high_s8(c2), x2);
+                    lo = vmlal_s8(lo, vget_low_s8(c3), x3), hi = vmlal_s8(hi, vget_high_s8(c3), x3);
+                    s[2 * q] = lo, s[2 * q + 1] = hi;
+                }
+            }
+            for (int v = 0; v < 8; v++) acc[v] = vpadalq_s16(acc[v], s[v]);
+        }
+        int32_t dots[16];
+        for (int q = 0; q < 4; q++) /* [r0 j01, r0 j23, r1 .., r1 ..] [r2 .., r3 ..] -> [r0, r1, r2, r3] */
+            vst1q_s32(dots + 4 * q, vsubq_s32(vpaddq_s32(acc[2 * q], acc[2 * q + 1]), vdupq_n_s32(act_sum)));
+        bk_store_tile(dots, t * 16, n, row_scale, act_scale, out, out_i32);
+    }
+}
+#endif
+
 const bk_gemv_ternary_fn bk_gemv_ternary_bodies[BK_N_ISA] = {
     [BK_ISA_SCALAR] = gemv_ternary_scalar,
 #if defined(__x86_64__)
@@ -175,6 +220,7 @@ const bk_gemv_ternary_fn bk_gemv_ternary_bodies[BK_N_ISA] = {
     [BK_ISA_AVX512] = gemv_ternary_avx512,
 #endif
 #if defined(__aarch64__)
+    [BK_ISA_NEON] = gemv_ternary_neon_plain,
     [BK_ISA_DOTPROD] = gemv_ternary_neon,
 #endif
 };
