@@ -58,7 +58,7 @@ rm -rf "$ROOTFS/src" && mkdir -p "$ROOTFS/src"
 git ls-files -z --cached --others --exclude-standard | while IFS= read -r -d '' f; do
   [ -e "$f" ] && printf '%s\0' "$f"; done | tar --null -T - -cf - | tar -C "$ROOTFS/src" -xf -
 
-say "pip install . and the test extra inside the arm64 userland (gcc runs emulated: minutes)"
+say "pip install . inside the arm64 userland (gcc runs emulated: minutes)"
 chroot "$ROOTFS" /usr/bin/env -i HOME=/root PATH=/usr/local/bin:/usr/bin:/bin LANG=C.UTF-8 /bin/bash -euo pipefail -c '
   cd /src
   [ -x /opt/venv/bin/python ] || python3 -m venv /opt/venv
