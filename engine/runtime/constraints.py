@@ -157,9 +157,32 @@ class _SentencePieceVocab:
                 tokens.append(sp.IdToPiece(i).replace("\u2581", " ").encode("utf-8"))
         self.tokens = tokens
         self._sp = sp
+        self._ids = {}
+        for i, b in enumerate(tokens):
+            if b:
+                self._ids.setdefault(b, i)
+        self._longest = max(map(len, self._ids), default=1)
 
     def __call__(self, s):
-        return self._sp.EncodeAsIds(s.decode("utf-8", "replace") if isinstance(s, bytes) else s)
+        """Ids whose bytes are exactly `s` (llguidance tokenizes forced text with it). sentencepiece's own
+        encoding adds a leading "▁" and folds spaces, so it is used only when it round-trips; else a longest-match
+        split over the vocabulary (exact, not always the canonical tokens: a jump-forward draft may then be
+        rejected, never a wrong token accepted)."""
+        data = s if isinstance(s, bytes) else s.encode("utf-8")
+        ids = self._sp.EncodeAsIds(data.decode("utf-8", "replace"))
+        if b"".join(self.tokens[i] for i in ids if i < len(self.tokens)) == data:
+            return ids
+        out, pos = [], 0
+        while pos < len(data):
+            for n in range(min(self._longest, len(data) - pos), 0, -1):
+                i = self._ids.get(data[pos:pos + n])
+                if i is not None:
+                    out.append(i)
+                    pos += n
+                    break
+            else:   # a byte no token holds (a vocabulary without byte fallback): it cannot be produced
+                pos += 1
+        return out
 
 
 def _ll_tokenizer(tok, n_vocab: int):
