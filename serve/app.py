@@ -169,7 +169,17 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
             raise APIError(404, f"model '{name}' does not exist (this server has '{state.model_id}')",
                            "not_found_error", "model", "model_not_found")
 
-    def submit(eng, req, prompt_ids, loop):
+    async def compile_constraint(eng, req):
+        """The request's structured-output spec compiled for the model, off the event loop (a new schema takes
+        ~10-100 ms to compile; repeats come from a cache), or None. A spec that cannot be enforced: 400."""
+        from ..engine.errors import ConstraintError
+        try:
+            spec = req.constraint()
+            return None if spec is None else await asyncio.to_thread(eng.compile_constraint, spec)
+        except ConstraintError as e:
+            raise APIError(400, str(e), param=e.where, code="invalid_constraint") from None
+
+    def submit(eng, req, prompt_ids, loop, constraint=None):
         """Submit the request's n choices to the engine; return (streams, queue of (choice index, Chunk)).
         Maps engine errors to HTTP ones."""
         from ..engine.errors import BitNetError, ContextOverflowError, QueueFullError
@@ -184,7 +194,7 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         callbacks = [(lambda ch, i=i: loop.call_soon_threadsafe(q.put_nowait, (i, ch))) for i in range(req.n)]
         try:
             streams = eng.submit_n(prompt_ids, params, req.n, max_tokens=max(0, max_tokens), stop=req.stops(),
-                                   ignore_eos=req.ignore_eos, callbacks=callbacks)
+                                   ignore_eos=req.ignore_eos, constraint=constraint, callbacks=callbacks)
         except QueueFullError as e:
             metrics.rejected.inc()
             raise APIError(503, str(e), "server_error", code="queue_full",
@@ -343,7 +353,8 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
             prompt_ids = eng.chat_prompt(msgs)
         except Exception as e:  # the template rejected the conversation (e.g. roles out of order)
             raise APIError(400, f"messages: {e}", param="messages", code="invalid_value") from None
-        streams, q = submit(eng, body, prompt_ids, asyncio.get_running_loop())
+        constraint = await compile_constraint(eng, body)
+        streams, q = submit(eng, body, prompt_ids, asyncio.get_running_loop(), constraint)
         cid, created, model = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time()), state.model_id
         head = {"id": cid, "created": created, "model": model, "system_fingerprint": None}
         text_of, n_top = state.token_text(eng), body.top_logprobs or 0
@@ -376,7 +387,8 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         else:
             text = p[0] if isinstance(p, list) and p else (p if isinstance(p, str) else "")
             prompt_ids = eng.tokenize(text, add_bos=True)
-        streams, q = submit(eng, body, prompt_ids, asyncio.get_running_loop())
+        constraint = await compile_constraint(eng, body)
+        streams, q = submit(eng, body, prompt_ids, asyncio.get_running_loop(), constraint)
         cid, created, model = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time()), state.model_id
         head = {"id": cid, "object": "text_completion", "created": created, "model": model, "system_fingerprint": None}
         text_of, offsets = state.token_text(eng), [0] * body.n

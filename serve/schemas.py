@@ -36,6 +36,24 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JSONSchemaFormat(BaseModel):
+    """OpenAI's response_format.json_schema: {name, description, schema, strict}. The schema is enforced
+    whatever `strict` says (a constrained decoder has no cheaper mode)."""
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: Optional[str] = None
+    description: Optional[str] = None
+    schema_: Optional[dict[str, Any]] = Field(default=None, alias="schema")
+    strict: Optional[bool] = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`; llama-server's {"type": "json_object", "schema": {...}} form too."""
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JSONSchemaFormat] = None
+    schema_: Optional[dict[str, Any]] = Field(default=None, alias="schema")
+
+
 class _Sampling(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -63,6 +81,10 @@ class _Sampling(BaseModel):
     prediction: Optional[Any] = None
     web_search_options: Optional[Any] = None
     reasoning_effort: Optional[str] = None
+    # structured output: OpenAI's response_format, llama-server's `json_schema` and `grammar` (GBNF) fields
+    response_format: Optional[ResponseFormat] = None
+    json_schema: Optional[dict[str, Any]] = None
+    grammar: Optional[str] = None
 
     @field_validator(*SAMPLING_FIELDS)
     @classmethod
@@ -95,6 +117,33 @@ class _Sampling(BaseModel):
     def record_logprobs(self) -> int | None:
         """How many alternatives per token the engine must record (None: no logprobs asked)."""
         return None
+
+    def constraint(self):
+        """The one Constraint the request asks for (engine/runtime/constraints.py), or None. Raises
+        ConstraintError naming the field when the spec is malformed or two are given."""
+        from ..engine.errors import ConstraintError
+        from ..engine.runtime.constraints import Constraint
+
+        given = []
+        rf = self.response_format
+        if rf is not None and rf.type != "text":
+            if rf.type == "json_schema":
+                if rf.json_schema is None or rf.json_schema.schema_ is None:
+                    raise ConstraintError("response_format.json_schema.schema: required for type json_schema",
+                                          where="response_format")
+                given.append(Constraint.json_schema(rf.json_schema.schema_, where="response_format.json_schema.schema"))
+            elif rf.schema_ is not None:
+                given.append(Constraint.json_schema(rf.schema_, where="response_format.schema"))
+            else:
+                given.append(Constraint.json_object(where="response_format"))
+        if self.json_schema is not None:
+            given.append(Constraint.json_schema(self.json_schema, where="json_schema"))
+        if self.grammar is not None:
+            given.append(Constraint.gbnf(self.grammar, where="grammar"))
+        if len(given) > 1:
+            raise ConstraintError("give one of response_format, json_schema and grammar, not several",
+                                  where=given[1].where)
+        return given[0] if given else None
 
     def stops(self) -> list[str]:
         if self.stop is None:
