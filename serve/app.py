@@ -142,7 +142,7 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         resp = await call_next(request)
         resp.headers["X-Bitnet-Instance"] = f"{socket.gethostname()}:{os.getpid()}"  # which process answered (load balancers, Ray replicas)
         path = request.url.path
-        if path.startswith("/v1/") or path in ("/health", "/slots", "/metrics"):
+        if path.startswith(("/v1/", "/api/")) or path in ("/health", "/slots", "/metrics"):
             metrics.requests.labels(path, str(resp.status_code)).inc()
         return resp
 
@@ -434,6 +434,9 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
     async def slots(request: Request):
         eng = ready(request)
         return {"model": state.model_id, "n_ctx": eng.n_ctx, "metrics": eng.metrics(), "slots": eng.slots()}
+
+    from .ollama import register as register_ollama   # ollama's API: a second adapter over the same engine
+    register_ollama(app, state, ready, sampling=sampling, metrics=metrics)
 
     @app.get("/", response_class=HTMLResponse)
     async def page():

@@ -133,3 +133,29 @@ def test_n_choices_cancel_zero_tokens_and_limits(synth):
         assert eng.metrics()["kv_pages_used"] == 0 and eng.metrics()["kv_pages_reserved"] == 0
     finally:
         eng.close()
+
+
+def test_n_choices_each_keep_their_own_constraint():
+    """n choices under one JSON Schema (the bundled model): each is valid and equals the same request alone
+    seeded seed + i, so a fork's matcher starts where the shared prompt left it, independent of the others."""
+    import json
+
+    import jsonschema
+
+    from bitnet_cpu.engine.api import Constraint
+    schema = {"type": "object", "additionalProperties": False, "required": ["tags"],
+              "properties": {"tags": {"type": "array", "minItems": 1, "maxItems": 3,
+                                      "items": {"type": "string", "maxLength": 6}}}}
+    c = Constraint.json_schema(schema)
+    eng = load_engine(None, progress=False, parallel=4)
+    try:
+        ids = eng.chat_prompt([{"role": "user", "content": "Tags for a cat"}])
+        hot = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=40)
+        outs = [list(s) for s in eng.submit_n(ids, hot, 3, max_tokens=120, constraint=c)]
+        for i, o in enumerate(outs):
+            jsonschema.validate(json.loads("".join(ch.text for ch in o)), schema)
+            alone = list(eng.submit(ids, SamplingParams(**{**hot.__dict__, "seed": 40 + i}), max_tokens=120, constraint=c))
+            assert _tokens(o) == _tokens(alone), i
+        eng.check_consistency()
+    finally:
+        eng.close()
