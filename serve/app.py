@@ -436,7 +436,7 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         return {"model": state.model_id, "n_ctx": eng.n_ctx, "metrics": eng.metrics(), "slots": eng.slots()}
 
     from .ollama import register as register_ollama   # ollama's API: a second adapter over the same engine
-    register_ollama(app, state, ready, sampling=sampling, metrics=metrics)
+    register_ollama(app, state, ready, APIError, sampling=sampling, metrics=metrics)
 
     @app.get("/", response_class=HTMLResponse)
     async def page():

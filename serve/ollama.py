@@ -131,10 +131,9 @@ def _param_size(cfg) -> str:
     return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.0f}M"
 
 
-def register(app, state, ready, *, sampling: SamplingParams | None = None, metrics=None):
+def register(app, state, ready, api_error: type, *, sampling: SamplingParams | None = None, metrics=None):
     """Add ollama's routes to `app` (serve/app.py's create_app). ready(request) -> the engine, or raises the
-    server's APIError (auth, loading, draining), which these routes answer in ollama's shape."""
-    from .app import APIError
+    server's `api_error` (auth, loading, draining: .status, .message), which these routes answer in ollama's shape."""
 
     @app.exception_handler(OllamaError)
     async def _ollama_error(request, e: OllamaError):
@@ -143,7 +142,7 @@ def register(app, state, ready, *, sampling: SamplingParams | None = None, metri
     def engine(request: Request):
         try:
             return ready(request)
-        except APIError as e:
+        except api_error as e:
             raise OllamaError(e.status, e.message) from None
 
     def check_model(name):
