@@ -41,6 +41,9 @@ class SamplingParams:
         return self
 
 
+# fields set per request (the server's API, the Python API), with no command-line flag or bitchat /set
+REQUEST_ONLY_FIELDS = ("logit_bias", "record_logprobs")
+
 # field -> (is the value valid, what it must be). A float must also be finite; NaN fails every comparison.
 _RULES = {
     "temperature": (lambda v: v >= 0, "must be >= 0 (0 = greedy)"),
