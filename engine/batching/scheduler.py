@@ -24,7 +24,6 @@ submit/cancel/metrics take the lock.
 from __future__ import annotations
 
 import itertools
-import queue
 import threading
 import time
 from collections import deque
@@ -41,46 +40,10 @@ from ..runtime.speculative import OFF, DraftLength, LookupParams, PromptLookup
 from .batch_model import BatchModel
 from .kv_pool import PAGE_TOKENS, KVPool
 from .prefix_cache import PrefixCache
+from .stream import Stream
 
 
 FORCED_DRAFT_MAX = 8   # rows of one forced-token (jump-forward) draft: JSON keys and punctuation rarely run longer
-
-
-class Stream:
-    """The consumer's end of one request: iterate it (blocking) or pass a callback to submit()."""
-
-    def __init__(self, sid: int, engine: "BatchScheduler", callback):
-        self.id = sid
-        self._engine = engine
-        self._callback = callback
-        self._q: queue.SimpleQueue | None = None if callback else queue.SimpleQueue()
-        self.finish_reason: str | None = None
-
-    def _emit(self, chunk: Chunk):
-        if chunk.finish_reason:
-            self.finish_reason = chunk.finish_reason
-        if self._callback is not None:
-            try:
-                self._callback(chunk)
-            except Exception as e:  # a broken consumer ends its own request, never the engine
-                if not chunk.finish_reason:
-                    import sys
-                    print(f"bitnet engine: stream {self.id}: callback raised {e!r}; cancelling it", file=sys.stderr)
-                    self._engine.cancel(self.id)
-        else:
-            self._q.put(chunk)
-
-    def __iter__(self):
-        if self._q is None:
-            raise BitNetError("this stream delivers its chunks to a callback")
-        while True:
-            c = self._q.get()
-            yield c
-            if c.finish_reason:
-                return
-
-    def cancel(self):
-        self._engine.cancel(self.id)
 
 
 class _Seq:
