@@ -123,6 +123,7 @@ class Sampler:
         self._counts: dict[int, int] = {}   # generated token -> times (presence / frequency penalties)
         self._n_counted = 0
         self.record: TokenLogprob | None = None
+        self._lp_idx = self._lp_heap = None   # top-k scratch of the logprob record
 
     def _penalize(self, logits: np.ndarray, history):
         p, n = self.p.repeat_penalty, self.p.repeat_last_n
@@ -156,17 +157,20 @@ class Sampler:
         logits[ids] -= c * np.float32(self.p.frequency_penalty) + np.float32(self.p.presence_penalty)
 
     def _record(self, logits: np.ndarray, tok: int):
-        """The exact log-softmax (f64 sum) of the logits as sampled from, for the sampled token and the best k."""
-        x = logits.astype(np.float64)
-        m = x.max()
-        lse = m + np.log(np.exp(x - m).sum())
-        k = min(self.p.record_logprobs, x.shape[0])
+        """The exact log-softmax of the logits as sampled from (exp in f32, summed in f64), for the sampled token
+        and the best k (the C top-k selection, as sampling's: one pass, no sort of the vocabulary)."""
+        m = float(logits.max())
+        lse = m + float(np.log(np.exp(logits - np.float32(m), dtype=np.float32).sum(dtype=np.float64)))
+        k = min(self.p.record_logprobs, logits.shape[0])
         top = []
         if k > 0:
-            idx = np.argpartition(-x, k - 1)[:k]
-            idx = idx[np.lexsort((idx, -x[idx]))]   # most likely first, ties by id (stable across runs)
-            top = [(int(i), float(x[i] - lse)) for i in idx]
-        self.record = TokenLogprob(float(x[tok] - lse), top)
+            if self._lp_idx is None or self._lp_idx.shape[0] != k:
+                self._lp_idx, self._lp_heap = np.zeros(k, np.int32), np.zeros(k, np.float32)
+            got = self._topk(np.ascontiguousarray(logits, dtype=np.float32), self._lp_heap, self._lp_idx)
+            idx = self._lp_idx[:got].astype(np.int64)
+            idx = idx[np.lexsort((idx, -logits[idx]))]   # most likely first, ties by id (stable across runs)
+            top = [(int(i), float(logits[i]) - lse) for i in idx]
+        self.record = TokenLogprob(float(logits[tok]) - lse, top)
 
     def sample(self, logits: np.ndarray, history=()) -> int:
         p = self.p
