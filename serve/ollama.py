@@ -220,11 +220,16 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
         except BitNetError as e:
             raise OllamaError(400, str(e)) from None
         state.streams.add(stream)
+        if metrics is not None:
+            metrics.prompt_tokens.inc(len(prompt_ids))
         return stream, q
 
     def final_fields(t0, final, t_first):
         st = final.stats
         now = time.perf_counter()
+        if metrics is not None:
+            metrics.generated_tokens.inc(st.n_generated)
+            metrics.e2e.observe(now - t0)
         return {"done": True, "done_reason": DONE.get(final.finish_reason, "stop"),
                 "total_duration": _ns(now - t0), "load_duration": 0,
                 "prompt_eval_count": st.n_prompt, "prompt_eval_duration": _ns((t_first or now) - t0),
