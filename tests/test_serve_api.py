@@ -160,3 +160,28 @@ def test_penalties_and_bias_as_the_engine_does(client, llm):
     first = next(c.token for c in llm.generate(ids, SamplingParams(temperature=0), max_tokens=1))
     bias = {first: -100.0}
     assert served(logit_bias=dict(bias)) == local(logit_bias=dict(bias)) != plain
+
+
+def test_hangup_cancels_every_choice(tmp_path_factory):
+    """A streamed n=4 request on a slow model (greedy never says eos): hanging up after the first event cancels
+    all four sequences at once (slots empty, far fewer tokens than four full answers)."""
+    import time
+
+    from serve_proc import slow_model
+    s = Server("-m", slow_model(tmp_path_factory), "-c", "4096", "--parallel", "4")
+    try:
+        body = {"prompt": "a", "max_tokens": 1500, "temperature": 0, "n": 4, "stream": True}
+        with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=30) as r:
+            assert r.status_code == 200
+            assert next(r.iter_lines()).startswith("data: ")
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            st = httpx.get(s.url + "/slots").json()
+            if not st["slots"]:
+                break
+            time.sleep(0.05)
+        assert st["slots"] == [] and st["metrics"]["running"] == 0
+        assert st["metrics"]["tokens_generated_total"] < 4 * 750
+        assert st["metrics"]["kv_pages_reserved"] == 0
+    finally:
+        assert s.stop()[0] == 0
