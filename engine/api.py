@@ -70,14 +70,24 @@ class _Text:
         server calls this off its event loop and passes the result to submit()."""
         return compile_constraint(self.tokenizer, self.config.vocab_size, constraint)
 
-    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of `messages` rendered with the model's own chat template (or the built-in fallback)."""
+    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> list[int]:
+        """Token ids of `messages` rendered with the model's own chat template (or the built-in fallback).
+        tools: OpenAI-style function list; messages may then hold assistant `tool_calls` and `tool` results
+        (engine/runtime/tools.py puts them in the form the template renders)."""
         tok = self.tokenizer
         bos = tok.id_to_token(tok.bos_id) if tok.bos_id is not None else ""
         eos = tok.id_to_token(tok.eos_ids[0]) if tok.eos_ids else ""
+        messages, tools = self.tool_format().prepare(messages, tools)
         text = _ct.render(self.store.chat_template, messages, add_generation_prompt=add_generation_prompt,
-                          bos_token=bos or "", eos_token=eos or "")
+                          bos_token=bos or "", eos_token=eos or "", tools=tools)
         return tok.encode(text, add_bos=False, special=True)
+
+    def tool_format(self):
+        """How this model writes tool calls (engine/runtime/tools.py), from its chat template."""
+        from .runtime.tools import tool_format
+
+        return tool_format(_ct.choose_template(self.store.chat_template))
 
 
 def _display_name(store: Store) -> str:

@@ -169,15 +169,40 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
             raise APIError(404, f"model '{name}' does not exist (this server has '{state.model_id}')",
                            "not_found_error", "model", "model_not_found")
 
-    async def compile_constraint(eng, req):
-        """The request's structured-output spec compiled for the model, off the event loop (a new schema takes
-        ~10-100 ms to compile; repeats come from a cache), or None. A spec that cannot be enforced: 400."""
+    async def compile_constraint(eng, req, tool_spec=None):
+        """The request's structured-output spec (or its tool-call grammar) compiled for the model, off the event
+        loop (a new schema takes ~10-100 ms to compile; repeats come from a cache), or None. A spec that cannot
+        be enforced: 400 naming the field."""
         from ..engine.errors import ConstraintError
         try:
             spec = req.constraint()
+            if spec is not None and tool_spec is not None:
+                raise ConstraintError("response_format (or json_schema / grammar) cannot be combined with a tool"
+                                      " call grammar; use tool_choice \"none\" or drop the format", where="tool_choice")
+            spec = spec or tool_spec
             return None if spec is None else await asyncio.to_thread(eng.compile_constraint, spec)
         except ConstraintError as e:
             raise APIError(400, str(e), param=e.where, code="invalid_constraint") from None
+
+    def tool_setup(eng, body):
+        """(tools for the prompt, their call grammar, a maker of answer parsers: one per choice) of a chat request;
+        (None, None, None) without tools or with tool_choice "none"."""
+        from ..engine.errors import ConstraintError
+        from ..engine.runtime.tools import functions_from_tools
+        choice = body.tool_choice_name()
+        if not body.tools or choice == "none":
+            if choice not in ("none", "auto"):
+                raise APIError(400, f"tool_choice {choice!r} needs tools", param="tool_choice", code="invalid_value")
+            return None, None, None
+        fmt = eng.tool_format()
+        try:
+            functions = functions_from_tools(body.tools)
+            if choice not in ("auto", "required") and choice not in {f.name for f in functions}:
+                raise ConstraintError(f"tool_choice: no tool named {choice!r}", where="tool_choice")
+            spec = fmt.constraint(functions, choice, body.parallel_tool_calls is not False)
+        except ConstraintError as e:
+            raise APIError(400, str(e), param=e.where, code="invalid_value") from None
+        return body.tools, spec, fmt.parser
 
     def submit(eng, req, prompt_ids, loop, constraint=None):
         """Submit the request's n choices to the engine; return (streams, queue of (choice index, Chunk)).
@@ -301,8 +326,10 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
                 i, ch = await q.get()
                 every = got.add(i, ch, timer)
                 if ch.text:
-                    yield sse(make_chunk(i, ch.text, None, lps=got.logprobs[i][sent[i]:]))
-                    sent[i] = len(got.logprobs[i])
+                    c = make_chunk(i, ch.text, None, lps=got.logprobs[i][sent[i]:])
+                    if c is not None:   # None: text held back (a tool call being written); its logprobs wait
+                        yield sse(c)
+                        sent[i] = len(got.logprobs[i])
                 if ch.finish_reason is not None:
                     last = make_chunk(i, None, got.finish(i), lps=got.logprobs[i][sent[i]:] or None)
                     last["timings"] = timings_of(ch.stats)
@@ -310,8 +337,8 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
                 if every:
                     break
             usage, _ = timer.done(n_prompt, got.finals)
-            if include_usage:
-                u = make_chunk(0, None, None)
+            if include_usage:   # the last chunk's head (id, model, ...) without choices: no parser is asked again
+                u = {k: v for k, v in last.items() if k not in ("choices", "timings")}
                 u["choices"], u["usage"] = [], usage
                 yield sse(u)
             yield "data: [DONE]\n\n"
@@ -348,30 +375,59 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         eng = ready(request)
         check_model(body.model)
-        msgs = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
+        msgs = [m.as_dict() for m in body.messages]
+        tools, tool_spec, new_parser = tool_setup(eng, body)
         try:
-            prompt_ids = eng.chat_prompt(msgs)
+            prompt_ids = eng.chat_prompt(msgs, tools=tools)
         except Exception as e:  # the template rejected the conversation (e.g. roles out of order)
             raise APIError(400, f"messages: {e}", param="messages", code="invalid_value") from None
-        constraint = await compile_constraint(eng, body)
+        constraint = await compile_constraint(eng, body, tool_spec)
         streams, q = submit(eng, body, prompt_ids, asyncio.get_running_loop(), constraint)
         cid, created, model = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time()), state.model_id
         head = {"id": cid, "created": created, "model": model, "system_fingerprint": None}
         text_of, n_top = state.token_text(eng), body.top_logprobs or 0
+        parsers = [new_parser() if new_parser is not None else None for _ in streams]   # one per choice
+        n_calls = [0] * len(streams)
 
         def logprobs(lps):
             if not body.logprobs or lps is None:
                 return None
             return {"content": [chat_entry(text_of, t, lp, n_top) for t, lp in lps], "refusal": None}
 
+        def tool_delta(i, content, calls):
+            delta = {"content": content} if content else {}
+            if calls:
+                delta["tool_calls"] = [dict(c, index=n_calls[i] + k) for k, c in enumerate(calls)]
+                n_calls[i] += len(calls)
+            return delta
+
         def make_chunk(i, text, finish, first=False, lps=None):
-            delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text is not None else {})
+            parser = parsers[i]
+            if first:
+                delta = {"role": "assistant", "content": ""}
+            elif parser is not None:   # tool calls: content streams, each call goes out once its block closes
+                delta = tool_delta(i, *(parser.feed(text) if text is not None else parser.finish()))
+                if text is not None and not delta:
+                    return None
+                if finish == "stop" and n_calls[i]:
+                    finish = "tool_calls"
+            else:
+                delta = {"content": text} if text is not None else {}
             return {**head, "object": "chat.completion.chunk",
                     "choices": [{"index": i, "delta": delta, "logprobs": logprobs(lps), "finish_reason": finish}]}
 
         def make_choice(i, text, finish, lps):
-            return {"index": i, "message": {"role": "assistant", "content": text, "refusal": None},
-                    "logprobs": logprobs(lps), "finish_reason": finish}
+            message = {"role": "assistant", "content": text, "refusal": None}
+            parser = parsers[i]
+            if parser is not None:
+                content, calls = parser.feed(text)
+                rest, more = parser.finish()
+                calls += more
+                message["content"] = (content + rest) or None if calls else content + rest
+                if calls:
+                    message["tool_calls"] = calls
+                    finish = "tool_calls" if finish == "stop" else finish
+            return {"index": i, "message": message, "logprobs": logprobs(lps), "finish_reason": finish}
         out = await respond(request, body, streams, q, len(prompt_ids), make_chunk, make_choice)
         return {**head, "object": "chat.completion", **out} if isinstance(out, dict) else out
 

@@ -169,10 +169,37 @@ class ContentPart(BaseModel):
     text: Optional[str] = None
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str
+    arguments: Union[str, dict[str, Any]] = "{}"
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    id: Optional[str] = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[ContentPart], None] = None
+    tool_calls: Optional[list[ToolCall]] = None     # an assistant's earlier calls
+    tool_call_id: Optional[str] = None              # a tool result: which call it answers
+    name: Optional[str] = None
+
+    def as_dict(self) -> dict:
+        """The message as the engine's chat_prompt takes it (developer is system)."""
+        d: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.tool_calls:
+            d["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            d["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            d["name"] = self.name
+        return d
 
     def text(self) -> str:
         if self.content is None:
@@ -182,11 +209,24 @@ class ChatMessage(BaseModel):
         return "".join(p.text or "" for p in self.content if p.type == "text")
 
 
+class ToolChoiceFunction(BaseModel):
+    name: str
+
+
+class ToolChoice(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"] = "function"
+    function: ToolChoiceFunction
+
+
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Optional[int] = Field(default=None, ge=0)
     logprobs: Optional[bool] = None
     top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
+    tools: Optional[list[dict[str, Any]]] = None
+    tool_choice: Union[Literal["none", "auto", "required"], ToolChoice, None] = None
+    parallel_tool_calls: Optional[bool] = None
 
     def record_logprobs(self):
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -195,6 +235,12 @@ class ChatCompletionRequest(_Sampling):
         if self.top_logprobs is not None and not self.logprobs:
             return "top_logprobs", "top_logprobs needs logprobs: true"
         return super().unsupported()
+
+    def tool_choice_name(self) -> str:
+        """"none" | "auto" | "required" | a function name; OpenAI's default: auto with tools, none without."""
+        if self.tool_choice is None:
+            return "auto" if self.tools else "none"
+        return self.tool_choice if isinstance(self.tool_choice, str) else self.tool_choice.function.name
 
     def limit(self) -> Optional[int]:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
