@@ -6,7 +6,9 @@ object) and end with ollama's final object: done_reason and its counts and durat
 `options` map onto SamplingParams (checked by the engine's own rules, named `options.X`), `format` ("json" or a
 JSON Schema) onto the constraint layer. /api/tags, /api/show, /api/ps and /api/version describe the one loaded
 model. What a one-model server cannot do (pull, push, create, copy, delete, embed) answers in ollama's error shape
-`{"error": "..."}` with the reason. The request fields accepted, refused and ignored: docs/api.md.
+`{"error": "..."}` with the reason. `tools` on /api/chat go through the engine's tool layer (engine/runtime/tools.py:
+the model's own call format, a call once begun is grammar-constrained) and come back as message.tool_calls.
+The request fields accepted, refused and ignored: docs/api.md.
 """
 from __future__ import annotations
 
@@ -72,7 +74,8 @@ class _Message(BaseModel):
     role: str
     content: Optional[str] = ""
     images: Optional[list[Any]] = None
-    tool_calls: Optional[list[Any]] = None
+    tool_calls: Optional[list[dict[str, Any]]] = None   # ollama's: [{"function": {"name", "arguments": {...}}}]
+    tool_name: Optional[str] = None                      # a tool result: which tool it comes from
 
 
 class ChatBody(_Body):
@@ -124,6 +127,30 @@ def sampling_from_options(options: dict | None, defaults: SamplingParams | None)
     return SamplingParams(**values, logit_bias=base.logit_bias)
 
 
+def _engine_message(i: int, m: _Message) -> dict:
+    """An ollama message as the engine's chat_prompt takes it (OpenAI's shape: tool calls with ids and
+    arguments, tool results with the tool's name)."""
+    if m.images:
+        raise OllamaError(400, f"messages.{i}.images: this model takes text only")
+    if m.role not in ("system", "user", "assistant", "tool"):
+        raise OllamaError(400, f"messages.{i}.role {m.role!r}: expected system, user, assistant or tool")
+    d: dict[str, Any] = {"role": m.role, "content": m.content or ""}
+    if m.tool_calls:
+        calls = []
+        for j, c in enumerate(m.tool_calls):
+            fn = c.get("function") if isinstance(c, dict) else None
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                raise OllamaError(400, f"messages.{i}.tool_calls.{j}: expected {{\"function\": {{\"name\", \"arguments\"}}}}")
+            args = fn.get("arguments") or {}
+            calls.append({"id": c.get("id") or f"call_{i}_{j}", "type": "function",
+                          "function": {"name": fn["name"],
+                                       "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)}})
+        d["tool_calls"] = calls
+    if m.role == "tool" and m.tool_name:
+        d["name"] = m.tool_name
+    return d
+
+
 def _param_size(cfg) -> str:
     d, hd = cfg.hidden_size, cfg.head_dim
     per_layer = d * cfg.n_heads * hd * 2 + d * cfg.n_kv_heads * hd * 2 + 3 * d * cfg.intermediate_size
@@ -167,19 +194,24 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
 
     def refuse_common(body: _Body):
         sampling_from_options(body.options, sampling)   # a bad option is a 400 even on an empty (load) request
-        if body.tools:
-            raise OllamaError(400, "tools: not supported yet")
+        if body.tools is not None and not isinstance(body, ChatBody):
+            raise OllamaError(400, "tools: only /api/chat takes tools")
         if body.think not in (None, False):
             raise OllamaError(400, f"\"{state.model_id}\" does not support thinking")
         if body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20:
             raise OllamaError(400, f"top_logprobs {body.top_logprobs}: must be in 0..20")
 
-    async def constraint_of(eng, body: _Body):
+    async def constraint_of(eng, body: _Body, tool_spec=None):
         from ..engine.errors import ConstraintError
         from ..engine.runtime.constraints import Constraint
         fmt = body.format
         if fmt in (None, ""):
-            return None
+            try:
+                return None if tool_spec is None else await asyncio.to_thread(eng.compile_constraint, tool_spec)
+            except ConstraintError as e:
+                raise OllamaError(400, str(e)) from None
+        if tool_spec is not None:
+            raise OllamaError(400, "format cannot be combined with tools (the tool-call grammar is the format)")
         try:
             if fmt == "json":
                 spec = Constraint.json_object(where="format")
@@ -235,9 +267,10 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
                 "prompt_eval_count": st.n_prompt, "prompt_eval_duration": _ns((t_first or now) - t0),
                 "eval_count": st.n_generated, "eval_duration": _ns(now - (t_first or now))}
 
-    async def answer(request, body: _Body, eng, prompt_ids, constraint, piece, extra_final=None):
-        """Run one request and answer it: NDJSON lines of piece(text, logprobs) + {"done": false}, then the final
-        object; or (stream false) one object with the whole text."""
+    async def answer(request, body: _Body, eng, prompt_ids, constraint, piece, extra_final=None, parser=None):
+        """Run one request and answer it: NDJSON lines of piece(text, calls) + {"done": false}, then the final
+        object; or (stream false) one object with the whole text. parser: the tool-call parser (text that may
+        be a call is held back; each call goes out once complete, as ollama streams them)."""
         loop = asyncio.get_running_loop()
         stream, q = submit(eng, body, prompt_ids, constraint, loop)
         t0, model = time.perf_counter(), state.model_id
@@ -258,8 +291,12 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
                             tokens.append(ch.token)
                             if ch.logprob is not None:
                                 lps.append((ch.token, ch.logprob))
-                        if ch.text:
-                            obj = {"model": model, "created_at": _now(), **piece(ch.text), "done": False}
+                        text, calls = (parser.feed(ch.text) if parser is not None and ch.text else (ch.text, []))
+                        if ch.finish_reason is not None and parser is not None:
+                            rest, more = parser.finish()
+                            text, calls = text + rest, calls + more
+                        if text or calls:
+                            obj = {"model": model, "created_at": _now(), **piece(text, calls), "done": False}
                             if body.logprobs:
                                 obj["logprobs"] = lp_list(lps)
                                 lps = []
@@ -297,7 +334,12 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
             if final is None:
                 stream.cancel()
             state.streams.discard(stream)
-        obj = {"model": model, "created_at": _now(), **piece("".join(pieces)), **final_fields(t0, final, t_first)}
+        text, calls = "".join(pieces), []
+        if parser is not None:
+            text, calls = parser.feed(text)
+            rest, more = parser.finish()
+            text, calls = text + rest, calls + more
+        obj = {"model": model, "created_at": _now(), **piece(text, calls), **final_fields(t0, final, t_first)}
         if body.logprobs:
             obj["logprobs"] = lp_list(lps)
         if extra_final:
@@ -315,25 +357,32 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
         check_model(body.model)
         refuse_common(body)
 
-        def piece(text):
-            return {"message": {"role": "assistant", "content": text}}
+        def piece(text, calls=()):
+            message = {"role": "assistant", "content": text}
+            if calls:   # ollama's shape: arguments as an object, no call ids
+                message["tool_calls"] = [{"function": {"name": c["function"]["name"],
+                                                       "arguments": json.loads(c["function"]["arguments"])}}
+                                         for c in calls]
+            return {"message": message}
         if not body.messages:
             return loaded(body, piece)
-        msgs = []
-        for i, m in enumerate(body.messages):
-            if m.images:
-                raise OllamaError(400, f"messages.{i}.images: this model takes text only")
-            if m.role == "tool" or m.tool_calls:
-                raise OllamaError(400, "tools: not supported yet")
-            if m.role not in ("system", "user", "assistant"):
-                raise OllamaError(400, f"messages.{i}.role {m.role!r}: expected system, user or assistant")
-            msgs.append({"role": m.role, "content": m.content or ""})
+        msgs = [_engine_message(i, m) for i, m in enumerate(body.messages)]
+        tools, tool_spec, parser = None, None, None
+        if body.tools:   # ollama has no tool_choice: the model chooses ("auto"), a call once begun is valid
+            from ..engine.errors import ConstraintError
+            from ..engine.runtime.tools import functions_from_tools
+            fmt = eng.tool_format()
+            try:
+                tool_spec = fmt.constraint(functions_from_tools(body.tools), "auto", True)
+            except ConstraintError as e:
+                raise OllamaError(400, str(e)) from None
+            tools, parser = body.tools, fmt.parser()
         try:
-            prompt_ids = eng.chat_prompt(msgs)
+            prompt_ids = eng.chat_prompt(msgs, tools=tools)
         except Exception as e:   # the template rejected the conversation (e.g. roles out of order)
             raise OllamaError(400, f"messages: {e}") from None
-        constraint = await constraint_of(eng, body)
-        return await answer(request, body, eng, prompt_ids, constraint, piece)
+        constraint = await constraint_of(eng, body, tool_spec)
+        return await answer(request, body, eng, prompt_ids, constraint, piece, parser=parser)
 
     @app.post("/api/generate")
     async def api_generate(request: Request):
@@ -348,7 +397,7 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
         if body.template:
             raise OllamaError(400, "template: the model's own chat template is used (a Go template cannot be)")
 
-        def piece(text):
+        def piece(text, calls=()):
             return {"response": text}
         if not body.prompt and not body.context:
             return loaded(body, piece)
@@ -410,7 +459,7 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
                                                       ("repeat_penalty", s.repeat_penalty), ("num_ctx", eng.n_ctx)))
         return {"modelfile": f"# served by bitnet serve\nFROM {eng.store.path}\n", "parameters": params,
                 "template": eng.store.chat_template or "", "details": d["details"], "model_info": info,
-                "capabilities": ["completion"], "modified_at": d["modified_at"]}
+                "capabilities": ["completion", "tools"], "modified_at": d["modified_at"]}
 
     @app.get("/api/version")
     async def api_version():

@@ -17,6 +17,9 @@ from serve_proc import Server  # noqa: E402
 
 Q = [{"role": "user", "content": "What is 12+7?"}]
 GREEDY = {"temperature": 0}
+ADD = {"type": "function", "function": {"name": "add", "description": "add two integers", "parameters": {
+    "type": "object", "additionalProperties": False, "required": ["a", "b"],
+    "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +45,7 @@ def test_tags_show_ps_version(client, model_id):
     m = tags.models[0]
     assert m.size > 0 and len(m.digest) == 64 and m.details.family and m.details.parameter_size
     show = client.show(model_id)
-    assert show.modelinfo["general.architecture"] == m.details.family and show.capabilities == ["completion"]
+    assert show.modelinfo["general.architecture"] == m.details.family and "completion" in show.capabilities
     assert show.template   # the model's own chat template
     ps = client.ps()
     assert ps.models[0].model == model_id and ps.models[0].context_length > 0
@@ -111,6 +114,24 @@ def test_format_json_and_schema(client, model_id):
         assert set(obj) == {"name", "age"} and isinstance(obj["age"], int) and 0 <= obj["age"] <= 30
 
 
+def test_tools_reach_the_prompt_and_a_tool_round_trip_renders(client, model_id):
+    """ollama has no tool_choice: the model chooses (the bundled one answers in text). The tool list reaches
+    the prompt through the engine's tool layer, and a history with the assistant's call and the tool's result
+    (ollama's shapes: arguments as an object, tool_name) renders and is answered."""
+    ask = [{"role": "user", "content": "What is 12+7? Use the add tool."}]
+    plain = client.chat(model=model_id, messages=ask, options={**GREEDY, "num_predict": 8})
+    with_tools = client.chat(model=model_id, messages=ask, tools=[ADD], options={**GREEDY, "num_predict": 8})
+    assert with_tools.prompt_eval_count > plain.prompt_eval_count + 20   # the tool block is in the prompt
+    history = ask + [{"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "add", "arguments": {"a": 12, "b": 7}}}]},
+                     {"role": "tool", "content": "19", "tool_name": "add"}]
+    after = client.chat(model=model_id, messages=history, tools=[ADD], options={**GREEDY, "num_predict": 16})
+    assert after.done and after.prompt_eval_count > with_tools.prompt_eval_count
+    streamed = "".join(p.message.content for p in client.chat(model=model_id, messages=history, tools=[ADD], stream=True,
+                                                              options={**GREEDY, "num_predict": 16}))
+    assert streamed == after.message.content
+    assert "tools" in client.show(model_id).capabilities
+
+
 def test_logprobs(client, model_id):
     r = client.chat(model=model_id, messages=Q, options=GREEDY, logprobs=True, top_logprobs=2)
     assert r.done_reason == "stop" and len(r.logprobs) == r.eval_count - 1   # the end-of-text token has none
@@ -123,8 +144,12 @@ def test_logprobs(client, model_id):
     ("/api/chat", {"model": "m", "messages": Q, "options": {"temperature": -1}}, "options.temperature -1"),
     ("/api/chat", {"model": "m", "messages": Q, "options": {"top_p": 2}}, "options.top_p 2"),
     ("/api/chat", {"model": "m", "messages": Q, "options": {"mirostat": 2}}, "options.mirostat 2"),
-    ("/api/chat", {"model": "m", "messages": Q, "tools": [{"type": "function", "function": {"name": "f"}}]},
-     "tools: not supported yet"),
+    ("/api/chat", {"model": "m", "messages": Q, "tools": [{"type": "function", "function": {"name": ""}}]},
+     "tools[0].function.name"),
+    ("/api/chat", {"model": "m", "messages": Q, "format": "json", "tools": [ADD]}, "format cannot be combined"),
+    ("/api/generate", {"model": "m", "prompt": "x", "tools": [ADD]}, "only /api/chat takes tools"),
+    ("/api/chat", {"model": "m", "messages": [{"role": "assistant", "content": "", "tool_calls": [{"x": 1}]}]},
+     "messages.0.tool_calls.0"),
     ("/api/chat", {"model": "m", "messages": Q, "think": True}, "does not support thinking"),
     ("/api/chat", {"model": "m", "messages": Q, "format": {"type": "nonsense-type"}}, "format"),
     ("/api/chat", {"model": "m", "messages": [{"role": "user", "content": "x", "images": ["aGk="]}]}, "text only"),
