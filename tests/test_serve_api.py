@@ -185,3 +185,34 @@ def test_hangup_cancels_every_choice(tmp_path_factory):
         assert st["metrics"]["kv_pages_reserved"] == 0
     finally:
         assert s.stop()[0] == 0
+
+
+def test_n_choices_with_required_tool_calls(client):
+    """n=3 with tool_choice "required": every choice is its own valid call (own grammar matcher and parser),
+    streamed as per-choice delta.tool_calls numbered from 0 in each choice, the same calls as not streamed."""
+    import json
+
+    add = {"type": "function", "function": {"name": "add", "description": "add two integers", "parameters": {
+        "type": "object", "additionalProperties": False, "required": ["a", "b"],
+        "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+                       "b": {"type": "integer", "minimum": 0, "maximum": 99}}}}}   # bounded: the tiny model
+    kw = dict(model=ALIAS, messages=Q, tools=[add], tool_choice="required", n=3, temperature=0.8, seed=4,
+              max_tokens=200, parallel_tool_calls=False)
+    r = client.chat.completions.create(**kw)
+    whole = []
+    for c in r.choices:
+        assert c.finish_reason == "tool_calls" and len(c.message.tool_calls) >= 1
+        calls = [(t.function.name, json.loads(t.function.arguments)) for t in c.message.tool_calls]
+        assert all(n == "add" and set(a) == {"a", "b"} and all(isinstance(v, int) for v in a.values()) for n, a in calls)
+        whole.append(calls)
+    got = {i: {} for i in range(3)}
+    finish = {}
+    for ch in client.chat.completions.create(stream=True, **kw):
+        for c in ch.choices:
+            for t in c.delta.tool_calls or []:
+                got[c.index][t.index] = (t.function.name, json.loads(t.function.arguments))
+            if c.finish_reason:
+                finish[c.index] = c.finish_reason
+    assert [[got[i][k] for k in sorted(got[i])] for i in range(3)] == whole
+    assert all(sorted(got[i]) == list(range(len(whole[i]))) for i in range(3))
+    assert finish == {0: "tool_calls", 1: "tool_calls", 2: "tool_calls"}
