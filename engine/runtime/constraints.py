@@ -206,8 +206,9 @@ def _ll_tokenizer(tok, n_vocab: int):
 
 
 class _Compiler:
-    """One per tokenizer: the llguidance tokenizer (built once: ~0.1 s for a small vocabulary, about a second for
-    128k tokens) and the LRU of compiled specs."""
+    """One per tokenizer: the llguidance tokenizer (built once: ~0.1 s for a small vocabulary, 6-10 s for 128k
+    tokens on 2 busy cores: the server builds it in the background after loading, Engine.warm_constraints) and
+    the LRU of compiled specs."""
 
     def __init__(self, tok, n_vocab: int):
         self.tok, self.n_vocab = tok, n_vocab
