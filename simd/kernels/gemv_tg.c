@@ -151,6 +151,55 @@ static void tg_dotprod(const uint8_t *w, const int8_t *xq, const float *xd, cons
     }
 }
 
+/* Plain NEON (no sdot): the same group dots by smlal into int16 lanes (one per row and byte; a group adds at
+ * most 8 blocks * 4 planes * 2 * 128 = 8192 to a lane), then the dotprod body's float steps. */
+static void tg_neon(const uint8_t *w, const int8_t *xq, const float *xd, const int32_t *xsum, int m, int k_pad,
+                    float *out, int n, int tile_begin, int tile_end) {
+    const int groups = k_pad / BK_TG_GROUP;
+    const size_t tile_bytes = (size_t)groups * BK_TG_GROUP_BYTES;
+    const uint8x16_t m3 = vdupq_n_u8(3);
+    for (int t = tile_begin; t < tile_end; t++) {
+        const uint8_t *p = w + (size_t)t * tile_bytes;
+        for (int i = 0; i < m; i++) {
+            const int8_t *x = xq + (size_t)i * k_pad;
+            const float *d = xd + (size_t)i * groups;
+            const int32_t *xs = xsum + (size_t)i * groups;
+            float32x4_t acc[4] = {vdupq_n_f32(0.0f), vdupq_n_f32(0.0f), vdupq_n_f32(0.0f), vdupq_n_f32(0.0f)};
+            for (int g = 0; g < groups; g++) {
+                const uint8_t *q = p + (size_t)g * BK_TG_GROUP_BYTES;
+                int16x8_t s[8];
+                for (int v = 0; v < 8; v++) s[v] = vdupq_n_s16(0);
+                for (int b = 0; b < 8; b++) {
+                    const int32x4_t xw = vreinterpretq_s32_s8(vld1q_s8(x + BK_TG_GROUP * g + 16 * b));
+                    const int8x8_t x0 = vreinterpret_s8_s32(vdup_laneq_s32(xw, 0)), x1 = vreinterpret_s8_s32(vdup_laneq_s32(xw, 1));
+                    const int8x8_t x2 = vreinterpret_s8_s32(vdup_laneq_s32(xw, 2)), x3 = vreinterpret_s8_s32(vdup_laneq_s32(xw, 3));
+                    for (int r = 0; r < 4; r++) {
+                        uint8x16_t v = vld1q_u8(q + 32 + b * 64 + 16 * r);
+                        int8x16_t c0 = vreinterpretq_s8_u8(vandq_u8(v, m3)), c1 = vreinterpretq_s8_u8(vandq_u8(vshrq_n_u8(v, 2), m3));
+                        int8x16_t c2 = vreinterpretq_s8_u8(vandq_u8(vshrq_n_u8(v, 4), m3)), c3 = vreinterpretq_s8_u8(vshrq_n_u8(v, 6));
+                        int16x8_t lo = s[2 * r], hi = s[2 * r + 1];
+                        lo = vmlal_s8(lo, vget_low_s8(c0), x0), hi = vmlal_s8(hi, vget_high_s8(c0), x0);
+                        lo = vmlal_s8(lo, vget_low_s8(c1), x1), hi = vmlal_s8(hi, vget_high_s8(c1), x1);
+                        lo = vmlal_s8(lo, vget_low_s8(c2), x2), hi = vmlal_s8(hi, vget_high_s8(c2), x2);
+                        lo = vmlal_s8(lo, vget_low_s8(c3), x3), hi = vmlal_s8(hi, vget_high_s8(c3), x3);
+                        s[2 * r] = lo, s[2 * r + 1] = hi;
+                    }
+                }
+                const int32x4_t sum = vdupq_n_s32(xs[g]);
+                const float32x4_t dg = vdupq_n_f32(d[g]);
+                for (int r = 0; r < 4; r++) {
+                    int32x4_t dot = vpaddq_s32(vpaddlq_s16(s[2 * r]), vpaddlq_s16(s[2 * r + 1])); /* rows 4r..4r+3 */
+                    float32x4_t sc = vmulq_f32(vcvt_f32_f16(vreinterpret_f16_u8(vld1_u8(q + 8 * r))), dg);
+                    acc[r] = vaddq_f32(acc[r], vmulq_f32(vcvtq_f32_s32(vsubq_s32(dot, sum)), sc));
+                }
+            }
+            float res[16];
+            for (int r = 0; r < 4; r++) vst1q_f32(res + 4 * r, acc[r]);
+            tg_store(res, t * 16, n, out + (size_t)i * n);
+        }
+    }
+}
+
 /* A full group: the scalar steps four lanes at a time (fcvtns rounds half to even, as nearbyintf; maxnm
  * skips a NaN as fmaxf does; max is exact, so the order of the amax reduction does not matter). */
 static int32_t quant_group_neon(const float *x, int8_t *q, float *xd) {
@@ -180,6 +229,7 @@ static tg_fn tg_pick(void) {
 #endif
 #if defined(__aarch64__)
     if (isa == BK_ISA_DOTPROD) return tg_dotprod;
+    if (isa == BK_ISA_NEON) return tg_neon;
 #endif
     (void)isa;
     return tg_scalar;
