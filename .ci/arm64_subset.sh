@@ -51,6 +51,14 @@ for m in proc sys dev dev/pts; do
   if ! mountpoint -q "$ROOTFS/$m"; then mount --bind "/$m" "$ROOTFS/$m"; mounts+=("$ROOTFS/$m"); fi
 done
 cp /etc/resolv.conf "$ROOTFS/etc/resolv.conf"
+# behind a TLS-intercepting proxy the host trusts an extra CA (SSL_CERT_FILE / PIP_CERT): pip in the userland
+# needs the same bundle (a public certificate, nothing secret)
+CA=${ARM64_CA_BUNDLE:-${PIP_CERT:-${SSL_CERT_FILE:-}}}
+CA_ENV=""
+if [ -n "$CA" ] && [ -r "$CA" ]; then
+  cp "$CA" "$ROOTFS/etc/ssl/certs/host-ca-bundle.pem"
+  CA_ENV="PIP_CERT=/etc/ssl/certs/host-ca-bundle.pem SSL_CERT_FILE=/etc/ssl/certs/host-ca-bundle.pem"
+fi
 
 # the working tree as git sees it (tracked and untracked-but-not-ignored files): no host build output
 say "copying the source tree"
@@ -59,7 +67,7 @@ git ls-files -z --cached --others --exclude-standard | while IFS= read -r -d '' 
   [ -e "$f" ] && printf '%s\0' "$f"; done | tar --null -T - -cf - | tar -C "$ROOTFS/src" -xf -
 
 say "pip install . inside the arm64 userland (gcc runs emulated: minutes)"
-chroot "$ROOTFS" /usr/bin/env -i HOME=/root PATH=/usr/local/bin:/usr/bin:/bin LANG=C.UTF-8 /bin/bash -euo pipefail -c '
+chroot "$ROOTFS" /usr/bin/env -i HOME=/root PATH=/usr/local/bin:/usr/bin:/bin LANG=C.UTF-8 $CA_ENV /bin/bash -euo pipefail -c '
   cd /src
   [ -x /opt/venv/bin/python ] || python3 -m venv /opt/venv
   export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1
