@@ -44,8 +44,8 @@ def _tokens(chunks):
 class _Driver:
     """Runs sequences through a BatchModel by hand: teacher-forced tokens, pages from the pool."""
 
-    def __init__(self, store, n_pages=64, max_rows=256, n_ctx=256):
-        self.pool = KVPool(store.config.n_layers, n_pages, store.config.n_kv_heads, store.config.head_dim)
+    def __init__(self, store, n_pages=64, max_rows=256, n_ctx=256, kv_dtype="f16"):
+        self.pool = KVPool(store.config.n_layers, n_pages, store.config.n_kv_heads, store.config.head_dim, kv_dtype)
         self.bm = BatchModel(store, self.pool, max_rows=max_rows, n_ctx=n_ctx, max_logit_rows=max_rows)
         self.pages: dict[int, list[int]] = {}
         self.pos: dict[int, int] = {}
@@ -110,6 +110,32 @@ def test_batched_logits_equal_alone(synth, head, rows_max, monkeypatch):
         for s, lg in d.step(work).items():
             got[s].append(lg)
     assert steps > 5
+    for s in seqs:
+        np.testing.assert_array_equal(np.concatenate(got[s]), want[s])
+
+
+def test_batched_q8_kv_equals_alone(synth):
+    """int8 pages: every row of a batched step (decode rows beside prefill chunks) equals the sequence alone in the
+    contiguous int8 cache, bit for bit."""
+    m, _, stores = synth
+    rng = np.random.default_rng(8)
+    seqs = {s: rng.integers(0, m.V, n).tolist() for s, n in enumerate([45, 20, 70, 5])}
+    store = Store(stores["f16"])
+    model = Model(store, n_ctx=256, kv_dtype="q8")
+    want = {s: model.forward(ids) for s, ids in seqs.items()}
+    d = _Driver(store, kv_dtype="q8")
+    done = {s: 0 for s in seqs}
+    got = {s: [] for s in seqs}
+    while any(done[s] < len(seqs[s]) for s in seqs):
+        work = []
+        for s in seqs:
+            left = len(seqs[s]) - done[s]
+            if left:
+                n = 1 if rng.random() < 0.5 else int(rng.integers(1, left + 1))
+                work.append((s, seqs[s][done[s]: done[s] + n]))
+                done[s] += n
+        for s, lg in d.step(work).items():
+            got[s].append(lg)
     for s in seqs:
         np.testing.assert_array_equal(np.concatenate(got[s]), want[s])
 
@@ -339,6 +365,19 @@ def test_pool_size_in_mib_and_bad_sizes(synth):
         assert eng.metrics()["kv_pages_total"] == 256 // PAGE_TOKENS
     finally:
         eng.close()
+    # int8 pages in the same MiB: (128 + 4) / 256 of the bytes per token at head_dim 128, so ~1.9x the pages
+    per_q8 = KVPool.bytes_per_token(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, "q8")
+    assert per_q8 == 2 * cfg.n_layers * cfg.n_kv_heads * (cfg.head_dim + 4)
+    eng = load_engine(stores["f16"], ctx=64, parallel=2, kv_pool_mib=per_tok * 256 / 2**20, kv_dtype="q8",
+                      progress=False)
+    try:
+        got = eng.metrics()
+        assert got["kv_pages_total"] == -(-(per_tok * 256 // per_q8) // PAGE_TOKENS) > 256 // PAGE_TOKENS
+        assert got["kv_dtype"] == "q8" and got["kv_pool_bytes"] == got["kv_pages_total"] * PAGE_TOKENS * per_q8
+    finally:
+        eng.close()
+    with pytest.raises(BitNetError, match="q8"):
+        load_engine(stores["f16"], ctx=64, kv_dtype="int4", progress=False)
     with pytest.raises(BitNetError):   # smaller than one context
         load_engine(stores["f16"], ctx=256, kv_pool_tokens=64, progress=False)
     with pytest.raises(BitNetError):

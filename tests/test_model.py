@@ -16,7 +16,7 @@ def synth(tmp_path_factory):
     return make_synth(tmp_path_factory.mktemp("model"), seed=3, lm_heads=("f16", "i8"))
 
 
-@pytest.mark.parametrize("kv", ["f16", "f32"])
+@pytest.mark.parametrize("kv", ["f16", "f32", "q8"])
 @pytest.mark.parametrize("head", ["f16", "i8"])
 def test_prefill_equals_decode(synth, kv, head):
     m, _, stores = synth

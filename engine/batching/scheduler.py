@@ -206,6 +206,7 @@ class BatchScheduler:
                     "kv_pages_total": self.pool.n_pages, "kv_pages_used": self.pool.n_used,
                     "kv_pages_free": self.pool.n_free, "kv_pages_reserved": self.pool.reserved,
                     "kv_pages_cached": self.prefix.n_nodes, "kv_page_tokens": PAGE_TOKENS,
+                    "kv_dtype": self.pool.kv_dtype, "kv_pool_bytes": self.pool.nbytes,
                     "prefix_hits_tokens": self.prefix_hits_tokens, "requests_total": self.requests_total,
                     "tokens_generated_total": self.tokens_generated_total, "steps_total": self.steps_total,
                     "lookup_draft_max": self.draft_max, "lookup_drafted_total": self.lookup_drafted_total,
