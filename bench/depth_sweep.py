@@ -61,6 +61,38 @@ def row(store, kv: str, depth: int, a) -> dict:
             "kv_bytes_per_token_read": depth * kv_bytes_per_token(store.config, kv)}
 
 
+def attention_layer(kv: str, depth: int, threads: int, reps: int = 20) -> dict:
+    """One 2B-4T layer's decode attention alone (20 heads, 5 KV heads x 128) at `depth`: median time per call and
+    the rate at which it reads the layer's K and V (a cache filled with non-zero bytes)."""
+    from bitnet_cpu.simd import _ops as ops
+
+    nh, nkv, hd, n_ctx = 20, 5, 128, depth + 1
+    rng = np.random.default_rng(0)
+    inv = 1.0 / (500000.0 ** (np.arange(0, hd, 2, dtype=np.float32) / hd))
+    fr = np.arange(n_ctx, dtype=np.float32)[:, None] * inv[None]
+    cos, sin = np.cos(fr).astype(np.float32), np.sin(fr).astype(np.float32)
+    scr = np.zeros((threads * ops.ATTENTION_SCRATCH_ROWS, n_ctx), np.float32)
+    out = np.zeros((1, nh * hd), np.float32)
+    if kv == "q8":
+        kc, vc = (np.full(ops.q8_cache_shape(nkv, n_ctx, hd), 1, np.int8) for _ in range(2))
+        call = lambda q: ops.attention_q8(q, nh, nkv, hd, cos, sin, depth, n_ctx, kc, vc, out, scr)  # noqa: E731
+        nbytes = 2 * nkv * depth * (hd + 4)
+    else:
+        kc = np.full(ops.key_cache_shape(nkv, n_ctx, hd), 0x2000, np.uint16)
+        vc = np.full((nkv, n_ctx, hd), 0x2000, np.uint16)
+        call = lambda q: ops.attention(q, nh, nkv, hd, cos, sin, depth, kc, vc, out, scr)  # noqa: E731
+        nbytes = 2 * nkv * depth * hd * 2
+    qkv = rng.standard_normal((1, (nh + 2 * nkv) * hd)).astype(np.float32)
+    times = []
+    for _ in range(reps):
+        q = qkv.copy()
+        t0 = time.perf_counter()
+        call(q)
+        times.append(time.perf_counter() - t0)
+    t = sorted(times)[len(times) // 2]
+    return {"kv": kv, "depth": depth, "us": t * 1e6, "GBps": nbytes / t / 1e9}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--depths", default="0,1024,4096,16384")
@@ -70,6 +102,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill", type=int, default=256, help="prompt tokens timed per row")
     ap.add_argument("--cache", default=DEFAULT_CACHE)
     ap.add_argument("--json", help="also write the rows here")
+    ap.add_argument("--attention", default="1024,4096", help="depths of the one-layer attention rows ('' for none)")
     a = ap.parse_args(argv)
     from bitnet_cpu.engine.formats.store import Store
     from bitnet_cpu.simd import _kernels as K
@@ -80,6 +113,7 @@ def main(argv=None) -> int:
     K.set_num_threads(a.threads)
     bw0 = stream_bandwidth(a.threads, mib=512, passes=3)["bandwidth_Bps"]
     rows = [row(store, kv, int(d), a) for d in a.depths.split(",") for kv in a.kv.split(",")]
+    att = [attention_layer(kv, int(d), a.threads) for d in a.attention.split(",") if d for kv in a.kv.split(",")]
     bw1 = stream_bandwidth(a.threads, mib=512, passes=3)["bandwidth_Bps"]
     bw = min(bw0, bw1)
     print(f"{path}: {weights / 1e9:.3f} GB read per token (weights + q4 head), {a.threads} threads, path "
@@ -91,9 +125,16 @@ def main(argv=None) -> int:
         r["share"] = r["decode_tps"] / r["limit_tps"]
         print(f"| {r['kv']} | {r['depth']} | {r['decode_tps']:.1f} | {r['limit_tps']:.1f} | {r['share']:.0%} | "
               f"{r['prefill_tps']:.0f} |")
+    if att:
+        print("\none layer's decode attention (20 heads, 5 KV heads x 128), median of 20 calls:")
+        print("| KV | depth | us per layer | K+V read GB/s | share of stream |")
+        print("|---|---|---|---|---|")
+        for r in att:
+            print(f"| {r['kv']} | {r['depth']} | {r['us']:.0f} | {r['GBps']:.1f} | {r['GBps'] * 1e9 / bw:.0%} |")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"weights_bytes": weights, "stream_Bps": [bw0, bw1], "threads": a.threads, "rows": rows}, f,
+            json.dump({"weights_bytes": weights, "stream_Bps": [bw0, bw1], "threads": a.threads, "rows": rows,
+                       "attention": att}, f,
                       indent=1)
     return 0
 

@@ -28,8 +28,6 @@ def add_arguments(p):
     p.add_argument("--ignore-eos", action="store_true",
                    help="never end at the end-of-text token (only -n, the context or --stop end it)%(default).0s")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)%(default).0s")
-    p.add_argument("--kv", choices=("f16", "f32", "q8"), default="f16",
-                   help="KV cache precision (q8: int8 with a scale per position, about half the memory of f16)")
     p.add_argument("--lm-head", choices=("q4", "i8", "f16"), default=None,
                    help="LM head precision when the model gets converted (default: the converter's)%(default).0s")
     p.add_argument("--json", action="store_true",

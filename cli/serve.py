@@ -25,8 +25,6 @@ def add_arguments(p):
     p.add_argument("--parallel", "-np", type=int, default=16, help="sequences generated at once")
     p.add_argument("--max-queue", type=int, default=64, help="waiting requests before answering 503 + Retry-After")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* and /slots%(default).0s")
-    p.add_argument("--kv", choices=("f16", "f32", "q8"), default="f16",
-                   help="KV cache precision (q8: int8 with a scale per position, about half the memory of f16)")
     p.add_argument("--ray-replicas", type=int, default=0, help="run as a Ray Serve deployment with N replicas (0 = plain uvicorn)")
     p.add_argument("--drain-timeout", type=float, default=5.0, help="seconds in-flight requests get to finish on shutdown")
     p.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"),
