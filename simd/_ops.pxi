@@ -27,6 +27,7 @@ cdef extern from "ops.h":
     int OPS_ATT_SCRATCH_ROWS
     int OPS_KT_BLOCK
     int OPS_KV_Q8
+    int OPS_Q8_MAX_HD
 
 ACT_RELU2 = 0
 ATTENTION_SCRATCH_ROWS = OPS_ATT_SCRATCH_ROWS  # scratch rows per query head
@@ -221,6 +222,15 @@ cdef int _check_paged(str fn, float[:, ::1] qkv, int n_heads, int n_kv, int head
     return 0
 
 
+Q8_MAX_HEAD_DIM = OPS_Q8_MAX_HD
+
+
+cdef int _check_q8_head_dim(str fn, int head_dim) except -1:
+    if head_dim <= 0 or head_dim % 4 or head_dim > OPS_Q8_MAX_HD:
+        _fail(f"{fn}: head_dim {head_dim}: an int8 KV cache needs a multiple of 4 up to {OPS_Q8_MAX_HD}")
+    return 0
+
+
 def q8_block_bytes(int head_dim):
     """Bytes of one int8 block of KEY_BLOCK positions of one KV head: the values, then one f32 scale per position."""
     return OPS_KT_BLOCK * head_dim + OPS_KT_BLOCK * 4
@@ -244,6 +254,7 @@ def attention_q8(float[:, ::1] qkv, int n_heads, int n_kv, int head_dim, const f
     cdef int m = qkv.shape[0], q_dim = n_heads * head_dim
     if n_kv <= 0 or n_heads % n_kv or head_dim % 2 or qkv.shape[1] != q_dim + 2 * n_kv * head_dim:
         _fail(f"attention_q8: qkv width {qkv.shape[1]} does not fit {n_heads} heads / {n_kv} kv heads x {head_dim}")
+    _check_q8_head_dim("attention_q8", head_dim)
     shape = q8_cache_shape(n_kv, n_ctx, head_dim)
     if (n_ctx < 1 or (k_cache.shape[0], k_cache.shape[1], k_cache.shape[2]) != shape
             or (v_cache.shape[0], v_cache.shape[1], v_cache.shape[2]) != shape):
@@ -269,6 +280,7 @@ def attention_paged_q8(float[:, ::1] qkv, int n_heads, int n_kv, int head_dim, c
                        float[:, ::1] out, float[:, ::1] scratch):
     """attention_paged() over int8 pools: k_pool and v_pool paged_q8_pool_shape(n_pages, n_kv, head_dim)."""
     cdef int n_pages = k_pool.shape[0]
+    _check_q8_head_dim("attention_paged_q8", head_dim)
     shape = paged_q8_pool_shape(n_pages, n_kv, head_dim)
     if (n_pages < 1 or (k_pool.shape[0], k_pool.shape[1], k_pool.shape[2]) != shape
             or (v_pool.shape[0], v_pool.shape[1], v_pool.shape[2]) != shape):

@@ -12,6 +12,7 @@ from ._kernels import (  # noqa: F401
     ACT_SILU,
     ATTENTION_SCRATCH_ROWS,
     KEY_BLOCK,
+    Q8_MAX_HEAD_DIM,
     active,
     add_rmsnorm,
     add_rmsnorm_quant,

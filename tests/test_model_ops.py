@@ -424,7 +424,8 @@ def _q8(x):
 
 
 def _attention_q8_reference(qkv, nh, nkv, hd, cos, sin, quantized):
-    """float64 attention; quantized: over K/V rounded to int8 as the cache holds them (else exact K/V)."""
+    """float64 attention; quantized: over K/V rounded to int8 as the cache holds them and each query head rounded
+    the same way (the scores are integer dot products), else exact q, K, V."""
     n, half = qkv.shape[0], hd // 2
 
     def rope(v, p):
@@ -435,7 +436,10 @@ def _attention_q8_reference(qkv, nh, nkv, hd, cos, sin, quantized):
     q = np.stack([rope(qkv[p, : nh * hd], p) for p in range(n)]).astype(np.float64)
     k = np.stack([rope(qkv[p, nh * hd: (nh + nkv) * hd], p) for p in range(n)])
     v = qkv[:, (nh + nkv) * hd:].reshape(n, nkv, hd)
-    k, v = (_q8(k), _q8(v)) if quantized else (k.astype(np.float64), v.astype(np.float64))
+    if quantized:
+        q, k, v = _q8(q.astype(np.float32)), _q8(k), _q8(v)
+    else:
+        k, v = k.astype(np.float64), v.astype(np.float64)
     out = np.zeros((n, nh, hd))
     for p in range(n):
         for h in range(nh):
@@ -461,9 +465,9 @@ def _run_q8(qkv, nh, nkv, hd, cos, sin, ctx, chunks, decode_from):
     return out
 
 
-@pytest.mark.parametrize("nh,nkv,hd,n", [(4, 2, 16, 11), (3, 3, 20, 11), (4, 1, 100, 40), (8, 2, 128, 300)])
+@pytest.mark.parametrize("nh,nkv,hd,n", [(4, 2, 16, 11), (3, 3, 20, 11), (4, 1, 100, 40), (8, 2, 128, 300), (6, 2, 36, 50)])
 def test_attention_q8_against_float64_and_identical_on_every_path(nh, nkv, hd, n):
-    """int8 K/V: against float64 attention over the same rounded K/V (2e-5: only f32 arithmetic differs), against
+    """int8 K/V: against float64 attention over the same rounded q, K, V (2e-5: only f32 arithmetic differs), against
     exact K/V with the int8 rounding's tolerance (measured max error 0.008-0.019 here on N(0,1) data: 0.05), and the
     same bits on every ISA path (integer-valued inputs to one FMA order, one exp polynomial, fixed-lane sums)."""
     rng = np.random.default_rng(hd + n)
@@ -520,6 +524,10 @@ def test_attention_q8_bad_arguments_raise():
         ops.attention_q8(np.zeros((1, 24), np.float32), 1, 1, 8, cos, sin, 0, 8, kc, kc[:, :, :-4].copy(), out, scr)
     with pytest.raises(KernelError, match="do not fit"):      # position past the cache
         ops.attention_q8(np.zeros((1, 24), np.float32), 1, 1, 8, cos, sin, 8, 8, kc, kc.copy(), out, scr)
+    with pytest.raises(KernelError, match="multiple of 4"):
+        k6 = np.zeros(ops.q8_cache_shape(1, 8, 6), np.int8)
+        ops.attention_q8(np.zeros((1, 18), np.float32), 1, 1, 6, cos[:, :3].copy(), sin[:, :3].copy(), 0, 8, k6,
+                         k6.copy(), np.zeros((1, 6), np.float32), scr)
     with pytest.raises(KernelError, match="paged_q8_pool_shape"):
         ops.attention_paged_q8(np.zeros((1, 24), np.float32), 1, 1, 8, cos, sin, np.array([0, 1], np.int32),
                                np.array([0], np.int32), np.zeros((1, 1), np.int32), np.zeros((2, 1, 100), np.int8),

@@ -28,6 +28,9 @@ class KVPool:
             raise BitNetError(f"kv_dtype {kv_dtype!r}: expected 'f16', 'f32' or 'q8'")
         if n_pages < 1:
             raise BitNetError(f"KV pool of {n_pages} pages: needs at least one")
+        if kv_dtype == "q8" and (head_dim % 4 or head_dim > ops.Q8_MAX_HEAD_DIM):
+            raise BitNetError(f"--kv q8: head_dim {head_dim} is not a multiple of 4 up to {ops.Q8_MAX_HEAD_DIM}",
+                              hint="use --kv f16")
         self.n_pages, self.kv_dtype = int(n_pages), kv_dtype
         # np.zeros maps untouched memory lazily: unused pages cost no RSS
         if kv_dtype == "q8":   # int8 blocks + a scale per position per KV head (simd/ops/attention_q8.h)

@@ -360,6 +360,9 @@ class Model:
         self.tuner = (ThreadTuner(n) if tune_threads and n >= 2
                       and os.environ.get("BITNET_TUNE_THREADS", "1") != "0" else None)
         check_kv_dtype(kv_dtype)
+        if kv_dtype == "q8" and (cfg.head_dim % 4 or cfg.head_dim > ops.Q8_MAX_HEAD_DIM):
+            raise BitNetError(f"--kv q8: this model's head_dim {cfg.head_dim} is not a multiple of 4 up to "
+                              f"{ops.Q8_MAX_HEAD_DIM}", hint="use --kv f16")
         n_ctx = int(n_ctx or min(cfg.context_length, 4096))
         if n_ctx < 1:
             raise BitNetError(f"-c/--ctx {n_ctx}: the context must hold at least one token")

@@ -657,11 +657,8 @@ static int attention_core(float *qkv, int n_heads, int n_kv, int head_dim, const
                 const int64_t kat = j * k_head + blk + pos % KT_BLOCK;
                 const float *kr = row + q_dim + j * head_dim, *vr = row + q_dim + kv_dim + j * head_dim;
                 if (q8) { /* a block's 32 scales follow its int8 values (attention_q8.h) */
-                    int8_t *kc = (int8_t *)k_cache + j * k_head + blk, *vc = (int8_t *)v_cache + j * v_head + blk;
-                    const int at = pos % KT_BLOCK;
-                    float *ks = (float *)(kc + (int64_t)KT_BLOCK * head_dim), *vs = (float *)(vc + (int64_t)KT_BLOCK * head_dim);
-                    att_q8_store(kr, head_dim, kc + at, KT_BLOCK, ks + at);
-                    att_q8_store(vr, head_dim, vc + (int64_t)at * head_dim, 1, vs + at);
+                    att_q8_store_key(kr, head_dim, (int8_t *)k_cache + j * k_head + blk, pos % KT_BLOCK);
+                    att_q8_store_value(vr, head_dim, (int8_t *)v_cache + j * v_head + blk, pos % KT_BLOCK);
                 } else if (kv_f16) {
                     uint16_t *kc = (uint16_t *)k_cache + kat, *vc = (uint16_t *)v_cache + vat;
 #if defined(__x86_64__)

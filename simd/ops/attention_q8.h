@@ -2,9 +2,10 @@
  *
  * int8 cache (kv q8): keys and values of one KV head in blocks of OPS_KT_BLOCK (32) positions, each block
  * OPS_Q8_BLOCK_BYTES(head_dim) bytes: the int8 values, then 32 f32 scales (one per position):
- *   key block   [head_dim][32] int8 (transposed, as the f16 cache) + scale[32]
- *   value block [32][head_dim] int8                                  + scale[32]
- * x ~= scale * q, scale = max|x| / 127 over the head's head_dim values at that position. */
+ *   key block   [head_dim/4][32][4] int8 (a position's values 4i..4i+3 in one 32-bit lane) + scale[32]
+ *   value block [32][head_dim] int8                                                        + scale[32]
+ * x ~= scale * q, scale = max|x| / 127 over the head's head_dim values at that position; head_dim a multiple
+ * of 4, at most OPS_Q8_MAX_HD. */
 #ifndef BITNET_ATTENTION_Q8_H
 #define BITNET_ATTENTION_Q8_H
 
@@ -22,7 +23,8 @@ typedef struct {
 /* The int8 cache's kernels for one ISA. Every ISA's body gives the same bits as the scalar one: f32 FMAs in the
  * same order per output element (fmaf in the scalar code), exp on one polynomial, sums over 16 fixed lanes. */
 typedef struct {
-    /* sc[j][t] = (sum_i q[j][i] * k[i][t]) * kscale[t] * scale, j < R <= 4, t < n */
+    /* sc[j][t] = (sum_i q8[j][i] * k[i][t]) * kscale[t] * (qscale[j] * scale), q8 / qscale: q[j] quantized like
+     * the cache; j < R <= 4, t < n */
     void (*scores)(const float *const *q, int R, const int8_t *kt, kv_blocks bl, int n, int hd, float scale,
                    float *const *sc);
     /* out[j][c] = sum_t (p[j][t] * vscale[t]) * v[t][c], j < R <= 4, t < n (in order) */
@@ -31,7 +33,8 @@ typedef struct {
 } att_q8_kernels;
 
 att_q8_kernels att_q8_kernels_for(int isa);
-/* quantize hd floats into dst[0], dst[step], ... and its scale */
-void att_q8_store(const float *x, int hd, int8_t *dst, int64_t step, float *scale);
+/* quantize hd floats (a key or a value of one KV head) into position `at` of its block */
+void att_q8_store_key(const float *x, int hd, int8_t *block, int at);
+void att_q8_store_value(const float *x, int hd, int8_t *block, int at);
 
 #endif

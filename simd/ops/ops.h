@@ -66,6 +66,7 @@ int ops_embed_f16(const uint16_t *table, int64_t vocab, int d, const int32_t *id
  * paged pools [n_pages, n_kv, OPS_Q8_BLOCK_BYTES(head_dim)] each. */
 enum { OPS_KV_F32 = 0, OPS_KV_F16 = 1, OPS_KV_Q8 = 2 };
 #define OPS_Q8_BLOCK_BYTES(hd) ((int64_t)OPS_KT_BLOCK * (hd) + OPS_KT_BLOCK * 4)
+#define OPS_Q8_MAX_HD 512 /* head_dim of an int8 cache: a multiple of 4, at most this */
 int ops_attention(float *qkv, int m, int n_heads, int n_kv, int head_dim, const float *rope_cos,
                   const float *rope_sin, int pos0, void *k_cache, void *v_cache, int kv_type, int n_ctx,
                   float *out, float *scratch, int scratch_rows);
