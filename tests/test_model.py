@@ -79,9 +79,10 @@ def test_resume_after_truncate(synth):
     np.testing.assert_array_equal(model.prefill(ids[25:], all_logits=True), full[25:])
 
 
-def test_decode_allocates_nothing(synth):
+@pytest.mark.parametrize("kv", ["f16", "q8"])
+def test_decode_allocates_nothing(synth, kv):
     m, _, stores = synth
-    model = Model(Store(stores["i8"]), n_ctx=256)
+    model = Model(Store(stores["i8"]), n_ctx=256, kv_dtype=kv)
     model.prefill([1, 2, 3])
     tokens = [int(t) for t in np.random.default_rng(0).integers(0, m.V, 160)]
     for t in tokens[:5]:  # warm-up: lazily created objects

@@ -122,9 +122,9 @@ def stores(tmp_path_factory):
     return make_synth(tmp_path_factory.mktemp("spec"), seed=5, lm_heads=("i8", "f16"))[2]
 
 
-@pytest.mark.parametrize("head", ["i8", "f16"])
-def test_verify_rows_equal_decode(stores, head):
-    llm = load_model(stores[head], ctx=64, progress=False)
+@pytest.mark.parametrize("head,kv", [("i8", "f16"), ("f16", "f16"), ("f16", "q8")])
+def test_verify_rows_equal_decode(stores, head, kv):
+    llm = load_model(stores[head], ctx=64, progress=False, kv_dtype=kv)
     m = llm.model
     prompt = [1, 5, 9, 13, 2, 7]
     ids = [3, 8, 8, 4, 11, 6, 2]
