@@ -705,7 +705,9 @@ static int attention_core(float *qkv, int n_heads, int n_kv, int head_dim, const
         n_items += (int64_t)per_seg * (segs[sg].m == 1 ? np : 1);
         if (np > 1) n_states += (int64_t)n_heads * (segs[sg].m == 1 ? np : segs[sg].m);
     }
-    const size_t items_bytes = sizeof(att_item) * (size_t)n_items, off_bytes = sizeof(int64_t) * (size_t)n_segs;
+    /* items are 12 bytes: the int64 offsets after them start on the next multiple of 8 (UBSan: misaligned) */
+    const size_t items_bytes = (sizeof(att_item) * (size_t)n_items + 7) & ~(size_t)7;
+    const size_t off_bytes = sizeof(int64_t) * (size_t)n_segs;
     const size_t head_bytes = (items_bytes + off_bytes + 63) & ~(size_t)63;
     /* per call: after the first free of a large block glibc raises its mmap threshold, so later calls reuse heap
      * memory without page faults */
