@@ -16,7 +16,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "/reset": ("", "forget the conversation, the system prompt stays (/clear does the same)"),
     "/system": ("[TEXT|--clear]", "show, set or clear the system prompt"),
     "/set": ("[NAME VALUE]", "show settings, or set temp|top_k|top_p|min_p|repeat_penalty|repeat_last_n|seed|"
-                             "max_tokens; also ollama's /set parameter NAME VALUE and /set system TEXT"),
+                             "max_tokens; also ollama's /set parameter NAME VALUE, /set system TEXT and "
+                             "/set format json|FILE|off (answers as JSON / matching a JSON Schema file)"),
     "/show": ("[info|system|parameters]", "model information (source file, shape, context) and current settings"),
     "/save": ("FILE", "save the conversation as JSON (atomic write)"),
     "/load": ("FILE", "load a conversation saved with /save and prefill it"),
@@ -46,16 +47,19 @@ class Settings:
     seed: int | None = _DEFAULT.seed
     max_tokens: int = 512
     repeat_last_n: int = _DEFAULT.repeat_last_n
+    presence_penalty: float = _DEFAULT.presence_penalty
+    frequency_penalty: float = _DEFAULT.frequency_penalty
 
     def describe(self) -> str:
         seed = "random" if self.seed is None else str(self.seed)
         return (f"temp={self.temp:g} top_k={self.top_k} top_p={self.top_p:g} min_p={self.min_p:g} "
                 f"repeat_penalty={self.repeat_penalty:g} seed={seed} max_tokens={self.max_tokens} "
-                f"repeat_last_n={self.repeat_last_n}")
+                f"repeat_last_n={self.repeat_last_n} presence_penalty={self.presence_penalty:g} "
+                f"frequency_penalty={self.frequency_penalty:g}")
 
     def sampling_params(self, seed_offset: int = 0) -> SamplingParams:
         """The engine's SamplingParams; a fixed seed is advanced by `seed_offset` (so /retry differs)."""
-        values = {field: getattr(self, name) for name, field in FIELD_OF_SETTING.items()}
+        values = {field: getattr(self, name) for name, field in FIELD_OF_SETTING.items()}   # per-request fields keep defaults
         if self.seed is not None:
             values["seed"] = (self.seed + seed_offset) % (1 << 64)
         return SamplingParams(**values)
@@ -68,7 +72,8 @@ FIELD_OF_SETTING = {n: ("temperature" if n == "temp" else n) for n in SETTING_NA
 SETTING_ALIASES = {"temperature": "temp", "t": "temp", "n": "max_tokens", "max-tokens": "max_tokens",
                    "top-k": "top_k", "top-p": "top_p", "min-p": "min_p", "repeat-penalty": "repeat_penalty",
                    "n_predict": "max_tokens", "n-predict": "max_tokens", "num_predict": "max_tokens",
-                   "repeat-last-n": "repeat_last_n"}
+                   "repeat-last-n": "repeat_last_n", "presence-penalty": "presence_penalty",
+                   "frequency-penalty": "frequency_penalty"}
 
 
 def _number(name: str, text: str, kind):
@@ -181,7 +186,7 @@ def completions(text_before_cursor: str) -> list[str]:
         return [c for c in COMMANDS if c.startswith(text_before_cursor.lower())]
     head, _, rest = text_before_cursor.partition(" ")
     if head.lower() == "/set" and " " not in rest.lstrip():
-        return [n for n in SETTING_NAMES + ["system", "parameter"] if n.startswith(rest.lstrip().lower())]
+        return [n for n in SETTING_NAMES + ["system", "parameter", "format"] if n.startswith(rest.lstrip().lower())]
     if head.lower() == "/show" and " " not in rest.lstrip():
         return [n for n in SHOW_TOPICS if n.startswith(rest.lstrip().lower())]
     return []

@@ -1,9 +1,9 @@
 """Request bodies of the OpenAI-compatible endpoints, as pydantic models.
 
 Field names and defaults follow OpenAI's API; llama.cpp's extras that clients send (`top_k`, `min_p`,
-`repeat_penalty`, `ignore_eos`) are accepted too. Unknown fields are ignored (clients send many). Values
-the engine cannot honour (n > 1, penalties, logprobs, echo) are rejected by `unsupported()` with the
-parameter named, so the client gets a clear 400 instead of a silently different answer.
+`repeat_penalty`, `ignore_eos`) are accepted too. Unknown fields are ignored (clients send many); the ones
+ignored by design are listed in docs/api.md. Values the engine cannot honour are rejected by `unsupported()`
+with the parameter named, so the client gets a clear 400 instead of a silently different answer.
 """
 from __future__ import annotations
 
@@ -17,7 +17,16 @@ from ..engine.runtime.sampling import SamplingParams, setting_problem
 
 
 _DEFAULT = SamplingParams()
-SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams))
+# request fields that are SamplingParams fields of the same name and meaning (record_logprobs is set from the
+# request's logprobs / top_logprobs, whose shapes differ per endpoint)
+SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams) if f.name != "record_logprobs")
+# OpenAI request fields the server cannot honour: refused with a 400 naming them, never silently dropped
+REFUSED = {
+    "audio": "audio output is not supported (text only)",
+    "prediction": "predicted outputs are not supported",
+    "web_search_options": "web search is not supported",
+    "reasoning_effort": "this model has no reasoning mode (reasoning_effort is not supported)",
+}
 # The one range that differs from the engine's on purpose: OpenAI's API takes temperature in [0, 2] only (the
 # engine and llama.cpp take any >= 0), and a client written against OpenAI should get the same 400 here.
 OPENAI_MAX_TEMPERATURE = 2.0
@@ -25,6 +34,24 @@ OPENAI_MAX_TEMPERATURE = 2.0
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+
+
+class JSONSchemaFormat(BaseModel):
+    """OpenAI's response_format.json_schema: {name, description, schema, strict}. The schema is enforced
+    whatever `strict` says (a constrained decoder has no cheaper mode)."""
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: Optional[str] = None
+    description: Optional[str] = None
+    schema_: Optional[dict[str, Any]] = Field(default=None, alias="schema")
+    strict: Optional[bool] = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`; llama-server's {"type": "json_object", "schema": {...}} form too."""
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JSONSchemaFormat] = None
+    schema_: Optional[dict[str, Any]] = Field(default=None, alias="schema")
 
 
 class _Sampling(BaseModel):
@@ -44,12 +71,20 @@ class _Sampling(BaseModel):
     ignore_eos: bool = False
     seed: Optional[int] = _DEFAULT.seed
     stop: Union[str, list[str], None] = None
-    n: int = 1
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logprobs: Optional[Any] = None
+    n: int = Field(default=1, ge=1, le=128)
+    presence_penalty: float = _DEFAULT.presence_penalty
+    frequency_penalty: float = _DEFAULT.frequency_penalty
     logit_bias: Optional[dict[str, float]] = None
     user: Optional[str] = None
+    audio: Optional[Any] = None
+    modalities: Optional[list[str]] = None
+    prediction: Optional[Any] = None
+    web_search_options: Optional[Any] = None
+    reasoning_effort: Optional[str] = None
+    # structured output: OpenAI's response_format, llama-server's `json_schema` and `grammar` (GBNF) fields
+    response_format: Optional[ResponseFormat] = None
+    json_schema: Optional[dict[str, Any]] = None
+    grammar: Optional[str] = None
 
     @field_validator(*SAMPLING_FIELDS)
     @classmethod
@@ -57,6 +92,14 @@ class _Sampling(BaseModel):
         field = info.field_name
         if field == "seed" and value == -1:   # llama.cpp's server: -1 is a fresh random seed
             return None
+        if field == "logit_bias" and value is not None:   # JSON keys are strings: token ids as text
+            bias = {}
+            for k, v in value.items():
+                try:
+                    bias[int(k)] = v
+                except ValueError:
+                    raise PydanticCustomError("invalid_setting", f"logit_bias {k!r}: a key must be a token id") from None
+            value = bias
         problem = setting_problem(field, value)
         if problem is None and field == "temperature" and value > OPENAI_MAX_TEMPERATURE:
             problem = f"temperature {value:g}: must be <= {OPENAI_MAX_TEMPERATURE:g} (OpenAI's API range)"
@@ -69,7 +112,38 @@ class _Sampling(BaseModel):
         --temp / --top-k ... flags), else the engine's default."""
         base = defaults or _DEFAULT
         return SamplingParams(**{f: getattr(self, f) if f in self.model_fields_set else getattr(base, f)
-                                 for f in SAMPLING_FIELDS})
+                                 for f in SAMPLING_FIELDS}, record_logprobs=self.record_logprobs())
+
+    def record_logprobs(self) -> int | None:
+        """How many alternatives per token the engine must record (None: no logprobs asked)."""
+        return None
+
+    def constraint(self):
+        """The one Constraint the request asks for (engine/runtime/constraints.py), or None. Raises
+        ConstraintError naming the field when the spec is malformed or two are given."""
+        from ..engine.errors import ConstraintError
+        from ..engine.runtime.constraints import Constraint
+
+        given = []
+        rf = self.response_format
+        if rf is not None and rf.type != "text":
+            if rf.type == "json_schema":
+                if rf.json_schema is None or rf.json_schema.schema_ is None:
+                    raise ConstraintError("response_format.json_schema.schema: required for type json_schema",
+                                          where="response_format")
+                given.append(Constraint.json_schema(rf.json_schema.schema_, where="response_format.json_schema.schema"))
+            elif rf.schema_ is not None:
+                given.append(Constraint.json_schema(rf.schema_, where="response_format.schema"))
+            else:
+                given.append(Constraint.json_object(where="response_format"))
+        if self.json_schema is not None:
+            given.append(Constraint.json_schema(self.json_schema, where="json_schema"))
+        if self.grammar is not None:
+            given.append(Constraint.gbnf(self.grammar, where="grammar"))
+        if len(given) > 1:
+            raise ConstraintError("give one of response_format, json_schema and grammar, not several",
+                                  where=given[1].where)
+        return given[0] if given else None
 
     def stops(self) -> list[str]:
         if self.stop is None:
@@ -79,16 +153,11 @@ class _Sampling(BaseModel):
 
     def unsupported(self) -> tuple[str, str] | None:
         """(param, message) for the first value we cannot honour, else None."""
-        if self.n != 1:
-            return "n", "only n=1 is supported"
-        if self.presence_penalty:
-            return "presence_penalty", "presence_penalty is not supported (use repeat_penalty)"
-        if self.frequency_penalty:
-            return "frequency_penalty", "frequency_penalty is not supported (use repeat_penalty)"
-        if self.logprobs not in (None, False, 0):
-            return "logprobs", "logprobs are not supported"
-        if self.logit_bias:
-            return "logit_bias", "logit_bias is not supported"
+        for name, why in REFUSED.items():
+            if getattr(self, name) is not None:
+                return name, why
+        if self.modalities is not None and set(self.modalities) - {"text"}:
+            return "modalities", "only the text modality is supported"
         if self.stop is not None and len(self.stops()) > 4:
             return "stop", "at most 4 stop sequences"
         return None
@@ -100,10 +169,37 @@ class ContentPart(BaseModel):
     text: Optional[str] = None
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str
+    arguments: Union[str, dict[str, Any]] = "{}"
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    id: Optional[str] = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[ContentPart], None] = None
+    tool_calls: Optional[list[ToolCall]] = None     # an assistant's earlier calls
+    tool_call_id: Optional[str] = None              # a tool result: which call it answers
+    name: Optional[str] = None
+
+    def as_dict(self) -> dict:
+        """The message as the engine's chat_prompt takes it (developer is system)."""
+        d: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.tool_calls:
+            d["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            d["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            d["name"] = self.name
+        return d
 
     def text(self) -> str:
         if self.content is None:
@@ -113,9 +209,38 @@ class ChatMessage(BaseModel):
         return "".join(p.text or "" for p in self.content if p.type == "text")
 
 
+class ToolChoiceFunction(BaseModel):
+    name: str
+
+
+class ToolChoice(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"] = "function"
+    function: ToolChoiceFunction
+
+
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Optional[int] = Field(default=None, ge=0)
+    logprobs: Optional[bool] = None
+    top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
+    tools: Optional[list[dict[str, Any]]] = None
+    tool_choice: Union[Literal["none", "auto", "required"], ToolChoice, None] = None
+    parallel_tool_calls: Optional[bool] = None
+
+    def record_logprobs(self):
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def unsupported(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            return "top_logprobs", "top_logprobs needs logprobs: true"
+        return super().unsupported()
+
+    def tool_choice_name(self) -> str:
+        """"none" | "auto" | "required" | a function name; OpenAI's default: auto with tools, none without."""
+        if self.tool_choice is None:
+            return "auto" if self.tools else "none"
+        return self.tool_choice if isinstance(self.tool_choice, str) else self.tool_choice.function.name
 
     def limit(self) -> Optional[int]:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -123,12 +248,16 @@ class ChatCompletionRequest(_Sampling):
 
 class CompletionRequest(_Sampling):
     prompt: Union[str, list[str], list[int]]
+    logprobs: Optional[int] = Field(default=None, ge=0, le=5)   # OpenAI's legacy range: 0..5 alternatives
     echo: bool = False
     best_of: Optional[int] = None
     suffix: Optional[str] = None
 
     def limit(self) -> Optional[int]:
         return 16 if self.max_tokens is None else self.max_tokens  # OpenAI's default for completions
+
+    def record_logprobs(self):
+        return self.logprobs
 
     def unsupported(self):
         if self.echo:
