@@ -61,6 +61,28 @@ def row(store, kv: str, depth: int, a) -> dict:
             "kv_bytes_per_token_read": depth * kv_bytes_per_token(store.config, kv)}
 
 
+def ab_decode(store, depth: int, a, rounds: int = 12, steps: int = 2) -> dict:
+    """f16 and q8 decode at one depth, alternating short rounds (two sessions in memory), so both see the same
+    machine load; median seconds per token of each."""
+    from bitnet_cpu.engine.runtime.model import Model
+
+    models = {}
+    for kv in ("f16", "q8"):
+        m = models[kv] = Model(store, n_ctx=depth + rounds * steps + 4, kv_dtype=kv, threads=a.threads)
+        fill_cache(m)
+        m.n_past = depth
+        m.decode(7)
+    times = {kv: [] for kv in models}
+    for r in range(rounds):
+        for kv in (("f16", "q8") if r % 2 == 0 else ("q8", "f16")):
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                models[kv].decode(7)
+            times[kv].append((time.perf_counter() - t0) / steps)
+    med = {kv: sorted(t)[len(t) // 2] for kv, t in times.items()}
+    return {"depth": depth, "f16_tps": 1 / med["f16"], "q8_tps": 1 / med["q8"], "q8_over_f16": med["f16"] / med["q8"]}
+
+
 def attention_layer(kv: str, depth: int, threads: int, reps: int = 20) -> dict:
     """One 2B-4T layer's decode attention alone (20 heads, 5 KV heads x 128) at `depth`: median time per call and
     the rate at which it reads the layer's K and V (a cache filled with non-zero bytes)."""
@@ -103,6 +125,7 @@ def main(argv=None) -> int:
     ap.add_argument("--cache", default=DEFAULT_CACHE)
     ap.add_argument("--json", help="also write the rows here")
     ap.add_argument("--attention", default="1024,4096", help="depths of the one-layer attention rows ('' for none)")
+    ap.add_argument("--ab", default="4096", help="depths of the alternating f16 / q8 decode rows ('' for none)")
     a = ap.parse_args(argv)
     from bitnet_cpu.engine.formats.store import Store
     from bitnet_cpu.simd import _kernels as K
@@ -113,6 +136,7 @@ def main(argv=None) -> int:
     K.set_num_threads(a.threads)
     bw0 = stream_bandwidth(a.threads, mib=512, passes=3)["bandwidth_Bps"]
     rows = [row(store, kv, int(d), a) for d in a.depths.split(",") for kv in a.kv.split(",")]
+    ab = [ab_decode(store, int(d), a) for d in a.ab.split(",") if d]
     att = [attention_layer(kv, int(d), a.threads) for d in a.attention.split(",") if d for kv in a.kv.split(",")]
     bw1 = stream_bandwidth(a.threads, mib=512, passes=3)["bandwidth_Bps"]
     bw = min(bw0, bw1)
@@ -125,6 +149,12 @@ def main(argv=None) -> int:
         r["share"] = r["decode_tps"] / r["limit_tps"]
         print(f"| {r['kv']} | {r['depth']} | {r['decode_tps']:.1f} | {r['limit_tps']:.1f} | {r['share']:.0%} | "
               f"{r['prefill_tps']:.0f} |")
+    if ab:
+        print("\nf16 and q8 decode alternating (12 rounds of 2 tokens each, median):")
+        print("| depth | f16 tok/s | q8 tok/s | q8 / f16 |")
+        print("|---|---|---|---|")
+        for r in ab:
+            print(f"| {r['depth']} | {r['f16_tps']:.1f} | {r['q8_tps']:.1f} | {r['q8_over_f16']:.2f} |")
     if att:
         print("\none layer's decode attention (20 heads, 5 KV heads x 128), median of 20 calls:")
         print("| KV | depth | us per layer | K+V read GB/s | share of stream |")
@@ -134,7 +164,7 @@ def main(argv=None) -> int:
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"weights_bytes": weights, "stream_Bps": [bw0, bw1], "threads": a.threads, "rows": rows,
-                       "attention": att}, f,
+                       "attention": att, "ab": ab}, f,
                       indent=1)
     return 0
 
