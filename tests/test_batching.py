@@ -39,6 +39,13 @@ def _tokens(chunks):
     return [c.token for c in chunks if c.token is not None]
 
 
+def _submit_together(eng, requests):
+    """Submit every (prompt, params, kwargs) between two scheduler steps, so the next step sees them all: how the
+    requests are batched (and so steps_total, drafts beside other rows) then depends on the workload alone, not
+    on how far the scheduler got while this thread was submitting them one by one."""
+    return eng.run_in_scheduler(lambda: [eng.submit(p, sp, **kw) for p, sp, kw in requests])
+
+
 # ---- the batched forward ------------------------------------------------------------------------------------
 
 class _Driver:
@@ -154,21 +161,21 @@ def test_cancel_frees_pages_and_close_cancels(synth):
     m, _, stores = synth
     eng = load_engine(stores["f16"], ctx=256, parallel=4, progress=False)
     try:
-        seen = threading.Event()
-        got = []
+        got, done, stream = [], threading.Event(), []
 
-        def cb(c):
+        def cb(c):   # cancels from the scheduler thread between two steps: how far it got is then fixed
             got.append(c)
             if len(got) == 3:
-                seen.set()
+                stream[0].cancel()
+            if c.finish_reason:
+                done.set()
 
-        s = eng.submit(list(range(1, 50)), SamplingParams(temperature=0.9, seed=3), max_tokens=200, callback=cb)
-        assert seen.wait(60)
-        s.cancel()
-        t0 = time.monotonic()
-        while not (got and got[-1].finish_reason) and time.monotonic() - t0 < 60:
-            time.sleep(0.01)
-        assert got[-1].finish_reason == "cancelled" and got[-1].stats.n_generated < 200
+        # submitted on the scheduler thread, so `stream` holds it before the first step can call cb
+        sampled = SamplingParams(temperature=0.9, seed=3)
+        eng.run_in_scheduler(lambda: stream.append(eng.submit(list(range(1, 50)), sampled, max_tokens=200,
+                                                              callback=cb)))
+        assert done.wait(120)
+        assert got[-1].finish_reason == "cancelled" and got[-1].stats.n_generated == 3
         eng.clear_prefix_cache()
         assert eng.metrics()["kv_pages_used"] == 0
         eng.check_consistency()
@@ -226,13 +233,23 @@ def test_pool_exhaustion_waits_and_does_not_corrupt(synth):
     llm.close()
     # 4 pages: each request needs 3 (up to 74 positions), so one runs at a time and the others wait
     eng = load_engine(stores["f16"], ctx=128, parallel=6, kv_pool_tokens=128, progress=False)
+    first, first_done, states = [], threading.Event(), []
+
+    def on_first(c):   # the scheduler thread, right after the step that made the first request's first token
+        if not first:
+            states.extend(sl["state"] for sl in eng.slots())
+        first.append(c)
+        if c.finish_reason:
+            first_done.set()
+
     try:
-        streams = [eng.submit(p, GREEDY, max_tokens=30) for p in prompts]
-        states = [sl["state"] for sl in eng.slots()]
-        outs = [_collect(s) for s in streams]
+        streams = _submit_together(eng, [(prompts[0], GREEDY, {"max_tokens": 30, "callback": on_first})]
+                                   + [(p, GREEDY, {"max_tokens": 30}) for p in prompts[1:]])
+        assert first_done.wait(120)
+        outs = [first] + [_collect(s) for s in streams[1:]]
         assert [_tokens(o) for o in outs] == alone
         assert all(o[-1].finish_reason in ("length", "eos") for o in outs)
-        assert "waiting" in states
+        assert states == ["running"] + ["waiting"] * 5, states
         eng.check_consistency()
     finally:
         eng.close()
@@ -458,7 +475,7 @@ def _run_workload(store, lookup, system, work, max_batch_tokens=256, max_tokens=
     try:
         # the system prompt alone first, so that every request below finds its pages in the prefix index
         outs = [_collect(eng.submit(system + [1, 2, 3] * 8, GREEDY, max_tokens=4))]
-        streams = [eng.submit(p, sp, max_tokens=max_tokens) for p, sp in work]
+        streams = _submit_together(eng, [(p, sp, {"max_tokens": max_tokens}) for p, sp in work])
         outs += [_collect(s) for s in streams]
         met = eng.metrics()
         eng.check_consistency()
@@ -592,7 +609,8 @@ def test_lookup_drafts_only_fill_the_rows_left(synth):
 
         eng._plan_drafts = spy
         try:
-            outs[lk] = [_tokens(o) for o in [_collect(s) for s in [eng.submit(p, GREEDY, max_tokens=40) for p in prompts]]]
+            streams = _submit_together(eng, [(p, GREEDY, {"max_tokens": 40}) for p in prompts])
+            outs[lk] = [_tokens(_collect(s)) for s in streams]
             met = eng.metrics()
             eng.check_consistency()
         finally:
