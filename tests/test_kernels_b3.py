@@ -167,7 +167,7 @@ def test_bad_arguments_raise_kernel_error():
 
 
 def test_probe_compiles():
-    # the probe whose numbers the README quotes stays buildable with the command it names
+    # the probe whose numbers docs/formats.md quotes stays buildable with the command it names
     r = subprocess.run(["gcc", "-O2", "-fopenmp", "-fsyntax-only", "bench/probes/base3_unpack.c"],
                        capture_output=True, text=True, cwd=__file__.rsplit("/tests/", 1)[0])
     assert r.returncode == 0, r.stderr
