@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT
+from helpers import ROOT
 
 PAGES = [os.path.join(ROOT, "README.md")] + sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))
 FENCE = re.compile(r"^```([^\n]*)\n(.*?)^```[ \t]*$", re.S | re.M)

@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from conftest import ROOT
+from helpers import ROOT
 
 MAX_BYTES = 5 * 1024 * 1024
 ARCHIVE_SUFFIXES = (".whl", ".zip", ".tar", ".tar.gz", ".tgz", ".tar.xz", ".tar.bz2", ".7z", ".rar", ".egg")
