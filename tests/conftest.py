@@ -19,3 +19,26 @@ def isa(request):
     yield request.param
     K.set_isa(None)
     K.set_num_threads(0)
+
+
+# ---- bitnet serve (tests/serve_proc.py): one server per test module that asks for it -----------------------
+@pytest.fixture(scope="module")
+def server():
+    """`bitnet serve --parallel 16` on the bundled model, a real subprocess on 127.0.0.1."""
+    from serve_proc import Server
+
+    s = Server("--parallel", "16")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    """The official openai client on that server (no retries: a failure shows at once)."""
+    openai = pytest.importorskip("openai", reason="the serve tests need the openai client (pip install .[test])")
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model_id(client):
+    return client.models.list().data[0].id

@@ -21,23 +21,6 @@ Q = [{"role": "user", "content": "What is 12+7?"}]
 WILD = dict(temperature=2.0, top_p=1.0, extra_body={"top_k": 0, "min_p": 0.0}, seed=7)
 
 
-@pytest.fixture(scope="module")
-def server():
-    s = Server("--parallel", "16")
-    yield s
-    s.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-
-
-@pytest.fixture(scope="module")
-def model_id(client):
-    return client.models.list().data[0].id
-
-
 def test_models_list(client):
     ms = client.models.list().data
     assert len(ms) == 1 and ms[0].object == "model" and ms[0].id
