@@ -69,7 +69,7 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 600) -> None
     t_end = time.monotonic() + timeout
     while time.monotonic() < t_end:
         if proc.poll() is not None:
-            raise RuntimeError(f"server exited {proc.returncode}: {proc.stderr.read()[-2000:]}")
+            raise RuntimeError(f"server exited {proc.returncode}: {proc.stderr.read()[-2000:] if proc.stderr else ''}")
         try:
             if httpx.get(url + "/health", timeout=5).status_code == 200:
                 return
