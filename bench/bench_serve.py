@@ -139,11 +139,16 @@ def run_engine(engine, a, paths, llama_bin, levels) -> dict:
             out["levels"].append(r)
         return out
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_server(proc)
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    """SIGTERM (both servers drain and exit on it), SIGKILL after 30 s."""
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
 
 
 def report(res: dict, out_dir: str):

@@ -30,8 +30,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
-sys.path.insert(0, HERE)
-from bench_serve import free_port, wait_healthy  # noqa: E402  (starting a server and waiting for /health)
+from bench_serve import free_port, stop_server, wait_healthy  # noqa: E402  (bench/, this script's folder)
 
 EXTRACTION = {
     "type": "object", "additionalProperties": False,
@@ -155,11 +154,7 @@ def http_row(cmd: list[str], port: int, n: int, repeats: int, body: dict) -> lis
         _http_load(url + "/v1/chat/completions", 1, body)   # warm-up (llama-server compiles the grammar)
         return [_http_load(url + "/v1/chat/completions", n, body) for _ in range(repeats)]
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_server(proc)
 
 
 def main(argv=None) -> int:
