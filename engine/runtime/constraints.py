@@ -127,6 +127,17 @@ class Constraint:
                               where=self.where)
 
 
+def check(spec: Constraint) -> Constraint:
+    """Raise ConstraintError (naming spec.where) when the spec cannot be enforced, without a tokenizer: what a
+    caller uses to find which of several parts (a tool's parameters) is at fault before compiling the whole."""
+    from llguidance import LLMatcher
+
+    err = LLMatcher.validate_grammar(spec.grammar())
+    if err:
+        raise ConstraintError(f"{spec.where}: cannot be enforced: {_one_line(err)}", where=spec.where)
+    return spec
+
+
 def _text(value, where: str) -> str:
     if not isinstance(value, str) or not value:
         raise ConstraintError(f"{where}: expected a non-empty string", where=where)

@@ -21,7 +21,7 @@ import uuid
 from dataclasses import dataclass
 
 from ..errors import ConstraintError
-from .constraints import Constraint
+from .constraints import Constraint, check
 
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 DEFAULT_SYSTEM_BLOCK = (
@@ -121,12 +121,12 @@ class ToolFormat:
         """choice: "auto" | "required" | a function name ("none": no constraint, no tools)."""
         if choice == "none" or not functions:
             return None
+        for i, f in enumerate(functions):   # each tool's schema alone first: an error names the tool
+            check(Constraint.json_schema(f.parameters, where=f"tools[{i}].function.parameters"))
         if choice not in ("auto", "required"):
             functions = [f for f in functions if f.name == choice]
         calls = 'calls: call ("\\n" call)*\n' if parallel else "calls: call\n"
         start = "start: TEXT | calls\n" + self._text_rule() if choice == "auto" else "start: calls\n"
-        for i, f in enumerate(functions):   # each tool's schema alone first: an error names the tool
-            Constraint.json_schema(f.parameters, where=f"tools[{i}].function.parameters")
         return Constraint.lark(start + calls + self._call_rule(functions), where="tools")
 
     # ---- the answer -----------------------------------------------------------------------------------
