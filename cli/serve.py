@@ -25,6 +25,10 @@ def add_arguments(p):
     p.add_argument("--parallel", "-np", type=int, default=16, help="sequences generated at once")
     p.add_argument("--max-queue", type=int, default=64, help="waiting requests before answering 503 + Retry-After")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* and /slots%(default).0s")
+    p.add_argument("--alias", default=None, metavar="NAME",
+                   help="the model id the server answers with (default: the model's name)")
+    p.add_argument("--strict-model-name", action="store_true",
+                   help="answer 404 to a request naming another model (default: any name gets this model, as llama-server)")
     p.add_argument("--kv", choices=("f16", "f32"), default="f16", help="KV cache precision")
     p.add_argument("--ray-replicas", type=int, default=0, help="run as a Ray Serve deployment with N replicas (0 = plain uvicorn)")
     p.add_argument("--drain-timeout", type=float, default=5.0, help="seconds in-flight requests get to finish on shutdown")
@@ -43,6 +47,8 @@ def _check(args):
         raise BitNetError(f"--parallel {args.parallel}: must be >= 1")
     if args.max_queue < 0:
         raise BitNetError(f"--max-queue {args.max_queue}: must be >= 0")
+    if args.alias is not None and not args.alias.strip():
+        raise BitNetError("--alias: must not be empty")
     if args.ray_replicas < 0:
         raise BitNetError(f"--ray-replicas {args.ray_replicas}: must be >= 0")
 
@@ -75,7 +81,8 @@ def main(args) -> int:
                            max_queue=args.max_queue, kv_dtype=args.kv, progress=True, lookup=lookup,
                            mmap=args.mmap)
 
-    app = create_app(load, api_key=args.api_key, sampling=sampling)
+    app = create_app(load, api_key=args.api_key, sampling=sampling, model_id=args.alias,
+                     strict_model=args.strict_model_name)
 
     class Server(uvicorn.Server):
         """uvicorn re-raises the caught signal after shutdown (-> exit 130/143); a drained server exits 0.
