@@ -71,6 +71,8 @@ class ServerState:
         def run():
             try:
                 eng = self.load()
+                if hasattr(eng, "warm_constraints"):
+                    eng.warm_constraints()   # structured output's first request need not build the vocabulary view
                 if self.model_id is None:
                     self.model_id = eng.name
                 self.engine = eng
