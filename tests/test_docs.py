@@ -21,7 +21,7 @@ FENCE = re.compile(r"^```([^\n]*)\n(.*?)^```[ \t]*$", re.S | re.M)
 MARKER = "<!-- runnable -->"
 COMMAND_SECONDS = 120          # a hang guard for one command, not a speed check
 # pages other branches add; a link to one of these may dangle until they land (then this set can go)
-PENDING_PAGES = {"docs/arm.md", "docs/kv-cache.md", "docs/serving-limits.md", "docs/structured-output.md"}
+PENDING_PAGES = {"docs/arm.md", "docs/kv-cache.md", "docs/serving-limits.md"}
 
 
 def runnable_blocks(path):
