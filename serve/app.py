@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
 import os
 import socket
@@ -24,10 +23,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from .auth import AuthMiddleware, KeyChecker
+from .limits import Limits, LimitsMiddleware
 from .metrics import CONTENT_TYPE, ServerMetrics
+from .offload import OffloopRoute, run_off_loop, too_long_for_context
 from .schemas import ChatCompletionRequest, CompletionRequest
 
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context": "length", "cancelled": "stop"}
+ENGINE_FAULT = "the engine failed while generating this answer (the server goes on; see its log)"
 PAGE = os.path.join(os.path.dirname(__file__), "chat.html")
 
 
@@ -82,9 +85,12 @@ class ServerState:
 
 def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id: str | None = None,
                retry_after: int = 1, on_shutdown: Callable[[], None] | None = None,
-               sampling: Any = None) -> FastAPI:
+               sampling: Any = None, limits: Limits | None = None, api_keys: tuple = (),
+               metrics_public: bool = False) -> FastAPI:
     """The ASGI app. load() -> an engine with ENGINE_API.md's interface (called once, in a thread).
-    sampling: SamplingParams whose values a request's omitted sampling fields take (None: the engine's)."""
+    sampling: SamplingParams whose values a request's omitted sampling fields take (None: the engine's).
+    limits: serve/limits.py's (None: its defaults); api_key / api_keys: the keys every endpoint but /health
+    needs (serve/auth.py), /metrics too unless metrics_public."""
     state = ServerState(load, api_key, model_id, retry_after)
     metrics = ServerMetrics(state.engine_metrics)
 
@@ -96,7 +102,9 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         if on_shutdown:
             on_shutdown()
 
-    app = FastAPI(title="bitnet serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="bitnet serve", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url="/openapi.json")
+    app.router.route_class = OffloopRoute   # JSON bodies parsed off the event loop (serve/offload.py)
     app.state.bitnet = state
     app.state.metrics = metrics
 
@@ -135,13 +143,7 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         return resp
 
     def ready(request: Request):
-        """Auth first (a wrong key learns nothing), then availability."""
-        if state.api_key is not None:
-            auth = request.headers.get("authorization", "")
-            key = auth[7:] if auth.lower().startswith("bearer ") else ""
-            if not hmac.compare_digest(key.encode(), state.api_key.encode()):
-                raise APIError(401, "invalid API key (send 'Authorization: Bearer KEY')", "authentication_error",
-                               code="invalid_api_key")
+        """Availability (the key was checked before the body was read: serve/auth.py)."""
         if state.draining:
             raise APIError(503, "server is shutting down", "server_error", code="shutting_down",
                            headers={"Retry-After": str(state.retry_after)})
@@ -149,6 +151,11 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
             msg = f"model failed to load: {state.load_error}" if state.load_error else "model is loading"
             raise APIError(503, msg, "server_error", code="loading", headers={"Retry-After": str(state.retry_after)})
         return state.engine
+
+    async def refuse_too_long(eng, n_chars, param):
+        msg = await too_long_for_context(eng, n_chars)
+        if msg:
+            raise APIError(400, msg, param=param, code="context_length_exceeded")
 
     def check_model(name):
         if name and name != state.model_id:
@@ -254,6 +261,10 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
                 if ch.finish_reason is not None:
                     final = ch
                     break
+            if final.finish_reason == "error":   # this sequence failed; the others go on
+                yield sse({"error": {"message": ENGINE_FAULT, "type": "server_error", "param": None,
+                                     "code": "engine_error"}})
+                return
             usage, timings = timer.done(n_prompt, final)
             last = make_chunk(None, FINISH.get(final.finish_reason, "stop"))
             last["timings"] = timings
@@ -287,6 +298,8 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         text, final, timer = await run_to_end(request, stream, q)
         if final is None:
             return Response(status_code=499)
+        if final.finish_reason == "error":
+            raise APIError(500, ENGINE_FAULT, "server_error", code="engine_error")
         usage, timings = timer.done(n_prompt, final)
         return {**make_body(text, FINISH.get(final.finish_reason, "stop")), "usage": usage, "timings": timings}
 
@@ -295,8 +308,9 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         eng = ready(request)
         check_model(body.model)
         msgs = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
+        await refuse_too_long(eng, sum(len(m["content"]) for m in msgs), "messages")
         try:
-            prompt_ids = eng.chat_prompt(msgs)
+            prompt_ids = await run_off_loop(eng.chat_prompt, msgs)
         except Exception as e:  # the template rejected the conversation (e.g. roles out of order)
             raise APIError(400, f"messages: {e}", param="messages", code="invalid_value") from None
         stream, q = submit(eng, body, prompt_ids, asyncio.get_running_loop())
@@ -326,7 +340,8 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
                 raise APIError(400, "prompt: token id out of the vocabulary", param="prompt", code="invalid_value")
         else:
             text = p[0] if isinstance(p, list) and p else (p if isinstance(p, str) else "")
-            prompt_ids = eng.tokenize(text, add_bos=True)
+            await refuse_too_long(eng, len(text), "prompt")
+            prompt_ids = await run_off_loop(eng.tokenize, text, add_bos=True)
         stream, q = submit(eng, body, prompt_ids, asyncio.get_running_loop())
         cid, created, model = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time()), state.model_id
 
@@ -372,4 +387,7 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         with open(PAGE, encoding="utf-8") as f:
             return HTMLResponse(f.read())
 
+    keys = KeyChecker(([api_key] if api_key else []) + list(api_keys))
+    app.add_middleware(LimitsMiddleware, limits=limits or Limits())
+    app.add_middleware(AuthMiddleware, checker=keys, metrics_public=metrics_public)   # outermost: before the body
     return app
