@@ -215,7 +215,7 @@ def main(argv=None) -> int:
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--parallel", type=int, default=16)
     ap.add_argument("--max-queue", type=int, default=64)
-    ap.add_argument("--max-body-mb", type=float, default=8)
+    ap.add_argument("--max-body-mb", type=float, default=4)
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "soak_results"), help="path prefix of .json/.png")
     a = ap.parse_args(argv)
     import httpx

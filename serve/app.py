@@ -26,7 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from .auth import AuthMiddleware, KeyChecker
 from .limits import Limits, LimitsMiddleware
 from .metrics import CONTENT_TYPE, ServerMetrics
-from .offload import OffloopRoute, run_off_loop, too_long_for_context
+from .offload import BodyRefused, offloop_route, run_off_loop, too_long_for_context
 from .schemas import ChatCompletionRequest, CompletionRequest
 
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context": "length", "cancelled": "stop"}
@@ -104,7 +104,8 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
 
     app = FastAPI(title="bitnet serve", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url="/openapi.json")
-    app.router.route_class = OffloopRoute   # JSON bodies parsed off the event loop (serve/offload.py)
+    # JSON bodies parsed off the event loop and bounded by the context (serve/offload.py)
+    app.router.route_class = offloop_route(lambda: state.engine.n_ctx if state.engine is not None else None)
     app.state.bitnet = state
     app.state.metrics = metrics
 
@@ -127,6 +128,10 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
             msg = f"{param or 'body'}: {msg}"
         return error_response(400, msg, param=param,
                               code="invalid_value")
+
+    @app.exception_handler(BodyRefused)
+    async def _refused(request, e: BodyRefused):
+        return error_response(400, str(e.detail), param=e.param, code=e.code)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request, e):

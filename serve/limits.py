@@ -27,7 +27,7 @@ MiB = 1 << 20
 
 @dataclass(frozen=True)
 class Limits:
-    max_body_bytes: int = 8 * MiB         # a 4096-token prompt is well under 1 MiB of text; JSON escaping x6 at worst
+    max_body_bytes: int = 4 * MiB         # a 4096-token prompt is well under 100 KiB of text (x6 if all JSON-escaped)
     max_header_bytes: int = 32 << 10      # request line + headers; nginx's default buffers hold 32 KiB
     max_headers: int = 100
     max_connections: int = 512

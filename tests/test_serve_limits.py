@@ -50,14 +50,19 @@ def test_huge_prompts_refused_while_small_request_streams():
 
         bodies = {mb: json.dumps({"messages": [{"role": "user", "content": "7 + 8 = 15. " * (mb * (1 << 20) // 12)}],
                                   "max_tokens": 4}).encode() for mb in (10, 50)}   # built before the clock starts
+        # 8 MB of tiny messages, and 1M token ids: cheap to send, dear to parse and validate (GIL-bound, so a
+        # thread does not help): refused from their structure while parsing
+        bodies["many messages"] = json.dumps({"messages": [{"role": "user", "content": "hi"}] * 200_000}).encode()
+        bodies["many token ids"] = json.dumps({"prompt": [5] * 1_000_000}).encode()
 
         async def big(mb):
             body = bodies[mb]
+            label = f"{mb} MB prompt" if isinstance(mb, int) else mb
+            path = "/v1/completions" if mb == "many token ids" else "/v1/chat/completions"
             async with httpx.AsyncClient(timeout=120) as c:
                 t0 = time.perf_counter()
-                r = await c.post(s.url + "/v1/chat/completions", content=body,
-                                 headers={"content-type": "application/json"})
-                times[f"{mb} MB prompt refused"] = time.perf_counter() - t0
+                r = await c.post(s.url + path, content=body, headers={"content-type": "application/json"})
+                times[f"{label} refused"] = time.perf_counter() - t0
             return r
 
         async def small():
@@ -80,10 +85,12 @@ def test_huge_prompts_refused_while_small_request_streams():
                 return "".join(text)
 
         async def main():
-            return await asyncio.gather(big(10), big(50), small())
-        r10, r50, text = asyncio.run(main())
+            return await asyncio.gather(big(10), big(50), big("many messages"), big("many token ids"), small())
+        r10, r50, r_msgs, r_ids, text = asyncio.run(main())
         assert openai_error(r10, 400)["code"] == "context_length_exceeded"
         assert openai_error(r50, 413)["code"] == "body_too_large"
+        for r in (r_msgs, r_ids):
+            assert openai_error(r, 400)["code"] == "context_length_exceeded"
         assert text
         time.sleep(0.5)
         rss_after = s.rss_kb()
