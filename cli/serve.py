@@ -120,10 +120,17 @@ def main(args) -> int:
         if server.should_exit:
             server.force_exit = True
         server.should_exit = True
-        app.state.bitnet.draining = True  # stop admitting; /health says 503 to load balancers
+        if not app.state.bitnet.draining:
+            app.state.bitnet.draining = True  # stop admitting; /health says 503 to load balancers
+            # what is still running at the deadline is cancelled in the engine, so every handler ends its answer
+            # itself (a stream's last event, a partial answer) before uvicorn would cancel it (a 500, a traceback)
+            import threading
+            t = threading.Timer(args.drain_timeout, app.state.bitnet.drain)
+            t.daemon = True
+            t.start()
 
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=args.drain_timeout, lifespan="on",
+                            timeout_graceful_shutdown=args.drain_timeout + 2, lifespan="on",
                             http=guarded_protocol(limits), timeout_keep_alive=args.keep_alive_timeout,
                             h11_max_incomplete_event_size=limits.max_header_bytes)
     server = Server(config)
