@@ -87,7 +87,7 @@ def main(args) -> int:
     sampling = sampling_params_from_args(args)
     if args.ray_replicas:
         from ..serve.ray_app import run_ray
-        return run_ray(args, sampling)
+        return run_ray(args, sampling, api_keys=keys, limits=limits_from_args(args))
 
     import uvicorn
 
