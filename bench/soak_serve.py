@@ -159,7 +159,8 @@ def percentile(xs, p):
     return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
 
 
-def summarize(records, samples, seconds, clients) -> dict:
+def summarize(records, samples, seconds, clients, t0) -> dict:
+    """records: one per request (t: its monotonic start); samples: one per second (t: seconds after t0)."""
     by_kind: dict = {}
     for r in records:
         k = by_kind.setdefault(r["kind"], {})
@@ -171,7 +172,12 @@ def summarize(records, samples, seconds, clients) -> dict:
         window.append({"t": b["t"], "tok_s": (b["tokens"] - a["tokens"]) / (b["t"] - a["t"])})
     rss = [s["rss_kb"] for s in ok if s["rss_kb"]]
     third = [s["rss_kb"] for s in ok if s["rss_kb"] and s["t"] >= seconds / 3]
+    # RSS when the 2,000th request started, against the end: flat means no growth beyond noise after warm-up
+    starts = sorted(r["t"] for r in records)
+    t2000 = starts[1999] - t0 if len(starts) >= 2000 else None
+    rss2000 = next((s["rss_kb"] / 1024 for s in ok if t2000 is not None and s["t"] >= t2000 and s["rss_kb"]), None)
     return {"seconds": seconds, "clients": clients, "requests": len(records), "by_kind_status": by_kind,
+            "rss_mib_at_request_2000": rss2000,
             "five_xx": sum(1 for r in records if r.get("status", 0) >= 500),
             "lost": sum(1 for r in records if r["lost"]),
             "lost_examples": [r.get("error") or r for r in records if r["lost"]][:5],
@@ -233,7 +239,7 @@ def main(argv=None) -> int:
         asyncio.run(run())
         time.sleep(1.0)
         after = httpx.get(url + "/slots", timeout=30).json()
-        res = summarize(records, samples, a.seconds, a.clients)
+        res = summarize(records, samples, a.seconds, a.clients, t0)
         res["slots_after"] = after["slots"]
         res["metrics_after"] = after["metrics"]
     finally:
