@@ -16,7 +16,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "/reset": ("", "forget the conversation, the system prompt stays (/clear does the same)"),
     "/system": ("[TEXT|--clear]", "show, set or clear the system prompt"),
     "/set": ("[NAME VALUE]", "show settings, or set temp|top_k|top_p|min_p|repeat_penalty|repeat_last_n|seed|"
-                             "max_tokens; also ollama's /set parameter NAME VALUE and /set system TEXT"),
+                             "max_tokens; also ollama's /set parameter NAME VALUE, /set system TEXT and "
+                             "/set format json|FILE|off (answers as JSON / matching a JSON Schema file)"),
     "/show": ("[info|system|parameters]", "model information (source file, shape, context) and current settings"),
     "/save": ("FILE", "save the conversation as JSON (atomic write)"),
     "/load": ("FILE", "load a conversation saved with /save and prefill it"),
@@ -181,7 +182,7 @@ def completions(text_before_cursor: str) -> list[str]:
         return [c for c in COMMANDS if c.startswith(text_before_cursor.lower())]
     head, _, rest = text_before_cursor.partition(" ")
     if head.lower() == "/set" and " " not in rest.lstrip():
-        return [n for n in SETTING_NAMES + ["system", "parameter"] if n.startswith(rest.lstrip().lower())]
+        return [n for n in SETTING_NAMES + ["system", "parameter", "format"] if n.startswith(rest.lstrip().lower())]
     if head.lower() == "/show" and " " not in rest.lstrip():
         return [n for n in SHOW_TOPICS if n.startswith(rest.lstrip().lower())]
     return []

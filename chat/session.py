@@ -103,6 +103,8 @@ class ChatSession:
         self.last_prompt_ids: list[int] = []
         self.splice = True            # False: always re-render the whole window (for comparison)
         self.recovery_path: str | None = None   # see enable_recovery()
+        self.format = None            # compiled structured-output constraint of the answers (/set format), or None
+        self.format_label = "off"
 
     # ---- crash recovery ------------------------------------------------------------------------
     def enable_recovery(self, path: str) -> None:
@@ -215,7 +217,7 @@ class ChatSession:
         self._save_recovery()   # the question is on disk before the model reads its weights again
         try:
             with sigint_as_flag() as flag, quiet_terminal(self.out.interactive):
-                gen = self.llm.generate(ids, params, max_tokens=max_tokens)
+                gen = self.llm.generate(ids, params, max_tokens=max_tokens, constraint=self.format)
                 try:
                     for chunk in gen:
                         if flag.hit:   # stop before showing more than the user saw when pressing Ctrl-C
@@ -325,7 +327,9 @@ class ChatSession:
         elif name == "/set":
             pair = split_set(arg) if arg else None
             if pair is None:
-                self.out.info(self.settings.describe())
+                self.out.info(self.describe_settings())
+            elif pair[0].lower() == "format":
+                self.set_format(pair[1])
             elif pair[0] == "system":
                 self.conv.system = pair[1]
                 self.out.info("[system prompt set]")
@@ -338,7 +342,7 @@ class ChatSession:
             if topic == "system":
                 self.out.info(f"system prompt: {self.conv.system!r}" if self.conv.system else "no system prompt")
             elif topic == "parameters":
-                self.out.info(self.settings.describe())
+                self.out.info(self.describe_settings())
             else:
                 self.out.info(self.describe_model())
         elif name == "/stats":
@@ -360,6 +364,36 @@ class ChatSession:
             self.prefill_conversation()
         elif name == "/retry":
             self.retry()
+
+    def describe_settings(self) -> str:
+        return f"{self.settings.describe()} format={self.format_label}"
+
+    def set_format(self, value: str) -> None:
+        """ollama's words: /set format json (answers are a JSON object), /set format FILE (a JSON Schema file),
+        /set format off. The schema is compiled now, so a bad one is refused here, not at the next answer."""
+        from ..engine.errors import ConstraintError
+        from ..engine.runtime.constraints import Constraint
+
+        if value.lower() in ("off", "none", "text"):
+            self.format, self.format_label = None, "off"
+            self.out.info("[format off: plain text answers]")
+            return
+        try:
+            if value.lower() == "json":
+                spec = Constraint.json_object(where="/set format json")
+            else:
+                try:
+                    with open(value, encoding="utf-8") as f:
+                        text = f.read()
+                except (OSError, UnicodeDecodeError) as e:
+                    raise CommandError(f"/set format {value}: {getattr(e, 'strerror', None) or e}"
+                                       " (give json, off, or a JSON Schema file)") from None
+                spec = Constraint.json_schema(text, where=f"/set format {value}")
+            self.format = self.llm.compile_constraint(spec)
+        except ConstraintError as e:
+            raise CommandError(str(e)) from None
+        self.format_label = value
+        self.out.info(f"[format = {value}: every answer matches it]")
 
     def describe_model(self) -> str:
         llm, c = self.llm, self.llm.config

@@ -81,6 +81,47 @@ def add_system_args(p: argparse.ArgumentParser) -> None:
                    help="system prompt (default: none)%(default).0s")
 
 
+def add_constraint_args(p: argparse.ArgumentParser) -> None:
+    """Structured output, as llama.cpp spells it: the answer must match a JSON Schema or a GBNF grammar."""
+    g = p.add_argument_group("structured output (every generated token obeys it)")
+    src = g.add_mutually_exclusive_group()
+    src.add_argument("-j", "--json-schema", default=None, metavar="SCHEMA",
+                     help="JSON Schema the answer must match (JSON text; '{}' = any JSON object)%(default).0s")
+    src.add_argument("--json-schema-file", default=None, metavar="FILE", help="the JSON Schema from a file%(default).0s")
+    src.add_argument("--grammar", default=None, metavar="GBNF", help="GBNF grammar (llama.cpp's format)%(default).0s")
+    src.add_argument("--grammar-file", default=None, metavar="FILE", help="the GBNF grammar from a file%(default).0s")
+    g.add_argument("--no-jump-forward", action="store_true",
+                   help="sample the tokens the grammar forces one by one (same output, slower)%(default).0s")
+
+
+def constraint_from_args(args: argparse.Namespace):
+    """The Constraint the structured-output flags ask for, or None. Raises BitNetError (one line naming the
+    flag) for an unreadable file or a malformed schema; what cannot be enforced is refused when compiled."""
+    from ..engine.errors import BitNetError
+    from ..engine.runtime.constraints import Constraint
+
+    jf = not getattr(args, "no_jump_forward", False)
+
+    def read(path, flag):
+        try:
+            with open(path, encoding="utf-8") as f:
+                return f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise BitNetError(f"{flag} {path}: {getattr(e, 'strerror', None) or e}") from None
+
+    if getattr(args, "json_schema", None) is not None:
+        return Constraint.json_schema(args.json_schema or "{}", where="-j/--json-schema", jump_forward=jf)
+    if getattr(args, "json_schema_file", None) is not None:
+        return Constraint.json_schema(read(args.json_schema_file, "--json-schema-file"),
+                                      where=f"--json-schema-file {args.json_schema_file}", jump_forward=jf)
+    if getattr(args, "grammar", None) is not None:
+        return Constraint.gbnf(args.grammar, where="--grammar", jump_forward=jf)
+    if getattr(args, "grammar_file", None) is not None:
+        return Constraint.gbnf(read(args.grammar_file, "--grammar-file"), where=f"--grammar-file {args.grammar_file}",
+                               jump_forward=jf)
+    return None
+
+
 def check_engine_args(args: argparse.Namespace) -> str | None:
     """One line naming the first bad value among the flags add_engine_args added, or None."""
     n = getattr(args, "n_predict", None)

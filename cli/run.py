@@ -2,8 +2,8 @@
 piece); progress, warnings and --verbose timings go to stderr. Ctrl-C stops generation keeping what was
 printed (exit 130). Flags follow llama.cpp (cli/flags.py); `-cnv` runs the chat on stdin
 as bitchat does; `--json` prints one JSON object per line (text pieces, then the stats) for scripts."""
-from .flags import (RANDOM_SEED, UNTIL_END, add_engine_args, add_system_args, check_engine_args,
-                    sampling_params_from_args)
+from .flags import (RANDOM_SEED, UNTIL_END, add_constraint_args, add_engine_args, add_system_args, check_engine_args,
+                    constraint_from_args, sampling_params_from_args)
 from ..engine.formats.tokenizer import decode_utf8
 
 HELP = "generate text from a prompt (streams to stdout)"
@@ -32,7 +32,9 @@ def add_arguments(p):
     p.add_argument("--lm-head", choices=("q4", "i8", "f16"), default=None,
                    help="LM head precision when the model gets converted (default: the converter's)%(default).0s")
     p.add_argument("--json", action="store_true",
-                   help='one JSON object per line: {"text": ...} per piece, then {"done": true, "stats": ...}%(default).0s')
+                   help='print one JSON object per line: {"text": ...} per piece, then {"done": true, "stats": ...} '
+                        '(to make the ANSWER JSON, use -j/--json-schema)%(default).0s')
+    add_constraint_args(p)
     p.add_argument("-v", "--verbose", action="store_true", help="print timings to stderr%(default).0s")
 
 
@@ -91,8 +93,10 @@ def main(args) -> int:
     if problem:
         raise BitNetError(problem)
     prompt = _read_prompt(args)
+    constraint = constraint_from_args(args)   # a malformed schema or unreadable file: before the model loads
     if args.conversation:
-        for flag, given in (("--json", args.json), ("--ignore-eos", args.ignore_eos), ("--stop", args.stop)):
+        for flag, given in (("--json", args.json), ("--ignore-eos", args.ignore_eos), ("--stop", args.stop),
+                            ("-j/--json-schema or --grammar", constraint)):
             if given:
                 raise BitNetError(f"{flag} does not apply to -cnv/--conversation (the chat has plain text answers that end at the end of a turn)")
         from .chat import run_chat
@@ -119,6 +123,8 @@ def main(args) -> int:
         if prompt.strip() and not [i for i in ids if i != llm.tokenizer.bos_id]:
             raise BitNetError(f"the prompt became no tokens at all: none of its characters are in the vocabulary of"
                               f" {llm.name}", hint="check the model's tokenizer (bitnet inspect)")
+    if constraint is not None:
+        constraint = llm.compile_constraint(constraint)   # refused (one line) before any token is generated
     until_end = args.n_predict == UNTIL_END
     max_tokens = llm.n_ctx if until_end else args.n_predict
     out = sys.stdout
@@ -136,7 +142,8 @@ def main(args) -> int:
             out.write(text)
     stats = None
     try:
-        for chunk in llm.generate(ids, params, max_tokens=max_tokens, stop=args.stop, ignore_eos=args.ignore_eos):
+        for chunk in llm.generate(ids, params, max_tokens=max_tokens, stop=args.stop, ignore_eos=args.ignore_eos,
+                                  constraint=constraint):
             if chunk.text:
                 emit(chunk.text, chunk.token)
                 out.flush()
@@ -164,6 +171,6 @@ def main(args) -> int:
               f"load: {stats.load_s * 1000:.0f} ms, weights {llm.store.load_summary()} | prompt: {stats.n_prompt} tokens ({stats.n_cached} cached), "
               f"{stats.prefill_tps:.1f} tok/s | first token: {stats.ttft_s * 1000:.0f} ms | "
               f"generated: {stats.n_generated} tokens, {stats.decode_tps:.1f} tok/s | stop: {stats.finish_reason}"
-              + (f" | lookup: {stats.n_accepted}/{stats.n_drafted} draft tokens accepted" if stats.n_drafted else ""),
+              + (f" | drafts: {stats.n_accepted}/{stats.n_drafted} tokens accepted" if stats.n_drafted else ""),
               file=sys.stderr)
     return 0

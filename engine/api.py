@@ -28,16 +28,17 @@ import numpy as np
 from .runtime import chat_template as _ct
 from .config import ModelConfig
 from .cpu import available_cores, default_threads
-from .errors import BitNetError, FormatError, QueueFullError
+from .errors import BitNetError, ConstraintError, FormatError, QueueFullError
 from .runtime.generate import Chunk, Stats, generate as _generate
 from .runtime.model import Model
+from .runtime.constraints import Constraint, compile_constraint
 from .runtime.sampling import SamplingParams
 from .runtime.speculative import LookupParams
 from .formats.store import Store, is_store
 from .formats.tokenizer import Tokenizer
 
 __all__ = ["load_model", "LLM", "load_engine", "Engine", "SamplingParams", "LookupParams", "Chunk", "Stats",
-           "QueueFullError"]
+           "QueueFullError", "Constraint", "ConstraintError"]
 
 
 def _resolve(model: str | None, lm_head: str | None, progress: bool) -> str:
@@ -63,14 +64,30 @@ class _Text:
     def detokenize(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(ids)
 
-    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of `messages` rendered with the model's own chat template (or the built-in fallback)."""
+    def compile_constraint(self, constraint):
+        """A Constraint (or schema dict / "json") compiled for this model's tokenizer, cached; None for None.
+        Raises ConstraintError naming what cannot be enforced. Compiling a new schema can take ~10-100 ms: a
+        server calls this off its event loop and passes the result to submit()."""
+        return compile_constraint(self.tokenizer, self.config.vocab_size, constraint)
+
+    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> list[int]:
+        """Token ids of `messages` rendered with the model's own chat template (or the built-in fallback).
+        tools: OpenAI-style function list; messages may then hold assistant `tool_calls` and `tool` results
+        (engine/runtime/tools.py puts them in the form the template renders)."""
         tok = self.tokenizer
         bos = tok.id_to_token(tok.bos_id) if tok.bos_id is not None else ""
         eos = tok.id_to_token(tok.eos_ids[0]) if tok.eos_ids else ""
+        messages, tools = self.tool_format().prepare(messages, tools)
         text = _ct.render(self.store.chat_template, messages, add_generation_prompt=add_generation_prompt,
-                          bos_token=bos or "", eos_token=eos or "")
+                          bos_token=bos or "", eos_token=eos or "", tools=tools)
         return tok.encode(text, add_bos=False, special=True)
+
+    def tool_format(self):
+        """How this model writes tool calls (engine/runtime/tools.py), from its chat template."""
+        from .runtime.tools import tool_format
+
+        return tool_format(_ct.choose_template(self.store.chat_template))
 
 
 def _display_name(store: Store) -> str:
@@ -118,16 +135,22 @@ class LLM(_Text):
     # ---- running ----
     def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                  max_tokens: int = 256, stop: Sequence[str] = (), ignore_eos: bool = False,
-                 lookup: LookupParams | None = None) -> Iterator[Chunk]:
+                 lookup: LookupParams | None = None, constraint=None) -> Iterator[Chunk]:
         """Stream Chunk(text, token) per generated token, then Chunk("", None, finish_reason, stats).
         A str prompt is tokenized with BOS. finish_reason: "eos" | "stop" | "length" | "context".
         max_tokens=0 only prefills the prompt into the cache. Raises ContextOverflowError when the
         prompt alone does not fit n_ctx. ignore_eos: end-of-text tokens are never sampled (llama.cpp's
         --ignore-eos). lookup: prompt-lookup speculative decoding for this call (default: the session's, else
-        engine.speculative.default_lookup); the output is the same with or without it."""
+        engine.speculative.default_lookup); the output is the same with or without it.
+        constraint: structured output every token obeys -- a JSON Schema dict, "json" (any JSON object), or a
+        Constraint (Constraint.regex(...), .gbnf(...), .lark(...)); raises ConstraintError (a BitNetError) when
+        it cannot be enforced exactly. Ends with "eos" once the output is complete, "length" if it is not by
+        max_tokens."""
         ids = self.tokenize(prompt, add_bos=True) if isinstance(prompt, str) else list(prompt)
+        compiled = self.compile_constraint(constraint)   # raised here, not at the first next()
         return _generate(self.model, self.tokenizer, ids, params, max_tokens=max_tokens, stop=stop, load_s=self.load_s,
-                         ignore_eos=ignore_eos, lookup=lookup if lookup is not None else self.lookup)
+                         ignore_eos=ignore_eos, lookup=lookup if lookup is not None else self.lookup,
+                         constraint=compiled)
 
     def forward(self, ids: Sequence[int]) -> np.ndarray:
         """Logits [len(ids), vocab] f32 from a fresh cache (for tests)."""

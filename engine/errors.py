@@ -31,3 +31,12 @@ class ContextOverflowError(BitNetError):
 
 class QueueFullError(BitNetError):
     """The batching engine already has max_queue requests waiting (the server answers 503 / 429)."""
+
+
+class ConstraintError(BitNetError):
+    """A schema, regex or grammar that cannot be enforced exactly (syntax error, unsupported keyword, too large
+    or too slow to compile). `where` names the field or flag it came from ("response_format", "--grammar")."""
+
+    def __init__(self, message: str, hint: str | None = None, *, where: str = "constraint"):
+        super().__init__(message, hint)
+        self.where = where

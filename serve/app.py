@@ -167,7 +167,42 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
             raise APIError(404, f"model '{name}' does not exist (this server has '{state.model_id}')",
                            "not_found_error", "model", "model_not_found")
 
-    def submit(eng, req, prompt_ids, loop):
+    async def compile_constraint(eng, req, tool_spec=None):
+        """The request's structured-output spec (or its tool-call grammar) compiled for the model, off the event
+        loop (a new schema takes ~10-100 ms to compile; repeats come from a cache), or None. A spec that cannot
+        be enforced: 400 naming the field."""
+        from ..engine.errors import ConstraintError
+        try:
+            spec = req.constraint()
+            if spec is not None and tool_spec is not None:
+                raise ConstraintError("response_format (or json_schema / grammar) cannot be combined with a tool"
+                                      " call grammar; use tool_choice \"none\" or drop the format", where="tool_choice")
+            spec = spec or tool_spec
+            return None if spec is None else await asyncio.to_thread(eng.compile_constraint, spec)
+        except ConstraintError as e:
+            raise APIError(400, str(e), param=e.where, code="invalid_constraint") from None
+
+    def tool_setup(eng, body):
+        """(tools for the prompt, their call grammar, the answer's parser) of a chat request; (None, None, None)
+        without tools or with tool_choice "none"."""
+        from ..engine.errors import ConstraintError
+        from ..engine.runtime.tools import functions_from_tools
+        choice = body.tool_choice_name()
+        if not body.tools or choice == "none":
+            if choice not in ("none", "auto"):
+                raise APIError(400, f"tool_choice {choice!r} needs tools", param="tool_choice", code="invalid_value")
+            return None, None, None
+        fmt = eng.tool_format()
+        try:
+            functions = functions_from_tools(body.tools)
+            if choice not in ("auto", "required") and choice not in {f.name for f in functions}:
+                raise ConstraintError(f"tool_choice: no tool named {choice!r}", where="tool_choice")
+            spec = fmt.constraint(functions, choice, body.parallel_tool_calls is not False)
+        except ConstraintError as e:
+            raise APIError(400, str(e), param=e.where, code="invalid_value") from None
+        return body.tools, spec, fmt.parser()
+
+    def submit(eng, req, prompt_ids, loop, constraint=None):
         """Submit to the engine; return (stream, queue of Chunks). Maps engine errors to HTTP ones."""
         from ..engine.errors import BitNetError, ContextOverflowError, QueueFullError
         bad = req.unsupported()
@@ -180,7 +215,7 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         params = req.sampling_params(sampling)   # checked by the request model (serve/schemas.py)
         try:
             stream = eng.submit(prompt_ids, params, max_tokens=max(0, max_tokens), stop=req.stops(),
-                                ignore_eos=req.ignore_eos,
+                                ignore_eos=req.ignore_eos, constraint=constraint,
                                 callback=lambda ch: loop.call_soon_threadsafe(q.put_nowait, ch))
         except QueueFullError as e:
             metrics.rejected.inc()
@@ -262,7 +297,9 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
                 if ch.token is not None or ch.text:
                     timer.token()
                     if ch.text:
-                        yield sse(make_chunk(ch.text, None))
+                        c = make_chunk(ch.text, None)
+                        if c is not None:   # None: text held back (a tool call being written)
+                            yield sse(c)
                 if ch.finish_reason is not None:
                     final = ch
                     break
@@ -312,26 +349,54 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         eng = ready(request)
         check_model(body.model)
-        msgs = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
+        msgs = [m.as_dict() for m in body.messages]
         await refuse_too_long(eng, sum(len(m["content"]) for m in msgs), "messages")
+        tools, tool_spec, parser = tool_setup(eng, body)
         try:
-            prompt_ids = await run_off_loop(eng.chat_prompt, msgs)
+            prompt_ids = await run_off_loop(eng.chat_prompt, msgs, tools=tools)
         except Exception as e:  # the template rejected the conversation (e.g. roles out of order)
             raise APIError(400, f"messages: {e}", param="messages", code="invalid_value") from None
-        stream, q = submit(eng, body, prompt_ids, asyncio.get_running_loop())
+        constraint = await compile_constraint(eng, body, tool_spec)
+        stream, q = submit(eng, body, prompt_ids, asyncio.get_running_loop(), constraint)
         cid, created, model = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time()), state.model_id
+        n_calls = 0
+
+        def tool_delta(content, calls):
+            nonlocal n_calls
+            delta = {"content": content} if content else {}
+            if calls:
+                delta["tool_calls"] = [dict(c, index=n_calls + i) for i, c in enumerate(calls)]
+                n_calls += len(calls)
+            return delta
 
         def make_chunk(text, finish, first=False):
-            delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text is not None else {})
+            if first:
+                delta = {"role": "assistant", "content": ""}
+            elif parser is not None:   # tool calls: content streams, each call goes out once its block closes
+                delta = tool_delta(*(parser.feed(text) if text is not None else parser.finish()))
+                if text is not None and not delta:
+                    return None
+                if finish == "stop" and n_calls:
+                    finish = "tool_calls"
+            else:
+                delta = {"content": text} if text is not None else {}
             return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
                     "system_fingerprint": None,
                     "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
 
         def make_body(text, finish):
+            message = {"role": "assistant", "content": text, "refusal": None}
+            if parser is not None:
+                content, calls = parser.feed(text)
+                rest, more = parser.finish()
+                calls += more
+                message["content"] = (content + rest) or None if calls else content + rest
+                if calls:
+                    message["tool_calls"] = calls
+                    finish = "tool_calls" if finish == "stop" else finish
             return {"id": cid, "object": "chat.completion", "created": created, "model": model,
                     "system_fingerprint": None,
-                    "choices": [{"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
-                                 "logprobs": None, "finish_reason": finish}]}
+                    "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish}]}
         return await respond(request, body, stream, q, len(prompt_ids), make_chunk, make_body)
 
     @app.post("/v1/completions")
@@ -347,7 +412,8 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
             text = p[0] if isinstance(p, list) and p else (p if isinstance(p, str) else "")
             await refuse_too_long(eng, len(text), "prompt")
             prompt_ids = await run_off_loop(eng.tokenize, text, add_bos=True)
-        stream, q = submit(eng, body, prompt_ids, asyncio.get_running_loop())
+        constraint = await compile_constraint(eng, body)
+        stream, q = submit(eng, body, prompt_ids, asyncio.get_running_loop(), constraint)
         cid, created, model = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time()), state.model_id
 
         def make_chunk(text, finish, first=False):

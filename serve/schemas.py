@@ -27,6 +27,24 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JSONSchemaFormat(BaseModel):
+    """OpenAI's response_format.json_schema: {name, description, schema, strict}. The schema is enforced
+    whatever `strict` says (a constrained decoder has no cheaper mode)."""
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: Optional[str] = None
+    description: Optional[str] = None
+    schema_: Optional[dict[str, Any]] = Field(default=None, alias="schema")
+    strict: Optional[bool] = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`; llama-server's {"type": "json_object", "schema": {...}} form too."""
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JSONSchemaFormat] = None
+    schema_: Optional[dict[str, Any]] = Field(default=None, alias="schema")
+
+
 class _Sampling(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -50,6 +68,10 @@ class _Sampling(BaseModel):
     logprobs: Optional[Any] = None
     logit_bias: Optional[dict[str, float]] = None
     user: Optional[str] = None
+    # structured output: OpenAI's response_format, llama-server's `json_schema` and `grammar` (GBNF) fields
+    response_format: Optional[ResponseFormat] = None
+    json_schema: Optional[dict[str, Any]] = None
+    grammar: Optional[str] = None
 
     @field_validator(*SAMPLING_FIELDS)
     @classmethod
@@ -70,6 +92,33 @@ class _Sampling(BaseModel):
         base = defaults or _DEFAULT
         return SamplingParams(**{f: getattr(self, f) if f in self.model_fields_set else getattr(base, f)
                                  for f in SAMPLING_FIELDS})
+
+    def constraint(self):
+        """The one Constraint the request asks for (engine/runtime/constraints.py), or None. Raises
+        ConstraintError naming the field when the spec is malformed or two are given."""
+        from ..engine.errors import ConstraintError
+        from ..engine.runtime.constraints import Constraint
+
+        given = []
+        rf = self.response_format
+        if rf is not None and rf.type != "text":
+            if rf.type == "json_schema":
+                if rf.json_schema is None or rf.json_schema.schema_ is None:
+                    raise ConstraintError("response_format.json_schema.schema: required for type json_schema",
+                                          where="response_format")
+                given.append(Constraint.json_schema(rf.json_schema.schema_, where="response_format.json_schema.schema"))
+            elif rf.schema_ is not None:
+                given.append(Constraint.json_schema(rf.schema_, where="response_format.schema"))
+            else:
+                given.append(Constraint.json_object(where="response_format"))
+        if self.json_schema is not None:
+            given.append(Constraint.json_schema(self.json_schema, where="json_schema"))
+        if self.grammar is not None:
+            given.append(Constraint.gbnf(self.grammar, where="grammar"))
+        if len(given) > 1:
+            raise ConstraintError("give one of response_format, json_schema and grammar, not several",
+                                  where=given[1].where)
+        return given[0] if given else None
 
     def stops(self) -> list[str]:
         if self.stop is None:
@@ -100,10 +149,37 @@ class ContentPart(BaseModel):
     text: Optional[str] = None
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str
+    arguments: Union[str, dict[str, Any]] = "{}"
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    id: Optional[str] = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[ContentPart], None] = None
+    tool_calls: Optional[list[ToolCall]] = None     # an assistant's earlier calls
+    tool_call_id: Optional[str] = None              # a tool result: which call it answers
+    name: Optional[str] = None
+
+    def as_dict(self) -> dict:
+        """The message as the engine's chat_prompt takes it (developer is system)."""
+        d: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.tool_calls:
+            d["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            d["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            d["name"] = self.name
+        return d
 
     def text(self) -> str:
         if self.content is None:
@@ -113,9 +189,28 @@ class ChatMessage(BaseModel):
         return "".join(p.text or "" for p in self.content if p.type == "text")
 
 
+class ToolChoiceFunction(BaseModel):
+    name: str
+
+
+class ToolChoice(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"] = "function"
+    function: ToolChoiceFunction
+
+
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Optional[int] = Field(default=None, ge=0)
+    tools: Optional[list[dict[str, Any]]] = None
+    tool_choice: Union[Literal["none", "auto", "required"], ToolChoice, None] = None
+    parallel_tool_calls: Optional[bool] = None
+
+    def tool_choice_name(self) -> str:
+        """"none" | "auto" | "required" | a function name; OpenAI's default: auto with tools, none without."""
+        if self.tool_choice is None:
+            return "auto" if self.tools else "none"
+        return self.tool_choice if isinstance(self.tool_choice, str) else self.tool_choice.function.name
 
     def limit(self) -> Optional[int]:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

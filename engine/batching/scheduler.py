@@ -33,12 +33,16 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ..errors import BitNetError, ContextOverflowError, QueueFullError
+from ..runtime.constraints import compile_constraint
 from ..runtime.generate import Chunk, Stats, _StopMatcher
 from ..runtime.sampling import Sampler, SamplingParams
 from ..runtime.speculative import OFF, DraftLength, LookupParams, PromptLookup
 from .batch_model import BatchModel
 from .kv_pool import PAGE_TOKENS, KVPool
 from .prefix_cache import PrefixCache
+
+
+FORCED_DRAFT_MAX = 8   # rows of one forced-token (jump-forward) draft: JSON keys and punctuation rarely run longer
 
 
 class Stream:
@@ -101,7 +105,9 @@ class _Seq:
         self.finder: PromptLookup | None = None   # prompt lookup (engine lookup on): n-gram index of tokens
         self.draft_len: DraftLength | None = None
         self.draft: list[int] = []       # draft tokens run in the current step after tokens[n_past]
+        self.looked_up = False           # the draft came from prompt lookup (not the grammar's forced tokens)
         self.n_drafted = self.n_accepted = 0
+        self.cm = None                   # TokenMatcher of the sequence's constraint (engine/runtime/constraints.py)
 
 
 class BatchScheduler:
@@ -124,11 +130,15 @@ class BatchScheduler:
         # prompt lookup (None: off, as `bitnet run`); a draft never exceeds the step's rows
         self.lookup = (lookup or OFF).check()
         self.draft_max = min(self.lookup.draft_max, self.max_batch_tokens - 1)
+        # a constrained sequence's forced tokens (jump-forward) run as a draft of up to this many rows, whatever
+        # the lookup setting (its logit rows are sized for it: untouched rows cost no memory)
+        self.forced_max = min(FORCED_DRAFT_MAX, self.max_batch_tokens - 1)
         self.pool = KVPool(cfg.n_layers, n_pages, cfg.n_kv_heads, cfg.head_dim, kv_dtype)
         self.prefix = PrefixCache(self.pool)
         self.max_step_seqs = min(self.parallel, self.max_batch_tokens)   # sequences in one step
         self.model = BatchModel(store, self.pool, max_rows=self.max_batch_tokens, n_ctx=self.n_ctx,
-                                max_logit_rows=min(self.max_step_seqs * (1 + self.draft_max), self.max_batch_tokens),
+                                max_logit_rows=min(self.max_step_seqs * (1 + max(self.draft_max, self.forced_max)),
+                                                   self.max_batch_tokens),
                                 max_threads=max(2, int(threads or 0), _cpu_count()), threads=threads)
         self.load_s = load_s
         self._eos = set(tokenizer.eos_ids)
@@ -154,9 +164,10 @@ class BatchScheduler:
     # ---- public, any thread ---------------------------------------------------------------------------
     def submit(self, prompt_ids: Sequence[int], params: SamplingParams | None = None, *, max_tokens: int = 256,
                stop: Sequence[str] = (), callback: Callable[[Chunk], None] | None = None,
-               ignore_eos: bool = False) -> Stream:
+               ignore_eos: bool = False, constraint=None) -> Stream:
         """Queue a request (never blocks); see engine.api.Engine. ignore_eos: end-of-text tokens are never
-        sampled, as LLM.generate(ignore_eos=True)."""
+        sampled, as LLM.generate(ignore_eos=True). constraint: as LLM.generate's (compiled here unless it already
+        is: a server compiles off its event loop); a ConstraintError leaves nothing behind."""
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
             if self.tokenizer.bos_id is None:
@@ -172,6 +183,7 @@ class BatchScheduler:
         if max_tokens < 0:
             raise BitNetError(f"max_tokens {max_tokens}: must be >= 0")
         params = (params or SamplingParams()).check()
+        compiled = compile_constraint(self.tokenizer, vocab, constraint)
         with self._lock:
             if self._closed:
                 raise BitNetError("the engine is closed")
@@ -187,6 +199,8 @@ class BatchScheduler:
                 seq.banned = [t for t in self._eos if 0 <= t < vocab]
             if self.draft_max > 0:
                 seq.finder, seq.draft_len = PromptLookup(self.lookup), DraftLength(self.draft_max)
+            if compiled is not None:
+                seq.cm = compiled.matcher()
             self._waiting.append(seq)
             self._by_id[sid] = seq
             self.requests_total += 1
@@ -315,8 +329,11 @@ class BatchScheduler:
                 r = min(todo, budget)
                 plan.append([s, r])
                 budget -= r
-        if self.draft_max > 0:  # then drafts, in the room left
+        if self.draft_max > 0 or any(s.cm is not None for s, _ in plan):  # then drafts, in the room left
             budget = self._plan_drafts(plan, budget)
+        for s, r in plan:   # masks of the rows sampled first are computed while the step runs
+            if s.cm is not None and s.n_past + r >= len(s.tokens):
+                s.cm.start_mask()
         n = len(plan)
         ids = np.empty(sum(r for _, r in plan), np.int32)
         seq_rows = np.zeros(n + 1, np.int32)
@@ -380,16 +397,23 @@ class BatchScheduler:
         logit_room = self.model.max_logit_rows - sum(1 for s, r in plan if s.n_past + r == len(s.tokens))
         for e in plan:
             s, r = e
-            if r != 1 or s.n_gen == 0 or len(s.tokens) - s.n_past != 1 or not s.draft_len.ready():
+            forcing = s.cm is not None and s.cm.jump_forward
+            lookup = s.finder is not None and s.draft_len.ready()
+            if r != 1 or s.n_gen == 0 or len(s.tokens) - s.n_past != 1 or not (forcing or lookup):
                 continue
             # no draft past the context, past the tokens still wanted (the last one needs no check), the rows
             # of the step, or the pages promised to s
-            room = min(s.draft_len.k, self.n_ctx - s.n_past - 1, s.max_tokens - s.n_gen - 1, budget, logit_room)
+            room = min(max(self.forced_max if forcing else 0, s.draft_len.k if lookup else 0),
+                       self.n_ctx - s.n_past - 1, s.max_tokens - s.n_gen - 1, budget, logit_room)
             while room > 0 and self._pages_needed(s, s.n_past, s.n_past + 1 + room) > s.reserve:
                 room -= 1
             if room <= 0:
                 continue
-            draft = s.finder.propose(s.tokens, room)
+            draft, s.looked_up = (s.cm.forced(room) if forcing else []), False
+            if not draft and lookup:
+                draft, s.looked_up = s.finder.propose(s.tokens, min(room, s.draft_len.k)), True
+                if s.cm is not None:   # a draft token the grammar forbids ends the draft
+                    draft = s.cm.valid_prefix(draft)
             if draft:
                 s.draft = draft
                 e[1] = 1 + len(draft)
@@ -414,7 +438,7 @@ class BatchScheduler:
             j += 1                      # accepted: its logits are already computed
             s.n_accepted += 1
             self.lookup_accepted_total += 1
-        if s.state != "done":
+        if s.state != "done" and s.looked_up:
             s.draft_len.update(len(draft), j)
         return li + len(draft) + 1
 
@@ -476,6 +500,8 @@ class BatchScheduler:
             return None
         if s.banned:
             logits[s.banned] = -np.inf
+        if s.cm is not None:
+            s.cm.apply(logits)
         tok = s.sampler.sample(logits, s.tokens)
         now = time.perf_counter()
         s.n_gen += 1
@@ -486,10 +512,14 @@ class BatchScheduler:
         if tok in self._eos:
             self._finish(s, "eos")
             return tok
+        if s.cm is not None:
+            s.cm.advance(tok)
         text, stopped = s.matcher.feed(s.detok.push(tok))
         s.stream._emit(Chunk(text, tok, None, self._stats(s, None)))
         if stopped:
             self._finish(s, "stop")
+        elif s.cm is not None and s.cm.done:   # the grammar is complete: only end of text could follow
+            self._finish(s, "eos")
         elif s.n_gen >= s.max_tokens:
             self._finish(s, "length")
         elif s.n_past >= self.n_ctx:

@@ -63,8 +63,9 @@ def _one_line(e: BaseException) -> str:
 
 
 def render(template: str | None, messages: list[dict], *, add_generation_prompt: bool = True,
-           bos_token: str = "", eos_token: str = "", limits: Limits | None = None) -> str:
-    """Render `messages` ([{"role", "content"}]) with the model's template (or the fallback)."""
+           bos_token: str = "", eos_token: str = "", limits: Limits | None = None, tools: list | None = None) -> str:
+    """Render `messages` ([{"role", "content"}]) with the model's template (or the fallback). tools: the
+    function list, for templates that render it (engine/runtime/tools.py decides which do)."""
     from jinja2 import TemplateError as JinjaError
 
     for i, m in enumerate(messages):
@@ -72,8 +73,10 @@ def render(template: str | None, messages: list[dict], *, add_generation_prompt:
             raise TemplateError(f"chat message {i}: expected a dict with 'role' and 'content'")
     tpl = _compile(choose_template(template))
     try:
+        extra = {"tools": tools} if tools else {}
         return render_limited(tpl, (limits or LIMITS).for_messages(messages), messages=list(messages),
-                              add_generation_prompt=add_generation_prompt, bos_token=bos_token, eos_token=eos_token)
+                              add_generation_prompt=add_generation_prompt, bos_token=bos_token, eos_token=eos_token,
+                              **extra)
     except BitNetError:  # TemplateError, TemplateLimitError
         raise
     except (JinjaError, RecursionError, MemoryError, ArithmeticError, LookupError, TypeError, ValueError,

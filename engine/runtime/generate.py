@@ -17,6 +17,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from ..errors import BitNetError, ContextOverflowError
+from .constraints import compile_constraint
 from .sampling import Sampler, SamplingParams
 from .speculative import DraftLength, LookupParams, PromptLookup, default_lookup
 
@@ -98,10 +99,11 @@ class _StopMatcher:
 
 def generate(model, tokenizer, prompt_ids: Sequence[int], params: SamplingParams | None = None, *,
              max_tokens: int = 256, stop: Sequence[str] = (), load_s: float = 0.0,
-             ignore_eos: bool = False, lookup: LookupParams | None = None) -> Iterator[Chunk]:
+             ignore_eos: bool = False, lookup: LookupParams | None = None, constraint=None) -> Iterator[Chunk]:
     """See engine/api.py LLM.generate. ignore_eos: end-of-text tokens can never be sampled (llama.cpp's
     --ignore-eos: their logits are set to -inf), so only length, context or a stop string end the text.
-    lookup: prompt-lookup speculation (None: default_lookup(model))."""
+    lookup: prompt-lookup speculation (None: default_lookup(model)). constraint: a Constraint (or a compiled
+    one, engine/runtime/constraints.py) every sampled token obeys; the text ends ("eos") once it is complete."""
     t_start = time.perf_counter()
     prompt = [int(t) for t in prompt_ids]
     if not prompt:
@@ -114,6 +116,7 @@ def generate(model, tokenizer, prompt_ids: Sequence[int], params: SamplingParams
     if max_tokens < 0:
         raise BitNetError(f"max_tokens {max_tokens}: must be >= 0")
     sampler = Sampler(params, model.config.vocab_size)
+    compiled = compile_constraint(tokenizer, model.config.vocab_size, constraint)   # errors before any work
     eos = set(tokenizer.eos_ids)
     banned = [t for t in eos if 0 <= t < model.config.vocab_size] if ignore_eos else []
     # a newer generate() on the same model owns the cache from now on; an older generator that is
@@ -135,8 +138,11 @@ def generate(model, tokenizer, prompt_ids: Sequence[int], params: SamplingParams
     spec = (default_lookup(model) if lookup is None else lookup.check())
     finder = PromptLookup(spec) if spec.draft_max > 0 and model.verify_max > 1 else None
     draft_len = DraftLength(min(spec.draft_max, model.verify_max - 1)) if finder else None
-    # the verify pass being consumed: rows[i] = logits after draft[:i]; base = n_past before it; j = row in use
-    rows, draft, base, j = None, [], 0, 0
+    cm = compiled.matcher() if compiled is not None else None
+    forcing = cm is not None and cm.jump_forward and model.verify_max > 1
+    # the verify pass being consumed: rows[i] = logits after draft[:i]; base = n_past before it; j = row in use;
+    # looked_up: the draft came from prompt lookup (its length adapts), not from the grammar's forced tokens
+    rows, draft, base, j, looked_up = None, [], 0, 0, False
     n_drafted = n_accepted = 0
 
     n_prompt = len(prompt)
@@ -159,6 +165,8 @@ def generate(model, tokenizer, prompt_ids: Sequence[int], params: SamplingParams
         while True:
             if banned:
                 logits[banned] = -np.inf
+            if cm is not None:
+                cm.apply(logits)
             tok = sampler.sample(logits, history)
             n_gen += 1
             if n_gen == 1:
@@ -168,12 +176,17 @@ def generate(model, tokenizer, prompt_ids: Sequence[int], params: SamplingParams
             if tok in eos:
                 reason = "eos"
                 break
+            if cm is not None:
+                cm.advance(tok)
             history.append(tok)
             text, stopped = matcher.feed(stream.push(tok))
             yield Chunk(text, tok, None, stats(n_gen, ttft, decode_s, None))
             t0 = time.perf_counter()
             if stopped:
                 reason = "stop"
+                break
+            if cm is not None and cm.done:   # the grammar is complete: only end of text could follow
+                reason = "eos"
                 break
             if n_gen >= max_tokens:
                 reason = "length"
@@ -189,22 +202,29 @@ def generate(model, tokenizer, prompt_ids: Sequence[int], params: SamplingParams
                     n_accepted += 1
                     logits = rows[j]
                     if j == len(draft):
-                        draft_len.update(len(draft), j)
+                        if looked_up:
+                            draft_len.update(len(draft), j)
                         rows = None
                     continue
-                draft_len.update(len(draft), j)  # rejected: drop the positions after the last accepted token
-                model.truncate(base + j + 1)
+                if looked_up:
+                    draft_len.update(len(draft), j)
+                model.truncate(base + j + 1)  # rejected: drop the positions after the last accepted token
                 rows = None
-            if finder is not None and draft_len.ready():
-                # no draft past the context or past the tokens still wanted (the last one needs no check)
-                room = min(draft_len.k, model.n_ctx - model.n_past - 1, max_tokens - n_gen - 1)
-                draft = finder.propose(history, room)
-                if draft:
-                    base, j = model.n_past, 0
-                    rows = model.verify([tok] + draft)
-                    n_drafted += len(draft)
-                    logits = rows[0]
-                    continue
+            # no draft past the context or past the tokens still wanted (the last one needs no check)
+            room = min(model.verify_max - 1, model.n_ctx - model.n_past - 1, max_tokens - n_gen - 1)
+            draft, looked_up = (cm.forced(room) if forcing else []), False
+            if not draft and finder is not None and draft_len.ready():
+                draft, looked_up = finder.propose(history, min(room, draft_len.k)), True
+                if cm is not None:   # a draft token the grammar forbids ends the draft
+                    draft = cm.valid_prefix(draft)
+            if draft:
+                base, j = model.n_past, 0
+                rows = model.verify([tok] + draft)
+                n_drafted += len(draft)
+                logits = rows[0]
+                continue
+            if cm is not None:
+                cm.start_mask()   # the next mask is computed while the forward pass runs
             logits = model.decode(tok)
     finally:  # the cache keeps only processed tokens (also when the consumer stops iterating)
         if rows is not None and model.generation == mine:

@@ -1,0 +1,377 @@
+"""Constrained decoding: JSON, JSON Schema, regular expressions and grammars that every sampled token obeys.
+
+A `Constraint` is a spec (what the user asked for); `compile_constraint(tokenizer, n_vocab, spec)` turns it
+into a `CompiledConstraint` against the model's tokenizer once (cached per tokenizer and spec), and each
+sequence gets its own `TokenMatcher` from it. Before a token is sampled, `TokenMatcher.apply(logits)` sets
+the logit of every token the grammar forbids to -inf (end of text is allowed only where the grammar is
+complete); after it is sampled, `advance(token)` moves the matcher on. Every path that samples (generate(),
+the batching scheduler, so `bitnet run`, bitchat, the Python API and `bitnet serve`) does exactly that.
+
+The grammar engine is llguidance (Rust core, no torch, on PyPI): it takes JSON Schema, regexes and Lark
+grammars, and llama.cpp's GBNF through its own GBNF -> Lark converter. Why it and not xgrammar: see
+docs/structured-output.md (xgrammar's package pulls torch; the engine must never need torch).
+
+Where the cost goes: the mask for the next step depends only on the tokens so far, so `start_mask()` computes
+it on a helper thread while the forward pass runs (llguidance releases the GIL), and `apply()` waits for it.
+`forced(k)`: the tokens the grammar admits as the only continuation (JSON keys, punctuation); the generators
+run them as a draft through one multi-row verify pass, each row still sampled under its mask, so the output
+is token for token what plain constrained decoding gives, at one weight read for the whole forced run.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import weakref
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import ConstraintError
+
+KINDS = ("json_object", "json_schema", "regex", "gbnf", "lark")
+MAX_SPEC_BYTES = 256 << 10          # a schema or grammar larger than this is refused before compiling
+COMPILE_TIMEOUT_S = 10.0            # a spec whose compilation takes longer is refused (the work is abandoned)
+CACHE_SPECS = 64                    # compiled specs kept per tokenizer (LRU)
+# compact JSON with OpenAI's separators: the model cannot pad an answer with endless whitespace, and more of
+# the text is forced (jump-forward) instead of sampled
+JSON_OPTIONS = {"whitespace_flexible": False}
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What the output must match. kind: "json_object" (any JSON object) | "json_schema" | "regex" | "gbnf"
+    (llama.cpp's grammar format) | "lark" (llguidance's Lark dialect). source: the schema as JSON
+    text, or the regex / grammar text. where: how the caller's user names the field (for error messages).
+    jump_forward: run forced tokens as a verified draft (same output, fewer weight passes)."""
+    kind: str
+    source: str = ""
+    where: str = "constraint"
+    jump_forward: bool = True
+
+    @classmethod
+    def json_object(cls, *, where: str = "response_format", jump_forward: bool = True) -> "Constraint":
+        return cls("json_object", "", where, jump_forward)
+
+    @classmethod
+    def json_schema(cls, schema, *, where: str = "json_schema", jump_forward: bool = True) -> "Constraint":
+        """schema: a dict (or its JSON text). Refused here when it is not a JSON object at all; everything
+        else is judged when compiling (unsupported keywords, bad $refs)."""
+        if isinstance(schema, (str, bytes)):
+            try:
+                schema = json.loads(schema)
+            except ValueError as e:
+                raise ConstraintError(f"{where}: not valid JSON: {e}", where=where) from None
+        if schema is True:
+            schema = {}
+        if not isinstance(schema, dict):
+            raise ConstraintError(f"{where}: a JSON Schema must be a JSON object, got {type(schema).__name__}",
+                                  where=where)
+        try:
+            text = json.dumps(schema, ensure_ascii=False, allow_nan=False)   # key order kept: it is the output order
+        except (TypeError, ValueError) as e:
+            raise ConstraintError(f"{where}: not a JSON document: {e}", where=where) from None
+        return cls("json_schema", text, where, jump_forward)
+
+    @classmethod
+    def regex(cls, pattern: str, *, where: str = "regex", jump_forward: bool = True) -> "Constraint":
+        return cls("regex", _text(pattern, where), where, jump_forward)
+
+    @classmethod
+    def gbnf(cls, grammar: str, *, where: str = "grammar", jump_forward: bool = True) -> "Constraint":
+        return cls("gbnf", _text(grammar, where), where, jump_forward)
+
+    @classmethod
+    def lark(cls, grammar: str, *, where: str = "grammar", jump_forward: bool = True) -> "Constraint":
+        return cls("lark", _text(grammar, where), where, jump_forward)
+
+    @classmethod
+    def coerce(cls, value, *, where: str = "constraint") -> "Constraint | None":
+        """The Python API's `constraint=` argument: a Constraint, a JSON Schema dict, "json" (any object), or
+        None. Regexes and grammars are given as Constraint.regex(...) / Constraint.gbnf(...): a bare string
+        would be ambiguous."""
+        if value is None or isinstance(value, Constraint):
+            return value
+        if isinstance(value, dict):
+            return cls.json_schema(value, where=where)
+        if value == "json":
+            return cls.json_object(where=where)
+        raise ConstraintError(f"{where}: expected a Constraint, a JSON Schema dict or 'json', got {value!r:.60}",
+                              where=where)
+
+    def grammar(self) -> str:
+        """The spec as an llguidance grammar (JSON text)."""
+        from llguidance import LLMatcher
+
+        if len(self.source.encode("utf-8")) > MAX_SPEC_BYTES:
+            raise ConstraintError(f"{self.where}: {len(self.source.encode('utf-8'))} bytes is larger than the"
+                                  f" {MAX_SPEC_BYTES >> 10} KiB limit for a schema or grammar", where=self.where)
+        if self.kind == "json_object":
+            return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
+        if self.kind == "json_schema":
+            return LLMatcher.grammar_from_json_schema(self.source, defaults=JSON_OPTIONS)
+        if self.kind == "regex":
+            return LLMatcher.grammar_from_regex(self.source)
+        if self.kind == "lark":
+            return LLMatcher.grammar_from_lark(self.source)
+        if self.kind == "gbnf":
+            from llguidance.gbnf_to_lark import gbnf_to_lark
+
+            try:
+                lark = gbnf_to_lark(self.source)
+            except Exception as e:  # the converter's own syntax errors
+                raise ConstraintError(f"{self.where}: GBNF grammar: {_one_line(e)}", where=self.where) from None
+            return LLMatcher.grammar_from_lark(lark)
+        raise ConstraintError(f"{self.where}: unknown constraint kind {self.kind!r} (one of {', '.join(KINDS)})",
+                              where=self.where)
+
+
+def check(spec: Constraint) -> Constraint:
+    """Raise ConstraintError (naming spec.where) when the spec cannot be enforced, without a tokenizer: what a
+    caller uses to find which of several parts (a tool's parameters) is at fault before compiling the whole."""
+    from llguidance import LLMatcher
+
+    err = LLMatcher.validate_grammar(spec.grammar())
+    if err:
+        raise ConstraintError(f"{spec.where}: cannot be enforced: {_one_line(err)}", where=spec.where)
+    return spec
+
+
+def _text(value, where: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise ConstraintError(f"{where}: expected a non-empty string", where=where)
+    return value
+
+
+def _one_line(e) -> str:
+    return " ".join(str(e).split())[:400]
+
+
+# ---- the tokenizer as llguidance sees it -------------------------------------------------------------------
+class _SentencePieceVocab:
+    """A sentencepiece model as llguidance's TokenizerWrapper wants it: every id's exact bytes ("▁" is a space,
+    <0xNN> pieces are that byte, control and unknown pieces are empty) and an encode function."""
+
+    def __init__(self, tok, n_vocab: int):
+        sp = tok._sp
+        self.eos_token_id = tok.eos_ids[0] if tok.eos_ids else 0
+        self.bos_token_id = tok.bos_id
+        self.special_token_ids = sorted(i for i in range(sp.GetPieceSize()) if sp.IsControl(i) or sp.IsUnknown(i))
+        tokens = []
+        for i in range(n_vocab):
+            if i >= sp.GetPieceSize() or sp.IsControl(i) or sp.IsUnknown(i):
+                tokens.append(b"")
+            elif sp.IsByte(i):
+                tokens.append(bytes([int(sp.IdToPiece(i)[3:5], 16)]))
+            else:
+                tokens.append(sp.IdToPiece(i).replace("\u2581", " ").encode("utf-8"))
+        self.tokens = tokens
+        self._sp = sp
+        self._ids = {}
+        for i, b in enumerate(tokens):
+            if b:
+                self._ids.setdefault(b, i)
+        self._longest = max(map(len, self._ids), default=1)
+
+    def __call__(self, s):
+        """Ids whose bytes are exactly `s` (llguidance tokenizes forced text with it). sentencepiece's own
+        encoding adds a leading "▁" and folds spaces, so it is used only when it round-trips; else a longest-match
+        split over the vocabulary (exact, not always the canonical tokens: a jump-forward draft may then be
+        rejected, never a wrong token accepted)."""
+        data = s if isinstance(s, bytes) else s.encode("utf-8")
+        ids = self._sp.EncodeAsIds(data.decode("utf-8", "replace"))
+        if b"".join(self.tokens[i] for i in ids if i < len(self.tokens)) == data:
+            return ids
+        out, pos = [], 0
+        while pos < len(data):
+            for n in range(min(self._longest, len(data) - pos), 0, -1):
+                i = self._ids.get(data[pos:pos + n])
+                if i is not None:
+                    out.append(i)
+                    pos += n
+                    break
+            else:   # a byte no token holds (a vocabulary without byte fallback): it cannot be produced
+                pos += 1
+        return out
+
+
+def _ll_tokenizer(tok, n_vocab: int):
+    from llguidance import LLTokenizer, TokenizerWrapper
+
+    eos = list(tok.eos_ids) or None
+    if tok.kind == "hf_json":
+        return LLTokenizer(tok._hf.to_str(), n_vocab=n_vocab, eos_token=eos)
+    return LLTokenizer(TokenizerWrapper(_SentencePieceVocab(tok, n_vocab)), n_vocab=n_vocab, eos_token=eos)
+
+
+class _Compiler:
+    """One per tokenizer: the llguidance tokenizer (built once: ~0.1 s for a small vocabulary, about a second for
+    128k tokens) and the LRU of compiled specs."""
+
+    def __init__(self, tok, n_vocab: int):
+        self.tok, self.n_vocab = tok, n_vocab
+        self._ll = None
+        self._lock = threading.Lock()
+        self._cache: OrderedDict[tuple, CompiledConstraint] = OrderedDict()
+
+    def ll(self):
+        with self._lock:
+            if self._ll is None:
+                self._ll = _ll_tokenizer(self.tok, self.n_vocab)
+            return self._ll
+
+    def compile(self, spec: Constraint) -> "CompiledConstraint":
+        key = (spec.kind, spec.source)
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+                return CompiledConstraint(spec, hit._template, self.n_vocab)   # this spec's where / jump_forward
+        grammar = spec.grammar()
+        ll = self.ll()
+        box: dict = {}
+
+        def build():   # llguidance drops the GIL while it compiles; a runaway compile is abandoned, not awaited
+            from llguidance import LLMatcher
+            box["m"] = LLMatcher(ll, grammar, log_level=0)
+
+        worker = threading.Thread(target=build, name="bitnet-grammar-compile", daemon=True)
+        worker.start()
+        worker.join(COMPILE_TIMEOUT_S)
+        if worker.is_alive():
+            raise ConstraintError(f"{spec.where}: compiling it took more than {COMPILE_TIMEOUT_S:g} s; simplify the"
+                                  " schema or grammar", where=spec.where)
+        m = box.get("m")
+        if m is None or m.is_error():
+            msg = m.get_error() if m is not None else "the grammar engine failed"
+            raise ConstraintError(f"{spec.where}: cannot be enforced: {_one_line(msg)}", where=spec.where)
+        compiled = CompiledConstraint(spec, m, self.n_vocab)
+        with self._lock:
+            self._cache[key] = compiled
+            while len(self._cache) > CACHE_SPECS:
+                self._cache.popitem(last=False)
+        return compiled
+
+
+_COMPILERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_COMPILERS_LOCK = threading.Lock()
+
+
+def compile_constraint(tokenizer, n_vocab: int, spec) -> "CompiledConstraint | None":
+    """spec (a Constraint, or what Constraint.coerce takes) compiled for this tokenizer and logits width; None
+    for None. Raises ConstraintError naming spec.where for anything that cannot be enforced exactly."""
+    if isinstance(spec, CompiledConstraint):
+        return spec
+    spec = Constraint.coerce(spec)
+    if spec is None:
+        return None
+    with _COMPILERS_LOCK:
+        c = _COMPILERS.get(tokenizer)
+        if c is None or c.n_vocab != n_vocab:
+            c = _COMPILERS[tokenizer] = _Compiler(tokenizer, n_vocab)
+    return c.compile(spec)
+
+
+class CompiledConstraint:
+    """A spec compiled against one tokenizer: a matcher in its start state, copied for every sequence."""
+
+    def __init__(self, spec: Constraint, template, n_vocab: int):
+        self.spec, self._template, self.n_vocab = spec, template, n_vocab
+
+    def matcher(self) -> "TokenMatcher":
+        return TokenMatcher(self._template.deep_copy(), self.n_vocab, self.spec)
+
+
+_MASK_POOL: ThreadPoolExecutor | None = None
+_MASK_POOL_LOCK = threading.Lock()
+
+
+def _mask_pool() -> ThreadPoolExecutor:
+    global _MASK_POOL
+    with _MASK_POOL_LOCK:
+        if _MASK_POOL is None:
+            _MASK_POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bitnet-mask")
+        return _MASK_POOL
+
+
+class TokenMatcher:
+    """One sequence's position in its grammar. apply(logits) masks; advance(token) moves on."""
+
+    def __init__(self, m, n_vocab: int, spec: Constraint):
+        self._m, self.n_vocab, self.spec = m, n_vocab, spec
+        self.jump_forward = spec.jump_forward
+        self._words = np.zeros((n_vocab + 31) // 32, np.int32)   # allowed-token bitmask (llguidance's layout)
+        self._fresh = False          # _words holds the mask of the current state
+        self._pending: Future | None = None
+        self.n_masks = 0             # masks computed (for the benchmark's time per mask)
+
+    # -- masks ------------------------------------------------------------------------------------------
+    def _compute(self):
+        self._m.unsafe_compute_mask_ptr(self._words.ctypes.data, self._words.nbytes)
+        self.n_masks += 1
+
+    def start_mask(self):
+        """Begin computing the current state's mask on the helper thread (call before a forward pass)."""
+        if not self._fresh and self._pending is None:
+            self._pending = _mask_pool().submit(self._compute)
+
+    def _ready(self):
+        if self._pending is not None:
+            fut, self._pending = self._pending, None
+            fut.result()
+        else:
+            self._compute()
+        self._fresh = True
+
+    def apply(self, logits: np.ndarray):
+        """Set every forbidden token's logit to -inf (logits: this state's row, width >= n_vocab)."""
+        if not self._fresh:
+            self._ready()
+        if self._m.is_error():
+            raise ConstraintError(f"{self.spec.where}: {_one_line(self._m.get_error())}", where=self.spec.where)
+        allowed = np.flatnonzero(np.unpackbits(self._words.view(np.uint8), count=self.n_vocab, bitorder="little"))
+        if allowed.size == 0:
+            raise ConstraintError(f"{self.spec.where}: the grammar allows no token here", where=self.spec.where)
+        if allowed.size == len(logits):
+            return
+        keep = logits[allowed]   # few tokens are usually allowed: fill the row, put them back
+        logits.fill(-np.inf)
+        logits[allowed] = keep
+
+    def allowed(self) -> np.ndarray:
+        """Ids the current state allows (tests, tools)."""
+        if not self._fresh:
+            self._ready()
+        return np.flatnonzero(np.unpackbits(self._words.view(np.uint8), count=self.n_vocab, bitorder="little"))
+
+    # -- moving on --------------------------------------------------------------------------------------
+    def advance(self, token: int):
+        if self._pending is not None:   # a mask started for a state we leave (a finished draft row)
+            self._pending.result()
+            self._pending = None
+        if not self._m.consume_token(int(token)):
+            raise ConstraintError(f"{self.spec.where}: token {token} is not allowed here:"
+                                  f" {_one_line(self._m.get_error())}", where=self.spec.where)
+        self._fresh = False
+
+    @property
+    def done(self) -> bool:
+        """The grammar is complete and nothing can follow (only end of text)."""
+        return self._m.is_stopped()
+
+    @property
+    def accepting(self) -> bool:
+        return self._m.is_accepting()
+
+    def forced(self, limit: int) -> list[int]:
+        """Up to `limit` tokens that are the grammar's only continuation from here (may be empty)."""
+        if limit <= 0 or not self.jump_forward:
+            return []
+        return list(self._m.compute_ff_tokens()[:limit])
+
+    def valid_prefix(self, tokens) -> list[int]:
+        """The longest prefix of `tokens` the grammar allows from here (a prompt-lookup draft is cut there)."""
+        if not tokens:
+            return []
+        return list(tokens[: self._m.validate_tokens([int(t) for t in tokens])])

@@ -1,0 +1,265 @@
+"""Tool (function) calling: how a model family writes a call, the grammar that makes it write a valid one, and
+the parser that turns its text back into calls.
+
+    fmt = tool_format(template)                       # from the model's chat template
+    messages, tools_arg = fmt.prepare(messages, tools) # the tool list reaches the model through its template
+    spec = fmt.constraint(tools, choice, parallel)     # "required" / a named function: every call is valid
+    parser = fmt.parser(); parser.feed(text) -> (content, calls); parser.finish() -> (content, calls)
+
+Formats:
+  hermes       <tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>, one block per call: Qwen3, Ternary
+               Bonsai, Hermes-style templates, and the default for templates that know nothing of tools (they
+               get DEFAULT_SYSTEM_BLOCK in the system message, as llama-server's generic format does)
+  llama3_json  {"name": ..., "parameters": {...}}: Llama-3.x templates that render `tools` themselves
+A call's arguments are constrained by its function's JSON Schema (engine/runtime/constraints.py); with
+tool_choice "auto" the model may answer in text instead, and once it starts a call the rest is constrained.
+"""
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+
+from ..errors import ConstraintError
+from .constraints import Constraint, check
+
+HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
+DEFAULT_SYSTEM_BLOCK = (
+    "You can call these tools (each line: a function, its description and the JSON Schema of its arguments):\n"
+    "{tools}\n"
+    "To call a tool, answer with one block per call and nothing else:\n"
+    "<tool_call>\n{{\"name\": \"<function name>\", \"arguments\": {{<the arguments as JSON>}}}}\n</tool_call>\n"
+    "A tool's result comes back in <tool_response></tool_response>. If no tool is needed, answer normally.")
+COMPACT_JSON = {"whitespace_flexible": False}   # as constraints.JSON_OPTIONS: no room for endless whitespace
+
+
+@dataclass(frozen=True)
+class Function:
+    name: str
+    description: str
+    parameters: dict
+
+
+def functions_from_tools(tools: list[dict], where: str = "tools") -> list[Function]:
+    """OpenAI's / ollama's `tools` ([{"type": "function", "function": {name, description, parameters}}]) checked:
+    names unique and non-empty, parameters a JSON Schema object that can be enforced (refused naming the tool)."""
+    out, seen = [], set()
+    for i, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(t, dict) or t.get("type", "function") != "function" or not isinstance(fn, dict):
+            raise ConstraintError(f"{where}[{i}]: expected {{\"type\": \"function\", \"function\": {{...}}}}",
+                                  where=f"{where}[{i}]")
+        name = fn.get("name")
+        if not isinstance(name, str) or not name or name in seen:
+            raise ConstraintError(f"{where}[{i}].function.name: a non-empty name, unique among the tools",
+                                  where=f"{where}[{i}].function.name")
+        seen.add(name)
+        params = fn.get("parameters")
+        params = {"type": "object", "properties": {}} if params is None else params
+        if not isinstance(params, dict):
+            raise ConstraintError(f"{where}[{i}].function.parameters: must be a JSON Schema object",
+                                  where=f"{where}[{i}].function.parameters")
+        out.append(Function(name, str(fn.get("description") or ""), params))
+    return out
+
+
+def new_call_id() -> str:
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+class ToolFormat:
+    name = "hermes"
+
+    def __init__(self, template_renders_tools: bool):
+        self.template_renders_tools = template_renders_tools
+
+    # ---- the prompt -----------------------------------------------------------------------------------
+    def prepare(self, messages: list[dict], tools: list[dict] | None) -> tuple[list[dict], list[dict] | None]:
+        """Messages for the template (assistant tool calls and tool results in a form it renders), and the
+        `tools` argument to give it (None when the template has no tool support: the list goes into the
+        system message instead)."""
+        if self.template_renders_tools:
+            return [_native(m) for m in messages], tools
+        out = [self._as_text(m) for m in messages]
+        if tools:
+            lines = "\n".join(json.dumps(t.get("function", t), ensure_ascii=False) for t in tools)
+            block = DEFAULT_SYSTEM_BLOCK.format(tools=lines)
+            if out and out[0]["role"] == "system":
+                out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + block}
+            else:
+                out.insert(0, {"role": "system", "content": block})
+        return out, None
+
+    def call_text(self, name: str, arguments) -> str:
+        args = json.loads(arguments) if isinstance(arguments, str) else arguments
+        return f"{HERMES_OPEN}\n{json.dumps({'name': name, 'arguments': args}, ensure_ascii=False)}\n{HERMES_CLOSE}"
+
+    def _as_text(self, m: dict) -> dict:
+        role, content = m["role"], m.get("content") or ""
+        if role == "assistant" and m.get("tool_calls"):
+            calls = "\n".join(self.call_text(c["function"]["name"], c["function"].get("arguments") or "{}")
+                              for c in m["tool_calls"])
+            return {"role": "assistant", "content": (content + "\n" if content else "") + calls}
+        if role == "tool":
+            return {"role": "user", "content": f"<tool_response>\n{content}\n</tool_response>"}
+        return {"role": role, "content": content}
+
+    # ---- the grammar ----------------------------------------------------------------------------------
+    def _call_schema(self, functions: list[Function]) -> dict:
+        one = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+                "properties": {"name": {"const": f.name}, "arguments": f.parameters}} for f in functions]
+        return {"x-guidance": COMPACT_JSON, **({"oneOf": one} if len(one) > 1 else one[0])}
+
+    def _call_rule(self, functions) -> str:
+        return (f'call: "{HERMES_OPEN}\\n" body "\\n{HERMES_CLOSE}"\n'
+                f"body: %json {json.dumps(self._call_schema(functions), ensure_ascii=False)}\n")
+
+    def _text_rule(self) -> str:   # free text that never opens a call (so a call, once begun, is constrained)
+        return f"TEXT: /(?s:.+)/ & ~/(?s:.*{_regex_escape(HERMES_OPEN)}.*)/\n"
+
+    def constraint(self, functions: list[Function], choice: str, parallel: bool) -> Constraint | None:
+        """choice: "auto" | "required" | a function name ("none": no constraint, no tools)."""
+        if choice == "none" or not functions:
+            return None
+        for i, f in enumerate(functions):   # each tool's schema alone first: an error names the tool
+            check(Constraint.json_schema(f.parameters, where=f"tools[{i}].function.parameters"))
+        if choice not in ("auto", "required"):
+            functions = [f for f in functions if f.name == choice]
+        calls = 'calls: call ("\\n" call)*\n' if parallel else "calls: call\n"
+        start = "start: TEXT | calls\n" + self._text_rule() if choice == "auto" else "start: calls\n"
+        return Constraint.lark(start + calls + self._call_rule(functions), where="tools")
+
+    # ---- the answer -----------------------------------------------------------------------------------
+    def parser(self) -> "HermesParser":
+        return HermesParser()
+
+
+class Llama3JsonFormat(ToolFormat):
+    """Llama-3.x's JSON tool calls: the whole answer is {"name": ..., "parameters": {...}}."""
+    name = "llama3_json"
+
+    def call_text(self, name, arguments):
+        args = json.loads(arguments) if isinstance(arguments, str) else arguments
+        return json.dumps({"name": name, "parameters": args}, ensure_ascii=False)
+
+    def _call_schema(self, functions):
+        one = [{"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
+                "properties": {"name": {"const": f.name}, "parameters": f.parameters}} for f in functions]
+        return {"x-guidance": COMPACT_JSON, **({"oneOf": one} if len(one) > 1 else one[0])}
+
+    def _call_rule(self, functions):
+        return f"call: %json {json.dumps(self._call_schema(functions), ensure_ascii=False)}\n"
+
+    def _text_rule(self):
+        return "TEXT: /(?s:[^{\\s].*)/\n"   # a text answer does not start with "{"
+
+    def parser(self):
+        return JsonCallParser()
+
+
+def tool_format(template: str | None) -> ToolFormat:
+    """The call format of a chat template (None or a template without tools: hermes with the default block)."""
+    t = template or ""
+    renders = "tools" in t
+    if renders and HERMES_OPEN not in t and ("python_tag" in t or '"parameters"' in t):
+        return Llama3JsonFormat(True)
+    return ToolFormat(renders)
+
+
+def _native(m: dict) -> dict:
+    """A message for a template that renders tools itself: content never None, arguments as objects (Qwen and
+    Llama templates `tojson` them)."""
+    out = dict(m, content=m.get("content") or "")
+    if m.get("tool_calls"):
+        out["tool_calls"] = [{"id": c.get("id"), "type": "function",
+                              "function": {"name": c["function"]["name"],
+                                           "arguments": _loads(c["function"].get("arguments") or "{}")}}
+                             for c in m["tool_calls"]]
+    return out
+
+
+def _loads(a):
+    try:
+        return json.loads(a) if isinstance(a, str) else a
+    except ValueError:
+        return a
+
+
+def _regex_escape(s: str) -> str:
+    import re
+
+    return re.escape(s).replace("/", "\\/")   # inside a Lark /regex/
+
+
+class HermesParser:
+    """feed(text) -> (content to show now, calls completed now); finish() -> (the rest, calls). Text that might
+    be the start of <tool_call> is held back until it is or is not; a call is emitted when its block closes."""
+
+    def __init__(self):
+        self.buf = ""
+        self.in_call = False
+        self.n_calls = 0
+
+    def feed(self, text: str) -> tuple[str, list[dict]]:
+        self.buf += text
+        content, calls = "", []
+        while True:
+            if self.in_call:
+                end = self.buf.find(HERMES_CLOSE)
+                if end < 0:
+                    return content, calls
+                calls.append(self._call(self.buf[:end]))
+                self.buf, self.in_call = self.buf[end + len(HERMES_CLOSE):], False
+                continue
+            start = self.buf.find(HERMES_OPEN)
+            if start >= 0:
+                before = self.buf[:start]
+                content += before if not (self.n_calls or calls) else before.strip()
+                self.buf, self.in_call = self.buf[start + len(HERMES_OPEN):], True
+                continue
+            hold = next((n for n in range(min(len(HERMES_OPEN) - 1, len(self.buf)), 0, -1)
+                         if self.buf.endswith(HERMES_OPEN[:n])), 0)
+            out, self.buf = self.buf[: len(self.buf) - hold], self.buf[len(self.buf) - hold:]
+            content += out if not (self.n_calls or calls) else out.strip()
+            return content, calls
+
+    def _call(self, body: str) -> dict:
+        obj = json.loads(body)   # the grammar made it valid JSON; a free-running model may not (ValueError)
+        self.n_calls += 1
+        return {"id": new_call_id(), "type": "function",
+                "function": {"name": obj["name"], "arguments": json.dumps(obj.get("arguments", {}), ensure_ascii=False)}}
+
+    def finish(self) -> tuple[str, list[dict]]:
+        rest, self.buf = self.buf, ""
+        if self.in_call:   # cut off inside a call (max_tokens): shown as text, not a half call
+            return HERMES_OPEN + rest, []
+        return (rest if not self.n_calls else rest.strip()), []
+
+
+class JsonCallParser:
+    """Llama-3 JSON calls: an answer that starts with "{" is held whole and parsed at the end."""
+
+    def __init__(self):
+        self.buf, self.mode = "", None
+
+    def feed(self, text):
+        self.buf += text
+        if self.mode is None and self.buf.strip():
+            self.mode = "call" if self.buf.lstrip().startswith("{") else "text"
+        if self.mode == "text":
+            out, self.buf = self.buf, ""
+            return out, []
+        return "", []
+
+    def finish(self):
+        rest, self.buf = self.buf, ""
+        if self.mode != "call":
+            return rest, []
+        try:
+            obj = json.loads(rest)
+            return "", [{"id": new_call_id(), "type": "function",
+                         "function": {"name": obj["name"],
+                                      "arguments": json.dumps(obj.get("parameters", obj.get("arguments", {})),
+                                                              ensure_ascii=False)}}]
+        except (ValueError, KeyError, TypeError):
+            return rest, []

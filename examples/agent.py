@@ -1,0 +1,91 @@
+"""A two-tool agent loop with the official `openai` client against `bitnet serve`.
+
+    bitnet serve &                       # any model; the bundled one works
+    python examples/agent.py --base-url http://127.0.0.1:8080/v1 "What time is it, and what is 17*3?"
+
+Step 1 forces a tool call (tool_choice "required": the server's grammar makes even a tiny model emit a valid
+call), the script runs the tool, sends the result back as a `tool` message, and step 2 lets the model answer in
+text (tool_choice "none"). Prints every step; exits 0 when the loop completed.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import datetime
+import json
+import operator
+import sys
+
+from openai import OpenAI
+
+TOOLS = [
+    {"type": "function", "function": {
+        "name": "calculator", "description": "Evaluate an arithmetic expression with + - * / and parentheses",
+        "parameters": {"type": "object", "additionalProperties": False, "required": ["expression"],
+                       "properties": {"expression": {"type": "string", "pattern": "^[0-9+*/() .-]{1,40}$"}}}}},
+    {"type": "function", "function": {
+        "name": "clock", "description": "The current date and time (UTC, ISO 8601)",
+        "parameters": {"type": "object", "additionalProperties": False, "properties": {}}}},
+]
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+        ast.USub: operator.neg, ast.UAdd: operator.pos}
+
+
+def calculator(expression: str) -> str:
+    """Arithmetic only (never eval): walks the expression's syntax tree."""
+    def ev(node):
+        if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)):
+            return node.value
+        if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+            return _OPS[type(node.op)](ev(node.left), ev(node.right))
+        if isinstance(node, ast.UnaryOp) and type(node.op) in _OPS:
+            return _OPS[type(node.op)](ev(node.operand))
+        raise ValueError("not arithmetic")
+    try:
+        return str(ev(ast.parse(expression, mode="eval").body))
+    except (ValueError, SyntaxError, ZeroDivisionError, RecursionError) as e:
+        return f"error: {e}"
+
+
+def clock() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def run_tool(name: str, arguments: str) -> str:
+    args = json.loads(arguments)
+    if name == "calculator":
+        return calculator(args["expression"])
+    if name == "clock":
+        return clock()
+    return f"error: no tool {name}"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("question", nargs="?", default="What time is it, and what is 17*3?")
+    ap.add_argument("--base-url", default="http://127.0.0.1:8080/v1")
+    ap.add_argument("--api-key", default="unused")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    a = ap.parse_args(argv)
+    client = OpenAI(base_url=a.base_url, api_key=a.api_key, max_retries=0, timeout=300)
+    model = client.models.list().data[0].id
+    messages = [{"role": "user", "content": a.question}]
+    first = client.chat.completions.create(model=model, messages=messages, tools=TOOLS, tool_choice="required",
+                                           temperature=0, max_tokens=a.max_tokens)
+    msg = first.choices[0].message
+    if not msg.tool_calls:
+        print(f"agent: step 1 made no tool call (finish_reason {first.choices[0].finish_reason})", file=sys.stderr)
+        return 1
+    messages.append(msg.model_dump(exclude_none=True))
+    for call in msg.tool_calls:
+        result = run_tool(call.function.name, call.function.arguments)
+        print(f"tool {call.function.name}({call.function.arguments}) -> {result}")
+        messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
+    final = client.chat.completions.create(model=model, messages=messages, tools=TOOLS, tool_choice="none",
+                                           temperature=0, max_tokens=a.max_tokens)
+    print(f"answer: {final.choices[0].message.content}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

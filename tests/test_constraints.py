@@ -1,0 +1,304 @@
+"""Structured output (engine/runtime/constraints.py): every answer parses and validates, in every sampler mode,
+with and without prompt lookup and jump-forward, alone and batched; GBNF grammars from llama.cpp's examples give
+only strings the grammar accepts; what cannot be enforced is refused with the field named and leaves nothing
+behind. The validators (json, jsonschema, small parsers below) are independent of the grammar engine."""
+import json
+import re
+
+import jsonschema
+import pytest
+
+from bitnet_cpu.engine.api import Constraint, ConstraintError, LookupParams, SamplingParams, load_engine, load_model
+from bitnet_cpu.engine.runtime.constraints import MAX_SPEC_BYTES
+
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+          "properties": {"name": {"type": "string", "maxLength": 16}, "age": {"type": "integer", "minimum": 0, "maximum": 120}}}
+SCHEMAS = {
+    "object": PERSON,
+    "nested": {"type": "object", "additionalProperties": False, "required": ["owner", "pet"],
+               "properties": {"owner": PERSON, "pet": {"type": "object", "additionalProperties": False, "required": ["kind"],
+                                                       "properties": {"kind": {"enum": ["cat", "dog", "owl"]}}}}},
+    "array_bounds": {"type": "object", "additionalProperties": False, "required": ["tags"],
+                     "properties": {"tags": {"type": "array", "minItems": 2, "maxItems": 4,
+                                             "items": {"type": "string", "maxLength": 6}}}},
+    "enum_const": {"type": "object", "additionalProperties": False, "required": ["color", "v"],
+                   "properties": {"color": {"enum": ["red", "green", "blue"]}, "v": {"const": 3}}},
+    "any_of": {"type": "object", "additionalProperties": False, "required": ["x"],
+               "properties": {"x": {"anyOf": [{"type": "integer", "minimum": -5, "maximum": 5}, {"type": "boolean"},
+                                              {"type": "string", "maxLength": 4}]}}},
+    "ref_defs": {"$defs": {"point": {"type": "object", "additionalProperties": False, "required": ["x", "y"],
+                                     "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 9},
+                                                    "y": {"type": "integer", "minimum": 0, "maximum": 9}}}},
+                 "type": "object", "additionalProperties": False, "required": ["a", "b"],
+                 "properties": {"a": {"$ref": "#/$defs/point"}, "b": {"$ref": "#/$defs/point"}}},
+    "formats_patterns": {"type": "object", "additionalProperties": False, "required": ["day", "code", "mail"],
+                         "properties": {"day": {"type": "string", "format": "date"},
+                                        "code": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{2}$"},
+                                        "mail": {"type": "string", "format": "email", "maxLength": 24}}},
+    "numbers": {"type": "object", "additionalProperties": False, "required": ["p", "q"],
+                "properties": {"p": {"type": "number", "minimum": 0, "maximum": 1},
+                               "q": {"type": "integer", "exclusiveMinimum": 10, "maximum": 99}}},
+    "optional_keys": {"type": "object", "additionalProperties": False, "required": ["id"],
+                      "properties": {"id": {"type": "integer", "minimum": 1, "maximum": 50},
+                                     "note": {"type": "string", "maxLength": 10}}},
+}
+MODES = {
+    "greedy": SamplingParams(temperature=0),
+    "temp1": SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=7),
+    "top_k_p_min_p_penalty": SamplingParams(temperature=0.9, top_k=20, top_p=0.8, min_p=0.1, repeat_penalty=1.3, seed=3),
+}
+MAX_TOKENS = 200   # every schema above completes well within this (bounded strings and numbers)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    m = load_model(None, progress=False)
+    yield m
+    m.close()
+
+
+def _ask(llm, text):
+    return llm.chat_prompt([{"role": "user", "content": text}])
+
+
+def _run(llm, ids, params, constraint, **kw):
+    chunks = list(llm.generate(ids, params, max_tokens=kw.pop("max_tokens", MAX_TOKENS), constraint=constraint, **kw))
+    return "".join(c.text for c in chunks), [c.token for c in chunks if c.token is not None], chunks[-1]
+
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMAS))
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_every_answer_validates(llm, name, mode):
+    schema = SCHEMAS[name]
+    text, _, last = _run(llm, _ask(llm, f"Answer with JSON ({name})."), MODES[mode], Constraint.json_schema(schema))
+    assert last.finish_reason == "eos", (text, last.finish_reason)
+    jsonschema.validate(json.loads(text), schema, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
+
+
+@pytest.mark.parametrize("mode", ["greedy", "temp1"])
+def test_lookup_and_jump_forward_give_the_same_tokens(llm, mode):
+    """Prompt lookup drafts and forced-token drafts never change a token (greedy and seeded sampling)."""
+    schema = SCHEMAS["nested"]
+    ids = _ask(llm, "A pet and its owner as JSON, please. " * 3)
+    outs = {}
+    for jf in (False, True):
+        for lk in (LookupParams(draft_max=0), LookupParams(draft_max=6, ngram_min=1)):
+            _, toks, last = _run(llm, ids, MODES[mode], Constraint.json_schema(schema, jump_forward=jf), lookup=lk)
+            outs[(jf, lk.draft_max)] = (toks, last.stats.n_drafted, last.stats.n_accepted)
+    base = outs[(False, 0)]
+    assert base[1] == 0
+    for key, (toks, drafted, accepted) in outs.items():
+        assert toks == base[0], key
+    # the grammar forces most of this schema (keys, punctuation, the enum's words): jump-forward drafted them
+    toks, drafted, accepted = outs[(True, 0)]
+    assert accepted > len(toks) // 4, (accepted, len(toks))
+
+
+def test_batched_equals_alone_with_jump_forward(llm):
+    eng = load_engine(None, progress=False, parallel=8)
+    try:
+        c = Constraint.json_schema(SCHEMAS["array_bounds"])
+        prompts = [eng.chat_prompt([{"role": "user", "content": f"Tags for item {i}"}]) for i in range(8)]
+        streams = [eng.submit(p, SamplingParams(temperature=1.0, seed=i), max_tokens=MAX_TOKENS, constraint=c)
+                   for i, p in enumerate(prompts)]
+        for i, (st, p) in enumerate(zip(streams, prompts)):
+            got = list(st)
+            text = "".join(ch.text for ch in got)
+            jsonschema.validate(json.loads(text), SCHEMAS["array_bounds"])
+            _, alone, _ = _run(llm, p, SamplingParams(temperature=1.0, seed=i), c)
+            assert [ch.token for ch in got if ch.token is not None] == alone, i
+        assert eng.metrics()["lookup_accepted_total"] > 0   # forced tokens ran as drafts
+        eng.check_consistency()
+    finally:
+        eng.close()
+
+
+def test_json_object_and_regex(llm):
+    text, _, last = _run(llm, _ask(llm, "Some JSON"), MODES["temp1"], "json")
+    assert isinstance(json.loads(text), dict)
+    rx = r"[A-Z][a-z]{2,6} (is|was) [0-9]{1,3}\."
+    text, _, last = _run(llm, _ask(llm, "Say something"), MODES["temp1"], Constraint.regex(rx))
+    assert re.fullmatch(rx, text), text
+    assert last.finish_reason == "eos"
+
+
+def test_cannot_complete_within_max_tokens_is_length(llm):
+    text, toks, last = _run(llm, _ask(llm, "JSON"), MODES["greedy"], Constraint.json_schema(SCHEMAS["nested"]),
+                            max_tokens=5)
+    assert last.finish_reason == "length" and len(toks) == 5
+
+
+def test_ignore_eos_still_ends_when_the_grammar_is_complete(llm):
+    text, _, last = _run(llm, _ask(llm, "JSON"), MODES["greedy"], Constraint.json_schema(PERSON), ignore_eos=True)
+    jsonschema.validate(json.loads(text), PERSON)
+
+
+# ---- GBNF grammars from llama.cpp's grammars/ folder (arithmetic, list, json), checked by our own parsers ----
+ARITHMETIC = r'''
+root  ::= (expr "=" ws term "\n")+
+expr  ::= term ([-+*/] term)*
+term  ::= ident | num | "(" ws expr ")" ws
+ident ::= [a-z] [a-z0-9_]* ws
+num   ::= [0-9]+ ws
+ws    ::= [ \t\n]*
+'''
+LIST = r'''
+root ::= item+
+# Excludes various line break characters
+item ::= "- " [^\r\n\x0b\x0c\x85\u2028\u2029]+ "\n"
+'''
+JSON_GBNF = r'''
+root   ::= object
+value  ::= object | array | string | number | ("true" | "false" | "null") ws
+
+object ::=
+  "{" ws (
+            string ":" ws value
+    ("," ws string ":" ws value)*
+  )? "}" ws
+
+array  ::=
+  "[" ws (
+            value
+    ("," ws value)*
+  )? "]" ws
+
+string ::=
+  "\"" (
+    [^"\\\x7F\x00-\x1F] |
+    "\\" (["\\bfnrt] | "u" [0-9a-fA-F]{4}) # escapes
+  )* "\"" ws
+
+number ::= ("-"? ([0-9] | [1-9] [0-9]{0,15})) ("." [0-9]+)? ([eE] [-+]? [0-9] [1-9]{0,15})? ws
+
+# Optional space: by convention, applied in this grammar after literal chars when allowed
+ws ::= | " " | "\n" [ \t]{0,20}
+'''
+
+
+def _arith_ok(text: str) -> bool:
+    """A recursive-descent parser of the arithmetic grammar (whole text)."""
+    pos = 0
+
+    def ws():
+        nonlocal pos
+        while pos < len(text) and text[pos] in " \t\n":
+            pos += 1
+
+    def term():
+        nonlocal pos
+        m = re.compile(r"[a-z][a-z0-9_]*|[0-9]+").match(text, pos)
+        if m:
+            pos = m.end()
+            ws()
+            return True
+        if text.startswith("(", pos):
+            pos += 1
+            ws()
+            if not expr() or not text.startswith(")", pos):
+                return False
+            pos += 1
+            ws()
+            return True
+        return False
+
+    def expr():
+        nonlocal pos
+        if not term():
+            return False
+        while pos < len(text) and text[pos] in "-+*/":
+            pos += 1
+            if not term():
+                return False
+        return True
+
+    lines = 0
+    while pos < len(text):
+        if not expr() or not text.startswith("=", pos):
+            return False
+        pos += 1
+        ws()
+        if not term():
+            return False
+        # the term's trailing ws may have eaten the "\n" line end: the grammar needs one "\n" after it
+        if text[pos - 1] != "\n":
+            return False
+        lines += 1
+    return lines >= 1
+
+
+@pytest.mark.parametrize("mode", ["greedy", "temp1"])
+def test_gbnf_examples_from_llama_cpp(llm, mode):
+    params = MODES[mode]
+    text, _, last = _run(llm, _ask(llm, "Some sums"), params, Constraint.gbnf(ARITHMETIC), max_tokens=60)
+    if last.finish_reason == "eos":
+        assert _arith_ok(text), text
+    else:   # cut at max_tokens: what came is still a prefix the grammar admits (checked token by token by the mask)
+        assert last.finish_reason == "length" and re.fullmatch(r"[a-z0-9_()+\-*/= \t\n]*", text), text
+    text, _, last = _run(llm, _ask(llm, "A list"), params, Constraint.gbnf(LIST), max_tokens=60)
+    item = r"- [^\r\n\x0b\x0c\x85\u2028\u2029]+\n"
+    whole = f"({item})+" if last.finish_reason == "eos" else f"({item})*(- [^\n]*)?"
+    assert re.fullmatch(whole, text), text
+    text, _, last = _run(llm, _ask(llm, "JSON"), params, Constraint.gbnf(JSON_GBNF), max_tokens=150)
+    if last.finish_reason == "eos":
+        assert isinstance(json.loads(text), dict), text
+
+
+# ---- what cannot be enforced ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("spec, words", [
+    (lambda: Constraint.json_schema({"type": "strin"}), "strin"),
+    (lambda: Constraint.json_schema({"type": "array", "uniqueItems": True}), "uniqueItems"),
+    (lambda: Constraint.json_schema({"type": "object", "properties": {"a": {"$ref": "#/$defs/nope"}}}), "nope"),
+    (lambda: Constraint.json_schema({"type": "string", "format": "no-such-format"}), "no-such-format"),
+    (lambda: Constraint.json_schema("[1, 2"), "not valid JSON"),
+    (lambda: Constraint.json_schema([1, 2]), "must be a JSON object"),
+    (lambda: Constraint.regex("a(b"), "unclosed group"),
+    (lambda: Constraint.gbnf('root ::= "a'), "GBNF"),
+    (lambda: Constraint.gbnf("root ::= undefined-rule"), "undefined-rule"),
+    (lambda: Constraint.json_schema({"enum": ["x" * 1000] * (MAX_SPEC_BYTES // 1000 + 1)}), "KiB limit"),
+])
+def test_refused_with_the_reason(llm, spec, words):
+    with pytest.raises(ConstraintError) as e:
+        llm.compile_constraint(spec())
+    assert words in str(e.value)
+
+
+def test_refused_request_leaves_nothing_behind():
+    eng = load_engine(None, progress=False, parallel=2)
+    try:
+        before = eng.metrics()
+        for bad in ({"type": "strin"}, {"type": "array", "uniqueItems": True}):
+            with pytest.raises(ConstraintError):
+                eng.submit(eng.tokenize("hi", add_bos=True), max_tokens=4, constraint=bad)
+        after = eng.metrics()
+        assert after["requests_total"] == before["requests_total"] and after["waiting"] == 0
+        assert after["kv_pages_used"] == before["kv_pages_used"]
+        eng.check_consistency()
+        ok = list(eng.submit(eng.tokenize("hi", add_bos=True), max_tokens=40, constraint="json"))
+        assert ok[-1].finish_reason in ("eos", "length")
+    finally:
+        eng.close()
+
+
+def test_sentencepiece_tokenizer_is_converted(tmp_path):
+    """A model with a sentencepiece tokenizer.model (1bitLLM style) is constrained too, not refused."""
+    pytest.importorskip("sentencepiece")
+    from bitnet_cpu.engine.formats.convert import convert
+    from bitnet_cpu.engine.synth import SynthModel, write_hf_dir
+
+    m = SynthModel(seed=3, style="1bitllm")
+    store = convert(write_hf_dir(m, str(tmp_path / "hf")), str(tmp_path / "spm.bnstore"), progress=False)
+    sp_llm = load_model(store, progress=False)
+    try:
+        assert sp_llm.tokenizer.kind == "sentencepiece"
+        schema = {"type": "object", "additionalProperties": False, "required": ["w"],
+                  "properties": {"w": {"type": "string", "maxLength": 5}}}
+        for seed in range(3):
+            ids = sp_llm.tokenize("The answer is", add_bos=True)
+            text, _, last = _run(sp_llm, ids, SamplingParams(temperature=1.0, seed=seed), Constraint.json_schema(schema),
+                                 max_tokens=60)
+            assert last.finish_reason == "eos", text
+            jsonschema.validate(json.loads(text), schema)
+    finally:
+        sp_llm.close()

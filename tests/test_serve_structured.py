@@ -1,0 +1,140 @@
+"""Structured output through `bitnet serve` (a real subprocess on 127.0.0.1, the bundled model), driven by the
+official `openai` client: response_format json_object / json_schema, llama-server's `json_schema` and `grammar`
+fields, streaming == non-streaming, 16 at once, the client's own pydantic `parse` helper, and 400s naming the
+field for what cannot be enforced (the pool is left as it was)."""
+from __future__ import annotations
+
+import json
+import re
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import jsonschema
+import pytest
+
+openai = pytest.importorskip("openai", reason="the serve tests need the openai client (pip install .[test])")
+pydantic = pytest.importorskip("pydantic")
+
+from serve_proc import Server  # noqa: E402
+
+ITEM = {"type": "object", "additionalProperties": False, "required": ["name", "qty", "unit"],
+        "properties": {"name": {"type": "string", "maxLength": 12}, "qty": {"type": "integer", "minimum": 1, "maximum": 99},
+                       "unit": {"enum": ["kg", "g", "pcs"]}}}
+ORDER = {"type": "object", "additionalProperties": False, "required": ["id", "items"],
+         "$defs": {"item": ITEM},
+         "properties": {"id": {"type": "string", "pattern": "^[A-Z]{2}[0-9]{3}$"},
+                        "items": {"type": "array", "minItems": 1, "maxItems": 3, "items": {"$ref": "#/$defs/item"}}}}
+Q = [{"role": "user", "content": "Give me an order as JSON."}]
+HOT = dict(temperature=1.0, top_p=1.0, extra_body={"top_k": 0, "min_p": 0.0})
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = Server("--parallel", "16")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def mid(client):
+    return client.models.list().data[0].id
+
+
+def _fmt(schema, name="order"):
+    return {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_json_schema_stream_and_not(client, mid, stream):
+    kw = dict(model=mid, messages=Q, response_format=_fmt(ORDER), max_tokens=300, temperature=0)
+    if stream:
+        chunks = list(client.chat.completions.create(stream=True, **kw))
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        assert finish == ["stop"]
+        alone = client.chat.completions.create(**kw).choices[0].message.content
+        assert text == alone
+    else:
+        r = client.chat.completions.create(**kw)
+        text = r.choices[0].message.content
+        assert r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(text), ORDER)
+
+
+def test_sixteen_at_once_sampled(client, mid):
+    def one(i):
+        r = client.chat.completions.create(model=mid, messages=Q, response_format=_fmt(ORDER), max_tokens=300,
+                                           seed=i, **HOT)
+        return r.choices[0].message.content, r.choices[0].finish_reason
+
+    with ThreadPoolExecutor(16) as ex:
+        results = list(ex.map(one, range(16)))
+    for text, finish in results:
+        assert finish == "stop", text
+        jsonschema.validate(json.loads(text), ORDER)
+
+
+def test_json_object_and_completions_endpoint(client, mid):
+    r = client.chat.completions.create(model=mid, messages=Q, response_format={"type": "json_object"},
+                                       max_tokens=200, seed=1, **HOT)
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(r.choices[0].message.content), dict)
+    r = client.completions.create(model=mid, prompt="Order:", max_tokens=300, temperature=0,
+                                  extra_body={"response_format": _fmt(ORDER)})
+    jsonschema.validate(json.loads(r.choices[0].text), ORDER)
+
+
+def test_llama_server_fields(server):
+    body = {"messages": Q, "max_tokens": 300, "temperature": 0, "json_schema": ITEM}
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    jsonschema.validate(json.loads(r.json()["choices"][0]["message"]["content"]), ITEM)
+    body = {"messages": Q, "max_tokens": 40, "temperature": 1.0, "seed": 3, "grammar": 'root ::= ("yes" | "no") "." '}
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    assert re.fullmatch(r"(yes|no)\.", r.json()["choices"][0]["message"]["content"])
+    body = {"messages": Q, "max_tokens": 300, "temperature": 0, "response_format": {"type": "json_object", "schema": ITEM}}
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120)
+    jsonschema.validate(json.loads(r.json()["choices"][0]["message"]["content"]), ITEM)
+
+
+def test_openai_parse_helper_with_pydantic(client, mid):
+    from typing import Literal
+
+    class Item(pydantic.BaseModel):
+        name: str = pydantic.Field(max_length=12)
+        qty: int = pydantic.Field(ge=1, le=99)
+        unit: Literal["kg", "g", "pcs"]
+
+    class Order(pydantic.BaseModel):
+        id: str = pydantic.Field(pattern="^[A-Z]{2}[0-9]{3}$")
+        items: list[Item] = pydantic.Field(min_length=1, max_length=3)
+
+    parse = getattr(client.chat.completions, "parse", None) or client.beta.chat.completions.parse
+    r = parse(model=mid, messages=Q, response_format=Order, max_tokens=300, temperature=0)
+    order = r.choices[0].message.parsed
+    assert isinstance(order, Order) and 1 <= len(order.items) <= 3
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"response_format": _fmt({"type": "strin"})}, "response_format.json_schema.schema"),
+    ({"response_format": _fmt({"type": "array", "uniqueItems": True})}, "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_schema"}}, "response_format"),
+    ({"response_format": {"type": "xml"}}, "response_format.type"),
+    ({"grammar": 'root ::= "a'}, "grammar"),
+    ({"json_schema": {"type": "object", "properties": {"a": {"$ref": "#/$defs/x"}}}}, "json_schema"),
+    ({"grammar": 'root ::= "a"', "json_schema": {"type": "object"}}, "grammar"),
+])
+def test_unenforceable_is_400_naming_the_field(server, body, param):
+    before = httpx.get(server.url + "/slots", timeout=30).json()["metrics"]
+    r = httpx.post(server.url + "/v1/chat/completions", json={"messages": Q, "max_tokens": 8, **body}, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["type"] == "invalid_request_error", err
+    after = httpx.get(server.url + "/slots", timeout=30).json()["metrics"]
+    assert after["requests_total"] == before["requests_total"] and after["running"] == 0 and after["waiting"] == 0

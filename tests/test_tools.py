@@ -1,0 +1,205 @@
+"""Tool calling: the engine's call formats and parsers (engine/runtime/tools.py) on the bundled model, and
+`bitnet serve` driven by the official `openai` client (a real subprocess): required / named / auto, streamed and
+not, 8 at once, arguments that validate against each function's schema, a full call -> result -> answer round
+trip, the examples/agent.py loop, and 400s naming the field."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import jsonschema
+import pytest
+
+from bitnet_cpu.engine.api import ConstraintError, SamplingParams, load_model
+from bitnet_cpu.engine.runtime.tools import (HermesParser, JsonCallParser, Llama3JsonFormat, functions_from_tools,
+                                             tool_format)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ADD = {"type": "object", "additionalProperties": False, "required": ["a", "b"],
+       "properties": {"a": {"type": "integer", "minimum": -99, "maximum": 99},
+                      "b": {"type": "integer", "minimum": -99, "maximum": 99}}}
+CITY = {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
+        "properties": {"city": {"type": "string", "maxLength": 16}, "unit": {"enum": ["C", "F"]}}}
+TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add two integers", "parameters": ADD}},
+         {"type": "function", "function": {"name": "weather", "description": "Weather in a city", "parameters": CITY}}]
+SCHEMA = {"add": ADD, "weather": CITY}
+Q = [{"role": "user", "content": "What is 2+3, and the weather in Oslo? Use the tools."}]
+
+
+# ---- engine level ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("cut", [1, 3, 7, 11])
+def test_hermes_parser_any_split(cut):
+    text = 'Sure.\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>\n<tool_call>\n' \
+           '{"name": "weather", "arguments": {"city": "Oslo", "unit": "C"}}\n</tool_call>'
+    p, content, calls = HermesParser(), "", []
+    for i in range(0, len(text), cut):
+        c, k = p.feed(text[i:i + cut])
+        content += c
+        calls += k
+        assert "<tool" not in content   # a half-written tag is never shown as text
+    c, k = p.finish()
+    content, calls = content + c, calls + k
+    assert content == "Sure.\n"
+    assert [(x["function"]["name"], json.loads(x["function"]["arguments"])) for x in calls] == \
+        [("add", {"a": 1, "b": 2}), ("weather", {"city": "Oslo", "unit": "C"})]
+    assert len({x["id"] for x in calls}) == 2
+
+
+def test_plain_text_passes_and_cut_call_stays_text():
+    p = HermesParser()
+    assert p.feed("a < b and <tool") == ("a < b and ", [])
+    assert p.feed("bar>") == ("<toolbar>", [])
+    p = HermesParser()
+    assert p.feed('<tool_call>\n{"name": "a') == ("", [])
+    assert p.finish() == ('<tool_call>\n{"name": "a', [])
+    jp = JsonCallParser()
+    assert jp.feed('{"name": "add", "parameters": {"a": 1, "b": 2}}') == ("", [])
+    content, calls = jp.finish()
+    assert content == "" and calls[0]["function"]["name"] == "add"
+
+
+def test_formats_from_templates():
+    assert tool_format(None).name == "hermes" and not tool_format(None).template_renders_tools
+    qwen = "{% if tools %}<tools>{{ tools | tojson }}</tools>{% endif %} ... <tool_call>"
+    assert tool_format(qwen).name == "hermes" and tool_format(qwen).template_renders_tools
+    llama31 = '{% if tools %}{{ "Respond in the format {\\"name\\": function name, \\"parameters\\": ...}" }}' \
+              '{% endif %}<|python_tag|>'
+    assert isinstance(tool_format(llama31), Llama3JsonFormat)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    m = load_model(None, ctx=2048, progress=False)
+    yield m
+    m.close()
+
+
+@pytest.mark.parametrize("fmt_template", [None, '{% if tools %}"parameters"{% endif %}<|python_tag|>'])
+@pytest.mark.parametrize("choice", ["required", "weather"])
+def test_constrained_calls_validate(llm, fmt_template, choice):
+    fmt = tool_format(fmt_template)
+    spec = fmt.constraint(functions_from_tools(TOOLS), choice, parallel=True)
+    ids = llm.chat_prompt(Q, tools=TOOLS)
+    for seed in range(3):
+        chunks = list(llm.generate(ids, SamplingParams(temperature=1.0, seed=seed), max_tokens=200, constraint=spec))
+        text = "".join(c.text for c in chunks)
+        assert chunks[-1].finish_reason == "eos", text
+        p = fmt.parser()
+        content, calls = p.feed(text)
+        rest, more = p.finish()
+        calls += more
+        assert calls and not (content + rest).strip(), text
+        for c in calls:
+            name = c["function"]["name"]
+            assert choice == "required" or name == choice
+            jsonschema.validate(json.loads(c["function"]["arguments"]), SCHEMA[name])
+
+
+def test_bad_tools_refused_naming_the_tool():
+    bad = TOOLS + [{"type": "function", "function": {"name": "u", "parameters": {"type": "array", "uniqueItems": True}}}]
+    with pytest.raises(ConstraintError) as e:
+        tool_format(None).constraint(functions_from_tools(bad), "required", True)
+    assert e.value.where == "tools[2].function.parameters"
+    with pytest.raises(ConstraintError) as e:
+        functions_from_tools(TOOLS + [TOOLS[0]])
+    assert e.value.where == "tools[2].function.name"
+
+
+# ---- through the server --------------------------------------------------------------------------------------
+openai = pytest.importorskip("openai", reason="the serve tests need the openai client (pip install .[test])")
+
+
+@pytest.fixture(scope="module")
+def server():
+    from serve_proc import Server
+
+    s = Server("--parallel", "8", "-c", "2048")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def mid(client):
+    return client.models.list().data[0].id
+
+
+def _calls_valid(calls, only=None):
+    assert calls
+    for c in calls:
+        assert c.id and c.type == "function" and (only is None or c.function.name == only)
+        jsonschema.validate(json.loads(c.function.arguments), SCHEMA[c.function.name])
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "weather"}}])
+def test_required_and_named_stream_and_not(client, mid, choice):
+    only = None if choice == "required" else "weather"
+    r = client.chat.completions.create(model=mid, messages=Q, tools=TOOLS, tool_choice=choice, temperature=0,
+                                       max_tokens=200)
+    assert r.choices[0].finish_reason == "tool_calls"
+    _calls_valid(r.choices[0].message.tool_calls, only)
+    chunks = list(client.chat.completions.create(model=mid, messages=Q, tools=TOOLS, tool_choice=choice,
+                                                 temperature=0, max_tokens=200, stream=True))
+    deltas = [d for ch in chunks if ch.choices for d in (ch.choices[0].delta.tool_calls or [])]
+    assert [d.function.name for d in deltas] == [c.function.name for c in r.choices[0].message.tool_calls]
+    assert [d.function.arguments for d in deltas] == [c.function.arguments for c in r.choices[0].message.tool_calls]
+    assert [d.index for d in deltas] == list(range(len(deltas)))
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason] == ["tool_calls"]
+
+
+def test_eight_at_once_sampled(client, mid):
+    def one(i):
+        r = client.chat.completions.create(model=mid, messages=Q, tools=TOOLS, tool_choice="required",
+                                           temperature=1.0, seed=i, max_tokens=200)
+        return r.choices[0]
+
+    with ThreadPoolExecutor(8) as ex:
+        for ch in ex.map(one, range(8)):
+            assert ch.finish_reason == "tool_calls"
+            _calls_valid(ch.message.tool_calls)
+
+
+def test_auto_and_round_trip(client, mid):
+    r = client.chat.completions.create(model=mid, messages=Q, tools=TOOLS, tool_choice="auto", temperature=0,
+                                       max_tokens=60)
+    c = r.choices[0]
+    if c.message.tool_calls:   # the model chose a call: it is a valid one
+        _calls_valid(c.message.tool_calls)
+    else:
+        assert c.message.content and "<tool_call>" not in c.message.content
+    first = client.chat.completions.create(model=mid, messages=Q, tools=TOOLS, tool_choice="required",
+                                           temperature=0, max_tokens=200).choices[0].message
+    history = Q + [first.model_dump(exclude_none=True)] + \
+        [{"role": "tool", "tool_call_id": call.id, "content": "5"} for call in first.tool_calls]
+    final = client.chat.completions.create(model=mid, messages=history, tools=TOOLS, tool_choice="none",
+                                           temperature=0, max_tokens=40).choices[0]
+    assert final.finish_reason in ("stop", "length") and final.message.content and not final.message.tool_calls
+
+
+def test_agent_example_runs(server):
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "agent.py"), "--base-url", server.url + "/v1",
+                        "What time is it, and what is 17*3?"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "tool " in r.stdout and "answer:" in r.stdout
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"tools": TOOLS + [{"type": "function", "function": {"name": "x", "parameters": {"type": "array", "uniqueItems": True}}}],
+      "tool_choice": "required"}, "tools[2].function.parameters"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+])
+def test_tool_errors_400(server, body, param):
+    import httpx
+
+    r = httpx.post(server.url + "/v1/chat/completions", json={"messages": Q, "max_tokens": 8, **body}, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.json()
