@@ -108,6 +108,10 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
     app.router.route_class = offloop_route(lambda: state.engine.n_ctx if state.engine is not None else None)
     app.state.bitnet = state
     app.state.metrics = metrics
+    # the last added runs first: request counting (below), then keys (before any body is read), then limits
+    app.add_middleware(LimitsMiddleware, limits=limits or Limits())
+    app.add_middleware(AuthMiddleware, checker=KeyChecker(([api_key] if api_key else []) + list(api_keys)),
+                       metrics_public=metrics_public)
 
     @app.exception_handler(APIError)
     async def _api_error(request, e: APIError):
@@ -458,7 +462,4 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         with open(PAGE, encoding="utf-8") as f:
             return HTMLResponse(f.read())
 
-    keys = KeyChecker(([api_key] if api_key else []) + list(api_keys))
-    app.add_middleware(LimitsMiddleware, limits=limits or Limits())
-    app.add_middleware(AuthMiddleware, checker=keys, metrics_public=metrics_public)   # outermost: before the body
     return app

@@ -99,6 +99,11 @@ def test_huge_prompts_refused_while_small_request_streams():
         assert rss_after < rss_before * 1.10 + 10 * 1024, (rss_before, rss_after)   # within 10% (+10 MiB noise)
         st = settle(s.url)
         assert st["metrics"]["kv_pages_reserved"] == 0
+        # refusals are counted like any answer
+        from prometheus_client.parser import text_string_to_metric_families
+        fams = {f.name: f for f in text_string_to_metric_families(httpx.get(s.url + "/metrics").text)}
+        codes = {smp.labels["status"] for smp in fams["bitnet_http_requests"].samples}
+        assert {"413", "400", "200"} <= codes, codes
     finally:
         assert s.stop()[0] == 0
 
