@@ -47,16 +47,19 @@ class Settings:
     seed: int | None = _DEFAULT.seed
     max_tokens: int = 512
     repeat_last_n: int = _DEFAULT.repeat_last_n
+    presence_penalty: float = _DEFAULT.presence_penalty
+    frequency_penalty: float = _DEFAULT.frequency_penalty
 
     def describe(self) -> str:
         seed = "random" if self.seed is None else str(self.seed)
         return (f"temp={self.temp:g} top_k={self.top_k} top_p={self.top_p:g} min_p={self.min_p:g} "
                 f"repeat_penalty={self.repeat_penalty:g} seed={seed} max_tokens={self.max_tokens} "
-                f"repeat_last_n={self.repeat_last_n}")
+                f"repeat_last_n={self.repeat_last_n} presence_penalty={self.presence_penalty:g} "
+                f"frequency_penalty={self.frequency_penalty:g}")
 
     def sampling_params(self, seed_offset: int = 0) -> SamplingParams:
         """The engine's SamplingParams; a fixed seed is advanced by `seed_offset` (so /retry differs)."""
-        values = {field: getattr(self, name) for name, field in FIELD_OF_SETTING.items()}
+        values = {field: getattr(self, name) for name, field in FIELD_OF_SETTING.items()}   # per-request fields keep defaults
         if self.seed is not None:
             values["seed"] = (self.seed + seed_offset) % (1 << 64)
         return SamplingParams(**values)
@@ -69,7 +72,8 @@ FIELD_OF_SETTING = {n: ("temperature" if n == "temp" else n) for n in SETTING_NA
 SETTING_ALIASES = {"temperature": "temp", "t": "temp", "n": "max_tokens", "max-tokens": "max_tokens",
                    "top-k": "top_k", "top-p": "top_p", "min-p": "min_p", "repeat-penalty": "repeat_penalty",
                    "n_predict": "max_tokens", "n-predict": "max_tokens", "num_predict": "max_tokens",
-                   "repeat-last-n": "repeat_last_n"}
+                   "repeat-last-n": "repeat_last_n", "presence-penalty": "presence_penalty",
+                   "frequency-penalty": "frequency_penalty"}
 
 
 def _number(name: str, text: str, kind):

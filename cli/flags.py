@@ -36,6 +36,8 @@ SAMPLING_FLAGS = {
     "repeat_penalty": (("--repeat-penalty",), float, "R", "repetition penalty (1 = off)"),
     "repeat_last_n": (("--repeat-last-n",), int, "N", "tokens the repetition penalty looks back at"),
     "seed": (("--seed",), int, "S", "random seed; -1 or none: a random one (printed with -v)"),
+    "presence_penalty": (("--presence-penalty",), float, "P", "OpenAI's presence penalty on generated tokens (0 = off)"),
+    "frequency_penalty": (("--frequency-penalty",), float, "F", "OpenAI's frequency penalty on generated tokens (0 = off)"),
 }
 
 

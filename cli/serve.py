@@ -38,6 +38,10 @@ def add_arguments(p):
     p.add_argument("--body-timeout", type=float, default=d.body_timeout, help="seconds a request's body may take to arrive (408)")
     p.add_argument("--request-timeout", type=float, default=d.request_timeout, help="seconds a request may run, 0 = no limit (504, or an error event mid-stream)")
     p.add_argument("--keep-alive-timeout", type=float, default=5.0, help="seconds an idle kept-alive connection stays open")
+    p.add_argument("--alias", default=None, metavar="NAME",
+                   help="the model id the server answers with (default: the model's name)")
+    p.add_argument("--strict-model-name", action="store_true",
+                   help="answer 404 to a request naming another model (default: any name gets this model, as llama-server)")
     p.add_argument("--kv", choices=("f16", "f32"), default="f16", help="KV cache precision")
     p.add_argument("--ray-replicas", type=int, default=0, help="run as a Ray Serve deployment with N replicas (0 = plain uvicorn)")
     p.add_argument("--drain-timeout", type=float, default=5.0, help="seconds in-flight requests get to finish on shutdown")
@@ -56,6 +60,8 @@ def _check(args):
         raise BitNetError(f"--parallel {args.parallel}: must be >= 1")
     if args.max_queue < 0:
         raise BitNetError(f"--max-queue {args.max_queue}: must be >= 0")
+    if args.alias is not None and not args.alias.strip():
+        raise BitNetError("--alias: must not be empty")
     if args.ray_replicas < 0:
         raise BitNetError(f"--ray-replicas {args.ray_replicas}: must be >= 0")
     for flag in ("max_body_mb", "max_header_kb", "max_headers", "max_connections", "header_timeout", "body_timeout",
@@ -106,7 +112,7 @@ def main(args) -> int:
 
     limits = limits_from_args(args)
     app = create_app(load, api_key=args.api_key, api_keys=keys, sampling=sampling, limits=limits,
-                     metrics_public=args.metrics_public)
+                     metrics_public=args.metrics_public, model_id=args.alias, strict_model=args.strict_model_name)
 
     class Server(uvicorn.Server):
         """uvicorn re-raises the caught signal after shutdown (-> exit 130/143); a drained server exits 0.

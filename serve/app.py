@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .auth import AuthMiddleware, KeyChecker
 from .limits import Limits, LimitsMiddleware
+from .logprobs import TokenText, chat_entry, completion_logprobs
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .offload import BodyRefused, offloop_route, run_off_loop, too_long_for_context
 from .schemas import ChatCompletionRequest, CompletionRequest
@@ -49,13 +50,22 @@ def error_response(status, message, type_="invalid_request_error", param=None, c
 class ServerState:
     """The engine once loaded, the in-flight streams (for drain), and the server's settings."""
 
-    def __init__(self, load: Callable[[], Any], api_key: str | None, model_id: str | None, retry_after: int):
+    def __init__(self, load: Callable[[], Any], api_key: str | None, model_id: str | None, retry_after: int,
+                 strict_model: bool = False):
         self.load, self.api_key, self.model_id, self.retry_after = load, api_key, model_id, retry_after
+        self.strict_model = strict_model   # False: any `model` is answered by the loaded one (llama-server's way)
+        self._token_text = None
         self.engine = None
         self.load_error: str | None = None
         self.draining = False
         self.streams: set = set()
         self.created = int(time.time())
+
+    def token_text(self, eng) -> TokenText:
+        """The server's one token -> (text, bytes) cache for logprobs."""
+        if self._token_text is None:
+            self._token_text = TokenText(eng.tokenizer)
+        return self._token_text
 
     def engine_metrics(self):
         return self.engine.metrics() if self.engine is not None else None
@@ -64,6 +74,8 @@ class ServerState:
         def run():
             try:
                 eng = self.load()
+                if hasattr(eng, "warm_constraints"):
+                    eng.warm_constraints()   # structured output's first request need not build the vocabulary view
                 if self.model_id is None:
                     self.model_id = eng.name
                 self.engine = eng
@@ -85,13 +97,15 @@ class ServerState:
 
 def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id: str | None = None,
                retry_after: int = 1, on_shutdown: Callable[[], None] | None = None,
-               sampling: Any = None, limits: Limits | None = None, api_keys: tuple = (),
-               metrics_public: bool = False) -> FastAPI:
+               sampling: Any = None, strict_model: bool = False, limits: Limits | None = None,
+               api_keys: tuple = (), metrics_public: bool = False) -> FastAPI:
     """The ASGI app. load() -> an engine with ENGINE_API.md's interface (called once, in a thread).
     sampling: SamplingParams whose values a request's omitted sampling fields take (None: the engine's).
+    model_id: the id the server answers with (None: the model's name; `--alias`); strict_model: a request
+    naming another model gets a 404 (default: it is answered by this one, as llama-server does).
     limits: serve/limits.py's (None: its defaults); api_key / api_keys: the keys every endpoint but /health
     needs (serve/auth.py), /metrics too unless metrics_public."""
-    state = ServerState(load, api_key, model_id, retry_after)
+    state = ServerState(load, api_key, model_id, retry_after, strict_model)
     metrics = ServerMetrics(state.engine_metrics)
 
     @contextlib.asynccontextmanager
@@ -135,6 +149,8 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
 
     @app.exception_handler(BodyRefused)
     async def _refused(request, e: BodyRefused):
+        if request.url.path.startswith("/api/"):   # ollama's routes answer in its shape
+            return JSONResponse({"error": str(e.detail)}, status_code=400)
         return error_response(400, str(e.detail), param=e.param, code=e.code)
 
     @app.exception_handler(StarletteHTTPException)
@@ -147,7 +163,7 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         resp = await call_next(request)
         resp.headers["X-Bitnet-Instance"] = f"{socket.gethostname()}:{os.getpid()}"  # which process answered (load balancers, Ray replicas)
         path = request.url.path
-        if path.startswith("/v1/") or path in ("/health", "/slots", "/metrics"):
+        if path.startswith(("/v1/", "/api/")) or path in ("/health", "/slots", "/metrics"):
             metrics.requests.labels(path, str(resp.status_code)).inc()
         return resp
 
@@ -167,7 +183,9 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
             raise APIError(400, msg, param=param, code="context_length_exceeded")
 
     def check_model(name):
-        if name and name != state.model_id:
+        """llama-server's rule by default: any name is answered by the loaded model (clients send fixed names);
+        --strict-model-name: only the served id (or its alias)."""
+        if state.strict_model and name and name != state.model_id:
             raise APIError(404, f"model '{name}' does not exist (this server has '{state.model_id}')",
                            "not_found_error", "model", "model_not_found")
 
@@ -187,8 +205,8 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
             raise APIError(400, str(e), param=e.where, code="invalid_constraint") from None
 
     def tool_setup(eng, body):
-        """(tools for the prompt, their call grammar, the answer's parser) of a chat request; (None, None, None)
-        without tools or with tool_choice "none"."""
+        """(tools for the prompt, their call grammar, a maker of answer parsers: one per choice) of a chat request;
+        (None, None, None) without tools or with tool_choice "none"."""
         from ..engine.errors import ConstraintError
         from ..engine.runtime.tools import functions_from_tools
         choice = body.tool_choice_name()
@@ -204,10 +222,11 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
             spec = fmt.constraint(functions, choice, body.parallel_tool_calls is not False)
         except ConstraintError as e:
             raise APIError(400, str(e), param=e.where, code="invalid_value") from None
-        return body.tools, spec, fmt.parser()
+        return body.tools, spec, fmt.parser
 
     def submit(eng, req, prompt_ids, loop, constraint=None):
-        """Submit to the engine; return (stream, queue of Chunks). Maps engine errors to HTTP ones."""
+        """Submit the request's n choices to the engine; return (streams, queue of (choice index, Chunk)).
+        Maps engine errors to HTTP ones."""
         from ..engine.errors import BitNetError, ContextOverflowError, QueueFullError
         bad = req.unsupported()
         if bad:
@@ -217,10 +236,10 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         room = eng.n_ctx - len(prompt_ids)
         max_tokens = room if limit is None else limit
         params = req.sampling_params(sampling)   # checked by the request model (serve/schemas.py)
+        callbacks = [(lambda ch, i=i: loop.call_soon_threadsafe(q.put_nowait, (i, ch))) for i in range(req.n)]
         try:
-            stream = eng.submit(prompt_ids, params, max_tokens=max(0, max_tokens), stop=req.stops(),
-                                ignore_eos=req.ignore_eos, constraint=constraint,
-                                callback=lambda ch: loop.call_soon_threadsafe(q.put_nowait, ch))
+            streams = eng.submit_n(prompt_ids, params, req.n, max_tokens=max(0, max_tokens), stop=req.stops(),
+                                   ignore_eos=req.ignore_eos, constraint=constraint, callbacks=callbacks)
         except QueueFullError as e:
             metrics.rejected.inc()
             raise APIError(503, str(e), "server_error", code="queue_full",
@@ -229,10 +248,12 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
             raise APIError(400, str(e), param="messages" if hasattr(req, "messages") else "prompt",
                            code="context_length_exceeded") from None
         except BitNetError as e:
-            raise APIError(400, str(e), code="invalid_value") from None
-        state.streams.add(stream)
+            field = str(e).split(" ", 1)[0]   # the engine's messages start with the setting they are about
+            raise APIError(400, str(e), param=field if field in type(req).model_fields else None,
+                           code="invalid_value") from None
+        state.streams.update(streams)
         metrics.prompt_tokens.inc(len(prompt_ids))
-        return stream, q
+        return streams, q
 
     class Timer:
         def __init__(self):
@@ -249,105 +270,132 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
             self.last = now
             self.n += 1
 
-        def done(self, n_prompt, final):
+        def done(self, n_prompt, finals):
+            """(usage, timings): the prompt counted once, the completions of every choice; timings: choice 0's."""
             metrics.generated_tokens.inc(self.n)
             metrics.e2e.observe(time.perf_counter() - self.t0)
-            st = final.stats if final is not None else None
-            n_gen = st.n_generated if st is not None else self.n
+            stats = [f.stats if f is not None else None for f in finals]
+            n_gen = sum(st.n_generated for st in stats if st is not None) if any(stats) else self.n
             usage = {"prompt_tokens": n_prompt, "completion_tokens": n_gen, "total_tokens": n_prompt + n_gen}
-            timings = None
-            if st is not None:
-                timings = {"prompt_n": st.n_prompt, "cached_n": st.n_cached, "predicted_n": st.n_generated,
-                           "ttft_ms": round(st.ttft_s * 1000, 1), "prompt_per_second": round(st.prefill_tps, 1),
-                           "predicted_per_second": round(st.decode_tps, 1)}
-            return usage, timings
+            return usage, timings_of(stats[0])
 
-    async def run_to_end(request, stream, q):
-        """Collect a whole answer (non-streaming), cancelling if the client goes away."""
-        pieces, final, timer = [], None, Timer()
+    def timings_of(st):
+        if st is None:
+            return None
+        return {"prompt_n": st.n_prompt, "cached_n": st.n_cached, "predicted_n": st.n_generated,
+                "ttft_ms": round(st.ttft_s * 1000, 1), "prompt_per_second": round(st.prefill_tps, 1),
+                "predicted_per_second": round(st.decode_tps, 1)}
+
+    class Choices:
+        """What each of a request's n choices has made: text pieces, (token, TokenLogprob) items, final Chunk."""
+
+        def __init__(self, n):
+            self.texts = [[] for _ in range(n)]
+            self.logprobs = [[] for _ in range(n)]
+            self.finals = [None] * n
+
+        def add(self, i, ch, timer) -> bool:
+            """Take choice i's chunk; True once every choice has finished."""
+            if ch.token is not None or ch.text:
+                timer.token()
+                self.texts[i].append(ch.text)
+            if ch.logprob is not None and ch.token is not None:
+                self.logprobs[i].append((ch.token, ch.logprob))
+            if ch.finish_reason is not None:
+                self.finals[i] = ch
+            return all(f is not None for f in self.finals)
+
+        def finish(self, i):
+            return FINISH.get(self.finals[i].finish_reason, "stop")
+
+    async def run_to_end(request, streams, q):
+        """Collect whole answers (non-streaming), cancelling if the client goes away."""
+        got, timer = Choices(len(streams)), Timer()
         try:
             while True:
                 try:
-                    ch = await asyncio.wait_for(q.get(), timeout=0.5)
+                    i, ch = await asyncio.wait_for(q.get(), timeout=0.5)
                 except asyncio.TimeoutError:
                     if await request.is_disconnected():
-                        stream.cancel()
-                        return None, None, timer
+                        return None, timer
                     continue
-                if ch.token is not None or ch.text:
-                    timer.token()
-                    pieces.append(ch.text)
-                if ch.finish_reason is not None:
-                    final = ch
-                    return "".join(pieces), final, timer
+                if got.add(i, ch, timer):
+                    return got, timer
         finally:
-            if final is None:
-                stream.cancel()
-            state.streams.discard(stream)
+            for i, s in enumerate(streams):
+                if got.finals[i] is None:
+                    s.cancel()
+                state.streams.discard(s)
 
     def sse(obj) -> str:
         return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
-    async def stream_events(stream, q, n_prompt, make_chunk, include_usage):
-        """SSE lines for one stream. On client disconnect Starlette cancels this generator: we cancel the
-        engine stream in `finally`, so its sequence stops at the next step."""
-        final, timer = None, Timer()
+    async def stream_events(streams, q, n_prompt, make_chunk, include_usage):
+        """SSE lines for one request's choices. On client disconnect Starlette cancels this generator: we cancel
+        the engine streams in `finally`, so their sequences stop at the next step. A chunk carries the logprobs
+        of the tokens since the previous chunk of its choice (tokens held back as a possible stop string wait)."""
+        n = len(streams)
+        got, timer = Choices(n), Timer()
+        sent = [0] * n   # logprob items of each choice already sent
         try:
-            first = make_chunk(None, None, first=True)
-            if first is not None:
-                yield sse(first)
+            for i in range(n):
+                first = make_chunk(i, None, None, first=True)
+                if first is not None:
+                    yield sse(first)
             while True:
-                ch = await q.get()
-                if ch.token is not None or ch.text:
-                    timer.token()
-                    if ch.text:
-                        c = make_chunk(ch.text, None)
-                        if c is not None:   # None: text held back (a tool call being written)
-                            yield sse(c)
+                i, ch = await q.get()
+                every = got.add(i, ch, timer)
+                if ch.finish_reason == "error":   # this request's sequence failed; the others go on
+                    yield sse({"error": {"message": ENGINE_FAULT, "type": "server_error", "param": None,
+                                         "code": "engine_error"}})
+                    return
+                if ch.text:
+                    c = make_chunk(i, ch.text, None, lps=got.logprobs[i][sent[i]:])
+                    if c is not None:   # None: text held back (a tool call being written); its logprobs wait
+                        yield sse(c)
+                        sent[i] = len(got.logprobs[i])
                 if ch.finish_reason is not None:
-                    final = ch
+                    last = make_chunk(i, None, got.finish(i), lps=got.logprobs[i][sent[i]:] or None)
+                    last["timings"] = timings_of(ch.stats)
+                    yield sse(last)
+                if every:
                     break
-            if final.finish_reason == "error":   # this sequence failed; the others go on
-                yield sse({"error": {"message": ENGINE_FAULT, "type": "server_error", "param": None,
-                                     "code": "engine_error"}})
-                return
-            usage, timings = timer.done(n_prompt, final)
-            last = make_chunk(None, FINISH.get(final.finish_reason, "stop"))
-            last["timings"] = timings
-            yield sse(last)
-            if include_usage:
-                u = make_chunk(None, None)
+            usage, _ = timer.done(n_prompt, got.finals)
+            if include_usage:   # the last chunk's head (id, model, ...) without choices: no parser is asked again
+                u = {k: v for k, v in last.items() if k not in ("choices", "timings")}
                 u["choices"], u["usage"] = [], usage
                 yield sse(u)
             yield "data: [DONE]\n\n"
         finally:
-            if final is None:
-                stream.cancel()
-            state.streams.discard(stream)
+            for i, s in enumerate(streams):
+                if got.finals[i] is None:
+                    s.cancel()
+                state.streams.discard(s)
 
     sse_headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
-    async def respond(request, body, stream, q, n_prompt, make_chunk, make_body):
-        """The one tail of both endpoints: an SSE stream of make_chunk(text, finish, first) objects (each with
-        "usage": null when the client asked for stream_options.include_usage), or the whole answer as
-        make_body(text, finish) plus usage and timings."""
+    async def respond(request, body, streams, q, n_prompt, make_chunk, make_choice):
+        """The one tail of both endpoints: an SSE stream of make_chunk(i, text, finish, first, lps) objects
+        (each with "usage": null when the client asked for stream_options.include_usage), or the whole answer
+        with make_choice(i, text, finish, lps) per choice, plus usage and timings."""
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
-            def chunk(text, finish, first=False):
-                c = make_chunk(text, finish, first)
+            def chunk(i, text, finish, first=False, lps=None):
+                c = make_chunk(i, text, finish, first, lps)
                 if c is not None and include_usage:
                     c["usage"] = None
                 return c
-            return StreamingResponse(stream_events(stream, q, n_prompt, chunk, include_usage),
+            return StreamingResponse(stream_events(streams, q, n_prompt, chunk, include_usage),
                                      media_type="text/event-stream", headers=sse_headers)
-        text, final, timer = await run_to_end(request, stream, q)
-        if final is None:
+        got, timer = await run_to_end(request, streams, q)
+        if got is None:
             return Response(status_code=499)
-        if final.finish_reason == "error":
+        if any(f.finish_reason == "error" for f in got.finals):   # this request's sequence failed; others go on
             raise APIError(500, ENGINE_FAULT, "server_error", code="engine_error")
-        usage, timings = timer.done(n_prompt, final)
-        return {**make_body(text, FINISH.get(final.finish_reason, "stop")), "usage": usage, "timings": timings}
+        usage, timings = timer.done(n_prompt, got.finals)
+        choices = [make_choice(i, "".join(got.texts[i]), got.finish(i), got.logprobs[i]) for i in range(len(streams))]
+        return {"choices": choices, "usage": usage, "timings": timings}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -355,41 +403,49 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         check_model(body.model)
         msgs = [m.as_dict() for m in body.messages]
         await refuse_too_long(eng, sum(len(m["content"]) for m in msgs), "messages")
-        tools, tool_spec, parser = tool_setup(eng, body)
+        tools, tool_spec, new_parser = tool_setup(eng, body)
         try:
             prompt_ids = await run_off_loop(eng.chat_prompt, msgs, tools=tools)
         except Exception as e:  # the template rejected the conversation (e.g. roles out of order)
             raise APIError(400, f"messages: {e}", param="messages", code="invalid_value") from None
         constraint = await compile_constraint(eng, body, tool_spec)
-        stream, q = submit(eng, body, prompt_ids, asyncio.get_running_loop(), constraint)
+        streams, q = submit(eng, body, prompt_ids, asyncio.get_running_loop(), constraint)
         cid, created, model = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time()), state.model_id
-        n_calls = 0
+        head = {"id": cid, "created": created, "model": model, "system_fingerprint": None}
+        text_of, n_top = state.token_text(eng), body.top_logprobs or 0
+        parsers = [new_parser() if new_parser is not None else None for _ in streams]   # one per choice
+        n_calls = [0] * len(streams)
 
-        def tool_delta(content, calls):
-            nonlocal n_calls
+        def logprobs(lps):
+            if not body.logprobs or lps is None:
+                return None
+            return {"content": [chat_entry(text_of, t, lp, n_top) for t, lp in lps], "refusal": None}
+
+        def tool_delta(i, content, calls):
             delta = {"content": content} if content else {}
             if calls:
-                delta["tool_calls"] = [dict(c, index=n_calls + i) for i, c in enumerate(calls)]
-                n_calls += len(calls)
+                delta["tool_calls"] = [dict(c, index=n_calls[i] + k) for k, c in enumerate(calls)]
+                n_calls[i] += len(calls)
             return delta
 
-        def make_chunk(text, finish, first=False):
+        def make_chunk(i, text, finish, first=False, lps=None):
+            parser = parsers[i]
             if first:
                 delta = {"role": "assistant", "content": ""}
             elif parser is not None:   # tool calls: content streams, each call goes out once its block closes
-                delta = tool_delta(*(parser.feed(text) if text is not None else parser.finish()))
+                delta = tool_delta(i, *(parser.feed(text) if text is not None else parser.finish()))
                 if text is not None and not delta:
                     return None
-                if finish == "stop" and n_calls:
+                if finish == "stop" and n_calls[i]:
                     finish = "tool_calls"
             else:
                 delta = {"content": text} if text is not None else {}
-            return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
-                    "system_fingerprint": None,
-                    "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+            return {**head, "object": "chat.completion.chunk",
+                    "choices": [{"index": i, "delta": delta, "logprobs": logprobs(lps), "finish_reason": finish}]}
 
-        def make_body(text, finish):
+        def make_choice(i, text, finish, lps):
             message = {"role": "assistant", "content": text, "refusal": None}
+            parser = parsers[i]
             if parser is not None:
                 content, calls = parser.feed(text)
                 rest, more = parser.finish()
@@ -398,10 +454,9 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
                 if calls:
                     message["tool_calls"] = calls
                     finish = "tool_calls" if finish == "stop" else finish
-            return {"id": cid, "object": "chat.completion", "created": created, "model": model,
-                    "system_fingerprint": None,
-                    "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish}]}
-        return await respond(request, body, stream, q, len(prompt_ids), make_chunk, make_body)
+            return {"index": i, "message": message, "logprobs": logprobs(lps), "finish_reason": finish}
+        out = await respond(request, body, streams, q, len(prompt_ids), make_chunk, make_choice)
+        return {**head, "object": "chat.completion", **out} if isinstance(out, dict) else out
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -417,21 +472,28 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
             await refuse_too_long(eng, len(text), "prompt")
             prompt_ids = await run_off_loop(eng.tokenize, text, add_bos=True)
         constraint = await compile_constraint(eng, body)
-        stream, q = submit(eng, body, prompt_ids, asyncio.get_running_loop(), constraint)
+        streams, q = submit(eng, body, prompt_ids, asyncio.get_running_loop(), constraint)
         cid, created, model = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time()), state.model_id
+        head = {"id": cid, "object": "text_completion", "created": created, "model": model, "system_fingerprint": None}
+        text_of, offsets = state.token_text(eng), [0] * body.n
 
-        def make_chunk(text, finish, first=False):
+        def logprobs(i, lps):
+            if body.logprobs is None or lps is None:
+                return None
+            out = completion_logprobs(text_of, lps, body.logprobs, offsets[i])
+            offsets[i] = out["text_offset"][-1] + len(out["tokens"][-1]) if lps else offsets[i]
+            return out
+
+        def make_chunk(i, text, finish, first=False, lps=None):
             if first:
                 return None
-            return {"id": cid, "object": "text_completion", "created": created, "model": model,
-                    "system_fingerprint": None,
-                    "choices": [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}]}
+            return {**head, "choices": [{"index": i, "text": text or "", "logprobs": logprobs(i, lps),
+                                         "finish_reason": finish}]}
 
-        def make_body(text, finish):
-            return {"id": cid, "object": "text_completion", "created": created, "model": model,
-                    "system_fingerprint": None,
-                    "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
-        return await respond(request, body, stream, q, len(prompt_ids), make_chunk, make_body)
+        def make_choice(i, text, finish, lps):
+            return {"index": i, "text": text, "logprobs": logprobs(i, lps), "finish_reason": finish}
+        out = await respond(request, body, streams, q, len(prompt_ids), make_chunk, make_choice)
+        return {**head, **out} if isinstance(out, dict) else out
 
     @app.get("/v1/models")
     async def models(request: Request):
@@ -456,6 +518,9 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
     async def slots(request: Request):
         eng = ready(request)
         return {"model": state.model_id, "n_ctx": eng.n_ctx, "metrics": eng.metrics(), "slots": eng.slots()}
+
+    from .ollama import register as register_ollama   # ollama's API: a second adapter over the same engine
+    register_ollama(app, state, ready, APIError, sampling=sampling, metrics=metrics)
 
     @app.get("/", response_class=HTMLResponse)
     async def page():

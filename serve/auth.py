@@ -71,7 +71,7 @@ class AuthMiddleware:
             return await self.app(scope, receive, send)
         auth = next((v for k, v in scope.get("headers", ()) if k == b"authorization"), None)
         if not self.checker.ok(auth):
-            return await send_error(send, 401, "invalid or missing API key (send 'Authorization: Bearer KEY')",
+            return await send_error(send, scope, 401, "invalid or missing API key (send 'Authorization: Bearer KEY')",
                                     "authentication_error", "invalid_api_key",
                                     headers=((b"www-authenticate", b"Bearer"),))
         return await self.app(scope, receive, send)

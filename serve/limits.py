@@ -37,13 +37,16 @@ class Limits:
     retry_after: int = 1
 
 
-def error_json(message: str, type_: str, code: str, param: str | None = None) -> bytes:
+def error_json(message: str, type_: str, code: str, param: str | None = None, scope=None) -> bytes:
+    """OpenAI's error body, or ollama's ({"error": "..."}) for its /api/ routes."""
+    if scope is not None and scope.get("path", "").startswith("/api/"):
+        return json.dumps({"error": message}).encode()
     return json.dumps({"error": {"message": message, "type": type_, "param": param, "code": code}}).encode()
 
 
-async def send_error(send, status: int, message: str, type_: str, code: str, *, close: bool = False,
+async def send_error(send, scope, status: int, message: str, type_: str, code: str, *, close: bool = False,
                      headers: tuple = ()):
-    body = error_json(message, type_, code)
+    body = error_json(message, type_, code, scope=scope)
     h = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *headers]
     if close:
         h.append((b"connection", b"close"))
@@ -85,10 +88,10 @@ class LimitsMiddleware:
         lim = self.limits
         headers = scope.get("headers") or []
         if len(headers) > lim.max_headers:
-            return await send_error(send, 431, f"{len(headers)} request headers: at most {lim.max_headers}",
+            return await send_error(send, scope, 431, f"{len(headers)} request headers: at most {lim.max_headers}",
                                     "invalid_request_error", "headers_too_large", close=True)
         if sum(len(k) + len(v) + 4 for k, v in headers) > lim.max_header_bytes:
-            return await send_error(send, 431, f"request headers over {lim.max_header_bytes} bytes",
+            return await send_error(send, scope, 431, f"request headers over {lim.max_header_bytes} bytes",
                                     "invalid_request_error", "headers_too_large", close=True)
         length = None
         for k, v in headers:
@@ -96,22 +99,23 @@ class LimitsMiddleware:
                 try:
                     length = int(v)
                 except ValueError:
-                    return await send_error(send, 400, "Content-Length is not a number", "invalid_request_error",
+                    return await send_error(send, scope, 400, "Content-Length is not a number", "invalid_request_error",
                                             "invalid_header", close=True)
         if length is not None and length > lim.max_body_bytes:
             # answered without reading: the server discards the rest, and the connection stays usable
-            return await send_error(send, 413, self._too_big(length), "invalid_request_error", "body_too_large")
+            return await send_error(send, scope, 413, self._too_big(length), "invalid_request_error", "body_too_large")
         body, status = b"", None
         if scope.get("method") in ("POST", "PUT", "PATCH"):
             body, status = await self._read_body(receive)
             if status == "disconnect":
                 return
             if status == 413:
-                return await send_error(send, 413, self._too_big(None), "invalid_request_error", "body_too_large",
-                                        close=True)
+                return await send_error(send, scope, 413, self._too_big(None), "invalid_request_error",
+                                        "body_too_large", close=True)
             if status == 408:
-                return await send_error(send, 408, f"the request body did not arrive within {lim.body_timeout:g} s",
-                                        "invalid_request_error", "request_timeout", close=True)
+                return await send_error(send, scope, 408, f"the request body did not arrive within "
+                                        f"{lim.body_timeout:g} s", "invalid_request_error", "request_timeout",
+                                        close=True)
         try:
             await self._run(scope, self._replay(body, receive), send)
         finally:
@@ -166,13 +170,14 @@ class LimitsMiddleware:
         timeout = self.limits.request_timeout
         if not timeout or scope.get("path") in ("/health", "/metrics"):
             return await self.app(scope, receive, send)
-        state = {"started": False, "done": False, "sse": False}
+        state = {"started": False, "done": False, "stream": None}
 
         async def tracked_send(msg):
             if msg["type"] == "http.response.start":
                 state["started"] = True
-                state["sse"] = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream")
-                                   for k, v in msg.get("headers", ()))
+                ctype = next((v for k, v in msg.get("headers", ()) if k.lower() == b"content-type"), b"")
+                state["stream"] = ("sse" if ctype.startswith(b"text/event-stream") else
+                                   "ndjson" if ctype.startswith(b"application/x-ndjson") else None)
             elif msg["type"] == "http.response.body" and not msg.get("more_body", False):
                 state["done"] = True
             await send(msg)
@@ -196,11 +201,13 @@ class LimitsMiddleware:
             task.exception()   # retrieved, so asyncio does not log it
         msg = f"the request ran past the server's limit of {timeout:g} s (bitnet serve --request-timeout)"
         if not state["started"]:
-            await send_error(send, 504, msg, "server_error", "request_timeout")
+            await send_error(send, scope, 504, msg, "server_error", "request_timeout")
         elif not state["done"]:
             tail = b""
-            if state["sse"]:
+            if state["stream"] == "sse":
                 tail = b"data: " + error_json(msg, "server_error", "request_timeout") + b"\n\n"
+            elif state["stream"] == "ndjson":
+                tail = error_json(msg, "server_error", "request_timeout", scope=scope) + b"\n"
             await send({"type": "http.response.body", "body": tail, "more_body": False})
 
 
@@ -214,7 +221,7 @@ def _raw_response(status: int, reason: str, message: str, code: str, extra: str 
 
 def _overloaded_app(limits: Limits):
     async def app(scope, receive, send):
-        await send_error(send, 503, f"the server has {limits.max_connections} connections open (bitnet serve "
+        await send_error(send, scope, 503, f"the server has {limits.max_connections} connections open (bitnet serve "
                          "--max-connections); retry later", "server_error", "too_many_connections", close=True,
                          headers=((b"retry-after", str(limits.retry_after).encode()),))
     return app

@@ -40,7 +40,9 @@ class _EngineCollector:
         c.add_metric([], float(m.get("prefix_hits_tokens", 0)))
         yield c
         for name, doc, key in (("bitnet_lookup_drafted_tokens", "prompt-lookup draft tokens verified", "lookup_drafted_total"),
-                               ("bitnet_lookup_accepted_tokens", "prompt-lookup draft tokens accepted", "lookup_accepted_total")):
+                               ("bitnet_lookup_accepted_tokens", "prompt-lookup draft tokens accepted", "lookup_accepted_total"),
+                               ("bitnet_prefill_tokens", "prompt tokens run through the model (cached and shared excluded)",
+                                "prefill_tokens_total")):
             c = CounterMetricFamily(name, doc)
             c.add_metric([], float(m.get(key, 0)))
             yield c

@@ -1,9 +1,9 @@
 """Request bodies of the OpenAI-compatible endpoints, as pydantic models.
 
 Field names and defaults follow OpenAI's API; llama.cpp's extras that clients send (`top_k`, `min_p`,
-`repeat_penalty`, `ignore_eos`) are accepted too. Unknown fields are ignored (clients send many). Values
-the engine cannot honour (n > 1, penalties, logprobs, echo) are rejected by `unsupported()` with the
-parameter named, so the client gets a clear 400 instead of a silently different answer.
+`repeat_penalty`, `ignore_eos`) are accepted too. Unknown fields are ignored (clients send many); the ones
+ignored by design are listed in docs/api.md. Values the engine cannot honour are rejected by `unsupported()`
+with the parameter named, so the client gets a clear 400 instead of a silently different answer.
 """
 from __future__ import annotations
 
@@ -17,7 +17,16 @@ from ..engine.runtime.sampling import SamplingParams, setting_problem
 
 
 _DEFAULT = SamplingParams()
-SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams))
+# request fields that are SamplingParams fields of the same name and meaning (record_logprobs is set from the
+# request's logprobs / top_logprobs, whose shapes differ per endpoint)
+SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams) if f.name != "record_logprobs")
+# OpenAI request fields the server cannot honour: refused with a 400 naming them, never silently dropped
+REFUSED = {
+    "audio": "audio output is not supported (text only)",
+    "prediction": "predicted outputs are not supported",
+    "web_search_options": "web search is not supported",
+    "reasoning_effort": "this model has no reasoning mode (reasoning_effort is not supported)",
+}
 # The one range that differs from the engine's on purpose: OpenAI's API takes temperature in [0, 2] only (the
 # engine and llama.cpp take any >= 0), and a client written against OpenAI should get the same 400 here.
 OPENAI_MAX_TEMPERATURE = 2.0
@@ -62,12 +71,16 @@ class _Sampling(BaseModel):
     ignore_eos: bool = False
     seed: Optional[int] = _DEFAULT.seed
     stop: Union[str, list[str], None] = None
-    n: int = 1
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logprobs: Optional[Any] = None
+    n: int = Field(default=1, ge=1, le=128)
+    presence_penalty: float = _DEFAULT.presence_penalty
+    frequency_penalty: float = _DEFAULT.frequency_penalty
     logit_bias: Optional[dict[str, float]] = None
     user: Optional[str] = None
+    audio: Optional[Any] = None
+    modalities: Optional[list[str]] = None
+    prediction: Optional[Any] = None
+    web_search_options: Optional[Any] = None
+    reasoning_effort: Optional[str] = None
     # structured output: OpenAI's response_format, llama-server's `json_schema` and `grammar` (GBNF) fields
     response_format: Optional[ResponseFormat] = None
     json_schema: Optional[dict[str, Any]] = None
@@ -79,6 +92,14 @@ class _Sampling(BaseModel):
         field = info.field_name
         if field == "seed" and value == -1:   # llama.cpp's server: -1 is a fresh random seed
             return None
+        if field == "logit_bias" and value is not None:   # JSON keys are strings: token ids as text
+            bias = {}
+            for k, v in value.items():
+                try:
+                    bias[int(k)] = v
+                except ValueError:
+                    raise PydanticCustomError("invalid_setting", f"logit_bias {k!r}: a key must be a token id") from None
+            value = bias
         problem = setting_problem(field, value)
         if problem is None and field == "temperature" and value > OPENAI_MAX_TEMPERATURE:
             problem = f"temperature {value:g}: must be <= {OPENAI_MAX_TEMPERATURE:g} (OpenAI's API range)"
@@ -91,7 +112,11 @@ class _Sampling(BaseModel):
         --temp / --top-k ... flags), else the engine's default."""
         base = defaults or _DEFAULT
         return SamplingParams(**{f: getattr(self, f) if f in self.model_fields_set else getattr(base, f)
-                                 for f in SAMPLING_FIELDS})
+                                 for f in SAMPLING_FIELDS}, record_logprobs=self.record_logprobs())
+
+    def record_logprobs(self) -> int | None:
+        """How many alternatives per token the engine must record (None: no logprobs asked)."""
+        return None
 
     def constraint(self):
         """The one Constraint the request asks for (engine/runtime/constraints.py), or None. Raises
@@ -128,16 +153,11 @@ class _Sampling(BaseModel):
 
     def unsupported(self) -> tuple[str, str] | None:
         """(param, message) for the first value we cannot honour, else None."""
-        if self.n != 1:
-            return "n", "only n=1 is supported"
-        if self.presence_penalty:
-            return "presence_penalty", "presence_penalty is not supported (use repeat_penalty)"
-        if self.frequency_penalty:
-            return "frequency_penalty", "frequency_penalty is not supported (use repeat_penalty)"
-        if self.logprobs not in (None, False, 0):
-            return "logprobs", "logprobs are not supported"
-        if self.logit_bias:
-            return "logit_bias", "logit_bias is not supported"
+        for name, why in REFUSED.items():
+            if getattr(self, name) is not None:
+                return name, why
+        if self.modalities is not None and set(self.modalities) - {"text"}:
+            return "modalities", "only the text modality is supported"
         if self.stop is not None and len(self.stops()) > 4:
             return "stop", "at most 4 stop sequences"
         return None
@@ -202,9 +222,19 @@ class ToolChoice(BaseModel):
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Optional[int] = Field(default=None, ge=0)
+    logprobs: Optional[bool] = None
+    top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
     tools: Optional[list[dict[str, Any]]] = None
     tool_choice: Union[Literal["none", "auto", "required"], ToolChoice, None] = None
     parallel_tool_calls: Optional[bool] = None
+
+    def record_logprobs(self):
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def unsupported(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            return "top_logprobs", "top_logprobs needs logprobs: true"
+        return super().unsupported()
 
     def tool_choice_name(self) -> str:
         """"none" | "auto" | "required" | a function name; OpenAI's default: auto with tools, none without."""
@@ -218,12 +248,16 @@ class ChatCompletionRequest(_Sampling):
 
 class CompletionRequest(_Sampling):
     prompt: Union[str, list[str], list[int]]
+    logprobs: Optional[int] = Field(default=None, ge=0, le=5)   # OpenAI's legacy range: 0..5 alternatives
     echo: bool = False
     best_of: Optional[int] = None
     suffix: Optional[str] = None
 
     def limit(self) -> Optional[int]:
         return 16 if self.max_tokens is None else self.max_tokens  # OpenAI's default for completions
+
+    def record_logprobs(self):
+        return self.logprobs
 
     def unsupported(self):
         if self.echo:

@@ -18,8 +18,8 @@ from serve_proc import Server  # noqa: E402
 pytestmark = pytest.mark.slow
 SOAK_S = float(os.environ.get("BITNET_SOAK_S", "60"))
 BAD = [({"messages": []}, 400), ({"messages": [{"role": "user", "content": "hi"}], "temperature": -1}, 400),
-       ({"messages": [{"role": "user", "content": "hi"}], "model": "nope"}, 404),
-       ({"messages": [{"role": "user", "content": "hi"}], "n": 3}, 400)]
+       ({"messages": [{"role": "user", "content": "hi"}], "presence_penalty": 9}, 400),
+       ({"messages": [{"role": "user", "content": "hi"}], "n": 0}, 400)]
 
 
 async def client_loop(url, seed, until, stats):

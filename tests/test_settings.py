@@ -67,12 +67,15 @@ def test_run_and_bitchat_share_the_rest(flag):
 
 
 def test_every_default_is_sampling_params():
+    from bitnet_cpu.engine.runtime.sampling import REQUEST_ONLY_FIELDS
+
     d = SamplingParams()
+    knobs = {k: v for k, v in vars(d).items() if k not in REQUEST_ONLY_FIELDS}
     for prog in SAMPLING:
         args = PARSERS[prog].parse_args([])
-        assert {f.name: getattr(args, f.name) for f in fields(d)} == vars(d), prog
+        assert {f.name: getattr(args, f.name) for f in fields(d) if f.name not in REQUEST_ONLY_FIELDS} == knobs, prog
     s = Settings()
-    assert {field: getattr(s, name) for name, field in FIELD_OF_SETTING.items()} == vars(d)
+    assert {field: getattr(s, name) for name, field in FIELD_OF_SETTING.items()} == knobs
     assert s.sampling_params() == d
     from bitnet_cpu.serve.schemas import ChatCompletionRequest
 
@@ -86,7 +89,9 @@ BAD = [("temperature", "--temp", "temp", "temperature", "-1"), ("top_k", "--top-
        ("min_p", "--min-p", "min_p", "min_p", "2"), ("repeat_penalty", "--repeat-penalty", "repeat_penalty",
                                                       "repeat_penalty", "0"),
        ("repeat_last_n", "--repeat-last-n", "repeat_last_n", "repeat_last_n", "-2"),
-       ("seed", "--seed", "seed", "seed", "-5")]
+       ("seed", "--seed", "seed", "seed", "-5"),
+       ("presence_penalty", "--presence-penalty", "presence_penalty", "presence_penalty", "3"),
+       ("frequency_penalty", "--frequency-penalty", "frequency_penalty", "frequency_penalty", "-2.5")]
 
 
 @pytest.mark.parametrize("field,flag,set_name,param,text", BAD)

@@ -24,10 +24,10 @@ submit/cancel/metrics take the lock.
 from __future__ import annotations
 
 import itertools
-import queue
 import threading
 import time
 from collections import deque
+from dataclasses import replace
 from typing import Callable, Sequence
 
 import numpy as np
@@ -40,46 +40,10 @@ from ..runtime.speculative import OFF, DraftLength, LookupParams, PromptLookup
 from .batch_model import BatchModel
 from .kv_pool import PAGE_TOKENS, KVPool
 from .prefix_cache import PrefixCache
+from .stream import Stream
 
 
 FORCED_DRAFT_MAX = 8   # rows of one forced-token (jump-forward) draft: JSON keys and punctuation rarely run longer
-
-
-class Stream:
-    """The consumer's end of one request: iterate it (blocking) or pass a callback to submit()."""
-
-    def __init__(self, sid: int, engine: "BatchScheduler", callback):
-        self.id = sid
-        self._engine = engine
-        self._callback = callback
-        self._q: queue.SimpleQueue | None = None if callback else queue.SimpleQueue()
-        self.finish_reason: str | None = None
-
-    def _emit(self, chunk: Chunk):
-        if chunk.finish_reason:
-            self.finish_reason = chunk.finish_reason
-        if self._callback is not None:
-            try:
-                self._callback(chunk)
-            except Exception as e:  # a broken consumer ends its own request, never the engine
-                if not chunk.finish_reason:
-                    import sys
-                    print(f"bitnet engine: stream {self.id}: callback raised {e!r}; cancelling it", file=sys.stderr)
-                    self._engine.cancel(self.id)
-        else:
-            self._q.put(chunk)
-
-    def __iter__(self):
-        if self._q is None:
-            raise BitNetError("this stream delivers its chunks to a callback")
-        while True:
-            c = self._q.get()
-            yield c
-            if c.finish_reason:
-                return
-
-    def cancel(self):
-        self._engine.cancel(self.id)
 
 
 class _Seq:
@@ -108,6 +72,8 @@ class _Seq:
         self.looked_up = False           # the draft came from prompt lookup (not the grammar's forced tokens)
         self.n_drafted = self.n_accepted = 0
         self.cm = None                   # TokenMatcher of the sequence's constraint (engine/runtime/constraints.py)
+        self.forks: list[_Seq] = []      # the other choices of an n > 1 request (this one prefills for them)
+        self.fork_of: _Seq | None = None  # the choice whose prefill this one waits for (then shares its pages)
 
 
 class BatchScheduler:
@@ -151,6 +117,7 @@ class BatchScheduler:
         self._closed = False
         self.requests_total = self.tokens_generated_total = self.prefix_hits_tokens = self.steps_total = 0
         self.lookup_drafted_total = self.lookup_accepted_total = 0
+        self.prefill_tokens_total = 0   # prompt tokens run through the model (cached prefixes and forks excluded)
         self._page_table = np.zeros((self.max_step_seqs, self.max_pages), np.int32)
         self._thread = threading.Thread(target=self._loop, name="bitnet-scheduler", daemon=True)
         self._error: BaseException | None = None
@@ -168,6 +135,19 @@ class BatchScheduler:
         """Queue a request (never blocks); see engine.api.Engine. ignore_eos: end-of-text tokens are never
         sampled, as LLM.generate(ignore_eos=True). constraint: as LLM.generate's (compiled here unless it already
         is: a server compiles off its event loop); a ConstraintError leaves nothing behind."""
+        return self.submit_n(prompt_ids, params, 1, max_tokens=max_tokens, stop=stop,
+                             callbacks=None if callback is None else [callback], ignore_eos=ignore_eos,
+                             constraint=constraint)[0]
+
+    def submit_n(self, prompt_ids: Sequence[int], params: SamplingParams | None = None, n: int = 1, *,
+                 max_tokens: int = 256, stop: Sequence[str] = (),
+                 callbacks: Sequence[Callable[[Chunk], None]] | None = None, ignore_eos: bool = False,
+                 constraint=None) -> list[Stream]:
+        """n completions of one prompt (OpenAI's `n`), one Stream each: choice i samples with its own sampler,
+        seeded params.seed + i (a fixed seed gives the same n choices every run), and its own constraint matcher.
+        The prompt is prefilled once: the first sequence runs it, and the others then take its pages (shared,
+        copy-on-write) and sample their first token from the same logits row. Admitted together: n slots
+        (n <= parallel) and all pages promised."""
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
             if self.tokenizer.bos_id is None:
@@ -182,7 +162,13 @@ class BatchScheduler:
                                        hint="raise the context or shorten the prompt")
         if max_tokens < 0:
             raise BitNetError(f"max_tokens {max_tokens}: must be >= 0")
+        if not 1 <= n <= self.parallel:
+            raise BitNetError(f"n {n}: must be in 1..{self.parallel} (the sequences this engine runs at once)")
+        if callbacks is not None and len(callbacks) != n:
+            raise BitNetError(f"{len(callbacks)} callbacks for n={n} streams")
         params = (params or SamplingParams()).check()
+        choice_params = [params if i == 0 or params.seed is None else replace(params, seed=(params.seed + i) % (1 << 64))
+                         for i in range(n)]
         compiled = compile_constraint(self.tokenizer, vocab, constraint)
         with self._lock:
             if self._closed:
@@ -192,20 +178,28 @@ class BatchScheduler:
             if len(self._waiting) >= self.max_queue:
                 raise QueueFullError(f"{len(self._waiting)} requests are already waiting (max_queue {self.max_queue})",
                                      hint="retry later")
-            sid = next(self._ids)
-            stream = Stream(sid, self, callback)
-            seq = _Seq(sid, prompt, params, int(max_tokens), stop, stream, self.tokenizer, vocab)
-            if ignore_eos:
-                seq.banned = [t for t in self._eos if 0 <= t < vocab]
-            if self.draft_max > 0:
-                seq.finder, seq.draft_len = PromptLookup(self.lookup), DraftLength(self.draft_max)
-            if compiled is not None:
-                seq.cm = compiled.matcher()
-            self._waiting.append(seq)
-            self._by_id[sid] = seq
+            seqs = []
+            for i in range(n):
+                sid = next(self._ids)
+                stream = Stream(sid, self, callbacks[i] if callbacks is not None else None)
+                seq = _Seq(sid, prompt, choice_params[i], int(max_tokens), stop, stream, self.tokenizer, vocab)
+                if ignore_eos:
+                    seq.banned = [t for t in self._eos if 0 <= t < vocab]
+                if self.draft_max > 0:
+                    seq.finder, seq.draft_len = PromptLookup(self.lookup), DraftLength(self.draft_max)
+                if compiled is not None:
+                    seq.cm = compiled.matcher()
+                seqs.append(seq)
+            lead = seqs[0]
+            lead.forks = seqs[1:]
+            for f in lead.forks:
+                f.fork_of = lead
+            self._waiting.append(lead)   # the forks ride on it: admitted, prefilled and counted with it
+            for seq in seqs:
+                self._by_id[seq.id] = seq
             self.requests_total += 1
             self._wake.notify()
-        return stream
+        return [seq.stream for seq in seqs]
 
     def cancel(self, stream_id: int):
         with self._lock:
@@ -223,7 +217,8 @@ class BatchScheduler:
                     "prefix_hits_tokens": self.prefix_hits_tokens, "requests_total": self.requests_total,
                     "tokens_generated_total": self.tokens_generated_total, "steps_total": self.steps_total,
                     "lookup_draft_max": self.draft_max, "lookup_drafted_total": self.lookup_drafted_total,
-                    "lookup_accepted_total": self.lookup_accepted_total}
+                    "lookup_accepted_total": self.lookup_accepted_total,
+                    "prefill_tokens_total": self.prefill_tokens_total}
 
     def slots(self) -> list[dict]:
         with self._lock:
@@ -312,7 +307,7 @@ class BatchScheduler:
             for s in [s for s in self._running if s.cancelled]:
                 self._finish(s, "cancelled", locked=True)
             self._admit()
-            running = list(self._running)
+            running = [s for s in self._running if s.fork_of is None]   # forks wait for their prompt's prefill
         if not running:
             if self._waiting:  # nothing runs, yet the head cannot be admitted: only possible after a bug
                 time.sleep(0.001)
@@ -329,6 +324,7 @@ class BatchScheduler:
                 r = min(todo, budget)
                 plan.append([s, r])
                 budget -= r
+                self.prefill_tokens_total += r
         if self.draft_max > 0 or any(s.cm is not None for s, _ in plan):  # then drafts, in the room left
             budget = self._plan_drafts(plan, budget)
         for s, r in plan:   # masks of the rows sampled first are computed while the step runs
@@ -369,6 +365,8 @@ class BatchScheduler:
             if s.n_past == len(s.tokens):
                 if s.n_gen == 0:
                     s.t_prefilled = now
+                    if s.forks:
+                        self._fork(s, logits[li])
                 self._sample_or_fail(s, self._sample, logits[li])
                 li += 1
 
@@ -383,6 +381,21 @@ class BatchScheduler:
             s.draft = []
             self._finish(s, "error")
             return None
+
+    def _fork(self, s: _Seq, logits: np.ndarray):
+        """s has prefilled its prompt: each fork takes s's pages (shared; copy-on-write on their first write) and
+        samples its first token from its own copy of s's logits row (a sampler modifies the row in place)."""
+        for f in s.forks:
+            if f.state != "running" or f.fork_of is not s:
+                continue
+            f.fork_of = None
+            f.pages = list(s.pages)
+            for p in f.pages:
+                self.pool.incref(p)
+            f.n_past, f.n_cached, f.n_indexed = s.n_past, len(s.prompt), s.n_indexed
+            f.t_prefilled = s.t_prefilled
+            self._sample_or_fail(f, self._sample, logits.copy())
+        s.forks = []
 
     def _index(self, s: _Seq):
         """Hand s's newly full pages to the prefix index (every position below n_past is committed)."""
@@ -444,13 +457,17 @@ class BatchScheduler:
 
     def _admit(self):
         """Admit waiting requests (FIFO) while there are slots and pages can be promised (lock held)."""
-        while self._waiting and len(self._running) < self.parallel:
+        while self._waiting and len(self._running) + 1 + len(self._waiting[0].forks) <= self.parallel:
             s = self._waiting[0]
             limit = len(s.prompt) - (1 if s.max_tokens > 0 else 0)
             pages, n_cached = self.prefix.match(s.prompt, limit)
             total = min(len(s.prompt) + max(s.max_tokens - 1, 0), self.n_ctx)
             need = -(-total // PAGE_TOKENS) - n_cached // PAGE_TOKENS
-            if need > self.pool.n_free + self.prefix.n_evictable() - self.pool.reserved:
+            # forks: the pages past the prompt's full ones (its shared partial page is copied on write), and one
+            # more for whichever sequence writes that partial page first while the others still share it
+            fork_need = -(-total // PAGE_TOKENS) - len(s.prompt) // PAGE_TOKENS
+            extra = fork_need * len(s.forks) + (1 if s.forks and len(s.prompt) % PAGE_TOKENS else 0)
+            if need + extra > self.pool.n_free + self.prefix.n_evictable() - self.pool.reserved:
                 for p in pages:
                     self.pool.decref(p)
                 return
@@ -461,6 +478,12 @@ class BatchScheduler:
             self.prefix_hits_tokens += n_cached
             s.state, s.t_admit = "running", time.perf_counter()
             self._running.append(s)
+            if s.forks:
+                s.reserve += extra - fork_need * len(s.forks)
+                self.pool.reserved += extra
+                for f in s.forks:
+                    f.reserve, f.state, f.t_admit = fork_need, "running", s.t_admit
+                    self._running.append(f)
             if s.max_tokens == 0 and n_cached == len(s.prompt):
                 s.t_prefilled = s.t_admit
                 self._finish(s, "length", locked=True)
@@ -515,7 +538,7 @@ class BatchScheduler:
         if s.cm is not None:
             s.cm.advance(tok)
         text, stopped = s.matcher.feed(s.detok.push(tok))
-        s.stream._emit(Chunk(text, tok, None, self._stats(s, None)))
+        s.stream._emit(Chunk(text, tok, None, self._stats(s, None), s.sampler.record))
         if stopped:
             self._finish(s, "stop")
         elif s.cm is not None and s.cm.done:   # the grammar is complete: only end of text could follow
@@ -546,6 +569,11 @@ class BatchScheduler:
         s.reserve = 0
         s.state = "done"
         self._by_id.pop(s.id, None)
+        forks, s.forks = s.forks, []
+        for f in forks:   # still waiting for s's prefill (only a cancel or max_tokens 0 ends s before it)
+            if f.fork_of is s:
+                f.fork_of = None
+                self._finish(f, reason, locked=True)
         if reason not in ("stop", "cancelled", "error"):
             rest, _ = s.matcher.feed(s.detok.flush())
             rest += s.matcher.flush()

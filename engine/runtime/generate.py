@@ -18,7 +18,7 @@ import numpy as np
 
 from ..errors import BitNetError, ContextOverflowError
 from .constraints import compile_constraint
-from .sampling import Sampler, SamplingParams
+from .sampling import Sampler, SamplingParams, TokenLogprob
 from .speculative import DraftLength, LookupParams, PromptLookup, default_lookup
 
 FINISH_MESSAGES = {
@@ -52,6 +52,7 @@ class Chunk:
     token: int | None
     finish_reason: str | None = None
     stats: Stats | None = None   # always set by generate() and the batching scheduler: the running Stats
+    logprob: TokenLogprob | None = None   # this token's, when SamplingParams.record_logprobs asks for them
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -180,7 +181,7 @@ def generate(model, tokenizer, prompt_ids: Sequence[int], params: SamplingParams
                 cm.advance(tok)
             history.append(tok)
             text, stopped = matcher.feed(stream.push(tok))
-            yield Chunk(text, tok, None, stats(n_gen, ttft, decode_s, None))
+            yield Chunk(text, tok, None, stats(n_gen, ttft, decode_s, None), sampler.record)
             t0 = time.perf_counter()
             if stopped:
                 reason = "stop"

@@ -1,0 +1,45 @@
+"""The consumer's end of one request of the batching scheduler (engine/batching/scheduler.py): chunks reach it
+through a queue (iterate it) or a callback called on the scheduler thread."""
+from __future__ import annotations
+
+import queue
+
+from ..errors import BitNetError
+from ..runtime.generate import Chunk
+
+
+class Stream:
+    """The consumer's end of one request: iterate it (blocking) or pass a callback to submit()."""
+
+    def __init__(self, sid: int, engine, callback):
+        self.id = sid
+        self._engine = engine
+        self._callback = callback
+        self._q: queue.SimpleQueue | None = None if callback else queue.SimpleQueue()
+        self.finish_reason: str | None = None
+
+    def _emit(self, chunk: Chunk):
+        if chunk.finish_reason:
+            self.finish_reason = chunk.finish_reason
+        if self._callback is not None:
+            try:
+                self._callback(chunk)
+            except Exception as e:  # a broken consumer ends its own request, never the engine
+                if not chunk.finish_reason:
+                    import sys
+                    print(f"bitnet engine: stream {self.id}: callback raised {e!r}; cancelling it", file=sys.stderr)
+                    self._engine.cancel(self.id)
+        else:
+            self._q.put(chunk)
+
+    def __iter__(self):
+        if self._q is None:
+            raise BitNetError("this stream delivers its chunks to a callback")
+        while True:
+            c = self._q.get()
+            yield c
+            if c.finish_reason:
+                return
+
+    def cancel(self):
+        self._engine.cancel(self.id)

@@ -1,0 +1,66 @@
+"""The engine's per-token log-probabilities (Chunk.logprob, a TokenLogprob) in OpenAI's two shapes.
+
+Chat: `{"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}]}`.
+Completions: `{"tokens", "token_logprobs", "top_logprobs": [{token: logprob}], "text_offset"}`.
+Both shared by the ollama adapter (serve/ollama.py), which uses the chat shape's entries.
+A token that can never be sampled (logit -inf: ignore_eos, a -100 bias pushed to nothing) has logprob -inf,
+which JSON cannot carry; OpenAI reports such tokens as -9999.0, and so do we.
+"""
+from __future__ import annotations
+
+import math
+
+NEVER = -9999.0   # OpenAI's stand-in for log(0)
+
+
+def _finite(x: float) -> float:
+    return x if math.isfinite(x) else NEVER
+
+
+class TokenText:
+    """token id -> (text, bytes) as a logprobs entry shows it, cached per id (a tokenizer lookup per token)."""
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        self._cache: dict[int, tuple[str, bytes]] = {}
+
+    def __call__(self, i: int) -> tuple[str, bytes]:
+        got = self._cache.get(i)
+        if got is None:
+            b = self.tok.token_bytes(i)
+            if b is None:   # not byte-level BPE (sentencepiece): the piece as it decodes alone
+                piece = self.tok.id_to_token(i) or ""
+                if piece.startswith("<0x") and piece.endswith(">") and len(piece) == 6:   # a byte-fallback token
+                    b = bytes([int(piece[3:5], 16)])
+                else:
+                    b = piece.replace("\u2581", " ").encode("utf-8")
+            got = (b.decode("utf-8", errors="replace"), b)
+            self._cache[i] = got
+        return got
+
+
+def chat_entry(text_of: TokenText, token: int, lp, n_top: int) -> dict:
+    """One chat logprobs `content` entry for a generated token (lp: its TokenLogprob)."""
+    text, b = text_of(token)
+    top = []
+    for i, v in lp.top[:n_top]:
+        t, tb = text_of(i)
+        top.append({"token": t, "logprob": _finite(v), "bytes": list(tb)})
+    return {"token": text, "logprob": _finite(lp.logprob), "bytes": list(b), "top_logprobs": top}
+
+
+def completion_logprobs(text_of: TokenText, items: list[tuple[int, object]], n_top: int, offset: int) -> dict:
+    """The completions `logprobs` object for (token, TokenLogprob) items whose text starts at `offset` of the
+    completion (text_offset counts characters of the tokens' own texts, as OpenAI's does)."""
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for token, lp in items:
+        text, _ = text_of(token)
+        out["tokens"].append(text)
+        out["token_logprobs"].append(_finite(lp.logprob))
+        top: dict[str, float] = {}
+        for i, v in lp.top[:n_top]:
+            top.setdefault(text_of(i)[0], _finite(v))
+        out["top_logprobs"].append(top)
+        out["text_offset"].append(offset)
+        offset += len(text)
+    return out

@@ -1,0 +1,475 @@
+"""ollama's HTTP API beside OpenAI's, over the same engine calls (engine.submit, chat_prompt, compile_constraint):
+a second thin adapter, so the desktop tools and the official `ollama` clients can use `bitnet serve`.
+
+/api/chat and /api/generate stream NDJSON by default (one JSON object a line; `"stream": false` for one
+object) and end with ollama's final object: done_reason and its counts and durations in nanoseconds.
+`options` map onto SamplingParams (checked by the engine's own rules, named `options.X`), `format` ("json" or a
+JSON Schema) onto the constraint layer. /api/tags, /api/show, /api/ps and /api/version describe the one loaded
+model. What a one-model server cannot do (pull, push, create, copy, delete, embed) answers in ollama's error shape
+`{"error": "..."}` with the reason. `tools` on /api/chat go through the engine's tool layer (engine/runtime/tools.py:
+the model's own call format, a call once begun is grammar-constrained) and come back as message.tool_calls.
+The request fields accepted, refused and ignored: docs/api.md.
+"""
+from __future__ import annotations
+
+import asyncio
+import datetime as _dt
+import hashlib
+import json
+import os
+import time
+from typing import Any, Optional, Union
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from ..engine.runtime.sampling import SamplingParams, setting_problem
+from .logprobs import chat_entry
+
+# the version /api/version reports: clients written for ollama check a minimum (the fields served here are
+# those of ollama's API at this version)
+OLLAMA_VERSION = "0.12.0"
+DONE = {"eos": "stop", "stop": "stop", "length": "length", "context": "length", "cancelled": "stop"}
+# options -> SamplingParams field (same meaning, same name apart from these)
+OPTION_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n", "seed",
+                 "presence_penalty", "frequency_penalty")
+# load-time options of a local ollama (the model is loaded once, by `bitnet serve`'s flags): ignored by design
+LOAD_OPTIONS = {"numa", "num_batch", "num_gpu", "main_gpu", "low_vram", "f16_kv", "logits_all", "vocab_only",
+                "use_mmap", "use_mlock", "embedding_only", "num_thread", "num_keep"}
+# options that would change sampling in ways the engine does not do: refused unless left at their "off" value
+REFUSED_OPTIONS = {"mirostat": 0, "typical_p": 1.0, "tfs_z": 1.0}
+UNSUPPORTED_ENDPOINTS = {
+    "pull": "bitnet serve does not download models: it serves the one it was started with (bitnet serve -m MODEL)",
+    "push": "bitnet serve does not push models",
+    "create": "bitnet serve does not create models: convert one with `bitnet convert` and serve it with -m",
+    "copy": "bitnet serve serves one model under one name (use --alias NAME to rename it)",
+    "delete": "bitnet serve does not delete models",
+    "embed": "embeddings are not supported",
+    "embeddings": "embeddings are not supported",
+}
+
+
+class OllamaError(Exception):
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status, self.message = status, message
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: Optional[str] = None
+    stream: bool = True
+    options: Optional[dict[str, Any]] = None
+    format: Union[str, dict[str, Any], None] = None
+    keep_alive: Union[str, float, None] = None   # ignored: the model stays loaded while the server runs
+    think: Union[bool, str, None] = None
+    logprobs: Optional[bool] = None
+    top_logprobs: Optional[int] = None
+    tools: Optional[list[Any]] = None
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: str
+    content: Optional[str] = ""
+    images: Optional[list[Any]] = None
+    tool_calls: Optional[list[dict[str, Any]]] = None   # ollama's: [{"function": {"name", "arguments": {...}}}]
+    tool_name: Optional[str] = None                      # a tool result: which tool it comes from
+
+
+class ChatBody(_Body):
+    messages: Optional[list[_Message]] = None
+
+
+class GenerateBody(_Body):
+    prompt: Optional[str] = None
+    system: Optional[str] = None
+    raw: bool = False
+    context: Optional[list[int]] = None
+    suffix: Optional[str] = None
+    template: Optional[str] = None
+    images: Optional[list[Any]] = None
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+def _ns(seconds: float) -> int:
+    return max(0, int(seconds * 1e9))
+
+
+def sampling_from_options(options: dict | None, defaults: SamplingParams | None) -> SamplingParams:
+    """SamplingParams of ollama's `options` (a field left out takes the server's default); a bad value raises
+    OllamaError naming `options.X` with the engine's rule."""
+    base = defaults or SamplingParams()
+    values = {f: getattr(base, f) for f in OPTION_FIELDS}
+    for key, value in (options or {}).items():
+        if key in REFUSED_OPTIONS:
+            if value not in (None, REFUSED_OPTIONS[key]):
+                raise OllamaError(400, f"options.{key} {value}: not supported (only {REFUSED_OPTIONS[key]}, off)")
+            continue
+        if key not in OPTION_FIELDS or value is None:
+            continue
+        if key == "seed" and value == -1:   # ollama and llama.cpp: -1 is a fresh random seed
+            value = None
+        if key == "repeat_last_n" and value == -1:   # ollama: -1 looks back over the whole context
+            value = 1 << 30
+        if key in ("top_k", "repeat_last_n", "seed") and value is not None and not isinstance(value, int):
+            raise OllamaError(400, f"options.{key} {value!r}: must be an integer")
+        if key not in ("top_k", "repeat_last_n", "seed") and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise OllamaError(400, f"options.{key} {value!r}: must be a number")
+        problem = setting_problem(key, value, f"options.{key}")
+        if problem:
+            raise OllamaError(400, problem)
+        values[key] = value
+    return SamplingParams(**values, logit_bias=base.logit_bias)
+
+
+def _engine_message(i: int, m: _Message) -> dict:
+    """An ollama message as the engine's chat_prompt takes it (OpenAI's shape: tool calls with ids and
+    arguments, tool results with the tool's name)."""
+    if m.images:
+        raise OllamaError(400, f"messages.{i}.images: this model takes text only")
+    if m.role not in ("system", "user", "assistant", "tool"):
+        raise OllamaError(400, f"messages.{i}.role {m.role!r}: expected system, user, assistant or tool")
+    d: dict[str, Any] = {"role": m.role, "content": m.content or ""}
+    if m.tool_calls:
+        calls = []
+        for j, c in enumerate(m.tool_calls):
+            fn = c.get("function") if isinstance(c, dict) else None
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                raise OllamaError(400, f"messages.{i}.tool_calls.{j}: expected {{\"function\": {{\"name\", \"arguments\"}}}}")
+            args = fn.get("arguments") or {}
+            calls.append({"id": c.get("id") or f"call_{i}_{j}", "type": "function",
+                          "function": {"name": fn["name"],
+                                       "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)}})
+        d["tool_calls"] = calls
+    if m.role == "tool" and m.tool_name:
+        d["name"] = m.tool_name
+    return d
+
+
+def _param_size(cfg) -> str:
+    d, hd = cfg.hidden_size, cfg.head_dim
+    per_layer = d * cfg.n_heads * hd * 2 + d * cfg.n_kv_heads * hd * 2 + 3 * d * cfg.intermediate_size
+    n = cfg.vocab_size * d * (1 if cfg.tie_word_embeddings else 2) + cfg.n_layers * per_layer
+    return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.0f}M"
+
+
+def register(app, state, ready, api_error: type, *, sampling: SamplingParams | None = None, metrics=None):
+    """Add ollama's routes to `app` (serve/app.py's create_app). ready(request) -> the engine, or raises the
+    server's `api_error` (auth, loading, draining: .status, .message), which these routes answer in ollama's shape."""
+
+    @app.exception_handler(OllamaError)
+    async def _ollama_error(request, e: OllamaError):
+        return JSONResponse({"error": e.message}, status_code=e.status)
+
+    def engine(request: Request):
+        try:
+            return ready(request)
+        except api_error as e:
+            raise OllamaError(e.status, e.message) from None
+
+    def check_model(name):
+        if not name:
+            raise OllamaError(400, "model is required")
+        if state.strict_model and name != state.model_id and name.split(":")[0] != state.model_id:
+            raise OllamaError(404, f"model '{name}' not found (this server has '{state.model_id}')")
+
+    async def parse(request: Request, cls):
+        try:
+            data = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise OllamaError(400, "request body is not valid JSON") from None
+        if not isinstance(data, dict):
+            raise OllamaError(400, "request body must be a JSON object")
+        try:
+            return cls.model_validate(data)
+        except ValidationError as e:
+            err = e.errors()[0]
+            where = ".".join(str(x) for x in err.get("loc", ())) or "body"
+            raise OllamaError(400, f"{where}: {err.get('msg', 'invalid value')}") from None
+
+    def refuse_common(body: _Body):
+        sampling_from_options(body.options, sampling)   # a bad option is a 400 even on an empty (load) request
+        if body.tools is not None and not isinstance(body, ChatBody):
+            raise OllamaError(400, "tools: only /api/chat takes tools")
+        if body.think not in (None, False):
+            raise OllamaError(400, f"\"{state.model_id}\" does not support thinking")
+        if body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20:
+            raise OllamaError(400, f"top_logprobs {body.top_logprobs}: must be in 0..20")
+
+    async def constraint_of(eng, body: _Body, tool_spec=None):
+        from ..engine.errors import ConstraintError
+        from ..engine.runtime.constraints import Constraint
+        fmt = body.format
+        if fmt in (None, ""):
+            try:
+                return None if tool_spec is None else await asyncio.to_thread(eng.compile_constraint, tool_spec)
+            except ConstraintError as e:
+                raise OllamaError(400, str(e)) from None
+        if tool_spec is not None:
+            raise OllamaError(400, "format cannot be combined with tools (the tool-call grammar is the format)")
+        try:
+            if fmt == "json":
+                spec = Constraint.json_object(where="format")
+            elif isinstance(fmt, dict):
+                spec = Constraint.json_schema(fmt, where="format")
+            else:
+                raise OllamaError(400, f"format {fmt!r}: expected \"json\" or a JSON Schema object")
+            return await asyncio.to_thread(eng.compile_constraint, spec)
+        except ConstraintError as e:
+            raise OllamaError(400, str(e)) from None
+
+    def submit(eng, body: _Body, prompt_ids, constraint, loop):
+        from ..engine.errors import BitNetError, ContextOverflowError, QueueFullError
+        opts = body.options or {}
+        params = sampling_from_options(opts, sampling)
+        if body.logprobs:
+            params.record_logprobs = body.top_logprobs or 0
+        n_ctx = eng.n_ctx
+        if isinstance(opts.get("num_ctx"), int) and opts["num_ctx"] > 0:
+            n_ctx = min(n_ctx, opts["num_ctx"])   # the server's context is fixed at start: a larger one is capped
+        room = max(0, n_ctx - len(prompt_ids))
+        num_predict = opts.get("num_predict")
+        if num_predict is not None and (isinstance(num_predict, bool) or not isinstance(num_predict, int)):
+            raise OllamaError(400, f"options.num_predict {num_predict!r}: must be an integer")
+        max_tokens = room if num_predict is None or num_predict < 0 else min(num_predict, room)
+        stop = opts.get("stop") or []
+        stop = [stop] if isinstance(stop, str) else [s for s in stop if isinstance(s, str) and s]
+        q: asyncio.Queue = asyncio.Queue()
+        try:
+            stream = eng.submit(prompt_ids, params, max_tokens=max_tokens, stop=stop, constraint=constraint,
+                                callback=lambda ch: loop.call_soon_threadsafe(q.put_nowait, ch))
+        except QueueFullError as e:
+            if metrics is not None:
+                metrics.rejected.inc()
+            raise OllamaError(503, str(e)) from None
+        except ContextOverflowError as e:
+            raise OllamaError(400, str(e)) from None
+        except BitNetError as e:
+            raise OllamaError(400, str(e)) from None
+        state.streams.add(stream)
+        if metrics is not None:
+            metrics.prompt_tokens.inc(len(prompt_ids))
+        return stream, q
+
+    def final_fields(t0, final, t_first):
+        st = final.stats
+        now = time.perf_counter()
+        if metrics is not None:
+            metrics.generated_tokens.inc(st.n_generated)
+            metrics.e2e.observe(now - t0)
+        return {"done": True, "done_reason": DONE.get(final.finish_reason, "stop"),
+                "total_duration": _ns(now - t0), "load_duration": 0,
+                "prompt_eval_count": st.n_prompt, "prompt_eval_duration": _ns((t_first or now) - t0),
+                "eval_count": st.n_generated, "eval_duration": _ns(now - (t_first or now))}
+
+    async def answer(request, body: _Body, eng, prompt_ids, constraint, piece, extra_final=None, parser=None):
+        """Run one request and answer it: NDJSON lines of piece(text, calls) + {"done": false}, then the final
+        object; or (stream false) one object with the whole text. parser: the tool-call parser (text that may
+        be a call is held back; each call goes out once complete, as ollama streams them)."""
+        loop = asyncio.get_running_loop()
+        stream, q = submit(eng, body, prompt_ids, constraint, loop)
+        t0, model = time.perf_counter(), state.model_id
+        text_of = state.token_text(eng)
+        n_top = body.top_logprobs or 0
+
+        def lp_list(items):
+            return [chat_entry(text_of, t, lp, n_top) for t, lp in items] if body.logprobs else None
+
+        if body.stream:
+            async def lines():
+                final, t_first, tokens, lps = None, None, [], []
+                try:
+                    while True:
+                        ch = await q.get()
+                        if ch.token is not None:
+                            t_first = t_first or time.perf_counter()
+                            tokens.append(ch.token)
+                            if ch.logprob is not None:
+                                lps.append((ch.token, ch.logprob))
+                        text, calls = (parser.feed(ch.text) if parser is not None and ch.text else (ch.text, []))
+                        if ch.finish_reason is not None and parser is not None:
+                            rest, more = parser.finish()
+                            text, calls = text + rest, calls + more
+                        if text or calls:
+                            obj = {"model": model, "created_at": _now(), **piece(text, calls), "done": False}
+                            if body.logprobs:
+                                obj["logprobs"] = lp_list(lps)
+                                lps = []
+                            yield json.dumps(obj, ensure_ascii=False) + "\n"
+                        if ch.finish_reason is not None:
+                            final = ch
+                            break
+                    obj = {"model": model, "created_at": _now(), **piece(""), **final_fields(t0, final, t_first)}
+                    if extra_final:
+                        obj.update(extra_final(tokens))
+                    yield json.dumps(obj, ensure_ascii=False) + "\n"
+                finally:
+                    if final is None:
+                        stream.cancel()
+                    state.streams.discard(stream)
+            return StreamingResponse(lines(), media_type="application/x-ndjson")
+        pieces, tokens, lps, final, t_first = [], [], [], None, None
+        try:
+            while final is None:
+                try:
+                    ch = await asyncio.wait_for(q.get(), timeout=0.5)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        return JSONResponse({"error": "client disconnected"}, status_code=499)
+                    continue
+                if ch.token is not None:
+                    t_first = t_first or time.perf_counter()
+                    tokens.append(ch.token)
+                    if ch.logprob is not None:
+                        lps.append((ch.token, ch.logprob))
+                pieces.append(ch.text)
+                if ch.finish_reason is not None:
+                    final = ch
+        finally:
+            if final is None:
+                stream.cancel()
+            state.streams.discard(stream)
+        text, calls = "".join(pieces), []
+        if parser is not None:
+            text, calls = parser.feed(text)
+            rest, more = parser.finish()
+            text, calls = text + rest, calls + more
+        obj = {"model": model, "created_at": _now(), **piece(text, calls), **final_fields(t0, final, t_first)}
+        if body.logprobs:
+            obj["logprobs"] = lp_list(lps)
+        if extra_final:
+            obj.update(extra_final(tokens))
+        return obj
+
+    def loaded(body: _Body, piece):
+        """ollama's answer to an empty request: the model is loaded (done_reason "load")."""
+        return {"model": state.model_id, "created_at": _now(), **piece(""), "done": True, "done_reason": "load"}
+
+    @app.post("/api/chat")
+    async def api_chat(request: Request):
+        eng = engine(request)
+        body = await parse(request, ChatBody)
+        check_model(body.model)
+        refuse_common(body)
+
+        def piece(text, calls=()):
+            message = {"role": "assistant", "content": text}
+            if calls:   # ollama's shape: arguments as an object, no call ids
+                message["tool_calls"] = [{"function": {"name": c["function"]["name"],
+                                                       "arguments": json.loads(c["function"]["arguments"])}}
+                                         for c in calls]
+            return {"message": message}
+        if not body.messages:
+            return loaded(body, piece)
+        msgs = [_engine_message(i, m) for i, m in enumerate(body.messages)]
+        tools, tool_spec, parser = None, None, None
+        if body.tools:   # ollama has no tool_choice: the model chooses ("auto"), a call once begun is valid
+            from ..engine.errors import ConstraintError
+            from ..engine.runtime.tools import functions_from_tools
+            fmt = eng.tool_format()
+            try:
+                tool_spec = fmt.constraint(functions_from_tools(body.tools), "auto", True)
+            except ConstraintError as e:
+                raise OllamaError(400, str(e)) from None
+            tools, parser = body.tools, fmt.parser()
+        try:
+            prompt_ids = eng.chat_prompt(msgs, tools=tools)
+        except Exception as e:   # the template rejected the conversation (e.g. roles out of order)
+            raise OllamaError(400, f"messages: {e}") from None
+        constraint = await constraint_of(eng, body, tool_spec)
+        return await answer(request, body, eng, prompt_ids, constraint, piece, parser=parser)
+
+    @app.post("/api/generate")
+    async def api_generate(request: Request):
+        eng = engine(request)
+        body = await parse(request, GenerateBody)
+        check_model(body.model)
+        refuse_common(body)
+        if body.images:
+            raise OllamaError(400, "images: this model takes text only")
+        if body.suffix:
+            raise OllamaError(400, "suffix: fill-in-the-middle is not supported")
+        if body.template:
+            raise OllamaError(400, "template: the model's own chat template is used (a Go template cannot be)")
+
+        def piece(text, calls=()):
+            return {"response": text}
+        if not body.prompt and not body.context:
+            return loaded(body, piece)
+        vocab = eng.config.vocab_size
+        context = [int(t) for t in body.context or []]
+        if any(not 0 <= t < vocab for t in context):
+            raise OllamaError(400, f"context: token ids must be in 0..{vocab - 1}")
+        if body.raw:
+            ids = eng.tokenize(body.prompt or "", add_bos=not context)
+        else:
+            msgs = ([{"role": "system", "content": body.system}] if body.system else []) + \
+                   [{"role": "user", "content": body.prompt or ""}]
+            ids = eng.chat_prompt(msgs)
+        prompt_ids = context + ids
+        constraint = await constraint_of(eng, body)
+        return await answer(request, body, eng, prompt_ids, constraint, piece,
+                            extra_final=lambda tokens: {"context": prompt_ids + tokens})
+
+    def describe(eng) -> dict:
+        path = eng.store.path
+        try:
+            st = os.stat(path)
+            size, mtime = st.st_size, st.st_mtime
+        except OSError:
+            size, mtime = 0, time.time()
+        cfg = eng.config
+        digest = hashlib.sha256(f"{os.path.abspath(path)}:{size}:{mtime}".encode()).hexdigest()
+        details = {"parent_model": "", "format": "bnstore", "family": cfg.arch, "families": [cfg.arch],
+                   "parameter_size": _param_size(cfg), "quantization_level": "ternary (b1.58)"}
+        modified = _dt.datetime.fromtimestamp(mtime, _dt.timezone.utc).isoformat().replace("+00:00", "Z")
+        return {"name": state.model_id, "model": state.model_id, "modified_at": modified, "size": size,
+                "digest": digest, "details": details}
+
+    @app.get("/api/tags")
+    async def api_tags(request: Request):
+        return {"models": [describe(engine(request))]}
+
+    @app.get("/api/ps")
+    async def api_ps(request: Request):
+        eng = engine(request)
+        d = describe(eng)
+        return {"models": [{**{k: d[k] for k in ("name", "model", "size", "digest", "details")},
+                            "expires_at": "2318-01-01T00:00:00Z", "size_vram": 0, "context_length": eng.n_ctx}]}
+
+    @app.post("/api/show")
+    async def api_show(request: Request):
+        eng = engine(request)
+        data = await parse(request, _Body)
+        check_model(data.model)
+        d, cfg = describe(eng), eng.config
+        arch = cfg.arch
+        info = {"general.architecture": arch, "general.name": eng.name, f"{arch}.context_length": eng.n_ctx,
+                f"{arch}.embedding_length": cfg.hidden_size, f"{arch}.block_count": cfg.n_layers,
+                f"{arch}.attention.head_count": cfg.n_heads, f"{arch}.attention.head_count_kv": cfg.n_kv_heads,
+                f"{arch}.feed_forward_length": cfg.intermediate_size, "tokenizer.vocab_size": cfg.vocab_size}
+        s = sampling or SamplingParams()
+        params = "\n".join(f"{k:<15}{v}" for k, v in (("temperature", s.temperature), ("top_k", s.top_k),
+                                                      ("top_p", s.top_p), ("min_p", s.min_p),
+                                                      ("repeat_penalty", s.repeat_penalty), ("num_ctx", eng.n_ctx)))
+        return {"modelfile": f"# served by bitnet serve\nFROM {eng.store.path}\n", "parameters": params,
+                "template": eng.store.chat_template or "", "details": d["details"], "model_info": info,
+                "capabilities": ["completion", "tools"], "modified_at": d["modified_at"]}
+
+    @app.get("/api/version")
+    async def api_version():
+        return {"version": OLLAMA_VERSION}
+
+    def unsupported(name: str, why: str):
+        async def handler(request: Request):
+            raise OllamaError(501, why)
+        handler.__name__ = f"api_{name}"
+        app.add_api_route(f"/api/{name}", handler, methods=["POST", "DELETE"] if name == "delete" else ["POST"])
+
+    for name, why in UNSUPPORTED_ENDPOINTS.items():
+        unsupported(name, why)

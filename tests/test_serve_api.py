@@ -1,0 +1,218 @@
+"""The rest of the OpenAI request surface against a real `bitnet serve` subprocess (bundled model), with the
+official `openai` client: logprobs equal a direct log-softmax of the engine's own logits (load_model(...).forward)
+for the same tokens, streamed and not; n choices (greedy: identical; seeded: the same every run) with one
+prompt prefill counted in /metrics; presence / frequency penalties and logit_bias give what the engine gives
+for the same SamplingParams; any model name answers with the served id, --alias renames it and
+--strict-model-name keeps the 404."""
+from __future__ import annotations
+
+import httpx
+import numpy as np
+import pytest
+
+openai = pytest.importorskip("openai", reason="the serve tests need the openai client (pip install .[test])")
+pytest.importorskip("fastapi", reason="bitnet serve needs the serve extra (pip install .[serve])")
+
+from serve_proc import Server  # noqa: E402
+
+Q = [{"role": "user", "content": "What is 12+7?"}]
+ALIAS = "my-bitnet"
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = Server("--parallel", "8", "--alias", ALIAS)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    from bitnet_cpu.engine.api import load_model
+    m = load_model(None, threads=1, progress=False)
+    yield m
+    m.close()
+
+
+def _log_softmax(x):
+    x = np.asarray(x, np.float64)
+    m = x.max(-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
+
+
+def _prefilled(server) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+    fams = {f.name: f for f in text_string_to_metric_families(httpx.get(server.url + "/metrics").text)}
+    return fams["bitnet_prefill_tokens"].samples[0].value
+
+
+def test_alias_and_any_model_name(client, server):
+    assert [m.id for m in client.models.list().data] == [ALIAS]
+    for name in ("gpt-4o-mini", ALIAS):
+        r = client.chat.completions.create(model=name, messages=Q, max_tokens=2)
+        assert r.model == ALIAS
+    s = Server("--strict-model-name")
+    try:
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        mid = c.models.list().data[0].id
+        with pytest.raises(openai.NotFoundError) as ei:
+            c.chat.completions.create(model="gpt-17", messages=Q, max_tokens=2)
+        assert ei.value.body["param"] == "model" and mid in ei.value.body["message"]
+        assert c.chat.completions.create(model=mid, messages=Q, max_tokens=2).model == mid
+    finally:
+        s.stop()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_logprobs_equal_log_softmax_of_engine_logits(client, llm, stream):
+    from bitnet_cpu.engine.api import SamplingParams
+    ids = llm.chat_prompt(Q)
+    want = [c.token for c in llm.generate(ids, SamplingParams(temperature=0), max_tokens=12) if c.token is not None]
+    ref = _log_softmax(llm.forward(ids + want[:-1])[len(ids) - 1:])
+    kw = dict(model=ALIAS, messages=Q, temperature=0, max_tokens=12, logprobs=True, top_logprobs=3)
+    if stream:
+        entries = [e for ch in client.chat.completions.create(stream=True, **kw) if ch.choices and ch.choices[0].logprobs
+                   for e in ch.choices[0].logprobs.content]
+    else:
+        entries = client.chat.completions.create(**kw).choices[0].logprobs.content
+    assert len(entries) == len(want)
+    for j, (e, t) in enumerate(zip(entries, want)):
+        assert bytes(e.bytes) == llm.tokenizer.token_bytes(t) or llm.tokenizer.token_bytes(t) is None
+        assert abs(e.logprob - ref[j, t]) < 1e-4
+        top = np.argsort(-ref[j], kind="stable")[:3]
+        assert [round(x.logprob, 4) for x in e.top_logprobs] == [round(float(ref[j, i]), 4) for i in top]
+        assert e.top_logprobs[0].logprob == e.logprob   # greedy: the chosen token is the most likely
+
+
+def test_completion_logprobs_shape(client, llm):
+    r = client.completions.create(model=ALIAS, prompt="Once upon a time", temperature=0, max_tokens=6, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 6
+    assert "".join(lp.tokens) == r.choices[0].text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(6)]
+    assert all(len(t) == 2 and max(t.values()) == v for t, v in zip(lp.top_logprobs, lp.token_logprobs))
+    with pytest.raises(openai.BadRequestError) as ei:
+        client.completions.create(model=ALIAS, prompt="x", logprobs=6)
+    assert ei.value.body["param"] == "logprobs"
+
+
+def test_n_choices_one_prefill(client, server):
+    q = [{"role": "user", "content": "Tell me about a purple walrus named Quintus."}]
+    before = _prefilled(server)
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=60,
+                   json={"messages": q, "n": 4, "temperature": 0, "max_tokens": 16}).json()
+    t = r["timings"]
+    assert _prefilled(server) - before == t["prompt_n"] - t["cached_n"] > 0   # one prefill, not four
+    texts = [c["message"]["content"] for c in r["choices"]]
+    assert [c["index"] for c in r["choices"]] == [0, 1, 2, 3] and len(set(texts)) == 1 and texts[0]
+    assert r["usage"]["prompt_tokens"] == t["prompt_n"]
+    one = httpx.post(server.url + "/v1/chat/completions", timeout=60,
+                     json={"messages": q, "temperature": 0, "max_tokens": 16}).json()
+    assert r["usage"]["completion_tokens"] == 4 * one["usage"]["completion_tokens"]   # prompt once, answers 4x
+    assert one["choices"][0]["message"]["content"] == texts[0]
+    hot = dict(model=ALIAS, messages=Q, n=4, temperature=1.0, top_p=1.0, seed=11, max_tokens=16,
+               extra_body={"top_k": 0, "min_p": 0.0, "ignore_eos": True})
+    a = client.chat.completions.create(**hot)
+    b = client.chat.completions.create(**hot)
+    ta, tb = [c.message.content for c in a.choices], [c.message.content for c in b.choices]
+    assert ta == tb and len(set(ta)) > 1
+    assert a.usage.completion_tokens == 4 * 16 and a.usage.prompt_tokens == b.usage.prompt_tokens
+    # streamed: every chunk names its choice; the pieces of each choice make the same texts
+    pieces = {i: "" for i in range(4)}
+    finished = []
+    for ch in client.chat.completions.create(stream=True, **hot):
+        for c in ch.choices:
+            pieces[c.index] += c.delta.content or ""
+            if c.finish_reason:
+                finished.append(c.index)
+    assert [pieces[i] for i in range(4)] == ta and sorted(finished) == [0, 1, 2, 3]
+    comp = client.completions.create(model=ALIAS, prompt="Once", n=3, temperature=0, max_tokens=5)
+    assert len({c.text for c in comp.choices}) == 1 and comp.usage.completion_tokens == 15
+
+
+def test_penalties_and_bias_as_the_engine_does(client, llm):
+    """On this prompt the greedy answer repeats its own tokens ("=", "+", digits); penalties change it exactly as
+    the engine's sampler does for the same SamplingParams, and a -100 bias on its first greedy token too."""
+    from bitnet_cpu.engine.api import SamplingParams
+    prompt = "1, 2, 3, 4, 5, 6,"
+    ids = llm.tokenize(prompt, add_bos=True)
+
+    def local(**kw):
+        return "".join(c.text for c in llm.generate(ids, SamplingParams(temperature=0, **kw), max_tokens=32,
+                                                     ignore_eos=True))
+
+    def served(**kw):
+        extra = {"ignore_eos": True}
+        if "logit_bias" in kw:
+            extra["logit_bias"] = {str(k): v for k, v in kw.pop("logit_bias").items()}
+        return client.completions.create(model=ALIAS, prompt=prompt, temperature=0, max_tokens=32, **kw,
+                                         extra_body=extra).choices[0].text
+
+    plain = local()
+    assert served() == plain
+    for pen in (dict(presence_penalty=1.5), dict(frequency_penalty=1.0), dict(presence_penalty=0.5, frequency_penalty=2.0)):
+        assert served(**pen) == local(**pen) != plain, pen
+    first = next(c.token for c in llm.generate(ids, SamplingParams(temperature=0), max_tokens=1))
+    bias = {first: -100.0}
+    assert served(logit_bias=dict(bias)) == local(logit_bias=dict(bias)) != plain
+
+
+def test_hangup_cancels_every_choice(tmp_path_factory):
+    """A streamed n=4 request on a slow model (greedy never says eos): hanging up after the first event cancels
+    all four sequences at once (slots empty, far fewer tokens than four full answers)."""
+    import time
+
+    from serve_proc import slow_model
+    s = Server("-m", slow_model(tmp_path_factory), "-c", "4096", "--parallel", "4")
+    try:
+        body = {"prompt": "a", "max_tokens": 1500, "temperature": 0, "n": 4, "stream": True}
+        with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=30) as r:
+            assert r.status_code == 200
+            assert next(r.iter_lines()).startswith("data: ")
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            st = httpx.get(s.url + "/slots").json()
+            if not st["slots"]:
+                break
+            time.sleep(0.05)
+        assert st["slots"] == [] and st["metrics"]["running"] == 0
+        assert st["metrics"]["tokens_generated_total"] < 4 * 750
+        assert st["metrics"]["kv_pages_reserved"] == 0
+    finally:
+        assert s.stop()[0] == 0
+
+
+def test_n_choices_with_required_tool_calls(client):
+    """n=3 with tool_choice "required": every choice is its own valid call (own grammar matcher and parser),
+    streamed as per-choice delta.tool_calls numbered from 0 in each choice, the same calls as not streamed."""
+    import json
+
+    add = {"type": "function", "function": {"name": "add", "description": "add two integers", "parameters": {
+        "type": "object", "additionalProperties": False, "required": ["a", "b"],
+        "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+                       "b": {"type": "integer", "minimum": 0, "maximum": 99}}}}}   # bounded: the tiny model
+    kw = dict(model=ALIAS, messages=Q, tools=[add], tool_choice="required", n=3, temperature=0.8, seed=4,
+              max_tokens=200, parallel_tool_calls=False)
+    r = client.chat.completions.create(**kw)
+    whole = []
+    for c in r.choices:
+        assert c.finish_reason == "tool_calls" and len(c.message.tool_calls) >= 1
+        calls = [(t.function.name, json.loads(t.function.arguments)) for t in c.message.tool_calls]
+        assert all(n == "add" and set(a) == {"a", "b"} and all(isinstance(v, int) for v in a.values()) for n, a in calls)
+        whole.append(calls)
+    got = {i: {} for i in range(3)}
+    finish = {}
+    for ch in client.chat.completions.create(stream=True, **kw):
+        for c in ch.choices:
+            for t in c.delta.tool_calls or []:
+                got[c.index][t.index] = (t.function.name, json.loads(t.function.arguments))
+            if c.finish_reason:
+                finish[c.index] = c.finish_reason
+    assert [[got[i][k] for k in sorted(got[i])] for i in range(3)] == whole
+    assert all(sorted(got[i]) == list(range(len(whole[i]))) for i in range(3))
+    assert finish == {0: "tool_calls", 1: "tool_calls", 2: "tool_calls"}

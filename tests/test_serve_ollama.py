@@ -1,0 +1,187 @@
+"""ollama's API on `bitnet serve` (serve/ollama.py), driven by the official `ollama` Python client against a real
+subprocess on 127.0.0.1 with the bundled model: /api/chat streams NDJSON the client reads (same text as not
+streaming, and as the OpenAI endpoint), /api/generate with options, context and raw prompts, `format` gives valid
+JSON (and schema-valid JSON), logprobs, /api/tags lists the model, show/ps/version answer, and every refusal comes
+back in ollama's error shape."""
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+ollama = pytest.importorskip("ollama", reason="the ollama tests need the ollama client (pip install .[test])")
+pytest.importorskip("fastapi", reason="bitnet serve needs the serve extra (pip install .[serve])")
+
+from serve_proc import Server  # noqa: E402
+
+Q = [{"role": "user", "content": "What is 12+7?"}]
+GREEDY = {"temperature": 0}
+ADD = {"type": "function", "function": {"name": "add", "description": "add two integers", "parameters": {
+    "type": "object", "additionalProperties": False, "required": ["a", "b"],
+    "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = Server("--parallel", "4")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return ollama.Client(host=server.url, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def model_id(server):
+    return httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
+
+
+def test_tags_show_ps_version(client, model_id):
+    tags = client.list()
+    assert [m.model for m in tags.models] == [model_id]
+    m = tags.models[0]
+    assert m.size > 0 and len(m.digest) == 64 and m.details.family and m.details.parameter_size
+    show = client.show(model_id)
+    assert show.modelinfo["general.architecture"] == m.details.family and "completion" in show.capabilities
+    assert show.template   # the model's own chat template
+    ps = client.ps()
+    assert ps.models[0].model == model_id and ps.models[0].context_length > 0
+    assert httpx.get(client._client.base_url.join("/api/version")).json()["version"].count(".") == 2
+
+
+def test_chat_streams_ndjson_the_client_reads(client, model_id, server):
+    parts = list(client.chat(model=model_id, messages=Q, stream=True, options=GREEDY))
+    assert len(parts) > 2 and all(not p.done for p in parts[:-1]) and parts[-1].done
+    text = "".join(p.message.content for p in parts)
+    last = parts[-1]
+    # every token made counts, the end-of-text one included (one text piece per token here)
+    assert last.done_reason == "stop" and last.eval_count == len(parts) - 1 + 1 > 1
+    assert last.prompt_eval_count > 0 and last.total_duration >= last.eval_duration > 0
+    assert last.total_duration < 60e9   # nanoseconds, not seconds or milliseconds
+    whole = client.chat(model=model_id, messages=Q, options=GREEDY)
+    assert whole.done and whole.message.role == "assistant" and whole.message.content == text
+    openai_text = httpx.post(server.url + "/v1/chat/completions", timeout=60,
+                             json={"messages": Q, "temperature": 0}).json()["choices"][0]["message"]["content"]
+    assert openai_text == text
+    # the raw wire format: one JSON object per line
+    with httpx.stream("POST", server.url + "/api/chat", json={"model": model_id, "messages": Q, "options": GREEDY},
+                      timeout=60) as r:
+        assert r.headers["content-type"].startswith("application/x-ndjson")
+        lines = [json.loads(x) for x in r.iter_lines() if x]
+    assert "".join(x["message"]["content"] for x in lines) == text and lines[-1]["done"] is True
+
+
+def test_generate_options_context_and_raw(client, model_id):
+    r = client.generate(model=model_id, prompt="Once upon", raw=True,
+                        options={"num_predict": 6, "temperature": 2.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0,
+                                 "seed": 5, "repeat_penalty": 1.1, "repeat_last_n": 16})
+    assert r.done_reason == "length" and r.eval_count == 6 and r.response
+    again = client.generate(model=model_id, prompt="Once upon", raw=True,
+                            options={"num_predict": 6, "temperature": 2.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0,
+                                     "seed": 5, "repeat_penalty": 1.1, "repeat_last_n": 16})
+    assert again.response == r.response   # seeded
+    assert len(r.context) == r.prompt_eval_count + r.eval_count
+    # context continues where the last answer left off, as ollama's does
+    cont = client.generate(model=model_id, prompt=" and then", raw=True, context=r.context, options={"num_predict": 3})
+    assert cont.context[:len(r.context)] == list(r.context) and cont.prompt_eval_count > len(r.context)
+    stopped = client.generate(model=model_id, prompt="Once upon", raw=True, options={**GREEDY, "stop": [","]})
+    assert stopped.done_reason == "stop" and "," not in stopped.response
+    # the greedy story says "was" again after 20-odd tokens: a presence penalty makes it say something else
+    pen = client.generate(model=model_id, prompt="Once upon a time", raw=True,
+                          options={**GREEDY, "num_predict": 32, "presence_penalty": 2})
+    plain = client.generate(model=model_id, prompt="Once upon a time", raw=True, options={**GREEDY, "num_predict": 32})
+    assert pen.response != plain.response and pen.response[:40] == plain.response[:40]
+    templated = client.generate(model=model_id, prompt="What is 12+7?", options=GREEDY)
+    assert templated.response == client.chat(model=model_id, messages=Q, options=GREEDY).message.content
+
+
+def test_format_json_and_schema(client, model_id):
+    r = client.chat(model=model_id, messages=[{"role": "user", "content": "Describe a cat as JSON"}], format="json",
+                    options={"temperature": 1.0, "seed": 3, "num_predict": 200})
+    assert isinstance(json.loads(r.message.content), dict)
+    schema = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+              "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0, "maximum": 30}}}
+    for part_stream in (False, True):
+        if part_stream:
+            text = "".join(p.response for p in client.generate(model=model_id, prompt="A cat", format=schema, stream=True,
+                                                                 options={"temperature": 0.8, "seed": 1}))
+        else:
+            text = client.generate(model=model_id, prompt="A cat", format=schema, options={"temperature": 0.8, "seed": 1}).response
+        obj = json.loads(text)
+        assert set(obj) == {"name", "age"} and isinstance(obj["age"], int) and 0 <= obj["age"] <= 30
+
+
+def test_tools_reach_the_prompt_and_a_tool_round_trip_renders(client, model_id):
+    """ollama has no tool_choice: the model chooses (the bundled one answers in text). The tool list reaches
+    the prompt through the engine's tool layer, and a history with the assistant's call and the tool's result
+    (ollama's shapes: arguments as an object, tool_name) renders and is answered."""
+    ask = [{"role": "user", "content": "What is 12+7? Use the add tool."}]
+    plain = client.chat(model=model_id, messages=ask, options={**GREEDY, "num_predict": 8})
+    with_tools = client.chat(model=model_id, messages=ask, tools=[ADD], options={**GREEDY, "num_predict": 8})
+    assert with_tools.prompt_eval_count > plain.prompt_eval_count + 20   # the tool block is in the prompt
+    history = ask + [{"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "add", "arguments": {"a": 12, "b": 7}}}]},
+                     {"role": "tool", "content": "19", "tool_name": "add"}]
+    after = client.chat(model=model_id, messages=history, tools=[ADD], options={**GREEDY, "num_predict": 16})
+    assert after.done and after.prompt_eval_count > with_tools.prompt_eval_count
+    streamed = "".join(p.message.content for p in client.chat(model=model_id, messages=history, tools=[ADD], stream=True,
+                                                              options={**GREEDY, "num_predict": 16}))
+    assert streamed == after.message.content
+    assert "tools" in client.show(model_id).capabilities
+
+
+def test_logprobs(client, model_id):
+    r = client.chat(model=model_id, messages=Q, options=GREEDY, logprobs=True, top_logprobs=2)
+    assert r.done_reason == "stop" and len(r.logprobs) == r.eval_count - 1   # the end-of-text token has none
+    assert "".join(x.token for x in r.logprobs) == r.message.content
+    assert all(len(x.top_logprobs) == 2 and x.top_logprobs[0].logprob == x.logprob <= 0 for x in r.logprobs)
+
+
+@pytest.mark.parametrize("path,body,words", [
+    ("/api/chat", {"messages": Q}, "model is required"),
+    ("/api/chat", {"model": "m", "messages": Q, "options": {"temperature": -1}}, "options.temperature -1"),
+    ("/api/chat", {"model": "m", "messages": Q, "options": {"top_p": 2}}, "options.top_p 2"),
+    ("/api/chat", {"model": "m", "messages": Q, "options": {"mirostat": 2}}, "options.mirostat 2"),
+    ("/api/chat", {"model": "m", "messages": Q, "tools": [{"type": "function", "function": {"name": ""}}]},
+     "tools[0].function.name"),
+    ("/api/chat", {"model": "m", "messages": Q, "format": "json", "tools": [ADD]}, "format cannot be combined"),
+    ("/api/generate", {"model": "m", "prompt": "x", "tools": [ADD]}, "only /api/chat takes tools"),
+    ("/api/chat", {"model": "m", "messages": [{"role": "assistant", "content": "", "tool_calls": [{"x": 1}]}]},
+     "messages.0.tool_calls.0"),
+    ("/api/chat", {"model": "m", "messages": Q, "think": True}, "does not support thinking"),
+    ("/api/chat", {"model": "m", "messages": Q, "format": {"type": "nonsense-type"}}, "format"),
+    ("/api/chat", {"model": "m", "messages": [{"role": "user", "content": "x", "images": ["aGk="]}]}, "text only"),
+    ("/api/generate", {"model": "m", "prompt": "x", "suffix": "y"}, "suffix"),
+    ("/api/pull", {"model": "llama3"}, "does not download models"),
+    ("/api/create", {"model": "x"}, "bitnet convert"),
+    ("/api/push", {"model": "x"}, "does not push"),
+    ("/api/embed", {"model": "x", "input": "hi"}, "embeddings are not supported"),
+])
+def test_refusals_in_ollama_error_shape(server, path, body, words):
+    r = httpx.post(server.url + path, json=body, timeout=30)
+    assert r.status_code in (400, 501), r.text
+    assert set(r.json()) == {"error"} and words in r.json()["error"]
+
+
+def test_client_raises_response_error(client):
+    with pytest.raises(ollama.ResponseError) as ei:
+        client.pull("llama3")
+    assert ei.value.status_code == 501 and "does not download" in ei.value.error
+    with pytest.raises(ollama.ResponseError) as ei:
+        client.chat(model="m", messages=Q, options={"top_k": -3})
+    assert ei.value.status_code == 400 and "options.top_k -3" in ei.value.error
+
+
+def test_strict_model_name_404_in_ollama_shape():
+    s = Server("--strict-model-name", "--alias", "bitnet-small")
+    try:
+        c = ollama.Client(host=s.url, timeout=60)
+        with pytest.raises(ollama.ResponseError) as ei:
+            c.chat(model="llama3", messages=Q)
+        assert ei.value.status_code == 404 and "bitnet-small" in ei.value.error
+        assert c.chat(model="bitnet-small:latest", messages=Q, options={"num_predict": 2}).done
+        assert [m.model for m in c.list().models] == ["bitnet-small"]
+    finally:
+        s.stop()
