@@ -133,6 +133,15 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request, e: RequestValidationError):
+        return in_family(request, validation_response(e))
+
+    def in_family(request, resp):
+        """ollama's routes (/api/) answer errors as {"error": "message"}; the rest in OpenAI's shape."""
+        if not request.url.path.startswith("/api/"):
+            return resp
+        return JSONResponse({"error": json.loads(resp.body)["error"]["message"]}, status_code=resp.status_code)
+
+    def validation_response(e: RequestValidationError):
         err = e.errors()[0] if e.errors() else {}
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
         if err.get("type") == "json_invalid":
@@ -149,14 +158,12 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
 
     @app.exception_handler(BodyRefused)
     async def _refused(request, e: BodyRefused):
-        if request.url.path.startswith("/api/"):   # ollama's routes answer in its shape
-            return JSONResponse({"error": str(e.detail)}, status_code=400)
-        return error_response(400, str(e.detail), param=e.param, code=e.code)
+        return in_family(request, error_response(400, str(e.detail), param=e.param, code=e.code))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request, e):
         type_ = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        return error_response(e.status_code, str(e.detail), type_)
+        return in_family(request, error_response(e.status_code, str(e.detail), type_))
 
     @app.middleware("http")
     async def _count(request: Request, call_next):

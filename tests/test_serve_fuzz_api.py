@@ -1,6 +1,6 @@
 """The server's own OpenAPI description (/openapi.json) drives a property-based API fuzzer (schemathesis, from
 PyPI) against a real `bitnet serve` subprocess: requests that fit the schema and requests that do not, over every
-operation. No 5xx; every 4xx in OpenAI's error shape; afterwards the server answers and its pool is whole
+operation. No 5xx; every 4xx in its API's error shape (OpenAI's on /v1, ollama's on /api); afterwards the server answers and its pool is whole
 (nothing running, waiting or reserved). Bounded: BITNET_FUZZ_EXAMPLES per operation and mode (default 100:
 about a minute here on 2 cores)."""
 from __future__ import annotations
@@ -42,10 +42,17 @@ schema = schemathesis.pytest.from_fixture("api_schema")
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 def test_fuzz_every_operation(case):
     r = case.call(timeout=120)
+    if r.status_code == 501 and case.path.startswith("/api/"):
+        # ollama's operations a one-model server does not do (pull, push, create, ...): 501 by design, with the reason
+        assert isinstance(r.json().get("error"), str)
+        return
     assert r.status_code < 500, (r.status_code, r.text[:500], case.body)
     if r.status_code >= 400:
         e = r.json().get("error")
-        assert isinstance(e, dict) and set(e) == {"message", "type", "param", "code"} and e["message"], r.text[:500]
+        if case.path.startswith("/api/"):   # ollama's routes: its own shape
+            assert isinstance(e, str) and e, r.text[:500]
+        else:
+            assert isinstance(e, dict) and set(e) == {"message", "type", "param", "code"} and e["message"], r.text[:500]
 
 
 def test_alive_and_pool_whole_after_fuzzing(fuzz_server):
@@ -68,4 +75,4 @@ def test_alive_and_pool_whole_after_fuzzing(fuzz_server):
         if smp.name.endswith("_total"):
             by_status[smp.labels["status"]] = by_status.get(smp.labels["status"], 0) + int(smp.value)
     print(f"\nfuzzed requests by status: {dict(sorted(by_status.items()))}")
-    assert sum(by_status.values()) > 7 * EXAMPLES // 2   # the fuzzer really ran
+    assert sum(by_status.values()) > 5 * EXAMPLES   # the fuzzer really ran
