@@ -4,8 +4,8 @@ write + causal GQA attention, f16 embedding lookup, top-k, exact rescoring of an
 
 They are compiled into simd._kernels (one C library): the ISA choice (set_isa, BITNET_ISA) and the worker
 pool and its thread count are the kernels' own, so `active`, `set_isa`, `set_num_threads` and
-`get_num_threads` here are simd._kernels' functions and govern both (issue 12: two dispatchers and two
-thread layers disagreed). This module only gives the helpers their own name.
+`get_num_threads` here are simd._kernels' functions and govern both (there were once two dispatchers and two
+thread layers, and they disagreed). This module only gives the helpers their own name.
 """
 from ._kernels import (  # noqa: F401
     ACT_RELU2,

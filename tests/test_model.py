@@ -79,6 +79,19 @@ def test_resume_after_truncate(synth):
     np.testing.assert_array_equal(model.prefill(ids[25:], all_logits=True), full[25:])
 
 
+def _bytes_kept(run) -> int:
+    """Bytes that Python objects allocated by run() still hold when it returns (tracemalloc, per file)."""
+    tracemalloc.start()
+    try:
+        before = tracemalloc.take_snapshot()
+        run()
+        after = tracemalloc.take_snapshot()
+    finally:
+        tracemalloc.stop()
+    return sum(s.size_diff for s in after.compare_to(before, "filename")
+               if s.size_diff > 0 and "tracemalloc" not in str(s.traceback))
+
+
 def test_decode_allocates_nothing(synth):
     m, _, stores = synth
     model = Model(Store(stores["i8"]), n_ctx=256)
@@ -86,16 +99,11 @@ def test_decode_allocates_nothing(synth):
     tokens = [int(t) for t in np.random.default_rng(0).integers(0, m.V, 160)]
     for t in tokens[:5]:  # warm-up: lazily created objects
         model.decode(t)
-    tracemalloc.start()
-    try:
-        before = tracemalloc.take_snapshot()
+    def steps():
         for t in tokens[5:155]:
             model.decode(t)
-        after = tracemalloc.take_snapshot()
-    finally:
-        tracemalloc.stop()
-    grown = sum(s.size_diff for s in after.compare_to(before, "filename")
-                if s.size_diff > 0 and "tracemalloc" not in str(s.traceback))
+
+    grown = _bytes_kept(steps)
     assert grown < 4096, f"{grown} bytes allocated and kept over 150 decode steps"
 
 
@@ -137,16 +145,11 @@ def test_llama_architecture_variant(tmp_path):
     np.testing.assert_array_equal(pre, np.stack([model.decode(t).copy() for t in ids]))
     for t in ids[:5]:
         model.decode(t)
-    tracemalloc.start()
-    try:
-        before = tracemalloc.take_snapshot()
+    def steps():
         for t in range(100):
             model.decode(t + 3)
-        after = tracemalloc.take_snapshot()
-    finally:
-        tracemalloc.stop()
-    grown = sum(s.size_diff for s in after.compare_to(before, "filename")
-                if s.size_diff > 0 and "tracemalloc" not in str(s.traceback))
+
+    grown = _bytes_kept(steps)
     assert grown < 4096, f"{grown} bytes allocated and kept over 100 decode steps"
 
 

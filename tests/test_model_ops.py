@@ -203,7 +203,7 @@ def test_topk(isa, n, k):
         ops.topk(x, np.zeros(k - 1, np.float32), idx)
 
 
-# ---------------------------------------------------------------- one dispatch, one pool (issue 12)
+# ---------------------------------------------------------------- one dispatch, one pool
 def test_ops_follow_the_kernels_isa_and_thread_count():
     before = K.get_num_threads()
     try:

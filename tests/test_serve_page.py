@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import time
 
 import httpx
 import pytest
@@ -83,10 +82,7 @@ def test_chat_page_stop_long_answer(browser, tmp_path_factory):
         n = int(page.inner_text("#stats").split()[2])
         assert 0 < n < 3000
         assert page.is_enabled("#send") and not page.is_enabled("#stop")
-        deadline = time.monotonic() + 5
-        while httpx.get(s.url + "/slots").json()["slots"] and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert httpx.get(s.url + "/slots").json()["slots"] == []
+        assert s.slots_when_idle()["slots"] == []
         page.close()
     finally:
         assert s.stop()[0] == 0

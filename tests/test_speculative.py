@@ -16,14 +16,6 @@ from test_model_fixtures import make_synth
 GREEDY = SamplingParams(temperature=0.0)
 
 
-@pytest.fixture
-def isa(request):
-    K.set_isa(request.param)
-    yield request.param
-    K.set_isa(None)
-    K.set_num_threads(0)
-
-
 # ---- kernels --------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("isa", ISAS, indirect=True)
 @pytest.mark.parametrize("n,k", [(1, 4), (37, 100), (250, 68), (100, 3200), (3840, 2560), (33, 8640)])
