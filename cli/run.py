@@ -170,6 +170,7 @@ def main(args) -> int:
               f"load: {stats.load_s * 1000:.0f} ms, weights {llm.store.load_summary()} | prompt: {stats.n_prompt} tokens ({stats.n_cached} cached), "
               f"{stats.prefill_tps:.1f} tok/s | first token: {stats.ttft_s * 1000:.0f} ms | "
               f"generated: {stats.n_generated} tokens, {stats.decode_tps:.1f} tok/s | stop: {stats.finish_reason}"
-              + (f" | drafts: {stats.n_accepted}/{stats.n_drafted} tokens accepted" if stats.n_drafted else ""),
+              + (f" | drafts (lookup, forced tokens): {stats.n_accepted}/{stats.n_drafted} draft tokens accepted"
+                 if stats.n_drafted else ""),
               file=sys.stderr)
     return 0
