@@ -1,4 +1,4 @@
-"""Ternary Bonsai decode, ours vs llama.cpp on the same Q2_0 GGUF, in one run (issue 15 stretch).
+"""Ternary Bonsai decode, ours vs llama.cpp on the same Q2_0 GGUF, in one run.
 
     python bench/bench_bonsai.py [--shape 1.7b|small] [--tokens 64] [--repeats 3] [--threads 2]
                                  [--llama-bench PATH/TO/llama-bench]

@@ -1,4 +1,4 @@
-"""Prompt lookup in the batching engine (issue 16): aggregate tok/s with lookup off vs on, at 1 and N concurrent
+"""Prompt lookup in the batching engine: aggregate tok/s with lookup off vs on, at 1 and N concurrent
 requests on repetitive prompts, with the acceptance rate. Runs are interleaved (off, on, off, on, ...) because
 the machine may be shared; min / median / max over the repeats are reported.
 

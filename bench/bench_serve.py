@@ -69,7 +69,7 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 600) -> None
     t_end = time.monotonic() + timeout
     while time.monotonic() < t_end:
         if proc.poll() is not None:
-            raise RuntimeError(f"server exited {proc.returncode}: {proc.stderr.read()[-2000:]}")
+            raise RuntimeError(f"server exited {proc.returncode}: {proc.stderr.read()[-2000:] if proc.stderr else ''}")
         try:
             if httpx.get(url + "/health", timeout=5).status_code == 200:
                 return
@@ -139,11 +139,16 @@ def run_engine(engine, a, paths, llama_bin, levels) -> dict:
             out["levels"].append(r)
         return out
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_server(proc)
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    """SIGTERM (both servers drain and exit on it), SIGKILL after 30 s."""
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
 
 
 def report(res: dict, out_dir: str):

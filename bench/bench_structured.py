@@ -30,6 +30,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+from bench_serve import free_port, stop_server, wait_healthy  # noqa: E402  (bench/, this script's folder)
 
 EXTRACTION = {
     "type": "object", "additionalProperties": False,
@@ -145,43 +146,15 @@ def _http_load(url: str, n: int, body: dict) -> float:
     return sum(counts) / dt
 
 
-def _wait_health(url: str, proc, timeout: float = 300):
-    import httpx
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited {proc.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except Exception:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError("server did not become healthy")
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def http_row(cmd: list[str], port: int, n: int, repeats: int, body: dict) -> list[float]:
     url = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        _wait_health(url, proc)
+        wait_healthy(url, proc)
         _http_load(url + "/v1/chat/completions", 1, body)   # warm-up (llama-server compiles the grammar)
         return [_http_load(url + "/v1/chat/completions", n, body) for _ in range(repeats)]
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_server(proc)
 
 
 def main(argv=None) -> int:

@@ -1,4 +1,4 @@
-"""Decode rows per weight layout / LM head, and prompt-lookup speculation, measured in one run (issue 16).
+"""Decode rows per weight layout / LM head, and prompt-lookup speculation, measured in one run.
 
     python bench/decode_rows.py [--tokens 64] [--repeats 2] [--threads 2] [--heads i8,q4,f16] [--weights t2,t1.6]
     python bench/bench_e2e.py --decode-rows ...      (appends the same tables to RESULTS.md)

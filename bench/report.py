@@ -9,7 +9,7 @@ from __future__ import annotations
 import statistics
 from typing import Callable, Iterable
 
-# Quoted, not measured in this run: figures from issue 7, measured earlier on this machine
+# Quoted, not measured in this run: figures measured earlier on this machine, before this benchmark existed
 # (2 threads, 2B-4T shape, synthetic weights).
 QUOTED = {
     "bitnet.cpp I2_S decode tok/s": 12.6,
@@ -94,7 +94,7 @@ def aggregate(sessions: list[dict], cold: list[dict], turns: int, decode: int = 
 
 def targets(table: dict, ours_bytes_per_token: int, bandwidth_Bps: float, store_bytes: int, kv_bytes: int,
             turns: int, peak_mac_per_s: float | None, macs_per_token: float) -> list[dict]:
-    """Each issue-7 target: the measured median, the goal, met or missed and by how much."""
+    """Each target (decode, bandwidth share, prefill, load, memory, chat TTFT): the measured median, the goal, met or missed and by how much."""
     def med(key, eng="ours"):
         st = (table.get(key) or {}).get(eng)
         return st["median"] if st else None
@@ -184,14 +184,14 @@ def markdown(ctx: dict) -> str:
         L.append(f"| {row['engine']} | {row['bytes'] / MIB:.0f} MiB ({row['what']}) | {row['limit']:.1f} tok/s | "
                  f"{_fmt(row['decode'], 'tok/s')} tok/s | {_pct(row['decode'], row['limit'])} |")
     L.append("")
-    L.append("## Targets (issue 7)\n")
+    L.append("## Targets\n")
     L.append("| target | measured (median) | goal | status | note |")
     L.append("|---|---|---|---|---|")
     for t in ctx["targets"]:
         L.append(f"| {t['target']} | {t['measured']} | {t['goal']} | {t['status']} | {t['note']} |")
     L.append("")
     L.append("## Quoted reference figures (NOT measured in this run)\n")
-    L.append("From issue 7, measured earlier on this machine (2 threads, 2B-4T shape, synthetic weights).\n")
+    L.append("Measured earlier on this machine, before this benchmark existed (2 threads, 2B-4T shape, synthetic weights).\n")
     L.append("| reference | quoted | ours (this run, median) | ours / quoted |")
     L.append("|---|---|---|---|")
     for row in ctx["quoted_rows"]:

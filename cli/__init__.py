@@ -1,7 +1,7 @@
 # PYTHON_ARGCOMPLETE_OK
 """`bitnet`: the command line. Subcommands live in cli/<name>.py; `bitchat` is cli/chat.py.
 
-Exit codes (engine/errors.py; README "Errors"): 0 ok; 2 bad input — errors the user can act on
+Exit codes (engine/errors.py; docs/usage.md "Errors"): 0 ok; 2 bad input — errors the user can act on
 (engine.errors.BitNetError) print one line to stderr, and so does a model file truncated or rewritten while
 mapped (the C SIGBUS guard, engine/faults.py); 70 an engine bug (KernelError or any unexpected exception:
 one line asking for a report, BITNET_DEBUG=1 shows the traceback); 130 Ctrl-C, keeping what was printed;

@@ -59,6 +59,9 @@ def add_engine_args(p: argparse.ArgumentParser, *, n_predict_default: int | None
                    help="context size in tokens, of each sequence (default: min(model's, 4096))%(default).0s")
     p.add_argument("-t", "--threads", type=int, default=None, metavar="N",
                    help="CPU threads (default: one per physical core, or $OMP_NUM_THREADS)%(default).0s")
+    p.add_argument("--kv", dest="kv", choices=("f16", "f32", "q8"), default="f16",
+                   help="KV cache precision (q8: int8 with a scale per position, 0.52x the memory of f16; "
+                        "docs/kv-cache.md)")
     p.add_argument("--mmap", dest="mmap", action="store_const", const=True, default=None,
                    help="map the model file instead of reading its weights into huge-page memory: starts at once "
                         "and shares the file's pages with other processes, decodes ~10%% slower (default: models "

@@ -28,7 +28,6 @@ def add_arguments(p):
     p.add_argument("--ignore-eos", action="store_true",
                    help="never end at the end-of-text token (only -n, the context or --stop end it)%(default).0s")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)%(default).0s")
-    p.add_argument("--kv", choices=("f16", "f32"), default="f16", help="KV cache precision")
     p.add_argument("--lm-head", choices=("q4", "i8", "f16"), default=None,
                    help="LM head precision when the model gets converted (default: the converter's)%(default).0s")
     p.add_argument("--json", action="store_true",
@@ -171,6 +170,7 @@ def main(args) -> int:
               f"load: {stats.load_s * 1000:.0f} ms, weights {llm.store.load_summary()} | prompt: {stats.n_prompt} tokens ({stats.n_cached} cached), "
               f"{stats.prefill_tps:.1f} tok/s | first token: {stats.ttft_s * 1000:.0f} ms | "
               f"generated: {stats.n_generated} tokens, {stats.decode_tps:.1f} tok/s | stop: {stats.finish_reason}"
-              + (f" | drafts: {stats.n_accepted}/{stats.n_drafted} tokens accepted" if stats.n_drafted else ""),
+              + (f" | drafts (lookup, forced tokens): {stats.n_accepted}/{stats.n_drafted} draft tokens accepted"
+                 if stats.n_drafted else ""),
               file=sys.stderr)
     return 0

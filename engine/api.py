@@ -30,7 +30,7 @@ from .config import ModelConfig
 from .cpu import available_cores, default_threads
 from .errors import BitNetError, ConstraintError, FormatError, QueueFullError
 from .runtime.generate import Chunk, Stats, generate as _generate
-from .runtime.model import Model
+from .runtime.model import Model, check_kv_dtype
 from .runtime.constraints import Constraint, compile_constraint
 from .runtime.sampling import SamplingParams
 from .runtime.speculative import LookupParams
@@ -243,8 +243,7 @@ class Engine(_Text, BatchScheduler):
         self.threads = threads = _checked_threads(threads, self.warnings)
         if ctx is not None and ctx < 1:
             raise BitNetError(f"-c/--ctx {ctx}: must be >= 1")
-        if kv_dtype not in ("f16", "f32"):
-            raise BitNetError(f"kv_dtype {kv_dtype!r}: expected 'f16' or 'f32'")
+        check_kv_dtype(kv_dtype)
         n_ctx = int(ctx or min(cfg.context_length, 4096))
         from .batching.kv_pool import KVPool
         per_tok = KVPool.bytes_per_token(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, kv_dtype)

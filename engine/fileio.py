@@ -10,6 +10,15 @@ from . import faults
 from .errors import FormatError
 
 
+def starts_with(path: str | os.PathLike, magic: bytes) -> bool:
+    """Whether the file begins with `magic` (False when it cannot be read): how each reader recognizes its files."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(magic)) == magic
+    except OSError:
+        return False
+
+
 def map_readonly(path: str, min_size: int, kind: str) -> tuple[mmap.mmap, int]:
     """Map `path` read-only; raise FormatError if it cannot be opened or mapped, or is under `min_size` bytes."""
     try:

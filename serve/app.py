@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
 import os
 import socket
@@ -24,11 +23,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from .auth import AuthMiddleware, KeyChecker
+from .limits import Limits, LimitsMiddleware
 from .logprobs import TokenText, chat_entry, completion_logprobs
 from .metrics import CONTENT_TYPE, ServerMetrics
+from .offload import BodyRefused, offloop_route, run_off_loop, too_long_for_context
 from .schemas import ChatCompletionRequest, CompletionRequest
 
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context": "length", "cancelled": "stop"}
+ENGINE_FAULT = "the engine failed while generating this answer (the server goes on; see its log)"
 PAGE = os.path.join(os.path.dirname(__file__), "chat.html")
 
 
@@ -94,11 +97,14 @@ class ServerState:
 
 def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id: str | None = None,
                retry_after: int = 1, on_shutdown: Callable[[], None] | None = None,
-               sampling: Any = None, strict_model: bool = False) -> FastAPI:
+               sampling: Any = None, strict_model: bool = False, limits: Limits | None = None,
+               api_keys: tuple = (), metrics_public: bool = False) -> FastAPI:
     """The ASGI app. load() -> an engine with ENGINE_API.md's interface (called once, in a thread).
     sampling: SamplingParams whose values a request's omitted sampling fields take (None: the engine's).
     model_id: the id the server answers with (None: the model's name; `--alias`); strict_model: a request
-    naming another model gets a 404 (default: it is answered by this one, as llama-server does)."""
+    naming another model gets a 404 (default: it is answered by this one, as llama-server does).
+    limits: serve/limits.py's (None: its defaults); api_key / api_keys: the keys every endpoint but /health
+    needs (serve/auth.py), /metrics too unless metrics_public."""
     state = ServerState(load, api_key, model_id, retry_after, strict_model)
     metrics = ServerMetrics(state.engine_metrics)
 
@@ -110,9 +116,16 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         if on_shutdown:
             on_shutdown()
 
-    app = FastAPI(title="bitnet serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="bitnet serve", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url="/openapi.json")
+    # JSON bodies parsed off the event loop and bounded by the context (serve/offload.py)
+    app.router.route_class = offloop_route(lambda: state.engine.n_ctx if state.engine is not None else None)
     app.state.bitnet = state
     app.state.metrics = metrics
+    # the last added runs first: request counting (below), then keys (before any body is read), then limits
+    app.add_middleware(LimitsMiddleware, limits=limits or Limits())
+    app.add_middleware(AuthMiddleware, checker=KeyChecker(([api_key] if api_key else []) + list(api_keys)),
+                       metrics_public=metrics_public)
 
     @app.exception_handler(APIError)
     async def _api_error(request, e: APIError):
@@ -120,6 +133,15 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request, e: RequestValidationError):
+        return in_family(request, validation_response(e))
+
+    def in_family(request, resp):
+        """ollama's routes (/api/) answer errors as {"error": "message"}; the rest in OpenAI's shape."""
+        if not request.url.path.startswith("/api/"):
+            return resp
+        return JSONResponse({"error": json.loads(resp.body)["error"]["message"]}, status_code=resp.status_code)
+
+    def validation_response(e: RequestValidationError):
         err = e.errors()[0] if e.errors() else {}
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
         if err.get("type") == "json_invalid":
@@ -134,10 +156,14 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         return error_response(400, msg, param=param,
                               code="invalid_value")
 
+    @app.exception_handler(BodyRefused)
+    async def _refused(request, e: BodyRefused):
+        return in_family(request, error_response(400, str(e.detail), param=e.param, code=e.code))
+
     @app.exception_handler(StarletteHTTPException)
     async def _http(request, e):
         type_ = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        return error_response(e.status_code, str(e.detail), type_)
+        return in_family(request, error_response(e.status_code, str(e.detail), type_))
 
     @app.middleware("http")
     async def _count(request: Request, call_next):
@@ -149,13 +175,7 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         return resp
 
     def ready(request: Request):
-        """Auth first (a wrong key learns nothing), then availability."""
-        if state.api_key is not None:
-            auth = request.headers.get("authorization", "")
-            key = auth[7:] if auth.lower().startswith("bearer ") else ""
-            if not hmac.compare_digest(key.encode(), state.api_key.encode()):
-                raise APIError(401, "invalid API key (send 'Authorization: Bearer KEY')", "authentication_error",
-                               code="invalid_api_key")
+        """Availability (the key was checked before the body was read: serve/auth.py)."""
         if state.draining:
             raise APIError(503, "server is shutting down", "server_error", code="shutting_down",
                            headers={"Retry-After": str(state.retry_after)})
@@ -163,6 +183,11 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
             msg = f"model failed to load: {state.load_error}" if state.load_error else "model is loading"
             raise APIError(503, msg, "server_error", code="loading", headers={"Retry-After": str(state.retry_after)})
         return state.engine
+
+    async def refuse_too_long(eng, n_chars, param):
+        msg = await too_long_for_context(eng, n_chars)
+        if msg:
+            raise APIError(400, msg, param=param, code="context_length_exceeded")
 
     def check_model(name):
         """llama-server's rule by default: any name is answered by the loaded model (clients send fixed names);
@@ -327,6 +352,10 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
             while True:
                 i, ch = await q.get()
                 every = got.add(i, ch, timer)
+                if ch.finish_reason == "error":   # this request's sequence failed; the others go on
+                    yield sse({"error": {"message": ENGINE_FAULT, "type": "server_error", "param": None,
+                                         "code": "engine_error"}})
+                    return
                 if ch.text:
                     c = make_chunk(i, ch.text, None, lps=got.logprobs[i][sent[i]:])
                     if c is not None:   # None: text held back (a tool call being written); its logprobs wait
@@ -369,6 +398,8 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         got, timer = await run_to_end(request, streams, q)
         if got is None:
             return Response(status_code=499)
+        if any(f.finish_reason == "error" for f in got.finals):   # this request's sequence failed; others go on
+            raise APIError(500, ENGINE_FAULT, "server_error", code="engine_error")
         usage, timings = timer.done(n_prompt, got.finals)
         choices = [make_choice(i, "".join(got.texts[i]), got.finish(i), got.logprobs[i]) for i in range(len(streams))]
         return {"choices": choices, "usage": usage, "timings": timings}
@@ -378,9 +409,10 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         eng = ready(request)
         check_model(body.model)
         msgs = [m.as_dict() for m in body.messages]
+        await refuse_too_long(eng, sum(len(m["content"]) for m in msgs), "messages")
         tools, tool_spec, new_parser = tool_setup(eng, body)
         try:
-            prompt_ids = eng.chat_prompt(msgs, tools=tools)
+            prompt_ids = await run_off_loop(eng.chat_prompt, msgs, tools=tools)
         except Exception as e:  # the template rejected the conversation (e.g. roles out of order)
             raise APIError(400, f"messages: {e}", param="messages", code="invalid_value") from None
         constraint = await compile_constraint(eng, body, tool_spec)
@@ -444,7 +476,8 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
                 raise APIError(400, "prompt: token id out of the vocabulary", param="prompt", code="invalid_value")
         else:
             text = p[0] if isinstance(p, list) and p else (p if isinstance(p, str) else "")
-            prompt_ids = eng.tokenize(text, add_bos=True)
+            await refuse_too_long(eng, len(text), "prompt")
+            prompt_ids = await run_off_loop(eng.tokenize, text, add_bos=True)
         constraint = await compile_constraint(eng, body)
         streams, q = submit(eng, body, prompt_ids, asyncio.get_running_loop(), constraint)
         cid, created, model = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time()), state.model_id

@@ -27,7 +27,8 @@ class _EngineCollector:
                   ("bitnet_requests_waiting", "requests queued for a slot", "waiting"),
                   ("bitnet_kv_pages_total", "pages in the KV pool", "kv_pages_total"),
                   ("bitnet_kv_pages_used", "KV pool pages in use (sequences and prefix cache)", "kv_pages_used"),
-                  ("bitnet_kv_page_tokens", "tokens per KV page", "kv_page_tokens")]
+                  ("bitnet_kv_page_tokens", "tokens per KV page", "kv_page_tokens"),
+                  ("bitnet_kv_pool_bytes", "bytes of the KV pool (its dtype: /slots kv_dtype)", "kv_pool_bytes")]
         for name, doc, key in gauges:
             g = GaugeMetricFamily(name, doc)
             g.add_metric([], float(m.get(key, 0)))

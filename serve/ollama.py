@@ -201,6 +201,14 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
         if body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20:
             raise OllamaError(400, f"top_logprobs {body.top_logprobs}: must be in 0..20")
 
+    async def generation_request(request: Request, cls):
+        """The engine, and the body parsed and checked (model name, options, what this model cannot do)."""
+        eng = engine(request)
+        body = await parse(request, cls)
+        check_model(body.model)
+        refuse_common(body)
+        return eng, body
+
     async def constraint_of(eng, body: _Body, tool_spec=None):
         from ..engine.errors import ConstraintError
         from ..engine.runtime.constraints import Constraint
@@ -352,10 +360,7 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
 
     @app.post("/api/chat")
     async def api_chat(request: Request):
-        eng = engine(request)
-        body = await parse(request, ChatBody)
-        check_model(body.model)
-        refuse_common(body)
+        eng, body = await generation_request(request, ChatBody)
 
         def piece(text, calls=()):
             message = {"role": "assistant", "content": text}
@@ -386,10 +391,7 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
 
     @app.post("/api/generate")
     async def api_generate(request: Request):
-        eng = engine(request)
-        body = await parse(request, GenerateBody)
-        check_model(body.model)
-        refuse_common(body)
+        eng, body = await generation_request(request, GenerateBody)
         if body.images:
             raise OllamaError(400, "images: this model takes text only")
         if body.suffix:

@@ -18,7 +18,8 @@ from .app import create_app
 
 def build(model: str | None = None, *, threads: int | None = 1, parallel: int = 16, ctx: int | None = None,
           max_queue: int = 64, api_key: str | None = None, replicas: int = 1, kv: str = "f16", lookup=None,
-          sampling=None, mmap: bool | None = None, alias: str | None = None, strict_model: bool = False):
+          sampling=None, mmap: bool | None = None, alias: str | None = None, strict_model: bool = False,
+          api_keys: tuple = (), limits=None, metrics_public: bool = False):
     """A bound Ray Serve application with `replicas` replicas of the server (lookup: engine LookupParams;
     sampling: the SamplingParams a request's omitted sampling fields take; mmap: load_engine's — each replica
     otherwise reads its own copy of the weights into memory, while memory lasts)."""
@@ -28,7 +29,10 @@ def build(model: str | None = None, *, threads: int | None = 1, parallel: int = 
         return load_engine(model, ctx=ctx, threads=threads, parallel=parallel, max_queue=max_queue, kv_dtype=kv,
                            progress=False, lookup=lookup, mmap=mmap)
 
-    fastapi_app = create_app(load, api_key=api_key, sampling=sampling, model_id=alias, strict_model=strict_model)
+    # limits: body, headers, request time (serve/limits.py's middleware); connections and slow clients are
+    # the Ray proxy's to bound
+    fastapi_app = create_app(load, api_key=api_key, sampling=sampling, model_id=alias, strict_model=strict_model,
+                             api_keys=api_keys, limits=limits, metrics_public=metrics_public)
 
     # num_cpus=0: the engine's own threads do the work; Ray must not refuse replicas on a small machine
     @serve.deployment(name="bitnet", num_replicas=replicas, ray_actor_options={"num_cpus": 0},
@@ -58,7 +62,7 @@ def build_from_env():
 app = build_from_env()
 
 
-def run_ray(args, sampling=None) -> int:
+def run_ray(args, sampling=None, api_keys: tuple = (), limits=None) -> int:
     """`bitnet serve --ray-replicas N`: a local Ray instance, the deployment on host:port, Ctrl-C/SIGTERM stop;
     sampling: the server-wide SamplingParams defaults (from the command's flags)."""
     import signal
@@ -78,7 +82,8 @@ def run_ray(args, sampling=None) -> int:
         serve.run(build(args.model, threads=args.threads or 1, parallel=args.parallel, ctx=args.ctx,
                         max_queue=args.max_queue, api_key=args.api_key, replicas=args.ray_replicas, kv=args.kv,
                         lookup=lookup_from_flags(args.draft_max, args.lookup_ngram_min),
-                        sampling=sampling, mmap=args.mmap, alias=args.alias, strict_model=args.strict_model_name),
+                        sampling=sampling, mmap=args.mmap, alias=args.alias, strict_model=args.strict_model_name,
+                        api_keys=api_keys, limits=limits, metrics_public=args.metrics_public),
                   name="bitnet", route_prefix="/", blocking=False)
         print(f"bitnet serve: {args.ray_replicas} Ray Serve replicas on http://{args.host}:{args.port}",
               file=sys.stderr, flush=True)

@@ -16,16 +16,18 @@ cdef extern from "ops.h":
     void ops_head_rescore(const uint16_t *table, int d, const float *x, int m, float *logits, int vocab, int k,
                           float *heap_vals, int32_t *idx) nogil
     int ops_attention(float *qkv, int m, int n_heads, int n_kv, int head_dim, const float *rope_cos,
-                       const float *rope_sin, int pos0, void *k_cache, void *v_cache, int kv_f16, int n_ctx,
+                       const float *rope_sin, int pos0, void *k_cache, void *v_cache, int kv_type, int n_ctx,
                        float *out, float *scratch, int scratch_rows) nogil
     int ops_attention_paged(float *qkv, int n_heads, int n_kv, int head_dim, const float *rope_cos,
                              const float *rope_sin, int n_seqs, const int32_t *seq_rows, const int32_t *seq_pos0,
-                             const int32_t *page_table, int max_pages, void *k_pool, void *v_pool, int kv_f16,
+                             const int32_t *page_table, int max_pages, void *k_pool, void *v_pool, int kv_type,
                              float *out, float *scratch, int scratch_rows, int scratch_len) nogil
 
 cdef extern from "ops.h":
     int OPS_ATT_SCRATCH_ROWS
     int OPS_KT_BLOCK
+    int OPS_KV_Q8
+    int OPS_Q8_MAX_HD
 
 ACT_RELU2 = 0
 ATTENTION_SCRATCH_ROWS = OPS_ATT_SCRATCH_ROWS  # scratch rows per query head
@@ -168,45 +170,131 @@ def attention_paged(float[:, ::1] qkv, int n_heads, int n_kv, int head_dim, cons
     seq_rows[i]:seq_rows[i+1] of qkv / out at positions seq_pos0[i].., its 32-position blocks in pages
     page_table[i] (k_pool [n_pages, n_kv, head_dim, 32], v_pool [n_pages, n_kv, 32, head_dim]).
     scratch [>= ATTENTION_SCRATCH_ROWS (per thread), >= every sequence's last position + 1]."""
-    cdef int m = qkv.shape[0], n = seq_pos0.shape[0], q_dim = n_heads * head_dim
-    cdef int max_pages = page_table.shape[1], n_pages = k_pool.shape[0], i, b, r0, r1, last
-    if n_kv <= 0 or n_heads % n_kv or head_dim % 2 or qkv.shape[1] != q_dim + 2 * n_kv * head_dim:
-        _fail(f"attention_paged: qkv width {qkv.shape[1]} does not fit {n_heads} heads / {n_kv} kv heads x {head_dim}")
+    cdef int n_pages = k_pool.shape[0]
     if (k_pool.shape[1] != n_kv or k_pool.shape[2] != head_dim or k_pool.shape[3] != OPS_KT_BLOCK
             or v_pool.shape[0] != n_pages or v_pool.shape[1] != n_kv or v_pool.shape[2] != OPS_KT_BLOCK
             or v_pool.shape[3] != head_dim or n_pages < 1):
         _fail("attention_paged: pools are not k [n_pages, n_kv, head_dim, 32] and v [n_pages, n_kv, 32, head_dim]")
+    _check_paged("attention_paged", qkv, n_heads, n_kv, head_dim, rope_cos, rope_sin, seq_rows, seq_pos0,
+                 page_table, n_pages, out, scratch)
+    cdef int kv_f16 = 1 if kv_t is uint16_t else 0, rc
+    with nogil:
+        rc = ops_attention_paged(&qkv[0, 0], n_heads, n_kv, head_dim, &rope_cos[0, 0], &rope_sin[0, 0],
+                            seq_pos0.shape[0], &seq_rows[0], &seq_pos0[0], &page_table[0, 0], page_table.shape[1],
+                            <void *>&k_pool[0, 0, 0, 0], <void *>&v_pool[0, 0, 0, 0], kv_f16, &out[0, 0],
+                            &scratch[0, 0], scratch.shape[0], scratch.shape[1])
+    if rc:
+        raise MemoryError("attention_paged: no memory for the sequence table or the pieces' workspace")
+
+
+cdef int _check_paged(str fn, float[:, ::1] qkv, int n_heads, int n_kv, int head_dim, const float[:, ::1] rope_cos,
+                      const float[:, ::1] rope_sin, const int32_t[::1] seq_rows, const int32_t[::1] seq_pos0,
+                      const int32_t[:, ::1] page_table, int n_pages, float[:, ::1] out,
+                      float[:, ::1] scratch) except -1:
+    """The checks the paged attention wrappers share (everything but the pools' own shapes)."""
+    cdef int m = qkv.shape[0], n = seq_pos0.shape[0], q_dim = n_heads * head_dim
+    cdef int max_pages = page_table.shape[1], i, b, r0, r1, last
+    if n_kv <= 0 or n_heads % n_kv or head_dim % 2 or qkv.shape[1] != q_dim + 2 * n_kv * head_dim:
+        _fail(f"{fn}: qkv width {qkv.shape[1]} does not fit {n_heads} heads / {n_kv} kv heads x {head_dim}")
     if seq_rows.shape[0] != n + 1 or page_table.shape[0] < n or n < 1:
-        _fail(f"attention_paged: seq_rows has {seq_rows.shape[0]} entries, page_table {page_table.shape[0]} rows "
+        _fail(f"{fn}: seq_rows has {seq_rows.shape[0]} entries, page_table {page_table.shape[0]} rows "
               f"for {n} sequences")
     if (out.shape[0] < m or out.shape[1] != q_dim or scratch.shape[0] < OPS_ATT_SCRATCH_ROWS
             or rope_cos.shape[1] != head_dim // 2 or rope_sin.shape[0] != rope_cos.shape[0]
             or rope_sin.shape[1] != rope_cos.shape[1]):
-        _fail("attention_paged: out, scratch or rope tables do not fit")
+        _fail(f"{fn}: out, scratch or rope tables do not fit")
     if seq_rows[0] < 0 or seq_rows[n] > m:
-        _fail(f"attention_paged: seq_rows span {seq_rows[0]}..{seq_rows[n]} outside the {m} rows of qkv")
+        _fail(f"{fn}: seq_rows span {seq_rows[0]}..{seq_rows[n]} outside the {m} rows of qkv")
     for i in range(n):
         r0, r1 = seq_rows[i], seq_rows[i + 1]
         if r1 < r0:
-            _fail(f"attention_paged: seq_rows is not non-decreasing at sequence {i}")
+            _fail(f"{fn}: seq_rows is not non-decreasing at sequence {i}")
         if r1 == r0:
             continue
         last = seq_pos0[i] + (r1 - r0) - 1
         if (seq_pos0[i] < 0 or last >= max_pages * OPS_KT_BLOCK or last >= rope_cos.shape[0]
                 or last >= scratch.shape[1]):
-            _fail(f"attention_paged: sequence {i} positions {seq_pos0[i]}..{last} do not fit its page table, "
+            _fail(f"{fn}: sequence {i} positions {seq_pos0[i]}..{last} do not fit its page table, "
                   "rope tables or scratch")
         for b in range(last // OPS_KT_BLOCK + 1):
             if page_table[i, b] < 0 or page_table[i, b] >= n_pages:
-                _fail(f"attention_paged: sequence {i} block {b} is page {page_table[i, b]} (pool has {n_pages})")
-    cdef int kv_f16 = 1 if kv_t is uint16_t else 0, rc
+                _fail(f"{fn}: sequence {i} block {b} is page {page_table[i, b]} (pool has {n_pages})")
+    return 0
+
+
+Q8_MAX_HEAD_DIM = OPS_Q8_MAX_HD
+
+
+cdef int _check_q8_head_dim(str fn, int head_dim) except -1:
+    if head_dim <= 0 or head_dim % 4 or head_dim > OPS_Q8_MAX_HD:
+        _fail(f"{fn}: head_dim {head_dim}: an int8 KV cache needs a multiple of 4 up to {OPS_Q8_MAX_HD}")
+    return 0
+
+
+def q8_block_bytes(int head_dim):
+    """Bytes of one int8 block of KEY_BLOCK positions of one KV head: the values, then one f32 scale per position."""
+    return OPS_KT_BLOCK * head_dim + OPS_KT_BLOCK * 4
+
+
+def q8_cache_shape(int n_kv, int n_ctx, int head_dim):
+    """Shape (int8) of one layer's key or value cache with int8 K/V: [n_kv, ceil(n_ctx / KEY_BLOCK), q8_block_bytes]."""
+    return (n_kv, (n_ctx + OPS_KT_BLOCK - 1) // OPS_KT_BLOCK, q8_block_bytes(head_dim))
+
+
+def paged_q8_pool_shape(int n_pages, int n_kv, int head_dim):
+    """Shape (int8) of one layer's paged key or value pool with int8 K/V: [n_pages, n_kv, q8_block_bytes]."""
+    return (n_pages, n_kv, q8_block_bytes(head_dim))
+
+
+def attention_q8(float[:, ::1] qkv, int n_heads, int n_kv, int head_dim, const float[:, ::1] rope_cos,
+                 const float[:, ::1] rope_sin, int pos0, int n_ctx, int8_t[:, :, ::1] k_cache,
+                 int8_t[:, :, ::1] v_cache, float[:, ::1] out, float[:, ::1] scratch):
+    """attention() over an int8 cache: k_cache and v_cache q8_cache_shape(n_kv, n_ctx, head_dim) (keys transposed
+    in each block, values row by row, one f32 scale per position per KV head after each block's values)."""
+    cdef int m = qkv.shape[0], q_dim = n_heads * head_dim
+    if n_kv <= 0 or n_heads % n_kv or head_dim % 2 or qkv.shape[1] != q_dim + 2 * n_kv * head_dim:
+        _fail(f"attention_q8: qkv width {qkv.shape[1]} does not fit {n_heads} heads / {n_kv} kv heads x {head_dim}")
+    _check_q8_head_dim("attention_q8", head_dim)
+    shape = q8_cache_shape(n_kv, n_ctx, head_dim)
+    if (n_ctx < 1 or (k_cache.shape[0], k_cache.shape[1], k_cache.shape[2]) != shape
+            or (v_cache.shape[0], v_cache.shape[1], v_cache.shape[2]) != shape):
+        _fail(f"attention_q8: caches are not q8_cache_shape(n_kv, n_ctx, head_dim) = {shape}")
+    if pos0 < 0 or pos0 + m > n_ctx or rope_cos.shape[0] < pos0 + m or rope_cos.shape[1] != head_dim // 2 \
+            or rope_sin.shape[0] != rope_cos.shape[0] or rope_sin.shape[1] != rope_cos.shape[1]:
+        _fail(f"attention_q8: positions {pos0}..{pos0 + m - 1} do not fit the cache ({n_ctx}) / rope tables")
+    if (out.shape[0] < m or out.shape[1] != q_dim or scratch.shape[0] < OPS_ATT_SCRATCH_ROWS
+            or scratch.shape[1] < n_ctx):
+        _fail("attention_q8: out or scratch too small")
+    cdef int rc
     with nogil:
-        rc = ops_attention_paged(&qkv[0, 0], n_heads, n_kv, head_dim, &rope_cos[0, 0], &rope_sin[0, 0], n,
-                            &seq_rows[0], &seq_pos0[0], &page_table[0, 0], max_pages, <void *>&k_pool[0, 0, 0, 0],
-                            <void *>&v_pool[0, 0, 0, 0], kv_f16, &out[0, 0], &scratch[0, 0], scratch.shape[0],
-                            scratch.shape[1])
+        rc = ops_attention(&qkv[0, 0], m, n_heads, n_kv, head_dim, &rope_cos[0, 0], &rope_sin[0, 0], pos0,
+                           <void *>&k_cache[0, 0, 0], <void *>&v_cache[0, 0, 0], OPS_KV_Q8, n_ctx, &out[0, 0],
+                           &scratch[0, 0], scratch.shape[0])
     if rc:
-        raise MemoryError("attention_paged: no memory for the sequence table or the pieces' workspace")
+        raise MemoryError("attention_q8: no memory for the workspace of a long context's pieces")
+
+
+def attention_paged_q8(float[:, ::1] qkv, int n_heads, int n_kv, int head_dim, const float[:, ::1] rope_cos,
+                       const float[:, ::1] rope_sin, const int32_t[::1] seq_rows, const int32_t[::1] seq_pos0,
+                       const int32_t[:, ::1] page_table, int8_t[:, :, ::1] k_pool, int8_t[:, :, ::1] v_pool,
+                       float[:, ::1] out, float[:, ::1] scratch):
+    """attention_paged() over int8 pools: k_pool and v_pool paged_q8_pool_shape(n_pages, n_kv, head_dim)."""
+    cdef int n_pages = k_pool.shape[0]
+    _check_q8_head_dim("attention_paged_q8", head_dim)
+    shape = paged_q8_pool_shape(n_pages, n_kv, head_dim)
+    if (n_pages < 1 or (k_pool.shape[0], k_pool.shape[1], k_pool.shape[2]) != shape
+            or (v_pool.shape[0], v_pool.shape[1], v_pool.shape[2]) != shape):
+        _fail(f"attention_paged_q8: pools are not paged_q8_pool_shape(n_pages, n_kv, head_dim) = {shape}")
+    _check_paged("attention_paged_q8", qkv, n_heads, n_kv, head_dim, rope_cos, rope_sin, seq_rows, seq_pos0,
+                 page_table, n_pages, out, scratch)
+    cdef int rc
+    with nogil:
+        rc = ops_attention_paged(&qkv[0, 0], n_heads, n_kv, head_dim, &rope_cos[0, 0], &rope_sin[0, 0],
+                            seq_pos0.shape[0], &seq_rows[0], &seq_pos0[0], &page_table[0, 0], page_table.shape[1],
+                            <void *>&k_pool[0, 0, 0], <void *>&v_pool[0, 0, 0], OPS_KV_Q8, &out[0, 0],
+                            &scratch[0, 0], scratch.shape[0], scratch.shape[1])
+    if rc:
+        raise MemoryError("attention_paged_q8: no memory for the sequence table or the pieces' workspace")
 
 
 def paged_key_pool_shape(int n_pages, int n_kv, int head_dim):

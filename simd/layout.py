@@ -45,13 +45,19 @@ def padded_shape(n: int, k: int) -> tuple[int, int]:
     return pad_to(n, TILE_ROWS), pad_to(k, K_ALIGN)
 
 
-def pack_ternary(w_t: np.ndarray) -> np.ndarray:
-    """W_t int [N, K] in {-1,0,1} -> uint8 [N_pad * K_pad / 4] in the tile16 layout."""
+def _ternary_matrix(w_t, who: str) -> np.ndarray:
+    """w_t as an array, checked to be a 2-D matrix of values in {-1, 0, +1} (ValueError naming `who` if not)."""
     w_t = np.asarray(w_t)
     if w_t.ndim != 2:
-        raise ValueError(f"pack_ternary: expected a 2-D matrix, got shape {w_t.shape}")
+        raise ValueError(f"{who}: expected a 2-D matrix, got shape {w_t.shape}")
     if w_t.size and (w_t.min() < -1 or w_t.max() > 1):
-        raise ValueError("pack_ternary: weights must be in {-1, 0, +1}")
+        raise ValueError(f"{who}: weights must be in {{-1, 0, +1}}")
+    return w_t
+
+
+def pack_ternary(w_t: np.ndarray) -> np.ndarray:
+    """W_t int [N, K] in {-1,0,1} -> uint8 [N_pad * K_pad / 4] in the tile16 layout."""
+    w_t = _ternary_matrix(w_t, "pack_ternary")
     return np.ascontiguousarray(_tile16_blocks(_codes(w_t))).reshape(-1)
 
 
@@ -273,11 +279,7 @@ def tile16b3_bytes(n: int, k: int) -> int:
 
 def pack_ternary_b3(w_t: np.ndarray) -> np.ndarray:
     """W_t int [N, K] in {-1,0,1} -> uint8 [tile16b3_bytes(N, K)] in the tile16b3 layout."""
-    w_t = np.asarray(w_t)
-    if w_t.ndim != 2:
-        raise ValueError(f"pack_ternary_b3: expected a 2-D matrix, got shape {w_t.shape}")
-    if w_t.size and (w_t.min() < -1 or w_t.max() > 1):
-        raise ValueError("pack_ternary_b3: weights must be in {-1, 0, +1}")
+    w_t = _ternary_matrix(w_t, "pack_ternary_b3")
     codes = _codes(w_t)
     n_pad, k_pad = codes.shape
     t, kb = n_pad // 16, k_pad // 16

@@ -51,6 +51,16 @@ class Server:
             _, err = self.proc.communicate()
         return self.proc.returncode, err
 
+    def slots_when_idle(self, timeout: float = 10.0) -> dict:
+        """GET /slots until no sequence is in flight, or until `timeout` s have passed (the caller's assertions
+        then fail on what was seen last)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            st = httpx.get(self.url + "/slots").json()
+            if not st["slots"] or time.monotonic() >= deadline:
+                return st
+            time.sleep(0.05)
+
     def rss_kb(self) -> int:
         with open(f"/proc/{self.proc.pid}/status") as f:
             for line in f:

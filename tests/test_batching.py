@@ -39,13 +39,47 @@ def _tokens(chunks):
     return [c.token for c in chunks if c.token is not None]
 
 
+class _Chunks(list):
+    """A submit() callback: keeps the chunks (made on the scheduler thread), sets `finished` on the last one, then
+    runs then(self) there too, between two steps, where what it does (cancel, read slots) lands at a fixed point."""
+
+    def __init__(self, then=None):
+        super().__init__()
+        self.finished, self._then = threading.Event(), then
+
+    def __call__(self, c):
+        self.append(c)
+        if c.finish_reason:
+            self.finished.set()
+        if self._then is not None:
+            self._then(self)
+
+    def wait(self, timeout=120.0):
+        assert self.finished.wait(timeout), "the stream never finished"
+        return self
+
+
+def _assert_every_page_returns(eng):
+    """The pool and prefix index agree, and once the index is dropped no page is in use."""
+    eng.check_consistency()
+    eng.clear_prefix_cache()
+    assert eng.metrics()["kv_pages_used"] == 0
+
+
+def _submit_together(eng, requests):
+    """Submit every (prompt, params, kwargs) between two scheduler steps, so the next step sees them all: how the
+    requests are batched (and so steps_total, drafts beside other rows) then depends on the workload alone, not
+    on how far the scheduler got while this thread was submitting them one by one."""
+    return eng.run_in_scheduler(lambda: [eng.submit(p, sp, **kw) for p, sp, kw in requests])
+
+
 # ---- the batched forward ------------------------------------------------------------------------------------
 
 class _Driver:
     """Runs sequences through a BatchModel by hand: teacher-forced tokens, pages from the pool."""
 
-    def __init__(self, store, n_pages=64, max_rows=256, n_ctx=256):
-        self.pool = KVPool(store.config.n_layers, n_pages, store.config.n_kv_heads, store.config.head_dim)
+    def __init__(self, store, n_pages=64, max_rows=256, n_ctx=256, kv_dtype="f16"):
+        self.pool = KVPool(store.config.n_layers, n_pages, store.config.n_kv_heads, store.config.head_dim, kv_dtype)
         self.bm = BatchModel(store, self.pool, max_rows=max_rows, n_ctx=n_ctx, max_logit_rows=max_rows)
         self.pages: dict[int, list[int]] = {}
         self.pos: dict[int, int] = {}
@@ -114,6 +148,32 @@ def test_batched_logits_equal_alone(synth, head, rows_max, monkeypatch):
         np.testing.assert_array_equal(np.concatenate(got[s]), want[s])
 
 
+def test_batched_q8_kv_equals_alone(synth):
+    """int8 pages: every row of a batched step (decode rows beside prefill chunks) equals the sequence alone in the
+    contiguous int8 cache, bit for bit."""
+    m, _, stores = synth
+    rng = np.random.default_rng(8)
+    seqs = {s: rng.integers(0, m.V, n).tolist() for s, n in enumerate([45, 20, 70, 5])}
+    store = Store(stores["f16"])
+    model = Model(store, n_ctx=256, kv_dtype="q8")
+    want = {s: model.forward(ids) for s, ids in seqs.items()}
+    d = _Driver(store, kv_dtype="q8")
+    done = {s: 0 for s in seqs}
+    got = {s: [] for s in seqs}
+    while any(done[s] < len(seqs[s]) for s in seqs):
+        work = []
+        for s in seqs:
+            left = len(seqs[s]) - done[s]
+            if left:
+                n = 1 if rng.random() < 0.5 else int(rng.integers(1, left + 1))
+                work.append((s, seqs[s][done[s]: done[s] + n]))
+                done[s] += n
+        for s, lg in d.step(work).items():
+            got[s].append(lg)
+    for s in seqs:
+        np.testing.assert_array_equal(np.concatenate(got[s]), want[s])
+
+
 # ---- the engine -----------------------------------------------------------------------------------------------
 
 def _prompts(V, n, rng, lo=3, hi=60):
@@ -143,9 +203,7 @@ def test_greedy_same_alone_and_with_15_others(synth):
         assert met["requests_total"] == 17 and met["running"] == 0 and met["waiting"] == 0
         # nothing held but the prefix index; dropping it returns every page
         assert met["kv_pages_used"] == met["kv_pages_cached"]
-        eng.check_consistency()
-        eng.clear_prefix_cache()
-        assert eng.metrics()["kv_pages_used"] == 0
+        _assert_every_page_returns(eng)
     finally:
         eng.close()
 
@@ -154,24 +212,16 @@ def test_cancel_frees_pages_and_close_cancels(synth):
     m, _, stores = synth
     eng = load_engine(stores["f16"], ctx=256, parallel=4, progress=False)
     try:
-        seen = threading.Event()
-        got = []
-
-        def cb(c):
-            got.append(c)
-            if len(got) == 3:
-                seen.set()
-
-        s = eng.submit(list(range(1, 50)), SamplingParams(temperature=0.9, seed=3), max_tokens=200, callback=cb)
-        assert seen.wait(60)
-        s.cancel()
-        t0 = time.monotonic()
-        while not (got and got[-1].finish_reason) and time.monotonic() - t0 < 60:
-            time.sleep(0.01)
-        assert got[-1].finish_reason == "cancelled" and got[-1].stats.n_generated < 200
-        eng.clear_prefix_cache()
-        assert eng.metrics()["kv_pages_used"] == 0
-        eng.check_consistency()
+        # cancelled on the scheduler thread after its third token (so how far it got is fixed), and submitted
+        # there too, so that `stream` holds it before the first step can call back
+        stream = []
+        got = _Chunks(then=lambda ch: len(ch) == 3 and stream[0].cancel())
+        sampled = SamplingParams(temperature=0.9, seed=3)
+        eng.run_in_scheduler(lambda: stream.append(eng.submit(list(range(1, 50)), sampled, max_tokens=200,
+                                                              callback=got)))
+        got.wait()
+        assert got[-1].finish_reason == "cancelled" and got[-1].stats.n_generated == 3
+        _assert_every_page_returns(eng)
         # close() ends what is in flight with "cancelled"
         s2 = eng.submit(list(range(1, 20)), GREEDY, max_tokens=10_000)
         s3 = eng.submit(list(range(1, 20)), GREEDY, max_tokens=10_000)
@@ -211,9 +261,7 @@ def test_prefix_sharing_reuses_pages_and_cow_keeps_outputs(synth):
         out_a2, out_c = _collect(sa), _collect(sc)
         assert out_a2[-1].stats.n_cached == 96 and _tokens(out_a2) == fresh["a"]
         assert out_c[-1].stats.n_cached == 40 and _tokens(out_c) == fresh["c"]
-        eng.check_consistency()
-        eng.clear_prefix_cache()
-        assert eng.metrics()["kv_pages_used"] == 0
+        _assert_every_page_returns(eng)
     finally:
         eng.close()
 
@@ -226,13 +274,15 @@ def test_pool_exhaustion_waits_and_does_not_corrupt(synth):
     llm.close()
     # 4 pages: each request needs 3 (up to 74 positions), so one runs at a time and the others wait
     eng = load_engine(stores["f16"], ctx=128, parallel=6, kv_pool_tokens=128, progress=False)
+    states = []   # read right after the step that made the first request's first token
+    first = _Chunks(then=lambda ch: len(ch) == 1 and states.extend(sl["state"] for sl in eng.slots()))
     try:
-        streams = [eng.submit(p, GREEDY, max_tokens=30) for p in prompts]
-        states = [sl["state"] for sl in eng.slots()]
-        outs = [_collect(s) for s in streams]
+        streams = _submit_together(eng, [(prompts[0], GREEDY, {"max_tokens": 30, "callback": first})]
+                                   + [(p, GREEDY, {"max_tokens": 30}) for p in prompts[1:]])
+        outs = [first.wait()] + [_collect(s) for s in streams[1:]]
         assert [_tokens(o) for o in outs] == alone
         assert all(o[-1].finish_reason in ("length", "eos") for o in outs)
-        assert "waiting" in states
+        assert states == ["running"] + ["waiting"] * 5, states
         eng.check_consistency()
     finally:
         eng.close()
@@ -306,9 +356,7 @@ def test_random_submit_cancel_two_threads(synth):
         assert "cancelled" in reasons
         met = eng.metrics()
         assert met["running"] == 0 and met["waiting"] == 0 and met["kv_pages_reserved"] == 0
-        eng.check_consistency()
-        eng.clear_prefix_cache()
-        assert eng.metrics()["kv_pages_used"] == 0
+        _assert_every_page_returns(eng)
         # still serving correctly afterwards
         assert _collect(eng.submit([1, 2, 3], GREEDY, max_tokens=3))[-1].finish_reason in ("length", "eos")
     finally:
@@ -339,6 +387,19 @@ def test_pool_size_in_mib_and_bad_sizes(synth):
         assert eng.metrics()["kv_pages_total"] == 256 // PAGE_TOKENS
     finally:
         eng.close()
+    # int8 pages in the same MiB: (128 + 4) / 256 of the bytes per token at head_dim 128, so ~1.9x the pages
+    per_q8 = KVPool.bytes_per_token(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, "q8")
+    assert per_q8 == 2 * cfg.n_layers * cfg.n_kv_heads * (cfg.head_dim + 4)
+    eng = load_engine(stores["f16"], ctx=64, parallel=2, kv_pool_mib=per_tok * 256 / 2**20, kv_dtype="q8",
+                      progress=False)
+    try:
+        got = eng.metrics()
+        assert got["kv_pages_total"] == -(-(per_tok * 256 // per_q8) // PAGE_TOKENS) > 256 // PAGE_TOKENS
+        assert got["kv_dtype"] == "q8" and got["kv_pool_bytes"] == got["kv_pages_total"] * PAGE_TOKENS * per_q8
+    finally:
+        eng.close()
+    with pytest.raises(BitNetError, match="q8"):
+        load_engine(stores["f16"], ctx=64, kv_dtype="int4", progress=False)
     with pytest.raises(BitNetError):   # smaller than one context
         load_engine(stores["f16"], ctx=256, kv_pool_tokens=64, progress=False)
     with pytest.raises(BitNetError):
@@ -349,19 +410,14 @@ def test_failing_callback_cancels_only_its_request(synth, capsys):
     m, _, stores = synth
     eng = load_engine(stores["f16"], ctx=128, parallel=4, progress=False)
     try:
-        got = []
-
-        def bad(c):
-            got.append(c)
+        def bad(chunks):
             raise RuntimeError("consumer went away")
 
-        eng.submit([1, 2, 3, 4], GREEDY, max_tokens=50, callback=bad)
+        got = _Chunks(then=bad)
+        eng.submit([1, 2, 3, 4], GREEDY, max_tokens=50, callback=got)
         ok = eng.submit([5, 6, 7], GREEDY, max_tokens=5)
         assert _collect(ok)[-1].finish_reason in ("length", "eos")
-        t0 = time.monotonic()
-        while not (got and got[-1].finish_reason) and time.monotonic() - t0 < 60:
-            time.sleep(0.01)
-        assert got[-1].finish_reason == "cancelled"
+        assert got.wait()[-1].finish_reason == "cancelled"
         assert "consumer went away" in capsys.readouterr().err
         eng.check_consistency()
     finally:
@@ -458,15 +514,13 @@ def _run_workload(store, lookup, system, work, max_batch_tokens=256, max_tokens=
     try:
         # the system prompt alone first, so that every request below finds its pages in the prefix index
         outs = [_collect(eng.submit(system + [1, 2, 3] * 8, GREEDY, max_tokens=4))]
-        streams = [eng.submit(p, sp, max_tokens=max_tokens) for p, sp in work]
+        streams = _submit_together(eng, [(p, sp, {"max_tokens": max_tokens}) for p, sp in work])
         outs += [_collect(s) for s in streams]
         met = eng.metrics()
-        eng.check_consistency()
         pages = _index_pages(eng)
         assert met["running"] == 0 and met["kv_pages_reserved"] == 0
         assert met["kv_pages_used"] == met["kv_pages_cached"]  # nothing held but the prefix index
-        eng.clear_prefix_cache()
-        assert eng.metrics()["kv_pages_used"] == 0
+        _assert_every_page_returns(eng)
         return outs, met, pages
     finally:
         eng.close()
@@ -560,9 +614,7 @@ def test_lookup_finish_inside_a_draft_stops_where_plain_decoding_stops(synth):
                     n_eos += 1
         assert n_stop > 0 and n_eos > 0, (n_stop, n_eos)
         for e in (off, on):
-            e.check_consistency()
-            e.clear_prefix_cache()
-            assert e.metrics()["kv_pages_used"] == 0
+            _assert_every_page_returns(e)
     finally:
         off.close()
         on.close()
@@ -592,7 +644,8 @@ def test_lookup_drafts_only_fill_the_rows_left(synth):
 
         eng._plan_drafts = spy
         try:
-            outs[lk] = [_tokens(o) for o in [_collect(s) for s in [eng.submit(p, GREEDY, max_tokens=40) for p in prompts]]]
+            streams = _submit_together(eng, [(p, GREEDY, {"max_tokens": 40}) for p in prompts])
+            outs[lk] = [_tokens(_collect(s)) for s in streams]
             met = eng.metrics()
             eng.check_consistency()
         finally:

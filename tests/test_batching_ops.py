@@ -1,5 +1,5 @@
 """simd._ops.attention_paged: several sequences, each over its own pages of a shared pool, give bit-identical
-rows to ops.attention on each sequence alone in a contiguous cache (every ISA path, f16 and f32 caches), and
+rows to ops.attention on each sequence alone in a contiguous cache (every ISA path, f16, f32 and int8 caches), and
 bad page tables / positions are refused at the Cython boundary."""
 import numpy as np
 import pytest
@@ -32,22 +32,30 @@ def _isas():
 
 
 def _alone(qkv_hist, qkv_step, n_ctx, dt, cos, sin):
-    kc = np.zeros(ops.key_cache_shape(NKV, n_ctx, HD), dt)
-    vc = np.zeros((NKV, n_ctx, HD), dt)
+    if dt == np.int8:   # the int8 cache (kv q8): its own wrapper and shapes
+        kc, vc = np.zeros(ops.q8_cache_shape(NKV, n_ctx, HD), dt), np.zeros(ops.q8_cache_shape(NKV, n_ctx, HD), dt)
+
+        def att(qkv, pos0, out):
+            ops.attention_q8(qkv, NH, NKV, HD, cos, sin, pos0, n_ctx, kc, vc, out, scr)
+    else:
+        kc, vc = np.zeros(ops.key_cache_shape(NKV, n_ctx, HD), dt), np.zeros((NKV, n_ctx, HD), dt)
+
+        def att(qkv, pos0, out):
+            ops.attention(qkv, NH, NKV, HD, cos, sin, pos0, kc, vc, out, scr)
     scr = np.zeros((NH * ops.ATTENTION_SCRATCH_ROWS, n_ctx), np.float32)
     h = qkv_hist.shape[0]
     if h:
-        ops.attention(qkv_hist.copy(), NH, NKV, HD, cos, sin, 0, kc, vc, np.zeros((h, QD), np.float32), scr)
+        att(qkv_hist.copy(), 0, np.zeros((h, QD), np.float32))
     out = np.zeros((qkv_step.shape[0], QD), np.float32)
-    ops.attention(qkv_step.copy(), NH, NKV, HD, cos, sin, h, kc, vc, out, scr)
+    att(qkv_step.copy(), h, out)
     return out
 
 
 @pytest.mark.parametrize("isa", _isas())
-@pytest.mark.parametrize("kv", ["f16", "f32"])
+@pytest.mark.parametrize("kv", ["f16", "f32", "q8"])
 def test_paged_equals_contiguous(isa, kv):
     rng = np.random.default_rng(7)
-    dt = np.uint16 if kv == "f16" else np.float32
+    dt = {"f16": np.uint16, "f32": np.float32, "q8": np.int8}[kv]
     n_ctx, max_pages = 700, 22
     cos, sin = _rope(n_ctx)
     # (history, step rows): decode rows, a long prefill chunk, a chunk crossing a page boundary, fresh prompt;
@@ -58,8 +66,13 @@ def test_paged_equals_contiguous(isa, kv):
             for h, r in shapes]
     perm = rng.permutation(n_pages).astype(np.int32)
     pt = perm[: len(seqs) * max_pages].reshape(len(seqs), max_pages).copy()
-    kp = np.zeros(ops.paged_key_pool_shape(n_pages, NKV, HD), dt)
-    vp = np.zeros(ops.paged_value_pool_shape(n_pages, NKV, HD), dt)
+    if kv == "q8":
+        kp, vp = (np.zeros(ops.paged_q8_pool_shape(n_pages, NKV, HD), dt) for _ in range(2))
+        paged = ops.attention_paged_q8
+    else:
+        kp = np.zeros(ops.paged_key_pool_shape(n_pages, NKV, HD), dt)
+        vp = np.zeros(ops.paged_value_pool_shape(n_pages, NKV, HD), dt)
+        paged = ops.attention_paged
     scr = np.zeros((2 * ops.ATTENTION_SCRATCH_ROWS, n_ctx), np.float32)
     ops.set_isa(isa)
     try:
@@ -69,7 +82,7 @@ def test_paged_equals_contiguous(isa, kv):
             rows = np.concatenate([[0], np.cumsum([p.shape[0] for p in parts])]).astype(np.int32)
             qkv = np.ascontiguousarray(np.concatenate(parts), np.float32) if rows[-1] else np.zeros((1, W), np.float32)
             out = np.zeros((qkv.shape[0], QD), np.float32)
-            ops.attention_paged(qkv, NH, NKV, HD, cos, sin, rows, np.asarray(pos0, np.int32), pt, kp, vp, out, scr)
+            paged(qkv, NH, NKV, HD, cos, sin, rows, np.asarray(pos0, np.int32), pt, kp, vp, out, scr)
             return [out[rows[i]: rows[i + 1]] for i in range(len(parts))]
 
         run([h for h, _ in seqs], [0] * len(seqs))  # history of every sequence in one call (empty ones skip)

@@ -149,21 +149,16 @@ def test_every_slash_command(chat_model, tmp_path):
     chat = Chat(chat_model, tmp_path)
     out = chat.command("/help", r"/retry")
     assert "/save" in out
-    chat.command("/set temp 0", r"\[temp = 0\.0\]")
-    chat.command("/set top_k 5", r"\[top_k = 5\]")
-    chat.command("/set top_p 0.9", r"\[top_p = 0\.9\]")
-    chat.command("/set min_p 0.1", r"\[min_p = 0\.1\]")
-    chat.command("/set seed 7", r"\[seed = 7\]")
-    chat.command("/set max_tokens 6", r"\[max_tokens = 6\]")
+    for name, value, shown in [("temp", "0", "0.0"), ("top_k", "5", "5"), ("top_p", "0.9", "0.9"),
+                               ("min_p", "0.1", "0.1"), ("seed", "7", "7"), ("max_tokens", "6", "6")]:
+        chat.command(f"/set {name} {value}", rf"\[{name} = {re.escape(shown)}\]")
     chat.command("/set", r"temp=0 top_k=5 top_p=0\.9 min_p=0\.1 repeat_penalty=1 seed=7 max_tokens=6")
     # mistakes: one line of hint, the session goes on
-    chat.command("/set temp hot", r"/set temp: 'hot' is not a number")
-    chat.command("/set top_p 3", r"must be in \(0, 1\]")
-    chat.command("/set colour red", r"unknown setting 'colour'")
-    chat.command("/frobnicate", r"unknown command /frobnicate")
-    chat.command("/save", r"/save needs a file name")
-    chat.command(f"/load {tmp_path / 'missing.json'}", r"no such file")
-    chat.command("/retry", r"nothing to retry")
+    for command, hint in [("/set temp hot", r"/set temp: 'hot' is not a number"),
+                          ("/set top_p 3", r"must be in \(0, 1\]"), ("/set colour red", r"unknown setting 'colour'"),
+                          ("/frobnicate", r"unknown command /frobnicate"), ("/save", r"/save needs a file name"),
+                          (f"/load {tmp_path / 'missing.json'}", r"no such file"), ("/retry", r"nothing to retry")]:
+        chat.command(command, hint)
     chat.command("/system You are terse.", r"\[system prompt set\]")
     chat.command("/system", r"system prompt: 'You are terse\.'")
     out = chat.command("/show", r"system: [^\r\n]*")

@@ -177,3 +177,32 @@ def test_input_lines_commands_messages_and_slash_escape(llm):
     assert handle_line(s, "/nonsense") is True and "unknown command /nonsense" in sink.getvalue()
     assert s.had_errors and len(s.conv.turns) == 2
     assert handle_line(s, "/bye") is False
+
+
+def test_set_format_json_schema_and_off(llm, tmp_path):
+    """/set format (ollama's words): answers are JSON (or match a schema file) until /set format off; a bad
+    schema or file is a one-line CommandError and leaves the format as it was."""
+    import jsonschema
+
+    s, sink = new_session(llm, max_tokens=300, temp=1.0)
+    s.run_command(parse_command("/set format json"))
+    s.ask("Describe yourself.")
+    answer = s.conv.turns[-1].assistant
+    assert isinstance(json.loads(answer), dict), answer
+    schema = {"type": "object", "additionalProperties": False, "required": ["mood"],
+              "properties": {"mood": {"enum": ["happy", "sad"]}}}
+    path = tmp_path / "mood.json"
+    path.write_text(json.dumps(schema))
+    s.run_command(parse_command(f"/set format {path}"))
+    s.ask("How are you?")
+    jsonschema.validate(json.loads(s.conv.turns[-1].assistant), schema)
+    assert f"format={path}" in s.describe_settings()
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"type": "strin"}')
+    with pytest.raises(CommandError, match="strin"):
+        s.run_command(parse_command(f"/set format {bad}"))
+    with pytest.raises(CommandError, match="No such file"):
+        s.run_command(parse_command(f"/set format {tmp_path / 'missing.json'}"))
+    assert s.format_label == str(path)
+    s.run_command(parse_command("/set format off"))
+    assert s.format is None and "format=off" in s.describe_settings()

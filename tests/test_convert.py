@@ -233,25 +233,33 @@ def test_bad_sources(model, tmp_path):
     assert not os.path.exists(tmp_path / "x.bnstore")
 
 
+def _rewrite_safetensors(path, edit):
+    """Rewrite a safetensors file in place, each tensor as edit(name, dtype tag, array) -> (tag, array)."""
+    from bitnet_cpu.engine.formats.safetensors_io import SafetensorsFile
+    from bitnet_cpu.engine.synth.writers import write_safetensors
+
+    f = SafetensorsFile(path)
+    specs = []
+    for n in f.names():
+        tag, arr = edit(n, f.info(n)[0], np.array(f.get(n)))
+        specs.append((n, tag, list(arr.shape), lambda a=arr: a))
+    f.close()
+    write_safetensors(path, specs)
+
+
 @pytest.mark.parametrize("value", [0.0, float("nan")])
 def test_zero_or_nan_scale(model, tmp_path, value):
-    from bitnet_cpu.engine.synth.writers import hf_pack, write_safetensors
+    from bitnet_cpu.engine.synth.writers import hf_pack
 
     d = str(tmp_path / "ns")
     write_hf_dir(model, d)
-    # rewrite the checkpoint with one bad weight_scale (f32) and the rest unchanged
-    from bitnet_cpu.engine.formats.safetensors_io import SafetensorsFile
 
-    f = SafetensorsFile(os.path.join(d, "model.safetensors"))
-    specs = []
-    for n in f.names():
-        tag, shape = f.info(n)
-        arr = np.array(f.get(n))
+    def bad_scale(n, tag, arr):   # one bad weight_scale (f32), the rest unchanged
         if n == "model.layers.1.mlp.up_proj.weight_scale":
-            tag, arr = "F32", np.array([value], np.float32)
-        specs.append((n, tag, list(shape), lambda a=arr: a))
-    f.close()
-    write_safetensors(os.path.join(d, "model.safetensors"), specs)
+            return "F32", np.full(arr.shape, value, np.float32)
+        return tag, arr
+
+    _rewrite_safetensors(os.path.join(d, "model.safetensors"), bad_scale)
     with pytest.raises(FormatError, match="up_proj.weight_scale.*(zero|NaN)"):
         convert(d, str(tmp_path / "ns.bnstore"), progress=False)
     assert hf_pack is not None
@@ -359,21 +367,9 @@ def test_gguf_tokenizer_matches_llama_cpp(model, tmp_path):
 
 def test_unpacked_int8_checkpoint(model, stores, tmp_path):
     """Ternary weights stored unpacked as I8 (+ weight_scale) give the same store as the packed layout."""
-    from bitnet_cpu.engine.formats.safetensors_io import SafetensorsFile
-    from bitnet_cpu.engine.synth.writers import write_safetensors
-
     d = write_hf_dir(model, str(tmp_path / "i8"))
-    f = SafetensorsFile(os.path.join(d, "model.safetensors"))
-    specs = []
-    for n in f.names():
-        tag, shape = f.info(n)
-        arr = np.array(f.get(n))
-        if tag == "U8":
-            arr = model.ternary(n[: -len(".weight")])
-            tag, shape = "I8", arr.shape
-        specs.append((n, tag, list(shape), lambda a=arr: a))
-    f.close()
-    write_safetensors(os.path.join(d, "model.safetensors"), specs)
+    _rewrite_safetensors(os.path.join(d, "model.safetensors"),
+                         lambda n, tag, arr: ("I8", model.ternary(n[: -len(".weight")])) if tag == "U8" else (tag, arr))
     s = Store(convert(d, str(tmp_path / "i8.bnstore"), progress=False))
     ref = stores["hf"]
     for n in ref.tensor_names:

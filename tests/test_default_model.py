@@ -94,3 +94,48 @@ def test_friendly_exchange_bitchat():
     out = r.stdout
     assert re.search(r"\b(Hello|Hi)\b", out), out
     assert "BitNet" in out, out
+
+
+def test_kv_q8_answers_and_stays_near_f16_over_long_generations(capsys):
+    """--kv q8 end to end (the CLI answers 2+3 with 5), and greedy agreement with the f16 cache over 400 tokens,
+    reported (int8 K/V is not f16: a near tie between two tokens may flip and the texts part there). Measured
+    when written: first divergence at tokens 400+ / 61 / 107 for these prompts; the bound asserted is loose (16),
+    the perplexity of held-out text within 1% (measured 2.4714 f16 vs 2.4742 q8 at depth 512, bench/kv_quality.py)."""
+    assert bitnet_run("-p", "2+3=", "--temp", "0", "-n", "4", "--kv", "q8").strip().startswith("5")
+    from bitnet_cpu.engine.formats.store import Store
+    from bitnet_cpu.engine.formats.tokenizer import Tokenizer
+    from bitnet_cpu.engine.runtime.model import Model
+
+    st = Store(DEFAULT_STORE)
+    tok = Tokenizer.from_store(st)
+    n = 400
+
+    def greedy(kv, ids):
+        m = Model(st, n_ctx=len(ids) + n + 1, kv_dtype=kv)
+        lg, out = m.prefill(ids), []
+        for _ in range(n):
+            out.append(int(np.argmax(lg)))
+            lg = m.decode(out[-1])
+        return out
+
+    firsts = []
+    for prompt in ("Once upon a time", "What is 37 + 45?", "The little robot"):
+        ids = tok.encode(prompt)
+        f, q = greedy("f16", ids), greedy("q8", ids)
+        firsts.append(next((i for i, (x, y) in enumerate(zip(f, q)) if x != y), n))
+    with capsys.disabled():
+        print(f"\n[kv q8 vs f16] first greedy divergence over {n} tokens: {firsts}")
+    assert min(firsts) >= 16
+    from bitnet_cpu.models import corpus
+
+    rng, text = random.Random(987654321), ""   # held-out procedural stories (bench/kv_quality.py's)
+    while len(tok.encode(text)) < 512:
+        text += corpus.story_doc(rng) + "\n"
+    ids = tok.encode(text)[:512]
+    ppl = {}
+    for kv in ("f16", "q8"):
+        lg = Model(st, n_ctx=512, kv_dtype=kv).forward(ids[:-1])[-256:].astype(np.float64)
+        lp = lg - lg.max(-1, keepdims=True)
+        lp -= np.log(np.exp(lp).sum(-1, keepdims=True))
+        ppl[kv] = float(np.exp(-lp[np.arange(256), ids[-256:]].mean()))
+    assert abs(ppl["q8"] / ppl["f16"] - 1) < 0.01, ppl

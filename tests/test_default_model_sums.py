@@ -1,6 +1,6 @@
 """The bundled model's one-digit sums, through the engine (no torch): every pair a, b in 0..9, exact, greedy.
 
-Forms (issue 18): the bare prompt `a+b=` (continued by the sum), and the chat questions people type first,
+Forms: the bare prompt `a+b=` (continued by the sum), and the chat questions people type first,
 `a+b`, `what's a plus b`, `What is a + b?`, `add a and b`, each answered by restating the question with
 the numbers as written: `a+b=s.`. The full table over all 10,000 pairs is a benchmark
 (`python models/evaluate.py`, models/README.md), not a test.

@@ -29,6 +29,7 @@ from bitnet_cpu.engine.runtime.model import Model
 from bitnet_cpu.engine.formats.store import Store
 from bitnet_cpu.engine.synth import (FALCON3_CHAT_TEMPLATE, LLAMA3_CHAT_TEMPLATE, TRAIN_TEXT, SynthModel, write_gguf_i2s,
                           write_gguf_tq, write_hf_dir)
+from helpers import assert_conversion_refused, bitnet_inspect
 from test_model_fixtures import load_reference, our_greedy, reference_greedy, reference_logits, reference_or_skip, assert_same_or_near_tie
 from test_parity_hf import TOL, _check_close
 
@@ -189,13 +190,7 @@ def test_per_row_fakequant_scales():
 def test_non_ternary_checkpoint_is_refused(tmp_path):
     m = SynthModel({"head_dim": 64}, seed=3, style="llama")
     d = write_hf_dir(m, str(tmp_path / "plain-llama"), form="float")
-    with pytest.raises(FormatError, match="not ternary"):
-        convert(d, str(tmp_path / "x.bnstore"), progress=False)
-    assert not os.path.exists(tmp_path / "x.bnstore")
-    r = subprocess.run([sys.executable, "-m", "bitnet_cpu", "convert", d, "-o", str(tmp_path / "y.bnstore")],
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and "not ternary" in r.stderr and "Traceback" not in r.stderr
-    assert len(r.stderr.strip().splitlines()) <= 2 and "--ternarize" in r.stderr
+    assert "--ternarize" in assert_conversion_refused(d, tmp_path, "not ternary")
 
 
 def test_ternarize_latent_weights_without_quantization_config(tmp_path):
@@ -299,10 +294,7 @@ def test_llama_cpp_agreement_llama_arch(llama_gguf, capsys):
 def test_inspect_names_family_and_runtime(families):
     m, d, store, _ = families["Falcon3-1B-Instruct-1.58bit"]
     for target in (d, store):
-        r = subprocess.run([sys.executable, "-m", "bitnet_cpu", "inspect", target], capture_output=True, text=True,
-                           timeout=120)
-        assert r.returncode == 0, r.stderr
-        assert "family: Falcon3-{1,3,7,10}B(-Instruct)-1.58bit" in r.stdout
-        runtime = next(line for line in r.stdout.splitlines() if line.startswith("runtime:"))
+        out, runtime = bitnet_inspect(target)
+        assert "family: Falcon3-{1,3,7,10}B(-Instruct)-1.58bit" in out
         assert "silu(gate) * up" in runtime and "no sub-norms" in runtime and "untied LM head" in runtime
         assert f"of {m.head_dim};" in runtime and "theta 1000042;" in runtime and "eps 1e-06" in runtime

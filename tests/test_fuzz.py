@@ -3,7 +3,6 @@ the bytes, the only failure allowed is a BitNetError (FormatError / UnsupportedE
 names the file; never a crash, a numpy traceback or a huge allocation (the test process has an address-space
 limit while it runs)."""
 import os
-import resource
 import shutil
 import struct
 
@@ -17,6 +16,7 @@ from bitnet_cpu.engine.errors import BitNetError
 from bitnet_cpu.engine.formats.gguf import GGUFFile
 from bitnet_cpu.engine.formats.safetensors_io import SafetensorsDir
 from bitnet_cpu.engine.synth import SynthModel, small_config, write_gguf_i2s, write_gguf_tq, write_hf_dir
+from helpers import address_space_cap
 
 FUZZ = settings(max_examples=int(os.environ.get("BITNET_FUZZ_EXAMPLES", "800")), deadline=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
@@ -46,19 +46,8 @@ class _Fixtures(dict):
 @pytest.fixture(autouse=True)
 def _memory_cap():
     """A lying header must never make us allocate gigabytes: cap the address space while fuzzing."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
-    vm = 0
-    try:  # whatever this process already maps (torch from other tests, thread stacks) plus 3 GiB of headroom
-        with open("/proc/self/status") as f:
-            vm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
-    except (OSError, StopIteration):
-        pass
-    cap = vm + (3 << 30)
-    if hard != resource.RLIM_INFINITY and hard < cap:
-        cap = hard
-    resource.setrlimit(resource.RLIMIT_AS, (cap, hard))
-    yield
-    resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+    with address_space_cap(3 << 30):
+        yield
 
 
 def _mutate(data: bytes, draw_ops, header_end: int = 0) -> bytes:

@@ -13,7 +13,6 @@ import io
 import json
 import os
 import random
-import resource
 import shutil
 import struct
 import subprocess
@@ -26,8 +25,8 @@ from bitnet_cpu.cli import main
 from bitnet_cpu.engine.formats.gguf import GGUFFile
 from bitnet_cpu.engine.formats.store import _HEADER
 from bitnet_cpu.engine.synth import SynthModel, small_config, write_gguf_i2s, write_gguf_tq, write_hf_dir
+from helpers import ROOT, address_space_cap
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CASES = int(os.environ.get("BITNET_FUZZ_CLI_CASES", "1500"))
 CASE_SECONDS = 20
 CATEGORIES = ("gguf_header", "store_header", "store_index", "config_json", "tokenizer_json", "tokenizer_bytes",
@@ -77,19 +76,8 @@ def _check(rc, err, what):
 def _memory_cap():
     """A lying file must never make us allocate gigabytes: cap the address space while fuzzing (what this
     process already maps plus 3 GiB)."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
-    vm = 0
-    try:
-        with open("/proc/self/status") as f:
-            vm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
-    except (OSError, StopIteration):
-        pass
-    cap = vm + (3 << 30)
-    if hard != resource.RLIM_INFINITY and hard < cap:
-        cap = hard
-    resource.setrlimit(resource.RLIMIT_AS, (cap, hard))
-    yield
-    resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+    with address_space_cap(3 << 30):
+        yield
 
 
 @pytest.fixture(scope="module")

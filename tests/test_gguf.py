@@ -1,5 +1,5 @@
 """engine.gguf: our GGUF reader against the `gguf` package (reference writer and dequantizer) on synthetic
-files, bitnet.cpp's I2_S layout, and every kind of bad header named in the issue."""
+files, bitnet.cpp's I2_S layout, and every kind of bad header (truncated, corrupt, lying sizes)."""
 import struct
 
 import numpy as np
@@ -140,7 +140,7 @@ def _pad(b: bytes, a=32):
     (_header(version=1) + b"\0" * 8, UnsupportedError, "version 1"),
     (_header(version=99) + b"\0" * 8, UnsupportedError, "version 99"),
     (_header(version=3 << 24) + b"\0" * 8, UnsupportedError, "big-endian"),
-    # sizes no file this long could hold are "corrupt", not "truncated" (issue 14)
+    # sizes no file this long could hold are "corrupt", not "truncated"
     (_header(n_tensors=1 << 60), FormatError, "^(?!.*truncated).*corrupt GGUF"),
     (_header(n_kv=1 << 50) + b"\0" * 16, FormatError, "^(?!.*truncated).*corrupt GGUF"),
     (_header(n_kv=1) + struct.pack("<Q", 1 << 62) + b"abc" * 8, FormatError, "^(?!.*truncated).*corrupt GGUF"),

@@ -22,14 +22,6 @@ from test_kernels import ISAS, quantized
 from test_model_fixtures import make_synth
 
 
-@pytest.fixture
-def isa(request):
-    K.set_isa(request.param)
-    yield request.param
-    K.set_isa(None)
-    K.set_num_threads(0)
-
-
 def test_q4g_layout_round_trip_and_error_bound():
     rng = np.random.default_rng(0)
     w = rng.standard_normal((37, 100)).astype(np.float32)

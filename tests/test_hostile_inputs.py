@@ -1,5 +1,5 @@
-"""Hostile files and flags, each reproduced with a small generated model (issue 14): one clear line and the
-documented exit code (README "Errors": 0 ok, 2 bad input, 70 engine bug), never a traceback, a signal, a hang
+"""Hostile files and flags, each reproduced with a small generated model: one clear line and the
+documented exit code (docs/usage.md "Errors": 0 ok, 2 bad input, 70 engine bug), never a traceback, a signal, a hang
 or a misleading message; --seed -1 is a random seed; -c / -t beyond the model or the machine are handled."""
 import json
 import os

@@ -24,15 +24,6 @@ BIG_SHAPES = [(2560, 2560), (640, 2560), (6912, 2560), (13824, 2560), (2560, 691
 SMALL_SHAPES = [(1, 4), (16, 64), (37, 100), (100, 3200), (17, 8640), (33, 192), (250, 68), (48, 1024)]
 
 
-@pytest.fixture
-def isa(request):
-    """Run the test with the path forced, then restore the best path and default threads."""
-    K.set_isa(request.param)
-    yield request.param
-    K.set_isa(None)
-    K.set_num_threads(0)
-
-
 def make_ternary(rng, n, k):
     wt = rng.integers(-1, 2, size=(n, k)).astype(np.int8)
     return wt, layout.pack_ternary(wt), (rng.random(n, dtype=np.float32) + np.float32(0.25))

@@ -23,14 +23,6 @@ SHAPES = [(1, 4), (16, 64), (37, 100), (33, 192), (250, 68), (48, 1024), (17, 86
 BIG_SHAPES = [(2560, 2560), (3840, 2560), (13824, 2560), (2560, 6912)]
 
 
-@pytest.fixture
-def isa(request):
-    K.set_isa(request.param)
-    yield request.param
-    K.set_isa(None)
-    K.set_num_threads(0)
-
-
 def _case(rng, n, k, m):
     wt = rng.integers(-1, 2, size=(n, k)).astype(np.int8)
     k_pad = layout.pad_to(k, 64)
@@ -170,7 +162,7 @@ def test_bad_arguments_raise_kernel_error():
 @pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"),
                     reason="the probe times the AVX-512 unpack (x86 intrinsics); it has no other build")
 def test_probe_compiles():
-    # the probe whose numbers the README quotes stays buildable with the command it names
+    # the probe whose numbers docs/formats.md quotes stays buildable with the command it names
     r = subprocess.run(["gcc", "-O2", "-fopenmp", "-fsyntax-only", "bench/probes/base3_unpack.c"],
                        capture_output=True, text=True, cwd=__file__.rsplit("/tests/", 1)[0])
     assert r.returncode == 0, r.stderr

@@ -16,8 +16,6 @@ test_families.py). Near-tie rule as test_parity_hf.py.
 import json
 import math
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -28,6 +26,7 @@ from bitnet_cpu.engine.formats.store import Store
 from bitnet_cpu.engine.runtime.model import Model
 from bitnet_cpu.engine.synth import SynthModel, bf16_round, write_hf_dir
 from bitnet_cpu.engine.synth.writers import bf16_bits, write_safetensors
+from helpers import assert_conversion_refused, bitnet_inspect
 from test_model_fixtures import our_greedy, assert_same_or_near_tie
 from test_parity_hf import TOL, _check_close
 
@@ -288,25 +287,16 @@ def test_float_activations_close(variants, capsys):
 def test_inspect_names_family(variants):
     _, _, _, d, store = variants["BitCPM4-0.5B"]
     for target in (d, store):
-        r = subprocess.run([sys.executable, "-m", "bitnet_cpu", "inspect", target], capture_output=True, text=True,
-                           timeout=120)
-        assert r.returncode == 0, r.stderr
-        assert "family: BitCPM4 / BitCPM-CANN (OpenBMB; MiniCPM architecture)" in r.stdout
-        runtime = next(line for line in r.stdout.splitlines() if line.startswith("runtime:"))
+        out, runtime = bitnet_inspect(target)
+        assert "family: BitCPM4 / BitCPM-CANN (OpenBMB; MiniCPM architecture)" in out
         assert "LongRoPE (32 per-frequency factors" in runtime and "silu(gate) * up" in runtime
-        assert "folded: scale_emb 12 into token_embd" in r.stdout
+        assert "folded: scale_emb 12 into token_embd" in out
 
 
 def test_non_ternary_minicpm_refused(tmp_path):
     d = str(tmp_path / "MiniCPM4-0.5B")
     write_minicpm_dir(d, 7, {"max_position_embeddings": 256}, False, False, ternary=False)
-    with pytest.raises(FormatError, match="not ternary"):
-        convert(d, str(tmp_path / "x.bnstore"), progress=False)
-    assert not os.path.exists(tmp_path / "x.bnstore")
-    r = subprocess.run([sys.executable, "-m", "bitnet_cpu", "convert", d, "-o", str(tmp_path / "y.bnstore")],
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and "not ternary" in r.stderr and "Traceback" not in r.stderr
-    assert len(r.stderr.strip().splitlines()) <= 2
+    assert_conversion_refused(d, tmp_path, "not ternary")
 
 
 def test_unsupported_minicpm_variants_refused(tmp_path):

@@ -16,7 +16,7 @@ def synth(tmp_path_factory):
     return make_synth(tmp_path_factory.mktemp("model"), seed=3, lm_heads=("f16", "i8"))
 
 
-@pytest.mark.parametrize("kv", ["f16", "f32"])
+@pytest.mark.parametrize("kv", ["f16", "f32", "q8"])
 @pytest.mark.parametrize("head", ["f16", "i8"])
 def test_prefill_equals_decode(synth, kv, head):
     m, _, stores = synth
@@ -79,23 +79,32 @@ def test_resume_after_truncate(synth):
     np.testing.assert_array_equal(model.prefill(ids[25:], all_logits=True), full[25:])
 
 
-def test_decode_allocates_nothing(synth):
+def _bytes_kept(run) -> int:
+    """Bytes that Python objects allocated by run() still hold when it returns (tracemalloc, per file)."""
+    tracemalloc.start()
+    try:
+        before = tracemalloc.take_snapshot()
+        run()
+        after = tracemalloc.take_snapshot()
+    finally:
+        tracemalloc.stop()
+    return sum(s.size_diff for s in after.compare_to(before, "filename")
+               if s.size_diff > 0 and "tracemalloc" not in str(s.traceback))
+
+
+@pytest.mark.parametrize("kv", ["f16", "q8"])
+def test_decode_allocates_nothing(synth, kv):
     m, _, stores = synth
-    model = Model(Store(stores["i8"]), n_ctx=256)
+    model = Model(Store(stores["i8"]), n_ctx=256, kv_dtype=kv)
     model.prefill([1, 2, 3])
     tokens = [int(t) for t in np.random.default_rng(0).integers(0, m.V, 160)]
     for t in tokens[:5]:  # warm-up: lazily created objects
         model.decode(t)
-    tracemalloc.start()
-    try:
-        before = tracemalloc.take_snapshot()
+    def steps():
         for t in tokens[5:155]:
             model.decode(t)
-        after = tracemalloc.take_snapshot()
-    finally:
-        tracemalloc.stop()
-    grown = sum(s.size_diff for s in after.compare_to(before, "filename")
-                if s.size_diff > 0 and "tracemalloc" not in str(s.traceback))
+
+    grown = _bytes_kept(steps)
     assert grown < 4096, f"{grown} bytes allocated and kept over 150 decode steps"
 
 
@@ -137,16 +146,11 @@ def test_llama_architecture_variant(tmp_path):
     np.testing.assert_array_equal(pre, np.stack([model.decode(t).copy() for t in ids]))
     for t in ids[:5]:
         model.decode(t)
-    tracemalloc.start()
-    try:
-        before = tracemalloc.take_snapshot()
+    def steps():
         for t in range(100):
             model.decode(t + 3)
-        after = tracemalloc.take_snapshot()
-    finally:
-        tracemalloc.stop()
-    grown = sum(s.size_diff for s in after.compare_to(before, "filename")
-                if s.size_diff > 0 and "tracemalloc" not in str(s.traceback))
+
+    grown = _bytes_kept(steps)
     assert grown < 4096, f"{grown} bytes allocated and kept over 100 decode steps"
 
 

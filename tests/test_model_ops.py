@@ -203,7 +203,7 @@ def test_topk(isa, n, k):
         ops.topk(x, np.zeros(k - 1, np.float32), idx)
 
 
-# ---------------------------------------------------------------- one dispatch, one pool (issue 12)
+# ---------------------------------------------------------------- one dispatch, one pool
 def test_ops_follow_the_kernels_isa_and_thread_count():
     before = K.get_num_threads()
     try:
@@ -412,3 +412,123 @@ def test_attention_long_context_in_pieces(isa, kv_dtype, hd):
     np.testing.assert_allclose(dec1, want.astype(np.float32), rtol=3e-5, atol=3e-5)
     assert np.array_equal(dec1.view(np.int32), dec2.view(np.int32))
     assert np.array_equal(dec1[500:].view(np.int32), chunk[500:].view(np.int32))
+
+
+# ---------------------------------------------------------------- the int8 KV cache (kv q8)
+def _q8(x):
+    """Per-row int8 quantization as the cache stores it (scale = max|x| / 127, round half to even), dequantized."""
+    amax = np.abs(x).max(-1, keepdims=True)
+    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    q = np.clip(np.rint(x * inv), -127, 127)
+    return (q * (amax / np.float32(127)).astype(np.float32)).astype(np.float64)
+
+
+def _attention_q8_reference(qkv, nh, nkv, hd, cos, sin, quantized):
+    """float64 attention; quantized: over K/V rounded to int8 as the cache holds them and each query head rounded
+    the same way (the scores are integer dot products), else exact q, K, V."""
+    n, half = qkv.shape[0], hd // 2
+
+    def rope(v, p):
+        v = v.reshape(-1, hd)
+        x1, x2 = v[:, :half], v[:, half:]
+        return np.concatenate([x1 * cos[p] - x2 * sin[p], x2 * cos[p] + x1 * sin[p]], 1)
+
+    q = np.stack([rope(qkv[p, : nh * hd], p) for p in range(n)]).astype(np.float64)
+    k = np.stack([rope(qkv[p, nh * hd: (nh + nkv) * hd], p) for p in range(n)])
+    v = qkv[:, (nh + nkv) * hd:].reshape(n, nkv, hd)
+    if quantized:
+        q, k, v = _q8(q.astype(np.float32)), _q8(k), _q8(v)
+    else:
+        k, v = k.astype(np.float64), v.astype(np.float64)
+    out = np.zeros((n, nh, hd))
+    for p in range(n):
+        for h in range(nh):
+            j = h // (nh // nkv)
+            sc = k[: p + 1, j] @ q[p, h] / np.sqrt(hd)
+            e = np.exp(sc - sc.max())
+            out[p, h] = (e / e.sum()) @ v[: p + 1, j]
+    return out.reshape(n, nh * hd)
+
+
+def _run_q8(qkv, nh, nkv, hd, cos, sin, ctx, chunks, decode_from):
+    """Prefill chunks [a, b), then single-row decode steps from decode_from; the cache starts as 0x7f bytes
+    (scales NaN), so a kernel that reads a position it should not shows as NaN."""
+    n = qkv.shape[0]
+    kc = np.full(ops.q8_cache_shape(nkv, ctx, hd), 0x7F, np.int8)
+    vc = np.full(ops.q8_cache_shape(nkv, ctx, hd), 0x7F, np.int8)
+    scratch = np.full((nh * ops.ATTENTION_SCRATCH_ROWS, ctx), np.nan, np.float32)
+    out = np.zeros((n, nh * hd), np.float32)
+    for a, b in chunks:
+        ops.attention_q8(qkv[a:b].copy(), nh, nkv, hd, cos, sin, a, ctx, kc, vc, out[a:b], scratch)
+    for p in range(decode_from, n):
+        ops.attention_q8(qkv[p: p + 1].copy(), nh, nkv, hd, cos, sin, p, ctx, kc, vc, out[p: p + 1], scratch)
+    return out
+
+
+@pytest.mark.parametrize("nh,nkv,hd,n", [(4, 2, 16, 11), (3, 3, 20, 11), (4, 1, 100, 40), (8, 2, 128, 300), (6, 2, 36, 50)])
+def test_attention_q8_against_float64_and_identical_on_every_path(nh, nkv, hd, n):
+    """int8 K/V: against float64 attention over the same rounded q, K, V (2e-5: only f32 arithmetic differs), against
+    exact K/V with the int8 rounding's tolerance (measured max error 0.008-0.019 here on N(0,1) data: 0.05), and the
+    same bits on every ISA path (integer-valued inputs to one FMA order, one exp polynomial, fixed-lane sums)."""
+    rng = np.random.default_rng(hd + n)
+    ctx = n + 13
+    qkv = rng.standard_normal((n, (nh + 2 * nkv) * hd)).astype(np.float32)
+    inv = 1.0 / (10000.0 ** (np.arange(0, hd, 2, dtype=np.float32) / hd))
+    fr = np.arange(ctx, dtype=np.float32)[:, None] * inv[None]
+    cos, sin = np.cos(fr).astype(np.float32), np.sin(fr).astype(np.float32)
+    split = min(7, n // 2)
+    outs = {}
+    for name in PATHS:
+        ops.set_isa(name)
+        try:
+            outs[name] = _run_q8(qkv, nh, nkv, hd, cos, sin, ctx, [(0, split)], split)
+        finally:
+            ops.set_isa(None)
+    got = outs[PATHS[0]]
+    np.testing.assert_allclose(got, _attention_q8_reference(qkv, nh, nkv, hd, cos, sin, True), rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(got, _attention_q8_reference(qkv, nh, nkv, hd, cos, sin, False), rtol=0, atol=0.05)
+    for name in PATHS[1:]:
+        assert np.array_equal(outs[name].view(np.int32), got.view(np.int32)), name
+
+
+def test_attention_q8_decode_rows_equal_verify_rows_and_threads(isa):
+    """Past 256 positions (pieces): decode rows bit-equal to the same rows of a prefill chunk (what prompt lookup's
+    verify relies on), and 1 and 2 threads give the same bits."""
+    rng = np.random.default_rng(3)
+    nh, nkv, hd, ctx, n = 8, 2, 128, 700, 620
+    inv = 1.0 / (10000.0 ** (np.arange(0, hd, 2, dtype=np.float32) / hd))
+    fr = np.arange(ctx, dtype=np.float32)[:, None] * inv[None]
+    cos, sin = np.cos(fr).astype(np.float32), np.sin(fr).astype(np.float32)
+    qkv = rng.standard_normal((n, (nh + 2 * nkv) * hd)).astype(np.float32)
+    before = K.get_num_threads()
+    try:
+        K.set_num_threads(1)
+        dec1 = _run_q8(qkv, nh, nkv, hd, cos, sin, ctx, [(0, 250), (250, 530)], 530)
+        K.set_num_threads(2)
+        dec2 = _run_q8(qkv, nh, nkv, hd, cos, sin, ctx, [(0, 250), (250, 530)], 530)
+        chunk = _run_q8(qkv, nh, nkv, hd, cos, sin, ctx, [(0, 250), (250, 530), (530, n)], n)
+    finally:
+        K.set_num_threads(before)
+    assert not np.isnan(dec1).any()
+    assert np.array_equal(dec1.view(np.int32), dec2.view(np.int32))
+    assert np.array_equal(dec1[530:].view(np.int32), chunk[530:].view(np.int32))
+
+
+def test_attention_q8_bad_arguments_raise():
+    cos = sin = np.zeros((8, 4), np.float32)
+    kc = np.zeros(ops.q8_cache_shape(1, 8, 8), np.int8)
+    out, scr = np.zeros((1, 8), np.float32), np.zeros((4, 8), np.float32)
+    with pytest.raises(KernelError, match="q8_cache_shape"):  # n_ctx that does not match the cache
+        ops.attention_q8(np.zeros((1, 24), np.float32), 1, 1, 8, cos, sin, 0, 40, kc, kc.copy(), out, scr)
+    with pytest.raises(KernelError, match="q8_cache_shape"):  # value cache of another shape
+        ops.attention_q8(np.zeros((1, 24), np.float32), 1, 1, 8, cos, sin, 0, 8, kc, kc[:, :, :-4].copy(), out, scr)
+    with pytest.raises(KernelError, match="do not fit"):      # position past the cache
+        ops.attention_q8(np.zeros((1, 24), np.float32), 1, 1, 8, cos, sin, 8, 8, kc, kc.copy(), out, scr)
+    with pytest.raises(KernelError, match="multiple of 4"):
+        k6 = np.zeros(ops.q8_cache_shape(1, 8, 6), np.int8)
+        ops.attention_q8(np.zeros((1, 18), np.float32), 1, 1, 6, cos[:, :3].copy(), sin[:, :3].copy(), 0, 8, k6,
+                         k6.copy(), np.zeros((1, 6), np.float32), scr)
+    with pytest.raises(KernelError, match="paged_q8_pool_shape"):
+        ops.attention_paged_q8(np.zeros((1, 24), np.float32), 1, 1, 8, cos, sin, np.array([0, 1], np.int32),
+                               np.array([0], np.int32), np.zeros((1, 1), np.int32), np.zeros((2, 1, 100), np.int8),
+                               np.zeros((2, 1, 100), np.int8), out, scr)

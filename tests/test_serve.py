@@ -21,23 +21,6 @@ Q = [{"role": "user", "content": "What is 12+7?"}]
 WILD = dict(temperature=2.0, top_p=1.0, extra_body={"top_k": 0, "min_p": 0.0}, seed=7)
 
 
-@pytest.fixture(scope="module")
-def server():
-    s = Server("--parallel", "16")
-    yield s
-    s.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-
-
-@pytest.fixture(scope="module")
-def model_id(client):
-    return client.models.list().data[0].id
-
-
 def test_models_list(client):
     ms = client.models.list().data
     assert len(ms) == 1 and ms[0].object == "model" and ms[0].id
@@ -162,12 +145,7 @@ def test_hangup_frees_slot(tmp_path_factory):
         with httpx.stream("POST", s.url + "/v1/completions", json=dict(body, stream=True), timeout=30) as r:
             assert r.status_code == 200
             assert next(r.iter_lines()).startswith("data: ")
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:
-            st = httpx.get(s.url + "/slots").json()
-            if not st["slots"]:
-                break
-            time.sleep(0.05)
+        st = s.slots_when_idle()
         assert st["slots"] == [] and st["metrics"]["running"] == 0
         assert st["metrics"]["tokens_generated_total"] - before < 750  # cut short, not run to the end
     finally:

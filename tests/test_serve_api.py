@@ -21,14 +21,10 @@ ALIAS = "my-bitnet"
 
 @pytest.fixture(scope="module")
 def server():
+    """This module's server (served under an alias); `client` comes from conftest.py."""
     s = Server("--parallel", "8", "--alias", ALIAS)
     yield s
     s.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
 
 @pytest.fixture(scope="module")

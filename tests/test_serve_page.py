@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import time
 
 import httpx
 import pytest
@@ -83,10 +82,29 @@ def test_chat_page_stop_long_answer(browser, tmp_path_factory):
         n = int(page.inner_text("#stats").split()[2])
         assert 0 < n < 3000
         assert page.is_enabled("#send") and not page.is_enabled("#stop")
-        deadline = time.monotonic() + 5
-        while httpx.get(s.url + "/slots").json()["slots"] and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert httpx.get(s.url + "/slots").json()["slots"] == []
+        assert s.slots_when_idle()["slots"] == []
+        page.close()
+    finally:
+        assert s.stop()[0] == 0
+
+
+def test_chat_page_asks_for_the_key(browser):
+    """With --api-key the page gets a 401, asks for the key, works once it is typed in, and never stores it."""
+    s = Server("--api-key", "page-secret-key", "--parallel", "2")
+    try:
+        page = browser.new_page()
+        page.goto(s.url + "/")
+        page.wait_for_function("document.getElementById('model').textContent.includes('API key')", timeout=20000)
+        page.fill("#api_key", "page-secret-key")
+        page.dispatch_event("#api_key", "change")
+        page.wait_for_function("document.getElementById('model').textContent.includes('ctx')", timeout=20000)
+        _set(page, temperature=0, max_tokens=8)
+        page.fill("#input", "What is 12+7?")
+        page.keyboard.press("Enter")
+        page.wait_for_function("document.getElementById('stats').textContent.includes('finish')", timeout=30000)
+        assert page.inner_text("#log .msg.assistant .text")
+        stored = page.evaluate("JSON.stringify(Object.assign({}, localStorage, sessionStorage))")
+        assert "page-secret-key" not in stored
         page.close()
     finally:
         assert s.stop()[0] == 0

@@ -90,3 +90,88 @@ def test_ray_two_replicas_spread_and_replace():
             proc.kill()
             proc.wait()
     assert proc.returncode == 0
+
+
+def test_ray_replica_sigkill_under_load():
+    """SIGKILL one of two replicas while 8 streams run on them: each client gets a whole answer, a 5xx or a
+    closed stream, never a hang; requests succeed again within seconds (the router stops sending to the dead
+    one) and a new replica takes load. The replica's process id comes from the X-Bitnet-Instance header."""
+    import threading
+    port = free_port()
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               RAY_USAGE_STATS_ENABLED="0")
+    proc = subprocess.Popen([sys.executable, "-m", "bitnet_cpu", "serve", "--ray-replicas", "2", "--host", "127.0.0.1",
+                             "--port", str(port), "-t", "1", "--parallel", "8"],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    body = {"messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 400, "temperature": 2.0,
+            "top_p": 1.0, "top_k": 0, "min_p": 0.0, "ignore_eos": True}
+    try:
+        deadline = time.monotonic() + 150
+        up = False
+        while time.monotonic() < deadline and proc.poll() is None and not up:
+            try:
+                up = httpx.get(url + "/health", timeout=3).status_code == 200
+            except httpx.HTTPError:
+                time.sleep(1)
+        if proc.poll() is not None:
+            pytest.skip(f"Ray could not start here (exit {proc.returncode}): {proc.stderr.read().strip().splitlines()[-1:]}")
+        assert up, "Ray Serve app not healthy within 150 s"
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=2, timeout=60)
+        seen = set()
+        while len(seen) < 2 and time.monotonic() < deadline:
+            seen |= set(_instances(client, 6))
+        assert len(seen) == 2, seen
+        ends, lock = [], threading.Lock()
+
+        def stream():
+            t0 = time.monotonic()
+            try:
+                with httpx.stream("POST", url + "/v1/chat/completions", json=dict(body, stream=True), timeout=90) as r:
+                    inst = r.headers.get("x-bitnet-instance")
+                    lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
+                    out = (inst, r.status_code, "done" if lines[-1:] == ["data: [DONE]"] else "cut")
+            except httpx.HTTPError as e:
+                out = (None, type(e).__name__, "closed")
+            with lock:
+                ends.append(out + (time.monotonic() - t0,))
+        ts = [threading.Thread(target=stream) for _ in range(8)]
+        for t in ts:
+            t.start()
+        time.sleep(1.5)   # streams running on both replicas
+        victim = sorted(seen)[0]
+        os.kill(int(victim.rsplit(":", 1)[1]), signal.SIGKILL)
+        t_kill = time.monotonic()
+        for t in ts:
+            t.join(120)
+        assert not any(t.is_alive() for t in ts), "a client hung after the replica was killed"
+        # the router stops sending to the dead replica: 10 requests in a row answered
+        ok_run, t_ok = 0, None
+        while time.monotonic() - t_kill < 60 and ok_run < 10:
+            try:
+                r = httpx.post(url + "/v1/chat/completions", timeout=30,
+                               json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+                ok_run = ok_run + 1 if r.status_code == 200 else 0
+            except httpx.HTTPError:
+                ok_run = 0
+            if ok_run == 1:
+                t_ok = time.monotonic()
+        assert ok_run == 10, "requests did not recover after the replica was killed"
+        # a new replica takes load (a process id not seen before)
+        after = set()
+        while time.monotonic() - t_kill < 120 and not (after - seen):
+            after |= set(_instances(client, 4))
+            time.sleep(0.5)
+        print(f"\nreplica {victim} SIGKILLed: clients {sorted((str(s), k) for _, s, k, _ in ends)}; "
+              f"answers again {t_ok - t_kill:.1f} s after; new replica(s) {sorted(after - seen)} "
+              f"{time.monotonic() - t_kill:.0f} s after")
+        assert after - seen, "no new replica took load"
+        assert victim not in after
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

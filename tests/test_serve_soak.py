@@ -80,12 +80,7 @@ def test_soak_32_clients():
         print(f"\nsoak {SOAK_S:.0f}s, 32 clients: {len(codes)} requests {counts}, statuses {sorted(set(codes))}")
         assert not [c for c in codes if c >= 500], sorted(set(codes))
         assert stats["streams"] and stats["hangups"] and stats["plain"] and stats["bad"]
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            st = httpx.get(s.url + "/slots").json()
-            if not st["slots"]:
-                break
-            time.sleep(0.1)
+        st = s.slots_when_idle()
         assert st["slots"] == [] and st["metrics"]["running"] == 0 and st["metrics"]["waiting"] == 0
         warm = [kb for t, kb in rss if t >= SOAK_S / 3]
         growth_mb = (max(warm[len(warm) // 2:]) - warm[0]) / 1024

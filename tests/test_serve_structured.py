@@ -15,7 +15,6 @@ import pytest
 openai = pytest.importorskip("openai", reason="the serve tests need the openai client (pip install .[test])")
 pydantic = pytest.importorskip("pydantic")
 
-from serve_proc import Server  # noqa: E402
 
 ITEM = {"type": "object", "additionalProperties": False, "required": ["name", "qty", "unit"],
         "properties": {"name": {"type": "string", "maxLength": 12}, "qty": {"type": "integer", "minimum": 1, "maximum": 99},
@@ -28,30 +27,13 @@ Q = [{"role": "user", "content": "Give me an order as JSON."}]
 HOT = dict(temperature=1.0, top_p=1.0, extra_body={"top_k": 0, "min_p": 0.0})
 
 
-@pytest.fixture(scope="module")
-def server():
-    s = Server("--parallel", "16")
-    yield s
-    s.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def mid(client):
-    return client.models.list().data[0].id
-
-
 def _fmt(schema, name="order"):
     return {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_json_schema_stream_and_not(client, mid, stream):
-    kw = dict(model=mid, messages=Q, response_format=_fmt(ORDER), max_tokens=300, temperature=0)
+def test_json_schema_stream_and_not(client, model_id, stream):
+    kw = dict(model=model_id, messages=Q, response_format=_fmt(ORDER), max_tokens=300, temperature=0)
     if stream:
         chunks = list(client.chat.completions.create(stream=True, **kw))
         text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -66,9 +48,9 @@ def test_json_schema_stream_and_not(client, mid, stream):
     jsonschema.validate(json.loads(text), ORDER)
 
 
-def test_sixteen_at_once_sampled(client, mid):
+def test_sixteen_at_once_sampled(client, model_id):
     def one(i):
-        r = client.chat.completions.create(model=mid, messages=Q, response_format=_fmt(ORDER), max_tokens=300,
+        r = client.chat.completions.create(model=model_id, messages=Q, response_format=_fmt(ORDER), max_tokens=300,
                                            seed=i, **HOT)
         return r.choices[0].message.content, r.choices[0].finish_reason
 
@@ -79,12 +61,12 @@ def test_sixteen_at_once_sampled(client, mid):
         jsonschema.validate(json.loads(text), ORDER)
 
 
-def test_json_object_and_completions_endpoint(client, mid):
-    r = client.chat.completions.create(model=mid, messages=Q, response_format={"type": "json_object"},
+def test_json_object_and_completions_endpoint(client, model_id):
+    r = client.chat.completions.create(model=model_id, messages=Q, response_format={"type": "json_object"},
                                        max_tokens=200, seed=1, **HOT)
     if r.choices[0].finish_reason == "stop":
         assert isinstance(json.loads(r.choices[0].message.content), dict)
-    r = client.completions.create(model=mid, prompt="Order:", max_tokens=300, temperature=0,
+    r = client.completions.create(model=model_id, prompt="Order:", max_tokens=300, temperature=0,
                                   extra_body={"response_format": _fmt(ORDER)})
     jsonschema.validate(json.loads(r.choices[0].text), ORDER)
 
@@ -103,7 +85,7 @@ def test_llama_server_fields(server):
     jsonschema.validate(json.loads(r.json()["choices"][0]["message"]["content"]), ITEM)
 
 
-def test_openai_parse_helper_with_pydantic(client, mid):
+def test_openai_parse_helper_with_pydantic(client, model_id):
     from typing import Literal
 
     class Item(pydantic.BaseModel):
@@ -116,7 +98,7 @@ def test_openai_parse_helper_with_pydantic(client, mid):
         items: list[Item] = pydantic.Field(min_length=1, max_length=3)
 
     parse = getattr(client.chat.completions, "parse", None) or client.beta.chat.completions.parse
-    r = parse(model=mid, messages=Q, response_format=Order, max_tokens=300, temperature=0)
+    r = parse(model=model_id, messages=Q, response_format=Order, max_tokens=300, temperature=0)
     order = r.choices[0].message.parsed
     assert isinstance(order, Order) and 1 <= len(order.items) <= 3
 

@@ -16,14 +16,6 @@ from test_model_fixtures import make_synth
 GREEDY = SamplingParams(temperature=0.0)
 
 
-@pytest.fixture
-def isa(request):
-    K.set_isa(request.param)
-    yield request.param
-    K.set_isa(None)
-    K.set_num_threads(0)
-
-
 # ---- kernels --------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("isa", ISAS, indirect=True)
 @pytest.mark.parametrize("n,k", [(1, 4), (37, 100), (250, 68), (100, 3200), (3840, 2560), (33, 8640)])
@@ -122,9 +114,9 @@ def stores(tmp_path_factory):
     return make_synth(tmp_path_factory.mktemp("spec"), seed=5, lm_heads=("i8", "f16"))[2]
 
 
-@pytest.mark.parametrize("head", ["i8", "f16"])
-def test_verify_rows_equal_decode(stores, head):
-    llm = load_model(stores[head], ctx=64, progress=False)
+@pytest.mark.parametrize("head,kv", [("i8", "f16"), ("f16", "f16"), ("f16", "q8")])
+def test_verify_rows_equal_decode(stores, head, kv):
+    llm = load_model(stores[head], ctx=64, progress=False, kv_dtype=kv)
     m = llm.model
     prompt = [1, 5, 9, 13, 2, 7]
     ids = [3, 8, 8, 4, 11, 6, 2]

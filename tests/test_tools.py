@@ -114,21 +114,13 @@ openai = pytest.importorskip("openai", reason="the serve tests need the openai c
 
 @pytest.fixture(scope="module")
 def server():
+    """This module's server (2048-token context for tool schemas in the prompt); `client` and `model_id` come
+    from conftest.py."""
     from serve_proc import Server
 
     s = Server("--parallel", "8", "-c", "2048")
     yield s
     s.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def mid(client):
-    return client.models.list().data[0].id
 
 
 def _calls_valid(calls, only=None):
@@ -139,13 +131,13 @@ def _calls_valid(calls, only=None):
 
 
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "weather"}}])
-def test_required_and_named_stream_and_not(client, mid, choice):
+def test_required_and_named_stream_and_not(client, model_id, choice):
     only = None if choice == "required" else "weather"
-    r = client.chat.completions.create(model=mid, messages=Q, tools=TOOLS, tool_choice=choice, temperature=0,
+    r = client.chat.completions.create(model=model_id, messages=Q, tools=TOOLS, tool_choice=choice, temperature=0,
                                        max_tokens=200)
     assert r.choices[0].finish_reason == "tool_calls"
     _calls_valid(r.choices[0].message.tool_calls, only)
-    chunks = list(client.chat.completions.create(model=mid, messages=Q, tools=TOOLS, tool_choice=choice,
+    chunks = list(client.chat.completions.create(model=model_id, messages=Q, tools=TOOLS, tool_choice=choice,
                                                  temperature=0, max_tokens=200, stream=True))
     deltas = [d for ch in chunks if ch.choices for d in (ch.choices[0].delta.tool_calls or [])]
     assert [d.function.name for d in deltas] == [c.function.name for c in r.choices[0].message.tool_calls]
@@ -154,9 +146,9 @@ def test_required_and_named_stream_and_not(client, mid, choice):
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason] == ["tool_calls"]
 
 
-def test_eight_at_once_sampled(client, mid):
+def test_eight_at_once_sampled(client, model_id):
     def one(i):
-        r = client.chat.completions.create(model=mid, messages=Q, tools=TOOLS, tool_choice="required",
+        r = client.chat.completions.create(model=model_id, messages=Q, tools=TOOLS, tool_choice="required",
                                            temperature=1.0, seed=i, max_tokens=200)
         return r.choices[0]
 
@@ -166,19 +158,19 @@ def test_eight_at_once_sampled(client, mid):
             _calls_valid(ch.message.tool_calls)
 
 
-def test_auto_and_round_trip(client, mid):
-    r = client.chat.completions.create(model=mid, messages=Q, tools=TOOLS, tool_choice="auto", temperature=0,
+def test_auto_and_round_trip(client, model_id):
+    r = client.chat.completions.create(model=model_id, messages=Q, tools=TOOLS, tool_choice="auto", temperature=0,
                                        max_tokens=60)
     c = r.choices[0]
     if c.message.tool_calls:   # the model chose a call: it is a valid one
         _calls_valid(c.message.tool_calls)
     else:
         assert c.message.content and "<tool_call>" not in c.message.content
-    first = client.chat.completions.create(model=mid, messages=Q, tools=TOOLS, tool_choice="required",
+    first = client.chat.completions.create(model=model_id, messages=Q, tools=TOOLS, tool_choice="required",
                                            temperature=0, max_tokens=200).choices[0].message
     history = Q + [first.model_dump(exclude_none=True)] + \
         [{"role": "tool", "tool_call_id": call.id, "content": "5"} for call in first.tool_calls]
-    final = client.chat.completions.create(model=mid, messages=history, tools=TOOLS, tool_choice="none",
+    final = client.chat.completions.create(model=model_id, messages=history, tools=TOOLS, tool_choice="none",
                                            temperature=0, max_tokens=40).choices[0]
     assert final.finish_reason in ("stop", "length") and final.message.content and not final.message.tool_calls
 

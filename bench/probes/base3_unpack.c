@@ -1,4 +1,4 @@
-/* Probe for issue 16: can a base-3 layout (5 trits per byte, 1.6 bits/weight, as TQ1_0) be unpacked as fast as
+/* Probe: can a base-3 layout (5 trits per byte, 1.6 bits/weight, as TQ1_0) be unpacked as fast as
  * the tile16 2-bit codes stream? Every loop feeds vpdpbusd the same way (one operand per trit / code plane) over
  * the same number of weights (2^31 by default; argument 1: millions of weights, 4 = from cache), from buffers far
  * larger than the caches. Not part of the build:

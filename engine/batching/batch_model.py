@@ -70,7 +70,8 @@ class BatchModel:
 
     def _blocks(self, v: _Views, seq_rows, seq_pos0, page_table):
         """All layers of one step: engine.model.run_layers with attention over each sequence's own pages."""
-        cfg, attention = self.config, ops.attention_paged
+        cfg = self.config
+        attention = ops.attention_paged_q8 if self.pool.kv_dtype == "q8" else ops.attention_paged
         nh, nkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         kp, vp, cos, sin, scr = self.pool.k, self.pool.v, self._cos, self._sin, self._scratch
 

@@ -18,7 +18,7 @@ same sampler state as without lookup, so the output is identical (greedy and see
 ever reach the prefix index: a page is indexed once full, i.e. once every position in it is committed.
 
 Chunks are exactly those of engine.generate.generate (per token with the running Stats, then a final one);
-finish reasons add "cancelled". Only the scheduler thread touches the pool, the index and the model;
+finish reasons add "cancelled" and "error" (that sequence's sampling raised). Only the scheduler thread touches the pool, the index and the model;
 submit/cancel/metrics take the lock.
 """
 from __future__ import annotations
@@ -214,6 +214,7 @@ class BatchScheduler:
                     "kv_pages_total": self.pool.n_pages, "kv_pages_used": self.pool.n_used,
                     "kv_pages_free": self.pool.n_free, "kv_pages_reserved": self.pool.reserved,
                     "kv_pages_cached": self.prefix.n_nodes, "kv_page_tokens": PAGE_TOKENS,
+                    "kv_dtype": self.pool.kv_dtype, "kv_pool_bytes": self.pool.nbytes,
                     "prefix_hits_tokens": self.prefix_hits_tokens, "requests_total": self.requests_total,
                     "tokens_generated_total": self.tokens_generated_total, "steps_total": self.steps_total,
                     "lookup_draft_max": self.draft_max, "lookup_drafted_total": self.lookup_drafted_total,
@@ -356,7 +357,9 @@ class BatchScheduler:
         li = 0
         for s, r in plan:
             if s.draft:
-                li = self._sample_draft(s, logits, li)
+                n_rows = len(s.draft) + 1
+                nxt = self._sample_or_fail(s, self._sample_draft, logits, li)
+                li = nxt if nxt is not None else li + n_rows
                 continue
             s.n_past += r
             self._index(s)
@@ -365,8 +368,20 @@ class BatchScheduler:
                     s.t_prefilled = now
                     if s.forks:
                         self._fork(s, logits[li])
-                self._sample(s, logits[li])
+                self._sample_or_fail(s, self._sample, logits[li])
                 li += 1
+
+    def _sample_or_fail(self, s: _Seq, sample, *args):
+        """sample(s, *args), where a fault (sampler, constraint, detokenizer, stop matcher) ends only s, with
+        finish_reason "error": its pages go back, the step's other sequences carry on."""
+        try:
+            return sample(s, *args)
+        except Exception as e:
+            import sys
+            print(f"bitnet engine: sequence {s.id} failed ({type(e).__name__}: {e}); ending it", file=sys.stderr)
+            s.draft = []
+            self._finish(s, "error")
+            return None
 
     def _fork(self, s: _Seq, logits: np.ndarray):
         """s has prefilled its prompt: each fork takes s's pages (shared; copy-on-write on their first write) and
@@ -380,7 +395,7 @@ class BatchScheduler:
                 self.pool.incref(p)
             f.n_past, f.n_cached, f.n_indexed = s.n_past, len(s.prompt), s.n_indexed
             f.t_prefilled = s.t_prefilled
-            self._sample(f, logits.copy())
+            self._sample_or_fail(f, self._sample, logits.copy())
         s.forks = []
 
     def _index(self, s: _Seq):
@@ -560,7 +575,7 @@ class BatchScheduler:
             if f.fork_of is s:
                 f.fork_of = None
                 self._finish(f, reason, locked=True)
-        if reason not in ("stop", "cancelled"):
+        if reason not in ("stop", "cancelled", "error"):
             rest, _ = s.matcher.feed(s.detok.flush())
             rest += s.matcher.flush()
             if rest:

@@ -1,5 +1,5 @@
 """The ternary model families the engine runs, how a source file is recognized as one, and what the runtime
-does with it (for `bitnet inspect`, the README table and error messages).
+does with it (for `bitnet inspect`, docs/models.md and error messages).
 
 The runtime never branches on the family: one ModelConfig (activation, sub_norms, tied head, head_dim, RoPE
 theta and LongRoPE factors, eps) drives engine/runtime/model.py; constant scalings (MiniCPM) are folded into the
@@ -21,7 +21,7 @@ from ..errors import UnsupportedError
 @dataclass(frozen=True)
 class Family:
     label: str      # human name
-    files: str      # what a user downloads (README table)
+    files: str      # what a user downloads (docs/models.md)
 
 
 FAMILIES = {
@@ -129,7 +129,7 @@ _KNOWN_UNSUPPORTED = {
     "qwen3_vl": "Qwen3-VL (vision-language)",
 }
 _HINT = ("supported: BitNet b1.58, 1bitLLM, Llama-architecture ternary models (Falcon3-1.58bit, Llama3-8B-1.58,"
-         " Falcon-E, TriLM), BitCPM4 (MiniCPM) and Ternary Bonsai (Qwen3); see README")
+         " Falcon-E, TriLM), BitCPM4 (MiniCPM) and Ternary Bonsai (Qwen3); see docs/models.md")
 
 
 def is_minicpm(cfg: dict) -> bool:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..fileio import close_map, map_readonly
+from ..fileio import close_map, map_readonly, starts_with
 from ..errors import FormatError, UnsupportedError
 from .gguf_dequant import OWN_DECODERS, decode_with_gguf, gguf_decodable
 
@@ -435,8 +435,4 @@ def decode_blocks(raw: np.ndarray, type_name: str) -> np.ndarray:
 
 
 def is_gguf(path: str | os.PathLike) -> bool:
-    try:
-        with open(path, "rb") as f:
-            return f.read(4) == GGUF_MAGIC
-    except OSError:
-        return False
+    return starts_with(path, GGUF_MAGIC)

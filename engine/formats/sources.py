@@ -384,7 +384,7 @@ class HFSource:
         llama = minicpm or qwen3 or "LlamaForCausalLM" in archs or (mt == "llama" and "BitnetForCausalLM" not in archs)
         if not ({"BitNetForCausalLM", "BitnetForCausalLM"} & set(archs) or mt == "bitnet" or llama):
             raise UnsupportedError(f"{path}: unsupported model (architectures {archs}, model_type {mt!r})",
-                                   hint="this engine runs ternary BitNet b1.58 / Llama-architecture models (README)")
+                                   hint="this engine runs ternary BitNet b1.58 / Llama-architecture models (docs/models.md)")
         q = cfg.get("quantization_config") or {}
         if not isinstance(q, dict):
             raise FormatError(f"{path}/config.json: quantization_config is not an object")

@@ -32,7 +32,7 @@ import numpy as np
 
 from .. import faults
 from ..config import ModelConfig
-from ..fileio import close_map, map_readonly
+from ..fileio import close_map, map_readonly, starts_with
 from ..errors import BitNetError, FormatError
 from ..memory import available_memory, huge_page_bytes, read_into_memory, thp_mode
 
@@ -290,8 +290,4 @@ class Store:
 
 
 def is_store(path: str | os.PathLike) -> bool:
-    try:
-        with open(path, "rb") as f:
-            return f.read(8) == MAGIC
-    except OSError:
-        return False
+    return starts_with(path, MAGIC)

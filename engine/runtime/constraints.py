@@ -331,14 +331,13 @@ class TokenMatcher:
             self._ready()
         if self._m.is_error():
             raise ConstraintError(f"{self.spec.where}: {_one_line(self._m.get_error())}", where=self.spec.where)
-        allowed = np.flatnonzero(np.unpackbits(self._words.view(np.uint8), count=self.n_vocab, bitorder="little"))
-        if allowed.size == 0:
+        if not self._words.any():
             raise ConstraintError(f"{self.spec.where}: the grammar allows no token here", where=self.spec.where)
-        if allowed.size == len(logits):
-            return
-        keep = logits[allowed]   # few tokens are usually allowed: fill the row, put them back
-        logits.fill(-np.inf)
-        logits[allowed] = keep
+        # one pass with a boolean view of the bits: ~30 us on a 128k vocabulary (a gather / scatter of the allowed
+        # ids took ~0.6 ms inside a JSON string, where most tokens are allowed)
+        allowed = np.unpackbits(self._words.view(np.uint8), count=self.n_vocab, bitorder="little").view(bool)
+        np.copyto(logits[: self.n_vocab], np.float32(-np.inf), where=~allowed)
+        logits[self.n_vocab:] = -np.inf
 
     def allowed(self) -> np.ndarray:
         """Ids the current state allows (tests, tools)."""

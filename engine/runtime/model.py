@@ -61,11 +61,27 @@ def ternary_matmul(m: int, b3: bool = False):
     return K.gemm_ternary_b3 if b3 else K.gemm_ternary
 
 
+KV_DTYPES = ("f16", "f32", "q8")   # KV cache element types (--kv); q8: int8 with a scale per position per KV head
+
+
+def check_kv_dtype(kv_dtype: str):
+    if kv_dtype not in KV_DTYPES:
+        raise BitNetError(f"kv_dtype {kv_dtype!r}: expected one of {', '.join(KV_DTYPES)}")
+
+
+def kv_bytes_per_token(cfg: ModelConfig, kv_dtype: str) -> int:
+    """Bytes of K and V one position holds over all layers (q8: int8 values + a 4-byte scale per KV head)."""
+    per_head = {"f16": 2 * cfg.head_dim, "f32": 4 * cfg.head_dim, "q8": cfg.head_dim + 4}[kv_dtype]
+    return 2 * cfg.n_layers * cfg.n_kv_heads * per_head
+
+
 def session_bytes(cfg: ModelConfig, n_ctx: int, kv_dtype: str, chunk: int = DEFAULT_CHUNK) -> int:
     """Bytes Model() allocates for a session: the KV cache, attention scratch, RoPE tables, per-chunk buffers."""
-    kv_item = 2 if kv_dtype == "f16" else 4
     blocks = -(-n_ctx // ops.KEY_BLOCK) * ops.KEY_BLOCK
-    kv = cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * (blocks + n_ctx) * kv_item
+    if kv_dtype == "q8":   # keys and values in int8 blocks, a 4-byte scale per position per KV head
+        kv = 2 * cfg.n_layers * cfg.n_kv_heads * (blocks // ops.KEY_BLOCK) * ops.q8_block_bytes(cfg.head_dim)
+    else:
+        kv = cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * (blocks + n_ctx) * (2 if kv_dtype == "f16" else 4)
     scratch = cfg.n_heads * ops.ATTENTION_SCRATCH_ROWS * n_ctx * 4
     rope = 2 * n_ctx * (cfg.head_dim // 2) * 4 + n_ctx * 4 * 2
     rows = chunk * (4 * cfg.hidden_size + 2 * cfg.q_dim + 2 * cfg.kv_dim + 2 * cfg.intermediate_size) * 4
@@ -343,8 +359,10 @@ class Model:
         n = self.threads or K.get_num_threads()
         self.tuner = (ThreadTuner(n) if tune_threads and n >= 2
                       and os.environ.get("BITNET_TUNE_THREADS", "1") != "0" else None)
-        if kv_dtype not in ("f16", "f32"):
-            raise BitNetError(f"kv_dtype {kv_dtype!r}: expected 'f16' or 'f32'")
+        check_kv_dtype(kv_dtype)
+        if kv_dtype == "q8" and (cfg.head_dim % 4 or cfg.head_dim > ops.Q8_MAX_HEAD_DIM):
+            raise BitNetError(f"--kv q8: this model's head_dim {cfg.head_dim} is not a multiple of 4 up to "
+                              f"{ops.Q8_MAX_HEAD_DIM}", hint="use --kv f16")
         n_ctx = int(n_ctx or min(cfg.context_length, 4096))
         if n_ctx < 1:
             raise BitNetError(f"-c/--ctx {n_ctx}: the context must hold at least one token")
@@ -376,10 +394,14 @@ class Model:
         self._rows_logits = np.zeros((VERIFY_MAX, V), np.float32)  # logits of every row of a verify pass
         self._resc_heap = np.zeros((VERIFY_MAX, RESCORE_K), np.float32)  # head_rescore scratch / candidates
         self._resc_idx = np.zeros((VERIFY_MAX, RESCORE_K), np.int32)
-        kv_np = np.uint16 if kv_dtype == "f16" else np.float32   # f16 stored as its bits
+        kv_np = {"f16": np.uint16, "f32": np.float32, "q8": np.int8}[kv_dtype]   # f16 stored as its bits
         try:
-            self._k_cache = np.zeros((L,) + ops.key_cache_shape(cfg.n_kv_heads, n_ctx, hd), kv_np)  # transposed blocks
-            self._v_cache = np.zeros((L, cfg.n_kv_heads, n_ctx, hd), kv_np)
+            if kv_dtype == "q8":   # int8 blocks of 32 positions + their scales (simd/ops/attention_q8.h)
+                self._k_cache = np.zeros((L,) + ops.q8_cache_shape(cfg.n_kv_heads, n_ctx, hd), kv_np)
+                self._v_cache = np.zeros((L,) + ops.q8_cache_shape(cfg.n_kv_heads, n_ctx, hd), kv_np)
+            else:
+                self._k_cache = np.zeros((L,) + ops.key_cache_shape(cfg.n_kv_heads, n_ctx, hd), kv_np)  # transposed
+                self._v_cache = np.zeros((L, cfg.n_kv_heads, n_ctx, hd), kv_np)
             self._scratch = np.zeros((cfg.n_heads * ops.ATTENTION_SCRATCH_ROWS, n_ctx), np.float32)  # attention scores
         except MemoryError:
             raise BitNetError(f"-c/--ctx {n_ctx}: cannot allocate the KV cache ({_gib(need)} with the buffers)",
@@ -419,12 +441,19 @@ class Model:
 
     def _blocks(self, v: _Views, pos0: int):
         """All layers for v.m tokens (ids already embedded into v.x) at positions pos0 .. (contiguous cache)."""
-        cfg, attention = self.config, ops.attention
+        cfg = self.config
         nh, nkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         kc, vc, cos, sin, scr = self._k_cache, self._v_cache, self._cos, self._sin, self._scratch
+        if self.kv_dtype == "q8":
+            attention_q8, n_ctx = ops.attention_q8, self.n_ctx
 
-        def attend(li, qkv, att):
-            attention(qkv, nh, nkv, hd, cos, sin, pos0, kc[li], vc[li], att, scr)
+            def attend(li, qkv, att):
+                attention_q8(qkv, nh, nkv, hd, cos, sin, pos0, n_ctx, kc[li], vc[li], att, scr)
+        else:
+            attention = ops.attention
+
+            def attend(li, qkv, att):
+                attention(qkv, nh, nkv, hd, cos, sin, pos0, kc[li], vc[li], att, scr)
 
         run_layers(self.weights, v, attend, ternary_matmul(v.m, self.weights.b3))
 

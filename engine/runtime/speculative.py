@@ -107,7 +107,7 @@ def default_lookup(model) -> LookupParams:
     """Off unless asked for (--draft-max K): the rule is "on by default only where never slower", and on the
     2-core machine a verify pass is compute-bound from M = 3 rows (1.6x a decode; 2 rows 1.06-1.19x), so on
     the synthetic 2B model (random weights, 32% of drafts accepted on repetitive code) decode measured 0.74x
-    with lookup in one run (bench/decode_rows.py, README "Speculative decoding from the prompt"). The bundled
+    with lookup in one run (bench/decode_rows.py, docs/speculative.md). The bundled
     model has an f16 head, whose verify reads the head once per row."""
     return OFF
 

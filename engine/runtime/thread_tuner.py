@@ -1,4 +1,4 @@
-"""Decode's thread count on a desktop whose cores may be busy (issue 20).
+"""Decode's thread count on a desktop whose cores may be busy.
 
 Decode is memory-bound and its kernels split each matrix across the pool's threads; when another process keeps
 one core busy, a worker sharing that core is preempted while it holds a chunk, and the step waits for it. On the

@@ -11,6 +11,7 @@
  * threads would idle) go to the kernels' worker pool one at a time. scratch holds MAXQ score rows per thread.
  */
 #include "ops.h"
+#include "attention_q8.h"
 
 #include <math.h>
 #include <stdlib.h>
@@ -44,13 +45,7 @@ static inline uint16_t f2h(float f) {
 
 /* ---------- per-ISA kernels: scores of one head, weighted sum of values, exp(x - max) in place ---------- */
 
-/* Positions live in blocks of KT_BLOCK: block b of one KV head starts at element (pages ? pages[b] : b) * stride
- * of that head's base (a contiguous cache: pages NULL; the paged pool: the sequence's page table). */
-typedef struct {
-    const int32_t *pages;
-    int64_t stride;
-} kv_blocks;
-#define BLK(bl, b) ((int64_t)((bl).pages ? (bl).pages[(b)] : (b)) * (bl).stride)
+/* kv_blocks, BLK (how positions are addressed): attention_q8.h */
 
 typedef struct {
     void (*scores)(const float *const *q, int R, const void *kt, kv_blocks bl, int f16, int n, int hd, float scale,
@@ -511,6 +506,8 @@ typedef struct {
 /* Step 2 of attention_core over work items [item_begin, item_end) (one chunk of the pool). */
 typedef struct {
     att_kernels K;
+    att_q8_kernels Q; /* int8 cache (q8 set) */
+    int q8;
     const att_seg *segs;
     const att_item *items;
     const int64_t *ws_off; /* per segment: its first state / partial in ws (units of hd + 2 floats), or -1 */
@@ -588,12 +585,15 @@ static void attention_items(void *ctx, int item_begin, int item_end) {
                     live[j] = end > p0 ? end - p0 : 0; /* this row's positions in the piece */
                     nk_max = live[j] > nk_max ? live[j] : nk_max;
                 }
-                K.scores(qs, R, kb, kbl, kv_f16, nk_max, head_dim, J->scale, ss);
+                if (J->q8)
+                    J->Q.scores(qs, R, (const int8_t *)kb, kbl, nk_max, head_dim, J->scale, ss);
+                else
+                    K.scores(qs, R, kb, kbl, kv_f16, nk_max, head_dim, J->scale, ss);
                 for (int j = 0; j < R; j++) {
                     float *sc = ss[j], mx = -INFINITY;
                     const int n = live[j];
                     for (int t = 0; t < n; t++) mx = sc[t] > mx ? sc[t] : mx;
-                    float sum = n ? K.exp_sum(sc, n, mx) : 0.0f, inv = n ? 1.0f / sum : 0.0f;
+                    float sum = n ? (J->q8 ? J->Q.exp_sum : K.exp_sum)(sc, n, mx) : 0.0f, inv = n ? 1.0f / sum : 0.0f;
                     for (int t = 0; t < n; t++) sc[t] *= inv;
                     for (int t = n; t < nk_max; t++) sc[t] = 0.0f; /* positions after this row's own: no weight */
                     mxs[j] = mx, sums[j] = sum;
@@ -602,12 +602,15 @@ static void attention_items(void *ctx, int item_begin, int item_end) {
                     po[j] = !n ? tmp_o[j] : n_pieces(ns[j], head_dim) == 1 ? os[j] : m == 1 ? st[j] + 2 : tmp_o[j];
                 }
                 int j = 0;
-                if (K.wsum4_f16 && kv_f16 && R == 4 && head_dim % 16 == 0 && head_dim <= WS4_MAX_HD) {
+                if (J->q8) { /* positions after a row's own have weight 0: nk_max serves all R */
+                    J->Q.wsum((const float *const *)ss, R, (const int8_t *)vb, vbl, nk_max, head_dim, po);
+                    j = R;
+                } else if (K.wsum4_f16 && kv_f16 && R == 4 && head_dim % 16 == 0 && head_dim <= WS4_MAX_HD) {
                     /* positions past a row's own have weight 0 (above): nk_max serves all four */
                     K.wsum4_f16((const float *const *)ss, vb, vbl, nk_max, head_dim, po);
                     j = 4;
                 }
-                if (K.wsum2)
+                if (K.wsum2 && !J->q8)
                     for (; j + 2 <= R; j += 2) K.wsum2(ss[j], ss[j + 1], vb, vbl, kv_f16, live[j + 1], head_dim, po[j], po[j + 1]);
                 for (; j < R; j++) K.wsum(ss[j], vb, vbl, kv_f16, live[j], head_dim, po[j]);
                 for (j = 0; j < R; j++) {
@@ -630,13 +633,14 @@ static void attention_items(void *ctx, int item_begin, int item_end) {
  * Returns 0, or -1 when the workspace cannot be allocated. */
 static int attention_core(float *qkv, int n_heads, int n_kv, int head_dim, const float *rope_cos,
                           const float *rope_sin, const att_seg *segs, int n_segs, void *k_cache, void *v_cache,
-                          int kv_f16, int64_t k_head, int64_t v_head, int64_t stride, float *out, float *scratch,
+                          int kv_type, int64_t k_head, int64_t v_head, int64_t stride, float *out, float *scratch,
                           int scratch_rows, int scratch_len) {
     const int isa = ops_isa();
     const int q_dim = n_heads * head_dim, kv_dim = n_kv * head_dim, row_stride = q_dim + 2 * kv_dim;
     const int half = head_dim / 2, group = n_heads / n_kv;
     const float scale = 1.0f / sqrtf((float)head_dim);
-    const size_t esize = kv_f16 ? sizeof(uint16_t) : sizeof(float);
+    const int kv_f16 = kv_type == OPS_KV_F16, q8 = kv_type == OPS_KV_Q8;
+    const size_t esize = q8 ? 1 : kv_f16 ? sizeof(uint16_t) : sizeof(float);
 
     /* 1. rotate q and k of every row, append k (into its transposed block) and v to the cache */
     int64_t work = 0;
@@ -655,7 +659,10 @@ static int attention_core(float *qkv, int n_heads, int n_kv, int head_dim, const
                 const int64_t vat = j * v_head + blk + (int64_t)(pos % KT_BLOCK) * head_dim;
                 const int64_t kat = j * k_head + blk + pos % KT_BLOCK;
                 const float *kr = row + q_dim + j * head_dim, *vr = row + q_dim + kv_dim + j * head_dim;
-                if (kv_f16) {
+                if (q8) { /* a block's 32 scales follow its int8 values (attention_q8.h) */
+                    att_q8_store_key(kr, head_dim, (int8_t *)k_cache + j * k_head + blk, pos % KT_BLOCK);
+                    att_q8_store_value(vr, head_dim, (int8_t *)v_cache + j * v_head + blk, pos % KT_BLOCK);
+                } else if (kv_f16) {
                     uint16_t *kc = (uint16_t *)k_cache + kat, *vc = (uint16_t *)v_cache + vat;
 #if defined(__x86_64__)
                     if (isa >= OPS_ISA_AVX2 && head_dim <= 512) { /* F16C converts; the key's column is scattered */
@@ -701,7 +708,9 @@ static int attention_core(float *qkv, int n_heads, int n_kv, int head_dim, const
         n_items += (int64_t)per_seg * (segs[sg].m == 1 ? np : 1);
         if (np > 1) n_states += (int64_t)n_heads * (segs[sg].m == 1 ? np : segs[sg].m);
     }
-    const size_t items_bytes = sizeof(att_item) * (size_t)n_items, off_bytes = sizeof(int64_t) * (size_t)n_segs;
+    /* items are 12 bytes: the int64 offsets after them start on the next multiple of 8 (UBSan: misaligned) */
+    const size_t items_bytes = (sizeof(att_item) * (size_t)n_items + 7) & ~(size_t)7;
+    const size_t off_bytes = sizeof(int64_t) * (size_t)n_segs;
     const size_t head_bytes = (items_bytes + off_bytes + 63) & ~(size_t)63;
     /* per call: after the first free of a large block glibc raises its mmap threshold, so later calls reuse heap
      * memory without page faults */
@@ -730,7 +739,7 @@ static int attention_core(float *qkv, int n_heads, int n_kv, int head_dim, const
      * other threads, once per layer, can cost a scheduler slice on a busy machine, while each
      * sequence's attention is short (measured: 16 sequences at 64 positions, 0.5 ms serial per layer) */
     const int64_t min_work = n_segs > 1 ? (int64_t)1 << 24 : (int64_t)1 << 18;
-    const att_job job = {K, segs, items, ws_off, n_sub, group, sub, kv_f16, head_dim, row_stride, q_dim, n_heads,
+    const att_job job = {K, att_q8_kernels_for(isa), q8, segs, items, ws_off, n_sub, group, sub, kv_f16, head_dim, row_stride, q_dim, n_heads,
                          scratch_len, stride, k_head, v_head, esize, k_cache, v_cache, qkv, out, scratch, ws, scale};
     /* grain 1: items are whole heads (or pieces), handed out one chunk at a time; slot < threads indexes the scratch */
     if (n_items > 1 && threads > 1 && work * n_heads * head_dim > min_work)
@@ -758,18 +767,19 @@ static int attention_core(float *qkv, int n_heads, int n_kv, int head_dim, const
 }
 
 int ops_attention(float *qkv, int m, int n_heads, int n_kv, int head_dim, const float *rope_cos,
-                  const float *rope_sin, int pos0, void *k_cache, void *v_cache, int kv_f16, int n_ctx,
+                  const float *rope_sin, int pos0, void *k_cache, void *v_cache, int kv_type, int n_ctx,
                   float *out, float *scratch, int scratch_rows) {
     const att_seg seg = {0, m, pos0, NULL};
-    const int64_t blk = (int64_t)KT_BLOCK * head_dim;
-    const int64_t k_head = (int64_t)((n_ctx + KT_BLOCK - 1) / KT_BLOCK) * blk, v_head = (int64_t)n_ctx * head_dim;
-    return attention_core(qkv, n_heads, n_kv, head_dim, rope_cos, rope_sin, &seg, 1, k_cache, v_cache, kv_f16, k_head,
+    const int64_t nblk = (n_ctx + KT_BLOCK - 1) / KT_BLOCK;
+    const int64_t blk = kv_type == OPS_KV_Q8 ? OPS_Q8_BLOCK_BYTES(head_dim) : (int64_t)KT_BLOCK * head_dim;
+    const int64_t k_head = nblk * blk, v_head = kv_type == OPS_KV_Q8 ? nblk * blk : (int64_t)n_ctx * head_dim;
+    return attention_core(qkv, n_heads, n_kv, head_dim, rope_cos, rope_sin, &seg, 1, k_cache, v_cache, kv_type, k_head,
                           v_head, blk, out, scratch, scratch_rows, n_ctx);
 }
 
 int ops_attention_paged(float *qkv, int n_heads, int n_kv, int head_dim, const float *rope_cos,
                          const float *rope_sin, int n_seqs, const int32_t *seq_rows, const int32_t *seq_pos0,
-                         const int32_t *page_table, int max_pages, void *k_pool, void *v_pool, int kv_f16,
+                         const int32_t *page_table, int max_pages, void *k_pool, void *v_pool, int kv_type,
                          float *out, float *scratch, int scratch_rows, int scratch_len) {
     att_seg stack_segs[64];
     att_seg *segs = n_seqs <= 64 ? stack_segs : malloc(sizeof(att_seg) * (size_t)n_seqs);
@@ -780,8 +790,8 @@ int ops_attention_paged(float *qkv, int n_heads, int n_kv, int head_dim, const f
         if (m <= 0) continue;
         segs[n++] = (att_seg){seq_rows[i], m, seq_pos0[i], page_table + (int64_t)i * max_pages};
     }
-    const int64_t blk = (int64_t)KT_BLOCK * head_dim;
-    const int rc = attention_core(qkv, n_heads, n_kv, head_dim, rope_cos, rope_sin, segs, n, k_pool, v_pool, kv_f16,
+    const int64_t blk = kv_type == OPS_KV_Q8 ? OPS_Q8_BLOCK_BYTES(head_dim) : (int64_t)KT_BLOCK * head_dim;
+    const int rc = attention_core(qkv, n_heads, n_kv, head_dim, rope_cos, rope_sin, segs, n, k_pool, v_pool, kv_type,
                                   blk, blk, blk * n_kv, out, scratch, scratch_rows, scratch_len);
     if (segs != stack_segs) free(segs);
     return rc;

@@ -62,14 +62,19 @@ int ops_embed_f16(const uint16_t *table, int64_t vocab, int d, const int32_t *id
 /* qkv[m, q_dim + 2*kv_dim] (q heads, then k heads, then v heads), rows at positions pos0 .. pos0+m-1:
  * rotates q and k (half-split RoPE, tables cos/sin [n_ctx, head_dim/2]), writes k and v into this layer's
  * cache: k_cache [n_kv, ceil(n_ctx/32), head_dim, 32] (blocks of 32 positions, transposed), v_cache
- * [n_kv, n_ctx, head_dim] (f16 bits when
- * kv_f16, else f32), then causal GQA attention of every row over positions 0 .. its own into
+ * [n_kv, n_ctx, head_dim] (f16 bits for OPS_KV_F16, f32 for OPS_KV_F32; OPS_KV_Q8 below), then causal GQA attention of every row over positions 0 .. its own into
  * out[m, q_dim]. scratch: f32 [scratch_rows >= OPS_ATT_SCRATCH_ROWS, n_ctx] (OPS_ATT_SCRATCH_ROWS rows per thread).
  * Returns 0, or -1 when its workspace (partials of long contexts' pieces) cannot be allocated. */
 #define OPS_ATT_SCRATCH_ROWS 4
 #define OPS_KT_BLOCK 32
+/* kv_type: the cache's element type. OPS_KV_Q8: int8 blocks of 32 positions with one f32 scale per position per
+ * KV head (attention_q8.h): k_cache and v_cache [n_kv, ceil(n_ctx/32), OPS_Q8_BLOCK_BYTES(head_dim)] bytes, the
+ * paged pools [n_pages, n_kv, OPS_Q8_BLOCK_BYTES(head_dim)] each. */
+enum { OPS_KV_F32 = 0, OPS_KV_F16 = 1, OPS_KV_Q8 = 2 };
+#define OPS_Q8_BLOCK_BYTES(hd) ((int64_t)OPS_KT_BLOCK * (hd) + OPS_KT_BLOCK * 4)
+#define OPS_Q8_MAX_HD 512 /* head_dim of an int8 cache: a multiple of 4, at most this */
 int ops_attention(float *qkv, int m, int n_heads, int n_kv, int head_dim, const float *rope_cos,
-                  const float *rope_sin, int pos0, void *k_cache, void *v_cache, int kv_f16, int n_ctx,
+                  const float *rope_sin, int pos0, void *k_cache, void *v_cache, int kv_type, int n_ctx,
                   float *out, float *scratch, int scratch_rows);
 /* The same for a batched step over the paged KV pool: sequence i owns rows seq_rows[i] .. seq_rows[i+1]-1 of
  * qkv / out, at positions seq_pos0[i] .., and its positions live in the pages page_table[i, 0..max_pages-1]
@@ -80,7 +85,7 @@ int ops_attention(float *qkv, int m, int n_heads, int n_kv, int head_dim, const 
  * ops_attention on the same sequence alone. */
 int ops_attention_paged(float *qkv, int n_heads, int n_kv, int head_dim, const float *rope_cos,
                          const float *rope_sin, int n_seqs, const int32_t *seq_rows, const int32_t *seq_pos0,
-                         const int32_t *page_table, int max_pages, void *k_pool, void *v_pool, int kv_f16,
+                         const int32_t *page_table, int max_pages, void *k_pool, void *v_pool, int kv_type,
                          float *out, float *scratch, int scratch_rows, int scratch_len);
 
 /* topk.c: indices of the k largest finite-or-inf values of x[n] (unordered) into idx[k]; heap_vals is

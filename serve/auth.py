@@ -1,0 +1,77 @@
+"""API keys: `Authorization: Bearer KEY` on every endpoint but /health (load balancers) and the chat page's HTML
+(it holds no data and asks for the key itself); /metrics too unless --metrics-public.
+
+Keys come from --api-key and --api-key-file (one per line, `#` comments; several users, each with their own key).
+The check hashes the sent key and compares the digest with every key's digest, always all of them, with
+hmac.compare_digest: the time taken says nothing about how much of a key matched, nor which key. A 401 never
+echoes what was sent. It runs as ASGI middleware before the body is read, so a client without a key cannot make
+the server read (or parse) a large body.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+from typing import Iterable
+
+from .limits import send_error
+
+OPEN_PATHS = ("/health",)
+PAGE_PATHS = ("/",)
+
+
+def read_key_file(path: str) -> list[str]:
+    """Keys from a file: one per line; blank lines and lines starting with # are skipped."""
+    from ..engine.errors import BitNetError
+    try:
+        with open(path, encoding="utf-8") as f:
+            keys = [ln.strip() for ln in f if ln.strip() and not ln.lstrip().startswith("#")]
+    except OSError as e:
+        raise BitNetError(f"--api-key-file {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError:
+        raise BitNetError(f"--api-key-file {path}: not UTF-8 text") from None
+    if not keys:
+        raise BitNetError(f"--api-key-file {path}: no keys in it", hint="one key per line")
+    return keys
+
+
+def _digest(key: bytes) -> bytes:
+    return hashlib.sha256(key).digest()
+
+
+class KeyChecker:
+    def __init__(self, keys: Iterable[str]):
+        self._digests = [_digest(k.encode("utf-8")) for k in keys]
+
+    def __bool__(self):
+        return bool(self._digests)
+
+    def __len__(self):
+        return len(self._digests)
+
+    def ok(self, authorization: bytes | None) -> bool:
+        raw = authorization or b""
+        sent = raw[7:].strip() if raw[:7].lower() == b"bearer " else b""
+        d = _digest(sent)
+        found = False
+        for want in self._digests:   # every key, every time
+            found |= hmac.compare_digest(d, want)
+        return found and bool(sent)
+
+
+class AuthMiddleware:
+    def __init__(self, app, checker: KeyChecker, metrics_public: bool = False):
+        self.app, self.checker, self.metrics_public = app, checker, metrics_public
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or not self.checker:
+            return await self.app(scope, receive, send)
+        path = scope.get("path", "")
+        if path in OPEN_PATHS or (path in PAGE_PATHS and scope.get("method") in ("GET", "HEAD")) or \
+                (path == "/metrics" and self.metrics_public):
+            return await self.app(scope, receive, send)
+        auth = next((v for k, v in scope.get("headers", ()) if k == b"authorization"), None)
+        if not self.checker.ok(auth):
+            return await send_error(send, scope, 401, "invalid or missing API key (send 'Authorization: Bearer KEY')",
+                                    "authentication_error", "invalid_api_key",
+                                    headers=((b"www-authenticate", b"Bearer"),))
+        return await self.app(scope, receive, send)

@@ -1,0 +1,308 @@
+"""What a client may cost the server: body and header size, connections, time to send a request, time a request
+may run. Each limit is refused with its own status and an OpenAI-shaped body ({"error": {message, type, param,
+code}}), before the request reaches the handlers or the engine.
+
+Two layers, because some limits must act before there is a request at all:
+- `guarded_protocol(limits)`: a uvicorn HTTP protocol class (httptools or h11) that counts connections (one over
+  --max-connections gets a 503 + Retry-After for its request), times the headers of every request from its first
+  byte (or the connection's start) and answers 408 and closes when they take longer than --header-timeout
+  (slowloris), and (httptools) refuses header blocks over --max-header-kb with 431 while they arrive.
+- `LimitsMiddleware`: a pure ASGI middleware that refuses too many headers (431), a Content-Length over
+  --max-body-mb (413, nothing read), reads the body itself under the cap (413 as soon as a chunked body passes
+  it, never buffering more) and within --body-timeout (408), then runs the handler within --request-timeout
+  (cancelled: the engine stream's `finally` cancels its sequence, so its pages go back; the client gets a 504
+  or, mid-stream, an error event). After a request with a large body it hands freed heap back to the OS.
+"""
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import ctypes.util
+import json
+import time
+from dataclasses import dataclass
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_body_bytes: int = 4 * MiB         # a 4096-token prompt is well under 100 KiB of text (x6 if all JSON-escaped)
+    max_header_bytes: int = 32 << 10      # request line + headers; nginx's default buffers hold 32 KiB
+    max_headers: int = 100
+    max_connections: int = 512
+    header_timeout: float = 10.0          # first byte of a request -> end of its headers
+    body_timeout: float = 30.0            # end of headers -> end of body
+    request_timeout: float = 600.0        # handler wall time, 0 = none
+    retry_after: int = 1
+
+
+def error_json(message: str, type_: str, code: str, param: str | None = None, scope=None) -> bytes:
+    """OpenAI's error body, or ollama's ({"error": "..."}) for its /api/ routes."""
+    if scope is not None and scope.get("path", "").startswith("/api/"):
+        return json.dumps({"error": message}).encode()
+    return json.dumps({"error": {"message": message, "type": type_, "param": param, "code": code}}).encode()
+
+
+async def send_error(send, scope, status: int, message: str, type_: str, code: str, *, close: bool = False,
+                     headers: tuple = ()):
+    body = error_json(message, type_, code, scope=scope)
+    h = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *headers]
+    if close:
+        h.append((b"connection", b"close"))
+    await send({"type": "http.response.start", "status": status, "headers": h})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+# ---- memory -----------------------------------------------------------------------------------------------
+def _malloc_trim():
+    """glibc keeps freed heap in its arenas (a 50 MB prompt's JSON, text and token lists left RSS at 1.67 GB);
+    malloc_trim(0) returns the free pages of every arena. Other C libraries: nothing to do."""
+    name = ctypes.util.find_library("c")
+    try:
+        fn = ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):
+        fn = None
+    if fn is not None:
+        fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
+    return fn
+
+
+_TRIM = _malloc_trim()
+TRIM_AFTER_BYTES = 1 * MiB   # bodies below this leave nothing worth trimming (measured: trim itself ~1 ms)
+
+
+def release_memory():
+    if _TRIM is not None:
+        _TRIM(0)
+
+
+# ---- ASGI middleware --------------------------------------------------------------------------------------
+class LimitsMiddleware:
+    def __init__(self, app, limits: Limits = Limits()):
+        self.app, self.limits = app, limits
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        lim = self.limits
+        headers = scope.get("headers") or []
+        if len(headers) > lim.max_headers:
+            return await send_error(send, scope, 431, f"{len(headers)} request headers: at most {lim.max_headers}",
+                                    "invalid_request_error", "headers_too_large", close=True)
+        if sum(len(k) + len(v) + 4 for k, v in headers) > lim.max_header_bytes:
+            return await send_error(send, scope, 431, f"request headers over {lim.max_header_bytes} bytes",
+                                    "invalid_request_error", "headers_too_large", close=True)
+        length = None
+        for k, v in headers:
+            if k == b"content-length":
+                try:
+                    length = int(v)
+                except ValueError:
+                    return await send_error(send, scope, 400, "Content-Length is not a number", "invalid_request_error",
+                                            "invalid_header", close=True)
+        if length is not None and length > lim.max_body_bytes:
+            # answered without reading: the server discards the rest, and the connection stays usable
+            return await send_error(send, scope, 413, self._too_big(length), "invalid_request_error", "body_too_large")
+        body, status = b"", None
+        if scope.get("method") in ("POST", "PUT", "PATCH"):
+            body, status = await self._read_body(receive)
+            if status == "disconnect":
+                return
+            if status == 413:
+                return await send_error(send, scope, 413, self._too_big(None), "invalid_request_error",
+                                        "body_too_large", close=True)
+            if status == 408:
+                return await send_error(send, scope, 408, f"the request body did not arrive within "
+                                        f"{lim.body_timeout:g} s", "invalid_request_error", "request_timeout",
+                                        close=True)
+        try:
+            await self._run(scope, self._replay(body, receive), send)
+        finally:
+            if len(body) >= TRIM_AFTER_BYTES or (length or 0) >= TRIM_AFTER_BYTES:
+                del body
+                await asyncio.to_thread(release_memory)
+
+    def _too_big(self, length):
+        cap = self.limits.max_body_bytes
+        got = f"{length} bytes" if length is not None else "the request body"
+        return f"{got}: over the server's limit of {cap / MiB:g} MiB (bitnet serve --max-body-mb)"
+
+    async def _read_body(self, receive):
+        """The whole body, read under the size cap and the time limit: (bytes, None) or (b"", 413 | 408 |
+        "disconnect")."""
+        lim = self.limits
+        deadline = time.monotonic() + lim.body_timeout
+        parts, n = [], 0
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return b"", 408
+            try:
+                msg = await asyncio.wait_for(receive(), left)
+            except asyncio.TimeoutError:
+                return b"", 408
+            if msg["type"] == "http.disconnect":
+                return b"", "disconnect"
+            chunk = msg.get("body", b"")
+            n += len(chunk)
+            if n > lim.max_body_bytes:
+                return b"", 413
+            if chunk:
+                parts.append(chunk)
+            if not msg.get("more_body", False):
+                return b"".join(parts), None
+
+    @staticmethod
+    def _replay(body: bytes, receive):
+        """A receive that gives the handler the body already read, then waits on the real one (disconnects)."""
+        sent = False
+
+        async def replay():
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+        return replay
+
+    async def _run(self, scope, receive, send):
+        timeout = self.limits.request_timeout
+        if not timeout or scope.get("path") in ("/health", "/metrics"):
+            return await self.app(scope, receive, send)
+        state = {"started": False, "done": False, "stream": None}
+
+        async def tracked_send(msg):
+            if msg["type"] == "http.response.start":
+                state["started"] = True
+                ctype = next((v for k, v in msg.get("headers", ()) if k.lower() == b"content-type"), b"")
+                state["stream"] = ("sse" if ctype.startswith(b"text/event-stream") else
+                                   "ndjson" if ctype.startswith(b"application/x-ndjson") else None)
+            elif msg["type"] == "http.response.body" and not msg.get("more_body", False):
+                state["done"] = True
+            await send(msg)
+
+        task = asyncio.ensure_future(self.app(scope, receive, tracked_send))
+        try:
+            await asyncio.wait_for(asyncio.shield(task), timeout)
+            return
+        except asyncio.TimeoutError:
+            pass
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
+        # past the wall time: cancel the handler (its stream's `finally` cancels the engine sequence). Again until
+        # it ends: Python 3.11's asyncio.wait_for (the handler's wait on its queue) drops a cancellation that
+        # arrives as its inner wait completes, which tokens arriving every few ms make likely
+        while not task.done():
+            task.cancel()
+            await asyncio.wait({task}, timeout=0.05)
+        if not task.cancelled():
+            task.exception()   # retrieved, so asyncio does not log it
+        msg = f"the request ran past the server's limit of {timeout:g} s (bitnet serve --request-timeout)"
+        if not state["started"]:
+            await send_error(send, scope, 504, msg, "server_error", "request_timeout")
+        elif not state["done"]:
+            tail = b""
+            if state["stream"] == "sse":
+                tail = b"data: " + error_json(msg, "server_error", "request_timeout") + b"\n\n"
+            elif state["stream"] == "ndjson":
+                tail = error_json(msg, "server_error", "request_timeout", scope=scope) + b"\n"
+            await send({"type": "http.response.body", "body": tail, "more_body": False})
+
+
+# ---- uvicorn protocol -------------------------------------------------------------------------------------
+def _raw_response(status: int, reason: str, message: str, code: str, extra: str = "") -> bytes:
+    body = error_json(message, "invalid_request_error" if status < 500 else "server_error", code)
+    head = (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
+            f"{extra}connection: close\r\n\r\n")
+    return head.encode() + body
+
+
+def _overloaded_app(limits: Limits):
+    async def app(scope, receive, send):
+        await send_error(send, scope, 503, f"the server has {limits.max_connections} connections open (bitnet serve "
+                         "--max-connections); retry later", "server_error", "too_many_connections", close=True,
+                         headers=((b"retry-after", str(limits.retry_after).encode()),))
+    return app
+
+
+def guarded_protocol(limits: Limits, base=None):
+    """A subclass of uvicorn's HTTP protocol (`base`; default: httptools when installed, else h11) that enforces
+    the connection cap, the header timeout and (httptools) the header size; pass it as uvicorn.Config(http=...)."""
+    if base is None:
+        try:
+            from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
+        except ImportError:
+            from uvicorn.protocols.http.h11_impl import H11Protocol as base
+
+    class GuardedProtocol(base):
+        def connection_made(self, transport):
+            super().connection_made(transport)
+            self._timer = None
+            self._rejected = False
+            self._header_bytes = 0
+            if len(self.connections) > limits.max_connections:
+                # read its request, answer 503 (a response before the request is read can be lost to a reset)
+                self.app = _overloaded_app(limits)
+            self._arm()
+
+        def _in_headers(self):
+            return self.cycle is None or self.cycle.response_complete
+
+        def _arm(self):
+            if self._timer is None and not self._rejected:
+                self._timer = self.loop.call_later(limits.header_timeout, self._header_timeout)
+
+        def _disarm(self):
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+
+        def _header_timeout(self):
+            self._timer = None
+            if self._in_headers() and not self.transport.is_closing():
+                self._reject(_raw_response(408, "Request Timeout", f"the request headers did not arrive within "
+                                           f"{limits.header_timeout:g} s", "request_timeout"))
+
+        def _reject(self, raw: bytes):
+            self._rejected = True
+            self._disarm()
+            self.transport.write(raw)
+            self.transport.close()
+
+        def send_400_response(self, msg):   # after our own refusal the parser's error must not answer again
+            if not self._rejected:
+                super().send_400_response(msg)
+
+        def data_received(self, data):
+            if self._rejected:
+                return
+            before = self.cycle
+            if self._in_headers():
+                self._arm()   # a new request on a kept-alive connection: its headers are timed from here
+            super().data_received(data)
+            if self.cycle is not before and self.cycle is not None:
+                self._disarm()
+                self._header_bytes = 0
+
+        def on_url(self, url):
+            self._count(len(url))
+            super().on_url(url)
+
+        def on_header(self, name, value):
+            self._count(len(name) + len(value) + 4)
+            super().on_header(name, value)
+
+        def _count(self, n):
+            self._header_bytes += n
+            if self._header_bytes > limits.max_header_bytes and not self._rejected:
+                self._reject(_raw_response(431, "Request Header Fields Too Large", f"request headers over "
+                                           f"{limits.max_header_bytes} bytes", "headers_too_large"))
+                raise ValueError("headers too large")   # stops the parser; send_400_response stays quiet
+
+        def connection_lost(self, exc):
+            self._disarm()
+            super().connection_lost(exc)
+
+    return GuardedProtocol

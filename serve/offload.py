@@ -1,0 +1,130 @@
+"""Keep large work off the event loop: one slow request must never delay another one's tokens.
+
+- `offloop_route(n_ctx)`: FastAPI's route class whose request parses its JSON body in a worker thread, and
+  refuses a body whose structure cannot fit the context before FastAPI validates it: more messages, content
+  parts or prompt token ids than the context has tokens, or more JSON objects than a request that fits could
+  hold. Why a bound and not only a thread: json.loads and pydantic's validation hold the GIL for their whole run,
+  so a thread does not free the loop; measured here, 8 MB of small messages held it 2.5 s (0.4 s parse, 2.1 s
+  validation) and 1M token ids took 2 s to validate. What is left is bounded by --max-body-mb: one 8 MB string
+  parses in ~60 ms.
+- `too_long_for_context(eng, n_chars)`: a prompt of more characters than (bytes of the tokenizer's longest
+  token x the context) cannot fit, whatever the tokenizer makes of it (a character is at least one byte), so
+  it is refused before it is rendered or tokenized (a 10 MB prompt tokenized on the loop stalled every other
+  client for 19 s). Rendering and tokenizing the rest: `await run_off_loop(fn, ...)`.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import weakref
+
+from fastapi import HTTPException, Request
+from fastapi.routing import APIRoute
+
+# normalizers may drop characters (zero-width, accents): allow twice the strict bound before refusing unseen
+SAFETY = 2
+
+
+OFFLOAD_BYTES = 64 << 10   # smaller bodies parse in well under a millisecond: not worth a thread hop
+
+
+class BodyRefused(HTTPException):
+    """A body refused from its structure alone (FastAPI lets HTTPExceptions out of body parsing as they are)."""
+
+    def __init__(self, message: str, param: str | None, code: str):
+        super().__init__(400, message)
+        self.param, self.code = param, code
+
+
+def check_structure(obj, n_ctx: int | None):
+    """Raise BodyRefused when the parsed body cannot fit a context of n_ctx tokens (each message, content part
+    and prompt id takes at least one token)."""
+    if n_ctx is None or not isinstance(obj, dict):
+        return
+    msgs = obj.get("messages")
+    if isinstance(msgs, list):
+        parts = sum(len(m["content"]) for m in msgs if isinstance(m, dict) and isinstance(m.get("content"), list))
+        if len(msgs) + parts > n_ctx:
+            raise BodyRefused(f"messages: {len(msgs)} messages ({parts} content parts) cannot fit a context of "
+                              f"{n_ctx} tokens", "messages", "context_length_exceeded")
+    prompt = obj.get("prompt")
+    if isinstance(prompt, list) and len(prompt) > n_ctx:
+        raise BodyRefused(f"prompt: {len(prompt)} items cannot fit a context of {n_ctx} tokens", "prompt",
+                          "context_length_exceeded")
+
+
+def parse_bounded(body: bytes, n_ctx: int | None):
+    """json.loads, stopped once it has built more objects and numbers than a body that fits n_ctx could hold
+    (4 MB of small messages: refused after ~50 ms instead of ~300 ms of parsing and 1 s of validation)."""
+    if n_ctx is None:
+        return json.loads(body)
+    limit, count = 4 * n_ctx + 256, 0
+
+    def counted(make):
+        def hook(x):
+            nonlocal count
+            count += 1
+            if count > limit:
+                raise BodyRefused(f"the request body has over {limit} JSON objects and numbers; a context of "
+                                  f"{n_ctx} tokens cannot hold them", None, "context_length_exceeded")
+            return make(x)
+        return hook
+    obj = json.loads(body, object_hook=counted(lambda d: d), parse_int=counted(int), parse_float=counted(float))
+    check_structure(obj, n_ctx)
+    return obj
+
+
+def offloop_route(n_ctx):
+    """An APIRoute class for app.router.route_class; n_ctx() -> the engine's context, or None while loading."""
+
+    class OffloopRequest(Request):
+        async def json(self):
+            if not hasattr(self, "_json"):
+                body = await self.body()
+                ctx = n_ctx()
+                if len(body) > OFFLOAD_BYTES:
+                    self._json = await asyncio.to_thread(parse_bounded, body, ctx)
+                else:
+                    self._json = parse_bounded(body, ctx)
+            return self._json
+
+    class OffloopRoute(APIRoute):
+        def get_route_handler(self):
+            handler = super().get_route_handler()
+
+            async def route_handler(request: Request):
+                return await handler(OffloopRequest(request.scope, request.receive))
+            return route_handler
+    return OffloopRoute
+
+
+_longest: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def longest_token_bytes(tok) -> int:
+    """UTF-8 bytes of the tokenizer's longest token (its exact bytes for byte-level BPE, else its piece's text,
+    which is as long or longer: '▁' is 3 bytes for one space, '<0xE3>' 6 for one byte)."""
+    n = _longest.get(tok)
+    if n is None:
+        n = 1
+        for i in range(tok.vocab_size):
+            b = tok.token_bytes(i)
+            if b is None:
+                t = tok.id_to_token(i)
+                b = t.encode("utf-8", "surrogatepass") if t else b""
+            n = max(n, len(b))
+        _longest[tok] = n
+    return n
+
+
+async def too_long_for_context(eng, n_chars: int) -> str | None:
+    """A message when `n_chars` characters of prompt cannot fit the context, else None."""
+    bound = SAFETY * eng.n_ctx * await asyncio.to_thread(longest_token_bytes, eng.tokenizer)
+    if n_chars <= bound:
+        return None
+    return (f"the prompt has {n_chars} characters; the context holds {eng.n_ctx} tokens, at most ~{bound} "
+            f"characters of prompt")
+
+
+async def run_off_loop(fn, *args, **kwargs):
+    return await asyncio.to_thread(fn, *args, **kwargs)

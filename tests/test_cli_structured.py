@@ -1,0 +1,64 @@
+"""`bitnet run`'s structured-output flags (llama.cpp's spellings) in a subprocess on the bundled model: the
+answer on stdout matches the schema / grammar, what cannot be enforced is one line naming the flag (exit 2)
+before any token, and --help tells -j from --json."""
+import json
+import os
+import re
+import subprocess
+import sys
+
+import jsonschema
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["city", "rank"],
+          "properties": {"city": {"type": "string", "maxLength": 12}, "rank": {"type": "integer", "minimum": 1, "maximum": 9}}}
+
+
+def bitnet(*args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "bitnet_cpu", "run", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT)
+
+
+@pytest.mark.parametrize("how", ["inline", "file"])
+def test_json_schema_flags(tmp_path, how):
+    if how == "inline":
+        flag = ["-j", json.dumps(SCHEMA)]
+    else:
+        p = tmp_path / "s.json"
+        p.write_text(json.dumps(SCHEMA))
+        flag = ["--json-schema-file", str(p)]
+    for seed in ("1", "2"):
+        r = bitnet("-p", "Best city?", "--chat", "--temp", "1", "--seed", seed, "-n", "200", *flag)
+        assert r.returncode == 0, r.stderr
+        jsonschema.validate(json.loads(r.stdout), SCHEMA)
+
+
+def test_grammar_flags_and_jump_forward_off_same_text(tmp_path):
+    g = 'root ::= ("yes" | "no") ", because " [a-z ]{1,20} "."'
+    p = tmp_path / "g.gbnf"
+    p.write_text(g)
+    a = bitnet("-p", "Is it?", "--temp", "0", "-n", "60", "--grammar", g)
+    b = bitnet("-p", "Is it?", "--temp", "0", "-n", "60", "--grammar-file", str(p), "--no-jump-forward")
+    assert a.returncode == 0 and b.returncode == 0, a.stderr + b.stderr
+    assert re.fullmatch(r"(yes|no), because [a-z ]{1,20}\.", a.stdout), a.stdout
+    assert a.stdout == b.stdout
+
+
+@pytest.mark.parametrize("args, words", [
+    (["-j", '{"type": "strin"}'], "-j/--json-schema: cannot be enforced"),
+    (["-j", '{"type": "array", "uniqueItems": true}'], "uniqueItems"),
+    (["-j", "[1, 2"], "-j/--json-schema: not valid JSON"),
+    (["--grammar", 'root ::= "a'], "--grammar: GBNF grammar"),
+    (["--json-schema-file", "/nonexistent/s.json"], "--json-schema-file /nonexistent/s.json"),
+    (["-j", "{}", "--grammar", 'root ::= "a"'], "not allowed with argument"),
+])
+def test_bad_constraints_one_line_exit_2(args, words):
+    r = bitnet("-p", "x", "-n", "4", *args)
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    assert words in r.stderr and "Traceback" not in r.stderr and r.stdout == ""
+
+
+def test_help_tells_json_lines_from_json_answers():
+    out = bitnet("--help").stdout
+    assert "--json-schema" in out and "--grammar-file" in out and "to make the ANSWER JSON, use -j" in " ".join(out.split())

@@ -1,0 +1,47 @@
+"""What git tracks stays small and source-only: every clone downloads every tracked file, forever.
+
+A 10 MB linter wheel once sat at the repository root, committed alongside an unrelated change. These tests
+fail on tracked packages / archives anywhere, and on any tracked file over 5 MB outside models/ (the bundled
+default model is the one large file the product needs).
+"""
+import os
+import shutil
+import subprocess
+
+import pytest
+
+from helpers import ROOT
+
+MAX_BYTES = 5 * 1024 * 1024
+ARCHIVE_SUFFIXES = (".whl", ".zip", ".tar", ".tar.gz", ".tgz", ".tar.xz", ".tar.bz2", ".7z", ".rar", ".egg")
+
+
+def tracked_files():
+    if shutil.which("git") is None:
+        pytest.skip("git is not installed: cannot list tracked files")
+    proc = subprocess.run(["git", "-C", ROOT, "ls-files", "-z"], capture_output=True)
+    if proc.returncode != 0:
+        pytest.skip("not a git checkout (an sdist or installed copy): nothing is tracked")
+    return [p for p in proc.stdout.decode("utf-8", "surrogateescape").split("\0") if p]
+
+
+def test_no_tracked_packages_or_archives():
+    found = [p for p in tracked_files() if p.lower().endswith(ARCHIVE_SUFFIXES)]
+    assert not found, f"built packages / archives are tracked (git rm them; .gitignore lists the types): {found}"
+
+
+def test_no_large_tracked_files_outside_models():
+    large = []
+    for path in tracked_files():
+        if path.startswith("models/"):
+            continue
+        full = os.path.join(ROOT, path)
+        if os.path.isfile(full) and os.path.getsize(full) > MAX_BYTES:
+            large.append((path, os.path.getsize(full)))
+    assert not large, f"tracked files over {MAX_BYTES >> 20} MB outside models/: {large}"
+
+
+def test_gitignore_keeps_packages_out():
+    with open(os.path.join(ROOT, ".gitignore"), encoding="utf-8") as f:
+        patterns = {line.strip() for line in f}
+    assert {"*.whl", "*.tar.gz", "*.zip"} <= patterns

@@ -1,0 +1,147 @@
+"""Faults the server must survive, with the engine in this process (uvicorn on a thread, the same app and
+protocol as `bitnet serve`) so the pool can be recounted (check_consistency) afterwards: a sampling fault in one
+sequence ends only that one (an error event / a 500) while another runs on; a client that hangs up while its
+request is queued or being prefilled gives its pages back at once."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+
+uvicorn = pytest.importorskip("uvicorn", reason="bitnet serve needs the serve extra (pip install .[serve])")
+from serve_proc import free_port, slow_model  # noqa: E402
+
+
+class InProcessServer:
+    def __init__(self, store, parallel):
+        from bitnet_cpu.engine.api import load_engine
+        from bitnet_cpu.serve.app import create_app
+        from bitnet_cpu.serve.limits import Limits, guarded_protocol
+
+        self.app = create_app(lambda: load_engine(store, ctx=4096, threads=2, parallel=parallel, progress=False))
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=port, log_level="warning",
+                                                    lifespan="on", http=guarded_protocol(Limits())))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        self.engine = self.app.state.bitnet.engine
+
+    def wait_slots(self, pred, timeout=15.0):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            slots = self.engine.slots()
+            if pred(slots):
+                return slots
+            time.sleep(0.02)
+        raise AssertionError(f"slots never got there: {self.engine.slots()}")
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    return slow_model(tmp_path_factory)
+
+
+class BrokenSampler:
+    """Stands in for a sequence's sampler whose step fails (a kernel or constraint error surfacing there)."""
+
+    def sample(self, logits, tokens):
+        raise FloatingPointError("injected sampler fault")
+
+
+def _break(engine, sid):
+    engine.run_in_scheduler(lambda: setattr(engine._by_id[sid], "sampler", BrokenSampler()))
+
+
+def test_sampling_fault_ends_only_that_sequence(store):
+    s = InProcessServer(store, parallel=4)
+    try:
+        healthy = {}
+
+        def other():
+            healthy["r"] = httpx.post(s.url + "/v1/completions", timeout=120,
+                                      json={"prompt": "a", "max_tokens": 600, "temperature": 0})
+        t = threading.Thread(target=other)
+        t.start()
+        s.wait_slots(lambda sl: any(x["n_generated"] > 0 for x in sl))
+        lines = []
+        with httpx.stream("POST", s.url + "/v1/completions", timeout=60,
+                          json={"prompt": "b b b b", "max_tokens": 3000, "temperature": 0, "stream": True}) as r:
+            it = r.iter_lines()
+            for line in it:
+                if line.startswith("data: "):
+                    lines.append(line)
+                    if len(lines) == 2:
+                        victim = [x for x in s.engine.slots() if x["n_prompt"] > 2]
+                        _break(s.engine, victim[0]["id"])
+            assert r.status_code == 200
+        err = json.loads(lines[-1][6:])["error"]
+        assert err["code"] == "engine_error" and err["type"] == "server_error"
+        # non-streaming: the fault is a 500 in OpenAI's shape
+        box = {}
+        t2 = threading.Thread(target=lambda: box.setdefault("r", httpx.post(
+            s.url + "/v1/completions", timeout=60, json={"prompt": "c c c c c c", "max_tokens": 3000,
+                                                         "temperature": 0})))
+        t2.start()
+        victim = s.wait_slots(lambda sl: any(x["n_prompt"] > 5 and x["n_generated"] > 0 for x in sl))
+        _break(s.engine, [x for x in victim if x["n_prompt"] > 5][0]["id"])
+        t2.join(60)
+        assert box["r"].status_code == 500 and box["r"].json()["error"]["code"] == "engine_error"
+        t.join(120)
+        assert healthy["r"].status_code == 200
+        ch = healthy["r"].json()["choices"][0]
+        assert ch["finish_reason"] == "length" and healthy["r"].json()["usage"]["completion_tokens"] == 600
+        s.wait_slots(lambda sl: sl == [])
+        s.engine.check_consistency()
+        assert s.engine.metrics()["kv_pages_reserved"] == 0
+    finally:
+        s.stop()
+
+
+def test_hangup_while_queued_or_prefilling_frees_pages(store):
+    s = InProcessServer(store, parallel=1)
+    try:
+        long_body = {"prompt": "a", "max_tokens": 3000, "temperature": 0, "stream": True}
+        with httpx.stream("POST", s.url + "/v1/completions", json=long_body, timeout=60) as running:
+            lines = running.iter_lines()   # kept: a dropped iterator closes the response
+            next(lines)
+            s.wait_slots(lambda sl: len(sl) == 1 and sl[0]["state"] == "running")
+            # queued behind it, then gone
+            with httpx.stream("POST", s.url + "/v1/completions", json=dict(long_body, prompt="b"), timeout=60) as q:
+                assert q.status_code == 200   # headers sent; it waits in the queue
+                s.wait_slots(lambda sl: any(x["state"] == "waiting" for x in sl))
+            s.wait_slots(lambda sl: len(sl) == 1)
+            s.engine.check_consistency()
+        s.wait_slots(lambda sl: sl == [])
+        before = s.engine.metrics()
+        # a long prompt, hung up on while its prefill runs
+        prompt = [5] * 3500
+        t0 = time.perf_counter()
+        with httpx.stream("POST", s.url + "/v1/completions", timeout=60,
+                          json={"prompt": prompt, "max_tokens": 10, "stream": True}) as r:
+            assert r.status_code == 200
+            s.wait_slots(lambda sl: len(sl) == 1 and sl[0]["state"] == "running")
+            mid = s.engine.slots()
+        s.wait_slots(lambda sl: sl == [])
+        print(f"\nprefill hang-up: slot gone {time.perf_counter() - t0:.2f} s after the request, slot then {mid}")
+        after = s.engine.metrics()
+        assert after["tokens_generated_total"] == before["tokens_generated_total"]   # it never got to decode
+        assert after["kv_pages_reserved"] == 0
+        s.engine.check_consistency()
+    finally:
+        s.stop()
