@@ -8,7 +8,7 @@ from bitnet_cpu.engine.errors import KernelError
 from bitnet_cpu.simd import _kernels as K
 from bitnet_cpu.simd import layout
 from bitnet_cpu.simd import reference as R
-from test_kernels import ISAS, isa  # noqa: F401  (isa: the fixture forcing a path, then restoring it)
+from test_kernels import ISAS  # the isa fixture (forcing a path, then restoring it) is conftest's
 
 
 def group_ternary(rng, n, k, zero_frac=0.4):
