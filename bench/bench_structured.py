@@ -95,28 +95,30 @@ def one_sequence(llm, repeats: int) -> dict:
 
 
 def batched(eng, n: int, repeats: int) -> dict:
-    """n extraction requests at once, greedy; a warm-up round first (it also fixes the unconstrained rows' length
-    to the constrained answers' mean), then each repeat runs the three variants in turn."""
+    """n extraction requests at once, greedy; a warm-up round first, which also fixes each unconstrained
+    request's length to its constrained answer's (same rows per step as the answers end), then each repeat runs
+    the three variants in turn."""
     from bitnet_cpu.engine.api import Constraint, SamplingParams
 
     prompts = [eng.chat_prompt([{"role": "user", "content": TEXT + f" (record {i})"}]) for i in range(n)]
     specs = {"free": None, "off": Constraint.json_schema(EXTRACTION, jump_forward=False),
              "on": Constraint.json_schema(EXTRACTION, jump_forward=True)}
 
-    def run(name, tokens):
+    def run(name, lengths):
         eng.clear_prefix_cache()
         spec = specs[name]
-        kw = dict(max_tokens=400, constraint=spec) if spec else dict(max_tokens=tokens, ignore_eos=True)
         t0 = time.perf_counter()
-        streams = [eng.submit(p, SamplingParams(temperature=0), **kw) for p in prompts]
-        total = sum(list(s)[-1].stats.n_generated for s in streams)
-        return total, total / (time.perf_counter() - t0)
+        streams = [eng.submit(p, SamplingParams(temperature=0), **(dict(max_tokens=400, constraint=spec) if spec else
+                                                                   dict(max_tokens=k, ignore_eos=True)))
+                   for p, k in zip(prompts, lengths)]
+        counts = [list(s)[-1].stats.n_generated for s in streams]
+        return counts, sum(counts) / (time.perf_counter() - t0)
 
-    total, _ = run("off", 0)
-    out = {"tokens": total // n, "free": [], "off": [], "on": []}
+    lengths, _ = run("off", [0] * n)
+    out = {"tokens": sum(lengths) // n, "free": [], "off": [], "on": []}
     for _ in range(repeats):
         for name in ("free", "off", "on"):
-            out[name].append(run(name, out["tokens"])[1])
+            out[name].append(run(name, lengths)[1])
     return out
 
 
