@@ -305,12 +305,10 @@ class TokenMatcher:
         self._words = np.zeros((n_vocab + 31) // 32, np.int32)   # allowed-token bitmask (llguidance's layout)
         self._fresh = False          # _words holds the mask of the current state
         self._pending: Future | None = None
-        self.n_masks = 0             # masks computed (for the benchmark's time per mask)
 
     # -- masks ------------------------------------------------------------------------------------------
     def _compute(self):
         self._m.unsafe_compute_mask_ptr(self._words.ctypes.data, self._words.nbytes)
-        self.n_masks += 1
 
     def start_mask(self):
         """Begin computing the current state's mask on the helper thread (call before a forward pass)."""
@@ -339,12 +337,6 @@ class TokenMatcher:
         np.copyto(logits[: self.n_vocab], np.float32(-np.inf), where=~allowed)
         logits[self.n_vocab:] = -np.inf
 
-    def allowed(self) -> np.ndarray:
-        """Ids the current state allows (tests, tools)."""
-        if not self._fresh:
-            self._ready()
-        return np.flatnonzero(np.unpackbits(self._words.view(np.uint8), count=self.n_vocab, bitorder="little"))
-
     # -- moving on --------------------------------------------------------------------------------------
     def advance(self, token: int):
         if self._pending is not None:   # a mask started for a state we leave (a finished draft row)
@@ -359,10 +351,6 @@ class TokenMatcher:
     def done(self) -> bool:
         """The grammar is complete and nothing can follow (only end of text)."""
         return self._m.is_stopped()
-
-    @property
-    def accepting(self) -> bool:
-        return self._m.is_accepting()
 
     def forced(self, limit: int) -> list[int]:
         """Up to `limit` tokens that are the grammar's only continuation from here (may be empty)."""
