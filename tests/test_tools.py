@@ -195,3 +195,17 @@ def test_tool_errors_400(server, body, param):
     r = httpx.post(server.url + "/v1/chat/completions", json={"messages": Q, "max_tokens": 8, **body}, timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.json()
+
+
+def test_history_calls_in_either_shape_render():
+    """Earlier assistant calls come as OpenAI's {"function": {...}} or transformers' flat {"name", "arguments"};
+    both render (as <tool_call> blocks for a template without tools, passed through for one with them)."""
+    flat = {"role": "assistant", "content": "", "tool_calls": [{"name": "add", "arguments": {"a": 1, "b": 2}}]}
+    nested = {"role": "assistant", "content": None,
+              "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}]}
+    for m in (flat, nested):
+        msgs, _ = tool_format(None).prepare([m], None)
+        assert msgs[0]["content"] == '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+        native, _ = tool_format("{{ tools }} <tool_call>").prepare([m], TOOLS)
+        calls = native[0]["tool_calls"]
+        assert (calls[0].get("function") or calls[0])["arguments"] == {"a": 1, "b": 2}

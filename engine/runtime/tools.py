@@ -97,8 +97,8 @@ class ToolFormat:
     def _as_text(self, m: dict) -> dict:
         role, content = m["role"], m.get("content") or ""
         if role == "assistant" and m.get("tool_calls"):
-            calls = "\n".join(self.call_text(c["function"]["name"], c["function"].get("arguments") or "{}")
-                              for c in m["tool_calls"])
+            fns = [c.get("function", c) for c in m["tool_calls"]]   # OpenAI's shape, or {"name", "arguments"}
+            calls = "\n".join(self.call_text(f["name"], f.get("arguments") or "{}") for f in fns)
             return {"role": "assistant", "content": (content + "\n" if content else "") + calls}
         if role == "tool":
             return {"role": "user", "content": f"<tool_response>\n{content}\n</tool_response>"}
@@ -170,10 +170,9 @@ def _native(m: dict) -> dict:
     """A message for a template that renders tools itself: content never None, arguments as objects (Qwen and
     Llama templates `tojson` them)."""
     out = dict(m, content=m.get("content") or "")
-    if m.get("tool_calls"):
-        out["tool_calls"] = [{"id": c.get("id"), "type": "function",
-                              "function": {"name": c["function"]["name"],
-                                           "arguments": _loads(c["function"].get("arguments") or "{}")}}
+    if m.get("tool_calls"):   # OpenAI's {"function": {...}} shape gets object arguments; other shapes pass as given
+        out["tool_calls"] = [dict(c, function=dict(c["function"], arguments=_loads(c["function"].get("arguments") or "{}")))
+                             if isinstance(c, dict) and isinstance(c.get("function"), dict) else c
                              for c in m["tool_calls"]]
     return out
 
