@@ -7,6 +7,7 @@
 #   sudo .ci/arm64_subset.sh            # root: debootstrap, chroot and binfmt_misc need it
 #   ARM64_ROOT=/path/to/rootfs ...      # where the userland lives (kept and reused: the first run builds it)
 #   ARM64_TESTS="tests/test_x.py" ...   # another subset
+#   ARM64_WHOLE=1 ...                   # the README's install and test commands, verbatim (the whole suite: hours)
 #
 # Debian packages on the host: debootstrap, qemu-user-static (installed here when apt-get exists).
 # See docs/arm.md for what this shows and what it does not.
@@ -77,8 +78,18 @@ chroot "$ROOTFS" /usr/bin/env -i HOME=/root PATH=/usr/local/bin:/usr/bin:/bin LA
   cd /tmp   # the installed package, not the source tree
   /opt/venv/bin/python -c "from bitnet_cpu import simd; print(\"kernel path:\", simd.active(), simd.supported_isas())"
 ' 2>&1 | tail -20
-say "running: $TESTS"
 set +e
+if [ "${ARM64_WHOLE:-0}" = 1 ]; then
+  # the two commands a user runs, taken from the README rather than retyped here
+  TEST_CMD=$(grep -m1 -E '^python -m pip install .*pytest' README.md)
+  say "the whole suite: $TEST_CMD"
+  chroot "$ROOTFS" /usr/bin/env -i HOME=/root PATH=/opt/venv/bin:/usr/bin:/bin LANG=C.UTF-8 $CA_ENV /bin/bash -c "
+    cd /src && $TEST_CMD"
+  rc=$?
+  say "done: exit $rc"
+  exit "$rc"
+fi
+say "running: $TESTS"
 chroot "$ROOTFS" /usr/bin/env -i HOME=/root PATH=/opt/venv/bin:/usr/bin:/bin LANG=C.UTF-8 /bin/bash -c "
   cd /src && python -m pytest -q -ra -p no:cacheprovider $TESTS
   rc=\$?
