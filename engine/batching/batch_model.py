@@ -6,8 +6,15 @@ ternary GEMM over all rows (GEMV when the step has one row, as engine/model.py d
 quantized per row, so a row's numbers do not depend on the other rows. Attention runs per sequence over its
 own pages of the shared pool (simd.ops.attention_paged). Logits are computed only for the rows asked for.
 The weights are the store's read-only views (engine.model.Weights), shared with nothing mutable.
+
+A test hook (docs/serving-limits.md), never set in production: with BITNET_FAULT_TOKEN=<token id> in the
+environment, a step whose rows of one sequence hold that token gives that sequence an out-of-range page in the
+last layer's attention, so the kernel's own boundary check raises there, after every earlier layer has written
+its K/V, as a real kernel fault would. The tests use it to show that such a fault ends only that sequence.
 """
 from __future__ import annotations
+
+import os
 
 import numpy as np
 
@@ -42,6 +49,8 @@ class BatchModel:
         self._logits = np.zeros((self.max_logit_rows, V), np.float32)
         self._resc_heap = np.zeros((self.max_logit_rows, RESCORE_K), np.float32)  # head_rescore scratch
         self._resc_idx = np.zeros((self.max_logit_rows, RESCORE_K), np.int32)
+        hook = os.environ.get("BITNET_FAULT_TOKEN", "").strip()
+        self.fault_token = int(hook) if hook.lstrip("-").isdigit() else None   # the test hook above
 
     def _view(self, m: int) -> _Views:
         v = self._views.get(m)
@@ -65,18 +74,33 @@ class BatchModel:
         v = self._view(m)
         v.ids[:] = ids
         ops.embed_f16(w.embd, v.ids, v.x)
-        self._blocks(v, seq_rows, seq_pos0, page_table)
+        self._blocks(v, seq_rows, seq_pos0, page_table, self._faulty_table(ids, seq_rows, page_table))
         return self._head(v, logit_rows)
 
-    def _blocks(self, v: _Views, seq_rows, seq_pos0, page_table):
+    def _faulty_table(self, ids, seq_rows, page_table):
+        """The test hook's page table (None unless BITNET_FAULT_TOKEN is set and in the step's rows): the rows of
+        the sequences holding the token point past the pool."""
+        if self.fault_token is None:
+            return None
+        hit = [i for i in range(len(seq_rows) - 1) if (ids[seq_rows[i]: seq_rows[i + 1]] == self.fault_token).any()]
+        if not hit:
+            return None
+        table = page_table.copy()
+        table[hit, 0] = self.pool.n_pages
+        return table
+
+    def _blocks(self, v: _Views, seq_rows, seq_pos0, page_table, faulty_table=None):
         """All layers of one step: engine.model.run_layers with attention over each sequence's own pages."""
         cfg = self.config
         attention = ops.attention_paged_q8 if self.pool.kv_dtype == "q8" else ops.attention_paged
         nh, nkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         kp, vp, cos, sin, scr = self.pool.k, self.pool.v, self._cos, self._sin, self._scratch
 
+        last = cfg.n_layers - 1
+
         def attend(li, qkv, att):
-            attention(qkv, nh, nkv, hd, cos, sin, seq_rows, seq_pos0, page_table, kp[li], vp[li], att, scr)
+            pt = faulty_table if faulty_table is not None and li == last else page_table
+            attention(qkv, nh, nkv, hd, cos, sin, seq_rows, seq_pos0, pt, kp[li], vp[li], att, scr)
 
         # a few rows (decode of 2-4 sequences, small draft steps) take the multi-row GEMV where the kernel path
         # makes it cheaper than the GEMM, as Model does (bit-identical either way)

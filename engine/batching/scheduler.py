@@ -119,6 +119,8 @@ class BatchScheduler:
         self.requests_total = self.tokens_generated_total = self.prefix_hits_tokens = self.steps_total = 0
         self.lookup_drafted_total = self.lookup_accepted_total = 0
         self.prefill_tokens_total = 0   # prompt tokens run through the model (cached prefixes and forks excluded)
+        self.sequence_errors_total = 0  # sequences ended by a fault (finish_reason "error")
+        self.steps_split_total = 0      # batched steps run again in halves to find the sequence a fault came from
         self._page_table = np.zeros((self.max_step_seqs, self.max_pages), np.int32)
         self._thread = threading.Thread(target=self._loop, name="bitnet-scheduler", daemon=True)
         self._error: BaseException | None = None
@@ -220,7 +222,8 @@ class BatchScheduler:
                     "tokens_generated_total": self.tokens_generated_total, "steps_total": self.steps_total,
                     "lookup_draft_max": self.draft_max, "lookup_drafted_total": self.lookup_drafted_total,
                     "lookup_accepted_total": self.lookup_accepted_total,
-                    "prefill_tokens_total": self.prefill_tokens_total}
+                    "prefill_tokens_total": self.prefill_tokens_total,
+                    "sequence_errors_total": self.sequence_errors_total, "steps_split_total": self.steps_split_total}
 
     def slots(self) -> list[dict]:
         with self._lock:
@@ -332,6 +335,48 @@ class BatchScheduler:
         for s, r in plan:   # masks of the rows sampled first are computed while the step runs
             if s.cm is not None and s.n_past + r >= len(s.tokens):
                 s.cm.start_mask()
+        self._run_plan(plan)
+
+    def _run_plan(self, plan):
+        """The forward pass of the plan's rows, then each sequence's sampling. A fault inside the forward (a
+        kernel's boundary check, a workspace it could not allocate) ends only the sequence whose rows cause it:
+        the plan runs again in halves until the culprit runs alone and fails alone, with finish_reason "error".
+        Running a failed step again is safe: nothing of it was committed (n_past moves after the forward, pages
+        reach the prefix index only once committed), and its K/V writes went to the same positions of pages its
+        sequence holds alone (copy-on-write happens before the forward), which the rerun overwrites with the
+        same numbers (per-row quantization: a row's values do not depend on the rows beside it)."""
+        try:
+            logits = self._forward(plan)
+        except Exception as e:
+            if len(plan) == 1:
+                self._fail(plan[0][0], e, "its forward pass")
+                return
+            self.steps_split_total += 1
+            half = len(plan) // 2
+            self._run_plan(plan[:half])    # each half samples before the next forward reuses the logits buffer
+            self._run_plan(plan[half:])
+            return
+        now = time.perf_counter()
+        li = 0
+        for s, r in plan:
+            if s.draft:
+                n_rows = len(s.draft) + 1
+                nxt = self._sample_or_fail(s, self._sample_draft, logits, li)
+                li = nxt if nxt is not None else li + n_rows
+                continue
+            s.n_past += r
+            self._index(s)
+            if s.n_past == len(s.tokens):
+                if s.n_gen == 0:
+                    s.t_prefilled = now
+                    if s.forks:
+                        self._fork(s, logits[li])
+                self._sample_or_fail(s, self._sample, logits[li])
+                li += 1
+
+    def _forward(self, plan) -> np.ndarray:
+        """One batched step over the plan's rows (pages of their own for every written position first); the
+        logits of the rows sampled next."""
         n = len(plan)
         ids = np.empty(sum(r for _, r in plan), np.int32)
         seq_rows = np.zeros(n + 1, np.int32)
@@ -354,23 +399,7 @@ class BatchScheduler:
             seq_rows[i + 1] = row
         logits = self.model.step(ids, seq_rows, seq_pos0, pt, logit_rows)
         self.steps_total += 1
-        now = time.perf_counter()
-        li = 0
-        for s, r in plan:
-            if s.draft:
-                n_rows = len(s.draft) + 1
-                nxt = self._sample_or_fail(s, self._sample_draft, logits, li)
-                li = nxt if nxt is not None else li + n_rows
-                continue
-            s.n_past += r
-            self._index(s)
-            if s.n_past == len(s.tokens):
-                if s.n_gen == 0:
-                    s.t_prefilled = now
-                    if s.forks:
-                        self._fork(s, logits[li])
-                self._sample_or_fail(s, self._sample, logits[li])
-                li += 1
+        return logits
 
     def _sample_or_fail(self, s: _Seq, sample, *args):
         """sample(s, *args), where a fault (sampler, constraint, detokenizer, stop matcher) ends only s, with
@@ -378,11 +407,17 @@ class BatchScheduler:
         try:
             return sample(s, *args)
         except Exception as e:
-            import sys
-            print(f"bitnet engine: sequence {s.id} failed ({type(e).__name__}: {e}); ending it", file=sys.stderr)
-            s.draft = []
-            self._finish(s, "error")
+            self._fail(s, e, "its sampling")
             return None
+
+    def _fail(self, s: _Seq, e: Exception, where: str):
+        """End s after a fault (one line on stderr): finish_reason "error", its pages back to the pool."""
+        import sys
+        print(f"bitnet engine: sequence {s.id} failed in {where} ({type(e).__name__}: {e}); ending it",
+              file=sys.stderr)
+        s.draft = []
+        self.sequence_errors_total += 1
+        self._finish(s, "error")
 
     def _fork(self, s: _Seq, logits: np.ndarray):
         """s has prefilled its prompt: each fork takes s's pages (shared; copy-on-write on their first write) and
