@@ -27,12 +27,16 @@ from .auth import AuthMiddleware, KeyChecker
 from .limits import Limits, LimitsMiddleware
 from .logprobs import TokenText, chat_entry, completion_logprobs
 from .metrics import CONTENT_TYPE, ServerMetrics
-from .offload import BodyRefused, offloop_route, run_off_loop, too_long_for_context
+from .offload import (BodyRefused, next_or_gone, offloop_route, prompt_body_bound, run_off_loop,
+                      too_long_for_context, warm_bounds)
 from .schemas import ChatCompletionRequest, CompletionRequest
 
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context": "length", "cancelled": "stop"}
 ENGINE_FAULT = "the engine failed while generating this answer (the server goes on; see its log)"
 PAGE = os.path.join(os.path.dirname(__file__), "chat.html")
+# the endpoints whose body is bounded by the context (serve/offload.py prompt_body_bound), and their prompt field
+PROMPT_FIELD = {"/v1/chat/completions": "messages", "/v1/completions": "prompt", "/api/chat": "messages",
+                "/api/generate": "prompt"}
 
 
 class APIError(Exception):
@@ -76,6 +80,7 @@ class ServerState:
                 eng = self.load()
                 if hasattr(eng, "warm_constraints"):
                     eng.warm_constraints()   # structured output's first request need not build the vocabulary view
+                warm_bounds(eng)             # the prompt bounds need the tokenizer's longest token
                 if self.model_id is None:
                     self.model_id = eng.name
                 self.engine = eng
@@ -122,8 +127,16 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
     app.router.route_class = offloop_route(lambda: state.engine.n_ctx if state.engine is not None else None)
     app.state.bitnet = state
     app.state.metrics = metrics
+
+    def prompt_bound(path: str):
+        """(bytes, field) a body to a generating endpoint may have (serve/offload.py), or None."""
+        param = PROMPT_FIELD.get(path)
+        if param is None or state.engine is None:
+            return None
+        bound = prompt_body_bound(state.engine)
+        return None if bound is None else (bound, param)
     # the last added runs first: request counting (below), then keys (before any body is read), then limits
-    app.add_middleware(LimitsMiddleware, limits=limits or Limits())
+    app.add_middleware(LimitsMiddleware, limits=limits or Limits(), prompt_bound=prompt_bound)
     app.add_middleware(AuthMiddleware, checker=KeyChecker(([api_key] if api_key else []) + list(api_keys)),
                        metrics_public=metrics_public)
 
@@ -320,12 +333,10 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         got, timer = Choices(len(streams)), Timer()
         try:
             while True:
-                try:
-                    i, ch = await asyncio.wait_for(q.get(), timeout=0.5)
-                except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        return None, timer
-                    continue
+                item = await next_or_gone(q, request)
+                if item is None:
+                    return None, timer
+                i, ch = item
                 if got.add(i, ch, timer):
                     return got, timer
         finally:

@@ -11,6 +11,8 @@
   token x the context) cannot fit, whatever the tokenizer makes of it (a character is at least one byte), so
   it is refused before it is rendered or tokenized (a 10 MB prompt tokenized on the loop stalled every other
   client for 19 s). Rendering and tokenizing the rest: `await run_off_loop(fn, ...)`.
+- `within(aw, timeout)`, `next_or_gone(q, request)`: waits with a time limit that, unlike asyncio.wait_for on
+  Python 3.10-3.11, never lose a cancellation (a non-streaming handler's wait for its next chunk, a body read).
 """
 from __future__ import annotations
 
@@ -117,6 +119,29 @@ def longest_token_bytes(tok) -> int:
     return n
 
 
+# the most bytes of request body one character of prompt can take: a JSON escape of a character outside the
+# BMP (a surrogate pair, "\ud83d\ude00" in the body)
+ESCAPED_BYTES = 12
+# what else a request may carry beside its prompt (a response_format schema or grammar, stop strings, sampling
+# fields), and a logit_bias over the whole vocabulary at this many bytes an entry ("128255": -100.5,)
+OTHER_FIELDS_BYTES, LOGIT_BIAS_ENTRY_BYTES = 1 << 20, 24
+
+
+def prompt_body_bound(eng) -> int | None:
+    """The most bytes a request body to a generating endpoint can have with a prompt that fits eng's context
+    (None until the tokenizer's longest token is known: warm_bounds)."""
+    longest = _longest.get(eng.tokenizer)
+    if longest is None:
+        return None
+    return (ESCAPED_BYTES * SAFETY * eng.n_ctx * longest + OTHER_FIELDS_BYTES
+            + LOGIT_BIAS_ENTRY_BYTES * eng.config.vocab_size)
+
+
+def warm_bounds(eng) -> None:
+    """Compute the tokenizer's longest token once (a pass over the vocabulary), where the model loads."""
+    longest_token_bytes(eng.tokenizer)
+
+
 async def too_long_for_context(eng, n_chars: int) -> str | None:
     """A message when `n_chars` characters of prompt cannot fit the context, else None."""
     bound = SAFETY * eng.n_ctx * await asyncio.to_thread(longest_token_bytes, eng.tokenizer)
@@ -128,3 +153,46 @@ async def too_long_for_context(eng, n_chars: int) -> str | None:
 
 async def run_off_loop(fn, *args, **kwargs):
     return await asyncio.to_thread(fn, *args, **kwargs)
+
+
+
+async def within(aw, timeout: float):
+    """(True, result of aw) if it completes within `timeout` s, else (False, None) with aw cancelled; its
+    exception, or a cancellation of the caller, passes through. Not asyncio.wait_for, which on Python 3.10 and
+    3.11 returns the result of an inner wait that completes as the caller is cancelled, and so loses the
+    cancellation (a server stopping, a request past its time). asyncio.timeout (3.11+) cancels inside the one
+    task, so a queue get cancelled before it resumed has taken nothing either."""
+    if _timeout is not None:
+        cm = _timeout(timeout)
+        try:
+            async with cm:
+                return True, await aw
+        except TimeoutError:
+            if not cm.expired():   # aw's own TimeoutError
+                raise
+            return False, None
+    # Python 3.10: asyncio.wait never swallows a cancellation (an item the inner get took in that same instant
+    # is dropped with the cancelled caller)
+    fut = asyncio.ensure_future(aw)
+    try:
+        done, _ = await asyncio.wait((fut,), timeout=timeout)
+    except BaseException:
+        fut.cancel()
+        raise
+    if not done:
+        fut.cancel()
+        return False, None
+    return True, fut.result()
+
+
+_timeout = getattr(asyncio, "timeout", None)
+
+
+async def next_or_gone(q: asyncio.Queue, request, poll: float = 0.5):
+    """q's next item, or None once the client has hung up (looked at every `poll` s while nothing comes)."""
+    while True:
+        done, item = await within(q.get(), poll)
+        if done:
+            return item
+        if await request.is_disconnected():
+            return None

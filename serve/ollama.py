@@ -26,11 +26,13 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from ..engine.runtime.sampling import SamplingParams, setting_problem
 from .logprobs import chat_entry
+from .offload import next_or_gone, run_off_loop, too_long_for_context
 
 # the version /api/version reports: clients written for ollama check a minimum (the fields served here are
 # those of ollama's API at this version)
 OLLAMA_VERSION = "0.12.0"
 DONE = {"eos": "stop", "stop": "stop", "length": "length", "context": "length", "cancelled": "stop"}
+ENGINE_FAULT = "the engine failed while generating this answer (the server goes on; see its log)"
 # options -> SamplingParams field (same meaning, same name apart from these)
 OPTION_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n", "seed",
                  "presence_penalty", "frequency_penalty")
@@ -192,6 +194,12 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
             where = ".".join(str(x) for x in err.get("loc", ())) or "body"
             raise OllamaError(400, f"{where}: {err.get('msg', 'invalid value')}") from None
 
+    async def refuse_too_long(eng, n_chars: int):
+        """More characters than the context could hold: a 400 before the template or tokenizer sees them."""
+        msg = await too_long_for_context(eng, n_chars)
+        if msg:
+            raise OllamaError(400, msg)
+
     def refuse_common(body: _Body):
         sampling_from_options(body.options, sampling)   # a bad option is a 400 even on an empty (load) request
         if body.tools is not None and not isinstance(body, ChatBody):
@@ -300,6 +308,10 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
                             if ch.logprob is not None:
                                 lps.append((ch.token, ch.logprob))
                         text, calls = (parser.feed(ch.text) if parser is not None and ch.text else (ch.text, []))
+                        if ch.finish_reason == "error":   # this request's sequence failed; the others go on
+                            final = ch
+                            yield json.dumps({"error": ENGINE_FAULT}) + "\n"
+                            return
                         if ch.finish_reason is not None and parser is not None:
                             rest, more = parser.finish()
                             text, calls = text + rest, calls + more
@@ -324,12 +336,9 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
         pieces, tokens, lps, final, t_first = [], [], [], None, None
         try:
             while final is None:
-                try:
-                    ch = await asyncio.wait_for(q.get(), timeout=0.5)
-                except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        return JSONResponse({"error": "client disconnected"}, status_code=499)
-                    continue
+                ch = await next_or_gone(q, request)
+                if ch is None:
+                    return JSONResponse({"error": "client disconnected"}, status_code=499)
                 if ch.token is not None:
                     t_first = t_first or time.perf_counter()
                     tokens.append(ch.token)
@@ -342,6 +351,8 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
             if final is None:
                 stream.cancel()
             state.streams.discard(stream)
+        if final.finish_reason == "error":   # this request's sequence failed; the others go on
+            return JSONResponse({"error": ENGINE_FAULT}, status_code=500)
         text, calls = "".join(pieces), []
         if parser is not None:
             text, calls = parser.feed(text)
@@ -382,8 +393,9 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
             except ConstraintError as e:
                 raise OllamaError(400, str(e)) from None
             tools, parser = body.tools, fmt.parser()
+        await refuse_too_long(eng, sum(len(m["content"]) for m in msgs))
         try:
-            prompt_ids = eng.chat_prompt(msgs, tools=tools)
+            prompt_ids = await run_off_loop(eng.chat_prompt, msgs, tools=tools)
         except Exception as e:   # the template rejected the conversation (e.g. roles out of order)
             raise OllamaError(400, f"messages: {e}") from None
         constraint = await constraint_of(eng, body, tool_spec)
@@ -407,12 +419,16 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
         context = [int(t) for t in body.context or []]
         if any(not 0 <= t < vocab for t in context):
             raise OllamaError(400, f"context: token ids must be in 0..{vocab - 1}")
+        await refuse_too_long(eng, len(body.prompt or "") + (0 if body.raw else len(body.system or "")))
         if body.raw:
-            ids = eng.tokenize(body.prompt or "", add_bos=not context)
+            ids = await run_off_loop(eng.tokenize, body.prompt or "", add_bos=not context)
         else:
             msgs = ([{"role": "system", "content": body.system}] if body.system else []) + \
                    [{"role": "user", "content": body.prompt or ""}]
-            ids = eng.chat_prompt(msgs)
+            try:
+                ids = await run_off_loop(eng.chat_prompt, msgs)
+            except Exception as e:   # the template rejected the request
+                raise OllamaError(400, f"prompt: {e}") from None
         prompt_ids = context + ids
         constraint = await constraint_of(eng, body)
         return await answer(request, body, eng, prompt_ids, constraint, piece,

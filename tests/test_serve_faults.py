@@ -145,3 +145,73 @@ def test_hangup_while_queued_or_prefilling_frees_pages(store):
         s.engine.check_consistency()
     finally:
         s.stop()
+
+
+# ---- a fault inside the forward pass ----------------------------------------------------------------------
+FAULT_TOKEN = 3   # BITNET_FAULT_TOKEN: a prompt holding it makes the attention kernel's boundary check fail
+
+
+def _healthy(url):
+    """Three greedy requests (two non-streaming, one streaming) run at once; their texts."""
+    out = {}
+
+    def plain(i, prompt):
+        r = httpx.post(url + "/v1/completions", timeout=120, json={"prompt": prompt, "max_tokens": 600, "temperature": 0})
+        assert r.status_code == 200, r.text
+        out[i] = r.json()["choices"][0]["text"]
+
+    def streamed():
+        text = []
+        with httpx.stream("POST", url + "/v1/completions", timeout=120,
+                          json={"prompt": "c d", "max_tokens": 600, "temperature": 0, "stream": True}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    text.append(json.loads(line[6:])["choices"][0]["text"])
+        out[2] = "".join(text)
+    ts = [threading.Thread(target=plain, args=(0, "a")), threading.Thread(target=plain, args=(1, "b b")),
+          threading.Thread(target=streamed)]
+    for t in ts:
+        t.start()
+    return ts, out
+
+
+def test_forward_fault_ends_only_its_request(store, monkeypatch):
+    """Requests whose prompt holds the fault token, sent while three others decode, fail alone, each in its own
+    API's shape (OpenAI: a 500 or a stream's error event; ollama: a 500 or an {"error"} line); the others'
+    answers are those of a run without them, and every page comes back."""
+    monkeypatch.setenv("BITNET_FAULT_TOKEN", str(FAULT_TOKEN))
+    s = InProcessServer(store, parallel=8)
+    try:
+        ts, alone = _healthy(s.url)
+        for t in ts:
+            t.join(120)
+        assert s.engine.metrics()["sequence_errors_total"] == 0   # the healthy requests never meet the token
+        s.engine.clear_prefix_cache()
+        ts, together = _healthy(s.url)
+        s.wait_slots(lambda sl: len(sl) == 3 and all(x["n_generated"] > 0 for x in sl))
+        bad = [7, FAULT_TOKEN, 9]
+        r = httpx.post(s.url + "/v1/completions", timeout=60, json={"prompt": bad, "max_tokens": 20})
+        assert r.status_code == 500 and r.json()["error"]["code"] == "engine_error", r.text
+        with httpx.stream("POST", s.url + "/v1/completions", timeout=60,
+                          json={"prompt": bad, "max_tokens": 20, "stream": True}) as r:
+            lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+        assert r.status_code == 200 and json.loads(lines[-1][6:])["error"]["code"] == "engine_error", lines
+        r = httpx.post(s.url + "/api/generate", timeout=60,
+                       json={"model": "m", "context": bad, "prompt": "x", "raw": True, "stream": False})
+        assert r.status_code == 500 and set(r.json()) == {"error"}, r.text
+        with httpx.stream("POST", s.url + "/api/generate", timeout=60,
+                          json={"model": "m", "context": bad, "prompt": "x", "raw": True}) as r:
+            objs = [json.loads(line) for line in r.iter_lines() if line]
+        assert r.status_code == 200 and set(objs[-1]) == {"error"}, objs
+        for t in ts:
+            t.join(120)
+        assert together == alone
+        met = s.engine.metrics()
+        assert met["sequence_errors_total"] == 4
+        assert met["steps_split_total"] >= 4   # every fault came from a step shared with the healthy requests
+        s.wait_slots(lambda sl: sl == [])
+        s.engine.check_consistency()
+        s.engine.clear_prefix_cache()
+        assert s.engine.metrics()["kv_pages_used"] == 0 and s.engine.metrics()["kv_pages_reserved"] == 0
+    finally:
+        s.stop()

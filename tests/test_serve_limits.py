@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import select
 import socket
 import threading
 import time
@@ -40,29 +41,57 @@ def settle(url, headers=None, timeout=10.0) -> dict:
 
 # ---- big prompts ------------------------------------------------------------------------------------------
 def test_huge_prompts_refused_while_small_request_streams():
-    """A 10 MB prompt (under --max-body-mb: parsed off the loop, refused by the character bound before
-    tokenizing) and a 50 MB one (over it: 413 unread) while a small streaming request gets its tokens."""
+    """10 MB prompts (under --max-body-mb, over what the context could hold: refused from their Content-Length, or
+    a chunked one as soon as it passes that bound, on both APIs) and a 50 MB one (over --max-body-mb: 413 unread)
+    while a small streaming request gets its tokens. Bodies under the bound still cannot slip through: 1 MB of
+    tiny messages or token ids is refused from its structure while parsing, a 1 MB prompt by its length in
+    characters before it is rendered or tokenized (OpenAI's endpoints and ollama's alike)."""
     s = Server("--parallel", "4", "--max-body-mb", "16")
     try:
         httpx.post(s.url + "/v1/chat/completions", json={"messages": Q, "max_tokens": 8}, timeout=60)
         rss_before = s.rss_kb()
         times: dict = {}
 
-        bodies = {mb: json.dumps({"messages": [{"role": "user", "content": "7 + 8 = 15. " * (mb * (1 << 20) // 12)}],
-                                  "max_tokens": 4}).encode() for mb in (10, 50)}   # built before the clock starts
-        # 8 MB of tiny messages, and 1M token ids: cheap to send, dear to parse and validate (GIL-bound, so a
-        # thread does not help): refused from their structure while parsing
-        bodies["many messages"] = json.dumps({"messages": [{"role": "user", "content": "hi"}] * 200_000}).encode()
-        bodies["many token ids"] = json.dumps({"prompt": [5] * 1_000_000}).encode()
+        def prompt(mb):
+            return "7 + 8 = 15. " * (int(mb * (1 << 20)) // 12)
+        # (path, body, chunked), built before the clock starts
+        bodies = {f"{mb} MB prompt": ("/v1/chat/completions", {"messages": [{"role": "user", "content": prompt(mb)}],
+                                                               "max_tokens": 4}, False) for mb in (10, 50)}
+        bodies["10 MB prompt, chunked"] = ("/v1/completions", {"prompt": prompt(10)}, True)
+        bodies["ollama chat 10 MB"] = ("/api/chat", {"model": "m", "messages": [{"role": "user", "content": prompt(10)}]}, False)
+        bodies["ollama generate 10 MB"] = ("/api/generate", {"model": "m", "prompt": prompt(10)}, False)
+        # under the bound: tiny messages and token ids (cheap to send, dear to parse and validate: GIL-bound, so a
+        # thread does not help), and prompts too long in characters for the context
+        bodies["many messages"] = ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}] * 30_000}, False)
+        bodies["many token ids"] = ("/v1/completions", {"prompt": [5] * 300_000}, False)
+        bodies["1 MB prompt"] = ("/v1/chat/completions", {"messages": [{"role": "user", "content": prompt(1)}]}, False)
+        bodies["ollama chat 1 MB"] = ("/api/chat", {"model": "m", "messages": [{"role": "user", "content": prompt(1)}]}, False)
+        bodies["ollama generate 1 MB"] = ("/api/generate", {"model": "m", "prompt": prompt(1), "system": "x"}, False)
+        bodies = {k: (path, json.dumps(b).encode(), chunked) for k, (path, b, chunked) in bodies.items()}
 
-        async def big(mb):
-            body = bodies[mb]
-            label = f"{mb} MB prompt" if isinstance(mb, int) else mb
-            path = "/v1/completions" if mb == "many token ids" else "/v1/chat/completions"
-            async with httpx.AsyncClient(timeout=120) as c:
-                t0 = time.perf_counter()
-                r = await c.post(s.url + path, content=body, headers={"content-type": "application/json"})
-                times[f"{label} refused"] = time.perf_counter() - t0
+        def chunked_post(path, body):
+            """Send body in 64 KiB chunks until the server answers (it does, then closes, mid-body: an HTTP client
+            still writing would see a reset instead of the answer); (status, json)."""
+            with socket.create_connection(("127.0.0.1", s.port)) as sock:
+                sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                             "Transfer-Encoding: chunked\r\n\r\n".encode())
+                for i in range(0, len(body), 1 << 16):
+                    if select.select([sock], [], [], 0)[0]:
+                        break
+                    piece = body[i: i + (1 << 16)]
+                    sock.sendall(b"%x\r\n" % len(piece) + piece + b"\r\n")
+                return _raw_status(sock)
+
+        async def big(label):
+            path, body, chunked = bodies[label]
+            t0 = time.perf_counter()
+            if chunked:
+                r = await asyncio.to_thread(chunked_post, path, body)
+                r = httpx.Response(r[0], json=r[1])
+            else:
+                async with httpx.AsyncClient(timeout=120) as c:
+                    r = await c.post(s.url + path, content=body, headers={"content-type": "application/json"})
+            times[f"{label} refused"] = time.perf_counter() - t0
             return r
 
         async def small():
@@ -85,12 +114,17 @@ def test_huge_prompts_refused_while_small_request_streams():
                 return "".join(text)
 
         async def main():
-            return await asyncio.gather(big(10), big(50), big("many messages"), big("many token ids"), small())
-        r10, r50, r_msgs, r_ids, text = asyncio.run(main())
-        assert openai_error(r10, 400)["code"] == "context_length_exceeded"
-        assert openai_error(r50, 413)["code"] == "body_too_large"
-        for r in (r_msgs, r_ids):
-            assert openai_error(r, 400)["code"] == "context_length_exceeded"
+            return await asyncio.gather(small(), *(big(label) for label in bodies))
+        text, *answers = asyncio.run(main())
+        got = dict(zip(bodies, answers))
+        assert openai_error(got.pop("50 MB prompt"), 413)["code"] == "body_too_large"
+        for label, r in got.items():
+            if label.startswith("ollama"):
+                assert r.status_code == 400 and set(r.json()) == {"error"}, (label, r.text[:300])
+                assert "context" in r.json()["error"], (label, r.text[:300])
+            else:
+                e = openai_error(r, 400)
+                assert e["code"] == "context_length_exceeded" and e["param"] in ("messages", "prompt", None), (label, e)
         assert text
         time.sleep(0.5)
         rss_after = s.rss_kb()
