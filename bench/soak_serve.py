@@ -1,6 +1,7 @@
 """A bounded soak of `bitnet serve`: N clients (default 32) for --seconds (default 600) mixing full streams,
-streams cancelled after two events, non-streaming requests, malformed requests and oversized ones (a body over
---max-body-mb, a prompt over the context), with the project's own async client (httpx).
+streams cancelled after two events, non-streaming requests, ollama /api/chat streams, malformed requests and
+oversized ones (a body over --max-body-mb, a body under it but over what a prompt that fits the context can take,
+a prompt over the context), with the project's own async client (httpx).
 
 Reports aggregate tok/s over time (the server's own token counter, sampled every second), p50 / p99 time to
 first token of the full streams, the server's RSS over time, the 5xx count (goal 0) and lost requests (goal 0: no
@@ -22,13 +23,14 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-KINDS = (("stream", 0.35), ("cancel", 0.15), ("plain", 0.25), ("malformed", 0.15), ("oversized", 0.10))
+KINDS = (("stream", 0.35), ("cancel", 0.15), ("plain", 0.20), ("ollama", 0.05), ("malformed", 0.15),
+         ("oversized", 0.10))
 MALFORMED = [(b'{"messages": [', "application/json"),
              (json.dumps({"messages": []}).encode(), "application/json"),
              (json.dumps({"messages": [{"role": "user", "content": "hi"}], "temperature": -1}).encode(), "application/json"),
              (json.dumps({"messages": [{"role": "wizard", "content": "hi"}]}).encode(), "application/json"),
              (b"\xff\xfe not utf-8", "application/json"),
-             (json.dumps({"messages": [{"role": "user", "content": "hi"}], "n": 3}).encode(), "application/json")]
+             (json.dumps({"messages": [{"role": "user", "content": "hi"}], "n": 0}).encode(), "application/json")]
 
 
 def free_port() -> int:
@@ -81,7 +83,7 @@ def pick(rng) -> str:
     return KINDS[-1][0]
 
 
-async def one(c, kind, rng, big_body, n_ctx, rec):
+async def one(c, kind, rng, big_body, bound_body, n_ctx, rec):
     q = {"role": "user", "content": f"What is {rng.randint(0, 99)}+{rng.randint(0, 99)}?"}
     body = {"messages": [q], "max_tokens": rng.randint(8, 96), "temperature": rng.choice([0, 0.8])}
     t0 = time.perf_counter()
@@ -107,6 +109,19 @@ async def one(c, kind, rng, big_body, n_ctx, rec):
                     ended = True
                     break
             rec["lost"] = r.status_code == 200 and not ended
+    elif kind == "ollama":
+        ask = {"model": "m", "messages": [q], "options": {"num_predict": body["max_tokens"],
+                                                           "temperature": body["temperature"]}}
+        async with c.stream("POST", "/api/chat", json=ask) as r:
+            rec["status"] = r.status_code
+            ended = False
+            async for line in r.aiter_lines():
+                if line:
+                    ev = json.loads(line)
+                    if "error" in ev or ev.get("done"):
+                        ended = True
+                        break
+            rec["lost"] = r.status_code == 200 and not ended
     elif kind == "plain":
         r = await c.post("/v1/chat/completions", json=body)
         rec["status"] = r.status_code
@@ -115,9 +130,12 @@ async def one(c, kind, rng, big_body, n_ctx, rec):
         r = await c.post("/v1/chat/completions", content=content, headers={"content-type": ctype})
         rec["status"] = r.status_code
         rec["lost"] = not (400 <= r.status_code < 500 and "error" in r.json())
-    else:   # oversized: a body over the cap, or a prompt over the context
-        if rng.random() < 0.5:
+    else:   # oversized: a body over the cap, a body under it but over the prompt bound, or a prompt over the context
+        x = rng.random()
+        if x < 1 / 3:
             r = await c.post("/v1/chat/completions", content=big_body, headers={"content-type": "application/json"})
+        elif x < 2 / 3:
+            r = await c.post("/v1/chat/completions", content=bound_body, headers={"content-type": "application/json"})
         else:
             r = await c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "7 + 8 = 15. " * n_ctx}]})
         rec["status"] = r.status_code
@@ -125,7 +143,7 @@ async def one(c, kind, rng, big_body, n_ctx, rec):
     rec["seconds"] = time.perf_counter() - t0
 
 
-async def client_loop(url, seed, until, big_body, n_ctx, records):
+async def client_loop(url, seed, until, big_body, bound_body, n_ctx, records):
     import httpx
     rng = random.Random(seed)
     async with httpx.AsyncClient(base_url=url, timeout=120) as c:
@@ -134,7 +152,7 @@ async def client_loop(url, seed, until, big_body, n_ctx, records):
             rec = {"kind": kind, "t": time.monotonic(), "lost": False}
             records.append(rec)
             try:
-                await one(c, kind, rng, big_body, n_ctx, rec)
+                await one(c, kind, rng, big_body, bound_body, n_ctx, rec)
             except Exception as e:   # no answer at all: a lost request
                 rec["lost"], rec["error"] = True, f"{type(e).__name__}: {e}"
 
@@ -178,6 +196,7 @@ def summarize(records, samples, seconds, clients, t0) -> dict:
     rss2000 = next((s["rss_kb"] / 1024 for s in ok if t2000 is not None and s["t"] >= t2000 and s["rss_kb"]), None)
     return {"seconds": seconds, "clients": clients, "requests": len(records), "by_kind_status": by_kind,
             "rss_mib_at_request_2000": rss2000,
+            "rss_mib_growth_2000_to_end": (rss[-1] / 1024 - rss2000) if rss and rss2000 is not None else None,
             "five_xx": sum(1 for r in records if r.get("status", 0) >= 500),
             "lost": sum(1 for r in records if r["lost"]),
             "lost_examples": [r.get("error") or r for r in records if r["lost"]][:5],
@@ -229,13 +248,15 @@ def main(argv=None) -> int:
     try:
         n_ctx = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["meta"]["n_ctx"]
         big_body = json.dumps({"messages": [{"role": "user", "content": "x" * int((a.max_body_mb + 1) * (1 << 20))}]}).encode()
+        # under --max-body-mb (its default), over what a prompt that fits the bundled model's context can take
+        bound_body = json.dumps({"messages": [{"role": "user", "content": "x" * int(min(a.max_body_mb - 0.5, 3) * (1 << 20))}]}).encode()
         records, samples = [], []
         t0 = time.monotonic()
         until = t0 + a.seconds
 
         async def run():
             await asyncio.gather(sampler(url, proc.pid if proc else 0, t0, until, samples),
-                                 *(client_loop(url, i, until, big_body, n_ctx, records) for i in range(a.clients)))
+                                 *(client_loop(url, i, until, big_body, bound_body, n_ctx, records) for i in range(a.clients)))
         asyncio.run(run())
         time.sleep(1.0)
         after = httpx.get(url + "/slots", timeout=30).json()

@@ -1,7 +1,7 @@
 """Prometheus metrics of one server (one registry per app, so several apps in a process never collide).
 
 Counters and histograms are updated by the request handlers; the engine's own numbers (running/waiting
-sequences, KV pool pages, prefix-cache hits, prompt-lookup drafted / accepted tokens) are read from
+sequences, KV pool pages, prefix-cache hits, prompt-lookup drafted / accepted tokens, faults) are read from
 `engine.metrics()` at scrape time by a collector.
 """
 from __future__ import annotations
@@ -43,7 +43,11 @@ class _EngineCollector:
         for name, doc, key in (("bitnet_lookup_drafted_tokens", "prompt-lookup draft tokens verified", "lookup_drafted_total"),
                                ("bitnet_lookup_accepted_tokens", "prompt-lookup draft tokens accepted", "lookup_accepted_total"),
                                ("bitnet_prefill_tokens", "prompt tokens run through the model (cached and shared excluded)",
-                                "prefill_tokens_total")):
+                                "prefill_tokens_total"),
+                               ("bitnet_sequence_errors", "sequences ended by a fault in their sampling or forward pass",
+                                "sequence_errors_total"),
+                               ("bitnet_steps_split", "batched steps run again in halves to find the sequence a fault came from",
+                                "steps_split_total")):
             c = CounterMetricFamily(name, doc)
             c.add_metric([], float(m.get(key, 0)))
             yield c

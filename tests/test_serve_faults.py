@@ -209,6 +209,7 @@ def test_forward_fault_ends_only_its_request(store, monkeypatch):
         met = s.engine.metrics()
         assert met["sequence_errors_total"] == 4
         assert met["steps_split_total"] >= 4   # every fault came from a step shared with the healthy requests
+        assert "bitnet_sequence_errors_total 4.0" in httpx.get(s.url + "/metrics").text
         s.wait_slots(lambda sl: sl == [])
         s.engine.check_consistency()
         s.engine.clear_prefix_cache()
