@@ -45,8 +45,6 @@ from .prefix_cache import PrefixCache
 from .stream import Stream
 
 
-
-
 class _Seq:
     """Per-sequence state: tokens, KV pages, sampler, detokenizer, stop matcher, timings."""
 
