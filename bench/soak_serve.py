@@ -83,9 +83,9 @@ def pick(rng) -> str:
     return KINDS[-1][0]
 
 
-async def one(c, kind, rng, big_body, bound_body, n_ctx, rec):
+async def one(c, kind, rng, big_body, bound_body, n_ctx, max_tokens, rec):
     q = {"role": "user", "content": f"What is {rng.randint(0, 99)}+{rng.randint(0, 99)}?"}
-    body = {"messages": [q], "max_tokens": rng.randint(8, 96), "temperature": rng.choice([0, 0.8])}
+    body = {"messages": [q], "max_tokens": rng.randint(min(8, max_tokens), max_tokens), "temperature": rng.choice([0, 0.8])}
     t0 = time.perf_counter()
     if kind in ("stream", "cancel"):
         async with c.stream("POST", "/v1/chat/completions", json=dict(body, stream=True)) as r:
@@ -143,7 +143,7 @@ async def one(c, kind, rng, big_body, bound_body, n_ctx, rec):
     rec["seconds"] = time.perf_counter() - t0
 
 
-async def client_loop(url, seed, until, big_body, bound_body, n_ctx, records):
+async def client_loop(url, seed, until, big_body, bound_body, n_ctx, max_tokens, records):
     import httpx
     rng = random.Random(seed)
     async with httpx.AsyncClient(base_url=url, timeout=120) as c:
@@ -152,7 +152,7 @@ async def client_loop(url, seed, until, big_body, bound_body, n_ctx, records):
             rec = {"kind": kind, "t": time.monotonic(), "lost": False}
             records.append(rec)
             try:
-                await one(c, kind, rng, big_body, bound_body, n_ctx, rec)
+                await one(c, kind, rng, big_body, bound_body, n_ctx, max_tokens, rec)
             except Exception as e:   # no answer at all: a lost request
                 rec["lost"], rec["error"] = True, f"{type(e).__name__}: {e}"
 
@@ -241,6 +241,8 @@ def main(argv=None) -> int:
     ap.add_argument("--parallel", type=int, default=16)
     ap.add_argument("--max-queue", type=int, default=64)
     ap.add_argument("--max-body-mb", type=float, default=4)
+    ap.add_argument("--max-tokens", type=int, default=96, help="each request asks for 8..N tokens (a busy machine: "
+                    "fewer, for more requests in the same time)")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "soak_results"), help="path prefix of .json/.png")
     a = ap.parse_args(argv)
     import httpx
@@ -256,7 +258,8 @@ def main(argv=None) -> int:
 
         async def run():
             await asyncio.gather(sampler(url, proc.pid if proc else 0, t0, until, samples),
-                                 *(client_loop(url, i, until, big_body, bound_body, n_ctx, records) for i in range(a.clients)))
+                                 *(client_loop(url, i, until, big_body, bound_body, n_ctx, a.max_tokens, records)
+                                   for i in range(a.clients)))
         asyncio.run(run())
         time.sleep(1.0)
         after = httpx.get(url + "/slots", timeout=30).json()
