@@ -30,9 +30,12 @@ static float quantize_row(const float *x, int hd, int8_t *q) { /* q[i] = round(x
     float amax = 0.0f;
     for (int i = 0; i < hd; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
     const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    /* round half to even as lrintf does (in the default rounding mode), without its libm call per value: adding
+     * and removing 1.5 * 2^23 leaves an integer for any |t| < 2^22 (here |t| <= 127 up to one rounding). NaN (a
+     * NaN or inf in x) gives -127, as lrintf's LONG_MIN clamped did. */
     for (int i = 0; i < hd; i++) {
-        long v = lrintf(x[i] * inv); /* round half to even; |x * inv| <= 127 up to one rounding */
-        q[i] = (int8_t)(v > 127 ? 127 : v < -127 ? -127 : v);
+        const float t = x[i] * inv, r = (t + 12582912.0f) - 12582912.0f;
+        q[i] = (int8_t)(r >= 127.0f ? 127 : r > -127.0f ? (int)r : -127);
     }
     return amax / 127.0f;
 }
