@@ -150,67 +150,6 @@ def attention_layer(kv: str, depth: int, threads: int, reps: int = 20) -> dict:
             "GBps": nbytes / t / 1e9, "GBps_best": nbytes / times[0] / 1e9}
 
 
-def long_prompts(store, a) -> list[dict]:
-    """Whole prompts of each `--long` length from an empty cache (the first length, pp512, is the reference), f16
-    and q8 sessions alternating over `--rounds` rounds so both see the same load; tok/s min / median / max."""
-    from bitnet_cpu.engine.runtime.model import Model
-
-    lens = [int(x) for x in a.long.split(",") if x]
-    kvs = a.kv.split(",")
-    ids = np.random.default_rng(1).integers(100, 1000, max(lens)).tolist()
-    models = {kv: Model(store, n_ctx=max(lens) + 2, kv_dtype=kv, threads=a.threads) for kv in kvs}
-    for m in models.values():
-        m.prefill(ids[:8])                # warm: first-touch of the run state, thread pool up
-    tps = {(kv, n): [] for kv in kvs for n in lens}
-    for r in range(a.rounds):
-        for n in lens:
-            for kv in (kvs if r % 2 == 0 else kvs[::-1]):
-                m = models[kv]
-                m.reset()
-                t0 = time.perf_counter()
-                m.prefill(ids[:n])
-                tps[kv, n].append(n / (time.perf_counter() - t0))
-    rows = []
-    for (kv, n), v in tps.items():
-        v = sorted(v)
-        ref = sorted(tps[kv, lens[0]])[len(v) // 2]
-        rows.append({"kv": kv, "prompt": n, "min": v[0], "median": v[len(v) // 2], "max": v[-1],
-                     "over_first": v[len(v) // 2] / ref})
-    return rows
-
-
-def attention_layer(kv: str, depth: int, threads: int, reps: int = 20) -> dict:
-    """One 2B-4T layer's decode attention alone (20 heads, 5 KV heads x 128) at `depth`: median time per call and
-    the rate at which it reads the layer's K and V (a cache filled with non-zero bytes)."""
-    from bitnet_cpu.simd import _ops as ops
-
-    nh, nkv, hd, n_ctx = 20, 5, 128, depth + 1
-    rng = np.random.default_rng(0)
-    inv = 1.0 / (500000.0 ** (np.arange(0, hd, 2, dtype=np.float32) / hd))
-    fr = np.arange(n_ctx, dtype=np.float32)[:, None] * inv[None]
-    cos, sin = np.cos(fr).astype(np.float32), np.sin(fr).astype(np.float32)
-    scr = np.zeros((threads * ops.ATTENTION_SCRATCH_ROWS, n_ctx), np.float32)
-    out = np.zeros((1, nh * hd), np.float32)
-    if kv == "q8":
-        kc, vc = (np.full(ops.q8_cache_shape(nkv, n_ctx, hd), 1, np.int8) for _ in range(2))
-        call = lambda q: ops.attention_q8(q, nh, nkv, hd, cos, sin, depth, n_ctx, kc, vc, out, scr)  # noqa: E731
-        nbytes = 2 * nkv * depth * (hd + 4)
-    else:
-        kc = np.full(ops.key_cache_shape(nkv, n_ctx, hd), 0x2000, np.uint16)
-        vc = np.full((nkv, n_ctx, hd), 0x2000, np.uint16)
-        call = lambda q: ops.attention(q, nh, nkv, hd, cos, sin, depth, kc, vc, out, scr)  # noqa: E731
-        nbytes = 2 * nkv * depth * hd * 2
-    qkv = rng.standard_normal((1, (nh + 2 * nkv) * hd)).astype(np.float32)
-    times = []
-    for _ in range(reps):
-        q = qkv.copy()
-        t0 = time.perf_counter()
-        call(q)
-        times.append(time.perf_counter() - t0)
-    t = sorted(times)[len(times) // 2]
-    return {"kv": kv, "depth": depth, "us": t * 1e6, "GBps": nbytes / t / 1e9}
-
-
 def prefill_attention_layer(kv: str, depth: int, rows: int, threads: int, reps: int = 6) -> dict:
     """One 2B-4T layer's attention for a `rows`-row prompt chunk at positions depth.. (the last chunk of a
     depth + rows prompt): median wall and CPU seconds per call (CPU time: less swayed by a busy machine). Each
