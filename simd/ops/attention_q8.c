@@ -18,6 +18,7 @@
 #include <string.h>
 
 #include "ops.h"
+#include "attention_neon.h"
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -399,6 +400,9 @@ att_q8_kernels att_q8_kernels_for(int isa) {
 #if defined(__x86_64__)
     if (isa >= OPS_ISA_AVX512) k = (att_q8_kernels){scores_avx512, wsum_avx512, exp_sum_avx512};
     else if (isa >= OPS_ISA_AVX2) k = (att_q8_kernels){scores_avx2, wsum_avx2, exp_sum_avx2};
+#endif
+#if defined(__aarch64__) /* attention_neon.c */
+    if (ops_neon()) k = att_q8_neon_kernels(bk_get_isa() != BK_ISA_NEON);
 #endif
     return k;
 }
