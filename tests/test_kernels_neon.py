@@ -138,6 +138,17 @@ static void check_select(int vocab, int d, int m, int k) {
     for (int v = 1; v < 3; v++)
         CHECK(!memcmp(lg[0], lg[v], 4 * (size_t)m * vocab) && !memcmp(id[0], id[v], 4 * (size_t)m * k),
               "head_rescore path %d vocab %d d %d m %d k %d", paths[v], vocab, d, m, k);
+    /* the f16 embedding lookup (the same table; subnormal halves included) */
+    int32_t ids[3] = {vocab - 1, 0, vocab / 2};
+    table[1] = 0x0001, table[2] = 0x83ff; /* row 0: the smallest subnormal, a negative one */
+    float *emb[3];
+    for (int v = 0; v < 3; v++) {
+        emb[v] = malloc(4 * 3 * (size_t)d);
+        bk_set_isa(paths[v]);
+        CHECK(ops_embed_f16(table, vocab, d, ids, 3, emb[v]) == -1, "embed_f16 rejected good ids");
+    }
+    for (int v = 1; v < 3; v++) CHECK(!memcmp(emb[0], emb[v], 4 * 3 * (size_t)d), "embed_f16 path %d d %d", paths[v], d);
+    for (int v = 0; v < 3; v++) free(emb[v]);
     bk_set_isa(-1);
     for (int v = 0; v < 3; v++) free(lg[v]), free(hv[v]), free(id[v]);
     free(lg0), free(x), free(table);
@@ -270,9 +281,12 @@ int main(void) {
                 CHECK(raw ? !memcmp(oi[0], oi[1], 4 * (size_t)mm * n) : !memcmp(o[0], o[1], 4 * (size_t)mm * n),
                       "gemm_ternary i8mm %d %d %d raw %d", n, k, mm, raw);
             }
-        for (int v = 0; v < 2; v++)
-            bk_gemv_i8_bodies[v ? BK_ISA_DOTPROD : BK_ISA_SCALAR](wi, row_scale, rowsum, xq[0], aux, k_pad, sc[0][0], o[v], NULL, n, 0, tiles);
-        CHECK(!memcmp(o[0], o[1], 4 * n), "gemv_i8 %d %d", n, k);
+        for (int p = 0; p < 2; p++) { /* smull/smlal (int16 pair sums at their bound when xq = -128, W = -127) and sdot */
+            if (s == 5) memset(wi, 0x81, (size_t)n_pad * k_pad);
+            for (int v = 0; v < 2; v++)
+                bk_gemv_i8_bodies[v ? PATHS[p] : BK_ISA_SCALAR](wi, row_scale, rowsum, xq[0], aux, k_pad, sc[0][0], o[v], NULL, n, 0, tiles);
+            CHECK(!memcmp(o[0], o[1], 4 * n), "gemv_i8 path %d %d %d", PATHS[p], n, k);
+        }
         for (int v = 0; v < 2; v++)
             bk_gemv_f16_bodies[v ? BK_ISA_NEON : BK_ISA_SCALAR](wh, x, k, o[v], n, 0, tiles);
         CHECK(!memcmp(o[0], o[1], 4 * n), "gemv_f16 %d %d", n, k);
