@@ -196,32 +196,52 @@ static void gemm_ternary_neon_plain(const uint8_t *w, const float *row_scale, co
                  out ? out + (size_t)i * n : NULL, out_i32 ? out_i32 + (size_t)i * n : NULL, n, t, t + 1);
 }
 
-/* ---------------- NEON (sdot), one token at a time per tile (the tile stays in cache for the others) ---------------- */
+/* ---------------- NEON (sdot): a block's unpacked codes (16 vectors) shared by 2 tokens ----------------
+ * Per 64 weight bytes and 2 tokens: 4 loads + 28 unpack + 2 x (1 + 16 sdot), against 2 x 49 when each token
+ * unpacked the block itself (measured under qemu, 512 x 2560, 8 tokens: 0.743 -> see docs/arm.md). */
+__attribute__((target("arch=armv8.2-a+dotprod"))) __attribute__((always_inline)) static inline void
+gemm_group_dot(const uint8_t *p, int kb, const int8_t *x, int k_pad, const int TT, int32x4_t (*acc)[4]) {
+    const uint8x16_t m3 = vdupq_n_u8(3);
+    for (int i = 0; i < TT; i++) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = vdupq_n_s32(0);
+    for (int b = 0; b < kb; b++) {
+        int8x16_t u[4][4];
+        for (int q = 0; q < 4; q++) {
+            const uint8x16_t v = vld1q_u8(p + (size_t)b * 64 + 16 * q);
+            u[q][0] = vreinterpretq_s8_u8(vandq_u8(v, m3));
+            u[q][1] = vreinterpretq_s8_u8(vandq_u8(vshrq_n_u8(v, 2), m3));
+            u[q][2] = vreinterpretq_s8_u8(vandq_u8(vshrq_n_u8(v, 4), m3));
+            u[q][3] = vreinterpretq_s8_u8(vshrq_n_u8(v, 6));
+        }
+        for (int i = 0; i < TT; i++) {
+            const int8x16_t xv = vld1q_s8(x + (size_t)i * k_pad + 16 * b);
+            for (int q = 0; q < 4; q++) {
+                acc[i][q] = vdotq_laneq_s32(acc[i][q], u[q][0], xv, 0);
+                acc[i][q] = vdotq_laneq_s32(acc[i][q], u[q][1], xv, 1);
+                acc[i][q] = vdotq_laneq_s32(acc[i][q], u[q][2], xv, 2);
+                acc[i][q] = vdotq_laneq_s32(acc[i][q], u[q][3], xv, 3);
+            }
+        }
+    }
+}
+
 __attribute__((target("arch=armv8.2-a+dotprod")))
 static void gemm_ternary_neon(const uint8_t *w, const float *row_scale, const int8_t *xq, int m, int k_pad,
                               const float *act_scale, const int32_t *act_sum, float *out, int32_t *out_i32, int n,
                               int tile_begin, int tile_end) {
     const int kb = k_pad / 16;
-    const uint8x16_t m3 = vdupq_n_u8(3);
     for (int t = tile_begin; t < tile_end; t++) {
-        const uint8_t *p = w + (size_t)t * kb * 64;
-        for (int i = 0; i < m; i++) {
-            const int8_t *x = xq + (size_t)i * k_pad;
-            int32x4_t acc[4] = {vdupq_n_s32(0), vdupq_n_s32(0), vdupq_n_s32(0), vdupq_n_s32(0)};
-            for (int b = 0; b < kb; b++) {
-                int8x16_t xv = vld1q_s8(x + 16 * b);
-                for (int q = 0; q < 4; q++) {
-                    uint8x16_t v = vld1q_u8(p + (size_t)b * 64 + 16 * q);
-                    acc[q] = vdotq_laneq_s32(acc[q], vreinterpretq_s8_u8(vandq_u8(v, m3)), xv, 0);
-                    acc[q] = vdotq_laneq_s32(acc[q], vreinterpretq_s8_u8(vandq_u8(vshrq_n_u8(v, 2), m3)), xv, 1);
-                    acc[q] = vdotq_laneq_s32(acc[q], vreinterpretq_s8_u8(vandq_u8(vshrq_n_u8(v, 4), m3)), xv, 2);
-                    acc[q] = vdotq_laneq_s32(acc[q], vreinterpretq_s8_u8(vshrq_n_u8(v, 6)), xv, 3);
-                }
+        const uint8_t *p = w + (size_t)t * kb * 64; /* the tile stays in cache for every token */
+        for (int i = 0; i < m; i += 2) {
+            const int g = m - i >= 2 ? 2 : 1;
+            int32x4_t acc[2][4];
+            if (g == 2) gemm_group_dot(p, kb, xq + (size_t)i * k_pad, k_pad, 2, acc);
+            else gemm_group_dot(p, kb, xq + (size_t)i * k_pad, k_pad, 1, acc);
+            for (int j = 0; j < g; j++) {
+                int32_t dots[16];
+                for (int q = 0; q < 4; q++) vst1q_s32(dots + 4 * q, vsubq_s32(acc[j][q], vdupq_n_s32(act_sum[i + j])));
+                bk_store_tile(dots, t * 16, n, row_scale, act_scale[i + j], out ? out + (size_t)(i + j) * n : NULL,
+                              out_i32 ? out_i32 + (size_t)(i + j) * n : NULL);
             }
-            int32_t dots[16];
-            for (int q = 0; q < 4; q++) vst1q_s32(dots + 4 * q, vsubq_s32(acc[q], vdupq_n_s32(act_sum[i])));
-            bk_store_tile(dots, t * 16, n, row_scale, act_scale[i], out ? out + (size_t)i * n : NULL,
-                          out_i32 ? out_i32 + (size_t)i * n : NULL);
         }
     }
 }
