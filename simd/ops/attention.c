@@ -12,6 +12,7 @@
  */
 #include "ops.h"
 #include "attention_q8.h"
+#include "attention_neon.h"
 #include "attn_common.h" /* AVX2_FN / AVX512_FN, exp polynomial, lane masks */
 
 #include <math.h>
@@ -404,6 +405,9 @@ static att_kernels kernels_for(int isa) {
         k.scores = scores_avx2, k.wsum = wsum_avx2, k.wsum4_f16 = wsum4_f16_avx2;
         k.exp_sum = exp_sum_avx2;
     }
+#endif
+#if defined(__aarch64__) /* attention_neon.c; exp stays the scalar expf (no vector body matches its bits) */
+    if (ops_neon()) k.scores = att_scores_neon, k.wsum = att_wsum_neon, k.wsum4_f16 = att_wsum4_f16_neon;
 #endif
     return k;
 }

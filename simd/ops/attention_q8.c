@@ -19,6 +19,7 @@
 
 #include "attn_common.h" /* AVX2_FN / AVX512_FN, exp polynomial (vector and one lane), sum16, lane masks */
 #include "ops.h"
+#include "attention_neon.h"
 
 #define KB OPS_KT_BLOCK
 #define Q8_MAX_HD OPS_Q8_MAX_HD
@@ -318,6 +319,9 @@ att_q8_kernels att_q8_kernels_for(int isa) {
 #if defined(__x86_64__)
     if (isa >= OPS_ISA_AVX512) k = (att_q8_kernels){scores_avx512, wsum_avx512, exp_sum_avx512};
     else if (isa >= OPS_ISA_AVX2) k = (att_q8_kernels){scores_avx2, wsum_avx2, exp_sum_avx2};
+#endif
+#if defined(__aarch64__) /* attention_neon.c */
+    if (ops_neon()) k = att_q8_neon_kernels(bk_get_isa() != BK_ISA_NEON);
 #endif
     return k;
 }
