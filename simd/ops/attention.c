@@ -676,9 +676,10 @@ static int attention_core(float *qkv, int n_heads, int n_kv, int head_dim, const
         base_items += (int64_t)n_kv * (segs[sg].m == 1 ? n_pieces(segs[sg].pos0 + 1, head_dim) : 1);
         prefill |= segs[sg].m > 1;
     }
-    /* a prefill chunk's items are long (a KV head's whole group over all rows): 5 KV heads on 2 threads left one
-     * idle for a fifth of the time, so it is split until each thread has at least 4 items; with piece-major
-     * passes each part rereads its head's keys and values once per chunk, a small share of its arithmetic */
+    /* a prefill chunk's items are long (a KV head's whole group over all rows): 5 KV heads on 2 threads run as 3
+     * + 2, one thread idle for a third of the step, so they are split until each thread has at least 4 items (not
+     * timed on its own); with piece-major passes each part rereads its head's keys and values once per chunk, a
+     * small share of its arithmetic. The floats do not depend on the split. */
     int sub = group;
     while (sub % 2 == 0 && base_items * (group / sub) < (prefill ? 4 : 2) * threads) sub /= 2;
     const int n_sub = group / sub, per_seg = n_kv * n_sub;
