@@ -319,7 +319,7 @@ static q4g_fn q4g_pick(void) {
     if (isa == BK_ISA_AVX2 || isa == BK_ISA_AVXVNNI) return q4g_avx2;
 #endif
 #if defined(__aarch64__)
-    if (isa == BK_ISA_DOTPROD) return q4g_dotprod;
+    if (bk_isa_has_sdot(isa)) return q4g_dotprod;
     if (isa == BK_ISA_NEON) return q4g_neon;
 #endif
     (void)isa;

@@ -228,7 +228,7 @@ static tg_fn tg_pick(void) {
     if (isa == BK_ISA_AVX2 || isa == BK_ISA_AVX512 || isa == BK_ISA_AVXVNNI) return tg_avx2;
 #endif
 #if defined(__aarch64__)
-    if (isa == BK_ISA_DOTPROD) return tg_dotprod;
+    if (bk_isa_has_sdot(isa)) return tg_dotprod;
     if (isa == BK_ISA_NEON) return tg_neon;
 #endif
     (void)isa;
@@ -297,7 +297,7 @@ void bk_quantize_act_g128(const float *x, int m, int k, int ldx, int k_pad, int8
     const int simd = isa == BK_ISA_AVX2 || isa == BK_ISA_AVX512 || isa == BK_ISA_AVXVNNI;
 #elif defined(__aarch64__)
     const int isa = bk_get_isa();
-    const int simd = isa == BK_ISA_NEON || isa == BK_ISA_DOTPROD;
+    const int simd = isa == BK_ISA_NEON || bk_isa_has_sdot(isa);
 #else
     const int simd = 0;
 #endif
