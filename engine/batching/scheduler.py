@@ -36,7 +36,7 @@ from ..errors import BitNetError, ContextOverflowError, QueueFullError
 from ..runtime.constraints import compile_constraint
 from ..runtime.generate import Chunk, Stats, _StopMatcher
 from ..runtime.sampling import Sampler, SamplingParams
-from ..runtime.speculative import OFF, DraftLength, LookupParams, PromptLookup
+from ..runtime.speculative import OFF, DraftLength, LookupParams, PromptLookup, choose_draft
 from .batch_model import BatchModel
 from .kv_pool import PAGE_TOKENS, KVPool
 from .prefix_cache import PrefixCache
@@ -428,13 +428,11 @@ class BatchScheduler:
                 room -= 1
             if room <= 0:
                 continue
-            draft, s.looked_up = (s.cm.forced(min(room, forced_rows)) if forcing else []), False
-            if draft:
+            draft, s.looked_up = choose_draft(s.cm, min(room, forced_rows) if forcing else 0,
+                                              s.finder if lookup else None, s.tokens,
+                                              min(room, s.draft_len.k) if lookup else 0)
+            if not s.looked_up:
                 forced_rows -= len(draft)
-            if not draft and lookup:
-                draft, s.looked_up = s.finder.propose(s.tokens, min(room, s.draft_len.k)), True
-                if s.cm is not None:   # a draft token the grammar forbids ends the draft
-                    draft = s.cm.valid_prefix(draft)
             if draft:
                 s.draft = draft
                 e[1] = 1 + len(draft)
