@@ -123,21 +123,22 @@ int bk_best_isa(void) {
     return BK_ISA_SCALAR;
 }
 
-/* Per job: the body of the chosen ISA if compiled in, else that of the next path down (avxvnni -> avx2,
- * avx512 -> avx2, dotprod -> neon), else the scalar reference: never NULL. */
+/* The path whose body stands in for a missing one of isa (before the scalar reference): avxvnni and avx512 ->
+ * avx2, dotprod -> neon. */
+int bk_isa_down(int isa) {
+    return (isa == BK_ISA_AVXVNNI || isa == BK_ISA_AVX512) ? BK_ISA_AVX2
+           : isa == BK_ISA_DOTPROD                        ? BK_ISA_NEON
+                                                          : BK_ISA_SCALAR;
+}
+
+/* Per job: BK_PICK (bodies.h), the body of isa, else of the next path down, else the scalar one: never NULL. */
 void bk_fill_table(bk_table_t *t, int isa) {
-    int down = (isa == BK_ISA_AVXVNNI || isa == BK_ISA_AVX512) ? BK_ISA_AVX2
-               : isa == BK_ISA_DOTPROD                        ? BK_ISA_NEON
-                                                              : BK_ISA_SCALAR;
-#define PICK(field, bodies) \
-    t->field = bodies[isa] ? bodies[isa] : bodies[down] ? bodies[down] : bodies[BK_ISA_SCALAR]
-    PICK(quantize_act, bk_quantize_bodies);
-    PICK(quantize_scaled, bk_quantize_scaled_bodies);
-    PICK(gemv_ternary, bk_gemv_ternary_bodies);
-    PICK(gemm_ternary, bk_gemm_ternary_bodies);
-    PICK(gemv_i8, bk_gemv_i8_bodies);
-    PICK(gemv_f16, bk_gemv_f16_bodies);
-#undef PICK
+    t->quantize_act = BK_PICK(bk_quantize_bodies, isa);
+    t->quantize_scaled = BK_PICK(bk_quantize_scaled_bodies, isa);
+    t->gemv_ternary = BK_PICK(bk_gemv_ternary_bodies, isa);
+    t->gemm_ternary = BK_PICK(bk_gemm_ternary_bodies, isa);
+    t->gemv_i8 = BK_PICK(bk_gemv_i8_bodies, isa);
+    t->gemv_f16 = BK_PICK(bk_gemv_f16_bodies, isa);
     if (isa == BK_ISA_AVXVNNI) bk_fill_avxvnni(t, bk_get_features()->avxvnni);
 }
 

@@ -214,39 +214,16 @@ static void gemv_ternary_neon_plain(const uint8_t *w, const float *row_scale, co
 #endif
 
 const bk_gemv_ternary_fn bk_gemv_ternary_bodies[BK_N_ISA] = {
-    [BK_ISA_SCALAR] = gemv_ternary_scalar,
-#if defined(__x86_64__)
-    [BK_ISA_AVX2] = gemv_ternary_avx2,
-    [BK_ISA_AVX512] = gemv_ternary_avx512,
-#endif
-#if defined(__aarch64__)
-    [BK_ISA_NEON] = gemv_ternary_neon_plain,
-    [BK_ISA_DOTPROD] = gemv_ternary_neon,
-#endif
+    BK_BODY(SCALAR, gemv_ternary_scalar) BK_X86_BODY(AVX2, gemv_ternary_avx2) BK_X86_BODY(AVX512, gemv_ternary_avx512)
+    BK_ARM_BODY(NEON, gemv_ternary_neon_plain) BK_ARM_BODY(DOTPROD, gemv_ternary_neon)
 };
 
-typedef struct {
-    bk_gemv_ternary_fn fn;
-    const uint8_t *w;
-    const float *row_scale;
-    const int8_t *xq;
-    int k_pad;
-    float act_scale;
-    int32_t act_sum;
-    float *out;
-    int32_t *out_i32;
-    int n;
-} gemv_ternary_job;
-
-static void gemv_ternary_range(void *ctx, int b, int e) {
-    gemv_ternary_job *j = ctx;
-    j->fn(j->w, j->row_scale, j->xq, j->k_pad, j->act_scale, j->act_sum, j->out, j->out_i32, j->n, b, e);
-}
+#define GEMV_TERNARY_ARGS(X) X(const uint8_t *, w) X(const float *, row_scale) X(const int8_t *, xq) X(int, k_pad) \
+    X(float, act_scale) X(int32_t, act_sum) X(float *, out) X(int32_t *, out_i32) X(int, n)
+BK_TILE_JOB(gemv_ternary_job, bk_gemv_ternary_fn, GEMV_TERNARY_ARGS)
 
 void bk_gemv_ternary(const uint8_t *w, const float *row_scale, const int8_t *xq, int k_pad, float act_scale,
                      int32_t act_sum, float *out, int32_t *out_i32, int n) {
-    int n_tiles = (n + 15) / 16;
-    gemv_ternary_job job = {bk_table.gemv_ternary, w, row_scale, xq, k_pad, act_scale, act_sum, out, out_i32, n};
     /* tiny matrices: a thread hand-off costs more than the work */
-    bk_run_tiles(n_tiles, (size_t)n_tiles * k_pad, 16 * 4096, gemv_ternary_range, &job);
+    BK_RUN_TILE_JOB(gemv_ternary_job, bk_table.gemv_ternary, GEMV_TERNARY_ARGS, n, k_pad, 16 * 4096);
 }

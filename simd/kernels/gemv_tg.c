@@ -222,18 +222,10 @@ static int32_t quant_group_neon(const float *x, int8_t *q, float *xd) {
 }
 #endif
 
-static tg_fn tg_pick(void) {
-    int isa = bk_get_isa();
-#if defined(__x86_64__)
-    if (isa == BK_ISA_AVX2 || isa == BK_ISA_AVX512 || isa == BK_ISA_AVXVNNI) return tg_avx2;
-#endif
-#if defined(__aarch64__)
-    if (isa == BK_ISA_DOTPROD) return tg_dotprod;
-    if (isa == BK_ISA_NEON) return tg_neon;
-#endif
-    (void)isa;
-    return tg_scalar;
-}
+/* avx512 and avxvnni run the AVX2 body (BK_PICK's next path down) */
+static const tg_fn tg_bodies[BK_N_ISA] = {
+    BK_BODY(SCALAR, tg_scalar) BK_X86_BODY(AVX2, tg_avx2) BK_ARM_BODY(NEON, tg_neon) BK_ARM_BODY(DOTPROD, tg_dotprod)
+};
 
 /* One group of 128 (or fewer: k1 - k0 live values, the rest of the group 0): returns the sum of the codes. */
 static int32_t quant_group_scalar(const float *x, int live, int8_t *q, float *xd) {
@@ -325,25 +317,11 @@ void bk_quantize_act_g128(const float *x, int m, int k, int ldx, int k_pad, int8
         }
 }
 
-typedef struct {
-    tg_fn fn;
-    const uint8_t *w;
-    const int8_t *xq;
-    const float *xd;
-    const int32_t *xsum;
-    int m, k_pad;
-    float *out;
-    int n;
-} tg_job;
-
-static void tg_range(void *ctx, int b, int e) {
-    tg_job *j = ctx;
-    j->fn(j->w, j->xq, j->xd, j->xsum, j->m, j->k_pad, j->out, j->n, b, e);
-}
+#define TG_ARGS(X) X(const uint8_t *, w) X(const int8_t *, xq) X(const float *, xd) X(const int32_t *, xsum) X(int, m) \
+    X(int, k_pad) X(float *, out) X(int, n)
+BK_TILE_JOB(tg_job, tg_fn, TG_ARGS)
 
 void bk_gemv_tg(const uint8_t *w, const int8_t *xq, const float *xd, const int32_t *xsum, int m, int k_pad,
                 float *out, int n) {
-    int n_tiles = (n + 15) / 16;
-    tg_job job = {tg_pick(), w, xq, xd, xsum, m, k_pad, out, n};
-    bk_run_tiles(n_tiles, (size_t)n_tiles * k_pad * m, 16 * 4096, tg_range, &job);
+    BK_RUN_TILE_JOB(tg_job, BK_PICK(tg_bodies, bk_get_isa()), TG_ARGS, n, (size_t)k_pad * m, 16 * 4096);
 }

@@ -155,35 +155,19 @@ static void quantize_act_neon(const float *x, int k, int k_pad, int8_t *xq, floa
 #endif
 
 const bk_quantize_fn bk_quantize_bodies[BK_N_ISA] = {
-    [BK_ISA_SCALAR] = quantize_act_scalar,
-#if defined(__x86_64__)
-    [BK_ISA_AVX2] = quantize_act_avx2,
-    [BK_ISA_AVX512] = quantize_act_avx512,
-#endif
-#if defined(__aarch64__)
-    [BK_ISA_NEON] = quantize_act_neon,
-#endif
+    BK_BODY(SCALAR, quantize_act_scalar) BK_X86_BODY(AVX2, quantize_act_avx2) BK_X86_BODY(AVX512, quantize_act_avx512)
+    BK_ARM_BODY(NEON, quantize_act_neon)
 };
 
 const bk_quantize_scaled_fn bk_quantize_scaled_bodies[BK_N_ISA] = {
-    [BK_ISA_SCALAR] = quantize_scaled_scalar,
-#if defined(__x86_64__)
-    [BK_ISA_AVX2] = quantize_scaled_avx2,
-    [BK_ISA_AVX512] = quantize_scaled_avx512,
-#endif
-#if defined(__aarch64__)
-    [BK_ISA_NEON] = quantize_scaled_neon,
-#endif
+    BK_BODY(SCALAR, quantize_scaled_scalar) BK_X86_BODY(AVX2, quantize_scaled_avx2)
+    BK_X86_BODY(AVX512, quantize_scaled_avx512) BK_ARM_BODY(NEON, quantize_scaled_neon)
 };
 
-typedef struct {
-    bk_quantize_fn fn;
-    const float *x;
-    int k, k_pad;
-    int8_t *xq;
-    float *act_scale;
-    int32_t *act_sum;
-} quantize_job;
+/* rows, not tiles: its own range function */
+#define QUANTIZE_ARGS(X) X(const float *, x) X(int, k) X(int, k_pad) X(int8_t *, xq) X(float *, act_scale) \
+    X(int32_t *, act_sum)
+BK_JOB_STRUCT(quantize_job, bk_quantize_fn, QUANTIZE_ARGS);
 
 static void quantize_rows(void *ctx, int b, int e) {
     quantize_job *j = ctx;
@@ -192,7 +176,7 @@ static void quantize_rows(void *ctx, int b, int e) {
 }
 
 void bk_quantize_act(const float *x, int m, int k, int k_pad, int8_t *xq, float *act_scale, int32_t *act_sum) {
-    quantize_job job = {bk_table.quantize_act, x, k, k_pad, xq, act_scale, act_sum};
+    quantize_job job = BK_JOB_INIT(bk_table.quantize_act, QUANTIZE_ARGS);
     /* rows in units of 4; a single short row is not worth a thread hand-off */
     bk_run_tiles(m, (size_t)m * k, 32768, quantize_rows, &job);
 }
