@@ -115,6 +115,15 @@ def attention_layer(kv: str, depth: int, threads: int, reps: int = 20) -> dict:
     return {"kv": kv, "depth": depth, "us": t * 1e6, "GBps": nbytes / t / 1e9}
 
 
+def _table(title: str, header, rows) -> None:
+    """A titled markdown table on stdout."""
+    print(f"\n{title}:")
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for r in rows:
+        print("| " + " | ".join(str(c) for c in r) + " |")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--depths", default="0,1024,4096,16384")
@@ -150,17 +159,13 @@ def main(argv=None) -> int:
         print(f"| {r['kv']} | {r['depth']} | {r['decode_tps']:.1f} | {r['limit_tps']:.1f} | {r['share']:.0%} | "
               f"{r['prefill_tps']:.0f} |")
     if ab:
-        print("\nf16 and q8 decode alternating (12 rounds of 2 tokens each, median):")
-        print("| depth | f16 tok/s | q8 tok/s | q8 / f16 |")
-        print("|---|---|---|---|")
-        for r in ab:
-            print(f"| {r['depth']} | {r['f16_tps']:.1f} | {r['q8_tps']:.1f} | {r['q8_over_f16']:.2f} |")
+        _table("f16 and q8 decode alternating (12 rounds of 2 tokens each, median)",
+               ("depth", "f16 tok/s", "q8 tok/s", "q8 / f16"),
+               [(r["depth"], f"{r['f16_tps']:.1f}", f"{r['q8_tps']:.1f}", f"{r['q8_over_f16']:.2f}") for r in ab])
     if att:
-        print("\none layer's decode attention (20 heads, 5 KV heads x 128), median of 20 calls:")
-        print("| KV | depth | us per layer | K+V read GB/s | share of stream |")
-        print("|---|---|---|---|---|")
-        for r in att:
-            print(f"| {r['kv']} | {r['depth']} | {r['us']:.0f} | {r['GBps']:.1f} | {r['GBps'] * 1e9 / bw:.0%} |")
+        _table("one layer's decode attention (20 heads, 5 KV heads x 128), median of 20 calls",
+               ("KV", "depth", "us per layer", "K+V read GB/s", "share of stream"),
+               [(r["kv"], r["depth"], f"{r['us']:.0f}", f"{r['GBps']:.1f}", f"{r['GBps'] * 1e9 / bw:.0%}") for r in att])
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"weights_bytes": weights, "stream_Bps": [bw0, bw1], "threads": a.threads, "rows": rows,

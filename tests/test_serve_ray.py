@@ -15,7 +15,7 @@ import pytest
 
 openai = pytest.importorskip("openai", reason="needs the openai client (pip install .[test])")
 pytest.importorskip("ray.serve", reason="Ray Serve not installed (pip install .[cluster])")
-from serve_proc import ROOT, free_port  # noqa: E402
+from serve_proc import ROOT, free_port, wait_healthy  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -46,14 +46,7 @@ def _ray_app(parallel: int):
     app = {"returncode": None}
     try:
         deadline = time.monotonic() + 150
-        up = False
-        while time.monotonic() < deadline and proc.poll() is None and not up:
-            try:
-                up = httpx.get(url + "/health", timeout=3).status_code == 200
-            except httpx.HTTPError:
-                pass
-            if not up:
-                time.sleep(1)
+        up = wait_healthy(url, 150, proc, poll=1)
         if proc.poll() is not None:
             pytest.skip(f"Ray could not start here (exit {proc.returncode}): {proc.stderr.read().strip().splitlines()[-1:]}")
         assert up, "Ray Serve app not healthy within 150 s"
