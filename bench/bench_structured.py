@@ -17,7 +17,6 @@ token counts and step costs are real).
 """
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import subprocess
@@ -159,7 +158,7 @@ def http_row(cmd: list[str], port: int, n: int, repeats: int, body: dict) -> lis
 
 
 def main(argv=None) -> int:
-    from make_models import bench_parser, model_paths
+    from make_models import bench_parser, model_paths, save_json
 
     ap = bench_parser(__doc__)
     ap.add_argument("--model", help="a store (default: bench/cache/2b4t.q4.bnstore from bench/make_models.py)")
@@ -219,9 +218,7 @@ def main(argv=None) -> int:
         res["http_llama"] = theirs
         line += f" | llama-server {_span(theirs)} tok/s | ratio {_median(ours) / _median(theirs):.2f}x"
     print(line)
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(res, f, indent=1)
+    save_json(a.json, res)
     return 0
 
 

@@ -14,7 +14,6 @@ used). Each row is one short run on a shared machine: compare rows of one run, n
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -28,7 +27,7 @@ sys.path.insert(0, os.path.dirname(ROOT))
 
 from decode_rows import ensure_q4_store, store_bytes_per_token  # noqa: E402
 from limits import stream_bandwidth  # noqa: E402
-from make_models import DEFAULT_CACHE  # noqa: E402
+from make_models import DEFAULT_CACHE, save_json  # noqa: E402
 
 
 def fill_cache(model):
@@ -166,11 +165,8 @@ def main(argv=None) -> int:
         _table("one layer's decode attention (20 heads, 5 KV heads x 128), median of 20 calls",
                ("KV", "depth", "us per layer", "K+V read GB/s", "share of stream"),
                [(r["kv"], r["depth"], f"{r['us']:.0f}", f"{r['GBps']:.1f}", f"{r['GBps'] * 1e9 / bw:.0%}") for r in att])
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"weights_bytes": weights, "stream_Bps": [bw0, bw1], "threads": a.threads, "rows": rows,
-                       "attention": att, "ab": ab}, f,
-                      indent=1)
+    save_json(a.json, {"weights_bytes": weights, "stream_Bps": [bw0, bw1], "threads": a.threads, "rows": rows,
+                       "attention": att, "ab": ab})
     return 0
 
 

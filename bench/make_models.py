@@ -26,6 +26,13 @@ DEFAULT_CACHE = os.path.join(HERE, "cache")
 SEED = 0
 
 
+def save_json(path: str | None, results) -> None:
+    """The results as JSON at path (--json), when one is given."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(results, f, indent=1)
+
+
 def bench_parser(doc: str, levels: str | None = None) -> argparse.ArgumentParser:
     """The flags the load benchmarks share: --threads; with levels (the default list of numbers of concurrent
     clients), the sweep's shape too: --levels --gen --prompt --engines --cache --out-dir."""

@@ -11,7 +11,7 @@
 #include "x86_common.h"
 #endif
 #if defined(__aarch64__)
-#include <arm_neon.h>
+#include "ternary_neon.h"
 #endif
 
 /* The scalar reference: the GEMV reference body once per token. */
@@ -211,11 +211,7 @@ static void gemm_ternary_neon(const uint8_t *w, const float *row_scale, const in
             for (int b = 0; b < kb; b++) {
                 int8x16_t xv = vld1q_s8(x + 16 * b);
                 for (int q = 0; q < 4; q++) {
-                    uint8x16_t v = vld1q_u8(p + (size_t)b * 64 + 16 * q);
-                    acc[q] = vdotq_laneq_s32(acc[q], vreinterpretq_s8_u8(vandq_u8(v, m3)), xv, 0);
-                    acc[q] = vdotq_laneq_s32(acc[q], vreinterpretq_s8_u8(vandq_u8(vshrq_n_u8(v, 2), m3)), xv, 1);
-                    acc[q] = vdotq_laneq_s32(acc[q], vreinterpretq_s8_u8(vandq_u8(vshrq_n_u8(v, 4), m3)), xv, 2);
-                    acc[q] = vdotq_laneq_s32(acc[q], vreinterpretq_s8_u8(vshrq_n_u8(v, 6)), xv, 3);
+                    acc[q] = ternary_sdot_neon(acc[q], vld1q_u8(p + (size_t)b * 64 + 16 * q), xv, m3);
                 }
             }
             int32_t dots[16];

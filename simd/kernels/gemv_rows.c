@@ -106,31 +106,31 @@ AVX512_TARGET __attribute__((always_inline)) static inline void ternary_tile_row
                            out + (size_t)(m0 + i) * n, NULL);
 }
 
-#define ROWS_SWITCH(CALL)          \
-    switch (mr) {                  \
-    case 1: CALL(1); break;        \
-    case 2: CALL(2); break;        \
-    case 3: CALL(3); break;        \
-    case 4: CALL(4); break;        \
-    case 5: CALL(5); break;        \
-    case 6: CALL(6); break;        \
-    case 7: CALL(7); break;        \
-    default: CALL(8); break;       \
+/* Every tile of [tile_begin, tile_end) (p: its first byte, tile_bytes apart), its m rows in groups of up to
+ * 8: CALL(R) with R a constant, so the tile-rows body is inlined once per group size. */
+#define ROWS_TILES(T, tile_bytes, CALL)                         \
+    for (int t = tile_begin; t < tile_end; t++) {              \
+        const T *p = w + (size_t)t * (tile_bytes);              \
+        for (int m0 = 0; m0 < m; m0 += 8) {                     \
+            switch (m - m0 < 8 ? m - m0 : 8) {                  \
+            case 1: CALL(1); break;                             \
+            case 2: CALL(2); break;                             \
+            case 3: CALL(3); break;                             \
+            case 4: CALL(4); break;                             \
+            case 5: CALL(5); break;                             \
+            case 6: CALL(6); break;                             \
+            case 7: CALL(7); break;                             \
+            default: CALL(8); break;                            \
+            }                                                   \
+        }                                                       \
     }
 
 AVX512_TARGET static void ternary_rows_avx512(const uint8_t *w, const float *row_scale, const int8_t *xq, int m,
                                               int k_pad, const float *act_scale, const int32_t *act_sum, float *out,
                                               int n, int tile_begin, int tile_end) {
-    const size_t tile_bytes = (size_t)(k_pad / 16) * 64;
-    for (int t = tile_begin; t < tile_end; t++) {
-        const uint8_t *p = w + (size_t)t * tile_bytes;
-        for (int m0 = 0; m0 < m; m0 += 8) {
-            int mr = m - m0 < 8 ? m - m0 : 8;
 #define TERNARY_CALL(R) ternary_tile_rows_avx512(p, t, R, xq, m0, k_pad, row_scale, act_scale, act_sum, out, n)
-            ROWS_SWITCH(TERNARY_CALL)
+    ROWS_TILES(uint8_t, (size_t)(k_pad / 16) * 64, TERNARY_CALL)
 #undef TERNARY_CALL
-        }
-    }
 }
 
 /* int8 head with the operands swapped against gemv_i8.c: the weights become the unsigned side (W_q ^ 0x80 =
@@ -168,16 +168,9 @@ AVX512_TARGET static void i8_rows_avx512(const int8_t *w, const float *row_scale
                                          int tile_end) {
     (void)w_rowsum;
     (void)aux;
-    const size_t tile_bytes = (size_t)(k_pad / 4) * 64;
-    for (int t = tile_begin; t < tile_end; t++) {
-        const int8_t *p = w + (size_t)t * tile_bytes;
-        for (int m0 = 0; m0 < m; m0 += 8) {
-            int mr = m - m0 < 8 ? m - m0 : 8;
 #define I8_CALL(R) i8_tile_rows_avx512(p, t, R, xq, xsum, m0, k_pad, row_scale, act_scale, out, n)
-            ROWS_SWITCH(I8_CALL)
+    ROWS_TILES(int8_t, (size_t)(k_pad / 4) * 64, I8_CALL)
 #undef I8_CALL
-        }
-    }
 }
 #endif
 

@@ -15,7 +15,7 @@
 #include "x86_common.h"
 #endif
 #if defined(__aarch64__)
-#include <arm_neon.h>
+#include "ternary_neon.h"
 #endif
 
 /* sum_k u[16t + r, k] * xq[k] for the 16 rows of one tile (the scalar reference of every body). */
@@ -154,11 +154,7 @@ static void gemv_ternary_neon(const uint8_t *w, const float *row_scale, const in
         for (int b = 0; b < kb; b++) {
             int8x16_t xv = vld1q_s8(xq + 16 * b);
             for (int q = 0; q < 4; q++) { /* 16 bytes = rows 4q..4q+3 */
-                uint8x16_t v = vld1q_u8(p + (size_t)b * 64 + 16 * q);
-                acc[q] = vdotq_laneq_s32(acc[q], vreinterpretq_s8_u8(vandq_u8(v, m3)), xv, 0);
-                acc[q] = vdotq_laneq_s32(acc[q], vreinterpretq_s8_u8(vandq_u8(vshrq_n_u8(v, 2), m3)), xv, 1);
-                acc[q] = vdotq_laneq_s32(acc[q], vreinterpretq_s8_u8(vandq_u8(vshrq_n_u8(v, 4), m3)), xv, 2);
-                acc[q] = vdotq_laneq_s32(acc[q], vreinterpretq_s8_u8(vshrq_n_u8(v, 6)), xv, 3);
+                acc[q] = ternary_sdot_neon(acc[q], vld1q_u8(p + (size_t)b * 64 + 16 * q), xv, m3);
             }
         }
         int32_t dots[16];
@@ -188,20 +184,10 @@ static void gemv_ternary_neon_plain(const uint8_t *w, const float *row_scale, co
             int16x8_t s[8];
             for (int v = 0; v < 8; v++) s[v] = vdupq_n_s16(0);
             for (int b = b0; b < b1; b++) {
-                const int32x4_t xw = vreinterpretq_s32_s8(vld1q_s8(xq + 16 * b));
-                const int8x8_t x0 = vreinterpret_s8_s32(vdup_laneq_s32(xw, 0)), x1 = vreinterpret_s8_s32(vdup_laneq_s32(xw, 1));
-                const int8x8_t x2 = vreinterpret_s8_s32(vdup_laneq_s32(xw, 2)), x3 = vreinterpret_s8_s32(vdup_laneq_s32(xw, 3));
-                for (int q = 0; q < 4; q++) {
-                    uint8x16_t v = vld1q_u8(p + (size_t)b * 64 + 16 * q);
-                    int8x16_t c0 = vreinterpretq_s8_u8(vandq_u8(v, m3)), c1 = vreinterpretq_s8_u8(vandq_u8(vshrq_n_u8(v, 2), m3));
-                    int8x16_t c2 = vreinterpretq_s8_u8(vandq_u8(vshrq_n_u8(v, 4), m3)), c3 = vreinterpretq_s8_u8(vshrq_n_u8(v, 6));
-                    int16x8_t lo = s[2 * q], hi = s[2 * q + 1];
-                    lo = vmlal_s8(lo, vget_low_s8(c0), x0), hi = vmlal_s8(hi, vget_high_s8(c0), x0);
-                    lo = vmlal_s8(lo, vget_low_s8(c1), x1), hi = vmlal_s8(hi, vget_high_s8(c1), x1);
-                    lo = vmlal_s8(lo, vget_low_s8(c2), x2), hi = vmlal_s8(hi, vget_high_s8(c2), x2);
-                    lo = vmlal_s8(lo, vget_low_s8(c3), x3), hi = vmlal_s8(hi, vget_high_s8(c3), x3);
-                    s[2 * q] = lo, s[2 * q + 1] = hi;
-                }
+                int8x8_t x[4];
+                ternary_dwords_neon(xq + 16 * b, x);
+                for (int q = 0; q < 4; q++)
+                    ternary_smlal_neon(&s[2 * q], &s[2 * q + 1], vld1q_u8(p + (size_t)b * 64 + 16 * q), x, m3);
             }
             for (int v = 0; v < 8; v++) acc[v] = vpadalq_s16(acc[v], s[v]);
         }

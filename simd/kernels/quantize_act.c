@@ -37,13 +37,17 @@ static int32_t quantize_scaled_scalar(const float *x, int k, float s, int8_t *xq
     return sum;
 }
 
-static void quantize_act_scalar(const float *x, int k, int k_pad, int8_t *xq, float *act_scale, int32_t *act_sum) {
-    float amax = 0.0f;
-    for (int i = 0; i < k; i++) {
+/* max(amax, max |x[i..k)|): the whole scalar maximum, or the tail a vector loop left */
+static inline float amax_from(const float *x, int i, int k, float amax) {
+    for (; i < k; i++) {
         float a = fabsf(x[i]);
         if (a > amax) amax = a;
     }
-    float s = bk_act_scale(amax);
+    return amax;
+}
+
+static void quantize_act_scalar(const float *x, int k, int k_pad, int8_t *xq, float *act_scale, int32_t *act_sum) {
+    float s = bk_act_scale(amax_from(x, 0, k, 0.0f));
     *act_sum = quantize_scaled_scalar(x, k, s, xq);
     memset(xq + k, 0, (size_t)(k_pad - k));
     *act_scale = s;
@@ -81,12 +85,7 @@ static void quantize_act_avx2(const float *x, int k, int k_pad, int8_t *xq, floa
     __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
     m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
     m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
-    float amax = _mm_cvtss_f32(m4);
-    for (; i < k; i++) {
-        float a = fabsf(x[i]);
-        if (a > amax) amax = a;
-    }
-    float s = bk_act_scale(amax);
+    float s = bk_act_scale(amax_from(x, i, k, _mm_cvtss_f32(m4)));
     *act_sum = quantize_scaled_avx2(x, k, s, xq);
     memset(xq + k, 0, (size_t)(k_pad - k));
     *act_scale = s;
@@ -142,12 +141,7 @@ static void quantize_act_neon(const float *x, int k, int k_pad, int8_t *xq, floa
     float32x4_t vmax = vdupq_n_f32(0.0f);
     int i = 0;
     for (; i + 4 <= k; i += 4) vmax = vmaxq_f32(vmax, vabsq_f32(vld1q_f32(x + i)));
-    float amax = vmaxvq_f32(vmax);
-    for (; i < k; i++) {
-        float a = fabsf(x[i]);
-        if (a > amax) amax = a;
-    }
-    float s = bk_act_scale(amax);
+    float s = bk_act_scale(amax_from(x, i, k, vmaxvq_f32(vmax)));
     *act_sum = quantize_scaled_neon(x, k, s, xq);
     memset(xq + k, 0, (size_t)(k_pad - k));
     *act_scale = s;
