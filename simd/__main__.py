@@ -14,7 +14,7 @@ def _main() -> int:
         print(f"features: {', '.join(k for k, v in feats.items() if v)}")
         print(f"active:   {simd.active()}")
         arm = platform.machine().lower() in ("aarch64", "arm64")
-        names = "scalar|neon|dotprod" if arm else "scalar|avx2|avxvnni|avx512"
+        names = "scalar|neon|dotprod|i8mm" if arm else "scalar|avx2|avxvnni|avx512"
         print(f"paths:    {', '.join(simd.supported_isas())} (force one with BITNET_ISA={names})")
         print(f"threads:  {simd.get_num_threads()}")
         return 0

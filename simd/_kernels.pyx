@@ -24,7 +24,7 @@ cnp.import_array()
 
 cdef extern from "kernels.h" nogil:
     ctypedef struct bk_features_t:
-        int sse41, avx2, fma, f16c, avx512f, avx512bw, avx512vl, avx512vnni, avx512bf16, avxvnni, neon, dotprod
+        int sse41, avx2, fma, f16c, avx512f, avx512bw, avx512vl, avx512vnni, avx512bf16, avxvnni, neon, dotprod, i8mm
     const bk_features_t *bk_get_features()
     int bk_isa_supported(int isa)
     int bk_set_isa(int isa)
@@ -76,7 +76,7 @@ cdef extern from "tg.h" nogil:
     void bk_gemv_tg(const uint8_t *w, const int8_t *xq, const float *xd, const int32_t *xsum, int m, int k_pad,
                     float *out, int n)
 
-ISA_NAMES = ("scalar", "avx2", "avx512", "neon", "avxvnni", "dotprod")
+ISA_NAMES = ("scalar", "avx2", "avx512", "neon", "avxvnni", "dotprod", "i8mm")
 cdef Py_ssize_t MAX_DIM = 1 << 30
 # int32 accumulators of the AVX-512 ternary GEMV hold 64x a partial dot: exact up to K_pad = 2^18
 MAX_K_PAD = 1 << 18
@@ -90,7 +90,7 @@ def features():
         "sse4.1": bool(f.sse41), "avx2": bool(f.avx2), "fma": bool(f.fma), "f16c": bool(f.f16c),
         "avx512f": bool(f.avx512f), "avx512bw": bool(f.avx512bw), "avx512vl": bool(f.avx512vl),
         "avx512vnni": bool(f.avx512vnni), "avx512bf16": bool(f.avx512bf16), "avxvnni": bool(f.avxvnni),
-        "neon": bool(f.neon), "dotprod": bool(f.dotprod),
+        "neon": bool(f.neon), "dotprod": bool(f.dotprod), "i8mm": bool(f.i8mm),
     }
 
 
@@ -100,7 +100,7 @@ def supported_isas():
 
 
 def active():
-    """The path in use: "avx512" | "avxvnni" | "avx2" | "scalar" | "neon" | "dotprod"."""
+    """The path in use: "avx512" | "avxvnni" | "avx2" | "scalar" | "neon" | "dotprod" | "i8mm"."""
     return ISA_NAMES[bk_get_isa()]
 
 

@@ -1,8 +1,8 @@
 """The NEON bodies, cross-compiled for aarch64 and run under qemu-user: each must give the same bytes as the
-scalar reference body on random data (tails included), and the dispatcher must pick "dotprod" there (qemu's
-default CPU has sdot). Kernels with a per-ISA body table are compared body by body; the jobs that choose
-their body inside (the q4 head, the multi-row GEMVs, the norms of simd/ops) are run whole on each path
-(bk_set_isa: scalar, neon, dotprod) and compared.
+scalar reference body on random data (tails included), and the dispatcher must pick "i8mm" there (qemu's
+default CPU, max, has sdot and smmla) with dotprod's bodies for every job but the GEMM. Kernels with a per-ISA
+body table are compared body by body; the jobs that choose their body inside (the q4 head, the multi-row GEMVs,
+the norms of simd/ops) are run whole on each path (bk_set_isa: scalar, neon, dotprod, i8mm) and compared.
 
 Needs `aarch64-linux-gnu-gcc` and `qemu-aarch64` (Debian: gcc-aarch64-linux-gnu, qemu-user); skips with
 that reason when they are missing. On an aarch64 host the regular test_kernels.py covers NEON natively.
@@ -40,7 +40,7 @@ static unsigned long long rs = 88172645463325252ull;
 static unsigned rnd(void) { rs ^= rs << 13; rs ^= rs >> 7; rs ^= rs << 17; return (unsigned)rs; }
 static int fails = 0;
 #define CHECK(cond, ...) do { if (!(cond)) { printf("FAIL " __VA_ARGS__); printf("\n"); fails++; } } while (0)
-static const int PATHS[2] = {BK_ISA_NEON, BK_ISA_DOTPROD};
+static const int PATHS[3] = {BK_ISA_NEON, BK_ISA_DOTPROD, BK_ISA_I8MM}; /* i8mm: smmla GEMM, else dotprod's */
 
 /* the q4 head and the multi-row GEMVs: whole jobs on each path against the scalar path */
 static void check_heads(int n, int k_pad, int m, const int8_t *xq, const float *act_scale, const int32_t *act_sum,
@@ -52,7 +52,7 @@ static void check_heads(int n, int k_pad, int m, const int8_t *xq, const float *
     float *ref = malloc(4 * (size_t)m * n), *got = malloc(4 * (size_t)m * n);
     int32_t *refi = malloc(4 * (size_t)m * n), *goti = malloc(4 * (size_t)m * n);
     int mr = m < BK_ROWS_MAX ? m : BK_ROWS_MAX;
-    for (int p = 0; p < 2; p++) {
+    for (int p = 0; p < 3; p++) {
         if (k_pad <= BK_Q4G_MAX_K) {
             bk_set_isa(BK_ISA_SCALAR);
             bk_gemv_q4g(codes, gs, row_scale, xq, mr, k_pad, act_scale, ref, NULL, n);
@@ -138,6 +138,17 @@ static void check_select(int vocab, int d, int m, int k) {
     for (int v = 1; v < 3; v++)
         CHECK(!memcmp(lg[0], lg[v], 4 * (size_t)m * vocab) && !memcmp(id[0], id[v], 4 * (size_t)m * k),
               "head_rescore path %d vocab %d d %d m %d k %d", paths[v], vocab, d, m, k);
+    /* the f16 embedding lookup (the same table; subnormal halves included) */
+    int32_t ids[3] = {vocab - 1, 0, vocab / 2};
+    table[1] = 0x0001, table[2] = 0x83ff; /* row 0: the smallest subnormal, a negative one */
+    float *emb[3];
+    for (int v = 0; v < 3; v++) {
+        emb[v] = malloc(4 * 3 * (size_t)d);
+        bk_set_isa(paths[v]);
+        CHECK(ops_embed_f16(table, vocab, d, ids, 3, emb[v]) == -1, "embed_f16 rejected good ids");
+    }
+    for (int v = 1; v < 3; v++) CHECK(!memcmp(emb[0], emb[v], 4 * 3 * (size_t)d), "embed_f16 path %d d %d", paths[v], d);
+    for (int v = 0; v < 3; v++) free(emb[v]);
     bk_set_isa(-1);
     for (int v = 0; v < 3; v++) free(lg[v]), free(hv[v]), free(id[v]);
     free(lg0), free(x), free(table);
@@ -205,8 +216,13 @@ static void check_b3(int n, int k_pad, int m, const int8_t *xq, const float *act
 
 int main(void) {
     bk_init();
-    printf("active %d dotprod %d\n", bk_get_isa(), bk_get_features()->dotprod);
-    CHECK(bk_get_isa() == BK_ISA_DOTPROD, "dispatcher did not pick dotprod");
+    printf("active %d dotprod %d i8mm %d\n", bk_get_isa(), bk_get_features()->dotprod, bk_get_features()->i8mm);
+    CHECK(bk_get_isa() == BK_ISA_I8MM, "dispatcher did not pick i8mm"); /* qemu's default CPU (max) has it */
+    /* i8mm has its own GEMM body; every other job takes dotprod's (the next path down), never scalar */
+    CHECK(bk_table.gemm_ternary == bk_gemm_ternary_bodies[BK_ISA_I8MM] && bk_table.gemv_ternary == bk_gemv_ternary_bodies[BK_ISA_DOTPROD] &&
+          bk_table.gemv_i8 == bk_gemv_i8_bodies[BK_ISA_DOTPROD] && bk_table.quantize_act == bk_quantize_bodies[BK_ISA_NEON] && ops_neon(),
+          "i8mm path's table");
+    CHECK(bk_set_isa(BK_ISA_DOTPROD) == 0 && bk_table.gemm_ternary == bk_gemm_ternary_bodies[BK_ISA_DOTPROD], "dotprod selectable");
     CHECK(bk_isa_supported(BK_ISA_NEON) && bk_set_isa(BK_ISA_NEON) == 0 && bk_get_isa() == BK_ISA_NEON, "neon not selectable");
     bk_set_isa(-1);
     check_tg(16, 128, 1);
@@ -257,9 +273,20 @@ int main(void) {
                 bk_gemm_ternary_bodies[v ? PATHS[p] : BK_ISA_SCALAR](wt, row_scale, xq[0], m, k_pad, sc[0], sm[0], o[v], NULL, n, 0, tiles);
             CHECK(!memcmp(o[0], o[1], 4 * (size_t)m * n), "gemm_ternary path %d %d %d %d", PATHS[p], n, k, m);
         }
-        for (int v = 0; v < 2; v++)
-            bk_gemv_i8_bodies[v ? BK_ISA_DOTPROD : BK_ISA_SCALAR](wi, row_scale, rowsum, xq[0], aux, k_pad, sc[0][0], o[v], NULL, n, 0, tiles);
-        CHECK(!memcmp(o[0], o[1], 4 * n), "gemv_i8 %d %d", n, k);
+        for (int mm = 1; mm <= m; mm++) /* the smmla body: tokens in fours, a pair, an odd last one (sdot) */
+            for (int raw = 0; raw < 2; raw++) {
+                for (int v = 0; v < 2; v++)
+                    bk_gemm_ternary_bodies[v ? BK_ISA_I8MM : BK_ISA_SCALAR](wt, row_scale, xq[0], mm, k_pad, sc[0], sm[0], raw ? NULL : o[v],
+                                                                            raw ? oi[v] : NULL, n, 0, tiles);
+                CHECK(raw ? !memcmp(oi[0], oi[1], 4 * (size_t)mm * n) : !memcmp(o[0], o[1], 4 * (size_t)mm * n),
+                      "gemm_ternary i8mm %d %d %d raw %d", n, k, mm, raw);
+            }
+        for (int p = 0; p < 2; p++) { /* smull/smlal (int16 pair sums at their bound when xq = -128, W = -127) and sdot */
+            if (s == 5) memset(wi, 0x81, (size_t)n_pad * k_pad);
+            for (int v = 0; v < 2; v++)
+                bk_gemv_i8_bodies[v ? PATHS[p] : BK_ISA_SCALAR](wi, row_scale, rowsum, xq[0], aux, k_pad, sc[0][0], o[v], NULL, n, 0, tiles);
+            CHECK(!memcmp(o[0], o[1], 4 * n), "gemv_i8 path %d %d %d", PATHS[p], n, k);
+        }
         for (int v = 0; v < 2; v++)
             bk_gemv_f16_bodies[v ? BK_ISA_NEON : BK_ISA_SCALAR](wh, x, k, o[v], n, 0, tiles);
         CHECK(!memcmp(o[0], o[1], 4 * n), "gemv_f16 %d %d", n, k);

@@ -8,8 +8,8 @@
  *         BK_BODY(SCALAR, gemv_i8_scalar) BK_X86_BODY(AVX2, gemv_i8_avx2) BK_X86_BODY(AVX512, gemv_i8_avx512)
  *         BK_ARM_BODY(DOTPROD, gemv_i8_neon)
  *     };
- * BK_PICK(table, isa) is the body of isa, else that of the next path down (bk_isa_down: avxvnni and avx512 ->
- * avx2, dotprod -> neon), else the scalar reference: never NULL, so a kernel is never missing.
+ * BK_PICK(table, isa) is the body of isa, else that of the first path down that has one (bk_isa_down: avxvnni
+ * and avx512 -> avx2, i8mm -> dotprod -> neon), else the scalar reference: never NULL, so a kernel is never missing.
  * Adding an ISA body: write the function under its architecture's #if (e.g. `#if defined(__aarch64__)`), add
  * its entry to the table (e.g. BK_ARM_BODY(NEON, gemv_i8_neon_plain)), and the kernel tests compare it with the
  * scalar reference (BITNET_ISA / set_isa select it). Nothing else changes: drivers take the body from
@@ -41,8 +41,13 @@
 
 /* dispatch.c: the path a missing body falls back to first (then scalar) */
 int bk_isa_down(int isa);
-#define BK_PICK(bodies, isa)                                                                                   \
-    ((bodies)[isa] ? (bodies)[isa] : (bodies)[bk_isa_down(isa)] ? (bodies)[bk_isa_down(isa)] : (bodies)[BK_ISA_SCALAR])
+/* the ladder is at most three paths deep (i8mm -> dotprod -> neon), then scalar */
+#define BK_DOWN2(isa) bk_isa_down(bk_isa_down(isa))
+#define BK_PICK(bodies, isa)                                                                                 \
+    ((bodies)[isa]                  ? (bodies)[isa]                                                          \
+     : (bodies)[bk_isa_down(isa)]   ? (bodies)[bk_isa_down(isa)]                                             \
+     : (bodies)[BK_DOWN2(isa)]      ? (bodies)[BK_DOWN2(isa)]                                                \
+                                    : (bodies)[BK_ISA_SCALAR])
 
 #define BK_JOB_FIELD(type, name) type name;
 #define BK_JOB_ARG(type, name) j->name,

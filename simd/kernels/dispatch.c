@@ -27,6 +27,9 @@
 #ifndef HWCAP_ASIMDDP
 #define HWCAP_ASIMDDP (1 << 20)
 #endif
+#ifndef HWCAP2_I8MM
+#define HWCAP2_I8MM (1 << 13)
+#endif
 #endif
 
 bk_table_t bk_table;
@@ -83,11 +86,14 @@ static void detect(void) {
     features.neon = 1;
 #if defined(__linux__)
     features.dotprod = (getauxval(AT_HWCAP) & HWCAP_ASIMDDP) != 0;
+    features.i8mm = (getauxval(AT_HWCAP2) & HWCAP2_I8MM) != 0;
 #elif defined(__APPLE__)
-    /* every Apple M-series core has it; asked anyway (untested: no macOS machine here) */
+    /* every Apple M-series core has dotprod, M2 and later i8mm; asked anyway (untested: no macOS machine here) */
     int v = 0;
     size_t len = sizeof v;
     features.dotprod = sysctlbyname("hw.optional.arm.FEAT_DotProd", &v, &len, NULL, 0) == 0 && v;
+    v = 0, len = sizeof v;
+    features.i8mm = sysctlbyname("hw.optional.arm.FEAT_I8MM", &v, &len, NULL, 0) == 0 && v;
 #endif
 #endif
 }
@@ -108,6 +114,7 @@ int bk_isa_supported(int isa) {
     case BK_ISA_AVX512: return f->avx512f && f->avx512bw && f->avx512vl && f->avx512vnni && f->f16c && f->fma;
     case BK_ISA_NEON: return f->neon;
     case BK_ISA_DOTPROD: return f->neon && f->dotprod;
+    case BK_ISA_I8MM: return f->neon && f->dotprod && f->i8mm;
     case BK_ISA_AVXVNNI: /* the VEX encoding, or its AVX512-VL twin (same algorithm) */
         return f->avx2 && f->fma && f->f16c && (f->avxvnni || (f->avx512vnni && f->avx512vl));
     default: return 0;
@@ -118,20 +125,26 @@ int bk_best_isa(void) {
     if (bk_isa_supported(BK_ISA_AVX512)) return BK_ISA_AVX512;
     if (bk_get_features()->avxvnni && bk_isa_supported(BK_ISA_AVXVNNI)) return BK_ISA_AVXVNNI;
     if (bk_isa_supported(BK_ISA_AVX2)) return BK_ISA_AVX2;
+    if (bk_isa_supported(BK_ISA_I8MM)) return BK_ISA_I8MM;
     if (bk_isa_supported(BK_ISA_DOTPROD)) return BK_ISA_DOTPROD;
     if (bk_isa_supported(BK_ISA_NEON)) return BK_ISA_NEON;
     return BK_ISA_SCALAR;
 }
 
-/* The path whose body stands in for a missing one of isa (before the scalar reference): avxvnni and avx512 ->
- * avx2, dotprod -> neon. */
+/* The path whose body stands in for a missing one of isa, before the scalar reference: avxvnni and avx512 ->
+ * avx2, i8mm -> dotprod -> neon. */
 int bk_isa_down(int isa) {
-    return (isa == BK_ISA_AVXVNNI || isa == BK_ISA_AVX512) ? BK_ISA_AVX2
-           : isa == BK_ISA_DOTPROD                        ? BK_ISA_NEON
-                                                          : BK_ISA_SCALAR;
+    switch (isa) {
+    case BK_ISA_AVXVNNI:
+    case BK_ISA_AVX512: return BK_ISA_AVX2;
+    case BK_ISA_I8MM: return BK_ISA_DOTPROD;
+    case BK_ISA_DOTPROD: return BK_ISA_NEON;
+    default: return BK_ISA_SCALAR;
+    }
 }
 
-/* Per job: BK_PICK (bodies.h), the body of isa, else of the next path down, else the scalar one: never NULL. */
+/* Per job: BK_PICK (bodies.h), the body of isa, else of the first path down that has one, else the scalar one:
+ * never NULL. */
 void bk_fill_table(bk_table_t *t, int isa) {
     t->quantize_act = BK_PICK(bk_quantize_bodies, isa);
     t->quantize_scaled = BK_PICK(bk_quantize_scaled_bodies, isa);

@@ -150,7 +150,7 @@ static void b3_decode_tile(const uint8_t *src, int kb, uint8_t *dst) {
 #endif
 #if defined(__aarch64__)
     const int isa_a = bk_get_isa();
-    if (isa_a == BK_ISA_NEON || isa_a == BK_ISA_DOTPROD) {
+    if (isa_a == BK_ISA_NEON || bk_isa_has_sdot(isa_a)) {
         b3_decode_tile_neon(src, kb, dst);
         return;
     }

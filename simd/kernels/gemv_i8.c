@@ -153,6 +153,34 @@ AVX512_TARGET static void gemm_i8_avx512(const int8_t *w, const float *row_scale
 #endif
 
 #if defined(__aarch64__)
+/* plain NEON (no sdot): smull + smlal of two groups into int16 lanes (|W| <= 127, |xq| <= 128: a pair sum
+ * <= 32512, no overflow), sadalp into int32 pairs, one pairwise add per row at the end. Per 128 weight bytes:
+ * 8 smull + 8 smlal + 8 sadalp + 8 loads + 2 broadcasts. */
+static void gemv_i8_neon_plain(const int8_t *w, const float *row_scale, const int32_t *w_rowsum, const int8_t *xq,
+                               const uint8_t *aux, int k_pad, float act_scale, float *out, int32_t *out_i32, int n,
+                               int tile_begin, int tile_end) {
+    (void)w_rowsum;
+    (void)aux;
+    const int groups = k_pad / 4; /* a multiple of 16 */
+    for (int t = tile_begin; t < tile_end; t++) {
+        const int8_t *p = w + (size_t)t * groups * 64;
+        int32x4_t acc[8]; /* acc[2q]: rows 4q, 4q+1; acc[2q+1]: rows 4q+2, 4q+3 (lanes: a row's k 0-1, k 2-3) */
+        for (int i = 0; i < 8; i++) acc[i] = vdupq_n_s32(0);
+        for (int g = 0; g < groups; g += 2) {
+            const int8x16_t xa = vreinterpretq_s8_s32(vld1q_dup_s32((const int32_t *)(const void *)(xq + 4 * g)));
+            const int8x16_t xb = vreinterpretq_s8_s32(vld1q_dup_s32((const int32_t *)(const void *)(xq + 4 * g + 4)));
+            for (int q = 0; q < 4; q++) {
+                const int8x16_t a = vld1q_s8(p + (size_t)g * 64 + 16 * q), b = vld1q_s8(p + (size_t)g * 64 + 64 + 16 * q);
+                acc[2 * q] = vpadalq_s16(acc[2 * q], vmlal_s8(vmull_s8(vget_low_s8(a), vget_low_s8(xa)), vget_low_s8(b), vget_low_s8(xb)));
+                acc[2 * q + 1] = vpadalq_s16(acc[2 * q + 1], vmlal_high_s8(vmull_high_s8(a, xa), b, xb));
+            }
+        }
+        int32_t dots[16];
+        for (int q = 0; q < 4; q++) vst1q_s32(dots + 4 * q, vpaddq_s32(acc[2 * q], acc[2 * q + 1]));
+        bk_store_tile(dots, t * 16, n, row_scale, act_scale, out, out_i32);
+    }
+}
+
 __attribute__((target("arch=armv8.2-a+dotprod")))
 static void gemv_i8_neon(const int8_t *w, const float *row_scale, const int32_t *w_rowsum, const int8_t *xq,
                          const uint8_t *aux, int k_pad, float act_scale, float *out, int32_t *out_i32, int n,
@@ -182,7 +210,7 @@ static void gemv_i8_neon(const int8_t *w, const float *row_scale, const int32_t 
 
 const bk_gemv_i8_fn bk_gemv_i8_bodies[BK_N_ISA] = {
     BK_BODY(SCALAR, gemv_i8_scalar) BK_X86_BODY(AVX2, gemv_i8_avx2) BK_X86_BODY(AVX512, gemv_i8_avx512)
-    BK_ARM_BODY(DOTPROD, gemv_i8_neon)
+    BK_ARM_BODY(NEON, gemv_i8_neon_plain) BK_ARM_BODY(DOTPROD, gemv_i8_neon)
 };
 
 #define GEMV_I8_ARGS(X) X(const int8_t *, w) X(const float *, row_scale) X(const int32_t *, w_rowsum) \

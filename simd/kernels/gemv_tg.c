@@ -273,7 +273,7 @@ void bk_quantize_act_g128(const float *x, int m, int k, int ldx, int k_pad, int8
     const int simd = isa == BK_ISA_AVX2 || isa == BK_ISA_AVX512 || isa == BK_ISA_AVXVNNI;
 #elif defined(__aarch64__)
     const int isa = bk_get_isa();
-    const int simd = isa == BK_ISA_NEON || isa == BK_ISA_DOTPROD;
+    const int simd = isa == BK_ISA_NEON || bk_isa_has_sdot(isa);
 #else
     const int simd = 0;
 #endif

@@ -20,16 +20,20 @@
 #define BK_TILE_ROWS 16
 
 /* aarch64: NEON is the baseline (Cortex-A72 of the Raspberry Pi 4 has nothing more); DOTPROD adds sdot
- * (Armv8.2 dot product: every Apple M-series, Graviton 2+, Cortex-A76+ of the Raspberry Pi 5). A job with
- * no sdot body runs its NEON one on the dotprod path. */
+ * (Armv8.2 dot product: every Apple M-series, Graviton 2+, Cortex-A76+ of the Raspberry Pi 5). I8MM adds the
+ * int8 matrix multiply (smmla: Graviton 3+, Apple M2+, Cortex-A510/A710+) to dotprod. A job with no body for a
+ * path runs the next one down: i8mm -> dotprod -> neon -> scalar. */
 enum bk_isa {
-    BK_ISA_SCALAR = 0, BK_ISA_AVX2 = 1, BK_ISA_AVX512 = 2, BK_ISA_NEON = 3, BK_ISA_AVXVNNI = 4, BK_ISA_DOTPROD = 5
+    BK_ISA_SCALAR = 0, BK_ISA_AVX2 = 1, BK_ISA_AVX512 = 2, BK_ISA_NEON = 3, BK_ISA_AVXVNNI = 4, BK_ISA_DOTPROD = 5,
+    BK_ISA_I8MM = 6
 };
-#define BK_N_ISA 6
+#define BK_N_ISA 7
+/* the aarch64 paths that have sdot (dotprod, and i8mm which implies it): the bodies chosen inside a job ask this */
+static inline int bk_isa_has_sdot(int isa) { return isa == BK_ISA_DOTPROD || isa == BK_ISA_I8MM; }
 
 /* CPU features seen by the dispatcher (cpuid bits AND the OS saving the matching register state). */
 typedef struct {
-    int sse41, avx2, fma, f16c, avx512f, avx512bw, avx512vl, avx512vnni, avx512bf16, avxvnni, neon, dotprod;
+    int sse41, avx2, fma, f16c, avx512f, avx512bw, avx512vl, avx512vnni, avx512bf16, avxvnni, neon, dotprod, i8mm;
 } bk_features_t;
 
 /* Raw int32 results of the integer kernels go to out_i32 when it is non-NULL (tests); otherwise the f32

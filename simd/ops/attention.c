@@ -12,14 +12,12 @@
  */
 #include "ops.h"
 #include "attention_q8.h"
+#include "attention_neon.h"
+#include "attn_common.h" /* AVX2_FN / AVX512_FN, exp polynomial, lane masks */
 
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
-
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
 
 /* ---------- f16 <-> f32, scalar (round to nearest even, like F16C and numpy) ---------- */
 
@@ -67,44 +65,16 @@ static float exp_sum_scalar(float *x, int n, float mx) {
     return sum;
 }
 
-/* exp on x <= 0 (softmax after subtracting the max): Cephes' expf polynomial, ~1 ulp, like the
- * vectorized exp torch uses; arguments below -87.3 give 0 (their true value underflows anyway) */
-#define EXP_LO (-87.3f)
-#define EXP_C0 1.9875691500E-4f
-#define EXP_C1 1.3981999507E-3f
-#define EXP_C2 8.3334519073E-3f
-#define EXP_C3 4.1665795894E-2f
-#define EXP_C4 1.6666665459E-1f
-#define EXP_C5 5.0000001201E-1f
-
 /* the widest head the four-query value pass takes (its accumulators live on the stack); the dispatcher
  * tests it on every architecture, so it stays outside the x86 block */
 #define WS4_MAX_HD 256
 
 #if defined(__x86_64__)
-#define AVX2_FN __attribute__((target("avx2,fma,f16c")))
-#define AVX512_FN __attribute__((target("avx512f,avx512bw,avx512vl,fma,f16c")))
-
 AVX2_FN static inline float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
     return _mm_cvtss_f32(s);
-}
-AVX2_FN static inline __m256 exp_avx2(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(EXP_LO));
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(EXP_C0);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_C1));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_C2));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_C3));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_C4));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_C5));
-    __m256 y = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 AVX2_FN static float exp_sum_avx2(float *x, int n, float mx) {
     __m256 vm = _mm256_set1_ps(mx), acc = _mm256_setzero_ps();
@@ -115,7 +85,7 @@ AVX2_FN static float exp_sum_avx2(float *x, int n, float mx) {
         acc = _mm256_add_ps(acc, e);
     }
     if (i < n) { /* the last 1-7 on the same polynomial as the rest (masked lanes: exp of 0, then dropped) */
-        const __m256i lanes = _mm256_cmpgt_epi32(_mm256_set1_epi32(n - i), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        const __m256i lanes = lanes_below(n - i);
         __m256 e = exp_avx2(_mm256_sub_ps(_mm256_maskload_ps(x + i, lanes), _mm256_and_ps(vm, _mm256_castsi256_ps(lanes))));
         e = _mm256_and_ps(e, _mm256_castsi256_ps(lanes));
         _mm256_maskstore_ps(x + i, lanes, e);
@@ -128,18 +98,7 @@ AVX512_FN static float exp_sum_avx512(float *x, int n, float mx) {
     __m512 vm = _mm512_set1_ps(mx), acc = _mm512_setzero_ps();
     for (int i = 0; i < n; i += 16) {
         __mmask16 k = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
-        __m512 v = _mm512_max_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, x + i), vm), _mm512_set1_ps(EXP_LO));
-        __m512 nn = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        __m512 r = _mm512_fnmadd_ps(nn, _mm512_set1_ps(0.693359375f), v);
-        r = _mm512_fnmadd_ps(nn, _mm512_set1_ps(-2.12194440e-4f), r);
-        __m512 p = _mm512_set1_ps(EXP_C0);
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_C1));
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_C2));
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_C3));
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_C4));
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_C5));
-        __m512 y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
-        __m512 e = _mm512_maskz_mov_ps(k, _mm512_scalef_ps(y, nn));
+        const __m512 e = _mm512_maskz_mov_ps(k, exp_avx512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, x + i), vm)));
         _mm512_mask_storeu_ps(x + i, k, e);
         acc = _mm512_add_ps(acc, e);
     }
@@ -447,6 +406,9 @@ static att_kernels kernels_for(int isa) {
         k.exp_sum = exp_sum_avx2;
     }
 #endif
+#if defined(__aarch64__) /* attention_neon.c; exp stays the scalar expf (no vector body matches its bits) */
+    if (ops_neon()) k.scores = att_scores_neon, k.wsum = att_wsum_neon, k.wsum4_f16 = att_wsum4_f16_neon;
+#endif
     return k;
 }
 
@@ -517,6 +479,8 @@ typedef struct {
     const void *k_cache, *v_cache;
     const float *qkv;
     float *out, *scratch, *ws;
+    const int8_t *qq; /* int8 cache: every row's query heads quantized, [row][n_heads][head_dim] */
+    const float *qc;  /* their scales times the softmax scale, [row][n_heads] */
     float scale;
 } att_job;
 
@@ -544,10 +508,18 @@ static void attention_items(void *ctx, int item_begin, int item_end) {
         const char *vb0 = (const char *)J->v_cache + (size_t)kvh * v_head * esize;
         const int64_t wso = J->ws_off[I.seg];
         const float *qs[MAXQ];
-        float *ss[MAXQ], *os[MAXQ], *st[MAXQ];
+        const int8_t *q8s[MAXQ]; /* int8 cache: the quantized queries and their scales */
+        float *ss[MAXQ], *os[MAXQ], *st[MAXQ], qcs[MAXQ];
         int ns[MAXQ];
-        /* passes: (head block, one row) when decoding, (one head, row block) in a prefill chunk */
+        /* passes: (head block, one row) when decoding, (one head, row block) in a prefill chunk. A prefill chunk
+         * goes piece by piece (outer loop), every pass of the item inside it: the piece's keys and values (PIECE
+         * positions, 128 KB f16 at head_dim 128) are read from memory once and stay in L2 for all the chunk's
+         * query rows of this KV head, where the pass-major order reread the whole cache of the head (2 MB at
+         * 4096 positions, from L3 or memory) for every 4 rows. Each row still folds its pieces in order, with
+         * the same operations: the same floats as before. */
         const int n_pass = m == 1 ? (sub + MAXQ - 1) / MAXQ : sub * ((m + MAXQ - 1) / MAXQ);
+        const int n_tiles = m == 1 ? 1 : n_pieces(S.pos0 + m, head_dim);
+        for (int tile = 0; tile < n_tiles; tile++)
         for (int ps = 0; ps < n_pass; ps++) {
             int R = 0, n_max = 0;
             if (m == 1) {
@@ -555,12 +527,16 @@ static void attention_items(void *ctx, int item_begin, int item_end) {
                 float *orow = J->out + (int64_t)S.row0 * q_dim;
                 for (int h = h0 + ps * MAXQ; h < h0 + sub && R < MAXQ; h++, R++) {
                     qs[R] = qrow + h * head_dim, os[R] = orow + h * head_dim, ns[R] = S.pos0 + 1;
+                    if (J->q8) q8s[R] = J->qq + ((int64_t)S.row0 * n_heads + h) * head_dim, qcs[R] = J->qc[(int64_t)S.row0 * n_heads + h];
                     st[R] = wso < 0 ? NULL : J->ws + (wso + (int64_t)I.piece * n_heads + h) * sw; /* partial k */
                 }
             } else {
                 const int nb = (m + MAXQ - 1) / MAXQ, h = h0 + ps / nb, r0 = (ps % nb) * MAXQ;
                 for (int r = r0; r < m && R < MAXQ; r++, R++) {
                     qs[R] = J->qkv + (int64_t)(S.row0 + r) * row_stride + h * head_dim;
+                    if (J->q8)
+                        q8s[R] = J->qq + ((int64_t)(S.row0 + r) * n_heads + h) * head_dim,
+                        qcs[R] = J->qc[(int64_t)(S.row0 + r) * n_heads + h];
                     os[R] = J->out + (int64_t)(S.row0 + r) * q_dim + h * head_dim;
                     ns[R] = S.pos0 + r + 1;
                     st[R] = wso < 0 ? NULL : J->ws + (wso + (int64_t)r * n_heads + h) * sw;   /* fold state */
@@ -570,9 +546,9 @@ static void attention_items(void *ctx, int item_begin, int item_end) {
                 ss[j] = my_scratch + (int64_t)j * scratch_len;
                 n_max = ns[j] > n_max ? ns[j] : n_max;
             }
-            /* pieces of this pass: one (decode item), or all the longest row has (prefill) */
+            /* the piece of this pass: the item's (decode), or this tile if the longest row reaches it (prefill) */
             const int np_all = n_pieces(n_max, head_dim);
-            const int k_lo = I.piece >= 0 ? I.piece : 0, k_hi = I.piece >= 0 ? I.piece + 1 : np_all;
+            const int k_lo = I.piece >= 0 ? I.piece : tile, k_hi = I.piece >= 0 ? I.piece + 1 : tile < np_all ? tile + 1 : tile;
             for (int k = k_lo; k < k_hi; k++) {
                 const int p0 = k * PIECE, p1 = np_all == 1 ? n_max : (p0 + PIECE < n_max ? p0 + PIECE : n_max);
                 const char *kb = kb0, *vb = vb0;
@@ -586,7 +562,7 @@ static void attention_items(void *ctx, int item_begin, int item_end) {
                     nk_max = live[j] > nk_max ? live[j] : nk_max;
                 }
                 if (J->q8)
-                    J->Q.scores(qs, R, (const int8_t *)kb, kbl, nk_max, head_dim, J->scale, ss);
+                    J->Q.scores(q8s, qcs, R, (const int8_t *)kb, kbl, nk_max, head_dim, ss);
                 else
                     K.scores(qs, R, kb, kbl, kv_f16, nk_max, head_dim, J->scale, ss);
                 for (int j = 0; j < R; j++) {
@@ -695,10 +671,17 @@ static int attention_core(float *qkv, int n_heads, int n_kv, int head_dim, const
     /* a KV head's query heads are split over items only while there would be too few items for the threads
      * (each part rereads the head's cache; the floats do not depend on it) */
     int64_t base_items = 0;
-    for (int sg = 0; sg < n_segs; sg++)
+    int prefill = 0;
+    for (int sg = 0; sg < n_segs; sg++) {
         base_items += (int64_t)n_kv * (segs[sg].m == 1 ? n_pieces(segs[sg].pos0 + 1, head_dim) : 1);
+        prefill |= segs[sg].m > 1;
+    }
+    /* a prefill chunk's items are long (a KV head's whole group over all rows): 5 KV heads on 2 threads run as 3
+     * + 2, one thread idle for a third of the step, so they are split until each thread has at least 4 items (not
+     * timed on its own); with piece-major passes each part rereads its head's keys and values once per chunk, a
+     * small share of its arithmetic. The floats do not depend on the split. */
     int sub = group;
-    while (sub % 2 == 0 && base_items * (group / sub) < 2 * threads) sub /= 2;
+    while (sub % 2 == 0 && base_items * (group / sub) < (prefill ? 4 : 2) * threads) sub /= 2;
     const int n_sub = group / sub, per_seg = n_kv * n_sub;
     /* items and workspace: a decode segment's pieces each hold n_heads partials, a long prefill segment's rows
      * each n_heads fold states (hd + 2 floats apiece) */
@@ -714,11 +697,23 @@ static int attention_core(float *qkv, int n_heads, int n_kv, int head_dim, const
     const size_t head_bytes = (items_bytes + off_bytes + 63) & ~(size_t)63;
     /* per call: after the first free of a large block glibc raises its mmap threshold, so later calls reuse heap
      * memory without page faults */
-    char *w = malloc(head_bytes + sizeof(float) * (size_t)n_states * (size_t)(head_dim + 2));
+    int64_t n_rows = 0; /* int8 cache: rows whose query heads are quantized (rows are numbered from 0) */
+    for (int sg = 0; sg < n_segs && q8; sg++)
+        n_rows = segs[sg].row0 + segs[sg].m > n_rows ? segs[sg].row0 + segs[sg].m : n_rows;
+    const size_t ws_bytes = sizeof(float) * (size_t)n_states * (size_t)(head_dim + 2);
+    const size_t qc_bytes = sizeof(float) * (size_t)(n_rows * n_heads);
+    char *w = malloc(head_bytes + ws_bytes + qc_bytes + (size_t)(n_rows * n_heads) * (size_t)head_dim);
     if (!w) return -1;
     att_item *items = (att_item *)w;
     int64_t *ws_off = (int64_t *)(w + items_bytes);
     float *ws = (float *)(w + head_bytes);
+    float *qc = (float *)(w + head_bytes + ws_bytes);
+    int8_t *qq = (int8_t *)(w + head_bytes + ws_bytes + qc_bytes);
+    for (int sg = 0; sg < n_segs && q8; sg++) /* rows already rotated (step 1) */
+        for (int r = segs[sg].row0; r < segs[sg].row0 + segs[sg].m; r++)
+            for (int h = 0; h < n_heads; h++)
+                qc[(int64_t)r * n_heads + h] = att_q8_quantize_query(qkv + (int64_t)r * row_stride + h * head_dim, head_dim,
+                                                                     scale, qq + ((int64_t)r * n_heads + h) * head_dim);
     int64_t ni = 0, off = 0;
     for (int sg = 0; sg < n_segs; sg++) {
         const att_seg S = segs[sg];
@@ -740,7 +735,7 @@ static int attention_core(float *qkv, int n_heads, int n_kv, int head_dim, const
      * sequence's attention is short (measured: 16 sequences at 64 positions, 0.5 ms serial per layer) */
     const int64_t min_work = n_segs > 1 ? (int64_t)1 << 24 : (int64_t)1 << 18;
     const att_job job = {K, att_q8_kernels_for(isa), q8, segs, items, ws_off, n_sub, group, sub, kv_f16, head_dim, row_stride, q_dim, n_heads,
-                         scratch_len, stride, k_head, v_head, esize, k_cache, v_cache, qkv, out, scratch, ws, scale};
+                         scratch_len, stride, k_head, v_head, esize, k_cache, v_cache, qkv, out, scratch, ws, qq, qc, scale};
     /* grain 1: items are whole heads (or pieces), handed out one chunk at a time; slot < threads indexes the scratch */
     if (n_items > 1 && threads > 1 && work * n_heads * head_dim > min_work)
         bk_parallel_for((int)n_items, 1, threads, attention_items, (void *)&job);

@@ -17,13 +17,9 @@
 #include <math.h>
 #include <string.h>
 
+#include "attn_common.h" /* AVX2_FN / AVX512_FN, exp polynomial (vector and one lane), sum16, lane masks */
 #include "ops.h"
-
-#if defined(__x86_64__)
-#include <immintrin.h>
-#define AVX2_FN __attribute__((target("avx2,fma")))
-#define AVX512_FN __attribute__((target("avx512f,avx512bw,avx512vl,fma")))
-#endif
+#include "attention_neon.h"
 
 #define KB OPS_KT_BLOCK
 #define Q8_MAX_HD OPS_Q8_MAX_HD
@@ -35,9 +31,12 @@ static float quantize_row(const float *x, int hd, int8_t *q) { /* q[i] = round(x
     float amax = 0.0f;
     for (int i = 0; i < hd; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
     const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    /* round half to even as lrintf does (in the default rounding mode), without its libm call per value: adding
+     * and removing 1.5 * 2^23 leaves an integer for any |t| < 2^22 (here |t| <= 127 up to one rounding). NaN (a
+     * NaN or inf in x) gives -127, as lrintf's LONG_MIN clamped did. */
     for (int i = 0; i < hd; i++) {
-        long v = lrintf(x[i] * inv); /* round half to even; |x * inv| <= 127 up to one rounding */
-        q[i] = (int8_t)(v > 127 ? 127 : v < -127 ? -127 : v);
+        const float t = x[i] * inv, r = (t + 12582912.0f) - 12582912.0f;
+        q[i] = (int8_t)(r >= 127.0f ? 127 : r > -127.0f ? (int)r : -127);
     }
     return amax / 127.0f;
 }
@@ -52,49 +51,9 @@ void att_q8_store_value(const float *x, int hd, int8_t *block, int at) {
     ((float *)(block + (int64_t)KB * hd))[at] = quantize_row(x, hd, block + (int64_t)at * hd);
 }
 
-/* the R queries quantized, c[j] = qscale_j * scale */
-static void quantize_queries(const float *const *q, int R, int hd, float scale, int8_t (*q8)[Q8_MAX_HD], float *c) {
-    for (int j = 0; j < R; j++) c[j] = quantize_row(q[j], hd, q8[j]) * scale;
-}
+float att_q8_quantize_query(const float *x, int hd, float scale, int8_t *q) { return quantize_row(x, hd, q) * scale; }
 
-/* ---------- exp with 16 fixed lanes ---------- */
-#define EXP_LO (-87.3f)
-#define EXP_LOG2E 1.44269504088896341f
-#define EXP_LN2_HI 0.693359375f
-#define EXP_LN2_LO (-2.12194440e-4f)
-#define EXP_C0 1.9875691500E-4f
-#define EXP_C1 1.3981999507E-3f
-#define EXP_C2 8.3334519073E-3f
-#define EXP_C3 4.1665795894E-2f
-#define EXP_C4 1.6666665459E-1f
-#define EXP_C5 5.0000001201E-1f
-
-static float sum16(const float *s) { /* the one reduction order of 16 lane sums */
-    float t[16];
-    memcpy(t, s, sizeof t);
-    for (int w = 8; w >= 1; w /= 2)
-        for (int i = 0; i < w; i++) t[i] = t[i] + t[i + w];
-    return t[0];
-}
-
-static inline float exp_poly(float x) { /* the vector bodies' operations, one lane */
-    x = x > EXP_LO ? x : EXP_LO;
-    const float n = nearbyintf(x * EXP_LOG2E);
-    float r = fmaf(-n, EXP_LN2_HI, x);
-    r = fmaf(-n, EXP_LN2_LO, r);
-    float p = EXP_C0;
-    p = fmaf(p, r, EXP_C1);
-    p = fmaf(p, r, EXP_C2);
-    p = fmaf(p, r, EXP_C3);
-    p = fmaf(p, r, EXP_C4);
-    p = fmaf(p, r, EXP_C5);
-    const float y = fmaf(p * r, r, r) + 1.0f;
-    const uint32_t e = (uint32_t)((int32_t)n + 127) << 23;
-    float two_n;
-    memcpy(&two_n, &e, 4);
-    return y * two_n;
-}
-
+/* ---------- exp with 16 fixed lanes (lane = i % 16, reduced by sum16) ---------- */
 static float exp_sum_scalar(float *x, int n, float mx) {
     float lanes[16] = {0};
     for (int i = 0; i < n; i++) {
@@ -104,11 +63,8 @@ static float exp_sum_scalar(float *x, int n, float mx) {
     return sum16(lanes);
 }
 
-static void scores_scalar(const float *const *q, int R, const int8_t *kt, kv_blocks bl, int n, int hd, float scale,
+static void scores_scalar(const int8_t *const *q8, const float *c, int R, const int8_t *kt, kv_blocks bl, int n, int hd,
                           float *const *sc) {
-    int8_t q8[4][Q8_MAX_HD];
-    float c[4];
-    quantize_queries(q, R, hd, scale, q8, c);
     for (int t = 0; t < n; t++) {
         const int64_t blk = BLK(bl, t / KB);
         const float ks = KSCALES(kt, blk, hd)[t % KB];
@@ -136,24 +92,6 @@ static void wsum_scalar(const float *const *p, int R, const int8_t *vc, kv_block
 
 #if defined(__x86_64__)
 /* ---------- AVX2 ---------- */
-AVX2_FN static inline __m256 exp_avx2(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(EXP_LO));
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(EXP_LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(EXP_LN2_HI), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(EXP_LN2_LO), r);
-    __m256 p = _mm256_set1_ps(EXP_C0);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_C1));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_C2));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_C3));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_C4));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_C5));
-    __m256 y = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-}
-AVX2_FN static inline __m256i lanes_below(int k) { /* lanes 0..k-1 set */
-    return _mm256_cmpgt_epi32(_mm256_set1_epi32(k), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-}
 AVX2_FN static float exp_sum_avx2(float *x, int n, float mx) {
     const __m256 vm = _mm256_set1_ps(mx);
     __m256 lo = _mm256_setzero_ps(), hi = lo; /* lanes 0-7 and 8-15 of the 16 */
@@ -185,7 +123,7 @@ AVX2_FN static inline __m256 cvt8(__m128i b) { return _mm256_cvtepi32_ps(_mm256_
 
 /* 16 positions (half a key block) at a time, four values of a position per 32-bit lane, R x 2 int32 accumulators
  * (inlined with R = 4, a KV head's query group, so they stay in registers) */
-AVX2_FN static inline __attribute__((always_inline)) void scores_avx2_body(const int8_t (*q8)[Q8_MAX_HD], const float *c,
+AVX2_FN static inline __attribute__((always_inline)) void scores_avx2_body(const int8_t *const *q8, const float *c,
                                                                            int R, const int8_t *kt, kv_blocks bl, int n,
                                                                            int hd, float *const *sc) {
     const __m256i ones = _mm256_set1_epi16(1);
@@ -218,13 +156,10 @@ AVX2_FN static inline __attribute__((always_inline)) void scores_avx2_body(const
         }
     }
 }
-AVX2_FN static void scores_avx2(const float *const *q, int R, const int8_t *kt, kv_blocks bl, int n, int hd,
-                                float scale, float *const *sc) {
-    int8_t q8[4][Q8_MAX_HD];
-    float c[4];
-    quantize_queries(q, R, hd, scale, q8, c);
-    if (R == 4) scores_avx2_body((const int8_t (*)[Q8_MAX_HD])q8, c, 4, kt, bl, n, hd, sc);
-    else scores_avx2_body((const int8_t (*)[Q8_MAX_HD])q8, c, R, kt, bl, n, hd, sc);
+AVX2_FN static void scores_avx2(const int8_t *const *q8, const float *c, int R, const int8_t *kt, kv_blocks bl, int n,
+                                int hd, float *const *sc) {
+    if (R == 4) scores_avx2_body(q8, c, 4, kt, bl, n, hd, sc);
+    else scores_avx2_body(q8, c, R, kt, bl, n, hd, sc);
 }
 
 /* Positions in runs of up to one block (32, whose rows stay in L1), 16 columns at a time with R x 2 accumulators
@@ -281,19 +216,7 @@ AVX512_FN static float exp_sum_avx512(float *x, int n, float mx) {
     __m512 acc = _mm512_setzero_ps();
     for (int i = 0; i < n; i += 16) {
         const __mmask16 k = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
-        __m512 v = _mm512_max_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, x + i), vm), _mm512_set1_ps(EXP_LO));
-        __m512 nn = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(EXP_LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        __m512 r = _mm512_fnmadd_ps(nn, _mm512_set1_ps(EXP_LN2_HI), v);
-        r = _mm512_fnmadd_ps(nn, _mm512_set1_ps(EXP_LN2_LO), r);
-        __m512 p = _mm512_set1_ps(EXP_C0);
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_C1));
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_C2));
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_C3));
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_C4));
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_C5));
-        __m512 y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
-        __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(nn), _mm512_set1_epi32(127)), 23);
-        __m512 ex = _mm512_maskz_mov_ps(k, _mm512_mul_ps(y, _mm512_castsi512_ps(e)));
+        const __m512 ex = _mm512_maskz_mov_ps(k, exp_avx512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, x + i), vm)));
         _mm512_mask_storeu_ps(x + i, k, ex);
         acc = _mm512_add_ps(acc, ex);
     }
@@ -305,7 +228,7 @@ AVX512_FN static float exp_sum_avx512(float *x, int n, float mx) {
 AVX512_FN static inline __m512 cvt16(__m128i b) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)); }
 
 /* a whole key block (32 positions) at a time; AVX-512 has no vpsignb: k negated under the mask of q's sign bits */
-AVX512_FN static inline __attribute__((always_inline)) void scores_avx512_body(const int8_t (*q8)[Q8_MAX_HD],
+AVX512_FN static inline __attribute__((always_inline)) void scores_avx512_body(const int8_t *const *q8,
                                                                                const float *c, int R, const int8_t *kt,
                                                                                kv_blocks bl, int n, int hd,
                                                                                float *const *sc) {
@@ -340,13 +263,10 @@ AVX512_FN static inline __attribute__((always_inline)) void scores_avx512_body(c
         }
     }
 }
-AVX512_FN static void scores_avx512(const float *const *q, int R, const int8_t *kt, kv_blocks bl, int n, int hd,
-                                    float scale, float *const *sc) {
-    int8_t q8[4][Q8_MAX_HD];
-    float c[4];
-    quantize_queries(q, R, hd, scale, q8, c);
-    if (R == 4) scores_avx512_body((const int8_t (*)[Q8_MAX_HD])q8, c, 4, kt, bl, n, hd, sc);
-    else scores_avx512_body((const int8_t (*)[Q8_MAX_HD])q8, c, R, kt, bl, n, hd, sc);
+AVX512_FN static void scores_avx512(const int8_t *const *q8, const float *c, int R, const int8_t *kt, kv_blocks bl,
+                                    int n, int hd, float *const *sc) {
+    if (R == 4) scores_avx512_body(q8, c, 4, kt, bl, n, hd, sc);
+    else scores_avx512_body(q8, c, R, kt, bl, n, hd, sc);
 }
 
 /* as wsum_avx2, 32 columns at a time (columns past the last multiple of 16 masked) */
@@ -399,6 +319,9 @@ att_q8_kernels att_q8_kernels_for(int isa) {
 #if defined(__x86_64__)
     if (isa >= OPS_ISA_AVX512) k = (att_q8_kernels){scores_avx512, wsum_avx512, exp_sum_avx512};
     else if (isa >= OPS_ISA_AVX2) k = (att_q8_kernels){scores_avx2, wsum_avx2, exp_sum_avx2};
+#endif
+#if defined(__aarch64__) /* attention_neon.c */
+    if (ops_neon()) k = att_q8_neon_kernels(bk_get_isa() != BK_ISA_NEON);
 #endif
     return k;
 }

@@ -23,9 +23,9 @@ typedef struct {
 /* The int8 cache's kernels for one ISA. Every ISA's body gives the same bits as the scalar one: f32 FMAs in the
  * same order per output element (fmaf in the scalar code), exp on one polynomial, sums over 16 fixed lanes. */
 typedef struct {
-    /* sc[j][t] = (sum_i q8[j][i] * k[i][t]) * kscale[t] * (qscale[j] * scale), q8 / qscale: q[j] quantized like
-     * the cache; j < R <= 4, t < n */
-    void (*scores)(const float *const *q, int R, const int8_t *kt, kv_blocks bl, int n, int hd, float scale,
+    /* sc[j][t] = (sum_i q8[j][i] * k[i][t]) * kscale[t] * c[j], q8[j] / c[j]: query j quantized like the cache by
+     * att_q8_quantize_query (c[j] = its scale * the softmax scale); j < R <= 4, t < n */
+    void (*scores)(const int8_t *const *q8, const float *c, int R, const int8_t *kt, kv_blocks bl, int n, int hd,
                    float *const *sc);
     /* out[j][c] = sum_t (p[j][t] * vscale[t]) * v[t][c], j < R <= 4, t < n (in order) */
     void (*wsum)(const float *const *p, int R, const int8_t *vc, kv_blocks bl, int n, int hd, float *const *out);
@@ -33,6 +33,10 @@ typedef struct {
 } att_q8_kernels;
 
 att_q8_kernels att_q8_kernels_for(int isa);
+/* a query head as the scores take it: q = round(x * 127 / max|x|); returns (max|x| / 127) * scale. Once per row and
+ * head (attention.c, after RoPE), not once per scores call: a prefill row's pieces and a decode row's piece items
+ * would each quantize it again (libm's lrintf is a call per value). */
+float att_q8_quantize_query(const float *x, int hd, float scale, int8_t *q);
 /* quantize hd floats (a key or a value of one KV head) into position `at` of its block */
 void att_q8_store_key(const float *x, int hd, int8_t *block, int at);
 void att_q8_store_value(const float *x, int hd, int8_t *block, int at);

@@ -392,6 +392,18 @@ int ops_embed_f16(const uint16_t *table, int64_t vocab, int d, const int32_t *id
             continue;
         }
 #endif
+#if defined(__aarch64__)
+        if (ops_neon()) { /* fcvtl: exact, like the scalar conversion */
+            int i = 0;
+            for (; i + 8 <= d; i += 8) {
+                const float16x8_t h = vreinterpretq_f16_u16(vld1q_u16(src + i));
+                vst1q_f32(dst + i, vcvt_f32_f16(vget_low_f16(h)));
+                vst1q_f32(dst + i + 4, vcvt_high_f32_f16(h));
+            }
+            for (; i < d; i++) dst[i] = ops_half_to_float(src[i]);
+            continue;
+        }
+#endif
         for (int i = 0; i < d; i++) dst[i] = ops_half_to_float(src[i]);
     }
     return -1;

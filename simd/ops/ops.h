@@ -21,8 +21,8 @@
 static inline float ops_half_to_float(uint16_t h) { return bk_half_to_float(h); }
 
 /* Vector width the helpers use, from the kernels' path: avx512 (which implies AVX512 F+BW+VL, what the
- * attention bodies need) -> 512-bit bodies; avxvnni and avx2 -> 256-bit; scalar, neon and dotprod -> scalar
- * here (the NEON bodies of norm.c ask ops_neon() below; attention has none yet). */
+ * attention bodies need) -> 512-bit bodies; avxvnni and avx2 -> 256-bit; scalar and the aarch64 paths -> scalar
+ * here (the NEON bodies of norm.c, rescore.c, topk.c and attention_neon.c ask ops_neon() below). */
 enum { OPS_ISA_SCALAR = 0, OPS_ISA_AVX2 = 1, OPS_ISA_AVX512 = 2 };
 enum { OPS_ACT_RELU2 = 0, OPS_ACT_SILU = 1 };
 
@@ -35,10 +35,10 @@ static inline int ops_isa(void) {
     }
 }
 
-/* The aarch64 paths (neon, dotprod): the helpers with a NEON body take it (norm.c). */
+/* The aarch64 paths (neon, dotprod, i8mm): the helpers with a NEON body take it (norm.c, attention_neon.c). */
 static inline int ops_neon(void) {
     const int isa = bk_get_isa();
-    return isa == BK_ISA_NEON || isa == BK_ISA_DOTPROD;
+    return isa == BK_ISA_NEON || bk_isa_has_sdot(isa);
 }
 
 /* norm.c */

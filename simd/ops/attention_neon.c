@@ -1,0 +1,366 @@
+/* NEON bodies of attention (aarch64): scores and the weighted sum of values over the f16 / f32 cache
+ * (attention.c), and scores, softmax's exp and the weighted sum over the int8 cache (attention_q8.c).
+ *
+ * Bit-identical to the scalar bodies, which fixes how each is written:
+ * - f16 / f32 cache: the scalar reference is a plain `d += q * k` (a multiply, then an add, rounded apart; the
+ *   build has -ffp-contract=off), one position per lane of the transposed key block, i in order; the weighted sum
+ *   is `out[c] += p[t] * v[c]`, t in order. So these bodies use fmul + fadd, never fmla, and keep the same
+ *   order per lane. Softmax's exp stays the scalar expf (libm's; no vector polynomial matches its bits).
+ *   f16 -> f32 is fcvtl (baseline Armv8 AdvSIMD, exact like bk_half_to_float).
+ * - int8 cache: integer dot products (exact: sdot with dotprod, smull/smlal + sadalp without), then the scalar
+ *   body's float epilogue in its order; the weighted sum in fused fmla, the order of the scalar fmaf; exp on
+ *   attention_q8.c's polynomial over 16 fixed lanes with its reduction order.
+ * tests/test_attention_neon.py runs every cache type on every path under qemu and compares bytes.
+ */
+#include "attention_neon.h"
+
+#if defined(__aarch64__)
+#include <arm_neon.h>
+#include <math.h>
+#include <string.h>
+
+#include "attn_common.h" /* the exp polynomial's constants, sum16 */
+#include "ops.h"
+
+#define KT_BLOCK OPS_KT_BLOCK
+#define Q8_MAX_HD OPS_Q8_MAX_HD
+#define DOT_FN __attribute__((target("arch=armv8.2-a+dotprod")))
+#define INLINE static inline __attribute__((always_inline))
+
+/* ---------------- f16 / f32 cache ---------------- */
+
+/* 16 consecutive values (keys of 16 positions, or 16 columns of a value row) as four f32 vectors */
+INLINE void load16(const void *base, const int f16, int64_t off, float32x4_t *k) {
+    if (f16) {
+        const float16x8_t a = vreinterpretq_f16_u16(vld1q_u16((const uint16_t *)base + off));
+        const float16x8_t b = vreinterpretq_f16_u16(vld1q_u16((const uint16_t *)base + off + 8));
+        k[0] = vcvt_f32_f16(vget_low_f16(a)), k[1] = vcvt_high_f32_f16(a);
+        k[2] = vcvt_f32_f16(vget_low_f16(b)), k[3] = vcvt_high_f32_f16(b);
+    } else {
+        const float *p = (const float *)base + off;
+        k[0] = vld1q_f32(p), k[1] = vld1q_f32(p + 4), k[2] = vld1q_f32(p + 8), k[3] = vld1q_f32(p + 12);
+    }
+}
+INLINE float32x4_t load4(const void *base, const int f16, int64_t off) {
+    return f16 ? vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16((const uint16_t *)base + off)))
+               : vld1q_f32((const float *)base + off);
+}
+
+/* 16 positions (a half key block) at a time, R x 4 accumulators in registers; a last partial run is computed
+ * on all 16 lanes (they stay inside the allocated block) and only its valid scores are kept */
+INLINE void scores_body(const float *const *q, const int R, const void *kt, kv_blocks bl, const int f16, int n,
+                        int hd, float scale, float *const *sc) {
+    const float32x4_t vs = vdupq_n_f32(scale);
+    for (int t0 = 0; t0 < n; t0 += 16) {
+        const int64_t base = BLK(bl, t0 / KT_BLOCK) + t0 % KT_BLOCK;
+        float32x4_t acc[4][4];
+        for (int j = 0; j < R; j++) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = vdupq_n_f32(0.0f);
+        for (int i = 0; i < hd; i++) {
+            float32x4_t k[4];
+            load16(kt, f16, base + (int64_t)i * KT_BLOCK, k);
+            for (int j = 0; j < R; j++) {
+                const float qi = q[j][i];
+                acc[j][0] = vaddq_f32(acc[j][0], vmulq_n_f32(k[0], qi));
+                acc[j][1] = vaddq_f32(acc[j][1], vmulq_n_f32(k[1], qi));
+                acc[j][2] = vaddq_f32(acc[j][2], vmulq_n_f32(k[2], qi));
+                acc[j][3] = vaddq_f32(acc[j][3], vmulq_n_f32(k[3], qi));
+            }
+        }
+        const int valid = n - t0 < 16 ? n - t0 : 16;
+        for (int j = 0; j < R; j++) {
+            float tmp[16], *dst = valid == 16 ? sc[j] + t0 : tmp;
+            for (int x = 0; x < 4; x++) vst1q_f32(dst + 4 * x, vmulq_f32(acc[j][x], vs));
+            if (dst == tmp) memcpy(sc[j] + t0, tmp, sizeof(float) * (size_t)valid);
+        }
+    }
+}
+
+void att_scores_neon(const float *const *q, int R, const void *kt, kv_blocks bl, int f16, int n, int hd, float scale,
+                     float *const *sc) {
+    /* R = 4 (a KV head's four query heads, the common GQA group) and the cache type as constants: the
+     * accumulators stay in registers and the loads carry no branch */
+    if (f16) {
+        if (R == 4) scores_body(q, 4, kt, bl, 1, n, hd, scale, sc);
+        else scores_body(q, R, kt, bl, 1, n, hd, scale, sc);
+    } else {
+        if (R == 4) scores_body(q, 4, kt, bl, 0, n, hd, scale, sc);
+        else scores_body(q, R, kt, bl, 0, n, hd, scale, sc);
+    }
+}
+
+/* out[c] = sum_t p[t] * v[t][c]: 32 columns at a time in 8 accumulators across all t, then 4 at a time, then
+ * single columns (a head_dim not a multiple of 4) */
+INLINE void wsum_body(const float *p, const void *vc, kv_blocks bl, const int f16, int n, int hd, float *out) {
+    int c0 = 0;
+    for (; c0 + 32 <= hd; c0 += 32) {
+        float32x4_t a[8];
+        for (int x = 0; x < 8; x++) a[x] = vdupq_n_f32(0.0f);
+        for (int t = 0; t < n; t++) {
+            const int64_t o = BLK(bl, t / KT_BLOCK) + (int64_t)(t % KT_BLOCK) * hd + c0;
+            float32x4_t v[8];
+            load16(vc, f16, o, v), load16(vc, f16, o + 16, v + 4);
+            for (int x = 0; x < 8; x++) a[x] = vaddq_f32(a[x], vmulq_n_f32(v[x], p[t]));
+        }
+        for (int x = 0; x < 8; x++) vst1q_f32(out + c0 + 4 * x, a[x]);
+    }
+    for (; c0 + 4 <= hd; c0 += 4) {
+        float32x4_t a = vdupq_n_f32(0.0f);
+        for (int t = 0; t < n; t++)
+            a = vaddq_f32(a, vmulq_n_f32(load4(vc, f16, BLK(bl, t / KT_BLOCK) + (int64_t)(t % KT_BLOCK) * hd + c0), p[t]));
+        vst1q_f32(out + c0, a);
+    }
+    for (; c0 < hd; c0++) {
+        float a = 0.0f;
+        for (int t = 0; t < n; t++) {
+            const int64_t o = BLK(bl, t / KT_BLOCK) + (int64_t)(t % KT_BLOCK) * hd + c0;
+            a += p[t] * (f16 ? ops_half_to_float(((const uint16_t *)vc)[o]) : ((const float *)vc)[o]);
+        }
+        out[c0] = a;
+    }
+}
+
+void att_wsum_neon(const float *p, const void *vc, kv_blocks bl, int f16, int n, int hd, float *out) {
+    if (f16) wsum_body(p, vc, bl, 1, n, hd, out);
+    else wsum_body(p, vc, bl, 0, n, hd, out);
+}
+
+/* The four query heads of a KV head over an f16 cache (hd a multiple of 16): each value row converted once for
+ * all four. Positions in runs of one key block (32 rows, in L1), 16 columns at a time with 16 accumulators in
+ * registers; between runs the sums wait in acc[][] (attention.c's wsum4_f16_avx2 scheme). */
+void att_wsum4_f16_neon(const float *const *p, const void *vc, kv_blocks bl, int n, int hd, float *const *out) {
+    if (hd > Q8_MAX_HD || hd % 16) {
+        for (int j = 0; j < 4; j++) att_wsum_neon(p[j], vc, bl, 1, n, hd, out[j]);
+        return;
+    }
+    float acc[4][Q8_MAX_HD];
+    for (int j = 0; j < 4; j++) memset(acc[j], 0, sizeof(float) * (size_t)hd);
+    for (int ts = 0; ts < n; ts += KT_BLOCK) {
+        const int tn = ts + KT_BLOCK < n ? KT_BLOCK : n - ts;
+        const uint16_t *v0 = (const uint16_t *)vc + BLK(bl, ts / KT_BLOCK);
+        for (int col = 0; col < hd; col += 16) {
+            float32x4_t a[4][4];
+            for (int j = 0; j < 4; j++)
+                for (int x = 0; x < 4; x++) a[j][x] = vld1q_f32(acc[j] + col + 4 * x);
+            const uint16_t *v = v0 + col;
+            for (int t = 0; t < tn; t++, v += hd) {
+                float32x4_t x4[4];
+                load16(v, 1, 0, x4);
+                for (int j = 0; j < 4; j++) {
+                    const float w = p[j][ts + t];
+                    for (int x = 0; x < 4; x++) a[j][x] = vaddq_f32(a[j][x], vmulq_n_f32(x4[x], w));
+                }
+            }
+            for (int j = 0; j < 4; j++)
+                for (int x = 0; x < 4; x++) vst1q_f32(acc[j] + col + 4 * x, a[j][x]);
+        }
+    }
+    for (int j = 0; j < 4; j++) memcpy(out[j], acc[j], sizeof(float) * (size_t)hd);
+}
+
+/* ---------------- int8 cache (layout: attention_q8.h) ---------------- */
+
+#define KB OPS_KT_BLOCK
+#define KSCALES(base, blk, hd) ((const float *)((base) + (blk) + (int64_t)KB * (hd)))
+
+/* sc[j][t0 .. t0+valid) = ((float)dot * kscale) * c[j], the scalar body's order */
+INLINE void store_scores(const int32x4_t *acc, const float *ks, float c, int valid, float *dst) {
+    float tmp[16], *o = valid == 16 ? dst : tmp;
+    const float32x4_t cj = vdupq_n_f32(c);
+    for (int x = 0; x < 4; x++) vst1q_f32(o + 4 * x, vmulq_f32(vmulq_f32(vcvtq_f32_s32(acc[x]), vld1q_f32(ks + 4 * x)), cj));
+    if (o == tmp) memcpy(dst, tmp, sizeof(float) * (size_t)valid);
+}
+
+/* dotprod: 16 positions (4 lanes of 4 key bytes per vector) x R queries, one sdot per vector and query */
+DOT_FN INLINE void q8_scores_dot_body(const int8_t *const *q8, const float *c, const int R, const int8_t *kt,
+                                     kv_blocks bl, int n, int hd, float *const *sc) {
+    for (int t0 = 0; t0 < n; t0 += 16) {
+        const int64_t blk = BLK(bl, t0 / KB);
+        const int8_t *k = kt + blk + (t0 % KB) * 4;
+        int32x4_t acc[4][4];
+        for (int j = 0; j < R; j++) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = vdupq_n_s32(0);
+        for (int i4 = 0; i4 < hd / 4; i4++) {
+            const int8_t *kp = k + (int64_t)i4 * 4 * KB;
+            const int8x16_t k0 = vld1q_s8(kp), k1 = vld1q_s8(kp + 16), k2 = vld1q_s8(kp + 32), k3 = vld1q_s8(kp + 48);
+            for (int j = 0; j < R; j++) {
+                const int8x16_t qs = vreinterpretq_s8_s32(vld1q_dup_s32((const int32_t *)(const void *)(q8[j] + 4 * i4)));
+                acc[j][0] = vdotq_s32(acc[j][0], k0, qs), acc[j][1] = vdotq_s32(acc[j][1], k1, qs);
+                acc[j][2] = vdotq_s32(acc[j][2], k2, qs), acc[j][3] = vdotq_s32(acc[j][3], k3, qs);
+            }
+        }
+        const int valid = n - t0 < 16 ? n - t0 : 16;
+        for (int j = 0; j < R; j++) store_scores(acc[j], KSCALES(kt, blk, hd) + t0 % KB, c[j], valid, sc[j] + t0);
+    }
+}
+
+/* plain NEON: 8 positions x R queries; smull + smlal of two key groups (4 bytes each) into int16 lanes (at most
+ * 2 x 127 x 127 = 32258: no overflow), sadalp into int32 pairs, one pairwise add per position at the end */
+INLINE void q8_scores_plain_body(const int8_t *const *q8, const float *c, const int R, const int8_t *kt,
+                                 kv_blocks bl, int n, int hd, float *const *sc) {
+    const int g = hd / 4;
+    for (int t0 = 0; t0 < n; t0 += 16) {
+        const int64_t blk = BLK(bl, t0 / KB);
+        int32x4_t res[4][4];
+        for (int h = 0; h < 2; h++) { /* positions t0 + 8h .. t0 + 8h + 7 */
+            const int8_t *k = kt + blk + (t0 % KB + 8 * h) * 4;
+            int32x4_t acc[4][4]; /* [query][pair of positions], lanes: (p, bytes 0-1), (p, bytes 2-3), (p+1, ..) */
+            for (int j = 0; j < R; j++) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = vdupq_n_s32(0);
+            int i4 = 0;
+            for (; i4 + 2 <= g; i4 += 2) {
+                const int8_t *kp = k + (int64_t)i4 * 4 * KB;
+                const int8x16_t a0 = vld1q_s8(kp), a1 = vld1q_s8(kp + 16);                   /* group i4 */
+                const int8x16_t b0 = vld1q_s8(kp + 4 * KB), b1 = vld1q_s8(kp + 4 * KB + 16); /* group i4 + 1 */
+                for (int j = 0; j < R; j++) {
+                    const int8x16_t qa = vreinterpretq_s8_s32(vld1q_dup_s32((const int32_t *)(const void *)(q8[j] + 4 * i4)));
+                    const int8x16_t qb = vreinterpretq_s8_s32(vld1q_dup_s32((const int32_t *)(const void *)(q8[j] + 4 * i4 + 4)));
+                    acc[j][0] = vpadalq_s16(acc[j][0], vmlal_s8(vmull_s8(vget_low_s8(a0), vget_low_s8(qa)), vget_low_s8(b0), vget_low_s8(qb)));
+                    acc[j][1] = vpadalq_s16(acc[j][1], vmlal_high_s8(vmull_high_s8(a0, qa), b0, qb));
+                    acc[j][2] = vpadalq_s16(acc[j][2], vmlal_s8(vmull_s8(vget_low_s8(a1), vget_low_s8(qa)), vget_low_s8(b1), vget_low_s8(qb)));
+                    acc[j][3] = vpadalq_s16(acc[j][3], vmlal_high_s8(vmull_high_s8(a1, qa), b1, qb));
+                }
+            }
+            if (i4 < g) { /* an odd number of groups: the last alone */
+                const int8_t *kp = k + (int64_t)i4 * 4 * KB;
+                const int8x16_t a0 = vld1q_s8(kp), a1 = vld1q_s8(kp + 16);
+                for (int j = 0; j < R; j++) {
+                    const int8x16_t qa = vreinterpretq_s8_s32(vld1q_dup_s32((const int32_t *)(const void *)(q8[j] + 4 * i4)));
+                    acc[j][0] = vpadalq_s16(acc[j][0], vmull_s8(vget_low_s8(a0), vget_low_s8(qa)));
+                    acc[j][1] = vpadalq_s16(acc[j][1], vmull_high_s8(a0, qa));
+                    acc[j][2] = vpadalq_s16(acc[j][2], vmull_s8(vget_low_s8(a1), vget_low_s8(qa)));
+                    acc[j][3] = vpadalq_s16(acc[j][3], vmull_high_s8(a1, qa));
+                }
+            }
+            for (int j = 0; j < R; j++) {
+                res[j][2 * h] = vpaddq_s32(acc[j][0], acc[j][1]);
+                res[j][2 * h + 1] = vpaddq_s32(acc[j][2], acc[j][3]);
+            }
+        }
+        const int valid = n - t0 < 16 ? n - t0 : 16;
+        for (int j = 0; j < R; j++) store_scores(res[j], KSCALES(kt, blk, hd) + t0 % KB, c[j], valid, sc[j] + t0);
+    }
+}
+
+/* the queries come quantized (att_q8_quantize_query, once per row and head in attention.c) */
+DOT_FN static void q8_scores_dot(const int8_t *const *q8, const float *c, int R, const int8_t *kt, kv_blocks bl, int n,
+                                 int hd, float *const *sc) {
+    if (R == 4) q8_scores_dot_body(q8, c, 4, kt, bl, n, hd, sc);
+    else q8_scores_dot_body(q8, c, R, kt, bl, n, hd, sc);
+}
+
+static void q8_scores_plain(const int8_t *const *q8, const float *c, int R, const int8_t *kt, kv_blocks bl, int n,
+                            int hd, float *const *sc) {
+    if (R == 4) q8_scores_plain_body(q8, c, 4, kt, bl, n, hd, sc);
+    else q8_scores_plain_body(q8, c, R, kt, bl, n, hd, sc);
+}
+
+/* int8 x 16 -> four f32 vectors (exact) */
+INLINE void cvt16_s8(int8x16_t b, float32x4_t *x) {
+    const int16x8_t lo = vmovl_s8(vget_low_s8(b)), hi = vmovl_high_s8(b);
+    x[0] = vcvtq_f32_s32(vmovl_s16(vget_low_s16(lo))), x[1] = vcvtq_f32_s32(vmovl_high_s16(lo));
+    x[2] = vcvtq_f32_s32(vmovl_s16(vget_low_s16(hi))), x[3] = vcvtq_f32_s32(vmovl_high_s16(hi));
+}
+
+/* out[j][c] = fmaf(p[j][t] * vscale[t], v[t][c], out[j][c]) for t in order: attention_q8.c's wsum_avx2 scheme
+ * (runs of one block, 16 columns x R queries in registers), then 4 columns at a time (hd is a multiple of 4) */
+INLINE void q8_wsum_body(const float *const *p, const int R, const int8_t *vc, kv_blocks bl, int n, int hd,
+                         float (*acc)[Q8_MAX_HD]) {
+    const int h16 = hd & ~15;
+    for (int ts = 0; ts < n; ts += KB) {
+        const int tn = ts + KB < n ? KB : n - ts;
+        const int64_t blk = BLK(bl, ts / KB);
+        const int8_t *v0 = vc + blk;
+        const float *vs = KSCALES(vc, blk, hd);
+        float w[4][KB];
+        for (int j = 0; j < R; j++)
+            for (int t = 0; t < tn; t++) w[j][t] = p[j][ts + t] * vs[t];
+        for (int col = 0; col < h16; col += 16) {
+            float32x4_t a[4][4];
+            for (int j = 0; j < R; j++)
+                for (int x = 0; x < 4; x++) a[j][x] = vld1q_f32(acc[j] + col + 4 * x);
+            const int8_t *v = v0 + col;
+            for (int t = 0; t < tn; t++, v += hd) {
+                float32x4_t x4[4];
+                cvt16_s8(vld1q_s8(v), x4);
+                for (int j = 0; j < R; j++) {
+                    const float wj = w[j][t];
+                    for (int x = 0; x < 4; x++) a[j][x] = vfmaq_n_f32(a[j][x], x4[x], wj);
+                }
+            }
+            for (int j = 0; j < R; j++)
+                for (int x = 0; x < 4; x++) vst1q_f32(acc[j] + col + 4 * x, a[j][x]);
+        }
+        for (int col = h16; col < hd; col += 4) {
+            float32x4_t a[4];
+            for (int j = 0; j < R; j++) a[j] = vld1q_f32(acc[j] + col);
+            const int8_t *v = v0 + col;
+            for (int t = 0; t < tn; t++, v += hd) {
+                int32_t four;
+                memcpy(&four, v, 4);
+                const float32x4_t x = vcvtq_f32_s32(vmovl_s16(vget_low_s16(vmovl_s8(vreinterpret_s8_s32(vdup_n_s32(four))))));
+                for (int j = 0; j < R; j++) a[j] = vfmaq_n_f32(a[j], x, w[j][t]);
+            }
+            for (int j = 0; j < R; j++) vst1q_f32(acc[j] + col, a[j]);
+        }
+    }
+}
+
+static void q8_wsum(const float *const *p, int R, const int8_t *vc, kv_blocks bl, int n, int hd, float *const *out) {
+    float acc[4][Q8_MAX_HD];
+    for (int j = 0; j < R; j++) memset(acc[j], 0, sizeof(float) * (size_t)hd);
+    if (R == 4) q8_wsum_body(p, 4, vc, bl, n, hd, acc);
+    else q8_wsum_body(p, R, vc, bl, n, hd, acc);
+    for (int j = 0; j < R; j++) memcpy(out[j], acc[j], sizeof(float) * (size_t)hd);
+}
+
+/* exp(x - mx) on attn_common.h's polynomial (its constants; operations one for one with its exp_poly) */
+INLINE float32x4_t exp_neon(float32x4_t x) {
+    x = vmaxnmq_f32(x, vdupq_n_f32(EXP_LO)); /* `x > LO ? x : LO`: a NaN gives LO, as there */
+    const float32x4_t n = vrndnq_f32(vmulq_f32(x, vdupq_n_f32(EXP_LOG2E)));
+    float32x4_t r = vfmsq_f32(x, n, vdupq_n_f32(EXP_LN2_HI)); /* fmaf(-n, hi, x) */
+    r = vfmsq_f32(r, n, vdupq_n_f32(EXP_LN2_LO));
+    float32x4_t p = vdupq_n_f32(EXP_C0);
+    p = vfmaq_f32(vdupq_n_f32(EXP_C1), p, r);
+    p = vfmaq_f32(vdupq_n_f32(EXP_C2), p, r);
+    p = vfmaq_f32(vdupq_n_f32(EXP_C3), p, r);
+    p = vfmaq_f32(vdupq_n_f32(EXP_C4), p, r);
+    p = vfmaq_f32(vdupq_n_f32(EXP_C5), p, r);
+    const float32x4_t y = vaddq_f32(vfmaq_f32(r, vmulq_f32(p, r), r), vdupq_n_f32(1.0f));
+    const int32x4_t e = vshlq_n_s32(vaddq_s32(vcvtq_s32_f32(n), vdupq_n_s32(127)), 23);
+    return vmulq_f32(y, vreinterpretq_f32_s32(e));
+}
+
+/* lane l of the 16 sums x[i] for i % 16 == l; a last partial vector: exp of 0 in the spare lanes, then zeroed */
+static float q8_exp_sum(float *x, int n, float mx) {
+    const float32x4_t vm = vdupq_n_f32(mx);
+    const uint32x4_t lane = {0, 1, 2, 3};
+    float32x4_t acc[4] = {vdupq_n_f32(0.0f), vdupq_n_f32(0.0f), vdupq_n_f32(0.0f), vdupq_n_f32(0.0f)};
+    for (int i = 0; i < n; i += 16)
+        for (int v = 0; v < 4; v++) {
+            const int left = n - i - 4 * v;
+            if (left <= 0) break;
+            float *px = x + i + 4 * v;
+            if (left >= 4) {
+                const float32x4_t e = exp_neon(vsubq_f32(vld1q_f32(px), vm));
+                vst1q_f32(px, e);
+                acc[v] = vaddq_f32(acc[v], e);
+            } else {
+                float tmp[4] = {mx, mx, mx, mx};
+                memcpy(tmp, px, sizeof(float) * (size_t)left);
+                const uint32x4_t keep = vcltq_u32(lane, vdupq_n_u32((uint32_t)left));
+                const float32x4_t e = vreinterpretq_f32_u32(vandq_u32(vreinterpretq_u32_f32(exp_neon(vsubq_f32(vld1q_f32(tmp), vm))), keep));
+                vst1q_f32(tmp, e);
+                memcpy(px, tmp, sizeof(float) * (size_t)left);
+                acc[v] = vaddq_f32(acc[v], e);
+            }
+        }
+    float s[16];
+    for (int v = 0; v < 4; v++) vst1q_f32(s + 4 * v, acc[v]);
+    return sum16(s);
+}
+
+att_q8_kernels att_q8_neon_kernels(int dotprod) {
+    return (att_q8_kernels){dotprod ? q8_scores_dot : q8_scores_plain, q8_wsum, q8_exp_sum};
+}
+
+#else
+typedef int att_neon_empty_unit; /* x86: nothing here (ISO C wants a declaration in every file) */
+#endif
