@@ -32,7 +32,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
 
-from make_models import DEFAULT_CACHE, model_paths  # noqa: E402
+from make_models import bench_parser, model_paths  # noqa: E402
 
 
 def prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -340,15 +340,8 @@ def report(res: dict, out_dir: str):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--levels", default="1,4,8,16,32")
-    ap.add_argument("--gen", type=int, default=128)
-    ap.add_argument("--prompt", type=int, default=32)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--engines", default="ours,llama")
+    ap = bench_parser(__doc__, levels="1,4,8,16,32")
     ap.add_argument("--lm-head", default="q4", choices=("q4", "i8", "f16"), help="which store (default: the default head)")
-    ap.add_argument("--cache", default=DEFAULT_CACHE)
-    ap.add_argument("--out-dir", default=HERE)
     ap.add_argument("--llama-levels", help="llama.cpp's levels when they differ (it is slow on a busy machine)")
     ap.add_argument("--llama-gen", type=int, help="llama.cpp's tokens per request when they differ")
     ap.add_argument("--ab-gen", type=int, default=32, help="tokens per single-stream A/B round")

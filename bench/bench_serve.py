@@ -28,7 +28,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-from make_models import DEFAULT_CACHE, model_paths  # noqa: E402
+from make_models import bench_parser, model_paths  # noqa: E402
 
 
 def free_port() -> int:
@@ -194,16 +194,9 @@ def report(res: dict, out_dir: str):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--levels", default="1,16")
-    ap.add_argument("--gen", type=int, default=128)
-    ap.add_argument("--prompt", type=int, default=32)
-    ap.add_argument("--threads", type=int, default=2)
+    ap = bench_parser(__doc__, levels="1,16")
     ap.add_argument("--requests", type=int, default=2, help="requests per client at concurrency 1 (half that above)")
-    ap.add_argument("--engines", default="ours,llama")
     ap.add_argument("--llama-server", default=None)
-    ap.add_argument("--cache", default=DEFAULT_CACHE)
-    ap.add_argument("--out-dir", default=HERE)
     ap.add_argument("--replot", action="store_true", help="rewrite the table and PNG from serve_results.json")
     ap.add_argument("--add", action="store_true",
                     help="keep the other engine's numbers from an earlier serve_results.json (say so in the note)")

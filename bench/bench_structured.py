@@ -17,8 +17,6 @@ token counts and step costs are real).
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -160,16 +158,16 @@ def http_row(cmd: list[str], port: int, n: int, repeats: int, body: dict) -> lis
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from make_models import bench_parser, model_paths, save_json
+
+    ap = bench_parser(__doc__)
     ap.add_argument("--model", help="a store (default: bench/cache/2b4t.q4.bnstore from bench/make_models.py)")
-    ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--parallel", type=int, default=16)
     ap.add_argument("--llama-server", help="llama-server binary for the same-run peer row")
     ap.add_argument("--gguf", help="the TQ2_0 GGUF for llama-server (default: bench/cache/2b4t.tq2_0.gguf)")
     ap.add_argument("--json", help="write the results here")
     a = ap.parse_args(argv)
-    from make_models import model_paths
 
     from bitnet_cpu.engine.api import load_engine, load_model
 
@@ -220,9 +218,7 @@ def main(argv=None) -> int:
         res["http_llama"] = theirs
         line += f" | llama-server {_span(theirs)} tok/s | ratio {_median(ours) / _median(theirs):.2f}x"
     print(line)
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(res, f, indent=1)
+    save_json(a.json, res)
     return 0
 
 

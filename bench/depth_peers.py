@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 from decode_rows import ensure_q4_store, gguf_bytes_per_token, store_bytes_per_token  # noqa: E402
 from depth_sweep import fill_cache  # noqa: E402
 from limits import stream_bandwidth  # noqa: E402
-from make_models import DEFAULT_CACHE  # noqa: E402
+from make_models import DEFAULT_CACHE, save_json  # noqa: E402
 
 F16_KV_PER_POS = 30 * 2 * 5 * 128 * 2        # 2B-4T: layers x (K, V) x KV heads x head_dim x f16
 
@@ -158,10 +158,7 @@ def main(argv=None) -> int:
         q8 = next((x["tps"] for x in rows if x["engine"] == "ours q8" and x["depth"] == r["depth"]), None)
         ratio = f"{q8 / r['tps']:.2f}x" if q8 and r["engine"] != "ours q8" else ""
         print(f"| {name} | {r['engine']} | {r['tps']:.1f} ({r['min']:.1f}-{r['max']:.1f}) | {share} | {ratio} |")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"stream_Bps": [bw0, bw1], "threads": a.threads, "weights_bytes": wbytes, "rows": rows}, f,
-                      indent=1)
+    save_json(a.json, {"stream_Bps": [bw0, bw1], "threads": a.threads, "weights_bytes": wbytes, "rows": rows})
     return 0
 
 

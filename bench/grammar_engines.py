@@ -29,6 +29,7 @@ if ROOT not in sys.path:
 
 sys.path.insert(0, HERE)
 from bench_structured import EXTRACTION  # noqa: E402
+from make_models import save_json  # noqa: E402
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
           "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}}
@@ -222,9 +223,7 @@ def main(argv=None) -> int:
                   + " ".join(f"{row[f'{n}_compile_ms']:.1f}" for n in WALKS)
                   + f" ms | mask median/p99 {walks} | corpus {ok}/{len(schemas)} compiled, median {row['corpus'][2]:.1f} ms",
                   flush=True)
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(res, f, indent=1)
+    save_json(a.json, res)
     return 0
 
 

@@ -26,6 +26,28 @@ DEFAULT_CACHE = os.path.join(HERE, "cache")
 SEED = 0
 
 
+def save_json(path: str | None, results) -> None:
+    """The results as JSON at path (--json), when one is given."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+def bench_parser(doc: str, levels: str | None = None) -> argparse.ArgumentParser:
+    """The flags the load benchmarks share: --threads; with levels (the default list of numbers of concurrent
+    clients), the sweep's shape too: --levels --gen --prompt --engines --cache --out-dir."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=2)
+    if levels is not None:
+        ap.add_argument("--levels", default=levels)
+        ap.add_argument("--gen", type=int, default=128, help="tokens per request")
+        ap.add_argument("--prompt", type=int, default=32, help="prompt tokens per request")
+        ap.add_argument("--engines", default="ours,llama")
+        ap.add_argument("--cache", default=DEFAULT_CACHE)
+        ap.add_argument("--out-dir", default=HERE)
+    return ap
+
+
 def model_paths(cache: str = DEFAULT_CACHE, shape: str = "2b4t") -> dict[str, str]:
     return {
         "tq2_0": os.path.join(cache, f"{shape}.tq2_0.gguf"),

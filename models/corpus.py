@@ -193,18 +193,11 @@ def chat_turn(rng: random.Random, pairs, forms=ADD_USER, p_add: float = 0.45) ->
         return add_question(rng, a, b, forms), add_answer(a, b) + "."
     if p_add != 0.45:   # map the rest onto the default layout of the other turns
         r = 0.45 + (r - p_add) * 0.55 / (1.0 - p_add)
-    if r < 0.55:
-        return rng.choice(GREETINGS_USER), rng.choice(GREETINGS_BOT)
-    if r < 0.65:
-        return rng.choice(WHO_USER), rng.choice(WHO_BOT)
-    if r < 0.70:
-        return rng.choice(HOWARE_USER), rng.choice(HOWARE_BOT)
-    if r < 0.75:
-        return rng.choice(CAN_USER), rng.choice(CAN_BOT)
-    if r < 0.82:
-        return rng.choice(THANKS_USER), rng.choice(THANKS_BOT)
-    if r < 0.87:
-        return rng.choice(BYE_USER), rng.choice(BYE_BOT)
+    for cut, users, bots in ((0.55, GREETINGS_USER, GREETINGS_BOT), (0.65, WHO_USER, WHO_BOT),
+                             (0.70, HOWARE_USER, HOWARE_BOT), (0.75, CAN_USER, CAN_BOT),
+                             (0.82, THANKS_USER, THANKS_BOT), (0.87, BYE_USER, BYE_BOT)):
+        if r < cut:
+            return rng.choice(users), rng.choice(bots)
     kind = rng.choice(KINDS)
     intro = rng.choice(STORY_BOT_INTRO)
     body = story(rng, kind)

@@ -251,24 +251,17 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--steps", type=int, default=800)
-    ap.add_argument("--steps2", type=int, default=800, help="addition-heavy phase 2 steps")
-    ap.add_argument("--lr2", type=float, default=2e-3)
-    ap.add_argument("--steps3", type=int, default=500, help="phase 3 steps (addition-heavy, constant lr)")
-    ap.add_argument("--lr3", type=float, default=1e-3)
-    ap.add_argument("--steps4", type=int, default=600, help="phase 4 steps (phase 3 mix, fresh AdamW, cosine decay)")
-    ap.add_argument("--lr4", type=float, default=5e-4)
-    ap.add_argument("--steps5", type=int, default=150, help="phase 5 steps (one-digit operands 3x as often, low lr)")
-    ap.add_argument("--lr5", type=float, default=2e-4)
-    ap.add_argument("--steps6", type=int, default=200, help="phase 6 steps (more chat rows, one-digit operands oversampled)")
-    ap.add_argument("--lr6", type=float, default=2e-4)
-    ap.add_argument("--steps7", type=int, default=300, help="phase 7 steps (chat-heavy, zero/one-digit operands oversampled)")
-    ap.add_argument("--lr7", type=float, default=1e-4)
-    ap.add_argument("--steps8", type=int, default=PHASE8_STEPS,
-                    help="phase 8 steps (from the exported phase-7 model: typed chat phrasings, one-digit sums)")
-    ap.add_argument("--lr8", type=float, default=PHASE8_LR)
-    ap.add_argument("--steps9", type=int, default=PHASE9_STEPS,
-                    help="phase 9 steps (from the exported phase-8 model: the chat form `a+b` on one-digit pairs)")
-    ap.add_argument("--lr9", type=float, default=PHASE9_LR)
+    for phase, steps, lr, what in (
+            (2, 800, 2e-3, "addition-heavy"),
+            (3, 500, 1e-3, "addition-heavy, constant lr"),
+            (4, 600, 5e-4, "phase 3 mix, fresh AdamW, cosine decay"),
+            (5, 150, 2e-4, "one-digit operands 3x as often, low lr"),
+            (6, 200, 2e-4, "more chat rows, one-digit operands oversampled"),
+            (7, 300, 1e-4, "chat-heavy, zero/one-digit operands oversampled"),
+            (8, PHASE8_STEPS, PHASE8_LR, "from the exported phase-7 model: typed chat phrasings, one-digit sums"),
+            (9, PHASE9_STEPS, PHASE9_LR, "from the exported phase-8 model: the chat form `a+b` on one-digit pairs")):
+        ap.add_argument(f"--steps{phase}", type=int, default=steps, help=f"phase {phase} steps ({what})")
+        ap.add_argument(f"--lr{phase}", type=float, default=lr)
     ap.add_argument("--init-from", default=None,
                     help="exported directory (e.g. the phase-7 export) to start from: its tokenizer and weights")
     ap.add_argument("--phase", type=int, default=1, help="first phase to run (with --init-from/--resume)")

@@ -183,32 +183,49 @@ cdef inline Py_ssize_t _pad16(Py_ssize_t n):
 
 
 # ---------------------------------------------------------------- kernels
-def quantize_act(x, xq, act_scale, act_sum):
-    """x f32 [M, K] | [K] -> xq int8 [M, K_pad] | [K_pad] (0 in padding), act_scale f32 [M] = 127/max(max|x|, 1e-5),
-    act_sum int32 [M] = sum(xq). Round half to even."""
-    cdef str fn = "quantize_act"
+cdef _quantize_call(str fn, x, xq, scale, sums, cols, bint g128):
+    """x f32 [M, ldx] | [ldx] (its first cols columns, or all) -> xq int8 [M, K_pad] | [K_pad], with per row
+    act_scale f32 [M] and act_sum int32 [M] (scale, sums), or (g128) per group of 128 columns xd f32 and xsum int32
+    [M, K_pad/128] | [K_pad/128]."""
+    cdef str sname = "xd" if g128 else "act_scale"
+    cdef str mname = "xsum" if g128 else "act_sum"
     cdef cnp.ndarray ax = _arr(fn, "x", x, cnp.NPY_FLOAT32, 0, False)
     cdef cnp.ndarray aq = _arr(fn, "xq", xq, cnp.NPY_INT8, 0, True)
-    cdef cnp.ndarray asc = _arr(fn, "act_scale", act_scale, cnp.NPY_FLOAT32, 0, True)
-    cdef cnp.ndarray asm = _arr(fn, "act_sum", act_sum, cnp.NPY_INT32, 0, True)
+    cdef cnp.ndarray asc = _arr(fn, sname, scale, cnp.NPY_FLOAT32, 0, True)
+    cdef cnp.ndarray asm = _arr(fn, mname, sums, cnp.NPY_INT32, 0, True)
     cdef int nd = cnp.PyArray_NDIM(ax)
     if nd not in (1, 2) or cnp.PyArray_NDIM(aq) != nd:
         raise KernelError(f"{fn}: x {(<object>ax).shape} and xq {(<object>aq).shape} must both be 1-D or both 2-D")
     cdef Py_ssize_t m = 1 if nd == 1 else cnp.PyArray_DIM(ax, 0)
-    cdef Py_ssize_t k = cnp.PyArray_DIM(ax, nd - 1)
+    cdef Py_ssize_t ldx = cnp.PyArray_DIM(ax, nd - 1)
+    cdef Py_ssize_t k = ldx if cols is None else cols
+    if k > ldx:
+        raise KernelError(f"{fn}: cols={k} is more than the {ldx} columns of x")
     cdef Py_ssize_t k_pad = _k_pad_of(fn, cnp.PyArray_DIM(aq, nd - 1))
+    if g128 and k_pad % BK_TG_GROUP:
+        raise KernelError(f"{fn}: xq has {k_pad} columns, not a multiple of {BK_TG_GROUP}")
     if nd == 2 and cnp.PyArray_DIM(aq, 0) != m:
         raise KernelError(f"{fn}: x has {m} rows but xq has {cnp.PyArray_DIM(aq, 0)}")
     if k <= 0 or k > k_pad:
         raise KernelError(f"{fn}: x has {k} columns, must be in 1..K_pad={k_pad} (xq's last dim)")
-    _check_size(fn, "act_scale", asc, m, "M")
-    _check_size(fn, "act_sum", asm, m, "M")
+    cdef Py_ssize_t per_row = k_pad // BK_TG_GROUP if g128 else 1
+    _check_size(fn, sname, asc, m * per_row, "M*K_pad/128" if g128 else "M")
+    _check_size(fn, mname, asm, m * per_row, "M*K_pad/128" if g128 else "M")
     cdef const float *px = <const float *>cnp.PyArray_DATA(ax)
     cdef int8_t *pq = <int8_t *>cnp.PyArray_DATA(aq)
     cdef float *ps = <float *>cnp.PyArray_DATA(asc)
     cdef int32_t *pm = <int32_t *>cnp.PyArray_DATA(asm)
     with nogil:
-        bk_quantize_act(px, <int>m, <int>k, <int>k_pad, pq, ps, pm)
+        if g128:
+            bk_quantize_act_g128(px, <int>m, <int>k, <int>ldx, <int>k_pad, pq, ps, pm)
+        else:
+            bk_quantize_act(px, <int>m, <int>k, <int>k_pad, pq, ps, pm)
+
+
+def quantize_act(x, xq, act_scale, act_sum):
+    """x f32 [M, K] | [K] -> xq int8 [M, K_pad] | [K_pad] (0 in padding), act_scale f32 [M] = 127/max(max|x|, 1e-5),
+    act_sum int32 [M] = sum(xq). Round half to even."""
+    _quantize_call("quantize_act", x, xq, act_scale, act_sum, None, False)
 
 
 cdef inline void _ternary_w(str fn, cnp.ndarray aw, Py_ssize_t n, Py_ssize_t k_pad) except *:
@@ -225,14 +242,35 @@ cdef inline _oom(str fn, int rc):
         raise MemoryError(f"{fn}: no memory for the decode scratch")
 
 
-cdef _gemv_ternary_call(str fn, w, row_scale, xq, float act_scale, int act_sum, out, bint b3, bint raw):
-    """One token against tile16 (b3 False) or tile16b3 weights; raw: exact int32 dots into out."""
+cdef enum:
+    ONE = 0    # one token: xq [K_pad] -> out [N]; act_scale (and act_sum) are numbers
+    GEMM = 1   # M tokens: xq [M, K_pad] -> out [M, N]; act_scale [M] (and act_sum [M])
+    ROWS = 2   # M <= ROWS_MAX tokens in one pass over the weights (speculative verification); no raw form
+
+
+cdef _ternary_call(str fn, w, row_scale, xq, act_scale, act_sum, out, bint b3, int kind, bint raw):
+    """Tokens against tile16 (b3 False) or tile16b3 weights, one (kind ONE) or M (GEMM, ROWS); raw (tile16 only for
+    M tokens): exact int32 dots into out."""
+    cdef int nd = 1 if kind == ONE else 2
     cdef cnp.ndarray aw = _arr(fn, "w", w, cnp.NPY_UINT8, 1, False)
     cdef cnp.ndarray ars = None if raw else _arr(fn, "row_scale", row_scale, cnp.NPY_FLOAT32, 1, False)
-    cdef cnp.ndarray aq = _arr(fn, "xq", xq, cnp.NPY_INT8, 1, False)
-    cdef cnp.ndarray ao = _arr(fn, "out", out, cnp.NPY_INT32 if raw else cnp.NPY_FLOAT32, 1, True)
-    cdef Py_ssize_t k_pad = _k_pad_of(fn, cnp.PyArray_DIM(aq, 0))
-    cdef Py_ssize_t n = _n_of(fn, cnp.PyArray_DIM(ao, 0))
+    cdef cnp.ndarray aq = _arr(fn, "xq", xq, cnp.NPY_INT8, nd, False)
+    cdef cnp.ndarray ao = _arr(fn, "out", out, cnp.NPY_INT32 if raw else cnp.NPY_FLOAT32, nd, True)
+    cdef Py_ssize_t k_pad = _k_pad_of(fn, cnp.PyArray_DIM(aq, nd - 1))
+    cdef Py_ssize_t n = _n_of(fn, cnp.PyArray_DIM(ao, nd - 1))
+    cdef cnp.ndarray asc = None
+    cdef cnp.ndarray asm = None
+    cdef Py_ssize_t m = 1
+    if kind != ONE:
+        asc = None if raw else _arr(fn, "act_scale", act_scale, cnp.NPY_FLOAT32, 1, False)
+        asm = _arr(fn, "act_sum", act_sum, cnp.NPY_INT32, 1, False)
+        if kind == ROWS:
+            m = _rows_m(fn, aq, asc, ao)
+            _check_size(fn, "act_sum", asm, m, "M")
+        else:
+            m = _gemm_m(fn, aq, asc, asm, ao)
+        if raw:
+            asc = np.ones(m, np.float32)  # unused by the raw path, but never NULL
     if b3:
         _b3_w(fn, aw, n, k_pad)
     else:
@@ -240,31 +278,45 @@ cdef _gemv_ternary_call(str fn, w, row_scale, xq, float act_scale, int act_sum, 
     if not raw:
         _check_at_least(fn, "row_scale", ars, n)
     cdef const uint8_t *pw = <const uint8_t *>cnp.PyArray_DATA(aw)
+    cdef const int8_t *pq = <const int8_t *>cnp.PyArray_DATA(aq)
     cdef const float *prs = NULL
+    cdef const float *ps = NULL
+    cdef const int32_t *pm = NULL
     if not raw:
         prs = <const float *>cnp.PyArray_DATA(ars)
-    cdef const int8_t *pq = <const int8_t *>cnp.PyArray_DATA(aq)
+    if asc is not None:
+        ps = <const float *>cnp.PyArray_DATA(asc)
+    if asm is not None:
+        pm = <const int32_t *>cnp.PyArray_DATA(asm)
     cdef float *po = NULL if raw else <float *>cnp.PyArray_DATA(ao)
     cdef int32_t *pi = <int32_t *>cnp.PyArray_DATA(ao) if raw else NULL
+    cdef float one_scale = 1.0 if raw or kind != ONE else act_scale
+    cdef int32_t one_sum = act_sum if kind == ONE else 0
     cdef int rc = 0
-    if raw:
-        act_scale = 1.0
     with nogil:
-        if b3:
-            rc = bk_gemv_b3(pw, prs, pq, <int>k_pad, act_scale, act_sum, po, pi, <int>n)
+        if kind == ONE and b3:
+            rc = bk_gemv_b3(pw, prs, pq, <int>k_pad, one_scale, one_sum, po, pi, <int>n)
+        elif kind == ONE:
+            bk_gemv_ternary(pw, prs, pq, <int>k_pad, one_scale, one_sum, po, pi, <int>n)
+        elif kind == ROWS and b3:
+            rc = bk_gemv_rows_b3(pw, prs, pq, <int>m, <int>k_pad, ps, pm, po, <int>n)
+        elif kind == ROWS:
+            bk_gemv_rows_ternary(pw, prs, pq, <int>m, <int>k_pad, ps, pm, po, <int>n)
+        elif b3:
+            rc = bk_gemm_b3(pw, prs, pq, <int>m, <int>k_pad, ps, pm, po, NULL, <int>n)
         else:
-            bk_gemv_ternary(pw, prs, pq, <int>k_pad, act_scale, act_sum, po, pi, <int>n)
+            bk_gemm_ternary(pw, prs, pq, <int>m, <int>k_pad, ps, pm, po, pi, <int>n)
     _oom(fn, rc)
 
 
 def gemv_ternary(w, row_scale, xq, float act_scale, int act_sum, out):
     """out[n] = ((float)(W_t[n] . xq) / act_scale) * row_scale[n]; w uint8 tile16 [N_pad*K_pad/4]."""
-    _gemv_ternary_call("gemv_ternary", w, row_scale, xq, act_scale, act_sum, out, False, False)
+    _ternary_call("gemv_ternary", w, row_scale, xq, act_scale, act_sum, out, False, ONE, False)
 
 
 def gemv_ternary_i32(w, xq, int act_sum, out):
     """Raw exact dots out[n] = W_t[n] . xq as int32 (tests; act_sum must be sum(xq))."""
-    _gemv_ternary_call("gemv_ternary_i32", w, None, xq, 1.0, act_sum, out, False, True)
+    _ternary_call("gemv_ternary_i32", w, None, xq, None, act_sum, out, False, ONE, True)
 
 
 cdef inline Py_ssize_t _gemm_m(str fn, cnp.ndarray aq, cnp.ndarray asc, cnp.ndarray asm, cnp.ndarray ao) except -1:
@@ -277,80 +329,40 @@ cdef inline Py_ssize_t _gemm_m(str fn, cnp.ndarray aq, cnp.ndarray asc, cnp.ndar
     return m
 
 
-cdef _multi_ternary_call(str fn, w, row_scale, xq, act_scale, act_sum, out, bint b3, bint rows):
-    """M tokens against tile16 (b3 False) or tile16b3 weights: the GEMM, or (rows) the multi-row GEMV, M <= ROWS_MAX."""
-    cdef cnp.ndarray aw = _arr(fn, "w", w, cnp.NPY_UINT8, 1, False)
-    cdef cnp.ndarray ars = _arr(fn, "row_scale", row_scale, cnp.NPY_FLOAT32, 1, False)
-    cdef cnp.ndarray aq = _arr(fn, "xq", xq, cnp.NPY_INT8, 2, False)
-    cdef cnp.ndarray asc = _arr(fn, "act_scale", act_scale, cnp.NPY_FLOAT32, 1, False)
-    cdef cnp.ndarray asm = _arr(fn, "act_sum", act_sum, cnp.NPY_INT32, 1, False)
-    cdef cnp.ndarray ao = _arr(fn, "out", out, cnp.NPY_FLOAT32, 2, True)
-    cdef Py_ssize_t k_pad = _k_pad_of(fn, cnp.PyArray_DIM(aq, 1))
-    cdef Py_ssize_t n = _n_of(fn, cnp.PyArray_DIM(ao, 1))
-    cdef Py_ssize_t m
-    if rows:
-        m = _rows_m(fn, aq, asc, ao)
-        _check_size(fn, "act_sum", asm, m, "M")
-    else:
-        m = _gemm_m(fn, aq, asc, asm, ao)
-    if b3:
-        _b3_w(fn, aw, n, k_pad)
-    else:
-        _ternary_w(fn, aw, n, k_pad)
-    _check_at_least(fn, "row_scale", ars, n)
-    cdef const uint8_t *pw = <const uint8_t *>cnp.PyArray_DATA(aw)
-    cdef const float *prs = <const float *>cnp.PyArray_DATA(ars)
-    cdef const int8_t *pq = <const int8_t *>cnp.PyArray_DATA(aq)
-    cdef const float *ps = <const float *>cnp.PyArray_DATA(asc)
-    cdef const int32_t *pm = <const int32_t *>cnp.PyArray_DATA(asm)
-    cdef float *po = <float *>cnp.PyArray_DATA(ao)
-    cdef int rc = 0
-    with nogil:
-        if b3 and rows:
-            rc = bk_gemv_rows_b3(pw, prs, pq, <int>m, <int>k_pad, ps, pm, po, <int>n)
-        elif b3:
-            rc = bk_gemm_b3(pw, prs, pq, <int>m, <int>k_pad, ps, pm, po, NULL, <int>n)
-        elif rows:
-            bk_gemv_rows_ternary(pw, prs, pq, <int>m, <int>k_pad, ps, pm, po, <int>n)
-        else:
-            bk_gemm_ternary(pw, prs, pq, <int>m, <int>k_pad, ps, pm, po, NULL, <int>n)
-    _oom(fn, rc)
-
-
 def gemm_ternary(w, row_scale, xq, act_scale, act_sum, out):
     """out[m, n] = ((float)(W_t[n] . xq[m]) / act_scale[m]) * row_scale[n] for M tokens (prefill)."""
-    _multi_ternary_call("gemm_ternary", w, row_scale, xq, act_scale, act_sum, out, False, False)
+    _ternary_call("gemm_ternary", w, row_scale, xq, act_scale, act_sum, out, False, GEMM, False)
 
 
 def gemm_ternary_i32(w, xq, act_sum, out):
     """Raw exact dots out[m, n] = W_t[n] . xq[m] as int32 (tests; act_sum[m] must be sum(xq[m]))."""
-    cdef str fn = "gemm_ternary_i32"
-    cdef cnp.ndarray aw = _arr(fn, "w", w, cnp.NPY_UINT8, 1, False)
-    cdef cnp.ndarray aq = _arr(fn, "xq", xq, cnp.NPY_INT8, 2, False)
-    cdef cnp.ndarray asm = _arr(fn, "act_sum", act_sum, cnp.NPY_INT32, 1, False)
-    cdef cnp.ndarray ao = _arr(fn, "out", out, cnp.NPY_INT32, 2, True)
-    cdef Py_ssize_t k_pad = _k_pad_of(fn, cnp.PyArray_DIM(aq, 1))
-    cdef Py_ssize_t n = _n_of(fn, cnp.PyArray_DIM(ao, 1))
-    cdef Py_ssize_t m = _gemm_m(fn, aq, None, asm, ao)
-    _ternary_w(fn, aw, n, k_pad)
-    cdef const uint8_t *pw = <const uint8_t *>cnp.PyArray_DATA(aw)
-    cdef const int8_t *pq = <const int8_t *>cnp.PyArray_DATA(aq)
-    cdef const int32_t *pm = <const int32_t *>cnp.PyArray_DATA(asm)
-    cdef int32_t *po = <int32_t *>cnp.PyArray_DATA(ao)
-    cdef cnp.ndarray unit_scale = np.ones(m, np.float32)  # unused by the raw path, but never NULL
-    cdef const float *ps = <const float *>cnp.PyArray_DATA(unit_scale)
-    with nogil:
-        bk_gemm_ternary(pw, NULL, pq, <int>m, <int>k_pad, ps, pm, NULL, po, <int>n)
+    _ternary_call("gemm_ternary_i32", w, None, xq, None, act_sum, out, False, GEMM, True)
 
 
-cdef inline _gemv_i8_call(str fn, w, row_scale, w_rowsum, xq, float act_scale, out, bint raw):
+cdef _i8_call(str fn, w, row_scale, w_rowsum, xq, act_scale, out, int kind, bint raw):
+    """The int8 head (i8_tile16) for one row or M rows; raw: exact int32 dots into out."""
+    cdef int nd = 1 if kind == ONE else 2
     cdef cnp.ndarray aw = _arr(fn, "w", w, cnp.NPY_INT8, 1, False)
-    cdef cnp.ndarray ars = None
     cdef cnp.ndarray arw = _arr(fn, "w_rowsum", w_rowsum, cnp.NPY_INT32, 1, False)
-    cdef cnp.ndarray aq = _arr(fn, "xq", xq, cnp.NPY_INT8, 1, False)
-    cdef cnp.ndarray ao = _arr(fn, "out", out, cnp.NPY_INT32 if raw else cnp.NPY_FLOAT32, 1, True)
-    cdef Py_ssize_t k_pad = _k_pad_of(fn, cnp.PyArray_DIM(aq, 0))
-    cdef Py_ssize_t n = _n_of(fn, cnp.PyArray_DIM(ao, 0))
+    cdef cnp.ndarray aq = _arr(fn, "xq", xq, cnp.NPY_INT8, nd, False)
+    cdef cnp.ndarray ao = _arr(fn, "out", out, cnp.NPY_INT32 if raw else cnp.NPY_FLOAT32, nd, True)
+    cdef cnp.ndarray ars = None
+    cdef cnp.ndarray asc = None
+    cdef Py_ssize_t k_pad = _k_pad_of(fn, cnp.PyArray_DIM(aq, nd - 1))
+    cdef Py_ssize_t n = _n_of(fn, cnp.PyArray_DIM(ao, nd - 1))
+    cdef Py_ssize_t m = 1
+    if kind == ROWS:
+        asc = _arr(fn, "act_scale", act_scale, cnp.NPY_FLOAT32, 1, False)
+        m = _rows_m(fn, aq, asc, ao)
+    elif kind == GEMM:
+        m = cnp.PyArray_DIM(aq, 0)
+        if m <= 0 or cnp.PyArray_DIM(ao, 0) != m:
+            raise KernelError(f"{fn}: xq has {m} rows but out has {cnp.PyArray_DIM(ao, 0)} (both are M, M >= 1)")
+        if raw:
+            asc = np.ones(m, np.float32)
+        else:
+            asc = _arr(fn, "act_scale", act_scale, cnp.NPY_FLOAT32, 1, False)
+            _check_size(fn, "act_scale", asc, m, "M")
     _check_size(fn, "w", aw, _pad16(n) * k_pad, f"N_pad*K_pad (N={n}, K_pad={k_pad})")
     _check_at_least(fn, "w_rowsum", arw, n)
     cdef const float *prs = NULL
@@ -358,96 +370,84 @@ cdef inline _gemv_i8_call(str fn, w, row_scale, w_rowsum, xq, float act_scale, o
         ars = _arr(fn, "row_scale", row_scale, cnp.NPY_FLOAT32, 1, False)
         _check_at_least(fn, "row_scale", ars, n)
         prs = <const float *>cnp.PyArray_DATA(ars)
+    cdef const float *ps = NULL
+    if asc is not None:
+        ps = <const float *>cnp.PyArray_DATA(asc)
+    cdef float one_scale = 1.0 if raw or kind != ONE else act_scale
     cdef const int8_t *pw = <const int8_t *>cnp.PyArray_DATA(aw)
     cdef const int32_t *prw = <const int32_t *>cnp.PyArray_DATA(arw)
     cdef const int8_t *pq = <const int8_t *>cnp.PyArray_DATA(aq)
     cdef void *po = cnp.PyArray_DATA(ao)
+    cdef float *pf = NULL if raw else <float *>po
+    cdef int32_t *pi = <int32_t *>po if raw else NULL
     cdef int rc
     with nogil:
-        rc = bk_gemv_i8(pw, prs, prw, pq, <int>k_pad, act_scale, NULL if raw else <float *>po,
-                        <int32_t *>po if raw else NULL, <int>n)
+        if kind == ONE:
+            rc = bk_gemv_i8(pw, prs, prw, pq, <int>k_pad, one_scale, pf, pi, <int>n)
+        elif kind == GEMM:
+            rc = bk_gemm_i8(pw, prs, prw, pq, <int>m, <int>k_pad, ps, pf, pi, <int>n)
+        else:
+            rc = bk_gemv_rows_i8(pw, prs, prw, pq, <int>m, <int>k_pad, ps, pf, <int>n)
     if rc != 0:
-        raise MemoryError(f"{fn}: out of memory for a {k_pad}-column activation buffer")
+        raise MemoryError(f"{fn}: out of memory for {m} row(s) of {k_pad}-column activation buffers")
 
 
 def gemv_i8(w, row_scale, w_rowsum, xq, float act_scale, out):
     """int8 LM head: out[n] = ((float)(W_q[n] . xq) / act_scale) * row_scale[n]; w int8 i8_tile16 [N_pad*K_pad],
     w_rowsum int32 [>= N] = sum_k W_q[n, k] (used by the AVX-512 u8 offset trick)."""
-    _gemv_i8_call("gemv_i8", w, row_scale, w_rowsum, xq, act_scale, out, False)
+    _i8_call("gemv_i8", w, row_scale, w_rowsum, xq, act_scale, out, ONE, False)
 
 
 def gemv_i8_i32(w, w_rowsum, xq, out):
     """Raw exact dots of the int8 head as int32 (tests)."""
-    _gemv_i8_call("gemv_i8_i32", w, None, w_rowsum, xq, 1.0, out, True)
-
-
-cdef inline _gemm_i8_call(str fn, w, row_scale, w_rowsum, xq, act_scale, out, bint raw):
-    cdef cnp.ndarray aw = _arr(fn, "w", w, cnp.NPY_INT8, 1, False)
-    cdef cnp.ndarray ars = None
-    cdef cnp.ndarray arw = _arr(fn, "w_rowsum", w_rowsum, cnp.NPY_INT32, 1, False)
-    cdef cnp.ndarray aq = _arr(fn, "xq", xq, cnp.NPY_INT8, 2, False)
-    cdef cnp.ndarray asc = None
-    cdef cnp.ndarray ao = _arr(fn, "out", out, cnp.NPY_INT32 if raw else cnp.NPY_FLOAT32, 2, True)
-    cdef Py_ssize_t k_pad = _k_pad_of(fn, cnp.PyArray_DIM(aq, 1))
-    cdef Py_ssize_t n = _n_of(fn, cnp.PyArray_DIM(ao, 1))
-    cdef Py_ssize_t m = cnp.PyArray_DIM(aq, 0)
-    if m <= 0 or cnp.PyArray_DIM(ao, 0) != m:
-        raise KernelError(f"{fn}: xq has {m} rows but out has {cnp.PyArray_DIM(ao, 0)} (both are M, M >= 1)")
-    _check_size(fn, "w", aw, _pad16(n) * k_pad, f"N_pad*K_pad (N={n}, K_pad={k_pad})")
-    _check_at_least(fn, "w_rowsum", arw, n)
-    cdef const float *prs = NULL
-    cdef const float *ps = NULL
-    cdef cnp.ndarray unit_scale
-    if not raw:
-        ars = _arr(fn, "row_scale", row_scale, cnp.NPY_FLOAT32, 1, False)
-        _check_at_least(fn, "row_scale", ars, n)
-        prs = <const float *>cnp.PyArray_DATA(ars)
-        asc = _arr(fn, "act_scale", act_scale, cnp.NPY_FLOAT32, 1, False)
-        _check_size(fn, "act_scale", asc, m, "M")
-    else:
-        asc = np.ones(m, np.float32)
-    ps = <const float *>cnp.PyArray_DATA(asc)
-    cdef const int8_t *pw = <const int8_t *>cnp.PyArray_DATA(aw)
-    cdef const int32_t *prw = <const int32_t *>cnp.PyArray_DATA(arw)
-    cdef const int8_t *pq = <const int8_t *>cnp.PyArray_DATA(aq)
-    cdef void *po = cnp.PyArray_DATA(ao)
-    cdef int rc
-    with nogil:
-        rc = bk_gemm_i8(pw, prs, prw, pq, <int>m, <int>k_pad, ps, NULL if raw else <float *>po,
-                        <int32_t *>po if raw else NULL, <int>n)
-    if rc != 0:
-        raise MemoryError(f"{fn}: out of memory for {m} x {k_pad} activation buffers")
+    _i8_call("gemv_i8_i32", w, None, w_rowsum, xq, None, out, ONE, True)
 
 
 def gemm_i8(w, row_scale, w_rowsum, xq, act_scale, out):
     """int8 LM head for M rows: out[m, n] = ((float)(W_q[n] . xq[m]) / act_scale[m]) * row_scale[n] (row m equals
     gemv_i8 of xq[m]); xq int8 [M, K_pad], act_scale f32 [M], out f32 [M, N]."""
-    _gemm_i8_call("gemm_i8", w, row_scale, w_rowsum, xq, act_scale, out, False)
+    _i8_call("gemm_i8", w, row_scale, w_rowsum, xq, act_scale, out, GEMM, False)
 
 
 def gemm_i8_i32(w, w_rowsum, xq, out):
     """Raw exact dots of the int8 head for M rows as int32 [M, N] (tests)."""
-    _gemm_i8_call("gemm_i8_i32", w, None, w_rowsum, xq, None, out, True)
+    _i8_call("gemm_i8_i32", w, None, w_rowsum, xq, None, out, GEMM, True)
 
 
-def gemv_f16(w, x, out):
-    """f16 LM head: out[n] = sum_k W[n,k] * x[k], sequential-in-k fmaf per row; w uint16|float16 f16_tile16 [N_pad*K]."""
-    cdef str fn = "gemv_f16"
+cdef _f16_call(str fn, w, x, out, bint multi):
+    """One row x [K] -> out [N], or (multi) M rows x [M, K] -> out [M, N]; w uint16|float16 f16_tile16 [N_pad*K]."""
     if isinstance(w, cnp.ndarray) and cnp.PyArray_TYPE(<cnp.ndarray>w) == cnp.NPY_FLOAT16:
         w = (<cnp.ndarray>w).view(np.uint16)
+    cdef int nd = 2 if multi else 1
     cdef cnp.ndarray aw = _arr(fn, "w", w, cnp.NPY_UINT16, 1, False)
-    cdef cnp.ndarray ax = _arr(fn, "x", x, cnp.NPY_FLOAT32, 1, False)
-    cdef cnp.ndarray ao = _arr(fn, "out", out, cnp.NPY_FLOAT32, 1, True)
-    cdef Py_ssize_t k = cnp.PyArray_DIM(ax, 0)
-    cdef Py_ssize_t n = _n_of(fn, cnp.PyArray_DIM(ao, 0))
+    cdef cnp.ndarray ax = _arr(fn, "x", x, cnp.NPY_FLOAT32, nd, False)
+    cdef cnp.ndarray ao = _arr(fn, "out", out, cnp.NPY_FLOAT32, nd, True)
+    cdef Py_ssize_t m = cnp.PyArray_DIM(ax, 0) if multi else 1
+    cdef Py_ssize_t k = cnp.PyArray_DIM(ax, nd - 1)
+    cdef Py_ssize_t n = _n_of(fn, cnp.PyArray_DIM(ao, nd - 1))
+    if multi and (m <= 0 or cnp.PyArray_DIM(ao, 0) != m):
+        raise KernelError(f"{fn}: x has {m} rows but out has {cnp.PyArray_DIM(ao, 0)} (both are M, M >= 1)")
     if k <= 0 or k > MAX_DIM:
-        raise KernelError(f"{fn}: x has {k} elements; K must be positive")
+        raise KernelError(f"{fn}: x has {k} {'columns' if multi else 'elements'}; K must be positive")
     _check_size(fn, "w", aw, _pad16(n) * k, f"N_pad*K (N={n}, K={k})")
     cdef const uint16_t *pw = <const uint16_t *>cnp.PyArray_DATA(aw)
     cdef const float *px = <const float *>cnp.PyArray_DATA(ax)
     cdef float *po = <float *>cnp.PyArray_DATA(ao)
     with nogil:
-        bk_gemv_f16(pw, px, <int>k, po, <int>n)
+        if multi:
+            bk_gemm_f16(pw, px, <int>m, <int>k, po, <int>n)
+        else:
+            bk_gemv_f16(pw, px, <int>k, po, <int>n)
+
+
+def gemv_f16(w, x, out):
+    """f16 LM head: out[n] = sum_k W[n,k] * x[k], sequential-in-k fmaf per row; w uint16|float16 f16_tile16 [N_pad*K]."""
+    _f16_call("gemv_f16", w, x, out, False)
+
+
+def gemm_f16(w, x, out):
+    """f16 LM head for M rows: out[m] = gemv_f16(w, x[m]) bit for bit; x f32 [M, K], out f32 [M, N]."""
+    _f16_call("gemm_f16", w, x, out, True)
 
 
 # ---------------------------------------------------------------- multi-row GEMV (speculative verification)
@@ -465,28 +465,28 @@ cdef inline Py_ssize_t _rows_m(str fn, cnp.ndarray aq, cnp.ndarray asc, cnp.ndar
 
 def gemv_rows_ternary(w, row_scale, xq, act_scale, act_sum, out):
     """gemm_ternary for M <= ROWS_MAX tokens read as one weight stream (bit-identical to M gemv_ternary calls)."""
-    _multi_ternary_call("gemv_rows_ternary", w, row_scale, xq, act_scale, act_sum, out, False, True)
+    _ternary_call("gemv_rows_ternary", w, row_scale, xq, act_scale, act_sum, out, False, ROWS, False)
 
 
 # ---------------------------------------------------------------- base-3 ternary weights (tile16b3)
 def gemv_ternary_b3(w, row_scale, xq, float act_scale, int act_sum, out):
     """gemv_ternary with w in the base-3 tile16b3 layout (simd/layout.py): the same floats."""
-    _gemv_ternary_call("gemv_ternary_b3", w, row_scale, xq, act_scale, act_sum, out, True, False)
+    _ternary_call("gemv_ternary_b3", w, row_scale, xq, act_scale, act_sum, out, True, ONE, False)
 
 
 def gemv_ternary_b3_i32(w, xq, int act_sum, out):
     """Raw exact dots out[n] = W_t[n] . xq as int32 from a tile16b3 matrix (tests; act_sum must be sum(xq))."""
-    _gemv_ternary_call("gemv_ternary_b3_i32", w, None, xq, 1.0, act_sum, out, True, True)
+    _ternary_call("gemv_ternary_b3_i32", w, None, xq, None, act_sum, out, True, ONE, True)
 
 
 def gemm_ternary_b3(w, row_scale, xq, act_scale, act_sum, out):
     """gemm_ternary with w in the tile16b3 layout (decoded a few tiles at a time): the same floats."""
-    _multi_ternary_call("gemm_ternary_b3", w, row_scale, xq, act_scale, act_sum, out, True, False)
+    _ternary_call("gemm_ternary_b3", w, row_scale, xq, act_scale, act_sum, out, True, GEMM, False)
 
 
 def gemv_rows_ternary_b3(w, row_scale, xq, act_scale, act_sum, out):
     """gemv_rows_ternary with w in the tile16b3 layout: the same floats."""
-    _multi_ternary_call("gemv_rows_ternary_b3", w, row_scale, xq, act_scale, act_sum, out, True, True)
+    _ternary_call("gemv_rows_ternary_b3", w, row_scale, xq, act_scale, act_sum, out, True, ROWS, False)
 
 
 def b3_to_tile16(w, int n, int k_pad, out):
@@ -506,30 +506,7 @@ def b3_to_tile16(w, int n, int k_pad, out):
 
 def gemv_rows_i8(w, row_scale, w_rowsum, xq, act_scale, out):
     """gemv_i8 for M <= ROWS_MAX rows xq [M, K_pad] with act_scale [M] -> out [M, N], one pass over the head."""
-    cdef str fn = "gemv_rows_i8"
-    cdef cnp.ndarray aw = _arr(fn, "w", w, cnp.NPY_INT8, 1, False)
-    cdef cnp.ndarray ars = _arr(fn, "row_scale", row_scale, cnp.NPY_FLOAT32, 1, False)
-    cdef cnp.ndarray arw = _arr(fn, "w_rowsum", w_rowsum, cnp.NPY_INT32, 1, False)
-    cdef cnp.ndarray aq = _arr(fn, "xq", xq, cnp.NPY_INT8, 2, False)
-    cdef cnp.ndarray asc = _arr(fn, "act_scale", act_scale, cnp.NPY_FLOAT32, 1, False)
-    cdef cnp.ndarray ao = _arr(fn, "out", out, cnp.NPY_FLOAT32, 2, True)
-    cdef Py_ssize_t k_pad = _k_pad_of(fn, cnp.PyArray_DIM(aq, 1))
-    cdef Py_ssize_t n = _n_of(fn, cnp.PyArray_DIM(ao, 1))
-    cdef Py_ssize_t m = _rows_m(fn, aq, asc, ao)
-    _check_size(fn, "w", aw, _pad16(n) * k_pad, f"N_pad*K_pad (N={n}, K_pad={k_pad})")
-    _check_at_least(fn, "w_rowsum", arw, n)
-    _check_at_least(fn, "row_scale", ars, n)
-    cdef const int8_t *pw = <const int8_t *>cnp.PyArray_DATA(aw)
-    cdef const float *prs = <const float *>cnp.PyArray_DATA(ars)
-    cdef const int32_t *prw = <const int32_t *>cnp.PyArray_DATA(arw)
-    cdef const int8_t *pq = <const int8_t *>cnp.PyArray_DATA(aq)
-    cdef const float *ps = <const float *>cnp.PyArray_DATA(asc)
-    cdef float *po = <float *>cnp.PyArray_DATA(ao)
-    cdef int rc
-    with nogil:
-        rc = bk_gemv_rows_i8(pw, prs, prw, pq, <int>m, <int>k_pad, ps, po, <int>n)
-    if rc != 0:
-        raise MemoryError(f"{fn}: out of memory for {m} rows of {k_pad}-column activations")
+    _i8_call("gemv_rows_i8", w, row_scale, w_rowsum, xq, act_scale, out, ROWS, False)
 
 
 # ---------------------------------------------------------------- group-quantized LM head (q4g_tile16)
@@ -588,28 +565,6 @@ def gemv_q4g_i32(codes, gscale, xq, out):
     _q4g_call("gemv_q4g_i32", codes, gscale, None, xq, None, out, True)
 
 
-def gemm_f16(w, x, out):
-    """f16 LM head for M rows: out[m] = gemv_f16(w, x[m]) bit for bit; x f32 [M, K], out f32 [M, N]."""
-    cdef str fn = "gemm_f16"
-    if isinstance(w, cnp.ndarray) and cnp.PyArray_TYPE(<cnp.ndarray>w) == cnp.NPY_FLOAT16:
-        w = (<cnp.ndarray>w).view(np.uint16)
-    cdef cnp.ndarray aw = _arr(fn, "w", w, cnp.NPY_UINT16, 1, False)
-    cdef cnp.ndarray ax = _arr(fn, "x", x, cnp.NPY_FLOAT32, 2, False)
-    cdef cnp.ndarray ao = _arr(fn, "out", out, cnp.NPY_FLOAT32, 2, True)
-    cdef Py_ssize_t m = cnp.PyArray_DIM(ax, 0), k = cnp.PyArray_DIM(ax, 1)
-    cdef Py_ssize_t n = _n_of(fn, cnp.PyArray_DIM(ao, 1))
-    if m <= 0 or cnp.PyArray_DIM(ao, 0) != m:
-        raise KernelError(f"{fn}: x has {m} rows but out has {cnp.PyArray_DIM(ao, 0)} (both are M, M >= 1)")
-    if k <= 0 or k > MAX_DIM:
-        raise KernelError(f"{fn}: x has {k} columns; K must be positive")
-    _check_size(fn, "w", aw, _pad16(n) * k, f"N_pad*K (N={n}, K={k})")
-    cdef const uint16_t *pw = <const uint16_t *>cnp.PyArray_DATA(aw)
-    cdef const float *px = <const float *>cnp.PyArray_DATA(ax)
-    cdef float *po = <float *>cnp.PyArray_DATA(ao)
-    with nogil:
-        bk_gemm_f16(pw, px, <int>m, <int>k, po, <int>n)
-
-
 # ---------------------------------------------------------------- runtime helpers (simd._ops)
 
 # ---------------------------------------------------------------- group-scaled ternary (tg128, Ternary Bonsai)
@@ -624,34 +579,7 @@ def quantize_act_g128(x, xq, xd, xsum, cols=None):
     """x f32 [M, K] | [K] -> xq int8 [M, K_pad] | [K_pad] (0 in padding), per group of 128 columns: xd f32 = amax/127,
     xsum int32 = sum of the group's xq ([M, K_pad/128] or [K_pad/128]); round half to even, clamp to +-127.
     cols: quantize only the first cols columns of each row of x (the gate half of [gate | up])."""
-    cdef str fn = "quantize_act_g128"
-    cdef cnp.ndarray ax = _arr(fn, "x", x, cnp.NPY_FLOAT32, 0, False)
-    cdef cnp.ndarray aq = _arr(fn, "xq", xq, cnp.NPY_INT8, 0, True)
-    cdef cnp.ndarray ad = _arr(fn, "xd", xd, cnp.NPY_FLOAT32, 0, True)
-    cdef cnp.ndarray asm = _arr(fn, "xsum", xsum, cnp.NPY_INT32, 0, True)
-    cdef int nd = cnp.PyArray_NDIM(ax)
-    if nd not in (1, 2) or cnp.PyArray_NDIM(aq) != nd:
-        raise KernelError(f"{fn}: x {(<object>ax).shape} and xq {(<object>aq).shape} must both be 1-D or both 2-D")
-    cdef Py_ssize_t m = _tg_rows(fn, ax, nd)
-    cdef Py_ssize_t ldx = cnp.PyArray_DIM(ax, nd - 1)
-    cdef Py_ssize_t k = ldx if cols is None else cols
-    if k > ldx:
-        raise KernelError(f"{fn}: cols={k} is more than the {ldx} columns of x")
-    cdef Py_ssize_t k_pad = _k_pad_of(fn, cnp.PyArray_DIM(aq, nd - 1))
-    if k_pad % BK_TG_GROUP:
-        raise KernelError(f"{fn}: xq has {k_pad} columns, not a multiple of {BK_TG_GROUP}")
-    if nd == 2 and cnp.PyArray_DIM(aq, 0) != m:
-        raise KernelError(f"{fn}: x has {m} rows but xq has {cnp.PyArray_DIM(aq, 0)}")
-    if k <= 0 or k > k_pad:
-        raise KernelError(f"{fn}: x has {k} columns, must be in 1..K_pad={k_pad} (xq's last dim)")
-    _check_size(fn, "xd", ad, m * (k_pad // BK_TG_GROUP), "M*K_pad/128")
-    _check_size(fn, "xsum", asm, m * (k_pad // BK_TG_GROUP), "M*K_pad/128")
-    cdef const float *px = <const float *>cnp.PyArray_DATA(ax)
-    cdef int8_t *pq = <int8_t *>cnp.PyArray_DATA(aq)
-    cdef float *pd = <float *>cnp.PyArray_DATA(ad)
-    cdef int32_t *pm = <int32_t *>cnp.PyArray_DATA(asm)
-    with nogil:
-        bk_quantize_act_g128(px, <int>m, <int>k, <int>ldx, <int>k_pad, pq, pd, pm)
+    _quantize_call("quantize_act_g128", x, xq, xd, xsum, cols, True)
 
 
 def gemv_tg(w, xq, xd, xsum, out):

@@ -23,11 +23,12 @@ def isa(request):
 
 # ---- bitnet serve (tests/serve_proc.py): one server per test module that asks for it -----------------------
 @pytest.fixture(scope="module")
-def server():
-    """`bitnet serve --parallel 16` on the bundled model, a real subprocess on 127.0.0.1."""
+def server(request):
+    """`bitnet serve --parallel 16` on the bundled model, a real subprocess on 127.0.0.1 (a test module's
+    SERVER_ARGS replace the flags)."""
     from serve_proc import Server
 
-    s = Server("--parallel", "16")
+    s = Server(*getattr(request.module, "SERVER_ARGS", ("--parallel", "16")))
     yield s
     s.stop()
 

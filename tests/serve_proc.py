@@ -19,6 +19,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_healthy(url: str, timeout: float, proc=None, poll: float = 0.2) -> bool:
+    """GET url/health until it answers 200 (True), or until timeout s have passed or proc has exited (False)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and (proc is None or proc.poll() is None):
+        try:
+            if httpx.get(url + "/health", timeout=3).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(poll)
+    return False
+
+
 class Server:
     def __init__(self, *extra: str, threads: int = 2, timeout: float = 60.0):
         self.port = free_port()
@@ -28,16 +41,10 @@ class Server:
             [sys.executable, "-m", "bitnet_cpu", "serve", "--host", "127.0.0.1", "--port", str(self.port),
              "-t", str(threads), *extra],
             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"bitnet serve exited {self.proc.returncode}: {self.proc.stderr.read()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
+        if wait_healthy(self.url, timeout, self.proc):
+            return
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"bitnet serve exited {self.proc.returncode}: {self.proc.stderr.read()}")
         self.stop()
         raise RuntimeError("bitnet serve did not become healthy in time")
 

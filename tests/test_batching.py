@@ -17,7 +17,7 @@ from bitnet_cpu.engine.runtime import model as model_mod
 from bitnet_cpu.engine.runtime.model import Model
 from bitnet_cpu.simd import _kernels as K
 from bitnet_cpu.engine.formats.store import Store
-from test_model_fixtures import make_synth
+from test_model_fixtures import make_synth, running_engine
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -186,8 +186,7 @@ def test_greedy_same_alone_and_with_15_others(synth):
     llm = load_model(stores["i8"], ctx=256, progress=False)
     alone = [_tokens(llm.generate(p, GREEDY, max_tokens=12)) for p in prompts]
     llm.close()
-    eng = load_engine(stores["i8"], ctx=256, parallel=16, progress=False)
-    try:
+    with running_engine(stores["i8"], ctx=256, parallel=16) as eng:
         streams = [eng.submit(p, GREEDY, max_tokens=12) for p in prompts]
         outs = [_collect(s) for s in streams]
         assert [_tokens(o) for o in outs] == alone
@@ -204,14 +203,11 @@ def test_greedy_same_alone_and_with_15_others(synth):
         # nothing held but the prefix index; dropping it returns every page
         assert met["kv_pages_used"] == met["kv_pages_cached"]
         _assert_every_page_returns(eng)
-    finally:
-        eng.close()
 
 
 def test_cancel_frees_pages_and_close_cancels(synth):
     m, _, stores = synth
-    eng = load_engine(stores["f16"], ctx=256, parallel=4, progress=False)
-    try:
+    with running_engine(stores["f16"], ctx=256, parallel=4) as eng:
         # cancelled on the scheduler thread after its third token (so how far it got is fixed), and submitted
         # there too, so that `stream` holds it before the first step can call back
         stream = []
@@ -225,8 +221,6 @@ def test_cancel_frees_pages_and_close_cancels(synth):
         # close() ends what is in flight with "cancelled"
         s2 = eng.submit(list(range(1, 20)), GREEDY, max_tokens=10_000)
         s3 = eng.submit(list(range(1, 20)), GREEDY, max_tokens=10_000)
-    finally:
-        eng.close()
     for st in (s2, s3):
         assert _collect(st)[-1].finish_reason in ("cancelled", "context", "eos")
 
@@ -242,8 +236,7 @@ def test_prefix_sharing_reuses_pages_and_cow_keeps_outputs(synth):
         e = load_engine(stores["f16"], ctx=256, parallel=4, progress=False)
         fresh[name] = _tokens(_collect(e.submit(p, GREEDY, max_tokens=8)))
         e.close()
-    eng = load_engine(stores["f16"], ctx=256, parallel=4, progress=False)
-    try:
+    with running_engine(stores["f16"], ctx=256, parallel=4) as eng:
         out_a = _collect(eng.submit(a, GREEDY, max_tokens=8))
         assert _tokens(out_a) == fresh["a"]
         n_a = out_a[-1].stats.n_prompt + out_a[-1].stats.n_generated - 1   # positions computed
@@ -262,8 +255,6 @@ def test_prefix_sharing_reuses_pages_and_cow_keeps_outputs(synth):
         assert out_a2[-1].stats.n_cached == 96 and _tokens(out_a2) == fresh["a"]
         assert out_c[-1].stats.n_cached == 40 and _tokens(out_c) == fresh["c"]
         _assert_every_page_returns(eng)
-    finally:
-        eng.close()
 
 
 def test_pool_exhaustion_waits_and_does_not_corrupt(synth):
@@ -365,15 +356,12 @@ def test_random_submit_cancel_two_threads(synth):
 
 def test_engine_attributes(synth):
     m, _, stores = synth
-    eng = load_engine(stores["f16"], ctx=64, parallel=2, progress=False)
-    try:
+    with running_engine(stores["f16"], ctx=64, parallel=2) as eng:
         assert isinstance(eng, Engine) and eng.n_ctx == 64 and eng.config.vocab_size == m.V and eng.name
         ids = eng.tokenize("hello world")
         assert eng.detokenize(ids) == "hello world"
         assert eng.chat_prompt([{"role": "user", "content": "hi"}])
         assert eng.slots() == []
-    finally:
-        eng.close()
 
 
 def test_pool_size_in_mib_and_bad_sizes(synth):
@@ -382,11 +370,8 @@ def test_pool_size_in_mib_and_bad_sizes(synth):
     m, _, stores = synth
     cfg = Store(stores["f16"]).config
     per_tok = KVPool.bytes_per_token(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, "f16")
-    eng = load_engine(stores["f16"], ctx=64, parallel=2, kv_pool_mib=per_tok * 256 / 2**20, progress=False)
-    try:
+    with running_engine(stores["f16"], ctx=64, parallel=2, kv_pool_mib=per_tok * 256 / 2**20) as eng:
         assert eng.metrics()["kv_pages_total"] == 256 // PAGE_TOKENS
-    finally:
-        eng.close()
     # int8 pages in the same MiB: (128 + 4) / 256 of the bytes per token at head_dim 128, so ~1.9x the pages
     per_q8 = KVPool.bytes_per_token(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, "q8")
     assert per_q8 == 2 * cfg.n_layers * cfg.n_kv_heads * (cfg.head_dim + 4)
@@ -408,8 +393,7 @@ def test_pool_size_in_mib_and_bad_sizes(synth):
 
 def test_failing_callback_cancels_only_its_request(synth, capsys):
     m, _, stores = synth
-    eng = load_engine(stores["f16"], ctx=128, parallel=4, progress=False)
-    try:
+    with running_engine(stores["f16"], ctx=128, parallel=4) as eng:
         def bad(chunks):
             raise RuntimeError("consumer went away")
 
@@ -420,8 +404,6 @@ def test_failing_callback_cancels_only_its_request(synth, capsys):
         assert got.wait()[-1].finish_reason == "cancelled"
         assert "consumer went away" in capsys.readouterr().err
         eng.check_consistency()
-    finally:
-        eng.close()
 
 
 def test_ignore_eos_matches_generate(synth):
@@ -431,13 +413,10 @@ def test_ignore_eos_matches_generate(synth):
     p = [5, 6, 7, 8]
     want = _tokens(llm.generate(p, SamplingParams(temperature=1.5, seed=4), max_tokens=40, ignore_eos=True))
     llm.close()
-    eng = load_engine(stores["f16"], ctx=128, parallel=2, progress=False)
-    try:
+    with running_engine(stores["f16"], ctx=128, parallel=2) as eng:
         out = _collect(eng.submit(p, SamplingParams(temperature=1.5, seed=4), max_tokens=40, ignore_eos=True))
         assert _tokens(out) == want and len(want) == 40 and not set(want) & set(eos)
         assert out[-1].finish_reason == "length"
-    finally:
-        eng.close()
 
 
 def test_llama_architecture_model_batched_equals_alone(tmp_path):
@@ -510,8 +489,7 @@ def _lookup_workload(V):
 
 
 def _run_workload(store, lookup, system, work, max_batch_tokens=256, max_tokens=48):
-    eng = load_engine(store, ctx=256, parallel=8, max_batch_tokens=max_batch_tokens, progress=False, lookup=lookup)
-    try:
+    with running_engine(store, ctx=256, parallel=8, max_batch_tokens=max_batch_tokens, lookup=lookup) as eng:
         # the system prompt alone first, so that every request below finds its pages in the prefix index
         outs = [_collect(eng.submit(system + [1, 2, 3] * 8, GREEDY, max_tokens=4))]
         streams = _submit_together(eng, [(p, sp, {"max_tokens": max_tokens}) for p, sp in work])
@@ -522,8 +500,6 @@ def _run_workload(store, lookup, system, work, max_batch_tokens=256, max_tokens=
         assert met["kv_pages_used"] == met["kv_pages_cached"]  # nothing held but the prefix index
         _assert_every_page_returns(eng)
         return outs, met, pages
-    finally:
-        eng.close()
 
 
 @pytest.mark.parametrize("head,max_batch_tokens", [("i8", 256), ("f16", 256), ("i8", 10)])

@@ -20,8 +20,6 @@ PAGES = [os.path.join(ROOT, "README.md")] + sorted(glob.glob(os.path.join(ROOT, 
 FENCE = re.compile(r"^```([^\n]*)\n(.*?)^```[ \t]*$", re.S | re.M)
 MARKER = "<!-- runnable -->"
 COMMAND_SECONDS = 120          # a hang guard for one command, not a speed check
-# pages other branches add; a link to one of these may dangle until they land (then this set can go)
-PENDING_PAGES = {"docs/arm.md", "docs/kv-cache.md", "docs/serving-limits.md"}
 
 
 def runnable_blocks(path):
@@ -91,6 +89,6 @@ def test_relative_links_point_at_files():
             if re.match(r"[a-z]+:", target):
                 continue
             full = os.path.normpath(os.path.join(os.path.dirname(path), target))
-            if not os.path.exists(full) and os.path.relpath(full, ROOT) not in PENDING_PAGES:
+            if not os.path.exists(full):
                 missing.append(f"{os.path.relpath(path, ROOT)} -> {target}")
     assert not missing, missing

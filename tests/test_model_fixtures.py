@@ -2,6 +2,7 @@
 transformers reference loaded in float32 (FORMATS.md §6)."""
 from __future__ import annotations
 
+import contextlib
 import os
 
 import numpy as np
@@ -12,6 +13,18 @@ from bitnet_cpu.engine.synth import SynthModel, small_config, write_hf_dir
 
 # torch.compile on transformers' BitLinear helpers only costs compile time on CPU; results are the same
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+
+
+@contextlib.contextmanager
+def running_engine(path, **kw):
+    """load_engine(path, progress=False, **kw), closed on leaving the block (also when a test fails in it)."""
+    from bitnet_cpu.engine.api import load_engine
+
+    eng = load_engine(path, progress=False, **kw)
+    try:
+        yield eng
+    finally:
+        eng.close()
 
 
 def make_synth(tmp_dir, seed: int = 0, *, style: str = "bitnet", lm_heads=("f16",), **cfg):

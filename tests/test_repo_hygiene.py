@@ -45,3 +45,24 @@ def test_gitignore_keeps_packages_out():
     with open(os.path.join(ROOT, ".gitignore"), encoding="utf-8") as f:
         patterns = {line.strip() for line in f}
     assert {"*.whl", "*.tar.gz", "*.zip"} <= patterns
+
+
+TEXT_SUFFIXES = (".py", ".pyx", ".pxi", ".pxd", ".c", ".h", ".md", ".sh", ".toml", ".txt", ".cfg", ".yml", ".yaml")
+
+
+def test_no_issue_numbers_in_tracked_text():
+    """An issue number means nothing to a reader of the repository: code, comments, docs, headings and file
+    names say what a thing does or measures instead."""
+    import re
+    pattern = re.compile(r"\bissues? ?#?\d+\b", re.IGNORECASE)
+    found = []
+    for path in tracked_files():
+        if pattern.search(os.path.basename(path)):
+            found.append(path)
+        if not path.endswith(TEXT_SUFFIXES) or not os.path.isfile(os.path.join(ROOT, path)):
+            continue
+        with open(os.path.join(ROOT, path), encoding="utf-8", errors="replace") as f:
+            for n, line in enumerate(f, 1):
+                if pattern.search(line):
+                    found.append(f"{path}:{n}: {line.strip()[:80]}")
+    assert not found, "issue numbers in tracked files (say what the thing does instead):\n" + "\n".join(found)

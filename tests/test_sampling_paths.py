@@ -5,11 +5,11 @@ of one prompt (Engine.submit_n) run one prefill, share its pages and equal n sep
 import numpy as np
 import pytest
 
-from bitnet_cpu.engine.api import SamplingParams, load_engine, load_model
+from bitnet_cpu.engine.api import SamplingParams, load_model
 from bitnet_cpu.engine.batching.kv_pool import PAGE_TOKENS
 from bitnet_cpu.engine.errors import BitNetError
 from bitnet_cpu.engine.runtime.speculative import LookupParams
-from test_model_fixtures import make_synth
+from test_model_fixtures import make_synth, running_engine
 
 
 @pytest.fixture(scope="module")
@@ -45,14 +45,11 @@ def test_seed_and_penalties_hold_on_every_path(synth):
     assert alone == looked and len(alone) == 48 and 4 not in alone
     assert other != alone
     for lookup in (None, LookupParams(draft_max=4, ngram_min=1)):
-        eng = load_engine(stores["f16"], ctx=256, parallel=4, progress=False, lookup=lookup)
-        try:
+        with running_engine(stores["f16"], ctx=256, parallel=4, lookup=lookup) as eng:
             busy = [eng.submit([9, 10, 11], RICH, max_tokens=30) for _ in range(2)]   # others in the same steps
             assert _tokens(eng.submit(prompt, RICH, max_tokens=48)) == alone, lookup
             for b in busy:
                 list(b)
-        finally:
-            eng.close()
 
 
 @pytest.mark.parametrize("head", ["f16", "q4"])
@@ -72,11 +69,8 @@ def test_logprobs_are_log_softmax_of_forward_logits(synth, head):
         ref = _log_softmax(logits)
     finally:
         llm.close()
-    eng = load_engine(stores[head], ctx=128, parallel=2, progress=False)
-    try:
+    with running_engine(stores[head], ctx=128, parallel=2) as eng:
         batched = [c for c in eng.submit(prompt, p, max_tokens=12, ignore_eos=True) if c.token is not None]
-    finally:
-        eng.close()
     assert [c.token for c in batched] == toks
     for run in (chunks, batched):
         for j, c in enumerate(run):
@@ -92,8 +86,7 @@ def test_n_choices_share_one_prefill(synth, prompt_len):
     m, _, stores = synth
     prompt = np.random.default_rng(prompt_len).integers(1, m.V, prompt_len).tolist()
     hot = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=3)
-    eng = load_engine(stores["f16"], ctx=256, parallel=8, progress=False)
-    try:
+    with running_engine(stores["f16"], ctx=256, parallel=8) as eng:
         alone = [_tokens(eng.submit(prompt, SamplingParams(**{**hot.__dict__, "seed": 3 + i}), max_tokens=24,
                                     ignore_eos=True)) for i in range(4)]
         greedy_alone = _tokens(eng.submit(prompt, SamplingParams(temperature=0), max_tokens=24))
@@ -110,14 +103,11 @@ def test_n_choices_share_one_prefill(synth, prompt_len):
         eng.check_consistency()
         eng.clear_prefix_cache()
         assert eng.metrics()["kv_pages_used"] == 0 and eng.metrics()["kv_pages_reserved"] == 0
-    finally:
-        eng.close()
 
 
 def test_n_choices_cancel_zero_tokens_and_limits(synth):
     m, _, stores = synth
-    eng = load_engine(stores["f16"], ctx=256, parallel=4, progress=False)
-    try:
+    with running_engine(stores["f16"], ctx=256, parallel=4) as eng:
         zero = [list(s) for s in eng.submit_n([5, 6, 7], None, 3, max_tokens=0)]
         assert [o[-1].finish_reason for o in zero] == ["length"] * 3
         streams = eng.submit_n(list(range(1, 200)), None, 3, max_tokens=50)
@@ -131,8 +121,6 @@ def test_n_choices_cancel_zero_tokens_and_limits(synth):
         eng.check_consistency()
         eng.clear_prefix_cache()
         assert eng.metrics()["kv_pages_used"] == 0 and eng.metrics()["kv_pages_reserved"] == 0
-    finally:
-        eng.close()
 
 
 def test_n_choices_each_keep_their_own_constraint():
@@ -147,8 +135,7 @@ def test_n_choices_each_keep_their_own_constraint():
               "properties": {"tags": {"type": "array", "minItems": 1, "maxItems": 3,
                                       "items": {"type": "string", "maxLength": 6}}}}
     c = Constraint.json_schema(schema)
-    eng = load_engine(None, progress=False, parallel=4)
-    try:
+    with running_engine(None, parallel=4) as eng:
         ids = eng.chat_prompt([{"role": "user", "content": "Tags for a cat"}])
         hot = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=40)
         outs = [list(s) for s in eng.submit_n(ids, hot, 3, max_tokens=120, constraint=c)]
@@ -157,5 +144,3 @@ def test_n_choices_each_keep_their_own_constraint():
             alone = list(eng.submit(ids, SamplingParams(**{**hot.__dict__, "seed": 40 + i}), max_tokens=120, constraint=c))
             assert _tokens(o) == _tokens(alone), i
         eng.check_consistency()
-    finally:
-        eng.close()

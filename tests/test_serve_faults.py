@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 uvicorn = pytest.importorskip("uvicorn", reason="bitnet serve needs the serve extra (pip install .[serve])")
-from serve_proc import free_port, slow_model  # noqa: E402
+from serve_proc import free_port, slow_model, wait_healthy  # noqa: E402
 
 
 class InProcessServer:
@@ -28,14 +28,8 @@ class InProcessServer:
                                                     lifespan="on", http=guarded_protocol(Limits())))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
+        if not wait_healthy(self.url, 60, poll=0.1):
+            raise RuntimeError("the in-process server did not become healthy within 60 s")
         self.engine = self.app.state.bitnet.engine
 
     def wait_slots(self, pred, timeout=15.0):

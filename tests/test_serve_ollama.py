@@ -15,18 +15,12 @@ pytest.importorskip("fastapi", reason="bitnet serve needs the serve extra (pip i
 
 from serve_proc import Server  # noqa: E402
 
+SERVER_ARGS = ("--parallel", "4")   # conftest's server fixture
 Q = [{"role": "user", "content": "What is 12+7?"}]
 GREEDY = {"temperature": 0}
 ADD = {"type": "function", "function": {"name": "add", "description": "add two integers", "parameters": {
     "type": "object", "additionalProperties": False, "required": ["a", "b"],
     "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}
-
-
-@pytest.fixture(scope="module")
-def server():
-    s = Server("--parallel", "4")
-    yield s
-    s.stop()
 
 
 @pytest.fixture(scope="module")

@@ -3,6 +3,7 @@ the openai client spread over both replicas, and a killed replica is replaced wh
 Bounded: ~3 minutes at most. Skipped (with the reason) when ray[serve] is not installed or Ray cannot start."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -14,7 +15,7 @@ import pytest
 
 openai = pytest.importorskip("openai", reason="needs the openai client (pip install .[test])")
 pytest.importorskip("ray.serve", reason="Ray Serve not installed (pip install .[cluster])")
-from serve_proc import ROOT, free_port  # noqa: E402
+from serve_proc import ROOT, free_port, wait_healthy  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -30,28 +31,24 @@ def _instances(client, n):
     return seen
 
 
-def test_ray_two_replicas_spread_and_replace():
+@contextlib.contextmanager
+def _ray_app(parallel: int):
+    """`bitnet serve --ray-replicas 2` started and waited for until both replicas answer (bounded: 150 s); yields
+    (url, openai client, the two instance ids seen, app). On leaving, the app gets SIGINT and app["returncode"]
+    its exit status. Skips with Ray's last line when Ray cannot start here."""
     port = free_port()
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
                RAY_USAGE_STATS_ENABLED="0")
     proc = subprocess.Popen([sys.executable, "-m", "bitnet_cpu", "serve", "--ray-replicas", "2", "--host", "127.0.0.1",
-                             "--port", str(port), "-t", "1", "--parallel", "4"],
+                             "--port", str(port), "-t", "1", "--parallel", str(parallel)],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
+    app = {"returncode": None}
     try:
         deadline = time.monotonic() + 150
-        up = False
-        while time.monotonic() < deadline and proc.poll() is None:
-            try:
-                up = httpx.get(url + "/health", timeout=3).status_code == 200
-            except httpx.HTTPError:
-                pass
-            if up:
-                break
-            time.sleep(1)
+        up = wait_healthy(url, 150, proc, poll=1)
         if proc.poll() is not None:
-            err = proc.stderr.read()
-            pytest.skip(f"Ray could not start here (exit {proc.returncode}): {err.strip().splitlines()[-1:]}")
+            pytest.skip(f"Ray could not start here (exit {proc.returncode}): {proc.stderr.read().strip().splitlines()[-1:]}")
         assert up, "Ray Serve app not healthy within 150 s"
         client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=2, timeout=60)
         # both replicas load their own engine; wait until two distinct ones answer (bounded)
@@ -59,7 +56,20 @@ def test_ray_two_replicas_spread_and_replace():
         while len(seen) < 2 and time.monotonic() < deadline:
             seen |= set(_instances(client, 6))
         assert len(seen) == 2, seen
+        yield url, client, seen, app
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        app["returncode"] = proc.returncode
 
+
+def test_ray_two_replicas_spread_and_replace():
+    with _ray_app(parallel=4) as (url, client, seen, app):
         import ray
         ray.init(address="auto", namespace="serve", logging_level="ERROR", log_to_driver=False)
         try:
@@ -81,15 +91,7 @@ def test_ray_two_replicas_spread_and_replace():
             assert after - seen, "no answer from the replacement replica"
         finally:
             ray.shutdown()
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == 0
+    assert app["returncode"] == 0
 
 
 def test_ray_replica_sigkill_under_load():
@@ -97,31 +99,9 @@ def test_ray_replica_sigkill_under_load():
     closed stream, never a hang; requests succeed again within seconds (the router stops sending to the dead
     one) and a new replica takes load. The replica's process id comes from the X-Bitnet-Instance header."""
     import threading
-    port = free_port()
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               RAY_USAGE_STATS_ENABLED="0")
-    proc = subprocess.Popen([sys.executable, "-m", "bitnet_cpu", "serve", "--ray-replicas", "2", "--host", "127.0.0.1",
-                             "--port", str(port), "-t", "1", "--parallel", "8"],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
     body = {"messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 400, "temperature": 2.0,
             "top_p": 1.0, "top_k": 0, "min_p": 0.0, "ignore_eos": True}
-    try:
-        deadline = time.monotonic() + 150
-        up = False
-        while time.monotonic() < deadline and proc.poll() is None and not up:
-            try:
-                up = httpx.get(url + "/health", timeout=3).status_code == 200
-            except httpx.HTTPError:
-                time.sleep(1)
-        if proc.poll() is not None:
-            pytest.skip(f"Ray could not start here (exit {proc.returncode}): {proc.stderr.read().strip().splitlines()[-1:]}")
-        assert up, "Ray Serve app not healthy within 150 s"
-        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=2, timeout=60)
-        seen = set()
-        while len(seen) < 2 and time.monotonic() < deadline:
-            seen |= set(_instances(client, 6))
-        assert len(seen) == 2, seen
+    with _ray_app(parallel=8) as (url, client, seen, _):
         ends, lock = [], threading.Lock()
 
         def stream():
@@ -167,11 +147,3 @@ def test_ray_replica_sigkill_under_load():
               f"{time.monotonic() - t_kill:.0f} s after")
         assert after - seen, "no new replica took load"
         assert victim not in after
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()

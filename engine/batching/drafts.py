@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..runtime.speculative import choose_draft
+
 FORCED_DRAFT_MAX = 8   # rows of one forced-token (jump-forward) draft: JSON keys and punctuation rarely run longer
 FORCED_STEP_ROWS = 12  # forced drafts are planned only while a step has fewer rows than this (see _plan_drafts)
 
@@ -33,13 +35,11 @@ class Drafts:
                 room -= 1
             if room <= 0:
                 continue
-            draft, s.looked_up = (s.cm.forced(min(room, forced_rows)) if forcing else []), False
-            if draft:
+            draft, s.looked_up = choose_draft(s.cm, min(room, forced_rows) if forcing else 0,
+                                              s.finder if lookup else None, s.tokens,
+                                              min(room, s.draft_len.k) if lookup else 0)
+            if not s.looked_up:
                 forced_rows -= len(draft)
-            if not draft and lookup:
-                draft, s.looked_up = s.finder.propose(s.tokens, min(room, s.draft_len.k)), True
-                if s.cm is not None:   # a draft token the grammar forbids ends the draft
-                    draft = s.cm.valid_prefix(draft)
             if draft:
                 s.draft = draft
                 e[1] = 1 + len(draft)

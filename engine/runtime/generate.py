@@ -19,7 +19,7 @@ import numpy as np
 from ..errors import BitNetError, ContextOverflowError
 from .constraints import compile_constraint
 from .sampling import Sampler, SamplingParams, TokenLogprob
-from .speculative import DraftLength, LookupParams, PromptLookup, default_lookup
+from .speculative import DraftLength, LookupParams, PromptLookup, choose_draft, default_lookup
 
 FINISH_MESSAGES = {
     "eos": "end of sequence",
@@ -213,11 +213,9 @@ def generate(model, tokenizer, prompt_ids: Sequence[int], params: SamplingParams
                 rows = None
             # no draft past the context or past the tokens still wanted (the last one needs no check)
             room = min(model.verify_max - 1, model.n_ctx - model.n_past - 1, max_tokens - n_gen - 1)
-            draft, looked_up = (cm.forced(room) if forcing else []), False
-            if not draft and finder is not None and draft_len.ready():
-                draft, looked_up = finder.propose(history, min(room, draft_len.k)), True
-                if cm is not None:   # a draft token the grammar forbids ends the draft
-                    draft = cm.valid_prefix(draft)
+            lookup = finder is not None and draft_len.ready()
+            draft, looked_up = choose_draft(cm, room if forcing else 0, finder if lookup else None, history,
+                                            min(room, draft_len.k) if lookup else 0)
             if draft:
                 base, j = model.n_past, 0
                 rows = model.verify([tok] + draft)

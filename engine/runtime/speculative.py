@@ -103,6 +103,19 @@ class DraftLength:
         else:
             self.backoff, self.cooldown = 1, 0
 
+
+def choose_draft(cm, n_forced: int, finder: PromptLookup | None, tokens, k: int) -> tuple[list[int], bool]:
+    """The draft of one decode step and whether prompt lookup made it (its length adapts; forced ones do not).
+    The grammar's forced tokens come first (up to n_forced: where only one continuation is allowed, every one
+    is accepted); otherwise up to k tokens that finder proposes from tokens (finder None: no lookup), cut at
+    the first one the grammar (cm, or None) forbids. Shared by the generator and the batching scheduler."""
+    draft = cm.forced(n_forced) if cm is not None and n_forced > 0 else []
+    if draft or finder is None:
+        return draft, False
+    draft = finder.propose(tokens, k)
+    return (cm.valid_prefix(draft) if cm is not None else draft), True
+
+
 def default_lookup(model) -> LookupParams:
     """Off unless asked for (--draft-max K): the rule is "on by default only where never slower", and on the
     2-core machine a verify pass is compute-bound from M = 3 rows (1.6x a decode; 2 rows 1.06-1.19x), so on

@@ -141,19 +141,26 @@ int fault_guard_install(const char *message_prefix, int code) {
 
 int fault_guard_installed(void) { return installed; }
 
-int fault_guard_add_region(const void *start, size_t length, const char *message) {
-    for (int i = 0; i < FG_MAX_REGIONS; i++) {
+/* Claim the first free slot of a table (used: 0 -> -1, taken but not yet visible to the handler, which reads
+ * only slots at 1): its index, or -1 when all are taken. The caller fills the slot, then publishes it. */
+#define CLAIM_SLOT(table, count) claim_slot(&(table)[0].used, sizeof(table)[0], (count))
+static int claim_slot(int *first_used, size_t stride, int count) {
+    for (int i = 0; i < count; i++) {
         int expected = 0;
-        /* claim with -1 (not yet visible to the handler), fill, then publish */
-        if (__atomic_compare_exchange_n(&regions[i].used, &expected, -1, 0, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED)) {
-            regions[i].start = (uintptr_t)start;
-            regions[i].end = (uintptr_t)start + length;
-            bounded_copy(regions[i].message, message, FG_MESSAGE_MAX);
-            __atomic_store_n(&regions[i].used, 1, __ATOMIC_RELEASE);
-            return i;
-        }
+        int *used = (int *)((char *)first_used + (size_t)i * stride);
+        if (__atomic_compare_exchange_n(used, &expected, -1, 0, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED)) return i;
     }
     return -1;
+}
+
+int fault_guard_add_region(const void *start, size_t length, const char *message) {
+    int i = CLAIM_SLOT(regions, FG_MAX_REGIONS);
+    if (i < 0) return -1;
+    regions[i].start = (uintptr_t)start;
+    regions[i].end = (uintptr_t)start + length;
+    bounded_copy(regions[i].message, message, FG_MESSAGE_MAX);
+    __atomic_store_n(&regions[i].used, 1, __ATOMIC_RELEASE);
+    return i;
 }
 
 void fault_guard_remove_region(int slot) {
@@ -162,15 +169,11 @@ void fault_guard_remove_region(int slot) {
 
 int fault_guard_add_cleanup(const char *path) {
     if (strlen(path) >= FG_PATH_MAX) return -1;
-    for (int i = 0; i < FG_MAX_CLEANUPS; i++) {
-        int expected = 0;
-        if (__atomic_compare_exchange_n(&cleanups[i].used, &expected, -1, 0, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED)) {
-            memcpy(cleanups[i].path, path, strlen(path) + 1);
-            __atomic_store_n(&cleanups[i].used, 1, __ATOMIC_RELEASE);
-            return i;
-        }
-    }
-    return -1;
+    int i = CLAIM_SLOT(cleanups, FG_MAX_CLEANUPS);
+    if (i < 0) return -1;
+    memcpy(cleanups[i].path, path, strlen(path) + 1);
+    __atomic_store_n(&cleanups[i].used, 1, __ATOMIC_RELEASE);
+    return i;
 }
 
 void fault_guard_remove_cleanup(int slot) {

@@ -131,8 +131,9 @@ int bk_best_isa(void) {
     return BK_ISA_SCALAR;
 }
 
-/* The next path down from each (avxvnni -> avx2, avx512 -> avx2, i8mm -> dotprod -> neon); scalar ends it. */
-static int isa_down(int isa) {
+/* The path whose body stands in for a missing one of isa, before the scalar reference: avxvnni and avx512 ->
+ * avx2, i8mm -> dotprod -> neon. */
+int bk_isa_down(int isa) {
     switch (isa) {
     case BK_ISA_AVXVNNI:
     case BK_ISA_AVX512: return BK_ISA_AVX2;
@@ -142,22 +143,15 @@ static int isa_down(int isa) {
     }
 }
 
-/* Per job: the body of the chosen ISA if compiled in, else that of the first path down that has one, else the
- * scalar reference: never NULL. */
+/* Per job: BK_PICK (bodies.h), the body of isa, else of the first path down that has one, else the scalar one:
+ * never NULL. */
 void bk_fill_table(bk_table_t *t, int isa) {
-#define PICK(field, bodies)                                                   \
-    do {                                                                      \
-        int at_ = isa;                                                        \
-        while (at_ != BK_ISA_SCALAR && !bodies[at_]) at_ = isa_down(at_);     \
-        t->field = bodies[at_];                                               \
-    } while (0)
-    PICK(quantize_act, bk_quantize_bodies);
-    PICK(quantize_scaled, bk_quantize_scaled_bodies);
-    PICK(gemv_ternary, bk_gemv_ternary_bodies);
-    PICK(gemm_ternary, bk_gemm_ternary_bodies);
-    PICK(gemv_i8, bk_gemv_i8_bodies);
-    PICK(gemv_f16, bk_gemv_f16_bodies);
-#undef PICK
+    t->quantize_act = BK_PICK(bk_quantize_bodies, isa);
+    t->quantize_scaled = BK_PICK(bk_quantize_scaled_bodies, isa);
+    t->gemv_ternary = BK_PICK(bk_gemv_ternary_bodies, isa);
+    t->gemm_ternary = BK_PICK(bk_gemm_ternary_bodies, isa);
+    t->gemv_i8 = BK_PICK(bk_gemv_i8_bodies, isa);
+    t->gemv_f16 = BK_PICK(bk_gemv_f16_bodies, isa);
     if (isa == BK_ISA_AVXVNNI) bk_fill_avxvnni(t, bk_get_features()->avxvnni);
 }
 

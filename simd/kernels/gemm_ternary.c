@@ -11,7 +11,7 @@
 #include "x86_common.h"
 #endif
 #if defined(__aarch64__)
-#include <arm_neon.h>
+#include "ternary_neon.h"
 #endif
 
 /* The scalar reference: the GEMV reference body once per token. */
@@ -314,39 +314,17 @@ static void gemm_ternary_i8mm(const uint8_t *w, const float *row_scale, const in
 #endif
 
 const bk_gemm_ternary_fn bk_gemm_ternary_bodies[BK_N_ISA] = {
-    [BK_ISA_SCALAR] = gemm_ternary_scalar,
-#if defined(__x86_64__)
-    [BK_ISA_AVX2] = gemm_ternary_avx2,
-    [BK_ISA_AVX512] = gemm_ternary_avx512,
-#endif
-#if defined(__aarch64__)
-    [BK_ISA_NEON] = gemm_ternary_neon_plain,
-    [BK_ISA_DOTPROD] = gemm_ternary_neon,
-    [BK_ISA_I8MM] = gemm_ternary_i8mm,
-#endif
+    BK_BODY(SCALAR, gemm_ternary_scalar) BK_X86_BODY(AVX2, gemm_ternary_avx2) BK_X86_BODY(AVX512, gemm_ternary_avx512)
+    BK_ARM_BODY(NEON, gemm_ternary_neon_plain) BK_ARM_BODY(DOTPROD, gemm_ternary_neon)
+    BK_ARM_BODY(I8MM, gemm_ternary_i8mm)
 };
 
-typedef struct {
-    bk_gemm_ternary_fn fn;
-    const uint8_t *w;
-    const float *row_scale;
-    const int8_t *xq;
-    int m, k_pad;
-    const float *act_scale;
-    const int32_t *act_sum;
-    float *out;
-    int32_t *out_i32;
-    int n;
-} gemm_ternary_job;
-
-static void gemm_ternary_range(void *ctx, int b, int e) {
-    gemm_ternary_job *j = ctx;
-    j->fn(j->w, j->row_scale, j->xq, j->m, j->k_pad, j->act_scale, j->act_sum, j->out, j->out_i32, j->n, b, e);
-}
+#define GEMM_TERNARY_ARGS(X) X(const uint8_t *, w) X(const float *, row_scale) X(const int8_t *, xq) X(int, m) \
+    X(int, k_pad) X(const float *, act_scale) X(const int32_t *, act_sum) X(float *, out) X(int32_t *, out_i32) \
+    X(int, n)
+BK_TILE_JOB(gemm_ternary_job, bk_gemm_ternary_fn, GEMM_TERNARY_ARGS)
 
 void bk_gemm_ternary(const uint8_t *w, const float *row_scale, const int8_t *xq, int m, int k_pad,
                      const float *act_scale, const int32_t *act_sum, float *out, int32_t *out_i32, int n) {
-    int n_tiles = (n + 15) / 16;
-    gemm_ternary_job job = {bk_table.gemm_ternary, w, row_scale, xq, m, k_pad, act_scale, act_sum, out, out_i32, n};
-    bk_run_tiles(n_tiles, (size_t)n_tiles * k_pad * m, 16 * 4096, gemm_ternary_range, &job);
+    BK_RUN_TILE_JOB(gemm_ternary_job, bk_table.gemm_ternary, GEMM_TERNARY_ARGS, n, (size_t)k_pad * m, 16 * 4096);
 }

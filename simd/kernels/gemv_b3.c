@@ -280,17 +280,11 @@ AVX512_TARGET static void gemv_b3_avx512(const uint8_t *w, const float *row_scal
 }
 #endif
 
-/* The body for the active path; *scratch_needed says whether it decodes into scratch. */
-static b3_gemv_fn pick_gemv(int *scratch_needed) {
-    int isa = bk_get_isa();
-    *scratch_needed = 0;
-    if (isa == BK_ISA_SCALAR) return gemv_b3_scalar;
-#if defined(__x86_64__)
-    if (isa == BK_ISA_AVX512) return gemv_b3_avx512;
-#endif
-    *scratch_needed = 1;
-    return gemv_b3_by_tile16;
-}
+/* Paths with no base-3 body of their own decode tiles into tile16 scratch and run that path's tile16 body. */
+static const b3_gemv_fn gemv_b3_bodies[BK_N_ISA] = {
+    BK_BODY(SCALAR, gemv_b3_scalar) BK_X86_BODY(AVX2, gemv_b3_by_tile16) BK_X86_BODY(AVX512, gemv_b3_avx512)
+    BK_ARM_BODY(NEON, gemv_b3_by_tile16)
+};
 
 /* ---------------- threaded drivers ---------------- */
 typedef struct {
@@ -325,10 +319,10 @@ static void b3_gemv_range(void *ctx, int b, int e) {
 
 int bk_gemv_b3(const uint8_t *w, const float *row_scale, const int8_t *xq, int k_pad, float act_scale,
                int32_t act_sum, float *out, int32_t *out_i32, int n) {
-    int n_tiles = (n + 15) / 16, need;
-    b3_job job = {pick_gemv(&need), w, row_scale, xq, 1, k_pad, act_scale, act_sum, NULL, NULL, out, out_i32, n,
-                  NULL, 0};
-    if (need && b3_alloc(&job, (size_t)k_pad / 16 * 64) != 0) return -1;
+    int n_tiles = (n + 15) / 16;
+    b3_job job = {BK_PICK(gemv_b3_bodies, bk_get_isa()), w, row_scale, xq, 1, k_pad, act_scale, act_sum, NULL, NULL,
+                  out, out_i32, n, NULL, 0};
+    if (job.gemv == gemv_b3_by_tile16 && b3_alloc(&job, (size_t)k_pad / 16 * 64) != 0) return -1;
     bk_run_tiles(n_tiles, (size_t)n_tiles * k_pad, 16 * 4096, b3_gemv_range, &job);
     free(job.scratch);
     return 0;

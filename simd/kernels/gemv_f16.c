@@ -126,47 +126,22 @@ static void gemv_f16_neon(const uint16_t *w, const float *x, int k, float *out, 
 #endif
 
 const bk_gemv_f16_fn bk_gemv_f16_bodies[BK_N_ISA] = {
-    [BK_ISA_SCALAR] = gemv_f16_scalar,
-#if defined(__x86_64__)
-    [BK_ISA_AVX2] = gemv_f16_avx2,
-    [BK_ISA_AVX512] = gemv_f16_avx512,
-#endif
-#if defined(__aarch64__)
-    [BK_ISA_NEON] = gemv_f16_neon,
-#endif
+    BK_BODY(SCALAR, gemv_f16_scalar) BK_X86_BODY(AVX2, gemv_f16_avx2) BK_X86_BODY(AVX512, gemv_f16_avx512)
+    BK_ARM_BODY(NEON, gemv_f16_neon)
 };
 
-typedef struct {
-    bk_gemv_f16_fn fn;
-    const uint16_t *w;
-    const float *x;
-    int k;
-    float *out;
-    int n;
-} gemv_f16_job;
-
-static void gemv_f16_range(void *ctx, int b, int e) {
-    gemv_f16_job *j = ctx;
-    j->fn(j->w, j->x, j->k, j->out, j->n, b, e);
-}
+#define GEMV_F16_ARGS(X) X(const uint16_t *, w) X(const float *, x) X(int, k) X(float *, out) X(int, n)
+BK_TILE_JOB(gemv_f16_job, bk_gemv_f16_fn, GEMV_F16_ARGS)
 
 void bk_gemv_f16(const uint16_t *w, const float *x, int k, float *out, int n) {
-    int n_tiles = (n + 15) / 16;
-    gemv_f16_job job = {bk_table.gemv_f16, w, x, k, out, n};
-    bk_run_tiles(n_tiles, (size_t)n_tiles * k, 16 * 1024, gemv_f16_range, &job);
+    BK_RUN_TILE_JOB(gemv_f16_job, bk_table.gemv_f16, GEMV_F16_ARGS, n, k, 16 * 1024);
 }
 
 /* M rows at once (the batched engine's logits): the GEMV body per row over runs of 4 tiles, so each run of
  * weights (4 x 16 rows x k halves, ~320 KB at k = 2560) is read from memory once and from L2 for the other
  * rows. Row r of out equals bk_gemv_f16 of x[r] bit for bit (same body, same order in k). */
-typedef struct {
-    bk_gemv_f16_fn fn;
-    const uint16_t *w;
-    const float *x;
-    int m, k;
-    float *out;
-    int n;
-} gemm_f16_job;
+#define GEMM_F16_ARGS(X) X(const uint16_t *, w) X(const float *, x) X(int, m) X(int, k) X(float *, out) X(int, n)
+BK_JOB_STRUCT(gemm_f16_job, bk_gemv_f16_fn, GEMM_F16_ARGS);
 
 static void gemm_f16_range(void *ctx, int b, int e) {
     gemm_f16_job *j = ctx;
@@ -178,7 +153,7 @@ static void gemm_f16_range(void *ctx, int b, int e) {
 }
 
 void bk_gemm_f16(const uint16_t *w, const float *x, int m, int k, float *out, int n) {
-    gemm_f16_job job = {bk_table.gemv_f16, w, x, m, k, out, n};
+    gemm_f16_job job = BK_JOB_INIT(bk_table.gemv_f16, GEMM_F16_ARGS);
     int n_tiles = (n + 15) / 16;
     bk_run_tiles(n_tiles, (size_t)n_tiles * k * m, 16 * 1024, gemm_f16_range, &job);
 }

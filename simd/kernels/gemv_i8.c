@@ -209,35 +209,14 @@ static void gemv_i8_neon(const int8_t *w, const float *row_scale, const int32_t 
 #endif
 
 const bk_gemv_i8_fn bk_gemv_i8_bodies[BK_N_ISA] = {
-    [BK_ISA_SCALAR] = gemv_i8_scalar,
-#if defined(__x86_64__)
-    [BK_ISA_AVX2] = gemv_i8_avx2,
-    [BK_ISA_AVX512] = gemv_i8_avx512,
-#endif
-#if defined(__aarch64__)
-    [BK_ISA_NEON] = gemv_i8_neon_plain,
-    [BK_ISA_DOTPROD] = gemv_i8_neon,
-#endif
+    BK_BODY(SCALAR, gemv_i8_scalar) BK_X86_BODY(AVX2, gemv_i8_avx2) BK_X86_BODY(AVX512, gemv_i8_avx512)
+    BK_ARM_BODY(NEON, gemv_i8_neon_plain) BK_ARM_BODY(DOTPROD, gemv_i8_neon)
 };
 
-typedef struct {
-    bk_gemv_i8_fn fn;
-    const int8_t *w;
-    const float *row_scale;
-    const int32_t *w_rowsum;
-    const int8_t *xq;
-    const uint8_t *aux;
-    int k_pad;
-    float act_scale;
-    float *out;
-    int32_t *out_i32;
-    int n;
-} gemv_i8_job;
-
-static void gemv_i8_range(void *ctx, int b, int e) {
-    gemv_i8_job *j = ctx;
-    j->fn(j->w, j->row_scale, j->w_rowsum, j->xq, j->aux, j->k_pad, j->act_scale, j->out, j->out_i32, j->n, b, e);
-}
+#define GEMV_I8_ARGS(X) X(const int8_t *, w) X(const float *, row_scale) X(const int32_t *, w_rowsum) \
+    X(const int8_t *, xq) X(const uint8_t *, aux) X(int, k_pad) X(float, act_scale) X(float *, out)  \
+    X(int32_t *, out_i32) X(int, n)
+BK_TILE_JOB(gemv_i8_job, bk_gemv_i8_fn, GEMV_I8_ARGS)
 
 int bk_gemv_i8(const int8_t *w, const float *row_scale, const int32_t *w_rowsum, const int8_t *xq, int k_pad,
                float act_scale, float *out, int32_t *out_i32, int n) {
@@ -248,26 +227,16 @@ int bk_gemv_i8(const int8_t *w, const float *row_scale, const int32_t *w_rowsum,
         aux[k] = (uint8_t)(xq[k] ^ 0x80);
         aux[k_pad + k] = (uint8_t)(xq[k] < 0 ? -xq[k] : xq[k]); /* -(-128) = 128 fits in u8 */
     }
-    int n_tiles = (n + 15) / 16;
-    gemv_i8_job job = {bk_table.gemv_i8, w, row_scale, w_rowsum, xq, aux, k_pad, act_scale, out, out_i32, n};
-    bk_run_tiles(n_tiles, (size_t)n_tiles * k_pad, 16 * 4096, gemv_i8_range, &job);
+    BK_RUN_TILE_JOB(gemv_i8_job, bk_table.gemv_i8, GEMV_I8_ARGS, n, k_pad, 16 * 4096);
     if (aux != stack_aux) free(aux);
     return 0;
 }
 
-typedef struct {
-    bk_gemv_i8_fn fn;
-    const int8_t *w;
-    const float *row_scale;
-    const int32_t *w_rowsum;
-    const int8_t *xq;
-    const uint8_t *aux;
-    int m, k_pad;
-    const float *act_scale;
-    float *out;
-    int32_t *out_i32;
-    int n;
-} gemm_i8_job;
+/* M rows of the GEMV body per run of tiles (or the AVX-512 GEMM body): its own range function */
+#define GEMM_I8_ARGS(X) X(const int8_t *, w) X(const float *, row_scale) X(const int32_t *, w_rowsum) \
+    X(const int8_t *, xq) X(const uint8_t *, aux) X(int, m) X(int, k_pad) X(const float *, act_scale) \
+    X(float *, out) X(int32_t *, out_i32) X(int, n)
+BK_JOB_STRUCT(gemm_i8_job, bk_gemv_i8_fn, GEMM_I8_ARGS);
 
 static void gemm_i8_range(void *ctx, int b, int e) {
     gemm_i8_job *j = ctx;
@@ -300,7 +269,7 @@ int bk_gemm_i8(const int8_t *w, const float *row_scale, const int32_t *w_rowsum,
             a[k_pad + k] = (uint8_t)(x[k] < 0 ? -x[k] : x[k]);
         }
     }
-    gemm_i8_job job = {bk_table.gemv_i8, w, row_scale, w_rowsum, xq, aux, m, k_pad, act_scale, out, out_i32, n};
+    gemm_i8_job job = BK_JOB_INIT(bk_table.gemv_i8, GEMM_I8_ARGS);
     int n_tiles = (n + 15) / 16;
     bk_run_tiles(n_tiles, (size_t)n_tiles * k_pad * m, 16 * 4096, gemm_i8_range, &job);
     free(aux);

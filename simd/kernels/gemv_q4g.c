@@ -312,41 +312,18 @@ static void q4g_neon(const uint8_t *codes, const uint8_t *gscale, const float *d
 }
 #endif
 
-static q4g_fn q4g_pick(void) {
-    int isa = bk_get_isa();
-#if defined(__x86_64__)
-    if (isa == BK_ISA_AVX512) return q4g_avx512;
-    if (isa == BK_ISA_AVX2 || isa == BK_ISA_AVXVNNI) return q4g_avx2;
-#endif
-#if defined(__aarch64__)
-    if (bk_isa_has_sdot(isa)) return q4g_dotprod;
-    if (isa == BK_ISA_NEON) return q4g_neon;
-#endif
-    (void)isa;
-    return q4g_scalar;
-}
+static const q4g_fn q4g_bodies[BK_N_ISA] = {
+    BK_BODY(SCALAR, q4g_scalar) BK_X86_BODY(AVX2, q4g_avx2) BK_X86_BODY(AVX512, q4g_avx512) BK_ARM_BODY(NEON, q4g_neon)
+    BK_ARM_BODY(DOTPROD, q4g_dotprod)
+};
 
-typedef struct {
-    q4g_fn fn;
-    const uint8_t *codes, *gscale;
-    const float *d;
-    const int8_t *xq;
-    const int32_t *xs8;
-    int m, k_pad;
-    const float *act_scale;
-    float *out;
-    int32_t *out_i32;
-    int n;
-} q4g_job;
-
-static void q4g_range(void *ctx, int b, int e) {
-    q4g_job *j = ctx;
-    j->fn(j->codes, j->gscale, j->d, j->xq, j->xs8, j->m, j->k_pad, j->act_scale, j->out, j->out_i32, j->n, b, e);
-}
+#define Q4G_ARGS(X) X(const uint8_t *, codes) X(const uint8_t *, gscale) X(const float *, d) X(const int8_t *, xq) \
+    X(const int32_t *, xs8) X(int, m) X(int, k_pad) X(const float *, act_scale) X(float *, out)                 \
+    X(int32_t *, out_i32) X(int, n)
+BK_TILE_JOB(q4g_job, q4g_fn, Q4G_ARGS)
 
 int bk_gemv_q4g(const uint8_t *codes, const uint8_t *gscale, const float *d, const int8_t *xq, int m, int k_pad,
                 const float *act_scale, float *out, int32_t *out_i32, int n) {
-    q4g_fn fn = q4g_pick();
     const int groups = k_pad / 32;
     int32_t stack_xs[2048];
     int32_t *xs8 = (size_t)m * groups <= 2048 ? stack_xs : malloc((size_t)m * groups * sizeof(int32_t));
@@ -357,9 +334,7 @@ int bk_gemv_q4g(const uint8_t *codes, const uint8_t *gscale, const float *d, con
             for (int k = 0; k < 32; k++) s += xq[(size_t)i * k_pad + 32 * g + k];
             xs8[(size_t)i * groups + g] = 8 * s;
         }
-    int n_tiles = (n + 15) / 16;
-    q4g_job job = {fn, codes, gscale, d, xq, xs8, m, k_pad, act_scale, out, out_i32, n};
-    bk_run_tiles(n_tiles, (size_t)n_tiles * k_pad * m, 16 * 8192, q4g_range, &job);
+    BK_RUN_TILE_JOB(q4g_job, BK_PICK(q4g_bodies, bk_get_isa()), Q4G_ARGS, n, (size_t)k_pad * m, 16 * 8192);
     if (xs8 != stack_xs) free(xs8);
     return 0;
 }

@@ -37,19 +37,12 @@ static void ternary_rows_by_tile(bk_gemv_ternary_fn gemv, const uint8_t *w, cons
                  t, t + 1);
 }
 
+/* The GEMV body the dispatcher chose for this path (AVX2, AVX-VNNI, NEON, or on the scalar path the reference). */
 static void ternary_rows_generic(const uint8_t *w, const float *row_scale, const int8_t *xq, int m, int k_pad,
                                  const float *act_scale, const int32_t *act_sum, float *out, int n, int tile_begin,
                                  int tile_end) {
-    /* the GEMV body the dispatcher chose for this path (AVX2, AVX-VNNI, NEON or the scalar reference) */
     ternary_rows_by_tile(bk_table.gemv_ternary, w, row_scale, xq, m, k_pad, act_scale, act_sum, out, n, tile_begin,
                          tile_end);
-}
-
-static void ternary_rows_scalar(const uint8_t *w, const float *row_scale, const int8_t *xq, int m, int k_pad,
-                                const float *act_scale, const int32_t *act_sum, float *out, int n, int tile_begin,
-                                int tile_end) {
-    ternary_rows_by_tile(bk_gemv_ternary_bodies[BK_ISA_SCALAR], w, row_scale, xq, m, k_pad, act_scale, act_sum, out,
-                         n, tile_begin, tile_end);
 }
 
 static void i8_rows_by_tile(bk_gemv_i8_fn gemv, const int8_t *w, const float *row_scale, const int32_t *w_rowsum,
@@ -67,14 +60,6 @@ static void i8_rows_generic(const int8_t *w, const float *row_scale, const int32
     (void)xsum;
     i8_rows_by_tile(bk_table.gemv_i8, w, row_scale, w_rowsum, xq, aux, m, k_pad, act_scale, out, n, tile_begin,
                     tile_end);
-}
-
-static void i8_rows_scalar(const int8_t *w, const float *row_scale, const int32_t *w_rowsum, const int8_t *xq,
-                            const uint8_t *aux, const int32_t *xsum, int m, int k_pad, const float *act_scale, float *out, int n,
-                           int tile_begin, int tile_end) {
-    (void)xsum;
-    i8_rows_by_tile(bk_gemv_i8_bodies[BK_ISA_SCALAR], w, row_scale, w_rowsum, xq, aux, m, k_pad, act_scale, out, n,
-                    tile_begin, tile_end);
 }
 
 #if defined(__x86_64__)
@@ -121,31 +106,31 @@ AVX512_TARGET __attribute__((always_inline)) static inline void ternary_tile_row
                            out + (size_t)(m0 + i) * n, NULL);
 }
 
-#define ROWS_SWITCH(CALL)          \
-    switch (mr) {                  \
-    case 1: CALL(1); break;        \
-    case 2: CALL(2); break;        \
-    case 3: CALL(3); break;        \
-    case 4: CALL(4); break;        \
-    case 5: CALL(5); break;        \
-    case 6: CALL(6); break;        \
-    case 7: CALL(7); break;        \
-    default: CALL(8); break;       \
+/* Every tile of [tile_begin, tile_end) (p: its first byte, tile_bytes apart), its m rows in groups of up to
+ * 8: CALL(R) with R a constant, so the tile-rows body is inlined once per group size. */
+#define ROWS_TILES(T, tile_bytes, CALL)                         \
+    for (int t = tile_begin; t < tile_end; t++) {              \
+        const T *p = w + (size_t)t * (tile_bytes);              \
+        for (int m0 = 0; m0 < m; m0 += 8) {                     \
+            switch (m - m0 < 8 ? m - m0 : 8) {                  \
+            case 1: CALL(1); break;                             \
+            case 2: CALL(2); break;                             \
+            case 3: CALL(3); break;                             \
+            case 4: CALL(4); break;                             \
+            case 5: CALL(5); break;                             \
+            case 6: CALL(6); break;                             \
+            case 7: CALL(7); break;                             \
+            default: CALL(8); break;                            \
+            }                                                   \
+        }                                                       \
     }
 
 AVX512_TARGET static void ternary_rows_avx512(const uint8_t *w, const float *row_scale, const int8_t *xq, int m,
                                               int k_pad, const float *act_scale, const int32_t *act_sum, float *out,
                                               int n, int tile_begin, int tile_end) {
-    const size_t tile_bytes = (size_t)(k_pad / 16) * 64;
-    for (int t = tile_begin; t < tile_end; t++) {
-        const uint8_t *p = w + (size_t)t * tile_bytes;
-        for (int m0 = 0; m0 < m; m0 += 8) {
-            int mr = m - m0 < 8 ? m - m0 : 8;
 #define TERNARY_CALL(R) ternary_tile_rows_avx512(p, t, R, xq, m0, k_pad, row_scale, act_scale, act_sum, out, n)
-            ROWS_SWITCH(TERNARY_CALL)
+    ROWS_TILES(uint8_t, (size_t)(k_pad / 16) * 64, TERNARY_CALL)
 #undef TERNARY_CALL
-        }
-    }
 }
 
 /* int8 head with the operands swapped against gemv_i8.c: the weights become the unsigned side (W_q ^ 0x80 =
@@ -183,98 +168,48 @@ AVX512_TARGET static void i8_rows_avx512(const int8_t *w, const float *row_scale
                                          int tile_end) {
     (void)w_rowsum;
     (void)aux;
-    const size_t tile_bytes = (size_t)(k_pad / 4) * 64;
-    for (int t = tile_begin; t < tile_end; t++) {
-        const int8_t *p = w + (size_t)t * tile_bytes;
-        for (int m0 = 0; m0 < m; m0 += 8) {
-            int mr = m - m0 < 8 ? m - m0 : 8;
 #define I8_CALL(R) i8_tile_rows_avx512(p, t, R, xq, xsum, m0, k_pad, row_scale, act_scale, out, n)
-            ROWS_SWITCH(I8_CALL)
+    ROWS_TILES(int8_t, (size_t)(k_pad / 4) * 64, I8_CALL)
 #undef I8_CALL
-        }
-    }
 }
 #endif
 
-static void pick(rows_ternary_fn *tf, rows_i8_fn *hf) {
-    int isa = bk_get_isa();
-    *tf = ternary_rows_generic;
-    *hf = i8_rows_generic;
-    if (isa == BK_ISA_SCALAR) {
-        *tf = ternary_rows_scalar;
-        *hf = i8_rows_scalar;
-    }
-#if defined(__x86_64__)
-    if (isa == BK_ISA_AVX512) {
-        *tf = ternary_rows_avx512;
-        *hf = i8_rows_avx512;
-    }
-#endif
-}
+/* Paths with no multi-row body of their own (every one but avx512) fall to the scalar entry: the path's GEMV
+ * body per row, tile by tile. */
+static const rows_ternary_fn ternary_rows_bodies[BK_N_ISA] = {
+    BK_BODY(SCALAR, ternary_rows_generic) BK_X86_BODY(AVX512, ternary_rows_avx512)
+};
+static const rows_i8_fn i8_rows_bodies[BK_N_ISA] = {
+    BK_BODY(SCALAR, i8_rows_generic) BK_X86_BODY(AVX512, i8_rows_avx512)
+};
 
 /* The multi-row body of the active path over tiles [tile_begin, tile_end), on the calling thread (gemv_b3.c runs
  * it on tiles it decoded into tile16). */
 void bk_gemv_rows_ternary_tiles(const uint8_t *w, const float *row_scale, const int8_t *xq, int m, int k_pad,
                                 const float *act_scale, const int32_t *act_sum, float *out, int n, int tile_begin,
                                 int tile_end) {
-    rows_ternary_fn fn;
-    rows_i8_fn unused;
-    pick(&fn, &unused);
+    rows_ternary_fn fn = BK_PICK(ternary_rows_bodies, bk_get_isa());
     fn(w, row_scale, xq, m, k_pad, act_scale, act_sum, out, n, tile_begin, tile_end);
 }
 
 /* ---------------- threaded drivers ---------------- */
-typedef struct {
-    rows_ternary_fn fn;
-    const uint8_t *w;
-    const float *row_scale;
-    const int8_t *xq;
-    int m, k_pad;
-    const float *act_scale;
-    const int32_t *act_sum;
-    float *out;
-    int n;
-} ternary_rows_job;
-
-static void ternary_rows_range(void *ctx, int b, int e) {
-    ternary_rows_job *j = ctx;
-    j->fn(j->w, j->row_scale, j->xq, j->m, j->k_pad, j->act_scale, j->act_sum, j->out, j->n, b, e);
-}
+#define TERNARY_ROWS_ARGS(X) X(const uint8_t *, w) X(const float *, row_scale) X(const int8_t *, xq) X(int, m) \
+    X(int, k_pad) X(const float *, act_scale) X(const int32_t *, act_sum) X(float *, out) X(int, n)
+BK_TILE_JOB(ternary_rows_job, rows_ternary_fn, TERNARY_ROWS_ARGS)
 
 void bk_gemv_rows_ternary(const uint8_t *w, const float *row_scale, const int8_t *xq, int m, int k_pad,
                           const float *act_scale, const int32_t *act_sum, float *out, int n) {
-    rows_ternary_fn fn;
-    rows_i8_fn unused;
-    pick(&fn, &unused);
-    int n_tiles = (n + 15) / 16;
-    ternary_rows_job job = {fn, w, row_scale, xq, m, k_pad, act_scale, act_sum, out, n};
-    bk_run_tiles(n_tiles, (size_t)n_tiles * k_pad, 16 * 4096, ternary_rows_range, &job);
+    BK_RUN_TILE_JOB(ternary_rows_job, BK_PICK(ternary_rows_bodies, bk_get_isa()), TERNARY_ROWS_ARGS, n, k_pad,
+                    16 * 4096);
 }
 
-typedef struct {
-    rows_i8_fn fn;
-    const int8_t *w;
-    const float *row_scale;
-    const int32_t *w_rowsum;
-    const int8_t *xq;
-    const uint8_t *aux;
-    const int32_t *xsum;
-    int m, k_pad;
-    const float *act_scale;
-    float *out;
-    int n;
-} i8_rows_job;
-
-static void i8_rows_range(void *ctx, int b, int e) {
-    i8_rows_job *j = ctx;
-    j->fn(j->w, j->row_scale, j->w_rowsum, j->xq, j->aux, j->xsum, j->m, j->k_pad, j->act_scale, j->out, j->n, b, e);
-}
+#define I8_ROWS_ARGS(X) X(const int8_t *, w) X(const float *, row_scale) X(const int32_t *, w_rowsum)     \
+    X(const int8_t *, xq) X(const uint8_t *, aux) X(const int32_t *, xsum) X(int, m) X(int, k_pad) \
+    X(const float *, act_scale) X(float *, out) X(int, n)
+BK_TILE_JOB(i8_rows_job, rows_i8_fn, I8_ROWS_ARGS)
 
 int bk_gemv_rows_i8(const int8_t *w, const float *row_scale, const int32_t *w_rowsum, const int8_t *xq, int m,
                     int k_pad, const float *act_scale, float *out, int n) {
-    rows_ternary_fn unused;
-    rows_i8_fn fn;
-    pick(&unused, &fn);
     /* per row: xq ^ 0x80 (k_pad bytes) then |xq| (k_pad bytes), as gemv_i8.c's aux */
     uint8_t *aux = malloc((size_t)m * 2 * k_pad);
     int32_t xsum[BK_ROWS_MAX];
@@ -290,9 +225,7 @@ int bk_gemv_rows_i8(const int8_t *w, const float *row_scale, const int32_t *w_ro
         }
         xsum[i] = sx;
     }
-    int n_tiles = (n + 15) / 16;
-    i8_rows_job job = {fn, w, row_scale, w_rowsum, xq, aux, xsum, m, k_pad, act_scale, out, n};
-    bk_run_tiles(n_tiles, (size_t)n_tiles * k_pad, 16 * 4096, i8_rows_range, &job);
+    BK_RUN_TILE_JOB(i8_rows_job, BK_PICK(i8_rows_bodies, bk_get_isa()), I8_ROWS_ARGS, n, k_pad, 16 * 4096);
     free(aux);
     return 0;
 }

@@ -15,7 +15,7 @@
 #include "x86_common.h"
 #endif
 #if defined(__aarch64__)
-#include <arm_neon.h>
+#include "ternary_neon.h"
 #endif
 
 /* sum_k u[16t + r, k] * xq[k] for the 16 rows of one tile (the scalar reference of every body). */
@@ -154,11 +154,7 @@ static void gemv_ternary_neon(const uint8_t *w, const float *row_scale, const in
         for (int b = 0; b < kb; b++) {
             int8x16_t xv = vld1q_s8(xq + 16 * b);
             for (int q = 0; q < 4; q++) { /* 16 bytes = rows 4q..4q+3 */
-                uint8x16_t v = vld1q_u8(p + (size_t)b * 64 + 16 * q);
-                acc[q] = vdotq_laneq_s32(acc[q], vreinterpretq_s8_u8(vandq_u8(v, m3)), xv, 0);
-                acc[q] = vdotq_laneq_s32(acc[q], vreinterpretq_s8_u8(vandq_u8(vshrq_n_u8(v, 2), m3)), xv, 1);
-                acc[q] = vdotq_laneq_s32(acc[q], vreinterpretq_s8_u8(vandq_u8(vshrq_n_u8(v, 4), m3)), xv, 2);
-                acc[q] = vdotq_laneq_s32(acc[q], vreinterpretq_s8_u8(vshrq_n_u8(v, 6)), xv, 3);
+                acc[q] = ternary_sdot_neon(acc[q], vld1q_u8(p + (size_t)b * 64 + 16 * q), xv, m3);
             }
         }
         int32_t dots[16];
@@ -188,20 +184,10 @@ static void gemv_ternary_neon_plain(const uint8_t *w, const float *row_scale, co
             int16x8_t s[8];
             for (int v = 0; v < 8; v++) s[v] = vdupq_n_s16(0);
             for (int b = b0; b < b1; b++) {
-                const int32x4_t xw = vreinterpretq_s32_s8(vld1q_s8(xq + 16 * b));
-                const int8x8_t x0 = vreinterpret_s8_s32(vdup_laneq_s32(xw, 0)), x1 = vreinterpret_s8_s32(vdup_laneq_s32(xw, 1));
-                const int8x8_t x2 = vreinterpret_s8_s32(vdup_laneq_s32(xw, 2)), x3 = vreinterpret_s8_s32(vdup_laneq_s32(xw, 3));
-                for (int q = 0; q < 4; q++) {
-                    uint8x16_t v = vld1q_u8(p + (size_t)b * 64 + 16 * q);
-                    int8x16_t c0 = vreinterpretq_s8_u8(vandq_u8(v, m3)), c1 = vreinterpretq_s8_u8(vandq_u8(vshrq_n_u8(v, 2), m3));
-                    int8x16_t c2 = vreinterpretq_s8_u8(vandq_u8(vshrq_n_u8(v, 4), m3)), c3 = vreinterpretq_s8_u8(vshrq_n_u8(v, 6));
-                    int16x8_t lo = s[2 * q], hi = s[2 * q + 1];
-                    lo = vmlal_s8(lo, vget_low_s8(c0), x0), hi = vmlal_s8(hi, vget_high_s8(c0), x0);
-                    lo = vmlal_s8(lo, vget_low_s8(c1), x1), hi = vmlal_s8(hi, vget_high_s8(c1), x1);
-                    lo = vmlal_s8(lo, vget_low_s8(c2), x2), hi = vmlal_s8(hi, vget_high_s8(c2), x2);
-                    lo = vmlal_s8(lo, vget_low_s8(c3), x3), hi = vmlal_s8(hi, vget_high_s8(c3), x3);
-                    s[2 * q] = lo, s[2 * q + 1] = hi;
-                }
+                int8x8_t x[4];
+                ternary_dwords_neon(xq + 16 * b, x);
+                for (int q = 0; q < 4; q++)
+                    ternary_smlal_neon(&s[2 * q], &s[2 * q + 1], vld1q_u8(p + (size_t)b * 64 + 16 * q), x, m3);
             }
             for (int v = 0; v < 8; v++) acc[v] = vpadalq_s16(acc[v], s[v]);
         }
@@ -214,39 +200,16 @@ static void gemv_ternary_neon_plain(const uint8_t *w, const float *row_scale, co
 #endif
 
 const bk_gemv_ternary_fn bk_gemv_ternary_bodies[BK_N_ISA] = {
-    [BK_ISA_SCALAR] = gemv_ternary_scalar,
-#if defined(__x86_64__)
-    [BK_ISA_AVX2] = gemv_ternary_avx2,
-    [BK_ISA_AVX512] = gemv_ternary_avx512,
-#endif
-#if defined(__aarch64__)
-    [BK_ISA_NEON] = gemv_ternary_neon_plain,
-    [BK_ISA_DOTPROD] = gemv_ternary_neon,
-#endif
+    BK_BODY(SCALAR, gemv_ternary_scalar) BK_X86_BODY(AVX2, gemv_ternary_avx2) BK_X86_BODY(AVX512, gemv_ternary_avx512)
+    BK_ARM_BODY(NEON, gemv_ternary_neon_plain) BK_ARM_BODY(DOTPROD, gemv_ternary_neon)
 };
 
-typedef struct {
-    bk_gemv_ternary_fn fn;
-    const uint8_t *w;
-    const float *row_scale;
-    const int8_t *xq;
-    int k_pad;
-    float act_scale;
-    int32_t act_sum;
-    float *out;
-    int32_t *out_i32;
-    int n;
-} gemv_ternary_job;
-
-static void gemv_ternary_range(void *ctx, int b, int e) {
-    gemv_ternary_job *j = ctx;
-    j->fn(j->w, j->row_scale, j->xq, j->k_pad, j->act_scale, j->act_sum, j->out, j->out_i32, j->n, b, e);
-}
+#define GEMV_TERNARY_ARGS(X) X(const uint8_t *, w) X(const float *, row_scale) X(const int8_t *, xq) X(int, k_pad) \
+    X(float, act_scale) X(int32_t, act_sum) X(float *, out) X(int32_t *, out_i32) X(int, n)
+BK_TILE_JOB(gemv_ternary_job, bk_gemv_ternary_fn, GEMV_TERNARY_ARGS)
 
 void bk_gemv_ternary(const uint8_t *w, const float *row_scale, const int8_t *xq, int k_pad, float act_scale,
                      int32_t act_sum, float *out, int32_t *out_i32, int n) {
-    int n_tiles = (n + 15) / 16;
-    gemv_ternary_job job = {bk_table.gemv_ternary, w, row_scale, xq, k_pad, act_scale, act_sum, out, out_i32, n};
     /* tiny matrices: a thread hand-off costs more than the work */
-    bk_run_tiles(n_tiles, (size_t)n_tiles * k_pad, 16 * 4096, gemv_ternary_range, &job);
+    BK_RUN_TILE_JOB(gemv_ternary_job, bk_table.gemv_ternary, GEMV_TERNARY_ARGS, n, k_pad, 16 * 4096);
 }

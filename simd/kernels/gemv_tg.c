@@ -16,7 +16,7 @@
 #include "x86_common.h"
 #endif
 #if defined(__aarch64__)
-#include <arm_neon.h>
+#include "ternary_neon.h"
 #endif
 
 typedef void (*tg_fn)(const uint8_t *w, const int8_t *xq, const float *xd, const int32_t *xsum, int m, int k_pad,
@@ -128,13 +128,7 @@ static void tg_dotprod(const uint8_t *w, const int8_t *xq, const float *xd, cons
                 int32x4_t dot[4] = {vdupq_n_s32(0), vdupq_n_s32(0), vdupq_n_s32(0), vdupq_n_s32(0)};
                 for (int b = 0; b < 8; b++) {
                     const int8x16_t xv = vld1q_s8(x + BK_TG_GROUP * g + 16 * b);
-                    for (int r = 0; r < 4; r++) {
-                        uint8x16_t v = vld1q_u8(q + 32 + b * 64 + 16 * r);
-                        dot[r] = vdotq_laneq_s32(dot[r], vreinterpretq_s8_u8(vandq_u8(v, m3)), xv, 0);
-                        dot[r] = vdotq_laneq_s32(dot[r], vreinterpretq_s8_u8(vandq_u8(vshrq_n_u8(v, 2), m3)), xv, 1);
-                        dot[r] = vdotq_laneq_s32(dot[r], vreinterpretq_s8_u8(vandq_u8(vshrq_n_u8(v, 4), m3)), xv, 2);
-                        dot[r] = vdotq_laneq_s32(dot[r], vreinterpretq_s8_u8(vshrq_n_u8(v, 6)), xv, 3);
-                    }
+                    for (int r = 0; r < 4; r++) dot[r] = ternary_sdot_neon(dot[r], vld1q_u8(q + 32 + b * 64 + 16 * r), xv, m3);
                 }
                 const int32x4_t s = vdupq_n_s32(xs[g]);
                 const float32x4_t dg = vdupq_n_f32(d[g]);
@@ -170,20 +164,10 @@ static void tg_neon(const uint8_t *w, const int8_t *xq, const float *xd, const i
                 int16x8_t s[8];
                 for (int v = 0; v < 8; v++) s[v] = vdupq_n_s16(0);
                 for (int b = 0; b < 8; b++) {
-                    const int32x4_t xw = vreinterpretq_s32_s8(vld1q_s8(x + BK_TG_GROUP * g + 16 * b));
-                    const int8x8_t x0 = vreinterpret_s8_s32(vdup_laneq_s32(xw, 0)), x1 = vreinterpret_s8_s32(vdup_laneq_s32(xw, 1));
-                    const int8x8_t x2 = vreinterpret_s8_s32(vdup_laneq_s32(xw, 2)), x3 = vreinterpret_s8_s32(vdup_laneq_s32(xw, 3));
-                    for (int r = 0; r < 4; r++) {
-                        uint8x16_t v = vld1q_u8(q + 32 + b * 64 + 16 * r);
-                        int8x16_t c0 = vreinterpretq_s8_u8(vandq_u8(v, m3)), c1 = vreinterpretq_s8_u8(vandq_u8(vshrq_n_u8(v, 2), m3));
-                        int8x16_t c2 = vreinterpretq_s8_u8(vandq_u8(vshrq_n_u8(v, 4), m3)), c3 = vreinterpretq_s8_u8(vshrq_n_u8(v, 6));
-                        int16x8_t lo = s[2 * r], hi = s[2 * r + 1];
-                        lo = vmlal_s8(lo, vget_low_s8(c0), x0), hi = vmlal_s8(hi, vget_high_s8(c0), x0);
-                        lo = vmlal_s8(lo, vget_low_s8(c1), x1), hi = vmlal_s8(hi, vget_high_s8(c1), x1);
-                        lo = vmlal_s8(lo, vget_low_s8(c2), x2), hi = vmlal_s8(hi, vget_high_s8(c2), x2);
-                        lo = vmlal_s8(lo, vget_low_s8(c3), x3), hi = vmlal_s8(hi, vget_high_s8(c3), x3);
-                        s[2 * r] = lo, s[2 * r + 1] = hi;
-                    }
+                    int8x8_t xd4[4];
+                    ternary_dwords_neon(x + BK_TG_GROUP * g + 16 * b, xd4);
+                    for (int r = 0; r < 4; r++)
+                        ternary_smlal_neon(&s[2 * r], &s[2 * r + 1], vld1q_u8(q + 32 + b * 64 + 16 * r), xd4, m3);
                 }
                 const int32x4_t sum = vdupq_n_s32(xs[g]);
                 const float32x4_t dg = vdupq_n_f32(d[g]);
@@ -222,18 +206,10 @@ static int32_t quant_group_neon(const float *x, int8_t *q, float *xd) {
 }
 #endif
 
-static tg_fn tg_pick(void) {
-    int isa = bk_get_isa();
-#if defined(__x86_64__)
-    if (isa == BK_ISA_AVX2 || isa == BK_ISA_AVX512 || isa == BK_ISA_AVXVNNI) return tg_avx2;
-#endif
-#if defined(__aarch64__)
-    if (bk_isa_has_sdot(isa)) return tg_dotprod;
-    if (isa == BK_ISA_NEON) return tg_neon;
-#endif
-    (void)isa;
-    return tg_scalar;
-}
+/* avx512 and avxvnni run the AVX2 body (BK_PICK's next path down) */
+static const tg_fn tg_bodies[BK_N_ISA] = {
+    BK_BODY(SCALAR, tg_scalar) BK_X86_BODY(AVX2, tg_avx2) BK_ARM_BODY(NEON, tg_neon) BK_ARM_BODY(DOTPROD, tg_dotprod)
+};
 
 /* One group of 128 (or fewer: k1 - k0 live values, the rest of the group 0): returns the sum of the codes. */
 static int32_t quant_group_scalar(const float *x, int live, int8_t *q, float *xd) {
@@ -325,25 +301,11 @@ void bk_quantize_act_g128(const float *x, int m, int k, int ldx, int k_pad, int8
         }
 }
 
-typedef struct {
-    tg_fn fn;
-    const uint8_t *w;
-    const int8_t *xq;
-    const float *xd;
-    const int32_t *xsum;
-    int m, k_pad;
-    float *out;
-    int n;
-} tg_job;
-
-static void tg_range(void *ctx, int b, int e) {
-    tg_job *j = ctx;
-    j->fn(j->w, j->xq, j->xd, j->xsum, j->m, j->k_pad, j->out, j->n, b, e);
-}
+#define TG_ARGS(X) X(const uint8_t *, w) X(const int8_t *, xq) X(const float *, xd) X(const int32_t *, xsum) X(int, m) \
+    X(int, k_pad) X(float *, out) X(int, n)
+BK_TILE_JOB(tg_job, tg_fn, TG_ARGS)
 
 void bk_gemv_tg(const uint8_t *w, const int8_t *xq, const float *xd, const int32_t *xsum, int m, int k_pad,
                 float *out, int n) {
-    int n_tiles = (n + 15) / 16;
-    tg_job job = {tg_pick(), w, xq, xd, xsum, m, k_pad, out, n};
-    bk_run_tiles(n_tiles, (size_t)n_tiles * k_pad * m, 16 * 4096, tg_range, &job);
+    BK_RUN_TILE_JOB(tg_job, BK_PICK(tg_bodies, bk_get_isa()), TG_ARGS, n, (size_t)k_pad * m, 16 * 4096);
 }

@@ -144,4 +144,6 @@ static inline void bk_store_tile(const int32_t *dots, int row0, int n, const flo
     }
 }
 
+#include "bodies.h" /* the body tables and threaded-driver jobs of every kernel file */
+
 #endif

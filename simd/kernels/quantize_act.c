@@ -37,13 +37,17 @@ static int32_t quantize_scaled_scalar(const float *x, int k, float s, int8_t *xq
     return sum;
 }
 
-static void quantize_act_scalar(const float *x, int k, int k_pad, int8_t *xq, float *act_scale, int32_t *act_sum) {
-    float amax = 0.0f;
-    for (int i = 0; i < k; i++) {
+/* max(amax, max |x[i..k)|): the whole scalar maximum, or the tail a vector loop left */
+static inline float amax_from(const float *x, int i, int k, float amax) {
+    for (; i < k; i++) {
         float a = fabsf(x[i]);
         if (a > amax) amax = a;
     }
-    float s = bk_act_scale(amax);
+    return amax;
+}
+
+static void quantize_act_scalar(const float *x, int k, int k_pad, int8_t *xq, float *act_scale, int32_t *act_sum) {
+    float s = bk_act_scale(amax_from(x, 0, k, 0.0f));
     *act_sum = quantize_scaled_scalar(x, k, s, xq);
     memset(xq + k, 0, (size_t)(k_pad - k));
     *act_scale = s;
@@ -81,12 +85,7 @@ static void quantize_act_avx2(const float *x, int k, int k_pad, int8_t *xq, floa
     __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
     m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
     m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
-    float amax = _mm_cvtss_f32(m4);
-    for (; i < k; i++) {
-        float a = fabsf(x[i]);
-        if (a > amax) amax = a;
-    }
-    float s = bk_act_scale(amax);
+    float s = bk_act_scale(amax_from(x, i, k, _mm_cvtss_f32(m4)));
     *act_sum = quantize_scaled_avx2(x, k, s, xq);
     memset(xq + k, 0, (size_t)(k_pad - k));
     *act_scale = s;
@@ -142,12 +141,7 @@ static void quantize_act_neon(const float *x, int k, int k_pad, int8_t *xq, floa
     float32x4_t vmax = vdupq_n_f32(0.0f);
     int i = 0;
     for (; i + 4 <= k; i += 4) vmax = vmaxq_f32(vmax, vabsq_f32(vld1q_f32(x + i)));
-    float amax = vmaxvq_f32(vmax);
-    for (; i < k; i++) {
-        float a = fabsf(x[i]);
-        if (a > amax) amax = a;
-    }
-    float s = bk_act_scale(amax);
+    float s = bk_act_scale(amax_from(x, i, k, vmaxvq_f32(vmax)));
     *act_sum = quantize_scaled_neon(x, k, s, xq);
     memset(xq + k, 0, (size_t)(k_pad - k));
     *act_scale = s;
@@ -155,35 +149,19 @@ static void quantize_act_neon(const float *x, int k, int k_pad, int8_t *xq, floa
 #endif
 
 const bk_quantize_fn bk_quantize_bodies[BK_N_ISA] = {
-    [BK_ISA_SCALAR] = quantize_act_scalar,
-#if defined(__x86_64__)
-    [BK_ISA_AVX2] = quantize_act_avx2,
-    [BK_ISA_AVX512] = quantize_act_avx512,
-#endif
-#if defined(__aarch64__)
-    [BK_ISA_NEON] = quantize_act_neon,
-#endif
+    BK_BODY(SCALAR, quantize_act_scalar) BK_X86_BODY(AVX2, quantize_act_avx2) BK_X86_BODY(AVX512, quantize_act_avx512)
+    BK_ARM_BODY(NEON, quantize_act_neon)
 };
 
 const bk_quantize_scaled_fn bk_quantize_scaled_bodies[BK_N_ISA] = {
-    [BK_ISA_SCALAR] = quantize_scaled_scalar,
-#if defined(__x86_64__)
-    [BK_ISA_AVX2] = quantize_scaled_avx2,
-    [BK_ISA_AVX512] = quantize_scaled_avx512,
-#endif
-#if defined(__aarch64__)
-    [BK_ISA_NEON] = quantize_scaled_neon,
-#endif
+    BK_BODY(SCALAR, quantize_scaled_scalar) BK_X86_BODY(AVX2, quantize_scaled_avx2)
+    BK_X86_BODY(AVX512, quantize_scaled_avx512) BK_ARM_BODY(NEON, quantize_scaled_neon)
 };
 
-typedef struct {
-    bk_quantize_fn fn;
-    const float *x;
-    int k, k_pad;
-    int8_t *xq;
-    float *act_scale;
-    int32_t *act_sum;
-} quantize_job;
+/* rows, not tiles: its own range function */
+#define QUANTIZE_ARGS(X) X(const float *, x) X(int, k) X(int, k_pad) X(int8_t *, xq) X(float *, act_scale) \
+    X(int32_t *, act_sum)
+BK_JOB_STRUCT(quantize_job, bk_quantize_fn, QUANTIZE_ARGS);
 
 static void quantize_rows(void *ctx, int b, int e) {
     quantize_job *j = ctx;
@@ -192,7 +170,7 @@ static void quantize_rows(void *ctx, int b, int e) {
 }
 
 void bk_quantize_act(const float *x, int m, int k, int k_pad, int8_t *xq, float *act_scale, int32_t *act_sum) {
-    quantize_job job = {bk_table.quantize_act, x, k, k_pad, xq, act_scale, act_sum};
+    quantize_job job = BK_JOB_INIT(bk_table.quantize_act, QUANTIZE_ARGS);
     /* rows in units of 4; a single short row is not worth a thread hand-off */
     bk_run_tiles(m, (size_t)m * k, 32768, quantize_rows, &job);
 }

@@ -10,11 +10,11 @@
  *
  * A chunk claimed by a worker that is then preempted cannot be taken back (the caller returns, and a late
  * write into an output buffer that Python already reuses would corrupt it), so the caller has to wait for
- * it. With one core busy (issue 20) that wait is the other process's time slice, and spinning through it
- * keeps the caller's core busy, so the scheduler has no idle core to move the preempted worker to. The
- * caller therefore spins only briefly (WAIT_SPIN_NS, yielding), then sleeps (a futex on Linux, a condition
- * variable elsewhere): its core goes idle and the kernel's idle balancing pulls the runnable worker over,
- * which finishes the chunk and wakes it.
+ * it. With one core busy (another process running flat out on it) that wait is the other process's time
+ * slice, and spinning through it keeps the caller's core busy, so the scheduler has no idle core to move the
+ * preempted worker to. The caller therefore spins only briefly (WAIT_SPIN_NS, yielding), then sleeps (a
+ * futex on Linux, a condition variable elsewhere): its core goes idle and the kernel's idle balancing pulls
+ * the runnable worker over, which finishes the chunk and wakes it.
  *
  * The claim word packs (generation, chunk count, next chunk) so a worker can never claim a chunk of a job
  * other than the one it read. Workers spin 5 ms after a job (kernel calls come in bursts during a
@@ -46,8 +46,8 @@
 /* Spin 5 ms before sleeping, yielding the CPU every ~256 pauses: a worker that sleeps between the calls of
  * a token is woken onto the caller's CPU (wake-affine) and then shares it with the caller instead of
  * helping (measured: 200 us of spin left the worker asleep in ~1 of 4 calls, p90 285 us vs 75 us).
- * The yield matters with a busy core (issue 20): without it, 2-thread decode fell to 0.79x of -t 1
- * (median of 3 paired runs; 1.10x with it). Variants that did not measurably help there (paired runs on
+ * The yield matters with a busy core (a busy loop on one of the two cores): without it, 2-thread decode
+ * fell to 0.79x of -t 1 (median of 3 paired runs; 1.10x with it). Variants that did not measurably help there (paired runs on
  * this shared 2-core machine, differences inside the run-to-run spread): a 50 us spin, and a spin that
  * drops to 50 us after the worker misses whole jobs. */
 #ifndef SPIN_NS

@@ -1,4 +1,4 @@
-/* Runtime helper kernels of the transformer (issue 4): everything around the ternary GEMV/GEMM that
+/* Runtime helper kernels of the transformer: everything around the ternary GEMV/GEMM that
  * simd/kernels does not cover. RMSNorm fused with the residual add and the per-token int8 activation
  * quantization, the gated MLP activation, RoPE + KV-cache write + causal attention, embedding lookup.
  * Fusing keeps the number of Python-level calls per layer small (see engine/model.py).

@@ -27,6 +27,15 @@ static void dots_scalar(const uint16_t *table, int d, const int32_t *ids, int n,
     }
 }
 
+/* The end of a vector body's rows: lane j's chain a[j] continues over the last columns [c, d) in column order,
+ * as dots_scalar's does (HALF converts one f16; exact either way), into out[j] for j < LANES. */
+#define DOTS_TAIL(LANES, HALF)                                                       \
+    for (int j = 0; j < (LANES); j++) {                                              \
+        float s_ = a[j];                                                             \
+        for (int cc = c; cc < d; cc++) s_ = fmaf(HALF(w[j][cc]), x[cc], s_);         \
+        out[j] = s_;                                                                 \
+    }
+
 #if defined(__x86_64__)
 /* Eight rows at once, one per lane: 8 columns of each row are converted, transposed to 8 vectors of one
  * column each, and fed to the lane chains in column order. */
@@ -74,11 +83,7 @@ __attribute__((target("avx2,fma,f16c"))) static void dots8_avx2(const uint16_t *
     }
     float a[8];
     _mm256_storeu_ps(a, acc);
-    for (int j = 0; j < 8; j++) { /* the last d % 8 columns continue each lane's chain in order */
-        float s = a[j];
-        for (int cc = c; cc < d; cc++) s = fmaf(_cvtsh_ss(w[j][cc]), x[cc], s);
-        out[j] = s;
-    }
+    DOTS_TAIL(8, _cvtsh_ss);
 }
 #endif
 
@@ -109,11 +114,7 @@ static void dots4_neon(const uint16_t *table, int d, const int32_t *ids, const f
     }
     float a[4];
     vst1q_f32(a, acc);
-    for (int j = 0; j < 4; j++) { /* the last d % 4 columns continue each lane's chain in order */
-        float s = a[j];
-        for (int cc = c; cc < d; cc++) s = fmaf(ops_half_to_float(w[j][cc]), x[cc], s);
-        out[j] = s;
-    }
+    DOTS_TAIL(4, ops_half_to_float);
 }
 #endif
 
