@@ -54,6 +54,10 @@ def report_bug(prog: str, e: BaseException) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    return stdout_flushed(lambda: _main(argv))
+
+
+def _main(argv: list[str] | None) -> int:
     from ..engine import faults
     from ..engine.errors import EXIT_BAD_INPUT, EXIT_BUG, EXIT_INTERRUPTED, BitNetError
 
@@ -84,6 +88,24 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     except Exception as e:  # a bug: one line asking for a report, never a raw traceback
         return report_bug("bitnet", e)
+
+
+def stdout_flushed(body) -> int:
+    """Run an entry point's body, then flush stdout while a closed pipe can still end quietly. With stdout a
+    pipe, Python holds up to 8 KiB until the interpreter exits: a command that prints less (`bitnet info`,
+    `--version`, `--help`) would otherwise meet its reader's hang-up only in that final flush, which prints
+    "Exception ignored ... BrokenPipeError" and exits 120. argparse's own exits (--help, --version, usage
+    errors) keep their status."""
+    try:
+        try:
+            code = body()
+        except SystemExit:
+            sys.stdout.flush()
+            raise
+        sys.stdout.flush()
+        return code
+    except BrokenPipeError:
+        return quiet_broken_pipe()
 
 
 def quiet_broken_pipe() -> int:

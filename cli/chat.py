@@ -61,11 +61,14 @@ def settings_from_args(args, error) -> Settings:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    maybe_autocomplete(parser)
-    args = parse_args_suggesting(parser, argv)
-    settings = settings_from_args(args, parser.error)
-    return _guarded(args, settings)
+    from . import stdout_flushed
+
+    def body():
+        parser = build_parser()
+        maybe_autocomplete(parser)
+        args = parse_args_suggesting(parser, argv)
+        return _guarded(args, settings_from_args(args, parser.error))
+    return stdout_flushed(body)
 
 
 def run_chat(args, first_message: str | None = None) -> int:
