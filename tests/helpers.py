@@ -1,5 +1,6 @@
 """Helpers several test files share (plain functions; the shared fixtures are in conftest.py)."""
 import contextlib
+import functools
 import os
 import resource
 
@@ -57,3 +58,20 @@ def bitnet_inspect(target: str) -> tuple[str, str]:
                        timeout=120)
     assert r.returncode == 0, r.stderr
     return r.stdout, next(line for line in r.stdout.splitlines() if line.startswith("runtime:"))
+
+
+@functools.lru_cache(maxsize=None)
+def slowness() -> float:
+    """How many times slower than the development machine this interpreter runs a fixed pure-Python loop (1.0
+    there or on anything faster). Tests that wait for a long generation, a server or Ray multiply their bounds by
+    it, so an emulated CPU (qemu-user aarch64: ~16x here), a Raspberry Pi or a loaded CI runner waits longer
+    instead of failing; nothing is asserted on it. The loop ran in 0.06 s (best of 3) on the 2-core EPYC,
+    loaded; 0.1 s is the reference so ordinary x86 machines keep the bounds as written."""
+    import time
+
+    def loop() -> float:
+        t0, x = time.perf_counter(), 0
+        for i in range(1_000_000):
+            x += i * i
+        return time.perf_counter() - t0
+    return max(1.0, min(loop() for _ in range(3)) / 0.1)

@@ -14,6 +14,7 @@ import pytest
 
 from bitnet_cpu.engine.formats.convert import convert
 from bitnet_cpu.engine.synth import SynthModel, small_config, write_hf_dir
+from helpers import slowness
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -64,13 +65,15 @@ def test_run_store_read_into_memory_survives_truncation(models, tmp_path):
     shutil.copy(store, victim)
     cmd = [sys.executable, "-m", "bitnet_cpu", "run", "-m", victim, "-p", "Once", "-n", "1500", "-c", "2048",
            "--ignore-eos", "--temp", "0.9", "--seed", "1", "-t", "1", "--no-mmap", "-v"]
-    whole = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, timeout=120)
+    # 1500 tokens: a second or two here, minutes under qemu: the bounds scale with this interpreter's speed
+    bound = 120 * slowness()
+    whole = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, timeout=bound)
     assert whole.returncode == 0, whole.stderr.decode()
     p = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         first = os.read(p.stdout.fileno(), 1)   # generation is under way (unbuffered: communicate reads the fd)
         os.truncate(victim, 4096)
-        out, err = p.communicate(timeout=120)
+        out, err = p.communicate(timeout=bound)
     finally:
         p.kill()
     assert p.returncode == 0, err.decode()

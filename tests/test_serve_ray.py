@@ -15,6 +15,7 @@ import pytest
 
 openai = pytest.importorskip("openai", reason="needs the openai client (pip install .[test])")
 pytest.importorskip("ray.serve", reason="Ray Serve not installed (pip install .[cluster])")
+from helpers import slowness  # noqa: E402
 from serve_proc import ROOT, free_port, wait_healthy  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -33,7 +34,8 @@ def _instances(client, n):
 
 @contextlib.contextmanager
 def _ray_app(parallel: int):
-    """`bitnet serve --ray-replicas 2` started and waited for until both replicas answer (bounded: 150 s); yields
+    """`bitnet serve --ray-replicas 2` started and waited for until both replicas answer (bounded: 150 s to be
+    healthy, 150 s more for both replicas, each times slowness(): Ray alone takes minutes under qemu); yields
     (url, openai client, the two instance ids seen, app). On leaving, the app gets SIGINT and app["returncode"]
     its exit status. Skips with Ray's last line when Ray cannot start here."""
     port = free_port()
@@ -45,12 +47,13 @@ def _ray_app(parallel: int):
     url = f"http://127.0.0.1:{port}"
     app = {"returncode": None}
     try:
-        deadline = time.monotonic() + 150
-        up = wait_healthy(url, 150, proc, poll=1)
+        bound = 150 * slowness()
+        up = wait_healthy(url, bound, proc, poll=1)
         if proc.poll() is not None:
             pytest.skip(f"Ray could not start here (exit {proc.returncode}): {proc.stderr.read().strip().splitlines()[-1:]}")
-        assert up, "Ray Serve app not healthy within 150 s"
-        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=2, timeout=60)
+        assert up, f"Ray Serve app not healthy within {bound:.0f} s"
+        deadline = time.monotonic() + bound
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=2, timeout=60 * slowness())
         # both replicas load their own engine; wait until two distinct ones answer (bounded)
         seen = set()
         while len(seen) < 2 and time.monotonic() < deadline:
@@ -101,35 +104,48 @@ def test_ray_replica_sigkill_under_load():
     import threading
     body = {"messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 400, "temperature": 2.0,
             "top_p": 1.0, "top_k": 0, "min_p": 0.0, "ignore_eos": True}
+    patience = slowness()   # the bounds below were set for x86; an emulated CPU gets proportionally longer
     with _ray_app(parallel=8) as (url, client, seen, _):
         ends, lock = [], threading.Lock()
+        started = threading.Semaphore(0)
 
         def stream():
-            t0 = time.monotonic()
+            t0, lines = time.monotonic(), []
             try:
-                with httpx.stream("POST", url + "/v1/chat/completions", json=dict(body, stream=True), timeout=90) as r:
+                with httpx.stream("POST", url + "/v1/chat/completions", json=dict(body, stream=True),
+                                  timeout=90 * patience) as r:
                     inst = r.headers.get("x-bitnet-instance")
-                    lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
+                    for ln in r.iter_lines():
+                        if ln.startswith("data: "):
+                            if not lines:
+                                started.release()
+                            lines.append(ln)
                     out = (inst, r.status_code, "done" if lines[-1:] == ["data: [DONE]"] else "cut")
             except httpx.HTTPError as e:
                 out = (None, type(e).__name__, "closed")
+            if not lines:   # ended before its first event: nothing more to wait for
+                started.release()
             with lock:
                 ends.append(out + (time.monotonic() - t0,))
         ts = [threading.Thread(target=stream) for _ in range(8)]
         for t in ts:
             t.start()
-        time.sleep(1.5)   # streams running on both replicas
+        # streams running on both replicas: each has its first event (bounded; one that never starts is still
+        # judged below: it must end whole, with a 5xx or closed, never hang)
+        t_wait = time.monotonic() + 60 * patience
+        for _ in ts:
+            started.acquire(timeout=max(0.0, t_wait - time.monotonic()))
         victim = sorted(seen)[0]
         os.kill(int(victim.rsplit(":", 1)[1]), signal.SIGKILL)
         t_kill = time.monotonic()
         for t in ts:
-            t.join(120)
+            t.join(120 * patience)
         assert not any(t.is_alive() for t in ts), "a client hung after the replica was killed"
         # the router stops sending to the dead replica: 10 requests in a row answered
         ok_run, t_ok = 0, None
-        while time.monotonic() - t_kill < 60 and ok_run < 10:
+        while time.monotonic() - t_kill < 60 * patience and ok_run < 10:
             try:
-                r = httpx.post(url + "/v1/chat/completions", timeout=30,
+                r = httpx.post(url + "/v1/chat/completions", timeout=30 * patience,
                                json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
                 ok_run = ok_run + 1 if r.status_code == 200 else 0
             except httpx.HTTPError:
@@ -139,7 +155,7 @@ def test_ray_replica_sigkill_under_load():
         assert ok_run == 10, "requests did not recover after the replica was killed"
         # a new replica takes load (a process id not seen before)
         after = set()
-        while time.monotonic() - t_kill < 120 and not (after - seen):
+        while time.monotonic() - t_kill < 120 * patience and not (after - seen):
             after |= set(_instances(client, 4))
             time.sleep(0.5)
         print(f"\nreplica {victim} SIGKILLed: clients {sorted((str(s), k) for _, s, k, _ in ends)}; "
