@@ -33,7 +33,10 @@ def wait_healthy(url: str, timeout: float, proc=None, poll: float = 0.2) -> bool
 
 
 class Server:
-    def __init__(self, *extra: str, threads: int = 2, timeout: float = 60.0):
+    def __init__(self, *extra: str, threads: int = 2, timeout: float | None = None):
+        from helpers import slowness
+        if timeout is None:   # loading the model: seconds here, minutes under qemu
+            timeout = 60.0 * slowness()
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))

@@ -166,7 +166,7 @@ def test_hangup_cancels_every_choice(tmp_path_factory):
 
     from helpers import slowness
     from serve_proc import slow_model
-    s = Server("-m", slow_model(tmp_path_factory), "-c", "4096", "--parallel", "4", timeout=60 * slowness())
+    s = Server("-m", slow_model(tmp_path_factory), "-c", "4096", "--parallel", "4")
     try:
         body = {"prompt": "a", "max_tokens": 1500, "temperature": 0, "ignore_eos": True, "n": 4, "stream": True}
         with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=30 * slowness()) as r:

@@ -15,6 +15,7 @@ pytest.importorskip("fastapi", reason="bitnet serve needs the serve extra (pip i
 from hypothesis import HealthCheck, settings  # noqa: E402
 from schemathesis.generation.modes import GenerationMode  # noqa: E402
 
+from helpers import slowness  # noqa: E402
 from serve_proc import Server  # noqa: E402
 
 EXAMPLES = int(os.environ.get("BITNET_FUZZ_EXAMPLES", "100"))
@@ -22,7 +23,8 @@ EXAMPLES = int(os.environ.get("BITNET_FUZZ_EXAMPLES", "100"))
 
 @pytest.fixture(scope="module")
 def fuzz_server():
-    s = Server("--parallel", "4", "--max-queue", "64", "--request-timeout", "60")
+    # a fuzzed request may ask for the whole context: bounded, the bound scaled for a slow (emulated) CPU
+    s = Server("--parallel", "4", "--max-queue", "64", "--request-timeout", f"{60 * slowness():.0f}")
     yield s
     rc, err = s.stop()
     assert rc == 0 and "Traceback" not in err, err[-3000:]
@@ -41,7 +43,7 @@ schema = schemathesis.pytest.from_fixture("api_schema")
 @schema.parametrize()
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 def test_fuzz_every_operation(case):
-    r = case.call(timeout=120)
+    r = case.call(timeout=120 * slowness())
     if r.status_code == 501 and case.path.startswith("/api/"):
         # ollama's operations a one-model server does not do (pull, push, create, ...): 501 by design, with the reason
         assert isinstance(r.json().get("error"), str)
@@ -57,7 +59,7 @@ def test_fuzz_every_operation(case):
 
 def test_alive_and_pool_whole_after_fuzzing(fuzz_server):
     import time
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 30 * slowness()
     while True:
         st = httpx.get(fuzz_server.url + "/slots").json()
         if not st["slots"] or time.monotonic() > deadline:
