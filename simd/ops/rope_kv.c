@@ -7,7 +7,7 @@
  *
  * f32 -> f16 rounds to nearest even on every path (bk_float_to_half; F16C's vcvtps2ph; NEON's fcvtn). The
  * vector conversions keep a NaN's top payload bits where the scalar one writes the quiet NaN 0x7e00 (with its
- * sign): NaN lanes are replaced by that, so a NaN key or value gives the same cache bytes on every path.
+ * sign): the vector bodies clear them, so a NaN key or value gives the same cache bytes on every path.
  */
 #include "ops.h"
 #include "attn_common.h" /* AVX2_FN */
@@ -50,13 +50,12 @@ AVX2_FN static void rope_avx2(float *v, int half, const float *cos, const float 
     rope_pairs(v, half, cos, sin, i);
 }
 
-/* 8 halves of 8 floats; NaN lanes -> sign | 0x7e00, as bk_float_to_half */
+/* 8 halves of 8 floats. A NaN converts to sign | 0x7e00 | payload bits (F16C keeps the top ones, quieted):
+ * a half whose 0x7e00 bits are all set is a NaN, and its payload bits are cleared, as bk_float_to_half writes it */
 AVX2_FN static inline __m128i half8_avx2(__m256 x) {
-    const __m128i h = _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT);
-    const __m256i nan32 = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-    const __m128i nan16 = _mm_packs_epi32(_mm256_castsi256_si128(nan32), _mm256_extracti128_si256(nan32, 1));
-    const __m128i quiet = _mm_or_si128(_mm_and_si128(h, _mm_set1_epi16((short)0x8000)), _mm_set1_epi16(0x7e00));
-    return _mm_blendv_epi8(h, quiet, nan16);
+    const __m128i h = _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT), quiet = _mm_set1_epi16(0x7e00);
+    const __m128i nan = _mm_cmpeq_epi16(_mm_and_si128(h, quiet), quiet);
+    return _mm_andnot_si128(_mm_and_si128(nan, _mm_set1_epi16(0x01ff)), h);
 }
 
 AVX2_FN static void kv_store_f16_avx2(const float *k, const float *v, int hd, uint16_t *k_col, uint16_t *v_row) {
@@ -75,28 +74,34 @@ AVX2_FN static void kv_store_f16_avx2(const float *k, const float *v, int hd, ui
 #if defined(__aarch64__)
 static void rope_neon(float *v, int half, const float *cos, const float *sin) {
     int i = 0;
-    for (; i + 4 <= half; i += 4) {
-        const float32x4_t x1 = vld1q_f32(v + i), x2 = vld1q_f32(v + i + half);
-        const float32x4_t c = vld1q_f32(cos + i), s = vld1q_f32(sin + i);
-        vst1q_f32(v + i, vsubq_f32(vmulq_f32(x1, c), vmulq_f32(x2, s))); /* fmul, fmul, fsub: never fmls */
-        vst1q_f32(v + i + half, vaddq_f32(vmulq_f32(x2, c), vmulq_f32(x1, s)));
+    for (; i + 8 <= half; i += 8) { /* two vectors a step: ld1 / st1 of register pairs */
+        const float32x4x2_t x1 = vld1q_f32_x2(v + i), x2 = vld1q_f32_x2(v + i + half);
+        const float32x4x2_t c = vld1q_f32_x2(cos + i), s = vld1q_f32_x2(sin + i);
+        float32x4x2_t a, b;
+        for (int j = 0; j < 2; j++) {
+            a.val[j] = vsubq_f32(vmulq_f32(x1.val[j], c.val[j]), vmulq_f32(x2.val[j], s.val[j])); /* never fmls */
+            b.val[j] = vaddq_f32(vmulq_f32(x2.val[j], c.val[j]), vmulq_f32(x1.val[j], s.val[j]));
+        }
+        vst1q_f32_x2(v + i, a);
+        vst1q_f32_x2(v + i + half, b);
     }
     rope_pairs(v, half, cos, sin, i);
 }
 
-/* 8 halves of 8 floats (fcvtn rounds to nearest even under Linux's default FPCR); NaN lanes -> sign | 0x7e00 */
+/* 8 halves of 8 floats (fcvtn rounds to nearest even under Linux's default FPCR). A NaN converts to
+ * sign | 0x7e00 | payload bits: its payload bits are cleared, as bk_float_to_half writes it (see half8_avx2) */
 static inline uint16x8_t half8_neon(float32x4_t lo, float32x4_t hi) {
-    const uint16x8_t h = vreinterpretq_u16_f16(vcvt_high_f16_f32(vcvt_f16_f32(lo), hi));
-    const uint16x8_t ok = vcombine_u16(vmovn_u32(vceqq_f32(lo, lo)), vmovn_u32(vceqq_f32(hi, hi)));
-    const uint16x8_t quiet = vorrq_u16(vandq_u16(h, vdupq_n_u16(0x8000)), vdupq_n_u16(0x7e00));
-    return vbslq_u16(ok, h, quiet);
+    const uint16x8_t h = vreinterpretq_u16_f16(vcvt_high_f16_f32(vcvt_f16_f32(lo), hi)), quiet = vdupq_n_u16(0x7e00);
+    const uint16x8_t nan = vceqq_u16(vandq_u16(h, quiet), quiet);
+    return vbicq_u16(h, vandq_u16(nan, vdupq_n_u16(0x01ff)));
 }
 
 static void kv_store_f16_neon(const float *k, const float *v, int hd, uint16_t *k_col, uint16_t *v_row) {
     int i = 0;
     for (; i + 8 <= hd; i += 8) {
-        vst1q_u16(v_row + i, half8_neon(vld1q_f32(v + i), vld1q_f32(v + i + 4)));
-        const uint16x8_t kh = half8_neon(vld1q_f32(k + i), vld1q_f32(k + i + 4));
+        const float32x4x2_t vv = vld1q_f32_x2(v + i), kk = vld1q_f32_x2(k + i);
+        vst1q_u16(v_row + i, half8_neon(vv.val[0], vv.val[1]));
+        const uint16x8_t kh = half8_neon(kk.val[0], kk.val[1]);
         uint16_t *col = k_col + (int64_t)i * OPS_KT_BLOCK; /* the key's column: one lane per block row */
         vst1q_lane_u16(col, kh, 0);
         vst1q_lane_u16(col + OPS_KT_BLOCK, kh, 1);
