@@ -43,7 +43,7 @@ static inline uint16_t f2h(float f) {
 
 /* ---------- per-ISA kernels: scores of one head, weighted sum of values, exp(x - max) in place ---------- */
 
-/* kv_blocks, BLK (how positions are addressed): attention_q8.h */
+/* kv_blocks, BLK (how positions are addressed): attn_common.h */
 
 typedef struct {
     void (*scores)(const float *const *q, int R, const void *kt, kv_blocks bl, int f16, int n, int hd, float scale,
@@ -177,10 +177,11 @@ AVX2_FN static inline __m256 load8(const void *base, int f16, int64_t off, int v
  * register (the general body below keeps acc[][] in memory: a store-reload chain per FMA, measured 3x
  * slower). Same operations in the same order: the same floats. */
 AVX2_FN static inline void scores4_f16_avx2(const float *const *q, const uint16_t *kt, int64_t base, int hd,
-                                            __m256 vs, float *const *sc, int t0) {
+                                            __m256 vs, float *const *sc, int t0, const char *next, int s0) {
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, b0 = a0, b1 = a0, c0 = a0, c1 = a0, d0 = a0, d1 = a0;
     const float *q0 = q[0], *q1 = q[1], *q2 = q[2], *q3 = q[3];
     for (int i = 0; i < hd; i++) {
+        pf_lines(next, s0 + i, 1, hd / 2); /* a block of f16 keys: hd / 2 lines */
         const uint16_t *kp = kt + base + (int64_t)i * KT_BLOCK;
         __m256 k0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)kp));
         __m256 k1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(kp + 8)));
@@ -195,19 +196,23 @@ AVX2_FN static inline void scores4_f16_avx2(const float *const *q, const uint16_
 AVX2_FN static void scores_avx2(const float *const *q, int R, const void *kt, kv_blocks bl, int f16, int n, int hd,
                                 float scale, float *const *sc) {
     const __m256 vs = _mm256_set1_ps(scale);
+    const int64_t esize = f16 ? 2 : 4;
+    const int lines = (int)(hd * esize / 2), per = f16 ? 1 : 2; /* a block: 32 x hd values */
     for (int t0 = 0; t0 < n; t0 += 16) {
         const int valid = n - t0;
         const int64_t base = BLK(bl, t0 / KT_BLOCK) + t0 % KT_BLOCK;
+        const char *next = pf_block(kt, bl, t0 / KT_BLOCK + 1, n, esize);
+        const int s0 = (t0 % KT_BLOCK / 16) * hd; /* steps of this half-run in its block */
         /* A last, partial run of positions is computed on all 16 lanes and only its valid scores are kept: t0 is
          * a multiple of 16, so the 16 lanes stay inside their allocated KT_BLOCK block (whatever a lane past n
          * holds only reaches that lane's own discarded score). The per-element masked loads this replaces cost
          * ~10 us per layer of a decode step (2B-4T, one tail per KV head) at any context length. */
         if (R == 4 && f16) {
             if (valid >= 16) {
-                scores4_f16_avx2(q, (const uint16_t *)kt, base, hd, vs, sc, t0);
+                scores4_f16_avx2(q, (const uint16_t *)kt, base, hd, vs, sc, t0, next, s0);
             } else {
                 float tmp[4][16], *tp[4] = {tmp[0], tmp[1], tmp[2], tmp[3]};
-                scores4_f16_avx2(q, (const uint16_t *)kt, base, hd, vs, tp, 0);
+                scores4_f16_avx2(q, (const uint16_t *)kt, base, hd, vs, tp, 0, next, s0);
                 for (int j = 0; j < 4; j++) memcpy(sc[j] + t0, tmp[j], sizeof(float) * (size_t)valid);
             }
             continue;
@@ -215,6 +220,7 @@ AVX2_FN static void scores_avx2(const float *const *q, int R, const void *kt, kv
         __m256 acc[MAXQ][2];
         for (int j = 0; j < MAXQ; j++) acc[j][0] = acc[j][1] = _mm256_setzero_ps();
         for (int i = 0; i < hd; i++) {
+            pf_lines(next, s0 + i, per, lines);
             const int64_t off = base + (int64_t)i * KT_BLOCK;
             __m256 k0 = load8(kt, f16, off, 8), k1 = load8(kt, f16, off + 8, 8);
             for (int j = 0; j < R; j++) {
@@ -290,7 +296,10 @@ AVX2_FN static void wsum4_f16_avx2(const float *const *p, const void *vc, kv_blo
             for (int ts = tb; ts < te; ts += KT_BLOCK) { /* runs inside one KT_BLOCK: rows hd apart */
                 const int tn = ts + KT_BLOCK < te ? ts + KT_BLOCK : te;
                 const uint16_t *v = (const uint16_t *)vc + BLK(bl, ts / KT_BLOCK) + (int64_t)(ts % KT_BLOCK) * hd + col;
+                /* the same block of the next tile, hd / 2 lines, one per step over the columns' passes */
+                const char *next = pf_block(vc, bl, ts / KT_BLOCK + WS4_BLOCK / KT_BLOCK, n, 2);
                 for (int t = ts; t < tn; t++, v += hd) {
+                    pf_lines(next, col / 16 * KT_BLOCK + t - ts, 1, hd / 2);
                     const __m256 v0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)v));
                     const __m256 v1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(v + 8)));
                     FMA4X2(p0, p1, p2, p3, t, v0, v1);
@@ -319,7 +328,9 @@ AVX512_FN static void scores_avx512(const float *const *q, int R, const void *kt
         const __mmask16 m0 = mask16(n - t0), m1 = mask16(n - t0 - 16);
         __m512 a00 = _mm512_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00, a31 = a00;
         const int64_t base = BLK(bl, t0 / KT_BLOCK);
+        const char *next = pf_block(kt, bl, t0 / KT_BLOCK + 1, n, f16 ? 2 : 4);
         for (int i = 0; i < hd; i++) {
+            pf_lines(next, i, f16 ? 1 : 2, f16 ? hd / 2 : hd);
             const int64_t off = base + (int64_t)i * KT_BLOCK;
             const __m512 k0 = load16(kt, f16, off, m0), k1 = load16(kt, f16, off + 16, m1);
             __m512 b = _mm512_set1_ps(q[0][i]);
@@ -379,6 +390,9 @@ AVX512_FN static void wsum2_avx512(const float *p0, const float *p1, const void 
         for (int t = 0; t < n; t++) {
             const __m512 w0 = _mm512_set1_ps(p0[t]), w1 = _mm512_set1_ps(p1[t]);
             const int64_t o = BLK(bl, t / KT_BLOCK) + (int64_t)(t % KT_BLOCK) * hd + c0;
+            if (c0 == 0) /* this row of the next block: hd x esize bytes */
+                pf_lines(pf_block(vc, bl, t / KT_BLOCK + 1, n, f16 ? 2 : 4), t % KT_BLOCK, hd * (f16 ? 2 : 4) / 64,
+                         hd * (f16 ? 2 : 4) / 2);
 #pragma GCC unroll 8
             for (int j = 0; j < 8; j++) {
                 if (!k[j]) break;
@@ -734,7 +748,11 @@ static int attention_core(float *qkv, int n_heads, int n_kv, int head_dim, const
      * other threads, once per layer, can cost a scheduler slice on a busy machine, while each
      * sequence's attention is short (measured: 16 sequences at 64 positions, 0.5 ms serial per layer) */
     const int64_t min_work = n_segs > 1 ? (int64_t)1 << 24 : (int64_t)1 << 18;
-    const att_job job = {K, att_q8_kernels_for(isa), q8, segs, items, ws_off, n_sub, group, sub, kv_f16, head_dim, row_stride, q_dim, n_heads,
+    att_q8_kernels Q = att_q8_kernels_for(isa);
+#if defined(__aarch64__) /* attention_neon.c: sdot where the CPU has it */
+    if (ops_neon()) Q = att_q8_neon_kernels(bk_get_isa() != BK_ISA_NEON);
+#endif
+    const att_job job = {K, Q, q8, segs, items, ws_off, n_sub, group, sub, kv_f16, head_dim, row_stride, q_dim, n_heads,
                          scratch_len, stride, k_head, v_head, esize, k_cache, v_cache, qkv, out, scratch, ws, qq, qc, scale};
     /* grain 1: items are whole heads (or pieces), handed out one chunk at a time; slot < threads indexes the scratch */
     if (n_items > 1 && threads > 1 && work * n_heads * head_dim > min_work)

@@ -157,10 +157,10 @@ void att_wsum4_f16_neon(const float *const *p, const void *vc, kv_blocks bl, int
     for (int j = 0; j < 4; j++) memcpy(out[j], acc[j], sizeof(float) * (size_t)hd);
 }
 
-/* ---------------- int8 cache (layout: attention_q8.h) ---------------- */
+/* ---------------- int8 cache (layout: attention_q8.h; kernels table: attn_common.h) ---------------- */
 
 #define KB OPS_KT_BLOCK
-#define KSCALES(base, blk, hd) ((const float *)((base) + (blk) + (int64_t)KB * (hd)))
+#define KSCALES Q8_SCALES
 
 /* sc[j][t0 .. t0+valid) = ((float)dot * kscale) * c[j], the scalar body's order */
 INLINE void store_scores(const int32x4_t *acc, const float *ks, float c, int valid, float *dst) {
@@ -240,17 +240,8 @@ INLINE void q8_scores_plain_body(const int8_t *const *q8, const float *c, const 
 }
 
 /* the queries come quantized (att_q8_quantize_query, once per row and head in attention.c) */
-DOT_FN static void q8_scores_dot(const int8_t *const *q8, const float *c, int R, const int8_t *kt, kv_blocks bl, int n,
-                                 int hd, float *const *sc) {
-    if (R == 4) q8_scores_dot_body(q8, c, 4, kt, bl, n, hd, sc);
-    else q8_scores_dot_body(q8, c, R, kt, bl, n, hd, sc);
-}
-
-static void q8_scores_plain(const int8_t *const *q8, const float *c, int R, const int8_t *kt, kv_blocks bl, int n,
-                            int hd, float *const *sc) {
-    if (R == 4) q8_scores_plain_body(q8, c, 4, kt, bl, n, hd, sc);
-    else q8_scores_plain_body(q8, c, R, kt, bl, n, hd, sc);
-}
+Q8_SCORES_ENTRY(DOT_FN, q8_scores_dot, q8_scores_dot_body)
+Q8_SCORES_ENTRY(, q8_scores_plain, q8_scores_plain_body)
 
 /* int8 x 16 -> four f32 vectors (exact) */
 INLINE void cvt16_s8(int8x16_t b, float32x4_t *x) {
@@ -265,13 +256,9 @@ INLINE void q8_wsum_body(const float *const *p, const int R, const int8_t *vc, k
                          float (*acc)[Q8_MAX_HD]) {
     const int h16 = hd & ~15;
     for (int ts = 0; ts < n; ts += KB) {
-        const int tn = ts + KB < n ? KB : n - ts;
-        const int64_t blk = BLK(bl, ts / KB);
-        const int8_t *v0 = vc + blk;
-        const float *vs = KSCALES(vc, blk, hd);
         float w[4][KB];
-        for (int j = 0; j < R; j++)
-            for (int t = 0; t < tn; t++) w[j][t] = p[j][ts + t] * vs[t];
+        int tn;
+        const int8_t *v0 = q8_run(p, R, vc, bl, ts, n, hd, w, &tn);
         for (int col = 0; col < h16; col += 16) {
             float32x4_t a[4][4];
             for (int j = 0; j < R; j++)
