@@ -256,19 +256,18 @@ INLINE void q8_wsum_body(const float *const *p, const int R, const int8_t *vc, k
                          float (*acc)[Q8_MAX_HD]) {
     const int h16 = hd & ~15;
     for (int ts = 0; ts < n; ts += KB) {
-        float w[4][KB];
-        int tn;
-        const int8_t *v0 = q8_run(p, R, vc, bl, ts, n, hd, w, &tn);
+        q8_run_t r;
+        q8_run(&r, p, R, vc, bl, ts, n, hd);
         for (int col = 0; col < h16; col += 16) {
             float32x4_t a[4][4];
             for (int j = 0; j < R; j++)
                 for (int x = 0; x < 4; x++) a[j][x] = vld1q_f32(acc[j] + col + 4 * x);
-            const int8_t *v = v0 + col;
-            for (int t = 0; t < tn; t++, v += hd) {
+            const int8_t *v = r.v0 + col;
+            for (int t = 0; t < r.tn; t++, v += hd) {
                 float32x4_t x4[4];
                 cvt16_s8(vld1q_s8(v), x4);
                 for (int j = 0; j < R; j++) {
-                    const float wj = w[j][t];
+                    const float wj = r.w[j][t];
                     for (int x = 0; x < 4; x++) a[j][x] = vfmaq_n_f32(a[j][x], x4[x], wj);
                 }
             }
@@ -278,12 +277,12 @@ INLINE void q8_wsum_body(const float *const *p, const int R, const int8_t *vc, k
         for (int col = h16; col < hd; col += 4) {
             float32x4_t a[4];
             for (int j = 0; j < R; j++) a[j] = vld1q_f32(acc[j] + col);
-            const int8_t *v = v0 + col;
-            for (int t = 0; t < tn; t++, v += hd) {
+            const int8_t *v = r.v0 + col;
+            for (int t = 0; t < r.tn; t++, v += hd) {
                 int32_t four;
                 memcpy(&four, v, 4);
                 const float32x4_t x = vcvtq_f32_s32(vmovl_s16(vget_low_s16(vmovl_s8(vreinterpret_s8_s32(vdup_n_s32(four))))));
-                for (int j = 0; j < R; j++) a[j] = vfmaq_n_f32(a[j], x, w[j][t]);
+                for (int j = 0; j < R; j++) a[j] = vfmaq_n_f32(a[j], x, r.w[j][t]);
             }
             for (int j = 0; j < R; j++) vst1q_f32(acc[j] + col, a[j]);
         }

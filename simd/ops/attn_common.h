@@ -68,16 +68,25 @@ static inline void pf_lines(const char *next, int s, int per, int lines) {
 /* an int8 block's 32 f32 scales follow its OPS_KT_BLOCK x hd int8 values */
 #define Q8_SCALES(base, blk, hd) ((const float *)((base) + (blk) + (int64_t)OPS_KT_BLOCK * (hd)))
 
-/* the run of the int8 weighted sum from position ts (a multiple of OPS_KT_BLOCK: one block, at most its 32
- * positions, *tn of them): w[j][t] = p[j][ts + t] * vscale[t]; returns the run's first value row */
-static inline const int8_t *q8_run(const float *const *p, int R, const int8_t *vc, kv_blocks bl, int ts, int n, int hd,
-                                   float (*w)[OPS_KT_BLOCK], int *tn) {
+/* one run of the int8 weighted sum from position ts (a multiple of OPS_KT_BLOCK: one block, at most its 32
+ * positions, tn of them): w[j][t] = p[j][ts + t] * vscale[t], v0 its first value row, next the block to prefetch
+ * meanwhile (pf_block; Q8_LINES(hd) lines) */
+#define Q8_LINES(hd) ((int)((OPS_Q8_BLOCK_BYTES(hd) + 63) / 64))
+typedef struct {
+    float w[4][OPS_KT_BLOCK];
+    const int8_t *v0;
+    const char *next;
+    int tn;
+} q8_run_t;
+static inline void q8_run(q8_run_t *r, const float *const *p, int R, const int8_t *vc, kv_blocks bl, int ts, int n,
+                          int hd) {
     const int64_t blk = BLK(bl, ts / OPS_KT_BLOCK);
     const float *vs = Q8_SCALES(vc, blk, hd);
-    *tn = ts + OPS_KT_BLOCK < n ? OPS_KT_BLOCK : n - ts;
+    r->tn = ts + OPS_KT_BLOCK < n ? OPS_KT_BLOCK : n - ts;
     for (int j = 0; j < R; j++)
-        for (int t = 0; t < *tn; t++) w[j][t] = p[j][ts + t] * vs[t];
-    return vc + blk;
+        for (int t = 0; t < r->tn; t++) r->w[j][t] = p[j][ts + t] * vs[t];
+    r->v0 = vc + blk;
+    r->next = pf_block(vc, bl, ts / OPS_KT_BLOCK + 1, n, 1);
 }
 
 #define EXP_LO (-87.3f)
