@@ -58,7 +58,11 @@ def gguf_bytes_per_token(path: str) -> int:
     from bitnet_cpu.engine.formats.gguf import GGUFFile   # reads I2_S too (the gguf package does not know it)
 
     with GGUFFile(path) as g:
-        return int(sum(t.nbytes for t in g.tensors.values()))
+        ts = sorted(g.tensors.values(), key=lambda t: t.offset)
+        ends = [t.offset for t in ts[1:]] + [g.size]
+        # a type our reader has no size for (ik_llama.cpp's IQ2_BN, id 135): the span up to the next tensor
+        # (alignment padding included, at most 31 bytes a tensor)
+        return int(sum(t.nbytes if t.nbytes >= 0 else end - t.offset for t, end in zip(ts, ends)))
 
 
 # ---- one measurement in its own process ---------------------------------------------------------------------

@@ -37,13 +37,14 @@ from make_models import DEFAULT_CACHE, save_json  # noqa: E402
 F16_KV_PER_POS = 30 * 2 * 5 * 128 * 2        # 2B-4T: layers x (K, V) x KV heads x head_dim x f16
 
 
-def run_bench(cmd: list[str]) -> float | None:
+def run_bench(cmd: list[str], timeout: float) -> float | None:
     """One llama-bench run (JSON output): the avg tok/s of its single test, None (and the reason on stderr) if
-    it failed."""
+    it failed or ran past `timeout` seconds (a peer's row at 16k depth first prefills 16k tokens: on 2 loaded
+    cores that took over 15 minutes)."""
     import subprocess
 
     try:
-        r = subprocess.run(cmd + ["-r", "1", "-o", "json"], capture_output=True, text=True, timeout=900)
+        r = subprocess.run(cmd + ["-r", "1", "-o", "json"], capture_output=True, text=True, timeout=timeout)
         tests = json.loads(r.stdout[r.stdout.index("["):])
         return float(tests[-1]["avg_ts"])
     except (subprocess.TimeoutExpired, ValueError, KeyError, IndexError) as e:
@@ -86,7 +87,9 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill", type=int, default=4096, help="prompt length of the prefill rows (0: none)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--cache", default=DEFAULT_CACHE)
-    ap.add_argument("--json", help="also write the rows here")
+    ap.add_argument("--json", help="also write the rows here (rewritten after every row, so a stopped run keeps "
+                    "what it measured)")
+    ap.add_argument("--timeout", type=float, default=900, help="seconds one peer run may take (default 900)")
     a = ap.parse_args(argv)
     from bitnet_cpu.engine.formats.store import Store
     from bitnet_cpu.engine.runtime.model import kv_bytes_per_token
@@ -121,11 +124,11 @@ def main(argv=None) -> int:
         if e.startswith("llama.cpp"):
             args = (["-p", str(a.prefill), "-n", "0"] if depth is None
                     else ["-p", "0", "-n", str(a.tokens), "-d", str(depth)])
-            return run_bench([a.llama_bench, "-m", engines[e], "-t", t, *args])
+            return run_bench([a.llama_bench, "-m", engines[e], "-t", t, *args], a.timeout)
         args = (["-p", str(a.prefill), "-n", "0"] if depth is None
                 else (["-p", "0", "-n", str(a.tokens)] if depth == 0 else ["-p", "0", "-n", "0", "-gp",
                                                                            f"{depth},{a.tokens}"]))
-        return run_bench([a.ik_bench, "-m", engines[e], "-t", t, "-rtr", "1", *args])
+        return run_bench([a.ik_bench, "-m", engines[e], "-t", t, "-rtr", "1", *args], a.timeout)
 
     bw0 = stream_bandwidth(a.threads, mib=512, passes=3)["bandwidth_Bps"]
     rows = []
@@ -142,7 +145,10 @@ def main(argv=None) -> int:
             if vals:
                 rows.append({"engine": e, "depth": depth, "tps": sorted(vals)[len(vals) // 2], "min": min(vals),
                              "max": max(vals), "n": len(vals)})
-        print(f"[depth_peers] {'prefill' if depth is None else f'depth {depth}'} done", file=sys.stderr, flush=True)
+        done = [f"{r['engine']} {r['tps']:.1f}" for r in rows if r["depth"] == depth]
+        print(f"[depth_peers] {'prefill' if depth is None else f'depth {depth}'}: {', '.join(done)} tok/s",
+              file=sys.stderr, flush=True)
+        save_json(a.json, {"stream_Bps": [bw0], "threads": a.threads, "weights_bytes": wbytes, "rows": rows})
     bw1 = stream_bandwidth(a.threads, mib=512, passes=3)["bandwidth_Bps"]
     bw = min(bw0, bw1)
     print(f"{a.threads} threads, path {K.active()}; stream {bw0 / 1e9:.1f} / {bw1 / 1e9:.1f} GB/s (before / after); "

@@ -9,36 +9,12 @@ current one reach a score, a sum or an output shows as a difference.
 Needs `aarch64-linux-gnu-gcc` and `qemu-aarch64` (Debian: gcc-aarch64-linux-gnu, qemu-user); skips with that reason
 when they are missing. On an aarch64 host the ordinary attention tests run these bodies natively.
 """
-import glob
-import os
-import shutil
-import subprocess
+from cross_c import needs_aarch64, run_harness
 
-import pytest
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-KERNELS = os.path.join(ROOT, "simd", "kernels")
-OPS = os.path.join(ROOT, "simd", "ops")
-CC = shutil.which("aarch64-linux-gnu-gcc")
-QEMU = shutil.which("qemu-aarch64") or shutil.which("qemu-aarch64-static")
-
-pytestmark = pytest.mark.skipif(
-    not (CC and QEMU), reason="needs aarch64-linux-gnu-gcc and qemu-aarch64 (apt-get install gcc-aarch64-linux-gnu qemu-user)"
-)
+pytestmark = needs_aarch64
 
 HARNESS = r"""
-#include <math.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-#include "kernels.h"
-#include "ops.h"
-
-static unsigned long long rs = 88172645463325252ull;
-static unsigned rnd(void) { rs ^= rs << 13; rs ^= rs >> 7; rs ^= rs << 17; return (unsigned)rs; }
 static float frnd(void) { return ((int)(rnd() % 20001) - 10000) / 4000.0f; }
-static int fails = 0, checks = 0;
-#define CHECK(cond, ...) do { checks++; if (!(cond)) { printf("FAIL " __VA_ARGS__); printf("\n"); fails++; } } while (0)
 static const int PATHS[3] = {BK_ISA_SCALAR, BK_ISA_NEON, BK_ISA_DOTPROD};
 static const char *KV_NAMES[3] = {"f32", "f16", "q8"};
 
@@ -167,21 +143,10 @@ int main(void) {
         check_paged(kv, 3, 1, 20, 9, 33);
     }
     bk_set_isa(-1);
-    printf(fails ? "FAILED %d of %d\n" : "ALL OK (%d checks)\n", fails ? fails : checks, checks);
-    return fails != 0;
+    return REPORT();
 }
 """
 
 
 def test_attention_neon_bodies_match_scalar_under_qemu(tmp_path):
-    src = tmp_path / "attention_harness.c"
-    src.write_text(HARNESS)
-    exe = tmp_path / "attention_harness"
-    sources = sorted(glob.glob(os.path.join(KERNELS, "*.c"))) + sorted(glob.glob(os.path.join(OPS, "*.c")))
-    # setup.py's flags that decide float results (-O3, no contraction), so the bodies are the ones users get
-    cmd = [CC, "-O3", "-pthread", "-ffp-contract=off", "-fno-strict-aliasing", "-std=c11", "-Wall", "-Wno-unused-function",
-           "-static", "-I", KERNELS, "-I", OPS, str(src), *sources, "-o", str(exe), "-lm"]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    r = subprocess.run([QEMU, str(exe)], capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0 and "ALL OK" in r.stdout, r.stdout + r.stderr
+    run_harness(tmp_path, HARNESS, name="attention_harness")

@@ -2,44 +2,22 @@
 scalar reference body on random data (tails included), and the dispatcher must pick "i8mm" there (qemu's
 default CPU, max, has sdot and smmla) with dotprod's bodies for every job but the GEMM. Kernels with a per-ISA
 body table are compared body by body; the jobs that choose their body inside (the q4 head, the multi-row GEMVs,
-the norms of simd/ops) are run whole on each path (bk_set_isa: scalar, neon, dotprod, i8mm) and compared.
+top-k, rescoring, the embedding lookup) are run whole on each path (bk_set_isa: scalar, neon, dotprod, i8mm) and
+compared. The norms, gates, RoPE and the f16 cache write: test_ops_paths_c.py (x86 and aarch64).
 
 Needs `aarch64-linux-gnu-gcc` and `qemu-aarch64` (Debian: gcc-aarch64-linux-gnu, qemu-user); skips with
 that reason when they are missing. On an aarch64 host the regular test_kernels.py covers NEON natively.
 """
-import glob
-import os
-import shutil
-import subprocess
+from cross_c import needs_aarch64, run_harness
 
-import pytest
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-KERNELS = os.path.join(ROOT, "simd", "kernels")
-OPS = os.path.join(ROOT, "simd", "ops")
-CC = shutil.which("aarch64-linux-gnu-gcc")
-QEMU = shutil.which("qemu-aarch64") or shutil.which("qemu-aarch64-static")
-
-pytestmark = pytest.mark.skipif(
-    not (CC and QEMU), reason="needs aarch64-linux-gnu-gcc and qemu-aarch64 (apt-get install gcc-aarch64-linux-gnu qemu-user)"
-)
+pytestmark = needs_aarch64
 
 HARNESS = r"""
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-#include <math.h>
-#include "kernels.h"
-#include "ops.h"
 #include "q4g.h"
 #include "rows.h"
 #include "tg.h"
 #include "b3.h"
 
-static unsigned long long rs = 88172645463325252ull;
-static unsigned rnd(void) { rs ^= rs << 13; rs ^= rs >> 7; rs ^= rs << 17; return (unsigned)rs; }
-static int fails = 0;
-#define CHECK(cond, ...) do { if (!(cond)) { printf("FAIL " __VA_ARGS__); printf("\n"); fails++; } } while (0)
 static const int PATHS[3] = {BK_ISA_NEON, BK_ISA_DOTPROD, BK_ISA_I8MM}; /* i8mm: smmla GEMM, else dotprod's */
 
 /* the q4 head and the multi-row GEMVs: whole jobs on each path against the scalar path */
@@ -76,43 +54,6 @@ static void check_heads(int n, int k_pad, int m, const int8_t *xq, const float *
     }
     bk_set_isa(-1);
     free(codes), free(gs), free(ref), free(got), free(refi), free(goti);
-}
-
-/* the norms and the relu^2 gate of simd/ops (fused with quantization): every output array compared */
-static void check_norms(int m, int d) {
-    int k_pad = (d + 63) / 64 * 64, rows = m / 2 > 0 ? m / 2 : 1;
-    size_t md = (size_t)m * d, gd = (size_t)rows * 2 * d;
-    float *x0 = malloc(4 * md), *g0 = malloc(4 * gd), *delta = malloc(4 * md), *w = malloc(4 * (size_t)d);
-    for (size_t i = 0; i < md; i++) x0[i] = ((int)(rnd() % 20001) - 10000) / 1234.0f;
-    for (size_t i = 0; i < gd; i++) g0[i] = ((int)(rnd() % 20001) - 10000) / 2345.0f;
-    for (size_t i = 0; i < md; i++) delta[i] = ((int)(rnd() % 2001) - 1000) / 777.0f;
-    for (int i = 0; i < d; i++) w[i] = 0.25f + (rnd() % 1000) / 500.0f;
-    g0[1] = NAN; /* relu^2 of a NaN gate is 0 on every path (`g > 0 ? g : 0`) */
-    float *x[3], *h[3], *gu[3], sc[3][32]; int8_t *q[3], *qg[3]; int32_t sm[3][32];
-    const int paths[3] = {BK_ISA_SCALAR, BK_ISA_NEON, BK_ISA_DOTPROD};
-    for (int v = 0; v < 3; v++) {
-        x[v] = malloc(4 * md), h[v] = malloc(4 * md * 2), gu[v] = malloc(4 * gd);
-        q[v] = malloc((size_t)m * k_pad), qg[v] = malloc((size_t)rows * k_pad);
-        bk_set_isa(paths[v]);
-        memcpy(x[v], x0, 4 * md);
-        memcpy(gu[v], g0, 4 * gd);
-        ops_add_rmsnorm_quant(x[v], delta, w, m, d, 1e-5f, h[v], q[v], k_pad, sc[v], sm[v]);
-        x[v][1] = NAN; /* a NaN must not change amax, nor the other lanes (the scalar `a > amax` skips it) */
-        ops_add_rmsnorm(x[v], delta, w, m, d, 1e-6f, h[v] + md);
-        ops_head_rmsnorm(x[v], m, d, 0, d / 8, 8, w, 1e-6f);
-        ops_glu_rmsnorm_quant(gu[v], rows, d, OPS_ACT_RELU2, w, 1e-5f, qg[v], k_pad, sc[v] + 16, sm[v] + 16);
-    }
-    for (int v = 1; v < 3; v++) {
-        CHECK(!memcmp(x[0], x[v], 4 * md) && !memcmp(h[0], h[v], 4 * md * 2), "norms (x, h) path %d m %d d %d", paths[v], m, d);
-        CHECK(!memcmp(q[0], q[v], (size_t)m * k_pad) && !memcmp(sc[0], sc[v], 4 * m) && !memcmp(sm[0], sm[v], 4 * m),
-              "norm quantization path %d m %d d %d", paths[v], m, d);
-        CHECK(!memcmp(gu[0], gu[v], 4 * gd) && !memcmp(qg[0], qg[v], (size_t)rows * k_pad) &&
-              !memcmp(sc[0] + 16, sc[v] + 16, 4 * rows) && !memcmp(sm[0] + 16, sm[v] + 16, 4 * rows),
-              "glu_rmsnorm_quant path %d m %d d %d", paths[v], m, d);
-    }
-    bk_set_isa(-1);
-    for (int v = 0; v < 3; v++) free(x[v]), free(h[v]), free(gu[v]), free(q[v]), free(qg[v]);
-    free(x0), free(g0), free(delta), free(w);
 }
 
 /* top-k over logits (NaNs included) and the exact f16 rescoring of the q4 head's candidates: same heaps, same
@@ -231,8 +172,6 @@ int main(void) {
     check_select(1000, 64, 1, 40);
     check_select(3001, 37, 3, 13);
     check_select(50, 130, 2, 64); /* k > vocab: every non-NaN logit */
-    static const int norm_shapes[][2] = {{1, 64}, {3, 2560}, {5, 37}, {16, 200}};
-    for (unsigned s = 0; s < sizeof norm_shapes / sizeof norm_shapes[0]; s++) check_norms(norm_shapes[s][0], norm_shapes[s][1]);
     static const int shapes[][3] = {{16, 64, 1}, {37, 100, 3}, {100, 3200, 5}, {250, 68, 2}, {640, 2560, 9}, {17, 8640, 2}};
     for (unsigned s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
         int n = shapes[s][0], k = shapes[s][1], m = shapes[s][2];
@@ -298,20 +237,10 @@ int main(void) {
         check_heads(n, k_pad, m, xq[0], sc[0], sm[0], wt, wi, rowsum, row_scale);
         check_b3(n, k_pad, m, xq[0], sc[0], sm[0], row_scale);
     }
-    printf(fails ? "FAILED %d\n" : "ALL OK\n", fails);
-    return fails != 0;
+    return REPORT();
 }
 """
 
 
 def test_neon_bodies_match_scalar_under_qemu(tmp_path):
-    src = tmp_path / "neon_harness.c"
-    src.write_text(HARNESS)
-    exe = tmp_path / "neon_harness"
-    sources = sorted(glob.glob(os.path.join(KERNELS, "*.c"))) + sorted(glob.glob(os.path.join(OPS, "*.c")))
-    cmd = [CC, "-O2", "-pthread", "-ffp-contract=off", "-std=c11", "-Wall", "-Wno-unused-function", "-static",
-           "-I", KERNELS, "-I", OPS, str(src), *sources, "-o", str(exe), "-lm"]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    r = subprocess.run([QEMU, str(exe)], capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0 and "ALL OK" in r.stdout, r.stdout + r.stderr
+    run_harness(tmp_path, HARNESS, name="neon_harness")

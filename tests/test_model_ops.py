@@ -343,6 +343,28 @@ def test_glu_rmsnorm_is_glu_rmsnorm_quant_without_the_quantization(with_norm):
             K.set_isa(None)
 
 
+def test_silu_gate_gives_the_scalar_paths_bits_on_every_path():
+    """silu(g) * u on one exp polynomial (not libm's expf) on every path: the same bits as the scalar body, gates
+    past exp's range (|g| > 87.3: exp(-|g|) taken as 0), a NaN gate, infinities and tails of 1-7 included."""
+    rng = np.random.default_rng(5)
+    for inter in (1, 7, 8, 13, 300):
+        gu = (rng.standard_normal((2, 2 * inter)) * 6).astype(np.float32)
+        gu[0, :min(inter, 7)] = [-100.0, 100.0, -87.5, 89.0, np.nan, -np.inf, np.inf][:min(inter, 7)]
+        outs = {}
+        for isa in ["scalar"] + [p for p in K.supported_isas() if p != "scalar"]:
+            K.set_isa(isa)
+            try:
+                outs[isa] = gu.copy()
+                ops.glu_rmsnorm(outs[isa], ops.ACT_SILU, None, 1e-5)
+            finally:
+                K.set_isa(None)
+            assert outs[isa].tobytes() == outs["scalar"].tobytes(), (isa, inter)
+        if inter >= 7:  # the far tails: exp(-100) is taken as 0, so silu(-100) * u is -0 * u
+            g = outs["scalar"][0]
+            assert g[0] == 0 and np.isinf(g[6])
+            assert g[1] == np.float32(100.0) * gu[0, inter + 1] and np.isnan(g[4]) and np.isnan(g[5])
+
+
 @pytest.mark.parametrize("hd", [32, 128])
 def test_grouped_decode_same_bits_as_one_head_per_group(isa, hd):
     # GQA with 4 query heads per KV head (the decode path that weighs the values for all four in one pass over an

@@ -2,10 +2,14 @@
  * `qemu-* -singlestep -d exec,nochain`, one log line per executed instruction). Built for aarch64 and for
  * x86-64 from the same source; the count of a run with REPS calls minus that of a run with one call is the
  * instructions of one warm call, set-up and data generation cancelled out.
- *   insn_per_byte KERNEL ISA REPS   KERNEL: ternary | q4g | tg | b3 | i8 | gemm | att16 | att8; ISA: the kernels.h number
+ *   insn_per_byte KERNEL ISA REPS   KERNEL: ternary | q4g | tg | b3 | i8 | gemm | att16 | att8 | silu | rope |
+ *                                   kvf16; ISA: the kernels.h number
  * Prints the bytes the kernel reads per call: weight bytes for the GEMVs; weight bytes x tokens for gemm (a
  * ternary GEMM of GEMM_M tokens, so its count is per weight byte and token); for att16 / att8 (one decode step
- * of attention, 2B-4T-shaped heads, ATT_POS positions, f16 or int8 cache) the key and value bytes it reads.
+ * of attention, 2B-4T-shaped heads, ATT_POS positions, f16 or int8 cache) the key and value bytes it reads; for
+ * the per-token steps around them the f32 bytes they read: silu (the gate and up halves of one token, INTER wide,
+ * the gate alone), rope (one token's q and k heads, 2B-4T: 20 + 5 of 128), kvf16 (one position's keys and values
+ * of 5 KV heads into an f16 cache).
  * One thread (no pool hand-off in the count). */
 #include <stdio.h>
 #include <stdlib.h>
@@ -20,6 +24,8 @@
 enum { N = 512, K = 2560, GEMM_M = 8 };
 /* attention: two of 2B-4T's KV heads (128 wide, 4 query heads each), a decode step at position ATT_POS - 1 */
 enum { ATT_NH = 8, ATT_NKV = 2, ATT_HD = 128, ATT_POS = 256, ATT_CTX = 288 };
+/* the per-token steps: an MLP as wide as 2B-4T's (6912), its 20 query and 5 KV heads of 128 */
+enum { INTER = 6912, TOK_NH = 20, TOK_NKV = 5 };
 
 int main(int argc, char **argv) {
     if (argc != 4) return 2;
@@ -102,6 +108,26 @@ int main(int argc, char **argv) {
             ops_attention(qkv, 1, ATT_NH, ATT_NKV, ATT_HD, cs, sn, ATT_POS - 1, kc, vc, q8 ? OPS_KV_Q8 : OPS_KV_F16,
                           ATT_CTX, o, scratch, OPS_ATT_SCRATCH_ROWS);
         }
+    } else if (!strcmp(kern, "silu")) {
+        bytes = 2 * (size_t)INTER * 4;
+        float *gu = malloc(bytes);
+        for (int i = 0; i < 2 * INTER; i++) gu[i] = x[i % K];
+        for (int r = 0; r < reps; r++) /* in place; the bodies have no data-dependent branches */
+            ops_glu_rmsnorm_quant(gu, 1, INTER, OPS_ACT_SILU, NULL, 1e-5f, NULL, 0, NULL, NULL);
+    } else if (!strcmp(kern, "rope")) {
+        const int n = (TOK_NH + TOK_NKV) * ATT_HD;
+        bytes = (size_t)n * 4;
+        float *q = malloc(bytes), *cs = malloc(4 * ATT_HD / 2), *sn = malloc(4 * ATT_HD / 2);
+        for (int i = 0; i < ATT_HD / 2; i++) cs[i] = 0.6f, sn[i] = 0.8f; /* a rotation: values stay in range */
+        for (int i = 0; i < n; i++) q[i] = x[i % K];
+        for (int r = 0; r < reps; r++) ops_rope_heads(q, TOK_NH + TOK_NKV, ATT_HD, cs, sn);
+    } else if (!strcmp(kern, "kvf16")) {
+        bytes = 2 * (size_t)TOK_NKV * ATT_HD * 4;
+        uint16_t *kc = malloc(2 * (size_t)TOK_NKV * ATT_HD * OPS_KT_BLOCK), *vc = malloc(2 * (size_t)TOK_NKV * ATT_HD);
+        for (int r = 0; r < reps; r++)
+            for (int j = 0; j < TOK_NKV; j++)
+                ops_kv_store_f16(x + j * ATT_HD, x + (TOK_NKV + j) * ATT_HD, ATT_HD,
+                                 kc + (size_t)j * ATT_HD * OPS_KT_BLOCK + r % OPS_KT_BLOCK, vc + (size_t)j * ATT_HD);
     } else {
         return 2;
     }

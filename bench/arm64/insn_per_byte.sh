@@ -3,7 +3,7 @@
 # seconds are not, and no ARM machine is needed): the NEON / sdot / smmla bodies next to the AVX2 ones, the same
 # source and shapes (512 x 2560, one thread). Needs gcc, aarch64-linux-gnu-gcc and qemu-user-static (Debian).
 #   bench/arm64/insn_per_byte.sh            # prints a table of every kernel
-#   bench/arm64/insn_per_byte.sh gemm att8  # only those (ternary q4g tg b3 i8 gemm att16 att8)
+#   bench/arm64/insn_per_byte.sh gemm att8  # only those (ternary q4g tg b3 i8 gemm att16 att8 silu rope kvf16)
 # What it is not: a speed. An instruction count says nothing of latency, ports or memory bandwidth.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -20,11 +20,11 @@ printf "%-8s %-8s %12s %10s\n" kernel path insn/call insn/byte
 paths_of() { # the paths with a body of their own for that kernel
   case "$1" in
     gemm) echo "x86:avx2:1 a64:neon:3 a64:dotprod:5 a64:i8mm:6" ;;
-    att16) echo "x86:avx2:1 a64:neon:3" ;; # dotprod runs the same f16 bodies
+    att16|silu|rope|kvf16) echo "x86:avx2:1 a64:neon:3" ;; # dotprod runs the same float bodies
     *) echo "x86:avx2:1 a64:neon:3 a64:dotprod:5" ;;
   esac
 }
-for kern in ${@:-ternary q4g tg b3 i8 gemm att16 att8}; do
+for kern in ${@:-ternary q4g tg b3 i8 gemm att16 att8 silu rope kvf16}; do
   for path in $(paths_of "$kern"); do
     IFS=: read -r -a parts <<<"$path"
     set -- "${parts[@]}"

@@ -4,8 +4,16 @@
  *
  * Quantization is simd/kernels/quantize_act.c's own (bk_table.quantize_scaled, bk_act_scale), so it matches
  * simd._kernels.quantize_act bit for bit. Rows of a prefill chunk go to the kernels' worker pool.
+ *
+ * SiLU: silu(g) = g * sigmoid(g), taken as e = exp(-|g|), (g >= 0 ? g : g * e) / (1 + e), on attn_common.h's exp
+ * polynomial (exp_poly; exp_avx2 and exp_neon.h are it in registers), with e = 0 where -|g| <= EXP_LO (exp is
+ * below f32's normal range there; so silu(-huge) is -0, not g * exp(EXP_LO)). The exp's argument is never
+ * positive, so nothing overflows, and every path (scalar, AVX2, NEON) gives the same bits: libm's expf, which the
+ * scalar body called before, has no vector form with its bits (the AVX2 body then differed from it by an ulp here
+ * and there, and at |g| > 88 by more).
  */
 #include "ops.h"
+#include "attn_common.h" /* exp_poly, exp_avx2, sum16 */
 
 #include <math.h>
 #include <string.h>
@@ -15,18 +23,22 @@
 #endif
 #if defined(__aarch64__)
 #include <arm_neon.h>
+#include "exp_neon.h"
 #endif
 
 /* ---------- scalar bodies ---------- */
 
 static float sumsq_scalar(const float *x, int n) {
-    /* four partial sums: less rounding error than one running sum, and the compiler keeps them in lanes */
-    float s[4] = {0, 0, 0, 0};
+    /* 16 partial sums (lane l takes i % 16 == l; less rounding error than one running sum), reduced in sum16's
+     * order, then the tail one by one: the order of the AVX2 body (two 8-lane sums) and of the NEON body (four
+     * 4-lane sums), so every path gives the same float */
+    float s[16] = {0};
     int i = 0;
-    for (; i + 4 <= n; i += 4)
-        for (int j = 0; j < 4; j++) s[j] += x[i + j] * x[i + j];
-    for (; i < n; i++) s[0] += x[i] * x[i];
-    return (s[0] + s[1]) + (s[2] + s[3]);
+    for (; i + 16 <= n; i += 16)
+        for (int j = 0; j < 16; j++) s[j] += x[i + j] * x[i + j];
+    float t = sum16(s);
+    for (; i < n; i++) t += x[i] * x[i];
+    return t;
 }
 
 static float scale_mul_scalar(const float *x, float r, const float *w, int n, float *h) {
@@ -44,6 +56,12 @@ static void add_scalar(float *x, const float *d, int n) {
     for (int i = 0; i < n; i++) x[i] += d[i];
 }
 
+/* silu(g) * u, one element: the scalar body, and the tail of the vector ones */
+static inline float silu_mul_one(float g, float u) {
+    const float a = -fabsf(g), e = a > EXP_LO ? exp_poly(a) : 0.0f;
+    return ((g >= 0.0f ? g : g * e) / (1.0f + e)) * u; /* a NaN gate: g * e, NaN */
+}
+
 /* ---------- AVX2 bodies ---------- */
 #if defined(__x86_64__)
 __attribute__((target("avx2,fma"))) static inline float hsum256(__m256 v) {
@@ -54,6 +72,7 @@ __attribute__((target("avx2,fma"))) static inline float hsum256(__m256 v) {
 }
 
 __attribute__((target("avx2,fma"))) static float sumsq_avx2(const float *x, int n) {
+    /* lanes 0-7 and 8-15 of the scalar body's 16; hsum256(a0 + a1) is sum16's order */
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
     int i = 0;
     for (; i + 16 <= n; i += 16) {
@@ -74,7 +93,7 @@ __attribute__((target("avx2,fma"))) static float scale_mul_avx2(const float *x, 
     for (; i + 8 <= n; i += 8) {
         __m256 v = _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), vr), _mm256_loadu_ps(w + i));
         _mm256_storeu_ps(h + i, v);
-        vmax = _mm256_max_ps(vmax, _mm256_and_ps(v, abs_mask));
+        vmax = _mm256_max_ps(_mm256_and_ps(v, abs_mask), vmax); /* a NaN lane keeps vmax, as the scalar `a > amax` */
     }
     __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
     m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
@@ -101,35 +120,17 @@ __attribute__((target("avx2,fma"))) static void relu2_mul_avx2(float *g, const f
     }
 }
 
-/* exp for |x| <= 88 (Cephes expf polynomial, ~1 ulp); silu(g) * u = g / (1 + exp(-g)) * u */
-__attribute__((target("avx2,fma"))) static inline __m256 exp_avx2(__m256 x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500E-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507E-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073E-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894E-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459E-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201E-1f));
-    __m256 y = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
-    /* 2^n in two halves so n = 128 (x near 88.3) does not overflow the exponent field */
-    __m256i ni = _mm256_cvtps_epi32(n), h = _mm256_srai_epi32(ni, 1);
-    __m256 e1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(h, _mm256_set1_epi32(127)), 23));
-    __m256 e2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(ni, h), _mm256_set1_epi32(127)), 23));
-    return _mm256_mul_ps(_mm256_mul_ps(y, e1), e2);
-}
-
-__attribute__((target("avx2,fma"))) static void silu_mul_avx2(float *g, const float *u, int n) {
-    const __m256 one = _mm256_set1_ps(1.0f);
+AVX2_FN static void silu_mul_avx2(float *g, const float *u, int n) {
+    const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f), zero = _mm256_setzero_ps();
+    const __m256 lo = _mm256_set1_ps(EXP_LO);
     int i = 0;
     for (; i + 8 <= n; i += 8) {
-        __m256 x = _mm256_loadu_ps(g + i);
-        __m256 s = _mm256_div_ps(x, _mm256_add_ps(one, exp_avx2(_mm256_sub_ps(_mm256_setzero_ps(), x))));
-        _mm256_storeu_ps(g + i, _mm256_mul_ps(s, _mm256_loadu_ps(u + i)));
+        const __m256 x = _mm256_loadu_ps(g + i), a = _mm256_or_ps(x, sign); /* -|g| */
+        const __m256 e = _mm256_and_ps(exp_avx2(a), _mm256_cmp_ps(a, lo, _CMP_GT_OQ));
+        const __m256 num = _mm256_blendv_ps(_mm256_mul_ps(x, e), x, _mm256_cmp_ps(x, zero, _CMP_GE_OQ));
+        _mm256_storeu_ps(g + i, _mm256_mul_ps(_mm256_div_ps(num, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
     }
-    for (; i < n; i++) g[i] = (g[i] / (1.0f + expf(-g[i]))) * u[i];
+    for (; i < n; i++) g[i] = silu_mul_one(g[i], u[i]);
 }
 
 __attribute__((target("avx2,fma"))) static void add_avx2(float *x, const float *d, int n) {
@@ -140,20 +141,22 @@ __attribute__((target("avx2,fma"))) static void add_avx2(float *x, const float *
 #endif
 
 
-/* ---------- NEON bodies: the scalar bodies' operations in the scalar bodies' order (the four partial sums
- * of sumsq are the four lanes), so the same floats ---------- */
+/* ---------- NEON bodies: the scalar bodies' operations in the scalar bodies' order (the 16 partial sums
+ * of sumsq are four vectors' lanes), so the same floats ---------- */
 #if defined(__aarch64__)
 static float sumsq_neon(const float *x, int n) {
-    float32x4_t acc = vdupq_n_f32(0.0f);
+    float32x4_t acc[4] = {vdupq_n_f32(0.0f), vdupq_n_f32(0.0f), vdupq_n_f32(0.0f), vdupq_n_f32(0.0f)};
     int i = 0;
-    for (; i + 4 <= n; i += 4) {
-        float32x4_t v = vld1q_f32(x + i);
-        acc = vaddq_f32(acc, vmulq_f32(v, v)); /* mul then add: never fused, as the scalar (-ffp-contract=off) */
-    }
-    float s[4];
-    vst1q_f32(s, acc);
-    for (; i < n; i++) s[0] += x[i] * x[i];
-    return (s[0] + s[1]) + (s[2] + s[3]);
+    for (; i + 16 <= n; i += 16)
+        for (int v = 0; v < 4; v++) {
+            const float32x4_t a = vld1q_f32(x + i + 4 * v);
+            acc[v] = vaddq_f32(acc[v], vmulq_f32(a, a)); /* mul then add: never fused, as the scalar (-ffp-contract=off) */
+        }
+    float s[16];
+    for (int v = 0; v < 4; v++) vst1q_f32(s + 4 * v, acc[v]);
+    float t = sum16(s);
+    for (; i < n; i++) t += x[i] * x[i];
+    return t;
 }
 
 static float scale_mul_neon(const float *x, float r, const float *w, int n, float *h) {
@@ -193,6 +196,18 @@ static void relu2_mul_neon(float *g, const float *u, int n) {
         float a = g[i] > 0.0f ? g[i] : 0.0f;
         g[i] = (a * a) * u[i];
     }
+}
+
+static void silu_mul_neon(float *g, const float *u, int n) {
+    const float32x4_t one = vdupq_n_f32(1.0f), zero = vdupq_n_f32(0.0f), lo = vdupq_n_f32(EXP_LO);
+    int i = 0;
+    for (; i + 4 <= n; i += 4) {
+        const float32x4_t x = vld1q_f32(g + i), a = vnegq_f32(vabsq_f32(x));
+        const float32x4_t e = vreinterpretq_f32_u32(vandq_u32(vreinterpretq_u32_f32(ops_exp_neon(a)), vcgtq_f32(a, lo)));
+        const float32x4_t num = vbslq_f32(vcgeq_f32(x, zero), x, vmulq_f32(x, e)); /* NaN: not >= 0, g * e */
+        vst1q_f32(g + i, vmulq_f32(vdivq_f32(num, vaddq_f32(one, e)), vld1q_f32(u + i)));
+    }
+    for (; i < n; i++) g[i] = silu_mul_one(g[i], u[i]);
 }
 #endif
 
@@ -342,10 +357,11 @@ static void glu_rmsnorm_quant_rows(void *ctx, int b, int e) {
             if (ops_isa() >= OPS_ISA_AVX2) silu_mul_avx2(g, u, inter);
             else
 #endif
-            for (int i = 0; i < inter; i++) {
-                float a = g[i] / (1.0f + expf(-g[i]));
-                g[i] = a * u[i];
-            }
+#if defined(__aarch64__)
+            if (ops_neon()) silu_mul_neon(g, u, inter);
+            else
+#endif
+            for (int i = 0; i < inter; i++) g[i] = silu_mul_one(g[i], u[i]);
         }
         /* normalize in place over the gate half (w NULL: no sub-norm, Llama-architecture models), then
          * quantize it (xq NULL: the caller quantizes, per group: ops.glu_rmsnorm) */

@@ -88,6 +88,13 @@ int ops_attention_paged(float *qkv, int n_heads, int n_kv, int head_dim, const f
                          const int32_t *page_table, int max_pages, void *k_pool, void *v_pool, int kv_type,
                          float *out, float *scratch, int scratch_rows, int scratch_len);
 
+/* rope_kv.c: the first step of attention, per position (attention.c calls them).
+ * Half-split RoPE in place on n_heads heads of head_dim floats at x, with this position's cos / sin [head_dim/2]. */
+void ops_rope_heads(float *x, int n_heads, int head_dim, const float *cos, const float *sin);
+/* One position of one KV head into an f16 cache: v_row[i] = half(v[i]), k_col[i * OPS_KT_BLOCK] = half(k[i])
+ * (the key's column of its transposed block), i < head_dim; round to nearest even, a NaN as 0x7e00 with its sign. */
+void ops_kv_store_f16(const float *k, const float *v, int head_dim, uint16_t *k_col, uint16_t *v_row);
+
 /* topk.c: indices of the k largest finite-or-inf values of x[n] (unordered) into idx[k]; heap_vals is
  * scratch of k floats. Returns how many were found (k, or fewer when x has NaNs / n < k). */
 int ops_topk(const float *x, int n, int k, float *heap_vals, int32_t *idx);
