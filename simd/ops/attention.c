@@ -1,6 +1,6 @@
 /* RoPE + KV-cache write + causal grouped-query attention, for one decode row or a prefill chunk.
  *
- * Math as transformers' BitNetAttention (FORMATS.md §1): half-split RoPE
+ * Math as transformers' BitNetAttention (FORMATS.md §1): half-split RoPE (rope_kv.c, with the f16 cache write)
  *   q'[i] = q[i]*cos[i] - q[i+h]*sin[i],  q'[i+h] = q[i+h]*cos[i] + q[i]*sin[i]   (h = head_dim/2),
  * scores = q.k / sqrt(head_dim), softmax in f32 (exp(s - max) / sum), out = sum_t p_t v_t.
  * KV head j serves query heads j*g .. j*g+g-1 (g = n_heads / n_kv).
@@ -18,28 +18,6 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
-
-/* ---------- f16 <-> f32, scalar (round to nearest even, like F16C and numpy) ---------- */
-
-static inline uint16_t f2h(float f) {
-    uint32_t x;
-    memcpy(&x, &f, 4);
-    uint32_t sign = (x >> 16) & 0x8000;
-    uint32_t ax = x & 0x7fffffffu;
-    if (ax >= 0x7f800000u) return (uint16_t)(sign | 0x7c00 | (ax > 0x7f800000u ? 0x200 : 0)); /* inf / nan */
-    if (ax >= 0x477ff000u) return (uint16_t)(sign | 0x7c00);                                    /* overflow */
-    if (ax < 0x38800000u) { /* subnormal half (or zero): add a magic number, let the FPU round */
-        float a, magic = 0.5f;
-        memcpy(&a, &ax, 4);
-        a += magic;
-        uint32_t r;
-        memcpy(&r, &a, 4);
-        return (uint16_t)(sign | (r - 0x3f000000u));
-    }
-    uint32_t mant_odd = (ax >> 13) & 1;
-    ax += 0xc8000fffu + mant_odd; /* rebias exponent (-112 << 23) and round half to even */
-    return (uint16_t)(sign | (ax >> 13));
-}
 
 /* ---------- per-ISA kernels: scores of one head, weighted sum of values, exp(x - max) in place ---------- */
 
@@ -103,12 +81,6 @@ AVX512_FN static float exp_sum_avx512(float *x, int n, float mx) {
         acc = _mm512_add_ps(acc, e);
     }
     return _mm512_reduce_add_ps(acc);
-}
-AVX2_FN static void store_f16_avx2(const float *src, uint16_t *dst, int n) {
-    int i = 0;
-    for (; i + 8 <= n; i += 8)
-        _mm_storeu_si128((__m128i *)(dst + i), _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
-    for (; i < n; i++) dst[i] = f2h(src[i]);
 }
 #endif
 
@@ -426,18 +398,6 @@ static att_kernels kernels_for(int isa) {
     return k;
 }
 
-static void rope_rows(float *x, int n_heads, int head_dim, const float *cos, const float *sin) {
-    int half = head_dim / 2;
-    for (int h = 0; h < n_heads; h++) {
-        float *v = x + h * head_dim;
-        for (int i = 0; i < half; i++) {
-            float x1 = v[i], x2 = v[i + half];
-            v[i] = x1 * cos[i] - x2 * sin[i];
-            v[i + half] = x2 * cos[i] + x1 * sin[i];
-        }
-    }
-}
-
 /* One run of consecutive rows of one sequence: rows row0 .. row0+m-1 of qkv / out at positions pos0 ..,
  * its blocks addressed through `pages` (NULL: block b is at b * stride). */
 typedef struct {
@@ -642,8 +602,8 @@ static int attention_core(float *qkv, int n_heads, int n_kv, int head_dim, const
             float *row = qkv + (int64_t)(S.row0 + r) * row_stride;
             const int pos = S.pos0 + r;
             const float *c = rope_cos + (int64_t)pos * half, *s = rope_sin + (int64_t)pos * half;
-            rope_rows(row, n_heads, head_dim, c, s);
-            rope_rows(row + q_dim, n_kv, head_dim, c, s);
+            ops_rope_heads(row, n_heads, head_dim, c, s); /* rope_kv.c */
+            ops_rope_heads(row + q_dim, n_kv, head_dim, c, s);
             const int64_t blk = BLK(bl, pos / KT_BLOCK);
             for (int j = 0; j < n_kv; j++) {
                 const int64_t vat = j * v_head + blk + (int64_t)(pos % KT_BLOCK) * head_dim;
@@ -652,19 +612,8 @@ static int attention_core(float *qkv, int n_heads, int n_kv, int head_dim, const
                 if (q8) { /* a block's 32 scales follow its int8 values (attention_q8.h) */
                     att_q8_store_key(kr, head_dim, (int8_t *)k_cache + j * k_head + blk, pos % KT_BLOCK);
                     att_q8_store_value(vr, head_dim, (int8_t *)v_cache + j * v_head + blk, pos % KT_BLOCK);
-                } else if (kv_f16) {
-                    uint16_t *kc = (uint16_t *)k_cache + kat, *vc = (uint16_t *)v_cache + vat;
-#if defined(__x86_64__)
-                    if (isa >= OPS_ISA_AVX2 && head_dim <= 512) { /* F16C converts; the key's column is scattered */
-                        uint16_t kh[512];
-                        store_f16_avx2(vr, vc, head_dim);
-                        store_f16_avx2(kr, kh, head_dim);
-                        for (int i = 0; i < head_dim; i++) kc[(int64_t)i * KT_BLOCK] = kh[i];
-                        continue;
-                    }
-#endif
-                    for (int i = 0; i < head_dim; i++) vc[i] = f2h(vr[i]);
-                    for (int i = 0; i < head_dim; i++) kc[(int64_t)i * KT_BLOCK] = f2h(kr[i]);
+                } else if (kv_f16) { /* rope_kv.c */
+                    ops_kv_store_f16(kr, vr, head_dim, (uint16_t *)k_cache + kat, (uint16_t *)v_cache + vat);
                 } else {
                     float *kc = (float *)k_cache + kat;
                     memcpy((float *)v_cache + vat, vr, sizeof(float) * head_dim);

@@ -19,7 +19,8 @@
 #include <math.h>
 #include <string.h>
 
-#include "attn_common.h" /* the exp polynomial's constants, sum16 */
+#include "attn_common.h" /* sum16 */
+#include "exp_neon.h"   /* the exp polynomial in NEON registers */
 #include "ops.h"
 
 #define KT_BLOCK OPS_KT_BLOCK
@@ -297,23 +298,6 @@ static void q8_wsum(const float *const *p, int R, const int8_t *vc, kv_blocks bl
     for (int j = 0; j < R; j++) memcpy(out[j], acc[j], sizeof(float) * (size_t)hd);
 }
 
-/* exp(x - mx) on attn_common.h's polynomial (its constants; operations one for one with its exp_poly) */
-INLINE float32x4_t exp_neon(float32x4_t x) {
-    x = vmaxnmq_f32(x, vdupq_n_f32(EXP_LO)); /* `x > LO ? x : LO`: a NaN gives LO, as there */
-    const float32x4_t n = vrndnq_f32(vmulq_f32(x, vdupq_n_f32(EXP_LOG2E)));
-    float32x4_t r = vfmsq_f32(x, n, vdupq_n_f32(EXP_LN2_HI)); /* fmaf(-n, hi, x) */
-    r = vfmsq_f32(r, n, vdupq_n_f32(EXP_LN2_LO));
-    float32x4_t p = vdupq_n_f32(EXP_C0);
-    p = vfmaq_f32(vdupq_n_f32(EXP_C1), p, r);
-    p = vfmaq_f32(vdupq_n_f32(EXP_C2), p, r);
-    p = vfmaq_f32(vdupq_n_f32(EXP_C3), p, r);
-    p = vfmaq_f32(vdupq_n_f32(EXP_C4), p, r);
-    p = vfmaq_f32(vdupq_n_f32(EXP_C5), p, r);
-    const float32x4_t y = vaddq_f32(vfmaq_f32(r, vmulq_f32(p, r), r), vdupq_n_f32(1.0f));
-    const int32x4_t e = vshlq_n_s32(vaddq_s32(vcvtq_s32_f32(n), vdupq_n_s32(127)), 23);
-    return vmulq_f32(y, vreinterpretq_f32_s32(e));
-}
-
 /* lane l of the 16 sums x[i] for i % 16 == l; a last partial vector: exp of 0 in the spare lanes, then zeroed */
 static float q8_exp_sum(float *x, int n, float mx) {
     const float32x4_t vm = vdupq_n_f32(mx);
@@ -325,14 +309,14 @@ static float q8_exp_sum(float *x, int n, float mx) {
             if (left <= 0) break;
             float *px = x + i + 4 * v;
             if (left >= 4) {
-                const float32x4_t e = exp_neon(vsubq_f32(vld1q_f32(px), vm));
+                const float32x4_t e = ops_exp_neon(vsubq_f32(vld1q_f32(px), vm));
                 vst1q_f32(px, e);
                 acc[v] = vaddq_f32(acc[v], e);
             } else {
                 float tmp[4] = {mx, mx, mx, mx};
                 memcpy(tmp, px, sizeof(float) * (size_t)left);
                 const uint32x4_t keep = vcltq_u32(lane, vdupq_n_u32((uint32_t)left));
-                const float32x4_t e = vreinterpretq_f32_u32(vandq_u32(vreinterpretq_u32_f32(exp_neon(vsubq_f32(vld1q_f32(tmp), vm))), keep));
+                const float32x4_t e = vreinterpretq_f32_u32(vandq_u32(vreinterpretq_u32_f32(ops_exp_neon(vsubq_f32(vld1q_f32(tmp), vm))), keep));
                 vst1q_f32(tmp, e);
                 memcpy(px, tmp, sizeof(float) * (size_t)left);
                 acc[v] = vaddq_f32(acc[v], e);
