@@ -28,10 +28,9 @@ if ROOT not in sys.path:
 sys.path.insert(0, HERE)
 
 import report  # noqa: E402  (bench/report.py)
-from make_models import DEFAULT_CACHE, make  # noqa: E402
+from make_models import DEFAULT_CACHE, LIMITS, make  # noqa: E402
 
 WORKER = os.path.join(HERE, "e2e_worker.py")
-LIMITS = os.path.join(HERE, "limits.py")
 
 
 def have_llama_cpp() -> str | None:

@@ -36,9 +36,8 @@ if ROOT not in sys.path:
 sys.path.insert(0, HERE)
 
 from llama_bench import llama_bench  # noqa: E402
-from make_models import DEFAULT_CACHE, model_paths  # noqa: E402
+from make_models import DEFAULT_CACHE, LIMITS, model_paths  # noqa: E402
 
-LIMITS = os.path.join(HERE, "limits.py")
 CODE = "".join(f"def get_{f}(self):\n    return self._{f}\n\ndef set_{f}(self, value):\n    self._{f} = value\n\n"
                for f in ("name", "size", "color", "weight", "owner", "price"))
 

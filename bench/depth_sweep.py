@@ -16,7 +16,6 @@ used). Each row is one short run on a shared machine: compare rows of one run, n
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -30,7 +29,7 @@ sys.path.insert(0, os.path.dirname(ROOT))
 
 from decode_rows import ensure_q4_store, store_bytes_per_token  # noqa: E402
 from limits import stream_bandwidth  # noqa: E402
-from make_models import DEFAULT_CACHE  # noqa: E402
+from make_models import DEFAULT_CACHE, save_json  # noqa: E402
 
 
 def fill_cache(model):
@@ -114,22 +113,19 @@ def long_prompts(store, a) -> list[dict]:
     return rows
 
 
-def attention_layer(kv: str, depth: int, threads: int, reps: int = 20) -> dict:
-    """One 2B-4T layer's decode attention alone (20 heads, 5 KV heads x 128) at `depth`: min / median / max time
-    per call and the rate at which it reads the layer's K and V (a cache filled with non-zero bytes). Calls go round
-    enough layers' caches (at least 64 MB in all, as many as `reps` allows) that a call finds its cache in memory
-    rather than in L3, as a decode step does (30 layers of it)."""
+def _layer_attention(kv: str, depth: int, rows: int, threads: int, n_caches: int):
+    """One 2B-4T layer's attention (20 heads, 5 KV heads x 128) for `rows` query rows at positions depth..:
+    the call, `n_caches` (K, V) caches to go round (filled with non-zero bytes) and the QKV rows to copy into
+    each call (the call ropes them in place)."""
     from bitnet_cpu.simd import _ops as ops
 
-    nh, nkv, hd, n_ctx = 20, 5, 128, depth + 1
+    nh, nkv, hd, n_ctx = 20, 5, 128, depth + rows
     rng = np.random.default_rng(0)
     inv = 1.0 / (500000.0 ** (np.arange(0, hd, 2, dtype=np.float32) / hd))
     fr = np.arange(n_ctx, dtype=np.float32)[:, None] * inv[None]
     cos, sin = np.cos(fr).astype(np.float32), np.sin(fr).astype(np.float32)
     scr = np.zeros((threads * ops.ATTENTION_SCRATCH_ROWS, n_ctx), np.float32)
-    out = np.zeros((1, nh * hd), np.float32)
-    nbytes = 2 * nkv * depth * (hd + 4) if kv == "q8" else 2 * nkv * depth * hd * 2
-    n_caches = max(2, min(reps, -(-(64 << 20) // max(nbytes, 1))))
+    out = np.zeros((rows, nh * hd), np.float32)
     if kv == "q8":
         caches = [[np.full(ops.q8_cache_shape(nkv, n_ctx, hd), 1, np.int8) for _ in range(2)] for _ in range(n_caches)]
         call = lambda q, kc, vc: ops.attention_q8(q, nh, nkv, hd, cos, sin, depth, n_ctx, kc, vc, out, scr)  # noqa: E731
@@ -137,7 +133,19 @@ def attention_layer(kv: str, depth: int, threads: int, reps: int = 20) -> dict:
         caches = [[np.full(ops.key_cache_shape(nkv, n_ctx, hd), 0x2000, np.uint16),
                    np.full((nkv, n_ctx, hd), 0x2000, np.uint16)] for _ in range(n_caches)]
         call = lambda q, kc, vc: ops.attention(q, nh, nkv, hd, cos, sin, depth, kc, vc, out, scr)  # noqa: E731
-    qkv = rng.standard_normal((1, (nh + 2 * nkv) * hd)).astype(np.float32)
+    qkv = rng.standard_normal((rows, (nh + 2 * nkv) * hd)).astype(np.float32)
+    return call, caches, qkv
+
+
+def attention_layer(kv: str, depth: int, threads: int, reps: int = 20) -> dict:
+    """One 2B-4T layer's decode attention alone (20 heads, 5 KV heads x 128) at `depth`: min / median / max time
+    per call and the rate at which it reads the layer's K and V (a cache filled with non-zero bytes). Calls go round
+    enough layers' caches (at least 64 MB in all, as many as `reps` allows) that a call finds its cache in memory
+    rather than in L3, as a decode step does (30 layers of it)."""
+    nkv, hd = 5, 128
+    nbytes = 2 * nkv * depth * (hd + 4) if kv == "q8" else 2 * nkv * depth * hd * 2
+    n_caches = max(2, min(reps, -(-(64 << 20) // max(nbytes, 1))))
+    call, caches, qkv = _layer_attention(kv, depth, 1, threads, n_caches)
     times = []
     for i in range(reps):
         q = qkv.copy()
@@ -155,23 +163,7 @@ def prefill_attention_layer(kv: str, depth: int, rows: int, threads: int, reps: 
     depth + rows prompt): median wall and CPU seconds per call (CPU time: less swayed by a busy machine). Each
     call gets its own layer's cache, as in the model (six layers at 4k positions: 60 MB of f16 K/V, more than L3
     holds), so a call starts with its keys and values in memory, not in cache."""
-    from bitnet_cpu.simd import _ops as ops
-
-    nh, nkv, hd, n_ctx = 20, 5, 128, depth + rows
-    rng = np.random.default_rng(0)
-    inv = 1.0 / (500000.0 ** (np.arange(0, hd, 2, dtype=np.float32) / hd))
-    fr = np.arange(n_ctx, dtype=np.float32)[:, None] * inv[None]
-    cos, sin = np.cos(fr).astype(np.float32), np.sin(fr).astype(np.float32)
-    scr = np.zeros((threads * ops.ATTENTION_SCRATCH_ROWS, n_ctx), np.float32)
-    out = np.zeros((rows, nh * hd), np.float32)
-    if kv == "q8":
-        caches = [[np.full(ops.q8_cache_shape(nkv, n_ctx, hd), 1, np.int8) for _ in range(2)] for _ in range(reps)]
-        call = lambda q, kc, vc: ops.attention_q8(q, nh, nkv, hd, cos, sin, depth, n_ctx, kc, vc, out, scr)  # noqa: E731
-    else:
-        caches = [[np.full(ops.key_cache_shape(nkv, n_ctx, hd), 0x2000, np.uint16),
-                   np.full((nkv, n_ctx, hd), 0x2000, np.uint16)] for _ in range(reps)]
-        call = lambda q, kc, vc: ops.attention(q, nh, nkv, hd, cos, sin, depth, kc, vc, out, scr)  # noqa: E731
-    qkv = rng.standard_normal((rows, (nh + 2 * nkv) * hd)).astype(np.float32)
+    call, caches, qkv = _layer_attention(kv, depth, rows, threads, reps)
     wall, cpu = [], []
     for kc, vc in caches:
         q = qkv.copy()
@@ -228,9 +220,7 @@ def main(argv=None) -> int:
         for r in rows:
             print(f"| {r['kv']} | {r['prompt']} | {r['min']:.0f} / {r['median']:.0f} / {r['max']:.0f} | "
                   f"{r['over_first']:.2f} |")
-        if a.json:
-            with open(a.json, "w") as f:
-                json.dump({"threads": a.threads, "long": rows}, f, indent=1)
+        save_json(a.json, {"threads": a.threads, "long": rows})
         return 0
     bw0 = stream_bandwidth(a.threads, mib=512, passes=3)["bandwidth_Bps"]
     rows = [row(store, kv, int(d), a) for d in a.depths.split(",") if d for kv in a.kv.split(",")]
@@ -260,11 +250,8 @@ def main(argv=None) -> int:
         for r in att:
             print(f"| {r['kv']} | {r['depth']} | {r['us_min']:.0f} / {r['us']:.0f} / {r['us_max']:.0f} | "
                   f"{r['GBps']:.1f} ({r['GBps_best']:.1f}) | {r['GBps'] * 1e9 / bw:.0%} |")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"weights_bytes": weights, "stream_Bps": [bw0, bw1], "threads": a.threads, "rows": rows,
-                       "attention": att, "ab": ab}, f,
-                      indent=1)
+    save_json(a.json, {"weights_bytes": weights, "stream_Bps": [bw0, bw1], "threads": a.threads, "rows": rows,
+                       "attention": att, "ab": ab})
     return 0
 
 

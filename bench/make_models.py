@@ -23,6 +23,8 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 DEFAULT_CACHE = os.path.join(HERE, "cache")
+# the machine-limits probe the benchmarks run in a subprocess, so its thread count is set before OpenMP starts
+LIMITS = os.path.join(HERE, "limits.py")
 SEED = 0
 
 

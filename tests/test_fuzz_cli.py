@@ -28,7 +28,7 @@ from bitnet_cpu.engine.synth import SynthModel, small_config, write_gguf_i2s, wr
 from helpers import ROOT, address_space_cap
 
 CASES = int(os.environ.get("BITNET_FUZZ_CLI_CASES", "1500"))
-CASE_SECONDS = 20
+CASE_SECONDS = 20   # CPU seconds of this process per case: a busy machine stretches wall time, not work
 CATEGORIES = ("gguf_header", "store_header", "store_index", "config_json", "tokenizer_json", "tokenizer_bytes",
               "chat_template")
 ODD_VALUES = [None, True, False, 0, -1, 1, 3, 255, 2 ** 31, 2 ** 63, 2 ** 64 + 5, -(2 ** 40), 1e308, -0.0, 0.5,
@@ -208,7 +208,7 @@ def _run_case(base, work, category: str, seed: int):
             new = _json_bytes(tc)
         with open(p, "wb") as f:
             f.write(new)
-    t0 = time.monotonic()
+    t0 = time.process_time()
     if out != src:
         rc, err = _cli(["convert", src, "-o", out, "--no-progress"])
         _check(rc, err, what + " convert")
@@ -217,7 +217,7 @@ def _run_case(base, work, category: str, seed: int):
     rc, err = _cli(["run", "-m", out, "-p", "Hi there", "-n", "2", "--temp", "0", "-t", "1"]
                    + (["--chat"] if category == "chat_template" or rng.random() < 0.3 else []))
     _check(rc, err, what + " run")
-    assert time.monotonic() - t0 < CASE_SECONDS, f"{what}: took {time.monotonic() - t0:.1f} s"
+    assert time.process_time() - t0 < CASE_SECONDS, f"{what}: took {time.process_time() - t0:.1f} CPU s"
     return rc
 
 

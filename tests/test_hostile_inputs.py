@@ -4,6 +4,7 @@ or a misleading message; --seed -1 is a random seed; -c / -t beyond the model or
 import json
 import os
 import re
+import resource
 import shutil
 import struct
 import subprocess
@@ -33,6 +34,12 @@ def model(tmp_path_factory):
 def bitnet(*args, env=None, timeout=120):
     return subprocess.run([sys.executable, "-m", "bitnet_cpu", *args], cwd=ROOT, env=env or ENV, capture_output=True,
                           text=True, timeout=timeout)
+
+
+def _children_cpu_s() -> float:
+    """CPU seconds used so far by this process's finished children."""
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
 
 
 def one_error_line(r, code=2) -> str:
@@ -138,9 +145,12 @@ def test_hostile_chat_template_is_one_line(model, tmp_path):
     tc["chat_template"] = "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}"
     json.dump(tc, open(p, "w"))
     store = convert(d, str(tmp_path / "t.bnstore"), progress=False)
-    t0 = time.monotonic()
+    cpu0 = _children_cpu_s()
     line = one_error_line(bitnet("run", "-m", store, "--chat", "-p", "Hi"))
-    assert "chat template" in line and "iterations" in line and time.monotonic() - t0 < 30
+    # the iteration budget (200,000) stops it; on a loaded machine the render's 2 s wall deadline can come first:
+    # either is the right one-line refusal. CPU seconds, not wall: what the process spent, whatever the load.
+    assert "chat template" in line and ("iterations" in line or "rendering took more than" in line), line
+    assert _children_cpu_s() - cpu0 < 30
 
 
 # ---- bugs vs bad input -------------------------------------------------------------------------------
@@ -178,10 +188,10 @@ MSGS = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hel
     "{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}",
 ])
 def test_template_limits(template):
-    t0 = time.monotonic()
+    t0 = time.process_time()   # CPU seconds: a busy machine stretches the wall time, not the work
     with pytest.raises(TemplateError if "macro" in template else TemplateLimitError) as e:
         render(template, MSGS)
-    assert "\n" not in str(e.value) and time.monotonic() - t0 < 10
+    assert "\n" not in str(e.value) and time.process_time() - t0 < 10
     assert isinstance(e.value, BitNetError) and e.value.exit_code == 2
 
 

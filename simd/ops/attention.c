@@ -1,6 +1,6 @@
 /* RoPE + KV-cache write + causal grouped-query attention, for one decode row or a prefill chunk.
  *
- * Math as transformers' BitNetAttention (FORMATS.md §1): half-split RoPE
+ * Math as transformers' BitNetAttention (FORMATS.md §1): half-split RoPE (rope_kv.c, with the f16 cache write)
  *   q'[i] = q[i]*cos[i] - q[i+h]*sin[i],  q'[i+h] = q[i+h]*cos[i] + q[i]*sin[i]   (h = head_dim/2),
  * scores = q.k / sqrt(head_dim), softmax in f32 (exp(s - max) / sum), out = sum_t p_t v_t.
  * KV head j serves query heads j*g .. j*g+g-1 (g = n_heads / n_kv).
@@ -19,31 +19,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* ---------- f16 <-> f32, scalar (round to nearest even, like F16C and numpy) ---------- */
-
-static inline uint16_t f2h(float f) {
-    uint32_t x;
-    memcpy(&x, &f, 4);
-    uint32_t sign = (x >> 16) & 0x8000;
-    uint32_t ax = x & 0x7fffffffu;
-    if (ax >= 0x7f800000u) return (uint16_t)(sign | 0x7c00 | (ax > 0x7f800000u ? 0x200 : 0)); /* inf / nan */
-    if (ax >= 0x477ff000u) return (uint16_t)(sign | 0x7c00);                                    /* overflow */
-    if (ax < 0x38800000u) { /* subnormal half (or zero): add a magic number, let the FPU round */
-        float a, magic = 0.5f;
-        memcpy(&a, &ax, 4);
-        a += magic;
-        uint32_t r;
-        memcpy(&r, &a, 4);
-        return (uint16_t)(sign | (r - 0x3f000000u));
-    }
-    uint32_t mant_odd = (ax >> 13) & 1;
-    ax += 0xc8000fffu + mant_odd; /* rebias exponent (-112 << 23) and round half to even */
-    return (uint16_t)(sign | (ax >> 13));
-}
-
 /* ---------- per-ISA kernels: scores of one head, weighted sum of values, exp(x - max) in place ---------- */
 
-/* kv_blocks, BLK (how positions are addressed): attention_q8.h */
+/* kv_blocks, BLK (how positions are addressed): attn_common.h */
 
 typedef struct {
     void (*scores)(const float *const *q, int R, const void *kt, kv_blocks bl, int f16, int n, int hd, float scale,
@@ -103,12 +81,6 @@ AVX512_FN static float exp_sum_avx512(float *x, int n, float mx) {
         acc = _mm512_add_ps(acc, e);
     }
     return _mm512_reduce_add_ps(acc);
-}
-AVX2_FN static void store_f16_avx2(const float *src, uint16_t *dst, int n) {
-    int i = 0;
-    for (; i + 8 <= n; i += 8)
-        _mm_storeu_si128((__m128i *)(dst + i), _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
-    for (; i < n; i++) dst[i] = f2h(src[i]);
 }
 #endif
 
@@ -177,10 +149,11 @@ AVX2_FN static inline __m256 load8(const void *base, int f16, int64_t off, int v
  * register (the general body below keeps acc[][] in memory: a store-reload chain per FMA, measured 3x
  * slower). Same operations in the same order: the same floats. */
 AVX2_FN static inline void scores4_f16_avx2(const float *const *q, const uint16_t *kt, int64_t base, int hd,
-                                            __m256 vs, float *const *sc, int t0) {
+                                            __m256 vs, float *const *sc, int t0, const char *next, int s0) {
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, b0 = a0, b1 = a0, c0 = a0, c1 = a0, d0 = a0, d1 = a0;
     const float *q0 = q[0], *q1 = q[1], *q2 = q[2], *q3 = q[3];
     for (int i = 0; i < hd; i++) {
+        pf_lines(next, s0 + i, 1, hd / 2); /* a block of f16 keys: hd / 2 lines */
         const uint16_t *kp = kt + base + (int64_t)i * KT_BLOCK;
         __m256 k0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)kp));
         __m256 k1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(kp + 8)));
@@ -195,19 +168,23 @@ AVX2_FN static inline void scores4_f16_avx2(const float *const *q, const uint16_
 AVX2_FN static void scores_avx2(const float *const *q, int R, const void *kt, kv_blocks bl, int f16, int n, int hd,
                                 float scale, float *const *sc) {
     const __m256 vs = _mm256_set1_ps(scale);
+    const int64_t esize = f16 ? 2 : 4;
+    const int lines = (int)(hd * esize / 2), per = f16 ? 1 : 2; /* a block: 32 x hd values */
     for (int t0 = 0; t0 < n; t0 += 16) {
         const int valid = n - t0;
         const int64_t base = BLK(bl, t0 / KT_BLOCK) + t0 % KT_BLOCK;
+        const char *next = pf_block(kt, bl, t0 / KT_BLOCK + 1, n, esize);
+        const int s0 = (t0 % KT_BLOCK / 16) * hd; /* steps of this half-run in its block */
         /* A last, partial run of positions is computed on all 16 lanes and only its valid scores are kept: t0 is
          * a multiple of 16, so the 16 lanes stay inside their allocated KT_BLOCK block (whatever a lane past n
          * holds only reaches that lane's own discarded score). The per-element masked loads this replaces cost
          * ~10 us per layer of a decode step (2B-4T, one tail per KV head) at any context length. */
         if (R == 4 && f16) {
             if (valid >= 16) {
-                scores4_f16_avx2(q, (const uint16_t *)kt, base, hd, vs, sc, t0);
+                scores4_f16_avx2(q, (const uint16_t *)kt, base, hd, vs, sc, t0, next, s0);
             } else {
                 float tmp[4][16], *tp[4] = {tmp[0], tmp[1], tmp[2], tmp[3]};
-                scores4_f16_avx2(q, (const uint16_t *)kt, base, hd, vs, tp, 0);
+                scores4_f16_avx2(q, (const uint16_t *)kt, base, hd, vs, tp, 0, next, s0);
                 for (int j = 0; j < 4; j++) memcpy(sc[j] + t0, tmp[j], sizeof(float) * (size_t)valid);
             }
             continue;
@@ -215,6 +192,7 @@ AVX2_FN static void scores_avx2(const float *const *q, int R, const void *kt, kv
         __m256 acc[MAXQ][2];
         for (int j = 0; j < MAXQ; j++) acc[j][0] = acc[j][1] = _mm256_setzero_ps();
         for (int i = 0; i < hd; i++) {
+            pf_lines(next, s0 + i, per, lines);
             const int64_t off = base + (int64_t)i * KT_BLOCK;
             __m256 k0 = load8(kt, f16, off, 8), k1 = load8(kt, f16, off + 8, 8);
             for (int j = 0; j < R; j++) {
@@ -290,7 +268,10 @@ AVX2_FN static void wsum4_f16_avx2(const float *const *p, const void *vc, kv_blo
             for (int ts = tb; ts < te; ts += KT_BLOCK) { /* runs inside one KT_BLOCK: rows hd apart */
                 const int tn = ts + KT_BLOCK < te ? ts + KT_BLOCK : te;
                 const uint16_t *v = (const uint16_t *)vc + BLK(bl, ts / KT_BLOCK) + (int64_t)(ts % KT_BLOCK) * hd + col;
+                /* the same block of the next tile, hd / 2 lines, one per step over the columns' passes */
+                const char *next = pf_block(vc, bl, ts / KT_BLOCK + WS4_BLOCK / KT_BLOCK, n, 2);
                 for (int t = ts; t < tn; t++, v += hd) {
+                    pf_lines(next, col / 16 * KT_BLOCK + t - ts, 1, hd / 2);
                     const __m256 v0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)v));
                     const __m256 v1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(v + 8)));
                     FMA4X2(p0, p1, p2, p3, t, v0, v1);
@@ -319,7 +300,9 @@ AVX512_FN static void scores_avx512(const float *const *q, int R, const void *kt
         const __mmask16 m0 = mask16(n - t0), m1 = mask16(n - t0 - 16);
         __m512 a00 = _mm512_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00, a31 = a00;
         const int64_t base = BLK(bl, t0 / KT_BLOCK);
+        const char *next = pf_block(kt, bl, t0 / KT_BLOCK + 1, n, f16 ? 2 : 4);
         for (int i = 0; i < hd; i++) {
+            pf_lines(next, i, f16 ? 1 : 2, f16 ? hd / 2 : hd);
             const int64_t off = base + (int64_t)i * KT_BLOCK;
             const __m512 k0 = load16(kt, f16, off, m0), k1 = load16(kt, f16, off + 16, m1);
             __m512 b = _mm512_set1_ps(q[0][i]);
@@ -379,6 +362,9 @@ AVX512_FN static void wsum2_avx512(const float *p0, const float *p1, const void 
         for (int t = 0; t < n; t++) {
             const __m512 w0 = _mm512_set1_ps(p0[t]), w1 = _mm512_set1_ps(p1[t]);
             const int64_t o = BLK(bl, t / KT_BLOCK) + (int64_t)(t % KT_BLOCK) * hd + c0;
+            if (c0 == 0) /* this row of the next block: hd x esize bytes */
+                pf_lines(pf_block(vc, bl, t / KT_BLOCK + 1, n, f16 ? 2 : 4), t % KT_BLOCK, hd * (f16 ? 2 : 4) / 64,
+                         hd * (f16 ? 2 : 4) / 2);
 #pragma GCC unroll 8
             for (int j = 0; j < 8; j++) {
                 if (!k[j]) break;
@@ -410,18 +396,6 @@ static att_kernels kernels_for(int isa) {
     if (ops_neon()) k.scores = att_scores_neon, k.wsum = att_wsum_neon, k.wsum4_f16 = att_wsum4_f16_neon;
 #endif
     return k;
-}
-
-static void rope_rows(float *x, int n_heads, int head_dim, const float *cos, const float *sin) {
-    int half = head_dim / 2;
-    for (int h = 0; h < n_heads; h++) {
-        float *v = x + h * head_dim;
-        for (int i = 0; i < half; i++) {
-            float x1 = v[i], x2 = v[i + half];
-            v[i] = x1 * cos[i] - x2 * sin[i];
-            v[i + half] = x2 * cos[i] + x1 * sin[i];
-        }
-    }
 }
 
 /* One run of consecutive rows of one sequence: rows row0 .. row0+m-1 of qkv / out at positions pos0 ..,
@@ -628,8 +602,8 @@ static int attention_core(float *qkv, int n_heads, int n_kv, int head_dim, const
             float *row = qkv + (int64_t)(S.row0 + r) * row_stride;
             const int pos = S.pos0 + r;
             const float *c = rope_cos + (int64_t)pos * half, *s = rope_sin + (int64_t)pos * half;
-            rope_rows(row, n_heads, head_dim, c, s);
-            rope_rows(row + q_dim, n_kv, head_dim, c, s);
+            ops_rope_heads(row, n_heads, head_dim, c, s); /* rope_kv.c */
+            ops_rope_heads(row + q_dim, n_kv, head_dim, c, s);
             const int64_t blk = BLK(bl, pos / KT_BLOCK);
             for (int j = 0; j < n_kv; j++) {
                 const int64_t vat = j * v_head + blk + (int64_t)(pos % KT_BLOCK) * head_dim;
@@ -638,19 +612,8 @@ static int attention_core(float *qkv, int n_heads, int n_kv, int head_dim, const
                 if (q8) { /* a block's 32 scales follow its int8 values (attention_q8.h) */
                     att_q8_store_key(kr, head_dim, (int8_t *)k_cache + j * k_head + blk, pos % KT_BLOCK);
                     att_q8_store_value(vr, head_dim, (int8_t *)v_cache + j * v_head + blk, pos % KT_BLOCK);
-                } else if (kv_f16) {
-                    uint16_t *kc = (uint16_t *)k_cache + kat, *vc = (uint16_t *)v_cache + vat;
-#if defined(__x86_64__)
-                    if (isa >= OPS_ISA_AVX2 && head_dim <= 512) { /* F16C converts; the key's column is scattered */
-                        uint16_t kh[512];
-                        store_f16_avx2(vr, vc, head_dim);
-                        store_f16_avx2(kr, kh, head_dim);
-                        for (int i = 0; i < head_dim; i++) kc[(int64_t)i * KT_BLOCK] = kh[i];
-                        continue;
-                    }
-#endif
-                    for (int i = 0; i < head_dim; i++) vc[i] = f2h(vr[i]);
-                    for (int i = 0; i < head_dim; i++) kc[(int64_t)i * KT_BLOCK] = f2h(kr[i]);
+                } else if (kv_f16) { /* rope_kv.c */
+                    ops_kv_store_f16(kr, vr, head_dim, (uint16_t *)k_cache + kat, (uint16_t *)v_cache + vat);
                 } else {
                     float *kc = (float *)k_cache + kat;
                     memcpy((float *)v_cache + vat, vr, sizeof(float) * head_dim);
@@ -734,7 +697,11 @@ static int attention_core(float *qkv, int n_heads, int n_kv, int head_dim, const
      * other threads, once per layer, can cost a scheduler slice on a busy machine, while each
      * sequence's attention is short (measured: 16 sequences at 64 positions, 0.5 ms serial per layer) */
     const int64_t min_work = n_segs > 1 ? (int64_t)1 << 24 : (int64_t)1 << 18;
-    const att_job job = {K, att_q8_kernels_for(isa), q8, segs, items, ws_off, n_sub, group, sub, kv_f16, head_dim, row_stride, q_dim, n_heads,
+    att_q8_kernels Q = att_q8_kernels_for(isa);
+#if defined(__aarch64__) /* attention_neon.c: sdot where the CPU has it */
+    if (ops_neon()) Q = att_q8_neon_kernels(bk_get_isa() != BK_ISA_NEON);
+#endif
+    const att_job job = {K, Q, q8, segs, items, ws_off, n_sub, group, sub, kv_f16, head_dim, row_stride, q_dim, n_heads,
                          scratch_len, stride, k_head, v_head, esize, k_cache, v_cache, qkv, out, scratch, ws, qq, qc, scale};
     /* grain 1: items are whole heads (or pieces), handed out one chunk at a time; slot < threads indexes the scratch */
     if (n_items > 1 && threads > 1 && work * n_heads * head_dim > min_work)

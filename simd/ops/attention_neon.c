@@ -19,7 +19,8 @@
 #include <math.h>
 #include <string.h>
 
-#include "attn_common.h" /* the exp polynomial's constants, sum16 */
+#include "attn_common.h" /* sum16 */
+#include "exp_neon.h"   /* the exp polynomial in NEON registers */
 #include "ops.h"
 
 #define KT_BLOCK OPS_KT_BLOCK
@@ -157,10 +158,10 @@ void att_wsum4_f16_neon(const float *const *p, const void *vc, kv_blocks bl, int
     for (int j = 0; j < 4; j++) memcpy(out[j], acc[j], sizeof(float) * (size_t)hd);
 }
 
-/* ---------------- int8 cache (layout: attention_q8.h) ---------------- */
+/* ---------------- int8 cache (layout: attention_q8.h; kernels table: attn_common.h) ---------------- */
 
 #define KB OPS_KT_BLOCK
-#define KSCALES(base, blk, hd) ((const float *)((base) + (blk) + (int64_t)KB * (hd)))
+#define KSCALES Q8_SCALES
 
 /* sc[j][t0 .. t0+valid) = ((float)dot * kscale) * c[j], the scalar body's order */
 INLINE void store_scores(const int32x4_t *acc, const float *ks, float c, int valid, float *dst) {
@@ -240,17 +241,8 @@ INLINE void q8_scores_plain_body(const int8_t *const *q8, const float *c, const 
 }
 
 /* the queries come quantized (att_q8_quantize_query, once per row and head in attention.c) */
-DOT_FN static void q8_scores_dot(const int8_t *const *q8, const float *c, int R, const int8_t *kt, kv_blocks bl, int n,
-                                 int hd, float *const *sc) {
-    if (R == 4) q8_scores_dot_body(q8, c, 4, kt, bl, n, hd, sc);
-    else q8_scores_dot_body(q8, c, R, kt, bl, n, hd, sc);
-}
-
-static void q8_scores_plain(const int8_t *const *q8, const float *c, int R, const int8_t *kt, kv_blocks bl, int n,
-                            int hd, float *const *sc) {
-    if (R == 4) q8_scores_plain_body(q8, c, 4, kt, bl, n, hd, sc);
-    else q8_scores_plain_body(q8, c, R, kt, bl, n, hd, sc);
-}
+Q8_SCORES_ENTRY(DOT_FN, q8_scores_dot, q8_scores_dot_body)
+Q8_SCORES_ENTRY(, q8_scores_plain, q8_scores_plain_body)
 
 /* int8 x 16 -> four f32 vectors (exact) */
 INLINE void cvt16_s8(int8x16_t b, float32x4_t *x) {
@@ -265,23 +257,18 @@ INLINE void q8_wsum_body(const float *const *p, const int R, const int8_t *vc, k
                          float (*acc)[Q8_MAX_HD]) {
     const int h16 = hd & ~15;
     for (int ts = 0; ts < n; ts += KB) {
-        const int tn = ts + KB < n ? KB : n - ts;
-        const int64_t blk = BLK(bl, ts / KB);
-        const int8_t *v0 = vc + blk;
-        const float *vs = KSCALES(vc, blk, hd);
-        float w[4][KB];
-        for (int j = 0; j < R; j++)
-            for (int t = 0; t < tn; t++) w[j][t] = p[j][ts + t] * vs[t];
+        q8_run_t r;
+        q8_run(&r, p, R, vc, bl, ts, n, hd);
         for (int col = 0; col < h16; col += 16) {
             float32x4_t a[4][4];
             for (int j = 0; j < R; j++)
                 for (int x = 0; x < 4; x++) a[j][x] = vld1q_f32(acc[j] + col + 4 * x);
-            const int8_t *v = v0 + col;
-            for (int t = 0; t < tn; t++, v += hd) {
+            const int8_t *v = r.v0 + col;
+            for (int t = 0; t < r.tn; t++, v += hd) {
                 float32x4_t x4[4];
                 cvt16_s8(vld1q_s8(v), x4);
                 for (int j = 0; j < R; j++) {
-                    const float wj = w[j][t];
+                    const float wj = r.w[j][t];
                     for (int x = 0; x < 4; x++) a[j][x] = vfmaq_n_f32(a[j][x], x4[x], wj);
                 }
             }
@@ -291,12 +278,12 @@ INLINE void q8_wsum_body(const float *const *p, const int R, const int8_t *vc, k
         for (int col = h16; col < hd; col += 4) {
             float32x4_t a[4];
             for (int j = 0; j < R; j++) a[j] = vld1q_f32(acc[j] + col);
-            const int8_t *v = v0 + col;
-            for (int t = 0; t < tn; t++, v += hd) {
+            const int8_t *v = r.v0 + col;
+            for (int t = 0; t < r.tn; t++, v += hd) {
                 int32_t four;
                 memcpy(&four, v, 4);
                 const float32x4_t x = vcvtq_f32_s32(vmovl_s16(vget_low_s16(vmovl_s8(vreinterpret_s8_s32(vdup_n_s32(four))))));
-                for (int j = 0; j < R; j++) a[j] = vfmaq_n_f32(a[j], x, w[j][t]);
+                for (int j = 0; j < R; j++) a[j] = vfmaq_n_f32(a[j], x, r.w[j][t]);
             }
             for (int j = 0; j < R; j++) vst1q_f32(acc[j] + col, a[j]);
         }
@@ -311,23 +298,6 @@ static void q8_wsum(const float *const *p, int R, const int8_t *vc, kv_blocks bl
     for (int j = 0; j < R; j++) memcpy(out[j], acc[j], sizeof(float) * (size_t)hd);
 }
 
-/* exp(x - mx) on attn_common.h's polynomial (its constants; operations one for one with its exp_poly) */
-INLINE float32x4_t exp_neon(float32x4_t x) {
-    x = vmaxnmq_f32(x, vdupq_n_f32(EXP_LO)); /* `x > LO ? x : LO`: a NaN gives LO, as there */
-    const float32x4_t n = vrndnq_f32(vmulq_f32(x, vdupq_n_f32(EXP_LOG2E)));
-    float32x4_t r = vfmsq_f32(x, n, vdupq_n_f32(EXP_LN2_HI)); /* fmaf(-n, hi, x) */
-    r = vfmsq_f32(r, n, vdupq_n_f32(EXP_LN2_LO));
-    float32x4_t p = vdupq_n_f32(EXP_C0);
-    p = vfmaq_f32(vdupq_n_f32(EXP_C1), p, r);
-    p = vfmaq_f32(vdupq_n_f32(EXP_C2), p, r);
-    p = vfmaq_f32(vdupq_n_f32(EXP_C3), p, r);
-    p = vfmaq_f32(vdupq_n_f32(EXP_C4), p, r);
-    p = vfmaq_f32(vdupq_n_f32(EXP_C5), p, r);
-    const float32x4_t y = vaddq_f32(vfmaq_f32(r, vmulq_f32(p, r), r), vdupq_n_f32(1.0f));
-    const int32x4_t e = vshlq_n_s32(vaddq_s32(vcvtq_s32_f32(n), vdupq_n_s32(127)), 23);
-    return vmulq_f32(y, vreinterpretq_f32_s32(e));
-}
-
 /* lane l of the 16 sums x[i] for i % 16 == l; a last partial vector: exp of 0 in the spare lanes, then zeroed */
 static float q8_exp_sum(float *x, int n, float mx) {
     const float32x4_t vm = vdupq_n_f32(mx);
@@ -339,14 +309,14 @@ static float q8_exp_sum(float *x, int n, float mx) {
             if (left <= 0) break;
             float *px = x + i + 4 * v;
             if (left >= 4) {
-                const float32x4_t e = exp_neon(vsubq_f32(vld1q_f32(px), vm));
+                const float32x4_t e = ops_exp_neon(vsubq_f32(vld1q_f32(px), vm));
                 vst1q_f32(px, e);
                 acc[v] = vaddq_f32(acc[v], e);
             } else {
                 float tmp[4] = {mx, mx, mx, mx};
                 memcpy(tmp, px, sizeof(float) * (size_t)left);
                 const uint32x4_t keep = vcltq_u32(lane, vdupq_n_u32((uint32_t)left));
-                const float32x4_t e = vreinterpretq_f32_u32(vandq_u32(vreinterpretq_u32_f32(exp_neon(vsubq_f32(vld1q_f32(tmp), vm))), keep));
+                const float32x4_t e = vreinterpretq_f32_u32(vandq_u32(vreinterpretq_u32_f32(ops_exp_neon(vsubq_f32(vld1q_f32(tmp), vm))), keep));
                 vst1q_f32(tmp, e);
                 memcpy(px, tmp, sizeof(float) * (size_t)left);
                 acc[v] = vaddq_f32(acc[v], e);

@@ -1,10 +1,11 @@
-/* The NEON bodies of attention (attention_neon.c; aarch64 only), hooked into the per-ISA choice of attention.c
- * (f16 / f32 cache) and attention_q8.c (int8 cache) on the neon and dotprod paths. Signatures: those of
- * attention.c's att_kernels and of att_q8_kernels (attention_q8.h). */
+/* The NEON bodies of attention (attention_neon.c; aarch64 only), chosen by attention.c's per-ISA dispatcher (f16 / f32
+ * cache and int8 cache) on the neon and dotprod paths. Signatures: those of
+ * attention.c's att_kernels and of att_q8_kernels (attn_common.h). Only attention.c's dispatcher
+ * names them. */
 #ifndef BITNET_ATTENTION_NEON_H
 #define BITNET_ATTENTION_NEON_H
 
-#include "attention_q8.h"
+#include "attn_common.h" /* kv_blocks, the att_q8_kernels table */
 
 #if defined(__aarch64__)
 void att_scores_neon(const float *const *q, int R, const void *kt, kv_blocks bl, int f16, int n, int hd, float scale,

@@ -19,13 +19,12 @@
 
 #include "attn_common.h" /* AVX2_FN / AVX512_FN, exp polynomial (vector and one lane), sum16, lane masks */
 #include "ops.h"
-#include "attention_neon.h"
 
 #define KB OPS_KT_BLOCK
 #define Q8_MAX_HD OPS_Q8_MAX_HD
 /* element i of position `at` in a key block: [head_dim/4][32][4] */
 #define KIDX(i, at) ((int64_t)((i) >> 2) * (4 * KB) + (at) * 4 + ((i) & 3))
-#define KSCALES(base, blk, hd) ((const float *)((base) + (blk) + (int64_t)KB * (hd))) /* a block's 32 scales */
+#define KSCALES Q8_SCALES /* a block's 32 scales */
 
 static float quantize_row(const float *x, int hd, int8_t *q) { /* q[i] = round(x[i] * 127 / max|x|); the scale */
     float amax = 0.0f;
@@ -127,13 +126,16 @@ AVX2_FN static inline __attribute__((always_inline)) void scores_avx2_body(const
                                                                            int R, const int8_t *kt, kv_blocks bl, int n,
                                                                            int hd, float *const *sc) {
     const __m256i ones = _mm256_set1_epi16(1);
+    const int lines = Q8_LINES(hd), per = (lines + hd / 2 - 1) / (hd / 2);
     for (int t0 = 0; t0 < n; t0 += 16) {
         const int64_t blk = BLK(bl, t0 / KB);
         const int8_t *k = kt + blk + (t0 % KB) * 4;
         const float *ks = KSCALES(kt, blk, hd) + t0 % KB;
+        const char *next = pf_block(kt, bl, t0 / KB + 1, n, 1);
         __m256i acc[4][2];
         for (int j = 0; j < 4; j++) acc[j][0] = acc[j][1] = _mm256_setzero_si256();
         for (int i4 = 0; i4 < hd / 4; i4++) {
+            pf_lines(next, (t0 % KB / 16) * (hd / 4) + i4, per, lines);
             const __m256i k0 = _mm256_loadu_si256((const __m256i *)(k + (int64_t)i4 * 4 * KB));
             const __m256i k1 = _mm256_loadu_si256((const __m256i *)(k + (int64_t)i4 * 4 * KB + 32));
             for (int j = 0; j < R; j++) {
@@ -156,47 +158,35 @@ AVX2_FN static inline __attribute__((always_inline)) void scores_avx2_body(const
         }
     }
 }
-AVX2_FN static void scores_avx2(const int8_t *const *q8, const float *c, int R, const int8_t *kt, kv_blocks bl, int n,
-                                int hd, float *const *sc) {
-    if (R == 4) scores_avx2_body(q8, c, 4, kt, bl, n, hd, sc);
-    else scores_avx2_body(q8, c, R, kt, bl, n, hd, sc);
-}
+Q8_SCORES_ENTRY(AVX2_FN, scores_avx2, scores_avx2_body)
 
 /* Positions in runs of up to one block (32, whose rows stay in L1), 16 columns at a time with R x 2 accumulators
  * in registers; between runs the sums wait in acc[][] (the f16 wsum4's scheme, attention.c). Columns past the
  * last multiple of 16 in fmaf, in the same order. */
 AVX2_FN static void wsum_avx2(const float *const *p, int R, const int8_t *vc, kv_blocks bl, int n, int hd,
                               float *const *out) {
-    if (hd > Q8_MAX_HD) {
-        wsum_scalar(p, R, vc, bl, n, hd, out);
-        return;
-    }
     float acc[4][Q8_MAX_HD];
     const int h16 = hd & ~15;
     for (int j = 0; j < R; j++) memset(acc[j], 0, sizeof(float) * (size_t)hd);
     for (int ts = 0; ts < n; ts += KB) {
-        const int tn = ts + KB < n ? KB : n - ts;
-        const int64_t blk = BLK(bl, ts / KB);
-        const int8_t *v0 = vc + blk;
-        const float *vs = KSCALES(vc, blk, hd);
-        float w[4][KB];
-        for (int j = 0; j < R; j++)
-            for (int t = 0; t < tn; t++) w[j][t] = p[j][ts + t] * vs[t];
+        q8_run_t r;
+        q8_run(&r, p, R, vc, bl, ts, n, hd);
         for (int col = 0; col < h16; col += 16) {
             __m256 a0 = _mm256_loadu_ps(acc[0] + col), a1 = _mm256_loadu_ps(acc[0] + col + 8), b0 = a0, b1 = a1, c0 = a0,
                    c1 = a1, d0 = a0, d1 = a1;
             if (R > 1) b0 = _mm256_loadu_ps(acc[1] + col), b1 = _mm256_loadu_ps(acc[1] + col + 8);
             if (R > 2) c0 = _mm256_loadu_ps(acc[2] + col), c1 = _mm256_loadu_ps(acc[2] + col + 8);
             if (R > 3) d0 = _mm256_loadu_ps(acc[3] + col), d1 = _mm256_loadu_ps(acc[3] + col + 8);
-            const int8_t *v = v0 + col;
-            for (int t = 0; t < tn; t++, v += hd) {
+            const int8_t *v = r.v0 + col;
+            for (int t = 0; t < r.tn; t++, v += hd) {
+                pf_lines(r.next, col / 16 * KB + t, 1, Q8_LINES(hd));
                 const __m128i vb = _mm_loadu_si128((const __m128i *)v);
                 const __m256 x0 = cvt8(vb), x1 = cvt8(_mm_srli_si128(vb, 8));
-                __m256 x = _mm256_broadcast_ss(w[0] + t);
+                __m256 x = _mm256_broadcast_ss(r.w[0] + t);
                 a0 = _mm256_fmadd_ps(x, x0, a0), a1 = _mm256_fmadd_ps(x, x1, a1);
-                if (R > 1) x = _mm256_broadcast_ss(w[1] + t), b0 = _mm256_fmadd_ps(x, x0, b0), b1 = _mm256_fmadd_ps(x, x1, b1);
-                if (R > 2) x = _mm256_broadcast_ss(w[2] + t), c0 = _mm256_fmadd_ps(x, x0, c0), c1 = _mm256_fmadd_ps(x, x1, c1);
-                if (R > 3) x = _mm256_broadcast_ss(w[3] + t), d0 = _mm256_fmadd_ps(x, x0, d0), d1 = _mm256_fmadd_ps(x, x1, d1);
+                if (R > 1) x = _mm256_broadcast_ss(r.w[1] + t), b0 = _mm256_fmadd_ps(x, x0, b0), b1 = _mm256_fmadd_ps(x, x1, b1);
+                if (R > 2) x = _mm256_broadcast_ss(r.w[2] + t), c0 = _mm256_fmadd_ps(x, x0, c0), c1 = _mm256_fmadd_ps(x, x1, c1);
+                if (R > 3) x = _mm256_broadcast_ss(r.w[3] + t), d0 = _mm256_fmadd_ps(x, x0, d0), d1 = _mm256_fmadd_ps(x, x1, d1);
             }
             _mm256_storeu_ps(acc[0] + col, a0), _mm256_storeu_ps(acc[0] + col + 8, a1);
             if (R > 1) _mm256_storeu_ps(acc[1] + col, b0), _mm256_storeu_ps(acc[1] + col + 8, b1);
@@ -204,8 +194,8 @@ AVX2_FN static void wsum_avx2(const float *const *p, int R, const int8_t *vc, kv
             if (R > 3) _mm256_storeu_ps(acc[3] + col, d0), _mm256_storeu_ps(acc[3] + col + 8, d1);
         }
         for (int j = 0; j < R; j++)
-            for (int t = 0; t < tn; t++)
-                for (int c = h16; c < hd; c++) acc[j][c] = fmaf(w[j][t], (float)v0[(int64_t)t * hd + c], acc[j][c]);
+            for (int t = 0; t < r.tn; t++)
+                for (int c = h16; c < hd; c++) acc[j][c] = fmaf(r.w[j][t], (float)r.v0[(int64_t)t * hd + c], acc[j][c]);
     }
     for (int j = 0; j < R; j++) memcpy(out[j], acc[j], sizeof(float) * (size_t)hd);
 }
@@ -233,13 +223,16 @@ AVX512_FN static inline __attribute__((always_inline)) void scores_avx512_body(c
                                                                                kv_blocks bl, int n, int hd,
                                                                                float *const *sc) {
     const __m512i ones = _mm512_set1_epi16(1), zero = _mm512_setzero_si512();
+    const int lines = Q8_LINES(hd), per = (lines + hd / 4 - 1) / (hd / 4);
     for (int t0 = 0; t0 < n; t0 += KB) {
         const int64_t blk = BLK(bl, t0 / KB);
         const int8_t *k = kt + blk;
         const float *ks = KSCALES(kt, blk, hd);
+        const char *next = pf_block(kt, bl, t0 / KB + 1, n, 1);
         __m512i acc[4][2];
         for (int j = 0; j < 4; j++) acc[j][0] = acc[j][1] = zero;
         for (int i4 = 0; i4 < hd / 4; i4++) {
+            pf_lines(next, i4, per, lines);
             const __m512i k0 = _mm512_loadu_si512((const void *)(k + (int64_t)i4 * 4 * KB));
             const __m512i k1 = _mm512_loadu_si512((const void *)(k + (int64_t)i4 * 4 * KB + 64));
             for (int j = 0; j < R; j++) {
@@ -263,29 +256,16 @@ AVX512_FN static inline __attribute__((always_inline)) void scores_avx512_body(c
         }
     }
 }
-AVX512_FN static void scores_avx512(const int8_t *const *q8, const float *c, int R, const int8_t *kt, kv_blocks bl,
-                                    int n, int hd, float *const *sc) {
-    if (R == 4) scores_avx512_body(q8, c, 4, kt, bl, n, hd, sc);
-    else scores_avx512_body(q8, c, R, kt, bl, n, hd, sc);
-}
+Q8_SCORES_ENTRY(AVX512_FN, scores_avx512, scores_avx512_body)
 
-/* as wsum_avx2, 32 columns at a time (columns past the last multiple of 16 masked) */
+/* as wsum_avx2, 32 columns at a time (columns past the last multiple of 16 masked); hd <= Q8_MAX_HD (checked at the boundary) */
 AVX512_FN static void wsum_avx512(const float *const *p, int R, const int8_t *vc, kv_blocks bl, int n, int hd,
                                   float *const *out) {
-    if (hd > Q8_MAX_HD) {
-        wsum_scalar(p, R, vc, bl, n, hd, out);
-        return;
-    }
     float acc[4][Q8_MAX_HD];
     for (int j = 0; j < R; j++) memset(acc[j], 0, sizeof(float) * (size_t)hd);
     for (int ts = 0; ts < n; ts += KB) {
-        const int tn = ts + KB < n ? KB : n - ts;
-        const int64_t blk = BLK(bl, ts / KB);
-        const int8_t *v0 = vc + blk;
-        const float *vs = KSCALES(vc, blk, hd);
-        float w[4][KB];
-        for (int j = 0; j < R; j++)
-            for (int t = 0; t < tn; t++) w[j][t] = p[j][ts + t] * vs[t];
+        q8_run_t r;
+        q8_run(&r, p, R, vc, bl, ts, n, hd);
         for (int col = 0; col < hd; col += 32) {
             const int left = hd - col;
             const __mmask16 m0 = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
@@ -295,14 +275,15 @@ AVX512_FN static void wsum_avx512(const float *const *p, int R, const int8_t *vc
             if (R > 1) b0 = _mm512_maskz_loadu_ps(m0, acc[1] + col), b1 = _mm512_maskz_loadu_ps(m1, acc[1] + col + 16);
             if (R > 2) c0 = _mm512_maskz_loadu_ps(m0, acc[2] + col), c1 = _mm512_maskz_loadu_ps(m1, acc[2] + col + 16);
             if (R > 3) d0 = _mm512_maskz_loadu_ps(m0, acc[3] + col), d1 = _mm512_maskz_loadu_ps(m1, acc[3] + col + 16);
-            const int8_t *v = v0 + col;
-            for (int t = 0; t < tn; t++, v += hd) {
+            const int8_t *v = r.v0 + col;
+            for (int t = 0; t < r.tn; t++, v += hd) {
+                pf_lines(r.next, col / 32 * KB + t, 1, Q8_LINES(hd));
                 const __m512 x0 = cvt16(_mm_maskz_loadu_epi8(m0, v)), x1 = cvt16(_mm_maskz_loadu_epi8(m1, v + 16));
-                __m512 x = _mm512_set1_ps(w[0][t]);
+                __m512 x = _mm512_set1_ps(r.w[0][t]);
                 a0 = _mm512_fmadd_ps(x, x0, a0), a1 = _mm512_fmadd_ps(x, x1, a1);
-                if (R > 1) x = _mm512_set1_ps(w[1][t]), b0 = _mm512_fmadd_ps(x, x0, b0), b1 = _mm512_fmadd_ps(x, x1, b1);
-                if (R > 2) x = _mm512_set1_ps(w[2][t]), c0 = _mm512_fmadd_ps(x, x0, c0), c1 = _mm512_fmadd_ps(x, x1, c1);
-                if (R > 3) x = _mm512_set1_ps(w[3][t]), d0 = _mm512_fmadd_ps(x, x0, d0), d1 = _mm512_fmadd_ps(x, x1, d1);
+                if (R > 1) x = _mm512_set1_ps(r.w[1][t]), b0 = _mm512_fmadd_ps(x, x0, b0), b1 = _mm512_fmadd_ps(x, x1, b1);
+                if (R > 2) x = _mm512_set1_ps(r.w[2][t]), c0 = _mm512_fmadd_ps(x, x0, c0), c1 = _mm512_fmadd_ps(x, x1, c1);
+                if (R > 3) x = _mm512_set1_ps(r.w[3][t]), d0 = _mm512_fmadd_ps(x, x0, d0), d1 = _mm512_fmadd_ps(x, x1, d1);
             }
             _mm512_mask_storeu_ps(acc[0] + col, m0, a0), _mm512_mask_storeu_ps(acc[0] + col + 16, m1, a1);
             if (R > 1) _mm512_mask_storeu_ps(acc[1] + col, m0, b0), _mm512_mask_storeu_ps(acc[1] + col + 16, m1, b1);
@@ -319,9 +300,6 @@ att_q8_kernels att_q8_kernels_for(int isa) {
 #if defined(__x86_64__)
     if (isa >= OPS_ISA_AVX512) k = (att_q8_kernels){scores_avx512, wsum_avx512, exp_sum_avx512};
     else if (isa >= OPS_ISA_AVX2) k = (att_q8_kernels){scores_avx2, wsum_avx2, exp_sum_avx2};
-#endif
-#if defined(__aarch64__) /* attention_neon.c */
-    if (ops_neon()) k = att_q8_neon_kernels(bk_get_isa() != BK_ISA_NEON);
 #endif
     return k;
 }

@@ -12,12 +12,82 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "ops.h" /* OPS_KT_BLOCK */
+
 #if defined(__x86_64__)
 #include <immintrin.h>
 /* the AVX2 level of the dispatcher implies FMA and F16C (simd/kernels/dispatch.c) */
 #define AVX2_FN __attribute__((target("avx2,fma,f16c")))
 #define AVX512_FN __attribute__((target("avx512f,avx512bw,avx512vl,fma,f16c")))
 #endif
+
+/* Positions live in blocks of OPS_KT_BLOCK: block b of one KV head starts at element (pages ? pages[b] : b) * stride
+ * of that head's base (a contiguous cache: pages NULL; the paged pool: the sequence's page table). Elements are
+ * bytes for the int8 cache (layout: attention_q8.h). */
+typedef struct {
+    const int32_t *pages;
+    int64_t stride;
+} kv_blocks;
+#define BLK(bl, b) ((int64_t)((bl).pages ? (bl).pages[(b)] : (b)) * (bl).stride)
+
+/* The int8 cache's kernels for one ISA (attention_q8.c: scalar, AVX2, AVX-512; attention_neon.c: NEON). Every
+ * ISA's body gives the same bits as the scalar one: f32 FMAs in the same order per output element (fmaf in the
+ * scalar code), exp on one polynomial, sums over 16 fixed lanes. */
+typedef struct {
+    /* sc[j][t] = (sum_i q8[j][i] * k[i][t]) * kscale[t] * c[j], q8[j] / c[j]: query j quantized like the cache by
+     * att_q8_quantize_query (c[j] = its scale * the softmax scale); j < R <= 4, t < n */
+    void (*scores)(const int8_t *const *q8, const float *c, int R, const int8_t *kt, kv_blocks bl, int n, int hd,
+                   float *const *sc);
+    /* out[j][c] = sum_t (p[j][t] * vscale[t]) * v[t][c], j < R <= 4, t < n (in order); hd <= OPS_Q8_MAX_HD */
+    void (*wsum)(const float *const *p, int R, const int8_t *vc, kv_blocks bl, int n, int hd, float *const *out);
+    float (*exp_sum)(float *x, int n, float mx); /* x[i] = exp(x[i] - mx); returns the sum */
+} att_q8_kernels;
+
+/* Software prefetch of the next block of a stream (keys in the scores, values in the weighted sum). A decode
+ * piece streams 64 KB of f16 keys then 64 KB of values, cut at every 4 KB page where the hardware's streamer stops
+ * and waits for new misses; this keeps one block (4-16 KB) in flight ahead of the reads. A kernel reading block b
+ * calls pf_lines(next, s, per, lines) at its step s there: lines s*per .. s*per+per-1 of block b + 1 (next:
+ * pf_block, NULL past the last of the n positions, so a page table is never read beyond them). No float changes. */
+static inline const char *pf_block(const void *base, kv_blocks bl, int b, int n, int64_t esize) {
+    return (int64_t)b * OPS_KT_BLOCK < n ? (const char *)base + BLK(bl, b) * esize : NULL;
+}
+static inline void pf_lines(const char *next, int s, int per, int lines) {
+    if (!next) return;
+    for (int l = s * per; l < s * per + per && l < lines; l++) __builtin_prefetch(next + (int64_t)l * 64, 0, 3);
+}
+
+/* a scores entry point that inlines its body with R = 4 (a KV head's query group: the accumulators stay in
+ * registers) and otherwise with R as given */
+#define Q8_SCORES_ENTRY(ATTR, name, body)                                                                      \
+    ATTR static void name(const int8_t *const *q8, const float *c, int R, const int8_t *kt, kv_blocks bl, int n, \
+                          int hd, float *const *sc) {                                                          \
+        if (R == 4) body(q8, c, 4, kt, bl, n, hd, sc);                                                         \
+        else body(q8, c, R, kt, bl, n, hd, sc);                                                                \
+    }
+
+/* an int8 block's 32 f32 scales follow its OPS_KT_BLOCK x hd int8 values */
+#define Q8_SCALES(base, blk, hd) ((const float *)((base) + (blk) + (int64_t)OPS_KT_BLOCK * (hd)))
+
+/* one run of the int8 weighted sum from position ts (a multiple of OPS_KT_BLOCK: one block, at most its 32
+ * positions, tn of them): w[j][t] = p[j][ts + t] * vscale[t], v0 its first value row, next the block to prefetch
+ * meanwhile (pf_block; Q8_LINES(hd) lines) */
+#define Q8_LINES(hd) ((int)((OPS_Q8_BLOCK_BYTES(hd) + 63) / 64))
+typedef struct {
+    float w[4][OPS_KT_BLOCK];
+    const int8_t *v0;
+    const char *next;
+    int tn;
+} q8_run_t;
+static inline void q8_run(q8_run_t *r, const float *const *p, int R, const int8_t *vc, kv_blocks bl, int ts, int n,
+                          int hd) {
+    const int64_t blk = BLK(bl, ts / OPS_KT_BLOCK);
+    const float *vs = Q8_SCALES(vc, blk, hd);
+    r->tn = ts + OPS_KT_BLOCK < n ? OPS_KT_BLOCK : n - ts;
+    for (int j = 0; j < R; j++)
+        for (int t = 0; t < r->tn; t++) r->w[j][t] = p[j][ts + t] * vs[t];
+    r->v0 = vc + blk;
+    r->next = pf_block(vc, bl, ts / OPS_KT_BLOCK + 1, n, 1);
+}
 
 #define EXP_LO (-87.3f)
 #define EXP_LOG2E 1.44269504088896341f
@@ -57,38 +127,28 @@ static inline float exp_poly(float x) { /* the vector bodies' operations, one la
 }
 
 #if defined(__x86_64__)
-AVX2_FN static inline __m256 exp_avx2(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(EXP_LO));
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(EXP_LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(EXP_LN2_HI), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(EXP_LN2_LO), r);
-    __m256 p = _mm256_set1_ps(EXP_C0);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_C1));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_C2));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_C3));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_C4));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_C5));
-    __m256 y = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+/* exp(x) on the polynomial in registers, one body for both widths: P the intrinsics' prefix, V the vector type,
+ * ROUND its round-to-nearest, CAST its int -> float bit cast */
+#define EXP_VEC_BODY(P, V, ROUND, CAST)                                                                   \
+    x = P##_max_ps(x, P##_set1_ps(EXP_LO));                                                               \
+    V n = ROUND(P##_mul_ps(x, P##_set1_ps(EXP_LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);    \
+    V r = P##_fnmadd_ps(n, P##_set1_ps(EXP_LN2_HI), x);                                                   \
+    r = P##_fnmadd_ps(n, P##_set1_ps(EXP_LN2_LO), r);                                                     \
+    V p = P##_set1_ps(EXP_C0);                                                                            \
+    p = P##_fmadd_ps(p, r, P##_set1_ps(EXP_C1));                                                          \
+    p = P##_fmadd_ps(p, r, P##_set1_ps(EXP_C2));                                                          \
+    p = P##_fmadd_ps(p, r, P##_set1_ps(EXP_C3));                                                          \
+    p = P##_fmadd_ps(p, r, P##_set1_ps(EXP_C4));                                                          \
+    p = P##_fmadd_ps(p, r, P##_set1_ps(EXP_C5));                                                          \
+    V y = P##_add_ps(P##_fmadd_ps(P##_mul_ps(p, r), r, r), P##_set1_ps(1.0f));                            \
+    return P##_mul_ps(y, CAST(P##_slli_epi32(P##_add_epi32(P##_cvtps_epi32(n), P##_set1_epi32(127)), 23)))
+
+AVX2_FN static inline __m256 exp_avx2(__m256 x) { EXP_VEC_BODY(_mm256, __m256, _mm256_round_ps, _mm256_castsi256_ps); }
+AVX512_FN static inline __m512 exp_avx512(__m512 x) {
+    EXP_VEC_BODY(_mm512, __m512, _mm512_roundscale_ps, _mm512_castsi512_ps);
 }
 AVX2_FN static inline __m256i lanes_below(int k) { /* lanes 0..k-1 set */
     return _mm256_cmpgt_epi32(_mm256_set1_epi32(k), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-}
-AVX512_FN static inline __m512 exp_avx512(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(EXP_LO));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(EXP_LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_LN2_HI), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_LN2_LO), r);
-    __m512 p = _mm512_set1_ps(EXP_C0);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_C1));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_C2));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_C3));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_C4));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_C5));
-    __m512 y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
-    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
 }
 #endif
 

@@ -47,43 +47,40 @@ AVX2_TARGET static uint64_t stream_range_avx2(const uint8_t *p, size_t nbytes) {
     return s;
 }
 
-/* Written in asm: from C the compiler copies the accumulators around, which halves the measured rate. */
-AVX512_TARGET static int64_t peak_dot_avx512(long iters) {
-    /* 12 independent vpdpbusd chains: more than latency x throughput on current cores */
-    if (iters <= 0) return 0;
-    __asm__ volatile(
-        "vpternlogd $0xff, %%zmm12, %%zmm12, %%zmm12\n\t"
-        "vpabsb %%zmm12, %%zmm13\n\t"
-        "1:\n\t"
-        "vpdpbusd %%zmm12, %%zmm13, %%zmm0\n\t vpdpbusd %%zmm12, %%zmm13, %%zmm1\n\t"
-        "vpdpbusd %%zmm12, %%zmm13, %%zmm2\n\t vpdpbusd %%zmm12, %%zmm13, %%zmm3\n\t"
-        "vpdpbusd %%zmm12, %%zmm13, %%zmm4\n\t vpdpbusd %%zmm12, %%zmm13, %%zmm5\n\t"
-        "vpdpbusd %%zmm12, %%zmm13, %%zmm6\n\t vpdpbusd %%zmm12, %%zmm13, %%zmm7\n\t"
-        "vpdpbusd %%zmm12, %%zmm13, %%zmm8\n\t vpdpbusd %%zmm12, %%zmm13, %%zmm9\n\t"
-        "vpdpbusd %%zmm12, %%zmm13, %%zmm10\n\t vpdpbusd %%zmm12, %%zmm13, %%zmm11\n\t"
-        "dec %0\n\t"
-        "jnz 1b\n\t"
-        : "+r"(iters)
-        :
-        : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", "xmm11",
-          "xmm12", "xmm13", "cc");
-    return iters;
-}
-
-/* 256-bit vpdpbusd ("avxvnni" path): VEX encoding on AVX-VNNI cores, EVEX (AVX512-VL) elsewhere. */
-#define PEAK_VNNI256(PREFIX)                                                                                   \
-    __asm__ volatile("vpcmpeqb %%ymm12, %%ymm12, %%ymm12\n\t"                                                 \
-                     "vpabsb %%ymm12, %%ymm13\n\t"                                                            \
-                     "1:\n\t" PREFIX "vpdpbusd %%ymm12, %%ymm13, %%ymm0\n\t" PREFIX                           \
-                     "vpdpbusd %%ymm12, %%ymm13, %%ymm1\n\t" PREFIX "vpdpbusd %%ymm12, %%ymm13, %%ymm2\n\t" PREFIX \
-                     "vpdpbusd %%ymm12, %%ymm13, %%ymm3\n\t" PREFIX "vpdpbusd %%ymm12, %%ymm13, %%ymm4\n\t" PREFIX \
-                     "vpdpbusd %%ymm12, %%ymm13, %%ymm5\n\t" PREFIX "vpdpbusd %%ymm12, %%ymm13, %%ymm6\n\t" PREFIX \
-                     "vpdpbusd %%ymm12, %%ymm13, %%ymm7\n\t"                                                   \
-                     "dec %0\n\t"                                                                             \
+/* Each peak probe is one asm loop (from C the compiler copies the accumulators around, which halves the
+ * measured rate): SETUP sets register 12 to all ones and 13 to bytes of 1, CHAINS is one iteration of
+ * independent dot-product chains, then `iters` counts down to 0. Clobbers: the chains' registers. */
+#define PEAK_LOOP(SETUP, CHAINS, ...)                                                                          \
+    __asm__ volatile(SETUP "1:\n\t" CHAINS "dec %0\n\t"                                                        \
                      "jnz 1b\n\t"                                                                             \
                      : "+r"(iters)                                                                           \
                      :                                                                                       \
-                     : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm12", "xmm13", "cc")
+                     : __VA_ARGS__, "xmm12", "xmm13", "cc")
+#define SETUP_ZMM "vpternlogd $0xff, %%zmm12, %%zmm12, %%zmm12\n\t vpabsb %%zmm12, %%zmm13\n\t"
+#define SETUP_YMM "vpcmpeqb %%ymm12, %%ymm12, %%ymm12\n\t vpabsb %%ymm12, %%ymm13\n\t"
+/* one chain: acc += dot(13, 12) into zmm/ymm register N (PREFIX: "" or the VEX pseudo-prefix) */
+#define DOT_ZMM(N) "vpdpbusd %%zmm12, %%zmm13, %%zmm" #N "\n\t"
+#define DOT_YMM(PREFIX, N) PREFIX "vpdpbusd %%ymm12, %%ymm13, %%ymm" #N "\n\t"
+/* the AVX2 ternary inner step: pmaddubsw into a temporary T, paddw into chain N */
+#define MADD_YMM(T, N) "vpmaddubsw %%ymm12, %%ymm13, %%ymm" #T "\n\t vpaddw %%ymm" #T ", %%ymm" #N ", %%ymm" #N "\n\t"
+#define CLOBBER_0_7 "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7"
+
+AVX512_TARGET static int64_t peak_dot_avx512(long iters) {
+    /* 12 independent vpdpbusd chains: more than latency x throughput on current cores */
+    if (iters <= 0) return 0;
+    PEAK_LOOP(SETUP_ZMM,
+              DOT_ZMM(0) DOT_ZMM(1) DOT_ZMM(2) DOT_ZMM(3) DOT_ZMM(4) DOT_ZMM(5)
+              DOT_ZMM(6) DOT_ZMM(7) DOT_ZMM(8) DOT_ZMM(9) DOT_ZMM(10) DOT_ZMM(11),
+              CLOBBER_0_7, "xmm8", "xmm9", "xmm10", "xmm11");
+    return iters;
+}
+
+/* 256-bit vpdpbusd ("avxvnni" path), 8 chains: VEX encoding on AVX-VNNI cores, EVEX (AVX512-VL) elsewhere. */
+#define PEAK_VNNI256(P)                                                                                        \
+    PEAK_LOOP(SETUP_YMM,                                                                                       \
+              DOT_YMM(P, 0) DOT_YMM(P, 1) DOT_YMM(P, 2) DOT_YMM(P, 3)                                          \
+              DOT_YMM(P, 4) DOT_YMM(P, 5) DOT_YMM(P, 6) DOT_YMM(P, 7),                                         \
+              CLOBBER_0_7)
 
 __attribute__((target("avx2,avxvnni"))) static int64_t peak_dot_avxvnni(long iters) {
     if (iters <= 0) return 0;
@@ -100,24 +97,10 @@ AVX512_TARGET static int64_t peak_dot_vnni256_evex(long iters) {
 AVX2_TARGET static int64_t peak_dot_avx2(long iters) {
     /* the AVX2 ternary inner step: pmaddubsw + paddw per 32 MACs, 8 independent chains */
     if (iters <= 0) return 0;
-    __asm__ volatile(
-        "vpcmpeqb %%ymm12, %%ymm12, %%ymm12\n\t"
-        "vpabsb %%ymm12, %%ymm13\n\t"
-        "1:\n\t"
-        "vpmaddubsw %%ymm12, %%ymm13, %%ymm8\n\t vpaddw %%ymm8, %%ymm0, %%ymm0\n\t"
-        "vpmaddubsw %%ymm12, %%ymm13, %%ymm9\n\t vpaddw %%ymm9, %%ymm1, %%ymm1\n\t"
-        "vpmaddubsw %%ymm12, %%ymm13, %%ymm10\n\t vpaddw %%ymm10, %%ymm2, %%ymm2\n\t"
-        "vpmaddubsw %%ymm12, %%ymm13, %%ymm11\n\t vpaddw %%ymm11, %%ymm3, %%ymm3\n\t"
-        "vpmaddubsw %%ymm12, %%ymm13, %%ymm8\n\t vpaddw %%ymm8, %%ymm4, %%ymm4\n\t"
-        "vpmaddubsw %%ymm12, %%ymm13, %%ymm9\n\t vpaddw %%ymm9, %%ymm5, %%ymm5\n\t"
-        "vpmaddubsw %%ymm12, %%ymm13, %%ymm10\n\t vpaddw %%ymm10, %%ymm6, %%ymm6\n\t"
-        "vpmaddubsw %%ymm12, %%ymm13, %%ymm11\n\t vpaddw %%ymm11, %%ymm7, %%ymm7\n\t"
-        "dec %0\n\t"
-        "jnz 1b\n\t"
-        : "+r"(iters)
-        :
-        : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", "xmm11",
-          "xmm12", "xmm13", "cc");
+    PEAK_LOOP(SETUP_YMM,
+              MADD_YMM(8, 0) MADD_YMM(9, 1) MADD_YMM(10, 2) MADD_YMM(11, 3)
+              MADD_YMM(8, 4) MADD_YMM(9, 5) MADD_YMM(10, 6) MADD_YMM(11, 7),
+              CLOBBER_0_7, "xmm8", "xmm9", "xmm10", "xmm11");
     return iters;
 }
 #endif
