@@ -13,6 +13,7 @@ import os
 
 from ray import serve
 
+from ..engine.errors import BitNetError
 from .app import create_app
 
 
@@ -74,7 +75,12 @@ def run_ray(args, sampling=None, api_keys: tuple = (), limits=None) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    ray.init(include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    try:
+        ray.init(include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    except Exception as e:   # Ray's own start (its GCS, raylet, a RAY_ADDRESS that answers nothing): not our bug
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise BitNetError(f"Ray did not start: {first[:300]}",
+                          hint="check `ray start --head` works on this machine, or serve without --ray-replicas") from e
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
         from ..engine.runtime.speculative import lookup_from_flags

@@ -163,3 +163,16 @@ def test_ray_replica_sigkill_under_load():
               f"{time.monotonic() - t_kill:.0f} s after")
         assert after - seen, "no new replica took load"
         assert victim not in after
+
+
+def test_ray_that_cannot_start_is_one_line_exit_2():
+    """A Ray that cannot start (here: a malformed RAY_ADDRESS, which Ray refuses at once) is the environment's
+    problem: one line naming Ray and exit 2, not "internal error ... a bug in bitnet-cpu" (exit 70)."""
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               RAY_USAGE_STATS_ENABLED="0", RAY_ADDRESS="not-a-ray-address")
+    r = subprocess.run([sys.executable, "-m", "bitnet_cpu", "serve", "--ray-replicas", "1", "--host", "127.0.0.1",
+                        "--port", str(free_port()), "-t", "1"], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=120 * slowness())
+    assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
+    assert "Ray did not start" in r.stderr and "not-a-ray-address" in r.stderr, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr and "bug" not in r.stderr, r.stderr[-2000:]
