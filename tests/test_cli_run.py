@@ -111,7 +111,10 @@ def test_default_model(store):
 def test_ctrl_c_keeps_text(store):
     p = subprocess.Popen([sys.executable, "-m", "bitnet_cpu", "run", "-m", store, "-p", "Once upon a time", "-n", "100000",
                           "-c", "60000", "--temp", "1", "--seed", "1", "-t", "1"], cwd=ROOT,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         # a suite started in the background (`cmd &`) has SIGINT ignored, and a child keeps that
+                         # (POSIX), so Ctrl-C would never reach it: give it a terminal's default
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     first = p.stdout.read(1)
     assert first, p.stderr.read().decode()
     time.sleep(0.3)
