@@ -71,6 +71,35 @@ def _check(args):
         raise BitNetError(f"--request-timeout {args.request_timeout}: must be >= 0 (0 = no limit)")
 
 
+def bind_port(host: str, port: int, keep: bool = True):
+    """The listening socket, bound here rather than by uvicorn (which logs '[Errno 98] ...' after we have said
+    'listening' and exits 3) so that a port in use or an address this machine does not have is one line, exit 2.
+    keep=False only checks (Ray Serve's proxy binds the port itself) and closes it again."""
+    import errno
+    import socket
+
+    from ..engine.errors import BitNetError
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise BitNetError(f"--host {host}: {e.strerror}", hint="a name or address of this machine, e.g. 127.0.0.1")
+    family, kind, proto, _, addr = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as uvicorn does: restart over TIME_WAIT
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        hint = ("another process listens there (another bitnet serve?): stop it or choose another --port"
+                if e.errno == errno.EADDRINUSE else "check --host and --port")
+        raise BitNetError(f"cannot listen on {host}:{port}: {e.strerror or e}", hint=hint)
+    if not keep:
+        sock.close()
+        return None
+    sock.set_inheritable(True)
+    return sock
+
+
 def limits_from_args(args) -> Limits:
     return Limits(max_body_bytes=int(args.max_body_mb * MiB), max_header_bytes=int(args.max_header_kb * 1024),
                   max_headers=args.max_headers, max_connections=args.max_connections,
@@ -91,6 +120,7 @@ def main(args) -> int:
     keys = tuple(read_key_file(args.api_key_file)) if args.api_key_file else ()
     sampling = sampling_params_from_args(args)
     if args.ray_replicas:
+        bind_port(args.host, args.port, keep=False)   # before Ray's minutes of start-up, not after
         from ..serve.ray_app import run_ray
         return run_ray(args, sampling, api_keys=keys, limits=limits_from_args(args))
 
@@ -139,9 +169,10 @@ def main(args) -> int:
                             http=guarded_protocol(limits), timeout_keep_alive=args.keep_alive_timeout,
                             h11_max_incomplete_event_size=limits.max_header_bytes)
     server = Server(config)
+    sock = bind_port(args.host, args.port)   # a port in use is one line before anything is loaded
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, handler)
     print(f"bitnet serve: listening on http://{args.host}:{args.port} (loading the model...)", file=sys.stderr, flush=True)
-    server.run()
+    server.run(sockets=[sock])
     print("bitnet serve: stopped", file=sys.stderr)
     return 0

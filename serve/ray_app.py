@@ -82,7 +82,12 @@ def run_ray(args, sampling=None, api_keys: tuple = (), limits=None) -> int:
         raise BitNetError(f"Ray did not start: {first[:300]}",
                           hint="check `ray start --head` works on this machine, or serve without --ray-replicas") from e
     try:
-        serve.start(http_options={"host": args.host, "port": args.port})
+        try:
+            serve.start(http_options={"host": args.host, "port": args.port})
+        except Exception as e:   # its controller or HTTP proxy actor died (a machine out of memory, a lost port)
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise BitNetError(f"Ray Serve did not start: {first[:300]}",
+                              hint="see Ray's logs under /tmp/ray/session_latest/logs") from e
         from ..engine.runtime.speculative import lookup_from_flags
 
         serve.run(build(args.model, threads=args.threads or 1, parallel=args.parallel, ctx=args.ctx,

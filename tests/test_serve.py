@@ -280,6 +280,28 @@ def test_non_loopback_warning_and_bad_flags(tmp_path):
     assert "warning" not in r.stderr and r.returncode == 2
 
 
+@pytest.mark.parametrize("extra", [(), ("--ray-replicas", "1")])
+def test_port_in_use_is_one_line_exit_2(extra):
+    """A port another process listens on: one line naming it, exit 2, before the model (or Ray) is loaded;
+    uvicorn's own bind came after 'listening on ...' was printed and exited 3 with its log line."""
+    import socket
+    import subprocess
+    import sys
+    from serve_proc import ROOT
+    import os
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        r = subprocess.run([sys.executable, "-m", "bitnet_cpu", "serve", "--host", "127.0.0.1", "--port", str(port),
+                            *extra], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert f"cannot listen on 127.0.0.1:{port}" in r.stderr and "--port" in r.stderr
+    assert "listening on" not in r.stderr and "Traceback" not in r.stderr and "ERROR" not in r.stderr
+    assert len([ln for ln in r.stderr.splitlines() if ln.strip()]) <= 2   # the error and its hint
+
+
 def test_server_sampling_flags_are_request_defaults():
     """In-process: the server's sampling settings (bitnet serve --temp/--top-k/.../--seed) fill the fields a
     request leaves out, so a bare request samples exactly as one that sends those values; a request's own
