@@ -153,7 +153,7 @@ AVX2_FN static inline void scores4_f16_avx2(const float *const *q, const uint16_
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, b0 = a0, b1 = a0, c0 = a0, c1 = a0, d0 = a0, d1 = a0;
     const float *q0 = q[0], *q1 = q[1], *q2 = q[2], *q3 = q[3];
     for (int i = 0; i < hd; i++) {
-        pf_lines(next, s0 + i, 1, hd / 2); /* a block of f16 keys: hd / 2 lines */
+        pf_lines(next, s0 + i, 1, hd); /* a block of f16 keys: 32 x hd x 2 bytes, hd lines */
         const uint16_t *kp = kt + base + (int64_t)i * KT_BLOCK;
         __m256 k0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)kp));
         __m256 k1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(kp + 8)));
@@ -268,10 +268,11 @@ AVX2_FN static void wsum4_f16_avx2(const float *const *p, const void *vc, kv_blo
             for (int ts = tb; ts < te; ts += KT_BLOCK) { /* runs inside one KT_BLOCK: rows hd apart */
                 const int tn = ts + KT_BLOCK < te ? ts + KT_BLOCK : te;
                 const uint16_t *v = (const uint16_t *)vc + BLK(bl, ts / KT_BLOCK) + (int64_t)(ts % KT_BLOCK) * hd + col;
-                /* the same block of the next tile, hd / 2 lines, one per step over the columns' passes */
-                const char *next = pf_block(vc, bl, ts / KT_BLOCK + WS4_BLOCK / KT_BLOCK, n, 2);
+                /* the same block of the next tile (hd lines: 32 x hd f16 values), 16 lines before each column
+                 * pass's loop: a prefetch per step, behind a test, cost more than it hid (and it reached only
+                 * the first half of the block) */
+                pf_lines(pf_block(vc, bl, ts / KT_BLOCK + WS4_BLOCK / KT_BLOCK, n, 2), col / 16, 16, hd);
                 for (int t = ts; t < tn; t++, v += hd) {
-                    pf_lines(next, col / 16 * KT_BLOCK + t - ts, 1, hd / 2);
                     const __m256 v0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)v));
                     const __m256 v1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(v + 8)));
                     FMA4X2(p0, p1, p2, p3, t, v0, v1);
@@ -302,7 +303,7 @@ AVX512_FN static void scores_avx512(const float *const *q, int R, const void *kt
         const int64_t base = BLK(bl, t0 / KT_BLOCK);
         const char *next = pf_block(kt, bl, t0 / KT_BLOCK + 1, n, f16 ? 2 : 4);
         for (int i = 0; i < hd; i++) {
-            pf_lines(next, i, f16 ? 1 : 2, f16 ? hd / 2 : hd);
+            pf_lines(next, i, f16 ? 1 : 2, f16 ? hd : 2 * hd); /* a block: 32 x hd values, hd (f16) or 2 hd lines */
             const int64_t off = base + (int64_t)i * KT_BLOCK;
             const __m512 k0 = load16(kt, f16, off, m0), k1 = load16(kt, f16, off + 16, m1);
             __m512 b = _mm512_set1_ps(q[0][i]);
