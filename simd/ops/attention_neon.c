@@ -5,7 +5,7 @@
  * - f16 / f32 cache: the scalar reference is a plain `d += q * k` (a multiply, then an add, rounded apart; the
  *   build has -ffp-contract=off), one position per lane of the transposed key block, i in order; the weighted sum
  *   is `out[c] += p[t] * v[c]`, t in order. So these bodies use fmul + fadd, never fmla, and keep the same
- *   order per lane. Softmax's exp stays the scalar expf (libm's; no vector polynomial matches its bits).
+ *   order per lane. Softmax's exp is the int8 cache's (q8_exp_sum below) for every cache type.
  *   f16 -> f32 is fcvtl (baseline Armv8 AdvSIMD, exact like bk_half_to_float).
  * - int8 cache: integer dot products (exact: sdot with dotprod, smull/smlal + sadalp without), then the scalar
  *   body's float epilogue in its order; the weighted sum in fused fmla, the order of the scalar fmaf; exp on
