@@ -46,17 +46,54 @@ static int fails = 0, checks = 0;
 """
 
 
+def _objects(cc: str, target: str) -> list[str]:
+    """Every C file of simd/kernels and simd/ops compiled once per content for this compiler and target, in
+    parallel, into a cache under the temp directory: the harness tests link the same objects (compiling the whole
+    of simd/ for x86 took 60-90 s of the suite per harness). An object's key hashes the compiler, the flags, its
+    source and every header of both directories, so any edit rebuilds it."""
+    import concurrent.futures
+    import hashlib
+    import tempfile
+
+    sources = sorted(glob.glob(os.path.join(KERNELS, "*.c"))) + sorted(glob.glob(os.path.join(OPS, "*.c")))
+    headers = sorted(glob.glob(os.path.join(KERNELS, "*.h"))) + sorted(glob.glob(os.path.join(OPS, "*.h")))
+    common = hashlib.sha256()
+    real = os.path.realpath(cc)
+    common.update(f"{real} {os.stat(real).st_mtime_ns} {target} {FLAGS}".encode())
+    for h in headers:
+        with open(h, "rb") as f:
+            common.update(h.encode() + b"\0" + f.read())
+    cache = os.path.join(tempfile.gettempdir(), f"bitnet-cross-c-{os.getuid()}")
+    os.makedirs(cache, exist_ok=True)
+
+    def build(c: str) -> str:
+        key = common.copy()
+        with open(c, "rb") as f:
+            key.update(f.read())
+        obj = os.path.join(cache, f"{os.path.basename(c)}.{key.hexdigest()[:24]}.o")
+        if not os.path.exists(obj):
+            tmp = f"{obj}.{os.getpid()}.tmp"
+            r = subprocess.run([cc, *FLAGS, "-c", "-I", KERNELS, "-I", OPS, c, "-o", tmp], capture_output=True,
+                               text=True, timeout=600)
+            assert r.returncode == 0, r.stderr
+            os.replace(tmp, obj)   # atomic: a concurrent run sees the whole object or none
+        return obj
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+        return list(pool.map(build, sources))
+
+
 def run_harness(tmp_path, source: str, *, target: str = "aarch64", name: str = "harness") -> str:
-    """Compile PREAMBLE + source with every C file of simd/kernels and simd/ops, for target "aarch64" (static,
-    run under qemu-aarch64: its default CPU, max, has sdot and smmla) or "host"; run it; assert it printed
-    ALL OK. Returns its stdout."""
+    """Compile PREAMBLE + source and link it with every C file of simd/kernels and simd/ops (objects cached by
+    content, _objects), for target "aarch64" (static, run under qemu-aarch64: its default CPU, max, has sdot and
+    smmla) or "host"; run it; assert it printed ALL OK. Returns its stdout."""
     cc = CC_AARCH64 if target == "aarch64" else CC_HOST
     src = tmp_path / f"{name}.c"
     src.write_text(PREAMBLE + source)
     exe = tmp_path / name
-    sources = sorted(glob.glob(os.path.join(KERNELS, "*.c"))) + sorted(glob.glob(os.path.join(OPS, "*.c")))
+    objects = _objects(cc, target)
     static = ["-static"] if target == "aarch64" else []
-    r = subprocess.run([cc, *FLAGS, *static, "-I", KERNELS, "-I", OPS, str(src), *sources, "-o", str(exe), "-lm"],
+    r = subprocess.run([cc, *FLAGS, *static, "-I", KERNELS, "-I", OPS, str(src), *objects, "-o", str(exe), "-lm"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     run = [QEMU_AARCH64, str(exe)] if target == "aarch64" else [str(exe)]
