@@ -7,7 +7,8 @@ whatever calls them.
 Inputs reach the edges each body handles apart: sizes below, at and past a vector's width (the scalar tails),
 NaN gates and keys (with payloads the vector conversions would keep), infinities, the f16 overflow threshold,
 f16 subnormals and their rounding ties, gates far past exp's range (|g| > 88). The key's column must leave the
-other 31 positions of its block untouched.
+other 31 positions of its block untouched. Under qemu the NEON exp (the SiLU gate's and softmax's) is also compared
+with the scalar exp_poly directly, on every 509th float of its range and past it.
 """
 from cross_c import needs_aarch64, needs_host_cc, run_harness
 
@@ -150,8 +151,53 @@ static void check_kv_f16(int hd) {
     free(k), free(val);
 }
 
+#if defined(__aarch64__)
+#include "exp_neon.h"
+/* exp_neon.h's exp, and its unclamped form on the range it takes, against the scalar exp_poly lane by lane: every
+ * 509th float from -0 down to EXP_LO (subnormals, the range's end, 2^n's every exponent), then past it (-inf, NaN) */
+static void check_exp_neon(void) {
+    const uint32_t lo = 0xc2ae999au; /* EXP_LO = -87.3f */
+    CHECK(bits(lo) == EXP_LO, "EXP_LO is not 0x%08x", lo);
+    int bad = 0, bad_in_range = 0;
+    float x[4], y[4], z[4];
+    int k = 0;
+    for (uint64_t b = 0x80000000u; b <= lo + 4 * 509u; b += 509) {
+        x[k++] = bits((uint32_t)(b < lo ? b : lo));
+        if (k < 4) continue;
+        k = 0;
+        vst1q_f32(y, ops_exp_neon(vld1q_f32(x)));
+        vst1q_f32(z, ops_exp_neon_in_range(vld1q_f32(x)));
+        for (int l = 0; l < 4; l++) bad += memcmp(&y[l], &(float){exp_poly(x[l])}, 4) != 0, bad_in_range += memcmp(&z[l], &y[l], 4) != 0;
+    }
+    /* ties: x * log2(e) exactly -(k + 1/2), where round-to-nearest-even and a cheaper rounding (away from zero,
+     * vrndaq / fcvtas) part ways; the sampled floats above miss them */
+    int ties = 0;
+    for (int t = 0; t < 126; t++) {
+        const float x0 = -(t + 0.5f) / EXP_LOG2E;
+        uint32_t b0;
+        memcpy(&b0, &x0, 4);
+        for (uint32_t b = b0 - 256; b < b0 + 256; b++) {
+            const float xt = bits(b);
+            if (xt * EXP_LOG2E != -(t + 0.5f) || xt < EXP_LO) continue;
+            ties++;
+            const float32x4_t v = vdupq_n_f32(xt);
+            vst1q_f32(y, ops_exp_neon(v)), vst1q_f32(z, ops_exp_neon_in_range(v));
+            bad += memcmp(&y[0], &(float){exp_poly(xt)}, 4) != 0, bad_in_range += memcmp(&z[0], &y[0], 4) != 0;
+        }
+    }
+    CHECK(ties > 100, "only %d rounding ties found", ties);
+    const float past[4] = {-INFINITY, NAN, -88.0f, bits(lo + 1)};
+    vst1q_f32(y, ops_exp_neon(vld1q_f32(past)));
+    for (int l = 0; l < 4; l++) bad += memcmp(&y[l], &(float){exp_poly(past[l])}, 4) != 0;
+    CHECK(!bad && !bad_in_range, "exp_neon differs from exp_poly at %d floats (unclamped, in range: %d)", bad, bad_in_range);
+}
+#endif
+
 int main(void) {
     bk_init();
+#if defined(__aarch64__)
+    check_exp_neon();
+#endif
     for (int isa = 0; isa <= BK_ISA_I8MM; isa++)
         if (isa == BK_ISA_SCALAR || bk_isa_supported(isa)) paths[n_paths++] = isa;
     printf("paths:");

@@ -19,7 +19,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* ---------- per-ISA kernels: scores of one head, weighted sum of values, exp(x - max) in place ---------- */
+/* ---------- per-ISA kernels: scores of one head, weighted sum of values ---------- */
 
 /* kv_blocks, BLK (how positions are addressed): attn_common.h */
 
@@ -31,18 +31,11 @@ typedef struct {
                   float *o1);
     /* four queries over an f16 cache, hd a multiple of 16 (NULL: none for this path) */
     void (*wsum4_f16)(const float *const *p, const void *vc, kv_blocks bl, int n, int hd, float *const *out);
-    float (*exp_sum)(float *x, int n, float mx); /* x[i] = exp(x[i] - mx); returns the sum */
-    float (*row_max)(const float *x, int n);      /* the largest of x[0..n-1] that is not NaN; -inf if none */
+    float (*row_max)(const float *x, int n); /* the largest of x[0..n-1] that is not NaN; -inf if none */
 } att_kernels;
-
-static float exp_sum_scalar(float *x, int n, float mx) {
-    float sum = 0.0f;
-    for (int i = 0; i < n; i++) {
-        x[i] = expf(x[i] - mx);
-        sum += x[i];
-    }
-    return sum;
-}
+/* softmax's exp is the int8 cache's (att_q8_kernels.exp_sum: one polynomial, 16 fixed lanes, the same bits on every
+ * path), for every cache type: with libm's expf in the scalar reference no vector body could match it, and NEON
+ * ran expf per position (2.2x the AVX2 body's instructions per byte of f16 attention) */
 
 static float row_max_scalar(const float *x, int n) {
     float mx = -INFINITY;
@@ -55,30 +48,6 @@ static float row_max_scalar(const float *x, int n) {
 #define WS4_MAX_HD 256
 
 #if defined(__x86_64__)
-AVX2_FN static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-    return _mm_cvtss_f32(s);
-}
-AVX2_FN static float exp_sum_avx2(float *x, int n, float mx) {
-    __m256 vm = _mm256_set1_ps(mx), acc = _mm256_setzero_ps();
-    int i = 0;
-    for (; i + 8 <= n; i += 8) {
-        __m256 e = exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(x + i), vm));
-        _mm256_storeu_ps(x + i, e);
-        acc = _mm256_add_ps(acc, e);
-    }
-    if (i < n) { /* the last 1-7 on the same polynomial as the rest (masked lanes: exp of 0, then dropped) */
-        const __m256i lanes = lanes_below(n - i);
-        __m256 e = exp_avx2(_mm256_sub_ps(_mm256_maskload_ps(x + i, lanes), _mm256_and_ps(vm, _mm256_castsi256_ps(lanes))));
-        e = _mm256_and_ps(e, _mm256_castsi256_ps(lanes));
-        _mm256_maskstore_ps(x + i, lanes, e);
-        acc = _mm256_add_ps(acc, e);
-    }
-    return hsum8(acc);
-}
-
 /* A score row's max, 8 lanes at a time: the scalar loop is one dependent maxss per position (6% of a q8 decode
  * layer's samples at 4096 positions). vmaxps(x, m) is x > m ? x : m per lane, the scalar rule, so a NaN score is
  * skipped alike and the same number comes out whatever the order; only a -0 / +0 tie may give the other zero, and
@@ -92,17 +61,6 @@ AVX2_FN static float row_max_avx2(const float *x, int n) {
     for (int i = 0; i < 8; i++) mx = l[i] > mx ? l[i] : mx;
     for (; t < n; t++) mx = x[t] > mx ? x[t] : mx;
     return mx;
-}
-
-AVX512_FN static float exp_sum_avx512(float *x, int n, float mx) {
-    __m512 vm = _mm512_set1_ps(mx), acc = _mm512_setzero_ps();
-    for (int i = 0; i < n; i += 16) {
-        __mmask16 k = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
-        const __m512 e = _mm512_maskz_mov_ps(k, exp_avx512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, x + i), vm)));
-        _mm512_mask_storeu_ps(x + i, k, e);
-        acc = _mm512_add_ps(acc, e);
-    }
-    return _mm512_reduce_add_ps(acc);
 }
 #endif
 
@@ -405,17 +363,15 @@ AVX512_FN static void wsum2_avx512(const float *p0, const float *p1, const void 
 #endif
 
 static att_kernels kernels_for(int isa) {
-    att_kernels k = {scores_scalar, wsum_scalar, NULL, NULL, exp_sum_scalar, row_max_scalar};
+    att_kernels k = {scores_scalar, wsum_scalar, NULL, NULL, row_max_scalar};
 #if defined(__x86_64__)
     if (isa >= OPS_ISA_AVX512) {
-        k.scores = scores_avx512, k.wsum = wsum_avx512, k.wsum2 = wsum2_avx512;
-        k.exp_sum = exp_sum_avx512, k.row_max = row_max_avx2;
+        k.scores = scores_avx512, k.wsum = wsum_avx512, k.wsum2 = wsum2_avx512, k.row_max = row_max_avx2;
     } else if (isa >= OPS_ISA_AVX2) {
-        k.scores = scores_avx2, k.wsum = wsum_avx2, k.wsum4_f16 = wsum4_f16_avx2;
-        k.exp_sum = exp_sum_avx2, k.row_max = row_max_avx2;
+        k.scores = scores_avx2, k.wsum = wsum_avx2, k.wsum4_f16 = wsum4_f16_avx2, k.row_max = row_max_avx2;
     }
 #endif
-#if defined(__aarch64__) /* attention_neon.c; exp stays the scalar expf (no vector body matches its bits) */
+#if defined(__aarch64__) /* attention_neon.c */
     if (ops_neon()) k.scores = att_scores_neon, k.wsum = att_wsum_neon, k.wsum4_f16 = att_wsum4_f16_neon;
 #endif
     return k;
@@ -465,7 +421,7 @@ typedef struct {
 /* Step 2 of attention_core over work items [item_begin, item_end) (one chunk of the pool). */
 typedef struct {
     att_kernels K;
-    att_q8_kernels Q; /* int8 cache (q8 set) */
+    att_q8_kernels Q; /* int8 cache (q8 set); its exp_sum is softmax's for every cache type */
     int q8;
     const att_seg *segs;
     const att_item *items;
@@ -566,7 +522,7 @@ static void attention_items(void *ctx, int item_begin, int item_end) {
                     float *sc = ss[j];
                     const int n = live[j];
                     const float mx = K.row_max(sc, n);
-                    float sum = n ? (J->q8 ? J->Q.exp_sum : K.exp_sum)(sc, n, mx) : 0.0f, inv = n ? 1.0f / sum : 0.0f;
+                    float sum = n ? J->Q.exp_sum(sc, n, mx) : 0.0f, inv = n ? 1.0f / sum : 0.0f;
                     for (int t = 0; t < n; t++) sc[t] *= inv;
                     for (int t = n; t < nk_max; t++) sc[t] = 0.0f; /* positions after this row's own: no weight */
                     mxs[j] = mx, sums[j] = sum;

@@ -40,7 +40,9 @@ typedef struct {
                    float *const *sc);
     /* out[j][c] = sum_t (p[j][t] * vscale[t]) * v[t][c], j < R <= 4, t < n (in order); hd <= OPS_Q8_MAX_HD */
     void (*wsum)(const float *const *p, int R, const int8_t *vc, kv_blocks bl, int n, int hd, float *const *out);
-    float (*exp_sum)(float *x, int n, float mx); /* x[i] = exp(x[i] - mx); returns the sum */
+    /* x[i] = exp(x[i] - mx); returns the sum. Softmax's exp for every cache type (attention.c calls it for the
+     * f16 / f32 cache too) */
+    float (*exp_sum)(float *x, int n, float mx);
 } att_q8_kernels;
 
 /* Software prefetch of the next block of a stream (keys in the scores, values in the weighted sum). A decode

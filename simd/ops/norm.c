@@ -198,15 +198,30 @@ static void relu2_mul_neon(float *g, const float *u, int n) {
     }
 }
 
+/* silu(g) * u of four gates: silu_mul_one's operations. The lanes that fail `-|g| > EXP_LO` (a NaN fails it, as
+ * in the scalar compare) are zeroed after the exp, so the exp needs no clamp of its own (one fmaxnm fewer) */
+static inline __attribute__((always_inline)) float32x4_t silu4_neon(float32x4_t x, float32x4_t u) {
+    const float32x4_t a = vnegq_f32(vabsq_f32(x));
+    const uint32x4_t in = vcgtq_f32(a, vdupq_n_f32(EXP_LO));
+    const float32x4_t e = vreinterpretq_f32_u32(vandq_u32(vreinterpretq_u32_f32(ops_exp_neon_in_range(a)), in));
+    const float32x4_t num = vbslq_f32(vcgezq_f32(x), x, vmulq_f32(x, e)); /* NaN: not >= 0, g * e */
+    return vmulq_f32(vdivq_f32(num, vaddq_f32(vdupq_n_f32(1.0f), e)), u);
+}
+
+/* two vectors a step (ld1 / st1 of register pairs, half the loop's own instructions per gate), then one, then the
+ * scalar tail. gcc 12 -O3: 32.5 instructions per four gates (39 before: one vector a step, the clamp, 2^n in three
+ * steps), where AVX2 has 33 per eight: the same work per vector on half the lanes, plus five register copies for
+ * the Horner fmla, which overwrites its addend (no vector fmad before SVE). Four vectors a step spill. */
 static void silu_mul_neon(float *g, const float *u, int n) {
-    const float32x4_t one = vdupq_n_f32(1.0f), zero = vdupq_n_f32(0.0f), lo = vdupq_n_f32(EXP_LO);
     int i = 0;
-    for (; i + 4 <= n; i += 4) {
-        const float32x4_t x = vld1q_f32(g + i), a = vnegq_f32(vabsq_f32(x));
-        const float32x4_t e = vreinterpretq_f32_u32(vandq_u32(vreinterpretq_u32_f32(ops_exp_neon(a)), vcgtq_f32(a, lo)));
-        const float32x4_t num = vbslq_f32(vcgeq_f32(x, zero), x, vmulq_f32(x, e)); /* NaN: not >= 0, g * e */
-        vst1q_f32(g + i, vmulq_f32(vdivq_f32(num, vaddq_f32(one, e)), vld1q_f32(u + i)));
+    for (; i + 8 <= n; i += 8) {
+        const float32x4x2_t x = vld1q_f32_x2(g + i), w = vld1q_f32_x2(u + i);
+        float32x4x2_t y;
+        y.val[0] = silu4_neon(x.val[0], w.val[0]);
+        y.val[1] = silu4_neon(x.val[1], w.val[1]);
+        vst1q_f32_x2(g + i, y);
     }
+    for (; i + 4 <= n; i += 4) vst1q_f32(g + i, silu4_neon(vld1q_f32(g + i), vld1q_f32(u + i)));
     for (; i < n; i++) g[i] = silu_mul_one(g[i], u[i]);
 }
 #endif
