@@ -31,14 +31,38 @@ typedef struct {
                   float *o1);
     /* four queries over an f16 cache, hd a multiple of 16 (NULL: none for this path) */
     void (*wsum4_f16)(const float *const *p, const void *vc, kv_blocks bl, int n, int hd, float *const *out);
+    float (*row_max)(const float *x, int n); /* the largest of x[0..n-1] that is not NaN; -inf if none */
 } att_kernels;
 /* softmax's exp is the int8 cache's (att_q8_kernels.exp_sum: one polynomial, 16 fixed lanes, the same bits on every
  * path), for every cache type: with libm's expf in the scalar reference no vector body could match it, and NEON
  * ran expf per position (2.2x the AVX2 body's instructions per byte of f16 attention) */
 
+static float row_max_scalar(const float *x, int n) {
+    float mx = -INFINITY;
+    for (int t = 0; t < n; t++) mx = x[t] > mx ? x[t] : mx;
+    return mx;
+}
+
 /* the widest head the four-query value pass takes (its accumulators live on the stack); the dispatcher
  * tests it on every architecture, so it stays outside the x86 block */
 #define WS4_MAX_HD 256
+
+#if defined(__x86_64__)
+/* A score row's max, 8 lanes at a time: the scalar loop is one dependent maxss per position (6% of a q8 decode
+ * layer's samples at 4096 positions). vmaxps(x, m) is x > m ? x : m per lane, the scalar rule, so a NaN score is
+ * skipped alike and the same number comes out whatever the order; only a -0 / +0 tie may give the other zero, and
+ * exp(s - max) and the piece fold give the same floats for either. The AVX-512 path uses it too. */
+AVX2_FN static float row_max_avx2(const float *x, int n) {
+    __m256 m = _mm256_set1_ps(-INFINITY);
+    int t = 0;
+    for (; t + 8 <= n; t += 8) m = _mm256_max_ps(_mm256_loadu_ps(x + t), m);
+    float l[8], mx = -INFINITY;
+    _mm256_storeu_ps(l, m);
+    for (int i = 0; i < 8; i++) mx = l[i] > mx ? l[i] : mx;
+    for (; t < n; t++) mx = x[t] > mx ? x[t] : mx;
+    return mx;
+}
+#endif
 
 /* wsum: out = sum_t p_t v_t over the value cache rows (f16 rows converted in registers), keeping a block
  * of the output in registers across all t (no store/reload chain through memory). */
@@ -109,7 +133,7 @@ AVX2_FN static inline void scores4_f16_avx2(const float *const *q, const uint16_
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, b0 = a0, b1 = a0, c0 = a0, c1 = a0, d0 = a0, d1 = a0;
     const float *q0 = q[0], *q1 = q[1], *q2 = q[2], *q3 = q[3];
     for (int i = 0; i < hd; i++) {
-        pf_lines(next, s0 + i, 1, hd / 2); /* a block of f16 keys: hd / 2 lines */
+        pf_lines(next, s0 + i, 1, hd); /* a block of f16 keys: 32 x hd x 2 bytes, hd lines */
         const uint16_t *kp = kt + base + (int64_t)i * KT_BLOCK;
         __m256 k0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)kp));
         __m256 k1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(kp + 8)));
@@ -224,10 +248,11 @@ AVX2_FN static void wsum4_f16_avx2(const float *const *p, const void *vc, kv_blo
             for (int ts = tb; ts < te; ts += KT_BLOCK) { /* runs inside one KT_BLOCK: rows hd apart */
                 const int tn = ts + KT_BLOCK < te ? ts + KT_BLOCK : te;
                 const uint16_t *v = (const uint16_t *)vc + BLK(bl, ts / KT_BLOCK) + (int64_t)(ts % KT_BLOCK) * hd + col;
-                /* the same block of the next tile, hd / 2 lines, one per step over the columns' passes */
-                const char *next = pf_block(vc, bl, ts / KT_BLOCK + WS4_BLOCK / KT_BLOCK, n, 2);
+                /* the same block of the next tile (hd lines: 32 x hd f16 values), 16 lines before each column
+                 * pass's loop: a prefetch per step, behind a test, cost more than it hid (and it reached only
+                 * the first half of the block) */
+                pf_lines(pf_block(vc, bl, ts / KT_BLOCK + WS4_BLOCK / KT_BLOCK, n, 2), col / 16, 16, hd);
                 for (int t = ts; t < tn; t++, v += hd) {
-                    pf_lines(next, col / 16 * KT_BLOCK + t - ts, 1, hd / 2);
                     const __m256 v0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)v));
                     const __m256 v1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(v + 8)));
                     FMA4X2(p0, p1, p2, p3, t, v0, v1);
@@ -258,7 +283,7 @@ AVX512_FN static void scores_avx512(const float *const *q, int R, const void *kt
         const int64_t base = BLK(bl, t0 / KT_BLOCK);
         const char *next = pf_block(kt, bl, t0 / KT_BLOCK + 1, n, f16 ? 2 : 4);
         for (int i = 0; i < hd; i++) {
-            pf_lines(next, i, f16 ? 1 : 2, f16 ? hd / 2 : hd);
+            pf_lines(next, i, f16 ? 1 : 2, f16 ? hd : 2 * hd); /* a block: 32 x hd values, hd (f16) or 2 hd lines */
             const int64_t off = base + (int64_t)i * KT_BLOCK;
             const __m512 k0 = load16(kt, f16, off, m0), k1 = load16(kt, f16, off + 16, m1);
             __m512 b = _mm512_set1_ps(q[0][i]);
@@ -338,12 +363,12 @@ AVX512_FN static void wsum2_avx512(const float *p0, const float *p1, const void 
 #endif
 
 static att_kernels kernels_for(int isa) {
-    att_kernels k = {scores_scalar, wsum_scalar, NULL, NULL};
+    att_kernels k = {scores_scalar, wsum_scalar, NULL, NULL, row_max_scalar};
 #if defined(__x86_64__)
     if (isa >= OPS_ISA_AVX512) {
-        k.scores = scores_avx512, k.wsum = wsum_avx512, k.wsum2 = wsum2_avx512;
+        k.scores = scores_avx512, k.wsum = wsum_avx512, k.wsum2 = wsum2_avx512, k.row_max = row_max_avx2;
     } else if (isa >= OPS_ISA_AVX2) {
-        k.scores = scores_avx2, k.wsum = wsum_avx2, k.wsum4_f16 = wsum4_f16_avx2;
+        k.scores = scores_avx2, k.wsum = wsum_avx2, k.wsum4_f16 = wsum4_f16_avx2, k.row_max = row_max_avx2;
     }
 #endif
 #if defined(__aarch64__) /* attention_neon.c */
@@ -494,9 +519,9 @@ static void attention_items(void *ctx, int item_begin, int item_end) {
                 else
                     K.scores(qs, R, kb, kbl, kv_f16, nk_max, head_dim, J->scale, ss);
                 for (int j = 0; j < R; j++) {
-                    float *sc = ss[j], mx = -INFINITY;
+                    float *sc = ss[j];
                     const int n = live[j];
-                    for (int t = 0; t < n; t++) mx = sc[t] > mx ? sc[t] : mx;
+                    const float mx = K.row_max(sc, n);
                     float sum = n ? J->Q.exp_sum(sc, n, mx) : 0.0f, inv = n ? 1.0f / sum : 0.0f;
                     for (int t = 0; t < n; t++) sc[t] *= inv;
                     for (int t = n; t < nk_max; t++) sc[t] = 0.0f; /* positions after this row's own: no weight */

@@ -162,26 +162,30 @@ Q8_SCORES_ENTRY(AVX2_FN, scores_avx2, scores_avx2_body)
 
 /* Positions in runs of up to one block (32, whose rows stay in L1), 16 columns at a time with R x 2 accumulators
  * in registers; between runs the sums wait in acc[][] (the f16 wsum4's scheme, attention.c). Columns past the
- * last multiple of 16 in fmaf, in the same order. */
+ * last multiple of 16 in fmaf, in the same order. The inner loop is 8 FMAs, 4 weight broadcasts and 2 vpmovsxbd
+ * straight from memory (an xmm load + shift + 2 conversions before) per position; the next block's prefetches go
+ * before each column pass rather than behind a test per position (one layer's decode at 4096 positions, one
+ * thread: the weighted sum 15-18% faster). */
 AVX2_FN static void wsum_avx2(const float *const *p, int R, const int8_t *vc, kv_blocks bl, int n, int hd,
                               float *const *out) {
     float acc[4][Q8_MAX_HD];
     const int h16 = hd & ~15;
+    const int lines = Q8_LINES(hd), per = h16 ? (lines + h16 / 16 - 1) / (h16 / 16) : 0;
     for (int j = 0; j < R; j++) memset(acc[j], 0, sizeof(float) * (size_t)hd);
     for (int ts = 0; ts < n; ts += KB) {
         q8_run_t r;
         q8_run(&r, p, R, vc, bl, ts, n, hd);
         for (int col = 0; col < h16; col += 16) {
+            pf_lines(r.next, col / 16, per, lines); /* this column pass's share of the next block, before its loop */
             __m256 a0 = _mm256_loadu_ps(acc[0] + col), a1 = _mm256_loadu_ps(acc[0] + col + 8), b0 = a0, b1 = a1, c0 = a0,
                    c1 = a1, d0 = a0, d1 = a1;
             if (R > 1) b0 = _mm256_loadu_ps(acc[1] + col), b1 = _mm256_loadu_ps(acc[1] + col + 8);
             if (R > 2) c0 = _mm256_loadu_ps(acc[2] + col), c1 = _mm256_loadu_ps(acc[2] + col + 8);
             if (R > 3) d0 = _mm256_loadu_ps(acc[3] + col), d1 = _mm256_loadu_ps(acc[3] + col + 8);
             const int8_t *v = r.v0 + col;
+#pragma GCC unroll 2
             for (int t = 0; t < r.tn; t++, v += hd) {
-                pf_lines(r.next, col / 16 * KB + t, 1, Q8_LINES(hd));
-                const __m128i vb = _mm_loadu_si128((const __m128i *)v);
-                const __m256 x0 = cvt8(vb), x1 = cvt8(_mm_srli_si128(vb, 8));
+                const __m256 x0 = cvt8(_mm_loadl_epi64((const __m128i *)v)), x1 = cvt8(_mm_loadl_epi64((const __m128i *)(v + 8)));
                 __m256 x = _mm256_broadcast_ss(r.w[0] + t);
                 a0 = _mm256_fmadd_ps(x, x0, a0), a1 = _mm256_fmadd_ps(x, x1, a1);
                 if (R > 1) x = _mm256_broadcast_ss(r.w[1] + t), b0 = _mm256_fmadd_ps(x, x0, b0), b1 = _mm256_fmadd_ps(x, x1, b1);
@@ -262,11 +266,13 @@ Q8_SCORES_ENTRY(AVX512_FN, scores_avx512, scores_avx512_body)
 AVX512_FN static void wsum_avx512(const float *const *p, int R, const int8_t *vc, kv_blocks bl, int n, int hd,
                                   float *const *out) {
     float acc[4][Q8_MAX_HD];
+    const int passes = (hd + 31) / 32, lines = Q8_LINES(hd), per = (lines + passes - 1) / passes;
     for (int j = 0; j < R; j++) memset(acc[j], 0, sizeof(float) * (size_t)hd);
     for (int ts = 0; ts < n; ts += KB) {
         q8_run_t r;
         q8_run(&r, p, R, vc, bl, ts, n, hd);
         for (int col = 0; col < hd; col += 32) {
+            pf_lines(r.next, col / 32, per, lines); /* as wsum_avx2: this pass's share, before its loop */
             const int left = hd - col;
             const __mmask16 m0 = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
             const __mmask16 m1 = left >= 32 ? (__mmask16)0xffff : left <= 16 ? 0 : (__mmask16)((1u << (left - 16)) - 1);
@@ -277,7 +283,6 @@ AVX512_FN static void wsum_avx512(const float *const *p, int R, const int8_t *vc
             if (R > 3) d0 = _mm512_maskz_loadu_ps(m0, acc[3] + col), d1 = _mm512_maskz_loadu_ps(m1, acc[3] + col + 16);
             const int8_t *v = r.v0 + col;
             for (int t = 0; t < r.tn; t++, v += hd) {
-                pf_lines(r.next, col / 32 * KB + t, 1, Q8_LINES(hd));
                 const __m512 x0 = cvt16(_mm_maskz_loadu_epi8(m0, v)), x1 = cvt16(_mm_maskz_loadu_epi8(m1, v + 16));
                 __m512 x = _mm512_set1_ps(r.w[0][t]);
                 a0 = _mm512_fmadd_ps(x, x0, a0), a1 = _mm512_fmadd_ps(x, x1, a1);
