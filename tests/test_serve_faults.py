@@ -12,7 +12,10 @@ import httpx
 import pytest
 
 uvicorn = pytest.importorskip("uvicorn", reason="bitnet serve needs the serve extra (pip install .[serve])")
+from helpers import slowness  # noqa: E402
 from serve_proc import free_port, slow_model, wait_healthy  # noqa: E402
+
+SLOW = slowness()   # every bound below waits SLOW times longer on a slow CPU (qemu-user: ~16); 1.0 on x86 here
 
 
 class InProcessServer:
@@ -28,11 +31,11 @@ class InProcessServer:
                                                     lifespan="on", http=guarded_protocol(Limits())))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
-        if not wait_healthy(self.url, 60, poll=0.1):
-            raise RuntimeError("the in-process server did not become healthy within 60 s")
+        if not wait_healthy(self.url, 60 * SLOW, poll=0.1):
+            raise RuntimeError(f"the in-process server did not become healthy within {60 * SLOW:.0f} s")
         self.engine = self.app.state.bitnet.engine
 
-    def wait_slots(self, pred, timeout=15.0):
+    def wait_slots(self, pred, timeout=15.0 * SLOW):
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             slots = self.engine.slots()
@@ -43,7 +46,7 @@ class InProcessServer:
 
     def stop(self):
         self.server.should_exit = True
-        self.thread.join(30)
+        self.thread.join(30 * SLOW)
 
 
 @pytest.fixture(scope="module")
@@ -68,13 +71,13 @@ def test_sampling_fault_ends_only_that_sequence(store):
         healthy = {}
 
         def other():
-            healthy["r"] = httpx.post(s.url + "/v1/completions", timeout=120,
+            healthy["r"] = httpx.post(s.url + "/v1/completions", timeout=120 * SLOW,
                                       json={"prompt": "a", "max_tokens": 600, "temperature": 0})
         t = threading.Thread(target=other)
         t.start()
         s.wait_slots(lambda sl: any(x["n_generated"] > 0 for x in sl))
         lines = []
-        with httpx.stream("POST", s.url + "/v1/completions", timeout=60,
+        with httpx.stream("POST", s.url + "/v1/completions", timeout=60 * SLOW,
                           json={"prompt": "b b b b", "max_tokens": 3000, "temperature": 0, "stream": True}) as r:
             it = r.iter_lines()
             for line in it:
@@ -89,14 +92,14 @@ def test_sampling_fault_ends_only_that_sequence(store):
         # non-streaming: the fault is a 500 in OpenAI's shape
         box = {}
         t2 = threading.Thread(target=lambda: box.setdefault("r", httpx.post(
-            s.url + "/v1/completions", timeout=60, json={"prompt": "c c c c c c", "max_tokens": 3000,
+            s.url + "/v1/completions", timeout=60 * SLOW, json={"prompt": "c c c c c c", "max_tokens": 3000,
                                                          "temperature": 0})))
         t2.start()
         victim = s.wait_slots(lambda sl: any(x["n_prompt"] > 5 and x["n_generated"] > 0 for x in sl))
         _break(s.engine, [x for x in victim if x["n_prompt"] > 5][0]["id"])
-        t2.join(60)
+        t2.join(60 * SLOW)
         assert box["r"].status_code == 500 and box["r"].json()["error"]["code"] == "engine_error"
-        t.join(120)
+        t.join(120 * SLOW)
         assert healthy["r"].status_code == 200
         ch = healthy["r"].json()["choices"][0]
         assert ch["finish_reason"] == "length" and healthy["r"].json()["usage"]["completion_tokens"] == 600
@@ -111,12 +114,12 @@ def test_hangup_while_queued_or_prefilling_frees_pages(store):
     s = InProcessServer(store, parallel=1)
     try:
         long_body = {"prompt": "a", "max_tokens": 3000, "temperature": 0, "stream": True}
-        with httpx.stream("POST", s.url + "/v1/completions", json=long_body, timeout=60) as running:
+        with httpx.stream("POST", s.url + "/v1/completions", json=long_body, timeout=60 * SLOW) as running:
             lines = running.iter_lines()   # kept: a dropped iterator closes the response
             next(lines)
             s.wait_slots(lambda sl: len(sl) == 1 and sl[0]["state"] == "running")
             # queued behind it, then gone
-            with httpx.stream("POST", s.url + "/v1/completions", json=dict(long_body, prompt="b"), timeout=60) as q:
+            with httpx.stream("POST", s.url + "/v1/completions", json=dict(long_body, prompt="b"), timeout=60 * SLOW) as q:
                 assert q.status_code == 200   # headers sent; it waits in the queue
                 s.wait_slots(lambda sl: any(x["state"] == "waiting" for x in sl))
             s.wait_slots(lambda sl: len(sl) == 1)
@@ -126,7 +129,7 @@ def test_hangup_while_queued_or_prefilling_frees_pages(store):
         # a long prompt, hung up on while its prefill runs
         prompt = [5] * 3500
         t0 = time.perf_counter()
-        with httpx.stream("POST", s.url + "/v1/completions", timeout=60,
+        with httpx.stream("POST", s.url + "/v1/completions", timeout=60 * SLOW,
                           json={"prompt": prompt, "max_tokens": 10, "stream": True}) as r:
             assert r.status_code == 200
             s.wait_slots(lambda sl: len(sl) == 1 and sl[0]["state"] == "running")
@@ -150,13 +153,13 @@ def _healthy(url):
     out = {}
 
     def plain(i, prompt):
-        r = httpx.post(url + "/v1/completions", timeout=120, json={"prompt": prompt, "max_tokens": 600, "temperature": 0})
+        r = httpx.post(url + "/v1/completions", timeout=120 * SLOW, json={"prompt": prompt, "max_tokens": 600, "temperature": 0})
         assert r.status_code == 200, r.text
         out[i] = r.json()["choices"][0]["text"]
 
     def streamed():
         text = []
-        with httpx.stream("POST", url + "/v1/completions", timeout=120,
+        with httpx.stream("POST", url + "/v1/completions", timeout=120 * SLOW,
                           json={"prompt": "c d", "max_tokens": 600, "temperature": 0, "stream": True}) as r:
             for line in r.iter_lines():
                 if line.startswith("data: {"):
@@ -178,27 +181,27 @@ def test_forward_fault_ends_only_its_request(store, monkeypatch):
     try:
         ts, alone = _healthy(s.url)
         for t in ts:
-            t.join(120)
+            t.join(120 * SLOW)
         assert s.engine.metrics()["sequence_errors_total"] == 0   # the healthy requests never meet the token
         s.engine.clear_prefix_cache()
         ts, together = _healthy(s.url)
         s.wait_slots(lambda sl: len(sl) == 3 and all(x["n_generated"] > 0 for x in sl))
         bad = [7, FAULT_TOKEN, 9]
-        r = httpx.post(s.url + "/v1/completions", timeout=60, json={"prompt": bad, "max_tokens": 20})
+        r = httpx.post(s.url + "/v1/completions", timeout=60 * SLOW, json={"prompt": bad, "max_tokens": 20})
         assert r.status_code == 500 and r.json()["error"]["code"] == "engine_error", r.text
-        with httpx.stream("POST", s.url + "/v1/completions", timeout=60,
+        with httpx.stream("POST", s.url + "/v1/completions", timeout=60 * SLOW,
                           json={"prompt": bad, "max_tokens": 20, "stream": True}) as r:
             lines = [line for line in r.iter_lines() if line.startswith("data: ")]
         assert r.status_code == 200 and json.loads(lines[-1][6:])["error"]["code"] == "engine_error", lines
-        r = httpx.post(s.url + "/api/generate", timeout=60,
+        r = httpx.post(s.url + "/api/generate", timeout=60 * SLOW,
                        json={"model": "m", "context": bad, "prompt": "x", "raw": True, "stream": False})
         assert r.status_code == 500 and set(r.json()) == {"error"}, r.text
-        with httpx.stream("POST", s.url + "/api/generate", timeout=60,
+        with httpx.stream("POST", s.url + "/api/generate", timeout=60 * SLOW,
                           json={"model": "m", "context": bad, "prompt": "x", "raw": True}) as r:
             objs = [json.loads(line) for line in r.iter_lines() if line]
         assert r.status_code == 200 and set(objs[-1]) == {"error"}, objs
         for t in ts:
-            t.join(120)
+            t.join(120 * SLOW)
         assert together == alone
         met = s.engine.metrics()
         assert met["sequence_errors_total"] == 4
