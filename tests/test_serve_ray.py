@@ -64,7 +64,7 @@ def _ray_app(parallel: int):
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)
         try:
-            proc.wait(60)
+            proc.wait(60 * slowness())   # Serve and Ray shut down: a minute and more under qemu
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
@@ -83,7 +83,7 @@ def test_ray_two_replicas_spread_and_replace():
             # the other replica keeps answering while the controller starts a replacement
             t0 = time.monotonic()
             after = set()
-            while time.monotonic() - t0 < 90:
+            while time.monotonic() - t0 < 90 * slowness():   # a replacement loads its model: minutes under qemu
                 after |= set(_instances(client, 3))
                 new = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
                        if "REPLICA" in a["name"] and "bitnet" in a["name"]}
