@@ -74,29 +74,24 @@ def _check(args):
 def bind_port(host: str, port: int, keep: bool = True):
     """The listening socket, bound here rather than by uvicorn (which logs '[Errno 98] ...' after we have said
     'listening' and exits 3) so that a port in use or an address this machine does not have is one line, exit 2.
+    Bound as uvicorn binds (IPv6 when the host has a ':', else IPv4; SO_REUSEADDR to restart over TIME_WAIT).
     keep=False only checks (Ray Serve's proxy binds the port itself) and closes it again."""
     import errno
     import socket
 
     from ..engine.errors import BitNetError
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except socket.gaierror as e:
-        raise BitNetError(f"--host {host}: {e.strerror}", hint="a name or address of this machine, e.g. 127.0.0.1")
-    family, kind, proto, _, addr = infos[0]
-    sock = socket.socket(family, kind, proto)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as uvicorn does: restart over TIME_WAIT
-        sock.bind(addr)
-    except OSError as e:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as e:   # socket.gaierror (a host name that does not resolve) included
         sock.close()
         hint = ("another process listens there (another bitnet serve?): stop it or choose another --port"
-                if e.errno == errno.EADDRINUSE else "check --host and --port")
+                if e.errno == errno.EADDRINUSE else "check --host (a name or address of this machine) and --port")
         raise BitNetError(f"cannot listen on {host}:{port}: {e.strerror or e}", hint=hint)
     if not keep:
         sock.close()
         return None
-    sock.set_inheritable(True)
     return sock
 
 
