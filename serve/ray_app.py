@@ -75,6 +75,12 @@ def run_ray(args, sampling=None, api_keys: tuple = (), limits=None) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    # Serve gives its HTTP proxy 5 s to report ready, three times, then kills it and `serve.start` fails: on a
+    # busy 2-core machine the proxy's imports alone took longer ("Ray Serve did not start", seen with every core
+    # loaded). A local server waits for its proxy rather than giving up; the raylet and so every worker inherit
+    # these from this process, and a value the user set wins.
+    for var in ("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S"):
+        os.environ.setdefault(var, "60")
     try:
         ray.init(include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     except Exception as e:   # Ray's own start (its GCS, raylet, a RAY_ADDRESS that answers nothing): not our bug
