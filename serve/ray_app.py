@@ -63,6 +63,23 @@ def build_from_env():
 app = build_from_env()
 
 
+PROXY_WAIT_S = 300   # how long `bitnet serve --ray-replicas` waits for Serve's HTTP proxy to come up
+
+
+def _lengthen_proxy_wait() -> None:
+    """Serve's driver-side wait for its proxy is a module constant read at each call (ray.serve._private: api,
+    client); raise it to PROXY_WAIT_S where it is still there and lower. A Ray that moved or renamed it keeps
+    its own 60 s: only a slow start is affected, never a result."""
+    try:
+        from ray.serve._private import api as serve_api, client as serve_client
+    except ImportError:
+        return
+    for mod in (serve_api, serve_client):
+        wait = getattr(mod, "HTTP_PROXY_TIMEOUT", None)
+        if isinstance(wait, (int, float)) and wait < PROXY_WAIT_S:
+            mod.HTTP_PROXY_TIMEOUT = PROXY_WAIT_S
+
+
 def run_ray(args, sampling=None, api_keys: tuple = (), limits=None) -> int:
     """`bitnet serve --ray-replicas N`: a local Ray instance, the deployment on host:port, Ctrl-C/SIGTERM stop;
     sampling: the server-wide SamplingParams defaults (from the command's flags)."""
@@ -75,12 +92,15 @@ def run_ray(args, sampling=None, api_keys: tuple = (), limits=None) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    # Serve gives its HTTP proxy 5 s to report ready, three times, then kills it and `serve.start` fails: on a
-    # busy 2-core machine the proxy's imports alone took longer ("Ray Serve did not start", seen with every core
-    # loaded). A local server waits for its proxy rather than giving up; the raylet and so every worker inherit
-    # these from this process, and a value the user set wins.
+    # Serve gives its HTTP proxy 5 s to report ready, three times, then kills it, and its driver waits a fixed
+    # 60 s (HTTP_PROXY_TIMEOUT, no setting) for the proxy: on a 2-core machine with every core busy (load 4.5)
+    # the proxy's imports alone took 56 s, and `serve.start` failed either way ("Ray Serve did not start"). A
+    # local server waits for its proxy rather than giving up: a proxy that dies is reported at once anyway, so
+    # the long wait only ever serves a slow one. The raylet and so every worker inherit the variables from this
+    # process; a value the user set wins.
     for var in ("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S"):
-        os.environ.setdefault(var, "60")
+        os.environ.setdefault(var, str(PROXY_WAIT_S))
+    _lengthen_proxy_wait()
     try:
         ray.init(include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     except Exception as e:   # Ray's own start (its GCS, raylet, a RAY_ADDRESS that answers nothing): not our bug

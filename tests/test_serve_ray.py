@@ -1,6 +1,7 @@
 """`bitnet serve --ray-replicas 2` on a local Ray instance (loopback only) with the bundled model: requests from
 the openai client spread over both replicas, and a killed replica is replaced while the other keeps answering.
-Bounded: ~3 minutes at most. Skipped (with the reason) when ray[serve] is not installed or Ray cannot start."""
+Bounded: ~3 minutes on an idle machine, at most ~15 under load. Skipped (with the reason) when ray[serve] is not
+installed or Ray cannot start."""
 from __future__ import annotations
 
 import contextlib
@@ -34,8 +35,10 @@ def _instances(client, n):
 
 @contextlib.contextmanager
 def _ray_app(parallel: int):
-    """`bitnet serve --ray-replicas 2` started and waited for until both replicas answer (bounded: 150 s to be
-    healthy, 150 s more for both replicas, each times slowness(): Ray alone takes minutes under qemu); yields
+    """`bitnet serve --ray-replicas 2` started and waited for until both replicas answer (bounded: 400 s to be
+    healthy, as long again for both replicas, each times slowness(): Ray alone takes minutes under qemu, and
+    with every core of a 2-core machine busy its start and Serve's proxy took 2 minutes; the app itself waits
+    up to 300 s for that proxy); yields
     (url, openai client, the two instance ids seen, app). On leaving, the app gets SIGINT and app["returncode"]
     its exit status. Skips with Ray's last line when Ray cannot start here."""
     port = free_port()
@@ -47,7 +50,7 @@ def _ray_app(parallel: int):
     url = f"http://127.0.0.1:{port}"
     app = {"returncode": None}
     try:
-        bound = 150 * slowness()
+        bound = 400 * slowness()
         up = wait_healthy(url, bound, proc, poll=1)
         if proc.poll() is not None:
             pytest.skip(f"Ray could not start here (exit {proc.returncode}): {proc.stderr.read().strip().splitlines()[-1:]}")
