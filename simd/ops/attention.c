@@ -72,7 +72,12 @@ AVX2_FN static float row_max_avx2(const float *x, int n) {
 /* scores: S_j[t] = scale * q_j . k_t for R <= MAXQ query vectors and t < n, over the key cache in
  * transposed blocks [n_ctx / KT_BLOCK][head_dim][KT_BLOCK]: a block of positions sits in vector registers,
  * so the dot products need no horizontal sums, each key block is loaded once for all R queries, and a
- * block's keys are one contiguous 4-8 KB run (prefetcher friendly). */
+ * block's keys are one contiguous 4-8 KB run (prefetcher friendly).
+ * The reference fuses each multiply-add (fmaf), i in order from 0 for a score and t in order for a weighted
+ * sum's column, then one multiply by scale: exactly what every vector body does in each lane (one position per
+ * lane of a key block, one column per lane of a value row), so the AVX2, AVX-512 and NEON bodies give its bytes
+ * (tests/test_attention_paths.py; under qemu, tests/test_attention_neon.py). Unfused, no body could match it
+ * with fused FMAs, and NEON needed an fmul and an fadd where one fmla does. */
 #define MAXQ OPS_ATT_SCRATCH_ROWS
 #define KT_BLOCK OPS_KT_BLOCK
 static void scores_scalar(const float *const *q, int R, const void *kt, kv_blocks bl, int f16, int n, int hd,
@@ -83,7 +88,7 @@ static void scores_scalar(const float *const *q, int R, const void *kt, kv_block
             const int64_t base = BLK(bl, t / KT_BLOCK) + t % KT_BLOCK;
             for (int i = 0; i < hd; i++) {
                 const int64_t at = base + (int64_t)i * KT_BLOCK;
-                d += q[j][i] * (f16 ? ops_half_to_float(((const uint16_t *)kt)[at]) : ((const float *)kt)[at]);
+                d = fmaf(q[j][i], f16 ? ops_half_to_float(((const uint16_t *)kt)[at]) : ((const float *)kt)[at], d);
             }
             sc[j][t] = d * scale;
         }
@@ -94,10 +99,10 @@ static void wsum_scalar(const float *p, const void *vc, kv_blocks bl, int f16, i
         const int64_t row = BLK(bl, t / KT_BLOCK) / hd + t % KT_BLOCK;
         if (f16) {
             const uint16_t *v = KROW16(vc, row, hd);
-            for (int i = 0; i < hd; i++) out[i] += p[t] * ops_half_to_float(v[i]);
+            for (int i = 0; i < hd; i++) out[i] = fmaf(p[t], ops_half_to_float(v[i]), out[i]);
         } else {
             const float *v = KROW32(vc, row, hd);
-            for (int i = 0; i < hd; i++) out[i] += p[t] * v[i];
+            for (int i = 0; i < hd; i++) out[i] = fmaf(p[t], v[i], out[i]);
         }
     }
 }
@@ -372,7 +377,8 @@ static att_kernels kernels_for(int isa) {
     }
 #endif
 #if defined(__aarch64__) /* attention_neon.c */
-    if (ops_neon()) k.scores = att_scores_neon, k.wsum = att_wsum_neon, k.wsum4_f16 = att_wsum4_f16_neon;
+    if (ops_neon())
+        k.scores = att_scores_neon, k.wsum = att_wsum_neon, k.wsum4_f16 = att_wsum4_f16_neon, k.row_max = att_row_max_neon;
 #endif
     return k;
 }

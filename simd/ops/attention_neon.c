@@ -2,10 +2,10 @@
  * (attention.c), and scores, softmax's exp and the weighted sum over the int8 cache (attention_q8.c).
  *
  * Bit-identical to the scalar bodies, which fixes how each is written:
- * - f16 / f32 cache: the scalar reference is a plain `d += q * k` (a multiply, then an add, rounded apart; the
- *   build has -ffp-contract=off), one position per lane of the transposed key block, i in order; the weighted sum
- *   is `out[c] += p[t] * v[c]`, t in order. So these bodies use fmul + fadd, never fmla, and keep the same
- *   order per lane. Softmax's exp is the int8 cache's (q8_exp_sum below) for every cache type.
+ * - f16 / f32 cache: the scalar reference fuses `d = fmaf(q, k, d)`, one position per lane of the transposed key
+ *   block, i in order; the weighted sum is `out[c] = fmaf(p[t], v[c], out[c])`, t in order. So these bodies use
+ *   one fmla per 4 lanes (it was fmul + fadd while the reference was unfused) in the same order per lane.
+ *   Softmax's exp is the int8 cache's (q8_exp_sum below) for every cache type.
  *   f16 -> f32 is fcvtl (baseline Armv8 AdvSIMD, exact like bk_half_to_float).
  * - int8 cache: integer dot products (exact: sdot with dotprod, smull/smlal + sadalp without), then the scalar
  *   body's float epilogue in its order; the weighted sum in fused fmla, the order of the scalar fmaf; exp on
@@ -42,6 +42,30 @@ INLINE int pf_steps(const char *next, int s0, int per, int lines, int steps) {
 INLINE void pf_first(const char *next, int s, int per) {
     for (int l = 0; l < per; l++) __builtin_prefetch(next + ((int64_t)s * per + l) * 64, 0, 3);
 }
+/* the lines of four steps s .. s + 3 at once (an unrolled loop's group): where pf_m is not a multiple of four, the
+ * last group touches up to three steps' lines past the block, hints that never fault */
+INLINE void pf_four(const char *next, int s, int per) {
+    const char *a = next + (int64_t)s * per * 64;
+    for (int l = 0; l < 4 * per; l++) __builtin_prefetch(a + l * 64, 0, 3);
+}
+
+/* A score row's max, 8 lanes at a time (it was the scalar loop: one dependent compare per position, 12 k of a
+ * decode step's 291 k instructions under qemu). x > m ? x : m per lane is the scalar rule (a NaN score is skipped,
+ * a -0 / +0 tie keeps the first), so the result is the scalar one up to that tie, as row_max_avx2's; exp(s - max)
+ * and the piece fold give the same floats for either zero. */
+float att_row_max_neon(const float *x, int n) {
+    float32x4_t m0 = vdupq_n_f32(-INFINITY), m1 = m0;
+    int t = 0;
+    for (; t + 8 <= n; t += 8) {
+        const float32x4_t a = vld1q_f32(x + t), b = vld1q_f32(x + t + 4);
+        m0 = vbslq_f32(vcgtq_f32(a, m0), a, m0), m1 = vbslq_f32(vcgtq_f32(b, m1), b, m1);
+    }
+    float l[8], mx = -INFINITY;
+    vst1q_f32(l, m0), vst1q_f32(l + 4, m1);
+    for (int i = 0; i < 8; i++) mx = l[i] > mx ? l[i] : mx;
+    for (; t < n; t++) mx = x[t] > mx ? x[t] : mx;
+    return mx;
+}
 
 /* ---------------- f16 / f32 cache ---------------- */
 
@@ -76,17 +100,29 @@ INLINE void scores_body(const float *const *q, const int R, const void *kt, kv_b
         const int pf_m = pf_steps(next, s0, per, lines, hd);
         float32x4_t acc[4][4];
         for (int j = 0; j < R; j++) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = vdupq_n_f32(0.0f);
-        for (int i = 0; i < hd; i++) {
+        /* four steps of i at a time: each query's q[i..i+3] in one register and fmla by lane (a load per query
+         * per step, and the loop's own count, were a third of the instructions); per lane still i in order */
+        int i = 0;
+        for (; i + 4 <= hd; i += 4) {
+            float32x4_t qv[4] = {vdupq_n_f32(0.0f), vdupq_n_f32(0.0f), vdupq_n_f32(0.0f), vdupq_n_f32(0.0f)};
+            for (int j = 0; j < R; j++) qv[j] = vld1q_f32(q[j] + i);
+            if (i < pf_m) pf_four(next, s0 + i, per); /* one test per four steps */
+#define SC_STEP(l)                                                                                  \
+    do {                                                                                            \
+        float32x4_t k[4];                                                                           \
+        load16(kt, f16, base + (int64_t)(i + (l)) * KT_BLOCK, k);                                   \
+        for (int j = 0; j < R; j++)                                                                 \
+            for (int x = 0; x < 4; x++) acc[j][x] = vfmaq_laneq_f32(acc[j][x], k[x], qv[j], (l));   \
+    } while (0)
+            SC_STEP(0); SC_STEP(1); SC_STEP(2); SC_STEP(3);
+#undef SC_STEP
+        }
+        for (; i < hd; i++) {
             if (i < pf_m) pf_first(next, s0 + i, per);
             float32x4_t k[4];
             load16(kt, f16, base + (int64_t)i * KT_BLOCK, k);
-            for (int j = 0; j < R; j++) {
-                const float qi = q[j][i];
-                acc[j][0] = vaddq_f32(acc[j][0], vmulq_n_f32(k[0], qi));
-                acc[j][1] = vaddq_f32(acc[j][1], vmulq_n_f32(k[1], qi));
-                acc[j][2] = vaddq_f32(acc[j][2], vmulq_n_f32(k[2], qi));
-                acc[j][3] = vaddq_f32(acc[j][3], vmulq_n_f32(k[3], qi));
-            }
+            for (int j = 0; j < R; j++)
+                for (int x = 0; x < 4; x++) acc[j][x] = vfmaq_n_f32(acc[j][x], k[x], q[j][i]);
         }
         const int valid = n - t0 < 16 ? n - t0 : 16;
         for (int j = 0; j < R; j++) {
@@ -128,12 +164,28 @@ INLINE void wsum_body(const float *p, const void *vc, kv_blocks bl, const int f1
     for (; c0 + 32 <= hd; c0 += 32) {
         float32x4_t a[8];
         for (int x = 0; x < 8; x++) a[x] = vdupq_n_f32(0.0f);
-        for (int t = 0; t < n; t++) {
+        int t = 0;
+        /* four positions at a time, their weights in one register, fmla by lane (as the scores); a run of four
+         * never crosses a block (KT_BLOCK is a multiple of 4) */
+        for (; t + 4 <= n; t += 4) {
+            const float32x4_t w = vld1q_f32(p + t);
+            const int64_t o0 = BLK(bl, t / KT_BLOCK) + (int64_t)(t % KT_BLOCK) * hd + c0;
+#define WS_STEP(l)                                                                                  \
+    do {                                                                                            \
+        if (c0 == 0) next = wsum_prefetch(next, vc, bl, t + (l), n, esize, hd);                     \
+        float32x4_t v[8];                                                                           \
+        load16(vc, f16, o0 + (int64_t)(l) * hd, v), load16(vc, f16, o0 + (int64_t)(l) * hd + 16, v + 4); \
+        for (int x = 0; x < 8; x++) a[x] = vfmaq_laneq_f32(a[x], v[x], w, (l));                     \
+    } while (0)
+            WS_STEP(0); WS_STEP(1); WS_STEP(2); WS_STEP(3);
+#undef WS_STEP
+        }
+        for (; t < n; t++) {
             if (c0 == 0) next = wsum_prefetch(next, vc, bl, t, n, esize, hd);
             const int64_t o = BLK(bl, t / KT_BLOCK) + (int64_t)(t % KT_BLOCK) * hd + c0;
             float32x4_t v[8];
             load16(vc, f16, o, v), load16(vc, f16, o + 16, v + 4);
-            for (int x = 0; x < 8; x++) a[x] = vaddq_f32(a[x], vmulq_n_f32(v[x], p[t]));
+            for (int x = 0; x < 8; x++) a[x] = vfmaq_n_f32(a[x], v[x], p[t]);
         }
         for (int x = 0; x < 8; x++) vst1q_f32(out + c0 + 4 * x, a[x]);
     }
@@ -141,7 +193,7 @@ INLINE void wsum_body(const float *p, const void *vc, kv_blocks bl, const int f1
         float32x4_t a = vdupq_n_f32(0.0f);
         for (int t = 0; t < n; t++) {
             if (c0 == 0) next = wsum_prefetch(next, vc, bl, t, n, esize, hd); /* hd < 32: no pass above */
-            a = vaddq_f32(a, vmulq_n_f32(load4(vc, f16, BLK(bl, t / KT_BLOCK) + (int64_t)(t % KT_BLOCK) * hd + c0), p[t]));
+            a = vfmaq_n_f32(a, load4(vc, f16, BLK(bl, t / KT_BLOCK) + (int64_t)(t % KT_BLOCK) * hd + c0), p[t]);
         }
         vst1q_f32(out + c0, a);
     }
@@ -149,7 +201,7 @@ INLINE void wsum_body(const float *p, const void *vc, kv_blocks bl, const int f1
         float a = 0.0f;
         for (int t = 0; t < n; t++) {
             const int64_t o = BLK(bl, t / KT_BLOCK) + (int64_t)(t % KT_BLOCK) * hd + c0;
-            a += p[t] * (f16 ? ops_half_to_float(((const uint16_t *)vc)[o]) : ((const float *)vc)[o]);
+            a = fmaf(p[t], f16 ? ops_half_to_float(((const uint16_t *)vc)[o]) : ((const float *)vc)[o], a);
         }
         out[c0] = a;
     }
@@ -181,14 +233,29 @@ void att_wsum4_f16_neon(const float *const *p, const void *vc, kv_blocks bl, int
                 for (int x = 0; x < 4; x++) a[j][x] = vld1q_f32(acc[j] + col + 4 * x);
             const uint16_t *v = v0 + col;
             const int pf_m = pf_steps(next, col / 16 * KT_BLOCK, 1, hd, tn);
-            for (int t = 0; t < tn; t++, v += hd) {
+            /* four positions at a time, each query's four weights in one register, fmla by lane (as the
+             * scores); per column still t in order */
+            int t = 0;
+            for (; t + 4 <= tn; t += 4) {
+                float32x4_t w[4];
+                for (int j = 0; j < 4; j++) w[j] = vld1q_f32(p[j] + ts + t);
+                if (t < pf_m) pf_four(next, col / 16 * KT_BLOCK + t, 1); /* as the scores */
+#define WS4_STEP(l)                                                                                 \
+    do {                                                                                            \
+        float32x4_t x4[4];                                                                          \
+        load16(v + (int64_t)(t + (l)) * hd, 1, 0, x4);                                              \
+        for (int j = 0; j < 4; j++)                                                                 \
+            for (int x = 0; x < 4; x++) a[j][x] = vfmaq_laneq_f32(a[j][x], x4[x], w[j], (l));       \
+    } while (0)
+                WS4_STEP(0); WS4_STEP(1); WS4_STEP(2); WS4_STEP(3);
+#undef WS4_STEP
+            }
+            for (; t < tn; t++) {
                 if (t < pf_m) pf_first(next, col / 16 * KT_BLOCK + t, 1);
                 float32x4_t x4[4];
-                load16(v, 1, 0, x4);
-                for (int j = 0; j < 4; j++) {
-                    const float w = p[j][ts + t];
-                    for (int x = 0; x < 4; x++) a[j][x] = vaddq_f32(a[j][x], vmulq_n_f32(x4[x], w));
-                }
+                load16(v + (int64_t)t * hd, 1, 0, x4);
+                for (int j = 0; j < 4; j++)
+                    for (int x = 0; x < 4; x++) a[j][x] = vfmaq_n_f32(a[j][x], x4[x], p[j][ts + t]);
             }
             for (int j = 0; j < 4; j++)
                 for (int x = 0; x < 4; x++) vst1q_f32(acc[j] + col + 4 * x, a[j][x]);
@@ -349,30 +416,37 @@ static void q8_wsum(const float *const *p, int R, const int8_t *vc, kv_blocks bl
     for (int j = 0; j < R; j++) memcpy(out[j], acc[j], sizeof(float) * (size_t)hd);
 }
 
-/* lane l of the 16 sums x[i] for i % 16 == l; a last partial vector: exp of 0 in the spare lanes, then zeroed */
+/* lane l of the 16 sums x[i] for i % 16 == l; a last partial vector: exp of 0 in the spare lanes, then zeroed.
+ * Whole groups of 16 in a loop of their own, with the sums in four named registers: with a test per vector and
+ * the sums in an array (the partial group's path in the same loop), gcc kept the sums on the stack and reloaded
+ * exp's ten constants for every vector, 46 instructions per 4 exps against AVX2's 31 per 8. */
 static float q8_exp_sum(float *x, int n, float mx) {
     const float32x4_t vm = vdupq_n_f32(mx);
-    const uint32x4_t lane = {0, 1, 2, 3};
-    float32x4_t acc[4] = {vdupq_n_f32(0.0f), vdupq_n_f32(0.0f), vdupq_n_f32(0.0f), vdupq_n_f32(0.0f)};
-    for (int i = 0; i < n; i += 16)
-        for (int v = 0; v < 4; v++) {
-            const int left = n - i - 4 * v;
-            if (left <= 0) break;
-            float *px = x + i + 4 * v;
-            if (left >= 4) {
-                const float32x4_t e = ops_exp_neon(vsubq_f32(vld1q_f32(px), vm));
-                vst1q_f32(px, e);
-                acc[v] = vaddq_f32(acc[v], e);
-            } else {
-                float tmp[4] = {mx, mx, mx, mx};
-                memcpy(tmp, px, sizeof(float) * (size_t)left);
-                const uint32x4_t keep = vcltq_u32(lane, vdupq_n_u32((uint32_t)left));
-                const float32x4_t e = vreinterpretq_f32_u32(vandq_u32(vreinterpretq_u32_f32(ops_exp_neon(vsubq_f32(vld1q_f32(tmp), vm))), keep));
-                vst1q_f32(tmp, e);
-                memcpy(px, tmp, sizeof(float) * (size_t)left);
-                acc[v] = vaddq_f32(acc[v], e);
-            }
+    float32x4_t a0 = vdupq_n_f32(0.0f), a1 = a0, a2 = a0, a3 = a0;
+    int i = 0;
+    for (; i + 16 <= n; i += 16) {
+        const float32x4_t e0 = ops_exp_neon(vsubq_f32(vld1q_f32(x + i), vm));
+        const float32x4_t e1 = ops_exp_neon(vsubq_f32(vld1q_f32(x + i + 4), vm));
+        const float32x4_t e2 = ops_exp_neon(vsubq_f32(vld1q_f32(x + i + 8), vm));
+        const float32x4_t e3 = ops_exp_neon(vsubq_f32(vld1q_f32(x + i + 12), vm));
+        vst1q_f32(x + i, e0), vst1q_f32(x + i + 4, e1), vst1q_f32(x + i + 8, e2), vst1q_f32(x + i + 12, e3);
+        a0 = vaddq_f32(a0, e0), a1 = vaddq_f32(a1, e1), a2 = vaddq_f32(a2, e2), a3 = vaddq_f32(a3, e3);
+    }
+    float32x4_t acc[4] = {a0, a1, a2, a3};
+    if (i < n) { /* the last, partial group: the same lanes; spare ones hold mx (exp of 0), then are zeroed */
+        const int left = n - i;
+        const uint32x4_t lane = {0, 1, 2, 3};
+        float tmp[16];
+        for (int l = 0; l < 16; l++) tmp[l] = l < left ? x[i + l] : mx;
+        for (int v = 0; v < 4 && 4 * v < left; v++) {
+            const uint32x4_t keep = vcltq_u32(lane, vdupq_n_u32((uint32_t)(left - 4 * v)));
+            const float32x4_t e = vreinterpretq_f32_u32(
+                vandq_u32(vreinterpretq_u32_f32(ops_exp_neon(vsubq_f32(vld1q_f32(tmp + 4 * v), vm))), keep));
+            vst1q_f32(tmp + 4 * v, e);
+            acc[v] = vaddq_f32(acc[v], e);
         }
+        memcpy(x + i, tmp, sizeof(float) * (size_t)left);
+    }
     float s[16];
     for (int v = 0; v < 4; v++) vst1q_f32(s + 4 * v, acc[v]);
     return sum16(s);
