@@ -75,3 +75,12 @@ def slowness() -> float:
             x += i * i
         return time.perf_counter() - t0
     return max(1.0, min(loop() for _ in range(3)) / 0.1)
+
+
+def rope_tables(n_ctx: int, head_dim: int):
+    """The half-split RoPE cos / sin tables (theta 10000) the attention ops take: float32 [n_ctx, head_dim / 2]."""
+    import numpy as np
+
+    inv = 1.0 / (10000.0 ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    fr = np.arange(n_ctx, dtype=np.float32)[:, None] * inv[None]
+    return np.cos(fr).astype(np.float32), np.sin(fr).astype(np.float32)

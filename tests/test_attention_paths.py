@@ -12,6 +12,7 @@ import pytest
 
 import bitnet_cpu.simd._kernels as K
 import bitnet_cpu.simd._ops as ops
+from helpers import rope_tables
 
 PATHS = [p for p in K.supported_isas() if p != "scalar"]
 SHAPES = [(8, 2, 128), (4, 2, 16), (3, 3, 20), (6, 2, 64), (4, 1, 100)]   # (heads, KV heads, head_dim)
@@ -23,9 +24,7 @@ def _inputs(nh, nkv, hd, seed):
     rng = np.random.default_rng(seed)
     qkv = rng.standard_normal((sum(CHUNKS), (nh + 2 * nkv) * hd)).astype(np.float32)
     qkv[:, : nh * hd] *= 3.0   # sharper softmax rows: a few positions carry most of the weight
-    inv = 1.0 / (10000.0 ** (np.arange(0, hd, 2, dtype=np.float32) / hd))
-    fr = np.arange(CTX, dtype=np.float32)[:, None] * inv[None]
-    return qkv, np.cos(fr).astype(np.float32), np.sin(fr).astype(np.float32)
+    return (qkv, *rope_tables(CTX, hd))
 
 
 def _contiguous(isa, kv_dtype, nh, nkv, hd, qkv, cos, sin):

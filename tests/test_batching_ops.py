@@ -6,6 +6,7 @@ import pytest
 
 import bitnet_cpu.simd._ops as ops
 from bitnet_cpu.engine.errors import KernelError
+from helpers import rope_tables
 
 NH, NKV, HD = 4, 2, 64
 QD, KVD = NH * HD, NKV * HD
@@ -14,9 +15,7 @@ B = ops.KEY_BLOCK
 
 
 def _rope(n_ctx):
-    inv = 1.0 / (10000.0 ** (np.arange(0, HD, 2, dtype=np.float32) / HD))
-    f = np.arange(n_ctx, dtype=np.float32)[:, None] * inv[None, :].astype(np.float32)
-    return np.ascontiguousarray(np.cos(f), np.float32), np.ascontiguousarray(np.sin(f), np.float32)
+    return rope_tables(n_ctx, HD)
 
 
 def _isas():

@@ -10,6 +10,7 @@ import bitnet_cpu.simd._kernels as K
 import bitnet_cpu.simd._ops as ops
 import bitnet_cpu.simd.reference as ref
 from bitnet_cpu.engine.errors import KernelError
+from helpers import rope_tables
 
 PATHS = K.supported_isas()  # the helpers follow the kernels' path (avxvnni -> their 256-bit bodies)
 
@@ -106,9 +107,7 @@ def test_attention_prefill_and_decode(isa, kv_dtype, nh, nkv, hd):
     rng = np.random.default_rng(hd)
     n, ctx = 11, 24
     qkv = rng.standard_normal((n, (nh + 2 * nkv) * hd)).astype(np.float32)
-    inv = 1.0 / (10000.0 ** (np.arange(0, hd, 2, dtype=np.float32) / hd))
-    fr = np.arange(ctx, dtype=np.float32)[:, None] * inv[None]
-    cos, sin = np.cos(fr).astype(np.float32), np.sin(fr).astype(np.float32)
+    cos, sin = rope_tables(ctx, hd)
     want, k_rot = _attention_numpy(qkv, nh, nkv, hd, cos, sin, kv_dtype == np.uint16)
     # the cache starts as NaN: a kernel that lets a position past the current one (a vector tail's spare lanes)
     # reach a score, a softmax sum or an output turns the result into NaN
@@ -373,9 +372,7 @@ def test_grouped_decode_same_bits_as_one_head_per_group(isa, hd):
     # KV head's group of 4 is not split across threads (it would be with more threads than groups).
     rng = np.random.default_rng(hd)
     nh, nkv, n, ctx = 8, 2, 150, 160
-    inv = 1.0 / (10000.0 ** (np.arange(0, hd, 2, dtype=np.float32) / hd))
-    fr = np.arange(ctx, dtype=np.float32)[:, None] * inv[None]
-    cos, sin = np.cos(fr).astype(np.float32), np.sin(fr).astype(np.float32)
+    cos, sin = rope_tables(ctx, hd)
     q = rng.standard_normal((n, nh * hd)).astype(np.float32)
     k = rng.standard_normal((n, nkv, hd)).astype(np.float32)
     v = rng.standard_normal((n, nkv, hd)).astype(np.float32)
@@ -407,9 +404,7 @@ def test_attention_long_context_in_pieces(isa, kv_dtype, hd):
     # 1 and 2 threads. The cache starts as NaN, so a piece that reads past its row's positions shows.
     rng = np.random.default_rng(hd + 1)
     nh, nkv, ctx, n = 8, 2, 800, 620
-    inv = 1.0 / (10000.0 ** (np.arange(0, hd, 2, dtype=np.float32) / hd))
-    fr = np.arange(ctx, dtype=np.float32)[:, None] * inv[None]
-    cos, sin = np.cos(fr).astype(np.float32), np.sin(fr).astype(np.float32)
+    cos, sin = rope_tables(ctx, hd)
     qkv = rng.standard_normal((n, (nh + 2 * nkv) * hd)).astype(np.float32)
     want, _ = _attention_numpy(qkv, nh, nkv, hd, cos, sin, kv_dtype == np.uint16)
     nan = np.uint16(0x7E00) if kv_dtype == np.uint16 else np.float32(np.nan)
@@ -495,9 +490,7 @@ def test_attention_q8_against_float64_and_identical_on_every_path(nh, nkv, hd, n
     rng = np.random.default_rng(hd + n)
     ctx = n + 13
     qkv = rng.standard_normal((n, (nh + 2 * nkv) * hd)).astype(np.float32)
-    inv = 1.0 / (10000.0 ** (np.arange(0, hd, 2, dtype=np.float32) / hd))
-    fr = np.arange(ctx, dtype=np.float32)[:, None] * inv[None]
-    cos, sin = np.cos(fr).astype(np.float32), np.sin(fr).astype(np.float32)
+    cos, sin = rope_tables(ctx, hd)
     split = min(7, n // 2)
     outs = {}
     for name in PATHS:
@@ -518,9 +511,7 @@ def test_attention_q8_decode_rows_equal_verify_rows_and_threads(isa):
     verify relies on), and 1 and 2 threads give the same bits."""
     rng = np.random.default_rng(3)
     nh, nkv, hd, ctx, n = 8, 2, 128, 700, 620
-    inv = 1.0 / (10000.0 ** (np.arange(0, hd, 2, dtype=np.float32) / hd))
-    fr = np.arange(ctx, dtype=np.float32)[:, None] * inv[None]
-    cos, sin = np.cos(fr).astype(np.float32), np.sin(fr).astype(np.float32)
+    cos, sin = rope_tables(ctx, hd)
     qkv = rng.standard_normal((n, (nh + 2 * nkv) * hd)).astype(np.float32)
     before = K.get_num_threads()
     try:
