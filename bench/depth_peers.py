@@ -2,7 +2,8 @@
 same synthetic 2B-4T weights, in one run, rounds alternating between engines so all see the same machine load.
 
     python bench/depth_peers.py --llama-bench PATH --ik-bench PATH [--depths 0,1024,4096,16384] [--rounds 3]
-                                [--prefill 4096] [--threads 2] [--json out.json]
+                                [--prefill 4096] [--threads 2] [--json out.json] [--plot out.png]
+    python bench/depth_peers.py --report run1.json run2.json [--plot out.png]    (saved runs, one table)
 
 Rows:
   decode at depth d : ours = `--tokens` decode steps after d cached positions (the cache filled with real,
@@ -90,7 +91,19 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="also write the rows here (rewritten after every row, so a stopped run keeps "
                     "what it measured)")
     ap.add_argument("--timeout", type=float, default=900, help="seconds one peer run may take (default 900)")
+    ap.add_argument("--plot", help="also draw decode tok/s and share of the limit against depth (PNG)")
+    ap.add_argument("--report", nargs="+", metavar="JSON",
+                    help="measure nothing: print the table of saved runs (--json files) together, and --plot them")
     a = ap.parse_args(argv)
+    if a.report:
+        runs = []
+        for p in a.report:
+            with open(p) as f:
+                runs.append(json.load(f))
+        print("\n".join(report_lines(runs)))
+        if a.plot:
+            plot(runs, a.plot)
+        return 0
     from bitnet_cpu.engine.formats.store import Store
     from bitnet_cpu.engine.runtime.model import kv_bytes_per_token
     from bitnet_cpu.simd import _kernels as K
@@ -148,25 +161,73 @@ def main(argv=None) -> int:
         done = [f"{r['engine']} {r['tps']:.1f}" for r in rows if r["depth"] == depth]
         print(f"[depth_peers] {'prefill' if depth is None else f'depth {depth}'}: {', '.join(done)} tok/s",
               file=sys.stderr, flush=True)
-        save_json(a.json, {"stream_Bps": [bw0], "threads": a.threads, "weights_bytes": wbytes, "rows": rows})
+        save_json(a.json, {"stream_Bps": [bw0], "threads": a.threads, "path": K.active(), "rounds": a.rounds,
+                           "prefill": a.prefill, "weights_bytes": wbytes, "kv_bytes_per_position": kvpos,
+                           "rows": rows})
     bw1 = stream_bandwidth(a.threads, mib=512, passes=3)["bandwidth_Bps"]
     bw = min(bw0, bw1)
-    print(f"{a.threads} threads, path {K.active()}; stream {bw0 / 1e9:.1f} / {bw1 / 1e9:.1f} GB/s (before / after); "
-          f"median of {a.rounds} alternating rounds (min-max)")
-    print("| row | engine | tok/s | share of limit | ours q8 / it |")
-    print("|---|---|---|---|---|")
     for r in rows:
-        name = f"prefill pp{a.prefill}" if r["depth"] is None else f"decode at {r['depth']}"
-        share = ""
         if r["depth"] is not None:
             r["share"] = r["tps"] * (wbytes[r["engine"]] + r["depth"] * kvpos[r["engine"]]) / bw
-            share = f"{r['share']:.0%}"
-        q8 = next((x["tps"] for x in rows if x["engine"] == "ours q8" and x["depth"] == r["depth"]), None)
-        ratio = f"{q8 / r['tps']:.2f}x" if q8 and r["engine"] != "ours q8" else ""
-        print(f"| {name} | {r['engine']} | {r['tps']:.1f} ({r['min']:.1f}-{r['max']:.1f}) | {share} | {ratio} |")
-    save_json(a.json, {"stream_Bps": [bw0, bw1], "threads": a.threads, "weights_bytes": wbytes, "rows": rows})
+    res = {"stream_Bps": [bw0, bw1], "threads": a.threads, "path": K.active(), "rounds": a.rounds,
+           "prefill": a.prefill, "weights_bytes": wbytes, "kv_bytes_per_position": kvpos, "rows": rows}
+    save_json(a.json, res)
+    print("\n".join(report_lines([res])))
+    if a.plot:
+        plot([res], a.plot)
     return 0
 
+
+def report_lines(runs: list[dict]) -> list[str]:
+    """The markdown table of one or more runs' rows (a run per depth range: the peers' 16k rows take long
+    enough to be a run of their own); each row's share uses its own run's stream rate."""
+    out = []
+    for res in runs:
+        bw = res["stream_Bps"]
+        out.append(f"{res['threads']} threads, path {res.get('path', '?')}; stream "
+                   + " / ".join(f"{b / 1e9:.1f}" for b in bw) + " GB/s (before / after); median of "
+                   + f"{res.get('rounds', '?')} alternating rounds (min-max)")
+    out += ["", "| row | engine | tok/s | share of limit | ours q8 / it |", "|---|---|---|---|---|"]
+    rows = [r for res in runs for r in res["rows"]]
+    rows.sort(key=lambda r: (r["depth"] is None, r["depth"] or 0))
+    prefill = next((res.get("prefill") for res in runs if res.get("prefill")), None)
+    for r in rows:
+        name = f"prefill pp{prefill}" if r["depth"] is None else f"decode at {r['depth']}"
+        share = f"{r['share']:.0%}" if "share" in r else ""
+        q8 = next((x["tps"] for x in rows if x["engine"] == "ours q8" and x["depth"] == r["depth"]), None)
+        ratio = f"{q8 / r['tps']:.2f}x" if q8 and r["engine"] != "ours q8" else ""
+        out.append(f"| {name} | {r['engine']} | {r['tps']:.1f} ({r['min']:.1f}-{r['max']:.1f}) | {share} | {ratio} |")
+    return out
+
+
+def plot(runs: list[dict], path: str) -> None:
+    """Decode tok/s and share of the bandwidth limit against depth, one line per engine."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for res in runs for r in res["rows"] if r["depth"] is not None]
+    depths = sorted({r["depth"] for r in rows})
+    engines = list(dict.fromkeys(r["engine"] for r in rows))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for e, style in zip(engines, ("o-", "o--", "s-", "^-", "v-")):
+        got = {r["depth"]: r for r in rows if r["engine"] == e}
+        xs = [i for i, d in enumerate(depths) if d in got]
+        ax1.plot(xs, [got[depths[i]]["tps"] for i in xs], style, label=e)
+        ax2.plot(xs, [100 * got[depths[i]].get("share", float("nan")) for i in xs], style, label=e)
+    ax2.axhline(85, color="k", ls=":", lw=1, label="goal 85%")
+    for ax, title in ((ax1, "decode tok/s"), (ax2, "share of the bandwidth limit, %")):
+        ax.set_xticks(range(len(depths)), [str(d) for d in depths])
+        ax.set_xlabel("positions already in the KV cache")
+        ax.set_title(title)
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    bw = min(b for res in runs for b in res["stream_Bps"])
+    fig.suptitle(f"2B-4T synthetic, {runs[0]['threads']} threads, path {runs[0].get('path', '?')}; "
+                 f"stream >= {bw / 1e9:.1f} GB/s in each run")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -245,6 +245,36 @@ def test_bench_threads_table_ratios_and_plot(tmp_path):
     assert (tmp_path / "t.png").stat().st_size > 1000
 
 
+def test_depth_peers_report_merges_runs_and_plots(tmp_path):
+    import depth_peers
+
+    def row(e, d, tps, share=None):
+        r = {"engine": e, "depth": d, "tps": tps, "min": tps - 1, "max": tps, "n": 2}
+        return r if share is None else {**r, "share": share}
+
+    short = {"stream_Bps": [20e9, 21e9], "threads": 2, "path": "avx2", "rounds": 2, "prefill": 4096,
+             "rows": [row("ours q8", 4096, 18.0, 0.7), row("ik_llama.cpp IQ2_BN_R4", 4096, 9.0, 0.4),
+                      row("ours q8", None, 40.0), row("ik_llama.cpp IQ2_BN_R4", None, 32.0)]}
+    long = {"stream_Bps": [19e9, 19e9], "threads": 2, "path": "avx2", "rounds": 1, "prefill": 0,
+            "rows": [row("ours q8", 16384, 6.0, 0.35), row("ik_llama.cpp IQ2_BN_R4", 16384, 2.5, 0.2)]}
+    files = []
+    for i, res in enumerate((long, short)):
+        files.append(str(tmp_path / f"r{i}.json"))
+        with open(files[-1], "w") as f:
+            json.dump(res, f)
+    png = tmp_path / "d.png"
+    assert depth_peers.main(["--report", *files, "--plot", str(png)]) == 0
+    md = "\n".join(depth_peers.report_lines([long, short]))
+    lines = [ln for ln in md.splitlines() if ln.startswith("| decode") or ln.startswith("| prefill")]
+    # depth order across the two runs, prefill last with the run's prompt length; ratios ours q8 / peer
+    assert [ln.split("|")[1].strip() for ln in lines] == ["decode at 4096"] * 2 + ["decode at 16384"] * 2 + \
+        ["prefill pp4096"] * 2
+    assert "| decode at 4096 | ik_llama.cpp IQ2_BN_R4 | 9.0 (8.0-9.0) | 40% | 2.00x |" in md
+    assert "| decode at 16384 | ik_llama.cpp IQ2_BN_R4 | 2.5 (1.5-2.5) | 20% | 2.40x |" in md
+    assert "| prefill pp4096 | ik_llama.cpp IQ2_BN_R4 | 32.0 (31.0-32.0) |  | 1.25x |" in md
+    assert png.stat().st_size > 1000
+
+
 def test_llama_bench_json_reader(tmp_path):
     """llama.cpp's and ik_llama.cpp's llama-bench -o json (bench/llama_bench.py): pp512 and tg lines become
     prefill / decode tok/s; a binary that fails is reported with its exit code and last line, not a traceback."""
