@@ -93,13 +93,15 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=900, help="seconds one peer run may take (default 900)")
     ap.add_argument("--plot", help="also draw decode tok/s and share of the limit against depth (PNG)")
     ap.add_argument("--report", nargs="+", metavar="JSON",
-                    help="measure nothing: print the table of saved runs (--json files) together, and --plot them")
+                    help="measure nothing: print the table of saved runs (--json files, or files holding a list of "
+                    "runs) together, and --plot them")
     a = ap.parse_args(argv)
     if a.report:
         runs = []
         for p in a.report:
             with open(p) as f:
-                runs.append(json.load(f))
+                got = json.load(f)
+            runs += got if isinstance(got, list) else [got]     # a file of several runs: a list of them
         print("\n".join(report_lines(runs)))
         if a.plot:
             plot(runs, a.plot)
