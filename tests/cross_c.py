@@ -83,6 +83,12 @@ def _objects(cc: str, target: str) -> list[str]:
         return list(pool.map(build, sources))
 
 
+def host_objects_except(*names: str) -> list[str]:
+    """This machine's cached objects of simd/kernels and simd/ops (_objects) without the named C files, for a
+    harness that builds those few itself with other flags."""
+    return [o for o in _objects(CC_HOST, "host") if os.path.basename(o).split(".c.", 1)[0] + ".c" not in names]
+
+
 def run_harness(tmp_path, source: str, *, target: str = "aarch64", name: str = "harness") -> str:
     """Compile PREAMBLE + source and link it with every C file of simd/kernels and simd/ops (objects cached by
     content, _objects), for target "aarch64" (static, run under qemu-aarch64: its default CPU, max, has sdot and
