@@ -231,5 +231,6 @@ def plot(runs: list[dict], path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from cross_c import CC_HOST as CC, KERNELS, OPS, host_objects_except
+from cross_c import CC_HOST as CC, KERNELS, host_objects_except
 
 HARNESS = r"""
 #include <stdio.h>
@@ -48,7 +48,7 @@ def test_condition_variable_wait_covers_every_chunk(tmp_path):
     exe = tmp_path / "pool_harness"
     # only the pool is built with the non-Linux flags; the other kernels come from the harnesses' object cache
     r = subprocess.run([CC, "-O1", "-std=c11", "-pthread", "-Wall", "-U__linux__", "-DWAIT_SPIN_NS=0", "-DSPIN_NS=0",
-                        "-I", KERNELS, "-I", OPS, str(src), os.path.join(KERNELS, "threadpool.c"),
+                        "-I", KERNELS, str(src), os.path.join(KERNELS, "threadpool.c"),
                         *host_objects_except("threadpool.c"), "-o", str(exe), "-lm"], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     # the build really took the non-Linux branch: no futex syscall in it
