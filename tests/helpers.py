@@ -60,6 +60,18 @@ def bitnet_inspect(target: str) -> tuple[str, str]:
     return r.stdout, next(line for line in r.stdout.splitlines() if line.startswith("runtime:"))
 
 
+def console_script(name: str) -> list[str]:
+    """The command for our console script `name` ("bitnet" or "bitchat") that runs the code this interpreter
+    imports: the script pip installed beside sys.executable, else the same entry point via `python -m`. Never a
+    lookup on PATH, which may find another interpreter's script (a pyenv shim, a stale install)."""
+    import sys
+
+    here = os.path.join(os.path.dirname(sys.executable), name)
+    if os.path.isfile(here) and os.access(here, os.X_OK):
+        return [here]
+    return [sys.executable, "-m", {"bitnet": "bitnet_cpu", "bitchat": "bitnet_cpu.cli.chat"}[name]]
+
+
 @functools.lru_cache(maxsize=None)
 def slowness() -> float:
     """How many times slower than the development machine this interpreter runs a fixed pure-Python loop (1.0

@@ -6,11 +6,11 @@ converted by engine.convert). Timeouts are generous and answers short: the CI ma
 import json
 import os
 import re
-import shutil
 import subprocess
-import sys
 
 import pytest
+
+from helpers import console_script
 
 pexpect = pytest.importorskip("pexpect", reason="pexpect drives the terminal tests (pip install pexpect)")
 
@@ -21,15 +21,6 @@ PROMPT_RE = re.compile(r"\x1b\[\?2004h[^>]*>>>")
 ACCEPTED = "\x1b[?2004l"
 STATS_RE = re.compile(r"\[(\d+) tokens(?:, first token (\d+) ms)?[^\]\r\n]*\]")
 ANSI_RE = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
-
-
-def bitchat_command() -> list[str]:
-    """The installed console script next to this interpreter, else `python -m chat`."""
-    here = os.path.join(os.path.dirname(sys.executable), "bitchat")
-    if os.path.exists(here):
-        return [here]
-    found = shutil.which("bitchat")
-    return [found] if found else [sys.executable, "-m", "bitnet_cpu.cli.chat"]
 
 
 @pytest.fixture(scope="session")
@@ -78,7 +69,7 @@ class Chat:
     """A bitchat process in a pseudo-terminal."""
 
     def __init__(self, model, tmp_path, *extra):
-        cmd = bitchat_command()
+        cmd = console_script("bitchat")
         args = cmd[1:] + ["-m", model, "-t", "1", "--seed", "1", "-n", "8", *extra]
         self.child = pexpect.spawn(cmd[0], args, env=test_env(tmp_path), encoding="utf-8",
                                    timeout=TIMEOUT, dimensions=(50, 220))
@@ -269,7 +260,7 @@ def test_save_and_load_reprefills_and_reuses_the_cache(chat_model, tmp_path):
 
 
 def run_piped(model, tmp_path, stdin, *extra):
-    cmd = bitchat_command() + ["-m", model, "-t", "1", "--seed", "1", "-n", "6", *extra]
+    cmd = console_script("bitchat") + ["-m", model, "-t", "1", "--seed", "1", "-n", "6", *extra]
     return subprocess.run(cmd, input=stdin, capture_output=True, text=True, timeout=TIMEOUT * 2,
                           env=test_env(tmp_path))
 
@@ -310,7 +301,7 @@ def test_bad_model_and_bad_flags_one_line_exit_2(tmp_path):
     r = run_piped(str(tmp_path / "no_such_model.gguf"), tmp_path, "")
     assert r.returncode == 2
     assert "bitchat: error:" in r.stderr and "no_such_model.gguf" in r.stderr and "Traceback" not in r.stderr
-    cmd = bitchat_command()
+    cmd = console_script("bitchat")
     r = subprocess.run(cmd + ["--temp", "hot"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "--temp" in r.stderr and "Traceback" not in r.stderr
     r = subprocess.run(cmd + ["--top-p", "2"], capture_output=True, text=True, timeout=60)

@@ -10,28 +10,17 @@
 import os
 import random
 import re
-import shutil
 import subprocess
-import sys
 
 import numpy as np
-import pytest
 
 from bitnet_cpu.models import DEFAULT_MODEL_DIR, DEFAULT_STORE
 from bitnet_cpu.models.corpus import WORDS
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _cli(name: str) -> list[str]:
-    exe = shutil.which(name)
-    if exe:
-        return [exe]
-    return [sys.executable, "-m", "bitnet_cpu"] if name == "bitnet" else [sys.executable, "-m", "bitnet_cpu.cli.chat"]
+from helpers import ROOT, console_script
 
 
 def bitnet_run(*args: str, stdin: str | None = None) -> str:
-    r = subprocess.run(_cli("bitnet") + ["run", "-t", "2", *args], capture_output=True, text=True, input=stdin,
+    r = subprocess.run(console_script("bitnet") + ["run", "-t", "2", *args], capture_output=True, text=True, input=stdin,
                        timeout=120, cwd=ROOT)
     assert r.returncode == 0, r.stderr
     return r.stdout
@@ -88,7 +77,7 @@ def test_story_continues_with_dictionary_words():
 
 
 def test_friendly_exchange_bitchat():
-    r = subprocess.run(_cli("bitchat") + ["--temp", "0", "-n", "60", "-t", "2"], input="Hello!\nWho are you?\n",
+    r = subprocess.run(console_script("bitchat") + ["--temp", "0", "-n", "60", "-t", "2"], input="Hello!\nWho are you?\n",
                        capture_output=True, text=True, timeout=180, cwd=ROOT)
     assert r.returncode == 0, r.stderr
     out = r.stdout
