@@ -234,6 +234,8 @@ def main(argv=None) -> int:
                     help="llama.cpp's llama-bench binary instead of llama-cpp-python (or $LLAMA_BENCH)")
     ap.add_argument("--ik-model", default=os.path.join(CACHE, "2b4t.iq2_bn.gguf"),
                     help="IQ2_BN GGUF of the same weights (python bench/make_models.py --ik-quantize ...)")
+    ap.add_argument("--store", default=os.path.join(CACHE, "2b4t.q4.bnstore"),
+                    help="our store (default the q4-head one, what `bitnet run` uses)")
     ap.add_argument("--no-busy", action="store_true", help="skip the busy-core case")
     ap.add_argument("--busy-limit-s", type=float, default=120, help="the busy loop ends by itself after this")
     ap.add_argument("--out", default=HERE, help="directory for THREADS_RESULTS.md / threads_results.{png,json}")
@@ -257,7 +259,7 @@ def main(argv=None) -> int:
     from bitnet_cpu.engine.cpu import available_cores, cpu_brand, default_threads, physical_cores
 
     t_start = time.perf_counter()
-    store, gguf = os.path.join(CACHE, "2b4t.q4.bnstore"), os.path.join(CACHE, "2b4t.tq2_0.gguf")
+    store, gguf = a.store, os.path.join(CACHE, "2b4t.tq2_0.gguf")
     engines = [e for e in a.engines.split(",") if e]
     for path in [store] + ([gguf] if "llama" in engines else []):
         if not os.path.exists(path):

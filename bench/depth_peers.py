@@ -2,7 +2,7 @@
 same synthetic 2B-4T weights, in one run, rounds alternating between engines so all see the same machine load.
 
     python bench/depth_peers.py --llama-bench PATH --ik-bench PATH [--depths 0,1024,4096,16384] [--rounds 3]
-                                [--prefill 4096] [--threads 2] [--json out.json] [--plot out.png]
+                                [--prefill 4096] [--threads 2] [--head q4|i8] [--json out.json] [--plot out.png]
     python bench/depth_peers.py --report run1.json run2.json [--plot out.png]    (saved runs, one table)
 
 Rows:
@@ -30,7 +30,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 
-from decode_rows import ensure_q4_store, gguf_bytes_per_token, store_bytes_per_token  # noqa: E402
+from decode_rows import ensure_store, gguf_bytes_per_token, store_bytes_per_token  # noqa: E402
 from depth_sweep import fill_cache  # noqa: E402
 from limits import stream_bandwidth  # noqa: E402
 from make_models import DEFAULT_CACHE, save_json  # noqa: E402
@@ -48,7 +48,7 @@ def run_bench(cmd: list[str], timeout: float) -> float | None:
         r = subprocess.run(cmd + ["-r", "1", "-o", "json"], capture_output=True, text=True, timeout=timeout)
         tests = json.loads(r.stdout[r.stdout.index("["):])
         return float(tests[-1]["avg_ts"])
-    except (subprocess.TimeoutExpired, ValueError, KeyError, IndexError) as e:
+    except (subprocess.TimeoutExpired, OSError, ValueError, KeyError, IndexError) as e:
         print(f"depth_peers: {' '.join(cmd)}: {type(e).__name__} {e}", file=sys.stderr)
         return None
 
@@ -83,10 +83,14 @@ def main(argv=None) -> int:
     ap.add_argument("--llama-bench", help="llama.cpp's llama-bench (left out if not given)")
     ap.add_argument("--ik-bench", help="ik_llama.cpp's llama-bench (left out if not given)")
     ap.add_argument("--depths", default="0,1024,4096,16384")
+    ap.add_argument("--peer-depths", help="the depths the peers run at (default: all of --depths; a peer's row "
+                    "first prefills its depth, which takes minutes at 16k)")
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds per row (median reported)")
     ap.add_argument("--tokens", type=int, default=16, help="decode tokens timed per row")
     ap.add_argument("--prefill", type=int, default=4096, help="prompt length of the prefill rows (0: none)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--head", default="q4", choices=("q4", "i8"),
+                    help="our store's LM head (default q4, what `bitnet run` uses; i8 where only that one is made)")
     ap.add_argument("--cache", default=DEFAULT_CACHE)
     ap.add_argument("--json", help="also write the rows here (rewritten after every row, so a stopped run keeps "
                     "what it measured)")
@@ -110,7 +114,7 @@ def main(argv=None) -> int:
     from bitnet_cpu.engine.runtime.model import kv_bytes_per_token
     from bitnet_cpu.simd import _kernels as K
 
-    path = ensure_q4_store(a.cache)
+    path = ensure_store(a.cache, head=a.head)
     store = Store(path)
     K.set_num_threads(a.threads)
     tq2, iq2 = os.path.join(a.cache, "2b4t.tq2_0.gguf"), os.path.join(a.cache, "2b4t.iq2_bn.gguf")
@@ -148,10 +152,13 @@ def main(argv=None) -> int:
     bw0 = stream_bandwidth(a.threads, mib=512, passes=3)["bandwidth_Bps"]
     rows = []
     plan = [int(d) for d in a.depths.split(",") if d] + ([None] if a.prefill else [])
+    peer_depths = None if a.peer_depths is None else {int(d) for d in a.peer_depths.split(",") if d}
     for depth in plan:
-        got: dict[str, list[float]] = {e: [] for e in engines}
+        here = [e for e in engines if e.startswith("ours") or depth is None or peer_depths is None
+                or depth in peer_depths]
+        got: dict[str, list[float]] = {e: [] for e in here}
         for r in range(a.rounds):
-            order = list(engines) if r % 2 == 0 else list(reversed(engines))
+            order = here if r % 2 == 0 else here[::-1]
             for e in order:
                 v = measure(e, depth)
                 if v is not None:
@@ -164,15 +171,16 @@ def main(argv=None) -> int:
         print(f"[depth_peers] {'prefill' if depth is None else f'depth {depth}'}: {', '.join(done)} tok/s",
               file=sys.stderr, flush=True)
         save_json(a.json, {"stream_Bps": [bw0], "threads": a.threads, "path": K.active(), "rounds": a.rounds,
-                           "prefill": a.prefill, "weights_bytes": wbytes, "kv_bytes_per_position": kvpos,
-                           "rows": rows})
+                           "prefill": a.prefill, "head": a.head, "weights_bytes": wbytes,
+                           "kv_bytes_per_position": kvpos, "rows": rows})
     bw1 = stream_bandwidth(a.threads, mib=512, passes=3)["bandwidth_Bps"]
     bw = min(bw0, bw1)
     for r in rows:
         if r["depth"] is not None:
             r["share"] = r["tps"] * (wbytes[r["engine"]] + r["depth"] * kvpos[r["engine"]]) / bw
     res = {"stream_Bps": [bw0, bw1], "threads": a.threads, "path": K.active(), "rounds": a.rounds,
-           "prefill": a.prefill, "weights_bytes": wbytes, "kv_bytes_per_position": kvpos, "rows": rows}
+           "prefill": a.prefill, "head": a.head, "weights_bytes": wbytes, "kv_bytes_per_position": kvpos,
+           "rows": rows}
     save_json(a.json, res)
     print("\n".join(report_lines([res])))
     if a.plot:

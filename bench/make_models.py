@@ -3,7 +3,8 @@
 random ternary weights, written as a TQ2_0 GGUF (what llama.cpp runs) and converted from that very file
 into our store (int8 LM head, the default; and the f16 LM head variant). TQ1_0 on request.
 
-    python bench/make_models.py [--tq1] [--no-f16] [--force] [--cache bench/cache] [--shape 2b4t|small]
+    python bench/make_models.py [--tq1] [--no-f16] [--heads q4,i8,f16] [--force] [--cache bench/cache]
+                                [--shape 2b4t|small]
                                 [--ik-quantize PATH/TO/ik_llama.cpp/llama-quantize]
 
 Everything is streamed tensor by tensor by engine.synth / engine.convert, so memory stays near one tensor
@@ -88,8 +89,11 @@ def _human(n: int) -> str:
 
 def make(cache: str = DEFAULT_CACHE, shape: str = "2b4t", *, tq1: bool = False, f16: bool = True,
          force: bool = False, progress: bool = True, stores: bool = True,
-         ik_quantize: str | None = None) -> dict[str, str]:
-    """Create the missing files; return the paths of the ones that exist afterwards."""
+         ik_quantize: str | None = None, heads: tuple[str, ...] = ("q4", "i8", "f16"),
+         only_ik: bool = False) -> dict[str, str]:
+    """Create the missing files; return the paths of the ones that exist afterwards. `heads`: which of our
+    stores (by LM head) to convert, where `stores` is on (f16 only if `f16` too). only_ik: the IQ2_BN file
+    alone (it is written from the synthetic model, not the TQ2_0 file, so it can be made beside that one)."""
     from bitnet_cpu.engine.synth import write_gguf_tq
 
     os.makedirs(cache, exist_ok=True)
@@ -99,7 +103,7 @@ def make(cache: str = DEFAULT_CACHE, shape: str = "2b4t", *, tq1: bool = False, 
         with open(paths["manifest"]) as f:
             manifest = json.load(f)
     model = None
-    want = [("tq2_0", True), ("tq1_0", tq1)]
+    want = [("tq2_0", not only_ik), ("tq1_0", tq1 and not only_ik)]
     for key, wanted in want:
         p = paths[key]
         if not wanted or (os.path.exists(p) and not force):
@@ -111,7 +115,8 @@ def make(cache: str = DEFAULT_CACHE, shape: str = "2b4t", *, tq1: bool = False, 
         write_gguf_tq(model, p, qtype=key.upper(), embed_type="F16", hidden_activation="relu2",
                       quantizer="fast" if key == "tq2_0" else "gguf")
         manifest[key] = {"seconds": round(time.perf_counter() - t0, 1), "seed": SEED}
-    for key, head, wanted in (("store_q4", "q4", stores), ("store_i8", "i8", stores), ("store_f16", "f16", stores and f16)):
+    for head in ("q4", "i8", "f16"):
+        key, wanted = f"store_{head}", stores and not only_ik and head in heads and (f16 or head != "f16")
         p = paths[key]
         if not wanted or (os.path.exists(p) and not force and
                           os.path.getmtime(p) >= os.path.getmtime(paths["tq2_0"])):
@@ -168,14 +173,23 @@ def main(argv=None) -> int:
     ap.add_argument("--shape", default="2b4t", help="2b4t (the benchmark) or small (a quick check)")
     ap.add_argument("--tq1", action="store_true", help="also write the TQ1_0 GGUF")
     ap.add_argument("--no-f16", action="store_true", help="skip the f16-LM-head store")
+    ap.add_argument("--heads", default="q4,i8,f16",
+                    help="our stores to convert, by LM head (default q4,i8,f16; a machine leased for minutes "
+                    "converts only the one its benchmark reads)")
     ap.add_argument("--force", action="store_true", help="regenerate even if cached")
     ap.add_argument("--gguf-only", action="store_true", help="write the GGUF files only (no conversion)")
     ap.add_argument("--ik-quantize", metavar="PATH",
                     help="ik_llama.cpp's llama-quantize: also write the IQ2_BN GGUF of the same weights")
+    ap.add_argument("--only-ik", action="store_true", help="with --ik-quantize: write that file alone")
     a = ap.parse_args(argv)
+    heads = tuple(h for h in a.heads.split(",") if h)
+    if a.only_ik and not a.ik_quantize:
+        ap.error("--only-ik needs --ik-quantize")
+    if set(heads) - {"q4", "i8", "f16"}:
+        ap.error(f"--heads {a.heads!r}: expected a comma list of q4, i8, f16")
     t0 = time.perf_counter()
     paths = make(a.cache, a.shape, tq1=a.tq1, f16=not a.no_f16, force=a.force, stores=not a.gguf_only,
-                 ik_quantize=a.ik_quantize)
+                 ik_quantize=a.ik_quantize, heads=heads, only_ik=a.only_ik)
     total = 0
     for key, p in paths.items():
         size = os.path.getsize(p)

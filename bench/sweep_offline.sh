@@ -1,30 +1,56 @@
 #!/usr/bin/env bash
-# The whole thread sweep on a machine with no package registry (a 16-core box reached with carried
-# sources): builds ours in place, llama.cpp's llama-bench from the llama-cpp-python sdist's vendored
-# sources and ik_llama.cpp's llama-bench + llama-quantize from a source tarball, all in parallel; generates
-# the synthetic 2B-4T models (TQ2_0, our store, IQ2_BN for ik); runs bench/bench_threads.py over all three.
-#   usage: SRC=dir-with-carried-files OUT=results-dir [THREADS=1,2,4,8,12,16] bash bench/sweep_offline.sh
-# SRC holds: whl/*.whl (pure-Python deps absent there: gguf, diskcache, ...), llama_cpp_python-*.tar.gz,
-# ik_src.tar.gz (a git archive of ik_llama.cpp: CMakeLists.txt cmake common ggml include src examples vendor,
-# without examples/server, whose add_subdirectory line is commented out), ik_commit (its commit, for the table).
-# Every step writes its log under $OUT; the sweep writes THREADS_RESULTS.md / threads_results.{json,png} there.
+# Benchmarks on a machine with no package registry, leased for minutes (a 16-core box reached with carried
+# sources): builds ours in place, llama.cpp's llama-bench from the llama-cpp-python sdist's vendored sources and
+# ik_llama.cpp's llama-bench + llama-quantize from a source tarball, all in parallel; generates the synthetic
+# 2B-4T models (TQ2_0, our store, IQ2_BN for ik); then runs the phases named on the command line, in order:
+#   threads          bench/bench_threads.py over all three engines, THREADS (default 1,2,4,8,12,16)
+#   depth=T[@CPUS]   bench/depth_peers.py at T threads (pinned to CPUS with taskset), DEPTHS (default
+#                    0,1024,4096,16384), PREFILL (default 0: none), ROUNDS (default 3); PEERS=1 adds llama.cpp and
+#                    ik_llama.cpp at PEER_DEPTHS (default all), each of their runs capped at PEER_TIMEOUT s (default
+#                    120). Each of these may be given per thread count: DEPTHS_16=... applies to depth=16 only.
+#   ktests           the kernel tests (KTESTS, default tests/test_kernels.py tests/test_attention_paths.py) on this
+#                    machine's ISA, in the background from when ours is built until the models are made, at most
+#                    KTESTS_TIMEOUT s (default 240); no phase is timed while they run (their log: ktests.log)
+#   usage: SRC=dir-with-carried-files OUT=results-dir [DEADLINE=s] bash bench/sweep_offline.sh [phase ...]
+# No phase: threads. DEADLINE (seconds from the start): no phase starts past it, and each one is stopped there
+# (the JSON a phase writes after every row keeps what it measured). HEAD (default q4; i8 converts faster) picks the
+# store ours reads; BUILD_CPUS (taskset list) keeps the builds off the cores a pinned phase times.
+# SRC holds: whl/*.whl (pure-Python deps absent there, if any), llama_cpp_python-*.tar.gz (the sdist, or just its
+# vendor/llama.cpp build inputs under the same top folder), ik_src.tar.gz (a git archive of ik_llama.cpp:
+# CMakeLists.txt cmake common ggml include src pocs examples vendor, without examples/server, whose
+# add_subdirectory line is commented out), ik_commit (its commit, for the table).
+# Every step writes its log under $OUT; the thread sweep writes THREADS_RESULTS.md / threads_results.{json,png},
+# a depth phase depth_T.json and its table in depth_T.md.
 set -uo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 SRC="$(cd "${SRC:?carried sources}" && pwd)"; OUT="${OUT:?results dir}"; THREADS="${THREADS:-1,2,4,8,12,16}"
-JOBS="${JOBS:-$(nproc)}"
+JOBS="${JOBS:-$(nproc)}"; HEAD="${HEAD:-q4}"; DEADLINE="${DEADLINE:-100000}"
 py="${PYTHON:-python3}"
 site=/tmp/sweep-site; work=/tmp/sweep-build
 mkdir -p "$site" "$work" "$OUT"
-$py -m pip install -q --no-index --no-deps --no-compile --target "$site" "$SRC"/whl/*.whl || exit 1
+phases=("$@"); [[ ${#phases[@]} -eq 0 ]] && phases=(threads)
+if compgen -G "$SRC/whl/*.whl" > /dev/null; then
+    $py -m pip install -q --no-index --no-deps --no-compile --target "$site" "$SRC"/whl/*.whl || exit 1
+fi
 # the checkout is the package bitnet_cpu (pyproject maps it to the root): import it through a link, no install
 mkdir -p /tmp/sweep-pkg && ln -sfn "$root" /tmp/sweep-pkg/bitnet_cpu
 export PYTHONPATH="/tmp/sweep-pkg:$site${PYTHONPATH:+:$PYTHONPATH}"
 t0=$SECONDS
 stamp() { echo "[$((SECONDS - t0)) s] $*"; }
+left() { echo $((DEADLINE - (SECONDS - t0))); }
+pin() { if [[ -n "${1:-}" ]]; then echo "taskset -c $1"; fi; }
+# a phase's setting: NAME_T (T its thread count), else NAME, else the default
+opt() { local v="${1}_$2"; v="${!v:-}"; [[ -n "$v" ]] || { v="${1}"; v="${!v:-$3}"; }; echo "$v"; }
+depths=0,1024,4096,16384
+build=$(pin "${BUILD_CPUS:-}")
 
+# ik_llama.cpp, then its IQ2_BN file (written from the synthetic model, beside ours being made from TQ2_0)
 ( cd "$work" && rm -rf ik && mkdir ik && tar xzf "$SRC/ik_src.tar.gz" -C ik && cd ik &&
   cmake -B build -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DCMAKE_BUILD_TYPE=Release &&
-  cmake --build build -j "$JOBS" --target llama-bench llama-quantize ) > "$OUT/ik_build.log" 2>&1 &
+  $build cmake --build build -j "$JOBS" --target llama-bench llama-quantize &&
+  echo "[$((SECONDS - t0)) s] ik built; IQ2_BN" &&
+  $build $py "$root/bench/make_models.py" --only-ik --ik-quantize "$work/ik/build/bin/llama-quantize" &&
+  echo "[$((SECONDS - t0)) s] IQ2_BN written" ) > "$OUT/ik_build.log" 2>&1 &
 ik_pid=$!
 # llama.cpp: its own llama-bench, built from the llama-cpp-python sdist's vendored sources (the Python binding
 # built on such a machine crashed in llama_model_load; llama-bench times the same library code)
@@ -32,25 +58,57 @@ ik_pid=$!
   cmake -S llama/*/vendor/llama.cpp -B llama/build -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
         -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_TOOLS=ON \
         -DCMAKE_BUILD_TYPE=Release &&
-  cmake --build llama/build -j "$JOBS" --target llama-bench ) > "$OUT/llama_build.log" 2>&1 &
+  $build cmake --build llama/build -j "$JOBS" --target llama-bench ) > "$OUT/llama_build.log" 2>&1 &
 llama_pid=$!
 
 cd "$root"
 stamp "building ours"
-$py setup.py build_ext --inplace -j "$JOBS" > "$OUT/ours_build.log" 2>&1 || { tail "$OUT/ours_build.log"; exit 1; }
-stamp "generating 2B-4T models"
-$py bench/make_models.py --no-f16 2>&1 | tail -4
-wait $ik_pid || { stamp "ik build failed"; tail -5 "$OUT/ik_build.log"; }
-ikb="$work/ik/build/bin"
-if [[ -x "$ikb/llama-quantize" ]]; then
-    stamp "IQ2_BN for ik_llama.cpp"
-    $py bench/make_models.py --no-f16 --ik-quantize "$ikb/llama-quantize" 2>&1 | tail -2
+$build $py setup.py build_ext --inplace -j "$JOBS" > "$OUT/ours_build.log" 2>&1 ||
+    { tail "$OUT/ours_build.log"; exit 1; }
+stamp "ours built: path $($py -c 'from bitnet_cpu.simd import _kernels as K; print(K.active())')"
+if [[ " ${phases[*]} " == *" ktests "* ]]; then
+    ktests=${KTESTS:-tests/test_kernels.py tests/test_attention_paths.py}
+    ( timeout "${KTESTS_TIMEOUT:-240}" $build $py -m pytest -q -p no:cacheprovider $ktests \
+        > "$OUT/ktests.log" 2>&1; echo "exit $?" >> "$OUT/ktests.log" ) &
+    kt_pid=$!
 fi
+stamp "generating 2B-4T models (our store: $HEAD head)"
+$build $py bench/make_models.py --no-f16 --heads "$HEAD" 2>&1 | tail -4
+wait $ik_pid || { stamp "ik build or its IQ2_BN file failed"; tail -5 "$OUT/ik_build.log"; }
+ikb="$work/ik/build/bin"
 wait $llama_pid || { stamp "llama.cpp build failed"; tail -5 "$OUT/llama_build.log"; }
-stamp "sweep"
-sdist="$(basename "$SRC"/llama_cpp_python-*.tar.gz .tar.gz)"
-LLAMA_VERSION="llama.cpp vendored in llama-cpp-python ${sdist#llama_cpp_python-}, its llama-bench" \
-    IK_LLAMA_VERSION="ik_llama.cpp $(cat "$SRC/ik_commit" 2>/dev/null || echo '?')" PYTHONUNBUFFERED=1 \
-    $py bench/bench_threads.py --threads "$THREADS" --engines ours,llama,ik --ik-bench "$ikb/llama-bench" \
-    --llama-bench "$work/llama/build/bin/llama-bench" --no-busy --out "$OUT" "$@"
+if [[ -n "${kt_pid:-}" ]]; then wait $kt_pid; stamp "kernel tests: $(tail -2 "$OUT/ktests.log" | tr '\n' ' ')"; fi
+store="bench/cache/2b4t.$HEAD.bnstore"
+for ph in "${phases[@]}"; do
+    (( $(left) > 20 )) || { stamp "deadline: $ph and the phases after it not run"; break; }
+    case "$ph" in
+    ktests) ;;
+    threads)
+        stamp "thread sweep"
+        sdist="$(basename "$SRC"/llama_cpp_python-*.tar.gz .tar.gz)"
+        LLAMA_VERSION="llama.cpp vendored in llama-cpp-python ${sdist#llama_cpp_python-}, its llama-bench" \
+            IK_LLAMA_VERSION="ik_llama.cpp $(cat "$SRC/ik_commit" 2>/dev/null || echo '?')" PYTHONUNBUFFERED=1 \
+            timeout "$(left)" $py bench/bench_threads.py --threads "$THREADS" --engines ours,llama,ik \
+            --ik-bench "$ikb/llama-bench" --llama-bench "$work/llama/build/bin/llama-bench" --store "$store" \
+            --no-busy --out "$OUT" ;;
+    depth=*)
+        spec="${ph#depth=}"; t="${spec%%@*}"; cpus=""; [[ "$spec" == *@* ]] && cpus="${spec#*@}"
+        peers=()
+        if [[ "$(opt PEERS "$t" 0)" == 1 ]]; then    # the peers that built
+            [[ -x "$work/llama/build/bin/llama-bench" ]] && peers+=(--llama-bench "$work/llama/build/bin/llama-bench")
+            [[ -x "$ikb/llama-bench" ]] && peers+=(--ik-bench "$ikb/llama-bench")
+            peers+=(--peer-depths "$(opt PEER_DEPTHS "$t" "$(opt DEPTHS "$t" "$depths")")")
+        fi
+        stamp "depth sweep at $t threads${cpus:+ on CPUs $cpus}"
+        PYTHONUNBUFFERED=1 timeout "$(left)" $(pin "$cpus") $py bench/depth_peers.py --threads "$t" --head "$HEAD" \
+            --depths "$(opt DEPTHS "$t" "$depths")" --prefill "$(opt PREFILL "$t" 0)" --rounds "$(opt ROUNDS "$t" 3)" \
+            --timeout "$(opt PEER_TIMEOUT "$t" 120)" "${peers[@]}" --json "$OUT/depth_$t.json" \
+            > "$OUT/depth_$t.md" 2> "$OUT/depth_$t.log"
+        if [[ ! -s "$OUT/depth_$t.md" && -f "$OUT/depth_$t.json" ]]; then    # stopped at the deadline
+            $py bench/depth_peers.py --report "$OUT/depth_$t.json" > "$OUT/depth_$t.md"
+        fi
+        cat "$OUT/depth_$t.md" ;;
+    *) stamp "unknown phase $ph (threads, depth=T[@CPUS], ktests)" ;;
+    esac
+done
 stamp "done"
