@@ -38,7 +38,10 @@ export PYTHONPATH="/tmp/sweep-pkg:$site${PYTHONPATH:+:$PYTHONPATH}"
 t0=$SECONDS
 stamp() { echo "[$((SECONDS - t0)) s] $*"; }
 left() { echo $((DEADLINE - (SECONDS - t0))); }
-pin() { if [[ -n "${1:-}" ]]; then echo "taskset -c $1"; fi; }
+pin() {   # the taskset prefix for a CPU list (none where there is no taskset: then said, and run unpinned)
+    [[ -n "${1:-}" ]] || return 0
+    if command -v taskset > /dev/null; then echo "taskset -c $1"; else echo "no taskset: not pinned to $1" >&2; fi
+}
 # a phase's setting: NAME_T (T its thread count), else NAME, else the default
 opt() { local v="${1}_$2"; v="${!v:-}"; [[ -n "$v" ]] || { v="${1}"; v="${!v:-$3}"; }; echo "$v"; }
 depths=0,1024,4096,16384
