@@ -43,6 +43,9 @@ def _extension(name, pyx, c_dirs, include_dirs):
     return Extension(
         name,
         sources=[pyx] + [os.path.relpath(c, HERE) for c in c_files],   # setuptools wants them relative
+        # an edited header rebuilds the module in place (without this, build_ext --inplace kept the old code)
+        depends=[os.path.relpath(h, HERE) for d in sorted(set(c_dirs + include_dirs))
+                 for h in sorted(glob.glob(os.path.join(HERE, d, "*.h")))],
         include_dirs=[numpy.get_include()] + include_dirs,
         extra_compile_args=COMPILE_ARGS,
         extra_link_args=LINK_ARGS,

@@ -506,6 +506,31 @@ def test_attention_q8_against_float64_and_identical_on_every_path(nh, nkv, hd, n
         assert np.array_equal(outs[name].view(np.int32), got.view(np.int32)), name
 
 
+def test_attention_q8_subnormal_weights_count_as_zero_on_every_path():
+    """A weight p x value scale under FLT_MIN is 0 on every path, the scalar body's too (Intel cores take a microcode
+    assist on each FMA a subnormal enters; the term moves an output by under 1e-35). q = 0 makes the scores equal,
+    p = 1 / (row + 1); values of 1e-36 give value scales near 2.4e-38: from row 100 on every weight is subnormal and
+    the row is exactly 0, while the first rows (p near 1, weights normal) are not."""
+    nh, nkv, hd, n = 4, 2, 64, 160
+    rng = np.random.default_rng(11)
+    qkv = rng.standard_normal((n, (nh + 2 * nkv) * hd)).astype(np.float32)
+    qkv[:, : nh * hd] = 0
+    qkv[:, (nh + nkv) * hd:] *= np.float32(1e-36)
+    cos, sin = rope_tables(n, hd)
+    outs = {}
+    for name in PATHS:
+        ops.set_isa(name)
+        try:
+            outs[name] = _run_q8(qkv, nh, nkv, hd, cos, sin, n, [(0, 50)], 50)
+        finally:
+            ops.set_isa(None)
+    got = outs[PATHS[0]]
+    assert np.abs(got[:2]).max() > 0
+    assert not got[100:].any()
+    for name in PATHS[1:]:
+        assert np.array_equal(outs[name].view(np.int32), got.view(np.int32)), name
+
+
 def test_attention_q8_decode_rows_equal_verify_rows_and_threads(isa):
     """Past 256 positions (pieces): decode rows bit-equal to the same rows of a prefill chunk (what prompt lookup's
     verify relies on), and 1 and 2 threads give the same bits."""

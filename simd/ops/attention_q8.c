@@ -83,7 +83,7 @@ static void wsum_scalar(const float *const *p, int R, const int8_t *vc, kv_block
         const int8_t *v = vc + blk + (int64_t)(t % KB) * hd;
         const float vs = KSCALES(vc, blk, hd)[t % KB];
         for (int j = 0; j < R; j++) {
-            const float w = p[j][t] * vs;
+            const float w = q8_weight(p[j][t], vs);
             for (int c = 0; c < hd; c++) out[j][c] = fmaf(w, (float)v[c], out[j][c]);
         }
     }
