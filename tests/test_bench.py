@@ -120,6 +120,23 @@ def test_make_models_small(small_models):
         assert st.meta.get("lm_head") == "q4" and st.info("output")["layout"] == "q4g_tile16"
 
 
+def test_make_models_converts_only_the_heads_asked_and_the_ik_file_alone(tmp_path):
+    """A leased machine makes only what its run reads: --heads i8 converts that store alone; --only-ik writes the
+    IQ2_BN file from the synthetic model without the TQ2_0 file (the quantizer here: a copy of its F16 input)."""
+    import make_models
+
+    quantize = tmp_path / "quantize"
+    quantize.write_text('#!/bin/sh\ncp "$1" "$2"\n')
+    quantize.chmod(0o755)
+    ik = make_models.make(str(tmp_path / "a"), "small", progress=False, ik_quantize=str(quantize), only_ik=True)
+    assert set(ik) == {"iq2_bn", "manifest"}
+    got = make_models.make(str(tmp_path / "b"), "small", progress=False, heads=("i8",))
+    assert set(got) == {"tq2_0", "store_i8", "manifest"}
+    with pytest.raises(SystemExit):   # --only-ik without a quantizer is a usage error
+        make_models.main(["--cache", str(tmp_path / "c"), "--shape", "small", "--only-ik"])
+    assert not (tmp_path / "c").exists()
+
+
 def test_i2s_file_holds_the_same_weights(small_models):
     """bitnet.cpp's row (decode_rows --bitnet-bench) runs make_i2s's I2_S file: the same ternary matrices and
     scales as the TQ2_0 file llama.cpp runs and our stores are converted from."""
