@@ -71,10 +71,6 @@ static inline void pf_lines(const char *next, int s, int per, int lines) {
 /* an int8 block's 32 f32 scales follow its OPS_KT_BLOCK x hd int8 values */
 #define Q8_SCALES(base, blk, hd) ((const float *)((base) + (blk) + (int64_t)OPS_KT_BLOCK * (hd)))
 
-/* one run of the int8 weighted sum from position ts (a multiple of OPS_KT_BLOCK: one block, at most its 32
- * positions, tn of them): w[j][t] = p[j][ts + t] * vscale[t], v0 its first value row, next the block to prefetch
- * meanwhile (pf_block; Q8_LINES(hd) lines) */
-#define Q8_LINES(hd) ((int)((OPS_Q8_BLOCK_BYTES(hd) + 63) / 64))
 /* a position's weight in the int8 weighted sum, p x its value scale; a subnormal one is 0 (every path, the scalar
  * body too, so all give the same bits): it moves an output by under 1e-35, while Intel cores take a microcode assist
  * on each FMA a subnormal operand enters. On the lent 16-core Xeon (AVX-512) a decode at 4,096 positions whose
@@ -84,6 +80,10 @@ static inline float q8_weight(float p, float vscale) {
     return fabsf(w) < FLT_MIN ? 0.0f : w;
 }
 
+/* one run of the int8 weighted sum from position ts (a multiple of OPS_KT_BLOCK: one block, at most its 32
+ * positions, tn of them): w[j][t] = q8_weight(p[j][ts + t], vscale[t]), v0 its first value row, next the block to
+ * prefetch meanwhile (pf_block; Q8_LINES(hd) lines) */
+#define Q8_LINES(hd) ((int)((OPS_Q8_BLOCK_BYTES(hd) + 63) / 64))
 typedef struct {
     float w[4][OPS_KT_BLOCK];
     const int8_t *v0;
