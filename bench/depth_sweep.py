@@ -39,9 +39,12 @@ def fill_cache(model):
     if model.kv_dtype == "f16":
         model._k_cache.fill(0x2000), model._v_cache.fill(0x2000)
     elif model.kv_dtype == "q8":
-        for c in (model._k_cache, model._v_cache):    # a block: 32 x head_dim int8 values, then 32 f32 scales
-            c[..., :-128] = 1
-            c[..., -128:].view(np.float32)[...] = np.float32(1 / 127)
+        from bitnet_cpu.simd import _ops as ops
+
+        nb = 4 * ops.KEY_BLOCK    # a block: KEY_BLOCK x head_dim int8 values, then KEY_BLOCK f32 scales
+        for c in (model._k_cache, model._v_cache):
+            c[..., :-nb] = 1
+            c[..., -nb:].view(np.float32)[...] = np.float32(1 / 127)
     else:
         model._k_cache.fill(1e-3), model._v_cache.fill(1e-3)
 

@@ -15,10 +15,8 @@
 # No phase: threads. DEADLINE (seconds from the start): no phase starts past it, and each one is stopped there
 # (the JSON a phase writes after every row keeps what it measured). HEAD (default q4; i8 converts faster) picks the
 # store ours reads; BUILD_CPUS (taskset list) keeps the builds off the cores a pinned phase times.
-# SRC holds: whl/*.whl (pure-Python deps absent there, if any), llama_cpp_python-*.tar.gz (the sdist, or just its
-# vendor/llama.cpp build inputs under the same top folder), ik_src.tar.gz (a git archive of ik_llama.cpp:
-# CMakeLists.txt cmake common ggml include src pocs examples vendor, without examples/server, whose
-# add_subdirectory line is commented out), ik_commit (its commit, for the table).
+# SRC holds what bench/pack_offline_src.sh packs: whl/*.whl, llama_cpp_python-*.tar.gz (the sdist, or just its
+# vendor/llama.cpp build inputs under the same top folder), ik_src.tar.gz, ik_commit (for the table).
 # Every step writes its log under $OUT; the thread sweep writes THREADS_RESULTS.md / threads_results.{json,png},
 # a depth phase depth_T.json and its table in depth_T.md.
 set -uo pipefail
