@@ -529,10 +529,7 @@ static void attention_items(void *ctx, int item_begin, int item_end) {
                     const int n = live[j];
                     const float mx = K.row_max(sc, n);
                     float sum = n ? J->Q.exp_sum(sc, n, mx) : 0.0f, inv = n ? 1.0f / sum : 0.0f;
-                    for (int t = 0; t < n; t++) { /* a subnormal weight is 0 (see q8_weight): every cache type */
-                        const float w = sc[t] * inv;
-                        sc[t] = w < FLT_MIN ? 0.0f : w;
-                    }
+                    for (int t = 0; t < n; t++) sc[t] *= inv;
                     for (int t = n; t < nk_max; t++) sc[t] = 0.0f; /* positions after this row's own: no weight */
                     mxs[j] = mx, sums[j] = sum;
                     /* a row in one piece writes its output; a longer one its piece's into the partial / temp;
