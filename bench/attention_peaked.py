@@ -38,9 +38,8 @@ def layer(depth: int, gap: float, threads: int, n_caches: int, zero_top: bool):
     caches = []
     for _ in range(n_caches):
         kc = np.full(ops.key_cache_shape(NKV, n_ctx, HD), 0x2000, np.uint16)   # [kv, block, dim, position]
-        kd = kc[:, :, 0, :].reshape(NKV, -1)
-        kd[:] = np.float16(-1).view(np.uint16)
-        kd[:, :2] = np.float16(1).view(np.uint16)
+        kc[:, :, 0, :] = np.float16(-1).view(np.uint16)        # a view: every position's first dimension
+        kc[:, 0, 0, :2] = np.float16(1).view(np.uint16)        # positions 0 and 1 (block 0)
         vc = np.full((NKV, n_ctx, HD), 0x2000, np.uint16)
         if zero_top:
             vc[:, :2] = 0
@@ -52,13 +51,13 @@ def layer(depth: int, gap: float, threads: int, n_caches: int, zero_top: bool):
     def call(kc, vc):
         ops.attention(qkv.copy(), NH, NKV, HD, cos, sin, depth, kc, vc, out, scr)
 
-    return call, caches
+    return call, caches, out
 
 
 def time_gap(depth: int, gap: float, threads: int, reps: int, zero_top: bool) -> dict:
     nbytes = 2 * NKV * depth * HD * 2
     n_caches = max(2, min(reps, -(-(64 << 20) // nbytes)))
-    call, caches = layer(depth, gap, threads, n_caches, zero_top)
+    call, caches, _ = layer(depth, gap, threads, n_caches, zero_top)
     call(*caches[0])   # warm: the thread pool up, pages touched
     times = []
     for i in range(reps):

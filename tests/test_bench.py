@@ -311,3 +311,19 @@ def test_llama_bench_json_reader(tmp_path):
     fake.write_text("#!/bin/sh\necho 'error: failed to load model' >&2\nexit 3\n")
     bad = llama_bench(str(fake), "m.gguf", 1, 64)
     assert "exit 3" in bad["error"] and "failed to load model" in bad["error"]
+
+
+@pytest.mark.parametrize("gap", [80.0, 86.0, 87.0])
+def test_attention_peaked_builds_the_weights_it_names(gap):
+    """attention_peaked.py's layer: with values 0 at the two top positions, each output is the sum of the other
+    positions' weights x 2^-7, so it shows the weights are exp(-gap) / 2: at gap 80 and 86 normal floats, the sum
+    they give; at 87 under FLT_MIN (subnormal), which the kernel counts as 0."""
+    import attention_peaked
+
+    depth = 256
+    call, caches, out = attention_peaked.layer(depth, gap, threads=1, n_caches=1, zero_top=True)
+    call(*caches[0])
+    w = np.exp(-gap) / 2
+    subnormal = w < np.finfo(np.float32).tiny
+    assert subnormal == (gap == 87.0)
+    np.testing.assert_allclose(out, 0.0 if subnormal else (depth - 1) * w * 2.0 ** -7, rtol=1e-2, atol=0)

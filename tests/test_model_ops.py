@@ -531,6 +531,50 @@ def test_attention_q8_subnormal_weights_count_as_zero_on_every_path():
         assert np.array_equal(outs[name].view(np.int32), got.view(np.int32)), name
 
 
+@pytest.mark.parametrize("kv_dtype", [np.uint16, np.float32])
+@pytest.mark.parametrize("nh,nkv", [(8, 2), (3, 1)])
+def test_attention_subnormal_softmax_weights_count_as_zero_on_every_path(kv_dtype, nh, nkv):
+    """A softmax weight under FLT_MIN is 0 for f16 and f32 caches too, on every path (the four-, two- and one-query
+    weighted sums). RoPE off (cos 1, sin 0), q = c e0, key e0 of +1 at positions 0 and 1 and -1 after: each row's
+    later positions score 2c / 8 below its max, and with two positions at the max the sum is 2. A gap of 87 gives
+    them exp(-87) / 2 = 8e-39 (subnormal): rows from 2 on, whose values are 0 at positions 0 and 1 and 1000 after,
+    are exactly 0. A gap of 80 (weights 9e-36, normal) leaves them nonzero: the case that shows a flush is there."""
+    hd, n = 64, 160
+    cos, sin = np.ones((n, hd // 2), np.float32), np.zeros((n, hd // 2), np.float32)
+
+    def run(gap):
+        qkv = np.zeros((n, (nh + 2 * nkv) * hd), np.float32)
+        q = qkv[:, : nh * hd].reshape(n, nh, hd)
+        k = qkv[:, nh * hd: (nh + nkv) * hd].reshape(n, nkv, hd)
+        v = qkv[:, (nh + nkv) * hd:].reshape(n, nkv, hd)
+        q[:, :, 0] = np.float32(gap * 4)  # scores +-gap / 2 (scale 1 / sqrt(64))
+        k[:, :, 0] = -1
+        k[:2, :, 0] = 1
+        v[2:] = 1000
+        kc = np.zeros(ops.key_cache_shape(nkv, n, hd), kv_dtype)
+        vc = np.zeros((nkv, n, hd), kv_dtype)
+        scratch = np.zeros((nh * ops.ATTENTION_SCRATCH_ROWS, n), np.float32)
+        out = np.zeros((n, nh * hd), np.float32)
+        ops.attention(qkv[:50].copy(), nh, nkv, hd, cos, sin, 0, kc, vc, out[:50], scratch)
+        for p in range(50, n):
+            ops.attention(qkv[p: p + 1].copy(), nh, nkv, hd, cos, sin, p, kc, vc, out[p: p + 1], scratch)
+        return out
+
+    for gap, flushed in ((87, True), (80, False)):
+        outs = {}
+        for name in PATHS:
+            ops.set_isa(name)
+            try:
+                outs[name] = run(gap)
+            finally:
+                ops.set_isa(None)
+        got = outs[PATHS[0]]
+        assert not got[:2].any()
+        assert (not got[2:].any()) if flushed else (got[2:] > 0).all(), gap
+        for name in PATHS[1:]:
+            assert np.array_equal(outs[name].view(np.int32), got.view(np.int32)), (gap, name)
+
+
 def test_attention_q8_decode_rows_equal_verify_rows_and_threads(isa):
     """Past 256 positions (pieces): decode rows bit-equal to the same rows of a prefill chunk (what prompt lookup's
     verify relies on), and 1 and 2 threads give the same bits."""
