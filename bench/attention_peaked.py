@@ -9,8 +9,8 @@ Intel cores handle with a microcode assist on each FMA it enters unless the kern
 the same work otherwise, so their time ratio is the cost of subnormal weights (1.0: none). Prints the median,
 min and max microseconds per call of each and the ratio; calls go round enough caches (64 MB) that each finds
 its cache in memory, as a decode step does. Compare the two rows of one run, not runs. Values are 2^-7 everywhere
-(an output near 2^-7: the sums stay normal), or with --zero-top 0 at the two top positions (every output is a sum of
-subnormal products: the sums stay subnormal too).
+(an output near 2^-7: every partial sum is normal), or with --zero-top 0 at the two top positions (at gap 87 every
+output is a sum of subnormal products only, subnormal itself until enough of them add past FLT_MIN).
 """
 from __future__ import annotations
 
@@ -73,7 +73,7 @@ def main(argv=None) -> int:
     ap.add_argument("--depth", type=int, default=4096)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=40)
-    ap.add_argument("--zero-top", action="store_true", help="values 0 at the two top positions (outputs subnormal)")
+    ap.add_argument("--zero-top", action="store_true", help="values 0 at the two top positions (outputs: sums of the small weights' products only)")
     a = ap.parse_args(argv)
     if a.depth < 2 or a.threads < 1 or a.reps < 1:
         ap.error("--depth must be at least 2, --threads and --reps at least 1")
