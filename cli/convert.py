@@ -42,7 +42,7 @@ def main(args) -> int:
 
         from ..simd import _kernels as K
 
-        if K.active() != "avx512":   # the store is still valid anywhere; only the speed differs
+        if K.active() not in ("avx512", "amx"):   # the store is still valid anywhere; only the speed differs
             print(f"bitnet: warning: --weights t1.6 decodes without unpacking only with AVX-512 VNNI; this CPU's kernel "
                   f"path is {K.active()}, where it runs about 3x slower than t2 (bitnet convert --weights t2)",
                   file=sys.stderr)

@@ -21,7 +21,8 @@ def facts() -> dict:
             "cpu_count": os.cpu_count(), "available_cpus": available_cores(), "physical_cores": physical_cores(),
             "threads": default_threads(), "active": simd.active(), "huge_pages": thp_mode(),
             "supported": list(simd.supported_isas()), "forced": os.environ.get("BITNET_ISA") or None,
-            "features": dict(simd.features())}
+            "features": dict(simd.features()), "tiles": simd.tiles(), "tiles_reason": simd.tiles_reason(),
+            "tiles_forced": os.environ.get("BITNET_TILES") or None}
 
 
 def _huge_pages_line(mode: str | None) -> str:
@@ -30,6 +31,19 @@ def _huge_pages_line(mode: str | None) -> str:
                 "--mmap maps the file instead)")
     return (f"transparent huge pages: {mode or 'not available'} (models are mapped from the file; decode is "
             "~10% faster with huge pages: echo madvise > /sys/kernel/mm/transparent_hugepage/enabled)")
+
+
+def _tiles_line(f: dict) -> str:
+    """AMX tiles: used for prefill, batches and every multi-row product, or why not."""
+    mode = f["tiles"]
+    forced = f" (forced by BITNET_TILES={f['tiles_forced']})" if f["tiles_forced"] else ""
+    if mode == "amx":
+        return f"AMX for multi-row products{forced}: {f['tiles_reason']}"
+    if mode == "emu":
+        return f"emu: the portable emulation of AMX (slow; tests){forced}; hardware: {f['tiles_reason']}"
+    if f["forced"] and "amx" in f["supported"]:
+        return f"off (BITNET_ISA={f['forced']}; the auto choice uses AMX here: {f['tiles_reason']})"
+    return f"off: {f['tiles_reason']}"
 
 
 def main(args) -> int:
@@ -45,6 +59,7 @@ def main(args) -> int:
         ("version", f"bitnet-cpu {f['version']} (Python {f['python']}, {f['machine']})"),
         ("CPU", f["cpu"]),
         ("kernel path", f["active"] + (f" (forced by BITNET_ISA={f['forced']})" if f["forced"] else "")),
+        ("matrix tiles", _tiles_line(f)),
         ("paths this CPU runs", ", ".join(f["supported"]) + "  (force one with BITNET_ISA=...)"),
         ("threads", f"{f['threads']} (physical cores: {f['physical_cores']} of {f['available_cpus']} CPUs this "
                     f"process may use, {f['cpu_count']} in the machine; -t N to change)"),

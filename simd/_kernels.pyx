@@ -14,6 +14,7 @@ nothing extra on aligned data (store tensors are 64-byte aligned anyway).
 import os
 
 cimport numpy as cnp
+from libc.string cimport memset
 from libc.stdint cimport int8_t, int32_t, int64_t, uint8_t, uint16_t, uint64_t
 
 import numpy as np
@@ -25,6 +26,7 @@ cnp.import_array()
 cdef extern from "kernels.h" nogil:
     ctypedef struct bk_features_t:
         int sse41, avx2, fma, f16c, avx512f, avx512bw, avx512vl, avx512vnni, avx512bf16, avxvnni, neon, dotprod, i8mm
+        int amx_tile, amx_int8
     const bk_features_t *bk_get_features()
     int bk_isa_supported(int isa)
     int bk_set_isa(int isa)
@@ -45,6 +47,27 @@ cdef extern from "kernels.h" nogil:
                    int k_pad, const float *act_scale, float *out, int32_t *out_i32, int n)
     void bk_gemv_f16(const uint16_t *w, const float *x, int k, float *out, int n)
     void bk_gemm_f16(const uint16_t *w, const float *x, int m, int k, float *out, int n)
+
+
+cdef extern from "tiles.h" nogil:
+    int BK_TILES_OFF, BK_TILES_AMX, BK_TILES_EMU
+    int bk_tiles_supported()
+    const char *bk_tiles_reason()
+    int bk_set_tiles(int mode)
+    int bk_get_tiles()
+    void bk_set_tile_min_rows(int m)
+    int bk_get_tile_min_rows()
+    uint64_t bk_tiles_products()
+    ctypedef struct bk_tilecfg_t:
+        uint8_t palette_id
+        uint16_t colsb[16]
+        uint8_t rows[16]
+    void bk_emu_tile_config(const bk_tilecfg_t *cfg)
+    void bk_emu_tile_release()
+    void bk_emu_tile_load(int t, const void *base, size_t stride)
+    void bk_emu_tile_store(int t, void *base, size_t stride)
+    void bk_emu_tile_dpbssd(int c, int a, int b)
+    void bk_emu_tile_dpbusd(int c, int a, int b)
 
 
 cdef extern from "rows.h" nogil:
@@ -77,6 +100,8 @@ cdef extern from "tg.h" nogil:
                     float *out, int n)
 
 ISA_NAMES = ("scalar", "avx2", "avx512", "neon", "avxvnni", "dotprod", "i8mm")
+# the matrix-tile modes (simd/kernels/tiles.h): "off", "amx" (the hardware), "emu" (the portable emulation)
+TILE_MODES = ("off", "amx", "emu")
 cdef Py_ssize_t MAX_DIM = 1 << 30
 # int32 accumulators of the AVX-512 ternary GEMV hold 64x a partial dot: exact up to K_pad = 2^18
 MAX_K_PAD = 1 << 18
@@ -91,23 +116,36 @@ def features():
         "avx512f": bool(f.avx512f), "avx512bw": bool(f.avx512bw), "avx512vl": bool(f.avx512vl),
         "avx512vnni": bool(f.avx512vnni), "avx512bf16": bool(f.avx512bf16), "avxvnni": bool(f.avxvnni),
         "neon": bool(f.neon), "dotprod": bool(f.dotprod), "i8mm": bool(f.i8mm),
+        "amx-tile": bool(f.amx_tile), "amx-int8": bool(f.amx_int8),
     }
 
 
 def supported_isas():
-    """The paths this CPU can run, worst to best."""
-    return [name for i, name in enumerate(ISA_NAMES) if bk_isa_supported(i)]
+    """The paths this CPU can run, worst to best ("amx": the avx512 path with the AMX tiles for multi-row
+    products, where the CPU has them and Linux grants them)."""
+    return [name for i, name in enumerate(ISA_NAMES) if bk_isa_supported(i)] + (["amx"] if bk_tiles_supported() else [])
 
 
 def active():
-    """The path in use: "avx512" | "avxvnni" | "avx2" | "scalar" | "neon" | "dotprod" | "i8mm"."""
+    """The path in use: "amx" (avx512 + the AMX tiles) | "avx512" | "avxvnni" | "avx2" | "scalar" | "neon" |
+    "dotprod" | "i8mm". The emulated tiles (tiles() == "emu") keep the vector path's name."""
+    if bk_get_tiles() == BK_TILES_AMX:
+        return "amx"
     return ISA_NAMES[bk_get_isa()]
 
 
 def set_isa(name=None):
-    """Force a path by name (None or "auto": the best this CPU runs). Raises KernelError if the CPU cannot."""
+    """Force a path by name (None or "auto": the best this CPU runs, with the AMX tiles where usable).
+    An explicit path turns the tiles off ("avx512": vpdpbusd only); "amx" is avx512 with the hardware tiles.
+    Raises KernelError if the CPU cannot."""
     if name is None or name == "" or name == "auto":
         bk_set_isa(-1)
+        return active()
+    if name == "amx":
+        if not bk_tiles_supported() or bk_set_isa(ISA_NAMES.index("avx512")) != 0:
+            raise IsaChoiceError(f"this CPU cannot run the 'amx' kernels: {tiles_reason()}",
+                                 hint=f"it supports: {', '.join(supported_isas())}")
+        bk_set_tiles(BK_TILES_AMX)
         return active()
     if name not in ISA_NAMES:
         raise IsaChoiceError(f"unknown ISA {name!r}", hint=f"use one of {', '.join(ISA_NAMES)}")
@@ -115,6 +153,76 @@ def set_isa(name=None):
         raise IsaChoiceError(f"this CPU cannot run the {name!r} kernels",
                           hint=f"it supports: {', '.join(supported_isas())}")
     return active()
+
+
+def tiles():
+    """The matrix-tile mode in force: "amx" (multi-row products on the AMX tiles), "emu" (on their portable C
+    emulation: tests), or "off"."""
+    return TILE_MODES[bk_get_tiles()]
+
+
+def tiles_reason():
+    """One line: why the hardware tiles are (not) usable in this process (CPU, OS state, Linux's grant)."""
+    return bk_tiles_reason().decode()
+
+
+def set_tiles(mode):
+    """"off", "amx" (the hardware: KernelError where it is not usable or the path is not avx512) or "emu"
+    (the emulation, on any path). Governs gemm_ternary(_b3) and gemm_i8 from tile_min_rows() rows up."""
+    if mode not in TILE_MODES:
+        raise IsaChoiceError(f"unknown tile mode {mode!r}", hint=f"use one of {', '.join(TILE_MODES)}")
+    if bk_set_tiles(TILE_MODES.index(mode)) != 0:
+        raise IsaChoiceError(f"the AMX tiles cannot run here: {tiles_reason()}"
+                             if not bk_tiles_supported() else "the AMX tiles run with the avx512 path only",
+                             hint="BITNET_TILES=emu runs their emulation on any CPU")
+    return tiles()
+
+
+def set_tile_min_rows(int m):
+    """Products of fewer rows than m keep the vector bodies (m <= 0: the mode's default: 1 emulated, the
+    measured crossover on the hardware)."""
+    bk_set_tile_min_rows(m)
+
+
+def tile_min_rows():
+    """The crossover in force (0: the mode's default)."""
+    return bk_get_tile_min_rows()
+
+
+def _tile_products():
+    """How many kernel calls (one per thread's tile range) ran on the tiles since the process started."""
+    return int(bk_tiles_products())
+
+
+def _tile_emu_dot(a, b, c, bint a_signed):
+    """One emulated tdpbssd (a_signed) or tdpbusd on tiles shaped as the operands: c (int32 [M, N]) += a
+    (int8 or uint8 [M, 4*KK]) . b (int8 [KK, 4*N], VNNI order), M, KK <= 16, N <= 16 (tests of tiles_emu.c)."""
+    cdef str fn = "_tile_emu_dot"
+    cdef cnp.ndarray aa = _arr(fn, "a", a, cnp.NPY_INT8 if a_signed else cnp.NPY_UINT8, 2, False)
+    cdef cnp.ndarray ab = _arr(fn, "b", b, cnp.NPY_INT8, 2, False)
+    cdef cnp.ndarray ac = _arr(fn, "c", c, cnp.NPY_INT32, 2, True)
+    cdef int M = cnp.PyArray_DIM(aa, 0), KB = cnp.PyArray_DIM(aa, 1), KK = cnp.PyArray_DIM(ab, 0)
+    cdef int NB = cnp.PyArray_DIM(ab, 1)
+    if not (0 < M <= 16 and 0 < KK <= 16 and KB == 4 * KK and 0 < NB <= 64 and NB % 4 == 0
+            and cnp.PyArray_DIM(ac, 0) == M and cnp.PyArray_DIM(ac, 1) * 4 == NB):
+        raise KernelError(f"{fn}: shapes a {a.shape}, b {b.shape}, c {c.shape} are not one tile product")
+    cdef bk_tilecfg_t cfg
+    memset(&cfg, 0, sizeof(cfg))
+    cfg.palette_id = 1
+    cfg.rows[0], cfg.colsb[0] = M, NB       # C
+    cfg.rows[1], cfg.colsb[1] = M, KB       # A
+    cfg.rows[2], cfg.colsb[2] = KK, NB      # B
+    with nogil:
+        bk_emu_tile_config(&cfg)
+        bk_emu_tile_load(0, cnp.PyArray_DATA(ac), NB)
+        bk_emu_tile_load(1, cnp.PyArray_DATA(aa), KB)
+        bk_emu_tile_load(2, cnp.PyArray_DATA(ab), NB)
+        if a_signed:
+            bk_emu_tile_dpbssd(0, 1, 2)
+        else:
+            bk_emu_tile_dpbusd(0, 1, 2)
+        bk_emu_tile_store(0, cnp.PyArray_DATA(ac), NB)
+        bk_emu_tile_release()
 
 
 def set_num_threads(int n):
@@ -626,3 +734,14 @@ if _forced:
         set_isa(_forced)
     except KernelError as _e:
         raise IsaChoiceError(f"BITNET_ISA={_forced}: {_e}") from None
+_tiles_forced = os.environ.get("BITNET_TILES", "").strip().lower()
+if _tiles_forced:
+    try:
+        set_tiles(_tiles_forced)
+    except KernelError as _e:
+        raise IsaChoiceError(f"BITNET_TILES={_tiles_forced}: {_e}") from None
+_min_rows_forced = os.environ.get("BITNET_TILE_MIN_ROWS", "").strip()
+if _min_rows_forced:
+    if not _min_rows_forced.isdigit():
+        raise IsaChoiceError(f"BITNET_TILE_MIN_ROWS={_min_rows_forced}: not a row count")
+    set_tile_min_rows(int(_min_rows_forced))

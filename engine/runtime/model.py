@@ -42,7 +42,7 @@ DEFAULT_CHUNK = 128  # prefill rows per GEMM call (measured: 32..256 within 4%, 
 #          M=4 1.54-1.70 vs 1.66-1.95, M=8 2.43-2.61 vs 2.36-2.91 (mixed: not used)
 #   avx2 (2-core EPYC, and the Xeon forced to avx2; 2 threads): M=2 1.57-1.93 vs 1.19-1.50, M=4 2.75-4.79 vs
 #          2.36-3.11: the GEMM wins at every M, so never. avxvnni (AVX2-width) unmeasured: as avx2.
-ROWS_GEMV_MAX = {"avx512": 4}
+ROWS_GEMV_MAX = {"avx512": 4, "amx": 4}   # amx: its GEMV rows are the avx512 ones; the tiles start above
 VERIFY_MAX = K.ROWS_MAX  # most rows of one Model.verify pass (the multi-row head kernel's limit)
 # The q4 head ranks every token with half the int8 head's bytes; its RESCORE_K best get the f16 head's exact
 # logits (ops.head_rescore). Greedy agreement with the f16 head over 10,000 positions each, same run

@@ -7,8 +7,12 @@
  * The runtime helpers of simd/ops/ read the same choice (ops_isa() in ops.h), so one set_isa / BITNET_ISA
  * governs every C path of the extension; one thread count (bk_get_num_threads) does too.
  */
-#define _GNU_SOURCE /* sched_getaffinity */
+#define _GNU_SOURCE /* sched_getaffinity, syscall */
 #include "kernels.h"
+#include "tiles.h"
+
+#include <errno.h>
+#include <stdio.h>
 
 #include <sched.h>
 #include <stdlib.h>
@@ -18,6 +22,12 @@
 #if defined(__x86_64__) || defined(__i386__)
 #include <cpuid.h>
 #define BK_X86 1
+#endif
+#if defined(__linux__) && defined(__x86_64__)
+#include <sys/syscall.h>
+#define ARCH_GET_XCOMP_PERM 0x1022
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
 #endif
 #if defined(__aarch64__) && defined(__APPLE__)
 #include <sys/sysctl.h>
@@ -81,6 +91,10 @@ static void detect(void) {
         features.avx512vl = (b7 >> 31) & 1;
         features.avx512vnni = (c7 >> 11) & 1;
         features.avx512bf16 = (a71 >> 5) & 1;
+    }
+    if (os_zmm && (xcr0 & (3u << 17)) == (3u << 17)) { /* XTILECFG + XTILEDATA state enabled by the OS */
+        features.amx_tile = (d7 >> 24) & 1;
+        features.amx_int8 = (d7 >> 25) & 1;
     }
 #elif defined(__aarch64__)
     features.neon = 1;
@@ -155,11 +169,79 @@ void bk_fill_table(bk_table_t *t, int isa) {
     if (isa == BK_ISA_AVXVNNI) bk_fill_avxvnni(t, bk_get_features()->avxvnni);
 }
 
-int bk_set_isa(int isa) {
-    if (isa < 0) isa = bk_best_isa();
-    if (!bk_isa_supported(isa)) return -1;
+/* ---- matrix tiles (tiles.h): what the CPU and Linux allow, asked once per process ---- */
+static int tiles_state = -1; /* -1 not asked yet, 0 unusable, 1 usable */
+static char tiles_why[160];
+static int tiles_mode = BK_TILES_OFF;
+static int tile_min_rows = 0; /* 0: the mode's default */
+
+int bk_tiles_supported(void) {
+    if (tiles_state >= 0) return tiles_state;
+    const bk_features_t *f = bk_get_features();
+    tiles_state = 0;
+    if (!BK_HAVE_AMX) {
+        snprintf(tiles_why, sizeof tiles_why, "no AMX code in this build (x86-64 with GCC 11+ or clang 12+ only)");
+    } else if (!f->amx_tile || !f->amx_int8) {
+        snprintf(tiles_why, sizeof tiles_why, "the CPU has no AMX int8 tiles (or the OS does not enable their state)");
+    } else if (!bk_isa_supported(BK_ISA_AVX512)) {
+        snprintf(tiles_why, sizeof tiles_why, "AMX without the AVX-512 path (the tile kernels unpack with AVX-512)");
+    } else {
+#if defined(__linux__) && defined(__x86_64__)
+        /* Linux 5.16+ hands the 8 KB tile data state to a process only on request (once; threads inherit it) */
+        unsigned long perm = 0;
+        if (syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) != 0)
+            snprintf(tiles_why, sizeof tiles_why, "Linux refused the tile data (arch_prctl ARCH_REQ_XCOMP_PERM: %s)",
+                     strerror(errno));
+        else if (syscall(SYS_arch_prctl, ARCH_GET_XCOMP_PERM, &perm) != 0 || !(perm & (1ul << XFEATURE_XTILEDATA)))
+            snprintf(tiles_why, sizeof tiles_why, "Linux did not grant the tile data (arch_prctl ARCH_GET_XCOMP_PERM)");
+        else {
+            snprintf(tiles_why, sizeof tiles_why, "amx-tile + amx-int8, tile data granted by Linux");
+            tiles_state = 1;
+        }
+#else
+        snprintf(tiles_why, sizeof tiles_why, "the tile data permission is requested on Linux only");
+#endif
+    }
+    return tiles_state;
+}
+
+const char *bk_tiles_reason(void) {
+    bk_tiles_supported();
+    return tiles_why;
+}
+
+int bk_get_tiles(void) { return tiles_mode; }
+int bk_get_tile_min_rows(void) { return tile_min_rows; }
+
+static void apply(int isa, int mode) {
     bk_fill_table(&bk_table, isa);
+    bk_tiles_fill(mode, isa);
     current_isa = isa;
+    tiles_mode = mode;
+}
+
+int bk_set_tiles(int mode) {
+    if (mode == BK_TILES_AMX && !(bk_tiles_supported() && current_isa == BK_ISA_AVX512)) return -1;
+    if (mode != BK_TILES_OFF && mode != BK_TILES_AMX && mode != BK_TILES_EMU) return -1;
+    apply(current_isa, mode);
+    return 0;
+}
+
+void bk_set_tile_min_rows(int m) {
+    tile_min_rows = m > 0 ? m : 0;
+    apply(current_isa, tiles_mode);
+}
+
+/* isa < 0: the best path, with the hardware tiles where they are usable; an explicit path: no tiles
+ * (BITNET_ISA=avx512 is how a user or an A/B run turns them off; simd.set_isa("amx") asks for them). */
+int bk_set_isa(int isa) {
+    int mode = BK_TILES_OFF;
+    if (isa < 0) {
+        isa = bk_best_isa();
+        if (isa == BK_ISA_AVX512 && bk_tiles_supported()) mode = BK_TILES_AMX;
+    }
+    if (!bk_isa_supported(isa)) return -1;
+    apply(isa, mode);
     return 0;
 }
 

@@ -11,6 +11,7 @@
  * a cache-sized run of tiles). Per row the int32 dots and the f32 epilogue are those of bk_gemv_i8.
  */
 #include "kernels.h"
+#include "tiles.h"
 
 #include <stdlib.h>
 
@@ -259,6 +260,7 @@ static void gemm_i8_range(void *ctx, int b, int e) {
 
 int bk_gemm_i8(const int8_t *w, const float *row_scale, const int32_t *w_rowsum, const int8_t *xq, int m, int k_pad,
                const float *act_scale, float *out, int32_t *out_i32, int n) {
+    if (bk_gemm_i8_tiles(w, row_scale, xq, m, k_pad, act_scale, out, out_i32, n)) return 0; /* gemm_tiles.c */
     uint8_t *aux = malloc(2 * (size_t)k_pad * m);
     if (!aux) return -1;
     for (int r = 0; r < m; r++) {

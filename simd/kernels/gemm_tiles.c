@@ -1,0 +1,202 @@
+/* Multi-row products on matrix tiles (tiles.h): the ternary GEMM (prefill chunks, batched steps, verify
+ * rows: every caller of bk_gemm_ternary / bk_gemm_b3) and the int8 head at M > 1 (bk_gemm_i8).
+ *
+ *   out[m, n] = ((float)(C[m, n] - act_sum[m]) / act_scale[m]) * row_scale[n],   C = A . B  (int32, exact)
+ *
+ * A is the int8 activation rows the vector bodies read (xq, M x K_pad), loaded 16 rows x 64 k at a time
+ * straight from memory, except the last partial group of 16 rows, which is copied once per call into a
+ * zero-padded 16 x K_pad buffer (the zero rows add 0 and their results are never stored). B is the i8_tile16
+ * order of the weights: the int8 head is in it already; ternary tile16 codes are unpacked into it (shift +
+ * and per 64 bytes, nothing else: see tiles.h) one pair of weight tiles at a time. tdpbssd computes the
+ * same integer sums as vpdpbusd, and the epilogue is bk_store_tile's formula, so every result is the same
+ * float as on the vector paths (tests/test_tiles.py demands equality).
+ *
+ * Threads: each pool worker runs whole tile ranges (bk_run_tiles: 4-tile grains, so pairs), configures the
+ * tiles at the start of its range and releases them at the end: a thread holding tile state makes every
+ * context switch save 8 KB more, and the configuration (one ldtilecfg) is noise against a range's work.
+ * Scratch is per thread (thread-local, grown on demand, kept for the thread's life): the A tail, two
+ * unpacked tiles and the C block.
+ */
+#include "kernels.h"
+#include "tiles.h"
+
+#include <stdlib.h>
+
+#if defined(__x86_64__)
+#include "x86_common.h"
+#endif
+
+/* the arguments of one product, shared by the panel and the epilogue */
+typedef struct {
+    const int8_t *xq;
+    int m, k_pad;
+    const float *act_scale;
+    const int32_t *act_sum; /* NULL: nothing to subtract (int8 head) */
+    const float *row_scale;
+    float *out;
+    int32_t *out_i32;
+    int n;
+} tiles_args;
+
+static int tiles_mode = BK_TILES_OFF;
+static int tiles_min_rows = 1;
+static bk_gemm_ternary_fn tiles_fallback_ternary = NULL; /* the vector body under the crossover */
+static void (*tiles_unpack)(const uint8_t *tile, int kb, int8_t *dst) = NULL;
+
+/* every tile 16 rows x 64 bytes: A and B tiles full, C 16 x 16 int32 */
+static const bk_tilecfg_t tiles_cfg_full = {
+    .palette_id = 1,
+    .colsb = {64, 64, 64, 64, 64, 64, 64, 64},
+    .rows = {16, 16, 16, 16, 16, 16, 16, 16},
+};
+
+/* products (calls of a tile body on a tile range) that ran on the tiles: tests check the tiles were taken */
+static uint64_t tiles_products = 0;
+uint64_t bk_tiles_products(void) { return __atomic_load_n(&tiles_products, __ATOMIC_RELAXED); }
+static void tiles_count(void) { __atomic_fetch_add(&tiles_products, 1, __ATOMIC_RELAXED); }
+
+static _Thread_local uint8_t *scratch_buf;
+static _Thread_local size_t scratch_cap;
+
+/* the calling thread's scratch of at least `bytes` (64-byte aligned), or NULL when it cannot be had */
+static uint8_t *tiles_scratch(size_t bytes) {
+    if (bytes > scratch_cap) {
+        free(scratch_buf);
+        size_t cap = (bytes + 63) & ~(size_t)63;
+        scratch_buf = aligned_alloc(64, cap);
+        scratch_cap = scratch_buf ? cap : 0;
+    }
+    return scratch_buf;
+}
+
+/* the last partial group of 16 rows of A, zero-padded to 16 rows (nothing when M is a multiple of 16) */
+static void tiles_copy_tail(const tiles_args *g, int8_t *a_tail) {
+    const int rem = g->m % 16;
+    if (!rem) return;
+    const size_t row = (size_t)g->k_pad;
+    memcpy(a_tail, g->xq + (size_t)(g->m - rem) * row, rem * row);
+    memset(a_tail + rem * row, 0, (16 - rem) * row);
+}
+
+/* C block (cbuf: 32 x 32 int32) of activation rows row0.. (na groups of 16) x weight tiles t.. (nb) -> out */
+static void tiles_finish(const tiles_args *g, const int32_t *cbuf, int row0, int na, int nb, int t) {
+    int32_t dots[16];
+    for (int i = 0; i < 16 * na && row0 + i < g->m; i++) {
+        const int r = row0 + i;
+        const int32_t sub = g->act_sum ? g->act_sum[r] : 0;
+        const float scale = g->act_scale ? g->act_scale[r] : 1.0f;
+        for (int j = 0; j < nb; j++) {
+            for (int c = 0; c < 16; c++) dots[c] = cbuf[i * 32 + 16 * j + c] - sub;
+            bk_store_tile(dots, (t + j) * 16, g->n, g->row_scale, scale, g->out ? g->out + (size_t)r * g->n : NULL,
+                          g->out_i32 ? g->out_i32 + (size_t)r * g->n : NULL);
+        }
+    }
+}
+
+/* One ternary tile16 tile (kb blocks of 64 bytes) -> its i8_tile16 codes: block b's plane s (codes >> 2s & 3)
+ * is row 4b + s of 64 bytes. */
+static void unpack_scalar(const uint8_t *p, int kb, int8_t *dst) {
+    for (int b = 0; b < kb; b++)
+        for (int s = 0; s < 4; s++)
+            for (int i = 0; i < 64; i++) dst[(size_t)(4 * b + s) * 64 + i] = (int8_t)((p[(size_t)b * 64 + i] >> (2 * s)) & 3);
+}
+
+#if defined(__x86_64__)
+AVX512_TARGET static void unpack_avx512(const uint8_t *p, int kb, int8_t *dst) {
+    const __m512i m3 = _mm512_set1_epi8(3);
+    for (int b = 0; b < kb; b++) {
+        const __m512i v = _mm512_loadu_si512(p + (size_t)b * 64);
+        int8_t *d = dst + (size_t)b * 256;
+        _mm512_storeu_si512(d, _mm512_and_si512(v, m3));
+        _mm512_storeu_si512(d + 64, _mm512_and_si512(_mm512_srli_epi16(v, 2), m3));
+        _mm512_storeu_si512(d + 128, _mm512_and_si512(_mm512_srli_epi16(v, 4), m3));
+        _mm512_storeu_si512(d + 192, _mm512_and_si512(_mm512_srli_epi16(v, 6), m3));
+    }
+}
+#endif
+
+/* ---------------- the hardware: AMX instructions as inline asm ----------------
+ * Written out rather than GCC's _tile_* macros: those give tileloadd no memory operand and no clobber, so
+ * nothing stops the compiler from sinking the unpack's stores past the load that reads them, and
+ * _tile_loadconfig names only 8 of the configuration's 64 bytes. The asm needs binutils 2.36+, no -m flag. */
+#if BK_HAVE_AMX
+#define TB_SUFFIX amx
+#define TB_CONFIG(cfg) __asm__ volatile("ldtilecfg %0" ::"m"(*(const bk_tilecfg_t *)(cfg)))
+#define TB_RELEASE() __asm__ volatile("tilerelease" ::: "memory")
+#define TB_ZERO(t) __asm__ volatile("tilezero %%tmm" #t ::)
+#define TB_LOAD(t, base, stride) \
+    __asm__ volatile("tileloadd (%0,%1,1), %%tmm" #t ::"r"((const void *)(base)), "r"((long)(stride)) : "memory")
+#define TB_STORE(t, base, stride) \
+    __asm__ volatile("tilestored %%tmm" #t ", (%0,%1,1)" ::"r"((void *)(base)), "r"((long)(stride)) : "memory")
+#define TB_DPBSSD(c, a, b) __asm__ volatile("tdpbssd %%tmm" #b ", %%tmm" #a ", %%tmm" #c ::)
+#include "gemm_tiles_body.h"
+#undef TB_SUFFIX
+#undef TB_CONFIG
+#undef TB_RELEASE
+#undef TB_ZERO
+#undef TB_LOAD
+#undef TB_STORE
+#undef TB_DPBSSD
+#endif
+
+/* ---------------- the emulation (tiles_emu.c) ---------------- */
+#define TB_SUFFIX emu
+#define TB_CONFIG(cfg) bk_emu_tile_config(cfg)
+#define TB_RELEASE() bk_emu_tile_release()
+#define TB_ZERO(t) bk_emu_tile_zero(t)
+#define TB_LOAD(t, base, stride) bk_emu_tile_load(t, base, stride)
+#define TB_STORE(t, base, stride) bk_emu_tile_store(t, base, stride)
+#define TB_DPBSSD(c, a, b) bk_emu_tile_dpbssd(c, a, b)
+#include "gemm_tiles_body.h"
+#undef TB_SUFFIX
+#undef TB_CONFIG
+#undef TB_RELEASE
+#undef TB_ZERO
+#undef TB_LOAD
+#undef TB_STORE
+#undef TB_DPBSSD
+
+/* dispatch.c, after filling bk_table for isa: the tile bodies go in front of the vector ones (mode AMX only
+ * with the AVX-512 path, whose unpack it uses; EMU on any path, unpacking with AVX-512 where that is the path
+ * so the same unpack is tested, else in portable C). */
+void bk_tiles_fill(int mode, int isa) {
+    tiles_mode = mode;
+    tiles_fallback_ternary = bk_table.gemm_ternary;
+    tiles_unpack = unpack_scalar;
+#if defined(__x86_64__)
+    if (isa == BK_ISA_AVX512) tiles_unpack = unpack_avx512;
+#else
+    (void)isa;
+#endif
+    const int min_rows = bk_get_tile_min_rows();
+    tiles_min_rows = min_rows > 0 ? min_rows : (mode == BK_TILES_EMU ? 1 : BK_TILE_MIN_ROWS_AMX);
+#if BK_HAVE_AMX
+    if (mode == BK_TILES_AMX) bk_table.gemm_ternary = gemm_ternary_tiles_amx;
+#endif
+    if (mode == BK_TILES_EMU) bk_table.gemm_ternary = gemm_ternary_tiles_emu;
+}
+
+typedef struct {
+    tiles_args g;
+    const int8_t *w;
+    int failed;
+} i8_tiles_job;
+
+static void i8_tiles_range(void *ctx, int b, int e) {
+    i8_tiles_job *j = ctx;
+    int ok = 0;
+#if BK_HAVE_AMX
+    if (tiles_mode == BK_TILES_AMX) ok = gemm_i8_tiles_amx(&j->g, j->w, b, e);
+#endif
+    if (tiles_mode == BK_TILES_EMU) ok = gemm_i8_tiles_emu(&j->g, j->w, b, e);
+    if (!ok) __atomic_store_n(&j->failed, 1, __ATOMIC_RELAXED);
+}
+
+int bk_gemm_i8_tiles(const int8_t *w, const float *row_scale, const int8_t *xq, int m, int k_pad,
+                     const float *act_scale, float *out, int32_t *out_i32, int n) {
+    if (tiles_mode == BK_TILES_OFF || m < tiles_min_rows) return 0;
+    i8_tiles_job job = {{xq, m, k_pad, act_scale, NULL, row_scale, out, out_i32, n}, w, 0};
+    const int n_tiles = (n + 15) / 16;
+    bk_run_tiles(n_tiles, (size_t)n_tiles * k_pad * m, 16 * 4096, i8_tiles_range, &job);
+    return job.failed ? 0 : 1; /* a thread without scratch: the vector path redoes the whole product */
+}

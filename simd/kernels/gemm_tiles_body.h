@@ -1,0 +1,110 @@
+/* The tile kernels, written once against the tile API and compiled once per implementation (gemm_tiles.c
+ * includes this file with TB_SUFFIX = amx, then emu, after defining TB_CONFIG / TB_RELEASE / TB_ZERO /
+ * TB_LOAD / TB_STORE / TB_DPBSSD for it). Everything but those six instructions (the blocking, the A tail,
+ * the unpacking, the epilogue) is the same code on the hardware and on the emulation.
+ *
+ * Registers: tmm0..3 hold C for 2 A tiles x 2 B tiles (32 activation rows x 32 weight rows), tmm4..5 A (16
+ * activation rows x 64 k each), tmm6..7 B (16 weight rows x 64 k each, VNNI order = i8_tile16 order).
+ * Per 64-k step: 4 loads, 4 tdpbssd (16 x 16 x 64 multiply-adds each).
+ */
+#define TB_CAT2(a, b) a##_##b
+#define TB_CAT(a, b) TB_CAT2(a, b)
+#define TB_FN(name) TB_CAT(name, TB_SUFFIX)
+
+/* C[32 x 32] (cbuf, stride 128 bytes) = A (NA tiles: rows of a0, a1, stride a_stride) . B (NB tiles at b and
+ * b + b_tile, 1 KB per 64-k step) over kc steps. NA, NB are constants after inlining. */
+__attribute__((always_inline)) static inline void TB_FN(tiles_block)(const int8_t *a0, const int8_t *a1,
+                                                                    size_t a_stride, const int8_t *b,
+                                                                    size_t b_tile, int kc, const int NA,
+                                                                    const int NB, int32_t *cbuf) {
+    TB_ZERO(0);
+    TB_ZERO(1);
+    TB_ZERO(2);
+    TB_ZERO(3);
+    for (int i = 0; i < kc; i++) {
+        TB_LOAD(4, a0 + (size_t)64 * i, a_stride);
+        if (NA == 2) TB_LOAD(5, a1 + (size_t)64 * i, a_stride);
+        TB_LOAD(6, b + (size_t)1024 * i, 64);
+        if (NB == 2) TB_LOAD(7, b + b_tile + (size_t)1024 * i, 64);
+        TB_DPBSSD(0, 4, 6);
+        if (NB == 2) TB_DPBSSD(1, 4, 7);
+        if (NA == 2) {
+            TB_DPBSSD(2, 5, 6);
+            if (NB == 2) TB_DPBSSD(3, 5, 7);
+        }
+    }
+    TB_STORE(0, cbuf, 128);
+    if (NB == 2) TB_STORE(1, cbuf + 16, 128);
+    if (NA == 2) {
+        TB_STORE(2, cbuf + 16 * 32, 128);
+        if (NB == 2) TB_STORE(3, cbuf + 16 * 32 + 16, 128);
+    }
+}
+
+/* Every activation row group (16 rows; the last, partial one from the zero-padded tail copy) against NB
+ * weight tiles t, t+1 whose i8_tile16 codes are at b (tile j at b + j * b_tile), then the epilogue. */
+static void TB_FN(tiles_panel)(const tiles_args *g, const int8_t *b, size_t b_tile, int nb, int t,
+                               const int8_t *a_tail, int32_t *cbuf) {
+    const int kc = g->k_pad / 64, full = g->m / 16, groups = (g->m + 15) / 16;
+    const size_t stride = (size_t)g->k_pad;
+    for (int gr = 0; gr < groups; gr += 2) {
+        const int na = groups - gr >= 2 ? 2 : 1;
+        const int8_t *a0 = gr < full ? g->xq + (size_t)gr * 16 * stride : a_tail;
+        const int8_t *a1 = gr + 1 < full ? g->xq + (size_t)(gr + 1) * 16 * stride : a_tail;
+        if (na == 2 && nb == 2) TB_FN(tiles_block)(a0, a1, stride, b, b_tile, kc, 2, 2, cbuf);
+        else if (na == 2) TB_FN(tiles_block)(a0, a1, stride, b, b_tile, kc, 2, 1, cbuf);
+        else if (nb == 2) TB_FN(tiles_block)(a0, a1, stride, b, b_tile, kc, 1, 2, cbuf);
+        else TB_FN(tiles_block)(a0, a1, stride, b, b_tile, kc, 1, 1, cbuf);
+        tiles_finish(g, cbuf, gr * 16, na, nb, t);
+    }
+}
+
+/* Ternary tile16 weights, tiles [tile_begin, tile_end): a pair of tiles is unpacked once into the thread's
+ * i8_tile16 buffer of codes (2 x 16 x K_pad bytes: 80 KB at K = 2560, 216 KB at 6912, an L2's worth) and
+ * reused by every row group of A; the epilogue subtracts act_sum as the vector bodies do. */
+static void TB_FN(gemm_ternary_tiles)(const uint8_t *w, const float *row_scale, const int8_t *xq, int m,
+                                      int k_pad, const float *act_scale, const int32_t *act_sum, float *out,
+                                      int32_t *out_i32, int n, int tile_begin, int tile_end) {
+    const size_t utile = (size_t)16 * k_pad, tile_bytes = (size_t)k_pad / 16 * 64;
+    uint8_t *s = m >= tiles_min_rows ? tiles_scratch(3 * utile + 32 * 32 * 4) : NULL;
+    if (!s) {
+        tiles_fallback_ternary(w, row_scale, xq, m, k_pad, act_scale, act_sum, out, out_i32, n, tile_begin,
+                               tile_end);
+        return;
+    }
+    const tiles_args g = {xq, m, k_pad, act_scale, act_sum, row_scale, out, out_i32, n};
+    int8_t *a_tail = (int8_t *)s, *codes = (int8_t *)s + utile;
+    int32_t *cbuf = (int32_t *)(s + 3 * utile);
+    tiles_copy_tail(&g, a_tail);
+    tiles_count();
+    TB_CONFIG(&tiles_cfg_full);
+    for (int t = tile_begin; t < tile_end; t += 2) {
+        const int nb = tile_end - t >= 2 ? 2 : 1;
+        for (int j = 0; j < nb; j++) tiles_unpack(w + (size_t)(t + j) * tile_bytes, k_pad / 16, codes + j * utile);
+        TB_FN(tiles_panel)(&g, codes, utile, nb, t, a_tail, cbuf);
+    }
+    TB_RELEASE();
+}
+
+/* int8 head (i8_tile16 is B tiles as stored): tiles [tile_begin, tile_end) straight from the weights. 0 when
+ * the thread's scratch could not be had (the caller then runs the vector body). */
+static int TB_FN(gemm_i8_tiles)(const tiles_args *g, const int8_t *w, int tile_begin, int tile_end) {
+    const size_t utile = (size_t)16 * g->k_pad;
+    uint8_t *s = tiles_scratch(utile + 32 * 32 * 4);
+    if (!s) return 0;
+    int8_t *a_tail = (int8_t *)s;
+    int32_t *cbuf = (int32_t *)(s + utile);
+    tiles_copy_tail(g, a_tail);
+    tiles_count();
+    TB_CONFIG(&tiles_cfg_full);
+    for (int t = tile_begin; t < tile_end; t += 2) {
+        const int nb = tile_end - t >= 2 ? 2 : 1;
+        TB_FN(tiles_panel)(g, w + (size_t)t * utile, utile, nb, t, a_tail, cbuf);
+    }
+    TB_RELEASE();
+    return 1;
+}
+
+#undef TB_FN
+#undef TB_CAT
+#undef TB_CAT2

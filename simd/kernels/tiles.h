@@ -1,0 +1,77 @@
+/* Matrix tiles (Intel AMX): the small tile API the multi-row kernels are written against, its portable C
+ * emulation, and the switch that puts the tile bodies in front of the vector ones.
+ *
+ * AMX (Sapphire Rapids and later Xeons) has eight tile registers of up to 16 rows x 64 bytes and
+ * tdpbssd / tdpbusd: C[16 x 16 int32] += A[16 x 64 int8] . B[16 x 64 int8 in VNNI order], where B's row kk
+ * holds, for each of the 16 output columns n, the 4 bytes k = 4kk .. 4kk+3 (bytes 4n .. 4n+3). That is the
+ * tile16 ternary layout after its usual shift+and: the 64 bytes of one shifted plane of a 16-k block are one
+ * B row (lane n = weight row n, byte q = k 4s+q), and the i8_tile16 head is B tiles as stored. So the tiles
+ * multiply the same codes and the same int8 activations as vpdpbusd, and the int32 sums are the same
+ * integers: every path stays bit-identical (gemm_tiles.c).
+ *
+ * Two implementations of the API, one kernel source (gemm_tiles_body.h is compiled once per implementation):
+ *   - hardware: the _tile_* intrinsics, run only where cpuid reports amx-tile + amx-int8, XCR0 enables the
+ *     tile state and Linux grants this process the tile data (arch_prctl ARCH_REQ_XCOMP_PERM, asked once);
+ *   - emulation (tiles_emu.c): the same instructions in portable C on a thread-local register file, with
+ *     the hardware's shape rules checked (a violation aborts naming it, as the CPU would fault). Any machine
+ *     (x86 or aarch64) runs the real blocking, unpacking and edge handling through it: BITNET_TILES=emu.
+ *
+ * Mode (one per process, like the ISA choice): BK_TILES_OFF (the vector bodies only), BK_TILES_AMX (the
+ * hardware tiles for products of at least bk_tile_min_rows rows; the auto choice where they are granted),
+ * BK_TILES_EMU (the emulation, for tests). BITNET_ISA=avx512 (any explicit ISA) turns the tiles off.
+ */
+#ifndef BITNET_TILES_H
+#define BITNET_TILES_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+enum bk_tiles_mode { BK_TILES_OFF = 0, BK_TILES_AMX = 1, BK_TILES_EMU = 2 };
+
+/* The hardware's 64-byte tile configuration (palette 1), as ldtilecfg reads it. */
+typedef struct {
+    uint8_t palette_id;
+    uint8_t start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16]; /* bytes per row of tile i (only 0..7 exist) */
+    uint8_t rows[16];
+} bk_tilecfg_t;
+
+/* dispatch.c: what the CPU and the OS allow, and the mode in force */
+int bk_tiles_supported(void);      /* 1: hardware tiles usable in this process (CPU + XCR0 + Linux's grant) */
+const char *bk_tiles_reason(void); /* why (not): one line for `bitnet info` */
+int bk_set_tiles(int mode);        /* 0 ok; -1 the hardware tiles were asked for and are not usable */
+int bk_get_tiles(void);
+void bk_set_tile_min_rows(int m);  /* products of fewer rows keep the vector bodies (m <= 0: the default) */
+int bk_get_tile_min_rows(void);
+/* The default crossover of the hardware tiles: below it the AVX-512 bodies run. Not yet measured on an AMX
+ * machine (bench/bench_tiles.py measures it per shape); the emulation's default is 1, so that every
+ * multi-row product of a test goes through the tile code. */
+#define BK_TILE_MIN_ROWS_AMX 8
+
+/* tiles_emu.c: the emulated instructions (tile numbers 0..7; strides in bytes) */
+void bk_emu_tile_config(const bk_tilecfg_t *cfg);
+void bk_emu_tile_release(void);
+void bk_emu_tile_zero(int t);
+void bk_emu_tile_load(int t, const void *base, size_t stride);
+void bk_emu_tile_store(int t, void *base, size_t stride);
+void bk_emu_tile_dpbssd(int c, int a, int b); /* C += A (s8) . B (s8) */
+void bk_emu_tile_dpbusd(int c, int a, int b); /* C += A (u8) . B (s8) */
+
+/* gemm_tiles.c: the tile bodies, put in front of the vector ones by bk_tiles_fill (dispatch.c). */
+void bk_tiles_fill(int mode, int isa);
+uint64_t bk_tiles_products(void); /* tile-body calls that ran on the tiles, since the process started */
+/* int8 head, M rows (gemv_i8.c's bk_gemm_i8 asks first): 1 when it ran the product on the tiles, 0 when the
+ * tiles are off, m is under the crossover or a thread had no scratch (the vector path then does it all). */
+int bk_gemm_i8_tiles(const int8_t *w, const float *row_scale, const int8_t *xq, int m, int k_pad,
+                     const float *act_scale, float *out, int32_t *out_i32, int n);
+
+/* x86 hardware tiles need GCC 11+ / clang 12+ (the AMX intrinsics) */
+#if defined(__x86_64__) && ((defined(__clang__) && __clang_major__ >= 12) || \
+                            (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11))
+#define BK_HAVE_AMX 1
+#else
+#define BK_HAVE_AMX 0
+#endif
+
+#endif

@@ -1,0 +1,265 @@
+"""The matrix-tile kernels (simd/kernels/gemm_tiles.c, tiles.h): the ternary GEMM and the int8 head at M > 1
+on AMX tiles must give the same bits as the vector paths.
+
+Every machine runs them on the portable emulation of the tile instructions (tiles_emu.c), with each vector
+path underneath (the unpack is AVX-512 on the avx512 path, portable C elsewhere): the blocking, the A tail,
+odd tile counts per thread and the epilogue are the real code. Where /proc/cpuinfo shows amx_int8 the same
+cases run on the hardware too (and test_kernels.py's whole matrix runs with the "amx" path).
+"""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from bitnet_cpu.engine.errors import KernelError
+from bitnet_cpu.simd import _kernels as K
+from bitnet_cpu.simd import layout
+from bitnet_cpu.simd import reference as R
+
+VECTOR_ISAS = [i for i in K.supported_isas() if i != "amx"]
+HW = "amx" in K.supported_isas()
+HW_WHY = ("" if HW else "no hardware AMX tiles here (" + K.tiles_reason() + "): the emulated tile cases ran, "
+          "the hardware ones need an AMX machine (Sapphire Rapids or later, Linux 5.16+)")
+CPU_HAS_AMX = os.path.exists("/proc/cpuinfo") and "amx_int8" in open("/proc/cpuinfo").read()
+
+
+@pytest.fixture(params=[(isa, "emu") for isa in VECTOR_ISAS] + [("amx", "amx")], ids=lambda p: "-".join(p))
+def tiles(request):
+    """A vector path with the tiles on top (emulated), or the hardware tiles; afterwards the auto choice."""
+    isa, mode = request.param
+    if mode == "amx" and not HW:
+        pytest.skip(HW_WHY)
+    K.set_isa(isa)
+    K.set_tiles(mode)
+    K.set_tile_min_rows(1)      # every multi-row product through the tiles, whatever the crossover
+    yield isa
+    K.set_tile_min_rows(0)
+    K.set_isa(None)
+    K.set_num_threads(0)
+
+
+def _vector(fn, *args):
+    """fn on the vector path alone (tiles off), then the tile mode back."""
+    isa, mode = K.active(), K.tiles()
+    K.set_isa("avx512" if isa == "amx" else isa)
+    try:
+        return fn(*args)
+    finally:
+        if mode == "amx":
+            K.set_isa("amx")
+        else:
+            K.set_tiles(mode)
+        K.set_tile_min_rows(1)
+
+
+def _ternary_case(seed, n, k, m):
+    rng = np.random.default_rng(seed)
+    wt = rng.integers(-1, 2, size=(n, k)).astype(np.int8)
+    x = (rng.standard_normal((m, k)) * 3).astype(np.float32)
+    k_pad = layout.pad_to(k, 64)
+    xq, s, sm = np.empty((m, k_pad), np.int8), np.empty(m, np.float32), np.empty(m, np.int32)
+    R.quantize_act(x, xq, s, sm)
+    return wt, layout.pack_ternary(wt), rng.random(n, dtype=np.float32) + np.float32(0.25), xq, s, sm
+
+
+# odd shapes: N not a multiple of 16 (and 32: a lone tile per pair), K not a multiple of 64, M = 1..40 around
+# the 16-row groups, 512 once; then 2B-4T layers
+SHAPES_M = [(n, k, m) for n, k in [(37, 100), (16, 64), (250, 200), (33, 1000)]
+            for m in (1, 2, 3, 15, 16, 17, 31, 32, 33, 40)] + [(100, 320, 512), (2560, 2560, 24), (640, 6912, 19)]
+
+
+@pytest.mark.parametrize("n,k,m", SHAPES_M)
+def test_gemm_ternary_on_tiles_equals_vector_path(tiles, n, k, m):
+    wt, w, rs, xq, s, sm = _ternary_case(n + 7 * k + 13 * m, n, k, m)
+    dots = (xq[:, :k].astype(np.int64) @ wt.astype(np.int64).T).astype(np.int32)
+    raw = np.empty((m, n), np.int32)
+    used = K._tile_products()
+    K.gemm_ternary_i32(w, xq, sm, raw)
+    assert K._tile_products() > used           # the product ran on the tiles
+    assert np.array_equal(raw, dots)
+    out = np.empty((m, n), np.float32)
+    K.gemm_ternary(w, rs, xq, s, sm, out)
+    ref = np.empty((m, n), np.float32)
+    _vector(K.gemm_ternary, w, rs, xq, s, sm, ref)
+    assert np.array_equal(out, ref)
+    assert np.array_equal(out, (dots.astype(np.float32) / s[:, None]) * rs[None, :])
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_gemm_ternary_on_tiles_split_over_threads(tiles, threads):
+    # 45 tiles over the pool's 4-tile grains: ranges of odd length, so pairs and lone tiles in every thread
+    n, k, m = 45 * 16 - 5, 448, 37
+    wt, w, rs, xq, s, sm = _ternary_case(5, n, k, m)
+    K.set_num_threads(threads)
+    out = np.empty((m, n), np.float32)
+    K.gemm_ternary(w, rs, xq, s, sm, out)
+    ref = np.empty((m, n), np.float32)
+    _vector(K.gemm_ternary, w, rs, xq, s, sm, ref)
+    assert np.array_equal(out, ref)
+
+
+@pytest.mark.parametrize("m", [2, 17, 40])
+def test_gemm_b3_on_tiles_equals_tile16(tiles, m):
+    n, k = 100, 640
+    wt, w, rs, xq, s, sm = _ternary_case(m, n, k, m)
+    wb3 = layout.pack_ternary_b3(wt)
+    a, b = np.empty((m, n), np.float32), np.empty((m, n), np.float32)
+    K.gemm_ternary_b3(wb3, rs, xq, s, sm, a)
+    _vector(K.gemm_ternary, w, rs, xq, s, sm, b)
+    assert np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("n,k,m", [(37, 100, 9), (100, 256, 16), (250, 640, 33), (4000, 256, 40)])
+def test_gemm_i8_head_on_tiles_equals_vector_path(tiles, n, k, m):
+    rng = np.random.default_rng(n + m)
+    w_q = rng.integers(-127, 128, size=(n, k)).astype(np.int8)
+    w = layout.pack_i8(w_q)
+    rs = rng.random(n, dtype=np.float32) + np.float32(0.5)
+    rowsum = w_q.astype(np.int32).sum(axis=1).astype(np.int32)
+    k_pad = layout.pad_to(k, 64)
+    xq = np.zeros((m, k_pad), np.int8)
+    xq[:, :k] = rng.integers(-128, 128, size=(m, k))
+    xq[0, :k] = -128                                     # the extreme the vector bodies offset by 128
+    s = rng.random(m, dtype=np.float32) + np.float32(0.1)
+    raw = np.empty((m, n), np.int32)
+    used = K._tile_products()
+    K.gemm_i8_i32(w, rowsum, xq, raw)
+    assert K._tile_products() > used
+    assert np.array_equal(raw, (xq[:, :k].astype(np.int64) @ w_q.astype(np.int64).T).astype(np.int32))
+    out, ref = np.empty((m, n), np.float32), np.empty((m, n), np.float32)
+    K.gemm_i8(w, rs, rowsum, xq, s, out)
+    _vector(K.gemm_i8, w, rs, rowsum, xq, s, ref)
+    assert np.array_equal(out, ref)
+
+
+def test_extremes_do_not_overflow_on_tiles(tiles):
+    n, k, m = 32, 8640, 17
+    for sign in (1, -1):
+        for xval in (-128, 127):
+            w = layout.pack_ternary(np.full((n, k), sign, np.int8))
+            xq = np.zeros((m, layout.pad_to(k, 64)), np.int8)
+            xq[:, :k] = xval
+            raw = np.empty((m, n), np.int32)
+            K.gemm_ternary_i32(w, xq, xq.astype(np.int32).sum(axis=1).astype(np.int32), raw)
+            assert (raw == sign * xval * k).all()
+
+
+def test_crossover_keeps_small_products_on_the_vector_path():
+    # with the crossover above m the product is the vector body's: the same bits either way, and the raw
+    # i32 path proves the call still works when the tiles decline it
+    K.set_tiles("emu")
+    try:
+        K.set_tile_min_rows(64)
+        assert K.tile_min_rows() == 64
+        wt, w, rs, xq, s, sm = _ternary_case(3, 50, 300, 5)
+        raw = np.empty((5, 50), np.int32)
+        used = K._tile_products()
+        K.gemm_ternary_i32(w, xq, sm, raw)
+        assert K._tile_products() == used
+        assert np.array_equal(raw, xq[:, :300].astype(np.int32) @ wt.astype(np.int32).T)
+    finally:
+        K.set_tile_min_rows(0)
+        K.set_isa(None)
+
+
+# ---------------------------------------------------------------- the emulated instructions themselves
+@pytest.mark.parametrize("a_signed", [True, False])
+@pytest.mark.parametrize("M,KK,N", [(16, 16, 16), (3, 5, 7), (1, 1, 1), (16, 2, 9)])
+def test_emulated_tdp_is_intels_dot_product(a_signed, M, KK, N):
+    rng = np.random.default_rng(M * 100 + KK * 10 + N)
+    a = rng.integers(-128, 128, size=(M, 4 * KK)).astype(np.int8 if a_signed else np.uint8) if a_signed else \
+        rng.integers(0, 256, size=(M, 4 * KK)).astype(np.uint8)
+    b = rng.integers(-128, 128, size=(KK, 4 * N)).astype(np.int8)
+    c0 = rng.integers(-1000, 1000, size=(M, N)).astype(np.int32)
+    c = c0.copy()
+    K._tile_emu_dot(a, b, c, a_signed)
+    # B in VNNI order: B[kk, 4n+q] is the element (k = 4kk+q, n)
+    b_kn = b.reshape(KK, N, 4).transpose(0, 2, 1).reshape(4 * KK, N)
+    assert np.array_equal(c, c0 + a.astype(np.int64) @ b_kn.astype(np.int64))
+
+
+def test_emulated_tdp_wraps_in_32_bits():
+    a = np.full((1, 64), -128, np.int8)
+    b = np.full((16, 4), -128, np.int8)
+    c = np.full((1, 1), 2**31 - 1, np.int32)
+    K._tile_emu_dot(a, b, c, True)
+    assert int(c[0, 0]) == ((2**31 - 1 + 64 * 128 * 128 + 2**31) % 2**32) - 2**31
+
+
+# ---------------------------------------------------------------- the switch: API, environment, bitnet info
+def test_tile_modes_and_refusals():
+    assert K.tiles() in ("off", "amx")
+    with pytest.raises(KernelError, match="unknown tile mode"):
+        K.set_tiles("bogus")
+    if not HW:
+        with pytest.raises(KernelError, match="AMX"):
+            K.set_tiles("amx")
+        with pytest.raises(KernelError, match="cannot run the 'amx'"):
+            K.set_isa("amx")
+        assert K.tiles() == "off"
+    K.set_tiles("emu")
+    assert K.tiles() == "emu"
+    K.set_isa(VECTOR_ISAS[-1])       # an explicit path turns the tiles off (BITNET_ISA=avx512 for A/B runs)
+    assert K.tiles() == "off"
+    K.set_isa(None)
+    assert K.tiles() == ("amx" if HW else "off")
+    assert K.active() == ("amx" if HW else VECTOR_ISAS[-1]) or not HW
+
+
+def test_reason_names_what_is_missing():
+    why = K.tiles_reason()
+    if HW:
+        assert "granted" in why
+    elif not CPU_HAS_AMX:
+        assert "no AMX" in why or "build" in why
+
+
+def _child(code, **env):
+    return subprocess.run([sys.executable, "-c", code], env=dict(os.environ, **env), capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_bitnet_tiles_env():
+    r = _child("from bitnet_cpu import simd; print(simd.tiles(), simd.tile_min_rows())", BITNET_TILES="emu",
+               BITNET_TILE_MIN_ROWS="4")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["emu", "4"]
+    r = _child("from bitnet_cpu import simd; simd.tiles()", BITNET_TILES="sideways")
+    assert r.returncode != 0 and "BITNET_TILES=sideways" in r.stderr
+    r = _child("from bitnet_cpu import simd; print(simd.tiles())", BITNET_ISA="avx512" if "avx512" in VECTOR_ISAS
+               else VECTOR_ISAS[-1])
+    assert r.returncode == 0 and r.stdout.split() == ["off"]
+
+
+def test_bitnet_info_names_the_tiles():
+    bindir = os.path.dirname(sys.executable)
+    r = subprocess.run([os.path.join(bindir, "bitnet"), "info"], capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, BITNET_TILES="emu"))
+    assert r.returncode == 0, r.stderr
+    line = next(ln for ln in r.stdout.splitlines() if ln.startswith("matrix tiles"))
+    assert "emu" in line and K.tiles_reason() in line
+    r = subprocess.run([os.path.join(bindir, "bitnet"), "info", "--json"], capture_output=True, text=True,
+                       timeout=120)
+    import json
+    f = json.loads(r.stdout)
+    assert f["tiles"] == ("amx" if HW else "off") and f["tiles_reason"] == K.tiles_reason()
+
+
+# ---------------------------------------------------------------- a whole model on the tiles
+def test_model_prefill_and_batch_on_tiles_give_the_same_tokens():
+    """The bundled model: a prompt's greedy continuation and its logits with every multi-row product on the
+    (emulated) tiles equal those of the vector path, bit for bit."""
+    code = ("import numpy as np; from bitnet_cpu.engine.api import load_model, SamplingParams; "
+            "llm = load_model(None, threads=2); "
+            "p = 'The quick brown fox jumps over the lazy dog. ' * 4; "
+            "print(repr(''.join(c.text for c in llm.generate(p, SamplingParams(temperature=0), max_tokens=12)))); "
+            "from bitnet_cpu.simd import _kernels as K; print(K._tile_products())")
+    emu = _child(code, BITNET_TILES="emu")
+    off = _child(code, BITNET_ISA="avx512" if "avx512" in VECTOR_ISAS else VECTOR_ISAS[-1])
+    assert emu.returncode == 0 and off.returncode == 0, emu.stderr + off.stderr
+    text_emu, used_emu = emu.stdout.strip().rsplit("\n", 1)
+    text_off, used_off = off.stdout.strip().rsplit("\n", 1)
+    assert int(used_emu) > 0 and int(used_off) == 0      # the prefill's products went through the tiles
+    assert text_emu == text_off and len(text_emu) > 2
