@@ -19,14 +19,17 @@ cdef extern from *:
     uint64_t bk_stream_read(const uint8_t *buf, size_t nbytes, int isa, int nt);
     int64_t bk_peak_dot(long iters, int isa, int vex, int nt);
     int64_t bk_peak_dot_macs_per_iter(int isa);
+    int64_t bk_peak_tile(long iters, int nt);
     """
     uint64_t bk_stream_read(const uint8_t *buf, size_t nbytes, int isa, int nt) nogil
     int64_t bk_peak_dot(long iters, int isa, int vex, int nt) nogil
     int64_t bk_peak_dot_macs_per_iter(int isa) nogil
+    int64_t bk_peak_tile(long iters, int nt) nogil
 
 
 cdef int _isa():
-    return _kernels.ISA_NAMES.index(_kernels.active())
+    # the vector path under the tiles: "amx" is avx512 with tiles on top
+    return _kernels.ISA_NAMES.index("avx512" if _kernels.active() == "amx" else _kernels.active())
 
 
 def stream_read(buf):
@@ -54,3 +57,15 @@ def peak_dot(long iters):
     with nogil:
         r = bk_peak_dot(iters, isa, vex, nt)
     return int(bk_peak_dot_macs_per_iter(isa) * iters * nt) + 0 * r
+
+
+def peak_tile(long iters):
+    """The AMX int8 peak: a register-only loop of tdpbssd on every kernel thread at once. Returns the
+    multiply-adds done; KernelError where the hardware tiles are not usable (simd._kernels.tiles_reason())."""
+    if "amx" not in _kernels.supported_isas():
+        raise KernelError(f"peak_tile: no hardware tiles here ({_kernels.tiles_reason()})")
+    cdef int nt = _kernels.get_num_threads()
+    cdef int64_t r
+    with nogil:
+        r = bk_peak_tile(iters, nt)
+    return int(r)

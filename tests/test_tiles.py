@@ -6,6 +6,7 @@ path underneath (the unpack is AVX-512 on the avx512 path, portable C elsewhere)
 odd tile counts per thread and the epilogue are the real code. Where /proc/cpuinfo shows amx_int8 the same
 cases run on the hardware too (and test_kernels.py's whole matrix runs with the "amx" path).
 """
+import json
 import os
 import subprocess
 import sys
@@ -242,7 +243,6 @@ def test_bitnet_info_names_the_tiles():
     assert "emu" in line and K.tiles_reason() in line
     r = subprocess.run([os.path.join(bindir, "bitnet"), "info", "--json"], capture_output=True, text=True,
                        timeout=120)
-    import json
     f = json.loads(r.stdout)
     assert f["tiles"] == ("amx" if HW else "off") and f["tiles_reason"] == K.tiles_reason()
 
@@ -263,3 +263,18 @@ def test_model_prefill_and_batch_on_tiles_give_the_same_tokens():
     text_off, used_off = off.stdout.strip().rsplit("\n", 1)
     assert int(used_emu) > 0 and int(used_off) == 0      # the prefill's products went through the tiles
     assert text_emu == text_off and len(text_emu) > 2
+
+
+# ---------------------------------------------------------------- the benchmark stays runnable
+def test_bench_tiles_runs_on_the_emulation(tmp_path):
+    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "bench_tiles.py")
+    out = tmp_path / "tiles.json"
+    r = subprocess.run([sys.executable, bench, "--emu", "--quick", "--threads", "1", "--ms", "4,16", "--json",
+                        str(out)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads(out.read_text())
+    assert res["emulated"] and [g["m"] for g in res["gemm"]] == [4, 16]
+    assert all(g["us_on"] > 0 and g["us_off"] > 0 for g in res["gemm"])
+    if not HW:   # without --emu a machine with no tiles gets the reason and exit 0
+        r = subprocess.run([sys.executable, bench], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0 and K.tiles_reason() in r.stdout

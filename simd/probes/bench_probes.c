@@ -191,3 +191,49 @@ int64_t bk_peak_dot(long iters, int isa, int vex, int nt) {
     for (int i = 0; i < nt; i++) total += (int64_t)args[i].result;
     return total;
 }
+
+/* bk_peak_tile: the AMX int8 peak, a register-only loop of tdpbssd (4 independent C tiles, A and B tiles
+ * loaded once: 4 x 16 x 16 x 64 multiply-adds per iteration) on nt threads at once. The caller makes sure
+ * the tiles are usable (simd._kernels.tiles_reason(): Linux's grant is per process, asked by _kernels). */
+#define TILE_PEAK_MACS_PER_ITER (4 * 16 * 16 * 64)
+int64_t bk_peak_tile_macs_per_iter(void) { return TILE_PEAK_MACS_PER_ITER; }
+
+#if defined(__x86_64__)
+static void *peak_tile_body(void *p) {
+    probe_arg *a = p;
+    static const struct {
+        uint8_t palette, start, reserved[14];
+        uint16_t colsb[16];
+        uint8_t rows[16];
+    } cfg = {1, 0, {0}, {64, 64, 64, 64, 64, 64, 64, 64}, {16, 16, 16, 16, 16, 16, 16, 16}};
+    static const int8_t ones[16 * 64] = {1};
+    long iters = a->iters;
+    __asm__ volatile("ldtilecfg %0" ::"m"(cfg));
+    __asm__ volatile("tileloadd (%0,%1,1), %%tmm4\n\t tileloadd (%0,%1,1), %%tmm5\n\t"
+                     "tileloadd (%0,%1,1), %%tmm6\n\t tileloadd (%0,%1,1), %%tmm7\n\t"
+                     "tilezero %%tmm0\n\t tilezero %%tmm1\n\t tilezero %%tmm2\n\t tilezero %%tmm3" ::"r"(ones),
+                     "r"(64L) : "memory");
+    __asm__ volatile("1:\n\t tdpbssd %%tmm6, %%tmm4, %%tmm0\n\t tdpbssd %%tmm7, %%tmm4, %%tmm1\n\t"
+                     "tdpbssd %%tmm6, %%tmm5, %%tmm2\n\t tdpbssd %%tmm7, %%tmm5, %%tmm3\n\t"
+                     "dec %0\n\t jnz 1b" : "+r"(iters) : : "cc");
+    __asm__ volatile("tilerelease" ::: "memory");
+    a->result = (uint64_t)a->iters * TILE_PEAK_MACS_PER_ITER;
+    return NULL;
+}
+#endif
+
+int64_t bk_peak_tile(long iters, int nt) {
+#if defined(__x86_64__)
+    probe_arg args[64];
+    if (nt < 1) nt = 1;
+    if (nt > 64) nt = 64;
+    for (int i = 0; i < nt; i++) args[i] = (probe_arg){0, 0, i, nt, NULL, 0, iters, 0};
+    run_threads(peak_tile_body, args, nt);
+    int64_t total = 0;
+    for (int i = 0; i < nt; i++) total += (int64_t)args[i].result;
+    return total;
+#else
+    (void)iters, (void)nt;
+    return 0;
+#endif
+}

@@ -1,0 +1,243 @@
+"""AMX tiles against the AVX-512 path (vpdpbusd), same build, same run, and beside the peers (not a test).
+
+    python bench/bench_tiles.py                        # kernels: the int8 peaks of both instruction paths, the
+                                                       # 2B-4T GEMMs and the int8 head at M rows, tiles on / off,
+                                                       # the crossover M per shape (~2 min)
+    python bench/bench_tiles.py --e2e [--llama-bench PATH] [--ik-bench PATH]
+                                                       # + pp512, a 4,096-token prompt, batched decode at
+                                                       # 1/4/8/16/32 sequences, bitnet serve at 16 clients,
+                                                       # tiles on / off, and the peers' pp512 / pp4096
+    python bench/bench_tiles.py --emu --quick          # harness check on any machine: the emulated tiles
+                                                       # (slow: the figures say nothing about speed)
+
+Tiles off is BITNET_ISA=avx512's choice (simd.set_isa("avx512")), tiles on is simd.set_isa("amx"): one process,
+alternating, so both sides see the same machine state. Each GEMM figure is GMAC/s and its share of the peak of
+its own instruction path (simd._probes.peak_dot: vpdpbusd zmm; peak_tile: tdpbssd), both measured in this run.
+The crossover of a shape is the smallest M from which the tiles win at every larger M measured: the value to put
+in tiles.h (BK_TILE_MIN_ROWS_AMX) / BITNET_TILE_MIN_ROWS. Without AMX hardware (and without --emu) the script
+says why and stops: the tiles are then only tested (tests/test_tiles.py), not timed.
+Models for --e2e: bench/make_models.py (the synthetic 2B-4T store, TQ2_0 and IQ2_BN files in bench/cache).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from bitnet_cpu.simd import _kernels as K  # noqa: E402
+from bitnet_cpu.simd import _probes as P  # noqa: E402
+from bitnet_cpu.simd import layout  # noqa: E402
+from bench_kernels import random_ternary_packed, timed  # noqa: E402
+
+# (name, N, K) of the 2B-4T layers; the int8 head is 128256 x 2560
+SHAPES = [("qkv", 3840, 2560), ("o", 2560, 2560), ("gate|up", 13824, 2560), ("down", 2560, 6912)]
+QUICK_SHAPES = [("o", 2560, 2560), ("down", 2560, 6912)]
+EMU_SHAPES = [("small", 256, 512)]
+
+
+def peaks(threads: int, tiles: bool) -> dict:
+    """GMAC/s of the register-only loops of both paths on `threads` threads at once (best of 3)."""
+    K.set_num_threads(threads)
+    out = {}
+    K.set_isa("avx512")
+    best = 0.0
+    for _ in range(3):
+        t0 = time.perf_counter()
+        macs = P.peak_dot(5_000_000)
+        best = max(best, macs / (time.perf_counter() - t0) / 1e9)
+    out["vpdpbusd"] = best
+    if tiles:
+        best = 0.0
+        for _ in range(3):
+            t0 = time.perf_counter()
+            macs = P.peak_tile(200_000)
+            best = max(best, macs / (time.perf_counter() - t0) / 1e9)
+        out["amx"] = best
+    return out
+
+
+def _mode(on: bool, emu: bool):
+    if not on:
+        K.set_isa("avx512" if "avx512" in K.supported_isas() else None)
+        if emu:
+            K.set_tiles("off")
+    elif emu:
+        K.set_tiles("emu")
+    else:
+        K.set_isa("amx")
+    K.set_tile_min_rows(1)
+
+
+def gemm_rows(shapes, ms, threads, emu, peak, min_time) -> list[dict]:
+    rng = np.random.default_rng(0)
+    rows = []
+    for name, n, k in shapes:
+        w = random_ternary_packed(rng, n, k, 1)[0]
+        rs = np.ones(n, np.float32)
+        k_pad = layout.pad_to(k, 64)
+        for m in ms:
+            xq = rng.integers(-127, 128, size=(m, k_pad), dtype=np.int8)
+            s, sm = np.ones(m, np.float32), xq.astype(np.int32).sum(axis=1).astype(np.int32)
+            out = np.empty((m, n), np.float32)
+            sec = {}
+            for on in (False, True, False, True):      # alternate: both sides see the same machine state
+                _mode(on, emu)
+                K.set_num_threads(threads)
+                t = timed(lambda: K.gemm_ternary(w, rs, xq, s, sm, out), min_time=min_time, max_calls=200)
+                sec[on] = min(sec.get(on, t), t)
+            macs = m * n * k
+            r = {"shape": name, "n": n, "k": k, "m": m, "threads": threads, "us_off": sec[False] * 1e6,
+                 "us_on": sec[True] * 1e6, "gmacs_off": macs / sec[False] / 1e9, "gmacs_on": macs / sec[True] / 1e9}
+            r["speedup"] = sec[False] / sec[True]
+            print(f"{name:8s} {n:>6d} x {k:<5d} M={m:<4d} {threads}t   avx512 {r['gmacs_off']:7.1f} GMAC/s "
+                  f"({100 * r['gmacs_off'] / peak['vpdpbusd']:3.0f}% of vpdpbusd)   tiles {r['gmacs_on']:7.1f} GMAC/s"
+                  + (f" ({100 * r['gmacs_on'] / peak['amx']:3.0f}% of AMX)" if "amx" in peak else "")
+                  + f"   x{r['speedup']:.2f}", flush=True)
+            rows.append(r)
+    return rows
+
+
+def head_rows(ms, threads, emu, min_time, n=128256, k=2560) -> list[dict]:
+    rng = np.random.default_rng(1)
+    w = rng.integers(-127, 128, size=layout.pad_to(n, 16) * k, dtype=np.int8)
+    rs, rowsum = np.ones(n, np.float32), np.zeros(n, np.int32)
+    rows = []
+    for m in ms:
+        xq = rng.integers(-127, 128, size=(m, k), dtype=np.int8)
+        s, out = np.ones(m, np.float32), np.empty((m, n), np.float32)
+        sec = {}
+        for on in (False, True, False, True):
+            _mode(on, emu)
+            K.set_num_threads(threads)
+            t = timed(lambda: K.gemm_i8(w, rs, rowsum, xq, s, out), min_time=min_time, max_calls=50)
+            sec[on] = min(sec.get(on, t), t)
+        print(f"head i8  {n:>6d} x {k:<5d} M={m:<4d} {threads}t   avx512 {sec[False] * 1e3:8.2f} ms   tiles "
+              f"{sec[True] * 1e3:8.2f} ms   x{sec[False] / sec[True]:.2f}", flush=True)
+        rows.append({"shape": "head_i8", "n": n, "k": k, "m": m, "threads": threads, "speedup": sec[False] / sec[True]})
+    return rows
+
+
+def crossovers(rows) -> dict:
+    """Per (shape, threads): the smallest measured M from which the tiles win at every larger measured M."""
+    res = {}
+    for key in sorted({(r["shape"], r["threads"]) for r in rows}):
+        rs = sorted((r for r in rows if (r["shape"], r["threads"]) == key), key=lambda r: r["m"])
+        cross = None
+        for i, r in enumerate(rs):
+            if all(x["speedup"] > 1.0 for x in rs[i:]):
+                cross = r["m"]
+                break
+        res[f"{key[0]}@{key[1]}t"] = cross
+    return res
+
+
+def e2e(threads: int, llama_bench: str | None, ik_bench: str | None) -> dict:
+    """Ours with tiles on / off (alternating, one process) and the peers' llama-bench, same models."""
+    import make_models
+    from llama_bench import llama_bench as run_peer
+    from bitnet_cpu.engine.api import SamplingParams, load_engine, load_model
+
+    paths = make_models.model_paths()
+    if not os.path.exists(paths["store_q4"]):
+        make_models.make()
+    res = {"ours": {}, "peers": {}}
+    rng = np.random.default_rng(2)
+    llm = load_model(paths["store_q4"], threads=threads, ctx=4608, progress=False)
+    for plen in (512, 4096):
+        prompt = rng.integers(100, 30000, size=plen).tolist()
+        for on in (False, True, False, True):
+            _mode(on, False)
+            st = [c.stats for c in llm.generate(prompt, SamplingParams(temperature=0), max_tokens=1) if c.stats][0]
+            key = f"pp{plen}_{'amx' if on else 'avx512'}"
+            res["ours"][key] = max(res["ours"].get(key, 0.0), st.prefill_tps)
+        print(f"pp{plen}: avx512 {res['ours'][f'pp{plen}_avx512']:.1f} tok/s, tiles {res['ours'][f'pp{plen}_amx']:.1f} tok/s",
+              flush=True)
+    del llm
+    for seqs in (1, 4, 8, 16, 32):
+        eng = load_engine(paths["store_q4"], threads=threads, parallel=seqs, ctx=256, progress=False)
+        for on in (False, True):
+            _mode(on, False)
+            prompts = [rng.integers(100, 30000, size=32).tolist() for _ in range(seqs)]
+            t0 = time.perf_counter()
+            streams = [eng.submit(p, SamplingParams(temperature=0), max_tokens=64, ignore_eos=True) for p in prompts]
+            toks = sum(sum(1 for c in s if c.token is not None) for s in streams)
+            res["ours"][f"batch{seqs}_{'amx' if on else 'avx512'}"] = toks / (time.perf_counter() - t0)
+        eng.close()
+        print(f"batched decode, {seqs} sequences of 32 + 64 tokens: avx512 {res['ours'][f'batch{seqs}_avx512']:.1f} "
+              f"tok/s, tiles {res['ours'][f'batch{seqs}_amx']:.1f} tok/s", flush=True)
+    for label, env in (("avx512", {"BITNET_ISA": "avx512"}), ("amx", {"BITNET_ISA": "amx"})):
+        out = os.path.join(HERE, "cache", f"serve_tiles_{label}.json")
+        subprocess.run([sys.executable, os.path.join(HERE, "bench_serve.py"), "--levels", "16", "--threads",
+                        str(threads), "--engines", "ours", "--json", out], env=dict(os.environ, **env), check=False)
+        if os.path.exists(out):
+            res["ours"][f"serve16_{label}"] = json.load(open(out))
+    for name, binary, model, extra in (("llama.cpp TQ2_0", llama_bench, paths["tq2_0"], ()),
+                                       ("ik_llama.cpp IQ2_BN_R4", ik_bench, paths["iq2_bn"], ("-rtr", "1"))):
+        if binary and os.path.exists(model):
+            for plen in (512, 4096):
+                res["peers"][f"{name} pp{plen}"] = run_peer(binary, model, threads, 0, extra, prompt=plen)
+        else:
+            print(f"{name}: left out (no llama-bench given or no {model})", file=sys.stderr)
+    return res
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", default="1,2", help="thread counts (kernels)")
+    ap.add_argument("--ms", default="1,2,4,8,12,16,24,32,64,128,512", help="GEMM row counts")
+    ap.add_argument("--quick", action="store_true", help="two shapes, fewer M, shorter timings")
+    ap.add_argument("--emu", action="store_true", help="the emulated tiles (harness check; any machine)")
+    ap.add_argument("--no-head", action="store_true", help="skip the int8 head")
+    ap.add_argument("--e2e", action="store_true", help="also prefill, batched decode and serve, and the peers")
+    ap.add_argument("--llama-bench", default=os.environ.get("LLAMA_BENCH"))
+    ap.add_argument("--ik-bench", default=os.environ.get("IK_LLAMA_BENCH"))
+    ap.add_argument("--json", default=None, help="write every figure here")
+    a = ap.parse_args(argv)
+    hw = "amx" in K.supported_isas()
+    if not hw and not a.emu:
+        print(f"bench_tiles: no AMX tiles to time here: {K.tiles_reason()}.\n"
+              "The tile kernels are tested on their emulation (tests/test_tiles.py); run this on an AMX machine "
+              "(Sapphire Rapids or later, Linux 5.16+), or with --emu for a harness check.")
+        return 0
+    if "avx512" not in K.supported_isas() and not a.emu:
+        print("bench_tiles: the tiles run beside the avx512 path, which this CPU lacks")
+        return 0
+    threads = [int(t) for t in a.threads.split(",")]
+    ms = [int(m) for m in a.ms.split(",")]
+    shapes = EMU_SHAPES if a.emu else (QUICK_SHAPES if a.quick else SHAPES)
+    if a.emu or a.quick:
+        ms = [m for m in ms if m in (1, 4, 16, 32, 64)] or ms[:3]
+    min_time = 0.02 if a.emu else (0.1 if a.quick else 0.25)
+    res = {"cpu": K.features(), "tiles_reason": K.tiles_reason(), "emulated": a.emu, "load": os.getloadavg()[0],
+           "peaks": {}, "gemm": [], "head": []}
+    print(f"tiles: {'EMULATED (timings say nothing about speed)' if a.emu else K.tiles_reason()}; load {res['load']:.1f}")
+    for t in threads:
+        pk = peaks(t, hw and not a.emu) if "avx512" in K.supported_isas() else {"vpdpbusd": float("nan")}
+        res["peaks"][t] = pk
+        print(f"{t} thread(s): int8 peaks " + ", ".join(f"{k} {v:.0f} GMAC/s" for k, v in pk.items())
+              + (f" (AMX / vpdpbusd = {pk['amx'] / pk['vpdpbusd']:.1f}x)" if "amx" in pk else ""), flush=True)
+        res["gemm"] += gemm_rows(shapes, ms, t, a.emu, pk, min_time)
+        if not a.no_head and not a.emu:
+            res["head"] += head_rows([m for m in ms if m > 8][:4] or [16], t, a.emu, min_time)
+    res["crossover"] = crossovers(res["gemm"] + res["head"])
+    print("crossover M (tiles win from here on):", ", ".join(f"{k} {v}" for k, v in res["crossover"].items()))
+    if a.e2e and not a.emu:
+        res["e2e"] = e2e(threads[-1], a.llama_bench, a.ik_bench)
+    K.set_isa(None)
+    K.set_tile_min_rows(0)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=1, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
