@@ -278,3 +278,58 @@ def test_bench_tiles_runs_on_the_emulation(tmp_path):
     if not HW:   # without --emu a machine with no tiles gets the reason and exit 0
         r = subprocess.run([sys.executable, bench], capture_output=True, text=True, timeout=120)
         assert r.returncode == 0 and K.tiles_reason() in r.stdout
+
+
+# ---------------------------------------------------------------- aarch64: the emulated tiles under NEON
+AARCH64_HARNESS = r"""
+#include "tiles.h"
+
+/* every aarch64 path with the emulated tiles on top against the same path without them: ternary GEMM (tile16
+ * and base-3) and the int8 head, M around the 16-row groups, N not a multiple of 32, threads 1 and 3 */
+int main(void) {
+    static const int PATHS[4] = {BK_ISA_SCALAR, BK_ISA_NEON, BK_ISA_DOTPROD, BK_ISA_I8MM};
+    static const int MS[6] = {1, 3, 16, 17, 33, 40};
+    const int n = 37 * 16 - 3, k_pad = 320, n_pad = 37 * 16;
+    uint8_t *wt = malloc((size_t)n_pad * k_pad / 4);
+    int8_t *wi = malloc((size_t)n_pad * k_pad), *xq = malloc(40 * (size_t)k_pad);
+    int32_t *rowsum = calloc(n_pad, 4), act_sum[40];
+    float *row_scale = malloc(4 * (size_t)n_pad), act_scale[40];
+    for (size_t i = 0; i < (size_t)n_pad * k_pad / 4; i++) /* four valid codes (0, 1, 2) per byte */
+        wt[i] = (uint8_t)(rnd() % 3 | (rnd() % 3) << 2 | (rnd() % 3) << 4 | (rnd() % 3) << 6);
+    for (size_t i = 0; i < (size_t)n_pad * k_pad; i++) wi[i] = (int8_t)(rnd() % 255 - 127);
+    for (int i = 0; i < n_pad; i++) row_scale[i] = 0.5f + (rnd() % 1000) / 1000.0f;
+    for (int r = 0; r < 40; r++) {
+        act_sum[r] = 0;
+        act_scale[r] = 0.25f + (rnd() % 1000) / 500.0f;
+        for (int c = 0; c < k_pad; c++) act_sum[r] += (xq[(size_t)r * k_pad + c] = (int8_t)(rnd() % 256 - 128));
+    }
+    float *a = malloc(4 * 40 * (size_t)n), *b = malloc(4 * 40 * (size_t)n);
+    for (int p = 0; p < 4; p++)
+        for (int th = 1; th <= 3; th += 2)
+            for (int i = 0; i < 6; i++) {
+                int m = MS[i];
+                CHECK(bk_set_isa(PATHS[p]) == 0, "path %d", PATHS[p]);
+                bk_set_num_threads(th);
+                bk_gemm_ternary(wt, row_scale, xq, m, k_pad, act_scale, act_sum, a, NULL, n);
+                CHECK(bk_set_tiles(BK_TILES_EMU) == 0, "emu tiles");
+                uint64_t used = bk_tiles_products();
+                bk_gemm_ternary(wt, row_scale, xq, m, k_pad, act_scale, act_sum, b, NULL, n);
+                CHECK(bk_tiles_products() > used, "tiles not taken path %d m %d", PATHS[p], m);
+                CHECK(!memcmp(a, b, 4 * (size_t)m * n), "gemm_ternary tiles path %d m %d threads %d", PATHS[p], m, th);
+                bk_set_tiles(BK_TILES_OFF);
+                CHECK(bk_gemm_i8(wi, row_scale, rowsum, xq, m, k_pad, act_scale, a, NULL, n) == 0, "gemm_i8");
+                bk_set_tiles(BK_TILES_EMU);
+                CHECK(bk_gemm_i8(wi, row_scale, rowsum, xq, m, k_pad, act_scale, b, NULL, n) == 0, "gemm_i8 tiles");
+                CHECK(!memcmp(a, b, 4 * (size_t)m * n), "gemm_i8 tiles path %d m %d threads %d", PATHS[p], m, th);
+            }
+    printf("ALL OK\n");
+    return 0;
+}
+"""
+
+
+def test_emulated_tiles_under_every_aarch64_path(tmp_path):
+    cross_c = pytest.importorskip("cross_c")
+    if not (cross_c.CC_AARCH64 and cross_c.QEMU_AARCH64):
+        pytest.skip("needs aarch64-linux-gnu-gcc and qemu-aarch64 (apt-get install gcc-aarch64-linux-gnu qemu-user)")
+    cross_c.run_harness(tmp_path, AARCH64_HARNESS, name="tiles_aarch64")
