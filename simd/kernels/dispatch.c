@@ -215,7 +215,7 @@ int bk_get_tile_min_rows(void) { return tile_min_rows; }
 
 static void apply(int isa, int mode) {
     bk_fill_table(&bk_table, isa);
-    bk_tiles_fill(mode, isa);
+    bk_tiles_fill(mode, isa, tile_min_rows);
     current_isa = isa;
     tiles_mode = mode;
 }

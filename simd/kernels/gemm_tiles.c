@@ -159,7 +159,7 @@ AVX512_TARGET static void unpack_avx512(const uint8_t *p, int kb, int8_t *dst) {
 /* dispatch.c, after filling bk_table for isa: the tile bodies go in front of the vector ones (mode AMX only
  * with the AVX-512 path, whose unpack it uses; EMU on any path, unpacking with AVX-512 where that is the path
  * so the same unpack is tested, else in portable C). */
-void bk_tiles_fill(int mode, int isa) {
+void bk_tiles_fill(int mode, int isa, int min_rows) {
     tiles_mode = mode;
     tiles_fallback_ternary = bk_table.gemm_ternary;
     tiles_unpack = unpack_scalar;
@@ -168,7 +168,6 @@ void bk_tiles_fill(int mode, int isa) {
 #else
     (void)isa;
 #endif
-    const int min_rows = bk_get_tile_min_rows();
     tiles_min_rows = min_rows > 0 ? min_rows : (mode == BK_TILES_EMU ? 1 : BK_TILE_MIN_ROWS_AMX);
 #if BK_HAVE_AMX
     if (mode == BK_TILES_AMX) bk_table.gemm_ternary = gemm_ternary_tiles_amx;

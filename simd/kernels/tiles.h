@@ -59,7 +59,7 @@ void bk_emu_tile_dpbssd(int c, int a, int b); /* C += A (s8) . B (s8) */
 void bk_emu_tile_dpbusd(int c, int a, int b); /* C += A (u8) . B (s8) */
 
 /* gemm_tiles.c: the tile bodies, put in front of the vector ones by bk_tiles_fill (dispatch.c). */
-void bk_tiles_fill(int mode, int isa);
+void bk_tiles_fill(int mode, int isa, int min_rows); /* min_rows <= 0: the mode's default */
 uint64_t bk_tiles_products(void); /* tile-body calls that ran on the tiles, since the process started */
 /* int8 head, M rows (gemv_i8.c's bk_gemm_i8 asks first): 1 when it ran the product on the tiles, 0 when the
  * tiles are off, m is under the crossover or a thread had no scratch (the vector path then does it all). */
