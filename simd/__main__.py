@@ -14,8 +14,9 @@ def _main() -> int:
         print(f"features: {', '.join(k for k, v in feats.items() if v)}")
         print(f"active:   {simd.active()}")
         arm = platform.machine().lower() in ("aarch64", "arm64")
-        names = "scalar|neon|dotprod|i8mm" if arm else "scalar|avx2|avxvnni|avx512"
+        names = "scalar|neon|dotprod|i8mm" if arm else "scalar|avx2|avxvnni|avx512|amx"
         print(f"paths:    {', '.join(simd.supported_isas())} (force one with BITNET_ISA={names})")
+        print(f"tiles:    {simd.tiles()} ({simd.tiles_reason()}; BITNET_TILES=emu runs their emulation)")
         print(f"threads:  {simd.get_num_threads()}")
         return 0
     except BitNetError as e:  # e.g. BITNET_ISA naming a path this CPU cannot run
