@@ -258,7 +258,8 @@ class Engine(_Text, BatchScheduler):
         n_ctx = int(ctx or serving_ctx(cfg))
         if ctx is None and n_ctx > cfg.context_length:
             self.warnings.append(f"context {n_ctx} (a server's default: at least {SERVE_MIN_CTX}) is past the "
-                                 f"{cfg.context_length} tokens the model was trained on; -c {cfg.context_length} keeps to it")
+                                 f"{cfg.context_length} tokens the model was trained on; -c {cfg.context_length} "
+                                 "keeps to it")
         from .batching.kv_pool import KVPool
         per_tok = KVPool.bytes_per_token(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, kv_dtype)
         if kv_pool_tokens is not None and kv_pool_mib is not None:
@@ -283,7 +284,8 @@ def load_engine(model: str | None = None, *, ctx: int | None = None, threads: in
                 kv_dtype: str = "f16", progress: bool = True, lm_head: str | None = None,
                 kv_pool_mib: float | None = None, lookup: LookupParams | None = None, mmap: bool | None = None) -> Engine:
     """A batching engine over `model` (as load_model opens it), its scheduler thread started.
-    ctx: per-sequence context (default: serving_ctx, the model's trained context but 2048 to 4096); parallel: sequences running at once; kv_pool_tokens: KV pool size in tokens
+    ctx: per-sequence context (default: serving_ctx, the model's trained context but 2048 to 4096);
+    parallel: sequences running at once; kv_pool_tokens: KV pool size in tokens
     (default parallel*ctx, capped at 4 GiB of pages but at least one context), or kv_pool_mib in MiB;
     max_batch_tokens: rows per step;
     max_queue: waiting requests before submit() raises QueueFullError;

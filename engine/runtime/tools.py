@@ -21,7 +21,7 @@ import uuid
 from dataclasses import dataclass
 
 from ..errors import ConstraintError
-from .constraints import Constraint, check
+from .constraints import Constraint, bounded_integers, check
 
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 DEFAULT_SYSTEM_BLOCK = (
@@ -107,7 +107,8 @@ class ToolFormat:
     # ---- the grammar ----------------------------------------------------------------------------------
     def _call_schema(self, functions: list[Function]) -> dict:
         one = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
-                "properties": {"name": {"const": f.name}, "arguments": f.parameters}} for f in functions]
+                "properties": {"name": {"const": f.name}, "arguments": bounded_integers(f.parameters)}}
+               for f in functions]
         return {"x-guidance": COMPACT_JSON, **({"oneOf": one} if len(one) > 1 else one[0])}
 
     def _call_rule(self, functions) -> str:
@@ -144,7 +145,8 @@ class Llama3JsonFormat(ToolFormat):
 
     def _call_schema(self, functions):
         one = [{"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
-                "properties": {"name": {"const": f.name}, "parameters": f.parameters}} for f in functions]
+                "properties": {"name": {"const": f.name}, "parameters": bounded_integers(f.parameters)}}
+               for f in functions]
         return {"x-guidance": COMPACT_JSON, **({"oneOf": one} if len(one) > 1 else one[0])}
 
     def _call_rule(self, functions):
