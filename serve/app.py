@@ -451,7 +451,7 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
             if first:
                 delta = {"role": "assistant", "content": ""}
             elif parser is not None:   # tool calls: content streams, each call goes out once its block closes
-                delta = tool_delta(i, *(parser.feed(text) if text is not None else parser.finish()))
+                delta = tool_delta(i, *(parser.feed(text) if text is not None else parser.finish(finish == "length")))
                 if text is not None and not delta:
                     return None
                 if finish == "stop" and n_calls[i]:
@@ -466,7 +466,7 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
             parser = parsers[i]
             if parser is not None:
                 content, calls = parser.feed(text)
-                rest, more = parser.finish()
+                rest, more = parser.finish(finish == "length")   # a call cut off: the call so far, not markup
                 calls += more
                 message["content"] = (content + rest) or None if calls else content + rest
                 if calls:
