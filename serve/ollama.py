@@ -492,7 +492,9 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
         async def handler(request: Request):
             raise OllamaError(501, why)
         handler.__name__ = f"api_{name}"
-        app.add_api_route(f"/api/{name}", handler, methods=["POST", "DELETE"] if name == "delete" else ["POST"])
+        # answered (ollama's clients get the reason), but no operation of this API: /openapi.json does not list it
+        app.add_api_route(f"/api/{name}", handler, methods=["POST", "DELETE"] if name == "delete" else ["POST"],
+                          include_in_schema=False)
 
     for name, why in UNSUPPORTED_ENDPOINTS.items():
         unsupported(name, why)
