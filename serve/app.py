@@ -454,7 +454,7 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
                 delta = tool_delta(i, *(parser.feed(text) if text is not None else parser.finish(finish == "length")))
                 if text is not None and not delta:
                     return None
-                if finish == "stop" and n_calls[i]:
+                if finish == "stop" and n_calls[i] and not parser.cut_call:   # a cut call is not to be run
                     finish = "tool_calls"
             else:
                 delta = {"content": text} if text is not None else {}
@@ -471,7 +471,7 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
                 message["content"] = (content + rest) or None if calls else content + rest
                 if calls:
                     message["tool_calls"] = calls
-                    finish = "tool_calls" if finish == "stop" else finish
+                    finish = "tool_calls" if finish == "stop" and not parser.cut_call else finish
             return {"index": i, "message": message, "logprobs": logprobs(lps), "finish_reason": finish}
         out = await respond(request, body, streams, q, len(prompt_ids), make_chunk, make_choice)
         return {**head, "object": "chat.completion", **out} if isinstance(out, dict) else out

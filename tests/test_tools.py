@@ -5,6 +5,7 @@ trip, and 400s naming the field (examples/agent.py, run as its docstring says: t
 from __future__ import annotations
 
 import json
+import re
 from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
@@ -210,6 +211,17 @@ def test_call_cut_by_max_tokens_is_a_partial_call(client, model_id, cut):
     deltas = [d for ch in chunks if ch.choices for d in (ch.choices[0].delta.tool_calls or [])]
     assert [(d.index, d.function.name, d.function.arguments) for d in deltas] == [(0, call.function.name, args)]
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason] == ["length"]
+
+
+def test_call_cut_by_a_stop_string_is_no_text_and_not_tool_calls(client, model_id):
+    """A stop string inside a call cuts it as max_tokens does: the call so far, no markup in content, and the finish
+    reason stays stop (not tool_calls: a cut call is not to be run)."""
+    r = client.chat.completions.create(model=model_id, messages=Q, tools=TOOLS, temperature=0, max_tokens=200,
+                                       tool_choice={"type": "function", "function": {"name": "add"}}, stop=['"b"'])
+    c = r.choices[0]
+    assert c.finish_reason == "stop" and not c.message.content, c
+    [call] = c.message.tool_calls
+    assert call.function.name == "add" and re.fullmatch(r'\{"a":-?[0-9]+,', call.function.arguments), call
 
 
 @pytest.mark.parametrize("body, param", [

@@ -201,6 +201,7 @@ class HermesParser:
         self.buf = ""
         self.in_call = False
         self.n_calls = 0
+        self.cut_call = False   # finish() gave a call cut off (a stop string too): never to be run
 
     def feed(self, text: str) -> tuple[str, list[dict]]:
         self.buf += text
@@ -236,7 +237,7 @@ class HermesParser:
         start of <tool_call> was one."""
         rest, self.buf = self.buf, ""
         if self.in_call or (cut and rest and HERMES_OPEN.startswith(rest)):   # cut off inside a call: as far as
-            started, self.in_call = self.in_call, False                          # it was written, never as text
+            started, self.in_call, self.cut_call = self.in_call, False, True     # it was written, never as text
             return "", [partial_call(rest if started else "", "arguments")]
         return (rest if not self.n_calls else rest.strip()), []
 
@@ -270,6 +271,7 @@ class JsonCallParser:
 
     def __init__(self):
         self.buf, self.mode = "", None
+        self.cut_call = False
 
     def feed(self, text):
         self.buf += text
@@ -291,4 +293,5 @@ class JsonCallParser:
                                       "arguments": json.dumps(obj.get("parameters", obj.get("arguments", {})),
                                                               ensure_ascii=False)}}]
         except (ValueError, KeyError, TypeError):   # cut off (max_tokens, the context): the call so far
+            self.cut_call = True
             return "", [partial_call(rest, "parameters")]
