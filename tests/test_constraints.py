@@ -174,7 +174,8 @@ def test_bounded_integers_rewrites_only_unbounded_integers():
         "n": {"type": "number"}, "in": {"type": ["integer", "null"]}, "mixed": {"type": ["integer", "number"]},
         "arr": {"type": "array", "items": {"type": "integer"}}, "any": {"anyOf": [{"type": "integer"}, {"type": "string"}]},
         "type": {"$ref": "#/$defs/x"}, "enum": {"type": "integer", "enum": [1, 2]},
-        "c": {"const": {"type": "integer"}}, "d4": {"type": "integer", "minimum": 0, "exclusiveMinimum": True}},
+        "c": {"const": {"type": "integer"}}, "d4": {"type": "integer", "minimum": 0, "exclusiveMinimum": True},
+        "big": {"type": "integer", "maximum": 1e30}},
         "$defs": {"x": {"type": "integer", "maximum": 5}}}
     out = bounded_integers(schema)
     p = out["properties"]
@@ -187,6 +188,7 @@ def test_bounded_integers_rewrites_only_unbounded_integers():
     assert out["$defs"]["x"] == {"type": "integer", "maximum": 5, "minimum": b[0]}
     assert p["c"] == {"const": {"type": "integer"}}   # data, not a schema
     assert p["d4"] == {"type": "integer", "minimum": 0, "exclusiveMinimum": True, "maximum": b[1]}
+    assert p["big"] == {"type": "integer", "maximum": 1e30}   # past int64 on purpose: left as the schema says
     assert schema["properties"]["i"] == {"type": "integer"}   # a copy: the caller's schema is untouched
 
 

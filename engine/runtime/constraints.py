@@ -154,11 +154,12 @@ def bounded_integers(schema):
     if "integer" in types and "number" not in types:
         def bound(key, exclusive):   # a draft-4 boolean exclusiveMinimum qualifies `minimum`; it is no bound itself
             return _is_num(out.get(key)) or _is_num(out.get(exclusive))
-        lo = out.get("minimum", out.get("exclusiveMinimum"))
-        hi = out.get("maximum", out.get("exclusiveMaximum"))
-        if not bound("minimum", "exclusiveMinimum") and not (_is_num(hi) and hi < -INT_BOUND):
+        given = [out.get(k) for k in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum")]
+        if any(_is_num(v) and abs(v) > INT_BOUND for v in given):
+            return out   # the schema asks for integers past int64: its own bounds stand alone
+        if not bound("minimum", "exclusiveMinimum"):
             out["minimum"] = -INT_BOUND
-        if not bound("maximum", "exclusiveMaximum") and not (_is_num(lo) and lo > INT_BOUND):
+        if not bound("maximum", "exclusiveMaximum"):
             out["maximum"] = INT_BOUND
     return out
 
