@@ -56,7 +56,8 @@ def add_engine_args(p: argparse.ArgumentParser, *, n_predict_default: int | None
         p.add_argument("-n", "--n-predict", "--max-tokens", dest="n_predict", type=int, default=n_predict_default,
                        metavar="N", help="max tokens per answer (-1 = until the end of text or a full context)")
     p.add_argument("-c", "--ctx-size", "--ctx", dest="ctx", type=int, default=None, metavar="N",
-                   help="context size in tokens, of each sequence (default: min(model's, 4096))%(default).0s")
+                   help="context size in tokens, of each sequence (default: min(model's, 4096); bitnet serve: "
+                        "at least 2048)%(default).0s")
     p.add_argument("-t", "--threads", type=int, default=None, metavar="N",
                    help="CPU threads (default: one per physical core, or $OMP_NUM_THREADS)%(default).0s")
     p.add_argument("--kv", dest="kv", choices=("f16", "f32", "q8"), default="f16",

@@ -130,9 +130,12 @@ def main(args) -> int:
     lookup = lookup_from_flags(args.draft_max, args.lookup_ngram_min)
 
     def load():
-        return load_engine(args.model, ctx=args.ctx, threads=args.threads, parallel=args.parallel,
-                           max_queue=args.max_queue, kv_dtype=args.kv, progress=True, lookup=lookup,
-                           mmap=args.mmap)
+        eng = load_engine(args.model, ctx=args.ctx, threads=args.threads, parallel=args.parallel,
+                          max_queue=args.max_queue, kv_dtype=args.kv, progress=True, lookup=lookup,
+                          mmap=args.mmap)
+        for w in eng.warnings:   # a default context past the trained one, -t above the cores
+            print(f"bitnet serve: warning: {w}", file=sys.stderr, flush=True)
+        return eng
 
     limits = limits_from_args(args)
     app = create_app(load, api_key=args.api_key, api_keys=keys, sampling=sampling, limits=limits,

@@ -230,6 +230,17 @@ from .batching.scheduler import BatchScheduler  # noqa: E402  (batching imports 
 DEFAULT_POOL_BYTES = 4 << 30  # default KV pool cap (untouched pages cost no memory: the pool is lazily mapped)
 
 
+# A server's prompts carry what its clients send (a tool list, a system prompt): a model trained on a short context
+# (the bundled one: 512 tokens) is served with at least this many, as llama-server and ollama serve any model
+# with 4096 whatever it was trained on. Past the trained length RoPE extrapolates: worse text there, not an error.
+SERVE_MIN_CTX = 2048
+
+
+def serving_ctx(cfg: ModelConfig) -> int:
+    """load_engine's default context: the model's trained context, at least SERVE_MIN_CTX and at most 4096."""
+    return min(max(cfg.context_length, SERVE_MIN_CTX), 4096)
+
+
 class Engine(_Text, BatchScheduler):
     """Many sequences through one model (see load_engine). Attributes: config, n_ctx, name, tokenizer, load_s."""
 
@@ -244,7 +255,11 @@ class Engine(_Text, BatchScheduler):
         if ctx is not None and ctx < 1:
             raise BitNetError(f"-c/--ctx {ctx}: must be >= 1")
         check_kv_dtype(kv_dtype)
-        n_ctx = int(ctx or min(cfg.context_length, 4096))
+        n_ctx = int(ctx or serving_ctx(cfg))
+        if ctx is None and n_ctx > cfg.context_length:
+            self.warnings.append(f"context {n_ctx} (a server's default: at least {SERVE_MIN_CTX}) is past the "
+                                 f"{cfg.context_length} tokens the model was trained on; -c {cfg.context_length} "
+                                 "keeps to it")
         from .batching.kv_pool import KVPool
         per_tok = KVPool.bytes_per_token(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, kv_dtype)
         if kv_pool_tokens is not None and kv_pool_mib is not None:
@@ -269,7 +284,8 @@ def load_engine(model: str | None = None, *, ctx: int | None = None, threads: in
                 kv_dtype: str = "f16", progress: bool = True, lm_head: str | None = None,
                 kv_pool_mib: float | None = None, lookup: LookupParams | None = None, mmap: bool | None = None) -> Engine:
     """A batching engine over `model` (as load_model opens it), its scheduler thread started.
-    ctx: per-sequence context; parallel: sequences running at once; kv_pool_tokens: KV pool size in tokens
+    ctx: per-sequence context (default: serving_ctx, the model's trained context but 2048 to 4096);
+    parallel: sequences running at once; kv_pool_tokens: KV pool size in tokens
     (default parallel*ctx, capped at 4 GiB of pages but at least one context), or kv_pool_mib in MiB;
     max_batch_tokens: rows per step;
     max_queue: waiting requests before submit() raises QueueFullError;

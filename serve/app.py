@@ -451,10 +451,10 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
             if first:
                 delta = {"role": "assistant", "content": ""}
             elif parser is not None:   # tool calls: content streams, each call goes out once its block closes
-                delta = tool_delta(i, *(parser.feed(text) if text is not None else parser.finish()))
+                delta = tool_delta(i, *(parser.feed(text) if text is not None else parser.finish(finish == "length")))
                 if text is not None and not delta:
                     return None
-                if finish == "stop" and n_calls[i]:
+                if finish == "stop" and n_calls[i] and not parser.cut_call:   # a cut call is not to be run
                     finish = "tool_calls"
             else:
                 delta = {"content": text} if text is not None else {}
@@ -466,12 +466,12 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
             parser = parsers[i]
             if parser is not None:
                 content, calls = parser.feed(text)
-                rest, more = parser.finish()
+                rest, more = parser.finish(finish == "length")   # a call cut off: the call so far, not markup
                 calls += more
                 message["content"] = (content + rest) or None if calls else content + rest
                 if calls:
                     message["tool_calls"] = calls
-                    finish = "tool_calls" if finish == "stop" else finish
+                    finish = "tool_calls" if finish == "stop" and not parser.cut_call else finish
             return {"index": i, "message": message, "logprobs": logprobs(lps), "finish_reason": finish}
         out = await respond(request, body, streams, q, len(prompt_ids), make_chunk, make_choice)
         return {**head, "object": "chat.completion", **out} if isinstance(out, dict) else out

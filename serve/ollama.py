@@ -313,7 +313,7 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
                             yield json.dumps({"error": ENGINE_FAULT}) + "\n"
                             return
                         if ch.finish_reason is not None and parser is not None:
-                            rest, more = parser.finish()
+                            rest, more = parser.finish(DONE.get(ch.finish_reason) == "length")
                             text, calls = text + rest, calls + more
                         if text or calls:
                             obj = {"model": model, "created_at": _now(), **piece(text, calls), "done": False}
@@ -356,7 +356,7 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
         text, calls = "".join(pieces), []
         if parser is not None:
             text, calls = parser.feed(text)
-            rest, more = parser.finish()
+            rest, more = parser.finish(DONE.get(final.finish_reason) == "length")
             text, calls = text + rest, calls + more
         obj = {"model": model, "created_at": _now(), **piece(text, calls), **final_fields(t0, final, t_first)}
         if body.logprobs:
@@ -375,10 +375,15 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
 
         def piece(text, calls=()):
             message = {"role": "assistant", "content": text}
-            if calls:   # ollama's shape: arguments as an object, no call ids
-                message["tool_calls"] = [{"function": {"name": c["function"]["name"],
-                                                       "arguments": json.loads(c["function"]["arguments"])}}
-                                         for c in calls]
+            whole = []
+            for c in calls:   # ollama's shape: arguments as an object, no call ids
+                try:
+                    whole.append({"function": {"name": c["function"]["name"],
+                                               "arguments": json.loads(c["function"]["arguments"])}})
+                except ValueError:   # a call cut by num_predict has no arguments object: left out (done_reason length)
+                    pass
+            if whole:
+                message["tool_calls"] = whole
             return {"message": message}
         if not body.messages:
             return loaded(body, piece)
@@ -487,7 +492,9 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
         async def handler(request: Request):
             raise OllamaError(501, why)
         handler.__name__ = f"api_{name}"
-        app.add_api_route(f"/api/{name}", handler, methods=["POST", "DELETE"] if name == "delete" else ["POST"])
+        # answered (ollama's clients get the reason), but no operation of this API: /openapi.json does not list it
+        app.add_api_route(f"/api/{name}", handler, methods=["POST", "DELETE"] if name == "delete" else ["POST"],
+                          include_in_schema=False)
 
     for name, why in UNSUPPORTED_ENDPOINTS.items():
         unsupported(name, why)

@@ -33,7 +33,8 @@ def wait_healthy(url: str, timeout: float, proc=None, poll: float = 0.2) -> bool
 
 
 class Server:
-    def __init__(self, *extra: str, threads: int = 2, timeout: float | None = None):
+    def __init__(self, *extra: str, threads: int | None = 2, timeout: float | None = None):
+        """threads None: no -t (the server's own default)."""
         from helpers import slowness
         if timeout is None:   # loading the model: seconds here, minutes under qemu
             timeout = 60.0 * slowness()
@@ -42,7 +43,7 @@ class Server:
         env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "bitnet_cpu", "serve", "--host", "127.0.0.1", "--port", str(self.port),
-             "-t", str(threads), *extra],
+             *(["-t", str(threads)] if threads else []), *extra],
             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         if wait_healthy(self.url, timeout, self.proc):
             return

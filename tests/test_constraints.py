@@ -134,6 +134,64 @@ def test_ignore_eos_still_ends_when_the_grammar_is_complete(llm):
     jsonschema.validate(json.loads(text), PERSON)
 
 
+# ---- unbounded integers get int64's range ---------------------------------------------------------------------
+INT64 = (-2 ** 63, 2 ** 63 - 1)
+TWO_INTS = {"type": "object", "additionalProperties": False, "required": ["a", "b"],
+            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}
+
+
+@pytest.mark.parametrize("question", ["What is 1001+889?", "Give me two numbers as JSON.", "What is 17*3?"])
+def test_unbounded_integers_end_in_int64(llm, question):
+    """Unbounded, the bundled model writes digits until max_tokens ('{"a":29901099901990900199...', finish
+    length); bounded, each answer ends well within 600 tokens, parses, and every integer fits int64."""
+    text, _, last = _run(llm, _ask(llm, question), MODES["greedy"], Constraint.json_schema(TWO_INTS), max_tokens=600)
+    assert last.finish_reason != "length", text[:200]
+    got = json.loads(text)
+    jsonschema.validate(got, TWO_INTS)
+    assert all(INT64[0] <= v <= INT64[1] for v in got.values()), got
+
+
+def test_unbounded_integer_in_a_forced_tool_call_ends_in_int64(llm):
+    from bitnet_cpu.engine.runtime.tools import functions_from_tools, tool_format
+    tools = [{"type": "function", "function": {"name": "add", "parameters": TWO_INTS}}]
+    fmt = tool_format(None)
+    spec = fmt.constraint(functions_from_tools(tools), "required", False)
+    text, _, last = _run(llm, llm.chat_prompt([{"role": "user", "content": "What is 1001+889?"}], tools=tools),
+                         MODES["greedy"], spec, max_tokens=600)
+    assert last.finish_reason != "length", text[:200]
+    parser = fmt.parser()
+    _, calls = parser.feed(text)
+    calls += parser.finish()[1]
+    args = json.loads(calls[0]["function"]["arguments"])
+    assert all(INT64[0] <= v <= INT64[1] for v in args.values()), args
+
+
+def test_bounded_integers_rewrites_only_unbounded_integers():
+    from bitnet_cpu.engine.runtime.constraints import INT_BOUND, bounded_integers
+    b = (-INT_BOUND, INT_BOUND)
+    schema = {"type": "object", "properties": {
+        "i": {"type": "integer"}, "lo": {"type": "integer", "minimum": 3}, "hi": {"type": "integer", "exclusiveMaximum": 9},
+        "n": {"type": "number"}, "in": {"type": ["integer", "null"]}, "mixed": {"type": ["integer", "number"]},
+        "arr": {"type": "array", "items": {"type": "integer"}}, "any": {"anyOf": [{"type": "integer"}, {"type": "string"}]},
+        "type": {"$ref": "#/$defs/x"}, "enum": {"type": "integer", "enum": [1, 2]},
+        "c": {"const": {"type": "integer"}}, "d4": {"type": "integer", "minimum": 0, "exclusiveMinimum": True},
+        "big": {"type": "integer", "maximum": 1e30}},
+        "$defs": {"x": {"type": "integer", "maximum": 5}}}
+    out = bounded_integers(schema)
+    p = out["properties"]
+    assert (p["i"]["minimum"], p["i"]["maximum"]) == b
+    assert (p["lo"]["minimum"], p["lo"]["maximum"]) == (3, b[1])
+    assert p["hi"] == {"type": "integer", "exclusiveMaximum": 9, "minimum": b[0]}
+    assert p["n"] == {"type": "number"} and p["mixed"] == {"type": ["integer", "number"]}
+    assert (p["in"]["minimum"], p["in"]["maximum"]) == b
+    assert (p["arr"]["items"]["minimum"], p["any"]["anyOf"][0]["maximum"]) == (b[0], b[1])
+    assert out["$defs"]["x"] == {"type": "integer", "maximum": 5, "minimum": b[0]}
+    assert p["c"] == {"const": {"type": "integer"}}   # data, not a schema
+    assert p["d4"] == {"type": "integer", "minimum": 0, "exclusiveMinimum": True, "maximum": b[1]}
+    assert p["big"] == {"type": "integer", "maximum": 1e30}   # past int64 on purpose: left as the schema says
+    assert schema["properties"]["i"] == {"type": "integer"}   # a copy: the caller's schema is untouched
+
+
 # ---- GBNF grammars from llama.cpp's grammars/ folder (arithmetic, list, json), checked by our own parsers ----
 ARITHMETIC = r'''
 root  ::= (expr "=" ws term "\n")+

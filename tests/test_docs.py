@@ -3,7 +3,8 @@
 A shell block is runnable when its fence says so (```sh runnable) or a `<!-- runnable -->` line comes right
 before it; each of its lines runs through bash from the repository root (so `models/default.bnstore` resolves),
 with the `bitnet` / `bitchat` of this interpreter, an empty model cache and no network. Mark only commands that
-take a few seconds on 2 cores on the bundled model. Also: every relative link in those pages points at a file.
+take a few seconds on 2 cores on the bundled model. Also: every relative link in those pages points at a file, and
+every block that talks to `bitnet serve` (curl, the openai client) works against a plain `bitnet serve`.
 """
 import glob
 import os
@@ -92,3 +93,42 @@ def test_relative_links_point_at_files():
             if not os.path.exists(full):
                 missing.append(f"{os.path.relpath(path, ROOT)} -> {target}")
     assert not missing, missing
+
+
+DOC_SERVER = "127.0.0.1:8080"
+
+
+def client_blocks():
+    """[(page:line, language, code)] of the blocks that talk to a documented server (curl, the openai client), not
+    those that start one."""
+    out = []
+    for path in PAGES:
+        text = open(path, encoding="utf-8").read()
+        for m in FENCE.finditer(text):
+            code = m.group(2)
+            if DOC_SERVER in code and not re.search(r"^\s*(pip|bitnet serve|upstream)\b", code, re.M):
+                out.append((f"{os.path.relpath(path, ROOT)}:{text.count(chr(10), 0, m.start()) + 1}",
+                            m.group(1).split()[:1], code))
+    return out
+
+
+def test_client_commands_work_on_a_plain_server():
+    """Every curl and Python block of the README and docs/ that talks to `bitnet serve` runs as written against a
+    plain `bitnet serve` (the bundled model, no flags; only the port differs, as tests run beside each other)."""
+    pytest.importorskip("openai", reason="the client blocks use the openai client (pip install .[test])")
+    from serve_proc import Server
+
+    blocks = client_blocks()
+    assert len(blocks) >= 3, blocks
+    s = Server(threads=None)
+    try:
+        for where, lang, code in blocks:
+            code = code.replace(DOC_SERVER, f"127.0.0.1:{s.port}")
+            argv = [sys.executable, "-c", code] if lang == ["python"] else ["bash", "-o", "pipefail", "-c", code]
+            r = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, stdin=subprocess.DEVNULL,
+                               timeout=COMMAND_SECONDS)
+            assert r.returncode == 0 and r.stdout.strip(), f"{where}: exit {r.returncode}\n{r.stderr[-2000:]}"
+            assert "Traceback" not in r.stderr and '"error"' not in r.stdout, f"{where}: {r.stdout[:500]}{r.stderr}"
+    finally:
+        rc, err = s.stop()
+        assert rc == 0 and "Traceback" not in err, err[-2000:]

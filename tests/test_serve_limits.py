@@ -156,6 +156,57 @@ def test_huge_prompts_refused_while_small_request_streams():
         assert s.stop()[0] == 0
 
 
+def _send_until_answered(port: int, path: str, body: bytes, chunked: bool) -> tuple[int, int]:
+    """POST body in 64 KiB pieces (Content-Length or chunked) until the server answers; (status, bytes sent)."""
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        framing = "Transfer-Encoding: chunked" if chunked else f"Content-Length: {len(body)}"
+        sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n{framing}\r\n\r\n".encode())
+        sent = 0
+        for i in range(0, len(body), 1 << 16):
+            if select.select([sock], [], [], 0)[0]:
+                break
+            piece = body[i: i + (1 << 16)]
+            try:
+                sock.sendall(b"%x\r\n" % len(piece) + piece + b"\r\n" if chunked else piece)
+            except OSError:   # answered and closed while this piece was on its way
+                break
+            sent += len(piece)
+        return _raw_status(sock)[0], sent
+
+
+def test_refused_bodies_are_not_read():
+    """A 64 MiB body to a 1 MiB cap, on a generating route and another: refused from its Content-Length before
+    any of it is read, a chunked one as soon as it passes the cap, so the answer comes while most of the body is
+    still unsent (the rest of what the client got out sat in socket buffers, a few MiB). Three at once, on each
+    framing, leave the server's RSS where it was (within 10% + 10 MiB)."""
+    s = Server("--max-body-mb", "1", "--parallel", "2")
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "7 + 8 = 15. " * ((64 << 20) // 12)}]})
+    body = body.encode()
+    try:
+        for path in ("/v1/chat/completions", "/api/show"):
+            for chunked in (False, True):
+                rss_before = s.rss_kb()
+                out: list = []
+                ts = [threading.Thread(target=lambda: out.append(_send_until_answered(s.port, path, body, chunked)))
+                      for _ in range(3)]
+                for t in ts:
+                    t.start()
+                for t in ts:
+                    t.join(120)
+                time.sleep(0.5)
+                rss_after = s.rss_kb()
+                print(f"\n{path} {'chunked' if chunked else 'Content-Length'}: sent before the answer "
+                      f"{[round(n / (1 << 20), 1) for _, n in out]} MiB of {len(body) >> 20}; "
+                      f"RSS {rss_before >> 10} -> {rss_after >> 10} MiB")
+                assert [st for st, _ in out] == [413] * 3, out
+                assert all(n < len(body) // 2 for _, n in out), out
+                assert rss_after < rss_before * 1.10 + 10 * 1024, (rss_before, rss_after)
+        assert httpx.post(s.url + "/v1/chat/completions", json={"messages": Q, "max_tokens": 4},
+                          timeout=60).status_code == 200   # still serving
+    finally:
+        assert s.stop()[0] == 0
+
+
 # ---- slow and many clients --------------------------------------------------------------------------------
 def _raw_status(sock) -> tuple[int, dict]:
     data = b""

@@ -179,3 +179,16 @@ def test_strict_model_name_404_in_ollama_shape():
         assert [m.model for m in c.list().models] == ["bitnet-small"]
     finally:
         s.stop()
+
+
+def test_refused_operations_answer_but_are_not_advertised(server):
+    """pull, push, create, copy, delete always answer 501 (ollama's shape, with the reason): /openapi.json does not
+    list them as operations (a schema fuzzer called them server errors)."""
+    paths = httpx.get(server.url + "/openapi.json", timeout=30).json()["paths"]
+    assert "/api/chat" in paths and "/v1/chat/completions" in paths
+    for name in ("pull", "push", "create", "copy", "delete"):
+        assert f"/api/{name}" not in paths, name
+        r = httpx.post(server.url + f"/api/{name}", json={"model": "m"}, timeout=30)
+        assert r.status_code == 501 and isinstance(r.json()["error"], str) and r.json()["error"], r.text
+    r = httpx.request("DELETE", server.url + "/api/delete", json={"model": "m"}, timeout=30)
+    assert r.status_code == 501 and "delete" in r.json()["error"]

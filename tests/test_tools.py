@@ -1,13 +1,11 @@
 """Tool calling: the engine's call formats and parsers (engine/runtime/tools.py) on the bundled model, and
 `bitnet serve` driven by the official `openai` client (a real subprocess): required / named / auto, streamed and
 not, 8 at once, arguments that validate against each function's schema, a full call -> result -> answer round
-trip, the examples/agent.py loop, and 400s naming the field."""
+trip, and 400s naming the field (examples/agent.py, run as its docstring says: test_examples.py)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
+import re
 from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
@@ -17,7 +15,6 @@ from bitnet_cpu.engine.api import ConstraintError, SamplingParams, load_model
 from bitnet_cpu.engine.runtime.tools import (HermesParser, JsonCallParser, Llama3JsonFormat, functions_from_tools,
                                              tool_format)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ADD = {"type": "object", "additionalProperties": False, "required": ["a", "b"],
        "properties": {"a": {"type": "integer", "minimum": -99, "maximum": 99},
                       "b": {"type": "integer", "minimum": -99, "maximum": 99}}}
@@ -48,13 +45,32 @@ def test_hermes_parser_any_split(cut):
     assert len({x["id"] for x in calls}) == 2
 
 
-def test_plain_text_passes_and_cut_call_stays_text():
+def _fn(calls):
+    return [(c["function"]["name"], c["function"]["arguments"]) for c in calls]
+
+
+def test_plain_text_passes_and_cut_call_is_a_partial_call():
     p = HermesParser()
     assert p.feed("a < b and <tool") == ("a < b and ", [])
     assert p.feed("bar>") == ("<toolbar>", [])
     p = HermesParser()
     assert p.feed('<tool_call>\n{"name": "a') == ("", [])
-    assert p.finish() == ('<tool_call>\n{"name": "a', [])
+    content, calls = p.finish(cut=True)
+    assert content == "" and _fn(calls) == [("a", "")] and calls[0]["id"]
+    p = HermesParser()
+    assert p.feed('Sure. <tool_call>\n{"name":"add","arguments":{"a":1001') == ("Sure. ", [])
+    assert _fn(p.finish(cut=True)[1]) == [("add", '{"a":1001')]
+    p = HermesParser()   # cut between the arguments and the block's end: whole arguments
+    p.feed('<tool_call>\n{"name":"add","arguments":{"a":1,"b":2}}\n</tool')
+    assert _fn(p.finish(cut=True)[1]) == [("add", '{"a": 1, "b": 2}')]
+    p = HermesParser()   # cut inside the opening tag: a call not begun, not text
+    assert p.feed("<tool_ca") == ("", [])
+    assert _fn(p.finish(cut=True)[1]) == [("", "")]
+    p = HermesParser()   # ... but a text that ends so at end of text is text
+    assert p.feed("x <") == ("x ", []) and p.finish() == ("<", [])
+    jp = JsonCallParser()
+    assert jp.feed('{"name": "add", "parameters": {"a": 1') == ("", [])
+    assert _fn(jp.finish(cut=True)[1]) == [("add", '{"a": 1')]
     jp = JsonCallParser()
     assert jp.feed('{"name": "add", "parameters": {"a": 1, "b": 2}}') == ("", [])
     content, calls = jp.finish()
@@ -175,11 +191,37 @@ def test_auto_and_round_trip(client, model_id):
     assert final.finish_reason in ("stop", "length") and final.message.content and not final.message.tool_calls
 
 
-def test_agent_example_runs(server):
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "agent.py"), "--base-url", server.url + "/v1",
-                        "What time is it, and what is 17*3?"], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    assert "tool " in r.stdout and "answer:" in r.stdout
+@pytest.mark.parametrize("cut", [4, 12, 33, 44])   # inside <tool_call>, the name, the arguments, after them
+def test_call_cut_by_max_tokens_is_a_partial_call(client, model_id, cut):
+    """A forced call cut by max_tokens: tool_calls holds the call as written so far (never template markup in
+    content), streamed as delta.tool_calls, finish_reason length. The bundled model's whole call here is 53 tokens
+    ({"a":20,"b":0}); the greedy cut's arguments are a prefix of the whole call's, as the grammar wrote them."""
+    kw = dict(model=model_id, messages=Q, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "add"}},
+              temperature=0)
+    whole = client.chat.completions.create(max_tokens=200, **kw).choices[0].message.tool_calls[0].function
+    compact = json.dumps(json.loads(whole.arguments), separators=(",", ":"))
+    r = client.chat.completions.create(max_tokens=cut, **kw).choices[0]
+    assert r.finish_reason == "length" and not r.message.content, r
+    [call] = r.message.tool_calls
+    assert whole.name.startswith(call.function.name) and call.id and call.type == "function"
+    args = call.function.arguments
+    assert compact.startswith(args) or json.loads(args) == json.loads(whole.arguments), (args, compact)
+    chunks = list(client.chat.completions.create(max_tokens=cut, stream=True, **kw))
+    assert not any("tool_call" in (ch.choices[0].delta.content or "") for ch in chunks if ch.choices)
+    deltas = [d for ch in chunks if ch.choices for d in (ch.choices[0].delta.tool_calls or [])]
+    assert [(d.index, d.function.name, d.function.arguments) for d in deltas] == [(0, call.function.name, args)]
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason] == ["length"]
+
+
+def test_call_cut_by_a_stop_string_is_no_text_and_not_tool_calls(client, model_id):
+    """A stop string inside a call cuts it as max_tokens does: the call so far, no markup in content, and the finish
+    reason stays stop (not tool_calls: a cut call is not to be run)."""
+    r = client.chat.completions.create(model=model_id, messages=Q, tools=TOOLS, temperature=0, max_tokens=200,
+                                       tool_choice={"type": "function", "function": {"name": "add"}}, stop=['"b"'])
+    c = r.choices[0]
+    assert c.finish_reason == "stop" and not c.message.content, c
+    [call] = c.message.tool_calls
+    assert call.function.name == "add" and re.fullmatch(r'\{"a":-?[0-9]+,', call.function.arguments), call
 
 
 @pytest.mark.parametrize("body, param", [

@@ -37,6 +37,12 @@ CACHE_SPECS = 64                    # compiled specs kept per tokenizer (LRU)
 # compact JSON with OpenAI's separators: the model cannot pad an answer with endless whitespace, and more of
 # the text is forced (jump-forward) instead of sampled
 JSON_OPTIONS = {"whitespace_flexible": False}
+# An integer the schema leaves unbounded gets int64's range, so a model cannot write digits until max_tokens (a
+# small one does: '{"a":29901099901990900199...'; llama.cpp's converter caps such integers at 16 digits). The grammar
+# engine reads bounds as doubles, so the bound is 2**63 - 1024, the largest double under 2**63.
+INT_BOUND = 2 ** 63 - 1024
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")   # name -> schema
+_DATA_KEYWORDS = ("const", "enum", "default", "examples")                                       # values, not schemas
 
 
 @dataclass(frozen=True)
@@ -110,7 +116,7 @@ class Constraint:
         if self.kind == "json_object":
             return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
         if self.kind == "json_schema":
-            return LLMatcher.grammar_from_json_schema(self.source, defaults=JSON_OPTIONS)
+            return LLMatcher.grammar_from_json_schema(bounded_integers(json.loads(self.source)), defaults=JSON_OPTIONS)
         if self.kind == "regex":
             return LLMatcher.grammar_from_regex(self.source)
         if self.kind == "lark":
@@ -125,6 +131,41 @@ class Constraint:
             return LLMatcher.grammar_from_lark(lark)
         raise ConstraintError(f"{self.where}: unknown constraint kind {self.kind!r} (one of {', '.join(KINDS)})",
                               where=self.where)
+
+
+def bounded_integers(schema):
+    """A copy of a JSON Schema in which every `integer` without a lower (upper) bound gets -INT_BOUND (INT_BOUND).
+    A `number` is left as it is: bounds would also forbid its exponent form (1e-30), and its fraction has no
+    digit limit in the grammar engine either way."""
+    if isinstance(schema, list):
+        return [bounded_integers(x) for x in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for k, v in schema.items():
+        if k in _DATA_KEYWORDS:
+            out[k] = v
+        elif k in _SCHEMA_MAPS and isinstance(v, dict):
+            out[k] = {name: bounded_integers(sub) for name, sub in v.items()}
+        else:
+            out[k] = bounded_integers(v)
+    t = schema.get("type")
+    types = t if isinstance(t, list) else [t]
+    if "integer" in types and "number" not in types:
+        def bound(key, exclusive):   # a draft-4 boolean exclusiveMinimum qualifies `minimum`; it is no bound itself
+            return _is_num(out.get(key)) or _is_num(out.get(exclusive))
+        given = [out.get(k) for k in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum")]
+        if any(_is_num(v) and abs(v) > INT_BOUND for v in given):
+            return out   # the schema asks for integers past int64: its own bounds stand alone
+        if not bound("minimum", "exclusiveMinimum"):
+            out["minimum"] = -INT_BOUND
+        if not bound("maximum", "exclusiveMaximum"):
+            out["maximum"] = INT_BOUND
+    return out
+
+
+def _is_num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def check(spec: Constraint) -> Constraint:

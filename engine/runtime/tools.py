@@ -4,7 +4,7 @@ the parser that turns its text back into calls.
     fmt = tool_format(template)                       # from the model's chat template
     messages, tools_arg = fmt.prepare(messages, tools) # the tool list reaches the model through its template
     spec = fmt.constraint(tools, choice, parallel)     # "required" / a named function: every call is valid
-    parser = fmt.parser(); parser.feed(text) -> (content, calls); parser.finish() -> (content, calls)
+    parser = fmt.parser(); parser.feed(text) -> (content, calls); parser.finish(cut) -> (content, calls)
 
 Formats:
   hermes       <tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>, one block per call: Qwen3, Ternary
@@ -13,15 +13,18 @@ Formats:
   llama3_json  {"name": ..., "parameters": {...}}: Llama-3.x templates that render `tools` themselves
 A call's arguments are constrained by its function's JSON Schema (engine/runtime/constraints.py); with
 tool_choice "auto" the model may answer in text instead, and once it starts a call the rest is constrained.
+A call cut off by max_tokens or the context comes back as a call with the name and arguments written so far
+(partial_call), never as template text in the content; the finish reason (length) says it is not to be run.
 """
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass
 
 from ..errors import ConstraintError
-from .constraints import Constraint, check
+from .constraints import Constraint, bounded_integers, check
 
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 DEFAULT_SYSTEM_BLOCK = (
@@ -107,7 +110,8 @@ class ToolFormat:
     # ---- the grammar ----------------------------------------------------------------------------------
     def _call_schema(self, functions: list[Function]) -> dict:
         one = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
-                "properties": {"name": {"const": f.name}, "arguments": f.parameters}} for f in functions]
+                "properties": {"name": {"const": f.name}, "arguments": bounded_integers(f.parameters)}}
+               for f in functions]
         return {"x-guidance": COMPACT_JSON, **({"oneOf": one} if len(one) > 1 else one[0])}
 
     def _call_rule(self, functions) -> str:
@@ -144,7 +148,8 @@ class Llama3JsonFormat(ToolFormat):
 
     def _call_schema(self, functions):
         one = [{"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
-                "properties": {"name": {"const": f.name}, "parameters": f.parameters}} for f in functions]
+                "properties": {"name": {"const": f.name}, "parameters": bounded_integers(f.parameters)}}
+               for f in functions]
         return {"x-guidance": COMPACT_JSON, **({"oneOf": one} if len(one) > 1 else one[0])}
 
     def _call_rule(self, functions):
@@ -185,8 +190,6 @@ def _loads(a):
 
 
 def _regex_escape(s: str) -> str:
-    import re
-
     return re.escape(s).replace("/", "\\/")   # inside a Lark /regex/
 
 
@@ -198,6 +201,7 @@ class HermesParser:
         self.buf = ""
         self.in_call = False
         self.n_calls = 0
+        self.cut_call = False   # finish() gave a call cut off (a stop string too): never to be run
 
     def feed(self, text: str) -> tuple[str, list[dict]]:
         self.buf += text
@@ -228,11 +232,38 @@ class HermesParser:
         return {"id": new_call_id(), "type": "function",
                 "function": {"name": obj["name"], "arguments": json.dumps(obj.get("arguments", {}), ensure_ascii=False)}}
 
-    def finish(self) -> tuple[str, list[dict]]:
+    def finish(self, cut: bool = False) -> tuple[str, list[dict]]:
+        """cut: the answer ended at max_tokens or the context (finish reason length), so text held back as the
+        start of <tool_call> was one."""
         rest, self.buf = self.buf, ""
-        if self.in_call:   # cut off inside a call (max_tokens): shown as text, not a half call
-            return HERMES_OPEN + rest, []
+        if self.in_call or (cut and rest and HERMES_OPEN.startswith(rest)):   # cut off inside a call: as far as
+            started, self.in_call, self.cut_call = self.in_call, False, True     # it was written, never as text
+            return "", [partial_call(rest if started else "", "arguments")]
         return (rest if not self.n_calls else rest.strip()), []
+
+
+_NAME = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)(")?')
+
+
+def partial_call(body: str, args_key: str) -> dict:
+    """A call cut off before its end (max_tokens, the context) as OpenAI's shape: its name and its arguments as far
+    as they were written (a prefix of valid JSON under the grammar; whole and re-dumped when only the block's end was
+    missing). Never template markup: the finish reason (length) tells the client not to run it."""
+    name, args = "", ""
+    m = _NAME.match(body)
+    if m:
+        try:
+            name = json.loads(f'"{m.group(1)}"')
+        except ValueError:
+            name = m.group(1)
+        a = re.compile(r'\s*,\s*"' + re.escape(args_key) + r'"\s*:\s*').match(body, m.end()) if m.group(2) else None
+        if a:
+            args = body[a.end():]
+            try:
+                args = json.dumps(json.JSONDecoder().raw_decode(args)[0], ensure_ascii=False)
+            except ValueError:
+                pass   # cut inside the arguments: the text so far
+    return {"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": args}}
 
 
 class JsonCallParser:
@@ -240,6 +271,7 @@ class JsonCallParser:
 
     def __init__(self):
         self.buf, self.mode = "", None
+        self.cut_call = False
 
     def feed(self, text):
         self.buf += text
@@ -250,7 +282,7 @@ class JsonCallParser:
             return out, []
         return "", []
 
-    def finish(self):
+    def finish(self, cut: bool = False):
         rest, self.buf = self.buf, ""
         if self.mode != "call":
             return rest, []
@@ -260,5 +292,6 @@ class JsonCallParser:
                          "function": {"name": obj["name"],
                                       "arguments": json.dumps(obj.get("parameters", obj.get("arguments", {})),
                                                               ensure_ascii=False)}}]
-        except (ValueError, KeyError, TypeError):
-            return rest, []
+        except (ValueError, KeyError, TypeError):   # cut off (max_tokens, the context): the call so far
+            self.cut_call = True
+            return "", [partial_call(rest, "parameters")]

@@ -1,0 +1,61 @@
+"""Each script in examples/ runs exactly as its docstring says: the indented command lines of the docstring are
+run as written, a `bitnet serve &` line as a plain `bitnet serve` (the bundled model, every default flag) on a free
+port of 127.0.0.1 (the one change, made in both commands: tests run beside each other, 8080 may be taken), then
+the example's own command line. No -c, no -t: what a new user types is what is tested."""
+from __future__ import annotations
+
+import ast
+import glob
+import os
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("openai", reason="the examples need the openai client (pip install .[test])")
+from helpers import slowness  # noqa: E402
+from serve_proc import ROOT, Server  # noqa: E402
+
+EXAMPLES = sorted(glob.glob(os.path.join(ROOT, "examples", "*.py")))
+DOC_PORT = "8080"
+
+
+def documented_commands(path: str) -> list[list[str]]:
+    """The docstring's indented lines (its usage block), each split as the shell would (comments dropped)."""
+    doc = ast.get_docstring(ast.parse(open(path, encoding="utf-8").read())) or ""
+    return [shlex.split(line, comments=True) for line in doc.splitlines()
+            if line.startswith("    ") and line.strip() and not line.strip().startswith("#")]
+
+
+def test_every_example_documents_its_command():
+    assert EXAMPLES
+    for path in EXAMPLES:
+        cmds = documented_commands(path)
+        rel = os.path.relpath(path, ROOT)
+        assert any(c[:2] == ["python", rel] for c in cmds), (rel, cmds)
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[os.path.basename(p) for p in EXAMPLES])
+def test_example_runs_as_documented(path):
+    cmds = documented_commands(path)
+    servers = [c for c in cmds if c[:2] == ["bitnet", "serve"]]
+    rest = [c for c in cmds if c[:2] != ["bitnet", "serve"]]
+    assert len(servers) <= 1 and all(c[0] == "python" for c in rest), cmds
+    server = None
+    if servers:
+        flags = [a for a in servers[0][2:] if a != "&"]
+        assert not flags, f"the example's server has flags {flags}: run it with them, or document it without"
+        server = Server(threads=None)   # bitnet serve --host 127.0.0.1 --port <free>: nothing else
+    try:
+        for c in rest:
+            argv = [sys.executable] + [a.replace(f"127.0.0.1:{DOC_PORT}", f"127.0.0.1:{server.port}") if server else a
+                                       for a in c[1:]]
+            r = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300 * slowness())
+            print(r.stdout)
+            assert r.returncode == 0, f"{shlex.join(c)}: exit {r.returncode}\n{r.stdout}\n{r.stderr[-3000:]}"
+            assert "Traceback" not in r.stderr, r.stderr[-3000:]
+    finally:
+        if server is not None:
+            rc, err = server.stop()
+            assert rc == 0 and "Traceback" not in err, err[-3000:]
