@@ -54,6 +54,10 @@ class SparseModel(SynthModel):
         e = np.random.default_rng([5, 99]).integers(-1, 2, (self.V, self.D)).astype(np.float32) * np.float32(2 ** -3)
         return e if rows is None else e[rows]
 
+    def lm_head(self):
+        """engine.synth's TQ2_0 writer always writes output.weight for this style: the tied embedding's values."""
+        return self.embed()
+
 
 LARGE = "bitnet_b1_58-large"
 SHAPES = {  # model -> [(tensor name, M, K)] as codegen_tl*.py's ModelShapeDict orders them
