@@ -37,8 +37,24 @@ import tl_cases as C  # noqa: E402
 
 SRC = os.environ.get("BITNET_SRC", "/tmp/bnconv")
 HEAD_CONVERTER = os.environ.get("BITNET_HEAD_CONVERTER", "/tmp/conv_head.py")  # 16da220's converter
-sys.path.insert(0, os.path.join(SRC, "gguf-py"))
-import gguf  # noqa: E402  (the fork's gguf-py: knows TL1 / TL2)
+
+def _fork_gguf():
+    """The fork's gguf-py (knows TL1 / TL2), kept out of sys.modules so the pip `gguf` stays importable."""
+    saved = {k: v for k, v in sys.modules.items() if k == "gguf" or k.startswith("gguf.")}
+    for k in saved:
+        del sys.modules[k]
+    sys.path.insert(0, os.path.join(SRC, "gguf-py"))
+    try:
+        import gguf as fork
+    finally:
+        sys.path.pop(0)
+        for k in [k for k in sys.modules if k == "gguf" or k.startswith("gguf.")]:
+            del sys.modules[k]
+        sys.modules.update(saved)
+    return fork
+
+
+gguf = _fork_gguf()
 
 I2_S = 36
 HF_TO_GGUF = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
@@ -99,11 +115,13 @@ def make_mats(ns, stem, out_dir):
     finish(w, os.path.join(out_dir, stem + ".gguf"))
 
 
-def make_model(ns, kind, out_dir):
-    m = C.SparseModel()
-    stem = f"model_large_{kind.lower()}"
+def make_model(ns, kind, out_dir, m=None, stem=None, model=C.LARGE, options=None, compress=True) -> float:
+    """A BitnetForCausalLM checkpoint (an engine.synth model) as bitnet.cpp's converter writes it; returns the
+    seconds its packing took. Default: the tests' one-layer large model, xz-compressed into tests/data/tl."""
+    m = m or C.SparseModel()
+    stem = stem or f"model_large_{kind.lower()}"
     if kind != "I2_S":
-        codegen(kind, C.LARGE, *C.MODEL[kind])
+        codegen(kind, model, *(options or C.MODEL[kind]))
     w = gguf.GGUFWriter(os.path.join(out_dir, stem + ".gguf"), "bitnet")
     cfg = m.config
     w.add_name(stem)
@@ -144,8 +162,16 @@ def make_model(ns, kind, out_dir):
             short = HF_TO_GGUF[prefix.split(f"model.layers.{i}.")[1]]
             add_linear(w, ns, kind, f"blk.{i}.{short}.weight", weight_quant(m.master(prefix)))
     w.add_tensor("output_norm.weight", m.norm("model.norm.weight"))
-    print(f"{stem}: converted in {time.time() - t0:.1f} s")
-    finish(w, os.path.join(out_dir, stem + ".gguf"))
+    took = time.time() - t0
+    print(f"{stem}: converted in {took:.1f} s")
+    if compress:
+        finish(w, os.path.join(out_dir, stem + ".gguf"))
+    else:
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+    return took
 
 
 def main():
