@@ -8,7 +8,7 @@ anything is allocated, so a lying header gives a FormatError naming the file, ne
     g = GGUFFile(path)            # FormatError / UnsupportedError on bad input
     g.kv["bitnet-b1.58.block_count"], g.arch, g.tensors["blk.0.attn_q.weight"] -> TensorInfo
     g.raw(name)                   # uint8 view of the tensor bytes (zero-copy)
-    g.dequantize(name, rows=None) # f32 [rows, ne0]: F32 F16 BF16 Q8_0 TQ1_0 TQ2_0 Q2_0 I2_S here, every other type
+    g.dequantize(name, rows=None) # f32 [rows, ne0]: F32 F16 BF16 Q8_0 TQ1_0 TQ2_0 Q2_0 I2_S TL1 TL2 here, every other
                                   # the `gguf` package decodes (Q4_0..Q8_1, K-quants, IQ*) via engine/gguf_dequant.py
     g.ternary(name)               # (W_t int8 [out, in], per-block scales f32) for TQ1_0 / TQ2_0 / I2_S;
                                   # TL1 / TL2 (bitnet.cpp's lookup-table layouts, engine/formats/tl_layouts.py);
@@ -344,7 +344,8 @@ class GGUFFile:
     def dequantize(self, name: str, rows: slice | None = None) -> np.ndarray:
         """f32 [rows, ne0] (2-D even for 1-D tensors: [1, n]); rows slices the outer dimension."""
         t = self.info(name)
-        if t.type_name not in DECODABLE and t.type_name not in TL_TYPES and (t.nbytes < 0 or t.type_name not in gguf_decodable()):
+        own = t.type_name in DECODABLE or t.type_name in TL_TYPES
+        if not own and (t.nbytes < 0 or t.type_name not in gguf_decodable()):
             raise UnsupportedError(f"{self.path}: tensor {name!r} has unsupported tensor type {t.type_name}",
                                    hint="supported: " + ", ".join(sorted(DECODABLE | gguf_decodable())) + (
                                        "" if gguf_decodable() else "; pip install gguf for the other types"))
