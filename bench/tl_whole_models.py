@@ -3,7 +3,9 @@
 For each TL model shape bitnet.cpp ships presets for, a synthetic checkpoint at full depth (tiny vocabulary) is
 packed to TL1 and TL2 with bitnet.cpp's own code after its codegen script ran with setup_env.py's preset command
 for that model (see tests/data/tl/make_tl_files.py for what runs unchanged and what is reproduced), then our
-`convert` reads it; the greedy tokens and the logits must equal those of the TQ2_0 file of the same weights.
+`convert` reads it; the greedy tokens and the logits must equal those of the TQ2_0 file of the same weights (for
+bitnet_b1_58-3B, whose 3200 / 8640 are not whole 256-blocks and which TQ2_0 cannot hold, those of the f16
+checkpoint directory itself, ternarized by us at conversion).
 Reports bitnet.cpp's packing time and our conversion time.
 
     BITNET_SRC=/tmp/bnconv PYTHONPATH=<dir holding bitnet_cpu> python bench/tl_whole_models.py \
@@ -29,7 +31,7 @@ import make_tl_files as MK  # noqa: E402
 
 from bitnet_cpu.engine.api import load_model  # noqa: E402
 from bitnet_cpu.engine.formats.convert import convert  # noqa: E402
-from bitnet_cpu.engine.synth import SynthModel, write_gguf_tq  # noqa: E402
+from bitnet_cpu.engine.synth import SynthModel, write_gguf_tq, write_hf_dir  # noqa: E402
 
 # setup_env.py's codegen commands (microsoft/BitNet 7c57a5a) and the models' shapes
 PRESETS = {
@@ -74,11 +76,14 @@ def run(model: str, layers: int | None, out: str, ns) -> list[str]:
         cfg["num_hidden_layers"] = layers
     m = HalfDense(cfg, seed=3, style="1bitllm")
     rows, runs = [], {}
-    tq = os.path.join(out, f"{model}.tq2_0.gguf")
-    write_gguf_tq(m, tq, "TQ2_0", hidden_activation=None, quantizer="fast")
-    for kind in ("TQ2_0", "TL1", "TL2"):
-        path, pack_s = tq, 0.0
-        if kind != "TQ2_0":
+    if m.D % 256 == 0 and m.I % 256 == 0:   # TQ2_0 needs rows that are whole 256-blocks
+        ref, ref_path = "TQ2_0", os.path.join(out, f"{model}.tq2_0.gguf")
+        write_gguf_tq(m, ref_path, "TQ2_0", hidden_activation=None, quantizer="fast")
+    else:                                   # 3B (3200 / 8640): the f16 checkpoint directory itself
+        ref, ref_path = "checkpoint", write_hf_dir(m, os.path.join(out, f"{model}.hf"))
+    for kind in (ref, "TL1", "TL2"):
+        path, pack_s = ref_path, 0.0
+        if kind != ref:
             t0 = time.time()
             MK.make_model(ns, kind, out, m=m, stem=f"{model}.{kind.lower()}", model=model, options=options[kind],
                           compress=False)
@@ -96,10 +101,12 @@ def run(model: str, layers: int | None, out: str, ns) -> list[str]:
             toks.append(int(np.argmax(lg)))
             lg = lm.model.decode(toks[-1])
         runs[kind] = (logits, toks)
-        same = "reference" if kind == "TQ2_0" else (
-            "equal" if toks == runs["TQ2_0"][1] and np.array_equal(logits, runs["TQ2_0"][0]) else "DIFFERENT")
-        rows.append(f"| {model} | {m.L} | {kind} | {os.path.getsize(path) / 1e6:.0f} MB | "
-                    + (f"{pack_s:.1f} s" if kind != "TQ2_0" else "-") + f" | {conv_s:.1f} s | {same} |")
+        same = "reference" if kind == ref else (
+            "equal" if toks == runs[ref][1] and np.array_equal(logits, runs[ref][0]) else "DIFFERENT")
+        size = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path)) if os.path.isdir(path) else \
+            os.path.getsize(path)
+        rows.append(f"| {model} | {m.L} | {kind} | {size / 1e6:.0f} MB | "
+                    + (f"{pack_s:.1f} s" if kind != ref else "-") + f" | {conv_s:.1f} s | {same} |")
         print(rows[-1], flush=True)
         for p in (path + ".bnstore",):
             if os.path.exists(p):
@@ -115,7 +122,7 @@ def main():
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     ns = MK.bitnet_conv.load(os.path.join(MK.SRC, "utils", "convert-hf-to-gguf-bitnet.py"))
-    print("| model | layers | file | size | bitnet.cpp packing + write | our convert | greedy 16 + logits vs TQ2_0 |")
+    print("| model | layers | file | size | bitnet.cpp packing + write | our convert | greedy 16 + logits vs reference |")
     print("|---|---|---|---|---|---|---|")
     for model in args.models.split(","):
         run(model, args.layers, args.out, ns)
