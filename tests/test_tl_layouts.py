@@ -214,3 +214,33 @@ def test_mxfp4_in_a_bitnet_file_is_still_mxfp4(tmp_path):
     w.close()
     with GGUFFile(str(tmp_path / "m.gguf")) as g:
         assert g.info("x").type_name == "MXFP4"
+
+
+# ---- I2_S of other bitnet.cpp builds ----------------------------------------------------------------------------
+def _repack_i2s_64(w: np.ndarray, scale: float) -> bytes:
+    """quantize_i2_s of a 2025-11+ ARM build (src/ggml-bitnet-mad.cpp, QK_I2_S 64): 64-weight blocks of 16 bytes,
+    byte g holding weights g, g+16, g+32, g+48 at bits 7-6, 5-4, 3-2, 1-0."""
+    c = (w.reshape(-1, 4, 16) + 1).astype(np.uint8)
+    packed = (c[:, 0] << 6) | (c[:, 1] << 4) | (c[:, 2] << 2) | c[:, 3]
+    return packed.tobytes() + np.float32(scale).tobytes() + b"\0" * 28
+
+
+def test_i2s_64_weight_blocks_read_with_the_setting(files, model, tmp_path, monkeypatch):
+    """The 2024-11 release (every ISA) and the 2026 x86 builds write 128-weight I2_S blocks (model_large_i2_s);
+    a 2025-11+ ARM build writes 64. Same codes in another order: not detectable from the file, so the 128-block
+    reading of a 64-block file is wrong, and BITNET_I2S_BLOCK=64 reads it right."""
+    path = _copy(files, "model_large_i2_s", tmp_path)
+    prefix = "model.layers.0.self_attn.q_proj"
+    want = model.ternary(prefix)
+    with GGUFFile(path) as g:
+        off, nbytes = g.info("blk.0.attn_q.weight").offset, g.info("blk.0.attn_q.weight").nbytes
+    blob = _repack_i2s_64(want, C.SCALE)
+    assert len(blob) == nbytes
+    with open(path, "r+b") as f:
+        f.seek(off)
+        f.write(blob)
+    with GGUFFile(path) as g:
+        assert not np.array_equal(g.ternary("blk.0.attn_q.weight")[0], want)
+    monkeypatch.setenv("BITNET_I2S_BLOCK", "64")
+    with GGUFFile(path) as g:
+        np.testing.assert_array_equal(g.ternary("blk.0.attn_q.weight")[0], want)

@@ -78,6 +78,16 @@ class TensorInfo:
         return int(np.prod(self.shape, dtype=np.int64))
 
 
+def i2s_block() -> int:
+    """Weights per I2_S block: 128 (bitnet.cpp's x86 builds and every 2024 build), or 64 with BITNET_I2S_BLOCK=64
+    for a file quantized by a 2025-11 or later ARM build (QK_I2_S 64). The codes cannot tell the two apart (both
+    are the same values in another order), so it is the user's to say; docs/formats.md."""
+    v = os.environ.get("BITNET_I2S_BLOCK", "128")
+    if v not in ("64", "128"):
+        raise UnsupportedError(f"BITNET_I2S_BLOCK={v!r}: I2_S blocks are 128 (x86, 2024 builds) or 64 (ARM 2025+)")
+    return int(v)
+
+
 class _Cursor:
     """Bounds-checked little-endian reader over the mapped bytes."""
 
@@ -371,8 +381,9 @@ class GGUFFile:
         raw = self.raw(name)
         if t.type_name == "I2_S":
             n = out * inp
-            codes = raw[: n // 4].reshape(-1, 32)
-            w = np.empty((codes.shape[0], 4, 32), np.uint8)
+            block = i2s_block()
+            codes = raw[: n // 4].reshape(-1, block // 4)
+            w = np.empty((codes.shape[0], 4, block // 4), np.uint8)
             for k, shift in enumerate((6, 4, 2, 0)):
                 np.bitwise_and(codes >> shift, 3, out=w[:, k])
             if (w == 3).any():
