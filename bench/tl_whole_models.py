@@ -11,9 +11,8 @@ Reports bitnet.cpp's packing time and our conversion time.
     BITNET_SRC=/tmp/bnconv PYTHONPATH=<dir holding bitnet_cpu> python bench/tl_whole_models.py \
         [--models bitnet_b1_58-large,bitnet_b1_58-3B] [--layers N] [--out DIR]
 
-Llama3-8B-1.58 is not covered here: bitnet.cpp converts it with its LlamaModel class (q/k permuted, another
-tensor loop), which make_tl_files.py does not reproduce; its four TL tilings are covered matrix by matrix in
-tests/test_tl_layouts.py.
+Llama3-8B-1.58 goes through bitnet.cpp's LlamaModel path (make_tl_files.make_llama_model: q/k permuted, untied
+F16 head, no weight_quant), its checkpoint style engine.synth's "llama" (SiLU, no sub-norms).
 """
 from __future__ import annotations
 
@@ -43,6 +42,11 @@ PRESETS = {
                          "num_attention_heads": 32, "num_key_value_heads": 32},
                         {"TL1": ("160,320,320", "64,128,64", "32,64,32"),
                          "TL2": ("160,320,320", "96,96,96", "32,32,32")}),
+    "Llama3-8B-1.58-100B-tokens": ({"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+                                    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+                                    "rope_theta": 500000.0, "rms_norm_eps": 1e-5},
+                                   {"TL1": ("256,128,256,128", "128,64,128,64", "32,64,32,64"),
+                                    "TL2": ("256,128,256,128", "96,96,96,96", "32,32,32,32")}),
 }
 # ternary by random byte: exactly two nonzeros in every 4 consecutive weights (6 places x 4 signs), so mean|W| is
 # exactly half of |W|'s one value and the converter's scale is a power of two (f16-exact, as TQ2_0 stores it)
@@ -66,27 +70,32 @@ class HalfDense(SynthModel):
         return self.ternary(prefix).astype(np.float32) * np.float32(2.0 ** -4)
 
     def lm_head(self):
-        return self.embed()
+        return self.embed() if self.style != "llama" else super().lm_head()
 
 
 def run(model: str, layers: int | None, out: str, ns) -> list[str]:
     cfg, options = PRESETS[model]
-    cfg = dict(cfg, vocab_size=512, max_position_embeddings=2048, tie_word_embeddings=True)
+    llama = model.startswith("Llama3")
+    cfg = dict(cfg, vocab_size=512, max_position_embeddings=2048, tie_word_embeddings=not llama)
     if layers:
         cfg["num_hidden_layers"] = layers
-    m = HalfDense(cfg, seed=3, style="1bitllm")
+    m = HalfDense(cfg, seed=3, style="llama" if llama else "1bitllm")
     rows, runs = [], {}
     if m.D % 256 == 0 and m.I % 256 == 0:   # TQ2_0 needs rows that are whole 256-blocks
         ref, ref_path = "TQ2_0", os.path.join(out, f"{model}.tq2_0.gguf")
-        write_gguf_tq(m, ref_path, "TQ2_0", hidden_activation=None, quantizer="fast")
+        write_gguf_tq(m, ref_path, "TQ2_0", hidden_activation=None, quantizer="fast",
+                      arch="llama" if llama else "bitnet")
     else:                                   # 3B (3200 / 8640): the f16 checkpoint directory itself
         ref, ref_path = "checkpoint", write_hf_dir(m, os.path.join(out, f"{model}.hf"))
     for kind in (ref, "TL1", "TL2"):
         path, pack_s = ref_path, 0.0
         if kind != ref:
             t0 = time.time()
-            MK.make_model(ns, kind, out, m=m, stem=f"{model}.{kind.lower()}", model=model, options=options[kind],
-                          compress=False)
+            if llama:
+                MK.make_llama_model(ns, kind, out, m, f"{model}.{kind.lower()}", model, options[kind])
+            else:
+                MK.make_model(ns, kind, out, m=m, stem=f"{model}.{kind.lower()}", model=model,
+                              options=options[kind], compress=False)
             pack_s = time.time() - t0
             path = os.path.join(out, f"{model}.{kind.lower()}.gguf")
         t0 = time.time()

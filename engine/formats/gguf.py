@@ -227,7 +227,9 @@ class GGUFFile:
             infos.append((name, dims, tid, off))
         self.data_offset = -(-c.pos // align) * align
         self.types = dict(GGML_TYPES)   # this file's: the block size of Q2_0 depends on who wrote it
-        self.tl2_not_mxfp4 = self.arch.startswith("bitnet") and (self.arch != "bitnet" or self._tl2_fits(infos))
+        ftype = self.kv.get("general.file_type")
+        self.tl2_not_mxfp4 = (self.arch.startswith("bitnet") and (self.arch != "bitnet" or self._tl2_fits(infos))
+                              or self.arch == "llama" and ftype == 39 and self._tl2_fits(infos))
         self.tl_tilings: dict[tuple[str, int, int], tl_layouts.Tiling] = {}   # what ternary() used, per shape
         if any(tid == Q2_0 for _, _, tid, _ in infos):
             name = self._q2_0_variant(infos)
@@ -285,6 +287,9 @@ class GGUFFile:
             return BITNET_CPP_TYPES[tid]
         if tid == I2_S and self.arch == "llama" and self.kv.get("general.file_type") == BITNET_CPP_FTYPE_I2_S:
             return "I2_S"  # bitnet.cpp's Falcon3 / Falcon-E files (upstream's 36 was IQ4_NL_4_4)
+        if tid in (38, 39) and self.arch == "llama" and self.kv.get("general.file_type") == tid and (
+                tid == 38 or self.tl2_not_mxfp4):
+            return BITNET_CPP_TYPES[tid]   # bitnet.cpp's Llama3-8B-1.58 TL files: file type 38 / 39 (its TL1 / TL2)
         if tid in self.types:
             return self.types[tid][0]
         return f"type {tid}"

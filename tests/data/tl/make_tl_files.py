@@ -174,6 +174,43 @@ def make_model(ns, kind, out_dir, m=None, stem=None, model=C.LARGE, options=None
     return took
 
 
+def make_llama_model(ns, kind, out_dir, m, stem, model, options) -> float:
+    """A LlamaForCausalLM ternary checkpoint (Llama3-8B-1.58 shape; an engine.synth "llama"-style model) as bitnet.cpp's
+    converter writes it (7c57a5a, LlamaModel: q/k rows permuted by LlamaModel.permute, no weight_quant: the f32
+    weights W_t * scale go to transform_to_tl* as they are; lm_head F16, norms F32, token_embd F16), with the keys
+    and tokenizer of llama.cpp's `llama` files (engine.synth's lists, as its TQ2_0 writer writes them)."""
+    from bitnet_cpu.engine.synth.writers import _gguf_ternary, _hparams, _tokenizer_kv
+
+    codegen(kind, model, *options)
+    w = gguf.GGUFWriter(os.path.join(out_dir, stem + ".gguf"), "llama")
+    w.add_name(stem)
+    w.add_file_type({"TL1": 38, "TL2": 39}[kind])
+    add = {"u32": w.add_uint32, "f32": w.add_float32, "str": w.add_string, "bool": w.add_bool}
+    for key, typ, val in _hparams(m, "llama", None) + _tokenizer_kv(m, "llama-bpe", m.chat_template):
+        if typ.startswith("arr_"):
+            w.add_array(key, list(val))
+        else:
+            add[typ](key, val)
+    w.add_tensor("token_embd.weight", m.embed().astype(np.float16))
+    t0 = time.time()
+    for i in range(m.L):
+        norms = m.norm_names(i)
+        w.add_tensor(f"blk.{i}.attn_norm.weight", m.norm(norms["attn_norm"]))
+        w.add_tensor(f"blk.{i}.ffn_norm.weight", m.norm(norms["ffn_norm"]))
+        for prefix, _, _ in m.linears():
+            if prefix.startswith(f"model.layers.{i}."):
+                short = HF_TO_GGUF[prefix.split(f"model.layers.{i}.")[1]]
+                x = _gguf_ternary(m, prefix, "llama").astype(np.float32) * np.float32(m.weight_scale(prefix))
+                add_linear(w, ns, kind, f"blk.{i}.{short}.weight", x)
+    w.add_tensor("output_norm.weight", m.norm("model.norm.weight"))
+    w.add_tensor("output.weight", m.lm_head().astype(np.float16))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return time.time() - t0
+
+
 def main():
     ns = bitnet_conv.load(os.path.join(SRC, "utils", "convert-hf-to-gguf-bitnet.py"))
     ns["quantize_to_i2_s"] = bitnet_conv.load(HEAD_CONVERTER)["quantize_to_i2_s"]
