@@ -94,6 +94,34 @@ def test_tl_models_give_the_tq2_0_files_greedy_tokens(files, model):
         assert tokens == ref_tokens, kind
 
 
+def test_llama3_tl_models_read_like_their_tq2_0_file(files):
+    """bitnet.cpp's LlamaModel path (Llama3-8B-1.58's shape, one layer): `llama` architecture, file type 38 / 39,
+    q/k rows permuted as llama.cpp does; the same logits and greedy tokens as the TQ2_0 file of the same weights."""
+    from bitnet_cpu.engine.synth.writers import _gguf_ternary
+
+    m = C.SparseLlama()
+    root = files.root
+    tq = str(root / "model_llama3_tq2_0.gguf")
+    write_gguf_tq(m, tq, "TQ2_0", hidden_activation=None, quantizer="fast", arch="llama")
+    runs = {}
+    for kind, path in (("TQ2_0", tq), ("TL1", files("model_llama3_tl1")), ("TL2", files("model_llama3_tl2"))):
+        if kind != "TQ2_0":
+            with GGUFFile(path) as g:
+                assert g.arch == "llama"
+                for prefix, _, _ in m.linears():
+                    name = f"blk.0.{SHORT[prefix.split('layers.0.')[1]]}.weight"
+                    assert g.info(name).type_name == kind
+                    np.testing.assert_array_equal(g.ternary(name)[0], _gguf_ternary(m, prefix, "llama"))
+        store = convert(path, str(root / f"llama3.{kind}.bnstore"), lm_head="f16", progress=False)
+        lm = load_model(store, ctx=64, progress=False)
+        ids = lm.tokenize("Once upon a time, in a small village", add_bos=True)
+        runs[kind] = (lm.forward(ids), our_greedy(lm.model, ids, 8))
+    ref_logits, ref_tokens = runs.pop("TQ2_0")
+    for kind, (logits, tokens) in runs.items():
+        np.testing.assert_array_equal(logits, ref_logits, err_msg=kind)
+        assert tokens == ref_tokens, kind
+
+
 def test_inspect_names_layout_and_tiling(files):
     out, _ = bitnet_inspect(files("model_large_tl2"))
     assert "bitnet.cpp lookup-table layout" in out

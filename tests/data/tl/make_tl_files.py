@@ -223,6 +223,16 @@ def main():
     for stem in C.MATS:
         if not only or stem in only:
             make_mats(ns, stem, out_dir)
+    for kind in ("TL1", "TL2"):
+        stem = f"model_llama3_{kind.lower()}"
+        if not only or stem in only:
+            make_llama_model(ns, kind, out_dir, C.SparseLlama(), stem, "Llama3-8B-1.58-100B-tokens",
+                             C.LLAMA_MODEL[kind])
+            path = os.path.join(out_dir, stem + ".gguf")
+            with open(path, "rb") as f, lzma.open(os.path.join(HERE, stem + ".gguf.xz"), "wb",
+                                                  preset=9 | lzma.PRESET_EXTREME) as g:
+                shutil.copyfileobj(f, g)
+            os.remove(path)
 
 
 if __name__ == "__main__":

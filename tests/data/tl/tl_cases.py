@@ -59,6 +59,32 @@ class SparseModel(SynthModel):
         return self.embed()
 
 
+class SparseLlama(SynthModel):
+    """One layer of the Llama3-8B-1.58 shape (engine.synth's "llama" style: SiLU, no sub-norms, untied head),
+    converted by bitnet.cpp's LlamaModel path; weights sparse as above (one nonzero per MATS_D), scale SCALE;
+    embedding and head sparse too (and equal, so the compressed file holds them once)."""
+
+    def __init__(self):
+        super().__init__({"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 1,
+                          "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 512,
+                          "max_position_embeddings": 2048, "rope_theta": 500000.0, "rms_norm_eps": 1e-5},
+                         seed=6, style="llama")
+
+    def ternary(self, prefix):
+        out, inp = self._shape(prefix)
+        return sparse_ternary("llama/" + prefix, out, inp, MATS_D)
+
+    def weight_scale(self, prefix):
+        return SCALE
+
+    def embed(self, rows=None):
+        e = sparse_ternary("llama/embed", self.V, self.D, 16).astype(np.float32) * np.float32(2 ** -2)
+        return e if rows is None else e[rows]
+
+    def lm_head(self):
+        return self.embed()
+
+
 LARGE = "bitnet_b1_58-large"
 SHAPES = {  # model -> [(tensor name, M, K)] as codegen_tl*.py's ModelShapeDict orders them
     LARGE: [("blk.0.ffn_down.weight", 1536, 4096), ("blk.0.attn_q.weight", 1536, 1536),
@@ -82,6 +108,9 @@ MATS = {
     "mats_3b_tl2_extra": ("TL2", "bitnet_b1_58-3B", "320,160,160", "96,192,96", "32,32,32", "codegen options"),
     "mats_large_tl1_extra": ("TL1", LARGE, "128,256,128", "64,128,64", "64,32,64", "codegen options"),
 }
+# the one-layer Llama3-8B-1.58 model: kind -> codegen options (setup_env.py's)
+LLAMA_MODEL = {"TL1": ("256,128,256,128", "128,64,128,64", "32,64,32,64"),
+               "TL2": ("256,128,256,128", "96,96,96,96", "32,32,32,32")}
 # the one-layer model (large shape): kind -> codegen options (setup_env.py's for bitnet_b1_58-large)
 MODEL = {"TL1": ("256,128,256", "128,64,128", "32,64,32"), "TL2": ("256,128,256", "96,192,96", "32,32,32")}
 
