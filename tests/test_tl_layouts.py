@@ -276,3 +276,29 @@ def test_i2s_64_weight_blocks_read_with_the_setting(files, model, tmp_path, monk
     monkeypatch.setenv("BITNET_I2S_BLOCK", "64")
     with GGUFFile(path) as g:
         np.testing.assert_array_equal(g.ternary("blk.0.attn_q.weight")[0], want)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_mutated_tl_files_fail_only_with_one_line_errors(files, tmp_path, seed):
+    """Random bytes changed in the header or the TL codes: the file reads, or a BitNetError (one line) says why."""
+    from bitnet_cpu.engine.errors import BitNetError
+
+    stem = "model_large_tl2" if seed % 2 else "model_large_tl1"
+    path = _copy(files, stem, tmp_path)
+    rng = np.random.default_rng(seed)
+    with GGUFFile(path) as g:
+        data_start = g.data_offset
+        first = g.info("blk.0.attn_q.weight").offset
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:
+        for _ in range(1 + seed % 4):
+            where = int(rng.integers(0, data_start)) if seed < 6 else int(rng.integers(first, size))
+            f.seek(where)
+            f.write(bytes(rng.integers(0, 256, int(rng.integers(1, 9)), dtype=np.uint8)))
+    try:
+        with GGUFFile(path) as g:
+            for t in list(g.tensors.values()):
+                if t.type_name in ("TL1", "TL2"):
+                    g.ternary(t.name)
+    except BitNetError as e:
+        assert "\n" not in str(e)
