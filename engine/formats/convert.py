@@ -283,6 +283,9 @@ def cache_dir_default() -> str:
 def cache_key(src: str, lm_head: str) -> str:
     p = os.path.abspath(src)
     h = hashlib.sha256(f"{p}\0{CONVERTER_VERSION}\0{lm_head}".encode())
+    for var in ("BITNET_TL_KERNEL_CONFIG", "BITNET_I2S_BLOCK"):   # they change how a bitnet.cpp GGUF reads
+        if os.environ.get(var):
+            h.update(f"\0{var}={os.environ[var]}".encode())
     files = [p]
     if os.path.isdir(p):
         files = sorted(os.path.join(p, f) for f in os.listdir(p)

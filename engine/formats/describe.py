@@ -72,6 +72,14 @@ def _stats_lines(stats: dict) -> list[str]:
     return out
 
 
+def _tl_lines(tilings: dict) -> list[str]:
+    """bitnet.cpp TL1 / TL2 tensors: the layout and the tile configuration each matrix shape was read with."""
+    out = ["bitnet.cpp lookup-table layout: codes tiled per kernel_config.ini (engine/formats/tl_layouts.py)"]
+    for (kind, m, k), t in sorted(tilings.items()):
+        out.append(f"  {kind} {m}x{k}: {t.label()}")
+    return out
+
+
 def _natural(s: str):
     return [int(t) if t.isdigit() else t for t in s.replace(".", " . ").split()]
 
@@ -161,7 +169,8 @@ def describe(path: str, max_tensors: int | None = None) -> Iterator[str]:
                     except FormatError:
                         refused.append(f"blk.{i}.{short}")
                         continue
-                elif isinstance(src, GGUFSource) and src.g.info(name).type_name not in ("I2_S", "TQ1_0", "TQ2_0"):
+                elif isinstance(src, GGUFSource) and src.g.info(name).type_name not in ("I2_S", "TL1", "TL2", "TQ1_0",
+                                                                                             "TQ2_0"):
                     fit = src.ternary_fit(name)  # reported, not refused: inspect shows why a file would be
                     w, scale = fit.codes, fit.scale
                     if not fit.ok:
@@ -173,6 +182,8 @@ def describe(path: str, max_tensors: int | None = None) -> Iterator[str]:
                 stats[f"blk.{i}.{short}"] = {"neg": neg / n, "zero": zero / n, "pos": (n - neg - zero) / n,
                                              "scale": scale if isinstance(scale, list) else [scale], **getattr(src, "fit_notes", {}).get(name, {})}
         yield from _stats_lines(stats)
+        if isinstance(src, GGUFSource) and src.g.tl_tilings:
+            yield from _tl_lines(src.g.tl_tilings)
         if refused:
             yield (f"NOT TERNARY: {len(refused)} linear tensors (first {refused[0]}) are not ternary; conversion"
                    " refuses this file (run it with llama.cpp)")

@@ -8,9 +8,10 @@ anything is allocated, so a lying header gives a FormatError naming the file, ne
     g = GGUFFile(path)            # FormatError / UnsupportedError on bad input
     g.kv["bitnet-b1.58.block_count"], g.arch, g.tensors["blk.0.attn_q.weight"] -> TensorInfo
     g.raw(name)                   # uint8 view of the tensor bytes (zero-copy)
-    g.dequantize(name, rows=None) # f32 [rows, ne0]: F32 F16 BF16 Q8_0 TQ1_0 TQ2_0 Q2_0 I2_S here, every other type
+    g.dequantize(name, rows=None) # f32 [rows, ne0]: F32 F16 BF16 Q8_0 TQ1_0 TQ2_0 Q2_0 I2_S TL1 TL2 here, every other
                                   # the `gguf` package decodes (Q4_0..Q8_1, K-quants, IQ*) via engine/gguf_dequant.py
     g.ternary(name)               # (W_t int8 [out, in], per-block scales f32) for TQ1_0 / TQ2_0 / I2_S;
+                                  # TL1 / TL2 (bitnet.cpp's lookup-table layouts, engine/formats/tl_layouts.py);
                                   # Q2_0 / Q2_0_G128 (ternary Bonsai): its f16 scale per 64 / 128 weights
 
 Layout facts: the GGUF spec (ggml's docs/gguf.md). dims[0] is the fastest axis; TensorInfo.shape is in numpy order (reversed).
@@ -25,6 +26,7 @@ import numpy as np
 
 from ..fileio import close_map, map_readonly, starts_with
 from ..errors import FormatError, UnsupportedError
+from . import tl_layouts
 from .gguf_dequant import OWN_DECODERS, decode_with_gguf, gguf_decodable
 
 GGUF_MAGIC = b"GGUF"
@@ -52,6 +54,7 @@ Q2_0_VARIANTS = {"Q2_0": (64, 18), "Q2_0_G128": (128, 34)}
 I2_S = 36                     # bitnet.cpp: n/4 bytes of 2-bit codes + 32-byte tail holding the f32 scale
 BITNET_CPP_TYPES = {36: "I2_S", 37: "I8_S", 38: "TL1", 39: "TL2"}
 BITNET_CPP_FTYPE_I2_S = 40    # general.file_type of bitnet.cpp's I2_S files (LLAMA_FTYPE_MOSTLY_I2_S)
+TL_TYPES = ("TL1", "TL2")     # bitnet.cpp's lookup-table layouts (engine/formats/tl_layouts.py)
 DECODABLE = OWN_DECODERS  # decoded here; gguf_decodable() adds what the `gguf` package decodes
 
 # value type id -> (struct format, size); 8 = string, 9 = array
@@ -73,6 +76,16 @@ class TensorInfo:
     @property
     def n_elements(self) -> int:
         return int(np.prod(self.shape, dtype=np.int64))
+
+
+def i2s_block() -> int:
+    """Weights per I2_S block: 128 (bitnet.cpp's x86 builds and every 2024 build), or 64 with BITNET_I2S_BLOCK=64
+    for a file quantized by a 2025-11 or later ARM build (QK_I2_S 64). The codes cannot tell the two apart (both
+    are the same values in another order), so it is the user's to say; docs/formats.md."""
+    v = os.environ.get("BITNET_I2S_BLOCK", "128")
+    if v not in ("64", "128"):
+        raise UnsupportedError(f"BITNET_I2S_BLOCK={v!r}: I2_S blocks are 128 (x86, 2024 builds) or 64 (ARM 2025+)")
+    return int(v)
 
 
 class _Cursor:
@@ -214,6 +227,10 @@ class GGUFFile:
             infos.append((name, dims, tid, off))
         self.data_offset = -(-c.pos // align) * align
         self.types = dict(GGML_TYPES)   # this file's: the block size of Q2_0 depends on who wrote it
+        ftype = self.kv.get("general.file_type")
+        self.tl2_not_mxfp4 = (self.arch.startswith("bitnet") and (self.arch != "bitnet" or self._tl2_fits(infos))
+                              or self.arch == "llama" and ftype == 39 and self._tl2_fits(infos))
+        self.tl_tilings: dict[tuple[str, int, int], tl_layouts.Tiling] = {}   # what ternary() used, per shape
         if any(tid == Q2_0 for _, _, tid, _ in infos):
             name = self._q2_0_variant(infos)
             self.types[Q2_0] = (name, *Q2_0_VARIANTS[name])
@@ -247,11 +264,32 @@ class GGUFFile:
                               " 128-weight ones (truncated or corrupt file?)")
         return fits[0]
 
+    def _tl2_fits(self, infos) -> bool:
+        """Type 39 in a `bitnet` file: bitnet.cpp's TL2 (its 2024 converter writes this architecture name) or
+        llama.cpp's MXFP4. TL2 when every type-39 tensor fills the space up to the next one (or the end) as a TL2
+        tensor (codes + 32-byte scale tail), which MXFP4's 17 bytes per 32 weights never do for the same shape."""
+        ends = sorted(off for _, _, _, off in infos) + [self.size - self.data_offset]
+        seen = False
+        for _, dims, tid, off in infos:
+            if tid != 39:
+                continue
+            seen = True
+            if len(dims) != 2 or not tl_layouts.shape_ok("TL2", dims[1], dims[0]):
+                return False
+            nxt = next((e for e in ends if e > off), None)
+            want = tl_layouts.tensor_bytes("TL2", dims[1], dims[0])
+            if nxt is None or not 0 <= (nxt - off) - want < max(self.alignment, 1):
+                return False
+        return seen
+
     def _type_name(self, tid: int) -> str:
-        if tid in BITNET_CPP_TYPES and self.arch.startswith("bitnet") and not (tid == 39 and self.arch == "bitnet"):
+        if tid in BITNET_CPP_TYPES and self.arch.startswith("bitnet") and (tid != 39 or self.tl2_not_mxfp4):
             return BITNET_CPP_TYPES[tid]
         if tid == I2_S and self.arch == "llama" and self.kv.get("general.file_type") == BITNET_CPP_FTYPE_I2_S:
             return "I2_S"  # bitnet.cpp's Falcon3 / Falcon-E files (upstream's 36 was IQ4_NL_4_4)
+        if tid in (38, 39) and self.arch == "llama" and self.kv.get("general.file_type") == tid and (
+                tid == 38 or self.tl2_not_mxfp4):
+            return BITNET_CPP_TYPES[tid]   # bitnet.cpp's Llama3-8B-1.58 TL files: file type 38 / 39 (its TL1 / TL2)
         if tid in self.types:
             return self.types[tid][0]
         return f"type {tid}"
@@ -269,6 +307,11 @@ class GGUFFile:
             if n % 128:
                 raise FormatError(f"{self.path}: I2_S tensor {name!r} has {n} elements (not a multiple of 128)")
             nbytes = n // 4 + 32
+        elif tname in TL_TYPES:
+            if len(dims) != 2 or not tl_layouts.shape_ok(tname, dims[1], dims[0]):
+                raise FormatError(f"{self.path}: {tname} tensor {name!r} has shape {list(reversed(dims))}, which"
+                                  " bitnet.cpp's converter cannot write")
+            nbytes = tl_layouts.tensor_bytes(tname, dims[1], dims[0])
         elif tid in self.types and tname == self.types[tid][0]:
             _, bs, ts = self.types[tid]
             if dims[0] % bs:
@@ -316,14 +359,15 @@ class GGUFFile:
     def dequantize(self, name: str, rows: slice | None = None) -> np.ndarray:
         """f32 [rows, ne0] (2-D even for 1-D tensors: [1, n]); rows slices the outer dimension."""
         t = self.info(name)
-        if t.type_name not in DECODABLE and (t.nbytes < 0 or t.type_name not in gguf_decodable()):
+        own = t.type_name in DECODABLE or t.type_name in TL_TYPES
+        if not own and (t.nbytes < 0 or t.type_name not in gguf_decodable()):
             raise UnsupportedError(f"{self.path}: tensor {name!r} has unsupported tensor type {t.type_name}",
                                    hint="supported: " + ", ".join(sorted(DECODABLE | gguf_decodable())) + (
                                        "" if gguf_decodable() else "; pip install gguf for the other types"))
         ne0 = t.shape[-1]
         nrows = t.n_elements // ne0
         r0, r1, _ = (rows or slice(None)).indices(nrows)
-        if t.type_name == "I2_S":
+        if t.type_name == "I2_S" or t.type_name in TL_TYPES:
             w, s = self.ternary(name)
             return (w.reshape(nrows, ne0)[r0:r1].astype(np.float32) * s[0])
         _, bs, ts = self.types[t.type_id]
@@ -342,14 +386,21 @@ class GGUFFile:
         raw = self.raw(name)
         if t.type_name == "I2_S":
             n = out * inp
-            codes = raw[: n // 4].reshape(-1, 32)
-            w = np.empty((codes.shape[0], 4, 32), np.uint8)
+            block = i2s_block()
+            codes = raw[: n // 4].reshape(-1, block // 4)
+            w = np.empty((codes.shape[0], 4, block // 4), np.uint8)
             for k, shift in enumerate((6, 4, 2, 0)):
                 np.bitwise_and(codes >> shift, 3, out=w[:, k])
             if (w == 3).any():
                 raise FormatError(f"{self.path}: I2_S tensor {name!r} holds invalid code 3")
             scale = np.frombuffer(raw[n // 4: n // 4 + 4].tobytes(), "<f4").astype(np.float32)
             return (w.view(np.int8) - np.int8(1)).reshape(out, inp), scale
+        if t.type_name in TL_TYPES:
+            key = (t.type_name, out, inp)
+            w, scale, tiling = tl_layouts.decode(t.type_name, raw, out, inp, f"{self.path}: tensor {name!r}",
+                                                 self.tl_tilings.get(key))
+            self.tl_tilings[key] = tiling
+            return w, scale
         if t.type_name in Q2_0_VARIANTS:   # d per 64 / 128 weights of a row (weight_groups models keep them)
             blocks = raw.reshape(-1, self.types[t.type_id][2])
             codes = _q2_0_codes(blocks)
@@ -366,7 +417,7 @@ class GGUFFile:
                 raise FormatError(f"{self.path}: TQ2_0 tensor {name!r} holds invalid code 3")
             return (codes.view(np.int8) - np.int8(1)).reshape(out, inp), d
         raise UnsupportedError(f"{self.path}: tensor {name!r} of type {t.type_name} is not ternary"
-                               " (expected I2_S, TQ1_0, TQ2_0 or Q2_0)")
+                               " (expected I2_S, TL1, TL2, TQ1_0, TQ2_0 or Q2_0)")
 
     def close(self):
         close_map(self._mm)

@@ -189,7 +189,7 @@ class GGUFSource:
         if arch not in GGUF_ARCHS:
             raise UnsupportedError(f"{path}: unsupported GGUF architecture {arch!r}",
                                    hint="this engine runs ternary models: GGUF architectures bitnet-b1.58,"
-                                        " bitnet-25, bitnet, and llama with TQ1_0 / TQ2_0 / I2_S tensors")
+                                        " bitnet-25, bitnet, and llama with TQ1_0 / TQ2_0 / I2_S / TL1 / TL2 tensors")
         self.meta: dict = {"gguf_arch": arch}
 
         def key(k, typ=int, default=None):
@@ -235,7 +235,7 @@ class GGUFSource:
         self.fit_notes: dict[str, dict] = {}
         self._first_fit = None
         first = g.info("blk.0.attn_q.weight")
-        if not check_ternary or first.type_name in ("I2_S", "TQ1_0", "TQ2_0", "Q2_0", "Q2_0_G128"):
+        if not check_ternary or first.type_name in ("I2_S", "TL1", "TL2", "TQ1_0", "TQ2_0", "Q2_0", "Q2_0_G128"):
             pass
         elif self.config.weight_groups:   # refuse a non-ternary file before anything is written
             ternary_groups_from_float(path, first.name, g.dequantize(first.name).reshape(first.shape))
@@ -308,9 +308,9 @@ class GGUFSource:
             else:
                 w, sc = ternary_groups_from_float(self.path, name, self.g.dequantize(name).reshape(out, inp))
             return w, sc, _group_seen(sc)
-        if t.type_name in ("I2_S", "TQ1_0", "TQ2_0"):
+        if t.type_name in ("I2_S", "TL1", "TL2", "TQ1_0", "TQ2_0"):
             w, d = self.g.ternary(name)
-            if t.type_name == "I2_S":
+            if t.type_name in ("I2_S", "TL1", "TL2"):   # one scale per tensor, in the tail after the codes
                 scale = float(d[0])
             else:
                 # llama.cpp folds the per-tensor scale into every block's d: they must agree, except blocks that
