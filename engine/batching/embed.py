@@ -92,7 +92,6 @@ class Embeddings:
         """Queue the token lists of n texts (never blocks). Each must have 1..n_ctx tokens (ContextOverflowError
         names the one that does not fit, BitNetError an empty one or an id outside the vocabulary); QueueFullError
         when max_queue requests wait (the request counts as one, whatever its n)."""
-        from .scheduler import _Seq
         vocab, dim = self.config.vocab_size, self.config.hidden_size
         texts = [[int(t) for t in ids] for ids in texts]
         if not texts:
@@ -120,7 +119,7 @@ class Embeddings:
                 sid = next(self._ids)
                 stream = Stream(sid, self, lambda ch, req=req: req._failed(ch.finish_reason)
                                 if ch.finish_reason not in (None, EMBEDDED) else None)
-                seq = _Seq(sid, ids, params, 0, (), stream, self.tokenizer, vocab)
+                seq = self._new_seq(sid, ids, params, 0, (), stream, self.tokenizer, vocab)
                 seq.embed = _Slot(req, i, dim)
                 req.ids.append(sid)
                 self._waiting.append(seq)

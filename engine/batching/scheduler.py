@@ -79,6 +79,7 @@ class _Seq:
 
 class BatchScheduler(Drafts, Embeddings):
     """The engine core (engine.api.Engine adds tokenizer helpers). Start with start(); stop with close()."""
+    _new_seq = _Seq   # the mixins (embed.py) make sequences through this, not by importing this module
 
     def __init__(self, store, tokenizer, *, n_ctx: int, parallel: int, kv_pool_tokens: int, max_batch_tokens: int,
                  max_queue: int, kv_dtype: str = "f16", load_s: float = 0.0, threads: int | None = None,
