@@ -16,19 +16,50 @@ import numpy as np
 from fastapi import Request
 from pydantic import BaseModel, ConfigDict
 
-from .offload import next_or_gone, run_off_loop, too_long_for_context
+from .offload import OFFLOAD_BYTES, next_or_gone, run_off_loop, too_long_for_context
 
 ENGINE_FAULT = "the engine failed while embedding this input (the server goes on; see its log)"
 
 
+MAX_INPUTS = 2048   # texts in one request (OpenAI's own limit)
+
+
 class EmbeddingRequest(BaseModel):
-    """OpenAI's body: input a string, a list of strings, a list of token ids or a list of such lists."""
+    """OpenAI's body but `input` (checked by openai_inputs): a string, a list of strings, a list of token ids or a
+    list of such lists."""
     model_config = ConfigDict(extra="ignore")
     model: Optional[str] = None
-    input: Any = None
     encoding_format: Optional[str] = None   # "float" (default) | "base64" (little-endian float32)
     dimensions: Optional[int] = None
     user: Optional[str] = None              # ignored by design (OpenAI's abuse-monitoring tag)
+
+
+_IDS = {"type": "array", "items": {"type": "integer"}}
+OPENAPI_BODY = {"requestBody": {"required": True, "content": {"application/json": {"schema": {
+    "type": "object", "required": ["input"], "properties": {
+        "input": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}, _IDS,
+                            {"type": "array", "items": _IDS}]},
+        **EmbeddingRequest.model_json_schema()["properties"]}}}}}}
+
+
+def parse_openai(raw: bytes) -> tuple[EmbeddingRequest, list]:
+    """The body and its inputs, or Refused. Not through the generating endpoints' body parser (serve/offload.py),
+    whose bound on numbers is one context's worth: a request here may carry up to MAX_INPUTS contexts of token
+    ids, bounded by --max-body-mb alone. Runs off the event loop for large bodies (json.loads and the checks)."""
+    from pydantic import ValidationError
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise Refused(400, "request body is not valid JSON", None, "invalid_json") from None
+    if not isinstance(data, dict):
+        raise Refused(400, "request body must be a JSON object", None, "invalid_json")
+    try:
+        body = EmbeddingRequest.model_validate({k: v for k, v in data.items() if k != "input"})
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(str(x) for x in err.get("loc", ())) or None
+        raise Refused(400, f"{where}: {err.get('msg', 'invalid value')}", where) from None
+    return body, openai_inputs(data.get("input"))
 
 
 class Refused(Exception):
@@ -51,6 +82,8 @@ def openai_inputs(value) -> list:
         value = [value]   # one list of token ids
     if not value:
         raise Refused(400, "input: an empty list has nothing to embed")
+    if len(value) > MAX_INPUTS:
+        raise Refused(400, f"input: {len(value)} items; at most {MAX_INPUTS} in one request")
     for i, item in enumerate(value):
         if isinstance(item, str):
             if not item:
@@ -141,16 +174,18 @@ def register(app, state, ready, api_error: type, check_model, *, metrics=None):
         return api_error(e.status, e.message, "server_error" if e.status >= 500 else "invalid_request_error",
                          e.param, e.code, {"Retry-After": str(state.retry_after)} if e.status == 503 else None)
 
-    @app.post("/v1/embeddings")
-    async def embeddings(body: EmbeddingRequest, request: Request):
+    @app.post("/v1/embeddings", openapi_extra=OPENAPI_BODY)
+    async def embeddings(request: Request):
         eng = ready(request)
-        check_model(body.model)
         try:
+            raw = await request.body()
+            body, items = await run_off_loop(parse_openai, raw) if len(raw) > OFFLOAD_BYTES else parse_openai(raw)
+            check_model(body.model)
             fmt = body.encoding_format or "float"
             if fmt not in ("float", "base64"):
                 raise Refused(400, f"encoding_format {fmt!r}: expected \"float\" or \"base64\"", "encoding_format")
             check_dimensions(eng, body.dimensions)
-            ids = await tokenized(eng, openai_inputs(body.input), "input")
+            ids = await tokenized(eng, items, "input")
             vectors = await run_embed(eng, state, request, ids, metrics)
         except Refused as e:
             raise openai_error(e) from None

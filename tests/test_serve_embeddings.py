@@ -103,6 +103,24 @@ def test_over_the_context_and_empty_inputs_are_400s(client, oclient, server, llm
     assert r.status_code == 200 and np.array_equal(f32(r.json()["embeddings"][0]), f32(want))
 
 
+def test_many_contexts_of_token_ids_in_one_request(client, server, model_id, llm):
+    """A request may carry many contexts' worth of token ids (the generating endpoints' body bound is one context);
+    more than 2048 inputs is OpenAI's own 400."""
+    n_ctx = client.models.list().data[0].model_extra["meta"]["n_ctx"]
+    rng = np.random.default_rng(3)
+    ids = [rng.integers(3, llm.config.vocab_size, n_ctx).tolist() for _ in range(6)]
+    r = client.embeddings.create(model=model_id, input=ids, encoding_format="float")
+    assert len(r.data) == 6 and r.usage.prompt_tokens == 6 * n_ctx
+    assert np.array_equal(f32(r.data[5].embedding), f32(client.embeddings.create(
+        model=model_id, input=[ids[5]], encoding_format="float").data[0].embedding))
+    with pytest.raises(openai.BadRequestError) as ei:
+        client.embeddings.create(model=model_id, input=["a"] * 2049)
+    assert "at most 2048" in ei.value.body["message"]
+    spec = httpx.get(server.url + "/openapi.json").json()
+    assert "input" in spec["paths"]["/v1/embeddings"]["post"]["requestBody"]["content"]["application/json"]["schema"][
+        "required"]
+
+
 def test_metrics_count_embedded_texts(client, server, model_id):
     from prometheus_client.parser import text_string_to_metric_families
 
