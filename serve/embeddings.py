@@ -10,7 +10,7 @@ import asyncio
 import base64
 import json
 import time
-from typing import Any, Optional
+from typing import Optional
 
 import numpy as np
 from fastapi import Request

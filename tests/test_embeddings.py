@@ -145,3 +145,20 @@ def test_close_ends_a_waiting_request(synth):
     with pytest.raises(BitNetError, match="closed"):
         eng.submit_embed([[1]])
     assert time.monotonic() - t0 < 5
+
+
+def test_a_fault_in_one_texts_forward_ends_only_its_request(synth, llm, monkeypatch):
+    """BITNET_FAULT_TOKEN (engine/batching/batch_model.py's test hook) makes a kernel fault in the steps holding
+    that token: the request with that text ends with "error", the other request in the same steps gets its vectors."""
+    ok = llm.embed_tokens(TEXTS[:3])
+    bad = [llm.tokenize("x", add_bos=True) + [7] * 20, ok[0]]
+    monkeypatch.setenv("BITNET_FAULT_TOKEN", "7")
+    assert all(7 not in t for t in ok)
+    with running_engine(synth[2]["f16"], threads=1, parallel=8) as eng:
+        r_bad = eng.submit_embed(bad)
+        r_ok = eng.submit_embed(ok)
+        assert np.array_equal(r_ok.result(timeout=120), llm.embed(TEXTS[:3]))
+        with pytest.raises(BitNetError, match="error"):
+            r_bad.result(timeout=120)
+        assert eng.metrics()["sequence_errors_total"] >= 1
+        eng.check_consistency()

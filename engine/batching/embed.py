@@ -136,9 +136,14 @@ class Embeddings:
         """s (an embedding sequence) ran rows row0 .. row0+r-1 of the last step: pool them; once its last token
         has run, hand the vector to its request and retire s (pages back to the pool)."""
         slot = s.embed
-        slot.pool.add(self.model.final_norm(row0, row0 + r))
-        if s.n_past < len(s.tokens):
+        try:
+            slot.pool.add(self.model.final_norm(row0, row0 + r))
+            if s.n_past < len(s.tokens):
+                return
+            vec = slot.pool.result()
+        except Exception as e:   # ends this text's request only, as a sampling fault ends its sequence
+            self._fail(s, e, "its pooling")
             return
-        slot.req._put(slot.i, slot.pool.result())
+        slot.req._put(slot.i, vec)
         self.embed_inputs_total += 1
         self._finish(s, EMBEDDED)
