@@ -6,10 +6,11 @@ Writes bench/EMBED_RESULTS.md and bench/embed_results.json.
     python bench/bench_embed.py [--texts 64] [--tokens 100] [--batch 16] [--threads 2] [--repeats 3]
                                 [--shape 2b4t|small] [--llama-server PATH] [--engines ours,llama]
 
-The texts are random token ids (the same ids to both servers, as /v1/embeddings `input` token lists, so no
-tokenizer is timed), sent as ceil(texts / batch) requests of --batch texts, all at once (a RAG indexer's shape:
-LangChain and LlamaIndex send lists). One warm-up request first; each repeat times the first request sent to the
-last answer; embeddings/s = texts / that time (best and median of the repeats). Both servers mean-pool the
+The texts are random token ids (the same ids to both servers, as /v1/embeddings `input` token lists, so no tokenizer
+is timed), sent as ceil(texts / batch) requests of --batch texts, all at once (a RAG indexer's shape: LangChain and
+LlamaIndex send lists). Both servers run at once (idle while the other is timed): one warm-up request each, then the
+repeats in turns, the order alternating, so both see the same machine load; a repeat times the first request sent to
+the last answer; embeddings/s = texts / that time (best and median of the repeats). Both servers mean-pool the
 final-norm states and L2-normalise (engine/runtime/embed.py): the report also gives the cosine of each text's two
 vectors, which says the two compute the same thing (different kernels' rounding: close to 1, not equal).
 llama-server is looked for at --llama-server, $LLAMA_SERVER, bench/cache/llama-server (bench/setup_llama_server.sh
@@ -88,28 +89,38 @@ async def embed_all(url: str, groups: list[list[list[int]]]) -> tuple[float, lis
         return time.perf_counter() - t0, [v for vs in out for v in vs]
 
 
-def run_engine(engine: str, a, paths, llama_bin) -> dict:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")) if engine == "ours" else None
-    proc = subprocess.Popen(server_cmd(engine, a, paths, port, llama_bin), cwd=ROOT, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+def run_engines(engines: list[str], a, paths, llama_bin) -> dict:
+    """Start every engine's server (idle ones cost nothing), warm each up, then time them in turns, the order
+    alternating each repeat, so the engines see the same machine load (other jobs may share it)."""
+    procs, urls = {}, {}
     try:
-        wait_healthy(url, proc)
+        for eng in engines:
+            port = free_port()
+            urls[eng] = f"http://127.0.0.1:{port}"
+            env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")) \
+                if eng == "ours" else None
+            procs[eng] = subprocess.Popen(server_cmd(eng, a, paths, port, llama_bin), cwd=ROOT, env=env,
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         vocab = vocab_size(paths["store_q4"])
         groups = batches(texts(a.texts, a.tokens, a.seed, vocab), a.batch)
-        asyncio.run(embed_all(url, batches(texts(2, a.tokens, a.seed + 1, vocab), 2)))   # warm-up
-        walls, vectors = [], None
-        for _ in range(a.repeats):
-            wall, vecs = asyncio.run(embed_all(url, groups))
-            walls.append(wall)
-            vectors = vectors or vecs
-            print(f"  {engine:5s} {a.texts / wall:7.2f} embeddings/s ({a.texts} x {a.tokens} tokens in {wall:.2f} s)",
-                  flush=True)
-        return {"walls_s": walls, "eps_best": a.texts / min(walls), "eps_median": a.texts / statistics.median(walls),
-                "dim": len(vectors[0]), "vectors": vectors}
+        for eng in engines:
+            wait_healthy(urls[eng], procs[eng])
+            asyncio.run(embed_all(urls[eng], batches(texts(2, a.tokens, a.seed + 1, vocab), 2)))   # warm-up
+        walls = {eng: [] for eng in engines}
+        vectors = {}
+        for rep in range(a.repeats):
+            for eng in (engines if rep % 2 == 0 else engines[::-1]):
+                wall, vecs = asyncio.run(embed_all(urls[eng], groups))
+                walls[eng].append(wall)
+                vectors.setdefault(eng, vecs)
+                print(f"  {eng:5s} {a.texts / wall:7.2f} embeddings/s ({a.texts} x {a.tokens} tokens in {wall:.2f} s, "
+                      f"load {os.getloadavg()[0]:.1f})", flush=True)
+        return {eng: {"walls_s": walls[eng], "eps_best": a.texts / min(walls[eng]),
+                      "eps_median": a.texts / statistics.median(walls[eng]), "dim": len(vectors[eng][0]),
+                      "vectors": vectors[eng]} for eng in engines}
     finally:
-        stop_server(proc)
+        for proc in procs.values():
+            stop_server(proc)
 
 
 def cosines(u: list[list[float]], v: list[list[float]]) -> list[float]:
@@ -167,13 +178,12 @@ def main(argv=None) -> int:
            "engines": {},
            "note": f"Machine: {os.cpu_count()} cores, load average at start {load[0]:.1f} (shared: other jobs may run "
                    f"at the same time; the ratio is what means something). {a.texts} texts of {a.tokens} random "
-                   f"token ids, {a.batch} per request, all requests at once; {a.threads} threads each; model "
+                   f"token ids, {a.batch} per request, all requests at once; {a.threads} threads each, engines "
+                   f"timed in alternating turns; model "
                    f"{os.path.basename(paths['tq2_0'])} (ours: its q4 store); llama-server --embeddings --pooling "
                    f"mean -np 16." + missing}
-    for eng in engines:
-        name = "bitnet serve" if eng == "ours" else "llama-server"
-        print(f"{name}:", flush=True)
-        res["engines"][name] = run_engine(eng, a, paths, llama_bin)
+    for eng, r in run_engines(engines, a, paths, llama_bin).items():
+        res["engines"]["bitnet serve" if eng == "ours" else "llama-server"] = r
     if len(res["engines"]) == 2:
         o, ll = res["engines"]["bitnet serve"], res["engines"]["llama-server"]
         res["ratio"] = o["eps_best"] / ll["eps_best"]

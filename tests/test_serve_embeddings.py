@@ -42,7 +42,8 @@ def test_openai_client_base64_and_float_give_the_engine_vectors(client, llm, mod
     assert r.usage.prompt_tokens == r.usage.total_tokens == sum(len(t) for t in llm.embed_tokens(TEXTS))
     r = client.embeddings.create(model=model_id, input=TEXTS, encoding_format="float")
     assert np.array_equal(f32([d.embedding for d in r.data]), want)
-    alone = [client.embeddings.create(model=model_id, input=t, encoding_format="float").data[0].embedding for t in TEXTS]
+    alone = [client.embeddings.create(model=model_id, input=t, encoding_format="float").data[0].embedding
+             for t in TEXTS]
     assert np.array_equal(f32(alone), want)
     ids = llm.embed_tokens(TEXTS)
     r = client.embeddings.create(model=model_id, input=ids, encoding_format="float")   # token ids, used as given
