@@ -95,6 +95,18 @@ class _Text:
                 pass
         threading.Thread(target=warm, name="bitnet-grammar-warmup", daemon=True).start()
 
+    def embed_tokens(self, texts: str | Sequence[str]) -> list[list[int]]:
+        """The token lists embed() runs: each text with BOS, as llama-server tokenizes an embedding input; an
+        empty text is refused (BitNetError naming it)."""
+        texts = [texts] if isinstance(texts, str) else list(texts)
+        if not texts:
+            raise BitNetError("no texts to embed")
+        for i, t in enumerate(texts):
+            if not isinstance(t, str) or not t:
+                raise BitNetError(f"input {i}: an empty text has nothing to embed" if t == "" else
+                                  f"input {i}: expected a string, got {type(t).__name__}")
+        return [self.tokenize(t, add_bos=True) for t in texts]
+
     def tool_format(self):
         """How this model writes tool calls (engine/runtime/tools.py), from its chat template."""
         from .runtime.tools import tool_format
@@ -163,6 +175,22 @@ class LLM(_Text):
         return _generate(self.model, self.tokenizer, ids, params, max_tokens=max_tokens, stop=stop, load_s=self.load_s,
                          ignore_eos=ignore_eos, lookup=lookup if lookup is not None else self.lookup,
                          constraint=compiled)
+
+    def embed(self, texts: str | Sequence[str]) -> np.ndarray:
+        """Embeddings [len(texts), hidden] f32 (a str: one row): each text with BOS through the model, the final-norm
+        hidden states mean-pooled and L2-normalised (engine/runtime/embed.py; the same bits as Engine.embed).
+        Raises ContextOverflowError for a text over n_ctx. Leaves the last text in the KV cache."""
+        from .runtime.embed import embed_ids
+        from .errors import ContextOverflowError
+        all_ids = self.embed_tokens(texts)
+        for i, ids in enumerate(all_ids):
+            if len(ids) > self.n_ctx:
+                raise ContextOverflowError(f"input {i} has {len(ids)} tokens but the context holds {self.n_ctx}",
+                                           hint="raise the context or shorten the text")
+        out = np.zeros((len(all_ids), self.config.hidden_size), np.float32)
+        for i, ids in enumerate(all_ids):
+            out[i] = embed_ids(self.model, ids)
+        return out
 
     def forward(self, ids: Sequence[int]) -> np.ndarray:
         """Logits [len(ids), vocab] f32 from a fresh cache (for tests)."""
@@ -273,6 +301,12 @@ class Engine(_Text, BatchScheduler):
                          kv_dtype=kv_dtype, threads=threads, lookup=lookup)
         self.name = _display_name(store)
         self.load_s = load_s + (time.perf_counter() - t0)
+
+    def embed(self, texts: str | Sequence[str], timeout: float | None = None) -> np.ndarray:
+        """Embeddings [len(texts), hidden] f32, as LLM.embed, batched through the engine: each text is a
+        prefill-only sequence beside the running generations (engine/batching/embed.py). submit_embed(token
+        lists, callback) is the non-blocking form."""
+        return self.embed_ids(self.embed_tokens(texts), timeout)
 
     def close(self):
         BatchScheduler.close(self)

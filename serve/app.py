@@ -539,6 +539,8 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
 
     from .ollama import register as register_ollama   # ollama's API: a second adapter over the same engine
     register_ollama(app, state, ready, APIError, sampling=sampling, metrics=metrics)
+    from .embeddings import register as register_embeddings   # /v1/embeddings, /api/embed, /api/embeddings
+    register_embeddings(app, state, ready, APIError, check_model, metrics=metrics)
 
     @app.get("/", response_class=HTMLResponse)
     async def page():

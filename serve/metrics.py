@@ -47,7 +47,9 @@ class _EngineCollector:
                                ("bitnet_sequence_errors", "sequences ended by a fault in their sampling or forward pass",
                                 "sequence_errors_total"),
                                ("bitnet_steps_split", "batched steps run again in halves to find the sequence a fault came from",
-                                "steps_split_total")):
+                                "steps_split_total"),
+                               ("bitnet_embedding_inputs", "texts embedded (/v1/embeddings, /api/embed, /api/embeddings)",
+                                "embed_inputs_total")):
             c = CounterMetricFamily(name, doc)
             c.add_metric([], float(m.get(key, 0)))
             yield c

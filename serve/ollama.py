@@ -5,7 +5,7 @@ a second thin adapter, so the desktop tools and the official `ollama` clients ca
 object) and end with ollama's final object: done_reason and its counts and durations in nanoseconds.
 `options` map onto SamplingParams (checked by the engine's own rules, named `options.X`), `format` ("json" or a
 JSON Schema) onto the constraint layer. /api/tags, /api/show, /api/ps and /api/version describe the one loaded
-model. What a one-model server cannot do (pull, push, create, copy, delete, embed) answers in ollama's error shape
+model. What a one-model server cannot do (pull, push, create, copy, delete) answers in ollama's error shape
 `{"error": "..."}` with the reason. `tools` on /api/chat go through the engine's tool layer (engine/runtime/tools.py:
 the model's own call format, a call once begun is grammar-constrained) and come back as message.tool_calls.
 The request fields accepted, refused and ignored: docs/api.md.
@@ -47,8 +47,6 @@ UNSUPPORTED_ENDPOINTS = {
     "create": "bitnet serve does not create models: convert one with `bitnet convert` and serve it with -m",
     "copy": "bitnet serve serves one model under one name (use --alias NAME to rename it)",
     "delete": "bitnet serve does not delete models",
-    "embed": "embeddings are not supported",
-    "embeddings": "embeddings are not supported",
 }
 
 
@@ -482,7 +480,7 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
                                                       ("repeat_penalty", s.repeat_penalty), ("num_ctx", eng.n_ctx)))
         return {"modelfile": f"# served by bitnet serve\nFROM {eng.store.path}\n", "parameters": params,
                 "template": eng.store.chat_template or "", "details": d["details"], "model_info": info,
-                "capabilities": ["completion", "tools"], "modified_at": d["modified_at"]}
+                "capabilities": ["completion", "tools", "embedding"], "modified_at": d["modified_at"]}
 
     @app.get("/api/version")
     async def api_version():

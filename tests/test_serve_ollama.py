@@ -151,7 +151,7 @@ def test_logprobs(client, model_id):
     ("/api/pull", {"model": "llama3"}, "does not download models"),
     ("/api/create", {"model": "x"}, "bitnet convert"),
     ("/api/push", {"model": "x"}, "does not push"),
-    ("/api/embed", {"model": "x", "input": "hi"}, "embeddings are not supported"),
+    ("/api/embed", {"model": "x", "input": ["hi", ""]}, "input.1: an empty string"),   # embeddings: served
 ])
 def test_refusals_in_ollama_error_shape(server, path, body, words):
     r = httpx.post(server.url + path, json=body, timeout=30)

@@ -23,6 +23,7 @@ from ...simd import _ops as ops
 
 from ..config import ModelConfig
 from ..errors import BitNetError
+from ..runtime.embed import final_norm_rows
 from ..runtime.model import RESCORE_K, Weights, _Views, alloc_run_state, rope_tables, run_layers, ternary_matmul
 from .kv_pool import PAGE_TOKENS, KVPool
 
@@ -71,11 +72,17 @@ class BatchModel:
         w = self.w
         if self.threads:
             K.set_num_threads(self.threads)
-        v = self._view(m)
+        v = self._last = self._view(m)
         v.ids[:] = ids
         ops.embed_f16(w.embd, v.ids, v.x)
         self._blocks(v, seq_rows, seq_pos0, page_table, self._faulty_table(ids, seq_rows, page_table))
         return self._head(v, logit_rows)
+
+    def final_norm(self, row0: int, row1: int) -> np.ndarray:
+        """The last step's rows row0 .. row1-1 after the final norm (before the LM head): a new [rows, D] array,
+        what an embedding pools (engine/runtime/embed.py). Read before the next step overwrites them."""
+        v = self._last
+        return final_norm_rows(v.x[row0:row1], v.delta[row0:row1], self.w.out_norm, self.w.eps)
 
     def _faulty_table(self, ids, seq_rows, page_table):
         """The test hook's page table (None unless BITNET_FAULT_TOKEN is set and in the step's rows): the rows of

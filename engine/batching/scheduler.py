@@ -40,6 +40,7 @@ from ..runtime.sampling import Sampler, SamplingParams
 from ..runtime.speculative import OFF, DraftLength, LookupParams, PromptLookup
 from .batch_model import BatchModel
 from .drafts import FORCED_DRAFT_MAX, Drafts
+from .embed import Embeddings
 from .kv_pool import PAGE_TOKENS, KVPool
 from .prefix_cache import PrefixCache
 from .stream import Stream
@@ -73,10 +74,12 @@ class _Seq:
         self.cm = None                   # TokenMatcher of the sequence's constraint (engine/runtime/constraints.py)
         self.forks: list[_Seq] = []      # the other choices of an n > 1 request (this one prefills for them)
         self.fork_of: _Seq | None = None  # the choice whose prefill this one waits for (then shares its pages)
+        self.embed = None                # an embedding sequence's request slot and running mean (embed.py)
 
 
-class BatchScheduler(Drafts):
+class BatchScheduler(Drafts, Embeddings):
     """The engine core (engine.api.Engine adds tokenizer helpers). Start with start(); stop with close()."""
+    _new_seq = _Seq   # the mixins (embed.py) make sequences through this, not by importing this module
 
     def __init__(self, store, tokenizer, *, n_ctx: int, parallel: int, kv_pool_tokens: int, max_batch_tokens: int,
                  max_queue: int, kv_dtype: str = "f16", load_s: float = 0.0, threads: int | None = None,
@@ -221,7 +224,8 @@ class BatchScheduler(Drafts):
                     "lookup_draft_max": self.draft_max, "lookup_drafted_total": self.lookup_drafted_total,
                     "lookup_accepted_total": self.lookup_accepted_total,
                     "prefill_tokens_total": self.prefill_tokens_total,
-                    "sequence_errors_total": self.sequence_errors_total, "steps_split_total": self.steps_split_total}
+                    "sequence_errors_total": self.sequence_errors_total, "steps_split_total": self.steps_split_total,
+                    "embed_inputs_total": self.embed_inputs_total}
 
     def slots(self) -> list[dict]:
         with self._lock:
@@ -355,14 +359,18 @@ class BatchScheduler(Drafts):
             self._run_plan(plan[half:])
             return
         now = time.perf_counter()
-        li = 0
+        li = row = 0
         for s, r in plan:
+            row += r
             if s.draft:
                 n_rows = len(s.draft) + 1
                 nxt = self._sample_or_fail(s, self._sample_draft, logits, li)
                 li = nxt if nxt is not None else li + n_rows
                 continue
             s.n_past += r
+            if s.embed is not None:   # prefill-only: pooled, never sampled nor indexed (engine/batching/embed.py)
+                self._embed_rows(s, row - r, r)
+                continue
             self._index(s)
             if s.n_past == len(s.tokens):
                 if s.n_gen == 0:
@@ -389,7 +397,7 @@ class BatchScheduler(Drafts):
                 logit_rows.extend(range(row, row + r))
             else:
                 ids[row: row + r] = s.tokens[s.n_past: s.n_past + r]
-                if s.n_past + r == len(s.tokens):
+                if s.n_past + r == len(s.tokens) and s.embed is None:
                     logit_rows.append(row - 1 + r)
             seq_pos0[i] = s.n_past
             pt[i, : len(s.pages)] = s.pages
@@ -444,7 +452,8 @@ class BatchScheduler(Drafts):
         while self._waiting and len(self._running) + 1 + len(self._waiting[0].forks) <= self.parallel:
             s = self._waiting[0]
             limit = len(s.prompt) - (1 if s.max_tokens > 0 else 0)
-            pages, n_cached = self.prefix.match(s.prompt, limit)
+            # an embedding pools every row of its text: no cached prefix stands in for any of them
+            pages, n_cached = self.prefix.match(s.prompt, limit) if s.embed is None else ([], 0)
             total = min(len(s.prompt) + max(s.max_tokens - 1, 0), self.n_ctx)
             need = -(-total // PAGE_TOKENS) - n_cached // PAGE_TOKENS
             # forks: the pages past the prompt's full ones (its shared partial page is copied on write), and one

@@ -546,10 +546,11 @@ class Model:
             tuner.record(time.perf_counter() - t0)
         return self._logits
 
-    def prefill(self, ids, all_logits: bool = False) -> np.ndarray:
+    def prefill(self, ids, all_logits: bool = False, rows=None) -> np.ndarray:
         """Run tokens at positions n_past.. in chunks. Returns the last token's logits (the session buffer),
         or a new [len(ids), V] array when all_logits. The cache advances chunk by chunk, so an interrupt
-        leaves it consistent with `cache_ids`."""
+        leaves it consistent with `cache_ids`. rows(x, delta): called with each chunk's residual rows instead of
+        any logits (embeddings: engine/runtime/embed.py); the session buffer is then not updated."""
         ids = [int(t) for t in ids]
         if not ids:
             raise BitNetError("prefill: no tokens to process")
@@ -567,7 +568,9 @@ class Model:
             v.ids[:] = part
             ops.embed_f16(self._embd, v.ids, v.x)
             self._blocks(v, self.n_past)
-            if all_logits:
+            if rows is not None:
+                rows(v.x, v.delta)
+            elif all_logits:
                 for r in range(m):
                     self._head(v, r, result[start + r])
             elif start + m == len(ids):

@@ -1,0 +1,149 @@
+"""Embeddings through the batching engine (a mixin of BatchScheduler, engine/batching/scheduler.py).
+
+A request of n texts becomes n prefill-only sequences: queued, admitted and run in prefill chunks like any prompt
+(decode rows of running generations still go first in every step, so a generation keeps making a token per step),
+never sampled and never given logit rows. After each step the rows of an embedding sequence are taken after the
+final norm and added to its running mean (engine/runtime/embed.py); once its last token has run, the vector is
+L2-normalised and handed to the request, and the sequence retires at once: its KV pages go back to the pool (they
+are not put in the prefix index, and no cached prefix is reused, because the mean needs every row).
+"""
+from __future__ import annotations
+
+import threading
+from typing import Callable, Sequence
+
+import numpy as np
+
+from ..errors import BitNetError, ContextOverflowError, QueueFullError
+from ..runtime.embed import MeanPool
+from ..runtime.sampling import SamplingParams
+from .stream import Stream
+
+EMBEDDED = "embedded"   # the finish reason of an embedding sequence that delivered its vector
+
+
+class EmbedRequest:
+    """The consumer's end of one embeddings request: result() blocks for the [n, hidden] float32 vectors (row i:
+    text i); or pass callback(request) to submit_embed, called once on the scheduler thread when every text is
+    done or the request failed. n_tokens[i]: the tokens text i ran through the model."""
+
+    def __init__(self, engine, texts: Sequence[Sequence[int]], dim: int, callback):
+        self._engine, self._callback = engine, callback
+        self.n_tokens = [len(t) for t in texts]
+        self.vectors = np.zeros((len(texts), dim), np.float32)
+        self.error: str | None = None    # "cancelled" or "error" (a fault in its forward pass) when it failed
+        self._left = len(texts)
+        self._done = threading.Event()
+        self.ids: list[int] = []         # the engine's sequence ids (cancel)
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def _put(self, i: int, vec: np.ndarray):
+        if self._done.is_set():
+            return
+        self.vectors[i] = vec
+        self._left -= 1
+        if self._left == 0:
+            self._end()
+
+    def _failed(self, reason: str):
+        if self._done.is_set():
+            return
+        self.error = reason
+        for sid in self.ids:    # the request's other texts need not run
+            self._engine.cancel(sid)
+        self._end()
+
+    def _end(self):
+        self._done.set()
+        if self._callback is not None:
+            try:
+                self._callback(self)
+            except Exception as e:  # a broken consumer never takes the engine down
+                import sys
+                print(f"bitnet engine: embeddings callback raised {e!r}", file=sys.stderr)
+
+    def result(self, timeout: float | None = None) -> np.ndarray:
+        if not self._done.wait(timeout):
+            raise BitNetError(f"the embeddings were not ready within {timeout} s")
+        if self.error is not None:
+            raise BitNetError(f"the embeddings request ended: {self.error}")
+        return self.vectors
+
+    def cancel(self):
+        for sid in self.ids:
+            self._engine.cancel(sid)
+
+
+class _Slot:
+    """What an embedding sequence carries: its request, its index there, its running mean."""
+
+    def __init__(self, req: EmbedRequest, i: int, dim: int):
+        self.req, self.i, self.pool = req, i, MeanPool(dim)
+
+
+class Embeddings:
+    embed_inputs_total = 0   # texts embedded (BatchScheduler.metrics: embed_inputs_total)
+
+    def submit_embed(self, texts: Sequence[Sequence[int]],
+                     callback: Callable[[EmbedRequest], None] | None = None) -> EmbedRequest:
+        """Queue the token lists of n texts (never blocks). Each must have 1..n_ctx tokens (ContextOverflowError
+        names the one that does not fit, BitNetError an empty one or an id outside the vocabulary); QueueFullError
+        when max_queue requests wait (the request counts as one, whatever its n)."""
+        vocab, dim = self.config.vocab_size, self.config.hidden_size
+        texts = [[int(t) for t in ids] for ids in texts]
+        if not texts:
+            raise BitNetError("no texts to embed")
+        for i, ids in enumerate(texts):
+            if not ids:
+                raise BitNetError(f"input {i}: no tokens to embed")
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise BitNetError(f"input {i}: token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+            if len(ids) > self.n_ctx:
+                raise ContextOverflowError(f"input {i} has {len(ids)} tokens but the context holds {self.n_ctx}",
+                                           hint="raise the context or shorten the text")
+        req = EmbedRequest(self, texts, dim, callback)
+        params = SamplingParams(temperature=0)
+        with self._lock:
+            if self._closed:
+                raise BitNetError("the engine is closed")
+            if self._error is not None:
+                raise BitNetError(f"the engine stopped after an internal error: {self._error}")
+            if len(self._waiting) >= self.max_queue:
+                raise QueueFullError(f"{len(self._waiting)} requests are already waiting (max_queue {self.max_queue})",
+                                     hint="retry later")
+            for i, ids in enumerate(texts):
+                sid = next(self._ids)
+                stream = Stream(sid, self, lambda ch, req=req: req._failed(ch.finish_reason)
+                                if ch.finish_reason not in (None, EMBEDDED) else None)
+                seq = self._new_seq(sid, ids, params, 0, (), stream, self.tokenizer, vocab)
+                seq.embed = _Slot(req, i, dim)
+                req.ids.append(sid)
+                self._waiting.append(seq)
+                self._by_id[sid] = seq
+            self.requests_total += 1
+            self._wake.notify()
+        return req
+
+    def embed_ids(self, texts: Sequence[Sequence[int]], timeout: float | None = None) -> np.ndarray:
+        """submit_embed(texts) and wait: [n, hidden] float32, L2-normalised, mean-pooled (engine/runtime/embed.py)."""
+        return self.submit_embed(texts).result(timeout)
+
+    def _embed_rows(self, s, row0: int, r: int):
+        """s (an embedding sequence) ran rows row0 .. row0+r-1 of the last step: pool them; once its last token
+        has run, hand the vector to its request and retire s (pages back to the pool)."""
+        slot = s.embed
+        try:
+            slot.pool.add(self.model.final_norm(row0, row0 + r))
+            if s.n_past < len(s.tokens):
+                return
+            vec = slot.pool.result()
+        except Exception as e:   # ends this text's request only, as a sampling fault ends its sequence
+            self._fail(s, e, "its pooling")
+            return
+        slot.req._put(slot.i, vec)
+        self.embed_inputs_total += 1
+        self._finish(s, EMBEDDED)

@@ -1,0 +1,280 @@
+"""Embeddings over HTTP: OpenAI's `/v1/embeddings`, ollama's `/api/embed` and its older `/api/embeddings`, all
+over the engine's `submit_embed` (engine/batching/embed.py: each text a prefill-only sequence beside the running
+generations). The vector is the model's final-norm hidden states mean-pooled over the text's tokens (BOS first) and
+L2-normalised, as llama-server `--embeddings --pooling mean` computes it (engine/runtime/embed.py says why mean).
+What each field does here: docs/api.md. Nothing here knows of kernels.
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import time
+from typing import Optional
+
+import numpy as np
+from fastapi import Request
+from pydantic import BaseModel, ConfigDict
+
+from .offload import OFFLOAD_BYTES, next_or_gone, run_off_loop, too_long_for_context
+
+ENGINE_FAULT = "the engine failed while embedding this input (the server goes on; see its log)"
+
+
+MAX_INPUTS = 2048   # texts in one request (OpenAI's own limit)
+
+
+class EmbeddingRequest(BaseModel):
+    """OpenAI's body but `input` (checked by openai_inputs): a string, a list of strings, a list of token ids or a
+    list of such lists."""
+    model_config = ConfigDict(extra="ignore")
+    model: Optional[str] = None
+    encoding_format: Optional[str] = None   # "float" (default) | "base64" (little-endian float32)
+    dimensions: Optional[int] = None
+    user: Optional[str] = None              # ignored by design (OpenAI's abuse-monitoring tag)
+
+
+_IDS = {"type": "array", "items": {"type": "integer"}}
+OPENAPI_BODY = {"requestBody": {"required": True, "content": {"application/json": {"schema": {
+    "type": "object", "required": ["input"], "properties": {
+        "input": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}, _IDS,
+                            {"type": "array", "items": _IDS}]},
+        **EmbeddingRequest.model_json_schema()["properties"]}}}}}}
+
+
+def parse_openai(raw: bytes) -> tuple[EmbeddingRequest, list]:
+    """The body and its inputs, or Refused. Not through the generating endpoints' body parser (serve/offload.py),
+    whose bound on numbers is one context's worth: a request here may carry up to MAX_INPUTS contexts of token
+    ids, bounded by --max-body-mb alone. Runs off the event loop for large bodies (json.loads and the checks)."""
+    from pydantic import ValidationError
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise Refused(400, "request body is not valid JSON", None, "invalid_json") from None
+    if not isinstance(data, dict):
+        raise Refused(400, "request body must be a JSON object", None, "invalid_json")
+    try:
+        body = EmbeddingRequest.model_validate({k: v for k, v in data.items() if k != "input"})
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(str(x) for x in err.get("loc", ())) or None
+        raise Refused(400, f"{where}: {err.get('msg', 'invalid value')}", where) from None
+    return body, openai_inputs(data.get("input"))
+
+
+class Refused(Exception):
+    """A request the endpoint refuses: status, message, the field it is about, OpenAI's error code."""
+
+    def __init__(self, status: int, message: str, param: str | None = "input", code: str = "invalid_value"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+def openai_inputs(value) -> list:
+    """The texts (str) and token lists (list[int]) of OpenAI's `input`, or Refused. An empty string or list is
+    refused, as OpenAI refuses it."""
+    if isinstance(value, str):
+        value = [value]
+    elif not isinstance(value, list):
+        raise Refused(400, "input: expected a string, a list of strings, or token ids" if value is not None
+                      else "input is required")
+    elif value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        value = [value]   # one list of token ids
+    if not value:
+        raise Refused(400, "input: an empty list has nothing to embed")
+    if len(value) > MAX_INPUTS:
+        raise Refused(400, f"input: {len(value)} items; at most {MAX_INPUTS} in one request")
+    for i, item in enumerate(value):
+        if isinstance(item, str):
+            if not item:
+                raise Refused(400, f"input.{i}: an empty string has nothing to embed")
+        elif isinstance(item, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in item):
+            if not item:
+                raise Refused(400, f"input.{i}: an empty list of token ids has nothing to embed")
+        else:
+            raise Refused(400, f"input.{i}: expected a string or a list of token ids")
+    return value
+
+
+async def tokenized(eng, items: list, where: str, truncate: bool = False) -> list[list[int]]:
+    """Token lists of texts (each with BOS, as llama-server tokenizes an embedding input) and of token-id lists
+    (as given), each checked against the vocabulary and the context: Refused(400) naming `where.i`. truncate: a
+    text over the context keeps its first n_ctx tokens instead (ollama's `truncate: true`)."""
+    n_ctx, vocab = eng.n_ctx, eng.config.vocab_size
+    for i, item in enumerate(items):
+        if isinstance(item, str) and not truncate:
+            msg = await too_long_for_context(eng, len(item))   # before the tokenizer sees megabytes of text
+            if msg:
+                raise Refused(400, f"{where}.{i}: {msg}", code="context_length_exceeded")
+    texts = [t for t in items if isinstance(t, str)]
+    done = iter(await run_off_loop(lambda: [eng.tokenize(t, add_bos=True) for t in texts]) if texts else ())
+    out = []
+    for i, item in enumerate(items):
+        ids = next(done) if isinstance(item, str) else [int(t) for t in item]
+        if any(not 0 <= t < vocab for t in ids):
+            raise Refused(400, f"{where}.{i}: token ids must be in 0..{vocab - 1}")
+        if len(ids) > n_ctx:
+            if not truncate:
+                raise Refused(400, f"{where}.{i} has {len(ids)} tokens but the context holds {n_ctx}",
+                              code="context_length_exceeded")
+            ids = ids[:n_ctx]
+        out.append(ids)
+    return out
+
+
+def check_dimensions(eng, dimensions) -> None:
+    """`dimensions` is honoured only as the model's own width: these models were not trained for shortened
+    (Matryoshka) vectors, so a cut vector would be a worse one, not a smaller version of the same."""
+    if dimensions is not None and dimensions != eng.config.hidden_size:
+        raise Refused(400, f"dimensions {dimensions}: this model's embeddings have {eng.config.hidden_size} "
+                      "dimensions and it was not trained for shortened ones; leave dimensions out",
+                      param="dimensions", code="unsupported_parameter")
+
+
+async def run_embed(eng, state, request: Request, ids: list[list[int]], metrics=None):
+    """Submit the token lists, wait for their vectors ([n, hidden] float32), cancelling if the client goes away
+    (None then). Engine refusals become Refused."""
+    from ..engine.errors import BitNetError, ContextOverflowError, QueueFullError
+    loop = asyncio.get_running_loop()
+    q: asyncio.Queue = asyncio.Queue()
+    try:
+        req = eng.submit_embed(ids, callback=lambda r: loop.call_soon_threadsafe(q.put_nowait, r))
+    except QueueFullError as e:
+        if metrics is not None:
+            metrics.rejected.inc()
+        raise Refused(503, str(e), None, "queue_full") from None
+    except ContextOverflowError as e:
+        raise Refused(400, str(e), code="context_length_exceeded") from None
+    except BitNetError as e:
+        raise Refused(400, str(e)) from None
+    state.streams.add(req)   # a drain cancels it with the generations
+    if metrics is not None:
+        metrics.prompt_tokens.inc(sum(len(t) for t in ids))
+    try:
+        got = await next_or_gone(q, request)
+    finally:
+        state.streams.discard(req)
+        if not req.done:
+            req.cancel()
+    if got is None:
+        return None
+    if req.error is not None:
+        if state.draining:
+            raise Refused(503, "server is shutting down", None, "shutting_down")
+        raise Refused(500, ENGINE_FAULT, None, "engine_error")
+    return req.vectors
+
+
+def register(app, state, ready, api_error: type, check_model, *, metrics=None):
+    """Add the three embeddings routes to `app` (serve/app.py's create_app): ready(request) -> the engine or raises
+    api_error; check_model(name) applies --strict-model-name (OpenAI's shape)."""
+    from .ollama import OllamaError
+
+    def openai_error(e: Refused):
+        return api_error(e.status, e.message, "server_error" if e.status >= 500 else "invalid_request_error",
+                         e.param, e.code, {"Retry-After": str(state.retry_after)} if e.status == 503 else None)
+
+    @app.post("/v1/embeddings", openapi_extra=OPENAPI_BODY)
+    async def embeddings(request: Request):
+        eng = ready(request)
+        try:
+            raw = await request.body()
+            body, items = await run_off_loop(parse_openai, raw) if len(raw) > OFFLOAD_BYTES else parse_openai(raw)
+            check_model(body.model)
+            fmt = body.encoding_format or "float"
+            if fmt not in ("float", "base64"):
+                raise Refused(400, f"encoding_format {fmt!r}: expected \"float\" or \"base64\"", "encoding_format")
+            check_dimensions(eng, body.dimensions)
+            ids = await tokenized(eng, items, "input")
+            vectors = await run_embed(eng, state, request, ids, metrics)
+        except Refused as e:
+            raise openai_error(e) from None
+        if vectors is None:
+            return gone()
+
+        def encode(v: np.ndarray):
+            return base64.b64encode(v.astype("<f4").tobytes()).decode("ascii") if fmt == "base64" else v.tolist()
+        n = sum(len(t) for t in ids)
+        return {"object": "list", "model": state.model_id,
+                "data": [{"object": "embedding", "index": i, "embedding": encode(v)} for i, v in enumerate(vectors)],
+                "usage": {"prompt_tokens": n, "total_tokens": n}}
+
+    # ---- ollama ----
+    def engine(request: Request):
+        try:
+            return ready(request)
+        except api_error as e:
+            raise OllamaError(e.status, e.message) from None
+
+    def ollama_model(name):
+        if not name or not isinstance(name, str):
+            raise OllamaError(400, "model is required")
+        if state.strict_model and name != state.model_id and name.split(":")[0] != state.model_id:
+            raise OllamaError(404, f"model '{name}' not found (this server has '{state.model_id}')")
+
+    async def ollama_body(request: Request) -> dict:
+        try:
+            data = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise OllamaError(400, "request body is not valid JSON") from None
+        if not isinstance(data, dict):
+            raise OllamaError(400, "request body must be a JSON object")
+        if data.get("options") is not None and not isinstance(data["options"], dict):
+            raise OllamaError(400, "options: expected an object")
+        return data
+
+    async def ollama_vectors(eng, request, texts, where, truncate=False):
+        try:
+            ids = await tokenized(eng, texts, where, truncate)
+            return ids, await run_embed(eng, state, request, ids, metrics)
+        except Refused as e:
+            raise OllamaError(e.status, e.message) from None
+
+    @app.post("/api/embed")
+    async def api_embed(request: Request):
+        t0 = time.perf_counter()
+        eng = engine(request)
+        data = await ollama_body(request)
+        ollama_model(data.get("model"))
+        value, truncate = data.get("input"), data.get("truncate")
+        if truncate is not None and not isinstance(truncate, bool):
+            raise OllamaError(400, "truncate: expected true or false")
+        try:
+            check_dimensions(eng, data.get("dimensions"))
+        except Refused as e:
+            raise OllamaError(400, e.message) from None
+        if value is None or value == "" or value == []:   # ollama: nothing to embed is an empty list (a load)
+            return {"model": state.model_id, "embeddings": []}
+        texts = [value] if isinstance(value, str) else value
+        if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
+            raise OllamaError(400, "input: expected a string or a list of strings")
+        empty = [i for i, t in enumerate(texts) if not t]
+        if empty:
+            raise OllamaError(400, f"input.{empty[0]}: an empty string has nothing to embed")
+        ids, vectors = await ollama_vectors(eng, request, texts, "input", truncate is True)
+        if vectors is None:
+            return gone()
+        return {"model": state.model_id, "embeddings": [v.tolist() for v in vectors],
+                "total_duration": max(0, int((time.perf_counter() - t0) * 1e9)), "load_duration": 0,
+                "prompt_eval_count": sum(len(t) for t in ids)}
+
+    @app.post("/api/embeddings")
+    async def api_embeddings(request: Request):
+        eng = engine(request)
+        data = await ollama_body(request)
+        ollama_model(data.get("model"))
+        prompt = data.get("prompt")
+        if prompt is not None and not isinstance(prompt, str):
+            raise OllamaError(400, "prompt: expected a string")
+        if not prompt:   # ollama answers an empty prompt with an empty embedding
+            return {"embedding": []}
+        _, vectors = await ollama_vectors(eng, request, [prompt], "prompt")
+        if vectors is None:
+            return gone()
+        return {"embedding": vectors[0].tolist()}
+
+
+def gone():
+    """The answer to a client that went away while its texts ran (nobody reads it)."""
+    from fastapi.responses import Response
+    return Response(status_code=499)

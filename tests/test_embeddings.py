@@ -1,0 +1,164 @@
+"""Embeddings in the engine (engine/runtime/embed.py, engine/batching/embed.py) on small synthetic models: the vector
+is the mean of the final-norm hidden states, L2-normalised (checked through the model's own f16 LM head, which is
+linear in them); the same text gives the same bits alone, in a batch cut into other chunks, beside a running
+generation and through the single-session LLM; an embedding never changes a generation's tokens, never enters the
+prefix index and gives back every page; texts over the context, empty ones and an engine closed under a request
+are refused or ended with a reason."""
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from bitnet_cpu.engine.api import Engine, SamplingParams, load_model
+from bitnet_cpu.engine.errors import BitNetError, ContextOverflowError
+from bitnet_cpu.engine.formats.store import Store
+from bitnet_cpu.simd import _kernels as K
+from test_model_fixtures import make_synth, running_engine
+
+GREEDY = SamplingParams(temperature=0.0)
+TEXTS = ["hello world", "The quick brown fox jumps over the lazy dog. " * 3, "a",
+         "Embeddings are pooled over every token of the text, BOS included.", "12345 67890 " * 6]
+
+
+@pytest.fixture(scope="module")
+def synth(tmp_path_factory):
+    return make_synth(tmp_path_factory.mktemp("embed"), seed=5, lm_heads=("f16", "q4"))
+
+
+@pytest.fixture(scope="module")
+def llm(synth):
+    m = load_model(synth[2]["f16"], threads=1, progress=False)
+    yield m
+    m.close()
+
+
+def _cos(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(a @ b / np.linalg.norm(a) / np.linalg.norm(b))
+
+
+def test_vector_is_the_l2_normalised_mean_of_final_norm_rows(llm):
+    """With an f16 head, logits = W h for each row's final-norm state h: W applied to the vector must point where
+    the mean of the rows' logits points (mean pooling of those states), and nowhere near the last row's alone."""
+    w = llm.model.weights
+    assert w.lm_head == "f16"
+    for text in TEXTS[:4]:
+        vec = llm.embed(text)[0]
+        assert vec.dtype == np.float32 and abs(np.linalg.norm(vec.astype(np.float64)) - 1) < 1e-6
+        ids = llm.tokenize(text, add_bos=True)
+        rows = llm.forward(ids).astype(np.float64)
+        got = np.zeros(llm.config.vocab_size, np.float32)
+        K.gemv_f16(w.out_w, vec, got)
+        assert _cos(got, rows.mean(0)) > 1 - 1e-9
+        scale = (got.astype(np.float64) @ rows.mean(0)) / (got.astype(np.float64) @ got)
+        assert scale > 0   # the same direction, not the opposite one
+        if len(ids) > 2:
+            assert _cos(got, rows[-1]) < 0.999   # last-token pooling would be a different vector
+
+
+def test_same_bits_alone_batched_chunked_and_through_llm(synth, llm):
+    path = synth[2]["f16"]
+    want = llm.embed(TEXTS)
+    assert want.shape == (len(TEXTS), llm.config.hidden_size)
+    assert not np.array_equal(want[0], want[1])
+    # small steps: texts are cut into chunks that differ between alone and batched
+    for kw in (dict(parallel=4, max_batch_tokens=7), dict(parallel=16, max_batch_tokens=256)):
+        with running_engine(path, threads=1, **kw) as eng:
+            batched = eng.embed(TEXTS, timeout=120)
+            alone = np.stack([eng.embed([t], timeout=120)[0] for t in TEXTS])
+            assert np.array_equal(batched, want) and np.array_equal(alone, want)
+            twice = eng.embed([TEXTS[1], TEXTS[1]], timeout=120)
+            assert np.array_equal(twice[0], want[1]) and np.array_equal(twice[1], want[1])
+            ids = eng.embed_tokens(TEXTS)
+            assert np.array_equal(eng.embed_ids(ids, timeout=120), want)
+
+
+def test_same_bits_with_the_q4_head_and_more_threads(synth):
+    """The head never enters an embedding: a q4-head store of the same weights gives the f16 store's bits, at
+    2 threads too."""
+    with running_engine(synth[2]["f16"], threads=1) as eng:
+        want = eng.embed(TEXTS, timeout=120)
+    with running_engine(synth[2]["q4"], threads=2, max_batch_tokens=16) as eng:
+        assert np.array_equal(eng.embed(TEXTS, timeout=120), want)
+
+
+def test_beside_a_generation_tokens_and_vectors_unchanged_pages_returned(synth, llm):
+    path = synth[2]["f16"]
+    prompt = llm.tokenize("Once upon a time", add_bos=True)
+    want_vecs = llm.embed(TEXTS * 3)
+    with running_engine(path, threads=1, parallel=6, max_batch_tokens=12) as eng:
+        alone = [c.token for c in eng.submit(prompt, GREEDY, max_tokens=24, ignore_eos=True) if c.token is not None]
+        eng.clear_prefix_cache()
+        done = threading.Event()
+        chunks = []
+
+        def on_chunk(c):
+            chunks.append(c)
+            if c.finish_reason:
+                done.set()
+        eng.submit(prompt, GREEDY, max_tokens=24, ignore_eos=True, callback=on_chunk)
+        vecs = eng.embed(TEXTS * 3, timeout=120)
+        assert done.wait(120)
+        assert [c.token for c in chunks if c.token is not None] == alone and chunks[-1].finish_reason == "length"
+        assert np.array_equal(vecs, want_vecs)
+        m = eng.metrics()
+        assert m["embed_inputs_total"] == 3 * len(TEXTS) and m["running"] == 0 and m["kv_pages_reserved"] == 0
+        eng.check_consistency()
+    with running_engine(path, threads=1) as eng:   # alone: nothing stays behind, not even in the prefix index
+        eng.embed(TEXTS, timeout=120)
+        m = eng.metrics()
+        assert m["kv_pages_used"] == 0 and m["kv_pages_cached"] == 0 and m["prefix_hits_tokens"] == 0
+        assert eng.check_consistency()["held"] == 0
+
+
+def test_refusals(synth, llm):
+    long_text = "word " * 400   # the synthetic model's context is 256 tokens
+    with pytest.raises(ContextOverflowError, match="input 1 has"):
+        llm.embed(["ok", long_text])
+    with running_engine(synth[2]["f16"], threads=1) as eng:
+        with pytest.raises(ContextOverflowError, match="input 1 has"):
+            eng.embed(["ok", long_text])
+        with pytest.raises(BitNetError, match="input 0: an empty text"):
+            eng.embed([""])
+        with pytest.raises(BitNetError, match="no texts"):
+            eng.embed([])
+        with pytest.raises(BitNetError, match="outside the vocabulary"):
+            eng.submit_embed([[1, 2, 10 ** 6]])
+        with pytest.raises(BitNetError, match="input 0: no tokens"):
+            eng.submit_embed([[]])
+        # exactly the context fits
+        ids = [int(t) for t in np.random.default_rng(0).integers(3, llm.config.vocab_size, eng.n_ctx)]
+        assert eng.embed_ids([ids], timeout=120).shape == (1, llm.config.hidden_size)
+        assert eng.check_consistency()["held"] == 0
+
+
+def test_close_ends_a_waiting_request(synth):
+    eng = Engine(Store(synth[2]["f16"]), threads=1)   # never started: the request waits
+    got = []
+    req = eng.submit_embed([[1, 2, 3], [4, 5]], callback=got.append)
+    eng.close()
+    assert got == [req] and req.error == "cancelled"
+    with pytest.raises(BitNetError, match="cancelled"):
+        req.result(timeout=5)
+    t0 = time.monotonic()
+    with pytest.raises(BitNetError, match="closed"):
+        eng.submit_embed([[1]])
+    assert time.monotonic() - t0 < 5
+
+
+def test_a_fault_in_one_texts_forward_ends_only_its_request(synth, llm, monkeypatch):
+    """BITNET_FAULT_TOKEN (engine/batching/batch_model.py's test hook) makes a kernel fault in the steps holding
+    that token: the request with that text ends with "error", the other request in the same steps gets its vectors."""
+    ok = llm.embed_tokens(TEXTS[:3])
+    bad = [llm.tokenize("x", add_bos=True) + [7] * 20, ok[0]]
+    monkeypatch.setenv("BITNET_FAULT_TOKEN", "7")
+    assert all(7 not in t for t in ok)
+    with running_engine(synth[2]["f16"], threads=1, parallel=8) as eng:
+        r_bad = eng.submit_embed(bad)
+        r_ok = eng.submit_embed(ok)
+        assert np.array_equal(r_ok.result(timeout=120), llm.embed(TEXTS[:3]))
+        with pytest.raises(BitNetError, match="error"):
+            r_bad.result(timeout=120)
+        assert eng.metrics()["sequence_errors_total"] >= 1
+        eng.check_consistency()

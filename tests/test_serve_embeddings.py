@@ -1,0 +1,133 @@
+"""Embeddings over HTTP (serve/embeddings.py) against a real `bitnet serve` subprocess on 127.0.0.1 with the bundled
+model: the official `openai` client's embeddings.create (base64, its default, and float) and the `ollama` client's
+embed / embeddings give the engine's own vectors (load_model(...).embed, the same bits); a text alone and in a
+batch gives the same vector; token ids work; a text over the context, empty input, `dimensions` other than the
+model's width and an unknown encoding are 400s in each API's shape; /metrics counts the texts."""
+from __future__ import annotations
+
+import httpx
+import numpy as np
+import pytest
+
+openai = pytest.importorskip("openai", reason="the serve tests need the openai client (pip install .[test])")
+ollama = pytest.importorskip("ollama", reason="the ollama tests need the ollama client (pip install .[test])")
+pytest.importorskip("fastapi", reason="bitnet serve needs the serve extra (pip install .[serve])")
+
+SERVER_ARGS = ("--parallel", "4")   # conftest's server fixture
+TEXTS = ["The capital of France is Paris.", "Ternary weights: -1, 0 and +1.", "hi"]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    from bitnet_cpu.engine.api import load_model
+    m = load_model(None, threads=1, progress=False)
+    yield m
+    m.close()
+
+
+@pytest.fixture(scope="module")
+def oclient(server):
+    return ollama.Client(host=server.url, timeout=60)
+
+
+def f32(rows):
+    return np.asarray(rows, np.float64).astype(np.float32)
+
+
+def test_openai_client_base64_and_float_give_the_engine_vectors(client, llm, model_id):
+    want = llm.embed(TEXTS)
+    r = client.embeddings.create(model="text-embedding-3-small", input=TEXTS)   # the client asks for base64
+    assert r.model == model_id and [d.index for d in r.data] == [0, 1, 2]
+    assert np.array_equal(f32([d.embedding for d in r.data]), want)
+    assert r.usage.prompt_tokens == r.usage.total_tokens == sum(len(t) for t in llm.embed_tokens(TEXTS))
+    r = client.embeddings.create(model=model_id, input=TEXTS, encoding_format="float")
+    assert np.array_equal(f32([d.embedding for d in r.data]), want)
+    alone = [client.embeddings.create(model=model_id, input=t, encoding_format="float").data[0].embedding
+             for t in TEXTS]
+    assert np.array_equal(f32(alone), want)
+    ids = llm.embed_tokens(TEXTS)
+    r = client.embeddings.create(model=model_id, input=ids, encoding_format="float")   # token ids, used as given
+    assert np.array_equal(f32([d.embedding for d in r.data]), want)
+    r = client.embeddings.create(model=model_id, input=ids[0], encoding_format="float")   # one list of ids
+    assert np.array_equal(f32(r.data[0].embedding), want[0])
+    r = client.embeddings.create(model=model_id, input=TEXTS[0], dimensions=llm.config.hidden_size)
+    assert np.array_equal(f32(r.data[0].embedding), want[0])
+
+
+def test_ollama_client_embed_and_embeddings(oclient, llm, model_id):
+    want = llm.embed(TEXTS)
+    r = oclient.embed(model=model_id, input=TEXTS)
+    assert r.model == model_id and np.array_equal(f32(r.embeddings), want)
+    assert r.prompt_eval_count == sum(len(t) for t in llm.embed_tokens(TEXTS)) and r.total_duration > 0
+    assert np.array_equal(f32(oclient.embed(model=model_id, input=TEXTS[1]).embeddings), want[1:2])
+    assert np.array_equal(f32(oclient.embeddings(model=model_id, prompt=TEXTS[2]).embedding), want[2])
+    assert oclient.embed(model=model_id, input=[]).embeddings == []   # ollama: nothing to embed, a load
+    assert oclient.embeddings(model=model_id, prompt="").embedding == []
+    assert "embedding" in oclient.show(model_id).capabilities
+
+
+def test_over_the_context_and_empty_inputs_are_400s(client, oclient, server, llm, model_id):
+    n_ctx = client.models.list().data[0].model_extra["meta"]["n_ctx"]
+    long_text = "word " * (n_ctx + 10)
+    with pytest.raises(openai.BadRequestError) as ei:
+        client.embeddings.create(model=model_id, input=["fine", long_text])
+    assert ei.value.body["code"] == "context_length_exceeded" and "input.1" in ei.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as ei:
+        client.embeddings.create(model=model_id, input=[[5] * (n_ctx + 1)])
+    assert ei.value.body["code"] == "context_length_exceeded"
+    for bad, param in (("", "input"), ([], "input"), (["a", ""], "input"), ([[]], "input")):
+        with pytest.raises(openai.BadRequestError) as ei:
+            client.embeddings.create(model=model_id, input=bad)
+        assert ei.value.body["param"] == param, bad
+    with pytest.raises(openai.BadRequestError) as ei:
+        client.embeddings.create(model=model_id, input="x", dimensions=8)
+    assert ei.value.body["param"] == "dimensions" and "dimensions 8" in ei.value.body["message"]
+    r = httpx.post(server.url + "/v1/embeddings", json={"input": "x", "encoding_format": "f16"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "encoding_format"
+    r = httpx.post(server.url + "/v1/embeddings", json={"input": [1, "a"]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input"
+    with pytest.raises(ollama.ResponseError) as ei:
+        oclient.embed(model=model_id, input=["fine", long_text])
+    assert ei.value.status_code == 400 and "input.1" in ei.value.error
+    with pytest.raises(ollama.ResponseError) as ei:
+        oclient.embeddings(model=model_id, prompt=long_text)
+    assert ei.value.status_code == 400
+    r = httpx.post(server.url + "/api/embed", json={"model": model_id, "input": ["a", ""]})
+    assert r.status_code == 400 and r.json() == {"error": "input.1: an empty string has nothing to embed"}
+    r = httpx.post(server.url + "/api/embed", json={"model": model_id, "input": "a", "dimensions": 3})
+    assert r.status_code == 400 and "dimensions 3" in r.json()["error"]
+    # truncate: true keeps the first n_ctx tokens, as ollama does
+    cut = llm.tokenize(long_text, add_bos=True)[:n_ctx]
+    r = httpx.post(server.url + "/api/embed", json={"model": model_id, "input": long_text, "truncate": True},
+                   timeout=60)
+    want = client.embeddings.create(model=model_id, input=[cut], encoding_format="float").data[0].embedding
+    assert r.status_code == 200 and np.array_equal(f32(r.json()["embeddings"][0]), f32(want))
+
+
+def test_many_contexts_of_token_ids_in_one_request(client, server, model_id, llm):
+    """A request may carry many contexts' worth of token ids (the generating endpoints' body bound is one context);
+    more than 2048 inputs is OpenAI's own 400."""
+    n_ctx = client.models.list().data[0].model_extra["meta"]["n_ctx"]
+    rng = np.random.default_rng(3)
+    ids = [rng.integers(3, llm.config.vocab_size, n_ctx).tolist() for _ in range(6)]
+    r = client.embeddings.create(model=model_id, input=ids, encoding_format="float")
+    assert len(r.data) == 6 and r.usage.prompt_tokens == 6 * n_ctx
+    assert np.array_equal(f32(r.data[5].embedding), f32(client.embeddings.create(
+        model=model_id, input=[ids[5]], encoding_format="float").data[0].embedding))
+    with pytest.raises(openai.BadRequestError) as ei:
+        client.embeddings.create(model=model_id, input=["a"] * 2049)
+    assert "at most 2048" in ei.value.body["message"]
+    spec = httpx.get(server.url + "/openapi.json").json()
+    assert "input" in spec["paths"]["/v1/embeddings"]["post"]["requestBody"]["content"]["application/json"]["schema"][
+        "required"]
+
+
+def test_metrics_count_embedded_texts(client, server, model_id):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def count():
+        fams = {f.name: f for f in text_string_to_metric_families(httpx.get(server.url + "/metrics").text)}
+        return fams["bitnet_embedding_inputs"].samples[0].value
+    before = count()
+    client.embeddings.create(model=model_id, input=TEXTS)
+    assert count() == before + len(TEXTS)
