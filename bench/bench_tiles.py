@@ -139,22 +139,27 @@ def crossovers(rows) -> dict:
     return res
 
 
-def e2e(threads: int, llama_bench: str | None, ik_bench: str | None) -> dict:
+def e2e(threads: int, llama_bench: str | None, ik_bench: str | None, store: str | None, emu: bool = False) -> dict:
     """Ours with tiles on / off (alternating, one process) and the peers' llama-bench, same models."""
+    import tempfile
+
     import make_models
     from llama_bench import llama_bench as run_peer
     from bitnet_cpu.engine.api import SamplingParams, load_engine, load_model
 
     paths = make_models.model_paths()
-    if not os.path.exists(paths["store_q4"]):
-        make_models.make()
-    res = {"ours": {}, "peers": {}}
+    store = store or paths["store_q4"]
+    if not os.path.exists(store):
+        print(f"bench_tiles: no store {store}: run python bench/make_models.py first", file=sys.stderr)
+        return {"error": f"no store {store}"}
+    res = {"ours": {"store": store}, "peers": {}}
     rng = np.random.default_rng(2)
-    llm = load_model(paths["store_q4"], threads=threads, ctx=4608, progress=False)
+    llm = load_model(store, threads=threads, ctx=4608, progress=False)
+    vocab = min(llm.config.vocab_size, 30000)   # random prompt ids in the model's vocabulary
     for plen in (512, 4096):
-        prompt = rng.integers(100, 30000, size=plen).tolist()
+        prompt = rng.integers(3, vocab, size=plen).tolist()
         for on in (False, True, False, True):
-            _mode(on, False)
+            _mode(on, emu)
             st = [c.stats for c in llm.generate(prompt, SamplingParams(temperature=0), max_tokens=1) if c.stats][0]
             key = f"pp{plen}_{'amx' if on else 'avx512'}"
             res["ours"][key] = max(res["ours"].get(key, 0.0), st.prefill_tps)
@@ -162,10 +167,10 @@ def e2e(threads: int, llama_bench: str | None, ik_bench: str | None) -> dict:
               flush=True)
     del llm
     for seqs in (1, 4, 8, 16, 32):
-        eng = load_engine(paths["store_q4"], threads=threads, parallel=seqs, ctx=256, progress=False)
+        eng = load_engine(store, threads=threads, parallel=seqs, ctx=256, progress=False)
         for on in (False, True):
-            _mode(on, False)
-            prompts = [rng.integers(100, 30000, size=32).tolist() for _ in range(seqs)]
+            _mode(on, emu)
+            prompts = [rng.integers(3, vocab, size=32).tolist() for _ in range(seqs)]
             t0 = time.perf_counter()
             streams = [eng.submit(p, SamplingParams(temperature=0), max_tokens=64, ignore_eos=True) for p in prompts]
             toks = sum(sum(1 for c in s if c.token is not None) for s in streams)
@@ -173,12 +178,17 @@ def e2e(threads: int, llama_bench: str | None, ik_bench: str | None) -> dict:
         eng.close()
         print(f"batched decode, {seqs} sequences of 32 + 64 tokens: avx512 {res['ours'][f'batch{seqs}_avx512']:.1f} "
               f"tok/s, tiles {res['ours'][f'batch{seqs}_amx']:.1f} tok/s", flush=True)
-    for label, env in (("avx512", {"BITNET_ISA": "avx512"}), ("amx", {"BITNET_ISA": "amx"})):
-        out = os.path.join(HERE, "cache", f"serve_tiles_{label}.json")
+    on_env = {"BITNET_TILES": "emu"} if emu else {"BITNET_ISA": "amx"}
+    for label, env in (("avx512", {"BITNET_ISA": "avx512"}), ("amx", on_env)):
+        out = tempfile.mkdtemp(prefix=f"serve_tiles_{label}_")   # bench_serve writes its report files there
         subprocess.run([sys.executable, os.path.join(HERE, "bench_serve.py"), "--levels", "16", "--threads",
-                        str(threads), "--engines", "ours", "--json", out], env=dict(os.environ, **env), check=False)
-        if os.path.exists(out):
-            res["ours"][f"serve16_{label}"] = json.load(open(out))
+                        str(threads), "--engines", "ours", "--out-dir", out], env=dict(os.environ, **env),
+                       check=False)
+        got = os.path.join(out, "serve_results.json")
+        if os.path.exists(got):
+            lv = json.load(open(got))["engines"]["bitnet serve"]["levels"][-1]
+            res["ours"][f"serve16_{label}"] = lv["agg_tps"]
+            print(f"bitnet serve, 16 clients, {label}: {lv['agg_tps']:.1f} tok/s", flush=True)
     for name, binary, model, extra in (("llama.cpp TQ2_0", llama_bench, paths["tq2_0"], ()),
                                        ("ik_llama.cpp IQ2_BN_R4", ik_bench, paths["iq2_bn"], ("-rtr", "1"))):
         if binary and os.path.exists(model):
@@ -199,6 +209,7 @@ def main(argv=None) -> int:
     ap.add_argument("--e2e", action="store_true", help="also prefill, batched decode and serve, and the peers")
     ap.add_argument("--llama-bench", default=os.environ.get("LLAMA_BENCH"))
     ap.add_argument("--ik-bench", default=os.environ.get("IK_LLAMA_BENCH"))
+    ap.add_argument("--store", default=None, help="--e2e: our store (default bench/cache/2b4t.q4.bnstore)")
     ap.add_argument("--json", default=None, help="write every figure here")
     a = ap.parse_args(argv)
     hw = "amx" in K.supported_isas()
@@ -229,8 +240,8 @@ def main(argv=None) -> int:
             res["head"] += head_rows([m for m in ms if m > 8][:4] or [16], t, a.emu, min_time)
     res["crossover"] = crossovers(res["gemm"] + res["head"])
     print("crossover M (tiles win from here on):", ", ".join(f"{k} {v}" for k, v in res["crossover"].items()))
-    if a.e2e and not a.emu:
-        res["e2e"] = e2e(threads[-1], a.llama_bench, a.ik_bench)
+    if a.e2e:   # with --emu: a harness check on a small store (--store), no meaning for speed
+        res["e2e"] = e2e(threads[-1], a.llama_bench, a.ik_bench, a.store, a.emu)
     K.set_isa(None)
     K.set_tile_min_rows(0)
     if a.json:

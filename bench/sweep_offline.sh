@@ -8,6 +8,8 @@
 #                    0,1024,4096,16384), PREFILL (default 0: none), ROUNDS (default 3); PEERS=1 adds llama.cpp and
 #                    ik_llama.cpp at PEER_DEPTHS (default all), each of their runs capped at PEER_TIMEOUT s (default
 #                    120). Each of these may be given per thread count: DEPTHS_16=... applies to depth=16 only.
+#   tiles=T[@CPUS]   bench/bench_tiles.py at T threads (kernels, then --e2e with both peers): AMX tiles against
+#                    vpdpbusd, the int8 peaks of both, the crossover per shape; tiles_T.json and tiles_T.md
 #   ktests           the kernel tests (KTESTS, default tests/test_kernels.py tests/test_attention_paths.py) on this
 #                    machine's ISA, in the background from when ours is built until the models are made, at most
 #                    KTESTS_TIMEOUT s (default 240); no phase is timed while they run (their log: ktests.log)
@@ -68,7 +70,7 @@ $build $py setup.py build_ext --inplace -j "$JOBS" > "$OUT/ours_build.log" 2>&1 
     { tail "$OUT/ours_build.log"; exit 1; }
 stamp "ours built: path $($py -c 'from bitnet_cpu.simd import _kernels as K; print(K.active())')"
 if [[ " ${phases[*]} " == *" ktests "* ]]; then
-    ktests=${KTESTS:-tests/test_kernels.py tests/test_attention_paths.py}
+    ktests=${KTESTS:-tests/test_kernels.py tests/test_attention_paths.py tests/test_tiles.py}
     ( timeout "${KTESTS_TIMEOUT:-240}" $build $py -m pytest -q -p no:cacheprovider $ktests \
         > "$OUT/ktests.log" 2>&1; echo "exit $?" >> "$OUT/ktests.log" ) &
     kt_pid=$!
@@ -109,7 +111,14 @@ for ph in "${phases[@]}"; do
             $py bench/depth_peers.py --report "$OUT/depth_$t.json" > "$OUT/depth_$t.md"
         fi
         cat "$OUT/depth_$t.md" ;;
-    *) stamp "unknown phase $ph (threads, depth=T[@CPUS], ktests)" ;;
+    tiles=*)
+        spec="${ph#tiles=}"; t="${spec%%@*}"; cpus=""; [[ "$spec" == *@* ]] && cpus="${spec#*@}"
+        stamp "tiles against vpdpbusd at $t threads${cpus:+ on CPUs $cpus}"
+        PYTHONUNBUFFERED=1 timeout "$(left)" $(pin "$cpus") $py bench/bench_tiles.py --threads "$t" --e2e \
+            --store "$store" --llama-bench "$work/llama/build/bin/llama-bench" --ik-bench "$ikb/llama-bench" \
+            --json "$OUT/tiles_$t.json" > "$OUT/tiles_$t.md" 2> "$OUT/tiles_$t.log"
+        cat "$OUT/tiles_$t.md" ;;
+    *) stamp "unknown phase $ph (threads, depth=T[@CPUS], tiles=T[@CPUS], ktests)" ;;
     esac
 done
 stamp "done"
