@@ -333,3 +333,31 @@ def test_emulated_tiles_under_every_aarch64_path(tmp_path):
     if not (cross_c.CC_AARCH64 and cross_c.QEMU_AARCH64):
         pytest.skip("needs aarch64-linux-gnu-gcc and qemu-aarch64 (apt-get install gcc-aarch64-linux-gnu qemu-user)")
     cross_c.run_harness(tmp_path, AARCH64_HARNESS, name="tiles_aarch64")
+
+
+def test_batched_steps_on_tiles_give_the_vector_paths_tokens():
+    """The batching engine's mixed steps (decode rows of some sequences beside prefill chunks of others, the int8
+    or q4 head over many rows) on the emulated tiles: every sequence's greedy tokens equal the vector path's."""
+    from bitnet_cpu.engine.api import SamplingParams, load_engine
+
+    prompts = ["Once upon a time", "The capital of France is", "1, 2, 3, 4,", "A tiny robot " * 6]
+
+    def run():
+        eng = load_engine(None, threads=2, parallel=4, ctx=256, progress=False)
+        try:
+            ids = [eng.tokenizer.encode(p) for p in prompts]
+            streams = [eng.submit(i, SamplingParams(temperature=0), max_tokens=10) for i in ids]
+            return [[c.token for c in s if c.token is not None] for s in streams]
+        finally:
+            eng.close()
+
+    try:
+        K.set_isa(VECTOR_ISAS[-1])
+        want = run()
+        K.set_tiles("emu")
+        used = K._tile_products()
+        got = run()
+        assert K._tile_products() > used
+    finally:
+        K.set_isa(None)
+    assert got == want and all(len(t) > 0 for t in want)
