@@ -9,6 +9,8 @@
  * contiguous chunks of tiles to the worker pool of threadpool.c (the calling thread works too). The runtime
  * helpers of simd/ops/ are built into the same extension and use the same ISA choice and the same pool.
  * Pointers need no particular alignment (all vector loads are unaligned loads).
+ * Matrix tiles (Intel AMX, and their portable emulation for tests) are one more body of the multi-row jobs,
+ * put in front of the path's own GEMM body when enabled: tiles.h, gemm_tiles.c.
  */
 #ifndef BITNET_KERNELS_H
 #define BITNET_KERNELS_H
