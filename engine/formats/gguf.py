@@ -78,14 +78,18 @@ class TensorInfo:
         return int(np.prod(self.shape, dtype=np.int64))
 
 
-def i2s_block() -> int:
-    """Weights per I2_S block: 128 (bitnet.cpp's x86 builds and every 2024 build), or 64 with BITNET_I2S_BLOCK=64
-    for a file quantized by a 2025-11 or later ARM build (QK_I2_S 64). The codes cannot tell the two apart (both
-    are the same values in another order), so it is the user's to say; docs/formats.md."""
+def i2s_layout() -> str:
+    """How I2_S codes are ordered, from BITNET_I2S_BLOCK: "128" (default: the 2024-11 release on every ISA and the
+    shipped x86 builds since 2025-11, whose gemm-config.h defines ACT_PARALLEL: 128-weight blocks of 32 bytes),
+    "64" (2025-11 and later ARM builds, QK_I2_S 64) or "1x4" (an x86 build whose gemm-config.h lacks ACT_PARALLEL,
+    as utils/tune_gemm_config.py may write it: quantize_i2_s's 1x4 path, one byte per column holding 4 rows).
+    The codes cannot tell these apart (the same values in another order), so it is the user's to say;
+    docs/formats.md."""
     v = os.environ.get("BITNET_I2S_BLOCK", "128")
-    if v not in ("64", "128"):
-        raise UnsupportedError(f"BITNET_I2S_BLOCK={v!r}: I2_S blocks are 128 (x86, 2024 builds) or 64 (ARM 2025+)")
-    return int(v)
+    if v not in ("64", "128", "1x4"):
+        raise UnsupportedError(f"BITNET_I2S_BLOCK={v!r}: I2_S layouts are 128 (x86, 2024 builds), 64 (ARM 2025+)"
+                               " or 1x4 (x86 2025+ built without ACT_PARALLEL)")
+    return v
 
 
 class _Cursor:
@@ -386,13 +390,22 @@ class GGUFFile:
         raw = self.raw(name)
         if t.type_name == "I2_S":
             n = out * inp
-            block = i2s_block()
-            codes = raw[: n // 4].reshape(-1, block // 4)
-            w = np.empty((codes.shape[0], 4, block // 4), np.uint8)
+            layout = i2s_layout()
+            if layout == "1x4":   # byte [r // 4, c] holds rows r..r+3 of column c at bits 7-6, 5-4, 3-2, 1-0
+                if out % 4:
+                    raise FormatError(f"{self.path}: I2_S tensor {name!r} has {out} rows: the 1x4 layout"
+                                      " (BITNET_I2S_BLOCK=1x4) needs a multiple of 4")
+                codes = raw[: n // 4].reshape(out // 4, inp)
+            else:                 # block b: byte [b, j] holds weights j, j + B/4, j + B/2, j + 3B/4 of the block
+                codes = raw[: n // 4].reshape(-1, int(layout) // 4)
+            w = np.empty((codes.shape[0], 4, codes.shape[1]), np.uint8)
             for k, shift in enumerate((6, 4, 2, 0)):
                 np.bitwise_and(codes >> shift, 3, out=w[:, k])
             if (w == 3).any():
-                raise FormatError(f"{self.path}: I2_S tensor {name!r} holds invalid code 3")
+                # also what a multi-threaded bitnet.cpp llama-quantize leaves: each chunk lands at 4x its place
+                # and writes its f32 scale into the codes (bytes 0x30-0x3f of a scale in [2^-31, 2) hold a 3)
+                raise FormatError(f"{self.path}: I2_S tensor {name!r} holds invalid code 3 (corrupt, or quantized"
+                                  " by bitnet.cpp's llama-quantize with more than 1 thread: pass nthreads 1)")
             scale = np.frombuffer(raw[n // 4: n // 4 + 4].tobytes(), "<f4").astype(np.float32)
             return (w.view(np.int8) - np.int8(1)).reshape(out, inp), scale
         if t.type_name in TL_TYPES:
