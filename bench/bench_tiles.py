@@ -45,22 +45,19 @@ EMU_SHAPES = [("small", 256, 512)]
 
 def peaks(threads: int, tiles: bool) -> dict:
     """GMAC/s of the register-only loops of both paths on `threads` threads at once (best of 3)."""
-    K.set_num_threads(threads)
-    out = {}
-    K.set_isa("avx512")
-    best = 0.0
-    for _ in range(3):
-        t0 = time.perf_counter()
-        macs = P.peak_dot(5_000_000)
-        best = max(best, macs / (time.perf_counter() - t0) / 1e9)
-    out["vpdpbusd"] = best
-    if tiles:
+    def best_rate(probe, iters):
         best = 0.0
         for _ in range(3):
             t0 = time.perf_counter()
-            macs = P.peak_tile(200_000)
+            macs = probe(iters)
             best = max(best, macs / (time.perf_counter() - t0) / 1e9)
-        out["amx"] = best
+        return best
+
+    K.set_num_threads(threads)
+    K.set_isa("avx512")
+    out = {"vpdpbusd": best_rate(P.peak_dot, 5_000_000)}
+    if tiles:
+        out["amx"] = best_rate(P.peak_tile, 200_000)
     return out
 
 

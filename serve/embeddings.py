@@ -168,7 +168,7 @@ async def run_embed(eng, state, request: Request, ids: list[list[int]], metrics=
 def register(app, state, ready, api_error: type, check_model, *, metrics=None):
     """Add the three embeddings routes to `app` (serve/app.py's create_app): ready(request) -> the engine or raises
     api_error; check_model(name) applies --strict-model-name (OpenAI's shape)."""
-    from .ollama import OllamaError
+    from .ollama import OllamaError, check_model_name, ready_engine
 
     def openai_error(e: Refused):
         return api_error(e.status, e.message, "server_error" if e.status >= 500 else "invalid_request_error",
@@ -201,16 +201,10 @@ def register(app, state, ready, api_error: type, check_model, *, metrics=None):
 
     # ---- ollama ----
     def engine(request: Request):
-        try:
-            return ready(request)
-        except api_error as e:
-            raise OllamaError(e.status, e.message) from None
+        return ready_engine(ready, api_error, request)
 
     def ollama_model(name):
-        if not name or not isinstance(name, str):
-            raise OllamaError(400, "model is required")
-        if state.strict_model and name != state.model_id and name.split(":")[0] != state.model_id:
-            raise OllamaError(404, f"model '{name}' not found (this server has '{state.model_id}')")
+        check_model_name(state, name)
 
     async def ollama_body(request: Request) -> dict:
         try:

@@ -158,6 +158,22 @@ def _param_size(cfg) -> str:
     return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.0f}M"
 
 
+def ready_engine(ready, api_error: type, request):
+    """The engine, or the server's refusal (auth, loading, draining) as an ollama-shaped error."""
+    try:
+        return ready(request)
+    except api_error as e:
+        raise OllamaError(e.status, e.message) from None
+
+
+def check_model_name(state, name):
+    """ollama's model field: required; under --strict-model-name the served name, with or without a :tag."""
+    if not name or not isinstance(name, str):
+        raise OllamaError(400, "model is required")
+    if state.strict_model and name != state.model_id and name.split(":")[0] != state.model_id:
+        raise OllamaError(404, f"model '{name}' not found (this server has '{state.model_id}')")
+
+
 def register(app, state, ready, api_error: type, *, sampling: SamplingParams | None = None, metrics=None):
     """Add ollama's routes to `app` (serve/app.py's create_app). ready(request) -> the engine, or raises the
     server's `api_error` (auth, loading, draining: .status, .message), which these routes answer in ollama's shape."""
@@ -167,16 +183,10 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
         return JSONResponse({"error": e.message}, status_code=e.status)
 
     def engine(request: Request):
-        try:
-            return ready(request)
-        except api_error as e:
-            raise OllamaError(e.status, e.message) from None
+        return ready_engine(ready, api_error, request)
 
     def check_model(name):
-        if not name:
-            raise OllamaError(400, "model is required")
-        if state.strict_model and name != state.model_id and name.split(":")[0] != state.model_id:
-            raise OllamaError(404, f"model '{name}' not found (this server has '{state.model_id}')")
+        check_model_name(state, name)
 
     async def parse(request: Request, cls):
         try:

@@ -96,3 +96,19 @@ def rope_tables(n_ctx: int, head_dim: int):
     inv = 1.0 / (10000.0 ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
     fr = np.arange(n_ctx, dtype=np.float32)[:, None] * inv[None]
     return np.cos(fr).astype(np.float32), np.sin(fr).astype(np.float32)
+
+
+def xz_files(root, data_dir: str):
+    """get(stem) -> the path of data_dir/stem.gguf.xz unpacked under root (once per stem); get.root is root.
+    The test data of bitnet.cpp's formats (tests/data/tl, tests/data/i2s) is kept xz-compressed."""
+    import lzma
+    import shutil
+
+    def get(stem: str) -> str:
+        path = os.path.join(str(root), f"{stem}.gguf")
+        if not os.path.exists(path):
+            with lzma.open(os.path.join(data_dir, f"{stem}.gguf.xz")) as f, open(path, "wb") as g:
+                shutil.copyfileobj(f, g)
+        return path
+    get.root = root
+    return get

@@ -4,7 +4,6 @@ tests/data/i2s holds files quantized by real bitnet.cpp builds (README.md there:
 an F32 GGUF of engine.synth's SynthModel(make_i2s_files.CONFIG, seed=make_i2s_files.SEED); every test regenerates
 that model and compares with it, so a reader that orders, scales or names anything wrongly fails here.
 """
-import lzma
 import os
 import shutil
 import sys
@@ -13,12 +12,12 @@ import numpy as np
 import pytest
 
 from bitnet_cpu.engine.api import load_model
-from bitnet_cpu.engine.errors import FormatError, UnsupportedError
+from bitnet_cpu.engine.errors import UnsupportedError
 from bitnet_cpu.engine.formats.convert import convert
 from bitnet_cpu.engine.formats.gguf import GGUFFile
 from bitnet_cpu.engine.synth import write_gguf_tq
 from bitnet_cpu.engine.synth.writers import HF_NAMES
-from helpers import assert_conversion_refused
+from helpers import assert_conversion_refused, xz_files
 from test_model_fixtures import our_greedy
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "i2s")
@@ -32,16 +31,7 @@ BUILDS = {"bitnet_cpp_2601_i2_s": "bitnet-b1.58", "bitnet_cpp_2411_i2_s": "bitne
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    root = tmp_path_factory.mktemp("i2s")
-
-    def get(stem: str) -> str:
-        path = str(root / f"{stem}.gguf")
-        if not os.path.exists(path):
-            with lzma.open(os.path.join(DATA, f"{stem}.gguf.xz")) as f, open(path, "wb") as g:
-                shutil.copyfileobj(f, g)
-        return path
-    get.root = root
-    return get
+    return xz_files(tmp_path_factory.mktemp("i2s"), DATA)
 
 
 @pytest.fixture(scope="module")

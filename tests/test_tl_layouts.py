@@ -5,7 +5,6 @@ The files in tests/data/tl were made with bitnet.cpp's own codegen scripts and p
 compares with the checkpoint itself. Real shapes: the one-layer bitnet_b1_58-large model (TL1, TL2, I2_S), and
 the matrices alone for bitnet_b1_58-3B and Llama3-8B-1.58 (every TL1 / TL2 tiling the presets use).
 """
-import lzma
 import os
 import shutil
 import sys
@@ -14,12 +13,12 @@ import numpy as np
 import pytest
 
 from bitnet_cpu.engine.api import load_model
-from bitnet_cpu.engine.errors import FormatError, UnsupportedError
+from bitnet_cpu.engine.errors import UnsupportedError
 from bitnet_cpu.engine.formats import tl_layouts
 from bitnet_cpu.engine.formats.convert import convert
 from bitnet_cpu.engine.formats.gguf import GGUFFile
 from bitnet_cpu.engine.synth import write_gguf_tq
-from helpers import assert_conversion_refused, bitnet_inspect
+from helpers import assert_conversion_refused, bitnet_inspect, xz_files
 from test_model_fixtures import our_greedy
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "tl")
@@ -33,16 +32,7 @@ SHORT = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tl")
-
-    def get(stem: str) -> str:
-        path = str(root / f"{stem}.gguf")
-        if not os.path.exists(path):
-            with lzma.open(os.path.join(DATA, f"{stem}.gguf.xz")) as f, open(path, "wb") as g:
-                shutil.copyfileobj(f, g)
-        return path
-    get.root = root
-    return get
+    return xz_files(tmp_path_factory.mktemp("tl"), DATA)
 
 
 @pytest.fixture(scope="module")

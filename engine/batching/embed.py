@@ -14,7 +14,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from ..errors import BitNetError, ContextOverflowError, QueueFullError
+from ..errors import BitNetError, ContextOverflowError
 from ..runtime.embed import MeanPool
 from ..runtime.sampling import SamplingParams
 from .stream import Stream
@@ -108,13 +108,7 @@ class Embeddings:
         req = EmbedRequest(self, texts, dim, callback)
         params = SamplingParams(temperature=0)
         with self._lock:
-            if self._closed:
-                raise BitNetError("the engine is closed")
-            if self._error is not None:
-                raise BitNetError(f"the engine stopped after an internal error: {self._error}")
-            if len(self._waiting) >= self.max_queue:
-                raise QueueFullError(f"{len(self._waiting)} requests are already waiting (max_queue {self.max_queue})",
-                                     hint="retry later")
+            self._check_admission()
             for i, ids in enumerate(texts):
                 sid = next(self._ids)
                 stream = Stream(sid, self, lambda ch, req=req: req._failed(ch.finish_reason)

@@ -133,6 +133,16 @@ class BatchScheduler(Drafts, Embeddings):
         return self
 
     # ---- public, any thread ---------------------------------------------------------------------------
+    def _check_admission(self):
+        """Under self._lock: a new request may queue (the engine runs, the queue has room), else raise."""
+        if self._closed:
+            raise BitNetError("the engine is closed")
+        if self._error is not None:
+            raise BitNetError(f"the engine stopped after an internal error: {self._error}")
+        if len(self._waiting) >= self.max_queue:
+            raise QueueFullError(f"{len(self._waiting)} requests are already waiting (max_queue {self.max_queue})",
+                                 hint="retry later")
+
     def submit(self, prompt_ids: Sequence[int], params: SamplingParams | None = None, *, max_tokens: int = 256,
                stop: Sequence[str] = (), callback: Callable[[Chunk], None] | None = None,
                ignore_eos: bool = False, constraint=None) -> Stream:
@@ -175,13 +185,7 @@ class BatchScheduler(Drafts, Embeddings):
                          for i in range(n)]
         compiled = compile_constraint(self.tokenizer, vocab, constraint)
         with self._lock:
-            if self._closed:
-                raise BitNetError("the engine is closed")
-            if self._error is not None:
-                raise BitNetError(f"the engine stopped after an internal error: {self._error}")
-            if len(self._waiting) >= self.max_queue:
-                raise QueueFullError(f"{len(self._waiting)} requests are already waiting (max_queue {self.max_queue})",
-                                     hint="retry later")
+            self._check_admission()
             seqs = []
             for i in range(n):
                 sid = next(self._ids)
