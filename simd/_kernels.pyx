@@ -728,18 +728,13 @@ include "_ops.pxi"
 
 # ---------------------------------------------------------------- import-time choice
 bk_init()
-_forced = os.environ.get("BITNET_ISA", "").strip().lower()
-if _forced:
-    try:
-        set_isa(_forced)
-    except KernelError as _e:
-        raise IsaChoiceError(f"BITNET_ISA={_forced}: {_e}") from None
-_tiles_forced = os.environ.get("BITNET_TILES", "").strip().lower()
-if _tiles_forced:
-    try:
-        set_tiles(_tiles_forced)
-    except KernelError as _e:
-        raise IsaChoiceError(f"BITNET_TILES={_tiles_forced}: {_e}") from None
+for _var, _choose in (("BITNET_ISA", set_isa), ("BITNET_TILES", set_tiles)):   # the path, then the tiles over it
+    _forced = os.environ.get(_var, "").strip().lower()
+    if _forced:
+        try:
+            _choose(_forced)
+        except KernelError as _e:
+            raise IsaChoiceError(f"{_var}={_forced}: {_e}") from None
 _min_rows_forced = os.environ.get("BITNET_TILE_MIN_ROWS", "").strip()
 if _min_rows_forced:
     if not _min_rows_forced.isdigit():

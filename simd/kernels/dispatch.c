@@ -172,7 +172,6 @@ void bk_fill_table(bk_table_t *t, int isa) {
 /* ---- matrix tiles (tiles.h): what the CPU and Linux allow, asked once per process ---- */
 static int tiles_state = -1; /* -1 not asked yet, 0 unusable, 1 usable */
 static char tiles_why[160];
-static int tiles_mode = BK_TILES_OFF;
 static int tile_min_rows = 0; /* 0: the mode's default */
 
 int bk_tiles_supported(void) {
@@ -210,14 +209,16 @@ const char *bk_tiles_reason(void) {
     return tiles_why;
 }
 
-int bk_get_tiles(void) { return tiles_mode; }
+int bk_get_tiles(void) { return bk_table.tiles_mode; }
 int bk_get_tile_min_rows(void) { return tile_min_rows; }
 
 static void apply(int isa, int mode) {
     bk_fill_table(&bk_table, isa);
-    bk_tiles_fill(mode, isa, tile_min_rows);
+    bk_table.gemm_ternary_vector = bk_table.gemm_ternary;
+    bk_table.tiles_mode = mode;
+    bk_table.tile_min_rows = tile_min_rows > 0 ? tile_min_rows : (mode == BK_TILES_EMU ? 1 : BK_TILE_MIN_ROWS_AMX);
+    if (bk_gemm_ternary_tile_bodies[mode]) bk_table.gemm_ternary = bk_gemm_ternary_tile_bodies[mode];
     current_isa = isa;
-    tiles_mode = mode;
 }
 
 int bk_set_tiles(int mode) {
@@ -229,7 +230,7 @@ int bk_set_tiles(int mode) {
 
 void bk_set_tile_min_rows(int m) {
     tile_min_rows = m > 0 ? m : 0;
-    apply(current_isa, tiles_mode);
+    apply(current_isa, bk_table.tiles_mode);
 }
 
 /* isa < 0: the best path, with the hardware tiles where they are usable; an explicit path: no tiles

@@ -38,10 +38,6 @@ typedef struct {
     int n;
 } tiles_args;
 
-static int tiles_mode = BK_TILES_OFF;
-static int tiles_min_rows = 1;
-static bk_gemm_ternary_fn tiles_fallback_ternary = NULL; /* the vector body under the crossover */
-static void (*tiles_unpack)(const uint8_t *tile, int kb, int8_t *dst) = NULL;
 
 /* every tile 16 rows x 64 bytes: A and B tiles full, C 16 x 16 int32 */
 static const bk_tilecfg_t tiles_cfg_full = {
@@ -115,6 +111,18 @@ AVX512_TARGET static void unpack_avx512(const uint8_t *p, int kb, int8_t *dst) {
 }
 #endif
 
+/* the unpack of the path in use: AVX-512's where that is the path (the hardware tiles run only there), so the
+ * emulated tiles test the same unpack; portable C elsewhere */
+static void tiles_unpack(const uint8_t *p, int kb, int8_t *dst) {
+#if defined(__x86_64__)
+    if (bk_get_isa() == BK_ISA_AVX512) {
+        unpack_avx512(p, kb, dst);
+        return;
+    }
+#endif
+    unpack_scalar(p, kb, dst);
+}
+
 /* ---------------- the hardware: AMX instructions as inline asm ----------------
  * Written out rather than GCC's _tile_* macros: those give tileloadd no memory operand and no clobber, so
  * nothing stops the compiler from sinking the unpack's stores past the load that reads them, and
@@ -129,14 +137,7 @@ AVX512_TARGET static void unpack_avx512(const uint8_t *p, int kb, int8_t *dst) {
 #define TB_STORE(t, base, stride) \
     __asm__ volatile("tilestored %%tmm" #t ", (%0,%1,1)" ::"r"((void *)(base)), "r"((long)(stride)) : "memory")
 #define TB_DPBSSD(c, a, b) __asm__ volatile("tdpbssd %%tmm" #b ", %%tmm" #a ", %%tmm" #c ::)
-#include "gemm_tiles_body.h"
-#undef TB_SUFFIX
-#undef TB_CONFIG
-#undef TB_RELEASE
-#undef TB_ZERO
-#undef TB_LOAD
-#undef TB_STORE
-#undef TB_DPBSSD
+#include "gemm_tiles_body.h" /* undefines the TB_ macros at its end */
 #endif
 
 /* ---------------- the emulation (tiles_emu.c) ---------------- */
@@ -147,33 +148,15 @@ AVX512_TARGET static void unpack_avx512(const uint8_t *p, int kb, int8_t *dst) {
 #define TB_LOAD(t, base, stride) bk_emu_tile_load(t, base, stride)
 #define TB_STORE(t, base, stride) bk_emu_tile_store(t, base, stride)
 #define TB_DPBSSD(c, a, b) bk_emu_tile_dpbssd(c, a, b)
-#include "gemm_tiles_body.h"
-#undef TB_SUFFIX
-#undef TB_CONFIG
-#undef TB_RELEASE
-#undef TB_ZERO
-#undef TB_LOAD
-#undef TB_STORE
-#undef TB_DPBSSD
+#include "gemm_tiles_body.h" /* undefines the TB_ macros at its end */
 
-/* dispatch.c, after filling bk_table for isa: the tile bodies go in front of the vector ones (mode AMX only
- * with the AVX-512 path, whose unpack it uses; EMU on any path, unpacking with AVX-512 where that is the path
- * so the same unpack is tested, else in portable C). */
-void bk_tiles_fill(int mode, int isa, int min_rows) {
-    tiles_mode = mode;
-    tiles_fallback_ternary = bk_table.gemm_ternary;
-    tiles_unpack = unpack_scalar;
-#if defined(__x86_64__)
-    if (isa == BK_ISA_AVX512) tiles_unpack = unpack_avx512;
-#else
-    (void)isa;
-#endif
-    tiles_min_rows = min_rows > 0 ? min_rows : (mode == BK_TILES_EMU ? 1 : BK_TILE_MIN_ROWS_AMX);
+/* The tile bodies by mode (tiles.h), which dispatch.c puts in front of the path's GEMM body. */
+const bk_gemm_ternary_fn bk_gemm_ternary_tile_bodies[3] = {
 #if BK_HAVE_AMX
-    if (mode == BK_TILES_AMX) bk_table.gemm_ternary = gemm_ternary_tiles_amx;
+    [BK_TILES_AMX] = gemm_ternary_tiles_amx,
 #endif
-    if (mode == BK_TILES_EMU) bk_table.gemm_ternary = gemm_ternary_tiles_emu;
-}
+    [BK_TILES_EMU] = gemm_ternary_tiles_emu,
+};
 
 typedef struct {
     tiles_args g;
@@ -185,15 +168,15 @@ static void i8_tiles_range(void *ctx, int b, int e) {
     i8_tiles_job *j = ctx;
     int ok = 0;
 #if BK_HAVE_AMX
-    if (tiles_mode == BK_TILES_AMX) ok = gemm_i8_tiles_amx(&j->g, j->w, b, e);
+    if (bk_table.tiles_mode == BK_TILES_AMX) ok = gemm_i8_tiles_amx(&j->g, j->w, b, e);
 #endif
-    if (tiles_mode == BK_TILES_EMU) ok = gemm_i8_tiles_emu(&j->g, j->w, b, e);
+    if (bk_table.tiles_mode == BK_TILES_EMU) ok = gemm_i8_tiles_emu(&j->g, j->w, b, e);
     if (!ok) __atomic_store_n(&j->failed, 1, __ATOMIC_RELAXED);
 }
 
 int bk_gemm_i8_tiles(const int8_t *w, const float *row_scale, const int8_t *xq, int m, int k_pad,
                      const float *act_scale, float *out, int32_t *out_i32, int n) {
-    if (tiles_mode == BK_TILES_OFF || m < tiles_min_rows) return 0;
+    if (bk_table.tiles_mode == BK_TILES_OFF || m < bk_table.tile_min_rows) return 0;
     i8_tiles_job job = {{xq, m, k_pad, act_scale, NULL, row_scale, out, out_i32, n}, w, 0};
     const int n_tiles = (n + 15) / 16;
     bk_run_tiles(n_tiles, (size_t)n_tiles * k_pad * m, 16 * 4096, i8_tiles_range, &job);

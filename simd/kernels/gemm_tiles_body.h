@@ -66,9 +66,9 @@ static void TB_FN(gemm_ternary_tiles)(const uint8_t *w, const float *row_scale, 
                                       int k_pad, const float *act_scale, const int32_t *act_sum, float *out,
                                       int32_t *out_i32, int n, int tile_begin, int tile_end) {
     const size_t utile = (size_t)16 * k_pad, tile_bytes = (size_t)k_pad / 16 * 64;
-    uint8_t *s = m >= tiles_min_rows ? tiles_scratch(3 * utile + 32 * 32 * 4) : NULL;
+    uint8_t *s = m >= bk_table.tile_min_rows ? tiles_scratch(3 * utile + 32 * 32 * 4) : NULL;
     if (!s) {
-        tiles_fallback_ternary(w, row_scale, xq, m, k_pad, act_scale, act_sum, out, out_i32, n, tile_begin,
+        bk_table.gemm_ternary_vector(w, row_scale, xq, m, k_pad, act_scale, act_sum, out, out_i32, n, tile_begin,
                                tile_end);
         return;
     }
@@ -108,3 +108,10 @@ static int TB_FN(gemm_i8_tiles)(const tiles_args *g, const int8_t *w, int tile_b
 #undef TB_FN
 #undef TB_CAT
 #undef TB_CAT2
+#undef TB_SUFFIX
+#undef TB_CONFIG
+#undef TB_RELEASE
+#undef TB_ZERO
+#undef TB_LOAD
+#undef TB_STORE
+#undef TB_DPBSSD

@@ -64,6 +64,10 @@ typedef struct {
     bk_gemm_ternary_fn gemm_ternary;
     bk_gemv_i8_fn gemv_i8;
     bk_gemv_f16_fn gemv_f16;
+    /* matrix tiles (tiles.h): the mode in force, the row count from which a product goes to them, and the
+     * path's own GEMM body, which gemm_ternary becomes a tile body in front of */
+    int tiles_mode, tile_min_rows;
+    bk_gemm_ternary_fn gemm_ternary_vector;
 } bk_table_t;
 
 extern bk_table_t bk_table;

@@ -26,6 +26,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "kernels.h"
+
 enum bk_tiles_mode { BK_TILES_OFF = 0, BK_TILES_AMX = 1, BK_TILES_EMU = 2 };
 
 /* The hardware's 64-byte tile configuration (palette 1), as ldtilecfg reads it. */
@@ -58,8 +60,9 @@ void bk_emu_tile_store(int t, void *base, size_t stride);
 void bk_emu_tile_dpbssd(int c, int a, int b); /* C += A (s8) . B (s8) */
 void bk_emu_tile_dpbusd(int c, int a, int b); /* C += A (u8) . B (s8) */
 
-/* gemm_tiles.c: the tile bodies, put in front of the vector ones by bk_tiles_fill (dispatch.c). */
-void bk_tiles_fill(int mode, int isa, int min_rows); /* min_rows <= 0: the mode's default */
+/* gemm_tiles.c: the ternary tile body of each mode (NULL: none), which dispatch.c puts in front of the path's
+ * own GEMM body (kept in bk_table.gemm_ternary_vector, run under bk_table.tile_min_rows rows). */
+extern const bk_gemm_ternary_fn bk_gemm_ternary_tile_bodies[3];
 uint64_t bk_tiles_products(void); /* tile-body calls that ran on the tiles, since the process started */
 /* int8 head, M rows (gemv_i8.c's bk_gemm_i8 asks first): 1 when it ran the product on the tiles, 0 when the
  * tiles are off, m is under the crossover or a thread had no scratch (the vector path then does it all). */
