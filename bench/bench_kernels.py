@@ -13,6 +13,10 @@ Weight sets are larger than the LLC (several copies, cycled) so GEMV figures are
     python bench/bench_kernels.py --groups        # also the group-scaled tg128 kernel (Ternary Bonsai), with its
                                                   # time per call relative to tile16 on the same shape, same run
     BITNET_ISA=avx2 python bench/bench_kernels.py # another path
+    python bench/bench_kernels.py --prefetch 0,2048,4096,8192
+                                                  # only the decode GEMVs (tile16 layers, the q4 head) at each
+                                                  # software prefetch distance of the AVX-512 bodies, alternating
+                                                  # in rounds, each as a share of the stream rate of the run
 """
 from __future__ import annotations
 
@@ -155,6 +159,61 @@ def group_rows(rng, name, n, k, copies, threads, ms, x, bw, peak, ws, rs, xq, s,
         print(f"{'':26s} {'':>4s} {'':>3s} time / tile16 {sec / ref:.2f} (bytes 1.06)")
 
 
+def prefetch_sweep(distances, thread_list, rounds):
+    """The decode GEMVs at each prefetch distance: every round times every distance once (so drifts of a noisy
+    machine hit them alike); medians and bests per distance as a share of the best stream rate probed before
+    and after. The shapes: the largest two 2B-4T layers (tile16) and the q4 head, out of cache."""
+    rng = np.random.default_rng(0)
+    print(f"simd path: {K.active()}; default prefetch {K.GEMV_PREFETCH_DEFAULT} bytes; load average "
+          f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+    if K.active() not in ("avx512", "amx"):
+        print("the prefetch distance applies to the AVX-512 bodies only: nothing to sweep on this path")
+        return 0
+    cases = []
+    for name, n, k in (LAYERS[4], LAYERS[5]):
+        n_pad, k_pad = layout.padded_shape(n, k)
+        wbytes = n_pad * k_pad // 4
+        copies = max(2, -(-WORKING_SET // wbytes))
+        ws = random_ternary_packed(rng, n, k, copies)
+        x = rng.standard_normal((1, k)).astype(np.float32)
+        xq, s, sm = np.empty((1, k_pad), np.int8), np.empty(1, np.float32), np.empty(1, np.int32)
+        K.quantize_act(x, xq, s, sm)
+        rs, out, it = np.ones(n_pad, np.float32), np.empty(n, np.float32), iter(range(1 << 62))
+        cases.append((f"gemv {name}", wbytes, lambda ws=ws, rs=rs, xq=xq, s=s, sm=sm, out=out, it=it, c=copies:
+                      K.gemv_ternary(ws[next(it) % c], rs, xq[0], float(s[0]), int(sm[0]), out)))
+    k_pad, n_pad = layout.pad_to(HIDDEN, 64), layout.pad_to(VOCAB, 16)
+    codes = rng.integers(0, 256, n_pad * k_pad // 2, dtype=np.uint8)
+    gs = rng.integers(0, 64, n_pad * k_pad // 32, dtype=np.uint8)
+    xh = rng.standard_normal((1, HIDDEN)).astype(np.float32)
+    xqh, sh, smh = np.empty((1, k_pad), np.int8), np.empty(1, np.float32), np.empty(1, np.int32)
+    K.quantize_act(xh, xqh, sh, smh)
+    sc, outh = np.ones(n_pad, np.float32), np.empty((1, VOCAB), np.float32)
+    cases.append(("gemv_q4g head 128256x2560", codes.nbytes + gs.nbytes,
+                  lambda: K.gemv_q4g(codes, gs, sc, xqh, sh, outh)))
+    default = K.gemv_prefetch()
+    try:
+        for threads in thread_list:
+            bw0 = measure_bandwidth(threads)
+            K.set_num_threads(threads)
+            rates = {(c[0], d): [] for c in cases for d in distances}
+            for _ in range(rounds):
+                for d in distances:
+                    K.set_gemv_prefetch(d)
+                    for name, nbytes, fn in cases:
+                        rates[name, d].append(nbytes / timed(fn, min_time=0.3, clock=clock_for(threads)) / 1e9)
+            bw = max(bw0, measure_bandwidth(threads))
+            print(f"\n{threads} thread(s): stream read {bw:.1f} GB/s (best of before {bw0:.1f} and after)")
+            print(f"{'kernel / shape':26s} {'prefetch':>8s} {'median GB/s':>12s} {'best':>7s} {'of stream':>10s}")
+            for name, _, _ in cases:
+                for d in distances:
+                    r = np.array(rates[name, d])
+                    print(f"{name:26s} {d:>8d} {np.median(r):>12.1f} {r.max():>7.1f} "
+                          f"{np.median(r) / bw * 100:>9.0f}%")
+    finally:
+        K.set_gemv_prefetch(default)
+    return 0
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer shapes and M values")
@@ -165,7 +224,13 @@ def main(argv=None):
                     help="also time gemv_tg (one f16 scale per 128 weights, per-group activations) per shape")
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                     help="cpu: time 1-thread runs with the thread's CPU time (for a machine shared with other jobs)")
+    ap.add_argument("--prefetch", default=None, metavar="BYTES,...",
+                    help="sweep the AVX-512 GEMV prefetch distance (0: none) instead of the usual table")
+    ap.add_argument("--rounds", type=int, default=5, help="--prefetch: rounds of all distances (medians)")
     a = ap.parse_args(argv)
+    if a.prefetch:
+        return prefetch_sweep([int(d) for d in a.prefetch.split(",")], [int(t) for t in a.threads.split(",")],
+                              a.rounds)
     global CLOCK
     CLOCK = time.thread_time if a.clock == "cpu" else time.perf_counter
     thread_list = [int(t) for t in a.threads.split(",")]

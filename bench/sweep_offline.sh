@@ -10,6 +10,8 @@
 #                    120). Each of these may be given per thread count: DEPTHS_16=... applies to depth=16 only.
 #   tiles=T[@CPUS]   bench/bench_tiles.py at T threads (kernels, then --e2e with both peers): AMX tiles against
 #                    vpdpbusd, the int8 peaks of both, the crossover per shape; tiles_T.json and tiles_T.md
+#   prefetch=T[@CPUS] bench/bench_kernels.py --prefetch at T threads: the decode GEMVs at each software prefetch
+#                    distance (PREFETCH, default 0,2048,4096,8192,16384) against the stream rate; prefetch_T.md
 #   ktests           the kernel tests (KTESTS, default tests/test_kernels.py tests/test_attention_paths.py) on this
 #                    machine's ISA, in the background from when ours is built until the models are made, at most
 #                    KTESTS_TIMEOUT s (default 240); no phase is timed while they run (their log: ktests.log)
@@ -118,7 +120,13 @@ for ph in "${phases[@]}"; do
             --store "$store" --llama-bench "$work/llama/build/bin/llama-bench" --ik-bench "$ikb/llama-bench" \
             --json "$OUT/tiles_$t.json" > "$OUT/tiles_$t.md" 2> "$OUT/tiles_$t.log"
         cat "$OUT/tiles_$t.md" ;;
-    *) stamp "unknown phase $ph (threads, depth=T[@CPUS], tiles=T[@CPUS], ktests)" ;;
+    prefetch=*)
+        spec="${ph#prefetch=}"; t="${spec%%@*}"; cpus=""; [[ "$spec" == *@* ]] && cpus="${spec#*@}"
+        stamp "decode GEMV prefetch distances at $t threads${cpus:+ on CPUs $cpus}"
+        PYTHONUNBUFFERED=1 timeout "$(left)" $(pin "$cpus") $py bench/bench_kernels.py --threads "$t" \
+            --prefetch "${PREFETCH:-0,2048,4096,8192,16384}" > "$OUT/prefetch_$t.md" 2> "$OUT/prefetch_$t.log"
+        cat "$OUT/prefetch_$t.md" ;;
+    *) stamp "unknown phase $ph (threads, depth=T[@CPUS], tiles=T[@CPUS], prefetch=T[@CPUS], ktests)" ;;
     esac
 done
 stamp "done"

@@ -22,7 +22,8 @@ def facts() -> dict:
             "threads": default_threads(), "active": simd.active(), "huge_pages": thp_mode(),
             "supported": list(simd.supported_isas()), "forced": os.environ.get("BITNET_ISA") or None,
             "features": dict(simd.features()), "tiles": simd.tiles(), "tiles_reason": simd.tiles_reason(),
-            "tiles_forced": os.environ.get("BITNET_TILES") or None}
+            "tiles_forced": os.environ.get("BITNET_TILES") or None, "gemv_prefetch": simd.gemv_prefetch(),
+            "gemv_prefetch_forced": os.environ.get("BITNET_PREFETCH") or None}
 
 
 def _huge_pages_line(mode: str | None) -> str:
@@ -60,6 +61,10 @@ def main(args) -> int:
         ("CPU", f["cpu"]),
         ("kernel path", f["active"] + (f" (forced by BITNET_ISA={f['forced']})" if f["forced"] else "")),
         ("matrix tiles", _tiles_line(f)),
+        *([("decode prefetch", f"{f['gemv_prefetch']} bytes ahead of the weights in the AVX-512 GEMV"
+                                + (" (forced by BITNET_PREFETCH)" if f["gemv_prefetch_forced"] else
+                                   " (BITNET_PREFETCH=N bytes, 0: off)"))]
+          if f["active"] in ("avx512", "amx") else []),
         ("paths this CPU runs", ", ".join(f["supported"]) + "  (force one with BITNET_ISA=...)"),
         ("threads", f"{f['threads']} (physical cores: {f['physical_cores']} of {f['available_cpus']} CPUs this "
                     f"process may use, {f['cpu_count']} in the machine; -t N to change)"),

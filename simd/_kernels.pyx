@@ -35,6 +35,9 @@ cdef extern from "kernels.h" nogil:
     void bk_set_num_threads(int n)
     int bk_get_num_threads()
     void bk_init()
+    void bk_set_gemv_prefetch(int nbytes)
+    int bk_get_gemv_prefetch()
+    int BK_GEMV_PREFETCH_DEFAULT, BK_GEMV_PREFETCH_MAX
     void bk_pool_stats(uint64_t *jobs, uint64_t *worker_chunks, uint64_t *caller_sleeps)
     void bk_quantize_act(const float *x, int m, int k, int k_pad, int8_t *xq, float *act_scale, int32_t *act_sum)
     void bk_gemv_ternary(const uint8_t *w, const float *row_scale, const int8_t *xq, int k_pad, float act_scale,
@@ -187,6 +190,25 @@ def set_tile_min_rows(int m):
 def tile_min_rows():
     """The crossover in force (0: the mode's default)."""
     return bk_get_tile_min_rows()
+
+
+def set_gemv_prefetch(nbytes):
+    """How far ahead of the weights it reads the AVX-512 GEMV bodies prefetch, in bytes (0: not at all; None:
+    the default, GEMV_PREFETCH_DEFAULT). A hint: results never change, only the read rate (bench_kernels.py
+    --prefetch sweeps it)."""
+    if nbytes is None:
+        nbytes = BK_GEMV_PREFETCH_DEFAULT
+    if not isinstance(nbytes, int) or not 0 <= nbytes <= BK_GEMV_PREFETCH_MAX:
+        raise KernelError(f"prefetch distance must be 0..{BK_GEMV_PREFETCH_MAX} bytes, got {nbytes!r}")
+    bk_set_gemv_prefetch(nbytes)
+
+
+def gemv_prefetch():
+    """The prefetch distance in force, in bytes (0: none)."""
+    return bk_get_gemv_prefetch()
+
+
+GEMV_PREFETCH_DEFAULT = BK_GEMV_PREFETCH_DEFAULT
 
 
 def _tile_products():
@@ -740,3 +762,8 @@ if _min_rows_forced:
     if not _min_rows_forced.isdigit():
         raise IsaChoiceError(f"BITNET_TILE_MIN_ROWS={_min_rows_forced}: not a row count")
     set_tile_min_rows(int(_min_rows_forced))
+_prefetch_forced = os.environ.get("BITNET_PREFETCH", "").strip()
+if _prefetch_forced:
+    if not _prefetch_forced.isdigit() or int(_prefetch_forced) > BK_GEMV_PREFETCH_MAX:
+        raise IsaChoiceError(f"BITNET_PREFETCH={_prefetch_forced}: not a distance in bytes (0..{BK_GEMV_PREFETCH_MAX})")
+    set_gemv_prefetch(int(_prefetch_forced))

@@ -42,7 +42,7 @@
 #endif
 #endif
 
-bk_table_t bk_table;
+bk_table_t bk_table = {.gemv_prefetch = BK_GEMV_PREFETCH_DEFAULT};
 static bk_features_t features;
 static int features_ready = 0;
 static int current_isa = BK_ISA_SCALAR;
@@ -211,6 +211,10 @@ const char *bk_tiles_reason(void) {
 
 int bk_get_tiles(void) { return bk_table.tiles_mode; }
 int bk_get_tile_min_rows(void) { return tile_min_rows; }
+void bk_set_gemv_prefetch(int nbytes) {
+    bk_table.gemv_prefetch = nbytes <= 0 ? 0 : nbytes > BK_GEMV_PREFETCH_MAX ? BK_GEMV_PREFETCH_MAX : nbytes;
+}
+int bk_get_gemv_prefetch(void) { return bk_table.gemv_prefetch; }
 
 static void apply(int isa, int mode) {
     bk_fill_table(&bk_table, isa);

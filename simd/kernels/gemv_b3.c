@@ -225,7 +225,7 @@ AVX512_TARGET static void gemv_b3_avx512(const uint8_t *w, const float *row_scal
                                          int tile_begin, int tile_end, uint8_t *scratch) {
     (void)scratch;
     const int kb = k_pad / 16, ns = kb / B3_SUPER_BLOCKS;
-    const size_t tb = bk_b3_tile_bytes(k_pad);
+    const size_t tb = bk_b3_tile_bytes(k_pad), pf = (size_t)bk_table.gemv_prefetch;
     const __m512i m0 = _mm512_set1_epi8(0x03), m1 = _mm512_set1_epi8(0x0c), m2 = _mm512_set1_epi8(0x30),
                   m3 = _mm512_set1_epi8((char)0xc0);
     for (int t = tile_begin; t < tile_end; t++) {
@@ -240,6 +240,7 @@ AVX512_TARGET static void gemv_b3_avx512(const uint8_t *w, const float *row_scal
                 const int8_t *xs = xq + 80 * s;
 #pragma GCC unroll 4
                 for (int pl = 0; pl < 4; pl++) {
+                    bk_prefetch_ahead(q + 64 * pl, pf); /* kernels.h: BK_GEMV_PREFETCH_DEFAULT */
                     __m512i m = _mm512_loadu_si512(q + 64 * pl), x;
 #define B3_TRIT(P, Q, i)                                                 \
     x = _mm512_set1_epi32(load_i32(xs + 16 * (i) + 4 * pl));             \

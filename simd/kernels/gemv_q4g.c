@@ -69,8 +69,12 @@ AVX512_TARGET __attribute__((always_inline)) static inline void q4g_tile_avx512(
     __m512i tot[8];
 #pragma GCC unroll 8
     for (int i = 0; i < MR; i++) tot[i] = _mm512_setzero_si512();
+    const size_t pf = (size_t)bk_table.gemv_prefetch;
     for (int g = 0; g < groups; g++) {
         const uint8_t *q = codes + ((size_t)t * groups + g) * 256;
+        /* the codes' and the group scales' streams, gemv_prefetch bytes of codes ahead (kernels.h) */
+        bk_prefetch_ahead(q, pf), bk_prefetch_ahead(q + 64, pf), bk_prefetch_ahead(q + 128, pf);
+        bk_prefetch_ahead(q + 192, pf), bk_prefetch_ahead(gscale + ((size_t)t * groups + g) * 16, pf / 16);
         __m512i v0 = _mm512_loadu_si512(q), v1 = _mm512_loadu_si512(q + 64);
         __m512i v2 = _mm512_loadu_si512(q + 128), v3 = _mm512_loadu_si512(q + 192);
         __m512i l0 = _mm512_and_si512(v0, lowmask), h0 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), lowmask);

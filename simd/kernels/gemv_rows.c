@@ -81,7 +81,10 @@ AVX512_TARGET __attribute__((always_inline)) static inline void ternary_tile_row
     __m512i a[8], b[8];
 #pragma GCC unroll 8
     for (int i = 0; i < MR; i++) a[i] = b[i] = _mm512_setzero_si512();
+    const size_t pf = (size_t)bk_table.gemv_prefetch; /* kernels.h: BK_GEMV_PREFETCH_DEFAULT */
     for (int blk = 0; blk < kb; blk += 2) {
+        bk_prefetch_ahead(p + (size_t)blk * 64, pf);
+        bk_prefetch_ahead(p + (size_t)blk * 64 + 64, pf);
         __m512i v = _mm512_loadu_si512(p + (size_t)blk * 64), v2 = _mm512_loadu_si512(p + (size_t)blk * 64 + 64);
         __m512i u0 = _mm512_and_si512(v, m3), u1 = _mm512_and_si512(_mm512_srli_epi16(v, 2), m3);
         __m512i u2 = _mm512_and_si512(_mm512_srli_epi16(v, 4), m3), u3 = _mm512_and_si512(_mm512_srli_epi16(v, 6), m3);

@@ -68,11 +68,24 @@ typedef struct {
      * path's own GEMM body, which gemm_ternary becomes a tile body in front of */
     int tiles_mode, tile_min_rows;
     bk_gemm_ternary_fn gemm_ternary_vector;
+    /* software prefetch distance of the AVX-512 GEMV bodies, bytes ahead of the block being read (0: none) */
+    int gemv_prefetch;
 } bk_table_t;
+
+/* The default of bk_table.gemv_prefetch. The AVX-512 GEMV reads one sequential stream and, with the hardware
+ * prefetchers alone, stalls on DRAM latency between bursts: one Zen 5 core read 34.5 GB/s of a 42 GB/s stream
+ * rate (82%); a software prefetch 4 KB ahead of each 64-byte block 39.2-39.4 (93%), 8 KB 40.3, 16 KB 39.7,
+ * 1-2 KB no better; 2 threads 43.7 -> 49.8 GB/s of 51 (85% -> 97%) at 4 KB (bench_kernels.py --prefetch,
+ * 2026-11-28). Intel's cores hold fewer misses in flight per core, where the same distance is to be measured
+ * by the same sweep. BITNET_PREFETCH / simd.set_gemv_prefetch change it. */
+#define BK_GEMV_PREFETCH_DEFAULT 4096
+#define BK_GEMV_PREFETCH_MAX (1 << 20)
 
 extern bk_table_t bk_table;
 
 /* dispatch.c */
+void bk_set_gemv_prefetch(int nbytes); /* 0 .. BK_GEMV_PREFETCH_MAX bytes; 0: none */
+int bk_get_gemv_prefetch(void);
 const bk_features_t *bk_get_features(void);
 int bk_isa_supported(int isa);
 int bk_set_isa(int isa);            /* 0 ok, -1 the CPU cannot run it */
