@@ -166,8 +166,8 @@ def prefetch_sweep(distances, thread_list, rounds):
     rng = np.random.default_rng(0)
     print(f"simd path: {K.active()}; default prefetch {K.GEMV_PREFETCH_DEFAULT} bytes; load average "
           f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
-    if K.active() not in ("avx512", "amx"):
-        print("the prefetch distance applies to the AVX-512 bodies only: nothing to sweep on this path")
+    if K.active() not in ("avx512", "amx", "avx2", "avxvnni"):
+        print("the prefetch distance applies to the x86 bodies only: nothing to sweep on this path")
         return 0
     cases = []
     for name, n, k in (LAYERS[4], LAYERS[5]):

@@ -61,10 +61,10 @@ def main(args) -> int:
         ("CPU", f["cpu"]),
         ("kernel path", f["active"] + (f" (forced by BITNET_ISA={f['forced']})" if f["forced"] else "")),
         ("matrix tiles", _tiles_line(f)),
-        *([("decode prefetch", f"{f['gemv_prefetch']} bytes ahead of the weights in the AVX-512 GEMV"
+        *([("decode prefetch", f"{f['gemv_prefetch']} bytes ahead of the weights in the decode GEMV"
                                 + (" (forced by BITNET_PREFETCH)" if f["gemv_prefetch_forced"] else
                                    " (BITNET_PREFETCH=N bytes, 0: off)"))]
-          if f["active"] in ("avx512", "amx") else []),
+          if f["active"] in ("avx512", "amx", "avx2", "avxvnni") else []),
         ("paths this CPU runs", ", ".join(f["supported"]) + "  (force one with BITNET_ISA=...)"),
         ("threads", f"{f['threads']} (physical cores: {f['physical_cores']} of {f['available_cpus']} CPUs this "
                     f"process may use, {f['cpu_count']} in the machine; -t N to change)"),

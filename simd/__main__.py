@@ -17,8 +17,8 @@ def _main() -> int:
         names = "scalar|neon|dotprod|i8mm" if arm else "scalar|avx2|avxvnni|avx512|amx"
         print(f"paths:    {', '.join(simd.supported_isas())} (force one with BITNET_ISA={names})")
         print(f"tiles:    {simd.tiles()} ({simd.tiles_reason()}; BITNET_TILES=emu runs their emulation)")
-        if simd.active() in ("avx512", "amx"):
-            print(f"prefetch: {simd.gemv_prefetch()} bytes ahead in the AVX-512 GEMV (BITNET_PREFETCH=N, 0: off)")
+        if simd.active() in ("avx512", "amx", "avx2", "avxvnni"):
+            print(f"prefetch: {simd.gemv_prefetch()} bytes ahead in the decode GEMV (BITNET_PREFETCH=N, 0: off)")
         print(f"threads:  {simd.get_num_threads()}")
         return 0
     except BitNetError as e:  # e.g. BITNET_ISA naming a path this CPU cannot run

@@ -193,7 +193,7 @@ def tile_min_rows():
 
 
 def set_gemv_prefetch(nbytes):
-    """How far ahead of the weights it reads the AVX-512 GEMV bodies prefetch, in bytes (0: not at all; None:
+    """How far ahead of the weights they read the x86 GEMV bodies prefetch, in bytes (0: not at all; None:
     the default, GEMV_PREFETCH_DEFAULT). A hint: results never change, only the read rate (bench_kernels.py
     --prefetch sweeps it)."""
     if nbytes is None:

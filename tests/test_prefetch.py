@@ -3,8 +3,8 @@ a hint that must never change a result and never fault, even when it runs past t
 switch that sets its distance (simd.set_gemv_prefetch, BITNET_PREFETCH).
 
 The weights of each case end exactly at a page that may not be read (PROT_NONE): a body that prefetched with a
-plain load, or read past its matrix, would die here. Every vector path runs the cases (only avx512 prefetches;
-the others must ignore the setting)."""
+plain load, or read past its matrix, would die here. Every vector path runs the cases (the x86 ones prefetch;
+the others ignore the setting)."""
 import ctypes
 import mmap
 import os

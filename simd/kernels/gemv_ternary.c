@@ -108,11 +108,10 @@ AVX512_TARGET static void gemv_ternary_avx512(const uint8_t *w, const float *row
 /* ---------------- AVX2 (pmaddubsw, int16 partial sums) ---------------- */
 /* TERNARY_HALF_AVX2 (x86_common.h): one 32-byte half block into a pair of int16 accumulators. */
 
-/* Software prefetch distance of the AVX2 body: the hardware prefetchers alone left one Zen core's GEMV at
- * ~60% of its streaming rate (compute and DRAM latency did not overlap); a prefetch 2 KB ahead of every
- * 64-byte block, measured on a 13824 x 2560 matrix out of cache: mean 11.5 -> 15.0 GB/s, best 15 -> 20.6
- * (1 KB: less, 3-4 KB: the same). */
-#define AVX2_PREFETCH_BYTES 2048
+/* The AVX2 body prefetches too (bk_table.gemv_prefetch, kernels.h): the hardware prefetchers alone left one Zen
+ * core's GEMV at ~60% of its streaming rate (compute and DRAM latency did not overlap). A fixed 2 KB first
+ * (Zen 4, 13824 x 2560 out of cache: mean 11.5 -> 15.0 GB/s); on Zen 5, one thread: none 71%, 2 KB 74%,
+ * 4 KB 82%, 8 KB 87% of the stream rate (2026-11-28), so it follows the AVX-512 bodies' setting now. */
 
 /* One tile at a time: a single sequential read stream (see the AVX-512 body). */
 AVX2_TARGET static void gemv_ternary_avx2(const uint8_t *w, const float *row_scale, const int8_t *xq, int k_pad,
@@ -121,6 +120,7 @@ AVX2_TARGET static void gemv_ternary_avx2(const uint8_t *w, const float *row_sca
     const int kb = k_pad / 16;
     const size_t tile_bytes = (size_t)kb * 64;
     const __m256i m3 = _mm256_set1_epi8(3), m12 = _mm256_set1_epi8(12), ones = _mm256_set1_epi16(1);
+    const size_t pf = (size_t)bk_table.gemv_prefetch;
     for (int t = tile_begin; t < tile_end; t++) {
         const uint8_t *p = w + (size_t)t * tile_bytes;
         __m256i lo0 = _mm256_setzero_si256(), hi0 = lo0;
@@ -131,7 +131,7 @@ AVX2_TARGET static void gemv_ternary_avx2(const uint8_t *w, const float *row_sca
                 const int8_t *xb = xq + 16 * b;
                 __m256i x0 = _mm256_set1_epi32(load_i32(xb)), x1 = _mm256_set1_epi32(load_i32(xb + 4));
                 __m256i x2 = _mm256_set1_epi32(load_i32(xb + 8)), x3 = _mm256_set1_epi32(load_i32(xb + 12));
-                _mm_prefetch((const char *)p + (size_t)b * 64 + AVX2_PREFETCH_BYTES, _MM_HINT_T0); /* a hint: never faults */
+                bk_prefetch_ahead(p + (size_t)b * 64, pf);
                 TERNARY_HALF_AVX2(l0, l1, p + (size_t)b * 64);
                 TERNARY_HALF_AVX2(h0, h1, p + (size_t)b * 64 + 32);
             }

@@ -57,7 +57,7 @@ static void tg_scalar(const uint8_t *w, const int8_t *xq, const float *xd, const
 }
 
 #if defined(__x86_64__)
-#define TG_PREFETCH_BYTES 2048 /* as the tile16 AVX2 GEMV (gemv_ternary.c) */
+#define TG_PREFETCH_BYTES 2048 /* as the tile16 AVX2 GEMV had (gemv_ternary.c), fixed: not yet swept */
 
 AVX2_TARGET static void tg_avx2(const uint8_t *w, const int8_t *xq, const float *xd, const int32_t *xsum, int m,
                                 int k_pad, float *out, int n, int tile_begin, int tile_end) {

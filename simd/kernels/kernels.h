@@ -72,12 +72,13 @@ typedef struct {
     int gemv_prefetch;
 } bk_table_t;
 
-/* The default of bk_table.gemv_prefetch. The AVX-512 GEMV reads one sequential stream and, with the hardware
- * prefetchers alone, stalls on DRAM latency between bursts: one Zen 5 core read 34.5 GB/s of a 42 GB/s stream
- * rate (82%); a software prefetch 4 KB ahead of each 64-byte block 39.2-39.4 (93%), 8 KB 40.3, 16 KB 39.7,
- * 1-2 KB no better; 2 threads 43.7 -> 49.8 GB/s of 51 (85% -> 97%) at 4 KB (bench_kernels.py --prefetch,
- * 2026-11-28). Intel's cores hold fewer misses in flight per core, where the same distance is to be measured
- * by the same sweep. BITNET_PREFETCH / simd.set_gemv_prefetch change it. */
+/* The default of bk_table.gemv_prefetch, the software prefetch distance of the x86 GEMV bodies (AVX-512: tile16,
+ * base-3, multi-row, q4 head; AVX2 and AVX-VNNI: tile16). They read one sequential stream and, with the
+ * hardware prefetchers alone, stall on DRAM latency between bursts: one Zen 5 core read 84% of a 42 GB/s stream
+ * rate through the AVX-512 body, 96% with a prefetch 4 KB ahead of each 64-byte block (8 KB 97%, 2 KB 87%);
+ * 2 threads 95% -> 108% (part of the set stays in L3); AVX2 71% -> 82% (8 KB 87%), AVX-VNNI 71% -> 79% (8 KB
+ * 81%), one thread (bench_kernels.py --prefetch, 2026-11-28). Intel's cores hold fewer misses in flight per
+ * core: the same sweep is to measure the distance there. BITNET_PREFETCH / simd.set_gemv_prefetch change it. */
 #define BK_GEMV_PREFETCH_DEFAULT 4096
 #define BK_GEMV_PREFETCH_MAX (1 << 20)
 

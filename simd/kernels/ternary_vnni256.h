@@ -13,12 +13,14 @@ VNNI_TARGET static void VNNI_NAME(gemv_ternary)(const uint8_t *w, const float *r
     const size_t tile_bytes = (size_t)kb * 64;
     const __m256i m0 = _mm256_set1_epi8(0x03), m1 = _mm256_set1_epi8(0x0c), m2 = _mm256_set1_epi8(0x30),
                   m3 = _mm256_set1_epi8((char)0xc0);
+    const size_t pf = (size_t)bk_table.gemv_prefetch; /* kernels.h: BK_GEMV_PREFETCH_DEFAULT */
     for (int t = tile_begin; t < tile_end; t++) {
         const uint8_t *p = w + (size_t)t * tile_bytes;
         __m256i z = _mm256_setzero_si256();
         __m256i l0 = z, l1 = z, l2 = z, l3 = z, h0 = z, h1 = z, h2 = z, h3 = z;
         for (int b = 0; b < kb; b++) {
             const int8_t *xb = xq + 16 * b;
+            bk_prefetch_ahead(p + (size_t)b * 64, pf);
             __m256i x0 = _mm256_set1_epi32(load_i32(xb)), x1 = _mm256_set1_epi32(load_i32(xb + 4));
             __m256i x2 = _mm256_set1_epi32(load_i32(xb + 8)), x3 = _mm256_set1_epi32(load_i32(xb + 12));
             __m256i lo = _mm256_loadu_si256((const __m256i *)(p + (size_t)b * 64));

@@ -17,7 +17,7 @@ AVX512_TARGET static inline __m512i dpbusd512(__m512i acc, __m512i a_u8, __m512i
     return acc;
 }
 
-/* The AVX-512 GEMV bodies' software prefetch (BK_GEMV_PREFETCH_DEFAULT, kernels.h): the 64-byte line pf bytes
+/* The x86 GEMV bodies' software prefetch (BK_GEMV_PREFETCH_DEFAULT, kernels.h): the 64-byte line pf bytes
  * ahead of p, when pf (bk_table.gemv_prefetch, read once per call) is not 0. A hint: it never faults, so it may
  * run past the end of the weights. */
 static inline void bk_prefetch_ahead(const void *p, size_t pf) {
