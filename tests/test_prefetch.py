@@ -1,4 +1,4 @@
-"""The software prefetch of the AVX-512 GEMV bodies (bk_prefetch_ahead, BK_GEMV_PREFETCH_DEFAULT in kernels.h):
+"""The software prefetch of the x86 GEMV bodies (bk_prefetch_ahead, BK_GEMV_PREFETCH_DEFAULT in kernels.h):
 a hint that must never change a result and never fault, even when it runs past the end of the weights, and the
 switch that sets its distance (simd.set_gemv_prefetch, BITNET_PREFETCH).
 
