@@ -7,6 +7,7 @@
                                                        # + pp512, a 4,096-token prompt, batched decode at
                                                        # 1/4/8/16/32 sequences, bitnet serve at 16 clients,
                                                        # tiles on / off, and the peers' pp512 / pp4096
+    python bench/bench_tiles.py --kblocks 0,256,1024   # the tile GEMM's k-blocks to compare (default 0,512,1024,2048)
     python bench/bench_tiles.py --emu --quick          # harness check on any machine: the emulated tiles
                                                        # (slow: the figures say nothing about speed)
 
@@ -122,6 +123,39 @@ def head_rows(ms, threads, emu, min_time, n=128256, k=2560) -> list[dict]:
     return rows
 
 
+def kblock_rows(shapes, kblocks, ms, threads, emu, peak, min_time) -> list[dict]:
+    """The tile GEMM at each k-block (simd.set_tile_kblock; 0: all of K at once, the default), tiles on, every
+    k-block alternating in two rounds: which blocking keeps A and B closest to the tile unit."""
+    rng = np.random.default_rng(2)
+    rows = []
+    for name, n, k in shapes:
+        w = random_ternary_packed(rng, n, k, 1)[0]
+        rs, k_pad = np.ones(n, np.float32), layout.pad_to(k, 64)
+        for m in ms:
+            xq = rng.integers(-127, 128, size=(m, k_pad), dtype=np.int8)
+            s, sm = np.ones(m, np.float32), xq.astype(np.int32).sum(axis=1).astype(np.int32)
+            out = np.empty((m, n), np.float32)
+            _mode(True, emu)
+            K.set_num_threads(threads)
+            sec = {}
+            try:
+                for _ in range(2):
+                    for kb in kblocks:
+                        K.set_tile_kblock(kb)
+                        t = timed(lambda: K.gemm_ternary(w, rs, xq, s, sm, out), min_time=min_time, max_calls=200)
+                        sec[kb] = min(sec.get(kb, t), t)
+            finally:
+                K.set_tile_kblock(0)
+            best = min(sec, key=sec.get)
+            cells = "   ".join(f"k-block {kb or 'all'}: {m * n * k / sec[kb] / 1e9:7.1f} GMAC/s"
+                               + (f" ({100 * m * n * k / sec[kb] / 1e9 / peak['amx']:3.0f}%)" if "amx" in peak else "")
+                               for kb in kblocks)
+            print(f"{name:8s} {n:>6d} x {k:<5d} M={m:<4d} {threads}t   {cells}   best {best or 'all'}", flush=True)
+            rows.append({"shape": name, "n": n, "k": k, "m": m, "threads": threads, "best": best,
+                         "gmacs": {str(kb): m * n * k / sec[kb] / 1e9 for kb in kblocks}})
+    return rows
+
+
 def crossovers(rows) -> dict:
     """Per (shape, threads): the smallest measured M from which the tiles win at every larger measured M."""
     res = {}
@@ -208,6 +242,8 @@ def main(argv=None) -> int:
     ap.add_argument("--ik-bench", default=os.environ.get("IK_LLAMA_BENCH"))
     ap.add_argument("--store", default=None, help="--e2e: our store (default bench/cache/2b4t.q4.bnstore)")
     ap.add_argument("--json", default=None, help="write every figure here")
+    ap.add_argument("--kblocks", default="0,512,1024,2048",
+                    help="k-blocks of the tile GEMM to compare at M = 128 and 512 (0: all of K; '': skip)")
     a = ap.parse_args(argv)
     hw = "amx" in K.supported_isas()
     if not hw and not a.emu:
@@ -235,6 +271,10 @@ def main(argv=None) -> int:
         res["gemm"] += gemm_rows(shapes, ms, t, a.emu, pk, min_time)
         if not a.no_head and not a.emu:
             res["head"] += head_rows([m for m in ms if m > 8][:4] or [16], t, a.emu, min_time)
+        if a.kblocks:
+            res.setdefault("kblocks", []).extend(
+                kblock_rows(shapes, [int(x) for x in a.kblocks.split(",")], [16, 64] if a.emu else [128, 512], t,
+                            a.emu, pk, min_time))
     res["crossover"] = crossovers(res["gemm"] + res["head"])
     print("crossover M (tiles win from here on):", ", ".join(f"{k} {v}" for k, v in res["crossover"].items()))
     if a.e2e:   # with --emu: a harness check on a small store (--store), no meaning for speed

@@ -59,6 +59,8 @@ cdef extern from "tiles.h" nogil:
     int bk_set_tiles(int mode)
     int bk_get_tiles()
     void bk_set_tile_min_rows(int m)
+    void bk_set_tile_kblock(int k)
+    int bk_get_tile_kblock()
     int bk_get_tile_min_rows()
     uint64_t bk_tiles_products()
     ctypedef struct bk_tilecfg_t:
@@ -185,6 +187,17 @@ def set_tile_min_rows(int m):
     """Products of fewer rows than m keep the vector bodies (m <= 0: the mode's default: 1 emulated, the
     measured crossover on the hardware)."""
     bk_set_tile_min_rows(m)
+
+
+def set_tile_kblock(int k):
+    """K-blocking of the tile bodies: k per block (rounded down to a multiple of 64; < 64: the whole K in one
+    block, the default). Results never change; bench_tiles.py --kblocks measures the speed."""
+    bk_set_tile_kblock(k)
+
+
+def tile_kblock():
+    """The k-block in force (0: the whole K)."""
+    return bk_get_tile_kblock()
 
 
 def tile_min_rows():
@@ -762,6 +775,11 @@ if _min_rows_forced:
     if not _min_rows_forced.isdigit():
         raise IsaChoiceError(f"BITNET_TILE_MIN_ROWS={_min_rows_forced}: not a row count")
     set_tile_min_rows(int(_min_rows_forced))
+_kblock_forced = os.environ.get("BITNET_TILE_KBLOCK", "").strip()
+if _kblock_forced:
+    if not _kblock_forced.isdigit():
+        raise IsaChoiceError(f"BITNET_TILE_KBLOCK={_kblock_forced}: not a count of k (a multiple of 64; 0: all of K)")
+    set_tile_kblock(int(_kblock_forced))
 _prefetch_forced = os.environ.get("BITNET_PREFETCH", "").strip()
 if _prefetch_forced:
     if not _prefetch_forced.isdigit() or int(_prefetch_forced) > BK_GEMV_PREFETCH_MAX:

@@ -101,6 +101,59 @@ def test_gemm_ternary_on_tiles_split_over_threads(tiles, threads):
     assert np.array_equal(out, ref)
 
 
+# K-blocking (set_tile_kblock): one 64-k step per block, blocks that do not divide K (a short last block),
+# blocks over K (one block), with 1..3 row-group pairs and odd tile pairs; the same bits as the vector path
+@pytest.mark.parametrize("kblock", [64, 192, 1024, 4096])
+@pytest.mark.parametrize("n,k,m", [(37, 1000, 5), (50, 640, 40), (33, 2560, 70), (250, 6912, 17)])
+def test_gemm_ternary_on_tiles_in_k_blocks(tiles, kblock, n, k, m):
+    wt, w, rs, xq, s, sm = _ternary_case(kblock + n + k + m, n, k, m)
+    dots = (xq[:, :k].astype(np.int64) @ wt.astype(np.int64).T).astype(np.int32)
+    raw, out, ref = np.empty((m, n), np.int32), np.empty((m, n), np.float32), np.empty((m, n), np.float32)
+    _vector(K.gemm_ternary, w, rs, xq, s, sm, ref)
+    K.set_tile_kblock(kblock)
+    try:
+        assert K.tile_kblock() == kblock
+        used = K._tile_products()
+        K.gemm_ternary_i32(w, xq, sm, raw)
+        assert K._tile_products() > used
+        K.gemm_ternary(w, rs, xq, s, sm, out)
+        K.set_num_threads(3)
+        out3 = np.empty((m, n), np.float32)
+        K.gemm_ternary(w, rs, xq, s, sm, out3)
+    finally:
+        K.set_tile_kblock(0)
+    assert np.array_equal(raw, dots)
+    assert np.array_equal(out, ref) and np.array_equal(out3, ref)
+
+
+@pytest.mark.parametrize("kblock", [64, 320])
+def test_gemm_i8_head_on_tiles_in_k_blocks(tiles, kblock):
+    n, k, m = 100, 1000, 35
+    rng = np.random.default_rng(kblock)
+    w_q = rng.integers(-127, 128, size=(n, k)).astype(np.int8)
+    w, rowsum = layout.pack_i8(w_q), w_q.astype(np.int32).sum(axis=1).astype(np.int32)
+    xq = np.zeros((m, layout.pad_to(k, 64)), np.int8)
+    xq[:, :k] = rng.integers(-128, 128, size=(m, k))
+    raw = np.empty((m, n), np.int32)
+    K.set_tile_kblock(kblock)
+    try:
+        K.gemm_i8_i32(w, rowsum, xq, raw)
+    finally:
+        K.set_tile_kblock(0)
+    assert np.array_equal(raw, (xq[:, :k].astype(np.int64) @ w_q.astype(np.int64).T).astype(np.int32))
+
+
+def test_tile_kblock_setting():
+    for k, got in ((0, 0), (-5, 0), (63, 0), (64, 64), (1000, 960), (4096, 4096)):
+        K.set_tile_kblock(k)
+        assert K.tile_kblock() == got
+    K.set_tile_kblock(0)
+    r = _child("from bitnet_cpu import simd; print(simd.tile_kblock())", BITNET_TILE_KBLOCK="1024")
+    assert r.returncode == 0 and r.stdout.split() == ["1024"], r.stderr
+    r = _child("from bitnet_cpu import simd; simd.tiles()", BITNET_TILE_KBLOCK="big")
+    assert r.returncode != 0 and "BITNET_TILE_KBLOCK=big" in r.stderr
+
+
 @pytest.mark.parametrize("m", [2, 17, 40])
 def test_gemm_b3_on_tiles_equals_tile16(tiles, m):
     n, k = 100, 640

@@ -211,6 +211,8 @@ const char *bk_tiles_reason(void) {
 
 int bk_get_tiles(void) { return bk_table.tiles_mode; }
 int bk_get_tile_min_rows(void) { return tile_min_rows; }
+void bk_set_tile_kblock(int k) { bk_table.tile_kblock = k < 64 ? 0 : k / 64 * 64; }
+int bk_get_tile_kblock(void) { return bk_table.tile_kblock; }
 void bk_set_gemv_prefetch(int nbytes) {
     bk_table.gemv_prefetch = nbytes <= 0 ? 0 : nbytes > BK_GEMV_PREFETCH_MAX ? BK_GEMV_PREFETCH_MAX : nbytes;
 }

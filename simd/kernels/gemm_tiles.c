@@ -15,7 +15,7 @@
  * tiles at the start of its range and releases them at the end: a thread holding tile state makes every
  * context switch save 8 KB more, and the configuration (one ldtilecfg) is noise against a range's work.
  * Scratch is per thread (thread-local, grown on demand, kept for the thread's life): the A tail, two
- * unpacked tiles and the C block.
+ * unpacked tiles (one k-block of each) and the C blocks of every row-group pair.
  */
 #include "kernels.h"
 #include "tiles.h"
@@ -64,6 +64,15 @@ static uint8_t *tiles_scratch(size_t bytes) {
     }
     return scratch_buf;
 }
+
+/* The k-block of the tile bodies (bk_table.tile_kblock, a multiple of 64; 0: the whole of K_pad, one block). */
+static int tiles_kblock(int k_pad) {
+    const int kb = bk_table.tile_kblock;
+    return kb <= 0 || kb >= k_pad ? k_pad : kb;
+}
+
+/* bytes of the C blocks kept between k-blocks: 32 x 32 int32 per pair of 16-row activation groups */
+static size_t tiles_cacc_bytes(int m) { return (size_t)((m + 31) / 32) * 32 * 32 * 4; }
 
 /* the last partial group of 16 rows of A, zero-padded to 16 rows (nothing when M is a multiple of 16) */
 static void tiles_copy_tail(const tiles_args *g, int8_t *a_tail) {

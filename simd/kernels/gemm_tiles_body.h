@@ -5,22 +5,32 @@
  *
  * Registers: tmm0..3 hold C for 2 A tiles x 2 B tiles (32 activation rows x 32 weight rows), tmm4..5 A (16
  * activation rows x 64 k each), tmm6..7 B (16 weight rows x 64 k each, VNNI order = i8_tile16 order).
- * Per 64-k step: 4 loads, 4 tdpbssd (16 x 16 x 64 multiply-adds each).
+ * Per 64-k step: 4 loads, 4 tdpbssd (16 x 16 x 64 multiply-adds each). Loops, outside in: weight tile pairs
+ * (the thread's range), k-blocks (tiles_kblock), pairs of 16-row activation groups, 64-k steps.
  */
 #define TB_CAT2(a, b) a##_##b
 #define TB_CAT(a, b) TB_CAT2(a, b)
 #define TB_FN(name) TB_CAT(name, TB_SUFFIX)
 
-/* C[32 x 32] (cbuf, stride 128 bytes) = A (NA tiles: rows of a0, a1, stride a_stride) . B (NB tiles at b and
- * b + b_tile, 1 KB per 64-k step) over kc steps. NA, NB are constants after inlining. */
+/* C[32 x 32] (cbuf, stride 128 bytes) = (acc ? C : 0) + A (NA tiles: rows of a0, a1, stride a_stride) . B (NB
+ * tiles at b and b + b_tile, 1 KB per 64-k step) over kc steps. NA, NB are constants after inlining. */
 __attribute__((always_inline)) static inline void TB_FN(tiles_block)(const int8_t *a0, const int8_t *a1,
                                                                     size_t a_stride, const int8_t *b,
                                                                     size_t b_tile, int kc, const int NA,
-                                                                    const int NB, int32_t *cbuf) {
-    TB_ZERO(0);
-    TB_ZERO(1);
-    TB_ZERO(2);
-    TB_ZERO(3);
+                                                                    const int NB, int32_t *cbuf, int acc) {
+    if (acc) {
+        TB_LOAD(0, cbuf, 128);
+        if (NB == 2) TB_LOAD(1, cbuf + 16, 128);
+        if (NA == 2) {
+            TB_LOAD(2, cbuf + 16 * 32, 128);
+            if (NB == 2) TB_LOAD(3, cbuf + 16 * 32 + 16, 128);
+        }
+    } else {
+        TB_ZERO(0);
+        TB_ZERO(1);
+        TB_ZERO(2);
+        TB_ZERO(3);
+    }
     for (int i = 0; i < kc; i++) {
         TB_LOAD(4, a0 + (size_t)64 * i, a_stride);
         if (NA == 2) TB_LOAD(5, a1 + (size_t)64 * i, a_stride);
@@ -41,32 +51,38 @@ __attribute__((always_inline)) static inline void TB_FN(tiles_block)(const int8_
     }
 }
 
-/* Every activation row group (16 rows; the last, partial one from the zero-padded tail copy) against NB
- * weight tiles t, t+1 whose i8_tile16 codes are at b (tile j at b + j * b_tile), then the epilogue. */
+/* One k-block [k0, k0 + 64 kc) of every activation row group (16 rows; the last, partial one from the
+ * zero-padded tail copy) against NB weight tiles t, t+1 whose i8_tile16 codes of that block are at b (tile j at
+ * b + j * b_tile). Each pair of row groups keeps its C block in cacc (4 KB each) between k-blocks: the first
+ * block starts from zero, the last one runs the epilogue. */
 static void TB_FN(tiles_panel)(const tiles_args *g, const int8_t *b, size_t b_tile, int nb, int t,
-                               const int8_t *a_tail, int32_t *cbuf) {
-    const int kc = g->k_pad / 64, full = g->m / 16, groups = (g->m + 15) / 16;
+                               const int8_t *a_tail, int32_t *cacc, int k0, int kc, int first, int last) {
+    const int full = g->m / 16, groups = (g->m + 15) / 16;
     const size_t stride = (size_t)g->k_pad;
     for (int gr = 0; gr < groups; gr += 2) {
         const int na = groups - gr >= 2 ? 2 : 1;
-        const int8_t *a0 = gr < full ? g->xq + (size_t)gr * 16 * stride : a_tail;
-        const int8_t *a1 = gr + 1 < full ? g->xq + (size_t)(gr + 1) * 16 * stride : a_tail;
-        if (na == 2 && nb == 2) TB_FN(tiles_block)(a0, a1, stride, b, b_tile, kc, 2, 2, cbuf);
-        else if (na == 2) TB_FN(tiles_block)(a0, a1, stride, b, b_tile, kc, 2, 1, cbuf);
-        else if (nb == 2) TB_FN(tiles_block)(a0, a1, stride, b, b_tile, kc, 1, 2, cbuf);
-        else TB_FN(tiles_block)(a0, a1, stride, b, b_tile, kc, 1, 1, cbuf);
-        tiles_finish(g, cbuf, gr * 16, na, nb, t);
+        const int8_t *a0 = (gr < full ? g->xq + (size_t)gr * 16 * stride : a_tail) + k0;
+        const int8_t *a1 = (gr + 1 < full ? g->xq + (size_t)(gr + 1) * 16 * stride : a_tail) + k0;
+        int32_t *cbuf = cacc + (size_t)(gr / 2) * 32 * 32;
+        if (na == 2 && nb == 2) TB_FN(tiles_block)(a0, a1, stride, b, b_tile, kc, 2, 2, cbuf, !first);
+        else if (na == 2) TB_FN(tiles_block)(a0, a1, stride, b, b_tile, kc, 2, 1, cbuf, !first);
+        else if (nb == 2) TB_FN(tiles_block)(a0, a1, stride, b, b_tile, kc, 1, 2, cbuf, !first);
+        else TB_FN(tiles_block)(a0, a1, stride, b, b_tile, kc, 1, 1, cbuf, !first);
+        if (last) tiles_finish(g, cbuf, gr * 16, na, nb, t);
     }
 }
 
-/* Ternary tile16 weights, tiles [tile_begin, tile_end): a pair of tiles is unpacked once into the thread's
- * i8_tile16 buffer of codes (2 x 16 x K_pad bytes: 80 KB at K = 2560, 216 KB at 6912, an L2's worth) and
- * reused by every row group of A; the epilogue subtracts act_sum as the vector bodies do. */
+/* Ternary tile16 weights, tiles [tile_begin, tile_end), a pair at a time, in k-blocks of kblk (tiles_kblock):
+ * the pair's codes of one k-block are unpacked into the thread's i8_tile16 buffer (2 x 16 x kblk bytes) and
+ * reused by every row group of A; the epilogue subtracts act_sum as the vector bodies do. With one k-block (the
+ * default) that is the whole pair (80 KB at K = 2560, 216 KB at 6912); smaller blocks keep B in L1 and the
+ * rows of A that one block reads in L2, at the price of a C load and store per block and row-group pair. */
 static void TB_FN(gemm_ternary_tiles)(const uint8_t *w, const float *row_scale, const int8_t *xq, int m,
                                       int k_pad, const float *act_scale, const int32_t *act_sum, float *out,
                                       int32_t *out_i32, int n, int tile_begin, int tile_end) {
-    const size_t utile = (size_t)16 * k_pad, tile_bytes = (size_t)k_pad / 16 * 64;
-    uint8_t *s = m >= bk_table.tile_min_rows ? tiles_scratch(3 * utile + 32 * 32 * 4) : NULL;
+    const int kblk = tiles_kblock(k_pad);
+    const size_t utile = (size_t)16 * k_pad, ublk = (size_t)16 * kblk, tile_bytes = (size_t)k_pad / 16 * 64;
+    uint8_t *s = m >= bk_table.tile_min_rows ? tiles_scratch(utile + 2 * ublk + tiles_cacc_bytes(m)) : NULL;
     if (!s) {
         bk_table.gemm_ternary_vector(w, row_scale, xq, m, k_pad, act_scale, act_sum, out, out_i32, n, tile_begin,
                                tile_end);
@@ -74,32 +90,42 @@ static void TB_FN(gemm_ternary_tiles)(const uint8_t *w, const float *row_scale, 
     }
     const tiles_args g = {xq, m, k_pad, act_scale, act_sum, row_scale, out, out_i32, n};
     int8_t *a_tail = (int8_t *)s, *codes = (int8_t *)s + utile;
-    int32_t *cbuf = (int32_t *)(s + 3 * utile);
+    int32_t *cacc = (int32_t *)(s + utile + 2 * ublk);
     tiles_copy_tail(&g, a_tail);
     tiles_count();
     TB_CONFIG(&tiles_cfg_full);
     for (int t = tile_begin; t < tile_end; t += 2) {
         const int nb = tile_end - t >= 2 ? 2 : 1;
-        for (int j = 0; j < nb; j++) tiles_unpack(w + (size_t)(t + j) * tile_bytes, k_pad / 16, codes + j * utile);
-        TB_FN(tiles_panel)(&g, codes, utile, nb, t, a_tail, cbuf);
+        for (int k0 = 0; k0 < k_pad; k0 += kblk) {
+            const int kn = k_pad - k0 < kblk ? k_pad - k0 : kblk;
+            for (int j = 0; j < nb; j++)
+                tiles_unpack(w + (size_t)(t + j) * tile_bytes + (size_t)k0 / 16 * 64, kn / 16, codes + j * ublk);
+            TB_FN(tiles_panel)(&g, codes, ublk, nb, t, a_tail, cacc, k0, kn / 64, k0 == 0, k0 + kn == k_pad);
+        }
     }
     TB_RELEASE();
 }
 
-/* int8 head (i8_tile16 is B tiles as stored): tiles [tile_begin, tile_end) straight from the weights. 0 when
- * the thread's scratch could not be had (the caller then runs the vector body). */
+/* int8 head (i8_tile16 is B tiles as stored, 1 KB per 64-k step): tiles [tile_begin, tile_end) straight from the
+ * weights, in the same k-blocks. 0 when the thread's scratch could not be had (the caller then runs the vector
+ * body). */
 static int TB_FN(gemm_i8_tiles)(const tiles_args *g, const int8_t *w, int tile_begin, int tile_end) {
+    const int kblk = tiles_kblock(g->k_pad);
     const size_t utile = (size_t)16 * g->k_pad;
-    uint8_t *s = tiles_scratch(utile + 32 * 32 * 4);
+    uint8_t *s = tiles_scratch(utile + tiles_cacc_bytes(g->m));
     if (!s) return 0;
     int8_t *a_tail = (int8_t *)s;
-    int32_t *cbuf = (int32_t *)(s + utile);
+    int32_t *cacc = (int32_t *)(s + utile);
     tiles_copy_tail(g, a_tail);
     tiles_count();
     TB_CONFIG(&tiles_cfg_full);
     for (int t = tile_begin; t < tile_end; t += 2) {
         const int nb = tile_end - t >= 2 ? 2 : 1;
-        TB_FN(tiles_panel)(g, w + (size_t)t * utile, utile, nb, t, a_tail, cbuf);
+        for (int k0 = 0; k0 < g->k_pad; k0 += kblk) {
+            const int kn = g->k_pad - k0 < kblk ? g->k_pad - k0 : kblk;
+            TB_FN(tiles_panel)(g, w + (size_t)t * utile + (size_t)k0 / 64 * 1024, utile, nb, t, a_tail, cacc, k0,
+                               kn / 64, k0 == 0, k0 + kn == g->k_pad);
+        }
     }
     TB_RELEASE();
     return 1;

@@ -68,6 +68,7 @@ typedef struct {
      * path's own GEMM body, which gemm_ternary becomes a tile body in front of */
     int tiles_mode, tile_min_rows;
     bk_gemm_ternary_fn gemm_ternary_vector;
+    int tile_kblock; /* k per block of the tile bodies, a multiple of 64 (0: all of K in one block) */
     /* software prefetch distance of the AVX-512 GEMV bodies, bytes ahead of the block being read (0: none) */
     int gemv_prefetch;
 } bk_table_t;

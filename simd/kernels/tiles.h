@@ -46,6 +46,10 @@ int bk_set_tiles(int mode);        /* 0 ok; -1 the hardware tiles were asked for
 int bk_get_tiles(void);
 void bk_set_tile_min_rows(int m);  /* products of fewer rows keep the vector bodies (m <= 0: the default) */
 int bk_get_tile_min_rows(void);
+/* K-blocking of the tile bodies: k per block (rounded down to a multiple of 64; <= 0: the whole K in one block,
+ * the default until an AMX machine measures the blocks: bench_tiles.py --kblocks). */
+void bk_set_tile_kblock(int k);
+int bk_get_tile_kblock(void);
 /* The default crossover of the hardware tiles: below it the AVX-512 bodies run. Not yet measured on an AMX
  * machine (bench/bench_tiles.py measures it per shape); the emulation's default is 1, so that every
  * multi-row product of a test goes through the tile code. */
