@@ -665,7 +665,7 @@ cdef _q4g_call(str fn, codes, gscale, d, xq, act_scale, out, bint raw):
 def gemv_q4g(codes, gscale, d, xq, act_scale, out):
     """q4g head for M rows: out[m, n] = ((float)dot / act_scale[m]) * d[n] with
     dot = sum_g s[n,g] * sum_{k in g} q[n,k] xq[m,k] (layout.py "q4g_tile16"); K_pad <= Q4G_MAX_K. Any M: all rows
-    in one pass on the matrix tiles from tile_min_rows() up, ROWS_MAX rows per pass of the vector bodies."""
+    in one pass on the matrix tiles from tile_min_rows() up, up to 64 rows per pass of the vector bodies."""
     _q4g_call("gemv_q4g", codes, gscale, d, xq, act_scale, out, False)
 
 

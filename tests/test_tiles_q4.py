@@ -126,12 +126,13 @@ def test_q4_head_below_the_crossover_stays_on_the_vector_path():
         K.set_isa(None)
 
 
-def test_q4_head_takes_any_row_count_and_checks_the_rest():
-    # more than ROWS_MAX rows in one call (the vector bodies run them ROWS_MAX at a time) equal row by row
+@pytest.mark.parametrize("isa", VECTOR_ISAS, indirect=True)
+def test_q4_head_takes_any_row_count_and_checks_the_rest(isa):
+    # more than ROWS_MAX rows in one call (the vector bodies run up to 64 per pass) equal row by row
     rng = np.random.default_rng(4)
     q, s, d = _head(rng, 70, 192)
     codes, gs = layout.pack_q4g(q), layout.pack_q4g_scales(s)
-    m = 3 * K.ROWS_MAX + 5
+    m = 2 * 64 + 5
     xq, sc = _xq(rng, m, 192), rng.random(m, dtype=np.float32) + np.float32(0.1)
     out = np.empty((m, 70), np.float32)
     K.gemv_q4g(codes, gs, d, xq, sc, out)

@@ -217,8 +217,8 @@ class Weights:
             raise FormatError(f"{store.path}: the layers mix the ternary layouts tile16 and tile16b3")
 
     def q4_logits(self, xq, act_scale, h, out, heap, idx):
-        """The q4 head for the rows of xq (one call: the kernel runs them in one pass on the matrix tiles, or
-        ROWS_MAX per pass of the vector bodies), then its RESCORE_K best per row recomputed from the f16 rows with h
+        """The q4 head for the rows of xq (one call: the kernel runs them in one pass on the matrix tiles, or up
+        to 64 per pass of the vector bodies), then its RESCORE_K best per row recomputed from the f16 rows with h
         (the normed rows before quantization); heap / idx: [>= m, RESCORE_K] scratch, idx left holding each row's
         candidates."""
         m = xq.shape[0]
