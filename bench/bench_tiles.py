@@ -1,8 +1,8 @@
 """AMX tiles against the AVX-512 path (vpdpbusd), same build, same run, and beside the peers (not a test).
 
     python bench/bench_tiles.py                        # kernels: the int8 peaks of both instruction paths, the
-                                                       # 2B-4T GEMMs and the int8 head at M rows, tiles on / off,
-                                                       # the crossover M per shape (~2 min)
+                                                       # 2B-4T GEMMs and the int8 and q4 heads at M rows, tiles
+                                                       # on / off, the crossover M per shape (~3 min)
     python bench/bench_tiles.py --e2e [--llama-bench PATH] [--ik-bench PATH]
                                                        # + pp512, a 4,096-token prompt, batched decode at
                                                        # 1/4/8/16/32 sequences, bitnet serve at 16 clients,
@@ -38,7 +38,7 @@ from bitnet_cpu.simd import _probes as P  # noqa: E402
 from bitnet_cpu.simd import layout  # noqa: E402
 from bench_kernels import random_ternary_packed, timed  # noqa: E402
 
-# (name, N, K) of the 2B-4T layers; the int8 head is 128256 x 2560
+# (name, N, K) of the 2B-4T layers; the int8 and q4 heads are 128256 x 2560
 SHAPES = [("qkv", 3840, 2560), ("o", 2560, 2560), ("gate|up", 13824, 2560), ("down", 2560, 6912)]
 QUICK_SHAPES = [("o", 2560, 2560), ("down", 2560, 6912)]
 EMU_SHAPES = [("small", 256, 512)]
@@ -104,22 +104,31 @@ def gemm_rows(shapes, ms, threads, emu, peak, min_time) -> list[dict]:
 
 
 def head_rows(ms, threads, emu, min_time, n=128256, k=2560) -> list[dict]:
+    """The LM heads at M rows, tiles on / off: int8 (i8_tile16, bk_gemm_i8) and q4 (q4g_tile16, bk_gemv_q4g:
+    off, the vector bodies ROWS_MAX rows per pass over the head; on, all rows in one pass)."""
     rng = np.random.default_rng(1)
-    w = rng.integers(-127, 128, size=layout.pad_to(n, 16) * k, dtype=np.int8)
+    n_pad = layout.pad_to(n, 16)
+    w = rng.integers(-127, 128, size=n_pad * k, dtype=np.int8)
     rs, rowsum = np.ones(n, np.float32), np.zeros(n, np.int32)
+    codes = rng.integers(0, 256, size=n_pad * k // 2, dtype=np.uint8)
+    gscale = rng.integers(0, 64, size=n_pad * k // 32, dtype=np.uint8)
+    heads = {"i8": lambda xq, s, out: K.gemm_i8(w, rs, rowsum, xq, s, out),
+             "q4": lambda xq, s, out: K.gemv_q4g(codes, gscale, rs, xq, s, out)}
     rows = []
     for m in ms:
         xq = rng.integers(-127, 128, size=(m, k), dtype=np.int8)
         s, out = np.ones(m, np.float32), np.empty((m, n), np.float32)
-        sec = {}
-        for on in (False, True, False, True):
-            _mode(on, emu)
-            K.set_num_threads(threads)
-            t = timed(lambda: K.gemm_i8(w, rs, rowsum, xq, s, out), min_time=min_time, max_calls=50)
-            sec[on] = min(sec.get(on, t), t)
-        print(f"head i8  {n:>6d} x {k:<5d} M={m:<4d} {threads}t   avx512 {sec[False] * 1e3:8.2f} ms   tiles "
-              f"{sec[True] * 1e3:8.2f} ms   x{sec[False] / sec[True]:.2f}", flush=True)
-        rows.append({"shape": "head_i8", "n": n, "k": k, "m": m, "threads": threads, "speedup": sec[False] / sec[True]})
+        for name, head in heads.items():
+            sec = {}
+            for on in (False, True, False, True):
+                _mode(on, emu)
+                K.set_num_threads(threads)
+                t = timed(lambda: head(xq, s, out), min_time=min_time, max_calls=50)
+                sec[on] = min(sec.get(on, t), t)
+            print(f"head {name:3s} {n:>6d} x {k:<5d} M={m:<4d} {threads}t   avx512 {sec[False] * 1e3:8.2f} ms   tiles "
+                  f"{sec[True] * 1e3:8.2f} ms   x{sec[False] / sec[True]:.2f}", flush=True)
+            rows.append({"shape": f"head_{name}", "n": n, "k": k, "m": m, "threads": threads,
+                         "us_off": sec[False] * 1e6, "us_on": sec[True] * 1e6, "speedup": sec[False] / sec[True]})
     return rows
 
 
@@ -236,7 +245,7 @@ def main(argv=None) -> int:
     ap.add_argument("--ms", default="1,2,4,8,12,16,24,32,64,128,512", help="GEMM row counts")
     ap.add_argument("--quick", action="store_true", help="two shapes, fewer M, shorter timings")
     ap.add_argument("--emu", action="store_true", help="the emulated tiles (harness check; any machine)")
-    ap.add_argument("--no-head", action="store_true", help="skip the int8 head")
+    ap.add_argument("--no-head", action="store_true", help="skip the int8 and q4 heads")
     ap.add_argument("--e2e", action="store_true", help="also prefill, batched decode and serve, and the peers")
     ap.add_argument("--llama-bench", default=os.environ.get("LLAMA_BENCH"))
     ap.add_argument("--ik-bench", default=os.environ.get("IK_LLAMA_BENCH"))
@@ -269,8 +278,9 @@ def main(argv=None) -> int:
         print(f"{t} thread(s): int8 peaks " + ", ".join(f"{k} {v:.0f} GMAC/s" for k, v in pk.items())
               + (f" (AMX / vpdpbusd = {pk['amx'] / pk['vpdpbusd']:.1f}x)" if "amx" in pk else ""), flush=True)
         res["gemm"] += gemm_rows(shapes, ms, t, a.emu, pk, min_time)
-        if not a.no_head and not a.emu:
-            res["head"] += head_rows([m for m in ms if m > 8][:4] or [16], t, a.emu, min_time)
+        if not a.no_head:   # emulated: a small head (a harness check of both heads)
+            res["head"] += head_rows([m for m in ms if m > 8][:4] or [16], t, a.emu, min_time,
+                                     *((2048, 256) if a.emu else ()))
         if a.kblocks:
             res.setdefault("kblocks", []).extend(
                 kblock_rows(shapes, [int(x) for x in a.kblocks.split(",")], [16, 64] if a.emu else [128, 512], t,

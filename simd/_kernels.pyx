@@ -173,7 +173,7 @@ def tiles_reason():
 
 def set_tiles(mode):
     """"off", "amx" (the hardware: KernelError where it is not usable or the path is not avx512) or "emu"
-    (the emulation, on any path). Governs gemm_ternary(_b3) and gemm_i8 from tile_min_rows() rows up."""
+    (the emulation, on any path). Governs gemm_ternary(_b3), gemm_i8 and gemv_q4g from tile_min_rows() rows up."""
     if mode not in TILE_MODES:
         raise IsaChoiceError(f"unknown tile mode {mode!r}", hint=f"use one of {', '.join(TILE_MODES)}")
     if bk_set_tiles(TILE_MODES.index(mode)) != 0:
@@ -667,8 +667,8 @@ cdef _q4g_call(str fn, codes, gscale, d, xq, act_scale, out, bint raw):
                           hint="convert with --lm-head i8 for this model")
     cdef Py_ssize_t n = _n_of(fn, cnp.PyArray_DIM(ao, 1))
     cdef Py_ssize_t m = cnp.PyArray_DIM(aq, 0)
-    if m <= 0 or m > BK_ROWS_MAX or cnp.PyArray_DIM(ao, 0) != m:
-        raise KernelError(f"{fn}: xq has {m} rows and out {cnp.PyArray_DIM(ao, 0)}; both must be M, 1 <= M <= {BK_ROWS_MAX}")
+    if m <= 0 or cnp.PyArray_DIM(ao, 0) != m:
+        raise KernelError(f"{fn}: xq has {m} rows but out has {cnp.PyArray_DIM(ao, 0)} (both are M, M >= 1)")
     _check_size(fn, "codes", ac, _pad16(n) * k_pad // 2, f"N_pad*K_pad/2 (N={n}, K_pad={k_pad})")
     _check_size(fn, "gscale", ag, _pad16(n) * k_pad // 32, f"N_pad*K_pad/32 (N={n}, K_pad={k_pad})")
     cdef cnp.ndarray ad = None
@@ -698,8 +698,9 @@ cdef _q4g_call(str fn, codes, gscale, d, xq, act_scale, out, bint raw):
 
 
 def gemv_q4g(codes, gscale, d, xq, act_scale, out):
-    """q4g head for M <= ROWS_MAX rows: out[m, n] = ((float)dot / act_scale[m]) * d[n] with
-    dot = sum_g s[n,g] * sum_{k in g} q[n,k] xq[m,k] (layout.py "q4g_tile16"); K_pad <= Q4G_MAX_K."""
+    """q4g head for M rows: out[m, n] = ((float)dot / act_scale[m]) * d[n] with
+    dot = sum_g s[n,g] * sum_{k in g} q[n,k] xq[m,k] (layout.py "q4g_tile16"); K_pad <= Q4G_MAX_K. Any M: all rows
+    in one pass on the matrix tiles from tile_min_rows() up, up to 64 rows per pass of the vector bodies."""
     _q4g_call("gemv_q4g", codes, gscale, d, xq, act_scale, out, False)
 
 

@@ -217,13 +217,12 @@ class Weights:
             raise FormatError(f"{store.path}: the layers mix the ternary layouts tile16 and tile16b3")
 
     def q4_logits(self, xq, act_scale, h, out, heap, idx):
-        """The q4 head for the rows of xq (ROWS_MAX per pass over the head), then its RESCORE_K best per row
-        recomputed from the f16 rows with h (the normed rows before quantization); heap / idx: [>= m, RESCORE_K]
-        scratch, idx left holding each row's candidates."""
+        """The q4 head for the rows of xq (one call: the kernel runs them in one pass on the matrix tiles, or up
+        to 64 per pass of the vector bodies), then its RESCORE_K best per row recomputed from the f16 rows with h
+        (the normed rows before quantization); heap / idx: [>= m, RESCORE_K] scratch, idx left holding each row's
+        candidates."""
         m = xq.shape[0]
-        for r0 in range(0, m, K.ROWS_MAX):
-            r1 = min(m, r0 + K.ROWS_MAX)
-            K.gemv_q4g(self.out_w, self.out_gscale, self.out_scale, xq[r0:r1], act_scale[r0:r1], out[r0:r1])
+        K.gemv_q4g(self.out_w, self.out_gscale, self.out_scale, xq, act_scale[:m], out[:m])
         if self.rescore is not None:
             ops.head_rescore(self.rescore, h, out, heap[:m], idx[:m])
 

@@ -1,5 +1,6 @@
 /* Multi-row products on matrix tiles (tiles.h): the ternary GEMM (prefill chunks, batched steps, verify
- * rows: every caller of bk_gemm_ternary / bk_gemm_b3) and the int8 head at M > 1 (bk_gemm_i8).
+ * rows: every caller of bk_gemm_ternary / bk_gemm_b3), the int8 head at M > 1 (bk_gemm_i8) and the q4 head at
+ * M > 1 (bk_gemv_q4g; its scales go into the B tiles: gemm_tiles_q4_body.h).
  *
  *   out[m, n] = ((float)(C[m, n] - act_sum[m]) / act_scale[m]) * row_scale[n],   C = A . B  (int32, exact)
  *
@@ -146,7 +147,8 @@ static void tiles_unpack(const uint8_t *p, int kb, int8_t *dst) {
 #define TB_STORE(t, base, stride) \
     __asm__ volatile("tilestored %%tmm" #t ", (%0,%1,1)" ::"r"((void *)(base)), "r"((long)(stride)) : "memory")
 #define TB_DPBSSD(c, a, b) __asm__ volatile("tdpbssd %%tmm" #b ", %%tmm" #a ", %%tmm" #c ::)
-#include "gemm_tiles_body.h" /* undefines the TB_ macros at its end */
+#include "gemm_tiles_q4_body.h" /* the q4 head; leaves the TB_ macros to the next body */
+#include "gemm_tiles_body.h"    /* undefines the TB_ macros at its end */
 #endif
 
 /* ---------------- the emulation (tiles_emu.c) ---------------- */
@@ -157,7 +159,8 @@ static void tiles_unpack(const uint8_t *p, int kb, int8_t *dst) {
 #define TB_LOAD(t, base, stride) bk_emu_tile_load(t, base, stride)
 #define TB_STORE(t, base, stride) bk_emu_tile_store(t, base, stride)
 #define TB_DPBSSD(c, a, b) bk_emu_tile_dpbssd(c, a, b)
-#include "gemm_tiles_body.h" /* undefines the TB_ macros at its end */
+#include "gemm_tiles_q4_body.h" /* the q4 head; leaves the TB_ macros to the next body */
+#include "gemm_tiles_body.h"    /* undefines the TB_ macros at its end */
 
 /* The tile bodies by mode (tiles.h), which dispatch.c puts in front of the path's GEMM body. */
 const bk_gemm_ternary_fn bk_gemm_ternary_tile_bodies[3] = {
@@ -189,5 +192,30 @@ int bk_gemm_i8_tiles(const int8_t *w, const float *row_scale, const int8_t *xq, 
     i8_tiles_job job = {{xq, m, k_pad, act_scale, NULL, row_scale, out, out_i32, n}, w, 0};
     const int n_tiles = (n + 15) / 16;
     bk_run_tiles(n_tiles, (size_t)n_tiles * k_pad * m, 16 * 4096, i8_tiles_range, &job);
+    return job.failed ? 0 : 1; /* a thread without scratch: the vector path redoes the whole product */
+}
+
+typedef struct {
+    tiles_args g;
+    const uint8_t *codes, *gscale;
+    int failed;
+} q4g_tiles_job;
+
+static void q4g_tiles_range(void *ctx, int b, int e) {
+    q4g_tiles_job *j = ctx;
+    int ok = 0;
+#if BK_HAVE_AMX
+    if (bk_table.tiles_mode == BK_TILES_AMX) ok = gemm_q4g_tiles_amx(&j->g, j->codes, j->gscale, b, e);
+#endif
+    if (bk_table.tiles_mode == BK_TILES_EMU) ok = gemm_q4g_tiles_emu(&j->g, j->codes, j->gscale, b, e);
+    if (!ok) __atomic_store_n(&j->failed, 1, __ATOMIC_RELAXED);
+}
+
+int bk_gemm_q4g_tiles(const uint8_t *codes, const uint8_t *gscale, const float *d, const int8_t *xq, int m,
+                      int k_pad, const float *act_scale, float *out, int32_t *out_i32, int n) {
+    if (bk_table.tiles_mode == BK_TILES_OFF || m < bk_table.tile_min_rows) return 0;
+    q4g_tiles_job job = {{xq, m, k_pad, act_scale, NULL, d, out, out_i32, n}, codes, gscale, 0};
+    const int n_tiles = (n + 15) / 16;
+    bk_run_tiles(n_tiles, (size_t)n_tiles * k_pad * m, 16 * 4096, q4g_tiles_range, &job);
     return job.failed ? 0 : 1; /* a thread without scratch: the vector path redoes the whole product */
 }

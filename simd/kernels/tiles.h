@@ -5,11 +5,13 @@
  * tdpbssd / tdpbusd: C[16 x 16 int32] += A[16 x 64 int8] . B[16 x 64 int8 in VNNI order], where B's row kk
  * holds, for each of the 16 output columns n, the 4 bytes k = 4kk .. 4kk+3 (bytes 4n .. 4n+3). That is the
  * tile16 ternary layout after its usual shift+and: the 64 bytes of one shifted plane of a 16-k block are one
- * B row (lane n = weight row n, byte q = k 4s+q), and the i8_tile16 head is B tiles as stored. So the tiles
- * multiply the same codes and the same int8 activations as vpdpbusd, and the int32 sums are the same
- * integers: every path stays bit-identical (gemm_tiles.c).
+ * B row (lane n = weight row n, byte q = k 4s+q), the i8_tile16 head is B tiles as stored, and each nibble
+ * plane of a q4g_tile16 quarter is a B row too, multiplied by its group scale's two nibbles into two B tiles
+ * (gemm_tiles_q4_body.h). So the tiles multiply the same codes and the same int8 activations as vpdpbusd,
+ * and the int32 sums are the same integers: every path stays bit-identical (gemm_tiles.c).
  *
- * Two implementations of the API, one kernel source (gemm_tiles_body.h is compiled once per implementation):
+ * Two implementations of the API, one kernel source (gemm_tiles_body.h and gemm_tiles_q4_body.h are compiled once
+ * per implementation):
  *   - hardware: the _tile_* intrinsics, run only where cpuid reports amx-tile + amx-int8, XCR0 enables the
  *     tile state and Linux grants this process the tile data (arch_prctl ARCH_REQ_XCOMP_PERM, asked once);
  *   - emulation (tiles_emu.c): the same instructions in portable C on a thread-local register file, with
@@ -72,6 +74,9 @@ uint64_t bk_tiles_products(void); /* tile-body calls that ran on the tiles, sinc
  * tiles are off, m is under the crossover or a thread had no scratch (the vector path then does it all). */
 int bk_gemm_i8_tiles(const int8_t *w, const float *row_scale, const int8_t *xq, int m, int k_pad,
                      const float *act_scale, float *out, int32_t *out_i32, int n);
+/* q4 head (q4g_tile16), M rows (gemv_q4g.c's bk_gemv_q4g asks first): the same contract */
+int bk_gemm_q4g_tiles(const uint8_t *codes, const uint8_t *gscale, const float *d, const int8_t *xq, int m,
+                      int k_pad, const float *act_scale, float *out, int32_t *out_i32, int n);
 
 /* x86 hardware tiles need GCC 11+ / clang 12+ (the AMX intrinsics) */
 #if defined(__x86_64__) && ((defined(__clang__) && __clang_major__ >= 12) || \

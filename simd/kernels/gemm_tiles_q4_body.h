@@ -1,0 +1,164 @@
+/* The group-quantized q4 head (q4g_tile16, gemv_q4g.c) at M > 1 rows on the tiles, written against the tile API
+ * like gemm_tiles_body.h and included by gemm_tiles.c once per implementation (amx, emu), just before that
+ * file, with the same TB_ macros, which gemm_tiles_body.h undefines at its end (this file undefines its own).
+ *
+ *   dot[n] = sum_g s[n,g] * sum_{k in g} q[n,k] * xq[k],   q = u - 8 in -8..7, s a byte per row and group of 32 k
+ *
+ * The per-group scale does not fit a 64-k tdp, but it can go into the weights, exactly, split in two nibbles:
+ * s = 16 s_hi + s_lo (both 0..15), so s_lo * q and s_hi * q are in -120..105, valid s8 B operands, and
+ *   dot = A . W_lo + 16 * (A . W_hi),   W_lo[n,k] = s_lo[n,g(k)] * q[n,k],   W_hi the same with s_hi.
+ * Two B tiles per 16 weight rows x 64 k, each accumulated in its own C over all of K with full tdpbssd: no
+ * per-group epilogue, and no act_sum correction (the -8 is in B). The sums are the mathematical integers
+ * (|A . W_lo| <= 128 * 120 * 8192 < 2^27) and the vector paths' int32 dots are too (|dot| < 2^29 for s <= 63,
+ * K_pad <= 8192, checked at the boundary), so every result is the same float. Base 16 rather than 8 keeps any
+ * byte scale exact, not only 0..63: the combination is then equal modulo 2^32 whatever the scales hold.
+ *
+ * Why not K = 32 tiles per group with a vector epilogue per group: the TMUL's cost is per row of A (tdpbssd
+ * 16 x 16 x 64: ~16 cycles on Sapphire Rapids), so a half-K tdp costs about a full one and two groups cost the
+ * same 2 tdps per 64 k as the split above; but each group would add a tilestored of C and, per 16 x 16 block,
+ * 16 vpmulld (2 uops each, port 0) + 16 vpaddd on the two 512-bit vector ports: ~2x the TMUL time, for every
+ * 16-row group of A. The split's extra vector work is the unpack (per 16 weight rows x 64 k: 8 loads, 24
+ * and/shift, 32 vpmullw + 32 vpsubb, 32 stores, ~35 cycles), done once per call and reused by all M/16 groups.
+ *
+ * Registers: tmm0..3 hold C for 2 A tiles x (W_lo, W_hi) of one 16-row weight tile, tmm4..5 A, tmm6..7 B
+ * (W_lo, W_hi). Per 64-k step: 4 loads, 4 tdpbssd, as the ternary body's 2 x 2 block.
+ */
+#if !defined(TB_SUFFIX) || !defined(TB_DPBSSD)
+#error "gemm_tiles_q4_body.h needs the TB_ instruction macros (gemm_tiles.c)"
+#endif
+
+/* ---- once for both implementations: the unpack and the epilogue ---- */
+#ifndef BITNET_GEMM_TILES_Q4_ONCE
+#define BITNET_GEMM_TILES_Q4_ONCE
+
+/* One q4g_tile16 tile (groups of 256 code bytes + 16 scale bytes) -> W_lo at lo, W_hi at hi, in VNNI B order:
+ * row kk (64 bytes, 16 per 64-k step) holds k = 4kk .. 4kk+3 of the 16 weight rows (bytes 4r .. 4r+3). Group g's
+ * quarter j has row r's k = 32g+8j+c in the low nibble of byte 4r+c and k + 4 in the high one: the low nibble
+ * plane is B row 8g+2j as it stands, the high one row 8g+2j+1. */
+static void q4_unpack_scalar(const uint8_t *codes, const uint8_t *gscale, int groups, int8_t *lo, int8_t *hi) {
+    for (int g = 0; g < groups; g++)
+        for (int j = 0; j < 4; j++)
+            for (int i = 0; i < 64; i++) {
+                const unsigned b = codes[(size_t)g * 256 + 64 * j + i], s = gscale[(size_t)g * 16 + i / 4];
+                const size_t row = (size_t)(8 * g + 2 * j) * 64 + i;
+                lo[row] = (int8_t)((int)(s & 15) * ((int)(b & 15) - 8));
+                lo[row + 64] = (int8_t)((int)(s & 15) * ((int)(b >> 4) - 8));
+                hi[row] = (int8_t)((int)(s >> 4) * ((int)(b & 15) - 8));
+                hi[row + 64] = (int8_t)((int)(s >> 4) * ((int)(b >> 4) - 8));
+            }
+}
+
+#if defined(__x86_64__)
+/* The bytes u s - 8 s with one vpmullw per 64 bytes: a word holds 2 bytes of the same weight row, so of the
+ * same nibble s; u0 s + 256 u1 s <= 225 * 257 has no carry between them. 8 s per byte is 0x0808 * s. */
+AVX512_TARGET static void q4_unpack_avx512(const uint8_t *codes, const uint8_t *gscale, int groups, int8_t *lo,
+                                           int8_t *hi) {
+    const __m512i m15 = _mm512_set1_epi8(15), w15 = _mm512_set1_epi16(15), eight = _mm512_set1_epi16(0x0808);
+    for (int g = 0; g < groups; g++) {
+        __m512i s = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(gscale + (size_t)g * 16)));
+        s = _mm512_or_si512(s, _mm512_slli_epi32(s, 16)); /* both words of dword r: s[r] */
+        const __m512i slo = _mm512_and_si512(s, w15), shi = _mm512_srli_epi16(s, 4);
+        const __m512i elo = _mm512_mullo_epi16(slo, eight), ehi = _mm512_mullo_epi16(shi, eight);
+        for (int j = 0; j < 4; j++) {
+            const __m512i v = _mm512_loadu_si512(codes + (size_t)g * 256 + 64 * j);
+            const __m512i u0 = _mm512_and_si512(v, m15), u1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), m15);
+            const size_t row = (size_t)(8 * g + 2 * j) * 64;
+            _mm512_storeu_si512(lo + row, _mm512_sub_epi8(_mm512_mullo_epi16(u0, slo), elo));
+            _mm512_storeu_si512(lo + row + 64, _mm512_sub_epi8(_mm512_mullo_epi16(u1, slo), elo));
+            _mm512_storeu_si512(hi + row, _mm512_sub_epi8(_mm512_mullo_epi16(u0, shi), ehi));
+            _mm512_storeu_si512(hi + row + 64, _mm512_sub_epi8(_mm512_mullo_epi16(u1, shi), ehi));
+        }
+    }
+}
+#endif
+
+/* the unpack of the path in use, as tiles_unpack: AVX-512's on that path (the hardware tiles run only there) */
+static void q4_tiles_unpack(const uint8_t *codes, const uint8_t *gscale, int groups, int8_t *lo, int8_t *hi) {
+#if defined(__x86_64__)
+    if (bk_get_isa() == BK_ISA_AVX512) {
+        q4_unpack_avx512(codes, gscale, groups, lo, hi);
+        return;
+    }
+#endif
+    q4_unpack_scalar(codes, gscale, groups, lo, hi);
+}
+
+/* C block (cbuf: 32 x 32 int32; columns 0..15 A . W_lo, 16..31 A . W_hi) of rows row0.. (na groups of 16),
+ * weight tile t -> out. The combination wraps like the vector paths' int32 arithmetic (unsigned: defined). */
+static void q4_tiles_finish(const tiles_args *g, const int32_t *cbuf, int row0, int na, int t) {
+    int32_t dots[16];
+    for (int i = 0; i < 16 * na && row0 + i < g->m; i++) {
+        const int r = row0 + i;
+        for (int c = 0; c < 16; c++)
+            dots[c] = (int32_t)((uint32_t)cbuf[i * 32 + c] + 16u * (uint32_t)cbuf[i * 32 + 16 + c]);
+        bk_store_tile(dots, t * 16, g->n, g->row_scale, g->act_scale ? g->act_scale[r] : 1.0f,
+                      g->out ? g->out + (size_t)r * g->n : NULL, g->out_i32 ? g->out_i32 + (size_t)r * g->n : NULL);
+    }
+}
+#endif /* BITNET_GEMM_TILES_Q4_ONCE */
+
+/* ---- per implementation ---- */
+#define TB_Q4CAT2(a, b) a##_##b
+#define TB_Q4CAT(a, b) TB_Q4CAT2(a, b)
+#define TB_Q4FN(name) TB_Q4CAT(name, TB_SUFFIX)
+
+/* C[32 x 32] (cbuf, stride 128 bytes) = A (NA tiles at a0, a1) . (W_lo at b, W_hi at b + b_tile) over kc steps */
+__attribute__((always_inline)) static inline void TB_Q4FN(q4_tiles_block)(const int8_t *a0, const int8_t *a1,
+                                                                          size_t a_stride, const int8_t *b,
+                                                                          size_t b_tile, int kc, const int NA,
+                                                                          int32_t *cbuf) {
+    TB_ZERO(0);
+    TB_ZERO(1);
+    TB_ZERO(2);
+    TB_ZERO(3);
+    for (int i = 0; i < kc; i++) {
+        TB_LOAD(4, a0 + (size_t)64 * i, a_stride);
+        if (NA == 2) TB_LOAD(5, a1 + (size_t)64 * i, a_stride);
+        TB_LOAD(6, b + (size_t)1024 * i, 64);
+        TB_LOAD(7, b + b_tile + (size_t)1024 * i, 64);
+        TB_DPBSSD(0, 4, 6);
+        TB_DPBSSD(1, 4, 7);
+        if (NA == 2) {
+            TB_DPBSSD(2, 5, 6);
+            TB_DPBSSD(3, 5, 7);
+        }
+    }
+    TB_STORE(0, cbuf, 128);
+    TB_STORE(1, cbuf + 16, 128);
+    if (NA == 2) {
+        TB_STORE(2, cbuf + 16 * 32, 128);
+        TB_STORE(3, cbuf + 16 * 32 + 16, 128);
+    }
+}
+
+/* q4g_tile16 weights, tiles [tile_begin, tile_end): each tile is unpacked once into the thread's W_lo | W_hi
+ * (2 x 16 x K_pad bytes: 80 KB at K = 2560) and reused by every row group of A (the last, partial one from the
+ * zero-padded tail copy). 0 when the thread's scratch could not be had (the caller then runs the vector body). */
+static int TB_Q4FN(gemm_q4g_tiles)(const tiles_args *g, const uint8_t *codes, const uint8_t *gscale, int tile_begin,
+                                   int tile_end) {
+    const int groups = g->k_pad / 32, kc = g->k_pad / 64, full = g->m / 16, rgroups = (g->m + 15) / 16;
+    const size_t utile = (size_t)16 * g->k_pad, stride = (size_t)g->k_pad;
+    uint8_t *s = tiles_scratch(3 * utile + 32 * 32 * 4);
+    if (!s) return 0;
+    int8_t *a_tail = (int8_t *)s, *w = (int8_t *)s + utile;
+    int32_t *cbuf = (int32_t *)(s + 3 * utile);
+    tiles_copy_tail(g, a_tail);
+    tiles_count();
+    TB_CONFIG(&tiles_cfg_full);
+    for (int t = tile_begin; t < tile_end; t++) {
+        q4_tiles_unpack(codes + (size_t)t * groups * 256, gscale + (size_t)t * groups * 16, groups, w, w + utile);
+        for (int gr = 0; gr < rgroups; gr += 2) {
+            const int8_t *a0 = gr < full ? g->xq + (size_t)gr * 16 * stride : a_tail;
+            const int8_t *a1 = gr + 1 < full ? g->xq + (size_t)(gr + 1) * 16 * stride : a_tail;
+            if (rgroups - gr >= 2) TB_Q4FN(q4_tiles_block)(a0, a1, stride, w, utile, kc, 2, cbuf);
+            else TB_Q4FN(q4_tiles_block)(a0, a1, stride, w, utile, kc, 1, cbuf);
+            q4_tiles_finish(g, cbuf, gr * 16, rgroups - gr >= 2 ? 2 : 1, t);
+        }
+    }
+    TB_RELEASE();
+    return 1;
+}
+
+#undef TB_Q4FN
+#undef TB_Q4CAT
+#undef TB_Q4CAT2
