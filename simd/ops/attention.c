@@ -32,6 +32,9 @@ typedef struct {
     /* four queries over an f16 cache, hd a multiple of 16 (NULL: none for this path) */
     void (*wsum4_f16)(const float *const *p, const void *vc, kv_blocks bl, int n, int hd, float *const *out);
     float (*row_max)(const float *x, int n); /* the largest of x[0..n-1] that is not NaN; -inf if none */
+    /* softmax's last step over one score row: sc[t] *= inv for t < n, a subnormal weight becoming 0 (see
+     * attention_items), and sc[t] = 0 for n <= t < n_end */
+    void (*normalize)(float *sc, int n, float inv, int n_end);
 } att_kernels;
 /* softmax's exp is the int8 cache's (att_q8_kernels.exp_sum: one polynomial, 16 fixed lanes, the same bits on every
  * path), for every cache type: with libm's expf in the scalar reference no vector body could match it, and NEON
@@ -47,7 +50,29 @@ static float row_max_scalar(const float *x, int n) {
  * tests it on every architecture, so it stays outside the x86 block */
 #define WS4_MAX_HD 256
 
+static void normalize_scalar(float *sc, int n, float inv, int n_end) {
+    for (int t = 0; t < n; t++) {
+        const float w = sc[t] * inv;
+        sc[t] = w < FLT_MIN ? 0.0f : w;
+    }
+    for (int t = n; t < n_end; t++) sc[t] = 0.0f;
+}
+
 #if defined(__x86_64__)
+/* normalize_scalar 16 lanes at a time (the scalar loop, auto-vectorized to 4 lanes, was 3% of a 4,096-token
+ * prefill): the same product and the same test per lane (a NaN is not below FLT_MIN and stays), so the same
+ * floats. */
+AVX512_FN static void normalize_avx512(float *sc, int n, float inv, int n_end) {
+    const __m512 vi = _mm512_set1_ps(inv), lo = _mm512_set1_ps(FLT_MIN);
+    int t = 0;
+    for (; t < n; t += 16) {
+        const __mmask16 k = n - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - t)) - 1);
+        const __m512 w = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, sc + t), vi);
+        _mm512_mask_storeu_ps(sc + t, k, _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(w, lo, _CMP_NLT_UQ), w));
+    }
+    for (t = n; t < n_end; t++) sc[t] = 0.0f;
+}
+
 /* A score row's max, 8 lanes at a time: the scalar loop is one dependent maxss per position (6% of a q8 decode
  * layer's samples at 4096 positions). vmaxps(x, m) is x > m ? x : m per lane, the scalar rule, so a NaN score is
  * skipped alike and the same number comes out whatever the order; only a -0 / +0 tie may give the other zero, and
@@ -365,13 +390,69 @@ AVX512_FN static void wsum2_avx512(const float *p0, const float *p1, const void 
         }
     }
 }
+
+/* The four-query value pass of wsum4_f16_avx2 on 512-bit registers: a KV head's four query heads (decode, GQA 4)
+ * or four rows of one head (a prefill chunk) over an f16 cache, each value vector converted once for the four
+ * (wsum2_avx512 converted every value vector twice per four queries: with the scores, 40% of a 4,096-token
+ * prefill on this Zen 5). Positions in blocks of WS4_BLOCK, inside a block 64 columns at a time: 16
+ * accumulators, 4 value vectors and a weight in registers. Per output element the same FMAs in the same order
+ * as wsum_avx512: the same floats. hd a multiple of 16, <= WS4_MAX_HD. */
+AVX512_FN static void wsum4_f16_avx512(const float *const *p, const void *vc, kv_blocks bl, int n, int hd,
+                                       float *const *out) {
+    float acc[4][WS4_MAX_HD];
+    for (int j = 0; j < 4; j++)
+        for (int c = 0; c < hd; c++) acc[j][c] = 0.0f;
+    for (int tb = 0; tb < n; tb += WS4_BLOCK) {
+        const int te = tb + WS4_BLOCK < n ? tb + WS4_BLOCK : n;
+        for (int col = 0; col < hd; col += 64) {
+            const int nv = hd - col >= 64 ? 4 : (hd - col) / 16; /* value vectors of this column pass */
+            __m512 a[4][4];
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; j++)
+#pragma GCC unroll 4
+                for (int v = 0; v < 4; v++) a[j][v] = v < nv ? _mm512_loadu_ps(acc[j] + col + 16 * v) : _mm512_setzero_ps();
+            for (int ts = tb; ts < te; ts += KT_BLOCK) { /* runs inside one KT_BLOCK: rows hd apart */
+                const int tn = ts + KT_BLOCK < te ? ts + KT_BLOCK : te;
+                const uint16_t *vp = (const uint16_t *)vc + BLK(bl, ts / KT_BLOCK) + (int64_t)(ts % KT_BLOCK) * hd + col;
+                pf_lines(pf_block(vc, bl, ts / KT_BLOCK + WS4_BLOCK / KT_BLOCK, n, 2), col / 16, 16, hd);
+                if (nv == 4) {
+                    for (int t = ts; t < tn; t++, vp += hd) {
+                        __m512 x[4];
+#pragma GCC unroll 4
+                        for (int v = 0; v < 4; v++) x[v] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(vp + 16 * v)));
+#pragma GCC unroll 4
+                        for (int j = 0; j < 4; j++) {
+                            const __m512 w = _mm512_set1_ps(p[j][t]);
+#pragma GCC unroll 4
+                            for (int v = 0; v < 4; v++) a[j][v] = _mm512_fmadd_ps(w, x[v], a[j][v]);
+                        }
+                    }
+                } else {
+                    for (int t = ts; t < tn; t++, vp += hd)
+                        for (int v = 0; v < nv; v++) {
+                            const __m512 x = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(vp + 16 * v)));
+                            for (int j = 0; j < 4; j++) a[j][v] = _mm512_fmadd_ps(_mm512_set1_ps(p[j][t]), x, a[j][v]);
+                        }
+                }
+            }
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; j++)
+#pragma GCC unroll 4
+                for (int v = 0; v < 4; v++)
+                    if (v < nv) _mm512_storeu_ps(acc[j] + col + 16 * v, a[j][v]);
+        }
+    }
+    for (int j = 0; j < 4; j++)
+        for (int c = 0; c < hd; c++) out[j][c] = acc[j][c];
+}
 #endif
 
 static att_kernels kernels_for(int isa) {
-    att_kernels k = {scores_scalar, wsum_scalar, NULL, NULL, row_max_scalar};
+    att_kernels k = {scores_scalar, wsum_scalar, NULL, NULL, row_max_scalar, normalize_scalar};
 #if defined(__x86_64__)
     if (isa >= OPS_ISA_AVX512) {
-        k.scores = scores_avx512, k.wsum = wsum_avx512, k.wsum2 = wsum2_avx512, k.row_max = row_max_avx2;
+        k.scores = scores_avx512, k.wsum = wsum_avx512, k.wsum2 = wsum2_avx512, k.wsum4_f16 = wsum4_f16_avx512;
+        k.row_max = row_max_avx2, k.normalize = normalize_avx512;
     } else if (isa >= OPS_ISA_AVX2) {
         k.scores = scores_avx2, k.wsum = wsum_avx2, k.wsum4_f16 = wsum4_f16_avx2, k.row_max = row_max_avx2;
     }
@@ -531,11 +612,7 @@ static void attention_items(void *ctx, int item_begin, int item_end) {
                     float sum = n ? J->Q.exp_sum(sc, n, mx) : 0.0f, inv = n ? 1.0f / sum : 0.0f;
                     /* a subnormal weight is 0, for every cache type (see q8_weight): on the lent Xeon f16 decode
                      * attention with all but two weights subnormal ran 2.3-4.8x slower without this, 1.0x with it */
-                    for (int t = 0; t < n; t++) {
-                        const float w = sc[t] * inv;
-                        sc[t] = w < FLT_MIN ? 0.0f : w;
-                    }
-                    for (int t = n; t < nk_max; t++) sc[t] = 0.0f; /* positions after this row's own: no weight */
+                    K.normalize(sc, n, inv, nk_max); /* positions after this row's own: no weight */
                     mxs[j] = mx, sums[j] = sum;
                     /* a row in one piece writes its output; a longer one its piece's into the partial / temp;
                      * a row that ended before this piece (prefill) only lends its lanes: output thrown away */
