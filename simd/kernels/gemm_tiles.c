@@ -147,8 +147,9 @@ static void tiles_unpack(const uint8_t *p, int kb, int8_t *dst) {
 #define TB_STORE(t, base, stride) \
     __asm__ volatile("tilestored %%tmm" #t ", (%0,%1,1)" ::"r"((void *)(base)), "r"((long)(stride)) : "memory")
 #define TB_DPBSSD(c, a, b) __asm__ volatile("tdpbssd %%tmm" #b ", %%tmm" #a ", %%tmm" #c ::)
-#include "gemm_tiles_q4_body.h" /* the q4 head; leaves the TB_ macros to the next body */
-#include "gemm_tiles_body.h"    /* undefines the TB_ macros at its end */
+#include "gemm_tiles_body.h"    /* the ternary GEMM and the int8 head */
+#include "gemm_tiles_q4_body.h" /* the q4 head, on the same tiles_block */
+#include "tiles_end.h"          /* undefines the TB_ macros */
 #endif
 
 /* ---------------- the emulation (tiles_emu.c) ---------------- */
@@ -159,8 +160,9 @@ static void tiles_unpack(const uint8_t *p, int kb, int8_t *dst) {
 #define TB_LOAD(t, base, stride) bk_emu_tile_load(t, base, stride)
 #define TB_STORE(t, base, stride) bk_emu_tile_store(t, base, stride)
 #define TB_DPBSSD(c, a, b) bk_emu_tile_dpbssd(c, a, b)
-#include "gemm_tiles_q4_body.h" /* the q4 head; leaves the TB_ macros to the next body */
-#include "gemm_tiles_body.h"    /* undefines the TB_ macros at its end */
+#include "gemm_tiles_body.h"    /* the ternary GEMM and the int8 head */
+#include "gemm_tiles_q4_body.h" /* the q4 head, on the same tiles_block */
+#include "tiles_end.h"          /* undefines the TB_ macros */
 
 /* The tile bodies by mode (tiles.h), which dispatch.c puts in front of the path's GEMM body. */
 const bk_gemm_ternary_fn bk_gemm_ternary_tile_bodies[3] = {

@@ -1,6 +1,7 @@
 /* The tile kernels, written once against the tile API and compiled once per implementation (gemm_tiles.c
  * includes this file with TB_SUFFIX = amx, then emu, after defining TB_CONFIG / TB_RELEASE / TB_ZERO /
- * TB_LOAD / TB_STORE / TB_DPBSSD for it). Everything but those six instructions (the blocking, the A tail,
+ * TB_LOAD / TB_STORE / TB_DPBSSD for it; then gemm_tiles_q4_body.h, which uses its tiles_block, and
+ * tiles_end.h, which undefines the TB_ macros). Everything but those six instructions (the blocking, the A tail,
  * the unpacking, the epilogue) is the same code on the hardware and on the emulation.
  *
  * Registers: tmm0..3 hold C for 2 A tiles x 2 B tiles (32 activation rows x 32 weight rows), tmm4..5 A (16
@@ -130,14 +131,3 @@ static int TB_FN(gemm_i8_tiles)(const tiles_args *g, const int8_t *w, int tile_b
     TB_RELEASE();
     return 1;
 }
-
-#undef TB_FN
-#undef TB_CAT
-#undef TB_CAT2
-#undef TB_SUFFIX
-#undef TB_CONFIG
-#undef TB_RELEASE
-#undef TB_ZERO
-#undef TB_LOAD
-#undef TB_STORE
-#undef TB_DPBSSD

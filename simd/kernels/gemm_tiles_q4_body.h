@@ -1,6 +1,6 @@
 /* The group-quantized q4 head (q4g_tile16, gemv_q4g.c) at M > 1 rows on the tiles, written against the tile API
- * like gemm_tiles_body.h and included by gemm_tiles.c once per implementation (amx, emu), just before that
- * file, with the same TB_ macros, which gemm_tiles_body.h undefines at its end (this file undefines its own).
+ * like gemm_tiles_body.h and included by gemm_tiles.c once per implementation (amx, emu), just after that
+ * file, whose tiles_block it runs (tiles_end.h then undefines the TB_ macros).
  *
  *   dot[n] = sum_g s[n,g] * sum_{k in g} q[n,k] * xq[k],   q = u - 8 in -8..7, s a byte per row and group of 32 k
  *
@@ -23,8 +23,8 @@
  * Registers: tmm0..3 hold C for 2 A tiles x (W_lo, W_hi) of one 16-row weight tile, tmm4..5 A, tmm6..7 B
  * (W_lo, W_hi). Per 64-k step: 4 loads, 4 tdpbssd, as the ternary body's 2 x 2 block.
  */
-#if !defined(TB_SUFFIX) || !defined(TB_DPBSSD)
-#error "gemm_tiles_q4_body.h needs the TB_ instruction macros (gemm_tiles.c)"
+#if !defined(TB_FN) || !defined(TB_DPBSSD)
+#error "gemm_tiles_q4_body.h follows gemm_tiles_body.h (gemm_tiles.c)"
 #endif
 
 /* ---- once for both implementations: the unpack and the epilogue ---- */
@@ -97,44 +97,12 @@ static void q4_tiles_finish(const tiles_args *g, const int32_t *cbuf, int row0, 
 }
 #endif /* BITNET_GEMM_TILES_Q4_ONCE */
 
-/* ---- per implementation ---- */
-#define TB_Q4CAT2(a, b) a##_##b
-#define TB_Q4CAT(a, b) TB_Q4CAT2(a, b)
-#define TB_Q4FN(name) TB_Q4CAT(name, TB_SUFFIX)
-
-/* C[32 x 32] (cbuf, stride 128 bytes) = A (NA tiles at a0, a1) . (W_lo at b, W_hi at b + b_tile) over kc steps */
-__attribute__((always_inline)) static inline void TB_Q4FN(q4_tiles_block)(const int8_t *a0, const int8_t *a1,
-                                                                          size_t a_stride, const int8_t *b,
-                                                                          size_t b_tile, int kc, const int NA,
-                                                                          int32_t *cbuf) {
-    TB_ZERO(0);
-    TB_ZERO(1);
-    TB_ZERO(2);
-    TB_ZERO(3);
-    for (int i = 0; i < kc; i++) {
-        TB_LOAD(4, a0 + (size_t)64 * i, a_stride);
-        if (NA == 2) TB_LOAD(5, a1 + (size_t)64 * i, a_stride);
-        TB_LOAD(6, b + (size_t)1024 * i, 64);
-        TB_LOAD(7, b + b_tile + (size_t)1024 * i, 64);
-        TB_DPBSSD(0, 4, 6);
-        TB_DPBSSD(1, 4, 7);
-        if (NA == 2) {
-            TB_DPBSSD(2, 5, 6);
-            TB_DPBSSD(3, 5, 7);
-        }
-    }
-    TB_STORE(0, cbuf, 128);
-    TB_STORE(1, cbuf + 16, 128);
-    if (NA == 2) {
-        TB_STORE(2, cbuf + 16 * 32, 128);
-        TB_STORE(3, cbuf + 16 * 32 + 16, 128);
-    }
-}
+/* ---- per implementation (TB_FN and tiles_block: gemm_tiles_body.h, included just before) ---- */
 
 /* q4g_tile16 weights, tiles [tile_begin, tile_end): each tile is unpacked once into the thread's W_lo | W_hi
  * (2 x 16 x K_pad bytes: 80 KB at K = 2560) and reused by every row group of A (the last, partial one from the
  * zero-padded tail copy). 0 when the thread's scratch could not be had (the caller then runs the vector body). */
-static int TB_Q4FN(gemm_q4g_tiles)(const tiles_args *g, const uint8_t *codes, const uint8_t *gscale, int tile_begin,
+static int TB_FN(gemm_q4g_tiles)(const tiles_args *g, const uint8_t *codes, const uint8_t *gscale, int tile_begin,
                                    int tile_end) {
     const int groups = g->k_pad / 32, kc = g->k_pad / 64, full = g->m / 16, rgroups = (g->m + 15) / 16;
     const size_t utile = (size_t)16 * g->k_pad, stride = (size_t)g->k_pad;
@@ -150,8 +118,9 @@ static int TB_Q4FN(gemm_q4g_tiles)(const tiles_args *g, const uint8_t *codes, co
         for (int gr = 0; gr < rgroups; gr += 2) {
             const int8_t *a0 = gr < full ? g->xq + (size_t)gr * 16 * stride : a_tail;
             const int8_t *a1 = gr + 1 < full ? g->xq + (size_t)(gr + 1) * 16 * stride : a_tail;
-            if (rgroups - gr >= 2) TB_Q4FN(q4_tiles_block)(a0, a1, stride, w, utile, kc, 2, cbuf);
-            else TB_Q4FN(q4_tiles_block)(a0, a1, stride, w, utile, kc, 1, cbuf);
+            /* B tile pair: W_lo at w, W_hi at w + utile -> C columns 0..15 and 16..31 */
+            if (rgroups - gr >= 2) TB_FN(tiles_block)(a0, a1, stride, w, utile, kc, 2, 2, cbuf, 0);
+            else TB_FN(tiles_block)(a0, a1, stride, w, utile, kc, 1, 2, cbuf, 0);
             q4_tiles_finish(g, cbuf, gr * 16, rgroups - gr >= 2 ? 2 : 1, t);
         }
     }
@@ -159,6 +128,3 @@ static int TB_Q4FN(gemm_q4g_tiles)(const tiles_args *g, const uint8_t *codes, co
     return 1;
 }
 
-#undef TB_Q4FN
-#undef TB_Q4CAT
-#undef TB_Q4CAT2
