@@ -164,7 +164,7 @@ def prefetch_sweep(distances, thread_list, rounds):
     machine hit them alike); medians and bests per distance as a share of the best stream rate probed before
     and after. The shapes: the largest two 2B-4T layers (tile16) and the q4 head, out of cache."""
     rng = np.random.default_rng(0)
-    print(f"simd path: {K.active()}; default prefetch {K.GEMV_PREFETCH_DEFAULT} bytes; load average "
+    print(f"simd path: {K.active()}; its default prefetch {K.gemv_prefetch()} bytes; load average "
           f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     if K.active() not in ("avx512", "amx", "avx2", "avxvnni"):
         print("the prefetch distance applies to the x86 bodies only: nothing to sweep on this path")

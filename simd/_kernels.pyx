@@ -37,7 +37,7 @@ cdef extern from "kernels.h" nogil:
     void bk_init()
     void bk_set_gemv_prefetch(int nbytes)
     int bk_get_gemv_prefetch()
-    int BK_GEMV_PREFETCH_DEFAULT, BK_GEMV_PREFETCH_MAX
+    int BK_GEMV_PREFETCH_DEFAULT, BK_GEMV_PREFETCH_DEFAULT_256, BK_GEMV_PREFETCH_MAX
     void bk_pool_stats(uint64_t *jobs, uint64_t *worker_chunks, uint64_t *caller_sleeps)
     void bk_quantize_act(const float *x, int m, int k, int k_pad, int8_t *xq, float *act_scale, int32_t *act_sum)
     void bk_gemv_ternary(const uint8_t *w, const float *row_scale, const int8_t *xq, int k_pad, float act_scale,
@@ -206,12 +206,12 @@ def tile_min_rows():
 
 
 def set_gemv_prefetch(nbytes):
-    """How far ahead of the weights they read the x86 GEMV bodies prefetch, in bytes (0: not at all; None:
-    the default, GEMV_PREFETCH_DEFAULT). A hint: results never change, only the read rate (bench_kernels.py
-    --prefetch sweeps it)."""
+    """How far ahead of the weights they read the x86 GEMV bodies prefetch, in bytes (0: not at all; None: the
+    path's default, GEMV_PREFETCH_DEFAULT on AVX-512, GEMV_PREFETCH_DEFAULT_256 on AVX2 / AVX-VNNI). A hint:
+    results never change, only the read rate (bench_kernels.py --prefetch sweeps it)."""
     if nbytes is None:
-        nbytes = BK_GEMV_PREFETCH_DEFAULT
-    if not isinstance(nbytes, int) or not 0 <= nbytes <= BK_GEMV_PREFETCH_MAX:
+        nbytes = -1
+    elif not isinstance(nbytes, int) or not 0 <= nbytes <= BK_GEMV_PREFETCH_MAX:
         raise KernelError(f"prefetch distance must be 0..{BK_GEMV_PREFETCH_MAX} bytes, got {nbytes!r}")
     bk_set_gemv_prefetch(nbytes)
 
@@ -222,6 +222,7 @@ def gemv_prefetch():
 
 
 GEMV_PREFETCH_DEFAULT = BK_GEMV_PREFETCH_DEFAULT
+GEMV_PREFETCH_DEFAULT_256 = BK_GEMV_PREFETCH_DEFAULT_256
 
 
 def _tile_products():

@@ -19,7 +19,7 @@ from bitnet_cpu.simd import _kernels as K
 from bitnet_cpu.simd import layout
 
 VECTOR_ISAS = [i for i in K.supported_isas() if i != "amx"]
-DISTANCES = [0, 64, 4096, K.GEMV_PREFETCH_DEFAULT, 1 << 20]
+DISTANCES = [0, 64, K.GEMV_PREFETCH_DEFAULT, K.GEMV_PREFETCH_DEFAULT_256, 1 << 20]
 PAGE = mmap.PAGESIZE
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
@@ -133,8 +133,16 @@ def test_set_gemv_prefetch_checks_its_argument():
         with pytest.raises(KernelError):
             K.set_gemv_prefetch(bad)
     assert K.gemv_prefetch() == before
+    for isa in VECTOR_ISAS:   # None: each path's own default, kept across path changes
+        K.set_isa(isa)
+        K.set_gemv_prefetch(None)
+        want = K.GEMV_PREFETCH_DEFAULT_256 if isa in ("avx2", "avxvnni") else K.GEMV_PREFETCH_DEFAULT
+        assert K.gemv_prefetch() == want
+        K.set_gemv_prefetch(1024)
+        K.set_isa(None)
+        assert K.gemv_prefetch() == 1024   # an explicit distance outlives a change of path
     K.set_gemv_prefetch(None)
-    assert K.gemv_prefetch() == K.GEMV_PREFETCH_DEFAULT
+    K.set_isa(None)
 
 
 def _child(code, **env):

@@ -213,8 +213,15 @@ int bk_get_tiles(void) { return bk_table.tiles_mode; }
 int bk_get_tile_min_rows(void) { return tile_min_rows; }
 void bk_set_tile_kblock(int k) { bk_table.tile_kblock = k < 64 ? 0 : k / 64 * 64; }
 int bk_get_tile_kblock(void) { return bk_table.tile_kblock; }
+/* the prefetch distance asked for (< 0: none asked, the path's default: kernels.h) */
+static int gemv_prefetch_asked = -1;
+static int gemv_prefetch_for(int isa) {
+    if (gemv_prefetch_asked >= 0) return gemv_prefetch_asked;
+    return isa == BK_ISA_AVX2 || isa == BK_ISA_AVXVNNI ? BK_GEMV_PREFETCH_DEFAULT_256 : BK_GEMV_PREFETCH_DEFAULT;
+}
 void bk_set_gemv_prefetch(int nbytes) {
-    bk_table.gemv_prefetch = nbytes <= 0 ? 0 : nbytes > BK_GEMV_PREFETCH_MAX ? BK_GEMV_PREFETCH_MAX : nbytes;
+    gemv_prefetch_asked = nbytes < 0 ? -1 : nbytes > BK_GEMV_PREFETCH_MAX ? BK_GEMV_PREFETCH_MAX : nbytes;
+    bk_table.gemv_prefetch = gemv_prefetch_for(current_isa);
 }
 int bk_get_gemv_prefetch(void) { return bk_table.gemv_prefetch; }
 
@@ -222,6 +229,7 @@ static void apply(int isa, int mode) {
     bk_fill_table(&bk_table, isa);
     bk_table.gemm_ternary_vector = bk_table.gemm_ternary;
     bk_table.tiles_mode = mode;
+    bk_table.gemv_prefetch = gemv_prefetch_for(isa);
     bk_table.tile_min_rows = tile_min_rows > 0 ? tile_min_rows : (mode == BK_TILES_EMU ? 1 : BK_TILE_MIN_ROWS_AMX);
     if (bk_gemm_ternary_tile_bodies[mode]) bk_table.gemm_ternary = bk_gemm_ternary_tile_bodies[mode];
     current_isa = isa;

@@ -111,7 +111,7 @@ AVX512_TARGET static void gemv_ternary_avx512(const uint8_t *w, const float *row
 /* The AVX2 body prefetches too (bk_table.gemv_prefetch, kernels.h): the hardware prefetchers alone left one Zen
  * core's GEMV at ~60% of its streaming rate (compute and DRAM latency did not overlap). A fixed 2 KB first
  * (Zen 4, 13824 x 2560 out of cache: mean 11.5 -> 15.0 GB/s); on Zen 5, one thread: none 71%, 2 KB 74%,
- * 4 KB 82%, 8 KB 87% of the stream rate (2026-11-28), so it follows the AVX-512 bodies' setting now. */
+ * 4 KB 82%, 8 KB 87% of the stream rate (2026-11-28): the runtime setting now, 8 KB by default on this path. */
 
 /* One tile at a time: a single sequential read stream (see the AVX-512 body). */
 AVX2_TARGET static void gemv_ternary_avx2(const uint8_t *w, const float *row_scale, const int8_t *xq, int k_pad,
