@@ -49,7 +49,7 @@ def main(argv=None) -> int:
             g1 = timed(lambda: K.gemv_ternary(ws[next(it) % copies], rs, xq[0], float(s[0]), int(sm[0]), out),
                        min_time=0.3)
             line = [f"{t} thr ternary {N}x{KDIM} GEMV {g1 * 1e6:.0f} us"]
-            for m in (2, 3, 4, 8):
+            for m in (2, 3, 4, 5, 6, 7, 8):
                 o = np.empty((m, N), np.float32)
                 tg = timed(lambda: K.gemm_ternary(ws[next(it) % copies], rs, xq[:m], s[:m], sm[:m], o), min_time=0.3)
                 tr = timed(lambda: K.gemv_rows_ternary(ws[next(it) % copies], rs, xq[:m], s[:m], sm[:m], o),

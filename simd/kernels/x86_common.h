@@ -24,6 +24,20 @@ static inline void bk_prefetch_ahead(const void *p, size_t pf) {
     if (pf) _mm_prefetch((const char *)p + pf, _MM_HINT_T0);
 }
 
+/* Read [p, p + nbytes) once at streaming speed (four independent 32-byte loads per 128 bytes, one per line of
+ * each pair), so that a compute-heavy loop over the same bytes right after finds them in L2 (the GEMMs' weight
+ * chunks of the AVX-512 GEMM: gemm_ternary.c). The empty asm keeps the loads, whose sums nothing reads. */
+AVX2_TARGET static inline void bk_stream_warm(const uint8_t *p, size_t nbytes) {
+    __m256i a = _mm256_setzero_si256(), b = a;
+    for (size_t i = 0; i + 128 <= nbytes; i += 128) {
+        a = _mm256_add_epi64(a, _mm256_add_epi64(_mm256_loadu_si256((const __m256i *)(p + i)),
+                                                 _mm256_loadu_si256((const __m256i *)(p + i + 64))));
+        b = _mm256_add_epi64(b, _mm256_add_epi64(_mm256_loadu_si256((const __m256i *)(p + i + 32)),
+                                                 _mm256_loadu_si256((const __m256i *)(p + i + 96))));
+    }
+    __asm__ volatile("" ::"x"(a), "x"(b));
+}
+
 AVX512_TARGET static inline void finish_tile_avx512(__m512i code_dot, int32_t act_sum, int row0, int n,
                                                     const float *row_scale, float act_scale, float *out,
                                                     int32_t *out_i32) {
