@@ -106,10 +106,23 @@ AVX512_TARGET __attribute__((always_inline)) static inline void q4g_tile_avx512(
                            out_i32 ? out_i32 + (size_t)(m0 + i) * n : NULL);
 }
 
+/* From Q4G_WARM_ROWS rows on, every Q4G_WARM_TILES tiles' codes (160 KB at K = 2560) are read once at streaming
+ * speed before the row groups run over them (bk_stream_warm, as the ternary GEMM's chunks): the first group,
+ * 32 vpdpbusd per 256 code bytes, kept too few lines in flight to read DRAM fast. Head 128256 x 2560, 2 threads
+ * (ms per call, 2026-11-28): M = 8 9.4-9.6 -> 6.3-7.1, 16 14.1-14.4 -> 11.1-11.9, 32 22.7 -> 19.9-20.3; at M = 4
+ * no gain (4.4 -> 4.1-4.8), so fewer rows read the codes as before. */
+#define Q4G_WARM_ROWS 8
+#define Q4G_WARM_TILES 8
+
 AVX512_TARGET static void q4g_avx512(const uint8_t *codes, const uint8_t *gscale, const float *d, const int8_t *xq,
                                      const int32_t *xs8, int m, int k_pad, const float *act_scale, float *out,
                                      int32_t *out_i32, int n, int tile_begin, int tile_end) {
-    for (int t = tile_begin; t < tile_end; t++)
+    const size_t tile_bytes = (size_t)k_pad / 32 * 256;
+    for (int t = tile_begin; t < tile_end; t++) {
+        if (m >= Q4G_WARM_ROWS && (t - tile_begin) % Q4G_WARM_TILES == 0) {
+            const int te = t + Q4G_WARM_TILES < tile_end ? t + Q4G_WARM_TILES : tile_end;
+            bk_stream_warm(codes + (size_t)t * tile_bytes, (size_t)(te - t) * tile_bytes);
+        }
         for (int m0 = 0; m0 < m; m0 += 4) {
             int mr = m - m0 < 4 ? m - m0 : 4;
 #define Q4G_CALL(R) q4g_tile_avx512(codes, gscale, d, xq, xs8, m0, R, k_pad, act_scale, out, out_i32, n, t)
@@ -121,6 +134,7 @@ AVX512_TARGET static void q4g_avx512(const uint8_t *codes, const uint8_t *gscale
             }
 #undef Q4G_CALL
         }
+    }
 }
 
 /* Several rows (a verify pass, a batched step): each group's codes are unpacked once for up to 4 rows (R, a
