@@ -20,9 +20,10 @@ import sys
 import threading
 import time
 
-import httpx
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+from bench_serve import wait_healthy  # noqa: E402
 BODY = json.dumps({"model": "m", "messages": [{"role": "user", "content": "7 + 8 = 15. " * (10 * (1 << 20) // 12)}]}
                   ).encode()
 
@@ -65,14 +66,7 @@ def case(port: int, path: str, chunked: bool, parallel: bool) -> dict:
     proc = subprocess.Popen([sys.executable, "-m", "bitnet_cpu", "serve", "--port", str(port)], cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
+        wait_healthy(f"http://127.0.0.1:{port}", proc, timeout=120)
         time.sleep(1)
         before, out = rss_mib(proc.pid), []
         threads = [threading.Thread(target=send, args=(port, path, chunked, out)) for _ in range(3)]

@@ -168,7 +168,7 @@ async def run_embed(eng, state, request: Request, ids: list[list[int]], metrics=
 def register(app, state, ready, api_error: type, check_model, *, metrics=None):
     """Add the three embeddings routes to `app` (serve/app.py's create_app): ready(request) -> the engine or raises
     api_error; check_model(name) applies --strict-model-name (OpenAI's shape)."""
-    from .ollama import OllamaError, check_model_name, ready_engine
+    from .ollama import OllamaError, check_model_name, read_object, ready_engine
 
     def openai_error(e: Refused):
         return api_error(e.status, e.message, "server_error" if e.status >= 500 else "invalid_request_error",
@@ -207,12 +207,7 @@ def register(app, state, ready, api_error: type, check_model, *, metrics=None):
         check_model_name(state, name)
 
     async def ollama_body(request: Request) -> dict:
-        try:
-            data = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise OllamaError(400, "request body is not valid JSON") from None
-        if not isinstance(data, dict):
-            raise OllamaError(400, "request body must be a JSON object")
+        data = await read_object(request)
         if data.get("options") is not None and not isinstance(data["options"], dict):
             raise OllamaError(400, "options: expected an object")
         return data

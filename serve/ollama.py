@@ -174,6 +174,17 @@ def check_model_name(state, name):
         raise OllamaError(404, f"model '{name}' not found (this server has '{state.model_id}')")
 
 
+async def read_object(request: Request) -> dict:
+    """The request body as a JSON object, or ollama's 400 (not JSON, or not an object)."""
+    try:
+        data = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise OllamaError(400, "request body is not valid JSON") from None
+    if not isinstance(data, dict):
+        raise OllamaError(400, "request body must be a JSON object")
+    return data
+
+
 def register(app, state, ready, api_error: type, *, sampling: SamplingParams | None = None, metrics=None):
     """Add ollama's routes to `app` (serve/app.py's create_app). ready(request) -> the engine, or raises the
     server's `api_error` (auth, loading, draining: .status, .message), which these routes answer in ollama's shape."""
@@ -189,12 +200,7 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
         check_model_name(state, name)
 
     async def parse(request: Request, cls):
-        try:
-            data = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise OllamaError(400, "request body is not valid JSON") from None
-        if not isinstance(data, dict):
-            raise OllamaError(400, "request body must be a JSON object")
+        data = await read_object(request)
         try:
             return cls.model_validate(data)
         except ValidationError as e:

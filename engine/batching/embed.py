@@ -14,7 +14,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from ..errors import BitNetError, ContextOverflowError
+from ..errors import BitNetError
 from ..runtime.embed import MeanPool
 from ..runtime.sampling import SamplingParams
 from .stream import Stream
@@ -99,12 +99,7 @@ class Embeddings:
         for i, ids in enumerate(texts):
             if not ids:
                 raise BitNetError(f"input {i}: no tokens to embed")
-            bad = [t for t in ids if not 0 <= t < vocab]
-            if bad:
-                raise BitNetError(f"input {i}: token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
-            if len(ids) > self.n_ctx:
-                raise ContextOverflowError(f"input {i} has {len(ids)} tokens but the context holds {self.n_ctx}",
-                                           hint="raise the context or shorten the text")
+            self._check_ids(ids, f"input {i}")   # BatchScheduler's: the vocabulary and the context
         req = EmbedRequest(self, texts, dim, callback)
         params = SamplingParams(temperature=0)
         with self._lock:

@@ -143,6 +143,19 @@ class BatchScheduler(Drafts, Embeddings):
             raise QueueFullError(f"{len(self._waiting)} requests are already waiting (max_queue {self.max_queue})",
                                  hint="retry later")
 
+    def _check_ids(self, ids: list, text: str | None = None):
+        """A prompt's ids (text None) or those of embedding text `text` ("input 2"): every id in the vocabulary
+        (BitNetError) and no more than the context holds (ContextOverflowError)."""
+        vocab = self.config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise BitNetError(f"{text + ': ' if text else ''}token id {bad[0]} is outside the vocabulary "
+                              f"(0..{vocab - 1})")
+        if len(ids) > self.n_ctx:
+            raise ContextOverflowError(f"{text or 'the prompt'} has {len(ids)} tokens but the context holds "
+                                       f"{self.n_ctx}",
+                                       hint=f"raise the context or shorten the {'text' if text else 'prompt'}")
+
     def submit(self, prompt_ids: Sequence[int], params: SamplingParams | None = None, *, max_tokens: int = 256,
                stop: Sequence[str] = (), callback: Callable[[Chunk], None] | None = None,
                ignore_eos: bool = False, constraint=None) -> Stream:
@@ -167,13 +180,8 @@ class BatchScheduler(Drafts, Embeddings):
             if self.tokenizer.bos_id is None:
                 raise BitNetError("empty prompt and the model has no BOS token to start from")
             prompt = [self.tokenizer.bos_id]
+        self._check_ids(prompt)
         vocab = self.config.vocab_size
-        bad = [t for t in prompt if not 0 <= t < vocab]
-        if bad:
-            raise BitNetError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
-        if len(prompt) > self.n_ctx:
-            raise ContextOverflowError(f"the prompt has {len(prompt)} tokens but the context holds {self.n_ctx}",
-                                       hint="raise the context or shorten the prompt")
         if max_tokens < 0:
             raise BitNetError(f"max_tokens {max_tokens}: must be >= 0")
         if not 1 <= n <= self.parallel:
