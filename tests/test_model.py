@@ -13,11 +13,11 @@ from test_model_fixtures import make_synth
 
 @pytest.fixture(scope="module")
 def synth(tmp_path_factory):
-    return make_synth(tmp_path_factory.mktemp("model"), seed=3, lm_heads=("f16", "i8"))
+    return make_synth(tmp_path_factory.mktemp("model"), seed=3, lm_heads=("f16", "i8", "q4"))
 
 
 @pytest.mark.parametrize("kv", ["f16", "f32", "q8"])
-@pytest.mark.parametrize("head", ["f16", "i8"])
+@pytest.mark.parametrize("head", ["f16", "i8", "q4"])
 def test_prefill_equals_decode(synth, kv, head):
     m, _, stores = synth
     ids = np.random.default_rng(1).integers(0, m.V, 70).tolist()
@@ -26,7 +26,9 @@ def test_prefill_equals_decode(synth, kv, head):
     assert pre.shape == (70, m.V) and np.isfinite(pre).all()
     model.reset()
     step = np.stack([model.decode(t).copy() for t in ids])
-    np.testing.assert_array_equal(pre, step)  # same kernels' math per row: bit-identical, not just close
+    # same kernels' math per row: bit-identical, not just close (the int8 and q4 heads take a chunk's rows
+    # together, 8 or all at a time, against one row a step)
+    np.testing.assert_array_equal(pre, step)
     # the last-row-only prefill returns the same logits as the all-rows one
     model.reset()
     np.testing.assert_array_equal(model.prefill(ids), pre[-1])

@@ -87,7 +87,8 @@ def session_bytes(cfg: ModelConfig, n_ctx: int, kv_dtype: str, chunk: int = DEFA
         kv = cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * (blocks + n_ctx) * (2 if kv_dtype == "f16" else 4)
     scratch = cfg.n_heads * ops.ATTENTION_SCRATCH_ROWS * n_ctx * 4
     rope = 2 * n_ctx * (cfg.head_dim // 2) * 4 + n_ctx * 4 * 2
-    rows = chunk * (4 * cfg.hidden_size + 2 * cfg.q_dim + 2 * cfg.kv_dim + 2 * cfg.intermediate_size) * 4
+    rows = chunk * ((4 * cfg.hidden_size + 2 * cfg.q_dim + 2 * cfg.kv_dim + 2 * cfg.intermediate_size) * 4
+                    + 8 * RESCORE_K)
     return kv + scratch + rope + rows + cfg.vocab_size * 4
 
 
@@ -394,8 +395,9 @@ class Model:
         self._logits = np.zeros(V, np.float32)
         self._logits_row = self._logits.reshape(1, V)       # the same buffer as one row (q4 head kernel)
         self._rows_logits = np.zeros((VERIFY_MAX, V), np.float32)  # logits of every row of a verify pass
-        self._resc_heap = np.zeros((VERIFY_MAX, RESCORE_K), np.float32)  # head_rescore scratch / candidates
-        self._resc_idx = np.zeros((VERIFY_MAX, RESCORE_K), np.int32)
+        # head_rescore scratch / candidates for every row of a verify pass or of a chunk (prefill with all logits)
+        self._resc_heap = np.zeros((max(VERIFY_MAX, M), RESCORE_K), np.float32)
+        self._resc_idx = np.zeros((max(VERIFY_MAX, M), RESCORE_K), np.int32)
         kv_np = {"f16": np.uint16, "f32": np.float32, "q8": np.int8}[kv_dtype]   # f16 stored as its bits
         try:
             if kv_dtype == "q8":   # int8 blocks of 32 positions + their scales (simd/ops/attention_q8.h)
@@ -483,7 +485,8 @@ class Model:
         return f"the context is already the model's full {trained} tokens: shorten the prompt or ask for less"
 
     def _head_rows(self, v: _Views, out: np.ndarray):
-        """Logits of all v.m rows of the last chunk into out[:v.m] (one pass over an int8 or q4 head)."""
+        """Logits of all v.m rows of the last chunk into out[:v.m]: one pass over a q4 head (its kernel takes any
+        row count), one per VERIFY_MAX rows over an int8 head."""
         m = v.m
         if self.lm_head == "f16":
             for r in range(m):
@@ -494,7 +497,9 @@ class Model:
         if self.lm_head == "q4":
             self.weights.q4_logits(v.xq_d, v.act_scale, v.h_d, out[:m], self._resc_heap, self._resc_idx)
             return
-        K.gemv_rows_i8(self._out_w, self._out_scale, self._out_rowsum, v.xq_d, v.act_scale, out[:m])
+        for r in range(0, m, VERIFY_MAX):
+            e = min(m, r + VERIFY_MAX)
+            K.gemv_rows_i8(self._out_w, self._out_scale, self._out_rowsum, v.xq_d[r:e], v.act_scale[r:e], out[r:e])
 
     def verify(self, ids) -> np.ndarray:
         """Run 1..VERIFY_MAX tokens at positions n_past.. in one pass (speculative decoding: the last sampled
@@ -573,8 +578,10 @@ class Model:
             if rows is not None:
                 rows(v.x, v.delta)
             elif all_logits:
-                for r in range(m):
-                    self._head(v, r, result[start + r])
+                if m == 1:
+                    self._head(v, 0, result[start])
+                else:
+                    self._head_rows(v, result[start: start + m])
             elif start + m == len(ids):
                 self._head(v, m - 1, self._logits)
             self._cache_ids[self.n_past: self.n_past + m] = part
