@@ -760,10 +760,11 @@ static int attention_core(float *qkv, int n_heads, int n_kv, int head_dim, const
     /* threads only pay off with enough work: a hand-off costs microseconds, a short-context decode
      * step of one layer is tens of microseconds (2B-4T shape, avx2, 2 threads vs 1, median us per layer:
      * 64 positions 17-23 vs 22-30, 128: 33 vs 34-49, 256: 38-52 vs 56-75, 400: 53-57 vs 81-111; so from
-     * ~100 positions, 1 << 18). A batched step (several segments) stays serial longer: its wait for the
-     * other threads, once per layer, can cost a scheduler slice on a busy machine, while each
-     * sequence's attention is short (measured: 16 sequences at 64 positions, 0.5 ms serial per layer) */
-    const int64_t min_work = n_segs > 1 ? (int64_t)1 << 24 : (int64_t)1 << 18;
+     * ~100 positions, 1 << 18). A batched step uses the same bound: it once stayed serial up to 1 << 24 (for the
+     * wait on a busy machine), which left the other thread spinning through 12% of a 16-sequence step; threaded,
+     * 16 sequences of 32 + 128 tokens ran 194-201 -> 205-218 tok/s and 8 176-185 -> 190-195 (2-core Zen 5,
+     * alternating builds), and with a burner on one core 117-120 either way */
+    const int64_t min_work = (int64_t)1 << 18;
     att_q8_kernels Q = att_q8_kernels_for(isa);
 #if defined(__aarch64__) /* attention_neon.c: sdot where the CPU has it */
     if (ops_neon()) Q = att_q8_neon_kernels(bk_get_isa() != BK_ISA_NEON);
