@@ -263,21 +263,27 @@ AVX2_FN static void wsum_avx2(const float *p, const void *vc, kv_blocks bl, int 
  * columns at a time with 8 accumulators, 4 weights and 2 value vectors in registers; between blocks the
  * accumulators wait in acc[][] (a column pass over a whole long context re-read the values from L3 8 times:
  * measured 2x the time of the scores). Per output element the same FMAs in the same order as wsum_avx2: the
- * same floats. hd <= WS4_MAX_HD. */
+ * same floats. hd a multiple of 16, <= WS4_MAX_HD. */
 #define WS4_BLOCK 64 /* a multiple of KT_BLOCK */
 AVX2_FN static void wsum4_f16_avx2(const float *const *p, const void *vc, kv_blocks bl, int n, int hd,
                                    float *const *out) {
     const float *p0 = p[0], *p1 = p[1], *p2 = p[2], *p3 = p[3];
-    float acc[4][WS4_MAX_HD];
-    for (int j = 0; j < 4; j++)
-        for (int c = 0; c < hd; c++) acc[j][c] = 0.0f;
+    float acc[4][WS4_MAX_HD]; /* between blocks; the first block starts from zero, the last writes out */
+    if (n <= 0)
+        for (int j = 0; j < 4; j++)
+            for (int c = 0; c < hd; c++) out[j][c] = 0.0f;
     for (int tb = 0; tb < n; tb += WS4_BLOCK) {
         const int te = tb + WS4_BLOCK < n ? tb + WS4_BLOCK : n;
+        float *dst[4] = {acc[0], acc[1], acc[2], acc[3]};
+        if (te == n) dst[0] = out[0], dst[1] = out[1], dst[2] = out[2], dst[3] = out[3];
         for (int col = 0; col < hd; col += 16) {
-            __m256 a0 = _mm256_loadu_ps(acc[0] + col), a1 = _mm256_loadu_ps(acc[0] + col + 8);
-            __m256 b0 = _mm256_loadu_ps(acc[1] + col), b1 = _mm256_loadu_ps(acc[1] + col + 8);
-            __m256 c0 = _mm256_loadu_ps(acc[2] + col), c1 = _mm256_loadu_ps(acc[2] + col + 8);
-            __m256 d0 = _mm256_loadu_ps(acc[3] + col), d1 = _mm256_loadu_ps(acc[3] + col + 8);
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, b0 = a0, b1 = a0, c0 = a0, c1 = a0, d0 = a0, d1 = a0;
+            if (tb) {
+                a0 = _mm256_loadu_ps(acc[0] + col), a1 = _mm256_loadu_ps(acc[0] + col + 8);
+                b0 = _mm256_loadu_ps(acc[1] + col), b1 = _mm256_loadu_ps(acc[1] + col + 8);
+                c0 = _mm256_loadu_ps(acc[2] + col), c1 = _mm256_loadu_ps(acc[2] + col + 8);
+                d0 = _mm256_loadu_ps(acc[3] + col), d1 = _mm256_loadu_ps(acc[3] + col + 8);
+            }
             for (int ts = tb; ts < te; ts += KT_BLOCK) { /* runs inside one KT_BLOCK: rows hd apart */
                 const int tn = ts + KT_BLOCK < te ? ts + KT_BLOCK : te;
                 const uint16_t *v = (const uint16_t *)vc + BLK(bl, ts / KT_BLOCK) + (int64_t)(ts % KT_BLOCK) * hd + col;
@@ -291,14 +297,12 @@ AVX2_FN static void wsum4_f16_avx2(const float *const *p, const void *vc, kv_blo
                     FMA4X2(p0, p1, p2, p3, t, v0, v1);
                 }
             }
-            _mm256_storeu_ps(acc[0] + col, a0), _mm256_storeu_ps(acc[0] + col + 8, a1);
-            _mm256_storeu_ps(acc[1] + col, b0), _mm256_storeu_ps(acc[1] + col + 8, b1);
-            _mm256_storeu_ps(acc[2] + col, c0), _mm256_storeu_ps(acc[2] + col + 8, c1);
-            _mm256_storeu_ps(acc[3] + col, d0), _mm256_storeu_ps(acc[3] + col + 8, d1);
+            _mm256_storeu_ps(dst[0] + col, a0), _mm256_storeu_ps(dst[0] + col + 8, a1);
+            _mm256_storeu_ps(dst[1] + col, b0), _mm256_storeu_ps(dst[1] + col + 8, b1);
+            _mm256_storeu_ps(dst[2] + col, c0), _mm256_storeu_ps(dst[2] + col + 8, c1);
+            _mm256_storeu_ps(dst[3] + col, d0), _mm256_storeu_ps(dst[3] + col + 8, d1);
         }
     }
-    for (int j = 0; j < 4; j++)
-        for (int c = 0; c < hd; c++) out[j][c] = acc[j][c];
 }
 
 AVX512_FN static inline __m512 load16(const void *base, int f16, int64_t off, __mmask16 k) {
