@@ -4,7 +4,7 @@ multiply-add in the order every vector body keeps per lane (one position per lan
 lane for a weighted sum), so the bodies are checked against it byte for byte rather than within a tolerance.
 
 Shapes cover each query-group size the bodies specialise (the four-query f16 weighted sum and R = 1..4 for the
-scores), head sizes that are not multiples of 8 or 16, a partial last key block, and rows past 256 positions,
+scores), head sizes that are not multiples of 8 or 16 or (80) of 64, a partial last key block, and rows past 256 positions,
 whose positions go in pieces folded in order. The NEON bodies are held to the same bytes under qemu
 (tests/test_attention_neon.py)."""
 import numpy as np
@@ -15,7 +15,7 @@ import bitnet_cpu.simd._ops as ops
 from helpers import rope_tables
 
 PATHS = [p for p in K.supported_isas() if p != "scalar"]
-SHAPES = [(8, 2, 128), (4, 2, 16), (3, 3, 20), (6, 2, 64), (4, 1, 100)]   # (heads, KV heads, head_dim)
+SHAPES = [(8, 2, 128), (4, 2, 16), (3, 3, 20), (6, 2, 64), (4, 1, 100), (4, 1, 80)]   # (heads, KV heads, head_dim)
 CTX = 304
 CHUNKS = [7, 64, 64, 162, 1, 1, 1]   # a prefill to 297 positions in chunks, then three decode steps
 
