@@ -2,7 +2,8 @@
 
     python bench/depth_sweep.py [--depths 0,1024,4096,16384] [--threads 2] [--tokens 16] [--prefill 256]
     python bench/depth_sweep.py --long 512,4096 [--rounds 2]      # whole prompts from an empty cache only
-    python bench/depth_sweep.py --prefill-attention 0,3968 [--chunk 128]   # one layer's prompt-chunk attention
+    python bench/depth_sweep.py --prefill-attention 0,3968 [--chunk 128]   # one layer's prompt-chunk attention,
+                                                                            # f16 also against the f32 FMA peak
 
 The synthetic 2B-4T-shaped store (bench/make_models.py; q4 head, as `bitnet run` uses). A row at depth d: the
 cache holds d positions (filled with non-zero bytes, so every page is real memory: a never-written np.zeros page
@@ -178,8 +179,23 @@ def prefill_attention_layer(kv: str, depth: int, rows: int, threads: int, reps: 
         call(q, kc, vc)
         wall.append(time.perf_counter() - t0), cpu.append(time.process_time() - c0)
     wall.sort(), cpu.sort()
+    # the f32 multiply-adds of the f16 cache's scores and weighted sums (causal: row r sees depth + r + 1)
+    fmas = 2 * 20 * 128 * sum(depth + r + 1 for r in range(rows))
     return {"kv": kv, "depth": depth, "rows": rows, "ms": wall[reps // 2] * 1e3, "cpu_ms": cpu[reps // 2] * 1e3,
-            "ms_min": wall[0] * 1e3, "ms_max": wall[-1] * 1e3}
+            "ms_min": wall[0] * 1e3, "ms_max": wall[-1] * 1e3, "fma_per_s": fmas / wall[reps // 2]}
+
+
+def fma_peak(threads: int) -> float:
+    """f32 multiply-adds per second of the active path's register-only FMA loop on `threads` threads at once
+    (simd._probes.peak_fma; 0 where the path has none)."""
+    from bitnet_cpu.simd import _kernels as K
+    from bitnet_cpu.simd import _probes
+
+    K.set_num_threads(threads)
+    _probes.peak_fma(1_000_000)
+    t0 = time.perf_counter()
+    n = _probes.peak_fma(40_000_000)
+    return n / (time.perf_counter() - t0)
 
 
 def main(argv=None) -> int:
@@ -203,21 +219,26 @@ def main(argv=None) -> int:
     from bitnet_cpu.engine.formats.store import Store
     from bitnet_cpu.simd import _kernels as K
 
+    if a.prefill_attention:   # needs no model
+        peak = fma_peak(a.threads)
+        K.set_num_threads(a.threads)
+        print(f"one layer's attention of a {a.chunk}-row prompt chunk at depth (20 heads, 5 KV heads x 128), "
+              f"{a.threads} threads, path {K.active()}, median of 6 calls (a layer's cache each); f32 FMA peak "
+              f"of the same threads {peak / 1e9:.1f} G/s (register-only loop):")
+        print("| KV | depth | ms per layer (min / median / max) | CPU ms | G f32 FMA/s (f16) | of the peak |")
+        print("|---|---|---|---|---|---|")
+        for d in a.prefill_attention.split(","):
+            for kv in a.kv.split(","):
+                r = prefill_attention_layer(kv, int(d), a.chunk, a.threads)
+                rate, share = (f"{r['fma_per_s'] / 1e9:.1f}", f"{r['fma_per_s'] / peak:.0%}" if peak else "-") \
+                    if kv == "f16" else ("-", "-")
+                print(f"| {kv} | {d} | {r['ms_min']:.1f} / {r['ms']:.1f} / {r['ms_max']:.1f} | {r['cpu_ms']:.1f} | "
+                      f"{rate} | {share} |", flush=True)
+        return 0
     path = ensure_q4_store(a.cache)
     weights = store_bytes_per_token(path)
     store = Store(path)
     K.set_num_threads(a.threads)
-    if a.prefill_attention:
-        print(f"one layer's attention of a {a.chunk}-row prompt chunk at depth (20 heads, 5 KV heads x 128), "
-              f"{a.threads} threads, path {K.active()}, median of 6 calls (a layer's cache each):")
-        print("| KV | depth | ms per layer (min / median / max) | CPU ms |")
-        print("|---|---|---|---|")
-        for d in a.prefill_attention.split(","):
-            for kv in a.kv.split(","):
-                r = prefill_attention_layer(kv, int(d), a.chunk, a.threads)
-                print(f"| {kv} | {d} | {r['ms_min']:.1f} / {r['ms']:.1f} / {r['ms_max']:.1f} | {r['cpu_ms']:.1f} |",
-                      flush=True)
-        return 0
     if a.long:
         rows = long_prompts(store, a)
         print(f"{path}: whole prompts from an empty cache, {a.threads} threads, path {K.active()}, "

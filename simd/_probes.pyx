@@ -20,11 +20,13 @@ cdef extern from *:
     int64_t bk_peak_dot(long iters, int isa, int vex, int nt);
     int64_t bk_peak_dot_macs_per_iter(int isa);
     int64_t bk_peak_tile(long iters, int nt);
+    int64_t bk_peak_fma(long iters, int isa, int nt);
     """
     uint64_t bk_stream_read(const uint8_t *buf, size_t nbytes, int isa, int nt) nogil
     int64_t bk_peak_dot(long iters, int isa, int vex, int nt) nogil
     int64_t bk_peak_dot_macs_per_iter(int isa) nogil
     int64_t bk_peak_tile(long iters, int nt) nogil
+    int64_t bk_peak_fma(long iters, int isa, int nt) nogil
 
 
 cdef int _isa():
@@ -57,6 +59,16 @@ def peak_dot(long iters):
     with nogil:
         r = bk_peak_dot(iters, isa, vex, nt)
     return int(bk_peak_dot_macs_per_iter(isa) * iters * nt) + 0 * r
+
+
+def peak_fma(long iters):
+    """Run the register-only f32 FMA loop of the active path (12 chains of vfmadd231ps, zmm or ymm) on every
+    kernel thread at once. Returns the f32 multiply-adds done (0 if the path has no probe: scalar, NEON)."""
+    cdef int isa = _isa(), nt = _kernels.get_num_threads()
+    cdef int64_t r
+    with nogil:
+        r = bk_peak_fma(iters, isa, nt)
+    return int(r)
 
 
 def peak_tile(long iters):

@@ -327,3 +327,17 @@ def test_attention_peaked_builds_the_weights_it_names(gap):
     subnormal = w < np.finfo(np.float32).tiny
     assert subnormal == (gap == 87.0)
     np.testing.assert_allclose(out, 0.0 if subnormal else (depth - 1) * w * 2.0 ** -7, rtol=1e-2, atol=0)
+
+
+
+def test_depth_sweep_prefill_attention_rows_against_the_fma_peak(capsys):
+    """depth_sweep.py --prefill-attention needs no model: one layer's chunk attention per cache type, the f16 row
+    also as f32 multiply-adds per second and a share of the FMA peak measured in the same run."""
+    import depth_sweep
+
+    assert depth_sweep.main(["--prefill-attention", "0,40", "--chunk", "8", "--kv", "f16,q8", "--threads", "1"]) == 0
+    rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines() if line.startswith("| f16")
+            or line.startswith("| q8")]
+    assert [(r[0].strip(), r[1].strip()) for r in rows] == [("f16", "0"), ("q8", "0"), ("f16", "40"), ("q8", "40")]
+    for r in rows:
+        assert (float(r[4]) > 0) if r[0].strip() == "f16" else r[4].strip() == "-"

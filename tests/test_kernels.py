@@ -351,6 +351,20 @@ def test_bench_probes_run():
     assert not hasattr(K, "stream_read") and not hasattr(K, "peak_dot")
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_fma_probe_counts_its_multiply_adds(threads):
+    """peak_fma: 12 chains of 16 (zmm) or 8 (ymm) lanes per iteration on every thread; none on scalar / NEON."""
+    from bitnet_cpu.simd import _probes
+
+    lanes = {"avx512": 16, "amx": 16, "avx2": 8, "avxvnni": 8}.get(K.active(), 0)
+    K.set_num_threads(threads)
+    try:
+        assert _probes.peak_fma(1000) == 1000 * 12 * lanes * threads
+        assert _probes.peak_fma(0) == 0
+    finally:
+        K.set_num_threads(0)
+
+
 # ---------------------------------------------------------------- worker pool
 def _pool_case():
     rng = np.random.default_rng(21)

@@ -2,7 +2,8 @@
  *   bk_stream_read: the streaming read bandwidth (the bound of a memory-bound GEMV), vector loads over a
  *     buffer split into contiguous per-thread ranges like the kernels split their tiles;
  *   bk_peak_dot: the int8 dot-product peak of the active path from a register-only loop (no loads): the
- *     bound of the compute-bound GEMM (MACs per iteration: bk_peak_dot_macs_per_iter).
+ *     bound of the compute-bound GEMM (MACs per iteration: bk_peak_dot_macs_per_iter);
+ *   bk_peak_fma: the f32 FMA peak of the active path, the same way (the bound of attention over long prompts).
  * Both start their own threads so that all run at once (what a limit should measure).
  *
  * Benchmark-only: built as its own extension, simd._probes (simd/_probes.pyx), not into the runtime's
@@ -103,6 +104,32 @@ AVX2_TARGET static int64_t peak_dot_avx2(long iters) {
               CLOBBER_0_7, "xmm8", "xmm9", "xmm10", "xmm11");
     return iters;
 }
+
+/* the f32 FMA peak (attention's bound): 12 independent vfmadd231ps chains over zeroed operands */
+#define SETUP_FZ "vpxord %%zmm12, %%zmm12, %%zmm12\n\t vpxord %%zmm13, %%zmm13, %%zmm13\n\t"
+#define SETUP_FY "vpxor %%ymm12, %%ymm12, %%ymm12\n\t vpxor %%ymm13, %%ymm13, %%ymm13\n\t"
+#define FMA_ZMM(N) "vfmadd231ps %%zmm12, %%zmm13, %%zmm" #N "\n\t"
+#define FMA_YMM(N) "vfmadd231ps %%ymm12, %%ymm13, %%ymm" #N "\n\t"
+
+AVX512_TARGET static int64_t peak_fma_avx512(long iters) {
+    const int64_t n = iters; /* the loop counts iters down to 0 */
+    if (iters <= 0) return 0;
+    PEAK_LOOP(SETUP_FZ,
+              FMA_ZMM(0) FMA_ZMM(1) FMA_ZMM(2) FMA_ZMM(3) FMA_ZMM(4) FMA_ZMM(5)
+              FMA_ZMM(6) FMA_ZMM(7) FMA_ZMM(8) FMA_ZMM(9) FMA_ZMM(10) FMA_ZMM(11),
+              CLOBBER_0_7, "xmm8", "xmm9", "xmm10", "xmm11");
+    return n * 12 * 16;
+}
+
+AVX2_TARGET static int64_t peak_fma_avx2(long iters) {
+    const int64_t n = iters;
+    if (iters <= 0) return 0;
+    PEAK_LOOP(SETUP_FY,
+              FMA_YMM(0) FMA_YMM(1) FMA_YMM(2) FMA_YMM(3) FMA_YMM(4) FMA_YMM(5)
+              FMA_YMM(6) FMA_YMM(7) FMA_YMM(8) FMA_YMM(9) FMA_YMM(10) FMA_YMM(11),
+              CLOBBER_0_7, "xmm8", "xmm9", "xmm10", "xmm11");
+    return n * 12 * 8;
+}
 #endif
 
 static uint64_t stream_range_scalar(const uint8_t *p, size_t nbytes) {
@@ -187,6 +214,31 @@ int64_t bk_peak_dot(long iters, int isa, int vex, int nt) {
     if (nt > 64) nt = 64;
     for (int i = 0; i < nt; i++) args[i] = (probe_arg){isa, vex, i, nt, NULL, 0, iters, 0};
     run_threads(peak_body, args, nt);
+    int64_t total = 0;
+    for (int i = 0; i < nt; i++) total += (int64_t)args[i].result;
+    return total;
+}
+
+/* bk_peak_fma: the f32 multiply-adds of nt threads running the active path's register-only FMA loop at once
+ * (0 where the path has none: scalar, NEON) */
+static void *peak_fma_body(void *p) {
+    probe_arg *a = p;
+    a->result = 0;
+#if defined(__x86_64__)
+    if (a->isa == BK_ISA_AVX512)
+        a->result = (uint64_t)peak_fma_avx512(a->iters);
+    else if (a->isa == BK_ISA_AVX2 || a->isa == BK_ISA_AVXVNNI)
+        a->result = (uint64_t)peak_fma_avx2(a->iters);
+#endif
+    return NULL;
+}
+
+int64_t bk_peak_fma(long iters, int isa, int nt) {
+    probe_arg args[64];
+    if (nt < 1) nt = 1;
+    if (nt > 64) nt = 64;
+    for (int i = 0; i < nt; i++) args[i] = (probe_arg){isa, 0, i, nt, NULL, 0, iters, 0};
+    run_threads(peak_fma_body, args, nt);
     int64_t total = 0;
     for (int i = 0; i < nt; i++) total += (int64_t)args[i].result;
     return total;
