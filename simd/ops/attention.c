@@ -311,6 +311,20 @@ AVX512_FN static inline __m512 load16(const void *base, int f16, int64_t off, __
 }
 static inline __mmask16 mask16(int valid) { return valid >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (valid > 0 ? valid : 0)) - 1); }
 
+/* The 4 x 4 step of the four-query bodies: a[j][v] += w_j * x[v] for four rows j (queries or softmax rows) and
+ * four vectors v (keys of 64 positions, or 64 value columns), one broadcast per row. */
+AVX512_FN __attribute__((always_inline)) static inline void fma4x4_avx512(__m512 a[4][4], const __m512 x[4], float w0,
+                                                                         float w1, float w2, float w3) {
+    const __m512 b0 = _mm512_set1_ps(w0), b1 = _mm512_set1_ps(w1), b2 = _mm512_set1_ps(w2), b3 = _mm512_set1_ps(w3);
+#pragma GCC unroll 4
+    for (int v = 0; v < 4; v++) {
+        a[0][v] = _mm512_fmadd_ps(b0, x[v], a[0][v]);
+        a[1][v] = _mm512_fmadd_ps(b1, x[v], a[1][v]);
+        a[2][v] = _mm512_fmadd_ps(b2, x[v], a[2][v]);
+        a[3][v] = _mm512_fmadd_ps(b3, x[v], a[3][v]);
+    }
+}
+
 /* scores_avx512 for four queries over an f16 cache: 64 positions (two KT_BLOCK blocks) per pass, 16 accumulators,
  * so each converted key vector feeds four FMAs and each broadcast four. The generic body's two vectors per pass (with
  * its R and f16 tests and prefetch loop in every step) kept the FMAs at 55% of this Zen 5 core's peak, 48% of a
@@ -346,15 +360,7 @@ AVX512_FN static void scores4_f16_avx512(const float *const *q, const void *kv, 
             x[1] = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m[1], k0 + off + 16));
             x[2] = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m[2], k1 + off));
             x[3] = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m[3], k1 + off + 16));
-            const __m512 w0 = _mm512_set1_ps(q0[i]), w1 = _mm512_set1_ps(q1[i]);
-            const __m512 w2 = _mm512_set1_ps(q2[i]), w3 = _mm512_set1_ps(q3[i]);
-#pragma GCC unroll 4
-            for (int v = 0; v < 4; v++) {
-                a[0][v] = _mm512_fmadd_ps(w0, x[v], a[0][v]);
-                a[1][v] = _mm512_fmadd_ps(w1, x[v], a[1][v]);
-                a[2][v] = _mm512_fmadd_ps(w2, x[v], a[2][v]);
-                a[3][v] = _mm512_fmadd_ps(w3, x[v], a[3][v]);
-            }
+            fma4x4_avx512(a, x, q0[i], q1[i], q2[i], q3[i]);
         }
 #pragma GCC unroll 4
         for (int j = 0; j < 4; j++)
@@ -480,15 +486,7 @@ AVX512_FN static void wsum4_f16_avx512(const float *const *p, const void *vc, kv
                     __m512 x[4];
 #pragma GCC unroll 4
                     for (int v = 0; v < 4; v++) x[v] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(vp + 16 * v)));
-                    const __m512 w0 = _mm512_set1_ps(p0[t]), w1 = _mm512_set1_ps(p1[t]);
-                    const __m512 w2 = _mm512_set1_ps(p2[t]), w3 = _mm512_set1_ps(p3[t]);
-#pragma GCC unroll 4
-                    for (int v = 0; v < 4; v++) {
-                        a[0][v] = _mm512_fmadd_ps(w0, x[v], a[0][v]);
-                        a[1][v] = _mm512_fmadd_ps(w1, x[v], a[1][v]);
-                        a[2][v] = _mm512_fmadd_ps(w2, x[v], a[2][v]);
-                        a[3][v] = _mm512_fmadd_ps(w3, x[v], a[3][v]);
-                    }
+                    fma4x4_avx512(a, x, p0[t], p1[t], p2[t], p3[t]);
                 }
             } else {
                 for (int t = ts; t < tn; t++, vp += hd)
