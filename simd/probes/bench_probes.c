@@ -111,25 +111,17 @@ AVX2_TARGET static int64_t peak_dot_avx2(long iters) {
 #define FMA_ZMM(N) "vfmadd231ps %%zmm12, %%zmm13, %%zmm" #N "\n\t"
 #define FMA_YMM(N) "vfmadd231ps %%ymm12, %%ymm13, %%ymm" #N "\n\t"
 
-AVX512_TARGET static int64_t peak_fma_avx512(long iters) {
-    const int64_t n = iters; /* the loop counts iters down to 0 */
-    if (iters <= 0) return 0;
-    PEAK_LOOP(SETUP_FZ,
-              FMA_ZMM(0) FMA_ZMM(1) FMA_ZMM(2) FMA_ZMM(3) FMA_ZMM(4) FMA_ZMM(5)
-              FMA_ZMM(6) FMA_ZMM(7) FMA_ZMM(8) FMA_ZMM(9) FMA_ZMM(10) FMA_ZMM(11),
-              CLOBBER_0_7, "xmm8", "xmm9", "xmm10", "xmm11");
-    return n * 12 * 16;
-}
-
-AVX2_TARGET static int64_t peak_fma_avx2(long iters) {
-    const int64_t n = iters;
-    if (iters <= 0) return 0;
-    PEAK_LOOP(SETUP_FY,
-              FMA_YMM(0) FMA_YMM(1) FMA_YMM(2) FMA_YMM(3) FMA_YMM(4) FMA_YMM(5)
-              FMA_YMM(6) FMA_YMM(7) FMA_YMM(8) FMA_YMM(9) FMA_YMM(10) FMA_YMM(11),
-              CLOBBER_0_7, "xmm8", "xmm9", "xmm10", "xmm11");
-    return n * 12 * 8;
-}
+/* one f32 FMA probe per vector width: 12 chains of LANES lanes per iteration */
+#define PEAK_FMA(TARGET, NAME, SETUP, FMA, LANES)                                                              \
+    TARGET static int64_t NAME(long iters) {                                                                   \
+        const int64_t n = iters; /* the loop counts iters down to 0 */                                         \
+        if (iters <= 0) return 0;                                                                              \
+        PEAK_LOOP(SETUP, FMA(0) FMA(1) FMA(2) FMA(3) FMA(4) FMA(5) FMA(6) FMA(7) FMA(8) FMA(9) FMA(10) FMA(11), \
+                  CLOBBER_0_7, "xmm8", "xmm9", "xmm10", "xmm11");                                               \
+        return n * 12 * (LANES);                                                                               \
+    }
+PEAK_FMA(AVX512_TARGET, peak_fma_avx512, SETUP_FZ, FMA_ZMM, 16)
+PEAK_FMA(AVX2_TARGET, peak_fma_avx2, SETUP_FY, FMA_YMM, 8)
 #endif
 
 static uint64_t stream_range_scalar(const uint8_t *p, size_t nbytes) {
@@ -208,16 +200,19 @@ static void *peak_body(void *p) {
     return NULL;
 }
 
-int64_t bk_peak_dot(long iters, int isa, int vex, int nt) {
+/* body(iters) on nt threads at once (1..64); the sum of their results */
+static int64_t run_peak(void *(*body)(void *), int isa, int vex, long iters, int nt) {
     probe_arg args[64];
     if (nt < 1) nt = 1;
     if (nt > 64) nt = 64;
     for (int i = 0; i < nt; i++) args[i] = (probe_arg){isa, vex, i, nt, NULL, 0, iters, 0};
-    run_threads(peak_body, args, nt);
+    run_threads(body, args, nt);
     int64_t total = 0;
     for (int i = 0; i < nt; i++) total += (int64_t)args[i].result;
     return total;
 }
+
+int64_t bk_peak_dot(long iters, int isa, int vex, int nt) { return run_peak(peak_body, isa, vex, iters, nt); }
 
 /* bk_peak_fma: the f32 multiply-adds of nt threads running the active path's register-only FMA loop at once
  * (0 where the path has none: scalar, NEON) */
@@ -233,16 +228,7 @@ static void *peak_fma_body(void *p) {
     return NULL;
 }
 
-int64_t bk_peak_fma(long iters, int isa, int nt) {
-    probe_arg args[64];
-    if (nt < 1) nt = 1;
-    if (nt > 64) nt = 64;
-    for (int i = 0; i < nt; i++) args[i] = (probe_arg){isa, 0, i, nt, NULL, 0, iters, 0};
-    run_threads(peak_fma_body, args, nt);
-    int64_t total = 0;
-    for (int i = 0; i < nt; i++) total += (int64_t)args[i].result;
-    return total;
-}
+int64_t bk_peak_fma(long iters, int isa, int nt) { return run_peak(peak_fma_body, isa, 0, iters, nt); }
 
 /* bk_peak_tile: the AMX int8 peak, a register-only loop of tdpbssd (4 independent C tiles, A and B tiles
  * loaded once: 4 x 16 x 16 x 64 multiply-adds per iteration) on nt threads at once. The caller makes sure
@@ -276,14 +262,7 @@ static void *peak_tile_body(void *p) {
 
 int64_t bk_peak_tile(long iters, int nt) {
 #if defined(__x86_64__)
-    probe_arg args[64];
-    if (nt < 1) nt = 1;
-    if (nt > 64) nt = 64;
-    for (int i = 0; i < nt; i++) args[i] = (probe_arg){0, 0, i, nt, NULL, 0, iters, 0};
-    run_threads(peak_tile_body, args, nt);
-    int64_t total = 0;
-    for (int i = 0; i < nt; i++) total += (int64_t)args[i].result;
-    return total;
+    return run_peak(peak_tile_body, 0, 0, iters, nt);
 #else
     (void)iters, (void)nt;
     return 0;
