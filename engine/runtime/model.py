@@ -510,10 +510,7 @@ class Model:
             raise BitNetError(f"verify: {m} tokens; 1..{self.verify_max} per pass")
         self._check_room(m)
         self._use_threads()
-        vocab = self.config.vocab_size
-        for t in ids:
-            if not 0 <= t < vocab:
-                raise BitNetError(f"token id {t} is outside the vocabulary (0..{vocab - 1})")
+        self._check_ids(ids)
         v = self._view(m)
         v.ids[:] = ids
         ops.embed_f16(self._embd, v.ids, v.x)
@@ -526,6 +523,13 @@ class Model:
         self._cache_ids[self.n_past: self.n_past + m] = ids
         self.n_past += m
         return out[:m]
+
+    def _check_ids(self, ids):
+        """A token id outside the vocabulary is the caller's error, named before any row runs."""
+        vocab = self.config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise BitNetError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
 
     def _check_room(self, n_new: int):
         if self.n_past + n_new > self.n_ctx:
@@ -563,11 +567,8 @@ class Model:
             raise BitNetError("prefill: no tokens to process")
         self._check_room(len(ids))
         self._use_threads()
-        vocab = self.config.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise BitNetError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
-        result = np.empty((len(ids), vocab), np.float32) if all_logits else None
+        self._check_ids(ids)
+        result = np.empty((len(ids), self.config.vocab_size), np.float32) if all_logits else None
         for start in range(0, len(ids), self.chunk):
             part = ids[start: start + self.chunk]
             m = len(part)
