@@ -32,6 +32,8 @@ from decode_rows import ensure_q4_store, store_bytes_per_token  # noqa: E402
 from limits import stream_bandwidth  # noqa: E402
 from make_models import DEFAULT_CACHE, save_json  # noqa: E402
 
+N_HEADS, N_KV, HEAD_DIM = 20, 5, 128   # the 2B-4T layer the one-layer attention rows run
+
 
 def fill_cache(model):
     """Every byte of the KV cache written (pages real), with values as small as real ones and no smaller: f16
@@ -127,7 +129,7 @@ def _layer_attention(kv: str, depth: int, rows: int, threads: int, n_caches: int
     each call (the call ropes them in place)."""
     from bitnet_cpu.simd import _ops as ops
 
-    nh, nkv, hd, n_ctx = 20, 5, 128, depth + rows
+    nh, nkv, hd, n_ctx = N_HEADS, N_KV, HEAD_DIM, depth + rows
     rng = np.random.default_rng(0)
     inv = 1.0 / (500000.0 ** (np.arange(0, hd, 2, dtype=np.float32) / hd))
     fr = np.arange(n_ctx, dtype=np.float32)[:, None] * inv[None]
@@ -150,7 +152,7 @@ def attention_layer(kv: str, depth: int, threads: int, reps: int = 20) -> dict:
     per call and the rate at which it reads the layer's K and V (a cache filled with non-zero bytes). Calls go round
     enough layers' caches (at least 64 MB in all, as many as `reps` allows) that a call finds its cache in memory
     rather than in L3, as a decode step does (30 layers of it)."""
-    nkv, hd = 5, 128
+    nkv, hd = N_KV, HEAD_DIM
     nbytes = 2 * nkv * depth * (hd + 4) if kv == "q8" else 2 * nkv * depth * hd * 2
     n_caches = max(2, min(reps, -(-(64 << 20) // max(nbytes, 1))))
     call, caches, qkv = _layer_attention(kv, depth, 1, threads, n_caches)
@@ -180,7 +182,7 @@ def prefill_attention_layer(kv: str, depth: int, rows: int, threads: int, reps: 
         wall.append(time.perf_counter() - t0), cpu.append(time.process_time() - c0)
     wall.sort(), cpu.sort()
     # the f32 multiply-adds of the f16 cache's scores and weighted sums (causal: row r sees depth + r + 1)
-    fmas = 2 * 20 * 128 * sum(depth + r + 1 for r in range(rows))
+    fmas = 2 * N_HEADS * HEAD_DIM * sum(depth + r + 1 for r in range(rows))
     return {"kv": kv, "depth": depth, "rows": rows, "ms": wall[reps // 2] * 1e3, "cpu_ms": cpu[reps // 2] * 1e3,
             "ms_min": wall[0] * 1e3, "ms_max": wall[-1] * 1e3, "fma_per_s": fmas / wall[reps // 2]}
 
