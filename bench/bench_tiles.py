@@ -62,7 +62,9 @@ def peaks(threads: int, tiles: bool) -> dict:
     return out
 
 
-def _mode(on: bool, emu: bool):
+def _mode(on: bool, emu: bool, min_rows: int = 1):
+    """Tiles on or off. The kernel tables force the tiles from one row (min_rows 1) to find the crossover; the
+    end-to-end figures keep the build's crossover (min_rows 0), as a user's run would."""
     if not on:
         K.set_isa("avx512" if "avx512" in K.supported_isas() else None)
         if emu:
@@ -71,7 +73,7 @@ def _mode(on: bool, emu: bool):
         K.set_tiles("emu")
     else:
         K.set_isa("amx")
-    K.set_tile_min_rows(1)
+    K.set_tile_min_rows(min_rows)
 
 
 def gemm_rows(shapes, ms, threads, emu, peak, min_time) -> list[dict]:
@@ -179,8 +181,11 @@ def crossovers(rows) -> dict:
     return res
 
 
-def e2e(threads: int, llama_bench: str | None, ik_bench: str | None, store: str | None, emu: bool = False) -> dict:
-    """Ours with tiles on / off (alternating, one process) and the peers' llama-bench, same models."""
+def e2e(threads: int, llama_bench: str | None, ik_bench: str | None, store: str | None, emu: bool = False,
+        prompts=(512, 4096), seqs=(1, 4, 8, 16, 32), peer_prompts=(512, 4096), serve: bool = True, serve_gen: int = 128,
+        save=lambda res: None) -> dict:
+    """Ours with tiles on / off (alternating, one process) and the peers' llama-bench, same models. `save(res)` is
+    called after every figure, so a run stopped at a deadline keeps what it measured."""
     import tempfile
 
     import make_models
@@ -193,47 +198,55 @@ def e2e(threads: int, llama_bench: str | None, ik_bench: str | None, store: str 
         print(f"bench_tiles: no store {store}: run python bench/make_models.py first", file=sys.stderr)
         return {"error": f"no store {store}"}
     res = {"ours": {"store": store}, "peers": {}}
+    save(res)
     rng = np.random.default_rng(2)
     llm = load_model(store, threads=threads, ctx=4608, progress=False)
     vocab = min(llm.config.vocab_size, 30000)   # random prompt ids in the model's vocabulary
-    for plen in (512, 4096):
+    for plen in prompts:
         prompt = rng.integers(3, vocab, size=plen).tolist()
         for on in (False, True, False, True):
-            _mode(on, emu)
+            _mode(on, emu, 0)
             st = [c.stats for c in llm.generate(prompt, SamplingParams(temperature=0), max_tokens=1) if c.stats][0]
             key = f"pp{plen}_{'amx' if on else 'avx512'}"
             res["ours"][key] = max(res["ours"].get(key, 0.0), st.prefill_tps)
         print(f"pp{plen}: avx512 {res['ours'][f'pp{plen}_avx512']:.1f} tok/s, tiles {res['ours'][f'pp{plen}_amx']:.1f} tok/s",
               flush=True)
+        save(res)
     del llm
-    for seqs in (1, 4, 8, 16, 32):
-        eng = load_engine(store, threads=threads, parallel=seqs, ctx=256, progress=False)
+    for n_seqs in seqs:
+        eng = load_engine(store, threads=threads, parallel=n_seqs, ctx=256, progress=False)
         for on in (False, True):
-            _mode(on, emu)
-            prompts = [rng.integers(3, vocab, size=32).tolist() for _ in range(seqs)]
+            _mode(on, emu, 0)
+            batch = [rng.integers(3, vocab, size=32).tolist() for _ in range(n_seqs)]
             t0 = time.perf_counter()
-            streams = [eng.submit(p, SamplingParams(temperature=0), max_tokens=64, ignore_eos=True) for p in prompts]
+            streams = [eng.submit(p, SamplingParams(temperature=0), max_tokens=64, ignore_eos=True) for p in batch]
             toks = sum(sum(1 for c in s if c.token is not None) for s in streams)
-            res["ours"][f"batch{seqs}_{'amx' if on else 'avx512'}"] = toks / (time.perf_counter() - t0)
+            res["ours"][f"batch{n_seqs}_{'amx' if on else 'avx512'}"] = toks / (time.perf_counter() - t0)
         eng.close()
-        print(f"batched decode, {seqs} sequences of 32 + 64 tokens: avx512 {res['ours'][f'batch{seqs}_avx512']:.1f} "
-              f"tok/s, tiles {res['ours'][f'batch{seqs}_amx']:.1f} tok/s", flush=True)
+        print(f"batched decode, {n_seqs} sequences of 32 + 64 tokens: avx512 "
+              f"{res['ours'][f'batch{n_seqs}_avx512']:.1f} tok/s, tiles {res['ours'][f'batch{n_seqs}_amx']:.1f} tok/s",
+              flush=True)
+        save(res)
     on_env = {"BITNET_TILES": "emu"} if emu else {"BITNET_ISA": "amx"}
-    for label, env in (("avx512", {"BITNET_ISA": "avx512"}), ("amx", on_env)):
+    for label, env in (("avx512", {"BITNET_ISA": "avx512"}), ("amx", on_env)) if serve else ():
         out = tempfile.mkdtemp(prefix=f"serve_tiles_{label}_")   # bench_serve writes its report files there
         subprocess.run([sys.executable, os.path.join(HERE, "bench_serve.py"), "--levels", "16", "--threads",
-                        str(threads), "--engines", "ours", "--out-dir", out], env=dict(os.environ, **env),
+                        str(threads), "--gen", str(serve_gen), "--engines", "ours", "--out-dir", out], env=dict(os.environ, **env),
                        check=False)
         got = os.path.join(out, "serve_results.json")
         if os.path.exists(got):
             lv = json.load(open(got))["engines"]["bitnet serve"]["levels"][-1]
             res["ours"][f"serve16_{label}"] = lv["agg_tps"]
-            print(f"bitnet serve, 16 clients, {label}: {lv['agg_tps']:.1f} tok/s", flush=True)
+            print(f"bitnet serve, 16 clients of {serve_gen} tokens, {label}: {lv['agg_tps']:.1f} tok/s", flush=True)
+            save(res)
     for name, binary, model, extra in (("llama.cpp TQ2_0", llama_bench, paths["tq2_0"], ()),
                                        ("ik_llama.cpp IQ2_BN_R4", ik_bench, paths["iq2_bn"], ("-rtr", "1"))):
-        if binary and os.path.exists(model):
-            for plen in (512, 4096):
-                res["peers"][f"{name} pp{plen}"] = run_peer(binary, model, threads, 0, extra, prompt=plen)
+        if binary and os.path.exists(binary) and os.path.exists(model):
+            for plen in peer_prompts:
+                got = res["peers"][f"{name} pp{plen}"] = run_peer(binary, model, threads, 0, extra, prompt=plen)
+                print(f"{name} pp{plen}: " + (f"{got['prefill_tps'].get(str(plen), float('nan')):.1f} tok/s"
+                                              if "prefill_tps" in got else got.get("error", "?")), flush=True)
+                save(res)
         else:
             print(f"{name}: left out (no llama-bench given or no {model})", file=sys.stderr)
     return res
@@ -250,6 +263,13 @@ def main(argv=None) -> int:
     ap.add_argument("--llama-bench", default=os.environ.get("LLAMA_BENCH"))
     ap.add_argument("--ik-bench", default=os.environ.get("IK_LLAMA_BENCH"))
     ap.add_argument("--store", default=None, help="--e2e: our store (default bench/cache/2b4t.q4.bnstore)")
+    ap.add_argument("--prompts", default="512,4096", help="--e2e: prompt lengths timed (ours)")
+    ap.add_argument("--seqs", default="1,4,8,16,32", help="--e2e: batched decode at these sequence counts")
+    ap.add_argument("--peer-prompts", default=None, help="--e2e: the peers' prompt lengths (default --prompts; '': none)")
+    ap.add_argument("--serve-gen", type=int, default=128, help="--e2e: tokens per request of bitnet serve")
+    ap.add_argument("--no-serve", action="store_true", help="--e2e: leave out bitnet serve at 16 clients")
+    ap.add_argument("--min-time", type=float, default=0.0, help="seconds per kernel timing (default 0.25; --quick 0.1)")
+    ap.add_argument("--no-kernels", action="store_true", help="leave out the kernel tables (peaks still measured)")
     ap.add_argument("--json", default=None, help="write every figure here")
     ap.add_argument("--kblocks", default="0,512,1024,2048",
                     help="k-blocks of the tile GEMM to compare at M = 128 and 512 (0: all of K; '': skip)")
@@ -268,32 +288,46 @@ def main(argv=None) -> int:
     shapes = EMU_SHAPES if a.emu else (QUICK_SHAPES if a.quick else SHAPES)
     if a.emu or a.quick:
         ms = [m for m in ms if m in (1, 4, 16, 32, 64)] or ms[:3]
-    min_time = 0.02 if a.emu else (0.1 if a.quick else 0.25)
+    min_time = a.min_time or (0.02 if a.emu else (0.1 if a.quick else 0.25))
     res = {"cpu": K.features(), "tiles_reason": K.tiles_reason(), "emulated": a.emu, "load": os.getloadavg()[0],
            "peaks": {}, "gemm": [], "head": []}
+
+    def save(_=None):   # after every section: a run stopped at a deadline keeps what it measured
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(res, f, indent=1, default=str)
+
     print(f"tiles: {'EMULATED (timings say nothing about speed)' if a.emu else K.tiles_reason()}; load {res['load']:.1f}")
     for t in threads:
         pk = peaks(t, hw and not a.emu) if "avx512" in K.supported_isas() else {"vpdpbusd": float("nan")}
         res["peaks"][t] = pk
         print(f"{t} thread(s): int8 peaks " + ", ".join(f"{k} {v:.0f} GMAC/s" for k, v in pk.items())
               + (f" (AMX / vpdpbusd = {pk['amx'] / pk['vpdpbusd']:.1f}x)" if "amx" in pk else ""), flush=True)
+        if a.no_kernels:
+            continue
         res["gemm"] += gemm_rows(shapes, ms, t, a.emu, pk, min_time)
+        save()
         if not a.no_head:   # emulated: a small head (a harness check of both heads)
             res["head"] += head_rows([m for m in ms if m > 8][:4] or [16], t, a.emu, min_time,
                                      *((2048, 256) if a.emu else ()))
+            save()
         if a.kblocks:
             res.setdefault("kblocks", []).extend(
                 kblock_rows(shapes, [int(x) for x in a.kblocks.split(",")], [16, 64] if a.emu else [128, 512], t,
                             a.emu, pk, min_time))
+            save()
     res["crossover"] = crossovers(res["gemm"] + res["head"])
-    print("crossover M (tiles win from here on):", ", ".join(f"{k} {v}" for k, v in res["crossover"].items()))
+    if res["crossover"]:
+        print("crossover M (tiles win from here on):", ", ".join(f"{k} {v}" for k, v in res["crossover"].items()))
+    save()
     if a.e2e:   # with --emu: a harness check on a small store (--store), no meaning for speed
-        res["e2e"] = e2e(threads[-1], a.llama_bench, a.ik_bench, a.store, a.emu)
+        nums = lambda spec: tuple(int(x) for x in spec.split(",") if x)   # noqa: E731
+        res["e2e"] = e2e(threads[-1], a.llama_bench, a.ik_bench, a.store, a.emu, prompts=nums(a.prompts),
+                         seqs=nums(a.seqs), peer_prompts=nums(a.prompts if a.peer_prompts is None else a.peer_prompts),
+                         serve=not a.no_serve, serve_gen=a.serve_gen, save=lambda part: (res.__setitem__("e2e", part), save()))
     K.set_isa(None)
     K.set_tile_min_rows(0)
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(res, f, indent=1, default=str)
+    save()
     return 0
 
 

@@ -9,7 +9,8 @@
 #                    ik_llama.cpp at PEER_DEPTHS (default all), each of their runs capped at PEER_TIMEOUT s (default
 #                    120). Each of these may be given per thread count: DEPTHS_16=... applies to depth=16 only.
 #   tiles=T[@CPUS]   bench/bench_tiles.py at T threads (kernels, then --e2e with both peers): AMX tiles against
-#                    vpdpbusd, the int8 peaks of both, the crossover per shape; tiles_T.json and tiles_T.md
+#                    vpdpbusd, the int8 peaks of both, the crossover per shape; tiles_T.json and tiles_T.md;
+#                    TILES_ARGS (or TILES_ARGS_T) adds bench_tiles.py flags (--ms, --prompts, --seqs, --quick ...)
 #   prefetch=T[@CPUS] bench/bench_kernels.py --prefetch at T threads: the decode GEMVs at each software prefetch
 #                    distance (PREFETCH, default 0,2048,4096,8192,16384) against the stream rate; prefetch_T.md
 #   ktests           the kernel tests (KTESTS, default tests/test_kernels.py tests/test_attention_paths.py) on this
@@ -73,7 +74,8 @@ $build $py setup.py build_ext --inplace -j "$JOBS" > "$OUT/ours_build.log" 2>&1 
 stamp "ours built: path $($py -c 'from bitnet_cpu.simd import _kernels as K; print(K.active())')"
 if [[ " ${phases[*]} " == *" ktests "* ]]; then
     ktests=${KTESTS:-tests/test_kernels.py tests/test_attention_paths.py tests/test_tiles.py}
-    ( timeout "${KTESTS_TIMEOUT:-240}" $build $py -m pytest -q -p no:cacheprovider $ktests \
+    # shellcheck disable=SC2086
+    ( timeout "${KTESTS_TIMEOUT:-240}" $build $py -m pytest -q -p no:cacheprovider -rs ${KTESTS_ARGS:-} $ktests \
         > "$OUT/ktests.log" 2>&1; echo "exit $?" >> "$OUT/ktests.log" ) &
     kt_pid=$!
 fi
@@ -116,8 +118,9 @@ for ph in "${phases[@]}"; do
     tiles=*)
         spec="${ph#tiles=}"; t="${spec%%@*}"; cpus=""; [[ "$spec" == *@* ]] && cpus="${spec#*@}"
         stamp "tiles against vpdpbusd at $t threads${cpus:+ on CPUs $cpus}"
+        # shellcheck disable=SC2046
         PYTHONUNBUFFERED=1 timeout "$(left)" $(pin "$cpus") $py bench/bench_tiles.py --threads "$t" --e2e \
-            --store "$store" --llama-bench "$work/llama/build/bin/llama-bench" --ik-bench "$ikb/llama-bench" \
+            $(opt TILES_ARGS "$t" "") --store "$store" --llama-bench "$work/llama/build/bin/llama-bench" --ik-bench "$ikb/llama-bench" \
             --json "$OUT/tiles_$t.json" > "$OUT/tiles_$t.md" 2> "$OUT/tiles_$t.log"
         cat "$OUT/tiles_$t.md" ;;
     prefetch=*)
