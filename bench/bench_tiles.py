@@ -203,10 +203,12 @@ def e2e(threads: int, llama_bench: str | None, ik_bench: str | None, store: str 
     llm = load_model(store, threads=threads, ctx=4608, progress=False)
     vocab = min(llm.config.vocab_size, 30000)   # random prompt ids in the model's vocabulary
     for plen in prompts:
-        prompt = rng.integers(3, vocab, size=plen).tolist()
         for on in (False, True, False, True):
             _mode(on, emu, 0)
+            # a fresh prompt every run: a repeated one would come from the prompt cache (1 token computed)
+            prompt = rng.integers(3, vocab, size=plen).tolist()
             st = [c.stats for c in llm.generate(prompt, SamplingParams(temperature=0), max_tokens=1) if c.stats][0]
+            assert st.n_cached == 0, f"pp{plen}: {st.n_cached} prompt tokens came from the cache"
             key = f"pp{plen}_{'amx' if on else 'avx512'}"
             res["ours"][key] = max(res["ours"].get(key, 0.0), st.prefill_tps)
         print(f"pp{plen}: avx512 {res['ours'][f'pp{plen}_avx512']:.1f} tok/s, tiles {res['ours'][f'pp{plen}_amx']:.1f} tok/s",
