@@ -45,7 +45,7 @@ DEFAULT_CHUNK = 128  # prefill rows per GEMM call (measured: 32..256 within 4%, 
 #   avx512 (2-core Zen 5, 2 threads, after the GEMM began to warm its weight chunks; 2026-11-28): M=2 1.34-1.44
 #          vs 1.95-2.09, 4 1.83-1.98 vs 2.18-2.32, 5 2.20-2.31 vs 3.33-3.57, 6 2.65-2.76 vs 3.35-3.47, 7 3.83-3.96
 #          vs 4.51-4.60, 8 4.51-4.87 vs 3.26-3.33: the multi-row GEMV up to 7 rows.
-ROWS_GEMV_MAX = {"avx512": 7, "amx": 7}   # amx: its GEMV rows are the avx512 ones; the tiles start at 8
+ROWS_GEMV_MAX = {"avx512": 7, "amx": 7}   # amx: its GEMV rows are the avx512 ones; the tiles start at 16
 VERIFY_MAX = K.ROWS_MAX  # most rows of one Model.verify pass (the multi-row head kernel's limit)
 # The q4 head ranks every token with half the int8 head's bytes; its RESCORE_K best get the f16 head's exact
 # logits (ops.head_rescore). Greedy agreement with the f16 head over 10,000 positions each, same run

@@ -49,13 +49,15 @@ int bk_get_tiles(void);
 void bk_set_tile_min_rows(int m);  /* products of fewer rows keep the vector bodies (m <= 0: the default) */
 int bk_get_tile_min_rows(void);
 /* K-blocking of the tile bodies: k per block (rounded down to a multiple of 64; <= 0: the whole K in one block,
- * the default until an AMX machine measures the blocks: bench_tiles.py --kblocks). */
+ * the default: on Emerald Rapids (bench_tiles.py --kblocks, docs/performance.md) one block was best or within
+ * noise of the best at M = 512 on every 2B-4T shape, 2 and 16 threads; blocks of 1-2K won only at M = 128). */
 void bk_set_tile_kblock(int k);
 int bk_get_tile_kblock(void);
-/* The default crossover of the hardware tiles: below it the AVX-512 bodies run. Not yet measured on an AMX
- * machine (bench/bench_tiles.py measures it per shape); the emulation's default is 1, so that every
- * multi-row product of a test goes through the tile code. */
-#define BK_TILE_MIN_ROWS_AMX 8
+/* The default crossover of the hardware tiles: below it the AVX-512 bodies run. Measured on Emerald Rapids
+ * (bench/bench_tiles.py, docs/performance.md): every 2B-4T GEMM shape and both LM heads, at 2 and at 16 threads,
+ * lose on the tiles at M = 8 (0.67-0.84x) and win from M = 16 (1.10-2.19x). The emulation's default is 1, so
+ * that every multi-row product of a test goes through the tile code. */
+#define BK_TILE_MIN_ROWS_AMX 16
 
 /* tiles_emu.c: the emulated instructions (tile numbers 0..7; strides in bytes) */
 void bk_emu_tile_config(const bk_tilecfg_t *cfg);
