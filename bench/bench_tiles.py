@@ -274,7 +274,10 @@ def main(argv=None) -> int:
     ap.add_argument("--no-kernels", action="store_true", help="leave out the kernel tables (peaks still measured)")
     ap.add_argument("--json", default=None, help="write every figure here")
     ap.add_argument("--kblocks", default="0,512,1024,2048",
-                    help="k-blocks of the tile GEMM to compare at M = 128 and 512 (0: all of K; '': skip)")
+                    help="k-blocks of the tile GEMM to compare at --kblock-ms (0: all of K; '': skip)")
+    ap.add_argument("--kblock-ms", default="16,32,128,512",
+                    help="row counts of the k-block comparison (small M: the unpacked pair of weight tiles is "
+                         "read once per row group, so an L1-sized block may pay there and not at 512)")
     a = ap.parse_args(argv)
     hw = "amx" in K.supported_isas()
     if not hw and not a.emu:
@@ -315,8 +318,8 @@ def main(argv=None) -> int:
             save()
         if a.kblocks:
             res.setdefault("kblocks", []).extend(
-                kblock_rows(shapes, [int(x) for x in a.kblocks.split(",")], [16, 64] if a.emu else [128, 512], t,
-                            a.emu, pk, min_time))
+                kblock_rows(shapes, [int(x) for x in a.kblocks.split(",")],
+                            [16, 64] if a.emu else [int(x) for x in a.kblock_ms.split(",")], t, a.emu, pk, min_time))
             save()
     res["crossover"] = crossovers(res["gemm"] + res["head"])
     if res["crossover"]:

@@ -11,6 +11,8 @@
 #   tiles=T[@CPUS]   bench/bench_tiles.py at T threads (kernels, then --e2e with both peers): AMX tiles against
 #                    vpdpbusd, the int8 peaks of both, the crossover per shape; tiles_T.json and tiles_T.md;
 #                    TILES_ARGS (or TILES_ARGS_T) adds bench_tiles.py flags (--ms, --prompts, --seqs, --quick ...)
+#   parts=T[@CPUS]   bench/prefill_parts.py at T threads: a prefill's time kernel by kernel, tiles on and off
+#                    (PARTS_PROMPT tokens, default 512); parts_T.json and parts_T.md
 #   prefetch=T[@CPUS] bench/bench_kernels.py --prefetch at T threads: the decode GEMVs at each software prefetch
 #                    distance (PREFETCH, default 0,2048,4096,8192,16384) against the stream rate; prefetch_T.md
 #   ktests           the kernel tests (KTESTS, default tests/test_kernels.py tests/test_attention_paths.py) on this
@@ -123,13 +125,19 @@ for ph in "${phases[@]}"; do
             $(opt TILES_ARGS "$t" "") --store "$store" --llama-bench "$work/llama/build/bin/llama-bench" --ik-bench "$ikb/llama-bench" \
             --json "$OUT/tiles_$t.json" > "$OUT/tiles_$t.md" 2> "$OUT/tiles_$t.log"
         cat "$OUT/tiles_$t.md" ;;
+    parts=*)
+        spec="${ph#parts=}"; t="${spec%%@*}"; cpus=""; [[ "$spec" == *@* ]] && cpus="${spec#*@}"
+        stamp "prefill kernel by kernel at $t threads${cpus:+ on CPUs $cpus}"
+        PYTHONUNBUFFERED=1 timeout "$(left)" $(pin "$cpus") $py bench/prefill_parts.py --threads "$t" --store "$store" \
+            --prompt "${PARTS_PROMPT:-512}" --json "$OUT/parts_$t.json" > "$OUT/parts_$t.md" 2> "$OUT/parts_$t.log"
+        cat "$OUT/parts_$t.md" ;;
     prefetch=*)
         spec="${ph#prefetch=}"; t="${spec%%@*}"; cpus=""; [[ "$spec" == *@* ]] && cpus="${spec#*@}"
         stamp "decode GEMV prefetch distances at $t threads${cpus:+ on CPUs $cpus}"
         PYTHONUNBUFFERED=1 timeout "$(left)" $(pin "$cpus") $py bench/bench_kernels.py --threads "$t" \
             --prefetch "${PREFETCH:-0,2048,4096,8192,16384}" > "$OUT/prefetch_$t.md" 2> "$OUT/prefetch_$t.log"
         cat "$OUT/prefetch_$t.md" ;;
-    *) stamp "unknown phase $ph (threads, depth=T[@CPUS], tiles=T[@CPUS], prefetch=T[@CPUS], ktests)" ;;
+    *) stamp "unknown phase $ph (threads, depth=T[@CPUS], tiles=T[@CPUS], parts=T[@CPUS], prefetch=T[@CPUS], ktests)" ;;
     esac
 done
 stamp "done"

@@ -341,3 +341,30 @@ def test_depth_sweep_prefill_attention_rows_against_the_fma_peak(capsys):
     assert [(r[0].strip(), r[1].strip()) for r in rows] == [("f16", "0"), ("q8", "0"), ("f16", "40"), ("q8", "40")]
     for r in rows:
         assert (float(r[4]) > 0) if r[0].strip() == "f16" else r[4].strip() == "-"
+
+
+def test_prefill_parts_times_every_gemm_shape_and_attention(small_models, tmp_path, capsys):
+    import prefill_parts  # bench/prefill_parts.py
+    from bitnet_cpu.engine.formats.store import Store
+    from bitnet_cpu.simd import _kernels as K
+
+    out = tmp_path / "parts.json"
+    assert prefill_parts.main(["--store", small_models["store_q4"], "--threads", "1", "--prompt", "24", "--rounds",
+                               "1", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    with Store(small_models["store_q4"]) as st:
+        c = st.config
+    qkv = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim
+    k_pad = lambda k: -(-k // 64) * 64   # noqa: E731
+    want = {f"gemm_ternary {n}x{k_pad(k)}" for n, k in ((qkv, c.hidden_size), (c.hidden_size, c.hidden_size),
+                                                         (2 * c.intermediate_size, c.hidden_size),
+                                                         (c.hidden_size, c.intermediate_size))}
+    raw = json.loads(out.read_text())
+    parts = {r["part"]: r for r in raw["rows"]}
+    assert want <= set(parts), (want, set(parts))
+    assert "attention" in parts and "add_rmsnorm_quant" in parts
+    mode = raw["modes"][0]
+    kernels = sum(r[mode] for p, r in parts.items() if p not in ("wall", "python and the rest"))
+    assert 0 < kernels <= parts["wall"][mode]
+    assert f"{mode}: " in text and "tok/s" in text
+    assert K.active() != "amx" or raw["modes"] == ["avx512", "amx"]   # where the tiles are, both sides
