@@ -167,6 +167,39 @@ def kblock_rows(shapes, kblocks, ms, threads, emu, peak, min_time) -> list[dict]
     return rows
 
 
+def stream_rows(shapes, ms, threads, emu, peak, min_time) -> list[dict]:
+    """The ternary tile GEMM at M <= 32, whole-K unpack (the default) against the streamed body
+    (simd.set_tile_stream: one 64-k step unpacked at a time beside the multiply), alternating in two rounds."""
+    rng = np.random.default_rng(3)
+    rows = []
+    for name, n, k in shapes:
+        w = random_ternary_packed(rng, n, k, 1)[0]
+        rs, k_pad = np.ones(n, np.float32), layout.pad_to(k, 64)
+        for m in ms:
+            xq = rng.integers(-127, 128, size=(m, k_pad), dtype=np.int8)
+            s, sm = np.ones(m, np.float32), xq.astype(np.int32).sum(axis=1).astype(np.int32)
+            out = np.empty((m, n), np.float32)
+            _mode(True, emu)
+            K.set_num_threads(threads)
+            sec = {}
+            try:
+                for _ in range(2):
+                    for on in (False, True):
+                        K.set_tile_stream(on)
+                        t = timed(lambda: K.gemm_ternary(w, rs, xq, s, sm, out), min_time=min_time, max_calls=400)
+                        sec[on] = min(sec.get(on, t), t)
+            finally:
+                K.set_tile_stream(False)
+            g = {on: m * n * k / sec[on] / 1e9 for on in sec}
+            share = (lambda v: f" ({100 * v / peak['amx']:3.0f}%)") if "amx" in peak else (lambda v: "")
+            print(f"{name:8s} {n:>6d} x {k:<5d} M={m:<4d} {threads}t   tiles, whole-K unpack {g[False]:7.1f} GMAC/s"
+                  f"{share(g[False])}   streamed {g[True]:7.1f} GMAC/s{share(g[True])}   x{sec[False] / sec[True]:.2f}",
+                  flush=True)
+            rows.append({"shape": name, "n": n, "k": k, "m": m, "threads": threads, "gmacs_whole": g[False],
+                         "gmacs_stream": g[True], "speedup": sec[False] / sec[True]})
+    return rows
+
+
 def crossovers(rows) -> dict:
     """Per (shape, threads): the smallest measured M from which the tiles win at every larger measured M."""
     res = {}
@@ -275,6 +308,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None, help="write every figure here")
     ap.add_argument("--kblocks", default="0,512,1024,2048",
                     help="k-blocks of the tile GEMM to compare at --kblock-ms (0: all of K; '': skip)")
+    ap.add_argument("--stream-ms", default="8,16,24,32",
+                    help="row counts (<= 32) at which to compare the streamed small-M tile body ('': skip)")
     ap.add_argument("--kblock-ms", default="16,32,128,512",
                     help="row counts of the k-block comparison (small M: the unpacked pair of weight tiles is "
                          "read once per row group, so an L1-sized block may pay there and not at 512)")
@@ -320,6 +355,11 @@ def main(argv=None) -> int:
             res.setdefault("kblocks", []).extend(
                 kblock_rows(shapes, [int(x) for x in a.kblocks.split(",")],
                             [16, 64] if a.emu else [int(x) for x in a.kblock_ms.split(",")], t, a.emu, pk, min_time))
+            save()
+        if a.stream_ms:
+            res.setdefault("stream", []).extend(
+                stream_rows(shapes, [int(x) for x in a.stream_ms.split(",") if 0 < int(x) <= 32], t, a.emu, pk,
+                            min_time))
             save()
     res["crossover"] = crossovers(res["gemm"] + res["head"])
     if res["crossover"]:

@@ -61,6 +61,8 @@ cdef extern from "tiles.h" nogil:
     void bk_set_tile_min_rows(int m)
     void bk_set_tile_kblock(int k)
     int bk_get_tile_kblock()
+    void bk_set_tile_stream(int on)
+    int bk_get_tile_stream()
     int bk_get_tile_min_rows()
     uint64_t bk_tiles_products()
     ctypedef struct bk_tilecfg_t:
@@ -198,6 +200,18 @@ def set_tile_kblock(int k):
 def tile_kblock():
     """The k-block in force (0: the whole K)."""
     return bk_get_tile_kblock()
+
+
+def set_tile_stream(bint on):
+    """The ternary tile GEMM at M <= 32: unpack each pair of weight tiles one 64-k step at a time beside the tile
+    multiply (on) or the whole K first (off, the default). Results never change; bench_tiles.py --stream-ms
+    measures the speed on an AMX machine."""
+    bk_set_tile_stream(1 if on else 0)
+
+
+def tile_stream():
+    """Whether the streamed small-M tile body is on (set_tile_stream)."""
+    return bool(bk_get_tile_stream())
 
 
 def tile_min_rows():
@@ -782,6 +796,11 @@ if _kblock_forced:
     if not _kblock_forced.isdigit():
         raise IsaChoiceError(f"BITNET_TILE_KBLOCK={_kblock_forced}: not a count of k (a multiple of 64; 0: all of K)")
     set_tile_kblock(int(_kblock_forced))
+_stream_forced = os.environ.get("BITNET_TILE_STREAM", "").strip()
+if _stream_forced:
+    if _stream_forced not in ("0", "1"):
+        raise IsaChoiceError(f"BITNET_TILE_STREAM={_stream_forced}: 0 or 1")
+    set_tile_stream(_stream_forced == "1")
 _prefetch_forced = os.environ.get("BITNET_PREFETCH", "").strip()
 if _prefetch_forced:
     if not _prefetch_forced.isdigit() or int(_prefetch_forced) > BK_GEMV_PREFETCH_MAX:

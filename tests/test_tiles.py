@@ -126,6 +126,39 @@ def test_gemm_ternary_on_tiles_in_k_blocks(tiles, kblock, n, k, m):
     assert np.array_equal(out, ref) and np.array_equal(out3, ref)
 
 
+# the streamed small-M body (set_tile_stream): one and two row groups, full and partial, lone and paired weight
+# tiles, K of one 64-k step and of many; above 32 rows the whole-K body runs as before; the same bits throughout
+@pytest.mark.parametrize("n,k,m", [(37, 64, 1), (16, 100, 7), (250, 200, 16), (33, 1000, 17), (45, 2560, 32),
+                                   (100, 6912, 24), (50, 640, 33)])
+def test_gemm_ternary_on_tiles_streamed(tiles, n, k, m):
+    wt, w, rs, xq, s, sm = _ternary_case(3 * n + k + m, n, k, m)
+    dots = (xq[:, :k].astype(np.int64) @ wt.astype(np.int64).T).astype(np.int32)
+    raw, out, ref = np.empty((m, n), np.int32), np.empty((m, n), np.float32), np.empty((m, n), np.float32)
+    _vector(K.gemm_ternary, w, rs, xq, s, sm, ref)
+    K.set_tile_stream(True)
+    try:
+        assert K.tile_stream()
+        used = K._tile_products()
+        K.gemm_ternary_i32(w, xq, sm, raw)
+        assert K._tile_products() > used
+        K.gemm_ternary(w, rs, xq, s, sm, out)
+        K.set_num_threads(3)
+        out3 = np.empty((m, n), np.float32)
+        K.gemm_ternary(w, rs, xq, s, sm, out3)
+    finally:
+        K.set_tile_stream(False)
+    assert np.array_equal(raw, dots)
+    assert np.array_equal(out, ref) and np.array_equal(out3, ref)
+
+
+def test_tile_stream_setting():
+    assert not K.tile_stream()   # off unless asked: not yet measured on AMX hardware
+    r = _child("from bitnet_cpu import simd; print(simd.tile_stream())", BITNET_TILE_STREAM="1")
+    assert r.returncode == 0 and r.stdout.split() == ["True"], r.stderr
+    r = _child("from bitnet_cpu import simd; simd.tiles()", BITNET_TILE_STREAM="yes")
+    assert r.returncode != 0 and "BITNET_TILE_STREAM=yes" in r.stderr
+
+
 @pytest.mark.parametrize("kblock", [64, 320])
 def test_gemm_i8_head_on_tiles_in_k_blocks(tiles, kblock):
     n, k, m = 100, 1000, 35
@@ -328,6 +361,7 @@ def test_bench_tiles_runs_on_the_emulation(tmp_path):
     res = json.loads(out.read_text())
     assert res["emulated"] and [g["m"] for g in res["gemm"]] == [4, 16]
     assert all(g["us_on"] > 0 and g["us_off"] > 0 for g in res["gemm"])
+    assert [r["m"] for r in res["stream"]] == [8, 16, 24, 32] and all(r["speedup"] > 0 for r in res["stream"])
     if not HW:   # without --emu a machine with no tiles gets the reason and exit 0
         r = subprocess.run([sys.executable, bench], capture_output=True, text=True, timeout=120)
         assert r.returncode == 0 and K.tiles_reason() in r.stdout

@@ -213,6 +213,8 @@ int bk_get_tiles(void) { return bk_table.tiles_mode; }
 int bk_get_tile_min_rows(void) { return tile_min_rows; }
 void bk_set_tile_kblock(int k) { bk_table.tile_kblock = k < 64 ? 0 : k / 64 * 64; }
 int bk_get_tile_kblock(void) { return bk_table.tile_kblock; }
+void bk_set_tile_stream(int on) { bk_table.tile_stream = on ? 1 : 0; }
+int bk_get_tile_stream(void) { return bk_table.tile_stream; }
 /* the prefetch distance asked for (< 0: none asked, the path's default: kernels.h) */
 static int gemv_prefetch_asked = -1;
 static int gemv_prefetch_for(int isa) {

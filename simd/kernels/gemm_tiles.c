@@ -123,15 +123,18 @@ AVX512_TARGET static void unpack_avx512(const uint8_t *p, int kb, int8_t *dst) {
 
 /* the unpack of the path in use: AVX-512's where that is the path (the hardware tiles run only there), so the
  * emulated tiles test the same unpack; portable C elsewhere */
-static void tiles_unpack(const uint8_t *p, int kb, int8_t *dst) {
+typedef void (*tiles_unpack_fn)(const uint8_t *p, int kb, int8_t *dst);
+static tiles_unpack_fn tiles_unpacker(void) {
 #if defined(__x86_64__)
-    if (bk_get_isa() == BK_ISA_AVX512) {
-        unpack_avx512(p, kb, dst);
-        return;
-    }
+    if (bk_get_isa() == BK_ISA_AVX512) return unpack_avx512;
 #endif
-    unpack_scalar(p, kb, dst);
+    return unpack_scalar;
 }
+static void tiles_unpack(const uint8_t *p, int kb, int8_t *dst) { tiles_unpacker()(p, kb, dst); }
+
+/* the streamed small-M body's ring (tiles.h, bk_set_tile_stream): 4 slots of one 64-k step of a pair of tiles */
+#define TILES_RING_SLOT 2048
+#define TILES_RING_BYTES (4 * TILES_RING_SLOT)
 
 /* ---------------- the hardware: AMX instructions as inline asm ----------------
  * Written out rather than GCC's _tile_* macros: those give tileloadd no memory operand and no clobber, so

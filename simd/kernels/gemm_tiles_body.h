@@ -73,6 +73,44 @@ static void TB_FN(tiles_panel)(const tiles_args *g, const int8_t *b, size_t b_ti
     }
 }
 
+/* M <= 32 (one or two 16-row groups), streamed (bk_table.tile_stream): weight tiles t (and t + 1 when nb = 2),
+ * codes at p0 / p1, unpacked one 64-k step at a time into the ring (TILES_RING_BYTES, 4 slots so a slot is
+ * rewritten only 4 steps after its tile loads) right before the loads that read it; C stays in tmm0..3 over the
+ * whole of K and goes through cbuf (32 x 32 int32) to the epilogue. */
+static void TB_FN(tiles_pair_stream)(const tiles_args *g, const uint8_t *p0, const uint8_t *p1, int nb, int t,
+                                     const int8_t *a_tail, int8_t *ring, int32_t *cbuf, tiles_unpack_fn unpack) {
+    const int full = g->m / 16, na = (g->m + 15) / 16, kc = g->k_pad / 64;
+    const size_t stride = (size_t)g->k_pad;
+    const int8_t *a0 = full >= 1 ? g->xq : a_tail;
+    const int8_t *a1 = full >= 2 ? g->xq + 16 * stride : a_tail;
+    TB_ZERO(0);
+    TB_ZERO(1);
+    TB_ZERO(2);
+    TB_ZERO(3);
+    for (int i = 0; i < kc; i++) {
+        int8_t *slot = ring + (size_t)(i & 3) * TILES_RING_SLOT;
+        unpack(p0 + (size_t)i * 256, 4, slot); /* 4 blocks of 64 code bytes: rows 16i.. of the tile, 1 KB */
+        if (nb == 2) unpack(p1 + (size_t)i * 256, 4, slot + 1024);
+        TB_LOAD(4, a0 + (size_t)64 * i, stride);
+        if (na == 2) TB_LOAD(5, a1 + (size_t)64 * i, stride);
+        TB_LOAD(6, slot, 64);
+        if (nb == 2) TB_LOAD(7, slot + 1024, 64);
+        TB_DPBSSD(0, 4, 6);
+        if (nb == 2) TB_DPBSSD(1, 4, 7);
+        if (na == 2) {
+            TB_DPBSSD(2, 5, 6);
+            if (nb == 2) TB_DPBSSD(3, 5, 7);
+        }
+    }
+    TB_STORE(0, cbuf, 128);
+    if (nb == 2) TB_STORE(1, cbuf + 16, 128);
+    if (na == 2) {
+        TB_STORE(2, cbuf + 16 * 32, 128);
+        if (nb == 2) TB_STORE(3, cbuf + 16 * 32 + 16, 128);
+    }
+    tiles_finish(g, cbuf, 0, na, nb, t);
+}
+
 /* Ternary tile16 weights, tiles [tile_begin, tile_end), a pair at a time, in k-blocks of kblk (tiles_kblock):
  * the pair's codes of one k-block are unpacked into the thread's i8_tile16 buffer (2 x 16 x kblk bytes) and
  * reused by every row group of A; the epilogue subtracts act_sum as the vector bodies do. With one k-block (the
@@ -81,9 +119,10 @@ static void TB_FN(tiles_panel)(const tiles_args *g, const int8_t *b, size_t b_ti
 static void TB_FN(gemm_ternary_tiles)(const uint8_t *w, const float *row_scale, const int8_t *xq, int m,
                                       int k_pad, const float *act_scale, const int32_t *act_sum, float *out,
                                       int32_t *out_i32, int n, int tile_begin, int tile_end) {
-    const int kblk = tiles_kblock(k_pad);
+    const int kblk = tiles_kblock(k_pad), stream = bk_table.tile_stream && m <= 32;
     const size_t utile = (size_t)16 * k_pad, ublk = (size_t)16 * kblk, tile_bytes = (size_t)k_pad / 16 * 64;
-    uint8_t *s = m >= bk_table.tile_min_rows ? tiles_scratch(utile + 2 * ublk + tiles_cacc_bytes(m)) : NULL;
+    const size_t need = stream ? utile + TILES_RING_BYTES + tiles_cacc_bytes(m) : utile + 2 * ublk + tiles_cacc_bytes(m);
+    uint8_t *s = m >= bk_table.tile_min_rows ? tiles_scratch(need) : NULL;
     if (!s) {
         bk_table.gemm_ternary_vector(w, row_scale, xq, m, k_pad, act_scale, act_sum, out, out_i32, n, tile_begin,
                                tile_end);
@@ -95,6 +134,18 @@ static void TB_FN(gemm_ternary_tiles)(const uint8_t *w, const float *row_scale, 
     tiles_copy_tail(&g, a_tail);
     tiles_count();
     TB_CONFIG(&tiles_cfg_full);
+    if (stream) {
+        const tiles_unpack_fn unpack = tiles_unpacker();
+        int8_t *ring = (int8_t *)s + utile;
+        int32_t *cbuf = (int32_t *)(s + utile + TILES_RING_BYTES);
+        for (int t = tile_begin; t < tile_end; t += 2) {
+            const int nb = tile_end - t >= 2 ? 2 : 1;
+            TB_FN(tiles_pair_stream)(&g, w + (size_t)t * tile_bytes, w + (size_t)(t + nb - 1) * tile_bytes, nb, t,
+                                     a_tail, ring, cbuf, unpack);
+        }
+        TB_RELEASE();
+        return;
+    }
     for (int t = tile_begin; t < tile_end; t += 2) {
         const int nb = tile_end - t >= 2 ? 2 : 1;
         for (int k0 = 0; k0 < k_pad; k0 += kblk) {

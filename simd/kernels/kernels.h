@@ -69,6 +69,7 @@ typedef struct {
     int tiles_mode, tile_min_rows;
     bk_gemm_ternary_fn gemm_ternary_vector;
     int tile_kblock; /* k per block of the tile bodies, a multiple of 64 (0: all of K in one block) */
+    int tile_stream; /* ternary tile GEMM at M <= 32: unpack one 64-k step at a time beside the tdpbssd (tiles.h) */
     /* software prefetch distance of the AVX-512 GEMV bodies, bytes ahead of the block being read (0: none) */
     int gemv_prefetch;
 } bk_table_t;
