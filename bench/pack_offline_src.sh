@@ -7,7 +7,9 @@
 #                                      without examples/server (its web assets are the bulk, and a mirror may lack
 #                                      them), whose add_subdirectory line is commented out
 # OUT_DIR/whl/gguf-*.whl               the one pure-Python package the models need that such machines lacked
-# The whole is ~12 MB: it travels with the working tree to a leased machine (`carry`).
+# OUT_DIR/whl/*.whl                    bitnet serve's packages the device image lacks (FastAPI, uvicorn, pydantic,
+#                                      llguidance, ...), for its CPython (PYVER, default 3.12)
+# The whole is ~18 MB: it travels with the working tree to a leased machine (`carry`).
 set -euo pipefail
 out="${1:?OUT_DIR}"; ik="${2:?IK_GIT_DIR}"; ver="${3:-0.3.36}"
 root="$(cd "$(dirname "$0")/.." && pwd)"
@@ -37,4 +39,25 @@ git -C "$ik" rev-parse --short=12 HEAD > "$out/ik_commit"
 
 python -m pip download -q --no-deps --only-binary=:all: -d "$out/whl" \
     "gguf==$(python -c 'import importlib.metadata as m; print(m.version("gguf"))' 2>/dev/null || echo 0.19.0)"
+# bitnet serve's and the CLI's packages that the device image (CPython $PYVER, KINDS.md's list) lacks, at the
+# versions installed here, for its Python: bench_tiles.py --e2e starts `bitnet serve` there
+PYVER="${PYVER:-3.12}"
+plats=(); for n in 17 24 27 28 31 34 35; do plats+=(--platform "manylinux_2_${n}_x86_64"); done
+pins=$(python - <<'PY'
+import importlib.metadata as m
+names = ["fastapi", "starlette", "uvicorn", "pydantic", "pydantic_core", "annotated-types", "typing-inspection",
+         "llguidance", "prompt_toolkit", "wcwidth", "argcomplete", "opentelemetry-api", "typing_extensions",
+         "annotated-doc"]
+out = []
+for n in names:
+    try:
+        out.append(f"{n}=={m.version(n)}")
+    except m.PackageNotFoundError:
+        out.append(n)
+print(" ".join(out))
+PY
+)
+# shellcheck disable=SC2086
+python -m pip download -q --no-deps --only-binary=:all: --python-version "$PYVER" --implementation cp \
+    "${plats[@]}" --platform manylinux2014_x86_64 -d "$out/whl" $pins
 du -sh "$out"/* | sed 's/^/packed /'
