@@ -30,6 +30,9 @@ from bitnet_cpu.simd import _kernels as K  # noqa: E402
 from bitnet_cpu.simd import _ops as ops  # noqa: E402
 
 GEMMS = ("gemm_ternary", "gemm_ternary_b3", "gemv_rows_ternary", "gemv_rows_ternary_b3")
+# settings and queries of the kernel modules, not kernels: left unwrapped
+SETTINGS = {"active", "features", "supported_isas", "tiles", "tiles_reason", "tile_min_rows", "tile_kblock",
+            "tile_stream", "gemv_prefetch"}
 
 
 class Timers:
@@ -42,7 +45,7 @@ class Timers:
         for mod in modules:
             for name in dir(mod):
                 fn = getattr(mod, name)
-                if name.startswith("_") or not callable(fn) or isinstance(fn, type):
+                if name.startswith(("_", "set_", "get_")) or name in SETTINGS or not callable(fn) or isinstance(fn, type):
                     continue
                 self.saved.append((mod, name, fn))
                 setattr(mod, name, self._wrap(name, fn))
