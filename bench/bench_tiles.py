@@ -134,11 +134,10 @@ def head_rows(ms, threads, emu, min_time, n=128256, k=2560) -> list[dict]:
     return rows
 
 
-def kblock_rows(shapes, kblocks, ms, threads, emu, peak, min_time) -> list[dict]:
-    """The tile GEMM at each k-block (simd.set_tile_kblock; 0: all of K at once, the default), tiles on, every
-    k-block alternating in two rounds: which blocking keeps A and B closest to the tile unit."""
-    rng = np.random.default_rng(2)
-    rows = []
+def variant_rows(shapes, ms, threads, emu, seed, variants, apply, min_time):
+    """The ternary tile GEMM (tiles on) under each of `variants` (apply(v) sets one; apply(variants[0]) after),
+    alternating in two rounds: yields (name, n, k, m, {variant: seconds}) per shape and row count."""
+    rng = np.random.default_rng(seed)
     for name, n, k in shapes:
         w = random_ternary_packed(rng, n, k, 1)[0]
         rs, k_pad = np.ones(n, np.float32), layout.pad_to(k, 64)
@@ -151,52 +150,45 @@ def kblock_rows(shapes, kblocks, ms, threads, emu, peak, min_time) -> list[dict]
             sec = {}
             try:
                 for _ in range(2):
-                    for kb in kblocks:
-                        K.set_tile_kblock(kb)
-                        t = timed(lambda: K.gemm_ternary(w, rs, xq, s, sm, out), min_time=min_time, max_calls=200)
-                        sec[kb] = min(sec.get(kb, t), t)
+                    for v in variants:
+                        apply(v)
+                        t = timed(lambda: K.gemm_ternary(w, rs, xq, s, sm, out), min_time=min_time, max_calls=400)
+                        sec[v] = min(sec.get(v, t), t)
             finally:
-                K.set_tile_kblock(0)
-            best = min(sec, key=sec.get)
-            cells = "   ".join(f"k-block {kb or 'all'}: {m * n * k / sec[kb] / 1e9:7.1f} GMAC/s"
-                               + (f" ({100 * m * n * k / sec[kb] / 1e9 / peak['amx']:3.0f}%)" if "amx" in peak else "")
-                               for kb in kblocks)
-            print(f"{name:8s} {n:>6d} x {k:<5d} M={m:<4d} {threads}t   {cells}   best {best or 'all'}", flush=True)
-            rows.append({"shape": name, "n": n, "k": k, "m": m, "threads": threads, "best": best,
-                         "gmacs": {str(kb): m * n * k / sec[kb] / 1e9 for kb in kblocks}})
+                apply(variants[0])
+            yield name, n, k, m, sec
+
+
+def _share(peak):
+    return (lambda g: f" ({100 * g / peak['amx']:3.0f}%)") if "amx" in peak else (lambda g: "")
+
+
+def kblock_rows(shapes, kblocks, ms, threads, emu, peak, min_time) -> list[dict]:
+    """The tile GEMM at each k-block (simd.set_tile_kblock; 0: all of K at once, the default): which blocking
+    keeps A and B closest to the tile unit."""
+    rows, share = [], _share(peak)
+    for name, n, k, m, sec in variant_rows(shapes, ms, threads, emu, 2, [0] + [kb for kb in kblocks if kb],
+                                           K.set_tile_kblock, min_time):
+        g = {kb: m * n * k / sec[kb] / 1e9 for kb in sec}
+        best = min(sec, key=sec.get)
+        cells = "   ".join(f"k-block {kb or 'all'}: {g[kb]:7.1f} GMAC/s{share(g[kb])}" for kb in sec)
+        print(f"{name:8s} {n:>6d} x {k:<5d} M={m:<4d} {threads}t   {cells}   best {best or 'all'}", flush=True)
+        rows.append({"shape": name, "n": n, "k": k, "m": m, "threads": threads, "best": best,
+                     "gmacs": {str(kb): g[kb] for kb in sec}})
     return rows
 
 
 def stream_rows(shapes, ms, threads, emu, peak, min_time) -> list[dict]:
     """The ternary tile GEMM at M <= 32, whole-K unpack (the default) against the streamed body
-    (simd.set_tile_stream: one 64-k step unpacked at a time beside the multiply), alternating in two rounds."""
-    rng = np.random.default_rng(3)
-    rows = []
-    for name, n, k in shapes:
-        w = random_ternary_packed(rng, n, k, 1)[0]
-        rs, k_pad = np.ones(n, np.float32), layout.pad_to(k, 64)
-        for m in ms:
-            xq = rng.integers(-127, 128, size=(m, k_pad), dtype=np.int8)
-            s, sm = np.ones(m, np.float32), xq.astype(np.int32).sum(axis=1).astype(np.int32)
-            out = np.empty((m, n), np.float32)
-            _mode(True, emu)
-            K.set_num_threads(threads)
-            sec = {}
-            try:
-                for _ in range(2):
-                    for on in (False, True):
-                        K.set_tile_stream(on)
-                        t = timed(lambda: K.gemm_ternary(w, rs, xq, s, sm, out), min_time=min_time, max_calls=400)
-                        sec[on] = min(sec.get(on, t), t)
-            finally:
-                K.set_tile_stream(False)
-            g = {on: m * n * k / sec[on] / 1e9 for on in sec}
-            share = (lambda v: f" ({100 * v / peak['amx']:3.0f}%)") if "amx" in peak else (lambda v: "")
-            print(f"{name:8s} {n:>6d} x {k:<5d} M={m:<4d} {threads}t   tiles, whole-K unpack {g[False]:7.1f} GMAC/s"
-                  f"{share(g[False])}   streamed {g[True]:7.1f} GMAC/s{share(g[True])}   x{sec[False] / sec[True]:.2f}",
-                  flush=True)
-            rows.append({"shape": name, "n": n, "k": k, "m": m, "threads": threads, "gmacs_whole": g[False],
-                         "gmacs_stream": g[True], "speedup": sec[False] / sec[True]})
+    (simd.set_tile_stream: one 64-k step unpacked at a time beside the multiply)."""
+    rows, share = [], _share(peak)
+    for name, n, k, m, sec in variant_rows(shapes, ms, threads, emu, 3, [False, True], K.set_tile_stream, min_time):
+        g = {on: m * n * k / sec[on] / 1e9 for on in sec}
+        print(f"{name:8s} {n:>6d} x {k:<5d} M={m:<4d} {threads}t   tiles, whole-K unpack {g[False]:7.1f} GMAC/s"
+              f"{share(g[False])}   streamed {g[True]:7.1f} GMAC/s{share(g[True])}   x{sec[False] / sec[True]:.2f}",
+              flush=True)
+        rows.append({"shape": name, "n": n, "k": k, "m": m, "threads": threads, "gmacs_whole": g[False],
+                     "gmacs_stream": g[True], "speedup": sec[False] / sec[True]})
     return rows
 
 

@@ -101,18 +101,15 @@ def test_gemm_ternary_on_tiles_split_over_threads(tiles, threads):
     assert np.array_equal(out, ref)
 
 
-# K-blocking (set_tile_kblock): one 64-k step per block, blocks that do not divide K (a short last block),
-# blocks over K (one block), with 1..3 row-group pairs and odd tile pairs; the same bits as the vector path
-@pytest.mark.parametrize("kblock", [64, 192, 1024, 4096])
-@pytest.mark.parametrize("n,k,m", [(37, 1000, 5), (50, 640, 40), (33, 2560, 70), (250, 6912, 17)])
-def test_gemm_ternary_on_tiles_in_k_blocks(tiles, kblock, n, k, m):
-    wt, w, rs, xq, s, sm = _ternary_case(kblock + n + k + m, n, k, m)
+def _variant_equals_vector_path(seed, n, k, m, on, off):
+    """The ternary GEMM with a tile-body variant set (on(); off() after): exact int32 dots, and the vector path's
+    floats on 1 and 3 threads."""
+    wt, w, rs, xq, s, sm = _ternary_case(seed, n, k, m)
     dots = (xq[:, :k].astype(np.int64) @ wt.astype(np.int64).T).astype(np.int32)
     raw, out, ref = np.empty((m, n), np.int32), np.empty((m, n), np.float32), np.empty((m, n), np.float32)
     _vector(K.gemm_ternary, w, rs, xq, s, sm, ref)
-    K.set_tile_kblock(kblock)
+    on()
     try:
-        assert K.tile_kblock() == kblock
         used = K._tile_products()
         K.gemm_ternary_i32(w, xq, sm, raw)
         assert K._tile_products() > used
@@ -121,9 +118,21 @@ def test_gemm_ternary_on_tiles_in_k_blocks(tiles, kblock, n, k, m):
         out3 = np.empty((m, n), np.float32)
         K.gemm_ternary(w, rs, xq, s, sm, out3)
     finally:
-        K.set_tile_kblock(0)
+        off()
     assert np.array_equal(raw, dots)
     assert np.array_equal(out, ref) and np.array_equal(out3, ref)
+
+
+# K-blocking (set_tile_kblock): one 64-k step per block, blocks that do not divide K (a short last block),
+# blocks over K (one block), with 1..3 row-group pairs and odd tile pairs; the same bits as the vector path
+@pytest.mark.parametrize("kblock", [64, 192, 1024, 4096])
+@pytest.mark.parametrize("n,k,m", [(37, 1000, 5), (50, 640, 40), (33, 2560, 70), (250, 6912, 17)])
+def test_gemm_ternary_on_tiles_in_k_blocks(tiles, kblock, n, k, m):
+    def on():
+        K.set_tile_kblock(kblock)
+        assert K.tile_kblock() == kblock
+
+    _variant_equals_vector_path(kblock + n + k + m, n, k, m, on, lambda: K.set_tile_kblock(0))
 
 
 # the streamed small-M body (set_tile_stream): one and two row groups, full and partial, lone and paired weight
@@ -131,24 +140,11 @@ def test_gemm_ternary_on_tiles_in_k_blocks(tiles, kblock, n, k, m):
 @pytest.mark.parametrize("n,k,m", [(37, 64, 1), (16, 100, 7), (250, 200, 16), (33, 1000, 17), (45, 2560, 32),
                                    (100, 6912, 24), (50, 640, 33)])
 def test_gemm_ternary_on_tiles_streamed(tiles, n, k, m):
-    wt, w, rs, xq, s, sm = _ternary_case(3 * n + k + m, n, k, m)
-    dots = (xq[:, :k].astype(np.int64) @ wt.astype(np.int64).T).astype(np.int32)
-    raw, out, ref = np.empty((m, n), np.int32), np.empty((m, n), np.float32), np.empty((m, n), np.float32)
-    _vector(K.gemm_ternary, w, rs, xq, s, sm, ref)
-    K.set_tile_stream(True)
-    try:
+    def on():
+        K.set_tile_stream(True)
         assert K.tile_stream()
-        used = K._tile_products()
-        K.gemm_ternary_i32(w, xq, sm, raw)
-        assert K._tile_products() > used
-        K.gemm_ternary(w, rs, xq, s, sm, out)
-        K.set_num_threads(3)
-        out3 = np.empty((m, n), np.float32)
-        K.gemm_ternary(w, rs, xq, s, sm, out3)
-    finally:
-        K.set_tile_stream(False)
-    assert np.array_equal(raw, dots)
-    assert np.array_equal(out, ref) and np.array_equal(out3, ref)
+
+    _variant_equals_vector_path(3 * n + k + m, n, k, m, on, lambda: K.set_tile_stream(False))
 
 
 def test_tile_stream_setting():
