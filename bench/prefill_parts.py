@@ -1,12 +1,15 @@
 """Where a prefill's time goes, kernel by kernel, with the AMX tiles on and off (not a test; no profiler needed).
 
     python bench/prefill_parts.py [--store bench/cache/2b4t.q4.bnstore] [--threads 2] [--prompt 512] [--rounds 2]
+                                  [--chunks 128,512]
 
 Every kernel entry point the model calls (simd._kernels and simd._ops: the ternary GEMMs, the fused norm +
 quantize ops, attention, the head) is wrapped in a wall-clock timer for the run; each prefill uses a fresh random
-prompt (nothing from the prompt cache). The GEMMs are split by shape (N x K_pad). "python and the rest" is the
-prefill's wall time minus the kernels' own. Modes alternate in one process: avx512 (BITNET_ISA=avx512's choice)
-and, where the CPU and Linux grant AMX, amx; elsewhere the one path there is. The best of --rounds per mode.
+prompt on an emptied cache (Model.prefill, the engine's prompt pass). The GEMMs are split by shape (N x K_pad).
+"python and the rest" is the prefill's wall time minus the kernels' own. Modes alternate in one process: avx512
+(BITNET_ISA=avx512's choice) and, where the CPU and Linux grant AMX, amx; elsewhere the one path there is. The
+best of --rounds per mode. --chunks: prefill rows per GEMM call to compare (the engine's is
+engine.runtime.model.DEFAULT_CHUNK, chosen on AVX-512; the tiles gain more at more rows), one session each.
 
 Made for short leases on an AMX machine (the share of a tile prefill that is not the GEMM, which caps what the
 tiles can gain, measured without perf or py-spy there), and it runs anywhere. The timers cost ~1 us a call
@@ -81,41 +84,49 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prompt", type=int, default=512, help="prompt tokens")
     ap.add_argument("--rounds", type=int, default=2, help="prefills per mode (the best is kept)")
+    ap.add_argument("--chunks", default="", help="prefill rows per GEMM call to compare (default: the engine's)")
     ap.add_argument("--json", default=None, help="write the figures here")
     a = ap.parse_args(argv)
     if not os.path.exists(a.store):
         print(f"prefill_parts: no store {a.store}: run python bench/make_models.py first", file=sys.stderr)
         return 2
-    from bitnet_cpu.engine.api import SamplingParams, load_model
+    from bitnet_cpu.engine.api import open_store
+    from bitnet_cpu.engine.runtime.model import DEFAULT_CHUNK, Model
 
     isas = K.supported_isas()
     modes = [m for m in ("avx512", "amx") if m in isas] or [K.active()]
-    llm = load_model(a.store, threads=a.threads, ctx=a.prompt + 64, progress=False)
-    vocab = min(llm.config.vocab_size, 30000)
+    chunks = [int(c) for c in a.chunks.split(",")] if a.chunks else [DEFAULT_CHUNK]
+    store = open_store(a.store, progress=False)
+    vocab = min(store.config.vocab_size, 30000)
     rng = np.random.default_rng(0)
     timers = Timers([K, ops])
     best: dict[str, tuple[float, dict]] = {}
     try:
-        for _ in range(a.rounds):
-            for mode in modes:
-                K.set_isa(mode if mode in isas else None)
-                prompt = rng.integers(3, vocab, size=a.prompt).tolist()
-                timers.take()
-                t0 = time.perf_counter()
-                st = [c.stats for c in llm.generate(prompt, SamplingParams(temperature=0), max_tokens=1)
-                      if c.stats][0]
-                wall = time.perf_counter() - t0
-                parts = timers.take()
-                assert st.n_cached == 0, f"{st.n_cached} prompt tokens came from the cache"
-                if mode not in best or wall < best[mode][0]:
-                    best[mode] = (wall, parts)
+        for chunk in chunks:
+            model = Model(store, n_ctx=a.prompt + 64, chunk=chunk, threads=a.threads)
+            for _ in range(a.rounds):
+                for mode in modes:
+                    K.set_isa(mode if mode in isas else None)
+                    prompt = rng.integers(3, vocab, size=a.prompt).tolist()
+                    model.reset()
+                    timers.take()
+                    t0 = time.perf_counter()
+                    model.prefill(prompt)
+                    wall = time.perf_counter() - t0
+                    parts = timers.take()
+                    key = f"{mode} chunk {chunk}" if len(chunks) > 1 else mode
+                    if key not in best or wall < best[key][0]:
+                        best[key] = (wall, parts)
+            del model
     finally:
         timers.restore()
         K.set_isa(None)
+    modes = list(best)
     labels = sorted({k for _, p in best.values() for k in p}, key=lambda k: -max(p.get(k, 0) for _, p in best.values()))
     print(f"prefill of {a.prompt} tokens, {a.threads} threads, {os.path.basename(a.store)}; best of {a.rounds}; "
           f"ms per prefill (share of its wall time)")
-    print(f"{'part':40s}" + "".join(f"{m:>22s}" for m in modes) + ("   amx / avx512" if len(modes) == 2 else ""))
+    pair = ("avx512", "amx") if {"avx512", "amx"} <= set(modes) else None   # one chunk: the tiles' ratio
+    print(f"{'part':40s}" + "".join(f"{m:>22s}" for m in modes) + ("   avx512 / amx" if pair else ""))
     rows = []
     for lab in labels + ["python and the rest", "wall"]:
         vals = {}
@@ -124,14 +135,15 @@ def main(argv=None) -> int:
             vals[m] = wall if lab == "wall" else (wall - sum(parts.values()) if lab == "python and the rest"
                                                   else parts.get(lab, 0.0))
         cells = "".join(f"{1e3 * vals[m]:12.2f} ({100 * vals[m] / best[m][0]:4.1f}%)  " for m in modes)
-        ratio = f"   {vals['avx512'] / vals['amx']:.2f}x" if len(modes) == 2 and vals["amx"] > 0 else ""
+        ratio = f"   {vals['avx512'] / vals['amx']:.2f}x" if pair and vals["amx"] > 0 else ""
         print(f"{lab:40s}{cells}{ratio}")
         rows.append({"part": lab, **{m: vals[m] for m in modes}})
     for m in modes:
         print(f"{m}: {a.prompt / best[m][0]:.1f} tok/s")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"prompt": a.prompt, "threads": a.threads, "store": a.store, "modes": modes, "rows": rows,
+            json.dump({"prompt": a.prompt, "threads": a.threads, "store": a.store, "chunks": chunks, "modes": modes,
+                       "rows": rows,
                        "cpu": K.features()}, f, indent=1)
     return 0
 

@@ -368,3 +368,10 @@ def test_prefill_parts_times_every_gemm_shape_and_attention(small_models, tmp_pa
     assert 0 < kernels <= parts["wall"][mode]
     assert f"{mode}: " in text and "tok/s" in text
     assert K.active() != "amx" or raw["modes"] == ["avx512", "amx"]   # where the tiles are, both sides
+    # two chunk sizes: a column per (path, chunk), the same GEMM shapes in both
+    assert prefill_parts.main(["--store", small_models["store_q4"], "--threads", "1", "--prompt", "24", "--rounds",
+                               "1", "--chunks", "8,24", "--json", str(out)]) == 0
+    raw = json.loads(out.read_text())
+    assert raw["chunks"] == [8, 24] and sorted({m.split(" chunk ")[1] for m in raw["modes"]}) == ["24", "8"]
+    gemm = [r for r in raw["rows"] if r["part"] in want]
+    assert len(gemm) == 4 and all(r[m] > 0 for r in gemm for m in raw["modes"])
