@@ -14,11 +14,16 @@
 #define TB_FN(name) TB_CAT(name, TB_SUFFIX)
 
 /* C[32 x 32] (cbuf, stride 128 bytes) = (acc ? C : 0) + A (NA tiles: rows of a0, a1, stride a_stride) . B (NB
- * tiles at b and b + b_tile, 1 KB per 64-k step) over kc steps. NA, NB are constants after inlining. */
+ * tiles at b and b + b_tile, 1 KB per 64-k step) over kc steps. NA, NB are constants after inlining. unpack
+ * non-NULL (the streamed small-M body): b is the ring (TILES_RING_BYTES) and b_tile 1024; each step's 1 KB of
+ * each tile is first unpacked there from its codes (code[0], code[1]: 256 code bytes per step) into slot i % 4,
+ * so a slot is rewritten only 4 steps after the loads that read it. */
 __attribute__((always_inline)) static inline void TB_FN(tiles_block)(const int8_t *a0, const int8_t *a1,
                                                                     size_t a_stride, const int8_t *b,
                                                                     size_t b_tile, int kc, const int NA,
-                                                                    const int NB, int32_t *cbuf, int acc) {
+                                                                    const int NB, int32_t *cbuf, int acc,
+                                                                    tiles_unpack_fn unpack,
+                                                                    const uint8_t *const *code) {
     if (acc) {
         TB_LOAD(0, cbuf, 128);
         if (NB == 2) TB_LOAD(1, cbuf + 16, 128);
@@ -33,10 +38,16 @@ __attribute__((always_inline)) static inline void TB_FN(tiles_block)(const int8_
         TB_ZERO(3);
     }
     for (int i = 0; i < kc; i++) {
+        const int8_t *bi = b + (size_t)1024 * i;
+        if (unpack) {
+            bi = b + (size_t)(i & 3) * TILES_RING_SLOT;
+            unpack(code[0] + (size_t)256 * i, 4, (int8_t *)bi);
+            if (NB == 2) unpack(code[1] + (size_t)256 * i, 4, (int8_t *)bi + b_tile);
+        }
         TB_LOAD(4, a0 + (size_t)64 * i, a_stride);
         if (NA == 2) TB_LOAD(5, a1 + (size_t)64 * i, a_stride);
-        TB_LOAD(6, b + (size_t)1024 * i, 64);
-        if (NB == 2) TB_LOAD(7, b + b_tile + (size_t)1024 * i, 64);
+        TB_LOAD(6, bi, 64);
+        if (NB == 2) TB_LOAD(7, bi + b_tile, 64);
         TB_DPBSSD(0, 4, 6);
         if (NB == 2) TB_DPBSSD(1, 4, 7);
         if (NA == 2) {
@@ -52,6 +63,16 @@ __attribute__((always_inline)) static inline void TB_FN(tiles_block)(const int8_
     }
 }
 
+/* tiles_block for na, nb (1 or 2) known only at run time: one of its four constant-folded forms */
+static inline void TB_FN(tiles_block_any)(const int8_t *a0, const int8_t *a1, size_t a_stride, const int8_t *b,
+                                          size_t b_tile, int kc, int na, int nb, int32_t *cbuf, int acc,
+                                          tiles_unpack_fn unpack, const uint8_t *const *code) {
+    if (na == 2 && nb == 2) TB_FN(tiles_block)(a0, a1, a_stride, b, b_tile, kc, 2, 2, cbuf, acc, unpack, code);
+    else if (na == 2) TB_FN(tiles_block)(a0, a1, a_stride, b, b_tile, kc, 2, 1, cbuf, acc, unpack, code);
+    else if (nb == 2) TB_FN(tiles_block)(a0, a1, a_stride, b, b_tile, kc, 1, 2, cbuf, acc, unpack, code);
+    else TB_FN(tiles_block)(a0, a1, a_stride, b, b_tile, kc, 1, 1, cbuf, acc, unpack, code);
+}
+
 /* One k-block [k0, k0 + 64 kc) of every activation row group (16 rows; the last, partial one from the
  * zero-padded tail copy) against NB weight tiles t, t+1 whose i8_tile16 codes of that block are at b (tile j at
  * b + j * b_tile). Each pair of row groups keeps its C block in cacc (4 KB each) between k-blocks: the first
@@ -65,49 +86,21 @@ static void TB_FN(tiles_panel)(const tiles_args *g, const int8_t *b, size_t b_ti
         const int8_t *a0 = (gr < full ? g->xq + (size_t)gr * 16 * stride : a_tail) + k0;
         const int8_t *a1 = (gr + 1 < full ? g->xq + (size_t)(gr + 1) * 16 * stride : a_tail) + k0;
         int32_t *cbuf = cacc + (size_t)(gr / 2) * 32 * 32;
-        if (na == 2 && nb == 2) TB_FN(tiles_block)(a0, a1, stride, b, b_tile, kc, 2, 2, cbuf, !first);
-        else if (na == 2) TB_FN(tiles_block)(a0, a1, stride, b, b_tile, kc, 2, 1, cbuf, !first);
-        else if (nb == 2) TB_FN(tiles_block)(a0, a1, stride, b, b_tile, kc, 1, 2, cbuf, !first);
-        else TB_FN(tiles_block)(a0, a1, stride, b, b_tile, kc, 1, 1, cbuf, !first);
+        TB_FN(tiles_block_any)(a0, a1, stride, b, b_tile, kc, na, nb, cbuf, !first, NULL, NULL);
         if (last) tiles_finish(g, cbuf, gr * 16, na, nb, t);
     }
 }
 
 /* M <= 32 (one or two 16-row groups), streamed (bk_table.tile_stream): weight tiles t (and t + 1 when nb = 2),
- * codes at p0 / p1, unpacked one 64-k step at a time into the ring (TILES_RING_BYTES, 4 slots so a slot is
- * rewritten only 4 steps after its tile loads) right before the loads that read it; C stays in tmm0..3 over the
- * whole of K and goes through cbuf (32 x 32 int32) to the epilogue. */
-static void TB_FN(tiles_pair_stream)(const tiles_args *g, const uint8_t *p0, const uint8_t *p1, int nb, int t,
+ * codes at code[0] / code[1], unpacked one 64-k step at a time into the ring right before the loads that read
+ * it (tiles_block); C stays in tmm0..3 over the whole of K and goes through cbuf (32 x 32 int32) to the epilogue. */
+static void TB_FN(tiles_pair_stream)(const tiles_args *g, const uint8_t *const *code, int nb, int t,
                                      const int8_t *a_tail, int8_t *ring, int32_t *cbuf, tiles_unpack_fn unpack) {
     const int full = g->m / 16, na = (g->m + 15) / 16, kc = g->k_pad / 64;
     const size_t stride = (size_t)g->k_pad;
     const int8_t *a0 = full >= 1 ? g->xq : a_tail;
     const int8_t *a1 = full >= 2 ? g->xq + 16 * stride : a_tail;
-    TB_ZERO(0);
-    TB_ZERO(1);
-    TB_ZERO(2);
-    TB_ZERO(3);
-    for (int i = 0; i < kc; i++) {
-        int8_t *slot = ring + (size_t)(i & 3) * TILES_RING_SLOT;
-        unpack(p0 + (size_t)i * 256, 4, slot); /* 4 blocks of 64 code bytes: rows 16i.. of the tile, 1 KB */
-        if (nb == 2) unpack(p1 + (size_t)i * 256, 4, slot + 1024);
-        TB_LOAD(4, a0 + (size_t)64 * i, stride);
-        if (na == 2) TB_LOAD(5, a1 + (size_t)64 * i, stride);
-        TB_LOAD(6, slot, 64);
-        if (nb == 2) TB_LOAD(7, slot + 1024, 64);
-        TB_DPBSSD(0, 4, 6);
-        if (nb == 2) TB_DPBSSD(1, 4, 7);
-        if (na == 2) {
-            TB_DPBSSD(2, 5, 6);
-            if (nb == 2) TB_DPBSSD(3, 5, 7);
-        }
-    }
-    TB_STORE(0, cbuf, 128);
-    if (nb == 2) TB_STORE(1, cbuf + 16, 128);
-    if (na == 2) {
-        TB_STORE(2, cbuf + 16 * 32, 128);
-        if (nb == 2) TB_STORE(3, cbuf + 16 * 32 + 16, 128);
-    }
+    TB_FN(tiles_block_any)(a0, a1, stride, ring, 1024, kc, na, nb, cbuf, 0, unpack, code);
     tiles_finish(g, cbuf, 0, na, nb, t);
 }
 
@@ -121,7 +114,7 @@ static void TB_FN(gemm_ternary_tiles)(const uint8_t *w, const float *row_scale, 
                                       int32_t *out_i32, int n, int tile_begin, int tile_end) {
     const int kblk = tiles_kblock(k_pad), stream = bk_table.tile_stream && m <= 32;
     const size_t utile = (size_t)16 * k_pad, ublk = (size_t)16 * kblk, tile_bytes = (size_t)k_pad / 16 * 64;
-    const size_t need = stream ? utile + TILES_RING_BYTES + tiles_cacc_bytes(m) : utile + 2 * ublk + tiles_cacc_bytes(m);
+    const size_t need = utile + tiles_cacc_bytes(m) + (stream ? TILES_RING_BYTES : 2 * ublk);
     uint8_t *s = m >= bk_table.tile_min_rows ? tiles_scratch(need) : NULL;
     if (!s) {
         bk_table.gemm_ternary_vector(w, row_scale, xq, m, k_pad, act_scale, act_sum, out, out_i32, n, tile_begin,
@@ -140,8 +133,8 @@ static void TB_FN(gemm_ternary_tiles)(const uint8_t *w, const float *row_scale, 
         int32_t *cbuf = (int32_t *)(s + utile + TILES_RING_BYTES);
         for (int t = tile_begin; t < tile_end; t += 2) {
             const int nb = tile_end - t >= 2 ? 2 : 1;
-            TB_FN(tiles_pair_stream)(&g, w + (size_t)t * tile_bytes, w + (size_t)(t + nb - 1) * tile_bytes, nb, t,
-                                     a_tail, ring, cbuf, unpack);
+            const uint8_t *code[2] = {w + (size_t)t * tile_bytes, w + (size_t)(t + nb - 1) * tile_bytes};
+            TB_FN(tiles_pair_stream)(&g, code, nb, t, a_tail, ring, cbuf, unpack);
         }
         TB_RELEASE();
         return;
