@@ -207,8 +207,8 @@ def crossovers(rows) -> dict:
 
 
 def e2e(threads: int, llama_bench: str | None, ik_bench: str | None, store: str | None, emu: bool = False,
-        prompts=(512, 4096), seqs=(1, 4, 8, 16, 32), peer_prompts=(512, 4096), serve: bool = True, serve_gen: int = 128,
-        save=lambda res: None) -> dict:
+        prompts=(512, 4096), seqs=(1, 4, 8, 16, 32), peer_prompts=(512, 4096), serve: bool = True,
+        serve_gen: int = 128, save=lambda res: None) -> dict:
     """Ours with tiles on / off (alternating, one process) and the peers' llama-bench, same models. `save(res)` is
     called after every figure, so a run stopped at a deadline keeps what it measured."""
     import tempfile
@@ -258,8 +258,8 @@ def e2e(threads: int, llama_bench: str | None, ik_bench: str | None, store: str 
     for label, env in (("avx512", {"BITNET_ISA": "avx512"}), ("amx", on_env)) if serve else ():
         out = tempfile.mkdtemp(prefix=f"serve_tiles_{label}_")   # bench_serve writes its report files there
         subprocess.run([sys.executable, os.path.join(HERE, "bench_serve.py"), "--levels", "16", "--threads",
-                        str(threads), "--gen", str(serve_gen), "--engines", "ours", "--out-dir", out], env=dict(os.environ, **env),
-                       check=False)
+                        str(threads), "--gen", str(serve_gen), "--engines", "ours", "--out-dir", out],
+                       env=dict(os.environ, **env), check=False)
         got = os.path.join(out, "serve_results.json")
         if os.path.exists(got):
             lv = json.load(open(got))["engines"]["bitnet serve"]["levels"][-1]
@@ -292,7 +292,8 @@ def main(argv=None) -> int:
     ap.add_argument("--store", default=None, help="--e2e: our store (default bench/cache/2b4t.q4.bnstore)")
     ap.add_argument("--prompts", default="512,4096", help="--e2e: prompt lengths timed (ours)")
     ap.add_argument("--seqs", default="1,4,8,16,32", help="--e2e: batched decode at these sequence counts")
-    ap.add_argument("--peer-prompts", default=None, help="--e2e: the peers' prompt lengths (default --prompts; '': none)")
+    ap.add_argument("--peer-prompts", default=None,
+                    help="--e2e: the peers' prompt lengths (default --prompts; '': none)")
     ap.add_argument("--serve-gen", type=int, default=128, help="--e2e: tokens per request of bitnet serve")
     ap.add_argument("--no-serve", action="store_true", help="--e2e: leave out bitnet serve at 16 clients")
     ap.add_argument("--min-time", type=float, default=0.0, help="seconds per kernel timing (default 0.25; --quick 0.1)")
@@ -324,7 +325,9 @@ def main(argv=None) -> int:
     res = {"cpu": K.features(), "tiles_reason": K.tiles_reason(), "emulated": a.emu, "load": os.getloadavg()[0],
            "peaks": {}, "gemm": [], "head": []}
 
-    def save(_=None):   # after every section: a run stopped at a deadline keeps what it measured
+    def save(e2e_part=None):   # after every section: a run stopped at a deadline keeps what it measured
+        if e2e_part is not None:
+            res["e2e"] = e2e_part
         if a.json:
             with open(a.json, "w") as f:
                 json.dump(res, f, indent=1, default=str)
@@ -361,7 +364,7 @@ def main(argv=None) -> int:
         nums = lambda spec: tuple(int(x) for x in spec.split(",") if x)   # noqa: E731
         res["e2e"] = e2e(threads[-1], a.llama_bench, a.ik_bench, a.store, a.emu, prompts=nums(a.prompts),
                          seqs=nums(a.seqs), peer_prompts=nums(a.prompts if a.peer_prompts is None else a.peer_prompts),
-                         serve=not a.no_serve, serve_gen=a.serve_gen, save=lambda part: (res.__setitem__("e2e", part), save()))
+                         serve=not a.no_serve, serve_gen=a.serve_gen, save=save)
     K.set_isa(None)
     K.set_tile_min_rows(0)
     save()

@@ -31,11 +31,15 @@ export PYTHONUNBUFFERED=1
                 "setuptools", setuptools.__version__)'
 } > "$res/machine.txt" 2>&1
 cd "$root" || exit 1
+tiles_2="--ms 1,4,8,16,32,64,128,512 --min-time 0.15 --kblock-ms 16,512 --stream-ms 16,32 --prompts 512"
+tiles_2+=" --seqs 1,16 --peer-prompts 512 --serve-gen 64"
+tiles_16="--quick --kblock-ms 16,512 --stream-ms 16,32 --prompts 512,4096 --seqs 16,32 --no-serve"
+# shellcheck disable=SC2086
 SRC="$src" OUT="$res" DEADLINE="${DEADLINE:-520}" BUILD_CPUS="${BUILD_CPUS:-2-15}" JOBS="${JOBS:-14}" \
     KTESTS_ARGS="${KTESTS_ARGS:--n 6}" KTESTS_TIMEOUT="${KTESTS_TIMEOUT:-150}" \
-    TILES_ARGS_2="${TILES_ARGS_2:---ms 1,4,8,16,32,64,128,512 --min-time 0.15 --kblock-ms 16,512 --stream-ms 16,32 --prompts 512 --seqs 1,16 --peer-prompts 512 --serve-gen 64}" \
-    TILES_ARGS_16="${TILES_ARGS_16:---quick --kblock-ms 16,512 --stream-ms 16,32 --prompts 512,4096 --seqs 16,32 --no-serve}" \
-    timeout "${LEASE_TIMEOUT:-560}" bash bench/sweep_offline.sh ${PHASES:-ktests tiles=2@0-1 parts=2@0-1 tiles=16 parts=16 prefetch=2@0-1} \
+    TILES_ARGS_2="${TILES_ARGS_2:-$tiles_2}" TILES_ARGS_16="${TILES_ARGS_16:-$tiles_16}" \
+    timeout "${LEASE_TIMEOUT:-560}" bash bench/sweep_offline.sh \
+    ${PHASES:-ktests tiles=2@0-1 parts=2@0-1 tiles=16 parts=16 prefetch=2@0-1} \
     > "$res/sweep.log" 2>&1
 echo "sweep exit $?" >> "$res/sweep.log"
 head -25 "$res/machine.txt"

@@ -48,7 +48,8 @@ class Timers:
         for mod in modules:
             for name in dir(mod):
                 fn = getattr(mod, name)
-                if name.startswith(("_", "set_", "get_")) or name in SETTINGS or not callable(fn) or isinstance(fn, type):
+                kernel = callable(fn) and not isinstance(fn, type)
+                if not kernel or name.startswith(("_", "set_", "get_")) or name in SETTINGS:
                     continue
                 self.saved.append((mod, name, fn))
                 setattr(mod, name, self._wrap(name, fn))

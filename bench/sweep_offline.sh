@@ -47,6 +47,8 @@ pin() {   # the taskset prefix for a CPU list (none where there is no taskset: t
     [[ -n "${1:-}" ]] || return 0
     if command -v taskset > /dev/null; then echo "taskset -c $1"; else echo "no taskset: not pinned to $1" >&2; fi
 }
+# a phase's argument T[@CPUS] (what follows its "="): sets t (threads) and cpus (a taskset list, or empty)
+phase_spec() { local spec="${1#*=}"; t="${spec%%@*}"; cpus=""; [[ "$spec" == *@* ]] && cpus="${spec#*@}"; }
 # a phase's setting: NAME_T (T its thread count), else NAME, else the default
 opt() { local v="${1}_$2"; v="${!v:-}"; [[ -n "$v" ]] || { v="${1}"; v="${!v:-$3}"; }; echo "$v"; }
 depths=0,1024,4096,16384
@@ -101,7 +103,7 @@ for ph in "${phases[@]}"; do
             --ik-bench "$ikb/llama-bench" --llama-bench "$work/llama/build/bin/llama-bench" --store "$store" \
             --no-busy --out "$OUT" ;;
     depth=*)
-        spec="${ph#depth=}"; t="${spec%%@*}"; cpus=""; [[ "$spec" == *@* ]] && cpus="${spec#*@}"
+        phase_spec "$ph"
         peers=()
         if [[ "$(opt PEERS "$t" 0)" == 1 ]]; then    # the peers that built
             [[ -x "$work/llama/build/bin/llama-bench" ]] && peers+=(--llama-bench "$work/llama/build/bin/llama-bench")
@@ -118,22 +120,24 @@ for ph in "${phases[@]}"; do
         fi
         cat "$OUT/depth_$t.md" ;;
     tiles=*)
-        spec="${ph#tiles=}"; t="${spec%%@*}"; cpus=""; [[ "$spec" == *@* ]] && cpus="${spec#*@}"
+        phase_spec "$ph"
         stamp "tiles against vpdpbusd at $t threads${cpus:+ on CPUs $cpus}"
         # shellcheck disable=SC2046
         PYTHONUNBUFFERED=1 timeout "$(left)" $(pin "$cpus") $py bench/bench_tiles.py --threads "$t" --e2e \
-            $(opt TILES_ARGS "$t" "") --store "$store" --llama-bench "$work/llama/build/bin/llama-bench" --ik-bench "$ikb/llama-bench" \
+            $(opt TILES_ARGS "$t" "") --store "$store" --llama-bench "$work/llama/build/bin/llama-bench" \
+            --ik-bench "$ikb/llama-bench" \
             --json "$OUT/tiles_$t.json" > "$OUT/tiles_$t.md" 2> "$OUT/tiles_$t.log"
         cat "$OUT/tiles_$t.md" ;;
     parts=*)
-        spec="${ph#parts=}"; t="${spec%%@*}"; cpus=""; [[ "$spec" == *@* ]] && cpus="${spec#*@}"
+        phase_spec "$ph"
         stamp "prefill kernel by kernel at $t threads${cpus:+ on CPUs $cpus}"
         # shellcheck disable=SC2086
         PYTHONUNBUFFERED=1 timeout "$(left)" $(pin "$cpus") $py bench/prefill_parts.py --threads "$t" --store "$store" \
-            --prompt "${PARTS_PROMPT:-512}" ${PARTS_ARGS:---chunks 128,512} --json "$OUT/parts_$t.json" > "$OUT/parts_$t.md" 2> "$OUT/parts_$t.log"
+            --prompt "${PARTS_PROMPT:-512}" ${PARTS_ARGS:---chunks 128,512} --json "$OUT/parts_$t.json" \
+            > "$OUT/parts_$t.md" 2> "$OUT/parts_$t.log"
         cat "$OUT/parts_$t.md" ;;
     prefetch=*)
-        spec="${ph#prefetch=}"; t="${spec%%@*}"; cpus=""; [[ "$spec" == *@* ]] && cpus="${spec#*@}"
+        phase_spec "$ph"
         stamp "decode GEMV prefetch distances at $t threads${cpus:+ on CPUs $cpus}"
         PYTHONUNBUFFERED=1 timeout "$(left)" $(pin "$cpus") $py bench/bench_kernels.py --threads "$t" \
             --prefetch "${PREFETCH:-0,2048,4096,8192,16384}" > "$OUT/prefetch_$t.md" 2> "$OUT/prefetch_$t.log"
