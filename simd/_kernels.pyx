@@ -63,6 +63,8 @@ cdef extern from "tiles.h" nogil:
     int bk_get_tile_kblock()
     void bk_set_tile_stream(int on)
     int bk_get_tile_stream()
+    void bk_set_tile_warm(int on)
+    int bk_get_tile_warm()
     int bk_get_tile_min_rows()
     uint64_t bk_tiles_products()
     ctypedef struct bk_tilecfg_t:
@@ -212,6 +214,18 @@ def set_tile_stream(bint on):
 def tile_stream():
     """Whether the streamed small-M tile body is on (set_tile_stream)."""
     return bool(bk_get_tile_stream())
+
+
+def set_tile_warm(bint on):
+    """The tile bodies read each ~256 KB chunk of their weights at streaming speed before using it (on, the
+    default) or as the unpack and the tile loads reach it (off). Results never change; bench_tiles.py --warm-ms
+    measures the speed on an AMX machine."""
+    bk_set_tile_warm(1 if on else 0)
+
+
+def tile_warm():
+    """Whether the tile bodies warm their weight chunks first (set_tile_warm)."""
+    return bool(bk_get_tile_warm())
 
 
 def tile_min_rows():
@@ -801,6 +815,11 @@ if _stream_forced:
     if _stream_forced not in ("0", "1"):
         raise IsaChoiceError(f"BITNET_TILE_STREAM={_stream_forced}: 0 or 1")
     set_tile_stream(_stream_forced == "1")
+_warm_forced = os.environ.get("BITNET_TILE_WARM", "").strip()
+if _warm_forced:
+    if _warm_forced not in ("0", "1"):
+        raise IsaChoiceError(f"BITNET_TILE_WARM={_warm_forced}: 0 or 1")
+    set_tile_warm(_warm_forced == "1")
 _prefetch_forced = os.environ.get("BITNET_PREFETCH", "").strip()
 if _prefetch_forced:
     if not _prefetch_forced.isdigit() or int(_prefetch_forced) > BK_GEMV_PREFETCH_MAX:

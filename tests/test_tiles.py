@@ -155,6 +155,33 @@ def test_tile_stream_setting():
     assert r.returncode != 0 and "BITNET_TILE_STREAM=yes" in r.stderr
 
 
+# the weight warm (set_tile_warm, on by default): a thread's range read ~256 KB at a time before its tiles, so
+# ranges of several chunks with a short last one and a lone last tile (K = 6912: 8 tiles a chunk, 19 tiles; K =
+# 2560: 24 a chunk, 45 tiles), and a range inside one chunk; on and off, whole-K and streamed bodies: the same bits
+@pytest.mark.parametrize("warm", [True, False])
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("n,k,m", [(19 * 16 - 5, 6912, 17), (45 * 16, 2560, 40), (33, 1000, 5)])
+def test_gemm_ternary_on_tiles_warm_or_not(tiles, warm, stream, n, k, m):
+    def on():
+        K.set_tile_warm(warm)
+        K.set_tile_stream(stream)
+        assert K.tile_warm() == warm
+
+    def off():
+        K.set_tile_warm(True)
+        K.set_tile_stream(False)
+
+    _variant_equals_vector_path(n + k + m + warm, n, k, m, on, off)
+
+
+def test_tile_warm_setting():
+    assert K.tile_warm()   # on unless asked: the AVX-512 GEMM's read of its chunks, measured there
+    r = _child("from bitnet_cpu import simd; print(simd.tile_warm())", BITNET_TILE_WARM="0")
+    assert r.returncode == 0 and r.stdout.split() == ["False"], r.stderr
+    r = _child("from bitnet_cpu import simd; simd.tiles()", BITNET_TILE_WARM="yes")
+    assert r.returncode != 0 and "BITNET_TILE_WARM=yes" in r.stderr
+
+
 @pytest.mark.parametrize("kblock", [64, 320])
 def test_gemm_i8_head_on_tiles_in_k_blocks(tiles, kblock):
     n, k, m = 100, 1000, 35
@@ -359,6 +386,7 @@ def test_bench_tiles_runs_on_the_emulation(tmp_path):
     assert res["emulated"] and [g["m"] for g in res["gemm"]] == [4, 16]
     assert all(g["us_on"] > 0 and g["us_off"] > 0 for g in res["gemm"])
     assert [r["m"] for r in res["stream"]] == [8, 16, 24, 32] and all(r["speedup"] > 0 for r in res["stream"])
+    assert [r["m"] for r in res["warm"]] == [16, 32, 128] and all(r["gmacs_warm"] > 0 for r in res["warm"])
     if not HW:   # without --emu a machine with no tiles gets the reason and exit 0
         r = subprocess.run([sys.executable, bench], capture_output=True, text=True, timeout=120)
         assert r.returncode == 0 and K.tiles_reason() in r.stdout

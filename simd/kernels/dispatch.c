@@ -42,7 +42,7 @@
 #endif
 #endif
 
-bk_table_t bk_table = {.gemv_prefetch = BK_GEMV_PREFETCH_DEFAULT};
+bk_table_t bk_table = {.gemv_prefetch = BK_GEMV_PREFETCH_DEFAULT, .tile_warm = 1};
 static bk_features_t features;
 static int features_ready = 0;
 static int current_isa = BK_ISA_SCALAR;
@@ -215,6 +215,8 @@ void bk_set_tile_kblock(int k) { bk_table.tile_kblock = k < 64 ? 0 : k / 64 * 64
 int bk_get_tile_kblock(void) { return bk_table.tile_kblock; }
 void bk_set_tile_stream(int on) { bk_table.tile_stream = on ? 1 : 0; }
 int bk_get_tile_stream(void) { return bk_table.tile_stream; }
+void bk_set_tile_warm(int on) { bk_table.tile_warm = on ? 1 : 0; }
+int bk_get_tile_warm(void) { return bk_table.tile_warm; }
 /* the prefetch distance asked for (< 0: none asked, the path's default: kernels.h) */
 static int gemv_prefetch_asked = -1;
 static int gemv_prefetch_for(int isa) {

@@ -132,6 +132,27 @@ static tiles_unpack_fn tiles_unpacker(void) {
 }
 static void tiles_unpack(const uint8_t *p, int kb, int8_t *dst) { tiles_unpacker()(p, kb, dst); }
 
+/* bk_table.tile_warm (tiles.h): at tile t of a range [tile_begin, tile_end) of tiles of tile_bytes each at base,
+ * where a chunk of ~256 KB starts (the AVX-512 GEMM's chunk), that chunk's bytes are read once at streaming speed,
+ * so the unpack or the tile loads after it find them in L2. chunk: tiles_warm_chunk, even, so that pairs of tiles
+ * from tile_begin start on it. Reads only: the results never depend on it. Portable C (the emulation on
+ * aarch64) has nothing to warm with. */
+#define TILES_WARM_BYTES ((size_t)256 << 10)
+static int tiles_warm_chunk(size_t tile_bytes) {
+    const size_t c = TILES_WARM_BYTES / tile_bytes;
+    return c < 2 ? 2 : (int)(c & ~(size_t)1);
+}
+static void tiles_warm(const uint8_t *base, size_t tile_bytes, int t, int tile_begin, int tile_end, int chunk) {
+#if defined(__x86_64__)
+    /* bk_stream_warm is AVX2 code: the emulation under BITNET_ISA=scalar runs on any x86 */
+    if (!bk_table.tile_warm || (t - tile_begin) % chunk || bk_get_isa() == BK_ISA_SCALAR) return;
+    const int n = tile_end - t < chunk ? tile_end - t : chunk;
+    bk_stream_warm(base + (size_t)t * tile_bytes, (size_t)n * tile_bytes);
+#else
+    (void)base, (void)tile_bytes, (void)t, (void)tile_begin, (void)tile_end, (void)chunk;
+#endif
+}
+
 /* the streamed small-M body's ring (tiles.h, bk_set_tile_stream): 4 slots of one 64-k step of a pair of tiles */
 #define TILES_RING_SLOT 2048
 #define TILES_RING_BYTES (4 * TILES_RING_SLOT)

@@ -124,6 +124,7 @@ static void TB_FN(gemm_ternary_tiles)(const uint8_t *w, const float *row_scale, 
     const tiles_args g = {xq, m, k_pad, act_scale, act_sum, row_scale, out, out_i32, n};
     int8_t *a_tail = (int8_t *)s, *codes = (int8_t *)s + utile;
     int32_t *cacc = (int32_t *)(s + utile + 2 * ublk);
+    const int wchunk = tiles_warm_chunk(tile_bytes);
     tiles_copy_tail(&g, a_tail);
     tiles_count();
     TB_CONFIG(&tiles_cfg_full);
@@ -133,6 +134,7 @@ static void TB_FN(gemm_ternary_tiles)(const uint8_t *w, const float *row_scale, 
         int32_t *cbuf = (int32_t *)(s + utile + TILES_RING_BYTES);
         for (int t = tile_begin; t < tile_end; t += 2) {
             const int nb = tile_end - t >= 2 ? 2 : 1;
+            tiles_warm(w, tile_bytes, t, tile_begin, tile_end, wchunk);
             const uint8_t *code[2] = {w + (size_t)t * tile_bytes, w + (size_t)(t + nb - 1) * tile_bytes};
             TB_FN(tiles_pair_stream)(&g, code, nb, t, a_tail, ring, cbuf, unpack);
         }
@@ -141,6 +143,7 @@ static void TB_FN(gemm_ternary_tiles)(const uint8_t *w, const float *row_scale, 
     }
     for (int t = tile_begin; t < tile_end; t += 2) {
         const int nb = tile_end - t >= 2 ? 2 : 1;
+        tiles_warm(w, tile_bytes, t, tile_begin, tile_end, wchunk);
         for (int k0 = 0; k0 < k_pad; k0 += kblk) {
             const int kn = k_pad - k0 < kblk ? k_pad - k0 : kblk;
             for (int j = 0; j < nb; j++)
@@ -161,11 +164,13 @@ static int TB_FN(gemm_i8_tiles)(const tiles_args *g, const int8_t *w, int tile_b
     if (!s) return 0;
     int8_t *a_tail = (int8_t *)s;
     int32_t *cacc = (int32_t *)(s + utile);
+    const int wchunk = tiles_warm_chunk(utile);
     tiles_copy_tail(g, a_tail);
     tiles_count();
     TB_CONFIG(&tiles_cfg_full);
     for (int t = tile_begin; t < tile_end; t += 2) {
         const int nb = tile_end - t >= 2 ? 2 : 1;
+        tiles_warm((const uint8_t *)w, utile, t, tile_begin, tile_end, wchunk); /* int8 rows: the B tiles as stored */
         for (int k0 = 0; k0 < g->k_pad; k0 += kblk) {
             const int kn = g->k_pad - k0 < kblk ? g->k_pad - k0 : kblk;
             TB_FN(tiles_panel)(g, w + (size_t)t * utile + (size_t)k0 / 64 * 1024, utile, nb, t, a_tail, cacc, k0,

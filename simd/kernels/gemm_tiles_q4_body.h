@@ -110,10 +110,14 @@ static int TB_FN(gemm_q4g_tiles)(const tiles_args *g, const uint8_t *codes, cons
     if (!s) return 0;
     int8_t *a_tail = (int8_t *)s, *w = (int8_t *)s + utile;
     int32_t *cbuf = (int32_t *)(s + 3 * utile);
+    const size_t cbytes = (size_t)groups * 256, sbytes = (size_t)groups * 16; /* a tile's codes, its group scales */
+    const int wchunk = tiles_warm_chunk(cbytes);
     tiles_copy_tail(g, a_tail);
     tiles_count();
     TB_CONFIG(&tiles_cfg_full);
     for (int t = tile_begin; t < tile_end; t++) {
+        tiles_warm(codes, cbytes, t, tile_begin, tile_end, wchunk);
+        tiles_warm(gscale, sbytes, t, tile_begin, tile_end, wchunk);
         q4_tiles_unpack(codes + (size_t)t * groups * 256, gscale + (size_t)t * groups * 16, groups, w, w + utile);
         for (int gr = 0; gr < rgroups; gr += 2) {
             const int8_t *a0 = gr < full ? g->xq + (size_t)gr * 16 * stride : a_tail;
