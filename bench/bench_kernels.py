@@ -33,8 +33,25 @@ from bitnet_cpu.simd import layout  # noqa: E402
 from bitnet_cpu.simd import _kernels as K  # noqa: E402
 from bitnet_cpu.simd import _probes as P  # noqa: E402  (benchmark-only probes, not in the runtime module)
 
-LLC_BYTES = 32 << 20
-WORKING_SET = 8 * LLC_BYTES  # every GEMV's weight copies together exceed the LLC 8 times
+def llc_bytes(default=32 << 20) -> int:
+    """The largest CPU cache Linux reports (sysfs), or default."""
+    best = 0
+    base = "/sys/devices/system/cpu/cpu0/cache"
+    for idx in (os.listdir(base) if os.path.isdir(base) else []):
+        try:
+            size = open(os.path.join(base, idx, "size")).read().strip()
+        except OSError:
+            continue
+        mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(size[-1:], 1)
+        if size.rstrip("KMG").isdigit():
+            best = max(best, int(size.rstrip("KMG")) * mult)
+    return best or default
+
+
+LLC_BYTES = llc_bytes()
+# every GEMV's weight copies together exceed the LLC 8 times (32 MB here); 3 times on a server part whose L3 is
+# hundreds of MB (a Xeon's), so that generating them stays a few seconds
+WORKING_SET = max(8 * (32 << 20), 3 * LLC_BYTES)
 # (name, N, K): the 2B-4T BitLinear shapes (fused where the engine fuses them)
 LAYERS = [
     ("attn_q/o 2560x2560", 2560, 2560),

@@ -164,6 +164,7 @@ def report(res: dict, out_dir: str):
         lines += ["", "| concurrency | tok/s ours / llama-server | TTFT p50 llama-server / ours |", "|---:|---:|---:|"]
         for c, (rt, rf) in res["ratios"].items():
             lines.append(f"| {c} | {rt:.2f}x | {rf:.2f}x |")
+    os.makedirs(out_dir, exist_ok=True)   # --out-dir may name a folder not made yet
     with open(os.path.join(out_dir, "SERVE_RESULTS.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     with open(os.path.join(out_dir, "serve_results.json"), "w") as f:

@@ -12,7 +12,8 @@
                                                        # (slow: the figures say nothing about speed)
 
 Tiles off is BITNET_ISA=avx512's choice (simd.set_isa("avx512")), tiles on is simd.set_isa("amx"): one process,
-alternating, so both sides see the same machine state. Each GEMM figure is GMAC/s and its share of the peak of
+alternating, so both sides see the same machine state. The GEMMs' weights come from memory, as in the engine's
+steps (copies cycled that together exceed the last-level cache). Each GEMM figure is GMAC/s and its share of the peak of
 its own instruction path (simd._probes.peak_dot: vpdpbusd zmm; peak_tile: tdpbssd), both measured in this run.
 The crossover of a shape is the smallest M from which the tiles win at every larger M measured: the value to put
 in tiles.h (BK_TILE_MIN_ROWS_AMX) / BITNET_TILE_MIN_ROWS. Without AMX hardware (and without --emu) the script
@@ -36,7 +37,7 @@ sys.path.insert(0, HERE)
 from bitnet_cpu.simd import _kernels as K  # noqa: E402
 from bitnet_cpu.simd import _probes as P  # noqa: E402
 from bitnet_cpu.simd import layout  # noqa: E402
-from bench_kernels import random_ternary_packed, timed  # noqa: E402
+from bench_kernels import WORKING_SET, random_ternary_packed, timed  # noqa: E402
 
 # (name, N, K) of the 2B-4T layers; the int8 and q4 heads are 128256 x 2560
 SHAPES = [("qkv", 3840, 2560), ("o", 2560, 2560), ("gate|up", 13824, 2560), ("down", 2560, 6912)]
@@ -76,11 +77,31 @@ def _mode(on: bool, emu: bool, min_rows: int = 1):
     K.set_tile_min_rows(min_rows)
 
 
+_COPIES: dict = {}
+
+
+def weight_copies(rng, n, k, emu):
+    """A call that cycles through copies of a random n x k ternary matrix that together exceed the last-level
+    cache (WORKING_SET, bench_kernels.py), so that every call reads its weights from memory as the engine's steps
+    do (one copy stays in a Xeon's L3 of hundreds of MB between calls); the emulation: one copy. One random copy,
+    replicated (speed does not depend on the values), kept for the run's other tables."""
+    if (n, k, emu) not in _COPIES:
+        w = random_ternary_packed(rng, n, k, 1)[0]
+        copies = 1 if emu else max(2, -(-WORKING_SET // w.nbytes))
+        big = np.empty(w.nbytes * copies, np.uint8)
+        ws = [big[i * w.nbytes:(i + 1) * w.nbytes] for i in range(copies)]
+        for c in ws:
+            c[:] = w
+        _COPIES[(n, k, emu)] = ws
+    ws, it = _COPIES[(n, k, emu)], iter(range(1 << 62))
+    return lambda: ws[next(it) % len(ws)]
+
+
 def gemm_rows(shapes, ms, threads, emu, peak, min_time) -> list[dict]:
     rng = np.random.default_rng(0)
     rows = []
     for name, n, k in shapes:
-        w = random_ternary_packed(rng, n, k, 1)[0]
+        w = weight_copies(rng, n, k, emu)
         rs = np.ones(n, np.float32)
         k_pad = layout.pad_to(k, 64)
         for m in ms:
@@ -91,7 +112,7 @@ def gemm_rows(shapes, ms, threads, emu, peak, min_time) -> list[dict]:
             for on in (False, True, False, True):      # alternate: both sides see the same machine state
                 _mode(on, emu)
                 K.set_num_threads(threads)
-                t = timed(lambda: K.gemm_ternary(w, rs, xq, s, sm, out), min_time=min_time, max_calls=200)
+                t = timed(lambda: K.gemm_ternary(w(), rs, xq, s, sm, out), min_time=min_time, max_calls=200)
                 sec[on] = min(sec.get(on, t), t)
             macs = m * n * k
             r = {"shape": name, "n": n, "k": k, "m": m, "threads": threads, "us_off": sec[False] * 1e6,
@@ -139,7 +160,7 @@ def variant_rows(shapes, ms, threads, emu, seed, variants, apply, min_time):
     alternating in two rounds: yields (name, n, k, m, {variant: seconds}) per shape and row count."""
     rng = np.random.default_rng(seed)
     for name, n, k in shapes:
-        w = random_ternary_packed(rng, n, k, 1)[0]
+        w = weight_copies(rng, n, k, emu)
         rs, k_pad = np.ones(n, np.float32), layout.pad_to(k, 64)
         for m in ms:
             xq = rng.integers(-127, 128, size=(m, k_pad), dtype=np.int8)
@@ -152,7 +173,7 @@ def variant_rows(shapes, ms, threads, emu, seed, variants, apply, min_time):
                 for _ in range(2):
                     for v in variants:
                         apply(v)
-                        t = timed(lambda: K.gemm_ternary(w, rs, xq, s, sm, out), min_time=min_time, max_calls=400)
+                        t = timed(lambda: K.gemm_ternary(w(), rs, xq, s, sm, out), min_time=min_time, max_calls=400)
                         sec[v] = min(sec.get(v, t), t)
             finally:
                 apply(variants[0])
@@ -189,6 +210,20 @@ def stream_rows(shapes, ms, threads, emu, peak, min_time) -> list[dict]:
               flush=True)
         rows.append({"shape": name, "n": n, "k": k, "m": m, "threads": threads, "gmacs_whole": g[False],
                      "gmacs_stream": g[True], "speedup": sec[False] / sec[True]})
+    return rows
+
+
+def warm_rows(shapes, ms, threads, emu, peak, min_time) -> list[dict]:
+    """The ternary tile GEMM with its weight chunks read at streaming speed first (simd.set_tile_warm, the
+    default) against the unpack reading them as it goes, weights from memory."""
+    rows, share = [], _share(peak)
+    for name, n, k, m, sec in variant_rows(shapes, ms, threads, emu, 4, [True, False], K.set_tile_warm, min_time):
+        g = {on: m * n * k / sec[on] / 1e9 for on in sec}
+        print(f"{name:8s} {n:>6d} x {k:<5d} M={m:<4d} {threads}t   tiles, warmed chunks {g[True]:7.1f} GMAC/s"
+              f"{share(g[True])}   unwarmed {g[False]:7.1f} GMAC/s{share(g[False])}   x{sec[False] / sec[True]:.2f}",
+              flush=True)
+        rows.append({"shape": name, "n": n, "k": k, "m": m, "threads": threads, "gmacs_warm": g[True],
+                     "gmacs_cold": g[False], "speedup": sec[False] / sec[True]})
     return rows
 
 
@@ -303,6 +338,8 @@ def main(argv=None) -> int:
                     help="k-blocks of the tile GEMM to compare at --kblock-ms (0: all of K; '': skip)")
     ap.add_argument("--stream-ms", default="8,16,24,32",
                     help="row counts (<= 32) at which to compare the streamed small-M tile body ('': skip)")
+    ap.add_argument("--warm-ms", default="16,32,128",
+                    help="row counts at which to compare the tiles with and without their weight warm ('': skip)")
     ap.add_argument("--kblock-ms", default="16,32,128,512",
                     help="row counts of the k-block comparison (small M: the unpacked pair of weight tiles is "
                          "read once per row group, so an L1-sized block may pay there and not at 512)")
@@ -355,6 +392,10 @@ def main(argv=None) -> int:
             res.setdefault("stream", []).extend(
                 stream_rows(shapes, [int(x) for x in a.stream_ms.split(",") if 0 < int(x) <= 32], t, a.emu, pk,
                             min_time))
+            save()
+        if a.warm_ms:
+            res.setdefault("warm", []).extend(
+                warm_rows(shapes, [int(x) for x in a.warm_ms.split(",")], t, a.emu, pk, min_time))
             save()
     res["crossover"] = crossovers(res["gemm"] + res["head"])
     if res["crossover"]:

@@ -7,8 +7,9 @@
 # Phases, in order, each stopped at DEADLINE (default 520 s from the start; the call's limit is 600):
 #   ktests        the kernel tests with the hardware tiles, beside the builds (ours, llama.cpp, ik_llama.cpp)
 #   tiles=2@0-1   bench_tiles.py on 2 pinned CPUs: peaks, GEMMs and heads at M = 1..512 tiles on / off, the
-#                 crossover, k-blocks and the streamed small-M body at 16-32 rows; then pp512, batched 1 / 16,
-#                 bitnet serve at 16 clients, the peers' pp512
+#                 crossover, k-blocks, the streamed small-M body at 16-32 rows, the weight warm at 16 and 128
+#                 rows (weights from memory); then pp512, batched 1 / 16, bitnet serve at 16 clients, the peers'
+#                 pp512
 #   parts=2@0-1   bench/prefill_parts.py: a tile prefill kernel by kernel
 #   tiles=16      the same at 16 threads (two shapes), pp512 and pp4096, batched 16 / 32, the peers' pp512 / pp4096
 #   parts=16, prefetch=2@0-1   if time is left
@@ -31,9 +32,10 @@ export PYTHONUNBUFFERED=1
                 "setuptools", setuptools.__version__)'
 } > "$res/machine.txt" 2>&1
 cd "$root" || exit 1
-tiles_2="--ms 1,4,8,16,32,64,128,512 --min-time 0.15 --kblock-ms 16,512 --stream-ms 16,32 --prompts 512"
+tiles_2="--ms 1,4,8,16,32,64,128,512 --min-time 0.15 --kblock-ms 16,512 --stream-ms 16,32 --warm-ms 16,128"
+tiles_2+=" --prompts 512"
 tiles_2+=" --seqs 1,16 --peer-prompts 512 --serve-gen 64"
-tiles_16="--quick --kblock-ms 16,512 --stream-ms 16,32 --prompts 512,4096 --seqs 16,32 --no-serve"
+tiles_16="--quick --kblock-ms 16,512 --stream-ms 16,32 --warm-ms 16 --prompts 512,4096 --seqs 16,32 --no-serve"
 # shellcheck disable=SC2086
 SRC="$src" OUT="$res" DEADLINE="${DEADLINE:-520}" BUILD_CPUS="${BUILD_CPUS:-2-15}" JOBS="${JOBS:-14}" \
     KTESTS_ARGS="${KTESTS_ARGS:--n 6}" KTESTS_TIMEOUT="${KTESTS_TIMEOUT:-150}" \

@@ -86,6 +86,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt", type=int, default=512, help="prompt tokens")
     ap.add_argument("--rounds", type=int, default=2, help="prefills per mode (the best is kept)")
     ap.add_argument("--chunks", default="", help="prefill rows per GEMM call to compare (default: the engine's)")
+    ap.add_argument("--kv", default="f16", choices=("f16", "f32", "q8"), help="KV cache type (as bitnet --kv)")
     ap.add_argument("--json", default=None, help="write the figures here")
     a = ap.parse_args(argv)
     if not os.path.exists(a.store):
@@ -104,7 +105,7 @@ def main(argv=None) -> int:
     best: dict[str, tuple[float, dict]] = {}
     try:
         for chunk in chunks:
-            model = Model(store, n_ctx=a.prompt + 64, chunk=chunk, threads=a.threads)
+            model = Model(store, n_ctx=a.prompt + 64, chunk=chunk, threads=a.threads, kv_dtype=a.kv)
             for _ in range(a.rounds):
                 for mode in modes:
                     K.set_isa(mode if mode in isas else None)
@@ -124,7 +125,7 @@ def main(argv=None) -> int:
         K.set_isa(None)
     modes = list(best)
     labels = sorted({k for _, p in best.values() for k in p}, key=lambda k: -max(p.get(k, 0) for _, p in best.values()))
-    print(f"prefill of {a.prompt} tokens, {a.threads} threads, {os.path.basename(a.store)}; best of {a.rounds}; "
+    print(f"prefill of {a.prompt} tokens, {a.threads} threads, {os.path.basename(a.store)}, kv {a.kv}; best of {a.rounds}; "
           f"ms per prefill (share of its wall time)")
     pair = ("avx512", "amx") if {"avx512", "amx"} <= set(modes) else None   # one chunk: the tiles' ratio
     print(f"{'part':40s}" + "".join(f"{m:>22s}" for m in modes) + ("   avx512 / amx" if pair else ""))
@@ -143,7 +144,7 @@ def main(argv=None) -> int:
         print(f"{m}: {a.prompt / best[m][0]:.1f} tok/s")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"prompt": a.prompt, "threads": a.threads, "store": a.store, "chunks": chunks, "modes": modes,
+            json.dump({"prompt": a.prompt, "threads": a.threads, "store": a.store, "kv": a.kv, "chunks": chunks, "modes": modes,
                        "rows": rows,
                        "cpu": K.features()}, f, indent=1)
     return 0
