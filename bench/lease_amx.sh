@@ -13,6 +13,8 @@
 #   parts=2@0-1   bench/prefill_parts.py: a tile prefill kernel by kernel
 #   tiles=16      the same at 16 threads (two shapes), pp512 and pp4096, batched 16 / 32, the peers' pp512 / pp4096
 #   parts=16, prefetch=2@0-1   if time is left
+# PHASES="..." runs others; with REUSE=1 (a second call while the machine is still warm) the peers' binaries and
+# the models stay and ours is rebuilt only if its sources changed (bench/sweep_offline.sh).
 # Output under $OUT (the device tool's folder; default ./lease-out): machine.txt, sweep.log and the tables
 # (tiles_*.md, parts_*.md, prefetch_2.md, ktests.log), and all.tgz with every log and JSON. Copy the tables into
 # bench/TILES_RESULTS.md and the figures into docs/performance.md (issue: tiles on AMX).

@@ -18,7 +18,7 @@
 #   ktests           the kernel tests (KTESTS, default tests/test_kernels.py tests/test_attention_paths.py) on this
 #                    machine's ISA, in the background from when ours is built until the models are made, at most
 #                    KTESTS_TIMEOUT s (default 240); no phase is timed while they run (their log: ktests.log)
-#   usage: SRC=dir-with-carried-files OUT=results-dir [DEADLINE=s] bash bench/sweep_offline.sh [phase ...]
+#   usage: SRC=dir-with-carried-files OUT=results-dir [DEADLINE=s] [REUSE=1] bash bench/sweep_offline.sh [phase ...]
 # No phase: threads. DEADLINE (seconds from the start): no phase starts past it, and each one is stopped there
 # (the JSON a phase writes after every row keeps what it measured). HEAD (default q4; i8 converts faster) picks the
 # store ours reads; BUILD_CPUS (taskset list) keeps the builds off the cores a pinned phase times.
@@ -54,27 +54,44 @@ opt() { local v="${1}_$2"; v="${!v:-}"; [[ -n "$v" ]] || { v="${1}"; v="${!v:-$3
 depths=0,1024,4096,16384
 build=$(pin "${BUILD_CPUS:-}")
 
+# REUSE=1 (a second call on a machine still warm from the first): the peers' binaries and the models already
+# made are kept, and ours is rebuilt only when its sources differ from the last build's (a hash of them)
+reuse="${REUSE:-0}"
+ik_ok() { [[ "$reuse" == 1 && -x "$work/ik/build/bin/llama-bench" && -x "$work/ik/build/bin/llama-quantize" ]]; }
 # ik_llama.cpp, then its IQ2_BN file (written from the synthetic model, beside ours being made from TQ2_0)
-( cd "$work" && rm -rf ik && mkdir ik && tar xzf "$SRC/ik_src.tar.gz" -C ik && cd ik &&
+( cd "$work" && { ik_ok && echo "ik kept (REUSE)" || {
+  rm -rf ik && mkdir ik && tar xzf "$SRC/ik_src.tar.gz" -C ik && cd ik &&
   cmake -B build -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DCMAKE_BUILD_TYPE=Release &&
-  $build cmake --build build -j "$JOBS" --target llama-bench llama-quantize &&
+  $build cmake --build build -j "$JOBS" --target llama-bench llama-quantize; }; } &&
   echo "[$((SECONDS - t0)) s] ik built; IQ2_BN" &&
   $build $py "$root/bench/make_models.py" --only-ik --ik-quantize "$work/ik/build/bin/llama-quantize" &&
   echo "[$((SECONDS - t0)) s] IQ2_BN written" ) > "$OUT/ik_build.log" 2>&1 &
 ik_pid=$!
 # llama.cpp: its own llama-bench, built from the llama-cpp-python sdist's vendored sources (the Python binding
 # built on such a machine crashed in llama_model_load; llama-bench times the same library code)
+if [[ "$reuse" == 1 && -x "$work/llama/build/bin/llama-bench" ]]; then
+    echo "llama.cpp kept (REUSE)" > "$OUT/llama_build.log"; llama_pid=""
+else
 ( cd "$work" && rm -rf llama && mkdir llama && tar xzf "$SRC"/llama_cpp_python-*.tar.gz -C llama &&
   cmake -S llama/*/vendor/llama.cpp -B llama/build -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
         -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_TOOLS=ON \
         -DCMAKE_BUILD_TYPE=Release &&
   $build cmake --build llama/build -j "$JOBS" --target llama-bench ) > "$OUT/llama_build.log" 2>&1 &
 llama_pid=$!
+fi
 
 cd "$root"
-stamp "building ours"
-$build $py setup.py build_ext --inplace -j "$JOBS" > "$OUT/ours_build.log" 2>&1 ||
-    { tail "$OUT/ours_build.log"; exit 1; }
+src_hash=$(find simd setup.py -type f \( -name '*.c' -o -name '*.h' -o -name '*.pyx' -o -name '*.pxi' -o -name '*.py' \) \
+           ! -name '_kernels.c' ! -name '_probes.c' ! -name '_faultguard.c' | sort | xargs cat | sha1sum | cut -c1-16)
+if [[ "$reuse" == 1 && "$(cat "$work/ours.hash" 2>/dev/null)" == "$src_hash" ]] &&
+   $py -c 'from bitnet_cpu.simd import _kernels' 2> /dev/null; then
+    stamp "ours kept (REUSE: the sources are the last build's)"
+else
+    stamp "building ours"
+    $build $py setup.py build_ext --inplace -j "$JOBS" > "$OUT/ours_build.log" 2>&1 ||
+        { tail "$OUT/ours_build.log"; exit 1; }
+    echo "$src_hash" > "$work/ours.hash"
+fi
 stamp "ours built: path $($py -c 'from bitnet_cpu.simd import _kernels as K; print(K.active())')"
 if [[ " ${phases[*]} " == *" ktests "* ]]; then
     ktests=${KTESTS:-tests/test_kernels.py tests/test_attention_paths.py tests/test_tiles.py}
@@ -87,7 +104,7 @@ stamp "generating 2B-4T models (our store: $HEAD head)"
 $build $py bench/make_models.py --no-f16 --heads "$HEAD" 2>&1 | tail -4
 wait $ik_pid || { stamp "ik build or its IQ2_BN file failed"; tail -5 "$OUT/ik_build.log"; }
 ikb="$work/ik/build/bin"
-wait $llama_pid || { stamp "llama.cpp build failed"; tail -5 "$OUT/llama_build.log"; }
+[[ -z "$llama_pid" ]] || wait "$llama_pid" || { stamp "llama.cpp build failed"; tail -5 "$OUT/llama_build.log"; }
 if [[ -n "${kt_pid:-}" ]]; then wait $kt_pid; stamp "kernel tests: $(tail -2 "$OUT/ktests.log" | tr '\n' ' ')"; fi
 store="bench/cache/2b4t.$HEAD.bnstore"
 for ph in "${phases[@]}"; do
