@@ -3,7 +3,7 @@
  * Prefill is compute-bound, so the unpacked codes of a block (4 shift+and per 64 bytes) are reused for a
  * group of tokens held in registers: AVX-512 keeps 2 tiles x 8 tokens = 16 accumulators + 8 unpacked
  * operands in the 32 zmm registers, and each activation broadcast feeds both tiles (about 97% of the
- * vpdpbusd peak on one Zen 4 core, M >= 32). Loop order: see gemm_chunk_tiles.
+ * vpdpbusd peak on one Zen 4 core, M >= 32). Loop order: see gemm_ternary_avx512 and gemm_chunk_tiles.
  */
 #include "kernels.h"
 
@@ -27,10 +27,12 @@ static void gemm_ternary_scalar(const uint8_t *w, const float *row_scale, const 
 #if defined(__x86_64__)
 /* ---------------- AVX-512 VNNI ---------------- */
 /* TG tiles (1..2) starting at tile t, MG tokens (1..8) starting at m0; TG and MG are constants after
- * inlining, so the accumulator arrays live in registers. */
+ * inlining, so the accumulator arrays live in registers. pf0 / pf1 (or NULL): tiles to prefetch into L2 beside
+ * the pass, the line at the same offset per line read. */
 AVX512_TARGET __attribute__((always_inline)) static inline void gemm_group_avx512(
     const uint8_t *w, size_t tile_bytes, int t, const int TG, const int8_t *xq, int m0, const int MG, int k_pad,
-    const float *row_scale, const float *act_scale, const int32_t *act_sum, float *out, int32_t *out_i32, int n) {
+    const float *row_scale, const float *act_scale, const int32_t *act_sum, float *out, int32_t *out_i32, int n,
+    const uint8_t *pf0, const uint8_t *pf1) {
     const int kb = k_pad / 16;
     const __m512i m3 = _mm512_set1_epi8(3);
     __m512i acc[2][8];
@@ -41,6 +43,8 @@ AVX512_TARGET __attribute__((always_inline)) static inline void gemm_group_avx51
     const uint8_t *p = w + (size_t)t * tile_bytes;
     const int8_t *x = xq + (size_t)m0 * k_pad;
     for (int b = 0; b < kb; b++) {
+        if (pf0) __builtin_prefetch(pf0 + (size_t)b * 64, 0, 2);
+        if (pf1) __builtin_prefetch(pf1 + (size_t)b * 64, 0, 2);
         __m512i u[2][4];
 #pragma GCC unroll 2
         for (int j = 0; j < TG; j++) {
@@ -71,49 +75,67 @@ AVX512_TARGET __attribute__((always_inline)) static inline void gemm_group_avx51
     }
 }
 
-/* Loop order: a chunk of tiles small enough to stay in L2 (~256 KB of weights), then token groups of 8, then
- * tile pairs: each group's activations (8 x K_pad bytes) stay in L1 while the chunk's weights stream from
- * L2, and every weight byte comes from DRAM once per call. (Tile pairs outer, tokens inner ran at half the
- * rate for M = 128: the 8-token group and the tile pair evicted each other from L1.)
- * Each chunk is first read once at streaming speed (bk_stream_warm): the first token group, 64 vpdpbusd per
- * 128 weight bytes, kept too few lines in flight to read DRAM fast (one Zen 5 core, 13824 x 2560 from DRAM:
- * 291 GMAC/s at M = 8, 525 with the weights in cache; software prefetch 4-64 KB ahead, chunk sizes and one
- * tile per step did not help). Warmed, 2 threads: M = 4 316 -> 454 GMAC/s, 8 560 -> 668, 16 730 -> 818,
- * 32 859 -> 907, 128 the same (2026-11-28). The AVX2 body is bound by its arithmetic at every M (~300 GMAC/s
- * on 2 threads): warmed it lost 5-18% at M = 4..16, so it reads its chunks as before. */
+/* The AVX2 body's loop order: a chunk of tiles small enough to stay in L2 (~256 KB of weights), then token
+ * groups, then tiles: each group's activations stay in L1 while the chunk's weights stream from L2, and every
+ * weight byte comes from DRAM once per call. That body is bound by its arithmetic at every M (~300 GMAC/s on 2
+ * threads): reading each chunk at streaming speed first lost 5-18% there at M = 4..16, so it does not. */
 static inline int gemm_chunk_tiles(size_t tile_bytes) {
     size_t c = ((size_t)256 << 10) / tile_bytes;
     return c < 2 ? 2 : (int)(c & ~(size_t)1);
 }
 
-#define GEMM_TILE_PAIRS(BODY, MG)                                                                           \
+/* Every token group over the chunk's tiles [tc, tce) in pairs, the first group also prefetching the next
+ * chunk's tile at the same offset (tiles below nce) */
+#define GEMM_TOKEN_GROUPS(MG, PF)                                                                           \
     do {                                                                                                    \
-        int t = tc;                                                                                         \
-        for (; t + 2 <= tce; t += 2) BODY(w, tile_bytes, t, 2, xq, m0, MG, k_pad, row_scale, act_scale, act_sum, out, out_i32, n); \
-        if (t < tce) BODY(w, tile_bytes, t, 1, xq, m0, MG, k_pad, row_scale, act_scale, act_sum, out, out_i32, n); \
+        for (int t = tc; t < tce; t += 2) {                                                                 \
+            const int u = t + (tce - tc);                                                                   \
+            const uint8_t *p0 = PF && u < nce ? w + (size_t)u * tile_bytes : NULL;                          \
+            const uint8_t *p1 = PF && u + 1 < nce ? w + (size_t)(u + 1) * tile_bytes : NULL;                \
+            if (tce - t >= 2) GEMM_GROUP(2, MG);                                                            \
+            else GEMM_GROUP(1, MG);                                                                         \
+        }                                                                                                   \
     } while (0)
+#define GEMM_GROUP(TG, MG)                                                                                  \
+    gemm_group_avx512(w, tile_bytes, t, TG, xq, m0, MG, k_pad, row_scale, act_scale, act_sum, out, out_i32, n, p0, p1)
 
+/* Loop order: a chunk of tiles, then token groups of 8, then tile pairs: each group's activations (8 x K_pad
+ * bytes) stay in L1 while the chunk's weights come from L1 / L2, and every weight byte comes from DRAM once per
+ * call. The first group over a chunk, 64 vpdpbusd per 128 weight bytes, keeps too few lines in flight to read
+ * DRAM fast itself (one Zen 5 core, 13824 x 2560: 291 GMAC/s at M = 8, 525 with the weights in cache), so the
+ * weights arrive ahead of it: the range's first chunk is read at streaming speed (bk_stream_warm), and every
+ * later chunk is prefetched into L2 by the first group over the chunk before it, which overlaps the read with
+ * the arithmetic where warming every chunk first (the loop until 2026-11-28) put it in front of it.
+ * Chunks: at M <= 32 one pair of tiles (the threads' ranges hold ~8-30 tiles, and only their first chunk is read
+ * before the arithmetic), ~256 KB above (tiles outer, tokens inner lost 2-8% on 13824 x 2560 at M = 128: the
+ * 8-token group and the tile pair evict each other from L1). 2 threads, weights from DRAM, GOP/s at M = 8 / 16,
+ * warmed chunks against prefetched pairs, alternating builds: 13824 x 2560 1,406 -> 1,881 / 1,697 -> 1,885;
+ * 3840 x 2560 1,386 -> 1,630 / 1,663 -> 1,822; 2560 x 6912 1,395 -> 1,694 / 1,696 -> 1,861 (one thread, M = 16:
+ * 899 -> 1,036, the rate of M = 128). Chunks of 6 tiles at M = 16 left 3840 x 2560 5% behind pairs. */
 AVX512_TARGET static void gemm_ternary_avx512(const uint8_t *w, const float *row_scale, const int8_t *xq, int m,
                                               int k_pad, const float *act_scale, const int32_t *act_sum,
                                               float *out, int32_t *out_i32, int n, int tile_begin, int tile_end) {
     const size_t tile_bytes = (size_t)(k_pad / 16) * 64;
-    const int chunk = gemm_chunk_tiles(tile_bytes);
+    const int chunk = m <= 32 ? 2 : gemm_chunk_tiles(tile_bytes);
     for (int tc = tile_begin; tc < tile_end; tc += chunk) {
-        int tce = tc + chunk < tile_end ? tc + chunk : tile_end;
-        bk_stream_warm(w + (size_t)tc * tile_bytes, (size_t)(tce - tc) * tile_bytes);
-        int m0 = 0;
-        for (; m0 + 8 <= m; m0 += 8) GEMM_TILE_PAIRS(gemm_group_avx512, 8);
+        const int tce = tc + chunk < tile_end ? tc + chunk : tile_end;
+        const int nce = tce + chunk < tile_end ? tce + chunk : tile_end;
+        if (tc == tile_begin) bk_stream_warm(w + (size_t)tc * tile_bytes, (size_t)(tce - tc) * tile_bytes);
+        int m0 = 0, pf = 1;
+        for (; m0 + 8 <= m; m0 += 8, pf = 0) GEMM_TOKEN_GROUPS(8, pf);
         if (m0 + 4 <= m) {
-            GEMM_TILE_PAIRS(gemm_group_avx512, 4);
-            m0 += 4;
+            GEMM_TOKEN_GROUPS(4, pf);
+            m0 += 4, pf = 0;
         }
         if (m0 + 2 <= m) {
-            GEMM_TILE_PAIRS(gemm_group_avx512, 2);
-            m0 += 2;
+            GEMM_TOKEN_GROUPS(2, pf);
+            m0 += 2, pf = 0;
         }
-        if (m0 < m) GEMM_TILE_PAIRS(gemm_group_avx512, 1);
+        if (m0 < m) GEMM_TOKEN_GROUPS(1, pf);
     }
 }
+#undef GEMM_TOKEN_GROUPS
+#undef GEMM_GROUP
 
 /* ---------------- AVX2 (pmaddubsw into int16, widened every 16 blocks) ---------------- */
 AVX2_TARGET __attribute__((always_inline)) static inline void gemm_group_avx2(
