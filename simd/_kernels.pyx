@@ -217,14 +217,15 @@ def tile_stream():
 
 
 def set_tile_warm(bint on):
-    """The tile bodies read each ~256 KB chunk of their weights at streaming speed before using it (on, the
-    default) or as the unpack and the tile loads reach it (off). Results never change; bench_tiles.py --warm-ms
-    measures the speed on an AMX machine."""
+    """The tile bodies' weights arrive ahead of their use (on, the default: a pair of tiles ahead, prefetched
+    beside the work on the pair before; the q4 head's in ~256 KB chunks read first) or as the unpack and the tile
+    loads reach them (off). Results never change; bench_tiles.py --warm-ms measures the speed on an AMX
+    machine."""
     bk_set_tile_warm(1 if on else 0)
 
 
 def tile_warm():
-    """Whether the tile bodies warm their weight chunks first (set_tile_warm)."""
+    """Whether the tile bodies read their weights ahead (set_tile_warm)."""
     return bool(bk_get_tile_warm())
 
 

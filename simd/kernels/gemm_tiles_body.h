@@ -17,13 +17,15 @@
  * tiles at b and b + b_tile, 1 KB per 64-k step) over kc steps. NA, NB are constants after inlining. unpack
  * non-NULL (the streamed small-M body): b is the ring (TILES_RING_BYTES) and b_tile 1024; each step's 1 KB of
  * each tile is first unpacked there from its codes (code[0], code[1]: 256 code bytes per step) into slot i % 4,
- * so a slot is rewritten only 4 steps after the loads that read it. */
+ * so a slot is rewritten only 4 steps after the loads that read it. ahead non-NULL: the next weights' bytes of
+ * each step prefetched into L2 beside it (tiles_ahead). */
 __attribute__((always_inline)) static inline void TB_FN(tiles_block)(const int8_t *a0, const int8_t *a1,
                                                                     size_t a_stride, const int8_t *b,
                                                                     size_t b_tile, int kc, const int NA,
                                                                     const int NB, int32_t *cbuf, int acc,
                                                                     tiles_unpack_fn unpack,
-                                                                    const uint8_t *const *code) {
+                                                                    const uint8_t *const *code,
+                                                                    const tiles_ahead *ahead) {
     if (acc) {
         TB_LOAD(0, cbuf, 128);
         if (NB == 2) TB_LOAD(1, cbuf + 16, 128);
@@ -38,6 +40,7 @@ __attribute__((always_inline)) static inline void TB_FN(tiles_block)(const int8_
         TB_ZERO(3);
     }
     for (int i = 0; i < kc; i++) {
+        if (ahead) tiles_prefetch_step(ahead, i);
         const int8_t *bi = b + (size_t)1024 * i;
         if (unpack) {
             bi = b + (size_t)(i & 3) * TILES_RING_SLOT;
@@ -66,19 +69,22 @@ __attribute__((always_inline)) static inline void TB_FN(tiles_block)(const int8_
 /* tiles_block for na, nb (1 or 2) known only at run time: one of its four constant-folded forms */
 static inline void TB_FN(tiles_block_any)(const int8_t *a0, const int8_t *a1, size_t a_stride, const int8_t *b,
                                           size_t b_tile, int kc, int na, int nb, int32_t *cbuf, int acc,
-                                          tiles_unpack_fn unpack, const uint8_t *const *code) {
-    if (na == 2 && nb == 2) TB_FN(tiles_block)(a0, a1, a_stride, b, b_tile, kc, 2, 2, cbuf, acc, unpack, code);
-    else if (na == 2) TB_FN(tiles_block)(a0, a1, a_stride, b, b_tile, kc, 2, 1, cbuf, acc, unpack, code);
-    else if (nb == 2) TB_FN(tiles_block)(a0, a1, a_stride, b, b_tile, kc, 1, 2, cbuf, acc, unpack, code);
-    else TB_FN(tiles_block)(a0, a1, a_stride, b, b_tile, kc, 1, 1, cbuf, acc, unpack, code);
+                                          tiles_unpack_fn unpack, const uint8_t *const *code,
+                                          const tiles_ahead *ahead) {
+    if (na == 2 && nb == 2) TB_FN(tiles_block)(a0, a1, a_stride, b, b_tile, kc, 2, 2, cbuf, acc, unpack, code, ahead);
+    else if (na == 2) TB_FN(tiles_block)(a0, a1, a_stride, b, b_tile, kc, 2, 1, cbuf, acc, unpack, code, ahead);
+    else if (nb == 2) TB_FN(tiles_block)(a0, a1, a_stride, b, b_tile, kc, 1, 2, cbuf, acc, unpack, code, ahead);
+    else TB_FN(tiles_block)(a0, a1, a_stride, b, b_tile, kc, 1, 1, cbuf, acc, unpack, code, ahead);
 }
 
 /* One k-block [k0, k0 + 64 kc) of every activation row group (16 rows; the last, partial one from the
  * zero-padded tail copy) against NB weight tiles t, t+1 whose i8_tile16 codes of that block are at b (tile j at
  * b + j * b_tile). Each pair of row groups keeps its C block in cacc (4 KB each) between k-blocks: the first
- * block starts from zero, the last one runs the epilogue. */
+ * block starts from zero, the last one runs the epilogue. ahead: the next weights of this k-block, prefetched
+ * beside the first row-group pair. */
 static void TB_FN(tiles_panel)(const tiles_args *g, const int8_t *b, size_t b_tile, int nb, int t,
-                               const int8_t *a_tail, int32_t *cacc, int k0, int kc, int first, int last) {
+                               const int8_t *a_tail, int32_t *cacc, int k0, int kc, int first, int last,
+                               const tiles_ahead *ahead) {
     const int full = g->m / 16, groups = (g->m + 15) / 16;
     const size_t stride = (size_t)g->k_pad;
     for (int gr = 0; gr < groups; gr += 2) {
@@ -86,7 +92,7 @@ static void TB_FN(tiles_panel)(const tiles_args *g, const int8_t *b, size_t b_ti
         const int8_t *a0 = (gr < full ? g->xq + (size_t)gr * 16 * stride : a_tail) + k0;
         const int8_t *a1 = (gr + 1 < full ? g->xq + (size_t)(gr + 1) * 16 * stride : a_tail) + k0;
         int32_t *cbuf = cacc + (size_t)(gr / 2) * 32 * 32;
-        TB_FN(tiles_block_any)(a0, a1, stride, b, b_tile, kc, na, nb, cbuf, !first, NULL, NULL);
+        TB_FN(tiles_block_any)(a0, a1, stride, b, b_tile, kc, na, nb, cbuf, !first, NULL, NULL, gr ? NULL : ahead);
         if (last) tiles_finish(g, cbuf, gr * 16, na, nb, t);
     }
 }
@@ -95,12 +101,13 @@ static void TB_FN(tiles_panel)(const tiles_args *g, const int8_t *b, size_t b_ti
  * codes at code[0] / code[1], unpacked one 64-k step at a time into the ring right before the loads that read
  * it (tiles_block); C stays in tmm0..3 over the whole of K and goes through cbuf (32 x 32 int32) to the epilogue. */
 static void TB_FN(tiles_pair_stream)(const tiles_args *g, const uint8_t *const *code, int nb, int t,
-                                     const int8_t *a_tail, int8_t *ring, int32_t *cbuf, tiles_unpack_fn unpack) {
+                                     const int8_t *a_tail, int8_t *ring, int32_t *cbuf, tiles_unpack_fn unpack,
+                                     const tiles_ahead *ahead) {
     const int full = g->m / 16, na = (g->m + 15) / 16, kc = g->k_pad / 64;
     const size_t stride = (size_t)g->k_pad;
     const int8_t *a0 = full >= 1 ? g->xq : a_tail;
     const int8_t *a1 = full >= 2 ? g->xq + 16 * stride : a_tail;
-    TB_FN(tiles_block_any)(a0, a1, stride, ring, 1024, kc, na, nb, cbuf, 0, unpack, code);
+    TB_FN(tiles_block_any)(a0, a1, stride, ring, 1024, kc, na, nb, cbuf, 0, unpack, code, ahead);
     tiles_finish(g, cbuf, 0, na, nb, t);
 }
 
@@ -124,7 +131,6 @@ static void TB_FN(gemm_ternary_tiles)(const uint8_t *w, const float *row_scale, 
     const tiles_args g = {xq, m, k_pad, act_scale, act_sum, row_scale, out, out_i32, n};
     int8_t *a_tail = (int8_t *)s, *codes = (int8_t *)s + utile;
     int32_t *cacc = (int32_t *)(s + utile + 2 * ublk);
-    const int wchunk = tiles_warm_chunk(tile_bytes);
     tiles_copy_tail(&g, a_tail);
     tiles_count();
     TB_CONFIG(&tiles_cfg_full);
@@ -134,21 +140,24 @@ static void TB_FN(gemm_ternary_tiles)(const uint8_t *w, const float *row_scale, 
         int32_t *cbuf = (int32_t *)(s + utile + TILES_RING_BYTES);
         for (int t = tile_begin; t < tile_end; t += 2) {
             const int nb = tile_end - t >= 2 ? 2 : 1;
-            tiles_warm(w, tile_bytes, t, tile_begin, tile_end, wchunk);
+            tiles_ahead ah;
+            const tiles_ahead *next = tiles_next_pair(&ah, w, tile_bytes, t, tile_begin, tile_end, 256, 0);
             const uint8_t *code[2] = {w + (size_t)t * tile_bytes, w + (size_t)(t + nb - 1) * tile_bytes};
-            TB_FN(tiles_pair_stream)(&g, code, nb, t, a_tail, ring, cbuf, unpack);
+            TB_FN(tiles_pair_stream)(&g, code, nb, t, a_tail, ring, cbuf, unpack, next);
         }
         TB_RELEASE();
         return;
     }
     for (int t = tile_begin; t < tile_end; t += 2) {
         const int nb = tile_end - t >= 2 ? 2 : 1;
-        tiles_warm(w, tile_bytes, t, tile_begin, tile_end, wchunk);
         for (int k0 = 0; k0 < k_pad; k0 += kblk) {
             const int kn = k_pad - k0 < kblk ? k_pad - k0 : kblk;
+            tiles_ahead ah;   /* the next pair's codes of this k-block (256 bytes a 64-k step) */
+            const tiles_ahead *next = tiles_next_pair(&ah, w, tile_bytes, t, tile_begin, tile_end, 256,
+                                                      (size_t)k0 / 16 * 64);
             for (int j = 0; j < nb; j++)
                 tiles_unpack(w + (size_t)(t + j) * tile_bytes + (size_t)k0 / 16 * 64, kn / 16, codes + j * ublk);
-            TB_FN(tiles_panel)(&g, codes, ublk, nb, t, a_tail, cacc, k0, kn / 64, k0 == 0, k0 + kn == k_pad);
+            TB_FN(tiles_panel)(&g, codes, ublk, nb, t, a_tail, cacc, k0, kn / 64, k0 == 0, k0 + kn == k_pad, next);
         }
     }
     TB_RELEASE();
@@ -164,17 +173,18 @@ static int TB_FN(gemm_i8_tiles)(const tiles_args *g, const int8_t *w, int tile_b
     if (!s) return 0;
     int8_t *a_tail = (int8_t *)s;
     int32_t *cacc = (int32_t *)(s + utile);
-    const int wchunk = tiles_warm_chunk(utile);
     tiles_copy_tail(g, a_tail);
     tiles_count();
     TB_CONFIG(&tiles_cfg_full);
     for (int t = tile_begin; t < tile_end; t += 2) {
         const int nb = tile_end - t >= 2 ? 2 : 1;
-        tiles_warm((const uint8_t *)w, utile, t, tile_begin, tile_end, wchunk); /* int8 rows: the B tiles as stored */
         for (int k0 = 0; k0 < g->k_pad; k0 += kblk) {
             const int kn = g->k_pad - k0 < kblk ? g->k_pad - k0 : kblk;
+            tiles_ahead ah;   /* the next pair's int8 rows of this k-block: the B tiles as stored, 1 KB a step */
+            const tiles_ahead *next = tiles_next_pair(&ah, (const uint8_t *)w, utile, t, tile_begin, tile_end, 1024,
+                                                      (size_t)k0 / 64 * 1024);
             TB_FN(tiles_panel)(g, w + (size_t)t * utile + (size_t)k0 / 64 * 1024, utile, nb, t, a_tail, cacc, k0,
-                               kn / 64, k0 == 0, k0 + kn == g->k_pad);
+                               kn / 64, k0 == 0, k0 + kn == g->k_pad, next);
         }
     }
     TB_RELEASE();
