@@ -217,9 +217,8 @@ def tile_stream():
 
 
 def set_tile_warm(bint on):
-    """The tile bodies' weights arrive ahead of their use (on, the default: a pair of tiles ahead, prefetched
-    beside the work on the pair before; the q4 head's in ~256 KB chunks read first) or as the unpack and the tile
-    loads reach them (off). Results never change; bench_tiles.py --warm-ms measures the speed on an AMX
+    """The tile bodies' weights arrive ahead of their use (on, the default: two tiles ahead, prefetched beside
+    the work on the tiles before) or as the unpack and the tile loads reach them (off). Results never change; bench_tiles.py --warm-ms measures the speed on an AMX
     machine."""
     bk_set_tile_warm(1 if on else 0)
 

@@ -132,51 +132,45 @@ static tiles_unpack_fn tiles_unpacker(void) {
 }
 static void tiles_unpack(const uint8_t *p, int kb, int8_t *dst) { tiles_unpacker()(p, kb, dst); }
 
-/* bk_table.tile_warm (tiles.h): at tile t of a range [tile_begin, tile_end) of tiles of tile_bytes each at base,
- * where a chunk of ~256 KB starts, that chunk's bytes are read once at streaming speed, so the unpack or the tile
- * loads after it find them in L2 (the q4 head, tile by tile). chunk: tiles_warm_chunk, even, so that pairs of
- * tiles from tile_begin start on it. Reads only: the results never depend on it. Portable C (the emulation on
- * aarch64) has nothing to warm with. */
-#define TILES_WARM_BYTES ((size_t)256 << 10)
-static int tiles_warm_chunk(size_t tile_bytes) {
-    const size_t c = TILES_WARM_BYTES / tile_bytes;
-    return c < 2 ? 2 : (int)(c & ~(size_t)1);
-}
-static void tiles_warm(const uint8_t *base, size_t tile_bytes, int t, int tile_begin, int tile_end, int chunk) {
+/* bk_table.tile_warm (tiles.h): the first two tiles (of tile_bytes each at base) of a range starting at
+ * tile_begin read once at streaming speed, so the unpack or the tile loads after it find them in L2 (the tiles
+ * after them are prefetched: tiles_ahead). Reads only: the results never depend on it. Portable C (the emulation
+ * on aarch64) has nothing to warm with. */
+static void tiles_warm(const uint8_t *base, size_t tile_bytes, int tile_begin, int tile_end) {
 #if defined(__x86_64__)
     /* bk_stream_warm is AVX2 code: the emulation under BITNET_ISA=scalar runs on any x86 */
-    if (!bk_table.tile_warm || (t - tile_begin) % chunk || bk_get_isa() == BK_ISA_SCALAR) return;
-    const int n = tile_end - t < chunk ? tile_end - t : chunk;
-    bk_stream_warm(base + (size_t)t * tile_bytes, (size_t)n * tile_bytes);
+    if (!bk_table.tile_warm || tile_begin >= tile_end || bk_get_isa() == BK_ISA_SCALAR) return;
+    bk_stream_warm(base + (size_t)tile_begin * tile_bytes, (size_t)(tile_end - tile_begin >= 2 ? 2 : 1) * tile_bytes);
 #else
-    (void)base, (void)tile_bytes, (void)t, (void)tile_begin, (void)tile_end, (void)chunk;
+    (void)base, (void)tile_bytes, (void)tile_begin, (void)tile_end;
 #endif
 }
 
-/* The ternary GEMM and the int8 head read their weights a pair of tiles ahead, as the AVX-512 GEMM does
- * (gemm_ternary.c: +17-34% at M = 8, +9-17% at 16 over warming each chunk first, on Zen 5): the range's first
- * pair is warmed (tiles_warm, a chunk of one pair), and each later pair is prefetched into L2 beside the work on
- * the pair before it, `step` bytes of each of its two tiles per 64-k step (from byte `off` of each tile: the
- * k-block's start), by tiles_block. tiles_next_pair fills *a and returns it, or NULL where there is nothing to
- * prefetch (the last pair, tile_warm off). */
+/* The tile bodies read their weights two tiles ahead, as the AVX-512 GEMM and q4 head do (gemm_ternary.c:
+ * +17-34% at M = 8, +9-17% at 16 over warming each chunk first, on Zen 5): the range's first two tiles are warmed
+ * (tiles_warm), and the two after the ones in work are prefetched into L2 beside that work by
+ * tiles_block, step[j] bytes of stream j per 64-k step (the ternary GEMM and the int8 head: the next pair's two
+ * tiles from byte `off` of each, the k-block's start; the q4 head: the tile two ahead's codes and group scales).
+ * tiles_next_pair fills *a for the first two and returns it, or NULL where there is nothing to prefetch (the last
+ * pair, tile_warm off). */
 typedef struct {
-    const uint8_t *p[2]; /* the next pair's tiles at this k-block (NULL: none) */
-    size_t step;         /* their bytes per 64-k step */
+    const uint8_t *p[2]; /* the streams to prefetch at this k-block (NULL: none) */
+    size_t step[2];      /* their bytes per 64-k step */
 } tiles_ahead;
 static const tiles_ahead *tiles_next_pair(tiles_ahead *a, const uint8_t *base, size_t tile_bytes, int t,
                                           int tile_begin, int tile_end, size_t step, size_t off) {
     if (!bk_table.tile_warm) return NULL;
-    if (t == tile_begin && off == 0) tiles_warm(base, tile_bytes, t, tile_begin, tile_end, 2);
+    if (t == tile_begin && off == 0) tiles_warm(base, tile_bytes, tile_begin, tile_end);
     if (t + 2 >= tile_end) return NULL;
     a->p[0] = base + (size_t)(t + 2) * tile_bytes + off;
     a->p[1] = t + 3 < tile_end ? base + (size_t)(t + 3) * tile_bytes + off : NULL;
-    a->step = step;
+    a->step[0] = a->step[1] = step;
     return a;
 }
 static inline void tiles_prefetch_step(const tiles_ahead *a, int i) {
     for (int j = 0; j < 2; j++)
         if (a->p[j])
-            for (size_t l = 0; l < a->step; l += 64) __builtin_prefetch(a->p[j] + (size_t)i * a->step + l, 0, 2);
+            for (size_t l = 0; l < a->step[j]; l += 64) __builtin_prefetch(a->p[j] + (size_t)i * a->step[j] + l, 0, 2);
 }
 
 /* the streamed small-M body's ring (tiles.h, bk_set_tile_stream): 4 slots of one 64-k step of a pair of tiles */

@@ -111,20 +111,22 @@ static int TB_FN(gemm_q4g_tiles)(const tiles_args *g, const uint8_t *codes, cons
     int8_t *a_tail = (int8_t *)s, *w = (int8_t *)s + utile;
     int32_t *cbuf = (int32_t *)(s + 3 * utile);
     const size_t cbytes = (size_t)groups * 256, sbytes = (size_t)groups * 16; /* a tile's codes, its group scales */
-    const int wchunk = tiles_warm_chunk(cbytes);
     tiles_copy_tail(g, a_tail);
     tiles_count();
     TB_CONFIG(&tiles_cfg_full);
+    tiles_warm(codes, cbytes, tile_begin, tile_end);
+    tiles_warm(gscale, sbytes, tile_begin, tile_end);
     for (int t = tile_begin; t < tile_end; t++) {
-        tiles_warm(codes, cbytes, t, tile_begin, tile_end, wchunk);
-        tiles_warm(gscale, sbytes, t, tile_begin, tile_end, wchunk);
+        /* the tile two ahead: 2 groups of codes (512 bytes) and of scales (32) per 64-k step */
+        const tiles_ahead ah = {{codes + (size_t)(t + 2) * cbytes, gscale + (size_t)(t + 2) * sbytes}, {512, 32}};
+        const tiles_ahead *next = bk_table.tile_warm && t + 2 < tile_end ? &ah : NULL;
         q4_tiles_unpack(codes + (size_t)t * groups * 256, gscale + (size_t)t * groups * 16, groups, w, w + utile);
         for (int gr = 0; gr < rgroups; gr += 2) {
             const int8_t *a0 = gr < full ? g->xq + (size_t)gr * 16 * stride : a_tail;
             const int8_t *a1 = gr + 1 < full ? g->xq + (size_t)(gr + 1) * 16 * stride : a_tail;
             /* B tile pair: W_lo at w, W_hi at w + utile -> C columns 0..15 and 16..31 */
             TB_FN(tiles_block_any)(a0, a1, stride, w, utile, kc, rgroups - gr >= 2 ? 2 : 1, 2, cbuf, 0, NULL, NULL,
-                                   NULL);
+                                   gr ? NULL : next);
             q4_tiles_finish(g, cbuf, gr * 16, rgroups - gr >= 2 ? 2 : 1, t);
         }
     }

@@ -65,7 +65,8 @@ AVX512_TARGET static inline __m512i q4g_dpbusd_bcast(__m512i acc, __m512i a_u8, 
 
 AVX512_TARGET __attribute__((always_inline)) static inline void q4g_tile_avx512(
     const uint8_t *codes, const uint8_t *gscale, const float *d, const int8_t *xq, const int32_t *xs8, int m0,
-    const int MR, int k_pad, const float *act_scale, float *out, int32_t *out_i32, int n, int t) {
+    const int MR, int k_pad, const float *act_scale, float *out, int32_t *out_i32, int n, int t,
+    const uint8_t *ahead) {
     const int groups = k_pad / 32;
     const __m512i lowmask = _mm512_set1_epi8(0x0f);
     __m512i tot[8];
@@ -77,6 +78,8 @@ AVX512_TARGET __attribute__((always_inline)) static inline void q4g_tile_avx512(
         /* the codes' and the group scales' streams, gemv_prefetch bytes of codes ahead (kernels.h) */
         bk_prefetch_ahead(q, pf), bk_prefetch_ahead(q + 64, pf), bk_prefetch_ahead(q + 128, pf);
         bk_prefetch_ahead(q + 192, pf), bk_prefetch_ahead(gscale + ((size_t)t * groups + g) * 16, pf / 16);
+        if (ahead) /* a later tile's group g, into L2 (q4g_avx512) */
+            for (int l = 0; l < 256; l += 64) __builtin_prefetch(ahead + (size_t)g * 256 + l, 0, 2);
         __m512i v0 = _mm512_loadu_si512(q), v1 = _mm512_loadu_si512(q + 64);
         __m512i v2 = _mm512_loadu_si512(q + 128), v3 = _mm512_loadu_si512(q + 192);
         __m512i l0 = _mm512_and_si512(v0, lowmask), h0 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), lowmask);
@@ -106,13 +109,16 @@ AVX512_TARGET __attribute__((always_inline)) static inline void q4g_tile_avx512(
                            out_i32 ? out_i32 + (size_t)(m0 + i) * n : NULL);
 }
 
-/* From Q4G_WARM_ROWS rows on, every Q4G_WARM_TILES tiles' codes (160 KB at K = 2560) are read once at streaming
- * speed before the row groups run over them (bk_stream_warm, as the ternary GEMM's chunks): the first group,
- * 32 vpdpbusd per 256 code bytes, kept too few lines in flight to read DRAM fast. Head 128256 x 2560, 2 threads
- * (ms per call, 2026-11-28): M = 8 9.4-9.6 -> 6.3-7.1, 16 14.1-14.4 -> 11.1-11.9, 32 22.7 -> 19.9-20.3; at M = 4
- * no gain (4.4 -> 4.1-4.8), so fewer rows read the codes as before. */
-#define Q4G_WARM_ROWS 8
-#define Q4G_WARM_TILES 8
+/* From Q4G_AHEAD_ROWS rows on, the codes arrive ahead of the row groups, as in the ternary GEMM: the first
+ * group over a tile, 32 vpdpbusd per 256 code bytes, keeps too few lines in flight to read DRAM fast itself. A
+ * thread range's first Q4G_AHEAD_TILES tiles are read at streaming speed (bk_stream_warm), and the first row
+ * group over tile t prefetches tile t + Q4G_AHEAD_TILES into L2. Head 128256 x 2560, 2 threads, ms per call:
+ * with none of it M = 8 9.4-9.6, 16 14.1-14.4, 32 22.7; warming every 8 tiles first 6.3-7.1, 11.1-11.9, 19.9-20.3
+ * (2026-11-28); on a quieter run of the same machine, warming every 8 tiles first against this: M = 4 4.2-4.4
+ * -> 3.7, 8 5.9-6.1 -> 4.6-4.7, 16 9.6-9.7 -> 7.8, 32 16.8-17.0 -> 15.6 (prefetching 4 or 8 tiles ahead, or from 2
+ * rows, within noise of it). */
+#define Q4G_AHEAD_ROWS 4
+#define Q4G_AHEAD_TILES 2
 /* rows per pass over a tile's codes: each group's codes are unpacked once for up to 8 rows (8 totals, 8 code
  * vectors, a scale vector and two sums: 19 of 32 registers). 4 rows a pass unpacked them twice as often: head
  * 128256 x 2560, 2 threads, ms per call (2026-11-28, Zen 5): M = 8 5.85-5.91 -> 5.38-5.49, 16 9.72-9.97 ->
@@ -123,14 +129,17 @@ AVX512_TARGET static void q4g_avx512(const uint8_t *codes, const uint8_t *gscale
                                      const int32_t *xs8, int m, int k_pad, const float *act_scale, float *out,
                                      int32_t *out_i32, int n, int tile_begin, int tile_end) {
     const size_t tile_bytes = (size_t)k_pad / 32 * 256;
+    const int early = m >= Q4G_AHEAD_ROWS;
+    if (early && tile_begin < tile_end) {
+        const int te = tile_begin + Q4G_AHEAD_TILES < tile_end ? tile_begin + Q4G_AHEAD_TILES : tile_end;
+        bk_stream_warm(codes + (size_t)tile_begin * tile_bytes, (size_t)(te - tile_begin) * tile_bytes);
+    }
     for (int t = tile_begin; t < tile_end; t++) {
-        if (m >= Q4G_WARM_ROWS && (t - tile_begin) % Q4G_WARM_TILES == 0) {
-            const int te = t + Q4G_WARM_TILES < tile_end ? t + Q4G_WARM_TILES : tile_end;
-            bk_stream_warm(codes + (size_t)t * tile_bytes, (size_t)(te - t) * tile_bytes);
-        }
+        const uint8_t *ahead = early && t + Q4G_AHEAD_TILES < tile_end ? codes + (size_t)(t + Q4G_AHEAD_TILES) * tile_bytes
+                                                                       : NULL;
         for (int m0 = 0; m0 < m; m0 += Q4G_MR) {
             int mr = m - m0 < Q4G_MR ? m - m0 : Q4G_MR;
-#define Q4G_CALL(R) q4g_tile_avx512(codes, gscale, d, xq, xs8, m0, R, k_pad, act_scale, out, out_i32, n, t)
+#define Q4G_CALL(R) q4g_tile_avx512(codes, gscale, d, xq, xs8, m0, R, k_pad, act_scale, out, out_i32, n, t, m0 ? NULL : ahead)
             switch (mr) {
             case 1: Q4G_CALL(1); break;
             case 2: Q4G_CALL(2); break;
