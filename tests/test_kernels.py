@@ -150,8 +150,10 @@ def test_gemv_ternary(isa, n, k):
 
 
 def _gemm_cases():
+    # every token-group size of the AVX-512 body's tail (1-7 after groups of 8), M <= 32 (chunks of one tile pair)
+    # and above (larger chunks), a range of one tile, lone last tiles
     for n, k in SMALL_SHAPES:
-        for m in (1, 3, 8, 17, 128):
+        for m in (1, 2, 3, 4, 5, 6, 7, 8, 13, 17, 39, 128):
             yield n, k, m
     for n, k in BIG_SHAPES:
         yield n, k, 17

@@ -45,7 +45,11 @@ DEFAULT_CHUNK = 128  # prefill rows per GEMM call (measured: 32..256 within 4%, 
 #   avx512 (2-core Zen 5, 2 threads, after the GEMM began to warm its weight chunks; 2026-11-28): M=2 1.34-1.44
 #          vs 1.95-2.09, 4 1.83-1.98 vs 2.18-2.32, 5 2.20-2.31 vs 3.33-3.57, 6 2.65-2.76 vs 3.35-3.47, 7 3.83-3.96
 #          vs 4.51-4.60, 8 4.51-4.87 vs 3.26-3.33: the multi-row GEMV up to 7 rows.
-ROWS_GEMV_MAX = {"avx512": 7, "amx": 7}   # amx: its GEMV rows are the avx512 ones; the tiles start at 16
+#   avx512 (the same machine, later that day: the GEMM reads its weights a pair of tiles ahead and takes the last
+#          1-7 rows in one group): M=2 1.40-1.49 vs 1.48-1.58, 3 1.54-1.63 vs 1.73-1.86, 4 1.64-1.74 vs
+#          2.00-2.17, 5 1.91-2.01 vs 2.43-2.61, 6 2.09-2.27 vs 2.81-3.26, 7 2.60-2.78 vs 3.85-4.12: the GEMM from 2
+#          rows. (The 16-core Xeon figures above predate both GEMM changes.)
+ROWS_GEMV_MAX = {"avx512": 1, "amx": 1}   # amx: below the tiles' 16 rows, the avx512 bodies
 VERIFY_MAX = K.ROWS_MAX  # most rows of one Model.verify pass (the multi-row head kernel's limit)
 # The q4 head ranks every token with half the int8 head's bytes; its RESCORE_K best get the f16 head's exact
 # logits (ops.head_rescore). Greedy agreement with the f16 head over 10,000 positions each, same run

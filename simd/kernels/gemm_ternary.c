@@ -84,28 +84,52 @@ static inline int gemm_chunk_tiles(size_t tile_bytes) {
     return c < 2 ? 2 : (int)(c & ~(size_t)1);
 }
 
-/* Every token group over the chunk's tiles [tc, tce) in pairs, the first group also prefetching the next
- * chunk's tile at the same offset (tiles below nce) */
-#define GEMM_TOKEN_GROUPS(MG, PF)                                                                           \
-    do {                                                                                                    \
+/* One token group of MG tokens from m0 over the chunk's tiles [tc, tce) in pairs, also prefetching the next
+ * chunk's tile at the same offset (tiles below nce) when pf. One function per MG (not inlined into the caller:
+ * with the eight sizes in one body, GCC's registers for the 8-token loop got worse, 13824 x 2560 at M = 8 ran
+ * 10-15% slower). */
+#define GEMM_PASS(MG)                                                                                       \
+    AVX512_TARGET __attribute__((noinline)) static void gemm_pass##MG##_avx512(                              \
+        const uint8_t *w, size_t tile_bytes, int tc, int tce, int nce, int pf, const int8_t *xq, int m0,      \
+        int k_pad, const float *row_scale, const float *act_scale, const int32_t *act_sum, float *out,       \
+        int32_t *out_i32, int n) {                                                                          \
         for (int t = tc; t < tce; t += 2) {                                                                 \
             const int u = t + (tce - tc);                                                                   \
-            const uint8_t *p0 = PF && u < nce ? w + (size_t)u * tile_bytes : NULL;                          \
-            const uint8_t *p1 = PF && u + 1 < nce ? w + (size_t)(u + 1) * tile_bytes : NULL;                \
-            if (tce - t >= 2) GEMM_GROUP(2, MG);                                                            \
-            else GEMM_GROUP(1, MG);                                                                         \
+            const uint8_t *p0 = pf && u < nce ? w + (size_t)u * tile_bytes : NULL;                          \
+            const uint8_t *p1 = pf && u + 1 < nce ? w + (size_t)(u + 1) * tile_bytes : NULL;                \
+            if (tce - t >= 2)                                                                               \
+                gemm_group_avx512(w, tile_bytes, t, 2, xq, m0, MG, k_pad, row_scale, act_scale, act_sum, out, \
+                                  out_i32, n, p0, p1);                                                      \
+            else                                                                                            \
+                gemm_group_avx512(w, tile_bytes, t, 1, xq, m0, MG, k_pad, row_scale, act_scale, act_sum, out, \
+                                  out_i32, n, p0, p1);                                                      \
         }                                                                                                   \
-    } while (0)
-#define GEMM_GROUP(TG, MG)                                                                                  \
-    gemm_group_avx512(w, tile_bytes, t, TG, xq, m0, MG, k_pad, row_scale, act_scale, act_sum, out, out_i32, n, p0, p1)
+    }
+GEMM_PASS(1)
+GEMM_PASS(2)
+GEMM_PASS(3)
+GEMM_PASS(4)
+GEMM_PASS(5)
+GEMM_PASS(6)
+GEMM_PASS(7)
+GEMM_PASS(8)
+#undef GEMM_PASS
+typedef void (*gemm_pass_fn)(const uint8_t *w, size_t tile_bytes, int tc, int tce, int nce, int pf, const int8_t *xq,
+                             int m0, int k_pad, const float *row_scale, const float *act_scale, const int32_t *act_sum,
+                             float *out, int32_t *out_i32, int n);
+static const gemm_pass_fn gemm_passes[9] = {NULL,                gemm_pass1_avx512, gemm_pass2_avx512,
+                                            gemm_pass3_avx512,   gemm_pass4_avx512, gemm_pass5_avx512,
+                                            gemm_pass6_avx512,   gemm_pass7_avx512, gemm_pass8_avx512};
 
-/* Loop order: a chunk of tiles, then token groups of 8, then tile pairs: each group's activations (8 x K_pad
- * bytes) stay in L1 while the chunk's weights come from L1 / L2, and every weight byte comes from DRAM once per
- * call. The first group over a chunk, 64 vpdpbusd per 128 weight bytes, keeps too few lines in flight to read
- * DRAM fast itself (one Zen 5 core, 13824 x 2560: 291 GMAC/s at M = 8, 525 with the weights in cache), so the
- * weights arrive ahead of it: the range's first chunk is read at streaming speed (bk_stream_warm), and every
- * later chunk is prefetched into L2 by the first group over the chunk before it, which overlaps the read with
- * the arithmetic where warming every chunk first (the loop until 2026-11-28) put it in front of it.
+/* Loop order: a chunk of tiles, then token groups of 8 (the last 1-7 tokens in one group: one unpack of the
+ * codes for all of them, where 4 + 2 + 1 unpacked them three times: M = 7 4.2-4.4 -> 3.1-3.2 GEMVs' time),
+ * then tile pairs: each group's activations (8 x K_pad bytes) stay in L1 while the chunk's weights come from
+ * L1 / L2, and every weight byte comes from DRAM once per call. The first group over a chunk, 64 vpdpbusd per
+ * 128 weight bytes, keeps too few lines in flight to read DRAM fast itself (one Zen 5 core, 13824 x 2560: 291
+ * GMAC/s at M = 8, 525 with the weights in cache), so the weights arrive ahead of it: the range's first chunk is
+ * read at streaming speed (bk_stream_warm), and every later chunk is prefetched into L2 by the first group over
+ * the chunk before it, which overlaps the read with the arithmetic where warming every chunk first (the loop
+ * until 2026-11-28) put it in front of it.
  * Chunks: at M <= 32 one pair of tiles (the threads' ranges hold ~8-30 tiles, and only their first chunk is read
  * before the arithmetic), ~256 KB above (tiles outer, tokens inner lost 2-8% on 13824 x 2560 at M = 128: the
  * 8-token group and the tile pair evict each other from L1). 2 threads, weights from DRAM, GOP/s at M = 8 / 16,
@@ -121,21 +145,13 @@ AVX512_TARGET static void gemm_ternary_avx512(const uint8_t *w, const float *row
         const int tce = tc + chunk < tile_end ? tc + chunk : tile_end;
         const int nce = tce + chunk < tile_end ? tce + chunk : tile_end;
         if (tc == tile_begin) bk_stream_warm(w + (size_t)tc * tile_bytes, (size_t)(tce - tc) * tile_bytes);
-        int m0 = 0, pf = 1;
-        for (; m0 + 8 <= m; m0 += 8, pf = 0) GEMM_TOKEN_GROUPS(8, pf);
-        if (m0 + 4 <= m) {
-            GEMM_TOKEN_GROUPS(4, pf);
-            m0 += 4, pf = 0;
+        for (int m0 = 0, pf = 1; m0 < m; m0 += 8, pf = 0) {
+            const int mg = m - m0 < 8 ? m - m0 : 8;
+            gemm_passes[mg](w, tile_bytes, tc, tce, nce, pf, xq, m0, k_pad, row_scale, act_scale, act_sum, out,
+                            out_i32, n);
         }
-        if (m0 + 2 <= m) {
-            GEMM_TOKEN_GROUPS(2, pf);
-            m0 += 2, pf = 0;
-        }
-        if (m0 < m) GEMM_TOKEN_GROUPS(1, pf);
     }
 }
-#undef GEMM_TOKEN_GROUPS
-#undef GEMM_GROUP
 
 /* ---------------- AVX2 (pmaddubsw into int16, widened every 16 blocks) ---------------- */
 AVX2_TARGET __attribute__((always_inline)) static inline void gemm_group_avx2(
