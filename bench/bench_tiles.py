@@ -199,32 +199,32 @@ def kblock_rows(shapes, kblocks, ms, threads, emu, peak, min_time) -> list[dict]
     return rows
 
 
+def toggle_rows(shapes, ms, threads, emu, peak, min_time, seed, setter, default, names, keys) -> list[dict]:
+    """The ternary tile GEMM with one on / off setting of its body (setter; default first, and back after):
+    names / keys {False: ..., True: ...} label each side in the table and the JSON; speedup is on against off."""
+    rows, share = [], _share(peak)
+    for name, n, k, m, sec in variant_rows(shapes, ms, threads, emu, seed, [default, not default], setter, min_time):
+        g = {on: m * n * k / sec[on] / 1e9 for on in sec}
+        cells = "   ".join(f"{names[on]} {g[on]:7.1f} GMAC/s{share(g[on])}" for on in (False, True))
+        print(f"{name:8s} {n:>6d} x {k:<5d} M={m:<4d} {threads}t   tiles, {cells}   x{sec[False] / sec[True]:.2f}",
+              flush=True)
+        rows.append({"shape": name, "n": n, "k": k, "m": m, "threads": threads, keys[False]: g[False],
+                     keys[True]: g[True], "speedup": sec[False] / sec[True]})
+    return rows
+
+
 def stream_rows(shapes, ms, threads, emu, peak, min_time) -> list[dict]:
     """The ternary tile GEMM at M <= 32, whole-K unpack (the default) against the streamed body
     (simd.set_tile_stream: one 64-k step unpacked at a time beside the multiply)."""
-    rows, share = [], _share(peak)
-    for name, n, k, m, sec in variant_rows(shapes, ms, threads, emu, 3, [False, True], K.set_tile_stream, min_time):
-        g = {on: m * n * k / sec[on] / 1e9 for on in sec}
-        print(f"{name:8s} {n:>6d} x {k:<5d} M={m:<4d} {threads}t   tiles, whole-K unpack {g[False]:7.1f} GMAC/s"
-              f"{share(g[False])}   streamed {g[True]:7.1f} GMAC/s{share(g[True])}   x{sec[False] / sec[True]:.2f}",
-              flush=True)
-        rows.append({"shape": name, "n": n, "k": k, "m": m, "threads": threads, "gmacs_whole": g[False],
-                     "gmacs_stream": g[True], "speedup": sec[False] / sec[True]})
-    return rows
+    return toggle_rows(shapes, ms, threads, emu, peak, min_time, 3, K.set_tile_stream, False,
+                       {False: "whole-K unpack", True: "streamed"}, {False: "gmacs_whole", True: "gmacs_stream"})
 
 
 def warm_rows(shapes, ms, threads, emu, peak, min_time) -> list[dict]:
-    """The ternary tile GEMM with its weight chunks read at streaming speed first (simd.set_tile_warm, the
-    default) against the unpack reading them as it goes, weights from memory."""
-    rows, share = [], _share(peak)
-    for name, n, k, m, sec in variant_rows(shapes, ms, threads, emu, 4, [True, False], K.set_tile_warm, min_time):
-        g = {on: m * n * k / sec[on] / 1e9 for on in sec}
-        print(f"{name:8s} {n:>6d} x {k:<5d} M={m:<4d} {threads}t   tiles, warmed chunks {g[True]:7.1f} GMAC/s"
-              f"{share(g[True])}   unwarmed {g[False]:7.1f} GMAC/s{share(g[False])}   x{sec[False] / sec[True]:.2f}",
-              flush=True)
-        rows.append({"shape": name, "n": n, "k": k, "m": m, "threads": threads, "gmacs_warm": g[True],
-                     "gmacs_cold": g[False], "speedup": sec[False] / sec[True]})
-    return rows
+    """The ternary tile GEMM with its weights read two tiles ahead (simd.set_tile_warm, the default) against the
+    unpack reading them as it goes; weights from memory."""
+    return toggle_rows(shapes, ms, threads, emu, peak, min_time, 4, K.set_tile_warm, True,
+                       {False: "read as they go", True: "read ahead"}, {False: "gmacs_cold", True: "gmacs_warm"})
 
 
 def crossovers(rows) -> dict:
