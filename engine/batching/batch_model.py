@@ -24,7 +24,8 @@ from ...simd import _ops as ops
 from ..config import ModelConfig
 from ..errors import BitNetError
 from ..runtime.embed import final_norm_rows
-from ..runtime.model import RESCORE_K, Weights, _Views, alloc_run_state, rope_tables, run_layers, ternary_matmul
+from ..runtime.model import (RESCORE_K, Weights, _Views, alloc_run_state, i8_head_rows, rope_tables, run_layers,
+                             ternary_matmul)
 from .kv_pool import PAGE_TOKENS, KVPool
 
 
@@ -135,11 +136,8 @@ class BatchModel:
             ops.add_rmsnorm_quant(hx, hd, w.out_norm, w.eps, hh, xq, s, sm)
             if w.lm_head == "q4":
                 w.q4_logits(xq, s, hh, out, self._resc_heap, self._resc_idx)
-            elif 1 < k <= K.ROWS_MAX:
-                # one pass over the head for up to ROWS_MAX rows, as Model.verify does: 128256x2560 int8, time /
-                # one GEMV, multi-row vs GEMM: avx512 16 threads M=2 1.06-1.09 vs 1.12-1.15, M=4 1.25 vs 1.32-1.37;
-                # avx2 2 threads M=2 1.08-1.28 vs 1.16-1.31, M=8 2.49-2.66 vs 2.55-2.84
-                K.gemv_rows_i8(w.out_w, w.out_scale, w.out_rowsum, xq, s, out)
+            elif 1 < k <= K.ROWS_MAX:   # the multi-row GEMV or the GEMM, per path (i8_head_rows), as Model.verify
+                i8_head_rows(k)(w.out_w, w.out_scale, w.out_rowsum, xq, s, out)
             elif k > 1:
                 K.gemm_i8(w.out_w, w.out_scale, w.out_rowsum, xq, s, out)
             else:

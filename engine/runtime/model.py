@@ -60,6 +60,19 @@ VERIFY_MAX = K.ROWS_MAX  # most rows of one Model.verify pass (the multi-row hea
 RESCORE_K = 64
 
 
+# The int8 LM head over 2..ROWS_MAX rows: the multi-row GEMV (one pass over the head) or the GEMM, per kernel path.
+# 128256x2560, time / one GEMV, multi-row vs GEMM: avx512 16 threads (16-core Xeon) M=2 1.06-1.09 vs 1.12-1.15,
+# M=4 1.25 vs 1.32-1.37; avx2 2 threads M=2 1.08-1.28 vs 1.16-1.31, M=8 2.49-2.66 vs 2.55-2.84; avx512 2 threads
+# (2-core Zen 5, 2026-11-28, after the GEMM began to read its weights a tile ahead: bench/bench_rows.py) M=2 1.03 vs
+# 1.01, 4 1.21 vs 1.05, 8 1.54-1.58 vs 1.09: the GEMM there (the Xeon's figures predate that change).
+I8_HEAD_GEMM = ("avx512", "amx")   # amx: its tile head from 16 rows, the avx512 GEMM below
+
+
+def i8_head_rows(m: int):
+    """The int8-head kernel for an m-row pass (2 <= m <= ROWS_MAX) on the kernel path in use."""
+    return K.gemm_i8 if K.active() in I8_HEAD_GEMM else K.gemv_rows_i8
+
+
 def ternary_matmul(m: int, b3: bool = False):
     """The ternary kernel for an m-row pass (m >= 2) on the kernel path in use; b3: weights in the base-3
     tile16b3 layout (--weights t1.6)."""
@@ -500,6 +513,9 @@ class Model:
         ops.add_rmsnorm_quant(v.x, v.delta, self._out_norm, self._eps, v.h_d, v.xq_d, v.act_scale, v.act_sum)
         if self.lm_head == "q4":
             self.weights.q4_logits(v.xq_d, v.act_scale, v.h_d, out[:m], self._resc_heap, self._resc_idx)
+            return
+        if K.active() in I8_HEAD_GEMM and m > 1:   # the GEMM takes any row count (the tiles from 16 rows)
+            K.gemm_i8(self._out_w, self._out_scale, self._out_rowsum, v.xq_d[:m], v.act_scale[:m], out[:m])
             return
         for r in range(0, m, VERIFY_MAX):
             e = min(m, r + VERIFY_MAX)
