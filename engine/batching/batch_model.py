@@ -136,10 +136,8 @@ class BatchModel:
             ops.add_rmsnorm_quant(hx, hd, w.out_norm, w.eps, hh, xq, s, sm)
             if w.lm_head == "q4":
                 w.q4_logits(xq, s, hh, out, self._resc_heap, self._resc_idx)
-            elif 1 < k <= K.ROWS_MAX:   # the multi-row GEMV or the GEMM, per path (i8_head_rows), as Model.verify
+            elif k > 1:   # the multi-row GEMV or the GEMM, per path and row count, as Model.verify
                 i8_head_rows(k)(w.out_w, w.out_scale, w.out_rowsum, xq, s, out)
-            elif k > 1:
-                K.gemm_i8(w.out_w, w.out_scale, w.out_rowsum, xq, s, out)
             else:
                 for r in range(k):
                     K.gemv_i8(w.out_w, w.out_scale, w.out_rowsum, xq[r], s[r], out[r])

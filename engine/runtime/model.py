@@ -69,8 +69,9 @@ I8_HEAD_GEMM = ("avx512", "amx")   # amx: its tile head from 16 rows, the avx512
 
 
 def i8_head_rows(m: int):
-    """The int8-head kernel for an m-row pass (2 <= m <= ROWS_MAX) on the kernel path in use."""
-    return K.gemm_i8 if K.active() in I8_HEAD_GEMM else K.gemv_rows_i8
+    """The int8-head kernel for an m-row pass on the kernel path in use: the multi-row GEMV takes at most ROWS_MAX
+    rows, the GEMM any count."""
+    return K.gemm_i8 if m > K.ROWS_MAX or K.active() in I8_HEAD_GEMM else K.gemv_rows_i8
 
 
 def ternary_matmul(m: int, b3: bool = False):
@@ -514,12 +515,10 @@ class Model:
         if self.lm_head == "q4":
             self.weights.q4_logits(v.xq_d, v.act_scale, v.h_d, out[:m], self._resc_heap, self._resc_idx)
             return
-        if K.active() in I8_HEAD_GEMM and m > 1:   # the GEMM takes any row count (the tiles from 16 rows)
-            K.gemm_i8(self._out_w, self._out_scale, self._out_rowsum, v.xq_d[:m], v.act_scale[:m], out[:m])
-            return
-        for r in range(0, m, VERIFY_MAX):
-            e = min(m, r + VERIFY_MAX)
-            K.gemv_rows_i8(self._out_w, self._out_scale, self._out_rowsum, v.xq_d[r:e], v.act_scale[r:e], out[r:e])
+        step = m if K.active() in I8_HEAD_GEMM else VERIFY_MAX   # the GEMM in one call (the tiles from 16 rows)
+        for r in range(0, m, step):
+            e = min(m, r + step)
+            i8_head_rows(e - r)(self._out_w, self._out_scale, self._out_rowsum, v.xq_d[r:e], v.act_scale[r:e], out[r:e])
 
     def verify(self, ids) -> np.ndarray:
         """Run 1..VERIFY_MAX tokens at positions n_past.. in one pass (speculative decoding: the last sampled

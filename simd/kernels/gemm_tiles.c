@@ -148,7 +148,7 @@ static void tiles_warm(const uint8_t *base, size_t tile_bytes, int tile_begin, i
 
 /* The tile bodies read their weights two tiles ahead, as the AVX-512 GEMM and q4 head do (gemm_ternary.c:
  * +17-34% at M = 8, +9-17% at 16 over warming each chunk first, on Zen 5): the range's first two tiles are warmed
- * (tiles_warm), and the two after the ones in work are prefetched into L2 beside that work by
+ * (tiles_warm, before the loop), and the two after the ones in work are prefetched into L2 beside that work by
  * tiles_block, step[j] bytes of stream j per 64-k step (the ternary GEMM and the int8 head: the next pair's two
  * tiles from byte `off` of each, the k-block's start; the q4 head: the tile two ahead's codes and group scales).
  * tiles_next_pair fills *a for the first two and returns it, or NULL where there is nothing to prefetch (the last
@@ -158,10 +158,8 @@ typedef struct {
     size_t step[2];      /* their bytes per 64-k step */
 } tiles_ahead;
 static const tiles_ahead *tiles_next_pair(tiles_ahead *a, const uint8_t *base, size_t tile_bytes, int t,
-                                          int tile_begin, int tile_end, size_t step, size_t off) {
-    if (!bk_table.tile_warm) return NULL;
-    if (t == tile_begin && off == 0) tiles_warm(base, tile_bytes, tile_begin, tile_end);
-    if (t + 2 >= tile_end) return NULL;
+                                          int tile_end, size_t step, size_t off) {
+    if (!bk_table.tile_warm || t + 2 >= tile_end) return NULL;
     a->p[0] = base + (size_t)(t + 2) * tile_bytes + off;
     a->p[1] = t + 3 < tile_end ? base + (size_t)(t + 3) * tile_bytes + off : NULL;
     a->step[0] = a->step[1] = step;

@@ -132,6 +132,7 @@ static void TB_FN(gemm_ternary_tiles)(const uint8_t *w, const float *row_scale, 
     int8_t *a_tail = (int8_t *)s, *codes = (int8_t *)s + utile;
     int32_t *cacc = (int32_t *)(s + utile + 2 * ublk);
     tiles_copy_tail(&g, a_tail);
+    tiles_warm(w, tile_bytes, tile_begin, tile_end);
     tiles_count();
     TB_CONFIG(&tiles_cfg_full);
     if (stream) {
@@ -141,7 +142,7 @@ static void TB_FN(gemm_ternary_tiles)(const uint8_t *w, const float *row_scale, 
         for (int t = tile_begin; t < tile_end; t += 2) {
             const int nb = tile_end - t >= 2 ? 2 : 1;
             tiles_ahead ah;
-            const tiles_ahead *next = tiles_next_pair(&ah, w, tile_bytes, t, tile_begin, tile_end, 256, 0);
+            const tiles_ahead *next = tiles_next_pair(&ah, w, tile_bytes, t, tile_end, 256, 0);
             const uint8_t *code[2] = {w + (size_t)t * tile_bytes, w + (size_t)(t + nb - 1) * tile_bytes};
             TB_FN(tiles_pair_stream)(&g, code, nb, t, a_tail, ring, cbuf, unpack, next);
         }
@@ -153,7 +154,7 @@ static void TB_FN(gemm_ternary_tiles)(const uint8_t *w, const float *row_scale, 
         for (int k0 = 0; k0 < k_pad; k0 += kblk) {
             const int kn = k_pad - k0 < kblk ? k_pad - k0 : kblk;
             tiles_ahead ah;   /* the next pair's codes of this k-block (256 bytes a 64-k step) */
-            const tiles_ahead *next = tiles_next_pair(&ah, w, tile_bytes, t, tile_begin, tile_end, 256,
+            const tiles_ahead *next = tiles_next_pair(&ah, w, tile_bytes, t, tile_end, 256,
                                                       (size_t)k0 / 16 * 64);
             for (int j = 0; j < nb; j++)
                 tiles_unpack(w + (size_t)(t + j) * tile_bytes + (size_t)k0 / 16 * 64, kn / 16, codes + j * ublk);
@@ -174,6 +175,7 @@ static int TB_FN(gemm_i8_tiles)(const tiles_args *g, const int8_t *w, int tile_b
     int8_t *a_tail = (int8_t *)s;
     int32_t *cacc = (int32_t *)(s + utile);
     tiles_copy_tail(g, a_tail);
+    tiles_warm((const uint8_t *)w, utile, tile_begin, tile_end);
     tiles_count();
     TB_CONFIG(&tiles_cfg_full);
     for (int t = tile_begin; t < tile_end; t += 2) {
@@ -181,7 +183,7 @@ static int TB_FN(gemm_i8_tiles)(const tiles_args *g, const int8_t *w, int tile_b
         for (int k0 = 0; k0 < g->k_pad; k0 += kblk) {
             const int kn = g->k_pad - k0 < kblk ? g->k_pad - k0 : kblk;
             tiles_ahead ah;   /* the next pair's int8 rows of this k-block: the B tiles as stored, 1 KB a step */
-            const tiles_ahead *next = tiles_next_pair(&ah, (const uint8_t *)w, utile, t, tile_begin, tile_end, 1024,
+            const tiles_ahead *next = tiles_next_pair(&ah, (const uint8_t *)w, utile, t, tile_end, 1024,
                                                       (size_t)k0 / 64 * 1024);
             TB_FN(tiles_panel)(g, w + (size_t)t * utile + (size_t)k0 / 64 * 1024, utile, nb, t, a_tail, cacc, k0,
                                kn / 64, k0 == 0, k0 + kn == g->k_pad, next);

@@ -135,11 +135,12 @@ AVX512_TARGET static void q4g_avx512(const uint8_t *codes, const uint8_t *gscale
         bk_stream_warm(codes + (size_t)tile_begin * tile_bytes, (size_t)(te - tile_begin) * tile_bytes);
     }
     for (int t = tile_begin; t < tile_end; t++) {
-        const uint8_t *ahead = early && t + Q4G_AHEAD_TILES < tile_end ? codes + (size_t)(t + Q4G_AHEAD_TILES) * tile_bytes
-                                                                       : NULL;
+        const int ta = t + Q4G_AHEAD_TILES;
+        const uint8_t *ahead = early && ta < tile_end ? codes + (size_t)ta * tile_bytes : NULL;
         for (int m0 = 0; m0 < m; m0 += Q4G_MR) {
             int mr = m - m0 < Q4G_MR ? m - m0 : Q4G_MR;
-#define Q4G_CALL(R) q4g_tile_avx512(codes, gscale, d, xq, xs8, m0, R, k_pad, act_scale, out, out_i32, n, t, m0 ? NULL : ahead)
+#define Q4G_CALL(R) \
+    q4g_tile_avx512(codes, gscale, d, xq, xs8, m0, R, k_pad, act_scale, out, out_i32, n, t, m0 ? NULL : ahead)
             switch (mr) {
             case 1: Q4G_CALL(1); break;
             case 2: Q4G_CALL(2); break;

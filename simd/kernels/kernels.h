@@ -70,7 +70,7 @@ typedef struct {
     bk_gemm_ternary_fn gemm_ternary_vector;
     int tile_kblock; /* k per block of the tile bodies, a multiple of 64 (0: all of K in one block) */
     int tile_stream; /* ternary tile GEMM at M <= 32: unpack one 64-k step at a time beside the tdpbssd (tiles.h) */
-    int tile_warm;   /* tile bodies: read each ~256 KB chunk of weights at streaming speed before its tiles (tiles.h) */
+    int tile_warm;   /* tile bodies: weights read two tiles ahead of their use (tiles.h) */
     /* software prefetch distance of the AVX-512 GEMV bodies, bytes ahead of the block being read (0: none) */
     int gemv_prefetch;
 } bk_table_t;

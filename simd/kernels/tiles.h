@@ -65,9 +65,9 @@ int bk_get_tile_stream(void);
  * as in the AVX-512 GEMM and q4 head (gemm_ternary.c, gemv_q4g.c): two tiles ahead (a range's first two read at
  * streaming speed by bk_stream_warm, every later one prefetched into L2 beside the work two tiles before it: the
  * ternary codes, the int8 head's rows, the q4 head's codes and group scales). Off (0): the unpack (or the tile
- * loads) read them from memory as they go, one demand miss at a time: on the lent Xeon the tiles at M = 16 took the codes at ~9.6 GB/s on 2 threads, what one core's
- * demand-read unpack reaches (this AMD core: 8.4-9.2 GB/s of codes; warmed first, 18.6-19.2 including the warm),
- * not the stream rate. The same results either way; bench_tiles.py --warm-ms times both on an AMX machine. */
+ * loads) read them from memory as they go, one demand miss at a time: on the lent Xeon the tiles at M = 16 took
+ * the codes at ~9.6 GB/s on 2 threads, what one core's demand-read unpack reaches (this AMD core: 8.4-9.2 GB/s
+ * of codes; warmed first, 18.6-19.2 including the warm), not the stream rate. The same results either way; bench_tiles.py --warm-ms times both on an AMX machine. */
 void bk_set_tile_warm(int on);
 int bk_get_tile_warm(void);
 /* The default crossover of the hardware tiles: below it the AVX-512 bodies run. Measured on Emerald Rapids
