@@ -85,7 +85,7 @@ static void q4_tiles_unpack(const uint8_t *codes, const uint8_t *gscale, int gro
 
 /* C block (cbuf: 32 x 32 int32; columns 0..15 A . W_lo, 16..31 A . W_hi) of rows row0.. (na groups of 16),
  * weight tile t -> out. The combination wraps like the vector paths' int32 arithmetic (unsigned: defined). */
-static void q4_tiles_finish(const tiles_args *g, const int32_t *cbuf, int row0, int na, int t) {
+static void q4_tiles_finish_scalar(const tiles_args *g, const int32_t *cbuf, int row0, int na, int t) {
     int32_t dots[16];
     for (int i = 0; i < 16 * na && row0 + i < g->m; i++) {
         const int r = row0 + i;
@@ -94,6 +94,30 @@ static void q4_tiles_finish(const tiles_args *g, const int32_t *cbuf, int row0, 
         bk_store_tile(dots, t * 16, g->n, g->row_scale, g->act_scale ? g->act_scale[r] : 1.0f,
                       g->out ? g->out + (size_t)r * g->n : NULL, g->out_i32 ? g->out_i32 + (size_t)r * g->n : NULL);
     }
+}
+
+#if defined(__x86_64__)
+/* the same on AVX-512 (tiles_finish_avx512: a vdivps per 16 results instead of 16 divss; vpaddd wraps as the
+ * unsigned sum does) */
+AVX512_TARGET static void q4_tiles_finish_avx512(const tiles_args *g, const int32_t *cbuf, int row0, int na, int t) {
+    for (int i = 0; i < 16 * na && row0 + i < g->m; i++) {
+        const int r = row0 + i;
+        const __m512i lo = _mm512_loadu_si512(cbuf + i * 32), hi = _mm512_loadu_si512(cbuf + i * 32 + 16);
+        finish_tile_avx512(_mm512_add_epi32(lo, _mm512_slli_epi32(hi, 4)), 0, t * 16, g->n, g->row_scale,
+                           g->act_scale ? g->act_scale[r] : 1.0f, g->out ? g->out + (size_t)r * g->n : NULL,
+                           g->out_i32 ? g->out_i32 + (size_t)r * g->n : NULL);
+    }
+}
+#endif
+
+static void q4_tiles_finish(const tiles_args *g, const int32_t *cbuf, int row0, int na, int t) {
+#if defined(__x86_64__)
+    if (bk_get_isa() == BK_ISA_AVX512) {
+        q4_tiles_finish_avx512(g, cbuf, row0, na, t);
+        return;
+    }
+#endif
+    q4_tiles_finish_scalar(g, cbuf, row0, na, t);
 }
 #endif /* BITNET_GEMM_TILES_Q4_ONCE */
 
