@@ -227,6 +227,13 @@ def warm_rows(shapes, ms, threads, emu, peak, min_time) -> list[dict]:
                        {False: "read as they go", True: "read ahead"}, {False: "gmacs_cold", True: "gmacs_warm"})
 
 
+def overlap_rows(shapes, ms, threads, emu, peak, min_time) -> list[dict]:
+    """The ternary tile GEMM with each next pair of weight tiles unpacked beside the multiply of the one before
+    (simd.set_tile_overlap) against unpacked before its own multiply (the default); weights from memory."""
+    return toggle_rows(shapes, ms, threads, emu, peak, min_time, 5, K.set_tile_overlap, False,
+                       {False: "unpack first", True: "unpack beside"}, {False: "gmacs_serial", True: "gmacs_overlap"})
+
+
 def crossovers(rows) -> dict:
     """Per (shape, threads): the smallest measured M from which the tiles win at every larger measured M."""
     res = {}
@@ -340,6 +347,9 @@ def main(argv=None) -> int:
                     help="row counts (<= 32) at which to compare the streamed small-M tile body ('': skip)")
     ap.add_argument("--warm-ms", default="16,32,128",
                     help="row counts at which to compare the tiles with and without their weight warm ('': skip)")
+    ap.add_argument("--overlap-ms", default="16,32,128,512",
+                    help="row counts at which to compare the tile GEMM's unpack beside the multiply and before it "
+                         "('': skip)")
     ap.add_argument("--kblock-ms", default="16,32,128,512",
                     help="row counts of the k-block comparison (small M: the unpacked pair of weight tiles is "
                          "read once per row group, so an L1-sized block may pay there and not at 512)")
@@ -396,6 +406,10 @@ def main(argv=None) -> int:
         if a.warm_ms:
             res.setdefault("warm", []).extend(
                 warm_rows(shapes, [int(x) for x in a.warm_ms.split(",")], t, a.emu, pk, min_time))
+            save()
+        if a.overlap_ms:
+            res.setdefault("overlap", []).extend(
+                overlap_rows(shapes, [int(x) for x in a.overlap_ms.split(",")], t, a.emu, pk, min_time))
             save()
     res["crossover"] = crossovers(res["gemm"] + res["head"])
     if res["crossover"]:

@@ -65,6 +65,8 @@ cdef extern from "tiles.h" nogil:
     int bk_get_tile_stream()
     void bk_set_tile_warm(int on)
     int bk_get_tile_warm()
+    void bk_set_tile_overlap(int on)
+    int bk_get_tile_overlap()
     int bk_get_tile_min_rows()
     uint64_t bk_tiles_products()
     ctypedef struct bk_tilecfg_t:
@@ -226,6 +228,18 @@ def set_tile_warm(bint on):
 def tile_warm():
     """Whether the tile bodies read their weights ahead (set_tile_warm)."""
     return bool(bk_get_tile_warm())
+
+
+def set_tile_overlap(bint on):
+    """The ternary tile GEMM unpacks each next pair of weight tiles beside the tile multiply of the pair before
+    (on) or before its own multiply (off, the default). Results never change; bench_tiles.py --overlap-ms
+    measures the speed on an AMX machine."""
+    bk_set_tile_overlap(1 if on else 0)
+
+
+def tile_overlap():
+    """Whether the tile GEMM's unpack runs beside the multiply (set_tile_overlap)."""
+    return bool(bk_get_tile_overlap())
 
 
 def tile_min_rows():
@@ -820,6 +834,11 @@ if _warm_forced:
     if _warm_forced not in ("0", "1"):
         raise IsaChoiceError(f"BITNET_TILE_WARM={_warm_forced}: 0 or 1")
     set_tile_warm(_warm_forced == "1")
+_overlap_forced = os.environ.get("BITNET_TILE_OVERLAP", "").strip()
+if _overlap_forced:
+    if _overlap_forced not in ("0", "1"):
+        raise IsaChoiceError(f"BITNET_TILE_OVERLAP={_overlap_forced}: 0 or 1")
+    set_tile_overlap(_overlap_forced == "1")
 _prefetch_forced = os.environ.get("BITNET_PREFETCH", "").strip()
 if _prefetch_forced:
     if not _prefetch_forced.isdigit() or int(_prefetch_forced) > BK_GEMV_PREFETCH_MAX:

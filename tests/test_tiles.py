@@ -182,6 +182,37 @@ def test_tile_warm_setting():
     assert r.returncode != 0 and "BITNET_TILE_WARM=yes" in r.stderr
 
 
+# the unpack beside the multiply (set_tile_overlap): ranges of one tile, one pair, a pair and a lone tile, many
+# pairs; one and several row-group pairs (the first one unpacks the next pair), K of one 64-k step and of many;
+# with the weights read ahead or not, and beside k-blocks and the streamed body (which it leaves alone)
+@pytest.mark.parametrize("variant", ["plain", "cold", "kblock", "stream"])
+@pytest.mark.parametrize("n,k,m", [(16, 64, 3), (32, 200, 16), (48, 1000, 40), (19 * 16 - 5, 6912, 17),
+                                   (45 * 16, 2560, 70), (100, 640, 33)])
+def test_gemm_ternary_on_tiles_overlapped(tiles, variant, n, k, m):
+    def on():
+        K.set_tile_overlap(True)
+        K.set_tile_warm(variant != "cold")
+        K.set_tile_kblock(192 if variant == "kblock" else 0)
+        K.set_tile_stream(variant == "stream")
+        assert K.tile_overlap()
+
+    def off():
+        K.set_tile_overlap(False)
+        K.set_tile_warm(True)
+        K.set_tile_kblock(0)
+        K.set_tile_stream(False)
+
+    _variant_equals_vector_path(2 * n + k + m, n, k, m, on, off)
+
+
+def test_tile_overlap_setting():
+    assert not K.tile_overlap()   # off unless asked: not yet measured on AMX hardware
+    r = _child("from bitnet_cpu import simd; print(simd.tile_overlap())", BITNET_TILE_OVERLAP="1")
+    assert r.returncode == 0 and r.stdout.split() == ["True"], r.stderr
+    r = _child("from bitnet_cpu import simd; simd.tiles()", BITNET_TILE_OVERLAP="on")
+    assert r.returncode != 0 and "BITNET_TILE_OVERLAP=on" in r.stderr
+
+
 @pytest.mark.parametrize("kblock", [64, 320])
 def test_gemm_i8_head_on_tiles_in_k_blocks(tiles, kblock):
     n, k, m = 100, 1000, 35

@@ -217,6 +217,8 @@ void bk_set_tile_stream(int on) { bk_table.tile_stream = on ? 1 : 0; }
 int bk_get_tile_stream(void) { return bk_table.tile_stream; }
 void bk_set_tile_warm(int on) { bk_table.tile_warm = on ? 1 : 0; }
 int bk_get_tile_warm(void) { return bk_table.tile_warm; }
+void bk_set_tile_overlap(int on) { bk_table.tile_overlap = on ? 1 : 0; }
+int bk_get_tile_overlap(void) { return bk_table.tile_overlap; }
 /* the prefetch distance asked for (< 0: none asked, the path's default: kernels.h) */
 static int gemv_prefetch_asked = -1;
 static int gemv_prefetch_for(int isa) {

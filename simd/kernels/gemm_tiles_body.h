@@ -18,14 +18,16 @@
  * non-NULL (the streamed small-M body): b is the ring (TILES_RING_BYTES) and b_tile 1024; each step's 1 KB of
  * each tile is first unpacked there from its codes (code[0], code[1]: 256 code bytes per step) into slot i % 4,
  * so a slot is rewritten only 4 steps after the loads that read it. ahead non-NULL: the next weights' bytes of
- * each step prefetched into L2 beside it (tiles_ahead). */
+ * each step prefetched into L2 beside it (tiles_ahead). next non-NULL (tile_overlap): the next pair's step i
+ * unpacked into its own buffer beside step i (tiles_unpack_next). */
 __attribute__((always_inline)) static inline void TB_FN(tiles_block)(const int8_t *a0, const int8_t *a1,
                                                                     size_t a_stride, const int8_t *b,
                                                                     size_t b_tile, int kc, const int NA,
                                                                     const int NB, int32_t *cbuf, int acc,
                                                                     tiles_unpack_fn unpack,
                                                                     const uint8_t *const *code,
-                                                                    const tiles_ahead *ahead) {
+                                                                    const tiles_ahead *ahead,
+                                                                    const tiles_unpack_next *next) {
     if (acc) {
         TB_LOAD(0, cbuf, 128);
         if (NB == 2) TB_LOAD(1, cbuf + 16, 128);
@@ -41,6 +43,7 @@ __attribute__((always_inline)) static inline void TB_FN(tiles_block)(const int8_
     }
     for (int i = 0; i < kc; i++) {
         if (ahead) tiles_prefetch_step(ahead, i);
+        if (next) tiles_unpack_step(next, i);
         const int8_t *bi = b + (size_t)1024 * i;
         if (unpack) {
             bi = b + (size_t)(i & 3) * TILES_RING_SLOT;
@@ -70,21 +73,22 @@ __attribute__((always_inline)) static inline void TB_FN(tiles_block)(const int8_
 static inline void TB_FN(tiles_block_any)(const int8_t *a0, const int8_t *a1, size_t a_stride, const int8_t *b,
                                           size_t b_tile, int kc, int na, int nb, int32_t *cbuf, int acc,
                                           tiles_unpack_fn unpack, const uint8_t *const *code,
-                                          const tiles_ahead *ahead) {
-    if (na == 2 && nb == 2) TB_FN(tiles_block)(a0, a1, a_stride, b, b_tile, kc, 2, 2, cbuf, acc, unpack, code, ahead);
-    else if (na == 2) TB_FN(tiles_block)(a0, a1, a_stride, b, b_tile, kc, 2, 1, cbuf, acc, unpack, code, ahead);
-    else if (nb == 2) TB_FN(tiles_block)(a0, a1, a_stride, b, b_tile, kc, 1, 2, cbuf, acc, unpack, code, ahead);
-    else TB_FN(tiles_block)(a0, a1, a_stride, b, b_tile, kc, 1, 1, cbuf, acc, unpack, code, ahead);
+                                          const tiles_ahead *ahead, const tiles_unpack_next *next) {
+    if (na == 2 && nb == 2)
+        TB_FN(tiles_block)(a0, a1, a_stride, b, b_tile, kc, 2, 2, cbuf, acc, unpack, code, ahead, next);
+    else if (na == 2) TB_FN(tiles_block)(a0, a1, a_stride, b, b_tile, kc, 2, 1, cbuf, acc, unpack, code, ahead, next);
+    else if (nb == 2) TB_FN(tiles_block)(a0, a1, a_stride, b, b_tile, kc, 1, 2, cbuf, acc, unpack, code, ahead, next);
+    else TB_FN(tiles_block)(a0, a1, a_stride, b, b_tile, kc, 1, 1, cbuf, acc, unpack, code, ahead, next);
 }
 
 /* One k-block [k0, k0 + 64 kc) of every activation row group (16 rows; the last, partial one from the
  * zero-padded tail copy) against NB weight tiles t, t+1 whose i8_tile16 codes of that block are at b (tile j at
  * b + j * b_tile). Each pair of row groups keeps its C block in cacc (4 KB each) between k-blocks: the first
  * block starts from zero, the last one runs the epilogue. ahead: the next weights of this k-block, prefetched
- * beside the first row-group pair. */
+ * beside the first row-group pair; next (tile_overlap, one k-block): the next pair, unpacked beside it. */
 static void TB_FN(tiles_panel)(const tiles_args *g, const int8_t *b, size_t b_tile, int nb, int t,
                                const int8_t *a_tail, int32_t *cacc, int k0, int kc, int first, int last,
-                               const tiles_ahead *ahead) {
+                               const tiles_ahead *ahead, const tiles_unpack_next *next) {
     const int full = g->m / 16, groups = (g->m + 15) / 16;
     const size_t stride = (size_t)g->k_pad;
     for (int gr = 0; gr < groups; gr += 2) {
@@ -92,7 +96,8 @@ static void TB_FN(tiles_panel)(const tiles_args *g, const int8_t *b, size_t b_ti
         const int8_t *a0 = (gr < full ? g->xq + (size_t)gr * 16 * stride : a_tail) + k0;
         const int8_t *a1 = (gr + 1 < full ? g->xq + (size_t)(gr + 1) * 16 * stride : a_tail) + k0;
         int32_t *cbuf = cacc + (size_t)(gr / 2) * 32 * 32;
-        TB_FN(tiles_block_any)(a0, a1, stride, b, b_tile, kc, na, nb, cbuf, !first, NULL, NULL, gr ? NULL : ahead);
+        TB_FN(tiles_block_any)(a0, a1, stride, b, b_tile, kc, na, nb, cbuf, !first, NULL, NULL, gr ? NULL : ahead,
+                               gr ? NULL : next);
         if (last) tiles_finish(g, cbuf, gr * 16, na, nb, t);
     }
 }
@@ -107,7 +112,7 @@ static void TB_FN(tiles_pair_stream)(const tiles_args *g, const uint8_t *const *
     const size_t stride = (size_t)g->k_pad;
     const int8_t *a0 = full >= 1 ? g->xq : a_tail;
     const int8_t *a1 = full >= 2 ? g->xq + 16 * stride : a_tail;
-    TB_FN(tiles_block_any)(a0, a1, stride, ring, 1024, kc, na, nb, cbuf, 0, unpack, code, ahead);
+    TB_FN(tiles_block_any)(a0, a1, stride, ring, 1024, kc, na, nb, cbuf, 0, unpack, code, ahead, NULL);
     tiles_finish(g, cbuf, 0, na, nb, t);
 }
 
@@ -120,9 +125,10 @@ static void TB_FN(gemm_ternary_tiles)(const uint8_t *w, const float *row_scale, 
                                       int k_pad, const float *act_scale, const int32_t *act_sum, float *out,
                                       int32_t *out_i32, int n, int tile_begin, int tile_end) {
     const int kblk = tiles_kblock(k_pad), stream = bk_table.tile_stream && m <= 32;
+    const int overlap = bk_table.tile_overlap && !stream && kblk == k_pad;
     const size_t utile = (size_t)16 * k_pad, ublk = (size_t)16 * kblk, tile_bytes = (size_t)k_pad / 16 * 64;
-    const size_t need = utile + tiles_cacc_bytes(m) + (stream ? TILES_RING_BYTES : 2 * ublk);
-    uint8_t *s = m >= bk_table.tile_min_rows ? tiles_scratch(need) : NULL;
+    const size_t bbytes = stream ? TILES_RING_BYTES : (size_t)(overlap ? 4 : 2) * ublk; /* unpacked B (ring) */
+    uint8_t *s = m >= bk_table.tile_min_rows ? tiles_scratch(utile + bbytes + tiles_cacc_bytes(m)) : NULL;
     if (!s) {
         bk_table.gemm_ternary_vector(w, row_scale, xq, m, k_pad, act_scale, act_sum, out, out_i32, n, tile_begin,
                                tile_end);
@@ -130,21 +136,43 @@ static void TB_FN(gemm_ternary_tiles)(const uint8_t *w, const float *row_scale, 
     }
     const tiles_args g = {xq, m, k_pad, act_scale, act_sum, row_scale, out, out_i32, n};
     int8_t *a_tail = (int8_t *)s, *codes = (int8_t *)s + utile;
-    int32_t *cacc = (int32_t *)(s + utile + 2 * ublk);
+    int32_t *cacc = (int32_t *)(s + utile + bbytes);
     tiles_copy_tail(&g, a_tail);
     tiles_warm(w, tile_bytes, tile_begin, tile_end);
     tiles_count();
     TB_CONFIG(&tiles_cfg_full);
     if (stream) {
         const tiles_unpack_fn unpack = tiles_unpacker();
-        int8_t *ring = (int8_t *)s + utile;
-        int32_t *cbuf = (int32_t *)(s + utile + TILES_RING_BYTES);
+        int32_t *cbuf = cacc;
         for (int t = tile_begin; t < tile_end; t += 2) {
             const int nb = tile_end - t >= 2 ? 2 : 1;
             tiles_ahead ah;
             const tiles_ahead *next = tiles_next_pair(&ah, w, tile_bytes, t, tile_end, 256, 0);
             const uint8_t *code[2] = {w + (size_t)t * tile_bytes, w + (size_t)(t + nb - 1) * tile_bytes};
-            TB_FN(tiles_pair_stream)(&g, code, nb, t, a_tail, ring, cbuf, unpack, next);
+            TB_FN(tiles_pair_stream)(&g, code, nb, t, a_tail, codes, cbuf, unpack, next);
+        }
+        TB_RELEASE();
+        return;
+    }
+    if (overlap) {
+        /* pair t's codes in cur, the next pair's unpacked into nxt beside its first row-group pair; the warm and
+         * the prefetch run one pair further ahead, since the next pair's codes are read by that unpack */
+        int8_t *cur = codes, *nxt = codes + 2 * ublk;
+        tiles_warm(w, tile_bytes, tile_begin + 2, tile_end);
+        for (int j = 0; j < 2 && tile_begin + j < tile_end; j++)
+            tiles_unpack(w + (size_t)(tile_begin + j) * tile_bytes, k_pad / 16, cur + j * ublk);
+        for (int t = tile_begin; t < tile_end; t += 2) {
+            const int nb = tile_end - t >= 2 ? 2 : 1;
+            const int nb_next = tile_end - (t + 2) >= 2 ? 2 : tile_end - (t + 2) == 1;
+            const uint8_t *c2 = w + (size_t)(t + 2) * tile_bytes;   /* read only when nb_next > 0 */
+            const tiles_unpack_next un = {tiles_unpacker(), {c2, nb_next == 2 ? c2 + tile_bytes : c2},
+                                          {nxt, nxt + ublk}, nb_next};
+            tiles_ahead ah;
+            const tiles_ahead *ahead = tiles_next_pair(&ah, w, tile_bytes, t + 2, tile_end, 256, 0);
+            TB_FN(tiles_panel)(&g, cur, ublk, nb, t, a_tail, cacc, 0, k_pad / 64, 1, 1, ahead, nb_next ? &un : NULL);
+            int8_t *swap = cur;
+            cur = nxt;
+            nxt = swap;
         }
         TB_RELEASE();
         return;
@@ -158,7 +186,8 @@ static void TB_FN(gemm_ternary_tiles)(const uint8_t *w, const float *row_scale, 
                                                       (size_t)k0 / 16 * 64);
             for (int j = 0; j < nb; j++)
                 tiles_unpack(w + (size_t)(t + j) * tile_bytes + (size_t)k0 / 16 * 64, kn / 16, codes + j * ublk);
-            TB_FN(tiles_panel)(&g, codes, ublk, nb, t, a_tail, cacc, k0, kn / 64, k0 == 0, k0 + kn == k_pad, next);
+            TB_FN(tiles_panel)(&g, codes, ublk, nb, t, a_tail, cacc, k0, kn / 64, k0 == 0, k0 + kn == k_pad, next,
+                               NULL);
         }
     }
     TB_RELEASE();
@@ -186,7 +215,7 @@ static int TB_FN(gemm_i8_tiles)(const tiles_args *g, const int8_t *w, int tile_b
             const tiles_ahead *next = tiles_next_pair(&ah, (const uint8_t *)w, utile, t, tile_end, 1024,
                                                       (size_t)k0 / 64 * 1024);
             TB_FN(tiles_panel)(g, w + (size_t)t * utile + (size_t)k0 / 64 * 1024, utile, nb, t, a_tail, cacc, k0,
-                               kn / 64, k0 == 0, k0 + kn == g->k_pad, next);
+                               kn / 64, k0 == 0, k0 + kn == g->k_pad, next, NULL);
         }
     }
     TB_RELEASE();

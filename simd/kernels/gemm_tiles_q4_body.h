@@ -150,7 +150,7 @@ static int TB_FN(gemm_q4g_tiles)(const tiles_args *g, const uint8_t *codes, cons
             const int8_t *a1 = gr + 1 < full ? g->xq + (size_t)(gr + 1) * 16 * stride : a_tail;
             /* B tile pair: W_lo at w, W_hi at w + utile -> C columns 0..15 and 16..31 */
             TB_FN(tiles_block_any)(a0, a1, stride, w, utile, kc, rgroups - gr >= 2 ? 2 : 1, 2, cbuf, 0, NULL, NULL,
-                                   gr ? NULL : next);
+                                   gr ? NULL : next, NULL);
             q4_tiles_finish(g, cbuf, gr * 16, rgroups - gr >= 2 ? 2 : 1, t);
         }
     }

@@ -71,6 +71,7 @@ typedef struct {
     int tile_kblock; /* k per block of the tile bodies, a multiple of 64 (0: all of K in one block) */
     int tile_stream; /* ternary tile GEMM at M <= 32: unpack one 64-k step at a time beside the tdpbssd (tiles.h) */
     int tile_warm;   /* tile bodies: weights read two tiles ahead of their use (tiles.h) */
+    int tile_overlap; /* ternary tile GEMM: the next pair unpacked beside the first row pair's tdpbssd (tiles.h) */
     /* software prefetch distance of the AVX-512 GEMV bodies, bytes ahead of the block being read (0: none) */
     int gemv_prefetch;
 } bk_table_t;

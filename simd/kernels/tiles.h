@@ -70,6 +70,16 @@ int bk_get_tile_stream(void);
  * of codes; warmed first, 18.6-19.2 including the warm), not the stream rate. The same results either way; bench_tiles.py --warm-ms times both on an AMX machine. */
 void bk_set_tile_warm(int on);
 int bk_get_tile_warm(void);
+/* The ternary tile GEMM's unpack beside the multiply, on = 1: with the whole of K in one block and the body not
+ * streamed, a range's first pair of weight tiles is unpacked before its row groups as before, and every later
+ * pair during the first row-group pair of the one before it, one 64-k step per step, into a second buffer (the
+ * two swap). The unpack's vector work and stores then run beside the tdpbssd chain instead of before it: per
+ * pair 80 KB of stores at K = 2560, against 640 tdpbssd at M = 128 (the prefill chunk), 160 at M = 32. Off (0,
+ * the default): each pair unpacked whole, then multiplied. The same results either way; the weights' read ahead
+ * (tile_warm) then prefetches the pair after the one being unpacked. bench_tiles.py --overlap-ms times both on
+ * an AMX machine; off until one has. */
+void bk_set_tile_overlap(int on);
+int bk_get_tile_overlap(void);
 /* The default crossover of the hardware tiles: below it the AVX-512 bodies run. Measured on Emerald Rapids
  * (bench/bench_tiles.py, docs/performance.md): every 2B-4T GEMM shape and both LM heads, at 2 and at 16 threads,
  * lose on the tiles at M = 8 (0.67-0.84x) and win from M = 16 (1.10-2.19x). The emulation's default is 1, so
