@@ -227,11 +227,38 @@ def warm_rows(shapes, ms, threads, emu, peak, min_time) -> list[dict]:
                        {False: "read as they go", True: "read ahead"}, {False: "gmacs_cold", True: "gmacs_warm"})
 
 
-def overlap_rows(shapes, ms, threads, emu, peak, min_time) -> list[dict]:
+def overlap_rows(shapes, ms, threads, emu, peak, min_time, head=True) -> list[dict]:
     """The ternary tile GEMM with each next pair of weight tiles unpacked beside the multiply of the one before
-    (simd.set_tile_overlap) against unpacked before its own multiply (the default); weights from memory."""
-    return toggle_rows(shapes, ms, threads, emu, peak, min_time, 5, K.set_tile_overlap, False,
+    (simd.set_tile_overlap) against unpacked before its own multiply (the default); weights from memory. Then the
+    q4 head on the tiles the same two ways (its next tile unpacked beside the multiply or before)."""
+    rows = toggle_rows(shapes, ms, threads, emu, peak, min_time, 5, K.set_tile_overlap, False,
                        {False: "unpack first", True: "unpack beside"}, {False: "gmacs_serial", True: "gmacs_overlap"})
+    if not head:
+        return rows
+    n, k = (4096, 256) if emu else (128256, 2560)
+    rng = np.random.default_rng(6)
+    codes = rng.integers(0, 256, size=n * k // 2, dtype=np.uint8)
+    gscale = rng.integers(0, 64, size=n * k // 32, dtype=np.uint8)
+    rs = np.ones(n, np.float32)
+    for m in ms:
+        xq = rng.integers(-127, 128, size=(m, k), dtype=np.int8)
+        s, out = np.ones(m, np.float32), np.empty((m, n), np.float32)
+        _mode(True, emu)
+        K.set_num_threads(threads)
+        sec = {}
+        try:
+            for _ in range(2):
+                for on in (False, True):
+                    K.set_tile_overlap(on)
+                    t = timed(lambda: K.gemv_q4g(codes, gscale, rs, xq, s, out), min_time=min_time, max_calls=50)
+                    sec[on] = min(sec.get(on, t), t)
+        finally:
+            K.set_tile_overlap(False)
+        print(f"head q4  {n:>6d} x {k:<5d} M={m:<4d} {threads}t   tiles, unpack first {sec[False] * 1e3:8.2f} ms   "
+              f"unpack beside {sec[True] * 1e3:8.2f} ms   x{sec[False] / sec[True]:.2f}", flush=True)
+        rows.append({"shape": "head_q4", "n": n, "k": k, "m": m, "threads": threads, "us_serial": sec[False] * 1e6,
+                     "us_overlap": sec[True] * 1e6, "speedup": sec[False] / sec[True]})
+    return rows
 
 
 def crossovers(rows) -> dict:
@@ -409,7 +436,8 @@ def main(argv=None) -> int:
             save()
         if a.overlap_ms:
             res.setdefault("overlap", []).extend(
-                overlap_rows(shapes, [int(x) for x in a.overlap_ms.split(",")], t, a.emu, pk, min_time))
+                overlap_rows(shapes, [int(x) for x in a.overlap_ms.split(",")], t, a.emu, pk, min_time,
+                             head=not a.no_head))
             save()
     res["crossover"] = crossovers(res["gemm"] + res["head"])
     if res["crossover"]:

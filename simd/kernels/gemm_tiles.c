@@ -202,16 +202,19 @@ static inline void tiles_prefetch_step(const tiles_ahead *a, int i) {
             for (size_t l = 0; l < a->step[j]; l += 64) __builtin_prefetch(a->p[j] + (size_t)i * a->step[j] + l, 0, 2);
 }
 
-/* bk_table.tile_overlap (tiles.h): the next pair of weight tiles, unpacked one 64-k step per step of the first
- * row-group pair's tiles_block (step i: 256 code bytes of each tile -> 1 KB at dst[j] + 1024 i) */
-typedef struct {
-    tiles_unpack_fn fn;
-    const uint8_t *code[2];
-    int8_t *dst[2];
-    int nb; /* tiles in the pair (0: nothing to unpack) */
+/* bk_table.tile_overlap (tiles.h): the next weights' unpack, one 64-k step per step of the first row-group pair's
+ * tiles_block, into the buffer the next tiles_panel reads. step(u, i) does step i: the ternary GEMM's
+ * (tiles_unpack_step: 256 code bytes of each tile of the next pair -> 1 KB at dst[j] + 1024 i) or the q4 head's
+ * (gemm_tiles_q4_body.h: two groups' codes and scales of the next tile -> 1 KB of W_lo and of W_hi). */
+typedef struct tiles_unpack_next {
+    void (*step)(const struct tiles_unpack_next *u, int i);
+    tiles_unpack_fn fn;     /* the ternary unpack of the path (tiles_unpacker) */
+    const uint8_t *src[2];  /* ternary: the two tiles' codes; q4: the tile's codes, its group scales */
+    int8_t *dst[2];         /* ternary: the two tiles' B; q4: W_lo, W_hi */
+    int nb;                 /* ternary: tiles in the pair */
 } tiles_unpack_next;
-static inline void tiles_unpack_step(const tiles_unpack_next *u, int i) {
-    for (int j = 0; j < u->nb; j++) u->fn(u->code[j] + (size_t)256 * i, 4, u->dst[j] + (size_t)1024 * i);
+static void tiles_unpack_step(const tiles_unpack_next *u, int i) {
+    for (int j = 0; j < u->nb; j++) u->fn(u->src[j] + (size_t)256 * i, 4, u->dst[j] + (size_t)1024 * i);
 }
 
 /* the streamed small-M body's ring (tiles.h, bk_set_tile_stream): 4 slots of one 64-k step of a pair of tiles */

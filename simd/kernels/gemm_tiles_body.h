@@ -43,7 +43,7 @@ __attribute__((always_inline)) static inline void TB_FN(tiles_block)(const int8_
     }
     for (int i = 0; i < kc; i++) {
         if (ahead) tiles_prefetch_step(ahead, i);
-        if (next) tiles_unpack_step(next, i);
+        if (next) next->step(next, i);
         const int8_t *bi = b + (size_t)1024 * i;
         if (unpack) {
             bi = b + (size_t)(i & 3) * TILES_RING_SLOT;
@@ -165,8 +165,8 @@ static void TB_FN(gemm_ternary_tiles)(const uint8_t *w, const float *row_scale, 
             const int nb = tile_end - t >= 2 ? 2 : 1;
             const int nb_next = tile_end - (t + 2) >= 2 ? 2 : tile_end - (t + 2) == 1;
             const uint8_t *c2 = w + (size_t)(t + 2) * tile_bytes;   /* read only when nb_next > 0 */
-            const tiles_unpack_next un = {tiles_unpacker(), {c2, nb_next == 2 ? c2 + tile_bytes : c2},
-                                          {nxt, nxt + ublk}, nb_next};
+            const tiles_unpack_next un = {tiles_unpack_step, tiles_unpacker(),
+                                          {c2, nb_next == 2 ? c2 + tile_bytes : c2}, {nxt, nxt + ublk}, nb_next};
             tiles_ahead ah;
             const tiles_ahead *ahead = tiles_next_pair(&ah, w, tile_bytes, t + 2, tile_end, 256, 0);
             TB_FN(tiles_panel)(&g, cur, ublk, nb, t, a_tail, cacc, 0, k_pad / 64, 1, 1, ahead, nb_next ? &un : NULL);
