@@ -261,6 +261,52 @@ def overlap_rows(shapes, ms, threads, emu, peak, min_time, head=True) -> list[di
     return rows
 
 
+def vector_side_rows(shapes, ms, threads, min_time, amx_peak_per_thread) -> list[dict]:
+    """Any AVX-512 machine: the tile bodies with their tile instructions compiled out (simd._kernels.
+    _set_tiles_timing_only; results wrong, time right) against the AVX-512 GEMM, alternating. What is left is
+    the vector side: the unpack, the A tail copy, the epilogue, the prefetch and the loops. Beside it, the
+    tdpbssd time at the given AMX peak (GMAC/s a thread; lease 1 measured ~1,070 on Emerald Rapids, 2 threads),
+    and the rate the tiles would reach with the two in series (no overlap) and fully overlapped. The vector side
+    runs at this machine's speed, not the AMX machine's: a model to steer by, not a measurement of the tiles."""
+    rng = np.random.default_rng(7)
+    rows = []
+    peak = amx_peak_per_thread * threads * 1e9
+    for name, n, k in shapes:
+        w = weight_copies(rng, n, k, False)
+        rs, k_pad = np.ones(n, np.float32), layout.pad_to(k, 64)
+        for m in ms:
+            xq = rng.integers(-127, 128, size=(m, k_pad), dtype=np.int8)
+            s, sm = np.ones(m, np.float32), xq.astype(np.int32).sum(axis=1).astype(np.int32)
+            out = np.empty((m, n), np.float32)
+            K.set_num_threads(threads)
+            sec = {}
+            try:
+                for _ in range(2):
+                    for side in (False, True):
+                        K.set_isa("avx512")
+                        if side:
+                            K._set_tiles_timing_only(True)
+                            K.set_tile_min_rows(1)
+                        t = timed(lambda: K.gemm_ternary(w(), rs, xq, s, sm, out), min_time=min_time, max_calls=400)
+                        sec[side] = min(sec.get(side, t), t)
+            finally:
+                K._set_tiles_timing_only(False)
+                K.set_tile_min_rows(0)
+                K.set_isa(None)
+            macs = m * n * k
+            tdp = ((m + 15) // 16 * 16) * ((n + 15) // 16 * 16) * k_pad / peak
+            r = {"shape": name, "n": n, "k": k, "m": m, "threads": threads, "gmacs_avx512": macs / sec[False] / 1e9,
+                 "us_vector_side": sec[True] * 1e6, "us_tdp_model": tdp * 1e6,
+                 "gmacs_serial_model": macs / (sec[True] + tdp) / 1e9,
+                 "gmacs_overlap_model": macs / max(sec[True], tdp) / 1e9}
+            print(f"{name:8s} {n:>6d} x {k:<5d} M={m:<4d} {threads}t   avx512 {r['gmacs_avx512']:7.1f} GMAC/s   "
+                  f"tile body's vector side {r['us_vector_side']:8.1f} us, tdpbssd at the peak {r['us_tdp_model']:8.1f}"
+                  f" us -> tiles {r['gmacs_serial_model']:7.1f} GMAC/s in series, "
+                  f"{r['gmacs_overlap_model']:7.1f} overlapped", flush=True)
+            rows.append(r)
+    return rows
+
+
 def crossovers(rows) -> dict:
     """Per (shape, threads): the smallest measured M from which the tiles win at every larger measured M."""
     res = {}
@@ -380,8 +426,27 @@ def main(argv=None) -> int:
     ap.add_argument("--kblock-ms", default="16,32,128,512",
                     help="row counts of the k-block comparison (small M: the unpacked pair of weight tiles is "
                          "read once per row group, so an L1-sized block may pay there and not at 512)")
+    ap.add_argument("--vector-side", action="store_true",
+                    help="any AVX-512 machine: time the tile bodies without their tile instructions against the "
+                         "AVX-512 GEMM (the unpack, epilogue and loops the tiles run beside), and the tile rate "
+                         "that implies at --amx-peak; then stop")
+    ap.add_argument("--amx-peak", type=float, default=1070.0,
+                    help="--vector-side: AMX int8 GMAC/s a thread for the model (default: lease 1, Emerald Rapids)")
     a = ap.parse_args(argv)
     hw = "amx" in K.supported_isas()
+    if a.vector_side:
+        if "avx512" not in K.supported_isas():
+            print("bench_tiles: --vector-side times the avx512 path, which this CPU lacks")
+            return 0
+        ms = [int(m) for m in a.ms.split(",")]
+        out = {"cpu": K.features(), "load": os.getloadavg()[0], "amx_peak_per_thread": a.amx_peak, "rows": []}
+        for t in (int(x) for x in a.threads.split(",")):
+            out["rows"] += vector_side_rows(QUICK_SHAPES if a.quick else SHAPES, ms, t, a.min_time or 0.25,
+                                            a.amx_peak)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(out, f, indent=1, default=str)
+        return 0
     if not hw and not a.emu:
         print(f"bench_tiles: no AMX tiles to time here: {K.tiles_reason()}.\n"
               "The tile kernels are tested on their emulation (tests/test_tiles.py); run this on an AMX machine "

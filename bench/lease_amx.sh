@@ -34,7 +34,7 @@ export PYTHONUNBUFFERED=1
                 "setuptools", setuptools.__version__)'
 } > "$res/machine.txt" 2>&1
 cd "$root" || exit 1
-tiles_2="--ms 1,4,8,16,32,64,128,512 --min-time 0.15 --kblock-ms 16 --stream-ms 16,32 --warm-ms 16,128 --overlap-ms 16,128,512"
+tiles_2="--ms 1,4,8,16,32,64,128,512 --min-time 0.15 --kblock-ms 16,128 --stream-ms 16,32 --warm-ms 16,128 --overlap-ms 16,128,512"
 tiles_2+=" --prompts 512"
 tiles_2+=" --seqs 1,16 --peer-prompts 512 --serve-gen 64"
 tiles_16="--quick --kblock-ms 16,512 --stream-ms 16,32 --warm-ms 16 --overlap-ms 16,128 --prompts 512,4096 --seqs 16,32 --no-serve"

@@ -53,7 +53,8 @@ cdef extern from "kernels.h" nogil:
 
 
 cdef extern from "tiles.h" nogil:
-    int BK_TILES_OFF, BK_TILES_AMX, BK_TILES_EMU
+    int BK_TILES_OFF, BK_TILES_AMX, BK_TILES_EMU, BK_TILES_NULL
+    int bk_set_tiles_timing_only(int on)
     int bk_tiles_supported()
     const char *bk_tiles_reason()
     int bk_set_tiles(int mode)
@@ -168,8 +169,17 @@ def set_isa(name=None):
 
 def tiles():
     """The matrix-tile mode in force: "amx" (multi-row products on the AMX tiles), "emu" (on their portable C
-    emulation: tests), or "off"."""
-    return TILE_MODES[bk_get_tiles()]
+    emulation: tests), or "off" ("timing-only" while _set_tiles_timing_only is on)."""
+    mode = bk_get_tiles()
+    return "timing-only" if mode == BK_TILES_NULL else TILE_MODES[mode]
+
+
+def _set_tiles_timing_only(bint on):
+    """Benchmarks only (bench_tiles.py --vector-side): the tile bodies without their tile instructions, on any
+    machine, to time what they do beside the tile unit (unpack, epilogue, loops). Every multi-row product then
+    gives WRONG results until this is turned off (which leaves the tiles off; set_isa(None) restores the
+    default)."""
+    bk_set_tiles_timing_only(1 if on else 0)
 
 
 def tiles_reason():

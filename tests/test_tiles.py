@@ -123,6 +123,32 @@ def _variant_equals_vector_path(seed, n, k, m, on, off):
     assert np.array_equal(out, ref) and np.array_equal(out3, ref)
 
 
+# the timing-only mode of bench_tiles.py --vector-side (the tile bodies without their tile instructions): it
+# runs the tile bodies (ternary, int8 and q4 heads), says so, is off again when turned off, and then the
+# products are the vector path's bytes again
+def test_tiles_timing_only_mode_runs_the_bodies_and_goes_away():
+    wt, w, rs, xq, s, sm = _ternary_case(3, 45, 640, 20)
+    ref, out = np.empty((20, 45), np.float32), np.empty((20, 45), np.float32)
+    K.set_isa(VECTOR_ISAS[-1])
+    K.gemm_ternary(w, rs, xq, s, sm, ref)
+    try:
+        K._set_tiles_timing_only(True)
+        assert K.tiles() == "timing-only"
+        used = K._tile_products()
+        K.gemm_ternary(w, rs, xq, s, sm, out)
+        q4 = np.zeros(48 * 640 // 2, np.uint8), np.zeros(48 * 640 // 32, np.uint8)
+        K.gemv_q4g(q4[0], q4[1], np.ones(45, np.float32), xq, s, out)
+        K.gemm_i8(np.zeros(48 * 640, np.int8), rs, np.zeros(45, np.int32), xq, s, out)
+        assert K._tile_products() >= used + 3
+    finally:
+        K._set_tiles_timing_only(False)
+    assert K.tiles() == "off"
+    out[:] = np.nan
+    K.gemm_ternary(w, rs, xq, s, sm, out)
+    K.set_isa(None)
+    assert np.array_equal(out, ref)
+
+
 # K-blocking (set_tile_kblock): one 64-k step per block, blocks that do not divide K (a short last block),
 # blocks over K (one block), with 1..3 row-group pairs and odd tile pairs; the same bits as the vector path
 @pytest.mark.parametrize("kblock", [64, 192, 1024, 4096])

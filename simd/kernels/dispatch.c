@@ -236,7 +236,7 @@ static void apply(int isa, int mode) {
     bk_table.gemm_ternary_vector = bk_table.gemm_ternary;
     bk_table.tiles_mode = mode;
     bk_table.gemv_prefetch = gemv_prefetch_for(isa);
-    bk_table.tile_min_rows = tile_min_rows > 0 ? tile_min_rows : (mode == BK_TILES_EMU ? 1 : BK_TILE_MIN_ROWS_AMX);
+    bk_table.tile_min_rows = tile_min_rows > 0 ? tile_min_rows : (mode == BK_TILES_AMX ? BK_TILE_MIN_ROWS_AMX : 1);
     if (bk_gemm_ternary_tile_bodies[mode]) bk_table.gemm_ternary = bk_gemm_ternary_tile_bodies[mode];
     current_isa = isa;
 }
@@ -245,6 +245,11 @@ int bk_set_tiles(int mode) {
     if (mode == BK_TILES_AMX && !(bk_tiles_supported() && current_isa == BK_ISA_AVX512)) return -1;
     if (mode != BK_TILES_OFF && mode != BK_TILES_AMX && mode != BK_TILES_EMU) return -1;
     apply(current_isa, mode);
+    return 0;
+}
+
+int bk_set_tiles_timing_only(int on) {
+    apply(current_isa, on ? BK_TILES_NULL : BK_TILES_OFF);
     return 0;
 }
 

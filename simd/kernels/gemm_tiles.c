@@ -252,12 +252,27 @@ static void tiles_unpack_step(const tiles_unpack_next *u, int i) {
 #include "gemm_tiles_q4_body.h" /* the q4 head, on the same tiles_block */
 #include "tiles_end.h"          /* undefines the TB_ macros */
 
+/* ---------------- timing only: no tile instructions (BK_TILES_NULL, tiles.h) ----------------
+ * Everything the bodies do beside the tile unit, nothing of it: the empty asm keeps each load and store's place
+ * in the loop and its address computed, and tells the compiler memory may change there. Results are wrong. */
+#define TB_SUFFIX null
+#define TB_CONFIG(cfg) ((void)(cfg))
+#define TB_RELEASE() ((void)0)
+#define TB_ZERO(t) ((void)0)
+#define TB_LOAD(t, base, stride) __asm__ volatile("" ::"r"((const void *)(base)), "r"((long)(stride)) : "memory")
+#define TB_STORE(t, base, stride) __asm__ volatile("" ::"r"((void *)(base)), "r"((long)(stride)) : "memory")
+#define TB_DPBSSD(c, a, b) ((void)0)
+#include "gemm_tiles_body.h"
+#include "gemm_tiles_q4_body.h"
+#include "tiles_end.h"
+
 /* The tile bodies by mode (tiles.h), which dispatch.c puts in front of the path's GEMM body. */
-const bk_gemm_ternary_fn bk_gemm_ternary_tile_bodies[3] = {
+const bk_gemm_ternary_fn bk_gemm_ternary_tile_bodies[4] = {
 #if BK_HAVE_AMX
     [BK_TILES_AMX] = gemm_ternary_tiles_amx,
 #endif
     [BK_TILES_EMU] = gemm_ternary_tiles_emu,
+    [BK_TILES_NULL] = gemm_ternary_tiles_null,
 };
 
 typedef struct {
@@ -273,6 +288,7 @@ static void i8_tiles_range(void *ctx, int b, int e) {
     if (bk_table.tiles_mode == BK_TILES_AMX) ok = gemm_i8_tiles_amx(&j->g, j->w, b, e);
 #endif
     if (bk_table.tiles_mode == BK_TILES_EMU) ok = gemm_i8_tiles_emu(&j->g, j->w, b, e);
+    if (bk_table.tiles_mode == BK_TILES_NULL) ok = gemm_i8_tiles_null(&j->g, j->w, b, e);
     if (!ok) __atomic_store_n(&j->failed, 1, __ATOMIC_RELAXED);
 }
 
@@ -298,6 +314,7 @@ static void q4g_tiles_range(void *ctx, int b, int e) {
     if (bk_table.tiles_mode == BK_TILES_AMX) ok = gemm_q4g_tiles_amx(&j->g, j->codes, j->gscale, b, e);
 #endif
     if (bk_table.tiles_mode == BK_TILES_EMU) ok = gemm_q4g_tiles_emu(&j->g, j->codes, j->gscale, b, e);
+    if (bk_table.tiles_mode == BK_TILES_NULL) ok = gemm_q4g_tiles_null(&j->g, j->codes, j->gscale, b, e);
     if (!ok) __atomic_store_n(&j->failed, 1, __ATOMIC_RELAXED);
 }
 

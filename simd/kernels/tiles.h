@@ -30,7 +30,13 @@
 
 #include "kernels.h"
 
-enum bk_tiles_mode { BK_TILES_OFF = 0, BK_TILES_AMX = 1, BK_TILES_EMU = 2 };
+enum bk_tiles_mode { BK_TILES_OFF = 0, BK_TILES_AMX = 1, BK_TILES_EMU = 2, BK_TILES_NULL = 3 };
+/* BK_TILES_NULL is for timing only, never for results: the tile bodies with their six tile instructions compiled
+ * out (gemm_tiles.c), so that a machine without AMX can time everything else they do (the unpack, the A tail,
+ * the epilogue, the prefetch, the loops): the vector side that AMX runs beside or between its tdpbssd.
+ * Set only through bk_set_tiles_timing_only (simd._kernels._set_tiles_timing_only, bench_tiles.py
+ * --vector-side); the results it writes are wrong. */
+int bk_set_tiles_timing_only(int on);
 
 /* The hardware's 64-byte tile configuration (palette 1), as ldtilecfg reads it. */
 typedef struct {
@@ -97,7 +103,7 @@ void bk_emu_tile_dpbusd(int c, int a, int b); /* C += A (u8) . B (s8) */
 
 /* gemm_tiles.c: the ternary tile body of each mode (NULL: none), which dispatch.c puts in front of the path's
  * own GEMM body (kept in bk_table.gemm_ternary_vector, run under bk_table.tile_min_rows rows). */
-extern const bk_gemm_ternary_fn bk_gemm_ternary_tile_bodies[3];
+extern const bk_gemm_ternary_fn bk_gemm_ternary_tile_bodies[4];
 uint64_t bk_tiles_products(void); /* tile-body calls that ran on the tiles, since the process started */
 /* int8 head, M rows (gemv_i8.c's bk_gemm_i8 asks first): 1 when it ran the product on the tiles, 0 when the
  * tiles are off, m is under the crossover or a thread had no scratch (the vector path then does it all). */
