@@ -16,8 +16,10 @@
 /* C[32 x 32] (cbuf, stride 128 bytes) = (acc ? C : 0) + A (NA tiles: rows of a0, a1, stride a_stride) . B (NB
  * tiles at b and b + b_tile, 1 KB per 64-k step) over kc steps. NA, NB are constants after inlining. unpack
  * non-NULL (the streamed small-M body): b is the ring (TILES_RING_BYTES) and b_tile 1024; each step's 1 KB of
- * each tile is first unpacked there from its codes (code[0], code[1]: 256 code bytes per step) into slot i % 4,
- * so a slot is rewritten only 4 steps after the loads that read it. ahead non-NULL: the next weights' bytes of
+ * each tile is unpacked there from its codes (code[0], code[1]: 256 code bytes per step) into slot i % 4 two
+ * steps before the loads that read it (the first two before the loop), so those loads find stores retired long
+ * before, not ones still waiting behind the previous step's tdpbssd, and a slot is rewritten two steps after its
+ * loads. ahead non-NULL: the next weights' bytes of
  * each step prefetched into L2 beside it (tiles_ahead). next non-NULL (tile_overlap): the next pair's step i
  * unpacked into its own buffer beside step i (tiles_unpack_next). */
 __attribute__((always_inline)) static inline void TB_FN(tiles_block)(const int8_t *a0, const int8_t *a1,
@@ -41,14 +43,23 @@ __attribute__((always_inline)) static inline void TB_FN(tiles_block)(const int8_
         TB_ZERO(2);
         TB_ZERO(3);
     }
+    if (unpack)
+        for (int i = 0; i < 2 && i < kc; i++) {
+            int8_t *slot = (int8_t *)b + (size_t)i * TILES_RING_SLOT;
+            unpack(code[0] + (size_t)256 * i, 4, slot);
+            if (NB == 2) unpack(code[1] + (size_t)256 * i, 4, slot + b_tile);
+        }
     for (int i = 0; i < kc; i++) {
         if (ahead) tiles_prefetch_step(ahead, i);
         if (next) next->step(next, i);
         const int8_t *bi = b + (size_t)1024 * i;
         if (unpack) {
             bi = b + (size_t)(i & 3) * TILES_RING_SLOT;
-            unpack(code[0] + (size_t)256 * i, 4, (int8_t *)bi);
-            if (NB == 2) unpack(code[1] + (size_t)256 * i, 4, (int8_t *)bi + b_tile);
+            if (i + 2 < kc) {
+                int8_t *slot = (int8_t *)b + (size_t)((i + 2) & 3) * TILES_RING_SLOT;
+                unpack(code[0] + (size_t)256 * (i + 2), 4, slot);
+                if (NB == 2) unpack(code[1] + (size_t)256 * (i + 2), 4, slot + b_tile);
+            }
         }
         TB_LOAD(4, a0 + (size_t)64 * i, a_stride);
         if (NA == 2) TB_LOAD(5, a1 + (size_t)64 * i, a_stride);
