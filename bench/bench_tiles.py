@@ -261,16 +261,26 @@ def overlap_rows(shapes, ms, threads, emu, peak, min_time, head=True) -> list[di
     return rows
 
 
-def vector_side_rows(shapes, ms, threads, min_time, amx_peak_per_thread) -> list[dict]:
+# the tile bodies' variants the vector side is timed under: (label, setter on, setter back, rows it applies to)
+VECTOR_SIDE_BODIES = [
+    ("whole-K", lambda: None, lambda: None, lambda m: True),
+    ("streamed", lambda: K.set_tile_stream(True), lambda: K.set_tile_stream(False), lambda m: m <= 32),
+    ("k-block 1024", lambda: K.set_tile_kblock(1024), lambda: K.set_tile_kblock(0), lambda m: True),
+]
+
+
+def vector_side_rows(shapes, ms, threads, min_time, amx_peak_per_thread, head=True) -> list[dict]:
     """Any AVX-512 machine: the tile bodies with their tile instructions compiled out (simd._kernels.
-    _set_tiles_timing_only; results wrong, time right) against the AVX-512 GEMM, alternating. What is left is
-    the vector side: the unpack, the A tail copy, the epilogue, the prefetch and the loops. Beside it, the
-    tdpbssd time at the given AMX peak (GMAC/s a thread; lease 1 measured ~1,070 on Emerald Rapids, 2 threads),
+    _set_tiles_timing_only; results wrong, time right) against the AVX-512 body, alternating, under each of
+    VECTOR_SIDE_BODIES (the q4 head: whole-K and streamed). What is left is the vector side: the unpack, the A
+    tail copy, the epilogue, the prefetch and the loops. Beside it, the tdpbssd time at the given AMX peak (GMAC/s
+    a thread; lease 1 measured ~1,070 on Emerald Rapids, 2 threads; the q4 head does two tdpbssd per product),
     and the rate the tiles would reach with the two in series (no overlap) and fully overlapped. The vector side
     runs at this machine's speed, not the AMX machine's: a model to steer by, not a measurement of the tiles."""
     rng = np.random.default_rng(7)
     rows = []
     peak = amx_peak_per_thread * threads * 1e9
+    cases = []   # (name, n, k, m, call(out-of-date weights ok), tdp work factor, bodies)
     for name, n, k in shapes:
         w = weight_copies(rng, n, k, False)
         rs, k_pad = np.ones(n, np.float32), layout.pad_to(k, 64)
@@ -278,32 +288,55 @@ def vector_side_rows(shapes, ms, threads, min_time, amx_peak_per_thread) -> list
             xq = rng.integers(-127, 128, size=(m, k_pad), dtype=np.int8)
             s, sm = np.ones(m, np.float32), xq.astype(np.int32).sum(axis=1).astype(np.int32)
             out = np.empty((m, n), np.float32)
-            K.set_num_threads(threads)
-            sec = {}
-            try:
-                for _ in range(2):
-                    for side in (False, True):
-                        K.set_isa("avx512")
-                        if side:
-                            K._set_tiles_timing_only(True)
-                            K.set_tile_min_rows(1)
-                        t = timed(lambda: K.gemm_ternary(w(), rs, xq, s, sm, out), min_time=min_time, max_calls=400)
-                        sec[side] = min(sec.get(side, t), t)
-            finally:
-                K._set_tiles_timing_only(False)
-                K.set_tile_min_rows(0)
-                K.set_isa(None)
-            macs = m * n * k
-            tdp = ((m + 15) // 16 * 16) * ((n + 15) // 16 * 16) * k_pad / peak
-            r = {"shape": name, "n": n, "k": k, "m": m, "threads": threads, "gmacs_avx512": macs / sec[False] / 1e9,
-                 "us_vector_side": sec[True] * 1e6, "us_tdp_model": tdp * 1e6,
-                 "gmacs_serial_model": macs / (sec[True] + tdp) / 1e9,
-                 "gmacs_overlap_model": macs / max(sec[True], tdp) / 1e9}
-            print(f"{name:8s} {n:>6d} x {k:<5d} M={m:<4d} {threads}t   avx512 {r['gmacs_avx512']:7.1f} GMAC/s   "
-                  f"tile body's vector side {r['us_vector_side']:8.1f} us, tdpbssd at the peak {r['us_tdp_model']:8.1f}"
-                  f" us -> tiles {r['gmacs_serial_model']:7.1f} GMAC/s in series, "
-                  f"{r['gmacs_overlap_model']:7.1f} overlapped", flush=True)
-            rows.append(r)
+            cases.append((name, n, k_pad, m, lambda w=w, rs=rs, xq=xq, s=s, sm=sm, out=out:
+                          K.gemm_ternary(w(), rs, xq, s, sm, out), 1, VECTOR_SIDE_BODIES))
+    if head:
+        n, k = 128256, 2560
+        codes = rng.integers(0, 256, size=n * k // 2, dtype=np.uint8)
+        gscale = rng.integers(0, 64, size=n * k // 32, dtype=np.uint8)
+        rs = np.ones(n, np.float32)
+        for m in ms:
+            xq = rng.integers(-127, 128, size=(m, k), dtype=np.int8)
+            s, out = np.ones(m, np.float32), np.empty((m, n), np.float32)
+            cases.append(("head q4", n, k, m, lambda xq=xq, s=s, out=out: K.gemv_q4g(codes, gscale, rs, xq, s, out),
+                          2, VECTOR_SIDE_BODIES[:2]))
+    for name, n, k_pad, m, call, factor, bodies in cases:
+        bodies = [b for b in bodies if b[3](m)]
+        K.set_num_threads(threads)
+        sec = {}
+        try:
+            for _ in range(2):
+                for label, on, off, _ok in [("avx512", None, None, None)] + bodies:
+                    K.set_isa("avx512")
+                    if on:
+                        K._set_tiles_timing_only(True)
+                        K.set_tile_min_rows(1)
+                        on()
+                    try:
+                        t = timed(call, min_time=min_time, max_calls=400)
+                    finally:
+                        if off:
+                            off()
+                    sec[label] = min(sec.get(label, t), t)
+        finally:
+            K._set_tiles_timing_only(False)
+            K.set_tile_min_rows(0)
+            K.set_isa(None)
+        macs = m * n * k_pad
+        tdp = factor * ((m + 15) // 16 * 16) * ((n + 15) // 16 * 16) * k_pad / peak
+        r = {"shape": name, "n": n, "k": k_pad, "m": m, "threads": threads, "us_avx512": sec["avx512"] * 1e6,
+             "us_tdp_model": tdp * 1e6, "bodies": {}}
+        cells = []
+        for label, *_ in bodies:
+            side = sec[label]
+            r["bodies"][label] = {"us_vector_side": side * 1e6, "gmacs_serial_model": macs / (side + tdp) / 1e9,
+                                  "gmacs_overlap_model": macs / max(side, tdp) / 1e9}
+            cells.append(f"{label} {side * 1e6:8.1f} us ({macs / (side + tdp) / 1e9:6.0f} / "
+                         f"{macs / max(side, tdp) / 1e9:6.0f})")
+        print(f"{name:8s} {n:>6d} x {k_pad:<5d} M={m:<4d} {threads}t   avx512 {sec['avx512'] * 1e6:8.1f} us "
+              f"({macs / sec['avx512'] / 1e9:6.0f} GMAC/s)   tdpbssd at the peak {tdp * 1e6:8.1f} us   vector side: "
+              + "   ".join(cells), flush=True)
+        rows.append(r)
     return rows
 
 
@@ -427,9 +460,10 @@ def main(argv=None) -> int:
                     help="row counts of the k-block comparison (small M: the unpacked pair of weight tiles is "
                          "read once per row group, so an L1-sized block may pay there and not at 512)")
     ap.add_argument("--vector-side", action="store_true",
-                    help="any AVX-512 machine: time the tile bodies without their tile instructions against the "
-                         "AVX-512 GEMM (the unpack, epilogue and loops the tiles run beside), and the tile rate "
-                         "that implies at --amx-peak; then stop")
+                    help="any AVX-512 machine: time the tile bodies (whole-K, streamed, k-blocks; the q4 head) "
+                         "without their tile instructions against the AVX-512 bodies (the unpack, epilogue and "
+                         "loops the tiles run beside), and the tile rate that implies at --amx-peak, in series / "
+                         "overlapped (GMAC/s in brackets); then stop")
     ap.add_argument("--amx-peak", type=float, default=1070.0,
                     help="--vector-side: AMX int8 GMAC/s a thread for the model (default: lease 1, Emerald Rapids)")
     a = ap.parse_args(argv)
@@ -442,7 +476,7 @@ def main(argv=None) -> int:
         out = {"cpu": K.features(), "load": os.getloadavg()[0], "amx_peak_per_thread": a.amx_peak, "rows": []}
         for t in (int(x) for x in a.threads.split(",")):
             out["rows"] += vector_side_rows(QUICK_SHAPES if a.quick else SHAPES, ms, t, a.min_time or 0.25,
-                                            a.amx_peak)
+                                            a.amx_peak, head=not a.no_head)
         if a.json:
             with open(a.json, "w") as f:
                 json.dump(out, f, indent=1, default=str)

@@ -217,9 +217,9 @@ def tile_kblock():
 
 
 def set_tile_stream(bint on):
-    """The ternary tile GEMM at M <= 32: unpack each pair of weight tiles one 64-k step at a time beside the tile
-    multiply (on) or the whole K first (off, the default). Results never change; bench_tiles.py --stream-ms
-    measures the speed on an AMX machine."""
+    """The tile bodies at M <= 32 (the ternary GEMM and the q4 head): unpack the weights one 64-k step at a time
+    beside the tile multiply (on) or the whole K first (off, the default). Results never change; bench_tiles.py
+    --stream-ms measures the speed on an AMX machine."""
     bk_set_tile_stream(1 if on else 0)
 
 

@@ -68,19 +68,24 @@ def test_q4_head_every_row_count_on_tiles(tiles):
 
 # the weights read ahead or not (set_tile_warm), each next tile unpacked beside the multiply or not
 # (set_tile_overlap): ranges of one tile, two, and many (300 rows: 19 tiles); one and several row-group pairs
+# and the streamed body at M <= 32 (set_tile_stream: each tile one 64-k step at a time through the ring; above 32
+# rows the whole-K body runs as before), K of one step, two and many
 @pytest.mark.parametrize("warm", [True, False])
-@pytest.mark.parametrize("overlap", [False, True])
-@pytest.mark.parametrize("n,k,m", [(16, 640, 17), (30, 2560, 16), (300, 2560, 33), (40, 64, 70)])
-def test_q4_head_on_tiles_warm_or_not(tiles, warm, overlap, n, k, m):
-    rng = np.random.default_rng(n + m + warm + 2 * overlap)
+@pytest.mark.parametrize("body", ["whole", "overlap", "stream"])
+@pytest.mark.parametrize("n,k,m", [(16, 640, 17), (30, 2560, 16), (300, 2560, 33), (40, 64, 70), (33, 96, 5),
+                                   (45, 6912, 32), (20, 128, 1)])
+def test_q4_head_on_tiles_warm_or_not(tiles, warm, body, n, k, m):
+    rng = np.random.default_rng(n + m + warm + 2 * len(body))
     q, s, d = _head(rng, n, k)
     K.set_tile_warm(warm)
-    K.set_tile_overlap(overlap)
+    K.set_tile_overlap(body == "overlap")
+    K.set_tile_stream(body == "stream")
     try:
         _check(q, s, d, _xq(rng, m, k), rng.random(m, dtype=np.float32) + np.float32(0.1))
     finally:
         K.set_tile_warm(True)
         K.set_tile_overlap(False)
+        K.set_tile_stream(False)
 
 
 # N not a multiple of 16, K_pad from 64 (K = 32: one group padded to two) to 8192 and K not a multiple of 64

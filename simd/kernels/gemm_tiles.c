@@ -202,19 +202,23 @@ static inline void tiles_prefetch_step(const tiles_ahead *a, int i) {
             for (size_t l = 0; l < a->step[j]; l += 64) __builtin_prefetch(a->p[j] + (size_t)i * a->step[j] + l, 0, 2);
 }
 
-/* bk_table.tile_overlap (tiles.h): the next weights' unpack, one 64-k step per step of the first row-group pair's
- * tiles_block, into the buffer the next tiles_panel reads. step(u, i) does step i: the ternary GEMM's
- * (tiles_unpack_step: 256 code bytes of each tile of the next pair -> 1 KB at dst[j] + 1024 i) or the q4 head's
- * (gemm_tiles_q4_body.h: two groups' codes and scales of the next tile -> 1 KB of W_lo and of W_hi). */
-typedef struct tiles_unpack_next {
-    void (*step)(const struct tiles_unpack_next *u, int i);
+/* Weights unpacked one 64-k step at a time, beside the tile multiply: by the streamed small-M bodies into their
+ * ring (tile_stream: the step two ahead of the one multiplied) and, with tile_overlap, the next weights into the
+ * buffer the next panel reads (one step per step of the first row-group pair). step(u, i, d0, d1) writes step i
+ * of the weights u names at d0 (1 KB) and d1 (1 KB): the ternary GEMM's (tiles_ternary_step: 256 code bytes of
+ * each of the nb tiles of a pair -> its B step) or the q4 head's (q4_tiles_step, gemm_tiles_q4_body.h: two
+ * groups' codes and scales of one tile -> a step of W_lo at d0 and of W_hi at d1). dst: where step 0 goes
+ * (step i at + 1024 i) for the overlap; the ring passes its slot instead. */
+typedef struct tiles_steps {
+    void (*step)(const struct tiles_steps *u, int i, int8_t *d0, int8_t *d1);
     tiles_unpack_fn fn;     /* the ternary unpack of the path (tiles_unpacker) */
-    const uint8_t *src[2];  /* ternary: the two tiles' codes; q4: the tile's codes, its group scales */
-    int8_t *dst[2];         /* ternary: the two tiles' B; q4: W_lo, W_hi */
+    const uint8_t *src[2];  /* ternary: the pair's codes; q4: the tile's codes, its group scales */
+    int8_t *dst[2];         /* tile_overlap: the buffers of the next panel */
     int nb;                 /* ternary: tiles in the pair */
-} tiles_unpack_next;
-static void tiles_unpack_step(const tiles_unpack_next *u, int i) {
-    for (int j = 0; j < u->nb; j++) u->fn(u->src[j] + (size_t)256 * i, 4, u->dst[j] + (size_t)1024 * i);
+} tiles_steps;
+static void tiles_ternary_step(const tiles_steps *u, int i, int8_t *d0, int8_t *d1) {
+    u->fn(u->src[0] + (size_t)256 * i, 4, d0);
+    if (u->nb == 2) u->fn(u->src[1] + (size_t)256 * i, 4, d1);
 }
 
 /* the streamed small-M body's ring (tiles.h, bk_set_tile_stream): 4 slots of one 64-k step of a pair of tiles */

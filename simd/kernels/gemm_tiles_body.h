@@ -14,22 +14,20 @@
 #define TB_FN(name) TB_CAT(name, TB_SUFFIX)
 
 /* C[32 x 32] (cbuf, stride 128 bytes) = (acc ? C : 0) + A (NA tiles: rows of a0, a1, stride a_stride) . B (NB
- * tiles at b and b + b_tile, 1 KB per 64-k step) over kc steps. NA, NB are constants after inlining. unpack
- * non-NULL (the streamed small-M body): b is the ring (TILES_RING_BYTES) and b_tile 1024; each step's 1 KB of
- * each tile is unpacked there from its codes (code[0], code[1]: 256 code bytes per step) into slot i % 4 two
- * steps before the loads that read it (the first two before the loop), so those loads find stores retired long
- * before, not ones still waiting behind the previous step's tdpbssd, and a slot is rewritten two steps after its
- * loads. ahead non-NULL: the next weights' bytes of
- * each step prefetched into L2 beside it (tiles_ahead). next non-NULL (tile_overlap): the next pair's step i
- * unpacked into its own buffer beside step i (tiles_unpack_next). */
+ * tiles at b and b + b_tile, 1 KB per 64-k step) over kc steps. NA, NB are constants after inlining. ring
+ * non-NULL (the streamed small-M bodies): b is the ring (TILES_RING_BYTES) and b_tile 1024; each step's B is
+ * unpacked there (ring->step) into slot i % 4 two steps before the loads that read it (the first two before the
+ * loop), so those loads find stores retired long before, not ones still waiting behind the previous step's
+ * tdpbssd, and a slot is rewritten two steps after its loads. ahead non-NULL: the next weights' bytes of each
+ * step prefetched into L2 beside it (tiles_ahead). next non-NULL (tile_overlap): the next weights' step i
+ * unpacked into their own buffer (next->dst) beside step i. */
 __attribute__((always_inline)) static inline void TB_FN(tiles_block)(const int8_t *a0, const int8_t *a1,
                                                                     size_t a_stride, const int8_t *b,
                                                                     size_t b_tile, int kc, const int NA,
                                                                     const int NB, int32_t *cbuf, int acc,
-                                                                    tiles_unpack_fn unpack,
-                                                                    const uint8_t *const *code,
+                                                                    const tiles_steps *ring,
                                                                     const tiles_ahead *ahead,
-                                                                    const tiles_unpack_next *next) {
+                                                                    const tiles_steps *next) {
     if (acc) {
         TB_LOAD(0, cbuf, 128);
         if (NB == 2) TB_LOAD(1, cbuf + 16, 128);
@@ -43,22 +41,20 @@ __attribute__((always_inline)) static inline void TB_FN(tiles_block)(const int8_
         TB_ZERO(2);
         TB_ZERO(3);
     }
-    if (unpack)
+    if (ring)
         for (int i = 0; i < 2 && i < kc; i++) {
             int8_t *slot = (int8_t *)b + (size_t)i * TILES_RING_SLOT;
-            unpack(code[0] + (size_t)256 * i, 4, slot);
-            if (NB == 2) unpack(code[1] + (size_t)256 * i, 4, slot + b_tile);
+            ring->step(ring, i, slot, slot + b_tile);
         }
     for (int i = 0; i < kc; i++) {
         if (ahead) tiles_prefetch_step(ahead, i);
-        if (next) next->step(next, i);
+        if (next) next->step(next, i, next->dst[0] + (size_t)1024 * i, next->dst[1] + (size_t)1024 * i);
         const int8_t *bi = b + (size_t)1024 * i;
-        if (unpack) {
+        if (ring) {
             bi = b + (size_t)(i & 3) * TILES_RING_SLOT;
             if (i + 2 < kc) {
                 int8_t *slot = (int8_t *)b + (size_t)((i + 2) & 3) * TILES_RING_SLOT;
-                unpack(code[0] + (size_t)256 * (i + 2), 4, slot);
-                if (NB == 2) unpack(code[1] + (size_t)256 * (i + 2), 4, slot + b_tile);
+                ring->step(ring, i + 2, slot, slot + b_tile);
             }
         }
         TB_LOAD(4, a0 + (size_t)64 * i, a_stride);
@@ -83,13 +79,12 @@ __attribute__((always_inline)) static inline void TB_FN(tiles_block)(const int8_
 /* tiles_block for na, nb (1 or 2) known only at run time: one of its four constant-folded forms */
 static inline void TB_FN(tiles_block_any)(const int8_t *a0, const int8_t *a1, size_t a_stride, const int8_t *b,
                                           size_t b_tile, int kc, int na, int nb, int32_t *cbuf, int acc,
-                                          tiles_unpack_fn unpack, const uint8_t *const *code,
-                                          const tiles_ahead *ahead, const tiles_unpack_next *next) {
-    if (na == 2 && nb == 2)
-        TB_FN(tiles_block)(a0, a1, a_stride, b, b_tile, kc, 2, 2, cbuf, acc, unpack, code, ahead, next);
-    else if (na == 2) TB_FN(tiles_block)(a0, a1, a_stride, b, b_tile, kc, 2, 1, cbuf, acc, unpack, code, ahead, next);
-    else if (nb == 2) TB_FN(tiles_block)(a0, a1, a_stride, b, b_tile, kc, 1, 2, cbuf, acc, unpack, code, ahead, next);
-    else TB_FN(tiles_block)(a0, a1, a_stride, b, b_tile, kc, 1, 1, cbuf, acc, unpack, code, ahead, next);
+                                          const tiles_steps *ring, const tiles_ahead *ahead,
+                                          const tiles_steps *next) {
+    if (na == 2 && nb == 2) TB_FN(tiles_block)(a0, a1, a_stride, b, b_tile, kc, 2, 2, cbuf, acc, ring, ahead, next);
+    else if (na == 2) TB_FN(tiles_block)(a0, a1, a_stride, b, b_tile, kc, 2, 1, cbuf, acc, ring, ahead, next);
+    else if (nb == 2) TB_FN(tiles_block)(a0, a1, a_stride, b, b_tile, kc, 1, 2, cbuf, acc, ring, ahead, next);
+    else TB_FN(tiles_block)(a0, a1, a_stride, b, b_tile, kc, 1, 1, cbuf, acc, ring, ahead, next);
 }
 
 /* One k-block [k0, k0 + 64 kc) of every activation row group (16 rows; the last, partial one from the
@@ -99,7 +94,7 @@ static inline void TB_FN(tiles_block_any)(const int8_t *a0, const int8_t *a1, si
  * beside the first row-group pair; next (tile_overlap, one k-block): the next pair, unpacked beside it. */
 static void TB_FN(tiles_panel)(const tiles_args *g, const int8_t *b, size_t b_tile, int nb, int t,
                                const int8_t *a_tail, int32_t *cacc, int k0, int kc, int first, int last,
-                               const tiles_ahead *ahead, const tiles_unpack_next *next) {
+                               const tiles_ahead *ahead, const tiles_steps *next) {
     const int full = g->m / 16, groups = (g->m + 15) / 16;
     const size_t stride = (size_t)g->k_pad;
     for (int gr = 0; gr < groups; gr += 2) {
@@ -107,24 +102,23 @@ static void TB_FN(tiles_panel)(const tiles_args *g, const int8_t *b, size_t b_ti
         const int8_t *a0 = (gr < full ? g->xq + (size_t)gr * 16 * stride : a_tail) + k0;
         const int8_t *a1 = (gr + 1 < full ? g->xq + (size_t)(gr + 1) * 16 * stride : a_tail) + k0;
         int32_t *cbuf = cacc + (size_t)(gr / 2) * 32 * 32;
-        TB_FN(tiles_block_any)(a0, a1, stride, b, b_tile, kc, na, nb, cbuf, !first, NULL, NULL, gr ? NULL : ahead,
+        TB_FN(tiles_block_any)(a0, a1, stride, b, b_tile, kc, na, nb, cbuf, !first, NULL, gr ? NULL : ahead,
                                gr ? NULL : next);
         if (last) tiles_finish(g, cbuf, gr * 16, na, nb, t);
     }
 }
 
-/* M <= 32 (one or two 16-row groups), streamed (bk_table.tile_stream): weight tiles t (and t + 1 when nb = 2),
- * codes at code[0] / code[1], unpacked one 64-k step at a time into the ring right before the loads that read
- * it (tiles_block); C stays in tmm0..3 over the whole of K and goes through cbuf (32 x 32 int32) to the epilogue. */
-static void TB_FN(tiles_pair_stream)(const tiles_args *g, const uint8_t *const *code, int nb, int t,
-                                     const int8_t *a_tail, int8_t *ring, int32_t *cbuf, tiles_unpack_fn unpack,
-                                     const tiles_ahead *ahead) {
+/* M <= 32 (one or two 16-row groups), streamed (bk_table.tile_stream): the weights ring names (a ternary pair
+ * of nb tiles, t and t + 1; or one q4 tile, W_lo and W_hi as the pair), unpacked one 64-k step at a time into the
+ * ring two steps before the tile loads that read it (tiles_block), with C in tmm0..3 over the whole of K, then
+ * through cbuf (32 x 32 int32) to the epilogue, which the caller runs. */
+static void TB_FN(tiles_stream)(const tiles_args *g, const tiles_steps *ring, int nb, const int8_t *a_tail,
+                                int8_t *ring_buf, int32_t *cbuf, const tiles_ahead *ahead) {
     const int full = g->m / 16, na = (g->m + 15) / 16, kc = g->k_pad / 64;
     const size_t stride = (size_t)g->k_pad;
     const int8_t *a0 = full >= 1 ? g->xq : a_tail;
     const int8_t *a1 = full >= 2 ? g->xq + 16 * stride : a_tail;
-    TB_FN(tiles_block_any)(a0, a1, stride, ring, 1024, kc, na, nb, cbuf, 0, unpack, code, ahead, NULL);
-    tiles_finish(g, cbuf, 0, na, nb, t);
+    TB_FN(tiles_block_any)(a0, a1, stride, ring_buf, 1024, kc, na, nb, cbuf, 0, ring, ahead, NULL);
 }
 
 /* Ternary tile16 weights, tiles [tile_begin, tile_end), a pair at a time, in k-blocks of kblk (tiles_kblock):
@@ -153,14 +147,15 @@ static void TB_FN(gemm_ternary_tiles)(const uint8_t *w, const float *row_scale, 
     tiles_count();
     TB_CONFIG(&tiles_cfg_full);
     if (stream) {
-        const tiles_unpack_fn unpack = tiles_unpacker();
-        int32_t *cbuf = cacc;
         for (int t = tile_begin; t < tile_end; t += 2) {
             const int nb = tile_end - t >= 2 ? 2 : 1;
             tiles_ahead ah;
             const tiles_ahead *next = tiles_next_pair(&ah, w, tile_bytes, t, tile_end, 256, 0);
-            const uint8_t *code[2] = {w + (size_t)t * tile_bytes, w + (size_t)(t + nb - 1) * tile_bytes};
-            TB_FN(tiles_pair_stream)(&g, code, nb, t, a_tail, codes, cbuf, unpack, next);
+            const uint8_t *c = w + (size_t)t * tile_bytes;
+            const tiles_steps ring = {tiles_ternary_step, tiles_unpacker(), {c, c + (size_t)(nb - 1) * tile_bytes},
+                                      {NULL, NULL}, nb};
+            TB_FN(tiles_stream)(&g, &ring, nb, a_tail, codes, cacc, next);
+            tiles_finish(&g, cacc, 0, (m + 15) / 16, nb, t);
         }
         TB_RELEASE();
         return;
@@ -176,8 +171,8 @@ static void TB_FN(gemm_ternary_tiles)(const uint8_t *w, const float *row_scale, 
             const int nb = tile_end - t >= 2 ? 2 : 1;
             const int nb_next = tile_end - (t + 2) >= 2 ? 2 : tile_end - (t + 2) == 1;
             const uint8_t *c2 = w + (size_t)(t + 2) * tile_bytes;   /* read only when nb_next > 0 */
-            const tiles_unpack_next un = {tiles_unpack_step, tiles_unpacker(),
-                                          {c2, nb_next == 2 ? c2 + tile_bytes : c2}, {nxt, nxt + ublk}, nb_next};
+            const tiles_steps un = {tiles_ternary_step, tiles_unpacker(), {c2, nb_next == 2 ? c2 + tile_bytes : c2},
+                                    {nxt, nxt + ublk}, nb_next};
             tiles_ahead ah;
             const tiles_ahead *ahead = tiles_next_pair(&ah, w, tile_bytes, t + 2, tile_end, 256, 0);
             TB_FN(tiles_panel)(&g, cur, ublk, nb, t, a_tail, cacc, 0, k_pad / 64, 1, 1, ahead, nb_next ? &un : NULL);

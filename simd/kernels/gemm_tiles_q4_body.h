@@ -119,11 +119,10 @@ static void q4_tiles_finish(const tiles_args *g, const int32_t *cbuf, int row0, 
 #endif
     q4_tiles_finish_scalar(g, cbuf, row0, na, t);
 }
-/* tile_overlap: step i of the next tile's unpack (two groups: 512 code bytes, 32 scale bytes -> 1 KB each of
- * W_lo and W_hi) */
-static void q4_tiles_unpack_step(const tiles_unpack_next *u, int i) {
-    q4_tiles_unpack(u->src[0] + (size_t)512 * i, u->src[1] + (size_t)32 * i, 2, u->dst[0] + (size_t)1024 * i,
-                    u->dst[1] + (size_t)1024 * i);
+/* step i of one tile's unpack (tiles_steps: two groups, 512 code bytes and 32 scale bytes -> 1 KB of W_lo at d0
+ * and of W_hi at d1), for the streamed body's ring and for tile_overlap */
+static void q4_tiles_step(const tiles_steps *u, int i, int8_t *d0, int8_t *d1) {
+    q4_tiles_unpack(u->src[0] + (size_t)512 * i, u->src[1] + (size_t)32 * i, 2, d0, d1);
 }
 #endif /* BITNET_GEMM_TILES_Q4_ONCE */
 
@@ -133,16 +132,19 @@ static void q4_tiles_unpack_step(const tiles_unpack_next *u, int i) {
  * (2 x 16 x K_pad bytes: 80 KB at K = 2560) and reused by every row group of A (the last, partial one from the
  * zero-padded tail copy). With tile_overlap, a range's first tile is unpacked before its row groups and every
  * later one beside the first row-group pair of the tile before it, into a second W_lo | W_hi (the two swap).
- * 0 when the thread's scratch could not be had (the caller then runs the vector body). */
+ * With tile_stream at M <= 32 (one row-group pair), each tile is unpacked one 64-k step at a time into the ring
+ * beside its multiply instead (tiles_stream): W_lo | W_hi never leave L1. 0 when the thread's scratch could not
+ * be had (the caller then runs the vector body). */
 static int TB_FN(gemm_q4g_tiles)(const tiles_args *g, const uint8_t *codes, const uint8_t *gscale, int tile_begin,
                                    int tile_end) {
     const int groups = g->k_pad / 32, kc = g->k_pad / 64, full = g->m / 16, rgroups = (g->m + 15) / 16;
-    const int overlap = bk_table.tile_overlap;
+    const int stream = bk_table.tile_stream && g->m <= 32, overlap = bk_table.tile_overlap && !stream;
     const size_t utile = (size_t)16 * g->k_pad, stride = (size_t)g->k_pad;
-    uint8_t *s = tiles_scratch((overlap ? 5 : 3) * utile + 32 * 32 * 4);
+    const size_t wbytes = stream ? TILES_RING_BYTES : (size_t)(overlap ? 4 : 2) * utile; /* W_lo | W_hi (ring) */
+    uint8_t *s = tiles_scratch(utile + wbytes + 32 * 32 * 4);
     if (!s) return 0;
     int8_t *a_tail = (int8_t *)s, *w = (int8_t *)s + utile, *w_next = overlap ? w + 2 * utile : NULL;
-    int32_t *cbuf = (int32_t *)(s + (overlap ? 5 : 3) * utile);
+    int32_t *cbuf = (int32_t *)(s + utile + wbytes);
     const size_t cbytes = (size_t)groups * 256, sbytes = (size_t)groups * 16; /* a tile's codes, its group scales */
     tiles_copy_tail(g, a_tail);
     tiles_count();
@@ -153,17 +155,24 @@ static int TB_FN(gemm_q4g_tiles)(const tiles_args *g, const uint8_t *codes, cons
         /* the tile two ahead: 2 groups of codes (512 bytes) and of scales (32) per 64-k step */
         const tiles_ahead ah = {{codes + (size_t)(t + 2) * cbytes, gscale + (size_t)(t + 2) * sbytes}, {512, 32}};
         const tiles_ahead *next = bk_table.tile_warm && t + 2 < tile_end ? &ah : NULL;
-        const tiles_unpack_next un = {q4_tiles_unpack_step, NULL,
-                                      {codes + (size_t)(t + 1) * cbytes, gscale + (size_t)(t + 1) * sbytes},
-                                      {w_next, w_next + utile}, 1};
-        const tiles_unpack_next *unext = overlap && t + 1 < tile_end ? &un : NULL;
+        if (stream) {
+            const tiles_steps ring = {q4_tiles_step, NULL, {codes + (size_t)t * cbytes, gscale + (size_t)t * sbytes},
+                                      {NULL, NULL}, 2};
+            TB_FN(tiles_stream)(g, &ring, 2, a_tail, w, cbuf, next);
+            q4_tiles_finish(g, cbuf, 0, rgroups, t);
+            continue;
+        }
+        const tiles_steps un = {q4_tiles_step, NULL,
+                                {codes + (size_t)(t + 1) * cbytes, gscale + (size_t)(t + 1) * sbytes},
+                                {w_next, w_next + utile}, 2};
+        const tiles_steps *unext = overlap && t + 1 < tile_end ? &un : NULL;
         if (!overlap || t == tile_begin)
             q4_tiles_unpack(codes + (size_t)t * cbytes, gscale + (size_t)t * sbytes, groups, w, w + utile);
         for (int gr = 0; gr < rgroups; gr += 2) {
             const int8_t *a0 = gr < full ? g->xq + (size_t)gr * 16 * stride : a_tail;
             const int8_t *a1 = gr + 1 < full ? g->xq + (size_t)(gr + 1) * 16 * stride : a_tail;
             /* B tile pair: W_lo at w, W_hi at w + utile -> C columns 0..15 and 16..31 */
-            TB_FN(tiles_block_any)(a0, a1, stride, w, utile, kc, rgroups - gr >= 2 ? 2 : 1, 2, cbuf, 0, NULL, NULL,
+            TB_FN(tiles_block_any)(a0, a1, stride, w, utile, kc, rgroups - gr >= 2 ? 2 : 1, 2, cbuf, 0, NULL,
                                    gr ? NULL : next, gr ? NULL : unext);
             q4_tiles_finish(g, cbuf, gr * 16, rgroups - gr >= 2 ? 2 : 1, t);
         }

@@ -59,12 +59,13 @@ int bk_get_tile_min_rows(void);
  * noise of the best at M = 512 on every 2B-4T shape, 2 and 16 threads; blocks of 1-2K won only at M = 128). */
 void bk_set_tile_kblock(int k);
 int bk_get_tile_kblock(void);
-/* The ternary tile GEMM at M <= 32 (one or two 16-row groups: batched decode, verify rows), on = 1: each pair of
- * weight tiles is unpacked one 64-k step (2 KB) at a time into a 4-slot ring in L1, two steps before the tile
- * loads that read it, with C in the tile registers over the whole of K, so the unpack's stores can overlap the tdpbssd
- * chain. Off (0, the default): the pair's whole K is unpacked first (80 KB at K = 2560: through L2), then
- * multiplied; at these M it is read by one row-group pair only. The results are the same either way; which is
- * faster is for an AMX machine to say (bench_tiles.py --stream-ms), so it stays off until one has. */
+/* The tile bodies at M <= 32 (one or two 16-row groups: batched decode, verify rows, the head of a batched
+ * step), on = 1: each pair of ternary weight tiles (the q4 head: each tile's W_lo and W_hi) is unpacked one 64-k
+ * step (2 KB) at a time into a 4-slot ring in L1, two steps before the tile loads that read it, with C in the tile
+ * registers over the whole of K, so the unpack's stores can overlap the tdpbssd chain and never leave L1. Off (0,
+ * the default): the whole K is unpacked first (80 KB at K = 2560: through L2), then multiplied; at these M it is
+ * read by one row-group pair only. The results are the same either way; which is faster is for an AMX machine to
+ * say (bench_tiles.py --stream-ms), so it stays off until one has. */
 void bk_set_tile_stream(int on);
 int bk_get_tile_stream(void);
 /* The tile bodies' weight reads, on = 1 (the default): the weights arrive ahead of the unpack or the tile loads,
