@@ -97,6 +97,18 @@ def weight_copies(rng, n, k, emu):
     return lambda: ws[next(it) % len(ws)]
 
 
+def rows_for(rng, m, k_pad, n):
+    """M activation rows as the GEMMs take them (int8, unit scales, their sums) and an output buffer."""
+    xq = rng.integers(-127, 128, size=(m, k_pad), dtype=np.int8)
+    return xq, np.ones(m, np.float32), xq.astype(np.int32).sum(axis=1).astype(np.int32), np.empty((m, n), np.float32)
+
+
+def q4_head_weights(rng, n, k):
+    """A random q4g head of n_pad x k: codes and group scales (0..63, as the converter writes)."""
+    return (rng.integers(0, 256, size=n * k // 2, dtype=np.uint8),
+            rng.integers(0, 64, size=n * k // 32, dtype=np.uint8))
+
+
 def gemm_rows(shapes, ms, threads, emu, peak, min_time) -> list[dict]:
     rng = np.random.default_rng(0)
     rows = []
@@ -105,9 +117,7 @@ def gemm_rows(shapes, ms, threads, emu, peak, min_time) -> list[dict]:
         rs = np.ones(n, np.float32)
         k_pad = layout.pad_to(k, 64)
         for m in ms:
-            xq = rng.integers(-127, 128, size=(m, k_pad), dtype=np.int8)
-            s, sm = np.ones(m, np.float32), xq.astype(np.int32).sum(axis=1).astype(np.int32)
-            out = np.empty((m, n), np.float32)
+            xq, s, sm, out = rows_for(rng, m, k_pad, n)
             sec = {}
             for on in (False, True, False, True):      # alternate: both sides see the same machine state
                 _mode(on, emu)
@@ -133,8 +143,7 @@ def head_rows(ms, threads, emu, min_time, n=128256, k=2560) -> list[dict]:
     n_pad = layout.pad_to(n, 16)
     w = rng.integers(-127, 128, size=n_pad * k, dtype=np.int8)
     rs, rowsum = np.ones(n, np.float32), np.zeros(n, np.int32)
-    codes = rng.integers(0, 256, size=n_pad * k // 2, dtype=np.uint8)
-    gscale = rng.integers(0, 64, size=n_pad * k // 32, dtype=np.uint8)
+    codes, gscale = q4_head_weights(rng, n_pad, k)
     heads = {"i8": lambda xq, s, out: K.gemm_i8(w, rs, rowsum, xq, s, out),
              "q4": lambda xq, s, out: K.gemv_q4g(codes, gscale, rs, xq, s, out)}
     rows = []
@@ -163,9 +172,7 @@ def variant_rows(shapes, ms, threads, emu, seed, variants, apply, min_time):
         w = weight_copies(rng, n, k, emu)
         rs, k_pad = np.ones(n, np.float32), layout.pad_to(k, 64)
         for m in ms:
-            xq = rng.integers(-127, 128, size=(m, k_pad), dtype=np.int8)
-            s, sm = np.ones(m, np.float32), xq.astype(np.int32).sum(axis=1).astype(np.int32)
-            out = np.empty((m, n), np.float32)
+            xq, s, sm, out = rows_for(rng, m, k_pad, n)
             _mode(True, emu)
             K.set_num_threads(threads)
             sec = {}
@@ -237,8 +244,7 @@ def overlap_rows(shapes, ms, threads, emu, peak, min_time, head=True) -> list[di
         return rows
     n, k = (4096, 256) if emu else (128256, 2560)
     rng = np.random.default_rng(6)
-    codes = rng.integers(0, 256, size=n * k // 2, dtype=np.uint8)
-    gscale = rng.integers(0, 64, size=n * k // 32, dtype=np.uint8)
+    codes, gscale = q4_head_weights(rng, n, k)
     rs = np.ones(n, np.float32)
     for m in ms:
         xq = rng.integers(-127, 128, size=(m, k), dtype=np.int8)
@@ -285,15 +291,12 @@ def vector_side_rows(shapes, ms, threads, min_time, amx_peak_per_thread, head=Tr
         w = weight_copies(rng, n, k, False)
         rs, k_pad = np.ones(n, np.float32), layout.pad_to(k, 64)
         for m in ms:
-            xq = rng.integers(-127, 128, size=(m, k_pad), dtype=np.int8)
-            s, sm = np.ones(m, np.float32), xq.astype(np.int32).sum(axis=1).astype(np.int32)
-            out = np.empty((m, n), np.float32)
+            xq, s, sm, out = rows_for(rng, m, k_pad, n)
             cases.append((name, n, k_pad, m, lambda w=w, rs=rs, xq=xq, s=s, sm=sm, out=out:
                           K.gemm_ternary(w(), rs, xq, s, sm, out), 1, VECTOR_SIDE_BODIES))
     if head:
         n, k = 128256, 2560
-        codes = rng.integers(0, 256, size=n * k // 2, dtype=np.uint8)
-        gscale = rng.integers(0, 64, size=n * k // 32, dtype=np.uint8)
+        codes, gscale = q4_head_weights(rng, n, k)
         rs = np.ones(n, np.float32)
         for m in ms:
             xq = rng.integers(-127, 128, size=(m, k), dtype=np.int8)

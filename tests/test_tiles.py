@@ -173,14 +173,6 @@ def test_gemm_ternary_on_tiles_streamed(tiles, n, k, m):
     _variant_equals_vector_path(3 * n + k + m, n, k, m, on, lambda: K.set_tile_stream(False))
 
 
-def test_tile_stream_setting():
-    assert not K.tile_stream()   # off unless asked: not yet measured on AMX hardware
-    r = _child("from bitnet_cpu import simd; print(simd.tile_stream())", BITNET_TILE_STREAM="1")
-    assert r.returncode == 0 and r.stdout.split() == ["True"], r.stderr
-    r = _child("from bitnet_cpu import simd; simd.tiles()", BITNET_TILE_STREAM="yes")
-    assert r.returncode != 0 and "BITNET_TILE_STREAM=yes" in r.stderr
-
-
 # the weight warm (set_tile_warm, on by default): a thread's range read ~256 KB at a time before its tiles, so
 # ranges of several chunks with a short last one and a lone last tile (K = 6912: 8 tiles a chunk, 19 tiles; K =
 # 2560: 24 a chunk, 45 tiles), and a range inside one chunk; on and off, whole-K and streamed bodies: the same bits
@@ -200,12 +192,17 @@ def test_gemm_ternary_on_tiles_warm_or_not(tiles, warm, stream, n, k, m):
     _variant_equals_vector_path(n + k + m + warm, n, k, m, on, off)
 
 
-def test_tile_warm_setting():
-    assert K.tile_warm()   # on unless asked: the AVX-512 GEMM's read of its chunks, measured there
-    r = _child("from bitnet_cpu import simd; print(simd.tile_warm())", BITNET_TILE_WARM="0")
-    assert r.returncode == 0 and r.stdout.split() == ["False"], r.stderr
-    r = _child("from bitnet_cpu import simd; simd.tiles()", BITNET_TILE_WARM="yes")
-    assert r.returncode != 0 and "BITNET_TILE_WARM=yes" in r.stderr
+# the on / off settings of the tile bodies: their defaults (stream and overlap off until an AMX machine has timed
+# them; the warm on, measured on the AVX-512 GEMM), the environment turning each the other way in a fresh
+# process, and a value that is not 0 or 1 refused with one line naming the variable
+@pytest.mark.parametrize("name,default", [("tile_stream", False), ("tile_warm", True), ("tile_overlap", False)])
+def test_tile_body_settings(name, default):
+    var = "BITNET_" + name.upper()
+    assert getattr(K, name)() == default
+    r = _child(f"from bitnet_cpu import simd; print(simd.{name}())", **{var: "0" if default else "1"})
+    assert r.returncode == 0 and r.stdout.split() == [str(not default)], r.stderr
+    r = _child("from bitnet_cpu import simd; simd.tiles()", **{var: "yes"})
+    assert r.returncode != 0 and f"{var}=yes" in r.stderr
 
 
 # the unpack beside the multiply (set_tile_overlap): ranges of one tile, one pair, a pair and a lone tile, many
@@ -229,14 +226,6 @@ def test_gemm_ternary_on_tiles_overlapped(tiles, variant, n, k, m):
         K.set_tile_stream(False)
 
     _variant_equals_vector_path(2 * n + k + m, n, k, m, on, off)
-
-
-def test_tile_overlap_setting():
-    assert not K.tile_overlap()   # off unless asked: not yet measured on AMX hardware
-    r = _child("from bitnet_cpu import simd; print(simd.tile_overlap())", BITNET_TILE_OVERLAP="1")
-    assert r.returncode == 0 and r.stdout.split() == ["True"], r.stderr
-    r = _child("from bitnet_cpu import simd; simd.tiles()", BITNET_TILE_OVERLAP="on")
-    assert r.returncode != 0 and "BITNET_TILE_OVERLAP=on" in r.stderr
 
 
 @pytest.mark.parametrize("kblock", [64, 320])

@@ -103,7 +103,7 @@ static void tiles_finish_scalar(const tiles_args *g, const int32_t *cbuf, int ro
 #if defined(__x86_64__)
 /* The same block on AVX-512: 16 results per vdivps, the AVX-512 GEMM's own epilogue (finish_tile_avx512), so the
  * same floats. The scalar form was one divss per result: ~1,000 per 32 x 32 block, as long as the block's
- * 160 tdpbssd at K = 2560 on an Intel core (divss throughput ~3 cycles there); on this project's Zen 5 core the
+ * 160 tdpbssd at K = 2560 on a core that issues a divss every ~3 cycles; on this project's Zen 5 core the
  * block took 195-200 ns scalar, 106-113 ns so (2560 and 13824 columns, 128 rows). */
 AVX512_TARGET static void tiles_finish_avx512(const tiles_args *g, const int32_t *cbuf, int row0, int na, int nb,
                                               int t) {
