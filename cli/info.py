@@ -23,7 +23,18 @@ def facts() -> dict:
             "supported": list(simd.supported_isas()), "forced": os.environ.get("BITNET_ISA") or None,
             "features": dict(simd.features()), "tiles": simd.tiles(), "tiles_reason": simd.tiles_reason(),
             "tiles_forced": os.environ.get("BITNET_TILES") or None, "gemv_prefetch": simd.gemv_prefetch(),
-            "gemv_prefetch_forced": os.environ.get("BITNET_PREFETCH") or None}
+            "gemv_prefetch_forced": os.environ.get("BITNET_PREFETCH") or None,
+            "tile_bodies": {"min_rows": simd.tile_min_rows(), "kblock": simd.tile_kblock(),
+                            "stream": simd.tile_stream(), "overlap": simd.tile_overlap(), "warm": simd.tile_warm()}}
+
+
+def _tile_bodies(b: dict) -> str:
+    """How the tile bodies run (the BITNET_TILE_* settings), for A/B runs on an AMX machine."""
+    on = {True: "on", False: "off"}
+    rows = f"from {b['min_rows']} rows" if b["min_rows"] else "from the default crossover"
+    return (f"{rows}; k-block {b['kblock'] or 'all of K'}, streamed small-M {on[b['stream']]}, unpack beside the "
+            f"multiply {on[b['overlap']]}, weights read ahead {on[b['warm']]} (BITNET_TILE_MIN_ROWS, _KBLOCK, "
+            "_STREAM, _OVERLAP, _WARM)")
 
 
 def _huge_pages_line(mode: str | None) -> str:
@@ -39,9 +50,10 @@ def _tiles_line(f: dict) -> str:
     mode = f["tiles"]
     forced = f" (forced by BITNET_TILES={f['tiles_forced']})" if f["tiles_forced"] else ""
     if mode == "amx":
-        return f"AMX for multi-row products{forced}: {f['tiles_reason']}"
+        return f"AMX for multi-row products{forced}: {f['tiles_reason']}; {_tile_bodies(f['tile_bodies'])}"
     if mode == "emu":
-        return f"emu: the portable emulation of AMX (slow; tests){forced}; hardware: {f['tiles_reason']}"
+        return (f"emu: the portable emulation of AMX (slow; tests){forced}; hardware: {f['tiles_reason']}; "
+                f"{_tile_bodies(f['tile_bodies'])}")
     if f["forced"] and "amx" in f["supported"]:
         return f"off (BITNET_ISA={f['forced']}; the auto choice uses AMX here: {f['tiles_reason']})"
     return f"off: {f['tiles_reason']}"

@@ -394,10 +394,12 @@ def test_bitnet_info_names_the_tiles():
     # (a leased AMX machine runs these tests from the checkout: the entry point is not there)
     bitnet = [sys.executable, "-m", "bitnet_cpu"]
     r = subprocess.run([*bitnet, "info"], capture_output=True, text=True, timeout=120,
-                       env=dict(os.environ, BITNET_TILES="emu"))
+                       env=dict(os.environ, BITNET_TILES="emu", BITNET_TILE_STREAM="1", BITNET_TILE_KBLOCK="512"))
     assert r.returncode == 0, r.stderr
     line = next(ln for ln in r.stdout.splitlines() if ln.startswith("matrix tiles"))
     assert "emu" in line and K.tiles_reason() in line
+    # the bodies' settings in force, as the environment set them (for A/B runs)
+    assert "k-block 512" in line and "streamed small-M on" in line and "unpack beside the multiply off" in line
     r = subprocess.run([*bitnet, "info", "--json"], capture_output=True, text=True, timeout=120)
     f = json.loads(r.stdout)
     assert f["tiles"] == ("amx" if HW else "off") and f["tiles_reason"] == K.tiles_reason()
