@@ -93,8 +93,9 @@ else
     echo "$src_hash" > "$work/ours.hash"
 fi
 stamp "ours built: path $($py -c 'from bitnet_cpu.simd import _kernels as K; print(K.active())')"
+$py -m bitnet_cpu info > "$OUT/bitnet_info.txt" 2>&1   # the path, the tiles and how their bodies run
 if [[ " ${phases[*]} " == *" ktests "* ]]; then
-    ktests=${KTESTS:-tests/test_kernels.py tests/test_attention_paths.py tests/test_tiles.py}
+    ktests=${KTESTS:-tests/test_kernels.py tests/test_attention_paths.py tests/test_tiles.py tests/test_tiles_q4.py}
     # shellcheck disable=SC2086
     ( timeout "${KTESTS_TIMEOUT:-240}" $build $py -m pytest -q -p no:cacheprovider -rs ${KTESTS_ARGS:-} $ktests \
         > "$OUT/ktests.log" 2>&1; echo "exit $?" >> "$OUT/ktests.log" ) &
