@@ -16,7 +16,8 @@
  * tiles at the start of its range and releases them at the end: a thread holding tile state makes every
  * context switch save 8 KB more, and the configuration (one ldtilecfg) is noise against a range's work.
  * Scratch is per thread (thread-local, grown on demand, kept for the thread's life): the A tail, two
- * unpacked tiles (one k-block of each) and the C blocks of every row-group pair.
+ * unpacked tiles (one k-block of each; four with tile_overlap; the ring of the streamed bodies instead) and the
+ * C blocks of every row-group pair.
  */
 #include "kernels.h"
 #include "tiles.h"
