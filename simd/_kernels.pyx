@@ -230,8 +230,8 @@ def tile_stream():
 
 def set_tile_warm(bint on):
     """The tile bodies' weights arrive ahead of their use (on, the default: two tiles ahead, prefetched beside
-    the work on the tiles before) or as the unpack and the tile loads reach them (off). Results never change; bench_tiles.py --warm-ms measures the speed on an AMX
-    machine."""
+    the work on the tiles before) or as the unpack and the tile loads reach them (off). Results never change;
+    bench_tiles.py --warm-ms measures the speed on an AMX machine."""
     bk_set_tile_warm(1 if on else 0)
 
 
@@ -241,8 +241,8 @@ def tile_warm():
 
 
 def set_tile_overlap(bint on):
-    """The ternary tile GEMM unpacks each next pair of weight tiles beside the tile multiply of the pair before
-    (on) or before its own multiply (off, the default). Results never change; bench_tiles.py --overlap-ms
+    """The tile GEMM (and the q4 head) unpacks the next weight tiles beside the tile multiply of the ones before
+    (on) or before their own multiply (off, the default). Results never change; bench_tiles.py --overlap-ms
     measures the speed on an AMX machine."""
     bk_set_tile_overlap(1 if on else 0)
 
@@ -834,21 +834,14 @@ if _kblock_forced:
     if not _kblock_forced.isdigit():
         raise IsaChoiceError(f"BITNET_TILE_KBLOCK={_kblock_forced}: not a count of k (a multiple of 64; 0: all of K)")
     set_tile_kblock(int(_kblock_forced))
-_stream_forced = os.environ.get("BITNET_TILE_STREAM", "").strip()
-if _stream_forced:
-    if _stream_forced not in ("0", "1"):
-        raise IsaChoiceError(f"BITNET_TILE_STREAM={_stream_forced}: 0 or 1")
-    set_tile_stream(_stream_forced == "1")
-_warm_forced = os.environ.get("BITNET_TILE_WARM", "").strip()
-if _warm_forced:
-    if _warm_forced not in ("0", "1"):
-        raise IsaChoiceError(f"BITNET_TILE_WARM={_warm_forced}: 0 or 1")
-    set_tile_warm(_warm_forced == "1")
-_overlap_forced = os.environ.get("BITNET_TILE_OVERLAP", "").strip()
-if _overlap_forced:
-    if _overlap_forced not in ("0", "1"):
-        raise IsaChoiceError(f"BITNET_TILE_OVERLAP={_overlap_forced}: 0 or 1")
-    set_tile_overlap(_overlap_forced == "1")
+# the tile bodies' on / off switches: 0 or 1, anything else refused in one line naming the variable
+for _var, _set in (("BITNET_TILE_STREAM", set_tile_stream), ("BITNET_TILE_WARM", set_tile_warm),
+                   ("BITNET_TILE_OVERLAP", set_tile_overlap)):
+    _forced = os.environ.get(_var, "").strip()
+    if _forced:
+        if _forced not in ("0", "1"):
+            raise IsaChoiceError(f"{_var}={_forced}: 0 or 1")
+        _set(_forced == "1")
 _prefetch_forced = os.environ.get("BITNET_PREFETCH", "").strip()
 if _prefetch_forced:
     if not _prefetch_forced.isdigit() or int(_prefetch_forced) > BK_GEMV_PREFETCH_MAX:

@@ -74,14 +74,16 @@ int bk_get_tile_stream(void);
  * ternary codes, the int8 head's rows, the q4 head's codes and group scales). Off (0): the unpack (or the tile
  * loads) read them from memory as they go, one demand miss at a time: on the lent Xeon the tiles at M = 16 took
  * the codes at ~9.6 GB/s on 2 threads, what one core's demand-read unpack reaches (this AMD core: 8.4-9.2 GB/s
- * of codes; warmed first, 18.6-19.2 including the warm), not the stream rate. The same results either way; bench_tiles.py --warm-ms times both on an AMX machine. */
+ * of codes; warmed first, 18.6-19.2 including the warm), not the stream rate. The same results either way;
+ * bench_tiles.py --warm-ms times both on an AMX machine. */
 void bk_set_tile_warm(int on);
 int bk_get_tile_warm(void);
 /* The tile bodies' unpack beside the multiply, on = 1: in the ternary GEMM (with the whole of K in one block and
  * the body not streamed) a range's first pair of weight tiles is unpacked before its row groups as before, and
  * every later pair during the first row-group pair of the one before it, one 64-k step per step, into a second
- * buffer (the two swap); in the q4 head the same a tile at a time (W_lo and W_hi). The unpack's vector work and stores then run beside the tdpbssd chain instead of before it: per
- * pair 80 KB of stores at K = 2560, against 640 tdpbssd at M = 128 (the prefill chunk), 160 at M = 32. Off (0,
+ * buffer (the two swap); in the q4 head the same a tile at a time (W_lo and W_hi). The unpack's vector work
+ * and stores then run beside the tdpbssd chain instead of before it: per pair 80 KB of stores at K = 2560,
+ * against 640 tdpbssd at M = 128 (the prefill chunk), 160 at M = 32. Off (0,
  * the default): each pair unpacked whole, then multiplied. The same results either way; the weights' read ahead
  * (tile_warm) then prefetches the pair after the one being unpacked. bench_tiles.py --overlap-ms times both on
  * an AMX machine; off until one has. */
