@@ -1,7 +1,7 @@
 """Where a prefill's time goes, kernel by kernel, with the AMX tiles on and off (not a test; no profiler needed).
 
     python bench/prefill_parts.py [--store bench/cache/2b4t.q4.bnstore] [--threads 2] [--prompt 512] [--rounds 2]
-                                  [--chunks 128,512]
+                                  [--chunks 128,512] [--attention f32,bf16]
 
 Every kernel entry point the model calls (simd._kernels and simd._ops: the ternary GEMMs, the fused norm +
 quantize ops, attention, the head) is wrapped in a wall-clock timer for the run; each prefill uses a fresh random
@@ -86,6 +86,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt", type=int, default=512, help="prompt tokens")
     ap.add_argument("--rounds", type=int, default=2, help="prefills per mode (the best is kept)")
     ap.add_argument("--chunks", default="", help="prefill rows per GEMM call to compare (default: the engine's)")
+    ap.add_argument("--attention", default="f32",
+                    help="prefill attention precisions to compare, alternating (f32, bf16: simd set_attention_precision)")
     ap.add_argument("--kv", default="f16", choices=("f16", "f32", "q8"), help="KV cache type (as bitnet --kv)")
     ap.add_argument("--json", default=None, help="write the figures here")
     a = ap.parse_args(argv)
@@ -98,6 +100,10 @@ def main(argv=None) -> int:
     isas = K.supported_isas()
     modes = [m for m in ("avx512", "amx") if m in isas] or [K.active()]
     chunks = [int(c) for c in a.chunks.split(",")] if a.chunks else [DEFAULT_CHUNK]
+    attns = a.attention.split(",")
+    if not set(attns) <= set(ops.ATTENTION_PRECISIONS):
+        print(f"prefill_parts: --attention takes {','.join(ops.ATTENTION_PRECISIONS)}", file=sys.stderr)
+        return 2
     store = open_store(a.store, progress=False)
     vocab = min(store.config.vocab_size, 30000)
     rng = np.random.default_rng(0)
@@ -108,27 +114,30 @@ def main(argv=None) -> int:
             model = Model(store, n_ctx=a.prompt + 64, chunk=chunk, threads=a.threads, kv_dtype=a.kv)
             for _ in range(a.rounds):
                 for mode in modes:
-                    K.set_isa(mode if mode in isas else None)
-                    prompt = rng.integers(3, vocab, size=a.prompt).tolist()
-                    model.reset()
-                    timers.take()
-                    t0 = time.perf_counter()
-                    model.prefill(prompt)
-                    wall = time.perf_counter() - t0
-                    parts = timers.take()
-                    key = f"{mode} chunk {chunk}" if len(chunks) > 1 else mode
-                    if key not in best or wall < best[key][0]:
-                        best[key] = (wall, parts)
+                    for att in attns:
+                        K.set_isa(mode if mode in isas else None)
+                        ops.set_attention_precision(att)
+                        prompt = rng.integers(3, vocab, size=a.prompt).tolist()
+                        model.reset()
+                        timers.take()
+                        t0 = time.perf_counter()
+                        model.prefill(prompt)
+                        wall = time.perf_counter() - t0
+                        parts = timers.take()
+                        key = mode + (f" {att}" if len(attns) > 1 else "") + (f" chunk {chunk}" if len(chunks) > 1 else "")
+                        if key not in best or wall < best[key][0]:
+                            best[key] = (wall, parts)
             del model
     finally:
         timers.restore()
         K.set_isa(None)
+        ops.set_attention_precision("f32")
     modes = list(best)
     labels = sorted({k for _, p in best.values() for k in p}, key=lambda k: -max(p.get(k, 0) for _, p in best.values()))
     print(f"prefill of {a.prompt} tokens, {a.threads} threads, {os.path.basename(a.store)}, kv {a.kv}; best of {a.rounds}; "
           f"ms per prefill (share of its wall time)")
-    pair = ("avx512", "amx") if {"avx512", "amx"} <= set(modes) else None   # one chunk: the tiles' ratio
-    print(f"{'part':40s}" + "".join(f"{m:>22s}" for m in modes) + ("   avx512 / amx" if pair else ""))
+    pair = tuple(modes) if len(modes) == 2 else None   # two modes (avx512 / amx, or f32 / bf16): their ratio
+    print(f"{'part':40s}" + "".join(f"{m:>22s}" for m in modes) + (f"   {pair[0]} / {pair[1]}" if pair else ""))
     rows = []
     for lab in labels + ["python and the rest", "wall"]:
         vals = {}
@@ -137,14 +146,15 @@ def main(argv=None) -> int:
             vals[m] = wall if lab == "wall" else (wall - sum(parts.values()) if lab == "python and the rest"
                                                   else parts.get(lab, 0.0))
         cells = "".join(f"{1e3 * vals[m]:12.2f} ({100 * vals[m] / best[m][0]:4.1f}%)  " for m in modes)
-        ratio = f"   {vals['avx512'] / vals['amx']:.2f}x" if pair and vals["amx"] > 0 else ""
+        ratio = f"   {vals[pair[0]] / vals[pair[1]]:.2f}x" if pair and vals[pair[1]] > 0 else ""
         print(f"{lab:40s}{cells}{ratio}")
         rows.append({"part": lab, **{m: vals[m] for m in modes}})
     for m in modes:
         print(f"{m}: {a.prompt / best[m][0]:.1f} tok/s")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"prompt": a.prompt, "threads": a.threads, "store": a.store, "kv": a.kv, "chunks": chunks, "modes": modes,
+            json.dump({"prompt": a.prompt, "threads": a.threads, "store": a.store, "kv": a.kv, "chunks": chunks,
+                       "attention": attns, "modes": modes,
                        "rows": rows,
                        "cpu": K.features()}, f, indent=1)
     return 0

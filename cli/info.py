@@ -24,6 +24,7 @@ def facts() -> dict:
             "features": dict(simd.features()), "tiles": simd.tiles(), "tiles_reason": simd.tiles_reason(),
             "tiles_forced": os.environ.get("BITNET_TILES") or None, "gemv_prefetch": simd.gemv_prefetch(),
             "gemv_prefetch_forced": os.environ.get("BITNET_PREFETCH") or None,
+            "prefill_attention": simd.attention_precision(), "attention_bf16_vector": simd.attention_bf16_vector(),
             "tile_bodies": {"min_rows": simd.tile_min_rows(), "kblock": simd.tile_kblock(),
                             "stream": simd.tile_stream(), "overlap": simd.tile_overlap(), "warm": simd.tile_warm()}}
 
@@ -59,6 +60,15 @@ def _tiles_line(f: dict) -> str:
     return f"off: {f['tiles_reason']}"
 
 
+def _attention_line(f: dict) -> str:
+    """The prompt attention's products: f32, or bf16 where asked for (and whether it runs on vector units here)."""
+    if f["prefill_attention"] == "bf16":
+        return ("bf16 products (BITNET_ATTENTION=bf16" + ("" if f["attention_bf16_vector"] else
+                "; no AVX512_BF16 bodies on this path: scalar, slower than f32") + ")")
+    return ("f32 products (--prefill-attention bf16 / BITNET_ATTENTION=bf16: faster long prompts within bf16 "
+            "rounding, " + ("AVX512_BF16 here" if f["attention_bf16_vector"] else "not on this CPU / path") + ")")
+
+
 def main(args) -> int:
     import json
 
@@ -77,6 +87,7 @@ def main(args) -> int:
                                 + (" (forced by BITNET_PREFETCH)" if f["gemv_prefetch_forced"] else
                                    " (BITNET_PREFETCH=N bytes, 0: off)"))]
           if f["active"] in ("avx512", "amx", "avx2", "avxvnni") else []),
+        ("prefill attention", _attention_line(f)),
         ("paths this CPU runs", ", ".join(f["supported"]) + "  (force one with BITNET_ISA=...)"),
         ("threads", f"{f['threads']} (physical cores: {f['physical_cores']} of {f['available_cpus']} CPUs this "
                     f"process may use, {f['cpu_count']} in the machine; -t N to change)"),

@@ -842,6 +842,11 @@ for _var, _set in (("BITNET_TILE_STREAM", set_tile_stream), ("BITNET_TILE_WARM",
         if _forced not in ("0", "1"):
             raise IsaChoiceError(f"{_var}={_forced}: 0 or 1")
         _set(_forced == "1")
+_attention_forced = os.environ.get("BITNET_ATTENTION", "").strip()
+if _attention_forced:
+    if _attention_forced not in ATTENTION_PRECISIONS:
+        raise IsaChoiceError(f"BITNET_ATTENTION={_attention_forced}: {' or '.join(ATTENTION_PRECISIONS)}")
+    set_attention_precision(_attention_forced)
 _prefetch_forced = os.environ.get("BITNET_PREFETCH", "").strip()
 if _prefetch_forced:
     if not _prefetch_forced.isdigit() or int(_prefetch_forced) > BK_GEMV_PREFETCH_MAX:

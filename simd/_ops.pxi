@@ -22,6 +22,9 @@ cdef extern from "ops.h":
                              const float *rope_sin, int n_seqs, const int32_t *seq_rows, const int32_t *seq_pos0,
                              const int32_t *page_table, int max_pages, void *k_pool, void *v_pool, int kv_type,
                              float *out, float *scratch, int scratch_rows, int scratch_len) nogil
+    void ops_set_attention_bf16(int on)
+    int ops_get_attention_bf16()
+    int ops_attention_bf16_vector()
 
 cdef extern from "ops.h":
     int OPS_ATT_SCRATCH_ROWS
@@ -130,6 +133,29 @@ def embed_f16(const uint16_t[:, ::1] table, const int32_t[::1] ids, float[:, ::1
         bad = ops_embed_f16(&table[0, 0], table.shape[0], table.shape[1], &ids[0], m, &out[0, 0])
     if bad >= 0:
         _fail(f"embed_f16: token id {ids[bad]} is outside the vocabulary (0..{table.shape[0] - 1})")
+
+
+ATTENTION_PRECISIONS = ("f32", "bf16")
+
+
+def set_attention_precision(str precision):
+    """The products of prefill attention, process-wide: "f32" (the default: every row's bytes the same however the
+    prompt is chunked, batched or decoded) or "bf16" (opt-in: a prompt chunk's q, k, softmax weights and v rounded
+    to bf16 and multiplied in pairs, f32 sums; about twice the multiply-adds per instruction where the CPU has
+    AVX512_BF16, attention_bf16_vector(); scalar elsewhere). Decode rows and the int8 cache are not affected."""
+    if precision not in ATTENTION_PRECISIONS:
+        _fail(f"attention precision must be one of {', '.join(ATTENTION_PRECISIONS)}, got {precision!r}")
+    ops_set_attention_bf16(1 if precision == "bf16" else 0)
+
+
+def attention_precision():
+    """The precision of prefill attention in force ("f32" or "bf16"; set_attention_precision)."""
+    return "bf16" if ops_get_attention_bf16() else "f32"
+
+
+def attention_bf16_vector():
+    """Whether bf16 prefill attention runs on vector units here (the avx512 path on a CPU with AVX512_BF16)."""
+    return bool(ops_attention_bf16_vector())
 
 
 def attention(float[:, ::1] qkv, int n_heads, int n_kv, int head_dim, const float[:, ::1] rope_cos,

@@ -213,3 +213,19 @@ def test_shell_completion(module, line, want, tmp_path):
     r = run(module, env=env)
     assert r.returncode == 0, r.stderr
     assert want in out.read_text().replace("\v", " ").split()
+
+
+def test_prefill_attention_bf16_only_where_its_vector_bodies_run(store):
+    """--prefill-attention bf16 runs where the CPU has AVX512_BF16 on the avx512 path; elsewhere it is refused in
+    one line (the scalar bf16 bodies exist for the tests and are slower than f32)."""
+    from bitnet_cpu import simd
+
+    args = ("run", "-m", store, "-p", "Once upon a time", "-n", "6", "-c", "64", "--temp", "0")
+    assert bitnet(*args, "--prefill-attention", "f32").returncode == 0
+    if simd.attention_bf16_vector():
+        r = bitnet(*args, "--prefill-attention", "bf16")
+        assert r.returncode == 0 and r.stdout, r.stderr
+    x86 = "avx2" in simd.supported_isas()
+    r = bitnet(*args, "--prefill-attention", "bf16", env={**os.environ, "BITNET_ISA": "avx2"} if x86 else None)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode != 0 and len(lines) == 1 and lines[0].startswith("bitnet: error: --prefill-attention bf16: ")

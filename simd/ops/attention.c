@@ -13,6 +13,7 @@
 #include "ops.h"
 #include "attention_q8.h"
 #include "attention_neon.h"
+#include "attention_bf16.h"
 #include "attn_common.h" /* AVX2_FN / AVX512_FN, exp polynomial, lane masks */
 
 #include <math.h>
@@ -552,6 +553,13 @@ typedef struct {
  * temporaries; wider heads are never split. */
 #define PIECE 256
 #define PIECE_MAX_HD 512
+_Static_assert(PIECE == ATT_BF16_PIECE, "the bf16 bodies convert one piece at a time");
+
+/* prefill attention in bf16 products (attention_bf16.h): off unless asked for (ops_set_attention_bf16) */
+static int att_bf16_on;
+void ops_set_attention_bf16(int on) { att_bf16_on = on != 0; }
+int ops_get_attention_bf16(void) { return att_bf16_on; }
+int ops_attention_bf16_vector(void) { return att_bf16_vector(); }
 static inline int n_pieces(int n, int hd) { return hd > PIECE_MAX_HD || n <= PIECE ? 1 : (n + PIECE - 1) / PIECE; }
 
 /* state[0] = M, state[1] = L, state[2..] = acc: initialised from the first piece, then folded */
@@ -591,6 +599,8 @@ typedef struct {
     const int8_t *qq; /* int8 cache: every row's query heads quantized, [row][n_heads][head_dim] */
     const float *qc;  /* their scales times the softmax scale, [row][n_heads] */
     float scale;
+    char *bws; /* bf16 prefill passes: one workspace per thread slot (att_bf16_ws_bytes), NULL: f32 passes */
+    size_t bws_bytes;
 } att_job;
 
 /* block addressing from position p0 on (p0 a multiple of KT_BLOCK): the pages table or the base pointer moves */
@@ -609,6 +619,7 @@ static void attention_items(void *ctx, int item_begin, int item_end) {
     const size_t esize = J->esize;
     float *my_scratch = J->scratch + (int64_t)bk_thread_slot() * MAXQ * scratch_len;
     float tmp_o[MAXQ][PIECE_MAX_HD];
+    void *bw = J->bws ? J->bws + (size_t)bk_thread_slot() * J->bws_bytes : NULL;
     for (int item = item_begin; item < item_end; item++) {
         const att_item I = J->items[item];
         const att_seg S = J->segs[I.seg];
@@ -628,7 +639,15 @@ static void attention_items(void *ctx, int item_begin, int item_end) {
          * the same operations: the same floats as before. */
         const int n_pass = m == 1 ? (sub + MAXQ - 1) / MAXQ : sub * ((m + MAXQ - 1) / MAXQ);
         const int n_tiles = m == 1 ? 1 : n_pieces(S.pos0 + m, head_dim);
-        for (int tile = 0; tile < n_tiles; tile++)
+        const int bf = bw && m > 1; /* bf16 passes: prefill rows only */
+        for (int tile = 0; tile < n_tiles; tile++) {
+        if (bf) { /* this piece's keys and values in bf16 pairs, once for every pass below */
+            const int p0 = tile * PIECE, end = S.pos0 + m, p1 = n_tiles == 1 ? end : p0 + PIECE < end ? p0 + PIECE : end;
+            const char *kb = kb0, *vb = vb0;
+            const kv_blocks bl0 = {S.pages, stride};
+            const kv_blocks kbl = shift_blocks(bl0, p0, &kb, esize), vbl = shift_blocks(bl0, p0, &vb, esize);
+            att_bf16_piece(bw, kb, kbl, vb, vbl, kv_f16, p1 - p0, head_dim);
+        }
         for (int ps = 0; ps < n_pass; ps++) {
             int R = 0, n_max = 0;
             if (m == 1) {
@@ -651,10 +670,8 @@ static void attention_items(void *ctx, int item_begin, int item_end) {
                     st[R] = wso < 0 ? NULL : J->ws + (wso + (int64_t)r * n_heads + h) * sw;   /* fold state */
                 }
             }
-            for (int j = 0; j < R; j++) {
-                ss[j] = my_scratch + (int64_t)j * scratch_len;
-                n_max = ns[j] > n_max ? ns[j] : n_max;
-            }
+            for (int j = 0; j < MAXQ; j++) ss[j] = my_scratch + (int64_t)j * scratch_len; /* bf16: all four */
+            for (int j = 0; j < R; j++) n_max = ns[j] > n_max ? ns[j] : n_max;
             /* the piece of this pass: the item's (decode), or this tile if the longest row reaches it (prefill) */
             const int np_all = n_pieces(n_max, head_dim);
             const int k_lo = I.piece >= 0 ? I.piece : tile, k_hi = I.piece >= 0 ? I.piece + 1 : tile < np_all ? tile + 1 : tile;
@@ -663,14 +680,16 @@ static void attention_items(void *ctx, int item_begin, int item_end) {
                 const char *kb = kb0, *vb = vb0;
                 const kv_blocks bl0 = {S.pages, stride};
                 const kv_blocks kbl = shift_blocks(bl0, p0, &kb, esize), vbl = shift_blocks(bl0, p0, &vb, esize);
-                float *po[MAXQ], mxs[MAXQ], sums[MAXQ];
+                float *po[MAXQ], mxs[MAXQ], sums[MAXQ], invs[MAXQ];
                 int live[MAXQ], nk_max = 0;
                 for (int j = 0; j < R; j++) {
                     const int end = ns[j] < p1 ? ns[j] : p1;
                     live[j] = end > p0 ? end - p0 : 0; /* this row's positions in the piece */
                     nk_max = live[j] > nk_max ? live[j] : nk_max;
                 }
-                if (J->q8)
+                if (bf) /* and each row's max */
+                    att_bf16_scores(bw, qs, R, live, nk_max, head_dim, J->scale, ss, mxs);
+                else if (J->q8)
                     J->Q.scores(q8s, qcs, R, (const int8_t *)kb, kbl, nk_max, head_dim, ss);
                 else if (K.scores4_f16 && kv_f16 && R == 4 && m > 1)
                     K.scores4_f16(qs, kb, kbl, nk_max, head_dim, J->scale, ss);
@@ -679,18 +698,28 @@ static void attention_items(void *ctx, int item_begin, int item_end) {
                 for (int j = 0; j < R; j++) {
                     float *sc = ss[j];
                     const int n = live[j];
-                    const float mx = K.row_max(sc, n);
+                    const float mx = bf ? mxs[j] : K.row_max(sc, n);
                     float sum = n ? J->Q.exp_sum(sc, n, mx) : 0.0f, inv = n ? 1.0f / sum : 0.0f;
                     /* a subnormal weight is 0, for every cache type (see q8_weight): on the lent Xeon f16 decode
-                     * attention with all but two weights subnormal ran 2.3-4.8x slower without this, 1.0x with it */
-                    K.normalize(sc, n, inv, nk_max); /* positions after this row's own: no weight */
+                     * attention with all but two weights subnormal ran 2.3-4.8x slower without this, 1.0x with it.
+                     * bf16: the weighted sum takes exp(s - max) and multiplies by inv at its end (its bf16 copy
+                     * flushes subnormals), saving this pass over the row */
+                    if (bf)
+                        invs[j] = inv;
+                    else
+                        K.normalize(sc, n, inv, nk_max); /* positions after this row's own: no weight */
                     mxs[j] = mx, sums[j] = sum;
                     /* a row in one piece writes its output; a longer one its piece's into the partial / temp;
                      * a row that ended before this piece (prefill) only lends its lanes: output thrown away */
                     po[j] = !n ? tmp_o[j] : n_pieces(ns[j], head_dim) == 1 ? os[j] : m == 1 ? st[j] + 2 : tmp_o[j];
                 }
                 int j = 0;
-                if (J->q8) { /* positions after a row's own have weight 0: nk_max serves all R */
+                if (bf) { /* each row over its own positions; rows past R write into spare temporaries */
+                    float *o4[MAXQ];
+                    for (int r = 0; r < MAXQ; r++) o4[r] = r < R ? po[r] : tmp_o[r];
+                    att_bf16_wsum(bw, (const float *const *)ss, R, live, head_dim, invs, o4);
+                    j = R;
+                } else if (J->q8) { /* positions after a row's own have weight 0: nk_max serves all R */
                     J->Q.wsum((const float *const *)ss, R, (const int8_t *)vb, vbl, nk_max, head_dim, po);
                     j = R;
                 } else if (K.wsum4_f16 && kv_f16 && R == 4 && head_dim % 16 == 0 && head_dim <= WS4_MAX_HD) {
@@ -698,7 +727,7 @@ static void attention_items(void *ctx, int item_begin, int item_end) {
                     K.wsum4_f16((const float *const *)ss, vb, vbl, nk_max, head_dim, po);
                     j = 4;
                 }
-                if (K.wsum2 && !J->q8)
+                if (K.wsum2 && !J->q8 && !bf)
                     for (; j + 2 <= R; j += 2) K.wsum2(ss[j], ss[j + 1], vb, vbl, kv_f16, live[j + 1], head_dim, po[j], po[j + 1]);
                 for (; j < R; j++) K.wsum(ss[j], vb, vbl, kv_f16, live[j], head_dim, po[j]);
                 for (j = 0; j < R; j++) {
@@ -712,6 +741,7 @@ static void attention_items(void *ctx, int item_begin, int item_end) {
                 }
             }
         }
+        } /* tile */
     }
 }
 
@@ -840,8 +870,17 @@ static int attention_core(float *qkv, int n_heads, int n_kv, int head_dim, const
 #if defined(__aarch64__) /* attention_neon.c: sdot where the CPU has it */
     if (ops_neon()) Q = att_q8_neon_kernels(bk_get_isa() != BK_ISA_NEON);
 #endif
+    /* bf16 prefill passes (opt-in): a piece's keys and values per thread, 64-byte aligned */
+    const int bf16 = att_bf16_on && prefill && !q8 && head_dim % 16 == 0 && head_dim <= PIECE_MAX_HD;
+    const size_t bws_bytes = bf16 ? (att_bf16_ws_bytes(head_dim) + 63) & ~(size_t)63 : 0;
+    char *bws = bf16 ? aligned_alloc(64, bws_bytes * (size_t)threads) : NULL;
+    if (bf16 && !bws) {
+        free(w);
+        return -1;
+    }
     const att_job job = {K, Q, q8, segs, items, ws_off, n_sub, group, sub, kv_f16, head_dim, row_stride, q_dim, n_heads,
-                         scratch_len, stride, k_head, v_head, esize, k_cache, v_cache, qkv, out, scratch, ws, qq, qc, scale};
+                         scratch_len, stride, k_head, v_head, esize, k_cache, v_cache, qkv, out, scratch, ws, qq, qc, scale,
+                         bws, bws_bytes};
     /* grain 1: items are whole heads (or pieces), handed out one chunk at a time; slot < threads indexes the scratch */
     if (n_items > 1 && threads > 1 && work * n_heads * head_dim > min_work)
         bk_parallel_for((int)n_items, 1, threads, attention_items, (void *)&job);
@@ -863,6 +902,7 @@ static int attention_core(float *qkv, int n_heads, int n_kv, int head_dim, const
             fold_finish(first, head_dim, o + h * head_dim);
         }
     }
+    free(bws);
     free(w);
     return 0;
 }

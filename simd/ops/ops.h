@@ -87,6 +87,12 @@ int ops_attention_paged(float *qkv, int n_heads, int n_kv, int head_dim, const f
                          const float *rope_sin, int n_seqs, const int32_t *seq_rows, const int32_t *seq_pos0,
                          const int32_t *page_table, int max_pages, void *k_pool, void *v_pool, int kv_type,
                          float *out, float *scratch, int scratch_rows, int scratch_len);
+/* Prefill rows (a segment of more than one row) in bf16 products (attention_bf16.h) when on (default off; f16 and
+ * f32 caches, head_dim a multiple of 16 up to 512): process-wide, like the ISA. Decode rows are never affected.
+ * ops_attention_bf16_vector: whether its vector bodies (AVX-512 with AVX512_BF16) run here, else scalar ones. */
+void ops_set_attention_bf16(int on);
+int ops_get_attention_bf16(void);
+int ops_attention_bf16_vector(void);
 
 /* rope_kv.c: the first step of attention, per position (attention.c calls them).
  * Half-split RoPE in place on n_heads heads of head_dim floats at x, with this position's cos / sin [head_dim/2]. */

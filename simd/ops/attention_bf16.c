@@ -1,0 +1,263 @@
+/* bf16 prefill attention: the piece conversion, the scores and the weighted sum (attention_bf16.h), in scalar C and
+ * on AVX-512 with AVX512_BF16 (vcvtne2ps2bf16, vdpbf16ps). Every lane's sum is taken pair by pair in the order of
+ * vdpbf16ps' definition, (acc + hi * hi) + lo * lo, and the products are exact in f32, so the scalar body is that
+ * instruction's arithmetic; the two may still differ in a last bit where a CPU's denormal handling does (the tests
+ * compare each with the f32 attention, not bytes with each other). */
+#include "attention_bf16.h"
+
+#include "ops.h"
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define PIECE ATT_BF16_PIECE
+#define KT_BLOCK OPS_KT_BLOCK
+
+/* f32 -> bf16 bits, round to nearest even; a NaN stays a (quiet) NaN, a denormal becomes a signed zero (as the
+ * instructions treat denormal inputs) */
+static inline uint16_t bf16_of(float x) {
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    if ((u & 0x7f800000u) == 0x7f800000u && (u & 0x007fffffu)) return (uint16_t)((u >> 16) | 0x40);
+    if ((u & 0x7f800000u) == 0) return (uint16_t)((u >> 16) & 0x8000);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+static inline float f32_of(uint16_t b) {
+    const uint32_t u = (uint32_t)b << 16;
+    float x;
+    memcpy(&x, &u, 4);
+    return x;
+}
+
+typedef struct {
+    uint16_t *kp, *vp, *qb, *pb;
+} bf16_ws;
+static bf16_ws ws_parts(void *ws, int hd) {
+    uint16_t *w = (uint16_t *)ws;
+    return (bf16_ws){w, w + (size_t)PIECE * hd, w + (size_t)2 * PIECE * hd, w + (size_t)2 * PIECE * hd + 4 * (size_t)hd};
+}
+size_t att_bf16_ws_bytes(int hd) { return sizeof(uint16_t) * ((size_t)2 * PIECE * hd + 4 * (size_t)hd + 4 * PIECE); }
+
+static inline float kv_at(const void *base, int f16, int64_t at) {
+    return f16 ? ops_half_to_float(((const uint16_t *)base)[at]) : ((const float *)base)[at];
+}
+/* element offsets: key (dim i, position t) and value (position t, column c) of a piece */
+static inline int64_t k_off(kv_blocks bl, int i, int t) { return BLK(bl, t / KT_BLOCK) + (int64_t)i * KT_BLOCK + t % KT_BLOCK; }
+static inline int64_t v_off(kv_blocks bl, int t, int c, int hd) {
+    return BLK(bl, t / KT_BLOCK) + (int64_t)(t % KT_BLOCK) * hd + c;
+}
+static inline int n16_of(int n) { return (n + 63) / 64 * 4; } /* key blocks converted: whole 64-position passes */
+
+static void piece_scalar(const bf16_ws *w, const void *kb, kv_blocks kbl, const void *vb, kv_blocks vbl, int f16, int n,
+                         int hd) {
+    for (int b = 0; b < n16_of(n); b++)
+        for (int i2 = 0; i2 < hd / 2; i2++)
+            for (int l = 0; l < 16; l++) {
+                const int t = 16 * b + l;
+                uint16_t *d = w->kp + ((size_t)b * hd / 2 + i2) * 32 + 2 * l;
+                d[0] = t < n ? bf16_of(kv_at(kb, f16, k_off(kbl, 2 * i2, t))) : 0;
+                d[1] = t < n ? bf16_of(kv_at(kb, f16, k_off(kbl, 2 * i2 + 1, t))) : 0;
+            }
+    for (int c = 0; c < hd / 16; c++)
+        for (int u = 0; u < (n + 1) / 2; u++)
+            for (int l = 0; l < 16; l++) {
+                uint16_t *d = w->vp + ((size_t)c * (PIECE / 2) + u) * 32 + 2 * l;
+                d[0] = bf16_of(kv_at(vb, f16, v_off(vbl, 2 * u, 16 * c + l, hd)));
+                d[1] = 2 * u + 1 < n ? bf16_of(kv_at(vb, f16, v_off(vbl, 2 * u + 1, 16 * c + l, hd))) : 0;
+            }
+}
+
+/* One lane of vdpbf16ps per pair: acc + a.hi * b.hi, then + a.lo * b.lo, i.e. one add per element e in the order
+ * hi, lo of each pair (e ^ 1). Written as one add per iteration on purpose: GCC 12.2 at -O3 vectorized the two-add
+ * form (acc = (acc + x1) + x0 per iteration) into wrong sums (not a rounding difference; off by >10%). */
+static void scores_scalar(const bf16_ws *w, int R, const int *live, int n, int hd, float scale, float *const *sc,
+                          float *mx) {
+    for (int j = 0; j < R; j++) {
+        mx[j] = -INFINITY;
+        for (int t = 0; t < n; t++) {
+            const uint16_t *k = w->kp + (size_t)(t / 16) * hd * 16 + 2 * (t % 16), *q = w->qb + (size_t)j * hd;
+            float d = 0.0f;
+            for (int e = 0; e < hd; e++) d += f32_of(q[e ^ 1]) * f32_of(k[(size_t)(e / 2) * 32 + (e ^ 1) % 2]);
+            sc[j][t] = d * scale;
+            if (t < live[j]) mx[j] = sc[j][t] > mx[j] ? sc[j][t] : mx[j];
+        }
+    }
+}
+static void wsum_scalar(const bf16_ws *w, int R, int n, int hd, const float *inv, float *const *out) {
+    const int n2 = (n + 1) / 2 * 2;
+    for (int j = 0; j < R; j++)
+        for (int c = 0; c < hd; c++) {
+            const uint16_t *v = w->vp + (size_t)(c / 16) * (PIECE / 2) * 32 + 2 * (c % 16), *p = w->pb + (size_t)j * PIECE;
+            float d = 0.0f;
+            for (int e = 0; e < n2; e++) d += f32_of(p[e ^ 1]) * f32_of(v[(size_t)(e / 2) * 32 + (e ^ 1) % 2]);
+            out[j][c] = d * inv[j];
+        }
+}
+
+#if defined(__x86_64__)
+#define BF16_FN __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,fma,f16c")))
+
+/* 16 keys or values (f16 bits or f32) -> f32, lanes past `valid` zero */
+BF16_FN static inline __m512 load16f(const void *base, int f16, int64_t off, int valid) {
+    const __mmask16 k = valid >= 16 ? (__mmask16)0xffff : valid <= 0 ? 0 : (__mmask16)((1u << valid) - 1);
+    return f16 ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, (const uint16_t *)base + off))
+               : _mm512_maskz_loadu_ps(k, (const float *)base + off);
+}
+/* (lo[l], hi[l]) pairs for the 16 lanes: 32 bf16 words, lo in the even words */
+BF16_FN static inline __m512i pairs(__m512 lo, __m512 hi) {
+    const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5,
+                                         20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    return _mm512_permutexvar_epi16(idx, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+}
+
+BF16_FN static void piece_avx512(const bf16_ws *w, const void *kb, kv_blocks kbl, const void *vb, kv_blocks vbl, int f16,
+                                 int n, int hd) {
+    for (int b = 0; b < n16_of(n); b++) {
+        uint16_t *d = w->kp + (size_t)b * hd * 16;
+        const int valid = n - 16 * b;
+        if (valid <= 0) {
+            memset(d, 0, sizeof(uint16_t) * (size_t)hd * 16);
+            continue;
+        }
+        const int64_t base = BLK(kbl, b / 2) + (b % 2) * 16; /* a block of 16 lies in one cache block of 32 */
+        for (int i2 = 0; i2 < hd / 2; i2++) {
+            const __m512 lo = load16f(kb, f16, base + (int64_t)(2 * i2) * KT_BLOCK, valid);
+            const __m512 hi = load16f(kb, f16, base + (int64_t)(2 * i2 + 1) * KT_BLOCK, valid);
+            _mm512_storeu_si512(d + (size_t)i2 * 32, pairs(lo, hi));
+        }
+    }
+    for (int u = 0; u < (n + 1) / 2; u++) {
+        const int t = 2 * u;
+        const int64_t r0 = v_off(vbl, t, 0, hd), r1 = t + 1 < n ? v_off(vbl, t + 1, 0, hd) : r0;
+        for (int c = 0; c < hd / 16; c++) {
+            const __m512 lo = load16f(vb, f16, r0 + 16 * c, 16), hi = load16f(vb, f16, r1 + 16 * c, t + 1 < n ? 16 : 0);
+            _mm512_storeu_si512(w->vp + ((size_t)c * (PIECE / 2) + u) * 32, pairs(lo, hi));
+        }
+    }
+}
+
+/* 4 rows x 64 lanes a pass, 16 accumulators: a[j][v] += pair(j, s) . x[v] for each pair step s. The rows' pairs
+ * are 32-bit words at rows + j * row_words (broadcast); x[v] at xs + v * vstride + s * 32 words. */
+#define DP4X4(a, rows, row_words, xs, vstride, nv, steps)                                                    \
+    for (int s_ = 0; s_ < (steps); s_++) {                                                                   \
+        __m512i x_[4];                                                                                       \
+        for (int v_ = 0; v_ < 4; v_++)                                                                       \
+            x_[v_] = v_ < (nv) ? _mm512_loadu_si512((xs) + (size_t)v_ * (vstride) + (size_t)s_ * 32)         \
+                               : _mm512_setzero_si512();                                                     \
+        for (int j_ = 0; j_ < 4; j_++) {                                                                     \
+            uint32_t p_;                                                                                     \
+            memcpy(&p_, (rows) + (size_t)j_ * (row_words) + 2 * (size_t)s_, 4);                             \
+            const __m512bh b_ = (__m512bh)_mm512_set1_epi32((int)p_);                                        \
+            for (int v_ = 0; v_ < 4; v_++) a[j_][v_] = _mm512_dpbf16_ps(a[j_][v_], b_, (__m512bh)x_[v_]);     \
+        }                                                                                                    \
+    }
+
+/* rows[j][0 .. cnt[j]) -> bf16 at dst + j * ld, zeros past cnt[j] up to n_pad (a multiple of 2) */
+BF16_FN static void rows_to_bf16(const float *const *rows, const int *cnt, int n_pad, uint16_t *dst, size_t ld) {
+    for (int j = 0; j < 4; j++)
+        for (int t = 0; t < n_pad; t += 16) {
+            const int valid = cnt[j] - t;
+            const __mmask16 k = valid >= 16 ? (__mmask16)0xffff : valid <= 0 ? 0 : (__mmask16)((1u << valid) - 1);
+            const int room = n_pad - t;
+            const __mmask16 st = room >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << room) - 1);
+            const __m512 x = k ? _mm512_maskz_loadu_ps(k, rows[j] + t) : _mm512_setzero_ps();
+            _mm256_mask_storeu_epi16(dst + (size_t)j * ld + t, st, (__m256i)_mm512_cvtneps_pbh(x));
+        }
+}
+
+BF16_FN static void scores_avx512(const bf16_ws *w, const int *live, int n, int hd, float scale, float *const *sc,
+                                  float *mx) {
+    const __m512 vs = _mm512_set1_ps(scale);
+    __m512 m[4]; /* each row's running max over its live lanes: vmaxps(x, m) keeps m where x is NaN */
+    for (int j = 0; j < 4; j++) m[j] = _mm512_set1_ps(-INFINITY);
+    for (int t0 = 0; t0 < n; t0 += 64) {
+        __m512 a[4][4];
+        for (int j = 0; j < 4; j++)
+            for (int v = 0; v < 4; v++) a[j][v] = _mm512_setzero_ps();
+        DP4X4(a, w->qb, hd, w->kp + (size_t)(t0 / 16) * hd * 16, (size_t)hd * 16, 4, hd / 2);
+        for (int j = 0; j < 4; j++)
+            for (int v = 0; v < 4; v++) {
+                const int valid = n - t0 - 16 * v;
+                const __mmask16 k = valid >= 16 ? (__mmask16)0xffff : valid <= 0 ? 0 : (__mmask16)((1u << valid) - 1);
+                const __m512 x = _mm512_mul_ps(a[j][v], vs);
+                _mm512_mask_storeu_ps(sc[j] + t0 + 16 * v, k, x);
+                const int lv = live[j] - t0 - 16 * v;
+                const __mmask16 kl = lv >= 16 ? (__mmask16)0xffff : lv <= 0 ? 0 : (__mmask16)((1u << lv) - 1);
+                m[j] = _mm512_mask_max_ps(m[j], kl, x, m[j]);
+            }
+    }
+    for (int j = 0; j < 4; j++) mx[j] = _mm512_reduce_max_ps(m[j]);
+}
+BF16_FN static void wsum_avx512(const bf16_ws *w, int n, int hd, const float *inv, float *const *out) {
+    for (int c0 = 0; c0 < hd / 16; c0 += 4) {
+        const int nv = hd / 16 - c0 < 4 ? hd / 16 - c0 : 4;
+        __m512 a[4][4];
+        for (int j = 0; j < 4; j++)
+            for (int v = 0; v < 4; v++) a[j][v] = _mm512_setzero_ps();
+        DP4X4(a, w->pb, PIECE, w->vp + (size_t)c0 * (PIECE / 2) * 32, (size_t)(PIECE / 2) * 32, nv, (n + 1) / 2);
+        for (int j = 0; j < 4; j++)
+            for (int v = 0; v < nv; v++) _mm512_storeu_ps(out[j] + 16 * (c0 + v), _mm512_mul_ps(a[j][v], _mm512_set1_ps(inv[j])));
+    }
+}
+#endif
+
+int att_bf16_vector(void) {
+#if defined(__x86_64__)
+    return ops_isa() == OPS_ISA_AVX512 && bk_get_features()->avx512bf16;
+#else
+    return 0;
+#endif
+}
+
+void att_bf16_piece(void *ws, const void *kb, kv_blocks kbl, const void *vb, kv_blocks vbl, int f16, int n, int hd) {
+    const bf16_ws w = ws_parts(ws, hd);
+#if defined(__x86_64__)
+    if (att_bf16_vector()) {
+        piece_avx512(&w, kb, kbl, vb, vbl, f16, n, hd);
+        return;
+    }
+#endif
+    piece_scalar(&w, kb, kbl, vb, vbl, f16, n, hd);
+}
+
+/* the rows' bf16 copies: row j's first cnt[j] values, then zeros up to n_pad */
+static void rows_to_bf16_scalar(const float *const *rows, const int *cnt, int n_pad, uint16_t *dst, size_t ld) {
+    for (int j = 0; j < 4; j++)
+        for (int t = 0; t < n_pad; t++) dst[(size_t)j * ld + t] = t < cnt[j] ? bf16_of(rows[j][t]) : 0;
+}
+
+void att_bf16_scores(void *ws, const float *const *q, int R, const int *live, int n, int hd, float scale,
+                     float *const *sc, float *mx) {
+    const bf16_ws w = ws_parts(ws, hd);
+    const int cnt[4] = {R > 0 ? hd : 0, R > 1 ? hd : 0, R > 2 ? hd : 0, R > 3 ? hd : 0}; /* rows past R: zero */
+    float m4[4];
+#if defined(__x86_64__)
+    if (att_bf16_vector()) {
+        const int live4[4] = {live[0], R > 1 ? live[1] : 0, R > 2 ? live[2] : 0, R > 3 ? live[3] : 0};
+        rows_to_bf16(q, cnt, hd, w.qb, (size_t)hd);
+        scores_avx512(&w, live4, n, hd, scale, sc, m4);
+        memcpy(mx, m4, sizeof(float) * (size_t)R);
+        return;
+    }
+#endif
+    rows_to_bf16_scalar(q, cnt, hd, w.qb, (size_t)hd);
+    scores_scalar(&w, R, live, n, hd, scale, sc, mx);
+}
+
+void att_bf16_wsum(void *ws, const float *const *e, int R, const int *live, int hd, const float *inv, float *const *out) {
+    const bf16_ws w = ws_parts(ws, hd);
+    int cnt[4] = {0, 0, 0, 0}, n = 0;
+    float inv4[4] = {0, 0, 0, 0};
+    for (int j = 0; j < R; j++) cnt[j] = live[j], inv4[j] = inv[j], n = live[j] > n ? live[j] : n;
+    const int n2 = (n + 1) / 2 * 2;
+#if defined(__x86_64__)
+    if (att_bf16_vector()) {
+        rows_to_bf16(e, cnt, n2, w.pb, PIECE);
+        wsum_avx512(&w, n, hd, inv4, out);
+        return;
+    }
+#endif
+    rows_to_bf16_scalar(e, cnt, n2, w.pb, PIECE);
+    wsum_scalar(&w, R, n, hd, inv4, out);
+}
