@@ -1,0 +1,111 @@
+"""bf16 prefill attention (opt-in: simd set_attention_precision("bf16"), BITNET_ATTENTION, bitnet
+--prefill-attention): the rows of a prompt chunk take q, k, the softmax weights and v rounded to bf16 and
+multiplied in pairs with f32 sums (vdpbf16ps where the CPU has AVX512_BF16, the same arithmetic in scalar C
+elsewhere); decode rows and the int8 cache never do.
+
+Stated tolerance, against the f32 attention of the same rows: the largest difference at most 2^-5 of the
+output's largest magnitude and the mean one at most 2^-9 of it (bf16 keeps 8 significant bits: q . k over
+head_dim products and a softmax of sharpened rows; measured 0.7-0.9% and ~0.05-0.1%). A broken pairing or
+layout is off by the output's own size (measured 150%), far outside it. Shapes as tests/test_attention_paths.py:
+head sizes not a multiple of 64 (80) and small (16), GQA groups, rows past 256 positions (pieces folded in
+order), a partial last block, contiguous and paged."""
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import bitnet_cpu.simd._kernels as K
+import bitnet_cpu.simd._ops as ops
+from test_attention_paths import CHUNKS, _contiguous, _inputs, _paged
+
+SHAPES = [(8, 2, 128), (4, 2, 16), (6, 2, 64), (4, 1, 80)]   # heads, KV heads, head_dim (multiples of 16)
+PATHS = [None] + [p for p in K.supported_isas() if p in ("scalar", "avx2", "avx512")]
+N_DECODE = sum(1 for m in CHUNKS if m == 1)
+
+
+def _bf16(fn, *args):
+    ops.set_attention_precision("bf16")
+    try:
+        return fn(*args)
+    finally:
+        ops.set_attention_precision("f32")
+
+
+def _within_bf16(out, ref, what):
+    scale = float(np.abs(ref).max())
+    d = np.abs(out - ref)
+    assert np.all(np.isfinite(out)), what
+    assert d.max() <= scale / 32 and d.mean() <= scale / 512, (
+        f"{what}: max |diff| {d.max():.3g}, mean {d.mean():.3g} against an output of {scale:.3g}")
+
+
+@pytest.mark.parametrize("kv_dtype", [np.float32, np.uint16], ids=["f32", "f16"])
+@pytest.mark.parametrize("nh,nkv,hd", SHAPES)
+def test_prefill_rows_within_bf16_rounding_of_f32(kv_dtype, nh, nkv, hd):
+    qkv, cos, sin = _inputs(nh, nkv, hd, seed=hd + nh)
+    ref, ref_k, ref_v = _contiguous(None, kv_dtype, nh, nkv, hd, qkv, cos, sin)
+    prefill, decode = slice(0, len(qkv) - N_DECODE), slice(len(qkv) - N_DECODE, None)
+    for isa in PATHS:
+        out, kc, vc = _bf16(_contiguous, isa, kv_dtype, nh, nkv, hd, qkv, cos, sin)
+        # the caches are written as before; only the products of prompt rows change
+        assert kc.tobytes() == ref_k.tobytes() and vc.tobytes() == ref_v.tobytes(), isa
+        assert out[decode].tobytes() == ref[decode].tobytes(), f"{isa}: decode rows changed"
+        assert out[prefill].tobytes() != ref[prefill].tobytes(), f"{isa}: the bf16 switch changed nothing"
+        _within_bf16(out[prefill], ref[prefill], f"{isa or 'auto'} {nh}/{nkv}x{hd}")
+        paged = _bf16(_paged, isa, kv_dtype, nh, nkv, hd, qkv, cos, sin)
+        assert paged.tobytes() == out.tobytes(), f"{isa}: paged rows differ from the contiguous ones"
+
+
+@pytest.mark.skipif(not ops.attention_bf16_vector(), reason="no AVX512_BF16 here: only the scalar bf16 bodies run, "
+                                                            "checked against f32 above")
+@pytest.mark.parametrize("nh,nkv,hd", SHAPES)
+def test_vector_bodies_match_the_scalar_arithmetic(nh, nkv, hd):
+    """vdpbf16ps against its definition in scalar C (pairs added hi then lo, products exact): a CPU's own
+    denormal handling may move a last bit, so the bound is a few f32 ulps of the output, not bytes."""
+    qkv, cos, sin = _inputs(nh, nkv, hd, seed=3 * hd + nh)
+    vec, _, _ = _bf16(_contiguous, "avx512", np.uint16, nh, nkv, hd, qkv, cos, sin)
+    ref, _, _ = _bf16(_contiguous, "scalar", np.uint16, nh, nkv, hd, qkv, cos, sin)
+    assert np.abs(vec - ref).max() <= 1e-5 * np.abs(ref).max()
+
+
+def test_the_int8_cache_is_not_affected():
+    nh, nkv, hd = 8, 2, 128
+    qkv, cos, sin = _inputs(nh, nkv, hd, seed=5)
+    ctx = 304
+
+    def run():
+        kc = np.zeros(ops.q8_cache_shape(nkv, ctx, hd), np.int8)
+        vc = np.zeros(ops.q8_cache_shape(nkv, ctx, hd), np.int8)
+        scratch = np.zeros((nh * ops.ATTENTION_SCRATCH_ROWS, ctx), np.float32)
+        out = np.zeros((len(qkv), nh * hd), np.float32)
+        p = 0
+        for m in CHUNKS:
+            ops.attention_q8(qkv[p: p + m].copy(), nh, nkv, hd, cos, sin, p, ctx, kc, vc, out[p: p + m], scratch)
+            p += m
+        return out
+
+    assert _bf16(run).tobytes() == run().tobytes()
+
+
+def test_the_setting():
+    assert ops.attention_precision() == "f32"   # the default
+    ops.set_attention_precision("bf16")
+    try:
+        assert ops.attention_precision() == "bf16"
+    finally:
+        ops.set_attention_precision("f32")
+    with pytest.raises(K.KernelError, match="f32, bf16"):
+        ops.set_attention_precision("fp8")
+    assert ops.attention_precision() == "f32"
+
+
+@pytest.mark.parametrize("value,ok", [("bf16", True), ("f32", True), ("fp16", False)])
+def test_the_environment_variable(value, ok):
+    code = "import bitnet_cpu.simd._ops as o; print(o.attention_precision())"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={**__import__("os").environ, "BITNET_ATTENTION": value})
+    if ok:
+        assert r.returncode == 0 and r.stdout.strip() == value, r.stderr
+    else:
+        assert r.returncode != 0 and f"BITNET_ATTENTION={value}: f32 or bf16" in r.stderr
