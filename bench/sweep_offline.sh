@@ -12,7 +12,8 @@
 #                    vpdpbusd, the int8 peaks of both, the crossover per shape; tiles_T.json and tiles_T.md;
 #                    TILES_ARGS (or TILES_ARGS_T) adds bench_tiles.py flags (--ms, --prompts, --seqs, --quick ...)
 #   parts=T[@CPUS]   bench/prefill_parts.py at T threads: a prefill's time kernel by kernel, tiles on and off
-#                    (PARTS_PROMPT tokens, default 512; PARTS_ARGS, default --chunks 128,512); parts_T.json, parts_T.md
+#                    (PARTS_PROMPT tokens, default 512; PARTS_ARGS, default --chunks 128,512 --attention f32,bf16);
+#                    parts_T.json, parts_T.md
 #   prefetch=T[@CPUS] bench/bench_kernels.py --prefetch at T threads: the decode GEMVs at each software prefetch
 #                    distance (PREFETCH, default 0,2048,4096,8192,16384) against the stream rate; prefetch_T.md
 #   ktests           the kernel tests (KTESTS, default tests/test_kernels.py tests/test_attention_paths.py) on this
@@ -151,7 +152,7 @@ for ph in "${phases[@]}"; do
         stamp "prefill kernel by kernel at $t threads${cpus:+ on CPUs $cpus}"
         # shellcheck disable=SC2086
         PYTHONUNBUFFERED=1 timeout "$(left)" $(pin "$cpus") $py bench/prefill_parts.py --threads "$t" --store "$store" \
-            --prompt "${PARTS_PROMPT:-512}" ${PARTS_ARGS:---chunks 128,512} --json "$OUT/parts_$t.json" \
+            --prompt "${PARTS_PROMPT:-512}" ${PARTS_ARGS:---chunks 128,512 --attention f32,bf16} --json "$OUT/parts_$t.json" \
             > "$OUT/parts_$t.md" 2> "$OUT/parts_$t.log"
         cat "$OUT/parts_$t.md" ;;
     prefetch=*)

@@ -375,3 +375,13 @@ def test_prefill_parts_times_every_gemm_shape_and_attention(small_models, tmp_pa
     assert raw["chunks"] == [8, 24] and sorted({m.split(" chunk ")[1] for m in raw["modes"]}) == ["24", "8"]
     gemm = [r for r in raw["rows"] if r["part"] in want]
     assert len(gemm) == 4 and all(r[m] > 0 for r in gemm for m in raw["modes"])
+    # both attention precisions: a column each, attention timed in both, the process left at f32
+    from bitnet_cpu.simd import _ops as ops
+
+    assert prefill_parts.main(["--store", small_models["store_q4"], "--threads", "1", "--prompt", "24", "--rounds",
+                               "1", "--attention", "f32,bf16", "--json", str(out)]) == 0
+    raw = json.loads(out.read_text())
+    assert raw["attention"] == ["f32", "bf16"] and {m.split()[-1] for m in raw["modes"]} == {"f32", "bf16"}
+    att = next(r for r in raw["rows"] if r["part"] == "attention")
+    assert all(att[m] > 0 for m in raw["modes"]) and ops.attention_precision() == "f32"
+    assert prefill_parts.main(["--store", small_models["store_q4"], "--attention", "fp8"]) == 2
