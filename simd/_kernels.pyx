@@ -26,7 +26,7 @@ cnp.import_array()
 cdef extern from "kernels.h" nogil:
     ctypedef struct bk_features_t:
         int sse41, avx2, fma, f16c, avx512f, avx512bw, avx512vl, avx512vnni, avx512bf16, avxvnni, neon, dotprod, i8mm
-        int amx_tile, amx_int8
+        int amx_tile, amx_int8, amx_bf16
     const bk_features_t *bk_get_features()
     int bk_isa_supported(int isa)
     int bk_set_isa(int isa)
@@ -128,7 +128,7 @@ def features():
         "avx512f": bool(f.avx512f), "avx512bw": bool(f.avx512bw), "avx512vl": bool(f.avx512vl),
         "avx512vnni": bool(f.avx512vnni), "avx512bf16": bool(f.avx512bf16), "avxvnni": bool(f.avxvnni),
         "neon": bool(f.neon), "dotprod": bool(f.dotprod), "i8mm": bool(f.i8mm),
-        "amx-tile": bool(f.amx_tile), "amx-int8": bool(f.amx_int8),
+        "amx-tile": bool(f.amx_tile), "amx-int8": bool(f.amx_int8), "amx-bf16": bool(f.amx_bf16),
     }
 
 

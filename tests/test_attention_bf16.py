@@ -1,7 +1,8 @@
 """bf16 prefill attention (opt-in: simd set_attention_precision("bf16"), BITNET_ATTENTION, bitnet
 --prefill-attention): the rows of a prompt chunk take q, k, the softmax weights and v rounded to bf16 and
 multiplied in pairs with f32 sums (vdpbf16ps where the CPU has AVX512_BF16, the same arithmetic in scalar C
-elsewhere); decode rows and the int8 cache never do.
+elsewhere; on the AMX-BF16 tiles, tdpbf16ps, 16 rows a pass, where the tile mode is amx, or their emulation);
+decode rows and the int8 cache never do.
 
 Stated tolerance, against the f32 attention of the same rows: the largest difference at most 2^-5 of the
 output's largest magnitude and the mean one at most 2^-9 of it (bf16 keeps 8 significant bits: q . k over
@@ -20,6 +21,8 @@ import bitnet_cpu.simd._ops as ops
 from test_attention_paths import CHUNKS, _contiguous, _inputs, _paged
 
 SHAPES = [(8, 2, 128), (4, 2, 16), (6, 2, 64), (4, 1, 80)]   # heads, KV heads, head_dim (multiples of 16)
+TILE_SHAPES = [(8, 2, 128), (6, 2, 64)]   # the tile passes take head_dim in steps of 32
+CPU_HAS_AMX_BF16 = K.features().get("amx-bf16") and K.tiles_reason().endswith("granted by Linux")
 PATHS = [None] + [p for p in K.supported_isas() if p in ("scalar", "avx2", "avx512")]
 N_DECODE = sum(1 for m in CHUNKS if m == 1)
 
@@ -54,6 +57,29 @@ def test_prefill_rows_within_bf16_rounding_of_f32(kv_dtype, nh, nkv, hd):
         assert out[prefill].tobytes() != ref[prefill].tobytes(), f"{isa}: the bf16 switch changed nothing"
         _within_bf16(out[prefill], ref[prefill], f"{isa or 'auto'} {nh}/{nkv}x{hd}")
         paged = _bf16(_paged, isa, kv_dtype, nh, nkv, hd, qkv, cos, sin)
+        assert paged.tobytes() == out.tobytes(), f"{isa}: paged rows differ from the contiguous ones"
+
+
+@pytest.mark.parametrize("tiles", ["emu", "amx"])
+@pytest.mark.parametrize("nh,nkv,hd", TILE_SHAPES)
+def test_tile_passes_within_bf16_rounding_of_f32(nh, nkv, hd, tiles):
+    """Prompt chunks of 16+ rows on the tiles (tdpbf16ps, 16 rows of one head a pass; the chunks of 64 and 162 rows
+    here), the emulation on every path, the hardware where the CPU has AMX-BF16: within the same tolerance of f32,
+    close to the 4-row vector passes (the tiles add each pair low half first, vdpbf16ps high half first), decode
+    rows and paged as above."""
+    if tiles == "amx" and not CPU_HAS_AMX_BF16:
+        pytest.skip("no AMX-BF16 tiles granted here (" + K.tiles_reason() + "): the emulated tile passes ran")
+    qkv, cos, sin = _inputs(nh, nkv, hd, seed=hd + nh)
+    ref, _, _ = _contiguous(None, np.uint16, nh, nkv, hd, qkv, cos, sin)
+    four, _, _ = _bf16(_contiguous, None, np.uint16, nh, nkv, hd, qkv, cos, sin)
+    prefill, decode = slice(0, len(qkv) - N_DECODE), slice(len(qkv) - N_DECODE, None)
+    for isa in (["avx512"] if tiles == "amx" else PATHS):
+        out, _, _ = _bf16(_contiguous, isa, np.uint16, nh, nkv, hd, qkv, cos, sin, tiles)
+        assert out[decode].tobytes() == ref[decode].tobytes(), f"{isa}: decode rows changed"
+        assert out.tobytes() != four.tobytes(), f"{isa}: the tile passes did not run"
+        _within_bf16(out[prefill], ref[prefill], f"{tiles} tiles on {isa or 'auto'} {nh}/{nkv}x{hd}")
+        assert np.abs(out - four).max() <= 1e-3 * np.abs(ref).max(), isa
+        paged = _bf16(_paged, isa, np.uint16, nh, nkv, hd, qkv, cos, sin, tiles)
         assert paged.tobytes() == out.tobytes(), f"{isa}: paged rows differ from the contiguous ones"
 
 

@@ -27,8 +27,11 @@ def _inputs(nh, nkv, hd, seed):
     return (qkv, *rope_tables(CTX, hd))
 
 
-def _contiguous(isa, kv_dtype, nh, nkv, hd, qkv, cos, sin):
+def _contiguous(isa, kv_dtype, nh, nkv, hd, qkv, cos, sin, tiles=None):
+    """The rows through attention in CHUNKS on path isa (tiles: a tile mode on top, "emu" or "amx")."""
     ops.set_isa(isa)
+    if tiles:
+        K.set_tiles(tiles)
     try:
         kc = np.zeros(ops.key_cache_shape(nkv, CTX, hd), kv_dtype)
         vc = np.zeros((nkv, CTX, hd), kv_dtype)
@@ -43,12 +46,14 @@ def _contiguous(isa, kv_dtype, nh, nkv, hd, qkv, cos, sin):
         ops.set_isa(None)
 
 
-def _paged(isa, kv_dtype, nh, nkv, hd, qkv, cos, sin):
+def _paged(isa, kv_dtype, nh, nkv, hd, qkv, cos, sin, tiles=None):
     """The same rows through attention_paged, one sequence whose 32-position blocks sit in shuffled pages."""
     kb = ops.KEY_BLOCK
     n_blocks = -(-CTX // kb)
     pages = np.random.default_rng(7).permutation(n_blocks + 3)[:n_blocks].astype(np.int32)[None, :].copy()
     ops.set_isa(isa)
+    if tiles:
+        K.set_tiles(tiles)
     try:
         k_pool = np.zeros((n_blocks + 3, nkv, hd, kb), kv_dtype)
         v_pool = np.zeros((n_blocks + 3, nkv, kb, hd), kv_dtype)

@@ -95,6 +95,7 @@ static void detect(void) {
     if (os_zmm && (xcr0 & (3u << 17)) == (3u << 17)) { /* XTILECFG + XTILEDATA state enabled by the OS */
         features.amx_tile = (d7 >> 24) & 1;
         features.amx_int8 = (d7 >> 25) & 1;
+        features.amx_bf16 = (d7 >> 22) & 1;
     }
 #elif defined(__aarch64__)
     features.neon = 1;

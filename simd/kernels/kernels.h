@@ -37,6 +37,7 @@ static inline int bk_isa_has_sdot(int isa) { return isa == BK_ISA_DOTPROD || isa
 typedef struct {
     int sse41, avx2, fma, f16c, avx512f, avx512bw, avx512vl, avx512vnni, avx512bf16, avxvnni, neon, dotprod, i8mm;
     int amx_tile, amx_int8; /* cpuid AND XCR0's tile state; Linux's per-process grant: bk_tiles_supported */
+    int amx_bf16;           /* the same for tdpbf16ps (bf16 prefill attention on the tiles, attention_bf16.c) */
 } bk_features_t;
 
 /* Raw int32 results of the integer kernels go to out_i32 when it is non-NULL (tests); otherwise the f32

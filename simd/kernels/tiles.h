@@ -103,6 +103,7 @@ void bk_emu_tile_load(int t, const void *base, size_t stride);
 void bk_emu_tile_store(int t, void *base, size_t stride);
 void bk_emu_tile_dpbssd(int c, int a, int b); /* C += A (s8) . B (s8) */
 void bk_emu_tile_dpbusd(int c, int a, int b); /* C += A (u8) . B (s8) */
+void bk_emu_tile_dpbf16ps(int c, int a, int b); /* C (f32) += A (bf16 pairs) . B (bf16 pairs) */
 
 /* gemm_tiles.c: the ternary tile body of each mode (NULL: none), which dispatch.c puts in front of the path's
  * own GEMM body (kept in bk_table.gemm_ternary_vector, run under bk_table.tile_min_rows rows). */

@@ -90,4 +90,40 @@ static void emu_dp(int c, int a, int b, int a_signed) {
 }
 
 void bk_emu_tile_dpbssd(int c, int a, int b) { emu_dp(c, a, b, 1); }
+
+static float emu_bf16(const uint8_t *p) { /* a bf16 from its 2 bytes (little-endian); a denormal reads as 0 */
+    uint32_t u = ((uint32_t)p[0] | (uint32_t)p[1] << 8) << 16;
+    if ((u & 0x7f800000u) == 0) u &= 0x80000000u;
+    float x;
+    memcpy(&x, &u, 4);
+    return x;
+}
+
+/* tdpbf16ps: for each row m of C and each f32 column n, over the dword rows k of B: C[m][n] += A[m].bf16[2k] *
+ * B[k].bf16[2n], then += A[m].bf16[2k+1] * B[k].bf16[2n+1] (Intel's pseudo-code order; the products are exact
+ * in f32), with denormal inputs read as 0 and denormal results flushed to 0; the same shape rules as tdpbssd. */
+void bk_emu_tile_dpbf16ps(int c, int a, int b) {
+    check_tile(c), check_tile(a), check_tile(b);
+    if (c == a || c == b || a == b) emu_fault("tdp with a repeated tile register");
+    const bk_tilecfg_t *g = &emu.cfg;
+    if (g->colsb[a] % 4 || g->colsb[c] % 4) emu_fault("tdp colsb not a multiple of 4");
+    if (g->colsb[a] / 4 != g->rows[b]) emu_fault("tdp with A's colsb / 4 != B's rows");
+    if (g->rows[c] != g->rows[a]) emu_fault("tdp with C's rows != A's rows");
+    if (g->colsb[c] != g->colsb[b]) emu_fault("tdp with C's colsb != B's colsb");
+    const int M = g->rows[c], N = g->colsb[c] / 4, KK = g->colsb[a] / 4;
+    for (int m = 0; m < M; m++) {
+        float acc[16];
+        memcpy(acc, emu.tile[c][m], sizeof acc);
+        for (int kk = 0; kk < KK; kk++)
+            for (int n = 0; n < N; n++)
+                for (int h = 0; h < 2; h++) {
+                    float r = acc[n] + emu_bf16(&emu.tile[a][m][4 * kk + 2 * h]) * emu_bf16(&emu.tile[b][kk][4 * n + 2 * h]);
+                    uint32_t u;
+                    memcpy(&u, &r, 4);
+                    if ((u & 0x7f800000u) == 0) r = 0.0f * r; /* flush a denormal, keep its sign */
+                    acc[n] = r;
+                }
+        memcpy(emu.tile[c][m], acc, 4 * (size_t)N);
+    }
+}
 void bk_emu_tile_dpbusd(int c, int a, int b) { emu_dp(c, a, b, 0); }

@@ -601,6 +601,7 @@ typedef struct {
     float scale;
     char *bws; /* bf16 prefill passes: one workspace per thread slot (att_bf16_ws_bytes), NULL: f32 passes */
     size_t bws_bytes;
+    int tiles16; /* bf16 prefill passes of 16 rows on the matrix tiles (att_bf16_tiles; head_dim a multiple of 32) */
 } att_job;
 
 /* block addressing from position p0 on (p0 a multiple of KT_BLOCK): the pages table or the base pointer moves */
@@ -608,6 +609,49 @@ static inline kv_blocks shift_blocks(kv_blocks bl, int p0, const char **base, si
     if (bl.pages) return (kv_blocks){bl.pages + p0 / KT_BLOCK, bl.stride};
     *base += (size_t)(p0 / KT_BLOCK) * (size_t)bl.stride * esize;
     return bl;
+}
+
+/* A prefill item's passes of 16 rows of one head over piece `tile` (already converted into bw) on the matrix tiles:
+ * bf16 opt-in with att_bf16_tiles. The same softmax, pieces and fold as the 4-row passes of attention_items. */
+static void prefill_tile_passes(const att_job *J, const att_kernels *K, void *bw, att_seg S, int h0, int tile,
+                                int64_t wso) {
+    const int hd = J->head_dim, sw = hd + 2;
+    float *sc = att_bf16_score_rows(bw, hd), *ot = att_bf16_temp_rows(bw, hd);
+    for (int h = h0; h < h0 + J->sub; h++)
+        for (int r0 = 0; r0 < S.m; r0 += 16) {
+            const int R = S.m - r0 < 16 ? S.m - r0 : 16;
+            const float *qs[16];
+            float *os[16], *st[16], *po[16], mxs[16], sums[16], invs[16];
+            int ns[16], live[16], nk_max = 0;
+            for (int j = 0; j < R; j++) {
+                const int64_t row = S.row0 + r0 + j;
+                qs[j] = J->qkv + row * J->row_stride + h * hd, os[j] = J->out + row * J->q_dim + h * hd;
+                ns[j] = S.pos0 + r0 + j + 1;
+                st[j] = wso < 0 ? NULL : J->ws + (wso + (int64_t)(r0 + j) * J->n_heads + h) * sw; /* fold state */
+            }
+            const int n_max = ns[R - 1], np_all = n_pieces(n_max, hd);
+            if (tile >= np_all) continue; /* these rows end before this piece */
+            const int p0 = tile * PIECE, p1 = np_all == 1 ? n_max : (p0 + PIECE < n_max ? p0 + PIECE : n_max);
+            for (int j = 0; j < R; j++) {
+                const int end = ns[j] < p1 ? ns[j] : p1;
+                live[j] = end > p0 ? end - p0 : 0;
+                nk_max = live[j] > nk_max ? live[j] : nk_max;
+            }
+            att_bf16_scores16(bw, qs, R, nk_max, hd, J->scale);
+            for (int j = 0; j < R; j++) {
+                float *s_j = sc + (size_t)j * PIECE;
+                const int n = live[j];
+                mxs[j] = K->row_max(s_j, n);
+                sums[j] = n ? J->Q.exp_sum(s_j, n, mxs[j]) : 0.0f, invs[j] = n ? 1.0f / sums[j] : 0.0f;
+                po[j] = n && n_pieces(ns[j], hd) == 1 ? os[j] : ot + (size_t)j * hd;
+            }
+            att_bf16_wsum16(bw, R, live, hd, invs, po);
+            for (int j = 0; j < R; j++) {
+                if (po[j] == os[j] || !live[j]) continue;
+                fold_piece(st[j], tile == 0, mxs[j], sums[j], po[j], hd);
+                if (tile == n_pieces(ns[j], hd) - 1) fold_finish(st[j], hd, os[j]);
+            }
+        }
 }
 
 static void attention_items(void *ctx, int item_begin, int item_end) {
@@ -647,6 +691,10 @@ static void attention_items(void *ctx, int item_begin, int item_end) {
             const kv_blocks bl0 = {S.pages, stride};
             const kv_blocks kbl = shift_blocks(bl0, p0, &kb, esize), vbl = shift_blocks(bl0, p0, &vb, esize);
             att_bf16_piece(bw, kb, kbl, vb, vbl, kv_f16, p1 - p0, head_dim);
+            if (J->tiles16 && m >= 16) { /* 16 rows a pass on the tiles */
+                prefill_tile_passes(J, &K, bw, S, h0, tile, wso);
+                continue;
+            }
         }
         for (int ps = 0; ps < n_pass; ps++) {
             int R = 0, n_max = 0;
@@ -880,7 +928,7 @@ static int attention_core(float *qkv, int n_heads, int n_kv, int head_dim, const
     }
     const att_job job = {K, Q, q8, segs, items, ws_off, n_sub, group, sub, kv_f16, head_dim, row_stride, q_dim, n_heads,
                          scratch_len, stride, k_head, v_head, esize, k_cache, v_cache, qkv, out, scratch, ws, qq, qc, scale,
-                         bws, bws_bytes};
+                         bws, bws_bytes, bf16 && head_dim % 32 == 0 && att_bf16_tiles()};
     /* grain 1: items are whole heads (or pieces), handed out one chunk at a time; slot < threads indexes the scratch */
     if (n_items > 1 && threads > 1 && work * n_heads * head_dim > min_work)
         bk_parallel_for((int)n_items, 1, threads, attention_items, (void *)&job);

@@ -6,6 +6,7 @@
 #include "attention_bf16.h"
 
 #include "ops.h"
+#include "tiles.h" /* the tile API: hardware AMX or its emulation */
 
 #include <math.h>
 #include <stdint.h>
@@ -30,14 +31,25 @@ static inline float f32_of(uint16_t b) {
     return x;
 }
 
+/* One thread's workspace: the piece (kp, vp), up to 16 query rows and weight rows in bf16 (qb, pb), and for the
+ * 16-row tile passes their f32 score rows (sc), fold temporaries (ot) and one C tile (ct). Every part starts on a
+ * 64-byte boundary when ws does (hd a multiple of 16). */
 typedef struct {
     uint16_t *kp, *vp, *qb, *pb;
+    float *sc, *ot, *ct;
 } bf16_ws;
 static bf16_ws ws_parts(void *ws, int hd) {
     uint16_t *w = (uint16_t *)ws;
-    return (bf16_ws){w, w + (size_t)PIECE * hd, w + (size_t)2 * PIECE * hd, w + (size_t)2 * PIECE * hd + 4 * (size_t)hd};
+    uint16_t *kp = w, *vp = kp + (size_t)PIECE * hd, *qb = vp + (size_t)PIECE * hd, *pb = qb + (size_t)16 * hd;
+    float *sc = (float *)(pb + (size_t)16 * PIECE), *ot = sc + (size_t)16 * PIECE, *ct = ot + (size_t)16 * hd;
+    return (bf16_ws){kp, vp, qb, pb, sc, ot, ct};
 }
-size_t att_bf16_ws_bytes(int hd) { return sizeof(uint16_t) * ((size_t)2 * PIECE * hd + 4 * (size_t)hd + 4 * PIECE); }
+size_t att_bf16_ws_bytes(int hd) {
+    return sizeof(uint16_t) * ((size_t)2 * PIECE * hd + (size_t)16 * hd + (size_t)16 * PIECE) +
+           sizeof(float) * ((size_t)16 * PIECE + (size_t)16 * hd + 256);
+}
+float *att_bf16_score_rows(void *ws, int hd) { return ws_parts(ws, hd).sc; }
+float *att_bf16_temp_rows(void *ws, int hd) { return ws_parts(ws, hd).ot; }
 
 static inline float kv_at(const void *base, int f16, int64_t at) {
     return f16 ? ops_half_to_float(((const uint16_t *)base)[at]) : ((const float *)base)[at];
@@ -48,6 +60,7 @@ static inline int64_t v_off(kv_blocks bl, int t, int c, int hd) {
     return BLK(bl, t / KT_BLOCK) + (int64_t)(t % KT_BLOCK) * hd + c;
 }
 static inline int n16_of(int n) { return (n + 63) / 64 * 4; } /* key blocks converted: whole 64-position passes */
+static inline int v_pairs(int n) { return (n + 31) / 32 * 16; } /* value pair rows: whole 32-position tile steps */
 
 static void piece_scalar(const bf16_ws *w, const void *kb, kv_blocks kbl, const void *vb, kv_blocks vbl, int f16, int n,
                          int hd) {
@@ -59,6 +72,8 @@ static void piece_scalar(const bf16_ws *w, const void *kb, kv_blocks kbl, const 
                 d[0] = t < n ? bf16_of(kv_at(kb, f16, k_off(kbl, 2 * i2, t))) : 0;
                 d[1] = t < n ? bf16_of(kv_at(kb, f16, k_off(kbl, 2 * i2 + 1, t))) : 0;
             }
+    for (int c = 0; c < hd / 16; c++)
+        for (int u = (n + 1) / 2; u < v_pairs(n); u++) memset(w->vp + ((size_t)c * (PIECE / 2) + u) * 32, 0, 64);
     for (int c = 0; c < hd / 16; c++)
         for (int u = 0; u < (n + 1) / 2; u++)
             for (int l = 0; l < 16; l++) {
@@ -127,6 +142,8 @@ BF16_FN static void piece_avx512(const bf16_ws *w, const void *kb, kv_blocks kbl
             _mm512_storeu_si512(d + (size_t)i2 * 32, pairs(lo, hi));
         }
     }
+    for (int c = 0; c < hd / 16; c++)
+        for (int u = (n + 1) / 2; u < v_pairs(n); u++) memset(w->vp + ((size_t)c * (PIECE / 2) + u) * 32, 0, 64);
     for (int u = 0; u < (n + 1) / 2; u++) {
         const int t = 2 * u;
         const int64_t r0 = v_off(vbl, t, 0, hd), r1 = t + 1 < n ? v_off(vbl, t + 1, 0, hd) : r0;
@@ -153,9 +170,9 @@ BF16_FN static void piece_avx512(const bf16_ws *w, const void *kb, kv_blocks kbl
         }                                                                                                    \
     }
 
-/* rows[j][0 .. cnt[j]) -> bf16 at dst + j * ld, zeros past cnt[j] up to n_pad (a multiple of 2) */
-BF16_FN static void rows_to_bf16(const float *const *rows, const int *cnt, int n_pad, uint16_t *dst, size_t ld) {
-    for (int j = 0; j < 4; j++)
+/* rows[j][0 .. cnt[j]) -> bf16 at dst + j * ld for j < nr, zeros past cnt[j] up to n_pad (a multiple of 2) */
+BF16_FN static void rows_to_bf16(const float *const *rows, const int *cnt, int nr, int n_pad, uint16_t *dst, size_t ld) {
+    for (int j = 0; j < nr; j++)
         for (int t = 0; t < n_pad; t += 16) {
             const int valid = cnt[j] - t;
             const __mmask16 k = valid >= 16 ? (__mmask16)0xffff : valid <= 0 ? 0 : (__mmask16)((1u << valid) - 1);
@@ -222,8 +239,8 @@ void att_bf16_piece(void *ws, const void *kb, kv_blocks kbl, const void *vb, kv_
 }
 
 /* the rows' bf16 copies: row j's first cnt[j] values, then zeros up to n_pad */
-static void rows_to_bf16_scalar(const float *const *rows, const int *cnt, int n_pad, uint16_t *dst, size_t ld) {
-    for (int j = 0; j < 4; j++)
+static void rows_to_bf16_scalar(const float *const *rows, const int *cnt, int nr, int n_pad, uint16_t *dst, size_t ld) {
+    for (int j = 0; j < nr; j++)
         for (int t = 0; t < n_pad; t++) dst[(size_t)j * ld + t] = t < cnt[j] ? bf16_of(rows[j][t]) : 0;
 }
 
@@ -235,13 +252,13 @@ void att_bf16_scores(void *ws, const float *const *q, int R, const int *live, in
 #if defined(__x86_64__)
     if (att_bf16_vector()) {
         const int live4[4] = {live[0], R > 1 ? live[1] : 0, R > 2 ? live[2] : 0, R > 3 ? live[3] : 0};
-        rows_to_bf16(q, cnt, hd, w.qb, (size_t)hd);
+        rows_to_bf16(q, cnt, 4, hd, w.qb, (size_t)hd);
         scores_avx512(&w, live4, n, hd, scale, sc, m4);
         memcpy(mx, m4, sizeof(float) * (size_t)R);
         return;
     }
 #endif
-    rows_to_bf16_scalar(q, cnt, hd, w.qb, (size_t)hd);
+    rows_to_bf16_scalar(q, cnt, 4, hd, w.qb, (size_t)hd);
     scores_scalar(&w, R, live, n, hd, scale, sc, mx);
 }
 
@@ -253,11 +270,157 @@ void att_bf16_wsum(void *ws, const float *const *e, int R, const int *live, int 
     const int n2 = (n + 1) / 2 * 2;
 #if defined(__x86_64__)
     if (att_bf16_vector()) {
-        rows_to_bf16(e, cnt, n2, w.pb, PIECE);
+        rows_to_bf16(e, cnt, 4, n2, w.pb, PIECE);
         wsum_avx512(&w, n, hd, inv4, out);
         return;
     }
 #endif
-    rows_to_bf16_scalar(e, cnt, n2, w.pb, PIECE);
+    rows_to_bf16_scalar(e, cnt, 4, n2, w.pb, PIECE);
     wsum_scalar(&w, R, n, hd, inv4, out);
+}
+
+/* ---------- 16-row passes on AMX-BF16 tiles (tdpbf16ps), and on their emulation ----------
+ * Scores: C[16 rows x 16 positions] += Q[16 x 32 dims] . K pairs[16 dim pairs x 16 positions], four C tiles (64
+ * positions) per pass over head_dim; a key block's 16 pair rows of 64 bytes are one B tile as converted (kp).
+ * Weighted sum: C[16 rows x 16 columns] += E[16 x 32 positions] . V pairs[16 position pairs x 16 columns], four C
+ * tiles (64 columns) per pass over the positions (vp as converted, zero-padded to 32 positions). Every tile is 16
+ * rows x 64 bytes. The weight rows are exp(s - max) in bf16, and 1/sum multiplies the output, as on AVX-512. */
+static const bk_tilecfg_t bf16_tile_cfg = {
+    .palette_id = 1,
+    .colsb = {64, 64, 64, 64, 64, 64, 64, 64},
+    .rows = {16, 16, 16, 16, 16, 16, 16, 16},
+};
+
+/* the rows' bf16 copies on whatever vector path runs (the tiles' inputs) */
+static void rows16_to_bf16(const float *const *rows, const int *cnt, int n_pad, uint16_t *dst, size_t ld) {
+#if defined(__x86_64__)
+    if (att_bf16_vector()) {
+        rows_to_bf16(rows, cnt, 16, n_pad, dst, ld);
+        return;
+    }
+#endif
+    rows_to_bf16_scalar(rows, cnt, 16, n_pad, dst, ld);
+}
+
+/* TL_*: one tile instruction, on the hardware (inline asm, as gemm_tiles.c writes them: tile numbers are
+ * immediates) or the emulation (tiles_emu.c) */
+#if BK_HAVE_AMX
+#define TL_CFG(hw, c) \
+    do { if (hw) __asm__ volatile("ldtilecfg %0" ::"m"(*(const bk_tilecfg_t *)(c))); else bk_emu_tile_config(c); } while (0)
+#define TL_REL(hw) do { if (hw) __asm__ volatile("tilerelease" ::: "memory"); else bk_emu_tile_release(); } while (0)
+#define TL_ZERO(hw, t) do { if (hw) __asm__ volatile("tilezero %%tmm" #t ::); else bk_emu_tile_zero(t); } while (0)
+#define TL_LOAD(hw, t, p, s)                                                                                        \
+    do {                                                                                                         \
+        if (hw) __asm__ volatile("tileloadd (%0,%1,1), %%tmm" #t ::"r"((const void *)(p)), "r"((long)(s)) : "memory"); \
+        else bk_emu_tile_load(t, p, s);                                                                          \
+    } while (0)
+#define TL_STORE(hw, t, p, s)                                                                                       \
+    do {                                                                                                         \
+        if (hw) __asm__ volatile("tilestored %%tmm" #t ", (%0,%1,1)" ::"r"((void *)(p)), "r"((long)(s)) : "memory"); \
+        else bk_emu_tile_store(t, p, s);                                                                         \
+    } while (0)
+#define TL_DP(hw, c, a, b) \
+    do { if (hw) __asm__ volatile("tdpbf16ps %%tmm" #b ", %%tmm" #a ", %%tmm" #c ::); else bk_emu_tile_dpbf16ps(c, a, b); } while (0)
+#else
+#define TL_CFG(hw, c) bk_emu_tile_config(c)
+#define TL_REL(hw) bk_emu_tile_release()
+#define TL_ZERO(hw, t) bk_emu_tile_zero(t)
+#define TL_LOAD(hw, t, p, s) bk_emu_tile_load(t, p, s)
+#define TL_STORE(hw, t, p, s) bk_emu_tile_store(t, p, s)
+#define TL_DP(hw, c, a, b) bk_emu_tile_dpbf16ps(c, a, b)
+#endif
+
+int att_bf16_tiles(void) {
+    const int mode = bk_get_tiles();
+    return mode == BK_TILES_EMU || (mode == BK_TILES_AMX && bk_get_features()->amx_bf16);
+}
+static int tiles_hw(void) { return bk_get_tiles() == BK_TILES_AMX; }
+
+void att_bf16_scores16(void *ws, const float *const *q, int R, int n, int hd, float scale) {
+    const bf16_ws w = ws_parts(ws, hd);
+    const int hw = tiles_hw();
+    int cnt[16];
+    const float *rows[16];
+    for (int j = 0; j < 16; j++) cnt[j] = j < R ? hd : 0, rows[j] = j < R ? q[j] : q[0];
+    rows16_to_bf16(rows, cnt, hd, w.qb, (size_t)hd);
+    const size_t ls = sizeof(float) * PIECE; /* score rows' stride in bytes */
+    TL_CFG(hw, &bf16_tile_cfg);
+    for (int t0 = 0; t0 < n; t0 += 64) {
+        const uint16_t *kb = w.kp + (size_t)(t0 / 16) * hd * 16, *qa = w.qb;
+        const size_t blk = (size_t)hd * 16; /* one 16-position block of kp */
+        TL_ZERO(hw, 0);
+        TL_ZERO(hw, 1);
+        TL_ZERO(hw, 2);
+        TL_ZERO(hw, 3);
+        for (int s = 0; s < hd / 32; s++, qa += 32, kb += 16 * 32) { /* 32 dims: 16 pair rows */
+            TL_LOAD(hw, 4, qa, (size_t)hd * 2);
+            TL_LOAD(hw, 5, kb, 64);
+            TL_DP(hw, 0, 4, 5);
+            TL_LOAD(hw, 6, kb + blk, 64);
+            TL_DP(hw, 1, 4, 6);
+            TL_LOAD(hw, 7, kb + 2 * blk, 64);
+            TL_DP(hw, 2, 4, 7);
+            TL_LOAD(hw, 5, kb + 3 * blk, 64);
+            TL_DP(hw, 3, 4, 5);
+        }
+        float *c = w.sc + t0;
+        TL_STORE(hw, 0, c, ls);
+        TL_STORE(hw, 1, c + 16, ls);
+        TL_STORE(hw, 2, c + 32, ls);
+        TL_STORE(hw, 3, c + 48, ls);
+    }
+    TL_REL(hw);
+    for (int j = 0; j < R; j++) /* the softmax scale, as the f32 bodies apply it after the dot */
+        for (int t = 0; t < n; t++) w.sc[(size_t)j * PIECE + t] *= scale;
+}
+
+void att_bf16_wsum16(void *ws, int R, const int *live, int hd, const float *inv, float *const *out) {
+    const bf16_ws w = ws_parts(ws, hd);
+    const int hw = tiles_hw();
+    int cnt[16], n = 0;
+    const float *rows[16];
+    for (int j = 0; j < 16; j++) {
+        cnt[j] = j < R ? live[j] : 0, rows[j] = w.sc + (size_t)j * PIECE;
+        n = cnt[j] > n ? cnt[j] : n;
+    }
+    const int n32 = (n + 31) / 32 * 32;
+    rows16_to_bf16(rows, cnt, n32, w.pb, PIECE);
+    TL_CFG(hw, &bf16_tile_cfg);
+    for (int c0 = 0; c0 < hd / 16; c0 += 4) {
+        const int nv = hd / 16 - c0 < 4 ? hd / 16 - c0 : 4;
+        const size_t cb = (size_t)(PIECE / 2) * 32; /* one 16-column block of vp */
+        const uint16_t *vb = w.vp + (size_t)c0 * cb, *pa = w.pb;
+        TL_ZERO(hw, 0);
+        TL_ZERO(hw, 1);
+        TL_ZERO(hw, 2);
+        TL_ZERO(hw, 3);
+        for (int u = 0; u < n32; u += 32, pa += 32, vb += 16 * 32) { /* 32 positions: 16 pair rows */
+            TL_LOAD(hw, 4, pa, (size_t)PIECE * 2);
+            TL_LOAD(hw, 5, vb, 64);
+            TL_DP(hw, 0, 4, 5);
+            if (nv > 1) {
+                TL_LOAD(hw, 6, vb + cb, 64);
+                TL_DP(hw, 1, 4, 6);
+            }
+            if (nv > 2) {
+                TL_LOAD(hw, 7, vb + 2 * cb, 64);
+                TL_DP(hw, 2, 4, 7);
+            }
+            if (nv > 3) {
+                TL_LOAD(hw, 5, vb + 3 * cb, 64);
+                TL_DP(hw, 3, 4, 5);
+            }
+        }
+        for (int v = 0; v < nv; v++) {
+            switch (v) { /* C tile v -> ct, then each row times its 1/sum */
+            case 0: TL_STORE(hw, 0, w.ct, 64); break;
+            case 1: TL_STORE(hw, 1, w.ct, 64); break;
+            case 2: TL_STORE(hw, 2, w.ct, 64); break;
+            default: TL_STORE(hw, 3, w.ct, 64); break;
+            }
+            for (int j = 0; j < R; j++)
+                for (int l = 0; l < 16; l++) out[j][16 * (c0 + v) + l] = w.ct[16 * j + l] * inv[j];
+        }
+    }
+    TL_REL(hw);
 }

@@ -32,4 +32,14 @@ void att_bf16_scores(void *ws, const float *const *q, int R, const int *live, in
 /* out[j][c] = inv[j] * sum_t bf16(e[j][t]) * v[t][c], j < R <= 4, t < live[j] (e: softmax's exp(s - max)) */
 void att_bf16_wsum(void *ws, const float *const *e, int R, const int *live, int hd, const float *inv, float *const *out);
 
+/* 16-row passes on the matrix tiles (tdpbf16ps), where the tile mode is amx on a CPU with AMX-BF16, or emu */
+int att_bf16_tiles(void);
+/* the workspace's 16 score rows (ATT_BF16_PIECE floats apart) and 16 fold temporaries (hd floats apart) */
+float *att_bf16_score_rows(void *ws, int hd);
+float *att_bf16_temp_rows(void *ws, int hd);
+/* score row j (j < 16) = scale * bf16(q[j]) . k over the piece's first n positions; rows past R: zero queries */
+void att_bf16_scores16(void *ws, const float *const *q, int R, int n, int hd, float scale);
+/* out[j][c] = inv[j] * sum_t bf16(e_j[t]) * v[t][c], j < R <= 16, t < live[j], e_j: score row j after exp_sum */
+void att_bf16_wsum16(void *ws, int R, const int *live, int hd, const float *inv, float *const *out);
+
 #endif
