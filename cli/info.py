@@ -62,9 +62,11 @@ def _tiles_line(f: dict) -> str:
 
 def _attention_line(f: dict) -> str:
     """The prompt attention's products: f32, or bf16 where asked for (and whether it runs on vector units here)."""
+    tiles = f["tiles"] == "amx" and f["features"].get("amx-bf16")
     if f["prefill_attention"] == "bf16":
         return ("bf16 products (BITNET_ATTENTION=bf16" + ("" if f["attention_bf16_vector"] else
-                "; no AVX512_BF16 bodies on this path: scalar, slower than f32") + ")")
+                "; no AVX512_BF16 bodies on this path: scalar, slower than f32")
+                + ("; prompt chunks of 16+ rows on the AMX-BF16 tiles" if tiles else "") + ")")
     return ("f32 products (--prefill-attention bf16 / BITNET_ATTENTION=bf16: faster long prompts within bf16 "
             "rounding, " + ("AVX512_BF16 here" if f["attention_bf16_vector"] else "not on this CPU / path") + ")")
 
