@@ -65,8 +65,9 @@ void bk_emu_tile_store(int t, void *base, size_t stride) {
     for (int r = 0; r < rows; r++) memcpy((uint8_t *)base + (size_t)r * stride, emu.tile[t][r], colsb);
 }
 
-/* a_signed: tdpbssd (A s8) or tdpbusd (A u8); B is s8 in both. */
-static void emu_dp(int c, int a, int b, int a_signed) {
+/* the shape rules of every tdp* (configured, distinct tiles; A's colsb = 4 x B's rows, A and C with the same rows,
+ * B and C with the same colsb) */
+static void check_tdp(int c, int a, int b) {
     check_tile(c), check_tile(a), check_tile(b);
     if (c == a || c == b || a == b) emu_fault("tdp with a repeated tile register");
     const bk_tilecfg_t *g = &emu.cfg;
@@ -74,6 +75,12 @@ static void emu_dp(int c, int a, int b, int a_signed) {
     if (g->colsb[a] / 4 != g->rows[b]) emu_fault("tdp with A's colsb / 4 != B's rows");
     if (g->rows[c] != g->rows[a]) emu_fault("tdp with C's rows != A's rows");
     if (g->colsb[c] != g->colsb[b]) emu_fault("tdp with C's colsb != B's colsb");
+}
+
+/* a_signed: tdpbssd (A s8) or tdpbusd (A u8); B is s8 in both. */
+static void emu_dp(int c, int a, int b, int a_signed) {
+    check_tdp(c, a, b);
+    const bk_tilecfg_t *g = &emu.cfg;
     const int M = g->rows[c], N = g->colsb[c] / 4, KK = g->colsb[a] / 4;
     for (int m = 0; m < M; m++) {
         uint32_t acc[16];
@@ -103,13 +110,8 @@ static float emu_bf16(const uint8_t *p) { /* a bf16 from its 2 bytes (little-end
  * B[k].bf16[2n], then += A[m].bf16[2k+1] * B[k].bf16[2n+1] (Intel's pseudo-code order; the products are exact
  * in f32), with denormal inputs read as 0 and denormal results flushed to 0; the same shape rules as tdpbssd. */
 void bk_emu_tile_dpbf16ps(int c, int a, int b) {
-    check_tile(c), check_tile(a), check_tile(b);
-    if (c == a || c == b || a == b) emu_fault("tdp with a repeated tile register");
+    check_tdp(c, a, b);
     const bk_tilecfg_t *g = &emu.cfg;
-    if (g->colsb[a] % 4 || g->colsb[c] % 4) emu_fault("tdp colsb not a multiple of 4");
-    if (g->colsb[a] / 4 != g->rows[b]) emu_fault("tdp with A's colsb / 4 != B's rows");
-    if (g->rows[c] != g->rows[a]) emu_fault("tdp with C's rows != A's rows");
-    if (g->colsb[c] != g->colsb[b]) emu_fault("tdp with C's colsb != B's colsb");
     const int M = g->rows[c], N = g->colsb[c] / 4, KK = g->colsb[a] / 4;
     for (int m = 0; m < M; m++) {
         float acc[16];

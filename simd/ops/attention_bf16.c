@@ -1,6 +1,7 @@
 /* bf16 prefill attention: the piece conversion, the scores and the weighted sum (attention_bf16.h), in scalar C and
- * on AVX-512 with AVX512_BF16 (vcvtne2ps2bf16, vdpbf16ps). Every lane's sum is taken pair by pair in the order of
- * vdpbf16ps' definition, (acc + hi * hi) + lo * lo, and the products are exact in f32, so the scalar body is that
+ * on AVX-512 with AVX512_BF16 (vcvtne2ps2bf16, vdpbf16ps), 4 rows a pass; and 16 rows a pass on the AMX-BF16 tiles
+ * (tdpbf16ps) or their emulation (at the end). Every lane's sum is taken pair by pair in the order of vdpbf16ps'
+ * definition, (acc + hi * hi) + lo * lo, and the products are exact in f32, so the scalar body is that
  * instruction's arithmetic; the two may still differ in a last bit where a CPU's denormal handling does (the tests
  * compare each with the f32 attention, not bytes with each other). */
 #include "attention_bf16.h"
@@ -62,6 +63,12 @@ static inline int64_t v_off(kv_blocks bl, int t, int c, int hd) {
 static inline int n16_of(int n) { return (n + 63) / 64 * 4; } /* key blocks converted: whole 64-position passes */
 static inline int v_pairs(int n) { return (n + 31) / 32 * 16; } /* value pair rows: whole 32-position tile steps */
 
+/* the value pairs past the piece's n positions, up to the tile passes' 32-position steps: zeros */
+static void zero_v_tail(const bf16_ws *w, int n, int hd) {
+    for (int c = 0; c < hd / 16; c++)
+        for (int u = (n + 1) / 2; u < v_pairs(n); u++) memset(w->vp + ((size_t)c * (PIECE / 2) + u) * 32, 0, 64);
+}
+
 static void piece_scalar(const bf16_ws *w, const void *kb, kv_blocks kbl, const void *vb, kv_blocks vbl, int f16, int n,
                          int hd) {
     for (int b = 0; b < n16_of(n); b++)
@@ -72,8 +79,7 @@ static void piece_scalar(const bf16_ws *w, const void *kb, kv_blocks kbl, const 
                 d[0] = t < n ? bf16_of(kv_at(kb, f16, k_off(kbl, 2 * i2, t))) : 0;
                 d[1] = t < n ? bf16_of(kv_at(kb, f16, k_off(kbl, 2 * i2 + 1, t))) : 0;
             }
-    for (int c = 0; c < hd / 16; c++)
-        for (int u = (n + 1) / 2; u < v_pairs(n); u++) memset(w->vp + ((size_t)c * (PIECE / 2) + u) * 32, 0, 64);
+    zero_v_tail(w, n, hd);
     for (int c = 0; c < hd / 16; c++)
         for (int u = 0; u < (n + 1) / 2; u++)
             for (int l = 0; l < 16; l++) {
@@ -142,8 +148,7 @@ BF16_FN static void piece_avx512(const bf16_ws *w, const void *kb, kv_blocks kbl
             _mm512_storeu_si512(d + (size_t)i2 * 32, pairs(lo, hi));
         }
     }
-    for (int c = 0; c < hd / 16; c++)
-        for (int u = (n + 1) / 2; u < v_pairs(n); u++) memset(w->vp + ((size_t)c * (PIECE / 2) + u) * 32, 0, 64);
+    zero_v_tail(w, n, hd);
     for (int u = 0; u < (n + 1) / 2; u++) {
         const int t = 2 * u;
         const int64_t r0 = v_off(vbl, t, 0, hd), r1 = t + 1 < n ? v_off(vbl, t + 1, 0, hd) : r0;
