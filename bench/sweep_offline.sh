@@ -16,7 +16,7 @@
 #                    parts_T.json, parts_T.md
 #   prefetch=T[@CPUS] bench/bench_kernels.py --prefetch at T threads: the decode GEMVs at each software prefetch
 #                    distance (PREFETCH, default 0,2048,4096,8192,16384) against the stream rate; prefetch_T.md
-#   ktests           the kernel tests (KTESTS, default tests/test_kernels.py tests/test_attention_paths.py) on this
+#   ktests           the kernel tests (KTESTS, default: the kernels, attention (f32, bf16) and tile tests) on this
 #                    machine's ISA, in the background from when ours is built until the models are made, at most
 #                    KTESTS_TIMEOUT s (default 240); no phase is timed while they run (their log: ktests.log)
 #   usage: SRC=dir-with-carried-files OUT=results-dir [DEADLINE=s] [REUSE=1] bash bench/sweep_offline.sh [phase ...]
@@ -96,7 +96,7 @@ fi
 stamp "ours built: path $($py -c 'from bitnet_cpu.simd import _kernels as K; print(K.active())')"
 $py -m bitnet_cpu info > "$OUT/bitnet_info.txt" 2>&1   # the path, the tiles and how their bodies run
 if [[ " ${phases[*]} " == *" ktests "* ]]; then
-    ktests=${KTESTS:-tests/test_kernels.py tests/test_attention_paths.py tests/test_tiles.py tests/test_tiles_q4.py}
+    ktests=${KTESTS:-tests/test_kernels.py tests/test_attention_paths.py tests/test_attention_bf16.py tests/test_tiles.py tests/test_tiles_q4.py}
     # shellcheck disable=SC2086
     ( timeout "${KTESTS_TIMEOUT:-240}" $build $py -m pytest -q -p no:cacheprovider -rs ${KTESTS_ARGS:-} $ktests \
         > "$OUT/ktests.log" 2>&1; echo "exit $?" >> "$OUT/ktests.log" ) &
