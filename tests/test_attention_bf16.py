@@ -65,8 +65,8 @@ def test_prefill_rows_within_bf16_rounding_of_f32(kv_dtype, nh, nkv, hd):
 def test_tile_passes_within_bf16_rounding_of_f32(nh, nkv, hd, tiles):
     """Prompt chunks of 16+ rows on the tiles (tdpbf16ps, 16 rows of one head a pass; the chunks of 64 and 162 rows
     here), the emulation on every path, the hardware where the CPU has AMX-BF16: within the same tolerance of f32,
-    close to the 4-row vector passes (the tiles add each pair low half first, vdpbf16ps high half first), decode
-    rows and paged as above."""
+    within a bf16 rounding of the 4-row vector passes (the tiles add each pair low half first, vdpbf16ps high half
+    first, so a weight may round the other way), decode rows and paged as above."""
     if tiles == "amx" and not CPU_HAS_AMX_BF16:
         pytest.skip("no AMX-BF16 tiles granted here (" + K.tiles_reason() + "): the emulated tile passes ran")
     qkv, cos, sin = _inputs(nh, nkv, hd, seed=hd + nh)
@@ -78,7 +78,7 @@ def test_tile_passes_within_bf16_rounding_of_f32(nh, nkv, hd, tiles):
         assert out[decode].tobytes() == ref[decode].tobytes(), f"{isa}: decode rows changed"
         assert out.tobytes() != four.tobytes(), f"{isa}: the tile passes did not run"
         _within_bf16(out[prefill], ref[prefill], f"{tiles} tiles on {isa or 'auto'} {nh}/{nkv}x{hd}")
-        assert np.abs(out - four).max() <= 1e-3 * np.abs(ref).max(), isa
+        assert np.abs(out - four).max() <= np.abs(ref).max() / 256, isa   # within a bf16 rounding of each other
         paged = _bf16(_paged, isa, np.uint16, nh, nkv, hd, qkv, cos, sin, tiles)
         assert paged.tobytes() == out.tobytes(), f"{isa}: paged rows differ from the contiguous ones"
 

@@ -638,12 +638,13 @@ static void prefill_tile_passes(const att_job *J, const att_kernels *K, void *bw
                 nk_max = live[j] > nk_max ? live[j] : nk_max;
             }
             att_bf16_scores16(bw, qs, R, nk_max, hd, J->scale);
+            float *rows[16];
+            for (int j = 0; j < 16; j++) rows[j] = sc + (size_t)j * PIECE;
+            for (int j = 0; j < R; j++) mxs[j] = K->row_max(rows[j], live[j]);
+            att_bf16_softmax(bw, hd, rows, 16, R, live, mxs, sums);
             for (int j = 0; j < R; j++) {
-                float *s_j = sc + (size_t)j * PIECE;
-                const int n = live[j];
-                mxs[j] = K->row_max(s_j, n);
-                sums[j] = n ? J->Q.exp_sum(s_j, n, mxs[j]) : 0.0f, invs[j] = n ? 1.0f / sums[j] : 0.0f;
-                po[j] = n && n_pieces(ns[j], hd) == 1 ? os[j] : ot + (size_t)j * hd;
+                invs[j] = live[j] ? 1.0f / sums[j] : 0.0f;
+                po[j] = live[j] && n_pieces(ns[j], hd) == 1 ? os[j] : ot + (size_t)j * hd;
             }
             att_bf16_wsum16(bw, R, live, hd, invs, po);
             for (int j = 0; j < R; j++) {
@@ -743,15 +744,17 @@ static void attention_items(void *ctx, int item_begin, int item_end) {
                     K.scores4_f16(qs, kb, kbl, nk_max, head_dim, J->scale, ss);
                 else
                     K.scores(qs, R, kb, kbl, kv_f16, nk_max, head_dim, J->scale, ss);
+                if (bf) /* exp(s - max) straight into bf16 weight rows, and their sums */
+                    att_bf16_softmax(bw, head_dim, ss, MAXQ, R, live, mxs, sums);
                 for (int j = 0; j < R; j++) {
                     float *sc = ss[j];
                     const int n = live[j];
                     const float mx = bf ? mxs[j] : K.row_max(sc, n);
-                    float sum = n ? J->Q.exp_sum(sc, n, mx) : 0.0f, inv = n ? 1.0f / sum : 0.0f;
+                    float sum = bf ? sums[j] : n ? J->Q.exp_sum(sc, n, mx) : 0.0f, inv = n ? 1.0f / sum : 0.0f;
                     /* a subnormal weight is 0, for every cache type (see q8_weight): on the lent Xeon f16 decode
                      * attention with all but two weights subnormal ran 2.3-4.8x slower without this, 1.0x with it.
-                     * bf16: the weighted sum takes exp(s - max) and multiplies by inv at its end (its bf16 copy
-                     * flushes subnormals), saving this pass over the row */
+                     * bf16: the weighted sum takes the unnormalized weights and multiplies by inv at its end (the
+                     * bf16 rows flush subnormals), saving this pass over the row */
                     if (bf)
                         invs[j] = inv;
                     else
@@ -765,7 +768,7 @@ static void attention_items(void *ctx, int item_begin, int item_end) {
                 if (bf) { /* each row over its own positions; rows past R write into spare temporaries */
                     float *o4[MAXQ];
                     for (int r = 0; r < MAXQ; r++) o4[r] = r < R ? po[r] : tmp_o[r];
-                    att_bf16_wsum(bw, (const float *const *)ss, R, live, head_dim, invs, o4);
+                    att_bf16_wsum(bw, R, live, head_dim, invs, o4);
                     j = R;
                 } else if (J->q8) { /* positions after a row's own have weight 0: nk_max serves all R */
                     J->Q.wsum((const float *const *)ss, R, (const int8_t *)vb, vbl, nk_max, head_dim, po);

@@ -188,6 +188,39 @@ BF16_FN static void rows_to_bf16(const float *const *rows, const int *cnt, int n
         }
 }
 
+/* exp(x) for x <= 0 as 2^n * 2^f, f in [-0.5, 0.5], 2^f by a degree-3 polynomial fitted for relative error (at most
+ * 1.1e-4 over the exp, far under bf16's 2^-9); x below -87 counts as -87 (its exp a denormal, which bf16 flushes) */
+BF16_FN static inline __m512 exp_bf16_avx512(__m512 x) {
+    const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(1.44269504f));
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), f = _mm512_sub_ps(t, n);
+    __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(0.0550089292f), f, _mm512_set1_ps(0.242210984f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.693282902f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* softmax's exp for the weighted sum: row j's e = exp(s - mx[j]) over its live[j] positions -> bf16 weight row
+ * j (zeros after, up to n_pad), sum[j] their f32 sum; rows past R: zeros */
+BF16_FN static void softmax_avx512(const bf16_ws *w, float *const *s, int nr, int R, const int *live, const float *mx,
+                                   float *sum, int n_pad) {
+    for (int j = 0; j < nr; j++) {
+        const int n = j < R ? live[j] : 0;
+        const __m512 m = _mm512_set1_ps(j < R ? mx[j] : 0.0f);
+        __m512 acc = _mm512_setzero_ps();
+        for (int t = 0; t < n_pad; t += 16) {
+            const int valid = n - t;
+            const __mmask16 k = valid >= 16 ? (__mmask16)0xffff : valid <= 0 ? 0 : (__mmask16)((1u << valid) - 1);
+            const __m512 e = k ? _mm512_maskz_mov_ps(k, exp_bf16_avx512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s[j] + t), m)))
+                               : _mm512_setzero_ps();
+            acc = _mm512_add_ps(acc, e);
+            const int room = n_pad - t;
+            const __mmask16 st = room >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << room) - 1);
+            _mm256_mask_storeu_epi16(w->pb + (size_t)j * PIECE + t, st, (__m256i)_mm512_cvtneps_pbh(e));
+        }
+        if (j < R) sum[j] = _mm512_reduce_add_ps(acc);
+    }
+}
+
 BF16_FN static void scores_avx512(const bf16_ws *w, const int *live, int n, int hd, float scale, float *const *sc,
                                   float *mx) {
     const __m512 vs = _mm512_set1_ps(scale);
@@ -267,20 +300,55 @@ void att_bf16_scores(void *ws, const float *const *q, int R, const int *live, in
     scores_scalar(&w, R, live, n, hd, scale, sc, mx);
 }
 
-void att_bf16_wsum(void *ws, const float *const *e, int R, const int *live, int hd, const float *inv, float *const *out) {
+/* exp_bf16_avx512 in one lane, operation for operation (fmaf for each vfmadd, rint for the round to nearest even,
+ * ldexpf for vscalefps): the same floats */
+static float exp_bf16_scalar(float x) {
+    const float t = (x > -87.0f ? x : -87.0f) * 1.44269504f, n = rintf(t), f = t - n;
+    float p = fmaf(0.0550089292f, f, 0.242210984f);
+    p = fmaf(p, f, 0.693282902f);
+    p = fmaf(p, f, 1.0f);
+    return ldexpf(p, (int)n);
+}
+
+static void softmax_scalar(const bf16_ws *w, float *const *s, int nr, int R, const int *live, const float *mx,
+                           float *sum, int n_pad) {
+    for (int j = 0; j < nr; j++) {
+        const int n = j < R ? live[j] : 0;
+        float acc = 0.0f;
+        for (int t = 0; t < n_pad; t++) {
+            const float e = t < n ? exp_bf16_scalar(s[j][t] - mx[j]) : 0.0f;
+            acc += e;
+            w->pb[(size_t)j * PIECE + t] = bf16_of(e);
+        }
+        if (j < R) sum[j] = acc;
+    }
+}
+
+void att_bf16_softmax(void *ws, int hd, float *const *s, int nr, int R, const int *live, const float *mx, float *sum) {
     const bf16_ws w = ws_parts(ws, hd);
-    int cnt[4] = {0, 0, 0, 0}, n = 0;
-    float inv4[4] = {0, 0, 0, 0};
-    for (int j = 0; j < R; j++) cnt[j] = live[j], inv4[j] = inv[j], n = live[j] > n ? live[j] : n;
-    const int n2 = (n + 1) / 2 * 2;
+    int n = 0;
+    for (int j = 0; j < R; j++) n = live[j] > n ? live[j] : n;
+    const int n_pad = (n + 31) / 32 * 32; /* whole 32-position steps of the tile passes (>= the vector ones' pairs) */
 #if defined(__x86_64__)
     if (att_bf16_vector()) {
-        rows_to_bf16(e, cnt, 4, n2, w.pb, PIECE);
+        softmax_avx512(&w, s, nr, R, live, mx, sum, n_pad);
+        return;
+    }
+#endif
+    softmax_scalar(&w, s, nr, R, live, mx, sum, n_pad);
+}
+
+void att_bf16_wsum(void *ws, int R, const int *live, int hd, const float *inv, float *const *out) {
+    const bf16_ws w = ws_parts(ws, hd);
+    int n = 0;
+    float inv4[4] = {0, 0, 0, 0};
+    for (int j = 0; j < R; j++) inv4[j] = inv[j], n = live[j] > n ? live[j] : n;
+#if defined(__x86_64__)
+    if (att_bf16_vector()) {
         wsum_avx512(&w, n, hd, inv4, out);
         return;
     }
 #endif
-    rows_to_bf16_scalar(e, cnt, 4, n2, w.pb, PIECE);
     wsum_scalar(&w, R, n, hd, inv4, out);
 }
 
@@ -382,14 +450,9 @@ void att_bf16_scores16(void *ws, const float *const *q, int R, int n, int hd, fl
 void att_bf16_wsum16(void *ws, int R, const int *live, int hd, const float *inv, float *const *out) {
     const bf16_ws w = ws_parts(ws, hd);
     const int hw = tiles_hw();
-    int cnt[16], n = 0;
-    const float *rows[16];
-    for (int j = 0; j < 16; j++) {
-        cnt[j] = j < R ? live[j] : 0, rows[j] = w.sc + (size_t)j * PIECE;
-        n = cnt[j] > n ? cnt[j] : n;
-    }
-    const int n32 = (n + 31) / 32 * 32;
-    rows16_to_bf16(rows, cnt, n32, w.pb, PIECE);
+    int n = 0;
+    for (int j = 0; j < R; j++) n = live[j] > n ? live[j] : n;
+    const int n32 = (n + 31) / 32 * 32; /* the weight rows: att_bf16_softmax, zero-padded to n32 */
     TL_CFG(hw, &bf16_tile_cfg);
     for (int c0 = 0; c0 < hd / 16; c0 += 4) {
         const int nv = hd / 16 - c0 < 4 ? hd / 16 - c0 : 4;
