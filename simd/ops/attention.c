@@ -617,6 +617,7 @@ static void prefill_tile_passes(const att_job *J, const att_kernels *K, void *bw
                                 int64_t wso) {
     const int hd = J->head_dim, sw = hd + 2;
     float *sc = att_bf16_score_rows(bw, hd), *ot = att_bf16_temp_rows(bw, hd);
+    att_bf16_tiles_begin();
     for (int h = h0; h < h0 + J->sub; h++)
         for (int r0 = 0; r0 < S.m; r0 += 16) {
             const int R = S.m - r0 < 16 ? S.m - r0 : 16;
@@ -653,6 +654,7 @@ static void prefill_tile_passes(const att_job *J, const att_kernels *K, void *bw
                 if (tile == n_pieces(ns[j], hd) - 1) fold_finish(st[j], hd, os[j]);
             }
         }
+    att_bf16_tiles_end();
 }
 
 static void attention_items(void *ctx, int item_begin, int item_end) {

@@ -286,9 +286,9 @@ void att_bf16_scores(void *ws, const float *const *q, int R, const int *live, in
                      float *const *sc, float *mx) {
     const bf16_ws w = ws_parts(ws, hd);
     const int cnt[4] = {R > 0 ? hd : 0, R > 1 ? hd : 0, R > 2 ? hd : 0, R > 3 ? hd : 0}; /* rows past R: zero */
-    float m4[4];
 #if defined(__x86_64__)
     if (att_bf16_vector()) {
+        float m4[4];
         const int live4[4] = {live[0], R > 1 ? live[1] : 0, R > 2 ? live[2] : 0, R > 3 ? live[3] : 0};
         rows_to_bf16(q, cnt, 4, hd, w.qb, (size_t)hd);
         scores_avx512(&w, live4, n, hd, scale, sc, m4);
@@ -395,12 +395,12 @@ static void rows16_to_bf16(const float *const *rows, const int *cnt, int n_pad, 
 #define TL_DP(hw, c, a, b) \
     do { if (hw) __asm__ volatile("tdpbf16ps %%tmm" #b ", %%tmm" #a ", %%tmm" #c ::); else bk_emu_tile_dpbf16ps(c, a, b); } while (0)
 #else
-#define TL_CFG(hw, c) bk_emu_tile_config(c)
-#define TL_REL(hw) bk_emu_tile_release()
-#define TL_ZERO(hw, t) bk_emu_tile_zero(t)
-#define TL_LOAD(hw, t, p, s) bk_emu_tile_load(t, p, s)
-#define TL_STORE(hw, t, p, s) bk_emu_tile_store(t, p, s)
-#define TL_DP(hw, c, a, b) bk_emu_tile_dpbf16ps(c, a, b)
+#define TL_CFG(hw, c) ((void)(hw), bk_emu_tile_config(c))
+#define TL_REL(hw) ((void)(hw), bk_emu_tile_release())
+#define TL_ZERO(hw, t) ((void)(hw), bk_emu_tile_zero(t))
+#define TL_LOAD(hw, t, p, s) ((void)(hw), bk_emu_tile_load(t, p, s))
+#define TL_STORE(hw, t, p, s) ((void)(hw), bk_emu_tile_store(t, p, s))
+#define TL_DP(hw, c, a, b) ((void)(hw), bk_emu_tile_dpbf16ps(c, a, b))
 #endif
 
 int att_bf16_tiles(void) {
@@ -408,6 +408,15 @@ int att_bf16_tiles(void) {
     return mode == BK_TILES_EMU || (mode == BK_TILES_AMX && bk_get_features()->amx_bf16);
 }
 static int tiles_hw(void) { return bk_get_tiles() == BK_TILES_AMX; }
+/* the tile configuration of the 16-row passes, set once around a thread's run of them */
+void att_bf16_tiles_begin(void) {
+    const int hw = tiles_hw();
+    TL_CFG(hw, &bf16_tile_cfg);
+}
+void att_bf16_tiles_end(void) {
+    const int hw = tiles_hw();
+    TL_REL(hw);
+}
 
 void att_bf16_scores16(void *ws, const float *const *q, int R, int n, int hd, float scale) {
     const bf16_ws w = ws_parts(ws, hd);
@@ -417,7 +426,6 @@ void att_bf16_scores16(void *ws, const float *const *q, int R, int n, int hd, fl
     for (int j = 0; j < 16; j++) cnt[j] = j < R ? hd : 0, rows[j] = j < R ? q[j] : q[0];
     rows16_to_bf16(rows, cnt, hd, w.qb, (size_t)hd);
     const size_t ls = sizeof(float) * PIECE; /* score rows' stride in bytes */
-    TL_CFG(hw, &bf16_tile_cfg);
     for (int t0 = 0; t0 < n; t0 += 64) {
         const uint16_t *kb = w.kp + (size_t)(t0 / 16) * hd * 16, *qa = w.qb;
         const size_t blk = (size_t)hd * 16; /* one 16-position block of kp */
@@ -442,7 +450,6 @@ void att_bf16_scores16(void *ws, const float *const *q, int R, int n, int hd, fl
         TL_STORE(hw, 2, c + 32, ls);
         TL_STORE(hw, 3, c + 48, ls);
     }
-    TL_REL(hw);
     for (int j = 0; j < R; j++) /* the softmax scale, as the f32 bodies apply it after the dot */
         for (int t = 0; t < n; t++) w.sc[(size_t)j * PIECE + t] *= scale;
 }
@@ -453,7 +460,6 @@ void att_bf16_wsum16(void *ws, int R, const int *live, int hd, const float *inv,
     int n = 0;
     for (int j = 0; j < R; j++) n = live[j] > n ? live[j] : n;
     const int n32 = (n + 31) / 32 * 32; /* the weight rows: att_bf16_softmax, zero-padded to n32 */
-    TL_CFG(hw, &bf16_tile_cfg);
     for (int c0 = 0; c0 < hd / 16; c0 += 4) {
         const int nv = hd / 16 - c0 < 4 ? hd / 16 - c0 : 4;
         const size_t cb = (size_t)(PIECE / 2) * 32; /* one 16-column block of vp */
@@ -490,5 +496,4 @@ void att_bf16_wsum16(void *ws, int R, const int *live, int hd, const float *inv,
                 for (int l = 0; l < 16; l++) out[j][16 * (c0 + v) + l] = w.ct[16 * j + l] * inv[j];
         }
     }
-    TL_REL(hw);
 }

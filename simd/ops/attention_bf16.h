@@ -37,8 +37,12 @@ void att_bf16_softmax(void *ws, int hd, float *const *s, int nr, int R, const in
 /* out[j][c] = inv[j] * sum_t w_j[t] * v[t][c], j < R <= 4, t < live[j], w_j: weight row j (att_bf16_softmax) */
 void att_bf16_wsum(void *ws, int R, const int *live, int hd, const float *inv, float *const *out);
 
-/* 16-row passes on the matrix tiles (tdpbf16ps), where the tile mode is amx on a CPU with AMX-BF16, or emu */
+/* 16-row passes on the matrix tiles (tdpbf16ps), where the tile mode is amx on a CPU with AMX-BF16, or emu; a
+ * thread's run of att_bf16_scores16 / att_bf16_wsum16 calls goes between att_bf16_tiles_begin (ldtilecfg) and
+ * att_bf16_tiles_end (tilerelease) */
 int att_bf16_tiles(void);
+void att_bf16_tiles_begin(void);
+void att_bf16_tiles_end(void);
 /* the workspace's 16 score rows (ATT_BF16_PIECE floats apart) and 16 fold temporaries (hd floats apart) */
 float *att_bf16_score_rows(void *ws, int hd);
 float *att_bf16_temp_rows(void *ws, int hd);
