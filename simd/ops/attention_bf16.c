@@ -281,22 +281,31 @@ static void rows_to_bf16_scalar(const float *const *rows, const int *cnt, int nr
     for (int j = 0; j < nr; j++)
         for (int t = 0; t < n_pad; t++) dst[(size_t)j * ld + t] = t < cnt[j] ? bf16_of(rows[j][t]) : 0;
 }
+/* the same on whatever path runs: the query rows of the 4-row and the 16-row passes */
+static void rows_bf16(const float *const *rows, const int *cnt, int nr, int n_pad, uint16_t *dst, size_t ld) {
+#if defined(__x86_64__)
+    if (att_bf16_vector()) {
+        rows_to_bf16(rows, cnt, nr, n_pad, dst, ld);
+        return;
+    }
+#endif
+    rows_to_bf16_scalar(rows, cnt, nr, n_pad, dst, ld);
+}
 
 void att_bf16_scores(void *ws, const float *const *q, int R, const int *live, int n, int hd, float scale,
                      float *const *sc, float *mx) {
     const bf16_ws w = ws_parts(ws, hd);
     const int cnt[4] = {R > 0 ? hd : 0, R > 1 ? hd : 0, R > 2 ? hd : 0, R > 3 ? hd : 0}; /* rows past R: zero */
+    rows_bf16(q, cnt, 4, hd, w.qb, (size_t)hd);
 #if defined(__x86_64__)
     if (att_bf16_vector()) {
         float m4[4];
         const int live4[4] = {live[0], R > 1 ? live[1] : 0, R > 2 ? live[2] : 0, R > 3 ? live[3] : 0};
-        rows_to_bf16(q, cnt, 4, hd, w.qb, (size_t)hd);
         scores_avx512(&w, live4, n, hd, scale, sc, m4);
         memcpy(mx, m4, sizeof(float) * (size_t)R);
         return;
     }
 #endif
-    rows_to_bf16_scalar(q, cnt, 4, hd, w.qb, (size_t)hd);
     scores_scalar(&w, R, live, n, hd, scale, sc, mx);
 }
 
@@ -364,17 +373,6 @@ static const bk_tilecfg_t bf16_tile_cfg = {
     .rows = {16, 16, 16, 16, 16, 16, 16, 16},
 };
 
-/* the rows' bf16 copies on whatever vector path runs (the tiles' inputs) */
-static void rows16_to_bf16(const float *const *rows, const int *cnt, int n_pad, uint16_t *dst, size_t ld) {
-#if defined(__x86_64__)
-    if (att_bf16_vector()) {
-        rows_to_bf16(rows, cnt, 16, n_pad, dst, ld);
-        return;
-    }
-#endif
-    rows_to_bf16_scalar(rows, cnt, 16, n_pad, dst, ld);
-}
-
 /* TL_*: one tile instruction, on the hardware (inline asm, as gemm_tiles.c writes them: tile numbers are
  * immediates) or the emulation (tiles_emu.c) */
 #if BK_HAVE_AMX
@@ -424,7 +422,7 @@ void att_bf16_scores16(void *ws, const float *const *q, int R, int n, int hd, fl
     int cnt[16];
     const float *rows[16];
     for (int j = 0; j < 16; j++) cnt[j] = j < R ? hd : 0, rows[j] = j < R ? q[j] : q[0];
-    rows16_to_bf16(rows, cnt, hd, w.qb, (size_t)hd);
+    rows_bf16(rows, cnt, 16, hd, w.qb, (size_t)hd);
     const size_t ls = sizeof(float) * PIECE; /* score rows' stride in bytes */
     for (int t0 = 0; t0 < n; t0 += 64) {
         const uint16_t *kb = w.kp + (size_t)(t0 / 16) * hd * 16, *qa = w.qb;
