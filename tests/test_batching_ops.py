@@ -1,6 +1,8 @@
 """simd._ops.attention_paged: several sequences, each over its own pages of a shared pool, give bit-identical
-rows to ops.attention on each sequence alone in a contiguous cache (every ISA path, f16, f32 and int8 caches), and
-bad page tables / positions are refused at the Cython boundary."""
+rows to ops.attention on each sequence alone in a contiguous cache (every ISA path, f16, f32 and int8 caches, query
+groups of 2 and of 4 heads: a group of 4 decoding over f16 pages runs its items with the next item's prefetch, whose
+page-table reads must stay within each sequence's positions), and bad page tables / positions are refused at the
+Cython boundary."""
 import numpy as np
 import pytest
 
@@ -30,38 +32,43 @@ def _isas():
     return out
 
 
-def _alone(qkv_hist, qkv_step, n_ctx, dt, cos, sin):
+def _alone(qkv_hist, qkv_step, n_ctx, dt, cos, sin, nh=NH):
+    qd = nh * HD
     if dt == np.int8:   # the int8 cache (kv q8): its own wrapper and shapes
         kc, vc = np.zeros(ops.q8_cache_shape(NKV, n_ctx, HD), dt), np.zeros(ops.q8_cache_shape(NKV, n_ctx, HD), dt)
 
         def att(qkv, pos0, out):
-            ops.attention_q8(qkv, NH, NKV, HD, cos, sin, pos0, n_ctx, kc, vc, out, scr)
+            ops.attention_q8(qkv, nh, NKV, HD, cos, sin, pos0, n_ctx, kc, vc, out, scr)
     else:
         kc, vc = np.zeros(ops.key_cache_shape(NKV, n_ctx, HD), dt), np.zeros((NKV, n_ctx, HD), dt)
 
         def att(qkv, pos0, out):
-            ops.attention(qkv, NH, NKV, HD, cos, sin, pos0, kc, vc, out, scr)
-    scr = np.zeros((NH * ops.ATTENTION_SCRATCH_ROWS, n_ctx), np.float32)
+            ops.attention(qkv, nh, NKV, HD, cos, sin, pos0, kc, vc, out, scr)
+    scr = np.zeros((nh * ops.ATTENTION_SCRATCH_ROWS, n_ctx), np.float32)
     h = qkv_hist.shape[0]
     if h:
-        att(qkv_hist.copy(), 0, np.zeros((h, QD), np.float32))
-    out = np.zeros((qkv_step.shape[0], QD), np.float32)
+        att(qkv_hist.copy(), 0, np.zeros((h, qd), np.float32))
+    out = np.zeros((qkv_step.shape[0], qd), np.float32)
     att(qkv_step.copy(), h, out)
     return out
 
 
 @pytest.mark.parametrize("isa", _isas())
 @pytest.mark.parametrize("kv", ["f16", "f32", "q8"])
-def test_paged_equals_contiguous(isa, kv):
+@pytest.mark.parametrize("nh", [NH, 2 * NH], ids=["group2", "group4"])
+def test_paged_equals_contiguous(isa, kv, nh):
     rng = np.random.default_rng(7)
+    qd, w = nh * HD, (nh + 2 * NKV) * HD
     dt = {"f16": np.uint16, "f32": np.float32, "q8": np.int8}[kv]
     n_ctx, max_pages = 700, 22
     cos, sin = _rope(n_ctx)
     # (history, step rows): decode rows, a long prefill chunk, a chunk crossing a page boundary, fresh prompt;
     # past 256 positions (attention in pieces): decode rows with 3 pieces, a chunk across a piece boundary
-    shapes = [(70, 1), (0, 37), (30, 5), (95, 1), (0, 1), (64, 33), (600, 1), (240, 40), (300, 1)]
+    # (and runs of decode rows next to each other: one item's prefetch reaches into the next sequence's pages)
+    shapes = [(70, 1), (0, 37), (30, 5), (95, 1), (0, 1), (64, 33), (600, 1), (240, 40), (300, 1), (511, 1), (33, 1),
+              (256, 1), (1, 1)]
     n_pages = len(shapes) * max_pages + 3
-    seqs = [(rng.standard_normal((h, W)).astype(np.float32), rng.standard_normal((r, W)).astype(np.float32))
+    seqs = [(rng.standard_normal((h, w)).astype(np.float32), rng.standard_normal((r, w)).astype(np.float32))
             for h, r in shapes]
     perm = rng.permutation(n_pages).astype(np.int32)
     pt = perm[: len(seqs) * max_pages].reshape(len(seqs), max_pages).copy()
@@ -75,13 +82,13 @@ def test_paged_equals_contiguous(isa, kv):
     scr = np.zeros((2 * ops.ATTENTION_SCRATCH_ROWS, n_ctx), np.float32)
     ops.set_isa(isa)
     try:
-        want = [_alone(h, s, n_ctx, dt, cos, sin) for h, s in seqs]
+        want = [_alone(h, s, n_ctx, dt, cos, sin, nh) for h, s in seqs]
 
         def run(parts, pos0):
             rows = np.concatenate([[0], np.cumsum([p.shape[0] for p in parts])]).astype(np.int32)
-            qkv = np.ascontiguousarray(np.concatenate(parts), np.float32) if rows[-1] else np.zeros((1, W), np.float32)
-            out = np.zeros((qkv.shape[0], QD), np.float32)
-            paged(qkv, NH, NKV, HD, cos, sin, rows, np.asarray(pos0, np.int32), pt, kp, vp, out, scr)
+            qkv = np.ascontiguousarray(np.concatenate(parts), np.float32) if rows[-1] else np.zeros((1, w), np.float32)
+            out = np.zeros((qkv.shape[0], qd), np.float32)
+            paged(qkv, nh, NKV, HD, cos, sin, rows, np.asarray(pos0, np.int32), pt, kp, vp, out, scr)
             return [out[rows[i]: rows[i + 1]] for i in range(len(parts))]
 
         run([h for h, _ in seqs], [0] * len(seqs))  # history of every sequence in one call (empty ones skip)

@@ -30,11 +30,14 @@ typedef struct {
     void (*wsum)(const float *p, const void *vc, kv_blocks bl, int f16, int n, int hd, float *out);
     void (*wsum2)(const float *p0, const float *p1, const void *vc, kv_blocks bl, int f16, int n, int hd, float *o0,
                   float *o1);
-    /* scores of four rows of a prefill chunk over an f16 cache, 64 positions a pass (NULL: scores serves them) */
+    /* scores of four rows over an f16 cache (a prefill chunk's, or a KV head's four query heads decoding), 64
+     * positions a pass (NULL: scores serves them); vc / pf: a decode item's prefetch (scores4_f16_avx512) */
     void (*scores4_f16)(const float *const *q, const void *kt, kv_blocks bl, int n, int hd, float scale,
-                        float *const *sc);
+                        float *const *sc, const void *vc, att_pf *pf);
     /* four queries over an f16 cache, hd a multiple of 16 (NULL: none for this path) */
-    void (*wsum4_f16)(const float *const *p, const void *vc, kv_blocks bl, int n, int hd, float *const *out);
+    void (*wsum4_f16)(const float *const *p, const void *vc, kv_blocks bl, int n, int hd, float *const *out,
+                      att_pf *pf);
+    int item_pf; /* a decode item prefetches the next one's keys and values (att_pf): scores4_f16, wsum4_f16 */
     float (*row_max)(const float *x, int n); /* the largest of x[0..n-1] that is not NaN; -inf if none */
     /* softmax's last step over one score row: sc[t] *= inv for t < n, a subnormal weight becoming 0 (see
      * attention_items), and sc[t] = 0 for n <= t < n_end */
@@ -267,7 +270,8 @@ AVX2_FN static void wsum_avx2(const float *p, const void *vc, kv_blocks bl, int 
  * same floats. hd a multiple of 16, <= WS4_MAX_HD. */
 #define WS4_BLOCK 64 /* a multiple of KT_BLOCK */
 AVX2_FN static void wsum4_f16_avx2(const float *const *p, const void *vc, kv_blocks bl, int n, int hd,
-                                   float *const *out) {
+                                   float *const *out, att_pf *pf) {
+    (void)pf; /* item_pf is 0 on this path: never given one */
     const float *p0 = p[0], *p1 = p[1], *p2 = p[2], *p3 = p[3];
     float acc[4][WS4_MAX_HD]; /* between blocks; the first block starts from zero, the last writes out */
     if (n <= 0)
@@ -329,14 +333,17 @@ AVX512_FN __attribute__((always_inline)) static inline void fma4x4_avx512(__m512
 /* scores_avx512 for four queries over an f16 cache: 64 positions (two KT_BLOCK blocks) per pass, 16 accumulators,
  * so each converted key vector feeds four FMAs and each broadcast four. The generic body's two vectors per pass (with
  * its R and f16 tests and prefetch loop in every step) kept the FMAs at 55% of this Zen 5 core's peak, 48% of a
- * 4,096-token prefill's attention (now 82%, the attention +20%). Prefill rows only: a decode item's piece is 8 blocks
- * read from memory, and two unprefetched blocks at its start instead of one cost its scores 10% there. Per score
- * the same FMAs in the same order, then the same scaling: the same floats. */
+ * 4,096-token prefill's attention (now 82%, the attention +20%). Decode items (a KV head's four query heads) take it
+ * too, with their prefetch: vc (an item nobody prefetched: its own values, block by block, as its keys are read, so
+ * the weighted sum finds them in L2) and pf (the next item's keys and values, att_pf). Without them a decode item
+ * in this body lost 10% to the two unprefetched blocks at its start. Per score the same FMAs in the same order,
+ * then the same scaling: the same floats. */
 AVX512_FN static void scores4_f16_avx512(const float *const *q, const void *kv, kv_blocks bl, int n, int hd,
-                                         float scale, float *const *sc) {
+                                         float scale, float *const *sc, const void *vc, att_pf *pf) {
     const uint16_t *kt = (const uint16_t *)kv;
     const __m512 vs = _mm512_set1_ps(scale);
     const float *q0 = q[0], *q1 = q[1], *q2 = q[2], *q3 = q[3];
+    const int own = !pf || vc; /* an item whose lines nobody requested yet (pf NULL: prefill) */
     for (int t0 = 0; t0 < n; t0 += 2 * KT_BLOCK) {
         __mmask16 m[4];
         for (int v = 0; v < 4; v++) m[v] = mask16(n - t0 - 16 * v);
@@ -347,14 +354,17 @@ AVX512_FN static void scores4_f16_avx512(const float *const *q, const void *kv, 
         const char *nx0 = pf_block(kt, bl, b + 2, n, 2), *nx1 = pf_block(kt, bl, b + 3, n, 2);
         if (!nx0) nx0 = (const char *)k0;
         if (!nx1) nx1 = (const char *)k0;
+        const char *v0 = vc ? (const char *)vc + BLK(bl, b) * 2 : NULL;
+        const char *v1 = vc && t0 + KT_BLOCK < n ? (const char *)vc + BLK(bl, b + 1) * 2 : v0;
         __m512 a[4][4];
 #pragma GCC unroll 4
         for (int j = 0; j < 4; j++)
 #pragma GCC unroll 4
             for (int v = 0; v < 4; v++) a[j][v] = _mm512_setzero_ps();
         for (int i = 0; i < hd; i++) {
-            __builtin_prefetch(nx0 + (int64_t)i * 64, 0, 3);
-            __builtin_prefetch(nx1 + (int64_t)i * 64, 0, 3);
+            att_pf_step(pf);
+            if (own) __builtin_prefetch(nx0 + (int64_t)i * 64, 0, 3), __builtin_prefetch(nx1 + (int64_t)i * 64, 0, 3);
+            if (v0) __builtin_prefetch(v0 + (int64_t)i * 64, 0, 3), __builtin_prefetch(v1 + (int64_t)i * 64, 0, 3);
             const int64_t off = (int64_t)i * KT_BLOCK;
             __m512 x[4];
             x[0] = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m[0], k0 + off));
@@ -468,7 +478,7 @@ AVX512_FN static void wsum2_avx512(const float *p0, const float *p1, const void 
  * 6.8-7.5 -> 6.1-6.4 ms a token; whole-model decode there +8-12%). Per output element the same FMAs in the same
  * order as wsum_avx512: the same floats. hd a multiple of 16. */
 AVX512_FN static void wsum4_f16_avx512(const float *const *p, const void *vc, kv_blocks bl, int n, int hd,
-                                       float *const *out) {
+                                       float *const *out, att_pf *pf) {
     const float *p0 = p[0], *p1 = p[1], *p2 = p[2], *p3 = p[3];
     for (int col = 0; col < hd; col += 64) {
         const int nv = hd - col >= 64 ? 4 : (hd - col) / 16; /* value vectors of this column pass */
@@ -484,9 +494,10 @@ AVX512_FN static void wsum4_f16_avx512(const float *const *p, const void *vc, kv
              * block, harmlessly); the later passes find their lines in L2 */
             const char *nx = pf_block(vc, bl, ts / KT_BLOCK + 1, n, 2);
             nx = nx ? nx : (const char *)vp;
-            const int pf_lines_row = col == 0 ? (hd * 2 + 63) / 64 : 0;
+            const int pf_lines_row = col == 0 && !pf ? (hd * 2 + 63) / 64 : 0;
             if (nv == 4) {
                 for (int t = ts; t < tn; t++, vp += hd, nx += (int64_t)hd * 2) {
+                    att_pf_step(pf);
                     if (pf_lines_row) {
                         __builtin_prefetch(nx, 0, 3), __builtin_prefetch(nx + 64, 0, 3); /* hd >= 64 here */
                         for (int l = 2; l < pf_lines_row; l++) __builtin_prefetch(nx + 64 * l, 0, 3);
@@ -517,11 +528,11 @@ AVX512_FN static void wsum4_f16_avx512(const float *const *p, const void *vc, kv
 #endif
 
 static att_kernels kernels_for(int isa) {
-    att_kernels k = {scores_scalar, wsum_scalar, NULL, NULL, NULL, row_max_scalar, normalize_scalar};
+    att_kernels k = {scores_scalar, wsum_scalar, NULL, NULL, NULL, 0, row_max_scalar, normalize_scalar};
 #if defined(__x86_64__)
     if (isa >= OPS_ISA_AVX512) {
         k.scores = scores_avx512, k.scores4_f16 = scores4_f16_avx512, k.wsum = wsum_avx512, k.wsum2 = wsum2_avx512;
-        k.wsum4_f16 = wsum4_f16_avx512;
+        k.wsum4_f16 = wsum4_f16_avx512, k.item_pf = 1;
         k.row_max = row_max_avx2, k.normalize = normalize_avx512;
     } else if (isa >= OPS_ISA_AVX2) {
         k.scores = scores_avx2, k.wsum = wsum_avx2, k.wsum4_f16 = wsum4_f16_avx2, k.row_max = row_max_avx2;
@@ -667,6 +678,7 @@ static void attention_items(void *ctx, int item_begin, int item_end) {
     float *my_scratch = J->scratch + (int64_t)bk_thread_slot() * MAXQ * scratch_len;
     float tmp_o[MAXQ][PIECE_MAX_HD];
     void *bw = J->bws ? J->bws + (size_t)bk_thread_slot() * J->bws_bytes : NULL;
+    int pf_next_item = 0;
     for (int item = item_begin; item < item_end; item++) {
         const att_item I = J->items[item];
         const att_seg S = J->segs[I.seg];
@@ -678,6 +690,31 @@ static void attention_items(void *ctx, int item_begin, int item_end) {
         const int8_t *q8s[MAXQ]; /* int8 cache: the quantized queries and their scales */
         float *ss[MAXQ], *os[MAXQ], *st[MAXQ], qcs[MAXQ];
         int ns[MAXQ];
+        /* a decode item of this run of items: the next item's keys and values stream in while this one computes
+         * (att_pf); this one's were requested by the item before it (warm), or else it prefetches its own as it
+         * goes. The four query heads in one pass (sub == MAXQ: scores4_f16 and wsum4_f16 step pf) */
+        att_pf pf, *pfp = NULL;
+        const int warm = pf_next_item; /* the item before requested this one's lines */
+        pf_next_item = 0;
+        if (m == 1 && K.item_pf && kv_f16 && sub == MAXQ && item + 1 < item_end) {
+            const att_item N = J->items[item + 1];
+            const att_seg S2 = J->segs[N.seg];
+            if (S2.m == 1) {
+                const int n2 = S2.pos0 + 1, np2 = n_pieces(n2, head_dim), q0 = N.piece * PIECE;
+                const int q1 = np2 == 1 ? n2 : q0 + PIECE < n2 ? q0 + PIECE : n2, n_here = S.pos0 + 1;
+                const int h0n = n_pieces(n_here, head_dim) == 1 ? 0 : I.piece * PIECE;
+                const int h1n = n_pieces(n_here, head_dim) == 1 ? n_here : h0n + PIECE < n_here ? h0n + PIECE : n_here;
+                const int steps = (h1n - h0n + 63) / 64 * head_dim + (head_dim + 63) / 64 * (h1n - h0n);
+                const int nb = (q1 - q0 + KT_BLOCK - 1) / KT_BLOCK;
+                pf = (att_pf){(const char *)J->k_cache + (size_t)(N.it / n_sub) * k_head * esize,
+                              (const char *)J->v_cache + (size_t)(N.it / n_sub) * v_head * esize,
+                              {S2.pages, stride}, (int64_t)esize, q0 / KT_BLOCK, nb, head_dim,
+                              (2 * nb * head_dim + steps - 1) / (steps > 0 ? steps : 1), 0, 0, NULL};
+                att_pf_block(&pf);
+                pfp = &pf;
+                pf_next_item = 1;
+            }
+        }
         /* passes: (head block, one row) when decoding, (one head, row block) in a prefill chunk. A prefill chunk
          * goes piece by piece (outer loop), every pass of the item inside it: the piece's keys and values (PIECE
          * positions, 128 KB f16 at head_dim 128) are read from memory once and stay in L2 for all the chunk's
@@ -742,8 +779,8 @@ static void attention_items(void *ctx, int item_begin, int item_end) {
                     att_bf16_scores(bw, qs, R, live, nk_max, head_dim, J->scale, ss, mxs);
                 else if (J->q8)
                     J->Q.scores(q8s, qcs, R, (const int8_t *)kb, kbl, nk_max, head_dim, ss);
-                else if (K.scores4_f16 && kv_f16 && R == 4 && m > 1)
-                    K.scores4_f16(qs, kb, kbl, nk_max, head_dim, J->scale, ss);
+                else if (K.scores4_f16 && kv_f16 && R == 4)
+                    K.scores4_f16(qs, kb, kbl, nk_max, head_dim, J->scale, ss, m == 1 && !warm ? vb : NULL, pfp);
                 else
                     K.scores(qs, R, kb, kbl, kv_f16, nk_max, head_dim, J->scale, ss);
                 if (bf) /* exp(s - max) straight into bf16 weight rows, and their sums */
@@ -777,7 +814,7 @@ static void attention_items(void *ctx, int item_begin, int item_end) {
                     j = R;
                 } else if (K.wsum4_f16 && kv_f16 && R == 4 && head_dim % 16 == 0 && head_dim <= WS4_MAX_HD) {
                     /* positions past a row's own have weight 0 (above): nk_max serves all four */
-                    K.wsum4_f16((const float *const *)ss, vb, vbl, nk_max, head_dim, po);
+                    K.wsum4_f16((const float *const *)ss, vb, vbl, nk_max, head_dim, po, pfp);
                     j = 4;
                 }
                 if (K.wsum2 && !J->q8 && !bf)

@@ -215,7 +215,9 @@ void att_wsum_neon(const float *p, const void *vc, kv_blocks bl, int f16, int n,
 /* The four query heads of a KV head over an f16 cache (hd a multiple of 16): each value row converted once for
  * all four. Positions in runs of one key block (32 rows, in L1), 16 columns at a time with 16 accumulators in
  * registers; between runs the sums wait in acc[][] (attention.c's wsum4_f16_avx2 scheme). */
-void att_wsum4_f16_neon(const float *const *p, const void *vc, kv_blocks bl, int n, int hd, float *const *out) {
+void att_wsum4_f16_neon(const float *const *p, const void *vc, kv_blocks bl, int n, int hd, float *const *out,
+                        att_pf *pf) {
+    (void)pf; /* item_pf is 0 on this path: never given one */
     if (hd > Q8_MAX_HD || hd % 16) {
         for (int j = 0; j < 4; j++) att_wsum_neon(p[j], vc, bl, 1, n, hd, out[j]);
         return;

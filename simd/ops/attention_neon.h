@@ -11,7 +11,8 @@
 void att_scores_neon(const float *const *q, int R, const void *kt, kv_blocks bl, int f16, int n, int hd, float scale,
                      float *const *sc);
 void att_wsum_neon(const float *p, const void *vc, kv_blocks bl, int f16, int n, int hd, float *out);
-void att_wsum4_f16_neon(const float *const *p, const void *vc, kv_blocks bl, int n, int hd, float *const *out);
+void att_wsum4_f16_neon(const float *const *p, const void *vc, kv_blocks bl, int n, int hd, float *const *out,
+                        att_pf *pf);
 float att_row_max_neon(const float *x, int n);
 /* dotprod: scores by sdot (the CPU has it), else by smull/smlal */
 att_q8_kernels att_q8_neon_kernels(int dotprod);
