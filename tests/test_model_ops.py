@@ -575,6 +575,57 @@ def test_attention_subnormal_softmax_weights_count_as_zero_on_every_path(kv_dtyp
             assert np.array_equal(outs[name].view(np.int32), got.view(np.int32)), (gap, name)
 
 
+@pytest.mark.parametrize("hd", [4, 20, 64, 100, 128])
+def test_attention_q8_cache_bytes_identical_on_every_path_ties_nan_inf(hd):
+    """The int8 cache's bytes (codes and scales) are the same on every path, and the codes are round-half-to-even
+    of x * 127 / max|x| clamped to +-127: rows whose scaled values fall on .5 ties, rows holding a NaN or an inf
+    (codes -127 where x * inv is NaN, the scalar body's rule; a NaN never wins the max), all-zero rows, tiny rows, head sizes with a tail of
+    4-12 past the vector width. RoPE off (cos 1, sin 0), so keys and values go in as written."""
+    nh, nkv, n = 2, 1, 24
+    rng = np.random.default_rng(hd)
+    cos, sin = np.ones((n, hd // 2), np.float32), np.zeros((n, hd // 2), np.float32)
+    qkv = rng.standard_normal((n, (nh + 2 * nkv) * hd)).astype(np.float32)
+    kv = qkv[:, nh * hd:].reshape(n, 2, hd)            # this row's key, then its value
+    ties = (np.arange(hd) % 254 - 126.5).astype(np.float32)
+    ties[0] = 127.0                                    # max|x| = 127: inv is 1, x * inv = x, every value a tie
+    kv[0, :] = ties
+    kv[1, :] = -ties
+    kv[2, :, hd // 2] = np.nan
+    kv[3, :, 1] = np.inf
+    kv[4, :, 2] = -np.inf
+    kv[5, :] = 0.0
+    kv[6, :] *= np.float32(1e-30)
+    kv[7, :] *= np.float32(3e4)
+    got = {}
+    for name in PATHS:
+        ops.set_isa(name)
+        try:
+            kc = np.zeros(ops.q8_cache_shape(nkv, n, hd), np.int8)
+            vc = np.zeros(ops.q8_cache_shape(nkv, n, hd), np.int8)
+            scratch = np.zeros((nh * ops.ATTENTION_SCRATCH_ROWS, n), np.float32)
+            out = np.zeros((n, nh * hd), np.float32)
+            ops.attention_q8(qkv.copy(), nh, nkv, hd, cos, sin, 0, n, kc, vc, out, scratch)
+            got[name] = (kc.tobytes(), vc.tobytes())
+        finally:
+            ops.set_isa(None)
+    for name in PATHS[1:]:
+        assert got[name][0] == got[PATHS[0]][0], (name, "keys")
+        assert got[name][1] == got[PATHS[0]][1], (name, "values")
+    # the value codes, against numpy: a block is [32 positions][hd] codes, then 32 f32 scales
+    vblock = np.frombuffer(got[PATHS[0]][1], np.int8)[: 32 * hd].reshape(32, hd)[:n]
+    x = kv[:, 1].astype(np.float32)
+    with np.errstate(invalid="ignore", over="ignore"):
+        amax = np.where(np.isnan(x), 0, np.abs(x)).max(1, keepdims=True)
+        inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+        r = np.rint(x * inv)
+    want = np.where(np.isnan(r), -127, np.clip(np.nan_to_num(r, nan=-127), -127, 127)).astype(np.int8)
+    assert np.array_equal(vblock, want)
+    assert (vblock[0] == np.rint(ties)).all() and vblock[0, 1] == -126   # -125.5 rounds to the even -126
+    # an inf makes max|x| inf and inv 0: its own code is -127 (inf * 0 is NaN), the row's others 0
+    assert vblock[2, hd // 2] == -127 and vblock[3, 1] == -127 and np.count_nonzero(vblock[3]) == 1
+    assert not vblock[5].any()
+
+
 def test_attention_q8_decode_rows_equal_verify_rows_and_threads(isa):
     """Past 256 positions (pieces): decode rows bit-equal to the same rows of a prefill chunk (what prompt lookup's
     verify relies on), and 1 and 2 threads give the same bits."""

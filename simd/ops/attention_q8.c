@@ -26,7 +26,7 @@
 #define KIDX(i, at) ((int64_t)((i) >> 2) * (4 * KB) + (at) * 4 + ((i) & 3))
 #define KSCALES Q8_SCALES /* a block's 32 scales */
 
-static float quantize_row(const float *x, int hd, int8_t *q) { /* q[i] = round(x[i] * 127 / max|x|); the scale */
+static float quantize_row_scalar(const float *x, int hd, int8_t *q) { /* q[i] = round(x[i] * 127 / max|x|); the scale */
     float amax = 0.0f;
     for (int i = 0; i < hd; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
     const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
@@ -40,10 +40,77 @@ static float quantize_row(const float *x, int hd, int8_t *q) { /* q[i] = round(x
     return amax / 127.0f;
 }
 
+#if defined(__x86_64__)
+/* quantize_row_scalar 16 / 8 lanes at a time, giving its bytes: the same max (a NaN never wins it: max_ps returns
+ * its second operand, the running max, when either is NaN; the scalar compare is false for NaN too), the same
+ * multiply, rounding adds and clamps (NaN: -127), each a separate IEEE operation (the build does not contract).
+ * The scalar loops were ~15% of a 16-sequence decode step's attention over an int8 cache (the queries and the new
+ * keys and values, quantized on the calling thread): 2-core Zen 5, 2 threads, alternating in one process, that
+ * attention at 96 positions 7.5 -> 6.0 ms a step (1,024: 1.05x), the whole step +2.4%. hd a multiple of 4 (the
+ * cache's rule). */
+AVX512_FN static float quantize_row_avx512(const float *x, int hd, int8_t *q) {
+    __m512 mx = _mm512_setzero_ps();
+    for (int i = 0; i < hd; i += 16) {
+        const __mmask16 k = hd - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (hd - i)) - 1);
+        mx = _mm512_max_ps(_mm512_abs_ps(_mm512_maskz_loadu_ps(k, x + i)), mx);
+    }
+    const float amax = _mm512_reduce_max_ps(mx); /* lanes hold no NaN */
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    const __m512 vinv = _mm512_set1_ps(inv), c = _mm512_set1_ps(12582912.0f);
+    const __m512 hi = _mm512_set1_ps(127.0f), lo = _mm512_set1_ps(-127.0f);
+    for (int i = 0; i < hd; i += 16) {
+        const __mmask16 k = hd - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (hd - i)) - 1);
+        const __m512 t = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, x + i), vinv);
+        const __m512 r = _mm512_sub_ps(_mm512_add_ps(t, c), c);
+        __m512 v = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(r, lo, _CMP_GT_OQ), lo, r); /* NaN: -127 */
+        v = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(r, hi, _CMP_GE_OQ), v, hi);
+        _mm512_mask_cvtepi32_storeu_epi8(q + i, k, _mm512_cvttps_epi32(v));
+    }
+    return amax / 127.0f;
+}
+
+AVX2_FN static float quantize_row_avx2(const float *x, int hd, int8_t *q) {
+    const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 mx = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 8 <= hd; i += 8) mx = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(x + i), absm), mx);
+    float lanes[8];
+    _mm256_storeu_ps(lanes, mx);
+    float amax = 0.0f;
+    for (int j = 0; j < 8; j++) amax = lanes[j] > amax ? lanes[j] : amax;
+    for (; i < hd; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    const __m256 vinv = _mm256_set1_ps(inv), c = _mm256_set1_ps(12582912.0f);
+    const __m256 hi = _mm256_set1_ps(127.0f), lo = _mm256_set1_ps(-127.0f);
+    for (i = 0; i + 8 <= hd; i += 8) {
+        const __m256 t = _mm256_mul_ps(_mm256_loadu_ps(x + i), vinv);
+        const __m256 r = _mm256_sub_ps(_mm256_add_ps(t, c), c);
+        __m256 v = _mm256_blendv_ps(lo, r, _mm256_cmp_ps(r, lo, _CMP_GT_OQ)); /* NaN: -127 */
+        v = _mm256_blendv_ps(v, hi, _mm256_cmp_ps(r, hi, _CMP_GE_OQ));
+        const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(_mm256_cvttps_epi32(v)),
+                                          _mm256_extracti128_si256(_mm256_cvttps_epi32(v), 1));
+        _mm_storel_epi64((__m128i *)(q + i), _mm_packs_epi16(w, w));
+    }
+    for (; i < hd; i++) {
+        const float t = x[i] * inv, r = (t + 12582912.0f) - 12582912.0f;
+        q[i] = (int8_t)(r >= 127.0f ? 127 : r > -127.0f ? (int)r : -127);
+    }
+    return amax / 127.0f;
+}
+#endif
+
+static float quantize_row(const float *x, int hd, int8_t *q) {
+#if defined(__x86_64__)
+    if (ops_isa() >= OPS_ISA_AVX512) return quantize_row_avx512(x, hd, q);
+    if (ops_isa() >= OPS_ISA_AVX2) return quantize_row_avx2(x, hd, q);
+#endif
+    return quantize_row_scalar(x, hd, q);
+}
+
 void att_q8_store_key(const float *x, int hd, int8_t *block, int at) {
     int8_t q[Q8_MAX_HD];
     ((float *)(block + (int64_t)KB * hd))[at] = quantize_row(x, hd, q);
-    for (int i = 0; i < hd; i++) block[KIDX(i, at)] = q[i];
+    for (int i = 0; i < hd; i += 4) memcpy(block + KIDX(i, at), q + i, 4); /* KIDX: 4 consecutive i, one lane */
 }
 
 void att_q8_store_value(const float *x, int hd, int8_t *block, int at) {
