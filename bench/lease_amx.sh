@@ -10,7 +10,7 @@
 #                 crossover, k-blocks, the streamed small-M body at 16-32 rows, the weight warm at 16 and 128
 #                 rows (weights from memory); then pp512, batched 1 / 16, bitnet serve at 16 clients, the peers'
 #                 pp512
-#   parts=2@0-1   bench/prefill_parts.py: a tile prefill kernel by kernel
+#   parts=2@0-1   bench/prefill_parts.py: a tile prefill kernel by kernel; bench/batch_depth.py --parts: a batched step
 #   tiles=16      the same at 16 threads (two shapes), pp512 and pp4096, batched 16 / 32, the peers' pp512 / pp4096
 #   parts=16, prefetch=2@0-1   if time is left
 # PHASES="..." runs others; with REUSE=1 (a second call while the machine is still warm) the peers' binaries and

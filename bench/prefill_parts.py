@@ -79,6 +79,28 @@ class Timers:
         return out
 
 
+def parts_table(best: dict[str, tuple[float, dict]], per: int = 1) -> list[dict]:
+    """Print best {mode: (wall seconds, {part: seconds})} as ms per unit (wall and parts divided by per) and shares of
+    the wall, a column per mode (two modes: their ratio too), parts largest first, then "python and the rest" (wall
+    minus the parts) and the wall; returns the rows ({"part": label, mode: seconds per unit, ...})."""
+    modes = list(best)
+    labels = sorted({k for _, p in best.values() for k in p}, key=lambda k: -max(p.get(k, 0) for _, p in best.values()))
+    pair = tuple(modes) if len(modes) == 2 else None   # two modes (avx512 / amx, or f32 / bf16): their ratio
+    print(f"{'part':40s}" + "".join(f"{m:>22s}" for m in modes) + (f"   {pair[0]} / {pair[1]}" if pair else ""))
+    rows = []
+    for lab in labels + ["python and the rest", "wall"]:
+        vals = {}
+        for m in modes:
+            wall, parts = best[m]
+            vals[m] = (wall if lab == "wall" else (wall - sum(parts.values()) if lab == "python and the rest"
+                                                   else parts.get(lab, 0.0))) / per
+        cells = "".join(f"{1e3 * vals[m]:12.2f} ({100 * vals[m] * per / best[m][0]:4.1f}%)  " for m in modes)
+        ratio = f"   {vals[pair[0]] / vals[pair[1]]:.2f}x" if pair and vals[pair[1]] > 0 else ""
+        print(f"{lab:40s}{cells}{ratio}")
+        rows.append({"part": lab, **{m: vals[m] for m in modes}})
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--store", default=os.path.join(HERE, "cache", "2b4t.q4.bnstore"))
@@ -132,23 +154,10 @@ def main(argv=None) -> int:
         timers.restore()
         K.set_isa(None)
         ops.set_attention_precision("f32")
-    modes = list(best)
-    labels = sorted({k for _, p in best.values() for k in p}, key=lambda k: -max(p.get(k, 0) for _, p in best.values()))
     print(f"prefill of {a.prompt} tokens, {a.threads} threads, {os.path.basename(a.store)}, kv {a.kv}; best of {a.rounds}; "
           f"ms per prefill (share of its wall time)")
-    pair = tuple(modes) if len(modes) == 2 else None   # two modes (avx512 / amx, or f32 / bf16): their ratio
-    print(f"{'part':40s}" + "".join(f"{m:>22s}" for m in modes) + (f"   {pair[0]} / {pair[1]}" if pair else ""))
-    rows = []
-    for lab in labels + ["python and the rest", "wall"]:
-        vals = {}
-        for m in modes:
-            wall, parts = best[m]
-            vals[m] = wall if lab == "wall" else (wall - sum(parts.values()) if lab == "python and the rest"
-                                                  else parts.get(lab, 0.0))
-        cells = "".join(f"{1e3 * vals[m]:12.2f} ({100 * vals[m] / best[m][0]:4.1f}%)  " for m in modes)
-        ratio = f"   {vals[pair[0]] / vals[pair[1]]:.2f}x" if pair and vals[pair[1]] > 0 else ""
-        print(f"{lab:40s}{cells}{ratio}")
-        rows.append({"part": lab, **{m: vals[m] for m in modes}})
+    modes = list(best)
+    rows = parts_table(best)
     for m in modes:
         print(f"{m}: {a.prompt / best[m][0]:.1f} tok/s")
     if a.json:

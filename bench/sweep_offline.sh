@@ -13,7 +13,9 @@
 #                    TILES_ARGS (or TILES_ARGS_T) adds bench_tiles.py flags (--ms, --prompts, --seqs, --quick ...)
 #   parts=T[@CPUS]   bench/prefill_parts.py at T threads: a prefill's time kernel by kernel, tiles on and off
 #                    (PARTS_PROMPT tokens, default 512; PARTS_ARGS, default --chunks 128,512 --attention f32,bf16);
-#                    parts_T.json, parts_T.md
+#                    parts_T.json, parts_T.md; then bench/batch_depth.py --parts: a batched step of BPARTS_SEQS
+#                    (default 16) sequences at BPARTS_DEPTH (default 96) positions the same way, appended to
+#                    parts_T.md (parts_batch_T.json)
 #   prefetch=T[@CPUS] bench/bench_kernels.py --prefetch at T threads: the decode GEMVs at each software prefetch
 #                    distance (PREFETCH, default 0,2048,4096,8192,16384) against the stream rate; prefetch_T.md
 #   ktests           the kernel tests (KTESTS, default: the kernels, attention (f32, bf16) and tile tests) on this
@@ -154,6 +156,10 @@ for ph in "${phases[@]}"; do
         PYTHONUNBUFFERED=1 timeout "$(left)" $(pin "$cpus") $py bench/prefill_parts.py --threads "$t" --store "$store" \
             --prompt "${PARTS_PROMPT:-512}" ${PARTS_ARGS:---chunks 128,512 --attention f32,bf16} --json "$OUT/parts_$t.json" \
             > "$OUT/parts_$t.md" 2> "$OUT/parts_$t.log"
+        # shellcheck disable=SC2046
+        PYTHONUNBUFFERED=1 timeout "$(left)" $(pin "$cpus") $py bench/batch_depth.py --parts --threads "$t" \
+            --store "$store" --seqs "${BPARTS_SEQS:-16}" --depth "${BPARTS_DEPTH:-96}" --kv f16 --rounds 3 --steps 4 \
+            --json "$OUT/parts_batch_$t.json" >> "$OUT/parts_$t.md" 2>> "$OUT/parts_$t.log"
         cat "$OUT/parts_$t.md" ;;
     prefetch=*)
         phase_spec "$ph"

@@ -343,6 +343,35 @@ def test_depth_sweep_prefill_attention_rows_against_the_fma_peak(capsys):
         assert (float(r[4]) > 0) if r[0].strip() == "f16" else r[4].strip() == "-"
 
 
+def test_batch_depth_parts_times_a_batched_step(small_models, tmp_path, capsys):
+    """batch_depth.py --parts: a batched step of 8 sequences kernel by kernel, ms per step per mode (avx512 and amx
+    where the tiles are), the paged attention and every GEMM shape among the parts, the kernels within the wall."""
+    import batch_depth  # bench/batch_depth.py
+    from bitnet_cpu.engine.formats.store import Store
+    from bitnet_cpu.simd import _kernels as K
+
+    out = tmp_path / "bparts.json"
+    assert batch_depth.main(["--parts", "--store", small_models["store_q4"], "--seqs", "8", "--depth", "40",
+                             "--steps", "2", "--rounds", "2", "--threads", "1", "--kv", "f16,q8",
+                             "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    raw = json.loads(out.read_text())
+    assert set(raw["tables"]) == {"f16", "q8"}
+    with Store(small_models["store_q4"]) as st:
+        c = st.config
+    shapes = {(c.n_heads + 2 * c.n_kv_heads) * c.head_dim, c.hidden_size, 2 * c.intermediate_size}
+    for kv, t in raw["tables"].items():
+        parts = {r["part"]: r for r in t["rows"]}
+        assert ("attention_paged_q8" if kv == "q8" else "attention_paged") in parts, (kv, set(parts))
+        gemms = {int(p.split()[1].split("x")[0]) for p in parts if p.startswith(("gemm_ternary", "gemv_rows_ternary"))}
+        assert gemms == shapes, (kv, set(parts))
+        assert K.active() != "amx" or t["modes"] == ["avx512", "amx"]
+        for m in t["modes"]:
+            kernels = sum(r[m] for p, r in parts.items() if p not in ("wall", "python and the rest"))
+            assert 0 < kernels <= parts["wall"][m] and t["tok_s"][m] > 0
+            assert f"{m}: {t['tok_s'][m]:.1f} tok/s" in text
+
+
 def test_prefill_parts_times_every_gemm_shape_and_attention(small_models, tmp_path, capsys):
     import prefill_parts  # bench/prefill_parts.py
     from bitnet_cpu.engine.formats.store import Store
