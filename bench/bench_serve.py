@@ -55,7 +55,8 @@ def start(engine: str, a, paths, port: int, llama_bin: str | None) -> subprocess
     ctx = a.prompt + a.gen + 32
     if engine == "ours":
         cmd = [sys.executable, "-m", "bitnet_cpu", "serve", "-m", paths["store_q4"], "-t", str(a.threads),
-               "--parallel", "16", "-c", str(ctx), "--port", str(port), "--max-queue", "256"]
+               "--parallel", "16", "-c", str(ctx), "--port", str(port), "--max-queue", "256",
+               *(["-b", str(a.batch_size)] if a.batch_size else [])]
         env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     else:
         cmd = [llama_bin, "-m", paths["tq2_0"], "-t", str(a.threads), "-tb", str(a.threads), "-np", "16", "-cb",
@@ -197,6 +198,8 @@ def report(res: dict, out_dir: str):
 def main(argv=None) -> int:
     ap = bench_parser(__doc__, levels="1,16")
     ap.add_argument("--requests", type=int, default=2, help="requests per client at concurrency 1 (half that above)")
+    ap.add_argument("--batch-size", type=int, default=None,
+                    help="bitnet serve -b: tokens one step computes (default: the server's)")
     ap.add_argument("--llama-server", default=None)
     ap.add_argument("--replot", action="store_true", help="rewrite the table and PNG from serve_results.json")
     ap.add_argument("--add", action="store_true",

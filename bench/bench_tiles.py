@@ -359,7 +359,7 @@ def crossovers(rows) -> dict:
 
 def e2e(threads: int, llama_bench: str | None, ik_bench: str | None, store: str | None, emu: bool = False,
         prompts=(512, 4096), seqs=(1, 4, 8, 16, 32), peer_prompts=(512, 4096), serve: bool = True,
-        serve_gen: int = 128, save=lambda res: None) -> dict:
+        serve_gen: int = 128, serve_batch: int | None = None, save=lambda res: None) -> dict:
     """Ours with tiles on / off (alternating, one process) and the peers' llama-bench, same models. `save(res)` is
     called after every figure, so a run stopped at a deadline keeps what it measured."""
     import tempfile
@@ -409,7 +409,8 @@ def e2e(threads: int, llama_bench: str | None, ik_bench: str | None, store: str 
     for label, env in (("avx512", {"BITNET_ISA": "avx512"}), ("amx", on_env)) if serve else ():
         out = tempfile.mkdtemp(prefix=f"serve_tiles_{label}_")   # bench_serve writes its report files there
         subprocess.run([sys.executable, os.path.join(HERE, "bench_serve.py"), "--levels", "16", "--threads",
-                        str(threads), "--gen", str(serve_gen), "--engines", "ours", "--out-dir", out],
+                        str(threads), "--gen", str(serve_gen), "--engines", "ours", "--out-dir", out,
+                        *(["--batch-size", str(serve_batch)] if serve_batch else [])],
                        env=dict(os.environ, **env), check=False)
         got = os.path.join(out, "serve_results.json")
         if os.path.exists(got):
@@ -446,6 +447,8 @@ def main(argv=None) -> int:
     ap.add_argument("--peer-prompts", default=None,
                     help="--e2e: the peers' prompt lengths (default --prompts; '': none)")
     ap.add_argument("--serve-gen", type=int, default=128, help="--e2e: tokens per request of bitnet serve")
+    ap.add_argument("--serve-batch", type=int, default=None,
+                    help="--e2e: bitnet serve -b (tokens a step computes; default: the server's 256)")
     ap.add_argument("--no-serve", action="store_true", help="--e2e: leave out bitnet serve at 16 clients")
     ap.add_argument("--min-time", type=float, default=0.0, help="seconds per kernel timing (default 0.25; --quick 0.1)")
     ap.add_argument("--no-kernels", action="store_true", help="leave out the kernel tables (peaks still measured)")
@@ -549,7 +552,8 @@ def main(argv=None) -> int:
         nums = lambda spec: tuple(int(x) for x in spec.split(",") if x)   # noqa: E731
         res["e2e"] = e2e(threads[-1], a.llama_bench, a.ik_bench, a.store, a.emu, prompts=nums(a.prompts),
                          seqs=nums(a.seqs), peer_prompts=nums(a.prompts if a.peer_prompts is None else a.peer_prompts),
-                         serve=not a.no_serve, serve_gen=a.serve_gen, save=save)
+                         serve=not a.no_serve, serve_gen=a.serve_gen,
+                         serve_batch=a.serve_batch, save=save)
     K.set_isa(None)
     K.set_tile_min_rows(0)
     save()

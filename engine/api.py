@@ -253,7 +253,8 @@ def load_model(model: str | None = None, *, ctx: int | None = None, threads: int
                           " again") from None
 
 
-from .batching.scheduler import BatchScheduler  # noqa: E402  (batching imports nothing of api)
+from .batching import BATCH_TOKENS_DEFAULT  # noqa: E402  (batching imports nothing of api)
+from .batching.scheduler import BatchScheduler  # noqa: E402
 
 DEFAULT_POOL_BYTES = 4 << 30  # default KV pool cap (untouched pages cost no memory: the pool is lazily mapped)
 
@@ -273,7 +274,7 @@ class Engine(_Text, BatchScheduler):
     """Many sequences through one model (see load_engine). Attributes: config, n_ctx, name, tokenizer, load_s."""
 
     def __init__(self, store: Store, *, ctx: int | None = None, threads: int | None = None, parallel: int = 16,
-                 kv_pool_tokens: int | None = None, max_batch_tokens: int = 256, max_queue: int = 64,
+                 kv_pool_tokens: int | None = None, max_batch_tokens: int = BATCH_TOKENS_DEFAULT, max_queue: int = 64,
                  kv_dtype: str = "f16", load_s: float = 0.0, kv_pool_mib: float | None = None,
                  lookup: LookupParams | None = None):
         t0 = time.perf_counter()
@@ -314,14 +315,14 @@ class Engine(_Text, BatchScheduler):
 
 
 def load_engine(model: str | None = None, *, ctx: int | None = None, threads: int | None = None, parallel: int = 16,
-                kv_pool_tokens: int | None = None, max_batch_tokens: int = 256, max_queue: int = 64,
+                kv_pool_tokens: int | None = None, max_batch_tokens: int = BATCH_TOKENS_DEFAULT, max_queue: int = 64,
                 kv_dtype: str = "f16", progress: bool = True, lm_head: str | None = None,
                 kv_pool_mib: float | None = None, lookup: LookupParams | None = None, mmap: bool | None = None) -> Engine:
     """A batching engine over `model` (as load_model opens it), its scheduler thread started.
     ctx: per-sequence context (default: serving_ctx, the model's trained context but 2048 to 4096);
     parallel: sequences running at once; kv_pool_tokens: KV pool size in tokens
     (default parallel*ctx, capped at 4 GiB of pages but at least one context), or kv_pool_mib in MiB;
-    max_batch_tokens: rows per step;
+    max_batch_tokens: rows per step (each decoding sequence's token, then prompt tokens), 1..BATCH_TOKENS_MAX;
     max_queue: waiting requests before submit() raises QueueFullError;
     lookup: prompt-lookup speculative decoding for every sequence (None: off, as LLM.generate's default): a
     decoding sequence whose recent tokens repeat runs up to lookup.draft_max draft tokens in the rows a step has

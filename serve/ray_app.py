@@ -20,15 +20,17 @@ from .app import create_app
 def build(model: str | None = None, *, threads: int | None = 1, parallel: int = 16, ctx: int | None = None,
           max_queue: int = 64, api_key: str | None = None, replicas: int = 1, kv: str = "f16", lookup=None,
           sampling=None, mmap: bool | None = None, alias: str | None = None, strict_model: bool = False,
-          api_keys: tuple = (), limits=None, metrics_public: bool = False):
+          api_keys: tuple = (), limits=None, metrics_public: bool = False, batch_size: int | None = None):
     """A bound Ray Serve application with `replicas` replicas of the server (lookup: engine LookupParams;
     sampling: the SamplingParams a request's omitted sampling fields take; mmap: load_engine's — each replica
-    otherwise reads its own copy of the weights into memory, while memory lasts)."""
+    otherwise reads its own copy of the weights into memory, while memory lasts; batch_size: load_engine's
+    max_batch_tokens, None its default)."""
 
     def load():
         from ..engine.api import load_engine
+        extra = {} if batch_size is None else {"max_batch_tokens": batch_size}
         return load_engine(model, ctx=ctx, threads=threads, parallel=parallel, max_queue=max_queue, kv_dtype=kv,
-                           progress=False, lookup=lookup, mmap=mmap)
+                           progress=False, lookup=lookup, mmap=mmap, **extra)
 
     # limits: body, headers, request time (serve/limits.py's middleware); connections and slow clients are
     # the Ray proxy's to bound
@@ -57,7 +59,7 @@ def build_from_env():
     return build(os.environ.get("BITNET_MODEL") or None, threads=_env_int("BITNET_THREADS", 1),
                  parallel=_env_int("BITNET_PARALLEL", 16), ctx=_env_int("BITNET_CTX", None),
                  max_queue=_env_int("BITNET_MAX_QUEUE", 64), api_key=os.environ.get("BITNET_API_KEY") or None,
-                 replicas=_env_int("BITNET_REPLICAS", 2))
+                 replicas=_env_int("BITNET_REPLICAS", 2), batch_size=_env_int("BITNET_BATCH_SIZE", None))
 
 
 app = build_from_env()
@@ -120,7 +122,8 @@ def run_ray(args, sampling=None, api_keys: tuple = (), limits=None) -> int:
                         max_queue=args.max_queue, api_key=args.api_key, replicas=args.ray_replicas, kv=args.kv,
                         lookup=lookup_from_flags(args.draft_max, args.lookup_ngram_min),
                         sampling=sampling, mmap=args.mmap, alias=args.alias, strict_model=args.strict_model_name,
-                        api_keys=api_keys, limits=limits, metrics_public=args.metrics_public),
+                        api_keys=api_keys, limits=limits, metrics_public=args.metrics_public,
+                        batch_size=args.batch_size),
                   name="bitnet", route_prefix="/", blocking=False)
         print(f"bitnet serve: {args.ray_replicas} Ray Serve replicas on http://{args.host}:{args.port}",
               file=sys.stderr, flush=True)

@@ -203,6 +203,48 @@ def test_prompt_lookup_same_greedy_text(client, model_id):
         s.stop()
 
 
+def test_batch_size_flag_chunks_prompts_with_the_same_text(client, model_id, server):
+    """`bitnet serve -b 8`: steps of at most 8 rows (a decoding sequence's token, then prompt tokens), so a
+    40-token prompt is read over several steps beside the other stream; the greedy text equals the default
+    server's (256 rows a step), /slots reports the batch size, and -b outside 1..8192 is one line, exit 2."""
+    import subprocess
+    import sys
+    from serve_proc import ROOT, free_port
+    import os
+    prompts = ["Once upon a time, there was a little cat named Tom. Tom liked to play in the garden with his ball. "
+               "One day", "What is 2+2?"]
+    want = [client.completions.create(model=model_id, prompt=p, temperature=0, max_tokens=24).choices[0].text
+            for p in prompts]
+    assert httpx.get(server.url + "/slots").json()["metrics"]["n_batch"] == 256
+    s = Server("--parallel", "2", "-b", "8")
+    try:
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        got = [None] * len(prompts)
+        usage = [None] * len(prompts)
+
+        def one(i):
+            r = c.completions.create(model=model_id, prompt=prompts[i], temperature=0, max_tokens=24)
+            got[i], usage[i] = r.choices[0].text, r.usage
+        ts = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(60)
+        assert got == want
+        m = httpx.get(s.url + "/slots").json()["metrics"]
+        assert m["n_batch"] == 8
+        assert usage[0].prompt_tokens > 16   # read over more than two steps of 8 rows
+        assert m["steps_total"] >= -(-usage[0].prompt_tokens // 8)
+    finally:
+        s.stop()
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    for bad in ("0", "8193"):
+        r = subprocess.run([sys.executable, "-m", "bitnet_cpu", "serve", "--port", str(free_port()), "-b", bad],
+                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and f"--batch-size {bad}: must be in 1..8192" in r.stderr
+        assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
 def test_health_and_page(server):
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
     r = httpx.get(server.url + "/")

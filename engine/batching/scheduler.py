@@ -38,6 +38,7 @@ from ..runtime.constraints import compile_constraint
 from ..runtime.generate import Chunk, Stats, _StopMatcher
 from ..runtime.sampling import Sampler, SamplingParams
 from ..runtime.speculative import OFF, DraftLength, LookupParams, PromptLookup
+from . import BATCH_TOKENS_MAX
 from .batch_model import BatchModel
 from .drafts import FORCED_DRAFT_MAX, Drafts
 from .embed import Embeddings
@@ -90,6 +91,8 @@ class BatchScheduler(Drafts, Embeddings):
         self.max_batch_tokens = int(max_batch_tokens)
         if self.parallel < 1 or self.max_batch_tokens < 1 or self.max_queue < 0:
             raise BitNetError("parallel and max_batch_tokens must be >= 1, max_queue >= 0")
+        if self.max_batch_tokens > BATCH_TOKENS_MAX:
+            raise BitNetError(f"max_batch_tokens {self.max_batch_tokens}: at most {BATCH_TOKENS_MAX} rows a step")
         self.max_pages = (self.n_ctx + PAGE_TOKENS - 1) // PAGE_TOKENS
         n_pages = max(1, -(-int(kv_pool_tokens) // PAGE_TOKENS))
         if n_pages < self.max_pages:
@@ -237,7 +240,7 @@ class BatchScheduler(Drafts, Embeddings):
                     "lookup_accepted_total": self.lookup_accepted_total,
                     "prefill_tokens_total": self.prefill_tokens_total,
                     "sequence_errors_total": self.sequence_errors_total, "steps_split_total": self.steps_split_total,
-                    "embed_inputs_total": self.embed_inputs_total}
+                    "embed_inputs_total": self.embed_inputs_total, "n_batch": self.max_batch_tokens}
 
     def slots(self) -> list[dict]:
         with self._lock:
