@@ -21,6 +21,15 @@ Q = [{"role": "user", "content": "What is 12+7?"}]
 WILD = dict(temperature=2.0, top_p=1.0, extra_body={"top_k": 0, "min_p": 0.0}, seed=7)
 
 
+def _concurrently(one, n: int, timeout: float = 60.0) -> None:
+    """one(0) .. one(n - 1) at the same time, each on its own thread; each join bounded by timeout."""
+    ts = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(timeout)
+
+
 def test_models_list(client):
     ms = client.models.list().data
     assert len(ms) == 1 and ms[0].object == "model" and ms[0].id
@@ -188,11 +197,7 @@ def test_prompt_lookup_same_greedy_text(client, model_id):
 
         def one(i):
             got[i] = c.completions.create(model=model_id, prompt=prompts[i], temperature=0, max_tokens=48).choices[0].text
-        ts = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join(60)
+        _concurrently(one, len(prompts))
         assert got == want
         assert [one(i) or got[i] for i in range(len(prompts))] == want   # one at a time too
         fams = {f.name: f for f in text_string_to_metric_families(httpx.get(s.url + "/metrics").text)}
@@ -225,11 +230,7 @@ def test_batch_size_flag_chunks_prompts_with_the_same_text(client, model_id, ser
         def one(i):
             r = c.completions.create(model=model_id, prompt=prompts[i], temperature=0, max_tokens=24)
             got[i], usage[i] = r.choices[0].text, r.usage
-        ts = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join(60)
+        _concurrently(one, len(prompts))
         assert got == want
         m = httpx.get(s.url + "/slots").json()["metrics"]
         assert m["n_batch"] == 8
