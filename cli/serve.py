@@ -1,7 +1,7 @@
 """`bitnet serve`: an OpenAI-compatible HTTP server (serve/app.py) on uvicorn, over the batching
 engine. Loopback by default; Ctrl-C / SIGTERM drain (stop admitting, cancel in-flight streams) and exit 0.
 `--ray-replicas N` runs the same app as a Ray Serve deployment with N replicas (needs `pip install .[cluster]`)."""
-from ..engine.batching import BATCH_TOKENS_DEFAULT as BATCH_DEFAULT, BATCH_TOKENS_MAX as BATCH_MAX
+from ..engine.batching import BATCH_TOKENS_DEFAULT, BATCH_TOKENS_MAX, BATCH_TOKENS_TILES
 from ..serve.limits import MiB, Limits
 from .flags import add_engine_args, check_engine_args, sampling_params_from_args
 
@@ -25,10 +25,11 @@ def add_arguments(p):
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8080, help="port to listen on")
     p.add_argument("--parallel", "-np", type=int, default=16, help="sequences generated at once")
-    p.add_argument("--batch-size", "-b", type=int, default=BATCH_DEFAULT, metavar="N",
+    p.add_argument("--batch-size", "-b", type=int, default=None, metavar="N",
                    help="tokens one step computes at most: a token of every decoding sequence, then prompt tokens "
-                        "(default %(default)s; smaller keeps the other streams moving while a long prompt is read, "
-                        f"larger gives a prompt's matrix products more rows; 1..{BATCH_MAX})")
+                        f"(default {BATCH_TOKENS_DEFAULT}, {BATCH_TOKENS_TILES} where the AMX tiles run; smaller keeps "
+                        "the other streams moving while a long prompt is read, larger gives a prompt's matrix "
+                        f"products more rows; 1..{BATCH_TOKENS_MAX})%(default).0s")
     p.add_argument("--max-queue", type=int, default=64, help="waiting requests before answering 503 + Retry-After")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint but /health%(default).0s")
     p.add_argument("--api-key-file", default=None, help="file of API keys, one per line (several users); with or instead of --api-key%(default).0s")
@@ -62,8 +63,8 @@ def _check(args):
         raise BitNetError(f"--port {args.port}: must be in 1..65535")
     if args.parallel < 1:
         raise BitNetError(f"--parallel {args.parallel}: must be >= 1")
-    if not 1 <= args.batch_size <= BATCH_MAX:
-        raise BitNetError(f"--batch-size {args.batch_size}: must be in 1..{BATCH_MAX}")
+    if args.batch_size is not None and not 1 <= args.batch_size <= BATCH_TOKENS_MAX:
+        raise BitNetError(f"--batch-size {args.batch_size}: must be in 1..{BATCH_TOKENS_MAX}")
     if args.max_queue < 0:
         raise BitNetError(f"--max-queue {args.max_queue}: must be >= 0")
     if args.alias is not None and not args.alias.strip():
@@ -138,8 +139,8 @@ def main(args) -> int:
 
     def load():
         eng = load_engine(args.model, ctx=args.ctx, threads=args.threads, parallel=args.parallel,
-                          max_batch_tokens=args.batch_size, max_queue=args.max_queue, kv_dtype=args.kv, progress=True, lookup=lookup,
-                          mmap=args.mmap)
+                          max_batch_tokens=args.batch_size, max_queue=args.max_queue, kv_dtype=args.kv, progress=True,
+                          lookup=lookup, mmap=args.mmap)
         for w in eng.warnings:   # a default context past the trained one, -t above the cores
             print(f"bitnet serve: warning: {w}", file=sys.stderr, flush=True)
         return eng

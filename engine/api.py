@@ -253,7 +253,7 @@ def load_model(model: str | None = None, *, ctx: int | None = None, threads: int
                           " again") from None
 
 
-from .batching import BATCH_TOKENS_DEFAULT  # noqa: E402  (batching imports nothing of api)
+from .batching import default_batch_tokens  # noqa: E402  (batching imports nothing of api)
 from .batching.scheduler import BatchScheduler  # noqa: E402
 
 DEFAULT_POOL_BYTES = 4 << 30  # default KV pool cap (untouched pages cost no memory: the pool is lazily mapped)
@@ -274,7 +274,7 @@ class Engine(_Text, BatchScheduler):
     """Many sequences through one model (see load_engine). Attributes: config, n_ctx, name, tokenizer, load_s."""
 
     def __init__(self, store: Store, *, ctx: int | None = None, threads: int | None = None, parallel: int = 16,
-                 kv_pool_tokens: int | None = None, max_batch_tokens: int = BATCH_TOKENS_DEFAULT, max_queue: int = 64,
+                 kv_pool_tokens: int | None = None, max_batch_tokens: int | None = None, max_queue: int = 64,
                  kv_dtype: str = "f16", load_s: float = 0.0, kv_pool_mib: float | None = None,
                  lookup: LookupParams | None = None):
         t0 = time.perf_counter()
@@ -298,8 +298,9 @@ class Engine(_Text, BatchScheduler):
         if kv_pool_tokens is None:
             kv_pool_tokens = max(n_ctx, min(parallel * n_ctx, DEFAULT_POOL_BYTES // per_tok))
         super().__init__(store, Tokenizer.from_store(store), n_ctx=n_ctx, parallel=parallel,
-                         kv_pool_tokens=kv_pool_tokens, max_batch_tokens=max_batch_tokens, max_queue=max_queue,
-                         kv_dtype=kv_dtype, threads=threads, lookup=lookup)
+                         kv_pool_tokens=kv_pool_tokens,
+                         max_batch_tokens=default_batch_tokens() if max_batch_tokens is None else max_batch_tokens,
+                         max_queue=max_queue, kv_dtype=kv_dtype, threads=threads, lookup=lookup)
         self.name = _display_name(store)
         self.load_s = load_s + (time.perf_counter() - t0)
 
@@ -315,14 +316,15 @@ class Engine(_Text, BatchScheduler):
 
 
 def load_engine(model: str | None = None, *, ctx: int | None = None, threads: int | None = None, parallel: int = 16,
-                kv_pool_tokens: int | None = None, max_batch_tokens: int = BATCH_TOKENS_DEFAULT, max_queue: int = 64,
+                kv_pool_tokens: int | None = None, max_batch_tokens: int | None = None, max_queue: int = 64,
                 kv_dtype: str = "f16", progress: bool = True, lm_head: str | None = None,
                 kv_pool_mib: float | None = None, lookup: LookupParams | None = None, mmap: bool | None = None) -> Engine:
     """A batching engine over `model` (as load_model opens it), its scheduler thread started.
     ctx: per-sequence context (default: serving_ctx, the model's trained context but 2048 to 4096);
     parallel: sequences running at once; kv_pool_tokens: KV pool size in tokens
     (default parallel*ctx, capped at 4 GiB of pages but at least one context), or kv_pool_mib in MiB;
-    max_batch_tokens: rows per step (each decoding sequence's token, then prompt tokens), 1..BATCH_TOKENS_MAX;
+    max_batch_tokens: rows per step (each decoding sequence's token, then prompt tokens), 1..BATCH_TOKENS_MAX (None:
+    engine.batching.default_batch_tokens(), 128, or 256 where the AMX tiles run);
     max_queue: waiting requests before submit() raises QueueFullError;
     lookup: prompt-lookup speculative decoding for every sequence (None: off, as LLM.generate's default): a
     decoding sequence whose recent tokens repeat runs up to lookup.draft_max draft tokens in the rows a step has

@@ -28,9 +28,8 @@ def build(model: str | None = None, *, threads: int | None = 1, parallel: int = 
 
     def load():
         from ..engine.api import load_engine
-        extra = {} if batch_size is None else {"max_batch_tokens": batch_size}
         return load_engine(model, ctx=ctx, threads=threads, parallel=parallel, max_queue=max_queue, kv_dtype=kv,
-                           progress=False, lookup=lookup, mmap=mmap, **extra)
+                           progress=False, lookup=lookup, mmap=mmap, max_batch_tokens=batch_size)
 
     # limits: body, headers, request time (serve/limits.py's middleware); connections and slow clients are
     # the Ray proxy's to bound
