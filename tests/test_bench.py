@@ -343,6 +343,26 @@ def test_depth_sweep_prefill_attention_rows_against_the_fma_peak(capsys):
         assert (float(r[4]) > 0) if r[0].strip() == "f16" else r[4].strip() == "-"
 
 
+def test_serve_stall_runs_each_batch_size(small_models, tmp_path, capsys):
+    """serve_stall.py: a real bitnet serve per -b (loopback, stopped after), streams then a long prompt; each -b
+    has its gaps counted from every stream's tokens, the prompt's time under load and alone, and a table row."""
+    pytest.importorskip("fastapi", reason="serve_stall.py starts bitnet serve (pip install .[serve])")
+    import serve_stall  # bench/serve_stall.py
+
+    out = tmp_path / "stall.json"
+    assert serve_stall.main(["--store", small_models["store_q4"], "--threads", "1", "--streams", "2", "--gen", "6",
+                             "--prompt", "40", "--batch", "8,64", "--json", str(out)]) == 0
+    raw = json.loads(out.read_text())
+    assert set(raw["runs"]) == {"8", "64"}
+    for runs in raw["runs"].values():
+        (r,) = runs
+        assert r["gaps"] >= 2 * 4 and 0 <= r["gap_p50_s"] <= r["gap_p99_s"] <= r["gap_max_s"]
+        assert r["answer_s"] > 0 and r["alone_s"] > 0
+    table = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("| 8 |", "| 64 |"))]
+    assert len(table) == 2
+    assert serve_stall.main(["--store", small_models["store_q4"], "--streams", "16"]) == 2
+
+
 def test_batch_depth_parts_times_a_batched_step(small_models, tmp_path, capsys):
     """batch_depth.py --parts: a batched step of 8 sequences kernel by kernel, ms per step per mode (avx512 and amx
     where the tiles are), the paged attention and every GEMM shape among the parts, the kernels within the wall."""
