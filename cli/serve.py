@@ -1,7 +1,7 @@
 """`bitnet serve`: an OpenAI-compatible HTTP server (serve/app.py) on uvicorn, over the batching
 engine. Loopback by default; Ctrl-C / SIGTERM drain (stop admitting, cancel in-flight streams) and exit 0.
 `--ray-replicas N` runs the same app as a Ray Serve deployment with N replicas (needs `pip install .[cluster]`)."""
-from ..engine.batching import BATCH_TOKENS_DEFAULT, BATCH_TOKENS_MAX, BATCH_TOKENS_TILES
+from ..engine.cpu import BATCH_TOKENS_DEFAULT, BATCH_TOKENS_MAX, BATCH_TOKENS_TILES
 from ..serve.limits import MiB, Limits
 from .flags import add_engine_args, check_engine_args, sampling_params_from_args
 

@@ -12,6 +12,14 @@ import os
 
 SYSFS_CPU = "/sys/devices/system/cpu"
 
+# Rows one batched step computes (a token of each decoding sequence, then prompt tokens up to it): the default on
+# the vector paths and on the AMX tiles (engine.batching.default_batch_tokens picks, with the measurements), and
+# the most load_engine and `bitnet serve -b` take (the step's buffers are sized by it). Here, on the ground floor,
+# so that the CLI checks -b without importing the engine.
+BATCH_TOKENS_DEFAULT = 128
+BATCH_TOKENS_TILES = 256
+BATCH_TOKENS_MAX = 8192
+
 
 def affinity_cpus() -> set[int]:
     """Logical CPU ids this process may run on."""

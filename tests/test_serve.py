@@ -222,7 +222,7 @@ def test_batch_size_flag_chunks_prompts_with_the_same_text(client, model_id, ser
     want = [client.completions.create(model=model_id, prompt=p, temperature=0, max_tokens=24).choices[0].text
             for p in prompts]
     import bitnet_cpu.simd._kernels as K
-    from bitnet_cpu.engine.batching import BATCH_TOKENS_DEFAULT, BATCH_TOKENS_TILES
+    from bitnet_cpu.engine.cpu import BATCH_TOKENS_DEFAULT, BATCH_TOKENS_TILES
     default = BATCH_TOKENS_TILES if K.tiles() == "amx" else BATCH_TOKENS_DEFAULT
     assert httpx.get(server.url + "/slots").json()["metrics"]["n_batch"] == default
     s = Server("--parallel", "2", "-b", "8")

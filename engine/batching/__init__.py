@@ -1,12 +1,7 @@
 """Many sequences through one model: paged KV pool (kv_pool), radix prefix index (prefix_cache), the batched
 forward (batch_model) and the continuous-batching scheduler thread (scheduler). Public entry: engine.api.load_engine."""
 
-# rows one batched step computes (each decoding sequence's token, then prompt tokens up to it): load_engine's and
-# `bitnet serve --batch-size`'s default (default_batch_tokens), and the most either takes (the step's buffers are
-# sized by it)
-BATCH_TOKENS_DEFAULT = 128
-BATCH_TOKENS_TILES = 256
-BATCH_TOKENS_MAX = 8192
+from ..cpu import BATCH_TOKENS_DEFAULT, BATCH_TOKENS_MAX, BATCH_TOKENS_TILES  # noqa: F401 (re-exported)
 
 
 def default_batch_tokens() -> int:

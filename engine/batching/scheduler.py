@@ -38,7 +38,7 @@ from ..runtime.constraints import compile_constraint
 from ..runtime.generate import Chunk, Stats, _StopMatcher
 from ..runtime.sampling import Sampler, SamplingParams
 from ..runtime.speculative import OFF, DraftLength, LookupParams, PromptLookup
-from . import BATCH_TOKENS_MAX
+from ..cpu import BATCH_TOKENS_MAX
 from .batch_model import BatchModel
 from .drafts import FORCED_DRAFT_MAX, Drafts
 from .embed import Embeddings
