@@ -572,6 +572,10 @@ void ops_set_attention_bf16(int on) { att_bf16_on = on != 0; }
 int ops_get_attention_bf16(void) { return att_bf16_on; }
 int ops_attention_bf16_vector(void) { return att_bf16_vector(); }
 static inline int n_pieces(int n, int hd) { return hd > PIECE_MAX_HD || n <= PIECE ? 1 : (n + PIECE - 1) / PIECE; }
+/* positions of a decode row of n positions in its piece k (a row in one piece: all n) */
+static inline int piece_len(int n, int k, int hd) {
+    return n_pieces(n, hd) == 1 ? n : n - k * PIECE < PIECE ? n - k * PIECE : PIECE;
+}
 
 /* state[0] = M, state[1] = L, state[2..] = acc: initialised from the first piece, then folded */
 static void fold_piece(float *state, int first, float m_k, float l_k, const float *o_k, int hd) {
@@ -700,15 +704,14 @@ static void attention_items(void *ctx, int item_begin, int item_end) {
             const att_item N = J->items[item + 1];
             const att_seg S2 = J->segs[N.seg];
             if (S2.m == 1) {
-                const int n2 = S2.pos0 + 1, np2 = n_pieces(n2, head_dim), q0 = N.piece * PIECE;
-                const int q1 = np2 == 1 ? n2 : q0 + PIECE < n2 ? q0 + PIECE : n2, n_here = S.pos0 + 1;
-                const int h0n = n_pieces(n_here, head_dim) == 1 ? 0 : I.piece * PIECE;
-                const int h1n = n_pieces(n_here, head_dim) == 1 ? n_here : h0n + PIECE < n_here ? h0n + PIECE : n_here;
-                const int steps = (h1n - h0n + 63) / 64 * head_dim + (head_dim + 63) / 64 * (h1n - h0n);
-                const int nb = (q1 - q0 + KT_BLOCK - 1) / KT_BLOCK;
+                /* this item's steps (scores4: a step per dimension and 64 positions; wsum4: a step per position
+                 * and 64 columns) carry the next item's 2 x nb blocks of head_dim lines */
+                const int here = piece_len(S.pos0 + 1, I.piece, head_dim);
+                const int steps = (here + 63) / 64 * head_dim + (head_dim + 63) / 64 * here;
+                const int nb = (piece_len(S2.pos0 + 1, N.piece, head_dim) + KT_BLOCK - 1) / KT_BLOCK;
                 pf = (att_pf){(const char *)J->k_cache + (size_t)(N.it / n_sub) * k_head * esize,
                               (const char *)J->v_cache + (size_t)(N.it / n_sub) * v_head * esize,
-                              {S2.pages, stride}, (int64_t)esize, q0 / KT_BLOCK, nb, head_dim,
+                              {S2.pages, stride}, (int64_t)esize, N.piece * PIECE / KT_BLOCK, nb, head_dim,
                               (2 * nb * head_dim + steps - 1) / (steps > 0 ? steps : 1), 0, 0, NULL};
                 att_pf_block(&pf);
                 pfp = &pf;

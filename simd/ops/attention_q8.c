@@ -87,8 +87,8 @@ AVX2_FN static float quantize_row_avx2(const float *x, int hd, int8_t *q) {
         const __m256 r = _mm256_sub_ps(_mm256_add_ps(t, c), c);
         __m256 v = _mm256_blendv_ps(lo, r, _mm256_cmp_ps(r, lo, _CMP_GT_OQ)); /* NaN: -127 */
         v = _mm256_blendv_ps(v, hi, _mm256_cmp_ps(r, hi, _CMP_GE_OQ));
-        const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(_mm256_cvttps_epi32(v)),
-                                          _mm256_extracti128_si256(_mm256_cvttps_epi32(v), 1));
+        const __m256i n = _mm256_cvttps_epi32(v);
+        const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(n), _mm256_extracti128_si256(n, 1));
         _mm_storel_epi64((__m128i *)(q + i), _mm_packs_epi16(w, w));
     }
     for (; i < hd; i++) {
