@@ -29,14 +29,15 @@ from .logprobs import TokenText, chat_entry, completion_logprobs
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .offload import (BodyRefused, next_or_gone, offloop_route, prompt_body_bound, run_off_loop,
                       too_long_for_context, warm_bounds)
+from .responses import RequestProblem, ResponseBuilder, ResponsesRequest
 from .schemas import ChatCompletionRequest, CompletionRequest
 
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context": "length", "cancelled": "stop"}
 ENGINE_FAULT = "the engine failed while generating this answer (the server goes on; see its log)"
 PAGE = os.path.join(os.path.dirname(__file__), "chat.html")
 # the endpoints whose body is bounded by the context (serve/offload.py prompt_body_bound), and their prompt field
-PROMPT_FIELD = {"/v1/chat/completions": "messages", "/v1/completions": "prompt", "/api/chat": "messages",
-                "/api/generate": "prompt"}
+PROMPT_FIELD = {"/v1/chat/completions": "messages", "/v1/completions": "prompt", "/v1/responses": "input",
+                "/api/chat": "messages", "/api/generate": "prompt"}
 
 
 class APIError(Exception):
@@ -224,27 +225,43 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         except ConstraintError as e:
             raise APIError(400, str(e), param=e.where, code="invalid_constraint") from None
 
-    def tool_setup(eng, body):
-        """(tools for the prompt, their call grammar, a maker of answer parsers: one per choice) of a chat request;
+    def tool_setup(eng, tools, choice, parallel):
+        """(tools for the prompt, their call grammar, a maker of answer parsers: one per choice) of a chat request's
+        tools (chat shape), tool choice ("none" | "auto" | "required" | a name) and parallel_tool_calls;
         (None, None, None) without tools or with tool_choice "none"."""
         from ..engine.errors import ConstraintError
         from ..engine.runtime.tools import functions_from_tools
-        choice = body.tool_choice_name()
-        if not body.tools or choice == "none":
+        if not tools or choice == "none":
             if choice not in ("none", "auto"):
                 raise APIError(400, f"tool_choice {choice!r} needs tools", param="tool_choice", code="invalid_value")
             return None, None, None
         fmt = eng.tool_format()
         try:
-            functions = functions_from_tools(body.tools)
+            functions = functions_from_tools(tools)
             if choice not in ("auto", "required") and choice not in {f.name for f in functions}:
                 raise ConstraintError(f"tool_choice: no tool named {choice!r}", where="tool_choice")
-            spec = fmt.constraint(functions, choice, body.parallel_tool_calls is not False)
+            spec = fmt.constraint(functions, choice, parallel is not False)
         except ConstraintError as e:
             raise APIError(400, str(e), param=e.where, code="invalid_value") from None
-        return body.tools, spec, fmt.parser
+        return tools, spec, fmt.parser
 
-    def submit(eng, req, prompt_ids, loop, constraint=None):
+    async def start_chat(request, body, msgs, tools, choice, param):
+        """The chat-shaped endpoints' common start (/v1/chat/completions, /v1/responses): the engine, the prompt
+        through the model's template (with the tools), the constraint, the submitted streams.
+        -> (engine, prompt ids, streams, queue, maker of tool-call parsers or None)"""
+        eng = ready(request)
+        check_model(body.model)
+        await refuse_too_long(eng, sum(len(m["content"]) for m in msgs), param)
+        tools, tool_spec, new_parser = tool_setup(eng, tools, choice, body.parallel_tool_calls)
+        try:
+            prompt_ids = await run_off_loop(eng.chat_prompt, msgs, tools=tools)
+        except Exception as e:  # the template rejected the conversation (e.g. roles out of order)
+            raise APIError(400, f"{param}: {e}", param=param, code="invalid_value") from None
+        constraint = await compile_constraint(eng, body, tool_spec)
+        streams, q = submit(eng, body, prompt_ids, asyncio.get_running_loop(), constraint, param)
+        return eng, prompt_ids, streams, q, new_parser
+
+    def submit(eng, req, prompt_ids, loop, constraint=None, param="prompt"):
         """Submit the request's n choices to the engine; return (streams, queue of (choice index, Chunk)).
         Maps engine errors to HTTP ones."""
         from ..engine.errors import BitNetError, ContextOverflowError, QueueFullError
@@ -265,8 +282,7 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
             raise APIError(503, str(e), "server_error", code="queue_full",
                            headers={"Retry-After": str(state.retry_after)}) from None
         except ContextOverflowError as e:
-            raise APIError(400, str(e), param="messages" if hasattr(req, "messages") else "prompt",
-                           code="context_length_exceeded") from None
+            raise APIError(400, str(e), param=param, code="context_length_exceeded") from None
         except BitNetError as e:
             field = str(e).split(" ", 1)[0]   # the engine's messages start with the setting they are about
             raise APIError(400, str(e), param=field if field in type(req).model_fields else None,
@@ -417,17 +433,8 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        eng = ready(request)
-        check_model(body.model)
-        msgs = [m.as_dict() for m in body.messages]
-        await refuse_too_long(eng, sum(len(m["content"]) for m in msgs), "messages")
-        tools, tool_spec, new_parser = tool_setup(eng, body)
-        try:
-            prompt_ids = await run_off_loop(eng.chat_prompt, msgs, tools=tools)
-        except Exception as e:  # the template rejected the conversation (e.g. roles out of order)
-            raise APIError(400, f"messages: {e}", param="messages", code="invalid_value") from None
-        constraint = await compile_constraint(eng, body, tool_spec)
-        streams, q = submit(eng, body, prompt_ids, asyncio.get_running_loop(), constraint)
+        eng, prompt_ids, streams, q, new_parser = await start_chat(
+            request, body, [m.as_dict() for m in body.messages], body.tools, body.tool_choice_name(), "messages")
         cid, created, model = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time()), state.model_id
         head = {"id": cid, "created": created, "model": model, "system_fingerprint": None}
         text_of, n_top = state.token_text(eng), body.top_logprobs or 0
@@ -512,6 +519,61 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
             return {"index": i, "text": text, "logprobs": logprobs(i, lps), "finish_reason": finish}
         out = await respond(request, body, streams, q, len(prompt_ids), make_chunk, make_choice)
         return {**head, **out} if isinstance(out, dict) else out
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, request: Request):
+        """OpenAI's Responses API over the chat pipeline (serve/responses.py translates both ways)."""
+        try:
+            msgs, tools, choice = body.messages(), body.chat_tools(), body.tool_choice_name()
+            body.format_spec()
+        except RequestProblem as e:
+            raise APIError(400, str(e), param=e.param, code="invalid_value") from None
+        eng, prompt_ids, streams, q, new_parser = await start_chat(request, body, msgs, tools, choice, "input")
+        text_of, n_top = state.token_text(eng), body.top_logprobs or 0
+        out = ResponseBuilder(body, state.model_id, body.sampling_params(sampling),
+                              parser=new_parser() if new_parser is not None else None,
+                              entry=(lambda t, lp: chat_entry(text_of, t, lp, n_top)) if body.wants_logprobs() else None)
+        if body.stream:
+            return StreamingResponse(response_events(streams[0], q, len(prompt_ids), out),
+                                     media_type="text/event-stream", headers=sse_headers)
+        got, timer = await run_to_end(request, streams, q)
+        if got is None:
+            return Response(status_code=499)
+        if got.finals[0].finish_reason == "error":   # this request's sequence failed; others go on
+            raise APIError(500, ENGINE_FAULT, "server_error", code="engine_error")
+        usage, timings = timer.done(len(prompt_ids), got.finals)
+        out.feed("".join(got.texts[0]), got.logprobs[0])
+        out.finish(got.finish(0), usage, timings["cached_n"] if timings else 0)
+        return out.response()
+
+    async def response_events(stream, q, n_prompt, out):
+        """The Responses API's typed SSE events for one answer; the stream is cancelled if the client goes."""
+        got, timer = Choices(1), Timer()
+        sent = 0   # logprob items already given to the builder
+        try:
+            for e in out.start():
+                yield e
+            while True:
+                _, ch = await q.get()
+                got.add(0, ch, timer)
+                if ch.finish_reason == "error":   # this request's sequence failed; the others go on
+                    for e in out.fail(ENGINE_FAULT):
+                        yield e
+                    return
+                lps = got.logprobs[0][sent:]
+                sent += len(lps)
+                if ch.text or lps:
+                    for e in out.feed(ch.text or "", lps):
+                        yield e
+                if ch.finish_reason is not None:
+                    usage, timings = timer.done(n_prompt, got.finals)
+                    for e in out.finish(got.finish(0), usage, timings["cached_n"] if timings else 0):
+                        yield e
+                    return
+        finally:
+            if got.finals[0] is None:
+                stream.cancel()
+            state.streams.discard(stream)
 
     @app.get("/v1/models")
     async def models(request: Request):

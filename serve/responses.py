@@ -1,0 +1,369 @@
+"""OpenAI's Responses API (`POST /v1/responses`) over the chat pipeline: the request is translated into the chat
+endpoint's terms (input items -> messages, flat function tools -> chat tools, `text.format` -> the constraint),
+and the answer is built back as Responses output items, whole or as its typed SSE events.
+
+What a local one-model server cannot do is refused with a 400 naming the field, never ignored in silence:
+stored state (`previous_response_id`, `conversation`, item references, `background`), built-in tools (web search,
+file search, computer use, MCP, ...), images and files in the input, reasoning. Nothing is stored: the answer
+says `"store": false`. The fields accepted, refused and ignored: docs/api.md.
+
+Pure translation: no engine, no I/O. serve/app.py runs the request and feeds `ResponseBuilder`.
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from .schemas import _Sampling
+
+# `include` values: what they ask for exists here (logprobs) or is vacuous (no reasoning, no built-in tools run)
+INCLUDE_LOGPROBS = "message.output_text.logprobs"
+INCLUDABLE = {INCLUDE_LOGPROBS, "reasoning.encrypted_content", "file_search_call.results",
+              "web_search_call.results", "web_search_call.action.sources", "message.input_image.image_url",
+              "computer_call_output.output.image_url", "code_interpreter_call.outputs"}
+# request fields that need state or machinery this server does not have: (field, why) when set
+REFUSED_STATE = {
+    "previous_response_id": "responses are not stored here (store is false); send the whole conversation as input",
+    "conversation": "conversations are not stored here; send the whole conversation as input",
+    "prompt": "stored prompt templates are not supported; send instructions and input",
+    "max_tool_calls": "max_tool_calls is not supported (built-in tools do not run here)",
+}
+TEXT_PART_TYPES = ("input_text", "output_text", "text", "refusal")
+
+
+class RequestProblem(ValueError):
+    """A request the Responses adapter cannot run: (param, message), answered as a 400."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+class ResponsesRequest(_Sampling):
+    """The body of POST /v1/responses (OpenAI's fields; the chat endpoint's sampling extras are taken too)."""
+    model_config = ConfigDict(extra="ignore")
+
+    input: Union[str, list[Any], None] = None
+    instructions: Optional[str] = None
+    max_output_tokens: Optional[int] = Field(default=None, ge=0)
+    tools: Optional[list[Any]] = None
+    tool_choice: Union[str, dict[str, Any], None] = None
+    parallel_tool_calls: Optional[bool] = None
+    text: Optional[dict[str, Any]] = None
+    top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
+    include: Optional[list[str]] = None
+    truncation: Optional[str] = None
+    reasoning: Optional[dict[str, Any]] = None
+    background: Optional[bool] = None
+    store: Optional[bool] = None
+    metadata: Optional[dict[str, Any]] = None
+    previous_response_id: Optional[str] = None
+    conversation: Optional[Any] = None
+    prompt: Optional[Any] = None
+    max_tool_calls: Optional[int] = None
+
+    # -- what the chat pipeline (serve/app.py) asks of a request --
+    def limit(self) -> Optional[int]:
+        return self.max_output_tokens if self.max_output_tokens is not None else self.max_tokens
+
+    def wants_logprobs(self) -> bool:
+        return INCLUDE_LOGPROBS in (self.include or ()) or self.top_logprobs is not None
+
+    def record_logprobs(self):
+        return (self.top_logprobs or 0) if self.wants_logprobs() else None
+
+    def format_spec(self) -> Optional[dict]:
+        """text.format, checked: None for plain text."""
+        fmt = (self.text or {}).get("format")
+        if fmt is None:
+            return None
+        if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
+            raise RequestProblem("text.format", "text.format: expected {\"type\": \"text\" | \"json_object\" | "
+                                                "\"json_schema\", ...}")
+        return None if fmt["type"] == "text" else fmt
+
+    def constraint(self):
+        from ..engine.errors import ConstraintError
+        from ..engine.runtime.constraints import Constraint
+        fmt = self.format_spec()
+        other = super().constraint()   # the chat endpoint's extras (response_format, json_schema, grammar)
+        if fmt is None:
+            return other
+        if other is not None:
+            raise ConstraintError("give text.format or one of response_format, json_schema and grammar, not both",
+                                  where=other.where)
+        if fmt["type"] == "json_object":
+            return Constraint.json_object(where="text.format")
+        schema = fmt.get("schema")
+        if not isinstance(schema, dict):
+            raise ConstraintError("text.format.schema: a JSON Schema object is required for type json_schema",
+                                  where="text.format.schema")
+        return Constraint.json_schema(schema, where="text.format.schema")
+
+    def unsupported(self) -> tuple[str, str] | None:
+        for name, why in REFUSED_STATE.items():
+            if getattr(self, name) is not None:
+                return name, why
+        if self.background:
+            return "background", "background responses are not supported (nothing is stored to poll)"
+        if self.truncation not in (None, "disabled"):
+            return "truncation", f"truncation {self.truncation!r}: only \"disabled\" (an input longer than the " \
+                                 "context is refused, not cut)"
+        effort = (self.reasoning or {}).get("effort")
+        if effort not in (None, "none") or (self.reasoning or {}).get("summary") not in (None,):
+            return "reasoning", "this model has no reasoning mode (reasoning is not supported)"
+        verbosity = (self.text or {}).get("verbosity")
+        if verbosity not in (None, "medium"):
+            return "text.verbosity", f"text.verbosity {verbosity!r}: only \"medium\" (the model's own length)"
+        for i, v in enumerate(self.include or ()):
+            if v not in INCLUDABLE:
+                return f"include[{i}]", f"include {v!r}: unknown"
+        if self.n != 1:
+            return "n", "one output per response (n is not part of the Responses API)"
+        return super().unsupported()
+
+    # -- the translation into the chat pipeline's terms --
+    def messages(self) -> list[dict]:
+        """instructions and input as the engine's chat messages (OpenAI chat shape); RequestProblem if an item
+        cannot be given to this model."""
+        out: list[dict] = []
+        if self.instructions:
+            out.append({"role": "system", "content": self.instructions})
+        if self.input is None:
+            raise RequestProblem("input", "input: required (a string or a list of input items)")
+        if isinstance(self.input, str):
+            out.append({"role": "user", "content": self.input})
+            return out
+        names: dict[str, str] = {}   # call_id -> function name, for the tool results that answer them
+        for i, item in enumerate(self.input):
+            where = f"input[{i}]"
+            if not isinstance(item, dict):
+                raise RequestProblem(where, f"{where}: expected an object (a message or a function call item)")
+            kind = item.get("type", "message")
+            if kind == "message":
+                role = item.get("role")
+                if role not in ("user", "system", "developer", "assistant"):
+                    raise RequestProblem(f"{where}.role", f"{where}.role {role!r}: expected user, system, "
+                                                          "developer or assistant")
+                out.append({"role": "system" if role == "developer" else role,
+                            "content": _text_of(item.get("content"), f"{where}.content")})
+            elif kind == "function_call":
+                call_id, name, args = item.get("call_id"), item.get("name"), item.get("arguments", "{}")
+                if not (isinstance(call_id, str) and call_id and isinstance(name, str) and name
+                        and isinstance(args, str)):
+                    raise RequestProblem(where, f"{where}: a function_call needs call_id, name and arguments "
+                                                "(strings)")
+                names[call_id] = name
+                call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
+                last = out[-1] if out else None
+                if last is not None and last["role"] == "assistant":   # the calls of one assistant turn
+                    last.setdefault("tool_calls", []).append(call)
+                else:
+                    out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+            elif kind == "function_call_output":
+                call_id = item.get("call_id")
+                if not isinstance(call_id, str) or not call_id:
+                    raise RequestProblem(f"{where}.call_id", f"{where}.call_id: required")
+                msg = {"role": "tool", "tool_call_id": call_id,
+                       "content": _text_of(item.get("output"), f"{where}.output")}
+                if call_id in names:
+                    msg["name"] = names[call_id]
+                out.append(msg)
+            elif kind == "item_reference":
+                raise RequestProblem(where, f"{where}: item references need stored items (none are stored here); "
+                                            "send the item itself")
+            else:
+                raise RequestProblem(f"{where}.type", f"{where}.type {kind!r}: not supported here (messages, "
+                                                      "function_call and function_call_output items are)")
+        if not any(m["role"] != "system" for m in out):
+            raise RequestProblem("input", "input: no message to answer")
+        return out
+
+    def chat_tools(self) -> Optional[list[dict]]:
+        """The function tools in the chat endpoint's shape ({"type": "function", "function": {...}})."""
+        if not self.tools:
+            return None
+        out = []
+        for i, t in enumerate(self.tools):
+            if not isinstance(t, dict) or t.get("type", "function") != "function":
+                kind = t.get("type") if isinstance(t, dict) else None
+                raise RequestProblem(f"tools[{i}].type", f"tools[{i}].type {kind!r}: only function tools run "
+                                                         "here (built-in tools run on OpenAI's servers)")
+            if isinstance(t.get("function"), dict):   # the chat shape, sent here by mistake: taken as it is
+                out.append(t)
+                continue
+            out.append({"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters",
+                                                                          "strict") if k in t}})
+        return out
+
+    def tool_choice_name(self) -> str:
+        """"none" | "auto" | "required" | a function name (the chat pipeline's terms)."""
+        c = self.tool_choice
+        if c is None:
+            return "auto" if self.tools else "none"
+        if isinstance(c, str):
+            if c not in ("none", "auto", "required"):
+                raise RequestProblem("tool_choice", f"tool_choice {c!r}: expected none, auto, required or "
+                                                    "{\"type\": \"function\", \"name\": ...}")
+            return c
+        if c.get("type") == "function" and isinstance(c.get("name"), str):
+            return c["name"]
+        raise RequestProblem("tool_choice", f"tool_choice {json.dumps(c)[:80]}: only none, auto, required or "
+                                            "{\"type\": \"function\", \"name\": ...} (built-in tools do not run here)")
+
+
+def _text_of(content, where: str) -> str:
+    """A message's content (a string or text parts) as text; parts this model cannot take: RequestProblem."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise RequestProblem(where, f"{where}: expected a string or a list of content parts")
+    texts = []
+    for j, p in enumerate(content):
+        kind = p.get("type") if isinstance(p, dict) else None
+        if kind not in TEXT_PART_TYPES:
+            raise RequestProblem(f"{where}[{j}]", f"{where}[{j}].type {kind!r}: this model takes text only")
+        t = p.get("refusal" if kind == "refusal" else "text")
+        if not isinstance(t, str):
+            raise RequestProblem(f"{where}[{j}]", f"{where}[{j}]: a text part needs a string")
+        texts.append(t)
+    return "".join(texts)
+
+
+def _id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+class ResponseBuilder:
+    """One response's output items, built from the answer's text as it comes (a tool-call parser splits text from
+    calls): feed() / finish() return the SSE events the stream sends, and response() is the object at any point.
+    The non-streaming answer is the same calls with the events dropped, so both paths give the same items."""
+
+    def __init__(self, body: ResponsesRequest, model: str, params, parser=None, entry=None):
+        self.body, self.model, self.params, self.parser = body, model, params, parser
+        self.entry = entry   # (token, TokenLogprob) -> a logprob entry; None: no logprobs asked
+        self.id, self.created = _id("resp"), int(time.time())
+        self.output: list[dict] = []
+        self.msg: Optional[dict] = None   # the message item being written
+        self.seq = 0
+        self.status, self.usage, self.incomplete, self.error = "in_progress", None, None, None
+        self.pending: list[dict] = []   # logprob entries of tokens whose text the parser holds back
+
+    # -- events --
+    def _event(self, kind: str, **fields) -> str:
+        obj = {"type": kind, "sequence_number": self.seq, **fields}
+        self.seq += 1
+        return f"event: {kind}\ndata: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+    def start(self) -> list[str]:
+        snap = self.response()
+        return [self._event("response.created", response=snap), self._event("response.in_progress", response=snap)]
+
+    def feed(self, text: str, lps=()) -> list[str]:
+        """The next piece of the answer and the logprob items of its tokens."""
+        content, calls = self.parser.feed(text) if self.parser is not None else (text, [])
+        return self._put(content, calls, lps)
+
+    def _put(self, content: str, calls: list[dict], lps=(), cut_call: bool = False) -> list[str]:
+        ev = []
+        if self.entry is not None:
+            self.pending += [self.entry(t, x) for t, x in lps]
+        if content:
+            if self.msg is None:
+                ev += self._open_message()
+            part, lp = self.msg["content"][0], self.pending
+            self.pending = []
+            part["text"] += content
+            part["logprobs"] += lp
+            ev.append(self._event("response.output_text.delta", item_id=self.msg["id"],
+                                  output_index=len(self.output) - 1, content_index=0, delta=content, logprobs=lp))
+        for c in calls:   # a call's tokens have no place for logprobs in this API: theirs are dropped
+            self.pending = []
+            ev += self._close_message(cut=False)
+            ev += self._call(c, cut_call)
+        return ev
+
+    def _open_message(self) -> list[str]:
+        self.msg = {"type": "message", "id": _id("msg"), "status": "in_progress", "role": "assistant", "content": []}
+        self.output.append(self.msg)
+        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        added = self._event("response.output_item.added", output_index=len(self.output) - 1, item=self.msg)
+        self.msg["content"].append(part)
+        return [added, self._event("response.content_part.added", item_id=self.msg["id"],
+                                   output_index=len(self.output) - 1, content_index=0,
+                                   part={**part, "logprobs": []})]
+
+    def _close_message(self, cut: bool) -> list[str]:
+        msg, self.msg = self.msg, None
+        if msg is None:
+            return []
+        msg["status"] = "incomplete" if cut else "completed"
+        i, part = self.output.index(msg), msg["content"][0]
+        return [self._event("response.output_text.done", item_id=msg["id"], output_index=i, content_index=0,
+                            text=part["text"], logprobs=part["logprobs"]),
+                self._event("response.content_part.done", item_id=msg["id"], output_index=i, content_index=0,
+                            part=part),
+                self._event("response.output_item.done", output_index=i, item=msg)]
+
+    def _call(self, c: dict, cut: bool) -> list[str]:
+        fn = c["function"]
+        item = {"type": "function_call", "id": _id("fc"), "call_id": c["id"], "name": fn["name"], "arguments": "",
+                "status": "in_progress"}
+        self.output.append(item)
+        i = len(self.output) - 1
+        ev = [self._event("response.output_item.added", output_index=i, item=item)]   # serialized now
+        item["arguments"] = fn["arguments"]
+        ev.append(self._event("response.function_call_arguments.delta", item_id=item["id"], output_index=i,
+                              delta=fn["arguments"]))
+        ev.append(self._event("response.function_call_arguments.done", item_id=item["id"], output_index=i,
+                              name=fn["name"], arguments=fn["arguments"]))
+        item["status"] = "incomplete" if cut else "completed"   # a call cut at max_output_tokens: not to be run
+        ev.append(self._event("response.output_item.done", output_index=i, item=item))
+        return ev
+
+    def finish(self, finish_reason: str, usage: dict, n_cached: int = 0) -> list[str]:
+        """The end: "stop" (completed) or "length" (incomplete: max_output_tokens or the context). usage: the chat
+        pipeline's counts."""
+        cut = finish_reason == "length"
+        rest, calls = self.parser.finish(cut) if self.parser is not None else ("", [])
+        ev = self._put(rest, calls, cut_call=self.parser is not None and self.parser.cut_call)
+        ev += self._close_message(cut)
+        self.usage = {"input_tokens": usage["prompt_tokens"],
+                      "input_tokens_details": {"cached_tokens": n_cached, "cache_write_tokens": 0},
+                      "output_tokens": usage["completion_tokens"],
+                      "output_tokens_details": {"reasoning_tokens": 0},
+                      "total_tokens": usage["total_tokens"]}
+        if cut:
+            self.status, self.incomplete = "incomplete", {"reason": "max_output_tokens"}
+            return ev + [self._event("response.incomplete", response=self.response())]
+        self.status = "completed"
+        return ev + [self._event("response.completed", response=self.response())]
+
+    def fail(self, message: str) -> list[str]:
+        """The engine failed this request's sequence: response.failed (the server goes on)."""
+        self.status, self.error = "failed", {"code": "server_error", "message": message}
+        return [self._event("response.failed", response=self.response())]
+
+    def response(self) -> dict:
+        b = self.body
+        fmt = b.format_spec() or {"type": "text"}
+        return {
+            "id": self.id, "object": "response", "created_at": self.created, "status": self.status,
+            "completed_at": int(time.time()) if self.status == "completed" else None,
+            "background": False, "error": self.error, "incomplete_details": self.incomplete,
+            "instructions": b.instructions, "max_output_tokens": b.max_output_tokens, "max_tool_calls": None,
+            "model": self.model, "output": self.output,
+            "parallel_tool_calls": b.parallel_tool_calls is not False, "previous_response_id": None,
+            "reasoning": {"effort": None, "summary": None}, "store": False,
+            "temperature": self.params.temperature, "top_p": self.params.top_p,
+            "text": {"format": fmt, "verbosity": "medium"}, "tool_choice": b.tool_choice or ("auto" if b.tools else "none"),
+            "tools": b.tools or [], "top_logprobs": b.top_logprobs or 0, "truncation": "disabled",
+            "usage": self.usage, "user": b.user, "metadata": b.metadata or {},
+        }
+

@@ -1,0 +1,213 @@
+"""OpenAI's Responses API on `bitnet serve` (POST /v1/responses, serve/responses.py), driven by the official openai
+client against a real subprocess on 127.0.0.1 with the bundled model. The endpoint is a translation over the chat
+pipeline, so each answer is checked against /v1/chat/completions given the same conversation (greedy: the same
+text, tokens, calls and logprobs), the stream through the client's own event accumulator
+(`client.responses.stream`, which checks item identities and order), and every field a local server cannot honour
+comes back as a 400 naming it."""
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+openai = pytest.importorskip("openai", reason="the serve tests need the openai client (pip install .[test])")
+jsonschema = pytest.importorskip("jsonschema", reason="the structured-output checks need jsonschema (pip install .[test])")
+pytest.importorskip("fastapi", reason="bitnet serve needs the serve extra (pip install .[serve])")
+
+SERVER_ARGS = ("--parallel", "4")   # conftest's server fixture
+Q = "What is 12+7?"
+ADD_PARAMS = {"type": "object", "additionalProperties": False, "required": ["a", "b"],
+              "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}
+ADD = {"type": "function", "name": "add", "description": "add two integers", "parameters": ADD_PARAMS}
+ADD_CHAT = {"type": "function", "function": {"name": "add", "description": "add two integers",
+                                             "parameters": ADD_PARAMS}}
+
+
+def chat(client, messages, **kw):
+    return client.chat.completions.create(model="any", messages=messages, temperature=0, **kw)
+
+
+def events_of(server, body):
+    """The raw SSE events of a streamed request: [(event line, data object)]."""
+    out, kind = [], None
+    with httpx.stream("POST", server.url + "/v1/responses", json={**body, "stream": True}, timeout=120) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if line.startswith("event: "):
+                kind = line[7:]
+            elif line.startswith("data: "):
+                out.append((kind, json.loads(line[6:])))
+    return out
+
+
+def test_text_answer_is_the_chat_answer(client):
+    r = client.responses.create(model="any", input=Q, temperature=0, max_output_tokens=40)
+    c = chat(client, [{"role": "user", "content": Q}], max_tokens=40)
+    assert r.object == "response" and r.id.startswith("resp_") and r.status == "completed" and r.store is False
+    assert r.output_text == c.choices[0].message.content and r.output_text
+    assert [o.type for o in r.output] == ["message"] and r.output[0].status == "completed"
+    assert r.output[0].role == "assistant" and r.output[0].content[0].type == "output_text"
+    u = r.usage
+    assert (u.input_tokens, u.output_tokens) == (c.usage.prompt_tokens, c.usage.completion_tokens)
+    assert u.total_tokens == u.input_tokens + u.output_tokens and u.output_tokens_details.reasoning_tokens == 0
+    assert r.temperature == 0 and r.tool_choice == "none" and r.text.format.type == "text"
+
+
+def test_instructions_and_roles_are_chat_messages(client):
+    r = client.responses.create(model="any", instructions="Be brief.", temperature=0, max_output_tokens=30,
+                                input=[{"role": "developer", "content": "Answer in words."},
+                                       {"role": "user", "content": [{"type": "input_text", "text": "What is "},
+                                                                    {"type": "input_text", "text": "2+2?"}]}])
+    c = chat(client, [{"role": "system", "content": "Be brief."}, {"role": "system", "content": "Answer in words."},
+                      {"role": "user", "content": "What is 2+2?"}], max_tokens=30)
+    assert r.output_text == c.choices[0].message.content and r.instructions == "Be brief."
+
+
+def test_earlier_output_items_go_back_as_input(client):
+    """The client's way of a conversation without stored state: the last output items appended to the input."""
+    first = client.responses.create(model="any", input=Q, temperature=0, max_output_tokens=20)
+    items = [{"role": "user", "content": Q}] + [o.model_dump(exclude_none=True) for o in first.output] + \
+            [{"role": "user", "content": "And 3+4?"}]
+    r = client.responses.create(model="any", input=items, temperature=0, max_output_tokens=20)
+    c = chat(client, [{"role": "user", "content": Q}, {"role": "assistant", "content": first.output_text},
+                      {"role": "user", "content": "And 3+4?"}], max_tokens=20)
+    assert r.output_text == c.choices[0].message.content
+
+
+def test_stream_through_the_clients_accumulator(client, server):
+    whole = client.responses.create(model="any", input=Q, temperature=0, max_output_tokens=40)
+    with client.responses.stream(model="any", input=Q, temperature=0, max_output_tokens=40) as s:
+        kinds = [e.type for e in s]
+        final = s.get_final_response()
+    assert final.output_text == whole.output_text and final.status == "completed"
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+    assert kinds.count("response.output_text.delta") >= 2 and final.usage.output_tokens == whole.usage.output_tokens
+    raw = events_of(server, {"input": Q, "temperature": 0, "max_output_tokens": 40})
+    assert [d["sequence_number"] for _, d in raw] == list(range(len(raw)))
+    assert all(kind == d["type"] for kind, d in raw)
+    assert "".join(d["delta"] for k, d in raw if k == "response.output_text.delta") == whole.output_text
+    done = [d for k, d in raw if k == "response.output_text.done"]
+    assert [d["text"] for d in done] == [whole.output_text]
+
+
+def test_cut_at_max_output_tokens_is_incomplete(client, server):
+    r = client.responses.create(model="any", input="Tell me a long story.", temperature=0, max_output_tokens=5)
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert r.usage.output_tokens == 5 and r.output[0].status == "incomplete"
+    raw = events_of(server, {"input": "Tell me a long story.", "temperature": 0, "max_output_tokens": 5})
+    assert raw[-1][0] == "response.incomplete" and raw[-1][1]["response"]["output"][0]["content"][0]["text"] == \
+        r.output_text
+
+
+def test_function_calls_and_their_results(client):
+    r = client.responses.create(model="any", input=Q, tools=[ADD], tool_choice="required", temperature=0)
+    c = chat(client, [{"role": "user", "content": Q}], tools=[ADD_CHAT], tool_choice="required")
+    calls = [o for o in r.output if o.type == "function_call"]
+    want = c.choices[0].message.tool_calls
+    assert calls and [(x.name, x.arguments) for x in calls] == [(w.function.name, w.function.arguments) for w in want]
+    for x in calls:
+        jsonschema.validate(json.loads(x.arguments), ADD_PARAMS)
+        assert x.call_id.startswith("call_") and x.id.startswith("fc_") and x.status == "completed"
+    assert r.status == "completed" and r.tool_choice == "required"
+    with client.responses.stream(model="any", input=Q, tools=[ADD], tool_choice={"type": "function", "name": "add"},
+                                 temperature=0) as s:
+        kinds = [e.type for e in s]
+        streamed = s.get_final_response()
+    assert [(o.name, o.arguments) for o in streamed.output if o.type == "function_call"] == \
+        [(x.name, x.arguments) for x in calls]
+    assert "response.function_call_arguments.done" in kinds and "response.output_text.delta" not in kinds
+    # the result goes back as a function_call_output item: the chat answer to the same history
+    back = [{"role": "user", "content": Q}] + [x.model_dump(exclude_none=True) for x in calls] + \
+           [{"type": "function_call_output", "call_id": x.call_id, "output": "19"} for x in calls]
+    r2 = client.responses.create(model="any", input=back, tools=[ADD], temperature=0, max_output_tokens=30)
+    history = [{"role": "user", "content": Q},
+               {"role": "assistant", "content": None,
+                "tool_calls": [{"id": x.call_id, "type": "function",
+                                "function": {"name": x.name, "arguments": x.arguments}} for x in calls]}] + \
+              [{"role": "tool", "tool_call_id": x.call_id, "name": x.name, "content": "19"} for x in calls]
+    c2 = chat(client, history, tools=[ADD_CHAT], max_tokens=30)
+    assert r2.output_text == (c2.choices[0].message.content or "")
+
+
+def test_structured_output_by_text_format(client):
+    schema = {"type": "object", "properties": {"answer": {"type": "integer"}, "unit": {"enum": ["apples", "pears"]}},
+              "required": ["answer", "unit"], "additionalProperties": False}
+    r = client.responses.create(model="any", input=Q, temperature=0, max_output_tokens=80,
+                                text={"format": {"type": "json_schema", "name": "a", "schema": schema, "strict": True}})
+    assert r.status == "completed" and r.text.format.type == "json_schema"
+    jsonschema.validate(json.loads(r.output_text), schema)
+    c = chat(client, [{"role": "user", "content": Q}], max_tokens=80,
+             response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}})
+    assert r.output_text == c.choices[0].message.content
+    from pydantic import BaseModel
+
+    class Sum(BaseModel):
+        total: int
+    parsed = client.responses.parse(model="any", input=Q, text_format=Sum, temperature=0, max_output_tokens=60)
+    assert isinstance(parsed.output_parsed, Sum)
+    obj = client.responses.create(model="any", input="Reply in JSON.", temperature=0, max_output_tokens=60,
+                                  text={"format": {"type": "json_object"}})
+    c = chat(client, [{"role": "user", "content": "Reply in JSON."}], max_tokens=60,
+             response_format={"type": "json_object"})
+    assert obj.output_text == c.choices[0].message.content and obj.output_text.startswith("{")
+    if obj.status == "completed":   # a string of the small model may run to max_output_tokens
+        assert isinstance(json.loads(obj.output_text), dict)
+
+
+def test_logprobs_are_the_chat_logprobs(client, server):
+    kw = dict(temperature=0, max_output_tokens=8)
+    r = client.responses.create(model="any", input="Hi", include=["message.output_text.logprobs"], top_logprobs=3, **kw)
+    c = chat(client, [{"role": "user", "content": "Hi"}], logprobs=True, top_logprobs=3, max_tokens=8)
+    got = r.output[0].content[0].logprobs
+    want = c.choices[0].logprobs.content
+    assert [(x.token, x.logprob, x.bytes) for x in got] == [(w.token, w.logprob, w.bytes) for w in want]
+    assert [[t.token for t in x.top_logprobs] for x in got] == [[t.token for t in w.top_logprobs] for w in want]
+    assert all(len(x.top_logprobs) == 3 for x in got)
+    raw = events_of(server, {"input": "Hi", "include": ["message.output_text.logprobs"], "top_logprobs": 3,
+                             "temperature": 0, "max_output_tokens": 8})
+    streamed = [e for k, d in raw if k == "response.output_text.delta" for e in d["logprobs"]]
+    assert [(e["token"], e["logprob"]) for e in streamed] == [(x.token, x.logprob) for x in got]
+    plain = client.responses.create(model="any", input="Hi", **kw)
+    assert not plain.output[0].content[0].logprobs
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"conversation": "conv_1"}, "conversation"),
+    ({"prompt": {"id": "pmpt_1"}}, "prompt"),
+    ({"background": True}, "background"),
+    ({"truncation": "auto"}, "truncation"),
+    ({"reasoning": {"effort": "high"}}, "reasoning"),
+    ({"max_tool_calls": 2}, "max_tool_calls"),
+    ({"include": ["no.such.thing"]}, "include[0]"),
+    ({"text": {"verbosity": "low"}}, "text.verbosity"),
+    ({"text": {"format": {"type": "yaml"}}}, "text.format"),
+    ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
+    ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"tools": [ADD], "tool_choice": {"type": "file_search"}}, "tool_choice"),
+    ({"tools": [ADD], "tool_choice": {"type": "function", "name": "sub"}}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]},
+     "input[0].content[0]"),
+    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0]"),
+    ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type"),
+    ({"input": [{"type": "function_call_output", "output": "1"}]}, "input[0].call_id"),
+    ({"input": [{"role": "tool", "content": "1"}]}, "input[0].role"),
+    ({"input": []}, "input"),
+    ({"input": None}, "input"),
+    ({"n": 2}, "n"),
+    ({"temperature": 3}, "temperature"),
+])
+def test_what_cannot_be_honoured_is_a_400_naming_it(server, extra, param):
+    body = {"model": "any", "input": "Hi", "max_output_tokens": 4, **extra}
+    r = httpx.post(server.url + "/v1/responses", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["message"], err
+
+
+def test_input_longer_than_the_context_is_a_400(server):
+    r = httpx.post(server.url + "/v1/responses", json={"input": "word " * 20000, "max_output_tokens": 4}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+    assert r.json()["error"]["param"] == "input"
