@@ -75,13 +75,18 @@ class _Text:
         """Token ids of `messages` rendered with the model's own chat template (or the built-in fallback).
         tools: OpenAI-style function list; messages may then hold assistant `tool_calls` and `tool` results
         (engine/runtime/tools.py puts them in the form the template renders)."""
+        return self.tokenizer.encode(self.chat_text(messages, add_generation_prompt, tools), add_bos=False,
+                                     special=True)
+
+    def chat_text(self, messages: list[dict], add_generation_prompt: bool = True,
+                  tools: list[dict] | None = None) -> str:
+        """The text chat_prompt tokenizes (special tokens as text): what the template makes of `messages`."""
         tok = self.tokenizer
         bos = tok.id_to_token(tok.bos_id) if tok.bos_id is not None else ""
         eos = tok.id_to_token(tok.eos_ids[0]) if tok.eos_ids else ""
         messages, tools = self.tool_format().prepare(messages, tools)
-        text = _ct.render(self.store.chat_template, messages, add_generation_prompt=add_generation_prompt,
+        return _ct.render(self.store.chat_template, messages, add_generation_prompt=add_generation_prompt,
                           bos_token=bos or "", eos_token=eos or "", tools=tools)
-        return tok.encode(text, add_bos=False, special=True)
 
     def warm_constraints(self) -> None:
         """Build the grammar engine's view of the tokenizer (seconds for a 128k vocabulary on 2 busy cores) and

@@ -603,6 +603,8 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
     register_ollama(app, state, ready, APIError, sampling=sampling, metrics=metrics)
     from .embeddings import register as register_embeddings   # /v1/embeddings, /api/embed, /api/embeddings
     register_embeddings(app, state, ready, APIError, check_model, metrics=metrics)
+    from .llama_api import register as register_llama   # llama-server's /tokenize, /detokenize, /apply-template, /props
+    register_llama(app, state, ready, APIError, sampling=sampling)
 
     @app.get("/", response_class=HTMLResponse)
     async def page():
