@@ -16,6 +16,7 @@ import socket
 import threading
 import time
 import uuid
+from types import SimpleNamespace
 from typing import Any, Callable
 
 from fastapi import FastAPI, Request
@@ -37,7 +38,12 @@ ENGINE_FAULT = "the engine failed while generating this answer (the server goes 
 PAGE = os.path.join(os.path.dirname(__file__), "chat.html")
 # the endpoints whose body is bounded by the context (serve/offload.py prompt_body_bound), and their prompt field
 PROMPT_FIELD = {"/v1/chat/completions": "messages", "/v1/completions": "prompt", "/v1/responses": "input",
-                "/api/chat": "messages", "/api/generate": "prompt"}
+                "/completion": "prompt", "/completions": "prompt", "/api/chat": "messages", "/api/generate": "prompt"}
+
+
+# the paths outside /v1/ and /api/ that /metrics counts requests of (others, unknown ones, are not labelled)
+COUNTED_PATHS = {"/health", "/slots", "/metrics", "/completion", "/completions", "/tokenize", "/detokenize",
+                 "/apply-template", "/props"}
 
 
 class APIError(Exception):
@@ -184,7 +190,7 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         resp = await call_next(request)
         resp.headers["X-Bitnet-Instance"] = f"{socket.gethostname()}:{os.getpid()}"  # which process answered (load balancers, Ray replicas)
         path = request.url.path
-        if path.startswith(("/v1/", "/api/")) or path in ("/health", "/slots", "/metrics"):
+        if path.startswith(("/v1/", "/api/")) or path in COUNTED_PATHS:
             metrics.requests.labels(path, str(resp.status_code)).inc()
         return resp
 
@@ -327,6 +333,7 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
 
         def __init__(self, n):
             self.texts = [[] for _ in range(n)]
+            self.tokens = [[] for _ in range(n)]
             self.logprobs = [[] for _ in range(n)]
             self.finals = [None] * n
 
@@ -335,6 +342,8 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
             if ch.token is not None or ch.text:
                 timer.token()
                 self.texts[i].append(ch.text)
+            if ch.token is not None:
+                self.tokens[i].append(ch.token)
             if ch.logprob is not None and ch.token is not None:
                 self.logprobs[i].append((ch.token, ch.logprob))
             if ch.finish_reason is not None:
@@ -603,8 +612,11 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
     register_ollama(app, state, ready, APIError, sampling=sampling, metrics=metrics)
     from .embeddings import register as register_embeddings   # /v1/embeddings, /api/embed, /api/embeddings
     register_embeddings(app, state, ready, APIError, check_model, metrics=metrics)
-    from .llama_api import register as register_llama   # llama-server's /tokenize, /detokenize, /apply-template, /props
-    register_llama(app, state, ready, APIError, sampling=sampling)
+    from .llama_api import register as register_llama   # llama-server's /completion, /tokenize, /props, ...
+    pipe = SimpleNamespace(check_model=check_model, refuse_too_long=refuse_too_long, submit=submit,
+                           compile_constraint=compile_constraint, run_to_end=run_to_end, Choices=Choices, Timer=Timer,
+                           loop=asyncio.get_running_loop, sse_headers=sse_headers, ENGINE_FAULT=ENGINE_FAULT)
+    register_llama(app, state, ready, APIError, pipe, sampling=sampling)
 
     @app.get("/", response_class=HTMLResponse)
     async def page():

@@ -1,18 +1,176 @@
-"""llama-server's own endpoints that clients use beside OpenAI's: `/tokenize`, `/detokenize`, `/apply-template`
-(a conversation through the model's chat template) and `/props` (the server's defaults, slots and template).
-Token counting, prompt previews and front ends written for llama-server (its web UI, SillyTavern, editors'
-plugins) call them. Shapes follow llama-server's README; what differs is in docs/api.md. Nothing here knows of
-kernels: the engine's tokenizer and template (engine/api.py).
+"""llama-server's own endpoints that clients use beside OpenAI's: `/completion` (its native completion API, also
+at `/completions`), `/tokenize`, `/detokenize`, `/apply-template` (a conversation through the model's chat
+template) and `/props` (the server's defaults, slots and template). Token counting, prompt previews and front
+ends written for llama-server (its web UI, SillyTavern, editors' plugins) call them. Shapes follow llama-server's
+README; what differs is in docs/api.md. `/completion` runs on the OpenAI endpoints' pipeline (serve/app.py's
+submit, constraint and collection, passed in as `pipe`). Nothing here knows of kernels.
 """
 from __future__ import annotations
 
-from typing import Optional
+import json
+from typing import Any, ClassVar, Optional, Union
 
 from fastapi import Request
-from pydantic import BaseModel, ConfigDict, Field
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from ..engine import __version__
+from ..engine.runtime.sampling import SamplingParams
+from .logprobs import chat_entry
 from .offload import run_off_loop, too_long_for_context
-from .schemas import ChatMessage
+from .schemas import ChatMessage, _Sampling
+
+# llama-server's sampler names. The engine's chain is bias -> penalties -> top_k -> top_p -> min_p -> temperature
+# (engine/runtime/sampling.py); a `samplers` list may leave any of those four out (that one is off) but not reorder
+# them. The other names are samplers whose parameters are refused unless off, so naming them changes nothing.
+CHAIN = ("top_k", "top_p", "min_p", "temperature")
+NO_OP_SAMPLERS = {"dry", "typ_p", "typical_p", "xtc", "tfs_z", "penalties", "infill", "top_n_sigma"}
+# llama-server fields for samplers and features this engine does not have: refused unless at their "off" value
+OFF = {"mirostat": 0, "typical_p": 1.0, "dynatemp_range": 0.0, "dry_multiplier": 0.0, "xtc_probability": 0.0,
+       "n_indent": 0, "t_max_predict_ms": 0, "post_sampling_probs": False, "image_data": None, "lora": None,
+       "multimodal_data": None}
+STOP_TYPE = {"eos": "eos", "stop": "word", "length": "limit", "context": "limit", "cancelled": "none"}
+
+
+class NativeCompletionRequest(_Sampling):
+    """llama-server's POST /completion body: its names (n_predict, n_probs, logit_bias as pairs) over the
+    OpenAI endpoints' sampling fields and checks (temperature without OpenAI's cap, any number of stops)."""
+    model_config = ConfigDict(extra="allow")   # the OFF fields are checked among the extras
+    MAX_TEMPERATURE: ClassVar[Optional[float]] = None
+    MAX_STOPS: ClassVar[Optional[int]] = None
+    prompt: Union[str, list[Any]]
+    n_predict: Optional[int] = None
+    n_probs: int = Field(default=0, ge=0, le=20)
+    return_tokens: bool = False
+    samplers: Optional[list[str]] = None
+    response_fields: Optional[list[str]] = None
+    timings_per_token: bool = False
+    cache_prompt: bool = True     # ignored by design: a cached prefix gives the same bits as a fresh one
+    id_slot: Optional[int] = None  # ignored by design: the scheduler places sequences
+    n_keep: Optional[int] = None   # ignored by design: the context never shifts (a prompt over it is refused)
+    logit_bias: Union[dict[str, float], list[Any], None] = None
+
+    @field_validator("temperature", mode="before")
+    @classmethod
+    def _negative_is_greedy(cls, v):   # llama-server: a temperature <= 0 samples greedily
+        return 0.0 if isinstance(v, (int, float)) and not isinstance(v, bool) and v < 0 else v
+
+    @field_validator("repeat_last_n", mode="before")
+    @classmethod
+    def _whole_context(cls, v):   # -1: the whole context
+        return 1 << 30 if v == -1 else v
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _pairs(cls, v):
+        """[[id, bias], ...] (bias false: never) as OpenAI's {id: bias}; strings as keys cannot be given here."""
+        from pydantic_core import PydanticCustomError
+        if not isinstance(v, list):
+            return v
+        out = {}
+        for pair in v:
+            if not (isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], int)
+                    and not isinstance(pair[0], bool)):
+                raise PydanticCustomError("invalid_setting", "logit_bias: [[token id, bias], ...] (a string as the "
+                                          "key is not supported: find its ids with /tokenize)")
+            out[str(pair[0])] = -100.0 if pair[1] is False else pair[1]
+        return out
+
+    def limit(self) -> Optional[int]:
+        if self.n_predict is not None and self.n_predict >= 0:
+            return self.n_predict
+        return self.max_tokens
+
+    def record_logprobs(self):
+        return self.n_probs or None
+
+    def unsupported(self):
+        extra = self.model_extra or {}
+        for name, off in OFF.items():
+            if extra.get(name, off) != off:
+                return name, f"{name} {extra[name]!r}: not supported (only {off!r}, off)"
+        if self.samplers is not None:
+            unknown = [x for x in self.samplers if x not in CHAIN and x not in NO_OP_SAMPLERS]
+            if unknown:
+                return "samplers", f"samplers: unknown {unknown[0]!r}"
+            given = [x for x in self.samplers if x in CHAIN]
+            if given != [x for x in CHAIN if x in given]:
+                return "samplers", f"samplers: the engine's order is {', '.join(CHAIN)} (any may be left out)"
+        return super().unsupported()
+
+    def sampling_params(self, defaults=None):
+        p = super().sampling_params(defaults)
+        if self.samplers is not None:   # a sampler left out of the chain is off
+            chain = set(self.samplers)
+            p.top_k = p.top_k if "top_k" in chain else 0
+            p.top_p = p.top_p if "top_p" in chain else 1.0
+            p.min_p = p.min_p if "min_p" in chain else 0.0
+            if "temperature" not in chain and p.temperature > 0:
+                p.temperature = 1.0
+        return p
+
+
+def prompt_pieces(prompt, vocab: int) -> list:
+    """The one prompt as a list of strings and token ids; refuses several prompts and ids outside the vocabulary
+    (ValueError with the message)."""
+    if isinstance(prompt, str):
+        return [prompt]
+    items = prompt
+    if len(items) == 1 and isinstance(items[0], (list, str)):   # a one-prompt list
+        items = items[0] if isinstance(items[0], list) else [items[0]]
+    if not items:
+        raise ValueError("prompt: empty")
+    if any(isinstance(x, list) for x in items) or (len(items) > 1 and all(isinstance(x, str) for x in items)):
+        raise ValueError("prompt: one prompt per request (send several requests; they run batched)")
+    for i, x in enumerate(items):
+        if isinstance(x, bool) or not isinstance(x, (int, str)):
+            raise ValueError(f"prompt[{i}]: a string or a token id")
+        if isinstance(x, int) and not 0 <= x < vocab:
+            raise ValueError(f"prompt[{i}] {x}: not in the vocabulary (0..{vocab - 1})")
+    return items
+
+
+def prompt_ids(eng, pieces: list) -> list[int]:
+    """Token ids: strings tokenized (special tokens parsed), BOS first when the prompt starts with a string."""
+    ids: list[int] = []
+    for i, x in enumerate(pieces):
+        ids += eng.tokenize(x, add_bos=i == 0) if isinstance(x, str) else [x]
+    return ids
+
+
+def settings_of(p, n_ctx: int, **extra) -> dict:
+    """A SamplingParams in llama-server's generation-settings names."""
+    return {"n_ctx": n_ctx, "seed": -1 if p.seed is None else p.seed, "temperature": p.temperature,
+            "top_k": p.top_k, "top_p": p.top_p, "min_p": p.min_p, "repeat_last_n": p.repeat_last_n,
+            "repeat_penalty": p.repeat_penalty, "presence_penalty": p.presence_penalty,
+            "frequency_penalty": p.frequency_penalty, "samplers": list(CHAIN), **extra}
+
+
+def timings_of(st) -> dict:
+    n_pre = st.n_prompt - st.n_cached
+    pre_ms = n_pre / st.prefill_tps * 1000 if st.prefill_tps else 0.0
+    dec_ms = (st.n_generated - 1) / st.decode_tps * 1000 if st.decode_tps else 0.0
+    return {"cache_n": st.n_cached, "prompt_n": n_pre, "prompt_ms": round(pre_ms, 3),
+            "prompt_per_token_ms": round(pre_ms / n_pre, 3) if n_pre else 0.0,
+            "prompt_per_second": round(st.prefill_tps, 2), "predicted_n": st.n_generated,
+            "predicted_ms": round(dec_ms, 3),
+            "predicted_per_token_ms": round(dec_ms / max(1, st.n_generated - 1), 3),
+            "predicted_per_second": round(st.decode_tps, 2)}
+
+
+def pick_fields(obj: dict, fields: list[str]) -> dict:
+    """llama-server's response_fields: the named fields only; "a/b" takes obj["a"]["b"] as "a/b"; a missing one
+    is left out."""
+    out = {}
+    for f in fields:
+        cur = obj
+        for k in f.split("/"):
+            cur = cur.get(k) if isinstance(cur, dict) else None
+            if cur is None:
+                break
+        if cur is not None:
+            out[f] = cur
+    return out
 
 
 class TokenizeRequest(BaseModel):
@@ -44,8 +202,87 @@ def piece_of(text_of, i: int):
         return list(b)
 
 
-def register(app, state, ready, api_error: type, *, sampling=None):
-    """Add the routes to `app` (serve/app.py's create_app); ready(request) -> the engine or raises api_error."""
+def register(app, state, ready, api_error: type, pipe, *, sampling=None):
+    """Add the routes to `app` (serve/app.py's create_app); ready(request) -> the engine or raises api_error;
+    pipe: the generating endpoints' check_model, compile_constraint, submit, run_to_end, Choices, Timer."""
+
+    async def completion(body: NativeCompletionRequest, request: Request):
+        eng = ready(request)
+        pipe.check_model(body.model)
+        try:
+            pieces = prompt_pieces(body.prompt, eng.config.vocab_size)
+        except ValueError as e:
+            raise api_error(400, str(e), param="prompt", code="invalid_value") from None
+        await pipe.refuse_too_long(eng, sum(len(x) for x in pieces if isinstance(x, str)), "prompt")
+        ids = await run_off_loop(prompt_ids, eng, pieces)
+        constraint = await pipe.compile_constraint(eng, body)
+        streams, q = pipe.submit(eng, body, ids, pipe.loop(), constraint, "prompt")
+        text_of, n_probs = state.token_text(eng), body.n_probs
+        params = body.sampling_params(sampling)
+        head = {"index": 0, "id_slot": -1, "model": state.model_id, "tokens_evaluated": len(ids)}
+
+        def probs(items):
+            out = []
+            for t, lp in items:
+                e = chat_entry(text_of, t, lp, n_probs)
+                for (i, _), alt in zip(lp.top[:n_probs], e["top_logprobs"]):
+                    alt["id"] = i
+                out.append({"id": t, **e})
+            return out
+
+        def final(text, tokens, lps, st):
+            obj = {**head, "content": text, "tokens": tokens if body.return_tokens else [], "stop": True,
+                   "tokens_predicted": st.n_generated, "generation_settings": settings_of(
+                       params, eng.n_ctx, n_predict=-1 if body.limit() is None else body.limit(),
+                       stop=body.stops(), ignore_eos=body.ignore_eos, n_probs=n_probs, grammar=body.grammar or ""),
+                   "prompt": eng.detokenize(ids), "has_new_line": "\n" in text,
+                   "truncated": st.finish_reason == "context", "stop_type": STOP_TYPE.get(st.finish_reason, "none"),
+                   "stopping_word": st.stop_word or "", "tokens_cached": st.n_cached, "timings": timings_of(st)}
+            if n_probs:
+                obj["completion_probabilities"] = probs(lps)
+            return pick_fields(obj, body.response_fields) if body.response_fields else obj
+
+        if body.stream:
+            async def events():
+                got, timer, sent = pipe.Choices(1), pipe.Timer(), 0
+                try:
+                    while True:
+                        _, ch = await q.get()
+                        got.add(0, ch, timer)
+                        if ch.finish_reason == "error":   # this request's sequence failed; the others go on
+                            yield "data: " + json.dumps({"error": {"code": 500, "message": pipe.ENGINE_FAULT,
+                                                                   "type": "server_error"}}) + "\n\n"
+                            return
+                        if ch.finish_reason is not None:
+                            timer.done(len(ids), got.finals)
+                            obj = final(ch.text or "", got.tokens[0], got.logprobs[0][sent:], ch.stats)
+                            yield "data: " + json.dumps(obj, ensure_ascii=False) + "\n\n"
+                            return
+                        if ch.text or ch.token is not None:
+                            obj = {**head, "content": ch.text, "tokens": [ch.token] if ch.token is not None else [],
+                                   "stop": False, "tokens_predicted": len(got.tokens[0])}
+                            if n_probs:
+                                obj["completion_probabilities"] = probs(got.logprobs[0][sent:])
+                                sent = len(got.logprobs[0])
+                            if body.timings_per_token and ch.stats is not None:
+                                obj["timings"] = timings_of(ch.stats)
+                            yield "data: " + json.dumps(obj, ensure_ascii=False) + "\n\n"
+                finally:
+                    if got.finals[0] is None:
+                        streams[0].cancel()
+                    state.streams.discard(streams[0])
+            return StreamingResponse(events(), media_type="text/event-stream", headers=pipe.sse_headers)
+        got, timer = await pipe.run_to_end(request, streams, q)
+        if got is None:
+            return Response(status_code=499)
+        fin = got.finals[0]
+        if fin.finish_reason == "error":   # this request's sequence failed; others go on
+            raise api_error(500, pipe.ENGINE_FAULT, "server_error", code="engine_error")
+        timer.done(len(ids), got.finals)
+        return final("".join(got.texts[0]), got.tokens[0], got.logprobs[0], fin.stats)
+
+    app.add_api_route("/completion", completion, methods=["POST"])
+    app.add_api_route("/completions", completion, methods=["POST"], include_in_schema=False)   # its alias
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest, request: Request):
@@ -84,20 +321,14 @@ def register(app, state, ready, api_error: type, *, sampling=None):
 
     @app.get("/props")
     async def props(request: Request):
-        from ..engine.runtime.sampling import SamplingParams
         eng = ready(request)
-        s = sampling or SamplingParams()
-        params = {"n_predict": -1, "seed": -1 if s.seed is None else s.seed, "temperature": s.temperature,
-                  "top_k": s.top_k, "top_p": s.top_p, "min_p": s.min_p, "repeat_last_n": s.repeat_last_n,
-                  "repeat_penalty": s.repeat_penalty, "presence_penalty": s.presence_penalty,
-                  "frequency_penalty": s.frequency_penalty, "stop": [], "max_tokens": -1, "ignore_eos": False,
-                  "n_probs": 0, "grammar": ""}
+        params = settings_of(sampling or SamplingParams(), eng.n_ctx, n_predict=-1, stop=[], max_tokens=-1,
+                             ignore_eos=False, n_probs=0, grammar="")
         tok = eng.tokenizer
         bos = tok.id_to_token(tok.bos_id) if tok.bos_id is not None else None
         eos = tok.id_to_token(tok.eos_ids[0]) if tok.eos_ids else None
-        from .. import engine as _engine
         return {"default_generation_settings": {"n_ctx": eng.n_ctx, "params": params},
                 "total_slots": getattr(eng, "parallel", 1), "model_path": eng.store.path,
                 "model_alias": state.model_id, "chat_template": eng.store.chat_template or "",
                 "bos_token": bos, "eos_token": eos, "modalities": {"vision": False, "audio": False},
-                "build_info": f"bitnet-cpu {_engine.__version__}"}
+                "build_info": f"bitnet-cpu {__version__}"}

@@ -8,7 +8,7 @@ with the parameter named, so the client gets a clear 400 instead of a silently d
 from __future__ import annotations
 
 from dataclasses import fields
-from typing import Any, Literal, Optional, Union
+from typing import Any, ClassVar, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
@@ -56,6 +56,8 @@ class ResponseFormat(BaseModel):
 
 class _Sampling(BaseModel):
     model_config = ConfigDict(extra="ignore")
+    MAX_TEMPERATURE: ClassVar[Optional[float]] = OPENAI_MAX_TEMPERATURE   # None: the engine's range only
+    MAX_STOPS: ClassVar[Optional[int]] = 4                                # OpenAI's; None: any number
 
     model: Optional[str] = None
     stream: bool = False
@@ -101,8 +103,9 @@ class _Sampling(BaseModel):
                     raise PydanticCustomError("invalid_setting", f"logit_bias {k!r}: a key must be a token id") from None
             value = bias
         problem = setting_problem(field, value)
-        if problem is None and field == "temperature" and value > OPENAI_MAX_TEMPERATURE:
-            problem = f"temperature {value:g}: must be <= {OPENAI_MAX_TEMPERATURE:g} (OpenAI's API range)"
+        if problem is None and field == "temperature" and cls.MAX_TEMPERATURE is not None \
+                and value > cls.MAX_TEMPERATURE:
+            problem = f"temperature {value:g}: must be <= {cls.MAX_TEMPERATURE:g} (OpenAI's API range)"
         if problem:
             raise PydanticCustomError("invalid_setting", problem)   # the message as is, named by its field
         return value
@@ -158,8 +161,8 @@ class _Sampling(BaseModel):
                 return name, why
         if self.modalities is not None and set(self.modalities) - {"text"}:
             return "modalities", "only the text modality is supported"
-        if self.stop is not None and len(self.stops()) > 4:
-            return "stop", "at most 4 stop sequences"
+        if self.stop is not None and self.MAX_STOPS is not None and len(self.stops()) > self.MAX_STOPS:
+            return "stop", f"at most {self.MAX_STOPS} stop sequences"
         return None
 
 

@@ -93,8 +93,10 @@ def test_stop_on_eos_and_stop_string(llm):
     # a stop string inside the generated text: output is cut right before it
     full = run(llm, p, max_tokens=10)[1]
     stop = full[3:6]
-    _, text, f = run(llm, p, max_tokens=10, stop=[stop])
+    _, text, f = run(llm, p, max_tokens=10, stop=["no such text", stop])
     assert f.finish_reason == "stop" and text == full[: full.index(stop)]
+    assert f.stats.stop_word == stop   # which stop string ended it (llama-server's stopping_word)
+    assert run(llm, p, max_tokens=10)[2].stats.stop_word is None
 
 
 def test_max_tokens_zero_prefills_only(llm):

@@ -4,6 +4,8 @@ server does with the same text elsewhere (the prompt tokens the completion and c
 /api/show reports, the flags it was started with), not against stored values."""
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 
@@ -66,5 +68,87 @@ def test_props_say_what_the_server_runs(server):
 ])
 def test_bad_requests_are_a_400_naming_the_field(server, path, body, param):
     r = post(server, path, body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param and r.json()["error"]["message"]
+
+
+# ---- /completion: llama-server's native completion API -----------------------------------------------------
+P = "Once upon a time"
+
+
+def complete(server, **body):
+    r = post(server, "/completion", {"prompt": P, "n_predict": 12, "temperature": 0, **body})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_completion_is_the_openai_completion(server):
+    r = complete(server, return_tokens=True)
+    o = post(server, "/v1/completions", {"prompt": P, "max_tokens": 12, "temperature": 0}).json()
+    assert r["content"] == o["choices"][0]["text"] and r["stop"] is True
+    assert r["tokens_predicted"] == len(r["tokens"]) == o["usage"]["completion_tokens"]
+    assert r["tokens_evaluated"] == o["usage"]["prompt_tokens"]
+    assert post(server, "/detokenize", {"tokens": r["tokens"]}).json()["content"] == r["content"]
+    assert r["stop_type"] == "limit" and r["stopping_word"] == "" and r["truncated"] is False
+    assert r["generation_settings"]["temperature"] == 0 and r["generation_settings"]["n_predict"] == 12
+    assert P in r["prompt"] and r["timings"]["predicted_n"] == 12
+    assert post(server, "/completions", {"prompt": P, "n_predict": 12, "temperature": 0}).json()["content"] == \
+        r["content"]   # llama-server's alias
+
+
+def test_completion_stream_and_stop_word(server):
+    whole = complete(server)
+    word = whole["content"].split()[2]   # a word the greedy text has: the stop ends it there
+    with httpx.stream("POST", server.url + "/completion", timeout=60,
+                      json={"prompt": P, "n_predict": 12, "temperature": 0, "stream": True}) as s:
+        lines = [json.loads(x[6:]) for x in s.iter_lines() if x.startswith("data: ")]
+    assert "".join(x["content"] for x in lines) == whole["content"]
+    assert [x["stop"] for x in lines] == [False] * (len(lines) - 1) + [True] and lines[-1]["stop_type"] == "limit"
+    stopped = complete(server, stop=[word])
+    assert stopped["stop_type"] == "word" and stopped["stopping_word"] == word
+    assert whole["content"].startswith(stopped["content"]) and word not in stopped["content"]
+
+
+def test_completion_probs_are_the_openai_logprobs(server):
+    r = complete(server, n_probs=2)
+    o = post(server, "/v1/completions", {"prompt": P, "max_tokens": 12, "temperature": 0, "logprobs": 2}).json()
+    lp = o["choices"][0]["logprobs"]
+    got = r["completion_probabilities"]
+    assert [x["logprob"] for x in got] == lp["token_logprobs"] and [x["token"] for x in got] == lp["tokens"]
+    assert [{t["token"]: t["logprob"] for t in x["top_logprobs"]} for x in got] == lp["top_logprobs"]
+    assert all(isinstance(t["id"], int) for x in got for t in x["top_logprobs"])
+
+
+def test_completion_prompt_forms_samplers_and_bias(server):
+    head = post(server, "/tokenize", {"content": "Once upon", "add_special": True}).json()["tokens"]
+    tail = post(server, "/tokenize", {"content": " a time"}).json()["tokens"]
+    mixed = complete(server, prompt=head + [" a time"])
+    assert mixed["tokens_evaluated"] == len(head) + len(tail)
+    assert complete(server, prompt=head + tail)["content"] == mixed["content"]   # the same ids, the same text
+    assert complete(server, prompt=[P])["content"] == complete(server)["content"]   # a one-prompt list
+    assert complete(server, temperature=-1)["content"] == complete(server)["content"]   # < 0: greedy
+    # a sampler left out of `samplers` is off: the same draw as that sampler's "off" value
+    kw = dict(temperature=1.0, seed=3, n_predict=16, top_p=1.0, min_p=0.0)
+    assert complete(server, samplers=["top_p", "min_p", "temperature"], top_k=5, **kw)["content"] == \
+        complete(server, top_k=0, **kw)["content"]
+    first = complete(server, return_tokens=True)["tokens"][0]
+    banned = complete(server, return_tokens=True, logit_bias=[[first, False]])
+    assert banned["tokens"][0] != first
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"mirostat": 2}, "mirostat"),
+    ({"dry_multiplier": 0.8}, "dry_multiplier"),
+    ({"post_sampling_probs": True}, "post_sampling_probs"),
+    ({"samplers": ["temperature", "top_k"]}, "samplers"),
+    ({"samplers": ["top_k", "magic"]}, "samplers"),
+    ({"prompt": ["one", "two"]}, "prompt"),
+    ({"prompt": [1, 10 ** 9]}, "prompt"),
+    ({"prompt": []}, "prompt"),
+    ({"logit_bias": [["Hello", -1.0]]}, "logit_bias"),
+    ({"n_probs": 50}, "n_probs"),
+])
+def test_completion_refusals_name_the_field(server, body, param):
+    r = post(server, "/completion", {"prompt": P, "n_predict": 2, **body})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param and r.json()["error"]["message"]

@@ -598,7 +598,8 @@ class BatchScheduler(Drafts, Embeddings):
                      ttft_s=(s.t_first or s.t_prefilled or time.perf_counter()) - s.t_submit,
                      prefill_tps=n_pre / pre_s if n_pre and pre_s > 0 else 0.0,
                      decode_tps=(s.n_gen - 1) / dt if s.n_gen > 1 and dt > 0 else 0.0, finish_reason=reason,
-                     n_drafted=s.n_drafted, n_accepted=s.n_accepted)
+                     n_drafted=s.n_drafted, n_accepted=s.n_accepted,
+                     stop_word=s.matcher.matched if reason == "stop" else None)
 
     # ---- checks (tests) -------------------------------------------------------------------------------
     def check_consistency(self) -> dict:

@@ -44,6 +44,7 @@ class Stats:
     finish_reason: str | None = None
     n_drafted: int = 0     # prompt-lookup draft tokens verified (engine/speculative.py)
     n_accepted: int = 0    # of which accepted
+    stop_word: str | None = None   # the stop string that ended the text (finish reason "stop")
 
 
 @dataclass(slots=True)
@@ -69,6 +70,7 @@ class _StopMatcher:
     def __init__(self, stops: Sequence[str]):
         self.stops = [s for s in stops if s]
         self.pending = ""
+        self.matched: str | None = None   # the stop string found
 
     def feed(self, text: str) -> tuple[str, bool]:
         """-> (text safe to emit now, stopped)."""
@@ -79,7 +81,7 @@ class _StopMatcher:
         for s in self.stops:
             i = self.pending.find(s)
             if i >= 0 and (best < 0 or i < best):
-                best = i
+                best, self.matched = i, s
         if best >= 0:
             out, self.pending = self.pending[:best], ""
             return out, True
@@ -150,7 +152,8 @@ def generate(model, tokenizer, prompt_ids: Sequence[int], params: SamplingParams
 
     def stats(n_gen, ttft, dt, reason):   # called per token: positional, in Stats' field order (cheaper)
         return Stats(n_prompt, n_cached, n_gen, load_s, ttft, prefill_tps,
-                     (n_gen - 1) / dt if n_gen > 1 and dt > 0 else 0.0, reason, n_drafted, n_accepted)
+                     (n_gen - 1) / dt if n_gen > 1 and dt > 0 else 0.0, reason, n_drafted, n_accepted,
+                     matcher.matched if reason == "stop" else None)
 
     if max_tokens == 0:  # prefill only (chat re-prefills a loaded conversation this way)
         yield Chunk("", None, "length", stats(0, prefill_s, 0.0, "length"))
