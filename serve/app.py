@@ -30,6 +30,7 @@ from .logprobs import TokenText, chat_entry, completion_logprobs
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .offload import (BodyRefused, next_or_gone, offloop_route, prompt_body_bound, run_off_loop,
                       too_long_for_context, warm_bounds)
+from .anthropic import CountTokensRequest, MessageBuilder, MessagesRequest, error_body as anthropic_error
 from .responses import RequestProblem, ResponseBuilder, ResponsesRequest
 from .schemas import ChatCompletionRequest, CompletionRequest
 
@@ -38,6 +39,7 @@ ENGINE_FAULT = "the engine failed while generating this answer (the server goes 
 PAGE = os.path.join(os.path.dirname(__file__), "chat.html")
 # the endpoints whose body is bounded by the context (serve/offload.py prompt_body_bound), and their prompt field
 PROMPT_FIELD = {"/v1/chat/completions": "messages", "/v1/completions": "prompt", "/v1/responses": "input",
+                "/v1/messages": "messages",
                 "/completion": "prompt", "/completions": "prompt", "/api/chat": "messages", "/api/generate": "prompt"}
 
 
@@ -149,17 +151,24 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
 
     @app.exception_handler(APIError)
     async def _api_error(request, e: APIError):
-        return error_response(e.status, e.message, e.type, e.param, e.code, e.headers)
+        return in_family(request, error_response(e.status, e.message, e.type, e.param, e.code, e.headers))
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request, e: RequestValidationError):
         return in_family(request, validation_response(e))
 
     def in_family(request, resp):
-        """ollama's routes (/api/) answer errors as {"error": "message"}; the rest in OpenAI's shape."""
-        if not request.url.path.startswith("/api/"):
+        """ollama's routes (/api/) answer errors as {"error": "message"}, Anthropic's (/v1/messages) as
+        {"type": "error", "error": {"type", "message"}}; the rest in OpenAI's shape."""
+        path = request.url.path
+        if path.startswith("/api/"):
+            body = {"error": json.loads(resp.body)["error"]["message"]}
+        elif path.startswith("/v1/messages"):
+            body = anthropic_error(resp.status_code, json.loads(resp.body)["error"]["message"])
+        else:
             return resp
-        return JSONResponse({"error": json.loads(resp.body)["error"]["message"]}, status_code=resp.status_code)
+        headers = {k: v for k, v in resp.headers.items() if k.lower() not in ("content-length", "content-type")}
+        return JSONResponse(body, status_code=resp.status_code, headers=headers)
 
     def validation_response(e: RequestValidationError):
         err = e.errors()[0] if e.errors() else {}
@@ -251,18 +260,26 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
             raise APIError(400, str(e), param=e.where, code="invalid_value") from None
         return tools, spec, fmt.parser
 
-    async def start_chat(request, body, msgs, tools, choice, param):
-        """The chat-shaped endpoints' common start (/v1/chat/completions, /v1/responses): the engine, the prompt
-        through the model's template (with the tools), the constraint, the submitted streams.
+    async def render_prompt(eng, msgs, tools, param, prefill=""):
+        """The prompt ids of a conversation through the model's template (with the tools); prefill: text the
+        answer continues (Anthropic's final assistant message), after the template's generation prompt."""
+        await refuse_too_long(eng, sum(len(m["content"]) for m in msgs) + len(prefill), param)
+        try:
+            if not prefill:
+                return await run_off_loop(eng.chat_prompt, msgs, tools=tools)
+            text = await run_off_loop(eng.chat_text, msgs, True, tools)
+            return await run_off_loop(eng.tokenize, text + prefill)
+        except Exception as e:  # the template rejected the conversation (e.g. roles out of order)
+            raise APIError(400, f"{param}: {e}", param=param, code="invalid_value") from None
+
+    async def start_chat(request, body, msgs, tools, choice, param, prefill=""):
+        """The chat-shaped endpoints' common start (/v1/chat/completions, /v1/responses, /v1/messages): the engine,
+        the prompt through the model's template (with the tools), the constraint, the submitted streams.
         -> (engine, prompt ids, streams, queue, maker of tool-call parsers or None)"""
         eng = ready(request)
         check_model(body.model)
-        await refuse_too_long(eng, sum(len(m["content"]) for m in msgs), param)
         tools, tool_spec, new_parser = tool_setup(eng, tools, choice, body.parallel_tool_calls)
-        try:
-            prompt_ids = await run_off_loop(eng.chat_prompt, msgs, tools=tools)
-        except Exception as e:  # the template rejected the conversation (e.g. roles out of order)
-            raise APIError(400, f"{param}: {e}", param=param, code="invalid_value") from None
+        prompt_ids = await render_prompt(eng, msgs, tools, param, prefill)
         constraint = await compile_constraint(eng, body, tool_spec)
         streams, q = submit(eng, body, prompt_ids, asyncio.get_running_loop(), constraint, param)
         return eng, prompt_ids, streams, q, new_parser
@@ -542,25 +559,32 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         out = ResponseBuilder(body, state.model_id, body.sampling_params(sampling),
                               parser=new_parser() if new_parser is not None else None,
                               entry=(lambda t, lp: chat_entry(text_of, t, lp, n_top)) if body.wants_logprobs() else None)
+        return await answer_with(request, body, streams[0], q, len(prompt_ids), out)
+
+    async def answer_with(request, body, stream, q, n_prompt, out):
+        """Run one answer through a builder of another API's shape (serve/responses.py, serve/anthropic.py: start,
+        feed, finish, fail, result): its SSE events as they come, or (stream false) its whole result."""
         if body.stream:
-            return StreamingResponse(response_events(streams[0], q, len(prompt_ids), out),
-                                     media_type="text/event-stream", headers=sse_headers)
-        got, timer = await run_to_end(request, streams, q)
+            return StreamingResponse(builder_events(stream, q, n_prompt, out), media_type="text/event-stream",
+                                     headers=sse_headers)
+        got, timer = await run_to_end(request, [stream], q)
         if got is None:
             return Response(status_code=499)
-        if got.finals[0].finish_reason == "error":   # this request's sequence failed; others go on
+        fin = got.finals[0]
+        if fin.finish_reason == "error":   # this request's sequence failed; others go on
             raise APIError(500, ENGINE_FAULT, "server_error", code="engine_error")
-        usage, timings = timer.done(len(prompt_ids), got.finals)
+        usage, _ = timer.done(n_prompt, got.finals)
+        out.start(n_prompt)
         out.feed("".join(got.texts[0]), got.logprobs[0])
-        out.finish(got.finish(0), usage, timings["cached_n"] if timings else 0)
-        return out.response()
+        out.finish(fin, usage)
+        return out.result()
 
-    async def response_events(stream, q, n_prompt, out):
-        """The Responses API's typed SSE events for one answer; the stream is cancelled if the client goes."""
+    async def builder_events(stream, q, n_prompt, out):
+        """A builder's SSE events for one answer; the stream is cancelled if the client goes."""
         got, timer = Choices(1), Timer()
         sent = 0   # logprob items already given to the builder
         try:
-            for e in out.start():
+            for e in out.start(n_prompt):
                 yield e
             while True:
                 _, ch = await q.get()
@@ -575,14 +599,45 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
                     for e in out.feed(ch.text or "", lps):
                         yield e
                 if ch.finish_reason is not None:
-                    usage, timings = timer.done(n_prompt, got.finals)
-                    for e in out.finish(got.finish(0), usage, timings["cached_n"] if timings else 0):
+                    usage, _ = timer.done(n_prompt, got.finals)
+                    for e in out.finish(ch, usage):
                         yield e
                     return
         finally:
             if got.finals[0] is None:
                 stream.cancel()
             state.streams.discard(stream)
+
+    def anthropic_conversation(body):
+        try:
+            (msgs, prefill), tools, choice = body.chat_messages(), body.chat_tools(), body.tool_choice_name()
+        except RequestProblem as e:
+            raise APIError(400, str(e), param=e.param, code="invalid_value") from None
+        return msgs, prefill, tools, choice
+
+    @app.post("/v1/messages")
+    async def anthropic_messages(body: MessagesRequest, request: Request):
+        """Anthropic's Messages API over the chat pipeline (serve/anthropic.py translates both ways)."""
+        msgs, prefill, tools, choice = anthropic_conversation(body)
+        try:
+            body.format_spec()
+        except RequestProblem as e:
+            raise APIError(400, str(e), param=e.param, code="invalid_value") from None
+        eng, prompt_ids, streams, q, new_parser = await start_chat(request, body, msgs, tools, choice, "messages",
+                                                                   prefill)
+        out = MessageBuilder(state.model_id, new_parser() if new_parser is not None else None)
+        return await answer_with(request, body, streams[0], q, len(prompt_ids), out)
+
+    @app.post("/v1/messages/count_tokens")
+    async def anthropic_count_tokens(body: CountTokensRequest, request: Request):
+        eng = ready(request)
+        check_model(body.model)
+        msgs, prefill, tools, choice = anthropic_conversation(body)
+        refused = body.refused()
+        if refused:
+            raise APIError(400, refused[1], param=refused[0], code="unsupported_parameter")
+        tools, _, _ = tool_setup(eng, tools, choice, body.parallel_tool_calls)
+        return {"input_tokens": len(await render_prompt(eng, msgs, tools, "messages", prefill))}
 
     @app.get("/v1/models")
     async def models(request: Request):

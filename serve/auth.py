@@ -1,4 +1,4 @@
-"""API keys: `Authorization: Bearer KEY` on every endpoint but /health (load balancers) and the chat page's HTML
+"""API keys: `Authorization: Bearer KEY` (or `x-api-key: KEY`, as Anthropic's clients send it) on every endpoint but /health (load balancers) and the chat page's HTML
 (it holds no data and asks for the key itself); /metrics too unless --metrics-public.
 
 Keys come from --api-key and --api-key-file (one per line, `#` comments; several users, each with their own key).
@@ -48,9 +48,13 @@ class KeyChecker:
     def __len__(self):
         return len(self._digests)
 
-    def ok(self, authorization: bytes | None) -> bool:
+    def ok(self, authorization: bytes | None, x_api_key: bytes | None = None) -> bool:
+        """authorization: the `Authorization` header ("Bearer KEY"); x_api_key: the `x-api-key` header, which
+        Anthropic's clients send instead (taken when there is no Authorization header)."""
         raw = authorization or b""
         sent = raw[7:].strip() if raw[:7].lower() == b"bearer " else b""
+        if authorization is None and x_api_key is not None:
+            sent = x_api_key.strip()
         d = _digest(sent)
         found = False
         for want in self._digests:   # every key, every time
@@ -69,9 +73,12 @@ class AuthMiddleware:
         if path in OPEN_PATHS or (path in PAGE_PATHS and scope.get("method") in ("GET", "HEAD")) or \
                 (path == "/metrics" and self.metrics_public):
             return await self.app(scope, receive, send)
-        auth = next((v for k, v in scope.get("headers", ()) if k == b"authorization"), None)
-        if not self.checker.ok(auth):
-            return await send_error(send, scope, 401, "invalid or missing API key (send 'Authorization: Bearer KEY')",
+        headers = scope.get("headers", ())
+        auth = next((v for k, v in headers if k == b"authorization"), None)
+        x_key = next((v for k, v in headers if k == b"x-api-key"), None)
+        if not self.checker.ok(auth, x_key):
+            return await send_error(send, scope, 401, "invalid or missing API key (send 'Authorization: Bearer KEY'"
+                                    " or 'x-api-key: KEY')",
                                     "authentication_error", "invalid_api_key",
                                     headers=((b"www-authenticate", b"Bearer"),))
         return await self.app(scope, receive, send)

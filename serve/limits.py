@@ -43,16 +43,19 @@ class Limits:
     retry_after: int = 1
 
 
-def error_json(message: str, type_: str, code: str, param: str | None = None, scope=None) -> bytes:
-    """OpenAI's error body, or ollama's ({"error": "..."}) for its /api/ routes."""
+def error_json(message: str, type_: str, code: str, param: str | None = None, scope=None, status: int = 400) -> bytes:
+    """OpenAI's error body, or ollama's ({"error": "..."}) for its /api/ routes, or Anthropic's for /v1/messages."""
     if scope is not None and scope.get("path", "").startswith("/api/"):
         return json.dumps({"error": message}).encode()
+    if scope is not None and scope.get("path", "").startswith("/v1/messages"):
+        from .anthropic import error_body
+        return json.dumps(error_body(status, message)).encode()
     return json.dumps({"error": {"message": message, "type": type_, "param": param, "code": code}}).encode()
 
 
 async def send_error(send, scope, status: int, message: str, type_: str, code: str, *, close: bool = False,
                      headers: tuple = (), param: str | None = None):
-    body = error_json(message, type_, code, param, scope=scope)
+    body = error_json(message, type_, code, param, scope=scope, status=status)
     h = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *headers]
     if close:
         h.append((b"connection", b"close"))
@@ -225,8 +228,10 @@ class LimitsMiddleware:
             await send_error(send, scope, 504, msg, "server_error", "request_timeout")
         elif not state["done"]:
             tail = b""
-            if state["stream"] == "sse":
-                tail = b"data: " + error_json(msg, "server_error", "request_timeout") + b"\n\n"
+            if state["stream"] == "sse":   # Anthropic's streams name their error event
+                event = b"event: error\n" if scope.get("path", "").startswith("/v1/messages") else b""
+                tail = event + b"data: " + error_json(msg, "server_error", "request_timeout", scope=scope,
+                                                      status=504) + b"\n\n"
             elif state["stream"] == "ndjson":
                 tail = error_json(msg, "server_error", "request_timeout", scope=scope) + b"\n"
             await send({"type": "http.response.body", "body": tail, "more_body": False})

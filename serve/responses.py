@@ -16,7 +16,7 @@ import time
 import uuid
 from typing import Any, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
 from .schemas import _Sampling
 
@@ -150,7 +150,7 @@ class ResponsesRequest(_Sampling):
                     raise RequestProblem(f"{where}.role", f"{where}.role {role!r}: expected user, system, "
                                                           "developer or assistant")
                 out.append({"role": "system" if role == "developer" else role,
-                            "content": _text_of(item.get("content"), f"{where}.content")})
+                            "content": text_of_parts(item.get("content"), f"{where}.content")})
             elif kind == "function_call":
                 call_id, name, args = item.get("call_id"), item.get("name"), item.get("arguments", "{}")
                 if not (isinstance(call_id, str) and call_id and isinstance(name, str) and name
@@ -169,7 +169,7 @@ class ResponsesRequest(_Sampling):
                 if not isinstance(call_id, str) or not call_id:
                     raise RequestProblem(f"{where}.call_id", f"{where}.call_id: required")
                 msg = {"role": "tool", "tool_call_id": call_id,
-                       "content": _text_of(item.get("output"), f"{where}.output")}
+                       "content": text_of_parts(item.get("output"), f"{where}.output")}
                 if call_id in names:
                     msg["name"] = names[call_id]
                 out.append(msg)
@@ -216,8 +216,9 @@ class ResponsesRequest(_Sampling):
                                             "{\"type\": \"function\", \"name\": ...} (built-in tools do not run here)")
 
 
-def _text_of(content, where: str) -> str:
-    """A message's content (a string or text parts) as text; parts this model cannot take: RequestProblem."""
+def text_of_parts(content, where: str, kinds=TEXT_PART_TYPES) -> str:
+    """A message's content (a string, or parts of the given text kinds) as text; a part of another kind (an image,
+    a file: this model takes text only) is a RequestProblem naming it. Anthropic's adapter shares it."""
     if content is None:
         return ""
     if isinstance(content, str):
@@ -227,8 +228,9 @@ def _text_of(content, where: str) -> str:
     texts = []
     for j, p in enumerate(content):
         kind = p.get("type") if isinstance(p, dict) else None
-        if kind not in TEXT_PART_TYPES:
-            raise RequestProblem(f"{where}[{j}]", f"{where}[{j}].type {kind!r}: this model takes text only")
+        if kind not in kinds:
+            raise RequestProblem(f"{where}[{j}]", f"{where}[{j}].type {kind!r}: this model takes text only "
+                                                  f"({', '.join(kinds)} parts)")
         t = p.get("refusal" if kind == "refusal" else "text")
         if not isinstance(t, str):
             raise RequestProblem(f"{where}[{j}]", f"{where}[{j}]: a text part needs a string")
@@ -242,7 +244,7 @@ def _id(prefix: str) -> str:
 
 class ResponseBuilder:
     """One response's output items, built from the answer's text as it comes (a tool-call parser splits text from
-    calls): feed() / finish() return the SSE events the stream sends, and response() is the object at any point.
+    calls): feed() / finish() return the SSE events the stream sends, and result() is the object at any point.
     The non-streaming answer is the same calls with the events dropped, so both paths give the same items."""
 
     def __init__(self, body: ResponsesRequest, model: str, params, parser=None, entry=None):
@@ -261,8 +263,8 @@ class ResponseBuilder:
         self.seq += 1
         return f"event: {kind}\ndata: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
-    def start(self) -> list[str]:
-        snap = self.response()
+    def start(self, n_prompt: int = 0) -> list[str]:
+        snap = self.result()
         return [self._event("response.created", response=snap), self._event("response.in_progress", response=snap)]
 
     def feed(self, text: str, lps=()) -> list[str]:
@@ -327,10 +329,11 @@ class ResponseBuilder:
         ev.append(self._event("response.output_item.done", output_index=i, item=item))
         return ev
 
-    def finish(self, finish_reason: str, usage: dict, n_cached: int = 0) -> list[str]:
-        """The end: "stop" (completed) or "length" (incomplete: max_output_tokens or the context). usage: the chat
-        pipeline's counts."""
-        cut = finish_reason == "length"
+    def finish(self, final, usage: dict) -> list[str]:
+        """The end, from the answer's final Chunk: completed, or incomplete (max_output_tokens or the context).
+        usage: the chat pipeline's counts."""
+        cut = final.finish_reason in ("length", "context")
+        n_cached = final.stats.n_cached if final.stats is not None else 0
         rest, calls = self.parser.finish(cut) if self.parser is not None else ("", [])
         ev = self._put(rest, calls, cut_call=self.parser is not None and self.parser.cut_call)
         ev += self._close_message(cut)
@@ -341,16 +344,16 @@ class ResponseBuilder:
                       "total_tokens": usage["total_tokens"]}
         if cut:
             self.status, self.incomplete = "incomplete", {"reason": "max_output_tokens"}
-            return ev + [self._event("response.incomplete", response=self.response())]
+            return ev + [self._event("response.incomplete", response=self.result())]
         self.status = "completed"
-        return ev + [self._event("response.completed", response=self.response())]
+        return ev + [self._event("response.completed", response=self.result())]
 
     def fail(self, message: str) -> list[str]:
         """The engine failed this request's sequence: response.failed (the server goes on)."""
         self.status, self.error = "failed", {"code": "server_error", "message": message}
-        return [self._event("response.failed", response=self.response())]
+        return [self._event("response.failed", response=self.result())]
 
-    def response(self) -> dict:
+    def result(self) -> dict:
         b = self.body
         fmt = b.format_spec() or {"type": "text"}
         return {

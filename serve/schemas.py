@@ -105,7 +105,7 @@ class _Sampling(BaseModel):
         problem = setting_problem(field, value)
         if problem is None and field == "temperature" and cls.MAX_TEMPERATURE is not None \
                 and value > cls.MAX_TEMPERATURE:
-            problem = f"temperature {value:g}: must be <= {cls.MAX_TEMPERATURE:g} (OpenAI's API range)"
+            problem = f"temperature {value:g}: must be <= {cls.MAX_TEMPERATURE:g} (this API's range)"
         if problem:
             raise PydanticCustomError("invalid_setting", problem)   # the message as is, named by its field
         return value

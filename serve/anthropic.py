@@ -1,0 +1,285 @@
+"""Anthropic's Messages API (`POST /v1/messages`, `POST /v1/messages/count_tokens`) over the chat pipeline, as
+llama-server and ollama serve it (since January 2026) for Claude-compatible clients and agents: the request is
+translated into the chat endpoint's terms (content blocks -> messages, `tool_use` / `tool_result` blocks -> tool
+calls and results, `input_schema` tools -> chat tools, `output_config.format` -> the constraint) and the answer
+built back as content blocks, whole or as the typed SSE events (message_start, content_block_start / delta /
+stop, message_delta, message_stop). A final assistant message is a prefill: the answer continues it.
+
+What this server cannot do is refused with a 400 naming the field: images and documents, extended thinking, effort
+levels, server tools (web search, bash, text editor, computer use, MCP, code execution), containers. Errors
+come back in Anthropic's shape (`{"type": "error", "error": {"type", "message"}}`). Pure translation: no engine,
+no I/O; serve/app.py runs the request and feeds `MessageBuilder`. The fields: docs/api.md.
+"""
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any, ClassVar, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from .responses import RequestProblem, text_of_parts
+from .schemas import _Sampling
+
+# finish reason (engine) -> stop_reason; "tool_use" replaces end_turn when whole calls were made
+STOP_REASON = {"eos": "end_turn", "stop": "stop_sequence", "length": "max_tokens",
+               "context": "model_context_window_exceeded", "cancelled": "end_turn"}
+# Anthropic's error types by HTTP status (its API's table); anything else 5xx is api_error
+ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+              404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
+
+
+def error_body(status: int, message: str) -> dict:
+    return {"type": "error", "error": {"type": ERROR_TYPE.get(status, "api_error" if status >= 500 else
+                                                              "invalid_request_error"), "message": message}}
+
+
+class _Conversation(BaseModel):
+    """What /v1/messages and /v1/messages/count_tokens share: the conversation and its tools."""
+    model_config = ConfigDict(extra="ignore")
+    messages: list[Any] = Field(min_length=1)
+    system: Union[str, list[Any], None] = None
+    tools: Optional[list[Any]] = None
+    tool_choice: Optional[dict[str, Any]] = None
+    thinking: Optional[dict[str, Any]] = None
+
+    def chat_messages(self) -> tuple[list[dict], str]:
+        """(the engine's chat messages, the prefill: the text of a final assistant message the answer continues);
+        RequestProblem naming the block this model cannot take."""
+        out: list[dict] = []
+        if self.system:
+            out.append({"role": "system", "content": text_of_parts(self.system, "system", ("text",))})
+        names: dict[str, str] = {}   # tool_use id -> tool name, for the results that answer them
+        for i, m in enumerate(self.messages):
+            where = f"messages.{i}"
+            if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
+                raise RequestProblem(f"{where}.role", f"{where}.role: expected user or assistant")
+            blocks = m.get("content")
+            if isinstance(blocks, str):
+                out.append({"role": m["role"], "content": blocks})
+                continue
+            if not isinstance(blocks, list):
+                raise RequestProblem(f"{where}.content", f"{where}.content: a string or a list of content blocks")
+            texts, calls = [], []
+            for j, b in enumerate(blocks):
+                at = f"{where}.content.{j}"
+                kind = b.get("type") if isinstance(b, dict) else None
+                if kind == "text" and isinstance(b.get("text"), str):
+                    texts.append(b["text"])
+                elif kind == "tool_use" and m["role"] == "assistant":
+                    if not (isinstance(b.get("id"), str) and isinstance(b.get("name"), str)
+                            and isinstance(b.get("input", {}), dict)):
+                        raise RequestProblem(at, f"{at}: a tool_use block needs id, name and an input object")
+                    names[b["id"]] = b["name"]
+                    calls.append({"id": b["id"], "type": "function", "function": {
+                        "name": b["name"], "arguments": json.dumps(b.get("input", {}), ensure_ascii=False)}})
+                elif kind == "tool_result" and m["role"] == "user":
+                    use_id = b.get("tool_use_id")
+                    if not isinstance(use_id, str):
+                        raise RequestProblem(f"{at}.tool_use_id", f"{at}.tool_use_id: required")
+                    content = b.get("content")
+                    result = text_of_parts(content, f"{at}.content", ("text",))
+                    if b.get("is_error"):
+                        result = f"Error: {result}"
+                    msg = {"role": "tool", "tool_call_id": use_id, "content": result}
+                    if use_id in names:
+                        msg["name"] = names[use_id]
+                    out.append(msg)
+                elif kind in ("tool_use", "tool_result"):
+                    raise RequestProblem(f"{at}.type", f"{at}.type {kind!r}: belongs in an "
+                                                       f"{'assistant' if kind == 'tool_use' else 'user'} message")
+                else:
+                    raise RequestProblem(f"{at}.type", f"{at}.type {kind!r}: not supported here (text, tool_use and "
+                                                       "tool_result blocks are; this model takes text only)")
+            if texts or calls or m["role"] == "assistant":
+                msg = {"role": m["role"], "content": "".join(texts)}
+                if calls:
+                    msg["tool_calls"] = calls
+                out.append(msg)
+        prefill = ""
+        last = out[-1] if out else None
+        if last is not None and last["role"] == "assistant":
+            if last.get("tool_calls"):
+                raise RequestProblem(f"messages.{len(self.messages) - 1}", "the last message is the assistant's tool "
+                                     "use: send its tool_result in a user message")
+            prefill = out.pop()["content"]
+        if not any(m["role"] != "system" for m in out):
+            raise RequestProblem("messages", "messages: no user message to answer")
+        return out, prefill
+
+    def chat_tools(self) -> Optional[list[dict]]:
+        if not self.tools:
+            return None
+        out = []
+        for i, t in enumerate(self.tools):
+            kind = t.get("type", "custom") if isinstance(t, dict) else None
+            if kind != "custom" or not isinstance(t.get("name"), str):
+                raise RequestProblem(f"tools.{i}", f"tools.{i}: only custom tools ({{name, description, "
+                                     f"input_schema}}) run here, not {kind!r} (server tools run on Anthropic's)")
+            fn = {"name": t["name"], "description": t.get("description") or "",
+                  "parameters": t.get("input_schema") or {"type": "object", "properties": {}}}
+            out.append({"type": "function", "function": fn})
+        return out
+
+    def tool_choice_name(self) -> str:
+        c = self.tool_choice or {"type": "auto"}
+        kind = c.get("type")
+        if kind == "tool":
+            if not isinstance(c.get("name"), str):
+                raise RequestProblem("tool_choice.name", "tool_choice.name: required for type tool")
+            return c["name"]
+        if kind not in ("auto", "any", "none"):
+            raise RequestProblem("tool_choice.type", f"tool_choice.type {kind!r}: expected auto, any, tool or none")
+        return {"auto": "auto" if self.tools else "none", "any": "required", "none": "none"}[kind]
+
+    @property
+    def parallel_tool_calls(self) -> bool:
+        return not (self.tool_choice or {}).get("disable_parallel_tool_use", False)
+
+    def refused(self) -> tuple[str, str] | None:
+        if (self.thinking or {}).get("type") not in (None, "disabled"):
+            return "thinking", "this model has no thinking mode (thinking is not supported)"
+        return None
+
+
+class MessagesRequest(_Conversation, _Sampling):
+    """The body of POST /v1/messages (Anthropic's fields; the chat endpoint's sampling extras too)."""
+    MAX_TEMPERATURE: ClassVar[Optional[float]] = 1.0   # Anthropic's range
+    MAX_STOPS: ClassVar[Optional[int]] = None
+    max_tokens: int = Field(ge=1)
+    stop_sequences: Optional[list[str]] = None
+    output_config: Optional[dict[str, Any]] = None
+    container: Optional[Any] = None
+    mcp_servers: Optional[Any] = None
+
+    def limit(self) -> Optional[int]:
+        return self.max_tokens
+
+    def stops(self) -> list[str]:
+        return [s for s in (self.stop_sequences or []) + super().stops() if s]
+
+    def format_spec(self) -> Optional[dict]:
+        fmt = (self.output_config or {}).get("format")
+        if fmt is None:
+            return None
+        if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
+            raise RequestProblem("output_config.format", "output_config.format: {\"type\": \"json_schema\", "
+                                                         "\"schema\": {...}}")
+        return fmt
+
+    def constraint(self):
+        from ..engine.errors import ConstraintError
+        from ..engine.runtime.constraints import Constraint
+        fmt, other = self.format_spec(), super().constraint()
+        if fmt is None:
+            return other
+        if other is not None:
+            raise ConstraintError("give output_config.format or one of response_format, json_schema and grammar",
+                                  where=other.where)
+        return Constraint.json_schema(fmt["schema"], where="output_config.format.schema")
+
+    def unsupported(self) -> tuple[str, str] | None:
+        refused = self.refused()
+        if refused:
+            return refused
+        if (self.output_config or {}).get("effort") is not None:
+            return "output_config.effort", "effort levels are not supported (this model has no reasoning mode)"
+        if self.container is not None:
+            return "container", "code execution containers are not supported"
+        if self.mcp_servers:
+            return "mcp_servers", "MCP servers are not supported here (give their tools as custom tools)"
+        if self.n != 1:
+            return "n", "one answer per message (n is not part of the Messages API)"
+        return super().unsupported()
+
+
+class CountTokensRequest(_Conversation):
+    model: Optional[str] = None
+
+
+class MessageBuilder:
+    """One answer's content blocks, built from its text as it comes (a tool-call parser splits text from calls):
+    feed() / finish() return the SSE events the stream sends, result() the whole answer. The non-streaming answer
+    is the same calls with the events dropped."""
+
+    def __init__(self, model: str, parser=None):
+        self.model, self.parser = model, parser
+        self.id = f"msg_{uuid.uuid4().hex}"
+        self.content: list[dict] = []
+        self.open_text = False   # the last block is text still being written
+        self.stop_reason = self.stop_sequence = None
+        self.usage = {"input_tokens": 0, "output_tokens": 0, "cache_read_input_tokens": 0,
+                      "cache_creation_input_tokens": 0}
+
+    @staticmethod
+    def _event(kind: str, **fields) -> str:
+        return f"event: {kind}\ndata: {json.dumps({'type': kind, **fields}, ensure_ascii=False)}\n\n"
+
+    def start(self, n_prompt: int) -> list[str]:
+        self.usage["input_tokens"] = n_prompt
+        head = {**self.result(), "content": [], "stop_reason": None}
+        return [self._event("message_start", message=head), self._event("ping")]
+
+    def feed(self, text: str, lps=()) -> list[str]:   # logprobs: none in this API
+        content, calls = self.parser.feed(text) if self.parser is not None else (text, [])
+        return self._put(content, calls)
+
+    def _put(self, content: str, calls: list[dict]) -> list[str]:
+        ev = []
+        if content:
+            if not self.open_text:
+                self.content.append({"type": "text", "text": ""})
+                self.open_text = True
+                ev.append(self._event("content_block_start", index=len(self.content) - 1,
+                                      content_block={"type": "text", "text": ""}))
+            self.content[-1]["text"] += content
+            ev.append(self._event("content_block_delta", index=len(self.content) - 1,
+                                  delta={"type": "text_delta", "text": content}))
+        for c in calls:
+            ev += self._close_text()
+            fn = c["function"]
+            try:
+                args = json.loads(fn["arguments"])
+            except ValueError:   # a call cut at max_tokens: its arguments so far are no object
+                args = None
+            block = {"type": "tool_use", "id": "toolu_" + c["id"].split("_", 1)[-1], "name": fn["name"],
+                     "input": args if isinstance(args, dict) else {}}
+            self.content.append(block)
+            i = len(self.content) - 1
+            ev.append(self._event("content_block_start", index=i, content_block={**block, "input": {}}))
+            if isinstance(args, dict):
+                ev.append(self._event("content_block_delta", index=i,
+                                      delta={"type": "input_json_delta", "partial_json": json.dumps(args)}))
+            ev.append(self._event("content_block_stop", index=i))
+        return ev
+
+    def _close_text(self) -> list[str]:
+        if not self.open_text:
+            return []
+        self.open_text = False
+        return [self._event("content_block_stop", index=len(self.content) - 1)]
+
+    def finish(self, final, usage: dict) -> list[str]:
+        """The end, from the answer's final Chunk (its reason and Stats); usage: the chat pipeline's counts."""
+        finish_reason, st = final.finish_reason, final.stats
+        n_generated, n_cached = usage["completion_tokens"], st.n_cached if st is not None else 0
+        stop_word = st.stop_word if st is not None else None
+        cut = finish_reason in ("length", "context")
+        rest, calls = self.parser.finish(cut) if self.parser is not None else ("", [])
+        ev = self._put(rest, calls) + self._close_text()
+        reason = STOP_REASON.get(finish_reason, "end_turn")
+        if reason == "end_turn" and any(b["type"] == "tool_use" for b in self.content):
+            reason = "tool_use"
+        self.stop_reason, self.stop_sequence = reason, stop_word if reason == "stop_sequence" else None
+        self.usage["output_tokens"], self.usage["cache_read_input_tokens"] = n_generated, n_cached
+        return ev + [self._event("message_delta", delta={"stop_reason": self.stop_reason,
+                                                         "stop_sequence": self.stop_sequence},
+                                 usage={"output_tokens": n_generated}),
+                     self._event("message_stop")]
+
+    def fail(self, message: str) -> list[str]:
+        return [self._event("error", error={"type": "api_error", "message": message})]
+
+    def result(self) -> dict:
+        return {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": self.content,
+                "stop_reason": self.stop_reason, "stop_sequence": self.stop_sequence, "usage": dict(self.usage)}

@@ -1,0 +1,193 @@
+"""Anthropic's Messages API on `bitnet serve` (POST /v1/messages and /v1/messages/count_tokens, serve/anthropic.py),
+driven by the official `anthropic` client against a real subprocess on 127.0.0.1 with the bundled model. The
+endpoint is a translation over the chat pipeline, so each answer is checked against /v1/chat/completions given
+the same conversation (greedy: the same text, token counts and tool calls), the stream through the client's own
+accumulator (`client.messages.stream`), a prefill against the raw prompt continued by /completion, and every
+field that cannot be honoured comes back as a 400 in Anthropic's error shape. The client has no `temperature`
+argument (Anthropic's newest models take none); the server takes it as an extra field, sent with extra_body."""
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+anthropic = pytest.importorskip("anthropic", reason="the Anthropic API tests need its client (pip install .[test])")
+jsonschema = pytest.importorskip("jsonschema", reason="the structured-output checks need jsonschema (pip install .[test])")
+pytest.importorskip("fastapi", reason="bitnet serve needs the serve extra (pip install .[serve])")
+
+from serve_proc import Server  # noqa: E402
+
+SERVER_ARGS = ("--parallel", "4")   # conftest's server fixture
+Q = "What is 12+7?"
+GREEDY = {"extra_body": {"temperature": 0}}
+ADD_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["a", "b"],
+              "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}
+ADD = {"name": "add", "description": "add two integers", "input_schema": ADD_SCHEMA}
+ADD_CHAT = {"type": "function", "function": {"name": "add", "description": "add two integers",
+                                             "parameters": ADD_SCHEMA}}
+
+
+@pytest.fixture(scope="module")
+def claude(server):
+    return anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0, timeout=120)
+
+
+def chat(server, messages, **kw):
+    r = httpx.post(server.url + "/v1/chat/completions", json={"messages": messages, "temperature": 0, **kw},
+                   timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def text_of(m) -> str:
+    return "".join(b.text for b in m.content if b.type == "text")
+
+
+def test_text_answer_is_the_chat_answer(claude, server):
+    m = claude.messages.create(model="any", max_tokens=40, system="Be brief.",
+                               messages=[{"role": "user", "content": Q}], **GREEDY)
+    c = chat(server, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": Q}], max_tokens=40)
+    assert m.type == "message" and m.role == "assistant" and m.id.startswith("msg_")
+    assert text_of(m) == c["choices"][0]["message"]["content"] and [b.type for b in m.content] == ["text"]
+    assert m.stop_reason == {"stop": "end_turn", "length": "max_tokens"}[c["choices"][0]["finish_reason"]]
+    assert (m.usage.input_tokens, m.usage.output_tokens) == (c["usage"]["prompt_tokens"],
+                                                             c["usage"]["completion_tokens"])
+
+
+def test_blocks_and_turns_are_chat_messages(claude, server):
+    m = claude.messages.create(model="any", max_tokens=30, system=[{"type": "text", "text": "Be "},
+                                                                  {"type": "text", "text": "brief."}],
+                               messages=[{"role": "user", "content": [{"type": "text", "text": Q}]},
+                                         {"role": "assistant", "content": "19."},
+                                         {"role": "user", "content": "And 3+4?"}], **GREEDY)
+    c = chat(server, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": Q},
+                      {"role": "assistant", "content": "19."}, {"role": "user", "content": "And 3+4?"}], max_tokens=30)
+    assert text_of(m) == c["choices"][0]["message"]["content"]
+
+
+def test_stream_through_the_clients_accumulator(claude, server):
+    kw = dict(model="any", max_tokens=40, messages=[{"role": "user", "content": Q}], **GREEDY)
+    whole = claude.messages.create(**kw)
+    with claude.messages.stream(**kw) as s:
+        streamed = "".join(s.text_stream)
+        final = s.get_final_message()
+    assert streamed == text_of(whole) == text_of(final) and final.stop_reason == whole.stop_reason
+    assert final.usage.output_tokens == whole.usage.output_tokens
+    kinds = []
+    with httpx.stream("POST", server.url + "/v1/messages", timeout=120,
+                      json={"model": "any", "max_tokens": 40, "stream": True, "temperature": 0,
+                            "messages": [{"role": "user", "content": Q}]}) as r:
+        for line in r.iter_lines():
+            if line.startswith("event: "):
+                kinds.append(line[7:])
+    assert kinds[:3] == ["message_start", "ping", "content_block_start"]
+    assert kinds[-3:] == ["content_block_stop", "message_delta", "message_stop"]
+    assert kinds.count("content_block_delta") >= 2
+
+
+def test_tool_use_and_tool_results(claude, server):
+    kw = dict(model="any", max_tokens=200, messages=[{"role": "user", "content": Q}], tools=[ADD], **GREEDY)
+    m = claude.messages.create(tool_choice={"type": "any"}, **kw)
+    c = chat(server, [{"role": "user", "content": Q}], tools=[ADD_CHAT], tool_choice="required", max_tokens=200)
+    want = c["choices"][0]["message"]["tool_calls"]
+    uses = [b for b in m.content if b.type == "tool_use"]
+    assert [(u.name, u.input) for u in uses] == [(w["function"]["name"], json.loads(w["function"]["arguments"]))
+                                                 for w in want]
+    assert m.stop_reason == "tool_use" and all(u.id.startswith("toolu_") for u in uses)
+    for u in uses:
+        jsonschema.validate(u.input, ADD_SCHEMA)
+    with claude.messages.stream(tool_choice={"type": "tool", "name": "add"}, **kw) as s:
+        final = s.get_final_message()
+    assert [(b.name, b.input) for b in final.content if b.type == "tool_use"] == [(u.name, u.input) for u in uses]
+    # the results go back in a user message: the chat answer to the same history
+    back = [{"role": "user", "content": Q}, {"role": "assistant", "content": [u.model_dump() for u in uses]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": u.id, "content": "19"} for u in uses]}]
+    m2 = claude.messages.create(model="any", max_tokens=30, messages=back, tools=[ADD], **GREEDY)
+    history = [{"role": "user", "content": Q},
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": u.id, "type": "function", "function": {"name": u.name, "arguments": json.dumps(u.input)}}
+                   for u in uses]}] + \
+              [{"role": "tool", "tool_call_id": u.id, "name": u.name, "content": "19"} for u in uses]
+    c2 = chat(server, history, tools=[ADD_CHAT], max_tokens=30)
+    assert text_of(m2) == (c2["choices"][0]["message"]["content"] or "")
+
+
+def test_a_final_assistant_message_is_continued(claude, server):
+    convo = [{"role": "user", "content": "Tell me a story."}]
+    m = claude.messages.create(model="any", max_tokens=10, messages=convo + [
+        {"role": "assistant", "content": "Once upon a time"}], **GREEDY)
+    prompt = httpx.post(server.url + "/apply-template", json={"messages": convo}, timeout=60).json()["prompt"]
+    ids = httpx.post(server.url + "/tokenize", json={"content": prompt + "Once upon a time"}, timeout=60).json()
+    r = httpx.post(server.url + "/completion", json={"prompt": ids["tokens"], "n_predict": 10, "temperature": 0},
+                   timeout=60).json()
+    assert text_of(m) == r["content"] and m.usage.input_tokens == len(ids["tokens"])
+
+
+def test_stop_sequences_and_count_tokens(claude, server):
+    kw = dict(model="any", max_tokens=30, messages=[{"role": "user", "content": "Tell me a story."}], **GREEDY)
+    whole = text_of(claude.messages.create(**kw))
+    word = whole.split()[3]
+    m = claude.messages.create(stop_sequences=["no such words", word], **kw)
+    assert m.stop_reason == "stop_sequence" and m.stop_sequence == word and whole.startswith(text_of(m))
+    for extra in ({}, {"tools": [ADD]}):
+        n = claude.messages.count_tokens(model="any", messages=kw["messages"], **extra).input_tokens
+        assert n == claude.messages.create(max_tokens=1, model="any", messages=kw["messages"], **extra,
+                                           **GREEDY).usage.input_tokens
+
+
+def test_structured_output_by_output_config(claude, server):
+    schema = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"],
+              "additionalProperties": False}
+    m = claude.messages.create(model="any", max_tokens=60, messages=[{"role": "user", "content": Q}],
+                               output_config={"format": {"type": "json_schema", "schema": schema}}, **GREEDY)
+    jsonschema.validate(json.loads(text_of(m)), schema)
+    c = chat(server, [{"role": "user", "content": Q}], max_tokens=60,
+             response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}})
+    assert text_of(m) == c["choices"][0]["message"]["content"]
+
+
+@pytest.mark.parametrize("extra", [
+    {"messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "base64", "media_type":
+                                                                             "image/png", "data": "AAAA"}}]}]},
+    {"messages": [{"role": "user", "content": [{"type": "document", "source": {"type": "text", "data": "x"}}]}]},
+    {"messages": [{"role": "user", "content": [{"type": "tool_use", "id": "t", "name": "add", "input": {}}]}]},
+    {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": [
+        {"type": "tool_use", "id": "t", "name": "add", "input": {}}]}]},
+    {"messages": [{"role": "system", "content": "hi"}]},
+    {"messages": []},
+    {"thinking": {"type": "enabled", "budget_tokens": 1024}},
+    {"output_config": {"effort": "high"}},
+    {"output_config": {"format": {"type": "json_object"}}},
+    {"tools": [{"type": "web_search_20250305", "name": "web_search"}]},
+    {"tools": [ADD], "tool_choice": {"type": "tool"}},
+    {"tools": [ADD], "tool_choice": {"type": "sometimes"}},
+    {"tool_choice": {"type": "any"}},
+    {"container": "c1"},
+    {"mcp_servers": [{"type": "url", "url": "http://127.0.0.1:1", "name": "x"}]},
+    {"temperature": 1.5},
+    {"max_tokens": None},
+])
+def test_what_cannot_be_honoured_is_a_400_in_anthropics_shape(server, extra):
+    body = {"model": "any", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], **extra}
+    body = {k: v for k, v in body.items() if v is not None}
+    r = httpx.post(server.url + "/v1/messages", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()
+    assert err["type"] == "error" and err["error"]["type"] == "invalid_request_error" and err["error"]["message"]
+
+
+def test_x_api_key_is_a_key():
+    s = Server("--api-key", "sekrit", "--parallel", "2")
+    try:
+        ok = anthropic.Anthropic(base_url=s.url, api_key="sekrit", max_retries=0, timeout=60)
+        assert ok.messages.create(model="any", max_tokens=2, messages=[{"role": "user", "content": "hi"}]).content
+        bad = anthropic.Anthropic(base_url=s.url, api_key="wrong", max_retries=0, timeout=60)
+        with pytest.raises(anthropic.AuthenticationError) as e:
+            bad.messages.create(model="any", max_tokens=2, messages=[{"role": "user", "content": "hi"}])
+        assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "authentication_error"
+        r = httpx.post(s.url + "/v1/chat/completions", headers={"x-api-key": "sekrit"}, timeout=60,
+                       json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        assert r.status_code == 200   # the same key, sent as Anthropic's clients send it, on any endpoint
+    finally:
+        s.stop()
