@@ -18,22 +18,11 @@ from typing import Any, ClassVar, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .responses import RequestProblem, text_of_parts
-from .schemas import _Sampling
+from .schemas import RequestProblem, _Sampling, text_of_parts
 
 # finish reason (engine) -> stop_reason; "tool_use" replaces end_turn when whole calls were made
 STOP_REASON = {"eos": "end_turn", "stop": "stop_sequence", "length": "max_tokens",
                "context": "model_context_window_exceeded", "cancelled": "end_turn"}
-# Anthropic's error types by HTTP status (its API's table); anything else 5xx is api_error
-ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-              404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
-
-
-def error_body(status: int, message: str) -> dict:
-    return {"type": "error", "error": {"type": ERROR_TYPE.get(status, "api_error" if status >= 500 else
-                                                              "invalid_request_error"), "message": message}}
-
-
 class _Conversation(BaseModel):
     """What /v1/messages and /v1/messages/count_tokens share: the conversation and its tools."""
     model_config = ConfigDict(extra="ignore")

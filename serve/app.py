@@ -25,14 +25,14 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .auth import AuthMiddleware, KeyChecker
-from .limits import Limits, LimitsMiddleware
+from .limits import Limits, LimitsMiddleware, anthropic_error_body
 from .logprobs import TokenText, chat_entry, completion_logprobs
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .offload import (BodyRefused, next_or_gone, offloop_route, prompt_body_bound, run_off_loop,
                       too_long_for_context, warm_bounds)
-from .anthropic import CountTokensRequest, MessageBuilder, MessagesRequest, error_body as anthropic_error
-from .responses import RequestProblem, ResponseBuilder, ResponsesRequest
-from .schemas import ChatCompletionRequest, CompletionRequest
+from .anthropic import CountTokensRequest, MessageBuilder, MessagesRequest
+from .responses import ResponseBuilder, ResponsesRequest
+from .schemas import ChatCompletionRequest, CompletionRequest, RequestProblem
 
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context": "length", "cancelled": "stop"}
 ENGINE_FAULT = "the engine failed while generating this answer (the server goes on; see its log)"
@@ -164,7 +164,7 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         if path.startswith("/api/"):
             body = {"error": json.loads(resp.body)["error"]["message"]}
         elif path.startswith("/v1/messages"):
-            body = anthropic_error(resp.status_code, json.loads(resp.body)["error"]["message"])
+            body = anthropic_error_body(resp.status_code, json.loads(resp.body)["error"]["message"])
         else:
             return resp
         headers = {k: v for k, v in resp.headers.items() if k.lower() not in ("content-length", "content-type")}

@@ -43,13 +43,22 @@ class Limits:
     retry_after: int = 1
 
 
+# Anthropic's error types by HTTP status (its API's table); anything else 5xx is api_error
+ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+              404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
+
+
+def anthropic_error_body(status: int, message: str) -> dict:
+    return {"type": "error", "error": {"type": ERROR_TYPE.get(status, "api_error" if status >= 500 else
+                                                              "invalid_request_error"), "message": message}}
+
+
 def error_json(message: str, type_: str, code: str, param: str | None = None, scope=None, status: int = 400) -> bytes:
     """OpenAI's error body, or ollama's ({"error": "..."}) for its /api/ routes, or Anthropic's for /v1/messages."""
     if scope is not None and scope.get("path", "").startswith("/api/"):
         return json.dumps({"error": message}).encode()
     if scope is not None and scope.get("path", "").startswith("/v1/messages"):
-        from .anthropic import error_body
-        return json.dumps(error_body(status, message)).encode()
+        return json.dumps(anthropic_error_body(status, message)).encode()
     return json.dumps({"error": {"message": message, "type": type_, "param": param, "code": code}}).encode()
 
 

@@ -18,7 +18,7 @@ from typing import Any, Optional, Union
 
 from pydantic import ConfigDict, Field
 
-from .schemas import _Sampling
+from .schemas import RequestProblem, _Sampling, text_of_parts
 
 # `include` values: what they ask for exists here (logprobs) or is vacuous (no reasoning, no built-in tools run)
 INCLUDE_LOGPROBS = "message.output_text.logprobs"
@@ -32,15 +32,7 @@ REFUSED_STATE = {
     "prompt": "stored prompt templates are not supported; send instructions and input",
     "max_tool_calls": "max_tool_calls is not supported (built-in tools do not run here)",
 }
-TEXT_PART_TYPES = ("input_text", "output_text", "text", "refusal")
-
-
-class RequestProblem(ValueError):
-    """A request the Responses adapter cannot run: (param, message), answered as a 400."""
-
-    def __init__(self, param: str, message: str):
-        super().__init__(message)
-        self.param = param
+TEXT_PARTS = ("input_text", "output_text", "text", "refusal")   # the Responses API's text content parts
 
 
 class ResponsesRequest(_Sampling):
@@ -150,7 +142,7 @@ class ResponsesRequest(_Sampling):
                     raise RequestProblem(f"{where}.role", f"{where}.role {role!r}: expected user, system, "
                                                           "developer or assistant")
                 out.append({"role": "system" if role == "developer" else role,
-                            "content": text_of_parts(item.get("content"), f"{where}.content")})
+                            "content": text_of_parts(item.get("content"), f"{where}.content", TEXT_PARTS)})
             elif kind == "function_call":
                 call_id, name, args = item.get("call_id"), item.get("name"), item.get("arguments", "{}")
                 if not (isinstance(call_id, str) and call_id and isinstance(name, str) and name
@@ -169,7 +161,7 @@ class ResponsesRequest(_Sampling):
                 if not isinstance(call_id, str) or not call_id:
                     raise RequestProblem(f"{where}.call_id", f"{where}.call_id: required")
                 msg = {"role": "tool", "tool_call_id": call_id,
-                       "content": text_of_parts(item.get("output"), f"{where}.output")}
+                       "content": text_of_parts(item.get("output"), f"{where}.output", TEXT_PARTS)}
                 if call_id in names:
                     msg["name"] = names[call_id]
                 out.append(msg)
@@ -214,28 +206,6 @@ class ResponsesRequest(_Sampling):
             return c["name"]
         raise RequestProblem("tool_choice", f"tool_choice {json.dumps(c)[:80]}: only none, auto, required or "
                                             "{\"type\": \"function\", \"name\": ...} (built-in tools do not run here)")
-
-
-def text_of_parts(content, where: str, kinds=TEXT_PART_TYPES) -> str:
-    """A message's content (a string, or parts of the given text kinds) as text; a part of another kind (an image,
-    a file: this model takes text only) is a RequestProblem naming it. Anthropic's adapter shares it."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise RequestProblem(where, f"{where}: expected a string or a list of content parts")
-    texts = []
-    for j, p in enumerate(content):
-        kind = p.get("type") if isinstance(p, dict) else None
-        if kind not in kinds:
-            raise RequestProblem(f"{where}[{j}]", f"{where}[{j}].type {kind!r}: this model takes text only "
-                                                  f"({', '.join(kinds)} parts)")
-        t = p.get("refusal" if kind == "refusal" else "text")
-        if not isinstance(t, str):
-            raise RequestProblem(f"{where}[{j}]", f"{where}[{j}]: a text part needs a string")
-        texts.append(t)
-    return "".join(texts)
 
 
 def _id(prefix: str) -> str:

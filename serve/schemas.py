@@ -32,6 +32,37 @@ REFUSED = {
 OPENAI_MAX_TEMPERATURE = 2.0
 
 
+class RequestProblem(ValueError):
+    """A request an adapter (Responses, Anthropic) cannot translate: (param, message), answered as a 400."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+def text_of_parts(content, where: str, kinds: tuple[str, ...]) -> str:
+    """A message's content (a string, or parts of the given text kinds) as text; a part of another kind (an image,
+    a file: this model takes text only) is a RequestProblem naming it.
+    The Responses and Anthropic adapters share it."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise RequestProblem(where, f"{where}: expected a string or a list of content parts")
+    texts = []
+    for j, p in enumerate(content):
+        kind = p.get("type") if isinstance(p, dict) else None
+        if kind not in kinds:
+            raise RequestProblem(f"{where}[{j}]", f"{where}[{j}].type {kind!r}: this model takes text only "
+                                                  f"({', '.join(kinds)} parts)")
+        t = p.get("refusal" if kind == "refusal" else "text")
+        if not isinstance(t, str):
+            raise RequestProblem(f"{where}[{j}]", f"{where}[{j}]: a text part needs a string")
+        texts.append(t)
+    return "".join(texts)
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
