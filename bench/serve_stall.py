@@ -27,7 +27,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
-from bench_serve import free_port, wait_healthy  # noqa: E402
+from bench_serve import free_port, stop_server, wait_healthy  # noqa: E402
 from make_models import DEFAULT_CACHE  # noqa: E402
 
 TIMEOUT = 600.0   # seconds any one request, server start or run may take
@@ -127,11 +127,7 @@ def main(argv=None) -> int:
                 loaded = run_one(url, a.streams, a.gen, rng.integers(3, vocab, a.prompt).tolist(), vocab)
                 alone = run_one(url, 0, a.gen, rng.integers(3, vocab, a.prompt).tolist(), vocab)
             finally:
-                proc.terminate()
-                try:
-                    proc.wait(30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+                stop_server(proc)
             rows[b].append({**loaded, "alone_s": alone["answer_s"]})
             print(f"-b {b}: {a.streams} streams' gaps median {1e3 * loaded['gap_p50_s']:.0f} ms, p99 "
                   f"{1e3 * loaded['gap_p99_s']:.0f} ms, max {1e3 * loaded['gap_max_s']:.0f} ms; the {a.prompt}-token "
