@@ -15,7 +15,7 @@ import importlib
 import os
 import sys
 
-COMMANDS = ["run", "convert", "inspect", "info", "pull", "list", "rm", "serve"]
+COMMANDS = ["run", "convert", "inspect", "info", "pull", "list", "rm", "serve", "bench"]
 
 
 def build_parser(subparsers: dict | None = None) -> argparse.ArgumentParser:

@@ -80,6 +80,13 @@ class ModelConfig:
     def kv_dim(self) -> int:
         return self.n_kv_heads * self.head_dim
 
+    @property
+    def n_params(self) -> int:
+        """Weights of the model (embeddings, the head unless tied, attention and MLP matrices; norms left out)."""
+        d = self.hidden_size
+        per_layer = d * self.q_dim * 2 + d * self.kv_dim * 2 + 3 * d * self.intermediate_size
+        return self.vocab_size * d * (1 if self.tie_word_embeddings else 2) + self.n_layers * per_layer
+
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["eos_token_ids"] = list(self.eos_token_ids)

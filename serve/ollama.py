@@ -152,9 +152,7 @@ def _engine_message(i: int, m: _Message) -> dict:
 
 
 def _param_size(cfg) -> str:
-    d, hd = cfg.hidden_size, cfg.head_dim
-    per_layer = d * cfg.n_heads * hd * 2 + d * cfg.n_kv_heads * hd * 2 + 3 * d * cfg.intermediate_size
-    n = cfg.vocab_size * d * (1 if cfg.tie_word_embeddings else 2) + cfg.n_layers * per_layer
+    n = cfg.n_params
     return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.0f}M"
 
 

@@ -1,0 +1,198 @@
+"""`bitnet bench`: how fast a model runs on this machine, as llama.cpp's `llama-bench` measures it, with its flags and
+its table (or JSON / JSON lines / CSV for scripts).
+
+`ppN`: a fresh cache, N random prompt tokens prefilled (one pass of the engine's prefill chunks), N / time. `tgN`:
+N tokens decoded one by one after the first token, greedy, end of text ignored and prompt lookup off, N / time:
+unlike llama-bench's (random tokens fed back) it includes picking each token from the LM head, as every real
+answer does. `ppN+tgM` (-pg): both, (N + M) / time. Each test runs once unrecorded (warm-up), then -r times:
+mean ± sample standard deviation of the rates. Rows print as tests finish; Ctrl-C keeps them (exit 130).
+The same kernels as `bitnet run` (BITNET_ISA=avx512 turns AMX tiles off, for an A/B on one machine).
+"""
+HELP = "measure prompt processing (pp) and generation (tg) speed, llama-bench style (-p, -n, -pg, -t, -r, -o)"
+
+FORMATS = ("md", "json", "jsonl", "csv")
+
+
+def _int_list(flag: str, minimum: int):
+    def parse(text: str) -> list[int]:
+        import argparse
+        try:
+            vals = [int(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r}: a comma-separated list of integers") from None
+        if not vals or any(v < minimum for v in vals):
+            raise argparse.ArgumentTypeError(f"{text!r}: integers >= {minimum}")
+        return vals
+    parse.__name__ = flag
+    return parse
+
+
+def _pairs(text: str) -> list[tuple[int, int]]:
+    import argparse
+    out = []
+    for item in text.split(";") if ";" in text else [text]:
+        try:
+            pp, tg = (int(x) for x in item.split(","))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{item!r}: PP,TG (e.g. 512,128)") from None
+        if pp < 1 or tg < 1:
+            raise argparse.ArgumentTypeError(f"{item!r}: PP and TG >= 1")
+        out.append((pp, tg))
+    return out
+
+
+def add_arguments(p):
+    from .flags import add_model_args
+    add_model_args(p)
+    p.add_argument("-p", "--n-prompt", type=_int_list("n-prompt", 0), default=[512], metavar="N[,N...]",
+                   help="prompt tokens of each pp test (0: none)")
+    p.add_argument("-n", "--n-gen", type=_int_list("n-gen", 0), default=[128], metavar="N[,N...]",
+                   help="generated tokens of each tg test (0: none)")
+    p.add_argument("-pg", dest="pg", type=_pairs, default=[], metavar="PP,TG",
+                   help="also a prompt of PP tokens then TG generated, timed together (several: 'A,B;C,D')")
+    p.add_argument("-t", "--threads", type=_int_list("threads", 1), default=None, metavar="N[,N...]",
+                   help="thread counts to test (default: one per physical core, or $OMP_NUM_THREADS)%(default).0s")
+    p.add_argument("-r", "--repetitions", type=int, default=5, metavar="N", help="timed runs of each test")
+    p.add_argument("-o", "--output", choices=FORMATS, default="md", help="table, or records for scripts")
+    p.add_argument("--kv", choices=("f16", "f32", "q8"), default="f16", help="KV cache precision")
+
+
+def tests_of(args) -> list[tuple[int, int]]:
+    """(prompt tokens, generated tokens) of every test, in llama-bench's order: pp, tg, then pg."""
+    return [(n, 0) for n in args.n_prompt if n] + [(0, n) for n in args.n_gen if n] + list(args.pg)
+
+
+def _name(pp: int, tg: int) -> str:
+    return "+".join(x for x in ((f"pp{pp}" if pp else ""), (f"tg{tg}" if tg else "")) if x)
+
+
+def run_test(llm, pp: int, tg: int, rng) -> float:
+    """Seconds for one run: a fresh cache, pp random tokens prefilled, then tg tokens decoded."""
+    import time
+
+    from ..engine.api import LookupParams, SamplingParams
+    vocab = llm.config.vocab_size
+    bos = llm.tokenizer.bos_id
+    ids = rng.integers(0, vocab, pp).tolist() if pp else [bos if bos is not None else int(rng.integers(vocab))]
+    llm.reset()
+    t0 = time.perf_counter()
+    for _ in llm.generate(ids, SamplingParams(temperature=0), max_tokens=tg, ignore_eos=True,
+                          lookup=LookupParams(draft_max=0)):
+        pass
+    return time.perf_counter() - t0
+
+
+def describe(llm) -> dict:
+    """The model and machine columns (llama-bench's names)."""
+    import os
+
+    from .. import simd
+    from ..engine import __version__
+    from ..engine.cpu import cpu_brand
+    path = llm.store.path
+    backend = "CPU " + simd.active() + (" AMX" if simd.tiles() == "amx" else "")
+    return {"model_filename": path, "model_type": llm.name, "model_size": os.path.getsize(path),
+            "model_n_params": llm.config.n_params, "backend": backend, "cpu_info": cpu_brand(),
+            "build": f"bitnet-cpu {__version__}"}
+
+
+class Table:
+    """Rows printed as they come, in the chosen format."""
+    COLUMNS = ("model", "size", "params", "backend", "threads", "test", "t/s")
+    WIDTHS = (30, 10, 10, 12, 7, 13, 20)
+
+    def __init__(self, fmt: str, out):
+        self.fmt, self.out, self.rows = fmt, out, []
+
+    def head(self):
+        if self.fmt == "md":
+            self.out.write("| " + " | ".join(c.ljust(w) for c, w in zip(self.COLUMNS, self.WIDTHS)) + " |\n")
+            marks = [("-" * (w - 1) + ":") if c not in ("model", "backend") else "-" * w
+                     for c, w in zip(self.COLUMNS, self.WIDTHS)]
+            self.out.write("| " + " | ".join(marks) + " |\n")
+        elif self.fmt == "csv":
+            self.out.write(",".join(CSV_FIELDS) + "\n")
+        elif self.fmt == "json":
+            self.out.write("[\n")
+        self.out.flush()
+
+    def row(self, rec: dict):
+        import json
+        if self.fmt == "md":
+            size, n = rec["model_size"], rec["model_n_params"]
+            cells = (rec["model_type"], f"{size / 2 ** 30:.2f} GiB" if size >= 2 ** 30 else f"{size / 2 ** 20:.2f} MiB",
+                     f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M",
+                     rec["backend"], str(rec["n_threads"]), _name(rec["n_prompt"], rec["n_gen"]),
+                     f"{rec['avg_ts']:.2f} ± {rec['stddev_ts']:.2f}")
+            self.out.write("| " + " | ".join(c.ljust(w) if i in (0, 3) else c.rjust(w)
+                                               for i, (c, w) in enumerate(zip(cells, self.WIDTHS))) + " |\n")
+        elif self.fmt == "csv":
+            self.out.write(",".join(_csv(rec[f]) for f in CSV_FIELDS) + "\n")
+        elif self.fmt == "jsonl":
+            self.out.write(json.dumps(rec) + "\n")
+        else:
+            self.out.write(("" if not self.rows else ",\n") + "  " + json.dumps(rec))
+        self.rows.append(rec)
+        self.out.flush()
+
+    def tail(self):
+        if self.fmt == "json":
+            self.out.write("\n]\n")
+            self.out.flush()
+
+
+CSV_FIELDS = ("build", "cpu_info", "backend", "model_filename", "model_type", "model_size", "model_n_params",
+              "n_threads", "n_prompt", "n_gen", "test_time", "avg_ns", "stddev_ns", "avg_ts", "stddev_ts")
+
+
+def _csv(v) -> str:
+    s = str(v)
+    return '"' + s.replace('"', '""') + '"' if any(c in s for c in ',"\n') else s
+
+
+def main(args) -> int:
+    import datetime
+    import statistics
+    import sys
+
+    import numpy as np
+
+    from ..engine.api import load_model
+    from ..engine.errors import BitNetError
+    tests = tests_of(args)
+    if not tests:
+        raise BitNetError("no tests: every -p and -n is 0 and no -pg was given")
+    if args.repetitions < 1:
+        raise BitNetError(f"-r/--repetitions {args.repetitions}: must be >= 1")
+    ctx = max(pp + tg for pp, tg in tests) + 1
+    table = Table(args.output, sys.stdout)
+    started = False
+    try:
+        for threads in args.threads or [None]:
+            llm = load_model(args.model, ctx=max(ctx, 16), threads=threads, kv_dtype=args.kv,
+                             progress=sys.stderr.isatty())
+            for w in llm.warnings:
+                print(f"bitnet: warning: {w}", file=sys.stderr)
+            info = describe(llm)
+            if not started:
+                table.head()
+                started = True
+            rng = np.random.default_rng(1234)
+            for pp, tg in tests:
+                run_test(llm, pp, tg, rng)   # warm-up: pages, caches, the pool's threads
+                times = [run_test(llm, pp, tg, rng) for _ in range(args.repetitions)]
+                rates = [(pp + tg) / t for t in times]
+                table.row({**info, "n_threads": llm.threads, "n_prompt": pp, "n_gen": tg,
+                           "test_time": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                           "avg_ns": int(statistics.mean(times) * 1e9),
+                           "stddev_ns": int(statistics.stdev(times) * 1e9) if len(times) > 1 else 0,
+                           "avg_ts": statistics.mean(rates),
+                           "stddev_ts": statistics.stdev(rates) if len(rates) > 1 else 0.0,
+                           "samples_ns": [int(t * 1e9) for t in times], "samples_ts": rates})
+            llm.close()
+    except KeyboardInterrupt:
+        table.tail()
+        print("bitnet: interrupted", file=sys.stderr)
+        return 130
+    table.tail()
+    return 0

@@ -1,0 +1,79 @@
+"""`bitnet bench` (cli/bench.py), llama-bench's flags and table, as a real subprocess on a small synthetic model:
+every test is a row (pp, tg, pp+tg; per thread count), the formats for scripts carry the same records, the
+numbers are consistent with themselves (mean and spread of the samples, the rate from the times), and bad flags
+are one line and exit 2. No rate is asserted against a bound: the machine is shared."""
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+import pytest
+
+from test_model_fixtures import make_synth
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    return make_synth(tmp_path_factory.mktemp("bench"), seed=5, lm_heads=("f16",))[2]["f16"]
+
+
+def bench(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "bitnet_cpu", "bench", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT)
+
+
+def test_table_has_a_row_per_test(store):
+    r = bench("-m", store, "-p", "16,32", "-n", "4", "-pg", "8,3", "-r", "2", "-t", "1")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].split("|")[1:-1] and [c.strip() for c in lines[0].split("|")[1:-1]] == \
+        ["model", "size", "params", "backend", "threads", "test", "t/s"]
+    rows = [[c.strip() for c in x.split("|")[1:-1]] for x in lines[2:]]
+    assert [row[5] for row in rows] == ["pp16", "pp32", "tg4", "pp8+tg3"]
+    for row in rows:
+        assert row[4] == "1" and row[3].startswith("CPU ")
+        mean, spread = (float(x) for x in row[6].split("±"))
+        assert mean > 0 and spread >= 0
+
+
+def test_records_are_consistent(store):
+    r = bench("-m", store, "-p", "16", "-n", "5", "-r", "3", "-t", "1,2", "-o", "json")
+    assert r.returncode == 0, r.stderr
+    recs = json.loads(r.stdout)
+    assert [(x["n_threads"], x["n_prompt"], x["n_gen"]) for x in recs] == [(1, 16, 0), (1, 0, 5), (2, 16, 0),
+                                                                           (2, 0, 5)]
+    for x in recs:
+        assert len(x["samples_ns"]) == len(x["samples_ts"]) == 3
+        for ns, ts in zip(x["samples_ns"], x["samples_ts"]):
+            assert ts == pytest.approx((x["n_prompt"] + x["n_gen"]) / (ns / 1e9), rel=1e-4)   # ns are whole
+        assert x["avg_ts"] == pytest.approx(statistics.mean(x["samples_ts"]))
+        assert x["stddev_ts"] == pytest.approx(statistics.stdev(x["samples_ts"]))
+        assert x["model_size"] == os.path.getsize(store) and x["model_n_params"] > 0
+    lines = bench("-m", store, "-p", "8", "-n", "0", "-r", "2", "-t", "1", "-o", "jsonl").stdout.splitlines()
+    assert len(lines) == 1 and json.loads(lines[0])["n_prompt"] == 8
+    table = list(csv.DictReader(io.StringIO(bench("-m", store, "-p", "8", "-n", "2", "-r", "2", "-t", "1",
+                                                  "-o", "csv").stdout)))
+    assert [(x["n_prompt"], x["n_gen"]) for x in table] == [("8", "0"), ("0", "2")]
+    assert all(float(x["avg_ts"]) > 0 for x in table)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (("-p", "x"), "-p/--n-prompt"),
+    (("-p", "-4"), "-p/--n-prompt"),
+    (("-t", "0"), "-t/--threads"),
+    (("-pg", "5"), "-pg"),
+    (("-p", "0", "-n", "0"), "no tests"),
+    (("-r", "0"), "--repetitions"),
+    (("-o", "xml"), "-o/--output"),
+])
+def test_bad_flags_are_one_line(store, args, needle):
+    r = bench("-m", store, *args)
+    assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert len([x for x in r.stderr.splitlines() if "error" in x]) == 1
