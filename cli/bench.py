@@ -4,7 +4,8 @@ its table (or JSON / JSON lines / CSV for scripts).
 `ppN`: a fresh cache, N random prompt tokens prefilled (one pass of the engine's prefill chunks), N / time. `tgN`:
 N tokens decoded one by one after the first token, greedy, end of text ignored and prompt lookup off, N / time:
 unlike llama-bench's (random tokens fed back) it includes picking each token from the LM head, as every real
-answer does. `ppN+tgM` (-pg): both, (N + M) / time. Each test runs once unrecorded (warm-up), then -r times:
+answer does. `ppN+tgM` (-pg): both, (N + M) / time. `-npl B`: B sequences at once through the serving engine's batched steps
+(as llama-batched-bench), B x tokens / time (`tg128 x16`). Each test runs once unrecorded (warm-up), then -r times:
 mean ± sample standard deviation of the rates. Rows print as tests finish; Ctrl-C keeps them (exit 130).
 The same kernels as `bitnet run` (BITNET_ISA=avx512 turns AMX tiles off, for an A/B on one machine).
 """
@@ -52,6 +53,9 @@ def add_arguments(p):
                    help="also a prompt of PP tokens then TG generated, timed together (several: 'A,B;C,D')")
     p.add_argument("-t", "--threads", type=_int_list("threads", 1), default=None, metavar="N[,N...]",
                    help="thread counts to test (default: one per physical core, or $OMP_NUM_THREADS)%(default).0s")
+    p.add_argument("-npl", dest="npl", type=_int_list("npl", 1), default=[1], metavar="N[,N...]",
+                   help="sequences at once: N > 1 runs each test as N sequences batched through the serving "
+                        "engine (as llama-batched-bench's -npl); t/s counts every sequence's tokens")
     p.add_argument("-r", "--repetitions", type=int, default=5, metavar="N", help="timed runs of each test")
     p.add_argument("-o", "--output", choices=FORMATS, default="md", help="table, or records for scripts")
     p.add_argument("--kv", choices=("f16", "f32", "q8"), default="f16", help="KV cache precision")
@@ -79,6 +83,22 @@ def run_test(llm, pp: int, tg: int, rng) -> float:
     for _ in llm.generate(ids, SamplingParams(temperature=0), max_tokens=tg, ignore_eos=True,
                           lookup=LookupParams(draft_max=0)):
         pass
+    return time.perf_counter() - t0
+
+
+def run_batched(eng, pp: int, tg: int, npl: int, rng) -> float:
+    """Seconds for npl sequences at once through the batching engine, each a fresh random prompt of pp tokens
+    (one token when pp is 0) then tg decoded tokens."""
+    import time
+
+    from ..engine.api import SamplingParams
+    vocab = eng.config.vocab_size
+    prompts = [rng.integers(0, vocab, max(pp, 1)).tolist() for _ in range(npl)]
+    t0 = time.perf_counter()
+    streams = [eng.submit(ids, SamplingParams(temperature=0), max_tokens=tg, ignore_eos=True) for ids in prompts]
+    for s in streams:
+        for _ in s:
+            pass
     return time.perf_counter() - t0
 
 
@@ -122,7 +142,8 @@ class Table:
             size, n = rec["model_size"], rec["model_n_params"]
             cells = (rec["model_type"], f"{size / 2 ** 30:.2f} GiB" if size >= 2 ** 30 else f"{size / 2 ** 20:.2f} MiB",
                      f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M",
-                     rec["backend"], str(rec["n_threads"]), _name(rec["n_prompt"], rec["n_gen"]),
+                     rec["backend"], str(rec["n_threads"]),
+                     _name(rec["n_prompt"], rec["n_gen"]) + (f" x{rec['n_parallel']}" if rec["n_parallel"] > 1 else ""),
                      f"{rec['avg_ts']:.2f} ± {rec['stddev_ts']:.2f}")
             self.out.write("| " + " | ".join(c.ljust(w) if i in (0, 3) else c.rjust(w)
                                                for i, (c, w) in enumerate(zip(cells, self.WIDTHS))) + " |\n")
@@ -142,7 +163,7 @@ class Table:
 
 
 CSV_FIELDS = ("build", "cpu_info", "backend", "model_filename", "model_type", "model_size", "model_n_params",
-              "n_threads", "n_prompt", "n_gen", "test_time", "avg_ns", "stddev_ns", "avg_ts", "stddev_ts")
+              "n_threads", "n_prompt", "n_gen", "n_parallel", "test_time", "avg_ns", "stddev_ns", "avg_ts", "stddev_ts")
 
 
 def _csv(v) -> str:
@@ -157,39 +178,49 @@ def main(args) -> int:
 
     import numpy as np
 
-    from ..engine.api import load_model
+    from ..engine.api import LookupParams, load_engine, load_model
     from ..engine.errors import BitNetError
     tests = tests_of(args)
     if not tests:
         raise BitNetError("no tests: every -p and -n is 0 and no -pg was given")
     if args.repetitions < 1:
         raise BitNetError(f"-r/--repetitions {args.repetitions}: must be >= 1")
-    ctx = max(pp + tg for pp, tg in tests) + 1
+    ctx = max(max(pp, 1) + tg for pp, tg in tests) + 1
     table = Table(args.output, sys.stdout)
     started = False
     try:
         for threads in args.threads or [None]:
-            llm = load_model(args.model, ctx=max(ctx, 16), threads=threads, kv_dtype=args.kv,
-                             progress=sys.stderr.isatty())
-            for w in llm.warnings:
-                print(f"bitnet: warning: {w}", file=sys.stderr)
-            info = describe(llm)
-            if not started:
-                table.head()
-                started = True
-            rng = np.random.default_rng(1234)
-            for pp, tg in tests:
-                run_test(llm, pp, tg, rng)   # warm-up: pages, caches, the pool's threads
-                times = [run_test(llm, pp, tg, rng) for _ in range(args.repetitions)]
-                rates = [(pp + tg) / t for t in times]
-                table.row({**info, "n_threads": llm.threads, "n_prompt": pp, "n_gen": tg,
-                           "test_time": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-                           "avg_ns": int(statistics.mean(times) * 1e9),
-                           "stddev_ns": int(statistics.stdev(times) * 1e9) if len(times) > 1 else 0,
-                           "avg_ts": statistics.mean(rates),
-                           "stddev_ts": statistics.stdev(rates) if len(rates) > 1 else 0.0,
-                           "samples_ns": [int(t * 1e9) for t in times], "samples_ts": rates})
-            llm.close()
+            for npl in args.npl:
+                if npl == 1:   # one sequence: the LLM session, as bitnet run decodes
+                    runner = load_model(args.model, ctx=max(ctx, 16), threads=threads, kv_dtype=args.kv,
+                                        progress=sys.stderr.isatty())
+                    one = lambda pp, tg, rng: run_test(runner, pp, tg, rng)   # noqa: E731
+                else:          # many: the serving engine's batched steps, as bitnet serve runs them
+                    runner = load_engine(args.model, ctx=max(ctx, 16), threads=threads, kv_dtype=args.kv,
+                                         parallel=npl, progress=sys.stderr.isatty(), lookup=LookupParams(draft_max=0))
+                    one = lambda pp, tg, rng, npl=npl: run_batched(runner, pp, tg, npl, rng)   # noqa: E731
+                for w in runner.warnings:
+                    print(f"bitnet: warning: {w}", file=sys.stderr)
+                info = describe(runner)
+                if not started:
+                    table.head()
+                    started = True
+                rng = np.random.default_rng(1234)
+                try:
+                    for pp, tg in tests:
+                        one(pp, tg, rng)   # warm-up: pages, caches, the pool's threads
+                        times = [one(pp, tg, rng) for _ in range(args.repetitions)]
+                        rates = [npl * (pp + tg) / t for t in times]
+                        table.row({**info, "n_threads": runner.threads, "n_prompt": pp, "n_gen": tg,
+                                   "n_parallel": npl,
+                                   "test_time": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                                   "avg_ns": int(statistics.mean(times) * 1e9),
+                                   "stddev_ns": int(statistics.stdev(times) * 1e9) if len(times) > 1 else 0,
+                                   "avg_ts": statistics.mean(rates),
+                                   "stddev_ts": statistics.stdev(rates) if len(rates) > 1 else 0.0,
+                                   "samples_ns": [int(t * 1e9) for t in times], "samples_ts": rates})
+                finally:
+                    runner.close()
     except KeyboardInterrupt:
         table.tail()
         print("bitnet: interrupted", file=sys.stderr)

@@ -30,13 +30,14 @@ def bench(*args, timeout=300):
 
 
 def test_table_has_a_row_per_test(store):
-    r = bench("-m", store, "-p", "16,32", "-n", "4", "-pg", "8,3", "-r", "2", "-t", "1")
+    r = bench("-m", store, "-p", "16,32", "-n", "4", "-pg", "8,3", "-r", "2", "-t", "1", "-npl", "1,2")
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
     assert lines[0].split("|")[1:-1] and [c.strip() for c in lines[0].split("|")[1:-1]] == \
         ["model", "size", "params", "backend", "threads", "test", "t/s"]
     rows = [[c.strip() for c in x.split("|")[1:-1]] for x in lines[2:]]
-    assert [row[5] for row in rows] == ["pp16", "pp32", "tg4", "pp8+tg3"]
+    assert [row[5] for row in rows] == ["pp16", "pp32", "tg4", "pp8+tg3", "pp16 x2", "pp32 x2", "tg4 x2",
+                                        "pp8+tg3 x2"]
     for row in rows:
         assert row[4] == "1" and row[3].startswith("CPU ")
         mean, spread = (float(x) for x in row[6].split("±"))
@@ -44,15 +45,15 @@ def test_table_has_a_row_per_test(store):
 
 
 def test_records_are_consistent(store):
-    r = bench("-m", store, "-p", "16", "-n", "5", "-r", "3", "-t", "1,2", "-o", "json")
+    r = bench("-m", store, "-p", "16", "-n", "5", "-r", "3", "-t", "1,2", "-npl", "1,3", "-o", "json")
     assert r.returncode == 0, r.stderr
     recs = json.loads(r.stdout)
-    assert [(x["n_threads"], x["n_prompt"], x["n_gen"]) for x in recs] == [(1, 16, 0), (1, 0, 5), (2, 16, 0),
-                                                                           (2, 0, 5)]
+    assert [(x["n_threads"], x["n_parallel"], x["n_prompt"], x["n_gen"]) for x in recs] == \
+        [(t, b, pp, tg) for t in (1, 2) for b in (1, 3) for pp, tg in ((16, 0), (0, 5))]
     for x in recs:
         assert len(x["samples_ns"]) == len(x["samples_ts"]) == 3
-        for ns, ts in zip(x["samples_ns"], x["samples_ts"]):
-            assert ts == pytest.approx((x["n_prompt"] + x["n_gen"]) / (ns / 1e9), rel=1e-4)   # ns are whole
+        for ns, ts in zip(x["samples_ns"], x["samples_ts"]):   # every sequence's tokens over the run's time
+            assert ts == pytest.approx(x["n_parallel"] * (x["n_prompt"] + x["n_gen"]) / (ns / 1e9), rel=1e-4)
         assert x["avg_ts"] == pytest.approx(statistics.mean(x["samples_ts"]))
         assert x["stddev_ts"] == pytest.approx(statistics.stdev(x["samples_ts"]))
         assert x["model_size"] == os.path.getsize(store) and x["model_n_params"] > 0
@@ -68,6 +69,7 @@ def test_records_are_consistent(store):
     (("-p", "x"), "-p/--n-prompt"),
     (("-p", "-4"), "-p/--n-prompt"),
     (("-t", "0"), "-t/--threads"),
+    (("-npl", "0"), "-npl"),
     (("-pg", "5"), "-pg"),
     (("-p", "0", "-n", "0"), "no tests"),
     (("-r", "0"), "--repetitions"),
