@@ -13,6 +13,7 @@
 #   parts=2@0-1   bench/prefill_parts.py: a tile prefill kernel by kernel; bench/batch_depth.py --parts: a batched step
 #   tiles=16      the same at 16 threads (two shapes), pp512 and pp4096, batched 16 / 32, the peers' pp512 / pp4096
 #   parts=16, prefetch=2@0-1   if time is left
+#   cli=2@0-1     (the second call) `bitnet bench` pp512 / tg128 at 1 and 16 sequences, tiles on and off
 # PHASES="..." runs others; with REUSE=1 (a second call while the machine is still warm) the peers' binaries and
 # the models stay and ours is rebuilt only if its sources changed (bench/sweep_offline.sh).
 # Output under $OUT (the device tool's folder; default ./lease-out): machine.txt, sweep.log and the tables
@@ -48,7 +49,7 @@ SRC="$src" OUT="$res" DEADLINE="${DEADLINE:-520}" BUILD_CPUS="${BUILD_CPUS:-2-15
 echo "sweep exit $?" >> "$res/sweep.log"
 head -25 "$res/machine.txt"
 tail -200 "$res/sweep.log"
-for f in machine.txt sweep.log ktests.log tiles_2.md tiles_16.md parts_2.md parts_16.md; do   # 8 files come back
+for f in machine.txt sweep.log ktests.log tiles_2.md tiles_16.md parts_2.md parts_16.md cli_2.md; do   # 9 files come back
     [[ -f "$res/$f" ]] && cp "$res/$f" "$out/"
 done
 (cd "$res" && tar czf "$out/all.tgz" --exclude='*.gguf' --exclude='*.bnstore' .)

@@ -106,7 +106,7 @@ class ResponsesRequest(_Sampling):
             return "truncation", f"truncation {self.truncation!r}: only \"disabled\" (an input longer than the " \
                                  "context is refused, not cut)"
         effort = (self.reasoning or {}).get("effort")
-        if effort not in (None, "none") or (self.reasoning or {}).get("summary") not in (None,):
+        if effort not in (None, "none") or (self.reasoning or {}).get("summary") is not None:
             return "reasoning", "this model has no reasoning mode (reasoning is not supported)"
         verbosity = (self.text or {}).get("verbosity")
         if verbosity not in (None, "medium"):
