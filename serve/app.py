@@ -561,6 +561,14 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
                               entry=(lambda t, lp: chat_entry(text_of, t, lp, n_top)) if body.wants_logprobs() else None)
         return await answer_with(request, body, streams[0], q, len(prompt_ids), out)
 
+    async def response_not_stored(request: Request, response_id: str):
+        raise APIError(404, f"response {response_id!r} not found: responses are not stored here (store is false); "
+                       "keep the answer you got", "not_found_error", "response_id", "not_stored")
+    # a client's retrieve / delete / cancel / input_items of an earlier response: the reason, not a bare 404
+    for suffix, methods in (("", ["GET", "DELETE"]), ("/cancel", ["POST"]), ("/input_items", ["GET"])):
+        app.add_api_route("/v1/responses/{response_id}" + suffix, response_not_stored, methods=methods,
+                          include_in_schema=False)
+
     async def answer_with(request, body, stream, q, n_prompt, out):
         """Run one answer through a builder of another API's shape (serve/responses.py, serve/anthropic.py: start,
         feed, finish, fail, result): its SSE events as they come, or (stream false) its whole result."""

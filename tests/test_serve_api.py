@@ -6,6 +6,8 @@ for the same SamplingParams; any model name answers with the served id, --alias 
 --strict-model-name keeps the 404."""
 from __future__ import annotations
 
+import itertools
+
 import httpx
 import numpy as np
 import pytest
@@ -179,6 +181,32 @@ def test_hangup_cancels_every_choice(tmp_path_factory):
         assert st["slots"] == [] and st["metrics"]["running"] == 0
         assert made < 4 * 750
         assert st["metrics"]["kv_pages_reserved"] == 0
+    finally:
+        assert s.stop()[0] == 0
+
+
+def test_hangup_cancels_through_every_adapter(tmp_path_factory):
+    """The Responses, Messages and llama-server /completion streams run through their own adapters' loops
+    (serve/app.py builder_events, serve/llama_api.py): hanging up after the first event cancels the sequence there
+    too (slots empty, far fewer tokens made than the whole answer), one API after another on one server."""
+    from helpers import slowness
+    from serve_proc import slow_model
+    s = Server("-m", slow_model(tmp_path_factory), "-c", "4096", "--parallel", "2")
+    q = [{"role": "user", "content": "a"}]
+    try:
+        made = 0
+        for path, body in (("/v1/responses", {"input": "a", "max_output_tokens": 1500}),
+                           ("/v1/messages", {"messages": q, "max_tokens": 1500}),
+                           ("/completion", {"prompt": "a", "n_predict": 1500})):
+            body = {**body, "temperature": 0, "ignore_eos": True, "stream": True}
+            with httpx.stream("POST", s.url + path, json=body, timeout=30 * slowness()) as r:
+                assert r.status_code == 200, path
+                assert any(x.startswith("data: ") for x in itertools.islice(r.iter_lines(), 4)), path
+            st = s.slots_when_idle(timeout=120 * slowness())
+            assert st["slots"] == [] and st["metrics"]["running"] == 0, path
+            assert st["metrics"]["kv_pages_reserved"] == 0, path
+            made, before = st["metrics"]["tokens_generated_total"], made
+            assert made - before < 750, (path, made - before)
     finally:
         assert s.stop()[0] == 0
 

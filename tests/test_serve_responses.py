@@ -211,3 +211,14 @@ def test_input_longer_than_the_context_is_a_400(server):
     r = httpx.post(server.url + "/v1/responses", json={"input": "word " * 20000, "max_output_tokens": 4}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
     assert r.json()["error"]["param"] == "input"
+
+
+def test_stored_responses_are_a_404_saying_why(client):
+    """Nothing is stored: retrieving, deleting or cancelling an earlier response says so (the client's own
+    NotFoundError), instead of a bare 404 for an unknown path."""
+    r = client.responses.create(model="any", input="Hi", temperature=0, max_output_tokens=2)
+    for call in (lambda: client.responses.retrieve(r.id), lambda: client.responses.delete(r.id),
+                 lambda: client.responses.cancel(r.id)):
+        with pytest.raises(openai.NotFoundError) as e:
+            call()
+        assert "not stored" in e.value.body["message"] and e.value.body["param"] == "response_id"
