@@ -114,6 +114,7 @@ class _Sampling(BaseModel):
     prediction: Optional[Any] = None
     web_search_options: Optional[Any] = None
     reasoning_effort: Optional[str] = None
+    verbosity: Optional[str] = None   # OpenAI's answer-length hint: only "medium" (the model's own length) is honoured
     # structured output: OpenAI's response_format, llama-server's `json_schema` and `grammar` (GBNF) fields
     response_format: Optional[ResponseFormat] = None
     json_schema: Optional[dict[str, Any]] = None
@@ -190,6 +191,8 @@ class _Sampling(BaseModel):
         for name, why in REFUSED.items():
             if getattr(self, name) is not None:
                 return name, why
+        if self.verbosity not in (None, "medium"):
+            return "verbosity", f"verbosity {self.verbosity!r}: only \"medium\" (the model's own length)"
         if self.modalities is not None and set(self.modalities) - {"text"}:
             return "modalities", "only the text modality is supported"
         if self.stop is not None and self.MAX_STOPS is not None and len(self.stops()) > self.MAX_STOPS:

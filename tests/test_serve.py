@@ -117,6 +117,7 @@ def _err(r: httpx.Response, status: int) -> dict:
     ({"messages": Q, "top_logprobs": 2}, "top_logprobs"),   # without logprobs: true
     ({"messages": Q, "audio": {"voice": "alloy"}}, "audio"),
     ({"messages": Q, "modalities": ["text", "audio"]}, "modalities"),
+    ({"messages": Q, "verbosity": "low"}, "verbosity"),
     ({"messages": Q, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"messages": Q, "max_tokens": -1}, "max_tokens"),
 ])
