@@ -5,7 +5,7 @@ from ..engine.cpu import BATCH_TOKENS_DEFAULT, BATCH_TOKENS_MAX, BATCH_TOKENS_TI
 from ..serve.limits import MiB, Limits
 from .flags import add_engine_args, check_engine_args, sampling_params_from_args
 
-HELP = "serve the model over an OpenAI-compatible HTTP API (and a chat page at /)"
+HELP = "serve the model over HTTP: OpenAI's API (chat, completions, Responses), Anthropic's Messages, ollama's and llama-server's (and a chat page at /)"
 
 
 def is_loopback(host: str) -> bool:
