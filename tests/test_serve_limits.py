@@ -71,6 +71,11 @@ def test_huge_prompts_refused_while_small_request_streams():
         bodies["10 MB prompt, chunked"] = ("/v1/completions", {"prompt": prompt(10)}, True)
         bodies["ollama chat 10 MB"] = ("/api/chat", {"model": "m", "messages": [{"role": "user", "content": prompt(10)}]}, False)
         bodies["ollama generate 10 MB"] = ("/api/generate", {"model": "m", "prompt": prompt(10)}, False)
+        bodies["responses 10 MB"] = ("/v1/responses", {"input": prompt(10)}, False)
+        bodies["completion 10 MB"] = ("/completion", {"prompt": prompt(10)}, False)
+        for mb in (10, 50):
+            bodies[f"anthropic {mb} MB"] = ("/v1/messages", {"max_tokens": 4, "messages": [
+                {"role": "user", "content": prompt(mb)}]}, False)
         # under the bound: tiny messages and token ids (cheap to send, dear to parse and validate: GIL-bound, so a
         # thread does not help), and prompts too long in characters for the context
         bodies["many messages"] = ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}] * 30_000}, False)
@@ -132,13 +137,19 @@ def test_huge_prompts_refused_while_small_request_streams():
         text, *answers = asyncio.run(main())
         got = dict(zip(bodies, answers))
         assert openai_error(got.pop("50 MB prompt"), 413)["code"] == "body_too_large"
+        r = got.pop("anthropic 50 MB")   # Anthropic's error shape on its path, from the limits middleware too
+        assert r.status_code == 413 and r.json()["error"]["type"] == "request_too_large", r.text[:300]
         for label, r in got.items():
-            if label.startswith("ollama"):
+            if label.startswith("anthropic"):
+                assert r.status_code == 400 and r.json()["type"] == "error", (label, r.text[:300])
+                assert r.json()["error"]["type"] == "invalid_request_error" and "context" in r.json()["error"]["message"]
+            elif label.startswith("ollama"):
                 assert r.status_code == 400 and set(r.json()) == {"error"}, (label, r.text[:300])
                 assert "context" in r.json()["error"], (label, r.text[:300])
             else:
                 e = openai_error(r, 400)
-                assert e["code"] == "context_length_exceeded" and e["param"] in ("messages", "prompt", None), (label, e)
+                assert e["code"] == "context_length_exceeded" and e["param"] in ("messages", "prompt", "input", None), \
+                    (label, e)
         assert text
         time.sleep(0.5)
         rss_after = s.rss_kb()
