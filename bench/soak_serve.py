@@ -1,5 +1,6 @@
 """A bounded soak of `bitnet serve`: N clients (default 32) for --seconds (default 600) mixing full streams,
-streams cancelled after two events, non-streaming requests, ollama /api/chat streams, malformed requests and
+streams cancelled after two events, non-streaming requests, ollama /api/chat streams, OpenAI Responses and Anthropic
+Messages streams (half of them hung up after two events), malformed requests and
 oversized ones (a body over --max-body-mb, a body under it but over what a prompt that fits the context can take,
 a prompt over the context), with the project's own async client (httpx).
 
@@ -23,8 +24,11 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-KINDS = (("stream", 0.35), ("cancel", 0.15), ("plain", 0.20), ("ollama", 0.05), ("malformed", 0.15),
-         ("oversized", 0.10))
+KINDS = (("stream", 0.30), ("cancel", 0.15), ("plain", 0.15), ("ollama", 0.05), ("responses", 0.05),
+         ("messages", 0.05), ("malformed", 0.15), ("oversized", 0.10))
+# the last event of a streamed answer in OpenAI's Responses API and Anthropic's Messages API
+LAST_EVENT = {"responses": ("response.completed", "response.incomplete", "response.failed"),
+              "messages": ("message_stop", "error")}
 MALFORMED = [(b'{"messages": [', "application/json"),
              (json.dumps({"messages": []}).encode(), "application/json"),
              (json.dumps({"messages": [{"role": "user", "content": "hi"}], "temperature": -1}).encode(), "application/json"),
@@ -119,6 +123,20 @@ async def one(c, kind, rng, big_body, bound_body, n_ctx, max_tokens, rec):
                 if line:
                     ev = json.loads(line)
                     if "error" in ev or ev.get("done"):
+                        ended = True
+                        break
+            rec["lost"] = r.status_code == 200 and not ended
+    elif kind in LAST_EVENT:   # the other APIs' typed event streams; half of them hung up after two events
+        path, ask = (("/v1/responses", {"input": q["content"], "max_output_tokens": body["max_tokens"]})
+                     if kind == "responses" else ("/v1/messages", {"messages": [q], "max_tokens": body["max_tokens"]}))
+        hang = rng.random() < 0.5
+        async with c.stream("POST", path, json=dict(ask, temperature=body["temperature"] / 2, stream=True)) as r:
+            rec["status"] = r.status_code
+            events, ended = 0, False
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    events += 1
+                    if json.loads(line[6:]).get("type") in LAST_EVENT[kind] or (hang and events >= 2):
                         ended = True
                         break
             rec["lost"] = r.status_code == 200 and not ended
