@@ -1,4 +1,7 @@
-"""The OpenAI-compatible HTTP server: an ASGI app (FastAPI) over a batching engine (engine.api.load_engine).
+"""The HTTP server: an ASGI app (FastAPI) over a batching engine (engine.api.load_engine). OpenAI's chat and
+completions endpoints are here; OpenAI's Responses API and Anthropic's Messages API run the same chat pipeline
+(start_chat) through their adapters' translation and builders (serve/responses.py, serve/anthropic.py: answer_with);
+ollama's API, llama-server's own endpoints and the embeddings register their routes from their modules.
 
 `create_app(load)` returns the app; `load()` builds the engine in a background thread at startup, so
 `/health` answers 503 while the model loads. The handlers only translate HTTP <-> `engine.submit`: each
@@ -24,13 +27,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from .anthropic import CountTokensRequest, MessageBuilder, MessagesRequest
 from .auth import AuthMiddleware, KeyChecker
 from .limits import Limits, LimitsMiddleware, anthropic_error_body
 from .logprobs import TokenText, chat_entry, completion_logprobs
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .offload import (BodyRefused, next_or_gone, offloop_route, prompt_body_bound, run_off_loop,
                       too_long_for_context, warm_bounds)
-from .anthropic import CountTokensRequest, MessageBuilder, MessagesRequest
 from .responses import ResponseBuilder, ResponsesRequest
 from .schemas import ChatCompletionRequest, CompletionRequest, RequestProblem
 
@@ -39,8 +42,8 @@ ENGINE_FAULT = "the engine failed while generating this answer (the server goes 
 PAGE = os.path.join(os.path.dirname(__file__), "chat.html")
 # the endpoints whose body is bounded by the context (serve/offload.py prompt_body_bound), and their prompt field
 PROMPT_FIELD = {"/v1/chat/completions": "messages", "/v1/completions": "prompt", "/v1/responses": "input",
-                "/v1/messages": "messages",
-                "/completion": "prompt", "/completions": "prompt", "/api/chat": "messages", "/api/generate": "prompt"}
+                "/v1/messages": "messages", "/completion": "prompt", "/completions": "prompt", "/api/chat": "messages",
+                "/api/generate": "prompt"}
 
 
 # the paths outside /v1/ and /api/ that /metrics counts requests of (others, unknown ones, are not labelled)
@@ -546,14 +549,21 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         out = await respond(request, body, streams, q, len(prompt_ids), make_chunk, make_choice)
         return {**head, **out} if isinstance(out, dict) else out
 
+    @contextlib.contextmanager
+    def translated():
+        """An adapter's translation of a request (serve/responses.py, serve/anthropic.py): its RequestProblem is a
+        400 naming the field."""
+        try:
+            yield
+        except RequestProblem as e:
+            raise APIError(400, str(e), param=e.param, code="invalid_value") from None
+
     @app.post("/v1/responses")
     async def responses(body: ResponsesRequest, request: Request):
         """OpenAI's Responses API over the chat pipeline (serve/responses.py translates both ways)."""
-        try:
+        with translated():
             msgs, tools, choice = body.messages(), body.chat_tools(), body.tool_choice_name()
             body.format_spec()
-        except RequestProblem as e:
-            raise APIError(400, str(e), param=e.param, code="invalid_value") from None
         eng, prompt_ids, streams, q, new_parser = await start_chat(request, body, msgs, tools, choice, "input")
         text_of, n_top = state.token_text(eng), body.top_logprobs or 0
         out = ResponseBuilder(body, state.model_id, body.sampling_params(sampling),
@@ -617,20 +627,16 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
             state.streams.discard(stream)
 
     def anthropic_conversation(body):
-        try:
+        with translated():
             (msgs, prefill), tools, choice = body.chat_messages(), body.chat_tools(), body.tool_choice_name()
-        except RequestProblem as e:
-            raise APIError(400, str(e), param=e.param, code="invalid_value") from None
         return msgs, prefill, tools, choice
 
     @app.post("/v1/messages")
     async def anthropic_messages(body: MessagesRequest, request: Request):
         """Anthropic's Messages API over the chat pipeline (serve/anthropic.py translates both ways)."""
         msgs, prefill, tools, choice = anthropic_conversation(body)
-        try:
+        with translated():
             body.format_spec()
-        except RequestProblem as e:
-            raise APIError(400, str(e), param=e.param, code="invalid_value") from None
         eng, prompt_ids, streams, q, new_parser = await start_chat(request, body, msgs, tools, choice, "messages",
                                                                    prefill)
         out = MessageBuilder(state.model_id, new_parser() if new_parser is not None else None)
