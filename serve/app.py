@@ -243,10 +243,11 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         except ConstraintError as e:
             raise APIError(400, str(e), param=e.where, code="invalid_constraint") from None
 
-    def tool_setup(eng, tools, choice, parallel):
+    def tool_setup(eng, tools, choice, parallel, allowed=None):
         """(tools for the prompt, their call grammar, a maker of answer parsers: one per choice) of a chat request's
         tools (chat shape), tool choice ("none" | "auto" | "required" | a name) and parallel_tool_calls;
-        (None, None, None) without tools or with tool_choice "none"."""
+        allowed: the names the model may call (OpenAI's allowed_tools: every tool stays in the prompt, the grammar
+        takes only these); (None, None, None) without tools or with tool_choice "none"."""
         from ..engine.errors import ConstraintError
         from ..engine.runtime.tools import functions_from_tools
         if not tools or choice == "none":
@@ -256,8 +257,15 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         fmt = eng.tool_format()
         try:
             functions = functions_from_tools(tools)
-            if choice not in ("auto", "required") and choice not in {f.name for f in functions}:
+            names = {f.name for f in functions}
+            if choice not in ("auto", "required") and choice not in names:
                 raise ConstraintError(f"tool_choice: no tool named {choice!r}", where="tool_choice")
+            if allowed is not None:
+                missing = [n for n in allowed if n not in names]
+                if missing:
+                    raise ConstraintError(f"tool_choice: allowed tool {missing[0]!r} is not among the tools",
+                                          where="tool_choice")
+                functions = [f for f in functions if f.name in allowed]
             spec = fmt.constraint(functions, choice, parallel is not False)
         except ConstraintError as e:
             raise APIError(400, str(e), param=e.where, code="invalid_value") from None
@@ -275,13 +283,13 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         except Exception as e:  # the template rejected the conversation (e.g. roles out of order)
             raise APIError(400, f"{param}: {e}", param=param, code="invalid_value") from None
 
-    async def start_chat(request, body, msgs, tools, choice, param, prefill=""):
+    async def start_chat(request, body, msgs, tools, choice, param, prefill="", allowed=None):
         """The chat-shaped endpoints' common start (/v1/chat/completions, /v1/responses, /v1/messages): the engine,
         the prompt through the model's template (with the tools), the constraint, the submitted streams.
         -> (engine, prompt ids, streams, queue, maker of tool-call parsers or None)"""
         eng = ready(request)
         check_model(body.model)
-        tools, tool_spec, new_parser = tool_setup(eng, tools, choice, body.parallel_tool_calls)
+        tools, tool_spec, new_parser = tool_setup(eng, tools, choice, body.parallel_tool_calls, allowed)
         prompt_ids = await render_prompt(eng, msgs, tools, param, prefill)
         constraint = await compile_constraint(eng, body, tool_spec)
         streams, q = submit(eng, body, prompt_ids, asyncio.get_running_loop(), constraint, param)
@@ -463,7 +471,8 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         eng, prompt_ids, streams, q, new_parser = await start_chat(
-            request, body, [m.as_dict() for m in body.messages], body.tools, body.tool_choice_name(), "messages")
+            request, body, [m.as_dict() for m in body.messages], body.tools, body.tool_choice_name(), "messages",
+            allowed=body.allowed_tools())
         cid, created, model = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time()), state.model_id
         head = {"id": cid, "created": created, "model": model, "system_fingerprint": None}
         text_of, n_top = state.token_text(eng), body.top_logprobs or 0
@@ -564,7 +573,9 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         with translated():
             msgs, tools, choice = body.messages(), body.chat_tools(), body.tool_choice_name()
             body.format_spec()
-        eng, prompt_ids, streams, q, new_parser = await start_chat(request, body, msgs, tools, choice, "input")
+            allowed = body.allowed_tools()
+        eng, prompt_ids, streams, q, new_parser = await start_chat(request, body, msgs, tools, choice, "input",
+                                                                   allowed=allowed)
         text_of, n_top = state.token_text(eng), body.top_logprobs or 0
         out = ResponseBuilder(body, state.model_id, body.sampling_params(sampling),
                               parser=new_parser() if new_parser is not None else None,

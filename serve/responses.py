@@ -204,8 +204,24 @@ class ResponsesRequest(_Sampling):
             return c
         if c.get("type") == "function" and isinstance(c.get("name"), str):
             return c["name"]
-        raise RequestProblem("tool_choice", f"tool_choice {json.dumps(c)[:80]}: only none, auto, required or "
-                                            "{\"type\": \"function\", \"name\": ...} (built-in tools do not run here)")
+        if c.get("type") == "allowed_tools" and c.get("mode") in ("auto", "required"):
+            return c["mode"]
+        raise RequestProblem("tool_choice", f"tool_choice {json.dumps(c)[:80]}: only none, auto, required, "
+                                            "{\"type\": \"function\", \"name\": ...} or allowed_tools (built-in "
+                                            "tools do not run here)")
+
+    def allowed_tools(self) -> Optional[list[str]]:
+        """The function names tool_choice {"type": "allowed_tools", "mode", "tools"} lets the model call (None: all)."""
+        c = self.tool_choice
+        if not (isinstance(c, dict) and c.get("type") == "allowed_tools"):
+            return None
+        refs = c.get("tools")
+        if not isinstance(refs, list) or not refs or not all(
+                isinstance(r, dict) and r.get("type", "function") == "function" and isinstance(r.get("name"), str)
+                for r in refs):
+            raise RequestProblem("tool_choice.tools", "tool_choice.tools: a list of {\"type\": \"function\", "
+                                                      "\"name\": ...}")
+        return [r["name"] for r in refs]
 
 
 def _id(prefix: str) -> str:

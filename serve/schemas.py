@@ -256,13 +256,33 @@ class ToolChoice(BaseModel):
     function: ToolChoiceFunction
 
 
+class AllowedToolRef(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"] = "function"
+    function: ToolChoiceFunction
+
+
+class AllowedTools(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    mode: Literal["auto", "required"]
+    tools: list[AllowedToolRef] = Field(min_length=1)
+
+
+class AllowedToolsChoice(BaseModel):
+    """OpenAI's {"type": "allowed_tools", "allowed_tools": {"mode", "tools"}}: every tool stays in the prompt, the
+    model may call only these (auto: or answer in text; required: one of them)."""
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["allowed_tools"]
+    allowed_tools: AllowedTools
+
+
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Optional[int] = Field(default=None, ge=0)
     logprobs: Optional[bool] = None
     top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
     tools: Optional[list[dict[str, Any]]] = None
-    tool_choice: Union[Literal["none", "auto", "required"], ToolChoice, None] = None
+    tool_choice: Union[Literal["none", "auto", "required"], ToolChoice, AllowedToolsChoice, None] = None
     parallel_tool_calls: Optional[bool] = None
 
     def record_logprobs(self):
@@ -277,7 +297,15 @@ class ChatCompletionRequest(_Sampling):
         """"none" | "auto" | "required" | a function name; OpenAI's default: auto with tools, none without."""
         if self.tool_choice is None:
             return "auto" if self.tools else "none"
+        if isinstance(self.tool_choice, AllowedToolsChoice):
+            return self.tool_choice.allowed_tools.mode
         return self.tool_choice if isinstance(self.tool_choice, str) else self.tool_choice.function.name
+
+    def allowed_tools(self) -> Optional[list[str]]:
+        """The names tool_choice "allowed_tools" lets the model call (None: every tool)."""
+        if isinstance(self.tool_choice, AllowedToolsChoice):
+            return [t.function.name for t in self.tool_choice.allowed_tools.tools]
+        return None
 
     def limit(self) -> Optional[int]:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -224,7 +224,37 @@ def test_call_cut_by_a_stop_string_is_no_text_and_not_tool_calls(client, model_i
     assert call.function.name == "add" and re.fullmatch(r'\{"a":-?[0-9]+,', call.function.arguments), call
 
 
+def test_allowed_tools_narrow_the_calls_not_the_prompt(client, model_id, server):
+    """OpenAI's tool_choice {"type": "allowed_tools"}: both tools stay in the prompt (the same prompt tokens as
+    without the restriction), and every sampled call, over several seeds, is to an allowed tool; the Responses
+    API's flat form does the same."""
+    import httpx
+
+    allowed = {"type": "allowed_tools", "allowed_tools": {"mode": "required", "tools": [
+        {"type": "function", "function": {"name": "weather"}}]}}
+    free = client.chat.completions.create(model=model_id, messages=Q, tools=TOOLS, tool_choice="required",
+                                          temperature=0, max_tokens=1)
+    for seed in range(4):
+        r = client.chat.completions.create(model=model_id, messages=Q, tools=TOOLS, tool_choice=allowed,
+                                           temperature=1.0, seed=seed, max_tokens=200)
+        assert r.usage.prompt_tokens == free.usage.prompt_tokens
+        assert r.choices[0].finish_reason == "tool_calls"
+        _calls_valid(r.choices[0].message.tool_calls, only="weather")
+    flat = [{"type": "function", **t["function"]} for t in TOOLS]
+    for seed in range(2):
+        out = httpx.post(server.url + "/v1/responses", timeout=120, json={
+            "input": Q[0]["content"], "tools": flat, "temperature": 1.0, "seed": seed, "max_output_tokens": 200,
+            "tool_choice": {"type": "allowed_tools", "mode": "required", "tools": [{"type": "function",
+                                                                                   "name": "add"}]}}).json()
+        calls = [o for o in out["output"] if o["type"] == "function_call"]
+        assert calls and all(c["name"] == "add" for c in calls), out["output"]
+        for c in calls:
+            jsonschema.validate(json.loads(c["arguments"]), SCHEMA["add"])
+
+
 @pytest.mark.parametrize("body, param", [
+    ({"tools": TOOLS, "tool_choice": {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": [
+        {"type": "function", "function": {"name": "nope"}}]}}}, "tool_choice"),
     ({"tools": TOOLS + [{"type": "function", "function": {"name": "x", "parameters": {"type": "array", "uniqueItems": True}}}],
       "tool_choice": "required"}, "tools[2].function.parameters"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
