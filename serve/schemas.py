@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import fields
 from typing import Any, ClassVar, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from ..engine.runtime.sampling import SamplingParams, setting_problem
@@ -119,6 +119,18 @@ class _Sampling(BaseModel):
     response_format: Optional[ResponseFormat] = None
     json_schema: Optional[dict[str, Any]] = None
     grammar: Optional[str] = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_not_given(cls, data):
+        """OpenAI's API takes null for its optional fields ("temperature": null: the default), and clients send it
+        (LangChain, LiteLLM): a null in a sampling field or a field with a non-null default is left out, so the
+        server's default (its --temp, --seed, ...) applies, as if the field had not been sent."""
+        if isinstance(data, dict) and any(v is None for v in data.values()):
+            data = {k: v for k, v in data.items()
+                    if v is not None or k not in cls.model_fields or cls.model_fields[k].is_required()
+                    or (cls.model_fields[k].default is None and k not in SAMPLING_FIELDS)}
+        return data
 
     @field_validator(*SAMPLING_FIELDS)
     @classmethod

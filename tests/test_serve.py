@@ -374,6 +374,15 @@ def test_server_sampling_flags_are_request_defaults():
         bare, explicit, greedy = text(), text(**wild), text(temperature=0)
         assert bare == explicit
         assert greedy != explicit   # the request's temperature 0 overrides the server's 2.0
+        # null is "not sent" (OpenAI's API takes null for these; LangChain and LiteLLM send it): the server's values
+        nulls = dict.fromkeys(("temperature", "top_p", "top_k", "min_p", "seed", "n", "stream", "presence_penalty",
+                               "frequency_penalty", "stop", "logprobs", "response_format", "tools", "user"))
+        assert text(**nulls) == bare
+        r = tc.post("/v1/responses", json={"input": Q[0]["content"], "max_output_tokens": 24, "ignore_eos": True,
+                                           **dict.fromkeys(("temperature", "top_p", "seed", "stream", "tools",
+                                                            "tool_choice", "text", "include"))})
+        assert r.status_code == 200 and r.json()["output"][0]["content"][0]["text"] == bare
+        assert tc.post("/v1/chat/completions", json={"messages": None}).status_code == 400   # a required one is not
 
 
 def test_serve_sampling_flag_checked_at_start():
