@@ -309,6 +309,11 @@ def register(app, state, ready, api_error: type, pipe, *, sampling=None):
     @app.post("/apply-template")
     async def apply_template(body: ApplyTemplateRequest, request: Request):
         eng = ready(request)
+        for i, m in enumerate(body.messages):
+            j = m.other_part()
+            if j is not None:
+                raise api_error(400, f"messages.{i}.content.{j}.type {m.content[j].type!r}: this model takes text "
+                                "only", param=f"messages.{i}.content.{j}", code="invalid_value")
         msgs = [m.as_dict() for m in body.messages]
         msg = await too_long_for_context(eng, sum(len(m["content"]) for m in msgs))
         if msg:

@@ -216,6 +216,10 @@ class ContentPart(BaseModel):
     model_config = ConfigDict(extra="ignore")
     type: str
     text: Optional[str] = None
+    refusal: Optional[str] = None   # an assistant's refusal part
+
+
+CHAT_TEXT_PARTS = ("text", "refusal")   # the chat content parts this model can take (image_url, input_audio, file: 400)
 
 
 class FunctionCall(BaseModel):
@@ -255,7 +259,13 @@ class ChatMessage(BaseModel):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(p.text or "" for p in self.content if p.type == "text")
+        return "".join((p.refusal if p.type == "refusal" else p.text) or "" for p in self.content)
+
+    def other_part(self) -> Optional[int]:
+        """The index of the first content part that is not text (an image, audio, a file), or None."""
+        if isinstance(self.content, list):
+            return next((j for j, p in enumerate(self.content) if p.type not in CHAT_TEXT_PARTS), None)
+        return None
 
 
 class ToolChoiceFunction(BaseModel):
@@ -303,6 +313,11 @@ class ChatCompletionRequest(_Sampling):
     def unsupported(self):
         if self.top_logprobs is not None and not self.logprobs:
             return "top_logprobs", "top_logprobs needs logprobs: true"
+        for i, m in enumerate(self.messages):
+            j = m.other_part()
+            if j is not None:
+                return (f"messages.{i}.content.{j}", f"messages.{i}.content.{j}.type {m.content[j].type!r}: this "
+                        "model takes text only (text parts)")
         return super().unsupported()
 
     def tool_choice_name(self) -> str:

@@ -118,6 +118,9 @@ def _err(r: httpx.Response, status: int) -> dict:
     ({"messages": Q, "audio": {"voice": "alloy"}}, "audio"),
     ({"messages": Q, "modalities": ["text", "audio"]}, "modalities"),
     ({"messages": Q, "verbosity": "low"}, "verbosity"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "What is this?"},
+                                                {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]},
+     "messages.0.content.1"),
     ({"messages": Q, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"messages": Q, "max_tokens": -1}, "max_tokens"),
 ])

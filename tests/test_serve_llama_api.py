@@ -65,6 +65,8 @@ def test_props_say_what_the_server_runs(server):
     ("/tokenize", {"text": "the field is content"}, "content"),
     ("/apply-template", {"messages": []}, "messages"),
     ("/apply-template", {"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
+    ("/apply-template", {"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]},
+     "messages.0.content.0"),
 ])
 def test_bad_requests_are_a_400_naming_the_field(server, path, body, param):
     r = post(server, path, body)
