@@ -26,6 +26,9 @@ REFUSED = {
     "prediction": "predicted outputs are not supported",
     "web_search_options": "web search is not supported",
     "reasoning_effort": "this model has no reasoning mode (reasoning_effort is not supported)",
+    "functions": "functions is OpenAI's deprecated form of tools: send tools ([{\"type\": \"function\", "
+                 "\"function\": {...}}])",
+    "function_call": "function_call is OpenAI's deprecated form of tool_choice: send tool_choice",
 }
 # The one range that differs from the engine's on purpose: OpenAI's API takes temperature in [0, 2] only (the
 # engine and llama.cpp take any >= 0), and a client written against OpenAI should get the same 400 here.
@@ -115,6 +118,8 @@ class _Sampling(BaseModel):
     web_search_options: Optional[Any] = None
     reasoning_effort: Optional[str] = None
     verbosity: Optional[str] = None   # OpenAI's answer-length hint: only "medium" (the model's own length) is honoured
+    functions: Optional[Any] = None       # the deprecated forms of tools / tool_choice: refused, naming the new ones
+    function_call: Optional[Any] = None
     # structured output: OpenAI's response_format, llama-server's `json_schema` and `grammar` (GBNF) fields
     response_format: Optional[ResponseFormat] = None
     json_schema: Optional[dict[str, Any]] = None

@@ -118,6 +118,8 @@ def _err(r: httpx.Response, status: int) -> dict:
     ({"messages": Q, "audio": {"voice": "alloy"}}, "audio"),
     ({"messages": Q, "modalities": ["text", "audio"]}, "modalities"),
     ({"messages": Q, "verbosity": "low"}, "verbosity"),
+    ({"messages": Q, "functions": [{"name": "f", "parameters": {"type": "object"}}]}, "functions"),
+    ({"messages": Q, "function_call": "auto"}, "function_call"),
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": "What is this?"},
                                                 {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]},
      "messages.0.content.1"),
