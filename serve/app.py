@@ -666,9 +666,16 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
 
     @app.get("/v1/models")
     async def models(request: Request):
+        """The one model, in OpenAI's list shape and Anthropic's at once (both clients call this path; each reads
+        its own fields: object/created/owned_by, type/display_name/created_at and the page fields)."""
+        import datetime
         eng = ready(request)
-        return {"object": "list", "data": [{"id": state.model_id, "object": "model", "created": state.created,
-                                            "owned_by": "bitnet-cpu", "meta": {"n_ctx": eng.n_ctx}}]}
+        created_at = datetime.datetime.fromtimestamp(state.created, datetime.timezone.utc).isoformat()
+        entry = {"id": state.model_id, "object": "model", "created": state.created, "owned_by": "bitnet-cpu",
+                 "meta": {"n_ctx": eng.n_ctx}, "type": "model", "display_name": state.model_id,
+                 "created_at": created_at.replace("+00:00", "Z")}
+        return {"object": "list", "data": [entry], "has_more": False, "first_id": state.model_id,
+                "last_id": state.model_id}
 
     @app.get("/health")
     async def health():

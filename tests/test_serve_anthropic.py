@@ -191,3 +191,12 @@ def test_x_api_key_is_a_key():
         assert r.status_code == 200   # the same key, sent as Anthropic's clients send it, on any endpoint
     finally:
         s.stop()
+
+
+def test_models_list_reads_in_both_clients(claude, server):
+    """/v1/models answers Anthropic's client (type, display_name, created_at, pages) and OpenAI's alike."""
+    models = claude.models.list()
+    (m,) = models.data
+    openai_id = httpx.get(server.url + "/v1/models", timeout=30).json()["data"][0]["id"]
+    assert m.id == openai_id and m.type == "model" and m.display_name == openai_id and m.created_at.year >= 2026
+    assert models.has_more is False
