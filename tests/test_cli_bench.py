@@ -79,3 +79,22 @@ def test_bad_flags_are_one_line(store, args, needle):
     r = bench("-m", store, *args)
     assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert len([x for x in r.stderr.splitlines() if "error" in x]) == 1
+
+
+def test_ctrl_c_keeps_the_rows_printed(store):
+    """Ctrl-C during a test: exit 130, one line, the rows already printed kept (a table a user can still read)."""
+    import signal
+    p = subprocess.Popen([sys.executable, "-m", "bitnet_cpu", "bench", "-m", store, "-p", "8", "-n", "4000", "-r",
+                          "1000", "-t", "1"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         # a suite started in the background has SIGINT ignored, and a child keeps that: reset it
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        rows = [p.stdout.readline() for _ in range(3)]   # the head, its rule, then the pp8 row: tg4000 is running
+        assert "pp8" in rows[2], rows
+        p.send_signal(signal.SIGINT)
+        rest, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 130 and "interrupted" in err and "Traceback" not in err, err
+    assert "tg4000" not in rest
