@@ -4,8 +4,8 @@ its table (or JSON / JSON lines / CSV for scripts).
 `ppN`: a fresh cache, N random prompt tokens prefilled (one pass of the engine's prefill chunks), N / time. `tgN`:
 N tokens decoded one by one after the first token, greedy, end of text ignored and prompt lookup off, N / time:
 unlike llama-bench's (random tokens fed back) it includes picking each token from the LM head, as every real
-answer does. `ppN+tgM` (-pg): both, (N + M) / time. `-npl B`: B sequences at once through the serving engine's batched steps
-(as llama-batched-bench), B x tokens / time (`tg128 x16`). Each test runs once unrecorded (warm-up), then -r times:
+answer does. `ppN+tgM` (-pg): both, (N + M) / time. `-npl B`: B sequences at once through the serving engine's batched
+steps (as llama-batched-bench), B x tokens / time (`tg128 x16`). Each test runs once unrecorded (warm-up), then -r times:
 mean ± sample standard deviation of the rates. Rows print as tests finish; Ctrl-C keeps them (exit 130).
 The same kernels as `bitnet run` (BITNET_ISA=avx512 turns AMX tiles off, for an A/B on one machine).
 """
@@ -102,18 +102,21 @@ def run_batched(eng, pp: int, tg: int, npl: int, rng) -> float:
     return time.perf_counter() - t0
 
 
-def describe(llm) -> dict:
-    """The model and machine columns (llama-bench's names)."""
-    import os
-
+def machine() -> dict:
+    """The machine columns (llama-bench's names), the same for every row: asked once (py-cpuinfo takes 1-3 s)."""
     from .. import simd
     from ..engine import __version__
     from ..engine.cpu import cpu_brand
+    return {"backend": "CPU " + simd.active() + (" AMX" if simd.tiles() == "amx" else ""),
+            "cpu_info": cpu_brand(), "build": f"bitnet-cpu {__version__}"}
+
+
+def describe(llm) -> dict:
+    """The model columns (llama-bench's names)."""
+    import os
     path = llm.store.path
-    backend = "CPU " + simd.active() + (" AMX" if simd.tiles() == "amx" else "")
     return {"model_filename": path, "model_type": llm.name, "model_size": os.path.getsize(path),
-            "model_n_params": llm.config.n_params, "backend": backend, "cpu_info": cpu_brand(),
-            "build": f"bitnet-cpu {__version__}"}
+            "model_n_params": llm.config.n_params}
 
 
 class Table:
@@ -187,6 +190,7 @@ def main(args) -> int:
         raise BitNetError(f"-r/--repetitions {args.repetitions}: must be >= 1")
     ctx = max(max(pp, 1) + tg for pp, tg in tests) + 1
     table = Table(args.output, sys.stdout)
+    host = machine()
     started = False
     try:
         for threads in args.threads or [None]:
@@ -201,7 +205,7 @@ def main(args) -> int:
                     one = lambda pp, tg, rng, npl=npl: run_batched(runner, pp, tg, npl, rng)   # noqa: E731
                 for w in runner.warnings:
                     print(f"bitnet: warning: {w}", file=sys.stderr)
-                info = describe(runner)
+                info = {**describe(runner), **host}
                 if not started:
                     table.head()
                     started = True

@@ -1,5 +1,6 @@
-"""API keys: `Authorization: Bearer KEY` (or `x-api-key: KEY`, as Anthropic's clients send it) on every endpoint but /health (load balancers) and the chat page's HTML
-(it holds no data and asks for the key itself); /metrics too unless --metrics-public.
+"""API keys: `Authorization: Bearer KEY` (or `x-api-key: KEY`, as Anthropic's clients send it) on every endpoint
+but /health (load balancers) and the chat page's HTML (it holds no data and asks for the key itself); /metrics
+too unless --metrics-public.
 
 Keys come from --api-key and --api-key-file (one per line, `#` comments; several users, each with their own key).
 The check hashes the sent key and compares the digest with every key's digest, always all of them, with

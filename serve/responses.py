@@ -16,7 +16,7 @@ import time
 import uuid
 from typing import Any, Optional, Union
 
-from pydantic import ConfigDict, Field
+from pydantic import Field
 
 from .schemas import RequestProblem, _Sampling, text_of_parts
 
@@ -37,7 +37,6 @@ TEXT_PARTS = ("input_text", "output_text", "text", "refusal")   # the Responses 
 
 class ResponsesRequest(_Sampling):
     """The body of POST /v1/responses (OpenAI's fields; the chat endpoint's sampling extras are taken too)."""
-    model_config = ConfigDict(extra="ignore")
 
     input: Union[str, list[Any], None] = None
     instructions: Optional[str] = None

@@ -1,6 +1,7 @@
 """The server's own OpenAPI description (/openapi.json) drives a property-based API fuzzer (schemathesis, from
 PyPI) against a real `bitnet serve` subprocess: requests that fit the schema and requests that do not, over every
-operation. No 5xx; every 4xx in its API's error shape (OpenAI's on /v1, Anthropic's on /v1/messages, ollama's on /api); afterwards the server answers and its pool is whole
+operation. No 5xx; every 4xx in its API's error shape (OpenAI's on /v1, Anthropic's on /v1/messages, ollama's
+on /api); afterwards the server answers and its pool is whole
 (nothing running, waiting or reserved). Bounded: BITNET_FUZZ_EXAMPLES per operation and mode (default 100:
 about a minute here on 2 cores)."""
 from __future__ import annotations
