@@ -3,7 +3,7 @@ completions, OpenAI's Responses API, Anthropic's Messages API and llama-server's
 
     python bench/bench_apis.py [--store bench/cache/2b4t.q4.bnstore | --store bundled] [--threads 2] [--clients 16]
                                [--requests 2] [--gen 64] [--rounds 3] [--apis chat,responses,messages,completion]
-                               [--json F]
+                               [--json F] [--router]
 
 Each round runs every API once, in a rotated order: `--clients` threads each send `--requests` streaming greedy
 requests of `--gen` tokens back to back (a short user question that differs per client, end of text ignored, so
@@ -11,7 +11,9 @@ every API makes the same tokens). Reported per API: aggregate tokens/s (min / me
 median time to the first text, and the ratio of its median rate to chat's. The adapters (serve/responses.py,
 serve/anthropic.py, serve/llama_api.py) translate each request and build one SSE event per token; on the bundled
 model (a step takes well under a millisecond) that translation is the largest share it can ever be, on the
-2B-4T shape the smallest. Loopback only; every request and wait is bounded in time; the server is stopped at the
+2B-4T shape the smallest. `--router` adds a row "router": chat's requests through `bitnet serve --models-dir`
+(serve/router.py) with the same model in its directory, started beside the plain server: what forwarding every
+byte through a second process costs. Loopback only; every request and wait is bounded in time; the server is stopped at the
 end. Not a test: compare the APIs of one run.
 """
 from __future__ import annotations
@@ -19,8 +21,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -44,7 +48,7 @@ def request_of(api: str, i: int, gen: int) -> tuple[str, dict]:
     """(path, body) of client i's streaming request through `api`: greedy, `gen` tokens, end of text ignored."""
     q = [{"role": "user", "content": question(i)}]
     common = {"temperature": 0, "ignore_eos": True, "stream": True}
-    if api == "chat":
+    if api in ("chat", "router"):
         return "/v1/chat/completions", {"messages": q, "max_tokens": gen, **common,
                                         "stream_options": {"include_usage": True}}
     if api == "responses":
@@ -58,7 +62,7 @@ def request_of(api: str, i: int, gen: int) -> tuple[str, dict]:
 
 def text_and_count(api: str, data: dict) -> tuple[bool, int | None]:
     """(this event carries answer text, the answer's token count if this event reports it)."""
-    if api == "chat":
+    if api in ("chat", "router"):
         if data.get("usage"):
             return False, data["usage"]["completion_tokens"]
         ch = data.get("choices") or [{}]
@@ -131,37 +135,55 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--apis", default="chat,responses,messages,completion")
     ap.add_argument("--json", default=None, help="also write the figures here")
+    ap.add_argument("--router", action="store_true", help="add chat through `bitnet serve --models-dir` (a row 'router')")
     a = ap.parse_args(argv)
     apis = [x for x in a.apis.split(",") if x]
     for api in apis:
         request_of(api, 0, 1)   # an unknown name stops here, before a server starts
     if a.store != "bundled" and not os.path.exists(a.store):
         raise SystemExit(f"--store {a.store}: no such file (python bench/make_models.py --heads q4 --no-f16)")
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    model = [] if a.store == "bundled" else ["-m", a.store]
-    proc = subprocess.Popen([sys.executable, "-m", "bitnet_cpu", "serve", *model, "-t", str(a.threads),
-                             "--parallel", str(max(a.clients, 1)), "--host", "127.0.0.1", "--port", str(port)],
-                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    res: dict[str, list[dict]] = {api: [] for api in apis}
+    store = os.path.join(ROOT, "models", "default.bnstore") if a.store == "bundled" else os.path.abspath(a.store)
+    flags = ["-t", str(a.threads), "--parallel", str(max(a.clients, 1)), "--host", "127.0.0.1"]
+
+    def start(model_args: list) -> tuple[subprocess.Popen, str]:
+        port = free_port()
+        proc = subprocess.Popen([sys.executable, "-m", "bitnet_cpu", "serve", *model_args, *flags, "--port", str(port)],
+                                cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        return proc, f"http://127.0.0.1:{port}"
+
+    procs, urls = [], {}
+    tmp = tempfile.mkdtemp(prefix="bench-apis-")
+    res: dict[str, list[dict]] = {api: [] for api in apis + (["router"] if a.router else [])}
     try:
+        proc, url = start(["-m", store])
+        procs.append(proc)
+        urls = {api: url for api in apis}
+        if a.router:
+            os.symlink(store, os.path.join(tmp, os.path.basename(store)))
+            rproc, urls["router"] = start(["--models-dir", tmp])
+            procs.append(rproc)
+            wait_healthy(urls["router"], rproc, TIMEOUT)
         wait_healthy(url, proc, TIMEOUT)
-        run_api(url, apis[0], min(a.clients, 4), 1, 8)   # warm: first requests compile nothing, but page in
+        for api in res:   # warm: first requests compile nothing, but page in (and load the router's model)
+            run_api(urls[api], api, min(a.clients, 4), 1, 8)
+        names = list(res)
         for r in range(a.rounds):
-            order = apis[r % len(apis):] + apis[:r % len(apis)]
+            order = names[r % len(names):] + names[:r % len(names)]
             for api in order:
-                res[api].append(run_api(url, api, a.clients, a.requests, a.gen))
+                res[api].append(run_api(urls[api], api, a.clients, a.requests, a.gen))
                 print(f"round {r + 1} {api:<11} {res[api][-1]['tok_s']:8.1f} tok/s  ttft "
                       f"{res[api][-1]['ttft_ms']:7.1f} ms", file=sys.stderr, flush=True)
     finally:
-        stop_server(proc)
+        for proc in procs:
+            stop_server(proc)
+        shutil.rmtree(tmp, ignore_errors=True)
     base = float(np.median([x["tok_s"] for x in res.get("chat", [])])) if "chat" in res else None
     print(f"\n{a.clients} clients x {a.requests} streaming requests of {a.gen} tokens, {a.threads} threads, "
           f"{os.path.basename(a.store)}, {a.rounds} rounds (alternating order)\n")
     print("| API | tok/s min / median / max | time to first text, median | vs chat |")
     print("|---|---|---|---|")
-    for api in apis:
+    for api in res:
         rates = [x["tok_s"] for x in res[api]]
         med = float(np.median(rates))
         ratio = f"{med / base:.3f}x" if base else "-"

@@ -49,6 +49,21 @@ def add_arguments(p):
     p.add_argument("--strict-model-name", action="store_true",
                    help="answer 404 to a request naming another model (default: any name gets this model, as llama-server)")
     p.add_argument("--ray-replicas", type=int, default=0, help="run as a Ray Serve deployment with N replicas (0 = plain uvicorn)")
+    g = p.add_argument_group("many models behind one port (ollama's way; llama-server's router mode)",
+                             "a request's `model` picks the model; the first request naming one loads it "
+                             "(docs/serving.md)")
+    g.add_argument("--models-dir", action="append", default=None, metavar="DIR",
+                   help="serve every model in DIR (*.bnstore, *.gguf, HF model directories), named by file; "
+                        "repeatable%(default).0s")
+    g.add_argument("--models-cache", action="store_true",
+                   help="serve every converted model in the cache, named as `bitnet list` shows them")
+    g.add_argument("--models-max", type=int, default=3, metavar="N",
+                   help="models loaded at once; the least recently used idle one is unloaded for another")
+    g.add_argument("--models-keep-alive", default="-1", metavar="DURATION",
+                   help="how long an idle model stays loaded (seconds or \"5m\"; -1 = until room is needed); a "
+                        "request's keep_alive (ollama's field) sets its model's")
+    g.add_argument("--models-load-timeout", type=float, default=600.0, metavar="S",
+                   help="seconds a request waits for its model to load (a GGUF is converted on first use)")
     p.add_argument("--drain-timeout", type=float, default=5.0, help="seconds in-flight requests get to finish on shutdown")
     p.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"),
                    help="uvicorn log level")
@@ -77,6 +92,23 @@ def _check(args):
             raise BitNetError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be > 0")
     if not args.request_timeout >= 0:
         raise BitNetError(f"--request-timeout {args.request_timeout}: must be >= 0 (0 = no limit)")
+    if args.models_dir or args.models_cache:
+        for flag, dest in (("-m", "model"), ("--alias", "alias"), ("--strict-model-name", "strict_model_name"),
+                           ("--ray-replicas", "ray_replicas")):
+            if getattr(args, dest):
+                raise BitNetError(f"{flag} cannot be combined with --models-dir / --models-cache (they serve every "
+                                  "model found there, each by its own name)")
+        if args.models_max < 1:
+            raise BitNetError(f"--models-max {args.models_max}: must be >= 1")
+        if not args.models_load_timeout > 0:
+            raise BitNetError(f"--models-load-timeout {args.models_load_timeout}: must be > 0")
+        from ..serve.router import parse_keep_alive
+        try:
+            parse_keep_alive(args.models_keep_alive)
+        except ValueError as e:
+            raise BitNetError(f"--models-keep-alive {args.models_keep_alive}: not a duration",
+                              hint="seconds, or a string such as 5m or 1h; -1 keeps models until room is needed"
+                              ) from e
 
 
 def bind_port(host: str, port: int, keep: bool = True):
@@ -122,6 +154,8 @@ def main(args) -> int:
     from ..serve.auth import read_key_file
     keys = tuple(read_key_file(args.api_key_file)) if args.api_key_file else ()
     sampling = sampling_params_from_args(args)
+    if args.models_dir or args.models_cache:
+        return serve_models(args, keys)
     if args.ray_replicas:
         bind_port(args.host, args.port, keep=False)   # before Ray's minutes of start-up, not after
         from ..serve.ray_app import run_ray
@@ -179,6 +213,131 @@ def main(args) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, handler)
     print(f"bitnet serve: listening on http://{args.host}:{args.port} (loading the model...)", file=sys.stderr, flush=True)
+    server.run(sockets=[sock])
+    print("bitnet serve: stopped", file=sys.stderr)
+    return 0
+
+
+# flags of the router alone: everything else is passed on to each model's process
+ROUTER_ONLY = {"help", "model", "host", "port", "api_key", "api_key_file", "metrics_public", "alias",
+               "strict_model_name", "ray_replicas", "models_dir", "models_cache", "models_max", "models_keep_alive",
+               "models_load_timeout"}
+MODEL_SUFFIXES = {".bnstore": "bnstore", ".gguf": "gguf"}
+
+
+def model_catalog(args) -> dict:
+    """name -> serve.router.ModelSpec: the cache's converted models (--models-cache), then each --models-dir's
+    stores, GGUF files and HF model directories (a directory with a config.json). Two models of one name, or
+    none at all: one line, exit 2."""
+    import os
+
+    from ..engine.errors import BitNetError
+    from ..serve.router import ModelSpec
+    found: list = []
+    if args.models_cache:
+        from .list import cached_stores
+        for row in cached_stores():
+            found.append(ModelSpec(row["name"], row["path"], row["size"], row["last_used"], "bnstore"))
+    for d in args.models_dir or ():
+        if not os.path.isdir(d):
+            raise BitNetError(f"--models-dir {d}: not a directory")
+        for f in sorted(os.listdir(d)):
+            path = os.path.join(d, f)
+            suffix = os.path.splitext(f)[1]
+            if suffix in MODEL_SUFFIXES and os.path.isfile(path):
+                st = os.stat(path)
+                found.append(ModelSpec(f[: -len(suffix)], path, st.st_size, st.st_mtime, MODEL_SUFFIXES[suffix]))
+            elif os.path.isfile(os.path.join(path, "config.json")):
+                files = [os.path.join(path, x) for x in os.listdir(path)]
+                size = sum(os.path.getsize(x) for x in files if os.path.isfile(x))
+                found.append(ModelSpec(f, path, size, os.stat(path).st_mtime, "safetensors"))
+    models: dict = {}
+    for spec in found:
+        if spec.name in models:
+            raise BitNetError(f"two models named '{spec.name}': {models[spec.name].path} and {spec.path}",
+                              hint="rename one of the files (a model's name is its file name)")
+        models[spec.name] = spec
+    if not models:
+        where = ", ".join(list(args.models_dir or ()) + (["the cache (bitnet list)"] if args.models_cache else []))
+        raise BitNetError(f"no models in {where}", hint="*.bnstore, *.gguf or HF model directories; `bitnet pull` or "
+                                                        "`bitnet convert` adds one to the cache")
+    return models
+
+
+def passthrough_argv(args) -> list:
+    """The flags this `bitnet serve` was given that each model's process takes as they are (threads, context,
+    KV, sampling defaults, limits, ...): every option of the serve parser off its default, but the router's own."""
+    import argparse
+
+    from . import build_parser
+    subparsers: dict = {}
+    build_parser(subparsers)
+    out: list = []
+    for a in subparsers["serve"]._actions:
+        if not a.option_strings or a.dest in ROUTER_ONLY:
+            continue
+        v = getattr(args, a.dest, None)
+        if v is None or v == a.default:
+            continue
+        flag = a.option_strings[-1] if a.option_strings[-1].startswith("--") else a.option_strings[0]
+        if isinstance(a, (argparse._StoreConstAction, argparse._StoreTrueAction)):
+            if v == a.const:
+                out.append(flag)
+        elif isinstance(a, argparse._AppendAction):
+            for x in v:
+                out += [flag, str(x)]
+        else:
+            out += [flag, str(v)]
+    return out
+
+
+def serve_models(args, keys: tuple) -> int:
+    """`bitnet serve --models-dir DIR / --models-cache`: serve.router on uvicorn; each model in its own
+    `bitnet serve` process, started on first use."""
+    import contextlib
+    import signal
+    import sys
+
+    import uvicorn
+
+    from ..serve.limits import guarded_protocol
+    from ..serve.router import Router, create_router_app, parse_keep_alive
+
+    models = model_catalog(args)
+    passthrough = passthrough_argv(args)
+
+    def command(spec, port: int, key_file: str) -> list:
+        return [sys.executable, "-m", "bitnet_cpu", "serve", "-m", spec.path, "--host", "127.0.0.1",
+                "--port", str(port), "--alias", spec.name, "--api-key-file", key_file, *passthrough]
+
+    limits = limits_from_args(args)
+    router = Router(models, command, models_max=args.models_max, keep_alive=parse_keep_alive(args.models_keep_alive),
+                    load_timeout=args.models_load_timeout, stop_timeout=args.drain_timeout + 5)
+    app = create_router_app(router, api_keys=(([args.api_key] if args.api_key else []) + list(keys)),
+                            limits=limits, metrics_public=args.metrics_public)
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):   # as in main(): ours, so that a drained router exits 0
+            yield
+
+    def handler(sig, frame):
+        if server.should_exit:
+            server.force_exit = True
+        server.should_exit = True
+        router.begin_drain()   # each model's process finishes its streams (within --drain-timeout) and exits
+
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=args.drain_timeout + 2, lifespan="on",
+                            http=guarded_protocol(limits), timeout_keep_alive=args.keep_alive_timeout,
+                            h11_max_incomplete_event_size=limits.max_header_bytes)
+    server = Server(config)
+    sock = bind_port(args.host, args.port)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, handler)
+    names = ", ".join(sorted(models))
+    print(f"bitnet serve: listening on http://{args.host}:{args.port} ({len(models)} models, each loaded on first "
+          f"use, at most {args.models_max} at once: {names})", file=sys.stderr, flush=True)
     server.run(sockets=[sock])
     print("bitnet serve: stopped", file=sys.stderr)
     return 0

@@ -365,23 +365,23 @@ def test_serve_stall_runs_each_batch_size(small_models, tmp_path, capsys):
 
 def test_bench_apis_counts_every_apis_tokens(small_models, tmp_path, capsys):
     """bench_apis.py: one real bitnet serve (loopback, stopped after), the same streaming load through chat,
-    Responses, Messages and /completion; every API's answers are counted from its own final event (each request
+    Responses, Messages, /completion and chat through a `--models-dir` router; every API's answers are counted from its own final event (each request
     makes --gen tokens, eos ignored), a table row per API with its ratio to chat."""
     pytest.importorskip("fastapi", reason="bench_apis.py starts bitnet serve (pip install .[serve])")
     import bench_apis  # bench/bench_apis.py
 
     out = tmp_path / "apis.json"
     assert bench_apis.main(["--store", small_models["store_q4"], "--threads", "1", "--clients", "3", "--requests",
-                            "2", "--gen", "5", "--rounds", "2", "--json", str(out)]) == 0
+                            "2", "--gen", "5", "--rounds", "2", "--json", str(out), "--router"]) == 0
     raw = json.loads(out.read_text())["results"]
-    assert set(raw) == {"chat", "responses", "messages", "completion"}
+    assert set(raw) == {"chat", "responses", "messages", "completion", "router"}   # router: chat via --models-dir
     for api, runs in raw.items():
         assert len(runs) == 2
         for r in runs:
             assert r["tokens"] == 3 * 2 * 5, (api, r)   # every answer's count, from its API's own final event
             assert r["tok_s"] > 0 and r["ttft_ms"] > 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and line.endswith("x |")]
-    assert len(rows) == 4 and rows[0].startswith("| chat |") and rows[0].endswith("1.000x |")
+    assert len(rows) == 5 and rows[0].startswith("| chat |") and rows[0].endswith("1.000x |")
     with pytest.raises(SystemExit):
         bench_apis.main(["--store", small_models["store_q4"], "--apis", "chat,grpc"])
 

@@ -1,0 +1,620 @@
+"""Many models behind one port (`bitnet serve --models-dir DIR` / `--models-cache`), as ollama serves every pulled
+model and llama-server's router mode serves a directory: a request's `model` field picks the model; the first
+request naming one loads it, and at most `models_max` are loaded at once (the least recently used idle one is
+unloaded to make room).
+
+Each loaded model is its own `bitnet serve` process on a loopback port (the command the CLI gives, with a key of
+this router's that nothing else knows, in a file only this user can read), and this app forwards every request to it byte for byte, streams
+included: every API of serve/app.py (OpenAI's, Anthropic's, ollama's, llama-server's, the embeddings) answers
+exactly as a single-model server would, a model that crashes takes down nothing else, and unloading one gives
+its memory back to the system. A client that hangs up closes the forwarded stream, which cancels its sequence in
+the model's process.
+
+The router itself answers the listings (`/v1/models`, `/models`, ollama's `/api/tags` and `/api/ps`), llama-server's
+`/models/load` and `/models/unload`, ollama's keep_alive (a request's keep_alive sets how long its model stays
+loaded once idle; 0 unloads it after the request, and an empty `/api/generate` or `/api/chat` with keep_alive 0
+unloads it at once, as ollama does), `/health`, its own `/metrics` (`?model=NAME` forwards to the model's), and
+the chat page. GET requests (`/slots?model=NAME`, `/props?model=NAME`) go to a loaded model and never load one.
+Nothing here knows of engines: the catalog and the command line come from the CLI."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import datetime as _dt
+import hashlib
+import json
+import math
+import os
+import re
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+
+from .auth import AuthMiddleware, KeyChecker
+from .limits import Limits, LimitsMiddleware, error_json
+from .ollama import OLLAMA_VERSION
+
+PAGE = os.path.join(os.path.dirname(__file__), "chat.html")
+FOREVER = math.inf
+# hop-by-hop headers, and what this router sets itself on the forwarded request / the response
+REQUEST_DROP = {b"host", b"content-length", b"connection", b"keep-alive", b"transfer-encoding", b"authorization",
+                b"x-api-key", b"upgrade", b"te", b"proxy-authorization"}
+RESPONSE_DROP = {"connection", "keep-alive", "transfer-encoding", "date", "server"}
+_DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
+_UNIT = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def parse_keep_alive(value) -> float:
+    """ollama's keep_alive in seconds: a number of seconds, or a Go duration string ("5m", "1h30m", "90s", "-1");
+    negative = for ever (math.inf), 0 = unload after the request. ValueError if it is neither."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ValueError(f"keep_alive: {value!r} is not a duration (seconds, or a string such as \"5m\")")
+    if isinstance(value, str):
+        text = value.strip()
+        try:
+            value = float(text)
+        except ValueError:
+            sign, body = (-1.0, text[1:]) if text.startswith("-") else (1.0, text.lstrip("+"))
+            parts = _DURATION.findall(body)
+            if not body or "".join(n + u for n, u in parts) != body:
+                raise ValueError(f"keep_alive: {text!r} is not a duration (seconds, or a string such as \"5m\")")
+            value = sign * sum(float(n) * _UNIT[u] for n, u in parts)
+    if not math.isfinite(value) and value > 0:
+        raise ValueError(f"keep_alive: {value!r} is not a duration")
+    return FOREVER if value < 0 else float(value)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One model the router can load: the name requests use, the file (or directory) its process loads."""
+    name: str
+    path: str
+    size: int = 0
+    modified: float = 0.0
+    format: str = "bnstore"
+
+    def digest(self) -> str:
+        return hashlib.sha256(f"{os.path.abspath(self.path)}:{self.size}:{self.modified}".encode()).hexdigest()
+
+
+class RouterError(Exception):
+    def __init__(self, status: int, message: str, code: str, param: str | None = None, retry_after: int | None = None):
+        super().__init__(message)
+        self.status, self.message, self.code, self.param, self.retry_after = status, message, code, param, retry_after
+
+
+def _parent_death_signal():
+    """In the model's process, before exec: SIGTERM when this router dies (even by SIGKILL), so no model process
+    outlives it holding its memory (Linux; elsewhere nothing)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        prctl = libc.prctl
+    except (OSError, AttributeError):
+        return None
+
+    def arm():
+        prctl(1, signal.SIGTERM, 0, 0, 0)   # PR_SET_PDEATHSIG
+    return arm if sys.platform.startswith("linux") else None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Child:
+    """A model's process and what the router knows of it."""
+
+    def __init__(self, spec: ModelSpec, proc: subprocess.Popen, port: int, log_path: str):
+        self.spec, self.proc, self.port, self.log_path = spec, proc, port, log_path
+        self.url = f"http://127.0.0.1:{port}"
+        self.ready: asyncio.Future = asyncio.get_running_loop().create_future()
+        self.active = 0                  # requests in flight through it
+        self.last_used = time.monotonic()
+        self.keep_alive = FOREVER        # seconds it stays loaded once idle (the last request's keep_alive)
+        self.expires = FOREVER           # monotonic time it is unloaded at, if still idle
+        self.started = time.monotonic()
+        self.info: dict = {}             # its /api/ps entry once loaded: context_length, details
+        self.stopping = False
+
+    @property
+    def status(self) -> str:
+        return "loaded" if self.ready.done() and not self.ready.exception() else "loading"
+
+    def log_tail(self) -> str:
+        """The last line the process wrote that says what went wrong (its one-line error)."""
+        try:
+            with open(self.log_path, encoding="utf-8", errors="replace") as f:
+                text = f.read()[-8192:]
+        except OSError:
+            return ""
+        lines = [ln.strip() for ln in re.split(r"[\r\n]+", text) if ln.strip()]
+        errors = [ln for ln in lines if "error" in ln.lower()]
+        return (errors or lines or [""])[-1]
+
+
+class Router:
+    def __init__(self, models: dict[str, ModelSpec], command: Callable[[ModelSpec, int, str], list[str]], *,
+                 models_max: int = 3, keep_alive: float = FOREVER, load_timeout: float = 600.0,
+                 stop_timeout: float = 10.0, retry_after: int = 1, log: Callable[[str], None] | None = None):
+        self.models, self.command, self.models_max = models, command, models_max
+        self.keep_alive, self.load_timeout, self.stop_timeout = keep_alive, load_timeout, stop_timeout
+        self.retry_after = retry_after
+        self.log = log or (lambda line: print(f"bitnet serve: {line}", file=sys.stderr, flush=True))
+        self.key = secrets.token_urlsafe(32)   # the model processes answer only the router
+        self.children: dict[str, Child] = {}
+        self.details: dict[str, dict] = {}     # a model's /api/ps entry, kept after it is unloaded
+        self.counts: dict[tuple, int] = {}
+        self.draining = False
+        self.cond: asyncio.Condition | None = None
+        self.client: httpx.AsyncClient | None = None
+        self.logdir = tempfile.mkdtemp(prefix="bitnet-router-")   # 0700: the key file and each process's log
+        self.key_file = os.path.join(self.logdir, "key")
+        fd = os.open(self.key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(self.key + "\n")
+        self._reaper: asyncio.Task | None = None
+        self._preexec = _parent_death_signal()
+
+    # ---- the catalog --------------------------------------------------------------------------------------
+    def resolve(self, name) -> ModelSpec:
+        if isinstance(name, str) and name:
+            spec = self.models.get(name)
+            if spec is None and name.endswith(":latest"):
+                spec = self.models.get(name[: -len(":latest")])
+            if spec is not None:
+                return spec
+            raise RouterError(404, f"model '{name}' is not served here (models: {', '.join(sorted(self.models))})",
+                              "model_not_found", "model")
+        if name is not None and not isinstance(name, str):
+            raise RouterError(400, "model: must be a string", "invalid_value", "model")
+        if len(self.models) == 1:
+            return next(iter(self.models.values()))
+        raise RouterError(400, f"model: required: this server has several (models: {', '.join(sorted(self.models))})",
+                          "missing_model", "model")
+
+    def count(self, *key):
+        self.counts[key] = self.counts.get(key, 0) + 1
+
+    # ---- lifecycle ------------------------------------------------------------------------------------------
+    async def start(self):
+        self.cond = asyncio.Condition()
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0),
+                                        limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
+        self._reaper = asyncio.create_task(self._reap())
+
+    async def close(self):
+        self.draining = True
+        if self._reaper is not None:
+            self._reaper.cancel()
+        await asyncio.gather(*(self._stop(c, "shutdown") for c in list(self.children.values())),
+                             return_exceptions=True)
+        self.children.clear()
+        if self.client is not None:
+            await self.client.aclose()
+        shutil.rmtree(self.logdir, ignore_errors=True)
+
+    def begin_drain(self):
+        """Ctrl-C / SIGTERM: admit nothing more; every model process drains itself (its streams end) and exits."""
+        self.draining = True
+        for c in self.children.values():
+            if c.proc.poll() is None:
+                with contextlib.suppress(OSError):
+                    c.proc.send_signal(signal.SIGTERM)
+
+    # ---- loading and unloading ------------------------------------------------------------------------------
+    async def acquire(self, spec: ModelSpec, load: bool = True) -> Child:
+        """The model's process, ready, with this request counted on it (release() it). Loads the model if
+        `load`, first unloading the least recently used idle one when `models_max` are loaded; waits (up to the
+        load timeout) while every loaded model is busy."""
+        deadline = time.monotonic() + self.load_timeout
+        async with self.cond:
+            while True:
+                if self.draining:
+                    raise RouterError(503, "shutting down", "unavailable", retry_after=self.retry_after)
+                c = self.children.get(spec.name)
+                if c is not None and c.proc.poll() is None and not c.stopping:
+                    break
+                if c is not None:   # exited (the reaper has not seen it yet)
+                    self._forget(c, "exited")
+                    continue
+                if not load:
+                    raise RouterError(400, f"model '{spec.name}' is not loaded (a request that generates with it, or "
+                                           "POST /models/load, loads it)", "model_not_loaded", "model")
+                if len(self.children) < self.models_max:
+                    c = self._spawn(spec)
+                    break
+                idle = [x for x in self.children.values() if x.active == 0 and not x.stopping]
+                if idle:
+                    victim = min(idle, key=lambda x: x.last_used)
+                    await self._stop(victim, "room")
+                    continue
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise RouterError(503, f"all {self.models_max} loaded models are busy (--models-max); retry",
+                                      "models_busy", retry_after=self.retry_after)
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self.cond.wait(), left)
+            c.active += 1
+        try:
+            await asyncio.wait_for(asyncio.shield(c.ready), max(0.0, deadline - time.monotonic()))
+        except asyncio.TimeoutError:
+            await self.release(c)
+            raise RouterError(503, f"model '{spec.name}' is still loading; retry", "loading",
+                              retry_after=self.retry_after) from None
+        except BaseException:   # its load failed (RouterError), or the request went away
+            await self.release(c)
+            raise
+        return c
+
+    async def release(self, c: Child, keep_alive: float | None = None):
+        """A request through `c` has ended; `keep_alive` (seconds, ollama's field) if it set one."""
+        async with self.cond:
+            c.active -= 1
+            c.last_used = time.monotonic()
+            if keep_alive is not None:
+                c.keep_alive = keep_alive
+            if c.active == 0:
+                c.expires = c.last_used + c.keep_alive
+                if c.keep_alive == 0 and not c.stopping and self.children.get(c.spec.name) is c:
+                    await self._stop(c, "keep_alive")
+            self.cond.notify_all()
+
+    def _spawn(self, spec: ModelSpec) -> Child:
+        port = _free_port()
+        log_path = os.path.join(self.logdir, f"{re.sub(r'[^A-Za-z0-9._-]', '_', spec.name)}.log")
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(self.command(spec, port, self.key_file), stdin=subprocess.DEVNULL, stdout=log,
+                                    stderr=subprocess.STDOUT, preexec_fn=self._preexec)
+        c = Child(spec, proc, port, log_path)
+        c.keep_alive = self.keep_alive
+        self.children[spec.name] = c
+        self.count("loads", spec.name)
+        self.log(f"loading '{spec.name}' ({spec.path})")
+        asyncio.create_task(self._watch_load(c))
+        return c
+
+    async def _watch_load(self, c: Child):
+        """Poll the process's /health until it answers 200 (ready), says its model failed to load, or exits."""
+        problem = None
+        while True:
+            if c.proc.poll() is not None:
+                tail = c.log_tail()
+                problem = tail or f"its process exited with code {c.proc.returncode}"
+                break
+            try:
+                r = await self.client.get(c.url + "/health", timeout=5.0)
+                if r.status_code == 200:
+                    break
+                body = r.json() if r.headers.get("content-type", "").startswith("application/json") else {}
+                if (body.get("error") or {}).get("code") == "load_failed":
+                    problem = body["error"]["message"].removeprefix("model failed to load: ")
+                    break
+            except (httpx.HTTPError, ValueError):
+                pass
+            await asyncio.sleep(0.1)
+        if problem is None:
+            await self._learn(c)
+            took = time.monotonic() - c.started
+            self.log(f"'{c.spec.name}' loaded in {took:.1f} s")
+            if not c.ready.done():
+                c.ready.set_result(True)
+            return
+        self.count("load_failures", c.spec.name)
+        self.log(f"'{c.spec.name}' failed to load: {problem}")
+        if not c.ready.done():
+            c.ready.set_exception(RouterError(500, f"model '{c.spec.name}' failed to load: {problem}", "load_failed",
+                                              "model"))
+            c.ready.exception()   # retrieved: no "never retrieved" warning when no request waits
+        async with self.cond:
+            await self._stop(c, "failed")
+            self.cond.notify_all()
+
+    async def _learn(self, c: Child):
+        """What the model's process says of it (context, family, size) for the listings; its warnings, relayed."""
+        with contextlib.suppress(httpx.HTTPError, ValueError, KeyError, IndexError):
+            r = await self.client.get(c.url + "/api/ps", headers={"authorization": f"Bearer {self.key}"}, timeout=10)
+            entry = r.json()["models"][0]
+            c.info = {"context_length": entry.get("context_length"), "details": entry.get("details")}
+            self.details[c.spec.name] = c.info
+        with contextlib.suppress(OSError):
+            with open(c.log_path, encoding="utf-8", errors="replace") as f:
+                for line in f:
+                    if "warning:" in line:
+                        self.log(f"'{c.spec.name}': {line.strip().removeprefix('bitnet serve: ')}")
+
+    async def _stop(self, c: Child, reason: str):
+        """Unload (call with the condition held, or at shutdown): SIGTERM, so its process drains and exits;
+        SIGKILL after stop_timeout."""
+        if c.stopping:
+            return
+        c.stopping = True
+        self._forget(c, reason)
+        if c.proc.poll() is None:
+            with contextlib.suppress(OSError):
+                c.proc.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(asyncio.to_thread(c.proc.wait), self.stop_timeout)
+            except asyncio.TimeoutError:
+                c.proc.kill()
+                await asyncio.to_thread(c.proc.wait)
+
+    def _forget(self, c: Child, reason: str):
+        if self.children.get(c.spec.name) is c:
+            del self.children[c.spec.name]
+            if reason not in ("failed", "shutdown"):
+                self.count("unloads", c.spec.name, reason)
+                if reason == "exited":
+                    self.log(f"'{c.spec.name}': its process exited (code {c.proc.returncode}): {c.log_tail()}")
+                else:
+                    self.log(f"unloaded '{c.spec.name}' ({'keep_alive' if reason == 'expired' else reason})")
+        if not c.ready.done():
+            c.ready.set_exception(RouterError(503, f"model '{c.spec.name}' was unloaded while loading; retry",
+                                              "loading", retry_after=self.retry_after))
+            c.ready.exception()
+
+    async def _reap(self):
+        """Unload idle models past their keep_alive; forget processes that exited."""
+        while True:
+            await asyncio.sleep(0.25)
+            now = time.monotonic()
+            async with self.cond:
+                for c in list(self.children.values()):
+                    if c.stopping:
+                        continue
+                    if c.proc.poll() is not None and c.ready.done():
+                        self._forget(c, "exited")
+                        self.cond.notify_all()
+                    elif c.active == 0 and c.ready.done() and now >= c.expires:
+                        await self._stop(c, "expired")
+                        self.cond.notify_all()
+
+    async def unload(self, spec: ModelSpec) -> bool:
+        async with self.cond:
+            c = self.children.get(spec.name)
+            if c is None:
+                return False
+            if c.active:   # ollama's way: it goes as soon as its requests end
+                c.keep_alive = 0
+                return True
+            await self._stop(c, "request")
+            self.cond.notify_all()
+            return True
+
+    # ---- listings -------------------------------------------------------------------------------------------
+    def status(self, name: str) -> str:
+        c = self.children.get(name)
+        return "unloaded" if c is None else c.status
+
+    def expires_at(self, c: Child) -> str:
+        left = c.keep_alive if c.active else c.expires - time.monotonic()
+        when = _dt.datetime(2318, 1, 1, tzinfo=_dt.timezone.utc) if not math.isfinite(left) else \
+            _dt.datetime.now(_dt.timezone.utc) + _dt.timedelta(seconds=max(0.0, left))
+        return when.isoformat().replace("+00:00", "Z")
+
+    def tag(self, spec: ModelSpec) -> dict:
+        known = (self.details.get(spec.name) or {}).get("details") or {}
+        details = {"parent_model": "", "format": spec.format, "family": "", "families": [], "parameter_size": "",
+                   "quantization_level": "ternary (b1.58)", **known}
+        modified = _dt.datetime.fromtimestamp(spec.modified or 0, _dt.timezone.utc).isoformat().replace("+00:00", "Z")
+        return {"name": spec.name, "model": spec.name, "modified_at": modified, "size": spec.size,
+                "digest": spec.digest(), "details": details}
+
+    def metrics_text(self) -> str:
+        out = ["# HELP bitnet_router_models_loaded Models whose process is loaded or loading.",
+               "# TYPE bitnet_router_models_loaded gauge", f"bitnet_router_models_loaded {len(self.children)}"]
+        for name, help_ in (("loads", "Model loads started."), ("load_failures", "Model loads that failed."),
+                            ("unloads", "Models unloaded (room: for another model, keep_alive, request, exited)."),
+                            ("requests", "Requests forwarded to a model.")):
+            out += [f"# HELP bitnet_router_{name}_total {help_}", f"# TYPE bitnet_router_{name}_total counter"]
+            for key, n in sorted(self.counts.items()):
+                if key[0] == name:
+                    labels = f'model="{_label(key[1])}"' + (f',reason="{key[2]}"' if len(key) > 2 else "")
+                    out.append(f"bitnet_router_{name}_total{{{labels}}} {n}")
+        return "\n".join(out) + "\n"
+
+
+def _label(v: str) -> str:
+    return v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+class Relay(StreamingResponse):
+    """A forwarded answer. Its cleanup (close the stream to the model's process, count the request as ended) runs
+    however the response ends, also when the client left before its first byte (the body never iterated)."""
+
+    def __init__(self, content, finish, **kw):
+        super().__init__(content, **kw)
+        self.finish = finish
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.finish()
+
+
+def create_router_app(router: Router, *, api_keys: tuple = (), limits: Limits | None = None,
+                      metrics_public: bool = False) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        await router.start()
+        yield
+        await router.close()
+
+    app = FastAPI(title="bitnet serve (models)", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.router = router
+    app.add_middleware(LimitsMiddleware, limits=limits or Limits())
+    app.add_middleware(AuthMiddleware, checker=KeyChecker(api_keys), metrics_public=metrics_public)
+
+    def error(request: Request, e: RouterError) -> Response:
+        body = error_json(e.message, "not_found_error" if e.status == 404 else
+                          "server_error" if e.status >= 500 else "invalid_request_error",
+                          e.code, e.param, scope=request.scope, status=e.status)
+        headers = {"Retry-After": str(e.retry_after)} if e.retry_after is not None else None
+        return Response(body, status_code=e.status, media_type="application/json", headers=headers)
+
+    @app.exception_handler(RouterError)
+    async def _router_error(request, e: RouterError):
+        return error(request, e)
+
+    @app.get("/health")
+    async def health():
+        if router.draining:
+            return JSONResponse({"error": {"message": "shutting down", "type": "unavailable_error", "param": None,
+                                           "code": "loading"}}, status_code=503,
+                                headers={"Retry-After": str(router.retry_after)})
+        return {"status": "ok", "models_loaded": len(router.children)}
+
+    def model_entry(spec: ModelSpec) -> dict:
+        created = int(spec.modified)
+        created_at = _dt.datetime.fromtimestamp(created, _dt.timezone.utc).isoformat().replace("+00:00", "Z")
+        entry = {"id": spec.name, "object": "model", "created": created, "owned_by": "bitnet-cpu",
+                 "type": "model", "display_name": spec.name, "created_at": created_at, "path": spec.path,
+                 "status": {"value": router.status(spec.name)}}
+        n_ctx = (router.details.get(spec.name) or {}).get("context_length")
+        if n_ctx:
+            entry["meta"] = {"n_ctx": n_ctx}
+        return entry
+
+    @app.get("/v1/models")
+    @app.get("/models")
+    async def models():
+        data = [model_entry(s) for s in router.models.values()]
+        return {"object": "list", "data": data, "has_more": False, "first_id": data[0]["id"] if data else None,
+                "last_id": data[-1]["id"] if data else None}
+
+    async def body_model(request: Request) -> tuple[dict | None, bytes]:
+        body = await request.body()
+        if not body:
+            return None, body
+        try:
+            data = await asyncio.to_thread(json.loads, body) if len(body) > 65536 else json.loads(body)
+        except (ValueError, RecursionError):
+            return None, body
+        return (data if isinstance(data, dict) else None), body
+
+    async def load_or_unload(request: Request, unload: bool):
+        data, _ = await body_model(request)
+        spec = router.resolve((data or {}).get("model"))
+        if unload:
+            if not await router.unload(spec):
+                raise RouterError(400, f"model '{spec.name}' is not loaded", "model_not_loaded", "model")
+        else:
+            c = await router.acquire(spec)
+            await router.release(c)
+        return {"success": True}
+
+    @app.post("/models/load")
+    async def models_load(request: Request):
+        return await load_or_unload(request, unload=False)
+
+    @app.post("/models/unload")
+    async def models_unload(request: Request):
+        return await load_or_unload(request, unload=True)
+
+    @app.get("/api/tags")
+    async def api_tags():
+        return {"models": [router.tag(s) for s in router.models.values()]}
+
+    @app.get("/api/ps")
+    async def api_ps():
+        out = []
+        for c in list(router.children.values()):
+            if c.status != "loaded":
+                continue
+            t = router.tag(c.spec)
+            out.append({**{k: t[k] for k in ("name", "model", "size", "digest", "details")},
+                        "expires_at": router.expires_at(c), "size_vram": 0,
+                        "context_length": c.info.get("context_length")})
+        return {"models": out}
+
+    @app.get("/api/version")
+    async def api_version():
+        return {"version": OLLAMA_VERSION}
+
+    @app.get("/metrics")
+    async def metrics(request: Request):
+        if "model" in request.query_params:
+            return await forward(request)
+        return Response(router.metrics_text(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/", response_class=HTMLResponse)
+    async def page():
+        with open(PAGE, encoding="utf-8") as f:
+            return HTMLResponse(f.read())
+
+    @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD"],
+                   include_in_schema=False)
+    async def forward(request: Request):
+        if router.draining:
+            raise RouterError(503, "shutting down", "unavailable", retry_after=router.retry_after)
+        data, body = await body_model(request)
+        name = (data or {}).get("model") if data is not None else None
+        name = request.query_params.get("model", name) if name is None else name
+        spec = router.resolve(name)
+        path = request.url.path
+        keep_alive = None
+        if data is not None and data.get("keep_alive") is not None and path.startswith("/api/"):
+            try:
+                keep_alive = parse_keep_alive(data["keep_alive"])
+            except ValueError as e:
+                raise RouterError(400, str(e), "invalid_value", "keep_alive") from None
+            if keep_alive == 0 and path in ("/api/generate", "/api/chat") and \
+                    not data.get("prompt") and not data.get("messages"):
+                # ollama's unload request: an empty generate / chat with keep_alive 0
+                await router.unload(spec)
+                now = _dt.datetime.now(_dt.timezone.utc).isoformat().replace("+00:00", "Z")
+                piece = {"response": ""} if path == "/api/generate" else {"message": {"role": "assistant",
+                                                                                       "content": ""}}
+                return {"model": spec.name, "created_at": now, **piece, "done": True, "done_reason": "unload"}
+        c = await router.acquire(spec, load=request.method == "POST")
+        router.count("requests", spec.name)
+        headers = [(k, v) for k, v in request.headers.raw if k.lower() not in REQUEST_DROP]
+        headers.append((b"authorization", f"Bearer {router.key}".encode()))
+        url = httpx.URL(c.url + path, query=request.url.query.encode())
+        try:
+            upstream = await router.client.send(router.client.build_request(request.method, url, headers=headers,
+                                                                            content=body), stream=True)
+        except httpx.HTTPError as e:
+            await router.release(c, keep_alive)
+            raise RouterError(502, f"model '{spec.name}' did not answer: {type(e).__name__}", "model_unavailable",
+                              retry_after=router.retry_after) from None
+        except BaseException:
+            await router.release(c, keep_alive)
+            raise
+
+        done = False
+
+        async def finish():
+            nonlocal done
+            if not done:
+                done = True
+                await upstream.aclose()
+                await router.release(c, keep_alive)
+
+        async def relay():
+            try:
+                async for chunk in upstream.aiter_raw():
+                    yield chunk
+            except httpx.HTTPError:   # its process died mid-answer: the stream ends here (the reaper sees the exit)
+                pass
+            finally:
+                await finish()
+
+        out_headers = {k: v for k, v in upstream.headers.items() if k.lower() not in RESPONSE_DROP}
+        return Relay(relay(), finish, status_code=upstream.status_code, headers=out_headers)
+
+    return app

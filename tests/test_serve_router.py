@@ -1,0 +1,384 @@
+"""Many models behind one port (`bitnet serve --models-dir DIR`, serve/router.py): real router processes on
+127.0.0.1 over a directory of two models that answer differently (the bundled one and a synthetic one) and a
+damaged file, driven by the official openai, anthropic and ollama clients. Every answer through the router is
+checked against a single-model `bitnet serve -m FILE` given the same request, never against stored text."""
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+pytest.importorskip("fastapi", reason="bitnet serve needs the serve extra (pip install .[serve])")
+
+from helpers import slowness  # noqa: E402
+from serve_proc import ROOT, Server  # noqa: E402
+
+CHAT = [{"role": "user", "content": "Tell me about foxes."}]
+
+
+@pytest.fixture(scope="module")
+def models_dir(tmp_path_factory):
+    from bitnet_cpu.engine.formats.convert import convert
+    from bitnet_cpu.engine.synth import SynthModel, small_config, write_hf_dir
+
+    d = tmp_path_factory.mktemp("models")
+    shutil.copy(os.path.join(ROOT, "models", "default.bnstore"), d / "tiny.bnstore")
+    synth = SynthModel(small_config(max_position_embeddings=4096), seed=11)
+    src = write_hf_dir(synth, str(tmp_path_factory.mktemp("hf") / "synth"))
+    convert(src, str(d / "synth.bnstore"), progress=False)
+    (d / "broken.bnstore").write_bytes(b"BNSTORE\x00" + b"\x17" * 4096)   # not a store: its load fails
+    (d / "notes.txt").write_text("not a model")                           # not listed
+    return d
+
+
+@pytest.fixture(scope="module")
+def router(models_dir):
+    s = Server("--models-dir", str(models_dir), "--models-max", "2", "-c", "1024", threads=1)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def singles(models_dir):
+    """A single-model server per model: the answers the router must give."""
+    out = {name: Server("-m", str(models_dir / f"{name}.bnstore"), "-c", "1024", "--alias", name, threads=1)
+           for name in ("tiny", "synth")}
+    yield out
+    for s in out.values():
+        s.stop()
+
+
+def post(url, path, body, **kw):
+    return httpx.post(url + path, json=body, timeout=60 * slowness(), **kw)
+
+
+def chat_text(url, model, **extra):
+    r = post(url, "/v1/chat/completions", {"model": model, "messages": CHAT, "max_tokens": 12, "temperature": 0,
+                                           **extra})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def children_of(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid and fields[0] != "Z":
+                out.append(int(entry))
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def wait_for(cond, timeout: float = 20.0):
+    deadline = time.monotonic() + timeout * slowness()
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return cond()
+
+
+def loaded(url) -> set:
+    return {m["name"] for m in httpx.get(url + "/api/ps", timeout=30).json()["models"]}
+
+
+# ---- what it serves -----------------------------------------------------------------------------------------
+def test_lists_every_model_of_the_directory(router):
+    import ollama
+    import openai
+
+    ids = {m.id for m in openai.OpenAI(base_url=router.url + "/v1", api_key="x").models.list()}
+    assert ids == {"tiny", "synth", "broken"}
+    assert {m.model for m in ollama.Client(host=router.url).list().models} == ids
+    data = httpx.get(router.url + "/models", timeout=30).json()["data"]
+    assert {d["id"]: d["path"] for d in data}["tiny"].endswith("tiny.bnstore")
+    assert all(d["status"]["value"] in ("loaded", "loading", "unloaded") for d in data)
+
+
+def test_each_model_answers_as_its_own_server(router, singles):
+    """Greedy chat (whole and streamed), ollama's generate and Anthropic's Messages through the router equal a
+    single-model server's answers to the same requests: the request reached the model it named."""
+    import anthropic
+    import ollama
+    import openai
+
+    answers = {}
+    for name, single in singles.items():
+        got, want = chat_text(router.url, name), chat_text(single.url, name)
+        assert got["choices"][0]["message"] == want["choices"][0]["message"]
+        assert got["usage"] == want["usage"] and got["model"] == name
+        answers[name] = got["choices"][0]["message"]["content"]
+        stream = openai.OpenAI(base_url=router.url + "/v1", api_key="x").chat.completions.create(
+            model=name, messages=CHAT, max_tokens=12, temperature=0, stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == answers[name]
+        opts = {"temperature": 0, "num_predict": 10}
+        g = ollama.Client(host=router.url).generate(model=f"{name}:latest", prompt="Once upon", options=opts)
+        assert g.response == ollama.Client(host=single.url).generate(model=name, prompt="Once upon",
+                                                                     options=opts).response
+        msg = dict(model=name, max_tokens=10, messages=CHAT, extra_body={"temperature": 0})
+        a = anthropic.Anthropic(base_url=router.url, api_key="x").messages.create(**msg)
+        assert a.content[0].text == anthropic.Anthropic(base_url=single.url, api_key="x").messages.create(
+            **msg).content[0].text
+    assert answers["tiny"] != answers["synth"]   # the two models tell apart
+    assert {"tiny", "synth"} <= loaded(router.url)
+
+
+def test_unknown_and_missing_model_in_each_apis_shape(router):
+    import anthropic
+    import ollama
+    import openai
+
+    with pytest.raises(openai.NotFoundError) as e:
+        openai.OpenAI(base_url=router.url + "/v1", api_key="x").chat.completions.create(model="gpt-4o", messages=CHAT)
+    assert e.value.body["code"] == "model_not_found" and "tiny" in e.value.body["message"]
+    with pytest.raises(anthropic.NotFoundError) as e:
+        anthropic.Anthropic(base_url=router.url, api_key="x").messages.create(model="claude", max_tokens=4,
+                                                                               messages=CHAT)
+    assert e.value.body["error"]["type"] == "not_found_error"
+    with pytest.raises(ollama.ResponseError) as e:
+        ollama.Client(host=router.url).chat(model="llama3", messages=CHAT)
+    assert e.value.status_code == 404 and "llama3" in e.value.error
+    r = post(router.url, "/v1/chat/completions", {"messages": CHAT})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "model"
+    assert post(router.url, "/v1/chat/completions", {"model": 7, "messages": CHAT}).status_code == 400
+
+
+def test_a_model_that_fails_to_load_is_one_error_and_the_rest_serve_on(router):
+    r = post(router.url, "/v1/chat/completions", {"model": "broken", "messages": CHAT})
+    assert r.status_code == 500
+    err = r.json()["error"]
+    assert err["code"] == "load_failed" and "broken" in err["message"] and "\n" not in err["message"]
+    assert "broken" not in loaded(router.url)
+    assert chat_text(router.url, "tiny")["model"] == "tiny"
+    metrics = httpx.get(router.url + "/metrics", timeout=30).text
+    assert 'bitnet_router_load_failures_total{model="broken"}' in metrics
+
+
+def test_gets_reach_a_loaded_model_and_never_load_one(router):
+    post(router.url, "/models/unload", {"model": "synth"})
+    assert wait_for(lambda: "synth" not in loaded(router.url))
+    r = httpx.get(router.url + "/slots", params={"model": "synth"}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "model_not_loaded"
+    assert "synth" not in loaded(router.url)
+    assert post(router.url, "/models/load", {"model": "synth"}).json() == {"success": True}
+    slots = httpx.get(router.url + "/slots", params={"model": "synth"}, timeout=30).json()
+    assert slots["model"] == "synth" and slots["n_ctx"] == 1024   # -c reached the model's process
+    metrics = httpx.get(router.url + "/metrics", params={"model": "synth"}, timeout=30).text
+    assert "bitnet_requests_total" in metrics or "bitnet_" in metrics
+    assert post(router.url, "/models/unload", {"model": "synth"}).json() == {"success": True}
+    assert post(router.url, "/models/unload", {"model": "synth"}).status_code == 400
+
+
+def test_a_client_that_hangs_up_cancels_its_sequence_in_the_models_process(router):
+    body = {"model": "tiny", "prompt": "Once", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", router.url + "/v1/completions", json=body, timeout=60 * slowness()) as r:
+        events = 0
+        for line in r.iter_lines():
+            events += line.startswith("data:")
+            if events >= 3:
+                break
+
+    def idle():
+        st = httpx.get(router.url + "/slots", params={"model": "tiny"}, timeout=30).json()
+        return not st["slots"] and st["metrics"]["running"] == 0
+    assert wait_for(idle)
+    done = httpx.get(router.url + "/slots", params={"model": "tiny"}, timeout=30).json()["metrics"]
+    assert done["tokens_generated_total"] < 1000
+
+
+def test_keep_alive_unloads_as_ollama_does(router):
+    import ollama
+
+    client = ollama.Client(host=router.url)
+    client.generate(model="tiny", prompt="Hi", options={"num_predict": 2})
+    assert "tiny" in loaded(router.url)
+    client.generate(model="tiny", prompt="Hi", options={"num_predict": 2}, keep_alive=0)
+    assert wait_for(lambda: "tiny" not in loaded(router.url))
+    client.generate(model="tiny", prompt="", keep_alive="10m")   # ollama's load request
+    ps = {m.model: m for m in client.ps().models}
+    assert "tiny" in ps and ps["tiny"].expires_at.year < 2100   # idle with 10 minutes to go
+    r = client.generate(model="tiny", prompt="", keep_alive=0)  # ollama's unload request
+    assert r.done_reason == "unload" and "tiny" not in loaded(router.url)
+    bad = post(router.url, "/api/generate", {"model": "tiny", "prompt": "x", "keep_alive": "soon"})
+    assert bad.status_code == 400 and "keep_alive" in bad.json()["error"]
+
+
+# ---- room for one model -------------------------------------------------------------------------------------
+def test_one_model_at_a_time_under_concurrent_requests(models_dir, singles):
+    """--models-max 1 with requests for both models at once from several threads: each gets its own model's
+    answer (the router unloads the idle one and waits while the loaded one is busy), and the unloaded model's
+    process is gone."""
+    want = {name: chat_text(s.url, name)["choices"][0]["message"]["content"] for name, s in singles.items()}
+    s = Server("--models-dir", str(models_dir), "--models-max", "1", "-c", "1024", threads=1)
+    try:
+        got, errors = [], []
+
+        def worker(names):
+            for name in names:
+                try:
+                    got.append((name, chat_text(s.url, name)["choices"][0]["message"]["content"]))
+                except Exception as e:   # noqa: BLE001  (reported below)
+                    errors.append(repr(e))
+        threads = [threading.Thread(target=worker, args=(["tiny", "synth"] if i % 2 else ["synth", "tiny"],))
+                   for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120 * slowness())
+        assert not errors and len(got) == 8
+        assert all(text == want[name] for name, text in got)
+        assert len(loaded(s.url)) == 1
+        assert wait_for(lambda: len(children_of(s.proc.pid)) == 1)
+        metrics = httpx.get(s.url + "/metrics", timeout=30).text
+        assert 'reason="room"' in metrics
+    finally:
+        s.stop()
+
+
+def test_a_model_process_that_dies_is_started_again(models_dir):
+    s = Server("--models-dir", str(models_dir), threads=1)
+    try:
+        first = chat_text(s.url, "tiny")["choices"][0]["message"]["content"]
+        (child,) = children_of(s.proc.pid)
+        os.kill(child, signal.SIGKILL)
+        assert wait_for(lambda: not alive(child))
+        assert chat_text(s.url, "tiny")["choices"][0]["message"]["content"] == first
+        assert wait_for(lambda: 'reason="exited"' in httpx.get(s.url + "/metrics", timeout=30).text)
+    finally:
+        s.stop()
+
+
+# ---- keys, shutdown, flags ----------------------------------------------------------------------------------
+def test_the_routers_key_guards_every_model(models_dir):
+    s = Server("--models-dir", str(models_dir), "--api-key", "sesame", threads=1)
+    try:
+        assert httpx.get(s.url + "/health", timeout=30).status_code == 200
+        assert post(s.url, "/v1/chat/completions", {"model": "tiny", "messages": CHAT}).status_code == 401
+        assert httpx.get(s.url + "/v1/models", timeout=30).status_code == 401
+        ok = post(s.url, "/v1/chat/completions", {"model": "tiny", "messages": CHAT, "max_tokens": 2},
+                  headers={"Authorization": "Bearer sesame"})
+        assert ok.status_code == 200
+        assert post(s.url, "/v1/messages", {"model": "tiny", "max_tokens": 2, "messages": CHAT},
+                    headers={"x-api-key": "sesame"}).status_code == 200
+        # the model's own process wants the router's key, not the user's, nor none
+        (child,) = children_of(s.proc.pid)
+        with open(f"/proc/{child}/cmdline", "rb") as f:
+            argv = f.read().split(b"\0")
+        port = argv[argv.index(b"--port") + 1].decode()
+        assert b"sesame" not in b" ".join(argv)
+        for headers in ({}, {"Authorization": "Bearer sesame"}):
+            assert httpx.get(f"http://127.0.0.1:{port}/v1/models", headers=headers, timeout=30).status_code == 401
+    finally:
+        s.stop()
+
+
+def test_ctrl_c_finishes_the_streams_and_stops_every_model(models_dir):
+    s = Server("--models-dir", str(models_dir), threads=1)
+    chat_text(s.url, "tiny")
+    chat_text(s.url, "synth")
+    kids = children_of(s.proc.pid)
+    assert len(kids) == 2
+    body = {"model": "tiny", "prompt": "Once", "max_tokens": 200, "ignore_eos": True, "stream": True}
+    lines = []
+    with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=60 * slowness()) as r:
+        it = r.iter_lines()
+        lines.append(next(it))
+        s.proc.send_signal(signal.SIGINT)
+        lines += list(it)
+    code, err = s.stop(sig=None, timeout=60 * slowness())
+    assert code == 0, err
+    assert lines[-1] == "" or lines[-1].startswith("data:")
+    assert any(line == "data: [DONE]" for line in lines)
+    assert wait_for(lambda: not any(alive(k) for k in kids))
+    assert "Traceback" not in err
+
+
+def test_models_die_with_a_killed_router(models_dir):
+    s = Server("--models-dir", str(models_dir), threads=1)
+    chat_text(s.url, "tiny")
+    kids = children_of(s.proc.pid)
+    s.proc.kill()
+    s.stop(sig=None)
+    assert kids and wait_for(lambda: not any(alive(k) for k in kids))
+
+
+def run_cli(*args):
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, "-m", "bitnet_cpu", "serve", "--port", "1", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120 * slowness())
+
+
+@pytest.mark.parametrize("args,words", [
+    (("-m", "x.bnstore"), "-m cannot be combined"),
+    (("--alias", "a"), "--alias cannot be combined"),
+    (("--models-max", "0"), "--models-max 0"),
+    (("--models-keep-alive", "soon"), "--models-keep-alive soon"),
+])
+def test_bad_router_flags_are_one_line(models_dir, args, words):
+    r = run_cli("--models-dir", str(models_dir), *args)
+    assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert len([ln for ln in r.stderr.splitlines() if ln.strip() and not ln.startswith("  hint")]) == 1
+
+
+def test_empty_directories_and_clashing_names_are_one_line(tmp_path, models_dir):
+    r = run_cli("--models-dir", str(tmp_path))
+    assert r.returncode == 2 and "no models in" in r.stderr and "Traceback" not in r.stderr
+    r = run_cli("--models-dir", str(tmp_path / "nowhere"))
+    assert r.returncode == 2 and "not a directory" in r.stderr
+    other = tmp_path / "other"
+    other.mkdir()
+    shutil.copy(models_dir / "tiny.bnstore", other / "tiny.bnstore")
+    r = run_cli("--models-dir", str(models_dir), "--models-dir", str(other))
+    assert r.returncode == 2 and "two models named 'tiny'" in r.stderr
+
+
+def test_the_model_processes_get_the_routers_engine_flags():
+    import argparse
+
+    from bitnet_cpu.cli import build_parser
+    from bitnet_cpu.cli.serve import passthrough_argv
+    subs: dict = {}
+    build_parser(subs)
+    argv = ["--models-dir", "d", "--models-max", "2", "-t", "1", "-c", "1024", "--temp", "0.2", "--no-mmap",
+            "--kv", "q8", "--parallel", "4", "--api-key", "k", "--port", "9000", "--max-body-mb", "2"]
+    args = subs["serve"].parse_args(argv)
+    out = passthrough_argv(args)
+    assert isinstance(args, argparse.Namespace)
+    again = subs["serve"].parse_args(out)   # what the model's process parses
+    for dest in ("threads", "ctx", "temperature", "mmap", "kv", "parallel", "max_body_mb"):
+        assert getattr(again, dest) == getattr(args, dest), dest
+    for flag in ("--models-dir", "--models-max", "--api-key", "--port", "9000", "k"):
+        assert flag not in out
+
+
+@pytest.mark.parametrize("value,seconds", [
+    (0, 0.0), (30, 30.0), ("90", 90.0), ("5m", 300.0), ("1h30m", 5400.0), ("300ms", 0.3), ("1.5h", 5400.0),
+    (-1, math.inf), ("-1", math.inf), ("-5m", math.inf)])
+def test_keep_alive_durations(value, seconds):
+    from bitnet_cpu.serve.router import parse_keep_alive
+    assert parse_keep_alive(value) == pytest.approx(seconds)
+
+
+@pytest.mark.parametrize("value", ["soon", "5 minutes", "", "m", True, None, [1], "5m3"])
+def test_keep_alive_nonsense(value):
+    from bitnet_cpu.serve.router import parse_keep_alive
+    with pytest.raises(ValueError):
+        parse_keep_alive(value)
