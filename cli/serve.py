@@ -227,8 +227,8 @@ MODEL_SUFFIXES = {".bnstore": "bnstore", ".gguf": "gguf"}
 
 def model_catalog(args) -> dict:
     """name -> serve.router.ModelSpec: the cache's converted models (--models-cache), then each --models-dir's
-    stores, GGUF files and HF model directories (a directory with a config.json). Two models of one name, or
-    none at all: one line, exit 2."""
+    stores, GGUF files and HF model directories (a directory with a config.json). Two models of one name: one
+    line, exit 2 (at start; the router keeps its last catalog when a later scan finds two)."""
     import os
 
     from ..engine.errors import BitNetError
@@ -257,10 +257,6 @@ def model_catalog(args) -> dict:
             raise BitNetError(f"two models named '{spec.name}': {models[spec.name].path} and {spec.path}",
                               hint="rename one of the files (a model's name is its file name)")
         models[spec.name] = spec
-    if not models:
-        where = ", ".join(list(args.models_dir or ()) + (["the cache (bitnet list)"] if args.models_cache else []))
-        raise BitNetError(f"no models in {where}", hint="*.bnstore, *.gguf or HF model directories; `bitnet pull` or "
-                                                        "`bitnet convert` adds one to the cache")
     return models
 
 
@@ -303,7 +299,12 @@ def serve_models(args, keys: tuple) -> int:
     from ..serve.limits import guarded_protocol
     from ..serve.router import Router, create_router_app, parse_keep_alive
 
+    from ..engine.errors import BitNetError
     models = model_catalog(args)
+    if not models:
+        where = ", ".join(list(args.models_dir or ()) + (["the cache (bitnet list)"] if args.models_cache else []))
+        raise BitNetError(f"no models in {where}", hint="*.bnstore, *.gguf or HF model directories; `bitnet pull` or "
+                                                        "`bitnet convert` adds one to the cache")
     passthrough = passthrough_argv(args)
 
     def command(spec, port: int, key_file: str) -> list:
@@ -311,7 +312,7 @@ def serve_models(args, keys: tuple) -> int:
                 "--port", str(port), "--alias", spec.name, "--api-key-file", key_file, *passthrough]
 
     limits = limits_from_args(args)
-    router = Router(models, command, models_max=args.models_max, keep_alive=parse_keep_alive(args.models_keep_alive),
+    router = Router(lambda: model_catalog(args), command, models_max=args.models_max, keep_alive=parse_keep_alive(args.models_keep_alive),
                     load_timeout=args.models_load_timeout, stop_timeout=args.drain_timeout + 5)
     app = create_router_app(router, api_keys=(([args.api_key] if args.api_key else []) + list(keys)),
                             limits=limits, metrics_public=args.metrics_public)

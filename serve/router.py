@@ -147,10 +147,12 @@ class Child:
 
 
 class Router:
-    def __init__(self, models: dict[str, ModelSpec], command: Callable[[ModelSpec, int, str], list[str]], *,
+    def __init__(self, scan: Callable[[], dict[str, ModelSpec]], command: Callable[[ModelSpec, int, str], list[str]], *,
                  models_max: int = 3, keep_alive: float = FOREVER, load_timeout: float = 600.0,
                  stop_timeout: float = 10.0, retry_after: int = 1, log: Callable[[str], None] | None = None):
-        self.models, self.command, self.models_max = models, command, models_max
+        self.scan, self.command, self.models_max = scan, command, models_max
+        self.models = scan()        # name -> ModelSpec, scanned again (refresh) as files come and go
+        self._scanned = time.monotonic()
         self.keep_alive, self.load_timeout, self.stop_timeout = keep_alive, load_timeout, stop_timeout
         self.retry_after = retry_after
         self.log = log or (lambda line: print(f"bitnet serve: {line}", file=sys.stderr, flush=True))
@@ -170,13 +172,29 @@ class Router:
         self._preexec = _parent_death_signal()
 
     # ---- the catalog --------------------------------------------------------------------------------------
-    def resolve(self, name) -> ModelSpec:
+    async def refresh(self, fresh: bool = False):
+        """Scan the directories again (for a listing at most once a second; for a name not in the catalog, now):
+        a model `bitnet pull` or `bitnet convert` added meanwhile is served, one removed is no longer offered (a
+        loaded one runs on until it is unloaded). A scan that fails (two files of one name) keeps the last
+        catalog, and says why."""
+        if not fresh and time.monotonic() - self._scanned < 1.0:
+            return
+        self._scanned = time.monotonic()
+        try:
+            self.models = await asyncio.to_thread(self.scan)
+        except Exception as e:   # noqa: BLE001  (the catalog stays as it was)
+            self.log(f"the model directories were not scanned again: {e}")
+
+    async def resolve(self, name) -> ModelSpec:
         if isinstance(name, str) and name:
-            spec = self.models.get(name)
-            if spec is None and name.endswith(":latest"):
-                spec = self.models.get(name[: -len(":latest")])
-            if spec is not None:
-                return spec
+            for attempt in range(2):
+                spec = self.models.get(name)
+                if spec is None and name.endswith(":latest"):
+                    spec = self.models.get(name[: -len(":latest")])
+                if spec is not None:
+                    return spec
+                if attempt == 0:   # perhaps new since the last scan
+                    await self.refresh(fresh=True)
             raise RouterError(404, f"model '{name}' is not served here (models: {', '.join(sorted(self.models))})",
                               "model_not_found", "model")
         if name is not None and not isinstance(name, str):
@@ -492,6 +510,7 @@ def create_router_app(router: Router, *, api_keys: tuple = (), limits: Limits | 
     @app.get("/v1/models")
     @app.get("/models")
     async def models():
+        await router.refresh()
         data = [model_entry(s) for s in router.models.values()]
         return {"object": "list", "data": data, "has_more": False, "first_id": data[0]["id"] if data else None,
                 "last_id": data[-1]["id"] if data else None}
@@ -508,7 +527,7 @@ def create_router_app(router: Router, *, api_keys: tuple = (), limits: Limits | 
 
     async def load_or_unload(request: Request, unload: bool):
         data, _ = await body_model(request)
-        spec = router.resolve((data or {}).get("model"))
+        spec = await router.resolve((data or {}).get("model"))
         if unload:
             if not await router.unload(spec):
                 raise RouterError(400, f"model '{spec.name}' is not loaded", "model_not_loaded", "model")
@@ -527,6 +546,7 @@ def create_router_app(router: Router, *, api_keys: tuple = (), limits: Limits | 
 
     @app.get("/api/tags")
     async def api_tags():
+        await router.refresh()
         return {"models": [router.tag(s) for s in router.models.values()]}
 
     @app.get("/api/ps")
@@ -564,7 +584,7 @@ def create_router_app(router: Router, *, api_keys: tuple = (), limits: Limits | 
         data, body = await body_model(request)
         name = (data or {}).get("model") if data is not None else None
         name = request.query_params.get("model", name) if name is None else name
-        spec = router.resolve(name)
+        spec = await router.resolve(name)
         path = request.url.path
         keep_alive = None
         if data is not None and data.get("keep_alive") is not None and path.startswith("/api/"):

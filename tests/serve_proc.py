@@ -33,14 +33,14 @@ def wait_healthy(url: str, timeout: float, proc=None, poll: float = 0.2) -> bool
 
 
 class Server:
-    def __init__(self, *extra: str, threads: int | None = 2, timeout: float | None = None):
-        """threads None: no -t (the server's own default)."""
+    def __init__(self, *extra: str, threads: int | None = 2, timeout: float | None = None, env: dict | None = None):
+        """threads None: no -t (the server's own default); env: variables set for the server beside ours."""
         from helpers import slowness
         if timeout is None:   # loading the model: seconds here, minutes under qemu
             timeout = 60.0 * slowness()
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env or {}))
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "bitnet_cpu", "serve", "--host", "127.0.0.1", "--port", str(self.port),
              *(["-t", str(threads)] if threads else []), *extra],

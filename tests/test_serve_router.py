@@ -266,6 +266,42 @@ def test_a_model_process_that_dies_is_started_again(models_dir):
         s.stop()
 
 
+def test_the_cache_hf_directories_and_models_added_while_it_runs(tmp_path, models_dir):
+    """--models-cache serves the cache under `bitnet list`'s names; an HF directory in --models-dir is converted
+    by its process on first use (into the cache, where the next listing finds it too); a store copied into the
+    cache while the server runs is served, and one removed is no longer offered."""
+    import json
+
+    from bitnet_cpu.engine.synth import SynthModel, small_config, write_hf_dir
+
+    cache, hf = tmp_path / "cache", tmp_path / "hf"
+    cache.mkdir()
+    hf.mkdir()
+    shutil.copy(models_dir / "tiny.bnstore", cache / "cached-tiny.bnstore")
+    write_hf_dir(SynthModel(small_config(max_position_embeddings=4096), seed=5), str(hf / "synth-hf"))
+    env = {"BITNET_CACHE": str(cache)}
+
+    def listed() -> set:
+        run_env = dict(os.environ, PYTHONPATH=ROOT, **env)
+        out = subprocess.run([sys.executable, "-m", "bitnet_cpu", "list", "--json"], cwd=ROOT, env=run_env,
+                             capture_output=True, text=True, timeout=120 * slowness()).stdout
+        return {json.loads(line)["name"] for line in out.splitlines() if line.strip()}
+
+    def served() -> set:
+        return {m["id"] for m in httpx.get(s.url + "/v1/models", timeout=30).json()["data"]}
+    s = Server("--models-cache", "--models-dir", str(hf), "-c", "1024", threads=1, env=env)
+    try:
+        assert served() == listed() | {"synth-hf"} and len(listed()) == 1
+        assert chat_text(s.url, "synth-hf")["model"] == "synth-hf"   # converted on first use
+        assert len(listed()) == 2 and wait_for(lambda: served() == listed() | {"synth-hf"})
+        shutil.copy(models_dir / "tiny.bnstore", cache / "late.bnstore")
+        assert chat_text(s.url, "late")["model"] == "late"
+        os.remove(cache / "late.bnstore")
+        assert wait_for(lambda: "late" not in served())
+    finally:
+        s.stop()
+
+
 # ---- keys, shutdown, flags ----------------------------------------------------------------------------------
 def test_the_routers_key_guards_every_model(models_dir):
     s = Server("--models-dir", str(models_dir), "--api-key", "sesame", threads=1)
