@@ -108,3 +108,41 @@ def test_chat_page_asks_for_the_key(browser):
         page.close()
     finally:
         assert s.stop()[0] == 0
+
+
+def test_chat_page_picks_among_the_routers_models(browser, tmp_path_factory):
+    """bitnet serve --models-dir: the page offers the models in a picker, and each answer comes from the one
+    picked (the same text the API gives through the router for that model)."""
+    from bitnet_cpu.engine.formats.convert import convert
+    from bitnet_cpu.engine.synth import SynthModel, small_config, write_hf_dir
+
+    d = tmp_path_factory.mktemp("page-models")
+    shutil.copy(os.path.join(ROOT, "models", "default.bnstore"), d / "tiny.bnstore")
+    src = write_hf_dir(SynthModel(small_config(max_position_embeddings=4096), seed=11),
+                       str(tmp_path_factory.mktemp("page-hf") / "synth"))
+    convert(src, str(d / "synth.bnstore"), progress=False)
+    s = Server("--models-dir", str(d), "-c", "1024")
+    try:
+        q = "What is 12+7?"
+        want = {name: httpx.post(s.url + "/v1/chat/completions", timeout=60, json={
+            "model": name, "messages": [{"role": "user", "content": q}], "temperature": 0, "max_tokens": 24,
+        }).json()["choices"][0]["message"]["content"] for name in ("tiny", "synth")}
+        assert want["tiny"] != want["synth"]
+        page = browser.new_page()
+        page.goto(s.url + "/")
+        page.wait_for_selector("#pick:not([hidden])", timeout=20000)
+        assert sorted(page.eval_on_selector_all("#pick option", "os => os.map(o => o.value)")) == ["synth", "tiny"]
+        _set(page, temperature=0, max_tokens=24)
+        for name in ("synth", "tiny"):
+            page.click("#new")
+            page.select_option("#pick", name)
+            page.fill("#input", q)
+            page.keyboard.press("Enter")
+            page.wait_for_selector("#log .msg.assistant:not(.streaming)", timeout=30000)
+            page.wait_for_function("document.getElementById('stats').textContent.includes('finish')",
+                                   timeout=30000)
+            assert page.inner_text("#log .msg.assistant .text") == want[name], name
+            assert page.input_value("#pick") == name   # the listing refreshed after the answer keeps the pick
+        page.close()
+    finally:
+        assert s.stop()[0] == 0
