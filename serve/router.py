@@ -565,6 +565,16 @@ def create_router_app(router: Router, *, api_keys: tuple = (), limits: Limits | 
     async def api_version():
         return {"version": OLLAMA_VERSION}
 
+    async def not_here(request: Request):
+        what = request.url.path.rsplit("/", 1)[-1]
+        why = ("models come from `bitnet pull` / `bitnet convert` on the server's machine (a --models-cache server "
+               "serves a new one at once)" if what in ("pull", "create", "copy") else
+               "`bitnet rm NAME` on the server's machine removes a converted model" if what == "delete" else
+               "bitnet serve does not push models")
+        return JSONResponse({"error": f"/api/{what}: {why}"}, status_code=501)
+    for what in ("pull", "push", "create", "copy", "delete"):
+        app.add_api_route(f"/api/{what}", not_here, methods=["POST", "DELETE"] if what == "delete" else ["POST"])
+
     @app.get("/metrics")
     async def metrics(request: Request):
         if "model" in request.query_params:

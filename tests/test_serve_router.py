@@ -158,6 +158,9 @@ def test_unknown_and_missing_model_in_each_apis_shape(router):
     assert e.value.status_code == 404 and "llama3" in e.value.error
     r = post(router.url, "/v1/chat/completions", {"messages": CHAT})
     assert r.status_code == 400 and r.json()["error"]["param"] == "model"
+    with pytest.raises(ollama.ResponseError) as e:   # the model exists, but it is pulled with `bitnet pull`
+        ollama.Client(host=router.url).pull("tiny")
+    assert e.value.status_code == 501 and "bitnet pull" in e.value.error
     assert post(router.url, "/v1/chat/completions", {"model": 7, "messages": CHAT}).status_code == 400
 
 
