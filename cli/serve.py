@@ -135,6 +135,27 @@ def bind_port(host: str, port: int, keep: bool = True):
     return sock
 
 
+def end_with_router():
+    """A model's process under `bitnet serve --models-dir` (BITNET_ROUTER_PID set): SIGTERM (a drain) when the
+    router dies, even by SIGKILL, so no model process outlives it holding its memory (Linux's PR_SET_PDEATHSIG;
+    set here rather than between fork and exec, where the router's threads make Python code unsafe). A router
+    already gone: exit at once."""
+    import os
+    import signal
+    import sys
+
+    pid = os.environ.pop("BITNET_ROUTER_PID", None)
+    if pid is None or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM), 0, 0, 0)   # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if str(os.getppid()) != pid:
+        raise SystemExit(1)
+
+
 def limits_from_args(args) -> Limits:
     return Limits(max_body_bytes=int(args.max_body_mb * MiB), max_header_bytes=int(args.max_header_kb * 1024),
                   max_headers=args.max_headers, max_connections=args.max_connections,
@@ -147,6 +168,7 @@ def main(args) -> int:
     import signal
     import sys
 
+    end_with_router()
     if not is_loopback(args.host) and not (args.api_key or args.api_key_file):
         print(f"bitnet serve: warning: listening on {args.host} without --api-key: anyone who can reach this "
               "port can use the model", file=sys.stderr, flush=True)

@@ -78,6 +78,10 @@ class _Message(BaseModel):
     tool_name: Optional[str] = None                      # a tool result: which tool it comes from
 
 
+class ShowBody(_Body):
+    name: Optional[str] = None   # ollama's older field for /api/show's model (it still takes it)
+
+
 class ChatBody(_Body):
     messages: Optional[list[_Message]] = None
 
@@ -480,8 +484,8 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
     @app.post("/api/show")
     async def api_show(request: Request):
         eng = engine(request)
-        data = await parse(request, _Body)
-        check_model(data.model)
+        data = await parse(request, ShowBody)
+        check_model(data.model or data.name)
         d, cfg = describe(eng), eng.config
         arch = cfg.arch
         info = {"general.architecture": arch, "general.name": eng.name, f"{arch}.context_length": eng.n_ctx,

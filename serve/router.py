@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import datetime as _dt
 import hashlib
 import json
@@ -95,20 +94,6 @@ class RouterError(Exception):
         self.status, self.message, self.code, self.param, self.retry_after = status, message, code, param, retry_after
 
 
-def _parent_death_signal():
-    """In the model's process, before exec: SIGTERM when this router dies (even by SIGKILL), so no model process
-    outlives it holding its memory (Linux; elsewhere nothing)."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        prctl = libc.prctl
-    except (OSError, AttributeError):
-        return None
-
-    def arm():
-        prctl(1, signal.SIGTERM, 0, 0, 0)   # PR_SET_PDEATHSIG
-    return arm if sys.platform.startswith("linux") else None
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -169,7 +154,6 @@ class Router:
         with os.fdopen(fd, "w") as f:
             f.write(self.key + "\n")
         self._reaper: asyncio.Task | None = None
-        self._preexec = _parent_death_signal()
 
     # ---- the catalog --------------------------------------------------------------------------------------
     async def refresh(self, fresh: bool = False):
@@ -295,8 +279,9 @@ class Router:
         port = _free_port()
         log_path = os.path.join(self.logdir, f"{re.sub(r'[^A-Za-z0-9._-]', '_', spec.name)}.log")
         with open(log_path, "wb") as log:
+            # BITNET_ROUTER_PID: the process ends itself when this one dies, even by SIGKILL (cli/serve.py)
             proc = subprocess.Popen(self.command(spec, port, self.key_file), stdin=subprocess.DEVNULL, stdout=log,
-                                    stderr=subprocess.STDOUT, preexec_fn=self._preexec)
+                                    stderr=subprocess.STDOUT, env=dict(os.environ, BITNET_ROUTER_PID=str(os.getpid())))
         c = Child(spec, proc, port, log_path)
         c.keep_alive = self.keep_alive
         self.children[spec.name] = c
@@ -592,10 +577,15 @@ def create_router_app(router: Router, *, api_keys: tuple = (), limits: Limits | 
         if router.draining:
             raise RouterError(503, "shutting down", "unavailable", retry_after=router.retry_after)
         data, body = await body_model(request)
-        name = (data or {}).get("model") if data is not None else None
-        name = request.query_params.get("model", name) if name is None else name
-        spec = await router.resolve(name)
         path = request.url.path
+        name = (data or {}).get("model")
+        if name is None and path.startswith("/api/"):
+            name = (data or {}).get("name")   # ollama's older clients name the model so
+        name = request.query_params.get("model") if name is None else name
+        if name is None and data is None and body and len(router.models) > 1:
+            raise RouterError(400, "request body is not a JSON object (with the model's name in `model`)",
+                              "invalid_json")
+        spec = await router.resolve(name)
         keep_alive = None
         if data is not None and data.get("keep_alive") is not None and path.startswith("/api/"):
             try:

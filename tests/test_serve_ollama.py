@@ -41,6 +41,8 @@ def test_tags_show_ps_version(client, model_id):
     show = client.show(model_id)
     assert show.modelinfo["general.architecture"] == m.details.family and "completion" in show.capabilities
     assert show.template   # the model's own chat template
+    older = httpx.post(client._client.base_url.join("/api/show"), json={"name": model_id}).json()   # older clients
+    assert older["template"] == show.template and older["model_info"] == show.modelinfo
     ps = client.ps()
     assert ps.models[0].model == model_id and ps.models[0].context_length > 0
     assert httpx.get(client._client.base_url.join("/api/version")).json()["version"].count(".") == 2

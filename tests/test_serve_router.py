@@ -162,6 +162,10 @@ def test_unknown_and_missing_model_in_each_apis_shape(router):
         ollama.Client(host=router.url).pull("tiny")
     assert e.value.status_code == 501 and "bitnet pull" in e.value.error
     assert post(router.url, "/v1/chat/completions", {"model": 7, "messages": CHAT}).status_code == 400
+    r = httpx.post(router.url + "/v1/chat/completions", content=b"{not json", timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    show = post(router.url, "/api/show", {"name": "tiny"})   # ollama's older clients send `name`
+    assert show.status_code == 200 and "tiny.bnstore" in show.json()["modelfile"]
 
 
 def test_a_model_that_fails_to_load_is_one_error_and_the_rest_serve_on(router):
