@@ -154,6 +154,7 @@ class Router:
         with os.fdopen(fd, "w") as f:
             f.write(self.key + "\n")
         self._reaper: asyncio.Task | None = None
+        self._tasks: set = set()               # releases in flight (held: the loop keeps only weak references)
 
     # ---- the catalog --------------------------------------------------------------------------------------
     async def refresh(self, fresh: bool = False):
@@ -254,16 +255,28 @@ class Router:
         try:
             await asyncio.wait_for(asyncio.shield(c.ready), max(0.0, deadline - time.monotonic()))
         except asyncio.TimeoutError:
-            await self.release(c)
+            self.release(c)
             raise RouterError(503, f"model '{spec.name}' is still loading; retry", "loading",
                               retry_after=self.retry_after) from None
         except BaseException:   # its load failed (RouterError), or the request went away
-            await self.release(c)
+            self.release(c)
             raise
         return c
 
-    async def release(self, c: Child, keep_alive: float | None = None):
-        """A request through `c` has ended; `keep_alive` (seconds, ollama's field) if it set one."""
+    def release(self, c: Child, keep_alive: float | None = None, upstream=None) -> asyncio.Task:
+        """A request through `c` has ended (`upstream`: its forwarded response, closed first); `keep_alive`
+        (seconds, ollama's field) if it set one. Runs as a task of its own: a request's task may be cancelled,
+        and anyio cancels every await of a cancelled scope again, which would leave the request counted for ever
+        (and its model never idle). Awaiting the task is optional."""
+        task = asyncio.get_running_loop().create_task(self._release(c, keep_alive, upstream))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _release(self, c: Child, keep_alive: float | None, upstream):
+        if upstream is not None:
+            with contextlib.suppress(Exception):
+                await upstream.aclose()
         async with self.cond:
             c.active -= 1
             c.last_used = time.monotonic()
@@ -446,7 +459,7 @@ class Relay(StreamingResponse):
         try:
             await super().__call__(scope, receive, send)
         finally:
-            await self.finish()
+            self.finish()
 
 
 def create_router_app(router: Router, *, api_keys: tuple = (), limits: Limits | None = None,
@@ -518,7 +531,7 @@ def create_router_app(router: Router, *, api_keys: tuple = (), limits: Limits | 
                 raise RouterError(400, f"model '{spec.name}' is not loaded", "model_not_loaded", "model")
         else:
             c = await router.acquire(spec)
-            await router.release(c)
+            await router.release(c)   # the task: a load returns once it counts as idle
         return {"success": True}
 
     @app.post("/models/load")
@@ -609,21 +622,20 @@ def create_router_app(router: Router, *, api_keys: tuple = (), limits: Limits | 
             upstream = await router.client.send(router.client.build_request(request.method, url, headers=headers,
                                                                             content=body), stream=True)
         except httpx.HTTPError as e:
-            await router.release(c, keep_alive)
+            router.release(c, keep_alive)
             raise RouterError(502, f"model '{spec.name}' did not answer: {type(e).__name__}", "model_unavailable",
                               retry_after=router.retry_after) from None
         except BaseException:
-            await router.release(c, keep_alive)
+            router.release(c, keep_alive)
             raise
 
         done = False
 
-        async def finish():
+        def finish():
             nonlocal done
             if not done:
                 done = True
-                await upstream.aclose()
-                await router.release(c, keep_alive)
+                router.release(c, keep_alive, upstream)
 
         async def relay():
             try:
@@ -632,7 +644,7 @@ def create_router_app(router: Router, *, api_keys: tuple = (), limits: Limits | 
             except httpx.HTTPError:   # its process died mid-answer: the stream ends here (the reaper sees the exit)
                 pass
             finally:
-                await finish()
+                finish()
 
         out_headers = {k: v for k, v in upstream.headers.items() if k.lower() not in RESPONSE_DROP}
         return Relay(relay(), finish, status_code=upstream.status_code, headers=out_headers)

@@ -195,20 +195,34 @@ def test_gets_reach_a_loaded_model_and_never_load_one(router):
 
 
 def test_a_client_that_hangs_up_cancels_its_sequence_in_the_models_process(router):
+    """Hang-ups at once from several clients: every sequence is cancelled in the model's process, and the router
+    counts every request as ended (an unload waits for the model's last request: it goes)."""
     body = {"model": "tiny", "prompt": "Once", "max_tokens": 1000, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", router.url + "/v1/completions", json=body, timeout=60 * slowness()) as r:
-        events = 0
-        for line in r.iter_lines():
-            events += line.startswith("data:")
-            if events >= 3:
-                break
+    assert post(router.url, "/models/load", {"model": "tiny"}).json() == {"success": True}
+    before = httpx.get(router.url + "/slots", params={"model": "tiny"}, timeout=30).json()["metrics"]
+
+    def hang_up(i):
+        with httpx.stream("POST", router.url + ("/v1/completions" if i % 2 else "/completion"),
+                          json={**body, "n_predict": 1000}, timeout=60 * slowness()) as r:
+            events = 0
+            for line in r.iter_lines():
+                events += line.startswith("data:")
+                if events >= 3:
+                    break
+    threads = [threading.Thread(target=hang_up, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60 * slowness())
 
     def idle():
         st = httpx.get(router.url + "/slots", params={"model": "tiny"}, timeout=30).json()
         return not st["slots"] and st["metrics"]["running"] == 0
     assert wait_for(idle)
     done = httpx.get(router.url + "/slots", params={"model": "tiny"}, timeout=30).json()["metrics"]
-    assert done["tokens_generated_total"] < 1000
+    assert done["tokens_generated_total"] - before["tokens_generated_total"] < 6 * 1000
+    assert post(router.url, "/models/unload", {"model": "tiny"}).json() == {"success": True}
+    assert wait_for(lambda: "tiny" not in loaded(router.url))
 
 
 def test_keep_alive_unloads_as_ollama_does(router):
@@ -256,6 +270,51 @@ def test_one_model_at_a_time_under_concurrent_requests(models_dir, singles):
         assert wait_for(lambda: len(children_of(s.proc.pid)) == 1)
         metrics = httpx.get(s.url + "/metrics", timeout=30).text
         assert 'reason="room"' in metrics
+    finally:
+        s.stop()
+
+
+def test_switching_models_under_hang_ups_leaves_nothing_counted(models_dir):
+    """--models-max 1, six clients switching between the two models, streams hung up mid-answer and ollama's
+    unload requests among them (a bounded count of each): every request is answered, and at the end each model
+    counts as idle (an unload takes it out at once). A request whose end was not counted would keep its model
+    loaded and make every request for the other wait for ever."""
+    import random
+
+    s = Server("--models-dir", str(models_dir), "--models-max", "1", "-c", "1024", threads=1)
+    try:
+        statuses, errors = [], []
+
+        def client(i):
+            rnd = random.Random(i)
+            with httpx.Client(base_url=s.url, timeout=60 * slowness()) as c:
+                for _ in range(12):
+                    name, kind = rnd.choice(["tiny", "synth"]), rnd.random()
+                    try:
+                        if kind < 0.7:
+                            body = {"model": name, "prompt": "Once", "options": {"num_predict": 40}}
+                            with c.stream("POST", "/api/generate", json=body) as r:
+                                statuses.append(r.status_code)
+                                for k, _ in enumerate(r.iter_lines()):
+                                    if k == rnd.randint(1, 12):
+                                        break   # hang up
+                        elif kind < 0.85:
+                            statuses.append(c.post("/api/generate", json={"model": name, "keep_alive": 0}).status_code)
+                        else:
+                            statuses.append(c.post("/v1/chat/completions", json={
+                                "model": name, "messages": CHAT, "max_tokens": 4}).status_code)
+                    except httpx.HTTPError as e:
+                        errors.append(repr(e))
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300 * slowness())
+        assert not errors and len(statuses) == 6 * 12 and set(statuses) == {200}
+        for name in ("tiny", "synth"):
+            chat_text(s.url, name)
+            assert post(s.url, "/models/unload", {"model": name}).json() == {"success": True}
+            assert wait_for(lambda: not loaded(s.url))
     finally:
         s.stop()
 
