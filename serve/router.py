@@ -154,7 +154,7 @@ class Router:
         with os.fdopen(fd, "w") as f:
             f.write(self.key + "\n")
         self._reaper: asyncio.Task | None = None
-        self._tasks: set = set()               # releases in flight (held: the loop keeps only weak references)
+        self._tasks: set = set()               # releases and process waits in flight (the loop holds tasks weakly)
 
     # ---- the catalog --------------------------------------------------------------------------------------
     async def refresh(self, fresh: bool = False):
@@ -268,10 +268,7 @@ class Router:
         (seconds, ollama's field) if it set one. Runs as a task of its own: a request's task may be cancelled,
         and anyio cancels every await of a cancelled scope again, which would leave the request counted for ever
         (and its model never idle). Awaiting the task is optional."""
-        task = asyncio.get_running_loop().create_task(self._release(c, keep_alive, upstream))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
+        return self._track(self._release(c, keep_alive, upstream))
 
     async def _release(self, c: Child, keep_alive: float | None, upstream):
         if upstream is not None:
@@ -300,7 +297,7 @@ class Router:
         self.children[spec.name] = c
         self.count("loads", spec.name)
         self.log(f"loading '{spec.name}' ({spec.path})")
-        asyncio.create_task(self._watch_load(c))
+        self._track(self._watch_load(c))
         return c
 
     async def _watch_load(self, c: Child):
@@ -362,11 +359,22 @@ class Router:
         if c.proc.poll() is None:
             with contextlib.suppress(OSError):
                 c.proc.send_signal(signal.SIGTERM)
-            try:
-                await asyncio.wait_for(asyncio.to_thread(c.proc.wait), self.stop_timeout)
-            except asyncio.TimeoutError:
-                c.proc.kill()
-                await asyncio.to_thread(c.proc.wait)
+            # shielded: a request cancelled while it unloads this one still leaves the process waited for
+            await asyncio.shield(self._track(self._end(c)))
+
+    async def _end(self, c: Child):
+        try:
+            await asyncio.wait_for(asyncio.to_thread(c.proc.wait), self.stop_timeout)
+        except asyncio.TimeoutError:
+            c.proc.kill()
+            await asyncio.to_thread(c.proc.wait)
+
+    def _track(self, coro) -> asyncio.Task:
+        """A task the loop runs to its end whatever happens to the request that started it."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
 
     def _forget(self, c: Child, reason: str):
         if self.children.get(c.spec.name) is c:
