@@ -119,6 +119,17 @@ class Child:
     def status(self) -> str:
         return "loaded" if self.ready.done() and not self.ready.exception() else "loading"
 
+    def memory(self) -> int | None:
+        """Bytes of memory its process holds (resident set; Linux), which ollama's /api/ps reports as `size`."""
+        try:
+            with open(f"/proc/{self.proc.pid}/status") as f:
+                for line in f:
+                    if line.startswith("VmRSS:"):
+                        return int(line.split()[1]) * 1024
+        except (OSError, ValueError, IndexError):
+            pass
+        return None
+
     def log_tail(self) -> str:
         """The last line the process wrote that says what went wrong (its one-line error)."""
         try:
@@ -562,7 +573,7 @@ def create_router_app(router: Router, *, api_keys: tuple = (), limits: Limits | 
             if c.status != "loaded":
                 continue
             t = router.tag(c.spec)
-            out.append({**{k: t[k] for k in ("name", "model", "size", "digest", "details")},
+            out.append({**{k: t[k] for k in ("name", "model", "digest", "details")}, "size": c.memory() or t["size"],
                         "expires_at": router.expires_at(c), "size_vram": 0,
                         "context_length": c.info.get("context_length")})
         return {"models": out}

@@ -162,6 +162,8 @@ def test_unknown_and_missing_model_in_each_apis_shape(router):
         ollama.Client(host=router.url).pull("tiny")
     assert e.value.status_code == 501 and "bitnet pull" in e.value.error
     assert post(router.url, "/v1/chat/completions", {"model": 7, "messages": CHAT}).status_code == 400
+    big = httpx.post(router.url + "/v1/chat/completions", content=b"x" * (5 << 20), timeout=30)
+    assert big.status_code == 413   # the router's own --max-body-mb, before any model is touched
     r = httpx.post(router.url + "/v1/chat/completions", content=b"{not json", timeout=30)
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
     show = post(router.url, "/api/show", {"name": "tiny"})   # ollama's older clients send `name`
@@ -225,7 +227,7 @@ def test_a_client_that_hangs_up_cancels_its_sequence_in_the_models_process(route
     assert wait_for(lambda: "tiny" not in loaded(router.url))
 
 
-def test_keep_alive_unloads_as_ollama_does(router):
+def test_keep_alive_unloads_as_ollama_does(router, models_dir):
     import ollama
 
     client = ollama.Client(host=router.url)
@@ -236,6 +238,7 @@ def test_keep_alive_unloads_as_ollama_does(router):
     client.generate(model="tiny", prompt="", keep_alive="10m")   # ollama's load request
     ps = {m.model: m for m in client.ps().models}
     assert "tiny" in ps and ps["tiny"].expires_at.year < 2100   # idle with 10 minutes to go
+    assert ps["tiny"].size > (models_dir / "tiny.bnstore").stat().st_size   # the process's memory, not the file's
     r = client.generate(model="tiny", prompt="", keep_alive=0)  # ollama's unload request
     assert r.done_reason == "unload" and "tiny" not in loaded(router.url)
     bad = post(router.url, "/api/generate", {"model": "tiny", "prompt": "x", "keep_alive": "soon"})
