@@ -359,8 +359,9 @@ def serve_models(args, keys: tuple) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, handler)
     names = ", ".join(sorted(models))
-    print(f"bitnet serve: listening on http://{args.host}:{args.port} ({len(models)} models, each loaded on first "
-          f"use, at most {args.models_max} at once: {names})", file=sys.stderr, flush=True)
+    count = f"{len(models)} model{'s' if len(models) != 1 else ''}"
+    print(f"bitnet serve: listening on http://{args.host}:{args.port} ({count}, each loaded on first use, at most "
+          f"{args.models_max} at once: {names})", file=sys.stderr, flush=True)
     server.run(sockets=[sock])
     print("bitnet serve: stopped", file=sys.stderr)
     return 0
