@@ -34,6 +34,10 @@ def add_arguments(p):
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint but /health%(default).0s")
     p.add_argument("--api-key-file", default=None, help="file of API keys, one per line (several users); with or instead of --api-key%(default).0s")
     p.add_argument("--metrics-public", action="store_true", help="serve /metrics without the API key")
+    p.add_argument("--cors-origin", action="append", default=None, metavar="ORIGIN",
+                   help="let web pages from ORIGIN (e.g. https://app.example.com; * = any) call the API from the "
+                        "browser; pages of this machine (localhost, 127.0.0.1, app://, ...) always may, as with "
+                        "ollama; repeatable%(default).0s")
     # what one client may cost (serve/limits.py; docs/serving-limits.md)
     d = Limits()
     p.add_argument("--max-body-mb", type=float, default=d.max_body_bytes / MiB, help="largest request body (413 beyond)")
@@ -92,6 +96,11 @@ def _check(args):
             raise BitNetError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be > 0")
     if not args.request_timeout >= 0:
         raise BitNetError(f"--request-timeout {args.request_timeout}: must be >= 0 (0 = no limit)")
+    from ..serve.auth import check_origin
+    for origin in args.cors_origin or ():
+        problem = check_origin(origin)
+        if problem:
+            raise BitNetError(f"--cors-origin {origin}: {problem}")
     if args.models_dir or args.models_cache:
         for flag, dest in (("-m", "model"), ("--alias", "alias"), ("--strict-model-name", "strict_model_name"),
                            ("--ray-replicas", "ray_replicas")):
@@ -203,7 +212,8 @@ def main(args) -> int:
 
     limits = limits_from_args(args)
     app = create_app(load, api_key=args.api_key, api_keys=keys, sampling=sampling, limits=limits,
-                     metrics_public=args.metrics_public, model_id=args.alias, strict_model=args.strict_model_name)
+                     metrics_public=args.metrics_public, model_id=args.alias, strict_model=args.strict_model_name,
+                     cors_origins=tuple(args.cors_origin or ()))
 
     class Server(uvicorn.Server):
         """uvicorn re-raises the caught signal after shutdown (-> exit 130/143); a drained server exits 0.
@@ -241,7 +251,7 @@ def main(args) -> int:
 
 
 # flags of the router alone: everything else is passed on to each model's process
-ROUTER_ONLY = {"help", "model", "host", "port", "api_key", "api_key_file", "metrics_public", "alias",
+ROUTER_ONLY = {"help", "model", "host", "port", "api_key", "api_key_file", "metrics_public", "cors_origin", "alias",
                "strict_model_name", "ray_replicas", "models_dir", "models_cache", "models_max", "models_keep_alive",
                "models_load_timeout"}
 MODEL_SUFFIXES = {".bnstore": "bnstore", ".gguf": "gguf"}
@@ -337,7 +347,7 @@ def serve_models(args, keys: tuple) -> int:
     router = Router(lambda: model_catalog(args), command, models_max=args.models_max, keep_alive=parse_keep_alive(args.models_keep_alive),
                     load_timeout=args.models_load_timeout, stop_timeout=args.drain_timeout + 5)
     app = create_router_app(router, api_keys=(([args.api_key] if args.api_key else []) + list(keys)),
-                            limits=limits, metrics_public=args.metrics_public)
+                            limits=limits, metrics_public=args.metrics_public, cors_origins=tuple(args.cors_origin or ()))
 
     class Server(uvicorn.Server):
         @contextlib.contextmanager

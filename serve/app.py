@@ -28,7 +28,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .anthropic import CountTokensRequest, MessageBuilder, MessagesRequest
-from .auth import AuthMiddleware, KeyChecker
+from .auth import AuthMiddleware, KeyChecker, allow_cross_origin
 from .limits import Limits, LimitsMiddleware, anthropic_error_body
 from .logprobs import TokenText, chat_entry, completion_logprobs
 from .metrics import CONTENT_TYPE, ServerMetrics
@@ -115,13 +115,14 @@ class ServerState:
 def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id: str | None = None,
                retry_after: int = 1, on_shutdown: Callable[[], None] | None = None,
                sampling: Any = None, strict_model: bool = False, limits: Limits | None = None,
-               api_keys: tuple = (), metrics_public: bool = False) -> FastAPI:
+               api_keys: tuple = (), metrics_public: bool = False, cors_origins: tuple = ()) -> FastAPI:
     """The ASGI app. load() -> an engine with ENGINE_API.md's interface (called once, in a thread).
     sampling: SamplingParams whose values a request's omitted sampling fields take (None: the engine's).
     model_id: the id the server answers with (None: the model's name; `--alias`); strict_model: a request
     naming another model gets a 404 (default: it is answered by this one, as llama-server does).
     limits: serve/limits.py's (None: its defaults); api_key / api_keys: the keys every endpoint but /health
-    needs (serve/auth.py), /metrics too unless metrics_public."""
+    needs (serve/auth.py), /metrics too unless metrics_public; cors_origins: the origins whose pages may call it
+    beside this machine's (serve/auth.py allow_cross_origin; "*": any)."""
     state = ServerState(load, api_key, model_id, retry_after, strict_model)
     metrics = ServerMetrics(state.engine_metrics)
 
@@ -205,6 +206,7 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         if path.startswith(("/v1/", "/api/")) or path in COUNTED_PATHS:
             metrics.requests.labels(path, str(resp.status_code)).inc()
         return resp
+    allow_cross_origin(app, cors_origins)   # outermost: a preflight is answered before the key check
 
     def ready(request: Request):
         """Availability (the key was checked before the body was read: serve/auth.py)."""

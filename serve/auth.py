@@ -7,6 +7,13 @@ The check hashes the sent key and compares the digest with every key's digest, a
 hmac.compare_digest: the time taken says nothing about how much of a key matched, nor which key. A 401 never
 echoes what was sent. It runs as ASGI middleware before the body is read, so a client without a key cannot make
 the server read (or parse) a large body.
+
+Cross-origin requests from browsers (CORS, `allow_cross_origin`): as ollama, pages served from this machine
+(http(s)://localhost, 127.0.0.1, [::1], 0.0.0.0 on any port; app://, file://, tauri://, vscode-webview://) may
+call the API from their scripts, and `--cors-origin ORIGIN` adds others (`*`: any). Other sites' scripts are
+refused by the browser: a page the user merely visits cannot drive the model. Preflights are answered before the
+key check (browsers send them without credentials); the answers carry the CORS headers, 401s included, so a page
+can read why it was refused.
 """
 from __future__ import annotations
 
@@ -16,7 +23,12 @@ from typing import Iterable
 
 from .limits import send_error
 
+import re
+
 OPEN_PATHS = ("/health",)
+# ollama's default origins: this machine's pages and local app shells
+LOCAL_ORIGINS = (r"https?://(localhost|127\.0\.0\.1|\[::1\]|0\.0\.0\.0)(:\d+)?"
+                 r"|(app|file|tauri|vscode-webview|vscode-file)://.*")
 PAGE_PATHS = ("/",)
 
 
@@ -83,3 +95,28 @@ class AuthMiddleware:
                                     "authentication_error", "invalid_api_key",
                                     headers=((b"www-authenticate", b"Bearer"),))
         return await self.app(scope, receive, send)
+
+
+def allow_cross_origin(app, origins=()):
+    """Starlette's CORS middleware (the standard one) on `app`, outermost: call it after every other middleware.
+    origins: origins allowed beside the local ones; "*" allows any."""
+    import inspect
+
+    from starlette.middleware.cors import CORSMiddleware
+    extra = tuple(o.rstrip("/") for o in origins)
+    kw = {}
+    if "allow_private_network" in inspect.signature(CORSMiddleware.__init__).parameters:
+        kw["allow_private_network"] = True   # Chrome's preflight for a public page calling a private address
+    app.add_middleware(CORSMiddleware, allow_origins=["*"] if "*" in extra else list(extra),
+                       allow_origin_regex=None if "*" in extra else LOCAL_ORIGINS,
+                       allow_methods=["GET", "POST", "DELETE", "OPTIONS"], allow_headers=["*"],
+                       expose_headers=["Retry-After", "X-Bitnet-Instance"], max_age=600, **kw)
+
+
+def check_origin(origin: str) -> str | None:
+    """What is wrong with a --cors-origin value, or None."""
+    if origin == "*":
+        return None
+    if not re.fullmatch(r"[a-z][a-z0-9+.-]*://[^/\s]+/?", origin):
+        return "not an origin (scheme://host[:port], e.g. https://app.example.com, or * for any)"
+    return None

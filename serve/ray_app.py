@@ -20,7 +20,8 @@ from .app import create_app
 def build(model: str | None = None, *, threads: int | None = 1, parallel: int = 16, ctx: int | None = None,
           max_queue: int = 64, api_key: str | None = None, replicas: int = 1, kv: str = "f16", lookup=None,
           sampling=None, mmap: bool | None = None, alias: str | None = None, strict_model: bool = False,
-          api_keys: tuple = (), limits=None, metrics_public: bool = False, batch_size: int | None = None):
+          api_keys: tuple = (), limits=None, metrics_public: bool = False, batch_size: int | None = None,
+          cors_origins: tuple = ()):
     """A bound Ray Serve application with `replicas` replicas of the server (lookup: engine LookupParams;
     sampling: the SamplingParams a request's omitted sampling fields take; mmap: load_engine's — each replica
     otherwise reads its own copy of the weights into memory, while memory lasts; batch_size: load_engine's
@@ -34,7 +35,7 @@ def build(model: str | None = None, *, threads: int | None = 1, parallel: int = 
     # limits: body, headers, request time (serve/limits.py's middleware); connections and slow clients are
     # the Ray proxy's to bound
     fastapi_app = create_app(load, api_key=api_key, sampling=sampling, model_id=alias, strict_model=strict_model,
-                             api_keys=api_keys, limits=limits, metrics_public=metrics_public)
+                             api_keys=api_keys, limits=limits, metrics_public=metrics_public, cors_origins=cors_origins)
 
     # num_cpus=0: the engine's own threads do the work; Ray must not refuse replicas on a small machine
     @serve.deployment(name="bitnet", num_replicas=replicas, ray_actor_options={"num_cpus": 0},
@@ -122,6 +123,7 @@ def run_ray(args, sampling=None, api_keys: tuple = (), limits=None) -> int:
                         lookup=lookup_from_flags(args.draft_max, args.lookup_ngram_min),
                         sampling=sampling, mmap=args.mmap, alias=args.alias, strict_model=args.strict_model_name,
                         api_keys=api_keys, limits=limits, metrics_public=args.metrics_public,
+                        cors_origins=tuple(args.cors_origin or ()),
                         batch_size=args.batch_size),
                   name="bitnet", route_prefix="/", blocking=False)
         print(f"bitnet serve: {args.ray_replicas} Ray Serve replicas on http://{args.host}:{args.port}",

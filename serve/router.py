@@ -41,7 +41,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 
-from .auth import AuthMiddleware, KeyChecker
+from .auth import AuthMiddleware, KeyChecker, allow_cross_origin
 from .limits import Limits, LimitsMiddleware, error_json
 from .ollama import OLLAMA_VERSION
 
@@ -482,7 +482,7 @@ class Relay(StreamingResponse):
 
 
 def create_router_app(router: Router, *, api_keys: tuple = (), limits: Limits | None = None,
-                      metrics_public: bool = False) -> FastAPI:
+                      metrics_public: bool = False, cors_origins: tuple = ()) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app):
         await router.start()
@@ -493,6 +493,7 @@ def create_router_app(router: Router, *, api_keys: tuple = (), limits: Limits | 
     app.state.router = router
     app.add_middleware(LimitsMiddleware, limits=limits or Limits())
     app.add_middleware(AuthMiddleware, checker=KeyChecker(api_keys), metrics_public=metrics_public)
+    allow_cross_origin(app, cors_origins)   # the model processes see only the router
 
     def error(request: Request, e: RouterError) -> Response:
         body = error_json(e.message, "not_found_error" if e.status == 404 else
