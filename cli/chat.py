@@ -23,8 +23,8 @@ import time
 
 from ..chat.commands import FIELD_OF_SETTING, Settings
 from ..chat.render import Output
-from .flags import (RANDOM_SEED, UNTIL_END, add_engine_args, add_system_args, check_engine_args, maybe_autocomplete,
-                    parse_args_suggesting)
+from .flags import (RANDOM_SEED, UNTIL_END, add_engine_args, add_system_args, apply_chat_template, check_engine_args,
+                    maybe_autocomplete, parse_args_suggesting)
 
 UNTIL_END_TOKENS = 1 << 30   # -n -1: clamped to the context window once the model is loaded
 
@@ -130,6 +130,7 @@ def _run(args, settings: Settings, out: Output, interactive: bool, first_message
                          kv_dtype=getattr(args, "kv", "f16"), lm_head=getattr(args, "lm_head", None),
                          lookup=lookup_from_flags(args.draft_max, args.lookup_ngram_min),
                          mmap=getattr(args, "mmap", None))
+        apply_chat_template(llm, args)
     except BitNetError as e:
         if e.exit_code == EXIT_BUG:
             from . import report_bug

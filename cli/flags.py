@@ -79,6 +79,11 @@ def add_engine_args(p: argparse.ArgumentParser, *, n_predict_default: int | None
         default = getattr(_D, field)
         p.add_argument(*spellings, dest=field, type=kind, default=default, metavar=metavar,
                        help=text + ("%(default).0s" if default is None else ""))
+    p.add_argument("--chat-template", default=None, metavar="NAME|JINJA",
+                   help="render chats with this template instead of the model file's: bitnet, chatml, llama3, or a "
+                        "Jinja2 template (llama.cpp's flag)%(default).0s")
+    p.add_argument("--chat-template-file", default=None, metavar="FILE",
+                   help="the chat template (Jinja2) from a file%(default).0s")
     p.add_argument("--draft-max", type=int, default=None, metavar="K",
                    help="prompt-lookup speculative decoding: most draft tokens verified per pass, 0 = off "
                         "(default: off; --draft-max 4 is a good start on repetitive text; same output either "
@@ -152,6 +157,9 @@ def check_engine_args(args: argparse.Namespace) -> str | None:
         problem = setting_problem(field, value, spellings[0])
         if problem:
             return problem
+    problem = _read_chat_template(args)
+    if problem:
+        return problem
     if getattr(args, "draft_max", None) is not None or getattr(args, "lookup_ngram_min", None) is not None:
         from ..engine.errors import BitNetError
         from ..engine.runtime.speculative import lookup_from_flags
@@ -161,6 +169,49 @@ def check_engine_args(args: argparse.Namespace) -> str | None:
         except BitNetError as e:
             return str(e)
     return _apply_prefill_attention(getattr(args, "prefill_attention", None))
+
+
+def _read_chat_template(args: argparse.Namespace) -> str | None:
+    """--chat-template / --chat-template-file: read and parsed now (one line naming the flag, or None); the text
+    is left in args.chat_template_text for apply_chat_template once the model is loaded."""
+    path, text = getattr(args, "chat_template_file", None), getattr(args, "chat_template", None)
+    if path is None and text is None:
+        return None
+    if path is not None and text is not None:
+        return "--chat-template and --chat-template-file: give one"
+    flag = "--chat-template-file" if path is not None else "--chat-template"
+    if path is not None:
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read((1 << 20) + 1)
+        except OSError as e:
+            return f"--chat-template-file {path}: {e.strerror or e}"
+        except UnicodeDecodeError:
+            return f"--chat-template-file {path}: not UTF-8 text"
+        if len(text) > 1 << 20:
+            return f"--chat-template-file {path}: over 1 MiB: not a chat template"
+    from ..engine.runtime import chat_template as ct
+    if text not in ct.NAMED and "{{" not in text and "{%" not in text:
+        return f"{flag} {text!r}: not a template name ({', '.join(ct.NAMED)}) nor a Jinja2 template"
+    try:
+        ct.check(ct.NAMED.get(text, text))
+    except ct.TemplateError as e:
+        return f"{flag}{' ' + path if path else ''}: {e.args[0]}"
+    args.chat_template_text, args.chat_template_flag = text, f"{flag} {path}" if path else flag
+    return None
+
+
+def apply_chat_template(model, args: argparse.Namespace) -> None:
+    """The template of --chat-template / --chat-template-file (checked by check_engine_args) on a loaded LLM or
+    Engine; one that does not render is a BitNetError naming the flag."""
+    text = getattr(args, "chat_template_text", None)
+    if text is None:
+        return
+    from ..engine.errors import BitNetError
+    try:
+        model.set_chat_template(text)
+    except BitNetError as e:
+        raise BitNetError(f"{getattr(args, 'chat_template_flag', '--chat-template')}: {e.args[0]}") from None
 
 
 def _apply_prefill_attention(precision: str | None) -> str | None:

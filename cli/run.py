@@ -2,8 +2,8 @@
 piece); progress, warnings and --verbose timings go to stderr. Ctrl-C stops generation keeping what was
 printed (exit 130). Flags follow llama.cpp (cli/flags.py); `-cnv` runs the chat on stdin
 as bitchat does; `--json` prints one JSON object per line (text pieces, then the stats) for scripts."""
-from .flags import (RANDOM_SEED, UNTIL_END, add_constraint_args, add_engine_args, add_system_args, check_engine_args,
-                    constraint_from_args, sampling_params_from_args)
+from .flags import (RANDOM_SEED, UNTIL_END, add_constraint_args, add_engine_args, add_system_args, apply_chat_template,
+                    check_engine_args, constraint_from_args, sampling_params_from_args)
 from ..engine.formats.tokenizer import decode_utf8
 
 HELP = "generate text from a prompt (streams to stdout)"
@@ -112,6 +112,7 @@ def main(args) -> int:
     lookup = lookup_from_flags(args.draft_max, args.lookup_ngram_min)
     llm = load_model(args.model, ctx=args.ctx, threads=args.threads, kv_dtype=args.kv,
                      progress=sys.stderr.isatty(), lm_head=args.lm_head, lookup=lookup, mmap=args.mmap)
+    apply_chat_template(llm, args)
     for w in llm.warnings:
         print(f"bitnet: warning: {w}", file=sys.stderr)
     if args.chat or args.system is not None:  # a system prompt only means something in the chat template

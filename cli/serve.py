@@ -3,7 +3,7 @@ engine. Loopback by default; Ctrl-C / SIGTERM drain (stop admitting, cancel in-f
 `--ray-replicas N` runs the same app as a Ray Serve deployment with N replicas (needs `pip install .[cluster]`)."""
 from ..engine.cpu import BATCH_TOKENS_DEFAULT, BATCH_TOKENS_MAX, BATCH_TOKENS_TILES
 from ..serve.limits import MiB, Limits
-from .flags import add_engine_args, check_engine_args, sampling_params_from_args
+from .flags import add_engine_args, apply_chat_template, check_engine_args, sampling_params_from_args
 
 HELP = "serve the model over HTTP: OpenAI's API (chat, completions, Responses), Anthropic's Messages, ollama's and llama-server's (and a chat page at /)"
 
@@ -206,6 +206,7 @@ def main(args) -> int:
         eng = load_engine(args.model, ctx=args.ctx, threads=args.threads, parallel=args.parallel,
                           max_batch_tokens=args.batch_size, max_queue=args.max_queue, kv_dtype=args.kv, progress=True,
                           lookup=lookup, mmap=args.mmap)
+        apply_chat_template(eng, args)
         for w in eng.warnings:   # a default context past the trained one, -t above the cores
             print(f"bitnet serve: warning: {w}", file=sys.stderr, flush=True)
         return eng

@@ -58,6 +58,28 @@ def _resolve(model: str | None, lm_head: str | None, progress: bool) -> str:
 class _Text:
     """text <-> ids helpers shared by LLM and Engine (need self.tokenizer and self.store)."""
 
+    _chat_template: str | None = None   # set_chat_template's, else the model file's
+
+    @property
+    def chat_template(self) -> str | None:
+        """The chat template in use: set_chat_template's, else the model file's (None: the built-in fallback)."""
+        return self._chat_template if self._chat_template is not None else self.store.chat_template
+
+    def set_chat_template(self, template: str) -> None:
+        """Render chats with `template` (a Jinja2 chat template, or a name of runtime/chat_template.NAMED)
+        instead of the model file's, as llama.cpp's --chat-template / --chat-template-file. It is rendered once
+        on a test conversation first: a template that does not parse or render is a TemplateError (a
+        BitNetError) and the model's own stays."""
+        template = _ct.NAMED.get(template, template)
+        before = self._chat_template
+        self._chat_template = template
+        try:
+            self.chat_text([{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
+                            {"role": "assistant", "content": "a"}, {"role": "user", "content": "u"}])
+        except BaseException:
+            self._chat_template = before
+            raise
+
     def tokenize(self, text: str, *, add_bos: bool = False, special: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_bos=add_bos, special=special)
 
@@ -85,7 +107,7 @@ class _Text:
         bos = tok.id_to_token(tok.bos_id) if tok.bos_id is not None else ""
         eos = tok.id_to_token(tok.eos_ids[0]) if tok.eos_ids else ""
         messages, tools = self.tool_format().prepare(messages, tools)
-        return _ct.render(self.store.chat_template, messages, add_generation_prompt=add_generation_prompt,
+        return _ct.render(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
                           bos_token=bos or "", eos_token=eos or "", tools=tools)
 
     def warm_constraints(self) -> None:
@@ -116,7 +138,7 @@ class _Text:
         """How this model writes tool calls (engine/runtime/tools.py), from its chat template."""
         from .runtime.tools import tool_format
 
-        return tool_format(_ct.choose_template(self.store.chat_template))
+        return tool_format(_ct.choose_template(self.chat_template))
 
 
 def _display_name(store: Store) -> str:

@@ -334,6 +334,6 @@ def register(app, state, ready, api_error: type, pipe, *, sampling=None):
         eos = tok.id_to_token(tok.eos_ids[0]) if tok.eos_ids else None
         return {"default_generation_settings": {"n_ctx": eng.n_ctx, "params": params},
                 "total_slots": getattr(eng, "parallel", 1), "model_path": eng.store.path,
-                "model_alias": state.model_id, "chat_template": eng.store.chat_template or "",
+                "model_alias": state.model_id, "chat_template": eng.chat_template or "",
                 "bos_token": bos, "eos_token": eos, "modalities": {"vision": False, "audio": False},
                 "build_info": f"bitnet-cpu {__version__}"}

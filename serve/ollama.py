@@ -497,7 +497,7 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
                                                       ("top_p", s.top_p), ("min_p", s.min_p),
                                                       ("repeat_penalty", s.repeat_penalty), ("num_ctx", eng.n_ctx)))
         return {"modelfile": f"# served by bitnet serve\nFROM {eng.store.path}\n", "parameters": params,
-                "template": eng.store.chat_template or "", "details": d["details"], "model_info": info,
+                "template": eng.chat_template or "", "details": d["details"], "model_info": info,
                 "capabilities": ["completion", "tools", "embedding"], "modified_at": d["modified_at"]}
 
     @app.get("/api/version")

@@ -24,6 +24,23 @@ LIMITS = Limits()   # per render: 2 s, 1 MiB (+4x the messages) per value and ou
 ROLES = ("system", "user", "assistant")
 
 
+# templates by name for --chat-template (llama.cpp's names for the same forms); anything else given there is Jinja
+NAMED = {
+    "bitnet": BITNET_CHAT_TEMPLATE,
+    "chatml": ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + (message['content'] or '')"
+               " + '<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+               "{% endif %}"),
+    "llama3": ("{{ bos_token }}{% for message in messages %}{{ '<|start_header_id|>' + message['role'] + "
+               "'<|end_header_id|>\n\n' + (message['content'] or '') | trim + '<|eot_id|>' }}{% endfor %}"
+               "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"),
+}
+
+
+def check(template: str) -> None:
+    """TemplateError if `template` does not parse (a template given on the command line, checked before loading)."""
+    _compile(template)
+
+
 def choose_template(template: str | None) -> str:
     """The template to render: the model's own, or the fallback (engine/config.py: the one rule for both)."""
     return BITNET_CHAT_TEMPLATE if is_broken_chat_template(template) else template

@@ -1,0 +1,139 @@
+"""--chat-template NAME|JINJA and --chat-template-file FILE (llama.cpp's flags): the template replaces the model
+file's in `bitnet run --chat`, bitchat and `bitnet serve` (every chat endpoint, /apply-template, /props, ollama's
+/api/show, and a --models-dir router's model processes). Expected prompts are rendered here with jinja2 itself
+from the same template text, and token counts come from the engine's tokenizer, not from stored values."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import httpx
+import jinja2
+import pytest
+
+from helpers import ROOT
+
+TEMPLATE = ("{% for m in messages %}[{{ m['role'] | upper }}] {{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}[ASSISTANT] {% endif %}")
+MSGS = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+3?"}]
+
+
+def expected(template: str, messages, **kw) -> str:
+    return jinja2.Environment(trim_blocks=True, lstrip_blocks=True).from_string(template).render(
+        messages=messages, add_generation_prompt=True, **kw)
+
+
+def bitnet(*args, stdin=None):
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, "-m", "bitnet_cpu", *args], cwd=ROOT, env=env, input=stdin,
+                          capture_output=True, text=True, timeout=300)
+
+
+def bitchat(*args, stdin):
+    from helpers import console_script
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), BITCHAT_RECOVERY="")
+    return subprocess.run([*console_script("bitchat"), *args], cwd=ROOT, env=env, input=stdin, capture_output=True,
+                          text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    from bitnet_cpu.engine.api import load_model
+    return load_model(None, progress=False)
+
+
+def test_set_chat_template_renders_the_given_template_and_keeps_the_old_one_on_error(llm):
+    from bitnet_cpu.engine.errors import BitNetError
+    from bitnet_cpu.engine.runtime.chat_template import NAMED
+
+    own = llm.chat_text(MSGS)
+    llm.set_chat_template(TEMPLATE)
+    try:
+        assert llm.chat_text(MSGS) == expected(TEMPLATE, MSGS)
+        assert llm.chat_template == TEMPLATE
+        llm.set_chat_template("chatml")
+        assert llm.chat_text(MSGS) == expected(NAMED["chatml"], MSGS)
+        for bad in ("{% for %}", "{{ messages[9].content }}", "{{ raise_exception('no') }}"):
+            with pytest.raises(BitNetError):
+                llm.set_chat_template(bad)
+            assert llm.chat_text(MSGS) == expected(NAMED["chatml"], MSGS)   # still the last good one
+    finally:
+        llm._chat_template = None
+    assert llm.chat_text(MSGS) == own
+
+
+def test_run_prompts_with_the_templates_text(llm, tmp_path):
+    path = tmp_path / "t.jinja"
+    path.write_text(TEMPLATE)
+    want = len(llm.tokenize(expected(TEMPLATE, MSGS[1:]), add_bos=False, special=True))
+    for flags in (("--chat-template-file", str(path)), ("--chat-template", TEMPLATE)):
+        r = bitnet("run", "--chat", "-p", MSGS[1]["content"], "-n", "2", "--temp", "0", "--json", *flags)
+        assert r.returncode == 0, r.stderr
+        stats = json.loads(r.stdout.splitlines()[-1])["stats"]
+        assert stats["n_prompt"] == want
+    default = bitnet("run", "--chat", "-p", MSGS[1]["content"], "-n", "2", "--temp", "0", "--json")
+    assert json.loads(default.stdout.splitlines()[-1])["stats"]["n_prompt"] != want
+
+
+@pytest.mark.parametrize("flags,words", [
+    (("--chat-template", "vicuna-ish"), "not a template name"),
+    (("--chat-template", "{% for %}"), "does not parse"),
+    (("--chat-template-file", "/nonexistent/t.jinja"), "--chat-template-file /nonexistent/t.jinja"),
+    (("--chat-template", "chatml", "--chat-template-file", "x"), "give one"),
+])
+def test_bad_templates_are_one_line_before_anything_loads(flags, words):
+    for cmd in (("run", "-p", "hi"), ("serve", "--port", "1")):
+        r = bitnet(*cmd, *flags)
+        assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr, r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_a_template_that_does_not_render_is_one_line(tmp_path):
+    path = tmp_path / "t.jinja"
+    path.write_text("{{ messages[7]['content'] }}")   # parses; fails on a real conversation
+    r = bitnet("run", "--chat", "-p", "hi", "--chat-template-file", str(path))
+    assert r.returncode == 2 and f"--chat-template-file {path}" in r.stderr and "Traceback" not in r.stderr
+    r = bitchat("--chat-template-file", str(path), "-n", "4", stdin="hi\n")
+    assert r.returncode == 2 and "--chat-template-file" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_bitchat_chats_with_the_template(llm, tmp_path):
+    path = tmp_path / "t.jinja"
+    path.write_text(TEMPLATE)
+    want = len(llm.tokenize(expected(TEMPLATE, [{"role": "user", "content": "hi"}]), add_bos=False, special=True))
+    r = bitchat("--chat-template-file", str(path), "-n", "4", "--temp", "0", stdin="hi\n")
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    assert f"prefill {want} new of {want}" in r.stderr + r.stdout   # its stats line: the prompt it rendered
+
+
+def test_serve_renders_every_chat_with_it(tmp_path):
+    pytest.importorskip("fastapi", reason="bitnet serve needs the serve extra (pip install .[serve])")
+    from serve_proc import Server
+
+    path = tmp_path / "t.jinja"
+    path.write_text(TEMPLATE)
+    s = Server("--chat-template-file", str(path), threads=1)
+    try:
+        got = httpx.post(s.url + "/apply-template", json={"messages": MSGS}, timeout=60).json()["prompt"]
+        assert got == expected(TEMPLATE, MSGS, bos_token="<|begin_of_text|>")
+        n = len(httpx.post(s.url + "/tokenize", json={"content": got}, timeout=60).json()["tokens"])
+        chat = httpx.post(s.url + "/v1/chat/completions", json={"messages": MSGS, "max_tokens": 1}, timeout=60).json()
+        assert chat["usage"]["prompt_tokens"] == n
+        assert httpx.get(s.url + "/props", timeout=30).json()["chat_template"] == TEMPLATE
+        model = httpx.get(s.url + "/v1/models", timeout=30).json()["data"][0]["id"]
+        assert httpx.post(s.url + "/api/show", json={"model": model}, timeout=30).json()["template"] == TEMPLATE
+    finally:
+        s.stop()
+    models = tmp_path / "models"
+    models.mkdir()
+    shutil.copy(os.path.join(ROOT, "models", "default.bnstore"), models / "tiny.bnstore")
+    s = Server("--models-dir", str(models), "--chat-template", "chatml", threads=1)
+    try:
+        from bitnet_cpu.engine.runtime.chat_template import NAMED
+        got = httpx.post(s.url + "/apply-template", json={"model": "tiny", "messages": MSGS}, timeout=60).json()
+        assert got["prompt"] == expected(NAMED["chatml"], MSGS)
+    finally:
+        s.stop()
