@@ -337,11 +337,15 @@ class Router:
             if not c.ready.done():
                 c.ready.set_result(True)
             return
-        self.count("load_failures", c.spec.name)
-        self.log(f"'{c.spec.name}' failed to load: {problem}")
+        if self.draining or c.stopping:   # stopped while loading (Ctrl-C, an unload): not the model's fault
+            error = RouterError(503, "shutting down" if self.draining else f"model '{c.spec.name}' was unloaded "
+                                "while loading; retry", "unavailable", retry_after=self.retry_after)
+        else:
+            self.count("load_failures", c.spec.name)
+            self.log(f"'{c.spec.name}' failed to load: {problem}")
+            error = RouterError(500, f"model '{c.spec.name}' failed to load: {problem}", "load_failed", "model")
         if not c.ready.done():
-            c.ready.set_exception(RouterError(500, f"model '{c.spec.name}' failed to load: {problem}", "load_failed",
-                                              "model"))
+            c.ready.set_exception(error)
             c.ready.exception()   # retrieved: no "never retrieved" warning when no request waits
         async with self.cond:
             await self._stop(c, "failed")
