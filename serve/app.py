@@ -666,18 +666,28 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         tools, _, _ = tool_setup(eng, tools, choice, body.parallel_tool_calls)
         return {"input_tokens": len(await render_prompt(eng, msgs, tools, "messages", prefill))}
 
+    def model_entry(eng) -> dict:
+        """The model in OpenAI's shape and Anthropic's at once (both clients call these paths; each reads its own
+        fields: object/created/owned_by, type/display_name/created_at)."""
+        import datetime
+        created_at = datetime.datetime.fromtimestamp(state.created, datetime.timezone.utc).isoformat()
+        return {"id": state.model_id, "object": "model", "created": state.created, "owned_by": "bitnet-cpu",
+                "meta": {"n_ctx": eng.n_ctx}, "type": "model", "display_name": state.model_id,
+                "created_at": created_at.replace("+00:00", "Z")}
+
     @app.get("/v1/models")
     async def models(request: Request):
-        """The one model, in OpenAI's list shape and Anthropic's at once (both clients call this path; each reads
-        its own fields: object/created/owned_by, type/display_name/created_at and the page fields)."""
-        import datetime
+        """The one model, as a list (with Anthropic's page fields)."""
+        return {"object": "list", "data": [model_entry(ready(request))], "has_more": False,
+                "first_id": state.model_id, "last_id": state.model_id}
+
+    @app.get("/v1/models/{model_name:path}")
+    async def model_one(model_name: str, request: Request):
+        """`client.models.retrieve(NAME)`: the model that a request naming NAME gets (any name but under
+        --strict-model-name, as the generating endpoints)."""
         eng = ready(request)
-        created_at = datetime.datetime.fromtimestamp(state.created, datetime.timezone.utc).isoformat()
-        entry = {"id": state.model_id, "object": "model", "created": state.created, "owned_by": "bitnet-cpu",
-                 "meta": {"n_ctx": eng.n_ctx}, "type": "model", "display_name": state.model_id,
-                 "created_at": created_at.replace("+00:00", "Z")}
-        return {"object": "list", "data": [entry], "has_more": False, "first_id": state.model_id,
-                "last_id": state.model_id}
+        check_model(model_name.split(":")[0] if model_name.endswith(":latest") else model_name)
+        return model_entry(eng)
 
     @app.get("/health")
     async def health():

@@ -558,6 +558,10 @@ def create_router_app(router: Router, *, api_keys: tuple = (), limits: Limits | 
             await router.release(c)   # the task: a load returns once it counts as idle
         return {"success": True}
 
+    @app.get("/v1/models/{model_name:path}")
+    async def model_one(model_name: str):
+        return model_entry(await router.resolve(model_name))
+
     @app.post("/models/load")
     async def models_load(request: Request):
         return await load_or_unload(request, unload=False)

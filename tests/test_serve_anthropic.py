@@ -200,3 +200,4 @@ def test_models_list_reads_in_both_clients(claude, server):
     openai_id = httpx.get(server.url + "/v1/models", timeout=30).json()["data"][0]["id"]
     assert m.id == openai_id and m.type == "model" and m.display_name == openai_id and m.created_at.year >= 2026
     assert models.has_more is False
+    assert claude.models.retrieve(m.id).display_name == m.display_name   # GET /v1/models/{id}

@@ -54,6 +54,8 @@ def test_alias_and_any_model_name(client, server):
     for name in ("gpt-4o-mini", ALIAS):
         r = client.chat.completions.create(model=name, messages=Q, max_tokens=2)
         assert r.model == ALIAS
+        # models.retrieve: the model a request naming it gets
+        assert client.models.retrieve(name).model_dump() == client.models.list().data[0].model_dump()
     s = Server("--strict-model-name")
     try:
         c = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=60)
@@ -62,6 +64,9 @@ def test_alias_and_any_model_name(client, server):
             c.chat.completions.create(model="gpt-17", messages=Q, max_tokens=2)
         assert ei.value.body["param"] == "model" and mid in ei.value.body["message"]
         assert c.chat.completions.create(model=mid, messages=Q, max_tokens=2).model == mid
+        assert c.models.retrieve(mid).id == mid
+        with pytest.raises(openai.NotFoundError):
+            c.models.retrieve("gpt-17")
     finally:
         s.stop()
 

@@ -111,6 +111,10 @@ def test_lists_every_model_of_the_directory(router):
     data = httpx.get(router.url + "/models", timeout=30).json()["data"]
     assert {d["id"]: d["path"] for d in data}["tiny"].endswith("tiny.bnstore")
     assert all(d["status"]["value"] in ("loaded", "loading", "unloaded") for d in data)
+    client = openai.OpenAI(base_url=router.url + "/v1", api_key="x")
+    assert client.models.retrieve("synth").id == "synth"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4o")
 
 
 def test_each_model_answers_as_its_own_server(router, singles):
