@@ -30,7 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from .anthropic import CountTokensRequest, MessageBuilder, MessagesRequest
 from .auth import AuthMiddleware, KeyChecker, allow_cross_origin
 from .limits import Limits, LimitsMiddleware, anthropic_error_body
-from .logprobs import TokenText, chat_entry, completion_logprobs
+from .logprobs import TokenText, chat_entry, completion_logprobs, echo_logprobs
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .offload import (BodyRefused, next_or_gone, offloop_route, prompt_body_bound, run_off_loop,
                       too_long_for_context, warm_bounds)
@@ -527,20 +527,40 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
     async def completions(body: CompletionRequest, request: Request):
         eng = ready(request)
         check_model(body.model)
+        bad = body.unsupported()   # before the prompt is read: several prompts, [[]] (submit checks it again)
+        if bad:
+            raise APIError(400, bad[1], param=bad[0], code="unsupported_parameter")
         p = body.prompt
+        if isinstance(p, list) and len(p) == 1 and isinstance(p[0], list):   # [[ids]]: one tokenized prompt
+            p = p[0]
+        shown = 0   # the first prompt token an echo shows (1: skip the BOS added to a text prompt)
         if isinstance(p, list) and p and isinstance(p[0], int):
             prompt_ids = [int(t) for t in p]
             if any(t < 0 or t >= eng.config.vocab_size for t in prompt_ids):
                 raise APIError(400, "prompt: token id out of the vocabulary", param="prompt", code="invalid_value")
+            echo_text = await run_off_loop(eng.detokenize, prompt_ids) if body.echo else ""
         else:
             text = p[0] if isinstance(p, list) and p else (p if isinstance(p, str) else "")
             await refuse_too_long(eng, len(text), "prompt")
             prompt_ids = await run_off_loop(eng.tokenize, text, add_bos=True)
+            bos = eng.tokenizer.bos_id
+            shown = 1 if bos is not None and prompt_ids[:1] == [bos] else 0
+            echo_text = text
         constraint = await compile_constraint(eng, body)
-        streams, q = submit(eng, body, prompt_ids, asyncio.get_running_loop(), constraint)
+        loop = asyncio.get_running_loop()
+        streams, q = submit(eng, body, prompt_ids, loop, constraint)
+        echo_lp, echo_end = None, 0
+        if body.echo and body.logprobs is not None:   # every prompt token's logprob: a scoring pass beside
+            try:
+                scores = await score_prompt(eng, prompt_ids, body.logprobs)
+            except BaseException:
+                for st in streams:
+                    st.cancel()
+                raise
+            echo_lp, echo_end = echo_logprobs(state.token_text(eng), prompt_ids, scores, shown, body.logprobs)
         cid, created, model = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time()), state.model_id
         head = {"id": cid, "object": "text_completion", "created": created, "model": model, "system_fingerprint": None}
-        text_of, offsets = state.token_text(eng), [0] * body.n
+        text_of, offsets = state.token_text(eng), [echo_end] * body.n
 
         def logprobs(i, lps):
             if body.logprobs is None or lps is None:
@@ -550,15 +570,46 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
             return out
 
         def make_chunk(i, text, finish, first=False, lps=None):
-            if first:
-                return None
+            if first:   # an echo goes out first, with its logprobs
+                return {**head, "choices": [{"index": i, "text": echo_text, "logprobs": echo_lp,
+                                             "finish_reason": None}]} if body.echo else None
             return {**head, "choices": [{"index": i, "text": text or "", "logprobs": logprobs(i, lps),
                                          "finish_reason": finish}]}
 
         def make_choice(i, text, finish, lps):
-            return {"index": i, "text": text, "logprobs": logprobs(i, lps), "finish_reason": finish}
+            got = logprobs(i, lps)
+            if echo_lp is not None:
+                got = {k: echo_lp[k] + (got[k] if got else []) for k in echo_lp}
+            return {"index": i, "text": (echo_text if body.echo else "") + text, "logprobs": got,
+                    "finish_reason": finish}
         out = await respond(request, body, streams, q, len(prompt_ids), make_chunk, make_choice)
         return {**head, **out} if isinstance(out, dict) else out
+
+    async def score_prompt(eng, prompt_ids, top_k):
+        """The prompt's per-token TokenLogprobs (engine.submit_score: a prefill-only pass of its own), awaited
+        on the event loop; cancelled with the request."""
+        from ..engine.errors import QueueFullError
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future = loop.create_future()
+
+        def finished(req):
+            loop.call_soon_threadsafe(lambda: done.done() or done.set_result(req))
+        try:
+            req = eng.submit_score(prompt_ids, top_k, callback=finished)
+        except QueueFullError as e:
+            metrics.rejected.inc()
+            raise APIError(503, str(e), "server_error", code="queue_full",
+                           headers={"Retry-After": str(state.retry_after)}) from None
+        try:
+            await done
+        except BaseException:
+            req.cancel()
+            raise
+        if req.error is not None:
+            if req.error == "cancelled":
+                raise APIError(503, "server is shutting down", "server_error", code="shutting_down")
+            raise APIError(500, ENGINE_FAULT, "server_error", code="engine_error")
+        return req.logprobs
 
     @contextlib.contextmanager
     def translated():

@@ -64,3 +64,27 @@ def completion_logprobs(text_of: TokenText, items: list[tuple[int, object]], n_t
         out["text_offset"].append(offset)
         offset += len(text)
     return out
+
+
+def echo_logprobs(text_of: TokenText, ids: list[int], scores: list, first: int, n_top: int) -> tuple[dict, int]:
+    """The completions `logprobs` of an echoed prompt, tokens ids[first:] (first 1: a BOS the server added is not
+    echoed), scores[j - 1] being token j's TokenLogprob (engine/batching/score.py); token 0 has none (null, as
+    OpenAI's). Returns the object and the text offset where the completion's own tokens start."""
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    offset = 0
+    for j in range(first, len(ids)):
+        text, _ = text_of(ids[j])
+        out["tokens"].append(text)
+        out["text_offset"].append(offset)
+        offset += len(text)
+        if j == 0:
+            out["token_logprobs"].append(None)
+            out["top_logprobs"].append(None)
+            continue
+        lp = scores[j - 1]
+        out["token_logprobs"].append(_finite(lp.logprob))
+        top: dict[str, float] = {}
+        for i, v in lp.top[:n_top]:
+            top.setdefault(text_of(i)[0], _finite(v))
+        out["top_logprobs"].append(top)
+    return out, offset

@@ -344,7 +344,7 @@ class ChatCompletionRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
-    prompt: Union[str, list[str], list[int]]
+    prompt: Union[str, list[str], list[int], list[list[int]]]   # [[ids]]: one tokenized prompt (lm-eval sends so)
     logprobs: Optional[int] = Field(default=None, ge=0, le=5)   # OpenAI's legacy range: 0..5 alternatives
     echo: bool = False
     best_of: Optional[int] = None
@@ -357,12 +357,13 @@ class CompletionRequest(_Sampling):
         return self.logprobs
 
     def unsupported(self):
-        if self.echo:
-            return "echo", "echo is not supported"
         if self.best_of not in (None, 1):
             return "best_of", "only best_of=1 is supported"
         if self.suffix:
             return "suffix", "suffix is not supported"
-        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str) and len(self.prompt) != 1:
+        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], (str, list)) and \
+                len(self.prompt) != 1:
             return "prompt", "only one prompt per request is supported"
+        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], list) and not self.prompt[0]:
+            return "prompt", "an empty token list"
         return super().unsupported()

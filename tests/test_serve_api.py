@@ -104,6 +104,65 @@ def test_completion_logprobs_shape(client, llm):
     assert ei.value.body["param"] == "logprobs"
 
 
+def test_echo_scores_every_prompt_token_as_the_engines_logits(client, llm):
+    """echo + logprobs: each prompt token's logprob given the ones before it, to the last digit of a direct
+    log-softmax of load_model(...).forward over the same ids; the first token of a token-id prompt has none
+    (null), a text prompt's BOS is not echoed; the completion's own tokens follow."""
+    text = "Once upon a time, a fox met three owls."
+    ids = llm.tokenize(text, add_bos=True)
+    ref = _log_softmax(llm.forward(ids))
+    want = [float(ref[j - 1, ids[j]]) for j in range(1, len(ids))]
+    r = client.completions.create(model=ALIAS, prompt=text, temperature=0, max_tokens=3, logprobs=2, echo=True)
+    c = r.choices[0]
+    lp = c.logprobs
+    assert c.text.startswith(text) and len(lp.tokens) == len(ids) - 1 + 3
+    # the engine's exp runs in f32 (summed in f64), the reference all in f64
+    np.testing.assert_allclose(lp.token_logprobs[: len(ids) - 1], want, rtol=0, atol=1e-6)
+    assert [max(t, key=t.get) for t in lp.top_logprobs[: len(ids) - 1]] == \
+        [llm.tokenizer.decode([int(np.argmax(ref[j - 1]))]) for j in range(1, len(ids))]
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    plain = client.completions.create(model=ALIAS, prompt=text, temperature=0, max_tokens=3, logprobs=2)
+    assert c.text == text + plain.choices[0].text
+    assert lp.token_logprobs[len(ids) - 1:] == plain.choices[0].logprobs.token_logprobs
+    # token ids as lm-evaluation-harness sends them ([[ids]]); scoring alone (max_tokens 0)
+    raw = httpx.post(str(client.base_url) + "completions", timeout=60, json={
+        "model": ALIAS, "prompt": [ids[1:]], "max_tokens": 0, "logprobs": 1, "echo": True, "temperature": 0}).json()
+    got = raw["choices"][0]["logprobs"]["token_logprobs"]
+    assert got[0] is None and len(got) == len(ids) - 1
+    tail = _log_softmax(llm.forward(ids[1:]))
+    np.testing.assert_allclose(got[1:], [tail[j - 1, ids[1:][j]] for j in range(1, len(ids) - 1)], rtol=0, atol=1e-6)
+    assert raw["choices"][0]["text"] == llm.tokenizer.decode(ids[1:])
+
+
+def test_echo_as_lm_evaluation_harness_reads_it(client, llm):
+    """lm-evaluation-harness's local-completions loglikelihood request (context + continuation as token ids,
+    max_tokens 1, logprobs 1, echo) and its own reading of the answer: sum(token_logprobs[ctxlen:-1]) and
+    is_greedy (each continuation token is the top one) equal the reference's."""
+    ctx = llm.tokenize("The capital of France is", add_bos=True)
+    for cont_text in (" Paris", " a big city by the river"):
+        cont = llm.tokenize(cont_text)
+        ids = ctx + cont
+        body = {"model": ALIAS, "prompt": [ids], "temperature": 0, "max_tokens": 1, "logprobs": 1, "seed": 1234,
+                "echo": True}
+        choice = httpx.post(str(client.base_url) + "completions", json=body, timeout=60).json()["choices"][0]
+        token_lps = choice["logprobs"]["token_logprobs"][len(ctx):-1]
+        tops = choice["logprobs"]["top_logprobs"][len(ctx):-1]
+        is_greedy = all(tok == max(top.values()) for tok, top in zip(token_lps, tops))
+        ref = _log_softmax(llm.forward(ids))
+        want = [ref[len(ctx) + j - 1, cont[j]] for j in range(len(cont))]
+        assert sum(token_lps) == pytest.approx(sum(want), abs=1e-5)
+        assert is_greedy == all(int(np.argmax(ref[len(ctx) + j - 1])) == cont[j] for j in range(len(cont)))
+
+
+def test_echo_streams_the_prompt_first_and_every_choice_echoes(client):
+    kw = dict(model=ALIAS, prompt="Once upon a time", max_tokens=4, temperature=0, echo=True)
+    whole = client.completions.create(**kw, n=2)
+    assert all(c.text.startswith("Once upon a time") and c.logprobs is None for c in whole.choices)
+    chunks = list(client.completions.create(**kw, stream=True, logprobs=1))
+    assert chunks[0].choices[0].text == "Once upon a time" and chunks[0].choices[0].logprobs.token_logprobs
+    assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+
+
 def test_n_choices_one_prefill(client, server):
     q = [{"role": "user", "content": "Tell me about a purple walrus named Quintus."}]
     before = _prefilled(server)

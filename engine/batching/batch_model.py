@@ -85,6 +85,13 @@ class BatchModel:
         v = self._last
         return final_norm_rows(v.x[row0:row1], v.delta[row0:row1], self.w.out_norm, self.w.eps)
 
+    def head_rows(self, rows) -> np.ndarray:
+        """Logits [len(rows), V] of rows of the last step (at most max_logit_rows), in the buffer step() returns
+        its logits in: call once the step's own logits are no longer needed."""
+        if len(rows) > self.max_logit_rows:
+            raise BitNetError(f"{len(rows)} logit rows > {self.max_logit_rows}")
+        return self._head(self._last, rows)
+
     def _faulty_table(self, ids, seq_rows, page_table):
         """The test hook's page table (None unless BITNET_FAULT_TOKEN is set and in the step's rows): the rows of
         the sequences holding the token point past the pool."""

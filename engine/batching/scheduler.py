@@ -42,6 +42,7 @@ from ..cpu import BATCH_TOKENS_MAX
 from .batch_model import BatchModel
 from .drafts import FORCED_DRAFT_MAX, Drafts
 from .embed import Embeddings
+from .score import ScoreRequest, Scoring
 from .kv_pool import PAGE_TOKENS, KVPool
 from .prefix_cache import PrefixCache
 from .stream import Stream
@@ -78,7 +79,7 @@ class _Seq:
         self.embed = None                # an embedding sequence's request slot and running mean (embed.py)
 
 
-class BatchScheduler(Drafts, Embeddings):
+class BatchScheduler(Drafts, Embeddings, Scoring):
     """The engine core (engine.api.Engine adds tokenizer helpers). Start with start(); stop with close()."""
     _new_seq = _Seq   # the mixins (embed.py) make sequences through this, not by importing this module
 
@@ -240,7 +241,8 @@ class BatchScheduler(Drafts, Embeddings):
                     "lookup_accepted_total": self.lookup_accepted_total,
                     "prefill_tokens_total": self.prefill_tokens_total,
                     "sequence_errors_total": self.sequence_errors_total, "steps_split_total": self.steps_split_total,
-                    "embed_inputs_total": self.embed_inputs_total, "n_batch": self.max_batch_tokens}
+                    "embed_inputs_total": self.embed_inputs_total, "scored_tokens_total": self.scored_tokens_total,
+                    "n_batch": self.max_batch_tokens}
 
     def slots(self) -> list[dict]:
         with self._lock:
@@ -375,6 +377,7 @@ class BatchScheduler(Drafts, Embeddings):
             return
         now = time.perf_counter()
         li = row = 0
+        prefill_only = []
         for s, r in plan:
             row += r
             if s.draft:
@@ -383,8 +386,8 @@ class BatchScheduler(Drafts, Embeddings):
                 li = nxt if nxt is not None else li + n_rows
                 continue
             s.n_past += r
-            if s.embed is not None:   # prefill-only: pooled, never sampled nor indexed (engine/batching/embed.py)
-                self._embed_rows(s, row - r, r)
+            if s.embed is not None:   # prefill-only: pooled (embed.py) or scored (score.py), never sampled nor indexed
+                prefill_only.append((s, row - r, r))
                 continue
             self._index(s)
             if s.n_past == len(s.tokens):
@@ -394,6 +397,11 @@ class BatchScheduler(Drafts, Embeddings):
                         self._fork(s, logits[li])
                 self._sample_or_fail(s, self._sample, logits[li])
                 li += 1
+        for s, row0, r in prefill_only:   # after the sampling: scoring reuses the head's row buffer
+            if isinstance(s.embed, ScoreRequest):
+                self._score_rows(s, row0, r)
+            else:
+                self._embed_rows(s, row0, r)
 
     def _forward(self, plan) -> np.ndarray:
         """One batched step over the plan's rows (pages of their own for every written position first); the

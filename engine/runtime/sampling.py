@@ -95,6 +95,25 @@ class TokenLogprob:
     top: list[tuple[int, float]]    # (token id, logprob), most likely first; k = SamplingParams.record_logprobs
 
 
+def token_logprob(logits: np.ndarray, tok: int, k: int) -> TokenLogprob:
+    """The exact log-softmax of one row of logits (exp in f32, summed in f64), for token `tok` and the best k (the
+    C top-k selection, as sampling's: one pass, no sort of the vocabulary); ties by id, so stable across runs.
+    What a sampled token records (Sampler), and what a scored prompt token gets (engine/batching/score.py)."""
+    from ...simd import _ops
+
+    m = float(logits.max())
+    lse = m + float(np.log(np.exp(logits - np.float32(m), dtype=np.float32).sum(dtype=np.float64)))
+    k = min(k, logits.shape[0])
+    top = []
+    if k > 0:
+        idx_buf, heap = np.zeros(k, np.int32), np.zeros(k, np.float32)
+        got = _ops.topk(np.ascontiguousarray(logits, dtype=np.float32), heap, idx_buf)
+        idx = idx_buf[:got].astype(np.int64)
+        idx = idx[np.lexsort((idx, -logits[idx]))]   # most likely first, ties by id (stable across runs)
+        top = [(int(i), float(logits[i]) - lse) for i in idx]
+    return TokenLogprob(float(logits[tok]) - lse, top)
+
+
 class Sampler:
     """sample(logits, history) -> token id. The logits array is modified in place (it is the model's
     per-step buffer); `history` is the list of ids seen so far (prompt + generated): the history of the first
@@ -123,7 +142,6 @@ class Sampler:
         self._counts: dict[int, int] = {}   # generated token -> times (presence / frequency penalties)
         self._n_counted = 0
         self.record: TokenLogprob | None = None
-        self._lp_idx = self._lp_heap = None   # top-k scratch of the logprob record
 
     def _penalize(self, logits: np.ndarray, history):
         p, n = self.p.repeat_penalty, self.p.repeat_last_n
@@ -157,20 +175,7 @@ class Sampler:
         logits[ids] -= c * np.float32(self.p.frequency_penalty) + np.float32(self.p.presence_penalty)
 
     def _record(self, logits: np.ndarray, tok: int):
-        """The exact log-softmax of the logits as sampled from (exp in f32, summed in f64), for the sampled token
-        and the best k (the C top-k selection, as sampling's: one pass, no sort of the vocabulary)."""
-        m = float(logits.max())
-        lse = m + float(np.log(np.exp(logits - np.float32(m), dtype=np.float32).sum(dtype=np.float64)))
-        k = min(self.p.record_logprobs, logits.shape[0])
-        top = []
-        if k > 0:
-            if self._lp_idx is None or self._lp_idx.shape[0] != k:
-                self._lp_idx, self._lp_heap = np.zeros(k, np.int32), np.zeros(k, np.float32)
-            got = self._topk(np.ascontiguousarray(logits, dtype=np.float32), self._lp_heap, self._lp_idx)
-            idx = self._lp_idx[:got].astype(np.int64)
-            idx = idx[np.lexsort((idx, -logits[idx]))]   # most likely first, ties by id (stable across runs)
-            top = [(int(i), float(logits[i]) - lse) for i in idx]
-        self.record = TokenLogprob(float(logits[tok]) - lse, top)
+        self.record = token_logprob(logits, tok, self.p.record_logprobs)
 
     def sample(self, logits: np.ndarray, history=()) -> int:
         p = self.p
