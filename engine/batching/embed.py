@@ -9,7 +9,6 @@ are not put in the prefix index, and no cached prefix is reused, because the mea
 """
 from __future__ import annotations
 
-import threading
 from typing import Callable, Sequence
 
 import numpy as np
@@ -17,28 +16,24 @@ import numpy as np
 from ..errors import BitNetError
 from ..runtime.embed import MeanPool
 from ..runtime.sampling import SamplingParams
-from .stream import Stream
+from .stream import OneShot, Stream
 
 EMBEDDED = "embedded"   # the finish reason of an embedding sequence that delivered its vector
 
 
-class EmbedRequest:
+class EmbedRequest(OneShot):
     """The consumer's end of one embeddings request: result() blocks for the [n, hidden] float32 vectors (row i:
     text i); or pass callback(request) to submit_embed, called once on the scheduler thread when every text is
     done or the request failed. n_tokens[i]: the tokens text i ran through the model."""
 
+    what = "embeddings"
+
     def __init__(self, engine, texts: Sequence[Sequence[int]], dim: int, callback):
-        self._engine, self._callback = engine, callback
+        super().__init__(engine, callback)
         self.n_tokens = [len(t) for t in texts]
         self.vectors = np.zeros((len(texts), dim), np.float32)
-        self.error: str | None = None    # "cancelled" or "error" (a fault in its forward pass) when it failed
         self._left = len(texts)
-        self._done = threading.Event()
         self.ids: list[int] = []         # the engine's sequence ids (cancel)
-
-    @property
-    def done(self) -> bool:
-        return self._done.is_set()
 
     def _put(self, i: int, vec: np.ndarray):
         if self._done.is_set():
@@ -51,25 +46,12 @@ class EmbedRequest:
     def _failed(self, reason: str):
         if self._done.is_set():
             return
-        self.error = reason
         for sid in self.ids:    # the request's other texts need not run
             self._engine.cancel(sid)
-        self._end()
-
-    def _end(self):
-        self._done.set()
-        if self._callback is not None:
-            try:
-                self._callback(self)
-            except Exception as e:  # a broken consumer never takes the engine down
-                import sys
-                print(f"bitnet engine: embeddings callback raised {e!r}", file=sys.stderr)
+        self._end(reason)
 
     def result(self, timeout: float | None = None) -> np.ndarray:
-        if not self._done.wait(timeout):
-            raise BitNetError(f"the embeddings were not ready within {timeout} s")
-        if self.error is not None:
-            raise BitNetError(f"the embeddings request ended: {self.error}")
+        self._wait(timeout)
         return self.vectors
 
     def cancel(self):

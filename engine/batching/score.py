@@ -12,50 +12,30 @@ token has run the result goes to the request and the sequence retires.
 """
 from __future__ import annotations
 
-import threading
 from typing import Callable, Sequence
 
 from ..errors import BitNetError
 from ..runtime.sampling import SamplingParams, TokenLogprob, token_logprob
-from .stream import Stream
+from .stream import OneShot, Stream
 
 SCORED = "scored"   # the finish reason of a scoring sequence that delivered its result
 
 
-class ScoreRequest:
+class ScoreRequest(OneShot):
     """The consumer's end of one scoring request: result() blocks for the list of len(ids) - 1 TokenLogprob
     (entry i: token i + 1 given tokens 0..i); or pass callback(request) to submit_score, called once on the
     scheduler thread when it is done or failed."""
 
+    what = "scores"
+
     def __init__(self, engine, ids: Sequence[int], top_k: int, callback):
-        self._engine, self._callback = engine, callback
+        super().__init__(engine, callback)
         self.ids, self.top_k = list(ids), int(top_k)
         self.logprobs: list[TokenLogprob] = []
-        self.error: str | None = None
-        self._done = threading.Event()
         self.sid: int | None = None
 
-    @property
-    def done(self) -> bool:
-        return self._done.is_set()
-
-    def _end(self, error: str | None = None):
-        if self._done.is_set():
-            return
-        self.error = error
-        self._done.set()
-        if self._callback is not None:
-            try:
-                self._callback(self)
-            except Exception as e:  # a broken consumer never takes the engine down
-                import sys
-                print(f"bitnet engine: scoring callback raised {e!r}", file=sys.stderr)
-
     def result(self, timeout: float | None = None) -> list[TokenLogprob]:
-        if not self._done.wait(timeout):
-            raise BitNetError(f"the prompt's scores were not ready within {timeout} s")
-        if self.error is not None:
-            raise BitNetError(f"the scoring request ended: {self.error}")
+        self._wait(timeout)
         return self.logprobs
 
     def cancel(self):

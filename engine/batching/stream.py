@@ -1,8 +1,10 @@
 """The consumer's end of one request of the batching scheduler (engine/batching/scheduler.py): chunks reach it
-through a queue (iterate it) or a callback called on the scheduler thread."""
+through a queue (iterate it) or a callback called on the scheduler thread; a prefill-only request's (embeddings,
+scoring) end is a OneShot, done once with one result."""
 from __future__ import annotations
 
 import queue
+import threading
 
 from ..errors import BitNetError
 from ..runtime.generate import Chunk
@@ -43,3 +45,37 @@ class Stream:
 
     def cancel(self):
         self._engine.cancel(self.id)
+
+
+class OneShot:
+    """The consumer's end of a prefill-only request (embed.py, score.py): result(timeout) blocks until it is done,
+    or callback(request) is called once on the scheduler thread. `what` names its results in messages."""
+
+    what = "results"
+
+    def __init__(self, engine, callback):
+        self._engine, self._callback = engine, callback
+        self.error: str | None = None    # "cancelled" or "error" (a fault in its forward pass) when it failed
+        self._done = threading.Event()
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def _end(self, error: str | None = None):
+        if self._done.is_set():
+            return
+        self.error = error
+        self._done.set()
+        if self._callback is not None:
+            try:
+                self._callback(self)
+            except Exception as e:  # a broken consumer never takes the engine down
+                import sys
+                print(f"bitnet engine: {self.what} callback raised {e!r}", file=sys.stderr)
+
+    def _wait(self, timeout: float | None):
+        if not self._done.wait(timeout):
+            raise BitNetError(f"the {self.what} were not ready within {timeout} s")
+        if self.error is not None:
+            raise BitNetError(f"the {self.what} request ended: {self.error}")
