@@ -4,8 +4,8 @@ request naming one loads it, and at most `models_max` are loaded at once (the le
 unloaded to make room).
 
 Each loaded model is its own `bitnet serve` process on a loopback port (the command the CLI gives, with a key of
-this router's that nothing else knows, in a file only this user can read), and this app forwards every request to it byte for byte, streams
-included: every API of serve/app.py (OpenAI's, Anthropic's, ollama's, llama-server's, the embeddings) answers
+this router's that nothing else knows, in a file only this user can read), and this app forwards every request to
+it byte for byte, streams included: every API of serve/app.py (OpenAI's, Anthropic's, ollama's, llama-server's, the embeddings) answers
 exactly as a single-model server would, a model that crashes takes down nothing else, and unloading one gives
 its memory back to the system. A client that hangs up closes the forwarded stream, which cancels its sequence in
 the model's process.
@@ -70,9 +70,9 @@ def parse_keep_alive(value) -> float:
             if not body or "".join(n + u for n, u in parts) != body:
                 raise ValueError(f"keep_alive: {text!r} is not a duration (seconds, or a string such as \"5m\")")
             value = sign * sum(float(n) * _UNIT[u] for n, u in parts)
-    if not math.isfinite(value) and value > 0:
+    if math.isnan(value):
         raise ValueError(f"keep_alive: {value!r} is not a duration")
-    return FOREVER if value < 0 else float(value)
+    return FOREVER if value < 0 or math.isinf(value) else float(value)
 
 
 @dataclass(frozen=True)
@@ -399,7 +399,7 @@ class Router:
                 if reason == "exited":
                     self.log(f"'{c.spec.name}': its process exited (code {c.proc.returncode}): {c.log_tail()}")
                 else:
-                    self.log(f"unloaded '{c.spec.name}' ({'keep_alive' if reason == 'expired' else reason})")
+                    self.log(f"unloaded '{c.spec.name}' ({reason})")
         if not c.ready.done():
             c.ready.set_exception(RouterError(503, f"model '{c.spec.name}' was unloaded while loading; retry",
                                               "loading", retry_after=self.retry_after))
@@ -418,7 +418,7 @@ class Router:
                         self._forget(c, "exited")
                         self.cond.notify_all()
                     elif c.active == 0 and c.ready.done() and now >= c.expires:
-                        await self._stop(c, "expired")
+                        await self._stop(c, "keep_alive")
                         self.cond.notify_all()
 
     async def unload(self, spec: ModelSpec) -> bool:

@@ -249,6 +249,18 @@ def test_keep_alive_unloads_as_ollama_does(router, models_dir):
     assert bad.status_code == 400 and "keep_alive" in bad.json()["error"]
 
 
+def test_an_idle_model_goes_after_models_keep_alive(models_dir):
+    s = Server("--models-dir", str(models_dir), "--models-keep-alive", "1s", threads=1)
+    try:
+        chat_text(s.url, "tiny")
+        assert wait_for(lambda: not loaded(s.url))
+        assert 'bitnet_router_unloads_total{model="tiny",reason="keep_alive"} 1' in \
+            httpx.get(s.url + "/metrics", timeout=30).text
+        assert not children_of(s.proc.pid) or wait_for(lambda: not children_of(s.proc.pid))
+    finally:
+        s.stop()
+
+
 # ---- room for one model -------------------------------------------------------------------------------------
 def test_one_model_at_a_time_under_concurrent_requests(models_dir, singles):
     """--models-max 1 with requests for both models at once from several threads: each gets its own model's
@@ -480,13 +492,13 @@ def test_the_model_processes_get_the_routers_engine_flags():
 
 @pytest.mark.parametrize("value,seconds", [
     (0, 0.0), (30, 30.0), ("90", 90.0), ("5m", 300.0), ("1h30m", 5400.0), ("300ms", 0.3), ("1.5h", 5400.0),
-    (-1, math.inf), ("-1", math.inf), ("-5m", math.inf)])
+    (-1, math.inf), ("-1", math.inf), ("-5m", math.inf), (float("inf"), math.inf)])
 def test_keep_alive_durations(value, seconds):
     from bitnet_cpu.serve.router import parse_keep_alive
     assert parse_keep_alive(value) == pytest.approx(seconds)
 
 
-@pytest.mark.parametrize("value", ["soon", "5 minutes", "", "m", True, None, [1], "5m3"])
+@pytest.mark.parametrize("value", ["soon", "5 minutes", "", "m", True, None, [1], "5m3", float("nan"), "nan"])
 def test_keep_alive_nonsense(value):
     from bitnet_cpu.serve.router import parse_keep_alive
     with pytest.raises(ValueError):
