@@ -19,11 +19,10 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import re
 from typing import Iterable
 
 from .limits import send_error
-
-import re
 
 OPEN_PATHS = ("/health",)
 # ollama's default origins: this machine's pages and local app shells
