@@ -297,19 +297,21 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         streams, q = submit(eng, body, prompt_ids, asyncio.get_running_loop(), constraint, param)
         return eng, prompt_ids, streams, q, new_parser
 
-    def submit(eng, req, prompt_ids, loop, constraint=None, param="prompt"):
+    def submit(eng, req, prompt_ids, loop, constraint=None, param="prompt", q=None, offset=0):
         """Submit the request's n choices to the engine; return (streams, queue of (choice index, Chunk)).
-        Maps engine errors to HTTP ones."""
+        Maps engine errors to HTTP ones. q, offset: the queue of a request of several prompts, and the index of
+        this prompt's first choice there."""
         from ..engine.errors import BitNetError, ContextOverflowError, QueueFullError
         bad = req.unsupported()
         if bad:
             raise APIError(400, bad[1], param=bad[0], code="unsupported_parameter")
-        q: asyncio.Queue = asyncio.Queue()
+        q = asyncio.Queue() if q is None else q
         limit = req.limit()
         room = eng.n_ctx - len(prompt_ids)
         max_tokens = room if limit is None else limit
         params = req.sampling_params(sampling)   # checked by the request model (serve/schemas.py)
-        callbacks = [(lambda ch, i=i: loop.call_soon_threadsafe(q.put_nowait, (i, ch))) for i in range(req.n)]
+        callbacks = [(lambda ch, i=i: loop.call_soon_threadsafe(q.put_nowait, (i, ch)))
+                     for i in range(offset, offset + req.n)]
         try:
             streams = eng.submit_n(prompt_ids, params, req.n, max_tokens=max(0, max_tokens), stop=req.stops(),
                                    ignore_eos=req.ignore_eos, constraint=constraint, callbacks=callbacks)
@@ -527,40 +529,51 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
     async def completions(body: CompletionRequest, request: Request):
         eng = ready(request)
         check_model(body.model)
-        bad = body.unsupported()   # before the prompt is read: several prompts, [[]] (submit checks it again)
+        bad = body.unsupported()   # before the prompt is read: [[]] (submit checks it again)
         if bad:
             raise APIError(400, bad[1], param=bad[0], code="unsupported_parameter")
         p = body.prompt
-        if isinstance(p, list) and len(p) == 1 and isinstance(p[0], list):   # [[ids]]: one tokenized prompt
-            p = p[0]
-        shown = 0   # the first prompt token an echo shows (1: skip the BOS added to a text prompt)
-        if isinstance(p, list) and p and isinstance(p[0], int):
-            prompt_ids = [int(t) for t in p]
-            if any(t < 0 or t >= eng.config.vocab_size for t in prompt_ids):
-                raise APIError(400, "prompt: token id out of the vocabulary", param="prompt", code="invalid_value")
-            echo_text = await run_off_loop(eng.detokenize, prompt_ids) if body.echo else ""
-        else:
-            text = p[0] if isinstance(p, list) and p else (p if isinstance(p, str) else "")
-            await refuse_too_long(eng, len(text), "prompt")
-            prompt_ids = await run_off_loop(eng.tokenize, text, add_bos=True)
-            bos = eng.tokenizer.bos_id
-            shown = 1 if bos is not None and prompt_ids[:1] == [bos] else 0
-            echo_text = text
+        # OpenAI's prompt shapes: a text, a token list, or a list of either (several prompts: choice p * n + j)
+        items = p if isinstance(p, list) and p and isinstance(p[0], (str, list)) else [p]
+        if len(items) > max(1, eng.max_queue):
+            raise APIError(400, f"prompt: {len(items)} prompts; at most {max(1, eng.max_queue)} in one request (the "
+                                "server's --max-queue)", param="prompt", code="invalid_value")
+        prompts = []   # (ids, echo text, first echoed token: 1 skips the BOS added to a text prompt)
+        for item in items:
+            if isinstance(item, list) and item and isinstance(item[0], int):
+                ids = [int(t) for t in item]
+                if any(t < 0 or t >= eng.config.vocab_size for t in ids):
+                    raise APIError(400, "prompt: token id out of the vocabulary", param="prompt", code="invalid_value")
+                prompts.append((ids, await run_off_loop(eng.detokenize, ids) if body.echo else "", 0))
+            else:
+                text = item if isinstance(item, str) else ""
+                await refuse_too_long(eng, len(text), "prompt")
+                ids = await run_off_loop(eng.tokenize, text, add_bos=True)
+                bos = eng.tokenizer.bos_id
+                prompts.append((ids, text, 1 if bos is not None and ids[:1] == [bos] else 0))
         constraint = await compile_constraint(eng, body)
         loop = asyncio.get_running_loop()
-        streams, q = submit(eng, body, prompt_ids, loop, constraint)
-        echo_lp, echo_end = None, 0
-        if body.echo and body.logprobs is not None:   # every prompt token's logprob: a scoring pass beside
-            try:
-                scores = await score_prompt(eng, prompt_ids, body.logprobs)
-            except BaseException:
-                for st in streams:
-                    st.cancel()
-                raise
-            echo_lp, echo_end = echo_logprobs(state.token_text(eng), prompt_ids, scores, shown, body.logprobs)
+        streams, q = [], asyncio.Queue()
+        n = body.n
+        try:
+            for k, (ids, _, _) in enumerate(prompts):
+                streams += submit(eng, body, ids, loop, constraint, q=q, offset=k * n)[0]
+            echo_lp, echo_end = [None] * len(prompts), [0] * len(prompts)
+            if body.echo and body.logprobs is not None:   # every prompt token's logprob: scoring passes beside
+                scores = await asyncio.gather(*(score_prompt(eng, ids, body.logprobs) for ids, _, _ in prompts))
+                for k, ((ids, _, shown), sc) in enumerate(zip(prompts, scores)):
+                    echo_lp[k], echo_end[k] = echo_logprobs(state.token_text(eng), ids, sc, shown, body.logprobs)
+        except BaseException:
+            for st in streams:
+                st.cancel()
+                state.streams.discard(st)
+            raise
         cid, created, model = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time()), state.model_id
         head = {"id": cid, "object": "text_completion", "created": created, "model": model, "system_fingerprint": None}
-        text_of, offsets = state.token_text(eng), [echo_end] * body.n
+        text_of, offsets = state.token_text(eng), [echo_end[i // n] for i in range(len(streams))]
+
+        def echo_of(i):
+            return prompts[i // n][1] if body.echo else ""
 
         def logprobs(i, lps):
             if body.logprobs is None or lps is None:
@@ -571,18 +584,18 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
 
         def make_chunk(i, text, finish, first=False, lps=None):
             if first:   # an echo goes out first, with its logprobs
-                return {**head, "choices": [{"index": i, "text": echo_text, "logprobs": echo_lp,
+                return {**head, "choices": [{"index": i, "text": echo_of(i), "logprobs": echo_lp[i // n],
                                              "finish_reason": None}]} if body.echo else None
             return {**head, "choices": [{"index": i, "text": text or "", "logprobs": logprobs(i, lps),
                                          "finish_reason": finish}]}
 
         def make_choice(i, text, finish, lps):
-            got = logprobs(i, lps)
-            if echo_lp is not None:
-                got = {k: echo_lp[k] + (got[k] if got else []) for k in echo_lp}
-            return {"index": i, "text": (echo_text if body.echo else "") + text, "logprobs": got,
-                    "finish_reason": finish}
-        out = await respond(request, body, streams, q, len(prompt_ids), make_chunk, make_choice)
+            got, echoed = logprobs(i, lps), echo_lp[i // n]
+            if echoed is not None:
+                got = {k: echoed[k] + (got[k] if got else []) for k in echoed}
+            return {"index": i, "text": echo_of(i) + text, "logprobs": got, "finish_reason": finish}
+        out = await respond(request, body, streams, q, sum(len(ids) for ids, _, _ in prompts), make_chunk,
+                            make_choice)
         return {**head, **out} if isinstance(out, dict) else out
 
     async def score_prompt(eng, prompt_ids, top_k):

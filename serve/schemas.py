@@ -361,9 +361,7 @@ class CompletionRequest(_Sampling):
             return "best_of", "only best_of=1 is supported"
         if self.suffix:
             return "suffix", "suffix is not supported"
-        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], (str, list)) and \
-                len(self.prompt) != 1:
-            return "prompt", "only one prompt per request is supported"
-        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], list) and not self.prompt[0]:
+        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], list) and \
+                not all(self.prompt):
             return "prompt", "an empty token list"
         return super().unsupported()

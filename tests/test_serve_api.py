@@ -163,6 +163,31 @@ def test_echo_streams_the_prompt_first_and_every_choice_echoes(client):
     assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
 
 
+def test_several_prompts_in_one_request(client, llm):
+    """OpenAI's prompt arrays: texts or token lists, choice p * n + j of prompt p, each as that prompt alone gives
+    it (greedy), echoed and scored per prompt; usage counts every prompt; streamed alike."""
+    texts = ["Once upon a time", "The little fox", "In the morning the sea was"]
+    alone = [client.completions.create(model=ALIAS, prompt=t, temperature=0, max_tokens=5).choices[0].text
+             for t in texts]
+    r = client.completions.create(model=ALIAS, prompt=texts, temperature=0, max_tokens=5, n=2)
+    assert [c.index for c in r.choices] == list(range(6))
+    assert [c.text for c in r.choices] == [t for t in alone for _ in range(2)]
+    assert r.usage.prompt_tokens == sum(len(llm.tokenize(t, add_bos=True)) for t in texts)
+    ids = [llm.tokenize(t, add_bos=True) for t in texts]
+    raw = httpx.post(str(client.base_url) + "completions", timeout=60, json={
+        "model": ALIAS, "prompt": ids, "max_tokens": 0, "logprobs": 1, "echo": True}).json()["choices"]
+    for c, t, i in zip(raw, texts, ids):
+        ref = _log_softmax(llm.forward(i))
+        assert c["text"] == llm.tokenizer.decode(i) and c["logprobs"]["token_logprobs"][0] is None
+        np.testing.assert_allclose(c["logprobs"]["token_logprobs"][1:], [ref[j - 1, i[j]] for j in range(1, len(i))],
+                                   rtol=0, atol=1e-6)
+    got = ["", "", ""]
+    for ch in client.completions.create(model=ALIAS, prompt=texts, temperature=0, max_tokens=5, stream=True):
+        for c in ch.choices:
+            got[c.index] += c.text
+    assert got == alone
+
+
 def test_n_choices_one_prefill(client, server):
     q = [{"role": "user", "content": "Tell me about a purple walrus named Quintus."}]
     before = _prefilled(server)
