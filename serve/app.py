@@ -35,7 +35,7 @@ from .metrics import CONTENT_TYPE, ServerMetrics
 from .offload import (BodyRefused, next_or_gone, offloop_route, prompt_body_bound, run_off_loop,
                       too_long_for_context, warm_bounds)
 from .responses import ResponseBuilder, ResponsesRequest
-from .schemas import ChatCompletionRequest, CompletionRequest, RequestProblem
+from .schemas import ChatCompletionRequest, CompletionRequest, RequestProblem, model_object
 
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context": "length", "cancelled": "stop"}
 ENGINE_FAULT = "the engine failed while generating this answer (the server goes on; see its log)"
@@ -731,13 +731,7 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         return {"input_tokens": len(await render_prompt(eng, msgs, tools, "messages", prefill))}
 
     def model_entry(eng) -> dict:
-        """The model in OpenAI's shape and Anthropic's at once (both clients call these paths; each reads its own
-        fields: object/created/owned_by, type/display_name/created_at)."""
-        import datetime
-        created_at = datetime.datetime.fromtimestamp(state.created, datetime.timezone.utc).isoformat()
-        return {"id": state.model_id, "object": "model", "created": state.created, "owned_by": "bitnet-cpu",
-                "meta": {"n_ctx": eng.n_ctx}, "type": "model", "display_name": state.model_id,
-                "created_at": created_at.replace("+00:00", "Z")}
+        return model_object(state.model_id, state.created, meta={"n_ctx": eng.n_ctx})
 
     @app.get("/v1/models")
     async def models(request: Request):

@@ -13,7 +13,6 @@ The request fields accepted, refused and ignored: docs/api.md.
 from __future__ import annotations
 
 import asyncio
-import datetime as _dt
 import hashlib
 import json
 import os
@@ -27,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from ..engine.runtime.sampling import SamplingParams, setting_problem
 from .logprobs import chat_entry
 from .offload import next_or_gone, run_off_loop, too_long_for_context
+from .schemas import utc_iso
 
 # the version /api/version reports: clients written for ollama check a minimum (the fields served here are
 # those of ollama's API at this version)
@@ -94,10 +94,6 @@ class GenerateBody(_Body):
     suffix: Optional[str] = None
     template: Optional[str] = None
     images: Optional[list[Any]] = None
-
-
-def _now() -> str:
-    return _dt.datetime.now(_dt.timezone.utc).isoformat().replace("+00:00", "Z")
 
 
 def _ns(seconds: float) -> int:
@@ -332,7 +328,7 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
                             rest, more = parser.finish(DONE.get(ch.finish_reason) == "length")
                             text, calls = text + rest, calls + more
                         if text or calls:
-                            obj = {"model": model, "created_at": _now(), **piece(text, calls), "done": False}
+                            obj = {"model": model, "created_at": utc_iso(), **piece(text, calls), "done": False}
                             if body.logprobs:
                                 obj["logprobs"] = lp_list(lps)
                                 lps = []
@@ -340,7 +336,7 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
                         if ch.finish_reason is not None:
                             final = ch
                             break
-                    obj = {"model": model, "created_at": _now(), **piece(""), **final_fields(t0, final, t_first)}
+                    obj = {"model": model, "created_at": utc_iso(), **piece(""), **final_fields(t0, final, t_first)}
                     if extra_final:
                         obj.update(extra_final(tokens))
                     yield json.dumps(obj, ensure_ascii=False) + "\n"
@@ -374,7 +370,7 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
             text, calls = parser.feed(text)
             rest, more = parser.finish(DONE.get(final.finish_reason) == "length")
             text, calls = text + rest, calls + more
-        obj = {"model": model, "created_at": _now(), **piece(text, calls), **final_fields(t0, final, t_first)}
+        obj = {"model": model, "created_at": utc_iso(), **piece(text, calls), **final_fields(t0, final, t_first)}
         if body.logprobs:
             obj["logprobs"] = lp_list(lps)
         if extra_final:
@@ -383,7 +379,7 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
 
     def loaded(body: _Body, piece):
         """ollama's answer to an empty request: the model is loaded (done_reason "load")."""
-        return {"model": state.model_id, "created_at": _now(), **piece(""), "done": True, "done_reason": "load"}
+        return {"model": state.model_id, "created_at": utc_iso(), **piece(""), "done": True, "done_reason": "load"}
 
     @app.post("/api/chat")
     async def api_chat(request: Request):
@@ -466,7 +462,7 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
         digest = hashlib.sha256(f"{os.path.abspath(path)}:{size}:{mtime}".encode()).hexdigest()
         details = {"parent_model": "", "format": "bnstore", "family": cfg.arch, "families": [cfg.arch],
                    "parameter_size": _param_size(cfg), "quantization_level": "ternary (b1.58)"}
-        modified = _dt.datetime.fromtimestamp(mtime, _dt.timezone.utc).isoformat().replace("+00:00", "Z")
+        modified = utc_iso(mtime)
         return {"name": state.model_id, "model": state.model_id, "modified_at": modified, "size": size,
                 "digest": digest, "details": details}
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import datetime as _dt
 import hashlib
 import json
 import math
@@ -44,6 +43,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from .auth import AuthMiddleware, KeyChecker, allow_cross_origin
 from .limits import Limits, LimitsMiddleware, error_json
 from .ollama import OLLAMA_VERSION
+from .schemas import model_object, utc_iso
 
 PAGE = os.path.join(os.path.dirname(__file__), "chat.html")
 FOREVER = math.inf
@@ -440,16 +440,13 @@ class Router:
 
     def expires_at(self, c: Child) -> str:
         left = c.keep_alive if c.active else c.expires - time.monotonic()
-        when = _dt.datetime(2318, 1, 1, tzinfo=_dt.timezone.utc) if not math.isfinite(left) else \
-            _dt.datetime.now(_dt.timezone.utc) + _dt.timedelta(seconds=max(0.0, left))
-        return when.isoformat().replace("+00:00", "Z")
+        return "2318-01-01T00:00:00Z" if not math.isfinite(left) else utc_iso(time.time() + max(0.0, left))
 
     def tag(self, spec: ModelSpec) -> dict:
         known = (self.details.get(spec.name) or {}).get("details") or {}
         details = {"parent_model": "", "format": spec.format, "family": "", "families": [], "parameter_size": "",
                    "quantization_level": "ternary (b1.58)", **known}
-        modified = _dt.datetime.fromtimestamp(spec.modified or 0, _dt.timezone.utc).isoformat().replace("+00:00", "Z")
-        return {"name": spec.name, "model": spec.name, "modified_at": modified, "size": spec.size,
+        return {"name": spec.name, "model": spec.name, "modified_at": utc_iso(spec.modified or 0), "size": spec.size,
                 "digest": spec.digest(), "details": details}
 
     def metrics_text(self) -> str:
@@ -519,15 +516,9 @@ def create_router_app(router: Router, *, api_keys: tuple = (), limits: Limits | 
         return {"status": "ok", "models_loaded": len(router.children)}
 
     def model_entry(spec: ModelSpec) -> dict:
-        created = int(spec.modified)
-        created_at = _dt.datetime.fromtimestamp(created, _dt.timezone.utc).isoformat().replace("+00:00", "Z")
-        entry = {"id": spec.name, "object": "model", "created": created, "owned_by": "bitnet-cpu",
-                 "type": "model", "display_name": spec.name, "created_at": created_at, "path": spec.path,
-                 "status": {"value": router.status(spec.name)}}
         n_ctx = (router.details.get(spec.name) or {}).get("context_length")
-        if n_ctx:
-            entry["meta"] = {"n_ctx": n_ctx}
-        return entry
+        return model_object(spec.name, int(spec.modified), path=spec.path, status={"value": router.status(spec.name)},
+                            **({"meta": {"n_ctx": n_ctx}} if n_ctx else {}))
 
     @app.get("/v1/models")
     @app.get("/models")
@@ -637,10 +628,9 @@ def create_router_app(router: Router, *, api_keys: tuple = (), limits: Limits | 
                     not data.get("prompt") and not data.get("messages"):
                 # ollama's unload request: an empty generate / chat with keep_alive 0
                 await router.unload(spec)
-                now = _dt.datetime.now(_dt.timezone.utc).isoformat().replace("+00:00", "Z")
                 piece = {"response": ""} if path == "/api/generate" else {"message": {"role": "assistant",
                                                                                        "content": ""}}
-                return {"model": spec.name, "created_at": now, **piece, "done": True, "done_reason": "unload"}
+                return {"model": spec.name, "created_at": utc_iso(), **piece, "done": True, "done_reason": "unload"}
         c = await router.acquire(spec, load=request.method == "POST")
         router.count("requests", spec.name)
         headers = [(k, v) for k, v in request.headers.raw if k.lower() not in REQUEST_DROP]

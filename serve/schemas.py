@@ -35,6 +35,21 @@ REFUSED = {
 OPENAI_MAX_TEMPERATURE = 2.0
 
 
+def utc_iso(ts: float | None = None) -> str:
+    """A Unix time (None: now) as the APIs write times: ISO 8601, UTC, with "Z"."""
+    import datetime
+    when = datetime.datetime.now(datetime.timezone.utc) if ts is None else \
+        datetime.datetime.fromtimestamp(ts, datetime.timezone.utc)
+    return when.isoformat().replace("+00:00", "Z")
+
+
+def model_object(model_id: str, created: int, **extra) -> dict:
+    """One model as `GET /v1/models` lists it, in OpenAI's shape and Anthropic's at once (both SDKs call that path;
+    each reads its own fields: object/created/owned_by, type/display_name/created_at); `extra`: ours (meta, ...)."""
+    return {"id": model_id, "object": "model", "created": int(created), "owned_by": "bitnet-cpu", "type": "model",
+            "display_name": model_id, "created_at": utc_iso(created), **extra}
+
+
 class RequestProblem(ValueError):
     """A request an adapter (Responses, Anthropic) cannot translate: (param, message), answered as a 400."""
 
