@@ -1,0 +1,237 @@
+"""`bitnet perplexity`: how well a model predicts a text, as llama.cpp's `llama-perplexity` measures it (the same
+chunks, tokens scored and arithmetic: engine/runtime/perplexity.py), and the KL divergence of its next-token
+distributions from a base model's (`--kl-divergence-base`, llama.cpp's file: a base written by either tool is read
+by the other).
+
+    bitnet perplexity -m MODEL -f wiki.test.raw                      # PPL over every 512-token chunk
+    bitnet perplexity -m BASE -f TEXT --kl-divergence-base base.kld  # also save the base's log-probabilities
+    bitnet perplexity -m OTHER --kl-divergence-base base.kld --kl-divergence
+
+The running PPL ("[1]7.1234,[2]...") and the final estimate (or the KL table and statistics) go to stdout, progress
+to stderr; --json prints one object instead. Ctrl-C prints the estimate over the chunks done and exits 130, leaving no
+half-written base file (an existing one is replaced only once a run completes).
+"""
+HELP = ("measure perplexity over a text file, and the KL divergence from a base model's saved logits "
+        "(llama-perplexity's chunks, numbers and file)")
+
+DEFAULT_CTX = 512   # llama-perplexity's
+
+
+def add_arguments(p):
+    from .flags import add_model_args
+    add_model_args(p)
+    p.add_argument("-f", "--file", default=None, metavar="FILE",
+                   help="the text to score ('-' reads stdin; not needed with --kl-divergence, which scores the base "
+                        "file's tokens)%(default).0s")
+    p.add_argument("-c", "--ctx-size", "--ctx", dest="ctx", type=int, default=None, metavar="N",
+                   help=f"tokens per chunk (default: {DEFAULT_CTX}, as llama-perplexity; with --kl-divergence, the "
+                        "base file's)%(default).0s")
+    p.add_argument("--chunks", type=int, default=-1, metavar="N", help="score at most N chunks (-1: every whole one)")
+    p.add_argument("-t", "--threads", type=int, default=None, metavar="N",
+                   help="CPU threads (default: one per physical core, or $OMP_NUM_THREADS)%(default).0s")
+    p.add_argument("--kv", dest="kv", choices=("f16", "f32", "q8"), default="f16", help="KV cache precision")
+    p.add_argument("--lm-head", choices=("q4", "i8", "f16"), default=None,
+                   help="LM head precision when the model gets converted (default: the converter's)%(default).0s")
+    p.add_argument("--kl-divergence-base", dest="kld_base", default=None, metavar="FILE",
+                   help="the base logits file: written (with the text's tokens) unless --kl-divergence is given, "
+                        "then read%(default).0s")
+    p.add_argument("--kl-divergence", dest="kld", action="store_true",
+                   help="compare with --kl-divergence-base: KL divergence, PPL ratio, top-token agreement%(default).0s")
+    p.add_argument("--json", action="store_true", help="print one JSON object with the results%(default).0s")
+
+
+def _check(args) -> None:
+    from ..engine.errors import BitNetError
+    if args.kld and not args.kld_base:
+        raise BitNetError("--kl-divergence needs --kl-divergence-base FILE (the base model's logits)")
+    if not args.kld and args.file is None:
+        raise BitNetError("no text: give -f/--file FILE ('-' for stdin)")
+    if args.kld and args.file is not None:
+        raise BitNetError("-f/--file with --kl-divergence: the text is the base file's tokens (leave -f out)")
+    if args.ctx is not None and args.ctx < 4:
+        raise BitNetError(f"-c/--ctx-size {args.ctx}: must be >= 4")
+    if args.threads is not None and args.threads < 1:
+        raise BitNetError(f"-t/--threads {args.threads}: must be >= 1")
+    if args.chunks == 0:
+        raise BitNetError("--chunks 0: nothing to score (a positive count, or -1 for every chunk)")
+
+
+def _read_text(path: str) -> str:
+    import sys
+
+    from ..engine.errors import BitNetError
+    from ..engine.formats.tokenizer import decode_utf8
+    try:
+        if path == "-":
+            return decode_utf8(sys.stdin.buffer.read(), "stdin")
+        with open(path, "rb") as f:
+            return decode_utf8(f.read(), f"-f/--file {path}")
+    except OSError as e:
+        raise BitNetError(f"-f/--file {path}: {e.strerror}") from None
+    except ValueError as e:
+        raise BitNetError(str(e)) from None
+
+
+def _info(msg: str) -> None:
+    import sys
+    print(f"perplexity: {msg}", file=sys.stderr, flush=True)
+
+
+def main(args) -> int:
+    import sys
+
+    from ..engine.api import load_model
+    from ..engine.errors import BitNetError
+    from ..engine.runtime.perplexity import LogitsReader
+
+    _check(args)
+    reader = LogitsReader(args.kld_base) if args.kld else None
+    try:
+        if reader is not None:
+            if args.ctx is not None and args.ctx != reader.n_ctx:
+                raise BitNetError(f"-c/--ctx-size {args.ctx}: {args.kld_base} was made with chunks of {reader.n_ctx} "
+                                  "(leave -c out)")
+            n_ctx = reader.n_ctx
+        else:
+            n_ctx = args.ctx or DEFAULT_CTX
+        llm = load_model(args.model, ctx=n_ctx, threads=args.threads, kv_dtype=args.kv, lm_head=args.lm_head,
+                         progress=sys.stderr.isatty())
+        try:
+            for w in llm.warnings:
+                print(f"bitnet: warning: {w}", file=sys.stderr)
+            return _score(args, llm, reader, n_ctx)
+        finally:
+            llm.close()
+    finally:
+        if reader is not None:
+            reader.close()
+
+
+def _score(args, llm, reader, n_ctx) -> int:
+    import sys
+    import time
+
+    from ..engine.errors import BitNetError
+    from ..engine.runtime import perplexity as P
+    vocab = llm.config.vocab_size
+    if reader is not None:
+        if reader.vocab != vocab:
+            raise BitNetError(f"{args.kld_base} holds a vocabulary of {reader.vocab} tokens, this model's has {vocab}: "
+                              "not the same model family")
+        tokens = reader.tokens
+        if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab):
+            raise BitNetError(f"{args.kld_base}: token ids outside this model's vocabulary")
+        n_chunk = P.n_chunks(len(tokens), n_ctx, args.chunks)
+    else:
+        t0 = time.perf_counter()
+        tokens = llm.tokenize(_read_text(args.file), add_bos=True, special=False)   # as llama-perplexity: text is text
+        n_chunk = P.n_chunks(len(tokens), n_ctx, args.chunks)
+        _info(f"tokenization took {1e3 * (time.perf_counter() - t0):.1f} ms ({len(tokens)} tokens)")
+    tokens = [int(t) for t in tokens[: n_chunk * n_ctx]]
+    writer = P.LogitsWriter(args.kld_base, n_ctx, vocab, tokens) if args.kld_base and not args.kld else None
+    nll, kld = P.NllStats(), (P.KldStats() if reader is not None else None)
+    bos = llm.tokenizer.bos_id
+    _info(f"calculating {'KL divergence' if kld else 'perplexity'} over {n_chunk} chunks, n_ctx={n_ctx}, "
+          f"{P.scored_rows(n_ctx)} tokens scored per chunk, {llm.threads} threads")
+    out = sys.stdout
+    done = 0
+    started = time.perf_counter()
+    try:
+        for c in range(n_chunk):
+            t0 = time.perf_counter()
+            for logits, targets in P.chunk_logits(llm.model, tokens[c * n_ctx: (c + 1) * n_ctx], bos):
+                nll.add(logits, targets)
+                if writer is not None:
+                    writer.add(logits)
+                if kld is not None:
+                    kld.add(logits, targets, reader.rows(len(targets)))
+            done += 1
+            if c == 0:
+                per = time.perf_counter() - t0
+                _info(f"{per:.2f} seconds per pass - ETA {per * n_chunk / 60:.2f} minutes")
+                if kld is not None and not args.json:
+                    out.write("chunk             PPL               ln(PPL(Q)/PPL(base))          KL Divergence"
+                              "              Δp RMS            Same top p\n")
+            if not args.json:
+                out.write(_kld_line(c + 1, kld.row()) if kld is not None else f"[{c + 1}]{nll.ppl():.4f},")
+                out.flush()
+    except KeyboardInterrupt:
+        if writer is not None:
+            writer.abort()
+        if done:
+            _final(args, out, nll, kld, done, n_chunk, n_ctx, time.perf_counter() - started, interrupted=True)
+        print("bitnet: interrupted" + (f" after {done} of {n_chunk} chunks" if done else ""), file=sys.stderr)
+        return 130
+    except BaseException:
+        if writer is not None:
+            writer.abort()
+        raise
+    if writer is not None:
+        writer.commit()
+        _info(f"saved the base logits of {n_chunk} chunks to {args.kld_base}")
+    _final(args, out, nll, kld, done, n_chunk, n_ctx, time.perf_counter() - started)
+    return 0
+
+
+def _kld_line(chunk: int, r: dict) -> str:
+    return (f"{chunk:4d}    {r['ppl']:9.4f} ± {r['ppl_err']:9.4f}    {r['ln_ppl_ratio']:10.5f} ± "
+            f"{r['ln_ppl_ratio_err']:10.5f}    {r['kld']:10.5f} ± {r['kld_err']:10.5f}    "
+            f"{100 * r['p_diff_rms']:6.3f} ± {100 * r['p_diff_rms_err']:6.3f} %    "
+            f"{100 * r['same_top']:6.3f} ± {100 * r['same_top_err']:6.3f} %\n")
+
+
+def _final(args, out, nll, kld, done, n_chunk, n_ctx, seconds, interrupted=False) -> None:
+    import json
+    ppl, err = nll.estimate()
+    summary = kld.summary() if kld is not None and kld.count >= 100 else None
+    if args.json:
+        rec = {"ppl": ppl, "ppl_err": err, "chunks": done, "chunks_planned": n_chunk, "n_ctx": n_ctx,
+               "tokens_scored": nll.count, "seconds": round(seconds, 3)}
+        if interrupted:
+            rec["interrupted"] = True
+        if kld is not None:
+            rec["kl_divergence"] = summary if summary is not None else kld.row()
+        out.write(json.dumps(rec) + "\n")
+        out.flush()
+        return
+    if kld is None:
+        out.write("\n" + ("Final estimate" if not interrupted else f"Estimate over {done} of {n_chunk} chunks")
+                  + f": PPL = {ppl:.4f} +/- {err:.5f}\n")
+    elif summary is not None:
+        out.write("\n" + _kld_report(summary))
+    out.flush()
+    if kld is not None and kld.floored:
+        import sys
+        print(f"perplexity: note: {kld.floored} of {kld.count} scored tokens are below the base file's floor (its top "
+              "log-probability - 16, stored as the floor as llama.cpp stores them): PPL(base) is lower than the base "
+              "model's own PPL by that much", file=sys.stderr)
+
+
+def _kld_report(s: dict) -> str:
+    """llama-perplexity's statistics blocks, line for line (scripts read them)."""
+    k, d = s["kld_percentiles"], s["p_diff_percentiles"]
+    lines = ["====== Perplexity statistics ======",
+             f"Mean PPL(Q)                   : {s['ppl']:10.6f} ± {s['ppl_err']:10.6f}",
+             f"Mean PPL(base)                : {s['ppl_base']:10.6f} ± {s['ppl_base_err']:10.6f}",
+             f"Cor(ln(PPL(Q)), ln(PPL(base))): {100 * s['ln_ppl_cor']:6.2f}%",
+             f"Mean ln(PPL(Q)/PPL(base))     : {s['ln_ppl_ratio']:10.6f} ± {s['ln_ppl_ratio_err']:10.6f}",
+             f"Mean PPL(Q)/PPL(base)         : {s['ppl_ratio']:10.6f} ± {s['ppl_ratio_err']:10.6f}",
+             f"Mean PPL(Q)-PPL(base)         : {s['ppl_diff']:10.6f} ± {s['ppl_diff_err']:10.6f}",
+             "",
+             "====== KL divergence statistics ======",
+             f"Mean    KLD: {s['kld']:10.6f} ± {s['kld_err']:10.6f}",
+             f"Maximum KLD: {k['max']:10.6f}"]
+    lines += [f"{p.rjust(4)}%   KLD: {k[p]:10.6f}" for p in ("99.9", "99.0", "95.0", "90.0")]
+    lines += [f"Median  KLD: {k['median']:10.6f}"]
+    lines += [f"{p.rjust(4)}%   KLD: {k[p]:10.6f}" for p in ("10.0", "5.0", "1.0", "0.1")]
+    lines += [f"Minimum KLD: {k['min']:10.6f}", "",
+              "====== Token probability statistics ======",
+              f"Mean    Δp: {100 * s['p_diff']:6.3f} ± {100 * s['p_diff_err']:5.3f} %",
+              f"Maximum Δp: {100 * d['max']:6.3f}%"]
+    lines += [f"{p.rjust(4)}%   Δp: {100 * d[p]:6.3f}%" for p in ("99.9", "99.0", "95.0", "90.0", "75.0")]
+    lines += [f"Median  Δp: {100 * d['median']:6.3f}%"]
+    lines += [f"{p.rjust(4)}%   Δp: {100 * d[p]:6.3f}%" for p in ("25.0", "10.0", "5.0", "1.0", "0.1")]
+    lines += [f"Minimum Δp: {100 * d['min']:6.3f}%",
+              f"RMS Δp    : {100 * s['p_diff_rms']:6.3f} ± {100 * s['p_diff_rms_err']:5.3f} %",
+              f"Same top p: {100 * s['same_top']:6.3f} ± {100 * s['same_top_err']:5.3f} %"]
+    return "\n".join(lines) + "\n"

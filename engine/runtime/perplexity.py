@@ -1,0 +1,335 @@
+"""Perplexity and KL divergence over a text, computed as llama.cpp's `llama-perplexity` computes them, so that the
+numbers of the two tools can be set side by side (tools/perplexity/perplexity.cpp of llama.cpp, read for this).
+
+The text is tokenized once (with BOS where the model adds one; a special token's spelling in it is plain text, as
+llama-perplexity reads it) and cut into `n_chunk` chunks of `n_ctx` tokens
+(the tail that does not fill a chunk is left out). Each chunk runs from an empty cache with its first token
+replaced by BOS (where the model has one); the logits of its rows `first = n_ctx // 2` .. `n_ctx - 2` predict
+tokens `first + 1` .. `n_ctx - 1`, so every scored token has at least half a context before it. Per scored token,
+nll = log(sum(exp(logits - max))) + max - logits[token] (exp in f32, the sum in f64, as llama.cpp);
+PPL = exp(mean nll), and its uncertainty exp(mean) * sqrt(var(nll) / (count - 1)).
+
+The base-logits file (`--kl-divergence-base`) is llama.cpp's own layout, so a base written by llama-perplexity
+(say over the F16 GGUF of the same model) is read here and one written here is read by it:
+
+    "_logits_"   u32 n_ctx   i32 n_vocab   i32 n_chunk   i32 tokens[n_chunk * n_ctx]
+    per chunk, per scored row (n_ctx - 1 - n_ctx // 2 rows): nv = 2 * ((n_vocab + 1) // 2) + 4 u16 values:
+        two f32 (scale, min_log_prob) in the first four, then one u16 per vocabulary entry:
+        log p[i] ~ scale * u16[i] + min_log_prob   (log-probabilities below max - 16 stored as 0)
+
+KL divergence of a row: sum over tokens whose base log-probability is above -16 of p_base * (log p_base - log q)
+(llama.cpp's cut-off: the rest cannot be told apart from 0 in 16 bits). The statistics (mean with its uncertainty,
+percentiles, Δp of the scored token, "same top p") follow llama.cpp's kl_divergence().
+"""
+from __future__ import annotations
+
+import math
+import os
+import struct
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from ..errors import BitNetError
+
+MAGIC = b"_logits_"
+HEADER = struct.Struct("<8sIii")
+LOG_P_FLOOR = -16.0   # log-probabilities below the top one minus this are stored as 0, and not summed in KLD
+
+
+def n_chunks(n_tokens: int, n_ctx: int, wanted: int | None = None) -> int:
+    """How many chunks of n_ctx tokens to score: every whole one, or `wanted` of them (None or < 0: all).
+    Raises BitNetError when not even one fits (llama-perplexity asks for two; one is enough here)."""
+    if n_ctx < 4:
+        raise BitNetError(f"-c/--ctx-size {n_ctx}: perplexity needs a context of at least 4 tokens")
+    have = n_tokens // n_ctx
+    if have < 1:
+        raise BitNetError(f"the text tokenizes to {n_tokens} tokens, fewer than one chunk of {n_ctx}",
+                          hint="give a longer text or a smaller -c")
+    if wanted is not None and wanted == 0:
+        raise BitNetError("--chunks 0: nothing to score (a positive count, or -1 for every chunk)")
+    return have if wanted is None or wanted < 0 else min(wanted, have)
+
+
+def scored_rows(n_ctx: int) -> int:
+    """Rows of a chunk that are scored: first = n_ctx // 2 up to n_ctx - 2."""
+    return n_ctx - 1 - n_ctx // 2
+
+
+def chunk_logits(model, chunk: Sequence[int], bos: int | None) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """Run one chunk from an empty cache (its first token replaced by `bos` when not None); yield (logits [m, V],
+    targets [m]) pieces, in order, for rows n_ctx // 2 .. n_ctx - 2 (the engine's prefill rows per piece). The
+    last token is never run: nothing reads its logits."""
+    ids = [int(t) for t in chunk]
+    if bos is not None:
+        ids[0] = int(bos)
+    n = len(ids)
+    first = n // 2
+    model.reset()
+    model.prefill(ids[:first])
+    step = max(1, int(model.chunk))
+    for a in range(first, n - 1, step):
+        b = min(a + step, n - 1)
+        logits = model.prefill(ids[a:b], all_logits=True)
+        yield logits, np.asarray(chunk[a + 1: b + 1], np.int64)
+
+
+def _log_norm(logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per row: the largest logit (f32) and log(sum(exp(logits - largest))) (exp in f32, the sum in f64)."""
+    top = logits.max(axis=1)
+    lse = np.log(np.exp(logits - top[:, None]).sum(axis=1, dtype=np.float64))
+    return top, lse
+
+
+def _mean_err(total: float, total2: float, count: int, min_count: int = 2) -> tuple[float, float]:
+    """Mean and the uncertainty of the mean, sqrt(var / (count - 1)) (0 when it cannot be told)."""
+    if count < 1:
+        return 0.0, 0.0
+    mean = total / count
+    var = total2 / count - mean * mean
+    return mean, math.sqrt(var / (count - 1)) if var > 0 and count >= min_count else 0.0
+
+
+class NllStats:
+    """The running negative log-likelihood of the scored tokens."""
+
+    def __init__(self):
+        self.nll = self.nll2 = 0.0
+        self.count = 0
+
+    def add(self, logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
+        """Score one piece; returns its rows' nll."""
+        top, lse = _log_norm(logits)
+        nll = top.astype(np.float64) + lse - logits[np.arange(len(targets)), targets].astype(np.float64)
+        self.nll += float(nll.sum())
+        self.nll2 += float((nll * nll).sum())
+        self.count += len(nll)
+        return nll
+
+    def ppl(self) -> float:
+        return math.exp(self.nll / self.count) if self.count else float("nan")
+
+    def estimate(self) -> tuple[float, float]:
+        """(PPL, its uncertainty), as llama-perplexity's "Final estimate"."""
+        mean, err = _mean_err(self.nll, self.nll2, self.count)
+        ppl = math.exp(mean)
+        return ppl, err * ppl
+
+
+def compress_rows(logits: np.ndarray) -> np.ndarray:
+    """The rows as the base file stores them: [m, nv] u16, each row (scale, min_log_prob) as two f32 in its first
+    four values, then one u16 per vocabulary entry (llama.cpp's log_softmax with its uint16 output)."""
+    m, vocab = logits.shape
+    nv = 2 * ((vocab + 1) // 2) + 4
+    out = np.zeros((m, nv), np.uint16)
+    top = logits.max(axis=1)
+    low = np.maximum(logits.min(axis=1), top - np.float32(-LOG_P_FLOOR))
+    _, lse = _log_norm(logits)
+    min_log_prob = (low - top - lse.astype(np.float32)).astype(np.float32)
+    scale = ((top - low) / np.float32(65535.0)).astype(np.float32)
+    head = out[:, :4].view(np.float32)
+    head[:, 0], head[:, 1] = scale, min_log_prob
+    for r in range(m):
+        if scale[r] == 0:
+            continue
+        q = np.rint(np.float32(1.0) / scale[r] * (logits[r] - low[r]))
+        out[r, 4: 4 + vocab] = np.where(logits[r] > low[r], q, 0).astype(np.uint16)
+    return out
+
+
+def expand_rows(rows: np.ndarray, vocab: int) -> np.ndarray:
+    """Base log-probabilities [m, vocab] f32 back from compress_rows' form."""
+    head = np.ascontiguousarray(rows[:, :4]).view(np.float32)
+    return head[:, :1] * rows[:, 4: 4 + vocab].astype(np.float32) + head[:, 1:2]
+
+
+class LogitsWriter:
+    """Writes a base-logits file: to PATH.partial, renamed over PATH by commit() once every chunk is in, so an
+    interrupted run never leaves a half file (nor replaces a whole one)."""
+
+    def __init__(self, path: str, n_ctx: int, vocab: int, tokens: Sequence[int]):
+        self.path, self.tmp = path, path + ".partial"
+        n_chunk = len(tokens) // n_ctx
+        try:
+            self.f = open(self.tmp, "wb")
+        except OSError as e:
+            raise BitNetError(f"cannot write {path}: {e.strerror or e}") from None
+        self.f.write(HEADER.pack(MAGIC, n_ctx, vocab, n_chunk))
+        self.f.write(np.asarray(tokens[: n_chunk * n_ctx], "<i4").tobytes())
+
+    def add(self, logits: np.ndarray):
+        self.f.write(compress_rows(logits).astype("<u2").tobytes())
+
+    def commit(self):
+        self.f.close()
+        os.replace(self.tmp, self.path)
+
+    def abort(self):
+        self.f.close()
+        try:
+            os.unlink(self.tmp)
+        except OSError:
+            pass
+
+
+class LogitsReader:
+    """Reads a base-logits file (this tool's or llama-perplexity's). Every size is checked against the header before
+    any row is read: a truncated, foreign or corrupt file is one BitNetError."""
+
+    def __init__(self, path: str):
+        self.path = path
+        try:
+            self.f = open(path, "rb")
+            size = os.fstat(self.f.fileno()).st_size
+        except OSError as e:
+            raise BitNetError(f"cannot read {path}: {e.strerror or e}") from None
+        head = self.f.read(HEADER.size)
+        if len(head) < HEADER.size or head[:8] != MAGIC:
+            self.f.close()
+            raise BitNetError(f"{path} is not a file of base logits (llama-perplexity --kl-divergence-base)")
+        _, self.n_ctx, self.vocab, self.n_chunk = HEADER.unpack(head)
+        if not (4 <= self.n_ctx <= 1 << 24 and 1 <= self.vocab <= 1 << 24 and 1 <= self.n_chunk <= 1 << 24):
+            self.f.close()
+            raise BitNetError(f"{path}: impossible header (n_ctx {self.n_ctx}, vocab {self.vocab}, "
+                              f"chunks {self.n_chunk})")
+        self.nv = 2 * ((self.vocab + 1) // 2) + 4
+        want = HEADER.size + 4 * self.n_ctx * self.n_chunk + 2 * self.nv * scored_rows(self.n_ctx) * self.n_chunk
+        if size != want:
+            self.f.close()
+            raise BitNetError(f"{path}: {size} bytes where its header ({self.n_chunk} chunks of {self.n_ctx}, "
+                              f"vocabulary {self.vocab}) means {want}: truncated or not whole")
+        self.tokens = np.frombuffer(self.f.read(4 * self.n_ctx * self.n_chunk), "<i4").astype(np.int64)
+
+    def rows(self, m: int) -> np.ndarray:
+        """The next m rows [m, nv] u16."""
+        data = self.f.read(2 * self.nv * m)
+        if len(data) != 2 * self.nv * m:
+            raise BitNetError(f"{self.path}: ended early (changed while it was read?)")
+        return np.frombuffer(data, "<u2").reshape(m, self.nv)
+
+    def close(self):
+        self.f.close()
+
+
+def _percentile(sorted_values: np.ndarray, fraction: float) -> float:
+    """llama.cpp's percentile: linear between the two nearest of the sorted values."""
+    if fraction <= 0:
+        return float(sorted_values[0])
+    if fraction >= 1:
+        return float(sorted_values[-1])
+    p = fraction * (len(sorted_values) - 1)
+    i = int(p)
+    p -= i
+    return float((1 - p) * sorted_values[i] + p * sorted_values[min(i + 1, len(sorted_values) - 1)])
+
+
+class KldStats:
+    """KL divergence and the other comparisons of this model's rows with the base file's, row by row."""
+
+    BLOCK = 32
+
+    def __init__(self):
+        self.sums = dict.fromkeys(("nll", "nll2", "nll_base", "nll_base2", "nll_nll_base", "kld", "kld2",
+                                   "p_diff", "p_diff2", "p_diff4"), 0.0)
+        self.same_top = 0
+        self.count = 0
+        self.floored = 0   # scored tokens the base file holds at its floor (below its top log-probability - 16)
+        self.klds: list[np.ndarray] = []
+        self.p_diffs: list[np.ndarray] = []
+
+    def add(self, logits: np.ndarray, targets: np.ndarray, base_rows: np.ndarray):
+        """Compare one piece of rows with the base file's rows for the same positions."""
+        for a in range(0, len(targets), self.BLOCK):   # bounded temporaries: a few f64 copies of BLOCK rows
+            self._add(logits[a: a + self.BLOCK], targets[a: a + self.BLOCK], base_rows[a: a + self.BLOCK])
+
+    def _add(self, logits: np.ndarray, targets: np.ndarray, base_rows: np.ndarray):
+        m, vocab = logits.shape
+        top, lse = _log_norm(logits)
+        log_q = logits.astype(np.float64) - (top.astype(np.float64) + lse)[:, None]
+        log_p = expand_rows(base_rows, vocab)
+        r = np.arange(m)
+        nll = -log_q[r, targets]
+        nll_base = -log_p[r, targets].astype(np.float64)
+        self.floored += int((base_rows[r, 4 + targets] == 0).sum())
+        kept = log_p > np.float32(LOG_P_FLOOR)
+        p = np.where(kept, np.exp(np.where(kept, log_p, 0).astype(np.float64)), 0.0)
+        kld = (p * np.where(kept, log_p - log_q, 0.0)).sum(axis=1)
+        p_diff = np.exp(-nll) - np.exp(-nll_base)
+        s = self.sums
+        s["nll"] += float(nll.sum())
+        s["nll2"] += float((nll * nll).sum())
+        s["nll_base"] += float(nll_base.sum())
+        s["nll_base2"] += float((nll_base * nll_base).sum())
+        s["nll_nll_base"] += float((nll * nll_base).sum())
+        s["kld"] += float(kld.sum())
+        s["kld2"] += float((kld * kld).sum())
+        s["p_diff"] += float(p_diff.sum())
+        s["p_diff2"] += float((p_diff ** 2).sum())
+        s["p_diff4"] += float((p_diff ** 4).sum())
+        self.same_top += int((logits.argmax(axis=1) == log_p.argmax(axis=1)).sum())
+        self.count += m
+        self.klds.append(kld)
+        self.p_diffs.append(p_diff)
+
+    def _mean_err(self, a: str, b: str) -> tuple[float, float]:
+        return _mean_err(self.sums[a], self.sums[b], self.count, min_count=11)
+
+    def _cov(self) -> float:
+        n, s = self.count, self.sums
+        if n < 10:
+            return 0.0
+        return (s["nll_nll_base"] / n - (s["nll"] / n) * (s["nll_base"] / n)) / (n - 1)
+
+    def row(self) -> dict:
+        """The running figures llama-perplexity prints per chunk."""
+        lp, lp_err = self._mean_err("nll", "nll2")
+        lb, lb_err = self._mean_err("nll_base", "nll_base2")
+        kld, kld_err = self._mean_err("kld", "kld2")
+        mse, mse_err = self._mean_err("p_diff2", "p_diff4")
+        rms = math.sqrt(mse)
+        top = self.same_top / self.count
+        return {"ppl": math.exp(lp), "ppl_err": math.exp(lp) * lp_err,
+                "ln_ppl_ratio": lp - lb, "ln_ppl_ratio_err": math.sqrt(max(0.0, lp_err ** 2 + lb_err ** 2 - 2 * self._cov())),
+                "kld": kld, "kld_err": kld_err,
+                "p_diff_rms": rms, "p_diff_rms_err": 0.5 / rms * mse_err if rms > 0 else 0.0,
+                "same_top": top, "same_top_err": math.sqrt(top * (1 - top) / (self.count - 1)) if self.count > 1 else 0.0}
+
+    def summary(self) -> dict:
+        """Everything llama-perplexity's final statistics hold (percentiles over every scored token)."""
+        lp, lp_err = self._mean_err("nll", "nll2")
+        lb, lb_err = self._mean_err("nll_base", "nll_base2")
+        ppl, ppl_base = math.exp(lp), math.exp(lb)
+        cov = self._cov()
+        ratio_err = math.sqrt(max(0.0, lp_err ** 2 + lb_err ** 2 - 2 * cov))
+        ppl_err, base_err = ppl * lp_err, ppl_base * lb_err
+        kld, kld_err = self._mean_err("kld", "kld2")
+        dp, dp_err = self._mean_err("p_diff", "p_diff2")
+        klds = np.sort(np.concatenate(self.klds))
+        dps = np.sort(np.concatenate(self.p_diffs))
+        row = self.row()
+        return {
+            "count": self.count, "base_floored": self.floored,
+            "ppl": ppl, "ppl_err": ppl_err, "ppl_base": ppl_base, "ppl_base_err": base_err,
+            "ln_ppl_cor": cov / (lp_err * lb_err) if lp_err > 0 and lb_err > 0 else 0.0,
+            "ln_ppl_ratio": lp - lb, "ln_ppl_ratio_err": ratio_err,
+            "ppl_ratio": math.exp(lp - lb), "ppl_ratio_err": math.exp(lp - lb) * ratio_err,
+            "ppl_diff": ppl - ppl_base,
+            "ppl_diff_err": math.sqrt(max(0.0, ppl_err ** 2 + base_err ** 2 - 2 * ppl * ppl_base * cov)),
+            "kld": kld, "kld_err": kld_err,
+            "kld_percentiles": {"max": float(klds[-1]), "99.9": _percentile(klds, 0.999),
+                                "99.0": _percentile(klds, 0.99), "95.0": _percentile(klds, 0.95),
+                                "90.0": _percentile(klds, 0.90), "median": float(np.median(klds)),
+                                "10.0": _percentile(klds, 0.10), "5.0": _percentile(klds, 0.05),
+                                "1.0": _percentile(klds, 0.01), "0.1": _percentile(klds, 0.001),
+                                "min": float(klds[0])},
+            "p_diff": dp, "p_diff_err": dp_err,
+            "p_diff_percentiles": {"max": float(dps[-1]), "99.9": _percentile(dps, 0.999),
+                                   "99.0": _percentile(dps, 0.99), "95.0": _percentile(dps, 0.95),
+                                   "90.0": _percentile(dps, 0.90), "75.0": _percentile(dps, 0.75),
+                                   "median": float(np.median(dps)), "25.0": _percentile(dps, 0.25),
+                                   "10.0": _percentile(dps, 0.10), "5.0": _percentile(dps, 0.05),
+                                   "1.0": _percentile(dps, 0.01), "0.1": _percentile(dps, 0.001),
+                                   "min": float(dps[0])},
+            "p_diff_rms": row["p_diff_rms"], "p_diff_rms_err": row["p_diff_rms_err"],
+            "same_top": row["same_top"], "same_top_err": row["same_top_err"],
+        }

@@ -1,0 +1,275 @@
+"""`bitnet perplexity`: llama-perplexity's chunks, scored tokens and arithmetic, and its base-logits file.
+
+- PPL: the command's figures equal a computation written here from the definition (each chunk from an empty cache
+  with BOS in front, the logits of its second half scored against the next tokens, log-softmax in f64), over
+  LLM.forward's logits; and transformers' BitNet over the same chunks agrees within 0.5% (the numerical reference;
+  skipped, saying so, without it);
+- the base file is parsed here from llama.cpp's documented layout (not with the engine's reader): header, the
+  tokens, and every stored row within one rounding step of the exact log-probabilities, the floor stored as 0;
+- KL divergence of a model from itself is 0 with the same top token everywhere; of the f16-head model from the q4
+  head's (the same weights, another head) it equals the exact KL computed here from both models' logits;
+- bad input: one line and exit 2; Ctrl-C prints the estimate so far, exits 130 and leaves an existing base file as
+  it was.
+"""
+import json
+import os
+import random
+import signal
+import struct
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from bitnet_cpu.engine.api import load_model
+from bitnet_cpu.models import DEFAULT_MODEL_DIR
+from bitnet_cpu.models.corpus import story
+from helpers import ROOT
+
+CTX = 128
+
+
+def bitnet(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "bitnet_cpu", "perplexity", "-t", "2", *args], capture_output=True,
+                          text=True, timeout=timeout, cwd=ROOT)
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory):
+    rng = random.Random(11)
+    path = tmp_path_factory.mktemp("ppl") / "stories.txt"
+    path.write_text("\n".join(story(rng) for _ in range(40)), encoding="utf-8")
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    m = load_model(None, ctx=CTX, threads=2, progress=False)
+    yield m
+    m.close()
+
+
+def chunks_of(llm, text_file, n_ctx=CTX, n=None):
+    ids = llm.tokenize(open(text_file, encoding="utf-8").read(), add_bos=True, special=False)
+    count = len(ids) // n_ctx if n is None else n
+    return [list(ids[c * n_ctx: (c + 1) * n_ctx]) for c in range(count)]
+
+
+def log_softmax(x):
+    x = np.asarray(x, np.float64)
+    x = x - x.max(axis=1, keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=1, keepdims=True))
+
+
+def scored(llm, chunk, logits_of):
+    """(log-probabilities of the scored rows [n/2 .. n-2], their next tokens) of one chunk, BOS in front."""
+    ids = list(chunk)
+    ids[0] = llm.tokenizer.bos_id
+    n = len(ids)
+    rows = np.arange(n // 2, n - 1)
+    return log_softmax(logits_of(ids)[rows]), np.asarray(chunk)[rows + 1]
+
+
+def test_ppl_is_the_definition(llm, text_file):
+    r = bitnet("-f", text_file, "-c", str(CTX), "--chunks", "4")
+    assert r.returncode == 0, r.stderr
+    running, total, count = [], 0.0, 0
+    for chunk in chunks_of(llm, text_file, n=4):
+        lp, nxt = scored(llm, chunk, llm.forward)
+        total -= lp[np.arange(len(nxt)), nxt].sum()
+        count += len(nxt)
+        running.append(np.exp(total / count))
+    assert count == 4 * (CTX - 1 - CTX // 2)
+    line, final = r.stdout.strip().split("\n")
+    got = [float(x.split("]")[1]) for x in line.rstrip(",").split(",")]
+    assert [f"[{i + 1}]" for i in range(4)] == [x[: x.index("]") + 1] for x in line.rstrip(",").split(",")]
+    assert got == pytest.approx(running, rel=1e-4)   # printed with 4 decimals
+    assert final.startswith("Final estimate: PPL = ")
+    ppl = float(final.split("=")[1].split("+/-")[0])
+    assert ppl == pytest.approx(running[-1], rel=1e-4)
+    js = bitnet("-f", text_file, "-c", str(CTX), "--chunks", "4", "--json")
+    assert js.returncode == 0, js.stderr
+    rec = json.loads(js.stdout)
+    assert rec["ppl"] == pytest.approx(running[-1], rel=1e-6)
+    assert rec["chunks"] == 4 and rec["tokens_scored"] == count and rec["n_ctx"] == CTX
+
+
+def test_every_whole_chunk_by_default(llm, text_file):
+    n = len(chunks_of(llm, text_file))
+    rec = json.loads(bitnet("-f", text_file, "-c", str(CTX), "--json").stdout)
+    assert rec["chunks"] == n and rec["tokens_scored"] == n * (CTX - 1 - CTX // 2)
+
+
+def test_ppl_near_the_transformers_reference(llm, text_file):
+    from test_model_fixtures import load_reference, reference_logits
+
+    ref = load_reference(DEFAULT_MODEL_DIR)   # skips, saying why, without torch + transformers
+    total, count = 0.0, 0
+    for chunk in chunks_of(llm, text_file, n=3):
+        lp, nxt = scored(llm, chunk, lambda ids: reference_logits(ref, ids))
+        total -= lp[np.arange(len(nxt)), nxt].sum()
+        count += len(nxt)
+    rec = json.loads(bitnet("-f", text_file, "-c", str(CTX), "--chunks", "3", "--json").stdout)
+    assert rec["ppl"] == pytest.approx(np.exp(total / count), rel=5e-3)
+
+
+def read_base_file(path):
+    """llama.cpp's layout, parsed from its description (tools/perplexity): header, tokens, u16 rows."""
+    data = open(path, "rb").read()
+    magic, n_ctx, vocab, n_chunk = struct.unpack_from("<8sIii", data)
+    assert magic == b"_logits_"
+    off = 20
+    tokens = np.frombuffer(data, "<i4", n_ctx * n_chunk, off)
+    off += 4 * n_ctx * n_chunk
+    nv = 2 * ((vocab + 1) // 2) + 4
+    n_rows = n_ctx - 1 - n_ctx // 2
+    assert len(data) == off + 2 * nv * n_rows * n_chunk
+    rows = np.frombuffer(data, "<u2", nv * n_rows * n_chunk, off).reshape(n_chunk, n_rows, nv)
+    return n_ctx, vocab, tokens.reshape(n_chunk, n_ctx), rows
+
+
+def test_base_file_is_llama_cpp_layout(llm, text_file, tmp_path):
+    base = str(tmp_path / "base.kld")
+    r = bitnet("-f", text_file, "-c", str(CTX), "--chunks", "2", "--kl-divergence-base", base)
+    assert r.returncode == 0, r.stderr
+    assert "Final estimate" in r.stdout and not os.path.exists(base + ".partial")
+    n_ctx, vocab, tokens, rows = read_base_file(base)
+    chunks = chunks_of(llm, text_file, n=2)
+    assert (n_ctx, vocab) == (CTX, llm.config.vocab_size)
+    assert tokens.tolist() == chunks   # the text's tokens, BOS not substituted
+    for c, chunk in enumerate(chunks):
+        lp, _ = scored(llm, chunk, llm.forward)
+        scale = rows[c, :, :4].copy().view("<f4")[:, 0]
+        low = rows[c, :, :4].copy().view("<f4")[:, 1]
+        q = rows[c, :, 4: 4 + vocab].astype(np.float64)
+        back = scale[:, None] * q + low[:, None]
+        top = lp.max(axis=1, keepdims=True)
+        above = lp > top - 16 + 1e-4   # the floor: top - 16, stored as 0
+        assert np.all(np.abs(back - lp)[above] <= (scale[:, None] * 0.5 + 1e-4).repeat(vocab, 1)[above])
+        assert np.all(q[lp < top - 16 - 1e-4] == 0)
+        assert np.all(q.max(axis=1) == 65535)
+
+
+@pytest.fixture(scope="module")
+def heads(tmp_path_factory):
+    """The bundled model converted with an f16 head and with a q4 head: the same weights, two heads."""
+    from bitnet_cpu.engine.formats.convert import convert
+
+    d = tmp_path_factory.mktemp("heads")
+    return {h: convert(DEFAULT_MODEL_DIR, str(d / f"{h}.bnstore"), lm_head=h, progress=False) for h in ("f16", "q4")}
+
+
+def test_kld_of_a_model_from_itself_is_zero(text_file, tmp_path):
+    base = str(tmp_path / "self.kld")
+    first = bitnet("-f", text_file, "-c", str(CTX), "--chunks", "4", "--kl-divergence-base", base, "--json")
+    assert first.returncode == 0, first.stderr
+    r = bitnet("--kl-divergence-base", base, "--kl-divergence", "--json")
+    assert r.returncode == 0, r.stderr
+    rec = json.loads(r.stdout)
+    k = rec["kl_divergence"]
+    assert rec["ppl"] == pytest.approx(json.loads(first.stdout)["ppl"], rel=1e-9)
+    assert abs(k["kld"]) < 1e-6 and k["kld_percentiles"]["max"] < 1e-4
+    assert k["same_top"] == 1.0 and k["count"] == 4 * (CTX - 1 - CTX // 2)
+    text = bitnet("--kl-divergence-base", base, "--kl-divergence").stdout
+    assert "====== KL divergence statistics ======" in text and "Same top p: 100.000 ± 0.000 %" in text
+
+
+def test_kld_between_heads_is_the_exact_kl(heads, text_file, tmp_path):
+    base = str(tmp_path / "f16.kld")
+    assert bitnet("-m", heads["f16"], "-f", text_file, "-c", str(CTX), "--chunks", "4",
+                  "--kl-divergence-base", base).returncode == 0
+    r = bitnet("-m", heads["q4"], "--kl-divergence-base", base, "--kl-divergence", "--json")
+    assert r.returncode == 0, r.stderr
+    k = json.loads(r.stdout)["kl_divergence"]
+    f16 = load_model(heads["f16"], ctx=CTX, threads=2, progress=False)
+    q4 = load_model(heads["q4"], ctx=CTX, threads=2, progress=False)
+    klds, same = [], 0
+    for chunk in chunks_of(f16, text_file, n=4):
+        lp, _ = scored(f16, chunk, f16.forward)
+        lq, _ = scored(q4, chunk, q4.forward)
+        kept = lp > lp.max(axis=1, keepdims=True) - 16   # llama.cpp's cut-off (below it: 0 in 16 bits)
+        klds.append((np.exp(lp) * (lp - lq) * kept).sum(axis=1))
+        same += int((lp.argmax(axis=1) == lq.argmax(axis=1)).sum())
+    klds = np.concatenate(klds)
+    assert klds.mean() > 1e-5   # the heads differ: a comparison that cannot see it would pass the next line at 0
+    assert k["kld"] == pytest.approx(klds.mean(), rel=0.02, abs=2e-6)
+    assert k["kld_percentiles"]["max"] == pytest.approx(klds.max(), rel=0.02, abs=1e-5)
+    assert abs(k["same_top"] * len(klds) - same) <= 1   # a near tie may round either way in 16 bits
+
+
+@pytest.mark.parametrize("case", ["no_file", "short", "chunks0", "ctx", "missing", "kld_no_base", "kld_with_f",
+                                  "not_base", "truncated", "vocab", "ctx_mismatch"])
+def test_bad_input_is_one_line(case, text_file, tmp_path):
+    base = str(tmp_path / "b.kld")
+    if case in ("truncated", "ctx_mismatch", "vocab"):
+        assert bitnet("-f", text_file, "-c", str(CTX), "--chunks", "2", "--kl-divergence-base", base).returncode == 0
+    short = tmp_path / "short.txt"
+    short.write_text("Once upon a time", encoding="utf-8")
+    junk = tmp_path / "junk.kld"
+    junk.write_bytes(b"GGUF" + bytes(100))
+    args = {
+        "no_file": (),
+        "short": ("-f", str(short)),
+        "chunks0": ("-f", text_file, "--chunks", "0"),
+        "ctx": ("-f", text_file, "-c", "2"),
+        "missing": ("-f", str(tmp_path / "nope.txt")),
+        "kld_no_base": ("--kl-divergence",),
+        "kld_with_f": ("-f", text_file, "--kl-divergence-base", base, "--kl-divergence"),
+        "not_base": ("--kl-divergence-base", str(junk), "--kl-divergence"),
+        "truncated": ("--kl-divergence-base", base, "--kl-divergence"),
+        "vocab": ("-m", "SYNTH", "--kl-divergence-base", base, "--kl-divergence"),
+        "ctx_mismatch": ("-c", "64", "--kl-divergence-base", base, "--kl-divergence"),
+    }[case]
+    if case == "truncated":
+        with open(base, "r+b") as f:
+            f.truncate(os.path.getsize(base) - 10)
+    if case == "vocab":
+        from test_model_fixtures import make_synth
+        _, _, stores = make_synth(tmp_path, vocab_size=300)
+        args = tuple(stores["f16"] if a == "SYNTH" else a for a in args)
+    r = bitnet(*args)
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("bitnet: error: "), r.stderr
+    want = {"short": "fewer than one chunk", "chunks0": "--chunks 0", "ctx": "-c/--ctx-size 2", "missing": "nope.txt",
+            "no_file": "-f/--file", "kld_no_base": "--kl-divergence-base", "kld_with_f": "-f/--file",
+            "not_base": "not a file of base logits", "truncated": "truncated", "vocab": "vocabulary",
+            "ctx_mismatch": "chunks of 128"}[case]
+    assert want in lines[0]
+
+
+def test_ctrl_c_keeps_the_estimate_and_the_old_base_file(text_file, tmp_path):
+    long_text = tmp_path / "long.txt"
+    long_text.write_text(open(text_file, encoding="utf-8").read() * 40, encoding="utf-8")
+    base = tmp_path / "keep.kld"
+    base.write_bytes(b"an earlier base file")
+    p = subprocess.Popen([sys.executable, "-m", "bitnet_cpu", "perplexity", "-t", "1", "-f", str(long_text), "-c", "64",
+                          "--kl-divergence-base", str(base)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         # a suite started in the background has SIGINT ignored and a child keeps that (POSIX)
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    first = p.stdout.read(4)   # "[1]2" : the first chunk is done
+    assert first.startswith(b"[1]"), p.stderr.read().decode()
+    p.send_signal(signal.SIGINT)
+    rest, err = p.communicate(timeout=120)
+    out = (first + rest).decode()
+    assert p.returncode == 130, err.decode()
+    assert "Estimate over " in out and " chunks: PPL = " in out and b"Traceback" not in err
+    assert base.read_bytes() == b"an earlier base file"
+    assert not os.path.exists(str(base) + ".partial")
+
+
+def test_special_token_spelling_is_plain_text(llm, tmp_path):
+    """As llama-perplexity: a text that spells a special token is scored as those characters, not as the token."""
+    eos = llm.tokenizer.eos_ids[0] if llm.tokenizer.eos_ids else None
+    spelled = llm.detokenize([eos]) if eos is not None else "<|end_of_text|>"
+    assert spelled and llm.tokenize(spelled, special=True) == [eos]
+    rng = random.Random(3)
+    path = tmp_path / "spelled.txt"
+    path.write_text(f" {spelled} ".join(story(rng) for _ in range(12)), encoding="utf-8")
+    base = str(tmp_path / "spelled.kld")
+    assert bitnet("-f", str(path), "-c", str(CTX), "--kl-divergence-base", base).returncode == 0
+    _, _, tokens, _ = read_base_file(base)
+    assert eos not in tokens.ravel().tolist()
+    assert tokens.ravel().tolist() == llm.tokenize(path.read_text(encoding="utf-8"), add_bos=True,
+                                                   special=False)[: tokens.size]
