@@ -193,20 +193,31 @@ def test_gemm_f16_rows_equal_gemv_f16(isa):
     from bitnet_cpu.simd import layout
 
     rng = np.random.default_rng(2)
-    n, k, m = 300, 192, 5
-    w = layout.pack_f16(rng.standard_normal((n, k)).astype(np.float16))
-    x = rng.standard_normal((m, k)).astype(np.float32)
     K.set_isa(isa)
     try:
+        # the register-blocked bodies take 4 rows x 4 tiles (AVX-512) or 4 rows x 1 tile (AVX2) at a time: rows
+        # 1..9 and 17 leave every remainder; N = 300 / 17 / 64 leave 1-3 tiles of a block and a partial tile;
+        # two threads split the tiles at other points than one
+        for threads in (1, 2):
+            K.set_num_threads(threads)
+            for n, k in ((300, 192), (17, 64), (64, 80), (1000, 48)):
+                w = layout.pack_f16(rng.standard_normal((n, k)).astype(np.float16))
+                for m in (1, 2, 3, 4, 5, 7, 8, 9, 17):
+                    x = rng.standard_normal((m, k)).astype(np.float32)
+                    out = np.full((m, n), np.nan, np.float32)
+                    K.gemm_f16(w, x, out)
+                    one = np.zeros(n, np.float32)
+                    for r in range(m):
+                        K.gemv_f16(w, x[r], one)
+                        np.testing.assert_array_equal(out[r], one, err_msg=f"n={n} k={k} m={m} row {r}")
+        n, k, m = 300, 192, 5
+        w = layout.pack_f16(rng.standard_normal((n, k)).astype(np.float16))
+        x = rng.standard_normal((m, k)).astype(np.float32)
         out = np.zeros((m, n), np.float32)
-        K.gemm_f16(w, x, out)
-        one = np.zeros(n, np.float32)
-        for r in range(m):
-            K.gemv_f16(w, x[r], one)
-            np.testing.assert_array_equal(out[r], one)
         with pytest.raises(KernelError):
             K.gemm_f16(w, x, np.zeros((m - 1, n), np.float32))
         with pytest.raises(KernelError):
             K.gemm_f16(w, x[:, :100], out)
     finally:
         K.set_isa(None)
+        K.set_num_threads(0)

@@ -503,12 +503,16 @@ class Model:
         return f"the context is already the model's full {trained} tokens: shorten the prompt or ask for less"
 
     def _head_rows(self, v: _Views, out: np.ndarray):
-        """Logits of all v.m rows of the last chunk into out[:v.m]: one pass over a q4 head (its kernel takes any
-        row count), one per VERIFY_MAX rows over an int8 head."""
+        """Logits of all v.m rows of the last chunk into out[:v.m]: one pass over a q4 or f16 head (their kernels
+        take any row count; row r equals _head's for that row bit for bit), one per VERIFY_MAX rows over an int8
+        head."""
         m = v.m
         if self.lm_head == "f16":
-            for r in range(m):
-                self._head(v, r, out[r])
+            ops.add_rmsnorm(v.x, v.delta, self._out_norm, self._eps, v.h_d)   # the chunk's h_d is free now
+            if m == 1:
+                K.gemv_f16(self._out_w, v.h_d[0], out[0])
+            else:
+                K.gemm_f16(self._out_w, v.h_d, out[:m])
             return
         # the chunk's h_d / xq_d / act buffers are free once the blocks are done
         ops.add_rmsnorm_quant(v.x, v.delta, self._out_norm, self._eps, v.h_d, v.xq_d, v.act_scale, v.act_sum)

@@ -167,6 +167,7 @@ void bk_fill_table(bk_table_t *t, int isa) {
     t->gemm_ternary = BK_PICK(bk_gemm_ternary_bodies, isa);
     t->gemv_i8 = BK_PICK(bk_gemv_i8_bodies, isa);
     t->gemv_f16 = BK_PICK(bk_gemv_f16_bodies, isa);
+    t->gemm_f16 = BK_PICK(bk_gemm_f16_bodies, isa);
     if (isa == BK_ISA_AVXVNNI) bk_fill_avxvnni(t, bk_get_features()->avxvnni);
 }
 

@@ -137,23 +137,106 @@ void bk_gemv_f16(const uint16_t *w, const float *x, int k, float *out, int n) {
     BK_RUN_TILE_JOB(gemv_f16_job, bk_table.gemv_f16, GEMV_F16_ARGS, n, k, 16 * 1024);
 }
 
-/* M rows at once (the batched engine's logits): the GEMV body per row over runs of 4 tiles, so each run of
- * weights (4 x 16 rows x k halves, ~320 KB at k = 2560) is read from memory once and from L2 for the other
- * rows. Row r of out equals bk_gemv_f16 of x[r] bit for bit (same body, same order in k). */
-#define GEMM_F16_ARGS(X) X(const uint16_t *, w) X(const float *, x) X(int, m) X(int, k) X(float *, out) X(int, n)
-BK_JOB_STRUCT(gemm_f16_job, bk_gemv_f16_fn, GEMM_F16_ARGS);
-
-static void gemm_f16_range(void *ctx, int b, int e) {
-    gemm_f16_job *j = ctx;
-    for (int t0 = b; t0 < e; t0 += 4) {
-        const int t1 = t0 + 4 < e ? t0 + 4 : e;
-        for (int r = 0; r < j->m; r++)
-            j->fn(j->w, j->x + (size_t)r * j->k, j->k, j->out + (size_t)r * j->n, j->n, t0, t1);
+/* M rows at once (the batched engine's logits, prompt rows scored for perplexity or echo): a body per path that
+ * keeps R rows x 4 tiles of accumulators in registers, so each weight vector loaded (and converted) once feeds R
+ * rows and R x 4 independent chains hide the FMA latency that bounds the GEMV body run once per row. Every
+ * accumulator is still its row's sequential chain in k (fma(W[n,c], x[c], acc) for c = 0..K-1, from 0), so row
+ * r of out equals bk_gemv_f16 of x[r] bit for bit on every path. Paths without a blocked body (scalar, NEON) run
+ * the path's GEMV body per row over runs of 4 tiles: each run's weights (4 x 16 rows x k halves, ~320 KB at
+ * k = 2560) come from memory once and from L2 for the other rows. */
+static void gemm_f16_rows(const uint16_t *w, const float *x, int m, int k, float *out, int n, int tile_begin,
+                          int tile_end) {
+    for (int t0 = tile_begin; t0 < tile_end; t0 += 4) {
+        const int t1 = t0 + 4 < tile_end ? t0 + 4 : tile_end;
+        for (int r = 0; r < m; r++) bk_table.gemv_f16(w, x + (size_t)r * k, k, out + (size_t)r * n, n, t0, t1);
     }
 }
 
+#if defined(__x86_64__)
+/* R rows (1..4, a constant after inlining) x 4 tiles: 16 zmm chains at R = 4 (2 FMA ports x latency 4 need 8) */
+AVX512_TARGET static inline __attribute__((always_inline)) void
+gemm_f16_block_avx512(const uint16_t *p, size_t tile_halves, const float *x, int k, float *out, int n, int row0,
+                      const int R) {
+    __m512 a[4][4];
+    for (int i = 0; i < R; i++)
+        for (int j = 0; j < 4; j++) a[i][j] = _mm512_setzero_ps();
+    for (int c = 0; c < k; c++) {
+        __m512 wv[4];
+        for (int j = 0; j < 4; j++)
+            wv[j] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + j * tile_halves + (size_t)c * 16)));
+        for (int i = 0; i < R; i++) {
+            const __m512 xc = _mm512_set1_ps(x[(size_t)i * k + c]);
+            for (int j = 0; j < 4; j++) a[i][j] = _mm512_fmadd_ps(wv[j], xc, a[i][j]);
+        }
+    }
+    for (int i = 0; i < R; i++)
+        for (int j = 0; j < 4; j++) store_rows_avx512(a[i][j], row0 + j * 16, n, out + (size_t)i * n);
+}
+
+AVX512_TARGET static void gemm_f16_avx512(const uint16_t *w, const float *x, int m, int k, float *out, int n,
+                                          int tile_begin, int tile_end) {
+    const size_t tile_halves = (size_t)k * 16;
+    int t = tile_begin;
+    for (; t + 4 <= tile_end; t += 4) {
+        const uint16_t *p = w + (size_t)t * tile_halves;
+        int r = 0;
+        for (; r + 4 <= m; r += 4) gemm_f16_block_avx512(p, tile_halves, x + (size_t)r * k, k, out + (size_t)r * n, n, t * 16, 4);
+        const float *xr = x + (size_t)r * k;
+        float *orow = out + (size_t)r * n;
+        switch (m - r) {
+        case 3: gemm_f16_block_avx512(p, tile_halves, xr, k, orow, n, t * 16, 3); break;
+        case 2: gemm_f16_block_avx512(p, tile_halves, xr, k, orow, n, t * 16, 2); break;
+        case 1: gemm_f16_block_avx512(p, tile_halves, xr, k, orow, n, t * 16, 1); break;
+        default: break;
+        }
+    }
+    if (t < tile_end)   /* the last 1-3 tiles of the range: the GEMV body per row (the same chains) */
+        for (int r = 0; r < m; r++) gemv_f16_avx512(w, x + (size_t)r * k, k, out + (size_t)r * n, n, t, tile_end);
+}
+
+/* R rows (1..4) x 1 tile as two 8-lane halves: 8 ymm chains at R = 4, within AVX2's 16 registers */
+AVX2_TARGET static inline __attribute__((always_inline)) void
+gemm_f16_block_avx2(const uint16_t *p, const float *x, int k, float *out, int n, int row0, const int R) {
+    __m256 lo[4], hi[4];
+    for (int i = 0; i < R; i++) lo[i] = hi[i] = _mm256_setzero_ps();
+    for (int c = 0; c < k; c++) {
+        const __m256 wl = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + (size_t)c * 16)));
+        const __m256 wh = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + (size_t)c * 16 + 8)));
+        for (int i = 0; i < R; i++) {
+            const __m256 xc = _mm256_set1_ps(x[(size_t)i * k + c]);
+            lo[i] = _mm256_fmadd_ps(wl, xc, lo[i]);
+            hi[i] = _mm256_fmadd_ps(wh, xc, hi[i]);
+        }
+    }
+    for (int i = 0; i < R; i++) store_rows_avx2(lo[i], hi[i], row0, n, out + (size_t)i * n);
+}
+
+AVX2_TARGET static void gemm_f16_avx2(const uint16_t *w, const float *x, int m, int k, float *out, int n,
+                                      int tile_begin, int tile_end) {
+    const size_t tile_halves = (size_t)k * 16;
+    for (int t = tile_begin; t < tile_end; t++) {
+        const uint16_t *p = w + (size_t)t * tile_halves;
+        int r = 0;
+        for (; r + 4 <= m; r += 4) gemm_f16_block_avx2(p, x + (size_t)r * k, k, out + (size_t)r * n, n, t * 16, 4);
+        const float *xr = x + (size_t)r * k;
+        float *orow = out + (size_t)r * n;
+        switch (m - r) {
+        case 3: gemm_f16_block_avx2(p, xr, k, orow, n, t * 16, 3); break;
+        case 2: gemm_f16_block_avx2(p, xr, k, orow, n, t * 16, 2); break;
+        case 1: gemm_f16_block_avx2(p, xr, k, orow, n, t * 16, 1); break;
+        default: break;
+        }
+    }
+}
+#endif
+
+const bk_gemm_f16_fn bk_gemm_f16_bodies[BK_N_ISA] = {
+    BK_BODY(SCALAR, gemm_f16_rows) BK_X86_BODY(AVX2, gemm_f16_avx2) BK_X86_BODY(AVX512, gemm_f16_avx512)
+};
+
+#define GEMM_F16_ARGS(X) X(const uint16_t *, w) X(const float *, x) X(int, m) X(int, k) X(float *, out) X(int, n)
+BK_TILE_JOB(gemm_f16_job, bk_gemm_f16_fn, GEMM_F16_ARGS)
+
 void bk_gemm_f16(const uint16_t *w, const float *x, int m, int k, float *out, int n) {
-    gemm_f16_job job = BK_JOB_INIT(bk_table.gemv_f16, GEMM_F16_ARGS);
-    int n_tiles = (n + 15) / 16;
-    bk_run_tiles(n_tiles, (size_t)n_tiles * k * m, 16 * 1024, gemm_f16_range, &job);
+    BK_RUN_TILE_JOB(gemm_f16_job, bk_table.gemm_f16, GEMM_F16_ARGS, n, (size_t)k * m, 16 * 1024);
 }

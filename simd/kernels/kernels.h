@@ -57,6 +57,8 @@ typedef void (*bk_gemv_i8_fn)(const int8_t *w, const float *row_scale, const int
                               int tile_begin, int tile_end);
 typedef void (*bk_gemv_f16_fn)(const uint16_t *w, const float *x, int k, float *out, int n, int tile_begin,
                                int tile_end);
+typedef void (*bk_gemm_f16_fn)(const uint16_t *w, const float *x, int m, int k, float *out, int n, int tile_begin,
+                               int tile_end);
 
 typedef struct {
     bk_quantize_fn quantize_act;
@@ -65,6 +67,7 @@ typedef struct {
     bk_gemm_ternary_fn gemm_ternary;
     bk_gemv_i8_fn gemv_i8;
     bk_gemv_f16_fn gemv_f16;
+    bk_gemm_f16_fn gemm_f16;
     /* matrix tiles (tiles.h): the mode in force, the row count from which a product goes to them, and the
      * path's own GEMM body, which gemm_ternary becomes a tile body in front of */
     int tiles_mode, tile_min_rows;
@@ -116,6 +119,7 @@ extern const bk_gemv_ternary_fn bk_gemv_ternary_bodies[BK_N_ISA];
 extern const bk_gemm_ternary_fn bk_gemm_ternary_bodies[BK_N_ISA];
 extern const bk_gemv_i8_fn bk_gemv_i8_bodies[BK_N_ISA];
 extern const bk_gemv_f16_fn bk_gemv_f16_bodies[BK_N_ISA];
+extern const bk_gemm_f16_fn bk_gemm_f16_bodies[BK_N_ISA];
 
 /* Threaded drivers (GIL must already be released by the caller). */
 void bk_quantize_act(const float *x, int m, int k, int k_pad, int8_t *xq, float *act_scale, int32_t *act_sum);
