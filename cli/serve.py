@@ -144,6 +144,23 @@ def bind_port(host: str, port: int, keep: bool = True):
     return sock
 
 
+def inherited_socket():
+    """The listening socket a `bitnet serve --models-dir` router handed this model's process (BITNET_LISTEN_FD,
+    serve/router.py), or None. The variable is taken out of the environment, so nothing this process starts
+    inherits it."""
+    import os
+    import socket
+
+    fd = os.environ.pop("BITNET_LISTEN_FD", None)
+    if fd is None:
+        return None
+    try:
+        return socket.socket(fileno=int(fd))
+    except (ValueError, OSError) as e:
+        from ..engine.errors import BitNetError
+        raise BitNetError(f"BITNET_LISTEN_FD={fd}: not a socket this process holds ({e})") from None
+
+
 def end_with_router():
     """A model's process under `bitnet serve --models-dir` (BITNET_ROUTER_PID set): SIGTERM (a drain) when the
     router dies, even by SIGKILL, so no model process outlives it holding its memory (Linux's PR_SET_PDEATHSIG;
@@ -242,7 +259,7 @@ def main(args) -> int:
                             http=guarded_protocol(limits), timeout_keep_alive=args.keep_alive_timeout,
                             h11_max_incomplete_event_size=limits.max_header_bytes)
     server = Server(config)
-    sock = bind_port(args.host, args.port)   # a port in use is one line before anything is loaded
+    sock = inherited_socket() or bind_port(args.host, args.port)   # a port in use: one line before the load
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, handler)
     print(f"bitnet serve: listening on http://{args.host}:{args.port} (loading the model...)", file=sys.stderr, flush=True)

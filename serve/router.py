@@ -3,7 +3,8 @@ model and llama-server's router mode serves a directory: a request's `model` fie
 request naming one loads it, and at most `models_max` are loaded at once (the least recently used idle one is
 unloaded to make room).
 
-Each loaded model is its own `bitnet serve` process on a loopback port (the command the CLI gives, with a key of
+Each loaded model is its own `bitnet serve` process on a loopback port (a listening socket bound here and inherited
+by the process; the command the CLI gives, with a key of
 this router's that nothing else knows, in a file only this user can read), and this app forwards every request to
 it byte for byte, streams included: every API of serve/app.py (OpenAI's, Anthropic's, ollama's, llama-server's, the embeddings) answers
 exactly as a single-model server would, a model that crashes takes down nothing else, and unloading one gives
@@ -94,10 +95,19 @@ class RouterError(Exception):
         self.status, self.message, self.code, self.param, self.retry_after = status, message, code, param, retry_after
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
+def _listening_socket() -> socket.socket:
+    """A loopback socket on a free port, listening: handed to a model's process (BITNET_LISTEN_FD), which serves
+    on it. Held from before that process starts, so no other process can take the port while it starts up (as
+    one could when the port was only picked here and bound by the process a second later), and the router's
+    health polls can only ever reach that process."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        s.listen(2048)
+    except OSError:
+        s.close()
+        raise
+    return s
 
 
 class Child:
@@ -297,12 +307,15 @@ class Router:
             self.cond.notify_all()
 
     def _spawn(self, spec: ModelSpec) -> Child:
-        port = _free_port()
         log_path = os.path.join(self.logdir, f"{re.sub(r'[^A-Za-z0-9._-]', '_', spec.name)}.log")
-        with open(log_path, "wb") as log:
-            # BITNET_ROUTER_PID: the process ends itself when this one dies, even by SIGKILL (cli/serve.py)
+        with _listening_socket() as sock, open(log_path, "wb") as log:
+            port = sock.getsockname()[1]
+            # BITNET_ROUTER_PID: the process ends itself when this one dies, even by SIGKILL; BITNET_LISTEN_FD: it
+            # serves on this socket, inherited (cli/serve.py); the router's copy closes once the process has it
             proc = subprocess.Popen(self.command(spec, port, self.key_file), stdin=subprocess.DEVNULL, stdout=log,
-                                    stderr=subprocess.STDOUT, env=dict(os.environ, BITNET_ROUTER_PID=str(os.getpid())))
+                                    stderr=subprocess.STDOUT, pass_fds=(sock.fileno(),),
+                                    env=dict(os.environ, BITNET_ROUTER_PID=str(os.getpid()),
+                                             BITNET_LISTEN_FD=str(sock.fileno())))
         c = Child(spec, proc, port, log_path)
         c.keep_alive = self.keep_alive
         self.children[spec.name] = c

@@ -351,6 +351,36 @@ def test_a_model_process_that_dies_is_started_again(models_dir):
         s.stop()
 
 
+def test_a_model_process_holds_its_port_from_its_first_instruction(models_dir):
+    """The router hands each model's process a socket it has bound and made listen (BITNET_LISTEN_FD): from the
+    moment the process exists nothing else can take its port (it was once only picked, and bound by the process
+    after its start-up, leaving a second in which another program could take it) and it answers there."""
+    import errno
+    import socket
+
+    s = Server("--models-dir", str(models_dir), threads=1)
+    try:
+        asked = threading.Thread(target=chat_text, args=(s.url, "tiny"))
+        asked.start()
+        assert wait_for(lambda: children_of(s.proc.pid), timeout=30)
+        (child,) = children_of(s.proc.pid)
+        with open(f"/proc/{child}/cmdline", "rb") as f:
+            argv = f.read().decode().split("\0")
+        port = int(argv[argv.index("--port") + 1])
+        with socket.socket() as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            with pytest.raises(OSError) as taken:
+                probe.bind(("127.0.0.1", port))
+            assert taken.value.errno == errno.EADDRINUSE
+        with open(f"/proc/{child}/environ", "rb") as f:
+            assert b"BITNET_LISTEN_FD=" in f.read()   # what it was started with (popped once it runs)
+        asked.join(timeout=120 * slowness())
+        r = httpx.get(f"http://127.0.0.1:{port}/health", timeout=30)
+        assert r.status_code == 200 and r.json()["status"] == "ok"
+    finally:
+        s.stop()
+
+
 def test_the_cache_hf_directories_and_models_added_while_it_runs(tmp_path, models_dir):
     """--models-cache serves the cache under `bitnet list`'s names; an HF directory in --models-dir is converted
     by its process on first use (into the cache, where the next listing finds it too); a store copied into the
