@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 from bitnet_cpu.engine.api import load_model
+from bitnet_cpu.engine.errors import BitNetError
 from bitnet_cpu.models import DEFAULT_MODEL_DIR
 from bitnet_cpu.models.corpus import story
 from helpers import ROOT
@@ -93,6 +94,17 @@ def test_ppl_is_the_definition(llm, text_file):
     rec = json.loads(js.stdout)
     assert rec["ppl"] == pytest.approx(running[-1], rel=1e-6)
     assert rec["chunks"] == 4 and rec["tokens_scored"] == count and rec["n_ctx"] == CTX
+
+
+def test_python_api_gives_the_commands_figure(llm, text_file):
+    rec = json.loads(bitnet("-f", text_file, "-c", str(CTX), "--chunks", "3", "--json").stdout)
+    got = llm.perplexity(open(text_file, encoding="utf-8").read(), chunk=CTX, chunks=3)
+    assert got["ppl"] == rec["ppl"] and got["ppl_err"] == rec["ppl_err"]
+    assert got["chunks"] == 3 and got["tokens_scored"] == rec["tokens_scored"]
+    with pytest.raises(BitNetError):
+        llm.perplexity("too short", chunk=CTX)
+    with pytest.raises(BitNetError):
+        llm.perplexity(open(text_file, encoding="utf-8").read(), chunk=2 * CTX)
 
 
 def test_every_whole_chunk_by_default(llm, text_file):
