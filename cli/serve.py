@@ -287,7 +287,8 @@ def model_catalog(args) -> dict:
     if args.models_cache:
         from .list import cached_stores
         for row in cached_stores():
-            found.append(ModelSpec(row["name"], row["path"], row["size"], row["last_used"], "bnstore"))
+            found.append(ModelSpec(row["name"], row["path"], row["size"], row["last_used"], "bnstore",
+                                   source=row["source"] if row["source"] != "?" else "", cached=True))
     for d in args.models_dir or ():
         if not os.path.isdir(d):
             raise BitNetError(f"--models-dir {d}: not a directory")
@@ -351,18 +352,24 @@ def serve_models(args, keys: tuple) -> int:
 
     from ..engine.errors import BitNetError
     models = model_catalog(args)
-    if not models:
-        where = ", ".join(list(args.models_dir or ()) + (["the cache (bitnet list)"] if args.models_cache else []))
-        raise BitNetError(f"no models in {where}", hint="*.bnstore, *.gguf or HF model directories; `bitnet pull` or "
-                                                        "`bitnet convert` adds one to the cache")
+    if not models and not args.models_cache:
+        raise BitNetError(f"no models in {', '.join(args.models_dir)}", hint="*.bnstore, *.gguf or HF model "
+                          "directories; or serve the cache with --models-cache (`bitnet pull` adds to it)")
+    if not models:   # as ollama starts with none: a client pulls one (ollama's /api/pull) or `bitnet pull` adds it
+        print("bitnet serve: no models in the cache yet: `bitnet pull REPO` or ollama's /api/pull (hf.co/OWNER/REPO) "
+              "adds one, served at once", file=sys.stderr, flush=True)
     passthrough = passthrough_argv(args)
 
     def command(spec, port: int, key_file: str) -> list:
         return [sys.executable, "-m", "bitnet_cpu", "serve", "-m", spec.path, "--host", "127.0.0.1",
                 "--port", str(port), "--alias", spec.name, "--api-key-file", key_file, *passthrough]
 
+    def pull(ref: str) -> list:   # ollama's /api/pull on a --models-cache server: into the cache it serves
+        return [sys.executable, "-m", "bitnet_cpu", "pull", ref]
+
     limits = limits_from_args(args)
-    router = Router(lambda: model_catalog(args), command, models_max=args.models_max, keep_alive=parse_keep_alive(args.models_keep_alive),
+    router = Router(lambda: model_catalog(args), command, pull=pull if args.models_cache else None,
+                    models_max=args.models_max, keep_alive=parse_keep_alive(args.models_keep_alive),
                     load_timeout=args.models_load_timeout, stop_timeout=args.drain_timeout + 5)
     app = create_router_app(router, api_keys=(([args.api_key] if args.api_key else []) + list(keys)),
                             limits=limits, metrics_public=args.metrics_public, cors_origins=tuple(args.cors_origin or ()))

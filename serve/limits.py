@@ -129,7 +129,7 @@ class LimitsMiddleware:
                                     "context_length_exceeded", param=bound[1])
         body, status, n_read = b"", None, 0
         try:
-            if scope.get("method") in ("POST", "PUT", "PATCH"):
+            if scope.get("method") in ("POST", "PUT", "PATCH", "DELETE"):   # DELETE: ollama's /api/delete has a body
                 body, status, n_read = await self._read_body(receive, bound[0] if bound is not None else None)
                 if status == "disconnect":
                     return

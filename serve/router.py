@@ -78,15 +78,33 @@ def parse_keep_alive(value) -> float:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """One model the router can load: the name requests use, the file (or directory) its process loads."""
+    """One model the router can load: the name requests use, the file (or directory) its process loads. `source`:
+    the hub id a converted model of the cache came from (REPO[:FILE]@COMMIT, `bitnet list`'s SOURCE), which
+    names it too; `cached`: a conversion in the store cache, which ollama's /api/delete may remove (a file of a
+    --models-dir is the user's, and stays)."""
     name: str
     path: str
     size: int = 0
     modified: float = 0.0
     format: str = "bnstore"
+    source: str = ""
+    cached: bool = False
 
     def digest(self) -> str:
         return hashlib.sha256(f"{os.path.abspath(self.path)}:{self.size}:{self.modified}".encode()).hexdigest()
+
+
+HUB_PREFIXES = ("hf.co/", "huggingface.co/", "https://huggingface.co/", "https://hf.co/")
+
+
+def hub_name(name: str) -> str:
+    """ollama's name of a Hugging Face model (hf.co/OWNER/REPO[:TAG], TAG "latest" meaning none) as the hub id
+    `bitnet pull` takes (OWNER/REPO[:FILE]); any other name as it is."""
+    for prefix in HUB_PREFIXES:
+        if name.startswith(prefix):
+            name = name[len(prefix):]
+            break
+    return name[: -len(":latest")] if name.endswith(":latest") else name
 
 
 class RouterError(Exception):
@@ -155,8 +173,11 @@ class Child:
 class Router:
     def __init__(self, scan: Callable[[], dict[str, ModelSpec]], command: Callable[[ModelSpec, int, str], list[str]], *,
                  models_max: int = 3, keep_alive: float = FOREVER, load_timeout: float = 600.0,
-                 stop_timeout: float = 10.0, retry_after: int = 1, log: Callable[[str], None] | None = None):
-        self.scan, self.command, self.models_max = scan, command, models_max
+                 stop_timeout: float = 10.0, retry_after: int = 1, log: Callable[[str], None] | None = None,
+                 pull: Callable[[str], list[str]] | None = None):
+        """pull: the command that downloads and converts a hub id into the store cache (`bitnet pull REF`), for
+        ollama's /api/pull; None where the catalog holds no cache (--models-dir alone): /api/pull answers 501."""
+        self.scan, self.command, self.models_max, self.pull = scan, command, models_max, pull
         self.models = scan()        # name -> ModelSpec, scanned again (refresh) as files come and go
         self._scanned = time.monotonic()
         self.keep_alive, self.load_timeout, self.stop_timeout = keep_alive, load_timeout, stop_timeout
@@ -197,6 +218,8 @@ class Router:
                 spec = self.models.get(name)
                 if spec is None and name.endswith(":latest"):
                     spec = self.models.get(name[: -len(":latest")])
+                if spec is None:
+                    spec = self.by_source(name)
                 if spec is not None:
                     return spec
                 if attempt == 0:   # perhaps new since the last scan
@@ -207,8 +230,66 @@ class Router:
             raise RouterError(400, "model: must be a string", "invalid_value", "model")
         if len(self.models) == 1:
             return next(iter(self.models.values()))
+        if not self.models:
+            raise RouterError(404, "no models here yet: pull one (ollama's /api/pull, or `bitnet pull` on the server's "
+                              "machine)", "model_not_found", "model")
         raise RouterError(400, f"model: required: this server has several (models: {', '.join(sorted(self.models))})",
                           "missing_model", "model")
+
+    def by_source(self, name: str) -> ModelSpec | None:
+        """The cache's conversion of a hub id (OWNER/REPO[:FILE], or ollama's hf.co/OWNER/REPO[:FILE]): the name
+        a client that pulled it uses. Several conversions of it (other heads, other commits): the newest."""
+        ref = hub_name(name)
+        if "/" not in ref:
+            return None
+        found = [spec for spec in self.models.values() if spec.source and
+                 (spec.source.split("@")[0] == ref or spec.source.split("@")[0].split(":")[0] == ref)]
+        return max(found, key=lambda spec: spec.modified) if found else None
+
+    async def pull_updates(self, name: str, ref: str):
+        """ollama's progress objects for a pull of `ref`: {"status": ...} as it goes, {"status": "success"} at
+        the end, or {"error": "..."} (the pull's own one-line reason). The pull runs as its own process (the
+        download and the conversion are the CLI's); leaving this generator early (a client that hung up) ends it."""
+        yield {"status": "pulling manifest"}
+        proc = await asyncio.create_subprocess_exec(*self.pull(ref), stdin=asyncio.subprocess.DEVNULL,
+                                                    stdout=asyncio.subprocess.DEVNULL,
+                                                    stderr=asyncio.subprocess.PIPE)
+        self.log(f"pulling '{ref}'")
+        lines: list[str] = []
+        try:
+            yield {"status": f"downloading {ref}"}
+            buf = b""
+            while True:
+                piece = await proc.stderr.read(4096)
+                if not piece:
+                    break
+                buf += piece
+                *done, buf = re.split(rb"[\r\n]", buf)
+                for raw in done:
+                    text = raw.decode("utf-8", "replace").strip()
+                    if not text:
+                        continue
+                    lines = (lines + [text])[-20:]
+                    if text.startswith("bitnet: downloaded "):
+                        yield {"status": f"converting {ref}"}
+            code = await proc.wait()
+        finally:
+            if proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.terminate()
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(proc.wait(), 10)
+                self.log(f"pull of '{ref}' stopped: its client went away")
+        if code != 0:
+            errors = [ln for ln in lines if ln.startswith("bitnet: error: ")]
+            why = errors[-1].removeprefix("bitnet: error: ") if errors else (lines[-1] if lines else f"exit {code}")
+            self.log(f"pull of '{ref}' failed: {why}")
+            yield {"error": why}
+            return
+        await self.refresh(fresh=True)
+        spec = self.by_source(name)
+        self.log(f"pulled '{ref}'" + (f": served as '{spec.name}'" if spec else ""))
+        yield {"status": "success"}
 
     def count(self, *key):
         self.counts[key] = self.counts.get(key, 0) + 1
@@ -602,8 +683,59 @@ def create_router_app(router: Router, *, api_keys: tuple = (), limits: Limits | 
                "`bitnet rm NAME` on the server's machine removes a converted model" if what == "delete" else
                "bitnet serve does not push models")
         return JSONResponse({"error": f"/api/{what}: {why}"}, status_code=501)
-    for what in ("pull", "push", "create", "copy", "delete"):
-        app.add_api_route(f"/api/{what}", not_here, methods=["POST", "DELETE"] if what == "delete" else ["POST"])
+    for what in ("push", "create", "copy"):
+        app.add_api_route(f"/api/{what}", not_here, methods=["POST"])
+
+    def ollama_name(data: dict | None) -> str:
+        name = (data or {}).get("model") or (data or {}).get("name")   # older clients send `name`
+        if not isinstance(name, str) or not name.strip():
+            raise RouterError(400, "model: required (the model's name, a string)", "invalid_value", "model")
+        return name.strip()
+
+    @app.post("/api/pull")
+    async def api_pull(request: Request):
+        """ollama's pull for a --models-cache server: `bitnet pull` of the hub id (hf.co/OWNER/REPO[:FILE], or
+        OWNER/REPO[:FILE][@REV]) into the store cache, streamed as ollama's progress objects, then served under
+        `bitnet list`'s name and under the name pulled. Its process ends when the client hangs up."""
+        if router.pull is None:
+            return await not_here(request)
+        if router.draining:
+            raise RouterError(503, "shutting down", "unavailable", retry_after=router.retry_after)
+        data, _ = await body_model(request)
+        name = ollama_name(data)
+        stream = (data or {}).get("stream", True)
+        if not isinstance(stream, bool):
+            raise RouterError(400, "stream: must be true or false", "invalid_value", "stream")
+        ref = hub_name(name)
+        updates = router.pull_updates(name, ref)
+        if stream:
+            return StreamingResponse((json.dumps(u) + "\n" async for u in updates), media_type="application/x-ndjson")
+        last: dict = {}
+        async for u in updates:
+            last = u
+        if "error" in last:
+            return JSONResponse(last, status_code=500)
+        return last
+
+    @app.delete("/api/delete")
+    async def api_delete(request: Request):
+        """ollama's delete: a converted model of the store cache is unloaded and its file removed (as `bitnet
+        rm`); a --models-dir file is the user's and stays (400)."""
+        data, _ = await body_model(request)
+        spec = await router.resolve(ollama_name(data))
+        if not spec.cached:
+            raise RouterError(400, f"'{spec.name}' is {spec.path}, a file of --models-dir: the server deletes only "
+                              "the converted models of its cache (remove the file itself)", "invalid_value", "model")
+        await router.unload(spec)
+        try:
+            await asyncio.to_thread(os.remove, spec.path)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            raise RouterError(500, f"cannot delete '{spec.name}': {e.strerror}", "delete_failed") from None
+        router.log(f"deleted '{spec.name}' ({spec.path})")
+        await router.refresh(fresh=True)
+        return Response(status_code=200)
 
     @app.get("/metrics")
     async def metrics(request: Request):

@@ -417,6 +417,66 @@ def test_the_cache_hf_directories_and_models_added_while_it_runs(tmp_path, model
         s.stop()
 
 
+def test_ollama_pull_and_delete_on_a_cache_server(tmp_path, models_dir):
+    """--models-cache starts with an empty cache; ollama's client pulls a hub model (offline here: from a hub cache
+    built on disk, as tests/test_hub_cli.py does) with its progress stream; the model is then served under the
+    name pulled and under `bitnet list`'s, answering as a single-model server of `bitnet run -m REPO` does; a
+    pull that cannot happen is the pull's own one-line reason; delete removes the conversion (a second delete:
+    404), and a --models-dir file is never deleted."""
+    import json
+
+    import ollama
+    from bitnet_cpu.engine.synth import SynthModel, small_config, write_hf_dir
+    from test_hub_cli import COMMIT_A, add_snapshot, hf_files
+
+    src = write_hf_dir(SynthModel(small_config(max_position_embeddings=4096), seed=23), str(tmp_path / "src"))
+    add_snapshot(str(tmp_path / "hub"), "o/pulled", COMMIT_A, hf_files(src))
+    env = {"HF_HUB_CACHE": str(tmp_path / "hub"), "BITNET_CACHE": str(tmp_path / "stores"), "HF_HUB_OFFLINE": "1"}
+    s = Server("--models-cache", "--models-dir", str(models_dir), "-c", "1024", threads=1, env=env)
+    try:
+        client = ollama.Client(host=s.url, timeout=300 * slowness())
+        names = lambda: {m.model for m in client.list().models}   # noqa: E731
+        before = names()
+        assert before == {"tiny", "synth", "broken"}
+        updates = list(client.pull("hf.co/o/pulled", stream=True))
+        assert updates[0].status == "pulling manifest" and updates[-1].status == "success"
+        added = names() - before
+        assert len(added) == 1
+        (cache_name,) = added
+        rows = [json.loads(x) for x in subprocess.run(
+            [sys.executable, "-m", "bitnet_cpu", "list", "--json"], cwd=ROOT, capture_output=True, text=True,
+            env=dict(os.environ, PYTHONPATH=ROOT, **env), timeout=120 * slowness()).stdout.splitlines()]
+        assert [r["name"] for r in rows] == [cache_name] and rows[0]["source"].startswith("o/pulled@")
+        single = Server("-m", "o/pulled", "-c", "1024", "--alias", "single", threads=1, env=env)
+        try:
+            want = chat_text(single.url, "single")["choices"][0]["message"]["content"]
+        finally:
+            single.stop()
+        for name in ("hf.co/o/pulled", "hf.co/o/pulled:latest", "o/pulled", cache_name):
+            assert chat_text(s.url, name)["choices"][0]["message"]["content"] == want, name
+        # pulled again (already here): success, nothing new
+        assert client.pull("hf.co/o/pulled").status == "success" and names() == before | {cache_name}
+        # offline and not downloaded: the pull's own reason, in the stream and as a plain answer
+        with pytest.raises(ollama.ResponseError) as e:
+            list(client.pull("hf.co/o/absent", stream=True))
+        assert "o/absent" in e.value.error and "offline" in e.value.error
+        r = httpx.post(s.url + "/api/pull", json={"model": "hf.co/o/absent", "stream": False}, timeout=120)
+        assert r.status_code == 500 and "offline" in r.json()["error"]
+        assert httpx.post(s.url + "/api/pull", json={"model": ""}, timeout=30).status_code == 400
+        # delete: the conversion goes (it was loaded: unloaded first); the user's own files stay
+        client.delete("hf.co/o/pulled")
+        assert names() == before and not os.path.exists(rows[0]["path"])
+        with pytest.raises(ollama.ResponseError) as e:
+            client.delete("hf.co/o/pulled")
+        assert e.value.status_code == 404
+        with pytest.raises(ollama.ResponseError) as e:
+            client.delete("tiny")
+        assert e.value.status_code == 400 and "--models-dir" in e.value.error
+        assert (models_dir / "tiny.bnstore").exists()
+    finally:
+        s.stop()
+
+
 # ---- keys, shutdown, flags ----------------------------------------------------------------------------------
 def test_the_routers_key_guards_every_model(models_dir):
     s = Server("--models-dir", str(models_dir), "--api-key", "sesame", threads=1)
