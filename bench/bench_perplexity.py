@@ -1,6 +1,7 @@
 """`bitnet perplexity` beside llama.cpp's `llama-perplexity` on the same GGUF, same text, same machine, same run: the
-PPL each reports, the time each takes, and the KL divergence between the two engines' next-token distributions,
-both ways (each tool reads the other's base-logits file: the format is llama.cpp's). Not a test.
+PPL each reports, the time each takes, the KL divergence between the two engines' next-token distributions, both
+ways (each tool reads the other's base-logits file: the format is llama.cpp's), and HellaSwag's acc_norm over one
+task file made from the bundled corpus (llama.cpp's 6-line layout). Not a test.
 
     python bench/bench_perplexity.py [--shape small|2b4t] [--ctx 512] [--chunks 4] [--threads 2] [--text FILE]
                                      [--llama-perplexity PATH] [--json out.json]
@@ -56,6 +57,22 @@ def silu_model(cache: str, shape: str) -> tuple[str, str]:
     if not os.path.exists(store) or os.path.getmtime(store) < os.path.getmtime(gguf):
         convert(gguf, store, lm_head="f16", progress=False)
     return gguf, store
+
+
+def hellaswag_file(path: str, n_tasks: int = 200, seed: int = 5) -> str:
+    """llama.cpp's HellaSwag layout from the corpus: a story's opening, its next sentence among three of others."""
+    from bitnet_cpu.models.corpus import story
+    rng = random.Random(seed)
+    sents = [re.split(r"(?<=\.) ", story(rng)) for _ in range(2 * n_tasks)]
+    lines = []
+    for i in range(n_tasks):
+        k = rng.randrange(1, len(sents[i]) - 1)
+        others = [rng.choice(sents[n_tasks + rng.randrange(n_tasks)]) for _ in range(3)]
+        gold = rng.randrange(4)
+        lines += ["Story: " + " ".join(sents[i][:k]), str(gold)] + others[:gold] + [sents[i][k]] + others[gold:]
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("\n".join(lines) + "\n")
+    return path
 
 
 def story_text(path: str, n_docs: int = 400, seed: int = 7) -> str:
@@ -138,6 +155,18 @@ def main(argv=None) -> int:
         res["llama_vs_ours_base"] = {"kld": kl, "same_top": top / 100 if top is not None else None}
         print(f"llama.cpp vs our base   : mean KLD {kl}, same top {top}%")
         res["ppl_ratio_ours_over_llama"] = res["ours"]["ppl"] / ppl if ppl else None
+        # HellaSwag over every task of one file (both draw tasks at random, with different generators: the whole
+        # file is the same set)
+        hs = hellaswag_file(os.path.join(tmp, "hellaswag.txt"))
+        wall_o, rec = ours(["-m", store, "--hellaswag", "-f", hs, "--hellaswag-tasks", "0", "-t", str(a.threads)])
+        wall_l, out = llama(tool, ["-m", gguf, "--hellaswag", "-f", hs, "--hellaswag-tasks", "100000",
+                                   "-t", str(a.threads)])
+        rows = re.findall(r"^(\d+)\t([0-9.]+)%", out, re.M)
+        acc_l = float(rows[-1][1]) if rows else None
+        res["hellaswag"] = {"tasks": rec["tasks"], "ours_acc_norm": rec["acc_norm"], "llama_acc_norm": acc_l,
+                            "ours_wall_s": round(wall_o, 2), "llama_wall_s": round(wall_l, 2)}
+        print(f"HellaSwag, {rec['tasks']} tasks: acc_norm ours {rec['acc_norm']:.2f}%, llama.cpp {acc_l}%; "
+              f"{wall_o:.1f} s against {wall_l:.1f} s with start-up")
     if a.json_out:
         with open(a.json_out, "w") as f:
             json.dump(res, f, indent=1)

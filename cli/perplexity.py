@@ -6,13 +6,14 @@ by the other).
     bitnet perplexity -m MODEL -f wiki.test.raw                      # PPL over every 512-token chunk
     bitnet perplexity -m BASE -f TEXT --kl-divergence-base base.kld  # also save the base's log-probabilities
     bitnet perplexity -m OTHER --kl-divergence-base base.kld --kl-divergence
+    bitnet perplexity -m MODEL --hellaswag -f hellaswag_val_full.txt   # acc_norm, llama.cpp's task file
 
 The running PPL ("[1]7.1234,[2]...") and the final estimate (or the KL table and statistics) go to stdout, progress
 to stderr; --json prints one object instead. Ctrl-C prints the estimate over the chunks done and exits 130, leaving no
 half-written base file (an existing one is replaced only once a run completes).
 """
-HELP = ("measure perplexity over a text file, and the KL divergence from a base model's saved logits "
-        "(llama-perplexity's chunks, numbers and file)")
+HELP = ("measure perplexity over a text file, the KL divergence from a base model's saved logits, or HellaSwag's "
+        "acc_norm (llama-perplexity's chunks, numbers and files)")
 
 DEFAULT_CTX = 512   # llama-perplexity's
 
@@ -37,11 +38,20 @@ def add_arguments(p):
                         "then read%(default).0s")
     p.add_argument("--kl-divergence", dest="kld", action="store_true",
                    help="compare with --kl-divergence-base: KL divergence, PPL ratio, top-token agreement%(default).0s")
+    p.add_argument("--hellaswag", action="store_true",
+                   help="score HellaSwag tasks from -f (llama.cpp's 6-line file) as llama-perplexity --hellaswag: "
+                        "acc_norm with its 95%% interval%(default).0s")
+    p.add_argument("--hellaswag-tasks", dest="hellaswag_tasks", type=int, default=400, metavar="N",
+                   help="tasks to score, drawn at random (a fixed seed) from the file; 0: every one")
     p.add_argument("--json", action="store_true", help="print one JSON object with the results%(default).0s")
 
 
 def _check(args) -> None:
     from ..engine.errors import BitNetError
+    if args.hellaswag and (args.kld or args.kld_base):
+        raise BitNetError("--hellaswag scores tasks: it takes no --kl-divergence / --kl-divergence-base")
+    if args.hellaswag_tasks < 0:
+        raise BitNetError(f"--hellaswag-tasks {args.hellaswag_tasks}: must be >= 0 (0: every task)")
     if args.kld and not args.kld_base:
         raise BitNetError("--kl-divergence needs --kl-divergence-base FILE (the base model's logits)")
     if not args.kld and args.file is None:
@@ -94,11 +104,14 @@ def main(args) -> int:
             n_ctx = reader.n_ctx
         else:
             n_ctx = args.ctx or DEFAULT_CTX
+        tasks = _hellaswag_tasks(args) if args.hellaswag else None   # a bad file: one line before the load
         llm = load_model(args.model, ctx=n_ctx, threads=args.threads, kv_dtype=args.kv, lm_head=args.lm_head,
                          progress=sys.stderr.isatty())
         try:
             for w in llm.warnings:
                 print(f"bitnet: warning: {w}", file=sys.stderr)
+            if tasks is not None:
+                return _hellaswag(args, llm, tasks)
             return _score(args, llm, reader, n_ctx)
         finally:
             llm.close()
@@ -235,3 +248,67 @@ def _kld_report(s: dict) -> str:
               f"RMS Δp    : {100 * s['p_diff_rms']:6.3f} ± {100 * s['p_diff_rms_err']:5.3f} %",
               f"Same top p: {100 * s['same_top']:6.3f} ± {100 * s['same_top_err']:5.3f} %"]
     return "\n".join(lines) + "\n"
+
+
+def _hellaswag_tasks(args) -> list:
+    """The tasks to score: every one, or --hellaswag-tasks of them drawn with a fixed seed (llama-perplexity also
+    draws at random, with its own generator: the same whole file gives the same set, a part of it another)."""
+    import random
+
+    from ..engine.runtime.perplexity import parse_hellaswag
+    tasks = parse_hellaswag(_read_text(args.file))
+    n = len(tasks) if args.hellaswag_tasks == 0 else min(args.hellaswag_tasks, len(tasks))
+    order = list(range(len(tasks)))
+    random.Random(1).shuffle(order)
+    return [tasks[i] for i in order[:n]]
+
+
+def _hellaswag(args, llm, tasks) -> int:
+    """acc_norm over the tasks, a line per task as llama-perplexity prints them (task, running accuracy, its 95%
+    Wilson interval); Ctrl-C keeps what was scored."""
+    import json
+    import sys
+    import time
+
+    from ..engine.errors import BitNetError
+    from ..engine.runtime.perplexity import hellaswag_scores, wilson
+    out = sys.stdout
+    all_seqs = []
+    for task in tasks:   # every task is checked before the first is scored
+        seqs = [llm.tokenize(task.context + " " + ending, add_bos=True, special=False) for ending in task.endings]
+        longest = max(len(x) for x in seqs)
+        if longest > llm.n_ctx:
+            raise BitNetError(f"HellaSwag task {task.index + 1} needs {longest} tokens, over the context "
+                              f"({llm.n_ctx})", hint="raise -c")
+        all_seqs.append(seqs)
+    _info(f"scoring {len(tasks)} HellaSwag tasks, {llm.threads} threads")
+    if not args.json:
+        out.write("\ntask\tacc_norm\t95% confidence interval\n")
+    right, results = 0, []
+    started = time.perf_counter()
+    interrupted = False
+    try:
+        for n, (task, seqs) in enumerate(zip(tasks, all_seqs), 1):
+            scores = hellaswag_scores(llm.model, seqs)
+            chosen = max(range(4), key=lambda j: (scores[j], -j))   # the first of equal bests, as llama.cpp
+            right += chosen == task.gold
+            results.append({"task": task.index, "gold": task.gold, "chosen": chosen, "scores": scores})
+            if not args.json:
+                lo, hi = wilson(right, n)
+                out.write(f"{n}\t{100 * right / n:3.8f}%\t[{100 * lo:3.4f}%, {100 * hi:3.4f}%]\n")
+                out.flush()
+    except KeyboardInterrupt:
+        interrupted = True
+    n = len(results)
+    if args.json and n:
+        lo, hi = wilson(right, n)
+        rec = {"tasks": n, "tasks_planned": len(tasks), "acc_norm": 100 * right / n, "ci95": [100 * lo, 100 * hi],
+               "seconds": round(time.perf_counter() - started, 3), "results": results}
+        if interrupted:
+            rec["interrupted"] = True
+        out.write(json.dumps(rec) + "\n")
+        out.flush()
+    if interrupted:
+        print(f"bitnet: interrupted after {n} of {len(tasks)} tasks", file=sys.stderr)
+        return 130
+    return 0

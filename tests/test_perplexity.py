@@ -285,3 +285,83 @@ def test_special_token_spelling_is_plain_text(llm, tmp_path):
     assert eos not in tokens.ravel().tolist()
     assert tokens.ravel().tolist() == llm.tokenize(path.read_text(encoding="utf-8"), add_bos=True,
                                                    special=False)[: tokens.size]
+
+
+# ---- HellaSwag -------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def hellaswag_file(tmp_path_factory):
+    """llama.cpp's 6-line layout, made from the corpus: a story's first sentences, its next sentence among three
+    sentences of other stories (the model knows the stories: most tasks are right, not all)."""
+    import re
+    rng = random.Random(5)
+    sents = [re.split(r"(?<=\.) ", story(rng)) for _ in range(80)]
+    lines = []
+    for i in range(24):
+        k = rng.randrange(1, len(sents[i]) - 1)
+        others = [rng.choice(sents[40 + rng.randrange(40)]) for _ in range(3)]
+        gold = rng.randrange(4)
+        lines += ["Story: " + " ".join(sents[i][:k]), str(gold)] + others[:gold] + [sents[i][k]] + others[gold:]
+    path = tmp_path_factory.mktemp("hs") / "hellaswag.txt"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return str(path)
+
+
+def test_hellaswag_is_the_definition(llm, hellaswag_file):
+    """Each ending's score is the mean log-probability of its tokens after the part the four sequences share
+    (computed here from LLM.forward over each whole sequence); the task is right when the gold ending's is the
+    highest; the running accuracy and its Wilson interval are llama-perplexity's lines."""
+    r = bitnet("--hellaswag", "-f", hellaswag_file, "--hellaswag-tasks", "0", "--json")
+    assert r.returncode == 0, r.stderr
+    rec = json.loads(r.stdout)
+    lines = open(hellaswag_file, encoding="utf-8").read().split("\n")
+    assert rec["tasks"] == 24 and sorted(x["task"] for x in rec["results"]) == list(range(24))
+    right = 0
+    for res in rec["results"]:
+        block = lines[6 * res["task"]: 6 * res["task"] + 6]
+        seqs = [llm.tokenize(block[0] + " " + e, add_bos=True, special=False) for e in block[2:]]
+        common = 0
+        while len({s[common] for s in seqs}) == 1:
+            common += 1
+        want = []
+        for s in seqs:
+            lp = log_softmax(llm.forward(s))
+            want.append(float(np.mean([lp[t - 1, s[t]] for t in range(common, len(s))])))
+        assert res["scores"] == pytest.approx(want, abs=1e-5)
+        assert res["gold"] == int(block[1]) and res["chosen"] == int(np.argmax(want))
+        right += res["chosen"] == res["gold"]
+    assert rec["acc_norm"] == pytest.approx(100 * right / 24)
+    assert 0 < right < 24   # neither all nor none: a mix-up of gold and chosen could not pass both ways
+    text = bitnet("--hellaswag", "-f", hellaswag_file, "--hellaswag-tasks", "0").stdout.strip().splitlines()
+    assert text[0] == "task\tacc_norm\t95% confidence interval"
+    n, acc, ci = text[-1].split("\t")
+    assert int(n) == 24 and float(acc.rstrip("%")) == pytest.approx(100 * right / 24, abs=1e-6)
+    lo, hi = (float(x.strip(" %")) for x in ci.strip("[]").split(","))
+    assert lo == pytest.approx(rec["ci95"][0], abs=1e-4) and hi == pytest.approx(rec["ci95"][1], abs=1e-4)
+
+
+def test_hellaswag_draws_the_tasks_asked(hellaswag_file):
+    rec = json.loads(bitnet("--hellaswag", "-f", hellaswag_file, "--hellaswag-tasks", "7", "--json").stdout)
+    picked = [x["task"] for x in rec["results"]]
+    assert rec["tasks"] == 7 and len(set(picked)) == 7 and all(0 <= t < 24 for t in picked)
+    again = json.loads(bitnet("--hellaswag", "-f", hellaswag_file, "--hellaswag-tasks", "7", "--json").stdout)
+    assert [x["task"] for x in again["results"]] == picked   # a fixed seed
+
+
+@pytest.mark.parametrize("case", ["lines", "gold", "kld", "ctx", "negative"])
+def test_hellaswag_bad_input_is_one_line(case, hellaswag_file, tmp_path):
+    bad = tmp_path / "bad.txt"
+    good = open(hellaswag_file, encoding="utf-8").read().split("\n")
+    if case == "lines":
+        bad.write_text("\n".join(good[:7]) + "\n", encoding="utf-8")
+    elif case == "gold":
+        bad.write_text("\n".join(good[:1] + ["seven"] + good[2:6]) + "\n", encoding="utf-8")
+    args = {"lines": ("-f", str(bad)), "gold": ("-f", str(bad)),
+            "kld": ("-f", hellaswag_file, "--kl-divergence-base", str(tmp_path / "x.kld")),
+            "ctx": ("-f", hellaswag_file, "-c", "8"), "negative": ("-f", hellaswag_file, "--hellaswag-tasks", "-1")}[case]
+    r = bitnet("--hellaswag", *args)
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("bitnet: error: "), r.stderr
+    want = {"lines": "6 lines per task", "gold": "not a gold ending index", "kld": "--kl-divergence",
+            "ctx": "raise -c", "negative": "--hellaswag-tasks -1"}[case]
+    assert want in lines[0]

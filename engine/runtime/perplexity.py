@@ -333,3 +333,68 @@ class KldStats:
             "p_diff_rms": row["p_diff_rms"], "p_diff_rms_err": row["p_diff_rms_err"],
             "same_top": row["same_top"], "same_top_err": row["same_top_err"],
         }
+
+
+# ---- HellaSwag (llama-perplexity --hellaswag) -----------------------------------------------------------------
+# llama.cpp's task file (its hellaswag_val_full.txt, from the HellaSwag validation set as lm-evaluation-harness
+# prepares it): 6 lines per task: "activity_label: ctx", the gold ending's index (0-3), the 4 endings. Each ending
+# is scored as the mean log-probability of the tokens of tokenize(BOS + ctx + " " + ending) after the part the four
+# sequences share; the task counts as right when the gold ending has the highest mean (acc_norm), and the running
+# accuracy comes with its 95% Wilson interval, as llama-perplexity prints them.
+
+HELLASWAG_Z = 1.95996398454
+
+
+class HellaswagTask:
+    def __init__(self, index: int, context: str, gold: int, endings: list[str]):
+        self.index, self.context, self.gold, self.endings = index, context, gold, endings
+
+
+def parse_hellaswag(text: str) -> list[HellaswagTask]:
+    """The tasks of a llama.cpp HellaSwag file; BitNetError naming the first line that is not one."""
+    lines = text.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    if not lines or len(lines) % 6:
+        raise BitNetError(f"a HellaSwag file has 6 lines per task; this one has {len(lines)} lines",
+                          hint="llama.cpp's hellaswag_val_full.txt layout: context, gold index 0-3, 4 endings")
+    tasks = []
+    for t in range(len(lines) // 6):
+        block = [ln.rstrip("\r") for ln in lines[6 * t: 6 * t + 6]]
+        if block[1].strip() not in ("0", "1", "2", "3"):
+            raise BitNetError(f"HellaSwag line {6 * t + 2}: {block[1][:40]!r} is not a gold ending index 0-3")
+        tasks.append(HellaswagTask(t, block[0], int(block[1]), block[2:6]))
+    return tasks
+
+
+def wilson(right: int, n: int) -> tuple[float, float]:
+    """The 95% Wilson score interval of right / n (llama-perplexity's)."""
+    z2 = HELLASWAG_Z * HELLASWAG_Z / n
+    freq = right / n
+    half = z2 * math.sqrt(n * (4.0 * freq * (1 - freq) + z2)) / (HELLASWAG_Z + HELLASWAG_Z)
+    return (freq + z2 * 0.5 - half) / (1.0 + z2), (freq + z2 * 0.5 + half) / (1.0 + z2)
+
+
+def _logprob(logits: np.ndarray, token: int) -> float:
+    top = float(logits.max())
+    return float(logits[token]) - top - math.log(float(np.exp(logits - np.float32(top)).sum(dtype=np.float64)))
+
+
+def hellaswag_scores(model, seqs: list[list[int]]) -> list[float]:
+    """The mean log-probability of each sequence's tokens after the prefix they all share (llama-perplexity's
+    acc_norm scores): the shared prefix runs once, each ending after it from that cache position."""
+    common = 0
+    while all(common < len(s) for s in seqs) and len({s[common] for s in seqs}) == 1:
+        common += 1
+    common = max(1, min(common, min(len(s) for s in seqs) - 1))   # at least one token of each ending is scored
+    model.reset()
+    last = model.prefill(seqs[0][:common]).copy()   # the logits that predict each ending's first token
+    scores = []
+    for s in seqs:
+        model.truncate(common)
+        total = _logprob(last, s[common])
+        if len(s) - 1 > common:
+            rows = model.prefill(s[common: len(s) - 1], all_logits=True)
+            total += sum(_logprob(rows[i], s[common + 1 + i]) for i in range(len(rows)))
+        scores.append(total / (len(s) - common))
+    return scores
