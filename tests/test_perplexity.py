@@ -365,3 +365,20 @@ def test_hellaswag_bad_input_is_one_line(case, hellaswag_file, tmp_path):
     want = {"lines": "6 lines per task", "gold": "not a gold ending index", "kld": "--kl-divergence",
             "ctx": "raise -c", "negative": "--hellaswag-tasks -1"}[case]
     assert want in lines[0]
+
+
+def test_hellaswag_ctrl_c_keeps_what_was_scored(hellaswag_file, tmp_path):
+    many = tmp_path / "many.txt"
+    many.write_text(open(hellaswag_file, encoding="utf-8").read() * 400, encoding="utf-8")
+    p = subprocess.Popen([sys.executable, "-m", "bitnet_cpu", "perplexity", "-t", "1", "--hellaswag", "-f", str(many),
+                          "--hellaswag-tasks", "0"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    head = b""
+    while b"\n1\t" not in head:   # the header, then the first task's line
+        piece = p.stdout.read1(4096)
+        assert piece, p.stderr.read().decode()
+        head += piece
+    p.send_signal(signal.SIGINT)
+    rest, err = p.communicate(timeout=120)
+    assert p.returncode == 130 and b"Traceback" not in err, err.decode()
+    assert b"interrupted after " in err and b"of 9600 tasks" in err
