@@ -272,6 +272,8 @@ class Router:
                     lines = (lines + [text])[-20:]
                     if text.startswith("bitnet: downloaded "):
                         yield {"status": f"converting {ref}"}
+            if buf.strip():   # a last line without its newline
+                lines = (lines + [buf.decode("utf-8", "replace").strip()])[-20:]
             code = await proc.wait()
         finally:
             if proc.returncode is None:
@@ -720,7 +722,9 @@ def create_router_app(router: Router, *, api_keys: tuple = (), limits: Limits | 
     @app.delete("/api/delete")
     async def api_delete(request: Request):
         """ollama's delete: a converted model of the store cache is unloaded and its file removed (as `bitnet
-        rm`); a --models-dir file is the user's and stays (400)."""
+        rm`); a --models-dir file is the user's and stays (400). Without --models-cache: 501, as /api/pull."""
+        if router.pull is None:
+            return await not_here(request)
         data, _ = await body_model(request)
         spec = await router.resolve(ollama_name(data))
         if not spec.cached:

@@ -165,6 +165,9 @@ def test_unknown_and_missing_model_in_each_apis_shape(router):
     with pytest.raises(ollama.ResponseError) as e:   # the model exists, but it is pulled with `bitnet pull`
         ollama.Client(host=router.url).pull("tiny")
     assert e.value.status_code == 501 and "bitnet pull" in e.value.error
+    with pytest.raises(ollama.ResponseError) as e:   # without --models-cache nothing is deleted
+        ollama.Client(host=router.url).delete("tiny")
+    assert e.value.status_code == 501 and "bitnet rm" in e.value.error
     assert post(router.url, "/v1/chat/completions", {"model": 7, "messages": CHAT}).status_code == 400
     big = httpx.post(router.url + "/v1/chat/completions", content=b"x" * (5 << 20), timeout=30)
     assert big.status_code == 413   # the router's own --max-body-mb, before any model is touched
