@@ -1,10 +1,10 @@
 """`bitnet perplexity` beside llama.cpp's `llama-perplexity` on the same GGUF, same text, same machine, same run: the
 PPL each reports, the time each takes, the KL divergence between the two engines' next-token distributions, both
-ways (each tool reads the other's base-logits file: the format is llama.cpp's), and HellaSwag's acc_norm over one
-task file made from the bundled corpus (llama.cpp's 6-line layout). Not a test.
+ways (each tool reads the other's base-logits file: the format is llama.cpp's), and HellaSwag's acc_norm and
+Winogrande's score over task files made from the bundled corpus (llama.cpp's layouts). Not a test.
 
     python bench/bench_perplexity.py [--shape small|2b4t] [--ctx 512] [--chunks 4] [--threads 2] [--text FILE]
-                                     [--llama-perplexity PATH] [--json out.json]
+                                     [--parts hellaswag,winogrande] [--llama-perplexity PATH] [--json out.json]
 
 The model is bench/make_models.py's synthetic model (random ternary weights: its PPL is large, the comparison is what
 counts) written as a TQ2_0 GGUF with SiLU, the activation llama.cpp's `bitnet` graph computes (make_models' own file
@@ -75,6 +75,31 @@ def hellaswag_file(path: str, n_tasks: int = 200, seed: int = 5) -> str:
     return path
 
 
+def winogrande_file(path: str, n_tasks: int = 200, seed: int = 9) -> str:
+    """llama.cpp's Winogrande CSV from the corpus: a story's opening with its hero's last mention as "_", the hero
+    and another story's hero as the choices."""
+    from bitnet_cpu.models.corpus import story
+    rng = random.Random(seed)
+    stories = [story(rng) for _ in range(3 * n_tasks)]
+    names = sorted({m.group(1) for st in stories for m in [re.search(r"named (\w+)", st)] if m})
+    rows = ["index,sentence,option1,option2,answer"]
+    for st in stories:
+        m = re.search(r"named (\w+)", st)
+        seg = " ".join(re.split(r"(?<=\.) ", st)[:4])
+        k = seg.rfind(m.group(1)) if m else -1
+        if m is None or k <= m.end():
+            continue
+        other = rng.choice([n for n in names if n != m.group(1)])
+        answer = rng.randrange(1, 3)
+        opts = (m.group(1), other) if answer == 1 else (other, m.group(1))
+        rows.append(f'{len(rows) - 1},"{seg[:k]}_{seg[k + len(m.group(1)):]}",{opts[0]},{opts[1]},{answer}')
+        if len(rows) > n_tasks + 1:
+            break
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("\n".join(rows) + "\n")
+    return path
+
+
 def story_text(path: str, n_docs: int = 400, seed: int = 7) -> str:
     from bitnet_cpu.models.corpus import story
     rng = random.Random(seed)
@@ -103,6 +128,43 @@ def llama(tool: str, args: list[str]) -> tuple[float, str]:
     return wall, r.stdout + r.stderr
 
 
+def hellaswag_pair(tool, gguf, store, tmp, threads) -> dict:
+    """HellaSwag over every task of one file, both tools in the same (drawn) order: acc_norm, how many tasks the
+    two scored the same way (right or wrong), and the time."""
+    hs = hellaswag_file(os.path.join(tmp, "hellaswag.txt"))
+    wall_o, rec = ours(["-m", store, "--hellaswag", "-f", hs, "--hellaswag-tasks", "0", "-t", str(threads)])
+    wall_l, out = llama(tool, ["-m", gguf, "--hellaswag", "-f", hs, "--hellaswag-tasks", "100000", "-t", str(threads)])
+    accs = [(int(n), float(acc)) for n, acc in re.findall(r"^(\d+)\t([0-9.]+)%", out, re.M)]
+    hits, prev = [], 0
+    for n, acc in accs:   # llama-perplexity prints the running accuracy only: each task's hit is its step
+        now = round(acc * n / 100)
+        hits.append(now > prev)
+        prev = now
+    ours_hits = [r["chosen"] == r["gold"] for r in rec["results"]]
+    same = sum(a == b for a, b in zip(hits, ours_hits))
+    out_rec = {"tasks": rec["tasks"], "ours_acc_norm": rec["acc_norm"], "llama_acc_norm": accs[-1][1] if accs else None,
+               "same_outcome": same, "ours_wall_s": round(wall_o, 2), "llama_wall_s": round(wall_l, 2)}
+    print(f"HellaSwag, {rec['tasks']} tasks: acc_norm ours {rec['acc_norm']:.2f}%, llama.cpp "
+          f"{out_rec['llama_acc_norm']}%; the same outcome on {same} of {len(hits)} tasks; {wall_o:.1f} s against "
+          f"{wall_l:.1f} s with start-up")
+    return out_rec
+
+
+def winogrande_pair(tool, gguf, store, tmp, threads) -> dict:
+    """Winogrande over one CSV, both tools: the score, how many choices agree, and the time."""
+    wg = winogrande_file(os.path.join(tmp, "winogrande.csv"))
+    wall_o, rec = ours(["-m", store, "--winogrande", "-f", wg, "-t", str(threads)])
+    wall_l, out = llama(tool, ["-m", gguf, "--winogrande", "-f", wg, "-t", str(threads)])
+    chosen = [int(c) for c in re.findall(r"^\d+\t[0-9.]+\t\s*-?[0-9.]+\s+-?[0-9.]+\s+(\d)\s+\d$", out, re.M)]
+    same = sum(a == r["chosen"] for a, r in zip(chosen, rec["results"]))
+    final = grab(r"Final Winogrande score\(\d+ tasks\): ([0-9.]+)", out)
+    out_rec = {"tasks": rec["tasks"], "ours_score": rec["score"], "llama_score": final, "same_choice": same,
+               "ours_wall_s": round(wall_o, 2), "llama_wall_s": round(wall_l, 2)}
+    print(f"Winogrande, {rec['tasks']} tasks: ours {rec['score']:.2f}, llama.cpp {final}; the same choice on {same} "
+          f"of {len(chosen)}; {wall_o:.1f} s against {wall_l:.1f} s with start-up")
+    return out_rec
+
+
 def grab(pattern: str, text: str) -> float | None:
     m = re.search(pattern, text)
     return float(m.group(1)) if m else None
@@ -118,7 +180,10 @@ def main(argv=None) -> int:
     ap.add_argument("--cache", default=DEFAULT_CACHE)
     ap.add_argument("--llama-perplexity", dest="tool", default=None)
     ap.add_argument("--json", dest="json_out", default=None)
+    ap.add_argument("--parts", default="hellaswag,winogrande",
+                    help="task sets to run beside PPL and KL (comma-separated; '' for none)")
     a = ap.parse_args(argv)
+    a.parts = [x for x in a.parts.split(",") if x]
     tool = find_tool(a.tool, a.cache)
     gguf, store = silu_model(a.cache, a.shape)
     tmp = tempfile.mkdtemp(prefix="bench-ppl-")
@@ -155,18 +220,10 @@ def main(argv=None) -> int:
         res["llama_vs_ours_base"] = {"kld": kl, "same_top": top / 100 if top is not None else None}
         print(f"llama.cpp vs our base   : mean KLD {kl}, same top {top}%")
         res["ppl_ratio_ours_over_llama"] = res["ours"]["ppl"] / ppl if ppl else None
-        # HellaSwag over every task of one file (both draw tasks at random, with different generators: the whole
-        # file is the same set)
-        hs = hellaswag_file(os.path.join(tmp, "hellaswag.txt"))
-        wall_o, rec = ours(["-m", store, "--hellaswag", "-f", hs, "--hellaswag-tasks", "0", "-t", str(a.threads)])
-        wall_l, out = llama(tool, ["-m", gguf, "--hellaswag", "-f", hs, "--hellaswag-tasks", "100000",
-                                   "-t", str(a.threads)])
-        rows = re.findall(r"^(\d+)\t([0-9.]+)%", out, re.M)
-        acc_l = float(rows[-1][1]) if rows else None
-        res["hellaswag"] = {"tasks": rec["tasks"], "ours_acc_norm": rec["acc_norm"], "llama_acc_norm": acc_l,
-                            "ours_wall_s": round(wall_o, 2), "llama_wall_s": round(wall_l, 2)}
-        print(f"HellaSwag, {rec['tasks']} tasks: acc_norm ours {rec['acc_norm']:.2f}%, llama.cpp {acc_l}%; "
-              f"{wall_o:.1f} s against {wall_l:.1f} s with start-up")
+        if "hellaswag" in a.parts:
+            res["hellaswag"] = hellaswag_pair(tool, gguf, store, tmp, a.threads)
+        if "winogrande" in a.parts:
+            res["winogrande"] = winogrande_pair(tool, gguf, store, tmp, a.threads)
     if a.json_out:
         with open(a.json_out, "w") as f:
             json.dump(res, f, indent=1)

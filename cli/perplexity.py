@@ -7,13 +7,14 @@ by the other).
     bitnet perplexity -m BASE -f TEXT --kl-divergence-base base.kld  # also save the base's log-probabilities
     bitnet perplexity -m OTHER --kl-divergence-base base.kld --kl-divergence
     bitnet perplexity -m MODEL --hellaswag -f hellaswag_val_full.txt   # acc_norm, llama.cpp's task file
+    bitnet perplexity -m MODEL --winogrande -f winogrande-debiased-eval.csv
 
 The running PPL ("[1]7.1234,[2]...") and the final estimate (or the KL table and statistics) go to stdout, progress
 to stderr; --json prints one object instead. Ctrl-C prints the estimate over the chunks done and exits 130, leaving no
 half-written base file (an existing one is replaced only once a run completes).
 """
-HELP = ("measure perplexity over a text file, the KL divergence from a base model's saved logits, or HellaSwag's "
-        "acc_norm (llama-perplexity's chunks, numbers and files)")
+HELP = ("measure perplexity over a text file, the KL divergence from a base model's saved logits, HellaSwag or "
+        "Winogrande (llama-perplexity's chunks, numbers and files)")
 
 DEFAULT_CTX = 512   # llama-perplexity's
 
@@ -42,16 +43,26 @@ def add_arguments(p):
                    help="score HellaSwag tasks from -f (llama.cpp's 6-line file) as llama-perplexity --hellaswag: "
                         "acc_norm with its 95%% interval%(default).0s")
     p.add_argument("--hellaswag-tasks", dest="hellaswag_tasks", type=int, default=400, metavar="N",
-                   help="tasks to score, drawn at random (a fixed seed) from the file; 0: every one")
+                   help="tasks to score, drawn at random from the file as llama-perplexity draws them (the same "
+                        "tasks where it was built with GCC's libstdc++); 0: every one")
+    p.add_argument("--winogrande", action="store_true",
+                   help="score Winogrande tasks from -f (llama.cpp's CSV: index,sentence,choice1,choice2,answer) as "
+                        "llama-perplexity --winogrande%(default).0s")
+    p.add_argument("--winogrande-tasks", dest="winogrande_tasks", type=int, default=0, metavar="N",
+                   help="tasks to score, drawn as llama-perplexity draws them; 0: every one, in the file's order")
     p.add_argument("--json", action="store_true", help="print one JSON object with the results%(default).0s")
 
 
 def _check(args) -> None:
     from ..engine.errors import BitNetError
-    if args.hellaswag and (args.kld or args.kld_base):
-        raise BitNetError("--hellaswag scores tasks: it takes no --kl-divergence / --kl-divergence-base")
-    if args.hellaswag_tasks < 0:
-        raise BitNetError(f"--hellaswag-tasks {args.hellaswag_tasks}: must be >= 0 (0: every task)")
+    if args.hellaswag and args.winogrande:
+        raise BitNetError("--hellaswag and --winogrande: one task set at a time")
+    task = "--hellaswag" if args.hellaswag else "--winogrande" if args.winogrande else None
+    if task and (args.kld or args.kld_base):
+        raise BitNetError(f"{task} scores tasks: it takes no --kl-divergence / --kl-divergence-base")
+    for flag, n in (("--hellaswag-tasks", args.hellaswag_tasks), ("--winogrande-tasks", args.winogrande_tasks)):
+        if n < 0:
+            raise BitNetError(f"{flag} {n}: must be >= 0 (0: every task)")
     if args.kld and not args.kld_base:
         raise BitNetError("--kl-divergence needs --kl-divergence-base FILE (the base model's logits)")
     if not args.kld and args.file is None:
@@ -104,14 +115,16 @@ def main(args) -> int:
             n_ctx = reader.n_ctx
         else:
             n_ctx = args.ctx or DEFAULT_CTX
-        tasks = _hellaswag_tasks(args) if args.hellaswag else None   # a bad file: one line before the load
+        # a bad task file: one line before the load
+        tasks, skipped = (_hellaswag_tasks(args), 0) if args.hellaswag else \
+            _winogrande_tasks(args) if args.winogrande else (None, 0)
         llm = load_model(args.model, ctx=n_ctx, threads=args.threads, kv_dtype=args.kv, lm_head=args.lm_head,
                          progress=sys.stderr.isatty())
         try:
             for w in llm.warnings:
                 print(f"bitnet: warning: {w}", file=sys.stderr)
             if tasks is not None:
-                return _hellaswag(args, llm, tasks)
+                return _hellaswag(args, llm, tasks) if args.hellaswag else _winogrande(args, llm, tasks, skipped)
             return _score(args, llm, reader, n_ctx)
         finally:
             llm.close()
@@ -251,16 +264,10 @@ def _kld_report(s: dict) -> str:
 
 
 def _hellaswag_tasks(args) -> list:
-    """The tasks to score: every one, or --hellaswag-tasks of them drawn with a fixed seed (llama-perplexity also
-    draws at random, with its own generator: the same whole file gives the same set, a part of it another)."""
-    import random
-
-    from ..engine.runtime.perplexity import parse_hellaswag
+    """The tasks to score, in order: --hellaswag-tasks of them (0: all) drawn as llama-perplexity draws them."""
+    from ..engine.runtime.perplexity import draw_hellaswag, parse_hellaswag
     tasks = parse_hellaswag(_read_text(args.file))
-    n = len(tasks) if args.hellaswag_tasks == 0 else min(args.hellaswag_tasks, len(tasks))
-    order = list(range(len(tasks)))
-    random.Random(1).shuffle(order)
-    return [tasks[i] for i in order[:n]]
+    return draw_hellaswag(tasks, len(tasks) if args.hellaswag_tasks == 0 else args.hellaswag_tasks)
 
 
 def _hellaswag(args, llm, tasks) -> int:
@@ -307,6 +314,72 @@ def _hellaswag(args, llm, tasks) -> int:
         if interrupted:
             rec["interrupted"] = True
         out.write(json.dumps(rec) + "\n")
+        out.flush()
+    if interrupted:
+        print(f"bitnet: interrupted after {n} of {len(tasks)} tasks", file=sys.stderr)
+        return 130
+    return 0
+
+
+def _winogrande_tasks(args) -> tuple[list, int]:
+    """(the tasks to score, the lines that were none: a header)."""
+    from ..engine.errors import BitNetError
+    from ..engine.runtime.perplexity import draw_winogrande, parse_winogrande
+    tasks, skipped = parse_winogrande(_read_text(args.file))
+    if not tasks:
+        raise BitNetError(f"-f/--file {args.file}: no Winogrande tasks in it",
+                          hint="llama.cpp's CSV: index,sentence with _,choice1,choice2,answer 1 or 2")
+    return draw_winogrande(tasks, args.winogrande_tasks), skipped
+
+
+def _winogrande(args, llm, tasks, skipped: int) -> int:
+    """Winogrande's accuracy, a line per task as llama-perplexity prints them (task, running accuracy, the two
+    scores, the choice, the answer), and its final score with the standard error from 100 tasks on."""
+    import json
+    import math
+    import sys
+    import time
+
+    from ..engine.errors import BitNetError
+    from ..engine.runtime.perplexity import winogrande_scores
+    out = sys.stdout
+    prepared = []
+    for task in tasks:   # every task is checked before the first is scored
+        seqs = [llm.tokenize(task.first + c + task.second, add_bos=True, special=False) for c in task.choices]
+        bases = [len(llm.tokenize(task.first + c, add_bos=True, special=False)) for c in task.choices]
+        if max(len(x) for x in seqs) > llm.n_ctx:
+            raise BitNetError(f"Winogrande task {task.index + 1} needs {max(len(x) for x in seqs)} tokens, over the "
+                              f"context ({llm.n_ctx})", hint="raise -c")
+        prepared.append((seqs, bases))
+    if skipped:
+        _info(f"skipped {skipped} lines that are not tasks (a header?)")
+    _info(f"scoring {len(tasks)} Winogrande tasks, {llm.threads} threads")
+    right, results, interrupted = 0, [], False
+    started = time.perf_counter()
+    try:
+        for n, (task, (seqs, bases)) in enumerate(zip(tasks, prepared), 1):
+            s1, s2 = winogrande_scores(llm.model, seqs, bases)
+            chosen = 1 if s1 > s2 else 2   # a nan loses to a number, as in llama-perplexity
+            right += chosen == task.answer
+            results.append({"task": task.index, "answer": task.answer, "chosen": chosen, "scores": [s1, s2]})
+            if not args.json:
+                out.write(f"{n}\t{100 * right / n:.4f}\t{s1:10.6f}  {s2:10.6f}  {chosen}  {task.answer}\n")
+                out.flush()
+    except KeyboardInterrupt:
+        interrupted = True
+    n = len(results)
+    if n:
+        p = right / n
+        err = 100 * math.sqrt(p * (1 - p) / (n - 1)) if n > 1 else 0.0
+        if args.json:
+            rec = {"tasks": n, "tasks_planned": len(tasks), "score": 100 * p, "score_err": err,
+                   "seconds": round(time.perf_counter() - started, 3),
+                   "results": [{**r, "scores": [x if x == x else None for x in r["scores"]]} for r in results]}
+            if interrupted:
+                rec["interrupted"] = True
+            out.write(json.dumps(rec) + "\n")
+        elif n >= 100:
+            out.write(f"\nFinal Winogrande score({n} tasks): {100 * p:.4f} +/- {err:.4f}\n")
         out.flush()
     if interrupted:
         print(f"bitnet: interrupted after {n} of {len(tasks)} tasks", file=sys.stderr)

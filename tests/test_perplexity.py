@@ -382,3 +382,133 @@ def test_hellaswag_ctrl_c_keeps_what_was_scored(hellaswag_file, tmp_path):
     rest, err = p.communicate(timeout=120)
     assert p.returncode == 130 and b"Traceback" not in err, err.decode()
     assert b"interrupted after " in err and b"of 9600 tasks" in err
+
+
+# ---- the task draws: llama-perplexity's, checked against libstdc++ itself ----------------------------------------
+DRAWS_CPP = r"""
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+#include <vector>
+int main(int argc, char **argv) {
+    size_t n = strtoul(argv[1], 0, 10), k = strtoul(argv[2], 0, 10);
+    {   // hellaswag_score: a uniform index into the tasks left
+        std::mt19937 rng(1);
+        std::vector<size_t> left(n);
+        for (size_t i = 0; i < n; i++) left[i] = i;
+        for (size_t i = 0; i < k; i++) {
+            std::uniform_int_distribution<size_t> dist(0, left.size() - 1);
+            size_t idx = dist(rng);
+            printf("%zu ", left[idx]);
+            left.erase(left.begin() + idx);
+        }
+        printf("\n");
+    }
+    {   // winogrande_score: a float index, the pick replaced by the last one
+        std::mt19937 rng(1);
+        std::vector<int> aux(n);
+        for (size_t i = 0; i < n; i++) aux[i] = i;
+        float scale = 1/(1.f + (float)rng.max());
+        for (size_t i = 0; i < k; i++) {
+            int j = int(scale*rng()*aux.size());
+            printf("%d ", aux[j]);
+            aux[j] = aux.back();
+            aux.pop_back();
+        }
+        printf("\n");
+    }
+}
+"""
+
+
+def test_task_draws_are_llama_perplexitys(tmp_path):
+    """The tasks drawn equal what llama-perplexity's code draws when built with GCC's libstdc++ (compiled here)."""
+    import shutil
+    from bitnet_cpu.engine.runtime.perplexity import draw_hellaswag, draw_winogrande
+
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no C++ compiler (g++): the draws are compared with libstdc++'s own std::mt19937 and "
+                    "uniform_int_distribution")
+    (tmp_path / "draws.cpp").write_text(DRAWS_CPP)
+    exe = str(tmp_path / "draws")
+    subprocess.run([cxx, "-O1", "-o", exe, str(tmp_path / "draws.cpp")], check=True, capture_output=True, timeout=120)
+    for n, k in ((10042, 400), (1267, 100), (7, 7), (3, 1)):
+        hs, wg = subprocess.run([exe, str(n), str(k)], capture_output=True, text=True, check=True).stdout.splitlines()
+        assert draw_hellaswag(list(range(n)), k) == [int(x) for x in hs.split()]
+        if k < n:
+            assert draw_winogrande(list(range(n)), k) == [int(x) for x in wg.split()]
+
+
+# ---- Winogrande ------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def winogrande_file(tmp_path_factory):
+    """llama.cpp's CSV from the corpus: a story's opening with its hero's last mention as "_", the hero's name and
+    another story's hero as the choices (quoted sentences with commas; a header line)."""
+    import re
+    rng = random.Random(9)
+    stories = [story(rng) for _ in range(120)]
+    names = sorted({m.group(1) for s in stories for m in [re.search(r"named (\w+)", s)] if m})
+    rows = ["index,sentence,option1,option2,answer"]
+    for s in stories:
+        m = re.search(r"named (\w+)", s)
+        seg = " ".join(re.split(r"(?<=\.) ", s)[:4])
+        k = seg.rfind(m.group(1)) if m else -1
+        if m is None or k <= m.end():
+            continue
+        other = rng.choice([n for n in names if n != m.group(1)])
+        answer = rng.randrange(1, 3)
+        options = (m.group(1), other) if answer == 1 else (other, m.group(1))
+        rows.append(f'{len(rows) - 1},"{seg[:k]}_{seg[k + len(m.group(1)):]}",{options[0]},{options[1]},{answer}')
+    path = tmp_path_factory.mktemp("wg") / "winogrande.csv"
+    path.write_text("\n".join(rows[:31]) + "\n", encoding="utf-8")
+    return str(path)
+
+
+def test_winogrande_is_the_definition(llm, winogrande_file):
+    """Each choice's score is the mean log-probability of the tokens after "first part + choice" (the last token
+    left out), computed here from LLM.forward; the higher one is chosen (1 on a tie, as llama-perplexity)."""
+    import csv
+    r = bitnet("--winogrande", "-f", winogrande_file, "--json")
+    assert r.returncode == 0, r.stderr
+    rec = json.loads(r.stdout)
+    rows = list(csv.reader(open(winogrande_file, encoding="utf-8")))[1:-1]   # header off; the last line is not read
+    assert rec["tasks"] == len(rows) == 29 and [x["task"] for x in rec["results"]] == list(range(29))
+    right = 0
+    for res, (_, sentence, c1, c2, answer) in zip(rec["results"], rows):
+        first, second = sentence.split("_", 1)
+        seqs = [llm.tokenize(first + c + second, add_bos=True, special=False) for c in (c1, c2)]
+        common = 0
+        while seqs[0][common] == seqs[1][common]:
+            common += 1
+        skip = all(len(s) - common > 3 for s in seqs)
+        want = []
+        for s, c in zip(seqs, (c1, c2)):
+            start = len(llm.tokenize(first + c, add_bos=True, special=False)) if skip else common
+            last = 1 if len(s) - start > 1 else 0
+            lp = log_softmax(llm.forward(s))
+            want.append(float(np.mean([lp[t - 1, s[t]] for t in range(start, len(s) - last)])))
+        assert res["scores"] == pytest.approx(want, abs=1e-5)
+        assert res["answer"] == int(answer) and res["chosen"] == (1 if want[0] > want[1] else 2)
+        right += res["chosen"] == res["answer"]
+    assert rec["score"] == pytest.approx(100 * right / 29)
+    assert 0 < right < 29
+    lines = bitnet("--winogrande", "-f", winogrande_file).stdout.strip().splitlines()
+    n, acc, *_ = lines[-1].split("\t")
+    assert int(n) == 29 and float(acc) == pytest.approx(100 * right / 29, abs=1e-4)
+
+
+@pytest.mark.parametrize("case", ["none", "both", "ctx", "kld"])
+def test_winogrande_bad_input_is_one_line(case, winogrande_file, tmp_path):
+    empty = tmp_path / "empty.csv"
+    empty.write_text("index,sentence,option1,option2,answer\nno tasks here\n", encoding="utf-8")
+    args = {"none": ("-f", str(empty)), "both": ("-f", winogrande_file, "--hellaswag"),
+            "ctx": ("-f", winogrande_file, "-c", "8"),
+            "kld": ("-f", winogrande_file, "--kl-divergence-base", str(tmp_path / "x.kld"))}[case]
+    r = bitnet("--winogrande", *args)
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("bitnet: error: "), r.stderr
+    want = {"none": "no Winogrande tasks", "both": "one task set at a time", "ctx": "raise -c",
+            "kld": "--kl-divergence"}[case]
+    assert want in lines[0]

@@ -367,6 +367,41 @@ def parse_hellaswag(text: str) -> list[HellaswagTask]:
     return tasks
 
 
+class Mt19937:
+    """std::mt19937 seeded as llama-perplexity seeds it (1): its raw 32-bit outputs, from numpy's MT19937 (the same
+    generator and the same seeding routine), so that the tasks it draws are llama-perplexity's."""
+
+    def __init__(self, seed: int = 1):
+        self.gen = np.random.MT19937()
+        self.gen._legacy_seeding(seed)
+        self.buf: list[int] = []
+
+    def __call__(self) -> int:
+        if not self.buf:
+            self.buf = [int(x) for x in self.gen.random_raw(1024)][::-1]
+        return self.buf.pop()
+
+
+def uniform_below(rng: Mt19937, n: int) -> int:
+    """std::uniform_int_distribution<size_t>(0, n - 1)(rng) as GCC's libstdc++ (11 and later) computes it from a
+    32-bit generator: Lemire's multiply-and-shift with rejection. Other standard libraries draw otherwise."""
+    product = rng() * n
+    low = product & 0xFFFFFFFF
+    if low < n:
+        threshold = ((1 << 32) - n) % n
+        while low < threshold:
+            product = rng() * n
+            low = product & 0xFFFFFFFF
+    return product >> 32
+
+
+def draw_hellaswag(tasks: list, n: int) -> list:
+    """llama-perplexity's draw of n HellaSwag tasks (all of them, when n is their count: in its random order): a
+    uniform index into the tasks left, each time, from std::mt19937(1)."""
+    left, rng = list(tasks), Mt19937(1)
+    return [left.pop(uniform_below(rng, len(left))) for _ in range(min(n, len(tasks)))]
+
+
 def wilson(right: int, n: int) -> tuple[float, float]:
     """The 95% Wilson score interval of right / n (llama-perplexity's)."""
     z2 = HELLASWAG_Z * HELLASWAG_Z / n
@@ -397,4 +432,91 @@ def hellaswag_scores(model, seqs: list[list[int]]) -> list[float]:
             rows = model.prefill(s[common: len(s) - 1], all_logits=True)
             total += sum(_logprob(rows[i], s[common + 1 + i]) for i in range(len(rows)))
         scores.append(total / (len(s) - common))
+    return scores
+
+
+# ---- Winogrande (llama-perplexity --winogrande) ---------------------------------------------------------------
+# llama.cpp's CSV (e.g. ikawrakow/winogrande-eval-for-llama.cpp): index,sentence,choice1,choice2,answer (1 or 2),
+# the sentence with "_" where a choice goes (quoted when it holds commas). Each choice's score is the mean
+# log-probability of the tokens after "first part + choice" (the last one, the full stop, left out when more than
+# one follows), or after the part the two sentences share when either choice leaves at most 3 tokens after it.
+
+WINOGRANDE_MIN_TRAILING = 3
+
+
+class WinograndeTask:
+    def __init__(self, index: int, first: str, second: str, choices: tuple[str, str], answer: int):
+        self.index, self.first, self.second, self.choices, self.answer = index, first, second, choices, answer
+
+
+def parse_winogrande(text: str) -> tuple[list[WinograndeTask], int]:
+    """(tasks, lines skipped): llama-perplexity's CSV reading -- the first four commas outside quotes split a line,
+    a quoted sentence loses its quotes, and a line without them, without "_" or without an answer of 1 or 2 (a
+    header) is skipped. As there, the file's last line is never a task: llama-perplexity drops the file's final
+    newline and stops at the end of the file before using the line read last; doing the same keeps the task count,
+    and so its random draw, the same."""
+    tasks, skipped = [], 0
+    lines = (text[:-1] if text.endswith("\n") else text).split("\n")[:-1]
+    for line in lines:
+        line = line.rstrip("\r")
+        if not line:
+            continue
+        commas, quoted = [], False
+        for i, ch in enumerate(line):
+            if quoted:
+                quoted = ch != '"'
+            elif ch == '"':
+                quoted = True
+            elif ch == ",":
+                commas.append(i)
+                if len(commas) == 4:
+                    break
+        if len(commas) != 4:
+            skipped += 1
+            continue
+        c0, c1, c2, c3 = commas
+        sentence = line[c0 + 2: c1 - 1] if line[c0 + 1: c0 + 2] == '"' else line[c0 + 1: c1]
+        answer = line[c3 + 1:].strip()
+        if "_" not in sentence or answer not in ("1", "2"):
+            skipped += 1
+            continue
+        where = sentence.index("_")
+        tasks.append(WinograndeTask(len(tasks), sentence[:where], sentence[where + 1:],
+                                    (line[c1 + 1: c2], line[c2 + 1: c3]), int(answer)))
+    return tasks, skipped
+
+
+def draw_winogrande(tasks: list, n: int) -> list:
+    """llama-perplexity's draw of n of the tasks (0 or all of them: every task, in the file's order): a float index
+    scale * mt19937() * left, the pick replaced by the last one left."""
+    if n <= 0 or n >= len(tasks):
+        return list(tasks)
+    rng, aux, out = Mt19937(1), list(range(len(tasks))), []
+    scale = np.float32(1.0) / (np.float32(1.0) + np.float32(4294967295.0))
+    for _ in range(n):
+        j = min(int(scale * np.float32(rng()) * np.float32(len(aux))), len(aux) - 1)
+        out.append(tasks[aux[j]])
+        aux[j] = aux[-1]
+        aux.pop()
+    return out
+
+
+def winogrande_scores(model, seqs: list[list[int]], bases: list[int]) -> list[float]:
+    """The two choices' scores (seqs: each whole sentence's tokens with BOS; bases: the token count of BOS + first
+    part + that choice), by llama-perplexity's rule; nan when a choice leaves nothing to score (it loses)."""
+    common = 0
+    while common < min(len(seqs[0]), len(seqs[1])) and seqs[0][common] == seqs[1][common]:
+        common += 1
+    skip_choice = all(len(s) - common > WINOGRANDE_MIN_TRAILING for s in seqs)
+    scores = []
+    for s, base in zip(seqs, bases):
+        start = base if skip_choice else common
+        last = 1 if len(s) - start > 1 else 0
+        count = len(s) - start - last
+        if count <= 0 or start < 1:
+            scores.append(float("nan"))
+            continue
+        model.reset()
+        logits = model.prefill(s[: len(s) - 1 - last], all_logits=True)
+        scores.append(sum(_logprob(logits[j], s[j + 1]) for j in range(start - 1, len(s) - 1 - last)) / count)
     return scores
