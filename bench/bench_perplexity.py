@@ -34,6 +34,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(ROOT))
 from make_models import DEFAULT_CACHE, synth_model  # noqa: E402
+from bitnet_cpu.models.corpus import hellaswag_text, winogrande_text  # noqa: E402
 
 
 def find_tool(arg: str | None, cache: str) -> str | None:
@@ -59,44 +60,9 @@ def silu_model(cache: str, shape: str) -> tuple[str, str]:
     return gguf, store
 
 
-def hellaswag_file(path: str, n_tasks: int = 200, seed: int = 5) -> str:
-    """llama.cpp's HellaSwag layout from the corpus: a story's opening, its next sentence among three of others."""
-    from bitnet_cpu.models.corpus import story
-    rng = random.Random(seed)
-    sents = [re.split(r"(?<=\.) ", story(rng)) for _ in range(2 * n_tasks)]
-    lines = []
-    for i in range(n_tasks):
-        k = rng.randrange(1, len(sents[i]) - 1)
-        others = [rng.choice(sents[n_tasks + rng.randrange(n_tasks)]) for _ in range(3)]
-        gold = rng.randrange(4)
-        lines += ["Story: " + " ".join(sents[i][:k]), str(gold)] + others[:gold] + [sents[i][k]] + others[gold:]
+def task_file(path: str, text: str) -> str:
     with open(path, "w", encoding="utf-8") as f:
-        f.write("\n".join(lines) + "\n")
-    return path
-
-
-def winogrande_file(path: str, n_tasks: int = 200, seed: int = 9) -> str:
-    """llama.cpp's Winogrande CSV from the corpus: a story's opening with its hero's last mention as "_", the hero
-    and another story's hero as the choices."""
-    from bitnet_cpu.models.corpus import story
-    rng = random.Random(seed)
-    stories = [story(rng) for _ in range(3 * n_tasks)]
-    names = sorted({m.group(1) for st in stories for m in [re.search(r"named (\w+)", st)] if m})
-    rows = ["index,sentence,option1,option2,answer"]
-    for st in stories:
-        m = re.search(r"named (\w+)", st)
-        seg = " ".join(re.split(r"(?<=\.) ", st)[:4])
-        k = seg.rfind(m.group(1)) if m else -1
-        if m is None or k <= m.end():
-            continue
-        other = rng.choice([n for n in names if n != m.group(1)])
-        answer = rng.randrange(1, 3)
-        opts = (m.group(1), other) if answer == 1 else (other, m.group(1))
-        rows.append(f'{len(rows) - 1},"{seg[:k]}_{seg[k + len(m.group(1)):]}",{opts[0]},{opts[1]},{answer}')
-        if len(rows) > n_tasks + 1:
-            break
-    with open(path, "w", encoding="utf-8") as f:
-        f.write("\n".join(rows) + "\n")
+        f.write(text)
     return path
 
 
@@ -131,7 +97,7 @@ def llama(tool: str, args: list[str]) -> tuple[float, str]:
 def hellaswag_pair(tool, gguf, store, tmp, threads) -> dict:
     """HellaSwag over every task of one file, both tools in the same (drawn) order: acc_norm, how many tasks the
     two scored the same way (right or wrong), and the time."""
-    hs = hellaswag_file(os.path.join(tmp, "hellaswag.txt"))
+    hs = task_file(os.path.join(tmp, "hellaswag.txt"), hellaswag_text(200))
     wall_o, rec = ours(["-m", store, "--hellaswag", "-f", hs, "--hellaswag-tasks", "0", "-t", str(threads)])
     wall_l, out = llama(tool, ["-m", gguf, "--hellaswag", "-f", hs, "--hellaswag-tasks", "100000", "-t", str(threads)])
     accs = [(int(n), float(acc)) for n, acc in re.findall(r"^(\d+)\t([0-9.]+)%", out, re.M)]
@@ -152,7 +118,7 @@ def hellaswag_pair(tool, gguf, store, tmp, threads) -> dict:
 
 def winogrande_pair(tool, gguf, store, tmp, threads) -> dict:
     """Winogrande over one CSV, both tools: the score, how many choices agree, and the time."""
-    wg = winogrande_file(os.path.join(tmp, "winogrande.csv"))
+    wg = task_file(os.path.join(tmp, "winogrande.csv"), winogrande_text(201))   # its last line is never read
     wall_o, rec = ours(["-m", store, "--winogrande", "-f", wg, "-t", str(threads)])
     wall_l, out = llama(tool, ["-m", gguf, "--winogrande", "-f", wg, "-t", str(threads)])
     chosen = [int(c) for c in re.findall(r"^\d+\t[0-9.]+\t\s*-?[0-9.]+\s+-?[0-9.]+\s+(\d)\s+\d$", out, re.M)]

@@ -256,3 +256,42 @@ def _grammar_words() -> set[str]:
 
 
 WORDS = frozenset(_grammar_words())
+
+
+# ---- evaluation task files in llama.cpp's layouts, made from the stories (bitnet perplexity --hellaswag /
+# --winogrande: its tests and bench/bench_perplexity.py) ------------------------------------------------------
+def hellaswag_text(n_tasks: int, seed: int = 5) -> str:
+    """llama.cpp's HellaSwag file (6 lines a task: context, the gold ending's index, 4 endings): a story's opening,
+    its next sentence among three sentences of other stories."""
+    rng = random.Random(seed)
+    sents = [re.split(r"(?<=\.) ", story(rng)) for _ in range(2 * n_tasks)]
+    lines = []
+    for i in range(n_tasks):
+        k = rng.randrange(1, len(sents[i]) - 1)
+        others = [rng.choice(sents[n_tasks + rng.randrange(n_tasks)]) for _ in range(3)]
+        gold = rng.randrange(4)
+        lines += ["Story: " + " ".join(sents[i][:k]), str(gold)] + others[:gold] + [sents[i][k]] + others[gold:]
+    return "\n".join(lines) + "\n"
+
+
+def winogrande_text(n_rows: int, seed: int = 9) -> str:
+    """llama.cpp's Winogrande CSV (a header, then index,sentence,choice1,choice2,answer) with n_rows task rows: a
+    story's opening with its hero's last mention as "_" (quoted: it holds commas), the hero and another story's
+    hero as the choices."""
+    rng = random.Random(seed)
+    stories = [story(rng) for _ in range(3 * n_rows)]
+    names = sorted({m.group(1) for s in stories for m in [re.search(r"named (\w+)", s)] if m})
+    rows = ["index,sentence,option1,option2,answer"]
+    for s in stories:
+        m = re.search(r"named (\w+)", s)
+        seg = " ".join(re.split(r"(?<=\.) ", s)[:4])
+        k = seg.rfind(m.group(1)) if m else -1
+        if m is None or k <= m.end():
+            continue
+        other = rng.choice([n for n in names if n != m.group(1)])
+        answer = rng.randrange(1, 3)
+        options = (m.group(1), other) if answer == 1 else (other, m.group(1))
+        rows.append(f'{len(rows) - 1},"{seg[:k]}_{seg[k + len(m.group(1)):]}",{options[0]},{options[1]},{answer}')
+        if len(rows) == n_rows + 1:
+            break
+    return "\n".join(rows) + "\n"

@@ -25,7 +25,7 @@ import pytest
 from bitnet_cpu.engine.api import load_model
 from bitnet_cpu.engine.errors import BitNetError
 from bitnet_cpu.models import DEFAULT_MODEL_DIR
-from bitnet_cpu.models.corpus import story
+from bitnet_cpu.models.corpus import hellaswag_text, story, winogrande_text
 from helpers import ROOT
 
 CTX = 128
@@ -290,19 +290,10 @@ def test_special_token_spelling_is_plain_text(llm, tmp_path):
 # ---- HellaSwag -------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def hellaswag_file(tmp_path_factory):
-    """llama.cpp's 6-line layout, made from the corpus: a story's first sentences, its next sentence among three
-    sentences of other stories (the model knows the stories: most tasks are right, not all)."""
-    import re
-    rng = random.Random(5)
-    sents = [re.split(r"(?<=\.) ", story(rng)) for _ in range(80)]
-    lines = []
-    for i in range(24):
-        k = rng.randrange(1, len(sents[i]) - 1)
-        others = [rng.choice(sents[40 + rng.randrange(40)]) for _ in range(3)]
-        gold = rng.randrange(4)
-        lines += ["Story: " + " ".join(sents[i][:k]), str(gold)] + others[:gold] + [sents[i][k]] + others[gold:]
+    """llama.cpp's 6-line layout, made from the corpus (models/corpus.py): a story's opening, its next sentence among
+    three of other stories (the model knows the stories: most tasks are right, not all)."""
     path = tmp_path_factory.mktemp("hs") / "hellaswag.txt"
-    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    path.write_text(hellaswag_text(24), encoding="utf-8")
     return str(path)
 
 
@@ -443,25 +434,10 @@ def test_task_draws_are_llama_perplexitys(tmp_path):
 # ---- Winogrande ------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def winogrande_file(tmp_path_factory):
-    """llama.cpp's CSV from the corpus: a story's opening with its hero's last mention as "_", the hero's name and
-    another story's hero as the choices (quoted sentences with commas; a header line)."""
-    import re
-    rng = random.Random(9)
-    stories = [story(rng) for _ in range(120)]
-    names = sorted({m.group(1) for s in stories for m in [re.search(r"named (\w+)", s)] if m})
-    rows = ["index,sentence,option1,option2,answer"]
-    for s in stories:
-        m = re.search(r"named (\w+)", s)
-        seg = " ".join(re.split(r"(?<=\.) ", s)[:4])
-        k = seg.rfind(m.group(1)) if m else -1
-        if m is None or k <= m.end():
-            continue
-        other = rng.choice([n for n in names if n != m.group(1)])
-        answer = rng.randrange(1, 3)
-        options = (m.group(1), other) if answer == 1 else (other, m.group(1))
-        rows.append(f'{len(rows) - 1},"{seg[:k]}_{seg[k + len(m.group(1)):]}",{options[0]},{options[1]},{answer}')
+    """llama.cpp's CSV from the corpus (models/corpus.py): a header, then 30 rows, a story's opening with its hero's
+    last mention as "_" (quoted sentences with commas), the hero and another story's hero as the choices."""
     path = tmp_path_factory.mktemp("wg") / "winogrande.csv"
-    path.write_text("\n".join(rows[:31]) + "\n", encoding="utf-8")
+    path.write_text(winogrande_text(30), encoding="utf-8")
     return str(path)
 
 
