@@ -31,6 +31,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from ..errors import BitNetError
+from .sampling import token_logprob
 
 MAGIC = b"_logits_"
 HEADER = struct.Struct("<8sIii")
@@ -411,8 +412,8 @@ def wilson(right: int, n: int) -> tuple[float, float]:
 
 
 def _logprob(logits: np.ndarray, token: int) -> float:
-    top = float(logits.max())
-    return float(logits[token]) - top - math.log(float(np.exp(logits - np.float32(top)).sum(dtype=np.float64)))
+    """log-softmax of one row at `token`: the arithmetic a sampled or scored token records (sampling.token_logprob)."""
+    return token_logprob(logits, token, 0).logprob
 
 
 def hellaswag_scores(model, seqs: list[list[int]]) -> list[float]:
