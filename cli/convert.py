@@ -5,7 +5,7 @@ HELP = "convert a GGUF file or Hugging Face model directory into the engine's we
 
 def add_arguments(p):
     p.add_argument("src", metavar="SRC", help="GGUF file (bitnet.cpp I2_S, llama.cpp TQ1_0/TQ2_0), HF model directory, "
-                                              "or a hub id REPO[:FILE][@REV] already downloaded")
+                                              "or a hub id REPO[:FILE|:TAG][@REV] already downloaded")
     p.add_argument("-o", "--output", dest="out", metavar="OUT", default=None,
                    help="store path (default: next to SRC, with the .bnstore extension)")
     p.add_argument("--lm-head", choices=["q4", "i8", "f16"], default=None,

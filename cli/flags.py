@@ -44,7 +44,7 @@ SAMPLING_FLAGS = {
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", metavar="MODEL", default=None,
                    help="a converted store, a GGUF file, an HF model directory, or a Hugging Face hub id "
-                        "(REPO[:FILE][@REVISION]) already downloaded (default: the bundled model)%(default).0s")
+                        "(REPO[:FILE|:TAG][@REVISION]) already downloaded (default: the bundled model)%(default).0s")
 
 
 def add_engine_args(p: argparse.ArgumentParser, *, n_predict_default: int | None = None) -> None:

@@ -1,12 +1,13 @@
-"""`bitnet pull REPO[:FILE][@REV]`: download a model from the Hugging Face hub into huggingface_hub's cache
+"""`bitnet pull REPO[:FILE|:TAG][@REV]`: download a model from the Hugging Face hub into huggingface_hub's cache
 (its progress bars on stderr), then convert it once into the engine's store cache, so `bitnet run -m REPO`
 starts at once. Offline it says so in one line (exit 2)."""
-HELP = "download a model from the Hugging Face hub (REPO[:FILE][@REVISION]) and convert it"
+HELP = "download a model from the Hugging Face hub (REPO[:FILE|:TAG][@REVISION]) and convert it"
 
 
 def add_arguments(p):
-    p.add_argument("ref", metavar="REPO[:FILE][@REV]",
-                   help="hub id, e.g. microsoft/bitnet-b1.58-2B-4T or microsoft/bitnet-b1.58-2B-4T-gguf:ggml-model-i2_s.gguf")
+    p.add_argument("ref", metavar="REPO[:FILE|:TAG][@REV]",
+                   help="hub id, e.g. microsoft/bitnet-b1.58-2B-4T, microsoft/bitnet-b1.58-2B-4T-gguf:ggml-model-i2_s.gguf, "
+                        "or a quant tag: REPO:TQ2_0 (the .gguf file whose name ends in -TQ2_0)")
     p.add_argument("--no-convert", action="store_true", help="only download (convert on first run)%(default).0s")
     p.add_argument("--lm-head", choices=("q4", "i8", "f16"), default=None,
                    help="LM head precision of the conversion (default: the converter's)%(default).0s")

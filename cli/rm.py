@@ -12,9 +12,12 @@ def add_arguments(p):
 
 def match(rows: list[dict], name: str) -> tuple[str, list[dict]]:
     """(how, rows) `name` designates: an exact name, else every conversion of that source (a hub id matches
-    any revision), else the names it is a prefix of (the caller refuses an ambiguous prefix)."""
+    any revision, REPO:TAG the file of that quant tag, REPO every file of it), else the names it is a prefix of
+    (the caller refuses an ambiguous prefix)."""
+    from ..engine.formats.hub import hub_names
+
     for how, test in (("name", lambda r: r["name"] == name or r["name"] + ".bnstore" == name),
-                      ("source", lambda r: r["source"] == name or r["source"].split("@")[0] == name),
+                      ("source", lambda r: r["source"] == name or name.lower() in hub_names(r["source"])),
                       ("prefix", lambda r: r["name"].startswith(name))):
         found = [r for r in rows if test(r)]
         if found:

@@ -286,9 +286,11 @@ def model_catalog(args) -> dict:
     found: list = []
     if args.models_cache:
         from .list import cached_stores
+        from ..engine.formats.hub import hub_names
         for row in cached_stores():
+            source = row["source"] if row["source"] != "?" else ""
             found.append(ModelSpec(row["name"], row["path"], row["size"], row["last_used"], "bnstore",
-                                   source=row["source"] if row["source"] != "?" else "", cached=True))
+                                   source=source, cached=True, names=tuple(hub_names(source))))
     for d in args.models_dir or ():
         if not os.path.isdir(d):
             raise BitNetError(f"--models-dir {d}: not a directory")

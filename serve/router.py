@@ -79,8 +79,8 @@ def parse_keep_alive(value) -> float:
 @dataclass(frozen=True)
 class ModelSpec:
     """One model the router can load: the name requests use, the file (or directory) its process loads. `source`:
-    the hub id a converted model of the cache came from (REPO[:FILE]@COMMIT, `bitnet list`'s SOURCE), which
-    names it too; `cached`: a conversion in the store cache, which ollama's /api/delete may remove (a file of a
+    the hub id a converted model of the cache came from (REPO[:FILE]@COMMIT, `bitnet list`'s SOURCE); `names`: the
+    hub ids that name it too, in lower case (REPO:FILE, REPO:TAG, REPO); `cached`: a conversion in the store cache, which ollama's /api/delete may remove (a file of a
     --models-dir is the user's, and stays)."""
     name: str
     path: str
@@ -89,6 +89,7 @@ class ModelSpec:
     format: str = "bnstore"
     source: str = ""
     cached: bool = False
+    names: tuple[str, ...] = ()
 
     def digest(self) -> str:
         return hashlib.sha256(f"{os.path.abspath(self.path)}:{self.size}:{self.modified}".encode()).hexdigest()
@@ -99,7 +100,7 @@ HUB_PREFIXES = ("hf.co/", "huggingface.co/", "https://huggingface.co/", "https:/
 
 def hub_name(name: str) -> str:
     """ollama's name of a Hugging Face model (hf.co/OWNER/REPO[:TAG], TAG "latest" meaning none) as the hub id
-    `bitnet pull` takes (OWNER/REPO[:FILE]); any other name as it is."""
+    `bitnet pull` takes (OWNER/REPO[:FILE|:TAG]); any other name as it is."""
     for prefix in HUB_PREFIXES:
         if name.startswith(prefix):
             name = name[len(prefix):]
@@ -237,13 +238,12 @@ class Router:
                           "missing_model", "model")
 
     def by_source(self, name: str) -> ModelSpec | None:
-        """The cache's conversion of a hub id (OWNER/REPO[:FILE], or ollama's hf.co/OWNER/REPO[:FILE]): the name
-        a client that pulled it uses. Several conversions of it (other heads, other commits): the newest."""
-        ref = hub_name(name)
+        """The cache's conversion of a hub id (OWNER/REPO[:FILE|:TAG], or ollama's hf.co/OWNER/REPO[:TAG]): the
+        name a client that pulled it uses. Several conversions of it (other heads, other commits): the newest."""
+        ref = hub_name(name).lower()
         if "/" not in ref:
             return None
-        found = [spec for spec in self.models.values() if spec.source and
-                 (spec.source.split("@")[0] == ref or spec.source.split("@")[0].split(":")[0] == ref)]
+        found = [spec for spec in self.models.values() if ref in spec.names]
         return max(found, key=lambda spec: spec.modified) if found else None
 
     async def pull_updates(self, name: str, ref: str):
@@ -696,8 +696,8 @@ def create_router_app(router: Router, *, api_keys: tuple = (), limits: Limits | 
 
     @app.post("/api/pull")
     async def api_pull(request: Request):
-        """ollama's pull for a --models-cache server: `bitnet pull` of the hub id (hf.co/OWNER/REPO[:FILE], or
-        OWNER/REPO[:FILE][@REV]) into the store cache, streamed as ollama's progress objects, then served under
+        """ollama's pull for a --models-cache server: `bitnet pull` of the hub id (hf.co/OWNER/REPO[:TAG], or
+        OWNER/REPO[:FILE|:TAG][@REV]) into the store cache, streamed as ollama's progress objects, then served under
         `bitnet list`'s name and under the name pulled. Its process ends when the client hangs up."""
         if router.pull is None:
             return await not_here(request)

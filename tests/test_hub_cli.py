@@ -18,7 +18,8 @@ import pytest
 pytest.importorskip("huggingface_hub", reason="huggingface_hub is a dependency of the hub features")
 
 from bitnet_cpu.engine.api import SamplingParams, load_model  # noqa: E402
-from bitnet_cpu.engine.synth import SynthModel, small_config, write_gguf_i2s, write_hf_dir  # noqa: E402
+from bitnet_cpu.engine.formats.hub import hub_names, parse_hub_ref, quant_tag  # noqa: E402
+from bitnet_cpu.engine.synth import SynthModel, small_config, write_gguf_i2s, write_gguf_tq, write_hf_dir  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMMIT_A = "a" * 40
@@ -61,7 +62,15 @@ def hub(tmp_path_factory):
         models[commit] = d
     gguf = write_gguf_i2s(SynthModel(small_config(), seed=5), str(root / "model-i2_s.gguf"))
     add_snapshot(str(root / "cache"), "o/tiny-gguf", COMMIT_A, {"model-i2_s.gguf": gguf})
-    return {"cache": str(root / "cache"), "hf": models, "gguf": gguf}
+    quants = quant_files(root)
+    add_snapshot(str(root / "cache"), "o/quants", COMMIT_A, quants)
+    return {"cache": str(root / "cache"), "hf": models, "gguf": gguf, "quants": quants}
+
+
+def quant_files(root) -> dict[str, str]:
+    """Two quantizations of two different models, as a -GGUF repository holds them: {file name: local file}."""
+    return {"m-1.58bit-i2_s.gguf": write_gguf_i2s(SynthModel(small_config(), seed=6), str(root / "q-i2_s.gguf")),
+            "m-1.58bit-TQ2_0.gguf": write_gguf_tq(SynthModel(small_config(), seed=7), str(root / "q-tq2_0.gguf"))}
 
 
 def env_for(hub, tmp_path, **extra):
@@ -107,6 +116,42 @@ def test_hub_ids_resolve_through_the_cache_with_revisions(hub, tmp_path):
     env2 = env_for(hub, tmp_path, HF_HOME=str(home))
     env2.pop("HF_HUB_CACHE")
     assert run_text("o/tiny", env2) == want_b
+
+
+def test_quant_tags_of_file_names():
+    assert quant_tag("ggml-model-i2_s.gguf") == "i2_s"
+    assert quant_tag("Falcon3-1B-Instruct-1.58bit-TQ2_0.gguf") == "TQ2_0"
+    assert quant_tag("sub/model.Q4_K_M.gguf") == "Q4_K_M"
+    assert quant_tag("model-Q4_K_M-00001-of-00002.gguf") == "Q4_K_M"    # a shard's number is not its tag
+    assert quant_tag("config.json") is None
+    assert parse_hub_ref("o/r:latest") == ("o/r", None, None)            # ollama's default tag: no file
+    assert parse_hub_ref("o/r:TQ2_0@v1") == ("o/r", "TQ2_0", "v1")
+    assert hub_names("o/r:m-TQ2_0.gguf@abc") == ["o/r:m-tq2_0.gguf", "o/r:tq2_0", "o/r"]
+    assert hub_names("o/r@abc") == ["o/r"] and hub_names("?") == []
+
+
+def test_a_quant_tag_names_its_gguf_file(hub, tmp_path):
+    """REPO:TAG runs the GGUF file whose name ends in -TAG (any case); a repository of several GGUF files and
+    no tag, or a tag it lacks, is one line naming the tags it has; `bitnet rm REPO:TAG` removes that one."""
+    env = env_for(hub, tmp_path)
+    want_tq, want_i2 = greedy(hub["quants"]["m-1.58bit-TQ2_0.gguf"]), greedy(hub["quants"]["m-1.58bit-i2_s.gguf"])
+    assert want_tq != want_i2, "the two files must differ for this test to mean something"
+    assert run_text("o/quants:TQ2_0", env) == want_tq
+    assert run_text("o/quants:tq2_0", env) == want_tq
+    assert run_text("o/quants:i2_s", env) == want_i2
+    for ref, words in (("o/quants", ["2 GGUF files", "i2_s, TQ2_0", "-m o/quants:i2_s"]),
+                       ("o/quants:latest", ["2 GGUF files"]),
+                       ("o/quants:Q4_K_M", ["no GGUF file of o/quants", "'Q4_K_M'", "i2_s, TQ2_0"])):
+        r = bitnet("run", "-m", ref, "-p", "x", env=env)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1 and all(w in lines[0] for w in words), (ref, r.stderr)
+    rows = [json.loads(x) for x in bitnet("list", "--json", env=env).stdout.splitlines()]
+    assert sorted(x["source"].split("@")[0] for x in rows) == ["o/quants:m-1.58bit-TQ2_0.gguf",
+                                                                "o/quants:m-1.58bit-i2_s.gguf"]
+    r = bitnet("rm", "o/quants:TQ2_0", env=env)
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads(x) for x in bitnet("list", "--json", env=env).stdout.splitlines()]
+    assert [x["source"].split("@")[0] for x in rows] == ["o/quants:m-1.58bit-i2_s.gguf"]
 
 
 def test_missing_hub_id_is_one_line_with_the_pull_hint(hub, tmp_path):
@@ -237,6 +282,13 @@ class FakeHub:
             def log_message(self, *args):
                 pass
 
+            def _tree(self):
+                """The repository's listing (`HfApi.list_repo_files`): one page, files only."""
+                if not self.path.startswith(f"/api/models/{repo}/tree/"):
+                    return None
+                return json.dumps([{"type": "file", "path": name, "size": len(data),
+                                    "oid": hashlib.sha1(data).hexdigest()} for name, data in files.items()]).encode()
+
             def _file(self):
                 prefix = f"/{repo}/resolve/"
                 if not self.path.startswith(prefix):
@@ -246,6 +298,14 @@ class FakeHub:
 
             def _answer(self, body: bool):
                 hub.requests.append((self.command, self.path))
+                tree = self._tree()
+                if tree is not None:
+                    self.send_response(200)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(tree)))
+                    self.end_headers()
+                    self.wfile.write(tree if body else b"")
+                    return
                 data = self._file()
                 if data is None:
                     self.send_response(404)
@@ -295,3 +355,29 @@ def test_pull_downloads_converts_and_then_runs_offline(hub, tmp_path):
     assert run_text("o/remote:model-i2_s.gguf", offline) == greedy(hub["gguf"])
     rows = [json.loads(x) for x in bitnet("list", "--json", env=offline).stdout.splitlines()]
     assert [x["source"] for x in rows] == [f"o/remote:model-i2_s.gguf@{commit[:12]}"] and rows[0]["path"] == store
+
+
+def test_pull_of_a_quant_tag_downloads_that_file_alone(hub, tmp_path):
+    """`bitnet pull REPO:TAG` lists the repository and downloads the one GGUF file of that tag; without a tag, a
+    repository of several GGUF files is refused before any download, naming its tags."""
+    commit = "d" * 40
+    fake = FakeHub("o/remote-quants", {name: open(p, "rb").read() for name, p in hub["quants"].items()}, commit)
+    try:
+        env = env_for(hub, tmp_path, HF_HUB_CACHE=str(tmp_path / "downloads"), HF_HUB_OFFLINE="0",
+                      HF_ENDPOINT=fake.url, HF_HUB_DISABLE_TELEMETRY="1")
+        for ref in ("o/remote-quants", "o/remote-quants:latest", "o/remote-quants:Q8_0"):
+            r = bitnet("pull", ref, env=env)
+            lines = r.stderr.strip().splitlines()
+            assert r.returncode == 2 and len(lines) == 1 and "i2_s, TQ2_0" in lines[0], (ref, r.stderr)
+        assert not [p for m, p in fake.requests if m == "GET" and p.endswith(".gguf")], fake.requests
+        r = bitnet("pull", "o/remote-quants:TQ2_0", env=env)
+        assert r.returncode == 0, r.stderr
+        got = [p for m, p in fake.requests if m == "GET" and p.endswith(".gguf")]
+        assert got == ["/o/remote-quants/resolve/main/m-1.58bit-TQ2_0.gguf"], fake.requests
+        assert "bitnet run -m o/remote-quants:TQ2_0" in r.stderr
+    finally:
+        fake.close()
+    offline = dict(env, HF_HUB_OFFLINE="1")
+    assert run_text("o/remote-quants:TQ2_0", offline) == greedy(hub["quants"]["m-1.58bit-TQ2_0.gguf"])
+    r = bitnet("run", "-m", "o/remote-quants:i2_s", "-p", "x", env=offline)   # listed there, not downloaded
+    assert r.returncode == 2 and "bitnet pull o/remote-quants:i2_s" in r.stderr

@@ -430,10 +430,11 @@ def test_ollama_pull_and_delete_on_a_cache_server(tmp_path, models_dir):
 
     import ollama
     from bitnet_cpu.engine.synth import SynthModel, small_config, write_hf_dir
-    from test_hub_cli import COMMIT_A, add_snapshot, hf_files
+    from test_hub_cli import COMMIT_A, add_snapshot, hf_files, quant_files
 
     src = write_hf_dir(SynthModel(small_config(max_position_embeddings=4096), seed=23), str(tmp_path / "src"))
     add_snapshot(str(tmp_path / "hub"), "o/pulled", COMMIT_A, hf_files(src))
+    add_snapshot(str(tmp_path / "hub"), "o/quants", COMMIT_A, quant_files(tmp_path))
     env = {"HF_HUB_CACHE": str(tmp_path / "hub"), "BITNET_CACHE": str(tmp_path / "stores"), "HF_HUB_OFFLINE": "1"}
     s = Server("--models-cache", "--models-dir", str(models_dir), "-c", "1024", threads=1, env=env)
     try:
@@ -459,6 +460,21 @@ def test_ollama_pull_and_delete_on_a_cache_server(tmp_path, models_dir):
             assert chat_text(s.url, name)["choices"][0]["message"]["content"] == want, name
         # pulled again (already here): success, nothing new
         assert client.pull("hf.co/o/pulled").status == "success" and names() == before | {cache_name}
+        # a quant tag (ollama's hf.co/OWNER/REPO:TAG): that GGUF file, served under the tag in any case; no tag
+        # where the repository holds several: the pull's reason names the tags
+        with pytest.raises(ollama.ResponseError) as e:
+            client.pull("hf.co/o/quants")
+        assert "TQ2_0" in e.value.error and "i2_s" in e.value.error
+        assert client.pull("hf.co/o/quants:TQ2_0").status == "success" and len(names() - before) == 2
+        single = Server("-m", "o/quants:TQ2_0", "-c", "1024", "--alias", "single", threads=1, env=env)
+        try:
+            want_tq = chat_text(single.url, "single")["choices"][0]["message"]["content"]
+        finally:
+            single.stop()
+        for name in ("hf.co/o/quants:TQ2_0", "hf.co/o/quants:tq2_0", "o/quants:m-1.58bit-TQ2_0.gguf"):
+            assert chat_text(s.url, name)["choices"][0]["message"]["content"] == want_tq, name
+        client.delete("hf.co/o/quants:TQ2_0")
+        assert names() == before | {cache_name}
         # offline and not downloaded: the pull's own reason, in the stream and as a plain answer
         with pytest.raises(ollama.ResponseError) as e:
             list(client.pull("hf.co/o/absent", stream=True))

@@ -1,12 +1,14 @@
 """Models by their Hugging Face hub id, through huggingface_hub's own cache API (never hand-parsed paths).
 
-    REF = REPO[:FILE][@REVISION]      e.g. microsoft/bitnet-b1.58-2B-4T, microsoft/bitnet-b1.58-2B-4T-gguf:ggml-model-i2_s.gguf
+    REF = REPO[:FILE|:TAG][@REVISION] e.g. microsoft/bitnet-b1.58-2B-4T, microsoft/bitnet-b1.58-2B-4T-gguf:ggml-model-i2_s.gguf,
+                                      microsoft/bitnet-b1.58-2B-4T-gguf:i2_s (a quant tag, as ollama's hf.co/REPO:TAG)
     resolve_hub_ref(ref) -> (local path, source label)   # offline: what `huggingface-cli download` put in the cache
     pull(ref) -> local path                                 # online: download with huggingface_hub's progress bars
 
 The cache is huggingface_hub's: HF_HUB_CACHE, else $HF_HOME/hub, else ~/.cache/huggingface/hub; revisions are
 branch or tag names (resolved through the cache's refs) or commit hashes. A repository with config.json is an
-HF model directory; one without (the `-gguf` repos) is used through its single .gguf file, or the FILE named.
+HF model directory; one without (the `-gguf` repos) is used through its single .gguf file, or the FILE named, or
+the .gguf file whose name ends in -TAG (any case; `latest` is no tag, as in ollama).
 The source label recorded in a converted store is REPO[:FILE]@COMMIT (nothing of this machine).
 """
 from __future__ import annotations
@@ -16,8 +18,9 @@ import re
 
 from ..errors import BitNetError
 
-# what a model needs from a repository (pull downloads only these; README, images, ... are skipped)
-MODEL_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.jinja", "*.gguf"]
+# what an HF-layout model needs from a repository (pull downloads only these; README, images, GGUF files, ... are
+# skipped); a GGUF model is its one file
+HF_DIR_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.jinja"]
 _REF = re.compile(r"^(?P<repo>[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*)"
                   r"(?::(?P<file>[^@:]+))?(?:@(?P<rev>[A-Za-z0-9_./-]+))?$")
 
@@ -29,7 +32,71 @@ def parse_hub_ref(ref: str) -> tuple[str, str | None, str | None] | None:
         return None
     if m.group("repo").endswith((".gguf", ".bnstore", ".safetensors")):   # a mistyped local path, not a repo
         return None
-    return m.group("repo"), m.group("file"), m.group("rev")
+    file = m.group("file")
+    if file is not None and file.lower() == "latest":   # ollama's default tag: no particular file
+        file = None
+    return m.group("repo"), file, m.group("rev")
+
+
+# ---- quant tags: REPO:TAG names the GGUF file of that quantization, as ollama's hf.co/OWNER/REPO:TAG does ----
+_SHARD = re.compile(r"-\d{5}-of-\d{5}$")
+
+
+def is_quant_tag(file: str | None) -> bool:
+    """FILE of REPO:FILE is a quant tag (TQ2_0, i2_s, Q4_K_M) rather than a file name: it has no dot or slash."""
+    return bool(file) and "." not in file and "/" not in file
+
+
+def quant_tag(filename: str) -> str | None:
+    """The tag of a GGUF file: the last `-` or `.` separated part of its name (ggml-model-i2_s.gguf -> i2_s,
+    Falcon3-1B-Instruct-1.58bit-TQ2_0.gguf -> TQ2_0); None for other files."""
+    base = os.path.basename(filename)
+    if not base.lower().endswith(".gguf"):
+        return None
+    stem = _SHARD.sub("", base[: -len(".gguf")])
+    return re.split(r"[-.]", stem)[-1] or None
+
+
+def _tag_list(ggufs: list[str]) -> list[str]:
+    return sorted({t for t in map(quant_tag, ggufs) if t}, key=str.lower)
+
+
+def _tags(ggufs: list[str]) -> str:
+    return ", ".join(_tag_list(ggufs))
+
+
+def _first(repo: str, ggufs: list[str]) -> str:
+    """REPO:TAG of the first tag (by name), or REPO:FILE where no file has a tag, for a hint."""
+    tags = _tag_list(ggufs)
+    return f"{repo}:{tags[0] if tags else ggufs[0]}"
+
+
+def gguf_for_tag(what: str, repo: str, tag: str, files: list[str], where: str = "", hint: str | None = None) -> str:
+    """The one GGUF file of `files` (a repository's, or a snapshot's) whose quant tag is `tag` (any case).
+    Errors start with `what` (the command and its argument) and say `where` the files were looked for."""
+    ggufs = sorted(f for f in files if f.lower().endswith(".gguf"))
+    hits = [f for f in ggufs if (quant_tag(f) or "").lower() == tag.lower()]
+    if len(hits) == 1:
+        return hits[0]
+    if not hits:
+        raise BitNetError(f"{what}: no GGUF file of {repo}{where} has the tag {tag!r}" +
+                          (f" (tags: {_tags(ggufs)})" if ggufs else " (no .gguf file at all)"),
+                          hint=hint or (f"name one: {_first(repo, ggufs)}" if ggufs else None))
+    raise BitNetError(f"{what}: {len(hits)} GGUF files of {repo}{where} have the tag {tag!r} ({', '.join(hits)}; "
+                      f"split GGUF files are not supported)", hint=f"name the file: {repo}:{hits[0]}")
+
+
+def hub_names(label: str) -> list[str]:
+    """The hub ids that name a store converted from `label` (REPO[:FILE]@COMMIT, `bitnet list`'s SOURCE), in
+    lower case: REPO:FILE, REPO:TAG for a GGUF file with a quant tag, and REPO alone."""
+    parsed = parse_hub_ref(label or "")
+    if parsed is None:
+        return []
+    repo, file, _ = parsed
+    names = [f"{repo}:{file}"] if file else []
+    if file and quant_tag(file):
+        names.append(f"{repo}:{quant_tag(file)}")
+    return [n.lower() for n in names + [repo]]
 
 
 def is_hub_ref(ref: str) -> bool:
@@ -50,17 +117,21 @@ def _label(repo: str, file: str | None, path: str) -> str:
     return f"{repo}{':' + file if file else ''}{'@' + commit if commit else ''}"
 
 
-def _not_cached(ref: str, repo: str) -> BitNetError:
-    return BitNetError(f"-m/--model {ref}: no such file or directory here, and not downloaded into the "
-                       f"Hugging Face cache ({hub_cache_dir()})",
-                       hint=f"download it with `bitnet pull {ref}` (or `huggingface-cli download {repo}`)")
+class NotDownloaded(BitNetError):
+    """The hub id (or its quant tag) is not in the local cache: `bitnet pull` would fetch it."""
 
 
-def _model_in_snapshot(ref: str, repo: str, snap: str) -> tuple[str, str | None]:
+def _not_cached(what: str, ref: str, repo: str) -> BitNetError:
+    return NotDownloaded(f"{what}: no such file or directory here, and not downloaded into the "
+                         f"Hugging Face cache ({hub_cache_dir()})",
+                         hint=f"download it with `bitnet pull {ref}` (or `huggingface-cli download {repo}`)")
+
+
+def _model_in_snapshot(what: str, repo: str, snap: str) -> tuple[str, str | None]:
     """(path, file) of the model inside a snapshot folder: the folder itself (HF layout) or its .gguf file."""
     if os.path.isfile(os.path.join(snap, "config.json")):
         if not any(f.endswith(".safetensors") for f in os.listdir(snap)):
-            raise BitNetError(f"-m/--model {ref}: the download in {snap} has config.json but no *.safetensors",
+            raise BitNetError(f"{what}: the download in {snap} has config.json but no *.safetensors",
                               hint=f"finish it with `bitnet pull {repo}`")
         return snap, None
     ggufs = sorted(os.path.relpath(os.path.join(d, f), snap) for d, _, fs in os.walk(snap)
@@ -68,34 +139,48 @@ def _model_in_snapshot(ref: str, repo: str, snap: str) -> tuple[str, str | None]
     if len(ggufs) == 1:
         return os.path.join(snap, ggufs[0]), ggufs[0]
     if not ggufs:
-        raise BitNetError(f"-m/--model {ref}: the download in {snap} holds neither config.json nor a .gguf file",
+        raise BitNetError(f"{what}: the download in {snap} holds neither config.json nor a .gguf file",
                           hint=f"download the model files with `bitnet pull {repo}`")
-    raise BitNetError(f"-m/--model {ref}: {len(ggufs)} GGUF files in that download ({', '.join(ggufs)})",
-                      hint=f"pick one: -m {repo}:{ggufs[0]}")
+    how = "bitnet pull" if what.startswith("pull ") else "-m"
+    raise BitNetError(f"{what}: {len(ggufs)} GGUF files in that download ({', '.join(ggufs)})",
+                      hint=f"pick one by its tag ({_tags(ggufs)}): {how} {_first(repo, ggufs)}")
 
 
-def resolve_hub_ref(ref: str) -> tuple[str, str]:
-    """(local path of the model, source label) for a hub id already in the local cache; never the network."""
+def _snapshot_files(snap: str) -> list[str]:
+    return sorted(os.path.relpath(os.path.join(d, f), snap) for d, _, fs in os.walk(snap) for f in fs)
+
+
+def resolve_hub_ref(ref: str, what: str | None = None) -> tuple[str, str]:
+    """(local path of the model, source label) for a hub id already in the local cache; never the network.
+    Errors start with `what` (default: `-m/--model REF`); NotDownloaded where the cache lacks it."""
+    what = what or f"-m/--model {ref}"
     parsed = parse_hub_ref(ref)
     if parsed is None:
-        raise BitNetError(f"-m/--model {ref}: not a Hugging Face hub id (REPO[:FILE][@REVISION])")
+        raise BitNetError(f"{what}: not a Hugging Face hub id (REPO[:FILE|:TAG][@REVISION])")
     repo, file, rev = parsed
     try:
         from huggingface_hub import hf_hub_download, snapshot_download
         from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
     except ImportError:  # pragma: no cover - huggingface_hub is a dependency
-        raise BitNetError(f"-m/--model {ref}: looks like a hub id but huggingface_hub is not installed",
+        raise BitNetError(f"{what}: looks like a hub id but huggingface_hub is not installed",
                           hint="pip install huggingface_hub") from None
     try:
-        if file:
+        if file and not is_quant_tag(file):
             path = hf_hub_download(repo, file, revision=rev, local_files_only=True)
             return path, _label(repo, file, path)
         snap = snapshot_download(repo, revision=rev, local_files_only=True)
     except LocalEntryNotFoundError:
-        raise _not_cached(ref, repo) from None
+        raise _not_cached(what, ref, repo) from None
     except HFValidationError as e:
-        raise BitNetError(f"-m/--model {ref}: not a valid hub id ({e})") from None
-    path, found = _model_in_snapshot(ref, repo, snap)
+        raise BitNetError(f"{what}: not a valid hub id ({e})") from None
+    if file:   # a quant tag: the file of that tag among those downloaded
+        try:
+            found = gguf_for_tag(what, repo, file, _snapshot_files(snap), " downloaded here",
+                                 hint=f"download it with `bitnet pull {ref}`")
+        except BitNetError as e:
+            raise NotDownloaded(str(e.args[0]), hint=e.hint) from None
+        return os.path.join(snap, found), _label(repo, found, snap)
+    path, found = _model_in_snapshot(what, repo, snap)
     return path, _label(repo, found, snap)
 
 
@@ -140,6 +225,23 @@ def _unreachable(endpoint: str, timeout: float = 5.0) -> str | None:
     return None
 
 
+def _file_to_pull(ref: str, repo: str, tag: str | None, files: list[str]) -> str | None:
+    """What `pull` downloads from a repository holding `files`: the GGUF file of the quant tag, else the one GGUF
+    file of a repository without config.json, else None (the HF layout, as a snapshot). A repository of several
+    GGUF files and no tag is refused before anything is downloaded, naming its tags."""
+    if tag:
+        return gguf_for_tag(f"pull {ref}", repo, tag, files)
+    if "config.json" in files:
+        return None
+    ggufs = sorted(f for f in files if f.lower().endswith(".gguf"))
+    if len(ggufs) == 1:
+        return ggufs[0]
+    if not ggufs:
+        raise BitNetError(f"pull {ref}: {repo} holds neither config.json nor a .gguf file")
+    raise BitNetError(f"pull {ref}: {repo} holds {len(ggufs)} GGUF files (tags: {_tags(ggufs)})",
+                      hint=f"pick one: bitnet pull {_first(repo, ggufs)}")
+
+
 def pull(ref: str) -> str:
     """Download REPO[:FILE][@REV] into the hub cache (huggingface_hub's progress bars on stderr); returns the
     local path. Raises BitNetError with one clear line when offline, or when the repo/file/revision is unknown."""
@@ -147,7 +249,7 @@ def pull(ref: str) -> str:
     if parsed is None:
         raise BitNetError(f"pull {ref}: not a Hugging Face hub id", hint="e.g. bitnet pull microsoft/bitnet-b1.58-2B-4T")
     repo, file, rev = parsed
-    from huggingface_hub import hf_hub_download, snapshot_download
+    from huggingface_hub import HfApi, hf_hub_download, snapshot_download
     from huggingface_hub.errors import (EntryNotFoundError, GatedRepoError, HfHubHTTPError, HFValidationError,
                                         LocalEntryNotFoundError, OfflineModeIsEnabled, RepositoryNotFoundError,
                                         RevisionNotFoundError)
@@ -158,18 +260,19 @@ def pull(ref: str) -> str:
 
     from huggingface_hub import constants
 
-    if not constants.HF_HUB_OFFLINE:
-        reason = _unreachable(constants.ENDPOINT)
-        if reason:
-            try:   # already downloaded: that copy is what the user wants
-                return resolve_hub_ref(ref)[0]
-            except BitNetError:
-                raise offline(None, reason) from None
+    reason = _offline_reason(OfflineModeIsEnabled()) if constants.HF_HUB_OFFLINE else _unreachable(constants.ENDPOINT)
+    if reason:
+        try:   # already downloaded: that copy is what the user wants
+            return resolve_hub_ref(ref, what=f"pull {ref}")[0]
+        except NotDownloaded:
+            raise offline(None, reason) from None
 
     try:
+        if file is None or is_quant_tag(file):
+            file = _file_to_pull(ref, repo, file, HfApi().list_repo_files(repo, revision=rev))
         if file:
             return hf_hub_download(repo, file, revision=rev)
-        return snapshot_download(repo, revision=rev, allow_patterns=MODEL_PATTERNS)
+        return snapshot_download(repo, revision=rev, allow_patterns=HF_DIR_PATTERNS)
     except (LocalEntryNotFoundError, OfflineModeIsEnabled) as e:   # not cached, and the hub out of reach
         raise offline(e) from None
     except GatedRepoError:
