@@ -9,6 +9,10 @@ def add_arguments(p):
                    help="hub id, e.g. microsoft/bitnet-b1.58-2B-4T, microsoft/bitnet-b1.58-2B-4T-gguf:ggml-model-i2_s.gguf, "
                         "or a quant tag: REPO:TQ2_0 (the .gguf file whose name ends in -TQ2_0)")
     p.add_argument("--no-convert", action="store_true", help="only download (convert on first run)%(default).0s")
+    p.add_argument("--json-progress", action="store_true",
+                   help="report the download as JSON lines on stderr (`bitnet: progress {...}`: file, digest, "
+                        "completed and total bytes) instead of progress bars, for programs (the server's "
+                        "ollama /api/pull)%(default).0s")
     p.add_argument("--lm-head", choices=("q4", "i8", "f16"), default=None,
                    help="LM head precision of the conversion (default: the converter's)%(default).0s")
 
@@ -18,7 +22,12 @@ def main(args) -> int:
 
     from ..engine.formats.hub import pull
 
-    path = pull(args.ref)
+    import json
+
+    def report(update: dict):
+        print("bitnet: progress " + json.dumps(update), file=sys.stderr, flush=True)
+
+    path = pull(args.ref, progress=report if args.json_progress else None)
     print(f"bitnet: downloaded {args.ref} -> {path}", file=sys.stderr)
     if args.no_convert:
         print(path)

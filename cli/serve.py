@@ -367,7 +367,7 @@ def serve_models(args, keys: tuple) -> int:
                 "--port", str(port), "--alias", spec.name, "--api-key-file", key_file, *passthrough]
 
     def pull(ref: str) -> list:   # ollama's /api/pull on a --models-cache server: into the cache it serves
-        return [sys.executable, "-m", "bitnet_cpu", "pull", ref]
+        return [sys.executable, "-m", "bitnet_cpu", "pull", "--json-progress", ref]
 
     limits = limits_from_args(args)
     router = Router(lambda: model_catalog(args), command, pull=pull if args.models_cache else None,

@@ -247,8 +247,9 @@ class Router:
         return max(found, key=lambda spec: spec.modified) if found else None
 
     async def pull_updates(self, name: str, ref: str):
-        """ollama's progress objects for a pull of `ref`: {"status": ...} as it goes, {"status": "success"} at
-        the end, or {"error": "..."} (the pull's own one-line reason). The pull runs as its own process (the
+        """ollama's progress objects for a pull of `ref`: {"status": ...} as it goes (with "digest", "total" and
+        "completed" bytes while it downloads, as ollama's layers), {"status": "success"} at the end, or
+        {"error": "..."} (the pull's own one-line reason). The pull runs as its own process (the
         download and the conversion are the CLI's); leaving this generator early (a client that hung up) ends it."""
         yield {"status": "pulling manifest"}
         proc = await asyncio.create_subprocess_exec(*self.pull(ref), stdin=asyncio.subprocess.DEVNULL,
@@ -268,6 +269,12 @@ class Router:
                 for raw in done:
                     text = raw.decode("utf-8", "replace").strip()
                     if not text:
+                        continue
+                    if text.startswith("bitnet: progress "):   # bytes of the download (`--json-progress`)
+                        with contextlib.suppress(ValueError, KeyError, TypeError):
+                            p = json.loads(text[len("bitnet: progress "):])
+                            yield {"status": f"pulling {p['file']}", "digest": str(p["digest"]),
+                                   "total": int(p["total"]), "completed": int(p["completed"])}
                         continue
                     lines = (lines + [text])[-20:]
                     if text.startswith("bitnet: downloaded "):

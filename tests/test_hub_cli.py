@@ -268,8 +268,9 @@ def test_convert_and_inspect_take_a_hub_id(hub, tmp_path):
 
 
 class FakeHub:
-    """The two requests `hf_hub_download` makes (HEAD for the metadata, GET for the bytes), answered on
-    127.0.0.1 for one repository at one commit: enough to see `bitnet pull` download for real."""
+    """The requests `bitnet pull` makes of the hub (the repository's listing and revision, HEAD for a file's
+    metadata, GET for its bytes), answered on 127.0.0.1 for one repository at one commit: enough to see it
+    download for real."""
 
     def __init__(self, repo: str, files: dict[str, bytes], commit: str):
         import http.server
@@ -283,11 +284,16 @@ class FakeHub:
                 pass
 
             def _tree(self):
-                """The repository's listing (`HfApi.list_repo_files`): one page, files only."""
+                """The repository's listing (`HfApi.list_repo_files`: one page, files only), and its revision
+                (`HfApi.repo_info`, as snapshot_download asks it)."""
+                if self.path.startswith(f"/api/models/{repo}/revision/"):
+                    return json.dumps({"id": repo, "sha": commit,
+                                       "siblings": [{"rfilename": name} for name in files]}).encode()
                 if not self.path.startswith(f"/api/models/{repo}/tree/"):
                     return None
-                return json.dumps([{"type": "file", "path": name, "size": len(data),
-                                    "oid": hashlib.sha1(data).hexdigest()} for name, data in files.items()]).encode()
+                return json.dumps([{"type": "file", "path": name, "size": len(data), "oid": hashlib.sha1(data).hexdigest(),
+                                    "lfs": {"oid": hashlib.sha256(data).hexdigest(), "size": len(data), "pointerSize": 134}}
+                                   for name, data in files.items()]).encode()
 
             def _file(self):
                 prefix = f"/{repo}/resolve/"
@@ -370,14 +376,62 @@ def test_pull_of_a_quant_tag_downloads_that_file_alone(hub, tmp_path):
             lines = r.stderr.strip().splitlines()
             assert r.returncode == 2 and len(lines) == 1 and "i2_s, TQ2_0" in lines[0], (ref, r.stderr)
         assert not [p for m, p in fake.requests if m == "GET" and p.endswith(".gguf")], fake.requests
-        r = bitnet("pull", "o/remote-quants:TQ2_0", env=env)
+        r = bitnet("pull", "--json-progress", "o/remote-quants:TQ2_0", env=env)
         assert r.returncode == 0, r.stderr
         got = [p for m, p in fake.requests if m == "GET" and p.endswith(".gguf")]
         assert got == ["/o/remote-quants/resolve/main/m-1.58bit-TQ2_0.gguf"], fake.requests
         assert "bitnet run -m o/remote-quants:TQ2_0" in r.stderr
+        # the bytes as they came, for the server's ollama /api/pull: the file, its sha256, completed <= total
+        data = open(hub["quants"]["m-1.58bit-TQ2_0.gguf"], "rb").read()
+        updates = [json.loads(x[len("bitnet: progress "):]) for x in r.stderr.splitlines()
+                   if x.startswith("bitnet: progress ")]
+        assert updates and updates[-1] == {"file": "m-1.58bit-TQ2_0.gguf", "completed": len(data), "total": len(data),
+                                           "digest": "sha256:" + hashlib.sha256(data).hexdigest()}, r.stderr
+        assert all(0 <= u["completed"] <= u["total"] for u in updates)
     finally:
         fake.close()
     offline = dict(env, HF_HUB_OFFLINE="1")
     assert run_text("o/remote-quants:TQ2_0", offline) == greedy(hub["quants"]["m-1.58bit-TQ2_0.gguf"])
     r = bitnet("run", "-m", "o/remote-quants:i2_s", "-p", "x", env=offline)   # listed there, not downloaded
     assert r.returncode == 2 and "bitnet pull o/remote-quants:i2_s" in r.stderr
+
+
+def test_pull_of_an_hf_repository_takes_its_model_files_with_progress(hub, tmp_path):
+    """An HF-layout repository comes down as a snapshot of the model's files alone (no README, no GGUF beside
+    them), its bytes reported as one item named by the repository; the model then runs offline as it was."""
+    commit = "e" * 40
+    files = {name: open(p, "rb").read() for name, p in hf_files(hub["hf"][COMMIT_B]).items()}
+    extra = {"README.md": b"# a model card\n", "m-1.58bit-TQ2_0.gguf": open(hub["quants"]["m-1.58bit-TQ2_0.gguf"], "rb").read()}
+    fake = FakeHub("o/remote-hf", {**files, **extra}, commit)
+    try:
+        env = env_for(hub, tmp_path, HF_HUB_CACHE=str(tmp_path / "downloads"), HF_HUB_OFFLINE="0",
+                      HF_ENDPOINT=fake.url, HF_HUB_DISABLE_TELEMETRY="1")
+        r = bitnet("pull", "--json-progress", "o/remote-hf", env=env)
+        assert r.returncode == 0, r.stderr
+        fetched = {p.rsplit("/", 1)[-1] for m, p in fake.requests if m == "GET" and "/resolve/" in p}
+        assert fetched == set(files), fake.requests
+        updates = [json.loads(x[len("bitnet: progress "):]) for x in r.stderr.splitlines()
+                   if x.startswith("bitnet: progress ")]
+        total = sum(len(d) for d in files.values())
+        assert updates and updates[-1] == {"file": "o/remote-hf", "digest": "o/remote-hf", "completed": total,
+                                           "total": total}, r.stderr
+    finally:
+        fake.close()
+    assert run_text("o/remote-hf", dict(env, HF_HUB_OFFLINE="1")) == greedy(hub["hf"][COMMIT_B])
+
+
+def test_a_download_missing_a_weight_shard_is_one_line(hub, tmp_path):
+    """A sharded model whose download lacks a shard (an interrupted pull) says which, rather than failing in
+    the loader; the rest of the snapshot is found as it is."""
+    d = write_hf_dir(SynthModel(small_config(), seed=8), str(tmp_path / "sharded"), shards=2)
+    files = hf_files(d)
+    shards = sorted(f for f in files if f.endswith(".safetensors"))
+    assert len(shards) == 2 and "model.safetensors.index.json" in files
+    cache = str(tmp_path / "cache")
+    add_snapshot(cache, "o/sharded", COMMIT_A, files)
+    env = env_for(hub, tmp_path, HF_HUB_CACHE=cache)
+    assert run_text("o/sharded", env) == greedy(d)
+    add_snapshot(cache, "o/half", COMMIT_A, {f: p for f, p in files.items() if f != shards[1]})
+    r = bitnet("run", "-m", "o/half", "-p", "x", env=env)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and f"lacks 1 of its 2 weight files ({shards[1]})" in lines[0], r.stderr

@@ -497,6 +497,34 @@ def test_ollama_pull_and_delete_on_a_cache_server(tmp_path, models_dir):
 
 
 # ---- keys, shutdown, flags ----------------------------------------------------------------------------------
+def test_ollama_pull_reports_the_bytes_of_a_real_download(tmp_path):
+    """Against a hub on 127.0.0.1 (tests/test_hub_cli.py's FakeHub): ollama's client sees the download as its
+    layers, a digest (the file's sha256) with completed and total bytes, then success; the model of that tag
+    then answers under the name pulled."""
+    import hashlib
+
+    import ollama
+    from test_hub_cli import FakeHub, quant_files
+
+    files = {name: open(p, "rb").read() for name, p in quant_files(tmp_path).items()}
+    fake = FakeHub("o/remote", files, "f" * 40)
+    env = {"HF_HUB_CACHE": str(tmp_path / "hub"), "BITNET_CACHE": str(tmp_path / "stores"), "HF_HUB_OFFLINE": "0",
+           "HF_ENDPOINT": fake.url, "HF_HUB_DISABLE_TELEMETRY": "1"}
+    s = Server("--models-cache", "-c", "1024", threads=1, env=env)
+    try:
+        client = ollama.Client(host=s.url, timeout=300 * slowness())
+        updates = list(client.pull("hf.co/o/remote:TQ2_0", stream=True))
+        data = files["m-1.58bit-TQ2_0.gguf"]
+        layers = [u for u in updates if u.digest]
+        assert layers and {u.digest for u in layers} == {"sha256:" + hashlib.sha256(data).hexdigest()}, updates
+        assert all(0 <= u.completed <= u.total == len(data) for u in layers) and layers[-1].completed == len(data)
+        assert updates[0].status == "pulling manifest" and updates[-1].status == "success", updates
+        assert "m-1.58bit-TQ2_0.gguf" in chat_text(s.url, "hf.co/o/remote:tq2_0")["model"]   # that file, not i2_s
+    finally:
+        s.stop()
+        fake.close()
+
+
 def test_the_routers_key_guards_every_model(models_dir):
     s = Server("--models-dir", str(models_dir), "--api-key", "sesame", threads=1)
     try:

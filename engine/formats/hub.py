@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import os
 import re
+import time
+from typing import Callable
 
 from ..errors import BitNetError
 
@@ -133,6 +135,19 @@ def _model_in_snapshot(what: str, repo: str, snap: str) -> tuple[str, str | None
         if not any(f.endswith(".safetensors") for f in os.listdir(snap)):
             raise BitNetError(f"{what}: the download in {snap} has config.json but no *.safetensors",
                               hint=f"finish it with `bitnet pull {repo}`")
+        index = os.path.join(snap, "model.safetensors.index.json")
+        if os.path.isfile(index):
+            import json
+
+            try:
+                shards = sorted(set(json.load(open(index))["weight_map"].values()))
+            except (OSError, ValueError, KeyError, TypeError, AttributeError):
+                shards = []   # the loader says what is wrong with the index
+            missing = [f for f in shards if not os.path.isfile(os.path.join(snap, f))]
+            if missing:
+                raise BitNetError(f"{what}: the download in {snap} lacks {len(missing)} of its {len(shards)} "
+                                  f"weight files ({missing[0]}{', ...' if len(missing) > 1 else ''})",
+                                  hint=f"finish it with `bitnet pull {repo}`")
         return snap, None
     ggufs = sorted(os.path.relpath(os.path.join(d, f), snap) for d, _, fs in os.walk(snap)
                    for f in fs if f.endswith(".gguf"))
@@ -169,8 +184,12 @@ def resolve_hub_ref(ref: str, what: str | None = None) -> tuple[str, str]:
             path = hf_hub_download(repo, file, revision=rev, local_files_only=True)
             return path, _label(repo, file, path)
         snap = snapshot_download(repo, revision=rev, local_files_only=True)
-    except LocalEntryNotFoundError:
-        raise _not_cached(what, ref, repo) from None
+    except LocalEntryNotFoundError as e:
+        # huggingface_hub 2.x refuses a snapshot that holds fewer files than the repository lists (README, other
+        # quantizations: what `pull` skips) and names the folder: what it holds is checked below
+        snap = getattr(e, "snapshot_path", None)
+        if not snap or not os.path.isdir(snap):
+            raise _not_cached(what, ref, repo) from None
     except HFValidationError as e:
         raise BitNetError(f"{what}: not a valid hub id ({e})") from None
     if file:   # a quant tag: the file of that tag among those downloaded
@@ -242,9 +261,55 @@ def _file_to_pull(ref: str, repo: str, tag: str | None, files: list[str]) -> str
                       hint=f"pick one: bitnet pull {_first(repo, ggufs)}")
 
 
-def pull(ref: str) -> str:
+class _NullFile:
+    def write(self, text):
+        pass
+
+    def flush(self):
+        pass
+
+
+def _reporting_bar(report: Callable[[int, int], None]):
+    """A tqdm class for huggingface_hub's `tqdm_class` (its documented hook) that draws nothing and hands the byte
+    count to report(completed, total), at most 4 times a second and at the end. Several byte bars of one
+    download (a snapshot's transfer and reconstruction) report their furthest count."""
+    from tqdm.auto import tqdm
+
+    state = {"sent": 0.0, "done": 0}
+
+    class Bar(tqdm):
+        def __init__(self, *args, **kwargs):
+            kwargs.pop("name", None)
+            kwargs.update(disable=False, file=_NullFile())
+            super().__init__(*args, **kwargs)
+
+        def update(self, n=1):
+            out = super().update(n)
+            if self.unit == "B" and self.total:
+                state["done"] = max(state["done"], int(self.n))
+                now = time.monotonic()
+                if now - state["sent"] >= 0.25 or state["done"] >= self.total:
+                    state["sent"] = now
+                    report(min(state["done"], int(self.total)), int(self.total))
+            return out
+
+    return Bar
+
+
+def _with_bar(fn, progress, **kwargs):
+    """fn(**kwargs), with tqdm_class reporting to `progress` where this huggingface_hub takes one."""
+    import inspect
+
+    if progress is not None and "tqdm_class" in inspect.signature(fn).parameters:
+        kwargs["tqdm_class"] = _reporting_bar(progress)
+    return fn(**kwargs)
+
+
+def pull(ref: str, progress: Callable[[dict], None] | None = None) -> str:
     """Download REPO[:FILE][@REV] into the hub cache (huggingface_hub's progress bars on stderr); returns the
-    local path. Raises BitNetError with one clear line when offline, or when the repo/file/revision is unknown."""
+    local path. Raises BitNetError with one clear line when offline, or when the repo/file/revision is unknown.
+    progress: called instead of the bars with {"file", "digest", "completed", "total"} as bytes arrive (digest:
+    the file's sha256 where the hub lists one, else its name; a whole snapshot is one item named by REPO)."""
     parsed = parse_hub_ref(ref)
     if parsed is None:
         raise BitNetError(f"pull {ref}: not a Hugging Face hub id", hint="e.g. bitnet pull microsoft/bitnet-b1.58-2B-4T")
@@ -268,11 +333,22 @@ def pull(ref: str) -> str:
             raise offline(None, reason) from None
 
     try:
+        listed = {f.path: f for f in HfApi().list_repo_tree(repo, revision=rev, recursive=True)
+                  if hasattr(f, "size")}   # files, not folders
         if file is None or is_quant_tag(file):
-            file = _file_to_pull(ref, repo, file, HfApi().list_repo_files(repo, revision=rev))
+            file = _file_to_pull(ref, repo, file, list(listed))
+        elif file not in listed:
+            raise BitNetError(f"pull {ref}: {repo} has no file {file!r}")
+        name = file or repo
+        lfs = getattr(listed.get(file), "lfs", None) if file else None
+        digest = f"sha256:{lfs.sha256}" if lfs is not None and getattr(lfs, "sha256", None) else name
+        report = None if progress is None else (
+            lambda done, total: progress({"file": name, "digest": digest, "completed": done, "total": total}))
         if file:
-            return hf_hub_download(repo, file, revision=rev)
-        return snapshot_download(repo, revision=rev, allow_patterns=HF_DIR_PATTERNS)
+            return _with_bar(hf_hub_download, report, repo_id=repo, filename=file, revision=rev)
+        return _with_bar(snapshot_download, report, repo_id=repo, revision=rev, allow_patterns=HF_DIR_PATTERNS)
+    except BitNetError:
+        raise
     except (LocalEntryNotFoundError, OfflineModeIsEnabled) as e:   # not cached, and the hub out of reach
         raise offline(e) from None
     except GatedRepoError:
