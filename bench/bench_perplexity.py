@@ -1,10 +1,12 @@
 """`bitnet perplexity` beside llama.cpp's `llama-perplexity` on the same GGUF, same text, same machine, same run: the
 PPL each reports, the time each takes, the KL divergence between the two engines' next-token distributions, both
-ways (each tool reads the other's base-logits file: the format is llama.cpp's), and HellaSwag's acc_norm and
-Winogrande's score over task files made from the bundled corpus (llama.cpp's layouts). Not a test.
+ways (each tool reads the other's base-logits file: the format is llama.cpp's), and HellaSwag's acc_norm,
+Winogrande's score and the multiple-choice accuracy over task files made from the bundled corpus (llama.cpp's
+layouts). Not a test.
 
     python bench/bench_perplexity.py [--shape small|2b4t] [--ctx 512] [--chunks 4] [--threads 2] [--text FILE]
-                                     [--parts hellaswag,winogrande] [--llama-perplexity PATH] [--json out.json]
+                                     [--parts hellaswag,winogrande,multiple-choice] [--llama-perplexity PATH]
+                                     [--json out.json]
 
 The model is bench/make_models.py's synthetic model (random ternary weights: its PPL is large, the comparison is what
 counts) written as a TQ2_0 GGUF with SiLU, the activation llama.cpp's `bitnet` graph computes (make_models' own file
@@ -34,7 +36,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(ROOT))
 from make_models import DEFAULT_CACHE, synth_model  # noqa: E402
-from bitnet_cpu.models.corpus import hellaswag_text, winogrande_text  # noqa: E402
+from bitnet_cpu.models.corpus import hellaswag_text, multiple_choice_bytes, winogrande_text  # noqa: E402
 
 
 def find_tool(arg: str | None, cache: str) -> str | None:
@@ -131,6 +133,29 @@ def winogrande_pair(tool, gguf, store, tmp, threads) -> dict:
     return out_rec
 
 
+def multiple_choice_pair(tool, gguf, store, tmp, threads) -> dict:
+    """Multiple choice over every task of one binary file (2-5 answers a task; llama-perplexity takes -np 8 for the
+    5-answer ones): the accuracy, how many tasks the two scored the same way, and the time."""
+    mc = os.path.join(tmp, "choices.bin")
+    with open(mc, "wb") as f:
+        f.write(multiple_choice_bytes(200))
+    wall_o, rec = ours(["-m", store, "--multiple-choice", "-f", mc, "-t", str(threads)])
+    wall_l, out = llama(tool, ["-m", gguf, "--multiple-choice", "-f", mc, "-np", "8", "-t", str(threads)])
+    accs = [(int(n), float(acc)) for n, acc in re.findall(r"^(\d+)\t([0-9.]+)$", out, re.M)]
+    hits, prev = [], 0
+    for n, acc in accs:   # the running accuracy: each task's hit is its step
+        now = round(acc * n / 100)
+        hits.append(now > prev)
+        prev = now
+    same = sum(a == r["right"] for a, r in zip(hits, rec["results"]))
+    final = grab(r"Final result: ([0-9.]+)", out)
+    out_rec = {"tasks": rec["tasks"], "ours_accuracy": rec["accuracy"], "llama_accuracy": final,
+               "same_outcome": same, "ours_wall_s": round(wall_o, 2), "llama_wall_s": round(wall_l, 2)}
+    print(f"multiple choice, {rec['tasks']} tasks: ours {rec['accuracy']:.2f}%, llama.cpp {final}%; the same outcome "
+          f"on {same} of {len(hits)} tasks; {wall_o:.1f} s against {wall_l:.1f} s with start-up")
+    return out_rec
+
+
 def grab(pattern: str, text: str) -> float | None:
     m = re.search(pattern, text)
     return float(m.group(1)) if m else None
@@ -146,7 +171,7 @@ def main(argv=None) -> int:
     ap.add_argument("--cache", default=DEFAULT_CACHE)
     ap.add_argument("--llama-perplexity", dest="tool", default=None)
     ap.add_argument("--json", dest="json_out", default=None)
-    ap.add_argument("--parts", default="hellaswag,winogrande",
+    ap.add_argument("--parts", default="hellaswag,winogrande,multiple-choice",
                     help="task sets to run beside PPL and KL (comma-separated; '' for none)")
     a = ap.parse_args(argv)
     a.parts = [x for x in a.parts.split(",") if x]
@@ -190,6 +215,8 @@ def main(argv=None) -> int:
             res["hellaswag"] = hellaswag_pair(tool, gguf, store, tmp, a.threads)
         if "winogrande" in a.parts:
             res["winogrande"] = winogrande_pair(tool, gguf, store, tmp, a.threads)
+        if "multiple-choice" in a.parts:
+            res["multiple_choice"] = multiple_choice_pair(tool, gguf, store, tmp, a.threads)
     if a.json_out:
         with open(a.json_out, "w") as f:
             json.dump(res, f, indent=1)

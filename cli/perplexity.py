@@ -8,13 +8,14 @@ by the other).
     bitnet perplexity -m OTHER --kl-divergence-base base.kld --kl-divergence
     bitnet perplexity -m MODEL --hellaswag -f hellaswag_val_full.txt   # acc_norm, llama.cpp's task file
     bitnet perplexity -m MODEL --winogrande -f winogrande-debiased-eval.csv
+    bitnet perplexity -m MODEL --multiple-choice -f mmlu-validation.bin     # ARC, MMLU, TruthfulQA: llama.cpp's .bin
 
 The running PPL ("[1]7.1234,[2]...") and the final estimate (or the KL table and statistics) go to stdout, progress
 to stderr; --json prints one object instead. Ctrl-C prints the estimate over the chunks done and exits 130, leaving no
 half-written base file (an existing one is replaced only once a run completes).
 """
-HELP = ("measure perplexity over a text file, the KL divergence from a base model's saved logits, HellaSwag or "
-        "Winogrande (llama-perplexity's chunks, numbers and files)")
+HELP = ("measure perplexity over a text file, the KL divergence from a base model's saved logits, HellaSwag, "
+        "Winogrande or multiple-choice tasks (llama-perplexity's chunks, numbers and files)")
 
 DEFAULT_CTX = 512   # llama-perplexity's
 
@@ -50,17 +51,25 @@ def add_arguments(p):
                         "llama-perplexity --winogrande%(default).0s")
     p.add_argument("--winogrande-tasks", dest="winogrande_tasks", type=int, default=0, metavar="N",
                    help="tasks to score, drawn as llama-perplexity draws them; 0: every one, in the file's order")
+    p.add_argument("--multiple-choice", dest="multiple_choice", action="store_true",
+                   help="score multiple-choice tasks from -f (llama.cpp's binary file: ARC, MMLU, TruthfulQA) as "
+                        "llama-perplexity --multiple-choice%(default).0s")
+    p.add_argument("--multiple-choice-tasks", dest="multiple_choice_tasks", type=int, default=0, metavar="N",
+                   help="tasks to score, drawn as llama-perplexity draws them; 0: every one, in the file's order")
     p.add_argument("--json", action="store_true", help="print one JSON object with the results%(default).0s")
 
 
 def _check(args) -> None:
     from ..engine.errors import BitNetError
-    if args.hellaswag and args.winogrande:
-        raise BitNetError("--hellaswag and --winogrande: one task set at a time")
-    task = "--hellaswag" if args.hellaswag else "--winogrande" if args.winogrande else None
+    chosen = [flag for flag, on in (("--hellaswag", args.hellaswag), ("--winogrande", args.winogrande),
+                                    ("--multiple-choice", args.multiple_choice)) if on]
+    if len(chosen) > 1:
+        raise BitNetError(f"{' and '.join(chosen)}: one task set at a time")
+    task = chosen[0] if chosen else None
     if task and (args.kld or args.kld_base):
         raise BitNetError(f"{task} scores tasks: it takes no --kl-divergence / --kl-divergence-base")
-    for flag, n in (("--hellaswag-tasks", args.hellaswag_tasks), ("--winogrande-tasks", args.winogrande_tasks)):
+    for flag, n in (("--hellaswag-tasks", args.hellaswag_tasks), ("--winogrande-tasks", args.winogrande_tasks),
+                    ("--multiple-choice-tasks", args.multiple_choice_tasks)):
         if n < 0:
             raise BitNetError(f"{flag} {n}: must be >= 0 (0: every task)")
     if args.kld and not args.kld_base:
@@ -117,14 +126,16 @@ def main(args) -> int:
             n_ctx = args.ctx or DEFAULT_CTX
         # a bad task file: one line before the load
         tasks, skipped = (_hellaswag_tasks(args), 0) if args.hellaswag else \
-            _winogrande_tasks(args) if args.winogrande else (None, 0)
+            _winogrande_tasks(args) if args.winogrande else \
+            _choice_tasks(args) if args.multiple_choice else (None, 0)
         llm = load_model(args.model, ctx=n_ctx, threads=args.threads, kv_dtype=args.kv, lm_head=args.lm_head,
                          progress=sys.stderr.isatty())
         try:
             for w in llm.warnings:
                 print(f"bitnet: warning: {w}", file=sys.stderr)
             if tasks is not None:
-                return _hellaswag(args, llm, tasks) if args.hellaswag else _winogrande(args, llm, tasks, skipped)
+                return _hellaswag(args, llm, tasks) if args.hellaswag else \
+                    _winogrande(args, llm, tasks, skipped) if args.winogrande else _multiple_choice(args, llm, tasks, skipped)
             return _score(args, llm, reader, n_ctx)
         finally:
             llm.close()
@@ -278,7 +289,7 @@ def _hellaswag(args, llm, tasks) -> int:
     import time
 
     from ..engine.errors import BitNetError
-    from ..engine.runtime.perplexity import hellaswag_scores, wilson
+    from ..engine.runtime.perplexity import continuation_scores, wilson
     out = sys.stdout
     all_seqs = []
     for task in tasks:   # every task is checked before the first is scored
@@ -296,7 +307,7 @@ def _hellaswag(args, llm, tasks) -> int:
     interrupted = False
     try:
         for n, (task, seqs) in enumerate(zip(tasks, all_seqs), 1):
-            scores = hellaswag_scores(llm.model, seqs)
+            scores = continuation_scores(llm.model, seqs)
             chosen = max(range(4), key=lambda j: (scores[j], -j))   # the first of equal bests, as llama.cpp
             right += chosen == task.gold
             results.append({"task": task.index, "gold": task.gold, "chosen": chosen, "scores": scores})
@@ -380,6 +391,88 @@ def _winogrande(args, llm, tasks, skipped: int) -> int:
             out.write(json.dumps(rec) + "\n")
         elif n >= 100:
             out.write(f"\nFinal Winogrande score({n} tasks): {100 * p:.4f} +/- {err:.4f}\n")
+        out.flush()
+    if interrupted:
+        print(f"bitnet: interrupted after {n} of {len(tasks)} tasks", file=sys.stderr)
+        return 130
+    return 0
+
+
+def _choice_tasks(args) -> tuple[list, int]:
+    """(the tasks to score, the file's task count)."""
+    import sys
+
+    from ..engine.errors import BitNetError
+    from ..engine.runtime.perplexity import parse_multiple_choice
+    try:
+        if args.file == "-":
+            data = sys.stdin.buffer.read()
+        else:
+            with open(args.file, "rb") as f:
+                data = f.read()
+    except OSError as e:
+        raise BitNetError(f"-f/--file {args.file}: {e.strerror}") from None
+    try:
+        return parse_multiple_choice(data, args.multiple_choice_tasks)
+    except BitNetError as e:
+        raise BitNetError(f"-f/--file {args.file}: {e.args[0]}", hint=e.hint or "llama.cpp's binary multiple-choice "
+                          "layout (ikawrakow/validation-datasets-for-llama.cpp)") from None
+
+
+def _multiple_choice(args, llm, tasks, count: int) -> int:
+    """Accuracy over multiple-choice tasks (the answer with the highest mean log-probability, right when its label
+    is 1), a line per task as llama-perplexity prints them (task, running accuracy); the final result and the
+    random chance (tasks / answers) with their standard errors, from 100 tasks on or over every task."""
+    import json
+    import math
+    import sys
+    import time
+
+    from ..engine.errors import BitNetError
+    from ..engine.runtime.perplexity import continuation_scores
+    out = sys.stdout
+    all_seqs = []
+    for task in tasks:   # every task is checked before the first is scored
+        seqs = [llm.tokenize(task.question + " " + a, add_bos=True, special=False) for a in task.answers]
+        longest = max(len(x) for x in seqs)
+        if longest > llm.n_ctx:
+            raise BitNetError(f"multiple-choice task {task.index + 1} needs {longest} tokens, over the context "
+                              f"({llm.n_ctx})", hint="raise -c")
+        all_seqs.append(seqs)
+    _info(f"scoring {len(tasks)} of {count} multiple-choice tasks, {llm.threads} threads")
+    if not args.json:
+        out.write("\ntask\tacc_norm\n")
+    right, answers, results, interrupted = 0, 0, [], False
+    started = time.perf_counter()
+    try:
+        for n, (task, seqs) in enumerate(zip(tasks, all_seqs), 1):
+            scores = continuation_scores(llm.model, seqs) if len(seqs) > 1 else [0.0]
+            chosen = max(range(len(scores)), key=lambda j: (scores[j], -j))   # the first of equal bests
+            ok = task.labels[chosen] == 1
+            right += ok
+            answers += len(scores)
+            results.append({"task": task.index, "labels": task.labels, "chosen": chosen, "right": ok,
+                            "scores": scores})
+            if not args.json:
+                out.write(f"{n}\t{100 * right / n:.8f}\n")
+                out.flush()
+    except KeyboardInterrupt:
+        interrupted = True
+    n = len(results)
+    if n:
+        def mean_err(p):
+            return 100 * p, (100 * math.sqrt(p * (1 - p) / (n - 1)) if n > 1 else 0.0)
+        acc, acc_err = mean_err(right / n)
+        chance, chance_err = mean_err(n / answers)
+        if args.json:
+            rec = {"tasks": n, "tasks_planned": len(tasks), "accuracy": acc, "accuracy_err": acc_err,
+                   "random_chance": chance, "random_chance_err": chance_err,
+                   "seconds": round(time.perf_counter() - started, 3), "results": results}
+            if interrupted:
+                rec["interrupted"] = True
+            out.write(json.dumps(rec) + "\n")
+        elif n >= 100 or n == count:
+            out.write(f"\nFinal result: {acc:.4f} +/- {acc_err:.4f}\nRandom chance: {chance:.4f} +/- {chance_err:.4f}\n")
         out.flush()
     if interrupted:
         print(f"bitnet: interrupted after {n} of {len(tasks)} tasks", file=sys.stderr)

@@ -295,3 +295,37 @@ def winogrande_text(n_rows: int, seed: int = 9) -> str:
         if len(rows) == n_rows + 1:
             break
     return "\n".join(rows) + "\n"
+
+
+def multiple_choice_bytes(n_tasks: int, seed: int = 11) -> bytes:
+    """llama.cpp's binary multiple-choice file (uint32 count, uint32 offsets, then per task: the question, mc1 and
+    mc2 answer sets as uint32 count, length-prefixed UTF-8 strings, int32 labels; little-endian): a story's opening
+    as the question, its next sentence among 1-4 sentences of other stories (2-5 answers), label 1 on it; mc2 holds
+    the same answers with two labels set (llama-perplexity reads it and scores mc1 only)."""
+    import struct
+
+    rng = random.Random(seed)
+    sents = [re.split(r"(?<=\.) ", story(rng)) for _ in range(2 * n_tasks)]
+
+    def text(t: str) -> bytes:
+        b = t.encode("utf-8")
+        return struct.pack("<I", len(b)) + b
+
+    def answer_set(answers: list[str], labels: list[int]) -> bytes:
+        return (struct.pack("<I", len(answers)) + b"".join(map(text, answers)) +
+                struct.pack(f"<{len(labels)}i", *labels))
+
+    blobs = []
+    for i in range(n_tasks):
+        k = rng.randrange(1, len(sents[i]) - 1)
+        answers = [rng.choice(sents[n_tasks + rng.randrange(n_tasks)]) for _ in range(rng.randrange(1, 5))]
+        right = rng.randrange(len(answers) + 1)
+        answers.insert(right, sents[i][k])
+        labels = [int(j == right) for j in range(len(answers))]
+        mc2 = [int(j == right or j == 0) for j in range(len(answers))]
+        blobs.append(text(" ".join(sents[i][:k])) + answer_set(answers, labels) + answer_set(answers, mc2))
+    offsets, pos = [], 4 + 4 * n_tasks
+    for b in blobs:
+        offsets.append(pos)
+        pos += len(b)
+    return struct.pack(f"<I{n_tasks}I", n_tasks, *offsets) + b"".join(blobs)

@@ -25,7 +25,7 @@ import pytest
 from bitnet_cpu.engine.api import load_model
 from bitnet_cpu.engine.errors import BitNetError
 from bitnet_cpu.models import DEFAULT_MODEL_DIR
-from bitnet_cpu.models.corpus import hellaswag_text, story, winogrande_text
+from bitnet_cpu.models.corpus import hellaswag_text, multiple_choice_bytes, story, winogrande_text
 from helpers import ROOT
 
 CTX = 128
@@ -488,3 +488,109 @@ def test_winogrande_bad_input_is_one_line(case, winogrande_file, tmp_path):
     want = {"none": "no Winogrande tasks", "both": "one task set at a time", "ctx": "raise -c",
             "kld": "--kl-divergence"}[case]
     assert want in lines[0]
+
+
+# ---- multiple choice (ARC, MMLU, TruthfulQA in llama.cpp's binary file) ---------------------------------------
+@pytest.fixture(scope="module")
+def choice_file(tmp_path_factory):
+    """llama.cpp's binary layout from the corpus (models/corpus.py): a story's opening, its next sentence among 1-4
+    sentences of other stories (2-5 answers a task), an mc2 set read past."""
+    path = tmp_path_factory.mktemp("mc") / "choices.bin"
+    path.write_bytes(multiple_choice_bytes(20))
+    return str(path)
+
+
+def test_multiple_choice_is_the_definition(llm, choice_file):
+    """Each answer's score is the mean log-probability of the tokens of BOS + question + " " + answer after the
+    part every answer shares (computed here from LLM.forward, the file parsed here from its layout); the task is
+    right when the best answer's label is 1; the lines and the final result are llama-perplexity's."""
+    data = open(choice_file, "rb").read()
+    n, = struct.unpack_from("<I", data)
+    offsets = struct.unpack_from(f"<{n}I", data, 4)
+
+    def read_task(pos):
+        def string():
+            nonlocal pos
+            size, = struct.unpack_from("<I", data, pos)
+            pos += 4 + size
+            return data[pos - size: pos].decode("utf-8")
+        question = string()
+        count, = struct.unpack_from("<I", data, pos)
+        pos += 4
+        answers = [string() for _ in range(count)]
+        return question, answers, list(struct.unpack_from(f"<{count}i", data, pos))
+
+    r = bitnet("--multiple-choice", "-f", choice_file, "--json")
+    assert r.returncode == 0, r.stderr
+    rec = json.loads(r.stdout)
+    assert rec["tasks"] == n == 20 and [x["task"] for x in rec["results"]] == list(range(n))
+    right = answers_total = 0
+    for res in rec["results"]:
+        question, answers, labels = read_task(offsets[res["task"]])
+        seqs = [llm.tokenize(question + " " + a, add_bos=True, special=False) for a in answers]
+        common = 0
+        while len({s[common] for s in seqs}) == 1:
+            common += 1
+        want = []
+        for s in seqs:
+            lp = log_softmax(llm.forward(s))
+            want.append(float(np.mean([lp[t - 1, s[t]] for t in range(common, len(s))])))
+        assert res["scores"] == pytest.approx(want, abs=1e-5) and res["labels"] == labels
+        assert res["chosen"] == int(np.argmax(want)) and res["right"] == (labels[res["chosen"]] == 1)
+        right += res["right"]
+        answers_total += len(answers)
+    assert 0 < right < n   # neither all nor none
+    assert rec["accuracy"] == pytest.approx(100 * right / n)
+    assert rec["random_chance"] == pytest.approx(100 * n / answers_total)
+    text = bitnet("--multiple-choice", "-f", choice_file).stdout.strip().splitlines()
+    assert text[0] == "task\tacc_norm" and text[n] == f"{n}\t{100 * right / n:.8f}"
+    p, q = right / n, n / answers_total
+    assert text[-2:] == [f"Final result: {100 * p:.4f} +/- {100 * np.sqrt(p * (1 - p) / (n - 1)):.4f}",
+                         f"Random chance: {100 * q:.4f} +/- {100 * np.sqrt(q * (1 - q) / (n - 1)):.4f}"]
+
+
+def test_multiple_choice_draws_read_each_task_at_its_offset(choice_file):
+    """A drawn subset is llama-perplexity's draw (the float draw Winogrande uses, checked against libstdc++ above),
+    each task read at its offset; every task (0) is read in turn after the offsets. A file whose tasks lie in
+    another order than their offsets shows the two apart."""
+    from bitnet_cpu.engine.runtime.perplexity import float_draw, parse_multiple_choice
+
+    data = open(choice_file, "rb").read()
+    n, = struct.unpack_from("<I", data)
+    offsets = list(struct.unpack_from(f"<{n}I", data, 4)) + [len(data)]
+    blobs = [data[offsets[i]: offsets[i + 1]] for i in range(n)]
+    # the same tasks stored backwards, their offsets still in task order
+    body, pos, new_offsets = b"".join(reversed(blobs)), 4 + 4 * n, [0] * n
+    for i in reversed(range(n)):
+        new_offsets[i] = pos
+        pos += len(blobs[i])
+    flipped = struct.pack(f"<I{n}I", n, *new_offsets) + body
+    every, count = parse_multiple_choice(data, 0)
+    assert count == n and [t.index for t in every] == list(range(n))
+    assert [t.question for t in parse_multiple_choice(flipped, 0)[0]] == [t.question for t in reversed(every)]
+    drawn, _ = parse_multiple_choice(flipped, 6)
+    assert [t.index for t in drawn] == float_draw(n, 6)
+    assert [t.question for t in drawn] == [every[i].question for i in float_draw(n, 6)]
+    rec = json.loads(bitnet("--multiple-choice", "-f", choice_file, "--multiple-choice-tasks", "6", "--json").stdout)
+    assert [x["task"] for x in rec["results"]] == float_draw(n, 6)
+
+
+@pytest.mark.parametrize("case", ["short", "count", "answers", "utf8", "empty", "both", "ctx", "negative"])
+def test_multiple_choice_bad_input_is_one_line(case, choice_file, tmp_path):
+    data = open(choice_file, "rb").read()
+    bad = tmp_path / "bad.bin"
+    first = struct.unpack_from("<I", data, 4)[0]          # the first task's offset
+    qlen = struct.unpack_from("<I", data, first)[0]
+    bad.write_bytes({"short": data[: len(data) - 7], "count": struct.pack("<I", 0),
+                     "answers": data[: first + 4 + qlen] + struct.pack("<I", 101) + data[first + 8 + qlen:],
+                     "utf8": data[: first + 4] + b"\xff" + data[first + 5:],
+                     "empty": data[:first] + struct.pack("<I", 0) + data[first + 4 + qlen:]}.get(case, data))
+    extra = {"both": ("--winogrande",), "ctx": ("-c", "8"), "negative": ("--multiple-choice-tasks", "-1")}.get(case, ())
+    r = bitnet("--multiple-choice", "-f", str(bad), *extra)
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("bitnet: error: ") and "Traceback" not in r.stderr, r.stderr
+    want = {"short": "cut short", "count": "no tasks", "answers": "101 answers", "utf8": "not UTF-8",
+            "empty": "empty question", "both": "one task set at a time", "ctx": "raise -c",
+            "negative": "--multiple-choice-tasks -1"}[case]
+    assert want in lines[0], lines[0]

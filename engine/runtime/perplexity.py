@@ -416,9 +416,10 @@ def _logprob(logits: np.ndarray, token: int) -> float:
     return token_logprob(logits, token, 0).logprob
 
 
-def hellaswag_scores(model, seqs: list[list[int]]) -> list[float]:
+def continuation_scores(model, seqs: list[list[int]]) -> list[float]:
     """The mean log-probability of each sequence's tokens after the prefix they all share (llama-perplexity's
-    acc_norm scores): the shared prefix runs once, each ending after it from that cache position."""
+    acc_norm scores of HellaSwag and multiple choice): the shared prefix runs once, each ending after it from that
+    cache position."""
     common = 0
     while all(common < len(s) for s in seqs) and len({s[common] for s in seqs}) == 1:
         common += 1
@@ -487,19 +488,26 @@ def parse_winogrande(text: str) -> tuple[list[WinograndeTask], int]:
     return tasks, skipped
 
 
-def draw_winogrande(tasks: list, n: int) -> list:
-    """llama-perplexity's draw of n of the tasks (0 or all of them: every task, in the file's order): a float index
-    scale * mt19937() * left, the pick replaced by the last one left."""
-    if n <= 0 or n >= len(tasks):
-        return list(tasks)
-    rng, aux, out = Mt19937(1), list(range(len(tasks))), []
+def float_draw(count: int, n: int) -> list[int]:
+    """llama-perplexity's draw of n of `count` task indices for Winogrande and multiple choice (0 or all of them:
+    every index, in order): a float index scale * mt19937() * left (float32 arithmetic, as there), the pick
+    replaced by the last one left. (Where the float rounds up to `left`, which llama.cpp would read past its
+    array for, once in ~2^25 draws, the last one is taken.)"""
+    if n <= 0 or n >= count:
+        return list(range(count))
+    rng, aux, out = Mt19937(1), list(range(count)), []
     scale = np.float32(1.0) / (np.float32(1.0) + np.float32(4294967295.0))
     for _ in range(n):
         j = min(int(scale * np.float32(rng()) * np.float32(len(aux))), len(aux) - 1)
-        out.append(tasks[aux[j]])
+        out.append(aux[j])
         aux[j] = aux[-1]
         aux.pop()
     return out
+
+
+def draw_winogrande(tasks: list, n: int) -> list:
+    """llama-perplexity's draw of n of the tasks (float_draw)."""
+    return [tasks[i] for i in float_draw(len(tasks), n)]
 
 
 def winogrande_scores(model, seqs: list[list[int]], bases: list[int]) -> list[float]:
@@ -521,3 +529,77 @@ def winogrande_scores(model, seqs: list[list[int]], bases: list[int]) -> list[fl
         logits = model.prefill(s[: len(s) - 1 - last], all_logits=True)
         scores.append(sum(_logprob(logits[j], s[j + 1]) for j in range(start - 1, len(s) - 1 - last)) / count)
     return scores
+
+
+# ---- multiple choice (llama-perplexity --multiple-choice) ---------------------------------------------------------
+# llama.cpp's binary task file (ikawrakow/validation-datasets-for-llama.cpp: ARC, MMLU, TruthfulQA, HellaSwag), all
+# little-endian: uint32 task count n, uint32 byte offset of each task, then the tasks; a task is a string (uint32
+# length, UTF-8 bytes) -- the question --, then two answer sets (mc1: one right answer, mc2: several, unused): uint32
+# count (at most 100), that many strings, that many int32 labels (1: right). Each answer is scored as HellaSwag's
+# endings are: tokenize(BOS + question + " " + answer), the mean log-probability after the shared prefix.
+
+MC_MAX_ANSWERS = 100   # llama-perplexity's bound on one set's answers
+
+
+class ChoiceTask:
+    def __init__(self, index: int, question: str, answers: list[str], labels: list[int]):
+        self.index, self.question, self.answers, self.labels = index, question, answers, labels
+
+
+class _Cursor:
+    def __init__(self, data: bytes, pos: int, what: str):
+        self.data, self.pos, self.what = data, pos, what
+
+    def u32(self, field: str) -> int:
+        return int(np.frombuffer(self.take(4, field), "<u4")[0])
+
+    def take(self, size: int, field: str) -> bytes:
+        if self.pos + size > len(self.data):
+            raise BitNetError(f"{self.what}: cut short at byte {self.pos} (reading {field}: {size} bytes, "
+                              f"{len(self.data) - self.pos} left)")
+        out = self.data[self.pos: self.pos + size]
+        self.pos += size
+        return out
+
+    def text(self, field: str) -> str:
+        raw = self.take(self.u32(field + "'s length"), field)
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise BitNetError(f"{self.what}: {field} is not UTF-8 (byte {self.pos - len(raw) + e.start})") from None
+
+    def answers(self, field: str) -> tuple[list[str], list[int]]:
+        n = self.u32(f"{field}'s answer count")
+        if n > MC_MAX_ANSWERS:
+            raise BitNetError(f"{self.what}: {field} has {n} answers (at most {MC_MAX_ANSWERS}): not a multiple-choice "
+                              "file, or a damaged one")
+        answers = [self.text(f"{field} answer {i + 1}") for i in range(n)]
+        labels = [int(x) for x in np.frombuffer(self.take(4 * n, f"{field}'s labels"), "<i4")]
+        return answers, labels
+
+
+def _choice_task(data: bytes, pos: int, index: int) -> tuple[ChoiceTask, int]:
+    cur = _Cursor(data, pos, f"multiple-choice task {index + 1} (at byte {pos})")
+    question = cur.text("its question")
+    answers, labels = cur.answers("mc1")
+    cur.answers("mc2")   # read past: llama-perplexity scores mc1 only
+    if not question or not answers or any(not a for a in answers):
+        raise BitNetError(f"{cur.what}: an empty question or answer (llama-perplexity refuses such a task too)")
+    return ChoiceTask(index, question, answers, labels), cur.pos
+
+
+def parse_multiple_choice(data: bytes, n: int) -> tuple[list[ChoiceTask], int]:
+    """(the tasks to score, the file's task count): n of them drawn as llama-perplexity draws them (float_draw, each
+    read at its offset), or every one (n = 0 or at least the count) read in turn after the offsets, as it does."""
+    head = _Cursor(data, 0, "multiple-choice file")
+    count = head.u32("the task count")
+    if count == 0:
+        raise BitNetError("multiple-choice file: no tasks in it (its task count is 0)")
+    offsets = np.frombuffer(head.take(4 * count, f"the offsets of {count} tasks"), "<u4")
+    if n <= 0 or n >= count:
+        tasks, pos = [], head.pos
+        for i in range(count):
+            task, pos = _choice_task(data, pos, i)
+            tasks.append(task)
+        return tasks, count
+    return [_choice_task(data, int(offsets[i]), i)[0] for i in float_draw(count, n)], count
