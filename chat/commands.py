@@ -16,7 +16,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "/reset": ("", "forget the conversation, the system prompt stays (/clear does the same)"),
     "/system": ("[TEXT|--clear]", "show, set or clear the system prompt"),
     "/set": ("[NAME VALUE]", "show settings, or set temp|top_k|top_p|min_p|repeat_penalty|repeat_last_n|seed|"
-                             "max_tokens; also ollama's /set parameter NAME VALUE, /set system TEXT and "
+                             "max_tokens|typical_p|top_n_sigma|xtc_probability|xtc_threshold|dynatemp_range|"
+                             "dynatemp_exponent|mirostat|mirostat_tau|mirostat_eta; also ollama's /set parameter NAME VALUE, /set system TEXT and "
                              "/set format json|FILE|off (answers as JSON / matching a JSON Schema file)"),
     "/show": ("[info|system|parameters]", "model information (source file, shape, context) and current settings"),
     "/save": ("FILE", "save the conversation as JSON (atomic write)"),
@@ -49,13 +50,28 @@ class Settings:
     repeat_last_n: int = _DEFAULT.repeat_last_n
     presence_penalty: float = _DEFAULT.presence_penalty
     frequency_penalty: float = _DEFAULT.frequency_penalty
+    top_n_sigma: float = _DEFAULT.top_n_sigma
+    typical_p: float = _DEFAULT.typical_p
+    xtc_probability: float = _DEFAULT.xtc_probability
+    xtc_threshold: float = _DEFAULT.xtc_threshold
+    dynatemp_range: float = _DEFAULT.dynatemp_range
+    dynatemp_exponent: float = _DEFAULT.dynatemp_exponent
+    mirostat: int = _DEFAULT.mirostat
+    mirostat_tau: float = _DEFAULT.mirostat_tau
+    mirostat_eta: float = _DEFAULT.mirostat_eta
 
     def describe(self) -> str:
         seed = "random" if self.seed is None else str(self.seed)
-        return (f"temp={self.temp:g} top_k={self.top_k} top_p={self.top_p:g} min_p={self.min_p:g} "
+        text = (f"temp={self.temp:g} top_k={self.top_k} top_p={self.top_p:g} min_p={self.min_p:g} "
                 f"repeat_penalty={self.repeat_penalty:g} seed={seed} max_tokens={self.max_tokens} "
                 f"repeat_last_n={self.repeat_last_n} presence_penalty={self.presence_penalty:g} "
                 f"frequency_penalty={self.frequency_penalty:g}")
+        # llama.cpp's other samplers: shown once set (off, they would only lengthen the line)
+        for name in ("top_n_sigma", "typical_p", "xtc_probability", "xtc_threshold", "dynatemp_range",
+                     "dynatemp_exponent", "mirostat", "mirostat_tau", "mirostat_eta"):
+            if getattr(self, name) != getattr(_DEFAULT, name):
+                text += f" {name}={getattr(self, name):g}"
+        return text
 
     def sampling_params(self, seed_offset: int = 0) -> SamplingParams:
         """The engine's SamplingParams; a fixed seed is advanced by `seed_offset` (so /retry differs)."""
@@ -73,7 +89,10 @@ SETTING_ALIASES = {"temperature": "temp", "t": "temp", "n": "max_tokens", "max-t
                    "top-k": "top_k", "top-p": "top_p", "min-p": "min_p", "repeat-penalty": "repeat_penalty",
                    "n_predict": "max_tokens", "n-predict": "max_tokens", "num_predict": "max_tokens",
                    "repeat-last-n": "repeat_last_n", "presence-penalty": "presence_penalty",
-                   "frequency-penalty": "frequency_penalty"}
+                   "frequency-penalty": "frequency_penalty", "typical": "typical_p", "top-nsigma": "top_n_sigma",
+                   "top-n-sigma": "top_n_sigma", "xtc-probability": "xtc_probability",
+                   "xtc-threshold": "xtc_threshold", "dynatemp-range": "dynatemp_range",
+                   "dynatemp-exp": "dynatemp_exponent", "mirostat-lr": "mirostat_eta", "mirostat-ent": "mirostat_tau"}
 
 
 def _number(name: str, text: str, kind):

@@ -38,6 +38,16 @@ SAMPLING_FLAGS = {
     "seed": (("--seed",), int, "S", "random seed; -1 or none: a random one (printed with -v)"),
     "presence_penalty": (("--presence-penalty",), float, "P", "OpenAI's presence penalty on generated tokens (0 = off)"),
     "frequency_penalty": (("--frequency-penalty",), float, "F", "OpenAI's frequency penalty on generated tokens (0 = off)"),
+    "top_n_sigma": (("--top-nsigma", "--top-n-sigma"), float, "N", "keep logits within N standard deviations of the top "
+                    "(<= 0 = off)"),
+    "typical_p": (("--typical",), float, "P", "locally typical sampling (1 = off)"),
+    "xtc_probability": (("--xtc-probability",), float, "P", "XTC: how often the top choices are excluded (0 = off)"),
+    "xtc_threshold": (("--xtc-threshold",), float, "P", "XTC: the probability a top choice needs (> 0.5 = off)"),
+    "dynatemp_range": (("--dynatemp-range",), float, "R", "dynamic temperature: temp +- R by the entropy (0 = off)"),
+    "dynatemp_exponent": (("--dynatemp-exp",), float, "E", "dynamic temperature's exponent"),
+    "mirostat": (("--mirostat",), int, "N", "Mirostat 1 or 2 instead of top-k/top-p/min-p... (0 = off)"),
+    "mirostat_eta": (("--mirostat-lr",), float, "ETA", "Mirostat's learning rate"),
+    "mirostat_tau": (("--mirostat-ent",), float, "TAU", "Mirostat's target entropy (surprise, bits)"),
 }
 
 

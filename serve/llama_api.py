@@ -20,15 +20,21 @@ from .logprobs import chat_entry
 from .offload import run_off_loop, too_long_for_context
 from .schemas import ChatMessage, _Sampling
 
-# llama-server's sampler names. The engine's chain is bias -> penalties -> top_k -> top_p -> min_p -> temperature
-# (engine/runtime/sampling.py); a `samplers` list may leave any of those four out (that one is off) but not reorder
-# them. The other names are samplers whose parameters are refused unless off, so naming them changes nothing.
-CHAIN = ("top_k", "top_p", "min_p", "temperature")
-NO_OP_SAMPLERS = {"dry", "typ_p", "typical_p", "xtc", "tfs_z", "penalties", "infill", "top_n_sigma"}
+# llama-server's sampler names. The engine's chain is bias -> penalties -> top_n_sigma -> top_k -> typ_p -> top_p ->
+# min_p -> xtc -> temperature (engine/runtime/sampling.py, llama.cpp's default order); a `samplers` list may leave
+# any of those out (that one is off) but not reorder them. The other names are samplers whose parameters are
+# refused unless off (dry) or that are always on (penalties), so naming them changes nothing.
+CHAIN = ("top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature")
+NO_OP_SAMPLERS = {"dry", "tfs_z", "penalties", "infill"}
+# llama.cpp's other spellings of the chain's names (kebab-case, no underscore, a few words)
+SAMPLER_ALIASES = {**{n.replace("_", "-"): n for n in CHAIN}, **{n.replace("_", ""): n for n in CHAIN},
+                   "typical_p": "typ_p", "typical": "typ_p", "typ": "typ_p", "nucleus": "top_p", "temp": "temperature"}
+# a sampler left out of the chain: the SamplingParams field that turns it off, and its "off" value
+CHAIN_OFF = {"top_n_sigma": ("top_n_sigma", -1.0), "top_k": ("top_k", 0), "typ_p": ("typical_p", 1.0),
+             "top_p": ("top_p", 1.0), "min_p": ("min_p", 0.0), "xtc": ("xtc_probability", 0.0)}
 # llama-server fields for samplers and features this engine does not have: refused unless at their "off" value
-OFF = {"mirostat": 0, "typical_p": 1.0, "dynatemp_range": 0.0, "dry_multiplier": 0.0, "xtc_probability": 0.0,
-       "n_indent": 0, "t_max_predict_ms": 0, "post_sampling_probs": False, "image_data": None, "lora": None,
-       "multimodal_data": None}
+OFF = {"dry_multiplier": 0.0, "n_indent": 0, "t_max_predict_ms": 0, "post_sampling_probs": False, "image_data": None,
+       "lora": None, "multimodal_data": None}
 STOP_TYPE = {"eos": "eos", "stop": "word", "length": "limit", "context": "limit", "cancelled": "none"}
 
 
@@ -90,10 +96,11 @@ class NativeCompletionRequest(_Sampling):
             if extra.get(name, off) != off:
                 return name, f"{name} {extra[name]!r}: not supported (only {off!r}, off)"
         if self.samplers is not None:
-            unknown = [x for x in self.samplers if x not in CHAIN and x not in NO_OP_SAMPLERS]
+            names = [SAMPLER_ALIASES.get(x, x) if isinstance(x, str) else x for x in self.samplers]
+            unknown = [x for x in names if x not in CHAIN and x not in NO_OP_SAMPLERS]
             if unknown:
                 return "samplers", f"samplers: unknown {unknown[0]!r}"
-            given = [x for x in self.samplers if x in CHAIN]
+            given = [x for x in names if x in CHAIN]
             if given != [x for x in CHAIN if x in given]:
                 return "samplers", f"samplers: the engine's order is {', '.join(CHAIN)} (any may be left out)"
         return super().unsupported()
@@ -101,10 +108,10 @@ class NativeCompletionRequest(_Sampling):
     def sampling_params(self, defaults=None):
         p = super().sampling_params(defaults)
         if self.samplers is not None:   # a sampler left out of the chain is off
-            chain = set(self.samplers)
-            p.top_k = p.top_k if "top_k" in chain else 0
-            p.top_p = p.top_p if "top_p" in chain else 1.0
-            p.min_p = p.min_p if "min_p" in chain else 0.0
+            chain = {SAMPLER_ALIASES.get(x, x) for x in self.samplers}
+            for name, (field, off) in CHAIN_OFF.items():
+                if name not in chain:
+                    setattr(p, field, off)
             if "temperature" not in chain and p.temperature > 0:
                 p.temperature = 1.0
         return p
@@ -143,7 +150,10 @@ def settings_of(p, n_ctx: int, **extra) -> dict:
     return {"n_ctx": n_ctx, "seed": -1 if p.seed is None else p.seed, "temperature": p.temperature,
             "top_k": p.top_k, "top_p": p.top_p, "min_p": p.min_p, "repeat_last_n": p.repeat_last_n,
             "repeat_penalty": p.repeat_penalty, "presence_penalty": p.presence_penalty,
-            "frequency_penalty": p.frequency_penalty, "samplers": list(CHAIN), **extra}
+            "frequency_penalty": p.frequency_penalty, "top_n_sigma": p.top_n_sigma, "typical_p": p.typical_p,
+            "xtc_probability": p.xtc_probability, "xtc_threshold": p.xtc_threshold,
+            "dynatemp_range": p.dynatemp_range, "dynatemp_exponent": p.dynatemp_exponent, "mirostat": p.mirostat,
+            "mirostat_tau": p.mirostat_tau, "mirostat_eta": p.mirostat_eta, "samplers": list(CHAIN), **extra}
 
 
 def timings_of(st) -> dict:

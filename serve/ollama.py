@@ -13,6 +13,7 @@ The request fields accepted, refused and ignored: docs/api.md.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import json
 import os
@@ -35,12 +36,12 @@ DONE = {"eos": "stop", "stop": "stop", "length": "length", "context": "length", 
 ENGINE_FAULT = "the engine failed while generating this answer (the server goes on; see its log)"
 # options -> SamplingParams field (same meaning, same name apart from these)
 OPTION_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n", "seed",
-                 "presence_penalty", "frequency_penalty")
+                 "presence_penalty", "frequency_penalty", "typical_p", "mirostat", "mirostat_tau", "mirostat_eta")
 # load-time options of a local ollama (the model is loaded once, by `bitnet serve`'s flags): ignored by design
 LOAD_OPTIONS = {"numa", "num_batch", "num_gpu", "main_gpu", "low_vram", "f16_kv", "logits_all", "vocab_only",
                 "use_mmap", "use_mlock", "embedding_only", "num_thread", "num_keep"}
 # options that would change sampling in ways the engine does not do: refused unless left at their "off" value
-REFUSED_OPTIONS = {"mirostat": 0, "typical_p": 1.0, "tfs_z": 1.0}
+REFUSED_OPTIONS = {"tfs_z": 1.0}
 UNSUPPORTED_ENDPOINTS = {
     "pull": "bitnet serve does not download models: it serves the one it was started with (bitnet serve -m MODEL)",
     "push": "bitnet serve does not push models",
@@ -104,7 +105,7 @@ def sampling_from_options(options: dict | None, defaults: SamplingParams | None)
     """SamplingParams of ollama's `options` (a field left out takes the server's default); a bad value raises
     OllamaError naming `options.X` with the engine's rule."""
     base = defaults or SamplingParams()
-    values = {f: getattr(base, f) for f in OPTION_FIELDS}
+    values = {}
     for key, value in (options or {}).items():
         if key in REFUSED_OPTIONS:
             if value not in (None, REFUSED_OPTIONS[key]):
@@ -116,15 +117,16 @@ def sampling_from_options(options: dict | None, defaults: SamplingParams | None)
             value = None
         if key == "repeat_last_n" and value == -1:   # ollama: -1 looks back over the whole context
             value = 1 << 30
-        if key in ("top_k", "repeat_last_n", "seed") and value is not None and not isinstance(value, int):
+        integer = key in ("top_k", "repeat_last_n", "seed", "mirostat")
+        if integer and value is not None and (isinstance(value, bool) or not isinstance(value, int)):
             raise OllamaError(400, f"options.{key} {value!r}: must be an integer")
-        if key not in ("top_k", "repeat_last_n", "seed") and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        if not integer and (isinstance(value, bool) or not isinstance(value, (int, float))):
             raise OllamaError(400, f"options.{key} {value!r}: must be a number")
         problem = setting_problem(key, value, f"options.{key}")
         if problem:
             raise OllamaError(400, problem)
         values[key] = value
-    return SamplingParams(**values, logit_bias=base.logit_bias)
+    return dataclasses.replace(base, **values)   # the server's defaults for the rest (its --xtc-probability, ...)
 
 
 def _engine_message(i: int, m: _Message) -> dict:

@@ -126,6 +126,16 @@ class _Sampling(BaseModel):
     presence_penalty: float = _DEFAULT.presence_penalty
     frequency_penalty: float = _DEFAULT.frequency_penalty
     logit_bias: Optional[dict[str, float]] = None
+    # llama-server's other samplers (the engine's names and defaults: off)
+    top_n_sigma: float = _DEFAULT.top_n_sigma
+    typical_p: float = _DEFAULT.typical_p
+    xtc_probability: float = _DEFAULT.xtc_probability
+    xtc_threshold: float = _DEFAULT.xtc_threshold
+    dynatemp_range: float = _DEFAULT.dynatemp_range
+    dynatemp_exponent: float = _DEFAULT.dynatemp_exponent
+    mirostat: int = _DEFAULT.mirostat
+    mirostat_tau: float = _DEFAULT.mirostat_tau
+    mirostat_eta: float = _DEFAULT.mirostat_eta
     user: Optional[str] = None
     audio: Optional[Any] = None
     modalities: Optional[list[str]] = None

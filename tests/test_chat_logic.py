@@ -226,6 +226,8 @@ def test_settings_describe_lists_every_setting():
     text = Settings(seed=3).describe()
     for name in ("temp", "top_k", "top_p", "min_p", "repeat_penalty", "seed=3", "max_tokens"):
         assert name in text
+    assert "mirostat" not in text   # llama.cpp's other samplers: shown once set
+    assert "mirostat=2 mirostat_tau=3" in Settings(mirostat=2, mirostat_tau=3.0).describe()
 
 
 def test_help_lists_every_command():
@@ -237,7 +239,7 @@ def test_help_lists_every_command():
 def test_completions():
     assert completions("/s") == ["/system", "/set", "/show", "/save", "/stats"]
     assert completions("/re") == ["/reset", "/retry"]
-    assert completions("/set t") == ["temp", "top_k", "top_p"]
+    assert completions("/set t") == ["temp", "top_k", "top_p", "top_n_sigma", "typical_p"]
     assert completions("/set temp 0") == []
     assert completions("hello") == []
 

@@ -1,4 +1,5 @@
-"""Sampling: greedy, temperature, top-k, top-p, min-p, repetition penalty, seeds."""
+"""Sampling: greedy, temperature, top-k, top-p, min-p, repetition penalty, seeds; llama.cpp's top-n-sigma,
+typical, XTC, dynamic temperature and Mirostat against their definitions."""
 import numpy as np
 import pytest
 
@@ -138,3 +139,139 @@ def test_record_is_log_softmax_after_bias_and_penalties(temperature):
     assert [i for i, _ in s.record.top] == list(np.argsort(-ref, kind="stable")[:5])
     np.testing.assert_allclose([v for _, v in s.record.top], np.sort(ref)[::-1][:5], atol=1e-5)
     assert Sampler(SamplingParams(), 300).record is None   # off unless asked
+
+
+# ---- llama.cpp's other samplers: each kept set against its definition, written here ------------------------------
+OFF = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
+
+
+def softmax(x):
+    e = np.exp(np.asarray(x, np.float64) - np.max(x))
+    return e / e.sum()
+
+
+def ref_chain(lg, top_n_sigma=-1.0, top_k=0, typical_p=1.0, top_p=1.0, min_p=0.0):
+    """llama.cpp's chain on candidate lists (llama-sampler.cpp): top-n-sigma over every logit, top-k, typical
+    (sorted by |surprise - entropy|, kept while the running sum has not passed p), top-p, min-p; each on the
+    softmax of what the ones before kept. Returns the kept ids as a set."""
+    lg = np.asarray(lg, np.float64)
+    ids = np.arange(len(lg))
+    if top_n_sigma > 0:
+        ids = ids[lg[ids] >= lg.max() - top_n_sigma * lg.std()]
+    ids = ids[np.argsort(-lg[ids], kind="stable")]
+    if top_k > 0:
+        ids = ids[:top_k]
+    if typical_p < 1:
+        pr = softmax(lg[ids])
+        ent = -(pr * np.log(pr)).sum()
+        order = np.argsort(np.abs(-np.log(pr) - ent), kind="stable")
+        cum, kept = 0.0, []
+        for j in order:
+            cum += pr[j]
+            kept.append(ids[j])
+            if cum > typical_p:
+                break
+        ids = np.array(sorted(kept, key=lambda t: -lg[t]))
+    if top_p < 1:
+        pr, cum, n = softmax(lg[ids]), 0.0, 0
+        for q in pr:
+            cum += q
+            n += 1
+            if cum >= top_p:
+                break
+        ids = ids[:n]
+    if min_p > 0:
+        pr = softmax(lg[ids])
+        ids = ids[pr >= min_p * pr.max()]
+    return set(int(t) for t in ids)
+
+
+@pytest.mark.parametrize("chain", [
+    dict(typical_p=0.3), dict(typical_p=0.9), dict(typical_p=0.0), dict(top_n_sigma=1.0), dict(top_n_sigma=2.5),
+    dict(top_n_sigma=2.0, top_k=50, typical_p=0.5, top_p=0.8, min_p=0.02),
+    dict(typical_p=0.6, min_p=0.1), dict(top_k=40, typical_p=0.95, top_p=0.95, min_p=0.05),
+])
+def test_kept_tokens_follow_llama_cpps_chain(chain):
+    for seed in range(5):
+        lg = (np.random.default_rng(seed).standard_normal(2000) * 2.5).astype(np.float32)
+        s = Sampler(SamplingParams(**{**OFF, **chain}), len(lg))
+        cand, vals = s.candidates(lg.copy())
+        assert set(cand.tolist()) == ref_chain(lg, **chain), (chain, seed)
+        assert list(vals) == sorted(vals, reverse=True)   # most likely first
+        # every draw comes from the kept set
+        assert set(draw(SamplingParams(**{**OFF, **chain}, seed=seed), lg, 50)) <= set(cand.tolist())
+
+
+def test_xtc_drops_every_top_choice_but_the_least_likely():
+    probs = np.array([0.4, 0.25, 0.15, 0.1, 0.06, 0.04])
+    lg = logits_of(probs)
+    on = Sampler(SamplingParams(**OFF, xtc_probability=1.0, xtc_threshold=0.12), len(lg))
+    assert on.candidates(lg.copy())[0].tolist() == [2, 3, 4, 5]   # 0.4, 0.25 go; 0.15 (the last above) stays
+    for off in (dict(xtc_probability=0.0), dict(xtc_probability=1.0, xtc_threshold=0.6),   # > 0.5: off
+                dict(xtc_probability=1.0, xtc_threshold=0.3)):   # one token above: nothing goes
+        s = Sampler(SamplingParams(**OFF, **off), len(lg))
+        assert s.candidates(lg.copy())[0].tolist() == list(range(6)), off
+    # probability 0.5: about half the steps exclude (the uniform draw below it, as llama.cpp's)
+    half = Sampler(SamplingParams(**OFF, xtc_probability=0.5, xtc_threshold=0.12, seed=4), len(lg))
+    cut = sum(half.candidates(lg.copy())[0][0] == 2 for _ in range(2000))
+    assert 900 < cut < 1100
+
+
+def test_dynamic_temperature_follows_the_entropy():
+    p = SamplingParams(**{**OFF, "temperature": 0.8}, dynatemp_range=0.5, dynatemp_exponent=2.0)
+    s = Sampler(p, 4)
+    for probs in ([0.25] * 4, [0.97, 0.01, 0.01, 0.01], [0.5, 0.3, 0.15, 0.05]):
+        pr = np.asarray(probs)
+        h = -(pr * np.log(pr)).sum() / np.log(len(pr))
+        want = 0.3 + (1.3 - 0.3) * h ** 2.0
+        assert s.temperature_of(np.log(pr)) == pytest.approx(want, rel=1e-9)
+    assert Sampler(SamplingParams(**OFF), 4).temperature_of(np.log([0.5, 0.5])) == 1.0
+    # at the high end every token is alike, at the low end one dominates: the draws show the temperature
+    lg = logits_of([0.7, 0.1, 0.1, 0.1])
+    hot = draw(SamplingParams(**{**OFF, "temperature": 1.0}, dynatemp_range=1.0, seed=3), lg, 3000)
+    assert np.bincount(hot, minlength=4)[0] / 3000 < 0.7
+
+
+def test_mirostat_v2_keeps_the_tokens_under_mu_and_follows_tau():
+    rng = np.random.default_rng(7)
+    lg = (rng.standard_normal(5000) * 3).astype(np.float32)
+    p = SamplingParams(**{**OFF, "temperature": 0.9}, mirostat=2, mirostat_tau=4.0, mirostat_eta=0.2, seed=1)
+    s = Sampler(p, len(lg))
+    for step in range(30):
+        mu = s.mu if s.mu is not None else 2 * 4.0
+        scaled = lg.astype(np.float64) / 0.9
+        surprise = -np.log2(softmax(scaled))
+        want = set(np.flatnonzero(surprise <= mu).tolist()) or {int(np.argmax(lg))}
+        s_cand, s_probs = s.mirostat_candidates(lg.copy())
+        assert set(s_cand.tolist()) == want and s_probs.sum() == pytest.approx(1.0)
+        tok = s.sample(lg.copy())
+        i = s_cand.tolist().index(tok)
+        assert s.mu == pytest.approx(mu - 0.2 * (-np.log2(s_probs[i]) - 4.0))
+    # over many steps the surprise of the drawn tokens averages tau (its control loop)
+    s = Sampler(p, len(lg))
+    bits = []
+    for _ in range(3000):
+        cand, probs = s.mirostat_candidates(lg.copy())
+        tok = s.sample(lg.copy())
+        bits.append(-np.log2(probs[cand.tolist().index(tok)]))
+    assert np.mean(bits[500:]) == pytest.approx(4.0, abs=0.15)
+
+
+def test_mirostat_v1_sizes_top_k_from_the_zipf_exponent():
+    """On exact Zipf probabilities p_i ~ 1/i^s the estimate of s is exact, so the kept count is llama.cpp's
+    k = (eps 2^mu / (1 - V^-eps))^(1/s), eps = s - 1."""
+    v, zipf = 3000, 1.3
+    lg = (-zipf * np.log(np.arange(1, v + 1))).astype(np.float32)
+    for tau in (2.0, 3.0, 5.0):
+        s = Sampler(SamplingParams(**OFF, mirostat=1, mirostat_tau=tau, seed=0), v)
+        cand, _ = s.mirostat_candidates(lg.copy())
+        eps, mu = zipf - 1, 2 * tau
+        k = int(((eps * 2 ** mu) / (1 - v ** -eps)) ** (1 / zipf))
+        assert len(cand) == max(1, k) and cand.tolist() == list(range(len(cand))), tau
+
+
+def test_other_samplers_reject_bad_values():
+    for field, bad in (("typical_p", 1.5), ("xtc_probability", -0.1), ("xtc_threshold", 2.0), ("mirostat", 3),
+                       ("mirostat_tau", -1.0), ("dynatemp_range", float("inf")), ("top_n_sigma", float("nan"))):
+        with pytest.raises(BitNetError, match=field):
+            SamplingParams(**{field: bad}).check()

@@ -128,6 +128,17 @@ def test_tools_reach_the_prompt_and_a_tool_round_trip_renders(client, model_id):
     assert "tools" in client.show(model_id).capabilities
 
 
+def test_typical_p_and_mirostat_options_are_honoured(client, model_id):
+    """ollama's typical_p, mirostat, mirostat_tau and mirostat_eta options take effect (they used to be refused):
+    each changes a seeded, sampled answer."""
+    base = {"temperature": 1.5, "seed": 5, "num_predict": 24, "top_k": 0, "top_p": 1.0, "min_p": 0.0}
+    plain = client.generate(model=model_id, prompt="Once upon a time", options=base).response
+    for extra in ({"typical_p": 0.2}, {"mirostat": 2, "mirostat_tau": 1.0}, {"mirostat": 1, "mirostat_tau": 1.0,
+                                                                              "mirostat_eta": 0.5}):
+        got = client.generate(model=model_id, prompt="Once upon a time", options={**base, **extra}).response
+        assert got != plain, extra
+
+
 def test_logprobs(client, model_id):
     r = client.chat(model=model_id, messages=Q, options=GREEDY, logprobs=True, top_logprobs=2)
     assert r.done_reason == "stop" and len(r.logprobs) == r.eval_count - 1   # the end-of-text token has none
@@ -139,7 +150,9 @@ def test_logprobs(client, model_id):
     ("/api/chat", {"messages": Q}, "model is required"),
     ("/api/chat", {"model": "m", "messages": Q, "options": {"temperature": -1}}, "options.temperature -1"),
     ("/api/chat", {"model": "m", "messages": Q, "options": {"top_p": 2}}, "options.top_p 2"),
-    ("/api/chat", {"model": "m", "messages": Q, "options": {"mirostat": 2}}, "options.mirostat 2"),
+    ("/api/chat", {"model": "m", "messages": Q, "options": {"mirostat": 3}}, "options.mirostat 3"),
+    ("/api/chat", {"model": "m", "messages": Q, "options": {"typical_p": 1.5}}, "options.typical_p 1.5"),
+    ("/api/chat", {"model": "m", "messages": Q, "options": {"tfs_z": 0.5}}, "options.tfs_z 0.5"),
     ("/api/chat", {"model": "m", "messages": Q, "tools": [{"type": "function", "function": {"name": ""}}]},
      "tools[0].function.name"),
     ("/api/chat", {"model": "m", "messages": Q, "format": "json", "tools": [ADD]}, "format cannot be combined"),

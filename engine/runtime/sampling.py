@@ -30,6 +30,16 @@ class SamplingParams:
     presence_penalty: float = 0.0   # OpenAI's: logit -= presence for every token generated at least once
     frequency_penalty: float = 0.0  # OpenAI's: logit -= frequency * (times generated)
     logit_bias: dict[int, float] | None = None   # token id -> added to its logit (-100 bans, +100 forces)
+    # llama.cpp's other samplers, with its defaults (off) and its meaning, in its chain's order (Sampler._choose)
+    top_n_sigma: float = -1.0       # keep logits >= max - n * std (<= 0 -> off)
+    typical_p: float = 1.0          # locally typical sampling (1 -> off)
+    xtc_probability: float = 0.0    # exclude top choices: how often (0 -> off)
+    xtc_threshold: float = 0.1      # ... every token but the last at or above this probability (> 0.5 -> off)
+    dynatemp_range: float = 0.0     # dynamic temperature: temperature +- range by the entropy (0 -> off)
+    dynatemp_exponent: float = 1.0
+    mirostat: int = 0               # 1, 2: Mirostat v1 / v2 instead of top-k .. min-p (0 -> off)
+    mirostat_tau: float = 5.0       # its target surprise (bits)
+    mirostat_eta: float = 0.1       # its learning rate
     record_logprobs: int | None = None  # None -> off; k -> each step records the token's logprob and the best k
 
     def check(self, names: dict[str, str] | None = None):
@@ -56,6 +66,15 @@ _RULES = {
     "presence_penalty": (lambda v: -2 <= v <= 2, "must be in [-2, 2] (0 = off)"),
     "record_logprobs": (lambda v: v is None or 0 <= v <= 20, "must be in 0..20 (None = off)"),
     "frequency_penalty": (lambda v: -2 <= v <= 2, "must be in [-2, 2] (0 = off)"),
+    "top_n_sigma": (lambda v: -math.inf < v < math.inf, "must be finite (<= 0 = off)"),
+    "typical_p": (lambda v: 0 <= v <= 1, "must be in [0, 1] (1 = off)"),
+    "xtc_probability": (lambda v: 0 <= v <= 1, "must be in [0, 1] (0 = off)"),
+    "xtc_threshold": (lambda v: 0 <= v <= 1, "must be in [0, 1] (above 0.5 = off)"),
+    "dynatemp_range": (lambda v: 0 <= v < math.inf, "must be >= 0 and finite (0 = off)"),
+    "dynatemp_exponent": (lambda v: 0 <= v < math.inf, "must be >= 0 and finite"),
+    "mirostat": (lambda v: isinstance(v, int) and v in (0, 1, 2), "must be 0, 1 or 2 (0 = off)"),
+    "mirostat_tau": (lambda v: 0 <= v < math.inf, "must be >= 0 and finite"),
+    "mirostat_eta": (lambda v: 0 <= v < math.inf, "must be >= 0 and finite"),
 }
 LOGIT_BIAS_MAX = 100.0
 
@@ -142,6 +161,7 @@ class Sampler:
         self._counts: dict[int, int] = {}   # generated token -> times (presence / frequency penalties)
         self._n_counted = 0
         self.record: TokenLogprob | None = None
+        self.mu: float | None = None   # Mirostat's running bound on the surprise (set at its first step)
 
     def _penalize(self, logits: np.ndarray, history):
         p, n = self.p.repeat_penalty, self.p.repeat_last_n
@@ -197,28 +217,122 @@ class Sampler:
         p = self.p
         if p.temperature <= 0.0:
             return int(np.argmax(logits))
+        if p.mirostat:
+            return self._mirostat(logits)
+        cand, vals = self.candidates(logits)
+        w = np.exp((vals - vals[0]) / self.temperature_of(vals))
+        c = np.cumsum(w)
+        i = int(np.searchsorted(c, self.rng.random() * c[-1], side="right"))
+        return int(cand[min(i, len(cand) - 1)])
+
+    def candidates(self, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(token ids, their logits as float64), most likely first: what llama.cpp's chain keeps of the logits
+        before the temperature -- top-n-sigma, top-k, typical, top-p, min-p, XTC (which draws from the rng when
+        its probability is set). Each filter sees the probabilities of what the ones before it kept."""
+        p = self.p
         v = logits.shape[0]
         k = p.top_k if 0 < p.top_k < v else v
+        sigma_floor = -np.inf   # top-n-sigma: over every finite logit, before top-k (as llama.cpp's chain)
+        if p.top_n_sigma > 0.0:
+            finite = logits[np.isfinite(logits)].astype(np.float64)
+            if finite.size > 1:
+                sigma_floor = float(finite.max()) - p.top_n_sigma * float(finite.std())
         if k < v:
             got = self._topk(np.ascontiguousarray(logits, dtype=np.float32), self._top_heap, self._top_idx)
             cand = self._top_idx[:got]
-        elif p.min_p > 0.0:
-            # min-p keeps prob >= min_p * max_prob, i.e. logit >= max + log(min_p): prefilter on that
-            cand = np.flatnonzero(logits >= logits.max() + np.float32(np.log(p.min_p)))
+            if sigma_floor > -np.inf:
+                cand = cand[logits[cand] >= sigma_floor]
+        elif p.min_p > 0.0 and p.typical_p >= 1.0:
+            # min-p keeps prob >= min_p * max_prob, i.e. logit >= max + log(min_p): a prefilter, so the
+            # vocabulary is sorted rarely (while the most likely token is there: typical sampling may drop it)
+            cand = np.flatnonzero((logits >= logits.max() + np.float32(np.log(p.min_p))) & (logits >= sigma_floor))
+        elif sigma_floor > -np.inf:
+            cand = np.flatnonzero(logits >= sigma_floor)
         else:
             cand = np.arange(v)
+        if cand.size == 0:   # top-n-sigma's floor above the rounding of the maximum: keep the maximum
+            cand = np.array([int(np.argmax(logits))])
         vals = logits[cand].astype(np.float64)
         order = np.argsort(-vals, kind="stable")
         cand, vals = cand[order], vals[order]
-        probs = np.exp(vals - vals[0])
-        probs /= probs.sum()
+        probs = _softmax(vals)
+        if p.typical_p < 1.0 and len(cand) > 1:
+            shifted = np.abs(-np.log(probs) - float(-(probs * np.log(probs)).sum()))
+            by_typical = np.argsort(shifted, kind="stable")
+            over = np.flatnonzero(np.cumsum(probs[by_typical]) > p.typical_p)
+            keep = np.sort(by_typical[: int(over[0]) + 1 if over.size else len(by_typical)])
+            cand, vals = cand[keep], vals[keep]
+            probs = _softmax(vals)
         keep = len(cand)
         if p.top_p < 1.0:
             keep = min(keep, int(np.searchsorted(np.cumsum(probs), p.top_p)) + 1)
-        if p.min_p > 0.0:
+        if p.min_p > 0.0:   # relative to the most likely: the same on top-p's renormalized probabilities
             keep = min(keep, max(1, int(np.count_nonzero(probs >= p.min_p * probs[0]))))
         cand, vals = cand[:keep], vals[:keep]
-        w = np.exp((vals - vals[0]) / p.temperature)
-        c = np.cumsum(w)
-        i = int(np.searchsorted(c, self.rng.random() * c[-1], side="right"))
-        return int(cand[min(i, keep - 1)])
+        if p.xtc_probability > 0.0 and p.xtc_threshold <= 0.5 and len(cand) > 1 \
+                and self.rng.random() <= p.xtc_probability:
+            above = int(np.count_nonzero(_softmax(vals) >= p.xtc_threshold))   # the most likely ones: a prefix
+            if above > 1:   # all of them but the least likely goes
+                cand, vals = cand[above - 1:], vals[above - 1:]
+        return cand, vals
+
+    def temperature_of(self, vals: np.ndarray) -> float:
+        """The temperature for these candidates: the set one, or with dynatemp_range llama.cpp's entropy rule
+        (from T - range, at least 0, when one token is all but certain, to T + range when all are alike)."""
+        p = self.p
+        if p.dynatemp_range <= 0.0 or len(vals) < 2:
+            return p.temperature
+        probs = _softmax(vals)
+        nz = probs[probs > 0]
+        entropy = float(-(nz * np.log(nz)).sum())
+        lo, hi = max(0.0, p.temperature - p.dynatemp_range), p.temperature + p.dynatemp_range
+        t = lo + (hi - lo) * (entropy / math.log(len(vals))) ** p.dynatemp_exponent
+        return max(t, 1e-6)   # a temperature of 0 is the greedy choice: the first candidate
+
+    def _mirostat(self, logits: np.ndarray) -> int:
+        """Mirostat's draw among mirostat_candidates; mu then follows the token's surprise (bits, over the
+        candidates) with learning rate eta, towards tau."""
+        cand, probs = self.mirostat_candidates(logits)
+        c = np.cumsum(probs)
+        i = min(int(np.searchsorted(c, self.rng.random() * c[-1], side="right")), len(cand) - 1)
+        self.mu -= self.p.mirostat_eta * (-math.log2(probs[i]) - self.p.mirostat_tau)
+        return int(cand[i])
+
+    def mirostat_candidates(self, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(token ids, their probabilities renormalized over them), most likely first, as llama.cpp's Mirostat
+        keeps them after the temperature, over the whole vocabulary: v1, the top k with k from the Zipf exponent
+        estimated on the 100 most likely tokens and 2^mu; v2, every token of surprise <= mu bits (at least one).
+        mu starts at 2 tau."""
+        p = self.p
+        if self.mu is None:
+            self.mu = 2.0 * p.mirostat_tau
+        scaled = logits.astype(np.float64) / p.temperature
+        v = scaled.shape[0]
+        if p.mirostat == 1:
+            m = min(100, v)
+            top = np.argpartition(-scaled, m - 1)[:m]
+            top = top[np.argsort(-scaled[top], kind="stable")]
+            lp = scaled[top] - _logsumexp(scaled)   # log-probabilities of the m most likely, over the vocabulary
+            t = np.log(np.arange(2, m + 1) / np.arange(1, m))
+            s_hat = float((t * (lp[:-1] - lp[1:])).sum() / (t * t).sum()) if m > 1 else 1.0
+            eps = s_hat - 1.0
+            with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+                k = ((eps * 2.0 ** self.mu) / (1.0 - float(v) ** -eps)) ** (1.0 / s_hat)
+            k = min(int(k), v) if np.isfinite(k) and k >= 1 else 1
+            cand = np.argpartition(-scaled, k - 1)[:k] if k < v else np.arange(v)
+        else:
+            cand = np.flatnonzero((_logsumexp(scaled) - scaled) / math.log(2.0) <= self.mu)
+            if cand.size == 0:
+                cand = np.array([int(np.argmax(scaled))])
+        cand = cand[np.argsort(-scaled[cand], kind="stable")]
+        return cand, _softmax(scaled[cand])
+
+
+def _softmax(vals: np.ndarray) -> np.ndarray:
+    e = np.exp(vals - vals.max())
+    return e / e.sum()
+
+
+def _logsumexp(vals: np.ndarray) -> float:
+    m = float(vals.max())
+    return m + float(np.log(np.exp(vals - m).sum()))
