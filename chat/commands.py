@@ -16,7 +16,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "/reset": ("", "forget the conversation, the system prompt stays (/clear does the same)"),
     "/system": ("[TEXT|--clear]", "show, set or clear the system prompt"),
     "/set": ("[NAME VALUE]", "show settings, or set temp|top_k|top_p|min_p|repeat_penalty|repeat_last_n|seed|"
-                             "max_tokens|typical_p|top_n_sigma|xtc_probability|xtc_threshold|dynatemp_range|"
+                             "max_tokens|dry_multiplier|dry_base|dry_allowed_length|dry_penalty_last_n|typical_p|top_n_sigma|xtc_probability|xtc_threshold|dynatemp_range|"
                              "dynatemp_exponent|mirostat|mirostat_tau|mirostat_eta; also ollama's /set parameter NAME VALUE, /set system TEXT and "
                              "/set format json|FILE|off (answers as JSON / matching a JSON Schema file)"),
     "/show": ("[info|system|parameters]", "model information (source file, shape, context) and current settings"),
@@ -50,6 +50,10 @@ class Settings:
     repeat_last_n: int = _DEFAULT.repeat_last_n
     presence_penalty: float = _DEFAULT.presence_penalty
     frequency_penalty: float = _DEFAULT.frequency_penalty
+    dry_multiplier: float = _DEFAULT.dry_multiplier
+    dry_base: float = _DEFAULT.dry_base
+    dry_allowed_length: int = _DEFAULT.dry_allowed_length
+    dry_penalty_last_n: int = _DEFAULT.dry_penalty_last_n
     top_n_sigma: float = _DEFAULT.top_n_sigma
     typical_p: float = _DEFAULT.typical_p
     xtc_probability: float = _DEFAULT.xtc_probability
@@ -67,7 +71,7 @@ class Settings:
                 f"repeat_last_n={self.repeat_last_n} presence_penalty={self.presence_penalty:g} "
                 f"frequency_penalty={self.frequency_penalty:g}")
         # llama.cpp's other samplers: shown once set (off, they would only lengthen the line)
-        for name in ("top_n_sigma", "typical_p", "xtc_probability", "xtc_threshold", "dynatemp_range",
+        for name in ("dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n", "top_n_sigma", "typical_p", "xtc_probability", "xtc_threshold", "dynatemp_range",
                      "dynatemp_exponent", "mirostat", "mirostat_tau", "mirostat_eta"):
             if getattr(self, name) != getattr(_DEFAULT, name):
                 text += f" {name}={getattr(self, name):g}"
@@ -92,7 +96,8 @@ SETTING_ALIASES = {"temperature": "temp", "t": "temp", "n": "max_tokens", "max-t
                    "frequency-penalty": "frequency_penalty", "typical": "typical_p", "top-nsigma": "top_n_sigma",
                    "top-n-sigma": "top_n_sigma", "xtc-probability": "xtc_probability",
                    "xtc-threshold": "xtc_threshold", "dynatemp-range": "dynatemp_range",
-                   "dynatemp-exp": "dynatemp_exponent", "mirostat-lr": "mirostat_eta", "mirostat-ent": "mirostat_tau"}
+                   "dynatemp-exp": "dynatemp_exponent", "dry-multiplier": "dry_multiplier", "dry-base": "dry_base",
+                   "dry-allowed-length": "dry_allowed_length", "dry-penalty-last-n": "dry_penalty_last_n", "mirostat-lr": "mirostat_eta", "mirostat-ent": "mirostat_tau"}
 
 
 def _number(name: str, text: str, kind):

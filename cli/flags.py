@@ -38,6 +38,10 @@ SAMPLING_FLAGS = {
     "seed": (("--seed",), int, "S", "random seed; -1 or none: a random one (printed with -v)"),
     "presence_penalty": (("--presence-penalty",), float, "P", "OpenAI's presence penalty on generated tokens (0 = off)"),
     "frequency_penalty": (("--frequency-penalty",), float, "F", "OpenAI's frequency penalty on generated tokens (0 = off)"),
+    "dry_multiplier": (("--dry-multiplier",), float, "M", "DRY: penalty multiplier of tokens extending a repeat (0 = off)"),
+    "dry_base": (("--dry-base",), float, "B", "DRY: the penalty's base (multiplier * base^(length - allowed))"),
+    "dry_allowed_length": (("--dry-allowed-length",), int, "N", "DRY: repeats this long go unpenalized"),
+    "dry_penalty_last_n": (("--dry-penalty-last-n",), int, "N", "DRY: tokens it looks back at (-1 = all, 0 = off)"),
     "top_n_sigma": (("--top-nsigma", "--top-n-sigma"), float, "N", "keep logits within N standard deviations of the top "
                     "(<= 0 = off)"),
     "typical_p": (("--typical",), float, "P", "locally typical sampling (1 = off)"),
@@ -89,6 +93,9 @@ def add_engine_args(p: argparse.ArgumentParser, *, n_predict_default: int | None
         default = getattr(_D, field)
         p.add_argument(*spellings, dest=field, type=kind, default=default, metavar=metavar,
                        help=text + ("%(default).0s" if default is None else ""))
+    p.add_argument("--dry-sequence-breaker", dest="dry_sequence_breakers", action="append", default=None,
+                   metavar="STR", help="DRY: a sequence breaker, replacing the defaults (newline, colon, quote, "
+                   "asterisk; repeatable; 'none': no breakers)%(default).0s")
     p.add_argument("--chat-template", default=None, metavar="NAME|JINJA",
                    help="render chats with this template instead of the model file's: bitnet, chatml, llama3, or a "
                         "Jinja2 template (llama.cpp's flag)%(default).0s")
@@ -245,6 +252,9 @@ def _apply_prefill_attention(precision: str | None) -> str | None:
 def sampling_params_from_args(args: argparse.Namespace, seed: int | None = None) -> SamplingParams:
     """SamplingParams of the parsed sampling flags; `seed` (if given) replaces --seed."""
     values = {field: getattr(args, field) for field in SAMPLING_FLAGS}
+    breakers = getattr(args, "dry_sequence_breakers", None)
+    if breakers is not None:   # llama.cpp's --dry-sequence-breaker: replaces the defaults; "none": no breakers
+        values["dry_sequence_breakers"] = tuple(b for b in breakers if b != "none")
     if seed is not None:
         values["seed"] = seed
     elif values["seed"] == RANDOM_SEED:

@@ -20,20 +20,20 @@ from .logprobs import chat_entry
 from .offload import run_off_loop, too_long_for_context
 from .schemas import ChatMessage, _Sampling
 
-# llama-server's sampler names. The engine's chain is bias -> penalties -> top_n_sigma -> top_k -> typ_p -> top_p ->
-# min_p -> xtc -> temperature (engine/runtime/sampling.py, llama.cpp's default order); a `samplers` list may leave
-# any of those out (that one is off) but not reorder them. The other names are samplers whose parameters are
-# refused unless off (dry) or that are always on (penalties), so naming them changes nothing.
-CHAIN = ("top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature")
-NO_OP_SAMPLERS = {"dry", "tfs_z", "penalties", "infill"}
+# llama-server's sampler names. The engine's chain is bias -> penalties -> dry -> top_n_sigma -> top_k -> typ_p ->
+# top_p -> min_p -> xtc -> temperature (engine/runtime/sampling.py, llama.cpp's default order); a `samplers` list
+# may leave any of those out (that one is off) but not reorder them. The other names are samplers that are always
+# on (penalties) or that this engine has not (tfs_z, infill), so naming them changes nothing.
+CHAIN = ("dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature")
+NO_OP_SAMPLERS = {"tfs_z", "penalties", "infill"}
 # llama.cpp's other spellings of the chain's names (kebab-case, no underscore, a few words)
 SAMPLER_ALIASES = {**{n.replace("_", "-"): n for n in CHAIN}, **{n.replace("_", ""): n for n in CHAIN},
                    "typical_p": "typ_p", "typical": "typ_p", "typ": "typ_p", "nucleus": "top_p", "temp": "temperature"}
 # a sampler left out of the chain: the SamplingParams field that turns it off, and its "off" value
-CHAIN_OFF = {"top_n_sigma": ("top_n_sigma", -1.0), "top_k": ("top_k", 0), "typ_p": ("typical_p", 1.0),
+CHAIN_OFF = {"dry": ("dry_multiplier", 0.0), "top_n_sigma": ("top_n_sigma", -1.0), "top_k": ("top_k", 0), "typ_p": ("typical_p", 1.0),
              "top_p": ("top_p", 1.0), "min_p": ("min_p", 0.0), "xtc": ("xtc_probability", 0.0)}
 # llama-server fields for samplers and features this engine does not have: refused unless at their "off" value
-OFF = {"dry_multiplier": 0.0, "n_indent": 0, "t_max_predict_ms": 0, "post_sampling_probs": False, "image_data": None,
+OFF = {"n_indent": 0, "t_max_predict_ms": 0, "post_sampling_probs": False, "image_data": None,
        "lora": None, "multimodal_data": None}
 STOP_TYPE = {"eos": "eos", "stop": "word", "length": "limit", "context": "limit", "cancelled": "none"}
 
@@ -150,7 +150,9 @@ def settings_of(p, n_ctx: int, **extra) -> dict:
     return {"n_ctx": n_ctx, "seed": -1 if p.seed is None else p.seed, "temperature": p.temperature,
             "top_k": p.top_k, "top_p": p.top_p, "min_p": p.min_p, "repeat_last_n": p.repeat_last_n,
             "repeat_penalty": p.repeat_penalty, "presence_penalty": p.presence_penalty,
-            "frequency_penalty": p.frequency_penalty, "top_n_sigma": p.top_n_sigma, "typical_p": p.typical_p,
+            "frequency_penalty": p.frequency_penalty, "dry_multiplier": p.dry_multiplier, "dry_base": p.dry_base,
+            "dry_allowed_length": p.dry_allowed_length, "dry_penalty_last_n": p.dry_penalty_last_n,
+            "dry_sequence_breakers": list(p.dry_sequence_breakers), "top_n_sigma": p.top_n_sigma, "typical_p": p.typical_p,
             "xtc_probability": p.xtc_probability, "xtc_threshold": p.xtc_threshold,
             "dynatemp_range": p.dynatemp_range, "dynatemp_exponent": p.dynatemp_exponent, "mirostat": p.mirostat,
             "mirostat_tau": p.mirostat_tau, "mirostat_eta": p.mirostat_eta, "samplers": list(CHAIN), **extra}

@@ -127,6 +127,11 @@ class _Sampling(BaseModel):
     frequency_penalty: float = _DEFAULT.frequency_penalty
     logit_bias: Optional[dict[str, float]] = None
     # llama-server's other samplers (the engine's names and defaults: off)
+    dry_multiplier: float = _DEFAULT.dry_multiplier
+    dry_base: float = _DEFAULT.dry_base
+    dry_allowed_length: int = _DEFAULT.dry_allowed_length
+    dry_penalty_last_n: int = _DEFAULT.dry_penalty_last_n
+    dry_sequence_breakers: tuple[str, ...] = _DEFAULT.dry_sequence_breakers
     top_n_sigma: float = _DEFAULT.top_n_sigma
     typical_p: float = _DEFAULT.typical_p
     xtc_probability: float = _DEFAULT.xtc_probability
@@ -168,6 +173,8 @@ class _Sampling(BaseModel):
         field = info.field_name
         if field == "seed" and value == -1:   # llama.cpp's server: -1 is a fresh random seed
             return None
+        if field == "dry_base" and isinstance(value, (int, float)) and value < 1:   # llama-server: the default
+            return _DEFAULT.dry_base
         if field == "logit_bias" and value is not None:   # JSON keys are strings: token ids as text
             bias = {}
             for k, v in value.items():

@@ -275,3 +275,118 @@ def test_other_samplers_reject_bad_values():
                        ("mirostat_tau", -1.0), ("dynatemp_range", float("inf")), ("top_n_sigma", float("nan"))):
         with pytest.raises(BitNetError, match=field):
             SamplingParams(**{field: bad}).check()
+
+
+# ---- DRY ---------------------------------------------------------------------------------------------------------
+def brute_dry(window, allowed, breakers=(), heads=()):
+    """DRY's repeats by their definition: for each earlier position i, the longest run of tokens ending at i that
+    equals the window's last tokens (at most rep_limit: the tokens after the most recent sequence breaker, a
+    single token in `breakers` or a (head, tail...) in `heads`); the token after i would extend it."""
+    n = len(window)
+    if n <= allowed:
+        return {}
+    rep_limit = n
+    for d in range(n):   # d: distance from the end of a breaker's head
+        t = window[n - 1 - d]
+        hits = [0] if t in breakers else []
+        hits += [len(tail) for head, *tail in heads if head == t and len(tail) <= d
+                 and list(window[n - d: n - d + len(tail)]) == list(tail)]
+        if hits:
+            rep_limit = d - max(hits)
+            break
+    if rep_limit < allowed:
+        return {}
+    out = {}
+    for i in range(n - 1):
+        length = 0
+        while length <= i and window[i - length] == window[n - 1 - length]:
+            length += 1
+        length = min(length, rep_limit)
+        if length >= allowed:
+            out[window[i + 1]] = max(out.get(window[i + 1], 0), length)
+    return out
+
+
+def test_dry_repeats_are_the_definition():
+    from bitnet_cpu.engine.runtime.dry import dry_penalties
+
+    rng = np.random.default_rng(5)
+    for trial in range(400):
+        n = int(rng.integers(1, 60))
+        window = [int(x) for x in rng.integers(0, 4 if trial % 2 else 7, size=n)]
+        allowed = int(rng.integers(0, 4))
+        table, breakers, heads = {}, (), ()
+        if trial % 3 == 1:
+            table, breakers = {3: [()]}, (3,)
+        elif trial % 3 == 2:
+            table, heads = {2: [(1,), (1, 0)]}, ((2, 1), (2, 1, 0))
+        assert dry_penalties(window, table, allowed) == brute_dry(window, allowed, breakers, heads), (window, allowed)
+
+
+def test_dry_penalty_is_llama_cpps_and_spares_breakers():
+    from bitnet_cpu.engine.runtime.dry import apply_dry
+
+    window = [5, 6, 7, 9, 5, 6, 7, 9, 5, 6]   # 5 6 7 9 repeats: 7 would extend "5 6" (length 2 here, 6 earlier)
+    lg = np.zeros(12, np.float32)
+    apply_dry(lg, window, {}, 0.8, 1.75, 2)
+    reps = brute_dry(window, 2)
+    want = np.zeros(12)
+    for t, r in reps.items():
+        want[t] = -0.8 * 1.75 ** (r - 2)
+    assert np.allclose(lg, want) and lg[7] < 0
+    lg = np.zeros(12, np.float32)
+    apply_dry(lg, window, {7: [()]}, 0.8, 1.75, 2)   # 7 is a single-token breaker: never penalized
+    assert lg[7] == 0
+    lg = np.zeros(12, np.float32)
+    apply_dry(lg, [1, 2] * 200, {}, 1.0, 3.0, 0)   # a huge exponent is clamped: the penalty stays finite
+    assert np.isfinite(lg).all() and lg.min() < -1e30
+
+
+def test_dry_breakers_of_a_real_vocabulary():
+    """llama.cpp's matching of breakers against the token texts: a token holding the breaker is a single-token
+    breaker; one ending in the breaker's first bytes is a head whose tail is the rest, tokenized."""
+    from bitnet_cpu.engine.api import load_model
+    from bitnet_cpu.engine.runtime.dry import breaker_table, vocab_bytes
+
+    llm = load_model(None, ctx=64, threads=1, progress=False)
+    try:
+        tok, v = llm.tokenizer, llm.config.vocab_size
+        words = vocab_bytes(tok, v)
+        table = breaker_table(tok, v, ("\n", "ab."))
+        singles = {t for t, tails in table.items() if () in tails}
+        assert singles == {t for t, w in enumerate(words) if b"\n" in w or b"ab." in w}
+        for t, w in enumerate(words):
+            want = []
+            for k in (1, 2):   # w ends in "a" or "ab" (and does not hold "ab.")
+                if b"ab." not in w and w.endswith(b"ab."[:k]):
+                    want.append(tuple(tok.encode("ab."[k:], add_bos=False, special=False)))
+            got = [x for x in table.get(t, []) if x != ()]
+            assert sorted(got) == sorted(set(want)), (t, w)
+        assert breaker_table(tok, v, ("\n", "ab.")) is table   # cached per tokenizer
+    finally:
+        llm.close()
+
+
+def test_dry_in_generation_is_the_penalty_on_each_step():
+    """Greedy decoding with DRY picks, at every step, the argmax of the model's logits less DRY's penalty over the
+    prompt and what came before (no breakers here, so the penalties are brute_dry's alone)."""
+    from bitnet_cpu.engine.api import load_model
+
+    llm = load_model(None, ctx=128, threads=1, progress=False)
+    try:
+        prompt = llm.tokenize("Once upon a time, there was a little cat named Tom. Once upon a time, there was a "
+                              "little cat named Tom. Once upon a time,", add_bos=True)
+        p = SamplingParams(temperature=0, dry_multiplier=3.0, dry_base=1.75, dry_allowed_length=2,
+                           dry_penalty_last_n=-1, dry_sequence_breakers=())
+        gen = [c.token for c in llm.generate(prompt, p, max_tokens=12) if c.token is not None]
+        plain = [c.token for c in llm.generate(prompt, SamplingParams(temperature=0), max_tokens=12)
+                 if c.token is not None]
+        assert gen != plain   # the prompt's loop is penalized
+        for i, t in enumerate(gen):
+            seq = prompt + gen[:i]
+            lg = llm.forward(seq)[-1].astype(np.float64)
+            for tok, r in brute_dry(seq, 2).items():
+                lg[tok] -= 3.0 * 1.75 ** (r - 2)
+            assert t == int(np.argmax(lg)), i
+    finally:
+        llm.close()

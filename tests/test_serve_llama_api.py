@@ -139,12 +139,21 @@ def test_completion_prompt_forms_samplers_and_bias(server):
 
 
 def test_llama_cpps_other_samplers_take_effect(server):
-    """typical_p, top_n_sigma, xtc, dynatemp and mirostat are honoured (they used to be refused): each changes the
-    draw of a seeded, sampled completion, and its value comes back in generation_settings; left out of
-    `samplers`, typ_p / top_n_sigma / xtc are off (the same draw as their off value). The samplers' arithmetic
-    is tests/test_sampling.py's."""
+    """DRY, typical_p, top_n_sigma, xtc, dynatemp and mirostat are honoured (they used to be refused): each changes
+    the draw of a seeded, sampled completion, and its value comes back in generation_settings; left out of
+    `samplers`, dry / typ_p / top_n_sigma / xtc are off (the same draw as their off value). The samplers'
+    arithmetic is tests/test_sampling.py's."""
     kw = dict(temperature=1.5, seed=11, n_predict=24, top_k=0, top_p=1.0, min_p=0.0)
     plain = complete(server, **kw)["content"]
+    # DRY on a prompt that repeats itself: the greedy continuation of its loop is penalized
+    loop = dict(prompt="Once upon a time, there was a little cat named Tom. " * 2 + "Once upon a time,", temperature=0,
+                n_predict=8)
+    dry = {"dry_multiplier": 3.0, "dry_penalty_last_n": -1, "dry_sequence_breakers": ["\n"]}
+    r = complete(server, **loop, **dry)
+    assert r["content"] != complete(server, **loop)["content"]
+    assert all(r["generation_settings"][k] == v for k, v in dry.items()), r["generation_settings"]
+    chain = ["top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature"]
+    assert complete(server, **loop, **dry, samplers=chain)["content"] == complete(server, **loop)["content"]
     for extra in ({"typical_p": 0.2}, {"top_n_sigma": 0.5}, {"xtc_probability": 1.0, "xtc_threshold": 0.02},
                   {"dynatemp_range": 1.5, "dynatemp_exponent": 0.5}, {"mirostat": 2, "mirostat_tau": 1.0},
                   {"mirostat": 1, "mirostat_tau": 1.0}):
@@ -153,16 +162,19 @@ def test_llama_cpps_other_samplers_take_effect(server):
         assert all(r["generation_settings"][k] == v for k, v in extra.items()), r["generation_settings"]
     for name, extra in (("typ_p", {"typical_p": 0.2}), ("top-n-sigma", {"top_n_sigma": 0.5}),
                         ("xtc", {"xtc_probability": 1.0, "xtc_threshold": 0.02})):
-        chain = [x for x in ("top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature")
+        chain = [x for x in ("dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature")
                  if x != name.replace("-", "_")]
         assert complete(server, **kw, **extra, samplers=chain)["content"] == plain, name
     r = post(server, "/completion", {"prompt": P, "n_predict": 2, "typical_p": 1.5})
     assert r.status_code == 400 and r.json()["error"]["param"] == "typical_p", r.text
+    # llama-server's leniency: a dry_base below 1 is its default
+    assert complete(server, n_predict=2, dry_multiplier=1.0, dry_base=0.5)["generation_settings"]["dry_base"] == 1.75
 
 
 @pytest.mark.parametrize("body, param", [
     ({"mirostat": 3}, "mirostat"),
-    ({"dry_multiplier": 0.8}, "dry_multiplier"),
+    ({"dry_penalty_last_n": -2}, "dry_penalty_last_n"),
+    ({"dry_sequence_breakers": "\n"}, "dry_sequence_breakers"),
     ({"post_sampling_probs": True}, "post_sampling_probs"),
     ({"samplers": ["temperature", "top_k"]}, "samplers"),
     ({"samplers": ["top_k", "magic"]}, "samplers"),

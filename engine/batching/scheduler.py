@@ -53,7 +53,7 @@ class _Seq:
 
     def __init__(self, sid, prompt, params, max_tokens, stop, stream, tokenizer, vocab):
         self.id, self.prompt, self.max_tokens, self.stream = sid, prompt, max_tokens, stream
-        self.sampler = Sampler(params, vocab)
+        self.sampler = Sampler(params, vocab, tokenizer)
         self.tokens = list(prompt)       # prompt + sampled tokens still to run
         self.n_past = 0                  # positions whose K/V are in the pages
         self.pages: list[int] = []

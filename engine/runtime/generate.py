@@ -118,7 +118,7 @@ def generate(model, tokenizer, prompt_ids: Sequence[int], params: SamplingParams
                                    hint=model.context_hint())
     if max_tokens < 0:
         raise BitNetError(f"max_tokens {max_tokens}: must be >= 0")
-    sampler = Sampler(params, model.config.vocab_size)
+    sampler = Sampler(params, model.config.vocab_size, tokenizer)
     compiled = compile_constraint(tokenizer, model.config.vocab_size, constraint)   # errors before any work
     eos = set(tokenizer.eos_ids)
     banned = [t for t in eos if 0 <= t < model.config.vocab_size] if ignore_eos else []

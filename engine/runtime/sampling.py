@@ -30,7 +30,12 @@ class SamplingParams:
     presence_penalty: float = 0.0   # OpenAI's: logit -= presence for every token generated at least once
     frequency_penalty: float = 0.0  # OpenAI's: logit -= frequency * (times generated)
     logit_bias: dict[int, float] | None = None   # token id -> added to its logit (-100 bans, +100 forces)
-    # llama.cpp's other samplers, with its defaults (off) and its meaning, in its chain's order (Sampler._choose)
+    # llama.cpp's other samplers, with its defaults (off) and its meaning, in its chain's order (Sampler.sample)
+    dry_multiplier: float = 0.0     # DRY: a token extending a repeat loses multiplier * base^(length - allowed)
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_penalty_last_n: int = 64    # the tokens it looks back at (-1: all; 0 -> off)
+    dry_sequence_breakers: tuple[str, ...] = ("\n", ":", "\"", "*")   # repeats do not span these
     top_n_sigma: float = -1.0       # keep logits >= max - n * std (<= 0 -> off)
     typical_p: float = 1.0          # locally typical sampling (1 -> off)
     xtc_probability: float = 0.0    # exclude top choices: how often (0 -> off)
@@ -66,6 +71,12 @@ _RULES = {
     "presence_penalty": (lambda v: -2 <= v <= 2, "must be in [-2, 2] (0 = off)"),
     "record_logprobs": (lambda v: v is None or 0 <= v <= 20, "must be in 0..20 (None = off)"),
     "frequency_penalty": (lambda v: -2 <= v <= 2, "must be in [-2, 2] (0 = off)"),
+    "dry_multiplier": (lambda v: 0 <= v < math.inf, "must be >= 0 and finite (0 = off)"),
+    "dry_base": (lambda v: 1 <= v < math.inf, "must be >= 1 and finite"),
+    "dry_allowed_length": (lambda v: isinstance(v, int) and v >= 0, "must be an integer >= 0"),
+    "dry_penalty_last_n": (lambda v: isinstance(v, int) and v >= -1, "must be >= 0, or -1 for the whole context"),
+    "dry_sequence_breakers": (lambda v: isinstance(v, (list, tuple)) and all(isinstance(x, str) and x for x in v),
+                              "must be a list of non-empty strings"),
     "top_n_sigma": (lambda v: -math.inf < v < math.inf, "must be finite (<= 0 = off)"),
     "typical_p": (lambda v: 0 <= v <= 1, "must be in [0, 1] (1 = off)"),
     "xtc_probability": (lambda v: 0 <= v <= 1, "must be in [0, 1] (0 = off)"),
@@ -139,7 +150,7 @@ class Sampler:
     call is taken as the prompt, so presence / frequency penalties count only what was generated after it.
     `record` is the last step's TokenLogprob when SamplingParams.record_logprobs is set, else None."""
 
-    def __init__(self, params: SamplingParams | None, vocab_size: int):
+    def __init__(self, params: SamplingParams | None, vocab_size: int, tokenizer=None):
         # imported here, not at the top: SamplingParams and setting_problem need no kernels, and the command line
         # imports them before its error handling (a bad BITNET_ISA must be one line, not a traceback)
         from ...simd import _ops
@@ -162,6 +173,12 @@ class Sampler:
         self._n_counted = 0
         self.record: TokenLogprob | None = None
         self.mu: float | None = None   # Mirostat's running bound on the surprise (set at its first step)
+        p = self.p
+        self._dry = p.dry_multiplier > 0 and p.dry_penalty_last_n != 0
+        self._dry_table: dict = {}
+        if self._dry and tokenizer is not None and p.dry_sequence_breakers:
+            from .dry import breaker_table
+            self._dry_table = breaker_table(tokenizer, vocab_size, p.dry_sequence_breakers)
 
     def _penalize(self, logits: np.ndarray, history):
         p, n = self.p.repeat_penalty, self.p.repeat_last_n
@@ -208,6 +225,11 @@ class Sampler:
         self._penalize(logits, history)
         if p.presence_penalty or p.frequency_penalty:
             self._presence_frequency(logits, history)
+        if self._dry and history:
+            from .dry import apply_dry
+            n = len(history) if p.dry_penalty_last_n < 0 else p.dry_penalty_last_n
+            apply_dry(logits, list(history[-n:]), self._dry_table, p.dry_multiplier, p.dry_base,
+                      p.dry_allowed_length)
         tok = self._choose(logits)
         if p.record_logprobs is not None:
             self._record(logits, tok)
