@@ -154,11 +154,14 @@ def apply_dry(logits, window, table, multiplier: float, base: float, allowed_len
     reps = dry_penalties(window, table, allowed_length)
     if not reps:
         return
+    import numpy as np
+
     max_exp = int(FLOAT_MAX_LOG / math.log(base)) if base > 1.000001 else 0
-    for t, r in reps.items():
-        if not 0 <= t < logits.shape[0] or () in table.get(t, ()):
-            continue
-        e = r - allowed_length
-        if max_exp > 0 and e > max_exp:
-            e = max_exp
-        logits[t] -= multiplier * base ** e
+    with np.errstate(over="ignore"):   # multiplier * base^max_exp may pass FLT_MAX: -inf, as in llama.cpp's float
+        for t, r in reps.items():
+            if not 0 <= t < logits.shape[0] or () in table.get(t, ()):
+                continue
+            e = r - allowed_length
+            if max_exp > 0 and e > max_exp:
+                e = max_exp
+            logits[t] -= multiplier * base ** e
