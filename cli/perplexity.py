@@ -124,8 +124,9 @@ def main(args) -> int:
             n_ctx = reader.n_ctx
         else:
             n_ctx = args.ctx or DEFAULT_CTX
-        # a bad task file: one line before the load
-        tasks, skipped = (_hellaswag_tasks(args), 0) if args.hellaswag else \
+        # a bad task file: one line before the load. `extra`: Winogrande's lines that were no task, the
+        # multiple-choice file's task count
+        tasks, extra = (_hellaswag_tasks(args), 0) if args.hellaswag else \
             _winogrande_tasks(args) if args.winogrande else \
             _choice_tasks(args) if args.multiple_choice else (None, 0)
         llm = load_model(args.model, ctx=n_ctx, threads=args.threads, kv_dtype=args.kv, lm_head=args.lm_head,
@@ -135,7 +136,7 @@ def main(args) -> int:
                 print(f"bitnet: warning: {w}", file=sys.stderr)
             if tasks is not None:
                 return _hellaswag(args, llm, tasks) if args.hellaswag else \
-                    _winogrande(args, llm, tasks, skipped) if args.winogrande else _multiple_choice(args, llm, tasks, skipped)
+                    _winogrande(args, llm, tasks, extra) if args.winogrande else _multiple_choice(args, llm, tasks, extra)
             return _score(args, llm, reader, n_ctx)
         finally:
             llm.close()

@@ -306,7 +306,8 @@ def _with_bar(fn, progress, **kwargs):
 
 
 def pull(ref: str, progress: Callable[[dict], None] | None = None) -> str:
-    """Download REPO[:FILE][@REV] into the hub cache (huggingface_hub's progress bars on stderr); returns the
+    """Download REPO[:FILE|:TAG][@REV] into the hub cache (huggingface_hub's progress bars on stderr): the
+    repository is listed first, then the one GGUF file (of the tag), or the HF layout's files; returns the
     local path. Raises BitNetError with one clear line when offline, or when the repo/file/revision is unknown.
     progress: called instead of the bars with {"file", "digest", "completed", "total"} as bytes arrive (digest:
     the file's sha256 where the hub lists one, else its name; a whole snapshot is one item named by REPO)."""

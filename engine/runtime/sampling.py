@@ -277,6 +277,9 @@ class Sampler:
         vals = logits[cand].astype(np.float64)
         order = np.argsort(-vals, kind="stable")
         cand, vals = cand[order], vals[order]
+        if vals[-1] == -np.inf and vals[0] > -np.inf:   # masked tokens (a grammar's, ignore_eos): never drawn
+            live = int(np.count_nonzero(vals > -np.inf))
+            cand, vals = cand[:live], vals[:live]
         probs = _softmax(vals)
         if p.typical_p < 1.0 and len(cand) > 1:
             shifted = np.abs(-np.log(probs) - float(-(probs * np.log(probs)).sum()))
@@ -331,7 +334,7 @@ class Sampler:
         scaled = logits.astype(np.float64) / p.temperature
         v = scaled.shape[0]
         if p.mirostat == 1:
-            m = min(100, v)
+            m = max(1, min(100, int(np.count_nonzero(scaled > -np.inf))))   # masked tokens are no Zipf tail
             top = np.argpartition(-scaled, m - 1)[:m]
             top = top[np.argsort(-scaled[top], kind="stable")]
             lp = scaled[top] - _logsumexp(scaled)   # log-probabilities of the m most likely, over the vocabulary
