@@ -282,6 +282,21 @@ def _hellaswag_tasks(args) -> list:
     return draw_hellaswag(tasks, len(tasks) if args.hellaswag_tasks == 0 else args.hellaswag_tasks)
 
 
+def _continuations(llm, kind: str, items) -> list[list[list[int]]]:
+    """Each task's token lists, BOS + context + " " + ending (llama-perplexity's tokenization), every task checked
+    against the context before the first is scored. items: (index, context, endings)."""
+    from ..engine.errors import BitNetError
+    out = []
+    for index, context, endings in items:
+        seqs = [llm.tokenize(context + " " + e, add_bos=True, special=False) for e in endings]
+        longest = max(len(x) for x in seqs)
+        if longest > llm.n_ctx:
+            raise BitNetError(f"{kind} task {index + 1} needs {longest} tokens, over the context ({llm.n_ctx})",
+                              hint="raise -c")
+        out.append(seqs)
+    return out
+
+
 def _hellaswag(args, llm, tasks) -> int:
     """acc_norm over the tasks, a line per task as llama-perplexity prints them (task, running accuracy, its 95%
     Wilson interval); Ctrl-C keeps what was scored."""
@@ -289,17 +304,9 @@ def _hellaswag(args, llm, tasks) -> int:
     import sys
     import time
 
-    from ..engine.errors import BitNetError
     from ..engine.runtime.perplexity import continuation_scores, wilson
     out = sys.stdout
-    all_seqs = []
-    for task in tasks:   # every task is checked before the first is scored
-        seqs = [llm.tokenize(task.context + " " + ending, add_bos=True, special=False) for ending in task.endings]
-        longest = max(len(x) for x in seqs)
-        if longest > llm.n_ctx:
-            raise BitNetError(f"HellaSwag task {task.index + 1} needs {longest} tokens, over the context "
-                              f"({llm.n_ctx})", hint="raise -c")
-        all_seqs.append(seqs)
+    all_seqs = _continuations(llm, "HellaSwag", [(t.index, t.context, t.endings) for t in tasks])
     _info(f"scoring {len(tasks)} HellaSwag tasks, {llm.threads} threads")
     if not args.json:
         out.write("\ntask\tacc_norm\t95% confidence interval\n")
@@ -429,17 +436,9 @@ def _multiple_choice(args, llm, tasks, count: int) -> int:
     import sys
     import time
 
-    from ..engine.errors import BitNetError
     from ..engine.runtime.perplexity import continuation_scores
     out = sys.stdout
-    all_seqs = []
-    for task in tasks:   # every task is checked before the first is scored
-        seqs = [llm.tokenize(task.question + " " + a, add_bos=True, special=False) for a in task.answers]
-        longest = max(len(x) for x in seqs)
-        if longest > llm.n_ctx:
-            raise BitNetError(f"multiple-choice task {task.index + 1} needs {longest} tokens, over the context "
-                              f"({llm.n_ctx})", hint="raise -c")
-        all_seqs.append(seqs)
+    all_seqs = _continuations(llm, "multiple-choice", [(t.index, t.question, t.answers) for t in tasks])
     _info(f"scoring {len(tasks)} of {count} multiple-choice tasks, {llm.threads} threads")
     if not args.json:
         out.write("\ntask\tacc_norm\n")

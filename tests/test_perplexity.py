@@ -297,6 +297,20 @@ def hellaswag_file(tmp_path_factory):
     return str(path)
 
 
+def ending_scores(llm, context, endings):
+    """Each ending's mean log-probability (LLM.forward over its whole sequence, BOS + context + " " + ending) over
+    its tokens after the part all the sequences share."""
+    seqs = [llm.tokenize(context + " " + e, add_bos=True, special=False) for e in endings]
+    common = 0
+    while len({s[common] for s in seqs}) == 1:
+        common += 1
+    want = []
+    for s in seqs:
+        lp = log_softmax(llm.forward(s))
+        want.append(float(np.mean([lp[t - 1, s[t]] for t in range(common, len(s))])))
+    return want
+
+
 def test_hellaswag_is_the_definition(llm, hellaswag_file):
     """Each ending's score is the mean log-probability of its tokens after the part the four sequences share
     (computed here from LLM.forward over each whole sequence); the task is right when the gold ending's is the
@@ -309,14 +323,7 @@ def test_hellaswag_is_the_definition(llm, hellaswag_file):
     right = 0
     for res in rec["results"]:
         block = lines[6 * res["task"]: 6 * res["task"] + 6]
-        seqs = [llm.tokenize(block[0] + " " + e, add_bos=True, special=False) for e in block[2:]]
-        common = 0
-        while len({s[common] for s in seqs}) == 1:
-            common += 1
-        want = []
-        for s in seqs:
-            lp = log_softmax(llm.forward(s))
-            want.append(float(np.mean([lp[t - 1, s[t]] for t in range(common, len(s))])))
+        want = ending_scores(llm, block[0], block[2:])
         assert res["scores"] == pytest.approx(want, abs=1e-5)
         assert res["gold"] == int(block[1]) and res["chosen"] == int(np.argmax(want))
         right += res["chosen"] == res["gold"]
@@ -527,14 +534,7 @@ def test_multiple_choice_is_the_definition(llm, choice_file):
     right = answers_total = 0
     for res in rec["results"]:
         question, answers, labels = read_task(offsets[res["task"]])
-        seqs = [llm.tokenize(question + " " + a, add_bos=True, special=False) for a in answers]
-        common = 0
-        while len({s[common] for s in seqs}) == 1:
-            common += 1
-        want = []
-        for s in seqs:
-            lp = log_softmax(llm.forward(s))
-            want.append(float(np.mean([lp[t - 1, s[t]] for t in range(common, len(s))])))
+        want = ending_scores(llm, question, answers)
         assert res["scores"] == pytest.approx(want, abs=1e-5) and res["labels"] == labels
         assert res["chosen"] == int(np.argmax(want)) and res["right"] == (labels[res["chosen"]] == 1)
         right += res["right"]

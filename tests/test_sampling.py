@@ -346,7 +346,8 @@ def test_dry_breakers_of_a_real_vocabulary():
     """llama.cpp's matching of breakers against the token texts: a token holding the breaker is a single-token
     breaker; one ending in the breaker's first bytes is a head whose tail is the rest, tokenized."""
     from bitnet_cpu.engine.api import load_model
-    from bitnet_cpu.engine.runtime.dry import breaker_table, vocab_bytes
+    from bitnet_cpu.engine.runtime.constraints import vocab_bytes
+    from bitnet_cpu.engine.runtime.dry import breaker_table
 
     llm = load_model(None, ctx=64, threads=1, progress=False)
     try:

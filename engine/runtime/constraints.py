@@ -190,6 +190,26 @@ def _one_line(e) -> str:
 
 
 # ---- the tokenizer as llguidance sees it -------------------------------------------------------------------
+def vocab_bytes(tok, n_vocab: int) -> list[bytes]:
+    """Every id's text as bytes: a byte-level BPE token's exact bytes, a sentencepiece piece with "▁" as a space
+    and <0xNN> as that byte (control and unknown pieces empty), else the token's own spelling. (The grammar layer's
+    vocabulary, and DRY's: engine/runtime/dry.py.)"""
+    if getattr(tok, "byte_level", False):
+        return [tok.token_bytes(i) or b"" for i in range(n_vocab)]
+    sp = getattr(tok, "_sp", None)
+    if sp is not None:
+        out = []
+        for i in range(n_vocab):
+            if i >= sp.GetPieceSize() or sp.IsControl(i) or sp.IsUnknown(i):
+                out.append(b"")
+            elif sp.IsByte(i):
+                out.append(bytes([int(sp.IdToPiece(i)[3:5], 16)]))
+            else:
+                out.append(sp.IdToPiece(i).replace("\u2581", " ").encode("utf-8"))
+        return out
+    return [(tok.id_to_token(i) or "").encode("utf-8") for i in range(n_vocab)]
+
+
 class _SentencePieceVocab:
     """A sentencepiece model as llguidance's TokenizerWrapper wants it: every id's exact bytes ("▁" is a space,
     <0xNN> pieces are that byte, control and unknown pieces are empty) and an encode function."""
@@ -199,14 +219,7 @@ class _SentencePieceVocab:
         self.eos_token_id = tok.eos_ids[0] if tok.eos_ids else 0
         self.bos_token_id = tok.bos_id
         self.special_token_ids = sorted(i for i in range(sp.GetPieceSize()) if sp.IsControl(i) or sp.IsUnknown(i))
-        tokens = []
-        for i in range(n_vocab):
-            if i >= sp.GetPieceSize() or sp.IsControl(i) or sp.IsUnknown(i):
-                tokens.append(b"")
-            elif sp.IsByte(i):
-                tokens.append(bytes([int(sp.IdToPiece(i)[3:5], 16)]))
-            else:
-                tokens.append(sp.IdToPiece(i).replace("\u2581", " ").encode("utf-8"))
+        tokens = vocab_bytes(tok, n_vocab)
         self.tokens = tokens
         self._sp = sp
         self._ids = {}

@@ -14,6 +14,8 @@ from __future__ import annotations
 import threading
 import weakref
 
+from .constraints import vocab_bytes
+
 BREAKERS = ("\n", ":", "\"", "*")   # llama.cpp's defaults
 MAX_BREAKER_BYTES = 40               # a longer breaker is cut to this (llama.cpp's MAX_CHAR_LEN)
 MAX_TAIL_TOKENS = 20                 # a breaker's tail is cut to this (its MAX_SEQ_LEN)
@@ -21,25 +23,6 @@ FLOAT_MAX_LOG = 88.7228391           # log(FLT_MAX): the exponent is clamped so 
 
 _TABLES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _LOCK = threading.Lock()
-
-
-def vocab_bytes(tok, n_vocab: int) -> list[bytes]:
-    """Every id's text as bytes: a byte-level BPE token's exact bytes, a sentencepiece piece with "▁" as a space
-    and <0xNN> as that byte (control and unknown pieces empty), else the token's own spelling."""
-    if getattr(tok, "byte_level", False):
-        return [tok.token_bytes(i) or b"" for i in range(n_vocab)]
-    sp = getattr(tok, "_sp", None)
-    if sp is not None:
-        out = []
-        for i in range(n_vocab):
-            if i >= sp.GetPieceSize() or sp.IsControl(i) or sp.IsUnknown(i):
-                out.append(b"")
-            elif sp.IsByte(i):
-                out.append(bytes([int(sp.IdToPiece(i)[3:5], 16)]))
-            else:
-                out.append(sp.IdToPiece(i).replace("\u2581", " ").encode("utf-8"))
-        return out
-    return [(tok.id_to_token(i) or "").encode("utf-8") for i in range(n_vocab)]
 
 
 def _overlaps(tok, words: list[bytes], breaker: bytes, table: dict[int, list[tuple[int, ...]]]):
