@@ -55,6 +55,22 @@ def test_stdout_is_the_generated_text(store, tmp_path):
                                                     "--top-p", "0.9", "--min-p", "0.01", "--repeat-penalty", "1.1").stdout
 
 
+def test_llama_cpps_other_sampler_flags_reach_the_sampler(store):
+    """--typical, --top-nsigma, --xtc-*, --dynatemp-*, --mirostat* and --dry-* change a seeded answer (each one
+    reaching the engine), and the same flags give the same answer twice; --dry-sequence-breaker none is accepted."""
+    base = ["-m", store, "-p", "Once upon a time", "-n", "24", "--seed", "3", "--temp", "1.5", "--top-k", "0",
+            "--top-p", "1", "--min-p", "0"]
+    plain = bitnet(*base).stdout
+    for extra in (["--typical", "0.2"], ["--top-nsigma", "0.5"], ["--xtc-probability", "1", "--xtc-threshold", "0.02"],
+                  ["--dynatemp-range", "1.4"], ["--mirostat", "2", "--mirostat-ent", "1"],
+                  ["--mirostat", "1", "--mirostat-ent", "1", "--mirostat-lr", "0.5"],
+                  ["--dry-multiplier", "4", "--dry-allowed-length", "1", "--dry-penalty-last-n", "-1",
+                   "--dry-sequence-breaker", "none"]):
+        r = bitnet(*base, *extra)
+        assert r.returncode == 0 and r.stdout != plain, (extra, r.stderr)
+        assert bitnet(*base, *extra).stdout == r.stdout, extra
+
+
 def test_source_model_converted_once_with_lm_head(synth, tmp_path):
     """-m on an HF dir converts it into the cache (with --lm-head f16 passed through) and runs it."""
     _, hf_dir, stores = synth
@@ -78,6 +94,10 @@ def test_chat(store):
 @pytest.mark.parametrize("args,needle", [
     (["-m", "/nonexistent/model.gguf", "-p", "x"], "/nonexistent/model.gguf"),
     (["-p", "x", "--top-p", "3"], "--top-p"),
+    (["-p", "x", "--mirostat", "3"], "--mirostat 3"),
+    (["-p", "x", "--typical", "1.5"], "--typical 1.5"),
+    (["-p", "x", "--dry-base", "0.5", "--dry-multiplier", "1"], "--dry-base 0.5"),
+    (["-p", "x", "--xtc-probability", "2"], "--xtc-probability 2"),
     (["-p", "x", "-n", "-2"], "-n"),
     (["-p", "Once upon a time, in a small village", "-c", "4"], "-c/--ctx"),
     ([], "prompt"),
