@@ -491,9 +491,12 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
                 f"{arch}.attention.head_count": cfg.n_heads, f"{arch}.attention.head_count_kv": cfg.n_kv_heads,
                 f"{arch}.feed_forward_length": cfg.intermediate_size, "tokenizer.vocab_size": cfg.vocab_size}
         s = sampling or SamplingParams()
-        params = "\n".join(f"{k:<15}{v}" for k, v in (("temperature", s.temperature), ("top_k", s.top_k),
-                                                      ("top_p", s.top_p), ("min_p", s.min_p),
-                                                      ("repeat_penalty", s.repeat_penalty), ("num_ctx", eng.n_ctx)))
+        shown = [("temperature", s.temperature), ("top_k", s.top_k), ("top_p", s.top_p), ("min_p", s.min_p),
+                 ("repeat_penalty", s.repeat_penalty), ("num_ctx", eng.n_ctx)]
+        off = SamplingParams()
+        shown += [(k, getattr(s, k)) for k in ("typical_p", "mirostat", "mirostat_tau", "mirostat_eta")
+                  if getattr(s, k) != getattr(off, k)]   # ollama's other options, where the server's flags set them
+        params = "\n".join(f"{k:<15}{v}" for k, v in shown)
         return {"modelfile": f"# served by bitnet serve\nFROM {eng.store.path}\n", "parameters": params,
                 "template": eng.chat_template or "", "details": d["details"], "model_info": info,
                 "capabilities": ["completion", "tools", "embedding"], "modified_at": d["modified_at"]}

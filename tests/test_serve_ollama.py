@@ -184,9 +184,12 @@ def test_client_raises_response_error(client):
 
 
 def test_strict_model_name_404_in_ollama_shape():
-    s = Server("--strict-model-name", "--alias", "bitnet-small")
+    s = Server("--strict-model-name", "--alias", "bitnet-small", "--mirostat", "2", "--typical", "0.5")
     try:
         c = ollama.Client(host=s.url, timeout=60)
+        # the server's sampling flags show among its parameters, in ollama's names (others only when set)
+        params = dict(line.split(None, 1) for line in c.show("bitnet-small").parameters.splitlines())
+        assert params["mirostat"] == "2" and params["typical_p"] == "0.5" and "mirostat_eta" not in params
         with pytest.raises(ollama.ResponseError) as ei:
             c.chat(model="llama3", messages=Q)
         assert ei.value.status_code == 404 and "bitnet-small" in ei.value.error
