@@ -43,7 +43,8 @@ PAGE = os.path.join(os.path.dirname(__file__), "chat.html")
 # the endpoints whose body is bounded by the context (serve/offload.py prompt_body_bound), and their prompt field
 PROMPT_FIELD = {"/v1/chat/completions": "messages", "/v1/completions": "prompt", "/v1/responses": "input",
                 "/v1/messages": "messages", "/completion": "prompt", "/completions": "prompt", "/api/chat": "messages",
-                "/api/generate": "prompt"}
+                "/api/generate": "prompt", "/v1/responses/input_tokens": "input",
+                "/v1/chat/completions/input_tokens": "messages"}
 
 
 # the paths outside /v1/ and /api/ that /metrics counts requests of (others, unknown ones, are not labelled)
@@ -647,6 +648,32 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
                               parser=new_parser() if new_parser is not None else None,
                               entry=(lambda t, lp: chat_entry(text_of, t, lp, n_top)) if body.wants_logprobs() else None)
         return await answer_with(request, body, streams[0], q, len(prompt_ids), out)
+
+    async def count_input_tokens(request, body, msgs, tools, choice, param, allowed=None) -> dict:
+        """The prompt a chat-shaped request would run (its template, instructions and tools), counted without
+        generating: OpenAI's input token count object."""
+        eng = ready(request)
+        check_model(body.model)
+        bad = body.unsupported()
+        if bad:
+            raise APIError(400, bad[1], param=bad[0], code="unsupported_parameter")
+        tools, _, _ = tool_setup(eng, tools, choice, body.parallel_tool_calls, allowed)
+        return {"object": "response.input_tokens", "input_tokens": len(await render_prompt(eng, msgs, tools, param))}
+
+    @app.post("/v1/responses/input_tokens")
+    async def responses_input_tokens(body: ResponsesRequest, request: Request):
+        """OpenAI's `client.responses.input_tokens.count(...)`: a Responses request's input tokens."""
+        with translated():
+            msgs, tools, choice = body.messages(), body.chat_tools(), body.tool_choice_name()
+            body.format_spec()
+            allowed = body.allowed_tools()
+        return await count_input_tokens(request, body, msgs, tools, choice, "input", allowed)
+
+    @app.post("/v1/chat/completions/input_tokens")
+    async def chat_input_tokens(body: ChatCompletionRequest, request: Request):
+        """llama-server's token count of a chat completion body (the same object as OpenAI's Responses count)."""
+        return await count_input_tokens(request, body, [m.as_dict() for m in body.messages], body.tools,
+                                        body.tool_choice_name(), "messages", body.allowed_tools())
 
     async def response_not_stored(request: Request, response_id: str):
         raise APIError(404, f"response {response_id!r} not found: responses are not stored here (store is false); "

@@ -222,3 +222,22 @@ def test_stored_responses_are_a_404_saying_why(client):
         with pytest.raises(openai.NotFoundError) as e:
             call()
         assert "not stored" in e.value.body["message"] and e.value.body["param"] == "response_id"
+
+
+def test_input_token_counts_are_the_prompts_that_run(client, server):
+    """`client.responses.input_tokens.count(...)` (OpenAI's) and llama-server's /v1/chat/completions/input_tokens:
+    the input tokens the same request reports in its usage once run (instructions, roles and tools included)."""
+    for kw in ({"input": Q}, {"input": Q, "instructions": "Be brief.", "tools": [ADD]},
+               {"input": [{"role": "developer", "content": "Answer in words."}, {"role": "user", "content": Q}]}):
+        n = client.responses.input_tokens.count(model="any", **kw)
+        assert n.object == "response.input_tokens"
+        assert n.input_tokens == client.responses.create(model="any", temperature=0, max_output_tokens=1,
+                                                         **kw).usage.input_tokens, kw
+    for extra in ({}, {"tools": [ADD_CHAT]}):
+        body = {"model": "any", "messages": [{"role": "user", "content": Q}], **extra}
+        r = httpx.post(server.url + "/v1/chat/completions/input_tokens", json=body, timeout=60)
+        assert r.status_code == 200 and r.json()["object"] == "response.input_tokens", r.text
+        assert r.json()["input_tokens"] == chat(client, body["messages"], max_tokens=1, **extra).usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError) as e:   # what a stored-nothing server cannot honour: a 400 naming it
+        client.responses.input_tokens.count(model="any", input=Q, previous_response_id="resp_123")
+    assert e.value.body["param"] == "previous_response_id" and "not stored" in e.value.message
