@@ -5,6 +5,7 @@ type instead; the REPL prints it and the session goes on. Pure logic: unit-teste
 """
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, fields
 
@@ -16,7 +17,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "/reset": ("", "forget the conversation, the system prompt stays (/clear does the same)"),
     "/system": ("[TEXT|--clear]", "show, set or clear the system prompt"),
     "/set": ("[NAME VALUE]", "show settings, or set temp|top_k|top_p|min_p|repeat_penalty|repeat_last_n|seed|"
-                             "max_tokens|dry_multiplier|dry_base|dry_allowed_length|dry_penalty_last_n|typical_p|top_n_sigma|xtc_probability|xtc_threshold|dynatemp_range|"
+                             "max_tokens|dry_multiplier|dry_base|dry_allowed_length|dry_penalty_last_n|"
+                             "dry_sequence_breakers|typical_p|top_n_sigma|xtc_probability|xtc_threshold|dynatemp_range|"
                              "dynatemp_exponent|mirostat|mirostat_tau|mirostat_eta; also ollama's /set parameter NAME VALUE, /set system TEXT and "
                              "/set format json|FILE|off (answers as JSON / matching a JSON Schema file)"),
     "/show": ("[info|system|parameters]", "model information (source file, shape, context) and current settings"),
@@ -54,6 +56,7 @@ class Settings:
     dry_base: float = _DEFAULT.dry_base
     dry_allowed_length: int = _DEFAULT.dry_allowed_length
     dry_penalty_last_n: int = _DEFAULT.dry_penalty_last_n
+    dry_sequence_breakers: tuple[str, ...] = _DEFAULT.dry_sequence_breakers
     top_n_sigma: float = _DEFAULT.top_n_sigma
     typical_p: float = _DEFAULT.typical_p
     xtc_probability: float = _DEFAULT.xtc_probability
@@ -71,6 +74,8 @@ class Settings:
                 f"repeat_last_n={self.repeat_last_n} presence_penalty={self.presence_penalty:g} "
                 f"frequency_penalty={self.frequency_penalty:g}")
         # llama.cpp's other samplers: shown once set (off, they would only lengthen the line)
+        if self.dry_sequence_breakers != _DEFAULT.dry_sequence_breakers:
+            text += f" dry_sequence_breakers={json.dumps(list(self.dry_sequence_breakers))}"
         for name in ("dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n", "top_n_sigma", "typical_p", "xtc_probability", "xtc_threshold", "dynatemp_range",
                      "dynatemp_exponent", "mirostat", "mirostat_tau", "mirostat_eta"):
             if getattr(self, name) != getattr(_DEFAULT, name):
@@ -111,6 +116,19 @@ def _number(name: str, text: str, kind):
     return value
 
 
+def _breakers(text: str) -> tuple[str, ...]:
+    """/set dry_sequence_breakers ["\\n", ":"] | TEXT | none"""
+    if text.strip().lower() == "none":
+        return ()
+    if text.lstrip().startswith("["):
+        try:
+            v = json.loads(text)
+        except ValueError:
+            raise CommandError(f"/set dry_sequence_breakers: {text!r} is not a JSON list of strings") from None
+        return tuple(v) if isinstance(v, list) else v
+    return (text,)
+
+
 def parse_setting(name: str, text: str, *, max_tokens_limit: int | None = None) -> tuple[str, object]:
     """Validate `/set NAME VALUE`; returns (canonical name, typed value) or raises CommandError."""
     key = name.lower()
@@ -125,7 +143,9 @@ def parse_setting(name: str, text: str, *, max_tokens_limit: int | None = None) 
             raise CommandError(f"/set max_tokens: must be <= {max_tokens_limit} (the context window)")
         return key, v
     field = FIELD_OF_SETTING[key]
-    if key == "seed" and text.lower() in ("none", "random", "off", "-1"):
+    if key == "dry_sequence_breakers":   # a JSON list of strings, one string, or none
+        v = _breakers(text)
+    elif key == "seed" and text.lower() in ("none", "random", "off", "-1"):
         v = None
     else:
         v = _number(key, text, type(getattr(_DEFAULT, field)) if field != "seed" else int)

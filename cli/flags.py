@@ -55,6 +55,16 @@ SAMPLING_FLAGS = {
 }
 
 
+class _Breakers(argparse._AppendAction):
+    """llama.cpp's --dry-sequence-breaker: the first one given replaces the defaults, the next ones add to it (an
+    append action still, so `bitnet serve`'s model processes get each one passed on)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        current = getattr(namespace, self.dest, None)
+        given = [] if current is None or current is self.default else list(current)
+        setattr(namespace, self.dest, given + [values])
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", metavar="MODEL", default=None,
                    help="a converted store, a GGUF file, an HF model directory, or a Hugging Face hub id "
@@ -93,9 +103,10 @@ def add_engine_args(p: argparse.ArgumentParser, *, n_predict_default: int | None
         default = getattr(_D, field)
         p.add_argument(*spellings, dest=field, type=kind, default=default, metavar=metavar,
                        help=text + ("%(default).0s" if default is None else ""))
-    p.add_argument("--dry-sequence-breaker", dest="dry_sequence_breakers", action="append", default=None,
-                   metavar="STR", help="DRY: a sequence breaker, replacing the defaults (newline, colon, quote, "
-                   "asterisk; repeatable; 'none': no breakers)%(default).0s")
+    p.add_argument("--dry-sequence-breaker", dest="dry_sequence_breakers", action=_Breakers,
+                   default=_D.dry_sequence_breakers, metavar="STR",
+                   help="DRY: a sequence breaker, replacing the defaults (newline, colon, quote, asterisk; "
+                        "repeatable; 'none': no breakers)%(default).0s")
     p.add_argument("--chat-template", default=None, metavar="NAME|JINJA",
                    help="render chats with this template instead of the model file's: bitnet, chatml, llama3, or a "
                         "Jinja2 template (llama.cpp's flag)%(default).0s")

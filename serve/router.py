@@ -80,8 +80,8 @@ def parse_keep_alive(value) -> float:
 class ModelSpec:
     """One model the router can load: the name requests use, the file (or directory) its process loads. `source`:
     the hub id a converted model of the cache came from (REPO[:FILE]@COMMIT, `bitnet list`'s SOURCE); `names`: the
-    hub ids that name it too, in lower case (REPO:FILE, REPO:TAG, REPO); `cached`: a conversion in the store cache, which ollama's /api/delete may remove (a file of a
-    --models-dir is the user's, and stays)."""
+    hub ids that name it too, in lower case (REPO:FILE, REPO:TAG, REPO); `cached`: a conversion in the store
+    cache, which ollama's /api/delete may remove (a file of a --models-dir is the user's, and stays)."""
     name: str
     path: str
     size: int = 0
@@ -271,10 +271,13 @@ class Router:
                     if not text:
                         continue
                     if text.startswith("bitnet: progress "):   # bytes of the download (`--json-progress`)
+                        layer = None
                         with contextlib.suppress(ValueError, KeyError, TypeError):
                             p = json.loads(text[len("bitnet: progress "):])
-                            yield {"status": f"pulling {p['file']}", "digest": str(p["digest"]),
-                                   "total": int(p["total"]), "completed": int(p["completed"])}
+                            layer = {"status": f"pulling {p['file']}", "digest": str(p["digest"]),
+                                     "total": int(p["total"]), "completed": int(p["completed"])}
+                        if layer is not None:
+                            yield layer
                         continue
                     lines = (lines + [text])[-20:]
                     if text.startswith("bitnet: downloaded "):

@@ -199,6 +199,10 @@ def test_parse_command_errors_are_one_line_hints(line, fragment):
     ("top-p", "1", "top_p", 1.0), ("min_p", "0.1", "min_p", 0.1), ("seed", "42", "seed", 42),
     ("seed", "random", "seed", None), ("max_tokens", "16", "max_tokens", 16),
     ("repeat_penalty", "1.1", "repeat_penalty", 1.1), ("TOP_K", "5", "top_k", 5),
+    ("mirostat", "2", "mirostat", 2), ("typical", "0.5", "typical_p", 0.5), ("dry-multiplier", "0.8", "dry_multiplier", 0.8),
+    ("dry_sequence_breakers", '["\\n", ":"]', "dry_sequence_breakers", ("\n", ":")),
+    ("dry_sequence_breakers", "###", "dry_sequence_breakers", ("###",)),
+    ("dry_sequence_breakers", "none", "dry_sequence_breakers", ()),
 ])
 def test_parse_setting_ok(name, text, key, value):
     assert parse_setting(name, text) == (key, value)
@@ -209,6 +213,8 @@ def test_parse_setting_ok(name, text, key, value):
     ("top_k", "2.5", "not an integer"), ("top_k", "-3", ">= 0"), ("top_p", "0", "(0, 1]"),
     ("top_p", "1.5", "(0, 1]"), ("min_p", "2", "[0, 1]"), ("seed", "-5", ">= 0"),
     ("max_tokens", "0", ">= 1"), ("repeat_penalty", "0", "> 0"), ("colour", "red", "unknown setting"),
+    ("mirostat", "3", "0, 1 or 2"), ("dry_sequence_breakers", '["", "x"]', "non-empty strings"),
+    ("dry_sequence_breakers", "[oops", "JSON list"),
 ])
 def test_parse_setting_rejects(name, text, fragment):
     with pytest.raises(CommandError) as e:
