@@ -408,3 +408,28 @@ def test_other_samplers_under_a_mask_draw_only_allowed_tokens(kw):
         warnings.simplefilter("error")
         drawn = {s.sample(lg.copy(), [3, 4, 3, 4, 3]) for _ in range(60)}
     assert drawn and drawn <= set(range(5))
+
+
+def test_new_samplers_give_one_output_on_every_path():
+    """DRY, typical and XTC together, seeded: the same tokens from LLM.generate and the batching engine, with
+    prompt lookup off and on (its drafts copy the prompt's loop, which DRY penalizes): the samplers see the same
+    history on each path."""
+    from bitnet_cpu.engine.api import LookupParams, load_engine, load_model
+
+    p = SamplingParams(temperature=0.7, seed=5, dry_multiplier=2.0, dry_penalty_last_n=-1, typical_p=0.9,
+                       xtc_probability=0.5)
+    text = "Once upon a time, there was a little cat named Tom. " * 3 + "Once upon a time,"
+    outs = []
+    for lookup in (LookupParams(draft_max=0), LookupParams(draft_max=6)):
+        llm = load_model(None, ctx=256, threads=1, progress=False)
+        try:
+            ids = llm.tokenize(text, add_bos=True)
+            outs.append([c.token for c in llm.generate(ids, p, max_tokens=40, lookup=lookup)])
+        finally:
+            llm.close()
+        eng = load_engine(None, ctx=256, threads=1, parallel=2, progress=False, lookup=lookup)
+        try:
+            outs.append([c.token for c in eng.submit(ids, p, max_tokens=40)])
+        finally:
+            eng.close()
+    assert all(o == outs[0] for o in outs) and len(outs[0]) > 20
