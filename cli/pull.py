@@ -11,8 +11,8 @@ def add_arguments(p):
     p.add_argument("--no-convert", action="store_true", help="only download (convert on first run)%(default).0s")
     p.add_argument("--json-progress", action="store_true",
                    help="report the download as JSON lines on stderr (`bitnet: progress {...}`: file, digest, "
-                        "completed and total bytes) instead of progress bars, for programs (the server's "
-                        "ollama /api/pull)%(default).0s")
+                        "completed and total bytes; then the conversion's steps: convert, completed, total) instead "
+                        "of progress bars, for programs (the server's ollama /api/pull)%(default).0s")
     p.add_argument("--lm-head", choices=("q4", "i8", "f16"), default=None,
                    help="LM head precision of the conversion (default: the converter's)%(default).0s")
 
@@ -23,9 +23,15 @@ def main(args) -> int:
     from ..engine.formats.hub import pull
 
     import json
+    import threading
+
+    lock = threading.Lock()   # huggingface_hub downloads a snapshot's files on several threads
 
     def report(update: dict):
-        print("bitnet: progress " + json.dumps(update), file=sys.stderr, flush=True)
+        line = "bitnet: progress " + json.dumps(update) + "\n"
+        with lock:   # one write per line: lines of two threads never interleave
+            sys.stderr.write(line)
+            sys.stderr.flush()
 
     path = pull(args.ref, progress=report if args.json_progress else None)
     print(f"bitnet: downloaded {args.ref} -> {path}", file=sys.stderr)
@@ -34,7 +40,9 @@ def main(args) -> int:
         return 0
     from ..engine.formats.convert import resolve_model
 
-    store = resolve_model(args.ref, lm_head=args.lm_head, progress=True)
+    store = resolve_model(args.ref, lm_head=args.lm_head,
+                          progress=(lambda done, total: report({"convert": args.ref, "completed": done, "total": total}))
+                          if args.json_progress else True)
     print(f"bitnet: ready: bitnet run -m {args.ref}", file=sys.stderr)
     print(store)
     return 0

@@ -274,8 +274,11 @@ class Router:
                         layer = None
                         with contextlib.suppress(ValueError, KeyError, TypeError):
                             p = json.loads(text[len("bitnet: progress "):])
-                            layer = {"status": f"pulling {p['file']}", "digest": str(p["digest"]),
-                                     "total": int(p["total"]), "completed": int(p["completed"])}
+                            if "convert" in p:   # the conversion's steps: status text (no layer of ollama's)
+                                layer = {"status": f"converting {ref} ({int(p['completed'])}/{int(p['total'])})"}
+                            else:
+                                layer = {"status": f"pulling {p['file']}", "digest": str(p["digest"]),
+                                         "total": int(p["total"]), "completed": int(p["completed"])}
                         if layer is not None:
                             yield layer
                         continue

@@ -385,9 +385,15 @@ def test_pull_of_a_quant_tag_downloads_that_file_alone(hub, tmp_path):
         data = open(hub["quants"]["m-1.58bit-TQ2_0.gguf"], "rb").read()
         updates = [json.loads(x[len("bitnet: progress "):]) for x in r.stderr.splitlines()
                    if x.startswith("bitnet: progress ")]
-        assert updates and updates[-1] == {"file": "m-1.58bit-TQ2_0.gguf", "completed": len(data), "total": len(data),
-                                           "digest": "sha256:" + hashlib.sha256(data).hexdigest()}, r.stderr
+        got = [u for u in updates if "file" in u]
+        assert got and got[-1] == {"file": "m-1.58bit-TQ2_0.gguf", "completed": len(data), "total": len(data),
+                                   "digest": "sha256:" + hashlib.sha256(data).hexdigest()}, r.stderr
         assert all(0 <= u["completed"] <= u["total"] for u in updates)
+        # then the conversion, step by step, after the last byte
+        steps = [u for u in updates if "convert" in u]
+        assert steps and updates.index(steps[0]) > updates.index(got[-1])
+        assert [u["completed"] for u in steps] == list(range(1, steps[0]["total"] + 1)), steps
+        assert {u["convert"] for u in steps} == {"o/remote-quants:TQ2_0"}
     finally:
         fake.close()
     offline = dict(env, HF_HUB_OFFLINE="1")
@@ -411,7 +417,7 @@ def test_pull_of_an_hf_repository_takes_its_model_files_with_progress(hub, tmp_p
         fetched = {p.rsplit("/", 1)[-1] for m, p in fake.requests if m == "GET" and "/resolve/" in p}
         assert fetched == set(files), fake.requests
         updates = [json.loads(x[len("bitnet: progress "):]) for x in r.stderr.splitlines()
-                   if x.startswith("bitnet: progress ")]
+                   if x.startswith("bitnet: progress ") and '"file"' in x]
         total = sum(len(d) for d in files.values())
         assert updates and updates[-1] == {"file": "o/remote-hf", "digest": "o/remote-hf", "completed": total,
                                            "total": total}, r.stderr

@@ -201,11 +201,12 @@ def source_label(meta: dict) -> str:
 
 
 def convert(src: str, out: str | None = None, *, lm_head: str | None = None, weights: str = "t2",
-            progress: bool = True, hidden_act: str | None = None, ternarize: bool = False,
+            progress=True, hidden_act: str | None = None, ternarize: bool = False,
             source_name: str | None = None) -> str:
     """Convert `src` (GGUF file or HF directory) into a store at `out`; returns the store path.
     lm_head None: default_lm_head of the model. weights: "t2" (tile16, 2 bits per weight) or "t1.6" (base-3
-    tile16b3). `source_name` is what the store records as its source (default: the file name of `src`)."""
+    tile16b3). `source_name` is what the store records as its source (default: the file name of `src`).
+    progress: a bar on a terminal (True), none (False), or report(done, total) called at each step."""
     from .sources import open_source
 
     if lm_head is not None and lm_head not in LM_HEADS:
@@ -259,8 +260,28 @@ def _check_tokenizer(source, src: str):
         tok.decode(tok.encode("Hello, world! 123", add_bos=True))  # a tokenizer that loads but cannot encode
 
 
-def progress_bar(total: int, desc: str, progress: bool, unit: str = "step"):
-    """A tqdm bar on stderr when progress is wanted, stderr is a terminal and tqdm is installed; else None."""
+class _Reported:
+    """A bar that hands each step to report(done, total) instead of drawing (`bitnet pull --json-progress`)."""
+
+    def __init__(self, total: int, report):
+        self.total, self.n, self.report = total, 0, report
+
+    def set_postfix_str(self, text, refresh=True):
+        pass
+
+    def update(self, n=1):
+        self.n += n
+        self.report(self.n, self.total)
+
+    def close(self):
+        pass
+
+
+def progress_bar(total: int, desc: str, progress, unit: str = "step"):
+    """A tqdm bar on stderr when progress is wanted, stderr is a terminal and tqdm is installed; else None.
+    progress may also be a callable report(done, total), which then gets each step instead of a bar."""
+    if callable(progress):
+        return _Reported(total, progress)
     if not progress or not sys.stderr.isatty():
         return None
     try:
@@ -352,7 +373,7 @@ def resolve_model(src: str | None, *, cache_dir: str | None = None, lm_head: str
     except OSError as e:
         raise FormatError(f"{d}: cannot create the cache directory: {e.strerror}",
                           hint="set BITNET_CACHE to a writable directory") from None
-    if progress and sys.stderr.isatty():
+    if progress is True and sys.stderr.isatty():
         print(f"bitnet: converting {src} once into {path}", file=sys.stderr)
     return convert(src, path, lm_head=lm_head, progress=progress, source_name=source_name)
 

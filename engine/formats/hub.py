@@ -273,9 +273,12 @@ def _reporting_bar(report: Callable[[int, int], None]):
     """A tqdm class for huggingface_hub's `tqdm_class` (its documented hook) that draws nothing and hands the byte
     count to report(completed, total), at most 4 times a second and at the end. Several byte bars of one
     download (a snapshot's transfer and reconstruction) report their furthest count."""
+    import threading
+
     from tqdm.auto import tqdm
 
     state = {"sent": 0.0, "done": 0}
+    lock = threading.Lock()   # a snapshot's files come down on several threads
 
     class Bar(tqdm):
         def __init__(self, *args, **kwargs):
@@ -286,11 +289,12 @@ def _reporting_bar(report: Callable[[int, int], None]):
         def update(self, n=1):
             out = super().update(n)
             if self.unit == "B" and self.total:
-                state["done"] = max(state["done"], int(self.n))
-                now = time.monotonic()
-                if now - state["sent"] >= 0.25 or state["done"] >= self.total:
-                    state["sent"] = now
-                    report(min(state["done"], int(self.total)), int(self.total))
+                with lock:
+                    state["done"] = max(state["done"], int(self.n))
+                    now = time.monotonic()
+                    if now - state["sent"] >= 0.25 or state["done"] >= self.total:
+                        state["sent"] = now
+                        report(min(state["done"], int(self.total)), int(self.total))
             return out
 
     return Bar
