@@ -433,3 +433,21 @@ def test_new_samplers_give_one_output_on_every_path():
         finally:
             eng.close()
     assert all(o == outs[0] for o in outs) and len(outs[0]) > 20
+
+
+def test_dry_tables_are_kept_for_the_lists_used_last():
+    """Each breaker list costs a scan of the vocabulary once; a client sending a new list with every request
+    cannot grow the cache past TABLES_KEPT lists per tokenizer."""
+    from bitnet_cpu.engine.api import load_model
+    from bitnet_cpu.engine.runtime import dry
+
+    llm = load_model(None, ctx=64, threads=1, progress=False)
+    try:
+        tok, v = llm.tokenizer, llm.config.vocab_size
+        first = dry.breaker_table(tok, v, ("\n",))
+        for i in range(dry.TABLES_KEPT + 5):
+            dry.breaker_table(tok, v, (f"#{i}",))
+            assert dry.breaker_table(tok, v, ("\n",)) is first   # used again: kept
+        assert len(dry._TABLES[tok]) == dry.TABLES_KEPT
+    finally:
+        llm.close()

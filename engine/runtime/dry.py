@@ -1,6 +1,6 @@
 """DRY ("Don't Repeat Yourself"), llama.cpp's repetition sampler (from koboldcpp): a token that would extend a
 sequence already seen in the last N tokens loses multiplier * base ^ (its length - allowed_length) of its logit;
-sequence breakers (by default newline, colon, quote, asterisk) cut the sequences a repeat may span.
+sequence breakers (SamplingParams' default: newline, colon, quote, asterisk) cut the sequences a repeat may span.
 
     table = breaker_table(tokenizer, n_vocab, breakers)   # once per tokenizer and breaker list (cached)
     dry_penalties(window, table, allowed_length) -> {token id: longest repeat it would extend}
@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections import OrderedDict
 
 from .constraints import vocab_bytes
 
-BREAKERS = ("\n", ":", "\"", "*")   # llama.cpp's defaults
+TABLES_KEPT = 16                     # breaker lists remembered per tokenizer (each costs a scan of the vocabulary)
 MAX_BREAKER_BYTES = 40               # a longer breaker is cut to this (llama.cpp's MAX_CHAR_LEN)
 MAX_TAIL_TOKENS = 20                 # a breaker's tail is cut to this (its MAX_SEQ_LEN)
 FLOAT_MAX_LOG = 88.7228391           # log(FLT_MAX): the exponent is clamped so the penalty stays finite
@@ -52,11 +53,14 @@ def _overlaps(tok, words: list[bytes], breaker: bytes, table: dict[int, list[tup
 
 
 def breaker_table(tok, n_vocab: int, breakers) -> dict[int, list[tuple[int, ...]]]:
-    """{head token id: [tails]} for the breakers (strings), cached per tokenizer."""
+    """{head token id: [tails]} for the breakers (strings), cached per tokenizer (the TABLES_KEPT lists used last:
+    requests that each send other breakers cannot grow it without bound)."""
     key = (n_vocab, tuple(breakers))
     with _LOCK:
-        per_tok = _TABLES.setdefault(tok, {})
+        per_tok = _TABLES.setdefault(tok, OrderedDict())
         hit = per_tok.get(key)
+        if hit is not None:
+            per_tok.move_to_end(key)
     if hit is not None:
         return hit
     words = vocab_bytes(tok, n_vocab)
@@ -67,6 +71,8 @@ def breaker_table(tok, n_vocab: int, breakers) -> dict[int, list[tuple[int, ...]
             _overlaps(tok, words, raw, table)
     with _LOCK:
         per_tok[key] = table
+        while len(per_tok) > TABLES_KEPT:
+            per_tok.popitem(last=False)
     return table
 
 
