@@ -634,13 +634,17 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         except RequestProblem as e:
             raise APIError(400, str(e), param=e.param, code="invalid_value") from None
 
-    @app.post("/v1/responses")
-    async def responses(body: ResponsesRequest, request: Request):
-        """OpenAI's Responses API over the chat pipeline (serve/responses.py translates both ways)."""
+    def responses_conversation(body):
+        """(messages, tools, tool choice, allowed tool names) of a Responses request, its text.format checked."""
         with translated():
             msgs, tools, choice = body.messages(), body.chat_tools(), body.tool_choice_name()
             body.format_spec()
-            allowed = body.allowed_tools()
+            return msgs, tools, choice, body.allowed_tools()
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, request: Request):
+        """OpenAI's Responses API over the chat pipeline (serve/responses.py translates both ways)."""
+        msgs, tools, choice, allowed = responses_conversation(body)
         eng, prompt_ids, streams, q, new_parser = await start_chat(request, body, msgs, tools, choice, "input",
                                                                    allowed=allowed)
         text_of, n_top = state.token_text(eng), body.top_logprobs or 0
@@ -663,10 +667,7 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
     @app.post("/v1/responses/input_tokens")
     async def responses_input_tokens(body: ResponsesRequest, request: Request):
         """OpenAI's `client.responses.input_tokens.count(...)`: a Responses request's input tokens."""
-        with translated():
-            msgs, tools, choice = body.messages(), body.chat_tools(), body.tool_choice_name()
-            body.format_spec()
-            allowed = body.allowed_tools()
+        msgs, tools, choice, allowed = responses_conversation(body)
         return await count_input_tokens(request, body, msgs, tools, choice, "input", allowed)
 
     @app.post("/v1/chat/completions/input_tokens")

@@ -142,12 +142,7 @@ def test_record_is_log_softmax_after_bias_and_penalties(temperature):
 
 
 # ---- llama.cpp's other samplers: each kept set against its definition, written here ------------------------------
-OFF = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
-
-
-def softmax(x):
-    e = np.exp(np.asarray(x, np.float64) - np.max(x))
-    return e / e.sum()
+OFF = FREE   # top-k, top-p and min-p off, temperature 1: only the sampler under test filters
 
 
 def ref_chain(lg, top_n_sigma=-1.0, top_k=0, typical_p=1.0, top_p=1.0, min_p=0.0):
