@@ -18,8 +18,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "/system": ("[TEXT|--clear]", "show, set or clear the system prompt"),
     "/set": ("[NAME VALUE]", "show settings, or set temp|top_k|top_p|min_p|repeat_penalty|repeat_last_n|seed|"
                              "max_tokens|dry_multiplier|dry_base|dry_allowed_length|dry_penalty_last_n|"
-                             "dry_sequence_breakers|typical_p|top_n_sigma|xtc_probability|xtc_threshold|dynatemp_range|"
-                             "dynatemp_exponent|mirostat|mirostat_tau|mirostat_eta; also ollama's /set parameter NAME VALUE, /set system TEXT and "
+                             "dry_sequence_breakers|typical_p|top_n_sigma|xtc_probability|xtc_threshold|"
+                             "dynatemp_range|dynatemp_exponent|mirostat|mirostat_tau|mirostat_eta; also ollama's "
+                             "/set parameter NAME VALUE, /set system TEXT and "
                              "/set format json|FILE|off (answers as JSON / matching a JSON Schema file)"),
     "/show": ("[info|system|parameters]", "model information (source file, shape, context) and current settings"),
     "/save": ("FILE", "save the conversation as JSON (atomic write)"),
@@ -76,8 +77,9 @@ class Settings:
         # llama.cpp's other samplers: shown once set (off, they would only lengthen the line)
         if self.dry_sequence_breakers != _DEFAULT.dry_sequence_breakers:
             text += f" dry_sequence_breakers={json.dumps(list(self.dry_sequence_breakers))}"
-        for name in ("dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n", "top_n_sigma", "typical_p", "xtc_probability", "xtc_threshold", "dynatemp_range",
-                     "dynatemp_exponent", "mirostat", "mirostat_tau", "mirostat_eta"):
+        for name in ("dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n", "top_n_sigma",
+                     "typical_p", "xtc_probability", "xtc_threshold", "dynatemp_range", "dynatemp_exponent",
+                     "mirostat", "mirostat_tau", "mirostat_eta"):
             if getattr(self, name) != getattr(_DEFAULT, name):
                 text += f" {name}={getattr(self, name):g}"
         return text
@@ -102,7 +104,8 @@ SETTING_ALIASES = {"temperature": "temp", "t": "temp", "n": "max_tokens", "max-t
                    "top-n-sigma": "top_n_sigma", "xtc-probability": "xtc_probability",
                    "xtc-threshold": "xtc_threshold", "dynatemp-range": "dynatemp_range",
                    "dynatemp-exp": "dynatemp_exponent", "dry-multiplier": "dry_multiplier", "dry-base": "dry_base",
-                   "dry-allowed-length": "dry_allowed_length", "dry-penalty-last-n": "dry_penalty_last_n", "mirostat-lr": "mirostat_eta", "mirostat-ent": "mirostat_tau"}
+                   "dry-allowed-length": "dry_allowed_length", "dry-penalty-last-n": "dry_penalty_last_n",
+                   "mirostat-lr": "mirostat_eta", "mirostat-ent": "mirostat_tau"}
 
 
 def _number(name: str, text: str, kind):

@@ -30,8 +30,9 @@ NO_OP_SAMPLERS = {"tfs_z", "penalties", "infill"}
 SAMPLER_ALIASES = {**{n.replace("_", "-"): n for n in CHAIN}, **{n.replace("_", ""): n for n in CHAIN},
                    "typical_p": "typ_p", "typical": "typ_p", "typ": "typ_p", "nucleus": "top_p", "temp": "temperature"}
 # a sampler left out of the chain: the SamplingParams field that turns it off, and its "off" value
-CHAIN_OFF = {"dry": ("dry_multiplier", 0.0), "top_n_sigma": ("top_n_sigma", -1.0), "top_k": ("top_k", 0), "typ_p": ("typical_p", 1.0),
-             "top_p": ("top_p", 1.0), "min_p": ("min_p", 0.0), "xtc": ("xtc_probability", 0.0)}
+CHAIN_OFF = {"dry": ("dry_multiplier", 0.0), "top_n_sigma": ("top_n_sigma", -1.0), "top_k": ("top_k", 0),
+             "typ_p": ("typical_p", 1.0), "top_p": ("top_p", 1.0), "min_p": ("min_p", 0.0),
+             "xtc": ("xtc_probability", 0.0)}
 # llama-server fields for samplers and features this engine does not have: refused unless at their "off" value
 OFF = {"n_indent": 0, "t_max_predict_ms": 0, "post_sampling_probs": False, "image_data": None,
        "lora": None, "multimodal_data": None}
@@ -152,7 +153,8 @@ def settings_of(p, n_ctx: int, **extra) -> dict:
             "repeat_penalty": p.repeat_penalty, "presence_penalty": p.presence_penalty,
             "frequency_penalty": p.frequency_penalty, "dry_multiplier": p.dry_multiplier, "dry_base": p.dry_base,
             "dry_allowed_length": p.dry_allowed_length, "dry_penalty_last_n": p.dry_penalty_last_n,
-            "dry_sequence_breakers": list(p.dry_sequence_breakers), "top_n_sigma": p.top_n_sigma, "typical_p": p.typical_p,
+            "dry_sequence_breakers": list(p.dry_sequence_breakers), "top_n_sigma": p.top_n_sigma,
+            "typical_p": p.typical_p,
             "xtc_probability": p.xtc_probability, "xtc_threshold": p.xtc_threshold,
             "dynatemp_range": p.dynatemp_range, "dynatemp_exponent": p.dynatemp_exponent, "mirostat": p.mirostat,
             "mirostat_tau": p.mirostat_tau, "mirostat_eta": p.mirostat_eta, "samplers": list(CHAIN), **extra}
