@@ -551,7 +551,7 @@ class _Cursor:
         self.data, self.pos, self.what = data, pos, what
 
     def u32(self, field: str) -> int:
-        return int(np.frombuffer(self.take(4, field), "<u4")[0])
+        return int.from_bytes(self.take(4, field), "little")
 
     def take(self, size: int, field: str) -> bytes:
         if self.pos + size > len(self.data):

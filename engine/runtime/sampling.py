@@ -176,9 +176,11 @@ class Sampler:
         p = self.p
         self._dry = p.dry_multiplier > 0 and p.dry_penalty_last_n != 0
         self._dry_table: dict = {}
-        if self._dry and tokenizer is not None and p.dry_sequence_breakers:
-            from .dry import breaker_table
-            self._dry_table = breaker_table(tokenizer, vocab_size, p.dry_sequence_breakers)
+        if self._dry:
+            from .dry import apply_dry, breaker_table
+            self._apply_dry = apply_dry   # imported once here, not at every step
+            if tokenizer is not None and p.dry_sequence_breakers:
+                self._dry_table = breaker_table(tokenizer, vocab_size, p.dry_sequence_breakers)
 
     def _penalize(self, logits: np.ndarray, history):
         p, n = self.p.repeat_penalty, self.p.repeat_last_n
@@ -226,9 +228,8 @@ class Sampler:
         if p.presence_penalty or p.frequency_penalty:
             self._presence_frequency(logits, history)
         if self._dry and history:
-            from .dry import apply_dry
             n = len(history) if p.dry_penalty_last_n < 0 else p.dry_penalty_last_n
-            apply_dry(logits, list(history[-n:]), self._dry_table, p.dry_multiplier, p.dry_base,
+            self._apply_dry(logits, list(history[-n:]), self._dry_table, p.dry_multiplier, p.dry_base,
                       p.dry_allowed_length)
         tok = self._choose(logits)
         if p.record_logprobs is not None:
