@@ -57,7 +57,7 @@ def test_gemv_q4g_exact_on_every_path(isa, n, k):
     codes, gs = layout.pack_q4g(q), layout.pack_q4g_scales(s)
     dd = np.zeros(layout.pad_to(n, 16), np.float32)
     dd[:n] = d
-    for m in (1, 2, 5, K.ROWS_MAX):
+    for m in (1, 2, 3, 5, 7, K.ROWS_MAX):   # every register block of the 4-row bodies: 1-4 rows after 4s
         _, xq, sc, _ = quantized(rng, m, k)
         xq[0, : min(k, 9)] = -128
         xq[-1, -3:] = 127

@@ -180,9 +180,8 @@ AVX2_TARGET __attribute__((always_inline)) static inline void q4g_rows_avx2(
 #pragma GCC unroll 4
                 for (int r = 0; r < R; r++) {
                     const int8_t *x = xq + (size_t)(i0 + r) * k_pad + 32 * g + 8 * j;
-                    s16[r] = _mm256_add_epi16(s16[r], _mm256_add_epi16(
-                                 _mm256_maddubs_epi16(lo, _mm256_set1_epi32(load_i32(x))),
-                                 _mm256_maddubs_epi16(hi, _mm256_set1_epi32(load_i32(x + 4)))));
+                    s16[r] = addw_acc256(s16[r], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(load_i32(x))));
+                    s16[r] = addw_acc256(s16[r], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(load_i32(x + 4))));
                 }
             }
             __m256i sv = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(gscale + ((size_t)t * groups + g) * 16 + 8 * h)));

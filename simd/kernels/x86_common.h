@@ -17,6 +17,13 @@ AVX512_TARGET static inline __m512i dpbusd512(__m512i acc, __m512i a_u8, __m512i
     return acc;
 }
 
+/* acc += v in int16 lanes, in place. With plain _mm256_add_epi16 GCC 12 reassociates a long run of accumulations
+ * into sums of many products computed first, and spills them (the AVX2 GEMM: 42 stack accesses per block). */
+AVX2_TARGET static inline __m256i addw_acc256(__m256i acc, __m256i v) {
+    __asm__("vpaddw %1, %0, %0" : "+x"(acc) : "x"(v));
+    return acc;
+}
+
 /* The x86 GEMV bodies' software prefetch (BK_GEMV_PREFETCH_DEFAULT, kernels.h): the 64-byte line pf bytes
  * ahead of p, when pf (bk_table.gemv_prefetch, read once per call) is not 0. A hint: it never faults, so it may
  * run past the end of the weights. */
