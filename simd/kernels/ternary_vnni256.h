@@ -43,8 +43,11 @@ VNNI_TARGET static void VNNI_NAME(gemv_ternary)(const uint8_t *w, const float *r
     }
 }
 
-/* GEMM: one tile, MG (1..4) tokens; per half the 4 unpacked operands feed MG x 4 vpdpbusd (16 ymm: 8
- * accumulators + 4 operands + mask + broadcast). */
+/* GEMM: one tile, MG (1..4) tokens, plane by plane: code plane s of both halves is unpacked, and each token's
+ * activation dword is broadcast once and feeds both halves (8 accumulators + 2 operands + mask + broadcast: 12
+ * of the 16 ymm registers of the VEX encoding). Unpacking all four planes of a half first kept the 16 broadcasts
+ * of a block (shared by the halves) alive: GCC 12 put them and the accumulators on the stack, 32 stack accesses
+ * per block of 4 tokens in the VEX body (the AVX2 GEMM had the same; gemm_ternary.c). Same exact sums. */
 VNNI_TARGET __attribute__((always_inline)) static inline void VNNI_NAME(gemm_group)(
     const uint8_t *w, size_t tile_bytes, int t, const int8_t *xq, int m0, const int MG, int k_pad,
     const float *row_scale, const float *act_scale, const int32_t *act_sum, float *out, int32_t *out_i32, int n) {
@@ -56,20 +59,16 @@ VNNI_TARGET __attribute__((always_inline)) static inline void VNNI_NAME(gemm_gro
     const uint8_t *p = w + (size_t)t * tile_bytes;
     const int8_t *x = xq + (size_t)m0 * k_pad;
     for (int b = 0; b < kb; b++) {
-#pragma GCC unroll 2
-        for (int h = 0; h < 2; h++) {
-            __m256i v = _mm256_loadu_si256((const __m256i *)(p + (size_t)b * 64 + 32 * h));
-            __m256i u0 = _mm256_and_si256(v, m3);
-            __m256i u1 = _mm256_and_si256(_mm256_srli_epi16(v, 2), m3);
-            __m256i u2 = _mm256_and_si256(_mm256_srli_epi16(v, 4), m3);
-            __m256i u3 = _mm256_and_si256(_mm256_srli_epi16(v, 6), m3);
+        const __m256i *blk = (const __m256i *)(p + (size_t)b * 64);
+#pragma GCC unroll 4
+        for (int s = 0; s < 4; s++) {
+            __m256i u0 = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256(blk), 2 * s), m3);
+            __m256i u1 = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256(blk + 1), 2 * s), m3);
 #pragma GCC unroll 4
             for (int i = 0; i < MG; i++) {
-                const int8_t *xb = x + (size_t)i * k_pad + 16 * b;
-                acc[h][i] = VNNI_DPBUSD(acc[h][i], u0, _mm256_set1_epi32(load_i32(xb)));
-                acc[h][i] = VNNI_DPBUSD(acc[h][i], u1, _mm256_set1_epi32(load_i32(xb + 4)));
-                acc[h][i] = VNNI_DPBUSD(acc[h][i], u2, _mm256_set1_epi32(load_i32(xb + 8)));
-                acc[h][i] = VNNI_DPBUSD(acc[h][i], u3, _mm256_set1_epi32(load_i32(xb + 12)));
+                __m256i xs = _mm256_set1_epi32(load_i32(x + (size_t)i * k_pad + 16 * b + 4 * s));
+                acc[0][i] = VNNI_DPBUSD(acc[0][i], u0, xs);
+                acc[1][i] = VNNI_DPBUSD(acc[1][i], u1, xs);
             }
         }
     }
