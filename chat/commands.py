@@ -128,7 +128,7 @@ def _breakers(text: str) -> tuple[str, ...]:
             v = json.loads(text)
         except ValueError:
             raise CommandError(f"/set dry_sequence_breakers: {text!r} is not a JSON list of strings") from None
-        return tuple(v) if isinstance(v, list) else v
+        return tuple(v)   # text starting with '[' that parses is a JSON list
     return (text,)
 
 

@@ -40,9 +40,10 @@ def main(args) -> int:
         return 0
     from ..engine.formats.convert import resolve_model
 
-    store = resolve_model(args.ref, lm_head=args.lm_head,
-                          progress=(lambda done, total: report({"convert": args.ref, "completed": done, "total": total}))
-                          if args.json_progress else True)
+    def steps(done, total):
+        report({"convert": args.ref, "completed": done, "total": total})
+
+    store = resolve_model(args.ref, lm_head=args.lm_head, progress=steps if args.json_progress else True)
     print(f"bitnet: ready: bitnet run -m {args.ref}", file=sys.stderr)
     print(store)
     return 0

@@ -8,7 +8,7 @@ import pytest
 from bitnet_cpu.chat.commands import (CommandError, Settings, completions, help_text, is_command, open_block,
                            parse_command, parse_setting, strip_block)
 from bitnet_cpu.chat.render import Output, format_stats
-from bitnet_cpu.chat.transcript import Conversation, TranscriptError, Turn
+from bitnet_cpu.chat.transcript import Conversation, TranscriptError
 
 
 def words(messages):
@@ -199,7 +199,8 @@ def test_parse_command_errors_are_one_line_hints(line, fragment):
     ("top-p", "1", "top_p", 1.0), ("min_p", "0.1", "min_p", 0.1), ("seed", "42", "seed", 42),
     ("seed", "random", "seed", None), ("max_tokens", "16", "max_tokens", 16),
     ("repeat_penalty", "1.1", "repeat_penalty", 1.1), ("TOP_K", "5", "top_k", 5),
-    ("mirostat", "2", "mirostat", 2), ("typical", "0.5", "typical_p", 0.5), ("dry-multiplier", "0.8", "dry_multiplier", 0.8),
+    ("mirostat", "2", "mirostat", 2), ("typical", "0.5", "typical_p", 0.5),
+    ("dry-multiplier", "0.8", "dry_multiplier", 0.8),
     ("dry_sequence_breakers", '["\\n", ":"]', "dry_sequence_breakers", ("\n", ":")),
     ("dry_sequence_breakers", "###", "dry_sequence_breakers", ("###",)),
     ("dry_sequence_breakers", "none", "dry_sequence_breakers", ()),

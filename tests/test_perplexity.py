@@ -141,6 +141,13 @@ def read_base_file(path):
     return n_ctx, vocab, tokens.reshape(n_chunk, n_ctx), rows
 
 
+def stored_log_probs(rows, vocab):
+    """One chunk's rows of a base file as llama.cpp reads them back: (scale, min) f32 per row, then
+    value * scale + min per vocabulary entry (value 0: at or below the floor)."""
+    head = rows[:, :4].copy().view("<f4")
+    return head[:, :1] * rows[:, 4: 4 + vocab].astype(np.float32) + head[:, 1:2]
+
+
 def test_base_file_is_llama_cpp_layout(llm, text_file, tmp_path):
     base = str(tmp_path / "base.kld")
     r = bitnet("-f", text_file, "-c", str(CTX), "--chunks", "2", "--kl-divergence-base", base)
@@ -153,9 +160,8 @@ def test_base_file_is_llama_cpp_layout(llm, text_file, tmp_path):
     for c, chunk in enumerate(chunks):
         lp, _ = scored(llm, chunk, llm.forward)
         scale = rows[c, :, :4].copy().view("<f4")[:, 0]
-        low = rows[c, :, :4].copy().view("<f4")[:, 1]
         q = rows[c, :, 4: 4 + vocab].astype(np.float64)
-        back = scale[:, None] * q + low[:, None]
+        back = stored_log_probs(rows[c], vocab)
         top = lp.max(axis=1, keepdims=True)
         above = lp > top - 16 + 1e-4   # the floor: top - 16, stored as 0
         assert np.all(np.abs(back - lp)[above] <= (scale[:, None] * 0.5 + 1e-4).repeat(vocab, 1)[above])
@@ -201,10 +207,8 @@ def test_kld_between_heads_is_the_exact_kl(heads, text_file, tmp_path):
     for c, chunk in enumerate(chunks_of(f16, text_file, n=4)):
         lp, _ = scored(f16, chunk, f16.forward)
         lq, _ = scored(q4, chunk, q4.forward)
-        # llama.cpp's KL is against the base as stored (16-bit log-probs: value * scale + min) and sums only the
-        # entries whose stored log-probability is above -16
-        head = rows[c, :, :4].copy().view("<f4")
-        lb = head[:, :1] * rows[c, :, 4: 4 + vocab].astype(np.float32) + head[:, 1:2]
+        # llama.cpp's KL is against the base as stored and sums only the entries stored above -16
+        lb = stored_log_probs(rows[c], vocab)
         klds.append(np.where(lb > -16, np.exp(lb.astype(np.float64)) * (lb - lq), 0.0).sum(axis=1))
         exact.append(np.where(lp > -16, np.exp(lp) * (lp - lq), 0.0).sum(axis=1))
         same += int((lp.argmax(axis=1) == lq.argmax(axis=1)).sum())

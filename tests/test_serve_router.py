@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -519,8 +520,6 @@ def test_ollama_pull_reports_the_bytes_of_a_real_download(tmp_path):
         assert layers and {u.digest for u in layers} == {"sha256:" + hashlib.sha256(data).hexdigest()}, updates
         assert all(0 <= u.completed <= u.total == len(data) for u in layers) and layers[-1].completed == len(data)
         assert updates[0].status == "pulling manifest" and updates[-1].status == "success", updates
-        import re
-
         steps = [re.fullmatch(r"converting o/remote:TQ2_0 \((\d+)/(\d+)\)", u.status) for u in updates]
         steps = [(int(m.group(1)), int(m.group(2))) for m in steps if m]
         assert steps and steps[-1][0] == steps[-1][1] and [d for d, _ in steps] == list(range(1, steps[-1][1] + 1))

@@ -230,7 +230,7 @@ class Sampler:
         if self._dry and history:
             n = len(history) if p.dry_penalty_last_n < 0 else p.dry_penalty_last_n
             self._apply_dry(logits, list(history[-n:]), self._dry_table, p.dry_multiplier, p.dry_base,
-                      p.dry_allowed_length)
+                            p.dry_allowed_length)
         tok = self._choose(logits)
         if p.record_logprobs is not None:
             self._record(logits, tok)
