@@ -32,6 +32,7 @@ from .errors import BitNetError, ConstraintError, FormatError, QueueFullError
 from .runtime.generate import Chunk, Stats, generate as _generate
 from .runtime.model import Model, check_kv_dtype
 from .runtime.constraints import Constraint, compile_constraint
+from .runtime.dry import breaker_table, cached_table
 from .runtime.sampling import SamplingParams
 from .runtime.speculative import LookupParams
 from .formats.store import Store, is_store
@@ -91,6 +92,18 @@ class _Text:
         Raises ConstraintError naming what cannot be enforced. Compiling a new schema can take ~10-100 ms: a
         server calls this off its event loop and passes the result to submit()."""
         return compile_constraint(self.tokenizer, self.config.vocab_size, constraint)
+
+    def sampling_ready(self, params: SamplingParams) -> bool:
+        """Whether a sampler with `params` finds what it takes from the tokenizer already built (else
+        prepare_sampling builds it)."""
+        breakers = params.dry_breakers
+        return not breakers or cached_table(self.tokenizer, self.config.vocab_size, breakers) is not None
+
+    def prepare_sampling(self, params: SamplingParams) -> None:
+        """Build and cache what a sampler with `params` takes from the tokenizer: DRY's sequence-breaker table (the
+        first costs ~0.3 s for a 128k vocabulary). A server calls this off its event loop before submit()."""
+        if params.dry_breakers:
+            breaker_table(self.tokenizer, self.config.vocab_size, params.dry_breakers)
 
     def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True,
                     tools: list[dict] | None = None) -> list[int]:

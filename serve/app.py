@@ -32,7 +32,7 @@ from .auth import AuthMiddleware, KeyChecker, allow_cross_origin
 from .limits import Limits, LimitsMiddleware, anthropic_error_body
 from .logprobs import TokenText, chat_entry, completion_logprobs, echo_logprobs
 from .metrics import CONTENT_TYPE, ServerMetrics
-from .offload import (BodyRefused, next_or_gone, offloop_route, prompt_body_bound, run_off_loop,
+from .offload import (BodyRefused, next_or_gone, offloop_route, prepare_sampling, prompt_body_bound, run_off_loop,
                       too_long_for_context, warm_bounds)
 from .responses import ResponseBuilder, ResponsesRequest
 from .schemas import ChatCompletionRequest, CompletionRequest, RequestProblem, model_object
@@ -77,6 +77,7 @@ class ServerState:
         self.draining = False
         self.streams: set = set()
         self.created = int(time.time())
+        self.sampling = None               # the requests' default SamplingParams (create_app's sampling)
 
     def token_text(self, eng) -> TokenText:
         """The server's one token -> (text, bytes) cache for logprobs."""
@@ -93,6 +94,8 @@ class ServerState:
                 eng = self.load()
                 if hasattr(eng, "warm_constraints"):
                     eng.warm_constraints()   # structured output's first request need not build the vocabulary view
+                if self.sampling is not None:
+                    eng.prepare_sampling(self.sampling)   # the server's defaults: DRY's breaker table, if on
                 warm_bounds(eng)             # the prompt bounds need the tokenizer's longest token
                 if self.model_id is None:
                     self.model_id = eng.name
@@ -125,6 +128,7 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
     needs (serve/auth.py), /metrics too unless metrics_public; cors_origins: the origins whose pages may call it
     beside this machine's (serve/auth.py allow_cross_origin; "*": any)."""
     state = ServerState(load, api_key, model_id, retry_after, strict_model)
+    state.sampling = sampling
     metrics = ServerMetrics(state.engine_metrics)
 
     @contextlib.asynccontextmanager
@@ -295,13 +299,21 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         tools, tool_spec, new_parser = tool_setup(eng, tools, choice, body.parallel_tool_calls, allowed)
         prompt_ids = await render_prompt(eng, msgs, tools, param, prefill)
         constraint = await compile_constraint(eng, body, tool_spec)
-        streams, q = submit(eng, body, prompt_ids, asyncio.get_running_loop(), constraint, param)
+        params = await sampling_for(eng, body)
+        streams, q = submit(eng, body, prompt_ids, asyncio.get_running_loop(), constraint, param, params=params)
         return eng, prompt_ids, streams, q, new_parser
 
-    def submit(eng, req, prompt_ids, loop, constraint=None, param="prompt", q=None, offset=0):
-        """Submit the request's n choices to the engine; return (streams, queue of (choice index, Chunk)).
-        Maps engine errors to HTTP ones. q, offset: the queue of a request of several prompts, and the index of
-        this prompt's first choice there."""
+    async def sampling_for(eng, req):
+        """The request's SamplingParams (checked by its model, serve/schemas.py), with what its sampler takes
+        from the tokenizer built off the event loop."""
+        params = req.sampling_params(sampling)
+        await prepare_sampling(eng, params)
+        return params
+
+    def submit(eng, req, prompt_ids, loop, constraint=None, param="prompt", q=None, offset=0, *, params):
+        """Submit the request's n choices to the engine with `params` (sampling_for's); return (streams, queue of
+        (choice index, Chunk)). Maps engine errors to HTTP ones. q, offset: the queue of a request of several
+        prompts, and the index of this prompt's first choice there."""
         from ..engine.errors import BitNetError, ContextOverflowError, QueueFullError
         bad = req.unsupported()
         if bad:
@@ -310,7 +322,6 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         limit = req.limit()
         room = eng.n_ctx - len(prompt_ids)
         max_tokens = room if limit is None else limit
-        params = req.sampling_params(sampling)   # checked by the request model (serve/schemas.py)
         callbacks = [(lambda ch, i=i: loop.call_soon_threadsafe(q.put_nowait, (i, ch)))
                      for i in range(offset, offset + req.n)]
         try:
@@ -553,12 +564,13 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
                 bos = eng.tokenizer.bos_id
                 prompts.append((ids, text, 1 if bos is not None and ids[:1] == [bos] else 0))
         constraint = await compile_constraint(eng, body)
+        params = await sampling_for(eng, body)
         loop = asyncio.get_running_loop()
         streams, q = [], asyncio.Queue()
         n = body.n
         try:
             for k, (ids, _, _) in enumerate(prompts):
-                streams += submit(eng, body, ids, loop, constraint, q=q, offset=k * n)[0]
+                streams += submit(eng, body, ids, loop, constraint, q=q, offset=k * n, params=params)[0]
             echo_lp, echo_end = [None] * len(prompts), [0] * len(prompts)
             if body.echo and body.logprobs is not None:   # every prompt token's logprob: scoring passes beside
                 scores = await asyncio.gather(*(score_prompt(eng, ids, body.logprobs) for ids, _, _ in prompts))
@@ -798,7 +810,7 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
     from .embeddings import register as register_embeddings   # /v1/embeddings, /api/embed, /api/embeddings
     register_embeddings(app, state, ready, APIError, check_model, metrics=metrics)
     from .llama_api import register as register_llama   # llama-server's /completion, /tokenize, /props, ...
-    pipe = SimpleNamespace(check_model=check_model, refuse_too_long=refuse_too_long, submit=submit,
+    pipe = SimpleNamespace(check_model=check_model, refuse_too_long=refuse_too_long, submit=submit, sampling_for=sampling_for,
                            compile_constraint=compile_constraint, run_to_end=run_to_end, Choices=Choices, Timer=Timer,
                            loop=asyncio.get_running_loop, sse_headers=sse_headers, ENGINE_FAULT=ENGINE_FAULT)
     register_llama(app, state, ready, APIError, pipe, sampling=sampling)

@@ -218,7 +218,8 @@ def piece_of(text_of, i: int):
 
 def register(app, state, ready, api_error: type, pipe, *, sampling=None):
     """Add the routes to `app` (serve/app.py's create_app); ready(request) -> the engine or raises api_error;
-    pipe: the generating endpoints' check_model, compile_constraint, submit, run_to_end, Choices, Timer."""
+    pipe: the generating endpoints' check_model, compile_constraint, sampling_for, submit, run_to_end, Choices,
+    Timer."""
 
     async def completion(body: NativeCompletionRequest, request: Request):
         eng = ready(request)
@@ -230,9 +231,9 @@ def register(app, state, ready, api_error: type, pipe, *, sampling=None):
         await pipe.refuse_too_long(eng, sum(len(x) for x in pieces if isinstance(x, str)), "prompt")
         ids = await run_off_loop(prompt_ids, eng, pieces)
         constraint = await pipe.compile_constraint(eng, body)
-        streams, q = pipe.submit(eng, body, ids, pipe.loop(), constraint, "prompt")
+        params = await pipe.sampling_for(eng, body)
+        streams, q = pipe.submit(eng, body, ids, pipe.loop(), constraint, "prompt", params=params)
         text_of, n_probs = state.token_text(eng), body.n_probs
-        params = body.sampling_params(sampling)
         head = {"index": 0, "id_slot": -1, "model": state.model_id, "tokens_evaluated": len(ids)}
 
         def probs(items):

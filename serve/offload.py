@@ -155,6 +155,13 @@ async def run_off_loop(fn, *args, **kwargs):
     return await asyncio.to_thread(fn, *args, **kwargs)
 
 
+async def prepare_sampling(eng, params) -> None:
+    """What the request's sampler takes from the tokenizer (DRY's breaker table: a new breaker list scans the
+    vocabulary, the first ~0.3 s for 128k tokens) built off the event loop, where it would stall every stream."""
+    if not eng.sampling_ready(params):
+        await asyncio.to_thread(eng.prepare_sampling, params)
+
+
 
 async def within(aw, timeout: float):
     """(True, result of aw) if it completes within `timeout` s, else (False, None) with aw cancelled; its

@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from ..engine.runtime.sampling import SamplingParams, setting_problem
 from .logprobs import chat_entry
-from .offload import next_or_gone, run_off_loop, too_long_for_context
+from .offload import next_or_gone, prepare_sampling, run_off_loop, too_long_for_context
 from .schemas import utc_iso
 
 # the version /api/version reports: clients written for ollama check a minimum (the fields served here are
@@ -253,12 +253,15 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
         except ConstraintError as e:
             raise OllamaError(400, str(e)) from None
 
-    def submit(eng, body: _Body, prompt_ids, constraint, loop):
-        from ..engine.errors import BitNetError, ContextOverflowError, QueueFullError
-        opts = body.options or {}
-        params = sampling_from_options(opts, sampling)
+    def sampling_of(body: _Body) -> SamplingParams:
+        params = sampling_from_options(body.options or {}, sampling)
         if body.logprobs:
             params.record_logprobs = body.top_logprobs or 0
+        return params
+
+    def submit(eng, body: _Body, prompt_ids, constraint, loop, params: SamplingParams):
+        from ..engine.errors import BitNetError, ContextOverflowError, QueueFullError
+        opts = body.options or {}
         n_ctx = eng.n_ctx
         if isinstance(opts.get("num_ctx"), int) and opts["num_ctx"] > 0:
             n_ctx = min(n_ctx, opts["num_ctx"])   # the server's context is fixed at start: a larger one is capped
@@ -302,7 +305,9 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
         object; or (stream false) one object with the whole text. parser: the tool-call parser (text that may
         be a call is held back; each call goes out once complete, as ollama streams them)."""
         loop = asyncio.get_running_loop()
-        stream, q = submit(eng, body, prompt_ids, constraint, loop)
+        params = sampling_of(body)
+        await prepare_sampling(eng, params)   # off the loop: DRY's breaker table scans the vocabulary
+        stream, q = submit(eng, body, prompt_ids, constraint, loop, params)
         t0, model = time.perf_counter(), state.model_id
         text_of = state.token_text(eng)
         n_top = body.top_logprobs or 0

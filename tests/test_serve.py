@@ -390,6 +390,51 @@ def test_server_sampling_flags_are_request_defaults():
         assert tc.post("/v1/chat/completions", json={"messages": None}).status_code == 400   # a required one is not
 
 
+def test_dry_breaker_tables_are_built_off_the_event_loop(monkeypatch):
+    """In-process: a DRY breaker list scans the vocabulary once (the first ~0.3 s for 128k tokens), which on the
+    event loop would stall every stream the server runs: the server's default list is built as the model loads,
+    and a request's new list in a worker thread, on the OpenAI, llama-server and ollama endpoints alike (a spy
+    on the scan notes its thread; the scan itself runs unchanged)."""
+    import asyncio
+
+    from starlette.testclient import TestClient
+
+    from bitnet_cpu.engine.api import SamplingParams, load_engine
+    from bitnet_cpu.engine.runtime import dry
+    from bitnet_cpu.serve.app import create_app
+
+    scans = []
+
+    class Spy(dry._Vocab):
+        def __init__(self, words):
+            try:
+                asyncio.get_running_loop()
+                scans.append("on an event loop")
+            except RuntimeError:
+                scans.append(threading.current_thread().name)
+            super().__init__(words)
+    monkeypatch.setattr(dry, "_Vocab", Spy)
+    defaults = SamplingParams(dry_multiplier=0.8, dry_sequence_breakers=("\n", "@@ server"))
+    app = create_app(lambda: load_engine(None, threads=1, parallel=2, progress=False), sampling=defaults)
+    with TestClient(app) as tc:
+        deadline = time.monotonic() + 60
+        while tc.get("/health").status_code != 200 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        eng = app.state.bitnet.engine
+        assert scans == ["bitnet-load"] and eng.sampling_ready(defaults)
+        chat = {"messages": Q, "max_tokens": 4}
+        for path, body in [("/v1/chat/completions", dict(chat, dry_sequence_breakers=["@@ chat"])),
+                           ("/v1/completions", {"prompt": "Once", "max_tokens": 4, "dry_sequence_breakers": ["@@ c"]}),
+                           ("/completion", {"prompt": "Once", "n_predict": 4, "dry_sequence_breakers": ["@@ native"]}),
+                           ("/api/chat", dict(chat, model="m", stream=False, options={"num_predict": 4}))]:
+            if path == "/api/chat":   # ollama's requests take the server's list: forget it, to be built again
+                dry._TABLES.clear()
+            n = len(scans)
+            r = tc.post(path, json=body)
+            assert r.status_code == 200, (path, r.text)
+            assert len(scans) == n + 1 and scans[-1] != "on an event loop", (path, scans)
+
+
 def test_serve_sampling_flag_checked_at_start():
     import os
     import subprocess

@@ -34,6 +34,8 @@ def _gpt2_byte_map() -> dict[int, str]:
 
 
 _GPT2_BYTES_INV = {c: b for b, c in _gpt2_byte_map().items()}
+_GPT2_CHARS = frozenset(_GPT2_BYTES_INV)
+_GPT2_TO_LATIN1 = {ord(c): b for c, b in _GPT2_BYTES_INV.items()}   # str.translate's table: then one byte a char
 
 
 def parse_hf_json(blob: bytes, source: str) -> dict:
@@ -207,13 +209,12 @@ class Tokenizer:
         b = self._bytes_cache.get(i)
         if b is None:
             t = self._hf.id_to_token(i) if 0 <= i < self.vocab_size else None
-            inv = _GPT2_BYTES_INV
             if t is None:
                 b = b""
-            elif i in self._added_ids or any(c not in inv for c in t):
+            elif i in self._added_ids or not _GPT2_CHARS.issuperset(t):
                 b = t.encode("utf-8")
             else:
-                b = bytes(inv[c] for c in t)
+                b = t.translate(_GPT2_TO_LATIN1).encode("latin-1")
             self._bytes_cache[i] = b
         return b
 

@@ -15,6 +15,8 @@ import threading
 import weakref
 from collections import OrderedDict
 
+import numpy as np
+
 from .constraints import vocab_bytes
 
 TABLES_KEPT = 16                     # breaker lists remembered per tokenizer (each costs a scan of the vocabulary)
@@ -26,50 +28,75 @@ _TABLES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _LOCK = threading.Lock()
 
 
-def _overlaps(tok, words: list[bytes], breaker: bytes, table: dict[int, list[tuple[int, ...]]]):
+class _Vocab:
+    """Every token's text in one byte array, and where each ends: a breaker is searched once over the whole
+    vocabulary (numpy), not token by token."""
+
+    def __init__(self, words: list[bytes]):
+        self.data = np.frombuffer(b"".join(words), np.uint8)
+        self.ends = np.cumsum(np.fromiter(map(len, words), np.int64, len(words)))
+
+    def hits(self, needle: bytes):
+        """(token ids, bytes after the occurrence in that token's text) of every occurrence of needle lying inside
+        one token's text."""
+        n = len(needle)
+        at = np.flatnonzero(self.data[:max(0, self.data.size - n + 1)] == needle[0])
+        for j in range(1, n):
+            at = at[self.data[at + j] == needle[j]]
+        tid = np.searchsorted(self.ends, at, side="right")   # the token whose text holds the occurrence's start
+        left = self.ends[tid] - at - n
+        return tid[left >= 0], left[left >= 0]
+
+
+def _overlaps(tok, vocab: _Vocab, breaker: bytes, table: dict[int, list[tuple[int, ...]]]):
     """llama.cpp's get_overlapping_token_sequences: each token holding the breaker (an empty tail), or ending in
-    its first bytes (the tail: the rest of the breaker, tokenized)."""
-    first = breaker[:1]
-    for tid, word in enumerate(words):
-        if not word:
+    its first bytes (the tail: the rest of the breaker, tokenized; the longest such ending first)."""
+    holders = set(vocab.hits(breaker)[0].tolist())
+    for tid in sorted(holders):
+        tails = table.setdefault(tid, [])
+        if () not in tails:
+            tails.append(())
+    for i in range(len(breaker) - 1, 0, -1):   # the token's text ends in breaker[:i]
+        tid, left = vocab.hits(breaker[:i])
+        ends_in = sorted(set(tid[left == 0].tolist()) - holders)
+        if not ends_in:
             continue
-        if breaker in word:
-            table.setdefault(tid, [])
-            if () not in table[tid]:
-                table[tid].append(())
-            continue
-        pos = word.find(first)
-        while pos != -1:
-            i = 1
-            while i < len(breaker) and pos + i < len(word) and word[pos + i] == breaker[i]:
-                i += 1
-            if i == len(breaker) or pos + i == len(word):   # matched up to the word's end
-                rest = breaker[i:].decode("utf-8", "ignore")
-                tail = tuple(tok.encode(rest, add_bos=False, special=False)[:MAX_TAIL_TOKENS]) if rest else ()
-                tails = table.setdefault(tid, [])
-                if tail not in tails:
-                    tails.append(tail)
-            pos = word.find(first, pos + 1)
+        rest = breaker[i:].decode("utf-8", "ignore")
+        tail = tuple(tok.encode(rest, add_bos=False, special=False)[:MAX_TAIL_TOKENS]) if rest else ()
+        for t in ends_in:
+            tails = table.setdefault(t, [])
+            if tail not in tails:
+                tails.append(tail)
 
 
-def breaker_table(tok, n_vocab: int, breakers) -> dict[int, list[tuple[int, ...]]]:
-    """{head token id: [tails]} for the breakers (strings), cached per tokenizer (the TABLES_KEPT lists used last:
-    requests that each send other breakers cannot grow it without bound)."""
+def cached_table(tok, n_vocab: int, breakers) -> dict[int, list[tuple[int, ...]]] | None:
+    """breaker_table's answer if it is cached (then kept as the list used last), else None: never scans."""
     key = (n_vocab, tuple(breakers))
     with _LOCK:
         per_tok = _TABLES.setdefault(tok, OrderedDict())
         hit = per_tok.get(key)
         if hit is not None:
             per_tok.move_to_end(key)
+    return hit
+
+
+def breaker_table(tok, n_vocab: int, breakers) -> dict[int, list[tuple[int, ...]]]:
+    """{head token id: [tails]} for the breakers (strings), cached per tokenizer (the TABLES_KEPT lists used last:
+    requests that each send other breakers cannot grow it without bound). The first table of a tokenizer reads
+    every token's bytes (~0.3 s for 128k tokens), each new list then a few ms: a server builds it off its event
+    loop (engine.api's prepare_sampling)."""
+    hit = cached_table(tok, n_vocab, breakers)
     if hit is not None:
         return hit
-    words = vocab_bytes(tok, n_vocab)
+    key = (n_vocab, tuple(breakers))
+    vocab = _Vocab(vocab_bytes(tok, n_vocab))
     table: dict[int, list[tuple[int, ...]]] = {}
     for b in breakers:
         raw = b.encode("utf-8")[:MAX_BREAKER_BYTES]
         if raw:
-            _overlaps(tok, words, raw, table)
+            _overlaps(tok, vocab, raw, table)
     with _LOCK:
+        per_tok = _TABLES.setdefault(tok, OrderedDict())
         per_tok[key] = table
         while len(per_tok) > TABLES_KEPT:
             per_tok.popitem(last=False)

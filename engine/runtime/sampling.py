@@ -55,6 +55,13 @@ class SamplingParams:
                 raise BitNetError(problem)
         return self
 
+    @property
+    def dry_breakers(self) -> tuple[str, ...]:
+        """The sequence breakers a sampler with these settings matches against the vocabulary: none when DRY is
+        off (engine/runtime/dry.py builds their table once per tokenizer)."""
+        on = self.dry_multiplier > 0 and self.dry_penalty_last_n != 0
+        return tuple(self.dry_sequence_breakers) if on else ()
+
 
 # fields set per request (the server's API, the Python API), with no command-line flag or bitchat /set
 REQUEST_ONLY_FIELDS = ("logit_bias", "record_logprobs")
@@ -179,8 +186,8 @@ class Sampler:
         if self._dry:
             from .dry import apply_dry, breaker_table
             self._apply_dry = apply_dry   # imported once here, not at every step
-            if tokenizer is not None and p.dry_sequence_breakers:
-                self._dry_table = breaker_table(tokenizer, vocab_size, p.dry_sequence_breakers)
+            if tokenizer is not None and p.dry_breakers:
+                self._dry_table = breaker_table(tokenizer, vocab_size, p.dry_breakers)
 
     def _penalize(self, logits: np.ndarray, history):
         p, n = self.p.repeat_penalty, self.p.repeat_last_n
