@@ -35,7 +35,7 @@ from .metrics import CONTENT_TYPE, ServerMetrics
 from .offload import (BodyRefused, next_or_gone, offloop_route, prepare_sampling, prompt_body_bound, run_off_loop,
                       too_long_for_context, warm_bounds)
 from .responses import ResponseBuilder, ResponsesRequest
-from .schemas import ChatCompletionRequest, CompletionRequest, RequestProblem, model_object
+from .schemas import ChatCompletionRequest, CompletionRequest, RequestProblem, error_where, model_object
 
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context": "length", "cancelled": "stop"}
 ENGINE_FAULT = "the engine failed while generating this answer (the server goes on; see its log)"
@@ -181,13 +181,12 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
 
     def validation_response(e: RequestValidationError):
         err = e.errors()[0] if e.errors() else {}
-        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        param = error_where(err)
         if err.get("type") == "json_invalid":
             return error_response(400, "request body is not valid JSON", code="invalid_json")
-        if not loc:
+        if param is None:
             return error_response(400, "request body must be a JSON object (send Content-Type: application/json)",
                                   code="invalid_json")
-        param = ".".join(loc) or None
         msg = err.get("msg", "invalid value")
         if err.get("type") != "invalid_setting":   # a sampling setting's message names it already
             msg = f"{param or 'body'}: {msg}"
@@ -815,8 +814,8 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
                            loop=asyncio.get_running_loop, sse_headers=sse_headers, ENGINE_FAULT=ENGINE_FAULT)
     register_llama(app, state, ready, APIError, pipe, sampling=sampling)
 
-    @app.get("/", response_class=HTMLResponse)
-    async def page():
+    @app.api_route("/", methods=["GET", "HEAD"], response_class=HTMLResponse)
+    async def page():   # HEAD /: the ollama CLI's check that a server is up, before every command
         with open(PAGE, encoding="utf-8") as f:
             return HTMLResponse(f.read())
 

@@ -46,7 +46,7 @@ class NativeCompletionRequest(_Sampling):
     MAX_TEMPERATURE: ClassVar[Optional[float]] = None
     MAX_STOPS: ClassVar[Optional[int]] = None
     prompt: Union[str, list[Any]]
-    n_predict: Optional[int] = None
+    max_tokens: Optional[int] = None   # n_predict's other name in llama-server (-1: to the context's end)
     n_probs: int = Field(default=0, ge=0, le=20)
     return_tokens: bool = False
     samplers: Optional[list[str]] = None
@@ -83,10 +83,10 @@ class NativeCompletionRequest(_Sampling):
             out[str(pair[0])] = -100.0 if pair[1] is False else pair[1]
         return out
 
-    def limit(self) -> Optional[int]:
-        if self.n_predict is not None and self.n_predict >= 0:
-            return self.n_predict
-        return self.max_tokens
+    def limit(self) -> Optional[int]:   # llama-server: n_predict, else max_tokens; negative: the context's end
+        if self.n_predict is None and self.max_tokens is not None:
+            return self.max_tokens if self.max_tokens >= 0 else None
+        return self.predict_limit(None)
 
     def record_logprobs(self):
         return self.n_probs or None

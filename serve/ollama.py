@@ -22,12 +22,12 @@ from typing import Any, Optional, Union
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from ..engine.runtime.sampling import SamplingParams, setting_problem
 from .logprobs import chat_entry
 from .offload import next_or_gone, prepare_sampling, run_off_loop, too_long_for_context
-from .schemas import utc_iso
+from .schemas import error_where, utc_iso
 
 # the version /api/version reports: clients written for ollama check a minimum (the fields served here are
 # those of ollama's API at this version)
@@ -59,6 +59,15 @@ class OllamaError(Exception):
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_not_given(cls, data):
+        """ollama's Go server reads a null as a field left out ("stream": null streams, its default)."""
+        if isinstance(data, dict) and any(v is None for v in data.values()):
+            data = {k: v for k, v in data.items() if v is not None}
+        return data
+
     model: Optional[str] = None
     stream: bool = True
     options: Optional[dict[str, Any]] = None
@@ -113,13 +122,13 @@ def sampling_from_options(options: dict | None, defaults: SamplingParams | None)
             continue
         if key not in OPTION_FIELDS or value is None:
             continue
-        if key == "seed" and value == -1:   # ollama and llama.cpp: -1 is a fresh random seed
-            value = None
+        integer = key in ("top_k", "repeat_last_n", "seed", "mirostat")
+        if integer:
+            value = option_int(options, key)
+        if key == "seed" and value < 0:   # ollama: -1 is a fresh random seed; another negative one is a seed
+            value = None if value == -1 else value % (1 << 64)   # (its runner takes it as unsigned)
         if key == "repeat_last_n" and value == -1:   # ollama: -1 looks back over the whole context
             value = 1 << 30
-        integer = key in ("top_k", "repeat_last_n", "seed", "mirostat")
-        if integer and value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-            raise OllamaError(400, f"options.{key} {value!r}: must be an integer")
         if not integer and (isinstance(value, bool) or not isinstance(value, (int, float))):
             raise OllamaError(400, f"options.{key} {value!r}: must be a number")
         problem = setting_problem(key, value, f"options.{key}")
@@ -127,6 +136,28 @@ def sampling_from_options(options: dict | None, defaults: SamplingParams | None)
             raise OllamaError(400, problem)
         values[key] = value
     return dataclasses.replace(base, **values)   # the server's defaults for the rest (its --xtc-probability, ...)
+
+
+def option_int(options: dict, key: str) -> int:
+    """An integer option: JSON numbers are doubles to ollama's Go server, so 100.0 is 100; a fraction, a string or
+    a boolean is a 400."""
+    value = options[key]
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise OllamaError(400, f"options.{key} {value!r}: must be an integer")
+    return value
+
+
+def option_stops(options: dict) -> list[str]:
+    """options.stop: ollama's list of strings (a single string is taken too); anything else is a 400."""
+    stop = options.get("stop")
+    if stop is None:
+        return []
+    stop = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        raise OllamaError(400, f"options.stop {options['stop']!r}: must be a list of strings")
+    return [s for s in stop if s]
 
 
 def _engine_message(i: int, m: _Message) -> dict:
@@ -205,7 +236,7 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
             return cls.model_validate(data)
         except ValidationError as e:
             err = e.errors()[0]
-            where = ".".join(str(x) for x in err.get("loc", ())) or "body"
+            where = error_where(err) or "body"
             raise OllamaError(400, f"{where}: {err.get('msg', 'invalid value')}") from None
 
     async def refuse_too_long(eng, n_chars: int):
@@ -263,15 +294,13 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
         from ..engine.errors import BitNetError, ContextOverflowError, QueueFullError
         opts = body.options or {}
         n_ctx = eng.n_ctx
-        if isinstance(opts.get("num_ctx"), int) and opts["num_ctx"] > 0:
-            n_ctx = min(n_ctx, opts["num_ctx"])   # the server's context is fixed at start: a larger one is capped
+        num_ctx = option_int(opts, "num_ctx") if opts.get("num_ctx") is not None else 0
+        if num_ctx > 0:
+            n_ctx = min(n_ctx, num_ctx)   # the server's context is fixed at start: a larger one is capped
         room = max(0, n_ctx - len(prompt_ids))
-        num_predict = opts.get("num_predict")
-        if num_predict is not None and (isinstance(num_predict, bool) or not isinstance(num_predict, int)):
-            raise OllamaError(400, f"options.num_predict {num_predict!r}: must be an integer")
-        max_tokens = room if num_predict is None or num_predict < 0 else min(num_predict, room)
-        stop = opts.get("stop") or []
-        stop = [stop] if isinstance(stop, str) else [s for s in stop if isinstance(s, str) and s]
+        num_predict = option_int(opts, "num_predict") if opts.get("num_predict") is not None else 0
+        max_tokens = room if num_predict <= 0 else min(num_predict, room)   # ollama: 0 or less, no limit
+        stop = option_stops(opts)
         q: asyncio.Queue = asyncio.Queue()
         try:
             stream = eng.submit(prompt_ids, params, max_tokens=max_tokens, stop=stop, constraint=constraint,
@@ -407,6 +436,10 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
         if not body.messages:
             return loaded(body, piece)
         msgs = [_engine_message(i, m) for i, m in enumerate(body.messages)]
+        prefill = ""
+        if msgs[-1]["role"] == "assistant" and not msgs[-1].get("tool_calls"):
+            prefill = msgs.pop()["content"] or ""   # ollama continues a final assistant message (its templates
+            #                                          leave it open); the answer is the continuation
         tools, tool_spec, parser = None, None, None
         if body.tools:   # ollama has no tool_choice: the model chooses ("auto"), a call once begun is valid
             from ..engine.errors import ConstraintError
@@ -417,9 +450,13 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
             except ConstraintError as e:
                 raise OllamaError(400, str(e)) from None
             tools, parser = body.tools, fmt.parser()
-        await refuse_too_long(eng, sum(len(m["content"]) for m in msgs))
+        await refuse_too_long(eng, sum(len(m["content"] or "") for m in msgs) + len(prefill))
         try:
-            prompt_ids = await run_off_loop(eng.chat_prompt, msgs, tools=tools)
+            if prefill:
+                text = await run_off_loop(eng.chat_text, msgs, True, tools)
+                prompt_ids = await run_off_loop(eng.tokenize, text + prefill)
+            else:
+                prompt_ids = await run_off_loop(eng.chat_prompt, msgs, tools=tools)
         except Exception as e:   # the template rejected the conversation (e.g. roles out of order)
             raise OllamaError(400, f"messages: {e}") from None
         constraint = await constraint_of(eng, body, tool_spec)
@@ -453,6 +490,9 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
                 ids = await run_off_loop(eng.chat_prompt, msgs)
             except Exception as e:   # the template rejected the request
                 raise OllamaError(400, f"prompt: {e}") from None
+            bos = eng.tokenizer.bos_id
+            if context and bos is not None and ids[:1] == [bos]:
+                ids = ids[1:]   # the context holds the conversation's BOS already (ollama's: one, first)
         prompt_ids = context + ids
         constraint = await constraint_of(eng, body)
         return await answer(request, body, eng, prompt_ids, constraint, piece,

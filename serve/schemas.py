@@ -7,6 +7,7 @@ with the parameter named, so the client gets a clear 400 instead of a silently d
 """
 from __future__ import annotations
 
+import re
 from dataclasses import fields
 from typing import Any, ClassVar, Literal, Optional, Union
 
@@ -17,6 +18,16 @@ from ..engine.runtime.sampling import SamplingParams, setting_problem
 
 
 _DEFAULT = SamplingParams()
+# the branch tags pydantic puts in an error's location inside a union ("str", "dict[str,float]", a model's name)
+_UNION_TAG = re.compile(r"^(str|int|float|bool|none|bytes|[a-z-]+\[.*\]|[A-Z]\w*)$")
+
+
+def error_where(err: dict) -> str | None:
+    """The field a pydantic error is about, dotted ("options.stop", "messages.0.content"), without FastAPI's
+    "body" and pydantic's union-branch tags; None for the body itself."""
+    loc = [str(x) for x in err.get("loc", ()) if x != "body" and not (isinstance(x, str) and _UNION_TAG.match(x))]
+    return ".".join(loc) or None
+
 # request fields that are SamplingParams fields of the same name and meaning (record_logprobs is set from the
 # request's logprobs / top_logprobs, whose shapes differ per endpoint)
 SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams) if f.name != "record_logprobs")
@@ -112,6 +123,8 @@ class _Sampling(BaseModel):
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     max_tokens: Optional[int] = Field(default=None, ge=0)
+    n_predict: Optional[int] = None   # llama-server's length field (-1: to the context's end), where the
+    #                                   endpoint's own (max_tokens, ...) is left out
     # defaults and checks: the engine's SamplingParams / setting_problem (the same words as --temp and /set temp)
     temperature: float = _DEFAULT.temperature
     top_p: float = _DEFAULT.top_p
@@ -222,12 +235,18 @@ class _Sampling(BaseModel):
                 given.append(Constraint.json_object(where="response_format"))
         if self.json_schema is not None:
             given.append(Constraint.json_schema(self.json_schema, where="json_schema"))
-        if self.grammar is not None:
+        if self.grammar:   # "" is llama-server's "no grammar" (its default, echoed in /props)
             given.append(Constraint.gbnf(self.grammar, where="grammar"))
         if len(given) > 1:
             raise ConstraintError("give one of response_format, json_schema and grammar, not several",
                                   where=given[1].where)
         return given[0] if given else None
+
+    def predict_limit(self, default: Optional[int]) -> Optional[int]:
+        """n_predict's limit: the value; None (the context's end) when negative; `default` when not sent."""
+        if self.n_predict is None:
+            return default
+        return self.n_predict if self.n_predict >= 0 else None
 
     def stops(self) -> list[str]:
         if self.stop is None:
@@ -372,7 +391,9 @@ class ChatCompletionRequest(_Sampling):
         return None
 
     def limit(self) -> Optional[int]:
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens if self.max_tokens is not None else self.predict_limit(None)
 
 
 class CompletionRequest(_Sampling):
@@ -383,7 +404,7 @@ class CompletionRequest(_Sampling):
     suffix: Optional[str] = None
 
     def limit(self) -> Optional[int]:
-        return 16 if self.max_tokens is None else self.max_tokens  # OpenAI's default for completions
+        return self.max_tokens if self.max_tokens is not None else self.predict_limit(16)   # OpenAI's default: 16
 
     def record_logprobs(self):
         return self.logprobs

@@ -58,6 +58,28 @@ def test_props_say_what_the_server_runs(server):
     assert p["chat_template"] == show["template"] and p["modalities"] == {"vision": False, "audio": False}
 
 
+def test_props_settings_post_back_and_llama_server_lengths(server):
+    """A client may send /props' default settings back as a request (llama-server takes its own echo): its
+    empty grammar is no grammar, its max_tokens -1 no limit. n_predict is honoured on the OpenAI endpoints as
+    llama-server honours it there (their own length fields first)."""
+    params = httpx.get(server.url + "/props", timeout=30).json()["default_generation_settings"]["params"]
+    assert params["grammar"] == "" and params["max_tokens"] == -1
+    r = post(server, "/completion", {**params, "prompt": P, "n_predict": 6, "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["content"] == complete(server, n_predict=6, ignore_eos=True)["content"]
+    assert complete(server, grammar="", n_predict=6)["content"] == complete(server, n_predict=6)["content"]
+    free = post(server, "/completion", {"prompt": P, "max_tokens": -1, "temperature": 0, "ignore_eos": True})
+    assert free.status_code == 200 and free.json()["tokens_predicted"] > 12 and free.json()["stop_type"] == "limit"
+    assert complete(server, max_tokens=5, n_predict=None, ignore_eos=True)["tokens_predicted"] == 5
+    c = post(server, "/v1/completions", {"prompt": P, "n_predict": 5, "temperature": 0, "ignore_eos": True}).json()
+    assert c["usage"]["completion_tokens"] == 5
+    c = post(server, "/v1/completions", {"prompt": P, "n_predict": 5, "max_tokens": 3, "ignore_eos": True}).json()
+    assert c["usage"]["completion_tokens"] == 3
+    m = [{"role": "user", "content": "Tell me a story"}]
+    c = post(server, "/v1/chat/completions", {"messages": m, "n_predict": 4, "ignore_eos": True}).json()
+    assert c["usage"]["completion_tokens"] == 4 and c["choices"][0]["finish_reason"] == "length"
+
+
 @pytest.mark.parametrize("path, body, param", [
     ("/detokenize", {"tokens": [1, -1]}, "tokens[1]"),
     ("/detokenize", {"tokens": [10 ** 9]}, "tokens[0]"),

@@ -167,11 +167,79 @@ def test_logprobs(client, model_id):
     ("/api/create", {"model": "x"}, "bitnet convert"),
     ("/api/push", {"model": "x"}, "does not push"),
     ("/api/embed", {"model": "x", "input": ["hi", ""]}, "input.1: an empty string"),   # embeddings: served
+    # ollama's Go server: stop is a list of strings, an integer option a number with no fraction
+    ("/api/chat", {"model": "m", "messages": Q, "options": {"stop": 5}}, "options.stop 5: must be a list of strings"),
+    ("/api/chat", {"model": "m", "messages": Q, "options": {"stop": True}}, "options.stop True"),
+    ("/api/generate", {"model": "m", "prompt": "x", "options": {"stop": [5]}}, "options.stop [5]"),
+    ("/api/generate", {"model": "m", "prompt": "x", "options": {"stop": {"a": 1}}}, "options.stop {'a': 1}"),
+    ("/api/chat", {"model": "m", "messages": Q, "options": {"num_predict": 2.5}}, "options.num_predict 2.5"),
+    ("/api/chat", {"model": "m", "messages": Q, "options": {"num_ctx": "big"}}, "options.num_ctx 'big'"),
+    ("/api/chat", {"model": "m", "messages": Q, "options": {"top_k": "4"}}, "options.top_k '4'"),
+    ("/api/chat", {"model": "m", "messages": Q, "format": 5}, "format: "),   # no union branch tag in the name
 ])
 def test_refusals_in_ollama_error_shape(server, path, body, words):
     r = httpx.post(server.url + path, json=body, timeout=30)
     assert r.status_code in (400, 501), r.text
     assert set(r.json()) == {"error"} and words in r.json()["error"]
+
+
+def test_go_clients_numbers_nulls_and_the_server_check(server, model_id):
+    """What ollama's own Go server takes, this one does: HEAD / answers (the ollama CLI's check before every
+    command), an integer option sent as 3.0 is 3, a negative seed other than -1 is a seed, num_predict 0 is no
+    limit, and a null field is one left out ("stream": null streams)."""
+    url = server.url
+    assert httpx.head(url + "/", timeout=30).status_code == 200
+
+    def gen(**options):
+        r = httpx.post(url + "/api/generate", json={"model": model_id, "prompt": "Once upon", "raw": True,
+                                                    "stream": False, "options": options}, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()
+    three = gen(num_predict=3.0, temperature=0)
+    assert three["eval_count"] == 3 and three["done_reason"] == "length"
+    wild = dict(num_predict=8, temperature=2.0, top_k=0.0, top_p=1.0, min_p=0.0)
+    a, b, c = gen(seed=-2, **wild), gen(seed=-2, **wild), gen(seed=-3, **wild)
+    assert a["response"] == b["response"] and a["response"] != c["response"]
+    unlimited = gen(num_predict=0, temperature=0)
+    limited = gen(num_predict=40, temperature=0)
+    assert unlimited["eval_count"] > 3 and unlimited["response"].startswith(limited["response"][:20])
+    with httpx.stream("POST", url + "/api/chat", json={"model": model_id, "messages": Q, "stream": None,
+                                                       "options": {"temperature": 0, "num_predict": 4}},
+                      timeout=60) as r:
+        lines = [json.loads(x) for x in r.iter_lines() if x]
+    assert r.status_code == 200 and len(lines) > 1 and lines[-1]["done"] and not lines[0]["done"]
+
+
+def test_chat_continues_a_final_assistant_message(server, model_id):
+    """A conversation ending in an assistant message is continued, as ollama's templates leave that message open:
+    the answer is the greedy continuation of the template's text with the message's start appended (the
+    llama-server endpoint runs that text as a raw prompt), not a new turn."""
+    url = server.url
+    start = "Once upon a"
+    convo = [{"role": "user", "content": "Tell me a story"}, {"role": "assistant", "content": start}]
+    r = httpx.post(url + "/api/chat", json={"model": model_id, "messages": convo, "stream": False,
+                                            "options": {"temperature": 0, "num_predict": 8}}, timeout=60).json()
+    text = httpx.post(url + "/apply-template", json={"messages": convo[:1]}, timeout=30).json()["prompt"] + start
+    raw = httpx.post(url + "/completion", json={"prompt": text, "n_predict": 8, "temperature": 0},
+                     timeout=60).json()
+    assert r["message"]["content"] == raw["content"] and r["message"]["content"]
+    turn = httpx.post(url + "/api/chat", json={"model": model_id, "messages": convo[:1], "stream": False,
+                                               "options": {"temperature": 0, "num_predict": 8}}, timeout=60).json()
+    assert turn["message"]["content"] != r["message"]["content"]
+
+
+def test_generate_context_keeps_one_bos(server, model_id):
+    """/api/generate with a context (and the template): the conversation's BOS stays the first token only."""
+    url = server.url
+    bos = httpx.post(url + "/tokenize", json={"content": "", "add_special": True}, timeout=30).json()["tokens"]
+    first = httpx.post(url + "/api/generate", json={"model": model_id, "prompt": "Hi", "stream": False,
+                                                    "options": {"temperature": 0, "num_predict": 4}}, timeout=60).json()
+    assert bos and first["context"][:1] == bos
+    second = httpx.post(url + "/api/generate", json={"model": model_id, "prompt": "And then?", "stream": False,
+                                                     "context": first["context"],
+                                                     "options": {"temperature": 0, "num_predict": 4}}, timeout=60).json()
+    assert second["context"][:len(first["context"])] == first["context"]
+    assert second["context"].count(bos[0]) == 1
 
 
 def test_client_raises_response_error(client):
