@@ -211,6 +211,11 @@ def test_call_cut_by_max_tokens_is_a_partial_call(client, model_id, cut):
     deltas = [d for ch in chunks if ch.choices for d in (ch.choices[0].delta.tool_calls or [])]
     assert [(d.index, d.function.name, d.function.arguments) for d in deltas] == [(0, call.function.name, args)]
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason] == ["length"]
+    # an agent loop keeps every turn: the cut call, sent back with a tool result, is history like any other
+    history = Q + [r.message.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": call.id, "content": "?"}]
+    again = client.chat.completions.create(model=model_id, messages=history, tools=TOOLS, tool_choice="none",
+                                           temperature=0, max_tokens=4)
+    assert again.choices[0].message.content and again.usage.prompt_tokens > 0
 
 
 def test_call_cut_by_a_stop_string_is_no_text_and_not_tool_calls(client, model_id):
@@ -281,3 +286,9 @@ def test_history_calls_in_either_shape_render():
         native, _ = tool_format("{{ tools }} <tool_call>").prepare([m], TOOLS)
         calls = native[0]["tool_calls"]
         assert (calls[0].get("function") or calls[0])["arguments"] == {"a": 1, "b": 2}
+    cut = {"role": "assistant", "content": None,   # a call the server returned cut at max_tokens: as written
+           "tool_calls": [{"id": "c2", "type": "function", "function": {"name": "add", "arguments": '{"a": 1'}}]}
+    msgs, _ = tool_format(None).prepare([cut], None)
+    assert msgs[0]["content"] == '<tool_call>\n{"name": "add", "arguments": {"a": 1}\n</tool_call>'
+    native, _ = tool_format("{{ tools }} <tool_call>").prepare([cut], TOOLS)
+    assert native[0]["tool_calls"][0]["function"]["arguments"] == '{"a": 1'

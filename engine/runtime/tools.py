@@ -94,8 +94,7 @@ class ToolFormat:
         return out, None
 
     def call_text(self, name: str, arguments) -> str:
-        args = json.loads(arguments) if isinstance(arguments, str) else arguments
-        return f"{HERMES_OPEN}\n{json.dumps({'name': name, 'arguments': args}, ensure_ascii=False)}\n{HERMES_CLOSE}"
+        return f"{HERMES_OPEN}\n{_call_json(name, 'arguments', arguments)}\n{HERMES_CLOSE}"
 
     def _as_text(self, m: dict) -> dict:
         role, content = m["role"], m.get("content") or ""
@@ -143,8 +142,7 @@ class Llama3JsonFormat(ToolFormat):
     name = "llama3_json"
 
     def call_text(self, name, arguments):
-        args = json.loads(arguments) if isinstance(arguments, str) else arguments
-        return json.dumps({"name": name, "parameters": args}, ensure_ascii=False)
+        return _call_json(name, "parameters", arguments)
 
     def _call_schema(self, functions):
         one = [{"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
@@ -180,6 +178,15 @@ def _native(m: dict) -> dict:
                              if isinstance(c, dict) and isinstance(c.get("function"), dict) else c
                              for c in m["tool_calls"]]
     return out
+
+
+def _call_json(name: str, key: str, arguments) -> str:
+    """{"name": name, key: arguments} as the model writes a call. Arguments that are no JSON (a call the server
+    returned cut at max_tokens, sent back in the history as OpenAI's API allows any string) go in as written."""
+    args = _loads(arguments)
+    if isinstance(args, str) and isinstance(arguments, str):
+        return f'{{"name": {json.dumps(name, ensure_ascii=False)}, "{key}": {arguments}}}'
+    return json.dumps({"name": name, key: args}, ensure_ascii=False)
 
 
 def _loads(a):
