@@ -260,10 +260,16 @@ class MessageBuilder:
         if reason == "end_turn" and any(b["type"] == "tool_use" for b in self.content):
             reason = "tool_use"
         self.stop_reason, self.stop_sequence = reason, stop_word if reason == "stop_sequence" else None
-        self.usage["output_tokens"], self.usage["cache_read_input_tokens"] = n_generated, n_cached
+        # Anthropic's input_tokens leaves out the cached part (clients add input, cache read and cache creation
+        # for the prompt's size); message_start, sent before the cache is known, said the whole prompt, and
+        # message_delta's counts are totals that replace it
+        u = self.usage
+        u["input_tokens"], u["cache_read_input_tokens"] = u["input_tokens"] - n_cached, n_cached
+        u["output_tokens"] = n_generated
         return ev + [self._event("message_delta", delta={"stop_reason": self.stop_reason,
                                                          "stop_sequence": self.stop_sequence},
-                                 usage={"output_tokens": n_generated}),
+                                 usage={k: u[k] for k in ("input_tokens", "cache_read_input_tokens",
+                                                          "output_tokens")}),
                      self._event("message_stop")]
 
     def fail(self, message: str) -> list[str]:

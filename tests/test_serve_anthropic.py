@@ -51,8 +51,24 @@ def test_text_answer_is_the_chat_answer(claude, server):
     assert m.type == "message" and m.role == "assistant" and m.id.startswith("msg_")
     assert text_of(m) == c["choices"][0]["message"]["content"] and [b.type for b in m.content] == ["text"]
     assert m.stop_reason == {"stop": "end_turn", "length": "max_tokens"}[c["choices"][0]["finish_reason"]]
-    assert (m.usage.input_tokens, m.usage.output_tokens) == (c["usage"]["prompt_tokens"],
-                                                             c["usage"]["completion_tokens"])
+    assert (m.usage.input_tokens + m.usage.cache_read_input_tokens, m.usage.output_tokens) == \
+        (c["usage"]["prompt_tokens"], c["usage"]["completion_tokens"])
+
+
+def test_usage_counts_the_cached_prompt_once(claude, server):
+    """Anthropic's input_tokens leaves out the cached prompt tokens (clients add input, cache read and cache
+    creation for the prompt's size): a repeated request reads most of its prompt from the prefix cache, and the
+    parts add up to the prompt count_tokens gives, streamed (the client's accumulator) or not."""
+    kw = dict(model="any", max_tokens=4, messages=[{"role": "user", "content": "Count the cached tokens, " * 8}],
+              **GREEDY)
+    n = claude.messages.count_tokens(model="any", messages=kw["messages"]).input_tokens
+    claude.messages.create(**kw)
+    again = claude.messages.create(**kw).usage
+    with claude.messages.stream(**kw) as st:
+        streamed = st.get_final_message().usage
+    for u in (again, streamed):
+        assert u.cache_read_input_tokens > n // 2 and u.input_tokens + u.cache_read_input_tokens == n, u
+        assert u.cache_creation_input_tokens == 0 and u.output_tokens == 4
 
 
 def test_blocks_and_turns_are_chat_messages(claude, server):
@@ -121,7 +137,7 @@ def test_a_final_assistant_message_is_continued(claude, server):
     ids = httpx.post(server.url + "/tokenize", json={"content": prompt + "Once upon a time"}, timeout=60).json()
     r = httpx.post(server.url + "/completion", json={"prompt": ids["tokens"], "n_predict": 10, "temperature": 0},
                    timeout=60).json()
-    assert text_of(m) == r["content"] and m.usage.input_tokens == len(ids["tokens"])
+    assert text_of(m) == r["content"] and m.usage.input_tokens + m.usage.cache_read_input_tokens == len(ids["tokens"])
 
 
 def test_stop_sequences_and_count_tokens(claude, server):
@@ -132,8 +148,8 @@ def test_stop_sequences_and_count_tokens(claude, server):
     assert m.stop_reason == "stop_sequence" and m.stop_sequence == word and whole.startswith(text_of(m))
     for extra in ({}, {"tools": [ADD]}):
         n = claude.messages.count_tokens(model="any", messages=kw["messages"], **extra).input_tokens
-        assert n == claude.messages.create(max_tokens=1, model="any", messages=kw["messages"], **extra,
-                                           **GREEDY).usage.input_tokens
+        u = claude.messages.create(max_tokens=1, model="any", messages=kw["messages"], **extra, **GREEDY).usage
+        assert n == u.input_tokens + u.cache_read_input_tokens
 
 
 def test_structured_output_by_output_config(claude, server):
