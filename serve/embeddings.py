@@ -14,10 +14,10 @@ from typing import Optional
 
 import numpy as np
 from fastapi import Request
-from pydantic import BaseModel, ConfigDict
+from pydantic import ConfigDict
 
 from .offload import OFFLOAD_BYTES, next_or_gone, run_off_loop, too_long_for_context
-from .schemas import error_where
+from .schemas import JSONTyped, error_where
 
 ENGINE_FAULT = "the engine failed while embedding this input (the server goes on; see its log)"
 
@@ -25,7 +25,7 @@ ENGINE_FAULT = "the engine failed while embedding this input (the server goes on
 MAX_INPUTS = 2048   # texts in one request (OpenAI's own limit)
 
 
-class EmbeddingRequest(BaseModel):
+class EmbeddingRequest(JSONTyped):
     """OpenAI's body but `input` (checked by openai_inputs): a string, a list of strings, a list of token ids or a
     list of such lists."""
     model_config = ConfigDict(extra="ignore")

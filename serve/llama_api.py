@@ -18,7 +18,7 @@ from ..engine import __version__
 from ..engine.runtime.sampling import SamplingParams
 from .logprobs import chat_entry
 from .offload import run_off_loop, too_long_for_context
-from .schemas import ChatMessage, _Sampling
+from .schemas import ChatMessage, JSONTyped, _Sampling
 
 # llama-server's sampler names. The engine's chain is bias -> penalties -> dry -> top_n_sigma -> top_k -> typ_p ->
 # top_p -> min_p -> xtc -> temperature (engine/runtime/sampling.py, llama.cpp's default order); a `samplers` list
@@ -187,7 +187,7 @@ def pick_fields(obj: dict, fields: list[str]) -> dict:
     return out
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(JSONTyped):
     model_config = ConfigDict(extra="ignore")
     content: str
     add_special: bool = False     # BOS first, as the model's prompts start
@@ -200,7 +200,7 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int]
 
 
-class ApplyTemplateRequest(BaseModel):
+class ApplyTemplateRequest(JSONTyped):
     model_config = ConfigDict(extra="ignore")
     messages: list[ChatMessage] = Field(min_length=1)
     tools: Optional[list[dict]] = None

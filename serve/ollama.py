@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 from ..engine.runtime.sampling import SamplingParams, setting_problem
 from .logprobs import chat_entry
 from .offload import next_or_gone, prepare_sampling, run_off_loop, too_long_for_context
-from .schemas import error_where, utc_iso
+from .schemas import JSONTyped, error_where, utc_iso
 
 # the version /api/version reports: clients written for ollama check a minimum (the fields served here are
 # those of ollama's API at this version)
@@ -57,7 +57,7 @@ class OllamaError(Exception):
         self.status, self.message = status, message
 
 
-class _Body(BaseModel):
+class _Body(JSONTyped):
     model_config = ConfigDict(extra="ignore")
 
     @model_validator(mode="before")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import fields
-from typing import Any, ClassVar, Literal, Optional, Union
+from typing import Any, ClassVar, Literal, Optional, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
@@ -92,7 +92,34 @@ def text_of_parts(content, where: str, kinds: tuple[str, ...]) -> str:
     return "".join(texts)
 
 
-class StreamOptions(BaseModel):
+def _json_kind(annotation) -> str | None:
+    """"boolean" / "number" for a field typed bool / int / float (or Optional of one), else None."""
+    args = get_args(annotation) if get_origin(annotation) is Union else (annotation,)
+    kinds = {a for a in args if a is not type(None)}
+    if kinds == {bool}:
+        return "boolean"
+    return "number" if kinds and kinds <= {int, float} else None
+
+
+class JSONTyped(BaseModel):
+    """A request model whose booleans and numbers take JSON's own types, as OpenAI's API and ollama's Go server
+    do: "0.5" for a temperature, "yes" or 1 for stream, true for max_tokens are a 400 naming the field, where
+    pydantic's lax mode would have read them as 0.5, true and 1."""
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _json_type(cls, value, info: ValidationInfo):
+        kind = _json_kind(cls.model_fields[info.field_name].annotation)
+        if kind is None or value is None:
+            return value
+        if kind == "boolean" and not isinstance(value, bool):
+            raise PydanticCustomError("json_type", f"expected true or false, got {value!r}")
+        if kind == "number" and (isinstance(value, (bool, str)) or not isinstance(value, (int, float))):
+            raise PydanticCustomError("json_type", f"expected a number, got {value!r}")
+        return value
+
+
+class StreamOptions(JSONTyped):
     include_usage: bool = False
 
 
@@ -114,7 +141,7 @@ class ResponseFormat(BaseModel):
     schema_: Optional[dict[str, Any]] = Field(default=None, alias="schema")
 
 
-class _Sampling(BaseModel):
+class _Sampling(JSONTyped):
     model_config = ConfigDict(extra="ignore")
     MAX_TEMPERATURE: ClassVar[Optional[float]] = OPENAI_MAX_TEMPERATURE   # None: the engine's range only
     MAX_STOPS: ClassVar[Optional[int]] = 4                                # OpenAI's; None: any number

@@ -125,10 +125,35 @@ def _err(r: httpx.Response, status: int) -> dict:
      "messages.0.content.1"),
     ({"messages": Q, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"messages": Q, "max_tokens": -1}, "max_tokens"),
+    # JSON's own types, as OpenAI's API checks them (pydantic alone would read "0.5" as 0.5 and "yes" as true)
+    ({"messages": Q, "temperature": "0.5"}, "temperature"),
+    ({"messages": Q, "n": "2"}, "n"),
+    ({"messages": Q, "max_tokens": True}, "max_tokens"),
+    ({"messages": Q, "stream": "yes"}, "stream"),
+    ({"messages": Q, "stream": 1}, "stream"),
+    ({"messages": Q, "logprobs": "yes"}, "logprobs"),
+    ({"messages": Q, "stream": True, "stream_options": {"include_usage": "true"}}, "stream_options.include_usage"),
+    ({"messages": Q, "seed": "7"}, "seed"),
 ])
 def test_bad_values_400(server, body, param):
     e = _err(httpx.post(server.url + "/v1/chat/completions", json=body), 400)
     assert e["param"] == param and e["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", {"prompt": "x", "echo": "true"}, "echo"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": "3"}, "max_tokens"),
+    ("/v1/messages", {"messages": Q, "max_tokens": "4"}, "max_tokens"),
+    ("/v1/responses", {"input": "x", "temperature": "1"}, "temperature"),
+    ("/completion", {"prompt": "x", "n_predict": "4"}, "n_predict"),
+    ("/tokenize", {"content": "x", "add_special": 1}, "add_special"),
+    ("/v1/embeddings", {"input": "x", "dimensions": "8"}, "dimensions"),
+])
+def test_other_endpoints_take_json_types_only(server, path, body, param):
+    r = httpx.post(server.url + path, json=body, headers={"anthropic-version": "2023-06-01"}, timeout=30)
+    assert r.status_code == 400 and param in r.text and "expected" in r.text, r.text
+    ollama = httpx.post(server.url + "/api/chat", json={"model": "m", "messages": Q, "stream": "false"}, timeout=30)
+    assert ollama.status_code == 400 and ollama.json() == {"error": "stream: expected true or false, got 'false'"}
 
 
 def test_malformed_json_400(server):
