@@ -54,7 +54,26 @@ def report_bug(prog: str, e: BaseException) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return stdout_flushed(lambda: _main(argv))
+    return interruptible(lambda: stdout_flushed(lambda: _main(argv)))
+
+
+def chat_main(argv: list[str] | None = None) -> int:
+    """`bitchat`'s entry point: cli/chat.py's main, imported here, so a Ctrl-C while it loads (numpy, the
+    engine: ~0.1 s) ends as one does later."""
+    def run():
+        from .chat import main as chat
+        return chat(argv)
+    return interruptible(run)
+
+
+def interruptible(body) -> int:
+    """Ctrl-C before a command's own handler is in place (while Python imports the subcommands, builds the
+    parser, ...): a newline and exit 130, as later, never a traceback."""
+    try:
+        return body()
+    except KeyboardInterrupt:
+        print("", file=sys.stderr)
+        return 130
 
 
 def _main(argv: list[str] | None) -> int:

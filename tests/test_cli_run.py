@@ -128,6 +128,33 @@ def test_default_model(store):
         assert r.returncode == 0, r.stderr
 
 
+INTERRUPT_AT_IMPORT = """
+import importlib.abc, os, signal, sys
+class Interrupt(importlib.abc.MetaPathFinder):   # Ctrl-C (a real SIGINT) the moment Python imports `at`
+    def find_spec(self, name, path=None, target=None):
+        if name == sys.argv[1]:
+            os.kill(os.getpid(), signal.SIGINT)
+        return None
+sys.meta_path.insert(0, Interrupt())
+from bitnet_cpu import cli
+sys.exit(getattr(cli, sys.argv[2])(sys.argv[3:]))
+"""
+
+
+@pytest.mark.parametrize("at, entry, args", [
+    ("bitnet_cpu.cli.serve", "main", ["run", "-p", "Once", "-n", "2"]),     # building the parser's subcommands
+    ("bitnet_cpu.engine.api", "main", ["run", "-p", "Once", "-n", "2"]),    # loading the engine
+    ("bitnet_cpu.chat.commands", "chat_main", ["-n", "2"]),                 # bitchat importing its REPL
+])
+def test_ctrl_c_while_starting_is_one_exit_130(at, entry, args):
+    """Ctrl-C at any moment: while the command is still importing its parts, too (a SIGINT at a chosen import,
+    so the moment is exact), the exit is 130 with no traceback, as at any later moment."""
+    r = subprocess.run([sys.executable, "-c", INTERRUPT_AT_IMPORT, at, entry, *args], cwd=ROOT, input="",
+                       capture_output=True, text=True, timeout=120,
+                       preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    assert r.returncode == 130 and "Traceback" not in r.stderr and not r.stdout, (r.returncode, r.stderr)
+
+
 def test_ctrl_c_keeps_text(store):
     p = subprocess.Popen([sys.executable, "-m", "bitnet_cpu", "run", "-m", store, "-p", "Once upon a time", "-n", "100000",
                           "-c", "60000", "--temp", "1", "--seed", "1", "-t", "1"], cwd=ROOT,
