@@ -78,6 +78,10 @@ def _check(args) -> None:
         raise BitNetError("no text: give -f/--file FILE ('-' for stdin)")
     if args.kld and args.file is not None:
         raise BitNetError("-f/--file with --kl-divergence: the text is the base file's tokens (leave -f out)")
+    if args.kld_base and not args.kld:   # it is written: checked now, not after every chunk has run
+        from ..engine.fileio import check_output, starts_with
+        from ..engine.runtime.perplexity import MAGIC
+        check_output(args.kld_base, "--kl-divergence-base", keep=lambda p: not starts_with(p, MAGIC))
     if args.ctx is not None and args.ctx < 4:
         raise BitNetError(f"-c/--ctx-size {args.ctx}: must be >= 4")
     if args.threads is not None and args.threads < 1:

@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import mmap
 import os
+import stat
 
 from . import faults
-from .errors import FormatError
+from .errors import BitNetError, FormatError
 
 
 def starts_with(path: str | os.PathLike, magic: bytes) -> bool:
-    """Whether the file begins with `magic` (False when it cannot be read): how each reader recognizes its files."""
+    """Whether the file begins with `magic` (False when it cannot be read, or is no regular file: opening a FIFO
+    would wait for a writer): how each reader recognizes its files."""
+    if not os.path.isfile(path):
+        return False
     try:
         with open(path, "rb") as f:
             return f.read(len(magic)) == magic
@@ -27,6 +31,8 @@ def map_readonly(path: str, min_size: int, kind: str) -> tuple[mmap.mmap, int]:
         raise FormatError(f"{path}: cannot open {kind}: {e.strerror}") from None
     with fh:
         st = os.fstat(fh.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise FormatError(f"{path}: not a regular file (a {kind} is read from a file)")
         size = st.st_size
         if size == 0:
             raise FormatError(f"{path}: the file is empty (0 bytes), not a {kind}",
@@ -39,6 +45,24 @@ def map_readonly(path: str, min_size: int, kind: str) -> tuple[mmap.mmap, int]:
             raise FormatError(f"{path}: cannot map {kind}: {e}") from None
     faults.watch_mapping(mm, path, kind)
     return mm, size
+
+
+def check_output(path: str, flag: str, *, keep=None) -> None:
+    """Refuse, before any work, an output path the final rename would misuse: a directory, a symbolic link (the
+    link would be replaced, not its target), a device or FIFO, a missing directory, or an existing file that
+    keep(path) says is no output of this kind (a model's own file, a text: never overwritten silently)."""
+    if os.path.islink(path):
+        raise BitNetError(f"{flag} {path}: a symbolic link (give the path of the file itself)")
+    if os.path.isdir(path):
+        raise BitNetError(f"{flag} {path}: a directory (give a file's path)")
+    if os.path.exists(path) and not os.path.isfile(path):
+        raise BitNetError(f"{flag} {path}: not a regular file")
+    d = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(d):
+        raise BitNetError(f"{flag} {path}: the directory {d} does not exist")
+    if keep is not None and os.path.isfile(path) and keep(path):
+        raise BitNetError(f"{flag} {path}: the file exists and is not one this command writes; refusing to "
+                          "overwrite it", hint="remove it first, or pick another path")
 
 
 def close_map(mm) -> None:

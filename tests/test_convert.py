@@ -308,6 +308,43 @@ def test_cli_convert_and_inspect(model, tmp_path):
         assert "Assistant: " in r.stdout and " / 0." in r.stdout
 
 
+def test_convert_never_writes_over_what_is_not_a_store(model, tmp_path):
+    """-o is checked before any work: the source itself, a model directory's own file, a symbolic link (a rename
+    would replace the link, e.g. /dev/stdout's), a directory or a missing one are refused with one line, and
+    nothing changes; an earlier store is replaced, readable as open() would make a file (the umask), not 0600."""
+    src = write_gguf_i2s(model, str(tmp_path / "m.gguf"))
+    hf = write_hf_dir(model, str(tmp_path / "hf"))
+    (tmp_path / "elsewhere").write_bytes(b"x")
+    os.symlink(str(tmp_path / "elsewhere"), str(tmp_path / "link"))
+    before = {p: open(p, "rb").read() for p in (src, os.path.join(hf, "model.safetensors"), str(tmp_path / "elsewhere"))}
+    for out, words in ((src, "not one this command writes"), (os.path.join(hf, "model.safetensors"), "refusing"),
+                       (str(tmp_path / "link"), "symbolic link"), (str(tmp_path), "a directory"),
+                       (str(tmp_path / "no" / "m.bnstore"), "does not exist")):
+        source = hf if out.startswith(hf) else src
+        r = subprocess.run([sys.executable, "-m", "bitnet_cpu", "convert", source, "-o", out],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and words in r.stderr and r.stderr.count("\n") == 1, (out, r.stderr)
+    assert {p: open(p, "rb").read() for p in before} == before and os.path.islink(str(tmp_path / "link"))
+    assert not os.path.exists(str(tmp_path / "no"))
+    out = str(tmp_path / "m.bnstore")
+    for _ in range(2):   # the second run replaces the first's store
+        r = subprocess.run([sys.executable, "-c", "import os, sys; os.umask(0o027); from bitnet_cpu.cli import main; "
+                            f"sys.exit(main(['convert', {src!r}, '-o', {out!r}]))"], capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == 0, r.stderr
+    assert os.stat(out).st_mode & 0o777 == 0o640 and Store(out).config
+
+
+def test_a_fifo_or_device_is_no_model(tmp_path):
+    """A FIFO as -m would block the reader that sniffs its first bytes until a writer came: refused at once."""
+    fifo = str(tmp_path / "fifo")
+    os.mkfifo(fifo)
+    for m in (fifo, os.devnull):
+        r = subprocess.run([sys.executable, "-m", "bitnet_cpu", "run", "-m", m, "-p", "x", "-n", "1"],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and "not a regular file" in r.stderr and r.stderr.count("\n") == 1, r.stderr
+
+
 def test_resolve_model_caches(model, tmp_path, monkeypatch):
     monkeypatch.setenv("BITNET_CACHE", str(tmp_path / "cache"))
     src = write_gguf_i2s(model, str(tmp_path / "m.gguf"))

@@ -222,7 +222,7 @@ def test_kld_between_heads_is_the_exact_kl(heads, text_file, tmp_path):
 
 
 @pytest.mark.parametrize("case", ["no_file", "short", "chunks0", "ctx", "missing", "kld_no_base", "kld_with_f",
-                                  "not_base", "truncated", "vocab", "ctx_mismatch"])
+                                  "not_base", "truncated", "vocab", "ctx_mismatch", "base_dir", "base_is_text"])
 def test_bad_input_is_one_line(case, text_file, tmp_path):
     base = str(tmp_path / "b.kld")
     if case in ("truncated", "ctx_mismatch", "vocab"):
@@ -243,6 +243,9 @@ def test_bad_input_is_one_line(case, text_file, tmp_path):
         "truncated": ("--kl-divergence-base", base, "--kl-divergence"),
         "vocab": ("-m", "SYNTH", "--kl-divergence-base", base, "--kl-divergence"),
         "ctx_mismatch": ("-c", "64", "--kl-divergence-base", base, "--kl-divergence"),
+        # the file to write: refused before any chunk runs, the text never overwritten
+        "base_dir": ("-f", text_file, "--kl-divergence-base", str(tmp_path)),
+        "base_is_text": ("-f", str(short), "--kl-divergence-base", str(short)),
     }[case]
     if case == "truncated":
         with open(base, "r+b") as f:
@@ -258,8 +261,9 @@ def test_bad_input_is_one_line(case, text_file, tmp_path):
     want = {"short": "fewer than one chunk", "chunks0": "--chunks 0", "ctx": "-c/--ctx-size 2", "missing": "nope.txt",
             "no_file": "-f/--file", "kld_no_base": "--kl-divergence-base", "kld_with_f": "-f/--file",
             "not_base": "not a file of base logits", "truncated": "truncated", "vocab": "vocabulary",
-            "ctx_mismatch": "chunks of 128"}[case]
+            "ctx_mismatch": "chunks of 128", "base_dir": "a directory", "base_is_text": "refusing to overwrite"}[case]
     assert want in lines[0]
+    assert short.read_text(encoding="utf-8") == "Once upon a time" and not list(tmp_path.glob("*.partial"))
 
 
 def test_ctrl_c_keeps_the_estimate_and_the_old_base_file(text_file, tmp_path):

@@ -31,6 +31,7 @@ import numpy as np
 
 from ...simd import layout
 from ..errors import BitNetError, FormatError
+from ..fileio import check_output
 from .store import TensorSpec, is_store, write_store
 
 CONVERTER_VERSION = "1"
@@ -225,7 +226,15 @@ def convert(src: str, out: str | None = None, *, lm_head: str | None = None, wei
     except BaseException:
         source.close()
         raise
-    out = os.fspath(out) if out else default_store_path(src, lm_head)
+    if out:
+        out = os.fspath(out)
+        try:   # never over the source, a model's file or a text: only a store is replaced
+            check_output(out, "-o", keep=lambda p: not is_store(p))
+        except BaseException:
+            source.close()
+            raise
+    else:
+        out = default_store_path(src, lm_head)
     lm_head = lm_head or default_lm_head(source.config)
     stats: dict = {}
     bar = progress_bar(source.config.n_layers + 2, f"convert {os.path.basename(src.rstrip(os.sep))}", progress)

@@ -692,6 +692,8 @@ def open_source(path: str, hidden_act: str | None = None, ternarize: bool = Fals
         return HFSource(path, hidden_act, ternarize)
     if not os.path.exists(path):
         raise FormatError(f"{path}: no such file or directory")
+    if not os.path.isfile(path):
+        raise FormatError(f"{path}: not a regular file (a model is read from a file or a directory)")
     try:
         size = os.path.getsize(path)
     except OSError as e:

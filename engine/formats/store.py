@@ -114,6 +114,7 @@ def write_store(
             f.write(raw)
             f.seek(0)
             f.write(_HEADER.pack(MAGIC, STORE_VERSION, 0, index_offset, len(raw), data_offset, hashlib.sha256(raw).digest()))
+        os.chmod(tmp, 0o666 & ~_umask())   # as open() would make it (mkstemp's is 0600: no one else could read it)
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -122,6 +123,18 @@ def write_store(
             pass
         raise
     return path
+
+
+def _umask() -> int:
+    """The process's umask, read without setting it (os.umask would, for a moment, for every thread)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0o022
 
 
 def _is_int(v) -> bool:

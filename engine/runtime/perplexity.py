@@ -163,7 +163,11 @@ class LogitsWriter:
 
     def commit(self):
         self.f.close()
-        os.replace(self.tmp, self.path)
+        try:
+            os.replace(self.tmp, self.path)
+        except OSError as e:
+            self.abort()
+            raise BitNetError(f"cannot write {self.path}: {e.strerror or e}") from None
 
     def abort(self):
         self.f.close()
