@@ -196,9 +196,9 @@ def parse_command(line: str) -> Command:
             if len(parts) < 2:
                 raise CommandError("/set system needs the text, e.g. /set system You are brief.")
         elif parts[0].lower() == "parameter":       # ollama: /set parameter NAME VALUE
-            if len(parts) not in (1, 3):
+            if len(parts) == 2:
                 raise CommandError("/set parameter needs NAME VALUE, e.g. /set parameter temperature 0.7")
-        elif len(parts) != 2:
+        elif len(parts) < 2:   # the value is the rest of the line (a breaker list may hold spaces)
             raise CommandError("/set needs NAME VALUE, e.g. /set temp 0.7 (or /set alone to show settings)")
     if name == "/show" and rest and rest.lower() not in SHOW_TOPICS:
         raise CommandError(f"/show: unknown topic {rest!r} (one of: {', '.join(SHOW_TOPICS)})")
@@ -207,13 +207,14 @@ def parse_command(line: str) -> Command:
 
 def split_set(arg: str) -> tuple[str, str] | None:
     """`/set` argument -> ("system", TEXT) | (NAME, VALUE); None for `/set parameter` alone (list them)."""
-    parts = arg.split()
+    parts = arg.split(None, 1)
     head = parts[0].lower()
     if head == "system":
-        return "system", arg.split(None, 1)[1].strip()
+        return "system", parts[1].strip()
     if head == "parameter":
-        return (parts[1], parts[2]) if len(parts) == 3 else None
-    return parts[0], parts[1]
+        rest = parts[1].split(None, 1) if len(parts) > 1 else []
+        return (rest[0], rest[1].strip()) if len(rest) == 2 else None
+    return parts[0], parts[1].strip()   # VALUE: the rest of the line
 
 
 def help_text() -> str:

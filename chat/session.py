@@ -196,7 +196,13 @@ class ChatSession:
     def _answer(self, turn) -> None:
         from ..engine.errors import BUG_REPORT_HINT, EXIT_BUG, BitNetError, ContextOverflowError
 
-        ids = self._fit()
+        try:
+            ids = self._fit()
+        except BitNetError as e:   # the template cannot render this conversation (a role it refuses, ...)
+            self.conv.drop_last_turn()
+            self.had_errors = True
+            self.out.notice(f"[message not sent: {e}]")
+            return
         messages = self.conv.messages()
         self.cached_turn = None   # until this answer is complete, the cache holds something else
         if ids is None:

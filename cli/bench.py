@@ -201,7 +201,8 @@ def main(args) -> int:
                     one = lambda pp, tg, rng: run_test(runner, pp, tg, rng)   # noqa: E731
                 else:          # many: the serving engine's batched steps, as bitnet serve runs them
                     runner = load_engine(args.model, ctx=max(ctx, 16), threads=threads, kv_dtype=args.kv,
-                                         parallel=npl, progress=sys.stderr.isatty(), lookup=LookupParams(draft_max=0))
+                                         parallel=npl, max_queue=npl,   # all npl are submitted at once
+                                         progress=sys.stderr.isatty(), lookup=LookupParams(draft_max=0))
                     one = lambda pp, tg, rng, npl=npl: run_batched(runner, pp, tg, npl, rng)   # noqa: E731
                 for w in runner.warnings:
                     print(f"bitnet: warning: {w}", file=sys.stderr)

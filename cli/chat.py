@@ -67,8 +67,17 @@ def main(argv: list[str] | None = None) -> int:
         parser = build_parser()
         maybe_autocomplete(parser)
         args = parse_args_suggesting(parser, argv)
-        return _guarded(args, settings_from_args(args, parser.error))
+        try:
+            settings = settings_from_args(args, _refuse)
+        except ValueError as e:   # a value out of range: one line, as `bitnet run` says it
+            print(f"bitchat: error: {e}", file=sys.stderr)
+            return 2
+        return _guarded(args, settings)
     return stdout_flushed(body)
+
+
+def _refuse(message: str):
+    raise ValueError(message)
 
 
 def run_chat(args, first_message: str | None = None) -> int:
@@ -131,6 +140,7 @@ def _run(args, settings: Settings, out: Output, interactive: bool, first_message
                          lookup=lookup_from_flags(args.draft_max, args.lookup_ngram_min),
                          mmap=getattr(args, "mmap", None))
         apply_chat_template(llm, args)
+        llm.chat_text([{"role": "user", "content": "Hello"}])   # a template that cannot render: one line now
     except BitNetError as e:
         if e.exit_code == EXIT_BUG:
             from . import report_bug

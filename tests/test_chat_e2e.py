@@ -305,4 +305,28 @@ def test_bad_model_and_bad_flags_one_line_exit_2(tmp_path):
     r = subprocess.run(cmd + ["--temp", "hot"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "--temp" in r.stderr and "Traceback" not in r.stderr
     r = subprocess.run(cmd + ["--top-p", "2"], capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2 and "--top-p" in r.stderr
+    assert r.returncode == 2 and r.stderr.startswith("bitchat: error: --top-p 2") and r.stderr.count("\n") == 1
+    for flags in (["-c", "0"], ["--temp", "-1"]):   # a value out of range: one line, no usage block
+        r = subprocess.run(cmd + flags, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and r.stderr.count("\n") == 1 and flags[0] in r.stderr, r.stderr
+
+
+def test_a_template_that_cannot_render_is_one_line(chat_model, tmp_path):
+    """A model whose own template does not parse: one line at load, exit 2 (not an internal error at every
+    turn). A template that refuses one conversation (a word it will not take): that message is not sent, the
+    session goes on, and the end says a turn failed (exit 1)."""
+    from bitnet_cpu.engine.formats.convert import convert
+    from bitnet_cpu.engine.synth import SynthModel, small_config, write_hf_dir
+
+    synth = SynthModel(small_config(hidden_size=64, intermediate_size=128, num_hidden_layers=1), seed=3)
+    synth.chat_template = "{% for m in messages %}{{ m.content }}"   # no endfor
+    broken = convert(write_hf_dir(synth, str(tmp_path / "hf")), str(tmp_path / "broken.bnstore"), progress=False)
+    r = run_piped(broken, tmp_path, "Hello\n")
+    assert r.returncode == 2 and "bitchat: error: chat template does not parse" in r.stderr, r.stderr
+    assert "internal error" not in r.stderr and r.stderr.count("\n") == 2 and not r.stdout   # loading..., error
+    picky = ("{% for m in messages %}{% if 'forbidden' in m.content %}{{ raise_exception('no such word') }}"
+             "{% endif %}{{ m.content }}{% endfor %}")
+    r = run_piped(chat_model, tmp_path, "Hello\nA forbidden word\nAgain\n", "--chat-template", picky)
+    assert r.returncode == 1 and "[message not sent: chat template: no such word]" in r.stderr, r.stderr
+    assert len(re.findall(r"prefill \d+ new", r.stderr)) == 2   # the first and the third turns were answered
+    assert "internal error" not in r.stderr and "Traceback" not in r.stderr and r.stdout.strip()

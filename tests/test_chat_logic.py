@@ -6,7 +6,7 @@ import json
 import pytest
 
 from bitnet_cpu.chat.commands import (CommandError, Settings, completions, help_text, is_command, open_block,
-                           parse_command, parse_setting, strip_block)
+                           parse_command, parse_setting, split_set, strip_block)
 from bitnet_cpu.chat.render import Output, format_stats
 from bitnet_cpu.chat.transcript import Conversation, TranscriptError
 
@@ -186,7 +186,7 @@ def test_parse_command_ok(line, name, arg):
     ("/load   ", "needs a file name"),
     ("/reset now", "takes no argument"),
     ("/set temp", "needs NAME VALUE"),
-    ("/set temp 1 2", "needs NAME VALUE"),
+    ("/set parameter temp", "needs NAME VALUE"),
 ])
 def test_parse_command_errors_are_one_line_hints(line, fragment):
     with pytest.raises(CommandError) as e:
@@ -221,6 +221,25 @@ def test_parse_setting_rejects(name, text, fragment):
     with pytest.raises(CommandError) as e:
         parse_setting(name, text)
     assert fragment in str(e.value)
+
+
+@pytest.mark.parametrize("line, key, value", [
+    ('/set dry_sequence_breakers ["\\n", ":"]', "dry_sequence_breakers", ("\n", ":")),   # the documented form
+    ('/set dry_sequence_breakers ["a b", "c"]', "dry_sequence_breakers", ("a b", "c")),
+    ("/set temp   0.5 ", "temp", 0.5),
+    ("/set parameter temperature 0.5", "temp", 0.5),
+    ('/set parameter dry_sequence_breakers [": ", "x"]', "dry_sequence_breakers", (": ", "x")),
+])
+def test_a_set_line_as_typed(line, key, value):
+    """A /set line as the user types it, through the command parser to the setting: the value is the rest of
+    the line, spaces and all."""
+    cmd = parse_command(line)
+    assert parse_setting(*split_set(cmd.arg)) == (key, value)
+
+
+def test_a_set_value_with_words_too_many_is_refused_by_the_setting():
+    with pytest.raises(CommandError, match="'1 2' is not a number"):
+        parse_setting(*split_set(parse_command("/set temp 1 2").arg))
 
 
 def test_max_tokens_limited_by_context():

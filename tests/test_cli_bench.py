@@ -57,6 +57,8 @@ def test_records_are_consistent(store):
         assert x["avg_ts"] == pytest.approx(statistics.mean(x["samples_ts"]))
         assert x["stddev_ts"] == pytest.approx(statistics.stdev(x["samples_ts"]))
         assert x["model_size"] == os.path.getsize(store) and x["model_n_params"] > 0
+    many = bench("-m", store, "-p", "4", "-n", "1", "-r", "1", "-t", "1", "-npl", "80", "-o", "json")   # > max_queue
+    assert many.returncode == 0 and [x["n_parallel"] for x in json.loads(many.stdout)] == [80, 80], many.stderr
     lines = bench("-m", store, "-p", "8", "-n", "0", "-r", "2", "-t", "1", "-o", "jsonl").stdout.splitlines()
     assert len(lines) == 1 and json.loads(lines[0])["n_prompt"] == 8
     table = list(csv.DictReader(io.StringIO(bench("-m", store, "-p", "8", "-n", "2", "-r", "2", "-t", "1",
