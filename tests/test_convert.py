@@ -231,6 +231,11 @@ def test_bad_sources(model, tmp_path):
     with pytest.raises(FormatError, match="shape"):
         convert(d, str(tmp_path / "x.bnstore"), progress=False)
     assert not os.path.exists(tmp_path / "x.bnstore")
+    d = _hf_copy(model, tmp_path, "no_tokenizer")   # a store without one would fail at every later run instead
+    os.remove(os.path.join(d, "tokenizer.json"))
+    with pytest.raises(FormatError, match="no tokenizer found"):
+        convert(d, str(tmp_path / "y.bnstore"), progress=False)
+    assert not os.path.exists(tmp_path / "y.bnstore")
 
 
 def _rewrite_safetensors(path, edit):

@@ -261,6 +261,9 @@ def _check_tokenizer(source, src: str):
     a later run would fail on)."""
     from .tokenizer import Tokenizer
 
+    if not source.tokenizer:   # a store without one could run token ids only: every command needs text
+        raise FormatError(f"{src}: no tokenizer found (tokenizer.json or tokenizer.model beside the weights, or "
+                          "the GGUF's tokenizer.ggml keys)", hint="copy the model's tokenizer files next to it")
     if source.tokenizer:
         kind, blob = source.tokenizer
         c = source.config
