@@ -809,8 +809,9 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
     from .embeddings import register as register_embeddings   # /v1/embeddings, /api/embed, /api/embeddings
     register_embeddings(app, state, ready, APIError, check_model, metrics=metrics)
     from .llama_api import register as register_llama   # llama-server's /completion, /tokenize, /props, ...
-    pipe = SimpleNamespace(check_model=check_model, refuse_too_long=refuse_too_long, submit=submit, sampling_for=sampling_for,
-                           compile_constraint=compile_constraint, run_to_end=run_to_end, Choices=Choices, Timer=Timer,
+    pipe = SimpleNamespace(check_model=check_model, refuse_too_long=refuse_too_long, submit=submit,
+                           sampling_for=sampling_for, compile_constraint=compile_constraint, run_to_end=run_to_end,
+                           Choices=Choices, Timer=Timer,
                            loop=asyncio.get_running_loop, sse_headers=sse_headers, ENGINE_FAULT=ENGINE_FAULT)
     register_llama(app, state, ready, APIError, pipe, sampling=sampling)
 

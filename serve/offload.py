@@ -162,7 +162,6 @@ async def prepare_sampling(eng, params) -> None:
         await asyncio.to_thread(eng.prepare_sampling, params)
 
 
-
 async def within(aw, timeout: float):
     """(True, result of aw) if it completes within `timeout` s, else (False, None) with aw cancelled; its
     exception, or a cancellation of the caller, passes through. Not asyncio.wait_for, which on Python 3.10 and

@@ -321,7 +321,8 @@ def test_convert_never_writes_over_what_is_not_a_store(model, tmp_path):
     hf = write_hf_dir(model, str(tmp_path / "hf"))
     (tmp_path / "elsewhere").write_bytes(b"x")
     os.symlink(str(tmp_path / "elsewhere"), str(tmp_path / "link"))
-    before = {p: open(p, "rb").read() for p in (src, os.path.join(hf, "model.safetensors"), str(tmp_path / "elsewhere"))}
+    kept = (src, os.path.join(hf, "model.safetensors"), str(tmp_path / "elsewhere"))
+    before = {p: open(p, "rb").read() for p in kept}
     for out, words in ((src, "not one this command writes"), (os.path.join(hf, "model.safetensors"), "refusing"),
                        (str(tmp_path / "link"), "symbolic link"), (str(tmp_path), "a directory"),
                        (str(tmp_path / "no" / "m.bnstore"), "does not exist")):

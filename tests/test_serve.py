@@ -3,7 +3,6 @@ on 127.0.0.1 with the bundled model: shapes, streaming == non-streaming, batchin
 status, hang-up frees the slot, Prometheus text parses, SIGINT drains and exits 0."""
 from __future__ import annotations
 
-import json
 import signal
 import threading
 import time

@@ -237,7 +237,8 @@ def test_generate_context_keeps_one_bos(server, model_id):
     assert bos and first["context"][:1] == bos
     second = httpx.post(url + "/api/generate", json={"model": model_id, "prompt": "And then?", "stream": False,
                                                      "context": first["context"],
-                                                     "options": {"temperature": 0, "num_predict": 4}}, timeout=60).json()
+                                                     "options": {"temperature": 0, "num_predict": 4}},
+                        timeout=60).json()
     assert second["context"][:len(first["context"])] == first["context"]
     assert second["context"].count(bos[0]) == 1
 

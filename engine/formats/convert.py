@@ -257,19 +257,18 @@ def convert(src: str, out: str | None = None, *, lm_head: str | None = None, wei
 
 
 def _check_tokenizer(source, src: str):
-    """Load the tokenizer once now, so a broken one is an error naming the user's file (not the cached store
-    a later run would fail on)."""
+    """Load the tokenizer once now, so a missing or broken one is an error naming the user's file (not the
+    cached store a later run would fail on)."""
     from .tokenizer import Tokenizer
 
     if not source.tokenizer:   # a store without one could run token ids only: every command needs text
         raise FormatError(f"{src}: no tokenizer found (tokenizer.json or tokenizer.model beside the weights, or "
                           "the GGUF's tokenizer.ggml keys)", hint="copy the model's tokenizer files next to it")
-    if source.tokenizer:
-        kind, blob = source.tokenizer
-        c = source.config
-        tok = Tokenizer(kind, blob, bos_id=c.bos_token_id, eos_ids=c.eos_token_ids,
-                        source=getattr(source, "tokenizer_path", None) or src)
-        tok.decode(tok.encode("Hello, world! 123", add_bos=True))  # a tokenizer that loads but cannot encode
+    kind, blob = source.tokenizer
+    c = source.config
+    tok = Tokenizer(kind, blob, bos_id=c.bos_token_id, eos_ids=c.eos_token_ids,
+                    source=getattr(source, "tokenizer_path", None) or src)
+    tok.decode(tok.encode("Hello, world! 123", add_bos=True))  # a tokenizer that loads but cannot encode
 
 
 class _Reported:
