@@ -773,6 +773,7 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         return model_object(state.model_id, state.created, meta={"n_ctx": eng.n_ctx})
 
     @app.get("/v1/models")
+    @app.get("/models")   # llama-server's other path (the --models-dir router serves it too)
     async def models(request: Request):
         """The one model, as a list (with Anthropic's page fields)."""
         return {"object": "list", "data": [model_entry(ready(request))], "has_more": False,
@@ -785,6 +786,11 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         eng = ready(request)
         check_model(model_name.split(":")[0] if model_name.endswith(":latest") else model_name)
         return model_entry(eng)
+
+    @app.post("/infill", include_in_schema=False)
+    async def infill():   # llama-server's fill-in-the-middle: a clear answer, not a bare 404
+        raise APIError(501, "/infill (fill-in-the-middle) is not supported: the ternary models served here have no "
+                       "FIM tokens; send the prefix to /completion", "not_supported_error", code="not_supported")
 
     @app.get("/health")
     async def health():

@@ -295,8 +295,9 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
         opts = body.options or {}
         n_ctx = eng.n_ctx
         num_ctx = option_int(opts, "num_ctx") if opts.get("num_ctx") is not None else 0
-        if num_ctx > 0:
-            n_ctx = min(n_ctx, num_ctx)   # the server's context is fixed at start: a larger one is capped
+        if 0 < num_ctx and len(prompt_ids) < num_ctx:   # the server's context is fixed at start: a larger one
+            n_ctx = min(n_ctx, num_ctx)                   # is capped; a prompt over a smaller one runs in the
+            #                                               server's (ollama would cut the prompt to fit)
         room = max(0, n_ctx - len(prompt_ids))
         num_predict = option_int(opts, "num_predict") if opts.get("num_predict") is not None else 0
         max_tokens = room if num_predict <= 0 else min(num_predict, room)   # ollama: 0 or less, no limit

@@ -58,6 +58,14 @@ def test_props_say_what_the_server_runs(server):
     assert p["chat_template"] == show["template"] and p["modalities"] == {"vision": False, "audio": False}
 
 
+def test_models_path_and_infill(server):
+    """llama-server's GET /models is /v1/models; /infill, which these models cannot do, is a 501 saying so."""
+    assert httpx.get(server.url + "/models", timeout=30).json() == httpx.get(server.url + "/v1/models",
+                                                                            timeout=30).json()
+    r = post(server, "/infill", {"input_prefix": "def f(", "input_suffix": "):"})
+    assert r.status_code == 501 and "fill-in-the-middle" in r.json()["error"]["message"]
+
+
 def test_props_settings_post_back_and_llama_server_lengths(server):
     """A client may send /props' default settings back as a request (llama-server takes its own echo): its
     empty grammar is no grammar, its max_tokens -1 no limit. n_predict is honoured on the OpenAI endpoints as

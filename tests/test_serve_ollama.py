@@ -200,6 +200,8 @@ def test_go_clients_numbers_nulls_and_the_server_check(server, model_id):
     wild = dict(num_predict=8, temperature=2.0, top_k=0.0, top_p=1.0, min_p=0.0)
     a, b, c = gen(seed=-2, **wild), gen(seed=-2, **wild), gen(seed=-3, **wild)
     assert a["response"] == b["response"] and a["response"] != c["response"]
+    short_ctx = gen(num_predict=3, temperature=0, num_ctx=2)   # a prompt over num_ctx: answered, not cut to ""
+    assert short_ctx["eval_count"] == 3 and short_ctx["response"] == three["response"]
     unlimited = gen(num_predict=0, temperature=0)
     limited = gen(num_predict=40, temperature=0)
     assert unlimited["eval_count"] > 3 and unlimited["response"].startswith(limited["response"][:20])
