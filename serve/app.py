@@ -35,7 +35,7 @@ from .metrics import CONTENT_TYPE, ServerMetrics
 from .offload import (BodyRefused, next_or_gone, offloop_route, prepare_sampling, prompt_body_bound, run_off_loop,
                       too_long_for_context, warm_bounds)
 from .responses import ResponseBuilder, ResponsesRequest
-from .schemas import ChatCompletionRequest, CompletionRequest, RequestProblem, error_where, model_object
+from .schemas import ChatCompletionRequest, CompletionRequest, RequestProblem, error_where, main_error, model_object
 
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context": "length", "cancelled": "stop"}
 ENGINE_FAULT = "the engine failed while generating this answer (the server goes on; see its log)"
@@ -180,7 +180,7 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         return JSONResponse(body, status_code=resp.status_code, headers=headers)
 
     def validation_response(e: RequestValidationError):
-        err = e.errors()[0] if e.errors() else {}
+        err = main_error(e.errors())
         param = error_where(err)
         if err.get("type") == "json_invalid":
             return error_response(400, "request body is not valid JSON", code="invalid_json")

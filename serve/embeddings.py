@@ -17,7 +17,7 @@ from fastapi import Request
 from pydantic import ConfigDict
 
 from .offload import OFFLOAD_BYTES, next_or_gone, run_off_loop, too_long_for_context
-from .schemas import JSONTyped, error_where
+from .schemas import JSONTyped, error_where, main_error
 
 ENGINE_FAULT = "the engine failed while embedding this input (the server goes on; see its log)"
 
@@ -57,7 +57,7 @@ def parse_openai(raw: bytes) -> tuple[EmbeddingRequest, list]:
     try:
         body = EmbeddingRequest.model_validate({k: v for k, v in data.items() if k != "input"})
     except ValidationError as e:
-        err = e.errors()[0]
+        err = main_error(e.errors())
         where = error_where(err)
         raise Refused(400, f"{where}: {err.get('msg', 'invalid value')}", where) from None
     return body, openai_inputs(data.get("input"))

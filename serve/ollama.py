@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 from ..engine.runtime.sampling import SamplingParams, setting_problem
 from .logprobs import chat_entry
 from .offload import next_or_gone, prepare_sampling, run_off_loop, too_long_for_context
-from .schemas import JSONTyped, error_where, utc_iso
+from .schemas import JSONTyped, error_where, main_error, utc_iso
 
 # the version /api/version reports: clients written for ollama check a minimum (the fields served here are
 # those of ollama's API at this version)
@@ -235,7 +235,7 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
         try:
             return cls.model_validate(data)
         except ValidationError as e:
-            err = e.errors()[0]
+            err = main_error(e.errors())
             where = error_where(err) or "body"
             raise OllamaError(400, f"{where}: {err.get('msg', 'invalid value')}") from None
 

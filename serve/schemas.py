@@ -22,6 +22,12 @@ _DEFAULT = SamplingParams()
 _UNION_TAG = re.compile(r"^(str|int|float|bool|none|bytes|[a-z-]+\[.*\]|[A-Z]\w*)$")
 
 
+def main_error(errors: list[dict]) -> dict:
+    """The one error a 400 reports: the deepest, so that inside a union it is the branch that got furthest (a
+    list of parts with a part missing its text, not "expected a string" for the whole list)."""
+    return max(errors, key=lambda e: len(e.get("loc", ())), default={})
+
+
 def error_where(err: dict) -> str | None:
     """The field a pydantic error is about, dotted ("options.stop", "messages.0.content"), without FastAPI's
     "body" and pydantic's union-branch tags; None for the body itself."""
@@ -301,6 +307,12 @@ class ContentPart(BaseModel):
     text: Optional[str] = None
     refusal: Optional[str] = None   # an assistant's refusal part
 
+    @model_validator(mode="after")
+    def _text_given(self):
+        if self.type == "text" and self.text is None:   # OpenAI: a 400, not an empty message
+            raise PydanticCustomError("missing_text", "a text part needs its text")
+        return self
+
 
 CHAT_TEXT_PARTS = ("text", "refusal")   # the chat content parts this model can take (image_url, input_audio, file: 400)
 
@@ -325,6 +337,12 @@ class ChatMessage(BaseModel):
     tool_calls: Optional[list[ToolCall]] = None     # an assistant's earlier calls
     tool_call_id: Optional[str] = None              # a tool result: which call it answers
     name: Optional[str] = None
+
+    @model_validator(mode="after")
+    def _content_given(self):
+        if self.content is None and self.role != "assistant":   # only an assistant's (tool calls) may be null
+            raise PydanticCustomError("missing_content", f"a {self.role} message needs its content")
+        return self
 
     def as_dict(self) -> dict:
         """The message as the engine's chat_prompt takes it (developer is system)."""

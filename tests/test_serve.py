@@ -133,6 +133,9 @@ def _err(r: httpx.Response, status: int) -> dict:
     ({"messages": Q, "logprobs": "yes"}, "logprobs"),
     ({"messages": Q, "stream": True, "stream_options": {"include_usage": "true"}}, "stream_options.include_usage"),
     ({"messages": Q, "seed": "7"}, "seed"),
+    ({"messages": [{"role": "user"}]}, "messages.0"),                                  # OpenAI: content required
+    ({"messages": [{"role": "user", "content": None}]}, "messages.0"),
+    ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages.0.content.0"),
 ])
 def test_bad_values_400(server, body, param):
     e = _err(httpx.post(server.url + "/v1/chat/completions", json=body), 400)
