@@ -57,15 +57,6 @@ def main(argv: list[str] | None = None) -> int:
     return interruptible(lambda: stdout_flushed(lambda: _main(argv)))
 
 
-def chat_main(argv: list[str] | None = None) -> int:
-    """`bitchat`'s entry point: cli/chat.py's main, imported here, so a Ctrl-C while it loads (numpy, the
-    engine: ~0.1 s) ends as one does later."""
-    def run():
-        from .chat import main as chat
-        return chat(argv)
-    return interruptible(run)
-
-
 def interruptible(body) -> int:
     """Ctrl-C before a command's own handler is in place (while Python imports the subcommands, builds the
     parser, ...): a newline and exit 130, as later, never a traceback."""

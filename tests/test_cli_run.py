@@ -136,15 +136,15 @@ class Interrupt(importlib.abc.MetaPathFinder):   # Ctrl-C (a real SIGINT) the mo
             os.kill(os.getpid(), signal.SIGINT)
         return None
 sys.meta_path.insert(0, Interrupt())
-from bitnet_cpu import cli
-sys.exit(getattr(cli, sys.argv[2])(sys.argv[3:]))
+import importlib
+sys.exit(importlib.import_module(sys.argv[2]).main(sys.argv[3:]))
 """
 
 
 @pytest.mark.parametrize("at, entry, args", [
-    ("bitnet_cpu.cli.serve", "main", ["run", "-p", "Once", "-n", "2"]),     # building the parser's subcommands
-    ("bitnet_cpu.engine.api", "main", ["run", "-p", "Once", "-n", "2"]),    # loading the engine
-    ("bitnet_cpu.chat.commands", "chat_main", ["-n", "2"]),                 # bitchat importing its REPL
+    ("bitnet_cpu.cli.serve", "bitnet_cpu.cli", ["run", "-p", "Once", "-n", "2"]),   # the parser's subcommands
+    ("bitnet_cpu.engine.api", "bitnet_cpu.cli", ["run", "-p", "Once", "-n", "2"]),  # loading the engine
+    ("bitnet_cpu.chat.commands", "bitnet_cpu.cli.bitchat", ["-n", "2"]),            # bitchat importing its REPL
 ])
 def test_ctrl_c_while_starting_is_one_exit_130(at, entry, args):
     """Ctrl-C at any moment: while the command is still importing its parts, too (a SIGINT at a chosen import,

@@ -58,7 +58,7 @@ def _shell_prelude():
         return bindir, ""
     py = sys.executable.replace("'", "'\\''")
     return bindir, (f"bitnet() {{ '{py}' -m bitnet_cpu \"$@\"; }}\n"
-                    f"bitchat() {{ '{py}' -c 'import sys; from bitnet_cpu.cli import chat_main as main; "
+                    f"bitchat() {{ '{py}' -c 'import sys; from bitnet_cpu.cli.bitchat import main; "
                     f"sys.exit(main(sys.argv[1:]))' \"$@\"; }}\n")
 
 

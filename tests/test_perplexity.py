@@ -270,7 +270,7 @@ def test_ctrl_c_keeps_the_estimate_and_the_old_base_file(text_file, tmp_path):
     long_text = tmp_path / "long.txt"
     long_text.write_text(open(text_file, encoding="utf-8").read() * 40, encoding="utf-8")
     base = tmp_path / "keep.kld"
-    base.write_bytes(b"an earlier base file")
+    base.write_bytes(b"_logits_ an earlier base file")   # a file of base logits (only such a file is replaced)
     p = subprocess.Popen([sys.executable, "-m", "bitnet_cpu", "perplexity", "-t", "1", "-f", str(long_text), "-c", "64",
                           "--kl-divergence-base", str(base)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          # a suite started in the background has SIGINT ignored and a child keeps that (POSIX)
@@ -282,7 +282,7 @@ def test_ctrl_c_keeps_the_estimate_and_the_old_base_file(text_file, tmp_path):
     out = (first + rest).decode()
     assert p.returncode == 130, err.decode()
     assert "Estimate over " in out and " chunks: PPL = " in out and b"Traceback" not in err
-    assert base.read_bytes() == b"an earlier base file"
+    assert base.read_bytes() == b"_logits_ an earlier base file"
     assert not os.path.exists(str(base) + ".partial")
 
 
