@@ -106,12 +106,13 @@ class _Text:
             breaker_table(self.tokenizer, self.config.vocab_size, params.dry_breakers)
 
     def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True,
-                    tools: list[dict] | None = None) -> list[int]:
+                    tools: list[dict] | None = None, prefill: str = "") -> list[int]:
         """Token ids of `messages` rendered with the model's own chat template (or the built-in fallback).
         tools: OpenAI-style function list; messages may then hold assistant `tool_calls` and `tool` results
-        (engine/runtime/tools.py puts them in the form the template renders)."""
-        return self.tokenizer.encode(self.chat_text(messages, add_generation_prompt, tools), add_bos=False,
-                                     special=True)
+        (engine/runtime/tools.py puts them in the form the template renders). prefill: text the answer continues
+        (a final assistant message's start, as Anthropic's and ollama's APIs take it), after the template's text."""
+        return self.tokenizer.encode(self.chat_text(messages, add_generation_prompt, tools) + prefill,
+                                     add_bos=False, special=True)
 
     def chat_text(self, messages: list[dict], add_generation_prompt: bool = True,
                   tools: list[dict] | None = None) -> str:

@@ -68,7 +68,7 @@ class ServerState:
     """The engine once loaded, the in-flight streams (for drain), and the server's settings."""
 
     def __init__(self, load: Callable[[], Any], api_key: str | None, model_id: str | None, retry_after: int,
-                 strict_model: bool = False):
+                 strict_model: bool = False, sampling=None):
         self.load, self.api_key, self.model_id, self.retry_after = load, api_key, model_id, retry_after
         self.strict_model = strict_model   # False: any `model` is answered by the loaded one (llama-server's way)
         self._token_text = None
@@ -77,7 +77,7 @@ class ServerState:
         self.draining = False
         self.streams: set = set()
         self.created = int(time.time())
-        self.sampling = None               # the requests' default SamplingParams (create_app's sampling)
+        self.sampling = sampling           # the requests' default SamplingParams (create_app's sampling)
 
     def token_text(self, eng) -> TokenText:
         """The server's one token -> (text, bytes) cache for logprobs."""
@@ -127,8 +127,7 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
     limits: serve/limits.py's (None: its defaults); api_key / api_keys: the keys every endpoint but /health
     needs (serve/auth.py), /metrics too unless metrics_public; cors_origins: the origins whose pages may call it
     beside this machine's (serve/auth.py allow_cross_origin; "*": any)."""
-    state = ServerState(load, api_key, model_id, retry_after, strict_model)
-    state.sampling = sampling
+    state = ServerState(load, api_key, model_id, retry_after, strict_model, sampling)
     metrics = ServerMetrics(state.engine_metrics)
 
     @contextlib.asynccontextmanager
@@ -282,10 +281,7 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         answer continues (Anthropic's final assistant message), after the template's generation prompt."""
         await refuse_too_long(eng, sum(len(m["content"]) for m in msgs) + len(prefill), param)
         try:
-            if not prefill:
-                return await run_off_loop(eng.chat_prompt, msgs, tools=tools)
-            text = await run_off_loop(eng.chat_text, msgs, True, tools)
-            return await run_off_loop(eng.tokenize, text + prefill)
+            return await run_off_loop(eng.chat_prompt, msgs, tools=tools, prefill=prefill)
         except Exception as e:  # the template rejected the conversation (e.g. roles out of order)
             raise APIError(400, f"{param}: {e}", param=param, code="invalid_value") from None
 

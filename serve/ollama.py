@@ -138,10 +138,12 @@ def sampling_from_options(options: dict | None, defaults: SamplingParams | None)
     return dataclasses.replace(base, **values)   # the server's defaults for the rest (its --xtc-probability, ...)
 
 
-def option_int(options: dict, key: str) -> int:
-    """An integer option: JSON numbers are doubles to ollama's Go server, so 100.0 is 100; a fraction, a string or
-    a boolean is a 400."""
-    value = options[key]
+def option_int(options: dict, key: str, default: int = 0) -> int:
+    """An integer option (`default` when not sent): JSON numbers are doubles to ollama's Go server, so 100.0 is
+    100; a fraction, a string or a boolean is a 400."""
+    value = options.get(key)
+    if value is None:
+        return default
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int):
@@ -294,12 +296,12 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
         from ..engine.errors import BitNetError, ContextOverflowError, QueueFullError
         opts = body.options or {}
         n_ctx = eng.n_ctx
-        num_ctx = option_int(opts, "num_ctx") if opts.get("num_ctx") is not None else 0
+        num_ctx = option_int(opts, "num_ctx")
         if 0 < num_ctx and len(prompt_ids) < num_ctx:   # the server's context is fixed at start: a larger one
             n_ctx = min(n_ctx, num_ctx)                   # is capped; a prompt over a smaller one runs in the
             #                                               server's (ollama would cut the prompt to fit)
         room = max(0, n_ctx - len(prompt_ids))
-        num_predict = option_int(opts, "num_predict") if opts.get("num_predict") is not None else 0
+        num_predict = option_int(opts, "num_predict")
         max_tokens = room if num_predict <= 0 else min(num_predict, room)   # ollama: 0 or less, no limit
         stop = option_stops(opts)
         q: asyncio.Queue = asyncio.Queue()
@@ -453,11 +455,7 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
             tools, parser = body.tools, fmt.parser()
         await refuse_too_long(eng, sum(len(m["content"] or "") for m in msgs) + len(prefill))
         try:
-            if prefill:
-                text = await run_off_loop(eng.chat_text, msgs, True, tools)
-                prompt_ids = await run_off_loop(eng.tokenize, text + prefill)
-            else:
-                prompt_ids = await run_off_loop(eng.chat_prompt, msgs, tools=tools)
+            prompt_ids = await run_off_loop(eng.chat_prompt, msgs, tools=tools, prefill=prefill)
         except Exception as e:   # the template rejected the conversation (e.g. roles out of order)
             raise OllamaError(400, f"messages: {e}") from None
         constraint = await constraint_of(eng, body, tool_spec)

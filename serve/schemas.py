@@ -7,6 +7,7 @@ with the parameter named, so the client gets a clear 400 instead of a silently d
 """
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import fields
 from typing import Any, ClassVar, Literal, Optional, Union, get_args, get_origin
@@ -98,6 +99,7 @@ def text_of_parts(content, where: str, kinds: tuple[str, ...]) -> str:
     return "".join(texts)
 
 
+@functools.lru_cache(maxsize=None)   # per field annotation: every request validates each field through it
 def _json_kind(annotation) -> str | None:
     """"boolean" / "number" for a field typed bool / int / float (or Optional of one), else None."""
     args = get_args(annotation) if get_origin(annotation) is Union else (annotation,)

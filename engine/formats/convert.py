@@ -217,6 +217,8 @@ def convert(src: str, out: str | None = None, *, lm_head: str | None = None, wei
     src = os.fspath(src)
     if is_store(src):
         raise FormatError(f"{src}: is already a BitNet store (nothing to convert)")
+    if out:   # never over the source, a model's file or a text: only a store is replaced
+        check_output(os.fspath(out), "-o", keep=lambda p: not is_store(p))
     source = open_source(src, hidden_act, ternarize)
     try:
         if weights != "t2" and source.config.weight_groups:
@@ -226,15 +228,7 @@ def convert(src: str, out: str | None = None, *, lm_head: str | None = None, wei
     except BaseException:
         source.close()
         raise
-    if out:
-        out = os.fspath(out)
-        try:   # never over the source, a model's file or a text: only a store is replaced
-            check_output(out, "-o", keep=lambda p: not is_store(p))
-        except BaseException:
-            source.close()
-            raise
-    else:
-        out = default_store_path(src, lm_head)
+    out = os.fspath(out) if out else default_store_path(src, lm_head)
     lm_head = lm_head or default_lm_head(source.config)
     stats: dict = {}
     bar = progress_bar(source.config.n_layers + 2, f"convert {os.path.basename(src.rstrip(os.sep))}", progress)

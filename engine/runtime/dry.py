@@ -83,7 +83,7 @@ def cached_table(tok, n_vocab: int, breakers) -> dict[int, list[tuple[int, ...]]
 def breaker_table(tok, n_vocab: int, breakers) -> dict[int, list[tuple[int, ...]]]:
     """{head token id: [tails]} for the breakers (strings), cached per tokenizer (the TABLES_KEPT lists used last:
     requests that each send other breakers cannot grow it without bound). The first table of a tokenizer reads
-    every token's bytes (~0.3 s for 128k tokens), each new list then a few ms: a server builds it off its event
+    every token's bytes (~0.3 s for 128k tokens), each new list then tens of ms: a server builds it off its event
     loop (engine.api's prepare_sampling)."""
     hit = cached_table(tok, n_vocab, breakers)
     if hit is not None:

@@ -56,11 +56,14 @@ class SamplingParams:
         return self
 
     @property
+    def dry_on(self) -> bool:
+        return self.dry_multiplier > 0 and self.dry_penalty_last_n != 0
+
+    @property
     def dry_breakers(self) -> tuple[str, ...]:
         """The sequence breakers a sampler with these settings matches against the vocabulary: none when DRY is
         off (engine/runtime/dry.py builds their table once per tokenizer)."""
-        on = self.dry_multiplier > 0 and self.dry_penalty_last_n != 0
-        return tuple(self.dry_sequence_breakers) if on else ()
+        return tuple(self.dry_sequence_breakers) if self.dry_on else ()
 
 
 # fields set per request (the server's API, the Python API), with no command-line flag or bitchat /set
@@ -181,7 +184,7 @@ class Sampler:
         self.record: TokenLogprob | None = None
         self.mu: float | None = None   # Mirostat's running bound on the surprise (set at its first step)
         p = self.p
-        self._dry = p.dry_multiplier > 0 and p.dry_penalty_last_n != 0
+        self._dry = p.dry_on
         self._dry_table: dict = {}
         if self._dry:
             from .dry import apply_dry, breaker_table
