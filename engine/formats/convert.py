@@ -217,14 +217,14 @@ def convert(src: str, out: str | None = None, *, lm_head: str | None = None, wei
     src = os.fspath(src)
     if is_store(src):
         raise FormatError(f"{src}: is already a BitNet store (nothing to convert)")
-    if out:   # never over the source, a model's file or a text: only a store is replaced
-        check_output(os.fspath(out), "-o", keep=lambda p: not is_store(p))
     source = open_source(src, hidden_act, ternarize)
     try:
         if weights != "t2" and source.config.weight_groups:
             raise BitNetError(f"--weights {weights}: {src} scales its weights per group of {source.config.weight_groups} "
                               f"(group-scaled layout tg128); only t2 applies to it")
         _check_tokenizer(source, src)
+        if out:   # the source's own problems first; then never over it, a model's file or a text: only a store
+            check_output(os.fspath(out), "-o", keep=lambda p: not is_store(p))
     except BaseException:
         source.close()
         raise
