@@ -30,7 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from .anthropic import CountTokensRequest, MessageBuilder, MessagesRequest
 from .auth import AuthMiddleware, KeyChecker, allow_cross_origin
 from .limits import Limits, LimitsMiddleware, anthropic_error_body
-from .logprobs import TokenText, chat_entry, completion_logprobs, echo_logprobs
+from .logprobs import Said, TokenText, chat_entry, completion_logprobs, echo_logprobs
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .offload import (BodyRefused, next_or_gone, offloop_route, prepare_sampling, prompt_body_bound, run_off_loop,
                       too_long_for_context, warm_bounds)
@@ -368,12 +368,14 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
                 "predicted_per_second": round(st.decode_tps, 1)}
 
     class Choices:
-        """What each of a request's n choices has made: text pieces, (token, TokenLogprob) items, final Chunk."""
+        """What each of a request's n choices has made: text pieces, (token, TokenLogprob) items of the tokens
+        whose text has been released (serve/logprobs.py Said), final Chunk."""
 
         def __init__(self, n):
             self.texts = [[] for _ in range(n)]
             self.tokens = [[] for _ in range(n)]
-            self.logprobs = [[] for _ in range(n)]
+            self.said = [Said() for _ in range(n)]
+            self.logprobs = [x.items for x in self.said]
             self.finals = [None] * n
 
         def add(self, i, ch, timer) -> bool:
@@ -383,8 +385,7 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
                 self.texts[i].append(ch.text)
             if ch.token is not None:
                 self.tokens[i].append(ch.token)
-            if ch.logprob is not None and ch.token is not None:
-                self.logprobs[i].append((ch.token, ch.logprob))
+            self.said[i].add(ch)
             if ch.finish_reason is not None:
                 self.finals[i] = ch
             return all(f is not None for f in self.finals)

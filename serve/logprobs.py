@@ -9,12 +9,34 @@ which JSON cannot carry; OpenAI reports such tokens as -9999.0, and so do we.
 from __future__ import annotations
 
 import math
+from collections import deque
 
 NEVER = -9999.0   # OpenAI's stand-in for log(0)
 
 
 def _finite(x: float) -> float:
     return x if math.isfinite(x) else NEVER
+
+
+class Said:
+    """One answer's (token, TokenLogprob) records as its text is released: a token's record is given out (appended
+    to `items`) once the engine says its text has begun to be released (Chunk.said). The tokens of a stop string,
+    which the answer leaves out, are never given out, and the records of tokens held back as a possible stop
+    string go out with their text: a stream's chunks carry the same records as the whole answer."""
+
+    def __init__(self):
+        self.items: list[tuple[int, object]] = []
+        self._held: deque = deque()   # (token, TokenLogprob or None) of the tokens not said yet
+        self._n = 0   # tokens said
+
+    def add(self, ch) -> None:
+        if ch.token is not None:
+            self._held.append((ch.token, ch.logprob))
+        while self._n < ch.said and self._held:
+            t, lp = self._held.popleft()
+            self._n += 1
+            if lp is not None:
+                self.items.append((t, lp))
 
 
 class TokenText:

@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from ..engine.runtime.sampling import SamplingParams, setting_problem
-from .logprobs import chat_entry
+from .logprobs import Said, chat_entry
 from .offload import next_or_gone, prepare_sampling, run_off_loop, too_long_for_context
 from .schemas import JSONTyped, error_where, main_error, utc_iso
 
@@ -349,15 +349,14 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
 
         if body.stream:
             async def lines():
-                final, t_first, tokens, lps = None, None, [], []
+                final, t_first, tokens, said, sent = None, None, [], Said(), 0
                 try:
                     while True:
                         ch = await q.get()
                         if ch.token is not None:
                             t_first = t_first or time.perf_counter()
                             tokens.append(ch.token)
-                            if ch.logprob is not None:
-                                lps.append((ch.token, ch.logprob))
+                        said.add(ch)
                         text, calls = (parser.feed(ch.text) if parser is not None and ch.text else (ch.text, []))
                         if ch.finish_reason == "error":   # this request's sequence failed; the others go on
                             final = ch
@@ -369,8 +368,8 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
                         if text or calls:
                             obj = {"model": model, "created_at": utc_iso(), **piece(text, calls), "done": False}
                             if body.logprobs:
-                                obj["logprobs"] = lp_list(lps)
-                                lps = []
+                                obj["logprobs"] = lp_list(said.items[sent:])
+                                sent = len(said.items)
                             yield json.dumps(obj, ensure_ascii=False) + "\n"
                         if ch.finish_reason is not None:
                             final = ch
@@ -384,7 +383,7 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
                         stream.cancel()
                     state.streams.discard(stream)
             return StreamingResponse(lines(), media_type="application/x-ndjson")
-        pieces, tokens, lps, final, t_first = [], [], [], None, None
+        pieces, tokens, said, final, t_first = [], [], Said(), None, None
         try:
             while final is None:
                 ch = await next_or_gone(q, request)
@@ -393,8 +392,7 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
                 if ch.token is not None:
                     t_first = t_first or time.perf_counter()
                     tokens.append(ch.token)
-                    if ch.logprob is not None:
-                        lps.append((ch.token, ch.logprob))
+                said.add(ch)
                 pieces.append(ch.text)
                 if ch.finish_reason is not None:
                     final = ch
@@ -411,7 +409,7 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
             text, calls = text + rest, calls + more
         obj = {"model": model, "created_at": utc_iso(), **piece(text, calls), **final_fields(t0, final, t_first)}
         if body.logprobs:
-            obj["logprobs"] = lp_list(lps)
+            obj["logprobs"] = lp_list(said.items)
         if extra_final:
             obj.update(extra_final(tokens))
         return obj

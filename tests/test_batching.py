@@ -550,8 +550,8 @@ def test_lookup_finish_inside_a_draft_stops_where_plain_decoding_stops(synth):
     on._sample_draft = spy
 
     def both(prompt, params, max_tokens=40, stop=()):
-        return [[(c.text, c.token, c.finish_reason) for c in _collect(e.submit(prompt, params, max_tokens=max_tokens,
-                                                                                    stop=stop))] for e in (off, on)]
+        return [[(c.text, c.token, c.finish_reason, c.said)
+                 for c in _collect(e.submit(prompt, params, max_tokens=max_tokens, stop=stop))] for e in (off, on)]
 
     try:
         toks0 = _tokens(_collect(off.submit(p0, GREEDY, max_tokens=40)))
@@ -564,12 +564,12 @@ def test_lookup_finish_inside_a_draft_stops_where_plain_decoding_stops(synth):
             a, b = both(prompt, params)
             assert a == b and a[-1][2] == "length"
             assert accepted, "no draft token was accepted"
-            toks = [t for _, t, _ in a if t is not None]
-            pieces = [x for x, t, _ in a if t is not None]
+            toks = [t for _, t, _, _ in a if t is not None]
+            pieces = [x for x, t, _, _ in a if t is not None]
             cut = accepted[:: max(1, len(accepted) // 5)]     # a few accepted positions, spread over the output
             for n in sorted({1, 2, 40} | {i + 1 for i in cut} | {i + 2 for i in cut}):   # max_tokens
                 x, y = both(prompt, params, max_tokens=n)
-                assert x == y and [t for _, t, _ in x if t is not None] == toks[:n] and x[-1][2] == "length"
+                assert x == y and [t for _, t, _, _ in x if t is not None] == toks[:n] and x[-1][2] == "length"
             first = [i for i in accepted if toks[i] not in toks[:i]]
             for i in sorted(set(cut + first[:3])):
                 if pieces[i]:   # a stop string first complete at token i
@@ -578,7 +578,9 @@ def test_lookup_finish_inside_a_draft_stops_where_plain_decoding_stops(synth):
                     stop = next(text[-k:] for k in range(1, len(text) + 1) if text[-k:] not in before)
                     x, y = both(prompt, params, stop=[stop])
                     assert x == y and x[-1][2] == "stop", stop
-                    assert "".join(c for c, _, _ in x) == text[: len(text) - len(stop)]
+                    assert "".join(c for c, _, _, _ in x) == text[: len(text) - len(stop)]
+                    starts = [len("".join(pieces[:j])) for j in range(i + 1)]   # the tokens before the cut
+                    assert x[-1][3] == sum(1 for s in starts if s < len(text) - len(stop))
                     n_stop += 1
                 if toks[i] not in toks[:i]:   # an end-of-text token first sampled at i
                     for e in (off, on):
@@ -589,7 +591,7 @@ def test_lookup_finish_inside_a_draft_stops_where_plain_decoding_stops(synth):
                         for e in (off, on):
                             e._eos = set(e.tokenizer.eos_ids)
                     assert x == y and x[-1][2] == "eos"
-                    assert [t for _, t, _ in x if t is not None] == toks[:i]
+                    assert [t for _, t, _, _ in x if t is not None] == toks[:i]
                     n_eos += 1
         assert n_stop > 0 and n_eos > 0, (n_stop, n_eos)
         for e in (off, on):

@@ -91,10 +91,15 @@ def test_stop_on_eos_and_stop_string(llm):
     assert f.finish_reason == "eos" and t2 == toks[:i] and f.stats.n_generated == i + 1
     llm.tokenizer.eos_ids = ()
     # a stop string inside the generated text: output is cut right before it
-    full = run(llm, p, max_tokens=10)[1]
+    chunks = list(llm.generate(p, GREEDY, max_tokens=10))
+    full = "".join(c.text for c in chunks)
+    assert chunks[-1].said == 10   # every token's text is in an answer no stop string cut
     stop = full[3:6]
     _, text, f = run(llm, p, max_tokens=10, stop=["no such text", stop])
     assert f.finish_reason == "stop" and text == full[: full.index(stop)]
+    # the tokens whose text begins before the cut (each token's text starts where the ones before it end)
+    starts = [sum(len(c.text) for c in chunks[:j]) for j in range(10)]
+    assert f.said == sum(1 for x in starts if x < len(text))
     assert f.stats.stop_word == stop   # which stop string ended it (llama-server's stopping_word)
     assert run(llm, p, max_tokens=10)[2].stats.stop_word is None
 

@@ -104,6 +104,50 @@ def test_completion_logprobs_shape(client, llm):
     assert ei.value.body["param"] == "logprobs"
 
 
+def _stops_cutting(tokens, text, mid):
+    """Two stop strings for a greedy answer (its logprobs tokens and text): the second starts at a token k
+    (mid: one character into it) and ends with token k + 1, seen nowhere before; the first is token k - 1 and a
+    character the text never has, so token k - 1 is held back until token k comes. Returns (stops, k, cut)."""
+    starts = [sum(len(t) for t in tokens[:i]) for i in range(len(tokens) + 1)]
+    for k in range(2, len(tokens) - 2):
+        cut = starts[k] + mid
+        stop = text[cut:starts[k + 2]]
+        if len(tokens[k]) > 1 and tokens[k - 1] and stop and text.find(stop) == cut and "\x01" not in text:
+            return [tokens[k - 1] + "\x01", stop], k, cut
+    pytest.fail(f"no token to cut at in {tokens!r}")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("mid", [0, 1], ids=["at-a-token", "mid-token"])
+def test_stop_string_tokens_have_no_logprobs(client, stream, mid):
+    """The tokens of a stop string, cut from the text, are not in the logprobs either: a token is there when
+    its text has begun in the answer (mid: the token the stop string starts inside stays), text_offset never
+    points past the text, and a stream carries each record with its text (a token held back as a possible
+    stop string used to go out with the text released beside it, before the stop string was known)."""
+    kw = dict(model=ALIAS, prompt="Once upon a time", temperature=0, max_tokens=24, logprobs=1)
+    full = client.completions.create(**kw).choices[0]
+    toks = full.logprobs.tokens
+    assert "".join(toks) == full.text
+    stops, k, cut = _stops_cutting(toks, full.text, mid)
+    if stream:
+        text, got, offsets, finish = "", [], [], None
+        for ch in client.completions.create(stream=True, stop=stops, **kw):
+            c = ch.choices[0]
+            text += c.text
+            if c.logprobs is not None:
+                got += c.logprobs.tokens
+                offsets += c.logprobs.text_offset
+                assert len(text) > max(c.logprobs.text_offset)   # a record goes out with its text
+            finish = c.finish_reason or finish
+    else:
+        c = client.completions.create(stop=stops, **kw).choices[0]
+        text, got, offsets, finish = c.text, c.logprobs.tokens, c.logprobs.text_offset, c.finish_reason
+    assert finish == "stop" and text == full.text[:cut]
+    assert got == toks[:k + mid]
+    assert offsets == [sum(len(t) for t in toks[:i]) for i in range(k + mid)]
+    assert all(o < len(text) for o in offsets)
+
+
 def test_echo_scores_every_prompt_token_as_the_engines_logits(client, llm):
     """echo + logprobs: each prompt token's logprob given the ones before it, to the last digit of a direct
     log-softmax of load_model(...).forward over the same ids; the first token of a token-id prompt has none

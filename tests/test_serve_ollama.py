@@ -146,6 +146,28 @@ def test_logprobs(client, model_id):
     assert all(len(x.top_logprobs) == 2 and x.top_logprobs[0].logprob == x.logprob <= 0 for x in r.logprobs)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_logprobs_leave_out_a_stop_strings_tokens(server, model_id, stream):
+    """/api/generate with a stop string: the logprobs are those of the text given, not of the stop string's
+    tokens after it (streamed: each line's records come with their text)."""
+    body = {"model": model_id, "prompt": "Once upon a time", "options": {**GREEDY, "num_predict": 20},
+            "logprobs": True, "stream": False}
+    full = httpx.post(server.url + "/api/generate", json=body, timeout=120).json()
+    toks = [x["token"] for x in full["logprobs"]]
+    assert "".join(toks) == full["response"]
+    k = next(k for k in range(2, len(toks) - 2) if full["response"].find(toks[k] + toks[k + 1]) == len("".join(toks[:k])))
+    body["options"]["stop"] = [toks[k] + toks[k + 1]]
+    if stream:
+        with httpx.stream("POST", server.url + "/api/generate", json={**body, "stream": True}, timeout=120) as r:
+            lines = [json.loads(x) for x in r.iter_lines() if x]
+        text = "".join(x["response"] for x in lines)
+        got = [e["token"] for x in lines for e in (x.get("logprobs") or [])]
+    else:
+        r = httpx.post(server.url + "/api/generate", json=body, timeout=120).json()
+        text, got = r["response"], [e["token"] for e in r["logprobs"]]
+    assert text == "".join(toks[:k]) and got == toks[:k]
+
+
 @pytest.mark.parametrize("path,body,words", [
     ("/api/chat", {"messages": Q}, "model is required"),
     ("/api/chat", {"model": "m", "messages": Q, "options": {"temperature": -1}}, "options.temperature -1"),

@@ -554,7 +554,7 @@ class BatchScheduler(Drafts, Embeddings, Scoring):
         if s.cm is not None:
             s.cm.advance(tok)
         text, stopped = s.matcher.feed(s.detok.push(tok))
-        s.stream._emit(Chunk(text, tok, None, self._stats(s, None), s.sampler.record))
+        s.stream._emit(Chunk(text, tok, None, self._stats(s, None), s.sampler.record, s.matcher.said))
         if stopped:
             self._finish(s, "stop")
         elif s.cm is not None and s.cm.done:   # the grammar is complete: only end of text could follow
@@ -591,11 +591,10 @@ class BatchScheduler(Drafts, Embeddings, Scoring):
                 f.fork_of = None
                 self._finish(f, reason, locked=True)
         if reason not in ("stop", "cancelled", "error"):
-            rest, _ = s.matcher.feed(s.detok.flush())
-            rest += s.matcher.flush()
+            rest = s.matcher.flush_text(s.detok.flush())
             if rest:
-                self._outbox.append((s.stream, Chunk(rest, None, None, self._stats(s, None))))
-        self._outbox.append((s.stream, Chunk("", None, reason, self._stats(s, reason))))
+                self._outbox.append((s.stream, Chunk(rest, None, None, self._stats(s, None), said=s.matcher.said)))
+        self._outbox.append((s.stream, Chunk("", None, reason, self._stats(s, reason), said=s.matcher.said)))
 
     def _stats(self, s: _Seq, reason: str | None) -> Stats:
         """Where s stands (every Chunk carries one, as generate()'s do)."""

@@ -11,6 +11,7 @@ the same sampler: the output is the same as without it; rejected positions are t
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
@@ -54,6 +55,10 @@ class Chunk:
     finish_reason: str | None = None
     stats: Stats | None = None   # always set by generate() and the batching scheduler: the running Stats
     logprob: TokenLogprob | None = None   # this token's, when SamplingParams.record_logprobs asks for them
+    # how many of the generated tokens so far (this one included) have text in the answer released so far: a
+    # token is said once the released text reaches past its start. Tokens of a stop string, which the answer
+    # leaves out, are never said (logprobs give out a token's record with its text, streamed or whole)
+    said: int = 0
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -65,17 +70,25 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 class _StopMatcher:
-    """Holds back text that could be the start of a stop string; reports where a stop string ends."""
+    """Holds back text that could be the start of a stop string; reports where a stop string ends, and how many
+    of the tokens fed (one feed per token) have text released (`said`)."""
 
     def __init__(self, stops: Sequence[str]):
         self.stops = [s for s in stops if s]
         self.pending = ""
         self.matched: str | None = None   # the stop string found
+        self.said = 0        # tokens whose text has begun to be released
+        self._fed = 0        # characters fed so far
+        self._starts: deque[int] = deque()   # where each token not yet said begins, in characters fed
 
-    def feed(self, text: str) -> tuple[str, bool]:
-        """-> (text safe to emit now, stopped)."""
+    def feed(self, text: str, token: bool = True) -> tuple[str, bool]:
+        """One token's text (token False: text of no token of its own) -> (text safe to emit now, stopped)."""
         if not self.stops:
+            self.said += token
             return text, False
+        if token:
+            self._starts.append(self._fed)
+        self._fed += len(text)
         self.pending += text
         best = -1
         for s in self.stops:
@@ -83,7 +96,9 @@ class _StopMatcher:
             if i >= 0 and (best < 0 or i < best):
                 best, self.matched = i, s
         if best >= 0:
-            out, self.pending = self.pending[:best], ""
+            out = self.pending[:best]
+            self._release(self._fed - len(self.pending) + best)   # the tokens past the cut are never said
+            self.pending = ""
             return out, True
         hold = 0
         for s in self.stops:  # longest suffix of pending that is a proper prefix of a stop string
@@ -93,10 +108,22 @@ class _StopMatcher:
                     break
         out = self.pending[: len(self.pending) - hold]
         self.pending = self.pending[len(self.pending) - hold:]
+        self._release(self._fed - hold)
         return out, False
 
-    def flush(self) -> str:
-        out, self.pending = self.pending, ""
+    def _release(self, upto: int):
+        while self._starts and self._starts[0] < upto:
+            self._starts.popleft()
+            self.said += 1
+
+    def flush_text(self, text: str) -> str:
+        """At an end other than a stop string: the detokenizer's last text (`text`) and everything held back,
+        as far as a stop string in them; every token is said."""
+        out, _ = self.feed(text, token=False)
+        out += self.pending
+        self.pending = ""
+        self.said += len(self._starts)
+        self._starts.clear()
         return out
 
 
@@ -184,7 +211,7 @@ def generate(model, tokenizer, prompt_ids: Sequence[int], params: SamplingParams
                 cm.advance(tok)
             history.append(tok)
             text, stopped = matcher.feed(stream.push(tok))
-            yield Chunk(text, tok, None, stats(n_gen, ttft, decode_s, None), sampler.record)
+            yield Chunk(text, tok, None, stats(n_gen, ttft, decode_s, None), sampler.record, matcher.said)
             t0 = time.perf_counter()
             if stopped:
                 reason = "stop"
@@ -232,8 +259,7 @@ def generate(model, tokenizer, prompt_ids: Sequence[int], params: SamplingParams
         if rows is not None and model.generation == mine:
             model.truncate(base + j + 1)
     if reason != "stop":
-        rest, _ = matcher.feed(stream.flush())
-        rest += matcher.flush()
+        rest = matcher.flush_text(stream.flush())
         if rest:
-            yield Chunk(rest, None, None, stats(n_gen, ttft, decode_s, None))
-    yield Chunk("", None, reason, stats(n_gen, ttft, decode_s, reason))
+            yield Chunk(rest, None, None, stats(n_gen, ttft, decode_s, None), said=matcher.said)
+    yield Chunk("", None, reason, stats(n_gen, ttft, decode_s, reason), said=matcher.said)
