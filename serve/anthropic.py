@@ -140,6 +140,7 @@ class MessagesRequest(_Conversation, _Sampling):
     output_config: Optional[dict[str, Any]] = None
     container: Optional[Any] = None
     mcp_servers: Optional[Any] = None
+    context_management: Optional[dict[str, Any]] = None
 
     def limit(self) -> Optional[int]:
         return self.max_tokens
@@ -177,6 +178,8 @@ class MessagesRequest(_Conversation, _Sampling):
             return "container", "code execution containers are not supported"
         if self.mcp_servers:
             return "mcp_servers", "MCP servers are not supported here (give their tools as custom tools)"
+        if (self.context_management or {}).get("edits"):
+            return "context_management", "context editing is not supported (the conversation runs as sent)"
         if self.n != 1:
             return "n", "one answer per message (n is not part of the Messages API)"
         return super().unsupported()

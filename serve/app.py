@@ -256,8 +256,10 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         from ..engine.errors import ConstraintError
         from ..engine.runtime.tools import functions_from_tools
         if not tools or choice == "none":
-            if choice not in ("none", "auto"):
-                raise APIError(400, f"tool_choice {choice!r} needs tools", param="tool_choice", code="invalid_value")
+            if choice not in ("none", "auto"):   # said in no API's own words ("required" is Anthropic's "any")
+                what = "a tool call" if choice == "required" else f"a call of {choice!r}"
+                raise APIError(400, f"tool_choice asks for {what} but the request gives no tools",
+                               param="tool_choice", code="invalid_value")
             return None, None, None
         fmt = eng.tool_format()
         try:

@@ -350,7 +350,7 @@ class ResponseBuilder:
             "parallel_tool_calls": b.parallel_tool_calls is not False, "previous_response_id": None,
             "reasoning": {"effort": None, "summary": None}, "store": False,
             "temperature": self.params.temperature, "top_p": self.params.top_p,
-            "text": {"format": fmt, "verbosity": "medium"}, "tool_choice": b.tool_choice or ("auto" if b.tools else "none"),
+            "text": {"format": fmt, "verbosity": "medium"}, "tool_choice": b.tool_choice or "auto",
             "tools": b.tools or [], "top_logprobs": b.top_logprobs or 0, "truncation": "disabled",
             "usage": self.usage, "user": b.user, "metadata": b.metadata or {},
         }

@@ -181,6 +181,7 @@ def test_structured_output_by_output_config(claude, server):
     {"tool_choice": {"type": "any"}},
     {"container": "c1"},
     {"mcp_servers": [{"type": "url", "url": "http://127.0.0.1:1", "name": "x"}]},
+    {"context_management": {"edits": [{"type": "clear_tool_uses_20250919"}]}},
     {"temperature": 1.5},
     {"max_tokens": None},
 ])
@@ -191,6 +192,7 @@ def test_what_cannot_be_honoured_is_a_400_in_anthropics_shape(server, extra):
     assert r.status_code == 400, r.text
     err = r.json()
     assert err["type"] == "error" and err["error"]["type"] == "invalid_request_error" and err["error"]["message"]
+    assert "'required'" not in err["error"]["message"]   # OpenAI's word for Anthropic's "any"
 
 
 def test_x_api_key_is_a_key():

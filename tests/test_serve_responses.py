@@ -51,7 +51,7 @@ def test_text_answer_is_the_chat_answer(client):
     u = r.usage
     assert (u.input_tokens, u.output_tokens) == (c.usage.prompt_tokens, c.usage.completion_tokens)
     assert u.total_tokens == u.input_tokens + u.output_tokens and u.output_tokens_details.reasoning_tokens == 0
-    assert r.temperature == 0 and r.tool_choice == "none" and r.text.format.type == "text"
+    assert r.temperature == 0 and r.tool_choice == "auto" and r.text.format.type == "text"
 
 
 def test_instructions_and_roles_are_chat_messages(client):
