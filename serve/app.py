@@ -184,8 +184,7 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         if err.get("type") == "json_invalid":
             return error_response(400, "request body is not valid JSON", code="invalid_json")
         if param is None:
-            return error_response(400, "request body must be a JSON object (send Content-Type: application/json)",
-                                  code="invalid_json")
+            return error_response(400, "request body must be a JSON object", code="invalid_json")
         msg = err.get("msg", "invalid value")
         if err.get("type") != "invalid_setting":   # a sampling setting's message names it already
             msg = f"{param or 'body'}: {msg}"

@@ -96,6 +96,21 @@ def release_memory():
 
 
 # ---- ASGI middleware --------------------------------------------------------------------------------------
+def as_json(scope):
+    """The request with its body read as JSON whatever Content-Type it names, as llama-server and ollama read
+    theirs: `curl -d` sends application/x-www-form-urlencoded, a browser's fetch() of a string text/plain, and
+    some clients none, where the handlers (FastAPI's strict content type) would see bytes and refuse them.
+    Multipart bodies keep their type."""
+    headers = scope.get("headers") or []
+    for i, (k, v) in enumerate(headers):
+        if k == b"content-type":
+            t = v.split(b";")[0].strip().lower()
+            if t == b"application/json" or t.endswith(b"+json") or t.startswith(b"multipart/"):
+                return scope
+            return dict(scope, headers=headers[:i] + [(k, b"application/json")] + headers[i + 1:])
+    return dict(scope, headers=list(headers) + [(b"content-type", b"application/json")])   # none named
+
+
 class LimitsMiddleware:
     def __init__(self, app, limits: Limits = Limits(), prompt_bound=None):
         self.app, self.limits = app, limits
@@ -130,6 +145,7 @@ class LimitsMiddleware:
         body, status, n_read = b"", None, 0
         try:
             if scope.get("method") in ("POST", "PUT", "PATCH", "DELETE"):   # DELETE: ollama's /api/delete has a body
+                scope = as_json(scope)
                 body, status, n_read = await self._read_body(receive, bound[0] if bound is not None else None)
                 if status == "disconnect":
                     return

@@ -218,3 +218,20 @@ def test_completion_refusals_name_the_field(server, body, param):
     r = post(server, "/completion", {"prompt": P, "n_predict": 2, **body})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param and r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("ctype", ["application/x-www-form-urlencoded", "text/plain;charset=UTF-8", None])
+def test_a_json_body_is_read_whatever_its_content_type(server, ctype):
+    """`curl -d` names its body application/x-www-form-urlencoded, a browser's fetch() of a string text/plain:
+    llama-server and ollama read the JSON all the same, and so does every route here (it used to be a 400)."""
+    headers = {"Content-Type": ctype} if ctype else {}
+    for path, body, key in [("/completion", {"prompt": "Once", "n_predict": 2}, "content"),
+                            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                      "max_tokens": 2}, "choices"),
+                            ("/api/generate", {"model": "m", "prompt": "Once", "stream": False,
+                                               "options": {"num_predict": 2}}, "response"),
+                            ("/tokenize", {"content": "Once"}, "tokens")]:
+        r = httpx.post(server.url + path, content=json.dumps(body), headers=headers, timeout=60)
+        assert r.status_code == 200 and key in r.json(), (path, r.text)
+    r = httpx.post(server.url + "/completion", content="prompt=Once", headers=headers, timeout=60)
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]   # what it is, not its type
