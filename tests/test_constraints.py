@@ -315,11 +315,36 @@ def test_gbnf_examples_from_llama_cpp(llm, mode):
     (lambda: Constraint.gbnf('root ::= "a'), "GBNF"),
     (lambda: Constraint.gbnf("root ::= undefined-rule"), "undefined-rule"),
     (lambda: Constraint.json_schema({"enum": ["x" * 1000] * (MAX_SPEC_BYTES // 1000 + 1)}), "KiB limit"),
+    # an integer past 64 bits anywhere in a schema (the grammar engine cannot hold it): was an internal error
+    (lambda: Constraint.json_schema({"type": "integer", "maximum": 2 ** 64}), str(2 ** 64)),
+    (lambda: Constraint.json_schema({"type": "string", "default": 2 ** 70}), str(2 ** 70)),
+    # grammars no text matches: refused when compiled, not by the first step of a request (an engine error)
+    (lambda: Constraint.gbnf('root ::= root "a"'), "no text matches it"),
+    (lambda: Constraint.gbnf('root ::= "a" | "b" x\nx ::= x "c"'), None),
 ])
 def test_refused_with_the_reason(llm, spec, words):
+    if words is None:   # a grammar with a dead branch beside a live one is no error: it matches "a"
+        assert llm.compile_constraint(spec()) is not None
+        return
     with pytest.raises(ConstraintError) as e:
         llm.compile_constraint(spec())
     assert words in str(e.value)
+
+
+@pytest.mark.parametrize("n,required", [(600, True), (600, False), (1200, True)])
+def test_schemas_of_thousands_of_properties_are_enforced(llm, n, required):
+    """OpenAI takes up to 5,000 properties; llguidance's default limits refused 600 required ones (its lexer's
+    initial fuel) and 600 optional enums (an Earley row's items). Each answer still obeys the schema."""
+    props = {f"p{i}": ({"type": "integer"} if i % 2 else {"enum": ["a", "b"]})
+             for i in range(n)}
+    schema = {"type": "object", "properties": props, "additionalProperties": False}
+    if required:
+        schema["required"] = list(props)
+    text, _, last = _run(llm, _ask(llm, "JSON"), SamplingParams(temperature=1.0, seed=3),
+                         Constraint.json_schema(schema), max_tokens=60)
+    assert last.finish_reason in ("eos", "length") and text.startswith("{")
+    if last.finish_reason == "eos":
+        jsonschema.validate(json.loads(text), schema)
 
 
 def test_refused_request_leaves_nothing_behind():

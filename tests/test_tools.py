@@ -114,6 +114,42 @@ def test_constrained_calls_validate(llm, fmt_template, choice):
             jsonschema.validate(json.loads(c["function"]["arguments"]), SCHEMA[name])
 
 
+NESTED = {"$defs": {"Point": {"type": "object", "additionalProperties": False, "required": ["x", "y"],
+                             "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 9},
+                                            "y": {"type": "integer", "minimum": 0, "maximum": 9}}}},
+          "type": "object", "additionalProperties": False, "required": ["a", "b"],
+          "properties": {"a": {"$ref": "#/$defs/Point"}, "b": {"$ref": "#/$defs/Point"}}}
+TREE = {"type": "object", "additionalProperties": False, "required": ["v", "kids"],
+        "properties": {"v": {"type": "integer", "minimum": 0, "maximum": 9},
+                       "kids": {"type": "array", "maxItems": 2, "items": {"$ref": "#"}}}}
+
+
+@pytest.mark.parametrize("fmt_template", [None, '{% if tools %}"parameters"{% endif %}<|python_tag|>'])
+@pytest.mark.parametrize("n_tools", [1, 2])
+def test_parameters_with_references_validate(llm, fmt_template, n_tools):
+    """Parameters with $defs (openai.pydantic_function_tool writes them for nested models) and a recursive "#":
+    their references point into the tool's own schema inside the call's (they were a 400, or a "#" meaning the
+    whole call)."""
+    tools = [{"type": "function", "function": {"name": "segment", "parameters": NESTED}},
+             {"type": "function", "function": {"name": "tree", "parameters": TREE}}][2 - n_tools:]
+    schema = {"segment": NESTED, "tree": TREE}
+    fmt = tool_format(fmt_template)
+    spec = fmt.constraint(functions_from_tools(tools), "required", parallel=False)
+    ids = llm.chat_prompt(Q, tools=tools)
+    seen = set()
+    for seed in range(4):
+        chunks = list(llm.generate(ids, SamplingParams(temperature=1.0, seed=seed), max_tokens=160, constraint=spec))
+        if chunks[-1].finish_reason != "eos":   # a tree as deep as max_tokens allows: no whole call to check
+            continue
+        p = fmt.parser()
+        _, calls = p.feed("".join(c.text for c in chunks))
+        calls += p.finish()[1]
+        for c in calls:
+            seen.add(c["function"]["name"])
+            jsonschema.validate(json.loads(c["function"]["arguments"]), schema[c["function"]["name"]])
+    assert seen, "no call ended within max_tokens"
+
+
 def test_bad_tools_refused_naming_the_tool():
     bad = TOOLS + [{"type": "function", "function": {"name": "u", "parameters": {"type": "array", "uniqueItems": True}}}]
     with pytest.raises(ConstraintError) as e:

@@ -108,6 +108,15 @@ class Constraint:
 
     def grammar(self) -> str:
         """The spec as an llguidance grammar (JSON text)."""
+        try:
+            return self._grammar()
+        except ConstraintError:
+            raise
+        except (ValueError, TypeError, OverflowError, RecursionError) as e:
+            # llguidance's own refusals of a spec it cannot represent (an integer past 64 bits in a schema)
+            raise ConstraintError(f"{self.where}: cannot be enforced: {_one_line(e)}", where=self.where) from None
+
+    def _grammar(self) -> str:
         from llguidance import LLMatcher
 
         if len(self.source.encode("utf-8")) > MAX_SPEC_BYTES:
@@ -131,6 +140,26 @@ class Constraint:
             return LLMatcher.grammar_from_lark(lark)
         raise ConstraintError(f"{self.where}: unknown constraint kind {self.kind!r} (one of {', '.join(KINDS)})",
                               where=self.where)
+
+
+def rebased(schema, pointer: str):
+    """A copy of a JSON Schema to be placed at JSON pointer `pointer` of another (a tool's parameters inside
+    the call's schema): its local references ("#", "#/$defs/...") point where their targets now are."""
+    if isinstance(schema, list):
+        return [rebased(x, pointer) for x in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for k, v in schema.items():
+        if k in _DATA_KEYWORDS:
+            out[k] = v
+        elif k == "$ref" and isinstance(v, str) and (v == "#" or v.startswith("#/")):
+            out[k] = "#" + pointer + v[1:]
+        elif k in _SCHEMA_MAPS and isinstance(v, dict):
+            out[k] = {name: rebased(sub, pointer) for name, sub in v.items()}
+        else:
+            out[k] = rebased(v, pointer)
+    return out
 
 
 def bounded_integers(schema):
@@ -164,6 +193,14 @@ def bounded_integers(schema):
     return out
 
 
+def parser_limits():
+    """llguidance's resource limits, two of them raised: a schema of a few thousand properties (OpenAI takes up
+    to 5,000) passes the lexer's initial fuel (default 1M, ~20 ms) and an Earley row's items (default 2,000).
+    The per-step limits, which bound each token's mask, stay llguidance's."""
+    from llguidance import LLParserLimits
+    return LLParserLimits(initial_lexer_fuel=20_000_000, max_items_in_row=20_000, verbose_errors=False)
+
+
 def _is_num(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
@@ -173,7 +210,7 @@ def check(spec: Constraint) -> Constraint:
     caller uses to find which of several parts (a tool's parameters) is at fault before compiling the whole."""
     from llguidance import LLMatcher
 
-    err = LLMatcher.validate_grammar(spec.grammar())
+    err = LLMatcher.validate_grammar(spec.grammar(), limits=parser_limits())
     if err:
         raise ConstraintError(f"{spec.where}: cannot be enforced: {_one_line(err)}", where=spec.where)
     return spec
@@ -289,7 +326,19 @@ class _Compiler:
 
         def build():   # llguidance drops the GIL while it compiles; a runaway compile is abandoned, not awaited
             from llguidance import LLMatcher
-            box["m"] = LLMatcher(ll, grammar, log_level=0)
+            m = LLMatcher(ll, grammar, log_level=0, limits=parser_limits())
+            box["m"] = m
+            if not m.is_error():   # the first step's work (its mask, forced tokens) fails here, not mid-request
+                probe = m.deep_copy()
+                words = np.zeros((self.n_vocab + 31) // 32, np.int32)
+                probe.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
+                if spec.jump_forward and not probe.is_error():
+                    probe.compute_ff_tokens()
+                if probe.is_error():   # NoExtensionBias: no token can begin any text the grammar takes
+                    err = probe.get_error()
+                    box["error"] = "no text matches it" if err.startswith("NoExtension") else err
+                elif not words.any():
+                    box["error"] = "no text matches it"
 
         worker = threading.Thread(target=build, name="bitnet-grammar-compile", daemon=True)
         worker.start()
@@ -298,8 +347,8 @@ class _Compiler:
             raise ConstraintError(f"{spec.where}: compiling it took more than {COMPILE_TIMEOUT_S:g} s; simplify the"
                                   " schema or grammar", where=spec.where)
         m = box.get("m")
-        if m is None or m.is_error():
-            msg = m.get_error() if m is not None else "the grammar engine failed"
+        if m is None or m.is_error() or "error" in box:
+            msg = box.get("error") or (m.get_error() if m is not None else "the grammar engine failed")
             raise ConstraintError(f"{spec.where}: cannot be enforced: {_one_line(msg)}", where=spec.where)
         compiled = CompiledConstraint(spec, m, self.n_vocab)
         with self._lock:

@@ -24,7 +24,7 @@ import uuid
 from dataclasses import dataclass
 
 from ..errors import ConstraintError
-from .constraints import Constraint, bounded_integers, check
+from .constraints import Constraint, bounded_integers, check, rebased
 
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 DEFAULT_SYSTEM_BLOCK = (
@@ -107,10 +107,17 @@ class ToolFormat:
         return {"role": role, "content": content}
 
     # ---- the grammar ----------------------------------------------------------------------------------
+    ARGS = "arguments"   # the call object's key for the arguments
+
     def _call_schema(self, functions: list[Function]) -> dict:
-        one = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
-                "properties": {"name": {"const": f.name}, "arguments": bounded_integers(f.parameters)}}
-               for f in functions]
+        """One schema for a call of any of `functions`; each tool's parameters sit under the call's ARGS key,
+        their own references ("#/$defs/...", "#") moved there."""
+        def at(i):
+            return ("/oneOf/%d" % i if len(functions) > 1 else "") + "/properties/" + self.ARGS
+
+        one = [{"type": "object", "additionalProperties": False, "required": ["name", self.ARGS],
+                "properties": {"name": {"const": f.name}, self.ARGS: rebased(bounded_integers(f.parameters), at(i))}}
+               for i, f in enumerate(functions)]
         return {"x-guidance": COMPACT_JSON, **({"oneOf": one} if len(one) > 1 else one[0])}
 
     def _call_rule(self, functions) -> str:
@@ -140,15 +147,10 @@ class ToolFormat:
 class Llama3JsonFormat(ToolFormat):
     """Llama-3.x's JSON tool calls: the whole answer is {"name": ..., "parameters": {...}}."""
     name = "llama3_json"
+    ARGS = "parameters"
 
     def call_text(self, name, arguments):
-        return _call_json(name, "parameters", arguments)
-
-    def _call_schema(self, functions):
-        one = [{"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
-                "properties": {"name": {"const": f.name}, "parameters": bounded_integers(f.parameters)}}
-               for f in functions]
-        return {"x-guidance": COMPACT_JSON, **({"oneOf": one} if len(one) > 1 else one[0])}
+        return _call_json(name, self.ARGS, arguments)
 
     def _call_rule(self, functions):
         return f"call: %json {json.dumps(self._call_schema(functions), ensure_ascii=False)}\n"
