@@ -36,6 +36,7 @@ CHAIN_OFF = {"dry": ("dry_multiplier", 0.0), "top_n_sigma": ("top_n_sigma", -1.0
 # llama-server fields for samplers and features this engine does not have: refused unless at their "off" value
 OFF = {"n_indent": 0, "t_max_predict_ms": 0, "post_sampling_probs": False, "image_data": None,
        "lora": None, "multimodal_data": None}
+LAZY = ("grammar_lazy", "grammar_triggers")   # refused when set (true, non-empty)
 STOP_TYPE = {"eos": "eos", "stop": "word", "length": "limit", "context": "limit", "cancelled": "none"}
 
 
@@ -96,6 +97,10 @@ class NativeCompletionRequest(_Sampling):
         for name, off in OFF.items():
             if extra.get(name, off) != off:
                 return name, f"{name} {extra[name]!r}: not supported (only {off!r}, off)"
+        for name in LAZY:   # a lazy grammar waits for a trigger; ignored, it would constrain from the first token
+            if extra.get(name):
+                return name, (f"{name}: lazy grammars (applied from a trigger on) are not supported; the grammar "
+                              "applies from the first token")
         if self.samplers is not None:
             names = [SAMPLER_ALIASES.get(x, x) if isinstance(x, str) else x for x in self.samplers]
             unknown = [x for x in names if x not in CHAIN and x not in NO_OP_SAMPLERS]

@@ -206,6 +206,8 @@ def test_llama_cpps_other_samplers_take_effect(server):
     ({"dry_penalty_last_n": -2}, "dry_penalty_last_n"),
     ({"dry_sequence_breakers": "\n"}, "dry_sequence_breakers"),
     ({"post_sampling_probs": True}, "post_sampling_probs"),
+    ({"grammar": 'root ::= "yes" | "no"', "grammar_lazy": True}, "grammar_lazy"),   # was applied at once
+    ({"grammar": 'root ::= "yes"', "grammar_triggers": [{"type": 0, "value": "ZZ"}]}, "grammar_triggers"),
     ({"samplers": ["temperature", "top_k"]}, "samplers"),
     ({"samplers": ["top_k", "magic"]}, "samplers"),
     ({"prompt": ["one", "two"]}, "prompt"),
