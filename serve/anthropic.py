@@ -141,6 +141,7 @@ class MessagesRequest(_Conversation, _Sampling):
     container: Optional[Any] = None
     mcp_servers: Optional[Any] = None
     context_management: Optional[dict[str, Any]] = None
+    output_format: Optional[dict[str, Any]] = None   # the structured-outputs beta's name of output_config.format
 
     def limit(self) -> Optional[int]:
         return self.max_tokens
@@ -149,13 +150,16 @@ class MessagesRequest(_Conversation, _Sampling):
         return [s for s in (self.stop_sequences or []) + super().stops() if s]
 
     def format_spec(self) -> Optional[dict]:
-        fmt = (self.output_config or {}).get("format")
+        fmt, where = (self.output_config or {}).get("format"), "output_config.format"
+        if self.output_format is not None:   # the beta's field (anthropic-beta: structured-outputs-2025-11-13)
+            if fmt is not None:
+                raise RequestProblem("output_format", "give output_config.format or output_format, not both")
+            fmt, where = self.output_format, "output_format"
         if fmt is None:
             return None
         if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
-            raise RequestProblem("output_config.format", "output_config.format: {\"type\": \"json_schema\", "
-                                                         "\"schema\": {...}}")
-        return fmt
+            raise RequestProblem(where, f"{where}: {{\"type\": \"json_schema\", \"schema\": {{...}}}}")
+        return dict(fmt, where=where)
 
     def constraint(self):
         from ..engine.errors import ConstraintError
@@ -166,7 +170,7 @@ class MessagesRequest(_Conversation, _Sampling):
         if other is not None:
             raise ConstraintError("give output_config.format or one of response_format, json_schema and grammar",
                                   where=other.where)
-        return Constraint.json_schema(fmt["schema"], where="output_config.format.schema")
+        return Constraint.json_schema(fmt["schema"], where=fmt["where"] + ".schema")
 
     def unsupported(self) -> tuple[str, str] | None:
         refused = self.refused()

@@ -161,6 +161,11 @@ def test_structured_output_by_output_config(claude, server):
     c = chat(server, [{"role": "user", "content": Q}], max_tokens=60,
              response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}})
     assert text_of(m) == c["choices"][0]["message"]["content"]
+    # the structured-outputs beta's name for it (it used to be ignored: free text)
+    beta = httpx.post(server.url + "/v1/messages", timeout=60, headers={"anthropic-beta": "structured-outputs-2025-11-13"},
+                      json={"model": "any", "max_tokens": 60, "messages": [{"role": "user", "content": Q}],
+                            "output_format": {"type": "json_schema", "schema": schema}, "temperature": 0}).json()
+    assert beta["content"][0]["text"] == text_of(m)
 
 
 @pytest.mark.parametrize("extra", [
@@ -175,6 +180,9 @@ def test_structured_output_by_output_config(claude, server):
     {"thinking": {"type": "enabled", "budget_tokens": 1024}},
     {"output_config": {"effort": "high"}},
     {"output_config": {"format": {"type": "json_object"}}},
+    {"output_format": {"type": "json_object"}},
+    {"output_format": {"type": "json_schema", "schema": {}}, "output_config": {"format": {"type": "json_schema",
+                                                                                         "schema": {}}}},
     {"tools": [{"type": "web_search_20250305", "name": "web_search"}]},
     {"tools": [ADD], "tool_choice": {"type": "tool"}},
     {"tools": [ADD], "tool_choice": {"type": "sometimes"}},
