@@ -116,6 +116,31 @@ class ServerState:
             self.engine.close()
 
 
+class CountingMiddleware:
+    """Counts each answered request by path and status (bitnet_http_requests) and names the process that
+    answered (X-Bitnet-Instance: load balancers, Ray replicas). Pure ASGI: Starlette's @app.middleware("http")
+    wraps `receive`, and behind it request.is_disconnected() never saw a client hang up, so a non-streaming
+    request ran to its end for nobody."""
+
+    def __init__(self, app, metrics):
+        self.app, self.metrics = app, metrics
+        self.instance = f"{socket.gethostname()}:{os.getpid()}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope.get("path", "")
+        counted = path.startswith(("/v1/", "/api/")) or path in COUNTED_PATHS
+
+        async def send_counted(msg):
+            if msg["type"] == "http.response.start":
+                msg = dict(msg, headers=[*msg.get("headers", ()), (b"x-bitnet-instance", self.instance)])
+                if counted:
+                    self.metrics.requests.labels(path, str(msg["status"])).inc()
+            await send(msg)
+        await self.app(scope, receive, send_counted)
+
+
 def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id: str | None = None,
                retry_after: int = 1, on_shutdown: Callable[[], None] | None = None,
                sampling: Any = None, strict_model: bool = False, limits: Limits | None = None,
@@ -200,14 +225,7 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         type_ = "not_found_error" if e.status_code == 404 else "invalid_request_error"
         return in_family(request, error_response(e.status_code, str(e.detail), type_))
 
-    @app.middleware("http")
-    async def _count(request: Request, call_next):
-        resp = await call_next(request)
-        resp.headers["X-Bitnet-Instance"] = f"{socket.gethostname()}:{os.getpid()}"  # which process answered (load balancers, Ray replicas)
-        path = request.url.path
-        if path.startswith(("/v1/", "/api/")) or path in COUNTED_PATHS:
-            metrics.requests.labels(path, str(resp.status_code)).inc()
-        return resp
+    app.add_middleware(CountingMiddleware, metrics=metrics)
     allow_cross_origin(app, cors_origins)   # outermost: a preflight is answered before the key check
 
     def ready(request: Request):

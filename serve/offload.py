@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import weakref
 
 from fastapi import HTTPException, Request
@@ -195,10 +196,18 @@ _timeout = getattr(asyncio, "timeout", None)
 
 
 async def next_or_gone(q: asyncio.Queue, request, poll: float = 0.5):
-    """q's next item, or None once the client has hung up (looked at every `poll` s while nothing comes)."""
+    """q's next item, or None once the client has hung up: looked at every `poll` s, whether items come (a
+    decoding answer gives one every few ms) or not (a request waiting in the queue)."""
+    key = "bitnet.hangup_checked"
     while True:
+        now = time.monotonic()
+        if now - request.scope.setdefault(key, now) >= poll:
+            request.scope[key] = now
+            if await request.is_disconnected():
+                return None
         done, item = await within(q.get(), poll)
         if done:
             return item
+        request.scope[key] = time.monotonic()
         if await request.is_disconnected():
             return None

@@ -15,6 +15,7 @@ class Client:
 
     def __init__(self, gone=False):
         self.gone = gone
+        self.scope = {}   # the request's ASGI scope, where next_or_gone notes when it last looked
 
     async def is_disconnected(self):
         return self.gone
@@ -53,6 +54,28 @@ def test_next_or_gone_returns_items_and_notices_a_hang_up(path):
         client.gone = True
         assert await next_or_gone(q, client, poll=0.01) is None
         assert q.empty()
+    asyncio.run(main())
+
+
+def test_a_hang_up_is_noticed_while_items_keep_coming(path):
+    """A decoding answer gives an item every few ms: the hang-up is still looked for every `poll` s (it used to
+    be looked for only after `poll` s without an item, so a non-streaming answer ran to its end for nobody)."""
+    async def main():
+        q = asyncio.Queue()
+        client = Client()
+        for i in range(3):
+            q.put_nowait(i)
+        assert [await next_or_gone(q, client, poll=0.05) for _ in range(3)] == [0, 1, 2]
+        client.gone = True
+        got = []
+        for i in range(1000):   # an item always waiting: at most 5 s of them at 5 ms each
+            q.put_nowait(i)
+            item = await next_or_gone(q, client, poll=0.05)
+            if item is None:
+                break
+            got.append(item)
+            await asyncio.sleep(0.005)
+        assert item is None and len(got) < 1000
     asyncio.run(main())
 
 

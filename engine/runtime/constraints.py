@@ -131,11 +131,11 @@ class Constraint:
         if self.kind == "lark":
             return LLMatcher.grammar_from_lark(self.source)
         if self.kind == "gbnf":
-            from llguidance.gbnf_to_lark import gbnf_to_lark
+            from .gbnf import GbnfError, gbnf_to_lark
 
             try:
                 lark = gbnf_to_lark(self.source)
-            except Exception as e:  # the converter's own syntax errors
+            except GbnfError as e:  # the converter's own syntax errors
                 raise ConstraintError(f"{self.where}: GBNF grammar: {_one_line(e)}", where=self.where) from None
             return LLMatcher.grammar_from_lark(lark)
         raise ConstraintError(f"{self.where}: unknown constraint kind {self.kind!r} (one of {', '.join(KINDS)})",
