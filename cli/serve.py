@@ -30,7 +30,8 @@ def add_arguments(p):
                         f"(default {BATCH_TOKENS_DEFAULT}, {BATCH_TOKENS_TILES} where the AMX tiles run; smaller keeps "
                         "the other streams moving while a long prompt is read, larger gives a prompt's matrix "
                         f"products more rows; 1..{BATCH_TOKENS_MAX})%(default).0s")
-    p.add_argument("--max-queue", type=int, default=64, help="waiting requests before answering 503 + Retry-After")
+    p.add_argument("--max-queue", type=int, default=64, help="requests waiting for a free slot before answering 503 +"
+                   " Retry-After (0: never wait)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint but /health%(default).0s")
     p.add_argument("--api-key-file", default=None, help="file of API keys, one per line (several users); with or instead of --api-key%(default).0s")
     p.add_argument("--metrics-public", action="store_true", help="serve /metrics without the API key")

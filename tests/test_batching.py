@@ -307,6 +307,33 @@ def test_submit_errors(synth):
         eng.close()
 
 
+def test_a_burst_into_free_slots_is_not_queue_full(synth):
+    """max_queue bounds what waits for a slot: requests submitted at once into free slots (not yet admitted, as
+    the scheduler takes them at its next step) are no queue, so --parallel 4 --max-queue 1 takes four at once
+    plus one waiting (it used to refuse the second), and max_queue 0 takes only what a free slot runs."""
+    m, _, stores = synth
+    for max_queue, take in ((1, 4), (0, 3)):
+        eng = load_engine(stores["f16"], ctx=64, parallel=4, max_queue=max_queue, progress=False)
+        release, entered = threading.Event(), threading.Event()
+
+        def hold(c):
+            entered.set()
+            release.wait(60)
+        try:
+            running = eng.submit([1, 2, 3], GREEDY, max_tokens=5, callback=hold)
+            assert entered.wait(60)   # the scheduler thread is held: nothing more is admitted meanwhile
+            burst = [eng.submit([1, 2], GREEDY, max_tokens=5) for _ in range(take)]
+            with pytest.raises(QueueFullError):
+                eng.submit([1, 2], GREEDY, max_tokens=5)
+            release.set()
+            for s in burst:
+                assert _collect(s)[-1].finish_reason in ("length", "eos")
+            assert running.finish_reason is not None or eng.metrics()["running"] == 0
+        finally:
+            release.set()
+            eng.close()
+
+
 def test_random_submit_cancel_two_threads(synth):
     m, _, stores = synth
     eng = load_engine(stores["f16"], ctx=128, parallel=4, kv_pool_tokens=320, max_batch_tokens=48,

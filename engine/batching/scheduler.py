@@ -143,9 +143,12 @@ class BatchScheduler(Drafts, Embeddings, Scoring):
             raise BitNetError("the engine is closed")
         if self._error is not None:
             raise BitNetError(f"the engine stopped after an internal error: {self._error}")
-        if len(self._waiting) >= self.max_queue:
-            raise QueueFullError(f"{len(self._waiting)} requests are already waiting (max_queue {self.max_queue})",
-                                 hint="retry later")
+        # what waits for a free slot: a burst into free slots is not yet admitted (the scheduler thread takes it
+        # at its next step) but waits for nothing, and max_queue 0 means "never wait"
+        queued = len(self._waiting) - max(0, self.parallel - len(self._running))
+        if queued >= self.max_queue:
+            raise QueueFullError(f"{max(queued, 0)} requests are already waiting for a slot (max_queue "
+                                 f"{self.max_queue})", hint="retry later")
 
     def _check_ids(self, ids: list, text: str | None = None):
         """A prompt's ids (text None) or those of embedding text `text` ("input 2"): every id in the vocabulary
