@@ -52,9 +52,9 @@ UNSUPPORTED_ENDPOINTS = {
 
 
 class OllamaError(Exception):
-    def __init__(self, status: int, message: str):
+    def __init__(self, status: int, message: str, headers: dict | None = None):
         super().__init__(message)
-        self.status, self.message = status, message
+        self.status, self.message, self.headers = status, message, headers
 
 
 class _Body(JSONTyped):
@@ -196,7 +196,7 @@ def ready_engine(ready, api_error: type, request):
     try:
         return ready(request)
     except api_error as e:
-        raise OllamaError(e.status, e.message) from None
+        raise OllamaError(e.status, e.message, getattr(e, "headers", None)) from None   # Retry-After of a 503
 
 
 def check_model_name(state, name):
@@ -224,7 +224,7 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
 
     @app.exception_handler(OllamaError)
     async def _ollama_error(request, e: OllamaError):
-        return JSONResponse({"error": e.message}, status_code=e.status)
+        return JSONResponse({"error": e.message}, status_code=e.status, headers=e.headers)
 
     def engine(request: Request):
         return ready_engine(ready, api_error, request)
@@ -311,7 +311,7 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
         except QueueFullError as e:
             if metrics is not None:
                 metrics.rejected.inc()
-            raise OllamaError(503, str(e)) from None
+            raise OllamaError(503, str(e), {"Retry-After": str(state.retry_after)}) from None
         except ContextOverflowError as e:
             raise OllamaError(400, str(e)) from None
         except BitNetError as e:

@@ -321,6 +321,29 @@ def test_api_key_and_queue_full():
     assert rc == 0
 
 
+def test_queue_full_has_retry_after_on_every_api(tmp_path_factory):
+    """--max-queue 0: nothing waits for a slot. With the one slot streaming, a request on each API is a 503
+    queue_full with Retry-After (ollama's routes used to leave the header out)."""
+    from helpers import slowness
+    from serve_proc import slow_model
+    s = Server("-m", slow_model(tmp_path_factory), "-c", "4096", "--parallel", "1", "--max-queue", "0")
+    try:
+        body = {"prompt": "a", "max_tokens": 1500, "temperature": 0, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=30 * slowness()) as r:
+            lines = r.iter_lines()   # kept: a dropped iterator closes the response
+            assert next(lines).startswith("data: ")
+            for path, req in (("/v1/completions", {"prompt": "a", "max_tokens": 2}),
+                              ("/v1/messages", {"model": "m", "max_tokens": 2, "messages": [{"role": "user",
+                                                                                              "content": "a"}]}),
+                              ("/api/generate", {"model": "m", "prompt": "a", "stream": False}),
+                              ("/api/chat", {"model": "m", "messages": [{"role": "user", "content": "a"}],
+                                             "stream": False})):
+                got = httpx.post(s.url + path, json=req, timeout=30 * slowness())
+                assert got.status_code == 503 and int(got.headers["retry-after"]) >= 1, (path, got.text)
+    finally:
+        assert s.stop()[0] == 0
+
+
 def test_sigint_with_stream_in_flight_exits_0():
     s = Server()
     body = {"prompt": "Once", "max_tokens": 500, "stream": True, "temperature": 2.0, "top_p": 1.0, "top_k": 0,
