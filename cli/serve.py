@@ -242,18 +242,22 @@ def main(args) -> int:
         def capture_signals(self):
             yield
 
+    signals = []
+
     def handler(sig, frame):
-        if server.should_exit:
-            server.force_exit = True
+        import threading
+        signals.append(sig)
         server.should_exit = True
-        if not app.state.bitnet.draining:
-            app.state.bitnet.draining = True  # stop admitting; /health says 503 to load balancers
-            # what is still running at the deadline is cancelled in the engine, so every handler ends its answer
-            # itself (a stream's last event, a partial answer) before uvicorn would cancel it (a 500, a traceback)
-            import threading
-            t = threading.Timer(args.drain_timeout, app.state.bitnet.drain)
-            t.daemon = True
-            t.start()
+        # what is still running at the drain's deadline is cancelled in the engine, so every handler ends its
+        # answer itself (a stream's last event, a partial answer) before uvicorn would cancel it (a 500, a
+        # traceback). A second signal brings the deadline to now; only a third stops at once, as uvicorn does.
+        if len(signals) >= 3:
+            server.force_exit = True
+            return
+        app.state.bitnet.draining = True  # stop admitting; /health says 503 to load balancers
+        t = threading.Timer(args.drain_timeout if len(signals) == 1 else 0.0, app.state.bitnet.drain)
+        t.daemon = True
+        t.start()
 
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.drain_timeout + 2, lifespan="on",
