@@ -31,7 +31,7 @@ from .anthropic import CountTokensRequest, MessageBuilder, MessagesRequest
 from .auth import AuthMiddleware, KeyChecker, allow_cross_origin
 from .limits import Limits, LimitsMiddleware, anthropic_error_body
 from .logprobs import Said, TokenText, chat_entry, completion_logprobs, echo_logprobs
-from .metrics import CONTENT_TYPE, ServerMetrics
+from .metrics import CONTENT_TYPE, ServerMetrics, TokenClock
 from .offload import (BodyRefused, next_or_gone, offloop_route, prepare_sampling, prompt_body_bound, run_off_loop,
                       too_long_for_context, warm_bounds)
 from .responses import ResponseBuilder, ResponsesRequest
@@ -355,27 +355,17 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         metrics.prompt_tokens.inc(len(prompt_ids))
         return streams, q
 
-    class Timer:
+    class Timer(TokenClock):
         def __init__(self):
-            self.t0 = time.perf_counter()
-            self.last = None
-            self.n = 0
-
-        def token(self):
-            now = time.perf_counter()
-            if self.last is None:
-                metrics.ttft.observe(now - self.t0)
-            else:
-                metrics.tpot.observe(now - self.last)
-            self.last = now
-            self.n += 1
+            super().__init__(metrics)
 
         def done(self, n_prompt, finals):
-            """(usage, timings): the prompt counted once, the completions of every choice; timings: choice 0's."""
-            metrics.generated_tokens.inc(self.n)
-            metrics.e2e.observe(time.perf_counter() - self.t0)
+            """(usage, timings): the prompt counted once, the completions of every choice; timings: choice 0's.
+            bitnet_generated_tokens counts what usage counts (an end-of-text token too, which has no chunk)."""
             stats = [f.stats if f is not None else None for f in finals]
             n_gen = sum(st.n_generated for st in stats if st is not None) if any(stats) else self.n
+            metrics.generated_tokens.inc(n_gen)
+            metrics.e2e.observe(time.perf_counter() - self.t0)
             usage = {"prompt_tokens": n_prompt, "completion_tokens": n_gen, "total_tokens": n_prompt + n_gen}
             return usage, timings_of(stats[0])
 

@@ -6,6 +6,7 @@ sequences, KV pool pages, prefix-cache hits, prompt-lookup drafted / accepted to
 """
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -15,6 +16,27 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+
+
+class TokenClock:
+    """One answer's token times, into the time-to-first-token and time-per-output-token histograms (metrics
+    None: timed only). `first`: when its first token came (None before)."""
+
+    def __init__(self, metrics=None):
+        self.metrics, self.t0 = metrics, time.perf_counter()
+        self.first = self.last = None
+        self.n = 0
+
+    def token(self):
+        now = time.perf_counter()
+        if self.metrics is not None:
+            if self.last is None:
+                self.metrics.ttft.observe(now - self.t0)
+            else:
+                self.metrics.tpot.observe(now - self.last)
+        self.first = self.first or now
+        self.last = now
+        self.n += 1
 
 
 class _EngineCollector:

@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from ..engine.runtime.sampling import SamplingParams, setting_problem
 from .logprobs import Said, chat_entry
+from .metrics import TokenClock
 from .offload import next_or_gone, prepare_sampling, run_off_loop, too_long_for_context
 from .schemas import JSONTyped, error_where, main_error, utc_iso
 
@@ -321,8 +322,8 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
             metrics.prompt_tokens.inc(len(prompt_ids))
         return stream, q
 
-    def final_fields(t0, final, t_first):
-        st = final.stats
+    def final_fields(clock, final):
+        st, t0, t_first = final.stats, clock.t0, clock.first
         now = time.perf_counter()
         if metrics is not None:
             metrics.generated_tokens.inc(st.n_generated)
@@ -340,7 +341,7 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
         params = sampling_of(body)
         await prepare_sampling(eng, params)   # off the loop: DRY's breaker table scans the vocabulary
         stream, q = submit(eng, body, prompt_ids, constraint, loop, params)
-        t0, model = time.perf_counter(), state.model_id
+        clock, model = TokenClock(metrics), state.model_id
         text_of = state.token_text(eng)
         n_top = body.top_logprobs or 0
 
@@ -349,12 +350,12 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
 
         if body.stream:
             async def lines():
-                final, t_first, tokens, said, sent = None, None, [], Said(), 0
+                final, tokens, said, sent = None, [], Said(), 0
                 try:
                     while True:
                         ch = await q.get()
                         if ch.token is not None:
-                            t_first = t_first or time.perf_counter()
+                            clock.token()
                             tokens.append(ch.token)
                         said.add(ch)
                         text, calls = (parser.feed(ch.text) if parser is not None and ch.text else (ch.text, []))
@@ -374,7 +375,7 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
                         if ch.finish_reason is not None:
                             final = ch
                             break
-                    obj = {"model": model, "created_at": utc_iso(), **piece(""), **final_fields(t0, final, t_first)}
+                    obj = {"model": model, "created_at": utc_iso(), **piece(""), **final_fields(clock, final)}
                     if extra_final:
                         obj.update(extra_final(tokens))
                     yield json.dumps(obj, ensure_ascii=False) + "\n"
@@ -383,14 +384,14 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
                         stream.cancel()
                     state.streams.discard(stream)
             return StreamingResponse(lines(), media_type="application/x-ndjson")
-        pieces, tokens, said, final, t_first = [], [], Said(), None, None
+        pieces, tokens, said, final = [], [], Said(), None
         try:
             while final is None:
                 ch = await next_or_gone(q, request)
                 if ch is None:
                     return JSONResponse({"error": "client disconnected"}, status_code=499)
                 if ch.token is not None:
-                    t_first = t_first or time.perf_counter()
+                    clock.token()
                     tokens.append(ch.token)
                 said.add(ch)
                 pieces.append(ch.text)
@@ -407,7 +408,7 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
             text, calls = parser.feed(text)
             rest, more = parser.finish(DONE.get(final.finish_reason) == "length")
             text, calls = text + rest, calls + more
-        obj = {"model": model, "created_at": utc_iso(), **piece(text, calls), **final_fields(t0, final, t_first)}
+        obj = {"model": model, "created_at": utc_iso(), **piece(text, calls), **final_fields(clock, final)}
         if body.logprobs:
             obj["logprobs"] = lp_list(said.items)
         if extra_final:

@@ -198,6 +198,31 @@ def test_hangup_frees_slot(tmp_path_factory):
         assert s.stop()[0] == 0
 
 
+def test_generated_tokens_and_latency_metrics_agree_with_the_answers(server, model_id):
+    """bitnet_generated_tokens grows by what each answer's usage counts (an end-of-text token too: it used to
+    count chunks, one fewer), and every generation, ollama's too, adds one time-to-first-token observation."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def scrape():
+        fams = {f.name: f for f in text_string_to_metric_families(httpx.get(server.url + "/metrics").text)}
+        gen = fams["bitnet_generated_tokens"].samples[0].value
+        ttft = [x.value for x in fams["bitnet_time_to_first_token_seconds"].samples if x.name.endswith("_count")][0]
+        return gen, ttft
+    q = [{"role": "user", "content": "What is 12+7?"}]
+    for path, body, count in (
+            ("/v1/chat/completions", {"messages": q, "max_tokens": 60, "temperature": 0},
+             lambda r: (r["usage"]["completion_tokens"], r["choices"][0]["finish_reason"] == "stop")),
+            ("/api/chat", {"model": model_id, "messages": q, "stream": False, "options": {"temperature": 0,
+                                                                                         "num_predict": 60}},
+             lambda r: (r["eval_count"], r["done_reason"] == "stop"))):
+        gen0, ttft0 = scrape()
+        r = httpx.post(server.url + path, json=body, timeout=120).json()
+        n, ended = count(r)
+        gen1, ttft1 = scrape()
+        assert ended, r   # the bundled model answers this within 60 tokens, ending with its end-of-text token
+        assert gen1 - gen0 == n and ttft1 - ttft0 == 1, (path, gen1 - gen0, n, ttft1 - ttft0)
+
+
 def test_metrics_parse(server, client, model_id):
     from prometheus_client.parser import text_string_to_metric_families
     client.chat.completions.create(model=model_id, messages=Q, temperature=0, max_tokens=4)
