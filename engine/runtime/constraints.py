@@ -455,6 +455,11 @@ class TokenMatcher:
         """The grammar is complete and nothing can follow (only end of text)."""
         return self._m.is_stopped()
 
+    @property
+    def accepting(self) -> bool:
+        """The text so far is a whole match: end of text may come here (more may follow too)."""
+        return self._m.is_accepting()
+
     def forced(self, limit: int) -> list[int]:
         """Up to `limit` tokens that are the grammar's only continuation from here (may be empty)."""
         if limit <= 0 or not self.jump_forward:

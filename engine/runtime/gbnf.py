@@ -27,6 +27,49 @@ class GbnfError(ValueError):
     pass
 
 
+# ---- sets of characters: sorted, disjoint, non-adjacent (lo, hi) code point ranges ---------------------------
+TOP = 0x10FFFF
+ALL = ((0, TOP),)
+NONE = ()
+
+
+def norm(ranges) -> tuple:
+    out: list = []
+    for lo, hi in sorted(ranges):
+        if out and lo <= out[-1][1] + 1:
+            out[-1] = (out[-1][0], max(out[-1][1], hi))
+        else:
+            out.append((lo, hi))
+    return tuple(out)
+
+
+def complement(ranges) -> tuple:
+    out, at = [], 0
+    for lo, hi in norm(ranges):
+        if lo > at:
+            out.append((at, lo - 1))
+        at = hi + 1
+    if at <= TOP:
+        out.append((at, TOP))
+    return tuple(out)
+
+
+def union(*sets) -> tuple:
+    return norm([r for x in sets for r in x])
+
+
+def meets(a, b) -> bool:
+    i = j = 0
+    while i < len(a) and j < len(b):
+        if a[i][1] < b[j][0]:
+            i += 1
+        elif b[j][1] < a[i][0]:
+            j += 1
+        else:
+            return True
+    return False
+
+
 def _is_word(c: str) -> bool:
     return c.isascii() and (c.isalnum() or c == "-")
 
@@ -34,8 +77,6 @@ def _is_word(c: str) -> bool:
 class _Parser:
     def __init__(self, text: str):
         self.s, self.i = text, 0
-        self.names: dict[str, str] = {}   # GBNF rule name -> Lark rule name
-        self.defined: set[str] = set()
         self.used: dict[str, int] = {}    # rule name -> where it was first referred to
 
     # ---- positions and errors ---------------------------------------------------------------------------
@@ -69,13 +110,6 @@ class _Parser:
             self.fail("expected a rule name")
         return self.s[j:self.i]
 
-    def lark_name(self, name: str) -> str:
-        got = self.names.get(name)
-        if got is None:
-            safe = "".join(c if c.isascii() and c.isalnum() else "_" for c in name.lower())
-            got = self.names[name] = f"g{len(self.names)}_{safe}"   # distinct even where fooBar meets foo-bar
-        return got
-
     # ---- characters ---------------------------------------------------------------------------------
     def char(self) -> int:
         """One character of a literal or class (an escape, or one code point): its code point."""
@@ -103,8 +137,9 @@ class _Parser:
         return simple
 
     # ---- the grammar --------------------------------------------------------------------------------
-    def grammar(self) -> list[str]:
-        rules: list[str] = []
+    def grammar(self) -> dict:
+        """name -> the rule's tree, in the order written."""
+        rules: dict = {}
         self.space(True)
         while self.i < len(self.s):
             start = self.i
@@ -112,12 +147,11 @@ class _Parser:
             self.space(False)
             if self.s[self.i:self.i + 3] != "::=":
                 self.fail("expected ::=")
-            if name in self.defined:
+            if name in rules:
                 self.fail(f"rule {name!r} is defined twice", start)
-            self.defined.add(name)
             self.i += 3
             self.space(True)
-            rules.append(f"{self.lark_name(name)}: {self.alternates(nested=False)}")
+            rules[name] = self.alternates(nested=False)
             c = self.peek()
             if c == "\r":
                 self.i += 2 if self.peek(1) == "\n" else 1
@@ -126,23 +160,23 @@ class _Parser:
             elif c:
                 self.fail("expected the end of the line")
             self.space(True)
-        if "root" not in self.defined:
+        if "root" not in rules:
             raise GbnfError("the grammar has no root rule (root ::= ...)")
         for name, at in self.used.items():
-            if name not in self.defined:
+            if name not in rules:
                 self.fail(f"rule {name!r} is used but never defined", at)
         return rules
 
-    def alternates(self, nested: bool) -> str:
+    def alternates(self, nested: bool):
         alts = [self.sequence(nested)]
         while self.peek() == "|":
             self.i += 1
             self.space(True)
             alts.append(self.sequence(nested))
-        return " | ".join(alts)
+        return alts[0] if len(alts) == 1 else ("alt", alts)
 
-    def sequence(self, nested: bool) -> str:
-        items: list[str] = []
+    def sequence(self, nested: bool):
+        items: list = []
         while self.i < len(self.s):
             c = self.peek()
             at = self.i
@@ -154,35 +188,29 @@ class _Parser:
                         self.fail("a literal is not closed", at)
                     chars.append(self.char())
                 self.i += 1
-                # one lexeme per character ("": the empty string)
-                lits = [json.dumps(chr(x), ensure_ascii=False) for x in chars] or ['""']
-                items.append(lits[0] if len(lits) == 1 else "(" + " ".join(lits) + ")")
+                items.append(("lit", chars))
             elif c == "[":
                 self.i += 1
                 neg = self.peek() == "^"
                 if neg:
                     self.i += 1
-                parts = []
+                ranges = []
                 while self.peek() != "]":
                     if not self.peek():
                         self.fail("a character class is not closed", at)
                     lo = self.char()
+                    hi = lo
                     if self.peek() == "-" and self.peek(1) not in ("]", ""):
                         self.i += 1
                         hi = self.char()
                         if hi < lo:
                             self.fail("a character range runs backwards", at)
-                        parts.append(f"\\x{{{lo:X}}}-\\x{{{hi:X}}}")
-                    else:
-                        parts.append(f"\\x{{{lo:X}}}")
+                    ranges.append((lo, hi))
                 self.i += 1
-                if not parts:   # llama.cpp: [] matches nothing, [^] any character
-                    items.append("/(?s:.)/" if neg else "/[^\\x{0}-\\x{10FFFF}]/")
-                else:
-                    items.append("/[" + ("^" if neg else "") + "".join(parts) + "]/")
+                items.append(("cls", complement(ranges) if neg else norm(ranges)))
             elif c == ".":
                 self.i += 1
-                items.append("/(?s:.)/")
+                items.append(("cls", ALL))
             elif c == "(":
                 self.i += 1
                 self.space(True)
@@ -190,18 +218,18 @@ class _Parser:
                 if self.peek() != ")":
                     self.fail("expected )")
                 self.i += 1
-                items.append(f"({inner})")
+                items.append(inner)
             elif c == "<" or c == "!":
-                items.append(self.token())
+                items.append(("tok", self.token()))
             elif _is_word(c):
                 name = self.name()
                 self.used.setdefault(name, at)
-                items.append(self.lark_name(name))
+                items.append(("ref", name))
             elif c in "*+?":
                 if not items:
                     self.fail(f"{c} follows nothing")
                 self.i += 1
-                items[-1] = f"({items[-1]}){c}"
+                items[-1] = ("rep", items[-1], 1 if c == "+" else 0, 1 if c == "?" else None)
             elif c == "{":
                 if not items:
                     self.fail("a repetition follows nothing")
@@ -210,9 +238,11 @@ class _Parser:
             else:
                 break
             self.space(nested)
-        return " ".join(items) if items else '""'
+        if not items:   # an empty alternative: the empty string
+            return ("lit", [])
+        return items[0] if len(items) == 1 else ("seq", items)
 
-    def repeat(self, item: str, nested: bool) -> str:
+    def repeat(self, item, nested: bool):
         self.i += 1
         self.space(nested)
         lo = self.number()
@@ -231,9 +261,7 @@ class _Parser:
             self.fail(f"a repetition over {MAX_REPETITION} (llama.cpp's limit)")
         if hi is not None and hi < lo:
             self.fail("a repetition's maximum is below its minimum")
-        if hi is None:
-            return f"({item}){{{lo},}}" if lo else f"({item})*"
-        return f"({item}){{{lo},{hi}}}"
+        return ("rep", item, lo, hi)
 
     def number(self) -> int:
         j = self.i
@@ -261,8 +289,242 @@ class _Parser:
         return f"<{body}>"
 
 
+class _Analysis:
+    """What each rule can begin with, whether it can be empty, what can follow it (sets of characters), and
+    which rules can be one greedy lexeme without changing what the grammar takes."""
+
+    def __init__(self, rules: dict):
+        self.rules = rules
+        self.nullable = {n: False for n in rules}
+        self.first = {n: NONE for n in rules}
+        changed = True
+        while changed:
+            changed = False
+            for n, body in rules.items():
+                nul, fst = self.nul(body), self.fst(body)
+                if nul != self.nullable[n] or fst != self.first[n]:
+                    self.nullable[n], self.first[n], changed = nul, fst, True
+        self.follow = {n: NONE for n in rules}
+        changed = True
+        while changed:
+            before = dict(self.follow)
+            for n, body in rules.items():
+                self._walk(body, self.follow[n])
+            changed = before != self.follow
+        self.lexemes = self._lexemes()
+
+    def nul(self, x) -> bool:
+        k = x[0]
+        if k == "lit":
+            return not x[1]
+        if k in ("cls", "tok"):
+            return False
+        if k == "ref":
+            return self.nullable[x[1]]
+        if k == "seq":
+            return all(self.nul(y) for y in x[1])
+        if k == "alt":
+            return any(self.nul(y) for y in x[1])
+        return x[2] == 0 or self.nul(x[1])   # rep
+
+    def fst(self, x) -> tuple:
+        k = x[0]
+        if k == "lit":
+            return ((x[1][0], x[1][0]),) if x[1] else NONE
+        if k == "cls":
+            return x[1]
+        if k == "tok":
+            return NONE
+        if k == "ref":
+            return self.first[x[1]]
+        if k == "seq":
+            out = NONE
+            for y in x[1]:
+                out = union(out, self.fst(y))
+                if not self.nul(y):
+                    break
+            return out
+        if k == "alt":
+            return union(*(self.fst(y) for y in x[1]))
+        return self.fst(x[1])   # rep
+
+    def _walk(self, x, follow):
+        k = x[0]
+        if k == "ref":
+            self.follow[x[1]] = union(self.follow[x[1]], follow)
+        elif k == "seq":
+            cur = follow
+            for y in reversed(x[1]):
+                self._walk(y, cur)
+                cur = union(self.fst(y), cur) if self.nul(y) else self.fst(y)
+        elif k == "alt":
+            for y in x[1]:
+                self._walk(y, follow)
+        elif k == "rep":
+            again = x[3] is None or x[3] > 1
+            self._walk(x[1], union(follow, self.fst(x[1])) if again else follow)
+
+    # ---- lexemes ------------------------------------------------------------------------------------
+    def _refs(self, x, out: set):
+        if x[0] == "ref":
+            out.add(x[1])
+        elif x[0] in ("seq", "alt"):
+            for y in x[1]:
+                self._refs(y, out)
+        elif x[0] == "rep":
+            self._refs(x[1], out)
+        return out
+
+    def _has_token(self, x) -> bool:
+        if x[0] == "tok":
+            return True
+        if x[0] in ("seq", "alt"):
+            return any(self._has_token(y) for y in x[1])
+        return x[0] == "rep" and self._has_token(x[1])
+
+    def _lexemes(self) -> set:
+        """Rules of characters alone (no tokens, no recursion) that a greedy lexeme matches as the grammar
+        does: none of the characters that could extend a whole match may follow the rule anywhere."""
+        refs = {n: self._refs(b, set()) for n, b in self.rules.items()}
+        chars_only = {n for n, b in self.rules.items() if not self._has_token(b)}
+        while True:   # only rules of such rules
+            drop = {n for n in chars_only if not refs[n] <= chars_only}
+            if not drop:
+                break
+            chars_only -= drop
+        state: dict = {}
+
+        def acyclic(n) -> bool:   # no recursion through its references
+            if state.get(n) == 1:
+                return False
+            if state.get(n) == 2:
+                return True
+            state[n] = 1
+            ok = all(acyclic(m) for m in refs[n])
+            state[n] = 2 if ok else 1
+            return ok
+        flat = {n for n in chars_only if acyclic(n)}
+        return {n for n in flat if not meets(self.ext(self.rules[n]), self.follow[n])}
+
+    def ext(self, x) -> tuple:
+        """Characters that can extend a whole match of x into a longer possible one (an over-estimate)."""
+        k = x[0]
+        if k in ("lit", "cls"):
+            return NONE
+        if k == "ref":
+            return self.ext(self.rules[x[1]])
+        if k == "seq":
+            ys = x[1]
+            e, nul, fst = self.ext(ys[-1]), self.nul(ys[-1]), self.fst(ys[-1])
+            for y in reversed(ys[:-1]):
+                if nul:
+                    e = union(e, self.ext(y), fst)
+                fst = union(self.fst(y), fst) if self.nul(y) else self.fst(y)
+                nul = nul and self.nul(y)
+            return e
+        if k == "alt":
+            ys = x[1]
+            e = union(*(self.ext(y) for y in ys))
+            for i, a in enumerate(ys):
+                for j, b in enumerate(ys):
+                    if i != j and (self.nul(a) or meets(self.fst(a), self.fst(b))):
+                        e = union(e, self.chars(b))   # a whole match of a may be the start of one of b
+            return e
+        if k == "rep":
+            once = x[2] == 1 and x[3] == 1
+            return self.ext(x[1]) if once else union(self.ext(x[1]), self.fst(x[1]))
+        return NONE
+
+    def chars(self, x) -> tuple:
+        k = x[0]
+        if k == "lit":
+            return norm((c, c) for c in x[1])
+        if k == "cls":
+            return x[1]
+        if k == "ref":
+            return self.chars(self.rules[x[1]])
+        if k in ("seq", "alt"):
+            return union(*(self.chars(y) for y in x[1]))
+        if k == "rep":
+            return self.chars(x[1])
+        return NONE
+
+
+def _cls(ranges) -> str:
+    if not ranges:
+        return "[^\\x{0}-\\x{10FFFF}]"
+    if ranges == ALL:
+        return "(?s:.)"
+    return "[" + "".join(f"\\x{{{lo:X}}}" if lo == hi else f"\\x{{{lo:X}}}-\\x{{{hi:X}}}" for lo, hi in ranges) + "]"
+
+
+def _rep(inner: str, lo: int, hi) -> str:
+    if (lo, hi) == (0, None):
+        return inner + "*"
+    if (lo, hi) == (1, None):
+        return inner + "+"
+    if (lo, hi) == (0, 1):
+        return inner + "?"
+    return inner + ("{%d,}" % lo if hi is None else "{%d,%d}" % (lo, hi))
+
+
+class _Emitter:
+    def __init__(self, rules: dict, an: _Analysis):
+        self.rules, self.an = rules, an
+        self.names: dict[str, str] = {}
+
+    def name(self, rule: str) -> str:
+        got = self.names.get(rule)
+        if got is None:   # distinct even where fooBar meets foo-bar; a lexeme's name is upper case
+            safe = "".join(c if c.isascii() and c.isalnum() else "_" for c in rule.lower())
+            got = f"g{len(self.names)}_{safe}"
+            self.names[rule] = got.upper() if rule in self.an.lexemes else got
+        return self.names[rule]
+
+    def regex(self, x) -> str:
+        """A lexeme's body as one regular expression (its rules inlined)."""
+        k = x[0]
+        if k == "lit":
+            return "".join(f"\\x{{{c:X}}}" for c in x[1]) or "(?:)"
+        if k == "cls":
+            return _cls(x[1])
+        if k == "ref":
+            return "(?:" + self.regex(self.rules[x[1]]) + ")"
+        if k == "seq":
+            return "".join("(?:" + self.regex(y) + ")" for y in x[1])
+        if k == "alt":
+            return "(?:" + "|".join(self.regex(y) for y in x[1]) + ")"
+        return _rep("(?:" + self.regex(x[1]) + ")", x[2], x[3])
+
+    def grammar(self, x) -> str:
+        """A rule's body with one lexeme per character (literals split, classes one character each)."""
+        k = x[0]
+        if k == "lit":
+            lits = [json.dumps(chr(c), ensure_ascii=False) for c in x[1]] or ['""']
+            return lits[0] if len(lits) == 1 else "(" + " ".join(lits) + ")"
+        if k == "cls":
+            return "/" + _cls(x[1]) + "/"
+        if k == "ref":
+            return self.name(x[1])
+        if k == "tok":
+            return x[1]
+        if k == "seq":
+            return " ".join(self.grammar(y) for y in x[1])
+        if k == "alt":
+            return "(" + " | ".join(self.grammar(y) for y in x[1]) + ")"
+        return _rep("(" + self.grammar(x[1]) + ")", x[2], x[3])
+
+    def lark(self) -> str:
+        lines = [f"start: {self.name('root')}"]
+        for rule, body in self.rules.items():
+            if rule in self.an.lexemes:
+                lines.append(f"{self.name(rule)}: /{self.regex(body)}/")
+            else:
+                lines.append(f"{self.name(rule)}: {self.grammar(body)}")
+        return "\n".join(lines) + "\n"
+
+
 def gbnf_to_lark(text: str) -> str:
     """A GBNF grammar as llguidance Lark (see the module's docstring); GbnfError when it does not parse."""
-    p = _Parser(text)
-    rules = p.grammar()
-    return f"start: {p.lark_name('root')}\n" + "\n".join(rules) + "\n"
+    rules = _Parser(text).grammar()
+    return _Emitter(rules, _Analysis(rules)).lark()
