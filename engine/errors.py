@@ -40,3 +40,9 @@ class ConstraintError(BitNetError):
     def __init__(self, message: str, hint: str | None = None, *, where: str = "constraint"):
         super().__init__(message, hint)
         self.where = where
+
+
+def json_why(e: BaseException) -> str:
+    """What a JSON parse error says, in one phrase: a RecursionError (json nests by recursion, so a document
+    nested a few thousand levels deep exhausts the stack) is "nested too deeply", not Python's own words."""
+    return "nested too deeply" if isinstance(e, RecursionError) else str(e)

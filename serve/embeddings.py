@@ -50,8 +50,9 @@ def parse_openai(raw: bytes) -> tuple[EmbeddingRequest, list]:
     from pydantic import ValidationError
     try:
         data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise Refused(400, "request body is not valid JSON", None, "invalid_json") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        why = ": nested too deeply" if isinstance(e, RecursionError) else ""
+        raise Refused(400, f"request body is not valid JSON{why}", None, "invalid_json") from None
     if not isinstance(data, dict):
         raise Refused(400, "request body must be a JSON object", None, "invalid_json")
     try:

@@ -138,6 +138,19 @@ def test_bad_tokenizer_json_names_the_users_file(model, tmp_path, tokenizer, exp
     assert not os.path.isdir(cache) or not os.listdir(cache)
 
 
+@pytest.mark.parametrize("name", ["config.json", "tokenizer.json", "tokenizer_config.json",
+                                  "generation_config.json", "model.safetensors.index.json"])
+def test_json_nested_too_deeply_is_one_line(model, tmp_path, name):
+    """A JSON file of a model directory nested thousands of levels deep (json nests by recursion: Python's
+    stack runs out) is bad input naming the file, not "internal error ... please report it" (exit 70)."""
+    d = hf_copy(model, tmp_path)
+    open(os.path.join(d, name), "w").write("[" * 50000 + "]" * 50000)
+    r = bitnet("inspect", d)
+    assert r.returncode == 2, r.stderr
+    line = one_error_line(r)
+    assert "nested too deeply" in line and name in line
+
+
 def test_hostile_chat_template_is_one_line(model, tmp_path):
     d = hf_copy(model, tmp_path)
     p = os.path.join(d, "tokenizer_config.json")

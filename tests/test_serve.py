@@ -223,6 +223,16 @@ def test_generated_tokens_and_latency_metrics_agree_with_the_answers(server, mod
         assert gen1 - gen0 == n and ttft1 - ttft0 == 1, (path, gen1 - gen0, n, ttft1 - ttft0)
 
 
+@pytest.mark.parametrize("path", ["/v1/embeddings", "/api/embed", "/api/embeddings", "/api/chat", "/api/generate",
+                                  "/v1/chat/completions", "/v1/completions", "/completion", "/tokenize"])
+def test_json_nested_too_deeply_is_a_400(server, path):
+    """A body nested thousands of levels deep (Python's json recursion runs out) is a 400 on every route: the
+    embeddings and ollama routes, which parse their own bodies, answered a plain-text 500 with a traceback."""
+    for body in ("[" * 100000 + "]" * 100000, '{"model": "m", "input": ' + "[" * 5000 + "]" * 5000 + "}"):
+        r = httpx.post(server.url + path, content=body, headers={"Content-Type": "application/json"}, timeout=60)
+        assert r.status_code == 400 and "error" in r.json(), (path, r.status_code, r.text[:200])
+
+
 def test_metrics_parse(server, client, model_id):
     from prometheus_client.parser import text_string_to_metric_families
     client.chat.completions.create(model=model_id, messages=Q, temperature=0, max_tokens=4)

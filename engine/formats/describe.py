@@ -46,7 +46,7 @@ def _tokenizer_line(spec) -> str:
             size = len(tj["model"]["vocab"]) + sum(1 for t in tj.get("added_tokens") or []
                                                    if t.get("content") not in tj["model"]["vocab"])
             size = f"{size} tokens, {tj['model'].get('type', '?')}"
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, RecursionError):
             size = "unparsable"
     else:
         try:

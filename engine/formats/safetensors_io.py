@@ -14,7 +14,7 @@ import struct
 import numpy as np
 
 from ..fileio import close_map, map_readonly
-from ..errors import FormatError, UnsupportedError
+from ..errors import FormatError, UnsupportedError, json_why
 
 MAX_HEADER = 100 << 20
 # tag -> numpy dtype of the raw view (BF16 is read as uint16 bits)
@@ -37,8 +37,8 @@ class SafetensorsFile:
             raise FormatError(f"{self.path}: corrupt safetensors header (length {hlen}, file {size} bytes)")
         try:
             header = json.loads(bytes(self._mm[8: 8 + hlen]).decode("utf-8"))
-        except (UnicodeDecodeError, ValueError) as e:
-            raise FormatError(f"{self.path}: safetensors header is not valid JSON: {e}") from None
+        except (UnicodeDecodeError, ValueError, RecursionError) as e:   # RecursionError: nested past any depth a header has
+            raise FormatError(f"{self.path}: safetensors header is not valid JSON: {json_why(e)}") from None
         if not isinstance(header, dict):
             raise FormatError(f"{self.path}: safetensors header is not a JSON object")
         self.metadata = header.pop("__metadata__", None)
@@ -115,8 +115,8 @@ class SafetensorsDir:
                 with open(index, encoding="utf-8") as f:
                     wm = json.load(f)["weight_map"]
                 files = sorted(set(wm.values()))
-            except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-                raise FormatError(f"{index}: corrupt shard index: {e}") from None
+            except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
+                raise FormatError(f"{index}: corrupt shard index: {json_why(e)}") from None
             for fn in files:
                 if not isinstance(fn, str) or os.path.basename(fn) != fn:
                     raise FormatError(f"{index}: bad shard file name {fn!r}")

@@ -19,7 +19,7 @@ import os
 import numpy as np
 
 from ..config import ModelConfig
-from ..errors import FormatError, UnsupportedError
+from ..errors import FormatError, UnsupportedError, json_why
 from .families import gguf_family, hf_family, is_minicpm, refuse_unsupported_hf
 from .gguf import GGUFFile
 from .safetensors_io import SafetensorsDir
@@ -363,8 +363,8 @@ class HFSource:
                 raise ValueError("not a JSON object")
         except OSError as e:
             raise FormatError(f"{path}: no readable config.json ({e.strerror})") from None
-        except ValueError as e:
-            raise FormatError(f"{path}/config.json: invalid JSON: {e}") from None
+        except (ValueError, RecursionError) as e:
+            raise FormatError(f"{path}/config.json: invalid JSON: {json_why(e)}") from None
         self.cfg = cfg
         self.st = SafetensorsDir(path)
         archs = cfg.get("architectures") or []
@@ -517,8 +517,8 @@ class HFSource:
         try:
             with open(p, encoding="utf-8") as f:
                 d = json.load(f)
-        except (OSError, ValueError) as e:
-            raise FormatError(f"{p}: unreadable JSON: {e}") from None
+        except (OSError, ValueError, RecursionError) as e:
+            raise FormatError(f"{p}: unreadable JSON: {json_why(e)}") from None
         if not isinstance(d, dict):
             raise FormatError(f"{p}: expected a JSON object, got {type(d).__name__}")
         return d

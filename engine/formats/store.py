@@ -33,7 +33,7 @@ import numpy as np
 from .. import faults
 from ..config import ModelConfig
 from ..fileio import close_map, map_readonly, starts_with
-from ..errors import BitNetError, FormatError
+from ..errors import BitNetError, FormatError, json_why
 from ..memory import available_memory, huge_page_bytes, read_into_memory, thp_mode
 
 MAGIC = b"BNSTORE\0"
@@ -207,8 +207,8 @@ class Store:
             if self._tok is not None and not (isinstance(self._tok, dict) and isinstance(self._tok.get("kind"), str)
                                               and self._tok.get("tensor") in self._index):
                 raise TypeError("tokenizer must name its kind and a tensor of the store")
-        except (ValueError, KeyError, TypeError) as e:
-            raise FormatError(f"{self.path}: corrupt store index: {e}") from None
+        except (ValueError, KeyError, TypeError, RecursionError) as e:
+            raise FormatError(f"{self.path}: corrupt store index: {json_why(e)}") from None
         self._data_offset = doff
         self._size = size
         self._views: dict[str, np.ndarray] = {}

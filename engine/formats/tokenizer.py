@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import re
 
-from ..errors import FormatError
+from ..errors import FormatError, json_why
 
 # Names under which the end-of-turn token appears in known vocabularies; all present ones stop generation.
 END_OF_TURN_TOKENS = ("<|eot_id|>", "<|end_of_text|>", "<|im_end|>", "<end_of_turn>")
@@ -43,8 +43,8 @@ def parse_hf_json(blob: bytes, source: str) -> dict:
     file with fields of the wrong type is one FormatError naming it, not a traceback or a library panic."""
     try:
         spec = json.loads(blob.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as e:
-        raise FormatError(f"{source}: tokenizer.json is not valid JSON: {e}") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise FormatError(f"{source}: tokenizer.json is not valid JSON: {json_why(e)}") from None
 
     def bad(what, want, got):
         raise FormatError(f"{source}: tokenizer.json: {what} must be {want}, got {type(got).__name__}",
