@@ -134,6 +134,21 @@ def test_refusals(synth, llm):
         assert eng.check_consistency()["held"] == 0
 
 
+def test_an_embedding_request_takes_one_place_in_the_queue(synth):
+    """A request of many texts waits as one request, whatever its n (each text is a sequence of its own): 50
+    texts took 50 of max_queue's places, so a server's other clients got queue_full behind one request."""
+    from bitnet_cpu.engine.errors import QueueFullError
+    eng = Engine(Store(synth[2]["f16"]), threads=1, parallel=2, max_queue=2)   # never started: all waits
+    try:
+        eng.submit_embed([[1, 2, 3]] * 50)
+        for _ in range(3):   # two take the free slots' places, then max_queue 2: the embedding and one more
+            eng.submit([1, 2], GREEDY, max_tokens=2)
+        with pytest.raises(QueueFullError):
+            eng.submit([1, 2], GREEDY, max_tokens=2)
+    finally:
+        eng.close()
+
+
 def test_close_ends_a_waiting_request(synth):
     eng = Engine(Store(synth[2]["f16"]), threads=1)   # never started: the request waits
     got = []
