@@ -16,7 +16,7 @@ import numpy as np
 from fastapi import Request
 from pydantic import ConfigDict
 
-from .offload import OFFLOAD_BYTES, next_or_gone, run_off_loop, too_long_for_context
+from .offload import OFFLOAD_BYTES, chars_bound, next_or_gone, run_off_loop, too_long_for_context
 from .schemas import JSONTyped, error_where, main_error
 
 ENGINE_FAULT = "the engine failed while embedding this input (the server goes on; see its log)"
@@ -103,11 +103,14 @@ async def tokenized(eng, items: list, where: str, truncate: bool = False) -> lis
     (as given), each checked against the vocabulary and the context: Refused(400) naming `where.i`. truncate: a
     text over the context keeps its first n_ctx tokens instead (ollama's `truncate: true`)."""
     n_ctx, vocab = eng.n_ctx, eng.config.vocab_size
+    items = list(items)
     for i, item in enumerate(items):
-        if isinstance(item, str) and not truncate:
-            msg = await too_long_for_context(eng, len(item))   # before the tokenizer sees megabytes of text
-            if msg:
+        if isinstance(item, str):   # before the tokenizer sees megabytes of text (it stalls every stream)
+            msg = await too_long_for_context(eng, len(item))
+            if msg and not truncate:
                 raise Refused(400, f"{where}.{i}: {msg}", code="context_length_exceeded")
+            if msg:   # truncate: the text past what n_ctx tokens can cover is never tokenized
+                items[i] = item[:await chars_bound(eng)]
     texts = [t for t in items if isinstance(t, str)]
     done = iter(await run_off_loop(lambda: [eng.tokenize(t, add_bos=True) for t in texts]) if texts else ())
     out = []
@@ -239,6 +242,8 @@ def register(app, state, ready, api_error: type, check_model, *, metrics=None):
         texts = [value] if isinstance(value, str) else value
         if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
             raise OllamaError(400, "input: expected a string or a list of strings")
+        if len(texts) > MAX_INPUTS:   # as /v1/embeddings: 4 MB of "a", is 800k texts and a response of gigabytes
+            raise OllamaError(400, f"input: {len(texts)} items; at most {MAX_INPUTS} in one request")
         empty = [i for i, t in enumerate(texts) if not t]
         if empty:
             raise OllamaError(400, f"input.{empty[0]}: an empty string has nothing to embed")

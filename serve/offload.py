@@ -143,9 +143,15 @@ def warm_bounds(eng) -> None:
     longest_token_bytes(eng.tokenizer)
 
 
+async def chars_bound(eng) -> int:
+    """The most characters of text whose tokens could still fit the context (SAFETY x n_ctx tokens of the
+    vocabulary's longest): the first n_ctx tokens of any text lie within its first chars_bound characters."""
+    return SAFETY * eng.n_ctx * await asyncio.to_thread(longest_token_bytes, eng.tokenizer)
+
+
 async def too_long_for_context(eng, n_chars: int) -> str | None:
     """A message when `n_chars` characters of prompt cannot fit the context, else None."""
-    bound = SAFETY * eng.n_ctx * await asyncio.to_thread(longest_token_bytes, eng.tokenizer)
+    bound = await chars_bound(eng)
     if n_chars <= bound:
         return None
     return (f"the prompt has {n_chars} characters; the context holds {eng.n_ctx} tokens, at most ~{bound} "

@@ -102,6 +102,13 @@ def test_over_the_context_and_empty_inputs_are_400s(client, oclient, server, llm
                    timeout=60)
     want = client.embeddings.create(model=model_id, input=[cut], encoding_format="float").data[0].embedding
     assert r.status_code == 200 and np.array_equal(f32(r.json()["embeddings"][0]), f32(want))
+    # a text of megabytes is cut to what n_ctx tokens can cover before it is tokenized (the whole of it held the
+    # interpreter for seconds, stalling every stream): the same first n_ctx tokens, the same vector
+    huge = long_text * (2_000_000 // len(long_text))
+    r = httpx.post(server.url + "/api/embed", json={"model": model_id, "input": huge, "truncate": True}, timeout=60)
+    assert r.status_code == 200 and np.array_equal(f32(r.json()["embeddings"][0]), f32(want))
+    r = httpx.post(server.url + "/api/embed", json={"model": model_id, "input": ["a"] * 2049})
+    assert r.status_code == 400 and "at most 2048" in r.json()["error"]   # as /v1/embeddings
 
 
 def test_many_contexts_of_token_ids_in_one_request(client, server, model_id, llm):
