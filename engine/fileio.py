@@ -65,6 +65,18 @@ def check_output(path: str, flag: str, *, keep=None) -> None:
                           "overwrite it", hint="remove it first, or pick another path")
 
 
+def no_overlap(path: str, spans) -> None:
+    """(start, end, name) byte ranges of tensors: two that share bytes are a corrupt (or hostile) file, as the
+    safetensors format and llama.cpp's GGUF reader hold (2,000 layers pointing at one layer's bytes made a 1.6 MB
+    file a 326 MB store)."""
+    last_end, last = -1, None
+    for b, end, name in sorted(spans):
+        if b < last_end and end > b:
+            raise FormatError(f"{path}: tensors {last!r} and {name!r} share bytes (overlapping offsets): a corrupt file")
+        if end > last_end:
+            last_end, last = end, name
+
+
 def close_map(mm) -> None:
     """Close a map made by map_readonly (kept open while numpy views of it are alive)."""
     faults.close_map(mm)

@@ -156,6 +156,23 @@ def test_store_and_inspect_describe_the_family(bonsai):
     assert "Ternary Bonsai" in text and "one f16 scale per 128 weights" in text and "q and k head" in text
 
 
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_a_nan_or_inf_group_scale_is_refused(tmp_path, bad):
+    """A Q2_0 file with a NaN / inf scale on a live 128-group is refused as every other format's is (it ran,
+    every row through that group NaN or inf)."""
+    from bitnet_cpu.engine.formats.gguf import GGUFFile
+    m = SynthModel(CONFIGS["tied"], seed=7, style="llama")
+    path = write_bonsai_gguf(m, str(tmp_path / "m.gguf"))
+    g = GGUFFile(path)
+    off = g.tensors["blk.0.attn_q.weight"].offset
+    g.close()
+    data = bytearray(open(path, "rb").read())
+    data[off:off + 2] = np.float16(bad).tobytes()   # the first block's scale
+    open(path, "wb").write(bytes(data))
+    with pytest.raises(FormatError, match="NaN/inf weight scale"):
+        convert(path, str(tmp_path / "m.bnstore"), progress=False)
+
+
 def test_not_group_ternary_is_refused(tmp_path):
     import json
     import os

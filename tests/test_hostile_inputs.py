@@ -151,6 +151,39 @@ def test_json_nested_too_deeply_is_one_line(model, tmp_path, name):
     assert "nested too deeply" in line and name in line
 
 
+def _gguf_tensor_offset_field(data: bytes, name: str) -> int:
+    """Where a GGUF tensor info's offset (u64) lies: after its name, dimension count, dimensions and type."""
+    key = name.encode()
+    at = data.index(struct.pack("<Q", len(key)) + key) + 8 + len(key)
+    (n_dims,) = struct.unpack_from("<I", data, at)
+    return at + 4 + 8 * n_dims + 4
+
+
+def test_tensors_that_share_bytes_are_refused(model, tmp_path):
+    """Two tensors pointing at the same bytes (GGUF or safetensors): a corrupt or hostile file, refused as
+    llama.cpp refuses it. It used to load: 2,000 layers pointing at one layer's bytes made a 1.6 MB file a
+    326 MB store."""
+    path = write_gguf_i2s(model["m"], str(tmp_path / "ok.gguf"))
+    data = bytearray(open(path, "rb").read())
+    q = struct.unpack_from("<Q", data, _gguf_tensor_offset_field(data, "blk.0.attn_q.weight"))[0]
+    struct.pack_into("<Q", data, _gguf_tensor_offset_field(data, "blk.0.attn_k.weight"), q)
+    (tmp_path / "overlap.gguf").write_bytes(bytes(data))
+    line = one_error_line(bitnet("inspect", str(tmp_path / "overlap.gguf")))
+    assert "share bytes" in line and "attn_k" in line and "attn_q" in line
+    d = hf_copy(model, tmp_path)
+    st = os.path.join(d, "model.safetensors")
+    raw = open(st, "rb").read()
+    (hlen,) = struct.unpack_from("<Q", raw, 0)
+    header = json.loads(raw[8:8 + hlen])
+    a, b = "model.layers.0.input_layernorm.weight", "model.layers.0.post_attention_layernorm.weight"
+    header[b]["data_offsets"] = header[a]["data_offsets"]
+    new = json.dumps(header, separators=(",", ":")).encode().ljust(hlen)
+    assert len(new) == hlen
+    open(st, "wb").write(raw[:8] + new + raw[8 + hlen:])
+    line = one_error_line(bitnet("inspect", d))
+    assert "share bytes" in line and "layernorm" in line
+
+
 def test_hostile_chat_template_is_one_line(model, tmp_path):
     d = hf_copy(model, tmp_path)
     p = os.path.join(d, "tokenizer_config.json")

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..fileio import close_map, map_readonly, starts_with
+from ..fileio import close_map, map_readonly, no_overlap, starts_with
 from ..errors import FormatError, UnsupportedError
 from . import tl_layouts
 from .gguf_dequant import OWN_DECODERS, decode_with_gguf, gguf_decodable
@@ -243,6 +243,8 @@ class GGUFFile:
             self.tensors[name] = self._check_tensor(name, dims, tid, off)
         if len(self.tensors) != len(infos):
             raise FormatError(f"{self.path}: duplicate tensor names in GGUF")
+        no_overlap(self.path, [(t.offset, t.offset + t.nbytes, t.name) for t in self.tensors.values()
+                                if t.nbytes >= 0])   # a tensor of a type we do not know: its size neither
 
     def _q2_0_variant(self, infos) -> str:
         """ggml's 64-weight Q2_0 blocks or PrismML's 128-weight ones: the one whose sizes fit every Q2_0 tensor

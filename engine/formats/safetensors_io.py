@@ -13,7 +13,7 @@ import struct
 
 import numpy as np
 
-from ..fileio import close_map, map_readonly
+from ..fileio import close_map, map_readonly, no_overlap
 from ..errors import FormatError, UnsupportedError, json_why
 
 MAX_HEADER = 100 << 20
@@ -45,6 +45,7 @@ class SafetensorsFile:
         self.data_start = 8 + hlen
         data_size = size - self.data_start
         self._entries: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
+        spans: list[tuple[int, int, str]] = []
         for name, e in header.items():
             try:
                 tag, shape, (b, end) = e["dtype"], e["shape"], e["data_offsets"]
@@ -66,6 +67,8 @@ class SafetensorsFile:
             if end > data_size:
                 raise FormatError(f"{self.path}: tensor {name!r} lies past the end of the file (truncated?)")
             self._entries[name] = (tag, tuple(shape), self.data_start + b, n)
+            spans.append((b, end, name))
+        no_overlap(self.path, spans)
 
     def names(self) -> list[str]:
         return list(self._entries)

@@ -305,6 +305,10 @@ class GGUFSource:
             if t.type_name in ("Q2_0", "Q2_0_G128"):
                 w, d = self.g.ternary(name)
                 sc = _pair_q2_0_scales(self.path, name, w, d.reshape(out, -1))
+                live = np.abs(w).reshape(out, -1, GROUP).any(axis=2)
+                if not np.isfinite(sc[live]).all():   # as every other format: a NaN would poison whole rows
+                    raise FormatError(f"{self.path}: tensor {name!r} has a NaN/inf weight scale")
+                sc = np.where(live, sc, np.zeros((), sc.dtype))   # a group of zeros may carry any scale
             else:
                 w, sc = ternary_groups_from_float(self.path, name, self.g.dequantize(name).reshape(out, inp))
             return w, sc, _group_seen(sc)
