@@ -184,6 +184,19 @@ def test_tensors_that_share_bytes_are_refused(model, tmp_path):
     assert "share bytes" in line and "layernorm" in line
 
 
+@pytest.mark.parametrize("old,new,words", [
+    # a gpt2 tokenizer without merges made every word bytes (other ids, silently); llama.cpp refuses it
+    (b"tokenizer.ggml.merges", b"tokenizer.ggml.mergez", "tokenizer.ggml.merges is missing"),
+    # one layer's sub-norm missing turned them off for the whole model, the others' ignored
+    (b"blk.0.attn_sub_norm.weight", b"blk.0.attn_sub_norx.weight", "'blk.0.attn_sub_norm.weight' is missing"),
+])
+def test_a_gguf_missing_a_part_is_refused(model, tmp_path, old, new, words):
+    data = open(write_gguf_i2s(model["m"], str(tmp_path / "ok.gguf")), "rb").read()
+    assert data.count(old) == 1
+    (tmp_path / "bad.gguf").write_bytes(data.replace(old, new))
+    assert words in one_error_line(bitnet("run", "-m", str(tmp_path / "bad.gguf"), "-p", "Hi", "-n", "2"))
+
+
 def test_hostile_chat_template_is_one_line(model, tmp_path):
     d = hf_copy(model, tmp_path)
     p = os.path.join(d, "tokenizer_config.json")

@@ -222,7 +222,8 @@ class GGUFSource:
             rms_norm_eps=key("attention.layer_norm_rms_epsilon", _f32, 1e-5), hidden_act=self.hidden_act,
             tie_word_embeddings="output.weight" not in g.tensors, bos_token_id=tok["bos"],
             eos_token_ids=tuple(tok["eos"]), arch=arch, name=str(g.kv.get("general.name", ""))[:200].replace("\n", " "),
-            sub_norms="blk.0.attn_sub_norm.weight" in g.tensors,
+            # any sub-norm makes them all required (each missing one is then named), not one layer's alone
+            sub_norms=any(n.endswith(("attn_sub_norm.weight", "ffn_sub_norm.weight")) for n in g.tensors),
             weight_groups=GROUP if arch == "qwen3" else 0, qk_norm="blk.0.attn_q_norm.weight" in g.tensors)
         self.meta["family"] = gguf_family(arch, V, hd)
         rd = g.get(f"{arch}.rope.dimension_count", int)
@@ -410,7 +411,7 @@ class HFSource:
         names = set(self.st.names())
         self.attn_sub = "attn_sub_norm" if "model.layers.0.self_attn.attn_sub_norm.weight" in names else "inner_attn_ln"
         self.ffn_sub = "ffn_sub_norm" if "model.layers.0.mlp.ffn_sub_norm.weight" in names else "ffn_layernorm"
-        sub_norms = f"model.layers.0.self_attn.{self.attn_sub}.weight" in names
+        sub_norms = any(n.endswith((f".{self.attn_sub}.weight", f".{self.ffn_sub}.weight")) for n in names)
         biases = sorted(n for n in names if n.endswith(".bias"))
         if biases:
             raise UnsupportedError(f"{path}: linear biases ({biases[0]} ...) are not supported")

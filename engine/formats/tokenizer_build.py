@@ -88,6 +88,9 @@ def gguf_tokenizer(g) -> dict:
                 eos.append(i)
         add_bos = g.get("tokenizer.ggml.add_bos_token", bool)
         if model == "gpt2":
+            if "tokenizer.ggml.merges" not in kv:   # without them every word is bytes: other ids, silently
+                raise FormatError(f"{path}: tokenizer.ggml.merges is missing (a gpt2 BPE tokenizer needs its merges;"
+                                  " llama.cpp refuses such a file too)")
             merges = _as_list(kv.get("tokenizer.ggml.merges"), "tokenizer.ggml.merges", path) or []
             pre = g.get("tokenizer.ggml.pre", str)
             llama3 = pre in LLAMA3_PRES
