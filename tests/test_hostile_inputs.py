@@ -197,6 +197,16 @@ def test_a_gguf_missing_a_part_is_refused(model, tmp_path, old, new, words):
     assert words in one_error_line(bitnet("run", "-m", str(tmp_path / "bad.gguf"), "-p", "Hi", "-n", "2"))
 
 
+def test_a_metadata_key_given_twice_is_refused(model, tmp_path):
+    """Two values for one key (llama.cpp refuses the file): which one counts would be a guess; the last one
+    used to win, and an error then named something else."""
+    data = open(write_gguf_i2s(model["m"], str(tmp_path / "ok.gguf")), "rb").read()
+    bos, eos = b"tokenizer.ggml.bos_token_id", b"tokenizer.ggml.eos_token_id"
+    assert data.count(bos) == data.count(eos) == 1
+    (tmp_path / "dup.gguf").write_bytes(data.replace(bos, eos))
+    assert "'tokenizer.ggml.eos_token_id' appears twice" in one_error_line(bitnet("inspect", str(tmp_path / "dup.gguf")))
+
+
 def test_hostile_chat_template_is_one_line(model, tmp_path):
     d = hf_copy(model, tmp_path)
     p = os.path.join(d, "tokenizer_config.json")

@@ -211,12 +211,14 @@ class GGUFFile:
         self.kv_types: dict[str, int] = {}
         for i in range(n_kv):
             key = c.string(f"metadata key #{i}")
+            if key in self.kv:   # llama.cpp refuses it too: which value counts would be a guess
+                raise FormatError(f"{self.path}: metadata key {key!r} appears twice")
             vtype = c.u32(f"type of {key!r}")
             self.kv[key] = c.value(vtype, repr(key))
             self.kv_types[key] = vtype
         self.arch = str(self.kv.get("general.architecture", ""))
         align = self.kv.get("general.alignment", DEFAULT_ALIGNMENT)
-        if not isinstance(align, int) or align <= 0 or align & (align - 1) or align > 1 << 20:
+        if not isinstance(align, int) or isinstance(align, bool) or align <= 0 or align & (align - 1) or align > 1 << 20:
             raise FormatError(f"{self.path}: bad general.alignment {align!r} (must be a power of two)")
         self.alignment = align
         infos = []
