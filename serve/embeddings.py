@@ -98,17 +98,21 @@ def openai_inputs(value) -> list:
     return value
 
 
-async def tokenized(eng, items: list, where: str, truncate: bool = False) -> list[list[int]]:
+async def tokenized(eng, items: list, where: str, truncate: bool = False, one: bool = False) -> list[list[int]]:
     """Token lists of texts (each with BOS, as llama-server tokenizes an embedding input) and of token-id lists
     (as given), each checked against the vocabulary and the context: Refused(400) naming `where.i`. truncate: a
-    text over the context keeps its first n_ctx tokens instead (ollama's `truncate: true`)."""
+    text over the context keeps its first n_ctx tokens instead (ollama's `truncate: true`). one: the field holds
+    one text, named `where` alone (/api/embeddings' prompt)."""
     n_ctx, vocab = eng.n_ctx, eng.config.vocab_size
+
+    def name(i):
+        return where if one else f"{where}.{i}"
     items = list(items)
     for i, item in enumerate(items):
         if isinstance(item, str):   # before the tokenizer sees megabytes of text (it stalls every stream)
             msg = await too_long_for_context(eng, len(item))
             if msg and not truncate:
-                raise Refused(400, f"{where}.{i}: {msg}", code="context_length_exceeded")
+                raise Refused(400, f"{name(i)}: {msg}", code="context_length_exceeded")
             if msg:   # truncate: the text past what n_ctx tokens can cover is never tokenized
                 items[i] = item[:await chars_bound(eng)]
     texts = [t for t in items if isinstance(t, str)]
@@ -117,10 +121,10 @@ async def tokenized(eng, items: list, where: str, truncate: bool = False) -> lis
     for i, item in enumerate(items):
         ids = next(done) if isinstance(item, str) else [int(t) for t in item]
         if any(not 0 <= t < vocab for t in ids):
-            raise Refused(400, f"{where}.{i}: token ids must be in 0..{vocab - 1}")
+            raise Refused(400, f"{name(i)}: token ids must be in 0..{vocab - 1}")
         if len(ids) > n_ctx:
             if not truncate:
-                raise Refused(400, f"{where}.{i} has {len(ids)} tokens but the context holds {n_ctx}",
+                raise Refused(400, f"{name(i)} has {len(ids)} tokens but the context holds {n_ctx}",
                               code="context_length_exceeded")
             ids = ids[:n_ctx]
         out.append(ids)
@@ -130,6 +134,8 @@ async def tokenized(eng, items: list, where: str, truncate: bool = False) -> lis
 def check_dimensions(eng, dimensions) -> None:
     """`dimensions` is honoured only as the model's own width: these models were not trained for shortened
     (Matryoshka) vectors, so a cut vector would be a worse one, not a smaller version of the same."""
+    if dimensions is not None and (not isinstance(dimensions, int) or isinstance(dimensions, bool)):
+        raise Refused(400, f"dimensions {dimensions!r}: expected an integer", param="dimensions", code="invalid_value")
     if dimensions is not None and dimensions != eng.config.hidden_size:
         raise Refused(400, f"dimensions {dimensions}: this model's embeddings have {eng.config.hidden_size} "
                       "dimensions and it was not trained for shortened ones; leave dimensions out",
@@ -217,9 +223,9 @@ def register(app, state, ready, api_error: type, check_model, *, metrics=None):
             raise OllamaError(400, "options: expected an object")
         return data
 
-    async def ollama_vectors(eng, request, texts, where, truncate=False):
+    async def ollama_vectors(eng, request, texts, where, truncate=False, one=False):
         try:
-            ids = await tokenized(eng, texts, where, truncate)
+            ids = await tokenized(eng, texts, where, truncate, one)
             return ids, await run_embed(eng, state, request, ids, metrics)
         except Refused as e:
             raise OllamaError(e.status, e.message) from None
@@ -264,7 +270,7 @@ def register(app, state, ready, api_error: type, check_model, *, metrics=None):
             raise OllamaError(400, "prompt: expected a string")
         if not prompt:   # ollama answers an empty prompt with an empty embedding
             return {"embedding": []}
-        _, vectors = await ollama_vectors(eng, request, [prompt], "prompt")
+        _, vectors = await ollama_vectors(eng, request, [prompt], "prompt", one=True)
         if vectors is None:
             return gone()
         return {"embedding": vectors[0].tolist()}

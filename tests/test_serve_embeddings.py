@@ -91,7 +91,9 @@ def test_over_the_context_and_empty_inputs_are_400s(client, oclient, server, llm
     assert ei.value.status_code == 400 and "input.1" in ei.value.error
     with pytest.raises(ollama.ResponseError) as ei:
         oclient.embeddings(model=model_id, prompt=long_text)
-    assert ei.value.status_code == 400
+    assert ei.value.status_code == 400 and ei.value.error.startswith("prompt ")   # one text: not "prompt.0"
+    r = httpx.post(server.url + "/api/embed", json={"model": model_id, "input": "a", "dimensions": "256"})
+    assert r.status_code == 400 and "expected an integer" in r.json()["error"]
     r = httpx.post(server.url + "/api/embed", json={"model": model_id, "input": ["a", ""]})
     assert r.status_code == 400 and r.json() == {"error": "input.1: an empty string has nothing to embed"}
     r = httpx.post(server.url + "/api/embed", json={"model": model_id, "input": "a", "dimensions": 3})
