@@ -37,6 +37,9 @@ CASES = [   # grammar, texts it takes, texts it does not (a prefix of a match co
     ('root ::= ( "a" | "b" )* | # a comment\n  (\n "c"\n )', ["abab", "c", ""], ["ac"]),
     ('root ::= "x"{2,} "y"{0,2} "z"{1}', ["xxz", "xxxxyyz"], ["xz", "xxyyyz"]),
     ('root ::= ws "[" ws "]"\nws ::= | " " | "\\n" [ \\t]{0,2}', ["[]", " [\n  ]"], ["[\n   ]"]),
+    # a lexeme beside another terminal with the same first character: num would take "12" greedily
+    ('root ::= num "a" | "1" [0-9] "b" | "(" root ")"\nnum ::= [0-9]+', ["12b", "12a", "(1a)"], ["12", "1b"]),
+    ('root ::= w? "xy" | "(" root ")"\nw ::= [a-z]+ "!"', ["xy", "ab!xy", "(xy)"], ["x"]),
 ]
 
 

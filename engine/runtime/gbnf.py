@@ -404,7 +404,66 @@ class _Analysis:
             state[n] = 2 if ok else 1
             return ok
         flat = {n for n in chars_only if acyclic(n)}
-        return {n for n in flat if not meets(self.ext(self.rules[n]), self.follow[n])}
+        lexemes = {n for n in flat if not meets(self.ext(self.rules[n]), self.follow[n])}
+        while True:   # a lexeme beside another terminal that may begin with the same character: its greed would
+            clash = set()   # take that path away (("a" | "ab") "b", num "a" | "1" [0-9] "b")
+            for n, body in self.rules.items():
+                if n not in lexemes:   # a lexeme's own alternatives are one regular expression: exact
+                    self._clashes(body, lexemes, clash)
+            if not clash:
+                return lexemes
+            lexemes -= clash
+
+    def _starters(self, x, lexemes, seen=frozenset()) -> list:
+        """The terminals that may begin x: ("lex", rule, first characters) or ("chr", None, characters)."""
+        k = x[0]
+        if k == "lit":
+            return [("chr", None, ((x[1][0], x[1][0]),))] if x[1] else []
+        if k == "cls":
+            return [("chr", None, x[1])]
+        if k == "ref":
+            n = x[1]
+            if n in lexemes:
+                return [("lex", n, self.first[n])]
+            return [] if n in seen else self._starters(self.rules[n], lexemes, seen | {n})
+        if k == "seq":
+            out = []
+            for y in x[1]:
+                out += self._starters(y, lexemes, seen)
+                if not self.nul(y):
+                    break
+            return out
+        if k == "alt":
+            return [t for y in x[1] for t in self._starters(y, lexemes, seen)]
+        if k == "rep":
+            return self._starters(x[1], lexemes, seen)
+        return []
+
+    @staticmethod
+    def _clash(a: list, b: list, out: set):
+        for ka, na, fa in a:
+            for kb, nb, fb in b:
+                if (ka == "lex" or kb == "lex") and na != nb and meets(fa, fb):
+                    out.update(n for n in (na, nb) if n is not None)
+
+    def _clashes(self, x, lexemes, out: set):
+        """Lexemes that may begin at one place beside another terminal with a first character in common."""
+        k = x[0]
+        if k == "alt":
+            starts = [self._starters(y, lexemes) for y in x[1]]
+            for i in range(len(starts)):
+                for j in range(i + 1, len(starts)):
+                    self._clash(starts[i], starts[j], out)
+        if k == "seq":   # a part that may be empty beside what may come after it
+            ys = x[1]
+            for i, y in enumerate(ys[:-1]):
+                if self.nul(y):
+                    self._clash(self._starters(y, lexemes), self._starters(("seq", ys[i + 1:]), lexemes), out)
+        if k in ("seq", "alt"):
+            for y in x[1]:
+                self._clashes(y, lexemes, out)
+        elif k == "rep":
+            self._clashes(x[1], lexemes, out)
 
     def ext(self, x) -> tuple:
         """Characters that can extend a whole match of x into a longer possible one (an over-estimate)."""
