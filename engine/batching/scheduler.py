@@ -146,7 +146,7 @@ class BatchScheduler(Drafts, Embeddings, Scoring):
         # what waits for a free slot: a burst into free slots is not yet admitted (the scheduler thread takes it
         # at its next step) but waits for nothing, and max_queue 0 means "never wait". An embedding request's
         # texts wait as sequences of their own, but it is one request (512 texts took 512 places of 64)
-        waiting = len({id(s.embed.req) if s.embed is not None else id(s) for s in self._waiting})
+        waiting = len({id(getattr(s.embed, "req", s)) for s in self._waiting})   # a scoring sequence: its own
         queued = waiting - max(0, self.parallel - len(self._running))
         if queued >= self.max_queue:
             raise QueueFullError(f"{max(queued, 0)} requests are already waiting for a slot (max_queue "
