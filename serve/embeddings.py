@@ -227,8 +227,9 @@ def register(app, state, ready, api_error: type, check_model, *, metrics=None):
         try:
             ids = await tokenized(eng, texts, where, truncate, one)
             return ids, await run_embed(eng, state, request, ids, metrics)
-        except Refused as e:
-            raise OllamaError(e.status, e.message) from None
+        except Refused as e:   # a 503 (queue full, shutting down) says when to retry, as every other route's
+            headers = {"Retry-After": str(state.retry_after)} if e.status == 503 else None
+            raise OllamaError(e.status, e.message, headers) from None
 
     @app.post("/api/embed")
     async def api_embed(request: Request):

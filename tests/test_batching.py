@@ -332,6 +332,21 @@ def test_a_burst_into_free_slots_is_not_queue_full(synth):
         finally:
             release.set()
             eng.close()
+    # n choices need n slots at once: with three free, one n=3 request fits and a second one would wait
+    eng = load_engine(stores["f16"], ctx=64, parallel=4, max_queue=0, progress=False)
+    release, entered = threading.Event(), threading.Event()
+    try:
+        eng.submit([1, 2, 3], GREEDY, max_tokens=5, callback=hold)
+        assert entered.wait(60)
+        three = eng.submit_n([1, 2], GREEDY, 3, max_tokens=3)
+        with pytest.raises(QueueFullError, match="never wait"):
+            eng.submit_n([1, 2], GREEDY, 3, max_tokens=3)
+        release.set()
+        for s in three:
+            assert _collect(s)[-1].finish_reason in ("length", "eos")
+    finally:
+        release.set()
+        eng.close()
 
 
 def test_random_submit_cancel_two_threads(synth):

@@ -140,9 +140,9 @@ def test_an_embedding_request_takes_one_place_in_the_queue(synth):
     from bitnet_cpu.engine.errors import QueueFullError
     eng = Engine(Store(synth[2]["f16"]), threads=1, parallel=2, max_queue=2)   # never started: all waits
     try:
-        eng.submit_embed([[1, 2, 3]] * 50)
-        for _ in range(3):   # two take the free slots' places, then max_queue 2: the embedding and one more
-            eng.submit([1, 2], GREEDY, max_tokens=2)
+        eng.submit_embed([[1, 2, 3]] * 50)   # its first texts take the two free slots; it waits for the rest
+        eng.submit([1, 2], GREEDY, max_tokens=2)   # max_queue 2: the embedding and this one wait
+        assert eng.metrics()["waiting"] == 51
         with pytest.raises(QueueFullError):
             eng.submit([1, 2], GREEDY, max_tokens=2)
     finally:

@@ -372,7 +372,9 @@ def test_queue_full_has_retry_after_on_every_api(tmp_path_factory):
                                                                                               "content": "a"}]}),
                               ("/api/generate", {"model": "m", "prompt": "a", "stream": False}),
                               ("/api/chat", {"model": "m", "messages": [{"role": "user", "content": "a"}],
-                                             "stream": False})):
+                                             "stream": False}),
+                              ("/v1/embeddings", {"input": "a"}), ("/api/embed", {"model": "m", "input": "a"}),
+                              ("/api/embeddings", {"model": "m", "prompt": "a"})):
                 got = httpx.post(s.url + path, json=req, timeout=30 * slowness())
                 assert got.status_code == 503 and int(got.headers["retry-after"]) >= 1, (path, got.text)
     finally:

@@ -137,19 +137,27 @@ class BatchScheduler(Drafts, Embeddings, Scoring):
         return self
 
     # ---- public, any thread ---------------------------------------------------------------------------
-    def _check_admission(self):
-        """Under self._lock: a new request may queue (the engine runs, the queue has room), else raise."""
+    def _check_admission(self, need: int = 1):
+        """Under self._lock: a new request needing `need` slots at once may queue (the engine runs, the queue
+        has room), else raise. max_queue bounds the requests that wait for a slot: what is queued in FIFO order
+        takes the free slots first (a burst into free slots is not yet admitted, as the scheduler thread takes
+        it at its next step, but waits for nothing); max_queue 0 means "never wait"."""
         if self._closed:
             raise BitNetError("the engine is closed")
         if self._error is not None:
             raise BitNetError(f"the engine stopped after an internal error: {self._error}")
-        # what waits for a free slot: a burst into free slots is not yet admitted (the scheduler thread takes it
-        # at its next step) but waits for nothing, and max_queue 0 means "never wait". An embedding request's
-        # texts wait as sequences of their own, but it is one request (512 texts took 512 places of 64)
-        waiting = len({id(getattr(s.embed, "req", s)) for s in self._waiting})   # a scoring sequence: its own
-        queued = waiting - max(0, self.parallel - len(self._running))
-        if queued >= self.max_queue:
-            raise QueueFullError(f"{max(queued, 0)} requests are already waiting for a slot (max_queue "
+        free, waiting = max(0, self.parallel - len(self._running)), set()
+        for s in self._waiting:
+            n = 1 + len(s.forks)   # n choices are admitted together
+            if n <= free:
+                free -= n
+            else:   # an embedding's texts are sequences of one request; a scoring sequence is its own
+                waiting.add(id(getattr(s.embed, "req", s)))
+        queued = len(waiting) + (need > free)
+        if queued > self.max_queue:
+            if self.max_queue == 0:
+                raise QueueFullError("no slot is free and requests never wait (max_queue 0)", hint="retry later")
+            raise QueueFullError(f"{len(waiting)} requests are already waiting for a slot (max_queue "
                                  f"{self.max_queue})", hint="retry later")
 
     def _check_ids(self, ids: list, text: str | None = None):
@@ -202,7 +210,7 @@ class BatchScheduler(Drafts, Embeddings, Scoring):
                          for i in range(n)]
         compiled = compile_constraint(self.tokenizer, vocab, constraint)
         with self._lock:
-            self._check_admission()
+            self._check_admission(n)
             seqs = []
             for i in range(n):
                 sid = next(self._ids)

@@ -10,7 +10,9 @@ a character and the Earley parser sees every choice llama.cpp's does. The syntax
 
 - rules `name ::= alternatives`, names of letters, digits and `-`; `root` is the start; `#` comments;
 - literals "..." and classes [...] / [^...] with escapes \\x.. \\u.... \\U........ \\t \\r \\n \\\\ \\" \\[ \\] \\-;
-- `.` any character (a newline too), groups ( ), repetition * + ? {m} {m,} {m,n} (at most 2,000, as there);
+- `.` any character (a newline too), groups ( ), repetition * + ? {m} {m,} {m,n} (a minimum of at most 2,000; a
+  maximum over 2,000 is none, as there); [] and [^] match the empty string and [z-a] nothing, as there; a rule
+  defined again replaces the earlier one, as there;
 - tokens: <[id]> (a token id), <name> (a special token by its text). llama.cpp's negated tokens !<...> are
   refused (llguidance has no such terminal).
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 import json
 
 MAX_REPETITION = 2000    # llama.cpp's MAX_REPETITION_THRESHOLD
+DIGITS = "0123456789"
 
 
 class GbnfError(ValueError):
@@ -142,14 +145,11 @@ class _Parser:
         rules: dict = {}
         self.space(True)
         while self.i < len(self.s):
-            start = self.i
             name = self.name()
             self.space(False)
             if self.s[self.i:self.i + 3] != "::=":
                 self.fail("expected ::=")
-            if name in rules:
-                self.fail(f"rule {name!r} is defined twice", start)
-            self.i += 3
+            self.i += 3   # a rule defined again replaces the earlier one, as llama.cpp's add_rule does
             self.space(True)
             rules[name] = self.alternates(nested=False)
             c = self.peek()
@@ -194,7 +194,7 @@ class _Parser:
                 neg = self.peek() == "^"
                 if neg:
                     self.i += 1
-                ranges = []
+                ranges, empty = [], True
                 while self.peek() != "]":
                     if not self.peek():
                         self.fail("a character class is not closed", at)
@@ -203,11 +203,14 @@ class _Parser:
                     if self.peek() == "-" and self.peek(1) not in ("]", ""):
                         self.i += 1
                         hi = self.char()
-                        if hi < lo:
-                            self.fail("a character range runs backwards", at)
-                    ranges.append((lo, hi))
+                    if lo <= hi:   # llama.cpp: a range that runs backwards matches nothing
+                        ranges.append((lo, hi))
+                    empty = False
                 self.i += 1
-                items.append(("cls", complement(ranges) if neg else norm(ranges)))
+                if empty:   # llama.cpp: [] and [^] add no element at all, so they match the empty string
+                    items.append(("lit", []))
+                else:
+                    items.append(("cls", complement(ranges) if neg else norm(ranges)))
             elif c == ".":
                 self.i += 1
                 items.append(("cls", ALL))
@@ -251,21 +254,23 @@ class _Parser:
         if self.peek() == ",":
             self.i += 1
             self.space(nested)
-            hi = self.number() if self.peek().isdigit() else None
+            hi = self.number() if self.peek() in DIGITS else None
             self.space(nested)
         if self.peek() != "}":
             self.fail("expected } to close a repetition")
         self.i += 1
         self.space(nested)
-        if max(lo, hi or 0) > MAX_REPETITION:
-            self.fail(f"a repetition over {MAX_REPETITION} (llama.cpp's limit)")
+        if lo > MAX_REPETITION:
+            self.fail(f"a repetition of at least {lo}: over {MAX_REPETITION} (llama.cpp's limit)")
+        if hi is not None and hi > MAX_REPETITION:   # llama.cpp: a maximum past its limit is no maximum
+            hi = None
         if hi is not None and hi < lo:
             self.fail("a repetition's maximum is below its minimum")
         return ("rep", item, lo, hi)
 
     def number(self) -> int:
         j = self.i
-        while self.peek().isdigit():
+        while self.peek() and self.peek() in DIGITS:
             self.i += 1
         if self.i == j:
             self.fail("expected a number")
@@ -281,7 +286,7 @@ class _Parser:
         body = self.s[self.i + 1:end]
         self.i = end + 1
         if body.startswith("[") and body.endswith("]"):
-            if not body[1:-1].isdigit():
+            if not body[1:-1] or any(c not in DIGITS for c in body[1:-1]):
                 self.fail("a token id <[...]> must be a number", at)
             return f"<[{int(body[1:-1])}]>"
         if not body or any(c in body for c in "<> \n"):
@@ -559,7 +564,7 @@ class _Emitter:
         """A rule's body with one lexeme per character (literals split, classes one character each)."""
         k = x[0]
         if k == "lit":
-            lits = [json.dumps(chr(c), ensure_ascii=False) for c in x[1]] or ['""']
+            lits = [json.dumps(chr(c), ensure_ascii=0x7F <= c <= 0x9F) for c in x[1]] or ['""']
             return lits[0] if len(lits) == 1 else "(" + " ".join(lits) + ")"
         if k == "cls":
             return "/" + _cls(x[1]) + "/"
