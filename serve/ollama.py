@@ -377,6 +377,8 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
                             final = ch
                             break
                     obj = {"model": model, "created_at": utc_iso(), **piece(""), **final_fields(clock, final)}
+                    if body.logprobs and said.items[sent:]:   # tokens of no text of their own, said at the end
+                        obj["logprobs"] = lp_list(said.items[sent:])
                     if extra_final:
                         obj.update(extra_final(tokens))
                     yield json.dumps(obj, ensure_ascii=False) + "\n"
