@@ -41,6 +41,13 @@ CASES = [   # grammar, texts it takes, texts it does not (a prefix of a match co
     # string), a backwards range matches nothing, a maximum past 2,000 is no maximum, DEL is a character
     ('root ::= "a"\nroot ::= "b" [] [^] [z-a]?', ["b"], ["a"]),
     ('root ::= "x"{0,3000} "\x7f" | "(" root ")"', ["x" * 2500 + "\x7f", "(\x7f)"], ["x"]),
+    # found by fuzzing against a reference recognizer: a part of a sequence that may be empty before a last
+    # one (x's "ab" grows into "abb"), lexemes beside terminals of other paths, {0}
+    ('root ::= x "b" | "(" root ")"\nx ::= "a" "b"? "b"', ["abb", "abbb"], ["ab"]),
+    ('root ::= . r4 | "" | . root\nr4 ::= . . .', ["aaa", "", "a"], []),
+    ('root ::= r1 "\\nb"\nr1 ::= r2 | r1 r2\nr2 ::= "\\nb"', ["\nb\nb", "\nb\nb\nb"], ["\nb"]),
+    ('root ::= .+ r1 (root | "")\nr1 ::= . "\\n"', ["aa\n\n", "ab\n"], ["a\n"]),
+    ('root ::= ("a" root){0} "b"', ["b"], ["ab"]),
     # a lexeme beside another terminal with the same first character: num would take "12" greedily
     ('root ::= num "a" | "1" [0-9] "b" | "(" root ")"\nnum ::= [0-9]+', ["12b", "12a", "(1a)"], ["12", "1b"]),
     ('root ::= w? "xy" | "(" root ")"\nw ::= [a-z]+ "!"', ["xy", "ab!xy", "(xy)"], ["x"]),
@@ -105,3 +112,148 @@ def test_a_grammar_no_text_matches_is_refused(llm):
     with pytest.raises(ConstraintError) as e:
         llm.compile_constraint(Constraint.gbnf('root ::= [^\\x00-\\U0010FFFF] | root "a"'))
     assert "no text matches it" in str(e.value)
+
+
+# ---- random grammars against a reference recognizer -----------------------------------------------------------
+ALPHABET = "abx \n"
+
+
+def _show(x) -> str:
+    """A tree of gbnf._Parser's shape as GBNF text."""
+    k = x[0]
+    if k == "lit":
+        return '"' + "".join({"\n": "\\n", '"': '\\"', "\\": "\\\\"}.get(chr(c), chr(c)) for c in x[1]) + '"'
+    if k == "cls":
+        neg, ranges = x[2], x[1]
+        if ranges == "any":
+            return "."
+        body = "".join({"\n": "\\n"}.get(chr(c), chr(c)) for c, _ in ranges)
+        return f"[{'^' if neg else ''}{body}]"
+    if k == "ref":
+        return x[1]
+    if k == "seq":
+        return " ".join(_show(y) for y in x[1])
+    if k == "alt":
+        return "(" + " | ".join(_show(y) for y in x[1]) + ")"
+    _, y, lo, hi = x
+    op = {(0, None): "*", (1, None): "+", (0, 1): "?"}.get((lo, hi), "{%d,%s}" % (lo, "" if hi is None else hi))
+    return f"({_show(y)}){op}"
+
+
+def _random_node(rng, names, depth):
+    r = rng.random()
+    if depth > 2 or r < 0.35:
+        t = rng.random()
+        if t < 0.35:
+            return ("lit", [ord(c) for c in rng.choice(["", "a", "b", "ab", "x\n", " a", "ba"])])
+        if t < 0.7:
+            chars = sorted(set(rng.sample(ALPHABET, rng.randint(1, 3))))
+            return ("cls", [(ord(c), ord(c)) for c in chars], rng.random() < 0.3)
+        if t < 0.8:
+            return ("cls", "any", False)
+        return ("ref", rng.choice(names))
+    if r < 0.6:
+        return ("seq", [_random_node(rng, names, depth + 1) for _ in range(rng.randint(2, 3))])
+    if r < 0.8:
+        return ("alt", [_random_node(rng, names, depth + 1) for _ in range(rng.randint(2, 3))])
+    lo, hi = rng.choice([(0, None), (1, None), (0, 1), (2, 3), (0, 0), (1, 2)])
+    return ("rep", _random_node(rng, names, depth + 1), lo, hi)
+
+
+def _derive(rules: dict, x, rng, budget: list) -> str:
+    """A random string of x's language (budget[0]: the references left; past it, the shortest-looking way)."""
+    k = x[0]
+    if k == "lit":
+        return "".join(map(chr, x[1]))
+    if k == "cls":
+        if x[1] == "any":
+            return rng.choice(ALPHABET)
+        inside = [chr(c) for c, _ in x[1]]
+        pool = [c for c in ALPHABET if c not in inside] if x[2] else inside
+        return rng.choice(pool) if pool else "\x00"
+    if k == "ref":
+        budget[0] -= 1
+        return _derive(rules, rules[x[1]], rng, budget) if budget[0] > 0 else "\x00"
+    if k == "seq":
+        return "".join(_derive(rules, y, rng, budget) for y in x[1])
+    if k == "alt":
+        return _derive(rules, rng.choice(x[1]), rng, budget)
+    _, y, lo, hi = x
+    times = rng.randint(lo, lo + 2 if hi is None else hi) if budget[0] > 0 else lo
+    return "".join(_derive(rules, y, rng, budget) for _ in range(times))
+
+
+def _reference_takes(rules: dict, text: str) -> bool:
+    """Whether root derives text, by a fixpoint over (rule, start) -> ends (left recursion included)."""
+    n = len(text)
+    table = {(r, i): set() for r in rules for i in range(n + 1)}
+
+    def ends(x, i) -> set:
+        k = x[0]
+        if k == "lit":
+            s = "".join(map(chr, x[1]))
+            return {i + len(s)} if text.startswith(s, i) else set()
+        if k == "cls":
+            if i >= n:
+                return set()
+            inside = True if x[1] == "any" else any(ord(text[i]) == c for c, _ in x[1])
+            return {i + 1} if inside != x[2] else set()
+        if k == "ref":
+            return set(table[(x[1], i)])
+        if k == "seq":
+            cur = {i}
+            for y in x[1]:
+                cur = {e for j in cur for e in ends(y, j)}
+            return cur
+        if k == "alt":
+            return set().union(*(ends(y, i) for y in x[1]))
+        _, y, lo, hi = x
+        cur, out = {i}, set()
+        for count in range(n + 2 if hi is None else hi + 1):
+            if count >= lo:
+                out |= cur
+            cur = {e for j in cur for e in ends(y, j)}
+        return out
+
+    changed = True
+    while changed:
+        changed = False
+        for (r, i), got in table.items():
+            new = ends(rules[r], i)
+            if new - got:
+                got |= new
+                changed = True
+    return n in table[("root", 0)]
+
+
+def test_random_grammars_take_what_a_reference_recognizer_takes(llm):
+    """400 random grammars (recursion, classes, negation, ., repetitions, empty literals) and strings of a small
+    alphabet: the compiled grammar takes a string exactly when a plain context-free recognizer does. A fuzzer
+    like this one found the lexeme choices that lost paths (a later part of a sequence that may be empty, a
+    lexeme beside another terminal with the same first character, {0})."""
+    import random
+    rng = random.Random(20261129)
+    checked = positives = 0
+    for _ in range(400):
+        names = ["root"] + [f"r{i}" for i in range(rng.randint(1, 3))]
+        rules = {name: _random_node(rng, names, 0) for name in names}
+        text = "\n".join(f"{name} ::= {_show(body)}" for name, body in rules.items())
+        try:
+            compiled = llm.compile_constraint(Constraint.gbnf(text))
+        except ConstraintError:
+            continue   # no text matches it, or past the grammar engine's limits: refused, never misread
+        for j in range(8):   # strings of the grammar (a step off, half of them) and strings of the alphabet
+            s = _derive(rules, rules["root"], rng, [6]) if j < 4 else \
+                "".join(rng.choice(ALPHABET) for _ in range(rng.randint(0, 5)))
+            if j in (1, 3) and s:
+                s = s[:-1] if rng.random() < 0.5 else s + rng.choice(ALPHABET)
+            if "\x00" in s or len(s) > 12:
+                continue
+            want = _reference_takes(rules, s)
+            m = compiled.matcher()
+            ids = llm.tokenize(s, add_bos=False) if s else []
+            got = m.valid_prefix(ids) == ids and all(m.advance(t) is None for t in ids) and m.accepting
+            assert got == want, (text, s, want, gbnf_to_lark(text))
+            checked += 1
+            positives += want
+    assert checked > 1000 and positives > 100, (checked, positives)

@@ -409,109 +409,151 @@ class _Analysis:
             state[n] = 2 if ok else 1
             return ok
         flat = {n for n in chars_only if acyclic(n)}
-        lexemes = {n for n in flat if not meets(self.ext(self.rules[n]), self.follow[n])}
-        while True:   # a lexeme beside another terminal that may begin with the same character: its greed would
-            clash = set()   # take that path away (("a" | "ab") "b", num "a" | "1" [0-9] "b")
+        lexemes = {n for n in flat if not meets(_Lexeme(self.rules, self.rules[n]).extends(), self.follow[n])}
+        while True:   # a lexeme must not share a first character with any other terminal of the grammar: where
+            seen = []   # both may begin at one place (by any path), its greed would take the other path away
             for n, body in self.rules.items():
-                if n not in lexemes:   # a lexeme's own alternatives are one regular expression: exact
-                    self._clashes(body, lexemes, clash)
+                if n not in lexemes:   # a lexeme's own body is one regular expression: exact
+                    self._terminals(body, lexemes, seen)
+            clash = {name for name in lexemes if any(other != name and meets(first, self.first[name])
+                                                     for other, first in seen)}
             if not clash:
                 return lexemes
             lexemes -= clash
 
-    def _starters(self, x, lexemes, seen=frozenset()) -> list:
-        """The terminals that may begin x: ("lex", rule, first characters) or ("chr", None, characters)."""
+    def _terminals(self, x, lexemes, out: list):
+        """(lexeme name or None, first characters) of every terminal written in x: each character of a literal
+        (each is a lexeme of its own), each class, each reference to a lexeme."""
         k = x[0]
         if k == "lit":
-            return [("chr", None, ((x[1][0], x[1][0]),))] if x[1] else []
-        if k == "cls":
-            return [("chr", None, x[1])]
-        if k == "ref":
-            n = x[1]
-            if n in lexemes:
-                return [("lex", n, self.first[n])]
-            return [] if n in seen else self._starters(self.rules[n], lexemes, seen | {n})
-        if k == "seq":
-            out = []
+            out.extend((None, ((c, c),)) for c in x[1])
+        elif k == "cls":
+            out.append((None, x[1]))
+        elif k == "ref" and x[1] in lexemes:
+            out.append((x[1], self.first[x[1]]))
+        elif k in ("seq", "alt"):
             for y in x[1]:
-                out += self._starters(y, lexemes, seen)
-                if not self.nul(y):
-                    break
-            return out
-        if k == "alt":
-            return [t for y in x[1] for t in self._starters(y, lexemes, seen)]
-        if k == "rep":
-            return self._starters(x[1], lexemes, seen)
-        return []
-
-    @staticmethod
-    def _clash(a: list, b: list, out: set):
-        for ka, na, fa in a:
-            for kb, nb, fb in b:
-                if (ka == "lex" or kb == "lex") and na != nb and meets(fa, fb):
-                    out.update(n for n in (na, nb) if n is not None)
-
-    def _clashes(self, x, lexemes, out: set):
-        """Lexemes that may begin at one place beside another terminal with a first character in common."""
-        k = x[0]
-        if k == "alt":
-            starts = [self._starters(y, lexemes) for y in x[1]]
-            for i in range(len(starts)):
-                for j in range(i + 1, len(starts)):
-                    self._clash(starts[i], starts[j], out)
-        if k == "seq":   # a part that may be empty beside what may come after it
-            ys = x[1]
-            for i, y in enumerate(ys[:-1]):
-                if self.nul(y):
-                    self._clash(self._starters(y, lexemes), self._starters(("seq", ys[i + 1:]), lexemes), out)
-        if k in ("seq", "alt"):
-            for y in x[1]:
-                self._clashes(y, lexemes, out)
+                self._terminals(y, lexemes, out)
         elif k == "rep":
-            self._clashes(x[1], lexemes, out)
+            self._terminals(x[1], lexemes, out)
 
-    def ext(self, x) -> tuple:
-        """Characters that can extend a whole match of x into a longer possible one (an over-estimate)."""
-        k = x[0]
-        if k in ("lit", "cls"):
-            return NONE
-        if k == "ref":
-            return self.ext(self.rules[x[1]])
-        if k == "seq":
-            ys = x[1]
-            e, nul, fst = self.ext(ys[-1]), self.nul(ys[-1]), self.fst(ys[-1])
-            for y in reversed(ys[:-1]):
-                if nul:
-                    e = union(e, self.ext(y), fst)
-                fst = union(self.fst(y), fst) if self.nul(y) else self.fst(y)
-                nul = nul and self.nul(y)
-            return e
-        if k == "alt":
-            ys = x[1]
-            e = union(*(self.ext(y) for y in ys))
-            for i, a in enumerate(ys):
-                for j, b in enumerate(ys):
-                    if i != j and (self.nul(a) or meets(self.fst(a), self.fst(b))):
-                        e = union(e, self.chars(b))   # a whole match of a may be the start of one of b
-            return e
-        if k == "rep":
-            once = x[2] == 1 and x[3] == 1
-            return self.ext(x[1]) if once else union(self.ext(x[1]), self.fst(x[1]))
-        return NONE
 
-    def chars(self, x) -> tuple:
+class _Lexeme:
+    """A rule of characters as an automaton over character ranges (its references inlined), to find exactly
+    the characters that extend some whole match of it into a longer possible one."""
+    MAX_STATES = 20000   # past these (bounded repetitions of large parts), every character counts as one
+
+    def __init__(self, rules: dict, body):
+        self.rules = rules
+        self.moves: list[list] = []   # state -> [(ranges, next state)]
+        self.eps: list[list] = []     # state -> [next state]
+        try:
+            self.start, self.end = self._build(body)
+        except OverflowError:
+            self.start = None
+
+    def _state(self) -> int:
+        if len(self.moves) >= self.MAX_STATES:
+            raise OverflowError
+        self.moves.append([])
+        self.eps.append([])
+        return len(self.moves) - 1
+
+    def _build(self, x):
         k = x[0]
+        a = self._state()
         if k == "lit":
-            return norm((c, c) for c in x[1])
+            cur = a
+            for c in x[1]:
+                nxt = self._state()
+                self.moves[cur].append((((c, c),), nxt))
+                cur = nxt
+            return a, cur
         if k == "cls":
-            return x[1]
+            b = self._state()
+            if x[1]:
+                self.moves[a].append((x[1], b))
+            return a, b
         if k == "ref":
-            return self.chars(self.rules[x[1]])
-        if k in ("seq", "alt"):
-            return union(*(self.chars(y) for y in x[1]))
-        if k == "rep":
-            return self.chars(x[1])
-        return NONE
+            s, e = self._build(self.rules[x[1]])
+            self.eps[a].append(s)
+            return a, e
+        if k == "seq":
+            cur = a
+            for y in x[1]:
+                s, e = self._build(y)
+                self.eps[cur].append(s)
+                cur = e
+            return a, cur
+        if k == "alt":
+            b = self._state()
+            for y in x[1]:
+                s, e = self._build(y)
+                self.eps[a].append(s)
+                self.eps[e].append(b)
+            return a, b
+        # rep: lo copies, then hi - lo optional ones (or a loop)
+        _, y, lo, hi = x
+        cur = a
+        for _ in range(lo):
+            s, e = self._build(y)
+            self.eps[cur].append(s)
+            cur = e
+        end = self._state()
+        self.eps[cur].append(end)
+        if hi is None:
+            s, e = self._build(y)
+            self.eps[cur].append(s)
+            self.eps[e].append(cur)
+        else:
+            for _ in range(hi - lo):
+                s, e = self._build(y)
+                self.eps[cur].append(s)
+                self.eps[e].append(end)
+                cur = e
+        return a, end
+
+    def _closure(self, states) -> frozenset:
+        out, todo = set(states), list(states)
+        while todo:
+            for t in self.eps[todo.pop()]:
+                if t not in out:
+                    out.add(t)
+                    todo.append(t)
+        return frozenset(out)
+
+    def extends(self) -> tuple:
+        if self.start is None:
+            return ALL
+        back: list[list] = [[] for _ in self.moves]   # which states can still reach the end
+        for s in range(len(self.moves)):
+            for t in self.eps[s]:
+                back[t].append(s)
+            for _, t in self.moves[s]:
+                back[t].append(s)
+        live, todo = {self.end}, [self.end]
+        while todo:
+            for s in back[todo.pop()]:
+                if s not in live:
+                    live.add(s)
+                    todo.append(s)
+        out: list = []
+        first = self._closure([self.start])
+        seen, todo = {first}, [first]
+        while todo:   # the sets of states some text reaches; at each one the text completes, the live moves
+            cur = todo.pop()
+            moves = [(r, t) for s in cur for r, t in self.moves[s] if t in live]
+            if self.end in cur:
+                out.extend(r for rs, _ in moves for r in rs)
+            cuts = sorted({lo for rs, _ in moves for lo, _ in rs} | {hi + 1 for rs, _ in moves for _, hi in rs})
+            for lo, hi in zip(cuts, cuts[1:]):   # one successor per run of characters that move alike
+                nxt = self._closure([t for rs, t in moves if any(a <= lo and hi - 1 <= b for a, b in rs)])
+                if nxt and nxt not in seen:
+                    if len(seen) >= self.MAX_STATES:
+                        return ALL
+                    seen.add(nxt)
+                    todo.append(nxt)
+        return norm(out)
 
 
 def _cls(ranges) -> str:
@@ -548,6 +590,8 @@ class _Emitter:
     def regex(self, x) -> str:
         """A lexeme's body as one regular expression (its rules inlined)."""
         k = x[0]
+        if k == "rep" and x[3] == 0:   # {0}: the empty string
+            return "(?:)"
         if k == "lit":
             return "".join(f"\\x{{{c:X}}}" for c in x[1]) or "(?:)"
         if k == "cls":
@@ -563,6 +607,8 @@ class _Emitter:
     def grammar(self, x) -> str:
         """A rule's body with one lexeme per character (literals split, classes one character each)."""
         k = x[0]
+        if k == "rep" and x[3] == 0:   # {0}: the empty string (llguidance refuses a count range ending at 0)
+            return '""'
         if k == "lit":
             lits = [json.dumps(chr(c), ensure_ascii=0x7F <= c <= 0x9F) for c in x[1]] or ['""']
             return lits[0] if len(lits) == 1 else "(" + " ".join(lits) + ")"
