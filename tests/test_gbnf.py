@@ -9,15 +9,7 @@ import pytest
 
 from bitnet_cpu.engine.api import Constraint, ConstraintError, load_model
 from bitnet_cpu.engine.runtime.gbnf import GbnfError, gbnf_to_lark
-
-ARITHMETIC = r'''
-root  ::= (expr "=" ws term "\n")+
-expr  ::= term ([-+*/] term)*
-term  ::= ident | num | "(" ws expr ")" ws
-ident ::= [a-z] [a-z0-9_]* ws
-num   ::= [0-9]+ ws
-ws    ::= [ \t\n]*
-'''
+from test_constraints import ARITHMETIC   # llama.cpp's grammars/arithmetic.gbnf
 
 CASES = [   # grammar, texts it takes, texts it does not (a prefix of a match counts as not taken)
     (ARITHMETIC, ["1+2=3\n", "(3*4)-5 = x\n", "a = b\n\n\n"], ["1+2=3", "1+2\n"]),

@@ -142,55 +142,54 @@ class Constraint:
                               where=self.where)
 
 
-def rebased(schema, pointer: str):
-    """A copy of a JSON Schema to be placed at JSON pointer `pointer` of another (a tool's parameters inside
-    the call's schema): its local references ("#", "#/$defs/...") point where their targets now are."""
+def _schema_copy(schema, fix):
+    """A copy of a JSON Schema (its values under const / enum / default / examples kept as they are), each
+    subschema passed through fix(copy) after its own subschemas were."""
     if isinstance(schema, list):
-        return [rebased(x, pointer) for x in schema]
+        return [_schema_copy(x, fix) for x in schema]
     if not isinstance(schema, dict):
         return schema
     out = {}
     for k, v in schema.items():
         if k in _DATA_KEYWORDS:
             out[k] = v
-        elif k == "$ref" and isinstance(v, str) and (v == "#" or v.startswith("#/")):
-            out[k] = "#" + pointer + v[1:]
         elif k in _SCHEMA_MAPS and isinstance(v, dict):
-            out[k] = {name: rebased(sub, pointer) for name, sub in v.items()}
+            out[k] = {name: _schema_copy(sub, fix) for name, sub in v.items()}
         else:
-            out[k] = rebased(v, pointer)
-    return out
+            out[k] = _schema_copy(v, fix)
+    return fix(out)
+
+
+def rebased(schema, pointer: str):
+    """A copy of a JSON Schema to be placed at JSON pointer `pointer` of another (a tool's parameters inside
+    the call's schema): its local references ("#", "#/$defs/...") point where their targets now are."""
+    def fix(out):
+        v = out.get("$ref")
+        if isinstance(v, str) and (v == "#" or v.startswith("#/")):
+            out["$ref"] = "#" + pointer + v[1:]
+        return out
+    return _schema_copy(schema, fix)
 
 
 def bounded_integers(schema):
     """A copy of a JSON Schema in which every `integer` without a lower (upper) bound gets -INT_BOUND (INT_BOUND).
     A `number` is left as it is: bounds would also forbid its exponent form (1e-30), and its fraction has no
     digit limit in the grammar engine either way."""
-    if isinstance(schema, list):
-        return [bounded_integers(x) for x in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {}
-    for k, v in schema.items():
-        if k in _DATA_KEYWORDS:
-            out[k] = v
-        elif k in _SCHEMA_MAPS and isinstance(v, dict):
-            out[k] = {name: bounded_integers(sub) for name, sub in v.items()}
-        else:
-            out[k] = bounded_integers(v)
-    t = schema.get("type")
-    types = t if isinstance(t, list) else [t]
-    if "integer" in types and "number" not in types:
-        def bound(key, exclusive):   # a draft-4 boolean exclusiveMinimum qualifies `minimum`; it is no bound itself
-            return _is_num(out.get(key)) or _is_num(out.get(exclusive))
-        given = [out.get(k) for k in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum")]
-        if any(_is_num(v) and abs(v) > INT_BOUND for v in given):
-            return out   # the schema asks for integers past int64: its own bounds stand alone
-        if not bound("minimum", "exclusiveMinimum"):
-            out["minimum"] = -INT_BOUND
-        if not bound("maximum", "exclusiveMaximum"):
-            out["maximum"] = INT_BOUND
-    return out
+    def fix(out):
+        t = out.get("type")
+        types = t if isinstance(t, list) else [t]
+        if "integer" in types and "number" not in types:
+            def bound(key, exclusive):   # a draft-4 boolean exclusiveMinimum qualifies `minimum`: no bound itself
+                return _is_num(out.get(key)) or _is_num(out.get(exclusive))
+            given = [out.get(k) for k in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum")]
+            if any(_is_num(v) and abs(v) > INT_BOUND for v in given):
+                return out   # the schema asks for integers past int64: its own bounds stand alone
+            if not bound("minimum", "exclusiveMinimum"):
+                out["minimum"] = -INT_BOUND
+            if not bound("maximum", "exclusiveMaximum"):
+                out["maximum"] = INT_BOUND
+        return out
+    return _schema_copy(schema, fix)
 
 
 def parser_limits():
