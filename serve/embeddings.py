@@ -108,13 +108,13 @@ async def tokenized(eng, items: list, where: str, truncate: bool = False, one: b
     def name(i):
         return where if one else f"{where}.{i}"
     items = list(items)
-    for i, item in enumerate(items):
-        if isinstance(item, str):   # before the tokenizer sees megabytes of text (it stalls every stream)
-            msg = await too_long_for_context(eng, len(item))
-            if msg and not truncate:
-                raise Refused(400, f"{name(i)}: {msg}", code="context_length_exceeded")
-            if msg:   # truncate: the text past what n_ctx tokens can cover is never tokenized
-                items[i] = item[:await chars_bound(eng)]
+    bound = await chars_bound(eng) if any(isinstance(t, str) for t in items) else 0
+    for i, item in enumerate(items):   # before the tokenizer sees megabytes of text (it stalls every stream)
+        if isinstance(item, str) and len(item) > bound:
+            if not truncate:
+                raise Refused(400, f"{name(i)}: {await too_long_for_context(eng, len(item))}",
+                              code="context_length_exceeded")
+            items[i] = item[:bound]   # truncate: the text past what n_ctx tokens can cover is never tokenized
     texts = [t for t in items if isinstance(t, str)]
     done = iter(await run_off_loop(lambda: [eng.tokenize(t, add_bos=True) for t in texts]) if texts else ())
     out = []
@@ -227,9 +227,8 @@ def register(app, state, ready, api_error: type, check_model, *, metrics=None):
         try:
             ids = await tokenized(eng, texts, where, truncate, one)
             return ids, await run_embed(eng, state, request, ids, metrics)
-        except Refused as e:   # a 503 (queue full, shutting down) says when to retry, as every other route's
-            headers = {"Retry-After": str(state.retry_after)} if e.status == 503 else None
-            raise OllamaError(e.status, e.message, headers) from None
+        except Refused as e:
+            raise OllamaError(e.status, e.message) from None
 
     @app.post("/api/embed")
     async def api_embed(request: Request):

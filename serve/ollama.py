@@ -53,9 +53,9 @@ UNSUPPORTED_ENDPOINTS = {
 
 
 class OllamaError(Exception):
-    def __init__(self, status: int, message: str, headers: dict | None = None):
+    def __init__(self, status: int, message: str):
         super().__init__(message)
-        self.status, self.message, self.headers = status, message, headers
+        self.status, self.message = status, message
 
 
 class _Body(JSONTyped):
@@ -197,7 +197,7 @@ def ready_engine(ready, api_error: type, request):
     try:
         return ready(request)
     except api_error as e:
-        raise OllamaError(e.status, e.message, getattr(e, "headers", None)) from None   # Retry-After of a 503
+        raise OllamaError(e.status, e.message) from None
 
 
 def check_model_name(state, name):
@@ -226,7 +226,9 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
 
     @app.exception_handler(OllamaError)
     async def _ollama_error(request, e: OllamaError):
-        return JSONResponse({"error": e.message}, status_code=e.status, headers=e.headers)
+        # a 503 (queue full, loading, shutting down) says when to retry, as every other route's does
+        headers = {"Retry-After": str(state.retry_after)} if e.status == 503 else None
+        return JSONResponse({"error": e.message}, status_code=e.status, headers=headers)
 
     def engine(request: Request):
         return ready_engine(ready, api_error, request)
@@ -313,7 +315,7 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
         except QueueFullError as e:
             if metrics is not None:
                 metrics.rejected.inc()
-            raise OllamaError(503, str(e), {"Retry-After": str(state.retry_after)}) from None
+            raise OllamaError(503, str(e)) from None
         except ContextOverflowError as e:
             raise OllamaError(400, str(e)) from None
         except BitNetError as e:

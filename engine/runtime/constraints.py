@@ -110,8 +110,6 @@ class Constraint:
         """The spec as an llguidance grammar (JSON text)."""
         try:
             return self._grammar()
-        except ConstraintError:
-            raise
         except (ValueError, TypeError, OverflowError, RecursionError) as e:
             # llguidance's own refusals of a spec it cannot represent (an integer past 64 bits in a schema)
             raise ConstraintError(f"{self.where}: cannot be enforced: {_one_line(e)}", where=self.where) from None
