@@ -15,7 +15,7 @@ import importlib
 import os
 import sys
 
-COMMANDS = ["run", "convert", "inspect", "info", "pull", "list", "rm", "serve", "bench", "perplexity"]
+COMMANDS = ["run", "convert", "inspect", "info", "pull", "list", "rm", "serve", "bench", "perplexity", "embed"]
 
 
 def build_parser(subparsers: dict | None = None) -> argparse.ArgumentParser:

@@ -321,3 +321,20 @@ def maybe_autocomplete(parser: argparse.ArgumentParser) -> None:
     except ImportError:  # pragma: no cover - argcomplete is a dependency
         sys.exit(1)
     argcomplete.autocomplete(parser)
+
+
+def read_text_file(path: str, flag: str = "-f/--file") -> str:
+    """The UTF-8 text of `path` ('-': stdin), or BitNetError in one line (a missing file, invalid UTF-8)."""
+    import sys
+
+    from ..engine.errors import BitNetError
+    from ..engine.formats.tokenizer import decode_utf8
+    try:
+        if path == "-":
+            return decode_utf8(sys.stdin.buffer.read(), "stdin")
+        with open(path, "rb") as f:
+            return decode_utf8(f.read(), f"{flag} {path}")
+    except OSError as e:
+        raise BitNetError(f"{flag} {path}: {e.strerror}") from None
+    except ValueError as e:
+        raise BitNetError(str(e)) from None

@@ -14,6 +14,8 @@ The running PPL ("[1]7.1234,[2]...") and the final estimate (or the KL table and
 to stderr; --json prints one object instead. Ctrl-C prints the estimate over the chunks done and exits 130, leaving no
 half-written base file (an existing one is replaced only once a run completes).
 """
+from .flags import read_text_file
+
 HELP = ("measure perplexity over a text file, the KL divergence from a base model's saved logits, HellaSwag, "
         "Winogrande or multiple-choice tasks (llama-perplexity's chunks, numbers and files)")
 
@@ -90,22 +92,6 @@ def _check(args) -> None:
         raise BitNetError("--chunks 0: nothing to score (a positive count, or -1 for every chunk)")
 
 
-def _read_text(path: str) -> str:
-    import sys
-
-    from ..engine.errors import BitNetError
-    from ..engine.formats.tokenizer import decode_utf8
-    try:
-        if path == "-":
-            return decode_utf8(sys.stdin.buffer.read(), "stdin")
-        with open(path, "rb") as f:
-            return decode_utf8(f.read(), f"-f/--file {path}")
-    except OSError as e:
-        raise BitNetError(f"-f/--file {path}: {e.strerror}") from None
-    except ValueError as e:
-        raise BitNetError(str(e)) from None
-
-
 def _info(msg: str) -> None:
     import sys
     print(f"perplexity: {msg}", file=sys.stderr, flush=True)
@@ -166,7 +152,7 @@ def _score(args, llm, reader, n_ctx) -> int:
         n_chunk = P.n_chunks(len(tokens), n_ctx, args.chunks)
     else:
         t0 = time.perf_counter()
-        tokens = llm.tokenize(_read_text(args.file), add_bos=True, special=False)   # as llama-perplexity: text is text
+        tokens = llm.tokenize(read_text_file(args.file), add_bos=True, special=False)   # as llama-perplexity: text is text
         n_chunk = P.n_chunks(len(tokens), n_ctx, args.chunks)
         _info(f"tokenization took {1e3 * (time.perf_counter() - t0):.1f} ms ({len(tokens)} tokens)")
     tokens = [int(t) for t in tokens[: n_chunk * n_ctx]]
@@ -282,7 +268,7 @@ def _kld_report(s: dict) -> str:
 def _hellaswag_tasks(args) -> list:
     """The tasks to score, in order: --hellaswag-tasks of them (0: all) drawn as llama-perplexity draws them."""
     from ..engine.runtime.perplexity import draw_hellaswag, parse_hellaswag
-    tasks = parse_hellaswag(_read_text(args.file))
+    tasks = parse_hellaswag(read_text_file(args.file))
     return draw_hellaswag(tasks, len(tasks) if args.hellaswag_tasks == 0 else args.hellaswag_tasks)
 
 
@@ -348,7 +334,7 @@ def _winogrande_tasks(args) -> tuple[list, int]:
     """(the tasks to score, the lines that were none: a header)."""
     from ..engine.errors import BitNetError
     from ..engine.runtime.perplexity import draw_winogrande, parse_winogrande
-    tasks, skipped = parse_winogrande(_read_text(args.file))
+    tasks, skipped = parse_winogrande(read_text_file(args.file))
     if not tasks:
         raise BitNetError(f"-f/--file {args.file}: no Winogrande tasks in it",
                           hint="llama.cpp's CSV: index,sentence with _,choice1,choice2,answer 1 or 2")

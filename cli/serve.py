@@ -69,6 +69,12 @@ def add_arguments(p):
                         "request's keep_alive (ollama's field) sets its model's")
     g.add_argument("--models-load-timeout", type=float, default=600.0, metavar="S",
                    help="seconds a request waits for its model to load (a GGUF is converted on first use)")
+    p.add_argument("--pooling", default="mean", metavar="{mean,last,none}",
+                   help="the embedding of a text (llama-server's --pooling): the mean of its tokens' final states, "
+                        "the last token's, or none: every token's (at /embedding only)")
+    p.add_argument("--embd-normalize", dest="embd_normalize", type=int, default=2, metavar="N",
+                   help="norm of pooled embeddings, as llama.cpp's: -1 none, 0 max-absolute int16, 1 taxicab, "
+                        "2 Euclidean, >2 p-norm (a request's embd_normalize wins)")
     p.add_argument("--drain-timeout", type=float, default=5.0, help="seconds in-flight requests get to finish on shutdown")
     p.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"),
                    help="uvicorn log level")
@@ -89,6 +95,9 @@ def _check(args):
         raise BitNetError(f"--max-queue {args.max_queue}: must be >= 0")
     if args.alias is not None and not args.alias.strip():
         raise BitNetError("--alias: must not be empty")
+    from ..engine.runtime.embed import check_normalize, check_pooling
+    check_pooling(args.pooling, "--pooling")
+    check_normalize(args.embd_normalize, "--embd-normalize")
     if args.ray_replicas < 0:
         raise BitNetError(f"--ray-replicas {args.ray_replicas}: must be >= 0")
     for flag in ("max_body_mb", "max_header_kb", "max_headers", "max_connections", "header_timeout", "body_timeout",
@@ -223,7 +232,7 @@ def main(args) -> int:
     def load():
         eng = load_engine(args.model, ctx=args.ctx, threads=args.threads, parallel=args.parallel,
                           max_batch_tokens=args.batch_size, max_queue=args.max_queue, kv_dtype=args.kv, progress=True,
-                          lookup=lookup, mmap=args.mmap)
+                          lookup=lookup, mmap=args.mmap, pooling=args.pooling, embd_normalize=args.embd_normalize)
         apply_chat_template(eng, args)
         for w in eng.warnings:   # a default context past the trained one, -t above the cores
             print(f"bitnet serve: warning: {w}", file=sys.stderr, flush=True)

@@ -217,20 +217,25 @@ class LLM(_Text):
                          ignore_eos=ignore_eos, lookup=lookup if lookup is not None else self.lookup,
                          constraint=compiled)
 
-    def embed(self, texts: str | Sequence[str]) -> np.ndarray:
+    def embed(self, texts: str | Sequence[str], *, pooling: str = "mean", normalize: int = 2):
         """Embeddings [len(texts), hidden] f32 (a str: one row): each text with BOS through the model, the final-norm
-        hidden states mean-pooled and L2-normalised (engine/runtime/embed.py; the same bits as Engine.embed).
-        Raises ContextOverflowError for a text over n_ctx. Leaves the last text in the KV cache."""
-        from .runtime.embed import embed_ids
+        hidden states pooled -- "mean" (default) or "last" -- and normalised (2: L2; llama.cpp's embd_normalize
+        values), or pooling "none": a list of each text's [tokens, hidden] rows as they are (engine/runtime/embed.py;
+        the same bits as Engine.embed). Raises ContextOverflowError for a text over n_ctx. Leaves the last text in
+        the KV cache."""
+        from .runtime.embed import check_normalize, check_pooling, embed_ids
         from .errors import ContextOverflowError
+        pooling, normalize = check_pooling(pooling), check_normalize(normalize)
         all_ids = self.embed_tokens(texts)
         for i, ids in enumerate(all_ids):
             if len(ids) > self.n_ctx:
                 raise ContextOverflowError(f"input {i} has {len(ids)} tokens but the context holds {self.n_ctx}",
                                            hint="raise the context or shorten the text")
+        if pooling == "none":
+            return [embed_ids(self.model, ids, pooling) for ids in all_ids]
         out = np.zeros((len(all_ids), self.config.hidden_size), np.float32)
         for i, ids in enumerate(all_ids):
-            out[i] = embed_ids(self.model, ids)
+            out[i] = embed_ids(self.model, ids, pooling, normalize)
         return out
 
     def perplexity(self, text: str | Sequence[int], *, chunk: int = 512, chunks: int = -1) -> dict:
@@ -364,11 +369,12 @@ class Engine(_Text, BatchScheduler):
         self.name = _display_name(store)
         self.load_s = load_s + (time.perf_counter() - t0)
 
-    def embed(self, texts: str | Sequence[str], timeout: float | None = None) -> np.ndarray:
+    def embed(self, texts: str | Sequence[str], timeout: float | None = None, *, pooling: str | None = None,
+              normalize: int | None = None):
         """Embeddings [len(texts), hidden] f32, as LLM.embed, batched through the engine: each text is a
-        prefill-only sequence beside the running generations (engine/batching/embed.py). submit_embed(token
-        lists, callback) is the non-blocking form."""
-        return self.embed_ids(self.embed_tokens(texts), timeout)
+        prefill-only sequence beside the running generations (engine/batching/embed.py). pooling / normalize:
+        None takes the engine's (load_engine's). submit_embed(token lists, callback) is the non-blocking form."""
+        return self.embed_ids(self.embed_tokens(texts), timeout, pooling=pooling, normalize=normalize)
 
     def close(self):
         BatchScheduler.close(self)
@@ -378,7 +384,8 @@ class Engine(_Text, BatchScheduler):
 def load_engine(model: str | None = None, *, ctx: int | None = None, threads: int | None = None, parallel: int = 16,
                 kv_pool_tokens: int | None = None, max_batch_tokens: int | None = None, max_queue: int = 64,
                 kv_dtype: str = "f16", progress: bool = True, lm_head: str | None = None,
-                kv_pool_mib: float | None = None, lookup: LookupParams | None = None, mmap: bool | None = None) -> Engine:
+                kv_pool_mib: float | None = None, lookup: LookupParams | None = None, mmap: bool | None = None,
+                pooling: str = "mean", embd_normalize: int = 2) -> Engine:
     """A batching engine over `model` (as load_model opens it), its scheduler thread started.
     ctx: per-sequence context (default: serving_ctx, the model's trained context but 2048 to 4096);
     parallel: sequences running at once; kv_pool_tokens: KV pool size in tokens
@@ -388,7 +395,11 @@ def load_engine(model: str | None = None, *, ctx: int | None = None, threads: in
     max_queue: waiting requests before submit() raises QueueFullError;
     lookup: prompt-lookup speculative decoding for every sequence (None: off, as LLM.generate's default): a
     decoding sequence whose recent tokens repeat runs up to lookup.draft_max draft tokens in the rows a step has
-    left; the output is the same with or without it. Drafted / accepted tokens: metrics(). mmap: as load_model."""
+    left; the output is the same with or without it. Drafted / accepted tokens: metrics(). mmap: as load_model.
+    pooling / embd_normalize: what embed() gives a call that names none (llama-server's --pooling and
+    --embd-normalize: "mean" / "last" / "none"; 2 = L2)."""
+    from .runtime.embed import check_normalize, check_pooling
+    pooling, embd_normalize = check_pooling(pooling), check_normalize(embd_normalize)
     t0 = time.perf_counter()
     path = _resolve(model, lm_head, progress)
     store = open_store(path, mmap=mmap, progress=progress)
@@ -399,4 +410,5 @@ def load_engine(model: str | None = None, *, ctx: int | None = None, threads: in
     except BaseException:
         store.close()
         raise
+    eng.pooling, eng.embd_normalize = pooling, embd_normalize
     return eng.start()

@@ -1,8 +1,11 @@
-"""Embeddings over HTTP: OpenAI's `/v1/embeddings`, ollama's `/api/embed` and its older `/api/embeddings`, all
-over the engine's `submit_embed` (engine/batching/embed.py: each text a prefill-only sequence beside the running
-generations). The vector is the model's final-norm hidden states mean-pooled over the text's tokens (BOS first) and
-L2-normalised, as llama-server `--embeddings --pooling mean` computes it (engine/runtime/embed.py says why mean).
-What each field does here: docs/api.md. Nothing here knows of kernels.
+"""Embeddings over HTTP: OpenAI's `/v1/embeddings`, ollama's `/api/embed` and its older `/api/embeddings`,
+llama-server's `/embedding` (and its alias `/embeddings`), all over the engine's `submit_embed`
+(engine/batching/embed.py: each text a prefill-only sequence beside the running generations). The vector is the
+model's final-norm hidden states pooled over the text's tokens (BOS first) -- by default their mean, L2-normalised,
+as llama-server `--embeddings --pooling mean` computes it (engine/runtime/embed.py says why mean; `bitnet serve
+--pooling last|none --embd-normalize N` choose otherwise). What each field does here: docs/api.md. Answers are
+encoded off the event loop: a request of a thousand vectors is seconds of JSON that would stall every stream.
+Nothing here knows of kernels.
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ from typing import Optional
 
 import numpy as np
 from fastapi import Request
+from fastapi.responses import Response
 from pydantic import ConfigDict
 
 from .offload import OFFLOAD_BYTES, chars_bound, next_or_gone, run_off_loop, too_long_for_context
@@ -33,6 +37,7 @@ class EmbeddingRequest(JSONTyped):
     encoding_format: Optional[str] = None   # "float" (default) | "base64" (little-endian float32)
     dimensions: Optional[int] = None
     user: Optional[str] = None              # ignored by design (OpenAI's abuse-monitoring tag)
+    embd_normalize: Optional[int] = None    # llama-server's: -1 none, 0 max-abs int16, 1 taxicab, 2 L2, >2 p-norm
 
 
 _IDS = {"type": "array", "items": {"type": "integer"}}
@@ -113,7 +118,7 @@ async def tokenized(eng, items: list, where: str, truncate: bool = False, one: b
         if isinstance(item, str) and len(item) > bound:
             if not truncate:
                 raise Refused(400, f"{name(i)}: {await too_long_for_context(eng, len(item))}",
-                              code="context_length_exceeded")
+                              param=where, code="context_length_exceeded")
             items[i] = item[:bound]   # truncate: the text past what n_ctx tokens can cover is never tokenized
     texts = [t for t in items if isinstance(t, str)]
     done = iter(await run_off_loop(lambda: [eng.tokenize(t, add_bos=True) for t in texts]) if texts else ())
@@ -121,11 +126,11 @@ async def tokenized(eng, items: list, where: str, truncate: bool = False, one: b
     for i, item in enumerate(items):
         ids = next(done) if isinstance(item, str) else [int(t) for t in item]
         if any(not 0 <= t < vocab for t in ids):
-            raise Refused(400, f"{name(i)}: token ids must be in 0..{vocab - 1}")
+            raise Refused(400, f"{name(i)}: token ids must be in 0..{vocab - 1}", where)
         if len(ids) > n_ctx:
             if not truncate:
                 raise Refused(400, f"{name(i)} has {len(ids)} tokens but the context holds {n_ctx}",
-                              code="context_length_exceeded")
+                              where, "context_length_exceeded")
             ids = ids[:n_ctx]
         out.append(ids)
     return out
@@ -142,14 +147,48 @@ def check_dimensions(eng, dimensions) -> None:
                       param="dimensions", code="unsupported_parameter")
 
 
-async def run_embed(eng, state, request: Request, ids: list[list[int]], metrics=None):
-    """Submit the token lists, wait for their vectors ([n, hidden] float32), cancelling if the client goes away
-    (None then). Engine refusals become Refused."""
+NOT_POOLED = ("Pooling type 'none' is not OAI compatible. Please use a different pooling type (this server runs "
+              "with --pooling none: its vectors are per token, at /embedding)")   # llama-server's words, and where
+
+
+def pooled_only(eng) -> None:
+    """The OpenAI and ollama routes answer one vector a text: Refused under --pooling none, as llama-server."""
+    if eng.pooling == "none":
+        raise Refused(400, NOT_POOLED, None, "pooling_none")
+
+
+def check_normalize(eng, value) -> Optional[int]:
+    """A request's embd_normalize (llama-server's field), or Refused: not an integer >= -1, or given to a server
+    whose vectors are per token and never normalised (--pooling none)."""
+    from ..engine.errors import BitNetError
+    from ..engine.runtime.embed import check_normalize as check
+    if value is None:
+        return None
+    try:
+        value = check(value)
+    except BitNetError as e:
+        raise Refused(400, str(e), "embd_normalize") from None
+    if eng.pooling == "none":
+        raise Refused(400, "embd_normalize: this server runs with --pooling none, whose per-token vectors are "
+                      "never normalised", "embd_normalize", "unsupported_parameter")
+    return value
+
+
+async def json_answer(build) -> Response:
+    """build() -> a JSON-able object (the vectors' tolist() inside it), encoded off the event loop."""
+    def encode():
+        return json.dumps(build(), ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+    return Response(await run_off_loop(encode), media_type="application/json")
+
+
+async def run_embed(eng, state, request: Request, ids: list[list[int]], metrics=None, normalize: Optional[int] = None):
+    """Submit the token lists, wait for their vectors ([n, hidden] float32; pooling none: a list of [tokens,
+    hidden]), cancelling if the client goes away (None then). Engine refusals become Refused."""
     from ..engine.errors import BitNetError, ContextOverflowError, QueueFullError
     loop = asyncio.get_running_loop()
     q: asyncio.Queue = asyncio.Queue()
     try:
-        req = eng.submit_embed(ids, callback=lambda r: loop.call_soon_threadsafe(q.put_nowait, r))
+        req = eng.submit_embed(ids, callback=lambda r: loop.call_soon_threadsafe(q.put_nowait, r), normalize=normalize)
     except QueueFullError as e:
         if metrics is not None:
             metrics.rejected.inc()
@@ -176,8 +215,62 @@ async def run_embed(eng, state, request: Request, ids: list[list[int]], metrics=
     return req.vectors
 
 
+def parse_llama(raw: bytes) -> tuple[dict, list]:
+    """llama-server's /embedding body and its prompts, or Refused: `input`, else `content` (a string; a list of
+    token ids and strings, one prompt; or a list of such prompts), as its handle_embeddings_impl reads them. Each
+    prompt comes back as a str, a list of ids, or a list mixing both (llama_prompt_ids tokenizes it)."""
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        why = ": nested too deeply" if isinstance(e, RecursionError) else ""
+        raise Refused(400, f"request body is not valid JSON{why}", None, "invalid_json") from None
+    if not isinstance(data, dict):
+        raise Refused(400, "request body must be a JSON object", None, "invalid_json")
+    where = "input" if "input" in data else "content"
+    if where not in data:
+        raise Refused(400, '"input" or "content" must be provided', None)
+    value = data[where]
+
+    def number(x):
+        return isinstance(x, int) and not isinstance(x, bool)
+    if isinstance(value, str):
+        prompts = [value]
+    elif isinstance(value, list) and any(number(x) for x in value):
+        prompts = [value]   # ids, or ids and strings: one prompt (llama.cpp's json_is_array_and_contains_numbers)
+    elif isinstance(value, list):
+        prompts = value
+    else:
+        raise Refused(400, f"{where}: expected a string, token ids, or a list of them", where)
+    if not prompts:
+        raise Refused(400, f"{where}: an empty list has nothing to embed", where)
+    if len(prompts) > MAX_INPUTS:
+        raise Refused(400, f"{where}: {len(prompts)} items; at most {MAX_INPUTS} in one request", where)
+    for i, p in enumerate(prompts):
+        name = where if value is p else f"{where}.{i}"
+        if isinstance(p, str):
+            if not p:
+                raise Refused(400, f"{name}: an empty string has nothing to embed", where)
+        elif isinstance(p, list) and p and all(number(x) or isinstance(x, str) for x in p):
+            if not any(number(x) or x for x in p):
+                raise Refused(400, f"{name}: nothing to embed", where)
+        elif isinstance(p, list) and not p:
+            raise Refused(400, f"{name}: an empty list of token ids has nothing to embed", where)
+        else:
+            raise Refused(400, f"{name}: expected a string, or a list of token ids and strings (image and other "
+                          "content parts are not supported)", where)
+    return data, prompts
+
+
+def llama_prompt_ids(eng, prompts: list) -> list:
+    """The prompts as tokenized() takes them: a str or a list of ids as they are; a list mixing ids and strings
+    tokenized piece by piece, BOS first when it starts with a string (as /completion's prompt)."""
+    from .llama_api import prompt_ids
+    return [p if isinstance(p, str) or all(not isinstance(x, str) for x in p) else prompt_ids(eng, p)
+            for p in prompts]
+
+
 def register(app, state, ready, api_error: type, check_model, *, metrics=None):
-    """Add the three embeddings routes to `app` (serve/app.py's create_app): ready(request) -> the engine or raises
+    """Add the embeddings routes to `app` (serve/app.py's create_app): ready(request) -> the engine or raises
     api_error; check_model(name) applies --strict-model-name (OpenAI's shape)."""
     from .ollama import OllamaError, check_model_name, read_object, ready_engine
 
@@ -192,12 +285,14 @@ def register(app, state, ready, api_error: type, check_model, *, metrics=None):
             raw = await request.body()
             body, items = await run_off_loop(parse_openai, raw) if len(raw) > OFFLOAD_BYTES else parse_openai(raw)
             check_model(body.model)
+            pooled_only(eng)
             fmt = body.encoding_format or "float"
             if fmt not in ("float", "base64"):
                 raise Refused(400, f"encoding_format {fmt!r}: expected \"float\" or \"base64\"", "encoding_format")
             check_dimensions(eng, body.dimensions)
+            normalize = check_normalize(eng, body.embd_normalize)
             ids = await tokenized(eng, items, "input")
-            vectors = await run_embed(eng, state, request, ids, metrics)
+            vectors = await run_embed(eng, state, request, ids, metrics, normalize)
         except Refused as e:
             raise openai_error(e) from None
         if vectors is None:
@@ -206,9 +301,10 @@ def register(app, state, ready, api_error: type, check_model, *, metrics=None):
         def encode(v: np.ndarray):
             return base64.b64encode(v.astype("<f4").tobytes()).decode("ascii") if fmt == "base64" else v.tolist()
         n = sum(len(t) for t in ids)
-        return {"object": "list", "model": state.model_id,
-                "data": [{"object": "embedding", "index": i, "embedding": encode(v)} for i, v in enumerate(vectors)],
-                "usage": {"prompt_tokens": n, "total_tokens": n}}
+        return await json_answer(lambda: {
+            "object": "list", "model": state.model_id,
+            "data": [{"object": "embedding", "index": i, "embedding": encode(v)} for i, v in enumerate(vectors)],
+            "usage": {"prompt_tokens": n, "total_tokens": n}})
 
     # ---- ollama ----
     def engine(request: Request):
@@ -225,6 +321,7 @@ def register(app, state, ready, api_error: type, check_model, *, metrics=None):
 
     async def ollama_vectors(eng, request, texts, where, truncate=False, one=False):
         try:
+            pooled_only(eng)
             ids = await tokenized(eng, texts, where, truncate, one)
             return ids, await run_embed(eng, state, request, ids, metrics)
         except Refused as e:
@@ -256,9 +353,10 @@ def register(app, state, ready, api_error: type, check_model, *, metrics=None):
         ids, vectors = await ollama_vectors(eng, request, texts, "input", truncate is True)
         if vectors is None:
             return gone()
-        return {"model": state.model_id, "embeddings": [v.tolist() for v in vectors],
-                "total_duration": max(0, int((time.perf_counter() - t0) * 1e9)), "load_duration": 0,
-                "prompt_eval_count": sum(len(t) for t in ids)}
+        return await json_answer(lambda: {
+            "model": state.model_id, "embeddings": [v.tolist() for v in vectors],
+            "total_duration": max(0, int((time.perf_counter() - t0) * 1e9)), "load_duration": 0,
+            "prompt_eval_count": sum(len(t) for t in ids)})
 
     @app.post("/api/embeddings")
     async def api_embeddings(request: Request):
@@ -275,8 +373,40 @@ def register(app, state, ready, api_error: type, check_model, *, metrics=None):
             return gone()
         return {"embedding": vectors[0].tolist()}
 
+    # ---- llama-server ----
+    async def llama_embedding(request: Request):
+        """llama-server's /embedding: [{"index": i, "embedding": [vector]}] a prompt; with --pooling none,
+        "embedding" holds the prompt's rows, one per token, as they are."""
+        eng = ready(request)
+        try:
+            raw = await request.body()
+            data, prompts = await run_off_loop(parse_llama, raw) if len(raw) > OFFLOAD_BYTES else parse_llama(raw)
+            if isinstance(data.get("model"), str):
+                check_model(data["model"])
+            fmt = data.get("encoding_format", "float")
+            if fmt != "float":
+                raise Refused(400, f"encoding_format {fmt!r}: this route answers floats, as llama-server's "
+                              "(base64 is /v1/embeddings')", "encoding_format")
+            normalize = check_normalize(eng, data.get("embd_normalize"))
+            where = "input" if "input" in data else "content"
+            items = await run_off_loop(llama_prompt_ids, eng, prompts)
+            ids = await tokenized(eng, items, where, one=prompts[0] is data[where])   # one prompt: named alone
+            if eng.pooling == "none" and sum(len(t) for t in ids) > eng.n_ctx:
+                raise Refused(400, f"{where}: {sum(len(t) for t in ids)} tokens; with --pooling none every token "
+                              f"is a vector, at most {eng.n_ctx} (the context) in one request",
+                              where, "context_length_exceeded")
+            vectors = await run_embed(eng, state, request, ids, metrics, normalize)
+        except Refused as e:
+            raise openai_error(e) from None
+        if vectors is None:
+            return gone()
+        rows = (lambda v: v.tolist()) if eng.pooling == "none" else (lambda v: [v.tolist()])
+        return await json_answer(lambda: [{"index": i, "embedding": rows(v)} for i, v in enumerate(vectors)])
+
+    app.add_api_route("/embedding", llama_embedding, methods=["POST"])
+    app.add_api_route("/embeddings", llama_embedding, methods=["POST"], include_in_schema=False)   # its alias
+
 
 def gone():
     """The answer to a client that went away while its texts ran (nobody reads it)."""
-    from fastapi.responses import Response
     return Response(status_code=499)

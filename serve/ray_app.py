@@ -21,7 +21,7 @@ def build(model: str | None = None, *, threads: int | None = 1, parallel: int = 
           max_queue: int = 64, api_key: str | None = None, replicas: int = 1, kv: str = "f16", lookup=None,
           sampling=None, mmap: bool | None = None, alias: str | None = None, strict_model: bool = False,
           api_keys: tuple = (), limits=None, metrics_public: bool = False, batch_size: int | None = None,
-          cors_origins: tuple = (), chat_template: str | None = None):
+          cors_origins: tuple = (), chat_template: str | None = None, pooling: str = "mean", embd_normalize: int = 2):
     """A bound Ray Serve application with `replicas` replicas of the server (lookup: engine LookupParams;
     sampling: the SamplingParams a request's omitted sampling fields take; mmap: load_engine's — each replica
     otherwise reads its own copy of the weights into memory, while memory lasts; batch_size: load_engine's
@@ -30,7 +30,8 @@ def build(model: str | None = None, *, threads: int | None = 1, parallel: int = 
     def load():
         from ..engine.api import load_engine
         eng = load_engine(model, ctx=ctx, threads=threads, parallel=parallel, max_queue=max_queue, kv_dtype=kv,
-                          progress=False, lookup=lookup, mmap=mmap, max_batch_tokens=batch_size)
+                          progress=False, lookup=lookup, mmap=mmap, max_batch_tokens=batch_size, pooling=pooling,
+                          embd_normalize=embd_normalize)
         if chat_template is not None:   # --chat-template(-file), checked by the CLI
             eng.set_chat_template(chat_template)
         return eng
@@ -128,7 +129,7 @@ def run_ray(args, sampling=None, api_keys: tuple = (), limits=None) -> int:
                         api_keys=api_keys, limits=limits, metrics_public=args.metrics_public,
                         cors_origins=tuple(args.cors_origin or ()),
                         chat_template=getattr(args, "chat_template_text", None),
-                        batch_size=args.batch_size),
+                        batch_size=args.batch_size, pooling=args.pooling, embd_normalize=args.embd_normalize),
                   name="bitnet", route_prefix="/", blocking=False)
         print(f"bitnet serve: {args.ray_replicas} Ray Serve replicas on http://{args.host}:{args.port}",
               file=sys.stderr, flush=True)

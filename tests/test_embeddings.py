@@ -57,6 +57,46 @@ def test_vector_is_the_l2_normalised_mean_of_final_norm_rows(llm):
             assert _cos(got, rows[-1]) < 0.999   # last-token pooling would be a different vector
 
 
+def test_last_and_none_poolings_are_the_last_row_and_every_row(llm):
+    """pooling last: W applied to the vector points where the last row's logits point; none: the rows themselves,
+    W applied to row i gives row i's logits (the same f16 head), in token order."""
+    w = llm.model.weights
+    for text in TEXTS[:4]:
+        ids = llm.tokenize(text, add_bos=True)
+        logits = llm.forward(ids).astype(np.float64)
+        last = llm.embed(text, pooling="last")[0]
+        assert abs(np.linalg.norm(last.astype(np.float64)) - 1) < 1e-6
+        got = np.zeros(llm.config.vocab_size, np.float32)
+        K.gemv_f16(w.out_w, last, got)
+        assert _cos(got, logits[-1]) > 1 - 1e-9
+        rows = llm.embed(text, pooling="none")[0]
+        assert isinstance(rows, np.ndarray) and rows.shape == (len(ids), llm.config.hidden_size)
+        for i, row in enumerate(rows):
+            K.gemv_f16(w.out_w, row, got)
+            assert np.allclose(got, logits[i], rtol=1e-4, atol=1e-4 * np.abs(logits[i]).max()), i
+        if len(ids) > 2:
+            assert _cos(last, llm.embed(text)[0]) < 0.999   # not the mean
+
+
+def test_embd_normalize_is_llama_cpp_s_norm(llm):
+    """-1 leaves the pooled vector as it is; 0 scales its largest magnitude to 32760 (int16's range); 1, 2 and 3
+    give it unit taxicab, Euclidean and 3-norm; every one points the same way."""
+    raw = llm.embed(TEXTS, normalize=-1).astype(np.float64)
+    l2 = llm.embed(TEXTS).astype(np.float64)
+    assert np.allclose(raw / np.linalg.norm(raw, axis=1, keepdims=True), l2, atol=1e-6)
+    assert np.all(np.linalg.norm(raw, axis=1) > 1.5)   # not already a unit vector: the checks below mean something
+    for p, norm_of in ((0, lambda v: np.abs(v).max() / 32760), (1, lambda v: np.abs(v).sum()), (2, np.linalg.norm),
+                       (3, lambda v: (np.abs(v) ** 3).sum() ** (1 / 3))):
+        got = llm.embed(TEXTS, normalize=p).astype(np.float64)
+        for v, r in zip(got, raw):
+            assert abs(norm_of(v) - 1) < 1e-5 and _cos(v, r) > 1 - 1e-9, p
+    with pytest.raises(BitNetError, match="pooling cls: .*same vector"):
+        llm.embed("x", pooling="cls")
+    for bad in (-2, 1.5, True, "2"):
+        with pytest.raises(BitNetError, match="embd_normalize"):
+            llm.embed("x", normalize=bad)
+
+
 def test_same_bits_alone_batched_chunked_and_through_llm(synth, llm):
     path = synth[2]["f16"]
     want = llm.embed(TEXTS)
@@ -72,6 +112,14 @@ def test_same_bits_alone_batched_chunked_and_through_llm(synth, llm):
             assert np.array_equal(twice[0], want[1]) and np.array_equal(twice[1], want[1])
             ids = eng.embed_tokens(TEXTS)
             assert np.array_equal(eng.embed_ids(ids, timeout=120), want)
+            # the other poolings and norms, cut into the same chunks
+            for pooling, normalize in (("last", 2), ("mean", 1), ("last", -1)):
+                assert np.array_equal(eng.embed(TEXTS, timeout=120, pooling=pooling, normalize=normalize),
+                                      llm.embed(TEXTS, pooling=pooling, normalize=normalize)), (pooling, normalize)
+            rows = eng.embed(TEXTS, timeout=120, pooling="none")
+            assert len(rows) == len(TEXTS)
+            for got, want_rows in zip(rows, llm.embed(TEXTS, pooling="none")):
+                assert np.array_equal(got, want_rows)
 
 
 def test_same_bits_with_the_q4_head_and_more_threads(synth):
@@ -178,3 +226,15 @@ def test_a_fault_in_one_texts_forward_ends_only_its_request(synth, llm, monkeypa
             r_bad.result(timeout=120)
         assert eng.metrics()["sequence_errors_total"] >= 1
         eng.check_consistency()
+
+
+def test_the_engine_s_own_pooling_is_what_a_call_naming_none_gets(synth, llm):
+    """load_engine(pooling=, embd_normalize=) (`bitnet serve --pooling --embd-normalize`) set what embed() gives
+    a call that names neither; a call's own choice still wins; a pooling no decoder can use is refused at load."""
+    path = synth[2]["f16"]
+    with running_engine(path, threads=1, pooling="last", embd_normalize=1) as eng:
+        assert np.array_equal(eng.embed(TEXTS, timeout=120), llm.embed(TEXTS, pooling="last", normalize=1))
+        assert np.array_equal(eng.embed(TEXTS, timeout=120, pooling="mean", normalize=2), llm.embed(TEXTS))
+    for bad, match in (("cls", "same vector"), ("rank", "classification head"), ("max", "expected one of")):
+        with pytest.raises(BitNetError, match=match):
+            running_engine(path, threads=1, pooling=bad).__enter__()

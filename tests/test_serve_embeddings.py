@@ -140,3 +140,72 @@ def test_metrics_count_embedded_texts(client, server, model_id):
     before = count()
     client.embeddings.create(model=model_id, input=TEXTS)
     assert count() == before + len(TEXTS)
+
+
+def test_llama_server_embedding_route(client, server, llm, model_id):
+    """llama-server's /embedding (and its alias /embeddings): `content` or `input`; a string, token ids, ids and
+    strings mixed (one prompt, BOS first when it starts with a string), or a list of prompts; the answer a list of
+    {"index", "embedding": [vector]}, the engine's vectors; `embd_normalize` as llama.cpp's norms, on
+    /v1/embeddings too."""
+    want = llm.embed(TEXTS)
+
+    def post(path, body):
+        r = httpx.post(server.url + path, json=body, timeout=60)
+        return r.status_code, r.json()
+    code, got = post("/embedding", {"content": TEXTS[0]})
+    assert code == 200 and [x["index"] for x in got] == [0] and len(got[0]["embedding"]) == 1
+    assert np.array_equal(f32(got[0]["embedding"][0]), want[0])
+    for path, field in (("/embedding", "input"), ("/embeddings", "content"), ("/embeddings", "input")):
+        code, got = post(path, {field: TEXTS})
+        assert code == 200 and [x["index"] for x in got] == [0, 1, 2], (path, field)
+        assert np.array_equal(f32([x["embedding"][0] for x in got]), want), (path, field)
+    ids = llm.tokenize(TEXTS[1], add_bos=False)
+    for prompt, tokens in (([*ids[:3], llm.detokenize(ids[3:])], ids[:3] + llm.tokenize(llm.detokenize(ids[3:]))),
+                           ([TEXTS[1], 5, 6], llm.tokenize(TEXTS[1], add_bos=True) + [5, 6]),
+                           (ids, ids)):
+        code, got = post("/embedding", {"content": prompt})
+        ref = client.embeddings.create(model=model_id, input=[tokens], encoding_format="float").data[0].embedding
+        assert code == 200 and len(got) == 1 and np.array_equal(f32(got[0]["embedding"][0]), f32(ref)), prompt
+    code, got = post("/embedding", {"content": [TEXTS[0], ids]})   # a list of prompts
+    assert code == 200 and np.array_equal(f32(got[0]["embedding"][0]), want[0])
+    raw = llm.embed(TEXTS[0], normalize=-1)[0]
+    code, got = post("/embedding", {"content": TEXTS[0], "embd_normalize": -1})
+    assert code == 200 and np.array_equal(f32(got[0]["embedding"][0]), raw)
+    r = client.embeddings.create(model=model_id, input=TEXTS[0], encoding_format="float",
+                                 extra_body={"embd_normalize": 1})
+    assert np.array_equal(f32(r.data[0].embedding), llm.embed(TEXTS[0], normalize=1)[0])
+    for body, param, words in (({}, None, '"input" or "content" must be provided'),
+                               ({"content": ""}, "content", "empty string"),
+                               ({"content": []}, "content", "empty list"),
+                               ({"input": ["a", [[1]]]}, "input", "input.1: expected a string"),
+                               ({"content": [{"type": "text", "text": "a"}]}, "content", "not supported"),
+                               ({"content": "a", "encoding_format": "base64"}, "encoding_format", "answers floats"),
+                               ({"content": "a", "embd_normalize": -2}, "embd_normalize", "integer >= -1"),
+                               ({"content": [10 ** 6]}, "content", "token ids must be in"),
+                               ({"content": "word " * 5000}, "content", "context")):
+        code, got = post("/embedding", body)
+        assert code == 400 and got["error"]["param"] == param and words in got["error"]["message"], body
+
+
+def test_pooling_none_gives_every_token_s_row_at_embedding_only(llm, model_id):
+    """`bitnet serve --pooling none`: /embedding answers each prompt's rows, one per token, as they are (llama-
+    server's shape); the routes that answer one vector a text (OpenAI's, ollama's) are 400s in their shapes, and
+    so is an embd_normalize (such rows are never normalised) or more tokens than one context in a request."""
+    from serve_proc import Server
+    s = Server("--parallel", "2", "--pooling", "none", threads=1)
+    try:
+        r = httpx.post(s.url + "/embedding", json={"content": TEXTS[:2]}, timeout=60)
+        assert r.status_code == 200
+        for got, want in zip(r.json(), llm.embed(TEXTS[:2], pooling="none")):
+            assert np.array_equal(f32(got["embedding"]), want)
+        r = httpx.post(s.url + "/v1/embeddings", json={"input": "a"})
+        assert r.status_code == 400 and "Pooling type 'none' is not OAI compatible" in r.json()["error"]["message"]
+        r = httpx.post(s.url + "/api/embed", json={"model": model_id, "input": "a"})
+        assert r.status_code == 400 and "not OAI compatible" in r.json()["error"]
+        r = httpx.post(s.url + "/embedding", json={"content": "a", "embd_normalize": 2})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "embd_normalize"
+        n_ctx = httpx.get(s.url + "/props").json()["default_generation_settings"]["n_ctx"]
+        r = httpx.post(s.url + "/embedding", json={"content": [[5] * (n_ctx // 2 + 1)] * 2})
+        assert r.status_code == 400 and "every token is a vector" in r.json()["error"]["message"]
+    finally:
+        s.stop()

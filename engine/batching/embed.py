@@ -3,9 +3,9 @@
 A request of n texts becomes n prefill-only sequences: queued, admitted and run in prefill chunks like any prompt
 (decode rows of running generations still go first in every step, so a generation keeps making a token per step),
 never sampled and never given logit rows. After each step the rows of an embedding sequence are taken after the
-final norm and added to its running mean (engine/runtime/embed.py); once its last token has run, the vector is
-L2-normalised and handed to the request, and the sequence retires at once: its KV pages go back to the pool (they
-are not put in the prefix index, and no cached prefix is reused, because the mean needs every row).
+final norm and added to its pool (engine/runtime/embed.py: a running mean by default); once its last token has
+run, the vector is normalised and handed to the request, and the sequence retires at once: its KV pages go back to
+the pool (they are not put in the prefix index, and no cached prefix is reused, because the pool needs every row).
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ..errors import BitNetError
-from ..runtime.embed import MeanPool
+from ..runtime.embed import NORMALIZE, POOLING, Pool, check_normalize, check_pooling
 from ..runtime.sampling import SamplingParams
 from .stream import OneShot, Stream
 
@@ -23,15 +23,17 @@ EMBEDDED = "embedded"   # the finish reason of an embedding sequence that delive
 
 class EmbedRequest(OneShot):
     """The consumer's end of one embeddings request: result() blocks for the [n, hidden] float32 vectors (row i:
-    text i); or pass callback(request) to submit_embed, called once on the scheduler thread when every text is
-    done or the request failed. n_tokens[i]: the tokens text i ran through the model."""
+    text i; pooling none: a list of [n_tokens[i], hidden] arrays); or pass callback(request) to submit_embed,
+    called once on the scheduler thread when every text is done or the request failed. n_tokens[i]: the tokens
+    text i ran through the model."""
 
     what = "embeddings"
 
-    def __init__(self, engine, texts: Sequence[Sequence[int]], dim: int, callback):
+    def __init__(self, engine, texts: Sequence[Sequence[int]], dim: int, callback, pooling: str = POOLING):
         super().__init__(engine, callback)
         self.n_tokens = [len(t) for t in texts]
-        self.vectors = np.zeros((len(texts), dim), np.float32)
+        self.pooling = pooling
+        self.vectors = [None] * len(texts) if pooling == "none" else np.zeros((len(texts), dim), np.float32)
         self._left = len(texts)
         self.ids: list[int] = []         # the engine's sequence ids (cancel)
 
@@ -50,7 +52,7 @@ class EmbedRequest(OneShot):
             self._engine.cancel(sid)
         self._end(reason)
 
-    def result(self, timeout: float | None = None) -> np.ndarray:
+    def result(self, timeout: float | None = None):
         self._wait(timeout)
         return self.vectors
 
@@ -60,20 +62,26 @@ class EmbedRequest(OneShot):
 
 
 class _Slot:
-    """What an embedding sequence carries: its request, its index there, its running mean."""
+    """What an embedding sequence carries: its request, its index there, its pool."""
 
-    def __init__(self, req: EmbedRequest, i: int, dim: int):
-        self.req, self.i, self.pool = req, i, MeanPool(dim)
+    def __init__(self, req: EmbedRequest, i: int, dim: int, normalize: int):
+        self.req, self.i, self.pool = req, i, Pool(dim, req.pooling, normalize)
 
 
 class Embeddings:
     embed_inputs_total = 0   # texts embedded (BatchScheduler.metrics: embed_inputs_total)
+    pooling = POOLING         # what a request that names none gets (load_engine's pooling / embd_normalize)
+    embd_normalize = NORMALIZE
 
     def submit_embed(self, texts: Sequence[Sequence[int]],
-                     callback: Callable[[EmbedRequest], None] | None = None) -> EmbedRequest:
+                     callback: Callable[[EmbedRequest], None] | None = None, *, pooling: str | None = None,
+                     normalize: int | None = None) -> EmbedRequest:
         """Queue the token lists of n texts (never blocks). Each must have 1..n_ctx tokens (ContextOverflowError
         names the one that does not fit, BitNetError an empty one or an id outside the vocabulary); QueueFullError
-        when max_queue requests wait (the request counts as one, whatever its n)."""
+        when max_queue requests wait (the request counts as one, whatever its n). pooling / normalize: as
+        engine/runtime/embed.py's check_pooling / check_normalize take them (None: the engine's own)."""
+        pooling = check_pooling(self.pooling if pooling is None else pooling)
+        normalize = check_normalize(self.embd_normalize if normalize is None else normalize)
         vocab, dim = self.config.vocab_size, self.config.hidden_size
         texts = [[int(t) for t in ids] for ids in texts]
         if not texts:
@@ -82,7 +90,7 @@ class Embeddings:
             if not ids:
                 raise BitNetError(f"input {i}: no tokens to embed")
             self._check_ids(ids, f"input {i}")   # BatchScheduler's: the vocabulary and the context
-        req = EmbedRequest(self, texts, dim, callback)
+        req = EmbedRequest(self, texts, dim, callback, pooling)
         params = SamplingParams(temperature=0)
         with self._lock:
             self._check_admission()
@@ -91,7 +99,7 @@ class Embeddings:
                 stream = Stream(sid, self, lambda ch, req=req: req._failed(ch.finish_reason)
                                 if ch.finish_reason not in (None, EMBEDDED) else None)
                 seq = self._new_seq(sid, ids, params, 0, (), stream, self.tokenizer, vocab)
-                seq.embed = _Slot(req, i, dim)
+                seq.embed = _Slot(req, i, dim, normalize)
                 req.ids.append(sid)
                 self._waiting.append(seq)
                 self._by_id[sid] = seq
@@ -99,9 +107,11 @@ class Embeddings:
             self._wake.notify()
         return req
 
-    def embed_ids(self, texts: Sequence[Sequence[int]], timeout: float | None = None) -> np.ndarray:
-        """submit_embed(texts) and wait: [n, hidden] float32, L2-normalised, mean-pooled (engine/runtime/embed.py)."""
-        return self.submit_embed(texts).result(timeout)
+    def embed_ids(self, texts: Sequence[Sequence[int]], timeout: float | None = None, *, pooling: str | None = None,
+                  normalize: int | None = None):
+        """submit_embed(texts, pooling=, normalize=) and wait: [n, hidden] float32 (by default mean-pooled and
+        L2-normalised: engine/runtime/embed.py), or a list of [tokens, hidden] rows for pooling none."""
+        return self.submit_embed(texts, pooling=pooling, normalize=normalize).result(timeout)
 
     def _embed_rows(self, s, row0: int, r: int):
         """s (an embedding sequence) ran rows row0 .. row0+r-1 of the last step: pool them; once its last token

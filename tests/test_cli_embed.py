@@ -1,0 +1,101 @@
+"""`bitnet embed` end to end in a subprocess on the bundled model: every output format (llama-embedding's listing
+with its cosine matrix, array, json, json+, raw) carries the Python API's vectors to the printed precision; texts
+come from -p or -f (a file's final newline ends its last text), cut at --embd-separator; pooling none prints every
+token's vector, each normalised as llama-embedding does; bad input is one line and exit 2."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from bitnet_cpu.engine.api import load_model
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TEXTS = ["a cat sat on the mat", "a dog", "Ternary weights: -1, 0 and +1."]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    m = load_model(None, threads=1, progress=False)
+    yield m
+    m.close()
+
+
+def embed(*args, stdin=None):
+    r = subprocess.run([sys.executable, "-m", "bitnet_cpu", "embed", "-t", "1", *args], input=stdin,
+                       capture_output=True, text=True, timeout=120, cwd=ROOT)
+    return r.returncode, r.stdout, r.stderr
+
+
+def cosines(v):
+    v = np.asarray(v, np.float64)
+    n = v / np.linalg.norm(v, axis=1, keepdims=True)
+    return n @ n.T
+
+
+def test_json_array_and_raw_carry_the_api_vectors(llm, tmp_path):
+    want = llm.embed(TEXTS)
+    code, out, err = embed("-p", "\n".join(TEXTS), "--embd-output-format", "json+")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert doc["object"] == "list" and [d["index"] for d in doc["data"]] == [0, 1, 2]
+    got = np.array([d["embedding"] for d in doc["data"]])
+    assert got.shape == want.shape and np.abs(got - want).max() <= 6e-8   # "%1.7f" (and the f32 cast before it)
+    assert np.abs(np.array(doc["cosineSimilarity"]) - cosines(want)).max() <= 0.005 + 1e-9   # "%6.2f"
+    assert f"3 texts, {sum(len(t) for t in llm.embed_tokens(TEXTS))} tokens" in err
+    f = tmp_path / "texts.txt"
+    f.write_text("\n".join(TEXTS) + "\n", encoding="utf-8")   # the final newline starts no fourth text
+    code, out, _ = embed("-f", str(f), "--embd-output-format", "array")
+    assert code == 0 and np.abs(np.array(json.loads(out)) - want).max() <= 6e-8
+    code, out, _ = embed("-f", "-", "--embd-output-format", "raw", stdin="|".join(TEXTS), )
+    assert code == 0   # one text: the separator is a newline
+    assert np.abs(np.array([float(x) for x in out.split()]) - llm.embed("|".join(TEXTS))[0]).max() <= 6e-8
+    code, out, _ = embed("-p", "|".join(TEXTS), "--embd-separator", "|", "--embd-output-format", "raw")
+    rows = [[float(x) for x in line.split()] for line in out.splitlines()]
+    assert code == 0 and np.abs(np.array(rows) - want).max() <= 6e-8
+    code, out, _ = embed("-p", TEXTS[0], "--embd-output-format", "json")   # json: no matrix
+    assert code == 0 and "cosineSimilarity" not in json.loads(out)
+
+
+def test_the_listing_norms_and_poolings(llm):
+    want = llm.embed(TEXTS)
+    code, out, _ = embed("-p", "\n".join(TEXTS))
+    lines = out.splitlines()
+    assert code == 0
+    vecs = [[float(x) for x in line.split(":")[1].split()] for line in lines if line.startswith("embedding ")]
+    assert len(vecs) == 3 and all(len(v) == 16 for v in vecs)   # several texts: the first 16 numbers
+    assert np.abs(np.array(vecs) - want[:, :16]).max() <= 5e-7   # "%9.6f"
+    i = lines.index("cosine similarity matrix:")
+    matrix = [[float(x) for x in line.split()[:3]] for line in lines[i + 3:i + 6]]
+    assert np.abs(np.array(matrix) - cosines(want)).max() <= 0.005 + 1e-9
+    code, out, _ = embed("-p", TEXTS[0], "--embd-normalize", "0", "--pooling", "last")   # one text: all of it
+    v = [float(x) for x in out.split(":")[1].split()]
+    want0 = llm.embed(TEXTS[0], pooling="last", normalize=0)[0]
+    assert code == 0 and len(v) == llm.config.hidden_size and max(abs(x) for x in v) == 32760
+    assert np.abs(np.array(v) - want0).max() <= 0.5   # "%6.0f"
+    # none: every token's vector, normalised one by one (llama-embedding), first and last three numbers
+    code, out, _ = embed("-p", TEXTS[1], "--pooling", "none", "--embd-output-format", "array")
+    rows = llm.embed(TEXTS[1], pooling="none")[0].astype(np.float64)
+    assert code == 0
+    assert np.abs(np.array(json.loads(out)) - rows / np.linalg.norm(rows, axis=1, keepdims=True)).max() <= 6e-8
+    code, out, _ = embed("-p", TEXTS[1], "--pooling", "none")
+    listed = [line for line in out.splitlines() if line.startswith("embedding ")]
+    assert code == 0 and len(listed) == len(rows) and all(" ... " in line for line in listed)
+
+
+@pytest.mark.parametrize("args, words", [
+    ((), "give the texts as -p TEXT or -f FILE"),
+    (("-p", "a", "-f", "x"), "give the texts one way"),
+    (("-p", "a\n\nb"), "text 2 of 3 is empty"),
+    (("-f", "/nonexistent/texts.txt"), "No such file"),
+    (("-p", "a", "--pooling", "cls"), "every text would get the same vector"),
+    (("-p", "a", "--embd-normalize", "-2"), "--embd-normalize -2"),
+    (("-p", "word " * 3000), "context holds"),
+    (("-p", "a", "--embd-separator", ""), "--embd-separator: must not be empty"),
+])
+def test_bad_input_is_one_line_and_exit_2(args, words):
+    code, out, err = embed(*args)
+    assert code == 2 and out == "" and words in err and "Traceback" not in err, err
+    assert len([line for line in err.splitlines() if "error" in line]) == 1
