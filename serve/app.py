@@ -334,8 +334,9 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
             raise APIError(400, bad[1], param=bad[0], code="unsupported_parameter")
         q = asyncio.Queue() if q is None else q
         limit = req.limit()
-        room = eng.n_ctx - len(prompt_ids)
-        max_tokens = room if limit is None else limit
+        # no limit: until the context is full, which the engine ends as "context" (the last token needs no place
+        # in the cache, so that is n_ctx - prompt + 1 tokens: a limit of the room would stop one short, as "length")
+        max_tokens = eng.n_ctx + 1 if limit is None else limit
         callbacks = [(lambda ch, i=i: loop.call_soon_threadsafe(q.put_nowait, (i, ch)))
                      for i in range(offset, offset + req.n)]
         try:

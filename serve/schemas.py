@@ -101,11 +101,14 @@ def text_of_parts(content, where: str, kinds: tuple[str, ...]) -> str:
 
 @functools.lru_cache(maxsize=None)   # per field annotation: every request validates each field through it
 def _json_kind(annotation) -> str | None:
-    """"boolean" / "number" for a field typed bool / int / float (or Optional of one), else None."""
+    """"boolean" / "number" for a field typed bool / int / float (or Optional of one), "numbers" for a map to
+    numbers (logit_bias), else None."""
     args = get_args(annotation) if get_origin(annotation) is Union else (annotation,)
     kinds = {a for a in args if a is not type(None)}
     if kinds == {bool}:
         return "boolean"
+    if len(kinds) == 1 and get_origin(next(iter(kinds))) is dict and get_args(next(iter(kinds)))[1] in (int, float):
+        return "numbers"
     return "number" if kinds and kinds <= {int, float} else None
 
 
@@ -124,6 +127,10 @@ class JSONTyped(BaseModel):
             raise PydanticCustomError("json_type", f"expected true or false, got {value!r}")
         if kind == "number" and (isinstance(value, (bool, str)) or not isinstance(value, (int, float))):
             raise PydanticCustomError("json_type", f"expected a number, got {value!r}")
+        if kind == "numbers" and isinstance(value, dict):
+            for k, v in value.items():
+                if isinstance(v, (bool, str)) or not isinstance(v, (int, float)):
+                    raise PydanticCustomError("json_type", f"{k!r}: expected a number, got {v!r}")
         return value
 
 
@@ -223,6 +230,12 @@ class _Sampling(JSONTyped):
             return None
         if field == "dry_base" and isinstance(value, (int, float)) and value < 1:   # llama-server: the default
             return _DEFAULT.dry_base
+        # llama-server reads its extras on these endpoints as /completion does: top_k <= 0 is off, and
+        # repeat_last_n -1 looks back over the whole context
+        if field == "top_k" and isinstance(value, int) and value < 0:
+            return 0
+        if field == "repeat_last_n" and value == -1:
+            return 1 << 30
         if field == "logit_bias" and value is not None:   # JSON keys are strings: token ids as text
             bias = {}
             for k, v in value.items():

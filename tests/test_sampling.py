@@ -69,7 +69,7 @@ def test_repeat_penalty():
     assert draw(SamplingParams(**greedy, repeat_penalty=1.5, repeat_last_n=1), lg, 1, history=[0, 3]) == [0]
 
 
-@pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_k=-1), dict(top_p=0.0), dict(top_p=1.5),
+@pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_k=-1), dict(top_p=-0.1), dict(top_p=1.5),
                                  dict(min_p=2.0), dict(repeat_penalty=0.0)])
 def test_bad_params(bad):
     with pytest.raises(BitNetError):
@@ -185,6 +185,9 @@ def ref_chain(lg, top_n_sigma=-1.0, top_k=0, typical_p=1.0, top_p=1.0, min_p=0.0
     dict(typical_p=0.3), dict(typical_p=0.9), dict(typical_p=0.0), dict(top_n_sigma=1.0), dict(top_n_sigma=2.5),
     dict(top_n_sigma=2.0, top_k=50, typical_p=0.5, top_p=0.8, min_p=0.02),
     dict(typical_p=0.6, min_p=0.1), dict(top_k=40, typical_p=0.95, top_p=0.95, min_p=0.05),
+    # top-k off: top-p before min-p, on the whole vocabulary's probabilities
+    dict(top_p=0.6, min_p=0.05), dict(top_p=0.3, min_p=0.01), dict(top_n_sigma=2.0, top_p=0.5, min_p=0.02),
+    dict(top_p=0.0), dict(top_p=0.0, min_p=0.1),
 ])
 def test_kept_tokens_follow_llama_cpps_chain(chain):
     for seed in range(5):
@@ -195,6 +198,18 @@ def test_kept_tokens_follow_llama_cpps_chain(chain):
         assert list(vals) == sorted(vals, reverse=True)   # most likely first
         # every draw comes from the kept set
         assert set(draw(SamplingParams(**{**OFF, **chain}, seed=seed), lg, 50)) <= set(cand.tolist())
+
+
+def test_top_p_sees_every_token_when_top_k_is_off():
+    """One token at 0.30, twenty at 0.02 and a tail of 0.30 spread thin: top-p 0.59 keeps the first and fifteen of
+    the twenty (0.30 + 15 x 0.02 = 0.60), and min-p 0.05 (of 0.30: 0.015) keeps those; a top-p over what min-p
+    alone would keep (the first and the twenty: 0.70 in all) stops after six of them."""
+    probs = np.array([0.30] + [0.02] * 20 + [0.30 / 3000] * 3000)
+    lg = np.log(probs).astype(np.float32)
+    for top_k in (0, len(lg)):
+        s = Sampler(SamplingParams(**{**OFF, "top_k": top_k, "top_p": 0.59, "min_p": 0.05}), len(lg))
+        cand, _ = s.candidates(lg.copy())
+        assert len(cand) == 16 and ref_chain(lg, top_p=0.59, min_p=0.05) == set(cand.tolist()), top_k
 
 
 def test_xtc_drops_every_top_choice_but_the_least_likely():

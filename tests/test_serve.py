@@ -34,6 +34,26 @@ def test_models_list(client):
     assert len(ms) == 1 and ms[0].object == "model" and ms[0].id
 
 
+def test_top_p_0_keeps_only_the_most_likely_token(client, model_id):
+    """top_p 0 (OpenAI's range is [0, 1]; llama.cpp keeps the first token, whose mass already reaches 0): the
+    greedy answer at any temperature and seed, where it was a 400."""
+    greedy = client.chat.completions.create(model=model_id, messages=Q, max_tokens=12, temperature=0)
+    for seed in (1, 2):
+        r = client.chat.completions.create(model=model_id, messages=Q, max_tokens=12, temperature=1.8, top_p=0,
+                                           seed=seed, extra_body={"top_k": 0})
+        assert r.choices[0].message.content == greedy.choices[0].message.content
+
+
+def test_llama_server_s_negative_extras(client, model_id):
+    """top_k -1 is off and repeat_last_n -1 the whole context on the OpenAI endpoints too, as llama-server reads
+    them there (they were 400s)."""
+    def text(**extra):
+        return client.chat.completions.create(model=model_id, messages=Q, max_tokens=16, temperature=1.5, seed=5,
+                                              extra_body=extra).choices[0].message.content
+    assert text(top_k=-1) == text(top_k=0)
+    assert text(repeat_penalty=1.5, repeat_last_n=-1) == text(repeat_penalty=1.5, repeat_last_n=100000)
+
+
 def test_chat_non_stream_and_stream_same_text(client, model_id):
     r = client.chat.completions.create(model=model_id, messages=Q, temperature=0, max_tokens=24)
     c = r.choices[0]
@@ -102,7 +122,7 @@ def _err(r: httpx.Response, status: int) -> dict:
 
 @pytest.mark.parametrize("body,param", [
     ({"messages": Q, "temperature": 5}, "temperature"),
-    ({"messages": Q, "top_p": 0}, "top_p"),
+    ({"messages": Q, "top_p": -0.1}, "top_p"),
     ({"messages": [], "max_tokens": 4}, "messages"),
     ({"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
     ({"messages": Q, "n": 0}, "n"),
@@ -112,6 +132,8 @@ def _err(r: httpx.Response, status: int) -> dict:
     ({"messages": Q, "logit_bias": {"12": 101}}, "logit_bias"),
     ({"messages": Q, "logit_bias": {"cat": 1}}, "logit_bias"),
     ({"messages": Q, "logit_bias": {"99999999": 1}}, "logit_bias"),
+    ({"messages": Q, "logit_bias": {"12": "1"}}, "logit_bias"),      # a number as a string, as OpenAI refuses
+    ({"messages": Q, "logit_bias": {"12": True}}, "logit_bias"),
     ({"messages": Q, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"messages": Q, "top_logprobs": 2}, "top_logprobs"),   # without logprobs: true
     ({"messages": Q, "audio": {"voice": "alloy"}}, "audio"),

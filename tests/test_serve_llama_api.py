@@ -237,3 +237,16 @@ def test_a_json_body_is_read_whatever_its_content_type(server, ctype):
         assert r.status_code == 200 and key in r.json(), (path, r.text)
     r = httpx.post(server.url + "/completion", content="prompt=Once", headers=headers, timeout=60)
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]   # what it is, not its type
+
+
+def test_no_limit_runs_to_the_context_s_end(server):
+    """n_predict -1 (and max_tokens left out on /v1/completions) generate until the context is full: the last token
+    needs no place in the cache, so a prompt 8 short of -c gets 9 tokens, and llama-server's `truncated` says the
+    context ran out (one token fewer was made, as "limit", before)."""
+    n_ctx = httpx.get(server.url + "/props").json()["default_generation_settings"]["n_ctx"]
+    ids = [1] + [300] * (n_ctx - 9)
+    r = post(server, "/completion", {"prompt": ids, "n_predict": -1, "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["tokens_predicted"] == 9 and r.json()["truncated"] is True
+    o = post(server, "/v1/completions", {"prompt": ids, "temperature": 0, "ignore_eos": True}).json()
+    assert o["usage"]["completion_tokens"] == 9 and o["choices"][0]["finish_reason"] == "length"

@@ -73,7 +73,7 @@ REQUEST_ONLY_FIELDS = ("logit_bias", "record_logprobs")
 _RULES = {
     "temperature": (lambda v: v >= 0, "must be >= 0 (0 = greedy)"),
     "top_k": (lambda v: v >= 0, "must be >= 0 (0 = off)"),
-    "top_p": (lambda v: 0 < v <= 1, "must be in (0, 1] (1 = off)"),
+    "top_p": (lambda v: 0 <= v <= 1, "must be in [0, 1] (1 = off; 0 keeps the most likely token)"),
     "min_p": (lambda v: 0 <= v <= 1, "must be in [0, 1] (0 = off)"),
     "repeat_penalty": (lambda v: 0 < v < math.inf, "must be > 0 and finite (1 = off)"),
     "repeat_last_n": (lambda v: v >= 0, "must be >= 0 (0 = off)"),
@@ -117,7 +117,7 @@ def _logit_bias_problem(value, name: str) -> str | None:
 def setting_problem(field: str, value, name: str | None = None) -> str | None:
     """The one message for a bad value of SamplingParams.`field`, or None when it is valid. `name` is how the
     caller's user spells the setting (`--temp`, `/set temp`, `temperature`; default: the field name), so every
-    front end says the same thing: "--top-p 1.5: must be in (0, 1] (1 = off)"."""
+    front end says the same thing: "--top-p 1.5: must be in [0, 1] (1 = off; 0 keeps the most likely token)"."""
     if field == "logit_bias":
         return _logit_bias_problem(value, name or field)
     ok, rule = _RULES[field]
@@ -266,6 +266,7 @@ class Sampler:
         v = logits.shape[0]
         k = p.top_k if 0 < p.top_k < v else v
         sigma_floor = -np.inf   # top-n-sigma: over every finite logit, before top-k (as llama.cpp's chain)
+        lse = None   # set where top-p must see the probabilities of more tokens than `cand` keeps
         if p.top_n_sigma > 0.0:
             finite = logits[np.isfinite(logits)].astype(np.float64)
             if finite.size > 1:
@@ -279,6 +280,12 @@ class Sampler:
             # min-p keeps prob >= min_p * max_prob, i.e. logit >= max + log(min_p): a prefilter, so the
             # vocabulary is sorted rarely (while the most likely token is there: typical sampling may drop it)
             cand = np.flatnonzero((logits >= logits.max() + np.float32(np.log(p.min_p))) & (logits >= sigma_floor))
+            if p.top_p < 1.0:   # top-p runs first, on the probabilities of every token top-n-sigma left: the
+                # prefilter's survivors are the most likely ones, so their running sum under the whole
+                # normaliser is the start of top-p's own
+                live = logits[logits >= sigma_floor].astype(np.float64)
+                top = float(live.max())
+                lse = top + float(np.log(np.sum(np.exp(live - top))))
         elif sigma_floor > -np.inf:
             cand = np.flatnonzero(logits >= sigma_floor)
         else:
@@ -301,7 +308,8 @@ class Sampler:
             probs = _softmax(vals)
         keep = len(cand)
         if p.top_p < 1.0:
-            keep = min(keep, int(np.searchsorted(np.cumsum(probs), p.top_p)) + 1)
+            running = np.cumsum(probs if lse is None else np.exp(vals - lse))
+            keep = min(keep, int(np.searchsorted(running, p.top_p)) + 1)
         if p.min_p > 0.0:   # relative to the most likely: the same on top-p's renormalized probabilities
             keep = min(keep, max(1, int(np.count_nonzero(probs >= p.min_p * probs[0]))))
         cand, vals = cand[:keep], vals[:keep]
