@@ -65,6 +65,22 @@ def test_set_chat_template_renders_the_given_template_and_keeps_the_old_one_on_e
     assert llm.chat_text(MSGS) == own
 
 
+def test_generation_tags_render_their_body(llm):
+    """transformers' `{% generation %}...{% endgeneration %}` (it marks the assistant's tokens for training masks;
+    LFM2.5's and SmolLM3's templates use it) renders what it encloses, as the same template without the tags."""
+    tagged = ("{% for m in messages %}[{{ m['role'] | upper }}] {% if m['role'] == 'assistant' %}{% generation %}"
+              "{{ m['content'] }}{% endgeneration %}{% else %}{{ m['content'] }}{% endif %}\n{% endfor %}"
+              "{% if add_generation_prompt %}[ASSISTANT] {% endif %}")
+    plain = tagged.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+    msgs = MSGS + [{"role": "assistant", "content": "5."}, {"role": "user", "content": "And 2+4?"}]
+    llm.set_chat_template(tagged)
+    try:
+        assert llm.chat_text(msgs) == expected(plain, msgs)
+        assert "[ASSISTANT] 5.[USER]" in llm.chat_text(msgs)
+    finally:
+        llm._chat_template = None
+
+
 def test_run_prompts_with_the_templates_text(llm, tmp_path):
     path = tmp_path / "t.jinja"
     path.write_text(TEMPLATE)

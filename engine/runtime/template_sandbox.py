@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass
 
 from jinja2 import nodes
-from jinja2.ext import loopcontrols
+from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from ..errors import BitNetError
@@ -197,8 +197,19 @@ class LimitedSandbox(ImmutableSandboxedEnvironment):
         return _check_size(super().call_binop(context, operator, left, right))
 
 
+class GenerationTag(Extension):
+    """`{% generation %}...{% endgeneration %}`: transformers marks the assistant's own tokens with it (its
+    AssistantTracker, for training masks) and renders the body as it is; so do we (LFM2.5's, SmolLM3's templates)."""
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.Scope(body, lineno=lineno)
+
+
 def make_environment() -> LimitedSandbox:
-    return LimitedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    return LimitedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, GenerationTag])
 
 
 def render_limited(template, limits: Limits, **context) -> str:
