@@ -150,6 +150,96 @@ def test_parameters_with_references_validate(llm, fmt_template, n_tools):
     assert seen, "no call ended within max_tokens"
 
 
+LIST_TEMPLATE = ("{% if tools %}For each call answer\\n<tool_call>\\n[{\\\"name\\\": ..., \\\"arguments\\\": {...}}, ...]"
+                 "\\n</tool_call>{{ tools | tojson }}{% endif %}")   # as Falcon3's template shows the model
+MISTRAL_LIKE = "{% if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}[TOOL_CALLS]"
+
+
+def takes(llm, spec, text: str) -> bool:
+    """Does the compiled constraint accept `text` whole (every token, and an end there)?"""
+    m = llm.compile_constraint(spec).matcher()
+    ids = llm.tokenize(text, add_bos=False)
+    if m.valid_prefix(ids) != ids:
+        return False
+    for t in ids:
+        m.advance(t)
+    return m.accepting
+
+
+ADD_CALL = '{"name":"add","arguments":{"a":1,"b":2}}'
+OSLO_CALL = '{"name":"weather","arguments":{"city":"Oslo","unit":"C"}}'
+
+
+def test_auto_takes_text_then_calls_and_constrains_them(llm):
+    """tool_choice auto (hermes): a text answer, calls alone, or text -- a thought, a Qwen3 <think> block --
+    followed by calls; what follows the opening tag is still a valid call, and nothing follows the calls."""
+    fmt = tool_format("{% if tools %}{{ tools | tojson }}{% endif %} <tool_call>")
+    for parallel in (True, False):
+        auto = fmt.constraint(functions_from_tools(TOOLS), "auto", parallel)
+        block = f"<tool_call>\n{ADD_CALL}\n</tool_call>"
+        yes = ["Five.", block, f"Let me add.\n{block}", f"<think>\nI should add.\n</think>\n\n{block}",
+               "a < b, <tool and more"]
+        no = [f"Let me add.\n<tool_call>\n{{\"name\":\"sub\",\"arguments\":{{}}}}\n</tool_call>",
+              f"Let me add.\n{block}\nDone.", f"Hi <tool_call> hi"]
+        two = f"{block}\n<tool_call>\n{OSLO_CALL}\n</tool_call>"
+        (yes if parallel else no).append(f"Sure.\n{two}")
+        for text in yes:
+            assert takes(llm, auto, text), (parallel, text)
+        for text in no:
+            assert not takes(llm, auto, text), (parallel, text)
+    p = fmt.parser()
+    content, calls = p.feed(f"<think>\nI should add.\n</think>\n\n<tool_call>\n{ADD_CALL}\n</tool_call>")
+    assert content == "<think>\nI should add.\n</think>\n\n" and _fn(calls) == [("add", '{"a": 1, "b": 2}')]
+
+
+def test_llama3_json_is_one_call_an_answer(llm):
+    """Llama 3.x templates refuse two calls in the history, and its parser read only the first of two (the rest
+    was lost as 'stop'): the grammar allows one, whatever parallel_tool_calls says."""
+    fmt = tool_format('{% if tools %}"parameters"{% endif %}<|python_tag|>')
+    one, two = '{"name":"add","parameters":{"a":1,"b":2}}', '{"name":"add","parameters":{"a":3,"b":4}}'
+    for choice in ("auto", "required"):
+        spec = fmt.constraint(functions_from_tools(TOOLS), choice, True)
+        assert takes(llm, spec, one) and not takes(llm, spec, one + "\n" + two), choice
+
+
+def test_falcon3_list_format(llm):
+    """A template that shows the model one <tool_call> block holding a JSON list (Falcon3's) gets that format:
+    the grammar takes one call or several in the list (whitespace between them, as its example), the parser
+    gives each; a template with a tool format of its own (Mistral's [TOOL_CALLS]) gets the default block, so
+    the prompt never shows the model a format the grammar forbids."""
+    fmt = tool_format(LIST_TEMPLATE)
+    assert fmt.name == "hermes_list" and fmt.template_renders_tools
+    assert tool_format(MISTRAL_LIKE).name == "hermes" and not tool_format(MISTRAL_LIKE).template_renders_tools
+    listed = f"<tool_call>\n[\n  {ADD_CALL},\n  {OSLO_CALL}\n]\n</tool_call>"
+    for choice, parallel, yes, no in (
+            ("required", True, [listed, f"<tool_call>\n[{ADD_CALL}]\n</tool_call>"],
+             [f"<tool_call>\n{ADD_CALL}\n</tool_call>", f"<tool_call>\n[{ADD_CALL}]\n</tool_call>\n" + listed]),
+            ("required", False, [f"<tool_call>\n[{ADD_CALL}]\n</tool_call>"], [listed]),
+            ("auto", True, ["Five.", f"Let me see.\n{listed}"], [f"Let me see.\n<tool_call>\n{ADD_CALL}"])):
+        spec = fmt.constraint(functions_from_tools(TOOLS), choice, parallel)
+        for text in yes:
+            assert takes(llm, spec, text), (choice, parallel, text)
+        for text in no:
+            assert not takes(llm, spec, text), (choice, parallel, text)
+    p = fmt.parser()
+    content, calls = p.feed("Let me see.\n" + listed)
+    assert content == "Let me see.\n" and [c["function"]["name"] for c in calls] == ["add", "weather"]
+    assert len({c["id"] for c in calls}) == 2
+    p = fmt.parser()
+    p.feed(f'<tool_call>\n[\n  {{"name":"add","arguments":{{"a":1')
+    assert _fn(p.finish(cut=True)[1]) == [("add", '{"a":1')]
+    spec = fmt.constraint(functions_from_tools(TOOLS), "required", False)   # sampled: calls that validate
+    for seed in range(3):
+        chunks = list(llm.generate(llm.chat_prompt(Q, tools=TOOLS), SamplingParams(temperature=1.0, seed=seed),
+                                   max_tokens=200, constraint=spec))
+        assert chunks[-1].finish_reason == "eos"
+        p = fmt.parser()
+        content, calls = p.feed("".join(c.text for c in chunks))
+        calls += p.finish()[1]
+        assert len(calls) == 1 and not content.strip()
+        jsonschema.validate(json.loads(calls[0]["function"]["arguments"]), SCHEMA[calls[0]["function"]["name"]])
+
+
 def test_bad_tools_refused_naming_the_tool():
     bad = TOOLS + [{"type": "function", "function": {"name": "u", "parameters": {"type": "array", "uniqueItems": True}}}]
     with pytest.raises(ConstraintError) as e:

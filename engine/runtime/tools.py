@@ -10,9 +10,15 @@ Formats:
   hermes       <tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>, one block per call: Qwen3, Ternary
                Bonsai, Hermes-style templates, and the default for templates that know nothing of tools (they
                get DEFAULT_SYSTEM_BLOCK in the system message, as llama-server's generic format does)
-  llama3_json  {"name": ..., "parameters": {...}}: Llama-3.x templates that render `tools` themselves
+  hermes_list  <tool_call>\n[{"name": ..., "arguments": {...}}, ...]\n</tool_call>, one block holding a list of
+               calls: Falcon3's template
+  llama3_json  {"name": ..., "parameters": {...}}: Llama-3.x templates that render `tools` themselves (one call
+               an answer: their templates refuse to render two in the history)
+A template that renders `tools` in a format none of these is (Mistral's [TOOL_CALLS], MiniCPM's <function ...>)
+is treated as one that knows nothing of tools, so the prompt and the grammar agree on hermes.
 A call's arguments are constrained by its function's JSON Schema (engine/runtime/constraints.py); with
-tool_choice "auto" the model may answer in text instead, and once it starts a call the rest is constrained.
+tool_choice "auto" the model may answer in text, or write text (a thought, a <think> block) and then calls; once
+it opens a call the rest is constrained.
 A call cut off by max_tokens or the context comes back as a call with the name and arguments written so far
 (partial_call), never as template text in the content; the finish reason (length) says it is not to be run.
 """
@@ -120,12 +126,25 @@ class ToolFormat:
                for i, f in enumerate(functions)]
         return {"x-guidance": COMPACT_JSON, **({"oneOf": one} if len(one) > 1 else one[0])}
 
-    def _call_rule(self, functions) -> str:
-        return (f'call: "{HERMES_OPEN}\\n" body "\\n{HERMES_CLOSE}"\n'
+    def _call_rule(self, functions, parallel: bool) -> str:
+        """`call`: one block; `tail`: what follows its opening tag."""
+        return (f'call: "{HERMES_OPEN}" tail\n'
+                f'tail: "\\n" body "\\n{HERMES_CLOSE}"\n'
                 f"body: %json {json.dumps(self._call_schema(functions), ensure_ascii=False)}\n")
+
+    def _calls_rule(self, parallel: bool) -> str:
+        return 'calls: call ("\\n" call)*\n' if parallel else "calls: call\n"
 
     def _text_rule(self) -> str:   # free text that never opens a call (so a call, once begun, is constrained)
         return f"TEXT: /(?s:.+)/ & ~/(?s:.*{_regex_escape(HERMES_OPEN)}.*)/\n"
+
+    def _auto_rule(self, parallel: bool) -> str:
+        """tool_choice auto: text alone, or text (maybe none) up to the first opening tag -- one lexeme, so the
+        lexer never has to take back the start of a tag it read as text -- then that call's tail and any others."""
+        tag = _regex_escape(HERMES_OPEN)
+        more = ' ("\\n" call)*' if parallel else ""
+        return (f"start: TEXT | LEAD tail{more}\n" + self._text_rule() +
+                f"LEAD: /(?s:.*{tag})/ & ~/(?s:.*{tag}.+)/\n")
 
     def constraint(self, functions: list[Function], choice: str, parallel: bool) -> Constraint | None:
         """choice: "auto" | "required" | a function name ("none": no constraint, no tools)."""
@@ -135,9 +154,9 @@ class ToolFormat:
             check(Constraint.json_schema(f.parameters, where=f"tools[{i}].function.parameters"))
         if choice not in ("auto", "required"):
             functions = [f for f in functions if f.name == choice]
-        calls = 'calls: call ("\\n" call)*\n' if parallel else "calls: call\n"
-        start = "start: TEXT | calls\n" + self._text_rule() if choice == "auto" else "start: calls\n"
-        return Constraint.lark(start + calls + self._call_rule(functions), where="tools")
+        start = self._auto_rule(parallel) if choice == "auto" else "start: calls\n"
+        return Constraint.lark(start + self._calls_rule(parallel) + self._call_rule(functions, parallel),
+                               where="tools")
 
     # ---- the answer -----------------------------------------------------------------------------------
     def parser(self) -> "HermesParser":
@@ -152,23 +171,57 @@ class Llama3JsonFormat(ToolFormat):
     def call_text(self, name, arguments):
         return _call_json(name, self.ARGS, arguments)
 
-    def _call_rule(self, functions):
+    def _call_rule(self, functions, parallel):
         return f"call: %json {json.dumps(self._call_schema(functions), ensure_ascii=False)}\n"
+
+    def _calls_rule(self, parallel):
+        return "calls: call\n"   # one call an answer: Llama 3.x templates raise on two in the history
 
     def _text_rule(self):
         return "TEXT: /(?s:[^{\\s].*)/\n"   # a text answer does not start with "{"
+
+    def _auto_rule(self, parallel):
+        return "start: TEXT | calls\n" + self._text_rule()   # the whole answer is the call
 
     def parser(self):
         return JsonCallParser()
 
 
+_LIST_OPEN = re.compile(r"<tool_call>(?:\\n|\n)\s*\[")   # "<tool_call>\n[" as the template's text writes it
+
+
 def tool_format(template: str | None) -> ToolFormat:
-    """The call format of a chat template (None or a template without tools: hermes with the default block)."""
+    """The call format of a chat template (None, a template without tools, or one whose own call format is none of
+    ours: hermes with the default block)."""
     t = template or ""
-    renders = "tools" in t
-    if renders and HERMES_OPEN not in t and ("python_tag" in t or '"parameters"' in t):
+    if "tools" not in t:
+        return ToolFormat(False)
+    if HERMES_OPEN in t:
+        return HermesListFormat(True) if _LIST_OPEN.search(t) else ToolFormat(True)
+    if "python_tag" in t or '"parameters"' in t:
         return Llama3JsonFormat(True)
-    return ToolFormat(renders)
+    return ToolFormat(False)   # it would tell the model a format the grammar then forbids: our block instead
+
+
+class HermesListFormat(ToolFormat):
+    """Falcon3's: one <tool_call> block holding a JSON list of the calls (its template shows the model that)."""
+    name = "hermes_list"
+
+    def call_text(self, name, arguments):
+        return f"{HERMES_OPEN}\n[{_call_json(name, 'arguments', arguments)}]\n{HERMES_CLOSE}"
+
+    def _call_rule(self, functions, parallel):
+        more = ' (WS? "," WS? body)*' if parallel else ""
+        return (f'call: "{HERMES_OPEN}" tail\n'
+                f'tail: "\\n[" WS? body{more} WS? "]\\n{HERMES_CLOSE}"\n'
+                "WS: /\\n {0,4}| {1,2}/\n"   # as the template's example: "[\\n  {", "},\\n  {", "}\\n]"
+                f"body: %json {json.dumps(self._call_schema(functions), ensure_ascii=False)}\n")
+
+    def _calls_rule(self, parallel):
+        return "calls: call\n"   # every call in the one block
+
+    def _auto_rule(self, parallel):
+        return super()._auto_rule(False)
 
 
 def _native(m: dict) -> dict:
@@ -220,7 +273,7 @@ class HermesParser:
                 end = self.buf.find(HERMES_CLOSE)
                 if end < 0:
                     return content, calls
-                calls.append(self._call(self.buf[:end]))
+                calls += self._calls(self.buf[:end])
                 self.buf, self.in_call = self.buf[end + len(HERMES_CLOSE):], False
                 continue
             start = self.buf.find(HERMES_OPEN)
@@ -235,11 +288,14 @@ class HermesParser:
             content += out if not (self.n_calls or calls) else out.strip()
             return content, calls
 
-    def _call(self, body: str) -> dict:
+    def _calls(self, body: str) -> list[dict]:
+        """The calls of one block: an object, or a list of them (Falcon3's)."""
         obj = json.loads(body)   # the grammar made it valid JSON; a free-running model may not (ValueError)
-        self.n_calls += 1
-        return {"id": new_call_id(), "type": "function",
-                "function": {"name": obj["name"], "arguments": json.dumps(obj.get("arguments", {}), ensure_ascii=False)}}
+        objs = obj if isinstance(obj, list) else [obj]
+        self.n_calls += len(objs)
+        return [{"id": new_call_id(), "type": "function",
+                 "function": {"name": o["name"], "arguments": json.dumps(o.get("arguments", {}), ensure_ascii=False)}}
+                for o in objs]
 
     def finish(self, cut: bool = False) -> tuple[str, list[dict]]:
         """cut: the answer ended at max_tokens or the context (finish reason length), so text held back as the
@@ -247,7 +303,8 @@ class HermesParser:
         rest, self.buf = self.buf, ""
         if self.in_call or (cut and rest and HERMES_OPEN.startswith(rest)):   # cut off inside a call: as far as
             started, self.in_call, self.cut_call = self.in_call, False, True     # it was written, never as text
-            return "", [partial_call(rest if started else "", "arguments")]
+            body = rest.lstrip() if started else ""
+            return "", [partial_call(body[1:] if body.startswith("[") else body, "arguments")]   # a list: its first
         return (rest if not self.n_calls else rest.strip()), []
 
 
