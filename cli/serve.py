@@ -222,6 +222,7 @@ def main(args) -> int:
     import uvicorn
 
     from ..engine.api import load_engine
+    from ..engine.errors import EXIT_BAD_INPUT, EXIT_BUG, BitNetError
     from ..serve.app import create_app
     from ..serve.limits import guarded_protocol
 
@@ -239,9 +240,16 @@ def main(args) -> int:
         return eng
 
     limits = limits_from_args(args)
+    failed: list = []
+
+    def load_failed(e: BaseException):
+        """A model that does not load (a typo in -m, a corrupt file): one line and a non-zero exit, as `bitnet run`,
+        never a server answering 503 for ever."""
+        failed.append(e)
+        server.should_exit = True
     app = create_app(load, api_key=args.api_key, api_keys=keys, sampling=sampling, limits=limits,
                      metrics_public=args.metrics_public, model_id=args.alias, strict_model=args.strict_model_name,
-                     cors_origins=tuple(args.cors_origin or ()))
+                     cors_origins=tuple(args.cors_origin or ()), on_load_error=load_failed)
 
     class Server(uvicorn.Server):
         """uvicorn re-raises the caught signal after shutdown (-> exit 130/143); a drained server exits 0.
@@ -278,6 +286,19 @@ def main(args) -> int:
         signal.signal(sig, handler)
     print(f"bitnet serve: listening on http://{args.host}:{args.port} (loading the model...)", file=sys.stderr, flush=True)
     server.run(sockets=[sock])
+    if failed:
+        e = failed[0]
+        if isinstance(e, KeyboardInterrupt):
+            return 130
+        if isinstance(e, BitNetError) and e.exit_code != EXIT_BUG:
+            print(f"bitnet serve: error: {e}", file=sys.stderr)
+            return e.exit_code
+        if isinstance(e, MemoryError):
+            print("bitnet serve: error: out of memory loading the model (hint: a smaller -c/--ctx or --parallel)",
+                  file=sys.stderr)
+            return EXIT_BAD_INPUT
+        from . import report_bug
+        return report_bug("bitnet serve", e)
     print("bitnet serve: stopped", file=sys.stderr)
     return 0
 

@@ -78,6 +78,7 @@ class ServerState:
         self.streams: set = set()
         self.created = int(time.time())
         self.sampling = sampling           # the requests' default SamplingParams (create_app's sampling)
+        self.on_load_error: Callable[[BaseException], None] | None = None   # create_app's
 
     def token_text(self, eng) -> TokenText:
         """The server's one token -> (text, bytes) cache for logprobs."""
@@ -100,8 +101,10 @@ class ServerState:
                 if self.model_id is None:
                     self.model_id = eng.name
                 self.engine = eng
-            except BaseException as e:  # reported by /health; the process keeps answering 503
+            except BaseException as e:  # reported by /health (503 load_failed), and to on_load_error
                 self.load_error = str(e) or type(e).__name__
+                if self.on_load_error is not None:
+                    self.on_load_error(e)
         threading.Thread(target=run, name="bitnet-load", daemon=True).start()
 
     def drain(self):
@@ -144,15 +147,18 @@ class CountingMiddleware:
 def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id: str | None = None,
                retry_after: int = 1, on_shutdown: Callable[[], None] | None = None,
                sampling: Any = None, strict_model: bool = False, limits: Limits | None = None,
-               api_keys: tuple = (), metrics_public: bool = False, cors_origins: tuple = ()) -> FastAPI:
+               api_keys: tuple = (), metrics_public: bool = False, cors_origins: tuple = (),
+               on_load_error: Callable[[BaseException], None] | None = None) -> FastAPI:
     """The ASGI app. load() -> an engine with ENGINE_API.md's interface (called once, in a thread).
     sampling: SamplingParams whose values a request's omitted sampling fields take (None: the engine's).
     model_id: the id the server answers with (None: the model's name; `--alias`); strict_model: a request
     naming another model gets a 404 (default: it is answered by this one, as llama-server does).
     limits: serve/limits.py's (None: its defaults); api_key / api_keys: the keys every endpoint but /health
     needs (serve/auth.py), /metrics too unless metrics_public; cors_origins: the origins whose pages may call it
-    beside this machine's (serve/auth.py allow_cross_origin; "*": any)."""
+    beside this machine's (serve/auth.py allow_cross_origin; "*": any). on_load_error(e): called (in the loading
+    thread) when load() raised -- `bitnet serve` then says so and exits; without it the server answers 503."""
     state = ServerState(load, api_key, model_id, retry_after, strict_model, sampling)
+    state.on_load_error = on_load_error
     metrics = ServerMetrics(state.engine_metrics)
 
     @contextlib.asynccontextmanager

@@ -555,6 +555,23 @@ def test_serve_sampling_flag_checked_at_start():
     assert r.returncode == 2 and "--top-p 1.5" in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.parametrize("model, words", [("README.md", "not a GGUF file"), ("missing.bnstore", "no such file")])
+def test_a_model_that_does_not_load_is_one_line_and_exit_2(model, words, tmp_path):
+    """`bitnet serve -m` with a typo or a wrong file says what is wrong and exits 2, as `bitnet run` and
+    llama-server do; it used to listen and answer 503 for ever (to a script or systemd, a server still loading)."""
+    import os
+    import subprocess
+    import sys
+
+    from serve_proc import ROOT, free_port
+    r = subprocess.run([sys.executable, "-m", "bitnet_cpu", "serve", "-m", os.path.join(ROOT, model),
+                        "--port", str(free_port())], cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT),
+                       capture_output=True, text=True, timeout=120)
+    errors = [line for line in r.stderr.splitlines() if "error" in line]
+    assert r.returncode == 2 and len(errors) == 1 and words in errors[0], r.stderr
+    assert "Traceback" not in r.stderr
+
+
 def test_health_503_while_loading():
     """In-process: the app answers /health 503 (+ Retry-After) until load() returns, then 200."""
     from starlette.testclient import TestClient
