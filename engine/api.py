@@ -354,14 +354,14 @@ class Engine(_Text, BatchScheduler):
             self.warnings.append(f"context {n_ctx} (a server's default: at least {SERVE_MIN_CTX}) is past the "
                                  f"{cfg.context_length} tokens the model was trained on; -c {cfg.context_length} "
                                  "keeps to it")
-        from .batching.kv_pool import KVPool
+        from .batching.kv_pool import PAGE_TOKENS, KVPool
         per_tok = KVPool.bytes_per_token(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, kv_dtype)
         if kv_pool_tokens is not None and kv_pool_mib is not None:
             raise BitNetError("give the KV pool size as kv_pool_tokens or kv_pool_mib, not both")
         if kv_pool_mib is not None:
             kv_pool_tokens = int(kv_pool_mib * (1 << 20)) // per_tok
-        if kv_pool_tokens is None:
-            kv_pool_tokens = max(n_ctx, min(parallel * n_ctx, DEFAULT_POOL_BYTES // per_tok))
+        if kv_pool_tokens is None:   # a context per slot, and a page each for n choices' shared partial pages
+            kv_pool_tokens = max(n_ctx, min(parallel * (n_ctx + PAGE_TOKENS), DEFAULT_POOL_BYTES // per_tok))
         super().__init__(store, Tokenizer.from_store(store), n_ctx=n_ctx, parallel=parallel,
                          kv_pool_tokens=kv_pool_tokens,
                          max_batch_tokens=default_batch_tokens() if max_batch_tokens is None else max_batch_tokens,
@@ -389,7 +389,8 @@ def load_engine(model: str | None = None, *, ctx: int | None = None, threads: in
     """A batching engine over `model` (as load_model opens it), its scheduler thread started.
     ctx: per-sequence context (default: serving_ctx, the model's trained context but 2048 to 4096);
     parallel: sequences running at once; kv_pool_tokens: KV pool size in tokens
-    (default parallel*ctx, capped at 4 GiB of pages but at least one context), or kv_pool_mib in MiB;
+    (default parallel * (ctx + a page), capped at 4 GiB of pages but at least one context), or kv_pool_mib in MiB;
+    a request whose choices could never be promised their pages is refused at submit (BitNetError naming n);
     max_batch_tokens: rows per step (each decoding sequence's token, then prompt tokens), 1..BATCH_TOKENS_MAX (None:
     engine.batching.default_batch_tokens(), 128, or 256 where the AMX tiles run);
     max_queue: waiting requests before submit() raises QueueFullError;

@@ -220,6 +220,14 @@ async def read_object(request: Request) -> dict:
     return data
 
 
+def answered(eng, tokens: list[int], text: str, final) -> list[int]:
+    """The answer's tokens as its text reads: where a stop string cut the text, the tokens of what was shown (ollama's
+    `context` is Tokenize(prompt + response): a client feeding it back never conditions on the hidden stop text)."""
+    if final.finish_reason == "stop":
+        return eng.tokenize(text, add_bos=False, special=False) if text else []
+    return tokens
+
+
 def register(app, state, ready, api_error: type, *, sampling: SamplingParams | None = None, metrics=None):
     """Add ollama's routes to `app` (serve/app.py's create_app). ready(request) -> the engine, or raises the
     server's `api_error` (auth, loading, draining: .status, .message), which these routes answer in ollama's shape."""
@@ -304,7 +312,7 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
         if 0 < num_ctx and len(prompt_ids) < num_ctx:   # the server's context is fixed at start: a larger one
             n_ctx = min(n_ctx, num_ctx)                   # is capped; a prompt over a smaller one runs in the
             #                                               server's (ollama would cut the prompt to fit)
-        room = max(0, n_ctx - len(prompt_ids))
+        room = max(0, n_ctx - len(prompt_ids)) + 1   # the last token needs no place in the cache
         num_predict = option_int(opts, "num_predict")
         max_tokens = room if num_predict <= 0 else min(num_predict, room)   # ollama: 0 or less, no limit
         stop = option_stops(opts)
@@ -353,7 +361,7 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
 
         if body.stream:
             async def lines():
-                final, tokens, said, sent = None, [], Said(), 0
+                final, tokens, said, sent, shown = None, [], Said(), 0, []
                 try:
                     while True:
                         ch = await q.get()
@@ -361,6 +369,7 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
                             clock.token()
                             tokens.append(ch.token)
                         said.add(ch)
+                        shown.append(ch.text)
                         text, calls = (parser.feed(ch.text) if parser is not None and ch.text else (ch.text, []))
                         if ch.finish_reason == "error":   # this request's sequence failed; the others go on
                             final = ch
@@ -382,7 +391,7 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
                     if body.logprobs and said.items[sent:]:   # tokens of no text of their own, said at the end
                         obj["logprobs"] = lp_list(said.items[sent:])
                     if extra_final:
-                        obj.update(extra_final(tokens))
+                        obj.update(extra_final(answered(eng, tokens, "".join(shown), final)))
                     yield json.dumps(obj, ensure_ascii=False) + "\n"
                 finally:
                     if final is None:
@@ -417,7 +426,7 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
         if body.logprobs:
             obj["logprobs"] = lp_list(said.items)
         if extra_final:
-            obj.update(extra_final(tokens))
+            obj.update(extra_final(answered(eng, tokens, "".join(pieces), final)))
         return obj
 
     def loaded(body: _Body, piece):

@@ -279,6 +279,27 @@ def test_pool_exhaustion_waits_and_does_not_corrupt(synth):
         eng.close()
 
 
+def test_n_choices_to_the_context_s_end_fit_the_default_pool_or_are_refused(synth):
+    """n = parallel choices, each allowed to run to the context's end, need a context of pages each plus one for
+    their shared partial page: the default pool holds that (they ran, and answered); a pool that can never hold a
+    request refuses it at submit, naming n, where it used to wait for ever with every request behind it."""
+    from bitnet_cpu.engine.errors import BitNetError
+    m, _, stores = synth
+    prompt = [1, 5, 9]
+    with running_engine(stores["f16"], ctx=128, parallel=2, threads=1) as eng:
+        streams = eng.submit_n(prompt, GREEDY, 2, max_tokens=500, ignore_eos=True)
+        outs = [_collect(s) for s in streams]
+        assert [len(_tokens(o)) for o in outs] == [126, 126] and outs[0][-1].finish_reason == "context"
+        eng.check_consistency()
+    with running_engine(stores["f16"], ctx=128, parallel=2, threads=1, kv_pool_tokens=256) as eng:
+        with pytest.raises(BitNetError, match="^n 2: .*need 9 pages .* holds 8"):
+            eng.submit_n(prompt, GREEDY, 2, max_tokens=500)
+        # a limit that fits is admitted, and an unrelated request behind it is not held up
+        outs = [_collect(s) for s in eng.submit_n(prompt, GREEDY, 2, max_tokens=60, ignore_eos=True)]
+        assert [len(_tokens(o)) for o in outs] == [60, 60]
+        assert len(_tokens(_collect(eng.submit(prompt, GREEDY, max_tokens=4, ignore_eos=True)))) == 4
+
+
 def test_submit_errors(synth):
     m, _, stores = synth
     eng = load_engine(stores["f16"], ctx=64, parallel=1, max_queue=2, progress=False)

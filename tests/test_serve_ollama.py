@@ -85,6 +85,15 @@ def test_generate_options_context_and_raw(client, model_id):
     assert cont.context[:len(r.context)] == list(r.context) and cont.prompt_eval_count > len(r.context)
     stopped = client.generate(model=model_id, prompt="Once upon", raw=True, options={**GREEDY, "stop": [","]})
     assert stopped.done_reason == "stop" and "," not in stopped.response
+    # its context holds what was shown, never the stop string's tokens (ollama: Tokenize(prompt + response))
+    from bitnet_cpu.engine.api import load_model
+    llm = load_model(None, progress=False)
+    assert list(stopped.context[stopped.prompt_eval_count:]) == llm.tokenize(stopped.response)
+    assert "," not in llm.detokenize(stopped.context[stopped.prompt_eval_count:])
+    for stream in (False, True):   # the stream's final object says the same
+        parts = list(client.generate(model=model_id, prompt="Once upon", raw=True, stream=True,
+                                     options={**GREEDY, "stop": [","]})) if stream else [stopped]
+        assert list(parts[-1].context) == list(stopped.context)
     # the greedy story says "was" again after 20-odd tokens: a presence penalty makes it say something else
     pen = client.generate(model=model_id, prompt="Once upon a time", raw=True,
                           options={**GREEDY, "num_predict": 32, "presence_penalty": 2})

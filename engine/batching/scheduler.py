@@ -205,6 +205,13 @@ class BatchScheduler(Drafts, Embeddings, Scoring):
             raise BitNetError(f"n {n}: must be in 1..{self.parallel} (the sequences this engine runs at once)")
         if callbacks is not None and len(callbacks) != n:
             raise BitNetError(f"{len(callbacks)} callbacks for n={n} streams")
+        lead, _, extra = self._promise(len(prompt), max_tokens, n - 1)
+        promise = lead + extra
+        if promise > self.pool.n_pages:   # it would wait for ever, and every request behind it
+            longest = min(max_tokens, self.n_ctx - len(prompt) + 1)
+            raise BitNetError(f"n {n}: {n} answers of up to {longest} tokens each need {promise} pages of the KV "
+                              f"cache ({PAGE_TOKENS} tokens a page) and it holds {self.pool.n_pages}",
+                              hint="ask for fewer choices, or set max_tokens")
         params = (params or SamplingParams()).check()
         choice_params = [params if i == 0 or params.seed is None else replace(params, seed=(params.seed + i) % (1 << 64))
                          for i in range(n)]
@@ -483,6 +490,16 @@ class BatchScheduler(Drafts, Embeddings, Scoring):
             self.prefix.insert(s.tokens, s.pages, n_full)
             s.n_indexed = n_full
 
+    def _promise(self, n_prompt: int, max_tokens: int, n_forks: int, n_cached: int = 0) -> tuple[int, int, int]:
+        """(lead, fork, extra): the pages a request is promised at admission. lead: its pages, whole, less its
+        cached prefix; fork: each fork's pages past the prompt's full ones (the shared partial page is copied on
+        write); extra: the forks' together, and one more for whichever sequence writes that partial page first
+        while the others still share it."""
+        pages = -(-min(n_prompt + max(max_tokens - 1, 0), self.n_ctx) // PAGE_TOKENS)
+        fork = pages - n_prompt // PAGE_TOKENS
+        return (pages - n_cached // PAGE_TOKENS, fork,
+                fork * n_forks + (1 if n_forks and n_prompt % PAGE_TOKENS else 0))
+
     def _admit(self):
         """Admit waiting requests (FIFO) while there are slots and pages can be promised (lock held)."""
         while self._waiting and len(self._running) + 1 + len(self._waiting[0].forks) <= self.parallel:
@@ -490,12 +507,7 @@ class BatchScheduler(Drafts, Embeddings, Scoring):
             limit = len(s.prompt) - (1 if s.max_tokens > 0 else 0)
             # an embedding pools every row of its text: no cached prefix stands in for any of them
             pages, n_cached = self.prefix.match(s.prompt, limit) if s.embed is None else ([], 0)
-            total = min(len(s.prompt) + max(s.max_tokens - 1, 0), self.n_ctx)
-            need = -(-total // PAGE_TOKENS) - n_cached // PAGE_TOKENS
-            # forks: the pages past the prompt's full ones (its shared partial page is copied on write), and one
-            # more for whichever sequence writes that partial page first while the others still share it
-            fork_need = -(-total // PAGE_TOKENS) - len(s.prompt) // PAGE_TOKENS
-            extra = fork_need * len(s.forks) + (1 if s.forks and len(s.prompt) % PAGE_TOKENS else 0)
+            need, fork_need, extra = self._promise(len(s.prompt), s.max_tokens, len(s.forks), n_cached)
             if need + extra > self.pool.n_free + self.prefix.n_evictable() - self.pool.reserved:
                 for p in pages:
                     self.pool.decref(p)
