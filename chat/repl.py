@@ -49,7 +49,7 @@ def handle_line(session: ChatSession, text: str) -> bool:
     except Exception as e:  # a bug must not take the transcript with it
         session.out.end_answer()
         session.out.notice(f"[internal error: {type(e).__name__}: {e}; the session goes on — /save keeps your work]")
-        if os.environ.get("BITCHAT_DEBUG"):
+        if os.environ.get("BITNET_DEBUG") or os.environ.get("BITCHAT_DEBUG"):
             traceback.print_exc()
         session.had_errors = True
     return True

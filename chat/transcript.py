@@ -121,7 +121,9 @@ class Conversation:
         system = d.get("system")
         if system is not None and not isinstance(system, str):
             raise TranscriptError(f"{where}: 'system' must be a string or null")
-        raw_turns = d.get("turns", [])
+        if "turns" not in d:   # any other JSON object (a schema meant for /set format) would load as an empty chat
+            raise TranscriptError(f"{where}: not a bitchat conversation (it has no 'turns')")
+        raw_turns = d["turns"]
         if not isinstance(raw_turns, list):
             raise TranscriptError(f"{where}: 'turns' must be a list")
         turns = []

@@ -188,8 +188,9 @@ def main(args) -> int:
         raise BitNetError("no tests: every -p and -n is 0 and no -pg was given")
     if args.repetitions < 1:
         raise BitNetError(f"-r/--repetitions {args.repetitions}: must be >= 1")
-    ctx = max(max(pp, 1) + tg for pp, tg in tests) + 1
+    ctx = max(max(pp, 1) + tg for pp, tg in tests)   # the longest test's positions (its last token is not fed)
     table = Table(args.output, sys.stdout)
+    said_ctx = False
     host = machine()
     started = False
     try:
@@ -204,8 +205,14 @@ def main(args) -> int:
                                          parallel=npl, max_queue=npl,   # all npl are submitted at once
                                          progress=sys.stderr.isatty(), lookup=LookupParams(draft_max=0))
                     one = lambda pp, tg, rng, npl=npl: run_batched(runner, pp, tg, npl, rng)   # noqa: E731
-                for w in runner.warnings:
-                    print(f"bitnet: warning: {w}", file=sys.stderr)
+                for w in runner.warnings:   # the context is bench's own choice, not a -c the user gave
+                    if not w.startswith("-c/--ctx"):
+                        print(f"bitnet: warning: {w}", file=sys.stderr)
+                trained = runner.config.context_length
+                if ctx > trained and not said_ctx:
+                    said_ctx = True
+                    print(f"bitnet: warning: the longest test runs {ctx} positions, past the {trained} the model "
+                          "was trained on (its speed is measured all the same)", file=sys.stderr)
                 info = {**describe(runner), **host}
                 if not started:
                     table.head()

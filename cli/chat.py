@@ -12,7 +12,7 @@ truncated or rewritten while in use), 70 an internal error (a bug: please report
 
 The conversation is kept in a recovery file while the session runs ($BITCHAT_RECOVERY, empty: none; else
 $XDG_STATE_HOME/bitchat/recovery-PID.json), removed on a normal exit: when the process is ended by a fatal
-fault, the one-line message says where it is (/load it).
+fault or Ctrl-C outside a turn (a piped session waiting for input), the one-line message says where it is (/load it).
 """
 from __future__ import annotations
 
@@ -56,6 +56,8 @@ def settings_from_args(args, error) -> Settings:
         setattr(s, name, getattr(args, field))
     if s.seed == RANDOM_SEED:
         s.seed = None
+    if args.n_predict == 0:   # as /set max_tokens 0: a chat turn is an answer (bitnet run -n 0 only prefills)
+        error("-n/--n-predict 0: a chat answer has at least one token (-1: until the end of text)")
     s.max_tokens = UNTIL_END_TOKENS if args.n_predict == UNTIL_END else args.n_predict
     return s
 
@@ -96,19 +98,22 @@ def _guarded(args, settings: Settings, first_message: str | None = None) -> int:
     try:
         return _run(args, settings, out, interactive, first_message)
     except KeyboardInterrupt:
-        print("", file=sys.stderr)
+        path = recovery_path()   # turns so far are kept (user data): say where, never leave a file unannounced
+        kept = f"bitchat: interrupted; the conversation so far is saved in {path} (/load it in bitchat)" \
+            if path and os.path.isfile(path) else ""
+        print(kept, file=sys.stderr)
         return 130
     except BrokenPipeError:
         from . import quiet_broken_pipe
 
         return quiet_broken_pipe()   # stdout went away (e.g. `| head`): nothing more to say
-    except Exception as e:  # a bug: one line (BITCHAT_DEBUG=1 shows the traceback), never a raw dump
+    except Exception as e:  # a bug: one line (BITNET_DEBUG=1 shows the traceback), never a raw dump
         from ..engine.errors import BUG_REPORT_HINT, EXIT_BUG
 
-        if os.environ.get("BITCHAT_DEBUG"):
+        if os.environ.get("BITNET_DEBUG") or os.environ.get("BITCHAT_DEBUG"):   # the latter: older name
             raise
         print(f"bitchat: internal error: {type(e).__name__}: {' '.join(str(e).split())} ({BUG_REPORT_HINT};"
-              " set BITCHAT_DEBUG=1 for details)", file=sys.stderr)
+              " set BITNET_DEBUG=1 for details)", file=sys.stderr)
         return EXIT_BUG
 
 

@@ -7,17 +7,17 @@ def add_arguments(p):
     p.add_argument("src", metavar="SRC", help="GGUF file (bitnet.cpp I2_S, llama.cpp TQ1_0/TQ2_0), HF model directory, "
                                               "or a hub id REPO[:FILE|:TAG][@REV] already downloaded")
     p.add_argument("-o", "--output", dest="out", metavar="OUT", default=None,
-                   help="store path (default: next to SRC, with the .bnstore extension)")
+                   help="store path (default: next to SRC, with the .bnstore extension)%(default).0s")
     p.add_argument("--lm-head", choices=["q4", "i8", "f16"], default=None,
                    help="LM head precision (default q4: 4-bit groups whose best 64 tokens get exact f16 logits at run "
-                        "time, i8 where the hidden size is over 8192; i8: int8 rows; f16: the reference numerics)")
+                        "time, i8 where the hidden size is over 8192; i8: int8 rows; f16: the reference numerics)%(default).0s")
     p.add_argument("--weights", choices=["t2", "t1.6"], default="t2",
                    help="ternary layout of the linear layers: t2 (2 bits per weight, the default) or t1.6 (base 3, "
                         "1.6 bits per weight, the same results: 20%% fewer bytes per token, more work to decode; faster "
                         "where each core's share of the memory bandwidth is low, i.e. many cores, and needs AVX-512 "
                         "VNNI to keep up)")
     p.add_argument("--hidden-act", choices=["relu2", "silu"], default=None,
-                   help="override the FFN activation (default: from the file; see `bitnet inspect` for how it was decided)")
+                   help="override the FFN activation (default: from the file; see `bitnet inspect` for how it was decided)%(default).0s")
     p.add_argument("--ternarize", action="store_true",
                    help="the directory holds BitNet latent (master) float weights without a quantization_config"
                         " (e.g. Falcon-E's bfloat16 revision): ternarize them per tensor (absmean) as BitNet does")

@@ -10,7 +10,7 @@ HELP = "print what a model file holds (store, GGUF or HF directory)"
 def add_arguments(p):
     p.add_argument("file", metavar="FILE", help="weight store, GGUF file or HF model directory")
     p.add_argument("--tensors", type=int, default=None, metavar="N",
-                   help="show at most N rows of the tensor table (default: all)")
+                   help="show at most N rows of the tensor table (default: all)%(default).0s")
 
 
 def main(args) -> int:

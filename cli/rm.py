@@ -6,7 +6,7 @@ HELP = "remove converted models from the cache (NAME as `bitnet list` shows it, 
 
 
 def add_arguments(p):
-    p.add_argument("names", metavar="NAME", nargs="*", help="model name (or unique prefix, or its source)")
+    p.add_argument("names", metavar="NAME", nargs="*", help="model name (or unique prefix, or its source)%(default).0s")
     p.add_argument("--all", action="store_true", help="remove every converted model in the cache%(default).0s")
 
 

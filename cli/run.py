@@ -38,31 +38,27 @@ def add_arguments(p):
 
 
 def _read_prompt(args) -> str | None:
-    import sys
-
+    """The prompt of -p, -f FILE, or stdin (-f - / -p -). A file's or stdin's one final newline is dropped, as
+    llama.cpp's -f drops it: every editor and `echo` end a file with one, and a completion prompt that ends in a
+    newline is another prompt ("2+3=\\n" is no sum to complete)."""
     from ..engine.errors import BitNetError
+    from .flags import read_text_file
 
-    def text(data, where):
-        try:
-            return decode_utf8(data, where)
-        except ValueError as e:
-            raise BitNetError(str(e)) from None
+    def chomp(t: str) -> str:
+        return t[:-2] if t.endswith("\r\n") else t[:-1] if t.endswith("\n") else t
 
     if args.file is not None:
-        if args.file == "-":
-            return text(sys.stdin.buffer.read(), "stdin")
-        try:
-            with open(args.file, "rb") as f:
-                return text(f.read(), f"-f/--file {args.file}")
-        except OSError as e:
-            raise BitNetError(f"-f/--file {args.file}: {e.strerror}") from None
+        return chomp(read_text_file(args.file))
     if args.prompt == "-":
-        return text(sys.stdin.buffer.read(), "stdin")
+        return chomp(read_text_file("-"))
     if args.prompt is None:
         if args.conversation:
             return None
         raise BitNetError("no prompt: give -p/--prompt TEXT or -f/--file FILE ('-' for stdin), or -cnv to chat")
-    return text(args.prompt, "-p/--prompt")
+    try:
+        return decode_utf8(args.prompt, "-p/--prompt")
+    except ValueError as e:
+        raise BitNetError(str(e)) from None
 
 
 def _stats_dict(stats, llm) -> dict:

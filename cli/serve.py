@@ -50,9 +50,9 @@ def add_arguments(p):
     p.add_argument("--request-timeout", type=float, default=d.request_timeout, help="seconds a request may run, 0 = no limit (504, or an error event mid-stream)")
     p.add_argument("--keep-alive-timeout", type=float, default=5.0, help="seconds an idle kept-alive connection stays open")
     p.add_argument("--alias", default=None, metavar="NAME",
-                   help="the model id the server answers with (default: the model's name)")
+                   help="the model id the server answers with (default: the model's name)%(default).0s")
     p.add_argument("--strict-model-name", action="store_true",
-                   help="answer 404 to a request naming another model (default: any name gets this model, as llama-server)")
+                   help="answer 404 to a request naming another model (default: any name gets this model, as llama-server)%(default).0s")
     p.add_argument("--ray-replicas", type=int, default=0, help="run as a Ray Serve deployment with N replicas (0 = plain uvicorn)")
     g = p.add_argument_group("many models behind one port (ollama's way; llama-server's router mode)",
                              "a request's `model` picks the model; the first request naming one loads it "

@@ -59,6 +59,7 @@ def test_env(tmp_path) -> dict:
     env.update(TERM="xterm-256color", PROMPT_TOOLKIT_NO_CPR="1", NO_COLOR="1",
                BITCHAT_HISTORY=str(tmp_path / "history"), PYTHONUNBUFFERED="1")
     env.pop("BITCHAT_DEBUG", None)
+    env.pop("BITNET_DEBUG", None)
     return env
 
 
@@ -146,7 +147,7 @@ def test_every_slash_command(chat_model, tmp_path):
     chat.command("/set", r"temp=0 top_k=5 top_p=0\.9 min_p=0\.1 repeat_penalty=1 seed=7 max_tokens=6")
     # mistakes: one line of hint, the session goes on
     for command, hint in [("/set temp hot", r"/set temp: 'hot' is not a number"),
-                          ("/set top_p 3", r"must be in \(0, 1\]"), ("/set colour red", r"unknown setting 'colour'"),
+                          ("/set top_p 3", r"must be in \[0, 1\]"), ("/set colour red", r"unknown setting 'colour'"),
                           ("/frobnicate", r"unknown command /frobnicate"), ("/save", r"/save needs a file name"),
                           (f"/load {tmp_path / 'missing.json'}", r"no such file"), ("/retry", r"nothing to retry")]:
         chat.command(command, hint)
@@ -306,7 +307,7 @@ def test_bad_model_and_bad_flags_one_line_exit_2(tmp_path):
     assert r.returncode == 2 and "--temp" in r.stderr and "Traceback" not in r.stderr
     r = subprocess.run(cmd + ["--top-p", "2"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and r.stderr.startswith("bitchat: error: --top-p 2") and r.stderr.count("\n") == 1
-    for flags in (["-c", "0"], ["--temp", "-1"]):   # a value out of range: one line, no usage block
+    for flags in (["-c", "0"], ["--temp", "-1"], ["-n", "0"]):   # a value out of range: one line, no usage block
         r = subprocess.run(cmd + flags, capture_output=True, text=True, timeout=60)
         assert r.returncode == 2 and r.stderr.count("\n") == 1 and flags[0] in r.stderr, r.stderr
 

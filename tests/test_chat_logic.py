@@ -137,6 +137,7 @@ def test_save_errors_name_the_file(tmp_path):
     ("{not json", "not valid JSON"),
     ("[1, 2]", "expected a JSON object"),
     ('{"format": "other"}', "not a bitchat conversation"),
+    ('{"type": "object", "properties": {"a": {"type": "string"}}}', "not a bitchat conversation (it has no 'turns')"),
     ('{"turns": [{"assistant": "a"}]}', "turn 0 needs a string 'user'"),
     ('{"turns": "x"}', "'turns' must be a list"),
     ('{"system": 3}', "'system' must be a string"),
@@ -211,8 +212,8 @@ def test_parse_setting_ok(name, text, key, value):
 
 @pytest.mark.parametrize("name, text, fragment", [
     ("temp", "hot", "not a number"), ("temp", "-1", ">= 0"), ("temp", "nan", "finite"),
-    ("top_k", "2.5", "not an integer"), ("top_k", "-3", ">= 0"), ("top_p", "0", "(0, 1]"),
-    ("top_p", "1.5", "(0, 1]"), ("min_p", "2", "[0, 1]"), ("seed", "-5", ">= 0"),
+    ("top_k", "2.5", "not an integer"), ("top_k", "-3", ">= 0"), ("top_p", "-0.1", "[0, 1]"),
+    ("top_p", "1.5", "[0, 1]"), ("min_p", "2", "[0, 1]"), ("seed", "-5", ">= 0"),
     ("max_tokens", "0", ">= 1"), ("repeat_penalty", "0", "> 0"), ("colour", "red", "unknown setting"),
     ("mirostat", "3", "0, 1 or 2"), ("dry_sequence_breakers", '["", "x"]', "non-empty strings"),
     ("dry_sequence_breakers", "[oops", "JSON list"),

@@ -44,6 +44,18 @@ def test_table_has_a_row_per_test(store):
         assert mean > 0 and spread >= 0
 
 
+def test_a_test_that_fills_the_trained_context_is_no_warning():
+    """A prompt test as long as the bundled model's trained context (512: pp512, the default test) fits it and
+    warns of nothing (it warned of a '-c/--ctx 513' nobody gave); a longer test says so in the bench's own terms."""
+    from bitnet_cpu.engine.api import load_model
+    n = load_model(None, progress=False).config.context_length
+    r = bench("-p", str(n), "-n", "4", "-r", "1", "-t", "1")
+    assert r.returncode == 0 and "warning" not in r.stderr, r.stderr
+    r = bench("-p", "0", "-n", "0", "-pg", f"{n},16", "-r", "1", "-t", "1")
+    assert r.returncode == 0 and f"the longest test runs {n + 16} positions, past the {n}" in r.stderr, r.stderr
+    assert "-c/--ctx" not in r.stderr
+
+
 def test_records_are_consistent(store):
     r = bench("-m", store, "-p", "16", "-n", "5", "-r", "3", "-t", "1,2", "-npl", "1,3", "-o", "json")
     assert r.returncode == 0, r.stderr

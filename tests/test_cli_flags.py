@@ -229,3 +229,24 @@ def test_prefill_attention_bf16_only_where_its_vector_bodies_run(store):
     r = bitnet(*args, "--prefill-attention", "bf16", env={**os.environ, "BITNET_ISA": "avx2"} if x86 else None)
     lines = r.stderr.strip().splitlines()
     assert r.returncode != 0 and len(lines) == 1 and lines[0].startswith("bitnet: error: --prefill-attention bf16: ")
+
+
+def test_help_states_each_default_once():
+    """argparse's ArgumentDefaultsHelpFormatter appends "(default: X)" to every option's help unless the help names
+    %(default) itself: an option whose help already says its default in words must (`%(default).0s`), or --help
+    shows two defaults, the second a bare None / False ("(default: the model's name) (default: None)")."""
+    import argparse
+
+    from bitnet_cpu.cli import build_parser
+    from bitnet_cpu.cli.chat import build_parser as chat_parser
+
+    subparsers: dict = {}
+    build_parser(subparsers)
+    parsers = {**subparsers, "bitchat": chat_parser()}
+    twice = []
+    for name, p in parsers.items():
+        for a in p._actions:
+            if a.help and a.help is not argparse.SUPPRESS and "(default" in a.help and "%(default)" not in a.help \
+                    and a.default is not argparse.SUPPRESS and (a.option_strings or a.nargs in ("?", "*")):
+                twice.append(f"{name} {'/'.join(a.option_strings) or a.dest}")
+    assert not twice, twice

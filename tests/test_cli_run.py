@@ -46,6 +46,14 @@ def test_stdout_is_the_generated_text(store, tmp_path):
     assert bitnet("-m", store, "-f", str(f), "-n", "24", "--temp", "0").stdout == want
     assert bitnet("-m", store, "-f", "-", "-n", "24", "--temp", "0", stdin=prompt).stdout == want
     assert bitnet("-m", store, "-p", "-", "-n", "24", "--temp", "0", stdin=prompt).stdout == want
+    # a file's (or stdin's) one final newline is no part of the prompt, as llama.cpp's -f reads it
+    for ending in ("\n", "\r\n"):
+        f.write_bytes((prompt + ending).encode())
+        assert bitnet("-m", store, "-f", str(f), "-n", "24", "--temp", "0").stdout == want, repr(ending)
+    assert bitnet("-m", store, "-p", "-", "-n", "24", "--temp", "0", stdin=prompt + "\n").stdout == want
+    two = api_text(store, llm.tokenize(prompt + "\n", add_bos=True), 24)   # a second newline stays
+    f.write_text(prompt + "\n\n", encoding="utf-8")
+    assert bitnet("-m", store, "-f", str(f), "-n", "24", "--temp", "0").stdout == two
     v = bitnet("-m", store, "-p", prompt, "-n", "24", "--temp", "0", "--verbose")
     assert v.stdout == want and "tok/s" in v.stderr
     # seeded sampling is reproducible from the command line too

@@ -6,6 +6,7 @@ import glob
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -139,6 +140,27 @@ def test_bitchat_normal_exit_removes_the_recovery_copy(models, tmp_path):
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() and not os.path.exists(recovery)
+
+
+def test_bitchat_ctrl_c_between_turns_says_where_the_transcript_is(models, tmp_path):
+    """Ctrl-C while a piped bitchat waits for its next line: exit 130, and the turns so far stay in the recovery
+    copy, which the one line names (it used to be left behind unannounced, one file per interrupted session)."""
+    _, store = models
+    recovery = str(tmp_path / "recovery.json")
+    p = subprocess.Popen([sys.executable, "-m", "bitnet_cpu.cli.chat", "-m", store, "-n", "4", "--temp", "0", "-t", "1"],
+                         cwd=ROOT, env=dict(ENV, BITCHAT_RECOVERY=recovery, BITCHAT_HISTORY=""), stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        p.stdin.write("hello\n")
+        p.stdin.flush()
+        p.stdout.readline()   # the answer is out: the session now waits for the next line
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=60)
+    finally:
+        p.kill()
+    assert p.returncode == 130, err
+    assert recovery in err and "Traceback" not in err
+    assert [t["user"] for t in json.load(open(recovery, encoding="utf-8"))["turns"]] == ["hello"]
 
 
 def test_sigbus_outside_model_files_is_still_a_crash(tmp_path):
