@@ -106,23 +106,35 @@ class _Text:
             breaker_table(self.tokenizer, self.config.vocab_size, params.dry_breakers)
 
     def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True,
-                    tools: list[dict] | None = None, prefill: str = "") -> list[int]:
+                    tools: list[dict] | None = None, prefill: str = "", template_kwargs: dict | None = None) -> list[int]:
         """Token ids of `messages` rendered with the model's own chat template (or the built-in fallback).
         tools: OpenAI-style function list; messages may then hold assistant `tool_calls` and `tool` results
         (engine/runtime/tools.py puts them in the form the template renders). prefill: text the answer continues
-        (a final assistant message's start, as Anthropic's and ollama's APIs take it), after the template's text."""
-        return self.tokenizer.encode(self.chat_text(messages, add_generation_prompt, tools) + prefill,
+        (a final assistant message's start, as Anthropic's and ollama's APIs take it), after the template's text.
+        template_kwargs: more template variables (enable_thinking=False for Qwen3's; chat_template.render)."""
+        return self.tokenizer.encode(self.chat_text(messages, add_generation_prompt, tools, template_kwargs) + prefill,
                                      add_bos=False, special=True)
 
     def chat_text(self, messages: list[dict], add_generation_prompt: bool = True,
-                  tools: list[dict] | None = None) -> str:
+                  tools: list[dict] | None = None, template_kwargs: dict | None = None) -> str:
         """The text chat_prompt tokenizes (special tokens as text): what the template makes of `messages`."""
         tok = self.tokenizer
         bos = tok.id_to_token(tok.bos_id) if tok.bos_id is not None else ""
         eos = tok.id_to_token(tok.eos_ids[0]) if tok.eos_ids else ""
         messages, tools = self.tool_format().prepare(messages, tools)
         return _ct.render(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
-                          bos_token=bos or "", eos_token=eos or "", tools=tools)
+                          bos_token=bos or "", eos_token=eos or "", tools=tools, kwargs=template_kwargs)
+
+    @property
+    def thinks(self) -> bool:
+        """The chat template writes a <think> block before answers (engine/runtime/reasoning.py)."""
+        from .runtime.reasoning import thinks
+        return thinks(_ct.choose_template(self.chat_template))
+
+    def opens_thought(self, prompt_ids: Sequence[int]) -> bool:
+        """The prompt (a chat_prompt) ends inside an open <think> block: the answer starts as reasoning."""
+        from .runtime.reasoning import prompt_opens_thought
+        return self.thinks and prompt_opens_thought(self.tokenizer.decode(list(prompt_ids[-8:])))
 
     def warm_constraints(self) -> None:
         """Build the grammar engine's view of the tokenizer (seconds for a 128k vocabulary on 2 busy cores) and

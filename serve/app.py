@@ -27,6 +27,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..engine.runtime.reasoning import ThinkSplitter
 from .anthropic import CountTokensRequest, MessageBuilder, MessagesRequest
 from .auth import AuthMiddleware, KeyChecker, allow_cross_origin
 from .limits import Limits, LimitsMiddleware, anthropic_error_body
@@ -301,13 +302,17 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
             raise APIError(400, str(e), param=e.where, code="invalid_value") from None
         return tools, spec, fmt.parser
 
-    async def render_prompt(eng, msgs, tools, param, prefill=""):
+    async def render_prompt(eng, msgs, tools, param, prefill="", template_kwargs=None):
         """The prompt ids of a conversation through the model's template (with the tools); prefill: text the
-        answer continues (Anthropic's final assistant message), after the template's generation prompt."""
+        answer continues (Anthropic's final assistant message), after the template's generation prompt;
+        template_kwargs: llama-server's chat_template_kwargs (enable_thinking, ...)."""
         await refuse_too_long(eng, sum(len(m["content"]) for m in msgs) + len(prefill), param)
         try:
-            return await run_off_loop(eng.chat_prompt, msgs, tools=tools, prefill=prefill)
+            return await run_off_loop(eng.chat_prompt, msgs, tools=tools, prefill=prefill,
+                                      template_kwargs=template_kwargs)
         except Exception as e:  # the template rejected the conversation (e.g. roles out of order)
+            if str(e).startswith("chat_template_kwargs"):
+                raise APIError(400, str(e), param="chat_template_kwargs", code="invalid_value") from None
             raise APIError(400, f"{param}: {e}", param=param, code="invalid_value") from None
 
     async def start_chat(request, body, msgs, tools, choice, param, prefill="", allowed=None):
@@ -317,7 +322,7 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         eng = ready(request)
         check_model(body.model)
         tools, tool_spec, new_parser = tool_setup(eng, tools, choice, body.parallel_tool_calls, allowed)
-        prompt_ids = await render_prompt(eng, msgs, tools, param, prefill)
+        prompt_ids = await render_prompt(eng, msgs, tools, param, prefill, getattr(body, "chat_template_kwargs", None))
         constraint = await compile_constraint(eng, body, tool_spec)
         params = await sampling_for(eng, body)
         streams, q = submit(eng, body, prompt_ids, asyncio.get_running_loop(), constraint, param, params=params)
@@ -506,6 +511,16 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         text_of, n_top = state.token_text(eng), body.top_logprobs or 0
         parsers = [new_parser() if new_parser is not None else None for _ in streams]   # one per choice
         n_calls = [0] * len(streams)
+        # a thinking model's <think> block goes to reasoning_content (llama-server's --reasoning-format deepseek)
+        opened = eng.opens_thought(prompt_ids) if eng.thinks and body.reasoning_format != "none" else None
+        splitters = [ThinkSplitter(opened) if opened is not None else None for _ in streams]
+
+        def split(i, text):
+            """(reasoning, content) of the next text of choice i (text None: the end)."""
+            sp = splitters[i]
+            if sp is None:
+                return "", text
+            return sp.finish() if text is None else sp.feed(text)
 
         def logprobs(lps):
             if not body.logprobs or lps is None:
@@ -521,21 +536,39 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
 
         def make_chunk(i, text, finish, first=False, lps=None):
             parser = parsers[i]
+            reasoning = ""
+            if not first:
+                reasoning, content = split(i, text)
             if first:
                 delta = {"role": "assistant", "content": ""}
             elif parser is not None:   # tool calls: content streams, each call goes out once its block closes
-                delta = tool_delta(i, *(parser.feed(text) if text is not None else parser.finish(finish == "length")))
-                if text is not None and not delta:
-                    return None
+                if text is not None:
+                    delta = tool_delta(i, *parser.feed(content))
+                else:   # the end: what the splitter held, then what the parser held
+                    said, calls = parser.feed(content or "")
+                    rest, more = parser.finish(finish == "length")
+                    delta = tool_delta(i, said + rest, calls + more)
                 if finish == "stop" and n_calls[i] and not parser.cut_call:   # a cut call is not to be run
                     finish = "tool_calls"
             else:
-                delta = {"content": text} if text is not None else {}
+                delta = {"content": content} if content else {}
+                if text is not None and splitters[i] is None:
+                    delta = {"content": text}
+            if reasoning:
+                delta = {"reasoning_content": reasoning, **delta}
+            if text is not None and not delta:
+                return None   # held back: a tag being written, or a tool call
             return {**head, "object": "chat.completion.chunk",
                     "choices": [{"index": i, "delta": delta, "logprobs": logprobs(lps), "finish_reason": finish}]}
 
         def make_choice(i, text, finish, lps):
+            reasoning, text = split(i, text)
+            if splitters[i] is not None:
+                more, rest = split(i, None)
+                reasoning, text = reasoning + more, text + rest
             message = {"role": "assistant", "content": text, "refusal": None}
+            if reasoning:
+                message["reasoning_content"] = reasoning
             parser = parsers[i]
             if parser is not None:
                 content, calls = parser.feed(text)

@@ -24,6 +24,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
+from ..engine.runtime.reasoning import ThinkSplitter
 from ..engine.runtime.sampling import SamplingParams, setting_problem
 from .logprobs import Said, chat_entry
 from .metrics import TokenClock
@@ -259,12 +260,13 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
         if msg:
             raise OllamaError(400, msg)
 
-    def refuse_common(body: _Body):
+    def refuse_common(body: _Body, eng):
         sampling_from_options(body.options, sampling)   # a bad option is a 400 even on an empty (load) request
         if body.tools is not None and not isinstance(body, ChatBody):
             raise OllamaError(400, "tools: only /api/chat takes tools")
-        if body.think not in (None, False):
-            raise OllamaError(400, f"\"{state.model_id}\" does not support thinking")
+        if body.think not in (None, False) and not (body.think is True and eng.thinks):
+            raise OllamaError(400, f"\"{state.model_id}\" does not support thinking" if not eng.thinks else
+                              f"think {body.think!r}: this model thinks or not (true / false); levels are gpt-oss's")
         if body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20:
             raise OllamaError(400, f"top_logprobs {body.top_logprobs}: must be in 0..20")
 
@@ -273,8 +275,18 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
         eng = engine(request)
         body = await parse(request, cls)
         check_model(body.model)
-        refuse_common(body)
+        refuse_common(body, eng)
         return eng, body
+
+    def thinking_of(eng, body: _Body, prompt_ids):
+        """(template variables, splitter) for a thinking model: think true / false turn its thinking on / off
+        (Qwen3's enable_thinking), and its <think> block goes to `thinking` unless it is off."""
+        if not eng.thinks:
+            return None, None
+        kwargs = None if body.think is None else {"enable_thinking": bool(body.think)}
+        if prompt_ids is None:
+            return kwargs, None
+        return kwargs, (ThinkSplitter(eng.opens_thought(prompt_ids)) if body.think is not False else None)
 
     async def constraint_of(eng, body: _Body, tool_spec=None):
         from ..engine.errors import ConstraintError
@@ -344,10 +356,28 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
                 "prompt_eval_count": st.n_prompt, "prompt_eval_duration": _ns((t_first or now) - t0),
                 "eval_count": st.n_generated, "eval_duration": _ns(now - (t_first or now))}
 
-    async def answer(request, body: _Body, eng, prompt_ids, constraint, piece, extra_final=None, parser=None):
-        """Run one request and answer it: NDJSON lines of piece(text, calls) + {"done": false}, then the final
-        object; or (stream false) one object with the whole text. parser: the tool-call parser (text that may
-        be a call is held back; each call goes out once complete, as ollama streams them)."""
+    async def answer(request, body: _Body, eng, prompt_ids, constraint, piece, extra_final=None, parser=None,
+                     splitter=None):
+        """Run one request and answer it: NDJSON lines of piece(text, calls, thinking) + {"done": false}, then the
+        final object; or (stream false) one object with the whole text. parser: the tool-call parser (text that
+        may be a call is held back; each call goes out once complete, as ollama streams them); splitter: a
+        thinking model's ThinkSplitter (its <think> block goes to `thinking`)."""
+
+        def parsed(text, end=None):
+            """(thinking, text, calls) of the next text; end (the finish reason) also flushes what was held."""
+            thinking = ""
+            if splitter is not None:
+                thinking, text = splitter.feed(text)
+                if end is not None:
+                    more, rest = splitter.finish()
+                    thinking, text = thinking + more, text + rest
+            calls = []
+            if parser is not None:
+                text, calls = parser.feed(text) if text else ("", [])
+                if end is not None:
+                    rest, more = parser.finish(DONE.get(end) == "length")
+                    text, calls = text + rest, calls + more
+            return thinking, text, calls
         loop = asyncio.get_running_loop()
         params = sampling_of(body)
         await prepare_sampling(eng, params)   # off the loop: DRY's breaker table scans the vocabulary
@@ -370,16 +400,14 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
                             tokens.append(ch.token)
                         said.add(ch)
                         shown.append(ch.text)
-                        text, calls = (parser.feed(ch.text) if parser is not None and ch.text else (ch.text, []))
                         if ch.finish_reason == "error":   # this request's sequence failed; the others go on
                             final = ch
                             yield json.dumps({"error": ENGINE_FAULT}) + "\n"
                             return
-                        if ch.finish_reason is not None and parser is not None:
-                            rest, more = parser.finish(DONE.get(ch.finish_reason) == "length")
-                            text, calls = text + rest, calls + more
-                        if text or calls:
-                            obj = {"model": model, "created_at": utc_iso(), **piece(text, calls), "done": False}
+                        thinking, text, calls = parsed(ch.text or "", ch.finish_reason)
+                        if text or calls or thinking:
+                            obj = {"model": model, "created_at": utc_iso(), **piece(text, calls, thinking),
+                                   "done": False}
                             if body.logprobs:
                                 obj["logprobs"] = lp_list(said.items[sent:])
                                 sent = len(said.items)
@@ -417,12 +445,8 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
             state.streams.discard(stream)
         if final.finish_reason == "error":   # this request's sequence failed; the others go on
             return JSONResponse({"error": ENGINE_FAULT}, status_code=500)
-        text, calls = "".join(pieces), []
-        if parser is not None:
-            text, calls = parser.feed(text)
-            rest, more = parser.finish(DONE.get(final.finish_reason) == "length")
-            text, calls = text + rest, calls + more
-        obj = {"model": model, "created_at": utc_iso(), **piece(text, calls), **final_fields(clock, final)}
+        thinking, text, calls = parsed("".join(pieces), final.finish_reason)
+        obj = {"model": model, "created_at": utc_iso(), **piece(text, calls, thinking), **final_fields(clock, final)}
         if body.logprobs:
             obj["logprobs"] = lp_list(said.items)
         if extra_final:
@@ -437,8 +461,8 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
     async def api_chat(request: Request):
         eng, body = await generation_request(request, ChatBody)
 
-        def piece(text, calls=()):
-            message = {"role": "assistant", "content": text}
+        def piece(text, calls=(), thinking=""):
+            message = {"role": "assistant", "content": text, **({"thinking": thinking} if thinking else {})}
             whole = []
             for c in calls:   # ollama's shape: arguments as an object, no call ids
                 try:
@@ -467,12 +491,15 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
                 raise OllamaError(400, str(e)) from None
             tools, parser = body.tools, fmt.parser()
         await refuse_too_long(eng, sum(len(m["content"] or "") for m in msgs) + len(prefill))
+        kwargs, _ = thinking_of(eng, body, None)
         try:
-            prompt_ids = await run_off_loop(eng.chat_prompt, msgs, tools=tools, prefill=prefill)
+            prompt_ids = await run_off_loop(eng.chat_prompt, msgs, tools=tools, prefill=prefill,
+                                            template_kwargs=kwargs)
         except Exception as e:   # the template rejected the conversation (e.g. roles out of order)
             raise OllamaError(400, f"messages: {e}") from None
         constraint = await constraint_of(eng, body, tool_spec)
-        return await answer(request, body, eng, prompt_ids, constraint, piece, parser=parser)
+        return await answer(request, body, eng, prompt_ids, constraint, piece, parser=parser,
+                            splitter=thinking_of(eng, body, prompt_ids)[1] if not prefill else None)
 
     @app.post("/api/generate")
     async def api_generate(request: Request):
@@ -484,8 +511,8 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
         if body.template:
             raise OllamaError(400, "template: the model's own chat template is used (a Go template cannot be)")
 
-        def piece(text, calls=()):
-            return {"response": text}
+        def piece(text, calls=(), thinking=""):
+            return {"response": text, **({"thinking": thinking} if thinking else {})}
         if not body.prompt and not body.context:
             return loaded(body, piece)
         vocab = eng.config.vocab_size
@@ -499,7 +526,7 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
             msgs = ([{"role": "system", "content": body.system}] if body.system else []) + \
                    [{"role": "user", "content": body.prompt or ""}]
             try:
-                ids = await run_off_loop(eng.chat_prompt, msgs)
+                ids = await run_off_loop(eng.chat_prompt, msgs, template_kwargs=thinking_of(eng, body, None)[0])
             except Exception as e:   # the template rejected the request
                 raise OllamaError(400, f"prompt: {e}") from None
             bos = eng.tokenizer.bos_id
@@ -508,7 +535,8 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
         prompt_ids = context + ids
         constraint = await constraint_of(eng, body)
         return await answer(request, body, eng, prompt_ids, constraint, piece,
-                            extra_final=lambda tokens: {"context": prompt_ids + tokens})
+                            extra_final=lambda tokens: {"context": prompt_ids + tokens},
+                            splitter=None if body.raw else thinking_of(eng, body, prompt_ids)[1])
 
     def describe(eng) -> dict:
         path = eng.store.path
@@ -556,7 +584,8 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
         params = "\n".join(f"{k:<15}{v}" for k, v in shown)
         return {"modelfile": f"# served by bitnet serve\nFROM {eng.store.path}\n", "parameters": params,
                 "template": eng.chat_template or "", "details": d["details"], "model_info": info,
-                "capabilities": ["completion", "tools", "embedding"], "modified_at": d["modified_at"]}
+                "capabilities": ["completion", "tools", "embedding", *(["thinking"] if eng.thinks else [])],
+                "modified_at": d["modified_at"]}
 
     @app.get("/api/version")
     async def api_version():

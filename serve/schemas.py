@@ -416,6 +416,10 @@ class AllowedToolsChoice(BaseModel):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
+    # llama-server's: variables for the chat template (enable_thinking: false turns Qwen3's thinking off), and
+    # where a thinking model's <think> block goes ("none": left in content; else reasoning_content)
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    reasoning_format: Optional[Literal["none", "auto", "deepseek"]] = None
     max_completion_tokens: Optional[int] = Field(default=None, ge=0)
     logprobs: Optional[bool] = None
     top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)

@@ -79,10 +79,16 @@ def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split())[:300] or type(e).__name__
 
 
+RESERVED = ("messages", "add_generation_prompt", "bos_token", "eos_token", "tools")   # what render() itself sets
+
+
 def render(template: str | None, messages: list[dict], *, add_generation_prompt: bool = True,
-           bos_token: str = "", eos_token: str = "", limits: Limits | None = None, tools: list | None = None) -> str:
+           bos_token: str = "", eos_token: str = "", limits: Limits | None = None, tools: list | None = None,
+           kwargs: dict | None = None) -> str:
     """Render `messages` ([{"role", "content"}]) with the model's template (or the fallback). tools: the
-    function list, for templates that render it (engine/runtime/tools.py decides which do)."""
+    function list, for templates that render it (engine/runtime/tools.py decides which do). kwargs: more
+    variables for the template (transformers' apply_chat_template **kwargs, llama-server's chat_template_kwargs:
+    enable_thinking=False, ...); RESERVED names are refused (TemplateError)."""
     from jinja2 import TemplateError as JinjaError
 
     for i, m in enumerate(messages):
@@ -90,7 +96,11 @@ def render(template: str | None, messages: list[dict], *, add_generation_prompt:
             raise TemplateError(f"chat message {i}: expected a dict with 'role' and 'content'")
     tpl = _compile(choose_template(template))
     try:
-        extra = {"tools": tools} if tools else {}
+        clash = [k for k in (kwargs or {}) if k in RESERVED or not isinstance(k, str) or not k.isidentifier()]
+        if clash:
+            raise TemplateError(f"chat_template_kwargs: {clash[0]!r} cannot be set (the template's own variables: "
+                                f"{', '.join(RESERVED)})")
+        extra = {**(kwargs or {}), **({"tools": tools} if tools else {})}
         return render_limited(tpl, (limits or LIMITS).for_messages(messages), messages=list(messages),
                               add_generation_prompt=add_generation_prompt, bos_token=bos_token, eos_token=eos_token,
                               **extra)

@@ -1,0 +1,116 @@
+"""A thinking model's <think> block (engine/runtime/reasoning.py): split from the answer as llama-server's
+--reasoning-format deepseek splits it (OpenAI chat: `reasoning_content`, streamed as delta.reasoning_content) and as
+ollama gives it (`thinking`, with `think` true / false); `chat_template_kwargs` reach the template (enable_thinking).
+The server is a real subprocess on the bundled model with a template whose generation prompt opens the thought (as
+DeepSeek-R1's and Qwen3's forced ones do); a GBNF grammar makes the model write a known thought and answer."""
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from bitnet_cpu.engine.runtime.reasoning import ThinkSplitter, thinks
+
+pytest.importorskip("fastapi", reason="bitnet serve needs the serve extra (pip install .[serve])")
+ollama = pytest.importorskip("ollama", reason="the ollama tests need the ollama client (pip install .[test])")
+
+TEMPLATE = ("{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n{{ m['content'] }}"
+            "<|eot_id|>{% endfor %}{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n"
+            "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
+            "{% else %}<think>\n{% endif %}{% endif %}")
+THOUGHT, ANSWER = "I add 2 and 3.", "Five."
+GRAMMAR = f'root ::= "{THOUGHT}" "\\n</think>" "\\n\\n" "{ANSWER}"'
+Q = [{"role": "user", "content": "What is 2+3?"}]
+
+
+@pytest.mark.parametrize("text, opened, want", [
+    ("<think>\nI add 2 and 3.\n</think>\n\nFive.", False, ("I add 2 and 3.", "Five.")),
+    ("I add.\n</think>\n\nFive.", True, ("I add.", "Five.")),
+    ("  Five, <think> is a tag", False, ("", "  Five, <think> is a tag")),   # not at the start: content
+    ("<think>\ncut off in the thou", False, ("cut off in the thou", "")),   # never closed: all reasoning
+    ("<thi", False, ("", "<thi")),
+    ("<think></think>Five.", False, ("", "Five.")),
+])
+def test_splitter_gives_the_same_split_at_any_cut(text, opened, want):
+    for step in (1, 2, 3, 7, len(text)):
+        s, got = ThinkSplitter(opened), ["", ""]
+        for i in range(0, len(text), step):
+            r, c = s.feed(text[i:i + step])
+            assert "<think" not in c or "<think> is" in text, (step, c)   # a tag being written is held back
+            got[0] += r
+            got[1] += c
+        r, c = s.finish()
+        assert (got[0] + r, got[1] + c) == want, step
+    assert thinks(TEMPLATE) and not thinks("{{ messages }}")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from serve_proc import Server
+    path = tmp_path_factory.mktemp("think") / "think.jinja"
+    path.write_text(TEMPLATE, encoding="utf-8")
+    s = Server("--parallel", "4", "--chat-template-file", str(path), threads=1)
+    yield s
+    s.stop()
+
+
+def chat(server, **body):
+    r = httpx.post(server.url + "/v1/chat/completions", json={"messages": Q, "temperature": 0, **body}, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]
+
+
+def test_reasoning_content_whole_and_streamed(server):
+    m = chat(server, grammar=GRAMMAR)["message"]
+    assert m["reasoning_content"] == THOUGHT and m["content"] == ANSWER
+    raw = chat(server, grammar=GRAMMAR, reasoning_format="none")["message"]   # left in the text, as generated
+    assert "reasoning_content" not in raw and raw["content"] == f"{THOUGHT}\n</think>\n\n{ANSWER}"
+    reasoning = content = ""
+    with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=60,
+                      json={"messages": Q, "temperature": 0, "grammar": GRAMMAR, "stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                delta = json.loads(line[6:])["choices"][0]["delta"]
+                reasoning += delta.get("reasoning_content") or ""
+                content += delta.get("content") or ""
+                assert "</think" not in content and "</think" not in reasoning
+    assert (reasoning, content) == (THOUGHT, ANSWER)
+    # the openai client keeps the field (model_extra)
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    r = client.chat.completions.create(model="m", messages=Q, temperature=0, extra_body={"grammar": GRAMMAR})
+    assert r.choices[0].message.content == ANSWER and r.choices[0].message.model_extra["reasoning_content"] == THOUGHT
+
+
+def test_chat_template_kwargs_reach_the_template(server):
+    """enable_thinking false: the template closes the thought in the prompt, so the answer is all content;
+    variables the template already gets are a 400 naming the field."""
+    on = chat(server, max_tokens=8)["message"]
+    off = chat(server, max_tokens=8, chat_template_kwargs={"enable_thinking": False})["message"]
+    assert on["reasoning_content"] and not on["content"]   # the tiny model never closes its thought in 8 tokens
+    assert "reasoning_content" not in off and off["content"]
+    r = httpx.post(server.url + "/v1/chat/completions", json={"messages": Q, "chat_template_kwargs": {"messages": []}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs"
+    r = httpx.post(server.url + "/v1/chat/completions", json={"messages": Q, "reasoning_format": "sideways"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning_format"
+
+
+def test_ollama_thinking(server):
+    """ollama's `think`: true gives the thought as message.thinking (streamed too), false turns it off; the model's
+    capabilities say "thinking"; think levels (gpt-oss's "high") are a 400."""
+    client = ollama.Client(host=server.url, timeout=60)
+    opts = {"temperature": 0, "num_predict": 8}
+    raw = chat(server, max_tokens=8, reasoning_format="none")["message"]["content"]   # the thought as generated
+    r = client.chat(model="m", messages=Q, think=True, options=opts)
+    assert r.message.thinking == raw.strip() and r.message.content == ""
+    parts = list(client.chat(model="m", messages=Q, think=True, stream=True, options=opts))
+    assert "".join(p.message.thinking or "" for p in parts) == raw.strip()
+    assert "".join(p.message.content for p in parts) == ""
+    off = client.chat(model="m", messages=Q, think=False, options=opts)
+    assert not off.message.thinking and off.message.content
+    assert client.generate(model="m", prompt=Q[0]["content"], think=True, options=opts).thinking == raw.strip()
+    assert "thinking" in client.show("m").capabilities
+    with pytest.raises(ollama.ResponseError) as e:
+        client.chat(model="m", messages=Q, think="high")
+    assert e.value.status_code == 400
