@@ -198,8 +198,10 @@ class MessageBuilder:
     feed() / finish() return the SSE events the stream sends, result() the whole answer. The non-streaming answer
     is the same calls with the events dropped."""
 
-    def __init__(self, model: str, parser=None):
-        self.model, self.parser = model, parser
+    def __init__(self, model: str, parser=None, splitter=None):
+        """splitter: a thinking model's ThinkSplitter (engine/runtime/reasoning.py): its <think> block is left
+        out (thinking is off unless a request enables it, and this server has no thinking blocks)."""
+        self.model, self.parser, self.splitter = model, parser, splitter
         self.id = f"msg_{uuid.uuid4().hex}"
         self.content: list[dict] = []
         self.open_text = False   # the last block is text still being written
@@ -217,6 +219,8 @@ class MessageBuilder:
         return [self._event("message_start", message=head), self._event("ping")]
 
     def feed(self, text: str, lps=()) -> list[str]:   # logprobs: none in this API
+        if self.splitter is not None:
+            text = self.splitter.feed(text)[1]
         content, calls = self.parser.feed(text) if self.parser is not None else (text, [])
         return self._put(content, calls)
 
@@ -261,8 +265,10 @@ class MessageBuilder:
         n_generated, n_cached = usage["completion_tokens"], st.n_cached if st is not None else 0
         stop_word = st.stop_word if st is not None else None
         cut = finish_reason in ("length", "context")
+        held = self.splitter.finish()[1] if self.splitter is not None else ""
+        ev = self.feed(held) if held else []
         rest, calls = self.parser.finish(cut) if self.parser is not None else ("", [])
-        ev = self._put(rest, calls) + self._close_text()
+        ev += self._put(rest, calls) + self._close_text()
         reason = STOP_REASON.get(finish_reason, "end_turn")
         if reason == "end_turn" and any(b["type"] == "tool_use" for b in self.content):
             reason = "tool_use"

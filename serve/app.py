@@ -315,14 +315,18 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
                 raise APIError(400, str(e), param="chat_template_kwargs", code="invalid_value") from None
             raise APIError(400, f"{param}: {e}", param=param, code="invalid_value") from None
 
-    async def start_chat(request, body, msgs, tools, choice, param, prefill="", allowed=None):
+    async def start_chat(request, body, msgs, tools, choice, param, prefill="", allowed=None, thinking=True):
         """The chat-shaped endpoints' common start (/v1/chat/completions, /v1/responses, /v1/messages): the engine,
         the prompt through the model's template (with the tools), the constraint, the submitted streams.
+        thinking False: a thinking template is asked not to think (enable_thinking false; Anthropic's default).
         -> (engine, prompt ids, streams, queue, maker of tool-call parsers or None)"""
         eng = ready(request)
         check_model(body.model)
         tools, tool_spec, new_parser = tool_setup(eng, tools, choice, body.parallel_tool_calls, allowed)
-        prompt_ids = await render_prompt(eng, msgs, tools, param, prefill, getattr(body, "chat_template_kwargs", None))
+        kwargs = getattr(body, "chat_template_kwargs", None)
+        if not thinking and eng.thinks:
+            kwargs = {"enable_thinking": False, **(kwargs or {})}
+        prompt_ids = await render_prompt(eng, msgs, tools, param, prefill, kwargs)
         constraint = await compile_constraint(eng, body, tool_spec)
         params = await sampling_for(eng, body)
         streams, q = submit(eng, body, prompt_ids, asyncio.get_running_loop(), constraint, param, params=params)
@@ -800,8 +804,9 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         with translated():
             body.format_spec()
         eng, prompt_ids, streams, q, new_parser = await start_chat(request, body, msgs, tools, choice, "messages",
-                                                                   prefill)
-        out = MessageBuilder(state.model_id, new_parser() if new_parser is not None else None)
+                                                                   prefill, thinking=False)
+        out = MessageBuilder(state.model_id, new_parser() if new_parser is not None else None,
+                             ThinkSplitter(eng.opens_thought(prompt_ids)) if eng.thinks and not prefill else None)
         return await answer_with(request, body, streams[0], q, len(prompt_ids), out)
 
     @app.post("/v1/messages/count_tokens")
@@ -813,7 +818,8 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         if refused:
             raise APIError(400, refused[1], param=refused[0], code="unsupported_parameter")
         tools, _, _ = tool_setup(eng, tools, choice, body.parallel_tool_calls)
-        return {"input_tokens": len(await render_prompt(eng, msgs, tools, "messages", prefill))}
+        kwargs = {"enable_thinking": False} if eng.thinks else None   # as /v1/messages renders it
+        return {"input_tokens": len(await render_prompt(eng, msgs, tools, "messages", prefill, kwargs))}
 
     def model_entry(eng) -> dict:
         return model_object(state.model_id, state.created, meta={"n_ctx": eng.n_ctx})

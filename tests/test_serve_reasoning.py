@@ -114,3 +114,15 @@ def test_ollama_thinking(server):
     with pytest.raises(ollama.ResponseError) as e:
         client.chat(model="m", messages=Q, think="high")
     assert e.value.status_code == 400
+
+
+def test_anthropic_messages_ask_a_thinking_template_not_to_think(server):
+    """Anthropic's API thinks only when asked (and this server has no thinking blocks): /v1/messages renders a
+    thinking template with enable_thinking false, so its answer is the one OpenAI's endpoint gives with that
+    variable; count_tokens counts that same prompt."""
+    want = chat(server, max_tokens=8, chat_template_kwargs={"enable_thinking": False})["message"]["content"]
+    body = {"model": "m", "max_tokens": 8, "temperature": 0, "messages": Q}
+    r = httpx.post(server.url + "/v1/messages", json=body, timeout=60).json()
+    assert [b["type"] for b in r["content"]] == ["text"] and r["content"][0]["text"] == want
+    n = httpx.post(server.url + "/v1/messages/count_tokens", json={"model": "m", "messages": Q}).json()
+    assert n["input_tokens"] == r["usage"]["input_tokens"] + r["usage"]["cache_read_input_tokens"]
