@@ -706,12 +706,14 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
     async def responses(body: ResponsesRequest, request: Request):
         """OpenAI's Responses API over the chat pipeline (serve/responses.py translates both ways)."""
         msgs, tools, choice, allowed = responses_conversation(body)
+        think = (body.reasoning or {}).get("effort") != "none"   # effort "none": a thinking template does not think
         eng, prompt_ids, streams, q, new_parser = await start_chat(request, body, msgs, tools, choice, "input",
-                                                                   allowed=allowed)
+                                                                   allowed=allowed, thinking=think)
         text_of, n_top = state.token_text(eng), body.top_logprobs or 0
         out = ResponseBuilder(body, state.model_id, body.sampling_params(sampling),
                               parser=new_parser() if new_parser is not None else None,
-                              entry=(lambda t, lp: chat_entry(text_of, t, lp, n_top)) if body.wants_logprobs() else None)
+                              entry=(lambda t, lp: chat_entry(text_of, t, lp, n_top)) if body.wants_logprobs() else None,
+                              splitter=ThinkSplitter(eng.opens_thought(prompt_ids)) if eng.thinks and think else None)
         return await answer_with(request, body, streams[0], q, len(prompt_ids), out)
 
     async def count_input_tokens(request, body, msgs, tools, choice, param, allowed=None) -> dict:
@@ -723,7 +725,11 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         if bad:
             raise APIError(400, bad[1], param=bad[0], code="unsupported_parameter")
         tools, _, _ = tool_setup(eng, tools, choice, body.parallel_tool_calls, allowed)
-        return {"object": "response.input_tokens", "input_tokens": len(await render_prompt(eng, msgs, tools, param))}
+        kwargs = getattr(body, "chat_template_kwargs", None)   # as start_chat renders it
+        if eng.thinks and (getattr(body, "reasoning", None) or {}).get("effort") == "none":
+            kwargs = {"enable_thinking": False, **(kwargs or {})}
+        return {"object": "response.input_tokens",
+                "input_tokens": len(await render_prompt(eng, msgs, tools, param, "", kwargs))}
 
     @app.post("/v1/responses/input_tokens")
     async def responses_input_tokens(body: ResponsesRequest, request: Request):

@@ -106,7 +106,8 @@ class ResponsesRequest(_Sampling):
                                  "context is refused, not cut)"
         effort = (self.reasoning or {}).get("effort")
         if effort not in (None, "none") or (self.reasoning or {}).get("summary") is not None:
-            return "reasoning", "this model has no reasoning mode (reasoning is not supported)"
+            return "reasoning", ("reasoning: this model has no effort levels or summaries (a thinking template thinks "
+                                 "unless effort is \"none\")")
         verbosity = (self.text or {}).get("verbosity")
         if verbosity not in (None, "medium"):
             return "text.verbosity", f"text.verbosity {verbosity!r}: only \"medium\" (the model's own length)"
@@ -164,6 +165,8 @@ class ResponsesRequest(_Sampling):
                 if call_id in names:
                     msg["name"] = names[call_id]
                 out.append(msg)
+            elif kind == "reasoning":   # a thought given back: chat templates leave past thoughts out too
+                continue
             elif kind == "item_reference":
                 raise RequestProblem(where, f"{where}: item references need stored items (none are stored here); "
                                             "send the item itself")
@@ -232,8 +235,11 @@ class ResponseBuilder:
     calls): feed() / finish() return the SSE events the stream sends, and result() is the object at any point.
     The non-streaming answer is the same calls with the events dropped, so both paths give the same items."""
 
-    def __init__(self, body: ResponsesRequest, model: str, params, parser=None, entry=None):
+    def __init__(self, body: ResponsesRequest, model: str, params, parser=None, entry=None, splitter=None):
+        """splitter: a thinking model's ThinkSplitter (engine/runtime/reasoning.py): its <think> block becomes a
+        reasoning item (reasoning_text content), as open models' thoughts come back in this API."""
         self.body, self.model, self.params, self.parser = body, model, params, parser
+        self.splitter, self.thought = splitter, None   # the reasoning item being written
         self.entry = entry   # (token, TokenLogprob) -> a logprob entry; None: no logprobs asked
         self.id, self.created = _id("resp"), int(time.time())
         self.output: list[dict] = []
@@ -254,8 +260,39 @@ class ResponseBuilder:
 
     def feed(self, text: str, lps=()) -> list[str]:
         """The next piece of the answer and the logprob items of its tokens."""
+        ev = []
+        if self.splitter is not None:
+            reasoning, text = self.splitter.feed(text)
+            ev += self._reason(reasoning)
         content, calls = self.parser.feed(text) if self.parser is not None else (text, [])
-        return self._put(content, calls, lps)
+        if content or calls:
+            ev += self._close_thought()
+        return ev + self._put(content, calls, lps)
+
+    def _reason(self, text: str) -> list[str]:
+        if not text:
+            return []
+        ev = []
+        if self.thought is None:
+            self.thought = {"type": "reasoning", "id": _id("rs"), "summary": [], "status": "in_progress",
+                            "content": [{"type": "reasoning_text", "text": ""}]}
+            self.output.append(self.thought)
+            ev.append(self._event("response.output_item.added", output_index=len(self.output) - 1,
+                                  item={**self.thought, "content": []}))
+        self.thought["content"][0]["text"] += text
+        ev.append(self._event("response.reasoning_text.delta", item_id=self.thought["id"],
+                              output_index=self.output.index(self.thought), content_index=0, delta=text))
+        return ev
+
+    def _close_thought(self) -> list[str]:
+        item, self.thought = self.thought, None
+        if item is None:
+            return []
+        item["status"] = "completed"
+        i = self.output.index(item)
+        return [self._event("response.reasoning_text.done", item_id=item["id"], output_index=i, content_index=0,
+                            text=item["content"][0]["text"]),
+                self._event("response.output_item.done", output_index=i, item=item)]
 
     def _put(self, content: str, calls: list[dict], lps=(), cut_call: bool = False) -> list[str]:
         ev = []
@@ -319,8 +356,14 @@ class ResponseBuilder:
         usage: the chat pipeline's counts."""
         cut = final.finish_reason in ("length", "context")
         n_cached = final.stats.n_cached if final.stats is not None else 0
+        ev = []
+        if self.splitter is not None:
+            reasoning, held = self.splitter.finish()
+            ev += self._reason(reasoning)
+            ev += self.feed(held) if held else []
+        ev += self._close_thought()
         rest, calls = self.parser.finish(cut) if self.parser is not None else ("", [])
-        ev = self._put(rest, calls, cut_call=self.parser is not None and self.parser.cut_call)
+        ev += self._put(rest, calls, cut_call=self.parser is not None and self.parser.cut_call)
         ev += self._close_message(cut)
         self.usage = {"input_tokens": usage["prompt_tokens"],
                       "input_tokens_details": {"cached_tokens": n_cached, "cache_write_tokens": 0},

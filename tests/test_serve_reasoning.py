@@ -126,3 +126,31 @@ def test_anthropic_messages_ask_a_thinking_template_not_to_think(server):
     assert [b["type"] for b in r["content"]] == ["text"] and r["content"][0]["text"] == want
     n = httpx.post(server.url + "/v1/messages/count_tokens", json={"model": "m", "messages": Q}).json()
     assert n["input_tokens"] == r["usage"]["input_tokens"] + r["usage"]["cache_read_input_tokens"]
+
+
+def test_responses_reasoning_items(server):
+    """The Responses API: the thought is a reasoning item (reasoning_text content) before the message, streamed
+    with response.reasoning_text.* events, which the openai client accumulates into the same items; reasoning
+    items sent back as input are taken (and left out, as chat templates leave past thoughts out); effort "none"
+    asks the template not to think; effort levels are a 400."""
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    q = Q[0]["content"]
+    r = client.responses.create(model="m", input=q, temperature=0, extra_body={"grammar": GRAMMAR})
+    assert [o.type for o in r.output] == ["reasoning", "message"]
+    assert r.output[0].content[0].text == THOUGHT and r.output_text == ANSWER
+    with client.responses.stream(model="m", input=q, temperature=0, extra_body={"grammar": GRAMMAR}) as s:
+        kinds = {e.type for e in s}
+        final = s.get_final_response()
+    assert {"response.reasoning_text.delta", "response.reasoning_text.done"} <= kinds
+    assert [o.type for o in final.output] == ["reasoning", "message"]
+    assert final.output[0].content[0].text == THOUGHT and final.output_text == ANSWER
+    again = client.responses.create(model="m", temperature=0, max_output_tokens=4, input=[
+        {"role": "user", "content": q}, *[o.model_dump(exclude_none=True) for o in r.output],
+        {"role": "user", "content": "And 3+4?"}])
+    assert again.status == "incomplete" and again.output
+    off = client.responses.create(model="m", input=q, temperature=0, max_output_tokens=8, reasoning={"effort": "none"})
+    want = chat(server, max_tokens=8, chat_template_kwargs={"enable_thinking": False})["message"]["content"]
+    assert [o.type for o in off.output] == ["message"] and off.output_text == want
+    with pytest.raises(openai.BadRequestError):
+        client.responses.create(model="m", input=q, reasoning={"effort": "high"})

@@ -191,7 +191,7 @@ def test_logprobs_are_the_chat_logprobs(client, server):
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]},
      "input[0].content[0]"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0]"),
-    ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type"),
+    ({"input": [{"type": "web_search_call", "id": "ws_1"}]}, "input[0].type"),
     ({"input": [{"type": "function_call_output", "output": "1"}]}, "input[0].call_id"),
     ({"input": [{"role": "tool", "content": "1"}]}, "input[0].role"),
     ({"input": []}, "input"),
