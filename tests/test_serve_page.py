@@ -146,3 +146,30 @@ def test_chat_page_picks_among_the_routers_models(browser, tmp_path_factory):
         page.close()
     finally:
         assert s.stop()[0] == 0
+
+
+def test_chat_page_shows_a_thought_apart(browser, tmp_path_factory):
+    """A thinking model's reasoning_content is shown in its own block above the answer, and never sent back as
+    the assistant's text (chat templates leave past thoughts out)."""
+    from test_serve_reasoning import TEMPLATE
+    path = tmp_path_factory.mktemp("think") / "think.jinja"
+    path.write_text(TEMPLATE, encoding="utf-8")
+    s = Server("--parallel", "2", "--chat-template-file", str(path))
+    try:
+        q = "What is 12+7?"
+        want = httpx.post(s.url + "/v1/chat/completions", timeout=60, json={
+            "messages": [{"role": "user", "content": q}], "temperature": 0, "max_tokens": 16}).json()
+        msg = want["choices"][0]["message"]
+        assert msg["reasoning_content"]   # the tiny model does not close its thought in 16 tokens
+        page = browser.new_page(viewport={"width": 1100, "height": 700})
+        page.goto(s.url + "/")
+        page.wait_for_function("document.getElementById('model').textContent.includes('ctx')", timeout=20000)
+        _set(page, temperature=0, max_tokens=16)
+        page.fill("#input", q)
+        page.keyboard.press("Enter")
+        page.wait_for_function("document.getElementById('stats').textContent.includes('finish')", timeout=30000)
+        assert page.inner_text("#log .msg.assistant .thought") == msg["reasoning_content"]
+        assert page.inner_text("#log .msg.assistant .text") == (msg["content"] or "")
+        page.close()
+    finally:
+        assert s.stop()[0] == 0
