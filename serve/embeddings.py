@@ -48,11 +48,8 @@ OPENAPI_BODY = {"requestBody": {"required": True, "content": {"application/json"
         **EmbeddingRequest.model_json_schema()["properties"]}}}}}}
 
 
-def parse_openai(raw: bytes) -> tuple[EmbeddingRequest, list]:
-    """The body and its inputs, or Refused. Not through the generating endpoints' body parser (serve/offload.py),
-    whose bound on numbers is one context's worth: a request here may carry up to MAX_INPUTS contexts of token
-    ids, bounded by --max-body-mb alone. Runs off the event loop for large bodies (json.loads and the checks)."""
-    from pydantic import ValidationError
+def json_object(raw: bytes) -> dict:
+    """The body as a JSON object, or Refused (invalid_json)."""
     try:
         data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
@@ -60,6 +57,15 @@ def parse_openai(raw: bytes) -> tuple[EmbeddingRequest, list]:
         raise Refused(400, f"request body is not valid JSON{why}", None, "invalid_json") from None
     if not isinstance(data, dict):
         raise Refused(400, "request body must be a JSON object", None, "invalid_json")
+    return data
+
+
+def parse_openai(raw: bytes) -> tuple[EmbeddingRequest, list]:
+    """The body and its inputs, or Refused. Not through the generating endpoints' body parser (serve/offload.py),
+    whose bound on numbers is one context's worth: a request here may carry up to MAX_INPUTS contexts of token
+    ids, bounded by --max-body-mb alone. Runs off the event loop for large bodies (json.loads and the checks)."""
+    from pydantic import ValidationError
+    data = json_object(raw)
     try:
         body = EmbeddingRequest.model_validate({k: v for k, v in data.items() if k != "input"})
     except ValidationError as e:
@@ -219,13 +225,7 @@ def parse_llama(raw: bytes) -> tuple[dict, list]:
     """llama-server's /embedding body and its prompts, or Refused: `input`, else `content` (a string; a list of
     token ids and strings, one prompt; or a list of such prompts), as its handle_embeddings_impl reads them. Each
     prompt comes back as a str, a list of ids, or a list mixing both (llama_prompt_ids tokenizes it)."""
-    try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
-        why = ": nested too deeply" if isinstance(e, RecursionError) else ""
-        raise Refused(400, f"request body is not valid JSON{why}", None, "invalid_json") from None
-    if not isinstance(data, dict):
-        raise Refused(400, "request body must be a JSON object", None, "invalid_json")
+    data = json_object(raw)
     where = "input" if "input" in data else "content"
     if where not in data:
         raise Refused(400, '"input" or "content" must be provided', None)
