@@ -221,6 +221,9 @@ class MessageBuilder:
     def feed(self, text: str, lps=()) -> list[str]:   # logprobs: none in this API
         if self.splitter is not None:
             text = self.splitter.feed(text)[1]
+        return self._answer(text)
+
+    def _answer(self, text: str) -> list[str]:
         content, calls = self.parser.feed(text) if self.parser is not None else (text, [])
         return self._put(content, calls)
 
@@ -266,7 +269,7 @@ class MessageBuilder:
         stop_word = st.stop_word if st is not None else None
         cut = finish_reason in ("length", "context")
         held = self.splitter.finish()[1] if self.splitter is not None else ""
-        ev = self.feed(held) if held else []
+        ev = self._answer(held) if held else []
         rest, calls = self.parser.finish(cut) if self.parser is not None else ("", [])
         ev += self._put(rest, calls) + self._close_text()
         reason = STOP_REASON.get(finish_reason, "end_turn")

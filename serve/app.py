@@ -319,7 +319,8 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         """The chat-shaped endpoints' common start (/v1/chat/completions, /v1/responses, /v1/messages): the engine,
         the prompt through the model's template (with the tools), the constraint, the submitted streams.
         thinking False: a thinking template is asked not to think (enable_thinking false; Anthropic's default).
-        -> (engine, prompt ids, streams, queue, maker of tool-call parsers or None)"""
+        -> (engine, prompt ids, streams, queue, maker of tool-call parsers or None, maker of think splitters or
+        None: one per choice, for a thinking template)"""
         eng = ready(request)
         check_model(body.model)
         tools, tool_spec, new_parser = tool_setup(eng, tools, choice, body.parallel_tool_calls, allowed)
@@ -330,7 +331,11 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         constraint = await compile_constraint(eng, body, tool_spec)
         params = await sampling_for(eng, body)
         streams, q = submit(eng, body, prompt_ids, asyncio.get_running_loop(), constraint, param, params=params)
-        return eng, prompt_ids, streams, q, new_parser
+        # a prompt that opens the thought: the answer starts as reasoning, unless a grammar decides how it starts
+        # (a required call, a format): that output is the answer, never a thought nobody closed
+        forced = constraint is not None and (tool_spec is None or choice != "auto")
+        opened = not forced and eng.opens_thought(prompt_ids)
+        return eng, prompt_ids, streams, q, new_parser, ((lambda: ThinkSplitter(opened)) if eng.thinks else None)
 
     async def sampling_for(eng, req):
         """The request's SamplingParams (checked by its model, serve/schemas.py), with what its sampler takes
@@ -507,7 +512,7 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        eng, prompt_ids, streams, q, new_parser = await start_chat(
+        eng, prompt_ids, streams, q, new_parser, new_splitter = await start_chat(
             request, body, [m.as_dict() for m in body.messages], body.tools, body.tool_choice_name(), "messages",
             allowed=body.allowed_tools())
         cid, created, model = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time()), state.model_id
@@ -516,8 +521,8 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         parsers = [new_parser() if new_parser is not None else None for _ in streams]   # one per choice
         n_calls = [0] * len(streams)
         # a thinking model's <think> block goes to reasoning_content (llama-server's --reasoning-format deepseek)
-        opened = eng.opens_thought(prompt_ids) if eng.thinks and body.reasoning_format != "none" else None
-        splitters = [ThinkSplitter(opened) if opened is not None else None for _ in streams]
+        thinks = new_splitter is not None and body.reasoning_format != "none"
+        splitters = [new_splitter() if thinks else None for _ in streams]
 
         def split(i, text):
             """(reasoning, content) of the next text of choice i (text None: the end)."""
@@ -707,13 +712,13 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         """OpenAI's Responses API over the chat pipeline (serve/responses.py translates both ways)."""
         msgs, tools, choice, allowed = responses_conversation(body)
         think = (body.reasoning or {}).get("effort") != "none"   # effort "none": a thinking template does not think
-        eng, prompt_ids, streams, q, new_parser = await start_chat(request, body, msgs, tools, choice, "input",
-                                                                   allowed=allowed, thinking=think)
+        eng, prompt_ids, streams, q, new_parser, new_splitter = await start_chat(
+            request, body, msgs, tools, choice, "input", allowed=allowed, thinking=think)
         text_of, n_top = state.token_text(eng), body.top_logprobs or 0
         out = ResponseBuilder(body, state.model_id, body.sampling_params(sampling),
                               parser=new_parser() if new_parser is not None else None,
                               entry=(lambda t, lp: chat_entry(text_of, t, lp, n_top)) if body.wants_logprobs() else None,
-                              splitter=ThinkSplitter(eng.opens_thought(prompt_ids)) if eng.thinks and think else None)
+                              splitter=new_splitter() if new_splitter is not None and think else None)
         return await answer_with(request, body, streams[0], q, len(prompt_ids), out)
 
     async def count_input_tokens(request, body, msgs, tools, choice, param, allowed=None) -> dict:
@@ -809,10 +814,10 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         msgs, prefill, tools, choice = anthropic_conversation(body)
         with translated():
             body.format_spec()
-        eng, prompt_ids, streams, q, new_parser = await start_chat(request, body, msgs, tools, choice, "messages",
-                                                                   prefill, thinking=False)
+        eng, prompt_ids, streams, q, new_parser, new_splitter = await start_chat(
+            request, body, msgs, tools, choice, "messages", prefill, thinking=False)
         out = MessageBuilder(state.model_id, new_parser() if new_parser is not None else None,
-                             ThinkSplitter(eng.opens_thought(prompt_ids)) if eng.thinks and not prefill else None)
+                             new_splitter() if new_splitter is not None and not prefill else None)
         return await answer_with(request, body, streams[0], q, len(prompt_ids), out)
 
     @app.post("/v1/messages/count_tokens")

@@ -170,6 +170,8 @@ def check_normalize(eng, value) -> Optional[int]:
     from ..engine.runtime.embed import check_normalize as check
     if value is None:
         return None
+    if isinstance(value, float) and value.is_integer():   # 2.0, as /v1/embeddings' schema reads it
+        value = int(value)
     try:
         value = check(value)
     except BitNetError as e:
@@ -383,7 +385,7 @@ def register(app, state, ready, api_error: type, check_model, *, metrics=None):
             data, prompts = await run_off_loop(parse_llama, raw) if len(raw) > OFFLOAD_BYTES else parse_llama(raw)
             if isinstance(data.get("model"), str):
                 check_model(data["model"])
-            fmt = data.get("encoding_format", "float")
+            fmt = data.get("encoding_format") or "float"   # null: the default
             if fmt != "float":
                 raise Refused(400, f"encoding_format {fmt!r}: this route answers floats, as llama-server's "
                               "(base64 is /v1/embeddings')", "encoding_format")

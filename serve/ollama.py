@@ -278,15 +278,16 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
         refuse_common(body, eng)
         return eng, body
 
-    def thinking_of(eng, body: _Body, prompt_ids):
+    def thinking_of(eng, body: _Body, prompt_ids, forced: bool = False):
         """(template variables, splitter) for a thinking model: think true / false turn its thinking on / off
-        (Qwen3's enable_thinking), and its <think> block goes to `thinking` unless it is off."""
+        (Qwen3's enable_thinking), and its <think> block goes to `thinking` unless it is off. forced: a grammar
+        decides how the answer starts (`format`): a prompt's open thought does not make that output a thought."""
         if not eng.thinks:
             return None, None
         kwargs = None if body.think is None else {"enable_thinking": bool(body.think)}
-        if prompt_ids is None:
+        if prompt_ids is None or body.think is False:
             return kwargs, None
-        return kwargs, (ThinkSplitter(eng.opens_thought(prompt_ids)) if body.think is not False else None)
+        return kwargs, ThinkSplitter(not forced and eng.opens_thought(prompt_ids))
 
     async def constraint_of(eng, body: _Body, tool_spec=None):
         from ..engine.errors import ConstraintError
@@ -498,8 +499,9 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
         except Exception as e:   # the template rejected the conversation (e.g. roles out of order)
             raise OllamaError(400, f"messages: {e}") from None
         constraint = await constraint_of(eng, body, tool_spec)
+        forced = constraint is not None and tool_spec is None   # tools (ollama's are "auto") leave the start free
         return await answer(request, body, eng, prompt_ids, constraint, piece, parser=parser,
-                            splitter=thinking_of(eng, body, prompt_ids)[1] if not prefill else None)
+                            splitter=thinking_of(eng, body, prompt_ids, forced)[1] if not prefill else None)
 
     @app.post("/api/generate")
     async def api_generate(request: Request):
@@ -536,7 +538,7 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
         constraint = await constraint_of(eng, body)
         return await answer(request, body, eng, prompt_ids, constraint, piece,
                             extra_final=lambda tokens: {"context": prompt_ids + tokens},
-                            splitter=None if body.raw else thinking_of(eng, body, prompt_ids)[1])
+                            splitter=None if body.raw else thinking_of(eng, body, prompt_ids, constraint is not None)[1])
 
     def describe(eng) -> dict:
         path = eng.store.path

@@ -46,6 +46,7 @@ class ResponsesRequest(_Sampling):
     parallel_tool_calls: Optional[bool] = None
     text: Optional[dict[str, Any]] = None
     top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
+    chat_template_kwargs: Optional[dict[str, Any]] = None   # llama-server's extension, as on chat completions
     include: Optional[list[str]] = None
     truncation: Optional[str] = None
     reasoning: Optional[dict[str, Any]] = None
@@ -264,9 +265,12 @@ class ResponseBuilder:
         if self.splitter is not None:
             reasoning, text = self.splitter.feed(text)
             ev += self._reason(reasoning)
+        return ev + self._answer(text, lps)
+
+    def _answer(self, text: str, lps=()) -> list[str]:
+        """Answer text (past any thought): through the tool-call parser into the output."""
         content, calls = self.parser.feed(text) if self.parser is not None else (text, [])
-        if content or calls:
-            ev += self._close_thought()
+        ev = self._close_thought() if content or calls else []
         return ev + self._put(content, calls, lps)
 
     def _reason(self, text: str) -> list[str]:
@@ -360,7 +364,7 @@ class ResponseBuilder:
         if self.splitter is not None:
             reasoning, held = self.splitter.finish()
             ev += self._reason(reasoning)
-            ev += self.feed(held) if held else []
+            ev += self._answer(held) if held else []
         ev += self._close_thought()
         rest, calls = self.parser.finish(cut) if self.parser is not None else ("", [])
         ev += self._put(rest, calls, cut_call=self.parser is not None and self.parser.cut_call)

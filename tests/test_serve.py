@@ -52,6 +52,9 @@ def test_llama_server_s_negative_extras(client, model_id):
                                               extra_body=extra).choices[0].message.content
     assert text(top_k=-1) == text(top_k=0)
     assert text(repeat_penalty=1.5, repeat_last_n=-1) == text(repeat_penalty=1.5, repeat_last_n=100000)
+    from bitnet_cpu.serve.schemas import ChatCompletionRequest   # what they mean, past any prompt's length
+    p = ChatCompletionRequest.model_validate({"messages": Q, "top_k": -1, "repeat_last_n": -1}).sampling_params()
+    assert p.top_k == 0 and p.repeat_last_n >= 1 << 20
 
 
 def test_chat_non_stream_and_stream_same_text(client, model_id):

@@ -171,6 +171,8 @@ def test_llama_server_embedding_route(client, server, llm, model_id):
     raw = llm.embed(TEXTS[0], normalize=-1)[0]
     code, got = post("/embedding", {"content": TEXTS[0], "embd_normalize": -1})
     assert code == 200 and np.array_equal(f32(got[0]["embedding"][0]), raw)
+    code, got = post("/embedding", {"content": TEXTS[0], "embd_normalize": 2.0, "encoding_format": None})
+    assert code == 200 and np.array_equal(f32(got[0]["embedding"][0]), want[0])   # as /v1/embeddings reads them
     r = client.embeddings.create(model=model_id, input=TEXTS[0], encoding_format="float",
                                  extra_body={"embd_normalize": 1})
     assert np.array_equal(f32(r.data[0].embedding), llm.embed(TEXTS[0], normalize=1)[0])

@@ -2,7 +2,8 @@
 --reasoning-format deepseek splits it (OpenAI chat: `reasoning_content`, streamed as delta.reasoning_content) and as
 ollama gives it (`thinking`, with `think` true / false); `chat_template_kwargs` reach the template (enable_thinking).
 The server is a real subprocess on the bundled model with a template whose generation prompt opens the thought (as
-DeepSeek-R1's and Qwen3's forced ones do); a GBNF grammar makes the model write a known thought and answer."""
+DeepSeek-R1's and Qwen3's forced ones do), unless `open_thought: false` asks it not to (then the model writes
+<think> itself, as Qwen3's does); a GBNF grammar makes the model write a known thought and answer."""
 from __future__ import annotations
 
 import json
@@ -18,9 +19,10 @@ ollama = pytest.importorskip("ollama", reason="the ollama tests need the ollama 
 TEMPLATE = ("{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n{{ m['content'] }}"
             "<|eot_id|>{% endfor %}{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n"
             "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
-            "{% else %}<think>\n{% endif %}{% endif %}")
+            "{% elif open_thought is not defined or open_thought %}<think>\n{% endif %}{% endif %}")
 THOUGHT, ANSWER = "I add 2 and 3.", "Five."
-GRAMMAR = f'root ::= "{THOUGHT}" "\\n</think>" "\\n\\n" "{ANSWER}"'
+GRAMMAR = f'root ::= "<think>\\n" "{THOUGHT}" "\\n</think>" "\\n\\n" "{ANSWER}"'
+SELF = {"open_thought": False}   # the model opens its thought itself (the grammar writes it)
 Q = [{"role": "user", "content": "What is 2+3?"}]
 
 
@@ -62,13 +64,14 @@ def chat(server, **body):
 
 
 def test_reasoning_content_whole_and_streamed(server):
-    m = chat(server, grammar=GRAMMAR)["message"]
+    m = chat(server, grammar=GRAMMAR, chat_template_kwargs=SELF)["message"]
     assert m["reasoning_content"] == THOUGHT and m["content"] == ANSWER
-    raw = chat(server, grammar=GRAMMAR, reasoning_format="none")["message"]   # left in the text, as generated
-    assert "reasoning_content" not in raw and raw["content"] == f"{THOUGHT}\n</think>\n\n{ANSWER}"
+    raw = chat(server, grammar=GRAMMAR, chat_template_kwargs=SELF, reasoning_format="none")["message"]
+    assert "reasoning_content" not in raw and raw["content"] == f"<think>\n{THOUGHT}\n</think>\n\n{ANSWER}"
     reasoning = content = ""
     with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=60,
-                      json={"messages": Q, "temperature": 0, "grammar": GRAMMAR, "stream": True}) as r:
+                      json={"messages": Q, "temperature": 0, "grammar": GRAMMAR, "stream": True,
+                            "chat_template_kwargs": SELF}) as r:
         for line in r.iter_lines():
             if line.startswith("data: {"):
                 delta = json.loads(line[6:])["choices"][0]["delta"]
@@ -79,7 +82,8 @@ def test_reasoning_content_whole_and_streamed(server):
     # the openai client keeps the field (model_extra)
     openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
-    r = client.chat.completions.create(model="m", messages=Q, temperature=0, extra_body={"grammar": GRAMMAR})
+    r = client.chat.completions.create(model="m", messages=Q, temperature=0,
+                                       extra_body={"grammar": GRAMMAR, "chat_template_kwargs": SELF})
     assert r.choices[0].message.content == ANSWER and r.choices[0].message.model_extra["reasoning_content"] == THOUGHT
 
 
@@ -136,10 +140,11 @@ def test_responses_reasoning_items(server):
     openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
     q = Q[0]["content"]
-    r = client.responses.create(model="m", input=q, temperature=0, extra_body={"grammar": GRAMMAR})
+    extra = {"grammar": GRAMMAR, "chat_template_kwargs": SELF}
+    r = client.responses.create(model="m", input=q, temperature=0, extra_body=extra)
     assert [o.type for o in r.output] == ["reasoning", "message"]
     assert r.output[0].content[0].text == THOUGHT and r.output_text == ANSWER
-    with client.responses.stream(model="m", input=q, temperature=0, extra_body={"grammar": GRAMMAR}) as s:
+    with client.responses.stream(model="m", input=q, temperature=0, extra_body=extra) as s:
         kinds = {e.type for e in s}
         final = s.get_final_response()
     assert {"response.reasoning_text.delta", "response.reasoning_text.done"} <= kinds
@@ -154,3 +159,37 @@ def test_responses_reasoning_items(server):
     assert [o.type for o in off.output] == ["message"] and off.output_text == want
     with pytest.raises(openai.BadRequestError):
         client.responses.create(model="m", input=q, reasoning={"effort": "high"})
+
+
+def test_a_grammar_that_decides_the_start_is_the_answer_though_the_prompt_opened_a_thought(server):
+    """The prompt opens the thought, but a grammar makes the answer (a required call, a JSON format): that output is
+    the answer -- tool_calls, content -- never reasoning nobody closed (it came back as reasoning_content, with no
+    calls and finish_reason stop). tool_choice auto leaves the start free: a thought there is still a thought."""
+    tools = [{"type": "function", "function": {"name": "ping", "parameters": {
+        "type": "object", "properties": {}, "additionalProperties": False}}}]
+    c = chat(server, tools=tools, tool_choice="required", parallel_tool_calls=False, max_tokens=60)
+    assert c["finish_reason"] == "tool_calls" and c["message"]["tool_calls"][0]["function"]["name"] == "ping"
+    assert not c["message"].get("reasoning_content")
+    fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": {
+        "type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["n"],
+        "additionalProperties": False}}}
+    m = chat(server, response_format=fmt, max_tokens=40)["message"]
+    assert json.loads(m["content"])["n"] in range(10) and not m.get("reasoning_content")
+    client = ollama.Client(host=server.url, timeout=60)
+    r = client.generate(model="m", prompt=Q[0]["content"], format=fmt["json_schema"]["schema"], think=True,
+                        options={"temperature": 0, "num_predict": 40})
+    assert json.loads(r.response)["n"] in range(10) and not r.thinking
+    auto = chat(server, tools=tools, max_tokens=8)["message"]   # free text: the tiny model's unclosed thought
+    assert auto["reasoning_content"] and not auto.get("tool_calls")
+
+
+def test_an_answer_that_only_starts_like_a_tag_is_kept(server):
+    """Text held back as the start of <think> that never became one is the answer, in every API (the Responses
+    API gave it back to the splitter at the end, which held it again: an empty output)."""
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    for text in ("<", "<th", "<think"):
+        extra = {"grammar": f'root ::= "{text}"', "chat_template_kwargs": SELF}
+        assert chat(server, **extra)["message"]["content"] == text
+        r = client.responses.create(model="m", input=Q[0]["content"], temperature=0, extra_body=extra)
+        assert r.output_text == text and [o.type for o in r.output] == ["message"]

@@ -418,3 +418,26 @@ def test_history_calls_in_either_shape_render():
     assert msgs[0]["content"] == '<tool_call>\n{"name": "add", "arguments": {"a": 1}\n</tool_call>'
     native, _ = tool_format("{{ tools }} <tool_call>").prepare([cut], TOOLS)
     assert native[0]["tool_calls"][0]["function"]["arguments"] == '{"a": 1'
+
+
+def test_a_turn_s_tool_results_are_one_message_for_a_template_without_tools():
+    """Two calls answered by two tool results become one user turn of two <tool_response> blocks, so a template
+    that wants roles to alternate (Mistral's, now given the default block) renders the conversation."""
+    from bitnet_cpu.engine.runtime.chat_template import render
+    calls = [{"id": f"c{i}", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}
+             for i in (1, 2)]
+    history = Q + [{"role": "assistant", "content": None, "tool_calls": calls},
+                   {"role": "tool", "tool_call_id": "c1", "content": "3"},
+                   {"role": "tool", "tool_call_id": "c2", "content": "3"}]
+    msgs, _ = tool_format(MISTRAL_ALTERNATE).prepare(history, TOOLS)
+    assert [m["role"] for m in msgs] == ["system", "user", "assistant", "user"]
+    assert msgs[-1]["content"] == "<tool_response>\n3\n</tool_response>\n<tool_response>\n3\n</tool_response>"
+    assert render(MISTRAL_ALTERNATE, msgs)   # the template's alternation check passes
+
+
+MISTRAL_ALTERNATE = (   # the check of Mistral-7B-Instruct's template, with a tools section of its own
+    "{% if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}"
+    "{% set loop_messages = messages[1:] if messages[0]['role'] == 'system' else messages %}"
+    "{% for m in loop_messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{{ m['content'] }}{% endfor %}[TOOL_CALLS]")

@@ -89,7 +89,13 @@ class ToolFormat:
         system message instead)."""
         if self.template_renders_tools:
             return [_native(m) for m in messages], tools
-        out = [self._as_text(m) for m in messages]
+        out: list[dict] = []
+        for i, m in enumerate(messages):
+            text = self._as_text(m)
+            if m["role"] == "tool" and i and messages[i - 1]["role"] == "tool":   # one turn for a turn's results:
+                out[-1] = {**out[-1], "content": out[-1]["content"] + "\n" + text["content"]}   # templates that
+                continue                                                                   # alternate roles
+            out.append(text)
         if tools:
             lines = "\n".join(json.dumps(t.get("function", t), ensure_ascii=False) for t in tools)
             block = DEFAULT_SYSTEM_BLOCK.format(tools=lines)
