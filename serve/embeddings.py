@@ -274,7 +274,7 @@ def llama_prompt_ids(eng, prompts: list) -> list:
 def register(app, state, ready, api_error: type, check_model, *, metrics=None):
     """Add the embeddings routes to `app` (serve/app.py's create_app): ready(request) -> the engine or raises
     api_error; check_model(name) applies --strict-model-name (OpenAI's shape)."""
-    from .ollama import OllamaError, check_model_name, read_object, ready_engine
+    from .ollama import OllamaError, check_model_name, parse_keep_alive, read_object, ready_engine
 
     def openai_error(e: Refused):
         return api_error(e.status, e.message, "server_error" if e.status >= 500 else "invalid_request_error",
@@ -319,6 +319,11 @@ def register(app, state, ready, api_error: type, check_model, *, metrics=None):
         data = await read_object(request)
         if data.get("options") is not None and not isinstance(data["options"], dict):
             raise OllamaError(400, "options: expected an object")
+        if data.get("keep_alive") is not None:
+            try:
+                parse_keep_alive(data["keep_alive"])
+            except ValueError as e:
+                raise OllamaError(400, str(e)) from None
         return data
 
     async def ollama_vectors(eng, request, texts, where, truncate=False, one=False):

@@ -16,7 +16,9 @@ import asyncio
 import dataclasses
 import hashlib
 import json
+import math
 import os
+import re
 import time
 from typing import Any, Optional, Union
 
@@ -30,6 +32,30 @@ from .logprobs import Said, chat_entry
 from .metrics import TokenClock
 from .offload import next_or_gone, prepare_sampling, run_off_loop, too_long_for_context
 from .schemas import JSONTyped, error_where, main_error, utc_iso
+
+FOREVER = math.inf
+_DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
+_UNIT = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def parse_keep_alive(value) -> float:
+    """ollama's keep_alive in seconds: a number of seconds, or a Go duration string ("5m", "1h30m", "90s", "-1");
+    negative = for ever (math.inf), 0 = unload after the request. ValueError if it is neither."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ValueError(f"keep_alive: {value!r} is not a duration (seconds, or a string such as \"5m\")")
+    if isinstance(value, str):
+        text = value.strip()
+        try:
+            value = float(text)
+        except ValueError:
+            sign, body = (-1.0, text[1:]) if text.startswith("-") else (1.0, text.lstrip("+"))
+            parts = _DURATION.findall(body)
+            if not body or "".join(n + u for n, u in parts) != body:
+                raise ValueError(f"keep_alive: {text!r} is not a duration (seconds, or a string such as \"5m\")")
+            value = sign * sum(float(n) * _UNIT[u] for n, u in parts)
+    if math.isnan(value):
+        raise ValueError(f"keep_alive: {value!r} is not a duration")
+    return FOREVER if value < 0 or math.isinf(value) else float(value)
 
 # the version /api/version reports: clients written for ollama check a minimum (the fields served here are
 # those of ollama's API at this version)
@@ -74,7 +100,7 @@ class _Body(JSONTyped):
     stream: bool = True
     options: Optional[dict[str, Any]] = None
     format: Union[str, dict[str, Any], None] = None
-    keep_alive: Union[str, float, None] = None   # ignored: the model stays loaded while the server runs
+    keep_alive: Any = None   # checked as a duration (parse_keep_alive); the model stays loaded while the server runs
     think: Union[bool, str, None] = None
     logprobs: Optional[bool] = None
     top_logprobs: Optional[int] = None
@@ -267,6 +293,11 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
         if body.think not in (None, False) and not (body.think is True and eng.thinks):
             raise OllamaError(400, f"\"{state.model_id}\" does not support thinking" if not eng.thinks else
                               f"think {body.think!r}: this model thinks or not (true / false); levels are gpt-oss's")
+        if body.keep_alive is not None:   # the model stays loaded here, but a malformed value is ollama's 400
+            try:
+                parse_keep_alive(body.keep_alive)
+            except ValueError as e:
+                raise OllamaError(400, str(e)) from None
         if body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20:
             raise OllamaError(400, f"top_logprobs {body.top_logprobs}: must be in 0..20")
 

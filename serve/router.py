@@ -43,37 +43,14 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 
 from .auth import AuthMiddleware, KeyChecker, allow_cross_origin
 from .limits import Limits, LimitsMiddleware, error_json
-from .ollama import OLLAMA_VERSION
+from .ollama import FOREVER, OLLAMA_VERSION, parse_keep_alive  # noqa: F401 - parse_keep_alive: the CLI's
 from .schemas import model_object, utc_iso
 
 PAGE = os.path.join(os.path.dirname(__file__), "chat.html")
-FOREVER = math.inf
 # hop-by-hop headers, and what this router sets itself on the forwarded request / the response
 REQUEST_DROP = {b"host", b"content-length", b"connection", b"keep-alive", b"transfer-encoding", b"authorization",
                 b"x-api-key", b"upgrade", b"te", b"proxy-authorization"}
 RESPONSE_DROP = {"connection", "keep-alive", "transfer-encoding", "date", "server"}
-_DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
-_UNIT = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
-
-
-def parse_keep_alive(value) -> float:
-    """ollama's keep_alive in seconds: a number of seconds, or a Go duration string ("5m", "1h30m", "90s", "-1");
-    negative = for ever (math.inf), 0 = unload after the request. ValueError if it is neither."""
-    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        raise ValueError(f"keep_alive: {value!r} is not a duration (seconds, or a string such as \"5m\")")
-    if isinstance(value, str):
-        text = value.strip()
-        try:
-            value = float(text)
-        except ValueError:
-            sign, body = (-1.0, text[1:]) if text.startswith("-") else (1.0, text.lstrip("+"))
-            parts = _DURATION.findall(body)
-            if not body or "".join(n + u for n, u in parts) != body:
-                raise ValueError(f"keep_alive: {text!r} is not a duration (seconds, or a string such as \"5m\")")
-            value = sign * sum(float(n) * _UNIT[u] for n, u in parts)
-    if math.isnan(value):
-        raise ValueError(f"keep_alive: {value!r} is not a duration")
-    return FOREVER if value < 0 or math.isinf(value) else float(value)
 
 
 @dataclass(frozen=True)

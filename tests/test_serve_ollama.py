@@ -312,3 +312,17 @@ def test_refused_operations_answer_but_are_not_advertised(server):
         assert r.status_code == 501 and isinstance(r.json()["error"], str) and r.json()["error"], r.text
     r = httpx.request("DELETE", server.url + "/api/delete", json={"model": "m"}, timeout=30)
     assert r.status_code == 501 and "delete" in r.json()["error"]
+
+
+def test_keep_alive_must_be_a_duration(server, model_id):
+    """A single-model server keeps its model loaded whatever keep_alive says, but a value that is no duration is a
+    400, as ollama's Go server answers it (time: invalid duration), on the generating and embedding routes."""
+    for path, body in (("/api/generate", {"prompt": "Hi", "options": {"num_predict": 1}}),
+                       ("/api/chat", {"messages": [{"role": "user", "content": "Hi"}], "options": {"num_predict": 1}}),
+                       ("/api/embed", {"input": "Hi"})):
+        ok = httpx.post(server.url + path, json={"model": model_id, "stream": False, "keep_alive": "5m", **body},
+                        timeout=60)
+        assert ok.status_code == 200, (path, ok.text)
+        for bad in ("forever", "5 minutes", True):
+            r = httpx.post(server.url + path, json={"model": model_id, "stream": False, "keep_alive": bad, **body})
+            assert r.status_code == 400 and "keep_alive" in r.json()["error"], (path, bad, r.text)
