@@ -230,9 +230,9 @@ class _Sampling(JSONTyped):
             return None
         if field == "dry_base" and isinstance(value, (int, float)) and value < 1:   # llama-server: the default
             return _DEFAULT.dry_base
-        # llama-server reads its extras on these endpoints as /completion does: top_k <= 0 is off, and
-        # repeat_last_n -1 looks back over the whole context
-        if field == "top_k" and isinstance(value, int) and value < 0:
+        # llama-server reads its extras on these endpoints as /completion does: top_k -1 is off (its clients' way
+        # of saying so; other negatives stay the 400 every front end gives), repeat_last_n -1 the whole context
+        if field == "top_k" and value == -1:
             return 0
         if field == "repeat_last_n" and value == -1:
             return 1 << 30

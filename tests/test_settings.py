@@ -85,7 +85,7 @@ def test_every_default_is_sampling_params():
 
 # (field, flag, /set name, request field, bad value as typed)
 BAD = [("temperature", "--temp", "temp", "temperature", "-1"), ("top_k", "--top-k", "top_k", "top_k", "-3"),
-       ("top_p", "--top-p", "top_p", "top_p", "1.5"), ("top_p", "--top-p", "top_p", "top_p", "0"),
+       ("top_p", "--top-p", "top_p", "top_p", "1.5"), ("top_p", "--top-p", "top_p", "top_p", "-0.5"),
        ("min_p", "--min-p", "min_p", "min_p", "2"), ("repeat_penalty", "--repeat-penalty", "repeat_penalty",
                                                       "repeat_penalty", "0"),
        ("repeat_last_n", "--repeat-last-n", "repeat_last_n", "repeat_last_n", "-2"),
