@@ -113,9 +113,6 @@ def main(args) -> int:
     from ..engine.runtime.embed import check_normalize, check_pooling, normalized
     check_pooling(args.pooling, "--pooling")
     normalize = check_normalize(args.embd_normalize, "--embd-normalize")
-    if args.ctx is not None and args.ctx < 1:
-        from ..engine.errors import BitNetError
-        raise BitNetError(f"-c/--ctx-size {args.ctx}: must be >= 1")
     texts = texts_of(args)
     pooled = args.pooling != "none"
     eng = load_engine(args.model, ctx=args.ctx, threads=args.threads, parallel=min(16, len(texts)),

@@ -131,10 +131,15 @@ class _Text:
         from .runtime.reasoning import thinks
         return thinks(_ct.choose_template(self.chat_template))
 
-    def opens_thought(self, prompt_ids: Sequence[int]) -> bool:
-        """The prompt (a chat_prompt) ends inside an open <think> block: the answer starts as reasoning."""
-        from .runtime.reasoning import prompt_opens_thought
-        return self.thinks and prompt_opens_thought(self.tokenizer.decode(list(prompt_ids[-8:])))
+    def think_splitter(self, prompt_ids: Sequence[int], free_start: bool = True):
+        """A ThinkSplitter for an answer to prompt_ids (a chat_prompt), or None when the template does not think.
+        The answer starts as reasoning where the prompt ends inside an open <think> block -- unless a grammar decides
+        how it starts (free_start False: a required call, a format), whose output is the answer, never a thought
+        nobody closed."""
+        from .runtime.reasoning import ThinkSplitter, prompt_opens_thought
+        if not self.thinks:
+            return None
+        return ThinkSplitter(free_start and prompt_opens_thought(self.tokenizer.decode(list(prompt_ids[-8:]))))
 
     def warm_constraints(self) -> None:
         """Build the grammar engine's view of the tokenizer (seconds for a 128k vocabulary on 2 busy cores) and

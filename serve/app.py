@@ -27,7 +27,6 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..engine.runtime.reasoning import ThinkSplitter
 from .anthropic import CountTokensRequest, MessageBuilder, MessagesRequest
 from .auth import AuthMiddleware, KeyChecker, allow_cross_origin
 from .limits import Limits, LimitsMiddleware, anthropic_error_body
@@ -331,11 +330,8 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         constraint = await compile_constraint(eng, body, tool_spec)
         params = await sampling_for(eng, body)
         streams, q = submit(eng, body, prompt_ids, asyncio.get_running_loop(), constraint, param, params=params)
-        # a prompt that opens the thought: the answer starts as reasoning, unless a grammar decides how it starts
-        # (a required call, a format): that output is the answer, never a thought nobody closed
-        forced = constraint is not None and (tool_spec is None or choice != "auto")
-        opened = not forced and eng.opens_thought(prompt_ids)
-        return eng, prompt_ids, streams, q, new_parser, ((lambda: ThinkSplitter(opened)) if eng.thinks else None)
+        free = constraint is None or (tool_spec is not None and choice == "auto")   # no grammar decides the start
+        return eng, prompt_ids, streams, q, new_parser, (lambda: eng.think_splitter(prompt_ids, free))
 
     async def sampling_for(eng, req):
         """The request's SamplingParams (checked by its model, serve/schemas.py), with what its sampler takes
@@ -521,8 +517,7 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         parsers = [new_parser() if new_parser is not None else None for _ in streams]   # one per choice
         n_calls = [0] * len(streams)
         # a thinking model's <think> block goes to reasoning_content (llama-server's --reasoning-format deepseek)
-        thinks = new_splitter is not None and body.reasoning_format != "none"
-        splitters = [new_splitter() if thinks else None for _ in streams]
+        splitters = [new_splitter() if body.reasoning_format != "none" else None for _ in streams]
 
         def split(i, text):
             """(reasoning, content) of the next text of choice i (text None: the end)."""
@@ -545,9 +540,7 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
 
         def make_chunk(i, text, finish, first=False, lps=None):
             parser = parsers[i]
-            reasoning = ""
-            if not first:
-                reasoning, content = split(i, text)
+            reasoning, content = split(i, text) if not first else ("", None)
             if first:
                 delta = {"role": "assistant", "content": ""}
             elif parser is not None:   # tool calls: content streams, each call goes out once its block closes
@@ -561,8 +554,6 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
                     finish = "tool_calls"
             else:
                 delta = {"content": content} if content else {}
-                if text is not None and splitters[i] is None:
-                    delta = {"content": text}
             if reasoning:
                 delta = {"reasoning_content": reasoning, **delta}
             if text is not None and not delta:
@@ -718,7 +709,7 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         out = ResponseBuilder(body, state.model_id, body.sampling_params(sampling),
                               parser=new_parser() if new_parser is not None else None,
                               entry=(lambda t, lp: chat_entry(text_of, t, lp, n_top)) if body.wants_logprobs() else None,
-                              splitter=new_splitter() if new_splitter is not None and think else None)
+                              splitter=new_splitter() if think else None)
         return await answer_with(request, body, streams[0], q, len(prompt_ids), out)
 
     async def count_input_tokens(request, body, msgs, tools, choice, param, allowed=None) -> dict:
@@ -817,7 +808,7 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         eng, prompt_ids, streams, q, new_parser, new_splitter = await start_chat(
             request, body, msgs, tools, choice, "messages", prefill, thinking=False)
         out = MessageBuilder(state.model_id, new_parser() if new_parser is not None else None,
-                             new_splitter() if new_splitter is not None and not prefill else None)
+                             new_splitter() if not prefill else None)
         return await answer_with(request, body, streams[0], q, len(prompt_ids), out)
 
     @app.post("/v1/messages/count_tokens")

@@ -26,7 +26,6 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
-from ..engine.runtime.reasoning import ThinkSplitter
 from ..engine.runtime.sampling import SamplingParams, setting_problem
 from .logprobs import Said, chat_entry
 from .metrics import TokenClock
@@ -309,16 +308,14 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
         refuse_common(body, eng)
         return eng, body
 
-    def thinking_of(eng, body: _Body, prompt_ids, forced: bool = False):
-        """(template variables, splitter) for a thinking model: think true / false turn its thinking on / off
-        (Qwen3's enable_thinking), and its <think> block goes to `thinking` unless it is off. forced: a grammar
-        decides how the answer starts (`format`): a prompt's open thought does not make that output a thought."""
-        if not eng.thinks:
-            return None, None
-        kwargs = None if body.think is None else {"enable_thinking": bool(body.think)}
-        if prompt_ids is None or body.think is False:
-            return kwargs, None
-        return kwargs, ThinkSplitter(not forced and eng.opens_thought(prompt_ids))
+    def think_kwargs(eng, body: _Body):
+        """A thinking template's variables: think true / false turn its thinking on / off (Qwen3's enable_thinking)."""
+        return {"enable_thinking": bool(body.think)} if eng.thinks and body.think is not None else None
+
+    def think_splitter(eng, body: _Body, prompt_ids, free_start: bool):
+        """Where a thinking model's <think> block goes (`thinking`), unless think is false; free_start False: a
+        `format` decides how the answer starts (engine api's think_splitter)."""
+        return eng.think_splitter(prompt_ids, free_start) if body.think is not False else None
 
     async def constraint_of(eng, body: _Body, tool_spec=None):
         from ..engine.errors import ConstraintError
@@ -523,16 +520,15 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
                 raise OllamaError(400, str(e)) from None
             tools, parser = body.tools, fmt.parser()
         await refuse_too_long(eng, sum(len(m["content"] or "") for m in msgs) + len(prefill))
-        kwargs, _ = thinking_of(eng, body, None)
         try:
             prompt_ids = await run_off_loop(eng.chat_prompt, msgs, tools=tools, prefill=prefill,
-                                            template_kwargs=kwargs)
+                                            template_kwargs=think_kwargs(eng, body))
         except Exception as e:   # the template rejected the conversation (e.g. roles out of order)
             raise OllamaError(400, f"messages: {e}") from None
         constraint = await constraint_of(eng, body, tool_spec)
-        forced = constraint is not None and tool_spec is None   # tools (ollama's are "auto") leave the start free
+        free = constraint is None or tool_spec is not None   # tools (ollama's are "auto") leave the start free
         return await answer(request, body, eng, prompt_ids, constraint, piece, parser=parser,
-                            splitter=thinking_of(eng, body, prompt_ids, forced)[1] if not prefill else None)
+                            splitter=think_splitter(eng, body, prompt_ids, free) if not prefill else None)
 
     @app.post("/api/generate")
     async def api_generate(request: Request):
@@ -559,7 +555,7 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
             msgs = ([{"role": "system", "content": body.system}] if body.system else []) + \
                    [{"role": "user", "content": body.prompt or ""}]
             try:
-                ids = await run_off_loop(eng.chat_prompt, msgs, template_kwargs=thinking_of(eng, body, None)[0])
+                ids = await run_off_loop(eng.chat_prompt, msgs, template_kwargs=think_kwargs(eng, body))
             except Exception as e:   # the template rejected the request
                 raise OllamaError(400, f"prompt: {e}") from None
             bos = eng.tokenizer.bos_id
@@ -569,7 +565,7 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
         constraint = await constraint_of(eng, body)
         return await answer(request, body, eng, prompt_ids, constraint, piece,
                             extra_final=lambda tokens: {"context": prompt_ids + tokens},
-                            splitter=None if body.raw else thinking_of(eng, body, prompt_ids, constraint is not None)[1])
+                            splitter=None if body.raw else think_splitter(eng, body, prompt_ids, constraint is None))
 
     def describe(eng) -> dict:
         path = eng.store.path
