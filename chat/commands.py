@@ -19,7 +19,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "/set": ("[NAME VALUE]", "show settings, or set temp|top_k|top_p|min_p|repeat_penalty|repeat_last_n|seed|"
                              "max_tokens|dry_multiplier|dry_base|dry_allowed_length|dry_penalty_last_n|"
                              "dry_sequence_breakers|typical_p|top_n_sigma|xtc_probability|xtc_threshold|"
-                             "dynatemp_range|dynatemp_exponent|mirostat|mirostat_tau|mirostat_eta; also ollama's "
+                             "dynatemp_range|dynatemp_exponent|mirostat|mirostat_tau|mirostat_eta|reasoning_budget|"
+                             "reasoning_budget_message; also ollama's "
                              "/set parameter NAME VALUE, /set system TEXT and "
                              "/set format json|FILE|off (answers as JSON / matching a JSON Schema file)"),
     "/show": ("[info|system|parameters]", "model information (source file, shape, context) and current settings"),
@@ -67,6 +68,8 @@ class Settings:
     mirostat: int = _DEFAULT.mirostat
     mirostat_tau: float = _DEFAULT.mirostat_tau
     mirostat_eta: float = _DEFAULT.mirostat_eta
+    reasoning_budget: int = _DEFAULT.reasoning_budget
+    reasoning_budget_message: str = _DEFAULT.reasoning_budget_message
 
     def describe(self) -> str:
         seed = "random" if self.seed is None else str(self.seed)
@@ -79,9 +82,11 @@ class Settings:
             text += f" dry_sequence_breakers={json.dumps(list(self.dry_sequence_breakers))}"
         for name in ("dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n", "top_n_sigma",
                      "typical_p", "xtc_probability", "xtc_threshold", "dynatemp_range", "dynatemp_exponent",
-                     "mirostat", "mirostat_tau", "mirostat_eta"):
+                     "mirostat", "mirostat_tau", "mirostat_eta", "reasoning_budget"):
             if getattr(self, name) != getattr(_DEFAULT, name):
                 text += f" {name}={getattr(self, name):g}"
+        if self.reasoning_budget_message:
+            text += f" reasoning_budget_message={json.dumps(self.reasoning_budget_message)}"
         return text
 
     def sampling_params(self, seed_offset: int = 0) -> SamplingParams:
@@ -105,7 +110,8 @@ SETTING_ALIASES = {"temperature": "temp", "t": "temp", "n": "max_tokens", "max-t
                    "xtc-threshold": "xtc_threshold", "dynatemp-range": "dynatemp_range",
                    "dynatemp-exp": "dynatemp_exponent", "dry-multiplier": "dry_multiplier", "dry-base": "dry_base",
                    "dry-allowed-length": "dry_allowed_length", "dry-penalty-last-n": "dry_penalty_last_n",
-                   "mirostat-lr": "mirostat_eta", "mirostat-ent": "mirostat_tau"}
+                   "mirostat-lr": "mirostat_eta", "mirostat-ent": "mirostat_tau",
+                   "reasoning-budget": "reasoning_budget", "reasoning-budget-message": "reasoning_budget_message"}
 
 
 def _number(name: str, text: str, kind):
@@ -148,6 +154,8 @@ def parse_setting(name: str, text: str, *, max_tokens_limit: int | None = None) 
     field = FIELD_OF_SETTING[key]
     if key == "dry_sequence_breakers":   # a JSON list of strings, one string, or none
         v = _breakers(text)
+    elif key == "reasoning_budget_message":   # the text as typed
+        v = text
     elif key == "seed" and text.lower() in ("none", "random", "off", "-1"):
         v = None
     else:

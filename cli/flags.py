@@ -52,6 +52,10 @@ SAMPLING_FLAGS = {
     "mirostat": (("--mirostat",), int, "N", "Mirostat 1 or 2 instead of top-k/top-p/min-p... (0 = off)"),
     "mirostat_eta": (("--mirostat-lr",), float, "ETA", "Mirostat's learning rate"),
     "mirostat_tau": (("--mirostat-ent",), float, "TAU", "Mirostat's target entropy (surprise, bits)"),
+    "reasoning_budget": (("--reasoning-budget",), int, "N", "a thinking model's <think> block ends after N tokens "
+                         "(-1 = no limit, 0 = at once)"),
+    "reasoning_budget_message": (("--reasoning-budget-message",), str, "TEXT", "text put before the end of a thought "
+                                 "the budget cuts"),
 }
 
 
@@ -102,7 +106,7 @@ def add_engine_args(p: argparse.ArgumentParser, *, n_predict_default: int | None
     for field, (spellings, kind, metavar, text) in SAMPLING_FLAGS.items():
         default = getattr(_D, field)
         p.add_argument(*spellings, dest=field, type=kind, default=default, metavar=metavar,
-                       help=text + ("%(default).0s" if default is None else ""))
+                       help=text + ("%(default).0s" if default in (None, "") else ""))
     p.add_argument("--dry-sequence-breaker", dest="dry_sequence_breakers", action=_Breakers,
                    default=_D.dry_sequence_breakers, metavar="STR",
                    help="DRY: a sequence breaker, replacing the defaults (newline, colon, quote, asterisk; "

@@ -5,8 +5,13 @@ calls and results, `input_schema` tools -> chat tools, `output_config.format` ->
 built back as content blocks, whole or as the typed SSE events (message_start, content_block_start / delta /
 stop, message_delta, message_stop). A final assistant message is a prefill: the answer continues it.
 
-What this server cannot do is refused with a 400 naming the field: images and documents, extended thinking, effort
-levels, server tools (web search, bash, text editor, computer use, MCP, code execution), containers. Errors
+Extended thinking (`thinking` enabled or adaptive) lets a thinking model's template think: its <think> block becomes
+a `thinking` block (with an empty `signature`: nothing here is signed), `budget_tokens` caps it (the engine's reasoning
+budget), and thinking blocks sent back in the conversation are dropped, as the templates drop earlier thoughts. A
+model whose template does not think answers without one, as within any budget.
+
+What this server cannot do is refused with a 400 naming the field: images and documents, effort levels, server
+tools (web search, bash, text editor, computer use, MCP, code execution), containers. Errors
 come back in Anthropic's shape (`{"type": "error", "error": {"type", "message"}}`). Pure translation: no engine,
 no I/O; serve/app.py runs the request and feeds `MessageBuilder`. The fields: docs/api.md.
 """
@@ -14,6 +19,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from dataclasses import replace
 from typing import Any, ClassVar, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -55,6 +61,8 @@ class _Conversation(BaseModel):
                 kind = b.get("type") if isinstance(b, dict) else None
                 if kind == "text" and isinstance(b.get("text"), str):
                     texts.append(b["text"])
+                elif kind in ("thinking", "redacted_thinking") and m["role"] == "assistant":
+                    continue   # an earlier turn's thought: the templates leave it out of the prompt
                 elif kind == "tool_use" and m["role"] == "assistant":
                     if not (isinstance(b.get("id"), str) and isinstance(b.get("name"), str)
                             and isinstance(b.get("input", {}), dict)):
@@ -125,10 +133,31 @@ class _Conversation(BaseModel):
     def parallel_tool_calls(self) -> bool:
         return not (self.tool_choice or {}).get("disable_parallel_tool_use", False)
 
-    def refused(self) -> tuple[str, str] | None:
-        if (self.thinking or {}).get("type") not in (None, "disabled"):
-            return "thinking", "this model has no thinking mode (thinking is not supported)"
-        return None
+    def thinking_budget(self) -> int | None:
+        """-> None: thinking off (absent or disabled); -1: on without a budget (adaptive); N: on, at most N tokens.
+        RequestProblem for a malformed `thinking`."""
+        t = self.thinking
+        if t is None:
+            return None
+        kind = t.get("type") if isinstance(t, dict) else None
+        if kind == "disabled":
+            return None
+        if kind not in ("enabled", "adaptive"):
+            raise RequestProblem("thinking.type", f"thinking.type {kind!r}: expected enabled, adaptive or disabled")
+        if t.get("display", "summarized") not in ("summarized", "omitted"):
+            raise RequestProblem("thinking.display", f"thinking.display {t.get('display')!r}: expected summarized or "
+                                                     "omitted")
+        budget = t.get("budget_tokens")
+        if kind == "adaptive":
+            if budget is not None:
+                raise RequestProblem("thinking.budget_tokens", "thinking.budget_tokens: not taken with type adaptive "
+                                                              "(the model decides how long it thinks)")
+            return -1
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
+            raise RequestProblem("thinking.budget_tokens", f"thinking.budget_tokens {budget!r}: required with type "
+                                                          "enabled, an integer >= 0")
+        return budget
+
 
 
 class MessagesRequest(_Conversation, _Sampling):
@@ -145,6 +174,14 @@ class MessagesRequest(_Conversation, _Sampling):
 
     def limit(self) -> Optional[int]:
         return self.max_tokens
+
+    def sampling_params(self, defaults=None):
+        """The chat pipeline's, with thinking.budget_tokens as the reasoning budget."""
+        params = super().sampling_params(defaults)
+        budget = self.thinking_budget()
+        if budget is not None and budget >= 0:
+            params = replace(params, reasoning_budget=budget)
+        return params
 
     def stops(self) -> list[str]:
         return [s for s in (self.stop_sequences or []) + super().stops() if s]
@@ -173,9 +210,12 @@ class MessagesRequest(_Conversation, _Sampling):
         return Constraint.json_schema(fmt["schema"], where=fmt["where"] + ".schema")
 
     def unsupported(self) -> tuple[str, str] | None:
-        refused = self.refused()
-        if refused:
-            return refused
+        try:
+            thinking = self.thinking_budget() is not None
+        except RequestProblem as e:
+            return e.param, str(e)
+        if thinking and (self.tool_choice or {}).get("type") in ("any", "tool"):
+            return "thinking", "thinking may not be enabled when tool_choice forces tool use (as Anthropic's API)"
         if (self.output_config or {}).get("effort") is not None:
             return "output_config.effort", "effort levels are not supported (this model has no reasoning mode)"
         if self.container is not None:
@@ -198,13 +238,14 @@ class MessageBuilder:
     feed() / finish() return the SSE events the stream sends, result() the whole answer. The non-streaming answer
     is the same calls with the events dropped."""
 
-    def __init__(self, model: str, parser=None, splitter=None):
-        """splitter: a thinking model's ThinkSplitter (engine/runtime/reasoning.py): its <think> block is left
-        out (thinking is off unless a request enables it, and this server has no thinking blocks)."""
-        self.model, self.parser, self.splitter = model, parser, splitter
+    def __init__(self, model: str, parser=None, splitter=None, thinking: str | None = None):
+        """splitter: a thinking model's ThinkSplitter (engine/runtime/reasoning.py); thinking: where its <think>
+        block goes -- None: left out (thinking off), "summarized": a thinking block, "omitted": the block, empty."""
+        self.model, self.parser, self.splitter, self.thinking = model, parser, splitter, thinking
         self.id = f"msg_{uuid.uuid4().hex}"
         self.content: list[dict] = []
         self.open_text = False   # the last block is text still being written
+        self.open_thought = False   # the last block is a thinking block still being written
         self.stop_reason = self.stop_sequence = None
         self.usage = {"input_tokens": 0, "output_tokens": 0, "cache_read_input_tokens": 0,
                       "cache_creation_input_tokens": 0}
@@ -219,16 +260,42 @@ class MessageBuilder:
         return [self._event("message_start", message=head), self._event("ping")]
 
     def feed(self, text: str, lps=()) -> list[str]:   # logprobs: none in this API
-        if self.splitter is not None:
-            text = self.splitter.feed(text)[1]
-        return self._answer(text)
+        if self.splitter is None:
+            return self._answer(text)
+        reasoning, text = self.splitter.feed(text)
+        return self._think(reasoning) + self._answer(text)
+
+    def _think(self, reasoning: str) -> list[str]:
+        if not reasoning or self.thinking is None:
+            return []
+        ev = []
+        if not self.open_thought:   # the splitter gives the whole thought before any of the answer
+            self.content.append({"type": "thinking", "thinking": "", "signature": ""})
+            self.open_thought = True
+            ev.append(self._event("content_block_start", index=len(self.content) - 1,
+                                  content_block={"type": "thinking", "thinking": "", "signature": ""}))
+        if self.thinking == "summarized":
+            self.content[-1]["thinking"] += reasoning
+            ev.append(self._event("content_block_delta", index=len(self.content) - 1,
+                                  delta={"type": "thinking_delta", "thinking": reasoning}))
+        return ev
+
+    def _close_thought(self) -> list[str]:
+        """The end of the thinking block: its signature (empty: a local model's thought is not signed), as the
+        Anthropic SDK's stream accumulator expects before the block stops."""
+        if not self.open_thought:
+            return []
+        self.open_thought = False
+        i = len(self.content) - 1
+        return [self._event("content_block_delta", index=i, delta={"type": "signature_delta", "signature": ""}),
+                self._event("content_block_stop", index=i)]
 
     def _answer(self, text: str) -> list[str]:
         content, calls = self.parser.feed(text) if self.parser is not None else (text, [])
         return self._put(content, calls)
 
     def _put(self, content: str, calls: list[dict]) -> list[str]:
-        ev = []
+        ev = self._close_thought() if content or calls else []
         if content:
             if not self.open_text:
                 self.content.append({"type": "text", "text": ""})
@@ -268,8 +335,9 @@ class MessageBuilder:
         n_generated, n_cached = usage["completion_tokens"], st.n_cached if st is not None else 0
         stop_word = st.stop_word if st is not None else None
         cut = finish_reason in ("length", "context")
-        held = self.splitter.finish()[1] if self.splitter is not None else ""
-        ev = self._answer(held) if held else []
+        thought, held = self.splitter.finish() if self.splitter is not None else ("", "")
+        ev = self._think(thought) + self._close_thought()
+        ev += self._answer(held) if held else []
         rest, calls = self.parser.finish(cut) if self.parser is not None else ("", [])
         ev += self._put(rest, calls) + self._close_text()
         reason = STOP_REASON.get(finish_reason, "end_turn")

@@ -510,7 +510,7 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         eng, prompt_ids, streams, q, new_parser, new_splitter = await start_chat(
             request, body, [m.as_dict() for m in body.messages], body.tools, body.tool_choice_name(), "messages",
-            allowed=body.allowed_tools())
+            allowed=body.allowed_tools(), thinking=body.reasoning_effort != "none")
         cid, created, model = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time()), state.model_id
         head = {"id": cid, "created": created, "model": model, "system_fingerprint": None}
         text_of, n_top = state.token_text(eng), body.top_logprobs or 0
@@ -795,32 +795,35 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
             state.streams.discard(stream)
 
     def anthropic_conversation(body):
+        """(messages, prefill, tools, tool choice, thinking on) of an Anthropic request."""
         with translated():
             (msgs, prefill), tools, choice = body.chat_messages(), body.chat_tools(), body.tool_choice_name()
-        return msgs, prefill, tools, choice
+            thinking = body.thinking_budget() is not None
+            if thinking and prefill:
+                raise RequestProblem("thinking", "thinking may not be enabled with a prefilled answer (a final "
+                                                 "assistant message), as Anthropic's API")
+        return msgs, prefill, tools, choice, thinking
 
     @app.post("/v1/messages")
     async def anthropic_messages(body: MessagesRequest, request: Request):
         """Anthropic's Messages API over the chat pipeline (serve/anthropic.py translates both ways)."""
-        msgs, prefill, tools, choice = anthropic_conversation(body)
+        msgs, prefill, tools, choice, thinking = anthropic_conversation(body)
         with translated():
             body.format_spec()
         eng, prompt_ids, streams, q, new_parser, new_splitter = await start_chat(
-            request, body, msgs, tools, choice, "messages", prefill, thinking=False)
+            request, body, msgs, tools, choice, "messages", prefill, thinking=thinking)
         out = MessageBuilder(state.model_id, new_parser() if new_parser is not None else None,
-                             new_splitter() if not prefill else None)
+                             new_splitter() if not prefill else None,
+                             thinking=(body.thinking or {}).get("display", "summarized") if thinking else None)
         return await answer_with(request, body, streams[0], q, len(prompt_ids), out)
 
     @app.post("/v1/messages/count_tokens")
     async def anthropic_count_tokens(body: CountTokensRequest, request: Request):
         eng = ready(request)
         check_model(body.model)
-        msgs, prefill, tools, choice = anthropic_conversation(body)
-        refused = body.refused()
-        if refused:
-            raise APIError(400, refused[1], param=refused[0], code="unsupported_parameter")
+        msgs, prefill, tools, choice, thinking = anthropic_conversation(body)
         tools, _, _ = tool_setup(eng, tools, choice, body.parallel_tool_calls)
-        kwargs = {"enable_thinking": False} if eng.thinks else None   # as /v1/messages renders it
+        kwargs = {"enable_thinking": False} if eng.thinks and not thinking else None   # as /v1/messages renders it
         return {"input_tokens": len(await render_prompt(eng, msgs, tools, "messages", prefill, kwargs))}
 
     def model_entry(eng) -> dict:

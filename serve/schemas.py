@@ -43,7 +43,6 @@ REFUSED = {
     "audio": "audio output is not supported (text only)",
     "prediction": "predicted outputs are not supported",
     "web_search_options": "web search is not supported",
-    "reasoning_effort": "this model has no reasoning mode (reasoning_effort is not supported)",
     "functions": "functions is OpenAI's deprecated form of tools: send tools ([{\"type\": \"function\", "
                  "\"function\": {...}}])",
     "function_call": "function_call is OpenAI's deprecated form of tool_choice: send tool_choice",
@@ -160,6 +159,7 @@ class _Sampling(JSONTyped):
     model_config = ConfigDict(extra="ignore")
     MAX_TEMPERATURE: ClassVar[Optional[float]] = OPENAI_MAX_TEMPERATURE   # None: the engine's range only
     MAX_STOPS: ClassVar[Optional[int]] = 4                                # OpenAI's; None: any number
+    EFFORT_NONE: ClassVar[bool] = False   # reasoning_effort "none" is taken (the chat endpoint's)
 
     model: Optional[str] = None
     stream: bool = False
@@ -196,6 +196,9 @@ class _Sampling(JSONTyped):
     mirostat: int = _DEFAULT.mirostat
     mirostat_tau: float = _DEFAULT.mirostat_tau
     mirostat_eta: float = _DEFAULT.mirostat_eta
+    # llama-server's reasoning budget (also spelled reasoning_budget_tokens and thinking_budget_tokens there)
+    reasoning_budget: int = _DEFAULT.reasoning_budget
+    reasoning_budget_message: str = _DEFAULT.reasoning_budget_message
     user: Optional[str] = None
     audio: Optional[Any] = None
     modalities: Optional[list[str]] = None
@@ -209,6 +212,16 @@ class _Sampling(JSONTyped):
     response_format: Optional[ResponseFormat] = None
     json_schema: Optional[dict[str, Any]] = None
     grammar: Optional[str] = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _budget_aliases(cls, data):
+        """llama-server's other names of reasoning_budget: reasoning_budget_tokens, thinking_budget_tokens."""
+        if isinstance(data, dict) and "reasoning_budget" not in data:
+            for alias in ("reasoning_budget_tokens", "thinking_budget_tokens"):
+                if data.get(alias) is not None:
+                    return {**data, "reasoning_budget": data[alias]}
+        return data
 
     @model_validator(mode="before")
     @classmethod
@@ -307,6 +320,10 @@ class _Sampling(JSONTyped):
         for name, why in REFUSED.items():
             if getattr(self, name) is not None:
                 return name, why
+        if self.reasoning_effort is not None and (self.reasoning_effort != "none" or not self.EFFORT_NONE):
+            return "reasoning_effort", (f"reasoning_effort {self.reasoning_effort!r}: no effort levels here"
+                                        + (" (\"none\" turns a thinking template's thinking off)" if self.EFFORT_NONE
+                                           else " (a chat completion's field)"))
         if self.verbosity not in (None, "medium"):
             return "verbosity", f"verbosity {self.verbosity!r}: only \"medium\" (the model's own length)"
         if self.modalities is not None and set(self.modalities) - {"text"}:
@@ -415,6 +432,7 @@ class AllowedToolsChoice(BaseModel):
 
 
 class ChatCompletionRequest(_Sampling):
+    EFFORT_NONE: ClassVar[bool] = True   # reasoning_effort "none": a thinking template does not think
     messages: list[ChatMessage] = Field(min_length=1)
     # llama-server's: variables for the chat template (enable_thinking: false turns Qwen3's thinking off), and
     # where a thinking model's <think> block goes ("none": left in content; else reasoning_content)

@@ -177,7 +177,16 @@ def test_structured_output_by_output_config(claude, server):
         {"type": "tool_use", "id": "t", "name": "add", "input": {}}]}]},
     {"messages": [{"role": "system", "content": "hi"}]},
     {"messages": []},
-    {"thinking": {"type": "enabled", "budget_tokens": 1024}},
+    {"thinking": {"type": "enabled"}},                               # enabled needs its budget
+    {"thinking": {"type": "enabled", "budget_tokens": -1}},
+    {"thinking": {"type": "enabled", "budget_tokens": "1024"}},
+    {"thinking": {"type": "adaptive", "budget_tokens": 1024}},       # adaptive takes none (Anthropic's 400)
+    {"thinking": {"type": "on"}},
+    {"thinking": {"type": "adaptive", "display": "full"}},
+    {"thinking": {"type": "adaptive"}, "tools": [ADD], "tool_choice": {"type": "any"}},   # as Anthropic refuses
+    {"thinking": {"type": "adaptive"}, "messages": [{"role": "user", "content": "hi"},
+                                                    {"role": "assistant", "content": "Well"}]},   # with a prefill
+    {"reasoning_effort": "none"},                                     # an OpenAI chat field, not this API's
     {"output_config": {"effort": "high"}},
     {"output_config": {"format": {"type": "json_object"}}},
     {"output_format": {"type": "json_object"}},

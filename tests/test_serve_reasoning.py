@@ -121,9 +121,9 @@ def test_ollama_thinking(server):
 
 
 def test_anthropic_messages_ask_a_thinking_template_not_to_think(server):
-    """Anthropic's API thinks only when asked (and this server has no thinking blocks): /v1/messages renders a
-    thinking template with enable_thinking false, so its answer is the one OpenAI's endpoint gives with that
-    variable; count_tokens counts that same prompt."""
+    """Anthropic's API thinks only when asked: without `thinking`, /v1/messages renders a thinking template with
+    enable_thinking false, so its answer is the one OpenAI's endpoint gives with that variable; count_tokens counts
+    that same prompt."""
     want = chat(server, max_tokens=8, chat_template_kwargs={"enable_thinking": False})["message"]["content"]
     body = {"model": "m", "max_tokens": 8, "temperature": 0, "messages": Q}
     r = httpx.post(server.url + "/v1/messages", json=body, timeout=60).json()
@@ -193,3 +193,67 @@ def test_an_answer_that_only_starts_like_a_tag_is_kept(server):
         assert chat(server, **extra)["message"]["content"] == text
         r = client.responses.create(model="m", input=Q[0]["content"], temperature=0, extra_body=extra)
         assert r.output_text == text and [o.type for o in r.output] == ["message"]
+
+
+def test_the_reasoning_budget_cuts_the_thought(server):
+    """llama-server's reasoning budget on the chat endpoint (reasoning_budget, or its names reasoning_budget_tokens
+    and thinking_budget_tokens): the thought is the start of the one written without a budget, then it is closed
+    and the answer follows; the message comes at the thought's end. reasoning_effort "none" turns thinking off,
+    as enable_thinking false does; its levels are a 400."""
+    body = {"max_tokens": 24, "ignore_eos": True}
+    free = chat(server, **body)["message"]
+    assert free["reasoning_content"] and not free["content"]   # the tiny model's thought runs on
+    cut = chat(server, reasoning_budget=3, **body)["message"]
+    assert free["reasoning_content"].startswith(cut["reasoning_content"])
+    assert len(cut["reasoning_content"]) < len(free["reasoning_content"]) and cut["content"]
+    for alias in ("reasoning_budget_tokens", "thinking_budget_tokens"):
+        assert chat(server, **{alias: 3}, **body)["message"] == cut
+    said = chat(server, reasoning_budget=3, reasoning_budget_message=" Time to answer.", **body)["message"]
+    assert said["reasoning_content"] == cut["reasoning_content"] + " Time to answer."
+    off = chat(server, max_tokens=8, reasoning_effort="none")["message"]
+    assert off == chat(server, max_tokens=8, chat_template_kwargs={"enable_thinking": False})["message"]
+    for bad in ({"reasoning_effort": "high"}, {"reasoning_budget": -2}):
+        r = httpx.post(server.url + "/v1/chat/completions", json={"messages": Q, **bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] in bad, r.text
+
+
+def test_anthropic_thinking_blocks(server):
+    """`thinking` (adaptive, or enabled with budget_tokens) lets the template think: the thought is a thinking block
+    before the text, with an empty signature, streamed as thinking_delta then signature_delta, which Anthropic's
+    own client accumulates into the same message; display "omitted" sends the block empty; budget_tokens is the
+    reasoning budget; thinking blocks sent back in the conversation are taken and left out of the prompt."""
+    anthropic = pytest.importorskip("anthropic")
+    client = anthropic.Anthropic(base_url=server.url, api_key="x", max_retries=0)
+    # temperature goes in extra_body: the client (2.x) has no such argument
+    kw = {"model": "m", "max_tokens": 60, "messages": Q, "thinking": {"type": "adaptive"},
+          "extra_body": {"temperature": 0, "grammar": GRAMMAR, "chat_template_kwargs": SELF}}
+    m = client.messages.create(**kw)
+    assert [b.type for b in m.content] == ["thinking", "text"]
+    assert (m.content[0].thinking, m.content[0].signature, m.content[1].text) == (THOUGHT, "", ANSWER)
+    with client.messages.stream(**kw) as s:
+        deltas = [e.delta.type for e in s if e.type == "content_block_delta"]
+        final = s.get_final_message()
+    assert deltas.index("thinking_delta") < deltas.index("signature_delta") < deltas.index("text_delta")
+    assert [b.model_dump() for b in final.content] == [b.model_dump() for b in m.content]
+    hidden = client.messages.create(**{**kw, "thinking": {"type": "adaptive", "display": "omitted"}})
+    assert [(b.type, getattr(b, "thinking", None)) for b in hidden.content] == [("thinking", ""), ("text", None)]
+    # budget_tokens: the same cut as the chat endpoint's reasoning budget
+    body = {"max_tokens": 24, "ignore_eos": True}
+    want = chat(server, reasoning_budget=3, **body)["message"]
+    m = client.messages.create(model="m", max_tokens=24, messages=Q, extra_body={"temperature": 0, "ignore_eos": True},
+                               thinking={"type": "enabled", "budget_tokens": 3})
+    assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in m.content] == [
+        ("thinking", want["reasoning_content"]), ("text", want["content"])]
+    # an earlier turn's thinking block is taken and dropped, as the template drops an earlier thought
+    turns = [Q[0], {"role": "assistant", "content": [{"type": "thinking", "thinking": "Hmm.", "signature": ""},
+                                                     {"type": "redacted_thinking", "data": "xx"},
+                                                     {"type": "text", "text": "Five."}]},
+             {"role": "user", "content": "And 3+4?"}]
+    plain = [Q[0], {"role": "assistant", "content": "Five."}, {"role": "user", "content": "And 3+4?"}]
+    a = client.messages.create(model="m", max_tokens=8, messages=turns, thinking={"type": "adaptive"},
+                               extra_body={"temperature": 0})
+    b = client.messages.create(model="m", max_tokens=8, messages=plain, thinking={"type": "adaptive"},
+                               extra_body={"temperature": 0})
+    assert a.model_dump()["content"] == b.model_dump()["content"] and a.usage.input_tokens == b.usage.input_tokens
+    n = client.messages.count_tokens(model="m", messages=plain, thinking={"type": "adaptive"})
+    assert n.input_tokens == b.usage.input_tokens + (b.usage.cache_read_input_tokens or 0)

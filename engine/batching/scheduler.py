@@ -36,6 +36,7 @@ import numpy as np
 from ..errors import BitNetError, ContextOverflowError, QueueFullError
 from ..runtime.constraints import compile_constraint
 from ..runtime.generate import Chunk, Stats, _StopMatcher
+from ..runtime.reasoning import budget_matcher
 from ..runtime.sampling import Sampler, SamplingParams
 from ..runtime.speculative import OFF, DraftLength, LookupParams, PromptLookup
 from ..cpu import BATCH_TOKENS_MAX
@@ -227,8 +228,8 @@ class BatchScheduler(Drafts, Embeddings, Scoring):
                     seq.banned = [t for t in self._eos if 0 <= t < vocab]
                 if self.draft_max > 0:
                     seq.finder, seq.draft_len = PromptLookup(self.lookup), DraftLength(self.draft_max)
-                if compiled is not None:
-                    seq.cm = compiled.matcher()
+                seq.cm = budget_matcher(compiled.matcher() if compiled is not None else None, self.tokenizer, prompt,
+                                        params.reasoning_budget, params.reasoning_budget_message)  # the same for every choice
                 seqs.append(seq)
             lead = seqs[0]
             lead.forks = seqs[1:]

@@ -258,6 +258,13 @@ class StreamDecoder:
         self._prefix, self._read = self._read, len(self._ids)
         return new
 
+    @property
+    def pending(self) -> bool:
+        """Bytes of a character not yet complete are held (the next push may finish it)."""
+        if self._byte_level:
+            return bool(self._utf8.getstate()[0])
+        return self._read < len(self._ids)
+
     def flush(self) -> str:
         if self._byte_level:
             return self._utf8.decode(b"", final=True)

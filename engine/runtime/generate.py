@@ -19,6 +19,7 @@ import numpy as np
 
 from ..errors import BitNetError, ContextOverflowError
 from .constraints import compile_constraint
+from .reasoning import budget_matcher
 from .sampling import Sampler, SamplingParams, TokenLogprob
 from .speculative import DraftLength, LookupParams, PromptLookup, choose_draft, default_lookup
 
@@ -168,7 +169,8 @@ def generate(model, tokenizer, prompt_ids: Sequence[int], params: SamplingParams
     spec = (default_lookup(model) if lookup is None else lookup.check())
     finder = PromptLookup(spec) if spec.draft_max > 0 and model.verify_max > 1 else None
     draft_len = DraftLength(min(spec.draft_max, model.verify_max - 1)) if finder else None
-    cm = compiled.matcher() if compiled is not None else None
+    cm = budget_matcher(compiled.matcher() if compiled is not None else None, tokenizer, prompt,
+                        sampler.p.reasoning_budget, sampler.p.reasoning_budget_message)
     forcing = cm is not None and cm.jump_forward and model.verify_max > 1
     # the verify pass being consumed: rows[i] = logits after draft[:i]; base = n_past before it; j = row in use;
     # looked_up: the draft came from prompt lookup (its length adapts), not from the grammar's forced tokens

@@ -14,6 +14,8 @@ start with <think> is all content; one whose </think> never comes (max_tokens) i
 """
 from __future__ import annotations
 
+import numpy as np
+
 OPEN, CLOSE = "<think>", "</think>"
 
 
@@ -89,3 +91,112 @@ class ThinkSplitter:
         if self.mode == "start":
             return "", rest.strip() and rest
         return "", rest if self.mode == "content" else ""
+
+
+# ---- the reasoning budget (llama.cpp's --reasoning-budget) ----------------------------------------------------
+# After `budget` tokens inside the answer's <think> block, the next tokens are forced to the budget message and
+# the closing tag, and the answer goes on from there; a thought that closes in time is left alone. It is applied
+# as a token mask around the sequence's grammar matcher (engine/runtime/constraints.py), so the single-stream
+# generator and the batching scheduler run it the same way, drafts included (each row is masked as it is sampled).
+BUDGET_END = "\n" + CLOSE + "\n\n"
+
+
+def budget_matcher(inner, tokenizer, prompt_ids, budget: int, message: str = ""):
+    """`inner` (a grammar's TokenMatcher, or None) wrapped in a ThoughtBudget of `budget` tokens (-1: none, inner
+    as it is). The answer starts inside the thought where the prompt ends with an open <think>."""
+    if budget is None or budget < 0:
+        return inner
+    opened = prompt_opens_thought(tokenizer.decode(list(prompt_ids[-8:])))
+    forced = tokenizer.encode(message + BUDGET_END, add_bos=False, special=True)
+    return ThoughtBudget(inner, tokenizer, budget, forced, opened)
+
+
+class ThoughtBudget:
+    """A TokenMatcher's interface (apply / advance / done / forced / valid_prefix / start_mask) over an optional
+    inner one. States: start (before the answer's first text: a <think> there opens the count), count, force (the
+    forced tokens, one a step), off (the thought closed, or never opened: the inner matcher alone)."""
+
+    def __init__(self, inner, tokenizer, budget: int, forced: list[int], opened: bool):
+        self.inner, self.left, self.forced_ids = inner, int(budget), list(forced)
+        self.jump_forward = inner.jump_forward if inner is not None else False
+        self.detok = tokenizer.stream(skip_special=False)   # the tags, even where a tokenizer calls them special
+        self.text = ""          # the text of the thought so far that may still hold (part of) a tag
+        self.i = 0              # the next forced token
+        self.state = "start"
+        if opened:
+            self._open()
+
+    def _open(self):
+        self.state, self.text = "count", ""
+        if self.left <= 0:
+            self._force()
+
+    def _force(self):
+        self.state = "force" if self.forced_ids else "off"
+
+    # -- the matcher interface ------------------------------------------------------------------------------
+    def start_mask(self):
+        if self.inner is not None:
+            self.inner.start_mask()
+
+    def apply(self, logits):
+        if self.inner is not None:
+            self.inner.apply(logits)
+        if self.state == "force":
+            t = self.forced_ids[self.i]
+            v = logits[t]
+            if v == -np.inf:   # the grammar forbids the end of the thought here: it goes on as the grammar says
+                self.state = "off"
+                return
+            logits[:] = -np.inf
+            logits[t] = v
+
+    def advance(self, token: int):
+        if self.inner is not None:
+            self.inner.advance(token)
+        state = self.state
+        if state == "off":
+            return
+        if state == "force":
+            self.i += 1
+            if self.i >= len(self.forced_ids) or token != self.forced_ids[self.i - 1]:
+                self.state = "off"
+            return
+        self.text += self.detok.push(token)
+        if state == "start":
+            s = self.text.lstrip()
+            if s.startswith(OPEN):
+                self.text = s[len(OPEN):]
+                self._open()
+                state = self.state
+                if state != "count":
+                    return
+            elif s and not OPEN.startswith(s):
+                self.state = "off"   # the answer does not start with a thought
+                return
+            else:
+                return
+        else:
+            self.left -= 1
+        if CLOSE in self.text:
+            self.state = "off"
+            return
+        self.text = self.text[-(len(CLOSE) - 1):]
+        if self.left <= 0 and not self.detok.pending:   # not inside a character: it would be cut in two
+            self._force()
+
+    @property
+    def done(self) -> bool:
+        return self.inner.done if self.inner is not None else False
+
+    @property
+    def accepting(self) -> bool:
+        return self.inner.accepting if self.inner is not None else True
+
+    def forced(self, limit: int) -> list[int]:
+        if self.state == "force" or self.inner is None:
+            return []
+        return self.inner.forced(limit)
+
+    def valid_prefix(self, tokens) -> list[int]:
+        return self.inner.valid_prefix(tokens) if self.inner is not None else list(tokens)

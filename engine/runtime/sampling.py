@@ -45,6 +45,10 @@ class SamplingParams:
     mirostat: int = 0               # 1, 2: Mirostat v1 / v2 instead of top-k .. min-p (0 -> off)
     mirostat_tau: float = 5.0       # its target surprise (bits)
     mirostat_eta: float = 0.1       # its learning rate
+    # a thinking model's <think> block (engine/runtime/reasoning.py): after this many tokens its end is forced,
+    # the message first (llama.cpp's --reasoning-budget / --reasoning-budget-message); -1: no limit, 0: none
+    reasoning_budget: int = -1
+    reasoning_budget_message: str = ""
     record_logprobs: int | None = None  # None -> off; k -> each step records the token's logprob and the best k
 
     def check(self, names: dict[str, str] | None = None):
@@ -97,6 +101,9 @@ _RULES = {
     "mirostat": (lambda v: isinstance(v, int) and v in (0, 1, 2), "must be 0, 1 or 2 (0 = off)"),
     "mirostat_tau": (lambda v: 0 <= v < math.inf, "must be >= 0 and finite"),
     "mirostat_eta": (lambda v: 0 <= v < math.inf, "must be >= 0 and finite"),
+    "reasoning_budget": (lambda v: isinstance(v, int) and v >= -1,
+                         "must be an integer >= -1 (-1 = no limit, 0 = end the thought at once)"),
+    "reasoning_budget_message": (lambda v: isinstance(v, str), "must be text"),
 }
 LOGIT_BIAS_MAX = 100.0
 
