@@ -20,7 +20,9 @@ COMMANDS = ["run", "convert", "inspect", "info", "pull", "list", "rm", "serve", 
 
 def build_parser(subparsers: dict | None = None) -> argparse.ArgumentParser:
     """The `bitnet` parser; `subparsers` (if given) is filled with name -> subcommand parser."""
-    p = argparse.ArgumentParser(
+    from .flags import Parser
+
+    p = Parser(
         prog="bitnet",
         description="Run BitNet b1.58 ternary language models on the CPU.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,

@@ -23,7 +23,7 @@ import time
 
 from ..chat.commands import FIELD_OF_SETTING, Settings
 from ..chat.render import Output
-from .flags import (RANDOM_SEED, UNTIL_END, add_engine_args, add_system_args, apply_chat_template, check_engine_args,
+from .flags import (RANDOM_SEED, UNTIL_END, Parser, add_engine_args, add_system_args, apply_chat_template, check_engine_args,
                     maybe_autocomplete, parse_args_suggesting)
 
 UNTIL_END_TOKENS = 1 << 30   # -n -1: clamped to the context window once the model is loaded
@@ -32,7 +32,7 @@ UNTIL_END_TOKENS = 1 << 30   # -n -1: clamped to the context window once the mod
 def build_parser() -> argparse.ArgumentParser:
     from ..engine import __version__
 
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="bitchat",
         description="Chat with a BitNet b1.58 model in the terminal. Type /help inside for commands.",
         epilog="Input history: $BITCHAT_HISTORY or $XDG_STATE_HOME/bitchat/history. "

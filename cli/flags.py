@@ -35,7 +35,7 @@ SAMPLING_FLAGS = {
     "min_p": (("--min-p",), float, "P", "min-p (0 = off)"),
     "repeat_penalty": (("--repeat-penalty",), float, "R", "repetition penalty (1 = off)"),
     "repeat_last_n": (("--repeat-last-n",), int, "N", "tokens the repetition penalty looks back at"),
-    "seed": (("--seed",), int, "S", "random seed; -1 or none: a random one (printed with -v)"),
+    "seed": (("--seed", "-s"), int, "S", "random seed; -1 or none: a random one (printed with -v)"),
     "presence_penalty": (("--presence-penalty",), float, "P", "OpenAI's presence penalty on generated tokens (0 = off)"),
     "frequency_penalty": (("--frequency-penalty",), float, "F", "OpenAI's frequency penalty on generated tokens (0 = off)"),
     "dry_multiplier": (("--dry-multiplier",), float, "M", "DRY: penalty multiplier of tokens extending a repeat (0 = off)"),
@@ -96,6 +96,12 @@ def add_engine_args(p: argparse.ArgumentParser, *, n_predict_default: int | None
                         "batched or decoded) or bf16 (CPUs with AVX512_BF16: attention ~1.6x faster, a 4,096-token "
                         "prompt ~1.2x; results within bf16 rounding; docs/performance.md; $BITNET_ATTENTION)"
                         "%(default).0s")
+    p.add_argument("-e", "--escape", dest="escape", action="store_true", default=True,
+                   help="process escapes (\\n \\r \\t \\' \\\" \\\\ \\xHH) in -p, --stop and --dry-sequence-breaker, as "
+                        "llama.cpp does (on; a file's text is taken as it is)%(default).0s")
+    p.add_argument("--no-escape", dest="escape", action="store_false", help="take those texts as typed")
+    p.add_argument("--jinja", action="store_true",
+                   help="accepted for llama.cpp's command lines: chat templates are always Jinja2 here")
     p.add_argument("--mmap", dest="mmap", action="store_const", const=True, default=None,
                    help="map the model file instead of reading its weights into huge-page memory: starts at once "
                         "and shares the file's pages with other processes, decodes ~10%% slower (default: models "
@@ -269,12 +275,87 @@ def sampling_params_from_args(args: argparse.Namespace, seed: int | None = None)
     values = {field: getattr(args, field) for field in SAMPLING_FLAGS}
     breakers = getattr(args, "dry_sequence_breakers", None)
     if breakers is not None:   # llama.cpp's --dry-sequence-breaker: replaces the defaults; "none": no breakers
-        values["dry_sequence_breakers"] = tuple(b for b in breakers if b != "none")
+        values["dry_sequence_breakers"] = tuple(escaped(args, b) for b in breakers if b != "none")
     if seed is not None:
         values["seed"] = seed
     elif values["seed"] == RANDOM_SEED:
         values["seed"] = None
     return SamplingParams(**values).check({f: spellings[0] for f, (spellings, *_) in SAMPLING_FLAGS.items()})
+
+
+_ESCAPES = {"n": "\n", "r": "\r", "t": "\t", "'": "'", '"': '"', "\\": "\\"}
+
+
+def process_escapes(text: str) -> str:
+    """llama.cpp's string_process_escapes: \\n \\r \\t \\' \\" \\\\ and \\xHH; any other backslash stays as typed."""
+    out, i, n = [], 0, len(text)
+    while i < n:
+        c = text[i]
+        if c == "\\" and i + 1 < n:
+            e = text[i + 1]
+            if e in _ESCAPES:
+                out.append(_ESCAPES[e])
+                i += 2
+                continue
+            hh = text[i + 2:i + 4]
+            if e == "x" and len(hh) == 2 and all(h in "0123456789abcdefABCDEF" for h in hh):
+                out.append(chr(int(hh, 16)))   # a character (llama.cpp's is a byte: the same below 0x80)
+                i += 4
+                continue
+        out.append(c)
+        i += 1
+    return "".join(out)
+
+
+def escaped(args: argparse.Namespace, text: str) -> str:
+    """`text` with its escapes processed unless --no-escape was given (llama.cpp's -e, on by default)."""
+    return process_escapes(text) if getattr(args, "escape", True) else text
+
+
+# ---- parsing: exact flags only ---------------------------------------------------------------------------
+class Parser(argparse.ArgumentParser):
+    """argparse without its guesses: a flag is matched only as spelled (no `--metrics` -> --metrics-public, `--keep`
+    -> --keep-alive-timeout prefixes), and a single-dash flag takes no value glued to it (`-s 42`, llama.cpp's seed,
+    was read as `-sys 42`, a system prompt; `-ngl 99` as `-n gl`). The user's llama.cpp habits then meet a clear
+    refusal (LLAMA_ONLY) instead of another flag's meaning."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def _get_option_tuples(self, option_string):
+        return []
+
+
+# llama.cpp flags this engine has no use for, and why (one line instead of "unrecognized arguments")
+LLAMA_ONLY = {
+    ("-ngl", "--gpu-layers", "--n-gpu-layers"): "GPU offload does not apply: this engine runs on the CPU",
+    ("-fa", "--flash-attn"): "attention is always fused here (no flag needed)",
+    ("-ctk", "--cache-type-k", "-ctv", "--cache-type-v"): "the KV cache's type is --kv (f16, f32, q8: K and V together)",
+    ("-tb", "--threads-batch"): "one thread count serves prompts and generation here: -t/--threads",
+    ("-hf", "--hf-repo", "-hfr"): "download a model with `bitnet pull REPO`, then -m REPO",
+    ("--mlock",): "the weights are memory-mapped and read at the memory's speed; locking them is not supported",
+    ("-sm", "--split-mode", "-ts", "--tensor-split", "-mg", "--main-gpu", "-dev", "--device"):
+        "there are no GPUs to split across: this engine runs on the CPU",
+    ("--numa",): "NUMA placement is left to the operating system",
+    ("--rope-scaling", "--rope-scale", "--rope-freq-base", "--rope-freq-scale", "--yarn-orig-ctx"):
+        "RoPE scaling is not supported: -c above the trained context warns instead",
+    ("-i", "--interactive", "-if", "--interactive-first"): "chat interactively with `bitchat` (or `bitnet run --chat`)",
+    ("--lora", "--lora-scaled", "--control-vector"): "adapters are not supported",
+    ("--keep", "--context-shift"): "the context does not shift here: a prompt longer than -c is refused",
+    ("-n", "--n-predict"): "bitnet serve has no server-wide answer length: each request's max_tokens (n_predict, "
+                           "num_predict) sets it",
+    ("-md", "--model-draft", "-ngld", "--gpu-layers-draft"): "speculation uses prompt lookup here (--draft-max K), not "
+                                                            "a draft model",
+}
+
+
+def llama_only(word: str) -> str | None:
+    flag = word.split("=", 1)[0]
+    for flags, why in LLAMA_ONLY.items():
+        if flag in flags:
+            return f"{flag}: {why}"
+    return None
 
 
 # ---- unknown flags: the subcommand's usage and a suggestion -------------------------------------------------
@@ -287,12 +368,16 @@ def suggestion(parser: argparse.ArgumentParser, word: str) -> str | None:
     flag = word.split("=", 1)[0]
     if not flag.startswith("-"):
         return None
-    close = difflib.get_close_matches(flag, _option_strings(parser), n=1, cutoff=0.6)
+    close = difflib.get_close_matches(flag, _option_strings(parser), n=1, cutoff=0.75)
     return close[0] if close else None
 
 
 def reject_unknown(parser: argparse.ArgumentParser, extras: list[str]) -> None:
     """parser.error() (usage + one line, exit 2) naming the unrecognized arguments and a close flag."""
+    for word in extras:
+        why = llama_only(word)
+        if why:
+            parser.error(why)
     msg = f"unrecognized arguments: {' '.join(extras)}"
     for word in extras:
         close = suggestion(parser, word)

@@ -3,7 +3,7 @@ piece); progress, warnings and --verbose timings go to stderr. Ctrl-C stops gene
 printed (exit 130). Flags follow llama.cpp (cli/flags.py); `-cnv` runs the chat on stdin
 as bitchat does; `--json` prints one JSON object per line (text pieces, then the stats) for scripts."""
 from .flags import (RANDOM_SEED, UNTIL_END, add_constraint_args, add_engine_args, add_system_args, apply_chat_template,
-                    check_engine_args, constraint_from_args, sampling_params_from_args)
+                    check_engine_args, constraint_from_args, escaped, sampling_params_from_args)
 from ..engine.formats.tokenizer import decode_utf8
 
 HELP = "generate text from a prompt (streams to stdout)"
@@ -27,7 +27,8 @@ def add_arguments(p):
                    help="chat on stdin as bitchat does (a terminal gets the REPL; -p is the first message)%(default).0s")
     p.add_argument("--ignore-eos", action="store_true",
                    help="never end at the end-of-text token (only -n, the context or --stop end it)%(default).0s")
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)%(default).0s")
+    p.add_argument("--stop", "-r", "--reverse-prompt", dest="stop", action="append", default=[],
+                   help="stop string (repeatable; llama.cpp's -r)%(default).0s")
     p.add_argument("--lm-head", choices=("q4", "i8", "f16"), default=None,
                    help="LM head precision when the model gets converted (default: the converter's)%(default).0s")
     p.add_argument("--json", action="store_true",
@@ -56,7 +57,7 @@ def _read_prompt(args) -> str | None:
             return None
         raise BitNetError("no prompt: give -p/--prompt TEXT or -f/--file FILE ('-' for stdin), or -cnv to chat")
     try:
-        return decode_utf8(args.prompt, "-p/--prompt")
+        return escaped(args, decode_utf8(args.prompt, "-p/--prompt"))
     except ValueError as e:
         raise BitNetError(str(e)) from None
 
@@ -111,7 +112,8 @@ def main(args) -> int:
     apply_chat_template(llm, args)
     for w in llm.warnings:
         print(f"bitnet: warning: {w}", file=sys.stderr)
-    if args.chat or args.system is not None:  # a system prompt only means something in the chat template
+    # a system prompt or a chat template only means something in a chat (llama.cpp turns its chat on for them)
+    if args.chat or args.system is not None or args.chat_template is not None or args.chat_template_file is not None:
         msgs = ([{"role": "system", "content": args.system}] if args.system is not None else [])
         ids = llm.chat_prompt(msgs + [{"role": "user", "content": prompt}])
     else:
@@ -138,8 +140,8 @@ def main(args) -> int:
             out.write(text)
     stats = None
     try:
-        for chunk in llm.generate(ids, params, max_tokens=max_tokens, stop=args.stop, ignore_eos=args.ignore_eos,
-                                  constraint=constraint):
+        for chunk in llm.generate(ids, params, max_tokens=max_tokens, stop=[escaped(args, s) for s in args.stop],
+                                  ignore_eos=args.ignore_eos, constraint=constraint):
             if chunk.text:
                 emit(chunk.text, chunk.token)
                 out.flush()

@@ -32,9 +32,15 @@ def add_arguments(p):
                         f"products more rows; 1..{BATCH_TOKENS_MAX})%(default).0s")
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting for a free slot before answering 503 +"
                    " Retry-After (0: never wait)")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint but /health%(default).0s")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint but /health (several: KEY1,KEY2, as "
+                        "llama-server)%(default).0s")
     p.add_argument("--api-key-file", default=None, help="file of API keys, one per line (several users); with or instead of --api-key%(default).0s")
     p.add_argument("--metrics-public", action="store_true", help="serve /metrics without the API key")
+    p.add_argument("--metrics", action="store_true",
+                   help="accepted for llama-server's command lines: /metrics is always served (with the API key, "
+                        "unless --metrics-public)")
+    p.add_argument("-cb", "--cont-batching", dest="cont_batching", action="store_true",
+                   help="accepted for llama-server's command lines: batching is always continuous here")
     p.add_argument("--cors-origin", action="append", default=None, metavar="ORIGIN",
                    help="let web pages from ORIGIN (e.g. https://app.example.com; * = any) call the API from the "
                         "browser; pages of this machine (localhost, 127.0.0.1, app://, ...) always may, as with "
@@ -211,6 +217,9 @@ def main(args) -> int:
     _check(args)
     from ..serve.auth import read_key_file
     keys = tuple(read_key_file(args.api_key_file)) if args.api_key_file else ()
+    if args.api_key and "," in args.api_key:   # llama-server's --api-key K1,K2: several keys
+        keys = tuple(k for k in args.api_key.split(",") if k) + keys
+        args.api_key = None
     sampling = sampling_params_from_args(args)
     if args.models_dir or args.models_cache:
         return serve_models(args, keys)

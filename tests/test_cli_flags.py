@@ -250,3 +250,76 @@ def test_help_states_each_default_once():
                     and a.default is not argparse.SUPPRESS and (a.option_strings or a.nargs in ("?", "*")):
                 twice.append(f"{name} {'/'.join(a.option_strings) or a.dest}")
     assert not twice, twice
+
+
+def _parse(prog, argv):
+    from bitnet_cpu.cli import build_parser
+    from bitnet_cpu.cli.chat import build_parser as bitchat_parser
+    subs = {}
+    build_parser(subs)
+    return (bitchat_parser() if prog == "bitchat" else subs[prog]).parse_known_args(argv)
+
+
+@pytest.mark.parametrize("prog,argv,dest,want", [
+    ("serve", ["--metrics"], "metrics_public", False),   # llama-server's --metrics is not --metrics-public
+    ("run", ["-s", "42"], "seed", 42),                    # llama.cpp's seed, not -sys 42 (a system prompt)
+    ("run", ["-s", "42"], "system", None),
+    ("bitchat", ["-s", "42"], "system", None),
+    ("run", ["-r", "User:"], "stop", ["User:"]),          # llama.cpp's reverse prompt: a stop string
+    ("serve", ["-cb", "--jinja"], "cont_batching", True),
+])
+def test_flags_mean_what_llama_cpp_users_mean(prog, argv, dest, want):
+    args, extras = _parse(prog, argv)
+    assert not extras and getattr(args, dest) == want
+
+
+@pytest.mark.parametrize("prog,argv", [
+    ("serve", ["--keep", "256"]),      # was --keep-alive-timeout 256
+    ("serve", ["-n", "64"]),           # was -np 64
+    ("run", ["-pps"]),                 # was -p "ps"
+    ("run", ["-n5"]),                  # no value glued to a flag
+    ("run", ["--temperat", "0"]),      # no abbreviations
+])
+def test_no_flag_is_a_guess_at_another(prog, argv):
+    args, extras = _parse(prog, argv)
+    assert extras, vars(args)
+
+
+@pytest.mark.parametrize("argv,said", [
+    (["run", "-ngl", "99", "-p", "x"], "bitnet run: error: -ngl: GPU offload does not apply"),
+    (["run", "-tb", "2", "-p", "x"], "bitnet run: error: -tb: one thread count"),
+    (["serve", "-n", "64"], "bitnet serve: error: -n: bitnet serve has no server-wide answer length"),
+    (["run", "-ctk", "q8_0", "-p", "x"], "bitnet run: error: -ctk: the KV cache's type is --kv"),
+])
+def test_llama_cpp_only_flags_get_their_reason(argv, said):
+    r = bitnet(*argv)
+    assert r.returncode == 2 and said in r.stderr.splitlines()[-1], r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_escapes_as_llama_cpp_processes_them(store):
+    from bitnet_cpu.cli.flags import process_escapes
+    for typed, want in [("a\\nb", "a\nb"), ("\\t\\\\x", "\t\\x"), ("\\x41\\x4", "A\\x4"), ("end\\", "end\\"),
+                        ("q\\'\\\"", "q'\""), ("\\q", "\\q"), ("\\x4g", "\\x4g")]:
+        assert process_escapes(typed) == want, typed
+    args, _ = _parse("run", ["--dry-sequence-breaker", "\\n", "--dry-sequence-breaker", ":"])
+    from bitnet_cpu.cli.flags import sampling_params_from_args
+    assert sampling_params_from_args(args).dry_sequence_breakers == ("\n", ":")
+    args, _ = _parse("run", ["--no-escape", "--dry-sequence-breaker", "\\n"])
+    assert sampling_params_from_args(args).dry_sequence_breakers == ("\\n",)
+
+    def n_prompt(*argv):
+        r = bitnet("run", "-m", store, "-n", "1", "--temp", "0", "--json", *argv)
+        assert r.returncode == 0, r.stderr
+        return json_lines(r.stdout)[-1]["stats"]["n_prompt"]
+    escaped = n_prompt("-p", "a\\nb")
+    assert escaped == n_prompt("-p", "a\nb") != n_prompt("--no-escape", "-p", "a\\nb")
+
+
+def test_a_chat_template_flag_makes_run_a_chat(bundled):
+    def n_prompt(*argv):
+        r = bitnet("run", "-m", bundled, "-p", "hi", "-n", "1", "--temp", "0", "--json", *argv)
+        assert r.returncode == 0, r.stderr
+        return json_lines(r.stdout)[-1]["stats"]["n_prompt"]
+    plain, chat = n_prompt(), n_prompt("--chat", "--chat-template", "chatml")
+    assert n_prompt("--chat-template", "chatml") == chat != plain
