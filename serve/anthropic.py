@@ -59,7 +59,9 @@ class _Conversation(BaseModel):
             for j, b in enumerate(blocks):
                 at = f"{where}.content.{j}"
                 kind = b.get("type") if isinstance(b, dict) else None
-                if kind == "text" and isinstance(b.get("text"), str):
+                if kind == "text":
+                    if not isinstance(b.get("text"), str):
+                        raise RequestProblem(f"{at}.text", f"{at}.text: a text block needs its text (a string)")
                     texts.append(b["text"])
                 elif kind in ("thinking", "redacted_thinking") and m["role"] == "assistant":
                     continue   # an earlier turn's thought: the templates leave it out of the prompt
@@ -306,8 +308,10 @@ class MessageBuilder:
             ev.append(self._event("content_block_delta", index=len(self.content) - 1,
                                   delta={"type": "text_delta", "text": content}))
         for c in calls:
-            ev += self._close_text()
             fn = c["function"]
+            if not fn["name"]:   # cut (a stop sequence, max_tokens) before its name: no tool_use to show
+                continue
+            ev += self._close_text()
             try:
                 args = json.loads(fn["arguments"])
             except ValueError:   # a call cut at max_tokens: its arguments so far are no object

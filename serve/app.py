@@ -48,7 +48,7 @@ PROMPT_FIELD = {"/v1/chat/completions": "messages", "/v1/completions": "prompt",
 
 
 # the paths outside /v1/ and /api/ that /metrics counts requests of (others, unknown ones, are not labelled)
-COUNTED_PATHS = {"/health", "/slots", "/metrics", "/completion", "/completions", "/tokenize", "/detokenize",
+COUNTED_PATHS = {"/health", "/v1/health", "/slots", "/metrics", "/completion", "/completions", "/tokenize", "/detokenize",
                  "/apply-template", "/props", "/embedding", "/embeddings"}
 
 
@@ -850,6 +850,7 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
                        "FIM tokens; send the prefix to /completion", "not_supported_error", code="not_supported")
 
     @app.get("/health")
+    @app.get("/v1/health")   # llama-server's other path
     async def health():
         if state.engine is not None and not state.draining:
             return {"status": "ok"}

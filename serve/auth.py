@@ -24,7 +24,7 @@ from typing import Iterable
 
 from .limits import send_error
 
-OPEN_PATHS = ("/health",)
+OPEN_PATHS = ("/health", "/v1/health")
 # ollama's default origins: this machine's pages and local app shells
 LOCAL_ORIGINS = (r"https?://(localhost|127\.0\.0\.1|\[::1\]|0\.0\.0\.0)(:\d+)?"
                  r"|(app|file|tauri|vscode-webview|vscode-file)://.*")

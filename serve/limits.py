@@ -219,7 +219,7 @@ class LimitsMiddleware:
 
     async def _run(self, scope, receive, send):
         timeout = self.limits.request_timeout
-        if not timeout or scope.get("path") in ("/health", "/metrics"):
+        if not timeout or scope.get("path") in ("/health", "/v1/health", "/metrics"):
             return await self.app(scope, receive, send)
         state = {"started": False, "done": False, "stream": None}
 

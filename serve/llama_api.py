@@ -29,6 +29,9 @@ NO_OP_SAMPLERS = {"tfs_z", "penalties", "infill"}
 # llama.cpp's other spellings of the chain's names (kebab-case, no underscore, a few words)
 SAMPLER_ALIASES = {**{n.replace("_", "-"): n for n in CHAIN}, **{n.replace("_", ""): n for n in CHAIN},
                    "typical_p": "typ_p", "typical": "typ_p", "typ": "typ_p", "nucleus": "top_p", "temp": "temperature"}
+# llama-server's one-letter names (`"samplers": "kpt"`; common_sampler_type_to_chr)
+SAMPLER_LETTERS = {"d": "dry", "k": "top_k", "y": "typ_p", "p": "top_p", "s": "top_n_sigma", "m": "min_p",
+                   "t": "temperature", "x": "xtc", "i": "infill", "e": "penalties"}
 # a sampler left out of the chain: the SamplingParams field that turns it off, and its "off" value
 CHAIN_OFF = {"dry": ("dry_multiplier", 0.0), "top_n_sigma": ("top_n_sigma", -1.0), "top_k": ("top_k", 0),
              "typ_p": ("typical_p", 1.0), "top_p": ("top_p", 1.0), "min_p": ("min_p", 0.0),
@@ -50,13 +53,18 @@ class NativeCompletionRequest(_Sampling):
     max_tokens: Optional[int] = None   # n_predict's other name in llama-server (-1: to the context's end)
     n_probs: int = Field(default=0, ge=0, le=20)
     return_tokens: bool = False
-    samplers: Optional[list[str]] = None
+    samplers: Optional[list[str]] = None   # names, or llama-server's string of letters ("kpt")
     response_fields: Optional[list[str]] = None
     timings_per_token: bool = False
     cache_prompt: bool = True     # ignored by design: a cached prefix gives the same bits as a fresh one
     id_slot: Optional[int] = None  # ignored by design: the scheduler places sequences
     n_keep: Optional[int] = None   # ignored by design: the context never shifts (a prompt over it is refused)
     logit_bias: Union[dict[str, float], list[Any], None] = None
+
+    @field_validator("samplers", mode="before")
+    @classmethod
+    def _sampler_letters(cls, value):
+        return [SAMPLER_LETTERS.get(c, c) for c in value] if isinstance(value, str) else value
 
     @field_validator("temperature", mode="before")
     @classmethod

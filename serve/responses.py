@@ -60,7 +60,9 @@ class ResponsesRequest(_Sampling):
 
     # -- what the chat pipeline (serve/app.py) asks of a request --
     def limit(self) -> Optional[int]:
-        return self.max_output_tokens if self.max_output_tokens is not None else self.max_tokens
+        if self.max_output_tokens is not None:
+            return self.max_output_tokens
+        return self.max_tokens if self.max_tokens is not None else self.predict_limit(None)
 
     def wants_logprobs(self) -> bool:
         return INCLUDE_LOGPROBS in (self.include or ()) or self.top_logprobs is not None

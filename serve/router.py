@@ -594,6 +594,7 @@ def create_router_app(router: Router, *, api_keys: tuple = (), limits: Limits | 
         return error(request, e)
 
     @app.get("/health")
+    @app.get("/v1/health")   # llama-server's other path
     async def health():
         if router.draining:
             return JSONResponse({"error": {"message": "shutting down", "type": "unavailable_error", "param": None,
@@ -736,6 +737,17 @@ def create_router_app(router: Router, *, api_keys: tuple = (), limits: Limits | 
         if "model" in request.query_params:
             return await forward(request)
         return Response(router.metrics_text(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/props")
+    async def props(request: Request):
+        """llama-server's router answers /props without a model with its own (the web UI reads it before it knows
+        a model); with ?model=NAME (or one model served) it is that model's, forwarded."""
+        if request.query_params.get("model") is not None or len(router.models) == 1:
+            return await forward(request)
+        from ..engine import __version__
+        return {"role": "router", "model_alias": "", "model_path": "", "total_slots": 0, "chat_template": "",
+                "default_generation_settings": {"n_ctx": 0, "params": {}},
+                "modalities": {"vision": False, "audio": False}, "build_info": f"bitnet-cpu {__version__}"}
 
     @app.get("/", response_class=HTMLResponse)
     async def page():

@@ -215,6 +215,19 @@ class _Sampling(JSONTyped):
 
     @model_validator(mode="before")
     @classmethod
+    def _minus_one_is_no_limit(cls, data):
+        """llama-server's -1 for a length field (max_tokens, max_completion_tokens, max_output_tokens: n_predict's
+        aliases there) is "to the context's end"; llama.cpp's web UI sends it on every message. Other negatives
+        stay the 400 of the field's own rule."""
+        if isinstance(data, dict):
+            for name in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
+                if data.get(name) == -1 and not isinstance(data.get(name), bool) and name in cls.model_fields \
+                        and not cls.model_fields[name].is_required():
+                    data = {**{k: v for k, v in data.items() if k != name}, "n_predict": data.get("n_predict", -1)}
+        return data
+
+    @model_validator(mode="before")
+    @classmethod
     def _budget_aliases(cls, data):
         """llama-server's other names of reasoning_budget: reasoning_budget_tokens, thinking_budget_tokens."""
         if isinstance(data, dict) and "reasoning_budget" not in data:

@@ -612,3 +612,22 @@ def test_several_api_keys_in_one_flag_and_metrics_stay_behind_them():
         assert httpx.get(s.url + "/metrics", headers={"Authorization": "Bearer k2"}).status_code == 200
     finally:
         s.stop()
+
+
+def test_minus_one_lengths_run_to_the_end(server):
+    """llama-server reads max_tokens / max_completion_tokens / max_output_tokens -1 as n_predict -1 (to the
+    context's end), and llama.cpp's web UI sends max_tokens -1 on every message (it was a 400); other negatives
+    stay a 400."""
+    msgs = [{"role": "user", "content": "Say hi."}]
+    want = httpx.post(server.url + "/v1/chat/completions", json={"messages": msgs, "temperature": 0}, timeout=120)
+    assert want.status_code == 200
+    for field in ("max_tokens", "max_completion_tokens"):
+        r = httpx.post(server.url + "/v1/chat/completions", json={"messages": msgs, "temperature": 0, field: -1},
+                       timeout=120)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"] == want.json()["choices"][0]["message"]
+    r = httpx.post(server.url + "/v1/responses", json={"input": "Say hi.", "temperature": 0, "max_output_tokens": -1},
+                   timeout=120)
+    assert r.status_code == 200 and r.json()["status"] == "completed", r.text
+    r = httpx.post(server.url + "/v1/chat/completions", json={"messages": msgs, "max_tokens": -2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"

@@ -150,6 +150,11 @@ def test_stop_sequences_and_count_tokens(claude, server):
         n = claude.messages.count_tokens(model="any", messages=kw["messages"], **extra).input_tokens
         u = claude.messages.create(max_tokens=1, model="any", messages=kw["messages"], **extra, **GREEDY).usage
         assert n == u.input_tokens + u.cache_read_input_tokens
+    # a stop sequence that matches the call's own markup (the newline after <tool_call>) cuts the call before its
+    # name: no tool_use block with an empty name (the client would send it back as a call to no tool)
+    m = claude.messages.create(model="any", max_tokens=30, messages=[{"role": "user", "content": Q}], tools=[ADD],
+                               tool_choice={"type": "any"}, stop_sequences=["\n"], **GREEDY)
+    assert m.stop_reason == "stop_sequence" and all(b.type != "tool_use" or b.name for b in m.content), m
 
 
 def test_structured_output_by_output_config(claude, server):
@@ -176,6 +181,7 @@ def test_structured_output_by_output_config(claude, server):
     {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": [
         {"type": "tool_use", "id": "t", "name": "add", "input": {}}]}]},
     {"messages": [{"role": "system", "content": "hi"}]},
+    {"messages": [{"role": "user", "content": [{"type": "text"}]}]},   # a text block without its text
     {"messages": []},
     {"thinking": {"type": "enabled"}},                               # enabled needs its budget
     {"thinking": {"type": "enabled", "budget_tokens": -1}},

@@ -163,6 +163,10 @@ def test_completion_prompt_forms_samplers_and_bias(server):
     kw = dict(temperature=1.0, seed=3, n_predict=16, top_p=1.0, min_p=0.0)
     assert complete(server, samplers=["top_p", "min_p", "temperature"], top_k=5, **kw)["content"] == \
         complete(server, top_k=0, **kw)["content"]
+    # llama-server's string of letters names the same chain (p top_p, m min_p, t temperature)
+    assert complete(server, samplers="pmt", top_k=5, **kw)["content"] == complete(server, top_k=0, **kw)["content"]
+    r = post(server, "/completion", {"prompt": P, "samplers": "kq"})
+    assert r.status_code == 400 and "'q'" in r.json()["error"]["message"]
     first = complete(server, return_tokens=True)["tokens"][0]
     banned = complete(server, return_tokens=True, logit_bias=[[first, False]])
     assert banned["tokens"][0] != first

@@ -644,3 +644,15 @@ def test_keep_alive_nonsense(value):
     from bitnet_cpu.serve.router import parse_keep_alive
     with pytest.raises(ValueError):
         parse_keep_alive(value)
+
+
+def test_props_without_a_model_and_v1_health(router):
+    """llama-server's router answers GET /props with no model itself (its web UI asks before it knows a model; it
+    was a 400 missing_model here); ?model=NAME is that model's /props. /v1/health is /health, open as /health."""
+    r = httpx.get(router.url + "/props", timeout=30)
+    assert r.status_code == 200, r.text
+    assert r.json()["role"] == "router" and r.json()["default_generation_settings"]["params"] == {}
+    assert post(router.url, "/models/load", {"model": "tiny"}).json() == {"success": True}   # GETs never load
+    one = httpx.get(router.url + "/props", params={"model": "tiny"}, timeout=60).json()
+    assert one["default_generation_settings"]["n_ctx"] == 1024 and one["model_alias"] == "tiny"
+    assert httpx.get(router.url + "/v1/health").json()["status"] == "ok"
