@@ -35,7 +35,8 @@ from .metrics import CONTENT_TYPE, ServerMetrics, TokenClock
 from .offload import (BodyRefused, next_or_gone, offloop_route, prepare_sampling, prompt_body_bound, run_off_loop,
                       too_long_for_context, warm_bounds)
 from .responses import ResponseBuilder, ResponsesRequest
-from .schemas import ChatCompletionRequest, CompletionRequest, RequestProblem, error_where, main_error, model_object
+from .schemas import (ChatCompletionRequest, CompletionRequest, RequestProblem, continuation, error_where, main_error,
+                      model_object)
 
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context": "length", "cancelled": "stop"}
 ENGINE_FAULT = "the engine failed while generating this answer (the server goes on; see its log)"
@@ -508,8 +509,11 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
+        with translated():   # a final assistant message is continued, as llama-server does
+            msgs, prefill = continuation([m.as_dict() for m in body.messages], body.continue_final_message,
+                                         body.add_generation_prompt)
         eng, prompt_ids, streams, q, new_parser, new_splitter = await start_chat(
-            request, body, [m.as_dict() for m in body.messages], body.tools, body.tool_choice_name(), "messages",
+            request, body, msgs, body.tools, body.tool_choice_name(), "messages", prefill or "",
             allowed=body.allowed_tools(), thinking=body.reasoning_effort != "none")
         cid, created, model = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time()), state.model_id
         head = {"id": cid, "created": created, "model": model, "system_fingerprint": None}
@@ -517,7 +521,7 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         parsers = [new_parser() if new_parser is not None else None for _ in streams]   # one per choice
         n_calls = [0] * len(streams)
         # a thinking model's <think> block goes to reasoning_content (llama-server's --reasoning-format deepseek)
-        splitters = [new_splitter() if body.reasoning_format != "none" else None for _ in streams]
+        splitters = [new_splitter() if body.reasoning_format != "none" and prefill is None else None for _ in streams]
 
         def split(i, text):
             """(reasoning, content) of the next text of choice i (text None: the end)."""

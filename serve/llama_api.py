@@ -18,7 +18,7 @@ from ..engine import __version__
 from ..engine.runtime.sampling import SamplingParams
 from .logprobs import chat_entry
 from .offload import run_off_loop, too_long_for_context
-from .schemas import ChatMessage, JSONTyped, _Sampling
+from .schemas import ChatMessage, JSONTyped, RequestProblem, _Sampling, continuation
 
 # llama-server's sampler names. The engine's chain is bias -> penalties -> dry -> top_n_sigma -> top_k -> typ_p ->
 # top_p -> min_p -> xtc -> temperature (engine/runtime/sampling.py, llama.cpp's default order); a `samplers` list
@@ -217,7 +217,8 @@ class ApplyTemplateRequest(JSONTyped):
     model_config = ConfigDict(extra="ignore")
     messages: list[ChatMessage] = Field(min_length=1)
     tools: Optional[list[dict]] = None
-    add_generation_prompt: bool = True
+    add_generation_prompt: Optional[bool] = None   # None: true, unless a final assistant message is continued
+    continue_final_message: Optional[bool] = None
 
 
 def piece_of(text_of, i: int):
@@ -346,8 +347,20 @@ def register(app, state, ready, api_error: type, pipe, *, sampling=None):
         msg = await too_long_for_context(eng, sum(len(m["content"]) for m in msgs))
         if msg:
             raise api_error(400, msg, param="messages", code="context_length_exceeded")
+        # a final assistant message is continued, as the chat endpoint continues it (llama-server's default); else
+        # add_generation_prompt false renders the conversation as it is
+        as_is = body.continue_final_message is False or (
+            body.add_generation_prompt is False and not body.continue_final_message and msgs[-1]["role"] != "assistant")
+        if as_is:
+            head, prefill, gen = msgs, "", body.add_generation_prompt is not False
+        else:
+            try:
+                head, prefill = continuation(msgs, body.continue_final_message, body.add_generation_prompt)
+            except RequestProblem as e:
+                raise api_error(400, str(e), param=e.param, code="invalid_value") from None
+            gen, prefill = True, prefill or ""
         try:
-            prompt = await run_off_loop(eng.chat_text, msgs, body.add_generation_prompt, body.tools)
+            prompt = await run_off_loop(eng.chat_text, head, gen, body.tools) + prefill
         except Exception as e:   # the template rejected the conversation (roles out of order, bad tools)
             raise api_error(400, f"messages: {e}", param="messages", code="invalid_value") from None
         return {"prompt": prompt}

@@ -75,6 +75,32 @@ class RequestProblem(ValueError):
         self.param = param
 
 
+def continuation(msgs: list[dict], continue_final: bool | None,
+                 add_generation_prompt: bool | None) -> tuple[list[dict], str | None]:
+    """llama-server's continuation of a final assistant message (its default, --prefill-assistant; the web UI's
+    Continue sends continue_final_message true and add_generation_prompt false): (the messages the template renders
+    with its generation prompt, the text the answer continues, or None: a new turn). RequestProblem as
+    llama-server refuses: both flags true, two assistant messages at the end, nothing to continue."""
+    if continue_final and add_generation_prompt:
+        raise RequestProblem("continue_final_message", "continue_final_message and add_generation_prompt cannot "
+                                                       "both be true")
+    last = msgs[-1] if msgs else {}
+    can = last.get("role") == "assistant" and not last.get("tool_calls")
+    if continue_final is None:
+        continue_final = can
+    if not continue_final:
+        if add_generation_prompt is False:
+            raise RequestProblem("add_generation_prompt", "add_generation_prompt false: only to continue a final "
+                                                          "assistant message (continue_final_message)")
+        return msgs, None
+    if not can:
+        raise RequestProblem("continue_final_message", "continue_final_message: the last message is not an "
+                                                       "assistant's text to continue")
+    if len(msgs) >= 2 and msgs[-2].get("role") == "assistant":
+        raise RequestProblem("messages", "messages: two assistant messages at the end (the last one is continued)")
+    return msgs[:-1], last.get("content") or ""
+
+
 def text_of_parts(content, where: str, kinds: tuple[str, ...]) -> str:
     """A message's content (a string, or parts of the given text kinds) as text; a part of another kind (an image,
     a file: this model takes text only) is a RequestProblem naming it.
@@ -451,6 +477,9 @@ class ChatCompletionRequest(_Sampling):
     # where a thinking model's <think> block goes ("none": left in content; else reasoning_content)
     chat_template_kwargs: Optional[dict[str, Any]] = None
     reasoning_format: Optional[Literal["none", "auto", "deepseek"]] = None
+    # llama-server's: a final assistant message is continued (its default); these two say so explicitly
+    continue_final_message: Optional[bool] = None
+    add_generation_prompt: Optional[bool] = None
     max_completion_tokens: Optional[int] = Field(default=None, ge=0)
     logprobs: Optional[bool] = None
     top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)

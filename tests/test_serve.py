@@ -148,7 +148,7 @@ def _err(r: httpx.Response, status: int) -> dict:
                                                 {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]},
      "messages.0.content.1"),
     ({"messages": Q, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
-    ({"messages": Q, "max_tokens": -1}, "max_tokens"),
+    ({"messages": Q, "max_tokens": -2}, "max_tokens"),   # (-1 is llama-server's "to the end")
     # JSON's own types, as OpenAI's API checks them (pydantic alone would read "0.5" as 0.5 and "yes" as true)
     ({"messages": Q, "temperature": "0.5"}, "temperature"),
     ({"messages": Q, "n": "2"}, "n"),
@@ -631,3 +631,33 @@ def test_minus_one_lengths_run_to_the_end(server):
     assert r.status_code == 200 and r.json()["status"] == "completed", r.text
     r = httpx.post(server.url + "/v1/chat/completions", json={"messages": msgs, "max_tokens": -2})
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+
+
+def test_a_final_assistant_message_is_continued(server):
+    """As llama-server (its default, and its web UI's Continue: continue_final_message true, add_generation_prompt
+    false): the answer continues a final assistant message, as ollama's /api/chat and Anthropic's /v1/messages
+    continue it, and /apply-template shows that prompt; continue_final_message false starts a new turn; what
+    llama-server refuses is a 400 (both flags true, two assistant messages at the end)."""
+    m = [{"role": "user", "content": "Tell a story"}, {"role": "assistant", "content": "Once upon a"}]
+
+    def chat(**kw):
+        r = httpx.post(server.url + "/v1/chat/completions", json={"messages": m, "max_tokens": 8, "temperature": 0,
+                                                                   **kw}, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["message"]["content"]
+    ollama_said = httpx.post(server.url + "/api/chat", timeout=60, json={
+        "model": "m", "messages": m, "stream": False, "options": {"num_predict": 8, "temperature": 0}}).json()
+    assert chat() == chat(continue_final_message=True, add_generation_prompt=False) == \
+        ollama_said["message"]["content"]
+    new_turn = chat(continue_final_message=False)
+    assert new_turn != chat()
+    prompt = httpx.post(server.url + "/apply-template", json={"messages": m}).json()["prompt"]
+    assert prompt.endswith("Once upon a")
+    closed = httpx.post(server.url + "/apply-template", json={"messages": m, "continue_final_message": False}).json()
+    assert closed["prompt"].startswith(prompt) and len(closed["prompt"]) > len(prompt)
+    for bad in ({"continue_final_message": True, "add_generation_prompt": True},
+                {"messages": m + [{"role": "assistant", "content": "x"}]},
+                {"messages": m[:1], "continue_final_message": True},
+                {"messages": m[:1], "add_generation_prompt": False}):
+        r = httpx.post(server.url + "/v1/chat/completions", json={"messages": m, **bad})
+        assert r.status_code == 400, (bad, r.text)
