@@ -35,6 +35,7 @@ from .metrics import CONTENT_TYPE, ServerMetrics, TokenClock
 from .offload import (BodyRefused, next_or_gone, offloop_route, prepare_sampling, prompt_body_bound, run_off_loop,
                       too_long_for_context, warm_bounds)
 from .responses import ResponseBuilder, ResponsesRequest
+from .llama_api import timings_of as llama_timings
 from .schemas import (ChatCompletionRequest, CompletionRequest, RequestProblem, continuation, error_where, main_error,
                       model_object)
 
@@ -388,11 +389,11 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
             return usage, timings_of(stats[0])
 
     def timings_of(st):
+        """llama-server's timings (its web UI reads them: prompt_n is the prompt run, cache_n the part reused),
+        with this server's cached_n and ttft_ms (the chat page's)."""
         if st is None:
             return None
-        return {"prompt_n": st.n_prompt, "cached_n": st.n_cached, "predicted_n": st.n_generated,
-                "ttft_ms": round(st.ttft_s * 1000, 1), "prompt_per_second": round(st.prefill_tps, 1),
-                "predicted_per_second": round(st.decode_tps, 1)}
+        return {**llama_timings(st), "cached_n": st.n_cached, "ttft_ms": round(st.ttft_s * 1000, 1)}
 
     class Choices:
         """What each of a request's n choices has made: text pieces, (token, TokenLogprob) items of the tokens

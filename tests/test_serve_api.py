@@ -239,10 +239,11 @@ def test_n_choices_one_prefill(client, server):
     r = httpx.post(server.url + "/v1/chat/completions", timeout=60,
                    json={"messages": q, "n": 4, "temperature": 0, "max_tokens": 16}).json()
     t = r["timings"]
-    assert _prefilled(server) - before == t["prompt_n"] - t["cached_n"] > 0   # one prefill, not four
+    assert _prefilled(server) - before == t["prompt_n"] > 0   # one prefill, not four (prompt_n: the part run)
+    assert t["cache_n"] == t["cached_n"] and set(t) >= {"prompt_ms", "predicted_ms", "predicted_per_token_ms"}
     texts = [c["message"]["content"] for c in r["choices"]]
     assert [c["index"] for c in r["choices"]] == [0, 1, 2, 3] and len(set(texts)) == 1 and texts[0]
-    assert r["usage"]["prompt_tokens"] == t["prompt_n"]
+    assert r["usage"]["prompt_tokens"] == t["prompt_n"] + t["cache_n"]
     one = httpx.post(server.url + "/v1/chat/completions", timeout=60,
                      json={"messages": q, "temperature": 0, "max_tokens": 16}).json()
     assert r["usage"]["completion_tokens"] == 4 * one["usage"]["completion_tokens"]   # prompt once, answers 4x
