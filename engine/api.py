@@ -44,7 +44,8 @@ __all__ = ["load_model", "LLM", "load_engine", "Engine", "SamplingParams", "Look
 
 def _resolve(model: str | None, lm_head: str | None, progress: bool) -> str:
     if model is not None and is_store(model):
-        return os.fspath(model)
+        from .formats.convert import check_store_head
+        return check_store_head(os.fspath(model), lm_head)
     if model is not None and not os.path.exists(model):
         from .formats.hub import is_hub_ref
 

@@ -323,3 +323,10 @@ def test_a_chat_template_flag_makes_run_a_chat(bundled):
         return json_lines(r.stdout)[-1]["stats"]["n_prompt"]
     plain, chat = n_prompt(), n_prompt("--chat", "--chat-template", "chatml")
     assert n_prompt("--chat-template", "chatml") == chat != plain
+
+
+def test_lm_head_of_a_converted_store_is_not_silently_another(bundled):
+    """--lm-head picks the head at conversion; on a store with another head it was ignored without a word."""
+    r = bitnet("run", "-m", bundled, "--lm-head", "q4", "-p", "hi", "-n", "1")
+    assert r.returncode == 2 and "--lm-head q4" in r.stderr and "f16 head" in r.stderr, r.stderr
+    assert bitnet("run", "-m", bundled, "--lm-head", "f16", "-p", "hi", "-n", "1").returncode == 0

@@ -340,6 +340,21 @@ def bundled_model() -> str | None:
     return None
 
 
+def check_store_head(path: str, lm_head: str | None) -> str:
+    """path, unless lm_head asks for another head than the store's: its head was chosen at its conversion, and
+    loading it as it is would quietly ignore the request (FormatError naming both)."""
+    if lm_head is None:
+        return path
+    from .store import Store
+    with Store(path, load="mmap") as s:
+        have = {"i8_tile16": "i8", "q4g_tile16": "q4"}.get(s.info("output").get("layout"), "f16")
+    if have != lm_head:
+        raise FormatError(f"--lm-head {lm_head}: {path} is a converted store with a {have} head (the head is chosen "
+                          "when a model is converted)",
+                          hint=f"convert the source again with --lm-head {lm_head}, or leave --lm-head out")
+    return path
+
+
 def resolve_model(src: str | None, *, cache_dir: str | None = None, lm_head: str | None = None,
                   progress: bool = True) -> str:
     """A store path for `src`: the bundled model for None, the file itself for a store, a Hugging Face hub
@@ -360,7 +375,7 @@ def resolve_model(src: str | None, *, cache_dir: str | None = None, lm_head: str
     if not os.path.exists(src):
         raise FormatError(f"{src}: no such file or directory")
     if is_store(src):
-        return src
+        return check_store_head(src, lm_head)
     try:
         key = cache_key(src, lm_head or "default")
     except OSError as e:
