@@ -79,3 +79,32 @@ def test_llama_cpp_agreement(hf_store, capsys):
     with capsys.disabled():
         print(f"\nllama.cpp (silu, TQ2_0): greedy first {agree}/{n} tokens identical; "
               f"teacher-forced top-1 agreement {top1:.0%} over {len(ids)} prompt positions")
+
+
+def test_a_split_gguf_is_one_model(hf_store, tmp_path):
+    """llama.cpp's gguf-split parts (PREFIX-0000N-of-0000M.gguf, written by the gguf package's own writer): given
+    the first part, the model is the same bits as the single file; a later part, a missing part or a renamed set
+    is one line naming what to do."""
+    import shutil
+
+    from bitnet_cpu.engine.errors import FormatError
+    from bitnet_cpu.engine.formats.gguf import GGUFFile
+    root, m, ref_store = hf_store
+    first = write_gguf_tq(m, str(tmp_path / "split.gguf"), "TQ2_0", split_max_tensors=5)
+    parts = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("split-"))
+    assert first.endswith("split-00001-of-%05d.gguf" % len(parts)) and len(parts) >= 3, parts
+    with GGUFFile(first) as g:
+        assert len(g.parts) == len(parts) - 1 and len(g.tensors) == g.kv["split.tensors.count"]
+    a = load_model(ref_store, ctx=96, progress=False)
+    b = load_model(convert(first, str(tmp_path / "split.bnstore"), lm_head="f16", progress=False), ctx=96,
+                   progress=False)
+    ids = a.tokenize(TRAIN_TEXT[:200], add_bos=True)[:40]
+    np.testing.assert_array_equal(a.forward(ids), b.forward(ids))
+    with pytest.raises(FormatError, match="give the first part"):
+        GGUFFile(tmp_path / parts[1])
+    shutil.copy(tmp_path / parts[0], tmp_path / "renamed.gguf")
+    with pytest.raises(FormatError, match="named otherwise"):
+        GGUFFile(tmp_path / "renamed.gguf")
+    os.remove(tmp_path / parts[-1])
+    with pytest.raises(FormatError, match="is missing"):
+        GGUFFile(first)

@@ -316,6 +316,13 @@ def cache_key(src: str, lm_head: str) -> str:
     if os.path.isdir(p):
         files = sorted(os.path.join(p, f) for f in os.listdir(p)
                        if f.endswith((".safetensors", ".json", ".model", ".jinja")))
+    else:   # a split GGUF's first part: every part (engine/formats/gguf.py SPLIT_NAME)
+        from .gguf import SPLIT_NAME
+        m = SPLIT_NAME.match(p)
+        if m is not None and m.group(2) == "00001":
+            count = int(m.group(3))
+            files += [f"{m.group(1)}-{i:05d}-of-{count:05d}.gguf" for i in range(2, count + 1)
+                      if os.path.isfile(f"{m.group(1)}-{i:05d}-of-{count:05d}.gguf")]
     for f in files:
         st = os.stat(f)
         h.update(f"\0{os.path.basename(f)}\0{st.st_size}\0{st.st_mtime_ns}".encode())

@@ -19,6 +19,7 @@ Layout facts: the GGUF spec (ggml's docs/gguf.md). dims[0] is the fastest axis; 
 from __future__ import annotations
 
 import os
+import re
 import struct
 from dataclasses import dataclass
 
@@ -176,16 +177,61 @@ class _Cursor:
         raise FormatError(f"{self.path}: unknown GGUF value type {vtype} for {what}")
 
 
+SPLIT_NAME = re.compile(r"(.*)-(\d{5})-of-(\d{5})\.gguf$")   # llama.cpp's llama_split_path: PREFIX-0000N-of-0000M.gguf
+
+
 class GGUFFile:
-    def __init__(self, path: str | os.PathLike):
+    """One GGUF file, or a model split into several (llama.cpp's gguf-split: the first part, PREFIX-00001-of-0000N.gguf,
+    holds the metadata; every part holds some of the tensors): given the first part, the others are read beside it
+    and their tensors join `tensors`."""
+
+    def __init__(self, path: str | os.PathLike, first: "GGUFFile | None" = None):
         self.path = os.fspath(path)
+        self._first = first        # for a later part of a split model: the first part (its architecture, file type)
         self._mm, size = map_readonly(self.path, 24, "GGUF file")
         self.size = size
+        self.parts: list[GGUFFile] = []   # the split model's other parts
+        self._part_of: dict[str, GGUFFile] = {}   # tensor name -> the part holding it (absent: this file)
         try:
             self._parse()
+            if first is None:
+                self._join_parts()
         except BaseException:
-            close_map(self._mm)
+            self.close()
             raise
+
+    def _join_parts(self):
+        count, no = self.kv.get("split.count", 0), self.kv.get("split.no", 0)
+        if count in (0, 1) and no == 0:
+            return
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (count, no)) or not 0 <= no < count:
+            raise FormatError(f"{self.path}: bad split keys (split.no {no!r} of split.count {count!r})")
+        m = SPLIT_NAME.match(self.path)
+        if m is None or int(m.group(3)) != count:
+            raise FormatError(f"{self.path}: part {no + 1} of a GGUF split into {count} files, named otherwise than "
+                              f"llama.cpp names the parts (PREFIX-00001-of-{count:05d}.gguf): the others cannot be found",
+                              hint="rename the parts, or merge them: llama-gguf-split --merge FIRST-PART OUT.gguf")
+        if no != 0:
+            raise FormatError(f"{self.path}: part {no + 1} of {count} of a split GGUF: give the first part, which holds "
+                              "the model's metadata", hint=f"-m {m.group(1)}-00001-of-{count:05d}.gguf")
+        for i in range(1, count):
+            path = f"{m.group(1)}-{i + 1:05d}-of-{count:05d}.gguf"
+            if not os.path.isfile(path):
+                raise FormatError(f"{self.path}: part {i + 1} of {count} of this split GGUF is missing: {path}")
+            part = GGUFFile(path, first=self)
+            self.parts.append(part)
+            if part.kv.get("split.no") != i or part.kv.get("split.count") != count:
+                raise FormatError(f"{path}: not part {i + 1} of {count} of {self.path} (its split.no "
+                                  f"{part.kv.get('split.no')!r}, split.count {part.kv.get('split.count')!r})")
+            for name, t in part.tensors.items():
+                if name in self.tensors:
+                    raise FormatError(f"{path}: tensor {name!r} is also in another part of the split GGUF")
+                self.tensors[name] = t
+                self._part_of[name] = part
+        want = self.kv.get("split.tensors.count")
+        if isinstance(want, int) and want != len(self.tensors):
+            raise FormatError(f"{self.path}: the split GGUF's {count} parts hold {len(self.tensors)} tensors, its "
+                              f"header says {want}")
 
     def _parse(self):
         c = _Cursor(self._mm, self.path)
@@ -216,6 +262,10 @@ class GGUFFile:
             vtype = c.u32(f"type of {key!r}")
             self.kv[key] = c.value(vtype, repr(key))
             self.kv_types[key] = vtype
+        if self._first is not None:   # a later part of a split model: the model's metadata is the first part's
+            for key in ("general.architecture", "general.file_type"):
+                if key in self._first.kv:
+                    self.kv.setdefault(key, self._first.kv[key])
         self.arch = str(self.kv.get("general.architecture", ""))
         align = self.kv.get("general.alignment", DEFAULT_ALIGNMENT)
         if not isinstance(align, int) or isinstance(align, bool) or align <= 0 or align & (align - 1) or align > 1 << 20:
@@ -359,6 +409,9 @@ class GGUFFile:
         return t
 
     def raw(self, name: str) -> np.ndarray:
+        part = self._part_of.get(name)
+        if part is not None:
+            return part.raw(name)
         t = self.info(name)
         if t.nbytes < 0:
             raise UnsupportedError(f"{self.path}: tensor {name!r} has unsupported tensor type {t.type_name}")
@@ -366,6 +419,9 @@ class GGUFFile:
 
     def dequantize(self, name: str, rows: slice | None = None) -> np.ndarray:
         """f32 [rows, ne0] (2-D even for 1-D tensors: [1, n]); rows slices the outer dimension."""
+        part = self._part_of.get(name)
+        if part is not None:   # a split model's tensor: decoded by its own part (its own Q2_0 block size)
+            return part.dequantize(name, rows)
         t = self.info(name)
         own = t.type_name in DECODABLE or t.type_name in TL_TYPES
         if not own and (t.nbytes < 0 or t.type_name not in gguf_decodable()):
@@ -387,6 +443,11 @@ class GGUFFile:
 
     def ternary(self, name: str) -> tuple[np.ndarray, np.ndarray]:
         """(W_t int8 [out, in] in {-1,0,1}, block scales f32): per 256-block d for TQ*, one scale for I2_S."""
+        part = self._part_of.get(name)
+        if part is not None:
+            out = part.ternary(name)
+            self.tl_tilings.update(part.tl_tilings)
+            return out
         t = self.info(name)
         if len(t.shape) != 2:
             raise FormatError(f"{self.path}: ternary tensor {name!r} must be 2-D, has shape {t.shape}")
@@ -437,6 +498,8 @@ class GGUFFile:
                                " (expected I2_S, TL1, TL2, TQ1_0, TQ2_0 or Q2_0)")
 
     def close(self):
+        for part in self.parts:
+            part.close()
         close_map(self._mm)
 
     def __enter__(self):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+from pathlib import Path
 from typing import Callable, Iterator
 
 import numpy as np
@@ -257,10 +258,13 @@ def _tokenizer_kv(m, pre: str | None, template: str) -> list[tuple[str, str, obj
 
 def write_gguf_tq(m, path: str, qtype: str = "TQ2_0", *, embed_type: str = "F16",
                   hidden_activation: str | None = "relu2", scale_tensors: bool = False, pre: str | None = "llama-bpe",
-                  quantizer: str = "gguf", arch: str = "bitnet", gaussian: bool = False) -> str:
+                  quantizer: str = "gguf", arch: str = "bitnet", gaussian: bool = False,
+                  split_max_tensors: int = 0) -> str:
     """Linear weights in `qtype`: TQ1_0 / TQ2_0, or any type gguf's numpy quantizers write (F32, F16, BF16,
     Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: the ternary values times the scale, as llama.cpp's converter stores them).
-    gaussian=True writes the full-precision masters instead (a non-ternary model, which must be refused)."""
+    gaussian=True writes the full-precision masters instead (a non-ternary model, which must be refused).
+    split_max_tensors > 0: a split model (llama.cpp's gguf-split naming, PATH-stem-0000N-of-0000M.gguf); returns
+    the first part's path."""
     import gguf
 
     qt = gguf.GGMLQuantizationType[qtype]
@@ -273,7 +277,7 @@ def write_gguf_tq(m, path: str, qtype: str = "TQ2_0", *, embed_type: str = "F16"
         if n % 256:
             raise ValueError(f"{p}: input dim {n} is not a multiple of 256 (TQ block size)")
     et = gguf.GGMLQuantizationType[embed_type]
-    w = gguf.GGUFWriter(path, arch)
+    w = gguf.GGUFWriter(path, arch, split_max_tensors=split_max_tensors)
     w.add_name(f"synth-{arch}")
     act = hidden_activation if arch == "bitnet" else None  # llama: SiLU, no key
     for key, typ, val in _hparams(m, arch, act) + _tokenizer_kv(m, pre, m.chat_template):
@@ -327,7 +331,7 @@ def write_gguf_tq(m, path: str, qtype: str = "TQ2_0", *, embed_type: str = "F16"
             arr = arr.view(np.uint8)
         w.write_tensor_data(arr)
     w.close()
-    return path
+    return str(w.format_shard_names(Path(path))[0]) if split_max_tensors else path
 
 
 def _gguf_writer_kv(w, key, typ, val):
