@@ -63,6 +63,14 @@ def test_what_the_budget_leaves_alone(llm):
     # a grammar that forbids the forced end: the grammar's output, as without a budget
     g = Constraint.gbnf('root ::= "I add 2 and 3, and the sum is five." [^\\x00]*')
     assert run(llm, HEAD + "<think>\n", constraint=g, reasoning_budget=2) == run(llm, HEAD + "<think>\n", constraint=g)
+    # ... also when it allows the end's first token but not the rest (a newline, then no "</think>"): nothing of
+    # the end is written
+    g = Constraint.gbnf('root ::= "<think>\\n" [a-zA-Z .,\\n]*')
+    assert run(llm, HEAD, constraint=g, reasoning_budget=3) == run(llm, HEAD, constraint=g)
+    # a grammar that decides how the answer starts makes its output the answer though the prompt opened a thought
+    # (engine.api think_splitter's rule): no thought to cut
+    g = Constraint.gbnf('root ::= [^\\x00]*')
+    assert run(llm, HEAD + "<think>\n", constraint=g, reasoning_budget=3) == run(llm, HEAD + "<think>\n", constraint=g)
 
 
 def test_the_batching_engine_gives_the_same_tokens(llm):

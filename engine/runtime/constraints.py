@@ -50,11 +50,14 @@ class Constraint:
     """What the output must match. kind: "json_object" (any JSON object) | "json_schema" | "regex" | "gbnf"
     (llama.cpp's grammar format) | "lark" (llguidance's Lark dialect). source: the schema as JSON
     text, or the regex / grammar text. where: how the caller's user names the field (for error messages).
-    jump_forward: run forced tokens as a verified draft (same output, fewer weight passes)."""
+    jump_forward: run forced tokens as a verified draft (same output, fewer weight passes).
+    free_start: the answer may start as free text (a tool grammar's "auto": text, or a thought, before any call);
+    otherwise the grammar decides how it starts, and its output is the answer, never a thought (reasoning.py)."""
     kind: str
     source: str = ""
     where: str = "constraint"
     jump_forward: bool = True
+    free_start: bool = False
 
     @classmethod
     def json_object(cls, *, where: str = "response_format", jump_forward: bool = True) -> "Constraint":

@@ -103,10 +103,12 @@ BUDGET_END = "\n" + CLOSE + "\n\n"
 
 def budget_matcher(inner, tokenizer, prompt_ids, budget: int, message: str = ""):
     """`inner` (a grammar's TokenMatcher, or None) wrapped in a ThoughtBudget of `budget` tokens (-1: none, inner
-    as it is). The answer starts inside the thought where the prompt ends with an open <think>."""
+    as it is). The answer starts inside the thought where the prompt ends with an open <think>, unless a grammar
+    decides how it starts (the think splitter's rule, engine.api think_splitter: its output is the answer)."""
     if budget is None or budget < 0:
         return inner
-    opened = prompt_opens_thought(tokenizer.decode(list(prompt_ids[-8:])))
+    free = inner is None or getattr(inner.spec, "free_start", False)
+    opened = free and prompt_opens_thought(tokenizer.decode(list(prompt_ids[-8:])))
     forced = tokenizer.encode(message + BUDGET_END, add_bos=False, special=True)
     return ThoughtBudget(inner, tokenizer, budget, forced, opened)
 
@@ -132,7 +134,10 @@ class ThoughtBudget:
             self._force()
 
     def _force(self):
-        self.state = "force" if self.forced_ids else "off"
+        """Force the end, if the grammar lets all of it come here (else a piece of it would be written, and the
+        thought go on after all: the output is then the grammar's own, as without a budget)."""
+        ok = self.forced_ids and (self.inner is None or self.inner.valid_prefix(self.forced_ids) == self.forced_ids)
+        self.state = "force" if ok else "off"
 
     # -- the matcher interface ------------------------------------------------------------------------------
     def start_mask(self):

@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..errors import ConstraintError
 from .constraints import Constraint, bounded_integers, check, rebased
@@ -161,8 +161,8 @@ class ToolFormat:
         if choice not in ("auto", "required"):
             functions = [f for f in functions if f.name == choice]
         start = self._auto_rule(parallel) if choice == "auto" else "start: calls\n"
-        return Constraint.lark(start + self._calls_rule(parallel) + self._call_rule(functions, parallel),
-                               where="tools")
+        c = Constraint.lark(start + self._calls_rule(parallel) + self._call_rule(functions, parallel), where="tools")
+        return replace(c, free_start=True) if choice == "auto" else c
 
     # ---- the answer -----------------------------------------------------------------------------------
     def parser(self) -> "HermesParser":
