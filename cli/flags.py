@@ -340,20 +340,24 @@ LLAMA_ONLY = {
     ("--numa",): "NUMA placement is left to the operating system",
     ("--rope-scaling", "--rope-scale", "--rope-freq-base", "--rope-freq-scale", "--yarn-orig-ctx"):
         "RoPE scaling is not supported: -c above the trained context warns instead",
-    ("-i", "--interactive", "-if", "--interactive-first"): "chat interactively with `bitchat` (or `bitnet run --chat`)",
+    ("-i", "--interactive", "-if", "--interactive-first"): ("chat interactively with `bitchat` (or `bitnet run -cnv`)",
+                                                           ("bitnet run",)),
     ("--lora", "--lora-scaled", "--control-vector"): "adapters are not supported",
     ("--keep", "--context-shift"): "the context does not shift here: a prompt longer than -c is refused",
-    ("-n", "--n-predict"): "bitnet serve has no server-wide answer length: each request's max_tokens (n_predict, "
-                           "num_predict) sets it",
+    ("-n", "--n-predict"): ("bitnet serve has no server-wide answer length: each request's max_tokens (n_predict, "
+                            "num_predict) sets it", ("bitnet serve",)),
     ("-md", "--model-draft", "-ngld", "--gpu-layers-draft"): "speculation uses prompt lookup here (--draft-max K), not "
                                                             "a draft model",
 }
 
 
-def llama_only(word: str) -> str | None:
+def llama_only(word: str, prog: str) -> str | None:
+    """The reason `prog` does not take llama.cpp's flag `word`, or None (a value is (reason, the commands it is
+    about); a bare reason is about every command)."""
     flag = word.split("=", 1)[0]
     for flags, why in LLAMA_ONLY.items():
-        if flag in flags:
+        why, progs = why if isinstance(why, tuple) else (why, None)
+        if flag in flags and (progs is None or prog in progs):
             return f"{flag}: {why}"
     return None
 
@@ -375,7 +379,7 @@ def suggestion(parser: argparse.ArgumentParser, word: str) -> str | None:
 def reject_unknown(parser: argparse.ArgumentParser, extras: list[str]) -> None:
     """parser.error() (usage + one line, exit 2) naming the unrecognized arguments and a close flag."""
     for word in extras:
-        why = llama_only(word)
+        why = llama_only(word, parser.prog)
         if why:
             parser.error(why)
     msg = f"unrecognized arguments: {' '.join(extras)}"

@@ -376,11 +376,11 @@ def passthrough_argv(args) -> list:
         if isinstance(a, (argparse._StoreConstAction, argparse._StoreTrueAction)):
             if v == a.const:
                 out.append(flag)
-        elif isinstance(a, argparse._AppendAction):
+        elif isinstance(a, argparse._AppendAction):   # FLAG=VALUE: a value may start with '-'
             for x in v:
-                out += [flag, str(x)]
+                out.append(f"{flag}={x}")
         else:
-            out += [flag, str(v)]
+            out.append(f"{flag}={v}")
     return out
 
 

@@ -19,6 +19,7 @@ import socket
 import threading
 import time
 import uuid
+from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any, Callable
 
@@ -330,15 +331,19 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
             kwargs = {"enable_thinking": False, **(kwargs or {})}
         prompt_ids = await render_prompt(eng, msgs, tools, param, prefill, kwargs)
         constraint = await compile_constraint(eng, body, tool_spec)
-        params = await sampling_for(eng, body)
+        params = await sampling_for(eng, body, chat=thinking)
         streams, q = submit(eng, body, prompt_ids, asyncio.get_running_loop(), constraint, param, params=params)
         free = constraint is None or (tool_spec is not None and choice == "auto")   # no grammar decides the start
         return eng, prompt_ids, streams, q, new_parser, (lambda: eng.think_splitter(prompt_ids, free))
 
-    async def sampling_for(eng, req):
+    async def sampling_for(eng, req, chat: bool = False):
         """The request's SamplingParams (checked by its model, serve/schemas.py), with what its sampler takes
-        from the tokenizer built off the event loop."""
+        from the tokenizer built off the event loop. The server's --reasoning-budget is for a thinking template's
+        chats (chat: the prompt is one, asked to think), as llama-server's; a request's own budget applies as sent."""
         params = req.sampling_params(sampling)
+        if params.reasoning_budget >= 0 and "reasoning_budget" not in req.model_fields_set \
+                and not (chat and eng.thinks):
+            params = replace(params, reasoning_budget=-1)
         await prepare_sampling(eng, params)
         return params
 

@@ -409,6 +409,8 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
             return thinking, text, calls
         loop = asyncio.get_running_loop()
         params = sampling_of(body)
+        if splitter is None:   # the server's --reasoning-budget is for a thinking template's chats (as llama-server)
+            params = dataclasses.replace(params, reasoning_budget=-1)
         await prepare_sampling(eng, params)   # off the loop: DRY's breaker table scans the vocabulary
         stream, q = submit(eng, body, prompt_ids, constraint, loop, params)
         clock, model = TokenClock(metrics), state.model_id

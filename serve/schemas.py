@@ -255,10 +255,15 @@ class _Sampling(JSONTyped):
     @model_validator(mode="before")
     @classmethod
     def _budget_aliases(cls, data):
-        """llama-server's other names of reasoning_budget: reasoning_budget_tokens, thinking_budget_tokens."""
-        if isinstance(data, dict) and "reasoning_budget" not in data:
+        """llama-server's other names of reasoning_budget: reasoning_budget_tokens, thinking_budget_tokens; -1 in
+        any of them is the server's default (its --reasoning-budget), as llama-server reads it."""
+        if not isinstance(data, dict):
+            return data
+        if data.get("reasoning_budget") == -1:
+            data = {k: v for k, v in data.items() if k != "reasoning_budget"}
+        if "reasoning_budget" not in data:
             for alias in ("reasoning_budget_tokens", "thinking_budget_tokens"):
-                if data.get(alias) is not None:
+                if data.get(alias) is not None and data[alias] != -1:
                     return {**data, "reasoning_budget": data[alias]}
         return data
 

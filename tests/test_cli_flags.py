@@ -290,6 +290,7 @@ def test_no_flag_is_a_guess_at_another(prog, argv):
     (["run", "-tb", "2", "-p", "x"], "bitnet run: error: -tb: one thread count"),
     (["serve", "-n", "64"], "bitnet serve: error: -n: bitnet serve has no server-wide answer length"),
     (["run", "-ctk", "q8_0", "-p", "x"], "bitnet run: error: -ctk: the KV cache's type is --kv"),
+    (["embed", "-n", "5"], "bitnet embed: error: unrecognized arguments: -n 5"),   # serve's reason is serve's
 ])
 def test_llama_cpp_only_flags_get_their_reason(argv, said):
     r = bitnet(*argv)

@@ -254,6 +254,35 @@ def test_anthropic_thinking_blocks(server):
                                extra_body={"temperature": 0})
     b = client.messages.create(model="m", max_tokens=8, messages=plain, thinking={"type": "adaptive"},
                                extra_body={"temperature": 0})
-    assert a.model_dump()["content"] == b.model_dump()["content"] and a.usage.input_tokens == b.usage.input_tokens
+    def prompt_size(m):   # Anthropic's input_tokens leaves out the cached part
+        return m.usage.input_tokens + (m.usage.cache_read_input_tokens or 0)
+    assert a.model_dump()["content"] == b.model_dump()["content"] and prompt_size(a) == prompt_size(b)
     n = client.messages.count_tokens(model="m", messages=plain, thinking={"type": "adaptive"})
     assert n.input_tokens == b.usage.input_tokens + (b.usage.cache_read_input_tokens or 0)
+
+
+def test_the_servers_budget_is_for_thinking_chats(tmp_path):
+    """--reasoning-budget is the default of a thinking template's chats, as llama-server's: raw completions
+    (/completion, /v1/completions, ollama's raw generate) are not cut unless the request asks; -1 in a request's
+    budget fields is the server's default, as llama-server reads it."""
+    from serve_proc import Server
+    path = tmp_path / "think.jinja"
+    path.write_text(TEMPLATE, encoding="utf-8")
+    s = Server("--parallel", "2", "--chat-template-file", str(path), "--reasoning-budget", "3", threads=1)
+    try:
+        body = {"messages": Q, "temperature": 0, "max_tokens": 24, "ignore_eos": True}
+        cut = httpx.post(s.url + "/v1/chat/completions", json=body, timeout=60).json()["choices"][0]["message"]
+        assert cut["content"]   # the server's budget closed the thought
+        for alias in ("reasoning_budget", "reasoning_budget_tokens", "thinking_budget_tokens"):
+            again = httpx.post(s.url + "/v1/chat/completions", json={**body, alias: -1}, timeout=60).json()
+            assert again["choices"][0]["message"] == cut, alias
+        raw = {"prompt": "Q?<think>\n", "temperature": 0, "n_predict": 16, "ignore_eos": True}
+        free = httpx.post(s.url + "/completion", json=raw, timeout=60).json()["content"]
+        assert "</think>" not in free
+        asked = httpx.post(s.url + "/completion", json={**raw, "reasoning_budget": 2}, timeout=60).json()["content"]
+        assert "</think>" in asked   # a request's own budget applies as sent
+        gen = httpx.post(s.url + "/api/generate", timeout=60, json={"model": "m", "prompt": "Q?<think>\n", "raw": True,
+                         "stream": False, "options": {"temperature": 0, "num_predict": 16}}).json()["response"]
+        assert "</think>" not in gen
+    finally:
+        s.stop()

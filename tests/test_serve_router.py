@@ -620,12 +620,14 @@ def test_the_model_processes_get_the_routers_engine_flags():
     subs: dict = {}
     build_parser(subs)
     argv = ["--models-dir", "d", "--models-max", "2", "-t", "1", "-c", "1024", "--temp", "0.2", "--no-mmap",
-            "--kv", "q8", "--parallel", "4", "--api-key", "k", "--port", "9000", "--max-body-mb", "2"]
+            "--kv", "q8", "--parallel", "4", "--api-key", "k", "--port", "9000", "--max-body-mb", "2",
+            "--reasoning-budget-message=-stop-", "--dry-sequence-breaker=-", "--reasoning-budget", "3"]
     args = subs["serve"].parse_args(argv)
     out = passthrough_argv(args)
     assert isinstance(args, argparse.Namespace)
     again = subs["serve"].parse_args(out)   # what the model's process parses
-    for dest in ("threads", "ctx", "temperature", "mmap", "kv", "parallel", "max_body_mb"):
+    for dest in ("threads", "ctx", "temperature", "mmap", "kv", "parallel", "max_body_mb", "reasoning_budget",
+                 "reasoning_budget_message", "dry_sequence_breakers"):   # values starting with '-' too
         assert getattr(again, dest) == getattr(args, dest), dest
     for flag in ("--models-dir", "--models-max", "--api-key", "--port", "9000", "k"):
         assert flag not in out
