@@ -19,6 +19,7 @@ Many sequences at once (continuous batching over a paged KV cache, engine/batchi
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from typing import Iterator, Sequence
@@ -229,9 +230,12 @@ class LLM(_Text):
         Constraint (Constraint.regex(...), .gbnf(...), .lark(...)); raises ConstraintError (a BitNetError) when
         it cannot be enforced exactly. Ends with "eos" once the output is complete, "length" if it is not by
         max_tokens."""
+        model = self._open_model()
+        if isinstance(prompt, (bytes, bytearray)):
+            raise BitNetError("prompt: give text (str) or token ids, not bytes")
         ids = self.tokenize(prompt, add_bos=True) if isinstance(prompt, str) else list(prompt)
         compiled = self.compile_constraint(constraint)   # raised here, not at the first next()
-        return _generate(self.model, self.tokenizer, ids, params, max_tokens=max_tokens, stop=stop, load_s=self.load_s,
+        return _generate(model, self.tokenizer, ids, params, max_tokens=max_tokens, stop=stop, load_s=self.load_s,
                          ignore_eos=ignore_eos, lookup=lookup if lookup is not None else self.lookup,
                          constraint=compiled)
 
@@ -249,11 +253,12 @@ class LLM(_Text):
             if len(ids) > self.n_ctx:
                 raise ContextOverflowError(f"input {i} has {len(ids)} tokens but the context holds {self.n_ctx}",
                                            hint="raise the context or shorten the text")
-        if pooling == "none":
-            return [embed_ids(self.model, ids, pooling) for ids in all_ids]
-        out = np.zeros((len(all_ids), self.config.hidden_size), np.float32)
-        for i, ids in enumerate(all_ids):
-            out[i] = embed_ids(self.model, ids, pooling, normalize)
+        with self._cache():
+            if pooling == "none":
+                return [embed_ids(self.model, ids, pooling) for ids in all_ids]
+            out = np.zeros((len(all_ids), self.config.hidden_size), np.float32)
+            for i, ids in enumerate(all_ids):
+                out[i] = embed_ids(self.model, ids, pooling, normalize)
         return out
 
     def perplexity(self, text: str | Sequence[int], *, chunk: int = 512, chunks: int = -1) -> dict:
@@ -269,25 +274,55 @@ class LLM(_Text):
         ids = self.tokenize(text, add_bos=True, special=False) if isinstance(text, str) else [int(t) for t in text]
         n = P.n_chunks(len(ids), chunk, chunks)
         stats = P.NllStats()
-        for c in range(n):
-            for logits, targets in P.chunk_logits(self.model, ids[c * chunk: (c + 1) * chunk], self.tokenizer.bos_id):
-                stats.add(logits, targets)
+        with self._cache():
+            for c in range(n):
+                for logits, targets in P.chunk_logits(self.model, ids[c * chunk: (c + 1) * chunk],
+                                                      self.tokenizer.bos_id):
+                    stats.add(logits, targets)
         ppl, err = stats.estimate()
         return {"ppl": ppl, "ppl_err": err, "chunks": n, "tokens_scored": stats.count}
 
     def forward(self, ids: Sequence[int]) -> np.ndarray:
         """Logits [len(ids), vocab] f32 from a fresh cache (for tests)."""
-        return self.model.forward(ids)
+        with self._cache():
+            return self.model.forward(ids)
 
     def reset(self):
-        self.model.reset()
+        with self._cache():
+            self.model.reset()
 
+    @contextlib.contextmanager
+    def _cache(self):
+        """The KV cache, for a call that runs it: a generate() in flight (this thread's or another's) is superseded
+        (its next step says so) instead of sharing the cache."""
+        model = self._open_model()
+        with model.lock:
+            model.generation += 1
+            yield
     @property
     def cached_tokens(self) -> list[int]:
-        return list(self.model.cache_ids)
+        return list(self._open_model().cache_ids)
+
+    def _open_model(self) -> Model:
+        if self.model is None:
+            raise BitNetError("this model is closed", hint="load it again with load_model()")
+        return self.model
 
     def close(self):
+        """Free the weights, the KV cache and the buffers (a generate() in flight is superseded); using this LLM
+        afterwards is a BitNetError. Closing twice is harmless. `with load_model(...) as llm:` closes at the end."""
+        model = self.model
+        if model is not None:
+            with model.lock:
+                model.generation += 1
+                self.model = None
         self.store.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
 
 def open_store(path: str, *, mmap: bool | None = None, progress: bool = True) -> Store:
@@ -395,8 +430,17 @@ class Engine(_Text, BatchScheduler):
         return self.embed_ids(self.embed_tokens(texts), timeout, pooling=pooling, normalize=normalize)
 
     def close(self):
+        """Stop the scheduler (what is in flight ends "cancelled") and free the weights; closing twice is harmless.
+        `with load_engine(...) as eng:` closes at the end."""
         BatchScheduler.close(self)
+        self.model = None   # the weights' views: the store can then let them go
         self.store.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
 
 def load_engine(model: str | None = None, *, ctx: int | None = None, threads: int | None = None, parallel: int = 16,

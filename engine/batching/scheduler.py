@@ -174,17 +174,17 @@ class BatchScheduler(Drafts, Embeddings, Scoring):
                                        f"{self.n_ctx}",
                                        hint=f"raise the context or shorten the {'text' if text else 'prompt'}")
 
-    def submit(self, prompt_ids: Sequence[int], params: SamplingParams | None = None, *, max_tokens: int = 256,
+    def submit(self, prompt_ids: Sequence[int] | str, params: SamplingParams | None = None, *, max_tokens: int = 256,
                stop: Sequence[str] = (), callback: Callable[[Chunk], None] | None = None,
                ignore_eos: bool = False, constraint=None) -> Stream:
-        """Queue a request (never blocks); see engine.api.Engine. ignore_eos: end-of-text tokens are never
+        """Queue a request (never blocks; a str prompt is tokenized with BOS); see engine.api.Engine. ignore_eos: end-of-text tokens are never
         sampled, as LLM.generate(ignore_eos=True). constraint: as LLM.generate's (compiled here unless it already
         is: a server compiles off its event loop); a ConstraintError leaves nothing behind."""
         return self.submit_n(prompt_ids, params, 1, max_tokens=max_tokens, stop=stop,
                              callbacks=None if callback is None else [callback], ignore_eos=ignore_eos,
                              constraint=constraint)[0]
 
-    def submit_n(self, prompt_ids: Sequence[int], params: SamplingParams | None = None, n: int = 1, *,
+    def submit_n(self, prompt_ids: Sequence[int] | str, params: SamplingParams | None = None, n: int = 1, *,
                  max_tokens: int = 256, stop: Sequence[str] = (),
                  callbacks: Sequence[Callable[[Chunk], None]] | None = None, ignore_eos: bool = False,
                  constraint=None) -> list[Stream]:
@@ -193,7 +193,11 @@ class BatchScheduler(Drafts, Embeddings, Scoring):
         The prompt is prefilled once: the first sequence runs it, and the others then take its pages (shared,
         copy-on-write) and sample their first token from the same logits row. Admitted together: n slots
         (n <= parallel) and all pages promised."""
-        prompt = [int(t) for t in prompt_ids]
+        if isinstance(prompt_ids, (bytes, bytearray)):
+            raise BitNetError("prompt: give text (str) or token ids, not bytes")
+        # a text is tokenized with BOS, as LLM.generate takes it
+        prompt = self.tokenizer.encode(prompt_ids, add_bos=True) if isinstance(prompt_ids, str) else \
+            [int(t) for t in prompt_ids]
         if not prompt:
             if self.tokenizer.bos_id is None:
                 raise BitNetError("empty prompt and the model has no BOS token to start from")

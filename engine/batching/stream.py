@@ -19,6 +19,7 @@ class Stream:
         self._callback = callback
         self._q: queue.SimpleQueue | None = None if callback else queue.SimpleQueue()
         self.finish_reason: str | None = None
+        self._drained = False   # the final chunk has been taken: iterating again gives nothing (never waits)
 
     def _emit(self, chunk: Chunk):
         if chunk.finish_reason:
@@ -37,11 +38,11 @@ class Stream:
     def __iter__(self):
         if self._q is None:
             raise BitNetError("this stream delivers its chunks to a callback")
-        while True:
+        while not self._drained:
             c = self._q.get()
-            yield c
             if c.finish_reason:
-                return
+                self._drained = True
+            yield c
 
     def cancel(self):
         self._engine.cancel(self.id)

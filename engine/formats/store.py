@@ -271,6 +271,8 @@ class Store:
         """Zero-copy read-only view into the mapped file (or the store's memory copy)."""
         v = self._views.get(name)
         if v is None:
+            if self._data is None:
+                raise FormatError(f"{self.path}: this store is closed")
             e = self.info(name)
             dt = np.dtype(e["dtype"])
             count = int(np.prod(e["shape"], dtype=np.int64))
@@ -287,6 +289,8 @@ class Store:
         return self._tok["kind"], self.tensor(self._tok["tensor"]).tobytes()
 
     def close(self):
+        """Unmap / free the weights now where no view of them is left (a Model's are dropped with it), else as
+        soon as the last one goes: the store keeps no reference."""
         self._views.clear()
         close_map(self._mm)
         if self._mem is not None:
@@ -294,6 +298,7 @@ class Store:
                 self._mem.close()
             except BufferError:   # numpy views still hold it: it goes when they do
                 pass
+        self._data = self._mem = None
 
     def __enter__(self):
         return self

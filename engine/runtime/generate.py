@@ -62,6 +62,10 @@ class Chunk:
     said: int = 0
 
 
+SUPERSEDED = "this generation was superseded by a newer generate() call on the same model"
+ONE_AT_A_TIME = "one LLM generates one text at a time (its KV cache is one); load_engine() serves many"
+
+
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     n = min(len(a), len(b))
     i = 0
@@ -134,8 +138,8 @@ def generate(model, tokenizer, prompt_ids: Sequence[int], params: SamplingParams
     """See engine/api.py LLM.generate. ignore_eos: end-of-text tokens can never be sampled (llama.cpp's
     --ignore-eos: their logits are set to -inf), so only length, context or a stop string end the text.
     lookup: prompt-lookup speculation (None: default_lookup(model)). constraint: a Constraint (or a compiled
-    one, engine/runtime/constraints.py) every sampled token obeys; the text ends ("eos") once it is complete."""
-    t_start = time.perf_counter()
+    one, engine/runtime/constraints.py) every sampled token obeys; the text ends ("eos") once it is complete.
+    What is wrong with the request (prompt, settings, constraint) is raised here, before the first next()."""
     prompt = [int(t) for t in prompt_ids]
     if not prompt:
         if tokenizer.bos_id is None:
@@ -148,25 +152,32 @@ def generate(model, tokenizer, prompt_ids: Sequence[int], params: SamplingParams
         raise BitNetError(f"max_tokens {max_tokens}: must be >= 0")
     sampler = Sampler(params, model.config.vocab_size, tokenizer)
     compiled = compile_constraint(tokenizer, model.config.vocab_size, constraint)   # errors before any work
+    spec = default_lookup(model) if lookup is None else lookup.check()
+    return _steps(model, tokenizer, prompt, sampler, compiled, max_tokens, stop, load_s, ignore_eos, spec)
+
+
+def _steps(model, tokenizer, prompt: list[int], sampler: Sampler, compiled, max_tokens: int, stop: Sequence[str],
+           load_s: float, ignore_eos: bool, spec: LookupParams) -> Iterator[Chunk]:
+    """generate()'s tokens, its request already checked."""
+    t_start = time.perf_counter()
     eos = set(tokenizer.eos_ids)
     banned = [t for t in eos if 0 <= t < model.config.vocab_size] if ignore_eos else []
     # a newer generate() on the same model owns the cache from now on; an older generator that is
     # resumed afterwards must not decode into it
-    model.generation += 1
-    mine = model.generation
-
-    # reuse the cached prefix; the last prompt token is always run, since its logits pick the first token
-    n_cached = common_prefix(model.cache_ids, prompt)
-    if n_cached == len(prompt) and max_tokens > 0:
-        n_cached -= 1
-    model.truncate(n_cached)
-    todo = prompt[n_cached:]
-    logits = model.prefill(todo) if todo else None
+    with model.lock:
+        model.generation += 1
+        mine = model.generation
+        # reuse the cached prefix; the last prompt token is always run, since its logits pick the first token
+        n_cached = common_prefix(model.cache_ids, prompt)
+        if n_cached == len(prompt) and max_tokens > 0:
+            n_cached -= 1
+        model.truncate(n_cached)
+        todo = prompt[n_cached:]
+        logits = model.prefill(todo) if todo else None
     t_prefill = time.perf_counter()
     prefill_s = t_prefill - t_start
     prefill_tps = len(todo) / prefill_s if todo and prefill_s > 0 else 0.0
 
-    spec = (default_lookup(model) if lookup is None else lookup.check())
     finder = PromptLookup(spec) if spec.draft_max > 0 and model.verify_max > 1 else None
     draft_len = DraftLength(min(spec.draft_max, model.verify_max - 1)) if finder else None
     cm = budget_matcher(compiled.matcher() if compiled is not None else None, tokenizer, prompt,
@@ -196,11 +207,14 @@ def generate(model, tokenizer, prompt_ids: Sequence[int], params: SamplingParams
     t0 = t_start
     try:
         while True:
-            if banned:
-                logits[banned] = -np.inf
-            if cm is not None:
-                cm.apply(logits)
-            tok = sampler.sample(logits, history)
+            with model.lock:   # the logits are the model's buffer: still ours only if no generate() came since
+                if model.generation != mine:
+                    raise BitNetError(SUPERSEDED, hint=ONE_AT_A_TIME)
+                if banned:
+                    logits[banned] = -np.inf
+                if cm is not None:
+                    cm.apply(logits)
+                tok = sampler.sample(logits, history)
             n_gen += 1
             if n_gen == 1:
                 ttft = time.perf_counter() - t_start
@@ -224,42 +238,46 @@ def generate(model, tokenizer, prompt_ids: Sequence[int], params: SamplingParams
             if n_gen >= max_tokens:
                 reason = "length"
                 break
-            if (base + j + 1 if rows is not None else model.n_past) >= model.n_ctx:
-                reason = "context"
-                break
-            if model.generation != mine:
-                raise BitNetError("this generation was superseded by a newer generate() call on the same model")
-            if rows is not None:
-                if j < len(draft) and tok == draft[j]:  # accepted: its logits are already computed
-                    j += 1
-                    n_accepted += 1
-                    logits = rows[j]
-                    if j == len(draft):
-                        if looked_up:
-                            draft_len.update(len(draft), j)
-                        rows = None
+            # the model's cache is one: a step runs under its lock, and a generate() started since (another
+            # thread's, or a newer call in this one) has taken it over
+            with model.lock:
+                if model.generation != mine:
+                    raise BitNetError(SUPERSEDED, hint=ONE_AT_A_TIME)
+                if (base + j + 1 if rows is not None else model.n_past) >= model.n_ctx:
+                    reason = "context"
+                    break
+                if rows is not None:
+                    if j < len(draft) and tok == draft[j]:  # accepted: its logits are already computed
+                        j += 1
+                        n_accepted += 1
+                        logits = rows[j]
+                        if j == len(draft):
+                            if looked_up:
+                                draft_len.update(len(draft), j)
+                            rows = None
+                        continue
+                    if looked_up:
+                        draft_len.update(len(draft), j)
+                    model.truncate(base + j + 1)  # rejected: drop the positions after the last accepted token
+                    rows = None
+                # no draft past the context or past the tokens still wanted (the last one needs no check)
+                room = min(model.verify_max - 1, model.n_ctx - model.n_past - 1, max_tokens - n_gen - 1)
+                lookup = finder is not None and draft_len.ready()
+                draft, looked_up = choose_draft(cm, room if forcing else 0, finder if lookup else None, history,
+                                                min(room, draft_len.k) if lookup else 0)
+                if draft:
+                    base, j = model.n_past, 0
+                    rows = model.verify([tok] + draft)
+                    n_drafted += len(draft)
+                    logits = rows[0]
                     continue
-                if looked_up:
-                    draft_len.update(len(draft), j)
-                model.truncate(base + j + 1)  # rejected: drop the positions after the last accepted token
-                rows = None
-            # no draft past the context or past the tokens still wanted (the last one needs no check)
-            room = min(model.verify_max - 1, model.n_ctx - model.n_past - 1, max_tokens - n_gen - 1)
-            lookup = finder is not None and draft_len.ready()
-            draft, looked_up = choose_draft(cm, room if forcing else 0, finder if lookup else None, history,
-                                            min(room, draft_len.k) if lookup else 0)
-            if draft:
-                base, j = model.n_past, 0
-                rows = model.verify([tok] + draft)
-                n_drafted += len(draft)
-                logits = rows[0]
-                continue
-            if cm is not None:
-                cm.start_mask()   # the next mask is computed while the forward pass runs
-            logits = model.decode(tok)
+                if cm is not None:
+                    cm.start_mask()   # the next mask is computed while the forward pass runs
+                logits = model.decode(tok)
     finally:  # the cache keeps only processed tokens (also when the consumer stops iterating)
-        if rows is not None and model.generation == mine:
-            model.truncate(base + j + 1)
+        with model.lock:
+            if rows is not None and model.generation == mine:
+                model.truncate(base + j + 1)
     if reason != "stop":
         rest = matcher.flush_text(stream.flush())
         if rest:

@@ -21,6 +21,7 @@ uses gemv_ternary. The residual stream and the MLP intermediate stay f32; the KV
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import numpy as np
@@ -435,6 +436,10 @@ class Model:
         self.n_past = 0
         self._cache_ids = np.zeros(n_ctx, np.int32)        # token at every cached position
         self.generation = 0                                 # bumped by each generate() (engine/generate.py)
+        # held by each step of a generate() and by anything else that runs the cache (LLM.embed, perplexity,
+        # forward): one LLM used from two threads gets "superseded", never two writers in one cache (re-entrant: a
+        # generator finalized by the garbage collector inside a step of this thread takes it again)
+        self.lock = threading.RLock()
 
     # ---- state ----------------------------------------------------------------------------------
     def reset(self):

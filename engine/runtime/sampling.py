@@ -9,6 +9,7 @@ Work stays on the few candidates that survive top-k (or the min-p threshold when
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, fields
 
 import numpy as np
@@ -106,6 +107,11 @@ _RULES = {
     "reasoning_budget_message": (lambda v: isinstance(v, str), "must be text"),
 }
 LOGIT_BIAS_MAX = 100.0
+# each field's type (the rest: a number); None is valid for these
+_KIND = {**dict.fromkeys(("top_k", "repeat_last_n", "seed", "record_logprobs", "dry_allowed_length",
+                          "dry_penalty_last_n", "mirostat", "reasoning_budget"), numbers.Integral),
+         "reasoning_budget_message": str, "dry_sequence_breakers": (list, tuple)}
+_MAY_BE_NONE = ("seed", "record_logprobs")
 
 
 def _logit_bias_problem(value, name: str) -> str | None:
@@ -115,9 +121,9 @@ def _logit_bias_problem(value, name: str) -> str | None:
     if not isinstance(value, dict):
         return f"{name}: must be a map of token id -> bias"
     for k, v in value.items():
-        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+        if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 0:
             return f"{name} {k!r}: a key must be a token id (an integer >= 0)"
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not -LOGIT_BIAS_MAX <= v <= LOGIT_BIAS_MAX:
+        if isinstance(v, bool) or not isinstance(v, numbers.Real) or not -LOGIT_BIAS_MAX <= v <= LOGIT_BIAS_MAX:
             return f"{name} {k}: {v!r}: must be in [-100, 100]"
     return None
 
@@ -129,8 +135,16 @@ def setting_problem(field: str, value, name: str | None = None) -> str | None:
     if field == "logit_bias":
         return _logit_bias_problem(value, name or field)
     ok, rule = _RULES[field]
+    kind = _KIND.get(field, numbers.Real)
+    if value is not None or field not in _MAY_BE_NONE:
+        if isinstance(value, bool) or not isinstance(value, kind):   # "0.7", 40.0 for top_k: a clear line, not numpy's
+            what = {numbers.Integral: "an integer", numbers.Real: "a number"}.get(kind, "text" if kind is str else
+                                                                                   "a list of strings")
+            return f"{name or field} {value!r}: must be {what}"
+        if kind is numbers.Integral:
+            value = int(value)   # numpy's integers too
     shown = f"{value:g}" if isinstance(value, float) else str(value)
-    if isinstance(value, bool) or not ok(value):
+    if not ok(value):
         return f"{name or field} {shown}: {rule}"
     return None
 
