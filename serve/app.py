@@ -266,9 +266,9 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         from ..engine.errors import ConstraintError
         try:
             spec = req.constraint()
-            if spec is not None and tool_spec is not None:
-                raise ConstraintError("response_format (or json_schema / grammar) cannot be combined with a tool"
-                                      " call grammar; use tool_choice \"none\" or drop the format", where="tool_choice")
+            if spec is not None and tool_spec is not None:   # call tools, or answer in the format
+                from ..engine.runtime.tools import with_answer_format
+                spec = with_answer_format(tool_spec, spec)
             spec = spec or tool_spec
             return None if spec is None else await asyncio.to_thread(eng.compile_constraint, spec)
         except ConstraintError as e:
@@ -333,7 +333,7 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         constraint = await compile_constraint(eng, body, tool_spec)
         params = await sampling_for(eng, body, chat=thinking)
         streams, q = submit(eng, body, prompt_ids, asyncio.get_running_loop(), constraint, param, params=params)
-        free = constraint is None or (tool_spec is not None and choice == "auto")   # no grammar decides the start
+        free = constraint is None or constraint.spec.free_start   # no grammar decides the start (tools, choice auto)
         return eng, prompt_ids, streams, q, new_parser, (lambda: eng.think_splitter(prompt_ids, free))
 
     async def sampling_for(eng, req, chat: bool = False):

@@ -326,8 +326,6 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
                 return None if tool_spec is None else await asyncio.to_thread(eng.compile_constraint, tool_spec)
             except ConstraintError as e:
                 raise OllamaError(400, str(e)) from None
-        if tool_spec is not None:
-            raise OllamaError(400, "format cannot be combined with tools (the tool-call grammar is the format)")
         try:
             if fmt == "json":
                 spec = Constraint.json_object(where="format")
@@ -335,6 +333,9 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
                 spec = Constraint.json_schema(fmt, where="format")
             else:
                 raise OllamaError(400, f"format {fmt!r}: expected \"json\" or a JSON Schema object")
+            if tool_spec is not None:   # the model calls tools, or answers in the format
+                from ..engine.runtime.tools import with_answer_format
+                spec = with_answer_format(tool_spec, spec)
             return await asyncio.to_thread(eng.compile_constraint, spec)
         except ConstraintError as e:
             raise OllamaError(400, str(e)) from None
@@ -528,7 +529,7 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
         except Exception as e:   # the template rejected the conversation (e.g. roles out of order)
             raise OllamaError(400, f"messages: {e}") from None
         constraint = await constraint_of(eng, body, tool_spec)
-        free = constraint is None or tool_spec is not None   # tools (ollama's are "auto") leave the start free
+        free = constraint is None or constraint.spec.free_start   # tools (ollama's are "auto") leave the start free
         return await answer(request, body, eng, prompt_ids, constraint, piece, parser=parser,
                             splitter=think_splitter(eng, body, prompt_ids, free) if not prefill else None)
 

@@ -186,7 +186,6 @@ def test_logprobs_leave_out_a_stop_strings_tokens(server, model_id, stream):
     ("/api/chat", {"model": "m", "messages": Q, "options": {"tfs_z": 0.5}}, "options.tfs_z 0.5"),
     ("/api/chat", {"model": "m", "messages": Q, "tools": [{"type": "function", "function": {"name": ""}}]},
      "tools[0].function.name"),
-    ("/api/chat", {"model": "m", "messages": Q, "format": "json", "tools": [ADD]}, "format cannot be combined"),
     ("/api/generate", {"model": "m", "prompt": "x", "tools": [ADD]}, "only /api/chat takes tools"),
     ("/api/chat", {"model": "m", "messages": [{"role": "assistant", "content": "", "tool_calls": [{"x": 1}]}]},
      "messages.0.tool_calls.0"),

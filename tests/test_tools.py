@@ -441,3 +441,40 @@ MISTRAL_ALTERNATE = (   # the check of Mistral-7B-Instruct's template, with a to
     "{% for m in loop_messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
     "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
     "{{ m['content'] }}{% endfor %}[TOOL_CALLS]")
+
+
+def test_a_json_format_beside_tools_shapes_the_text_answer(server):
+    """Tools with choice auto and a JSON format together (OpenAI's response_format, Anthropic's
+    output_config.format, ollama's format; Anthropic documents the pair): the model calls a tool, or answers in
+    the format -- it was a 400. A required call leaves no answer to shape: still a 400, naming tool_choice."""
+    import httpx
+
+    fmt = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"],
+           "additionalProperties": False}
+
+    def check(content, calls):
+        if calls:
+            assert all(c["name"] in SCHEMA for c in calls), calls
+        else:
+            jsonschema.validate(json.loads(content), fmt)
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=120, json={
+        "messages": Q, "tools": TOOLS, "max_tokens": 60, "temperature": 0,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": fmt}}})
+    assert r.status_code == 200, r.text
+    m = r.json()["choices"][0]["message"]
+    check(m["content"], [c["function"] for c in m.get("tool_calls") or []])
+    a = httpx.post(server.url + "/v1/messages", timeout=120, json={
+        "model": "m", "max_tokens": 60, "temperature": 0, "messages": Q,
+        "tools": [{"name": t["function"]["name"], "description": t["function"]["description"],
+                   "input_schema": t["function"]["parameters"]} for t in TOOLS],
+        "output_config": {"format": {"type": "json_schema", "schema": fmt}}})
+    assert a.status_code == 200, a.text
+    blocks = a.json()["content"]
+    check("".join(b["text"] for b in blocks if b["type"] == "text"),
+          [b for b in blocks if b["type"] == "tool_use"])
+    o = httpx.post(server.url + "/api/chat", timeout=120, json={
+        "model": "m", "messages": Q, "tools": TOOLS, "format": fmt, "stream": False,
+        "options": {"temperature": 0, "num_predict": 60}})
+    assert o.status_code == 200, o.text
+    msg = o.json()["message"]
+    check(msg["content"], [c["function"] for c in msg.get("tool_calls") or []])

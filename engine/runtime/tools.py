@@ -196,6 +196,30 @@ class Llama3JsonFormat(ToolFormat):
 _LIST_OPEN = re.compile(r"<tool_call>(?:\\n|\n)\s*\[")   # "<tool_call>\n[" as the template's text writes it
 
 
+def with_answer_format(calls: Constraint, answer: Constraint) -> Constraint:
+    """A tool grammar with choice auto (calls.free_start) whose answer in text must be JSON of a format
+    (Anthropic's output_config.format beside tools, OpenAI's response_format beside tools): the model calls
+    tools, or answers in the format. ConstraintError for another pairing (a required call leaves no answer to
+    shape; a regex or grammar is not JSON)."""
+    from .constraints import JSON_OPTIONS
+    if not calls.free_start:
+        raise ConstraintError(f"tool_choice: it requires a call, so there is no text answer for {answer.where} to "
+                              "shape (use tool_choice auto, or drop the format)", where="tool_choice")
+    if answer.kind not in ("json_object", "json_schema"):
+        raise ConstraintError(f"{answer.where}: only a JSON format can go with tools (a regex or grammar cannot)",
+                              where=answer.where)
+    schema = {"type": "object"} if answer.kind == "json_object" else bounded_integers(json.loads(answer.source))
+    first, rest = calls.source.split("\n", 1)   # "start: TEXT | ...": text, or text leading to calls
+    if not first.startswith("start: TEXT |") or "\ncalls:" not in "\n" + rest:
+        raise ConstraintError(f"{answer.where}: this model's tool-call format cannot take a format beside it",
+                              where=answer.where)
+    # the answer in the format, or calls from the first token (no free text before them: it would be an answer
+    # that is not in the format)
+    source = "start: answer | calls\n" + rest + \
+        f"answer: %json {json.dumps({'x-guidance': JSON_OPTIONS, **schema}, ensure_ascii=False)}\n"
+    return replace(calls, source=source, free_start=False, where=answer.where)
+
+
 def tool_format(template: str | None) -> ToolFormat:
     """The call format of a chat template (None, a template without tools, or one whose own call format is none of
     ours: hermes with the default block)."""
