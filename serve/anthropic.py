@@ -18,6 +18,7 @@ no I/O; serve/app.py runs the request and feeds `MessageBuilder`. The fields: do
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import replace
 from typing import Any, ClassVar, Optional, Union
@@ -229,6 +230,21 @@ class MessagesRequest(_Conversation, _Sampling):
         if self.n != 1:
             return "n", "one answer per message (n is not part of the Messages API)"
         return super().unsupported()
+
+
+# the chat pipeline's names of a request's parts -> Anthropic's (an error names what the client sent)
+_CHAT_NAMES = [(re.compile(r"\btools\[(\d+)\]\.function\.parameters"), r"tools.\1.input_schema"),
+               (re.compile(r"\btools\[(\d+)\]\.function\.name"), r"tools.\1.name"),
+               (re.compile(r"\btools\[(\d+)\]"), r"tools.\1")]
+
+
+def anthropic_names(text: str | None) -> str | None:
+    """`tools[0].function.parameters` (a chat-shaped error) as Anthropic's `tools.0.input_schema`."""
+    if text is None:
+        return None
+    for pattern, name in _CHAT_NAMES:
+        text = pattern.sub(name, text)
+    return text
 
 
 class CountTokensRequest(_Conversation):

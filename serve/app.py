@@ -28,7 +28,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .anthropic import CountTokensRequest, MessageBuilder, MessagesRequest
+from .anthropic import CountTokensRequest, MessageBuilder, MessagesRequest, anthropic_names
 from .auth import AuthMiddleware, KeyChecker, allow_cross_origin
 from .limits import Limits, LimitsMiddleware, anthropic_error_body
 from .logprobs import Said, TokenText, chat_entry, completion_logprobs, echo_logprobs
@@ -820,8 +820,12 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         msgs, prefill, tools, choice, thinking = anthropic_conversation(body)
         with translated():
             body.format_spec()
-        eng, prompt_ids, streams, q, new_parser, new_splitter = await start_chat(
-            request, body, msgs, tools, choice, "messages", prefill, thinking=thinking)
+        try:
+            eng, prompt_ids, streams, q, new_parser, new_splitter = await start_chat(
+                request, body, msgs, tools, choice, "messages", prefill, thinking=thinking)
+        except APIError as e:   # named as the client named it (tools.0.input_schema, not the chat shape's path)
+            e.message, e.param = anthropic_names(e.message), anthropic_names(e.param)
+            raise
         out = MessageBuilder(state.model_id, new_parser() if new_parser is not None else None,
                              new_splitter() if not prefill else None,
                              thinking=(body.thinking or {}).get("display", "summarized") if thinking else None)
@@ -832,7 +836,11 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         eng = ready(request)
         check_model(body.model)
         msgs, prefill, tools, choice, thinking = anthropic_conversation(body)
-        tools, _, _ = tool_setup(eng, tools, choice, body.parallel_tool_calls)
+        try:
+            tools, _, _ = tool_setup(eng, tools, choice, body.parallel_tool_calls)
+        except APIError as e:
+            e.message, e.param = anthropic_names(e.message), anthropic_names(e.param)
+            raise
         kwargs = {"enable_thinking": False} if eng.thinks and not thinking else None   # as /v1/messages renders it
         return {"input_tokens": len(await render_prompt(eng, msgs, tools, "messages", prefill, kwargs))}
 

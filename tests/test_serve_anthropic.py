@@ -242,3 +242,16 @@ def test_models_list_reads_in_both_clients(claude, server):
     assert m.id == openai_id and m.type == "model" and m.display_name == openai_id and m.created_at.year >= 2026
     assert models.has_more is False
     assert claude.models.retrieve(m.id).display_name == m.display_name   # GET /v1/models/{id}
+
+
+def test_errors_name_the_fields_as_anthropics_api_does(server):
+    """A tool's schema that cannot be enforced is named tools.N.input_schema (the client's field), not the chat
+    pipeline's tools[N].function.parameters."""
+    bad = {"name": "x", "input_schema": {"type": "array", "uniqueItems": True}}
+    for path in ("/v1/messages", "/v1/messages/count_tokens"):
+        body = {"model": "any", "messages": [{"role": "user", "content": "hi"}], "tools": [ADD, bad]}
+        r = httpx.post(server.url + path, json={**body, "max_tokens": 4} if path == "/v1/messages" else body,
+                       timeout=60)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert "tools.1.input_schema" in err["message"] and "function.parameters" not in err["message"], err
