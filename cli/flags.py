@@ -22,8 +22,8 @@ from ..engine.runtime.sampling import SamplingParams, setting_problem
 
 UNTIL_END = -1   # -n -1: until the end of text or a full context (llama.cpp's meaning)
 RANDOM_SEED = -1  # --seed -1: a fresh random seed (llama.cpp's meaning)
-CTX_MIN = 1       # the engine's own minimum (a context must hold one token); a prompt that does not fit is
-                  # then the engine's one-line error, naming -c/--ctx
+CTX_MIN = 0       # 0: the model's trained context (llama.cpp's -c 0); 1 token is the engine's own minimum, and a
+                  # prompt that does not fit is then the engine's one-line error, naming -c/--ctx
 THREADS_MIN = 1
 
 _D = SamplingParams()
@@ -85,7 +85,7 @@ def add_engine_args(p: argparse.ArgumentParser, *, n_predict_default: int | None
                        metavar="N", help="max tokens per answer (-1 = until the end of text or a full context)")
     p.add_argument("-c", "--ctx-size", "--ctx", dest="ctx", type=int, default=None, metavar="N",
                    help="context size in tokens, of each sequence (default: min(model's, 4096); bitnet serve: "
-                        "at least 2048)%(default).0s")
+                        "at least 2048; 0: the model's trained context)%(default).0s")
     p.add_argument("-t", "--threads", type=int, default=None, metavar="N",
                    help="CPU threads (default: one per physical core, or $OMP_NUM_THREADS)%(default).0s")
     p.add_argument("--kv", dest="kv", choices=("f16", "f32", "q8"), default="f16",
@@ -180,10 +180,12 @@ def check_engine_args(args: argparse.Namespace) -> str | None:
     """One line naming the first bad value among the flags add_engine_args added, or None; then (all good)
     --prefill-attention is in force, process-wide (a kernel setting, like BITNET_ISA)."""
     n = getattr(args, "n_predict", None)
+    if n == -2:   # llama.cpp's "until the context is full": here, as -1, until the end of text or a full context
+        args.n_predict = n = UNTIL_END
     if n is not None and n < UNTIL_END:
-        return f"-n/--n-predict {n}: must be >= 0, or -1 for until the end of text or a full context"
+        return f"-n/--n-predict {n}: must be >= 0, or -1 (-2) for until the end of text or a full context"
     if args.ctx is not None and args.ctx < CTX_MIN:
-        return f"-c/--ctx {args.ctx}: must be >= {CTX_MIN}"
+        return f"-c/--ctx {args.ctx}: must be >= {CTX_MIN} (0: the model's trained context, as llama.cpp)"
     if args.threads is not None and args.threads < THREADS_MIN:
         return f"-t/--threads {args.threads}: must be >= {THREADS_MIN}"
     for field, (spellings, *_) in SAMPLING_FLAGS.items():

@@ -202,8 +202,10 @@ class LLM(_Text):
         self.store = store
         self.config: ModelConfig = store.config
         self.warnings: list[str] = []   # one line each, for the CLI to print ("-c above the trained context", ...)
-        if ctx is not None and ctx < 1:
-            raise BitNetError(f"-c/--ctx {ctx}: must be >= 1")
+        if ctx is not None and ctx < 0:
+            raise BitNetError(f"-c/--ctx {ctx}: must be >= 0 (0: the model's trained context)")
+        if ctx == 0:
+            ctx = store.config.context_length
         chosen = threads is not None   # -t given: used as it is; else the default, decode's count tuned
         self.threads = threads = _checked_threads(threads, self.warnings)
         self.model = Model(store, n_ctx=ctx, kv_dtype=kv_dtype, threads=threads, tune_threads=not chosen)
@@ -399,10 +401,10 @@ class Engine(_Text, BatchScheduler):
         cfg = store.config
         self.warnings: list[str] = []
         self.threads = threads = _checked_threads(threads, self.warnings)
-        if ctx is not None and ctx < 1:
-            raise BitNetError(f"-c/--ctx {ctx}: must be >= 1")
+        if ctx is not None and ctx < 0:
+            raise BitNetError(f"-c/--ctx {ctx}: must be >= 0 (0: the model's trained context)")
         check_kv_dtype(kv_dtype)
-        n_ctx = int(ctx or serving_ctx(cfg))
+        n_ctx = int(cfg.context_length if ctx == 0 else ctx or serving_ctx(cfg))
         if ctx is None and n_ctx > cfg.context_length:
             self.warnings.append(f"context {n_ctx} (a server's default: at least {SERVE_MIN_CTX}) is past the "
                                  f"{cfg.context_length} tokens the model was trained on; -c {cfg.context_length} "

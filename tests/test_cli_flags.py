@@ -64,7 +64,7 @@ def test_n_minus_one_runs_to_a_full_context_and_stops_cleanly(store):
     done = json_lines(r.stdout)[-1]
     # the context is full: every position holds a token (the last one sampled needs no room of its own)
     assert done["finish_reason"] == "context" and done["stats"]["n_prompt"] + done["stats"]["n_generated"] == 41
-    r = bitnet("run", "-m", store, "-p", "Once", "-n", "-2")
+    r = bitnet("run", "-m", store, "-p", "Once", "-n", "-3")   # (-2 is llama.cpp's "until the context is full")
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "-1" in r.stderr
 
 
@@ -331,3 +331,18 @@ def test_lm_head_of_a_converted_store_is_not_silently_another(bundled):
     r = bitnet("run", "-m", bundled, "--lm-head", "q4", "-p", "hi", "-n", "1")
     assert r.returncode == 2 and "--lm-head q4" in r.stderr and "f16 head" in r.stderr, r.stderr
     assert bitnet("run", "-m", bundled, "--lm-head", "f16", "-p", "hi", "-n", "1").returncode == 0
+
+
+def test_c_0_is_the_models_context_and_n_minus_2_runs_to_the_end(store):
+    """llama.cpp's -c 0 (the model's trained context) and -n -2 (until the context is full; here as -1: until the
+    end of text or a full context)."""
+    from bitnet_cpu.engine.api import load_model
+    trained = load_model(store, progress=False).config.context_length
+    r = bitnet("run", "-m", store, "-c", "0", "-p", "Once", "-n", "1", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json_lines(r.stdout)[-1]["stats"]["n_ctx"] == trained
+    a = bitnet("run", "-m", store, "-c", "64", "-p", "Once", "-n", "-2", "--temp", "0", "--ignore-eos", "--json")
+    b = bitnet("run", "-m", store, "-c", "64", "-p", "Once", "-n", "-1", "--temp", "0", "--ignore-eos", "--json")
+    assert a.returncode == b.returncode == 0
+    (*text_a, done_a), (*text_b, done_b) = json_lines(a.stdout), json_lines(b.stdout)
+    assert text_a == text_b and done_a["finish_reason"] == done_b["finish_reason"] == "context"

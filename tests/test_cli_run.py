@@ -106,7 +106,7 @@ def test_chat(store):
     (["-p", "x", "--typical", "1.5"], "--typical 1.5"),
     (["-p", "x", "--dry-base", "0.5", "--dry-multiplier", "1"], "--dry-base 0.5"),
     (["-p", "x", "--xtc-probability", "2"], "--xtc-probability 2"),
-    (["-p", "x", "-n", "-2"], "-n"),
+    (["-p", "x", "-n", "-3"], "-n"),
     (["-p", "Once upon a time, in a small village", "-c", "4"], "-c/--ctx"),
     ([], "prompt"),
     (["-f", "/nonexistent/prompt.txt"], "/nonexistent/prompt.txt"),

@@ -40,8 +40,8 @@ def test_the_same_flag_gives_the_same_value(prog, argv, dest, value):
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["-c", "0"], "-c/--ctx 0: must be >= 1"),
-    (["--ctx-size", "-5"], "-c/--ctx -5: must be >= 1"),
+    (["-c", "-1"], "-c/--ctx -1: must be >= 0 (0: the model's trained context, as llama.cpp)"),
+    (["--ctx-size", "-5"], "-c/--ctx -5: must be >= 0 (0: the model's trained context, as llama.cpp)"),
     (["-t", "0"], "-t/--threads 0: must be >= 1"),
 ])
 def test_the_same_bad_flag_gives_the_same_error(argv, message):
