@@ -120,9 +120,10 @@ class _Text:
     def chat_text(self, messages: list[dict], add_generation_prompt: bool = True,
                   tools: list[dict] | None = None, template_kwargs: dict | None = None) -> str:
         """The text chat_prompt tokenizes (special tokens as text): what the template makes of `messages`."""
-        tok = self.tokenizer
-        bos = tok.id_to_token(tok.bos_id) if tok.bos_id is not None else ""
-        eos = tok.id_to_token(tok.eos_ids[0]) if tok.eos_ids else ""
+        tok, meta = self.tokenizer, self.store.meta
+        # the model's own strings where its conversion recorded them (tokenizer_config's, as transformers renders)
+        bos = meta.get("bos_token") or (tok.id_to_token(tok.bos_id) if tok.bos_id is not None else "")
+        eos = meta.get("eos_token") or (tok.id_to_token(tok.eos_ids[0]) if tok.eos_ids else "")
         messages, tools = self.tool_format().prepare(messages, tools)
         return _ct.render(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
                           bos_token=bos or "", eos_token=eos or "", tools=tools, kwargs=template_kwargs)

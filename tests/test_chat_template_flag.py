@@ -153,3 +153,19 @@ def test_serve_renders_every_chat_with_it(tmp_path):
         assert got["prompt"] == expected(NAMED["chatml"], MSGS)
     finally:
         s.stop()
+
+
+def test_templates_get_the_tokenizer_configs_eos_and_bos_strings(tmp_path):
+    """A template's eos_token / bos_token are tokenizer_config.json's strings, as transformers passes them: the
+    bundled HF directory says <|eot_id|>, while its config.json's first end-of-text id is <|end_of_text|> (which a
+    template ending turns with eos_token got before)."""
+    from bitnet_cpu.engine.api import load_model
+    from bitnet_cpu.engine.formats.convert import convert
+    src = os.path.join(ROOT, "models", "bitnet-b1.58-tiny")
+    with open(os.path.join(src, "tokenizer_config.json"), encoding="utf-8") as f:
+        tc = json.load(f)
+    store = convert(src, str(tmp_path / "t.bnstore"), progress=False)
+    with load_model(store, ctx=64, progress=False) as llm:
+        llm.set_chat_template("{{ bos_token }}|{% for m in messages %}{{ m['content'] }}{{ eos_token }}{% endfor %}")
+        text = llm.chat_text([{"role": "user", "content": "hi"}], add_generation_prompt=False)
+    assert text == f"{tc['bos_token']}|hi{tc['eos_token']}" and tc["eos_token"] == "<|eot_id|>"

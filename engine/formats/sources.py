@@ -551,6 +551,13 @@ class HFSource:
         else:
             blob, kind = None, None
             self.meta["tokenizer_note"] = "no tokenizer.json or tokenizer.model in the directory"
+        # the strings a chat template gets as bos_token / eos_token: tokenizer_config's, as transformers passes them
+        # (Llama-3's eos_token is <|eot_id|>, where config.json's eos_token_id is <|end_of_text|>)
+        for key in ("bos_token", "eos_token"):
+            v = tc.get(key)
+            v = v.get("content") if isinstance(v, dict) else v
+            if isinstance(v, str) and v:
+                self.meta[key] = v
         tmpl = tc.get("chat_template")
         if isinstance(tmpl, list):  # [{"name": ..., "template": ...}]
             tmpl = next((t.get("template") for t in tmpl if isinstance(t, dict) and t.get("name") == "default"), None)
