@@ -78,6 +78,13 @@ def _main(argv: list[str] | None) -> int:
     subparsers: dict = {}
     parser = build_parser(subparsers)
     maybe_autocomplete(parser)
+    argv = [*(sys.argv[1:] if argv is None else argv)]   # (`list` here is the list subcommand's module)
+    if argv[:1] == ["serve"] and "BITNET_ROUTER_PID" not in os.environ:   # (a router's model takes its flags)
+        from .serve import llama_env_argv
+        extra, notes = llama_env_argv(subparsers["serve"], argv[1:], os.environ)
+        for note in notes:
+            print(f"bitnet serve: warning: {note}", file=sys.stderr)
+        argv = ["serve", *extra, *argv[1:]]
     args = parse_args_suggesting(parser, argv, subparsers)
     if not getattr(args, "_main", None):
         parser.print_help(sys.stderr)

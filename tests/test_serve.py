@@ -661,3 +661,24 @@ def test_a_final_assistant_message_is_continued(server):
                 {"messages": m[:1], "add_generation_prompt": False}):
         r = httpx.post(server.url + "/v1/chat/completions", json={"messages": m, **bad})
         assert r.status_code == 400, (bad, r.text)
+
+
+def test_llama_servers_environment_variables():
+    """A llama-server set up by its variables (its Docker images) gets the same server: LLAMA_API_KEY closes it,
+    LLAMA_ARG_CTX_SIZE sets -c (a flag on the command line wins, as there), and a LLAMA_ARG_* with no meaning here
+    is named in a warning instead of being dropped without a word."""
+    env = {"LLAMA_API_KEY": "envkey", "LLAMA_ARG_CTX_SIZE": "256", "LLAMA_ARG_N_GPU_LAYERS": "99",
+           "LLAMA_ARG_JINJA": "true"}
+    s = Server("--parallel", "1", env=env)
+    try:
+        assert httpx.get(s.url + "/v1/models").status_code == 401
+        props = httpx.get(s.url + "/props", headers={"Authorization": "Bearer envkey"}).json()
+        assert props["default_generation_settings"]["n_ctx"] == 256
+    finally:
+        _, err = s.stop()
+    assert "LLAMA_ARG_N_GPU_LAYERS" in err and "not used" in err
+    s = Server("--parallel", "1", "-c", "512", env={"LLAMA_ARG_CTX_SIZE": "256"})
+    try:
+        assert httpx.get(s.url + "/props").json()["default_generation_settings"]["n_ctx"] == 512
+    finally:
+        s.stop()
