@@ -84,8 +84,8 @@ def _check(args) -> None:
         from ..engine.fileio import check_output, starts_with
         from ..engine.runtime.perplexity import MAGIC
         check_output(args.kld_base, "--kl-divergence-base", keep=lambda p: not starts_with(p, MAGIC))
-    if args.ctx is not None and args.ctx < 4:
-        raise BitNetError(f"-c/--ctx-size {args.ctx}: must be >= 4")
+    if args.ctx is not None and args.ctx < 4 and args.ctx != 0:
+        raise BitNetError(f"-c/--ctx-size {args.ctx}: must be >= 4 (0: the model's trained context, as llama.cpp)")
     if args.threads is not None and args.threads < 1:
         raise BitNetError(f"-t/--threads {args.threads}: must be >= 1")
     if args.chunks == 0:
@@ -113,7 +113,7 @@ def main(args) -> int:
                                   "(leave -c out)")
             n_ctx = reader.n_ctx
         else:
-            n_ctx = args.ctx or DEFAULT_CTX
+            n_ctx = DEFAULT_CTX if args.ctx is None else args.ctx   # 0: the model's trained context
         # a bad task file: one line before the load. `extra`: Winogrande's lines that were no task, the
         # multiple-choice file's task count
         tasks, extra = (_hellaswag_tasks(args), 0) if args.hellaswag else \
@@ -121,6 +121,7 @@ def main(args) -> int:
             _choice_tasks(args) if args.multiple_choice else (None, 0)
         llm = load_model(args.model, ctx=n_ctx, threads=args.threads, kv_dtype=args.kv, lm_head=args.lm_head,
                          progress=sys.stderr.isatty())
+        n_ctx = n_ctx or llm.n_ctx   # -c 0: the model's
         try:
             for w in llm.warnings:
                 print(f"bitnet: warning: {w}", file=sys.stderr)

@@ -368,6 +368,7 @@ def model_catalog(args) -> dict:
     import os
 
     from ..engine.errors import BitNetError
+    from ..engine.formats.gguf import SPLIT_NAME
     from ..serve.router import ModelSpec
     found: list = []
     if args.models_cache:
@@ -385,7 +386,13 @@ def model_catalog(args) -> dict:
             suffix = os.path.splitext(f)[1]
             if suffix in MODEL_SUFFIXES and os.path.isfile(path):
                 st = os.stat(path)
-                found.append(ModelSpec(f[: -len(suffix)], path, st.st_size, st.st_mtime, MODEL_SUFFIXES[suffix]))
+                name = f[: -len(suffix)]
+                part = SPLIT_NAME.match(f)   # a split GGUF is one model, named by its prefix, loaded from part 1
+                if part is not None:
+                    if part.group(2) != "00001":
+                        continue
+                    name = os.path.basename(part.group(1))
+                found.append(ModelSpec(name, path, st.st_size, st.st_mtime, MODEL_SUFFIXES[suffix]))
             elif os.path.isfile(os.path.join(path, "config.json")):
                 files = [os.path.join(path, x) for x in os.listdir(path)]
                 size = sum(os.path.getsize(x) for x in files if os.path.isfile(x))

@@ -256,7 +256,7 @@ class LLM(_Text):
             if len(ids) > self.n_ctx:
                 raise ContextOverflowError(f"input {i} has {len(ids)} tokens but the context holds {self.n_ctx}",
                                            hint="raise the context or shorten the text")
-        with self._cache():
+        with self._cache("embed()"):
             if pooling == "none":
                 return [embed_ids(self.model, ids, pooling) for ids in all_ids]
             out = np.zeros((len(all_ids), self.config.hidden_size), np.float32)
@@ -277,7 +277,7 @@ class LLM(_Text):
         ids = self.tokenize(text, add_bos=True, special=False) if isinstance(text, str) else [int(t) for t in text]
         n = P.n_chunks(len(ids), chunk, chunks)
         stats = P.NllStats()
-        with self._cache():
+        with self._cache("perplexity()"):
             for c in range(n):
                 for logits, targets in P.chunk_logits(self.model, ids[c * chunk: (c + 1) * chunk],
                                                       self.tokenizer.bos_id):
@@ -287,20 +287,21 @@ class LLM(_Text):
 
     def forward(self, ids: Sequence[int]) -> np.ndarray:
         """Logits [len(ids), vocab] f32 from a fresh cache (for tests)."""
-        with self._cache():
+        with self._cache("forward()"):
             return self.model.forward(ids)
 
     def reset(self):
-        with self._cache():
+        with self._cache("reset()"):
             self.model.reset()
 
     @contextlib.contextmanager
-    def _cache(self):
-        """The KV cache, for a call that runs it: a generate() in flight (this thread's or another's) is superseded
-        (its next step says so) instead of sharing the cache."""
+    def _cache(self, what: str):
+        """The KV cache, for a call (`what`) that runs it: a generate() in flight (this thread's or another's) is
+        superseded (its next step says by what) instead of sharing the cache."""
         model = self._open_model()
         with model.lock:
             model.generation += 1
+            model.taken_by = what
             yield
     @property
     def cached_tokens(self) -> list[int]:
@@ -318,6 +319,7 @@ class LLM(_Text):
         if model is not None:
             with model.lock:
                 model.generation += 1
+                model.taken_by = "close() (the model is closed)"
                 self.model = None
         self.store.close()
 

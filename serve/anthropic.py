@@ -107,6 +107,15 @@ class _Conversation(BaseModel):
             raise RequestProblem("messages", "messages: no user message to answer")
         return out, prefill
 
+    def check_thinking(self) -> bool:
+        """Whether `thinking` is on; RequestProblem for a malformed one, or one with a forced tool use (Anthropic's
+        400; /v1/messages and count_tokens alike)."""
+        on = self.thinking_budget() is not None
+        if on and (self.tool_choice or {}).get("type") in ("any", "tool"):
+            raise RequestProblem("thinking", "thinking may not be enabled when tool_choice forces tool use (as "
+                                             "Anthropic's API)")
+        return on
+
     def chat_tools(self) -> Optional[list[dict]]:
         if not self.tools:
             return None
@@ -214,11 +223,9 @@ class MessagesRequest(_Conversation, _Sampling):
 
     def unsupported(self) -> tuple[str, str] | None:
         try:
-            thinking = self.thinking_budget() is not None
+            self.check_thinking()
         except RequestProblem as e:
             return e.param, str(e)
-        if thinking and (self.tool_choice or {}).get("type") in ("any", "tool"):
-            return "thinking", "thinking may not be enabled when tool_choice forces tool use (as Anthropic's API)"
         if (self.output_config or {}).get("effort") is not None:
             return "output_config.effort", "effort levels are not supported (this model has no reasoning mode)"
         if self.container is not None:

@@ -518,9 +518,13 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         with translated():   # a final assistant message is continued, as llama-server does
             msgs, prefill = continuation([m.as_dict() for m in body.messages], body.continue_final_message,
                                          body.add_generation_prompt)
+            if prefill is not None and (body.chat_template_kwargs or {}).get("enable_thinking") is True:
+                raise RequestProblem("chat_template_kwargs", "a continued assistant message cannot think first "
+                                     "(enable_thinking: true), as llama-server refuses it")
+        # a continued answer is the answer: a thinking template is asked not to think (as /v1/messages renders it)
         eng, prompt_ids, streams, q, new_parser, new_splitter = await start_chat(
             request, body, msgs, body.tools, body.tool_choice_name(), "messages", prefill or "",
-            allowed=body.allowed_tools(), thinking=body.reasoning_effort != "none")
+            allowed=body.allowed_tools(), thinking=body.reasoning_effort != "none" and prefill is None)
         cid, created, model = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time()), state.model_id
         head = {"id": cid, "created": created, "model": model, "system_fingerprint": None}
         text_of, n_top = state.token_text(eng), body.top_logprobs or 0
@@ -808,7 +812,7 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         """(messages, prefill, tools, tool choice, thinking on) of an Anthropic request."""
         with translated():
             (msgs, prefill), tools, choice = body.chat_messages(), body.chat_tools(), body.tool_choice_name()
-            thinking = body.thinking_budget() is not None
+            thinking = body.check_thinking()
             if thinking and prefill:
                 raise RequestProblem("thinking", "thinking may not be enabled with a prefilled answer (a final "
                                                  "assistant message), as Anthropic's API")

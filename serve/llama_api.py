@@ -359,8 +359,10 @@ def register(app, state, ready, api_error: type, pipe, *, sampling=None):
             except RequestProblem as e:
                 raise api_error(400, str(e), param=e.param, code="invalid_value") from None
             gen, prefill = True, prefill or ""
+        # a continued answer on a thinking template: not inside a thought (as the chat endpoint renders it)
+        kwargs = {"enable_thinking": False} if prefill and eng.thinks else None
         try:
-            prompt = await run_off_loop(eng.chat_text, head, gen, body.tools) + prefill
+            prompt = await run_off_loop(eng.chat_text, head, gen, body.tools, kwargs) + prefill
         except Exception as e:   # the template rejected the conversation (roles out of order, bad tools)
             raise api_error(400, f"messages: {e}", param="messages", code="invalid_value") from None
         return {"prompt": prompt}

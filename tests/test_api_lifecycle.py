@@ -103,3 +103,14 @@ def test_settings_of_the_wrong_type_are_one_error_at_the_call(kw, words):
     ok = SamplingParams(mirostat=np.int64(2), dry_allowed_length=np.int64(2), top_p=np.float32(0.5),
                         logit_bias={np.int64(5): np.float32(1.0)})
     assert ok.check() is ok   # numpy's numbers are numbers
+
+
+def test_a_superseded_generator_says_what_took_the_model():
+    llm = load_model(ctx=128, progress=False)
+    for took, call in (("embed()", lambda: llm.embed("hi")), ("a newer generate() call", lambda: _text(llm, n=2)),
+                       ("close()", llm.close)):
+        gen = llm.generate(PROMPT, GREEDY, max_tokens=8, ignore_eos=True)
+        next(gen)
+        call()
+        with pytest.raises(BitNetError, match=took.replace("(", r"\(").replace(")", r"\)")):
+            list(gen)

@@ -255,3 +255,13 @@ def test_errors_name_the_fields_as_anthropics_api_does(server):
         assert r.status_code == 400, r.text
         err = r.json()["error"]
         assert "tools.1.input_schema" in err["message"] and "function.parameters" not in err["message"], err
+
+
+
+def test_count_tokens_refuses_what_messages_refuses(server):
+    """thinking with a forced tool use is Anthropic's 400 on both endpoints."""
+    body = {"model": "any", "messages": [{"role": "user", "content": "hi"}], "tools": [ADD],
+            "tool_choice": {"type": "any"}, "thinking": {"type": "adaptive"}}
+    for path, extra in (("/v1/messages", {"max_tokens": 4}), ("/v1/messages/count_tokens", {})):
+        r = httpx.post(server.url + path, json={**body, **extra}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", (path, r.text)

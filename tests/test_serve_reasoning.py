@@ -286,3 +286,21 @@ def test_the_servers_budget_is_for_thinking_chats(tmp_path):
         assert "</think>" not in gen
     finally:
         s.stop()
+
+
+def test_a_continued_answer_on_a_thinking_template_is_not_a_thought(server):
+    """A final assistant message is continued (llama-server's default): on a thinking template that is the
+    answer, so the template is asked not to think (as /v1/messages renders a prefill) -- the continuation came
+    inside the open <think> block, its </think> in content; /apply-template shows that prompt; asking for the
+    thought anyway (enable_thinking true) is llama-server's 400."""
+    m = Q + [{"role": "assistant", "content": "The answer is"}]
+    prompt = httpx.post(server.url + "/apply-template", json={"messages": m}).json()["prompt"]
+    assert prompt.endswith("</think>\n\nThe answer is") and not prompt.endswith("<think>\nThe answer is")
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+        "messages": m, "temperature": 0, "max_tokens": 8, "grammar": 'root ::= " five."'})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == " five.", r.text
+    assert r.json()["usage"]["prompt_tokens"] == len(httpx.post(server.url + "/tokenize", json={
+        "content": prompt}).json()["tokens"])
+    r = httpx.post(server.url + "/v1/chat/completions", json={"messages": m, "chat_template_kwargs":
+                                                              {"enable_thinking": True}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs"

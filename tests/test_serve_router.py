@@ -658,3 +658,17 @@ def test_props_without_a_model_and_v1_health(router):
     one = httpx.get(router.url + "/props", params={"model": "tiny"}, timeout=60).json()
     assert one["default_generation_settings"]["n_ctx"] == 1024 and one["model_alias"] == "tiny"
     assert httpx.get(router.url + "/v1/health").json()["status"] == "ok"
+
+
+def test_a_split_gguf_is_one_model_of_the_directory(tmp_path):
+    """llama.cpp's gguf-split parts (PREFIX-0000N-of-0000M.gguf) in a --models-dir are one model, named by the
+    prefix and loaded from its first part (each part was listed as a model of its own)."""
+    import argparse
+
+    from bitnet_cpu.cli.serve import model_catalog
+    from bitnet_cpu.engine.synth import SynthModel, small_config, write_gguf_tq
+    m = SynthModel(small_config(), seed=3)
+    first = write_gguf_tq(m, str(tmp_path / "tiny-split.gguf"), "TQ2_0", split_max_tensors=6)
+    assert len([p for p in tmp_path.iterdir() if p.name.startswith("tiny-split-")]) >= 3
+    models = model_catalog(argparse.Namespace(models_dir=[str(tmp_path)], models_cache=False))
+    assert set(models) == {"tiny-split"} and models["tiny-split"].path == first

@@ -62,8 +62,11 @@ class Chunk:
     said: int = 0
 
 
-SUPERSEDED = "this generation was superseded by a newer generate() call on the same model"
 ONE_AT_A_TIME = "one LLM generates one text at a time (its KV cache is one); load_engine() serves many"
+
+
+def superseded(model) -> BitNetError:
+    return BitNetError(f"this generation was superseded by {model.taken_by} on the same model", hint=ONE_AT_A_TIME)
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -166,6 +169,7 @@ def _steps(model, tokenizer, prompt: list[int], sampler: Sampler, compiled, max_
     # resumed afterwards must not decode into it
     with model.lock:
         model.generation += 1
+        model.taken_by = "a newer generate() call"
         mine = model.generation
         # reuse the cached prefix; the last prompt token is always run, since its logits pick the first token
         n_cached = common_prefix(model.cache_ids, prompt)
@@ -209,7 +213,7 @@ def _steps(model, tokenizer, prompt: list[int], sampler: Sampler, compiled, max_
         while True:
             with model.lock:   # the logits are the model's buffer: still ours only if no generate() came since
                 if model.generation != mine:
-                    raise BitNetError(SUPERSEDED, hint=ONE_AT_A_TIME)
+                    raise superseded(model)
                 if banned:
                     logits[banned] = -np.inf
                 if cm is not None:
@@ -242,7 +246,7 @@ def _steps(model, tokenizer, prompt: list[int], sampler: Sampler, compiled, max_
             # thread's, or a newer call in this one) has taken it over
             with model.lock:
                 if model.generation != mine:
-                    raise BitNetError(SUPERSEDED, hint=ONE_AT_A_TIME)
+                    raise superseded(model)
                 if (base + j + 1 if rows is not None else model.n_past) >= model.n_ctx:
                     reason = "context"
                     break

@@ -440,6 +440,7 @@ class Model:
         # forward): one LLM used from two threads gets "superseded", never two writers in one cache (re-entrant: a
         # generator finalized by the garbage collector inside a step of this thread takes it again)
         self.lock = threading.RLock()
+        self.taken_by = "a newer generate() call"   # what took the cache last (a superseded generator says it)
 
     # ---- state ----------------------------------------------------------------------------------
     def reset(self):
