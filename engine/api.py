@@ -303,6 +303,7 @@ class LLM(_Text):
             model.generation += 1
             model.taken_by = what
             yield
+
     @property
     def cached_tokens(self) -> list[int]:
         return list(self._open_model().cache_ids)

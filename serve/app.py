@@ -51,8 +51,8 @@ PROMPT_FIELD = {"/v1/chat/completions": "messages", "/v1/completions": "prompt",
 
 
 # the paths outside /v1/ and /api/ that /metrics counts requests of (others, unknown ones, are not labelled)
-COUNTED_PATHS = {"/health", "/v1/health", "/slots", "/metrics", "/completion", "/completions", "/tokenize", "/detokenize",
-                 "/apply-template", "/props", "/embedding", "/embeddings"}
+COUNTED_PATHS = {"/health", "/v1/health", "/slots", "/metrics", "/completion", "/completions", "/tokenize",
+                 "/detokenize", "/apply-template", "/props", "/embedding", "/embeddings"}
 
 
 class APIError(Exception):

@@ -177,8 +177,8 @@ class BatchScheduler(Drafts, Embeddings, Scoring):
     def submit(self, prompt_ids: Sequence[int] | str, params: SamplingParams | None = None, *, max_tokens: int = 256,
                stop: Sequence[str] = (), callback: Callable[[Chunk], None] | None = None,
                ignore_eos: bool = False, constraint=None) -> Stream:
-        """Queue a request (never blocks; a str prompt is tokenized with BOS); see engine.api.Engine. ignore_eos: end-of-text tokens are never
-        sampled, as LLM.generate(ignore_eos=True). constraint: as LLM.generate's (compiled here unless it already
+        """Queue a request (never blocks; a str prompt is tokenized with BOS); see engine.api.Engine. ignore_eos:
+        end-of-text tokens are never sampled, as LLM.generate(ignore_eos=True). constraint: as LLM.generate's (compiled here unless it already
         is: a server compiles off its event loop); a ConstraintError leaves nothing behind."""
         return self.submit_n(prompt_ids, params, 1, max_tokens=max_tokens, stop=stop,
                              callbacks=None if callback is None else [callback], ignore_eos=ignore_eos,
@@ -233,7 +233,7 @@ class BatchScheduler(Drafts, Embeddings, Scoring):
                 if self.draft_max > 0:
                     seq.finder, seq.draft_len = PromptLookup(self.lookup), DraftLength(self.draft_max)
                 seq.cm = budget_matcher(compiled.matcher() if compiled is not None else None, self.tokenizer, prompt,
-                                        params.reasoning_budget, params.reasoning_budget_message)  # the same for every choice
+                                        params.reasoning_budget, params.reasoning_budget_message)
                 seqs.append(seq)
             lead = seqs[0]
             lead.forks = seqs[1:]
