@@ -80,7 +80,7 @@ def _main(argv: list[str] | None) -> int:
     maybe_autocomplete(parser)
     argv = [*(sys.argv[1:] if argv is None else argv)]   # (`list` here is the list subcommand's module)
     if argv[:1] == ["serve"] and "BITNET_ROUTER_PID" not in os.environ:   # (a router's model takes its flags)
-        from .serve import llama_env_argv
+        from .flags import llama_env_argv
         extra, notes = llama_env_argv(subparsers["serve"], argv[1:], os.environ)
         for note in notes:
             print(f"bitnet serve: warning: {note}", file=sys.stderr)

@@ -364,6 +364,48 @@ def llama_only(word: str, prog: str) -> str | None:
     return None
 
 
+# llama-server's environment variables (its Docker images are set up with them) -> this server's flags; a flag
+# on the command line wins, as there. Set ones that have no meaning here are named in a warning, never dropped
+# without a word (LLAMA_API_KEY ignored would leave a server open that its operator believes closed).
+LLAMA_ENV = {"LLAMA_ARG_MODEL": "-m", "LLAMA_ARG_CTX_SIZE": "-c", "LLAMA_ARG_THREADS": "-t",
+             "LLAMA_ARG_N_PARALLEL": "--parallel", "LLAMA_ARG_HOST": "--host", "LLAMA_ARG_PORT": "--port",
+             "LLAMA_API_KEY": "--api-key", "LLAMA_ARG_API_KEY_FILE": "--api-key-file", "LLAMA_ARG_ALIAS": "--alias",
+             "LLAMA_ARG_BATCH": "--batch-size", "LLAMA_ARG_CHAT_TEMPLATE": "--chat-template",
+             "LLAMA_ARG_CHAT_TEMPLATE_FILE": "--chat-template-file", "LLAMA_ARG_THINK_BUDGET": "--reasoning-budget",
+             "LLAMA_ARG_THINK_BUDGET_MESSAGE": "--reasoning-budget-message", "LLAMA_ARG_TEMPERATURE": "--temp",
+             "LLAMA_ARG_TOP_K": "--top-k", "LLAMA_ARG_TOP_P": "--top-p", "LLAMA_ARG_MIN_P": "--min-p",
+             "LLAMA_ARG_REPEAT_PENALTY": "--repeat-penalty", "LLAMA_ARG_PRESENCE_PENALTY": "--presence-penalty",
+             "LLAMA_ARG_FREQUENCY_PENALTY": "--frequency-penalty", "LLAMA_ARG_DRAFT_MAX": "--draft-max",
+             "LLAMA_ARG_POOLING": "--pooling", "LLAMA_ARG_MODELS_DIR": "--models-dir",
+             "LLAMA_ARG_MODELS_MAX": "--models-max"}
+# switches: on with llama.cpp's true / 1 / on / enabled
+LLAMA_ENV_SWITCHES = {"LLAMA_ARG_JINJA": "--jinja", "LLAMA_ARG_CONT_BATCHING": "-cb",
+                      "LLAMA_ARG_ENDPOINT_METRICS": "--metrics", "LLAMA_ARG_NO_MMAP": "--no-mmap"}
+_TRUE, _FALSE = ("true", "1", "on", "enabled", "yes"), ("false", "0", "off", "disabled", "no", "")
+
+
+def llama_env_argv(parser, argv: list[str], environ) -> tuple[list[str], list[str]]:
+    """(the flags llama-server's variables in `environ` give, where argv does not give that flag itself; one warning
+    each for a set LLAMA_ARG_* this server does not take)."""
+    def given(flag: str) -> bool:
+        action = next(a for a in parser._actions if flag in a.option_strings)
+        return any(w in action.option_strings or w.split("=", 1)[0] in action.option_strings for w in argv)
+    out, notes = [], []
+    for name, value in sorted(environ.items()):
+        if name in LLAMA_ENV:
+            if not given(LLAMA_ENV[name]):
+                out.append(f"{LLAMA_ENV[name]}={value}")
+        elif name in LLAMA_ENV_SWITCHES:
+            v = value.strip().lower()
+            if v not in _TRUE + _FALSE:
+                notes.append(f"{name}={value!r}: not a switch value (true / false); left out")
+            elif v in _TRUE and not given(LLAMA_ENV_SWITCHES[name]):
+                out.append(LLAMA_ENV_SWITCHES[name])
+        elif name.startswith("LLAMA_ARG_"):
+            notes.append(f"{name} is llama-server's and has no meaning here; it is not used")
+    return out, notes
+
+
 # ---- unknown flags: the subcommand's usage and a suggestion -------------------------------------------------
 def _option_strings(parser: argparse.ArgumentParser) -> list[str]:
     return [s for a in parser._actions for s in a.option_strings]
