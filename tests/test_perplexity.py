@@ -609,3 +609,14 @@ def test_multiple_choice_bad_input_is_one_line(case, choice_file, tmp_path):
             "empty": "empty question", "both": "one task set at a time", "ctx": "raise -c",
             "negative": "--multiple-choice-tasks -1"}[case]
     assert want in lines[0], lines[0]
+
+
+def test_c_0_is_the_models_trained_context(text_file):
+    """llama-perplexity's -c 0: chunks of the model's trained context (512 for the bundled model), the same figure
+    as asking for that size."""
+    trained = load_model(None, ctx=8, progress=False).config.context_length
+    a = json.loads(bitnet("-f", text_file, "-c", "0", "--chunks", "1", "--json").stdout)
+    b = json.loads(bitnet("-f", text_file, "-c", str(trained), "--chunks", "1", "--json").stdout)
+    assert a["n_ctx"] == trained and a["ppl"] == b["ppl"]
+    r = bitnet("-f", text_file, "-c", "-1")
+    assert r.returncode == 2 and "-c/--ctx-size -1" in r.stderr
