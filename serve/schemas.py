@@ -247,8 +247,7 @@ class _Sampling(JSONTyped):
         stay the 400 of the field's own rule."""
         if isinstance(data, dict):
             for name in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
-                if data.get(name) == -1 and not isinstance(data.get(name), bool) and name in cls.model_fields \
-                        and not cls.model_fields[name].is_required():
+                if data.get(name) == -1 and name in cls.model_fields and not cls.model_fields[name].is_required():
                     data = {**{k: v for k, v in data.items() if k != name}, "n_predict": data.get("n_predict", -1)}
         return data
 

@@ -37,6 +37,11 @@ TILE_ROWS = 16
 K_ALIGN = 64
 
 
+def head_kind(layout: str | None) -> str:
+    """The LM head a store's `output` layout holds: "i8", "q4", else "f16" (the --lm-head names)."""
+    return {"i8_tile16": "i8", "q4g_tile16": "q4"}.get(layout or "", "f16")
+
+
 def pad_to(n: int, multiple: int) -> int:
     return (n + multiple - 1) // multiple * multiple
 

@@ -316,13 +316,11 @@ def cache_key(src: str, lm_head: str) -> str:
     if os.path.isdir(p):
         files = sorted(os.path.join(p, f) for f in os.listdir(p)
                        if f.endswith((".safetensors", ".json", ".model", ".jinja")))
-    else:   # a split GGUF's first part: every part (engine/formats/gguf.py SPLIT_NAME)
-        from .gguf import SPLIT_NAME
+    else:   # a split GGUF's first part: every part (engine/formats/gguf.py)
+        from .gguf import SPLIT_NAME, split_part
         m = SPLIT_NAME.match(p)
         if m is not None and m.group(2) == "00001":
-            count = int(m.group(3))
-            files += [f"{m.group(1)}-{i:05d}-of-{count:05d}.gguf" for i in range(2, count + 1)
-                      if os.path.isfile(f"{m.group(1)}-{i:05d}-of-{count:05d}.gguf")]
+            files += [f for f in (split_part(p, i) for i in range(2, int(m.group(3)) + 1)) if os.path.isfile(f)]
     for f in files:
         st = os.stat(f)
         h.update(f"\0{os.path.basename(f)}\0{st.st_size}\0{st.st_mtime_ns}".encode())
@@ -354,7 +352,7 @@ def check_store_head(path: str, lm_head: str | None) -> str:
         return path
     from .store import Store
     with Store(path, load="mmap") as s:
-        have = {"i8_tile16": "i8", "q4g_tile16": "q4"}.get(s.info("output").get("layout"), "f16")
+        have = layout.head_kind(s.info("output").get("layout"))
     if have != lm_head:
         raise FormatError(f"--lm-head {lm_head}: {path} is a converted store with a {have} head (the head is chosen "
                           "when a model is converted)",

@@ -180,6 +180,12 @@ class _Cursor:
 SPLIT_NAME = re.compile(r"(.*)-(\d{5})-of-(\d{5})\.gguf$")   # llama.cpp's llama_split_path: PREFIX-0000N-of-0000M.gguf
 
 
+def split_part(first: str, i: int) -> str | None:
+    """The path of part i (1-based) of the split set whose first part is `first` (None: not named as one)."""
+    m = SPLIT_NAME.match(first)
+    return None if m is None else f"{m.group(1)}-{i:05d}-of-{m.group(3)}.gguf"
+
+
 class GGUFFile:
     """One GGUF file, or a model split into several (llama.cpp's gguf-split: the first part, PREFIX-00001-of-0000N.gguf,
     holds the metadata; every part holds some of the tensors): given the first part, the others are read beside it
@@ -215,7 +221,7 @@ class GGUFFile:
             raise FormatError(f"{self.path}: part {no + 1} of {count} of a split GGUF: give the first part, which holds "
                               "the model's metadata", hint=f"-m {m.group(1)}-00001-of-{count:05d}.gguf")
         for i in range(1, count):
-            path = f"{m.group(1)}-{i + 1:05d}-of-{count:05d}.gguf"
+            path = split_part(self.path, i + 1)
             if not os.path.isfile(path):
                 raise FormatError(f"{self.path}: part {i + 1} of {count} of this split GGUF is missing: {path}")
             part = GGUFFile(path, first=self)

@@ -33,7 +33,7 @@ from ..config import ModelConfig
 from ..errors import BitNetError, ContextOverflowError, FormatError
 from ..memory import available_memory
 from .thread_tuner import ThreadTuner
-from ...simd.layout import K_ALIGN, TG_GROUP, pad_to, tg128_bytes, tile16b3_bytes
+from ...simd.layout import K_ALIGN, TG_GROUP, head_kind, pad_to, tg128_bytes, tile16b3_bytes
 
 DEFAULT_CHUNK = 128  # prefill rows per GEMM call (measured: 32..256 within 4%, 128 best)
 # Chunks of at most this many rows use the multi-row GEMV (one sequential weight stream) instead of the GEMM,
@@ -214,7 +214,7 @@ class Weights:
         self.embd = emb.view(np.uint16)
         self.out_norm = _expect(store, "output_norm", np.float32, D)
         info = store.info("output")
-        self.lm_head = {"i8_tile16": "i8", "q4g_tile16": "q4"}.get(info.get("layout"), "f16")
+        self.lm_head = head_kind(info.get("layout"))
         self.out_w = store.tensor("output").reshape(-1)
         v_pad = pad_to(V, 16)
         self.rescore = None   # f16 rows [V, D] the q4 head's best RESCORE_K candidates are recomputed from
