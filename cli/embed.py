@@ -26,7 +26,7 @@ def add_arguments(p):
     p.add_argument("-c", "--ctx-size", "--ctx", dest="ctx", type=int, default=None, metavar="N",
                    help="the most tokens of one text (default: the model's trained context, 2048 to 4096)%(default).0s")
     p.add_argument("-t", "--threads", type=int, default=None, metavar="N",
-                   help="CPU threads (default: one per physical core, or $OMP_NUM_THREADS)%(default).0s")
+                   help="CPU threads (default, also 0 or -1: one per physical core, or $OMP_NUM_THREADS)%(default).0s")
     p.add_argument("--pooling", default="mean", metavar="{mean,last,none}",
                    help="a text's vector: the mean of its tokens' final states, the last token's, or none: one "
                         "vector per token")
@@ -111,11 +111,12 @@ def main(args) -> int:
 
     from ..engine.api import load_engine
     from ..engine.runtime.embed import check_normalize, check_pooling, normalized
+    from .flags import auto_threads
     check_pooling(args.pooling, "--pooling")
     normalize = check_normalize(args.embd_normalize, "--embd-normalize")
     texts = texts_of(args)
     pooled = args.pooling != "none"
-    eng = load_engine(args.model, ctx=args.ctx, threads=args.threads, parallel=min(16, len(texts)),
+    eng = load_engine(args.model, ctx=args.ctx, threads=auto_threads(args.threads), parallel=min(16, len(texts)),
                       progress=sys.stderr.isatty(), pooling=args.pooling, embd_normalize=normalize)
     try:
         for w in eng.warnings:   # a default context past the trained one bounds only the longest text here

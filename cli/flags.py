@@ -24,7 +24,12 @@ UNTIL_END = -1   # -n -1: until the end of text or a full context (llama.cpp's m
 RANDOM_SEED = -1  # --seed -1: a fresh random seed (llama.cpp's meaning)
 CTX_MIN = 0       # 0: the model's trained context (llama.cpp's -c 0); 1 token is the engine's own minimum, and a
                   # prompt that does not fit is then the engine's one-line error, naming -c/--ctx
-THREADS_MIN = 1
+
+
+def auto_threads(n: int | None) -> int | None:
+    """-t/--threads as llama.cpp reads it: 0 or less is the default count (None here), as its hardware
+    concurrency there."""
+    return None if n is not None and n <= 0 else n
 
 _D = SamplingParams()
 # SamplingParams field (the argparse dest) -> (spellings, type, metavar, help); defaults come from SamplingParams
@@ -87,7 +92,7 @@ def add_engine_args(p: argparse.ArgumentParser, *, n_predict_default: int | None
                    help="context size in tokens, of each sequence (default: min(model's, 4096); bitnet serve: "
                         "at least 2048; 0: the model's trained context)%(default).0s")
     p.add_argument("-t", "--threads", type=int, default=None, metavar="N",
-                   help="CPU threads (default: one per physical core, or $OMP_NUM_THREADS)%(default).0s")
+                   help="CPU threads (default, also 0 or -1: one per physical core, or $OMP_NUM_THREADS)%(default).0s")
     p.add_argument("--kv", dest="kv", choices=("f16", "f32", "q8"), default="f16",
                    help="KV cache precision (q8: int8 with a scale per position, 0.52x the memory of f16; "
                         "docs/kv-cache.md)")
@@ -186,12 +191,13 @@ def check_engine_args(args: argparse.Namespace) -> str | None:
         return f"-n/--n-predict {n}: must be >= 0, or -1 (-2) for until the end of text or a full context"
     if args.ctx is not None and args.ctx < CTX_MIN:
         return f"-c/--ctx {args.ctx}: must be >= {CTX_MIN} (0: the model's trained context, as llama.cpp)"
-    if args.threads is not None and args.threads < THREADS_MIN:
-        return f"-t/--threads {args.threads}: must be >= {THREADS_MIN}"
+    args.threads = auto_threads(args.threads)
     for field, (spellings, *_) in SAMPLING_FLAGS.items():
         if not hasattr(args, field):
             continue
         value = getattr(args, field)
+        if field == "temperature" and value is not None and value < 0:   # llama.cpp's max(temp, 0): greedy
+            args.temperature = value = 0.0
         if field == "seed" and value == RANDOM_SEED:
             continue
         problem = setting_problem(field, value, spellings[0])

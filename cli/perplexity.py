@@ -14,7 +14,7 @@ The running PPL ("[1]7.1234,[2]...") and the final estimate (or the KL table and
 to stderr; --json prints one object instead. Ctrl-C prints the estimate over the chunks done and exits 130, leaving no
 half-written base file (an existing one is replaced only once a run completes).
 """
-from .flags import read_text_file
+from .flags import auto_threads, read_text_file
 
 HELP = ("measure perplexity over a text file, the KL divergence from a base model's saved logits, HellaSwag, "
         "Winogrande or multiple-choice tasks (llama-perplexity's chunks, numbers and files)")
@@ -33,7 +33,7 @@ def add_arguments(p):
                         "base file's)%(default).0s")
     p.add_argument("--chunks", type=int, default=-1, metavar="N", help="score at most N chunks (-1: every whole one)")
     p.add_argument("-t", "--threads", type=int, default=None, metavar="N",
-                   help="CPU threads (default: one per physical core, or $OMP_NUM_THREADS)%(default).0s")
+                   help="CPU threads (default, also 0 or -1: one per physical core, or $OMP_NUM_THREADS)%(default).0s")
     p.add_argument("--kv", dest="kv", choices=("f16", "f32", "q8"), default="f16", help="KV cache precision")
     p.add_argument("--lm-head", choices=("q4", "i8", "f16"), default=None,
                    help="LM head precision when the model gets converted (default: the converter's)%(default).0s")
@@ -86,8 +86,7 @@ def _check(args) -> None:
         check_output(args.kld_base, "--kl-divergence-base", keep=lambda p: not starts_with(p, MAGIC))
     if args.ctx is not None and args.ctx < 4 and args.ctx != 0:
         raise BitNetError(f"-c/--ctx-size {args.ctx}: must be >= 4 (0: the model's trained context, as llama.cpp)")
-    if args.threads is not None and args.threads < 1:
-        raise BitNetError(f"-t/--threads {args.threads}: must be >= 1")
+    args.threads = auto_threads(args.threads)
     if args.chunks == 0:
         raise BitNetError("--chunks 0: nothing to score (a positive count, or -1 for every chunk)")
 

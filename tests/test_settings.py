@@ -42,11 +42,22 @@ def test_the_same_flag_gives_the_same_value(prog, argv, dest, value):
 @pytest.mark.parametrize("argv,message", [
     (["-c", "-1"], "-c/--ctx -1: must be >= 0 (0: the model's trained context, as llama.cpp)"),
     (["--ctx-size", "-5"], "-c/--ctx -5: must be >= 0 (0: the model's trained context, as llama.cpp)"),
-    (["-t", "0"], "-t/--threads 0: must be >= 1"),
 ])
 def test_the_same_bad_flag_gives_the_same_error(argv, message):
     got = {prog: check_engine_args(PARSERS[prog].parse_args(argv)) for prog in ALL}
     assert set(got.values()) == {message}, got
+
+
+@pytest.mark.parametrize("prog", ALL)
+def test_llama_cpp_s_automatic_values(prog):
+    """llama.cpp's readings: -t 0 or -1 is the default thread count; a negative --temp is 0 (greedy), as its
+    max(temp, 0)."""
+    for n in ("0", "-1"):
+        args = PARSERS[prog].parse_args(["-t", n])
+        assert check_engine_args(args) is None and args.threads is None
+    if prog in SAMPLING:
+        args = PARSERS[prog].parse_args(["--temp", "-1"])
+        assert check_engine_args(args) is None and args.temperature == 0.0
 
 
 def test_the_smallest_context_is_accepted_everywhere():
@@ -84,7 +95,8 @@ def test_every_default_is_sampling_params():
 
 
 # (field, flag, /set name, request field, bad value as typed)
-BAD = [("temperature", "--temp", "temp", "temperature", "-1"), ("top_k", "--top-k", "top_k", "top_k", "-3"),
+# (a negative --temp is not here: the command lines read it as llama.cpp, 0; /set and requests refuse it)
+BAD = [("top_k", "--top-k", "top_k", "top_k", "-3"),
        ("top_p", "--top-p", "top_p", "top_p", "1.5"), ("top_p", "--top-p", "top_p", "top_p", "-0.5"),
        ("min_p", "--min-p", "min_p", "min_p", "2"), ("repeat_penalty", "--repeat-penalty", "repeat_penalty",
                                                       "repeat_penalty", "0"),
