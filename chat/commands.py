@@ -22,7 +22,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
                              "dynatemp_range|dynatemp_exponent|mirostat|mirostat_tau|mirostat_eta|reasoning_budget|"
                              "reasoning_budget_message; also ollama's "
                              "/set parameter NAME VALUE, /set system TEXT and "
-                             "/set format json|FILE|off (answers as JSON / matching a JSON Schema file)"),
+                             "/set format json|FILE|off (answers as JSON / matching a JSON Schema file), "
+                             "/set think and /set nothink (a thinking model's <think> block on / off)"),
     "/show": ("[info|system|parameters]", "model information (source file, shape, context) and current settings"),
     "/save": ("FILE", "save the conversation as JSON (atomic write)"),
     "/load": ("FILE", "load a conversation saved with /save and prefill it"),
@@ -30,6 +31,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "/stats": ("", "timings of the last answer and of the session"),
     "/bye": ("", "exit (Ctrl-D also exits)"),
 }
+THINK_WORDS = ("think", "nothink")   # /set think | nothink: ollama's switch of a thinking model's thought
 ALIASES = {"/exit": "/bye", "/quit": "/bye", "/?": "/help", "/clear": "/reset"}
 SHOW_TOPICS = ("info", "system", "parameters")
 
@@ -206,6 +208,9 @@ def parse_command(line: str) -> Command:
         elif parts[0].lower() == "parameter":       # ollama: /set parameter NAME VALUE
             if len(parts) == 2:
                 raise CommandError("/set parameter needs NAME VALUE, e.g. /set parameter temperature 0.7")
+        elif parts[0].lower() in THINK_WORDS:      # ollama: /set think, /set nothink
+            if len(parts) > 1:
+                raise CommandError(f"/set {parts[0].lower()} takes no value")
         elif len(parts) < 2:   # the value is the rest of the line (a breaker list may hold spaces)
             raise CommandError("/set needs NAME VALUE, e.g. /set temp 0.7 (or /set alone to show settings)")
     if name == "/show" and rest and rest.lower() not in SHOW_TOPICS:
@@ -217,6 +222,8 @@ def split_set(arg: str) -> tuple[str, str] | None:
     """`/set` argument -> ("system", TEXT) | (NAME, VALUE); None for `/set parameter` alone (list them)."""
     parts = arg.split(None, 1)
     head = parts[0].lower()
+    if head in THINK_WORDS:
+        return head, ""
     if head == "system":
         return "system", parts[1].strip()
     if head == "parameter":
@@ -242,7 +249,8 @@ def completions(text_before_cursor: str) -> list[str]:
         return [c for c in COMMANDS if c.startswith(text_before_cursor.lower())]
     head, _, rest = text_before_cursor.partition(" ")
     if head.lower() == "/set" and " " not in rest.lstrip():
-        return [n for n in SETTING_NAMES + ["system", "parameter", "format"] if n.startswith(rest.lstrip().lower())]
+        return [n for n in SETTING_NAMES + ["system", "parameter", "format", *THINK_WORDS]
+                if n.startswith(rest.lstrip().lower())]
     if head.lower() == "/show" and " " not in rest.lstrip():
         return [n for n in SHOW_TOPICS if n.startswith(rest.lstrip().lower())]
     return []

@@ -4,7 +4,9 @@ stdout carries the answers; hints, notices and stats go to stderr when stdout is
 (so `bitchat < questions.txt > answers.txt` gives only the answers), and to the terminal otherwise.
 Colour only on a terminal and never when NO_COLOR is set. On a terminal a streamed answer wraps at word
 boundaries at the terminal's width (measured at the start of each answer, so a resize is followed): the
-word being written is held back until it is complete, then goes on this line or the next.
+word being written is held back until it is complete, then goes on this line or the next. A thinking model's
+thought (its <think> block) is shown as llama-cli shows it, between [Start thinking] and [End thinking], dim on a
+terminal, and beside the answers (stderr) when stdout is not one.
 """
 from __future__ import annotations
 
@@ -111,6 +113,8 @@ class Output:
         self.at_line_start = True
         self.width = width
         self._wrap: WordWrapper | None = None
+        self.thinking = False        # inside a thought's markers
+        self._err_at_line_start = True
 
     def _terminal_width(self) -> int | None:
         if self.width:
@@ -123,7 +127,7 @@ class Output:
             return None
 
     # the answer, piece by piece
-    def stream(self, text: str) -> None:
+    def stream(self, text: str, style: str | None = None) -> None:
         if not text:
             return
         if self.interactive:
@@ -137,12 +141,37 @@ class Output:
         else:
             pending = False
         if text:
-            self.out.write(text)
+            self.out.write(f"{style}{text}{RESET}" if style and self.color else text)
             self.out.flush()
         if text:
             self.at_line_start = text.endswith("\n") and not pending
         elif pending:
             self.at_line_start = False
+
+    def thought(self, text: str) -> None:
+        """A piece of a thinking model's thought: after a [Start thinking] line, dim on a terminal (word-wrapped as
+        answers are); on stderr when stdout is not a terminal, so stdout keeps only the answers."""
+        if not text:
+            return
+        if not self.thinking:
+            self.thinking = True
+            self._emit("[Start thinking]", DIM)
+        if self.interactive:
+            self.stream(text, DIM)
+            return
+        self.err.write(text)
+        self.err.flush()
+        self._err_at_line_start = text.endswith("\n")
+
+    def end_thought(self) -> None:
+        """The thought is over (the answer starts, or the turn ends): an [End thinking] line, once."""
+        if not self.thinking:
+            return
+        self.thinking = False
+        if not self.interactive and not self._err_at_line_start:
+            self.err.write("\n")
+            self._err_at_line_start = True
+        self._emit("[End thinking]", DIM)
 
     def end_answer(self) -> None:
         if self._wrap is not None:

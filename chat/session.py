@@ -20,7 +20,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import replace
 
-from .commands import Command, CommandError, Settings, help_text, parse_setting, split_set
+from .commands import THINK_WORDS, Command, CommandError, Settings, help_text, parse_setting, split_set
 from .render import Output, format_stats
 from .splice import CachedTurn, spliced_prompt
 from .transcript import Conversation, TranscriptError
@@ -220,6 +220,19 @@ class ChatSession:
         n_tokens = 0
         interrupted = False
         gen = None
+        # a thinking model's <think> block is shown apart (render.Output.thought); the transcript keeps the text as
+        # written, which the template renders back (dropping earlier thoughts, as Qwen3's does)
+        splitter = self.llm.think_splitter(ids, self.format is None)
+
+        def show(text: str | None) -> None:
+            if splitter is None:
+                self.out.stream(text or "")
+                return
+            reasoning, content = splitter.feed(text) if text is not None else splitter.finish()
+            self.out.thought(reasoning)
+            if content:
+                self.out.end_thought()
+                self.out.stream(content)
         self._save_recovery()   # the question is on disk before the model reads its weights again
         try:
             with sigint_as_flag() as flag, quiet_terminal(self.out.interactive):
@@ -234,12 +247,14 @@ class ChatSession:
                             n_tokens += 1
                         if chunk.text:
                             pieces.append(chunk.text)
-                            self.out.stream(chunk.text)
+                            show(chunk.text)
                         stats = chunk.stats
                 except KeyboardInterrupt:
                     interrupted = True
                 finally:
                     gen.close()
+                    show(None)
+                    self.out.end_thought()
                 if flag.hit:
                     interrupted = True
         except KeyboardInterrupt:   # a Ctrl-C that landed outside the loop (e.g. in close)
@@ -339,6 +354,8 @@ class ChatSession:
             elif pair[0] == "system":
                 self.conv.system = pair[1]
                 self.out.info("[system prompt set]")
+            elif pair[0] in THINK_WORDS:
+                self.set_thinking(pair[0] == "think")
             else:
                 key, value = parse_setting(pair[0], pair[1], max_tokens_limit=self.llm.n_ctx)
                 setattr(self.settings, key, value)
@@ -373,6 +390,13 @@ class ChatSession:
 
     def describe_settings(self) -> str:
         return f"{self.settings.describe()} format={self.format_label}"
+
+    def set_thinking(self, on: bool) -> None:
+        """/set think | nothink: the template's enable_thinking for the next answers (-rea on | off)."""
+        if not self.llm.thinks:
+            raise CommandError(f"/set {'think' if on else 'nothink'}: {self.llm.name}'s chat template does not think")
+        self.llm.set_template_kwargs({**self.llm.template_kwargs, "enable_thinking": on})
+        self.out.info(f"[thinking {'on' if on else 'off'}]")
 
     def set_format(self, value: str) -> None:
         """ollama's words: /set format json (answers are a JSON object), /set format FILE (a JSON Schema file),

@@ -127,6 +127,15 @@ def add_engine_args(p: argparse.ArgumentParser, *, n_predict_default: int | None
                         "Jinja2 template (llama.cpp's flag)%(default).0s")
     p.add_argument("--chat-template-file", default=None, metavar="FILE",
                    help="the chat template (Jinja2) from a file%(default).0s")
+    p.add_argument("--chat-template-kwargs", dest="chat_template_kwargs", default=None, metavar="JSON",
+                   help="more variables for every chat's template, a JSON object, e.g. '{\"enable_thinking\": false}' "
+                        "(llama.cpp's flag; a request's chat_template_kwargs win)%(default).0s")
+    p.add_argument("-rea", "--reasoning", dest="reasoning", default=None, metavar="on|off|auto",
+                   help="a thinking model's <think> block: on, off (the template's enable_thinking), auto: the "
+                        "template's default (llama.cpp's flag)%(default).0s")
+    p.add_argument("--reasoning-effort", dest="reasoning_effort", default=None, metavar="LEVEL",
+                   help="the template's reasoning_effort variable (gpt-oss's low / medium / high; 'default': "
+                        "left out; llama.cpp's flag)%(default).0s")
     p.add_argument("--draft-max", type=int, default=None, metavar="K",
                    help="prompt-lookup speculative decoding: most draft tokens verified per pass, 0 = off "
                         "(default: off; --draft-max 4 is a good start on repetitive text; same output either "
@@ -203,7 +212,7 @@ def check_engine_args(args: argparse.Namespace) -> str | None:
         problem = setting_problem(field, value, spellings[0])
         if problem:
             return problem
-    problem = _read_chat_template(args)
+    problem = _read_chat_template(args) or _read_template_kwargs(args)
     if problem:
         return problem
     if getattr(args, "draft_max", None) is not None or getattr(args, "lookup_ngram_min", None) is not None:
@@ -247,17 +256,54 @@ def _read_chat_template(args: argparse.Namespace) -> str | None:
     return None
 
 
+# llama.cpp's readings of a switch's value (common/arg.cpp is_truthy / is_falsey / is_autoy)
+_ON, _OFF, _AUTO = ("on", "enabled", "true", "1"), ("off", "disabled", "false", "0"), ("auto", "-1")
+
+
+def _read_template_kwargs(args: argparse.Namespace) -> str | None:
+    """--chat-template-kwargs, -rea/--reasoning and --reasoning-effort as one dict of template variables in
+    args.template_kwargs (None: none given), for apply_chat_template; one line naming the flag, or None. As in
+    llama.cpp, --reasoning on / off is the variable enable_thinking, and --reasoning-effort LEVEL reasoning_effort."""
+    import json
+    text, reasoning = getattr(args, "chat_template_kwargs", None), getattr(args, "reasoning", None)
+    effort = getattr(args, "reasoning_effort", None)
+    kwargs = None
+    if text is not None:
+        try:
+            kwargs = json.loads(text)
+        except ValueError as e:
+            return f"--chat-template-kwargs: not JSON ({e})"
+        if not isinstance(kwargs, dict):
+            return f"--chat-template-kwargs: a JSON object of template variables, not {type(kwargs).__name__}"
+    if reasoning is not None:
+        if reasoning.lower() not in _ON + _OFF + _AUTO:
+            return f"-rea/--reasoning {reasoning!r}: on, off or auto"
+        if reasoning.lower() not in _AUTO:
+            kwargs = {**(kwargs or {}), "enable_thinking": reasoning.lower() in _ON}
+    if effort is not None and effort != "default":
+        kwargs = {**(kwargs or {}), "reasoning_effort": effort}
+    args.template_kwargs = kwargs
+    return None
+
+
 def apply_chat_template(model, args: argparse.Namespace) -> None:
-    """The template of --chat-template / --chat-template-file (checked by check_engine_args) on a loaded LLM or
-    Engine; one that does not render is a BitNetError naming the flag."""
-    text = getattr(args, "chat_template_text", None)
-    if text is None:
-        return
+    """The template of --chat-template / --chat-template-file and the variables of --chat-template-kwargs /
+    -rea / --reasoning-effort (checked by check_engine_args) on a loaded LLM or Engine; one that does not render is
+    a BitNetError naming the flag."""
     from ..engine.errors import BitNetError
-    try:
-        model.set_chat_template(text)
-    except BitNetError as e:
-        raise BitNetError(f"{getattr(args, 'chat_template_flag', '--chat-template')}: {e.args[0]}") from None
+    text = getattr(args, "chat_template_text", None)
+    if text is not None:
+        try:
+            model.set_chat_template(text)
+        except BitNetError as e:
+            raise BitNetError(f"{getattr(args, 'chat_template_flag', '--chat-template')}: {e.args[0]}") from None
+    kwargs = getattr(args, "template_kwargs", None)
+    if kwargs:
+        try:
+            model.set_template_kwargs(kwargs)
+        except BitNetError as e:
+            flag = "--chat-template-kwargs" if getattr(args, "chat_template_kwargs", None) else "-rea/--reasoning"
+            raise BitNetError(f"{flag}: {e.args[0].removeprefix('chat_template_kwargs: ')}") from None
 
 
 def _apply_prefill_attention(precision: str | None) -> str | None:
@@ -377,7 +423,10 @@ LLAMA_ENV = {"LLAMA_ARG_MODEL": "-m", "LLAMA_ARG_CTX_SIZE": "-c", "LLAMA_ARG_THR
              "LLAMA_ARG_N_PARALLEL": "--parallel", "LLAMA_ARG_HOST": "--host", "LLAMA_ARG_PORT": "--port",
              "LLAMA_API_KEY": "--api-key", "LLAMA_ARG_API_KEY_FILE": "--api-key-file", "LLAMA_ARG_ALIAS": "--alias",
              "LLAMA_ARG_BATCH": "--batch-size", "LLAMA_ARG_CHAT_TEMPLATE": "--chat-template",
-             "LLAMA_ARG_CHAT_TEMPLATE_FILE": "--chat-template-file", "LLAMA_ARG_THINK_BUDGET": "--reasoning-budget",
+             "LLAMA_ARG_CHAT_TEMPLATE_FILE": "--chat-template-file",
+             "LLAMA_ARG_CHAT_TEMPLATE_KWARGS": "--chat-template-kwargs", "LLAMA_ARG_REASONING": "--reasoning",
+             "LLAMA_ARG_REASONING_EFFORT": "--reasoning-effort",
+             "LLAMA_ARG_THINK": "--reasoning-format", "LLAMA_ARG_THINK_BUDGET": "--reasoning-budget",
              "LLAMA_ARG_THINK_BUDGET_MESSAGE": "--reasoning-budget-message", "LLAMA_ARG_TEMPERATURE": "--temp",
              "LLAMA_ARG_TOP_K": "--top-k", "LLAMA_ARG_TOP_P": "--top-p", "LLAMA_ARG_MIN_P": "--min-p",
              "LLAMA_ARG_REPEAT_PENALTY": "--repeat-penalty", "LLAMA_ARG_PRESENCE_PENALTY": "--presence-penalty",

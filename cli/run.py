@@ -112,8 +112,10 @@ def main(args) -> int:
     apply_chat_template(llm, args)
     for w in llm.warnings:
         print(f"bitnet: warning: {w}", file=sys.stderr)
-    # a system prompt or a chat template only means something in a chat (llama.cpp turns its chat on for them)
-    if args.chat or args.system is not None or args.chat_template is not None or args.chat_template_file is not None:
+    # a system prompt or a chat template (or its variables) only means something in a chat (llama.cpp turns its chat
+    # on for them)
+    if args.chat or args.system is not None or args.chat_template is not None or args.chat_template_file is not None \
+            or args.template_kwargs:
         msgs = ([{"role": "system", "content": args.system}] if args.system is not None else [])
         ids = llm.chat_prompt(msgs + [{"role": "user", "content": prompt}])
     else:

@@ -81,6 +81,11 @@ def add_arguments(p):
     p.add_argument("--embd-normalize", dest="embd_normalize", type=int, default=2, metavar="N",
                    help="norm of pooled embeddings, as llama.cpp's: -1 none, 0 max-absolute int16, 1 taxicab, "
                         "2 Euclidean, >2 p-norm (a request's embd_normalize wins)")
+    p.add_argument("--reasoning-format", dest="reasoning_format", default="auto",
+                   choices=("auto", "deepseek", "deepseek-legacy", "none"),
+                   help="a thinking model's <think> block in chat answers, when a request does not say (its "
+                        "reasoning_format): auto / deepseek: message.reasoning_content, deepseek-legacy: there and left "
+                        "in content, none: left in content (llama-server's flag)")
     p.add_argument("--drain-timeout", type=float, default=5.0, help="seconds in-flight requests get to finish on shutdown")
     p.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"),
                    help="uvicorn log level")
@@ -258,7 +263,8 @@ def main(args) -> int:
         server.should_exit = True
     app = create_app(load, api_key=args.api_key, api_keys=keys, sampling=sampling, limits=limits,
                      metrics_public=args.metrics_public, model_id=args.alias, strict_model=args.strict_model_name,
-                     cors_origins=tuple(args.cors_origin or ()), on_load_error=load_failed)
+                     cors_origins=tuple(args.cors_origin or ()), on_load_error=load_failed,
+                     reasoning_format=args.reasoning_format)
 
     class Server(uvicorn.Server):
         """uvicorn re-raises the caught signal after shutdown (-> exit 130/143); a drained server exits 0.

@@ -62,6 +62,7 @@ class _Text:
     """text <-> ids helpers shared by LLM and Engine (need self.tokenizer and self.store)."""
 
     _chat_template: str | None = None   # set_chat_template's, else the model file's
+    _template_kwargs: dict = {}         # set_template_kwargs's: every chat's template variables, under a call's own
 
     @property
     def chat_template(self) -> str | None:
@@ -81,6 +82,25 @@ class _Text:
                             {"role": "assistant", "content": "a"}, {"role": "user", "content": "u"}])
         except BaseException:
             self._chat_template = before
+            raise
+
+    @property
+    def template_kwargs(self) -> dict:
+        """The template variables every chat is rendered with (set_template_kwargs's), under a call's own."""
+        return dict(self._template_kwargs)
+
+    def set_template_kwargs(self, kwargs: dict) -> None:
+        """Render every chat with these template variables (llama.cpp's --chat-template-kwargs, e.g.
+        {"enable_thinking": False} for Qwen3's), under the ones a chat_prompt call passes. Checked on a test
+        conversation first: a name the template sets itself, or one it cannot render with, is a TemplateError (a
+        BitNetError) and the variables before stay."""
+        if not isinstance(kwargs, dict):
+            raise _ct.TemplateError(f"chat_template_kwargs: a dict of template variables, not {type(kwargs).__name__}")
+        before, self._template_kwargs = self._template_kwargs, dict(kwargs)
+        try:
+            self.chat_text([{"role": "user", "content": "u"}])
+        except BaseException:
+            self._template_kwargs = before
             raise
 
     def tokenize(self, text: str, *, add_bos: bool = False, special: bool = True) -> list[int]:
@@ -125,6 +145,8 @@ class _Text:
         bos = meta.get("bos_token") or (tok.id_to_token(tok.bos_id) if tok.bos_id is not None else "")
         eos = meta.get("eos_token") or (tok.id_to_token(tok.eos_ids[0]) if tok.eos_ids else "")
         messages, tools = self.tool_format().prepare(messages, tools)
+        if self._template_kwargs:
+            template_kwargs = {**self._template_kwargs, **(template_kwargs or {})}
         return _ct.render(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
                           bos_token=bos or "", eos_token=eos or "", tools=tools, kwargs=template_kwargs)
 

@@ -151,7 +151,8 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
                retry_after: int = 1, on_shutdown: Callable[[], None] | None = None,
                sampling: Any = None, strict_model: bool = False, limits: Limits | None = None,
                api_keys: tuple = (), metrics_public: bool = False, cors_origins: tuple = (),
-               on_load_error: Callable[[BaseException], None] | None = None) -> FastAPI:
+               on_load_error: Callable[[BaseException], None] | None = None,
+               reasoning_format: str = "auto") -> FastAPI:
     """The ASGI app. load() -> an engine with ENGINE_API.md's interface (called once, in a thread).
     sampling: SamplingParams whose values a request's omitted sampling fields take (None: the engine's).
     model_id: the id the server answers with (None: the model's name; `--alias`); strict_model: a request
@@ -159,7 +160,9 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
     limits: serve/limits.py's (None: its defaults); api_key / api_keys: the keys every endpoint but /health
     needs (serve/auth.py), /metrics too unless metrics_public; cors_origins: the origins whose pages may call it
     beside this machine's (serve/auth.py allow_cross_origin; "*": any). on_load_error(e): called (in the loading
-    thread) when load() raised -- `bitnet serve` then says so and exits; without it the server answers 503."""
+    thread) when load() raised -- `bitnet serve` then says so and exits; without it the server answers 503.
+    reasoning_format: where a chat's <think> block goes when the request does not say (llama-server's
+    --reasoning-format: auto / deepseek: reasoning_content, none: left in content, deepseek-legacy: both)."""
     state = ServerState(load, api_key, model_id, retry_after, strict_model, sampling)
     state.on_load_error = on_load_error
     metrics = ServerMetrics(state.engine_metrics)
@@ -530,15 +533,18 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         text_of, n_top = state.token_text(eng), body.top_logprobs or 0
         parsers = [new_parser() if new_parser is not None else None for _ in streams]   # one per choice
         n_calls = [0] * len(streams)
-        # a thinking model's <think> block goes to reasoning_content (llama-server's --reasoning-format deepseek)
-        splitters = [new_splitter() if body.reasoning_format != "none" and prefill is None else None for _ in streams]
+        # a thinking model's <think> block goes to reasoning_content (llama-server's --reasoning-format deepseek);
+        # deepseek-legacy: there and left in the content as written; none: in the content only
+        fmt = body.reasoning_format or reasoning_format
+        splitters = [new_splitter() if fmt != "none" and prefill is None else None for _ in streams]
 
         def split(i, text):
             """(reasoning, content) of the next text of choice i (text None: the end)."""
             sp = splitters[i]
             if sp is None:
                 return "", text
-            return sp.finish() if text is None else sp.feed(text)
+            reasoning, content = sp.finish() if text is None else sp.feed(text)
+            return (reasoning, text or "") if fmt == "deepseek-legacy" else (reasoning, content)
 
         def logprobs(lps):
             if not body.logprobs or lps is None:

@@ -21,7 +21,8 @@ def build(model: str | None = None, *, threads: int | None = 1, parallel: int = 
           max_queue: int = 64, api_key: str | None = None, replicas: int = 1, kv: str = "f16", lookup=None,
           sampling=None, mmap: bool | None = None, alias: str | None = None, strict_model: bool = False,
           api_keys: tuple = (), limits=None, metrics_public: bool = False, batch_size: int | None = None,
-          cors_origins: tuple = (), chat_template: str | None = None, pooling: str = "mean", embd_normalize: int = 2):
+          cors_origins: tuple = (), chat_template: str | None = None,
+          template_kwargs: dict | None = None, reasoning_format: str = "auto", pooling: str = "mean", embd_normalize: int = 2):
     """A bound Ray Serve application with `replicas` replicas of the server (lookup: engine LookupParams;
     sampling: the SamplingParams a request's omitted sampling fields take; mmap: load_engine's — each replica
     otherwise reads its own copy of the weights into memory, while memory lasts; batch_size: load_engine's
@@ -34,12 +35,15 @@ def build(model: str | None = None, *, threads: int | None = 1, parallel: int = 
                           embd_normalize=embd_normalize)
         if chat_template is not None:   # --chat-template(-file), checked by the CLI
             eng.set_chat_template(chat_template)
+        if template_kwargs:   # --chat-template-kwargs / -rea / --reasoning-effort
+            eng.set_template_kwargs(template_kwargs)
         return eng
 
     # limits: body, headers, request time (serve/limits.py's middleware); connections and slow clients are
     # the Ray proxy's to bound
     fastapi_app = create_app(load, api_key=api_key, sampling=sampling, model_id=alias, strict_model=strict_model,
-                             api_keys=api_keys, limits=limits, metrics_public=metrics_public, cors_origins=cors_origins)
+                             api_keys=api_keys, limits=limits, metrics_public=metrics_public, cors_origins=cors_origins,
+                             reasoning_format=reasoning_format)
 
     # num_cpus=0: the engine's own threads do the work; Ray must not refuse replicas on a small machine
     @serve.deployment(name="bitnet", num_replicas=replicas, ray_actor_options={"num_cpus": 0},
@@ -129,6 +133,8 @@ def run_ray(args, sampling=None, api_keys: tuple = (), limits=None) -> int:
                         api_keys=api_keys, limits=limits, metrics_public=args.metrics_public,
                         cors_origins=tuple(args.cors_origin or ()),
                         chat_template=getattr(args, "chat_template_text", None),
+                        template_kwargs=getattr(args, "template_kwargs", None),
+                        reasoning_format=args.reasoning_format,
                         batch_size=args.batch_size, pooling=args.pooling, embd_normalize=args.embd_normalize),
                   name="bitnet", route_prefix="/", blocking=False)
         print(f"bitnet serve: {args.ray_replicas} Ray Serve replicas on http://{args.host}:{args.port}",

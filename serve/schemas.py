@@ -480,7 +480,7 @@ class ChatCompletionRequest(_Sampling):
     # llama-server's: variables for the chat template (enable_thinking: false turns Qwen3's thinking off), and
     # where a thinking model's <think> block goes ("none": left in content; else reasoning_content)
     chat_template_kwargs: Optional[dict[str, Any]] = None
-    reasoning_format: Optional[Literal["none", "auto", "deepseek"]] = None
+    reasoning_format: Optional[Literal["none", "auto", "deepseek", "deepseek-legacy"]] = None
     # llama-server's: a final assistant message is continued (its default); these two say so explicitly
     continue_final_message: Optional[bool] = None
     add_generation_prompt: Optional[bool] = None

@@ -266,7 +266,8 @@ def test_help_lists_every_command():
 def test_completions():
     assert completions("/s") == ["/system", "/set", "/show", "/save", "/stats"]
     assert completions("/re") == ["/reset", "/retry"]
-    assert completions("/set t") == ["temp", "top_k", "top_p", "top_n_sigma", "typical_p"]
+    assert completions("/set t") == ["temp", "top_k", "top_p", "top_n_sigma", "typical_p", "think"]
+    assert completions("/set no") == ["nothink"]
     assert completions("/set temp 0") == []
     assert completions("hello") == []
 

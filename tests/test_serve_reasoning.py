@@ -304,3 +304,42 @@ def test_a_continued_answer_on_a_thinking_template_is_not_a_thought(server):
     r = httpx.post(server.url + "/v1/chat/completions", json={"messages": m, "chat_template_kwargs":
                                                               {"enable_thinking": True}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs"
+
+
+def test_the_servers_reasoning_flags(tmp_path):
+    """llama-server's -rea off (the template's enable_thinking false for every chat; a request's
+    chat_template_kwargs win) and --reasoning-format (a request's reasoning_format wins): deepseek-legacy gives the
+    thought in reasoning_content and leaves the text as written in content, streamed and not."""
+    from serve_proc import Server
+    path = tmp_path / "think.jinja"
+    path.write_text(TEMPLATE, encoding="utf-8")
+    s = Server("--parallel", "2", "--chat-template-file", str(path), "-rea", "off",
+               "--reasoning-format", "deepseek-legacy", threads=1)
+    try:
+        def one(**body):
+            r = httpx.post(s.url + "/v1/chat/completions", timeout=60,
+                           json={"messages": Q, "temperature": 0, "max_tokens": 8, **body})
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["message"]
+        prompt = httpx.post(s.url + "/apply-template", json={"messages": Q}, timeout=60).json()["prompt"]
+        assert prompt.endswith("<think>\n\n</think>\n\n")   # -rea off: the template closed the thought
+        assert "reasoning_content" not in one()
+        written = f"<think>\n{THOUGHT}\n</think>\n\n{ANSWER}"
+        legacy = one(grammar=GRAMMAR, chat_template_kwargs=SELF, max_tokens=64)
+        assert legacy["reasoning_content"] == THOUGHT and legacy["content"] == written
+        assert one(grammar=GRAMMAR, chat_template_kwargs=SELF, reasoning_format="deepseek", max_tokens=64) == \
+            {"role": "assistant", "content": ANSWER, "reasoning_content": THOUGHT, "refusal": None}
+        reasoning = content = ""
+        with httpx.stream("POST", s.url + "/v1/chat/completions", timeout=60,
+                          json={"messages": Q, "temperature": 0, "grammar": GRAMMAR, "stream": True,
+                                "chat_template_kwargs": SELF}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    delta = json.loads(line[6:])["choices"][0]["delta"]
+                    reasoning += delta.get("reasoning_content") or ""
+                    content += delta.get("content") or ""
+        assert (reasoning, content) == (THOUGHT, written)
+        on = one(chat_template_kwargs={"enable_thinking": True})   # the request's variable wins
+        assert on["reasoning_content"] and on["content"].strip() == on["reasoning_content"]   # all thought (legacy)
+    finally:
+        s.stop()
