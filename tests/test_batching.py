@@ -279,6 +279,37 @@ def test_pool_exhaustion_waits_and_does_not_corrupt(synth):
         eng.close()
 
 
+def test_a_prefix_computed_twice_is_not_promised_to_a_third_request(synth):
+    """Two requests with the same long prefix admitted in one step both compute it; the second's later pages go
+    into the index under the first one's prefix pages. Once the first ends, those prefix pages are held by the index
+    alone but cannot be freed while the second runs: a third request must wait for them, not be admitted on them
+    (its pages then failed to allocate and the sequence ended in an engine error)."""
+    m, _, stores = synth
+    rng = np.random.default_rng(8)
+    prefix = rng.integers(1, m.V, 5 * PAGE_TOKENS).tolist()
+    a, b = rng.integers(1, m.V, 40).tolist(), rng.integers(1, m.V, 40).tolist()
+    third = rng.integers(1, m.V, 230).tolist()
+    eng = load_engine(stores["f16"], ctx=256, parallel=2, progress=False)   # the pool: 2 x (256 + 32) tokens
+    try:
+        late, submitted = [], threading.Event()   # the third request, submitted at the step the first one ends
+
+        def then(ch):
+            if ch[-1].finish_reason and not late:
+                late.append(eng.submit(third, GREEDY, max_tokens=26, ignore_eos=True))
+                submitted.set()
+        first = _Chunks(then=then)
+        streams = _submit_together(eng, [(prefix + a, GREEDY, {"max_tokens": 1, "callback": first}),
+                                         (prefix + b, GREEDY, {"max_tokens": 56, "ignore_eos": True})])
+        assert submitted.wait(120)
+        third_out, second_out = _collect(late[0]), _collect(streams[1])
+        assert third_out[-1].finish_reason == "length" and len(_tokens(third_out)) == 26
+        assert second_out[-1].finish_reason == "length"
+        assert eng.metrics()["sequence_errors_total"] == 0
+        eng.check_consistency()
+    finally:
+        eng.close()
+
+
 def test_n_choices_to_the_context_s_end_fit_the_default_pool_or_are_refused(synth):
     """n = parallel choices, each allowed to run to the context's end, need a context of pages each plus one for
     their shared partial page: the default pool holds that (they ran, and answered); a pool that can never hold a

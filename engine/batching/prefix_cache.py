@@ -67,7 +67,10 @@ class PrefixCache:
 
     def insert(self, ids, pages, n_full: int):
         """Index the first n_full full pages of a sequence (token ids, page table pages). A block already in
-        the index keeps its page (the sequence keeps its own copy)."""
+        the index keeps its page; when that is not the sequence's own (two sequences computed the same prefix side by
+        side), the sequence's later pages are not indexed: under a page it does not hold they would keep that page
+        from being evicted while the sequence runs, after admission counted it as free to take (n_evictable). So a
+        page the index alone holds has no descendant a running sequence holds."""
         node = self.root
         for b in range(n_full):
             key = tuple(ids[b * PAGE_TOKENS: (b + 1) * PAGE_TOKENS])
@@ -77,6 +80,8 @@ class PrefixCache:
                 node.children[key] = child
                 self.pool.incref(pages[b])
                 self.n_nodes += 1
+            elif child.page != pages[b]:
+                break
             node = child
         self._touch(node)
 
@@ -91,7 +96,8 @@ class PrefixCache:
         return out
 
     def n_evictable(self) -> int:
-        """Pages held only by the index (all of them can be freed, leaves first)."""
+        """Pages held only by the index: all of them can be freed, leaves first (insert() keeps a page a running
+        sequence holds from hanging under one the index alone holds)."""
         c, stack = 0, list(self.root.children.values())
         while stack:
             n = stack.pop()
