@@ -98,12 +98,15 @@ def test_unknown_and_undecodable_types_name_the_tensor(tmp_path):
     w.add_tensor_info("weird", [4, 32], 26, 4 * 32 * 4)  # I32: known size, no dequantizer anywhere
     w.add_tensor_info("alien", [4, 32], 77, 16)        # a type nobody knows
     w.add_tensor_info("q40", [4, 32], 2, 4 * 18)       # Q4_0: decoded by the gguf package
-    w.write([lambda: b"\0" * 512, lambda: b"\0" * 16, lambda: bytes(range(72))])
+    w.add_tensor_info("ik", [4, 32], 135, 16)          # ik_llama.cpp's IQ2_BN: named as such
+    w.write([lambda: b"\0" * 512, lambda: b"\0" * 16, lambda: bytes(range(72)), lambda: b"\0" * 16])
     g = GGUFFile(str(tmp_path / "x.gguf"))
     with pytest.raises(UnsupportedError, match="'weird'.*I32"):
         g.dequantize("weird")
     with pytest.raises(UnsupportedError, match="'alien'.*type 77"):
         g.raw("alien")
+    with pytest.raises(UnsupportedError, match="'ik'.*IQ2_BN .type 135, ik_llama.cpp's"):
+        g.dequantize("ik")
     want = gguf.quants.dequantize(np.arange(72, dtype=np.uint8).reshape(4, 18), gguf.GGMLQuantizationType.Q4_0)
     assert np.array_equal(g.dequantize("q40"), want)
 
@@ -177,3 +180,48 @@ def test_bad_alignment_key(tmp_path):
 def test_unreadable_path(tmp_path):
     with pytest.raises(FormatError, match="cannot open"):
         GGUFFile(str(tmp_path / "missing.gguf"))
+
+
+def _with(src: str, dst: str, kv=(), tensor=None) -> str:
+    """A copy of the GGUF file `src` with more metadata (key, type, value) and, optionally, one more F32 tensor
+    (name, values)."""
+    from test_fuzz import _ARR, _VT
+    g = GGUFFile(src)
+    w = RawGGUFWriter(dst, alignment=g.alignment)
+    for k, v in g.kv.items():
+        t = g.kv_types[k]
+        w.add(k, ("arr_str" if isinstance(v, list) else _ARR[v.dtype.name]) if t == 9 else _VT[t], v)
+    for k, typ, v in kv:
+        w.add(k, typ, v)
+    infos = list(g.tensors.values())
+    for t in infos:
+        w.add_tensor_info(t.name, list(t.shape), t.type_id, t.nbytes)
+    producers = [lambda t=t: g.raw(t.name).tobytes() for t in infos]
+    if tensor is not None:
+        w.add_tensor_info(tensor[0], [len(tensor[1])], 0, 4 * len(tensor[1]))
+        producers.append(lambda: np.asarray(tensor[1], np.float32).tobytes())
+    w.write(producers)
+    g.close()
+    return dst
+
+
+def test_rope_scaling_is_refused_as_the_hf_path_refuses_it(tmp_path, model):
+    """llama.cpp's RoPE scaling keys (linear / yarn, Llama 3.1's rope_freqs tensor) are read and refused in one
+    line; ignored, the model would run unscaled and answer silently worse. 'none' and a factor of 1 are no
+    scaling and convert."""
+    from bitnet_cpu.engine.formats.convert import convert
+
+    src = write_gguf_tq(model, str(tmp_path / "plain.gguf"), "TQ2_0")
+    arch = GGUFFile(src).arch
+    bad = [("linear", [(f"{arch}.rope.scaling.type", "str", "linear"), (f"{arch}.rope.scaling.factor", "f32", 4.0)],
+            None),
+           ("yarn", [(f"{arch}.rope.scaling.type", "str", "yarn")], None),
+           ("x2", [(f"{arch}.rope.scale_linear", "f32", 2.0)], None),
+           ("llama3", [], ("rope_freqs.weight", [1.0] * (model.head_dim // 2)))]
+    for name, kv, tensor in bad:
+        with pytest.raises(UnsupportedError, match="RoPE scaling"):
+            convert(_with(src, str(tmp_path / f"{name}.gguf"), kv, tensor), str(tmp_path / f"{name}.bnstore"),
+                    progress=False)
+    fine = _with(src, str(tmp_path / "none.gguf"), [(f"{arch}.rope.scaling.type", "str", "none"),
+                                                    (f"{arch}.rope.scaling.factor", "f32", 1.0)])
+    convert(fine, str(tmp_path / "none.bnstore"), progress=False)

@@ -52,6 +52,7 @@ GGML_TYPES: dict[int, tuple[str, int, int]] = {
 # by its tensor offsets (GGUFFile._q2_0_variant).
 Q2_0 = 42
 Q2_0_VARIANTS = {"Q2_0": (64, 18), "Q2_0_G128": (128, 34)}
+IK_TYPES = {134: "IQ1_BN", 135: "IQ2_BN", 335: "IQ2_BN_R4"}   # ik_llama.cpp's ternary types (its ggml.h)
 I2_S = 36                     # bitnet.cpp: n/4 bytes of 2-bit codes + 32-byte tail holding the f32 scale
 BITNET_CPP_TYPES = {36: "I2_S", 37: "I8_S", 38: "TL1", 39: "TL2"}
 BITNET_CPP_FTYPE_I2_S = 40    # general.file_type of bitnet.cpp's I2_S files (LLAMA_FTYPE_MOSTLY_I2_S)
@@ -356,6 +357,8 @@ class GGUFFile:
             return BITNET_CPP_TYPES[tid]   # bitnet.cpp's Llama3-8B-1.58 TL files: file type 38 / 39 (its TL1 / TL2)
         if tid in self.types:
             return self.types[tid][0]
+        if tid in IK_TYPES:   # ik_llama.cpp's own ternary types: named, so its files are recognised as such
+            return f"{IK_TYPES[tid]} (type {tid}, ik_llama.cpp's; convert its F16 / bf16 source instead)"
         return f"type {tid}"
 
     def _check_tensor(self, name, dims, tid, off) -> TensorInfo:
@@ -420,7 +423,7 @@ class GGUFFile:
             return part.raw(name)
         t = self.info(name)
         if t.nbytes < 0:
-            raise UnsupportedError(f"{self.path}: tensor {name!r} has unsupported tensor type {t.type_name}")
+            raise UnsupportedError(f"{self.path}: tensor {name!r} has an unsupported type: {t.type_name}")
         return np.frombuffer(self._mm, dtype=np.uint8, count=t.nbytes, offset=t.offset)
 
     def dequantize(self, name: str, rows: slice | None = None) -> np.ndarray:
@@ -431,7 +434,7 @@ class GGUFFile:
         t = self.info(name)
         own = t.type_name in DECODABLE or t.type_name in TL_TYPES
         if not own and (t.nbytes < 0 or t.type_name not in gguf_decodable()):
-            raise UnsupportedError(f"{self.path}: tensor {name!r} has unsupported tensor type {t.type_name}",
+            raise UnsupportedError(f"{self.path}: tensor {name!r} has an unsupported type: {t.type_name}",
                                    hint="supported: " + ", ".join(sorted(DECODABLE | gguf_decodable())) + (
                                        "" if gguf_decodable() else "; pip install gguf for the other types"))
         ne0 = t.shape[-1]
