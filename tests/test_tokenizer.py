@@ -117,3 +117,46 @@ def test_one_rule_for_a_broken_chat_template():
         assert fix_chat_template(tpl) == ct.choose_template(tpl)
     assert fix_chat_template(own) == own
     assert fix_chat_template(BROKEN_GGUF_TEMPLATE) != BROKEN_GGUF_TEMPLATE
+
+
+def test_bos_only_where_the_reference_tokenizer_adds_one(tmp_path):
+    """A text's tokens start with BOS as the model's own tokenizer does: a Qwen3-style tokenizer.json adds none
+    (though config.json names a bos_token_id; the `tokenizers` library is transformers' PreTrainedTokenizerFast), a
+    LlamaTokenizerFast adds one by tokenizer_config's add_bos_token, and a GGUF by tokenizer.ggml.add_bos_token
+    (llama.cpp's rule), whichever way the key says."""
+    import json
+
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from bitnet_cpu.engine.api import load_model
+    from bitnet_cpu.engine.formats.convert import convert
+    from bitnet_cpu.engine.synth import write_bonsai_dir, write_gguf_tq
+    from test_fuzz import _rewrite_gguf
+
+    text = "Once upon a time"
+    m = SynthModel({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "head_dim": 64,
+                    "hidden_act": "silu"}, seed=1, style="llama")
+    d = write_bonsai_dir(m, str(tmp_path / "qwen"))
+    tj = json.load(open(f"{d}/tokenizer.json"))
+    tj["post_processor"] = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False,
+                            "use_regex": False}   # as Qwen3's: no template adding a BOS
+    json.dump(tj, open(f"{d}/tokenizer.json", "w"))
+    reference = HFTokenizer.from_file(f"{d}/tokenizer.json").encode(text).ids
+    bos = json.load(open(f"{d}/config.json"))["bos_token_id"]
+    assert bos is not None and reference[:1] != [bos]
+    llm = load_model(convert(d, str(tmp_path / "qwen.bnstore"), progress=False), ctx=64, progress=False)
+    assert llm.tokenize(text, add_bos=True) == reference
+    tc = json.load(open(f"{d}/tokenizer_config.json"))   # LlamaTokenizerFast rebuilds its post-processor: BOS
+    json.dump({**tc, "tokenizer_class": "LlamaTokenizerFast", "add_bos_token": True}, open(f"{d}/tokenizer_config.json", "w"))
+    llm = load_model(convert(d, str(tmp_path / "llama_class.bnstore"), progress=False), ctx=64, progress=False)
+    assert llm.tokenize(text, add_bos=True) == [bos] + reference
+
+    g = SynthModel({}, seed=3, style="llama")
+    src = write_gguf_tq(g, str(tmp_path / "g.gguf"), "TQ2_0", arch="llama")
+    with_bos = load_model(convert(src, str(tmp_path / "g.bnstore"), progress=False), ctx=64, progress=False)
+    ids = with_bos.tokenize(text, add_bos=True)
+    assert ids[0] == with_bos.tokenizer.bos_id
+    _rewrite_gguf(src, str(tmp_path / "nobos.gguf"), "tokenizer.ggml.add_bos_token", ("bool", False))
+    no_bos = load_model(convert(str(tmp_path / "nobos.gguf"), str(tmp_path / "nobos.bnstore"), progress=False),
+                        ctx=64, progress=False)
+    assert no_bos.tokenize(text, add_bos=True) == ids[1:]

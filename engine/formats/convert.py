@@ -34,7 +34,7 @@ from ..errors import BitNetError, FormatError
 from ..fileio import check_output
 from .store import TensorSpec, is_store, write_store
 
-CONVERTER_VERSION = "2"   # part of the cache key: 2 records tokenizer_config's bos_token / eos_token
+CONVERTER_VERSION = "3"   # part of the cache key: 2 records tokenizer_config's bos_token / eos_token, 3 add_bos
 LM_HEADS = ("q4", "i8", "f16")
 WEIGHTS = {"t2": "tile16", "t1.6": "tile16b3"}   # --weights: ternary layout of the linear layers
 EMBED_CHUNK = 8192  # rows per chunk (a multiple of 16 so tile-major packs concatenate)

@@ -122,6 +122,21 @@ def _llama_unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
                                 .swapaxes(1, 2).reshape(w.shape))
 
 
+def _adds_bos(kind: str, blob: bytes, tc: dict, bos: int, path: str) -> bool:
+    """Whether transformers starts a text's tokens with BOS: LlamaTokenizer(Fast) and SentencePiece models by
+    tokenizer_config's add_bos_token (default true; the fast one rebuilds its post-processor from it), any other
+    tokenizer.json by its own post-processor (Qwen3's adds none, though config.json names a bos_token_id)."""
+    flag = tc.get("add_bos_token")
+    if kind == "sentencepiece" or str(tc.get("tokenizer_class") or "").startswith("Llama"):
+        return flag if isinstance(flag, bool) else True
+    from tokenizers import Tokenizer as HFTokenizer
+    try:
+        ids = HFTokenizer.from_str(blob.decode("utf-8")).encode("a", add_special_tokens=True).ids
+    except Exception:   # the tokenizer's own load reports a broken file, naming it
+        return True
+    return ids[:1] == [bos]
+
+
 def _f32(v) -> float:
     """A GGUF f32 value as the decimal it was written from (1e-5, not 9.999999747378752e-06)."""
     return float(str(np.float32(v))) if isinstance(v, (float, np.floating)) else float(v)
@@ -580,7 +595,10 @@ class HFSource:
         elif tmpl is not None:
             tmpl = fix_chat_template(tmpl)
         bos = cfg.get("bos_token_id")
-        return ((kind, blob) if blob is not None else None), tmpl, (bos if isinstance(bos, int) else None), eos
+        bos = bos if isinstance(bos, int) else None
+        if blob is not None and bos is not None:
+            self.meta["add_bos"] = _adds_bos(kind, blob, tc, bos, tj)
+        return ((kind, blob) if blob is not None else None), tmpl, bos, eos
 
     def _hf(self, short, i):
         return f"model.layers.{i}.{HF_LINEAR[short]}"

@@ -94,8 +94,12 @@ def _library_call(source: str, what: str, fn, *args):
 class Tokenizer:
     """encode / decode / stream. `bos_id`, `eos_ids` (every id that should stop generation)."""
 
-    def __init__(self, kind: str, blob: bytes, *, bos_id: int | None = None, eos_ids=(), source: str = "store"):
+    def __init__(self, kind: str, blob: bytes, *, bos_id: int | None = None, eos_ids=(), source: str = "store",
+                 add_bos: bool | None = None):
+        """add_bos: whether encode(add_bos=True) starts with BOS, as the model's reference tokenizer does (the
+        conversion's finding; None, a store made before it: always)."""
         self.kind = kind
+        self.add_bos = add_bos
         self._source = source
         if kind == "hf_json":
             from tokenizers import Tokenizer as HFTokenizer
@@ -141,7 +145,9 @@ class Tokenizer:
         cfg = store.config
         origin = store.meta.get("source")
         source = store.path if not isinstance(origin, str) or not origin else f"{store.path} (converted from {origin})"
-        return cls(spec[0], spec[1], bos_id=cfg.bos_token_id, eos_ids=cfg.eos_token_ids, source=source)
+        add_bos = store.meta.get("add_bos")
+        return cls(spec[0], spec[1], bos_id=cfg.bos_token_id, eos_ids=cfg.eos_token_ids, source=source,
+                   add_bos=add_bos if isinstance(add_bos, bool) else None)
 
     # ---- lookups ------------------------------------------------------------------------------------
     def token_to_id(self, token: str) -> int | None:
@@ -173,8 +179,12 @@ class Tokenizer:
                     ids.append(self._sp.PieceToId(part))
                 else:
                     ids.extend(self._sp.EncodeAsIds(part))
-        if add_bos and self.bos_id is not None and (not ids or ids[0] != self.bos_id):
-            ids.insert(0, self.bos_id)
+        if add_bos and self.bos_id is not None:
+            if self.add_bos is False:   # a post-processor that adds one where the reference does not: dropped
+                ids = ids[1:] if self._hf is not None and ids[:1] == [self.bos_id] and \
+                    self._hf.encode(text, add_special_tokens=False).ids[:1] != [self.bos_id] else ids
+            elif not ids or ids[0] != self.bos_id:
+                ids.insert(0, self.bos_id)
         return list(ids)
 
     def decode(self, ids, *, skip_special: bool = False) -> str:

@@ -96,7 +96,8 @@ def gguf_tokenizer(g) -> dict:
             llama3 = pre in LLAMA3_PRES
             regex = "qwen2" if pre == "qwen2" else "llama3" if llama3 else "gpt2"
             meta["tokenizer_pre"] = f"{pre or 'missing'} -> {regex} regex"
-            js = _bpe_json(tokens, types, merges, llama3, bos if (add_bos if add_bos is not None else llama3) else None,
+            meta["add_bos"] = add_bos if add_bos is not None else llama3   # llama.cpp's: the key, else its pre's
+            js = _bpe_json(tokens, types, merges, llama3, bos if meta["add_bos"] else None,
                            path, QWEN2_SPLIT_REGEX if regex == "qwen2" else None)
             blob = ("hf_json", js.encode("utf-8"))
         elif model == "llama":
@@ -107,7 +108,8 @@ def gguf_tokenizer(g) -> dict:
                 raise FormatError(f"{path}: tokenizer.ggml.scores is not a list of numbers") from None
             if len(scores) != n:
                 raise FormatError(f"{path}: tokenizer.ggml.scores has {len(scores)} entries for {n} tokens")
-            js = _spm_json(tokens, types, scores, bos if add_bos is not False else None)
+            meta["add_bos"] = add_bos is not False
+            js = _spm_json(tokens, types, scores, bos if meta["add_bos"] else None)
             blob = ("hf_json", js.encode("utf-8"))
             meta["tokenizer_note"] = "SentencePiece vocab rebuilt as an HF BPE tokenizer (best effort)"
         else:
