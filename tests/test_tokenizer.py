@@ -69,7 +69,10 @@ def test_sentencepiece(spm_blob):
         assert tok.encode(text, add_bos=True) == [1] + ref.encode(text)
         assert tok.decode(tok.encode(text)) == ref.decode(ref.encode(text))
         pieces = _stream(tok, tok.encode(text))
-        assert "".join(pieces) == ref.decode(ref.encode(text))
+        # a stream is text after what came before (a prompt): the first word keeps its space, as in the
+        # decode of a context and the ids, less the context's text (transformers' TextStreamer, vLLM, llama.cpp)
+        ctx = ref.encode("x.")
+        assert "".join(pieces) == ref.decode(ctx + ref.encode(text))[len(ref.decode(ctx)):]
         assert not any("\ufffd" in p for p in pieces)
     assert tok.encode("a</s>b", special=True).count(2) == 1
     assert 2 not in tok.encode("a</s>b", special=False)
@@ -160,3 +163,27 @@ def test_bos_only_where_the_reference_tokenizer_adds_one(tmp_path):
     no_bos = load_model(convert(str(tmp_path / "nobos.gguf"), str(tmp_path / "nobos.bnstore"), progress=False),
                         ctx=64, progress=False)
     assert no_bos.tokenize(text, add_bos=True) == ids[1:]
+
+
+def test_sentencepiece_stream_after_a_prompt_and_ids_past_its_pieces(spm_blob):
+    """Generated text streams as the reference shows it after the prompt (decode(prompt + ids) less decode(prompt)):
+    the first word keeps its space, and so does a word after a skipped special token (SentencePiece strips the
+    space at the start of a decode). Ids past the model's pieces (a vocabulary padded beyond them) are no text,
+    never an error."""
+    import sentencepiece as spm
+
+    ref = spm.SentencePieceProcessor(model_proto=spm_blob)
+    tok = Tokenizer("sentencepiece", spm_blob, bos_id=1, eos_ids=[2])
+    prompt = ref.encode("The quick brown fox")
+    for text in TEXTS:
+        ids = ref.encode(" jumps over " + text)
+        want = ref.decode(prompt + ids)[len(ref.decode(prompt)):]
+        assert "".join(_stream(tok, ids)) == want
+        # an end-of-text between two words, skipped: the words around it as decoded apart
+        cut = next(i for i in range(1, len(ids)) if ref.id_to_piece(ids[i]).startswith("\u2581"))
+        with_eos = ids[:cut] + [2] + ids[cut:]
+        assert "".join(_stream(tok, with_eos)) == want[:len(ref.decode(prompt + ids[:cut])) - len(ref.decode(prompt))] \
+            + ref.decode(prompt + ids[cut:])[len(ref.decode(prompt)):]
+    past = ref.get_piece_size() + 5
+    assert tok.decode([past]) == "" and tok.decode(prompt + [past]) == ref.decode(prompt)
+    assert "".join(_stream(tok, [past] + ids)) == "".join(_stream(tok, ids))

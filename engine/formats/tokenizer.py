@@ -192,8 +192,9 @@ class Tokenizer:
         if self._hf is not None:
             return _library_call(self._source, "the tokenizer cannot decode these tokens",
                                  lambda: self._hf.decode(ids, skip_special_tokens=skip_special))
-        if skip_special:
-            ids = [i for i in ids if i not in self._special_ids]
+        # ids past the SentencePiece model's pieces (a model's vocabulary may be padded beyond them, as 1bitLLM's
+        # 32002 over 32000) have no text: nothing, as transformers decodes them (SentencePiece itself raises)
+        ids = [i for i in ids if 0 <= i < self.vocab_size and not (skip_special and i in self._special_ids)]
         # sentencepiece drops control tokens when decoding; keep them visible like llama.cpp does
         out, run = [], []
         for i in ids:
@@ -235,6 +236,20 @@ class Tokenizer:
     def stream(self, *, skip_special: bool = True) -> "StreamDecoder":
         return StreamDecoder(self, skip_special=skip_special)
 
+    @property
+    def anchor(self) -> int | None:
+        """A plain token whose text is one character with no space before it, or None: StreamDecoder decodes
+        each window after it, so a SentencePiece decoder's strip of the text's first space (right at the start of
+        a decode) never takes the space of a generated word."""
+        if not hasattr(self, "_anchor"):
+            self._anchor = None
+            for ch in "a0x.":
+                i = self.token_to_id(ch)
+                if i is not None and not self.is_special(i) and self.decode([i, i]) == ch + ch:
+                    self._anchor = i
+                    break
+        return self._anchor
+
 
 class StreamDecoder:
     """push(id) -> the new text that is complete so far ("" while a character is still incomplete);
@@ -251,6 +266,11 @@ class StreamDecoder:
         self._ids: list[int] = []
         self._prefix = 0   # decode window start: the start of the last emitted piece (a character boundary)
         self._read = 0     # ids before this index have been emitted
+        anchor = None if self._byte_level else tok.anchor
+        self._head = [anchor] if anchor is not None else []   # decoded before every window (Tokenizer.anchor)
+
+    def _window(self, end: int | None = None) -> str:
+        return self._tok.decode(self._head + self._ids[self._prefix:end], skip_special=self._skip)
 
     def push(self, token: int) -> str:
         token = int(token)
@@ -259,9 +279,7 @@ class StreamDecoder:
                 return ""
             return self._utf8.decode(self._tok.token_bytes(token))
         self._ids.append(token)
-        dec = self._tok.decode
-        prev = dec(self._ids[self._prefix: self._read], skip_special=self._skip)
-        full = dec(self._ids[self._prefix:], skip_special=self._skip)
+        prev, full = self._window(self._read), self._window()
         if (full.endswith("\ufffd") or not full.startswith(prev)) and len(self._ids) - self._read < 4:
             return ""  # a UTF-8 character spans at most 4 byte pieces; after that give up waiting
         new = full[len(prev):] if full.startswith(prev) else full
@@ -280,9 +298,7 @@ class StreamDecoder:
             return self._utf8.decode(b"", final=True)
         if self._read >= len(self._ids):
             return ""
-        dec = self._tok.decode
-        prev = dec(self._ids[self._prefix: self._read], skip_special=self._skip)
-        full = dec(self._ids[self._prefix:], skip_special=self._skip)
+        prev, full = self._window(self._read), self._window()
         self._prefix, self._read = self._read, len(self._ids)
         return full[len(prev):] if full.startswith(prev) else full
 
