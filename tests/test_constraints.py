@@ -385,3 +385,37 @@ def test_sentencepiece_tokenizer_is_converted(tmp_path):
             jsonschema.validate(json.loads(text), schema)
     finally:
         sp_llm.close()
+
+
+def _complete(llm, schema, text) -> bool:
+    """Whether the compiled schema takes `text` whole, as a finished answer."""
+    m = llm.compile_constraint(Constraint.json_schema(schema)).matcher()
+    ids = llm.tokenize(text, special=False)
+    if m.valid_prefix(ids) != ids:
+        return False
+    for t in ids:
+        m.advance(t)
+    return m.accepting
+
+
+def test_listed_properties_only_unless_the_schema_opens_more(llm):
+    """An object schema that lists properties and says nothing of others has only those, as llama.cpp's and
+    ollama's json-schema-to-grammar read it: the bundled model then answers {"answer": ...} and stops, where it
+    ran on inventing keys to max_tokens. additionalProperties true / a schema keeps others; allOf's parts stay
+    open (closed, each would refuse the other's keys)."""
+    answer = {"type": "object", "properties": {"answer": {"type": "string", "enum": ["yes", "no"]}},
+              "required": ["answer"]}
+    ids = llm.chat_prompt([{"role": "system", "content": "Answer in JSON."},
+                           {"role": "user", "content": "Is it raining?"}])
+    text, _, last = _run(llm, ids, MODES["greedy"], Constraint.json_schema(answer), max_tokens=60)
+    assert last.finish_reason != "length", text
+    assert set(json.loads(text)) == {"answer"}
+    assert _complete(llm, answer, '{"answer":"no"}') and not _complete(llm, answer, '{"answer":"no","x":1}')
+    nested = {"type": "object", "properties": {"p": answer}}
+    assert not _complete(llm, nested, '{"p":{"answer":"no","x":1}}')
+    assert _complete(llm, {**answer, "additionalProperties": True}, '{"answer":"no","x":1}')
+    assert _complete(llm, {**answer, "additionalProperties": {"type": "integer"}}, '{"answer":"no","x":1}')
+    parts = {"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+                       {"$ref": "#/$defs/B"}],
+             "$defs": {"B": {"type": "object", "properties": {"b": {"type": "integer"}}, "required": ["b"]}}}
+    assert _complete(llm, parts, '{"a":1,"b":2}')

@@ -126,7 +126,8 @@ class Constraint:
         if self.kind == "json_object":
             return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
         if self.kind == "json_schema":
-            return LLMatcher.grammar_from_json_schema(bounded_integers(json.loads(self.source)), defaults=JSON_OPTIONS)
+            schema = bounded_integers(closed_objects(json.loads(self.source)))
+            return LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
         if self.kind == "regex":
             return LLMatcher.grammar_from_regex(self.source)
         if self.kind == "lark":
@@ -170,6 +171,49 @@ def rebased(schema, pointer: str):
             out["$ref"] = "#" + pointer + v[1:]
         return out
     return _schema_copy(schema, fix)
+
+
+def closed_objects(schema):
+    """A copy of a JSON Schema in which an object that lists `properties` and says nothing of others
+    (additionalProperties, patternProperties, unevaluatedProperties) has only those: llama.cpp's and ollama's
+    reading (json-schema-to-grammar), which the schemas clients send rely on (pydantic's never say
+    additionalProperties; OpenAI's strict mode requires it false). By the letter of JSON Schema other keys are
+    allowed, and a small model then ran on writing invented keys. An allOf's parts (and the definitions they
+    refer to) stay open: closed, each would refuse the others' properties."""
+    closed: set[int] = set()
+
+    def fix(out):
+        if isinstance(out.get("properties"), dict) and not any(
+                k in out for k in ("additionalProperties", "patternProperties", "unevaluatedProperties", "allOf")):
+            out["additionalProperties"] = False
+            closed.add(id(out))
+        return out
+    out = _schema_copy(schema, fix)
+
+    def reopen(sub):
+        if isinstance(sub, dict) and id(sub) in closed:
+            del sub["additionalProperties"]
+            closed.discard(id(sub))
+
+    stack = [out]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+            continue
+        if not isinstance(node, dict):
+            continue
+        for part in node.get("allOf") if isinstance(node.get("allOf"), list) else ():
+            reopen(part)
+            ref = part.get("$ref") if isinstance(part, dict) else None
+            if isinstance(ref, str) and ref.startswith("#/"):
+                target = out
+                for key in ref[2:].split("/"):
+                    key = key.replace("~1", "/").replace("~0", "~")
+                    target = target.get(key) if isinstance(target, dict) else None
+                reopen(target)
+        stack.extend(v for k, v in node.items() if k not in _DATA_KEYWORDS)
+    return out
 
 
 def bounded_integers(schema):
