@@ -33,8 +33,8 @@ from .auth import AuthMiddleware, KeyChecker, allow_cross_origin
 from .limits import Limits, LimitsMiddleware, anthropic_error_body
 from .logprobs import Said, TokenText, chat_entry, completion_logprobs, echo_logprobs
 from .metrics import CONTENT_TYPE, ServerMetrics, TokenClock
-from .offload import (BodyRefused, next_or_gone, offloop_route, prepare_sampling, prompt_body_bound, run_off_loop,
-                      too_long_for_context, warm_bounds)
+from .offload import (BodyRefused, ClientGone, next_or_gone, offloop_route, prepare_sampling, prompt_body_bound, run_off_loop,
+                      too_long_for_context, unless_gone, warm_bounds)
 from .responses import ResponseBuilder, ResponsesRequest
 from .llama_api import timings_of as llama_timings
 from .schemas import (ChatCompletionRequest, CompletionRequest, RequestProblem, continuation, error_where, main_error,
@@ -637,14 +637,18 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
             for k, (ids, _, _) in enumerate(prompts):
                 streams += submit(eng, body, ids, loop, constraint, q=q, offset=k * n, params=params)[0]
             echo_lp, echo_end = [None] * len(prompts), [0] * len(prompts)
-            if body.echo and body.logprobs is not None:   # every prompt token's logprob: scoring passes beside
-                scores = await asyncio.gather(*(score_prompt(eng, ids, body.logprobs) for ids, _, _ in prompts))
+            if body.echo and body.logprobs is not None:   # every prompt token's logprob: scoring passes beside,
+                # stopped with the answers when the client hangs up (a long prompt's pass runs for many seconds)
+                scores = await unless_gone(asyncio.gather(
+                    *(score_prompt(eng, ids, body.logprobs) for ids, _, _ in prompts)), request)
                 for k, ((ids, _, shown), sc) in enumerate(zip(prompts, scores)):
                     echo_lp[k], echo_end[k] = echo_logprobs(state.token_text(eng), ids, sc, shown, body.logprobs)
-        except BaseException:
+        except BaseException as e:
             for st in streams:
                 st.cancel()
                 state.streams.discard(st)
+            if isinstance(e, ClientGone):
+                return Response(status_code=499)
             raise
         cid, created, model = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time()), state.model_id
         head = {"id": cid, "object": "text_completion", "created": created, "model": model, "system_fingerprint": None}

@@ -201,6 +201,26 @@ async def within(aw, timeout: float):
 _timeout = getattr(asyncio, "timeout", None)
 
 
+class ClientGone(Exception):
+    """The client hung up while its request was being worked on (unless_gone)."""
+
+
+async def unless_gone(aw, request, poll: float = 0.5):
+    """aw's result, awaited while the client is there: looked at every `poll` s; once it has hung up, aw is
+    cancelled (the work it waits on with it) and ClientGone is raised."""
+    fut = asyncio.ensure_future(aw)
+    try:
+        while True:
+            done, _ = await asyncio.wait((fut,), timeout=poll)
+            if done:
+                return fut.result()
+            if await request.is_disconnected():
+                raise ClientGone
+    except BaseException:
+        fut.cancel()
+        raise
+
+
 async def next_or_gone(q: asyncio.Queue, request, poll: float = 0.5):
     """q's next item, or None once the client has hung up: looked at every `poll` s, whether items come (a
     decoding answer gives one every few ms) or not (a request waiting in the queue)."""

@@ -382,6 +382,21 @@ def test_non_streaming_hangup_cancels_decoding_and_queued_requests(tmp_path_fact
             assert [x["state"] for x in httpx.get(s.url + "/slots").json()["slots"]] == ["running"]
         st = s.slots_when_idle(timeout=120 * slowness())   # the stream's tokens alone: the queued one made none
         assert st["slots"] == [] and st["metrics"]["tokens_generated_total"] - made <= 1500
+        # echo + logprobs: the prompt's scoring pass, queued too, goes with its client (it was awaited before
+        # anything watched the client, and ran over the whole prompt once the slot was free)
+        with httpx.stream("POST", s.url + "/v1/completions", json={**stream, "max_tokens": 3500},
+                          timeout=30 * slowness()) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+            echo = {"prompt": "a " * 300, "max_tokens": 5, "echo": True, "logprobs": 1}
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(s.url + "/v1/completions", json=echo, timeout=gone)
+            states, deadline = None, time.monotonic() + 30 * slowness()
+            while states != ["running"] and time.monotonic() < deadline:
+                time.sleep(0.1)
+                states = [x["state"] for x in httpx.get(s.url + "/slots").json()["slots"]]
+            assert states == ["running"]
+        assert s.slots_when_idle(timeout=120 * slowness())["metrics"]["scored_tokens_total"] == 0
     finally:
         assert s.stop()[0] == 0
 
