@@ -20,7 +20,8 @@ from fastapi import Request
 from fastapi.responses import Response
 from pydantic import ConfigDict
 
-from .offload import OFFLOAD_BYTES, chars_bound, next_or_gone, run_off_loop, too_long_for_context
+from .offload import (OFFLOAD_BYTES, BodyRefused, chars_bound, checked_text, next_or_gone, run_off_loop,
+                      too_long_for_context)
 from .schemas import JSONTyped, error_where, main_error
 
 ENGINE_FAULT = "the engine failed while embedding this input (the server goes on; see its log)"
@@ -51,10 +52,12 @@ OPENAPI_BODY = {"requestBody": {"required": True, "content": {"application/json"
 def json_object(raw: bytes) -> dict:
     """The body as a JSON object, or Refused (invalid_json)."""
     try:
-        data = json.loads(raw)
+        data = checked_text(raw, json.loads(raw))
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         why = ": nested too deeply" if isinstance(e, RecursionError) else ""
         raise Refused(400, f"request body is not valid JSON{why}", None, "invalid_json") from None
+    except BodyRefused as e:
+        raise Refused(400, e.detail, e.param, e.code) from None
     if not isinstance(data, dict):
         raise Refused(400, "request body must be a JSON object", None, "invalid_json")
     return data

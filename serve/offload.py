@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 import weakref
 
@@ -56,9 +57,44 @@ def check_structure(obj, n_ctx: int | None):
                           "context_length_exceeded")
 
 
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def check_text(obj) -> None:
+    """Raise BodyRefused for a string holding a lone UTF-16 surrogate (JSON's "\\ud800" with no pair): not text,
+    and every tokenizer, template and response writer after this would fail on it (a 500)."""
+    stack = [("", obj)]
+    while stack:
+        where, x = stack.pop()
+        if isinstance(x, str):
+            m = _SURROGATE.search(x)
+            if m:
+                name = where.lstrip(".") or "body"
+                raise BodyRefused(f"{name}: a lone UTF-16 surrogate (\\u{ord(m.group()):04x} at character "
+                                  f"{m.start() + 1}) is not text", name, "invalid_value")
+        elif isinstance(x, dict):
+            stack.extend((f"{where}.{k}", v) for k, v in x.items())
+            stack.extend((where, k) for k in x)
+        elif isinstance(x, list):
+            stack.extend((f"{where}[{i}]", v) for i, v in enumerate(x))
+
+
 def parse_bounded(body: bytes, n_ctx: int | None):
     """json.loads, stopped once it has built more objects and numbers than a body that fits n_ctx could hold
-    (4 MB of small messages: refused after ~50 ms instead of ~300 ms of parsing and 1 s of validation)."""
+    (4 MB of small messages: refused after ~50 ms instead of ~300 ms of parsing and 1 s of validation); a string
+    with a lone surrogate escape is refused (check_text: looked for only when the body has such an escape)."""
+    return checked_text(body, _parse_bounded(body, n_ctx))
+
+
+def checked_text(body: bytes, obj):
+    """obj (body parsed), after check_text where the body has a surrogate escape at all."""
+    if _SURROGATE_ESCAPE.search(body):
+        check_text(obj)
+    return obj
+
+
+def _parse_bounded(body: bytes, n_ctx: int | None):
     if n_ctx is None:
         return json.loads(body)
     limit, count = 4 * n_ctx + 256, 0

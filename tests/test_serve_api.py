@@ -430,3 +430,23 @@ def test_n_choices_with_required_tool_calls(client):
     assert [[got[i][k] for k in sorted(got[i])] for i in range(3)] == whole
     assert all(sorted(got[i]) == list(range(len(whole[i]))) for i in range(3))
     assert finish == {0: "tool_calls", 1: "tool_calls", 2: "tool_calls"}
+
+
+def test_a_lone_surrogate_is_a_400_naming_the_field_everywhere(server):
+    """JSON's "\\ud800" with no pair is no text: every endpoint that takes text answers 400 naming where it is
+    (tokenizers, templates and response writers failed on it: 500s, or a 400 blaming the model file)."""
+    bodies = {"/tokenize": '{"content": "a\\ud800b"}',
+              "/v1/completions": '{"prompt": "a\\ud800b", "max_tokens": 1}',
+              "/completion": '{"prompt": "a\\udc00", "n_predict": 1}',
+              "/v1/embeddings": '{"input": "\\ud800"}',
+              "/apply-template": '{"messages": [{"role": "user", "content": "a\\ud800"}]}',
+              "/v1/chat/completions": '{"messages": [{"role": "user", "content": "a\\ud800"}], "max_tokens": 1}',
+              "/api/generate": '{"model": "m", "prompt": "a\\ud800", "stream": false}',
+              "/v1/messages": '{"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": "\\ud800"}]}'}
+    for path, body in bodies.items():
+        r = httpx.post(server.url + path, content=body, headers={"Content-Type": "application/json"}, timeout=60)
+        assert r.status_code == 400, (path, r.status_code, r.text)
+        assert "lone UTF-16 surrogate" in r.text, (path, r.text)
+    ok = httpx.post(server.url + "/tokenize", content='{"content": "\\ud83d\\ude00 \\\\ud800"}',
+                    headers={"Content-Type": "application/json"}, timeout=60)
+    assert ok.status_code == 200 and ok.json()["tokens"]   # a pair is one character; an escaped backslash is text

@@ -187,3 +187,13 @@ def test_sentencepiece_stream_after_a_prompt_and_ids_past_its_pieces(spm_blob):
     past = ref.get_piece_size() + 5
     assert tok.decode([past]) == "" and tok.decode(prompt + [past]) == ref.decode(prompt)
     assert "".join(_stream(tok, [past] + ids)) == "".join(_stream(tok, ids))
+
+
+def test_a_lone_surrogate_is_the_texts_fault(bpe, spm_blob):
+    """Text with a lone surrogate (what Python makes of undecodable bytes or JSON's unpaired "\\ud800") is refused
+    naming the character, by both kinds of tokenizer; it was a FormatError blaming the model file (byte-level) or
+    a raw RuntimeError (SentencePiece)."""
+    for tok in (bpe[0], Tokenizer("sentencepiece", spm_blob, bos_id=1, eos_ids=[2])):
+        with pytest.raises(BitNetError, match=r"lone UTF-16 surrogate \(\\ud800 at character 3\)") as e:
+            tok.encode("ab\ud800c")
+        assert not isinstance(e.value, FormatError)

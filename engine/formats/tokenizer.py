@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import re
 
-from ..errors import FormatError, json_why
+from ..errors import BitNetError, FormatError, json_why
 
 # Names under which the end-of-turn token appears in known vocabularies; all present ones stop generation.
 END_OF_TURN_TOKENS = ("<|eot_id|>", "<|end_of_text|>", "<|im_end|>", "<end_of_turn>")
@@ -165,6 +165,12 @@ class Tokenizer:
     def encode(self, text: str, *, add_bos: bool = False, special: bool = True) -> list[int]:
         """Token ids of `text`. add_bos: what the reference adds as special tokens (BOS). special: parse
         special-token strings like <|eot_id|> in the text into their ids (else they are plain text)."""
+        if not text.isascii():
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:   # a lone surrogate: the caller's text, not the model, is wrong
+                raise BitNetError(f"the text holds a lone UTF-16 surrogate (\\u{ord(text[e.start]):04x} at character"
+                                  f" {e.start + 1}): not text") from None
         if self._hf is not None:
             self._hf.encode_special_tokens = not special
             ids = _library_call(self._source, "the tokenizer cannot encode this text",
