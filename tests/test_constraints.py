@@ -318,6 +318,13 @@ def test_gbnf_examples_from_llama_cpp(llm, mode):
     # an integer past 64 bits anywhere in a schema (the grammar engine cannot hold it): was an internal error
     (lambda: Constraint.json_schema({"type": "integer", "maximum": 2 ** 64}), str(2 ** 64)),
     (lambda: Constraint.json_schema({"type": "string", "default": 2 ** 70}), str(2 ** 70)),
+    # integers no double equals (the grammar engine's numbers): they were rounded to another value, silently
+    (lambda: Constraint.json_schema({"const": 9007199254740993}), "past 2^53"),
+    (lambda: Constraint.json_schema({"type": "integer", "enum": [1, 1234567890123456789]}), "past 2^53"),
+    (lambda: Constraint.json_schema({"type": "integer", "minimum": 9007199254740993}), "minimum"),
+    # a key the grammar may repeat would count twice towards minProperties
+    (lambda: Constraint.json_schema({"type": "object", "additionalProperties": {"type": "integer"},
+                                     "minProperties": 2}), "minProperties"),
     # grammars no text matches: refused when compiled, not by the first step of a request (an engine error)
     (lambda: Constraint.gbnf('root ::= root "a"'), "no text matches it"),
     (lambda: Constraint.gbnf('root ::= "a" | "b" x\nx ::= x "c"'), None),
@@ -419,3 +426,11 @@ def test_listed_properties_only_unless_the_schema_opens_more(llm):
                        {"$ref": "#/$defs/B"}],
              "$defs": {"B": {"type": "object", "properties": {"b": {"type": "integer"}}, "required": ["b"]}}}
     assert _complete(llm, parts, '{"a":1,"b":2}')
+
+
+def test_integers_a_double_holds_are_kept_exactly(llm):
+    """Past 2^53 an integer that is a double is enforced as written (only those that are not are refused)."""
+    big = 2 ** 62 + 2 ** 10
+    assert _complete(llm, {"type": "integer", "enum": [big]}, str(big))
+    assert not _complete(llm, {"type": "integer", "enum": [big]}, str(big + 1))
+    assert _complete(llm, {"const": -big}, str(-big))

@@ -126,7 +126,11 @@ class Constraint:
         if self.kind == "json_object":
             return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
         if self.kind == "json_schema":
-            schema = bounded_integers(closed_objects(json.loads(self.source)))
+            schema = closed_objects(json.loads(self.source))
+            problem = unenforceable(schema)
+            if problem:
+                raise ConstraintError(f"{self.where}: {problem}", where=self.where)
+            schema = bounded_integers(schema)
             return LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
         if self.kind == "regex":
             return LLMatcher.grammar_from_regex(self.source)
@@ -171,6 +175,42 @@ def rebased(schema, pointer: str):
             out["$ref"] = "#" + pointer + v[1:]
         return out
     return _schema_copy(schema, fix)
+
+
+EXACT_INT = 1 << 53   # integers past this are not all doubles; the grammar engine reads a schema's numbers as doubles
+
+
+def unenforceable(schema) -> str | None:
+    """What of a JSON Schema the grammar engine would enforce other than written (None: nothing), found before
+    it is handed over: an integer past 2^53 that no double equals, in a bound, multipleOf, const or enum (it was
+    rounded: const 9007199254740993 gave 9007199254740992, a snowflake id another id); minProperties over keys
+    that may come from patternProperties / additionalProperties (the grammar cannot see a key repeated, and
+    counted {"a":1,"a":2} as two)."""
+    found: list[str] = []
+
+    def inexact(v) -> bool:
+        if isinstance(v, bool):
+            return False
+        if isinstance(v, int):
+            return abs(v) > EXACT_INT and float(v) != v
+        if isinstance(v, list):
+            return any(inexact(x) for x in v)
+        if isinstance(v, dict):
+            return any(inexact(x) for x in v.values())
+        return False
+
+    def fix(out):
+        for key in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "const", "enum"):
+            if key in out and inexact(out[key]):
+                found.append(f"{key}: an integer past 2^53 that is not a double ({out[key]!r:.80}) cannot be "
+                             "enforced exactly (the grammar engine reads numbers as doubles; give it as a string)")
+        free = out.get("additionalProperties", True) is not False or out.get("patternProperties")
+        if _is_num(out.get("minProperties")) and out["minProperties"] > 0 and free:
+            found.append("minProperties over keys not listed in properties cannot be enforced (a key written "
+                         "twice would count twice); list the keys, with additionalProperties false")
+        return out
+    _schema_copy(schema, fix)
+    return found[0] if found else None
 
 
 def closed_objects(schema):
