@@ -284,6 +284,8 @@ class _Sampling(JSONTyped):
         field = info.field_name
         if field == "seed" and value == -1:   # llama.cpp's server: -1 is a fresh random seed
             return None
+        if field == "seed" and isinstance(value, int) and -(1 << 63) <= value < 0:
+            return value % (1 << 64)   # OpenAI's seed is a signed int64: another negative one is a seed (as ollama's)
         if field == "dry_base" and isinstance(value, (int, float)) and value < 1:   # llama-server: the default
             return _DEFAULT.dry_base
         # llama-server reads its extras on these endpoints as /completion does: top_k -1 is off (its clients' way

@@ -101,7 +101,7 @@ BAD = [("top_k", "--top-k", "top_k", "top_k", "-3"),
        ("min_p", "--min-p", "min_p", "min_p", "2"), ("repeat_penalty", "--repeat-penalty", "repeat_penalty",
                                                       "repeat_penalty", "0"),
        ("repeat_last_n", "--repeat-last-n", "repeat_last_n", "repeat_last_n", "-2"),
-       ("seed", "--seed", "seed", "seed", "-5"),
+       ("seed", "--seed", "seed", "seed", "18446744073709551616"),   # (a negative request seed is int64: a seed)
        ("presence_penalty", "--presence-penalty", "presence_penalty", "presence_penalty", "3"),
        ("frequency_penalty", "--frequency-penalty", "frequency_penalty", "frequency_penalty", "-2.5")]
 
@@ -142,6 +142,9 @@ def test_valid_values_pass_everywhere():
     from bitnet_cpu.serve.schemas import ChatCompletionRequest
 
     assert ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], seed=-1).seed is None
+    # OpenAI's seed is a signed int64: any other negative one is a seed (its unsigned 64-bit twin, as ollama's)
+    for seed in (-5, -(1 << 63)):
+        assert ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], seed=seed).seed == seed % (1 << 64)
 
 
 def test_the_server_keeps_openai_temperature_range():
