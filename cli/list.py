@@ -40,9 +40,18 @@ def cached_stores(cache_dir: str | None = None) -> list[dict]:
     out = []
     for f in files:
         path = os.path.join(d, f)
-        st = os.stat(path)
+        try:
+            st, why = os.stat(path), None
+        except OSError as e:   # a dangling link (listed, so that `bitnet rm` can remove it), or gone since listdir
+            try:
+                st, why = os.lstat(path), f"unreadable: {e.strerror or e}"
+            except OSError:
+                continue
         row = {"name": f[: -len(".bnstore")], "path": path, "size": st.st_size, "last_used": max(st.st_atime, st.st_mtime),
-               "source": "?", "lm_head": "?", "error": None}
+               "source": "?", "lm_head": "?", "error": why}
+        if why:
+            out.append(row)
+            continue
         try:
             with Store(path) as s:
                 row["source"] = source_label(s.meta)

@@ -192,8 +192,12 @@ def test_list_inspect_and_rm(hub, tmp_path):
     r = bitnet("rm", "nothing-like-this", env=env)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "bitnet list" in r.stderr
     assert bitnet("rm", env=env).returncode == 2                  # neither names nor --all
+    # a dangling link in the cache (a store deleted under it) is listed as unreadable and removable
+    os.symlink(str(tmp_path / "gone.bnstore"), str(tmp_path / "stores" / "dangling.bnstore"))
+    r = bitnet("list", env=env)
+    assert r.returncode == 0 and "dangling" in r.stdout and "unreadable" in r.stdout, r.stderr
     r = bitnet("rm", "--all", env=env)
-    assert r.returncode == 0 and r.stdout.count("deleted") == 1
+    assert r.returncode == 0 and r.stdout.count("deleted") == 2, r.stderr
     assert bitnet("list", "--json", env=env).stdout == ""
     assert os.path.isdir(hub["cache"]) and os.listdir(hub["cache"])   # the downloads are never touched
 
