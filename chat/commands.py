@@ -148,8 +148,10 @@ def parse_setting(name: str, text: str, *, max_tokens_limit: int | None = None) 
         raise CommandError(f"/set: unknown setting {name!r} (one of: {', '.join(SETTING_NAMES)})")
     if key == "max_tokens":
         v = _number(key, text, int)
+        if v in (-1, -2):   # ollama's num_predict -1 / llama.cpp's -n -1 / -2: until the end or a full context
+            return key, max_tokens_limit or (1 << 30)
         if v < 1:
-            raise CommandError("/set max_tokens: must be >= 1")
+            raise CommandError("/set max_tokens: must be >= 1, or -1 for until the end of text or a full context")
         if max_tokens_limit is not None and v > max_tokens_limit:
             raise CommandError(f"/set max_tokens: must be <= {max_tokens_limit} (the context window)")
         return key, v

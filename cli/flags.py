@@ -101,9 +101,10 @@ def add_engine_args(p: argparse.ArgumentParser, *, n_predict_default: int | None
                         "batched or decoded) or bf16 (CPUs with AVX512_BF16: attention ~1.6x faster, a 4,096-token "
                         "prompt ~1.2x; results within bf16 rounding; docs/performance.md; $BITNET_ATTENTION)"
                         "%(default).0s")
+    texts = "-p, --stop and --dry-sequence-breaker" if p.prog.endswith(" run") else "--dry-sequence-breaker"
     p.add_argument("-e", "--escape", dest="escape", action="store_true", default=True,
-                   help="process escapes (\\n \\r \\t \\' \\\" \\\\ \\xHH) in -p, --stop and --dry-sequence-breaker, as "
-                        "llama.cpp does (on; a file's text is taken as it is)%(default).0s")
+                   help=f"process escapes (\\n \\r \\t \\' \\\" \\\\ \\xHH) in {texts}, as llama.cpp does (on; a file's "
+                        "text is taken as it is)%(default).0s")
     p.add_argument("--no-escape", dest="escape", action="store_false", help="take those texts as typed")
     p.add_argument("--jinja", action="store_true",
                    help="accepted for llama.cpp's command lines: chat templates are always Jinja2 here")

@@ -247,6 +247,12 @@ def test_max_tokens_limited_by_context():
     with pytest.raises(CommandError, match="<= 128"):
         parse_setting("max_tokens", "129", max_tokens_limit=128)
     assert parse_setting("max_tokens", "128", max_tokens_limit=128) == ("max_tokens", 128)
+    # ollama's num_predict -1 (llama.cpp's -n -1 / -2): until the end of text or a full context
+    for v in ("-1", "-2"):
+        assert parse_setting("max_tokens", v, max_tokens_limit=128) == ("max_tokens", 128)
+        assert parse_setting("num_predict", v, max_tokens_limit=128) == ("max_tokens", 128)
+    with pytest.raises(CommandError):
+        parse_setting("max_tokens", "-3", max_tokens_limit=128)
 
 
 def test_settings_describe_lists_every_setting():
