@@ -394,6 +394,8 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
             metrics.generated_tokens.inc(n_gen)
             metrics.e2e.observe(time.perf_counter() - self.t0)
             usage = {"prompt_tokens": n_prompt, "completion_tokens": n_gen, "total_tokens": n_prompt + n_gen}
+            if stats[0] is not None:   # OpenAI's: the prompt tokens the prefix cache held (not run again)
+                usage["prompt_tokens_details"] = {"cached_tokens": stats[0].n_cached}
             return usage, timings_of(stats[0])
 
     def timings_of(st):

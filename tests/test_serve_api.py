@@ -248,6 +248,9 @@ def test_n_choices_one_prefill(client, server):
                      json={"messages": q, "temperature": 0, "max_tokens": 16}).json()
     assert r["usage"]["completion_tokens"] == 4 * one["usage"]["completion_tokens"]   # prompt once, answers 4x
     assert one["choices"][0]["message"]["content"] == texts[0]
+    # the same prompt again: OpenAI's usage says how much of it the prefix cache held (llama-server's cache_n)
+    held = one["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert held == one["timings"]["cache_n"] > 0 and r["usage"]["prompt_tokens_details"]["cached_tokens"] == t["cache_n"]
     hot = dict(model=ALIAS, messages=Q, n=4, temperature=1.0, top_p=1.0, seed=11, max_tokens=16,
                extra_body={"top_k": 0, "min_p": 0.0, "ignore_eos": True})
     a = client.chat.completions.create(**hot)
