@@ -13,6 +13,7 @@ KeyboardInterrupt the usual way (for a stuck prefill).
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -359,7 +360,8 @@ class ChatSession:
             else:
                 key, value = parse_setting(pair[0], pair[1], max_tokens_limit=self.llm.n_ctx)
                 setattr(self.settings, key, value)
-                self.out.info(f"[{key} = {'random' if value is None else value}]")
+                shown = "random" if value is None else json.dumps([*value]) if isinstance(value, tuple) else value
+                self.out.info(f"[{key} = {shown}]")   # a breaker list as /show prints it (JSON)
         elif name == "/show":
             topic = arg.lower()
             if topic == "system":

@@ -389,7 +389,8 @@ LLAMA_ONLY = {
     ("-ctk", "--cache-type-k", "-ctv", "--cache-type-v"): "the KV cache's type is --kv (f16, f32, q8: K and V together)",
     ("-tb", "--threads-batch"): "one thread count serves prompts and generation here: -t/--threads",
     ("-hf", "--hf-repo", "-hfr"): "download a model with `bitnet pull REPO`, then -m REPO",
-    ("--mlock",): "the weights are memory-mapped and read at the memory's speed; locking them is not supported",
+    ("--mlock",): "the weights are read into memory (huge pages) or memory-mapped (--mmap); locking them is not "
+                  "supported",
     ("-sm", "--split-mode", "-ts", "--tensor-split", "-mg", "--main-gpu", "-dev", "--device"):
         "there are no GPUs to split across: this engine runs on the CPU",
     ("--numa",): "NUMA placement is left to the operating system",

@@ -16,6 +16,8 @@ def add_arguments(p):
 def main(args) -> int:
     from ..engine.formats.describe import describe
 
-    for line in describe(os.fspath(args.file), max_tensors=args.tensors):
-        print(line)
+    # all of it first: a file that fails part-way (missing, a tensor type not supported) is one error line, not
+    # half a description then the error
+    lines = [*describe(os.fspath(args.file), max_tensors=args.tensors)]
+    print("\n".join(lines))
     return 0

@@ -156,8 +156,6 @@ def main(args) -> int:
         print("bitnet: interrupted", file=sys.stderr)
         return 130
     if args.json and stats is not None:
-        import json
-
         out.write(json.dumps({"done": True, "finish_reason": stats.finish_reason,
                               "stats": _stats_dict(stats, llm)}) + "\n")
     elif out.isatty():  # a pipe gets exactly the generated text
