@@ -396,13 +396,8 @@ def test_sentencepiece_tokenizer_is_converted(tmp_path):
 
 def _complete(llm, schema, text) -> bool:
     """Whether the compiled schema takes `text` whole, as a finished answer."""
-    m = llm.compile_constraint(Constraint.json_schema(schema)).matcher()
-    ids = llm.tokenize(text, special=False)
-    if m.valid_prefix(ids) != ids:
-        return False
-    for t in ids:
-        m.advance(t)
-    return m.accepting
+    from test_tools import takes
+    return takes(llm, Constraint.json_schema(schema), text)
 
 
 def test_listed_properties_only_unless_the_schema_opens_more(llm):

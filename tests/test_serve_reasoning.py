@@ -63,22 +63,25 @@ def chat(server, **body):
     return r.json()["choices"][0]
 
 
-def test_reasoning_content_whole_and_streamed(server):
-    m = chat(server, grammar=GRAMMAR, chat_template_kwargs=SELF)["message"]
-    assert m["reasoning_content"] == THOUGHT and m["content"] == ANSWER
-    raw = chat(server, grammar=GRAMMAR, chat_template_kwargs=SELF, reasoning_format="none")["message"]
-    assert "reasoning_content" not in raw and raw["content"] == f"<think>\n{THOUGHT}\n</think>\n\n{ANSWER}"
+def streamed(url, **body) -> tuple[str, str]:
+    """(reasoning, content) of a streamed chat answer, its deltas joined."""
     reasoning = content = ""
-    with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=60,
-                      json={"messages": Q, "temperature": 0, "grammar": GRAMMAR, "stream": True,
-                            "chat_template_kwargs": SELF}) as r:
+    with httpx.stream("POST", url + "/v1/chat/completions", timeout=60,
+                      json={"messages": Q, "temperature": 0, "stream": True, **body}) as r:
         for line in r.iter_lines():
             if line.startswith("data: {"):
                 delta = json.loads(line[6:])["choices"][0]["delta"]
                 reasoning += delta.get("reasoning_content") or ""
                 content += delta.get("content") or ""
-                assert "</think" not in content and "</think" not in reasoning
-    assert (reasoning, content) == (THOUGHT, ANSWER)
+    return reasoning, content
+
+
+def test_reasoning_content_whole_and_streamed(server):
+    m = chat(server, grammar=GRAMMAR, chat_template_kwargs=SELF)["message"]
+    assert m["reasoning_content"] == THOUGHT and m["content"] == ANSWER
+    raw = chat(server, grammar=GRAMMAR, chat_template_kwargs=SELF, reasoning_format="none")["message"]
+    assert "reasoning_content" not in raw and raw["content"] == f"<think>\n{THOUGHT}\n</think>\n\n{ANSWER}"
+    assert streamed(server.url, grammar=GRAMMAR, chat_template_kwargs=SELF) == (THOUGHT, ANSWER)
     # the openai client keeps the field (model_extra)
     openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
@@ -329,16 +332,7 @@ def test_the_servers_reasoning_flags(tmp_path):
         assert legacy["reasoning_content"] == THOUGHT and legacy["content"] == written
         assert one(grammar=GRAMMAR, chat_template_kwargs=SELF, reasoning_format="deepseek", max_tokens=64) == \
             {"role": "assistant", "content": ANSWER, "reasoning_content": THOUGHT, "refusal": None}
-        reasoning = content = ""
-        with httpx.stream("POST", s.url + "/v1/chat/completions", timeout=60,
-                          json={"messages": Q, "temperature": 0, "grammar": GRAMMAR, "stream": True,
-                                "chat_template_kwargs": SELF}) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: {"):
-                    delta = json.loads(line[6:])["choices"][0]["delta"]
-                    reasoning += delta.get("reasoning_content") or ""
-                    content += delta.get("content") or ""
-        assert (reasoning, content) == (THOUGHT, written)
+        assert streamed(s.url, grammar=GRAMMAR, chat_template_kwargs=SELF) == (THOUGHT, written)
         on = one(chat_template_kwargs={"enable_thinking": True})   # the request's variable wins
         assert on["reasoning_content"] and on["content"].strip() == on["reasoning_content"]   # all thought (legacy)
     finally:
