@@ -421,6 +421,31 @@ def test_listed_properties_only_unless_the_schema_opens_more(llm):
                        {"$ref": "#/$defs/B"}],
              "$defs": {"B": {"type": "object", "properties": {"b": {"type": "integer"}}, "required": ["b"]}}}
     assert _complete(llm, parts, '{"a":1,"b":2}')
+    # properties beside anyOf / $ref, and an anyOf inside an allOf part, combine with them (as llama.cpp merges)
+    beside = {"type": "object", "properties": {"kind": {"type": "string"}}, "required": ["kind"],
+              "anyOf": [{"properties": {"x": {"type": "integer"}}, "required": ["x"]},
+                        {"properties": {"y": {"type": "integer"}}, "required": ["y"]}]}
+    assert _complete(llm, beside, '{"kind":"k","x":1}')
+    ref = {"$defs": {"B": {"type": "object", "properties": {"b": {"type": "integer"}}, "required": ["b"]}},
+           "$ref": "#/$defs/B", "properties": {"c": {"type": "integer"}}, "required": ["c"]}
+    assert _complete(llm, ref, '{"b":1,"c":2}')
+    inner = {"allOf": [{"anyOf": [{"properties": {"x": {"type": "integer"}}, "required": ["x"]},
+                                  {"properties": {"y": {"type": "integer"}}, "required": ["y"]}]},
+                       {"type": "object", "properties": {"c": {"type": "integer"}}, "required": ["c"]}]}
+    assert _complete(llm, inner, '{"x":1,"c":2}')
+    # tool parameters and a format beside tools read the same way
+    from bitnet_cpu.engine.runtime.tools import functions_from_tools, tool_format, with_answer_format
+    tools = [{"type": "function", "function": {"name": "f", "parameters": answer}}]
+    fmt = tool_format(None)
+    calls = fmt.constraint(functions_from_tools(tools), "required", False)
+    from test_tools import takes
+
+    def call(args):
+        return '<tool_call>\n{"name":"f","arguments":' + args + '}\n</tool_call>'
+    assert takes(llm, calls, call('{"answer":"no"}')) and not takes(llm, calls, call('{"answer":"no","x":1}'))
+    both = with_answer_format(fmt.constraint(functions_from_tools(tools), "auto", True),
+                              Constraint.json_schema(answer))
+    assert takes(llm, both, '{"answer":"no"}') and not takes(llm, both, '{"answer":"no","x":1}')
 
 
 def test_integers_a_double_holds_are_kept_exactly(llm):

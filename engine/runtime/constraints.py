@@ -126,12 +126,8 @@ class Constraint:
         if self.kind == "json_object":
             return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
         if self.kind == "json_schema":
-            schema = closed_objects(json.loads(self.source))
-            problem = unenforceable(schema)
-            if problem:
-                raise ConstraintError(f"{self.where}: {problem}", where=self.where)
-            schema = bounded_integers(schema)
-            return LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+            return LLMatcher.grammar_from_json_schema(prepared(json.loads(self.source), self.where),
+                                                      defaults=JSON_OPTIONS)
         if self.kind == "regex":
             return LLMatcher.grammar_from_regex(self.source)
         if self.kind == "lark":
@@ -213,28 +209,48 @@ def unenforceable(schema) -> str | None:
     return found[0] if found else None
 
 
+_COMBINED = ("allOf", "anyOf", "oneOf", "$ref", "dependentSchemas", "if")   # keywords whose schemas add to a node's
+
+
 def closed_objects(schema):
     """A copy of a JSON Schema in which an object that lists `properties` and says nothing of others
     (additionalProperties, patternProperties, unevaluatedProperties) has only those: llama.cpp's and ollama's
     reading (json-schema-to-grammar), which the schemas clients send rely on (pydantic's never say
     additionalProperties; OpenAI's strict mode requires it false). By the letter of JSON Schema other keys are
-    allowed, and a small model then ran on writing invented keys. An allOf's parts (and the definitions they
-    refer to) stay open: closed, each would refuse the others' properties."""
+    allowed, and a small model then ran on writing invented keys. Schemas that combine with others stay open:
+    a node with allOf / anyOf / oneOf / $ref beside its properties, the parts of an allOf, the branches of an
+    anyOf / oneOf beside properties (or inside an allOf part), and the definitions those refer to; closed, each
+    would refuse the others' properties (llama.cpp merges such parts into one object)."""
     closed: set[int] = set()
 
     def fix(out):
         if isinstance(out.get("properties"), dict) and not any(
-                k in out for k in ("additionalProperties", "patternProperties", "unevaluatedProperties", "allOf")):
+                k in out for k in ("additionalProperties", "patternProperties", "unevaluatedProperties", *_COMBINED)):
             out["additionalProperties"] = False
             closed.add(id(out))
         return out
     out = _schema_copy(schema, fix)
 
-    def reopen(sub):
-        if isinstance(sub, dict) and id(sub) in closed:
-            del sub["additionalProperties"]
-            closed.discard(id(sub))
+    def target(ref):
+        node = out
+        for key in ref[2:].split("/"):
+            node = node.get(key.replace("~1", "/").replace("~0", "~")) if isinstance(node, dict) else None
+        return node
 
+    def reopen(node, seen):
+        """node and every schema it is combined with (its composition's parts, its $ref's target), open."""
+        while isinstance(node, dict) and id(node) not in seen:
+            seen.add(id(node))
+            if id(node) in closed:
+                del node["additionalProperties"]
+                closed.discard(id(node))
+            for key in ("allOf", "anyOf", "oneOf"):
+                for part in node.get(key) if isinstance(node.get(key), list) else ():
+                    reopen(part, seen)
+            ref = node.get("$ref")
+            node = target(ref) if isinstance(ref, str) and ref.startswith("#/") else None
+
+    seen: set[int] = set()
     stack = [out]
     while stack:
         node = stack.pop()
@@ -243,17 +259,26 @@ def closed_objects(schema):
             continue
         if not isinstance(node, dict):
             continue
-        for part in node.get("allOf") if isinstance(node.get("allOf"), list) else ():
-            reopen(part)
-            ref = part.get("$ref") if isinstance(part, dict) else None
+        if "allOf" in node or (isinstance(node.get("properties"), dict) and any(k in node for k in _COMBINED)):
+            for key in ("allOf", "anyOf", "oneOf"):
+                for part in node.get(key) if isinstance(node.get(key), list) else ():
+                    reopen(part, seen)
+            ref = node.get("$ref")
             if isinstance(ref, str) and ref.startswith("#/"):
-                target = out
-                for key in ref[2:].split("/"):
-                    key = key.replace("~1", "/").replace("~0", "~")
-                    target = target.get(key) if isinstance(target, dict) else None
-                reopen(target)
+                reopen(target(ref), seen)
         stack.extend(v for k, v in node.items() if k not in _DATA_KEYWORDS)
     return out
+
+
+def prepared(schema, where: str):
+    """A JSON Schema as the grammar engine gets it (closed_objects, then bounded_integers), after
+    unenforceable's check (ConstraintError naming `where`): one reading for response formats, tool
+    parameters and a format beside tools."""
+    schema = closed_objects(schema)
+    problem = unenforceable(schema)
+    if problem:
+        raise ConstraintError(f"{where}: {problem}", where=where)
+    return bounded_integers(schema)
 
 
 def bounded_integers(schema):

@@ -30,7 +30,7 @@ import uuid
 from dataclasses import dataclass, replace
 
 from ..errors import ConstraintError
-from .constraints import Constraint, bounded_integers, check, rebased
+from .constraints import Constraint, check, prepared, rebased
 
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 DEFAULT_SYSTEM_BLOCK = (
@@ -128,7 +128,7 @@ class ToolFormat:
             return ("/oneOf/%d" % i if len(functions) > 1 else "") + "/properties/" + self.ARGS
 
         one = [{"type": "object", "additionalProperties": False, "required": ["name", self.ARGS],
-                "properties": {"name": {"const": f.name}, self.ARGS: rebased(bounded_integers(f.parameters), at(i))}}
+                "properties": {"name": {"const": f.name}, self.ARGS: rebased(prepared(f.parameters, f"tools: {f.name}"), at(i))}}
                for i, f in enumerate(functions)]
         return {"x-guidance": COMPACT_JSON, **({"oneOf": one} if len(one) > 1 else one[0])}
 
@@ -208,7 +208,7 @@ def with_answer_format(calls: Constraint, answer: Constraint) -> Constraint:
     if answer.kind not in ("json_object", "json_schema"):
         raise ConstraintError(f"{answer.where}: only a JSON format can go with tools (a regex or grammar cannot)",
                               where=answer.where)
-    schema = {"type": "object"} if answer.kind == "json_object" else bounded_integers(json.loads(answer.source))
+    schema = {"type": "object"} if answer.kind == "json_object" else prepared(json.loads(answer.source), answer.where)
     first, rest = calls.source.split("\n", 1)   # "start: TEXT | ...": text, or text leading to calls
     if not first.startswith("start: TEXT |") or "\ncalls:" not in "\n" + rest:
         raise ConstraintError(f"{answer.where}: this model's tool-call format cannot take a format beside it",
