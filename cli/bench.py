@@ -76,7 +76,7 @@ def run_test(llm, pp: int, tg: int, rng) -> float:
 
     from ..engine.api import LookupParams, SamplingParams
     vocab = llm.config.vocab_size
-    bos = llm.tokenizer.bos_id
+    bos = llm.tokenizer.text_bos
     ids = rng.integers(0, vocab, pp).tolist() if pp else [bos if bos is not None else int(rng.integers(vocab))]
     llm.reset()
     t0 = time.perf_counter()

@@ -158,7 +158,7 @@ def _score(args, llm, reader, n_ctx) -> int:
     tokens = [int(t) for t in tokens[: n_chunk * n_ctx]]
     writer = P.LogitsWriter(args.kld_base, n_ctx, vocab, tokens) if args.kld_base and not args.kld else None
     nll, kld = P.NllStats(), (P.KldStats() if reader is not None else None)
-    bos = llm.tokenizer.bos_id
+    bos = llm.tokenizer.text_bos
     _info(f"calculating {'KL divergence' if kld else 'perplexity'} over {n_chunk} chunks, n_ctx={n_ctx}, "
           f"{P.scored_rows(n_ctx)} tokens scored per chunk, {llm.threads} threads")
     out = sys.stdout

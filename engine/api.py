@@ -302,7 +302,7 @@ class LLM(_Text):
         with self._cache("perplexity()"):
             for c in range(n):
                 for logits, targets in P.chunk_logits(self.model, ids[c * chunk: (c + 1) * chunk],
-                                                      self.tokenizer.bos_id):
+                                                      self.tokenizer.text_bos):
                     stats.add(logits, targets)
         ppl, err = stats.estimate()
         return {"ppl": ppl, "ppl_err": err, "chunks": n, "tokens_scored": stats.count}

@@ -163,6 +163,14 @@ def test_bos_only_where_the_reference_tokenizer_adds_one(tmp_path):
     no_bos = load_model(convert(str(tmp_path / "nobos.gguf"), str(tmp_path / "nobos.bnstore"), progress=False),
                         ctx=64, progress=False)
     assert no_bos.tokenize(text, add_bos=True) == ids[1:]
+    # perplexity puts BOS first in each chunk only where texts start with it (llama-perplexity's add_bos rule)
+    from bitnet_cpu.engine.runtime import perplexity as P
+    assert no_bos.tokenizer.text_bos is None and with_bos.tokenizer.text_bos == ids[0]
+    chunk = no_bos.tokenize(TRAIN_TEXT)[:16]
+    stats = P.NllStats()
+    for logits, targets in P.chunk_logits(no_bos.model, chunk, None):
+        stats.add(logits, targets)
+    assert no_bos.perplexity(chunk, chunk=16)["ppl"] == stats.estimate()[0]
 
 
 def test_sentencepiece_stream_after_a_prompt_and_ids_past_its_pieces(spm_blob):

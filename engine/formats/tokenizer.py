@@ -215,6 +215,12 @@ class Tokenizer:
             out.append(self._sp.DecodeIds(run))
         return "".join(out)
 
+    @property
+    def text_bos(self) -> int | None:
+        """The BOS id a text's tokens start with (encode(add_bos=True)), or None where the model's tokenizer adds
+        none (llama.cpp's llama_vocab_get_add_bos: its perplexity puts BOS first in a chunk only then)."""
+        return self.bos_id if self.add_bos is not False else None
+
     def is_special(self, i: int) -> bool:
         return i in self._special_ids
 
