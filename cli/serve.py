@@ -84,8 +84,8 @@ def add_arguments(p):
     p.add_argument("--reasoning-format", dest="reasoning_format", default="auto",
                    choices=("auto", "deepseek", "deepseek-legacy", "none"),
                    help="a thinking model's <think> block in chat answers, when a request does not say (its "
-                        "reasoning_format): auto / deepseek: message.reasoning_content, deepseek-legacy: there and left "
-                        "in content, none: left in content (llama-server's flag)")
+                        "reasoning_format): auto / deepseek: message.reasoning_content, deepseek-legacy: streamed, left "
+                        "in content with its tags (else as deepseek), none: left in content (llama-server's flag)")
     p.add_argument("--drain-timeout", type=float, default=5.0, help="seconds in-flight requests get to finish on shutdown")
     p.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"),
                    help="uvicorn log level")

@@ -320,18 +320,20 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
                 raise APIError(400, str(e), param="chat_template_kwargs", code="invalid_value") from None
             raise APIError(400, f"{param}: {e}", param=param, code="invalid_value") from None
 
-    async def start_chat(request, body, msgs, tools, choice, param, prefill="", allowed=None, thinking=True):
+    async def start_chat(request, body, msgs, tools, choice, param, prefill="", allowed=None, thinking=True,
+                         asked=False):
         """The chat-shaped endpoints' common start (/v1/chat/completions, /v1/responses, /v1/messages): the engine,
         the prompt through the model's template (with the tools), the constraint, the submitted streams.
-        thinking False: a thinking template is asked not to think (enable_thinking false; Anthropic's default).
+        thinking False: a thinking template is asked not to think (enable_thinking false; Anthropic's default);
+        asked: the request asked it to think (Anthropic's thinking enabled), over the server's -rea off.
         -> (engine, prompt ids, streams, queue, maker of tool-call parsers or None, maker of think splitters or
         None: one per choice, for a thinking template)"""
         eng = ready(request)
         check_model(body.model)
         tools, tool_spec, new_parser = tool_setup(eng, tools, choice, body.parallel_tool_calls, allowed)
         kwargs = getattr(body, "chat_template_kwargs", None)
-        if not thinking and eng.thinks:
-            kwargs = {"enable_thinking": False, **(kwargs or {})}
+        if eng.thinks and (not thinking or asked):
+            kwargs = {"enable_thinking": bool(thinking), **(kwargs or {})}
         prompt_ids = await render_prompt(eng, msgs, tools, param, prefill, kwargs)
         constraint = await compile_constraint(eng, body, tool_spec)
         params = await sampling_for(eng, body, chat=thinking)
@@ -536,17 +538,22 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         parsers = [new_parser() if new_parser is not None else None for _ in streams]   # one per choice
         n_calls = [0] * len(streams)
         # a thinking model's <think> block goes to reasoning_content (llama-server's --reasoning-format deepseek);
-        # deepseek-legacy: there and left in the content as written; none: in the content only
+        # none: in the content as generated; deepseek-legacy, as llama-server: streamed, the block stays in the
+        # content with its tags (the opening one too where the prompt opened it), else as deepseek
         fmt = body.reasoning_format or reasoning_format
+        if fmt == "deepseek-legacy" and not body.stream:
+            fmt = "deepseek"
         splitters = [new_splitter() if fmt != "none" and prefill is None else None for _ in streams]
+        opened = ["<think>\n" if fmt == "deepseek-legacy" and sp is not None and sp.opened else "" for sp in splitters]
+        if fmt == "deepseek-legacy":
+            splitters = [None] * len(streams)
 
         def split(i, text):
             """(reasoning, content) of the next text of choice i (text None: the end)."""
             sp = splitters[i]
             if sp is None:
                 return "", text
-            reasoning, content = sp.finish() if text is None else sp.feed(text)
-            return (reasoning, text or "") if fmt == "deepseek-legacy" else (reasoning, content)
+            return sp.finish() if text is None else sp.feed(text)
 
         def logprobs(lps):
             if not body.logprobs or lps is None:
@@ -564,7 +571,7 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
             parser = parsers[i]
             reasoning, content = split(i, text) if not first else ("", None)
             if first:
-                delta = {"role": "assistant", "content": ""}
+                delta = {"role": "assistant", "content": opened[i]}
             elif parser is not None:   # tool calls: content streams, each call goes out once its block closes
                 if text is not None:
                     delta = tool_delta(i, *parser.feed(content))
@@ -838,7 +845,7 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
             body.format_spec()
         try:
             eng, prompt_ids, streams, q, new_parser, new_splitter = await start_chat(
-                request, body, msgs, tools, choice, "messages", prefill, thinking=thinking)
+                request, body, msgs, tools, choice, "messages", prefill, thinking=thinking, asked=thinking)
         except APIError as e:   # named as the client named it (tools.0.input_schema, not the chat shape's path)
             e.message, e.param = anthropic_names(e.message), anthropic_names(e.param)
             raise
@@ -857,7 +864,7 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         except APIError as e:
             e.message, e.param = anthropic_names(e.message), anthropic_names(e.param)
             raise
-        kwargs = {"enable_thinking": False} if eng.thinks and not thinking else None   # as /v1/messages renders it
+        kwargs = {"enable_thinking": bool(thinking)} if eng.thinks else None   # as /v1/messages renders it
         return {"input_tokens": len(await render_prompt(eng, msgs, tools, "messages", prefill, kwargs))}
 
     def model_entry(eng) -> dict:

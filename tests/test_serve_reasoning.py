@@ -311,8 +311,9 @@ def test_a_continued_answer_on_a_thinking_template_is_not_a_thought(server):
 
 def test_the_servers_reasoning_flags(tmp_path):
     """llama-server's -rea off (the template's enable_thinking false for every chat; a request's
-    chat_template_kwargs win) and --reasoning-format (a request's reasoning_format wins): deepseek-legacy gives the
-    thought in reasoning_content and leaves the text as written in content, streamed and not."""
+    chat_template_kwargs win) and --reasoning-format (a request's reasoning_format wins): deepseek-legacy, as
+    llama-server's, streams the text as written in content, tags and all (the opening one too where the prompt opened
+    the thought), and splits a whole answer as deepseek does."""
     from serve_proc import Server
     path = tmp_path / "think.jinja"
     path.write_text(TEMPLATE, encoding="utf-8")
@@ -328,12 +329,21 @@ def test_the_servers_reasoning_flags(tmp_path):
         assert prompt.endswith("<think>\n\n</think>\n\n")   # -rea off: the template closed the thought
         assert "reasoning_content" not in one()
         written = f"<think>\n{THOUGHT}\n</think>\n\n{ANSWER}"
-        legacy = one(grammar=GRAMMAR, chat_template_kwargs=SELF, max_tokens=64)
-        assert legacy["reasoning_content"] == THOUGHT and legacy["content"] == written
-        assert one(grammar=GRAMMAR, chat_template_kwargs=SELF, reasoning_format="deepseek", max_tokens=64) == \
-            {"role": "assistant", "content": ANSWER, "reasoning_content": THOUGHT, "refusal": None}
-        assert streamed(s.url, grammar=GRAMMAR, chat_template_kwargs=SELF) == (THOUGHT, written)
+        split = {"role": "assistant", "content": ANSWER, "reasoning_content": THOUGHT, "refusal": None}
+        assert one(grammar=GRAMMAR, chat_template_kwargs=SELF, max_tokens=64) == split
+        assert one(grammar=GRAMMAR, chat_template_kwargs=SELF, reasoning_format="deepseek", max_tokens=64) == split
+        assert streamed(s.url, grammar=GRAMMAR, chat_template_kwargs=SELF) == ("", written)
+        assert streamed(s.url, grammar=GRAMMAR, chat_template_kwargs=SELF, reasoning_format="deepseek") == \
+            (THOUGHT, ANSWER)
+        opened = streamed(s.url, max_tokens=8, chat_template_kwargs={"enable_thinking": True})   # the prompt opens it
+        assert opened[0] == "" and opened[1].startswith("<think>\n") and len(opened[1]) > len("<think>\n")
+        # Anthropic's thinking enabled asks the template to think over the server's -rea off; count_tokens agrees
+        body = {"model": "m", "max_tokens": 8, "messages": Q, "temperature": 0, "thinking": {"type": "adaptive"}}
+        m = httpx.post(s.url + "/v1/messages", json=body, timeout=60).json()
+        assert [b["type"] for b in m["content"]] == ["thinking"], m
+        n = httpx.post(s.url + "/v1/messages/count_tokens", json=body, timeout=60).json()["input_tokens"]
+        assert n == m["usage"]["input_tokens"] + (m["usage"].get("cache_read_input_tokens") or 0)
         on = one(chat_template_kwargs={"enable_thinking": True})   # the request's variable wins
-        assert on["reasoning_content"] and on["content"].strip() == on["reasoning_content"]   # all thought (legacy)
+        assert on["reasoning_content"] and not on["content"]   # all thought: the tiny model never closes it
     finally:
         s.stop()

@@ -41,6 +41,7 @@ class ThinkSplitter:
         self.mode = "think" if opened else "start"   # start -> think -> after -> content, or start -> content
         self.buf = ""
         self.said = False   # some reasoning has been given out (its leading whitespace is dropped before)
+        self.opened = opened   # the answer starts inside the thought (the prompt opened it)
 
     def feed(self, text: str) -> tuple[str, str]:
         self.buf += text
