@@ -159,6 +159,8 @@ class Output:
         if self.interactive:
             self.stream(text, DIM)
             return
+        if self.err.isatty():   # model output: shown, never obeyed (as stream() treats answers)
+            text = text.translate(_VISIBLE_CONTROLS)
         self.err.write(text)
         self.err.flush()
         self._err_at_line_start = text.endswith("\n")
@@ -168,6 +170,11 @@ class Output:
         if not self.thinking:
             return
         self.thinking = False
+        if self._wrap is not None:   # the word held back for wrapping is the thought's: dim too
+            rest, self._wrap = self._wrap.flush(), None
+            if rest:
+                self.out.write(f"{DIM}{rest}{RESET}" if self.color else rest)
+                self.at_line_start = False
         if not self.interactive and not self._err_at_line_start:
             self.err.write("\n")
             self._err_at_line_start = True

@@ -112,17 +112,32 @@ def test_output_puts_the_thought_between_the_markers(interactive, monkeypatch):
 
     monkeypatch.delenv("NO_COLOR", raising=False)
     out, err = io.StringIO(), io.StringIO()
-    o = Output(out, err, interactive=interactive, width=None)
+    o = Output(out, err, interactive=interactive, width=40 if interactive else None)
     for piece in ("I add", " 2 and 3."):
         o.thought(piece)
     o.end_thought()
     o.stream("Five.")
     o.end_thought()   # once: the answer has started
     o.end_answer()
-    if interactive:   # one screen, the thought dim
-        assert err.getvalue() == "" and f"{DIM}I add" in out.getvalue()
+    if interactive:   # one screen, the thought dim, its last word (held back for wrapping) too
+        assert err.getvalue() == "" and f"{DIM}I " in out.getvalue() and f"{DIM}3.\x1b[0m" in out.getvalue()
         plain = out.getvalue().replace(DIM, "").replace("\x1b[0m", "")
         assert plain == "[Start thinking]\nI add 2 and 3.\n[End thinking]\nFive.\n"
     else:
         assert out.getvalue() == "Five.\n"
         assert err.getvalue() == "[Start thinking]\nI add 2 and 3.\n[End thinking]\n"
+
+
+def test_a_thought_on_a_terminal_cannot_drive_it():
+    """Piped answers, stderr a terminal: the thought's control characters are shown as symbols, not obeyed (an ESC
+    could clear the screen or set the title), as answers on a terminal are."""
+    from bitnet_cpu.chat.render import Output
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+    err = Terminal()
+    o = Output(io.StringIO(), err, interactive=False)
+    o.thought("a\x1b[2Jb\x1b]0;title\x07")
+    o.end_thought()
+    assert "\x1b" not in err.getvalue() and "\x07" not in err.getvalue() and "a\u241b[2Jb" in err.getvalue()
