@@ -45,15 +45,17 @@ def _pairs(text: str) -> list[tuple[int, int]]:
 def add_arguments(p):
     from .flags import add_model_args
     add_model_args(p)
-    p.add_argument("-p", "--n-prompt", type=_int_list("n-prompt", 0), default=[512], metavar="N[,N...]",
-                   help="prompt tokens of each pp test (0: none)")
-    p.add_argument("-n", "--n-gen", type=_int_list("n-gen", 0), default=[128], metavar="N[,N...]",
-                   help="generated tokens of each tg test (0: none)")
-    p.add_argument("-pg", dest="pg", type=_pairs, default=[], metavar="PP,TG",
+    # a list flag given twice adds its values, as llama-bench's ("-p 8 -p 16" runs both)
+    p.add_argument("-p", "--n-prompt", type=_int_list("n-prompt", 0), action="extend", default=None,
+                   metavar="N[,N...]", help="prompt tokens of each pp test (0: none; default: 512)")
+    p.add_argument("-n", "--n-gen", type=_int_list("n-gen", 0), action="extend", default=None, metavar="N[,N...]",
+                   help="generated tokens of each tg test (0: none; default: 128)")
+    p.add_argument("-pg", dest="pg", type=_pairs, action="extend", default=None, metavar="PP,TG",
                    help="also a prompt of PP tokens then TG generated, timed together (several: 'A,B;C,D')")
-    p.add_argument("-t", "--threads", type=_int_list("threads", 1), default=None, metavar="N[,N...]",
+    p.add_argument("-t", "--threads", type=_int_list("threads", 1), action="extend", default=None,
+                   metavar="N[,N...]",
                    help="thread counts to test (default: one per physical core, or $OMP_NUM_THREADS)%(default).0s")
-    p.add_argument("-npl", dest="npl", type=_int_list("npl", 1), default=[1], metavar="N[,N...]",
+    p.add_argument("-npl", dest="npl", type=_int_list("npl", 1), action="extend", default=None, metavar="N[,N...]",
                    help="sequences at once: N > 1 runs each test as N sequences batched through the serving "
                         "engine (as llama-batched-bench's -npl); t/s counts every sequence's tokens")
     p.add_argument("-r", "--repetitions", type=int, default=5, metavar="N", help="timed runs of each test")
@@ -63,7 +65,9 @@ def add_arguments(p):
 
 def tests_of(args) -> list[tuple[int, int]]:
     """(prompt tokens, generated tokens) of every test, in llama-bench's order: pp, tg, then pg."""
-    return [(n, 0) for n in args.n_prompt if n] + [(0, n) for n in args.n_gen if n] + list(args.pg)
+    n_prompt = [512] if args.n_prompt is None else args.n_prompt
+    n_gen = [128] if args.n_gen is None else args.n_gen
+    return [(n, 0) for n in n_prompt if n] + [(0, n) for n in n_gen if n] + list(args.pg or [])
 
 
 def _name(pp: int, tg: int) -> str:
@@ -80,7 +84,9 @@ def run_test(llm, pp: int, tg: int, rng) -> float:
     ids = rng.integers(0, vocab, pp).tolist() if pp else [bos if bos is not None else int(rng.integers(vocab))]
     llm.reset()
     t0 = time.perf_counter()
-    for _ in llm.generate(ids, SamplingParams(temperature=0), max_tokens=tg, ignore_eos=True,
+    # after a prompt, tg tokens decoded one by one as llama-bench's pg test feeds them (the prefill's own first
+    # token is one more); a tg test's first token comes from its one-token prompt, as llama-bench's
+    for _ in llm.generate(ids, SamplingParams(temperature=0), max_tokens=tg + 1 if pp and tg else tg, ignore_eos=True,
                           lookup=LookupParams(draft_max=0)):
         pass
     return time.perf_counter() - t0
@@ -95,7 +101,8 @@ def run_batched(eng, pp: int, tg: int, npl: int, rng) -> float:
     vocab = eng.config.vocab_size
     prompts = [rng.integers(0, vocab, max(pp, 1)).tolist() for _ in range(npl)]
     t0 = time.perf_counter()
-    streams = [eng.submit(ids, SamplingParams(temperature=0), max_tokens=tg, ignore_eos=True) for ids in prompts]
+    n = tg + 1 if pp and tg else tg   # as run_test
+    streams = [eng.submit(ids, SamplingParams(temperature=0), max_tokens=n, ignore_eos=True) for ids in prompts]
     for s in streams:
         for _ in s:
             pass
@@ -103,20 +110,45 @@ def run_batched(eng, pp: int, tg: int, npl: int, rng) -> float:
 
 
 def machine() -> dict:
-    """The machine columns (llama-bench's names), the same for every row: asked once (py-cpuinfo takes 1-3 s)."""
+    """The machine fields, the same for every row: asked once (py-cpuinfo takes 1-3 s)."""
     from .. import simd
     from ..engine import __version__
     from ..engine.cpu import cpu_brand
-    return {"backend": "CPU " + simd.active() + (" AMX" if simd.tiles() == "amx" else ""),
-            "cpu_info": cpu_brand(), "build": f"bitnet-cpu {__version__}"}
+    return {"build_commit": f"bitnet-cpu-{__version__}", "build_number": 0, "cpu_info": cpu_brand(), "gpu_info": "",
+            "backends": "CPU", "isa": simd.active() + (" AMX" if simd.tiles() == "amx" else "")}
 
 
-def describe(llm) -> dict:
-    """The model columns (llama-bench's names)."""
+def describe(llm, given: str | None) -> dict:
+    """The model fields: model_filename as -m gave it (a GGUF or hub id, not the converted store it runs)."""
     import os
     path = llm.store.path
-    return {"model_filename": path, "model_type": llm.name, "model_size": os.path.getsize(path),
+    return {"model_filename": given or path, "model_type": llm.name, "model_size": os.path.getsize(path),
             "model_n_params": llm.config.n_params}
+
+
+KV_TYPE = {"f16": "f16", "f32": "f32", "q8": "q8_0"}   # --kv as llama-bench names a cache type
+
+
+def record(info: dict, runner, args, pp: int, tg: int, npl: int, times: list, rates: list) -> dict:
+    """One test's record: llama-bench's fields in its order (scripts and its compare-llama-bench.py read them;
+    the ones about GPUs and loading hold its CPU defaults), then this engine's own (isa, n_parallel, samples)."""
+    import datetime
+    import statistics
+    batch = getattr(runner, "max_batch_tokens", None) or runner.model.chunk
+    return {**{k: info[k] for k in ("build_commit", "build_number", "cpu_info", "gpu_info", "backends",
+                                    "model_filename", "model_type", "model_size", "model_n_params")},
+            "n_batch": batch, "n_ubatch": batch, "n_threads": runner.threads, "cpu_mask": "0x0", "cpu_strict": False,
+            "poll": 50, "type_k": KV_TYPE[args.kv], "type_v": KV_TYPE[args.kv], "n_gpu_layers": 0, "n_cpu_moe": 0,
+            "split_mode": "layer", "main_gpu": 0, "no_kv_offload": False, "flash_attn": 1, "devices": "auto",
+            "tensor_split": "0.00", "tensor_buft_overrides": "none", "load_mode": "auto", "lazy_mode": "auto",
+            "embeddings": False, "no_op_offload": 0, "no_host": False, "repack": True, "fit_target": 0,
+            "fit_min_ctx": 0, "n_prompt": pp, "n_gen": tg, "n_depth": 0,
+            "test_time": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "avg_ns": int(statistics.mean(times) * 1e9),
+            "stddev_ns": int(statistics.stdev(times) * 1e9) if len(times) > 1 else 0,
+            "avg_ts": statistics.mean(rates), "stddev_ts": statistics.stdev(rates) if len(rates) > 1 else 0.0,
+            "isa": info["isa"], "n_parallel": npl,
+            "samples_ns": [int(t * 1e9) for t in times], "samples_ts": rates}
 
 
 class Table:
@@ -145,7 +177,7 @@ class Table:
             size, n = rec["model_size"], rec["model_n_params"]
             cells = (rec["model_type"], f"{size / 2 ** 30:.2f} GiB" if size >= 2 ** 30 else f"{size / 2 ** 20:.2f} MiB",
                      f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M",
-                     rec["backend"], str(rec["n_threads"]),
+                     f"{rec['backends']} {rec['isa']}", str(rec["n_threads"]),
                      _name(rec["n_prompt"], rec["n_gen"]) + (f" x{rec['n_parallel']}" if rec["n_parallel"] > 1 else ""),
                      f"{rec['avg_ts']:.2f} ± {rec['stddev_ts']:.2f}")
             self.out.write("| " + " | ".join(c.ljust(w) if i in (0, 3) else c.rjust(w)
@@ -165,18 +197,20 @@ class Table:
             self.out.flush()
 
 
-CSV_FIELDS = ("build", "cpu_info", "backend", "model_filename", "model_type", "model_size", "model_n_params",
-              "n_threads", "n_prompt", "n_gen", "n_parallel", "test_time", "avg_ns", "stddev_ns", "avg_ts", "stddev_ts")
+CSV_FIELDS = ("build_commit", "build_number", "cpu_info", "gpu_info", "backends", "model_filename", "model_type",
+              "model_size", "model_n_params", "n_batch", "n_ubatch", "n_threads", "cpu_mask", "cpu_strict", "poll",
+              "type_k", "type_v", "n_gpu_layers", "n_cpu_moe", "split_mode", "main_gpu", "no_kv_offload", "flash_attn",
+              "devices", "tensor_split", "tensor_buft_overrides", "load_mode", "lazy_mode", "embeddings",
+              "no_op_offload", "no_host", "repack", "fit_target", "fit_min_ctx", "n_prompt", "n_gen", "n_depth",
+              "test_time", "avg_ns", "stddev_ns", "avg_ts", "stddev_ts", "isa", "n_parallel")   # llama-bench's, ours
 
 
 def _csv(v) -> str:
-    s = str(v)
+    s = str(int(v)) if isinstance(v, bool) else str(v)   # llama-bench writes a flag as 0 / 1
     return '"' + s.replace('"', '""') + '"' if any(c in s for c in ',"\n') else s
 
 
 def main(args) -> int:
-    import datetime
-    import statistics
     import sys
 
     import numpy as np
@@ -195,7 +229,7 @@ def main(args) -> int:
     started = False
     try:
         for threads in args.threads or [None]:
-            for npl in args.npl:
+            for npl in args.npl or [1]:
                 if npl == 1:   # one sequence: the LLM session, as bitnet run decodes
                     runner = load_model(args.model, ctx=max(ctx, 16), threads=threads, kv_dtype=args.kv,
                                         progress=sys.stderr.isatty())
@@ -213,7 +247,7 @@ def main(args) -> int:
                     said_ctx = True
                     print(f"bitnet: warning: the longest test runs {ctx} positions, past the {trained} the model "
                           "was trained on (its speed is measured all the same)", file=sys.stderr)
-                info = {**describe(runner), **host}
+                info = {**describe(runner, args.model), **host}
                 if not started:
                     table.head()
                     started = True
@@ -223,18 +257,12 @@ def main(args) -> int:
                         one(pp, tg, rng)   # warm-up: pages, caches, the pool's threads
                         times = [one(pp, tg, rng) for _ in range(args.repetitions)]
                         rates = [npl * (pp + tg) / t for t in times]
-                        table.row({**info, "n_threads": runner.threads, "n_prompt": pp, "n_gen": tg,
-                                   "n_parallel": npl,
-                                   "test_time": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-                                   "avg_ns": int(statistics.mean(times) * 1e9),
-                                   "stddev_ns": int(statistics.stdev(times) * 1e9) if len(times) > 1 else 0,
-                                   "avg_ts": statistics.mean(rates),
-                                   "stddev_ts": statistics.stdev(rates) if len(rates) > 1 else 0.0,
-                                   "samples_ns": [int(t * 1e9) for t in times], "samples_ts": rates})
+                        table.row(record(info, runner, args, pp, tg, npl, times, rates))
                 finally:
                     runner.close()
     except KeyboardInterrupt:
-        table.tail()
+        if started:   # a JSON array is closed only where it was opened
+            table.tail()
         print("bitnet: interrupted", file=sys.stderr)
         return 130
     table.tail()

@@ -478,11 +478,12 @@ def suggestion(parser: argparse.ArgumentParser, word: str) -> str | None:
 
 
 def reject_unknown(parser: argparse.ArgumentParser, extras: list[str]) -> None:
-    """parser.error() (usage + one line, exit 2) naming the unrecognized arguments and a close flag."""
+    """parser.error() (usage + one line, exit 2) naming the unrecognized arguments and a close flag; a llama.cpp
+    flag this engine has no use for is one line saying why (no usage: the flag is known, only not needed)."""
     for word in extras:
         why = llama_only(word, parser.prog)
         if why:
-            parser.error(why)
+            parser.exit(2, f"{parser.prog}: error: {why}\n")
     msg = f"unrecognized arguments: {' '.join(extras)}"
     for word in extras:
         close = suggestion(parser, word)

@@ -79,6 +79,33 @@ def test_records_are_consistent(store):
     assert all(float(x["avg_ts"]) > 0 for x in table)
 
 
+# llama-bench's record fields, in its order (tools/llama-bench/llama-bench.cpp, test::get_fields): what scripts and
+# llama.cpp's compare-llama-bench.py read
+LLAMA_BENCH_FIELDS = [
+    "build_commit", "build_number", "cpu_info", "gpu_info", "backends", "model_filename", "model_type", "model_size",
+    "model_n_params", "n_batch", "n_ubatch", "n_threads", "cpu_mask", "cpu_strict", "poll", "type_k", "type_v",
+    "n_gpu_layers", "n_cpu_moe", "split_mode", "main_gpu", "no_kv_offload", "flash_attn", "devices", "tensor_split",
+    "tensor_buft_overrides", "load_mode", "lazy_mode", "embeddings", "no_op_offload", "no_host", "repack",
+    "fit_target", "fit_min_ctx", "n_prompt", "n_gen", "n_depth", "test_time", "avg_ns", "stddev_ns", "avg_ts",
+    "stddev_ts"]
+
+
+def test_records_carry_llama_bench_s_fields_and_a_list_flag_adds_up(store):
+    """The records start with llama-bench's fields in its order (model_filename as -m gave it, test_time as
+    %FT%TZ, the KV cache's type as type_k / type_v); a list flag given twice runs both, as llama-bench."""
+    import datetime
+    r = bench("-m", store, "-p", "8", "-p", "12", "-n", "0", "-r", "1", "-t", "1", "--kv", "q8", "-o", "jsonl")
+    assert r.returncode == 0, r.stderr
+    recs = [json.loads(x) for x in r.stdout.splitlines()]
+    assert [x["n_prompt"] for x in recs] == [8, 12]
+    for x in recs:
+        assert [*x][:len(LLAMA_BENCH_FIELDS)] == LLAMA_BENCH_FIELDS
+        assert x["model_filename"] == store and (x["type_k"], x["type_v"]) == ("q8_0", "q8_0")
+        datetime.datetime.strptime(x["test_time"], "%Y-%m-%dT%H:%M:%SZ")
+    header = bench("-m", store, "-p", "8", "-n", "0", "-r", "1", "-t", "1", "-o", "csv").stdout.splitlines()[0]
+    assert header.split(",")[:len(LLAMA_BENCH_FIELDS)] == LLAMA_BENCH_FIELDS
+
+
 @pytest.mark.parametrize("args, needle", [
     (("-p", "x"), "-p/--n-prompt"),
     (("-p", "-4"), "-p/--n-prompt"),
