@@ -32,6 +32,9 @@ def add_arguments(p):
                    help=f"tokens per chunk (default: {DEFAULT_CTX}, as llama-perplexity; with --kl-divergence, the "
                         "base file's)%(default).0s")
     p.add_argument("--chunks", type=int, default=-1, metavar="N", help="score at most N chunks (-1: every whole one)")
+    p.add_argument("-b", "--batch-size", "-ub", "--ubatch-size", dest="batch_size", type=int, default=None,
+                   metavar="N", help="accepted for llama-perplexity's command lines: chunks run one after another "
+                                     "here, and the score is the same%(default).0s")
     p.add_argument("-t", "--threads", type=int, default=None, metavar="N",
                    help="CPU threads (default, also 0 or -1: one per physical core, or $OMP_NUM_THREADS)%(default).0s")
     p.add_argument("--kv", dest="kv", choices=("f16", "f32", "q8"), default="f16", help="KV cache precision")
@@ -78,14 +81,14 @@ def _check(args) -> None:
         raise BitNetError("--kl-divergence needs --kl-divergence-base FILE (the base model's logits)")
     if not args.kld and args.file is None:
         raise BitNetError("no text: give -f/--file FILE ('-' for stdin)")
-    if args.kld and args.file is not None:
-        raise BitNetError("-f/--file with --kl-divergence: the text is the base file's tokens (leave -f out)")
+    if args.kld and args.file is not None:   # llama-perplexity takes it and reads the base file's tokens alone
+        _info(f"-f {args.file} is not read: --kl-divergence scores the base file's tokens")
     if args.kld_base and not args.kld:   # it is written: checked now, not after every chunk has run
         from ..engine.fileio import check_output, starts_with
         from ..engine.runtime.perplexity import MAGIC
         check_output(args.kld_base, "--kl-divergence-base", keep=lambda p: not starts_with(p, MAGIC))
     if args.ctx is not None and args.ctx < 4 and args.ctx != 0:
-        raise BitNetError(f"-c/--ctx-size {args.ctx}: must be >= 4 (0: the model's trained context, as llama.cpp)")
+        raise BitNetError(f"-c/--ctx-size {args.ctx}: must be >= 4 (0: the model's trained context)")
     args.threads = auto_threads(args.threads)
     if args.chunks == 0:
         raise BitNetError("--chunks 0: nothing to score (a positive count, or -1 for every chunk)")

@@ -191,6 +191,12 @@ def test_kld_of_a_model_from_itself_is_zero(text_file, tmp_path):
     assert k["same_top"] == 1.0 and k["count"] == 4 * (CTX - 1 - CTX // 2)
     text = bitnet("--kl-divergence-base", base, "--kl-divergence").stdout
     assert "====== KL divergence statistics ======" in text and "Same top p: 100.000 ± 0.000 %" in text
+    # llama-perplexity's command lines as scripts keep them: -f beside --kl-divergence (not read: the base file's
+    # tokens are scored), -b / -ub (chunks run one by one here): the same figures
+    again = bitnet("-f", text_file, "-b", "512", "-ub", "512", "--kl-divergence-base", base, "--kl-divergence", "--json")
+    assert again.returncode == 0, again.stderr
+    assert [json.loads(again.stdout)[k] for k in ("ppl", "kl_divergence")] == [rec["ppl"], rec["kl_divergence"]]
+    assert "is not read" in again.stderr
 
 
 def test_kld_between_heads_is_the_exact_kl(heads, text_file, tmp_path):
@@ -221,7 +227,7 @@ def test_kld_between_heads_is_the_exact_kl(heads, text_file, tmp_path):
     assert abs(k["same_top"] * len(klds) - same) <= 1   # a near tie may round either way in 16 bits
 
 
-@pytest.mark.parametrize("case", ["no_file", "short", "chunks0", "ctx", "missing", "kld_no_base", "kld_with_f",
+@pytest.mark.parametrize("case", ["no_file", "short", "chunks0", "ctx", "missing", "kld_no_base",
                                   "not_base", "truncated", "vocab", "ctx_mismatch", "base_dir", "base_is_text"])
 def test_bad_input_is_one_line(case, text_file, tmp_path):
     base = str(tmp_path / "b.kld")
@@ -238,7 +244,6 @@ def test_bad_input_is_one_line(case, text_file, tmp_path):
         "ctx": ("-f", text_file, "-c", "2"),
         "missing": ("-f", str(tmp_path / "nope.txt")),
         "kld_no_base": ("--kl-divergence",),
-        "kld_with_f": ("-f", text_file, "--kl-divergence-base", base, "--kl-divergence"),
         "not_base": ("--kl-divergence-base", str(junk), "--kl-divergence"),
         "truncated": ("--kl-divergence-base", base, "--kl-divergence"),
         "vocab": ("-m", "SYNTH", "--kl-divergence-base", base, "--kl-divergence"),
@@ -259,7 +264,7 @@ def test_bad_input_is_one_line(case, text_file, tmp_path):
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("bitnet: error: "), r.stderr
     want = {"short": "fewer than one chunk", "chunks0": "--chunks 0", "ctx": "-c/--ctx-size 2", "missing": "nope.txt",
-            "no_file": "-f/--file", "kld_no_base": "--kl-divergence-base", "kld_with_f": "-f/--file",
+            "no_file": "-f/--file", "kld_no_base": "--kl-divergence-base",
             "not_base": "not a file of base logits", "truncated": "truncated", "vocab": "vocabulary",
             "ctx_mismatch": "chunks of 128", "base_dir": "a directory", "base_is_text": "refusing to overwrite"}[case]
     assert want in lines[0]
