@@ -454,3 +454,15 @@ def test_integers_a_double_holds_are_kept_exactly(llm):
     assert _complete(llm, {"type": "integer", "enum": [big]}, str(big))
     assert not _complete(llm, {"type": "integer", "enum": [big]}, str(big + 1))
     assert _complete(llm, {"const": -big}, str(-big))
+
+
+@pytest.mark.parametrize("fmt, text, valid", [
+    ("date", '"2024-02-29"', True), ("date", '"2000-02-29"', True), ("date", '"2023-02-29"', False),
+    ("date", '"1900-02-29"', False), ("date", '"2023-04-31"', False), ("date", '"2023-12-31"', True),
+    ("time", '"23:59:59Z"', True), ("time", '"10:00:00.123+01:00"', True), ("time", '"21:18:60+13:48"', False),
+    ("date-time", '"2024-02-29t00:00:00.5-05:30"', True), ("date-time", '"1900-02-29T00:00:00Z"', False)])
+def test_dates_and_times_are_rfc_3339_exactly(llm, fmt, text, valid):
+    """date / time / date-time take what JSON Schema's format checker takes: February 29 in leap years only, no
+    second 60 at any minute (the grammar engine's own formats took both)."""
+    schema = {"type": "string", "format": fmt}
+    assert _complete(llm, schema, text) == valid

@@ -270,15 +270,36 @@ def closed_objects(schema):
     return out
 
 
+# RFC 3339 dates and times, exactly: the grammar engine's own formats took February 29 of any year and a leap second
+# at any minute ("2023-02-29", "21:18:60+13:48"), which JSON Schema's format checkers refuse. A leap second is
+# left out (it is valid at one instant of a few days in history); a fraction has at most 9 digits (nanoseconds).
+_D2 = "[0-9]{2}"
+_DATE = ("(?:[0-9]{4}-(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)"
+         "|02-(?:0[1-9]|1[0-9]|2[0-8]))|(?:[0-9]{2}(?:0[48]|[2468][048]|[13579][26])|(?:[02468][048]|[13579][26])00)"
+         "-02-29)")
+_TIME = "(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\\.[0-9]{1,9})?(?:[zZ]|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"
+FORMAT_PATTERNS = {"date": f"^{_DATE}$", "time": f"^{_TIME}$", "date-time": f"^{_DATE}[tT]{_TIME}$"}
+
+
+def exact_formats(schema):
+    """A copy of a JSON Schema whose date / time / date-time strings (with no pattern of their own) are
+    FORMAT_PATTERNS' exact RFC 3339 patterns instead of the format."""
+    def fix(out):
+        if out.get("format") in FORMAT_PATTERNS and "pattern" not in out:
+            out["pattern"] = FORMAT_PATTERNS[out.pop("format")]
+        return out
+    return _schema_copy(schema, fix)
+
+
 def prepared(schema, where: str):
-    """A JSON Schema as the grammar engine gets it (closed_objects, then bounded_integers), after
+    """A JSON Schema as the grammar engine gets it (closed_objects, exact_formats, then bounded_integers), after
     unenforceable's check (ConstraintError naming `where`): one reading for response formats, tool
     parameters and a format beside tools."""
     schema = closed_objects(schema)
     problem = unenforceable(schema)
     if problem:
         raise ConstraintError(f"{where}: {problem}", where=where)
-    return bounded_integers(schema)
+    return bounded_integers(exact_formats(schema))
 
 
 def bounded_integers(schema):
