@@ -466,3 +466,13 @@ def test_dates_and_times_are_rfc_3339_exactly(llm, fmt, text, valid):
     second 60 at any minute (the grammar engine's own formats took both)."""
     schema = {"type": "string", "format": fmt}
     assert _complete(llm, schema, text) == valid
+
+
+def test_a_pattern_s_dot_is_ecma_s(llm):
+    """JSON Schema patterns are ECMA-262 regexes: `.` matches no line terminator (\\r, U+2028, U+2029 as well as
+    \\n); the grammar engine's regexes took them. A dot in a class or escaped stays a dot."""
+    schema = {"type": "string", "pattern": "^a.b$"}
+    assert _complete(llm, schema, '"axb"')
+    for text in ('"a\\rb"', '"a\\u2028b"', '"a\\u2029b"', '"a\\nb"'):
+        assert not _complete(llm, schema, text), text
+    assert _complete(llm, {"type": "string", "pattern": "^a[.]b\\.$"}, '"a.b."')

@@ -281,10 +281,33 @@ _TIME = "(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\\.[0-9]{1,9})?(?:[zZ]|[+-
 FORMAT_PATTERNS = {"date": f"^{_DATE}$", "time": f"^{_TIME}$", "date-time": f"^{_DATE}[tT]{_TIME}$"}
 
 
+def ecma_dot(pattern: str) -> str:
+    """A JSON Schema pattern (ECMA-262) for the grammar engine's regexes (Rust's), where `.` outside a class
+    matches any character but \\n: ECMA's `.` matches no line terminator (\\r, U+2028, U+2029 too)."""
+    out, i, in_class = [], 0, False
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\":
+            out.append(pattern[i:i + 2])
+            i += 2
+            continue
+        if in_class:
+            in_class = c != "]"
+        elif c == "[":
+            in_class = True
+        elif c == ".":
+            c = "[^\\n\\r\u2028\u2029]"
+        out.append(c)
+        i += 1
+    return "".join(out)
+
+
 def exact_formats(schema):
     """A copy of a JSON Schema whose date / time / date-time strings (with no pattern of their own) are
-    FORMAT_PATTERNS' exact RFC 3339 patterns instead of the format."""
+    FORMAT_PATTERNS' exact RFC 3339 patterns instead of the format, and whose patterns' `.` is ECMA's."""
     def fix(out):
+        if isinstance(out.get("pattern"), str):
+            out["pattern"] = ecma_dot(out["pattern"])
         if out.get("format") in FORMAT_PATTERNS and "pattern" not in out:
             out["pattern"] = FORMAT_PATTERNS[out.pop("format")]
         return out
