@@ -162,7 +162,8 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
     beside this machine's (serve/auth.py allow_cross_origin; "*": any). on_load_error(e): called (in the loading
     thread) when load() raised -- `bitnet serve` then says so and exits; without it the server answers 503.
     reasoning_format: where a chat's <think> block goes when the request does not say (llama-server's
-    --reasoning-format: auto / deepseek: reasoning_content, none: left in content, deepseek-legacy: both)."""
+    --reasoning-format: auto / deepseek: reasoning_content, none: left in content, deepseek-legacy: streamed,
+    left in content with its tags, else as deepseek)."""
     state = ServerState(load, api_key, model_id, retry_after, strict_model, sampling)
     state.on_load_error = on_load_error
     metrics = ServerMetrics(state.engine_metrics)

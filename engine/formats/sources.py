@@ -122,7 +122,7 @@ def _llama_unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
                                 .swapaxes(1, 2).reshape(w.shape))
 
 
-def _adds_bos(kind: str, blob: bytes, tc: dict, bos: int, path: str) -> bool:
+def _adds_bos(kind: str, blob: bytes, tc: dict, bos: int) -> bool:
     """Whether transformers starts a text's tokens with BOS: LlamaTokenizer(Fast) and SentencePiece models by
     tokenizer_config's add_bos_token (default true; the fast one rebuilds its post-processor from it), any other
     tokenizer.json by its own post-processor (Qwen3's adds none, though config.json names a bos_token_id)."""
@@ -597,7 +597,7 @@ class HFSource:
         bos = cfg.get("bos_token_id")
         bos = bos if isinstance(bos, int) else None
         if blob is not None and bos is not None:
-            self.meta["add_bos"] = _adds_bos(kind, blob, tc, bos, tj)
+            self.meta["add_bos"] = _adds_bos(kind, blob, tc, bos)
         return ((kind, blob) if blob is not None else None), tmpl, bos, eos
 
     def _hf(self, short, i):
