@@ -476,3 +476,13 @@ def test_a_pattern_s_dot_is_ecma_s(llm):
     for text in ('"a\\rb"', '"a\\u2028b"', '"a\\u2029b"', '"a\\nb"'):
         assert not _complete(llm, schema, text), text
     assert _complete(llm, {"type": "string", "pattern": "^a[.]b\\.$"}, '"a.b."')
+
+
+@pytest.mark.parametrize("mirostat", [1, 2])
+def test_mirostat_under_a_grammar_that_leaves_one_token(llm, mirostat):
+    """Mirostat 1 estimates a Zipf exponent over the tokens left: one left (a grammar's mask) made its formula
+    0 / 0, a ZeroDivisionError that ended the answer as an engine error; as llama.cpp's float arithmetic, the one
+    token left is taken."""
+    params = SamplingParams(temperature=0.8, mirostat=mirostat, seed=3)
+    text, _, last = _run(llm, _ask(llm, "yes?"), params, Constraint.gbnf('root ::= "yes"'), max_tokens=8)
+    assert text == "yes" and last.finish_reason in ("eos", "stop")

@@ -383,7 +383,10 @@ class Sampler:
             s_hat = float((t * (lp[:-1] - lp[1:])).sum() / (t * t).sum()) if m > 1 else 1.0
             eps = s_hat - 1.0
             with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
-                k = ((eps * 2.0 ** self.mu) / (1.0 - float(v) ** -eps)) ** (1.0 / s_hat)
+                # in doubles, as llama.cpp in floats: one candidate left (a grammar's mask) makes eps 0 and 0 / 0,
+                # tied logits s_hat 0; both give no finite k, so the top token alone (Python floats raised here)
+                eps, s_hat = np.float64(eps), np.float64(s_hat)
+                k = ((eps * np.float64(2.0) ** self.mu) / (1.0 - np.float64(v) ** -eps)) ** (1.0 / s_hat)
             k = min(int(k), v) if np.isfinite(k) and k >= 1 else 1
             cand = np.argpartition(-scaled, k - 1)[:k] if k < v else np.arange(v)
         else:
