@@ -141,8 +141,10 @@ class CountingMiddleware:
         async def send_counted(msg):
             if msg["type"] == "http.response.start":
                 msg = dict(msg, headers=[*msg.get("headers", ()), (b"x-bitnet-instance", self.instance)])
-                if counted:
-                    self.metrics.requests.labels(path, str(msg["status"])).inc()
+                if counted:   # by route (/v1/models/{model_name}): a path no route took is "other", so a client
+                    # cannot grow the series without bound (one per URL it makes up, before any key is checked)
+                    route = getattr(scope.get("route"), "path", None)
+                    self.metrics.requests.labels(route or "other", str(msg["status"])).inc()
             await send(msg)
         await self.app(scope, receive, send_counted)
 

@@ -80,7 +80,7 @@ class _EngineCollector:
 class ServerMetrics:
     def __init__(self, get_engine_metrics: Callable[[], dict | None]):
         self.registry = r = CollectorRegistry()
-        self.requests = Counter("bitnet_http_requests", "HTTP requests by endpoint and status", ["endpoint", "status"], registry=r)
+        self.requests = Counter("bitnet_http_requests", "HTTP requests by route and status (a URL no route takes: other)", ["endpoint", "status"], registry=r)
         self.prompt_tokens = Counter("bitnet_prompt_tokens", "prompt tokens received", registry=r)
         self.generated_tokens = Counter("bitnet_generated_tokens", "tokens generated", registry=r)
         self.rejected = Counter("bitnet_requests_rejected_queue_full", "requests answered 503 because the queue was full", registry=r)

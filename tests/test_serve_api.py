@@ -453,3 +453,20 @@ def test_a_lone_surrogate_is_a_400_naming_the_field_everywhere(server):
     ok = httpx.post(server.url + "/tokenize", content='{"content": "\\ud83d\\ude00 \\\\ud800"}',
                     headers={"Content-Type": "application/json"}, timeout=60)
     assert ok.status_code == 200 and ok.json()["tokens"]   # a pair is one character; an escaped backslash is text
+
+
+def test_request_counts_are_labelled_by_route_not_by_url(server):
+    """bitnet_http_requests_total's endpoint label is the route a request took (/v1/models/{model_name:path}),
+    a URL no route takes is "other": made-up URLs cannot add series (memory, scrape size) without bound."""
+    def series():
+        return {x.split(" ")[0] for x in httpx.get(server.url + "/metrics").text.splitlines()
+                if x.startswith("bitnet_http_requests_total{")}
+    httpx.get(server.url + "/v1/models/warm-up")
+    httpx.get(server.url + "/v1/no-such-route")
+    series()   # /metrics itself counted
+    before = series()
+    for i in range(40):
+        httpx.get(server.url + f"/v1/no-such-route-{i}")
+        httpx.get(server.url + f"/v1/models/name-{i}")
+    assert series() == before
+    assert 'bitnet_http_requests_total{endpoint="other",status="404"}' in before
