@@ -470,3 +470,12 @@ def test_request_counts_are_labelled_by_route_not_by_url(server):
         httpx.get(server.url + f"/v1/models/name-{i}")
     assert series() == before
     assert 'bitnet_http_requests_total{endpoint="other",status="404"}' in before
+
+
+def test_a_body_nested_too_deeply_is_the_same_400_everywhere(server):
+    """JSON nested past Python's recursion limit: one message and code on every endpoint (the ones FastAPI parses
+    said 'There was an error parsing the body', code null)."""
+    body = '{"messages": ' + "[" * 5000 + "]" * 5000 + "}"
+    for path in ("/v1/chat/completions", "/tokenize", "/v1/embeddings", "/api/chat"):
+        r = httpx.post(server.url + path, content=body, headers={"Content-Type": "application/json"}, timeout=60)
+        assert r.status_code == 400 and "nested too deeply" in r.text, (path, r.text)
