@@ -58,6 +58,9 @@ def add_arguments(p):
     p.add_argument("-npl", dest="npl", type=_int_list("npl", 1), action="extend", default=None, metavar="N[,N...]",
                    help="sequences at once: N > 1 runs each test as N sequences batched through the serving "
                         "engine (as llama-batched-bench's -npl); t/s counts every sequence's tokens")
+    p.add_argument("-d", "--n-depth", dest="n_depth", type=_int_list("n-depth", 0), action="extend", default=None,
+                   metavar="N[,N...]", help="tokens already in the context when each test starts (llama-bench's "
+                                            "'pp512 @ d4096'; prefilled untimed; default: 0)%(default).0s")
     p.add_argument("-r", "--repetitions", type=int, default=5, metavar="N", help="timed runs of each test")
     p.add_argument("-o", "--output", choices=FORMATS, default="md", help="table, or records for scripts")
     p.add_argument("--kv", choices=("f16", "f32", "q8"), default="f16", help="KV cache precision")
@@ -70,12 +73,14 @@ def tests_of(args) -> list[tuple[int, int]]:
     return [(n, 0) for n in n_prompt if n] + [(0, n) for n in n_gen if n] + list(args.pg or [])
 
 
-def _name(pp: int, tg: int) -> str:
-    return "+".join(x for x in ((f"pp{pp}" if pp else ""), (f"tg{tg}" if tg else "")) if x)
+def _name(pp: int, tg: int, depth: int = 0) -> str:
+    return "+".join(x for x in ((f"pp{pp}" if pp else ""), (f"tg{tg}" if tg else "")) if x) + \
+        (f" @ d{depth}" if depth else "")
 
 
-def run_test(llm, pp: int, tg: int, rng) -> float:
-    """Seconds for one run: a fresh cache, pp random tokens prefilled, then tg tokens decoded."""
+def run_test(llm, pp: int, tg: int, rng, depth: int = 0) -> float:
+    """Seconds for one run: a fresh cache (holding `depth` random tokens, prefilled before the clock starts),
+    pp random tokens prefilled, then tg tokens decoded."""
     import time
 
     from ..engine.api import LookupParams, SamplingParams
@@ -83,6 +88,12 @@ def run_test(llm, pp: int, tg: int, rng) -> float:
     bos = llm.tokenizer.text_bos
     ids = rng.integers(0, vocab, pp).tolist() if pp else [bos if bos is not None else int(rng.integers(vocab))]
     llm.reset()
+    if depth:   # the context the test starts in: generate() reuses it as the cached prefix of the timed prompt
+        before = rng.integers(0, vocab, depth).tolist()
+        for _ in llm.generate(before, SamplingParams(temperature=0), max_tokens=1, ignore_eos=True,
+                              lookup=LookupParams(draft_max=0)):
+            pass
+        ids = before + ids
     t0 = time.perf_counter()
     # after a prompt, tg tokens decoded one by one as llama-bench's pg test feeds them (the prefill's own first
     # token is one more); a tg test's first token comes from its one-token prompt, as llama-bench's
@@ -129,7 +140,7 @@ def describe(llm, given: str | None) -> dict:
 KV_TYPE = {"f16": "f16", "f32": "f32", "q8": "q8_0"}   # --kv as llama-bench names a cache type
 
 
-def record(info: dict, runner, args, pp: int, tg: int, npl: int, times: list, rates: list) -> dict:
+def record(info: dict, runner, args, pp: int, tg: int, npl: int, times: list, rates: list, depth: int = 0) -> dict:
     """One test's record: llama-bench's fields in its order (scripts and its compare-llama-bench.py read them;
     the ones about GPUs and loading hold its CPU defaults), then this engine's own (isa, n_parallel, samples)."""
     import datetime
@@ -142,7 +153,7 @@ def record(info: dict, runner, args, pp: int, tg: int, npl: int, times: list, ra
             "split_mode": "layer", "main_gpu": 0, "no_kv_offload": False, "flash_attn": 1, "devices": "auto",
             "tensor_split": "0.00", "tensor_buft_overrides": "none", "load_mode": "auto", "lazy_mode": "auto",
             "embeddings": False, "no_op_offload": 0, "no_host": False, "repack": True, "fit_target": 0,
-            "fit_min_ctx": 0, "n_prompt": pp, "n_gen": tg, "n_depth": 0,
+            "fit_min_ctx": 0, "n_prompt": pp, "n_gen": tg, "n_depth": depth,
             "test_time": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
             "avg_ns": int(statistics.mean(times) * 1e9),
             "stddev_ns": int(statistics.stdev(times) * 1e9) if len(times) > 1 else 0,
@@ -178,7 +189,8 @@ class Table:
             cells = (rec["model_type"], f"{size / 2 ** 30:.2f} GiB" if size >= 2 ** 30 else f"{size / 2 ** 20:.2f} MiB",
                      f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M",
                      f"{rec['backends']} {rec['isa']}", str(rec["n_threads"]),
-                     _name(rec["n_prompt"], rec["n_gen"]) + (f" x{rec['n_parallel']}" if rec["n_parallel"] > 1 else ""),
+                     _name(rec["n_prompt"], rec["n_gen"], rec["n_depth"])
+                     + (f" x{rec['n_parallel']}" if rec["n_parallel"] > 1 else ""),
                      f"{rec['avg_ts']:.2f} ± {rec['stddev_ts']:.2f}")
             self.out.write("| " + " | ".join(c.ljust(w) if i in (0, 3) else c.rjust(w)
                                                for i, (c, w) in enumerate(zip(cells, self.WIDTHS))) + " |\n")
@@ -222,7 +234,11 @@ def main(args) -> int:
         raise BitNetError("no tests: every -p and -n is 0 and no -pg was given")
     if args.repetitions < 1:
         raise BitNetError(f"-r/--repetitions {args.repetitions}: must be >= 1")
-    ctx = max(max(pp, 1) + tg for pp, tg in tests)   # the longest test's positions (its last token is not fed)
+    depths = args.n_depth or [0]
+    if max(depths) and any(n > 1 for n in args.npl or [1]):
+        raise BitNetError("-d/--n-depth with -npl above 1: a depth is measured on one sequence (-npl 1)")
+    # the longest test's positions (its last token is not fed), after the deepest context
+    ctx = max(depths) + max(max(pp, 1) + tg for pp, tg in tests)
     table = Table(args.output, sys.stdout)
     said_ctx = False
     host = machine()
@@ -233,12 +249,12 @@ def main(args) -> int:
                 if npl == 1:   # one sequence: the LLM session, as bitnet run decodes
                     runner = load_model(args.model, ctx=max(ctx, 16), threads=threads, kv_dtype=args.kv,
                                         progress=sys.stderr.isatty())
-                    one = lambda pp, tg, rng: run_test(runner, pp, tg, rng)   # noqa: E731
+                    one = lambda pp, tg, rng, d: run_test(runner, pp, tg, rng, d)   # noqa: E731
                 else:          # many: the serving engine's batched steps, as bitnet serve runs them
                     runner = load_engine(args.model, ctx=max(ctx, 16), threads=threads, kv_dtype=args.kv,
                                          parallel=npl, max_queue=npl,   # all npl are submitted at once
                                          progress=sys.stderr.isatty(), lookup=LookupParams(draft_max=0))
-                    one = lambda pp, tg, rng, npl=npl: run_batched(runner, pp, tg, npl, rng)   # noqa: E731
+                    one = lambda pp, tg, rng, d, npl=npl: run_batched(runner, pp, tg, npl, rng)   # noqa: E731
                 for w in runner.warnings:   # the context is bench's own choice, not a -c the user gave
                     if not w.startswith("-c/--ctx"):
                         print(f"bitnet: warning: {w}", file=sys.stderr)
@@ -253,11 +269,11 @@ def main(args) -> int:
                     started = True
                 rng = np.random.default_rng(1234)
                 try:
-                    for pp, tg in tests:
-                        one(pp, tg, rng)   # warm-up: pages, caches, the pool's threads
-                        times = [one(pp, tg, rng) for _ in range(args.repetitions)]
+                    for (pp, tg), d in ((t, d) for d in depths for t in tests):   # llama-bench's order
+                        one(pp, tg, rng, d)   # warm-up: pages, caches, the pool's threads
+                        times = [one(pp, tg, rng, d) for _ in range(args.repetitions)]
                         rates = [npl * (pp + tg) / t for t in times]
-                        table.row(record(info, runner, args, pp, tg, npl, times, rates))
+                        table.row(record(info, runner, args, pp, tg, npl, times, rates, d))
                 finally:
                     runner.close()
     except KeyboardInterrupt:

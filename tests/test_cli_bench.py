@@ -106,6 +106,19 @@ def test_records_carry_llama_bench_s_fields_and_a_list_flag_adds_up(store):
     assert header.split(",")[:len(LLAMA_BENCH_FIELDS)] == LLAMA_BENCH_FIELDS
 
 
+def test_depth_runs_each_test_after_that_many_tokens(store):
+    """-d N (llama-bench's n_depth): every test again with N tokens already in the context, named 'pp8 @ d16' in
+    the table and recorded as n_depth; on one sequence only (with -npl above 1, one line)."""
+    r = bench("-m", store, "-p", "8", "-n", "3", "-d", "0,16", "-r", "1", "-t", "1", "-o", "jsonl")
+    assert r.returncode == 0, r.stderr
+    assert [(x["n_prompt"], x["n_gen"], x["n_depth"]) for x in map(json.loads, r.stdout.splitlines())] == \
+        [(8, 0, 0), (0, 3, 0), (8, 0, 16), (0, 3, 16)]
+    md = bench("-m", store, "-p", "8", "-n", "0", "-d", "16", "-r", "1", "-t", "1").stdout
+    assert "pp8 @ d16" in md
+    bad = bench("-m", store, "-d", "16", "-npl", "2")
+    assert bad.returncode == 2 and "-npl" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+
+
 @pytest.mark.parametrize("args, needle", [
     (("-p", "x"), "-p/--n-prompt"),
     (("-p", "-4"), "-p/--n-prompt"),
