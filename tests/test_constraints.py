@@ -321,7 +321,6 @@ def test_gbnf_examples_from_llama_cpp(llm, mode):
     # integers no double equals (the grammar engine's numbers): they were rounded to another value, silently
     (lambda: Constraint.json_schema({"const": 9007199254740993}), "past 2^53"),
     (lambda: Constraint.json_schema({"type": "integer", "enum": [1, 1234567890123456789]}), "past 2^53"),
-    (lambda: Constraint.json_schema({"type": "integer", "minimum": 9007199254740993}), "minimum"),
     # a key the grammar may repeat would count twice towards minProperties
     (lambda: Constraint.json_schema({"type": "object", "additionalProperties": {"type": "integer"},
                                      "minProperties": 2}), "minProperties"),
@@ -433,6 +432,18 @@ def test_listed_properties_only_unless_the_schema_opens_more(llm):
                                   {"properties": {"y": {"type": "integer"}}, "required": ["y"]}]},
                        {"type": "object", "properties": {"c": {"type": "integer"}}, "required": ["c"]}]}
     assert _complete(llm, inner, '{"x":1,"c":2}')
+    # a definition named by an escaped pointer or an anchor still combines; a required key that properties do not
+    # list is allowed (closing would make it unsatisfiable)
+    b = {"type": "object", "properties": {"id": {"type": "integer"}}, "required": ["id"]}
+    z = {"properties": {"z": {"type": "string"}}, "required": ["z"]}
+    escaped = {"$defs": {"a b": b}, "allOf": [{"$ref": "#/$defs/a%20b"}, z]}
+    anchored = {"$defs": {"b": {**b, "$anchor": "base"}}, "allOf": [{"$ref": "#base"}, z]}
+    assert _complete(llm, escaped, '{"id":1,"z":"q"}') and _complete(llm, anchored, '{"id":1,"z":"q"}')
+    unlisted = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a", "zz"]}
+    assert _complete(llm, unlisted, '{"a":1,"zz":2}')
+    # one key is one key: minProperties 1 over free keys (pydantic's non-empty dict) is enforced, not refused
+    nonempty = {"type": "object", "additionalProperties": {"type": "string"}, "minProperties": 1}
+    assert _complete(llm, nonempty, '{"a":"x"}') and not _complete(llm, nonempty, "{}")
     # tool parameters and a format beside tools read the same way
     from bitnet_cpu.engine.runtime.tools import functions_from_tools, tool_format, with_answer_format
     tools = [{"type": "function", "function": {"name": "f", "parameters": answer}}]
@@ -449,7 +460,12 @@ def test_listed_properties_only_unless_the_schema_opens_more(llm):
 
 
 def test_integers_a_double_holds_are_kept_exactly(llm):
-    """Past 2^53 an integer that is a double is enforced as written (only those that are not are refused)."""
+    """Past 2^53 an integer that is a double is enforced as written; a bound that is not one is rounded inward
+    (int64's maximum, 2^63 - 1, as pydantic writes it, is 2^63 - 1024; minimum 2^53 + 1 took 2^53)."""
+    assert not _complete(llm, {"type": "integer", "minimum": 2 ** 53 + 1}, str(2 ** 53))
+    assert _complete(llm, {"type": "integer", "minimum": 2 ** 53 + 1}, str(2 ** 53 + 2))
+    int64 = {"type": "integer", "minimum": 0, "maximum": 2 ** 63 - 1}
+    assert _complete(llm, int64, str(2 ** 63 - 1024)) and not _complete(llm, int64, str(2 ** 63))
     big = 2 ** 62 + 2 ** 10
     assert _complete(llm, {"type": "integer", "enum": [big]}, str(big))
     assert not _complete(llm, {"type": "integer", "enum": [big]}, str(big + 1))

@@ -20,6 +20,7 @@ is token for token what plain constrained decoding gives, at one weight read for
 from __future__ import annotations
 
 import json
+import math
 import threading
 import weakref
 from collections import OrderedDict
@@ -178,10 +179,10 @@ EXACT_INT = 1 << 53   # integers past this are not all doubles; the grammar engi
 
 def unenforceable(schema) -> str | None:
     """What of a JSON Schema the grammar engine would enforce other than written (None: nothing), found before
-    it is handed over: an integer past 2^53 that no double equals, in a bound, multipleOf, const or enum (it was
-    rounded: const 9007199254740993 gave 9007199254740992, a snowflake id another id); minProperties over keys
-    that may come from patternProperties / additionalProperties (the grammar cannot see a key repeated, and
-    counted {"a":1,"a":2} as two)."""
+    it is handed over: an integer past 2^53 that no double equals, in multipleOf, const or enum (it was rounded:
+    const 9007199254740993 gave 9007199254740992, a snowflake id another id; bounds are rounded inward instead,
+    inward_bounds); minProperties above 1 over keys that may come from patternProperties / additionalProperties
+    (the grammar cannot see a key repeated, and counted {"a":1,"a":2} as two; one key is one key)."""
     found: list[str] = []
 
     def inexact(v) -> bool:
@@ -196,17 +197,43 @@ def unenforceable(schema) -> str | None:
         return False
 
     def fix(out):
-        for key in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "const", "enum"):
+        for key in ("multipleOf", "const", "enum"):
             if key in out and inexact(out[key]):
                 found.append(f"{key}: an integer past 2^53 that is not a double ({out[key]!r:.80}) cannot be "
                              "enforced exactly (the grammar engine reads numbers as doubles; give it as a string)")
         free = out.get("additionalProperties", True) is not False or out.get("patternProperties")
-        if _is_num(out.get("minProperties")) and out["minProperties"] > 0 and free:
+        if _is_num(out.get("minProperties")) and out["minProperties"] > 1 and free:
             found.append("minProperties over keys not listed in properties cannot be enforced (a key written "
                          "twice would count twice); list the keys, with additionalProperties false")
         return out
     _schema_copy(schema, fix)
     return found[0] if found else None
+
+
+def inward_bounds(schema):
+    """A copy of a JSON Schema whose integer bounds past 2^53 that no double equals are the nearest doubles inside
+    them (maximum 2^63 - 1, int64's, becomes 2^63 - 1024): the grammar engine reads bounds as doubles, and rounded
+    outward one let a value past the bound through (minimum 2^53 + 1 took 2^53)."""
+    def inside(v, down: bool) -> int:
+        d = float(v)
+        if (d > v) if down else (d < v):
+            d = math.nextafter(d, -math.inf if down else math.inf)
+        return int(d)
+
+    def fix(out):
+        t = out.get("type")
+        types = t if isinstance(t, list) else [t]
+        if "integer" not in types or "number" in types:
+            return out
+        for key, down, step in (("maximum", True, 0), ("exclusiveMaximum", True, -1),
+                                ("minimum", False, 0), ("exclusiveMinimum", False, 1)):
+            v = out.get(key)
+            if isinstance(v, int) and not isinstance(v, bool) and abs(v) > EXACT_INT and float(v) != v:
+                bound = inside(v + step, down)   # an exclusive integer bound becomes the inclusive one inside
+                del out[key]
+                out["maximum" if down else "minimum"] = bound
+        return out
+    return _schema_copy(schema, fix)
 
 
 _COMBINED = ("allOf", "anyOf", "oneOf", "$ref", "dependentSchemas", "if")   # keywords whose schemas add to a node's
@@ -221,20 +248,33 @@ def closed_objects(schema):
     a node with allOf / anyOf / oneOf / $ref beside its properties, the parts of an allOf, the branches of an
     anyOf / oneOf beside properties (or inside an allOf part), and the definitions those refer to; closed, each
     would refuse the others' properties (llama.cpp merges such parts into one object)."""
+    from urllib.parse import unquote
     closed: set[int] = set()
 
     def fix(out):
-        if isinstance(out.get("properties"), dict) and not any(
-                k in out for k in ("additionalProperties", "patternProperties", "unevaluatedProperties", *_COMBINED)):
-            out["additionalProperties"] = False
+        props, required = out.get("properties"), out.get("required")
+        if isinstance(props, dict) and not any(
+                k in out for k in ("additionalProperties", "patternProperties", "unevaluatedProperties", *_COMBINED)) \
+                and all(k in props for k in (required if isinstance(required, list) else ())):
+            out["additionalProperties"] = False   # (a required key it does not list stays allowed: left open)
             closed.add(id(out))
         return out
     out = _schema_copy(schema, fix)
+    unresolved = []
 
     def target(ref):
+        """The node a local JSON pointer ("#/$defs/a%20b") names; None, noted, for any other $ref ("#anchor", a
+        $id's URL): what it combines with is not known here, so nothing is closed at all."""
+        if not ref.startswith("#/"):
+            unresolved.append(ref)
+            return None
         node = out
         for key in ref[2:].split("/"):
-            node = node.get(key.replace("~1", "/").replace("~0", "~")) if isinstance(node, dict) else None
+            key = unquote(key).replace("~1", "/").replace("~0", "~")
+            node = node.get(key) if isinstance(node, dict) else node[int(key)] \
+                if isinstance(node, list) and key.isdigit() and int(key) < len(node) else None
+        if node is None:
+            unresolved.append(ref)
         return node
 
     def reopen(node, seen):
@@ -248,7 +288,7 @@ def closed_objects(schema):
                 for part in node.get(key) if isinstance(node.get(key), list) else ():
                     reopen(part, seen)
             ref = node.get("$ref")
-            node = target(ref) if isinstance(ref, str) and ref.startswith("#/") else None
+            node = target(ref) if isinstance(ref, str) else None
 
     seen: set[int] = set()
     stack = [out]
@@ -264,10 +304,10 @@ def closed_objects(schema):
                 for part in node.get(key) if isinstance(node.get(key), list) else ():
                     reopen(part, seen)
             ref = node.get("$ref")
-            if isinstance(ref, str) and ref.startswith("#/"):
+            if isinstance(ref, str):
                 reopen(target(ref), seen)
         stack.extend(v for k, v in node.items() if k not in _DATA_KEYWORDS)
-    return out
+    return _schema_copy(schema, lambda x: x) if unresolved else out
 
 
 # RFC 3339 dates and times, exactly: the grammar engine's own formats took February 29 of any year and a leap second
@@ -322,7 +362,7 @@ def prepared(schema, where: str):
     problem = unenforceable(schema)
     if problem:
         raise ConstraintError(f"{where}: {problem}", where=where)
-    return bounded_integers(exact_formats(schema))
+    return bounded_integers(inward_bounds(exact_formats(schema)))
 
 
 def bounded_integers(schema):
