@@ -215,13 +215,15 @@ def test_rope_scaling_is_refused_as_the_hf_path_refuses_it(tmp_path, model):
     arch = GGUFFile(src).arch
     bad = [("linear", [(f"{arch}.rope.scaling.type", "str", "linear"), (f"{arch}.rope.scaling.factor", "f32", 4.0)],
             None),
-           ("yarn", [(f"{arch}.rope.scaling.type", "str", "yarn")], None),
+           ("yarn", [(f"{arch}.rope.scaling.type", "str", "yarn"), (f"{arch}.rope.scaling.factor", "f32", 8.0)],
+            None),
            ("x2", [(f"{arch}.rope.scale_linear", "f32", 2.0)], None),
            ("llama3", [], ("rope_freqs.weight", [1.0] * (model.head_dim // 2)))]
     for name, kv, tensor in bad:
         with pytest.raises(UnsupportedError, match="RoPE scaling"):
             convert(_with(src, str(tmp_path / f"{name}.gguf"), kv, tensor), str(tmp_path / f"{name}.bnstore"),
                     progress=False)
-    fine = _with(src, str(tmp_path / "none.gguf"), [(f"{arch}.rope.scaling.type", "str", "none"),
-                                                    (f"{arch}.rope.scaling.factor", "f32", 1.0)])
-    convert(fine, str(tmp_path / "none.bnstore"), progress=False)
+    for kind in ("none", "linear"):   # factor 1: no scaling (bitnet.cpp's TL files say linear x1)
+        fine = _with(src, str(tmp_path / f"{kind}1.gguf"), [(f"{arch}.rope.scaling.type", "str", kind),
+                                                           (f"{arch}.rope.scaling.factor", "f32", 1.0)])
+        convert(fine, str(tmp_path / f"{kind}1.bnstore"), progress=False)

@@ -246,9 +246,10 @@ class GGUFSource:
             raise UnsupportedError(f"{path}: partial RoPE (rope.dimension_count {rd} != head_dim {hd})")
         # RoPE scaling, as llama.cpp reads it (the HF path refuses rope_scaling the same way): ignored, the positions
         # would be rotated as an unscaled model's and every answer would be silently worse
+        # (the factor scales: bitnet.cpp's files say type linear with factor 1, which is no scaling at all)
         kind = g.get(f"{arch}.rope.scaling.type", str)
         factor = g.get(f"{arch}.rope.scaling.factor", float) or g.get(f"{arch}.rope.scale_linear", float)
-        if kind not in (None, "none") or factor not in (None, 0.0, 1.0):
+        if factor not in (None, 0.0, 1.0):
             raise UnsupportedError(f"{path}: RoPE scaling {str(kind or 'linear')!r} (x{factor or 1:g}) is not supported")
         if "rope_freqs.weight" in g.tensors:   # Llama 3.1's rope_scaling llama3, as llama.cpp's converter writes it
             raise UnsupportedError(f"{path}: RoPE scaling 'llama3' (tensor rope_freqs.weight) is not supported")
