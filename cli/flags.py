@@ -438,7 +438,7 @@ LLAMA_ENV = {"LLAMA_ARG_MODEL": "-m", "LLAMA_ARG_CTX_SIZE": "-c", "LLAMA_ARG_THR
 # switches: on with llama.cpp's true / 1 / on / enabled
 LLAMA_ENV_SWITCHES = {"LLAMA_ARG_JINJA": "--jinja", "LLAMA_ARG_CONT_BATCHING": "-cb",
                       "LLAMA_ARG_ENDPOINT_METRICS": "--metrics", "LLAMA_ARG_NO_MMAP": "--no-mmap"}
-_TRUE, _FALSE = ("true", "1", "on", "enabled", "yes"), ("false", "0", "off", "disabled", "no", "")
+_TRUE, _FALSE = _ON + ("yes",), _OFF + ("no", "")   # llama.cpp's readings, and the shell's yes / no / unset
 
 
 def llama_env_argv(parser, argv: list[str], environ) -> tuple[list[str], list[str]]:

@@ -181,7 +181,7 @@ def unenforceable(schema) -> str | None:
     """What of a JSON Schema the grammar engine would enforce other than written (None: nothing), found before
     it is handed over: an integer past 2^53 that no double equals, in multipleOf, const or enum (it was rounded:
     const 9007199254740993 gave 9007199254740992, a snowflake id another id; bounds are rounded inward instead,
-    inward_bounds); minProperties above 1 over keys that may come from patternProperties / additionalProperties
+    _inward_bounds); minProperties above 1 over keys that may come from patternProperties / additionalProperties
     (the grammar cannot see a key repeated, and counted {"a":1,"a":2} as two; one key is one key)."""
     found: list[str] = []
 
@@ -210,9 +210,9 @@ def unenforceable(schema) -> str | None:
     return found[0] if found else None
 
 
-def inward_bounds(schema):
-    """A copy of a JSON Schema whose integer bounds past 2^53 that no double equals are the nearest doubles inside
-    them (maximum 2^63 - 1, int64's, becomes 2^63 - 1024): the grammar engine reads bounds as doubles, and rounded
+def _inward_bounds(out):
+    """An integer schema node's bounds past 2^53 that no double equals, made the nearest doubles inside them
+    (maximum 2^63 - 1, int64's, becomes 2^63 - 1024): the grammar engine reads bounds as doubles, and rounded
     outward one let a value past the bound through (minimum 2^53 + 1 took 2^53)."""
     def inside(v, down: bool) -> int:
         d = float(v)
@@ -220,20 +220,18 @@ def inward_bounds(schema):
             d = math.nextafter(d, -math.inf if down else math.inf)
         return int(d)
 
-    def fix(out):
-        t = out.get("type")
-        types = t if isinstance(t, list) else [t]
-        if "integer" not in types or "number" in types:
-            return out
-        for key, down, step in (("maximum", True, 0), ("exclusiveMaximum", True, -1),
-                                ("minimum", False, 0), ("exclusiveMinimum", False, 1)):
-            v = out.get(key)
-            if isinstance(v, int) and not isinstance(v, bool) and abs(v) > EXACT_INT and float(v) != v:
-                bound = inside(v + step, down)   # an exclusive integer bound becomes the inclusive one inside
-                del out[key]
-                out["maximum" if down else "minimum"] = bound
+    t = out.get("type")
+    types = t if isinstance(t, list) else [t]
+    if "integer" not in types or "number" in types:
         return out
-    return _schema_copy(schema, fix)
+    for key, down, step in (("maximum", True, 0), ("exclusiveMaximum", True, -1),
+                            ("minimum", False, 0), ("exclusiveMinimum", False, 1)):
+        v = out.get(key)
+        if isinstance(v, int) and not isinstance(v, bool) and abs(v) > EXACT_INT and float(v) != v:
+            bound = inside(v + step, down)   # an exclusive integer bound becomes the inclusive one inside
+            del out[key]
+            out["maximum" if down else "minimum"] = bound
+    return out
 
 
 _COMBINED = ("allOf", "anyOf", "oneOf", "$ref", "dependentSchemas", "if")   # keywords whose schemas add to a node's
@@ -313,7 +311,6 @@ def closed_objects(schema):
 # RFC 3339 dates and times, exactly: the grammar engine's own formats took February 29 of any year and a leap second
 # at any minute ("2023-02-29", "21:18:60+13:48"), which JSON Schema's format checkers refuse. A leap second is
 # left out (it is valid at one instant of a few days in history); a fraction has at most 9 digits (nanoseconds).
-_D2 = "[0-9]{2}"
 _DATE = ("(?:[0-9]{4}-(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)"
          "|02-(?:0[1-9]|1[0-9]|2[0-8]))|(?:[0-9]{2}(?:0[48]|[2468][048]|[13579][26])|(?:[02468][048]|[13579][26])00)"
          "-02-29)")
@@ -342,48 +339,49 @@ def ecma_dot(pattern: str) -> str:
     return "".join(out)
 
 
-def exact_formats(schema):
-    """A copy of a JSON Schema whose date / time / date-time strings (with no pattern of their own) are
-    FORMAT_PATTERNS' exact RFC 3339 patterns instead of the format, and whose patterns' `.` is ECMA's."""
-    def fix(out):
-        if isinstance(out.get("pattern"), str):
-            out["pattern"] = ecma_dot(out["pattern"])
-        if out.get("format") in FORMAT_PATTERNS and "pattern" not in out:
-            out["pattern"] = FORMAT_PATTERNS[out.pop("format")]
-        return out
-    return _schema_copy(schema, fix)
+def _exact_strings(out):
+    """A schema node's date / time / date-time format (with no pattern of its own) as FORMAT_PATTERNS' exact
+    RFC 3339 pattern, and its pattern's `.` as ECMA's."""
+    if isinstance(out.get("pattern"), str):
+        out["pattern"] = ecma_dot(out["pattern"])
+    if out.get("format") in FORMAT_PATTERNS and "pattern" not in out:
+        out["pattern"] = FORMAT_PATTERNS[out.pop("format")]
+    return out
 
 
 def prepared(schema, where: str):
-    """A JSON Schema as the grammar engine gets it (closed_objects, exact_formats, then bounded_integers), after
-    unenforceable's check (ConstraintError naming `where`): one reading for response formats, tool
-    parameters and a format beside tools."""
+    """A JSON Schema as the grammar engine gets it (closed_objects; then, in one more copy, each node's exact
+    strings, inward bounds and int64 bounds), after unenforceable's check (ConstraintError naming `where`): one
+    reading for response formats, tool parameters and a format beside tools."""
     schema = closed_objects(schema)
     problem = unenforceable(schema)
     if problem:
         raise ConstraintError(f"{where}: {problem}", where=where)
-    return bounded_integers(inward_bounds(exact_formats(schema)))
+    return _schema_copy(schema, lambda out: _bounded(_inward_bounds(_exact_strings(out))))
 
 
 def bounded_integers(schema):
     """A copy of a JSON Schema in which every `integer` without a lower (upper) bound gets -INT_BOUND (INT_BOUND).
     A `number` is left as it is: bounds would also forbid its exponent form (1e-30), and its fraction has no
     digit limit in the grammar engine either way."""
-    def fix(out):
-        t = out.get("type")
-        types = t if isinstance(t, list) else [t]
-        if "integer" in types and "number" not in types:
-            def bound(key, exclusive):   # a draft-4 boolean exclusiveMinimum qualifies `minimum`: no bound itself
-                return _is_num(out.get(key)) or _is_num(out.get(exclusive))
-            given = [out.get(k) for k in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum")]
-            if any(_is_num(v) and abs(v) > INT_BOUND for v in given):
-                return out   # the schema asks for integers past int64: its own bounds stand alone
-            if not bound("minimum", "exclusiveMinimum"):
-                out["minimum"] = -INT_BOUND
-            if not bound("maximum", "exclusiveMaximum"):
-                out["maximum"] = INT_BOUND
-        return out
-    return _schema_copy(schema, fix)
+    return _schema_copy(schema, _bounded)
+
+
+def _bounded(out):
+    """bounded_integers' rewrite of one schema node."""
+    t = out.get("type")
+    types = t if isinstance(t, list) else [t]
+    if "integer" in types and "number" not in types:
+        def bound(key, exclusive):   # a draft-4 boolean exclusiveMinimum qualifies `minimum`: no bound itself
+            return _is_num(out.get(key)) or _is_num(out.get(exclusive))
+        given = [out.get(k) for k in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum")]
+        if any(_is_num(v) and abs(v) > INT_BOUND for v in given):
+            return out   # the schema asks for integers past int64: its own bounds stand alone
+        if not bound("minimum", "exclusiveMinimum"):
+            out["minimum"] = -INT_BOUND
+        if not bound("maximum", "exclusiveMaximum"):
+            out["maximum"] = INT_BOUND
+    return out
 
 
 def parser_limits():
