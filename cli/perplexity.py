@@ -32,6 +32,12 @@ def add_arguments(p):
                    help=f"tokens per chunk (default: {DEFAULT_CTX}, as llama-perplexity; with --kl-divergence, the "
                         "base file's)%(default).0s")
     p.add_argument("--chunks", type=int, default=-1, metavar="N", help="score at most N chunks (-1: every whole one)")
+    p.add_argument("--ppl-stride", dest="ppl_stride", type=int, default=0, metavar="N",
+                   help="llama-perplexity's strided pass: windows of -c tokens every N tokens, each scored over its "
+                        "last N (default: 0, whole chunks)")
+    p.add_argument("--ppl-output-type", dest="ppl_output_type", type=int, choices=(0, 1), default=0,
+                   help="0: the running PPL as [1]7.1234,[2]...; 1: one line per chunk: its first token, the PPL so "
+                        "far (and, over chunks, the mean log-likelihood and its error), as llama-perplexity")
     p.add_argument("-b", "--batch-size", "-ub", "--ubatch-size", dest="batch_size", type=int, default=None,
                    metavar="N", help="accepted for llama-perplexity's command lines: chunks run one after another "
                                      "here, and the score is the same%(default).0s")
@@ -77,6 +83,11 @@ def _check(args) -> None:
                     ("--multiple-choice-tasks", args.multiple_choice_tasks)):
         if n < 0:
             raise BitNetError(f"{flag} {n}: must be >= 0 (0: every task)")
+    if args.ppl_stride < 0:
+        raise BitNetError(f"--ppl-stride {args.ppl_stride}: must be >= 0 (0: whole chunks)")
+    if args.ppl_stride and (task or args.kld or args.kld_base):
+        raise BitNetError(f"--ppl-stride scores a text's perplexity: it takes no "
+                          f"{task or '--kl-divergence / --kl-divergence-base'}")
     if args.kld and not args.kld_base:
         raise BitNetError("--kl-divergence needs --kl-divergence-base FILE (the base model's logits)")
     if not args.kld and args.file is None:
@@ -89,6 +100,9 @@ def _check(args) -> None:
         check_output(args.kld_base, "--kl-divergence-base", keep=lambda p: not starts_with(p, MAGIC))
     if args.ctx is not None and args.ctx < 4 and args.ctx != 0:
         raise BitNetError(f"-c/--ctx-size {args.ctx}: must be >= 4 (0: the model's trained context)")
+    ctx = DEFAULT_CTX if args.ctx is None else args.ctx
+    if args.ppl_stride and ctx and args.ppl_stride >= ctx:   # before the load (-c 0: the model's, checked later)
+        raise BitNetError(f"--ppl-stride {args.ppl_stride}: must be between 1 and the context size - 1 ({ctx - 1})")
     args.threads = auto_threads(args.threads)
     if args.chunks == 0:
         raise BitNetError("--chunks 0: nothing to score (a positive count, or -1 for every chunk)")
@@ -152,25 +166,27 @@ def _score(args, llm, reader, n_ctx) -> int:
         tokens = reader.tokens
         if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab):
             raise BitNetError(f"{args.kld_base}: token ids outside this model's vocabulary")
-        n_chunk = P.n_chunks(len(tokens), n_ctx, args.chunks)
     else:
         t0 = time.perf_counter()
         tokens = llm.tokenize(read_text_file(args.file), add_bos=True, special=False)   # as llama-perplexity: text is text
-        n_chunk = P.n_chunks(len(tokens), n_ctx, args.chunks)
+    stride = args.ppl_stride
+    runs = P.passes(len(tokens), n_ctx, args.chunks, stride, llm.tokenizer.text_bos)   # a short text: one line
+    if reader is None:
         _info(f"tokenization took {1e3 * (time.perf_counter() - t0):.1f} ms ({len(tokens)} tokens)")
-    tokens = [int(t) for t in tokens[: n_chunk * n_ctx]]
+    n_chunk = len(runs)
+    tokens = [int(t) for t in tokens[: runs[-1][0] + n_ctx]]
     writer = P.LogitsWriter(args.kld_base, n_ctx, vocab, tokens) if args.kld_base and not args.kld else None
     nll, kld = P.NllStats(), (P.KldStats() if reader is not None else None)
-    bos = llm.tokenizer.text_bos
-    _info(f"calculating {'KL divergence' if kld else 'perplexity'} over {n_chunk} chunks, n_ctx={n_ctx}, "
-          f"{P.scored_rows(n_ctx)} tokens scored per chunk, {llm.threads} threads")
+    _info(f"calculating {'KL divergence' if kld else 'perplexity'} over {n_chunk} "
+          + (f"windows of {n_ctx} tokens every {stride}, {stride} tokens scored per window" if stride else
+             f"chunks, n_ctx={n_ctx}, {P.scored_rows(n_ctx)} tokens scored per chunk") + f", {llm.threads} threads")
     out = sys.stdout
     done = 0
     started = time.perf_counter()
     try:
-        for c in range(n_chunk):
+        for c, (start, bos, first) in enumerate(runs):
             t0 = time.perf_counter()
-            for logits, targets in P.chunk_logits(llm.model, tokens[c * n_ctx: (c + 1) * n_ctx], bos):
+            for logits, targets in P.chunk_logits(llm.model, tokens[start: start + n_ctx], bos, first):
                 nll.add(logits, targets)
                 if writer is not None:
                     writer.add(logits)
@@ -184,7 +200,7 @@ def _score(args, llm, reader, n_ctx) -> int:
                     out.write("chunk             PPL               ln(PPL(Q)/PPL(base))          KL Divergence"
                               "              Δp RMS            Same top p\n")
             if not args.json:
-                out.write(_kld_line(c + 1, kld.row()) if kld is not None else f"[{c + 1}]{nll.ppl():.4f},")
+                out.write(_kld_line(c + 1, kld.row()) if kld is not None else _ppl_line(args, c, start, nll))
                 out.flush()
     except KeyboardInterrupt:
         if writer is not None:
@@ -204,6 +220,16 @@ def _score(args, llm, reader, n_ctx) -> int:
     return 0
 
 
+def _ppl_line(args, c: int, start: int, nll) -> str:
+    """The running PPL after chunk c (0-based) starting at token `start`, as llama-perplexity prints it."""
+    if args.ppl_output_type == 0:
+        return f"[{c + 1}]{nll.ppl():.4f},"
+    if args.ppl_stride:
+        return f"{start:8d}  {nll.ppl():.4f}\n"
+    mean, err = nll.mean_nll()
+    return f"{start:8d}  {nll.ppl():.4f}  {mean:4f}  {err:4f}\n"
+
+
 def _kld_line(chunk: int, r: dict) -> str:
     return (f"{chunk:4d}    {r['ppl']:9.4f} ± {r['ppl_err']:9.4f}    {r['ln_ppl_ratio']:10.5f} ± "
             f"{r['ln_ppl_ratio_err']:10.5f}    {r['kld']:10.5f} ± {r['kld_err']:10.5f}    "
@@ -218,6 +244,8 @@ def _final(args, out, nll, kld, done, n_chunk, n_ctx, seconds, interrupted=False
     if args.json:
         rec = {"ppl": ppl, "ppl_err": err, "chunks": done, "chunks_planned": n_chunk, "n_ctx": n_ctx,
                "tokens_scored": nll.count, "seconds": round(seconds, 3)}
+        if args.ppl_stride:
+            rec["stride"] = args.ppl_stride
         if interrupted:
             rec["interrupted"] = True
         if kld is not None:

@@ -286,26 +286,27 @@ class LLM(_Text):
                 out[i] = embed_ids(self.model, ids, pooling, normalize)
         return out
 
-    def perplexity(self, text: str | Sequence[int], *, chunk: int = 512, chunks: int = -1) -> dict:
+    def perplexity(self, text: str | Sequence[int], *, chunk: int = 512, chunks: int = -1, stride: int = 0) -> dict:
         """llama-perplexity's figure (engine/runtime/perplexity.py; `bitnet perplexity`): the text (a str is
         tokenized with BOS, a special token's spelling in it as plain text) cut into `chunks` (-1: every whole
-        one) of `chunk` tokens, each run from an empty cache with BOS in front and scored over its second half.
-        Returns {"ppl", "ppl_err", "chunks", "tokens_scored"}. BitNetError when `chunk` exceeds n_ctx or the text
-        is shorter than one chunk. Leaves the last chunk in the KV cache."""
+        one) of `chunk` tokens, each run from an empty cache with BOS in front and scored over its second half;
+        with `stride` > 0, llama-perplexity's --ppl-stride: windows of `chunk` tokens every `stride` tokens, as
+        the text has them, scored over their last `stride` rows. Returns {"ppl", "ppl_err", "chunks",
+        "tokens_scored"}. BitNetError when `chunk` exceeds n_ctx or the text is shorter than one chunk. Leaves the
+        last chunk in the KV cache."""
         from .runtime import perplexity as P
         if chunk > self.n_ctx:
             raise BitNetError(f"chunk {chunk} is over this session's context ({self.n_ctx})",
                               hint="load the model with ctx >= chunk")
         ids = self.tokenize(text, add_bos=True, special=False) if isinstance(text, str) else [int(t) for t in text]
-        n = P.n_chunks(len(ids), chunk, chunks)
+        runs = P.passes(len(ids), chunk, chunks, stride, self.tokenizer.text_bos)
         stats = P.NllStats()
         with self._cache("perplexity()"):
-            for c in range(n):
-                for logits, targets in P.chunk_logits(self.model, ids[c * chunk: (c + 1) * chunk],
-                                                      self.tokenizer.text_bos):
+            for start, bos, first in runs:
+                for logits, targets in P.chunk_logits(self.model, ids[start: start + chunk], bos, first):
                     stats.add(logits, targets)
         ppl, err = stats.estimate()
-        return {"ppl": ppl, "ppl_err": err, "chunks": n, "tokens_scored": stats.count}
+        return {"ppl": ppl, "ppl_err": err, "chunks": len(runs), "tokens_scored": stats.count}
 
     def forward(self, ids: Sequence[int]) -> np.ndarray:
         """Logits [len(ids), vocab] f32 from a fresh cache (for tests)."""

@@ -227,8 +227,60 @@ def test_kld_between_heads_is_the_exact_kl(heads, text_file, tmp_path):
     assert abs(k["same_top"] * len(klds) - same) <= 1   # a near tie may round either way in 16 bits
 
 
+def test_strided_pass_is_the_definition(llm, text_file):
+    """--ppl-stride S: windows of -c tokens starting every S tokens, run as the text has them (llama-perplexity
+    puts no BOS in front: it writes its BOS only after the run), each scored over its last S rows."""
+    stride, n = 48, 5
+    ids = llm.tokenize(open(text_file, encoding="utf-8").read(), add_bos=True, special=False)
+    assert len(ids) > CTX + (n - 1) * stride
+    running, total, count = [], 0.0, 0
+    for w in range(n):
+        window = list(ids[w * stride: w * stride + CTX])
+        rows = np.arange(CTX - stride - 1, CTX - 1)
+        lp = log_softmax(llm.forward(window)[rows])
+        total -= lp[np.arange(stride), np.asarray(window)[rows + 1]].sum()
+        count += stride
+        running.append(np.exp(total / count))
+    r = bitnet("-f", text_file, "-c", str(CTX), "--ppl-stride", str(stride), "--chunks", str(n))
+    assert r.returncode == 0, r.stderr
+    line, final = r.stdout.strip().split("\n")
+    assert [float(x.split("]")[1]) for x in line.rstrip(",").split(",")] == pytest.approx(running, rel=1e-4)
+    assert float(final.split("=")[1].split("+/-")[0]) == pytest.approx(running[-1], rel=1e-4)
+    r1 = bitnet("-f", text_file, "-c", str(CTX), "--ppl-stride", str(stride), "--chunks", str(n),
+                "--ppl-output-type", "1")
+    rows = [x.split() for x in r1.stdout.strip().split("\n")[:n]]
+    assert [int(x[0]) for x in rows] == [w * stride for w in range(n)]
+    assert [float(x[1]) for x in rows] == pytest.approx(running, rel=1e-4)
+    rec = json.loads(bitnet("-f", text_file, "-c", str(CTX), "--ppl-stride", str(stride), "--chunks", str(n),
+                            "--json").stdout)
+    assert rec["ppl"] == pytest.approx(running[-1], rel=1e-6) and rec["tokens_scored"] == count
+    assert rec["stride"] == stride and rec["chunks"] == n
+    got = llm.perplexity(ids, chunk=CTX, chunks=n, stride=stride)
+    assert got["ppl"] == rec["ppl"] and got["tokens_scored"] == count
+    every = (len(ids) - CTX + stride - 1) // stride   # llama-perplexity's window count: while a whole one fits
+    assert llm.perplexity(ids, chunk=CTX, stride=stride)["chunks"] == every
+
+
+def test_output_type_1_is_llama_perplexitys_lines(llm, text_file):
+    """--ppl-output-type 1 over whole chunks: each chunk's first token, the PPL so far, the mean negative
+    log-likelihood and its uncertainty (llama-perplexity's "%8d  %.4lf  %4lf  %4lf")."""
+    nlls = []
+    r = bitnet("-f", text_file, "-c", str(CTX), "--chunks", "3", "--ppl-output-type", "1")
+    assert r.returncode == 0, r.stderr
+    for chunk in chunks_of(llm, text_file, n=3):
+        lp, nxt = scored(llm, chunk, llm.forward)
+        nlls.extend(-lp[np.arange(len(nxt)), nxt])
+        a = np.asarray(nlls)
+        want = (np.exp(a.mean()), a.mean(), np.sqrt((np.mean(a * a) - a.mean() ** 2) / (len(a) - 1)))
+        line = r.stdout.strip().split("\n")[len(nlls) // len(nxt) - 1].split()
+        assert int(line[0]) == (len(nlls) // len(nxt) - 1) * CTX
+        assert [float(x) for x in line[1:]] == pytest.approx(want, rel=1e-3)
+    assert r.stdout.strip().split("\n")[-1].startswith("Final estimate: PPL = ")
+
+
 @pytest.mark.parametrize("case", ["no_file", "short", "chunks0", "ctx", "missing", "kld_no_base",
-                                  "not_base", "truncated", "vocab", "ctx_mismatch", "base_dir", "base_is_text"])
+                                  "not_base", "truncated", "vocab", "ctx_mismatch", "base_dir", "base_is_text",
+                                  "stride_ctx", "stride_neg", "stride_kld", "stride_short"])
 def test_bad_input_is_one_line(case, text_file, tmp_path):
     base = str(tmp_path / "b.kld")
     if case in ("truncated", "ctx_mismatch", "vocab"):
@@ -251,6 +303,10 @@ def test_bad_input_is_one_line(case, text_file, tmp_path):
         # the file to write: refused before any chunk runs, the text never overwritten
         "base_dir": ("-f", text_file, "--kl-divergence-base", str(tmp_path)),
         "base_is_text": ("-f", str(short), "--kl-divergence-base", str(short)),
+        "stride_ctx": ("-f", text_file, "-c", str(CTX), "--ppl-stride", str(CTX)),
+        "stride_neg": ("-f", text_file, "--ppl-stride", "-1"),
+        "stride_kld": ("-f", text_file, "--ppl-stride", "8", "--kl-divergence-base", base),
+        "stride_short": ("-f", str(short), "-c", "16", "--ppl-stride", "4"),
     }[case]
     if case == "truncated":
         with open(base, "r+b") as f:
@@ -266,7 +322,9 @@ def test_bad_input_is_one_line(case, text_file, tmp_path):
     want = {"short": "fewer than one chunk", "chunks0": "--chunks 0", "ctx": "-c/--ctx-size 2", "missing": "nope.txt",
             "no_file": "-f/--file", "kld_no_base": "--kl-divergence-base",
             "not_base": "not a file of base logits", "truncated": "truncated", "vocab": "vocabulary",
-            "ctx_mismatch": "chunks of 128", "base_dir": "a directory", "base_is_text": "refusing to overwrite"}[case]
+            "ctx_mismatch": "chunks of 128", "base_dir": "a directory", "base_is_text": "refusing to overwrite",
+            "stride_ctx": f"--ppl-stride {CTX}", "stride_neg": "--ppl-stride -1", "stride_kld": "--kl-divergence",
+            "stride_short": "more than one window"}[case]
     assert want in lines[0]
     assert short.read_text(encoding="utf-8") == "Once upon a time" and not list(tmp_path.glob("*.partial"))
 

@@ -52,20 +52,56 @@ def n_chunks(n_tokens: int, n_ctx: int, wanted: int | None = None) -> int:
     return have if wanted is None or wanted < 0 else min(wanted, have)
 
 
+def strided_windows(n_tokens: int, n_ctx: int, stride: int, wanted: int | None = None) -> int:
+    """How many windows llama-perplexity's `--ppl-stride` pass scores: windows of n_ctx tokens starting every
+    `stride` tokens while a whole one fits, each run from an empty cache as the text has it (no BOS put in front:
+    llama.cpp's strided pass writes its BOS into the token list only after running it) and scored over its last
+    `stride` rows (strided_first). `wanted` as n_chunks."""
+    if n_ctx < 4:
+        raise BitNetError(f"-c/--ctx-size {n_ctx}: perplexity needs a context of at least 4 tokens")
+    if not 0 < stride < n_ctx:
+        raise BitNetError(f"--ppl-stride {stride}: must be between 1 and the context size - 1 ({n_ctx - 1})")
+    if n_tokens <= n_ctx:
+        raise BitNetError(f"the text tokenizes to {n_tokens} tokens: a strided pass needs more than one window of "
+                          f"{n_ctx}", hint="give a longer text or a smaller -c")
+    if wanted is not None and wanted == 0:
+        raise BitNetError("--chunks 0: nothing to score (a positive count, or -1 for every chunk)")
+    have = (n_tokens - n_ctx + stride - 1) // stride
+    return have if wanted is None or wanted < 0 else min(wanted, have)
+
+
+def strided_first(n_ctx: int, stride: int) -> int:
+    """The first scored row of a strided window: its last `stride` rows are scored (n_ctx - stride - 1 ..
+    n_ctx - 2, each predicting the token after it)."""
+    return n_ctx - stride - 1
+
+
+def passes(n_tokens: int, n_ctx: int, wanted: int | None = None, stride: int = 0,
+           bos: int | None = None) -> list[tuple[int, int | None, int]]:
+    """The runs of a perplexity pass over n_tokens, each (its first token's index, the BOS put in front or None,
+    its first scored row) for chunk_logits: whole chunks of n_ctx with `bos` in front scored over their second
+    half (n_chunks), or with `stride` > 0 llama-perplexity's strided windows (strided_windows)."""
+    if stride:
+        first = strided_first(n_ctx, stride)
+        return [(i * stride, None, first) for i in range(strided_windows(n_tokens, n_ctx, stride, wanted))]
+    return [(c * n_ctx, bos, n_ctx // 2) for c in range(n_chunks(n_tokens, n_ctx, wanted))]
+
+
 def scored_rows(n_ctx: int) -> int:
     """Rows of a chunk that are scored: first = n_ctx // 2 up to n_ctx - 2."""
     return n_ctx - 1 - n_ctx // 2
 
 
-def chunk_logits(model, chunk: Sequence[int], bos: int | None) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+def chunk_logits(model, chunk: Sequence[int], bos: int | None,
+                 first: int | None = None) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """Run one chunk from an empty cache (its first token replaced by `bos` when not None); yield (logits [m, V],
-    targets [m]) pieces, in order, for rows n_ctx // 2 .. n_ctx - 2 (the engine's prefill rows per piece). The
-    last token is never run: nothing reads its logits."""
+    targets [m]) pieces, in order, for rows `first` (default n_ctx // 2) .. n_ctx - 2 (the engine's prefill rows
+    per piece). The last token is never run: nothing reads its logits."""
     ids = [int(t) for t in chunk]
     if bos is not None:
         ids[0] = int(bos)
     n = len(ids)
-    first = n // 2
+    first = n // 2 if first is None else first
     model.reset()
     model.prefill(ids[:first])
     step = max(1, int(model.chunk))
@@ -110,9 +146,13 @@ class NllStats:
     def ppl(self) -> float:
         return math.exp(self.nll / self.count) if self.count else float("nan")
 
+    def mean_nll(self) -> tuple[float, float]:
+        """(the mean negative log-likelihood, its uncertainty)."""
+        return _mean_err(self.nll, self.nll2, self.count)
+
     def estimate(self) -> tuple[float, float]:
         """(PPL, its uncertainty), as llama-perplexity's "Final estimate"."""
-        mean, err = _mean_err(self.nll, self.nll2, self.count)
+        mean, err = self.mean_nll()
         ppl = math.exp(mean)
         return ppl, err * ppl
 
