@@ -451,9 +451,9 @@ def test_listed_properties_only_unless_the_schema_opens_more(llm):
     calls = fmt.constraint(functions_from_tools(tools), "required", False)
     from test_tools import takes
 
-    def call(args):
-        return '<tool_call>\n{"name":"f","arguments":' + args + '}\n</tool_call>'
-    assert takes(llm, calls, call('{"answer":"no"}')) and not takes(llm, calls, call('{"answer":"no","x":1}'))
+    def call(args):   # a call's JSON with the templates' separators
+        return '<tool_call>\n{"name": "f", "arguments": ' + args + '}\n</tool_call>'
+    assert takes(llm, calls, call('{"answer": "no"}')) and not takes(llm, calls, call('{"answer": "no", "x": 1}'))
     both = with_answer_format(fmt.constraint(functions_from_tools(tools), "auto", True),
                               Constraint.json_schema(answer))
     assert takes(llm, both, '{"answer":"no"}') and not takes(llm, both, '{"answer":"no","x":1}')

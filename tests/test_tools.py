@@ -23,6 +23,11 @@ CITY = {"type": "object", "additionalProperties": False, "required": ["city", "u
 TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add two integers", "parameters": ADD}},
          {"type": "function", "function": {"name": "weather", "description": "Weather in a city", "parameters": CITY}}]
 SCHEMA = {"add": ADD, "weather": CITY}
+# templates as real ones show their call format (the format is read from that)
+HERMES_TEMPLATE = ('{% if tools %}<tools>{{ tools | tojson }}</tools>\nFor each call return\n<tool_call>\n'
+                   '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>{% endif %}')
+LLAMA3_TEMPLATE = ('{% if tools %}Respond in the format {"name": function name, "parameters": dictionary of argument '
+                   'name and its value}.{{ tools | tojson }}{% endif %}<|python_tag|>')
 Q = [{"role": "user", "content": "What is 2+3, and the weather in Oslo? Use the tools."}]
 
 
@@ -79,10 +84,9 @@ def test_plain_text_passes_and_cut_call_is_a_partial_call():
 
 def test_formats_from_templates():
     assert tool_format(None).name == "hermes" and not tool_format(None).template_renders_tools
-    qwen = "{% if tools %}<tools>{{ tools | tojson }}</tools>{% endif %} ... <tool_call>"
-    assert tool_format(qwen).name == "hermes" and tool_format(qwen).template_renders_tools
-    llama31 = '{% if tools %}{{ "Respond in the format {\\"name\\": function name, \\"parameters\\": ...}" }}' \
-              '{% endif %}<|python_tag|>'
+    assert tool_format(HERMES_TEMPLATE).name == "hermes" and tool_format(HERMES_TEMPLATE).template_renders_tools
+    llama31 = '{% if tools %}{{ "Respond in the format {\\"name\\": function name, \\"parameters\\": dictionary of ' \
+              'argument name and its value}" }}{% endif %}<|python_tag|>'
     assert isinstance(tool_format(llama31), Llama3JsonFormat)
 
 
@@ -93,7 +97,7 @@ def llm():
     m.close()
 
 
-@pytest.mark.parametrize("fmt_template", [None, '{% if tools %}"parameters"{% endif %}<|python_tag|>'])
+@pytest.mark.parametrize("fmt_template", [None, LLAMA3_TEMPLATE])
 @pytest.mark.parametrize("choice", ["required", "weather"])
 def test_constrained_calls_validate(llm, fmt_template, choice):
     fmt = tool_format(fmt_template)
@@ -124,7 +128,7 @@ TREE = {"type": "object", "additionalProperties": False, "required": ["v", "kids
                        "kids": {"type": "array", "maxItems": 2, "items": {"$ref": "#"}}}}
 
 
-@pytest.mark.parametrize("fmt_template", [None, '{% if tools %}"parameters"{% endif %}<|python_tag|>'])
+@pytest.mark.parametrize("fmt_template", [None, LLAMA3_TEMPLATE])
 @pytest.mark.parametrize("n_tools", [1, 2])
 def test_parameters_with_references_validate(llm, fmt_template, n_tools):
     """Parameters with $defs (openai.pydantic_function_tool writes them for nested models) and a recursive "#":
@@ -166,14 +170,15 @@ def takes(llm, spec, text: str) -> bool:
     return m.accepting
 
 
-ADD_CALL = '{"name":"add","arguments":{"a":1,"b":2}}'
-OSLO_CALL = '{"name":"weather","arguments":{"city":"Oslo","unit":"C"}}'
+# calls as the templates write them (tojson / json.dumps separators): the grammar holds the model to that
+ADD_CALL = json.dumps({"name": "add", "arguments": {"a": 1, "b": 2}})
+OSLO_CALL = json.dumps({"name": "weather", "arguments": {"city": "Oslo", "unit": "C"}})
 
 
 def test_auto_takes_text_then_calls_and_constrains_them(llm):
     """tool_choice auto (hermes): a text answer, calls alone, or text -- a thought, a Qwen3 <think> block --
     followed by calls; what follows the opening tag is still a valid call, and nothing follows the calls."""
-    fmt = tool_format("{% if tools %}{{ tools | tojson }}{% endif %} <tool_call>")
+    fmt = tool_format(HERMES_TEMPLATE)
     for parallel in (True, False):
         auto = fmt.constraint(functions_from_tools(TOOLS), "auto", parallel)
         block = f"<tool_call>\n{ADD_CALL}\n</tool_call>"
@@ -195,11 +200,91 @@ def test_auto_takes_text_then_calls_and_constrains_them(llm):
 def test_llama3_json_is_one_call_an_answer(llm):
     """Llama 3.x templates refuse two calls in the history, and its parser read only the first of two (the rest
     was lost as 'stop'): the grammar allows one, whatever parallel_tool_calls says."""
-    fmt = tool_format('{% if tools %}"parameters"{% endif %}<|python_tag|>')
-    one, two = '{"name":"add","parameters":{"a":1,"b":2}}', '{"name":"add","parameters":{"a":3,"b":4}}'
+    fmt = tool_format(LLAMA3_TEMPLATE)
+    one, two = '{"name": "add", "parameters": {"a": 1, "b": 2}}', '{"name": "add", "parameters": {"a": 3, "b": 4}}'
     for choice in ("auto", "required"):
         spec = fmt.constraint(functions_from_tools(TOOLS), choice, True)
         assert takes(llm, spec, one) and not takes(llm, spec, one + "\n" + two), choice
+
+
+# templates whose own call format is none of ours, as they show it (Qwen3-Coder / Nemotron 3, GLM-4.6 / ling,
+# Functionary v3.1, Command-R7B): they get the default block, so the prompt and the grammar agree on hermes
+OWN_FORMATS = [
+    '{% if tools %}{{ tools | tojson }}\n<tool_call>\n<function=example_function_name>\n<parameter=example_parameter_1>'
+    '\nvalue_1\n</parameter>\n</function>\n</tool_call>{% endif %}',
+    "{% if tools %}{{ tools | tojson }} within the following XML format:\n<tool_call>{function-name}\n"
+    "<arg_key>{arg-key-1}</arg_key>\n<arg_value>{arg-value-1}</arg_value>\n</tool_call>{% endif %}"
+    "{% for tc in tool_calls %}{{ '<tool_call>' + tc.name }}{% endfor %}",
+    '{% if tools %}{{ tools | tojson }} Use the function "parameters" as <function=example_function_name>'
+    '{"example_name": "example_value"}</function>{% endif %}<|python_tag|>',
+    '{% if tools %}{"name": ..., "parameters": {{ tools | tojson }}}<|START_ACTION|>[{"tool_name": title, '
+    '"parameters": {}}]<|END_ACTION|>{% endif %}',
+]
+
+
+@pytest.mark.parametrize("template", OWN_FORMATS)
+def test_a_template_with_its_own_call_format_gets_the_default_block(template):
+    fmt = tool_format(template)
+    assert fmt.name == "hermes" and not fmt.template_renders_tools
+    messages, tools_arg = fmt.prepare([{"role": "user", "content": "hi"}], TOOLS)
+    assert tools_arg is None and "<tool_call>" in messages[0]["content"]   # the format the grammar holds to
+
+
+@pytest.mark.parametrize("template", [HERMES_TEMPLATE, LLAMA3_TEMPLATE])
+def test_calls_are_held_to_the_templates_separators(llm, template):
+    """A template shows its calls, and renders past ones, with tojson's ", " and ": "; llama.cpp's grammar takes
+    that spacing. The grammar holds a call to it (it refused it for compact JSON the prompt never showed)."""
+    fmt = tool_format(template)
+    key = "parameters" if fmt.name == "llama3_json" else "arguments"
+    spaced = json.dumps({"name": "add", key: {"a": 1, "b": 2}})
+    compact = json.dumps({"name": "add", key: {"a": 1, "b": 2}}, separators=(",", ":"))
+    wrap = (lambda c: c) if fmt.name == "llama3_json" else (lambda c: f"<tool_call>\n{c}\n</tool_call>")
+    assert fmt.call_text("add", {"a": 1, "b": 2}) == wrap(spaced)   # as the history renders it
+    for choice in ("auto", "required", "add"):
+        spec = fmt.constraint(functions_from_tools(TOOLS), choice, True)
+        assert takes(llm, spec, wrap(spaced)) and not takes(llm, spec, wrap(compact)), choice
+
+
+def test_llama3_auto_answers_in_any_text_that_is_no_call(llm):
+    """Llama 3.x, tool_choice auto: an answer that opens as a call ({"name", or {"type": "function", "name", the
+    way llama.cpp spots one) is a call; any other text is an answer, JSON and leading whitespace included (a
+    model asked for JSON was forced into a call)."""
+    fmt = tool_format(LLAMA3_TEMPLATE)
+    auto = fmt.constraint(functions_from_tools(TOOLS), "auto", True)
+    call = '{"name": "add", "parameters": {"a": 1, "b": 2}}'
+    for text in ('{"answer": 42}', '{\n  "city": "Oslo"\n}', " Hello", "\n\nHello", "Five.", call):
+        assert takes(llm, auto, text), text
+    assert not takes(llm, auto, '{"name": "sub", "parameters": {}}')   # a call opened is a valid call
+    for text in ('{"answer": 42}', " Hello", '[1, 2]'):
+        p = JsonCallParser()
+        content, calls = p.feed(text)
+        rest, more = p.finish()
+        assert (content + rest, calls + more) == (text, []) and not p.cut_call
+    for text in (call, '{"type": "function", "name": "add", "parameters": {"a": 1, "b": 2}}'):
+        p = JsonCallParser()
+        p.feed(text)
+        content, calls = p.finish()
+        assert content == "" and _fn(calls) == [("add", '{"a": 1, "b": 2}')]
+
+
+@pytest.mark.parametrize("step", [None, 1, 5])
+def test_a_close_tag_inside_an_argument_is_the_arguments(step):
+    """The block ends at the </tool_call> after a whole call: one inside an argument's string is text (a coding
+    agent editing this very file writes one); it was a 500 or a stream cut off."""
+    args = {"text": "end with </tool_call> please", "n": 1}
+    text = ("Sure.\n<tool_call>\n" + json.dumps({"name": "write", "arguments": args}) + "\n</tool_call>\n<tool_call>\n"
+            + json.dumps({"name": "add", "arguments": {"a": 1, "b": 2}}) + "\n</tool_call>")
+    p, content, calls = HermesParser(), "", []
+    for i in range(0, len(text), step or len(text)):
+        c, k = p.feed(text[i:i + (step or len(text))])
+        content, calls = content + c, calls + k
+    c, k = p.finish()
+    assert content + c == "Sure.\n" and not p.cut_call
+    assert [(n, json.loads(a)) for n, a in _fn(calls + k)] == [("write", args), ("add", {"a": 1, "b": 2})]
+    p = HermesParser()   # a block that never closes after a whole call: cut, as far as written
+    assert p.feed('<tool_call>\n{"name": "write", "arguments": {"text": "a </tool_call> b') == ("", [])
+    content, [cut] = p.finish(cut=True)
+    assert content == "" and p.cut_call and cut["function"]["name"] == "write"
 
 
 def test_falcon3_list_format(llm):
@@ -288,6 +373,28 @@ def test_required_and_named_stream_and_not(client, model_id, choice):
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason] == ["tool_calls"]
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_close_tag_in_a_forced_argument_comes_back_whole(client, model_id, stream):
+    """The grammar lets an argument hold "</tool_call>" (here the only value it may have): the call comes back
+    whole, streamed or not (it was a 500, or a stream closed with no [DONE])."""
+    value = "end with </tool_call> please"
+    tools = [{"type": "function", "function": {"name": "note", "parameters": {
+        "type": "object", "additionalProperties": False, "required": ["text"],
+        "properties": {"text": {"const": value}}}}}]
+    kw = dict(model=model_id, messages=Q, tools=tools, tool_choice="required", temperature=0, max_tokens=300,
+              parallel_tool_calls=False)
+    if stream:
+        chunks = list(client.chat.completions.create(stream=True, **kw))
+        deltas = [d for ch in chunks if ch.choices for d in (ch.choices[0].delta.tool_calls or [])]
+        got = [(d.function.name, json.loads(d.function.arguments)) for d in deltas]
+        finish = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+    else:
+        r = client.chat.completions.create(**kw)
+        got = [(c.function.name, json.loads(c.function.arguments)) for c in r.choices[0].message.tool_calls]
+        finish = [r.choices[0].finish_reason]
+    assert got == [("note", {"text": value})] and finish == ["tool_calls"]
+
+
 def test_eight_at_once_sampled(client, model_id):
     def one(i):
         r = client.chat.completions.create(model=model_id, messages=Q, tools=TOOLS, tool_choice="required",
@@ -352,7 +459,7 @@ def test_call_cut_by_a_stop_string_is_no_text_and_not_tool_calls(client, model_i
     c = r.choices[0]
     assert c.finish_reason == "stop" and not c.message.content, c
     [call] = c.message.tool_calls
-    assert call.function.name == "add" and re.fullmatch(r'\{"a":-?[0-9]+,', call.function.arguments), call
+    assert call.function.name == "add" and re.fullmatch(r'\{"a": -?[0-9]+, ', call.function.arguments), call
 
 
 def test_allowed_tools_narrow_the_calls_not_the_prompt(client, model_id, server):
@@ -409,14 +516,14 @@ def test_history_calls_in_either_shape_render():
     for m in (flat, nested):
         msgs, _ = tool_format(None).prepare([m], None)
         assert msgs[0]["content"] == '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
-        native, _ = tool_format("{{ tools }} <tool_call>").prepare([m], TOOLS)
+        native, _ = tool_format(HERMES_TEMPLATE).prepare([m], TOOLS)
         calls = native[0]["tool_calls"]
         assert (calls[0].get("function") or calls[0])["arguments"] == {"a": 1, "b": 2}
     cut = {"role": "assistant", "content": None,   # a call the server returned cut at max_tokens: as written
            "tool_calls": [{"id": "c2", "type": "function", "function": {"name": "add", "arguments": '{"a": 1'}}]}
     msgs, _ = tool_format(None).prepare([cut], None)
     assert msgs[0]["content"] == '<tool_call>\n{"name": "add", "arguments": {"a": 1}\n</tool_call>'
-    native, _ = tool_format("{{ tools }} <tool_call>").prepare([cut], TOOLS)
+    native, _ = tool_format(HERMES_TEMPLATE).prepare([cut], TOOLS)
     assert native[0]["tool_calls"][0]["function"]["arguments"] == '{"a": 1'
 
 

@@ -14,8 +14,10 @@ Formats:
                calls: Falcon3's template
   llama3_json  {"name": ..., "parameters": {...}}: Llama-3.x templates that render `tools` themselves (one call
                an answer: their templates refuse to render two in the history)
-A template that renders `tools` in a format none of these is (Mistral's [TOOL_CALLS], MiniCPM's <function ...>)
-is treated as one that knows nothing of tools, so the prompt and the grammar agree on hermes.
+A template that renders `tools` in a format none of these is (Mistral's [TOOL_CALLS], MiniCPM's <function ...>,
+Qwen3-Coder's <tool_call><function=...>, GLM's <tool_call>name<arg_key>..., Functionary's, Command-R's) is treated
+as one that knows nothing of tools, so the prompt and the grammar agree on hermes. The grammar holds a call's JSON
+to the separators the templates write (", ", ": ").
 A call's arguments are constrained by its function's JSON Schema (engine/runtime/constraints.py); with
 tool_choice "auto" the model may answer in text, or write text (a thought, a <think> block) and then calls; once
 it opens a call the rest is constrained.
@@ -39,7 +41,10 @@ DEFAULT_SYSTEM_BLOCK = (
     "To call a tool, answer with one block per call and nothing else:\n"
     "<tool_call>\n{{\"name\": \"<function name>\", \"arguments\": {{<the arguments as JSON>}}}}\n</tool_call>\n"
     "A tool's result comes back in <tool_response></tool_response>. If no tool is needed, answer normally.")
-COMPACT_JSON = {"whitespace_flexible": False}   # as constraints.JSON_OPTIONS: no room for endless whitespace
+# no room for endless whitespace, and the separators of the calls the templates show and render (Jinja's tojson,
+# Python's json.dumps: ", " and ": "), not constraints.JSON_OPTIONS' compact ones: a model is held to the text its
+# prompt and history taught it
+CALL_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 @dataclass(frozen=True)
@@ -130,7 +135,7 @@ class ToolFormat:
         one = [{"type": "object", "additionalProperties": False, "required": ["name", self.ARGS],
                 "properties": {"name": {"const": f.name}, self.ARGS: rebased(prepared(f.parameters, f"tools: {f.name}"), at(i))}}
                for i, f in enumerate(functions)]
-        return {"x-guidance": COMPACT_JSON, **({"oneOf": one} if len(one) > 1 else one[0])}
+        return {"x-guidance": CALL_JSON, **({"oneOf": one} if len(one) > 1 else one[0])}
 
     def _call_rule(self, functions, parallel: bool) -> str:
         """`call`: one block; `tail`: what follows its opening tag."""
@@ -178,13 +183,23 @@ class Llama3JsonFormat(ToolFormat):
         return _call_json(name, self.ARGS, arguments)
 
     def _call_rule(self, functions, parallel):
-        return f"call: %json {json.dumps(self._call_schema(functions), ensure_ascii=False)}\n"
+        """A call opens with one lexeme, '{"name": "': up to there a text answer may start the same way (JSON that
+        is no call is text), and the lexer never has to take back a "{" it read as text; then a function's name
+        and its arguments."""
+        rules = [f'call: CALL_OPEN ({" | ".join(f"args{i}" for i in range(len(functions)))})\n',
+                 f"CALL_OPEN: {json.dumps(_JSON_CALL_OPEN)}\n"]
+        for i, f in enumerate(functions):
+            after_open = json.dumps(f.name, ensure_ascii=False)[1:] + f', "{self.ARGS}": '
+            schema = {"x-guidance": CALL_JSON, **prepared(f.parameters, f"tools: {f.name}")}
+            rules.append(f'args{i}: {json.dumps(after_open, ensure_ascii=False)} '
+                         f'%json {json.dumps(schema, ensure_ascii=False)} "}}"\n')
+        return "".join(rules)
 
     def _calls_rule(self, parallel):
         return "calls: call\n"   # one call an answer: Llama 3.x templates raise on two in the history
 
-    def _text_rule(self):
-        return "TEXT: /(?s:[^{\\s].*)/\n"   # a text answer does not start with "{"
+    def _text_rule(self):   # a text answer is anything that does not open a call: JSON that is no call is text
+        return f"TEXT: /(?s:.+)/ & ~/(?s:{_CALL_START.pattern}.*)/\n"
 
     def _auto_rule(self, parallel):
         return "start: TEXT | calls\n" + self._text_rule()   # the whole answer is the call
@@ -194,6 +209,16 @@ class Llama3JsonFormat(ToolFormat):
 
 
 _LIST_OPEN = re.compile(r"<tool_call>(?:\\n|\n)\s*\[")   # "<tool_call>\n[" as the template's text writes it
+# what may stand between a tag and the JSON after it in a template's source: newlines (written or escaped), spaces,
+# the end of one Jinja string and the start of the next
+_GLUE = r"""(?:\\n|\s|['"]\s*-?\}\}|\{\{-?\s*['"]|\{%-?[^%]*%\})*"""
+# a template that shows or renders a call as JSON right after <tool_call> (a list's first object for Falcon3's):
+# `<tool_call>\n{"name": ...`, `'<tool_call>\n{"name": "' + ...`; not Qwen3-Coder's <tool_call>\n<function=...>,
+# GLM's <tool_call>{function-name}\n<arg_key>..., nor a prose mention of the tags
+_HERMES_JSON = re.compile(re.escape(HERMES_OPEN) + _GLUE + r"\[?" + _GLUE + r"\{(?:\s|\\n)*\\?\"")
+# Llama 3.x's instruction: 'Respond in the format {"name": function name, "parameters": dictionary of argument name
+# and its value}' (Functionary's, Command-R's and others' "parameters" are formats of their own)
+_LLAMA3_JSON = re.compile(r'"parameters\\?": dictionary')
 
 
 def with_answer_format(calls: Constraint, answer: Constraint) -> Constraint:
@@ -226,9 +251,9 @@ def tool_format(template: str | None) -> ToolFormat:
     t = template or ""
     if "tools" not in t:
         return ToolFormat(False)
-    if HERMES_OPEN in t:
+    if _HERMES_JSON.search(t):
         return HermesListFormat(True) if _LIST_OPEN.search(t) else ToolFormat(True)
-    if "python_tag" in t or '"parameters"' in t:
+    if _LLAMA3_JSON.search(t):
         return Llama3JsonFormat(True)
     return ToolFormat(False)   # it would tell the model a format the grammar then forbids: our block instead
 
@@ -294,17 +319,18 @@ class HermesParser:
         self.in_call = False
         self.n_calls = 0
         self.cut_call = False   # finish() gave a call cut off (a stop string too): never to be run
+        self.looked = 0         # the call's text before this was no end of it
 
     def feed(self, text: str) -> tuple[str, list[dict]]:
         self.buf += text
         content, calls = "", []
         while True:
             if self.in_call:
-                end = self.buf.find(HERMES_CLOSE)
+                end, objs = self._close()
                 if end < 0:
                     return content, calls
-                calls += self._calls(self.buf[:end])
-                self.buf, self.in_call = self.buf[end + len(HERMES_CLOSE):], False
+                calls += self._calls(objs)
+                self.buf, self.in_call, self.looked = self.buf[end + len(HERMES_CLOSE):], False, 0
                 continue
             start = self.buf.find(HERMES_OPEN)
             if start >= 0:
@@ -318,10 +344,21 @@ class HermesParser:
             content += out if not (self.n_calls or calls) else out.strip()
             return content, calls
 
-    def _calls(self, body: str) -> list[dict]:
-        """The calls of one block: an object, or a list of them (Falcon3's)."""
-        obj = json.loads(body)   # the grammar made it valid JSON; a free-running model may not (ValueError)
-        objs = obj if isinstance(obj, list) else [obj]
+    def _close(self) -> tuple[int, list]:
+        """Where the open block ends and its calls: the first </tool_call> after a whole call (an object with a
+        name, or a list of them: Falcon3's); one inside an argument's string is the string's. (-1, []) until then."""
+        while (end := self.buf.find(HERMES_CLOSE, self.looked)) >= 0:
+            self.looked = end + 1
+            try:
+                obj = json.loads(self.buf[:end])
+            except ValueError:
+                continue
+            objs = obj if isinstance(obj, list) else [obj]
+            if objs and all(isinstance(o, dict) and isinstance(o.get("name"), str) for o in objs):
+                return end, objs
+        return -1, []
+
+    def _calls(self, objs: list[dict]) -> list[dict]:
         self.n_calls += len(objs)
         return [{"id": new_call_id(), "type": "function",
                  "function": {"name": o["name"], "arguments": json.dumps(o.get("arguments", {}), ensure_ascii=False)}}
@@ -330,7 +367,7 @@ class HermesParser:
     def finish(self, cut: bool = False) -> tuple[str, list[dict]]:
         """cut: the answer ended at max_tokens or the context (finish reason length), so text held back as the
         start of <tool_call> was one."""
-        rest, self.buf = self.buf, ""
+        rest, self.buf, self.looked = self.buf, "", 0
         if self.in_call or (cut and rest and HERMES_OPEN.startswith(rest)):   # cut off inside a call: as far as
             started, self.in_call, self.cut_call = self.in_call, False, True     # it was written, never as text
             body = rest.lstrip() if started else ""
@@ -339,6 +376,9 @@ class HermesParser:
 
 
 _NAME = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)(")?')
+_JSON_CALL_OPEN = '{"name": "'
+# how a Llama-3 JSON call opens (llama.cpp's trigger for it): {"name" or {"type": "function", "name"
+_CALL_START = re.compile(r'\{\s*(?:"type"\s*:\s*"function"\s*,\s*)?"name"')
 
 
 def partial_call(body: str, args_key: str) -> dict:
@@ -363,7 +403,8 @@ def partial_call(body: str, args_key: str) -> dict:
 
 
 class JsonCallParser:
-    """Llama-3 JSON calls: an answer that starts with "{" is held whole and parsed at the end."""
+    """Llama-3 JSON calls: an answer that starts with "{" is held whole and parsed at the end: a call when it opens
+    as one (_CALL_START), else text (a JSON answer that is no call)."""
 
     def __init__(self):
         self.buf, self.mode = "", None
@@ -380,14 +421,16 @@ class JsonCallParser:
 
     def finish(self, cut: bool = False):
         rest, self.buf = self.buf, ""
-        if self.mode != "call":
+        if self.mode != "call" or not _CALL_START.match(rest.lstrip()):
             return rest, []
         try:
             obj = json.loads(rest)
-            return "", [{"id": new_call_id(), "type": "function",
-                         "function": {"name": obj["name"],
-                                      "arguments": json.dumps(obj.get("parameters", obj.get("arguments", {})),
-                                                              ensure_ascii=False)}}]
-        except (ValueError, KeyError, TypeError):   # cut off (max_tokens, the context): the call so far
-            self.cut_call = True
-            return "", [partial_call(rest, "parameters")]
+            if isinstance(obj, dict) and isinstance(obj.get("name"), str):
+                return "", [{"id": new_call_id(), "type": "function",
+                             "function": {"name": obj["name"],
+                                          "arguments": json.dumps(obj.get("parameters", obj.get("arguments", {})),
+                                                                  ensure_ascii=False)}}]
+        except ValueError:
+            pass
+        self.cut_call = True   # cut off (max_tokens, the context): the call so far
+        return "", [partial_call(rest, "parameters")]
