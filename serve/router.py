@@ -190,19 +190,27 @@ class Router:
         except Exception as e:   # noqa: BLE001  (the catalog stays as it was)
             self.log(f"the model directories were not scanned again: {e}")
 
+    def find(self, name: str) -> ModelSpec | None:
+        """The model a request's name means: its name, with or without ollama's ":latest" tag, in any case (ollama
+        matches names case-insensitively; an exact name first, then the one that differs only in case), or a hub
+        id the cache converted."""
+        bare = name[: -len(":latest")] if name.lower().endswith(":latest") else name
+        spec = self.models.get(name) or self.models.get(bare)
+        if spec is None:
+            folded = [s for n, s in self.models.items() if n.casefold() in (name.casefold(), bare.casefold())]
+            spec = folded[0] if len(folded) == 1 else None
+        return spec if spec is not None else self.by_source(name)
+
     async def resolve(self, name) -> ModelSpec:
         if isinstance(name, str) and name:
             for attempt in range(2):
-                spec = self.models.get(name)
-                if spec is None and name.endswith(":latest"):
-                    spec = self.models.get(name[: -len(":latest")])
-                if spec is None:
-                    spec = self.by_source(name)
+                spec = self.find(name)
                 if spec is not None:
                     return spec
                 if attempt == 0:   # perhaps new since the last scan
                     await self.refresh(fresh=True)
-            raise RouterError(404, f"model '{name}' is not served here (models: {', '.join(sorted(self.models))})",
+            # ollama's words: its CLI (ollama stop / rm, /load in ollama run) looks for "not found"
+            raise RouterError(404, f"model '{name}' not found (models here: {', '.join(sorted(self.models))})",
                               "model_not_found", "model")
         if name is not None and not isinstance(name, str):
             raise RouterError(400, "model: must be a string", "invalid_value", "model")
@@ -648,7 +656,7 @@ def create_router_app(router: Router, *, api_keys: tuple = (), limits: Limits | 
     async def models_unload(request: Request):
         return await load_or_unload(request, unload=True)
 
-    @app.get("/api/tags")
+    @app.api_route("/api/tags", methods=["GET", "HEAD"])   # HEAD: as ollama answers it
     async def api_tags():
         await router.refresh()
         return {"models": [router.tag(s) for s in router.models.values()]}
@@ -665,7 +673,7 @@ def create_router_app(router: Router, *, api_keys: tuple = (), limits: Limits | 
                         "context_length": c.info.get("context_length")})
         return {"models": out}
 
-    @app.get("/api/version")
+    @app.api_route("/api/version", methods=["GET", "HEAD"])
     async def api_version():
         return {"version": OLLAMA_VERSION}
 
@@ -749,7 +757,7 @@ def create_router_app(router: Router, *, api_keys: tuple = (), limits: Limits | 
                 "default_generation_settings": {"n_ctx": 0, "params": {}},
                 "modalities": {"vision": False, "audio": False}, "build_info": f"bitnet-cpu {__version__}"}
 
-    @app.get("/", response_class=HTMLResponse)
+    @app.api_route("/", methods=["GET", "HEAD"], response_class=HTMLResponse)   # HEAD /: the ollama CLI's heartbeat
     async def page():
         with open(PAGE, encoding="utf-8") as f:
             return HTMLResponse(f.read())

@@ -161,7 +161,8 @@ def test_unknown_and_missing_model_in_each_apis_shape(router):
     assert e.value.body["error"]["type"] == "not_found_error"
     with pytest.raises(ollama.ResponseError) as e:
         ollama.Client(host=router.url).chat(model="llama3", messages=CHAT)
-    assert e.value.status_code == 404 and "llama3" in e.value.error
+    # ollama's words: its CLI (ollama stop / rm, /load inside ollama run) branches on "model 'x' not found"
+    assert e.value.status_code == 404 and "model 'llama3' not found" in e.value.error
     r = post(router.url, "/v1/chat/completions", {"messages": CHAT})
     assert r.status_code == 400 and r.json()["error"]["param"] == "model"
     with pytest.raises(ollama.ResponseError) as e:   # the model exists, but it is pulled with `bitnet pull`
@@ -177,6 +178,18 @@ def test_unknown_and_missing_model_in_each_apis_shape(router):
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
     show = post(router.url, "/api/show", {"name": "tiny"})   # ollama's older clients send `name`
     assert show.status_code == 200 and "tiny.bnstore" in show.json()["modelfile"]
+
+
+def test_names_as_ollama_matches_them_and_its_heartbeat(router):
+    """ollama matches model names case-insensitively, with or without ":latest" in any case; its CLI's heartbeat is
+    HEAD / (and it answers HEAD on /api/version and /api/tags): every ollama command failed on a 400 first."""
+    for name in ("tiny", "Tiny", "TINY:latest", "tiny:Latest"):
+        r = post(router.url, "/api/generate", {"model": name, "prompt": "Hi", "stream": False,
+                                               "options": {"num_predict": 2}})
+        assert r.status_code == 200 and r.json()["model"] == "tiny", (name, r.text)
+    assert post(router.url, "/api/generate", {"model": "tiny:v2", "prompt": "Hi"}).status_code == 404
+    for path in ("/", "/api/version", "/api/tags"):
+        assert httpx.head(router.url + path, timeout=30).status_code == 200, path
 
 
 def test_a_model_that_fails_to_load_is_one_error_and_the_rest_serve_on(router):
