@@ -120,6 +120,7 @@ class Child:
         self.started = time.monotonic()
         self.info: dict = {}             # its /api/ps entry once loaded: context_length, details
         self.stopping = False
+        self.ended: asyncio.Task | None = None   # once stopping: the wait for its process's exit
 
     @property
     def status(self) -> str:
@@ -163,6 +164,7 @@ class Router:
         self.log = log or (lambda line: print(f"bitnet serve: {line}", file=sys.stderr, flush=True))
         self.key = secrets.token_urlsafe(32)   # the model processes answer only the router
         self.children: dict[str, Child] = {}
+        self.ending: set[Child] = set()             # stopped, their processes not yet exited
         self.details: dict[str, dict] = {}     # a model's /api/ps entry, kept after it is unloaded
         self.counts: dict[tuple, int] = {}
         self.draining = False
@@ -209,6 +211,9 @@ class Router:
                     return spec
                 if attempt == 0:   # perhaps new since the last scan
                     await self.refresh(fresh=True)
+            loaded = [c.spec for n, c in self.children.items() if n.casefold() == name.casefold()]
+            if loaded:   # its file is gone but it is still loaded: it can be used and unloaded until the reaper's
+                return loaded[0]   # next round
             # ollama's words: its CLI (ollama stop / rm, /load in ollama run) looks for "not found"
             raise RouterError(404, f"model '{name}' not found (models here: {', '.join(sorted(self.models))})",
                               "model_not_found", "model")
@@ -305,8 +310,9 @@ class Router:
         self.draining = True
         if self._reaper is not None:
             self._reaper.cancel()
-        await asyncio.gather(*(self._stop(c, "shutdown") for c in list(self.children.values())),
-                             return_exceptions=True)
+        for c in list(self.children.values()):
+            self._stop(c, "shutdown")
+        await asyncio.gather(*(c.ended for c in list(self.ending) if c.ended), return_exceptions=True)
         self.children.clear()
         if self.client is not None:
             await self.client.aclose()
@@ -331,6 +337,9 @@ class Router:
                 if self.draining:
                     raise RouterError(503, "shutting down", "unavailable", retry_after=self.retry_after)
                 c = self.children.get(spec.name)
+                if c is not None and c.spec.digest() != spec.digest() and c.active == 0 and not c.stopping:
+                    self._stop(c, "replaced")   # its file was replaced (bitnet pull / convert again): load anew
+                    continue
                 if c is not None and c.proc.poll() is None and not c.stopping:
                     break
                 if c is not None:   # exited (the reaper has not seen it yet)
@@ -339,13 +348,14 @@ class Router:
                 if not load:
                     raise RouterError(400, f"model '{spec.name}' is not loaded (a request that generates with it, or "
                                            "POST /models/load, loads it)", "model_not_loaded", "model")
-                if len(self.children) < self.models_max:
+                # a model still exiting holds its memory: it counts until it has gone
+                if len(self.children) + len(self.ending) < self.models_max:
                     c = self._spawn(spec)
                     break
                 idle = [x for x in self.children.values() if x.active == 0 and not x.stopping]
                 if idle:
                     victim = min(idle, key=lambda x: x.last_used)
-                    await self._stop(victim, "room")
+                    self._stop(victim, "room")
                     continue
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -384,7 +394,7 @@ class Router:
             if c.active == 0:
                 c.expires = c.last_used + c.keep_alive
                 if c.keep_alive == 0 and not c.stopping and self.children.get(c.spec.name) is c:
-                    await self._stop(c, "keep_alive")
+                    self._stop(c, "keep_alive")
             self.cond.notify_all()
 
     def _spawn(self, spec: ModelSpec) -> Child:
@@ -442,7 +452,7 @@ class Router:
             c.ready.set_exception(error)
             c.ready.exception()   # retrieved: no "never retrieved" warning when no request waits
         async with self.cond:
-            await self._stop(c, "failed")
+            self._stop(c, "failed")
             self.cond.notify_all()
 
     async def _learn(self, c: Child):
@@ -458,9 +468,11 @@ class Router:
                     if "warning:" in line:
                         self.log(f"'{c.spec.name}': {line.strip().removeprefix('bitnet serve: ')}")
 
-    async def _stop(self, c: Child, reason: str):
+    def _stop(self, c: Child, reason: str):
         """Unload (call with the condition held, or at shutdown): SIGTERM, so its process drains and exits;
-        SIGKILL after stop_timeout."""
+        SIGKILL after stop_timeout. The exit is waited for by a task of its own (c.ended), never under the
+        condition: every other model's requests go on meanwhile (an unload stalled them for up to a second, a
+        drain for its whole timeout). Until it has exited the process counts against models_max."""
         if c.stopping:
             return
         c.stopping = True
@@ -468,8 +480,8 @@ class Router:
         if c.proc.poll() is None:
             with contextlib.suppress(OSError):
                 c.proc.send_signal(signal.SIGTERM)
-            # shielded: a request cancelled while it unloads this one still leaves the process waited for
-            await asyncio.shield(self._track(self._end(c)))
+            self.ending.add(c)
+            c.ended = self._track(self._end(c))
 
     async def _end(self, c: Child):
         try:
@@ -477,6 +489,10 @@ class Router:
         except asyncio.TimeoutError:
             c.proc.kill()
             await asyncio.to_thread(c.proc.wait)
+        finally:
+            self.ending.discard(c)
+            async with self.cond:   # room for a model waiting to load
+                self.cond.notify_all()
 
     def _track(self, coro) -> asyncio.Task:
         """A task the loop runs to its end whatever happens to the request that started it."""
@@ -512,20 +528,26 @@ class Router:
                         self._forget(c, "exited")
                         self.cond.notify_all()
                     elif c.active == 0 and c.ready.done() and now >= c.expires:
-                        await self._stop(c, "keep_alive")
+                        self._stop(c, "keep_alive")
+                        self.cond.notify_all()
+                    elif c.active == 0 and c.ready.done() and c.spec.name not in self.models:
+                        self._stop(c, "removed")   # its file is gone from the directories (bitnet rm)
                         self.cond.notify_all()
 
     async def unload(self, spec: ModelSpec) -> bool:
+        """Unload now (returning once its process has exited), or as soon as its requests end (ollama's way)."""
         async with self.cond:
             c = self.children.get(spec.name)
             if c is None:
                 return False
-            if c.active:   # ollama's way: it goes as soon as its requests end
+            if c.active:
                 c.keep_alive = 0
                 return True
-            await self._stop(c, "request")
+            self._stop(c, "request")
             self.cond.notify_all()
-            return True
+        if c.ended is not None:
+            await asyncio.shield(c.ended)   # outside the condition: the other models serve on meanwhile
+        return True
 
     # ---- listings -------------------------------------------------------------------------------------------
     def status(self, name: str) -> str:

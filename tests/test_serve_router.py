@@ -267,6 +267,59 @@ def test_keep_alive_unloads_as_ollama_does(router, models_dir):
     assert bad.status_code == 400 and "keep_alive" in bad.json()["error"]
 
 
+def model_process(router, path) -> int:
+    """The pid of the router's process serving the model file `path`."""
+    for pid in children_of(router.proc.pid):
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if str(path).encode() in f.read():
+                return pid
+    raise AssertionError(f"no process serves {path}")
+
+
+def test_unloading_one_model_never_holds_up_another(models_dir):
+    """An unload waits for its process to exit away from the router's lock: here that process is frozen (SIGSTOP)
+    so it cannot exit until the router kills it, and meanwhile the other model answers (it waited for the kill)."""
+    s = Server("--models-dir", str(models_dir), "--models-max", "2", "-c", "1024", threads=1)
+    try:
+        chat_text(s.url, "tiny")
+        chat_text(s.url, "synth")
+        frozen = model_process(s, models_dir / "synth.bnstore")
+        os.kill(frozen, signal.SIGSTOP)
+        unloading = threading.Thread(target=post, args=(s.url, "/models/unload", {"model": "synth"}))
+        unloading.start()
+        assert wait_for(lambda: "synth" not in loaded(s.url))   # forgotten at once, its process still there
+        assert chat_text(s.url, "tiny")["choices"][0]["message"]["content"]
+        assert alive(frozen) and unloading.is_alive()   # the unload is still waiting for it
+        os.kill(frozen, signal.SIGCONT)
+        unloading.join(60 * slowness())
+        assert not unloading.is_alive() and wait_for(lambda: not alive(frozen))
+    finally:
+        s.stop()
+
+
+def test_a_replaced_or_removed_file_is_not_served_from_its_old_process(tmp_path, models_dir):
+    """Loaded models were known by name alone: a file replaced (bitnet pull / convert again) kept being served by
+    the old process, and a removed one stayed loaded, its memory held, until room eviction chose it."""
+    d = tmp_path / "models"
+    d.mkdir()
+    shutil.copy(models_dir / "tiny.bnstore", d / "a.bnstore")
+    shutil.copy(models_dir / "tiny.bnstore", d / "b.bnstore")
+    s = Server("--models-dir", str(d), "--models-max", "2", "-c", "1024", threads=1)
+    try:
+        chat_text(s.url, "a")
+        chat_text(s.url, "b")
+        old_a, old_b = model_process(s, d / "a.bnstore"), model_process(s, d / "b.bnstore")
+        shutil.copy(models_dir / "synth.bnstore", d / "a.new")
+        os.replace(d / "a.new", d / "a.bnstore")
+        os.remove(d / "b.bnstore")
+        assert {m["name"] for m in httpx.get(s.url + "/api/tags", timeout=30).json()["models"]} == {"a"}
+        assert wait_for(lambda: "b" not in loaded(s.url) and not alive(old_b))   # idle, and gone from the disk
+        chat_text(s.url, "a")
+        assert wait_for(lambda: not alive(old_a)) and model_process(s, d / "a.bnstore") != old_a
+    finally:
+        s.stop()
+
+
 def test_an_idle_model_goes_after_models_keep_alive(models_dir):
     s = Server("--models-dir", str(models_dir), "--models-keep-alive", "1s", threads=1)
     try:
