@@ -47,6 +47,13 @@ def format_stats(stats, n_shown: int | None = None) -> str:
     return "[" + ", ".join(parts) + "]"
 
 
+def _isatty(f) -> bool:
+    try:
+        return bool(f.isatty())
+    except (AttributeError, ValueError, OSError):
+        return False
+
+
 def _cell_width(text: str) -> int:
     """Terminal columns `text` takes (wide East Asian characters take two)."""
     try:
@@ -110,6 +117,8 @@ class Output:
         self.err = err or sys.stderr
         self.interactive = self.out.isatty() if interactive is None else interactive
         self.color = self.interactive and not os.environ.get("NO_COLOR")
+        # a terminal gets control pictures for model output also when stdin is piped (echo hi | bitchat)
+        self.visible_controls = self.interactive or _isatty(self.out)
         self.at_line_start = True
         self.width = width
         self._wrap: WordWrapper | None = None
@@ -130,7 +139,7 @@ class Output:
     def stream(self, text: str, style: str | None = None) -> None:
         if not text:
             return
-        if self.interactive:
+        if self.visible_controls:
             text = text.translate(_VISIBLE_CONTROLS)
         if self._wrap is None and self.at_line_start:   # a new answer: measure the terminal now
             width = self._terminal_width()

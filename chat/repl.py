@@ -8,7 +8,9 @@ a hint how to leave); Ctrl-D at an empty prompt exits. Input history persists in
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import threading
 import traceback
 
 from .commands import COMMANDS, CommandError, completions, is_command, open_block, parse_command, strip_block
@@ -147,6 +149,10 @@ def run_repl(session: ChatSession) -> int:
                            key_bindings=keys, multiline=True,
                            prompt_continuation=lambda width, line_number, soft_wrap: CONTINUATION)
     while True:
+        # a Ctrl-C while the prompt sets itself up or winds down (a second one just after an answer was stopped)
+        # is nothing: a KeyboardInterrupt there leaves a half-built event loop printing tracebacks as it goes
+        previous = signal.signal(signal.SIGINT, lambda signum, frame: None) \
+            if threading.current_thread() is threading.main_thread() else None
         try:
             text = prompt.prompt(PROMPT)
         except KeyboardInterrupt:   # should not happen (Ctrl-C is bound), but never a traceback
@@ -154,6 +160,9 @@ def run_repl(session: ChatSession) -> int:
         except EOFError:
             session.out.end_answer()
             break
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGINT, previous)
         empty_interrupts[0] = 0
         if not text.strip():
             continue

@@ -13,6 +13,7 @@ KeyboardInterrupt the usual way (for a stuck prefill).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -31,29 +32,51 @@ class ExitChat(Exception):
     """/bye: leave the session."""
 
 
+class Terminated(BaseException):
+    """SIGTERM / SIGHUP (the terminal closed): leave, as Ctrl-C at a prompt would, the terminal restored and the
+    answer so far kept (cli/chat.py raises it from the signal)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
 class _InterruptFlag:
     def __init__(self):
         self.hit = False
+        self.terminated = 0   # SIGTERM / SIGHUP came: the signal's number
+
+
+_ENDING = tuple(s for s in (getattr(signal, "SIGTERM", None), getattr(signal, "SIGHUP", None)) if s is not None)
 
 
 @contextmanager
 def sigint_as_flag():
-    """While active, the first Ctrl-C only sets `flag.hit`; a second one raises KeyboardInterrupt."""
+    """While active, the first Ctrl-C only sets `flag.hit`; a second one raises KeyboardInterrupt. SIGTERM /
+    SIGHUP set `flag.hit` and `flag.terminated` (the answer stops as on Ctrl-C and is kept; the caller then
+    leaves, raising Terminated), never an exception in the middle of the answer's bookkeeping."""
     flag = _InterruptFlag()
     if threading.current_thread() is not threading.main_thread():
         yield flag
         return
 
     def handler(signum, frame):
-        if flag.hit:
+        if flag.hit and not flag.terminated:
             raise KeyboardInterrupt
         flag.hit = True
 
+    def ending(signum, frame):
+        flag.hit = True
+        flag.terminated = flag.terminated or signum
+
     previous = signal.signal(signal.SIGINT, handler)
+    before = {s: signal.signal(s, ending) for s in _ENDING}
     try:
         yield flag
     finally:
         signal.signal(signal.SIGINT, previous)
+        for s, h in before.items():
+            signal.signal(s, h)
 
 
 @contextmanager
@@ -182,19 +205,41 @@ class ChatSession:
             decode_utf8(text, "message")
         except ValueError as e:
             raise CommandError(f"[{e}; not sent]") from None
-        turn = self.conv.add_user(text)
-        self._answer(turn)
+        with sigint_as_flag() as flag:   # from the turn's first moment: a Ctrl-C never leaves it half made
+            turn = self.conv.add_user(text)
+            self._answer(turn, flag)
+        if flag.terminated:   # the answer so far is kept and saved: now leave
+            raise Terminated(flag.terminated)
 
     def retry(self) -> None:
         turn = self.conv.last_turn()
         if turn is None:
             raise CommandError("/retry: nothing to retry yet; ask something first")
-        turn.assistant = None
-        turn.interrupted = False
-        turn.finish_reason = None
-        self._answer(turn)
+        with sigint_as_flag() as flag:
+            turn.assistant = None
+            turn.interrupted = False
+            turn.finish_reason = None
+            self._answer(turn, flag)
+        if flag.terminated:
+            raise Terminated(flag.terminated)
 
-    def _answer(self, turn) -> None:
+    def _answer(self, turn, flag) -> None:
+        """Answer `turn` (the conversation's last), under sigint_as_flag's `flag`: a Ctrl-C at any moment leaves
+        it answered, with what was shown (maybe nothing) marked interrupted; never a question without an answer
+        (the next turn would put two user messages in a row, which many templates refuse)."""
+        try:
+            self._answer_flagged(turn, flag)
+        except KeyboardInterrupt:   # a second Ctrl-C before the answer began (while the prompt was fitted)
+            if turn.assistant is None and self.conv.last_turn() is turn:
+                turn.assistant, turn.interrupted, turn.finish_reason = "", True, "interrupted"
+                self.cached_turn = None
+                with contextlib.suppress(KeyboardInterrupt):
+                    self._save_recovery()
+            self.out.end_answer()
+            self.out.notice("[interrupted before the answer began]")
+
+
+    def _answer_flagged(self, turn, flag) -> None:
         from ..engine.errors import BUG_REPORT_HINT, EXIT_BUG, BitNetError, ContextOverflowError
 
         try:
@@ -235,8 +280,14 @@ class ChatSession:
                 self.out.end_thought()
                 self.out.stream(content)
         self._save_recovery()   # the question is on disk before the model reads its weights again
+        if flag.hit:   # Ctrl-C before the answer began: an empty one, interrupted
+            self.out.end_answer()
+            turn.assistant, turn.interrupted, turn.finish_reason = "", True, "interrupted"
+            self._save_recovery()
+            self.out.notice("[interrupted before the answer began]")
+            return
         try:
-            with sigint_as_flag() as flag, quiet_terminal(self.out.interactive):
+            with quiet_terminal(self.out.interactive):
                 gen = self.llm.generate(ids, params, max_tokens=max_tokens, constraint=self.format)
                 try:
                     for chunk in gen:

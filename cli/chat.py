@@ -17,6 +17,7 @@ fault or Ctrl-C outside a turn (a piped session waiting for input), the one-line
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -92,17 +93,33 @@ def run_chat(args, first_message: str | None = None) -> int:
     return _guarded(args, settings_from_args(args, error), first_message)
 
 
+def _terminate(signum, frame):
+    from ..chat.session import Terminated
+    raise Terminated(signum)
+
+
 def _guarded(args, settings: Settings, first_message: str | None = None) -> int:
+    import signal
+
+    from ..chat.session import Terminated
+
     interactive = sys.stdin.isatty() and sys.stdout.isatty()
     out = Output(interactive=interactive)
+    # SIGTERM, and SIGHUP (its terminal closed): unwind as Ctrl-C does, so the terminal's modes are restored and
+    # the answer so far is saved, then leave
+    for sig in (signal.SIGTERM, getattr(signal, "SIGHUP", None)):
+        if sig is not None:
+            signal.signal(sig, _terminate)
     try:
         return _run(args, settings, out, interactive, first_message)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, Terminated) as e:
         path = recovery_path()   # turns so far are kept (user data): say where, never leave a file unannounced
-        kept = f"bitchat: interrupted; the conversation so far is saved in {path} (/load it in bitchat)" \
-            if path and os.path.isfile(path) else ""
-        print(kept, file=sys.stderr)
-        return 130
+        why = "interrupted" if isinstance(e, KeyboardInterrupt) else f"terminated ({signal.Signals(e.signum).name})"
+        kept = f"bitchat: {why}; the conversation so far is saved in {path} (/load it in bitchat)" \
+            if path and os.path.isfile(path) else f"bitchat: {why}"
+        with contextlib.suppress(OSError):   # the terminal may be gone (SIGHUP)
+            print(kept, file=sys.stderr)
+        return 130 if isinstance(e, KeyboardInterrupt) else 128 + e.signum
     except BrokenPipeError:
         from . import quiet_broken_pipe
 

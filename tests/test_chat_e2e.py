@@ -7,6 +7,7 @@ import json
 import os
 import re
 import subprocess
+import time
 
 import pytest
 
@@ -57,7 +58,8 @@ def synth_store(tmp_path_factory, name, *, hidden_size, n_layers, n_ctx=4096):
 def test_env(tmp_path) -> dict:
     env = dict(os.environ)
     env.update(TERM="xterm-256color", PROMPT_TOOLKIT_NO_CPR="1", NO_COLOR="1",
-               BITCHAT_HISTORY=str(tmp_path / "history"), PYTHONUNBUFFERED="1")
+               BITCHAT_HISTORY=str(tmp_path / "history"), PYTHONUNBUFFERED="1",
+               XDG_STATE_HOME=str(tmp_path / "state"))   # the recovery copies: never the user's own folder
     env.pop("BITCHAT_DEBUG", None)
     env.pop("BITNET_DEBUG", None)
     return env
@@ -192,6 +194,73 @@ def test_ctrl_c_stops_a_long_answer_and_the_chat_goes_on(long_model, tmp_path):
     assert turns[0]["assistant"] is not None
     assert not turns[1].get("interrupted")
     assert chat.finish("/bye") == 0
+
+
+ALTERNATING = ("{% set ns = namespace(i=0) %}{% for m in messages %}{% if m['role'] != 'system' %}"
+               "{% if (m['role'] == 'user') != (ns.i % 2 == 0) %}"
+               "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant') }}{% endif %}"
+               "{% set ns.i = ns.i + 1 %}{% endif %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+               "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+def test_ctrl_c_at_any_moment_of_a_turn_leaves_it_answered(long_model, tmp_path):
+    """Ctrl-C pressed at any moment after Enter -- while the long conversation's prompt is fitted and saved,
+    before the first token, or while it streams -- leaves the turn answered (what was shown, maybe nothing, marked
+    interrupted), never a question without an answer: the next turn would put two user messages in a row, which
+    templates that alternate roles refuse (every later message was 'not sent' until /reset)."""
+    from bitnet_cpu.chat.transcript import Conversation
+
+    long = Conversation()
+    for i in range(100):   # a long history: fitting and saving it takes a while after each Enter
+        t = long.add_user(f"question {i} " + "words " * 40)
+        t.assistant = f"answer {i} " + "more words " * 40
+    long.save(str(tmp_path / "long.json"))
+    template = tmp_path / "alternate.jinja"
+    template.write_text(ALTERNATING)
+    chat = Chat(long_model, tmp_path, "-n", "8000", "--temp", "0", "-c", "8192", "--chat-template-file",
+                str(template))
+    chat.command(f"/load {tmp_path / 'long.json'}", r"\[loaded 100 turns[^\]]*\]")
+    delays = [0.0, 0.005, 0.01, 0.02, 0.03, 0.05, 0.08, 0.2]
+    for i, delay in enumerate(delays):
+        chat.child.send(f"interrupted {i}\r")
+        time.sleep(delay)
+        chat.child.send("\x03")
+        chat.wait_prompt()
+    chat.command("/set max_tokens 2", r"\[max_tokens = 2\]")
+    chat.enter("and a last question")
+    chat.expect(STATS_RE)   # answered: not "[message not sent: ... roles must alternate ...]"
+    chat.wait_prompt()
+    chat.command(f"/save {tmp_path / 'after.json'}", r"\[saved \d+ turns")
+    turns = json.loads((tmp_path / "after.json").read_text())["turns"]
+    assert all(isinstance(t["assistant"], str) for t in turns), [t for t in turns if t["assistant"] is None]
+    assert [t["user"] for t in turns[100:]] == [f"interrupted {i}" for i in range(len(delays))] + ["and a last question"]
+    assert all(t["interrupted"] for t in turns[100:-1])
+    assert chat.finish("/bye") == 0
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP"])
+def test_sigterm_and_sighup_restore_the_terminal_and_keep_the_answer_so_far(long_model, tmp_path, sig):
+    """kill, or the terminal closed, while an answer streams: the terminal's modes are restored (echo was left
+    off; at a prompt, raw mode), the answer shown so far is in the recovery copy (it held the question alone),
+    and one line says where, with the signal's exit status."""
+    import signal
+    import termios
+
+    chat = Chat(long_model, tmp_path, "-n", "8000", "--temp", "0")
+    chat.enter("Tell me a very long story about a dragon, with many chapters.")
+    chat.expect(r"\S")                                # the answer has started
+    chat.child.kill(getattr(signal, sig))
+    chat.expect(pexpect.EOF)
+    after = termios.tcgetattr(chat.child.child_fd)   # the terminal as bitchat left it
+    chat.child.close()
+    assert chat.child.exitstatus == 128 + getattr(signal, sig), (chat.child.exitstatus, chat.child.signalstatus)
+    assert f"bitchat: terminated ({sig})" in chat.child.before
+    saved = re.search(r"saved in (\S+recovery-\d+\.json)", chat.child.before)
+    assert saved, chat.child.before
+    turns = json.loads(open(saved.group(1)).read())["turns"]
+    # the question is answered with what was written before the signal (held the question alone, as unanswered)
+    assert turns[-1].get("interrupted") and isinstance(turns[-1]["assistant"], str), turns[-1]
+    assert after[3] & termios.ECHO and after[3] & termios.ICANON   # the terminal as it was (pexpect's: cooked)
 
 
 def test_ctrl_c_at_the_prompt_clears_the_line_and_hints(chat_model, tmp_path):

@@ -332,3 +332,16 @@ def test_control_characters_from_the_model_are_made_visible_on_a_terminal():
     piped = io.StringIO()
     Output(piped, io.StringIO(), interactive=False).stream("a\x1bb")
     assert piped.getvalue() == "a\x1bb"            # scripts get the text as it is
+
+
+def test_a_terminal_gets_visible_controls_also_when_stdin_is_piped():
+    """`echo hi | bitchat` on a terminal is not interactive (stdin is a pipe), but its answers reach a terminal:
+    control characters are still shown, never obeyed (they reached it raw)."""
+    import os
+    master, slave = os.openpty()
+    with os.fdopen(slave, "w", encoding="utf-8", closefd=True) as tty:
+        Output(tty, io.StringIO(), interactive=False).stream("a\x1b[2Jb\x07")
+        tty.flush()
+        got = os.read(master, 1024).decode("utf-8")
+    os.close(master)
+    assert "\x1b" not in got and "\x07" not in got and "\u241b[2J" in got and "\u2407" in got
