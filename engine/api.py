@@ -150,6 +150,13 @@ class _Text:
         return _ct.render(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
                           bos_token=bos or "", eos_token=eos or "", tools=tools, kwargs=template_kwargs)
 
+    def bos_text(self) -> str:
+        """The BOS token's text when tokenizing a text adds it (tokenize(add_bos=True)), else ""."""
+        bos = self.tokenizer.text_bos
+        if bos is None:
+            return ""
+        return self.store.meta.get("bos_token") or self.tokenizer.id_to_token(bos) or ""
+
     @property
     def thinks(self) -> bool:
         """The chat template writes a <think> block before answers (engine/runtime/reasoning.py)."""

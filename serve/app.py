@@ -47,12 +47,14 @@ PAGE = os.path.join(os.path.dirname(__file__), "chat.html")
 PROMPT_FIELD = {"/v1/chat/completions": "messages", "/v1/completions": "prompt", "/v1/responses": "input",
                 "/v1/messages": "messages", "/completion": "prompt", "/completions": "prompt", "/api/chat": "messages",
                 "/api/generate": "prompt", "/v1/responses/input_tokens": "input",
-                "/v1/chat/completions/input_tokens": "messages"}
+                "/v1/chat/completions/input_tokens": "messages", "/chat/completions": "messages",
+                "/responses": "input"}
 
 
 # the paths outside /v1/ and /api/ that /metrics counts requests of (others, unknown ones, are not labelled)
 COUNTED_PATHS = {"/health", "/v1/health", "/slots", "/metrics", "/completion", "/completions", "/tokenize",
-                 "/detokenize", "/apply-template", "/props", "/embedding", "/embeddings"}
+                 "/detokenize", "/apply-template", "/props", "/embedding", "/embeddings", "/chat/completions",
+                 "/responses"}
 
 
 class APIError(Exception):
@@ -524,6 +526,7 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         return {"choices": choices, "usage": usage, "timings": timings}
 
     @app.post("/v1/chat/completions")
+    @app.post("/chat/completions", include_in_schema=False)   # llama-server's: an SDK pointed at the bare root
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         with translated():   # a final assistant message is continued, as llama-server does
             msgs, prefill = continuation([m.as_dict() for m in body.messages], body.continue_final_message,
@@ -735,6 +738,7 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
             return msgs, tools, choice, body.allowed_tools()
 
     @app.post("/v1/responses")
+    @app.post("/responses", include_in_schema=False)
     async def responses(body: ResponsesRequest, request: Request):
         """OpenAI's Responses API over the chat pipeline (serve/responses.py translates both ways)."""
         msgs, tools, choice, allowed = responses_conversation(body)

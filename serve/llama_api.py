@@ -365,7 +365,10 @@ def register(app, state, ready, api_error: type, pipe, *, sampling=None):
             prompt = await run_off_loop(eng.chat_text, head, gen, body.tools, kwargs) + prefill
         except Exception as e:   # the template rejected the conversation (roles out of order, bad tools)
             raise api_error(400, f"messages: {e}", param="messages", code="invalid_value") from None
-        return {"prompt": prompt}
+        # as llama.cpp's chat code: without the template's BOS when the tokenizer adds one, so the prompt sent on to
+        # /completion (llama-server's documented flow) runs with one BOS, not two
+        bos = eng.bos_text()
+        return {"prompt": prompt[len(bos):] if bos and prompt.startswith(bos) else prompt}
 
     @app.get("/props")
     async def props(request: Request):

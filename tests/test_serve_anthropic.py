@@ -134,7 +134,8 @@ def test_a_final_assistant_message_is_continued(claude, server):
     m = claude.messages.create(model="any", max_tokens=10, messages=convo + [
         {"role": "assistant", "content": "Once upon a time"}], **GREEDY)
     prompt = httpx.post(server.url + "/apply-template", json={"messages": convo}, timeout=60).json()["prompt"]
-    ids = httpx.post(server.url + "/tokenize", json={"content": prompt + "Once upon a time"}, timeout=60).json()
+    ids = httpx.post(server.url + "/tokenize", json={"content": prompt + "Once upon a time",
+                                                                   "add_special": True}, timeout=60).json()
     r = httpx.post(server.url + "/completion", json={"prompt": ids["tokens"], "n_predict": 10, "temperature": 0},
                    timeout=60).json()
     assert text_of(m) == r["content"] and m.usage.input_tokens + m.usage.cache_read_input_tokens == len(ids["tokens"])

@@ -40,11 +40,32 @@ def test_token_counts_agree_with_the_generating_endpoints(server):
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": TEXT}]
     prompt = post(server, "/apply-template", {"messages": msgs}).json()["prompt"]
     assert TEXT in prompt and "Be brief." in prompt
-    n = len(post(server, "/tokenize", {"content": prompt}).json()["tokens"])
+    n = len(post(server, "/tokenize", {"content": prompt, "add_special": True}).json()["tokens"])   # BOS as added
     chat = post(server, "/v1/chat/completions", {"messages": msgs, "max_tokens": 1}).json()
     assert chat["usage"]["prompt_tokens"] == n
     no_gen = post(server, "/apply-template", {"messages": msgs, "add_generation_prompt": False}).json()["prompt"]
     assert prompt.startswith(no_gen) and len(no_gen) < len(prompt)
+    # llama-server's flow: the rendered prompt, edited maybe, sent on to /completion runs with one BOS (the template
+    # wrote one and /completion added another)
+    done = post(server, "/completion", {"prompt": prompt, "n_predict": 1}).json()
+    with_bos = post(server, "/tokenize", {"content": prompt, "add_special": True}).json()["tokens"]
+    assert done["tokens_evaluated"] == len(with_bos) == chat["usage"]["prompt_tokens"]
+    assert with_bos.count(with_bos[0]) == 1   # BOS once
+
+
+def test_openai_paths_without_v1_as_llama_server_has_them(server):
+    """llama-server also serves /chat/completions and /responses at the root: an SDK given the bare server URL as
+    its base_url works (it got 404)."""
+    import openai
+    client = openai.OpenAI(base_url=server.url, api_key="x")
+    msgs = [{"role": "user", "content": TEXT}]
+    a = client.chat.completions.create(model="x", messages=msgs, max_tokens=3, temperature=0)
+    b = openai.OpenAI(base_url=server.url + "/v1", api_key="x").chat.completions.create(
+        model="x", messages=msgs, max_tokens=3, temperature=0)
+    assert a.choices[0].message.content == b.choices[0].message.content
+    assert (a.usage.prompt_tokens, a.usage.completion_tokens) == (b.usage.prompt_tokens, b.usage.completion_tokens)
+    r = client.responses.create(model="x", input=TEXT, max_output_tokens=3, temperature=0)
+    assert r.status in ("completed", "incomplete") and r.usage.input_tokens > 0
 
 
 def test_props_say_what_the_server_runs(server):
