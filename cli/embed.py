@@ -23,6 +23,10 @@ def add_arguments(p):
     p.add_argument("-p", "--prompt", default=None, metavar="TEXT",
                    help="the texts, cut at --embd-separator%(default).0s")
     p.add_argument("-f", "--file", default=None, metavar="FILE", help="read the texts from FILE ('-': stdin)%(default).0s")
+    p.add_argument("-e", "--escape", dest="escape", action="store_true", default=True,
+                   help="process escapes (\\n \\r \\t \\' \\\" \\\\ \\xHH) in -p, as llama-embedding does: -p 'a\\nb' is two "
+                        "texts (on; a file's text is taken as it is)%(default).0s")
+    p.add_argument("--no-escape", dest="escape", action="store_false", help="take -p as typed")
     p.add_argument("-c", "--ctx-size", "--ctx", dest="ctx", type=int, default=None, metavar="N",
                    help="the most tokens of one text (default: the model's trained context, 2048 to 4096)%(default).0s")
     p.add_argument("-t", "--threads", type=int, default=None, metavar="N",
@@ -44,13 +48,13 @@ def add_arguments(p):
 def texts_of(args) -> list[str]:
     """The texts of -p / -f cut at the separator, or BitNetError (none given, both given, an empty one)."""
     from ..engine.errors import BitNetError
-    from .flags import read_text_file
+    from .flags import escaped, read_text_file
     if (args.prompt is None) == (args.file is None):
         raise BitNetError("give the texts as -p TEXT or -f FILE" if args.prompt is None else
                           "-p and -f: give the texts one way")
     if not args.embd_separator:
         raise BitNetError("--embd-separator: must not be empty")
-    text = args.prompt if args.prompt is not None else read_text_file(args.file)
+    text = escaped(args, args.prompt) if args.prompt is not None else read_text_file(args.file)
     texts = text.split(args.embd_separator)
     if args.file is not None and len(texts) > 1 and texts[-1] == "":
         texts.pop()   # the file's final newline
@@ -64,11 +68,13 @@ def texts_of(args) -> list[str]:
 def _cos(a, b) -> float:
     import numpy as np
     a, b = a.astype(np.float64), b.astype(np.float64)
-    d = float(np.sqrt(a @ a) * np.sqrt(b @ b))
-    return 0.0 if d == 0 else float(a @ b) / d   # llama.cpp's common_embd_similarity_cos
+    na, nb = float(np.sqrt(a @ a)), float(np.sqrt(b @ b))
+    if na == 0 or nb == 0:   # llama.cpp's common_embd_similarity_cos: two zero vectors are alike, one is not
+        return 1.0 if na == nb else 0.0
+    return float(a @ b) / (na * nb)
 
 
-def render(vectors, texts: list[str], fmt: str, normalize: int, pooled: bool) -> str:
+def render(vectors, texts: list[str], fmt: str, normalize: int, pooled: bool) -> str:   # noqa: C901
     """llama-embedding's stdout for the vectors (one per text, or per token when not pooled)."""
     num = "%6.0f " if normalize == 0 else "%9.6f "
     fine = "%1.0f" if normalize == 0 else "%1.7f"
@@ -97,7 +103,7 @@ def render(vectors, texts: list[str], fmt: str, normalize: int, pooled: bool) ->
     items = [f'    {{\n      "object": "embedding",\n      "index": {j},\n      "embedding": {b}\n    }}'
              for j, b in enumerate(body)]
     out = '{\n  "object": "list",\n  "data": [\n' + ",\n".join(items) + "\n  ]"
-    if fmt == "json+" and len(vectors) > 1:
+    if fmt == "json+" and len(texts) > 1:   # llama-embedding's: over several texts (not one text's tokens)
         rows = ["    [" + ", ".join("%6.2f" % _cos(a, b) for b in vectors) + " ]" for a in vectors]
         out += ',\n  "cosineSimilarity": [\n' + ",\n".join(rows) + "\n  ]"
     return out + "\n}\n"

@@ -360,7 +360,8 @@ def register(app, state, ready, api_error: type, check_model, *, metrics=None):
         empty = [i for i, t in enumerate(texts) if not t]
         if empty:
             raise OllamaError(400, f"input.{empty[0]}: an empty string has nothing to embed")
-        ids, vectors = await ollama_vectors(eng, request, texts, "input", truncate is True)
+        # ollama's default is true: only an explicit false refuses a text over the context
+        ids, vectors = await ollama_vectors(eng, request, texts, "input", truncate is not False)
         if vectors is None:
             return gone()
         return await json_answer(lambda: {

@@ -85,6 +85,31 @@ def test_the_listing_norms_and_poolings(llm):
     assert code == 0 and len(listed) == len(rows) and all(" ... " in line for line in listed)
 
 
+def test_escapes_in_p_as_llama_embedding(llm, tmp_path):
+    """-p's escapes are processed (llama.cpp's -e, on by default): -p 'a\\nb' is two texts, as llama-embedding
+    reads it; --no-escape takes it as typed; a file's text is taken as it is."""
+    two = llm.embed(TEXTS[:2])
+    code, out, _ = embed("-p", TEXTS[0] + "\\n" + TEXTS[1], "--embd-output-format", "array")
+    assert code == 0 and np.abs(np.array(json.loads(out)) - two).max() <= 6e-8
+    code, out, _ = embed("-p", TEXTS[0] + "\\n" + TEXTS[1], "--no-escape", "--embd-output-format", "array")
+    assert code == 0 and len(json.loads(out)) == 1
+    f = tmp_path / "t.txt"
+    f.write_text(TEXTS[0] + "\\n" + TEXTS[1], encoding="utf-8")
+    code, out, _ = embed("-f", str(f), "--embd-output-format", "array")
+    assert code == 0 and len(json.loads(out)) == 1
+
+
+def test_cosines_as_llama_embedding_prints_them():
+    """json+ adds the matrix over several texts only (one text's tokens under --pooling none are not texts), and
+    two all-zero vectors (a p-norm that overflows) are alike, 1.00, as llama.cpp's common_embd_similarity_cos."""
+    code, out, _ = embed("-p", TEXTS[0], "--pooling", "none", "--embd-output-format", "json+")
+    assert code == 0 and "cosineSimilarity" not in json.loads(out) and len(json.loads(out)["data"]) > 1
+    code, out, _ = embed("-p", "a\nb", "--embd-normalize", "5000", "--embd-output-format", "json+")
+    doc = json.loads(out)
+    assert code == 0 and all(x == 0 for d in doc["data"] for x in d["embedding"])
+    assert doc["cosineSimilarity"] == [[1.0, 1.0], [1.0, 1.0]]
+
+
 @pytest.mark.parametrize("args, words", [
     ((), "give the texts as -p TEXT or -f FILE"),
     (("-p", "a", "-f", "x"), "give the texts one way"),

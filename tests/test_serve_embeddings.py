@@ -86,8 +86,8 @@ def test_over_the_context_and_empty_inputs_are_400s(client, oclient, server, llm
     assert r.status_code == 400 and r.json()["error"]["param"] == "encoding_format"
     r = httpx.post(server.url + "/v1/embeddings", json={"input": [1, "a"]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "input"
-    with pytest.raises(ollama.ResponseError) as ei:
-        oclient.embed(model=model_id, input=["fine", long_text])
+    with pytest.raises(ollama.ResponseError) as ei:   # truncate false: too long is a 400, as ollama's
+        oclient.embed(model=model_id, input=["fine", long_text], truncate=False)
     assert ei.value.status_code == 400 and "input.1" in ei.value.error
     with pytest.raises(ollama.ResponseError) as ei:
         oclient.embeddings(model=model_id, prompt=long_text)
@@ -104,6 +104,10 @@ def test_over_the_context_and_empty_inputs_are_400s(client, oclient, server, llm
                    timeout=60)
     want = client.embeddings.create(model=model_id, input=[cut], encoding_format="float").data[0].embedding
     assert r.status_code == 200 and np.array_equal(f32(r.json()["embeddings"][0]), f32(want))
+    # truncate left out is true, ollama's default (the ollama client sends nothing unless asked: a plain
+    # ollama.embed() of a long chunk was a 400 here)
+    plain = oclient.embed(model=model_id, input=["fine", long_text])
+    assert np.array_equal(f32(plain.embeddings[1]), f32(want))
     # a text of megabytes is cut to what n_ctx tokens can cover before it is tokenized (the whole of it held the
     # interpreter for seconds, stalling every stream): the same first n_ctx tokens, the same vector
     huge = long_text * (2_000_000 // len(long_text))
