@@ -177,12 +177,15 @@ def timings_of(st) -> dict:
     n_pre = st.n_prompt - st.n_cached
     pre_ms = n_pre / st.prefill_tps * 1000 if st.prefill_tps else 0.0
     dec_ms = (st.n_generated - 1) / st.decode_tps * 1000 if st.decode_tps else 0.0
-    return {"cache_n": st.n_cached, "prompt_n": n_pre, "prompt_ms": round(pre_ms, 3),
-            "prompt_per_token_ms": round(pre_ms / n_pre, 3) if n_pre else 0.0,
-            "prompt_per_second": round(st.prefill_tps, 2), "predicted_n": st.n_generated,
-            "predicted_ms": round(dec_ms, 3),
-            "predicted_per_token_ms": round(dec_ms / max(1, st.n_generated - 1), 3),
-            "predicted_per_second": round(st.decode_tps, 2)}
+    d = {"cache_n": st.n_cached, "prompt_n": n_pre, "prompt_ms": round(pre_ms, 3),
+         "prompt_per_token_ms": round(pre_ms / n_pre, 3) if n_pre else 0.0,
+         "prompt_per_second": round(st.prefill_tps, 2), "predicted_n": st.n_generated,
+         "predicted_ms": round(dec_ms, 3),
+         "predicted_per_token_ms": round(dec_ms / max(1, st.n_generated - 1), 3),
+         "predicted_per_second": round(st.decode_tps, 2)}
+    if getattr(st, "n_drafted", 0):   # llama-server's, when drafts ran (its web UI shows them)
+        d["draft_n"], d["draft_n_accepted"] = st.n_drafted, st.n_accepted
+    return d
 
 
 def pick_fields(obj: dict, fields: list[str]) -> dict:

@@ -64,6 +64,10 @@ class _EngineCollector:
         yield c
         for name, doc, key in (("bitnet_lookup_drafted_tokens", "prompt-lookup draft tokens verified", "lookup_drafted_total"),
                                ("bitnet_lookup_accepted_tokens", "prompt-lookup draft tokens accepted", "lookup_accepted_total"),
+                               ("bitnet_forced_drafted_tokens", "tokens a grammar forced, verified as drafts "
+                                "(jump-forward)", "forced_drafted_total"),
+                               ("bitnet_forced_accepted_tokens", "forced tokens the model's sampling kept",
+                                "forced_accepted_total"),
                                ("bitnet_prefill_tokens", "prompt tokens run through the model (cached and shared excluded)",
                                 "prefill_tokens_total"),
                                ("bitnet_sequence_errors", "sequences ended by a fault in their sampling or forward pass",

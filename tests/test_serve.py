@@ -297,8 +297,24 @@ def test_prompt_lookup_same_greedy_text(client, model_id):
         drafted = fams["bitnet_lookup_drafted_tokens"].samples[0].value
         accepted = fams["bitnet_lookup_accepted_tokens"].samples[0].value
         assert 0 < accepted <= drafted
+        # llama-server's timings carry the drafts when they ran
+        t = httpx.post(s.url + "/completion", json={"prompt": prompts[0], "n_predict": 48, "temperature": 0},
+                       timeout=60).json()["timings"]
+        assert 0 < t["draft_n"] and 0 <= t["draft_n_accepted"] <= t["draft_n"], t
     finally:
         s.stop()
+
+
+def test_forced_tokens_are_not_counted_as_prompt_lookup(client, model_id, server):
+    """A grammar's forced tokens run as drafts (jump-forward); they are counted as forced, never as prompt
+    lookup's, which this server has off (its counters read 88 drafted with --draft-max 0)."""
+    from prometheus_client.parser import text_string_to_metric_families
+    r = httpx.post(server.url + "/completion", json={"prompt": "Say it:", "grammar": 'root ::= "the same fixed answer"',
+                                                     "n_predict": 40, "temperature": 0}, timeout=60).json()
+    assert r["content"] == "the same fixed answer"
+    fams = {f.name: f for f in text_string_to_metric_families(httpx.get(server.url + "/metrics").text)}
+    assert fams["bitnet_lookup_drafted_tokens"].samples[0].value == 0
+    assert fams["bitnet_forced_drafted_tokens"].samples[0].value > 0
 
 
 def test_batch_size_flag_chunks_prompts_with_the_same_text(client, model_id, server):

@@ -46,7 +46,10 @@ class Drafts:
                 budget -= len(draft)
                 logit_room -= len(draft)
                 s.n_drafted += len(draft)
-                self.lookup_drafted_total += len(draft)
+                if s.looked_up:   # the lookup counters are prompt lookup's own; forced tokens run as drafts too
+                    self.lookup_drafted_total += len(draft)
+                else:
+                    self.forced_drafted_total += len(draft)
         return budget
 
     def _sample_draft(self, s, logits: np.ndarray, li: int) -> int:
@@ -63,7 +66,10 @@ class Drafts:
                 break
             j += 1                      # accepted: its logits are already computed
             s.n_accepted += 1
-            self.lookup_accepted_total += 1
+            if s.looked_up:
+                self.lookup_accepted_total += 1
+            else:
+                self.forced_accepted_total += 1
         if s.state != "done" and s.looked_up:
             s.draft_len.update(len(draft), j)
         return li + len(draft) + 1

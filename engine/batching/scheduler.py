@@ -123,7 +123,8 @@ class BatchScheduler(Drafts, Embeddings, Scoring):
         self._by_id: dict[int, _Seq] = {}
         self._closed = False
         self.requests_total = self.tokens_generated_total = self.prefix_hits_tokens = self.steps_total = 0
-        self.lookup_drafted_total = self.lookup_accepted_total = 0
+        self.lookup_drafted_total = self.lookup_accepted_total = 0   # prompt lookup's drafts
+        self.forced_drafted_total = self.forced_accepted_total = 0   # a grammar's forced tokens run as drafts
         self.prefill_tokens_total = 0   # prompt tokens run through the model (cached prefixes and forks excluded)
         self.sequence_errors_total = 0  # sequences ended by a fault (finish_reason "error")
         self.steps_split_total = 0      # batched steps run again in halves to find the sequence a fault came from
@@ -264,6 +265,8 @@ class BatchScheduler(Drafts, Embeddings, Scoring):
                     "tokens_generated_total": self.tokens_generated_total, "steps_total": self.steps_total,
                     "lookup_draft_max": self.draft_max, "lookup_drafted_total": self.lookup_drafted_total,
                     "lookup_accepted_total": self.lookup_accepted_total,
+                    "forced_drafted_total": self.forced_drafted_total,
+                    "forced_accepted_total": self.forced_accepted_total,
                     "prefill_tokens_total": self.prefill_tokens_total,
                     "sequence_errors_total": self.sequence_errors_total, "steps_split_total": self.steps_split_total,
                     "embed_inputs_total": self.embed_inputs_total, "scored_tokens_total": self.scored_tokens_total,
