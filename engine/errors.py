@@ -26,7 +26,13 @@ class UnsupportedError(BitNetError):
 
 
 class ContextOverflowError(BitNetError):
-    """The prompt (plus what is asked to be generated) does not fit the context window."""
+    """The prompt (plus what is asked to be generated) does not fit the context window. n_prompt_tokens / n_ctx:
+    the counts, where the raiser knows them (llama-server's error carries them; its web UI shows them)."""
+
+    def __init__(self, message: str, *, hint: str | None = None, n_prompt_tokens: int | None = None,
+                 n_ctx: int | None = None):
+        super().__init__(message, hint=hint)
+        self.n_prompt_tokens, self.n_ctx = n_prompt_tokens, n_ctx
 
 
 class QueueFullError(BitNetError):

@@ -59,14 +59,21 @@ COUNTED_PATHS = {"/health", "/v1/health", "/slots", "/metrics", "/completion", "
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, headers: dict | None = None):
+                 code: str | None = None, headers: dict | None = None, extra: dict | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code, self.headers = status, message, type_, param, code, headers
+        self.extra = extra   # more fields of the error object (llama-server's n_prompt_tokens / n_ctx)
 
 
-def error_response(status, message, type_="invalid_request_error", param=None, code=None, headers=None):
-    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}},
+def error_response(status, message, type_="invalid_request_error", param=None, code=None, headers=None, extra=None):
+    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code, **(extra or {})}},
                         status_code=status, headers=headers)
+
+
+def overflow_fields(e) -> dict | None:
+    """llama-server's fields of a context-exceeded error (its web UI reads them), where the counts are known."""
+    n, ctx = getattr(e, "n_prompt_tokens", None), getattr(e, "n_ctx", None)
+    return {"n_prompt_tokens": n, "n_ctx": ctx} if n is not None and ctx is not None else None
 
 
 class ServerState:
@@ -201,7 +208,7 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
 
     @app.exception_handler(APIError)
     async def _api_error(request, e: APIError):
-        return in_family(request, error_response(e.status, e.message, e.type, e.param, e.code, e.headers))
+        return in_family(request, error_response(e.status, e.message, e.type, e.param, e.code, e.headers, e.extra))
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request, e: RequestValidationError):
@@ -380,7 +387,7 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
             raise APIError(503, str(e), "server_error", code="queue_full",
                            headers={"Retry-After": str(state.retry_after)}) from None
         except ContextOverflowError as e:
-            raise APIError(400, str(e), param=param, code="context_length_exceeded") from None
+            raise APIError(400, str(e), param=param, code="context_length_exceeded", extra=overflow_fields(e)) from None
         except BitNetError as e:
             field = str(e).split(" ", 1)[0]   # the engine's messages start with the setting they are about
             raise APIError(400, str(e), param=field if field in type(req).model_fields else None,

@@ -192,6 +192,14 @@ def test_prompt_over_context_400(client, server, model_id):
     with pytest.raises(openai.BadRequestError) as ei:
         client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": "7 + 8 = 15. " * 400}])
     assert ei.value.status_code == 400 and ei.value.body["code"] == "context_length_exceeded"
+    # llama-server's fields beside OpenAI's (its web UI shows them): the prompt's tokens, and the context
+    n_ctx = client.models.list().data[0].model_extra["meta"]["n_ctx"]
+    content = "7 + 8 = 15. " * 400
+    n = len(httpx.post(server.url + "/tokenize", json={"content": content}).json()["tokens"])
+    for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": content}]}),
+                       ("/completion", {"prompt": content}), ("/v1/completions", {"prompt": content})):
+        e = httpx.post(server.url + path, json=body, timeout=60).json()["error"]
+        assert e["n_ctx"] == n_ctx and n <= e["n_prompt_tokens"] <= n + 40, (path, e)
 
 
 def test_any_model_name_is_answered_by_the_loaded_one(client, model_id):

@@ -173,7 +173,8 @@ class BatchScheduler(Drafts, Embeddings, Scoring):
         if len(ids) > self.n_ctx:
             raise ContextOverflowError(f"{text or 'the prompt'} has {len(ids)} tokens but the context holds "
                                        f"{self.n_ctx}",
-                                       hint=f"raise the context or shorten the {'text' if text else 'prompt'}")
+                                       hint=f"raise the context or shorten the {'text' if text else 'prompt'}",
+                                       n_prompt_tokens=len(ids), n_ctx=self.n_ctx)
 
     def submit(self, prompt_ids: Sequence[int] | str, params: SamplingParams | None = None, *, max_tokens: int = 256,
                stop: Sequence[str] = (), callback: Callable[[Chunk], None] | None = None,

@@ -150,7 +150,7 @@ def generate(model, tokenizer, prompt_ids: Sequence[int], params: SamplingParams
         prompt = [tokenizer.bos_id]
     if len(prompt) > model.n_ctx:
         raise ContextOverflowError(f"the prompt has {len(prompt)} tokens but the context holds {model.n_ctx}",
-                                   hint=model.context_hint())
+                                   hint=model.context_hint(), n_prompt_tokens=len(prompt), n_ctx=model.n_ctx)
     if max_tokens < 0:
         raise BitNetError(f"max_tokens {max_tokens}: must be >= 0")
     sampler = Sampler(params, model.config.vocab_size, tokenizer)
