@@ -465,7 +465,7 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
     def sse(obj) -> str:
         return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
-    async def stream_events(streams, q, n_prompt, make_chunk, include_usage):
+    async def stream_events(streams, q, n_prompt, make_chunk, include_usage, per_token=False):
         """SSE lines for one request's choices. On client disconnect Starlette cancels this generator: we cancel
         the engine streams in `finally`, so their sequences stop at the next step. A chunk carries the logprobs
         of the tokens since the previous chunk of its choice (tokens held back as a possible stop string wait)."""
@@ -487,6 +487,8 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
                 if ch.text:
                     c = make_chunk(i, ch.text, None, lps=got.logprobs[i][sent[i]:])
                     if c is not None:   # None: text held back (a tool call being written); its logprobs wait
+                        if per_token and ch.stats is not None:
+                            c["timings"] = timings_of(ch.stats)
                         yield sse(c)
                         sent[i] = len(got.logprobs[i])
                 if ch.finish_reason is not None:
@@ -521,7 +523,8 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
                 if c is not None and include_usage:
                     c["usage"] = None
                 return c
-            return StreamingResponse(stream_events(streams, q, n_prompt, chunk, include_usage),
+            return StreamingResponse(stream_events(streams, q, n_prompt, chunk, include_usage,
+                                                   getattr(body, "timings_per_token", False)),
                                      media_type="text/event-stream", headers=sse_headers)
         got, timer = await run_to_end(request, streams, q)
         if got is None:
@@ -921,7 +924,12 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
     @app.get("/slots")
     async def slots(request: Request):
         eng = ready(request)
-        return {"model": state.model_id, "n_ctx": eng.n_ctx, "metrics": eng.metrics(), "slots": eng.slots()}
+        m = eng.metrics()
+        # llama-server's load-balancer check: ?fail_on_no_slot=1 answers 503 while every sequence slot is taken
+        if request.query_params.get("fail_on_no_slot", "").lower() in ("1", "true") and m["running"] >= eng.parallel:
+            raise APIError(503, "no slot available", "unavailable_error", code="no_slot_available",
+                           headers={"Retry-After": str(state.retry_after)})
+        return {"model": state.model_id, "n_ctx": eng.n_ctx, "metrics": m, "slots": eng.slots()}
 
     from .ollama import register as register_ollama   # ollama's API: a second adapter over the same engine
     register_ollama(app, state, ready, APIError, sampling=sampling, metrics=metrics)

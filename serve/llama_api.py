@@ -55,7 +55,6 @@ class NativeCompletionRequest(_Sampling):
     return_tokens: bool = False
     samplers: Optional[list[str]] = None   # names, or llama-server's string of letters ("kpt")
     response_fields: Optional[list[str]] = None
-    timings_per_token: bool = False
     cache_prompt: bool = True     # ignored by design: a cached prefix gives the same bits as a fresh one
     id_slot: Optional[int] = None  # ignored by design: the scheduler places sequences
     n_keep: Optional[int] = None   # ignored by design: the context never shifts (a prompt over it is refused)

@@ -190,6 +190,7 @@ class _Sampling(JSONTyped):
     model: Optional[str] = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
+    timings_per_token: bool = False   # llama-server's: every streamed chunk carries `timings` (its web UI's speed)
     max_tokens: Optional[int] = Field(default=None, ge=0)
     n_predict: Optional[int] = None   # llama-server's length field (-1: to the context's end), where the
     #                                   endpoint's own (max_tokens, ...) is left out

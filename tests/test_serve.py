@@ -416,6 +416,10 @@ def test_queue_full_has_retry_after_on_every_api(tmp_path_factory):
         with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=30 * slowness()) as r:
             lines = r.iter_lines()   # kept: a dropped iterator closes the response
             assert next(lines).startswith("data: ")
+            # llama-server's load-balancer check: no free slot is a 503 when asked (and the listing otherwise)
+            busy = httpx.get(s.url + "/slots", params={"fail_on_no_slot": 1}, timeout=30)
+            assert busy.status_code == 503 and busy.json()["error"]["code"] == "no_slot_available"
+            assert httpx.get(s.url + "/slots", timeout=30).json()["metrics"]["running"] == 1
             for path, req in (("/v1/completions", {"prompt": "a", "max_tokens": 2}),
                               ("/v1/messages", {"model": "m", "max_tokens": 2, "messages": [{"role": "user",
                                                                                               "content": "a"}]}),
@@ -426,6 +430,8 @@ def test_queue_full_has_retry_after_on_every_api(tmp_path_factory):
                               ("/api/embeddings", {"model": "m", "prompt": "a"})):
                 got = httpx.post(s.url + path, json=req, timeout=30 * slowness())
                 assert got.status_code == 503 and int(got.headers["retry-after"]) >= 1, (path, got.text)
+        s.slots_when_idle()
+        assert httpx.get(s.url + "/slots", params={"fail_on_no_slot": 1}, timeout=30).status_code == 200
     finally:
         assert s.stop()[0] == 0
 

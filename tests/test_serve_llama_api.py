@@ -68,6 +68,23 @@ def test_openai_paths_without_v1_as_llama_server_has_them(server):
     assert r.status in ("completed", "incomplete") and r.usage.input_tokens > 0
 
 
+def test_timings_per_token_on_the_openai_streams(server):
+    """llama-server's timings_per_token on /v1/chat/completions and /v1/completions streams: every chunk with text
+    carries `timings` (its web UI's live tokens/s), the last one too; without it only the last one."""
+    for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": TEXT}]}),
+                       ("/v1/completions", {"prompt": TEXT})):
+        for per_token in (True, False):
+            with httpx.stream("POST", server.url + path, json={**body, "stream": True, "max_tokens": 6,
+                                                                "temperature": 0, "timings_per_token": per_token},
+                              timeout=60) as r:
+                chunks = [json.loads(line[6:]) for line in r.iter_lines()
+                          if line.startswith("data: {")]
+            texts = [c for c in chunks if c["choices"] and (c["choices"][0].get("delta", {}).get("content")
+                                                            or c["choices"][0].get("text"))]
+            assert texts and chunks[-1]["timings"]["predicted_n"] >= 1
+            assert all("timings" in c for c in texts) == per_token and any("timings" in c for c in texts) == per_token
+
+
 def test_props_say_what_the_server_runs(server):
     p = httpx.get(server.url + "/props", timeout=30).json()
     models = httpx.get(server.url + "/v1/models", timeout=30).json()["data"][0]
