@@ -166,6 +166,7 @@ class Router:
         self.children: dict[str, Child] = {}
         self.ending: set[Child] = set()             # stopped, their processes not yet exited
         self.details: dict[str, dict] = {}     # a model's /api/ps entry, kept after it is unloaded
+        self.shows: dict[str, bytes] = {}      # /api/show answers by model file and request: never a load again
         self.counts: dict[tuple, int] = {}
         self.draining = False
         self.cond: asyncio.Condition | None = None
@@ -714,6 +715,35 @@ def create_router_app(router: Router, *, api_keys: tuple = (), limits: Limits | 
         if not isinstance(name, str) or not name.strip():
             raise RouterError(400, "model: required (the model's name, a string)", "invalid_value", "model")
         return name.strip()
+
+    @app.post("/api/show")
+    async def api_show(request: Request):
+        """ollama's /api/show is metadata: clients (Open WebUI, Continue, editors) ask it of every listed model. A
+        model's answer is kept once given, by its file (path, size, time) and the request's other fields, so
+        asking again never loads it, nor unloads one in use to make room; the first ask loads it, as it must."""
+        if router.draining:
+            raise RouterError(503, "shutting down", "unavailable", retry_after=router.retry_after)
+        data, body = await body_model(request)
+        spec = await router.resolve(ollama_name(data))
+        key = spec.digest() + json.dumps({k: v for k, v in data.items() if k not in ("model", "name")},
+                                         sort_keys=True, default=str)
+        if key in router.shows:
+            return Response(router.shows[key], media_type="application/json")
+        c = await router.acquire(spec)
+        try:
+            r = await router.client.post(c.url + "/api/show", content=body, timeout=60,
+                                         headers={"authorization": f"Bearer {router.key}",
+                                                  "content-type": "application/json"})
+        except httpx.HTTPError as e:
+            raise RouterError(502, f"model '{spec.name}' did not answer: {type(e).__name__}", "model_unavailable",
+                              retry_after=router.retry_after) from None
+        finally:
+            router.release(c)
+        if r.status_code == 200:
+            if len(router.shows) >= 256:   # bounded: the oldest answer goes
+                router.shows.pop(next(iter(router.shows)))
+            router.shows[key] = r.content
+        return Response(r.content, status_code=r.status_code, media_type="application/json")
 
     @app.post("/api/pull")
     async def api_pull(request: Request):

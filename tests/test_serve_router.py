@@ -192,6 +192,19 @@ def test_names_as_ollama_matches_them_and_its_heartbeat(router):
         assert httpx.head(router.url + path, timeout=30).status_code == 200, path
 
 
+def test_show_loads_a_model_once_at_most(router):
+    """ollama's /api/show is metadata, asked of every listed model by clients: once answered, asking again never
+    loads the model (nor unloads one in use to make room), and the answer is the model's own."""
+    import ollama
+    client = ollama.Client(host=router.url)
+    first = client.show("synth")
+    post(router.url, "/models/unload", {"model": "synth"})
+    assert wait_for(lambda: "synth" not in loaded(router.url))
+    again = client.show("synth")
+    assert again.model_dump() == first.model_dump() and "synth" not in loaded(router.url)
+    assert post(router.url, "/api/show", {"model": "nope"}).status_code == 404
+
+
 def test_a_model_that_fails_to_load_is_one_error_and_the_rest_serve_on(router):
     r = post(router.url, "/v1/chat/completions", {"model": "broken", "messages": CHAT})
     assert r.status_code == 500
