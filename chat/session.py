@@ -370,6 +370,8 @@ class ChatSession:
                 self.out.notice(f"[prefill failed: {e}; the conversation is loaded, the next turn will retry]")
                 return
             interrupted = interrupted or flag.hit
+        if flag.terminated:   # SIGTERM / SIGHUP: leave (the conversation is loaded; nothing to keep of a prefill)
+            raise Terminated(flag.terminated)
         dt = time.perf_counter() - t0
         self.tokens_in_cache = len(ids)
         if interrupted:

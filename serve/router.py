@@ -354,8 +354,8 @@ class Router:
                     c = self._spawn(spec)
                     break
                 idle = [x for x in self.children.values() if x.active == 0 and not x.stopping]
-                if idle:
-                    victim = min(idle, key=lambda x: x.last_used)
+                if idle and len(self.children) >= self.models_max:   # one victim: not every idle model while the
+                    victim = min(idle, key=lambda x: x.last_used)      # first one is still exiting
                     self._stop(victim, "room")
                     continue
                 left = deadline - time.monotonic()

@@ -263,6 +263,31 @@ def test_sigterm_and_sighup_restore_the_terminal_and_keep_the_answer_so_far(long
     assert after[3] & termios.ECHO and after[3] & termios.ICANON   # the terminal as it was (pexpect's: cooked)
 
 
+def test_sigterm_while_a_conversation_loads_ends_bitchat(long_model, tmp_path):
+    """SIGTERM at any moment of /load (reading, fitting the window, the prefill) ends bitchat with 143: it was
+    taken for a tokenizer error ("[internal error: FormatError ... 15]") or a Ctrl-C of the prefill, and bitchat
+    went on."""
+    import signal
+
+    from bitnet_cpu.chat.transcript import Conversation
+
+    long = Conversation()
+    for i in range(100):
+        t = long.add_user(f"question {i} " + "words " * 40)
+        t.assistant = f"answer {i} " + "more words " * 40
+    long.save(str(tmp_path / "long.json"))
+    for delay in (0.0, 0.05, 0.3):
+        chat = Chat(long_model, tmp_path, "-c", "8192")
+        chat.enter(f"/load {tmp_path / 'long.json'}")
+        time.sleep(delay)
+        chat.child.kill(signal.SIGTERM)
+        chat.expect(pexpect.EOF)
+        chat.child.close()
+        assert chat.child.exitstatus == 143 and "bitchat: terminated (SIGTERM)" in chat.child.before, \
+            (delay, chat.child.before[-500:])
+        assert "internal error" not in chat.child.before
+
+
 def test_ctrl_c_at_the_prompt_clears_the_line_and_hints(chat_model, tmp_path):
     chat = Chat(chat_model, tmp_path)
     chat.child.send("some text I regret")

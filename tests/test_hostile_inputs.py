@@ -90,6 +90,8 @@ def test_context_hint_only_when_ctx_can_grow(model):
     assert "raise -c" not in full and "already the model's full 128 tokens" in full
     small = one_error_line(bitnet("run", "-m", model["store"], "-p", long_prompt, "-c", "64"))
     assert "raise -c/--ctx" in small
+    past = one_error_line(bitnet("run", "-m", model["store"], "-p", long_prompt * 2, "-c", "256"))   # past 128
+    assert "raise -c" not in past and "the context (256) is already past the 128 tokens" in past
 
 
 # ---- files -------------------------------------------------------------------------------------------

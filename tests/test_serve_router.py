@@ -333,6 +333,25 @@ def test_a_replaced_or_removed_file_is_not_served_from_its_old_process(tmp_path,
         s.stop()
 
 
+def test_room_is_made_by_unloading_one_model(tmp_path, models_dir):
+    """--models-max 2, two idle models loaded, a third asked for: the least recently used one goes, the other stays
+    (every idle one went while the first was still exiting)."""
+    d = tmp_path / "models"
+    d.mkdir()
+    for name in "abc":
+        shutil.copy(models_dir / "tiny.bnstore", d / f"{name}.bnstore")
+    s = Server("--models-dir", str(d), "--models-max", "2", "-c", "1024", threads=1)
+    try:
+        chat_text(s.url, "a")
+        chat_text(s.url, "b")
+        chat_text(s.url, "c")
+        assert loaded(s.url) == {"b", "c"}
+        text = httpx.get(s.url + "/metrics", timeout=30).text
+        assert re.findall(r'unloads_total\{model="(\w)",reason="room"\} 1', text) == ["a"], text
+    finally:
+        s.stop()
+
+
 def test_an_idle_model_goes_after_models_keep_alive(models_dir):
     s = Server("--models-dir", str(models_dir), "--models-keep-alive", "1s", threads=1)
     try:

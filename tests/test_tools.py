@@ -240,6 +240,13 @@ def test_calls_are_held_to_the_templates_separators(llm, template):
     compact = json.dumps({"name": "add", key: {"a": 1, "b": 2}}, separators=(",", ":"))
     wrap = (lambda c: c) if fmt.name == "llama3_json" else (lambda c: f"<tool_call>\n{c}\n</tool_call>")
     assert fmt.call_text("add", {"a": 1, "b": 2}) == wrap(spaced)   # as the history renders it
+    # a past call's string with DEL in it is written as the grammar writes it (escaped), never raw
+    odd = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "required": ["v"], "properties": {"v": {"const": "a\x7fb"}}}}}]
+    spec = fmt.constraint(functions_from_tools(odd), "required", False)
+    past = fmt.call_text("f", {"v": "a\x7fb"})
+    assert "\x7f" not in past and takes(llm, spec, past) and json.loads(
+        past.removeprefix("<tool_call>\n").removesuffix("\n</tool_call>"))[key]["v"] == "a\x7fb"
     for choice in ("auto", "required", "add"):
         spec = fmt.constraint(functions_from_tools(TOOLS), choice, True)
         assert takes(llm, spec, wrap(spaced)) and not takes(llm, spec, wrap(compact)), choice
@@ -255,6 +262,10 @@ def test_llama3_auto_answers_in_any_text_that_is_no_call(llm):
     for text in ('{"answer": 42}', '{\n  "city": "Oslo"\n}', " Hello", "\n\nHello", "Five.", call):
         assert takes(llm, auto, text), text
     assert not takes(llm, auto, '{"name": "sub", "parameters": {}}')   # a call opened is a valid call
+    # whitespace then a call is not text either: the parser reads past whitespace, so it would be a call that
+    # skipped the call grammar (a function never offered, arguments off its schema)
+    assert not takes(llm, auto, ' {"name": "sub", "parameters": {}}')
+    assert not takes(llm, auto, '\n{"name": "add", "parameters": {"a": "x"}}')
     for text in ('{"answer": 42}', " Hello", '[1, 2]'):
         p = JsonCallParser()
         content, calls = p.feed(text)

@@ -88,6 +88,8 @@ def _library_call(source: str, what: str, fn, *args):
     except (KeyboardInterrupt, SystemExit, MemoryError):
         raise
     except BaseException as e:  # noqa: B036 - pyo3's PanicException derives from BaseException
+        if not isinstance(e, Exception) and type(e).__name__ != "PanicException":
+            raise   # a signal's exception raised while the library ran (bitchat's SIGTERM), never the file's fault
         raise FormatError(f"{source}: {what}: {' '.join(str(e).split())[:300]}") from None
 
 

@@ -506,6 +506,9 @@ class Model:
         trained = self.config.context_length
         if self.n_ctx < trained:
             return f"raise -c/--ctx (the model was trained for up to {trained} tokens) or shorten the prompt"
+        if self.n_ctx > trained:
+            return (f"the context ({self.n_ctx}) is already past the {trained} tokens the model was trained for: "
+                    "shorten the prompt or ask for less")
         return f"the context is already the model's full {trained} tokens: shorten the prompt or ask for less"
 
     def _head_rows(self, v: _Views, out: np.ndarray):

@@ -199,7 +199,9 @@ class Llama3JsonFormat(ToolFormat):
         return "calls: call\n"   # one call an answer: Llama 3.x templates raise on two in the history
 
     def _text_rule(self):   # a text answer is anything that does not open a call: JSON that is no call is text
-        return f"TEXT: /(?s:.+)/ & ~/(?s:{_CALL_START.pattern}.*)/\n"
+        # (whitespace then a call is neither: the parser reads past leading whitespace, so it would be a call that
+        # skipped the call grammar)
+        return f"TEXT: /(?s:.+)/ & ~/(?s:\\s*{_CALL_START.pattern}.*)/\n"
 
     def _auto_rule(self, parallel):
         return "start: TEXT | calls\n" + self._text_rule()   # the whole answer is the call
@@ -296,7 +298,9 @@ def _call_json(name: str, key: str, arguments) -> str:
     args = _loads(arguments)
     if isinstance(args, str) and isinstance(arguments, str):
         return f'{{"name": {json.dumps(name, ensure_ascii=False)}, "{key}": {arguments}}}'
-    return json.dumps({"name": name, key: args}, ensure_ascii=False)
+    # DEL (U+007F) escaped, as the grammar writes it (json.dumps leaves it raw, which the grammar refuses): the
+    # history shows the model the text it is held to
+    return json.dumps({"name": name, key: args}, ensure_ascii=False).replace("\x7f", "\\u007f")
 
 
 def _loads(a):
