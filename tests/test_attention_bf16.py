@@ -135,3 +135,37 @@ def test_the_environment_variable(value, ok):
         assert r.returncode == 0 and r.stdout.strip() == value, r.stderr
     else:
         assert r.returncode != 0 and f"BITNET_ATTENTION={value}: f32 or bf16" in r.stderr
+
+
+def test_drafts_decode_in_f32_under_bf16_prefill():
+    """bf16 products are for prompt rows: a verify pass (the last sampled token and prompt lookup's draft, or a
+    grammar's forced tokens) decodes, so with bf16 on, drafting still changes nothing (every seed's text differed)."""
+    from bitnet_cpu.engine.api import LookupParams, SamplingParams, load_model
+    from bitnet_cpu.models.corpus import story
+    import random
+
+    llm = load_model(None, ctx=1024, threads=1, progress=False)
+    try:
+        text = story(random.Random(5))
+        ids = llm.tokenize(text + "\n" + text[:400], add_bos=True)
+
+        def run(draft_max, seed):
+            llm.reset()
+            chunks = list(llm.generate(ids, SamplingParams(temperature=1.0, seed=seed), max_tokens=80,
+                                       ignore_eos=True, lookup=LookupParams(draft_max=draft_max)))
+            return [c.token for c in chunks if c.token is not None], chunks[-1].stats
+
+        ops.set_attention_precision("bf16")
+        try:
+            drafted = 0
+            for seed in range(3):
+                off, _ = run(0, seed)
+                on, st = run(8, seed)
+                assert on == off, seed
+                drafted += st.n_drafted
+            assert drafted > 0   # the drafts ran (else the comparison says nothing)
+            assert ops.attention_precision() == "bf16"   # switched back after each verify pass
+        finally:
+            ops.set_attention_precision("f32")
+    finally:
+        llm.close()

@@ -36,6 +36,7 @@ import numpy as np
 from ..errors import BitNetError, ContextOverflowError, QueueFullError
 from ..runtime.constraints import compile_constraint
 from ..runtime.generate import Chunk, Stats, _StopMatcher
+from ..runtime.model import decode_rows_attention
 from ..runtime.reasoning import budget_matcher
 from ..runtime.sampling import Sampler, SamplingParams
 from ..runtime.speculative import OFF, DraftLength, LookupParams, PromptLookup
@@ -455,7 +456,11 @@ class BatchScheduler(Drafts, Embeddings, Scoring):
             pt[i, : len(s.pages)] = s.pages
             row += r
             seq_rows[i + 1] = row
-        logits = self.model.step(ids, seq_rows, seq_pos0, pt, logit_rows)
+        if any(s.draft for s, _ in plan):   # draft rows decode: f32 attention products, as decode steps
+            with decode_rows_attention():
+                logits = self.model.step(ids, seq_rows, seq_pos0, pt, logit_rows)
+        else:
+            logits = self.model.step(ids, seq_rows, seq_pos0, pt, logit_rows)
         self.steps_total += 1
         return logits
 

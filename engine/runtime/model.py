@@ -20,6 +20,7 @@ uses gemv_ternary. The residual stream and the MLP intermediate stay f32; the KV
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -123,6 +124,26 @@ def _expect(store, name: str, dtype, size: int) -> np.ndarray:
         raise FormatError(f"{store.path}: tensor {name} has dtype {a.dtype} / {a.size} values (expected "
                           f"{np.dtype(dtype[0] if isinstance(dtype, tuple) else dtype)} / {size})")
     return a.reshape(-1)
+
+
+_PRECISION_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def decode_rows_attention():
+    """Attention with f32 products for a pass of several rows that decodes (a verify pass: the last sampled token
+    and a draft, prompt lookup's or a grammar's forced tokens) while bf16 prefill attention is on: bf16 is for
+    prompt rows, and a draft's rows must give decode()'s bits or drafting would change the output. The setting is
+    process-wide: it is switched back after the pass."""
+    if ops.attention_precision() != "bf16":
+        yield
+        return
+    with _PRECISION_LOCK:
+        ops.set_attention_precision("f32")
+        try:
+            yield
+        finally:
+            ops.set_attention_precision("bf16")
 
 
 class _Layer:
@@ -534,6 +555,10 @@ class Model:
             i8_head_rows(e - r)(self._out_w, self._out_scale, self._out_rowsum, v.xq_d[r:e], v.act_scale[r:e], out[r:e])
 
     def verify(self, ids) -> np.ndarray:
+        with decode_rows_attention():   # decoding rows: never bf16 prefill products, whatever the setting
+            return self._verify(ids)
+
+    def _verify(self, ids) -> np.ndarray:
         """Run 1..VERIFY_MAX tokens at positions n_past.. in one pass (speculative decoding: the last sampled
         token followed by the draft). Returns logits [len(ids), V] (a session buffer, overwritten next call);
         row i equals what decode() would give for ids[i] after ids[:i]. Drop rejected positions with truncate()."""
