@@ -504,7 +504,7 @@ class ChatSession:
             lines.append(f"last answer: {format_stats(s, s.n_generated)}  ({pre}stop: {s.finish_reason})")
         mean = f"{self.total_decode_tokens / self.total_decode_s:.1f} tok/s" if self.total_decode_s > 0 else "-"
         lines.append(f"session:     {len(self.conv.turns)} turns ({len(self.conv.window_turns())} in the window, "
-                     f"{self.n_dropped} dropped), {self.total_generated} tokens generated, mean decode {mean}")
+                     f"{self.conv.window_start} dropped), {self.total_generated} tokens generated, mean decode {mean}")
         lines.append(f"context:     {self.tokens_in_cache} / {self.llm.n_ctx} tokens")
         return "\n".join(lines)
 

@@ -78,6 +78,13 @@ def test_context_trimming_keeps_system_and_never_overflows(llm):
         assert s.tokens_in_cache <= small.n_ctx
     assert s.n_dropped > 0 and "dropped the" in sink.getvalue()
     assert len(s.conv.turns) == 10 and all(t.assistant is not None for t in s.conv.turns)
+    # /stats counts the turns out of the window, also those a loaded conversation had dropped before
+    path = os.path.join(os.path.dirname(small.store.path), "trimmed.json")
+    s.conv.save(path)
+    again = ChatSession(small, Settings(temp=0.0, max_tokens=8), Output(sink, sink, interactive=False))
+    again.run_command(parse_command(f"/load {path}"))
+    again.run_command(parse_command("/stats"))
+    assert f"10 turns ({10 - s.conv.window_start} in the window, {s.conv.window_start} dropped)" in sink.getvalue()
     assert s.conv.messages()[0] == {"role": "system", "content": "Be brief."}
     assert s.conv.messages()[-2]["content"].startswith("Question 9:")
 
