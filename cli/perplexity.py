@@ -34,7 +34,7 @@ def add_arguments(p):
     p.add_argument("--chunks", type=int, default=-1, metavar="N", help="score at most N chunks (-1: every whole one)")
     p.add_argument("--ppl-stride", dest="ppl_stride", type=int, default=0, metavar="N",
                    help="llama-perplexity's strided pass: windows of -c tokens every N tokens, each scored over its "
-                        "last N (default: 0, whole chunks)")
+                        "last N (default: 0, whole chunks)%(default).0s")
     p.add_argument("--ppl-output-type", dest="ppl_output_type", type=int, choices=(0, 1), default=0,
                    help="0: the running PPL as [1]7.1234,[2]...; 1: one line per chunk: its first token, the PPL so "
                         "far (and, over chunks, the mean log-likelihood and its error), as llama-perplexity")
