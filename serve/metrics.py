@@ -79,6 +79,27 @@ class _EngineCollector:
             c = CounterMetricFamily(name, doc)
             c.add_metric([], float(m.get(key, 0)))
             yield c
+        yield from _llama_server_names(m)
+
+
+# llama-server's names for the same numbers (its README's "Available metrics"): dashboards and autoscalers keyed to
+# them read these
+_LLAMA_COUNTERS = (("llamacpp:prompt_tokens", "prompt tokens processed", "prefill_tokens_total"),
+                   ("llamacpp:tokens_predicted", "generation tokens processed", "tokens_generated_total"),
+                   ("llamacpp:n_decode", "decode calls (batched steps)", "steps_total"))
+_LLAMA_GAUGES = (("llamacpp:requests_processing", "requests processing", "running"),
+                 ("llamacpp:requests_deferred", "requests deferred (waiting for a slot)", "waiting"))
+
+
+def _llama_server_names(m: dict):
+    for name, doc, key in _LLAMA_COUNTERS:
+        c = CounterMetricFamily(name, doc)
+        c.add_metric([], float(m.get(key, 0)))
+        yield c
+    for name, doc, key in _LLAMA_GAUGES:
+        g = GaugeMetricFamily(name, doc)
+        g.add_metric([], float(m.get(key, 0)))
+        yield g
 
 
 class ServerMetrics:

@@ -254,6 +254,13 @@ def test_generated_tokens_and_latency_metrics_agree_with_the_answers(server, mod
         gen1, ttft1 = scrape()
         assert ended, r   # the bundled model answers this within 60 tokens, ending with its end-of-text token
         assert gen1 - gen0 == n and ttft1 - ttft0 == 1, (path, gen1 - gen0, n, ttft1 - ttft0)
+    # llama-server's names for the engine's numbers (dashboards keyed to them), idle now
+    fams = {f.name: f.samples[0].value for f in text_string_to_metric_families(httpx.get(server.url + "/metrics").text)}
+    m = httpx.get(server.url + "/slots").json()["metrics"]
+    assert fams["llamacpp:tokens_predicted"] == m["tokens_generated_total"] > 0
+    assert fams["llamacpp:prompt_tokens"] == m["prefill_tokens_total"] > 0
+    assert fams["llamacpp:n_decode"] == m["steps_total"] > 0
+    assert fams["llamacpp:requests_processing"] == fams["llamacpp:requests_deferred"] == 0
 
 
 @pytest.mark.parametrize("path", ["/v1/embeddings", "/api/embed", "/api/embeddings", "/api/chat", "/api/generate",
