@@ -82,7 +82,9 @@ def sigint_as_flag():
 @contextmanager
 def quiet_terminal(enabled: bool):
     """While an answer streams, keys typed on the terminal are not echoed (no stray "^C" inside the
-    answer); they stay buffered and appear at the next prompt. Restored whatever happens."""
+    answer); they stay buffered and appear at the next prompt, as typed: the line discipline's canonical mode is off
+    too, or it would take a Ctrl-D typed meanwhile as its own end-of-file and the prompt would never see it.
+    Restored whatever happens."""
     fd = None
     if enabled:
         try:
@@ -92,7 +94,7 @@ def quiet_terminal(enabled: bool):
             fd = sys.stdin.fileno()
             saved = termios.tcgetattr(fd)
             quiet = list(saved)
-            quiet[3] &= ~(termios.ECHO | getattr(termios, "ECHOCTL", 0))
+            quiet[3] &= ~(termios.ECHO | getattr(termios, "ECHOCTL", 0) | termios.ICANON)
             termios.tcsetattr(fd, termios.TCSANOW, quiet)
         except (ImportError, OSError, ValueError, AttributeError):
             fd = None

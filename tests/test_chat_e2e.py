@@ -288,6 +288,19 @@ def test_sigterm_while_a_conversation_loads_ends_bitchat(long_model, tmp_path):
         assert "internal error" not in chat.child.before
 
 
+def test_ctrl_d_typed_while_an_answer_streams_ends_the_chat_after_it(long_model, tmp_path):
+    """Keys typed while an answer streams wait for the next prompt: a Ctrl-D too (the terminal's canonical mode
+    took it as its own end-of-file, so it was lost and bitchat stayed at the prompt)."""
+    chat = Chat(long_model, tmp_path, "-n", "1500", "--temp", "0")
+    chat.enter("Tell me a very long story about a dragon, with many chapters.")
+    chat.expect(r"\S")                                # the answer has started
+    chat.child.send("\x04")
+    chat.expect(STATS_RE)                             # the answer ran to its end
+    chat.expect(pexpect.EOF)                          # then the Ctrl-D at the prompt: bye
+    chat.child.close()
+    assert chat.child.exitstatus == 0
+
+
 def test_ctrl_c_at_the_prompt_clears_the_line_and_hints(chat_model, tmp_path):
     chat = Chat(chat_model, tmp_path)
     chat.child.send("some text I regret")
