@@ -162,12 +162,14 @@ class Conversation:
                 if durable:
                     os.fsync(f.fileno())
             os.replace(tmp, path)
-        except OSError as e:
+        except BaseException as e:   # a full disk, or Ctrl-C / SIGTERM mid-write: never a temp file left behind
             try:
                 os.unlink(tmp)
             except OSError:
                 pass
-            raise TranscriptError(f"{path}: write failed ({e.strerror})") from None
+            if isinstance(e, OSError):
+                raise TranscriptError(f"{path}: write failed ({e.strerror})") from None
+            raise
         if not durable:
             return path
         try:  # make the rename itself durable

@@ -126,6 +126,33 @@ def test_failed_save_keeps_the_old_file(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["conv.json"]
 
 
+def test_a_signal_during_a_save_leaves_no_temp_file(tmp_path):
+    """A signal whose handler raises (Ctrl-C; bitchat's SIGTERM) in the middle of the write: here SIGXFSZ, sent by
+    the kernel when the write crosses the file-size limit, with a handler that raises KeyboardInterrupt. The old file
+    stays, and no .bitchat-*.tmp is left beside it (only a failed write's OSError removed it)."""
+    import resource
+    import signal
+
+    target = tmp_path / "conv.json"
+    target.write_text("old content")
+    big = make_conv(50)
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    previous = signal.signal(signal.SIGXFSZ, interrupt)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1000, hard))
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            big.save(str(target))
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, previous)
+    assert target.read_text() == "old content"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["conv.json"]
+
+
 def test_save_errors_name_the_file(tmp_path):
     with pytest.raises(TranscriptError, match="does not exist"):
         make_conv(1).save(str(tmp_path / "nodir" / "c.json"))
