@@ -210,8 +210,7 @@ class ChatSession:
         with sigint_as_flag() as flag:   # from the turn's first moment: a Ctrl-C never leaves it half made
             turn = self.conv.add_user(text)
             self._answer(turn, flag)
-        if flag.terminated:   # the answer so far is kept and saved: now leave
-            raise Terminated(flag.terminated)
+        self._after_turn(turn, flag)
 
     def retry(self) -> None:
         turn = self.conv.last_turn()
@@ -222,8 +221,17 @@ class ChatSession:
             turn.interrupted = False
             turn.finish_reason = None
             self._answer(turn, flag)
-        if flag.terminated:
+        self._after_turn(turn, flag)
+
+    @staticmethod
+    def _after_turn(turn, flag) -> None:
+        """A signal that came while the turn was made and did not stop its answer (it came after the answer was
+        whole, during the bookkeeping) acts now, as outside a turn: SIGTERM / SIGHUP leave, Ctrl-C is a
+        KeyboardInterrupt (piped bitchat exits 130)."""
+        if flag.terminated:   # the answer so far is kept and saved: now leave
             raise Terminated(flag.terminated)
+        if flag.hit and not turn.interrupted:
+            raise KeyboardInterrupt
 
     def _answer(self, turn, flag) -> None:
         """Answer `turn` (the conversation's last), under sigint_as_flag's `flag`: a Ctrl-C at any moment leaves
