@@ -241,12 +241,19 @@ class ChatSession:
             self._answer_flagged(turn, flag)
         except KeyboardInterrupt:   # a second Ctrl-C before the answer began (while the prompt was fitted)
             if turn.assistant is None and self.conv.last_turn() is turn:
-                turn.assistant, turn.interrupted, turn.finish_reason = "", True, "interrupted"
-                self.cached_turn = None
                 with contextlib.suppress(KeyboardInterrupt):
-                    self._save_recovery()
+                    self._not_begun(turn)
+                return
             self.out.end_answer()
-            self.out.notice("[interrupted before the answer began]")
+            self.out.notice("[interrupted]")   # the turn was already answered, or dropped
+
+    def _not_begun(self, turn) -> None:
+        """A Ctrl-C before `turn`'s answer began: an empty answer, interrupted, saved and said."""
+        turn.assistant, turn.interrupted, turn.finish_reason = "", True, "interrupted"
+        self.cached_turn = None
+        self.out.end_answer()
+        self.out.notice("[interrupted before the answer began]")
+        self._save_recovery()
 
 
     def _answer_flagged(self, turn, flag) -> None:
@@ -291,10 +298,7 @@ class ChatSession:
                 self.out.stream(content)
         self._save_recovery()   # the question is on disk before the model reads its weights again
         if flag.hit:   # Ctrl-C before the answer began: an empty one, interrupted
-            self.out.end_answer()
-            turn.assistant, turn.interrupted, turn.finish_reason = "", True, "interrupted"
-            self._save_recovery()
-            self.out.notice("[interrupted before the answer began]")
+            self._not_begun(turn)
             return
         try:
             with quiet_terminal(self.out.interactive):

@@ -74,7 +74,7 @@ def _cos(a, b) -> float:
     return float(a @ b) / (na * nb)
 
 
-def render(vectors, texts: list[str], fmt: str, normalize: int, pooled: bool) -> str:   # noqa: C901
+def render(vectors, texts: list[str], fmt: str, normalize: int, pooled: bool) -> str:
     """llama-embedding's stdout for the vectors (one per text, or per token when not pooled)."""
     num = "%6.0f " if normalize == 0 else "%9.6f "
     fine = "%1.0f" if normalize == 0 else "%1.7f"

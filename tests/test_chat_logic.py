@@ -104,9 +104,9 @@ def test_save_is_atomic_and_leaves_no_temp_files(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["conv.json"]
 
 
-def test_failed_save_keeps_the_old_file(tmp_path):
-    """A write that fails half way (here: the file-size limit, which binds root too) leaves the old
-    file untouched and no temp file behind."""
+def _save_past_the_size_limit(tmp_path, on_sigxfsz, raises):
+    """Save a conversation over an old file with the file-size limit (which binds root too) crossed mid-write, the
+    kernel's SIGXFSZ handled by `on_sigxfsz`; the save must raise `raises`. Leaves the old file to check."""
     import resource
     import signal
 
@@ -114,14 +114,23 @@ def test_failed_save_keeps_the_old_file(tmp_path):
     target.write_text("old content")
     big = make_conv(50)
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)   # get EFBIG instead of being killed
+    previous = signal.signal(signal.SIGXFSZ, on_sigxfsz)
     resource.setrlimit(resource.RLIMIT_FSIZE, (1000, hard))
     try:
-        with pytest.raises(TranscriptError, match="conv.json: write failed"):
+        with raises:
             big.save(str(target))
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
         signal.signal(signal.SIGXFSZ, previous)
+    return target
+
+
+def test_failed_save_keeps_the_old_file(tmp_path):
+    """A write that fails half way leaves the old file untouched and no temp file behind."""
+    import signal
+
+    target = _save_past_the_size_limit(tmp_path, signal.SIG_IGN,   # SIG_IGN: EFBIG instead of being killed
+                                       pytest.raises(TranscriptError, match="conv.json: write failed"))
     assert target.read_text() == "old content"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["conv.json"]
 
@@ -130,25 +139,10 @@ def test_a_signal_during_a_save_leaves_no_temp_file(tmp_path):
     """A signal whose handler raises (Ctrl-C; bitchat's SIGTERM) in the middle of the write: here SIGXFSZ, sent by
     the kernel when the write crosses the file-size limit, with a handler that raises KeyboardInterrupt. The old file
     stays, and no .bitchat-*.tmp is left beside it (only a failed write's OSError removed it)."""
-    import resource
-    import signal
-
-    target = tmp_path / "conv.json"
-    target.write_text("old content")
-    big = make_conv(50)
-
     def interrupt(signum, frame):
         raise KeyboardInterrupt
 
-    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-    previous = signal.signal(signal.SIGXFSZ, interrupt)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (1000, hard))
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            big.save(str(target))
-    finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
-        signal.signal(signal.SIGXFSZ, previous)
+    target = _save_past_the_size_limit(tmp_path, interrupt, pytest.raises(KeyboardInterrupt))
     assert target.read_text() == "old content"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["conv.json"]
 

@@ -24,6 +24,7 @@ submit/cancel/metrics take the lock.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 import time
@@ -456,10 +457,8 @@ class BatchScheduler(Drafts, Embeddings, Scoring):
             pt[i, : len(s.pages)] = s.pages
             row += r
             seq_rows[i + 1] = row
-        if any(s.draft for s, _ in plan):   # draft rows decode: f32 attention products, as decode steps
-            with decode_rows_attention():
-                logits = self.model.step(ids, seq_rows, seq_pos0, pt, logit_rows)
-        else:
+        # draft rows decode: f32 attention products, as decode steps
+        with decode_rows_attention() if any(s.draft for s, _ in plan) else contextlib.nullcontext():
             logits = self.model.step(ids, seq_rows, seq_pos0, pt, logit_rows)
         self.steps_total += 1
         return logits
