@@ -50,12 +50,6 @@ class TokenText:
         got = self._cache.get(i)
         if got is None:
             b = self.tok.token_bytes(i)
-            if b is None:   # not byte-level BPE (sentencepiece): the piece as it decodes alone
-                piece = self.tok.id_to_token(i) or ""
-                if piece.startswith("<0x") and piece.endswith(">") and len(piece) == 6:   # a byte-fallback token
-                    b = bytes([int(piece[3:5], 16)])
-                else:
-                    b = piece.replace("\u2581", " ").encode("utf-8")
             got = (b.decode("utf-8", errors="replace"), b)
             self._cache[i] = got
         return got

@@ -144,17 +144,12 @@ _longest: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def longest_token_bytes(tok) -> int:
-    """UTF-8 bytes of the tokenizer's longest token (its exact bytes for byte-level BPE, else its piece's text,
-    which is as long or longer: '▁' is 3 bytes for one space, '<0xE3>' 6 for one byte)."""
+    """Bytes of the tokenizer's longest token (Tokenizer.token_bytes)."""
     n = _longest.get(tok)
     if n is None:
         n = 1
         for i in range(tok.vocab_size):
-            b = tok.token_bytes(i)
-            if b is None:
-                t = tok.id_to_token(i)
-                b = t.encode("utf-8", "surrogatepass") if t else b""
-            n = max(n, len(b))
+            n = max(n, len(tok.token_bytes(i)))
         _longest[tok] = n
     return n
 

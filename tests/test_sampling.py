@@ -380,6 +380,28 @@ def test_dry_breakers_of_a_real_vocabulary():
         llm.close()
 
 
+def test_dry_breakers_of_a_gguf_sentencepiece_vocabulary(tmp_path):
+    """A GGUF with a SentencePiece ("llama") vocabulary, as llama.cpp's converter writes 1bitLLM's models, becomes a
+    tokenizer.json that spells a newline "<0x0A>" and a space "\u2581": DRY's breakers are matched against the
+    text the tokens give, not those spellings (a "\n" breaker broke no sequence there before)."""
+    pytest.importorskip("sentencepiece")
+    from bitnet_cpu.engine.api import load_model
+    from bitnet_cpu.engine.runtime.dry import breaker_table
+    from bitnet_cpu.engine.synth import SynthModel, write_gguf_tq
+
+    llm = load_model(write_gguf_tq(SynthModel(seed=3, style="1bitllm"), str(tmp_path / "spm.gguf")), ctx=64,
+                     threads=1, progress=False)
+    try:
+        tok, v = llm.tokenizer, llm.config.vocab_size
+        assert tok.kind == "hf_json" and not tok.byte_level
+        table = breaker_table(tok, v, ("\n", "the cat"))
+        assert () in table[tok.token_to_id("<0x0A>")]
+        the = tok.token_to_id("\u2581the")
+        assert the is not None and table[the] == [tuple(tok.encode(" cat", add_bos=False, special=False))]
+    finally:
+        llm.close()
+
+
 def test_dry_in_generation_is_the_penalty_on_each_step():
     """Greedy decoding with DRY picks, at every step, the argmax of the model's logits less DRY's penalty over the
     prompt and what came before (no breakers here, so the penalties are brute_dry's alone)."""

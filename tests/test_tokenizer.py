@@ -205,3 +205,61 @@ def test_a_lone_surrogate_is_the_texts_fault(bpe, spm_blob):
         with pytest.raises(BitNetError, match=r"lone UTF-16 surrogate \(\\ud800 at character 3\)") as e:
             tok.encode("ab\ud800c")
         assert not isinstance(e.value, FormatError)
+
+
+def _spm_as_gguf_json(ref) -> Tokenizer:
+    """The SentencePiece vocabulary as a GGUF "llama" vocab becomes in a store: an HF tokenizer.json in the
+    LLaMA-2 style (Metaspace, ByteFallback), built the way the converter builds it."""
+    from bitnet_cpu.engine.formats.tokenizer_build import _spm_json
+
+    n = ref.get_piece_size()
+    types = [3 if ref.is_control(i) else 2 if ref.is_unknown(i) else 6 if ref.is_byte(i) else 1 for i in range(n)]
+    js = _spm_json([ref.id_to_piece(i) for i in range(n)], types, [ref.get_score(i) for i in range(n)], 1)
+    return Tokenizer("hf_json", js.encode(), bos_id=1, eos_ids=[2])
+
+
+def test_sentencepiece_stream_of_byte_pieces_is_never_revised(spm_blob):
+    """Byte-fallback pieces stream as their bytes through one UTF-8 decoder: a character split over them comes
+    out whole, invalid bytes as U+FFFD, and text once emitted stays. The reference is the bytes the
+    SentencePiece library gives each piece (<0xNN> its byte, any other piece its text after a context), decoded
+    by Python's UTF-8 codec. The old window decoder gave up after 4 pieces, emitted U+FFFD, and once a later byte
+    completed a character it emitted its anchor piece and text already sent a second time."""
+    import random
+
+    import sentencepiece as spm
+
+    ref = spm.SentencePieceProcessor(model_proto=spm_blob)
+    ctx = ref.encode("x.")
+    head = ref.decode(ctx)
+
+    def ref_bytes(i):
+        if ref.is_byte(i):
+            return bytes([int(ref.id_to_piece(i)[3:5], 16)])
+        return ref.decode(ctx + [i])[len(head):].encode("utf-8")
+
+    byte = {b: ref.piece_to_id(f"<0x{b:02X}>") for b in range(256)}
+    words = [i for i in range(ref.get_piece_size()) if not (ref.is_byte(i) or ref.is_control(i) or ref.is_unknown(i))]
+    rng = random.Random(5)
+    for tok in (Tokenizer("sentencepiece", spm_blob, bos_id=1, eos_ids=[2]), _spm_as_gguf_json(ref)):
+        cases = [ref.encode("Hi") + [byte[b] for b in (0x80, 0xF0, 0x9F, 0x98, 0x80)] + ref.encode(" ok"),
+                 ref.encode("Hi") + [byte[b] for b in (0xE6, 0xDC, 0xE7, 0xC4, 0xAE)] + ref.encode(" ok")]
+        for _ in range(60):
+            ids = []
+            for _ in range(rng.randint(1, 12)):
+                if rng.random() < 0.5:
+                    ids.append(rng.choice(words))
+                else:   # a character's bytes, whole or cut, or random bytes
+                    raw = rng.choice(["é", "日", "🙂", "\u200d"]).encode() if rng.random() < 0.6 else \
+                        bytes(rng.randrange(0x80, 0x100) for _ in range(rng.randint(1, 5)))
+                    ids += [byte[b] for b in raw[: rng.randint(1, len(raw))]]
+            cases.append(ids)
+        for ids in cases:
+            pieces = _stream(tok, ids)
+            assert "".join(pieces) == b"".join(ref_bytes(i) for i in ids).decode("utf-8", "replace"), ids
+        assert "".join(_stream(tok, cases[0])) == " Hi\ufffd\U0001F600 ok"   # the emoji after a stray byte, whole
+    # the vocabulary as a GGUF gives it: each token's bytes as the SentencePiece model's (grammars and DRY match
+    # these: "\u2581the" was b"\xe2\x96\x81the" there, "<0x0A>" six bytes, and no token could give a space)
+    gguf_tok, sp_tok = _spm_as_gguf_json(ref), Tokenizer("sentencepiece", spm_blob, bos_id=1, eos_ids=[2])
+    for i in range(ref.get_piece_size()):
+        if not (ref.is_control(i) or ref.is_unknown(i)):
+            assert gguf_tok.token_bytes(i) == sp_tok.token_bytes(i) == ref_bytes(i), (i, ref.id_to_piece(i))

@@ -4,10 +4,11 @@ Kinds (engine/INTERFACES.md): "hf_json" -> the `tokenizers` library on a tokeniz
 converter builds from a GGUF gpt2 vocab + merges), "sentencepiece" -> `sentencepiece` on a model proto.
 Using the reference libraries themselves is what makes our ids equal to theirs.
 
-Streaming: each generated id is appended to a small window and the window is decoded; new text is emitted
-only once it no longer ends in U+FFFD (an incomplete multi-byte character). Decoding the window from a
-fixed earlier offset (rather than one token alone) keeps SentencePiece's leading-space rule and byte
-fallback pieces right, as transformers' and vLLM's incremental detokenizers do.
+Streaming: every token is its exact bytes (Tokenizer.token_bytes: a byte-level BPE token's, a SentencePiece
+piece's with "▁" as a space and <0xNN> as that byte) fed through one incremental UTF-8 decoder, so text once
+emitted is never revised and a character split over several tokens comes out whole when its last byte does,
+as llama-server's streaming does. (A window decoded again per token, what this did before for SentencePiece,
+had to give up after 4 pieces on an invalid byte run and then emitted text twice.)
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ def _gpt2_byte_map() -> dict[int, str]:
 _GPT2_BYTES_INV = {c: b for b, c in _gpt2_byte_map().items()}
 _GPT2_CHARS = frozenset(_GPT2_BYTES_INV)
 _GPT2_TO_LATIN1 = {ord(c): b for c, b in _GPT2_BYTES_INV.items()}   # str.translate's table: then one byte a char
+_BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
 
 def parse_hf_json(blob: bytes, source: str) -> dict:
@@ -226,22 +228,45 @@ class Tokenizer:
     def is_special(self, i: int) -> bool:
         return i in self._special_ids
 
-    def token_bytes(self, i: int) -> bytes | None:
-        """The exact bytes of token i for byte-level BPE tokenizer.json files (GPT-2 byte-to-unicode map),
-        computed on first use and cached; None for other tokenizers (they stream by decode differences)."""
-        if self._hf is None or not self._byte_level:
-            return None
+    def is_unknown(self, i: int) -> bool:
+        """SentencePiece's <unk> piece (a tokenizer.json flags its unknown token special: is_special)."""
+        return self._sp is not None and 0 <= i < self.vocab_size and self._sp.IsUnknown(i)
+
+    def token_bytes(self, i: int) -> bytes:
+        """The bytes token i adds to a text, computed on first use and cached. Byte-level BPE: its exact bytes
+        (GPT-2's byte-to-unicode map). SentencePiece (the library, or a tokenizer.json in its style, what a GGUF
+        "llama" vocab becomes): a byte-fallback piece <0xNN> is that one byte; any other piece its text as it
+        decodes after Tokenizer.anchor, so "▁the" is " the" (the space a decode strips at the very start of a
+        text is kept: this is a continuation). Control tokens: their piece, as decode() shows them. An id
+        outside the vocabulary: nothing."""
         b = self._bytes_cache.get(i)
         if b is None:
-            t = self._hf.id_to_token(i) if 0 <= i < self.vocab_size else None
-            if t is None:
-                b = b""
-            elif i in self._added_ids or not _GPT2_CHARS.issuperset(t):
-                b = t.encode("utf-8")
-            else:
-                b = t.translate(_GPT2_TO_LATIN1).encode("latin-1")
+            b = self._token_bytes(i)
             self._bytes_cache[i] = b
         return b
+
+    def _token_bytes(self, i: int) -> bytes:
+        if not 0 <= i < self.vocab_size:
+            return b""
+        t = self.id_to_token(i)
+        if t is None:
+            return b""
+        if self.byte_level:
+            if i in self._added_ids or not _GPT2_CHARS.issuperset(t):
+                return t.encode("utf-8")
+            return t.translate(_GPT2_TO_LATIN1).encode("latin-1")
+        if self._sp is not None and self._sp.IsByte(i):
+            return bytes([int(t[3:5], 16)])
+        if i in self._special_ids:
+            return t.encode("utf-8")
+        anchor = self.anchor
+        if anchor is None:   # no plain one-character token to decode after (no such vocabulary seen)
+            return self.decode([i]).encode("utf-8")
+        head = self.decode([anchor])
+        text = self.decode([anchor, i])
+        if _BYTE_PIECE.fullmatch(t) and text in (head + "\ufffd", head + chr(int(t[3:5], 16))):
+            return bytes([int(t[3:5], 16)])   # tokenizer.json's ByteFallback piece
+        return text[len(head):].encode("utf-8") if text.startswith(head) else text.encode("utf-8")
 
     @property
     def byte_level(self) -> bool:
@@ -267,54 +292,28 @@ class Tokenizer:
 
 class StreamDecoder:
     """push(id) -> the new text that is complete so far ("" while a character is still incomplete);
-    flush() -> whatever is left (an invalid tail decodes to U+FFFD)."""
+    flush() -> whatever is left (an invalid tail decodes to U+FFFD). Text once returned is never revised."""
 
     def __init__(self, tok: Tokenizer, *, skip_special: bool = True):
+        import codecs
+
         self._tok = tok
         self._skip = skip_special
-        self._byte_level = tok.byte_level
-        if self._byte_level:
-            import codecs
-
-            self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self._ids: list[int] = []
-        self._prefix = 0   # decode window start: the start of the last emitted piece (a character boundary)
-        self._read = 0     # ids before this index have been emitted
-        anchor = None if self._byte_level else tok.anchor
-        self._head = [anchor] if anchor is not None else []   # decoded before every window (Tokenizer.anchor)
-
-    def _window(self, end: int | None = None) -> str:
-        return self._tok.decode(self._head + self._ids[self._prefix:end], skip_special=self._skip)
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def push(self, token: int) -> str:
         token = int(token)
-        if self._byte_level:  # byte-level BPE: exact bytes per token, incremental UTF-8 decoding
-            if self._skip and self._tok.is_special(token):
-                return ""
-            return self._utf8.decode(self._tok.token_bytes(token))
-        self._ids.append(token)
-        prev, full = self._window(self._read), self._window()
-        if (full.endswith("\ufffd") or not full.startswith(prev)) and len(self._ids) - self._read < 4:
-            return ""  # a UTF-8 character spans at most 4 byte pieces; after that give up waiting
-        new = full[len(prev):] if full.startswith(prev) else full
-        self._prefix, self._read = self._read, len(self._ids)
-        return new
+        if self._skip and self._tok.is_special(token):
+            return ""
+        return self._utf8.decode(self._tok.token_bytes(token))
 
     @property
     def pending(self) -> bool:
         """Bytes of a character not yet complete are held (the next push may finish it)."""
-        if self._byte_level:
-            return bool(self._utf8.getstate()[0])
-        return self._read < len(self._ids)
+        return bool(self._utf8.getstate()[0])
 
     def flush(self) -> str:
-        if self._byte_level:
-            return self._utf8.decode(b"", final=True)
-        if self._read >= len(self._ids):
-            return ""
-        prev, full = self._window(self._read), self._window()
-        self._prefix, self._read = self._read, len(self._ids)
-        return full[len(prev):] if full.startswith(prev) else full
+        return self._utf8.decode(b"", final=True)
 
 
 # ---- text given by the user (argv, stdin, -f files) ------------------------------------------------------

@@ -419,23 +419,14 @@ def _one_line(e) -> str:
 
 # ---- the tokenizer as llguidance sees it -------------------------------------------------------------------
 def vocab_bytes(tok, n_vocab: int) -> list[bytes]:
-    """Every id's text as bytes: a byte-level BPE token's exact bytes, a sentencepiece piece with "▁" as a space
-    and <0xNN> as that byte (control and unknown pieces empty), else the token's own spelling. (The grammar layer's
-    vocabulary, and DRY's: engine/runtime/dry.py.)"""
-    if getattr(tok, "byte_level", False):
-        return [tok.token_bytes(i) or b"" for i in range(n_vocab)]
-    sp = getattr(tok, "_sp", None)
-    if sp is not None:
-        out = []
-        for i in range(n_vocab):
-            if i >= sp.GetPieceSize() or sp.IsControl(i) or sp.IsUnknown(i):
-                out.append(b"")
-            elif sp.IsByte(i):
-                out.append(bytes([int(sp.IdToPiece(i)[3:5], 16)]))
-            else:
-                out.append(sp.IdToPiece(i).replace("\u2581", " ").encode("utf-8"))
-        return out
-    return [(tok.id_to_token(i) or "").encode("utf-8") for i in range(n_vocab)]
+    """Every id's text as the bytes it adds (Tokenizer.token_bytes: a byte-level BPE token's exact bytes, a
+    SentencePiece piece with "▁" as a space and <0xNN> as that byte, also where a GGUF's SentencePiece vocab became
+    a tokenizer.json). A SentencePiece vocabulary's control and unknown pieces are empty (no grammar matches them);
+    a byte-level one's added tokens keep their text. (The grammar layer's vocabulary, and DRY's:
+    engine/runtime/dry.py.)"""
+    if tok.byte_level:
+        return [tok.token_bytes(i) for i in range(n_vocab)]
+    return [b"" if tok.is_special(i) or tok.is_unknown(i) else tok.token_bytes(i) for i in range(n_vocab)]
 
 
 class _SentencePieceVocab:
