@@ -261,12 +261,14 @@ def register(app, state, ready, api_error: type, pipe, *, sampling=None):
                 out.append({"id": t, **e})
             return out
 
-        def final(text, tokens, lps, st):
+        def final(text, tokens, lps, st, whole):
+            """The last object: in a stream, what the partial ones did not carry (llama-server's); `whole`: the
+            answer's text, for has_new_line."""
             obj = {**head, "content": text, "tokens": tokens if body.return_tokens else [], "stop": True,
                    "tokens_predicted": st.n_generated, "generation_settings": settings_of(
                        params, eng.n_ctx, n_predict=-1 if body.limit() is None else body.limit(),
                        stop=body.stops(), ignore_eos=body.ignore_eos, n_probs=n_probs, grammar=body.grammar or ""),
-                   "prompt": eng.detokenize(ids), "has_new_line": "\n" in text,
+                   "prompt": eng.detokenize(ids), "has_new_line": "\n" in whole,
                    "truncated": st.finish_reason == "context", "stop_type": STOP_TYPE.get(st.finish_reason, "none"),
                    "stopping_word": st.stop_word or "", "tokens_cached": st.n_cached, "timings": timings_of(st)}
             if n_probs:
@@ -275,7 +277,7 @@ def register(app, state, ready, api_error: type, pipe, *, sampling=None):
 
         if body.stream:
             async def events():
-                got, timer, sent = pipe.Choices(1), pipe.Timer(), 0
+                got, timer, sent, sent_tokens = pipe.Choices(1), pipe.Timer(), 0, 0
                 try:
                     while True:
                         _, ch = await q.get()
@@ -286,7 +288,8 @@ def register(app, state, ready, api_error: type, pipe, *, sampling=None):
                             return
                         if ch.finish_reason is not None:
                             timer.done(len(ids), got.finals)
-                            obj = final(ch.text or "", got.tokens[0], got.logprobs[0][sent:], ch.stats)
+                            obj = final(ch.text or "", got.tokens[0][sent_tokens:], got.logprobs[0][sent:], ch.stats,
+                                        "".join(got.texts[0]))
                             yield "data: " + json.dumps(obj, ensure_ascii=False) + "\n\n"
                             return
                         if ch.text or ch.token is not None:
@@ -297,6 +300,7 @@ def register(app, state, ready, api_error: type, pipe, *, sampling=None):
                                 sent = len(got.logprobs[0])
                             if body.timings_per_token and ch.stats is not None:
                                 obj["timings"] = timings_of(ch.stats)
+                            sent_tokens = len(got.tokens[0])
                             yield "data: " + json.dumps(obj, ensure_ascii=False) + "\n\n"
                 finally:
                     if got.finals[0] is None:
@@ -310,7 +314,8 @@ def register(app, state, ready, api_error: type, pipe, *, sampling=None):
         if fin.finish_reason == "error":   # this request's sequence failed; others go on
             raise api_error(500, pipe.ENGINE_FAULT, "server_error", code="engine_error")
         timer.done(len(ids), got.finals)
-        return final("".join(got.texts[0]), got.tokens[0], got.logprobs[0], fin.stats)
+        text = "".join(got.texts[0])
+        return final(text, got.tokens[0], got.logprobs[0], fin.stats, text)
 
     app.add_api_route("/completion", completion, methods=["POST"])
     app.add_api_route("/completions", completion, methods=["POST"], include_in_schema=False)   # its alias

@@ -177,6 +177,16 @@ def test_completion_stream_and_stop_word(server):
     stopped = complete(server, stop=[word])
     assert stopped["stop_type"] == "word" and stopped["stopping_word"] == word
     assert whole["content"].startswith(stopped["content"]) and word not in stopped["content"]
+    # the last object of a stream carries only what the partial ones did not (llama-server's: no token twice for
+    # a client that joins them), and has_new_line is of the whole answer (it was of the last object's text)
+    body = {"prompt": P, "n_predict": 16, "temperature": 0, "return_tokens": True,
+            "grammar": 'root ::= "line one\\nline two"'}
+    whole = post(server, "/completion", body).json()
+    with httpx.stream("POST", server.url + "/completion", timeout=60, json={**body, "stream": True}) as s:
+        lines = [json.loads(x[6:]) for x in s.iter_lines() if x.startswith("data: ")]
+    assert "".join(x["content"] for x in lines) == whole["content"] == "line one\nline two"
+    assert [t for x in lines for t in x["tokens"]] == whole["tokens"] and whole["tokens"]
+    assert lines[-1]["has_new_line"] is whole["has_new_line"] is True
 
 
 def test_completion_probs_are_the_openai_logprobs(server):
