@@ -30,12 +30,12 @@ from .runtime import chat_template as _ct
 from .config import ModelConfig
 from .cpu import available_cores, default_threads
 from .errors import BitNetError, ConstraintError, FormatError, QueueFullError
-from .runtime.generate import Chunk, Stats, generate as _generate
+from .runtime.generate import Chunk, Stats, generate as _generate, whole_number
 from .runtime.model import Model, check_kv_dtype
 from .runtime.constraints import Constraint, compile_constraint
 from .runtime.dry import breaker_table, cached_table
 from .runtime.sampling import SamplingParams
-from .runtime.speculative import LookupParams
+from .runtime.speculative import LookupParams, checked_lookup
 from .formats.store import Store, is_store
 from .formats.tokenizer import Tokenizer
 
@@ -44,6 +44,8 @@ __all__ = ["load_model", "LLM", "load_engine", "Engine", "SamplingParams", "Look
 
 
 def _resolve(model: str | None, lm_head: str | None, progress: bool) -> str:
+    if model is not None and not isinstance(model, (str, os.PathLike)):
+        raise BitNetError(f"model: a path or a hub id (str), not {type(model).__name__}")
     if model is not None and is_store(model):
         from .formats.convert import check_store_head
         return check_store_head(os.fspath(model), lm_head)
@@ -74,6 +76,8 @@ class _Text:
         instead of the model file's, as llama.cpp's --chat-template / --chat-template-file. It is rendered once
         on a test conversation first: a template that does not parse or render is a TemplateError (a
         BitNetError) and the model's own stays."""
+        if not isinstance(template, str):
+            raise _ct.TemplateError(f"chat template: a Jinja2 template or a name (str), not {type(template).__name__}")
         template = _ct.NAMED.get(template, template)
         before = self._chat_template
         self._chat_template = template
@@ -104,6 +108,8 @@ class _Text:
             raise
 
     def tokenize(self, text: str, *, add_bos: bool = False, special: bool = True) -> list[int]:
+        if not isinstance(text, str):
+            raise BitNetError(f"tokenize: text (str), not {type(text).__name__}")
         return self.tokenizer.encode(text, add_bos=add_bos, special=special)
 
     def detokenize(self, ids: Sequence[int]) -> str:
@@ -140,6 +146,11 @@ class _Text:
     def chat_text(self, messages: list[dict], add_generation_prompt: bool = True,
                   tools: list[dict] | None = None, template_kwargs: dict | None = None) -> str:
         """The text chat_prompt tokenizes (special tokens as text): what the template makes of `messages`."""
+        if isinstance(messages, (str, bytes, dict)) or not isinstance(messages, Sequence):
+            raise BitNetError(f"messages: a list of {{'role': ..., 'content': ...}} dicts, not {type(messages).__name__}")
+        for k, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise BitNetError(f"messages[{k}]: a dict with a 'role' (str), not {m!r:.80}")
         tok, meta = self.tokenizer, self.store.meta
         # the model's own strings where its conversion recorded them (tokenizer_config's, as transformers renders)
         bos = meta.get("bos_token") or (tok.id_to_token(tok.bos_id) if tok.bos_id is not None else "")
@@ -213,13 +224,17 @@ def _checked_threads(threads: int | None, warnings: list[str]) -> int:
     engine.cpu.default_threads() (one per physical core, or OMP_NUM_THREADS)."""
     if threads is None:
         return default_threads()
-    if threads < 1:
-        raise BitNetError(f"-t/--threads {threads}: must be >= 1")
+    threads = whole_number(threads, "threads", 1, "-t/--threads")
     cores = available_cores()
     if threads > cores:
         warnings.append(f"-t/--threads {threads} is more than the {cores} CPU cores available; using {cores}")
         return cores
     return threads
+
+
+def _checked_ctx(ctx: int | None) -> int | None:
+    """-c: None (the default), 0 (the model's trained context) or a count of tokens."""
+    return None if ctx is None else whole_number(ctx, "ctx", 0, "-c/--ctx; 0: the model's trained context")
 
 
 class LLM(_Text):
@@ -228,12 +243,11 @@ class LLM(_Text):
     def __init__(self, store: Store, *, ctx: int | None = None, threads: int | None = None,
                  kv_dtype: str = "f16", load_s: float = 0.0, lookup: LookupParams | None = None):
         t0 = time.perf_counter()
-        self.lookup = lookup.check() if lookup is not None else None  # None: engine.speculative.default_lookup
+        self.lookup = checked_lookup(lookup) if lookup is not None else None  # None: speculative.default_lookup
         self.store = store
         self.config: ModelConfig = store.config
         self.warnings: list[str] = []   # one line each, for the CLI to print ("-c above the trained context", ...)
-        if ctx is not None and ctx < 0:
-            raise BitNetError(f"-c/--ctx {ctx}: must be >= 0 (0: the model's trained context)")
+        ctx = _checked_ctx(ctx)
         if ctx == 0:
             ctx = store.config.context_length
         chosen = threads is not None   # -t given: used as it is; else the default, decode's count tuned
@@ -351,6 +365,7 @@ class LLM(_Text):
             with model.lock:
                 model.generation += 1
                 model.taken_by = "close() (the model is closed)"
+                model.closed = True
                 self.model = None
         self.store.close()
 
@@ -435,8 +450,7 @@ class Engine(_Text, BatchScheduler):
         cfg = store.config
         self.warnings: list[str] = []
         self.threads = threads = _checked_threads(threads, self.warnings)
-        if ctx is not None and ctx < 0:
-            raise BitNetError(f"-c/--ctx {ctx}: must be >= 0 (0: the model's trained context)")
+        ctx = _checked_ctx(ctx)
         check_kv_dtype(kv_dtype)
         n_ctx = int(cfg.context_length if ctx == 0 else ctx or serving_ctx(cfg))
         if ctx is None and n_ctx > cfg.context_length:

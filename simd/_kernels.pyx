@@ -831,7 +831,7 @@ if _min_rows_forced:
     set_tile_min_rows(int(_min_rows_forced))
 _kblock_forced = os.environ.get("BITNET_TILE_KBLOCK", "").strip()
 if _kblock_forced:
-    if not _kblock_forced.isdigit():
+    if not _kblock_forced.isdigit() or int(_kblock_forced) % 64:   # 7 was all of K, 100 was 64: silently
         raise IsaChoiceError(f"BITNET_TILE_KBLOCK={_kblock_forced}: not a count of k (a multiple of 64; 0: all of K)")
     set_tile_kblock(int(_kblock_forced))
 # the tile bodies' on / off switches: 0 or 1, anything else refused in one line naming the variable

@@ -114,3 +114,130 @@ def test_a_superseded_generator_says_what_took_the_model():
         call()
         with pytest.raises(BitNetError, match=took.replace("(", r"\(").replace(")", r"\)")):
             list(gen)
+
+
+def test_a_stop_string_is_one_stop_sequence():
+    """stop="word" is that word (OpenAI's `stop: string | array`, llama-cpp-python's and vLLM's reading), on
+    LLM.generate and Engine.submit alike; it was taken letter by letter (a str is a sequence of str), cutting the
+    text at the first of its letters."""
+    llm = load_model(ctx=256, progress=False)
+    words = _text(llm, n=24).split()
+    word = next(w for w in words[2:] if len(w) > 2 and w.isalpha())
+    as_list = list(llm.generate(PROMPT, GREEDY, max_tokens=24, ignore_eos=True, stop=[word]))
+    as_str = list(llm.generate(PROMPT, GREEDY, max_tokens=24, ignore_eos=True, stop=word))
+    assert [c.text for c in as_str] == [c.text for c in as_list]
+    assert as_str[-1].finish_reason == "stop" and as_str[-1].stats.stop_word == word
+    with load_engine(ctx=256, parallel=2, progress=False) as eng:
+        got = list(eng.submit(PROMPT, GREEDY, max_tokens=24, ignore_eos=True, stop=word))
+        assert "".join(c.text for c in got) == "".join(c.text for c in as_list)
+        for bad in ([123], [b"x"], 5):   # refused at the call (a [123] ended the sequence "error" later)
+            with pytest.raises(BitNetError, match="stop"):
+                eng.submit(PROMPT, stop=bad)
+    assert list(llm.generate(PROMPT, GREEDY, max_tokens=3, stop=None))[-1].finish_reason == "length"
+
+
+def test_breaking_out_of_an_engine_stream_cancels_its_request():
+    """An Engine stream abandoned before its end (a break, an exception in the loop) cancels the request, as
+    LLM.generate's: it went on decoding to max_tokens in its slot, and a request behind it waited for the slot."""
+    with load_engine(ctx=512, parallel=1, progress=False) as eng:
+        for _ in eng.submit(PROMPT, GREEDY, max_tokens=400, ignore_eos=True):
+            break
+        after = list(eng.submit("2+3=", GREEDY, max_tokens=4, ignore_eos=True))
+        assert after[-1].finish_reason == "length"
+        done = eng.metrics()
+        assert done["running"] == 0 and done["tokens_generated_total"] < 400   # the first ended early
+        with pytest.raises(ZeroDivisionError):
+            for _ in eng.submit(PROMPT, GREEDY, max_tokens=400, ignore_eos=True):
+                1 / 0
+        list(eng.submit("2+3=", GREEDY, max_tokens=4, ignore_eos=True))
+        assert eng.metrics()["tokens_generated_total"] - done["tokens_generated_total"] < 400
+
+
+@pytest.mark.parametrize("call,words", [
+    (lambda: load_model(ctx=64, threads="2", progress=False), "threads '2'"),
+    (lambda: load_model(ctx="512", progress=False), "ctx '512'"),
+    (lambda: load_model(ctx=1.5, progress=False), "ctx 1.5"),
+    (lambda: load_model(ctx=64, lookup={"draft_max": 2}, progress=False), "lookup: a LookupParams"),
+    (lambda: load_model(123), "model: a path"),
+    (lambda: load_engine(ctx=64, threads=2.5, progress=False), "threads 2.5"),
+])
+def test_api_arguments_of_the_wrong_type_are_one_error(call, words):
+    """Each a BitNetError naming the argument, at the call (they were TypeErrors / AttributeErrors from deep
+    inside, or a float silently truncated)."""
+    with pytest.raises(BitNetError, match=words):
+        call()
+
+
+def test_call_arguments_of_the_wrong_type_are_one_error():
+    llm = load_model(ctx=64, progress=False)
+    with load_engine(ctx=64, parallel=1, progress=False) as eng:
+        for call, words in ((lambda: llm.generate(PROMPT, {"temperature": 0}), "params: a SamplingParams"),
+                            (lambda: eng.submit(PROMPT, "x"), "params: a SamplingParams"),
+                            (lambda: llm.generate(PROMPT, max_tokens=None), "max_tokens None"),
+                            (lambda: llm.generate(PROMPT, max_tokens=1.5), "max_tokens 1.5"),
+                            (lambda: eng.submit(PROMPT, max_tokens="4"), "max_tokens '4'"),
+                            (lambda: llm.tokenize(None), "tokenize: text"),
+                            (lambda: llm.chat_prompt("hi"), "messages: a list"),
+                            (lambda: llm.chat_prompt([{"content": "x"}]), r"messages\[0\]: a dict with a 'role'"),
+                            (lambda: llm.set_chat_template(123), "chat template: .* not int")):
+            with pytest.raises(BitNetError, match=words):
+                call()
+
+
+def test_close_ends_a_generator_not_yet_started():
+    """close() between generate() and the first next(): the generator refuses (it ran the whole text on the
+    closed model, the weights kept mapped by it)."""
+    llm = load_model(ctx=64, progress=False)
+    gen = llm.generate(PROMPT, GREEDY, max_tokens=8)
+    llm.close()
+    with pytest.raises(BitNetError, match="closed"):
+        next(gen)
+
+
+def test_an_engine_or_model_in_a_forked_child():
+    """fork() after load (gunicorn --preload, multiprocessing's 'fork'): the child's Engine refuses work in one
+    error (its scheduler thread does not exist there: a stream waited for ever), and an LLM whose lock another
+    thread of the parent held at the fork still generates in the child (the lock was held for ever there)."""
+    import os
+    import signal
+
+    if not hasattr(os, "fork"):
+        pytest.skip("no fork() on this platform")
+    llm = load_model(ctx=128, progress=False)
+    want = _text(llm, n=6)
+    with load_engine(ctx=128, parallel=1, progress=False) as eng:
+        held, release = threading.Event(), threading.Event()
+
+        def hold():
+            with llm.model.lock:
+                held.set()
+                release.wait(60)
+        t = threading.Thread(target=hold)
+        t.start()
+        held.wait(30)
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:   # the child: report on the pipe, never return into pytest
+            code = 1
+            try:
+                signal.alarm(60)
+                try:
+                    eng.submit(PROMPT, max_tokens=2)
+                    out = "submitted"
+                except BitNetError as e:
+                    out = str(e)
+                out += "\n" + _text(llm, n=6)
+                os.write(w, out.encode())
+                code = 0
+            finally:
+                os._exit(code)
+        release.set()
+        t.join()
+        os.close(w)
+        with os.fdopen(r, "rb") as f:
+            got = f.read().decode()
+        _, status = os.waitpid(pid, 0)
+        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, (status, got)
+        first, text = got.split("\n", 1)
+        assert "loaded before fork()" in first
+        assert text == want

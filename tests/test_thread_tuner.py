@@ -3,6 +3,8 @@ branch is reachable without a busy machine; and its place in Model (default coun
 import numpy as np
 import pytest
 
+from bitnet_cpu.engine.errors import BitNetError
+
 from bitnet_cpu.engine.runtime import thread_tuner as T
 from bitnet_cpu.engine.runtime.thread_tuner import ThreadTuner
 
@@ -84,6 +86,11 @@ def test_model_tunes_only_the_default_count(monkeypatch):
         assert load_model(path, ctx=64, threads=2, progress=False).model.tuner is None   # -t 2: as given
         monkeypatch.setenv("BITNET_TUNE_THREADS", "0")
         assert load_model(path, ctx=64, progress=False).model.tuner is None
+        for bad in ("off", "false", "no"):   # each left the tuning on, silently; now one line, as every switch
+            monkeypatch.setenv("BITNET_TUNE_THREADS", bad)
+            with pytest.raises(BitNetError, match=f"BITNET_TUNE_THREADS={bad}: 0 or 1"):
+                load_model(path, ctx=64, threads=1, progress=False)
+        monkeypatch.setenv("BITNET_TUNE_THREADS", "0")
         # decode on the tuned count, prefill on the default; the outputs do not depend on the count
         m.tuner.cur = 1
         m.prefill([1, 2, 3])

@@ -252,8 +252,9 @@ def test_tile_kblock_setting():
     K.set_tile_kblock(0)
     r = _child("from bitnet_cpu import simd; print(simd.tile_kblock())", BITNET_TILE_KBLOCK="1024")
     assert r.returncode == 0 and r.stdout.split() == ["1024"], r.stderr
-    r = _child("from bitnet_cpu import simd; simd.tiles()", BITNET_TILE_KBLOCK="big")
-    assert r.returncode != 0 and "BITNET_TILE_KBLOCK=big" in r.stderr
+    for bad in ("big", "100", "7"):   # not a multiple of 64 was rounded down to one, or to 0 (all of K), silently
+        r = _child("from bitnet_cpu import simd; simd.tiles()", BITNET_TILE_KBLOCK=bad)
+        assert r.returncode != 0 and f"BITNET_TILE_KBLOCK={bad}:" in r.stderr
 
 
 @pytest.mark.parametrize("m", [2, 17, 40])

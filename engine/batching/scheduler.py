@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import os
 import threading
 import time
+import weakref
 from collections import deque
 from dataclasses import replace
 from typing import Callable, Sequence
@@ -36,11 +38,11 @@ import numpy as np
 
 from ..errors import BitNetError, ContextOverflowError, QueueFullError
 from ..runtime.constraints import compile_constraint
-from ..runtime.generate import Chunk, Stats, _StopMatcher
+from ..runtime.generate import Chunk, Stats, _StopMatcher, stop_strings, whole_number
 from ..runtime.model import decode_rows_attention
 from ..runtime.reasoning import budget_matcher
-from ..runtime.sampling import Sampler, SamplingParams
-from ..runtime.speculative import OFF, DraftLength, LookupParams, PromptLookup
+from ..runtime.sampling import Sampler, SamplingParams, checked_params
+from ..runtime.speculative import OFF, DraftLength, LookupParams, PromptLookup, checked_lookup
 from ..cpu import BATCH_TOKENS_MAX
 from .batch_model import BatchModel
 from .drafts import FORCED_DRAFT_MAX, Drafts
@@ -82,6 +84,23 @@ class _Seq:
         self.embed = None                # an embedding sequence's request slot and running mean (embed.py)
 
 
+_LIVE: "weakref.WeakSet[BatchScheduler]" = weakref.WeakSet()
+
+
+def _after_fork_in_child():
+    """A fork()ed child has the engine's memory but not its scheduler thread, and its locks as that thread held
+    them: every engine of the parent refuses new work there, one clear error, instead of queueing requests
+    nobody runs (a stream waited for ever) or waiting on a lock nobody releases."""
+    for s in list(_LIVE):
+        s._lock = threading.Lock()
+        s._wake = threading.Condition(s._lock)
+        s._forked = True
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 class BatchScheduler(Drafts, Embeddings, Scoring):
     """The engine core (engine.api.Engine adds tokenizer helpers). Start with start(); stop with close()."""
     _new_seq = _Seq   # the mixins (embed.py) make sequences through this, not by importing this module
@@ -103,7 +122,7 @@ class BatchScheduler(Drafts, Embeddings, Scoring):
             raise BitNetError(f"kv_pool_tokens {kv_pool_tokens}: the pool must hold at least one context "
                               f"({self.n_ctx} tokens)")
         # prompt lookup (None: off, as `bitnet run`); a draft never exceeds the step's rows
-        self.lookup = (lookup or OFF).check()
+        self.lookup = checked_lookup(OFF if lookup is None else lookup)
         self.draft_max = min(self.lookup.draft_max, self.max_batch_tokens - 1)
         # a constrained sequence's forced tokens (jump-forward) run as a draft of up to this many rows, whatever
         # the lookup setting (its logit rows are sized for it: untouched rows cost no memory)
@@ -124,6 +143,8 @@ class BatchScheduler(Drafts, Embeddings, Scoring):
         self._running: list[_Seq] = []
         self._by_id: dict[int, _Seq] = {}
         self._closed = False
+        self._forked = False   # this is a fork()ed child's copy: no scheduler thread runs it
+        _LIVE.add(self)
         self.requests_total = self.tokens_generated_total = self.prefix_hits_tokens = self.steps_total = 0
         self.lookup_drafted_total = self.lookup_accepted_total = 0   # prompt lookup's drafts
         self.forced_drafted_total = self.forced_accepted_total = 0   # a grammar's forced tokens run as drafts
@@ -148,6 +169,10 @@ class BatchScheduler(Drafts, Embeddings, Scoring):
         it at its next step, but waits for nothing); max_queue 0 means "never wait"."""
         if self._closed:
             raise BitNetError("the engine is closed")
+        if self._forked:
+            raise BitNetError("this engine was loaded before fork(): its scheduler thread does not run in this "
+                              "process", hint="load the engine in the child process (after the fork, or with "
+                              "multiprocessing's 'spawn' start method)")
         if self._error is not None:
             raise BitNetError(f"the engine stopped after an internal error: {self._error}")
         free, waiting = max(0, self.parallel - len(self._running)), set()
@@ -208,9 +233,9 @@ class BatchScheduler(Drafts, Embeddings, Scoring):
             prompt = [self.tokenizer.bos_id]
         self._check_ids(prompt)
         vocab = self.config.vocab_size
-        if max_tokens < 0:
-            raise BitNetError(f"max_tokens {max_tokens}: must be >= 0")
-        if not 1 <= n <= self.parallel:
+        max_tokens = whole_number(max_tokens, "max_tokens")
+        stop = stop_strings(stop)
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 1 <= n <= self.parallel:
             raise BitNetError(f"n {n}: must be in 1..{self.parallel} (the sequences this engine runs at once)")
         if callbacks is not None and len(callbacks) != n:
             raise BitNetError(f"{len(callbacks)} callbacks for n={n} streams")
@@ -221,7 +246,7 @@ class BatchScheduler(Drafts, Embeddings, Scoring):
             raise BitNetError(f"n {n}: {n} answers of up to {longest} tokens each need {promise} pages of the KV "
                               f"cache ({PAGE_TOKENS} tokens a page) and it holds {self.pool.n_pages}",
                               hint="ask for fewer choices, or set max_tokens")
-        params = (params or SamplingParams()).check()
+        params = checked_params(params)
         choice_params = [params if i == 0 or params.seed is None else replace(params, seed=(params.seed + i) % (1 << 64))
                          for i in range(n)]
         compiled = compile_constraint(self.tokenizer, vocab, constraint)
@@ -256,6 +281,20 @@ class BatchScheduler(Drafts, Embeddings, Scoring):
             if seq is not None:
                 seq.cancelled = True
                 self._wake.notify()
+
+    def abandon(self, stream_id: int):
+        """cancel() for a stream whose iterator was closed early. That may happen inside the garbage collector,
+        in any thread, also one holding self._lock (a non-reentrant lock: cancel() would wait for ever): the
+        flag is set without it (the scheduler reads it at its next step) and the scheduler woken only if the
+        lock is free."""
+        seq = self._by_id.get(stream_id)
+        if seq is not None:
+            seq.cancelled = True
+            if self._lock.acquire(blocking=False):
+                try:
+                    self._wake.notify()
+                finally:
+                    self._lock.release()
 
     def metrics(self) -> dict:
         with self._lock:

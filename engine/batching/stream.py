@@ -36,13 +36,20 @@ class Stream:
             self._q.put(chunk)
 
     def __iter__(self):
+        """The chunks, blocking for each. Iteration that stops before the final chunk (a break, an exception,
+        Ctrl-C: the iterator closed or collected) cancels the request, as LLM.generate's does: an abandoned
+        stream no longer holds its slot and KV pages, decoding to max_tokens for nobody."""
         if self._q is None:
             raise BitNetError("this stream delivers its chunks to a callback")
-        while not self._drained:
-            c = self._q.get()
-            if c.finish_reason:
-                self._drained = True
-            yield c
+        try:
+            while not self._drained:
+                c = self._q.get()
+                if c.finish_reason:
+                    self._drained = True
+                yield c
+        finally:
+            if not self._drained:
+                self._engine.abandon(self.id)
 
     def cancel(self):
         self._engine.cancel(self.id)

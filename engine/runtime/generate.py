@@ -21,7 +21,7 @@ from ..errors import BitNetError, ContextOverflowError
 from .constraints import compile_constraint
 from .reasoning import budget_matcher
 from .sampling import Sampler, SamplingParams, TokenLogprob
-from .speculative import DraftLength, LookupParams, PromptLookup, choose_draft, default_lookup
+from .speculative import DraftLength, LookupParams, PromptLookup, checked_lookup, choose_draft, default_lookup
 
 FINISH_MESSAGES = {
     "eos": "end of sequence",
@@ -63,6 +63,33 @@ class Chunk:
 
 
 ONE_AT_A_TIME = "one LLM generates one text at a time (its KV cache is one); load_engine() serves many"
+
+
+def whole_number(value, name: str, minimum: int = 0, flag: str = "") -> int:
+    """A count the Python API takes (max_tokens, threads, ctx): an int (numpy's too) >= minimum, else one
+    BitNetError naming it, and the command line's flag for it (a float was truncated, a str failed deep inside)."""
+    said = f"{name} {value!r}" + (f" ({flag})" if flag else "")
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise BitNetError(f"{said}: must be a whole number (int), not {type(value).__name__}")
+    if value < minimum:
+        raise BitNetError(f"{said}: must be >= {minimum}")
+    return int(value)
+
+
+def stop_strings(stop) -> tuple[str, ...]:
+    """The stop strings of a call: one str is one stop string (OpenAI's `stop: string | array`, which a str
+    iterated letter by letter was not), None is none, else a sequence of str."""
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        return (stop,)
+    if isinstance(stop, (bytes, bytearray, dict)) or not hasattr(stop, "__iter__"):
+        raise BitNetError(f"stop: a string or a list of strings, not {type(stop).__name__}")
+    stops = tuple(stop)
+    for s in stops:
+        if not isinstance(s, str):
+            raise BitNetError(f"stop: every stop sequence must be a string, not {type(s).__name__} ({s!r})")
+    return stops
 
 
 def superseded(model) -> BitNetError:
@@ -151,11 +178,11 @@ def generate(model, tokenizer, prompt_ids: Sequence[int], params: SamplingParams
     if len(prompt) > model.n_ctx:
         raise ContextOverflowError(f"the prompt has {len(prompt)} tokens but the context holds {model.n_ctx}",
                                    hint=model.context_hint(), n_prompt_tokens=len(prompt), n_ctx=model.n_ctx)
-    if max_tokens < 0:
-        raise BitNetError(f"max_tokens {max_tokens}: must be >= 0")
+    max_tokens = whole_number(max_tokens, "max_tokens")
+    stop = stop_strings(stop)
     sampler = Sampler(params, model.config.vocab_size, tokenizer)
     compiled = compile_constraint(tokenizer, model.config.vocab_size, constraint)   # errors before any work
-    spec = default_lookup(model) if lookup is None else lookup.check()
+    spec = default_lookup(model) if lookup is None else checked_lookup(lookup)
     return _steps(model, tokenizer, prompt, sampler, compiled, max_tokens, stop, load_s, ignore_eos, spec)
 
 
@@ -168,6 +195,8 @@ def _steps(model, tokenizer, prompt: list[int], sampler: Sampler, compiled, max_
     # a newer generate() on the same model owns the cache from now on; an older generator that is
     # resumed afterwards must not decode into it
     with model.lock:
+        if model.closed:   # close() came between generate() and the first next()
+            raise BitNetError("this model is closed", hint="load it again with load_model()")
         model.generation += 1
         model.taken_by = "a newer generate() call"
         mine = model.generation

@@ -24,6 +24,7 @@ import contextlib
 import os
 import threading
 import time
+import weakref
 
 import numpy as np
 
@@ -384,6 +385,30 @@ def run_layers_tg(w: Weights, v: _Views, attend):
         residual = delta
 
 
+def tune_env() -> bool:
+    """BITNET_TUNE_THREADS: 0 turns decode's thread tuning off, 1 (or unset) leaves it on; anything else is one
+    line naming the variable, as every other BITNET_* switch (`off` / `false` left it on, silently)."""
+    v = os.environ.get("BITNET_TUNE_THREADS", "").strip()
+    if v not in ("", "0", "1"):
+        raise BitNetError(f"BITNET_TUNE_THREADS={v}: 0 or 1")
+    return v != "0"
+
+
+_LIVE: "weakref.WeakSet[Model]" = weakref.WeakSet()
+
+
+def _after_fork_in_child():
+    """A fork()ed child gets each model's lock as the parent's threads held it: one held by a generate() of
+    another thread would be held for ever there (the thread does not exist in the child). Each gets a new one;
+    the cache is consistent at any moment (n_past moves only after its KV rows are written)."""
+    for m in list(_LIVE):
+        m.lock = threading.RLock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 class Model:
     """One inference session: weights (views into the store), run-state buffers and the KV cache.
 
@@ -400,8 +425,7 @@ class Model:
         # tune_threads (the caller chose the count, not the user): decode's count is measured against one thread
         # fewer (engine/runtime/thread_tuner.py); BITNET_TUNE_THREADS=0 turns that off
         n = self.threads or K.get_num_threads()
-        self.tuner = (ThreadTuner(n) if tune_threads and n >= 2
-                      and os.environ.get("BITNET_TUNE_THREADS", "1") != "0" else None)
+        self.tuner = ThreadTuner(n) if tune_env() and tune_threads and n >= 2 else None
         check_kv_dtype(kv_dtype)
         if kv_dtype == "q8" and (cfg.head_dim % 4 or cfg.head_dim > ops.Q8_MAX_HEAD_DIM):
             raise BitNetError(f"--kv q8: this model's head_dim {cfg.head_dim} is not a multiple of 4 up to "
@@ -461,6 +485,8 @@ class Model:
         # forward): one LLM used from two threads gets "superseded", never two writers in one cache (re-entrant: a
         # generator finalized by the garbage collector inside a step of this thread takes it again)
         self.lock = threading.RLock()
+        self.closed = False   # LLM.close(): a generator made before it and started after refuses to run
+        _LIVE.add(self)
         self.taken_by = "a newer generate() call"   # what took the cache last (a superseded generator says it)
 
     # ---- state ----------------------------------------------------------------------------------

@@ -17,6 +17,17 @@ import numpy as np
 from ..errors import BitNetError
 
 
+def checked_params(params) -> "SamplingParams":
+    """`params` as the Python API takes it: None (the defaults) or a SamplingParams, checked; else one BitNetError
+    (a dict of settings failed deep inside)."""
+    if params is None:
+        return SamplingParams().check()
+    if not isinstance(params, SamplingParams):
+        raise BitNetError(f"params: a SamplingParams (engine.api.SamplingParams(temperature=...)), not "
+                          f"{type(params).__name__}")
+    return params.check()
+
+
 @dataclass
 class SamplingParams:
     """The one source of the sampling defaults (llama.cpp's) and of their checks: `bitnet run`'s flags, bitchat's
@@ -187,7 +198,7 @@ class Sampler:
         # imports them before its error handling (a bad BITNET_ISA must be one line, not a traceback)
         from ...simd import _ops
 
-        self.p = (params or SamplingParams()).check()
+        self.p = checked_params(params)
         self._topk = _ops.topk
         self.vocab_size = vocab_size
         self.rng = np.random.default_rng(self.p.seed)

@@ -42,6 +42,13 @@ class LookupParams:
 OFF = LookupParams(draft_max=0)
 
 
+def checked_lookup(lookup) -> LookupParams:
+    """`lookup` as the Python API takes it: a LookupParams (checked), else one BitNetError."""
+    if not isinstance(lookup, LookupParams):
+        raise BitNetError(f"lookup: a LookupParams (engine.api.LookupParams(draft_max=...)), not {type(lookup).__name__}")
+    return lookup.check()
+
+
 class PromptLookup:
     """Index of the n-grams of a growing token list; propose(tokens, k) -> up to k continuation tokens."""
 
