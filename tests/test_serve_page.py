@@ -173,3 +173,180 @@ def test_chat_page_shows_a_thought_apart(browser, tmp_path_factory):
         page.close()
     finally:
         assert s.stop()[0] == 0
+
+
+def _ready(page):
+    page.wait_for_function("document.getElementById('model').textContent.includes('ctx')", timeout=20000)
+
+
+def _ask(page, q):
+    page.fill("#input", q)
+    page.keyboard.press("Enter")
+    page.wait_for_function("document.getElementById('stats').textContent.includes('finish')", timeout=30000)
+
+
+def test_chat_page_leaves_sampling_to_the_server_unless_set(browser):
+    """Fields left empty send nothing: the server's own settings (--temp 0 here) answer, as the API's greedy
+    answer; the fields show the server's values (/props) as placeholders. The page sent its own 0.8 / 256."""
+    s = Server("--parallel", "2", "--temp", "0", "--seed", "7")
+    try:
+        q = "What is 12+7?"
+        want = httpx.post(s.url + "/v1/chat/completions", timeout=60, json={
+            "messages": [{"role": "user", "content": q}], "temperature": 0}).json()["choices"][0]["message"]["content"]
+        page = browser.new_page()
+        bodies = []
+        page.on("request", lambda r: bodies.append(r.post_data_json) if r.url.endswith("/chat/completions") else None)
+        page.goto(s.url + "/")
+        _ready(page)
+        page.wait_for_function("document.getElementById('temperature').placeholder !== ''", timeout=20000)
+        assert float(page.get_attribute("#temperature", "placeholder")) == 0.0
+        assert page.get_attribute("#seed", "placeholder") == "7"
+        _ask(page, q)
+        assert page.inner_text("#log .msg.assistant .text") == want
+        assert not {"temperature", "max_tokens", "top_k", "seed"} & set(bodies[-1])
+        _set(page, top_k=5)
+        _ask(page, q)
+        assert bodies[-1]["top_k"] == 5   # what the user sets is sent
+        page.close()
+    finally:
+        assert s.stop()[0] == 0
+
+
+def test_chat_page_new_chat_while_an_answer_streams(browser, tmp_path_factory):
+    """New chat during an answer: the new conversation starts empty (the cut answer went into it, and its
+    'stopped' line showed in the empty chat)."""
+    from serve_proc import slow_model
+    s = Server("-m", slow_model(tmp_path_factory), "-c", "4096", "--parallel", "2")
+    try:
+        page = browser.new_page()
+        bodies = []
+        page.on("request", lambda r: bodies.append(r.post_data_json) if r.url.endswith("/chat/completions") else None)
+        page.goto(s.url + "/")
+        _ready(page)
+        _set(page, temperature=0, max_tokens=3000)
+        page.fill("#input", "first question")
+        page.keyboard.press("Enter")
+        page.wait_for_function("document.querySelector('#log .msg.assistant .text')?.textContent.length > 0",
+                               timeout=30000)
+        page.click("#new")
+        page.wait_for_function("document.getElementById('stop').disabled", timeout=10000)
+        assert page.inner_text("#stats") == "" and page.locator("#log .msg").count() == 0
+        _set(page, max_tokens=3)
+        _ask(page, "a new topic")
+        assert [m["role"] for m in bodies[-1]["messages"]] == ["user"]
+        assert bodies[-1]["messages"][0]["content"] == "a new topic"
+        page.close()
+    finally:
+        assert s.stop()[0] == 0
+
+
+def test_chat_page_behind_a_path_prefix(browser):
+    """A reverse proxy publishing the server under /bitnet/ (nginx `location /bitnet/ { proxy_pass ...; }`): the
+    page asks for its API under the same prefix (it asked the proxy's root, 404)."""
+    s = Server("--parallel", "2")
+    try:
+        page = browser.new_page()
+
+        def proxy(route):
+            path = route.request.url.split("://", 1)[1].split("/", 1)[1]
+            if not path.startswith("bitnet/"):
+                return route.fulfill(status=404, content_type="text/html", body="<h1>not the bitnet server</h1>")
+            route.fulfill(response=route.fetch(url=s.url + "/" + path[len("bitnet/"):]))
+        page.route("**/*", proxy)
+        page.goto(s.url + "/bitnet/")
+        _ready(page)
+        _set(page, temperature=0, max_tokens=8)
+        _ask(page, "What is 12+7?")
+        assert page.inner_text("#log .msg.assistant .text")
+        page.close()
+    finally:
+        assert s.stop()[0] == 0
+
+
+def test_chat_page_enter_picks_an_input_method_candidate(browser):
+    """Enter while an input method composes (Japanese, Chinese) picks the candidate; it sent the half-typed text."""
+    s = Server("--parallel", "2")
+    try:
+        page = browser.new_page()
+        page.goto(s.url + "/")
+        _ready(page)
+        page.focus("#input")
+        cdp = page.context.new_cdp_session(page)
+        cdp.send("Input.imeSetComposition", {"text": "にほん", "selectionStart": 3, "selectionEnd": 3})
+        cdp.send("Input.dispatchKeyEvent", {"type": "rawKeyDown", "key": "Enter", "code": "Enter",
+                                            "windowsVirtualKeyCode": 13})
+        cdp.send("Input.insertText", {"text": "日本"})
+        cdp.send("Input.dispatchKeyEvent", {"type": "keyUp", "key": "Enter", "code": "Enter",
+                                            "windowsVirtualKeyCode": 13})
+        page.wait_for_function("document.getElementById('input').value === '日本'", timeout=5000)
+        assert page.locator("#log .msg").count() == 0
+        page.close()
+    finally:
+        assert s.stop()[0] == 0
+
+
+def test_chat_page_on_a_phone_reaches_its_settings(browser):
+    """A narrow screen hides the settings in a drawer; a server that needs a key opens it at the key's field (the
+    field was hidden, so such a server could not be used from a phone)."""
+    s = Server("--api-key", "phone-key", "--parallel", "2")
+    try:
+        page = browser.new_page(viewport={"width": 390, "height": 740})
+        page.goto(s.url + "/")
+        page.wait_for_function("document.getElementById('model').textContent.includes('API key')", timeout=20000)
+        assert page.is_visible("#api_key")
+        page.fill("#api_key", "phone-key")
+        page.dispatch_event("#api_key", "change")
+        _ready(page)
+        page.click("#close_settings")
+        assert not page.is_visible("#temperature")
+        page.click("#settings")
+        _set(page, temperature=0, max_tokens=6)
+        page.keyboard.press("Escape")
+        assert not page.is_visible("#temperature")
+        _ask(page, "What is 12+7?")
+        assert page.inner_text("#log .msg.assistant .text")
+        page.close()
+    finally:
+        assert s.stop()[0] == 0
+
+
+def test_chat_page_keeps_the_text_before_a_mid_answer_error(browser):
+    """A fault in the middle of an answer (BITNET_FAULT_TOKEN, the engine's test hook: the step holding that token
+    fails) keeps the text shown so far, marked cut off, and it is the answer the next turn sends back; the page
+    wiped it and dropped the question from the conversation, while both stayed on screen."""
+    q = "What is 12+7?"
+    s = Server("--parallel", "2")
+    try:
+        r = httpx.post(s.url + "/completion", timeout=60, json={
+            "prompt": httpx.post(s.url + "/apply-template", json={"messages": [{"role": "user", "content": q}]},
+                                 timeout=60).json()["prompt"], "temperature": 0, "n_predict": 24,
+            "return_tokens": True}).json()
+        prompt_ids = httpx.post(s.url + "/tokenize", json={"content": r["prompt"], "add_special": True},
+                                timeout=60).json()["tokens"]
+    finally:
+        assert s.stop()[0] == 0
+    # a token of the answer, not of the prompt, a few tokens in: the answer fails there
+    k, bad = next((k, t) for k, t in enumerate(r["tokens"]) if k >= 3 and t not in prompt_ids and t not in r["tokens"][:k])
+    s = Server("--parallel", "2", env={"BITNET_FAULT_TOKEN": str(bad)})
+    try:
+        page = browser.new_page()
+        bodies = []
+        page.on("request", lambda x: bodies.append(x.post_data_json) if x.url.endswith("/chat/completions") else None)
+        page.goto(s.url + "/")
+        _ready(page)
+        _set(page, temperature=0, max_tokens=24)
+        page.fill("#input", q)
+        page.keyboard.press("Enter")
+        page.wait_for_selector("#log .msg.error", timeout=30000)
+        cut = page.inner_text("#log .msg.assistant .text")
+        assert cut and r["content"].startswith(cut) and page.locator("#log .msg.assistant.cut").count() == 1
+        _set(page, max_tokens=1)
+        page.fill("#input", "and 3+4?")
+        page.keyboard.press("Enter")
+        page.wait_for_function("document.querySelectorAll('#log .msg.user').length === 2", timeout=10000)
+        page.wait_for_function("!document.getElementById('send').disabled", timeout=30000)
+        assert [(m["role"], m["content"]) for m in bodies[-1]["messages"]] == \
+            [("user", q), ("assistant", cut), ("user", "and 3+4?")]
+        page.close()
+    finally:
+        assert s.stop()[0] == 0
