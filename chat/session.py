@@ -22,6 +22,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import replace
 
+from ..engine.errors import Terminated
 from .commands import THINK_WORDS, Command, CommandError, Settings, help_text, parse_setting, split_set
 from .render import Output, format_stats
 from .splice import CachedTurn, spliced_prompt
@@ -30,15 +31,6 @@ from .transcript import Conversation, TranscriptError
 
 class ExitChat(Exception):
     """/bye: leave the session."""
-
-
-class Terminated(BaseException):
-    """SIGTERM / SIGHUP (the terminal closed): leave, as Ctrl-C at a prompt would, the terminal restored and the
-    answer so far kept (cli/chat.py raises it from the signal)."""
-
-    def __init__(self, signum: int):
-        super().__init__(signum)
-        self.signum = signum
 
 
 class _InterruptFlag:

@@ -11,8 +11,10 @@ An unknown flag gets that subcommand's usage and a "did you mean" suggestion.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
+import signal
 import sys
 
 COMMANDS = ["run", "convert", "inspect", "info", "pull", "list", "rm", "serve", "bench", "perplexity", "embed"]
@@ -69,9 +71,14 @@ def interruptible(body) -> int:
         return 130
 
 
+def _terminate(signum, frame):
+    from ..engine.errors import Terminated
+    raise Terminated(signum)
+
+
 def _main(argv: list[str] | None) -> int:
     from ..engine import faults
-    from ..engine.errors import EXIT_BAD_INPUT, EXIT_BUG, EXIT_INTERRUPTED, BitNetError
+    from ..engine.errors import EXIT_BAD_INPUT, EXIT_BUG, EXIT_INTERRUPTED, BitNetError, Terminated
 
     from .flags import maybe_autocomplete, parse_args_suggesting
 
@@ -90,8 +97,17 @@ def _main(argv: list[str] | None) -> int:
         parser.print_help(sys.stderr)
         return EXIT_BAD_INPUT
     faults.install("bitnet")
+    # SIGTERM (a service stopped) and SIGHUP (its terminal closed) unwind as Ctrl-C does, so what a command was
+    # writing (a conversion's temporary store: hundreds of MB) is removed; `serve` and `chat` put their own in place
+    for sig in (signal.SIGTERM, getattr(signal, "SIGHUP", None)):
+        if sig is not None:
+            signal.signal(sig, _terminate)
     try:
         return int(args._main(args) or 0)
+    except Terminated as e:
+        with contextlib.suppress(OSError):   # the terminal may be gone (SIGHUP)
+            print(f"bitnet: terminated ({signal.Signals(e.signum).name})", file=sys.stderr)
+        return 128 + e.signum
     except BitNetError as e:
         if e.exit_code == EXIT_BUG:
             return report_bug("bitnet", e)

@@ -94,14 +94,14 @@ def run_chat(args, first_message: str | None = None) -> int:
 
 
 def _terminate(signum, frame):
-    from ..chat.session import Terminated
+    from ..engine.errors import Terminated
     raise Terminated(signum)
 
 
 def _guarded(args, settings: Settings, first_message: str | None = None) -> int:
     import signal
 
-    from ..chat.session import Terminated
+    from ..engine.errors import Terminated
 
     interactive = sys.stdin.isatty() and sys.stdout.isatty()
     out = Output(interactive=interactive)

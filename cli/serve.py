@@ -297,8 +297,9 @@ def main(args) -> int:
                             h11_max_incomplete_event_size=limits.max_header_bytes)
     server = Server(config)
     sock = inherited_socket() or bind_port(args.host, args.port)   # a port in use: one line before the load
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, handler)
+    for sig in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)):   # SIGHUP: its terminal closed
+        if sig is not None:
+            signal.signal(sig, handler)
     print(f"bitnet serve: listening on http://{args.host}:{args.port} (loading the model...)", file=sys.stderr, flush=True)
     server.run(sockets=[sock])
     if failed:
@@ -401,6 +402,7 @@ def serve_models(args, keys: tuple) -> int:
     """`bitnet serve --models-dir DIR / --models-cache`: serve.router on uvicorn; each model in its own
     `bitnet serve` process, started on first use."""
     import contextlib
+    import shutil
     import signal
     import sys
 
@@ -427,6 +429,7 @@ def serve_models(args, keys: tuple) -> int:
         return [sys.executable, "-m", "bitnet_cpu", "pull", "--json-progress", ref]
 
     limits = limits_from_args(args)
+    sock = bind_port(args.host, args.port)   # first: a port in use leaves nothing behind (the router's key file)
     router = Router(lambda: model_catalog(args), command, pull=pull if args.models_cache else None,
                     models_max=args.models_max, keep_alive=parse_keep_alive(args.models_keep_alive),
                     load_timeout=args.models_load_timeout, stop_timeout=args.drain_timeout + 5)
@@ -449,13 +452,16 @@ def serve_models(args, keys: tuple) -> int:
                             http=guarded_protocol(limits), timeout_keep_alive=args.keep_alive_timeout,
                             h11_max_incomplete_event_size=limits.max_header_bytes)
     server = Server(config)
-    sock = bind_port(args.host, args.port)
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, handler)
+    for sig in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)):   # SIGHUP: its terminal closed
+        if sig is not None:
+            signal.signal(sig, handler)
     names = ", ".join(sorted(models))
     count = f"{len(models)} model{'s' if len(models) != 1 else ''}"
     print(f"bitnet serve: listening on http://{args.host}:{args.port} ({count}, each loaded on first use, at most "
           f"{args.models_max} at once: {names})", file=sys.stderr, flush=True)
-    server.run(sockets=[sock])
+    try:
+        server.run(sockets=[sock])
+    finally:   # the key file and the models' logs, whatever ended the server (its shutdown removes them too)
+        shutil.rmtree(router.logdir, ignore_errors=True)
     print("bitnet serve: stopped", file=sys.stderr)
     return 0

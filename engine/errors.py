@@ -17,6 +17,16 @@ from ..simd.errors import (  # noqa: F401  (the base error and the kernels' erro
 )
 
 
+class Terminated(BaseException):
+    """SIGTERM / SIGHUP (a service stopped, the terminal closed): the commands raise it from the signal, so a
+    command unwinds as on Ctrl-C (temporary files removed, the terminal restored, bitchat's answer so far kept)
+    and exits 128 + signum, where the signal's default action killed it mid-write."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
 class FormatError(BitNetError):
     """A model file is corrupt, truncated, or not what it claims to be."""
 

@@ -84,6 +84,27 @@ class _Seq:
         self.embed = None                # an embedding sequence's request slot and running mean (embed.py)
 
 
+IDLE_POLL_S = 1.0   # an idle scheduler thread lets go of its engine this often (a dropped Engine is then freed)
+
+
+def _scheduler_main(ref: "weakref.ref[BatchScheduler]"):
+    """The scheduler thread: turns of the engine while it is open and referenced by anyone but this thread."""
+    eng = ref()
+    if eng is None:
+        return
+    try:
+        while eng._turn():
+            eng = None   # between turns: no reference of ours (the last one dropped frees it, here)
+            eng = ref()
+            if eng is None:
+                return
+    except BaseException as e:  # pragma: no cover - a bug: end every stream instead of hanging consumers
+        eng._error = e
+        import traceback
+        traceback.print_exc()
+    eng._wind_down()
+
+
 _LIVE: "weakref.WeakSet[BatchScheduler]" = weakref.WeakSet()
 
 
@@ -152,7 +173,10 @@ class BatchScheduler(Drafts, Embeddings, Scoring):
         self.sequence_errors_total = 0  # sequences ended by a fault (finish_reason "error")
         self.steps_split_total = 0      # batched steps run again in halves to find the sequence a fault came from
         self._page_table = np.zeros((self.max_step_seqs, self.max_pages), np.int32)
-        self._thread = threading.Thread(target=self._loop, name="bitnet-scheduler", daemon=True)
+        # the thread holds the engine only weakly between its turns: an Engine dropped without close() is freed
+        # (weights, KV pool) and its thread ends, as a dropped LLM is (it stayed for the process's life)
+        self._thread = threading.Thread(target=_scheduler_main, args=(weakref.ref(self),), name="bitnet-scheduler",
+                                        daemon=True)
         self._error: BaseException | None = None
         self._outbox: list[tuple[Stream, Chunk]] = []   # final chunks, emitted once the lock is released
         self._calls: deque = deque()                      # (fn, result box) to run on the scheduler thread
@@ -371,21 +395,22 @@ class BatchScheduler(Drafts, Embeddings, Scoring):
         for stream, chunk in out:
             stream._emit(chunk)
 
-    def _loop(self):
-        try:
-            while True:
-                with self._lock:
-                    while not self._closed and not self._waiting and not self._running and not self._calls:
-                        self._wake.wait()
-                    if self._closed:
-                        break
-                self._run_calls()
-                self._step()
-                self._flush()
-        except BaseException as e:  # pragma: no cover - a bug: end every stream instead of hanging consumers
-            self._error = e
-            import traceback
-            traceback.print_exc()
+    def _turn(self) -> bool:
+        """One pass of the scheduler thread (_scheduler_main): a step, or a wait of at most IDLE_POLL_S while
+        there is nothing to do; False once the engine is closed."""
+        with self._lock:
+            if not self._closed and not self._waiting and not self._running and not self._calls:
+                self._wake.wait(IDLE_POLL_S)
+                return True
+            if self._closed:
+                return False
+        self._run_calls()
+        self._step()
+        self._flush()
+        return True
+
+    def _wind_down(self):
+        """The scheduler thread's end (closed, or a bug): every stream ends, no consumer waits for ever."""
         with self._lock:
             everyone = list(self._running) + list(self._waiting)
             for s in everyone:

@@ -20,11 +20,14 @@ renamed into place, so a crash never leaves a half-written store under the final
 """
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import os
 import struct
 import tempfile
+import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
@@ -45,6 +48,40 @@ _MAX_INDEX = 1 << 30
 LOADS = ("auto", "memory", "mmap")
 AUTO_MIN_BYTES = 64 << 20      # "auto" reads stores with more tensor data than this into huge pages
 MEMORY_HEADROOM = 512 << 20    # ... when this much memory would still be left
+STALE_TMP_S = 3600             # a .bnstore-* temporary untouched this long was left by a killed writer
+
+_writing: set[str] = set()     # this process's stores being written (their temporary files)
+_writing_lock = threading.Lock()
+
+
+@atexit.register
+def _remove_unfinished():
+    """At exit, the temporary files of stores still being written: a conversion in a thread the interpreter does
+    not wait for (`bitnet serve` loads its model in one; a SIGTERM drains the server and exits) was left as a
+    hidden partial store of hundreds of MB."""
+    with _writing_lock:
+        for tmp in list(_writing):
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+
+
+def _remove_stale(d: str):
+    """Temporary stores in `d` that nobody has written for STALE_TMP_S (a writer killed by SIGKILL, the OOM
+    killer, a power cut): removed before a new one is written there, so they do not pile up unseen."""
+    now = time.time()
+    try:
+        names = [n for n in os.listdir(d) if n.startswith(".bnstore-")]
+    except OSError:
+        return
+    for n in names:
+        p = os.path.join(d, n)
+        try:
+            if now - os.stat(p).st_mtime > STALE_TMP_S:
+                os.unlink(p)
+        except OSError:
+            pass
 
 
 @dataclass
@@ -72,7 +109,10 @@ def write_store(
     path = os.fspath(path)
     d = os.path.dirname(os.path.abspath(path))
     os.makedirs(d, exist_ok=True)
+    _remove_stale(d)
     fd, tmp = tempfile.mkstemp(prefix=".bnstore-", dir=d)
+    with _writing_lock:
+        _writing.add(tmp)
     index: dict[str, Any] = {
         "config": config.to_dict(),
         "meta": meta or {},
@@ -122,6 +162,9 @@ def write_store(
         except OSError:
             pass
         raise
+    finally:
+        with _writing_lock:
+            _writing.discard(tmp)
     return path
 
 
