@@ -116,7 +116,7 @@ class Output:
         self.out = out or sys.stdout
         self.err = err or sys.stderr
         self.interactive = self.out.isatty() if interactive is None else interactive
-        self.color = self.interactive and not os.environ.get("NO_COLOR")
+        self.color = self.interactive and not os.environ.get("NO_COLOR") and os.environ.get("TERM") != "dumb"
         # a terminal gets control pictures for model output also when stdin is piped (echo hi | bitchat)
         self.visible_controls = self.interactive or _isatty(self.out)
         self.at_line_start = True

@@ -8,6 +8,7 @@ a hint how to leave); Ctrl-D at an empty prompt exits. Input history persists in
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sys
 import threading
@@ -27,6 +28,38 @@ def history_path() -> str | None:
         return os.path.expanduser(env) if env.strip() else None
     base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
     return os.path.join(base, "bitchat", "history")
+
+
+HISTORY_KEEP = 1000            # entries of the input history kept (ollama keeps 100)
+HISTORY_MAX_BYTES = 1 << 20    # ... and at most this much of them (a pasted page is one entry)
+
+
+def private_history(path: str, keep: int = HISTORY_KEEP, max_bytes: int = HISTORY_MAX_BYTES) -> None:
+    """The input history file, made private (0600 in a 0700 directory, as ollama's; what was typed may be a
+    secret) and cut to its last `keep` entries and `max_bytes` (it grew without bound, all of it read at start).
+    prompt_toolkit's FileHistory format: each entry a "# time" line, then its lines each after a "+"."""
+    d = os.path.dirname(path) or "."
+    os.makedirs(d, mode=0o700, exist_ok=True)
+    os.close(os.open(path, os.O_CREAT | os.O_APPEND | os.O_WRONLY, 0o600))
+    if os.stat(path).st_mode & 0o077:
+        os.chmod(path, 0o600)   # made by an earlier bitchat with the umask's bits
+    size = os.path.getsize(path)
+    if size < 16384 and size <= max_bytes:   # under 1,000 entries for sure (each has a ~30-byte time line)
+        return
+    with open(path, encoding="utf-8", errors="replace") as f:
+        text = f.read()
+    starts = [m.start() for m in re.finditer(r"(?m)^# ", text)]
+    cut = starts[-keep] if len(starts) > keep else 0
+    while cut < len(text) and len(text[cut:].encode("utf-8")) > max_bytes:
+        later = [i for i in starts if i > cut]
+        cut = later[0] if later else len(text)
+    if cut == 0:
+        return
+    tmp = path + ".tmp"
+    fd = os.open(tmp, os.O_CREAT | os.O_TRUNC | os.O_WRONLY, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write("\n" + text[cut:])
+    os.replace(tmp, path)
 
 
 def handle_line(session: ChatSession, text: str) -> bool:
@@ -112,9 +145,7 @@ def run_repl(session: ChatSession) -> int:
     history = InMemoryHistory()
     if path:
         try:
-            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-            with open(path, "a", encoding="utf-8"):
-                pass
+            private_history(path)
             history = FileHistory(path)
         except OSError as e:
             session.out.notice(f"[history file {path}: {e.strerror}; history kept in memory only]")

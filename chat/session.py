@@ -173,7 +173,9 @@ class ChatSession:
         n_ctx = self.llm.n_ctx
         budget = n_ctx - self._reserve()
         start_before = self.conv.window_start
-        dropped = self.conv.fit_window(lambda m: self.count_tokens(m, generation_prompt), budget)
+        # once trimming is needed, down to 3/4 of the room: each trim changes the prompt's start and re-reads the
+        # whole window, which trimming one turn at a time did on every turn of a full context
+        dropped = self.conv.fit_window(lambda m: self.count_tokens(m, generation_prompt), budget, budget * 3 // 4)
         messages = self.conv.messages()
         ids = self.llm.chat_prompt(messages, add_generation_prompt=generation_prompt)
         if generation_prompt and self.splice:  # same text, but the last answer's own tokens: the cache covers them
@@ -238,6 +240,13 @@ class ChatSession:
                 return
             self.out.end_answer()
             self.out.notice("[interrupted]")   # the turn was already answered, or dropped
+        except Exception:   # a bug mid-answer (handle_line reports it): the question still gets an answer, empty
+            if turn.assistant is None and self.conv.last_turn() is turn:
+                turn.assistant, turn.interrupted, turn.finish_reason = "", True, "error"
+                self.cached_turn = None
+                with contextlib.suppress(Exception):
+                    self._save_recovery()
+            raise
 
     def _not_begun(self, turn) -> None:
         """A Ctrl-C before `turn`'s answer began: an empty answer, interrupted, saved and said."""
@@ -438,10 +447,16 @@ class ChatSession:
                 raise CommandError(f"/save: {e}") from None
             self.out.info(f"[saved {len(self.conv.turns)} turns to {path}]")
         elif name == "/load":
+            from ..engine.errors import BitNetError
             try:
                 conv = Conversation.load(arg)
             except TranscriptError as e:
                 raise CommandError(f"/load: {e}") from None
+            conv.window_start = 0   # fitted to this session's context (a save from a smaller -c hid turns that fit)
+            try:   # the template and tokenizer take it (a hand-edited file may hold what neither can): else the
+                self.llm.chat_prompt(conv.messages(), add_generation_prompt=False)   # current conversation stays
+            except (BitNetError, ValueError, RecursionError) as e:
+                raise CommandError(f"/load: {arg}: this model cannot take the conversation: {e}") from None
             self.conv = conv
             self.cached_turn = None
             self.out.info(f"[loaded {len(conv.turns)} turns from {arg}]")

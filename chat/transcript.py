@@ -133,8 +133,11 @@ class Conversation:
             answer = t.get("assistant")
             if answer is not None and not isinstance(answer, str):
                 raise TranscriptError(f"{where}: turn {i}: 'assistant' must be a string or null")
-            turns.append(Turn(user=t["user"], assistant=answer, interrupted=bool(t.get("interrupted", False)),
-                              finish_reason=t.get("finish_reason") if isinstance(t.get("finish_reason"), str) else None))
+            interrupted = bool(t.get("interrupted", False))
+            reason = t.get("finish_reason") if isinstance(t.get("finish_reason"), str) else None
+            if answer is None:   # saved before its answer began (a recovery copy of a killed bitchat): answered
+                answer, interrupted, reason = "", True, "interrupted"   # empty, or two user turns would follow
+            turns.append(Turn(user=t["user"], assistant=answer, interrupted=interrupted, finish_reason=reason))
         start = d.get("window_start", 0)
         if not isinstance(start, int) or not 0 <= start <= len(turns):
             start = 0
@@ -196,4 +199,6 @@ class Conversation:
             raise TranscriptError(f"{path}: cannot read ({getattr(e, 'strerror', None) or e})") from None
         except json.JSONDecodeError as e:
             raise TranscriptError(f"{path}: not valid JSON (line {e.lineno}: {e.msg})") from None
+        except RecursionError:
+            raise TranscriptError(f"{path}: not a bitchat conversation (JSON nested too deep)") from None
         return cls.from_dict(d, where=path)

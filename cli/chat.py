@@ -149,6 +149,11 @@ def _run(args, settings: Settings, out: Output, interactive: bool, first_message
     from ..engine import faults
 
     faults.install("bitchat")
+    for stream in (sys.stdout, sys.stderr):   # a terminal that is not UTF-8 gets U+FFFD's stand-in, never an
+        try:                                  # encoding error that ended every answer as an "internal error"
+            stream.reconfigure(errors="replace")
+        except (AttributeError, ValueError):
+            pass
     label = args.model or "the bundled default model"
     print(f"bitchat: loading {label} ...", file=sys.stderr, flush=True)
     t0 = time.perf_counter()

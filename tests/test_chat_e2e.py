@@ -438,3 +438,66 @@ def test_a_template_that_cannot_render_is_one_line(chat_model, tmp_path):
     assert r.returncode == 1 and "[message not sent: chat template: no such word]" in r.stderr, r.stderr
     assert len(re.findall(r"prefill \d+ new", r.stderr)) == 2   # the first and the third turns were answered
     assert "internal error" not in r.stderr and "Traceback" not in r.stderr and r.stdout.strip()
+
+
+def test_a_terminal_that_is_not_utf8_gets_the_answers(chat_model, tmp_path):
+    """stdout in latin-1 (what a latin-1 locale gives Python) and an answer it cannot encode (forced by a format):
+    the answer is shown with stand-ins and saved (every turn ended as an 'internal error', its answer lost)."""
+    schema = tmp_path / "cjk.json"
+    schema.write_text(json.dumps({"type": "string", "enum": ["日本語 ✓"]}))
+    path = tmp_path / "c.json"
+    cmd = console_script("bitchat") + ["-m", chat_model, "-t", "1", "--temp", "0", "-n", "24"]
+    r = subprocess.run(cmd, input=f"/set format {schema}\nHello there.\n/save {path}\n".encode(), capture_output=True,
+                       timeout=TIMEOUT * 2, env={**test_env(tmp_path), "PYTHONIOENCODING": "latin-1"})
+    err = r.stderr.decode("latin-1")
+    assert r.returncode == 0 and "internal error" not in err, err
+    assert json.loads(path.read_text(encoding="utf-8"))["turns"][0]["assistant"] == '"日本語 ✓"'
+    assert r.stdout.decode("latin-1").strip() == '"??? ?"'
+
+
+def test_history_is_private_and_bounded(tmp_path):
+    """The input history (what was typed may be a secret) is 0600 in a 0700 directory, whatever the umask, and
+    keeps its last entries (it was world-readable and grew without bound)."""
+    from prompt_toolkit.history import FileHistory
+
+    from bitnet_cpu.chat.repl import private_history
+
+    path = tmp_path / "state" / "bitchat" / "history"
+    old = os.umask(0o022)
+    try:
+        private_history(str(path))
+    finally:
+        os.umask(old)
+    assert path.stat().st_mode & 0o777 == 0o600 and path.parent.stat().st_mode & 0o777 == 0o700
+    h = FileHistory(str(path))
+    for i in range(40):
+        h.store_string(f"entry {i}\nsecond line {i}" + " padding" * 100)
+    os.chmod(path, 0o644)   # as an earlier bitchat left it
+    private_history(str(path), keep=5)
+    assert path.stat().st_mode & 0o777 == 0o600
+    kept = list(FileHistory(str(path)).load_history_strings())
+    assert [s.split("\n")[0] for s in kept] == [f"entry {i}" for i in range(39, 34, -1)]
+    assert all(s.split("\n")[1].startswith(f"second line {39 - k}") for k, s in enumerate(kept))
+    private_history(str(path), keep=100, max_bytes=2000)
+    assert 0 < len(list(FileHistory(str(path)).load_history_strings())) < 5
+
+
+def test_term_dumb_gets_no_colour():
+    """TERM=dumb (Emacs' shell, some CI logs): no escape codes, as git's colour rule (they showed raw)."""
+    import io
+
+    from bitnet_cpu.chat.render import Output
+
+    old = os.environ.get("TERM"), os.environ.get("NO_COLOR")
+    os.environ.pop("NO_COLOR", None)
+    try:
+        os.environ["TERM"] = "dumb"
+        assert not Output(io.StringIO(), io.StringIO(), interactive=True).color
+        os.environ["TERM"] = "xterm-256color"
+        assert Output(io.StringIO(), io.StringIO(), interactive=True).color
+    finally:
+        for k, v in zip(("TERM", "NO_COLOR"), old):
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

@@ -32,7 +32,7 @@ def session(llm, max_tokens=8, system="Be brief."):
                        system=system), sink
 
 
-def test_every_turn_that_fits_is_kept_and_only_n_is_reserved(llm):
+def test_turns_are_dropped_only_as_needed_and_only_n_is_reserved(llm):
     s, sink = session(llm, max_tokens=8)
     budget = llm.n_ctx - 8
     drops_seen = 0
@@ -43,9 +43,10 @@ def test_every_turn_that_fits_is_kept_and_only_n_is_reserved(llm):
         assert s.count_tokens(msgs[:-1], generation_prompt=False) <= llm.n_ctx   # what was sent fitted
         if s.n_dropped > before:
             drops_seen += 1
-            # minimal: with one more of the dropped turns back, the prompt (before this answer) would not fit
+            # minimal down to 3/4 of the room (room to grow, so the next turns reuse the cache): with one more of
+            # the dropped turns back, the prompt (before this answer) would pass that
             wider = s.conv.messages(start=s.conv.window_start - 1)
-            assert s.count_tokens(wider[:-1]) > budget
+            assert s.count_tokens(wider[:-1]) > budget * 3 // 4
     assert drops_seen >= 2
     notices = [x for x in sink.getvalue().splitlines() if "dropped the" in x]
     assert len(notices) == drops_seen and all(x.startswith("[context full") for x in notices)

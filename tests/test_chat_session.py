@@ -230,3 +230,86 @@ def test_set_format_json_schema_and_off(llm, tmp_path):
     assert s.format_label == str(path)
     s.run_command(parse_command("/set format off"))
     assert s.format is None and "format=off" in s.describe_settings()
+
+
+ALTERNATING = ("{% for m in messages %}{% if m['role'] != 'system' %}{% if (m['role'] == 'user') != (loop.index0 "
+               "% 2 == (1 if messages[0]['role'] == 'system' else 0)) %}{{ raise_exception('Conversation roles must "
+               "alternate user/assistant') }}{% endif %}{% endif %}<|{{ m['role'] }}|>{{ m['content'] }}\n"
+               "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def test_a_recovery_copy_with_an_unanswered_question_loads_and_goes_on(llm, tmp_path):
+    """A killed bitchat's recovery copy ends with a question whose answer never began (assistant null): loaded
+    under a template that alternates roles, the next question is answered (each was 'not sent', for ever)."""
+    from bitnet_cpu.engine.api import load_model
+
+    strict = load_model(llm.store.path, ctx=256, threads=1, progress=False)
+    strict.set_chat_template(ALTERNATING)
+    sink = io.StringIO()
+    s = ChatSession(strict, Settings(temp=0.0, max_tokens=4), Output(sink, sink, interactive=False))
+    path = tmp_path / "recovered.json"
+    path.write_text(json.dumps({"format": "bitchat-conversation", "version": 1, "system": None, "window_start": 0,
+                                "turns": [{"user": "Hello", "assistant": "Hi."},
+                                          {"user": "Lost question", "assistant": None}]}))
+    s.run_command(parse_command(f"/load {path}"))
+    s.ask("Next question?")
+    assert "not sent" not in sink.getvalue(), sink.getvalue()
+    assert [t.user for t in s.conv.turns] == ["Hello", "Lost question", "Next question?"]
+    assert all(t.assistant is not None for t in s.conv.turns)
+
+
+def test_load_refuses_what_the_model_cannot_take_and_keeps_the_chat(llm, tmp_path):
+    """A hand-edited conversation holding a lone surrogate (JSON's unpaired "\\ud800"): /load says so in one line
+    and the current conversation stays (it was replaced, then every message failed as an internal error)."""
+    s, sink = new_session(llm)
+    s.ask("One?")
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"format": "bitchat-conversation", "version": 1, "turns": [{"user": "x\\ud800y", "assistant": "z"}]}')
+    with pytest.raises(CommandError, match=r"/load: .*bad.json: this model cannot take the conversation: .*surrogate"):
+        s.run_command(parse_command(f"/load {bad}"))
+    assert [t.user for t in s.conv.turns] == ["One?"]
+    s.ask("Two?")
+    assert "internal error" not in sink.getvalue()
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100000 + "]" * 100000)
+    with pytest.raises(CommandError, match="nested too deep"):
+        s.run_command(parse_command(f"/load {deep}"))
+
+
+def test_load_fits_the_window_to_this_sessions_context(llm, tmp_path):
+    """A conversation saved by a session with a small context (its window had dropped turns) loads whole into a
+    larger one: the turns that fit are back in view (the saved window start kept them out for good)."""
+    from bitnet_cpu.engine.api import load_model
+
+    small = load_model(llm.store.path, ctx=128, threads=1, progress=False)
+    sink = io.StringIO()
+    s = ChatSession(small, Settings(temp=0.0, max_tokens=8), Output(sink, sink, interactive=False))
+    for i in range(6):
+        s.ask(f"Question {i}: " + "more words here " * 3)
+    assert s.conv.window_start > 0
+    path = tmp_path / "small.json"
+    s.conv.save(str(path))
+    big, _ = new_session(llm, system=None)
+    big.run_command(parse_command(f"/load {path}"))
+    assert big.conv.window_start == 0 and len(big.conv.turns) == 6
+
+
+def test_a_full_context_is_not_trimmed_on_every_turn(llm):
+    """Once the context is full, trimming frees a quarter of the room: the next turns reuse the cache (trimming
+    just enough, one old turn per new one, changed the prompt's start every turn: the whole window was read
+    again each time, 26-41 s a turn on the 2B model)."""
+    from bitnet_cpu.engine.api import load_model
+
+    small = load_model(llm.store.path, ctx=256, threads=1, progress=False)
+    sink = io.StringIO()
+    s = ChatSession(small, Settings(temp=0.0, max_tokens=8), Output(sink, sink, interactive=False), system="Be brief.")
+    trimmed, reused = [], []
+    for i in range(16):
+        before = s.n_dropped
+        s.ask(f"Question {i}: tell me more.")
+        trimmed.append(s.n_dropped > before)
+        reused.append(s.last_stats.n_cached)
+        assert s.tokens_in_cache <= small.n_ctx
+    after_first = trimmed[trimmed.index(True):]
+    assert sum(after_first) <= len(after_first) // 2, trimmed
+    assert s.conv.messages()[0] == {"role": "system", "content": "Be brief."}
