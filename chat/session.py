@@ -273,8 +273,14 @@ class ChatSession:
             n = self.count_tokens(self.conv.messages(start=len(self.conv.turns) - 1))
             self.conv.drop_last_turn()
             self.had_errors = True
-            self.out.notice(f"[message not sent: it needs {n} tokens but the context window is "
-                            f"{self.llm.n_ctx}; shorten it or start bitchat with a larger -c]")
+            n_system = self.count_tokens(self.conv.messages(start=len(self.conv.turns))) if self.conv.system else 0
+            if n_system >= self.llm.n_ctx - self._reserve():   # the system prompt is what does not fit
+                self.out.notice(f"[message not sent: the system prompt alone needs {n_system} tokens of the "
+                                f"{self.llm.n_ctx}-token context ({self._reserve()} kept for the answer); shorten it "
+                                "(/system) or start bitchat with a larger -c]")
+            else:
+                self.out.notice(f"[message not sent: it needs {n} tokens but the context window is "
+                                f"{self.llm.n_ctx}; shorten it or start bitchat with a larger -c]")
             return
         max_tokens = max(1, min(self.settings.max_tokens, self.llm.n_ctx - len(ids)))
         params = self.sampling_params()

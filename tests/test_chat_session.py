@@ -313,3 +313,19 @@ def test_a_full_context_is_not_trimmed_on_every_turn(llm):
     after_first = trimmed[trimmed.index(True):]
     assert sum(after_first) <= len(after_first) // 2, trimmed
     assert s.conv.messages()[0] == {"role": "system", "content": "Be brief."}
+
+
+def test_a_system_prompt_too_long_for_the_context_is_named(llm):
+    """When the system prompt alone leaves no room, the refusal says so (it told the user to shorten a one-word
+    message)."""
+    from bitnet_cpu.engine.api import load_model
+
+    small = load_model(llm.store.path, ctx=96, threads=1, progress=False)
+    sink = io.StringIO()
+    s = ChatSession(small, Settings(temp=0.0, max_tokens=4), Output(sink, sink, interactive=False),
+                    system="rules " * 200)
+    s.ask("hi")
+    assert "the system prompt alone needs" in sink.getvalue() and s.conv.turns == []
+    s.run_command(parse_command("/system Be brief."))
+    s.ask("hi")
+    assert len(s.conv.turns) == 1 and s.conv.turns[0].assistant is not None

@@ -67,6 +67,12 @@ def test_repeat_penalty():
     np.testing.assert_allclose(x, [2.0, 1.9, -2.0, -2.1])
     # outside repeat_last_n: no effect
     assert draw(SamplingParams(**greedy, repeat_penalty=1.5, repeat_last_n=1), lg, 1, history=[0, 3]) == [0]
+    # -1: the whole history (llama.cpp's and ollama's), as a window longer than it; -2 is refused
+    long_ago = [0] + [3] * 200
+    assert draw(SamplingParams(**greedy, repeat_penalty=1.5, repeat_last_n=-1), lg, 1, history=long_ago) == \
+        draw(SamplingParams(**greedy, repeat_penalty=1.5, repeat_last_n=1000), lg, 1, history=long_ago) == [1]
+    with pytest.raises(BitNetError, match="repeat_last_n -2"):
+        SamplingParams(repeat_last_n=-2).check()
 
 
 @pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_k=-1), dict(top_p=-0.1), dict(top_p=1.5),

@@ -92,7 +92,7 @@ _RULES = {
     "top_p": (lambda v: 0 <= v <= 1, "must be in [0, 1] (1 = off; 0 keeps the most likely token)"),
     "min_p": (lambda v: 0 <= v <= 1, "must be in [0, 1] (0 = off)"),
     "repeat_penalty": (lambda v: 0 < v < math.inf, "must be > 0 and finite (1 = off)"),
-    "repeat_last_n": (lambda v: v >= 0, "must be >= 0 (0 = off)"),
+    "repeat_last_n": (lambda v: v >= -1, "must be >= 0 (0 = off), or -1 for the whole context"),
     "seed": (lambda v: v is None or 0 <= v < 1 << 64,
              "must be >= 0 and < 2^64 (a fresh one: -1 or 'random' in flags and requests, None in Python)"),
     "presence_penalty": (lambda v: -2 <= v <= 2, "must be in [-2, 2] (0 = off)"),
@@ -229,7 +229,8 @@ class Sampler:
         p, n = self.p.repeat_penalty, self.p.repeat_last_n
         if p == 1.0 or n == 0 or not history:
             return
-        recent = np.fromiter((t for t in history[-n:] if 0 <= t < self.vocab_size), dtype=np.int64)
+        recent = np.fromiter((t for t in (history if n < 0 else history[-n:]) if 0 <= t < self.vocab_size),
+                             dtype=np.int64)
         if recent.size == 0:
             return
         ids = np.unique(recent)
