@@ -169,3 +169,28 @@ def test_templates_get_the_tokenizer_configs_eos_and_bos_strings(tmp_path):
         llm.set_chat_template("{{ bos_token }}|{% for m in messages %}{{ m['content'] }}{{ eos_token }}{% endfor %}")
         text = llm.chat_text([{"role": "user", "content": "hi"}], add_generation_prompt=False)
     assert text == f"{tc['bos_token']}|hi{tc['eos_token']}" and tc["eos_token"] == "<|eot_id|>"
+
+
+NO_SYSTEM = ("{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+             "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+             "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def test_a_template_without_a_system_role_gets_the_system_text_in_the_first_user_turn(llm, tmp_path):
+    """Gemma's templates raise on a system message: the system text goes before the first user message's (llama.cpp's
+    polyfill), where such a template was refused at --chat-template-file (`echo hi | bitchat` exited 2) and every
+    request with a system prompt failed."""
+    from bitnet_cpu.engine.errors import BitNetError
+    folded = [{"role": "user", "content": "Be brief.\nWhat is 2+3?"}]
+    llm.set_chat_template(NO_SYSTEM)
+    try:
+        assert llm.chat_text(MSGS) == expected(NO_SYSTEM, folded)
+        assert llm.chat_text(MSGS[1:]) == expected(NO_SYSTEM, MSGS[1:])   # none: as it is
+        with pytest.raises(BitNetError, match="System role not supported"):   # no user turn to put it in
+            llm.chat_text(MSGS[:1])
+    finally:
+        llm._chat_template = None   # the model file's again, for the module's other tests
+    path = tmp_path / "nosys.jinja"
+    path.write_text(NO_SYSTEM)
+    r = bitchat("--chat-template-file", str(path), "--system", "Be brief.", "-n", "2", stdin="hi\n")
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr

@@ -82,6 +82,21 @@ def _one_line(e: BaseException) -> str:
 RESERVED = ("messages", "add_generation_prompt", "bos_token", "eos_token", "tools")   # what render() itself sets
 
 
+def _system_folded(messages: list[dict]) -> list[dict] | None:
+    """The messages with their leading system message put before the first user message's text ("\n" between,
+    as llama.cpp's chat templates do for a template that has no system role), or None where that does not apply
+    (no leading system message, no user message after it, content that is not text)."""
+    if not messages or messages[0].get("role") != "system" or not isinstance(messages[0].get("content"), str):
+        return None
+    rest = list(messages[1:])
+    k = next((i for i, m in enumerate(rest) if m.get("role") == "user"), None)
+    if k is None or not isinstance(rest[k].get("content"), str):
+        return None
+    system, user = messages[0]["content"], rest[k]["content"]
+    rest[k] = {**rest[k], "content": system + ("\n" + user if user else "")}
+    return rest
+
+
 def render(template: str | None, messages: list[dict], *, add_generation_prompt: bool = True,
            bos_token: str = "", eos_token: str = "", limits: Limits | None = None, tools: list | None = None,
            kwargs: dict | None = None) -> str:
@@ -101,9 +116,21 @@ def render(template: str | None, messages: list[dict], *, add_generation_prompt:
             raise TemplateError(f"chat_template_kwargs: {clash[0]!r} cannot be set (the template's own variables: "
                                 f"{', '.join(RESERVED)})")
         extra = {**(kwargs or {}), **({"tools": tools} if tools else {})}
-        return render_limited(tpl, (limits or LIMITS).for_messages(messages), messages=list(messages),
-                              add_generation_prompt=add_generation_prompt, bos_token=bos_token, eos_token=eos_token,
-                              **extra)
+
+        def run(msgs):
+            return render_limited(tpl, (limits or LIMITS).for_messages(msgs), messages=list(msgs),
+                                  add_generation_prompt=add_generation_prompt, bos_token=bos_token,
+                                  eos_token=eos_token, **extra)
+        try:
+            return run(messages)
+        except (JinjaError, TemplateError) as e:
+            folded = _system_folded(messages)
+            if folded is None:
+                raise
+            try:   # a template without a system role (Gemma's raises): llama.cpp's polyfill, the system text first
+                return run(folded)    # in the first user message
+            except Exception:
+                raise e from None
     except BitNetError:  # TemplateError, TemplateLimitError
         raise
     except (JinjaError, RecursionError, MemoryError, ArithmeticError, LookupError, TypeError, ValueError,
