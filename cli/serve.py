@@ -2,20 +2,13 @@
 engine. Loopback by default; Ctrl-C / SIGTERM drain (stop admitting, cancel in-flight streams) and exit 0.
 `--ray-replicas N` runs the same app as a Ray Serve deployment with N replicas (needs `pip install .[cluster]`)."""
 from ..engine.cpu import BATCH_TOKENS_DEFAULT, BATCH_TOKENS_MAX, BATCH_TOKENS_TILES
+from ..serve.auth import is_loopback
 from ..serve.limits import MiB, Limits
 from .flags import add_engine_args, apply_chat_template, check_engine_args, sampling_params_from_args
 
 HELP = "serve the model over HTTP: OpenAI's API (chat, completions, Responses), Anthropic's Messages, ollama's and llama-server's (and a chat page at /)"
 
 
-def is_loopback(host: str) -> bool:
-    import ipaddress
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def add_arguments(p):
@@ -222,8 +215,12 @@ def main(args) -> int:
     _check(args)
     from ..serve.auth import read_key_file
     keys = tuple(read_key_file(args.api_key_file)) if args.api_key_file else ()
+    if args.api_key is not None and not args.api_key.replace(",", "").strip():   # "", ",", "$A,$B" both unset
+        from ..engine.errors import BitNetError
+        raise BitNetError(f"--api-key {args.api_key!r}: no key in it (the server would answer anyone)",
+                          hint="give a key, or leave --api-key out to serve without one")
     if args.api_key and "," in args.api_key:   # llama-server's --api-key K1,K2: several keys
-        keys = tuple(k for k in args.api_key.split(",") if k) + keys
+        keys = tuple(k for k in args.api_key.split(",") if k.strip()) + keys
         args.api_key = None
     sampling = sampling_params_from_args(args)
     if args.models_dir or args.models_cache:
@@ -264,7 +261,7 @@ def main(args) -> int:
     app = create_app(load, api_key=args.api_key, api_keys=keys, sampling=sampling, limits=limits,
                      metrics_public=args.metrics_public, model_id=args.alias, strict_model=args.strict_model_name,
                      cors_origins=tuple(args.cors_origin or ()), on_load_error=load_failed,
-                     reasoning_format=args.reasoning_format)
+                     reasoning_format=args.reasoning_format, local_only=is_loopback(args.host))
 
     class Server(uvicorn.Server):
         """uvicorn re-raises the caught signal after shutdown (-> exit 130/143); a drained server exits 0.
@@ -426,7 +423,7 @@ def serve_models(args, keys: tuple) -> int:
                 "--port", str(port), "--alias", spec.name, "--api-key-file", key_file, *passthrough]
 
     def pull(ref: str) -> list:   # ollama's /api/pull on a --models-cache server: into the cache it serves
-        return [sys.executable, "-m", "bitnet_cpu", "pull", "--json-progress", ref]
+        return [sys.executable, "-m", "bitnet_cpu", "pull", "--json-progress", "--", ref]   # never an option
 
     limits = limits_from_args(args)
     sock = bind_port(args.host, args.port)   # first: a port in use leaves nothing behind (the router's key file)
@@ -434,7 +431,8 @@ def serve_models(args, keys: tuple) -> int:
                     models_max=args.models_max, keep_alive=parse_keep_alive(args.models_keep_alive),
                     load_timeout=args.models_load_timeout, stop_timeout=args.drain_timeout + 5)
     app = create_router_app(router, api_keys=(([args.api_key] if args.api_key else []) + list(keys)),
-                            limits=limits, metrics_public=args.metrics_public, cors_origins=tuple(args.cors_origin or ()))
+                            limits=limits, metrics_public=args.metrics_public, cors_origins=tuple(args.cors_origin or ()),
+                            local_only=is_loopback(args.host))
 
     class Server(uvicorn.Server):
         @contextlib.contextmanager

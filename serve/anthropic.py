@@ -25,7 +25,7 @@ from typing import Any, ClassVar, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .schemas import RequestProblem, _Sampling, text_of_parts
+from .schemas import MANY_STOPS, RequestProblem, _Sampling, text_of_parts
 
 # finish reason (engine) -> stop_reason; "tool_use" replaces end_turn when whole calls were made
 STOP_REASON = {"eos": "end_turn", "stop": "stop_sequence", "length": "max_tokens",
@@ -175,7 +175,7 @@ class _Conversation(BaseModel):
 class MessagesRequest(_Conversation, _Sampling):
     """The body of POST /v1/messages (Anthropic's fields; the chat endpoint's sampling extras too)."""
     MAX_TEMPERATURE: ClassVar[Optional[float]] = 1.0   # Anthropic's range
-    MAX_STOPS: ClassVar[Optional[int]] = None
+    MAX_STOPS: ClassVar[Optional[int]] = MANY_STOPS
     max_tokens: int = Field(ge=1)
     stop_sequences: Optional[list[str]] = None
     output_config: Optional[dict[str, Any]] = None

@@ -163,14 +163,15 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
                sampling: Any = None, strict_model: bool = False, limits: Limits | None = None,
                api_keys: tuple = (), metrics_public: bool = False, cors_origins: tuple = (),
                on_load_error: Callable[[BaseException], None] | None = None,
-               reasoning_format: str = "auto") -> FastAPI:
+               reasoning_format: str = "auto", local_only: bool = False) -> FastAPI:
     """The ASGI app. load() -> an engine with ENGINE_API.md's interface (called once, in a thread).
     sampling: SamplingParams whose values a request's omitted sampling fields take (None: the engine's).
     model_id: the id the server answers with (None: the model's name; `--alias`); strict_model: a request
     naming another model gets a 404 (default: it is answered by this one, as llama-server does).
     limits: serve/limits.py's (None: its defaults); api_key / api_keys: the keys every endpoint but /health
     needs (serve/auth.py), /metrics too unless metrics_public; cors_origins: the origins whose pages may call it
-    beside this machine's (serve/auth.py allow_cross_origin; "*": any). on_load_error(e): called (in the loading
+    beside this machine's (serve/auth.py allow_cross_origin; "*": any); local_only: it listens on loopback only
+    (requests whose Host is not this machine are refused: DNS rebinding). on_load_error(e): called (in the loading
     thread) when load() raised -- `bitnet serve` then says so and exits; without it the server answers 503.
     reasoning_format: where a chat's <think> block goes when the request does not say (llama-server's
     --reasoning-format: auto / deepseek: reasoning_content, none: left in content, deepseek-legacy: streamed,
@@ -250,7 +251,7 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         return in_family(request, error_response(e.status_code, str(e.detail), type_))
 
     app.add_middleware(CountingMiddleware, metrics=metrics)
-    allow_cross_origin(app, cors_origins)   # outermost: a preflight is answered before the key check
+    allow_cross_origin(app, cors_origins, local_only)   # outermost: a preflight is answered before the key check
 
     def ready(request: Request):
         """Availability (the key was checked before the body was read: serve/auth.py)."""

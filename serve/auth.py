@@ -10,16 +10,21 @@ the server read (or parse) a large body.
 
 Cross-origin requests from browsers (CORS, `allow_cross_origin`): as ollama, pages served from this machine
 (http(s)://localhost, 127.0.0.1, [::1], 0.0.0.0 on any port; app://, file://, tauri://, vscode-webview://) may
-call the API from their scripts, and `--cors-origin ORIGIN` adds others (`*`: any). Other sites' scripts are
-refused by the browser: a page the user merely visits cannot drive the model. Preflights are answered before the
-key check (browsers send them without credentials); the answers carry the CORS headers, 401s included, so a page
-can read why it was refused.
+call the API from their scripts, and `--cors-origin ORIGIN` adds others (`*`: any). A request that names another
+origin is refused with a 403 before it runs (`OriginGuard`, as ollama's CORS middleware does): the browser's CORS
+only hides the answer, and a page the user merely visits could otherwise send a "simple" POST (text/plain, no
+preflight) that runs a generation, loads or deletes a model. On a server listening on loopback only, the Host
+header must name this machine too (DNS rebinding: a site whose name comes to point at 127.0.0.1 is then same
+origin; ollama's allowed hosts). Preflights are answered before the key check (browsers send them without
+credentials); the answers carry the CORS headers, 401s included, so a page can read why it was refused.
 """
 from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 import re
+import socket
 from typing import Iterable
 
 from .limits import send_error
@@ -82,9 +87,9 @@ class AuthMiddleware:
         if scope["type"] != "http" or not self.checker:
             return await self.app(scope, receive, send)
         path = scope.get("path", "")
-        if path in OPEN_PATHS or (path in PAGE_PATHS and scope.get("method") in ("GET", "HEAD")) or \
-                (path == "/metrics" and self.metrics_public):
-            return await self.app(scope, receive, send)
+        if scope.get("method") in ("GET", "HEAD") and (path in OPEN_PATHS or path in PAGE_PATHS or
+                                                        (path == "/metrics" and self.metrics_public)):
+            return await self.app(scope, receive, send)   # the open ones are reads: a POST there needs the key
         headers = scope.get("headers", ())
         auth = next((v for k, v in headers if k == b"authorization"), None)
         x_key = next((v for k, v in headers if k == b"x-api-key"), None)
@@ -96,13 +101,75 @@ class AuthMiddleware:
         return await self.app(scope, receive, send)
 
 
-def allow_cross_origin(app, origins=()):
-    """Starlette's CORS middleware (the standard one) on `app`, outermost: call it after every other middleware.
-    origins: origins allowed beside the local ones; "*" allows any."""
+def is_loopback(host: str) -> bool:
+    """Whether a listening address (--host) is this machine only."""
+    if host.lower() in ("localhost", "ip6-localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _local_host(host: str) -> bool:
+    """A Host header naming this machine (ollama's allowed hosts): an IP that is loopback, private or unspecified,
+    localhost, this machine's name, or a name under .localhost / .local / .internal; no Host at all (HTTP/1.0)."""
+    host = host.strip().lower()
+    if not host:
+        return True
+    name = host[1:host.index("]")] if host.startswith("[") and "]" in host else host.rsplit(":", 1)[0] \
+        if host.count(":") == 1 else host
+    try:
+        ip = ipaddress.ip_address(name)
+        return ip.is_loopback or ip.is_private or ip.is_unspecified or ip.is_link_local
+    except ValueError:
+        pass
+    return name == "localhost" or name.endswith((".localhost", ".local", ".internal")) or \
+        name == socket.gethostname().lower()
+
+
+class OriginGuard:
+    """403 for a browser request from an origin that may not call this server (CORS' headers alone leave the
+    request run), and, on a loopback-only server, for a Host that is not this machine (DNS rebinding). A request
+    without Origin (curl, the SDKs) passes; so does one from the page's own origin (the chat page; a proxy's
+    X-Forwarded-Host counts as the page's host)."""
+
+    def __init__(self, app, origins: tuple = (), local_only: bool = False):
+        self.app, self.origins, self.local_only = app, origins, local_only
+        self.any = "*" in origins
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = scope.get("headers") or ()
+        host = next((v for k, v in headers if k == b"host"), b"").decode("latin-1")
+        if self.local_only and not _local_host(host):
+            return await send_error(send, scope, 403, f"Host {host[:100]!r} is not this machine: refused (this "
+                                    "server listens on loopback only; a web page whose name points here is not "
+                                    "let in)", "permission_error", "forbidden_host")
+        origin = next((v for k, v in headers if k == b"origin"), None)
+        if origin is None or self.any:
+            return await self.app(scope, receive, send)
+        origin = origin.decode("latin-1").rstrip("/")
+        netloc = origin.split("://", 1)[1] if "://" in origin else None
+        forwarded = next((v for k, v in headers if k == b"x-forwarded-host"), b"").decode("latin-1")
+        if re.fullmatch(LOCAL_ORIGINS, origin) or origin in self.origins or \
+                (netloc is not None and netloc.lower() in (host.lower(), forwarded.split(",")[0].strip().lower())):
+            return await self.app(scope, receive, send)
+        return await send_error(send, scope, 403, f"a page from {origin[:100]} may not call this server (start it "
+                                f"with --cors-origin {origin[:100]} to allow that origin)", "permission_error",
+                                "forbidden_origin")
+
+
+def allow_cross_origin(app, origins=(), local_only: bool = False):
+    """Starlette's CORS middleware (the standard one) on `app`, outermost: call it after every other middleware;
+    OriginGuard just inside it. origins: origins allowed beside the local ones; "*" allows any. local_only: the
+    server listens on loopback only (OriginGuard's Host check)."""
     import inspect
 
     from starlette.middleware.cors import CORSMiddleware
     extra = tuple(o.rstrip("/") for o in origins)
+    app.add_middleware(OriginGuard, origins=extra, local_only=local_only)
     kw = {}
     if "allow_private_network" in inspect.signature(CORSMiddleware.__init__).parameters:
         kw["allow_private_network"] = True   # Chrome's preflight for a public page calling a private address

@@ -18,7 +18,7 @@ from ..engine import __version__
 from ..engine.runtime.sampling import SamplingParams
 from .logprobs import chat_entry
 from .offload import run_off_loop, too_long_for_context
-from .schemas import ChatMessage, JSONTyped, RequestProblem, _Sampling, continuation
+from .schemas import MANY_STOPS, ChatMessage, JSONTyped, RequestProblem, _Sampling, continuation
 
 # llama-server's sampler names. The engine's chain is bias -> penalties -> dry -> top_n_sigma -> top_k -> typ_p ->
 # top_p -> min_p -> xtc -> temperature (engine/runtime/sampling.py, llama.cpp's default order); a `samplers` list
@@ -45,10 +45,10 @@ STOP_TYPE = {"eos": "eos", "stop": "word", "length": "limit", "context": "limit"
 
 class NativeCompletionRequest(_Sampling):
     """llama-server's POST /completion body: its names (n_predict, n_probs, logit_bias as pairs) over the
-    OpenAI endpoints' sampling fields and checks (temperature without OpenAI's cap, any number of stops)."""
+    OpenAI endpoints' sampling fields and checks (temperature without OpenAI's cap, up to MANY_STOPS stops)."""
     model_config = ConfigDict(extra="allow")   # the OFF fields are checked among the extras
     MAX_TEMPERATURE: ClassVar[Optional[float]] = None
-    MAX_STOPS: ClassVar[Optional[int]] = None
+    MAX_STOPS: ClassVar[Optional[int]] = MANY_STOPS
     prompt: Union[str, list[Any]]
     max_tokens: Optional[int] = None   # n_predict's other name in llama-server (-1: to the context's end)
     n_probs: int = Field(default=0, ge=0, le=20)

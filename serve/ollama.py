@@ -30,7 +30,7 @@ from ..engine.runtime.sampling import SamplingParams, setting_problem
 from .logprobs import Said, chat_entry
 from .metrics import TokenClock
 from .offload import next_or_gone, prepare_sampling, run_off_loop, too_long_for_context
-from .schemas import JSONTyped, error_where, main_error, utc_iso
+from .schemas import MANY_STOPS, JSONTyped, error_where, main_error, utc_iso
 
 FOREVER = math.inf
 _DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
@@ -186,6 +186,8 @@ def option_stops(options: dict) -> list[str]:
     stop = [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
         raise OllamaError(400, f"options.stop {options['stop']!r}: must be a list of strings")
+    if len(stop) > MANY_STOPS:   # each is matched at every token, in the step every stream shares
+        raise OllamaError(400, f"options.stop: at most {MANY_STOPS} stop sequences")
     return [s for s in stop if s]
 
 

@@ -47,9 +47,11 @@ from .ollama import FOREVER, OLLAMA_VERSION, parse_keep_alive  # noqa: F401 - pa
 from .schemas import model_object, utc_iso
 
 PAGE = os.path.join(os.path.dirname(__file__), "chat.html")
+PULLS_MAX = 2   # ollama's /api/pull processes at once (each downloads and converts: a process, ~70 MB, a core)
 # hop-by-hop headers, and what this router sets itself on the forwarded request / the response
 REQUEST_DROP = {b"host", b"content-length", b"connection", b"keep-alive", b"transfer-encoding", b"authorization",
-                b"x-api-key", b"upgrade", b"te", b"proxy-authorization"}
+                b"x-api-key", b"upgrade", b"te", b"proxy-authorization",
+                b"origin"}   # the router judged the origin; the model's process answers the router, not a page
 RESPONSE_DROP = {"connection", "keep-alive", "transfer-encoding", "date", "server"}
 
 
@@ -167,6 +169,7 @@ class Router:
         self.ending: set[Child] = set()             # stopped, their processes not yet exited
         self.details: dict[str, dict] = {}     # a model's /api/ps entry, kept after it is unloaded
         self.shows: dict[str, bytes] = {}      # /api/show answers by model file and request: never a load again
+        self.pulling: set[str] = set()         # hub ids being pulled now (one process each, PULLS_MAX at most)
         self.counts: dict[tuple, int] = {}
         self.draining = False
         self.cond: asyncio.Condition | None = None
@@ -242,11 +245,16 @@ class Router:
         "completed" bytes while it downloads, as ollama's layers), {"status": "success"} at the end, or
         {"error": "..."} (the pull's own one-line reason). The pull runs as its own process (the
         download and the conversion are the CLI's); leaving this generator early (a client that hung up) ends it."""
-        yield {"status": "pulling manifest"}
-        proc = await asyncio.create_subprocess_exec(*self.pull(ref), stdin=asyncio.subprocess.DEVNULL,
-                                                    stdout=asyncio.subprocess.DEVNULL,
-                                                    stderr=asyncio.subprocess.PIPE)
-        self.log(f"pulling '{ref}'")
+        self.pulling.add(ref)
+        try:
+            yield {"status": "pulling manifest"}
+            proc = await asyncio.create_subprocess_exec(*self.pull(ref), stdin=asyncio.subprocess.DEVNULL,
+                                                        stdout=asyncio.subprocess.DEVNULL,
+                                                        stderr=asyncio.subprocess.PIPE)
+        except BaseException:
+            self.pulling.discard(ref)
+            raise
+        self.log(f"pulling {ref!r}")
         lines: list[str] = []
         try:
             yield {"status": f"downloading {ref}"}
@@ -280,21 +288,22 @@ class Router:
                 lines = (lines + [buf.decode("utf-8", "replace").strip()])[-20:]
             code = await proc.wait()
         finally:
+            self.pulling.discard(ref)
             if proc.returncode is None:
                 with contextlib.suppress(ProcessLookupError):
                     proc.terminate()
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(proc.wait(), 10)
-                self.log(f"pull of '{ref}' stopped: its client went away")
+                self.log(f"pull of {ref!r} stopped: its client went away")
         if code != 0:
             errors = [ln for ln in lines if ln.startswith("bitnet: error: ")]
             why = errors[-1].removeprefix("bitnet: error: ") if errors else (lines[-1] if lines else f"exit {code}")
-            self.log(f"pull of '{ref}' failed: {why}")
+            self.log(f"pull of {ref!r} failed: {why}")
             yield {"error": why}
             return
         await self.refresh(fresh=True)
         spec = self.by_source(name)
-        self.log(f"pulled '{ref}'" + (f": served as '{spec.name}'" if spec else ""))
+        self.log(f"pulled {ref!r}" + (f": served as '{spec.name}'" if spec else ""))
         yield {"status": "success"}
 
     def count(self, *key):
@@ -600,7 +609,7 @@ class Relay(StreamingResponse):
 
 
 def create_router_app(router: Router, *, api_keys: tuple = (), limits: Limits | None = None,
-                      metrics_public: bool = False, cors_origins: tuple = ()) -> FastAPI:
+                      metrics_public: bool = False, cors_origins: tuple = (), local_only: bool = False) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app):
         await router.start()
@@ -611,7 +620,7 @@ def create_router_app(router: Router, *, api_keys: tuple = (), limits: Limits | 
     app.state.router = router
     app.add_middleware(LimitsMiddleware, limits=limits or Limits())
     app.add_middleware(AuthMiddleware, checker=KeyChecker(api_keys), metrics_public=metrics_public)
-    allow_cross_origin(app, cors_origins)   # the model processes see only the router
+    allow_cross_origin(app, cors_origins, local_only)   # the model processes see only the router
 
     def error(request: Request, e: RouterError) -> Response:
         body = error_json(e.message, "not_found_error" if e.status == 404 else
@@ -760,6 +769,15 @@ def create_router_app(router: Router, *, api_keys: tuple = (), limits: Limits | 
         if not isinstance(stream, bool):
             raise RouterError(400, "stream: must be true or false", "invalid_value", "stream")
         ref = hub_name(name)
+        # ollama checks a name before anything runs ("invalid model name"); the pull's own process checks the rest
+        if not re.fullmatch(r"[A-Za-z0-9][\w.-]*/[^\s/:@]+(:[^\s@]+)?(@[^\s]+)?", ref) or ".." in ref:
+            raise RouterError(400, f"invalid model name {name!r}: a hub id, OWNER/REPO[:FILE|:TAG][@REVISION] or "
+                              "hf.co/OWNER/REPO[:TAG]", "invalid_value", "model")
+        if ref in router.pulling:
+            raise RouterError(409, f"{name!r} is being pulled already", "conflict", "model")
+        if len(router.pulling) >= PULLS_MAX:
+            raise RouterError(503, f"{PULLS_MAX} pulls are running; try again when one has ended", "unavailable",
+                              retry_after=router.retry_after * 10)
         updates = router.pull_updates(name, ref)
         if stream:
             return StreamingResponse((json.dumps(u) + "\n" async for u in updates), media_type="application/x-ndjson")
@@ -817,6 +835,9 @@ def create_router_app(router: Router, *, api_keys: tuple = (), limits: Limits | 
     @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD"],
                    include_in_schema=False)
     async def forward(request: Request):
+        if request.url.path in ("/health", "/v1/health", "/metrics"):   # their GETs are the router's own
+            return JSONResponse({"error": f"{request.method} {request.url.path}: not allowed (GET)"}, status_code=405,
+                                headers={"allow": "GET, HEAD"})
         if router.draining:
             raise RouterError(503, "shutting down", "unavailable", retry_after=router.retry_after)
         data, body = await body_model(request)

@@ -148,3 +148,69 @@ def test_a_browser_lets_local_and_named_pages_read_the_answer_and_no_other(page_
         assert got[f"http://other.test:{page_site}"] == "refused:TypeError"
     finally:
         s.stop()
+
+
+def _requests_total(server) -> float:
+    text = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=30).text
+    return sum(float(ln.split()[-1]) for ln in text.splitlines() if ln.startswith("bitnet_requests_total"))
+
+
+@pytest.mark.parametrize("origin", ["https://evil.example", "null", "http://localhost.evil.example"])
+def test_a_page_of_another_site_cannot_make_the_server_work(server, origin):
+    """A "simple" cross-site POST (text/plain: no preflight) from a page the user merely visits: 403 before it runs
+    (the CORS headers only kept the answer from the page; the generation, a model load or a delete ran)."""
+    before = _requests_total(server)
+    r = httpx.post(server.url + "/v1/chat/completions", content=__import__("json").dumps(BODY), timeout=60,
+                   headers={"Origin": origin, "Content-Type": "text/plain", "Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 403 and "--cors-origin" in r.json()["error"]["message"]
+    assert _requests_total(server) == before
+    # no Origin (curl, the SDKs), this machine's pages, a named origin, the page's own origin: as before
+    for headers in ({}, {"Origin": "http://localhost:5173"}, {"Origin": "https://app.example.com"},
+                    {"Origin": server.url}):
+        ok = httpx.post(server.url + "/v1/chat/completions", json=BODY, timeout=60,
+                        headers={**headers, "Authorization": f"Bearer {KEY}"})
+        assert ok.status_code == 200, (headers, ok.text)
+
+
+def test_dns_rebinding_is_refused_on_a_loopback_server(server):
+    """A site whose name comes to point at 127.0.0.1 is same-origin with its own pages: a loopback-only server
+    refuses a Host that is not this machine (ollama's allowed hosts); this machine's names pass."""
+    for host in ("rebind.evil.example", f"rebind.evil.example:{server.port}"):
+        r = httpx.get(server.url + "/v1/models", timeout=30, headers={"Host": host, "Origin": f"http://{host}",
+                                                                       "Authorization": f"Bearer {KEY}"})
+        assert r.status_code == 403 and "not this machine" in r.json()["error"]["message"]
+    for host in (f"localhost:{server.port}", f"127.0.0.1:{server.port}", "myapp.localhost", "box.local",
+                 "10.1.2.3:8080"):
+        assert httpx.get(server.url + "/v1/models", timeout=30, headers={
+            "Host": host, "Authorization": f"Bearer {KEY}"}).status_code == 200, host
+
+
+def test_the_open_paths_are_open_to_reads_only(tmp_path):
+    """/health (and /metrics with --metrics-public) need no key for GET; any other method needs it. On the router
+    a POST /health with a model's name went to its catch-all route and loaded that model, with no key."""
+    shutil.copy(os.path.join(ROOT, "models", "default.bnstore"), tmp_path / "tiny.bnstore")
+    for args in ((), ("--models-dir", str(tmp_path))):
+        s = Server("--api-key", KEY, "--metrics-public", *args, threads=1)
+        try:
+            for path in ("/health", "/v1/health", "/metrics"):
+                assert httpx.get(s.url + path, timeout=30).status_code == 200, (args, path)
+                for method in ("POST", "PUT", "DELETE"):
+                    r = httpx.request(method, s.url + path, json={"model": "tiny"}, timeout=30)
+                    assert r.status_code == 401, (args, path, method, r.status_code)
+                r = httpx.post(s.url + path, json={"model": "tiny"}, timeout=30,
+                               headers={"Authorization": f"Bearer {KEY}"})
+                assert r.status_code == 405, (args, path, r.status_code)
+            if args:
+                ps = httpx.get(s.url + "/api/ps", timeout=30, headers={"Authorization": f"Bearer {KEY}"}).json()
+                assert ps["models"] == []   # nothing was loaded
+        finally:
+            s.stop()
+
+
+@pytest.mark.parametrize("value", [",", " , ", ""])
+def test_an_api_key_flag_without_a_key_is_refused(value):
+    """--api-key ',' (or LLAMA_API_KEY="$A,$B" with both unset) left the server open, without the warning."""
+    r = subprocess.run([sys.executable, "-m", "bitnet_cpu", "serve", "--api-key", value, "--port", "1"],
+                       capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, PYTHONPATH=os.path.dirname(ROOT)))
+    assert r.returncode == 2 and "no key in it" in r.stderr and "Traceback" not in r.stderr

@@ -302,3 +302,33 @@ def test_no_limit_runs_to_the_context_s_end(server):
     assert r.json()["tokens_predicted"] == 9 and r.json()["truncated"] is True
     o = post(server, "/v1/completions", {"prompt": ids, "temperature": 0, "ignore_eos": True}).json()
     assert o["usage"]["completion_tokens"] == 9 and o["choices"][0]["finish_reason"] == "length"
+
+
+def test_stop_sequences_are_bounded_on_every_endpoint_that_takes_many(server):
+    """Each stop string is matched at every token in the step all streams share: 20,000 of them made another
+    client's stream 23x slower. llama-server's, Anthropic's and ollama's endpoints take up to 64 (OpenAI's 4)."""
+    from bitnet_cpu.serve.schemas import MANY_STOPS
+    ok = [f"zz{i}" for i in range(MANY_STOPS)]
+    over = ok + ["zz-more"]
+    for path, body, field in (("/completion", {"prompt": P, "n_predict": 2}, "stop"),
+                              ("/v1/messages", {"model": "m", "max_tokens": 2,
+                                                "messages": [{"role": "user", "content": P}]}, "stop_sequences"),
+                              ("/api/generate", {"model": "m", "prompt": P, "stream": False,
+                                                 "options": {"num_predict": 2}}, "options.stop")):
+        def with_stops(stops):
+            if field == "options.stop":
+                return {**body, "options": {**body["options"], "stop": stops}}
+            return {**body, field: stops}
+        assert post(server, path, with_stops(ok)).status_code == 200, path
+        r = post(server, path, with_stops(over))
+        assert r.status_code == 400 and f"at most {MANY_STOPS}" in r.text, (path, r.text)
+
+
+def test_dry_sequence_breakers_are_bounded(server):
+    """DRY's breakers each cost scans of the vocabulary (the first time a list is seen): thousands held the server
+    for minutes, also after the client left. At most 64, as a 400 naming the field."""
+    from bitnet_cpu.engine.runtime.sampling import MAX_DRY_BREAKERS
+    body = {"prompt": P, "n_predict": 2, "dry_multiplier": 0.8}
+    assert post(server, "/completion", {**body, "dry_sequence_breakers": ["x"] * MAX_DRY_BREAKERS}).status_code == 200
+    r = post(server, "/completion", {**body, "dry_sequence_breakers": [f"b{i}" for i in range(MAX_DRY_BREAKERS + 1)]})
+    assert r.status_code == 400 and "dry_sequence_breakers" in r.text and f"at most {MAX_DRY_BREAKERS}" in r.text

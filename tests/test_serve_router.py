@@ -582,6 +582,12 @@ def test_ollama_pull_and_delete_on_a_cache_server(tmp_path, models_dir):
         r = httpx.post(s.url + "/api/pull", json={"model": "hf.co/o/absent", "stream": False}, timeout=120)
         assert r.status_code == 500 and "offline" in r.json()["error"]
         assert httpx.post(s.url + "/api/pull", json={"model": ""}, timeout=30).status_code == 400
+        # checked before a process starts (ollama's "invalid model name"): `--help` was run as `bitnet pull --help`
+        # (status success), and a newline forged lines of the log
+        for bad in ("--help", "-h", "hf.co/--help", "o/x\nbitnet serve: deleted 'tiny'", "/etc/passwd",
+                    "https://evil.example/a/b", "o/../x"):
+            r = httpx.post(s.url + "/api/pull", json={"model": bad, "stream": False}, timeout=30)
+            assert r.status_code == 400 and "invalid model name" in r.json()["error"], (bad, r.text)
         # delete: the conversion goes (it was loaded: unloaded first); the user's own files stay
         client.delete("hf.co/o/pulled")
         assert names() == before and not os.path.exists(rows[0]["path"])

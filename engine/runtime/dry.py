@@ -48,14 +48,18 @@ class _Vocab:
         return tid[left >= 0], left[left >= 0]
 
 
-def _overlaps(tok, vocab: _Vocab, breaker: bytes, table: dict[int, list[tuple[int, ...]]]):
+def _overlaps(tok, vocab: _Vocab, breaker: bytes, table: dict[int, list[tuple[int, ...]]],
+              seen: dict[int, set]):
     """llama.cpp's get_overlapping_token_sequences: each token holding the breaker (an empty tail), or ending in
-    its first bytes (the tail: the rest of the breaker, tokenized; the longest such ending first)."""
+    its first bytes (the tail: the rest of the breaker, tokenized; the longest such ending first). seen: each
+    token's tails as a set (a list's `in` made many breakers sharing a token quadratic)."""
+    def add(tid, tail):
+        if tail not in seen.setdefault(tid, set()):
+            seen[tid].add(tail)
+            table.setdefault(tid, []).append(tail)
     holders = set(vocab.hits(breaker)[0].tolist())
     for tid in sorted(holders):
-        tails = table.setdefault(tid, [])
-        if () not in tails:
-            tails.append(())
+        add(tid, ())
     for i in range(len(breaker) - 1, 0, -1):   # the token's text ends in breaker[:i]
         tid, left = vocab.hits(breaker[:i])
         ends_in = sorted(set(tid[left == 0].tolist()) - holders)
@@ -64,9 +68,7 @@ def _overlaps(tok, vocab: _Vocab, breaker: bytes, table: dict[int, list[tuple[in
         rest = breaker[i:].decode("utf-8", "ignore")
         tail = tuple(tok.encode(rest, add_bos=False, special=False)[:MAX_TAIL_TOKENS]) if rest else ()
         for t in ends_in:
-            tails = table.setdefault(t, [])
-            if tail not in tails:
-                tails.append(tail)
+            add(t, tail)
 
 
 def cached_table(tok, n_vocab: int, breakers) -> dict[int, list[tuple[int, ...]]] | None:
@@ -91,10 +93,11 @@ def breaker_table(tok, n_vocab: int, breakers) -> dict[int, list[tuple[int, ...]
     key = (n_vocab, tuple(breakers))
     vocab = _Vocab(vocab_bytes(tok, n_vocab))
     table: dict[int, list[tuple[int, ...]]] = {}
+    seen: dict[int, set] = {}
     for b in breakers:
         raw = b.encode("utf-8")[:MAX_BREAKER_BYTES]
         if raw:
-            _overlaps(tok, vocab, raw, table)
+            _overlaps(tok, vocab, raw, table, seen)
     with _LOCK:
         per_tok = _TABLES.setdefault(tok, OrderedDict())
         per_tok[key] = table

@@ -86,6 +86,10 @@ class SamplingParams:
 REQUEST_ONLY_FIELDS = ("logit_bias", "record_logprobs")
 
 # field -> (is the value valid, what it must be). A float must also be finite; NaN fails every comparison.
+# each breaker costs scans of the whole vocabulary (~19 ms on a 128k one) the first time a list is seen; a request
+# with thousands held a server's CPU for minutes (llama.cpp keeps none of this per request)
+MAX_DRY_BREAKERS = 64
+
 _RULES = {
     "temperature": (lambda v: v >= 0, "must be >= 0 (0 = greedy)"),
     "top_k": (lambda v: v >= 0, "must be >= 0 (0 = off)"),
@@ -102,8 +106,9 @@ _RULES = {
     "dry_base": (lambda v: 1 <= v < math.inf, "must be >= 1 and finite"),
     "dry_allowed_length": (lambda v: isinstance(v, int) and v >= 0, "must be an integer >= 0"),
     "dry_penalty_last_n": (lambda v: isinstance(v, int) and v >= -1, "must be >= 0, or -1 for the whole context"),
-    "dry_sequence_breakers": (lambda v: isinstance(v, (list, tuple)) and all(isinstance(x, str) and x for x in v),
-                              "must be a list of non-empty strings"),
+    "dry_sequence_breakers": (lambda v: isinstance(v, (list, tuple)) and len(v) <= MAX_DRY_BREAKERS and
+                              all(isinstance(x, str) and x for x in v),
+                              f"must be a list of at most {MAX_DRY_BREAKERS} non-empty strings"),
     "top_n_sigma": (lambda v: -math.inf < v < math.inf, "must be finite (<= 0 = off)"),
     "typical_p": (lambda v: 0 <= v <= 1, "must be in [0, 1] (1 = off)"),
     "xtc_probability": (lambda v: 0 <= v <= 1, "must be in [0, 1] (0 = off)"),
