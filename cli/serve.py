@@ -46,6 +46,7 @@ def add_arguments(p):
     p.add_argument("--max-connections", type=int, default=d.max_connections, help="open connections (503 + Retry-After beyond)")
     p.add_argument("--header-timeout", type=float, default=d.header_timeout, help="seconds a request's headers may take to arrive (408)")
     p.add_argument("--body-timeout", type=float, default=d.body_timeout, help="seconds a request's body may take to arrive (408)")
+    p.add_argument("--send-timeout", type=float, default=d.send_timeout, help="seconds a client may leave what is sent to it unread before its connection is cut (nginx's send_timeout)")
     p.add_argument("--request-timeout", type=float, default=d.request_timeout, help="seconds a request may run, 0 = no limit (504, or an error event mid-stream)")
     p.add_argument("--keep-alive-timeout", type=float, default=5.0, help="seconds an idle kept-alive connection stays open")
     p.add_argument("--alias", default=None, metavar="NAME",
@@ -105,7 +106,7 @@ def _check(args):
     if args.ray_replicas < 0:
         raise BitNetError(f"--ray-replicas {args.ray_replicas}: must be >= 0")
     for flag in ("max_body_mb", "max_header_kb", "max_headers", "max_connections", "header_timeout", "body_timeout",
-                 "keep_alive_timeout"):
+                 "send_timeout", "keep_alive_timeout"):
         if not getattr(args, flag) > 0:
             raise BitNetError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be > 0")
     if not args.request_timeout >= 0:
@@ -200,7 +201,7 @@ def limits_from_args(args) -> Limits:
     return Limits(max_body_bytes=int(args.max_body_mb * MiB), max_header_bytes=int(args.max_header_kb * 1024),
                   max_headers=args.max_headers, max_connections=args.max_connections,
                   header_timeout=args.header_timeout, body_timeout=args.body_timeout,
-                  request_timeout=args.request_timeout)
+                  send_timeout=args.send_timeout, request_timeout=args.request_timeout)
 
 
 def main(args) -> int:

@@ -113,7 +113,8 @@ def is_loopback(host: str) -> bool:
 
 def _local_host(host: str) -> bool:
     """A Host header naming this machine (ollama's allowed hosts): an IP that is loopback, private or unspecified,
-    localhost, this machine's name, or a name under .localhost / .local / .internal; no Host at all (HTTP/1.0)."""
+    localhost, this machine's name, or a name under .localhost / .local / .internal; no Host at all (HTTP/1.0);
+    a name of one label (no dot: a short name of this network, never one a web site can point here)."""
     host = host.strip().lower()
     if not host:
         return True
@@ -124,7 +125,7 @@ def _local_host(host: str) -> bool:
         return ip.is_loopback or ip.is_private or ip.is_unspecified or ip.is_link_local
     except ValueError:
         pass
-    return name == "localhost" or name.endswith((".localhost", ".local", ".internal")) or \
+    return "." not in name or name.endswith((".localhost", ".local", ".internal")) or \
         name == socket.gethostname().lower()
 
 

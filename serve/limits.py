@@ -39,6 +39,7 @@ class Limits:
     max_connections: int = 512
     header_timeout: float = 10.0          # first byte of a request -> end of its headers
     body_timeout: float = 30.0            # end of headers -> end of body
+    send_timeout: float = 60.0            # a client that reads nothing of what is sent to it (nginx's send_timeout)
     request_timeout: float = 600.0        # handler wall time, 0 = none
     retry_after: int = 1
 
@@ -280,7 +281,11 @@ def _overloaded_app(limits: Limits):
 
 def guarded_protocol(limits: Limits, base=None):
     """A subclass of uvicorn's HTTP protocol (`base`; default: httptools when installed, else h11) that enforces
-    the connection cap, the header timeout and (httptools) the header size; pass it as uvicorn.Config(http=...)."""
+    the connection cap, the header timeout, (httptools) the header size and the send timeout; pass it as
+    uvicorn.Config(http=...). The send timeout: a client that takes nothing of what is written to it for
+    limits.send_timeout (the transport paused the whole time: its buffer full) is cut off (transport.abort()).
+    Without it such a client held its connection for ever, a finished answer's megabytes with it, and counted
+    against --max-connections: that many of them locked everyone else out."""
     if base is None:
         try:
             from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
@@ -291,6 +296,7 @@ def guarded_protocol(limits: Limits, base=None):
         def connection_made(self, transport):
             super().connection_made(transport)
             self._timer = None
+            self._send_timer = None
             self._rejected = False
             self._header_bytes = 0
             if len(self.connections) > limits.max_connections:
@@ -352,8 +358,28 @@ def guarded_protocol(limits: Limits, base=None):
                                            f"{limits.max_header_bytes} bytes", "headers_too_large"))
                 raise ValueError("headers too large")   # stops the parser; send_400_response stays quiet
 
+        def pause_writing(self):   # the client's socket buffer is full: it has this long to read on
+            super().pause_writing()
+            if self._send_timer is None:
+                self._send_timer = self.loop.call_later(limits.send_timeout, self._send_timeout)
+
+        def resume_writing(self):
+            self._stop_send_timer()
+            super().resume_writing()
+
+        def _stop_send_timer(self):
+            if self._send_timer is not None:
+                self._send_timer.cancel()
+                self._send_timer = None
+
+        def _send_timeout(self):
+            self._send_timer = None
+            if not self.transport.is_closing() or self.transport.get_write_buffer_size():
+                self.transport.abort()   # connection_lost follows: the request's stream sees a disconnect
+
         def connection_lost(self, exc):
             self._disarm()
+            self._stop_send_timer()
             super().connection_lost(exc)
 
     return GuardedProtocol

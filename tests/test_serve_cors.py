@@ -179,7 +179,7 @@ def test_dns_rebinding_is_refused_on_a_loopback_server(server):
         r = httpx.get(server.url + "/v1/models", timeout=30, headers={"Host": host, "Origin": f"http://{host}",
                                                                        "Authorization": f"Bearer {KEY}"})
         assert r.status_code == 403 and "not this machine" in r.json()["error"]["message"]
-    for host in (f"localhost:{server.port}", f"127.0.0.1:{server.port}", "myapp.localhost", "box.local",
+    for host in (f"localhost:{server.port}", f"127.0.0.1:{server.port}", "myapp.localhost", "box.local", "bitnet",
                  "10.1.2.3:8080"):
         assert httpx.get(server.url + "/v1/models", timeout=30, headers={
             "Host": host, "Authorization": f"Bearer {KEY}"}).status_code == 200, host

@@ -283,6 +283,42 @@ def test_slow_body_408_and_connection_cap_503():
         assert s.stop()[0] == 0
 
 
+def test_clients_that_read_nothing_are_cut_off_and_free_their_connections(tmp_path_factory):
+    """Clients that ask for long answers and then read nothing (their socket buffers full) were kept for ever, each
+    with its answer's megabytes, and counted against --max-connections: that many locked everyone out (503 to all,
+    /health too). --send-timeout cuts each (nginx's send_timeout); the cap then has room again."""
+    s = Server("-m", slow_model(tmp_path_factory), "-c", "4096", "--parallel", "2", "--max-connections", "3",
+               "--send-timeout", "2")
+    socks = []
+    try:
+        body = json.dumps({"prompt": "a", "max_tokens": 2500, "temperature": 0, "logprobs": 5}).encode()
+        for _ in range(3):
+            c = socket.socket()
+            c.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+            c.connect(("127.0.0.1", s.port))
+            c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+            socks.append(c)   # and never read
+        assert _get_until(s.url + "/health", 503).status_code == 503   # the cap is full of them
+        assert _get_until(s.url + "/health", 200, timeout=120).status_code == 200   # they were cut off
+        for c in socks:   # what each got before it was cut: the start of its answer, then the end of the connection
+            c.settimeout(30)
+            got = b""
+            while True:
+                try:
+                    piece = c.recv(65536)
+                except (ConnectionResetError, socket.timeout):
+                    break
+                if not piece:
+                    break
+                got += piece
+            assert got.startswith(b"HTTP/1.1 200") and b'"finish_reason"' not in got[-200:]
+    finally:
+        for c in socks:
+            c.close()
+        assert s.stop()[0] == 0
+
+
 def test_request_timeout_cancels_the_sequence(tmp_path_factory):
     s = Server("-m", slow_model(tmp_path_factory), "-c", "4096", "--parallel", "2", "--request-timeout", "1.5")
     try:
