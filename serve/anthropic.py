@@ -176,6 +176,7 @@ class MessagesRequest(_Conversation, _Sampling):
     """The body of POST /v1/messages (Anthropic's fields; the chat endpoint's sampling extras too)."""
     MAX_TEMPERATURE: ClassVar[Optional[float]] = 1.0   # Anthropic's range
     MAX_STOPS: ClassVar[Optional[int]] = MANY_STOPS
+    FORCED_CALL_FORMAT: ClassVar[str] = "refuse"
     max_tokens: int = Field(ge=1)
     stop_sequences: Optional[list[str]] = None
     output_config: Optional[dict[str, Any]] = None

@@ -284,7 +284,7 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
             spec = req.constraint()
             if spec is not None and tool_spec is not None:   # call tools, or answer in the format
                 from ..engine.runtime.tools import with_answer_format
-                spec = with_answer_format(tool_spec, spec)
+                spec = with_answer_format(tool_spec, spec, forced=req.FORCED_CALL_FORMAT)
             spec = spec or tool_spec
             return None if spec is None else await asyncio.to_thread(eng.compile_constraint, spec)
         except ConstraintError as e:

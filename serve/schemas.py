@@ -188,6 +188,9 @@ class _Sampling(JSONTyped):
     model_config = ConfigDict(extra="ignore")
     MAX_TEMPERATURE: ClassVar[Optional[float]] = OPENAI_MAX_TEMPERATURE   # None: the engine's range only
     MAX_STOPS: ClassVar[Optional[int]] = 4                                # OpenAI's (the others: MANY_STOPS)
+    # a format beside a required tool call (no text answer this turn): OpenAI takes the pair ("drop": the call
+    # grammar alone), Anthropic's API refuses it ("refuse": 400); engine/runtime/tools.py with_answer_format
+    FORCED_CALL_FORMAT: ClassVar[str] = "drop"
     EFFORT_NONE: ClassVar[bool] = False   # reasoning_effort "none" is taken (the chat endpoint's)
 
     model: Optional[str] = None

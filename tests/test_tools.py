@@ -508,7 +508,6 @@ def test_allowed_tools_narrow_the_calls_not_the_prompt(client, model_id, server)
       "tool_choice": "required"}, "tools[2].function.parameters"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
-    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
 ])
 def test_tool_errors_400(server, body, param):
     import httpx
@@ -564,7 +563,7 @@ MISTRAL_ALTERNATE = (   # the check of Mistral-7B-Instruct's template, with a to
 def test_a_json_format_beside_tools_shapes_the_text_answer(server):
     """Tools with choice auto and a JSON format together (OpenAI's response_format, Anthropic's
     output_config.format, ollama's format; Anthropic documents the pair): the model calls a tool, or answers in
-    the format -- it was a 400. A required call leaves no answer to shape: still a 400, naming tool_choice."""
+    the format -- it was a 400."""
     import httpx
 
     fmt = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"],
@@ -596,3 +595,32 @@ def test_a_json_format_beside_tools_shapes_the_text_answer(server):
     assert o.status_code == 200, o.text
     msg = o.json()["message"]
     check(msg["content"], [c["function"] for c in msg.get("tool_calls") or []])
+
+
+def test_a_format_beside_a_required_call_is_the_call_on_openai_s_apis(server):
+    """tool_choice required / a named function with response_format (chat) or text.format (Responses): OpenAI
+    takes the pair and the answer is the call (the format shapes a later turn's text); instructor's Responses mode
+    and the Agents SDK's forced tool use send it on every request, and got a 400. Anthropic's tool_choice any with
+    output_config.format stays its API's 400."""
+    import httpx
+
+    fmt = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"]}
+    for choice in ("required", {"type": "function", "function": {"name": "add"}}):
+        r = httpx.post(server.url + "/v1/chat/completions", timeout=120, json={
+            "messages": Q, "tools": TOOLS, "tool_choice": choice, "max_tokens": 60, "temperature": 0,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": fmt}}})
+        assert r.status_code == 200, r.text
+        calls = r.json()["choices"][0]["message"]["tool_calls"]
+        assert calls and all(c["function"]["name"] in SCHEMA for c in calls)
+    resp = httpx.post(server.url + "/v1/responses", timeout=120, json={
+        "input": Q[0]["content"], "max_output_tokens": 60, "temperature": 0, "tool_choice": "required",
+        "tools": [{"type": "function", "name": t["function"]["name"], "parameters": t["function"]["parameters"]}
+                  for t in TOOLS],
+        "text": {"format": {"type": "json_schema", "name": "a", "schema": fmt}}})
+    assert resp.status_code == 200, resp.text
+    assert any(item["type"] == "function_call" for item in resp.json()["output"])
+    a = httpx.post(server.url + "/v1/messages", timeout=120, json={
+        "model": "m", "max_tokens": 60, "messages": Q, "tool_choice": {"type": "any"},
+        "tools": [{"name": t["function"]["name"], "input_schema": t["function"]["parameters"]} for t in TOOLS],
+        "output_config": {"format": {"type": "json_schema", "schema": fmt}}})
+    assert a.status_code == 400 and "tool_choice" in a.text

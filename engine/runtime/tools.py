@@ -223,12 +223,16 @@ _HERMES_JSON = re.compile(re.escape(HERMES_OPEN) + _GLUE + r"\[?" + _GLUE + r"\{
 _LLAMA3_JSON = re.compile(r'"parameters\\?": dictionary')
 
 
-def with_answer_format(calls: Constraint, answer: Constraint) -> Constraint:
+def with_answer_format(calls: Constraint, answer: Constraint, *, forced: str = "refuse") -> Constraint:
     """A tool grammar with choice auto (calls.free_start) whose answer in text must be JSON of a format
     (Anthropic's output_config.format beside tools, OpenAI's response_format beside tools): the model calls
-    tools, or answers in the format. ConstraintError for another pairing (a required call leaves no answer to
-    shape; a regex or grammar is not JSON)."""
+    tools, or answers in the format. A required call leaves no text answer to shape: forced "drop" gives the
+    call grammar alone (OpenAI's: both fields are taken, the format shapes a later turn's answer; instructor's
+    Responses mode and the Agents SDK's forced tool use send the pair), "refuse" a ConstraintError (Anthropic's
+    400). ConstraintError for a regex or grammar beside tools (not JSON)."""
     from .constraints import JSON_OPTIONS
+    if not calls.free_start and forced == "drop":
+        return calls
     if not calls.free_start:
         raise ConstraintError(f"tool_choice: it requires a call, so there is no text answer for {answer.where} to "
                               "shape (use tool_choice auto, or drop the format)", where="tool_choice")
