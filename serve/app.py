@@ -38,7 +38,7 @@ from .offload import (BodyRefused, ClientGone, next_or_gone, offloop_route, prep
 from .responses import ResponseBuilder, ResponsesRequest
 from .llama_api import timings_of as llama_timings
 from .schemas import (ChatCompletionRequest, CompletionRequest, RequestProblem, continuation, error_where, main_error,
-                      model_object)
+                      model_object, overflow_message)
 
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context": "length", "cancelled": "stop"}
 ENGINE_FAULT = "the engine failed while generating this answer (the server goes on; see its log)"
@@ -388,7 +388,8 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
             raise APIError(503, str(e), "server_error", code="queue_full",
                            headers={"Retry-After": str(state.retry_after)}) from None
         except ContextOverflowError as e:
-            raise APIError(400, str(e), param=param, code="context_length_exceeded", extra=overflow_fields(e)) from None
+            raise APIError(400, overflow_message(e), param=param, code="context_length_exceeded",
+                           extra=overflow_fields(e)) from None
         except BitNetError as e:
             field = str(e).split(" ", 1)[0]   # the engine's messages start with the setting they are about
             raise APIError(400, str(e), param=field if field in type(req).model_fields else None,

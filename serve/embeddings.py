@@ -22,7 +22,7 @@ from pydantic import ConfigDict
 
 from .offload import (OFFLOAD_BYTES, BodyRefused, chars_bound, checked_text, next_or_gone, run_off_loop,
                       too_long_for_context)
-from .schemas import JSONTyped, error_where, main_error
+from .schemas import JSONTyped, error_where, main_error, overflow_message
 
 ENGINE_FAULT = "the engine failed while embedding this input (the server goes on; see its log)"
 
@@ -138,8 +138,8 @@ async def tokenized(eng, items: list, where: str, truncate: bool = False, one: b
             raise Refused(400, f"{name(i)}: token ids must be in 0..{vocab - 1}", where)
         if len(ids) > n_ctx:
             if not truncate:
-                raise Refused(400, f"{name(i)} has {len(ids)} tokens but the context holds {n_ctx}",
-                              where, "context_length_exceeded")
+                raise Refused(400, f"This model's maximum context length is {n_ctx} tokens. However, {name(i)} has "
+                              f"{len(ids)} tokens", where, "context_length_exceeded")
             ids = ids[:n_ctx]
         out.append(ids)
     return out
@@ -205,7 +205,7 @@ async def run_embed(eng, state, request: Request, ids: list[list[int]], metrics=
             metrics.rejected.inc()
         raise Refused(503, str(e), None, "queue_full") from None
     except ContextOverflowError as e:
-        raise Refused(400, str(e), code="context_length_exceeded") from None
+        raise Refused(400, overflow_message(e), code="context_length_exceeded") from None
     except BitNetError as e:
         raise Refused(400, str(e)) from None
     state.streams.add(req)   # a drain cancels it with the generations

@@ -30,7 +30,7 @@ from ..engine.runtime.sampling import SamplingParams, setting_problem
 from .logprobs import Said, chat_entry
 from .metrics import TokenClock
 from .offload import next_or_gone, prepare_sampling, run_off_loop, too_long_for_context
-from .schemas import MANY_STOPS, JSONTyped, error_where, main_error, utc_iso
+from .schemas import MANY_STOPS, JSONTyped, error_where, main_error, overflow_message, utc_iso
 
 FOREVER = math.inf
 _DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
@@ -369,7 +369,7 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
                 metrics.rejected.inc()
             raise OllamaError(503, str(e)) from None
         except ContextOverflowError as e:
-            raise OllamaError(400, str(e)) from None
+            raise OllamaError(400, overflow_message(e)) from None
         except BitNetError as e:
             raise OllamaError(400, str(e)) from None
         state.streams.add(stream)

@@ -50,6 +50,17 @@ REFUSED = {
 # The one range that differs from the engine's on purpose: OpenAI's API takes temperature in [0, 2] only (the
 # engine and llama.cpp take any >= 0), and a client written against OpenAI should get the same 400 here.
 OPENAI_MAX_TEMPERATURE = 2.0
+def overflow_message(e) -> str:
+    """A ContextOverflowError as an API's message: OpenAI's sentence first where the counts are known ("This
+    model's maximum context length is N tokens. However, your messages resulted in M tokens"), the wording clients
+    classify by (LiteLLM's ContextWindowExceededError, its routers' context-window fallbacks; vLLM and
+    llama-cpp-python answer it too), then the engine's own line and hint."""
+    n, ctx = getattr(e, "n_prompt_tokens", None), getattr(e, "n_ctx", None)
+    if n is None or ctx is None:
+        return str(e)
+    return f"This model's maximum context length is {ctx} tokens. However, your messages resulted in {n} tokens: {e}"
+
+
 # stop sequences on the endpoints that take more than OpenAI's 4 (llama-server's, Anthropic's, ollama's): each is
 # matched at every token in the scheduler's step, which every stream shares (20,000 made another's 23x slower)
 MANY_STOPS = 64

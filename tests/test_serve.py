@@ -200,6 +200,13 @@ def test_prompt_over_context_400(client, server, model_id):
                        ("/completion", {"prompt": content}), ("/v1/completions", {"prompt": content})):
         e = httpx.post(server.url + path, json=body, timeout=60).json()["error"]
         assert e["n_ctx"] == n_ctx and n <= e["n_prompt_tokens"] <= n + 40, (path, e)
+        # OpenAI's sentence first: what clients classify a context overflow by (LiteLLM's ContextWindowExceeded
+        # error and its routers' fallbacks did not fire on our own wording)
+        assert e["message"].startswith(f"This model's maximum context length is {n_ctx} tokens. However, your "
+                                       f"messages resulted in {e['n_prompt_tokens']} tokens"), e["message"]
+    r = httpx.post(server.url + "/api/chat", timeout=60, json={"model": "m", "stream": False,
+                                                               "messages": [{"role": "user", "content": content}]})
+    assert r.status_code == 400 and r.json()["error"].startswith("This model's maximum context length is")
 
 
 def test_any_model_name_is_answered_by_the_loaded_one(client, model_id):
