@@ -148,8 +148,7 @@ class ResponsesRequest(_Sampling):
                             "content": text_of_parts(item.get("content"), f"{where}.content", TEXT_PARTS)})
             elif kind == "function_call":
                 call_id, name, args = item.get("call_id"), item.get("name"), item.get("arguments", "{}")
-                if not (isinstance(call_id, str) and call_id and isinstance(name, str) and name
-                        and isinstance(args, str)):
+                if not (isinstance(call_id, str) and call_id and isinstance(name, str) and isinstance(args, str)):
                     raise RequestProblem(where, f"{where}: a function_call needs call_id, name and arguments "
                                                 "(strings)")
                 names[call_id] = name

@@ -128,6 +128,12 @@ def test_function_calls_and_their_results(client):
               [{"role": "tool", "tool_call_id": x.call_id, "name": x.name, "content": "19"} for x in calls]
     c2 = chat(client, history, tools=[ADD_CHAT], max_tokens=30)
     assert r2.output_text == (c2.choices[0].message.content or "")
+    # an item whose name is "" (what an older server returned for a call cut before its name) is history as on
+    # the chat endpoint, not a 400
+    nameless = [{"role": "user", "content": Q}, {"type": "function_call", "call_id": "c9", "name": "",
+                                                   "arguments": ""},
+                {"type": "function_call_output", "call_id": "c9", "output": "?"}]
+    assert client.responses.create(model="any", input=nameless, tools=[ADD], max_output_tokens=2).output is not None
 
 
 def test_structured_output_by_text_format(client):

@@ -379,7 +379,7 @@ class HermesParser:
         if self.in_call or (cut and rest and HERMES_OPEN.startswith(rest)):   # cut off inside a call: as far as
             started, self.in_call, self.cut_call = self.in_call, False, True     # it was written, never as text
             body = rest.lstrip() if started else ""
-            return "", [partial_call(body[1:] if body.startswith("[") else body, "arguments")]   # a list: its first
+            return "", partial_call(body[1:] if body.startswith("[") else body, "arguments")   # a list: its first
         return (rest if not self.n_calls else rest.strip()), []
 
 
@@ -389,25 +389,28 @@ _JSON_CALL_OPEN = '{"name": "'
 _CALL_START = re.compile(r'\{\s*(?:"type"\s*:\s*"function"\s*,\s*)?"name"')
 
 
-def partial_call(body: str, args_key: str) -> dict:
+def partial_call(body: str, args_key: str) -> list[dict]:
     """A call cut off before its end (max_tokens, the context) as OpenAI's shape: its name and its arguments as far
     as they were written (a prefix of valid JSON under the grammar; whole and re-dumped when only the block's end was
-    missing). Never template markup: the finish reason (length) tells the client not to run it."""
-    name, args = "", ""
+    missing). Never template markup: the finish reason (length) tells the client not to run it. None at all where
+    the cut came before its name was whole: OpenAI sends a call's name whole, first, and a call named "" or "get_w"
+    broke agent loops (the Agents SDK looked the tool up; /v1/responses refused the item sent back)."""
     m = _NAME.match(body)
-    if m:
+    if not m or not m.group(2):
+        return []
+    try:
+        name = json.loads(f'"{m.group(1)}"')
+    except ValueError:
+        name = m.group(1)
+    args = ""
+    a = re.compile(r'\s*,\s*"' + re.escape(args_key) + r'"\s*:\s*').match(body, m.end())
+    if a:
+        args = body[a.end():]
         try:
-            name = json.loads(f'"{m.group(1)}"')
+            args = json.dumps(json.JSONDecoder().raw_decode(args)[0], ensure_ascii=False)
         except ValueError:
-            name = m.group(1)
-        a = re.compile(r'\s*,\s*"' + re.escape(args_key) + r'"\s*:\s*').match(body, m.end()) if m.group(2) else None
-        if a:
-            args = body[a.end():]
-            try:
-                args = json.dumps(json.JSONDecoder().raw_decode(args)[0], ensure_ascii=False)
-            except ValueError:
-                pass   # cut inside the arguments: the text so far
-    return {"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": args}}
+            pass   # cut inside the arguments: the text so far
+    return [{"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": args}}]
 
 
 class JsonCallParser:
@@ -441,4 +444,4 @@ class JsonCallParser:
         except ValueError:
             pass
         self.cut_call = True   # cut off (max_tokens, the context): the call so far
-        return "", [partial_call(rest, "parameters")]
+        return "", partial_call(rest, "parameters")
