@@ -47,17 +47,17 @@ def add_arguments(p):
     add_model_args(p)
     # a list flag given twice adds its values, as llama-bench's ("-p 8 -p 16" runs both)
     p.add_argument("-p", "--n-prompt", type=_int_list("n-prompt", 0), action="extend", default=None,
-                   metavar="N[,N...]", help="prompt tokens of each pp test (0: none; default: 512)")
+                   metavar="N[,N...]", help="prompt tokens of each pp test (0: none; default: 512)%(default).0s")
     p.add_argument("-n", "--n-gen", type=_int_list("n-gen", 0), action="extend", default=None, metavar="N[,N...]",
-                   help="generated tokens of each tg test (0: none; default: 128)")
+                   help="generated tokens of each tg test (0: none; default: 128)%(default).0s")
     p.add_argument("-pg", dest="pg", type=_pairs, action="extend", default=None, metavar="PP,TG",
-                   help="also a prompt of PP tokens then TG generated, timed together (several: 'A,B;C,D')")
+                   help="also a prompt of PP tokens then TG generated, timed together (several: 'A,B;C,D')%(default).0s")
     p.add_argument("-t", "--threads", type=_int_list("threads", 1), action="extend", default=None,
                    metavar="N[,N...]",
                    help="thread counts to test (default: one per physical core, or $OMP_NUM_THREADS)%(default).0s")
     p.add_argument("-npl", dest="npl", type=_int_list("npl", 1), action="extend", default=None, metavar="N[,N...]",
                    help="sequences at once: N > 1 runs each test as N sequences batched through the serving "
-                        "engine (as llama-batched-bench's -npl); t/s counts every sequence's tokens")
+                        "engine (as llama-batched-bench's -npl); t/s counts every sequence's tokens%(default).0s")
     p.add_argument("-d", "--n-depth", dest="n_depth", type=_int_list("n-depth", 0), action="extend", default=None,
                    metavar="N[,N...]", help="tokens already in the context when each test starts (llama-bench's "
                                             "'pp512 @ d4096'; prefilled untimed; default: 0)%(default).0s")

@@ -26,7 +26,7 @@ def add_arguments(p):
     p.add_argument("-e", "--escape", dest="escape", action="store_true", default=True,
                    help="process escapes (\\n \\r \\t \\' \\\" \\\\ \\xHH) in -p, as llama-embedding does: -p 'a\\nb' is two "
                         "texts (on; a file's text is taken as it is)%(default).0s")
-    p.add_argument("--no-escape", dest="escape", action="store_false", help="take -p as typed")
+    p.add_argument("--no-escape", dest="escape", action="store_false", help="take -p as typed%(default).0s")
     p.add_argument("-c", "--ctx-size", "--ctx", dest="ctx", type=int, default=None, metavar="N",
                    help="the most tokens of one text (default: the model's trained context, 2048 to 4096)%(default).0s")
     p.add_argument("-t", "--threads", type=int, default=None, metavar="N",

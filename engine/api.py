@@ -457,6 +457,9 @@ class Engine(_Text, BatchScheduler):
             self.warnings.append(f"context {n_ctx} (a server's default: at least {SERVE_MIN_CTX}) is past the "
                                  f"{cfg.context_length} tokens the model was trained on; -c {cfg.context_length} "
                                  "keeps to it")
+        elif n_ctx > cfg.context_length:   # as LLM's (engine/runtime/model.py): the server said nothing of it
+            self.warnings.append(f"-c/--ctx {n_ctx} is larger than the {cfg.context_length} tokens the model was "
+                                 "trained on: output past that may be garbage")
         from .batching.kv_pool import PAGE_TOKENS, KVPool
         per_tok = KVPool.bytes_per_token(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, kv_dtype)
         if kv_pool_tokens is not None and kv_pool_mib is not None:

@@ -264,3 +264,14 @@ def test_an_engine_dropped_without_close_is_freed():
         gc.collect()
         time.sleep(0.05)
     assert ref() is None and schedulers() == before
+
+
+def test_an_engine_asked_for_more_than_the_trained_context_says_so():
+    """-c above the model's trained context warns in load_engine (and so in `bitnet serve`), as in load_model; it
+    said nothing unless the context was the server's own default."""
+    llm = load_model(ctx=64, progress=False)
+    trained = llm.config.context_length
+    with load_engine(ctx=trained * 2, parallel=1, progress=False) as eng:
+        assert any(f"-c/--ctx {trained * 2} is larger than the {trained} tokens" in w for w in eng.warnings)
+    with load_engine(ctx=trained, parallel=1, progress=False) as eng:
+        assert not any("trained" in w for w in eng.warnings)
