@@ -264,7 +264,8 @@ def test_load_refuses_what_the_model_cannot_take_and_keeps_the_chat(llm, tmp_pat
     s, sink = new_session(llm)
     s.ask("One?")
     bad = tmp_path / "bad.json"
-    bad.write_text('{"format": "bitchat-conversation", "version": 1, "turns": [{"user": "x\\ud800y", "assistant": "z"}]}')
+    bad.write_text('{"format": "bitchat-conversation", "version": 1, '
+                   '"turns": [{"user": "x\\ud800y", "assistant": "z"}]}')
     with pytest.raises(CommandError, match=r"/load: .*bad.json: this model cannot take the conversation: .*surrogate"):
         s.run_command(parse_command(f"/load {bad}"))
     assert [t.user for t in s.conv.turns] == ["One?"]

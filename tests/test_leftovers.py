@@ -33,8 +33,9 @@ def _temps(d):
 def _signal_while_writing(cmd, watch, sig, env=None, cwd=None):
     """Start cmd, send `sig` once a temporary store appears in `watch`; (exit status, stderr). None when the
     command ended before one was seen (then the caller tries again)."""
+    path = ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")
     p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=cwd,
-                         env=dict(os.environ, PYTHONPATH=os.path.dirname(ROOT), **(env or {})))
+                         env=dict(os.environ, PYTHONPATH=path, **(env or {})))
     deadline = time.monotonic() + 120
     while p.poll() is None and not _temps(watch) and time.monotonic() < deadline:
         time.sleep(0.002)
@@ -114,7 +115,7 @@ def test_the_routers_key_directory_goes_whatever_ends_it(tmp_path):
     shutil.copy(os.path.join(ROOT, "models", "default.bnstore"), models / "tiny.bnstore")
     tmp = tmp_path / "tmp"
     tmp.mkdir()
-    env = dict(os.environ, PYTHONPATH=os.path.dirname(ROOT), TMPDIR=str(tmp))
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), TMPDIR=str(tmp))
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()

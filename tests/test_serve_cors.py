@@ -212,5 +212,5 @@ def test_an_api_key_flag_without_a_key_is_refused(value):
     """--api-key ',' (or LLAMA_API_KEY="$A,$B" with both unset) left the server open, without the warning."""
     r = subprocess.run([sys.executable, "-m", "bitnet_cpu", "serve", "--api-key", value, "--port", "1"],
                        capture_output=True, text=True, timeout=120,
-                       env=dict(os.environ, PYTHONPATH=os.path.dirname(ROOT)))
+                       env=dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")))
     assert r.returncode == 2 and "no key in it" in r.stderr and "Traceback" not in r.stderr

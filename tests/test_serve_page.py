@@ -326,7 +326,8 @@ def test_chat_page_keeps_the_text_before_a_mid_answer_error(browser):
     finally:
         assert s.stop()[0] == 0
     # a token of the answer, not of the prompt, a few tokens in: the answer fails there
-    k, bad = next((k, t) for k, t in enumerate(r["tokens"]) if k >= 3 and t not in prompt_ids and t not in r["tokens"][:k])
+    k, bad = next((k, t) for k, t in enumerate(r["tokens"])
+                  if k >= 3 and t not in prompt_ids and t not in r["tokens"][:k])
     s = Server("--parallel", "2", env={"BITNET_FAULT_TOKEN": str(bad)})
     try:
         page = browser.new_page()
