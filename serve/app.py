@@ -251,7 +251,8 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         return in_family(request, error_response(e.status_code, str(e.detail), type_))
 
     app.add_middleware(CountingMiddleware, metrics=metrics)
-    allow_cross_origin(app, cors_origins, local_only)   # outermost: a preflight is answered before the key check
+    allow_cross_origin(app, cors_origins, local_only, keyed=bool(api_key or api_keys))   # outermost: a preflight
+    # is answered before the key check
 
     def ready(request: Request):
         """Availability (the key was checked before the body was read: serve/auth.py)."""
@@ -909,8 +910,8 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         raise APIError(501, "/infill (fill-in-the-middle) is not supported: the ternary models served here have no "
                        "FIM tokens; send the prefix to /completion", "not_supported_error", code="not_supported")
 
-    @app.get("/health")
-    @app.get("/v1/health")   # llama-server's other path
+    @app.api_route("/health", methods=["GET", "HEAD"])   # HEAD: load balancers' checks (HAProxy's httpchk)
+    @app.api_route("/v1/health", methods=["GET", "HEAD"])   # llama-server's other path
     async def health():
         if state.engine is not None and not state.draining:
             return {"status": "ok"}
@@ -919,7 +920,7 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         msg = "shutting down" if state.draining else "loading model"
         return error_response(503, msg, "unavailable_error", code="loading", headers={"Retry-After": str(retry_after)})
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=["GET", "HEAD"])
     async def prom():
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 

@@ -138,16 +138,21 @@ class OriginGuard:
     def __init__(self, app, origins: tuple = (), local_only: bool = False):
         self.app, self.origins, self.local_only = app, origins, local_only
         self.any = "*" in origins
+        # the sites named by --cors-origin are this server's names too (a proxy that passes its Host on)
+        self.hosts = {o.split("://", 1)[1].lower() for o in origins if "://" in o}
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = scope.get("headers") or ()
         host = next((v for k, v in headers if k == b"host"), b"").decode("latin-1")
-        if self.local_only and not _local_host(host):
+        if self.local_only and not self.any and not _local_host(host) and host.lower() not in self.hosts and \
+                host.lower().rsplit(":", 1)[0] not in self.hosts:
             return await send_error(send, scope, 403, f"Host {host[:100]!r} is not this machine: refused (this "
-                                    "server listens on loopback only; a web page whose name points here is not "
-                                    "let in)", "permission_error", "forbidden_host")
+                                    "server listens on loopback only, and a web page whose name points here is not "
+                                    "let in; behind a proxy, have it send Host localhost, or start the server with "
+                                    "--cors-origin https://THAT-NAME, or with --api-key)", "permission_error",
+                                    "forbidden_host")
         origin = next((v for k, v in headers if k == b"origin"), None)
         if origin is None or self.any:
             return await self.app(scope, receive, send)
@@ -162,15 +167,17 @@ class OriginGuard:
                                 "forbidden_origin")
 
 
-def allow_cross_origin(app, origins=(), local_only: bool = False):
+def allow_cross_origin(app, origins=(), local_only: bool = False, keyed: bool = False):
     """Starlette's CORS middleware (the standard one) on `app`, outermost: call it after every other middleware;
-    OriginGuard just inside it. origins: origins allowed beside the local ones; "*" allows any. local_only: the
-    server listens on loopback only (OriginGuard's Host check)."""
+    OriginGuard just inside it, unless the server needs a key (keyed: a page of another site, or one whose name
+    was made to point here, has no key; its request is a 401 anyway). origins: origins allowed beside the local
+    ones; "*" allows any. local_only: the server listens on loopback only (OriginGuard's Host check)."""
     import inspect
 
     from starlette.middleware.cors import CORSMiddleware
     extra = tuple(o.rstrip("/") for o in origins)
-    app.add_middleware(OriginGuard, origins=extra, local_only=local_only)
+    if not keyed:
+        app.add_middleware(OriginGuard, origins=extra, local_only=local_only)
     kw = {}
     if "allow_private_network" in inspect.signature(CORSMiddleware.__init__).parameters:
         kw["allow_private_network"] = True   # Chrome's preflight for a public page calling a private address

@@ -297,6 +297,7 @@ def guarded_protocol(limits: Limits, base=None):
             super().connection_made(transport)
             self._timer = None
             self._send_timer = None
+            self._send_left = 0
             self._rejected = False
             self._header_bytes = 0
             if len(self.connections) > limits.max_connections:
@@ -358,10 +359,14 @@ def guarded_protocol(limits: Limits, base=None):
                                            f"{limits.max_header_bytes} bytes", "headers_too_large"))
                 raise ValueError("headers too large")   # stops the parser; send_400_response stays quiet
 
-        def pause_writing(self):   # the client's socket buffer is full: it has this long to read on
+        def pause_writing(self):   # the client's socket buffer is full: it has this long to take some of it
             super().pause_writing()
             if self._send_timer is None:
-                self._send_timer = self.loop.call_later(limits.send_timeout, self._send_timeout)
+                self._arm_send()
+
+        def _arm_send(self):
+            self._send_left = self.transport.get_write_buffer_size()
+            self._send_timer = self.loop.call_later(limits.send_timeout, self._send_timeout)
 
         def resume_writing(self):
             self._stop_send_timer()
@@ -373,9 +378,13 @@ def guarded_protocol(limits: Limits, base=None):
                 self._send_timer = None
 
         def _send_timeout(self):
+            """nginx's rule: the time between two successive writes the client takes, not the whole transfer (a
+            large answer is one write to the transport: a slow but live reader took part of it, and goes on)."""
             self._send_timer = None
-            if not self.transport.is_closing() or self.transport.get_write_buffer_size():
-                self.transport.abort()   # connection_lost follows: the request's stream sees a disconnect
+            if 0 < self.transport.get_write_buffer_size() < self._send_left:
+                self._arm_send()   # it took some: another while
+                return
+            self.transport.abort()   # nothing taken for a whole send_timeout: connection_lost follows
 
         def connection_lost(self, exc):
             self._disarm()

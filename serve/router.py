@@ -620,7 +620,7 @@ def create_router_app(router: Router, *, api_keys: tuple = (), limits: Limits | 
     app.state.router = router
     app.add_middleware(LimitsMiddleware, limits=limits or Limits())
     app.add_middleware(AuthMiddleware, checker=KeyChecker(api_keys), metrics_public=metrics_public)
-    allow_cross_origin(app, cors_origins, local_only)   # the model processes see only the router
+    allow_cross_origin(app, cors_origins, local_only, keyed=bool(api_keys))   # the models' processes see the router
 
     def error(request: Request, e: RouterError) -> Response:
         body = error_json(e.message, "not_found_error" if e.status == 404 else
@@ -633,8 +633,8 @@ def create_router_app(router: Router, *, api_keys: tuple = (), limits: Limits | 
     async def _router_error(request, e: RouterError):
         return error(request, e)
 
-    @app.get("/health")
-    @app.get("/v1/health")   # llama-server's other path
+    @app.api_route("/health", methods=["GET", "HEAD"])   # HEAD: load balancers' checks (HAProxy's httpchk)
+    @app.api_route("/v1/health", methods=["GET", "HEAD"])   # llama-server's other path
     async def health():
         if router.draining:
             return JSONResponse({"error": {"message": "shutting down", "type": "unavailable_error", "param": None,
@@ -810,7 +810,7 @@ def create_router_app(router: Router, *, api_keys: tuple = (), limits: Limits | 
         await router.refresh(fresh=True)
         return Response(status_code=200)
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=["GET", "HEAD"])
     async def metrics(request: Request):
         if "model" in request.query_params:
             return await forward(request)
@@ -835,9 +835,9 @@ def create_router_app(router: Router, *, api_keys: tuple = (), limits: Limits | 
     @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD"],
                    include_in_schema=False)
     async def forward(request: Request):
-        if request.url.path in ("/health", "/v1/health", "/metrics"):   # their GETs are the router's own
+        if request.url.path in ("/health", "/v1/health", "/metrics") and request.method not in ("GET", "HEAD"):
             return JSONResponse({"error": f"{request.method} {request.url.path}: not allowed (GET)"}, status_code=405,
-                                headers={"allow": "GET, HEAD"})
+                                headers={"allow": "GET, HEAD"})   # their reads are the router's own (/metrics?model=)
         if router.draining:
             raise RouterError(503, "shutting down", "unavailable", retry_after=router.retry_after)
         data, body = await body_model(request)

@@ -319,6 +319,36 @@ def test_clients_that_read_nothing_are_cut_off_and_free_their_connections(tmp_pa
         assert s.stop()[0] == 0
 
 
+def test_a_slow_reader_that_keeps_reading_is_not_cut_off():
+    """--send-timeout is nginx's send_timeout: the time between two reads the client takes, not the whole transfer.
+    A client taking an answer of megabytes slowly but steadily gets all of it (the first timer measured the whole
+    transfer: it was cut at the timeout)."""
+    s = Server("--parallel", "2", "--send-timeout", "3")
+    c = socket.socket()
+    try:
+        body = json.dumps({"input": [f"text number {i}" for i in range(2048)]}).encode()   # ~11 MB of answer
+        c.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8192)
+        c.connect(("127.0.0.1", s.port))
+        c.sendall(b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nConnection: close"
+                  b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        c.settimeout(60)
+        got, t0 = b"", None
+        while True:
+            piece = c.recv(8192)
+            if not piece:
+                break
+            got += piece
+            t0 = t0 or time.perf_counter()
+            time.sleep(0.005)   # at most ~1.6 MB/s: the megabytes take longer than the timeout
+        head, _, data = got.partition(b"\r\n\r\n")
+        length = int(next(ln.split(b":")[1] for ln in head.split(b"\r\n") if ln.lower().startswith(b"content-length")))
+        print(f"\n{len(data)} bytes read in {time.perf_counter() - t0:.1f} s with --send-timeout 3")
+        assert head.startswith(b"HTTP/1.1 200") and len(data) == length > 1_000_000
+    finally:
+        c.close()
+        assert s.stop()[0] == 0
+
+
 def test_request_timeout_cancels_the_sequence(tmp_path_factory):
     s = Server("-m", slow_model(tmp_path_factory), "-c", "4096", "--parallel", "2", "--request-timeout", "1.5")
     try:
