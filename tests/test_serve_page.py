@@ -3,6 +3,7 @@ streamed answer (the same text the API gives for the same greedy request), stop 
 chat; the screenshot is kept as an artifact (tests/artifacts/serve_chat_page.png, path printed)."""
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 
@@ -179,6 +180,24 @@ def _ready(page):
     page.wait_for_function("document.getElementById('model').textContent.includes('ctx')", timeout=20000)
 
 
+@contextlib.contextmanager
+def _served(browser, *args, env=None, **page_kw):
+    """A `bitnet serve` with `args` and a new browser page (not loaded yet: listeners and routes go on first);
+    the server must stop cleanly after."""
+    s = Server(*args, env=env)
+    try:
+        page = browser.new_page(**page_kw)
+        yield s, page
+        page.close()
+    finally:
+        assert s.stop()[0] == 0
+
+
+def _load(page, url):
+    page.goto(url)
+    _ready(page)
+
+
 def _ask(page, q):
     page.fill("#input", q)
     page.keyboard.press("Enter")
@@ -188,16 +207,13 @@ def _ask(page, q):
 def test_chat_page_leaves_sampling_to_the_server_unless_set(browser):
     """Fields left empty send nothing: the server's own settings (--temp 0 here) answer, as the API's greedy
     answer; the fields show the server's values (/props) as placeholders. The page sent its own 0.8 / 256."""
-    s = Server("--parallel", "2", "--temp", "0", "--seed", "7")
-    try:
+    with _served(browser, "--parallel", "2", "--temp", "0", "--seed", "7") as (s, page):
         q = "What is 12+7?"
         want = httpx.post(s.url + "/v1/chat/completions", timeout=60, json={
             "messages": [{"role": "user", "content": q}], "temperature": 0}).json()["choices"][0]["message"]["content"]
-        page = browser.new_page()
         bodies = []
         page.on("request", lambda r: bodies.append(r.post_data_json) if r.url.endswith("/chat/completions") else None)
-        page.goto(s.url + "/")
-        _ready(page)
+        _load(page, s.url + "/")
         page.wait_for_function("document.getElementById('temperature').placeholder !== ''", timeout=20000)
         assert float(page.get_attribute("#temperature", "placeholder")) == 0.0
         assert page.get_attribute("#seed", "placeholder") == "7"
@@ -207,22 +223,16 @@ def test_chat_page_leaves_sampling_to_the_server_unless_set(browser):
         _set(page, top_k=5)
         _ask(page, q)
         assert bodies[-1]["top_k"] == 5   # what the user sets is sent
-        page.close()
-    finally:
-        assert s.stop()[0] == 0
 
 
 def test_chat_page_new_chat_while_an_answer_streams(browser, tmp_path_factory):
     """New chat during an answer: the new conversation starts empty (the cut answer went into it, and its
     'stopped' line showed in the empty chat)."""
     from serve_proc import slow_model
-    s = Server("-m", slow_model(tmp_path_factory), "-c", "4096", "--parallel", "2")
-    try:
-        page = browser.new_page()
+    with _served(browser, "-m", slow_model(tmp_path_factory), "-c", "4096", "--parallel", "2") as (s, page):
         bodies = []
         page.on("request", lambda r: bodies.append(r.post_data_json) if r.url.endswith("/chat/completions") else None)
-        page.goto(s.url + "/")
-        _ready(page)
+        _load(page, s.url + "/")
         _set(page, temperature=0, max_tokens=3000)
         page.fill("#input", "first question")
         page.keyboard.press("Enter")
@@ -235,18 +245,12 @@ def test_chat_page_new_chat_while_an_answer_streams(browser, tmp_path_factory):
         _ask(page, "a new topic")
         assert [m["role"] for m in bodies[-1]["messages"]] == ["user"]
         assert bodies[-1]["messages"][0]["content"] == "a new topic"
-        page.close()
-    finally:
-        assert s.stop()[0] == 0
 
 
 def test_chat_page_behind_a_path_prefix(browser):
     """A reverse proxy publishing the server under /bitnet/ (nginx `location /bitnet/ { proxy_pass ...; }`): the
     page asks for its API under the same prefix (it asked the proxy's root, 404)."""
-    s = Server("--parallel", "2")
-    try:
-        page = browser.new_page()
-
+    with _served(browser, "--parallel", "2") as (s, page):
         def proxy(route):
             path = route.request.url.split("://", 1)[1].split("/", 1)[1]
             if not path.startswith("bitnet/"):
@@ -258,18 +262,12 @@ def test_chat_page_behind_a_path_prefix(browser):
         _set(page, temperature=0, max_tokens=8)
         _ask(page, "What is 12+7?")
         assert page.inner_text("#log .msg.assistant .text")
-        page.close()
-    finally:
-        assert s.stop()[0] == 0
 
 
 def test_chat_page_enter_picks_an_input_method_candidate(browser):
     """Enter while an input method composes (Japanese, Chinese) picks the candidate; it sent the half-typed text."""
-    s = Server("--parallel", "2")
-    try:
-        page = browser.new_page()
-        page.goto(s.url + "/")
-        _ready(page)
+    with _served(browser, "--parallel", "2") as (s, page):
+        _load(page, s.url + "/")
         page.focus("#input")
         cdp = page.context.new_cdp_session(page)
         cdp.send("Input.imeSetComposition", {"text": "にほん", "selectionStart": 3, "selectionEnd": 3})
@@ -280,17 +278,13 @@ def test_chat_page_enter_picks_an_input_method_candidate(browser):
                                             "windowsVirtualKeyCode": 13})
         page.wait_for_function("document.getElementById('input').value === '日本'", timeout=5000)
         assert page.locator("#log .msg").count() == 0
-        page.close()
-    finally:
-        assert s.stop()[0] == 0
 
 
 def test_chat_page_on_a_phone_reaches_its_settings(browser):
     """A narrow screen hides the settings in a drawer; a server that needs a key opens it at the key's field (the
     field was hidden, so such a server could not be used from a phone)."""
-    s = Server("--api-key", "phone-key", "--parallel", "2")
-    try:
-        page = browser.new_page(viewport={"width": 390, "height": 740})
+    with _served(browser, "--api-key", "phone-key", "--parallel", "2",
+                 viewport={"width": 390, "height": 740}) as (s, page):
         page.goto(s.url + "/")
         page.wait_for_function("document.getElementById('model').textContent.includes('API key')", timeout=20000)
         assert page.is_visible("#api_key")
@@ -305,9 +299,6 @@ def test_chat_page_on_a_phone_reaches_its_settings(browser):
         assert not page.is_visible("#temperature")
         _ask(page, "What is 12+7?")
         assert page.inner_text("#log .msg.assistant .text")
-        page.close()
-    finally:
-        assert s.stop()[0] == 0
 
 
 def test_chat_page_keeps_the_text_before_a_mid_answer_error(browser):
@@ -328,13 +319,10 @@ def test_chat_page_keeps_the_text_before_a_mid_answer_error(browser):
     # a token of the answer, not of the prompt, a few tokens in: the answer fails there
     k, bad = next((k, t) for k, t in enumerate(r["tokens"])
                   if k >= 3 and t not in prompt_ids and t not in r["tokens"][:k])
-    s = Server("--parallel", "2", env={"BITNET_FAULT_TOKEN": str(bad)})
-    try:
-        page = browser.new_page()
+    with _served(browser, "--parallel", "2", env={"BITNET_FAULT_TOKEN": str(bad)}) as (s, page):
         bodies = []
         page.on("request", lambda x: bodies.append(x.post_data_json) if x.url.endswith("/chat/completions") else None)
-        page.goto(s.url + "/")
-        _ready(page)
+        _load(page, s.url + "/")
         _set(page, temperature=0, max_tokens=24)
         page.fill("#input", q)
         page.keyboard.press("Enter")
@@ -348,6 +336,3 @@ def test_chat_page_keeps_the_text_before_a_mid_answer_error(browser):
         page.wait_for_function("!document.getElementById('send').disabled", timeout=30000)
         assert [(m["role"], m["content"]) for m in bodies[-1]["messages"]] == \
             [("user", q), ("assistant", cut), ("user", "and 3+4?")]
-        page.close()
-    finally:
-        assert s.stop()[0] == 0
