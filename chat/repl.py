@@ -13,9 +13,11 @@ import signal
 import sys
 import threading
 import traceback
+from contextlib import contextmanager
 
+from ..engine.errors import Terminated
 from .commands import COMMANDS, CommandError, completions, is_command, open_block, parse_command, strip_block
-from .session import ChatSession, ExitChat
+from .session import ENDING_SIGNALS, ChatSession, ExitChat
 
 PROMPT = ">>> "
 CONTINUATION = "... "
@@ -126,6 +128,39 @@ def run_plain(session: ChatSession, stream=None) -> int:
     return 1 if session.had_errors else 0
 
 
+@contextmanager
+def ending_signals_at_prompt(app):
+    """SIGTERM / SIGHUP while the prompt reads a line end it through prompt_toolkit's own exit, and the prompt
+    raises Terminated. Raised straight from the signal, the exception landed in whatever the event loop was
+    running (a key's callback, a task), which hands it to prompt_toolkit's error handler: "Unhandled exception in
+    event loop ... Press ENTER to continue", and bitchat went on. A signal after the line was taken (the prompt
+    winding down) is raised once the prompt has returned."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    came = []
+
+    def ending(signum, frame):
+        came.append(signum)
+        loop = getattr(app, "loop", None)
+        if not app.is_running or loop is None:
+            raise Terminated(signum)   # outside the event loop (it starts or has stopped): nothing to swallow it
+        loop.call_soon_threadsafe(leave, signum)   # the loop's own way in from a signal (its wake-up pipe)
+
+    def leave(signum):
+        if app.is_running and app.future is not None and not app.future.done():
+            app.exit(exception=Terminated(signum))
+
+    before = {s: signal.signal(s, ending) for s in ENDING_SIGNALS}
+    try:
+        yield
+    finally:
+        for s, h in before.items():
+            signal.signal(s, h)
+    if came:
+        raise Terminated(came[0])
+
+
 def run_repl(session: ChatSession) -> int:
     from prompt_toolkit import PromptSession
     from prompt_toolkit.application import run_in_terminal
@@ -185,7 +220,8 @@ def run_repl(session: ChatSession) -> int:
         previous = signal.signal(signal.SIGINT, lambda signum, frame: None) \
             if threading.current_thread() is threading.main_thread() else None
         try:
-            text = prompt.prompt(PROMPT)
+            with ending_signals_at_prompt(prompt.app):
+                text = prompt.prompt(PROMPT)
         except KeyboardInterrupt:   # should not happen (Ctrl-C is bound), but never a traceback
             continue
         except EOFError:

@@ -39,7 +39,7 @@ class _InterruptFlag:
         self.terminated = 0   # SIGTERM / SIGHUP came: the signal's number
 
 
-_ENDING = tuple(s for s in (getattr(signal, "SIGTERM", None), getattr(signal, "SIGHUP", None)) if s is not None)
+ENDING_SIGNALS = tuple(s for s in (getattr(signal, "SIGTERM", None), getattr(signal, "SIGHUP", None)) if s is not None)
 
 
 @contextmanager
@@ -62,7 +62,7 @@ def sigint_as_flag():
         flag.terminated = flag.terminated or signum
 
     previous = signal.signal(signal.SIGINT, handler)
-    before = {s: signal.signal(s, ending) for s in _ENDING}
+    before = {s: signal.signal(s, ending) for s in ENDING_SIGNALS}
     try:
         yield flag
     finally:

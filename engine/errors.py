@@ -17,13 +17,18 @@ from ..simd.errors import (  # noqa: F401  (the base error and the kernels' erro
 )
 
 
-class Terminated(BaseException):
+class Terminated(SystemExit):
     """SIGTERM / SIGHUP (a service stopped, the terminal closed): the commands raise it from the signal, so a
     command unwinds as on Ctrl-C (temporary files removed, the terminal restored, bitchat's answer so far kept)
-    and exits 128 + signum, where the signal's default action killed it mid-write."""
+    and exits 128 + signum, where the signal's default action killed it mid-write.
+
+    A SystemExit (its code 128 + signum), because asyncio lets only SystemExit and KeyboardInterrupt out of an
+    event-loop callback: raised while bitchat's prompt (prompt_toolkit's loop) read a line, any other exception
+    went to the loop's handler, which printed "Unhandled exception in event loop ... Press ENTER to continue"
+    and bitchat went on as if the signal had never come."""
 
     def __init__(self, signum: int):
-        super().__init__(signum)
+        super().__init__(128 + signum)
         self.signum = signum
 
 

@@ -288,6 +288,24 @@ def test_sigterm_while_a_conversation_loads_ends_bitchat(long_model, tmp_path):
         assert "internal error" not in chat.child.before
 
 
+def test_sigterm_while_the_prompt_takes_a_paste_ends_bitchat(chat_model, tmp_path):
+    """SIGTERM while the prompt works through typed or pasted text (prompt_toolkit's event loop in a callback):
+    bitchat ends with 143. The signal's exception went to the loop's error handler, which printed "Unhandled
+    exception in event loop ... Press ENTER to continue", and bitchat went on (its next Enter took the line)."""
+    import signal
+
+    for delay in (0.0, 0.02, 0.1):
+        chat = Chat(chat_model, tmp_path)
+        chat.child.send("\x1b[200~" + "a pasted paragraph of words " * 4000 + "\x1b[201~")
+        time.sleep(delay)
+        chat.child.kill(signal.SIGTERM)
+        chat.expect(pexpect.EOF)
+        chat.child.close()
+        assert chat.child.exitstatus == 143 and "bitchat: terminated (SIGTERM)" in chat.child.before, \
+            (delay, chat.child.before[-500:])
+        assert "Unhandled exception" not in chat.child.before
+
+
 def test_ctrl_d_typed_while_an_answer_streams_ends_the_chat_after_it(long_model, tmp_path):
     """Keys typed while an answer streams wait for the next prompt: a Ctrl-D too (the terminal's canonical mode
     took it as its own end-of-file, so it was lost and bitchat stayed at the prompt)."""
