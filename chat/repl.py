@@ -15,9 +15,9 @@ import threading
 import traceback
 from contextlib import contextmanager
 
-from ..engine.errors import Terminated
+from ..engine.errors import ENDING_SIGNALS, Terminated
 from .commands import COMMANDS, CommandError, completions, is_command, open_block, parse_command, strip_block
-from .session import ENDING_SIGNALS, ChatSession, ExitChat
+from .session import ChatSession, ExitChat
 
 PROMPT = ">>> "
 CONTINUATION = "... "

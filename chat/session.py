@@ -22,7 +22,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import replace
 
-from ..engine.errors import Terminated
+from ..engine.errors import ENDING_SIGNALS, Terminated
 from .commands import THINK_WORDS, Command, CommandError, Settings, help_text, parse_setting, split_set
 from .render import Output, format_stats
 from .splice import CachedTurn, spliced_prompt
@@ -37,9 +37,6 @@ class _InterruptFlag:
     def __init__(self):
         self.hit = False
         self.terminated = 0   # SIGTERM / SIGHUP came: the signal's number
-
-
-ENDING_SIGNALS = tuple(s for s in (getattr(signal, "SIGTERM", None), getattr(signal, "SIGHUP", None)) if s is not None)
 
 
 @contextmanager

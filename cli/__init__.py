@@ -71,14 +71,10 @@ def interruptible(body) -> int:
         return 130
 
 
-def _terminate(signum, frame):
-    from ..engine.errors import Terminated
-    raise Terminated(signum)
-
-
 def _main(argv: list[str] | None) -> int:
     from ..engine import faults
-    from ..engine.errors import EXIT_BAD_INPUT, EXIT_BUG, EXIT_INTERRUPTED, BitNetError, Terminated
+    from ..engine.errors import (ENDING_SIGNALS, EXIT_BAD_INPUT, EXIT_BUG, EXIT_INTERRUPTED, BitNetError, Terminated,
+                                 raise_terminated)
 
     from .flags import maybe_autocomplete, parse_args_suggesting
 
@@ -99,9 +95,8 @@ def _main(argv: list[str] | None) -> int:
     faults.install("bitnet")
     # SIGTERM (a service stopped) and SIGHUP (its terminal closed) unwind as Ctrl-C does, so what a command was
     # writing (a conversion's temporary store: hundreds of MB) is removed; `serve` and `chat` put their own in place
-    for sig in (signal.SIGTERM, getattr(signal, "SIGHUP", None)):
-        if sig is not None:
-            signal.signal(sig, _terminate)
+    for sig in ENDING_SIGNALS:
+        signal.signal(sig, raise_terminated)
     try:
         return int(args._main(args) or 0)
     except Terminated as e:

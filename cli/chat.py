@@ -93,23 +93,17 @@ def run_chat(args, first_message: str | None = None) -> int:
     return _guarded(args, settings_from_args(args, error), first_message)
 
 
-def _terminate(signum, frame):
-    from ..engine.errors import Terminated
-    raise Terminated(signum)
-
-
 def _guarded(args, settings: Settings, first_message: str | None = None) -> int:
     import signal
 
-    from ..engine.errors import Terminated
+    from ..engine.errors import ENDING_SIGNALS, Terminated, raise_terminated
 
     interactive = sys.stdin.isatty() and sys.stdout.isatty()
     out = Output(interactive=interactive)
     # SIGTERM, and SIGHUP (its terminal closed): unwind as Ctrl-C does, so the terminal's modes are restored and
     # the answer so far is saved, then leave
-    for sig in (signal.SIGTERM, getattr(signal, "SIGHUP", None)):
-        if sig is not None:
-            signal.signal(sig, _terminate)
+    for sig in ENDING_SIGNALS:
+        signal.signal(sig, raise_terminated)
     try:
         return _run(args, settings, out, interactive, first_message)
     except (KeyboardInterrupt, Terminated) as e:

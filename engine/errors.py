@@ -5,6 +5,8 @@ everything the user can act on, EXIT_BUG for a KernelError (an engine bug: the m
 for a report). Every message names the file or flag and says what is wrong; `hint` says what to do.
 """
 
+import signal
+
 from ..simd.errors import (  # noqa: F401  (the base error and the kernels' errors live at the bottom: simd)
     BUG_REPORT_HINT,
     EXIT_BAD_INPUT,
@@ -30,6 +32,15 @@ class Terminated(SystemExit):
     def __init__(self, signum: int):
         super().__init__(128 + signum)
         self.signum = signum
+
+
+ENDING_SIGNALS = tuple(s for s in (getattr(signal, "SIGTERM", None), getattr(signal, "SIGHUP", None)) if s is not None)
+
+
+def raise_terminated(signum, frame):
+    """The SIGTERM / SIGHUP handler the commands put in place (`signal.signal(s, raise_terminated)` for each of
+    ENDING_SIGNALS): the command unwinds from wherever it is, as on Ctrl-C."""
+    raise Terminated(signum)
 
 
 class FormatError(BitNetError):
