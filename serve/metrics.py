@@ -49,6 +49,8 @@ class _EngineCollector:
                   ("bitnet_requests_waiting", "requests queued for a slot", "waiting"),
                   ("bitnet_kv_pages_total", "pages in the KV pool", "kv_pages_total"),
                   ("bitnet_kv_pages_used", "KV pool pages in use (sequences and prefix cache)", "kv_pages_used"),
+                  ("bitnet_kv_pages_evictable", "KV pool pages only the prefix cache holds (free to take)",
+                   "kv_pages_evictable"),
                   ("bitnet_kv_page_tokens", "tokens per KV page", "kv_page_tokens"),
                   ("bitnet_kv_pool_bytes", "bytes of the KV pool (its dtype: /slots kv_dtype)", "kv_pool_bytes")]
         for name, doc, key in gauges:
@@ -56,8 +58,11 @@ class _EngineCollector:
             g.add_metric([], float(m.get(key, 0)))
             yield g
         if m.get("kv_pages_total"):
-            g = GaugeMetricFamily("bitnet_kv_pool_usage_ratio", "share of KV pool pages in use")
-            g.add_metric([], m.get("kv_pages_used", 0) / m["kv_pages_total"])
+            # pages only the prefix cache holds are free to take (vLLM's count): with them, an idle server that
+            # once answered read ~1.0 for ever, and a balancer sent it nothing
+            g = GaugeMetricFamily("bitnet_kv_pool_usage_ratio", "share of KV pool pages sequences hold (prefix-cache"
+                                  " pages no sequence holds are free to take)")
+            g.add_metric([], (m.get("kv_pages_used", 0) - m.get("kv_pages_evictable", 0)) / m["kv_pages_total"])
             yield g
         c = CounterMetricFamily("bitnet_prefix_hit_tokens", "prompt tokens reused from the prefix cache")
         c.add_metric([], float(m.get("prefix_hits_tokens", 0)))

@@ -283,6 +283,8 @@ def test_json_nested_too_deeply_is_a_400(server, path):
 def test_metrics_parse(server, client, model_id):
     from prometheus_client.parser import text_string_to_metric_families
     client.chat.completions.create(model=model_id, messages=Q, temperature=0, max_tokens=4)
+    long = [{"role": "user", "content": "a question long enough to fill KV pages " * 40}]
+    client.chat.completions.create(model=model_id, messages=long, temperature=0, max_tokens=4)
     r = httpx.get(server.url + "/metrics")
     assert r.status_code == 200
     fams = {f.name: f for f in text_string_to_metric_families(r.text)}
@@ -293,6 +295,12 @@ def test_metrics_parse(server, client, model_id):
     ttft_count = [s.value for s in fams["bitnet_time_to_first_token_seconds"].samples if s.name.endswith("_count")]
     assert ttft_count and ttft_count[0] >= 1
     assert [s.value for s in fams["bitnet_kv_pages_total"].samples][0] > 0
+    # the answer is over: its pages stay in the prefix cache, free to take, so the pool reads as unloaded (it read
+    # the cached share, ~1.0 on a server that had answered enough, and a balancer sent it nothing)
+    value = {f: [s.value for s in fams[f].samples][0] for f in
+             ("bitnet_kv_pages_used", "bitnet_kv_pages_evictable", "bitnet_kv_pool_usage_ratio")}
+    assert value["bitnet_kv_pages_used"] > 0 and value["bitnet_kv_pages_evictable"] == value["bitnet_kv_pages_used"]
+    assert value["bitnet_kv_pool_usage_ratio"] == 0.0, value
 
 
 def test_prompt_lookup_same_greedy_text(client, model_id):
