@@ -778,11 +778,22 @@ def create_router_app(router: Router, *, api_keys: tuple = (), limits: Limits | 
         if len(router.pulling) >= PULLS_MAX:
             raise RouterError(503, f"{PULLS_MAX} pulls are running; try again when one has ended", "unavailable",
                               retry_after=router.retry_after * 10)
-        updates = router.pull_updates(name, ref)
+        pulled = router.pull_updates(name, ref)
+        # its first step marks `ref` as pulling, here, with no await since the check above: run by the response
+        # instead, a second pull of the same name arriving meanwhile passed the check, and both converted into one file
+        first = await pulled.__anext__()
+
+        async def updates():
+            try:
+                yield first
+                async for u in pulled:
+                    yield u
+            finally:
+                await pulled.aclose()   # a client that hung up ends the pull's process
         if stream:
-            return StreamingResponse((json.dumps(u) + "\n" async for u in updates), media_type="application/x-ndjson")
+            return StreamingResponse((json.dumps(u) + "\n" async for u in updates()), media_type="application/x-ndjson")
         last: dict = {}
-        async for u in updates:
+        async for u in updates():
             last = u
         if "error" in last:
             return JSONResponse(last, status_code=500)
