@@ -301,6 +301,8 @@ def test_metrics_parse(server, client, model_id):
              ("bitnet_kv_pages_used", "bitnet_kv_pages_evictable", "bitnet_kv_pool_usage_ratio")}
     assert value["bitnet_kv_pages_used"] > 0 and value["bitnet_kv_pages_evictable"] == value["bitnet_kv_pages_used"]
     assert value["bitnet_kv_pool_usage_ratio"] == 0.0, value
+    slots = httpx.get(server.url + "/slots", timeout=30)   # the same counts as JSON (numpy's ints were a 500)
+    assert slots.status_code == 200, slots.text
 
 
 def test_prompt_lookup_same_greedy_text(client, model_id):

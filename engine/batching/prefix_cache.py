@@ -102,7 +102,7 @@ class PrefixCache:
         while stack:
             n = stack.pop()
             stack.extend(n.children.values())
-            c += self.pool.refs[n.page] == 1
+            c += int(self.pool.refs[n.page] == 1)
         return c
 
     def evict(self, n: int) -> int:
