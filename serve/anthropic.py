@@ -285,7 +285,7 @@ class MessageBuilder:
         head = {**self.result(), "content": [], "stop_reason": None}
         return [self._event("message_start", message=head), self._event("ping")]
 
-    def feed(self, text: str, lps=()) -> list[str]:   # logprobs: none in this API
+    def feed(self, text: str, lps=(), n_tokens: int = 0) -> list[str]:   # logprobs: none in this API
         if self.splitter is None:
             return self._answer(text)
         reasoning, text = self.splitter.feed(text)

@@ -432,6 +432,8 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
             self.said = [Said() for _ in range(n)]
             self.logprobs = [x.items for x in self.said]
             self.finals = [None] * n
+            # per chunk: (text, logprob records given out so far, tokens in it): what a builder is fed
+            self.steps: list[list[tuple[str, int, int]]] = [[] for _ in range(n)]
 
         def add(self, i, ch, timer) -> bool:
             """Take choice i's chunk; True once every choice has finished."""
@@ -441,9 +443,22 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
             if ch.token is not None:
                 self.tokens[i].append(ch.token)
             self.said[i].add(ch)
+            self.steps[i].append((ch.text or "", len(self.logprobs[i]), int(ch.token is not None)))
             if ch.finish_reason is not None:
                 self.finals[i] = ch
             return all(f is not None for f in self.finals)
+
+        def feed(self, out, start: int = 0) -> list[str]:
+            """Choice 0's chunks from `start` on into a builder (serve/responses.py, serve/anthropic.py), as each
+            came: a streamed and a whole answer are built from the same steps, so they give the same items."""
+            ev = []
+            sent = self.steps[0][start - 1][1] if start else 0
+            for text, upto, n_tokens in self.steps[0][start:]:
+                lps = self.logprobs[0][sent:upto]
+                sent = upto
+                if text or lps or n_tokens:
+                    ev += out.feed(text, lps, n_tokens)
+            return ev
 
         def finish(self, i):
             return FINISH.get(self.finals[i].finish_reason, "stop")
@@ -814,14 +829,13 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
             raise APIError(500, ENGINE_FAULT, "server_error", code="engine_error")
         usage, _ = timer.done(n_prompt, got.finals)
         out.start(n_prompt)
-        out.feed("".join(got.texts[0]), got.logprobs[0])
+        got.feed(out)
         out.finish(fin, usage)
         return out.result()
 
     async def builder_events(stream, q, n_prompt, out):
         """A builder's SSE events for one answer; the stream is cancelled if the client goes."""
         got, timer = Choices(1), Timer()
-        sent = 0   # logprob items already given to the builder
         try:
             for e in out.start(n_prompt):
                 yield e
@@ -832,11 +846,8 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
                     for e in out.fail(ENGINE_FAULT):
                         yield e
                     return
-                lps = got.logprobs[0][sent:]
-                sent += len(lps)
-                if ch.text or lps:
-                    for e in out.feed(ch.text or "", lps):
-                        yield e
+                for e in got.feed(out, len(got.steps[0]) - 1):
+                    yield e
                 if ch.finish_reason is not None:
                     usage, _ = timer.done(n_prompt, got.finals)
                     for e in out.finish(ch, usage):

@@ -249,6 +249,9 @@ class ResponseBuilder:
         self.seq = 0
         self.status, self.usage, self.incomplete, self.error = "in_progress", None, None, None
         self.pending: list[dict] = []   # logprob entries of tokens whose text the parser holds back
+        self.unsplit: list = []   # (token, TokenLogprob) of tokens fed while the splitter cannot tell thought from answer
+        self.unsplit_tokens = 0
+        self.reasoning_tokens = 0   # tokens of the thought, its tags included (usage.output_tokens_details)
 
     # -- events --
     def _event(self, kind: str, **fields) -> str:
@@ -260,12 +263,23 @@ class ResponseBuilder:
         snap = self.result()
         return [self._event("response.created", response=snap), self._event("response.in_progress", response=snap)]
 
-    def feed(self, text: str, lps=()) -> list[str]:
-        """The next piece of the answer and the logprob items of its tokens."""
-        ev = []
-        if self.splitter is not None:
-            reasoning, text = self.splitter.feed(text)
-            ev += self._reason(reasoning)
+    def feed(self, text: str, lps=(), n_tokens: int = 0) -> list[str]:
+        """The next piece of the answer, the logprob items of its tokens and how many tokens it is. A thinking
+        model's thought and its tags are no part of the message's text: their tokens are counted as reasoning
+        tokens, and their logprob items left out (the first text delta carried every one of them)."""
+        if self.splitter is None:
+            return self._answer(text, lps)
+        self.unsplit += lps
+        self.unsplit_tokens += n_tokens
+        reasoning, text = self.splitter.feed(text)
+        ev = self._reason(reasoning)
+        if self.splitter.mode == "start":
+            return ev   # whitespace, or the start of a tag: thought or answer, not known yet
+        lps, self.unsplit = self.unsplit, []
+        n, self.unsplit_tokens = self.unsplit_tokens, 0
+        if self.splitter.mode in ("think", "after"):
+            self.reasoning_tokens += n
+            return ev
         return ev + self._answer(text, lps)
 
     def _answer(self, text: str, lps=()) -> list[str]:
@@ -289,11 +303,11 @@ class ResponseBuilder:
                               output_index=self.output.index(self.thought), content_index=0, delta=text))
         return ev
 
-    def _close_thought(self) -> list[str]:
+    def _close_thought(self, cut: bool = False) -> list[str]:
         item, self.thought = self.thought, None
         if item is None:
             return []
-        item["status"] = "completed"
+        item["status"] = "incomplete" if cut else "completed"   # cut: max_output_tokens came inside the thought
         i = self.output.index(item)
         return [self._event("response.reasoning_text.done", item_id=item["id"], output_index=i, content_index=0,
                             text=item["content"][0]["text"]),
@@ -306,8 +320,10 @@ class ResponseBuilder:
         if content:
             if self.msg is None:
                 ev += self._open_message()
-            part, lp = self.msg["content"][0], self.pending
-            self.pending = []
+            part = self.msg["content"][0]
+            # the tokens this text covers; the rest are of text the parser holds back (a call's start, maybe)
+            n = self._covering(len(content.encode("utf-8")))
+            lp, self.pending = self.pending[:n], self.pending[n:]
             part["text"] += content
             part["logprobs"] += lp
             ev.append(self._event("response.output_text.delta", item_id=self.msg["id"],
@@ -317,6 +333,14 @@ class ResponseBuilder:
             ev += self._close_message(cut=False)
             ev += self._call(c, cut_call)
         return ev
+
+    def _covering(self, n_bytes: int) -> int:
+        """How many of the pending entries, from the first, have their tokens start within n_bytes of text."""
+        k = size = 0
+        while k < len(self.pending) and size < n_bytes:
+            size += len(self.pending[k]["bytes"])
+            k += 1
+        return k
 
     def _open_message(self) -> list[str]:
         self.msg = {"type": "message", "id": _id("msg"), "status": "in_progress", "role": "assistant", "content": []}
@@ -361,19 +385,20 @@ class ResponseBuilder:
         usage: the chat pipeline's counts."""
         cut = final.finish_reason in ("length", "context")
         n_cached = final.stats.n_cached if final.stats is not None else 0
-        ev = []
+        ev, thinking = [], self.splitter is not None and self.splitter.mode == "think"
         if self.splitter is not None:
             reasoning, held = self.splitter.finish()
             ev += self._reason(reasoning)
-            ev += self._answer(held) if held else []
-        ev += self._close_thought()
+            lps, self.unsplit = self.unsplit, []
+            ev += self._answer(held, lps) if held else []
+        ev += self._close_thought(cut and thinking)
         rest, calls = self.parser.finish(cut) if self.parser is not None else ("", [])
         ev += self._put(rest, calls, cut_call=self.parser is not None and self.parser.cut_call)
         ev += self._close_message(cut)
         self.usage = {"input_tokens": usage["prompt_tokens"],
                       "input_tokens_details": {"cached_tokens": n_cached, "cache_write_tokens": 0},
                       "output_tokens": usage["completion_tokens"],
-                      "output_tokens_details": {"reasoning_tokens": 0},
+                      "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
                       "total_tokens": usage["total_tokens"]}
         if cut:
             self.status, self.incomplete = "incomplete", {"reason": "max_output_tokens"}

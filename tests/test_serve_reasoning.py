@@ -164,6 +164,37 @@ def test_responses_reasoning_items(server):
         client.responses.create(model="m", input=q, reasoning={"effort": "high"})
 
 
+def test_responses_thought_tokens_are_reasoning_tokens_not_the_texts_logprobs(server):
+    """The Responses API with a thought: the message's logprobs are its own text's tokens, whole and streamed (the
+    first text delta carried every token of the <think> block), the thought's tokens (tags included) are
+    usage.output_tokens_details.reasoning_tokens (it was always 0), and a thought cut by max_output_tokens is an
+    incomplete reasoning item (it said completed)."""
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    body = {"model": "m", "input": Q[0]["content"], "temperature": 0, "include": ["message.output_text.logprobs"],
+            "grammar": GRAMMAR, "chat_template_kwargs": SELF}
+    r = httpx.post(server.url + "/v1/responses", json=body, timeout=60).json()
+    message = r["output"][-1]["content"][0]
+    assert message["text"] == ANSWER and "".join(x["token"] for x in message["logprobs"]) == ANSWER
+    every = [x["token"] for x in chat(server, grammar=GRAMMAR, chat_template_kwargs=SELF,
+                                      logprobs=True)["logprobs"]["content"]]   # the chat's: every token
+    assert every[len(every) - len(message["logprobs"]):] == [x["token"] for x in message["logprobs"]]
+    assert r["usage"]["output_tokens_details"]["reasoning_tokens"] == len(every) - len(message["logprobs"])
+    deltas, usage = [], None
+    with httpx.stream("POST", server.url + "/v1/responses", json={**body, "stream": True}, timeout=60) as s:
+        for line in s.iter_lines():
+            if line.startswith("data: "):
+                e = json.loads(line[6:])
+                deltas += e.get("logprobs", []) if e["type"] == "response.output_text.delta" else []
+                usage = e["response"]["usage"] if e["type"] == "response.completed" else usage
+    assert deltas == message["logprobs"] and usage == r["usage"]
+    inside = next(k for k in range(len(every)) if "".join(every[:k]).startswith("<think>\nI ")) + 1
+    cut = client.responses.create(model="m", input=Q[0]["content"], temperature=0, max_output_tokens=inside,
+                                  extra_body={"grammar": GRAMMAR, "chat_template_kwargs": SELF})
+    assert cut.status == "incomplete" and [(o.type, o.status) for o in cut.output] == [("reasoning", "incomplete")]
+    assert cut.usage.output_tokens_details.reasoning_tokens == cut.usage.output_tokens
+
+
 def test_a_grammar_that_decides_the_start_is_the_answer_though_the_prompt_opened_a_thought(server):
     """The prompt opens the thought, but a grammar makes the answer (a required call, a JSON format): that output is
     the answer -- tool_calls, content -- never reasoning nobody closed (it came back as reasoning_content, with no

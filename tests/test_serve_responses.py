@@ -178,6 +178,37 @@ def test_logprobs_are_the_chat_logprobs(client, server):
     assert not plain.output[0].content[0].logprobs
 
 
+def test_text_before_a_call_keeps_its_own_tokens_logprobs():
+    """The builder of the Responses output (serve/responses.py) with the Hermes call parser: text then a call, fed
+    one token at a time (a stream) or several tokens at once (drafts, a whole answer): the message's logprobs are
+    the tokens of its text, never the call's (a whole answer gave the text every token of the call)."""
+    from types import SimpleNamespace
+
+    from bitnet_cpu.engine.runtime.sampling import SamplingParams
+    from bitnet_cpu.engine.runtime.tools import HermesParser
+    from bitnet_cpu.serve.responses import ResponseBuilder, ResponsesRequest
+
+    tokens = ["Let", " me", " add", ".", " ", "<tool_call>", '\n{"name": "add", ', '"arguments": {"a": 1, "b": 2}}',
+              "\n</tool_call>"]
+    entry = lambda t, lp: {"token": t, "bytes": list(t.encode()), "logprob": lp}   # noqa: E731
+
+    def built(pieces):
+        b = ResponseBuilder(ResponsesRequest(input="hi"), "m", SamplingParams(), parser=HermesParser(), entry=entry)
+        b.start()
+        for piece in pieces:
+            b.feed("".join(piece), [(t, -1.0) for t in piece], len(piece))
+        b.finish(SimpleNamespace(finish_reason="stop", stats=None),
+                 {"prompt_tokens": 1, "completion_tokens": len(tokens), "total_tokens": 1 + len(tokens)})
+        out = b.result()["output"]
+        assert [o["type"] for o in out] == ["message", "function_call"], out
+        return out[0]["content"][0]
+
+    for pieces in ([[t] for t in tokens], [tokens], [tokens[:3], tokens[3:]], [tokens[:6], tokens[6:]]):
+        part = built(pieces)
+        assert part["text"].strip() == "Let me add.", part
+        assert "".join(x["token"] for x in part["logprobs"]) == part["text"], (pieces, part)
+
+
 @pytest.mark.parametrize("extra, param", [
     ({"previous_response_id": "resp_1"}, "previous_response_id"),
     ({"conversation": "conv_1"}, "conversation"),
