@@ -810,6 +810,14 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
     async def response_not_stored(request: Request, response_id: str):
         raise APIError(404, f"response {response_id!r} not found: responses are not stored here (store is false); "
                        "keep the answer you got", "not_found_error", "response_id", "not_stored")
+    @app.post("/v1/responses/compact", include_in_schema=False)
+    async def responses_compact(request: Request):
+        """OpenAI's `client.responses.compact(...)` (codex-like clients call it): a 400 saying why, not a bare 405
+        (a 5xx the openai client would retry)."""
+        raise APIError(400, "compacting a conversation is not supported here (its output is an opaque item only "
+                       "OpenAI's models read); send the whole conversation as input", param=None,
+                       code="unsupported_endpoint")
+
     # a client's retrieve / delete / cancel / input_items of an earlier response: the reason, not a bare 404
     for suffix, methods in (("", ["GET", "DELETE"]), ("/cancel", ["POST"]), ("/input_items", ["GET"])):
         app.add_api_route("/v1/responses/{response_id}" + suffix, response_not_stored, methods=methods,

@@ -31,6 +31,8 @@ REFUSED_STATE = {
     "conversation": "conversations are not stored here; send the whole conversation as input",
     "prompt": "stored prompt templates are not supported; send instructions and input",
     "max_tool_calls": "max_tool_calls is not supported (built-in tools do not run here)",
+    "context_management": "context management (compaction) needs stored responses; none are stored here",
+    "moderation": "moderation is not run here",
 }
 TEXT_PARTS = ("input_text", "output_text", "text", "refusal")   # the Responses API's text content parts
 
@@ -57,6 +59,8 @@ class ResponsesRequest(_Sampling):
     conversation: Optional[Any] = None
     prompt: Optional[Any] = None
     max_tool_calls: Optional[int] = None
+    context_management: Optional[Any] = None
+    moderation: Optional[Any] = None
 
     # -- what the chat pipeline (serve/app.py) asks of a request --
     def limit(self) -> Optional[int]:
@@ -107,8 +111,8 @@ class ResponsesRequest(_Sampling):
         if self.truncation not in (None, "disabled"):
             return "truncation", f"truncation {self.truncation!r}: only \"disabled\" (an input longer than the " \
                                  "context is refused, not cut)"
-        effort = (self.reasoning or {}).get("effort")
-        if effort not in (None, "none") or (self.reasoning or {}).get("summary") is not None:
+        effort, reasoning = (self.reasoning or {}).get("effort"), self.reasoning or {}
+        if effort not in (None, "none") or any(reasoning.get(k) is not None for k in ("summary", "generate_summary")):
             return "reasoning", ("reasoning: this model has no effort levels or summaries (a thinking template thinks "
                                  "unless effort is \"none\")")
         verbosity = (self.text or {}).get("verbosity")
@@ -162,6 +166,9 @@ class ResponsesRequest(_Sampling):
                 call_id = item.get("call_id")
                 if not isinstance(call_id, str) or not call_id:
                     raise RequestProblem(f"{where}.call_id", f"{where}.call_id: required")
+                if call_id not in names:   # OpenAI's "No tool call found for function call output with call_id"
+                    raise RequestProblem(f"{where}.call_id", f"{where}.call_id {call_id!r}: no function_call item "
+                                                             "before it has this call_id")
                 msg = {"role": "tool", "tool_call_id": call_id,
                        "content": text_of_parts(item.get("output"), f"{where}.output", TEXT_PARTS)}
                 if call_id in names:

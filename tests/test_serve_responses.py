@@ -234,6 +234,10 @@ def test_text_before_a_call_keeps_its_own_tokens_logprobs():
     ({"input": []}, "input"),
     ({"input": None}, "input"),
     ({"n": 2}, "n"),
+    ({"reasoning": {"generate_summary": "concise"}}, "reasoning"),
+    ({"context_management": [{"type": "compaction", "compact_threshold": 1000}]}, "context_management"),
+    ({"moderation": {"model": "omni-moderation-latest"}}, "moderation"),
+    ({"input": [{"type": "function_call_output", "call_id": "call_9", "output": "1"}]}, "input[0].call_id"),
     ({"temperature": 3}, "temperature"),
 ])
 def test_what_cannot_be_honoured_is_a_400_naming_it(server, extra, param):
@@ -259,6 +263,10 @@ def test_stored_responses_are_a_404_saying_why(client):
         with pytest.raises(openai.NotFoundError) as e:
             call()
         assert "not stored" in e.value.body["message"] and e.value.body["param"] == "response_id"
+    # compaction (codex-like clients): a 400 saying why, not a bare 405
+    r = httpx.post(str(client.base_url).rstrip("/") + "/responses/compact", json={"model": "any", "input": "Hi"},
+                   timeout=60)
+    assert r.status_code == 400 and "compact" in r.json()["error"]["message"], r.text
 
 
 def test_input_token_counts_are_the_prompts_that_run(client, server):
