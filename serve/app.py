@@ -120,10 +120,15 @@ class ServerState:
         threading.Thread(target=run, name="bitnet-load", daemon=True).start()
 
     def drain(self):
-        """Stop admitting and cancel what is in flight (their streams end with finish_reason 'stop')."""
+        """Stop admitting and end what is in flight now (finish_reason 'stop'): each stream's final chunk is given
+        from here, not at the engine's next step, which a long prefill makes seconds away (uvicorn then cancelled
+        the handlers: a bare 500, streams cut without their last event)."""
         self.draining = True
         for s in list(self.streams):
-            s.cancel()
+            if hasattr(s, "end_now"):
+                s.end_now("stop")
+            else:
+                s.cancel()   # an embedding request: one step, its own end
 
     def close(self):
         self.drain()
@@ -184,7 +189,7 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
     async def lifespan(app):
         state.start_loading()
         yield
-        state.close()
+        await asyncio.to_thread(state.close)   # joins the engine's thread, which may be in a step: off the loop
         if on_shutdown:
             on_shutdown()
 

@@ -225,6 +225,29 @@ def test_cancel_frees_pages_and_close_cancels(synth):
         assert _collect(st)[-1].finish_reason in ("cancelled", "context", "eos")
 
 
+def test_end_now_gives_the_final_chunk_at_once_and_nothing_after(synth):
+    """Stream.end_now() (a server at its drain deadline): the consumer's final chunk ("stop", with the running
+    stats) comes from the calling thread, not at the engine's next step; what the engine makes after it, its own
+    "cancelled" end included, is dropped; the sequence's pages come back."""
+    m, _, stores = synth
+    with running_engine(stores["f16"], ctx=256, parallel=4) as eng:
+        third = threading.Event()
+        got = _Chunks(then=lambda ch: len(ch) == 3 and third.set())
+        stream = eng.submit(list(range(1, 50)), GREEDY, max_tokens=200, callback=got)
+        assert third.wait(120)
+        stream.end_now("stop")
+        assert got.finished.is_set() and got[-1].finish_reason == "stop" and got[-1].stats is not None
+        n = len(got)
+        deadline = time.monotonic() + 60
+        while eng.metrics()["running"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert eng.metrics()["running"] == 0
+        assert len(got) == n and [c.finish_reason for c in got].count(None) == n - 1   # one end, the last
+        stream.end_now("stop")   # ended: nothing more
+        assert len(got) == n
+        _assert_every_page_returns(eng)
+
+
 def test_prefix_sharing_reuses_pages_and_cow_keeps_outputs(synth):
     m, _, stores = synth
     rng = np.random.default_rng(9)

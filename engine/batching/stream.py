@@ -20,10 +20,32 @@ class Stream:
         self._q: queue.SimpleQueue | None = None if callback else queue.SimpleQueue()
         self.finish_reason: str | None = None
         self._drained = False   # the final chunk has been taken: iterating again gives nothing (never waits)
+        self._last: Chunk | None = None   # the latest chunk given out (its running stats and said count)
+        self._ending = threading.RLock()   # end_now() and the scheduler's chunks: one final, nothing after it
 
     def _emit(self, chunk: Chunk):
-        if chunk.finish_reason:
-            self.finish_reason = chunk.finish_reason
+        with self._ending:
+            if self.finish_reason is not None:
+                return   # ended already (end_now): what the engine made since is for nobody
+            if chunk.finish_reason:
+                self.finish_reason = chunk.finish_reason
+            self._last = chunk
+            self._deliver(chunk)
+
+    def end_now(self, finish_reason: str = "stop"):
+        """Cancel, and give the consumer its final chunk now, from this thread, instead of at the engine's next
+        step (a long prefill step can take seconds: a server stopping at its drain deadline must not wait for it);
+        the engine's own chunks for this stream are dropped from then on. No-op once the stream has ended."""
+        self._engine.cancel(self.id)
+        with self._ending:
+            if self.finish_reason is not None:
+                return
+            self.finish_reason = finish_reason
+            last = self._last
+            self._deliver(Chunk("", None, finish_reason, stats=last.stats if last is not None else None,
+                                said=last.said if last is not None else 0))
+
+    def _deliver(self, chunk: Chunk):
         if self._callback is not None:
             try:
                 self._callback(chunk)
