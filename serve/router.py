@@ -593,9 +593,20 @@ def _label(v: str) -> str:
     return v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
+class UpstreamGone(Exception):
+    """The model's process died in the middle of an answer the router was relaying."""
+
+
+def _gone(e: BaseException) -> bool:
+    inner = getattr(e, "exceptions", None)   # an exception group of the response's task group
+    return isinstance(e, UpstreamGone) or bool(inner) and all(_gone(x) for x in inner)
+
+
 class Relay(StreamingResponse):
     """A forwarded answer. Its cleanup (close the stream to the model's process, count the request as ended) runs
-    however the response ends, also when the client left before its first byte (the body never iterated)."""
+    however the response ends, also when the client left before its first byte (the body never iterated). An
+    answer whose model process died midway ends without HTTP's end of body, as a proxy's does when its upstream
+    closes early: the client sees a cut answer, never one that looks whole."""
 
     def __init__(self, content, finish, **kw):
         super().__init__(content, **kw)
@@ -604,8 +615,24 @@ class Relay(StreamingResponse):
     async def __call__(self, scope, receive, send):
         try:
             await super().__call__(scope, receive, send)
+        except Exception as e:
+            if not _gone(e):
+                raise
         finally:
             self.finish()
+
+
+def cut_answer_event(content_type: str, message: str, tail: bytes) -> bytes:
+    """The last piece of a streamed answer cut by its model process's death, in the stream's own format: an SSE
+    error event (as --request-timeout's), or ollama's {"error": ...} line; nothing for other bodies. `tail`: the
+    last bytes relayed, to end a line or event cut in the middle first."""
+    if content_type.startswith("text/event-stream"):
+        event = json.dumps({"error": {"message": message, "type": "server_error", "code": "model_died"}})
+        lead = b"" if tail.endswith(b"\n\n") or not tail else b"\n" if tail.endswith(b"\n") else b"\n\n"
+        return lead + f"data: {event}\n\n".encode()
+    if content_type.startswith("application/x-ndjson"):
+        return (b"" if tail.endswith(b"\n") or not tail else b"\n") + (json.dumps({"error": message}) + "\n").encode()
+    return b""
 
 
 def create_router_app(router: Router, *, api_keys: tuple = (), limits: Limits | None = None,
@@ -899,11 +926,17 @@ def create_router_app(router: Router, *, api_keys: tuple = (), limits: Limits | 
                 router.release(c, keep_alive, upstream)
 
         async def relay():
+            tail = b""
             try:
                 async for chunk in upstream.aiter_raw():
+                    tail = chunk[-2:] if chunk else tail
                     yield chunk
-            except httpx.HTTPError:   # its process died mid-answer: the stream ends here (the reaper sees the exit)
-                pass
+            except httpx.HTTPError:   # its process died mid-answer (the reaper sees the exit): say so, then cut
+                last = cut_answer_event(upstream.headers.get("content-type", ""),
+                                        f"model '{spec.name}' stopped in the middle of this answer", tail)
+                if last:
+                    yield last
+                raise UpstreamGone() from None
             finally:
                 finish()
 

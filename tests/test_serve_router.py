@@ -442,11 +442,28 @@ def test_switching_models_under_hang_ups_leaves_nothing_counted(models_dir):
 
 
 def test_a_model_process_that_dies_is_started_again(models_dir):
+    """A model process killed in the middle of a streamed answer: the client gets an error event and a cut body,
+    never an answer that looks whole (the router ended it as if complete: no [DONE], no error, and the openai
+    client stopped iterating without raising); the next request starts the model again."""
+    import json
     s = Server("--models-dir", str(models_dir), threads=1)
     try:
         first = chat_text(s.url, "tiny")["choices"][0]["message"]["content"]
         (child,) = children_of(s.proc.pid)
-        os.kill(child, signal.SIGKILL)
+        lines, cut = [], None
+        body = {"model": "tiny", "stream": True, "messages": [{"role": "user", "content": "a story"}],
+                "max_tokens": 100_000, "ignore_eos": True}
+        try:
+            with httpx.stream("POST", s.url + "/v1/chat/completions", json=body, timeout=60 * slowness()) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: ") and not lines:
+                        os.kill(child, signal.SIGKILL)   # the answer has begun: its process dies
+                    lines.append(line)
+        except httpx.HTTPError as e:
+            cut = e
+        events = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+        assert "data: [DONE]" not in lines and events[-1]["error"]["code"] == "model_died", lines[-3:]
+        assert isinstance(cut, httpx.RemoteProtocolError), cut   # HTTP's end of body never came
         assert wait_for(lambda: not alive(child))
         assert chat_text(s.url, "tiny")["choices"][0]["message"]["content"] == first
         assert wait_for(lambda: 'reason="exited"' in httpx.get(s.url + "/metrics", timeout=30).text)
