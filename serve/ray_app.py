@@ -22,7 +22,8 @@ def build(model: str | None = None, *, threads: int | None = 1, parallel: int = 
           sampling=None, mmap: bool | None = None, alias: str | None = None, strict_model: bool = False,
           api_keys: tuple = (), limits=None, metrics_public: bool = False, batch_size: int | None = None,
           cors_origins: tuple = (), chat_template: str | None = None,
-          template_kwargs: dict | None = None, reasoning_format: str = "auto", pooling: str = "mean", embd_normalize: int = 2):
+          template_kwargs: dict | None = None, reasoning_format: str = "auto", pooling: str = "mean", embd_normalize: int = 2,
+          local_only: bool = False):
     """A bound Ray Serve application with `replicas` replicas of the server (lookup: engine LookupParams;
     sampling: the SamplingParams a request's omitted sampling fields take; mmap: load_engine's — each replica
     otherwise reads its own copy of the weights into memory, while memory lasts; batch_size: load_engine's
@@ -43,7 +44,7 @@ def build(model: str | None = None, *, threads: int | None = 1, parallel: int = 
     # the Ray proxy's to bound
     fastapi_app = create_app(load, api_key=api_key, sampling=sampling, model_id=alias, strict_model=strict_model,
                              api_keys=api_keys, limits=limits, metrics_public=metrics_public, cors_origins=cors_origins,
-                             reasoning_format=reasoning_format)
+                             reasoning_format=reasoning_format, local_only=local_only)
 
     # num_cpus=0: the engine's own threads do the work; Ray must not refuse replicas on a small machine
     @serve.deployment(name="bitnet", num_replicas=replicas, ray_actor_options={"num_cpus": 0},
@@ -100,8 +101,11 @@ def run_ray(args, sampling=None, api_keys: tuple = (), limits=None) -> int:
     import ray
 
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+
+    def on_stop_signals():   # put back after Ray's starts, which put their own SIGTERM handler in place (it
+        for sig in (signal.SIGINT, signal.SIGTERM):   # aborted the process, its Ray agents left orphaned)
+            signal.signal(sig, lambda *_: stop.set())
+    on_stop_signals()
     # Serve gives its HTTP proxy 5 s to report ready, three times, then kills it, and its driver waits a fixed
     # 60 s (HTTP_PROXY_TIMEOUT, no setting) for the proxy: on a 2-core machine with every core busy (load 4.5)
     # the proxy's imports alone took 56 s, and `serve.start` failed either way ("Ray Serve did not start"). A
@@ -117,6 +121,7 @@ def run_ray(args, sampling=None, api_keys: tuple = (), limits=None) -> int:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise BitNetError(f"Ray did not start: {first[:300]}",
                           hint="check `ray start --head` works on this machine, or serve without --ray-replicas") from e
+    on_stop_signals()
     try:
         try:
             serve.start(http_options={"host": args.host, "port": args.port})
@@ -124,7 +129,9 @@ def run_ray(args, sampling=None, api_keys: tuple = (), limits=None) -> int:
             first = (str(e).strip().splitlines() or [type(e).__name__])[0]
             raise BitNetError(f"Ray Serve did not start: {first[:300]}",
                               hint="see Ray's logs under /tmp/ray/session_latest/logs") from e
+        on_stop_signals()
         from ..engine.runtime.speculative import lookup_from_flags
+        from .auth import is_loopback
 
         serve.run(build(args.model, threads=args.threads or 1, parallel=args.parallel, ctx=args.ctx,
                         max_queue=args.max_queue, api_key=args.api_key, replicas=args.ray_replicas, kv=args.kv,
@@ -135,7 +142,8 @@ def run_ray(args, sampling=None, api_keys: tuple = (), limits=None) -> int:
                         chat_template=getattr(args, "chat_template_text", None),
                         template_kwargs=getattr(args, "template_kwargs", None),
                         reasoning_format=args.reasoning_format,
-                        batch_size=args.batch_size, pooling=args.pooling, embd_normalize=args.embd_normalize),
+                        batch_size=args.batch_size, pooling=args.pooling, embd_normalize=args.embd_normalize,
+                        local_only=is_loopback(args.host)),
                   name="bitnet", route_prefix="/", blocking=False)
         print(f"bitnet serve: {args.ray_replicas} Ray Serve replicas on http://{args.host}:{args.port}",
               file=sys.stderr, flush=True)
