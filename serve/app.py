@@ -30,7 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .anthropic import CountTokensRequest, MessageBuilder, MessagesRequest, anthropic_names
 from .auth import AuthMiddleware, KeyChecker, allow_cross_origin
-from .limits import Limits, LimitsMiddleware, anthropic_error_body
+from .limits import Limits, LimitsMiddleware, RouteNorms, anthropic_error_body
 from .logprobs import Said, TokenText, chat_entry, completion_logprobs, echo_logprobs
 from .metrics import CONTENT_TYPE, ServerMetrics, TokenClock
 from .offload import (BodyRefused, ClientGone, next_or_gone, offloop_route, prepare_sampling, prompt_body_bound, run_off_loop,
@@ -253,8 +253,10 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
     @app.exception_handler(StarletteHTTPException)
     async def _http(request, e):
         type_ = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        return in_family(request, error_response(e.status_code, str(e.detail), type_))
+        # its headers too: a 405's Allow (RFC 9110 15.5.6: it MUST be there)
+        return in_family(request, error_response(e.status_code, str(e.detail), type_, headers=e.headers))
 
+    app.add_middleware(RouteNorms)
     app.add_middleware(CountingMiddleware, metrics=metrics)
     allow_cross_origin(app, cors_origins, local_only, keyed=bool(api_key or api_keys))   # outermost: a preflight
     # is answered before the key check

@@ -112,6 +112,30 @@ def as_json(scope):
     return dict(scope, headers=list(headers) + [(b"content-type", b"application/json")])   # none named
 
 
+class RouteNorms:
+    """HTTP's rules FastAPI's routing leaves out. HEAD on a path with a GET route is run as that GET (RFC 9110
+    9.1: servers MUST answer it; FastAPI's GET routes took GET alone, a 405 to monitors and proxies): the
+    server's own copy of the request still says HEAD, so uvicorn sends the headers without the body. A path
+    ending in "/" is the path without it (Starlette redirected it to an absolute URL built from Host, which a
+    proxy that sends `Host: localhost` turned into the client's own localhost)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            path = scope["path"]
+            if len(path) > 1 and path.endswith("/"):
+                scope = dict(scope, path=path.rstrip("/") or "/")
+            if scope["method"] == "HEAD":
+                from starlette.routing import Match
+                routes = scope["app"].router.routes
+                if not any(r.matches(scope)[0] == Match.FULL for r in routes) and \
+                        any(r.matches(dict(scope, method="GET"))[0] == Match.FULL for r in routes):
+                    scope = dict(scope, method="GET")
+        await self.app(scope, receive, send)
+
+
 class LimitsMiddleware:
     def __init__(self, app, limits: Limits = Limits(), prompt_bound=None):
         self.app, self.limits = app, limits
@@ -130,6 +154,15 @@ class LimitsMiddleware:
                                     "invalid_request_error", "headers_too_large", close=True)
         length = None
         for k, v in headers:
+            coding = v.decode("latin-1").strip().lower()
+            if k == b"content-encoding" and coding not in ("", "identity"):
+                # llama-server's answer (415) to a compressed body: read as it came, it was a vague JSON error
+                return await send_error(send, scope, 415, f"Content-Encoding {coding}: request bodies are taken "
+                                        "uncompressed", "invalid_request_error", "unsupported_content_encoding",
+                                        close=True)
+            if k == b"transfer-encoding" and coding != "chunked":
+                return await send_error(send, scope, 501, f"Transfer-Encoding {coding}: only chunked is understood",
+                                        "invalid_request_error", "unsupported_transfer_encoding", close=True)
             if k == b"content-length":
                 try:
                     length = int(v)
@@ -279,6 +312,24 @@ def _overloaded_app(limits: Limits):
     return app
 
 
+def _close_delimited(cycle, send):
+    """uvicorn's httptools cycle's send for an HTTP/1.0 request: an answer of unknown length (a stream) is sent
+    as it comes and ended by closing the connection (RFC 9112 6.3), as HTTP/1.0 has no chunked coding; uvicorn
+    sent it chunked, which a 1.0 client (ab, an old proxy) shows as hex lengths in the text. h11's cycle does this
+    itself."""
+    async def send10(msg):
+        if msg["type"] == "http.response.start" and cycle.scope["method"] != "HEAD" \
+                and msg["status"] not in (204, 304) and not any(
+                    k.lower() in (b"content-length", b"transfer-encoding") for k, _ in msg.get("headers", ())):
+            cycle.chunked_encoding, cycle.keep_alive, cycle.expected_content_length = False, False, 1 << 62
+            cycle.close_delimited = True
+        elif msg["type"] == "http.response.body" and getattr(cycle, "close_delimited", False) \
+                and not msg.get("more_body", False):
+            cycle.expected_content_length = len(msg.get("body", b""))   # it ends here: uvicorn's count comes to 0
+        await send(msg)
+    return send10
+
+
 def guarded_protocol(limits: Limits, base=None):
     """A subclass of uvicorn's HTTP protocol (`base`; default: httptools when installed, else h11) that enforces
     the connection cap, the header timeout, (httptools) the header size and the send timeout; pass it as
@@ -330,8 +381,21 @@ def guarded_protocol(limits: Limits, base=None):
             self.transport.close()
 
         def send_400_response(self, msg):   # after our own refusal the parser's error must not answer again
+            c = self.cycle
+            if c is not None and not c.response_complete and not getattr(c, "more_body", True):
+                # bytes that do not parse after a request sent whole: that request is answered first (RFC 9112
+                # 9.3.2: in order), then the connection closes (what followed it cannot be framed); it was lost
+                c.keep_alive = False
+                return
             if not self._rejected:
                 super().send_400_response(msg)
+
+        def on_headers_complete(self):
+            super().on_headers_complete()
+            c = self.cycle
+            if c is not None and c.scope.get("http_version") == "1.0" and hasattr(c, "chunked_encoding"):
+                c.waiting_for_100_continue = False   # RFC 9110 10.1.1: a 1.0 client's Expect is ignored
+                c.send = _close_delimited(c, c.send)
 
         def data_received(self, data):
             if self._rejected:

@@ -88,6 +88,8 @@ def parse_bounded(body: bytes, n_ctx: int | None):
         return checked_text(body, _parse_bounded(body, n_ctx))
     except RecursionError:   # one line as every endpoint words it (FastAPI's own: "error parsing the body")
         raise BodyRefused("request body is not valid JSON: nested too deeply", None, "invalid_json") from None
+    except UnicodeDecodeError:   # json.loads of bytes: not a JSONDecodeError, so FastAPI's vague "error parsing"
+        raise BodyRefused("request body is not valid JSON: it is not UTF-8 text", None, "invalid_json") from None
 
 
 def checked_text(body: bytes, obj):

@@ -42,7 +42,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 
 from .auth import AuthMiddleware, KeyChecker, allow_cross_origin
-from .limits import Limits, LimitsMiddleware, error_json
+from .limits import Limits, LimitsMiddleware, RouteNorms, error_json
 from .ollama import FOREVER, OLLAMA_VERSION, parse_keep_alive  # noqa: F401 - parse_keep_alive: the CLI's
 from .schemas import model_object, utc_iso
 
@@ -645,6 +645,7 @@ def create_router_app(router: Router, *, api_keys: tuple = (), limits: Limits | 
 
     app = FastAPI(title="bitnet serve (models)", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.router = router
+    app.add_middleware(RouteNorms)
     app.add_middleware(LimitsMiddleware, limits=limits or Limits())
     app.add_middleware(AuthMiddleware, checker=KeyChecker(api_keys), metrics_public=metrics_public)
     allow_cross_origin(app, cors_origins, local_only, keyed=bool(api_keys))   # the models' processes see the router

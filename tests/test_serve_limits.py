@@ -476,3 +476,61 @@ def test_sigterm_under_load_drains_and_exits_0(tmp_path_factory, signals):
     # answer, a stream with its last event and [DONE] (uvicorn cancelling them instead gave 500s and tracebacks)
     assert [st for _, st, _ in ends] == [200] * 12, ends
     assert len(made) == 4 and max(made) < 3000, made   # cut short by the drain, not run to the end
+
+
+# ---- HTTP's own rules ---------------------------------------------------------------------------------------
+def _exchange(port: int, raw: bytes) -> bytes:
+    """Send raw bytes, read until the server closes the connection (bounded); what came back."""
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.sendall(raw)
+        sock.settimeout(60)
+        out = b""
+        while True:
+            chunk = sock.recv(65536)
+            if not chunk:
+                return out
+            out += chunk
+
+
+def test_http_rules_clients_and_proxies_rely_on():
+    """HEAD on every GET route answers as GET without the body (RFC 9110 9.1; FastAPI's routes gave 405); a 405
+    says what is allowed (Allow: RFC 9110 15.5.6); a trailing slash is the path without it (it was a redirect to a
+    URL built from Host); a compressed or non-UTF-8 body is refused saying so (a vague "error parsing the body");
+    an HTTP/1.0 stream is close-delimited, never chunked (HTTP/1.0 has no chunked coding: a 1.0 client showed the
+    hex lengths); a request followed by bytes that do not parse is answered before the connection closes (the
+    parser's bare 400 came instead)."""
+    s = Server("--parallel", "2")
+    try:
+        for path in ("/v1/models", "/slots", "/props", "/api/tags", "/api/version", "/api/ps"):
+            get, head = httpx.get(s.url + path, timeout=60), httpx.head(s.url + path, timeout=60)
+            assert get.status_code == head.status_code == 200 and head.content == b"", (path, head.status_code)
+            assert head.headers.get("content-length") == get.headers.get("content-length"), path
+        r = httpx.put(s.url + "/v1/chat/completions", json={}, timeout=60)
+        assert r.status_code == 405 and r.headers.get("allow") == "POST", (r.status_code, r.headers)
+        r = httpx.post(s.url + "/v1/chat/completions/", json={"messages": Q, "max_tokens": 2}, timeout=60)
+        assert r.status_code == 200 and r.json()["object"] == "chat.completion", r.status_code
+        assert httpx.get(s.url + "/v1/models/", timeout=60).json()["object"] == "list"
+        import gzip
+        r = httpx.post(s.url + "/v1/chat/completions", content=gzip.compress(json.dumps({"messages": Q}).encode()),
+                       headers={"Content-Encoding": "gzip", "Content-Type": "application/json"}, timeout=60)
+        assert r.status_code == 415 and "Content-Encoding gzip" in r.json()["error"]["message"], r.text
+        r = httpx.post(s.url + "/v1/chat/completions", content='{"messages": [{"role": "user", "content": "café"}]}'
+                       .encode("latin-1"), headers={"Content-Type": "application/json"}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json", r.text
+        assert "UTF-8" in r.json()["error"]["message"]
+        body = json.dumps({"prompt": "a", "max_tokens": 8, "stream": True}).encode()
+        got = _exchange(s.port, b"POST /v1/completions HTTP/1.0\r\nHost: 127.0.0.1\r\nContent-Type: application/json"
+                        b"\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        head, _, text = got.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200") and b"transfer-encoding" not in head.lower(), head
+        events = [ln for ln in text.split(b"\n") if ln]
+        assert events[0].startswith(b"data: {") and events[-1] == b"data: [DONE]", events[:2]   # no hex lengths
+        # a Content-Length one byte short of a body with "é" (characters counted, not bytes): a byte is left over
+        text = '{"messages": [{"role": "user", "content": "café"}], "max_tokens": 2}'
+        got = _exchange(s.port, b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
+                        b"application/json\r\nContent-Length: %d\r\n\r\n" % len(text) + text.encode())
+        assert got.startswith(b"HTTP/1.1 400") and b"invalid_json" in got, got[:300]
+        got = _exchange(s.port, b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\nxyz\r\n\r\n")
+        assert got.startswith(b"HTTP/1.1 200"), got[:200]
+    finally:
+        assert s.stop()[0] == 0
