@@ -817,6 +817,7 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
     async def response_not_stored(request: Request, response_id: str):
         raise APIError(404, f"response {response_id!r} not found: responses are not stored here (store is false); "
                        "keep the answer you got", "not_found_error", "response_id", "not_stored")
+
     @app.post("/v1/responses/compact", include_in_schema=False)
     async def responses_compact(request: Request):
         """OpenAI's `client.responses.compact(...)` (codex-like clients call it): a 400 saying why, not a bare 405

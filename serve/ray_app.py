@@ -22,8 +22,8 @@ def build(model: str | None = None, *, threads: int | None = 1, parallel: int = 
           sampling=None, mmap: bool | None = None, alias: str | None = None, strict_model: bool = False,
           api_keys: tuple = (), limits=None, metrics_public: bool = False, batch_size: int | None = None,
           cors_origins: tuple = (), chat_template: str | None = None,
-          template_kwargs: dict | None = None, reasoning_format: str = "auto", pooling: str = "mean", embd_normalize: int = 2,
-          local_only: bool = False):
+          template_kwargs: dict | None = None, reasoning_format: str = "auto", pooling: str = "mean",
+          embd_normalize: int = 2, local_only: bool = False):
     """A bound Ray Serve application with `replicas` replicas of the server (lookup: engine LookupParams;
     sampling: the SamplingParams a request's omitted sampling fields take; mmap: load_engine's — each replica
     otherwise reads its own copy of the weights into memory, while memory lasts; batch_size: load_engine's
@@ -102,8 +102,10 @@ def run_ray(args, sampling=None, api_keys: tuple = (), limits=None) -> int:
 
     stop = threading.Event()
 
-    def on_stop_signals():   # put back after Ray's starts, which put their own SIGTERM handler in place (it
-        for sig in (signal.SIGINT, signal.SIGTERM):   # aborted the process, its Ray agents left orphaned)
+    def on_stop_signals():
+        """Put in place again after each of Ray's starts: ray.init() sets its own SIGTERM handler, which aborted
+        the process (-6) and left Ray's agents orphaned."""
+        for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())
     on_stop_signals()
     # Serve gives its HTTP proxy 5 s to report ready, three times, then kills it, and its driver waits a fixed

@@ -256,7 +256,8 @@ class ResponseBuilder:
         self.seq = 0
         self.status, self.usage, self.incomplete, self.error = "in_progress", None, None, None
         self.pending: list[dict] = []   # logprob entries of tokens whose text the parser holds back
-        self.unsplit: list = []   # (token, TokenLogprob) of tokens fed while the splitter cannot tell thought from answer
+        self.unsplit: list = []   # (token, TokenLogprob) of tokens fed while the splitter cannot yet tell thought
+        # from answer
         self.unsplit_tokens = 0
         self.reasoning_tokens = 0   # tokens of the thought, its tags included (usage.output_tokens_details)
 
