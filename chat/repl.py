@@ -161,6 +161,19 @@ def ending_signals_at_prompt(app):
         raise Terminated(came[0])
 
 
+def ctrl_c_typed_ahead(inp) -> bool:
+    """Whether keys read with the Enter that took the line, and kept for the next prompt (prompt_toolkit's
+    typeahead), hold a Ctrl-C: it is taken out (with what came before it) and True, the answer's to act on (it
+    only cleared the next, empty prompt and the answer ran whole)."""
+    from prompt_toolkit.input.typeahead import get_typeahead, store_typeahead
+    from prompt_toolkit.keys import Keys
+
+    ahead = get_typeahead(inp)
+    hits = [i for i, k in enumerate(ahead) if k.key == Keys.ControlC]
+    store_typeahead(inp, ahead[hits[-1] + 1:] if hits else ahead)
+    return bool(hits)
+
+
 def run_repl(session: ChatSession) -> int:
     from prompt_toolkit import PromptSession
     from prompt_toolkit.application import run_in_terminal
@@ -186,6 +199,7 @@ def run_repl(session: ChatSession) -> int:
             session.out.notice(f"[history file {path}: {e.strerror}; history kept in memory only]")
 
     empty_interrupts = [0]
+    accepted = [False]   # the line has been taken: a Ctrl-C from here on is for its answer
     keys = KeyBindings()
 
     @keys.add("enter")
@@ -194,6 +208,7 @@ def run_repl(session: ChatSession) -> int:
         if open_block(buf.text):
             buf.insert_text("\n")
         else:
+            accepted[0] = True
             buf.validate_and_handle()
 
     @keys.add("escape", "enter")
@@ -214,14 +229,21 @@ def run_repl(session: ChatSession) -> int:
     prompt = PromptSession(history=history, completer=SlashCompleter(), complete_while_typing=False,
                            key_bindings=keys, multiline=True,
                            prompt_continuation=lambda width, line_number, soft_wrap: CONTINUATION)
+    def sigint_at_prompt(signum, frame):
+        session.interrupt_pending = session.interrupt_pending or accepted[0]
+
     while True:
-        # a Ctrl-C while the prompt sets itself up or winds down (a second one just after an answer was stopped)
-        # is nothing: a KeyboardInterrupt there leaves a half-built event loop printing tracebacks as it goes
-        previous = signal.signal(signal.SIGINT, lambda signum, frame: None) \
+        # a Ctrl-C while the prompt sets itself up (a second one just after an answer was stopped) is nothing, and
+        # one as it winds down after taking the line is for that line's answer: a KeyboardInterrupt there leaves
+        # a half-built event loop printing tracebacks as it goes
+        accepted[0] = session.interrupt_pending = False
+        previous = signal.signal(signal.SIGINT, sigint_at_prompt) \
             if threading.current_thread() is threading.main_thread() else None
         try:
             with ending_signals_at_prompt(prompt.app):
                 text = prompt.prompt(PROMPT)
+            if ctrl_c_typed_ahead(prompt.app.input):
+                session.interrupt_pending = True
         except KeyboardInterrupt:   # should not happen (Ctrl-C is bound), but never a traceback
             continue
         except EOFError:

@@ -120,6 +120,9 @@ class ChatSession:
         self.recovery_path: str | None = None   # see enable_recovery()
         self.format = None            # compiled structured-output constraint of the answers (/set format), or None
         self.format_label = "off"
+        # a Ctrl-C typed with or right after the Enter that sent the next line (the prompt saw it, not the turn):
+        # that line's answer starts stopped, as if the Ctrl-C had come a moment later (it was lost: a whole answer)
+        self.interrupt_pending = False
 
     # ---- crash recovery ------------------------------------------------------------------------
     def enable_recovery(self, path: str) -> None:
@@ -199,6 +202,7 @@ class ChatSession:
         except ValueError as e:
             raise CommandError(f"[{e}; not sent]") from None
         with sigint_as_flag() as flag:   # from the turn's first moment: a Ctrl-C never leaves it half made
+            flag.hit, self.interrupt_pending = self.interrupt_pending, False
             turn = self.conv.add_user(text)
             self._answer(turn, flag)
         self._after_turn(turn, flag)
@@ -208,6 +212,7 @@ class ChatSession:
         if turn is None:
             raise CommandError("/retry: nothing to retry yet; ask something first")
         with sigint_as_flag() as flag:
+            flag.hit, self.interrupt_pending = self.interrupt_pending, False
             turn.assistant = None
             turn.interrupted = False
             turn.finish_reason = None

@@ -117,6 +117,14 @@ def _guarded(args, settings: Settings, first_message: str | None = None) -> int:
     except BrokenPipeError:
         from . import quiet_broken_pipe
 
+        path = recovery_path()   # never a file left unannounced: it was, one per `bitchat < script | head`
+        if path and os.path.isfile(path):
+            if sys.stdin.isatty():   # typed turns: kept, and said where
+                with contextlib.suppress(OSError):
+                    print(f"bitchat: output closed; the conversation so far is saved in {path}", file=sys.stderr)
+            else:                    # a script's turns: the script has them
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
         return quiet_broken_pipe()   # stdout went away (e.g. `| head`): nothing more to say
     except Exception as e:  # a bug: one line (BITNET_DEBUG=1 shows the traceback), never a raw dump
         from ..engine.errors import BUG_REPORT_HINT, EXIT_BUG

@@ -147,12 +147,14 @@ def _default_buffering() -> dict:
 
 @pytest.mark.parametrize("cmd", [["bitnet_cpu", "run", "-p", "Once", "-n", "5000", "-c", "6000", "--ignore-eos"],
                                  ["bitnet_cpu.cli.chat", "-n", "5000", "-c", "6000"]])
-def test_closed_stdout_ends_quietly(store, cmd):
+def test_closed_stdout_ends_quietly(store, cmd, tmp_path):
+    """`| head -c 3`: exit 0, nothing on stderr about the pipe, and (bitchat, its turns from a script) no
+    recovery copy left behind (one was left, unannounced, per run)."""
     args = [sys.executable, "-m", cmd[0], "-m", store, "--temp", "1", "--seed", "1", "-t", "1", *cmd[1:]]
     if cmd[0] == "bitnet_cpu":
         args = [sys.executable, "-m", "bitnet_cpu", cmd[1], "-m", store, "--temp", "1", "--seed", "1", "-t", "1", *cmd[2:]]
     p = subprocess.Popen(args, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         env=dict(_default_buffering(), BITCHAT_HISTORY=""))
+                         env=dict(_default_buffering(), BITCHAT_HISTORY="", XDG_STATE_HOME=str(tmp_path)))
     if cmd[0] == "bitnet_cpu.cli.chat":
         p.stdin.write(b"Tell me everything.\n")
     p.stdin.close()
@@ -161,13 +163,14 @@ def test_closed_stdout_ends_quietly(store, cmd):
     err = p.stderr.read().decode()
     assert p.wait(timeout=120) == 0, err
     assert "Traceback" not in err and "BrokenPipe" not in err and "Exception ignored" not in err, err
+    assert not list(tmp_path.rglob("recovery-*.json"))
 
 
 @pytest.mark.parametrize("argv", [["bitnet_cpu", "run", "-p", "Once", "-n", "50", "-m"],
                                   ["bitnet_cpu.cli.chat", "-n", "20", "-m"],
                                   ["bitnet_cpu", "info"], ["bitnet_cpu", "info", "--json"], ["bitnet_cpu", "--version"],
                                   ["bitnet_cpu", "run", "--help"], ["bitnet_cpu.cli.chat", "--version"]])
-def test_stdout_closed_before_anything_is_written(store, argv):
+def test_stdout_closed_before_anything_is_written(store, argv, tmp_path):
     """Every command, however little it prints: exit 0 and nothing on stderr about the pipe. Python's default
     buffering, not PYTHONUNBUFFERED's: a short output then meets the closed pipe only in the interpreter's last
     flush (a shell with PYTHONUNBUFFERED=1 hid that `bitnet info` exited 120 there)."""
@@ -177,13 +180,15 @@ def test_stdout_closed_before_anything_is_written(store, argv):
     env = _default_buffering()
     try:
         r = subprocess.run([sys.executable, "-m", *argv, *extra], stdout=write_end, stderr=subprocess.PIPE,
-                           input=b"Hello\n", cwd=ROOT, timeout=120, env=dict(env, BITCHAT_HISTORY=""))
+                           input=b"Hello\n", cwd=ROOT, timeout=120,
+                           env=dict(env, BITCHAT_HISTORY="", XDG_STATE_HOME=str(tmp_path)))
     finally:
         os.close(write_end)
     err = r.stderr.decode()
     assert r.returncode == 0, err
     assert "Traceback" not in err and "Broken pipe" not in err and "Exception ignored" not in err, err
     assert "internal error" not in err, err
+    assert not list(tmp_path.rglob("recovery-*.json"))
 
 
 def test_versions_agree_and_info_is_a_table_or_json():
