@@ -38,19 +38,25 @@ class Server:
         from helpers import slowness
         if timeout is None:   # loading the model: seconds here, minutes under qemu
             timeout = 60.0 * slowness()
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env or {}))
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "bitnet_cpu", "serve", "--host", "127.0.0.1", "--port", str(self.port),
-             *(["-t", str(threads)] if threads else []), *extra],
-            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        if wait_healthy(self.url, timeout, self.proc):
-            return
-        if self.proc.poll() is not None:
-            raise RuntimeError(f"bitnet serve exited {self.proc.returncode}: {self.proc.stderr.read()}")
-        self.stop()
-        raise RuntimeError("bitnet serve did not become healthy in time")
+        for attempt in range(3):
+            # free_port() gives the port back before the server binds it: another process (the suite starts
+            # hundreds of servers) may take it meanwhile; the server then says so and exits 2 -- try another
+            self.port = free_port()
+            self.url = f"http://127.0.0.1:{self.port}"
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "bitnet_cpu", "serve", "--host", "127.0.0.1", "--port", str(self.port),
+                 *(["-t", str(threads)] if threads else []), *extra],
+                cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            if wait_healthy(self.url, timeout, self.proc):
+                return
+            if self.proc.poll() is not None:
+                err = self.proc.stderr.read()
+                if self.proc.returncode == 2 and "in use" in err and attempt < 2:
+                    continue
+                raise RuntimeError(f"bitnet serve exited {self.proc.returncode}: {err}")
+            self.stop()
+            raise RuntimeError("bitnet serve did not become healthy in time")
 
     def stop(self, sig=signal.SIGINT, timeout: float = 15.0) -> tuple[int, str]:
         if sig is not None and self.proc.poll() is None:

@@ -291,8 +291,11 @@ def model_process(router, path) -> int:
 
 def test_unloading_one_model_never_holds_up_another(models_dir):
     """An unload waits for its process to exit away from the router's lock: here that process is frozen (SIGSTOP)
-    so it cannot exit until the router kills it, and meanwhile the other model answers (it waited for the kill)."""
-    s = Server("--models-dir", str(models_dir), "--models-max", "2", "-c", "1024", threads=1)
+    so it cannot exit until the router kills it, and meanwhile the other model answers (it waited for the kill).
+    The router kills it --drain-timeout + 5 s after asking it to stop: 600 here, so the checks below never race
+    that kill on a loaded machine."""
+    s = Server("--models-dir", str(models_dir), "--models-max", "2", "-c", "1024", "--drain-timeout", "600",
+               threads=1)
     try:
         chat_text(s.url, "tiny")
         chat_text(s.url, "synth")
