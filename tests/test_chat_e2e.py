@@ -274,8 +274,6 @@ def test_sigterm_while_a_conversation_loads_ends_bitchat(long_model, tmp_path):
     """SIGTERM at any moment of /load (reading, fitting the window, the prefill) ends bitchat with 143: it was
     taken for a tokenizer error ("[internal error: FormatError ... 15]") or a Ctrl-C of the prefill, and bitchat
     went on."""
-    import signal
-
     from bitnet_cpu.chat.transcript import Conversation
 
     long = Conversation()
@@ -286,30 +284,30 @@ def test_sigterm_while_a_conversation_loads_ends_bitchat(long_model, tmp_path):
     for delay in (0.0, 0.05, 0.3):
         chat = Chat(long_model, tmp_path, "-c", "8192")
         chat.enter(f"/load {tmp_path / 'long.json'}")
-        time.sleep(delay)
-        chat.child.kill(signal.SIGTERM)
-        chat.expect(pexpect.EOF)
-        chat.child.close()
-        assert chat.child.exitstatus == 143 and "bitchat: terminated (SIGTERM)" in chat.child.before, \
-            (delay, chat.child.before[-500:])
+        _sigterm_ends_it(chat, delay)
         assert "internal error" not in chat.child.before
+
+
+def _sigterm_ends_it(chat, delay):
+    """SIGTERM `delay` s from now: bitchat ends with 143, saying so."""
+    import signal
+
+    time.sleep(delay)
+    chat.child.kill(signal.SIGTERM)
+    chat.expect(pexpect.EOF)
+    chat.child.close()
+    assert chat.child.exitstatus == 143 and "bitchat: terminated (SIGTERM)" in chat.child.before, \
+        (delay, chat.child.before[-500:])
 
 
 def test_sigterm_while_the_prompt_takes_a_paste_ends_bitchat(chat_model, tmp_path):
     """SIGTERM while the prompt works through typed or pasted text (prompt_toolkit's event loop in a callback):
     bitchat ends with 143. The signal's exception went to the loop's error handler, which printed "Unhandled
     exception in event loop ... Press ENTER to continue", and bitchat went on (its next Enter took the line)."""
-    import signal
-
     for delay in (0.0, 0.02, 0.1):
         chat = Chat(chat_model, tmp_path)
         chat.child.send("\x1b[200~" + "a pasted paragraph of words " * 4000 + "\x1b[201~")
-        time.sleep(delay)
-        chat.child.kill(signal.SIGTERM)
-        chat.expect(pexpect.EOF)
-        chat.child.close()
-        assert chat.child.exitstatus == 143 and "bitchat: terminated (SIGTERM)" in chat.child.before, \
-            (delay, chat.child.before[-500:])
+        _sigterm_ends_it(chat, delay)
         assert "Unhandled exception" not in chat.child.before
 
 
