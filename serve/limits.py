@@ -154,15 +154,15 @@ class LimitsMiddleware:
                                     "invalid_request_error", "headers_too_large", close=True)
         length = None
         for k, v in headers:
-            coding = v.decode("latin-1").strip().lower()
-            if k == b"content-encoding" and coding not in ("", "identity"):
+            if k == b"content-encoding" and v.strip().lower() not in (b"", b"identity"):
                 # llama-server's answer (415) to a compressed body: read as it came, it was a vague JSON error
-                return await send_error(send, scope, 415, f"Content-Encoding {coding}: request bodies are taken "
-                                        "uncompressed", "invalid_request_error", "unsupported_content_encoding",
+                return await send_error(send, scope, 415, f"Content-Encoding {v.decode('latin-1')}: request bodies "
+                                        "are taken uncompressed", "invalid_request_error",
+                                        "unsupported_content_encoding", close=True)
+            if k == b"transfer-encoding" and v.strip().lower() != b"chunked":
+                return await send_error(send, scope, 501, f"Transfer-Encoding {v.decode('latin-1')}: only chunked is "
+                                        "understood", "invalid_request_error", "unsupported_transfer_encoding",
                                         close=True)
-            if k == b"transfer-encoding" and coding != "chunked":
-                return await send_error(send, scope, 501, f"Transfer-Encoding {coding}: only chunked is understood",
-                                        "invalid_request_error", "unsupported_transfer_encoding", close=True)
             if k == b"content-length":
                 try:
                     length = int(v)
