@@ -23,6 +23,7 @@ Models for --e2e: bench/make_models.py (the synthetic 2B-4T store, TQ2_0 and IQ2
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -61,6 +62,20 @@ def peaks(threads: int, tiles: bool) -> dict:
     if tiles:
         out["amx"] = best_rate(P.peak_tile, 200_000)
     return out
+
+
+@contextlib.contextmanager
+def bodies(**settings):
+    """The tile bodies' settings named (stream, overlap, warm, kblock: simd.set_tile_<name>) set for the block,
+    then put back as they were."""
+    was = {name: getattr(K, f"tile_{name}")() for name in settings}
+    try:
+        for name, v in settings.items():
+            getattr(K, f"set_tile_{name}")(v)
+        yield
+    finally:
+        for name, v in was.items():
+            getattr(K, f"set_tile_{name}")(v)
 
 
 def _mode(on: bool, emu: bool, min_rows: int = 1):
@@ -193,10 +208,13 @@ def _share(peak):
 
 def kblock_rows(shapes, kblocks, ms, threads, emu, peak, min_time) -> list[dict]:
     """The tile GEMM at each k-block (simd.set_tile_kblock; 0: all of K at once, the default): which blocking
-    keeps A and B closest to the tile unit."""
+    keeps A and B closest to the tile unit. The whole-K bodies (the streamed one, the default at M <= 32, has no
+    k-blocks)."""
     rows, share = [], _share(peak)
-    for name, n, k, m, sec in variant_rows(shapes, ms, threads, emu, 2, [0] + [kb for kb in kblocks if kb],
-                                           K.set_tile_kblock, min_time):
+    with bodies(stream=False):
+        runs = list(variant_rows(shapes, ms, threads, emu, 2, [0] + [kb for kb in kblocks if kb], K.set_tile_kblock,
+                                 min_time))
+    for name, n, k, m, sec in runs:
         g = {kb: m * n * k / sec[kb] / 1e9 for kb in sec}
         best = min(sec, key=sec.get)
         cells = "   ".join(f"k-block {kb or 'all'}: {g[kb]:7.1f} GMAC/s{share(g[kb])}" for kb in sec)
@@ -221,9 +239,9 @@ def toggle_rows(shapes, ms, threads, emu, peak, min_time, seed, setter, default,
 
 
 def stream_rows(shapes, ms, threads, emu, peak, min_time) -> list[dict]:
-    """The ternary tile GEMM at M <= 32, whole-K unpack (the default) against the streamed body
-    (simd.set_tile_stream: one 64-k step unpacked at a time beside the multiply)."""
-    return toggle_rows(shapes, ms, threads, emu, peak, min_time, 3, K.set_tile_stream, False,
+    """The ternary tile GEMM at M <= 32, whole-K unpack against the streamed body (simd.set_tile_stream, the
+    default: one 64-k step unpacked at a time beside the multiply)."""
+    return toggle_rows(shapes, ms, threads, emu, peak, min_time, 3, K.set_tile_stream, True,
                        {False: "whole-K unpack", True: "streamed"}, {False: "gmacs_whole", True: "gmacs_stream"})
 
 
@@ -236,9 +254,15 @@ def warm_rows(shapes, ms, threads, emu, peak, min_time) -> list[dict]:
 
 def overlap_rows(shapes, ms, threads, emu, peak, min_time, head=True) -> list[dict]:
     """The ternary tile GEMM with each next pair of weight tiles unpacked beside the multiply of the one before
-    (simd.set_tile_overlap) against unpacked before its own multiply (the default); weights from memory. Then the
-    q4 head on the tiles the same two ways (its next tile unpacked beside the multiply or before)."""
-    rows = toggle_rows(shapes, ms, threads, emu, peak, min_time, 5, K.set_tile_overlap, False,
+    (simd.set_tile_overlap, the default) against unpacked before its own multiply; weights from memory. Then the
+    q4 head on the tiles the same two ways (its next tile unpacked beside the multiply or before). The whole-K
+    bodies: at M <= 32 the streamed one (the default there) runs instead of either."""
+    with bodies(stream=False):
+        return _overlap_rows(shapes, ms, threads, emu, peak, min_time, head)
+
+
+def _overlap_rows(shapes, ms, threads, emu, peak, min_time, head) -> list[dict]:
+    rows = toggle_rows(shapes, ms, threads, emu, peak, min_time, 5, K.set_tile_overlap, True,
                        {False: "unpack first", True: "unpack beside"}, {False: "gmacs_serial", True: "gmacs_overlap"})
     if not head:
         return rows
@@ -252,14 +276,11 @@ def overlap_rows(shapes, ms, threads, emu, peak, min_time, head=True) -> list[di
         _mode(True, emu)
         K.set_num_threads(threads)
         sec = {}
-        try:
-            for _ in range(2):
-                for on in (False, True):
-                    K.set_tile_overlap(on)
+        for _ in range(2):
+            for on in (False, True):
+                with bodies(overlap=on):
                     t = timed(lambda: K.gemv_q4g(codes, gscale, rs, xq, s, out), min_time=min_time, max_calls=50)
-                    sec[on] = min(sec.get(on, t), t)
-        finally:
-            K.set_tile_overlap(False)
+                sec[on] = min(sec.get(on, t), t)
         print(f"head q4  {n:>6d} x {k:<5d} M={m:<4d} {threads}t   tiles, unpack first {sec[False] * 1e3:8.2f} ms   "
               f"unpack beside {sec[True] * 1e3:8.2f} ms   x{sec[False] / sec[True]:.2f}", flush=True)
         rows.append({"shape": "head_q4", "n": n, "k": k, "m": m, "threads": threads, "us_serial": sec[False] * 1e6,
@@ -267,11 +288,11 @@ def overlap_rows(shapes, ms, threads, emu, peak, min_time, head=True) -> list[di
     return rows
 
 
-# the tile bodies' variants the vector side is timed under: (label, setter on, setter back, rows it applies to)
+# the tile bodies' variants the vector side is timed under: (label, their settings (bodies()), rows it applies to)
 VECTOR_SIDE_BODIES = [
-    ("whole-K", lambda: None, lambda: None, lambda m: True),
-    ("streamed", lambda: K.set_tile_stream(True), lambda: K.set_tile_stream(False), lambda m: m <= 32),
-    ("k-block 1024", lambda: K.set_tile_kblock(1024), lambda: K.set_tile_kblock(0), lambda m: True),
+    ("whole-K", {"stream": False}, lambda m: True),
+    ("streamed", {"stream": True}, lambda m: m <= 32),
+    ("k-block 1024", {"stream": False, "kblock": 1024}, lambda m: True),
 ]
 
 
@@ -303,23 +324,19 @@ def vector_side_rows(shapes, ms, threads, min_time, amx_peak_per_thread, head=Tr
             s, out = np.ones(m, np.float32), np.empty((m, n), np.float32)
             cases.append(("head q4", n, k, m, lambda xq=xq, s=s, out=out: K.gemv_q4g(codes, gscale, rs, xq, s, out),
                           2, VECTOR_SIDE_BODIES[:2]))
-    for name, n, k_pad, m, call, factor, bodies in cases:
-        bodies = [b for b in bodies if b[3](m)]
+    for name, n, k_pad, m, call, factor, variants in cases:
+        variants = [b for b in variants if b[2](m)]
         K.set_num_threads(threads)
         sec = {}
         try:
             for _ in range(2):
-                for label, on, off, _ok in [("avx512", None, None, None)] + bodies:
+                for label, settings, _ok in [("avx512", None, None)] + variants:
                     K.set_isa("avx512")
-                    if on:
+                    if settings is not None:
                         K._set_tiles_timing_only(True)
                         K.set_tile_min_rows(1)
-                        on()
-                    try:
+                    with bodies(**(settings or {})):
                         t = timed(call, min_time=min_time, max_calls=400)
-                    finally:
-                        if off:
-                            off()
                     sec[label] = min(sec.get(label, t), t)
         finally:
             K._set_tiles_timing_only(False)
@@ -330,7 +347,7 @@ def vector_side_rows(shapes, ms, threads, min_time, amx_peak_per_thread, head=Tr
         r = {"shape": name, "n": n, "k": k_pad, "m": m, "threads": threads, "us_avx512": sec["avx512"] * 1e6,
              "us_tdp_model": tdp * 1e6, "bodies": {}}
         cells = []
-        for label, *_ in bodies:
+        for label, *_ in variants:
             side = sec[label]
             r["bodies"][label] = {"us_vector_side": side * 1e6, "gmacs_serial_model": macs / (side + tdp) / 1e9,
                                   "gmacs_overlap_model": macs / max(side, tdp) / 1e9}

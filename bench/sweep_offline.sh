@@ -19,7 +19,9 @@
 #   prefetch=T[@CPUS] bench/bench_kernels.py --prefetch at T threads: the decode GEMVs at each software prefetch
 #                    distance (PREFETCH, default 0,2048,4096,8192,16384) against the stream rate; prefetch_T.md
 #   cli=T[@CPUS]     `bitnet bench` (the installed command users run) at T threads: pp512, tg128, both at 1 and 16
-#                    sequences (CLI_ARGS adds flags), with the tiles on, then BITNET_ISA=avx512; cli_T.md
+#                    sequences (CLI_ARGS adds flags), CLI_REPS (2) repetitions each, with the tiles on, then
+#                    BITNET_ISA=avx512; cli_T.md. Lease 3's tiles half (3 repetitions) took ~250 s at 2 threads and
+#                    the avx512 half is slower: a call of its own
 #   ktests           the kernel tests (KTESTS, default: the kernels, attention (f32, bf16) and tile tests) on this
 #                    machine's ISA, in the background from when ours is built until the models are made, at most
 #                    KTESTS_TIMEOUT s (default 240); no phase is timed while they run (their log: ktests.log)
@@ -177,7 +179,7 @@ for ph in "${phases[@]}"; do
             echo "BITNET_ISA=$isa" >> "$OUT/cli_$t.md"
             # shellcheck disable=SC2046,SC2086
             env $( [[ $isa == auto ]] || echo BITNET_ISA=$isa ) timeout "$(left)" $(pin "$cpus") $py -m bitnet_cpu bench \
-                -m "$store" -t "$t" -p 512 -n 128 -npl 1,16 -r 3 ${CLI_ARGS:-} >> "$OUT/cli_$t.md" 2>> "$OUT/cli_$t.log"
+                -m "$store" -t "$t" -p 512 -n 128 -npl 1,16 -r "${CLI_REPS:-2}" ${CLI_ARGS:-} >> "$OUT/cli_$t.md" 2>> "$OUT/cli_$t.log"
         done
         cat "$OUT/cli_$t.md" ;;
     *) stamp "unknown phase $ph (threads, depth=T[@CPUS], tiles=T[@CPUS], parts=T[@CPUS], prefetch=T[@CPUS], cli=T[@CPUS], ktests)" ;;

@@ -24,6 +24,17 @@ HW = "amx" in K.supported_isas()
 HW_WHY = ("" if HW else "no hardware AMX tiles here (" + K.tiles_reason() + "): the emulated tile cases ran, "
           "the hardware ones need an AMX machine (Sapphire Rapids or later, Linux 5.16+)")
 CPU_HAS_AMX = os.path.exists("/proc/cpuinfo") and "amx_int8" in open("/proc/cpuinfo").read()
+# the tile bodies' settings in force at import (the library's defaults, or the environment's): the variant tests
+# change some of them and put these back
+BODIES = {"kblock": K.tile_kblock(), "stream": K.tile_stream(), "warm": K.tile_warm(), "overlap": K.tile_overlap()}
+
+
+def _bodies(kblock=None, stream=None, warm=None, overlap=None):
+    """The tile bodies' settings named set, every other one as BODIES has it."""
+    K.set_tile_kblock(BODIES["kblock"] if kblock is None else kblock)
+    K.set_tile_stream(BODIES["stream"] if stream is None else stream)
+    K.set_tile_warm(BODIES["warm"] if warm is None else warm)
+    K.set_tile_overlap(BODIES["overlap"] if overlap is None else overlap)
 
 
 @pytest.fixture(params=[(isa, "emu") for isa in VECTOR_ISAS] + [("amx", "amx")], ids=lambda p: "-".join(p))
@@ -36,6 +47,7 @@ def tiles(request):
     K.set_tiles(mode)
     K.set_tile_min_rows(1)      # every multi-row product through the tiles, whatever the crossover
     yield isa
+    _bodies()
     K.set_tile_min_rows(0)
     K.set_isa(None)
     K.set_num_threads(0)
@@ -150,27 +162,30 @@ def test_tiles_timing_only_mode_runs_the_bodies_and_goes_away():
 
 
 # K-blocking (set_tile_kblock): one 64-k step per block, blocks that do not divide K (a short last block),
-# blocks over K (one block), with 1..3 row-group pairs and odd tile pairs; the same bits as the vector path
+# blocks over K (one block), with 1..3 row-group pairs and odd tile pairs; the same bits as the vector path. The
+# streamed body (the default at M <= 32) has no k-blocks, so it is off here
 @pytest.mark.parametrize("kblock", [64, 192, 1024, 4096])
 @pytest.mark.parametrize("n,k,m", [(37, 1000, 5), (50, 640, 40), (33, 2560, 70), (250, 6912, 17)])
 def test_gemm_ternary_on_tiles_in_k_blocks(tiles, kblock, n, k, m):
     def on():
-        K.set_tile_kblock(kblock)
+        _bodies(kblock=kblock, stream=False)
         assert K.tile_kblock() == kblock
 
-    _variant_equals_vector_path(kblock + n + k + m, n, k, m, on, lambda: K.set_tile_kblock(0))
+    _variant_equals_vector_path(kblock + n + k + m, n, k, m, on, _bodies)
 
 
-# the streamed small-M body (set_tile_stream): one and two row groups, full and partial, lone and paired weight
-# tiles, K of one 64-k step and of many; above 32 rows the whole-K body runs as before; the same bits throughout
+# the streamed small-M body (set_tile_stream, on by default) and the whole-K unpack it replaces at M <= 32: one
+# and two row groups, full and partial, lone and paired weight tiles, K of one 64-k step and of many; above 32
+# rows the whole-K body runs either way; the same bits throughout
+@pytest.mark.parametrize("stream", [True, False])
 @pytest.mark.parametrize("n,k,m", [(37, 64, 1), (16, 100, 7), (250, 200, 16), (33, 1000, 17), (45, 2560, 32),
                                    (100, 6912, 24), (50, 640, 33)])
-def test_gemm_ternary_on_tiles_streamed(tiles, n, k, m):
+def test_gemm_ternary_on_tiles_streamed_or_not(tiles, stream, n, k, m):
     def on():
-        K.set_tile_stream(True)
-        assert K.tile_stream()
+        _bodies(stream=stream)
+        assert K.tile_stream() == stream
 
-    _variant_equals_vector_path(3 * n + k + m, n, k, m, on, lambda: K.set_tile_stream(False))
+    _variant_equals_vector_path(3 * n + k + m + stream, n, k, m, on, _bodies)
 
 
 # the weight warm (set_tile_warm, on by default): a thread's range read ~256 KB at a time before its tiles, so
@@ -181,21 +196,16 @@ def test_gemm_ternary_on_tiles_streamed(tiles, n, k, m):
 @pytest.mark.parametrize("n,k,m", [(19 * 16 - 5, 6912, 17), (45 * 16, 2560, 40), (33, 1000, 5)])
 def test_gemm_ternary_on_tiles_warm_or_not(tiles, warm, stream, n, k, m):
     def on():
-        K.set_tile_warm(warm)
-        K.set_tile_stream(stream)
+        _bodies(warm=warm, stream=stream)
         assert K.tile_warm() == warm
 
-    def off():
-        K.set_tile_warm(True)
-        K.set_tile_stream(False)
-
-    _variant_equals_vector_path(n + k + m + warm, n, k, m, on, off)
+    _variant_equals_vector_path(n + k + m + warm, n, k, m, on, _bodies)
 
 
-# the on / off settings of the tile bodies: their defaults (stream and overlap off until an AMX machine has timed
-# them; the warm on, measured on the AVX-512 GEMM), the environment turning each the other way in a fresh
-# process, and a value that is not 0 or 1 refused with one line naming the variable
-@pytest.mark.parametrize("name,default", [("tile_stream", False), ("tile_warm", True), ("tile_overlap", False)])
+# the on / off settings of the tile bodies: their defaults (all on: the stream and the overlap as an AMX machine
+# timed them, the warm as the AVX-512 GEMM did), the environment turning each the other way in a fresh process,
+# and a value that is not 0 or 1 refused with one line naming the variable
+@pytest.mark.parametrize("name,default", [("tile_stream", True), ("tile_warm", True), ("tile_overlap", True)])
 def test_tile_body_settings(name, default):
     var = "BITNET_" + name.upper()
     assert getattr(K, name)() == default
@@ -205,27 +215,20 @@ def test_tile_body_settings(name, default):
     assert r.returncode != 0 and f"{var}=yes" in r.stderr
 
 
-# the unpack beside the multiply (set_tile_overlap): ranges of one tile, one pair, a pair and a lone tile, many
-# pairs; one and several row-group pairs (the first one unpacks the next pair), K of one 64-k step and of many;
-# with the weights read ahead or not, and beside k-blocks and the streamed body (which it leaves alone)
-@pytest.mark.parametrize("variant", ["plain", "cold", "kblock", "stream"])
+# the unpack beside the multiply (set_tile_overlap, on by default): ranges of one tile, one pair, a pair and a
+# lone tile, many pairs; one and several row-group pairs (the first one unpacks the next pair), K of one 64-k step
+# and of many; with the weights read ahead or not, beside k-blocks and the streamed body (which it leaves alone);
+# and "serial", the overlap off (each pair unpacked before its own multiply)
+@pytest.mark.parametrize("variant", ["plain", "cold", "kblock", "stream", "serial"])
 @pytest.mark.parametrize("n,k,m", [(16, 64, 3), (32, 200, 16), (48, 1000, 40), (19 * 16 - 5, 6912, 17),
                                    (45 * 16, 2560, 70), (100, 640, 33)])
 def test_gemm_ternary_on_tiles_overlapped(tiles, variant, n, k, m):
     def on():
-        K.set_tile_overlap(True)
-        K.set_tile_warm(variant != "cold")
-        K.set_tile_kblock(192 if variant == "kblock" else 0)
-        K.set_tile_stream(variant == "stream")
-        assert K.tile_overlap()
+        _bodies(overlap=variant != "serial", warm=variant != "cold", kblock=192 if variant == "kblock" else 0,
+                stream=variant == "stream")
+        assert K.tile_overlap() == (variant != "serial")
 
-    def off():
-        K.set_tile_overlap(False)
-        K.set_tile_warm(True)
-        K.set_tile_kblock(0)
-        K.set_tile_stream(False)
-
-    _variant_equals_vector_path(2 * n + k + m, n, k, m, on, off)
+    _variant_equals_vector_path(2 * n + k + m, n, k, m, on, _bodies)
 
 
 @pytest.mark.parametrize("kblock", [64, 320])
@@ -237,11 +240,11 @@ def test_gemm_i8_head_on_tiles_in_k_blocks(tiles, kblock):
     xq = np.zeros((m, layout.pad_to(k, 64)), np.int8)
     xq[:, :k] = rng.integers(-128, 128, size=(m, k))
     raw = np.empty((m, n), np.int32)
-    K.set_tile_kblock(kblock)
+    _bodies(kblock=kblock)
     try:
         K.gemm_i8_i32(w, rowsum, xq, raw)
     finally:
-        K.set_tile_kblock(0)
+        _bodies()
     assert np.array_equal(raw, (xq[:, :k].astype(np.int64) @ w_q.astype(np.int64).T).astype(np.int32))
 
 
@@ -249,7 +252,7 @@ def test_tile_kblock_setting():
     for k, got in ((0, 0), (-5, 0), (63, 0), (64, 64), (1000, 960), (4096, 4096)):
         K.set_tile_kblock(k)
         assert K.tile_kblock() == got
-    K.set_tile_kblock(0)
+    _bodies()
     r = _child("from bitnet_cpu import simd; print(simd.tile_kblock())", BITNET_TILE_KBLOCK="1024")
     assert r.returncode == 0 and r.stdout.split() == ["1024"], r.stderr
     for bad in ("big", "100", "7"):   # not a multiple of 64 was rounded down to one, or to 0 (all of K), silently
@@ -395,12 +398,12 @@ def test_bitnet_info_names_the_tiles():
     # (a leased AMX machine runs these tests from the checkout: the entry point is not there)
     bitnet = [sys.executable, "-m", "bitnet_cpu"]
     r = subprocess.run([*bitnet, "info"], capture_output=True, text=True, timeout=120,
-                       env=dict(os.environ, BITNET_TILES="emu", BITNET_TILE_STREAM="1", BITNET_TILE_KBLOCK="512"))
+                       env=dict(os.environ, BITNET_TILES="emu", BITNET_TILE_STREAM="0", BITNET_TILE_KBLOCK="512"))
     assert r.returncode == 0, r.stderr
     line = next(ln for ln in r.stdout.splitlines() if ln.startswith("matrix tiles"))
     assert "emu" in line and K.tiles_reason() in line
     # the bodies' settings in force, as the environment set them (for A/B runs)
-    assert "k-block 512" in line and "streamed small-M on" in line and "unpack beside the multiply off" in line
+    assert "k-block 512" in line and "streamed small-M off" in line and "unpack beside the multiply on" in line
     r = subprocess.run([*bitnet, "info", "--json"], capture_output=True, text=True, timeout=120)
     f = json.loads(r.stdout)
     assert f["tiles"] == ("amx" if HW else "off") and f["tiles_reason"] == K.tiles_reason()

@@ -16,7 +16,7 @@ import pytest
 from bitnet_cpu.engine.errors import KernelError
 from bitnet_cpu.simd import _kernels as K
 from bitnet_cpu.simd import layout
-from test_tiles import VECTOR_ISAS, _vector, tiles  # noqa: F401 (tiles: the fixture)
+from test_tiles import VECTOR_ISAS, _bodies, _vector, tiles  # noqa: F401 (tiles: the fixture)
 
 
 def _head(rng, n, k, s_max=63):
@@ -77,15 +77,11 @@ def test_q4_head_every_row_count_on_tiles(tiles):
 def test_q4_head_on_tiles_warm_or_not(tiles, warm, body, n, k, m):
     rng = np.random.default_rng(n + m + warm + 2 * len(body))
     q, s, d = _head(rng, n, k)
-    K.set_tile_warm(warm)
-    K.set_tile_overlap(body == "overlap")
-    K.set_tile_stream(body == "stream")
+    _bodies(warm=warm, overlap=body == "overlap", stream=body == "stream")
     try:
         _check(q, s, d, _xq(rng, m, k), rng.random(m, dtype=np.float32) + np.float32(0.1))
     finally:
-        K.set_tile_warm(True)
-        K.set_tile_overlap(False)
-        K.set_tile_stream(False)
+        _bodies()
 
 
 # N not a multiple of 16, K_pad from 64 (K = 32: one group padded to two) to 8192 and K not a multiple of 64

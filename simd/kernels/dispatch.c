@@ -42,7 +42,7 @@
 #endif
 #endif
 
-bk_table_t bk_table = {.gemv_prefetch = BK_GEMV_PREFETCH_DEFAULT, .tile_warm = 1};
+bk_table_t bk_table = {.gemv_prefetch = BK_GEMV_PREFETCH_DEFAULT, .tile_warm = 1, .tile_stream = 1, .tile_overlap = 1};
 static bk_features_t features;
 static int features_ready = 0;
 static int current_isa = BK_ISA_SCALAR;

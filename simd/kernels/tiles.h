@@ -62,10 +62,11 @@ int bk_get_tile_kblock(void);
 /* The tile bodies at M <= 32 (one or two 16-row groups: batched decode, verify rows, the head of a batched
  * step), on = 1: each pair of ternary weight tiles (the q4 head: each tile's W_lo and W_hi) is unpacked one 64-k
  * step (2 KB) at a time into a 4-slot ring in L1, two steps before the tile loads that read it, with C in the tile
- * registers over the whole of K, so the unpack's stores can overlap the tdpbssd chain and never leave L1. Off (0,
- * the default): the whole K is unpacked first (80 KB at K = 2560: through L2), then multiplied; at these M it is
- * read by one row-group pair only. The results are the same either way; which is faster is for an AMX machine to
- * say (bench_tiles.py --stream-ms), so it stays off until one has. */
+ * registers over the whole of K, so the unpack's stores can overlap the tdpbssd chain and never leave L1 (the
+ * default). Off (0): the whole K is unpacked first (80 KB at K = 2560: through L2), then multiplied; at these M it
+ * is read by one row-group pair only. The results are the same either way. Measured on Emerald Rapids
+ * (2026-11-30, bench_tiles.py --stream-ms, weights from memory): streamed 1.19-1.81x the whole-K body at 16-32
+ * rows on 2 threads, 1.16-1.60x on 16, and ahead of 512-k blocks (the next best) on every shape but one tie. */
 void bk_set_tile_stream(int on);
 int bk_get_tile_stream(void);
 /* The tile bodies' weight reads, on = 1 (the default): the weights arrive ahead of the unpack or the tile loads,
@@ -83,10 +84,11 @@ int bk_get_tile_warm(void);
  * every later pair during the first row-group pair of the one before it, one 64-k step per step, into a second
  * buffer (the two swap); in the q4 head the same a tile at a time (W_lo and W_hi). The unpack's vector work
  * and stores then run beside the tdpbssd chain instead of before it: per pair 80 KB of stores at K = 2560,
- * against 640 tdpbssd at M = 128 (the prefill chunk), 160 at M = 32. Off (0,
- * the default): each pair unpacked whole, then multiplied. The same results either way; the weights' read ahead
- * (tile_warm) then prefetches the pair after the one being unpacked. bench_tiles.py --overlap-ms times both on
- * an AMX machine; off until one has. */
+ * against 640 tdpbssd at M = 128 (the prefill chunk), 160 at M = 32. On by default; off (0): each pair unpacked
+ * whole, then multiplied. The same results either way; the weights' read ahead (tile_warm) then prefetches the
+ * pair after the one being unpacked. Measured on Emerald Rapids (2026-11-30, bench_tiles.py --overlap-ms, whole-K
+ * bodies, weights from memory): at 128 and 512 rows 1.02-1.56x on 2 threads and 1.01-1.06x on 16, the q4 head
+ * 1.22-1.33x; at 16 rows, where the streamed body runs instead, 0.97-1.15x. */
 void bk_set_tile_overlap(int on);
 int bk_get_tile_overlap(void);
 /* The default crossover of the hardware tiles: below it the AVX-512 bodies run. Measured on Emerald Rapids
