@@ -415,7 +415,7 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
             bitnet_generated_tokens counts what usage counts (an end-of-text token too, which has no chunk)."""
             stats = [f.stats if f is not None else None for f in finals]
             n_gen = sum(st.n_generated for st in stats if st is not None) if any(stats) else self.n
-            metrics.generated_tokens.inc(n_gen)
+            self.settle(n_gen)
             metrics.e2e.observe(time.perf_counter() - self.t0)
             usage = {"prompt_tokens": n_prompt, "completion_tokens": n_gen, "total_tokens": n_prompt + n_gen}
             if stats[0] is not None:   # OpenAI's: the prompt tokens the prefix cache held (not run again)
@@ -445,7 +445,7 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         def add(self, i, ch, timer) -> bool:
             """Take choice i's chunk; True once every choice has finished."""
             if ch.token is not None or ch.text:
-                timer.token()
+                timer.token(int(ch.token is not None))
                 self.texts[i].append(ch.text)
             if ch.token is not None:
                 self.tokens[i].append(ch.token)

@@ -19,15 +19,19 @@ _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 
 
 class TokenClock:
-    """One answer's token times, into the time-to-first-token and time-per-output-token histograms (metrics
-    None: timed only). `first`: when its first token came (None before)."""
+    """One answer's token times, into the time-to-first-token and time-per-output-token histograms, and its
+    tokens into bitnet_generated_tokens (metrics None: timed only). `first`: when its first token came (None
+    before)."""
 
     def __init__(self, metrics=None):
         self.metrics, self.t0 = metrics, time.perf_counter()
         self.first = self.last = None
         self.n = 0
+        self.generated = 0   # tokens counted into bitnet_generated_tokens so far
 
-    def token(self):
+    def token(self, generated=1):
+        """A piece of the answer came; `generated`: the tokens it holds, counted as they come, so that an answer
+        whose client hangs up counts what it made too."""
         now = time.perf_counter()
         if self.metrics is not None:
             if self.last is None:
@@ -37,6 +41,14 @@ class TokenClock:
         self.first = self.first or now
         self.last = now
         self.n += 1
+        self.settle(self.generated + generated)
+
+    def settle(self, n_generated):
+        """The answer's whole count (usage's: an end-of-text token too, which comes in no piece): the part of it
+        not counted yet."""
+        if self.metrics is not None and n_generated > self.generated:
+            self.metrics.generated_tokens.inc(n_generated - self.generated)
+        self.generated = max(self.generated, n_generated)
 
 
 class _EngineCollector:

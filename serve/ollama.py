@@ -380,8 +380,8 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
     def final_fields(clock, final):
         st, t0, t_first = final.stats, clock.t0, clock.first
         now = time.perf_counter()
+        clock.settle(st.n_generated)
         if metrics is not None:
-            metrics.generated_tokens.inc(st.n_generated)
             metrics.e2e.observe(now - t0)
         return {"done": True, "done_reason": DONE.get(final.finish_reason, "stop"),
                 "total_duration": _ns(now - t0), "load_duration": 0,

@@ -221,19 +221,30 @@ def test_hangup_frees_slot(tmp_path_factory):
     fails on the token count, and a slow CPU only waits longer."""
     from helpers import slowness
     from serve_proc import slow_model
+    from prometheus_client.parser import text_string_to_metric_families
     s = Server("-m", slow_model(tmp_path_factory), "-c", "4096", "--parallel", "2")
+
+    def counted():
+        fams = text_string_to_metric_families(httpx.get(s.url + "/metrics").text)
+        return next(f for f in fams if f.name == "bitnet_generated_tokens").samples[0].value
     try:
         body = {"prompt": "a", "max_tokens": 1500, "temperature": 0, "ignore_eos": True, "stream": True}
-        before = httpx.get(s.url + "/slots").json()["metrics"]["tokens_generated_total"]
+        before, gen0 = httpx.get(s.url + "/slots").json()["metrics"]["tokens_generated_total"], counted()
         with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=30 * slowness()) as r:
             assert r.status_code == 200
-            assert next(r.iter_lines()).startswith("data: ")
+            lines = r.iter_lines()
+            got = 0
+            while got < 3:   # three tokens' events received, then hang up
+                got += next(lines).startswith("data: ")
         t_hangup = time.monotonic()
         st = s.slots_when_idle(timeout=60 * slowness())
         made = st["metrics"]["tokens_generated_total"] - before
         print(f"\nhung up: slot free {time.monotonic() - t_hangup:.2f} s later, {made} tokens made")
         assert st["slots"] == [] and st["metrics"]["running"] == 0
         assert made < 750  # cut short, not run to the end
+        # the tokens the answer gave out before the hang-up are in bitnet_generated_tokens (they were counted only
+        # when an answer ended), and no more than the engine made
+        assert 1 <= counted() - gen0 <= made, (counted() - gen0, made)
     finally:
         assert s.stop()[0] == 0
 
