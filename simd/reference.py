@@ -9,12 +9,15 @@ from . import layout
 
 
 def quantize_act(x, xq, act_scale, act_sum):
-    """x f32 [M, K] -> xq int8 [M, K_pad] (padding 0), act_scale f32 [M] = 127/max(max|x|,1e-5), act_sum i32 [M]."""
+    """x f32 [M, K] -> xq int8 [M, K_pad] (padding 0), act_scale f32 [M] = 127/max(max|x|,1e-5), act_sum i32 [M].
+    A NaN never sets the max and quantizes to -128 (the kernels'); an infinity makes the scale 0."""
     x2 = np.atleast_2d(np.asarray(x, dtype=np.float32))
     xq2 = xq.reshape(x2.shape[0], -1)
-    amax = np.maximum(np.abs(x2).max(axis=1), np.float32(1e-5)).astype(np.float32)
+    amax = np.fmax(np.fmax.reduce(np.abs(x2), axis=1), np.float32(1e-5)).astype(np.float32)
     s = (np.float32(127.0) / amax).astype(np.float32)
-    q = np.clip(np.rint(x2 * s[:, None]), -128, 127).astype(np.int8)
+    with np.errstate(invalid="ignore"):   # inf * 0
+        p = np.rint(x2 * s[:, None])
+    q = np.where(np.isnan(p), np.float32(-128), np.clip(p, -128, 127)).astype(np.int8)
     xq2[:] = 0
     xq2[:, : x2.shape[1]] = q
     np.asarray(act_scale).reshape(-1)[:] = s
@@ -67,9 +70,12 @@ def quantize_act_g128(x, xq, xd, xsum, k=None):
     xp = np.zeros((m, k_pad), np.float32)
     xp[:, :k] = x2
     g = xp.reshape(m, k_pad // layout.TG_GROUP, layout.TG_GROUP)
-    amax = np.abs(g).max(axis=2).astype(np.float32)
+    amax = np.fmax.reduce(np.abs(g), axis=2).astype(np.float32)   # a NaN never sets it; it quantizes to -127
+    amax = np.where(np.isnan(amax), np.float32(0), amax)          # (a group of NaNs alone: amax 0, as in C)
     inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, np.float32(1)), np.float32(0)).astype(np.float32)
-    q = np.clip(np.rint(g * inv[:, :, None]), -127, 127).astype(np.int8)
+    with np.errstate(invalid="ignore"):   # inf * 0
+        p = np.rint(g * inv[:, :, None])
+    q = np.where(np.isnan(p), np.float32(-127), np.clip(p, -127, 127)).astype(np.int8)
     xq.reshape(m, k_pad)[:] = q.reshape(m, k_pad)
     xd.reshape(m, -1)[:] = (amax / np.float32(127)).astype(np.float32)
     xsum.reshape(m, -1)[:] = q.astype(np.int32).sum(axis=2)

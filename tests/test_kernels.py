@@ -122,6 +122,49 @@ def test_quantize_act_rounds_half_to_even_and_1d(isa):
     assert not xq[x.size:].any() and sm[0] == int(xq.astype(np.int32).sum())
 
 
+def _nan_inf_rows(k):
+    """Rows with a NaN or an infinity where each path meets it: the first element, the first and the last full
+    vector (8 and 16 lanes), the middle, the scalar or masked tail; a NaN larger in place than every other value's
+    magnitude; all NaN; +inf, -inf beside a NaN."""
+    rng = np.random.default_rng(k)
+    at = [0, 7, 15, k // 2, k // 8 * 8 - 1, k // 16 * 16 - 1, k - 1]
+    x = (rng.standard_normal((len(at) + 4, k)) * 4).astype(np.float32)
+    for r, i in enumerate(at):
+        x[r, i] = np.nan
+    x[len(at), :] = np.nan
+    x[len(at) + 1, 5] = np.inf
+    x[len(at) + 2, [3, k - 2]] = [-np.inf, np.nan]
+    x[len(at) + 3, ::3] = np.nan
+    return x
+
+
+# A NaN in a row never sets the scale (the scalar `a > amax` skips it) and quantizes to -128 (g128: -127); an
+# infinity makes the scale 0. AVX2 and AVX-512 kept max_ps(vmax, |x|), which returns |x| when either is NaN, so a
+# NaN in a vector lane could become the scale; NEON's vmaxq kept it and vcvtnq made it 0. Every path: the bytes of
+# the reference (a NaN model output is garbage either way, but every path's the same garbage, and no UB)
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+@pytest.mark.parametrize("k", [300, 2560])
+def test_quantize_act_with_nan_and_inf(isa, k):
+    x = _nan_inf_rows(k)
+    m, k_pad = x.shape[0], layout.pad_to(k, 64)
+    got = np.full((m, k_pad), 77, np.int8), np.empty(m, np.float32), np.empty(m, np.int32)
+    ref = np.empty((m, k_pad), np.int8), np.empty(m, np.float32), np.empty(m, np.int32)
+    K.quantize_act(x, *got)
+    R.quantize_act(x, *ref)
+    assert np.all(np.isfinite(ref[1])) and ref[0][0, 0] == -128
+    for g, r in zip(got, ref):
+        assert np.array_equal(g, r)
+    k_pad = layout.pad_to(k, 128)
+    groups = k_pad // 128
+    got = np.full((m, k_pad), 77, np.int8), np.empty((m, groups), np.float32), np.empty((m, groups), np.int32)
+    ref = np.empty((m, k_pad), np.int8), np.empty((m, groups), np.float32), np.empty((m, groups), np.int32)
+    K.quantize_act_g128(x, *got)
+    R.quantize_act_g128(x, *ref)
+    assert ref[0][0, 0] == -127
+    for g, r in zip(got, ref):
+        assert np.array_equal(g, r, equal_nan=g.dtype.kind == "f")
+
+
 # ---------------------------------------------------------------- ternary GEMV / GEMM
 def test_exact_dots_oracle_is_the_reference():
     rng = np.random.default_rng(5)

@@ -101,6 +101,7 @@ static void check_tg(int n, int k, int m) {
     float *x = malloc(4 * (size_t)m * k);
     for (size_t i = 0; i < (size_t)m * k; i++) x[i] = ((int)(rnd() % 20001) - 10000) / 1357.0f;
     for (int c = 0; c < 128 && c < k; c++) x[c] = 0.0f; /* an all-zero group: xd = 0, xq = 0 */
+    x[(size_t)(m - 1) * k + k / 2] = NAN; /* a NaN: never the group's amax, -127 on every path (vcvtnq made it 0) */
     uint8_t *w = malloc((size_t)tiles * groups * BK_TG_GROUP_BYTES);
     for (size_t i = 0; i < (size_t)tiles * groups * BK_TG_GROUP_BYTES; i++) w[i] = (uint8_t)rnd();
     for (size_t g = 0; g < (size_t)tiles * groups; g++) /* the 16 scales of each group: finite halves */
@@ -179,6 +180,7 @@ int main(void) {
         float *x = malloc(sizeof(float) * m * k);
         for (int i = 0; i < m * k; i++) x[i] = ((int)(rnd() % 20001) - 10000) / 997.0f;
         x[0] = 2.5f * 127.0f / 127.0f;
+        x[(size_t)(m - 1) * k + k / 3] = NAN; /* never the scale (vmaxq kept it), -128 (vcvtnq made it 0) */
         int8_t *xq[2]; float sc[2][16]; int32_t sm[2][16];
         for (int v = 0; v < 2; v++) {
             xq[v] = malloc((size_t)m * k_pad);

@@ -195,9 +195,10 @@ static int32_t quant_group_neon(const float *x, int8_t *q, float *xd) {
     const int32x4_t lo = vdupq_n_s32(-127), hi = vdupq_n_s32(127);
     int32x4_t sum = vdupq_n_s32(0);
     for (int c = 0; c < BK_TG_GROUP; c += 8) {
-        int32x4_t a = vcvtnq_s32_f32(vmulq_f32(vld1q_f32(x + c), vi));
-        int32x4_t b = vcvtnq_s32_f32(vmulq_f32(vld1q_f32(x + c + 4), vi));
+        const float32x4_t pa = vmulq_f32(vld1q_f32(x + c), vi), pb = vmulq_f32(vld1q_f32(x + c + 4), vi);
+        int32x4_t a = vcvtnq_s32_f32(pa), b = vcvtnq_s32_f32(pb);
         a = vminq_s32(vmaxq_s32(a, lo), hi), b = vminq_s32(vmaxq_s32(b, lo), hi);
+        a = vbslq_s32(vceqq_f32(pa, pa), a, lo), b = vbslq_s32(vceqq_f32(pb, pb), b, lo); /* a NaN: -127, as on x86 */
         sum = vaddq_s32(sum, vaddq_s32(a, b));
         vst1_s8(q + c, vmovn_s16(vcombine_s16(vmovn_s32(a), vmovn_s32(b))));
     }
@@ -211,7 +212,9 @@ static const tg_fn tg_bodies[BK_N_ISA] = {
     BK_BODY(SCALAR, tg_scalar) BK_X86_BODY(AVX2, tg_avx2) BK_ARM_BODY(NEON, tg_neon) BK_ARM_BODY(DOTPROD, tg_dotprod)
 };
 
-/* One group of 128 (or fewer: k1 - k0 live values, the rest of the group 0): returns the sum of the codes. */
+/* One group of 128 (or fewer: k1 - k0 live values, the rest of the group 0): returns the sum of the codes. A NaN
+ * never sets the group's amax (fmaxf skips it) and quantizes to -127 (what cvtps2dq + the clamp give on x86); an
+ * infinite value makes inv 0, so it (inf * 0 = NaN) quantizes to -127 and the rest of its group to 0. */
 static int32_t quant_group_scalar(const float *x, int live, int8_t *q, float *xd) {
     float amax = 0.0f;
     for (int c = 0; c < live; c++) amax = fmaxf(amax, fabsf(x[c]));
@@ -220,8 +223,8 @@ static int32_t quant_group_scalar(const float *x, int live, int8_t *q, float *xd
     for (int c = 0; c < BK_TG_GROUP; c++) {
         int v = 0;
         if (c < live) {
-            v = (int)nearbyintf(x[c] * inv);
-            v = v > 127 ? 127 : (v < -127 ? -127 : v);
+            const float r = nearbyintf(x[c] * inv);
+            v = !(r >= -127.0f) ? -127 : (r > 127.0f ? 127 : (int)r); /* no (int) of a NaN: undefined in C */
         }
         q[c] = (int8_t)v;
         sum += v;
@@ -236,7 +239,7 @@ static int32_t quant_group_scalar(const float *x, int live, int8_t *q, float *xd
 AVX2_TARGET static int32_t quant_group_avx2(const float *x, int8_t *q, float *xd) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     __m256 m = _mm256_setzero_ps();
-    for (int c = 0; c < BK_TG_GROUP; c += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + c)));
+    for (int c = 0; c < BK_TG_GROUP; c += 8) m = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(x + c)), m);
     __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
     m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
     m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));

@@ -4,7 +4,10 @@
  * Rounding: the vector paths use cvtps2dq under the default MXCSR mode (nearest, ties to even); the scalar
  * path uses nearbyintf, which follows the same mode. roundf would round ties away from zero: wrong.
  * max is order-independent, the products are single IEEE multiplies: every path gives the same bytes.
- * A NaN input quantizes to -128 on every path (what cvtps2dq + saturation gives).
+ * A NaN input quantizes to -128 on every path (what cvtps2dq + saturation gives) and never sets the scale: the
+ * largest magnitude skips it, as the scalar `a > amax` does (x86: max_ps(a, b) returns b when either is NaN, so the
+ * running max is the second operand; NEON: vmaxnm). An infinite input makes the scale 0, so it (inf * 0 = NaN)
+ * quantizes to -128 and every finite value of its row to 0.
  */
 #include "kernels.h"
 
@@ -81,7 +84,7 @@ static void quantize_act_avx2(const float *x, int k, int k_pad, int8_t *xq, floa
     const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     __m256 vmax = _mm256_setzero_ps();
     int i = 0;
-    for (; i + 8 <= k; i += 8) vmax = _mm256_max_ps(vmax, _mm256_and_ps(_mm256_loadu_ps(x + i), abs_mask));
+    for (; i + 8 <= k; i += 8) vmax = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(x + i), abs_mask), vmax);
     __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
     m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
     m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
@@ -112,7 +115,7 @@ static void quantize_act_avx512(const float *x, int k, int k_pad, int8_t *xq, fl
     __m512 vmax = _mm512_setzero_ps();
     for (int i = 0; i < k; i += 16) {
         __mmask16 mk = k - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (k - i)) - 1);
-        vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_maskz_loadu_ps(mk, x + i)));
+        vmax = _mm512_max_ps(_mm512_abs_ps(_mm512_maskz_loadu_ps(mk, x + i)), vmax);
     }
     float s = bk_act_scale(_mm512_reduce_max_ps(vmax));
     *act_sum = quantize_scaled_avx512(x, k, s, xq);
@@ -126,9 +129,11 @@ static int32_t quantize_scaled_neon(const float *x, int k, float s, int8_t *xq) 
     int32x4_t vsum = vdupq_n_s32(0);
     int i = 0;
     for (; i + 4 <= k; i += 4) {
-        /* vcvtnq: round to nearest, ties to even (as the reference) */
-        int32x4_t q = vcvtnq_s32_f32(vmulq_n_f32(vld1q_f32(x + i), s));
+        /* vcvtnq: round to nearest, ties to even (as the reference); it makes a NaN 0, the other paths -128 */
+        float32x4_t p = vmulq_n_f32(vld1q_f32(x + i), s);
+        int32x4_t q = vcvtnq_s32_f32(p);
         q = vmaxq_s32(vminq_s32(q, vdupq_n_s32(127)), vdupq_n_s32(-128));
+        q = vbslq_s32(vceqq_f32(p, p), q, vdupq_n_s32(-128));
         vsum = vaddq_s32(vsum, q);
         int32_t t[4];
         vst1q_s32(t, q);
@@ -140,8 +145,8 @@ static int32_t quantize_scaled_neon(const float *x, int k, float s, int8_t *xq) 
 static void quantize_act_neon(const float *x, int k, int k_pad, int8_t *xq, float *act_scale, int32_t *act_sum) {
     float32x4_t vmax = vdupq_n_f32(0.0f);
     int i = 0;
-    for (; i + 4 <= k; i += 4) vmax = vmaxq_f32(vmax, vabsq_f32(vld1q_f32(x + i)));
-    float s = bk_act_scale(amax_from(x, i, k, vmaxvq_f32(vmax)));
+    for (; i + 4 <= k; i += 4) vmax = vmaxnmq_f32(vmax, vabsq_f32(vld1q_f32(x + i)));   /* maxnm: a NaN never wins */
+    float s = bk_act_scale(amax_from(x, i, k, vmaxnmvq_f32(vmax)));
     *act_sum = quantize_scaled_neon(x, k, s, xq);
     memset(xq + k, 0, (size_t)(k_pad - k));
     *act_scale = s;
