@@ -112,8 +112,10 @@ def test_a_superseded_generator_says_what_took_the_model():
         gen = llm.generate(PROMPT, GREEDY, max_tokens=8, ignore_eos=True)
         next(gen)
         call()
-        with pytest.raises(BitNetError, match=took.replace("(", r"\(").replace(")", r"\)")):
+        with pytest.raises(BitNetError, match=took.replace("(", r"\(").replace(")", r"\)")) as e:
             list(gen)
+        # the one-at-a-time advice where another call took the model, not where it was closed
+        assert (e.value.hint is None) == (took == "close()"), (took, e.value.hint)
 
 
 def test_a_stop_string_is_one_stop_sequence():

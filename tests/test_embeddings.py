@@ -90,6 +90,12 @@ def test_embd_normalize_is_llama_cpp_s_norm(llm):
         got = llm.embed(TEXTS, normalize=p).astype(np.float64)
         for v, r in zip(got, raw):
             assert abs(norm_of(v) - 1) < 1e-5 and _cos(v, r) > 1 - 1e-9, p
+    # a p of hundreds: |v|^p overflows a double (the vector came out all zero, as llama.cpp's does); the same norm
+    for p in (700, 5000):
+        got = llm.embed(TEXTS, normalize=p).astype(np.float64)
+        for v, r in zip(got, raw):
+            m = np.abs(v).max()
+            assert abs(m * ((np.abs(v) / m) ** p).sum() ** (1 / p) - 1) < 1e-5 and _cos(v, r) > 1 - 1e-9, p
     with pytest.raises(BitNetError, match="pooling cls: .*same vector"):
         llm.embed("x", pooling="cls")
     for bad in (-2, 1.5, True, "2"):
@@ -238,3 +244,25 @@ def test_the_engine_s_own_pooling_is_what_a_call_naming_none_gets(synth, llm):
     for bad, match in (("cls", "same vector"), ("rank", "classification head"), ("max", "expected one of")):
         with pytest.raises(BitNetError, match=match):
             running_engine(path, threads=1, pooling=bad).__enter__()
+
+
+def _until_idle(eng, seconds=300):
+    deadline = time.monotonic() + seconds
+    while eng.metrics()["running"] + eng.metrics()["waiting"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    m = eng.metrics()
+    assert m["running"] == m["waiting"] == 0, m
+    return m
+
+
+def test_a_wait_that_ends_early_cancels_the_texts(synth):
+    """embed_ids / embed (and score_ids, tests/test_score.py) wait for the request; a timeout or Ctrl-C ending
+    that wait cancels it: the texts ran on for nobody (300 of them: seconds of a server's engine) and delayed every
+    request behind them. Counted, not timed: after the timeout and the engine's idling, far fewer texts than were
+    submitted were embedded (all 300 before)."""
+    from test_model_fixtures import running_engine
+    ids = [[1 + (7 * i + j) % 200 for j in range(100)] for i in range(300)]   # ~240 steps of 128 rows
+    with running_engine(synth[2]["f16"], threads=1, parallel=4) as eng:
+        with pytest.raises(BitNetError, match="not ready within"):
+            eng.embed_ids(ids, timeout=0)
+        assert _until_idle(eng)["embed_inputs_total"] < len(ids)

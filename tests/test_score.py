@@ -4,6 +4,8 @@ same ids (LLM.forward, a fresh cache) however the prompt is chunked, the head's 
 beside it; generations beside a scoring are unchanged by it."""
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from bitnet_cpu.engine.api import SamplingParams, load_engine, load_model
@@ -70,6 +72,15 @@ def test_cancel_and_bad_requests():
             with pytest.raises(BitNetError):
                 eng.submit_score(bad, **kw)
         assert eng.score_ids([ids[0]], timeout=60) == []   # one token: nothing before it to score it by
+        # a wait that ends early (a timeout, Ctrl-C) cancels the scoring: it ran on to its end for nobody
+        long = (ids * 4)[:400]
+        before = eng.metrics()["scored_tokens_total"]
+        with pytest.raises(BitNetError, match="not ready within"):
+            eng.score_ids(long, timeout=0)
+        deadline = time.monotonic() + 300
+        while eng.metrics()["running"] + eng.metrics()["waiting"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert eng.metrics()["scored_tokens_total"] - before < len(long) - 1
         deadline_free = eng.metrics()
         assert deadline_free["running"] == 0 and deadline_free["kv_pages_used"] == 0
     finally:

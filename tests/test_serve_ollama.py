@@ -179,6 +179,8 @@ def test_logprobs_leave_out_a_stop_strings_tokens(server, model_id, stream):
 
 @pytest.mark.parametrize("path,body,words", [
     ("/api/chat", {"messages": Q}, "model is required"),
+    ("/api/embed", {"model": 5, "input": "hi"}, "model: Input should be a valid string"),   # was "required"
+    ("/api/embeddings", {"model": ["m"], "prompt": "hi"}, "model: Input should be a valid string"),
     ("/api/chat", {"model": "m", "messages": Q, "options": {"temperature": -1}}, "options.temperature -1"),
     ("/api/chat", {"model": "m", "messages": Q, "options": {"top_p": 2}}, "options.top_p 2"),
     ("/api/chat", {"model": "m", "messages": Q, "options": {"mirostat": 3}}, "options.mirostat 3"),

@@ -74,8 +74,8 @@ class Scoring:
         return req
 
     def score_ids(self, ids: Sequence[int], top_k: int = 0, timeout: float | None = None) -> list[TokenLogprob]:
-        """submit_score and wait."""
-        return self.submit_score(ids, top_k).result(timeout)
+        """submit_score and wait (a timeout or Ctrl-C cancels it)."""
+        return self.submit_score(ids, top_k).wait(timeout)
 
     def _score_rows(self, s, row0: int, r: int):
         """s (a scoring sequence) ran rows row0 .. row0+r-1 of the last step, positions s.n_past - r ..

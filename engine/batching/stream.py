@@ -104,6 +104,16 @@ class OneShot:
                 import sys
                 print(f"bitnet engine: {self.what} callback raised {e!r}", file=sys.stderr)
 
+    def wait(self, timeout: float | None = None):
+        """result(timeout) for a caller that gives up if it ends any other way: a timeout, Ctrl-C or another
+        exception in the waiting thread cancels the request, so its texts do not run on for nobody (as leaving a
+        Stream's loop does). result() alone leaves it running, for a caller that polls."""
+        try:
+            return self.result(timeout)
+        except BaseException:
+            self.cancel()
+            raise
+
     def _wait(self, timeout: float | None):
         if not self._done.wait(timeout):
             raise BitNetError(f"the {self.what} were not ready within {timeout} s")

@@ -70,7 +70,13 @@ def normalized(v: np.ndarray, p: int) -> np.ndarray:
     elif p == 2:
         s = float(np.sqrt(np.dot(v, v)))
     else:
-        s = float(np.sum(np.abs(v) ** p)) ** (1.0 / p)
+        with np.errstate(over="ignore", under="ignore"):
+            t = float(np.sum(np.abs(v) ** p))
+        if 0.0 < t < np.inf:
+            s = t ** (1.0 / p)
+        else:   # |v|^p overflowed (p of hundreds; llama.cpp's vector then comes out all zero) or underflowed:
+            m = float(np.max(np.abs(v))) if v.size else 0.0   # the same norm, scaled by the largest |v| first
+            s = m * float(np.sum((np.abs(v) / m) ** p)) ** (1.0 / p) if m > 0 else 0.0
     return (v * (1.0 / s if s > 0 else 0.0)).astype(np.float32)
 
 

@@ -93,7 +93,9 @@ def stop_strings(stop) -> tuple[str, ...]:
 
 
 def superseded(model) -> BitNetError:
-    return BitNetError(f"this generation was superseded by {model.taken_by} on the same model", hint=ONE_AT_A_TIME)
+    closed = model.taken_by.startswith("close()")   # not another generation: the one-at-a-time advice is beside it
+    return BitNetError(f"this generation was superseded by {model.taken_by} on the same model",
+                       hint=None if closed else ONE_AT_A_TIME)
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
