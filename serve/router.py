@@ -43,6 +43,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 
 from .auth import AuthMiddleware, KeyChecker, allow_cross_origin
 from .limits import Limits, LimitsMiddleware, RouteNorms, error_json
+from .offload import ClientGone, unless_gone
 from .ollama import FOREVER, OLLAMA_VERSION, parse_keep_alive  # noqa: F401 - parse_keep_alive: the CLI's
 from .schemas import model_object, utc_iso
 
@@ -908,8 +909,13 @@ def create_router_app(router: Router, *, api_keys: tuple = (), limits: Limits | 
         headers.append((b"authorization", f"Bearer {router.key}".encode()))
         url = httpx.URL(c.url + path, query=request.url.query.encode())
         try:
-            upstream = await router.client.send(router.client.build_request(request.method, url, headers=headers,
-                                                                            content=body), stream=True)
+            # a non-streamed answer's headers come when its work is done: a client that hangs up before then
+            # closes the connection to the model's process (which cancels the work there), as a stream's does
+            upstream = await unless_gone(router.client.send(router.client.build_request(
+                request.method, url, headers=headers, content=body), stream=True), request)
+        except ClientGone:
+            router.release(c, keep_alive)
+            return Response(status_code=499)
         except httpx.HTTPError as e:
             router.release(c, keep_alive)
             raise RouterError(502, f"model '{spec.name}' did not answer: {type(e).__name__}", "model_unavailable",

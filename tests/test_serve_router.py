@@ -262,6 +262,23 @@ def test_a_client_that_hangs_up_cancels_its_sequence_in_the_models_process(route
     assert wait_for(lambda: "tiny" not in loaded(router.url))
 
 
+def test_a_client_that_hangs_up_before_a_whole_answer_cancels_it_in_the_models_process(router):
+    """A non-streamed answer's headers come only when its work is done, and the router waited for them without
+    watching its client: a hang-up left 1,000 texts being embedded for nobody in the model's process (a plain
+    server cancels them). Counted, not timed: once idle, far fewer texts were embedded than were sent."""
+    assert post(router.url, "/models/load", {"model": "tiny"}).json() == {"success": True}
+
+    def metrics():
+        return httpx.get(router.url + "/slots", params={"model": "tiny"}, timeout=30).json()["metrics"]
+    before = metrics()
+    texts = [f"text {i} " * 20 for i in range(1000)]
+    with pytest.raises(httpx.ReadTimeout):   # the client gives up after a second: a hang-up
+        httpx.post(router.url + "/v1/embeddings", json={"model": "tiny", "input": texts},
+                   timeout=httpx.Timeout(60, read=1.0))
+    assert wait_for(lambda: metrics()["running"] + metrics()["waiting"] == 0, 120 * slowness())
+    assert metrics()["embed_inputs_total"] - before["embed_inputs_total"] < len(texts)
+
+
 def test_keep_alive_unloads_as_ollama_does(router, models_dir):
     import ollama
 
