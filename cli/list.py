@@ -37,6 +37,10 @@ def cached_stores(cache_dir: str | None = None) -> list[dict]:
         files = sorted(f for f in os.listdir(d) if f.endswith(".bnstore"))
     except FileNotFoundError:
         return []
+    except OSError as e:   # a file, or a directory this user cannot read: one line, not an internal error
+        from ..engine.errors import FormatError
+        raise FormatError(f"{d}: cannot read the cache directory: {e.strerror}",
+                          hint="set BITNET_CACHE to a readable directory") from None
     out = []
     for f in files:
         path = os.path.join(d, f)

@@ -16,6 +16,8 @@ half-written base file (an existing one is replaced only once a run completes).
 """
 from .flags import auto_threads, read_text_file
 
+HELLASWAG_TASKS = 400   # --hellaswag-tasks' default: llama-perplexity's
+
 HELP = ("measure perplexity over a text file, the KL divergence from a base model's saved logits, HellaSwag, "
         "Winogrande or multiple-choice tasks (llama-perplexity's chunks, numbers and files)")
 
@@ -54,7 +56,7 @@ def add_arguments(p):
     p.add_argument("--hellaswag", action="store_true",
                    help="score HellaSwag tasks from -f (llama.cpp's 6-line file) as llama-perplexity --hellaswag: "
                         "acc_norm with its 95%% interval%(default).0s")
-    p.add_argument("--hellaswag-tasks", dest="hellaswag_tasks", type=int, default=400, metavar="N",
+    p.add_argument("--hellaswag-tasks", dest="hellaswag_tasks", type=int, default=HELLASWAG_TASKS, metavar="N",
                    help="tasks to score, drawn at random from the file as llama-perplexity draws them (the same "
                         "tasks where it was built with GCC's libstdc++); 0: every one")
     p.add_argument("--winogrande", action="store_true",
@@ -79,10 +81,13 @@ def _check(args) -> None:
     task = chosen[0] if chosen else None
     if task and (args.kld or args.kld_base):
         raise BitNetError(f"{task} scores tasks: it takes no --kl-divergence / --kl-divergence-base")
-    for flag, n in (("--hellaswag-tasks", args.hellaswag_tasks), ("--winogrande-tasks", args.winogrande_tasks),
-                    ("--multiple-choice-tasks", args.multiple_choice_tasks)):
+    for flag, n, default in (("--hellaswag-tasks", args.hellaswag_tasks, HELLASWAG_TASKS),
+                             ("--winogrande-tasks", args.winogrande_tasks, 0),
+                             ("--multiple-choice-tasks", args.multiple_choice_tasks, 0)):
         if n < 0:
             raise BitNetError(f"{flag} {n}: must be >= 0 (0: every task)")
+        if n != default and task != flag[: -len("-tasks")]:   # said, not ignored (llama-perplexity ignores it)
+            raise BitNetError(f"{flag} counts the tasks of {flag[: -len('-tasks')]}, which this run does not score")
     if args.ppl_stride < 0:
         raise BitNetError(f"--ppl-stride {args.ppl_stride}: must be >= 0 (0: whole chunks)")
     if args.ppl_stride and (task or args.kld or args.kld_base):

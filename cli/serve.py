@@ -1,10 +1,15 @@
 """`bitnet serve`: an OpenAI-compatible HTTP server (serve/app.py) on uvicorn, over the batching
 engine. Loopback by default; Ctrl-C / SIGTERM drain (stop admitting, cancel in-flight streams) and exit 0.
 `--ray-replicas N` runs the same app as a Ray Serve deployment with N replicas (needs `pip install .[cluster]`)."""
+import math
+
 from ..engine.cpu import BATCH_TOKENS_DEFAULT, BATCH_TOKENS_MAX, BATCH_TOKENS_TILES
 from ..serve.auth import is_loopback
 from ..serve.limits import MiB, Limits
 from .flags import add_engine_args, apply_chat_template, check_engine_args, sampling_params_from_args
+
+# the router's flags: (flag, their defaults); given without --models-dir / --models-cache they are refused
+ROUTER_FLAGS = {"--models-max": 3, "--models-keep-alive": "-1", "--models-load-timeout": 600.0}
 
 HELP = "serve the model over HTTP: OpenAI's API (chat, completions, Responses), Anthropic's Messages, ollama's and llama-server's (and a chat page at /)"
 
@@ -62,12 +67,12 @@ def add_arguments(p):
                         "repeatable%(default).0s")
     g.add_argument("--models-cache", action="store_true",
                    help="serve every converted model in the cache, named as `bitnet list` shows them")
-    g.add_argument("--models-max", type=int, default=3, metavar="N",
+    g.add_argument("--models-max", type=int, default=ROUTER_FLAGS["--models-max"], metavar="N",
                    help="models loaded at once; the least recently used idle one is unloaded for another")
-    g.add_argument("--models-keep-alive", default="-1", metavar="DURATION",
+    g.add_argument("--models-keep-alive", default=ROUTER_FLAGS["--models-keep-alive"], metavar="DURATION",
                    help="how long an idle model stays loaded (seconds or \"5m\"; -1 = until room is needed); a "
                         "request's keep_alive (ollama's field) sets its model's")
-    g.add_argument("--models-load-timeout", type=float, default=600.0, metavar="S",
+    g.add_argument("--models-load-timeout", type=float, default=ROUTER_FLAGS["--models-load-timeout"], metavar="S",
                    help="seconds a request waits for its model to load (a GGUF is converted on first use)")
     p.add_argument("--pooling", default="mean", metavar="{mean,last,none}",
                    help="the embedding of a text (llama-server's --pooling): the mean of its tokens' final states, "
@@ -107,10 +112,12 @@ def _check(args):
         raise BitNetError(f"--ray-replicas {args.ray_replicas}: must be >= 0")
     for flag in ("max_body_mb", "max_header_kb", "max_headers", "max_connections", "header_timeout", "body_timeout",
                  "send_timeout", "keep_alive_timeout"):
-        if not getattr(args, flag) > 0:
-            raise BitNetError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be > 0")
-    if not args.request_timeout >= 0:
+        if not 0 < getattr(args, flag) < math.inf:   # inf: an int of it failed later as an internal error
+            raise BitNetError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be a number > 0")
+    if not 0 <= args.request_timeout < math.inf:
         raise BitNetError(f"--request-timeout {args.request_timeout}: must be >= 0 (0 = no limit)")
+    if not 0 <= args.drain_timeout < math.inf:   # nan / inf were taken, then broke the shutdown they time
+        raise BitNetError(f"--drain-timeout {args.drain_timeout}: must be a number of seconds >= 0")
     from ..serve.auth import check_origin
     for origin in args.cors_origin or ():
         problem = check_origin(origin)
@@ -124,7 +131,7 @@ def _check(args):
                                   "model found there, each by its own name)")
         if args.models_max < 1:
             raise BitNetError(f"--models-max {args.models_max}: must be >= 1")
-        if not args.models_load_timeout > 0:
+        if not 0 < args.models_load_timeout < math.inf:
             raise BitNetError(f"--models-load-timeout {args.models_load_timeout}: must be > 0")
         from ..serve.router import parse_keep_alive
         try:
@@ -133,6 +140,11 @@ def _check(args):
             raise BitNetError(f"--models-keep-alive {args.models_keep_alive}: not a duration",
                               hint="seconds, or a string such as 5m or 1h; -1 keeps models until room is needed"
                               ) from e
+    else:   # the router's own flags, where there is no router: said, not ignored
+        for flag, default in ROUTER_FLAGS.items():
+            if getattr(args, flag[2:].replace("-", "_")) != default:
+                raise BitNetError(f"{flag} applies to --models-dir / --models-cache only (this server serves -m's "
+                                  "one model)")
 
 
 def bind_port(host: str, port: int, keep: bool = True):

@@ -202,6 +202,17 @@ def test_list_inspect_and_rm(hub, tmp_path):
     assert os.path.isdir(hub["cache"]) and os.listdir(hub["cache"])   # the downloads are never touched
 
 
+def test_a_cache_that_is_not_a_directory_is_one_line(hub, tmp_path):
+    """BITNET_CACHE naming a file: list and rm said "internal error ... a bug in bitnet-cpu" (exit 70), where run
+    said what was wrong."""
+    (tmp_path / "file").write_text("not a directory")
+    env = {**env_for(hub, tmp_path), "BITNET_CACHE": str(tmp_path / "file")}
+    for args in (("list",), ("list", "--json"), ("rm", "x"), ("rm", "--all")):
+        r = bitnet(*args, env=env)
+        assert r.returncode == 2 and "cannot read the cache directory" in r.stderr, (args, r.stderr)
+        assert "internal error" not in r.stderr and "Traceback" not in r.stderr
+
+
 def test_list_last_used_follows_runs_not_conversion(hub, tmp_path):
     env = env_for(hub, tmp_path)
     run_text("o/tiny-gguf", env)

@@ -559,6 +559,16 @@ def test_winogrande_is_the_definition(llm, winogrande_file):
     assert int(n) == 29 and float(acc) == pytest.approx(100 * right / 29, abs=1e-4)
 
 
+@pytest.mark.parametrize("flag,task", [("--hellaswag-tasks", "--hellaswag"), ("--winogrande-tasks", "--winogrande"),
+                                       ("--multiple-choice-tasks", "--multiple-choice")])
+def test_a_task_count_without_its_task_set_is_one_line(flag, task, winogrande_file):
+    """llama-perplexity ignores --hellaswag-tasks N without --hellaswag; a plain perplexity run followed, and the
+    count the user asked for meant nothing: said now, in one line."""
+    r = bitnet("-f", winogrande_file, flag, "5")
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        f"bitnet: error: {flag} counts the tasks of {task}, which this run does not score"], r.stderr
+
+
 @pytest.mark.parametrize("case", ["none", "both", "ctx", "kld"])
 def test_winogrande_bad_input_is_one_line(case, winogrande_file, tmp_path):
     empty = tmp_path / "empty.csv"

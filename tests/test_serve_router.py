@@ -735,8 +735,19 @@ def run_cli(*args):
     (("--alias", "a"), "--alias cannot be combined"),
     (("--models-max", "0"), "--models-max 0"),
     (("--models-keep-alive", "soon"), "--models-keep-alive soon"),
+    (("--models-load-timeout", "nan"), "--models-load-timeout nan"),
+    (("--drain-timeout", "nan"), "--drain-timeout nan"),   # taken, then the shutdown it times broke
+    (("--drain-timeout", "inf"), "--drain-timeout inf"),
+    (("--max-body-mb", "inf"), "--max-body-mb inf"),       # an internal error (int of inf), exit 70
+    (("--max-header-kb", "inf"), "--max-header-kb inf"),
+    (("--models-dir",), ""),
 ])
 def test_bad_router_flags_are_one_line(models_dir, args, words):
+    if args == ("--models-dir",):   # the router's flags without a router: refused, not ignored
+        for flag, value in (("--models-max", "0"), ("--models-keep-alive", "bogus"), ("--models-load-timeout", "9")):
+            r = run_cli("-m", "x.bnstore", flag, value)
+            assert r.returncode == 2 and f"{flag} applies to --models-dir / --models-cache only" in r.stderr, r.stderr
+        return
     r = run_cli("--models-dir", str(models_dir), *args)
     assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert len([ln for ln in r.stderr.splitlines() if ln.strip() and not ln.startswith("  hint")]) == 1
