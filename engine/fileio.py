@@ -23,9 +23,21 @@ def starts_with(path: str | os.PathLike, magic: bytes) -> bool:
         return False
 
 
+def not_a_file(path: str) -> bool:
+    """Whether path is there but neither a regular file nor a directory (a FIFO, a socket, a device: opening a FIFO
+    waits for a writer); a missing path or a dangling link is not."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return False
+    return not (stat.S_ISREG(mode) or stat.S_ISDIR(mode))
+
+
 def map_readonly(path: str, min_size: int, kind: str) -> tuple[mmap.mmap, int]:
     """Map `path` read-only; raise FormatError if it cannot be opened or mapped, or is under `min_size` bytes."""
-    try:
+    try:   # looked at before the open: opening a FIFO waits for a writer (for ever)
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            raise FormatError(f"{path}: not a regular file (a {kind} is read from a file)")
         fh = open(path, "rb")
     except OSError as e:
         raise FormatError(f"{path}: cannot open {kind}: {e.strerror}") from None

@@ -341,14 +341,27 @@ def test_convert_never_writes_over_what_is_not_a_store(model, tmp_path):
     assert os.stat(out).st_mode & 0o777 == 0o640 and Store(out).config
 
 
-def test_a_fifo_or_device_is_no_model(tmp_path):
-    """A FIFO as -m would block the reader that sniffs its first bytes until a writer came: refused at once."""
+def test_a_fifo_or_device_is_no_model(model, tmp_path):
+    """A FIFO as -m would block the reader that sniffs its first bytes until a writer came: refused at once. So is
+    one among a model directory's files (config.json, the weights, the tokenizer's: inspect, convert and run
+    waited in open() for ever, and serve said "loading" for ever)."""
+    import shutil
     fifo = str(tmp_path / "fifo")
     os.mkfifo(fifo)
     for m in (fifo, os.devnull):
         r = subprocess.run([sys.executable, "-m", "bitnet_cpu", "run", "-m", m, "-p", "x", "-n", "1"],
                            capture_output=True, text=True, timeout=60)
         assert r.returncode == 2 and "not a regular file" in r.stderr and r.stderr.count("\n") == 1, r.stderr
+    src = write_hf_dir(model, str(tmp_path / "hf"))
+    for name in sorted(os.listdir(src)):
+        d = str(tmp_path / f"hf-{name}")
+        shutil.copytree(src, d)
+        os.remove(os.path.join(d, name))
+        os.mkfifo(os.path.join(d, name))
+        for cmd in (["inspect", d], ["convert", d, "-o", d + ".bnstore"], ["run", "-m", d, "-p", "x", "-n", "1"]):
+            r = subprocess.run([sys.executable, "-m", "bitnet_cpu", *cmd], capture_output=True, text=True,
+                               timeout=60, env=dict(os.environ, BITNET_CACHE=str(tmp_path / "cache")))
+            assert r.returncode == 2 and f"{name}: not a regular file" in r.stderr, (cmd, r.stderr)
 
 
 def test_resolve_model_caches(model, tmp_path, monkeypatch):

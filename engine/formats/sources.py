@@ -20,6 +20,7 @@ import numpy as np
 
 from ..config import ModelConfig
 from ..errors import FormatError, UnsupportedError, json_why
+from ..fileio import not_a_file
 from .families import gguf_family, hf_family, is_minicpm, refuse_unsupported_hf
 from .gguf import GGUFFile
 from .safetensors_io import SafetensorsDir
@@ -385,6 +386,9 @@ class GGUFSource:
 class HFSource:
     def __init__(self, path: str, hidden_act: str | None = None, ternarize: bool = False):
         self.path = path
+        special = [name for name in sorted(os.listdir(path)) if not_a_file(os.path.join(path, name))]
+        if special:   # a FIFO (opening it waits for a writer: every command hung) or a device among the files
+            raise FormatError(f"{os.path.join(path, special[0])}: not a regular file (a model directory holds files)")
         try:
             with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
                 cfg = json.load(f)
