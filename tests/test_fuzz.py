@@ -221,3 +221,12 @@ def test_fuzz_gguf_metadata(fixtures, which, key, new):
         convert(dst, str(fixtures["dir"] / "meta.bnstore"), progress=False)
     except BitNetError as e:
         _check_error(e, dst)
+
+
+def test_a_head_count_of_zero_says_so(fixtures):
+    """attention.head_count 0 said "embedding_length 256 is not a multiple of head_count 0"; the HF path says the
+    count must be positive: the GGUF path now says it too."""
+    src, dst = str(fixtures["dir"] / "tq2.gguf"), str(fixtures["dir"] / "heads0.gguf")
+    _rewrite_gguf(src, dst, "bitnet.attention.head_count", ("u32", 0))
+    with pytest.raises(BitNetError, match="attention.head_count 0: must be a positive integer"):
+        convert(dst, str(fixtures["dir"] / "heads0.bnstore"), progress=False)

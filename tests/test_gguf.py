@@ -150,6 +150,9 @@ def _pad(b: bytes, a=32):
     (_header(n_kv=1) + struct.pack("<Q", 1) + b"k" + struct.pack("<IIQ", 9, 6, 1 << 61) + b"\0" * 16, FormatError,
      "^(?!.*truncated).*corrupt GGUF"),
     (_header(n_kv=1) + struct.pack("<Q", 40) + b"abc" * 8, FormatError, "truncated or corrupt"),
+    # more than this file holds but what a whole download could (a vocabulary cut short): "truncated or corrupt"
+    (_header(n_kv=1) + struct.pack("<Q", 1) + b"k" + struct.pack("<IIQ", 9, 8, 300) + b"\0" * 16, FormatError,
+     "truncated or corrupt GGUF file .* needs at least"),
     (_header(n_kv=1) + struct.pack("<Q", 1) + b"k" + struct.pack("<I", 42) + b"\0" * 16, FormatError,
      "unknown GGUF value type"),
     (_header(n_tensors=1) + _tinfo("t", [4, 4, 4, 4, 4], 0, 0) + b"\0" * 64, FormatError, "5 dimensions"),

@@ -101,9 +101,13 @@ class _Cursor:
         self.buf, self.pos, self.end, self.path = buf, 0, len(buf), path
 
     def need(self, n: int, what: str):
-        if n < 0 or n > self.end:  # a size no file this long could hold: a corrupt field, not a short file
+        if n < 0 or n > max(self.end, 1 << 40):   # a size no file could hold: a corrupt field, not a short file
             raise FormatError(f"{self.path}: corrupt GGUF file ({what} at byte {self.pos} claims {n} bytes; the"
                               f" whole file has {self.end})")
+        if n > self.end:   # more than this file holds, not more than a whole download would: cut short, likely
+            raise FormatError(f"{self.path}: truncated or corrupt GGUF file ({what} at byte {self.pos} needs at least"
+                              f" {n} bytes; the whole file has {self.end})",
+                              hint="if the file was downloaded, check its size and fetch it again")
         if self.pos + n > self.end:
             raise FormatError(f"{self.path}: truncated or corrupt GGUF file (reading {what} at byte {self.pos}"
                               f" needs {n} bytes, only {self.end - self.pos} are left)",

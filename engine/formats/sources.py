@@ -216,7 +216,9 @@ class GGUFSource:
 
         D, L, H = key("embedding_length"), key("block_count"), key("attention.head_count")
         hd = g.get(f"{arch}.attention.key_length", int)  # explicit head_dim (Falcon3: 256)
-        if H <= 0 or (hd is None and D % H):
+        if H <= 0:
+            raise FormatError(f"{path}: attention.head_count {H}: must be a positive integer")
+        if hd is None and D % H:
             raise FormatError(f"{path}: embedding_length {D} is not a multiple of head_count {H}")
         hd = hd or D // H
         vd = g.get(f"{arch}.attention.value_length", int)
