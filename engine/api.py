@@ -29,7 +29,7 @@ import numpy as np
 from .runtime import chat_template as _ct
 from .config import ModelConfig
 from .cpu import available_cores, default_threads
-from .errors import BitNetError, ConstraintError, FormatError, QueueFullError
+from .errors import BitNetError, ConstraintError, FormatError, QueueFullError, token_ids
 from .runtime.generate import Chunk, Stats, generate as _generate, whole_number
 from .runtime.model import Model, check_kv_dtype
 from .runtime.constraints import Constraint, compile_constraint
@@ -199,6 +199,8 @@ class _Text:
     def embed_tokens(self, texts: str | Sequence[str]) -> list[list[int]]:
         """The token lists embed() runs: each text with BOS, as llama-server tokenizes an embedding input; an
         empty text is refused (BitNetError naming it)."""
+        if not isinstance(texts, str) and (texts is None or not hasattr(texts, "__iter__")):
+            raise BitNetError(f"texts: give a string or a list of strings, not {type(texts).__name__}")
         texts = [texts] if isinstance(texts, str) else list(texts)
         if not texts:
             raise BitNetError("no texts to embed")
@@ -279,7 +281,7 @@ class LLM(_Text):
         model = self._open_model()
         if isinstance(prompt, (bytes, bytearray)):
             raise BitNetError("prompt: give text (str) or token ids, not bytes")
-        ids = self.tokenize(prompt, add_bos=True) if isinstance(prompt, str) else list(prompt)
+        ids = self.tokenize(prompt, add_bos=True) if isinstance(prompt, str) else token_ids(prompt)
         compiled = self.compile_constraint(constraint)   # raised here, not at the first next()
         return _generate(model, self.tokenizer, ids, params, max_tokens=max_tokens, stop=stop, load_s=self.load_s,
                          ignore_eos=ignore_eos, lookup=lookup if lookup is not None else self.lookup,

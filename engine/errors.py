@@ -78,3 +78,17 @@ def json_why(e: BaseException) -> str:
     """What a JSON parse error says, in one phrase: a RecursionError (json nests by recursion, so a document
     nested a few thousand levels deep exhausts the stack) is "nested too deeply", not Python's own words."""
     return "nested too deeply" if isinstance(e, RecursionError) else str(e)
+
+
+def token_ids(ids, what: str = "prompt", text_ok: bool = True) -> list[int]:
+    """ids (a sequence of token ids: ints, numpy integers) as a list of int; BitNetError naming `what` for anything
+    else (None, a number, a float or bool id, a string of digits), which raised a bare TypeError or ValueError, or
+    was taken (1.5 and True as id 1)."""
+    if ids is None or isinstance(ids, (str, bytes, bytearray)) or not hasattr(ids, "__iter__"):
+        raise BitNetError(f"{what}: give {'text (str) or ' if text_ok else ''}token ids, not {type(ids).__name__}")
+    out = []
+    for t in ids:
+        if isinstance(t, bool) or not hasattr(t, "__index__"):
+            raise BitNetError(f"{what}: token ids are integers, not {type(t).__name__} ({t!r})")
+        out.append(t.__index__())
+    return out

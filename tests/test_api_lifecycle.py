@@ -118,6 +118,27 @@ def test_a_superseded_generator_says_what_took_the_model():
         assert (e.value.hint is None) == (took == "close()"), (took, e.value.hint)
 
 
+def test_prompts_and_texts_of_the_wrong_type_are_a_bitnet_error():
+    """None, a number, float or bool token ids, a string where ids go: a BitNetError naming what is wrong (a bare
+    TypeError / ValueError before, and 1.5 or True was taken as token id 1); numpy ids are ids."""
+    llm = load_model(ctx=128, progress=False)
+    with load_engine(ctx=128, parallel=2, progress=False) as eng:
+        for call, words in ((lambda: llm.embed(123), "texts: give a string or a list of strings, not int"),
+                            (lambda: eng.embed(None), "texts: give a string or a list of strings, not NoneType"),
+                            (lambda: list(llm.generate(None)), "prompt: give text (str) or token ids, not NoneType"),
+                            (lambda: list(llm.generate(7)), "prompt: give text (str) or token ids, not int"),
+                            (lambda: list(llm.generate([1.5])), r"prompt: token ids are integers, not float \(1.5\)"),
+                            (lambda: eng.submit(None), "prompt: give text"),
+                            (lambda: eng.embed_ids([[True]]), r"input 0: token ids are integers, not bool"),
+                            (lambda: eng.embed_ids([[1], [2.0]]), r"input 1: token ids are integers, not float"),
+                            (lambda: eng.embed_ids(["ab"]), "input 0: give token ids, not str")):
+            with pytest.raises(BitNetError, match=words.replace("(str)", r"\(str\)")):
+                call()
+        assert eng.embed_ids([np.array([1, 2, 3])]).shape[0] == 1
+    assert len(list(llm.generate(np.array([1, 2, 3]), GREEDY, max_tokens=2))) >= 1
+    llm.close()
+
+
 def test_a_stop_string_is_one_stop_sequence():
     """stop="word" is that word (OpenAI's `stop: string | array`, llama-cpp-python's and vLLM's reading), on
     LLM.generate and Engine.submit alike; it was taken letter by letter (a str is a sequence of str), cutting the

@@ -13,7 +13,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from ..errors import BitNetError
+from ..errors import BitNetError, token_ids
 from ..runtime.embed import NORMALIZE, POOLING, Pool, check_normalize, check_pooling
 from ..runtime.sampling import SamplingParams
 from .stream import OneShot, Stream
@@ -83,7 +83,9 @@ class Embeddings:
         pooling = check_pooling(self.pooling if pooling is None else pooling)
         normalize = check_normalize(self.embd_normalize if normalize is None else normalize)
         vocab, dim = self.config.vocab_size, self.config.hidden_size
-        texts = [[int(t) for t in ids] for ids in texts]
+        if texts is None or isinstance(texts, (str, bytes)) or not hasattr(texts, "__iter__"):
+            raise BitNetError(f"texts: give lists of token ids, not {type(texts).__name__}")
+        texts = [token_ids(ids, f"input {i}", text_ok=False) for i, ids in enumerate(texts)]
         if not texts:
             raise BitNetError("no texts to embed")
         for i, ids in enumerate(texts):

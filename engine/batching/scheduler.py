@@ -36,7 +36,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from ..errors import BitNetError, ContextOverflowError, QueueFullError
+from ..errors import BitNetError, ContextOverflowError, QueueFullError, token_ids
 from ..runtime.constraints import compile_constraint
 from ..runtime.generate import Chunk, Stats, _StopMatcher, stop_strings, whole_number
 from ..runtime.model import decode_rows_attention
@@ -250,7 +250,7 @@ class BatchScheduler(Drafts, Embeddings, Scoring):
             raise BitNetError("prompt: give text (str) or token ids, not bytes")
         # a text is tokenized with BOS, as LLM.generate takes it
         prompt = self.tokenizer.encode(prompt_ids, add_bos=True) if isinstance(prompt_ids, str) else \
-            [int(t) for t in prompt_ids]
+            token_ids(prompt_ids)
         if not prompt:
             if self.tokenizer.bos_id is None:
                 raise BitNetError("empty prompt and the model has no BOS token to start from")
