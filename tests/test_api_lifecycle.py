@@ -298,3 +298,28 @@ def test_an_engine_asked_for_more_than_the_trained_context_says_so():
         assert any(f"-c/--ctx {trained * 2} is larger than the {trained} tokens" in w for w in eng.warnings)
     with load_engine(ctx=trained, parallel=1, progress=False) as eng:
         assert not any("trained" in w for w in eng.warnings)
+
+
+def test_close_from_a_callback_is_one_error_and_the_engine_closes_later():
+    """A stream's callback runs on the engine's own thread: close() there joined that thread (RuntimeError
+    'cannot join current thread', swallowed by the callback wrapper) and left the engine marked closed with its
+    weights held. Now a BitNetError saying where to call it from; the stream ends, and close() elsewhere works."""
+    eng = load_engine(ctx=128, parallel=2, progress=False)
+    seen, done = [], threading.Event()
+
+    def cb(chunk):
+        if not seen:
+            try:
+                eng.close()
+                seen.append(None)
+            except BitNetError as e:
+                seen.append(e)
+        if chunk.finish_reason is not None:
+            done.set()
+    eng.submit(PROMPT, GREEDY, max_tokens=4, callback=cb)
+    assert done.wait(120)
+    assert isinstance(seen[0], BitNetError) and "own thread" in str(seen[0]), seen
+    assert len(list(eng.submit(PROMPT, GREEDY, max_tokens=2))) >= 1   # still open
+    eng.close()
+    with pytest.raises(BitNetError, match="closed"):
+        eng.submit(PROMPT, GREEDY, max_tokens=2)

@@ -346,6 +346,9 @@ class BatchScheduler(Drafts, Embeddings, Scoring):
                     for s in list(self._running) + list(self._waiting)]
 
     def close(self):
+        if threading.current_thread() is self._thread:   # it would join itself (RuntimeError, the engine half closed)
+            raise BitNetError("close() from the engine's own thread (a callback): call it from another thread",
+                              hint="a callback can cancel its own stream (Stream.cancel) or signal another thread")
         with self._lock:
             if self._closed:
                 return
