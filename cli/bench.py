@@ -43,8 +43,10 @@ def _pairs(text: str) -> list[tuple[int, int]]:
 
 
 def add_arguments(p):
-    from .flags import add_model_args
-    add_model_args(p)
+    # -m as llama-bench takes it: given twice, both models are tested, one after the other
+    p.add_argument("-m", "--model", metavar="MODEL", action="append", default=None,
+                   help="a converted store, a GGUF file, an HF model directory, or a downloaded hub id (default: the "
+                        "bundled model); given again, each model is tested in turn, as llama-bench's%(default).0s")
     # a list flag given twice adds its values, as llama-bench's ("-p 8 -p 16" runs both)
     p.add_argument("-p", "--n-prompt", type=_int_list("n-prompt", 0), action="extend", default=None,
                    metavar="N[,N...]", help="prompt tokens of each pp test (0: none; default: 512)%(default).0s")
@@ -244,38 +246,38 @@ def main(args) -> int:
     host = machine()
     started = False
     try:
-        for threads in args.threads or [None]:
-            for npl in args.npl or [1]:
-                if npl == 1:   # one sequence: the LLM session, as bitnet run decodes
-                    runner = load_model(args.model, ctx=max(ctx, 16), threads=threads, kv_dtype=args.kv,
-                                        progress=sys.stderr.isatty())
-                    one = lambda pp, tg, rng, d: run_test(runner, pp, tg, rng, d)   # noqa: E731
-                else:          # many: the serving engine's batched steps, as bitnet serve runs them
-                    runner = load_engine(args.model, ctx=max(ctx, 16), threads=threads, kv_dtype=args.kv,
-                                         parallel=npl, max_queue=npl,   # all npl are submitted at once
-                                         progress=sys.stderr.isatty(), lookup=LookupParams(draft_max=0))
-                    one = lambda pp, tg, rng, d, npl=npl: run_batched(runner, pp, tg, npl, rng)   # noqa: E731
-                for w in runner.warnings:   # the context is bench's own choice, not a -c the user gave
-                    if not w.startswith("-c/--ctx"):
-                        print(f"bitnet: warning: {w}", file=sys.stderr)
-                trained = runner.config.context_length
-                if ctx > trained and not said_ctx:
-                    said_ctx = True
-                    print(f"bitnet: warning: the longest test runs {ctx} positions, past the {trained} the model "
-                          "was trained on (its speed is measured all the same)", file=sys.stderr)
-                info = {**describe(runner, args.model), **host}
-                if not started:
-                    table.head()
-                    started = True
-                rng = np.random.default_rng(1234)
-                try:
-                    for (pp, tg), d in ((t, d) for d in depths for t in tests):   # llama-bench's order
-                        one(pp, tg, rng, d)   # warm-up: pages, caches, the pool's threads
-                        times = [one(pp, tg, rng, d) for _ in range(args.repetitions)]
-                        rates = [npl * (pp + tg) / t for t in times]
-                        table.row(record(info, runner, args, pp, tg, npl, times, rates, d))
-                finally:
-                    runner.close()
+        for model, threads, npl in ((m, t, n) for m in args.model or [None] for t in args.threads or [None]
+                                    for n in args.npl or [1]):
+            if npl == 1:   # one sequence: the LLM session, as bitnet run decodes
+                runner = load_model(model, ctx=max(ctx, 16), threads=threads, kv_dtype=args.kv,
+                                    progress=sys.stderr.isatty())
+                one = lambda pp, tg, rng, d: run_test(runner, pp, tg, rng, d)   # noqa: E731
+            else:          # many: the serving engine's batched steps, as bitnet serve runs them
+                runner = load_engine(model, ctx=max(ctx, 16), threads=threads, kv_dtype=args.kv,
+                                     parallel=npl, max_queue=npl,   # all npl are submitted at once
+                                     progress=sys.stderr.isatty(), lookup=LookupParams(draft_max=0))
+                one = lambda pp, tg, rng, d, npl=npl: run_batched(runner, pp, tg, npl, rng)   # noqa: E731
+            for w in runner.warnings:   # the context is bench's own choice, not a -c the user gave
+                if not w.startswith("-c/--ctx"):
+                    print(f"bitnet: warning: {w}", file=sys.stderr)
+            trained = runner.config.context_length
+            if ctx > trained and not said_ctx:
+                said_ctx = True
+                print(f"bitnet: warning: the longest test runs {ctx} positions, past the {trained} the model "
+                      "was trained on (its speed is measured all the same)", file=sys.stderr)
+            info = {**describe(runner, model), **host}
+            if not started:
+                table.head()
+                started = True
+            rng = np.random.default_rng(1234)
+            try:
+                for (pp, tg), d in ((t, d) for d in depths for t in tests):   # llama-bench's order
+                    one(pp, tg, rng, d)   # warm-up: pages, caches, the pool's threads
+                    times = [one(pp, tg, rng, d) for _ in range(args.repetitions)]
+                    rates = [npl * (pp + tg) / t for t in times]
+                    table.row(record(info, runner, args, pp, tg, npl, times, rates, d))
+            finally:
+                runner.close()
     except KeyboardInterrupt:
         if started:   # a JSON array is closed only where it was opened
             table.tail()

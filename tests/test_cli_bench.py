@@ -102,6 +102,11 @@ def test_records_carry_llama_bench_s_fields_and_a_list_flag_adds_up(store):
         assert [*x][:len(LLAMA_BENCH_FIELDS)] == LLAMA_BENCH_FIELDS
         assert x["model_filename"] == store and (x["type_k"], x["type_v"]) == ("q8_0", "q8_0")
         datetime.datetime.strptime(x["test_time"], "%Y-%m-%dT%H:%M:%SZ")
+    # -m given twice tests both models, one after the other (only the last was tested)
+    default = os.path.join(ROOT, "models", "default.bnstore")
+    r = bench("-m", store, "-m", default, "-p", "8", "-n", "0", "-r", "1", "-t", "1", "-o", "jsonl")
+    assert r.returncode == 0, r.stderr
+    assert [json.loads(x)["model_filename"] for x in r.stdout.splitlines()] == [store, default]
     header = bench("-m", store, "-p", "8", "-n", "0", "-r", "1", "-t", "1", "-o", "csv").stdout.splitlines()[0]
     assert header.split(",")[:len(LLAMA_BENCH_FIELDS)] == LLAMA_BENCH_FIELDS
 
