@@ -179,7 +179,8 @@ for ph in "${phases[@]}"; do
             echo "BITNET_ISA=$isa" >> "$OUT/cli_$t.md"
             # shellcheck disable=SC2046,SC2086
             env $( [[ $isa == auto ]] || echo BITNET_ISA=$isa ) timeout "$(left)" $(pin "$cpus") $py -m bitnet_cpu bench \
-                -m "$store" -t "$t" -p 512 -n 128 -npl 1,16 -r "${CLI_REPS:-2}" ${CLI_ARGS:-} >> "$OUT/cli_$t.md" 2>> "$OUT/cli_$t.log"
+                -m "$store" -t "$t" -p 512 -n 128 -npl 1,16 -r "${CLI_REPS:-2}" ${CLI_ARGS:-} \
+                >> "$OUT/cli_$t.md" 2>> "$OUT/cli_$t.log"
         done
         cat "$OUT/cli_$t.md" ;;
     *) stamp "unknown phase $ph (threads, depth=T[@CPUS], tiles=T[@CPUS], parts=T[@CPUS], prefetch=T[@CPUS], cli=T[@CPUS], ktests)" ;;

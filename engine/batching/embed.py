@@ -111,8 +111,9 @@ class Embeddings:
 
     def embed_ids(self, texts: Sequence[Sequence[int]], timeout: float | None = None, *, pooling: str | None = None,
                   normalize: int | None = None):
-        """submit_embed(texts, pooling=, normalize=) and wait (a timeout or Ctrl-C cancels it): [n, hidden] float32 (by default mean-pooled and
-        L2-normalised: engine/runtime/embed.py), or a list of [tokens, hidden] rows for pooling none."""
+        """submit_embed(texts, pooling=, normalize=) and wait (a timeout or Ctrl-C cancels it): [n, hidden] float32
+        (by default mean-pooled and L2-normalised: engine/runtime/embed.py), or a list of [tokens, hidden] rows for
+        pooling none."""
         return self.submit_embed(texts, pooling=pooling, normalize=normalize).wait(timeout)
 
     def _embed_rows(self, s, row0: int, r: int):
