@@ -100,14 +100,20 @@ def test_escapes_in_p_as_llama_embedding(llm, tmp_path):
 
 
 def test_cosines_as_llama_embedding_prints_them():
-    """json+ adds the matrix over several texts only (one text's tokens under --pooling none are not texts), and
-    two all-zero vectors (a p-norm that overflows) are alike, 1.00, as llama.cpp's common_embd_similarity_cos."""
+    """json+ adds the matrix over several texts only (one text's tokens under --pooling none are not texts); a
+    p-norm of thousands normalises (llama.cpp's overflows to all-zero vectors, and so did ours), and two all-zero
+    vectors are alike, 1.00, one is unlike any other, as llama.cpp's common_embd_similarity_cos."""
+    import numpy as np
+
+    from bitnet_cpu.cli.embed import _cos
     code, out, _ = embed("-p", TEXTS[0], "--pooling", "none", "--embd-output-format", "json+")
     assert code == 0 and "cosineSimilarity" not in json.loads(out) and len(json.loads(out)["data"]) > 1
-    code, out, _ = embed("-p", "a\nb", "--embd-normalize", "5000", "--embd-output-format", "json+")
+    code, out, _ = embed("-p", "a\na", "--embd-normalize", "5000", "--embd-output-format", "json+")
     doc = json.loads(out)
-    assert code == 0 and all(x == 0 for d in doc["data"] for x in d["embedding"])
-    assert doc["cosineSimilarity"] == [[1.0, 1.0], [1.0, 1.0]]
+    assert code == 0 and all(any(x != 0 for x in d["embedding"]) for d in doc["data"])
+    assert [[round(c, 6) for c in row] for row in doc["cosineSimilarity"]] == [[1.0, 1.0], [1.0, 1.0]]
+    zero, one = np.zeros(4, np.float32), np.ones(4, np.float32)
+    assert (_cos(zero, zero), _cos(zero, one), _cos(one, zero)) == (1.0, 0.0, 0.0)
 
 
 @pytest.mark.parametrize("args, words", [
