@@ -25,6 +25,9 @@ def add_arguments(p):
     add_system_args(p)
     p.add_argument("-cnv", "--conversation", action="store_true",
                    help="chat on stdin as bitchat does (a terminal gets the REPL; -p is the first message)%(default).0s")
+    # llama-cli's opposite, common in its command lines: one prompt, one answer, which is bitnet run's default
+    p.add_argument("-no-cnv", "--no-conversation", dest="conversation", action="store_false",
+                   help="one prompt, one answer (the default; llama-cli's flag, taken as it means there)%(default).0s")
     p.add_argument("--ignore-eos", action="store_true",
                    help="never end at the end-of-text token (only -n, the context or --stop end it)%(default).0s")
     p.add_argument("--stop", "-r", "--reverse-prompt", dest="stop", action="append", default=[],

@@ -290,6 +290,15 @@ def test_no_flag_is_a_guess_at_another(prog, argv):
     assert extras, vars(args)
 
 
+def test_no_cnv_is_llama_cli_s_one_prompt_one_answer():
+    """-no-cnv (in very many llama-cli command lines) was "unrecognized arguments": it is bitnet run's default, and
+    the later of -cnv / -no-cnv wins, as with llama-cli."""
+    for argv, conversation in ((["-no-cnv"], False), (["--no-conversation"], False), (["-cnv", "-no-cnv"], False),
+                               (["-no-cnv", "-cnv"], True), ([], False)):
+        args, extras = _parse("run", argv + ["-p", "x"])
+        assert not extras and args.conversation is conversation, argv
+
+
 @pytest.mark.parametrize("argv,said", [
     (["run", "-ngl", "99", "-p", "x"], "bitnet run: error: -ngl: GPU offload does not apply"),
     (["run", "-tb", "2", "-p", "x"], "bitnet run: error: -tb: one thread count"),
