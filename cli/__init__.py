@@ -82,6 +82,12 @@ def _main(argv: list[str] | None) -> int:
     parser = build_parser(subparsers)
     maybe_autocomplete(parser)
     argv = [*(sys.argv[1:] if argv is None else argv)]   # (`list` here is the list subcommand's module)
+    if argv and argv[0].startswith("-") and argv[0] not in ("-h", "--help", "--version"):
+        # llama-cli's habit, `bitnet -p hi`: argparse said "invalid choice: 'hi'" for the command
+        import shlex
+        print(f"bitnet: error: {argv[0]}: a command comes first, as in `bitnet run {shlex.join(argv)}` (`bitnet "
+              "--help` lists the commands)", file=sys.stderr)
+        return EXIT_BAD_INPUT
     if argv[:1] == ["serve"] and "BITNET_ROUTER_PID" not in os.environ:   # (a router's model takes its flags)
         from .flags import llama_env_argv
         extra, notes = llama_env_argv(subparsers["serve"], argv[1:], os.environ)

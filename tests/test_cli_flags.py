@@ -290,6 +290,16 @@ def test_no_flag_is_a_guess_at_another(prog, argv):
     assert extras, vars(args)
 
 
+def test_a_flag_before_any_command_says_the_command_comes_first():
+    """`bitnet -p hi` (llama-cli's habit) said "invalid choice: 'hi'" for COMMAND; --version and --help still
+    work at the top."""
+    r = bitnet("-p", "hi there")
+    assert r.returncode == 2 and r.stderr.splitlines() == [
+        "bitnet: error: -p: a command comes first, as in `bitnet run -p 'hi there'` (`bitnet --help` lists the "
+        "commands)"], r.stderr
+    assert bitnet("--version").returncode == 0 and bitnet("--help").returncode == 0
+
+
 def test_no_cnv_is_llama_cli_s_one_prompt_one_answer():
     """-no-cnv (in very many llama-cli command lines) was "unrecognized arguments": it is bitnet run's default, and
     the later of -cnv / -no-cnv wins, as with llama-cli."""
