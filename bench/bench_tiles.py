@@ -252,16 +252,12 @@ def warm_rows(shapes, ms, threads, emu, peak, min_time) -> list[dict]:
                        {False: "read as they go", True: "read ahead"}, {False: "gmacs_cold", True: "gmacs_warm"})
 
 
+@bodies(stream=False)
 def overlap_rows(shapes, ms, threads, emu, peak, min_time, head=True) -> list[dict]:
     """The ternary tile GEMM with each next pair of weight tiles unpacked beside the multiply of the one before
     (simd.set_tile_overlap, the default) against unpacked before its own multiply; weights from memory. Then the
     q4 head on the tiles the same two ways (its next tile unpacked beside the multiply or before). The whole-K
-    bodies: at M <= 32 the streamed one (the default there) runs instead of either."""
-    with bodies(stream=False):
-        return _overlap_rows(shapes, ms, threads, emu, peak, min_time, head)
-
-
-def _overlap_rows(shapes, ms, threads, emu, peak, min_time, head) -> list[dict]:
+    bodies (stream off for the call): at M <= 32 the streamed one (the default there) runs instead of either."""
     rows = toggle_rows(shapes, ms, threads, emu, peak, min_time, 5, K.set_tile_overlap, True,
                        {False: "unpack first", True: "unpack beside"}, {False: "gmacs_serial", True: "gmacs_overlap"})
     if not head:

@@ -86,8 +86,9 @@ def _check(args) -> None:
                              ("--multiple-choice-tasks", args.multiple_choice_tasks, 0)):
         if n < 0:
             raise BitNetError(f"{flag} {n}: must be >= 0 (0: every task)")
-        if n != default and task != flag[: -len("-tasks")]:   # said, not ignored (llama-perplexity ignores it)
-            raise BitNetError(f"{flag} counts the tasks of {flag[: -len('-tasks')]}, which this run does not score")
+        if n != default and task != flag.removesuffix("-tasks"):   # said, not ignored (llama-perplexity ignores it)
+            raise BitNetError(f"{flag} counts the tasks of {flag.removesuffix('-tasks')}, which this run does not "
+                              "score")
     if args.ppl_stride < 0:
         raise BitNetError(f"--ppl-stride {args.ppl_stride}: must be >= 0 (0: whole chunks)")
     if args.ppl_stride and (task or args.kld or args.kld_base):
