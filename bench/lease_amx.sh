@@ -49,7 +49,7 @@ SRC="$src" OUT="$res" DEADLINE="${DEADLINE:-520}" BUILD_CPUS="${BUILD_CPUS:-2-15
 echo "sweep exit $?" >> "$res/sweep.log"
 head -25 "$res/machine.txt"
 tail -200 "$res/sweep.log"
-for f in machine.txt sweep.log ktests.log tiles_2.md tiles_16.md parts_2.md parts_16.md cli_2.md; do   # 9 files come back
+for f in machine.txt sweep.log ktests.log tiles_2.md tiles_16.md parts_2.md parts_16.md prefetch_2.md cli_2.md; do
     [[ -f "$res/$f" ]] && cp "$res/$f" "$out/"
 done
 (cd "$res" && tar czf "$out/all.tgz" --exclude='*.gguf' --exclude='*.bnstore' .)
