@@ -512,7 +512,7 @@ def main(argv=None) -> int:
     ms = [int(m) for m in a.ms.split(",")]
     shapes = EMU_SHAPES if a.emu else (QUICK_SHAPES if a.quick else SHAPES)
     if a.emu or a.quick:
-        ms = [m for m in ms if m in (1, 4, 16, 32, 64)] or ms[:3]
+        ms = [m for m in ms if m in (1, 4, 8, 16, 32, 64)] or ms[:3]
     min_time = a.min_time or (0.02 if a.emu else (0.1 if a.quick else 0.25))
     res = {"cpu": K.features(), "tiles_reason": K.tiles_reason(), "emulated": a.emu, "load": os.getloadavg()[0],
            "peaks": {}, "gemm": [], "head": []}
@@ -535,7 +535,7 @@ def main(argv=None) -> int:
         res["gemm"] += gemm_rows(shapes, ms, t, a.emu, pk, min_time)
         save()
         if not a.no_head:   # emulated: a small head (a harness check of both heads)
-            res["head"] += head_rows([m for m in ms if m > 8][:4] or [16], t, a.emu, min_time,
+            res["head"] += head_rows([m for m in ms if m >= 8][:5] or [16], t, a.emu, min_time,
                                      *((2048, 256) if a.emu else ()))
             save()
         if a.kblocks:
