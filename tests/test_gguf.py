@@ -185,9 +185,9 @@ def test_unreadable_path(tmp_path):
         GGUFFile(str(tmp_path / "missing.gguf"))
 
 
-def _with(src: str, dst: str, kv=(), tensor=None) -> str:
-    """A copy of the GGUF file `src` with more metadata (key, type, value) and, optionally, one more F32 tensor
-    (name, values)."""
+def _with(src: str, dst: str, kv=(), tensor=None, shapes=None) -> str:
+    """A copy of the GGUF file `src` with more metadata (key, type, value), optionally one more F32 tensor
+    (name, values), and tensors given other shapes of the same size ({name: dims})."""
     from test_fuzz import _ARR, _VT
     g = GGUFFile(src)
     w = RawGGUFWriter(dst, alignment=g.alignment)
@@ -198,7 +198,7 @@ def _with(src: str, dst: str, kv=(), tensor=None) -> str:
         w.add(k, typ, v)
     infos = list(g.tensors.values())
     for t in infos:
-        w.add_tensor_info(t.name, list(t.shape), t.type_id, t.nbytes)
+        w.add_tensor_info(t.name, list((shapes or {}).get(t.name, t.shape)), t.type_id, t.nbytes)
     producers = [lambda t=t: g.raw(t.name).tobytes() for t in infos]
     if tensor is not None:
         w.add_tensor_info(tensor[0], [len(tensor[1])], 0, 4 * len(tensor[1]))
@@ -230,3 +230,24 @@ def test_rope_scaling_is_refused_as_the_hf_path_refuses_it(tmp_path, model):
         fine = _with(src, str(tmp_path / f"{kind}1.gguf"), [(f"{arch}.rope.scaling.type", "str", kind),
                                                            (f"{arch}.rope.scaling.factor", "f32", 1.0)])
         convert(fine, str(tmp_path / f"{kind}1.bnstore"), progress=False)
+
+
+def test_layers_past_block_count_and_matrix_norms_are_refused(tmp_path, model):
+    """A GGUF whose tensors disagree with its own header is refused in one line naming what disagrees, as llama.cpp
+    refuses it ("wrong number of tensors" / a norm that is not a vector), instead of converting what the count
+    says and dropping the rest."""
+    from bitnet_cpu.engine.formats.convert import convert
+
+    src = write_gguf_tq(model, str(tmp_path / "plain.gguf"), "TQ2_0")
+    g = GGUFFile(src)
+    arch, n_layers = g.arch, g.get(f"{g.arch}.block_count", int)
+    d = g.get(f"{arch}.embedding_length", int)
+    g.close()
+    extra = _with(src, str(tmp_path / "extra.gguf"), tensor=(f"blk.{n_layers}.attn_norm.weight", [1.0] * d))
+    with pytest.raises(FormatError, match=rf"blk\.{n_layers} but block_count is {n_layers}$"):
+        convert(extra, str(tmp_path / "extra.bnstore"), progress=False)
+    flat = _with(src, str(tmp_path / "flat.gguf"), shapes={"blk.0.ffn_norm.weight": [d, 1]})
+    with pytest.raises(FormatError, match=rf"'blk\.0\.ffn_norm\.weight' has shape .*expected \({d},\)"):
+        convert(flat, str(tmp_path / "flat.bnstore"), progress=False)
+    assert not (tmp_path / "extra.bnstore").exists() and not (tmp_path / "flat.bnstore").exists()
+    convert(src, str(tmp_path / "plain.bnstore"), progress=False)   # the file itself converts

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import numpy as np
 
@@ -224,6 +225,13 @@ class GGUFSource:
         vd = g.get(f"{arch}.attention.value_length", int)
         if vd is not None and vd != hd:
             raise UnsupportedError(f"{path}: attention.value_length {vd} != key_length {hd}")
+        # tensors of layers past block_count: the count or the tensors are wrong, and either way the file is not
+        # what it says (llama.cpp refuses it: "wrong number of tensors")
+        layers = {int(m.group(1)) for n in g.tensors if (m := re.match(r"blk\.(\d+)\.", n))}
+        extra = sorted(i for i in layers if i >= L)
+        if extra:
+            raise FormatError(f"{path}: tensors of layer blk.{extra[0]} but block_count is {L}"
+                              + (f" (layers {extra[0]}-{extra[-1]} past it)" if len(extra) > 1 else ""))
         emb = g.info("token_embd.weight")
         if len(emb.shape) != 2 or emb.shape[1] != D:
             raise FormatError(f"{path}: token_embd.weight has shape {emb.shape}, expected [vocab, {D}]")
@@ -316,8 +324,8 @@ class GGUFSource:
         size = {"attn_sub_norm": c.q_dim, "ffn_sub_norm": c.intermediate_size, "attn_q_norm": c.head_dim,
                 "attn_k_norm": c.head_dim}.get(short, c.hidden_size)
         t = self.g.info(name)
-        if t.n_elements != size:
-            raise FormatError(f"{self.path}: tensor {name!r} has {t.n_elements} values, expected {size}")
+        if tuple(t.shape) != (size,):   # a vector: llama.cpp refuses a [1, n] norm too
+            raise FormatError(f"{self.path}: tensor {name!r} has shape {tuple(t.shape)}, expected ({size},)")
         return self.g.dequantize(name).reshape(-1)
 
     def linear(self, short, i):
