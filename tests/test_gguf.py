@@ -185,14 +185,16 @@ def test_unreadable_path(tmp_path):
         GGUFFile(str(tmp_path / "missing.gguf"))
 
 
-def _with(src: str, dst: str, kv=(), tensor=None, shapes=None) -> str:
+def _with(src: str, dst: str, kv=(), tensor=None, shapes=None, change=None) -> str:
     """A copy of the GGUF file `src` with more metadata (key, type, value), optionally one more F32 tensor
-    (name, values), and tensors given other shapes of the same size ({name: dims})."""
+    (name, values), tensors given other shapes of the same size ({name: dims}) and metadata values changed
+    ({key: function of the old value})."""
     from test_fuzz import _ARR, _VT
     g = GGUFFile(src)
     w = RawGGUFWriter(dst, alignment=g.alignment)
     for k, v in g.kv.items():
         t = g.kv_types[k]
+        v = (change or {}).get(k, lambda v: v)(v)
         w.add(k, ("arr_str" if isinstance(v, list) else _ARR[v.dtype.name]) if t == 9 else _VT[t], v)
     for k, typ, v in kv:
         w.add(k, typ, v)
@@ -251,3 +253,24 @@ def test_layers_past_block_count_and_matrix_norms_are_refused(tmp_path, model):
         convert(flat, str(tmp_path / "flat.bnstore"), progress=False)
     assert not (tmp_path / "extra.bnstore").exists() and not (tmp_path / "flat.bnstore").exists()
     convert(src, str(tmp_path / "plain.bnstore"), progress=False)   # the file itself converts
+
+
+def test_a_merge_of_tokens_not_in_the_vocabulary_is_named_in_the_files_terms(tmp_path, model):
+    """A gpt2 vocabulary whose merges name a token the file lacks: one line naming the merge and the key, not the
+    tokenizers library's complaint about a tokenizer.json (and a line and column) the user never had."""
+    from bitnet_cpu.engine.formats.convert import convert
+
+    src = write_gguf_tq(model, str(tmp_path / "plain.gguf"), "TQ2_0")
+    for name, fix, part in (("unknown", lambda v: ["zzzq qqqz"] + list(v[1:]), "zzzq"),
+                            ("no-token-0", None, None)):
+        if fix is None:   # token 0 renamed: the merges that use it now name a token the vocabulary lacks
+            toks = list(GGUFFile(src).kv["tokenizer.ggml.tokens"])
+            part = toks[0]
+            fix = {"tokenizer.ggml.tokens": lambda v: ["\u2603\u2603"] + list(v[1:])}
+            bad = _with(src, str(tmp_path / f"{name}.gguf"), change=fix)
+        else:
+            bad = _with(src, str(tmp_path / f"{name}.gguf"), change={"tokenizer.ggml.merges": fix})
+        with pytest.raises(FormatError) as e:
+            convert(bad, str(tmp_path / f"{name}.bnstore"), progress=False)
+        msg = str(e.value)
+        assert f"but {part!r} is not in tokenizer.ggml.tokens" in msg and "tokenizer.json" not in msg, msg

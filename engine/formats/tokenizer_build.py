@@ -152,6 +152,10 @@ def _bpe_json(tokens, types, merges, llama3: bool, bos, path: str, regex: str | 
         a, sep, b = str(m).partition(" ")
         if not sep:
             raise FormatError(f"{path}: tokenizer.ggml.merges holds a bad merge {m!r}")
+        for part in (a, b, a + b):   # what the tokenizers library would refuse, named in the file's own terms
+            if part not in vocab:
+                raise FormatError(f"{path}: tokenizer.ggml.merges holds {m!r}, but {part!r} is not in"
+                                  " tokenizer.ggml.tokens")
         pairs.append([a, b])
     tj = {
         "version": "1.0", "truncation": None, "padding": None,
