@@ -281,6 +281,8 @@ def _read_template_kwargs(args: argparse.Namespace) -> str | None:
             return f"-rea/--reasoning {reasoning!r}: on, off or auto"
         if reasoning.lower() not in _AUTO:
             kwargs = {**(kwargs or {}), "enable_thinking": reasoning.lower() in _ON}
+    if effort is not None and not effort.strip():   # an unset shell variable: the template would get ""
+        return "--reasoning-effort '': give a level (low, medium, high) or 'default'"
     if effort is not None and effort != "default":
         kwargs = {**(kwargs or {}), "reasoning_effort": effort}
     args.template_kwargs = kwargs

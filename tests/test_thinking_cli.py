@@ -70,6 +70,7 @@ def test_the_flags_make_the_template_variables():
             {"x": 1, "enable_thinking": False}   # as llama.cpp: --reasoning writes enable_thinking
         assert kwargs("--reasoning-effort", "high") == {"reasoning_effort": "high"}
         assert kwargs("--reasoning-effort", "default") is None
+        assert kwargs("--reasoning-effort", " ").startswith("--reasoning-effort '': give a level")
         assert kwargs("-rea", "maybe") == "-rea/--reasoning 'maybe': on, off or auto"
         assert kwargs("--chat-template-kwargs", "[1]").startswith("--chat-template-kwargs: a JSON object")
         assert kwargs("--chat-template-kwargs", "{x}").startswith("--chat-template-kwargs: not JSON")
