@@ -130,3 +130,17 @@ def test_bad_input_is_one_line_and_exit_2(args, words):
     code, out, err = embed(*args)
     assert code == 2 and out == "" and words in err and "Traceback" not in err, err
     assert len([line for line in err.splitlines() if "error" in line]) == 1
+
+
+def test_a_text_past_the_trained_context_is_warned_of(llm):
+    """The default context of `bitnet embed` is past a short-trained model's (the bundled one: 512 tokens), so a
+    longer text is embedded, and the user is told which text went past the trained length; a short one is not."""
+    trained = llm.config.context_length
+    long = "word " * trained   # two tokens a word with the space: past the trained length, within the default
+    code, out, err = embed("-p", f"short\n{long}")
+    assert code == 0 and out.count("embedding ") == 2, err
+    warn = [line for line in err.splitlines() if "warning" in line]
+    assert len(warn) == 1 and "text 2 of 2 has" in warn[0] and f"past the {trained} the model was trained on" \
+        in warn[0], err
+    code, out, err = embed("-p", "short")
+    assert code == 0 and "warning" not in err, err
