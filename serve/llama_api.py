@@ -18,52 +18,25 @@ from ..engine import __version__
 from ..engine.runtime.sampling import SamplingParams
 from .logprobs import chat_entry
 from .offload import run_off_loop, too_long_for_context
-from .schemas import MANY_STOPS, ChatMessage, JSONTyped, RequestProblem, _Sampling, continuation
+from .schemas import CHAIN, MANY_STOPS, ChatMessage, JSONTyped, RequestProblem, _Sampling, continuation
 
-# llama-server's sampler names. The engine's chain is bias -> penalties -> dry -> top_n_sigma -> top_k -> typ_p ->
-# top_p -> min_p -> xtc -> temperature (engine/runtime/sampling.py, llama.cpp's default order); a `samplers` list
-# may leave any of those out (that one is off) but not reorder them. The other names are samplers that are always
-# on (penalties) or that this engine has not (tfs_z, infill), so naming them changes nothing.
-CHAIN = ("dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature")
-NO_OP_SAMPLERS = {"tfs_z", "penalties", "infill"}
-# llama.cpp's other spellings of the chain's names (kebab-case, no underscore, a few words)
-SAMPLER_ALIASES = {**{n.replace("_", "-"): n for n in CHAIN}, **{n.replace("_", ""): n for n in CHAIN},
-                   "typical_p": "typ_p", "typical": "typ_p", "typ": "typ_p", "nucleus": "top_p", "temp": "temperature"}
-# llama-server's one-letter names (`"samplers": "kpt"`; common_sampler_type_to_chr)
-SAMPLER_LETTERS = {"d": "dry", "k": "top_k", "y": "typ_p", "p": "top_p", "s": "top_n_sigma", "m": "min_p",
-                   "t": "temperature", "x": "xtc", "i": "infill", "e": "penalties"}
-# a sampler left out of the chain: the SamplingParams field that turns it off, and its "off" value
-CHAIN_OFF = {"dry": ("dry_multiplier", 0.0), "top_n_sigma": ("top_n_sigma", -1.0), "top_k": ("top_k", 0),
-             "typ_p": ("typical_p", 1.0), "top_p": ("top_p", 1.0), "min_p": ("min_p", 0.0),
-             "xtc": ("xtc_probability", 0.0)}
-# llama-server fields for samplers and features this engine does not have: refused unless at their "off" value
-OFF = {"n_indent": 0, "t_max_predict_ms": 0, "post_sampling_probs": False, "image_data": None,
-       "lora": None, "multimodal_data": None}
-LAZY = ("grammar_lazy", "grammar_triggers")   # refused when set (true, non-empty)
 STOP_TYPE = {"eos": "eos", "stop": "word", "length": "limit", "context": "limit", "cancelled": "none"}
 
 
 class NativeCompletionRequest(_Sampling):
     """llama-server's POST /completion body: its names (n_predict, n_probs, logit_bias as pairs) over the
     OpenAI endpoints' sampling fields and checks (temperature without OpenAI's cap, up to MANY_STOPS stops)."""
-    model_config = ConfigDict(extra="allow")   # the OFF fields are checked among the extras
+    N_PROBS: ClassVar[bool] = True   # n_probs is this endpoint's own logprobs field
     MAX_TEMPERATURE: ClassVar[Optional[float]] = None
     MAX_STOPS: ClassVar[Optional[int]] = MANY_STOPS
     prompt: Union[str, list[Any]]
     max_tokens: Optional[int] = None   # n_predict's other name in llama-server (-1: to the context's end)
-    n_probs: int = Field(default=0, ge=0, le=20)
     return_tokens: bool = False
-    samplers: Optional[list[str]] = None   # names, or llama-server's string of letters ("kpt")
     response_fields: Optional[list[str]] = None
     cache_prompt: bool = True     # ignored by design: a cached prefix gives the same bits as a fresh one
     id_slot: Optional[int] = None  # ignored by design: the scheduler places sequences
     n_keep: Optional[int] = None   # ignored by design: the context never shifts (a prompt over it is refused)
     logit_bias: Union[dict[str, float], list[Any], None] = None
-
-    @field_validator("samplers", mode="before")
-    @classmethod
-    def _sampler_letters(cls, value):
-        return [SAMPLER_LETTERS.get(c, c) for c in value] if isinstance(value, str) else value
 
     @field_validator("temperature", mode="before")
     @classmethod
@@ -98,36 +71,6 @@ class NativeCompletionRequest(_Sampling):
 
     def record_logprobs(self):
         return self.n_probs or None
-
-    def unsupported(self):
-        extra = self.model_extra or {}
-        for name, off in OFF.items():
-            if extra.get(name, off) != off:
-                return name, f"{name} {extra[name]!r}: not supported (only {off!r}, off)"
-        for name in LAZY:   # a lazy grammar waits for a trigger; ignored, it would constrain from the first token
-            if extra.get(name):
-                return name, (f"{name}: lazy grammars (applied from a trigger on) are not supported; the grammar "
-                              "applies from the first token")
-        if self.samplers is not None:
-            names = [SAMPLER_ALIASES.get(x, x) if isinstance(x, str) else x for x in self.samplers]
-            unknown = [x for x in names if x not in CHAIN and x not in NO_OP_SAMPLERS]
-            if unknown:
-                return "samplers", f"samplers: unknown {unknown[0]!r}"
-            given = [x for x in names if x in CHAIN]
-            if given != [x for x in CHAIN if x in given]:
-                return "samplers", f"samplers: the engine's order is {', '.join(CHAIN)} (any may be left out)"
-        return super().unsupported()
-
-    def sampling_params(self, defaults=None):
-        p = super().sampling_params(defaults)
-        if self.samplers is not None:   # a sampler left out of the chain is off
-            chain = {SAMPLER_ALIASES.get(x, x) for x in self.samplers}
-            for name, (field, off) in CHAIN_OFF.items():
-                if name not in chain:
-                    setattr(p, field, off)
-            if "temperature" not in chain and p.temperature > 0:
-                p.temperature = 1.0
-        return p
 
 
 def prompt_pieces(prompt, vocab: int) -> list:

@@ -195,6 +195,28 @@ class ResponseFormat(BaseModel):
     schema_: Optional[dict[str, Any]] = Field(default=None, alias="schema")
 
 
+# llama-server's sampler names. The engine's chain is bias -> penalties -> dry -> top_n_sigma -> top_k -> typ_p ->
+# top_p -> min_p -> xtc -> temperature (engine/runtime/sampling.py, llama.cpp's default order); a `samplers` list
+# may leave any of those out (that one is off) but not reorder them. The other names are samplers that are always
+# on (penalties) or that this engine has not (tfs_z, infill), so naming them changes nothing.
+CHAIN = ("dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature")
+NO_OP_SAMPLERS = {"tfs_z", "penalties", "infill"}
+# llama.cpp's other spellings of the chain's names (kebab-case, no underscore, a few words)
+SAMPLER_ALIASES = {**{n.replace("_", "-"): n for n in CHAIN}, **{n.replace("_", ""): n for n in CHAIN},
+                   "typical_p": "typ_p", "typical": "typ_p", "typ": "typ_p", "nucleus": "top_p", "temp": "temperature"}
+# llama-server's one-letter names (`"samplers": "kpt"`; common_sampler_type_to_chr)
+SAMPLER_LETTERS = {"d": "dry", "k": "top_k", "y": "typ_p", "p": "top_p", "s": "top_n_sigma", "m": "min_p",
+                   "t": "temperature", "x": "xtc", "i": "infill", "e": "penalties"}
+# a sampler left out of the chain: the SamplingParams field that turns it off, and its "off" value
+CHAIN_OFF = {"dry": ("dry_multiplier", 0.0), "top_n_sigma": ("top_n_sigma", -1.0), "top_k": ("top_k", 0),
+             "typ_p": ("typical_p", 1.0), "top_p": ("top_p", 1.0), "min_p": ("min_p", 0.0),
+             "xtc": ("xtc_probability", 0.0)}
+# llama-server fields for samplers and features this engine does not have: refused unless at their "off" value,
+# on every endpoint that takes llama-server's extras (its own /completion and the OpenAI ones)
+OFF = {"n_indent": 0, "t_max_predict_ms": 0, "post_sampling_probs": False, "image_data": None,
+       "lora": None, "multimodal_data": None}
+LAZY = ("grammar_lazy", "grammar_triggers")   # refused when set (true, non-empty)
+
 class _Sampling(JSONTyped):
     model_config = ConfigDict(extra="ignore")
     MAX_TEMPERATURE: ClassVar[Optional[float]] = OPENAI_MAX_TEMPERATURE   # None: the engine's range only
@@ -256,6 +278,24 @@ class _Sampling(JSONTyped):
     response_format: Optional[ResponseFormat] = None
     json_schema: Optional[dict[str, Any]] = None
     grammar: Optional[str] = None
+    # llama-server's sampler chain (names, or its string of letters "kpt") and its fields for what this engine has
+    # not (OFF, LAZY): read on every endpoint, as llama-server reads them, so none is dropped in silence
+    samplers: Optional[list[str]] = None
+    n_probs: int = Field(default=0, ge=0, le=20)   # /completion's logprobs; the OpenAI endpoints' are their own
+    n_indent: Any = OFF["n_indent"]
+    t_max_predict_ms: Any = OFF["t_max_predict_ms"]
+    post_sampling_probs: Any = OFF["post_sampling_probs"]
+    image_data: Any = None
+    lora: Any = None
+    multimodal_data: Any = None
+    grammar_lazy: Any = None
+    grammar_triggers: Any = None
+    N_PROBS: ClassVar[bool] = False   # n_probs honoured (llama-server's /completion)
+
+    @field_validator("samplers", mode="before")
+    @classmethod
+    def _sampler_letters(cls, value):
+        return [SAMPLER_LETTERS.get(c, c) for c in value] if isinstance(value, str) else value
 
     @model_validator(mode="before")
     @classmethod
@@ -332,8 +372,16 @@ class _Sampling(JSONTyped):
         """The request's sampling; a field the request did not send takes `defaults`' value (the server's
         --temp / --top-k ... flags), else the engine's default."""
         base = defaults or _DEFAULT
-        return SamplingParams(**{f: getattr(self, f) if f in self.model_fields_set else getattr(base, f)
-                                 for f in SAMPLING_FIELDS}, record_logprobs=self.record_logprobs())
+        p = SamplingParams(**{f: getattr(self, f) if f in self.model_fields_set else getattr(base, f)
+                              for f in SAMPLING_FIELDS}, record_logprobs=self.record_logprobs())
+        if self.samplers is not None:   # a sampler left out of the chain is off
+            chain = {SAMPLER_ALIASES.get(x, x) for x in self.samplers}
+            for name, (field, off) in CHAIN_OFF.items():
+                if name not in chain:
+                    setattr(p, field, off)
+            if "temperature" not in chain and p.temperature > 0:
+                p.temperature = 1.0
+        return p
 
     def record_logprobs(self) -> int | None:
         """How many alternatives per token the engine must record (None: no logprobs asked)."""
@@ -383,6 +431,23 @@ class _Sampling(JSONTyped):
         for name, why in REFUSED.items():
             if getattr(self, name) is not None:
                 return name, why
+        for name, off in OFF.items():
+            if getattr(self, name) != off:
+                return name, f"{name} {getattr(self, name)!r}: not supported (only {off!r}, off)"
+        for name in LAZY:   # a lazy grammar waits for a trigger; ignored, it would constrain from the first token
+            if getattr(self, name):
+                return name, (f"{name}: lazy grammars (applied from a trigger on) are not supported; the grammar "
+                              "applies from the first token")
+        if self.n_probs and not self.N_PROBS:
+            return "n_probs", "n_probs: llama-server's /completion field; on this endpoint ask for logprobs"
+        if self.samplers is not None:
+            names = [SAMPLER_ALIASES.get(x, x) if isinstance(x, str) else x for x in self.samplers]
+            unknown = [x for x in names if x not in CHAIN and x not in NO_OP_SAMPLERS]
+            if unknown:
+                return "samplers", f"samplers: unknown {unknown[0]!r}"
+            given = [x for x in names if x in CHAIN]
+            if given != [x for x in CHAIN if x in given]:
+                return "samplers", f"samplers: the engine's order is {', '.join(CHAIN)} (any may be left out)"
         if self.reasoning_effort is not None and (self.reasoning_effort != "none" or not self.EFFORT_NONE):
             return "reasoning_effort", (f"reasoning_effort {self.reasoning_effort!r}: no effort levels here"
                                         + (" (\"none\" turns a thinking template's thinking off)" if self.EFFORT_NONE

@@ -274,6 +274,43 @@ def test_completion_refusals_name_the_field(server, body, param):
     assert r.json()["error"]["param"] == param and r.json()["error"]["message"]
 
 
+@pytest.mark.parametrize("body, param", [
+    ({"post_sampling_probs": True}, "post_sampling_probs"),
+    ({"t_max_predict_ms": 500}, "t_max_predict_ms"),
+    ({"lora": [{"id": 0, "scale": 1.0}]}, "lora"),
+    ({"grammar": 'root ::= "yes" | "no"', "grammar_lazy": True}, "grammar_lazy"),   # was applied at once
+    ({"grammar": 'root ::= "yes"', "grammar_triggers": [{"type": 0, "value": "ZZ"}]}, "grammar_triggers"),
+    ({"samplers": ["temperature", "top_k"]}, "samplers"),
+    ({"samplers": "kq"}, "samplers"),
+    ({"n_probs": 3}, "n_probs"),
+])
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_llama_server_fields_are_read_on_the_openai_endpoints_too(server, path, body, param):
+    """llama-server reads its extras on its OpenAI endpoints as on /completion (its web UI sends `samplers` to
+    /v1/chat/completions): what /completion refuses is refused there too, where it used to be dropped in silence
+    (a lazy grammar was applied from the first token)."""
+    base = {"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": P}
+    r = post(server, path, {**base, "max_tokens": 2, **body})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param and r.json()["error"]["message"]
+
+
+def test_samplers_take_effect_on_the_openai_endpoints(server):
+    """A sampler left out of `samplers` is off on the OpenAI endpoints as on /completion: the same draw as that
+    sampler's "off" value (top_k 5 left out of the chain is top_k 0), and not the draw with top_k 5."""
+    kw = dict(temperature=1.0, seed=3, max_tokens=16, top_p=1.0, min_p=0.0)
+    for path, base, text in (("/v1/completions", {"prompt": P}, lambda j: j["choices"][0]["text"]),
+                             ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Tell a story"}]},
+                              lambda j: j["choices"][0]["message"]["content"])):
+        def draw(**extra):
+            r = post(server, path, {**base, **kw, **extra})
+            assert r.status_code == 200, r.text
+            return text(r.json())
+        off = draw(top_k=0)
+        assert draw(samplers=["top_p", "min_p", "temperature"], top_k=5) == off == draw(samplers="pmt", top_k=5)
+        assert draw(top_k=5) != off, path   # else the comparison says nothing
+
+
 @pytest.mark.parametrize("ctype", ["application/x-www-form-urlencoded", "text/plain;charset=UTF-8", None])
 def test_a_json_body_is_read_whatever_its_content_type(server, ctype):
     """`curl -d` names its body application/x-www-form-urlencoded, a browser's fetch() of a string text/plain:
