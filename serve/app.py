@@ -92,6 +92,11 @@ class ServerState:
         self.sampling = sampling           # the requests' default SamplingParams (create_app's sampling)
         self.on_load_error: Callable[[BaseException], None] | None = None   # create_app's
 
+    def refuses(self, name) -> bool:
+        """Whether a request naming `name` gets a 404: only under --strict-model-name, for a name other than the
+        served id or ollama's NAME:latest for it (every route asks this, so they agree)."""
+        return bool(self.strict_model and name and name not in (self.model_id, f"{self.model_id}:latest"))
+
     def token_text(self, eng) -> TokenText:
         """The server's one token -> (text, bytes) cache for logprobs."""
         if self._token_text is None:
@@ -279,7 +284,7 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
     def check_model(name):
         """llama-server's rule by default: any name is answered by the loaded model (clients send fixed names);
         --strict-model-name: only the served id (or its alias)."""
-        if state.strict_model and name and name != state.model_id:
+        if state.refuses(name):
             raise APIError(404, f"model '{name}' does not exist (this server has '{state.model_id}')",
                            "not_found_error", "model", "model_not_found")
 
@@ -929,7 +934,7 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         """`client.models.retrieve(NAME)`: the model that a request naming NAME gets (any name but under
         --strict-model-name, as the generating endpoints)."""
         eng = ready(request)
-        check_model(model_name.split(":")[0] if model_name.endswith(":latest") else model_name)
+        check_model(model_name)
         return model_entry(eng)
 
     @app.post("/infill", include_in_schema=False)

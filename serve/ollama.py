@@ -229,12 +229,12 @@ def ready_engine(ready, api_error: type, request):
 
 
 def check_model_name(state, name):
-    """ollama's model field: required; under --strict-model-name the served name, with or without a :tag."""
+    """ollama's model field: required; under --strict-model-name the served name (or NAME:latest)."""
     if name is not None and not isinstance(name, str):   # as the pydantic routes say it (/api/chat, /api/show)
         raise OllamaError(400, f"model: Input should be a valid string, not {type(name).__name__}")
     if not name:
         raise OllamaError(400, "model is required")
-    if state.strict_model and name != state.model_id and name.split(":")[0] != state.model_id:
+    if state.refuses(name):
         raise OllamaError(404, f"model '{name}' not found (this server has '{state.model_id}')")
 
 

@@ -298,6 +298,14 @@ def test_strict_model_name_404_in_ollama_shape():
         assert ei.value.status_code == 404 and "bitnet-small" in ei.value.error
         assert c.chat(model="bitnet-small:latest", messages=Q, options={"num_predict": 2}).done
         assert [m.model for m in c.list().models] == ["bitnet-small"]
+        # every route agrees on a name: NAME and NAME:latest are served, another tag is not (as ollama: 404)
+        chat = {"messages": Q, "max_tokens": 1}
+        for name, code in (("bitnet-small", 200), ("bitnet-small:latest", 200), ("bitnet-small:70b", 404)):
+            got = [httpx.get(f"{s.url}/v1/models/{name}", timeout=60).status_code]
+            for path, body in (("/v1/chat/completions", chat), ("/api/chat", {**chat, "stream": False}),
+                               ("/api/embed", {"input": "hi"}), ("/v1/embeddings", {"input": "hi"})):
+                got.append(httpx.post(s.url + path, json={**body, "model": name}, timeout=60).status_code)
+            assert got == [code] * 5, (name, got)
     finally:
         s.stop()
 
