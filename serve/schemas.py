@@ -115,6 +115,19 @@ def continuation(msgs: list[dict], continue_final: bool | None,
     return msgs[:-1], last.get("content") or ""
 
 
+# the content parts that carry something other than text (OpenAI's chat and Responses, Anthropic's): refused as
+# such; any other type is not a content part at all
+MEDIA_PARTS = frozenset({"image_url", "input_audio", "file", "input_image", "input_file", "image", "document",
+                         "audio", "video", "input_video"})
+
+
+def part_refusal(where: str, kind, kinds: tuple[str, ...]) -> str:
+    """Why a content part of type `kind` (not one of the text `kinds`) is refused, in words naming `where`."""
+    if kind in MEDIA_PARTS:
+        return f"{where}.type {kind!r}: this model takes text only ({', '.join(kinds)} parts)"
+    return f"{where}.type {kind!r}: not a content part type here (its text parts: {', '.join(kinds)})"
+
+
 def text_of_parts(content, where: str, kinds: tuple[str, ...]) -> str:
     """A message's content (a string, or parts of the given text kinds) as text; a part of another kind (an image,
     a file: this model takes text only) is a RequestProblem naming it.
@@ -129,8 +142,7 @@ def text_of_parts(content, where: str, kinds: tuple[str, ...]) -> str:
     for j, p in enumerate(content):
         kind = p.get("type") if isinstance(p, dict) else None
         if kind not in kinds:
-            raise RequestProblem(f"{where}[{j}]", f"{where}[{j}].type {kind!r}: this model takes text only "
-                                                  f"({', '.join(kinds)} parts)")
+            raise RequestProblem(f"{where}[{j}]", part_refusal(f"{where}[{j}]", kind, kinds))
         t = p.get("refusal" if kind == "refusal" else "text")
         if not isinstance(t, str):
             raise RequestProblem(f"{where}[{j}]", f"{where}[{j}]: a text part needs a string")
@@ -585,8 +597,8 @@ class ChatCompletionRequest(_Sampling):
         for i, m in enumerate(self.messages):
             j = m.other_part()
             if j is not None:
-                return (f"messages.{i}.content.{j}", f"messages.{i}.content.{j}.type {m.content[j].type!r}: this "
-                        "model takes text only (text parts)")
+                return (f"messages.{i}.content.{j}", part_refusal(f"messages.{i}.content.{j}", m.content[j].type,
+                                                                   CHAT_TEXT_PARTS))
         return super().unsupported()
 
     def tool_choice_name(self) -> str:

@@ -455,6 +455,23 @@ def test_a_lone_surrogate_is_a_400_naming_the_field_everywhere(server):
     assert ok.status_code == 200 and ok.json()["tokens"]   # a pair is one character; an escaped backslash is text
 
 
+def test_a_content_part_is_refused_for_what_it_is(server):
+    """An image part is refused because this model takes text only; a part type that is no content part at all
+    (a typo, the Responses API's input_text sent to chat) is called unknown, not an unsupported medium."""
+    def chat(part):
+        return httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+            "messages": [{"role": "user", "content": [part]}], "max_tokens": 1})
+    img = chat({"type": "image_url", "image_url": {"url": "http://x/y.png"}})
+    assert img.status_code == 400 and "takes text only" in img.json()["error"]["message"], img.text
+    for kind in ("txt", "input_text"):
+        r = chat({"type": kind, "text": "hi"})
+        msg = r.json()["error"]["message"]
+        assert r.status_code == 400 and "not a content part type" in msg and "takes text only" not in msg, r.text
+    r = httpx.post(server.url + "/v1/responses", timeout=60, json={
+        "input": [{"role": "user", "content": [{"type": "txt", "text": "hi"}]}], "max_output_tokens": 1})
+    assert r.status_code == 400 and "not a content part type" in r.json()["error"]["message"], r.text
+
+
 def test_request_counts_are_labelled_by_route_not_by_url(server):
     """bitnet_http_requests_total's endpoint label is the route a request took (/v1/models/{model_name:path}),
     a URL no route takes is "other": made-up URLs cannot add series (memory, scrape size) without bound."""
