@@ -85,7 +85,7 @@ def quiet_terminal(enabled: bool):
             quiet = list(saved)
             quiet[3] &= ~(termios.ECHO | getattr(termios, "ECHOCTL", 0) | termios.ICANON)
             termios.tcsetattr(fd, termios.TCSANOW, quiet)
-        except (ImportError, OSError, ValueError, AttributeError):
+        except Exception:   # noqa: BLE001  (no terminal, or it is gone: termios.error is no OSError)
             fd = None
     try:
         yield
@@ -93,8 +93,15 @@ def quiet_terminal(enabled: bool):
         if fd is not None:
             try:
                 termios.tcsetattr(fd, termios.TCSANOW, saved)
-            except OSError:
+            except Exception:   # noqa: BLE001  (the terminal closed meanwhile: termios.error)
                 pass
+
+
+def terminal_gone(e: BaseException) -> bool:
+    """A write or read that failed because the terminal closed (its window, an ssh session): EIO on a pty whose
+    other end is gone (SIGHUP may come after it)."""
+    import errno
+    return isinstance(e, OSError) and e.errno in (errno.EIO, errno.ENXIO)
 
 
 class ChatSession:
@@ -103,6 +110,7 @@ class ChatSession:
         self.llm = llm
         self.settings = settings
         self.out = output
+        self._shown: list[str] = []   # the text of the answer being shown
         self.conv = Conversation(system=system or None)
         self.threads = threads
         self.model_label = model_label
@@ -242,7 +250,14 @@ class ChatSession:
                 return
             self.out.end_answer()
             self.out.notice("[interrupted]")   # the turn was already answered, or dropped
-        except Exception:   # a bug mid-answer (handle_line reports it): the question still gets an answer, empty
+        except Exception as e:   # a bug mid-answer (handle_line reports it): the question still gets an answer, empty
+            if terminal_gone(e) and turn.assistant is None and self.conv.last_turn() is turn:
+                # the terminal closed while the answer was being finished: what was shown is kept, as on SIGHUP
+                turn.assistant, turn.interrupted, turn.finish_reason = "".join(self._shown), True, "interrupted"
+                self.cached_turn = None
+                with contextlib.suppress(Exception):
+                    self._save_recovery()
+                raise Terminated(getattr(signal, "SIGHUP", signal.SIGTERM)) from None
             if turn.assistant is None and self.conv.last_turn() is turn:
                 turn.assistant, turn.interrupted, turn.finish_reason = "", True, "error"
                 self.cached_turn = None
@@ -287,6 +302,7 @@ class ChatSession:
         max_tokens = max(1, min(self.settings.max_tokens, self.llm.n_ctx - len(ids)))
         params = self.sampling_params()
         pieces: list[str] = []
+        self._shown = pieces   # what _answer keeps if the terminal closes while the answer is finished
         answer_ids: list[int] = []
         stats = None      # the engine's running Stats of the last chunk shown (every chunk carries them)
         n_tokens = 0
@@ -334,6 +350,14 @@ class ChatSession:
                     interrupted = True
         except KeyboardInterrupt:   # a Ctrl-C that landed outside the loop (e.g. in close)
             interrupted = True
+        except OSError as e:
+            if not terminal_gone(e):
+                raise
+            # the terminal closed mid-answer: what was shown is kept, as on SIGHUP (which may come after the
+            # failed write), and bitchat leaves as it would on that signal
+            turn.assistant, turn.interrupted, turn.finish_reason = "".join(pieces), True, "interrupted"
+            self._save_recovery()
+            raise Terminated(getattr(signal, "SIGHUP", signal.SIGTERM)) from None
         except BitNetError as e:   # ContextOverflowError included: one line, the session goes on
             self.out.end_answer()
             if pieces:

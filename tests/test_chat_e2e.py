@@ -270,6 +270,56 @@ def test_sigterm_and_sighup_restore_the_terminal_and_keep_the_answer_so_far(long
     assert after[3] & termios.ECHO and after[3] & termios.ICANON   # the terminal as it was (pexpect's: cooked)
 
 
+def test_a_terminal_closed_mid_answer_keeps_the_answer_and_exits_as_sighup(long_model, tmp_path):
+    """The terminal itself closes (its window, an ssh session) while an answer streams: the next write fails (EIO)
+    before any SIGHUP arrives. That was an internal error (exit 70) that emptied the answer in the recovery copy;
+    now it is SIGHUP's exit, 129, with the answer shown so far kept."""
+    import pty
+    import select
+    import signal
+
+    stderr = tmp_path / "stderr.txt"
+    cmd = console_script("bitchat")
+    pid, fd = pty.fork()
+    if pid == 0:   # the child: bitchat on the pty, its stderr in a file (the terminal will be gone)
+        try:
+            os.dup2(os.open(stderr, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 2)
+            os.execvpe(cmd[0], [*cmd, "-m", long_model, "-t", "1", "-n", "8000", "--temp", "0"], test_env(tmp_path))
+        finally:
+            os._exit(127)
+    shown, deadline = b"", time.monotonic() + TIMEOUT
+
+    def read_until(done):
+        nonlocal shown
+        while not done() and time.monotonic() < deadline:
+            if select.select([fd], [], [], 0.2)[0]:
+                try:
+                    shown += os.read(fd, 65536)
+                except OSError:
+                    break
+        return done()
+    try:
+        assert read_until(lambda: b">>>" in shown), shown[-500:]
+        os.write(fd, b"Tell me a very long story about a dragon, with many chapters.\r")
+        mark = len(shown)
+        assert read_until(lambda: len(ANSI_RE.sub("", shown[mark:].decode(errors="replace")).strip()) > 200)
+    finally:
+        os.close(fd)   # the terminal closes
+    left = time.monotonic() + TIMEOUT
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < left:
+        time.sleep(0.1)
+    if done[0] == 0:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        raise AssertionError("bitchat did not end when its terminal closed")
+    err = stderr.read_text()
+    assert os.waitstatus_to_exitcode(done[1]) == 128 + signal.SIGHUP and "internal error" not in err, err
+    saved = re.search(r"saved in (\S+recovery-\d+\.json)", err)
+    assert saved, err
+    last = json.loads(open(saved.group(1)).read())["turns"][-1]
+    assert last.get("interrupted") and last["assistant"], last   # what was shown, not an empty answer
+
+
 def test_sigterm_while_a_conversation_loads_ends_bitchat(long_model, tmp_path):
     """SIGTERM at any moment of /load (reading, fitting the window, the prefill) ends bitchat with 143: it was
     taken for a tokenizer error ("[internal error: FormatError ... 15]") or a Ctrl-C of the prefill, and bitchat
