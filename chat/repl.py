@@ -7,10 +7,13 @@ a hint how to leave); Ctrl-D at an empty prompt exits. Input history persists in
 '''
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import re
 import signal
 import sys
+import tempfile
 import threading
 import traceback
 from contextlib import contextmanager
@@ -42,6 +45,8 @@ def private_history(path: str, keep: int = HISTORY_KEEP, max_bytes: int = HISTOR
     prompt_toolkit's FileHistory format: each entry a "# time" line, then its lines each after a "+"."""
     d = os.path.dirname(path) or "."
     os.makedirs(d, mode=0o700, exist_ok=True)
+    if os.path.exists(path) and not os.path.isfile(path):   # /dev/null (history off), a FIFO, a device: never
+        raise OSError(errno.EINVAL, "not a regular file")     # chmod it, nor read an endless one
     os.close(os.open(path, os.O_CREAT | os.O_APPEND | os.O_WRONLY, 0o600))
     if os.stat(path).st_mode & 0o077:
         os.chmod(path, 0o600)   # made by an earlier bitchat with the umask's bits
@@ -57,11 +62,36 @@ def private_history(path: str, keep: int = HISTORY_KEEP, max_bytes: int = HISTOR
         cut = later[0] if later else len(text)
     if cut == 0:
         return
-    tmp = path + ".tmp"
-    fd = os.open(tmp, os.O_CREAT | os.O_TRUNC | os.O_WRONLY, 0o600)
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write("\n" + text[cut:])
-    os.replace(tmp, path)
+    fd, tmp = tempfile.mkstemp(prefix=".history-", suffix=".tmp", dir=d)   # 0600; one per bitchat starting
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write("\n" + text[cut:])
+        os.replace(tmp, path)
+    except BaseException:   # a full disk: no partial copy left taking the space
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def guarded_file_history(path: str):
+    """prompt_toolkit's FileHistory whose writes may fail (a full disk, the file removed): the first failure is
+    kept in .problem (the REPL says it once) and the history goes on in memory; prompt_toolkit printed its own
+    traceback and "Press ENTER to continue" at every line."""
+    from prompt_toolkit.history import FileHistory
+
+    class GuardedFileHistory(FileHistory):
+        problem: str | None = None
+        said = False
+
+        def store_string(self, string: str) -> None:
+            if self.problem is not None:
+                return
+            try:
+                super().store_string(string)
+            except OSError as e:
+                self.problem = f"[history file {path}: {e.strerror or e}; history kept in memory only]"
+
+    return GuardedFileHistory(path)
 
 
 def handle_line(session: ChatSession, text: str) -> bool:
@@ -178,7 +208,7 @@ def run_repl(session: ChatSession) -> int:
     from prompt_toolkit import PromptSession
     from prompt_toolkit.application import run_in_terminal
     from prompt_toolkit.completion import Completer, Completion
-    from prompt_toolkit.history import FileHistory, InMemoryHistory
+    from prompt_toolkit.history import InMemoryHistory
     from prompt_toolkit.key_binding import KeyBindings
 
     class SlashCompleter(Completer):
@@ -194,7 +224,7 @@ def run_repl(session: ChatSession) -> int:
     if path:
         try:
             private_history(path)
-            history = FileHistory(path)
+            history = guarded_file_history(path)
         except OSError as e:
             session.out.notice(f"[history file {path}: {e.strerror}; history kept in memory only]")
 
@@ -253,6 +283,9 @@ def run_repl(session: ChatSession) -> int:
             if previous is not None:
                 signal.signal(signal.SIGINT, previous)
         empty_interrupts[0] = 0
+        if getattr(history, "problem", None) and not history.said:   # said once; the history goes on in memory
+            session.out.notice(history.problem)
+            history.said = True
         if not text.strip():
             continue
         try:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import tempfile
 from dataclasses import dataclass, field
 from typing import Callable
@@ -18,6 +19,9 @@ FORMAT_VERSION = 1
 
 class TranscriptError(Exception):
     """A conversation file cannot be read or written (message names the file and the problem)."""
+
+
+LOAD_MAX_BYTES = 64 << 20   # /load reads at most this much (a conversation of a 128k context is ~1 MB)
 
 
 @dataclass
@@ -148,9 +152,13 @@ class Conversation:
         A crash at any point leaves either the old file or the new one, never half of one.
         durable=False skips the fsyncs (the recovery copy: it must survive the process, not the machine)."""
         path = os.path.abspath(os.path.expanduser(path))
+        if os.path.islink(path):   # written through: the link stays, its file gets the conversation
+            path = os.path.realpath(path)
         directory = os.path.dirname(path)
         if os.path.isdir(path):
             raise TranscriptError(f"{path}: is a directory")
+        if os.path.exists(path) and not os.path.isfile(path):   # a device, a FIFO: never replaced by a file
+            raise TranscriptError(f"{path}: not a regular file")
         if not os.path.isdir(directory):
             raise TranscriptError(f"{path}: directory {directory} does not exist")
         data = json.dumps(self.to_dict(meta), ensure_ascii=False, indent=1) + "\n"
@@ -189,8 +197,17 @@ class Conversation:
     def load(cls, path: str) -> "Conversation":
         path = os.path.expanduser(path)
         try:
-            with open(path, encoding="utf-8") as f:
-                d = json.load(f)
+            # /dev/zero or a FIFO would be read for ever (or opening it would wait for a writer)
+            if os.path.exists(path) and not os.path.isfile(path) and not os.path.isdir(path):
+                raise TranscriptError(f"{path}: not a regular file")
+            with open(path, "rb") as f:
+                st = os.fstat(f.fileno())
+                if not stat.S_ISREG(st.st_mode):
+                    raise TranscriptError(f"{path}: not a regular file")
+                if st.st_size > LOAD_MAX_BYTES:
+                    raise TranscriptError(f"{path}: {st.st_size / (1 << 20):.0f} MiB is too large for a bitchat "
+                                          f"conversation (at most {LOAD_MAX_BYTES >> 20} MiB)")
+                d = json.loads(f.read().decode("utf-8"))
         except FileNotFoundError:
             raise TranscriptError(f"{path}: no such file") from None
         except IsADirectoryError:

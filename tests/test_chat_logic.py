@@ -175,6 +175,49 @@ def test_load_rejects_bad_files_with_one_line(tmp_path, content, message):
     assert message in str(e.value) and str(p) in str(e.value) and "\n" not in str(e.value)
 
 
+def test_files_that_are_not_regular_are_never_read_replaced_or_chmodded(tmp_path):
+    """A FIFO, a device or a symlink where a conversation, or the input history, is saved or loaded: /save
+    replaced a FIFO or a device node with a file (as root, /dev/full), /load of /dev/zero read until memory ran out
+    (and of a FIFO waited for ever), and BITCHAT_HISTORY=/dev/null (history off, as HISTFILE=/dev/null) made
+    bitchat chmod /dev/null 0600. A symlink is saved through: the link stays."""
+    import os
+    import stat
+
+    from bitnet_cpu.chat.repl import private_history
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo, 0o644)
+    for path in (str(fifo), "/dev/zero"):
+        with pytest.raises(TranscriptError, match="not a regular file"):
+            Conversation.load(path)
+    with pytest.raises(TranscriptError, match="not a regular file"):
+        make_conv(1).save(str(fifo))
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode) and stat.S_IMODE(os.stat(fifo).st_mode) == 0o644
+    with pytest.raises(OSError, match="not a regular file"):
+        private_history(str(fifo))
+    assert stat.S_IMODE(os.stat(fifo).st_mode) == 0o644   # not chmodded
+    real, link = tmp_path / "real.json", tmp_path / "link.json"
+    real.write_text("{}")
+    os.symlink(real, link)
+    make_conv(2).save(str(link))
+    assert os.path.islink(link) and len(Conversation.load(str(real)).turns) == 2
+
+
+def test_a_history_that_cannot_be_written_goes_on_in_memory(tmp_path):
+    """A full disk under the input history: each line's write failed with prompt_toolkit's traceback and "Press
+    ENTER"; now the first failure is kept to be said once and the rest of the history stays in memory."""
+    import os
+
+    from bitnet_cpu.chat.repl import guarded_file_history
+
+    if not os.path.exists("/dev/full"):
+        pytest.skip("needs /dev/full (Linux) to fail a write with ENOSPC")
+    h = guarded_file_history("/dev/full")
+    h.store_string("a secret")
+    h.store_string("another")
+    assert h.problem and "/dev/full" in h.problem and "memory" in h.problem
+
+
 def test_load_missing_file(tmp_path):
     with pytest.raises(TranscriptError, match="no such file"):
         Conversation.load(str(tmp_path / "missing.json"))
