@@ -432,8 +432,9 @@ def serve_models(args, keys: tuple) -> int:
     passthrough = passthrough_argv(args)
 
     def command(spec, port: int, key_file: str) -> list:
-        return [sys.executable, "-m", "bitnet_cpu", "serve", "-m", spec.path, "--host", "127.0.0.1",
-                "--port", str(port), "--alias", spec.name, "--api-key-file", key_file, *passthrough]
+        # NAME=value forms: a model named "-dash" (its file -dash.bnstore) is a value, not an option
+        return [sys.executable, "-m", "bitnet_cpu", "serve", f"--model={spec.path}", "--host", "127.0.0.1",
+                "--port", str(port), f"--alias={spec.name}", f"--api-key-file={key_file}", *passthrough]
 
     def pull(ref: str) -> list:   # ollama's /api/pull on a --models-cache server: into the cache it serves
         return [sys.executable, "-m", "bitnet_cpu", "pull", "--json-progress", "--", ref]   # never an option
@@ -452,8 +453,13 @@ def serve_models(args, keys: tuple) -> int:
         def capture_signals(self):   # as in main(): ours, so that a drained router exits 0
             yield
 
+    router_signals = []
+
     def handler(sig, frame):
-        if server.should_exit:
+        # as main(): a second signal passes on to the models' processes (theirs ends their drain at once), and only
+        # a third stops at once (forced on the second, uvicorn skipped the shutdown and logged a traceback)
+        router_signals.append(sig)
+        if len(router_signals) >= 3:
             server.force_exit = True
         server.should_exit = True
         router.begin_drain()   # each model's process finishes its streams (within --drain-timeout) and exits

@@ -123,6 +123,7 @@ class Child:
         self.started = time.monotonic()
         self.info: dict = {}             # its /api/ps entry once loaded: context_length, details
         self.stopping = False
+        self.yielding = False            # chosen to make room for a waiting request: takes no new ones meanwhile
         self.ended: asyncio.Task | None = None   # once stopping: the wait for its process's exit
 
     @property
@@ -168,6 +169,7 @@ class Router:
         self.key = secrets.token_urlsafe(32)   # the model processes answer only the router
         self.children: dict[str, Child] = {}
         self.ending: set[Child] = set()             # stopped, their processes not yet exited
+        self.room_queue: list = []                  # requests waiting for a model's room (--models-max), in order
         self.details: dict[str, dict] = {}     # a model's /api/ps entry, kept after it is unloaded
         self.shows: dict[str, bytes] = {}      # /api/show answers by model file and request: never a load again
         self.pulling: set[str] = set()         # hub ids being pulled now (one process each, PULLS_MAX at most)
@@ -344,36 +346,16 @@ class Router:
         load timeout) while every loaded model is busy."""
         deadline = time.monotonic() + self.load_timeout
         async with self.cond:
-            while True:
-                if self.draining:
-                    raise RouterError(503, "shutting down", "unavailable", retry_after=self.retry_after)
-                c = self.children.get(spec.name)
-                if c is not None and c.spec.digest() != spec.digest() and c.active == 0 and not c.stopping:
-                    self._stop(c, "replaced")   # its file was replaced (bitnet pull / convert again): load anew
-                    continue
-                if c is not None and c.proc.poll() is None and not c.stopping:
-                    break
-                if c is not None:   # exited (the reaper has not seen it yet)
-                    self._forget(c, "exited")
-                    continue
-                if not load:
-                    raise RouterError(400, f"model '{spec.name}' is not loaded (a request that generates with it, or "
-                                           "POST /models/load, loads it)", "model_not_loaded", "model")
-                # a model still exiting holds its memory: it counts until it has gone
-                if len(self.children) + len(self.ending) < self.models_max:
-                    c = self._spawn(spec)
-                    break
-                idle = [x for x in self.children.values() if x.active == 0 and not x.stopping]
-                if idle and len(self.children) >= self.models_max:   # one victim: not every idle model while the
-                    victim = min(idle, key=lambda x: x.last_used)      # first one is still exiting
-                    self._stop(victim, "room")
-                    continue
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise RouterError(503, f"all {self.models_max} loaded models are busy (--models-max); retry",
-                                      "models_busy", retry_after=self.retry_after)
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self.cond.wait(), left)
+            ticket = object()   # its place in room_queue once it waits for room
+            try:
+                c = await self._admit(spec, load, deadline, ticket)
+            finally:
+                if ticket in self.room_queue:
+                    self.room_queue.remove(ticket)
+                    if not self.room_queue:   # nobody waits for room (any more): every model takes requests
+                        for x in self.children.values():
+                            x.yielding = False
+                    self.cond.notify_all()   # the next in the queue may act
             c.active += 1
         try:
             await asyncio.wait_for(asyncio.shield(c.ready), max(0.0, deadline - time.monotonic()))
@@ -384,6 +366,54 @@ class Router:
         except BaseException:   # its load failed (RouterError), or the request went away
             self.release(c)
             raise
+        return c
+
+    async def _admit(self, spec: ModelSpec, load: bool, deadline: float, ticket) -> Child:
+        """acquire()'s wait, the condition held: the model's process once this request may use it. A request that
+        needs room (its model not loaded) joins room_queue with its ticket, and only the queue's first makes room
+        and loads, in the order they came (acquire() takes the ticket out)."""
+        while True:
+            if self.draining:
+                raise RouterError(503, "shutting down", "unavailable", retry_after=self.retry_after)
+            c = self.children.get(spec.name)
+            if c is not None and c.spec.digest() != spec.digest() and c.active == 0 and not c.stopping:
+                self._stop(c, "replaced")   # its file was replaced (bitnet pull / convert again): load anew
+                continue
+            if c is not None and c.proc.poll() is None and not c.stopping:
+                if not (c.yielding and self.room_queue):
+                    break
+                # it is making room for a request that came first: this one waits, as ollama's queue does,
+                # so the model goes idle and the switch happens (admitted, a steady stream kept it busy and the
+                # other request waited out its whole timeout)
+            elif c is not None:   # exited (the reaper has not seen it yet)
+                self._forget(c, "exited")
+                continue
+            elif not load:
+                raise RouterError(400, f"model '{spec.name}' is not loaded (a request that generates with it, or "
+                                       "POST /models/load, loads it)", "model_not_loaded", "model")
+            elif self.room_queue and self.room_queue[0] is not ticket:
+                pass   # others came first for room: after them
+            # a model still exiting holds its memory: it counts until it has gone
+            elif len(self.children) + len(self.ending) < self.models_max:
+                c = self._spawn(spec)
+                break
+            else:
+                idle = [x for x in self.children.values() if x.active == 0 and not x.stopping]
+                if idle and len(self.children) >= self.models_max:   # one victim: not every idle model while
+                    victim = min(idle, key=lambda x: x.last_used)      # the first one is still exiting
+                    self._stop(victim, "room")
+                    continue
+                busy = [x for x in self.children.values() if not x.stopping]
+                if busy and not idle and not any(x.yielding for x in busy):   # the least recently used one
+                    min(busy, key=lambda x: x.last_used).yielding = True    # takes nothing new from now on
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RouterError(503, f"all {self.models_max} loaded models are busy (--models-max); retry",
+                                  "models_busy", retry_after=self.retry_after)
+            if c is None and ticket not in self.room_queue:
+                self.room_queue.append(ticket)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.cond.wait(), left)
         return c
 
     def release(self, c: Child, keep_alive: float | None = None, upstream=None) -> asyncio.Task:

@@ -416,6 +416,48 @@ def test_one_model_at_a_time_under_concurrent_requests(models_dir, singles):
         s.stop()
 
 
+def test_a_request_for_another_model_is_not_starved_by_a_busy_one(models_dir):
+    """--models-max 1, twelve clients keeping one model busy back to back, then one request for the other model:
+    from then on the busy model takes no new requests (they wait, as in ollama's queue), so it goes idle and the
+    other model is loaded. New requests used to be admitted to the busy model, which went idle only when every
+    client happened to be between requests: the other request waited (seconds to its whole load timeout, then a
+    503) while hundreds of the busy model's requests were served past it. Now a request for the busy model sent
+    once the other one is waiting (a grace second after it was sent, for the router to see it) is served after
+    it."""
+    s = Server("--models-dir", str(models_dir), "--models-max", "1", "-c", "1024", "--parallel", "2",
+               threads=1)   # 2 slots: the clients' requests queue in the model's process
+    try:
+        chat_text(s.url, "tiny")
+        stop, done = threading.Event(), []   # (status, when sent, when ended) of each request for the busy model
+        end = time.monotonic() + 120 * slowness()   # bounded
+
+        def hammer():
+            while not stop.is_set() and time.monotonic() < end:
+                began = time.monotonic()
+                code = post(s.url, "/v1/chat/completions", {"model": "tiny", "messages": CHAT,
+                                                            "max_tokens": 48}).status_code
+                done.append((code, began, time.monotonic()))
+        threads = [threading.Thread(target=hammer) for _ in range(12)]
+        for t in threads:
+            t.start()
+        time.sleep(1.0)
+        try:
+            sent = time.monotonic()
+            r = post(s.url, "/v1/chat/completions", {"model": "synth", "messages": CHAT, "max_tokens": 4})
+            answered = time.monotonic()
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(120 * slowness())
+        assert r.status_code == 200 and r.json()["model"] == "synth", r.text
+        grace = 1.0 * slowness()
+        past = [1 for _, began, ended in done if sent + grace < began and ended < answered]
+        assert not past, f"{len(past)} requests for the busy model sent after it were served before it"
+        assert done and {code for code, _, _ in done} == {200}   # the ones that waited were served too
+    finally:
+        s.stop()
+
+
 def test_switching_models_under_hang_ups_leaves_nothing_counted(models_dir):
     """--models-max 1, six clients switching between the two models, streams hung up mid-answer and ollama's
     unload requests among them (a bounded count of each): every request is answered, and at the end each model
@@ -713,6 +755,28 @@ def test_ctrl_c_finishes_the_streams_and_stops_every_model(models_dir):
     assert any(line == "data: [DONE]" for line in lines)
     assert wait_for(lambda: not any(alive(k) for k in kids))
     assert "Traceback" not in err
+
+
+def test_a_second_ctrl_c_ends_the_drain_without_a_traceback(tmp_path, models_dir):
+    """Two Ctrl-C (or SIGTERM) while streams run: the second passes on to the models' processes, which end their
+    drain at once, and the router exits 0 without a traceback (it forced uvicorn's exit, which skipped the shutdown
+    and logged a cancelled lifespan). A model named with a leading dash loads (it was read as an option)."""
+    d = tmp_path / "models"
+    d.mkdir()
+    shutil.copy(models_dir / "tiny.bnstore", d / "-dash.bnstore")
+    s = Server("--models-dir", str(d), threads=1)
+    assert chat_text(s.url, "-dash")["model"] == "-dash"
+    body = {"model": "-dash", "prompt": "Once", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=60 * slowness()) as r:
+        it = r.iter_lines()
+        next(it)
+        s.proc.send_signal(signal.SIGINT)
+        time.sleep(0.2)
+        s.proc.send_signal(signal.SIGINT)
+        for _ in it:
+            pass
+    code, err = s.stop(sig=None, timeout=60 * slowness())
+    assert code == 0 and "Traceback" not in err, err
 
 
 def test_models_die_with_a_killed_router(models_dir):
