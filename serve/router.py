@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import json
 import math
@@ -666,11 +667,22 @@ def cut_answer_event(content_type: str, message: str, tail: bytes) -> bytes:
     return b""
 
 
+@functools.cache
+def model_routes() -> tuple:
+    """(path regex, methods) of every route a model's own server has (serve/app.py's create_app, built without a
+    model): the router forwards only to those, and loads a model only for a POST one."""
+    from .app import create_app
+
+    return tuple((r.path_regex, frozenset(r.methods)) for r in create_app(lambda: None).routes
+                 if getattr(r, "methods", None) and hasattr(r, "path_regex"))
+
+
 def create_router_app(router: Router, *, api_keys: tuple = (), limits: Limits | None = None,
                       metrics_public: bool = False, cors_origins: tuple = (), local_only: bool = False) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app):
         await router.start()
+        await asyncio.to_thread(model_routes)   # built once here, not on the first request's event loop
         yield
         await router.close()
 
@@ -858,7 +870,7 @@ def create_router_app(router: Router, *, api_keys: tuple = (), limits: Limits | 
             return JSONResponse(last, status_code=500)
         return last
 
-    @app.delete("/api/delete")
+    @app.api_route("/api/delete", methods=["DELETE", "POST"])   # ollama's is DELETE; a POST got a model's 501
     async def api_delete(request: Request):
         """ollama's delete: a converted model of the store cache is unloaded and its file removed (as `bitnet
         rm`); a --models-dir file is the user's and stays (400). Without --models-cache: 501, as /api/pull."""
@@ -910,8 +922,11 @@ def create_router_app(router: Router, *, api_keys: tuple = (), limits: Limits | 
                                 headers={"allow": "GET, HEAD"})   # their reads are the router's own (/metrics?model=)
         if router.draining:
             raise RouterError(503, "shutting down", "unavailable", retry_after=router.retry_after)
-        data, body = await body_model(request)
         path = request.url.path
+        methods = [m for rx, m in model_routes() if rx.match(path)]
+        if not methods:   # no model serves it: never a model loaded (and another unloaded) for a stray request
+            raise RouterError(404, f"{request.method} {path}: no such endpoint", "not_found")
+        data, body = await body_model(request)
         name = (data or {}).get("model")
         if name is None and path.startswith("/api/"):
             name = (data or {}).get("name")   # ollama's older clients name the model so
@@ -919,6 +934,7 @@ def create_router_app(router: Router, *, api_keys: tuple = (), limits: Limits | 
         if name is None and data is None and body and len(router.models) > 1:
             raise RouterError(400, "request body is not a JSON object (with the model's name in `model`)",
                               "invalid_json")
+        await router.refresh()   # at most once a second: a file replaced or removed since is seen by its next request
         spec = await router.resolve(name)
         keep_alive = None
         if data is not None and data.get("keep_alive") is not None and path.startswith("/api/"):
@@ -933,7 +949,7 @@ def create_router_app(router: Router, *, api_keys: tuple = (), limits: Limits | 
                 piece = {"response": ""} if path == "/api/generate" else {"message": {"role": "assistant",
                                                                                        "content": ""}}
                 return {"model": spec.name, "created_at": utc_iso(), **piece, "done": True, "done_reason": "unload"}
-        c = await router.acquire(spec, load=request.method == "POST")
+        c = await router.acquire(spec, load=request.method == "POST" and any("POST" in m for m in methods))
         router.count("requests", spec.name)
         headers = [(k, v) for k, v in request.headers.raw if k.lower() not in REQUEST_DROP]
         headers.append((b"authorization", f"Bearer {router.key}".encode()))

@@ -353,6 +353,39 @@ def test_a_replaced_or_removed_file_is_not_served_from_its_old_process(tmp_path,
         s.stop()
 
 
+def test_a_replaced_file_is_served_anew_without_a_listing(tmp_path, models_dir, singles):
+    """A model's file replaced (bitnet pull / convert again) while loaded: its next request gets the new weights.
+    Only a listing (/v1/models, /api/tags) looked at the files again, so the old process answered until one came
+    (a corrupt replacement too)."""
+    d = tmp_path / "models"
+    d.mkdir()
+    shutil.copy(models_dir / "tiny.bnstore", d / "a.bnstore")
+    want = {name: chat_text(s.url, name)["choices"][0]["message"]["content"] for name, s in singles.items()}
+    assert want["tiny"] != want["synth"]
+    s = Server("--models-dir", str(d), "--models-max", "2", "-c", "1024", threads=1)
+    try:
+        assert chat_text(s.url, "a")["choices"][0]["message"]["content"] == want["tiny"]
+        shutil.copy(models_dir / "synth.bnstore", d / "a.new")
+        os.replace(d / "a.new", d / "a.bnstore")
+        time.sleep(1.1)   # the catalog is looked at again at most once a second
+        assert chat_text(s.url, "a")["choices"][0]["message"]["content"] == want["synth"]
+    finally:
+        s.stop()
+
+
+def test_a_stray_request_loads_no_model(router):
+    """A POST to a path no model serves, or ollama's delete as a POST, named a model and loaded it (pushing
+    another out under --models-max); now the router answers it without a model."""
+    post(router.url, "/models/unload", {"model": "synth"})   # loaded by an earlier test, perhaps
+    assert wait_for(lambda: "synth" not in loaded(router.url))
+    before = loaded(router.url)
+    r = post(router.url, "/no/such/path", {"model": "synth"})
+    assert r.status_code == 404 and "no such endpoint" in r.text, r.text
+    r = post(router.url, "/api/delete", {"model": "synth"})
+    assert r.status_code == 501 and "bitnet rm" in r.text, r.text
+    assert loaded(router.url) <= before   # nothing loaded for them
+
+
 def test_room_is_made_by_unloading_one_model(tmp_path, models_dir):
     """--models-max 2, two idle models loaded, a third asked for: the least recently used one goes, the other stays
     (every idle one went while the first was still exiting)."""
