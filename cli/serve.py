@@ -336,10 +336,11 @@ ROUTER_ONLY = {"help", "model", "host", "port", "api_key", "api_key_file", "metr
 MODEL_SUFFIXES = {".bnstore": "bnstore", ".gguf": "gguf"}
 
 
-def model_catalog(args) -> dict:
+def model_catalog(args, clash=None) -> dict:
     """name -> serve.router.ModelSpec: the cache's converted models (--models-cache), then each --models-dir's
     stores, GGUF files and HF model directories (a directory with a config.json). Two models of one name: one
-    line, exit 2 (at start; the router keeps its last catalog when a later scan finds two)."""
+    line, exit 2 (at start); with `clash` (the router's later scans) clash(message) and the first one is kept,
+    so one file added under a taken name does not stop every other change from being seen."""
     import os
 
     from ..engine.errors import BitNetError
@@ -375,8 +376,11 @@ def model_catalog(args) -> dict:
     models: dict = {}
     for spec in found:
         if spec.name in models:
-            raise BitNetError(f"two models named '{spec.name}': {models[spec.name].path} and {spec.path}",
-                              hint="rename one of the files (a model's name is its file name)")
+            why = f"two models named '{spec.name}': {models[spec.name].path} and {spec.path}"
+            if clash is None:
+                raise BitNetError(why, hint="rename one of the files (a model's name is its file name)")
+            clash(why)
+            continue
         models[spec.name] = spec
     return models
 
@@ -441,7 +445,13 @@ def serve_models(args, keys: tuple) -> int:
 
     limits = limits_from_args(args)
     sock = bind_port(args.host, args.port)   # first: a port in use leaves nothing behind (the router's key file)
-    router = Router(lambda: model_catalog(args), command, pull=pull if args.models_cache else None,
+    said: set = set()
+
+    def clash(why: str):   # said once per pair, not at every scan
+        if why not in said:
+            said.add(why)
+            print(f"bitnet serve: {why}: serving the first (rename one of the files)", file=sys.stderr, flush=True)
+    router = Router(lambda: model_catalog(args, clash), command, pull=pull if args.models_cache else None,
                     models_max=args.models_max, keep_alive=parse_keep_alive(args.models_keep_alive),
                     load_timeout=args.models_load_timeout, stop_timeout=args.drain_timeout + 5)
     app = create_router_app(router, api_keys=(([args.api_key] if args.api_key else []) + list(keys)),

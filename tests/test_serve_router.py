@@ -373,6 +373,28 @@ def test_a_replaced_file_is_served_anew_without_a_listing(tmp_path, models_dir, 
         s.stop()
 
 
+def test_a_name_clash_added_while_it_runs_leaves_the_rest_served(tmp_path, models_dir):
+    """A file added under a name already served (a.gguf beside a.bnstore) while the router runs: the first keeps
+    the name, it is said once, and every other change is still seen (a model added beside it is served). The scan
+    used to fail as a whole, so the catalog froze and the new model got a 404."""
+    d = tmp_path / "models"
+    d.mkdir()
+    shutil.copy(models_dir / "tiny.bnstore", d / "a.bnstore")
+    s = Server("--models-dir", str(d), "--models-max", "2", "-c", "1024", threads=1)
+    try:
+        chat_text(s.url, "a")
+        shutil.copy(models_dir / "tiny.bnstore", d / "a.gguf")   # not read: the clash is by name
+        shutil.copy(models_dir / "tiny.bnstore", d / "b.bnstore")
+        names = {m["name"] for m in httpx.get(s.url + "/api/tags", timeout=30).json()["models"]}
+        assert names == {"a", "b"}, names
+        assert chat_text(s.url, "b")["model"] == "b"
+        assert chat_text(s.url, "a")["model"] == "a"
+        httpx.get(s.url + "/v1/models", timeout=30)
+    finally:
+        code, err = s.stop()
+    assert err.count("two models named 'a'") == 1, err
+
+
 def test_a_stray_request_loads_no_model(router):
     """A POST to a path no model serves, or ollama's delete as a POST, named a model and loaded it (pushing
     another out under --models-max); now the router answers it without a model."""
