@@ -255,7 +255,7 @@ class LimitsMiddleware:
         timeout = self.limits.request_timeout
         if not timeout or scope.get("path") in ("/health", "/v1/health", "/metrics"):
             return await self.app(scope, receive, send)
-        state = {"started": False, "done": False, "stream": None}
+        state = {"started": False, "done": False, "stream": None, "events": 0}
 
         async def tracked_send(msg):
             if msg["type"] == "http.response.start":
@@ -263,8 +263,12 @@ class LimitsMiddleware:
                 ctype = next((v for k, v in msg.get("headers", ()) if k.lower() == b"content-type"), b"")
                 state["stream"] = ("sse" if ctype.startswith(b"text/event-stream") else
                                    "ndjson" if ctype.startswith(b"application/x-ndjson") else None)
-            elif msg["type"] == "http.response.body" and not msg.get("more_body", False):
-                state["done"] = True
+            elif msg["type"] == "http.response.body":
+                if not msg.get("more_body", False):
+                    state["done"] = True
+                if state["stream"] == "sse":   # named events sent (the Responses API numbers them from 0)
+                    body = msg.get("body", b"")
+                    state["events"] += body.count(b"\nevent: ") + body.startswith(b"event: ")
             await send(msg)
 
         task = asyncio.ensure_future(self.app(scope, receive, tracked_send))
@@ -287,8 +291,14 @@ class LimitsMiddleware:
             await send_error(send, scope, 504, msg, "server_error", "request_timeout")
         elif not state["done"]:
             tail = b""
-            if state["stream"] == "sse":   # Anthropic's streams name their error event
-                event = b"event: error\n" if scope.get("path", "").startswith("/v1/messages") else b""
+            path = scope.get("path", "")
+            if state["stream"] == "sse" and path.rstrip("/") in ("/v1/responses", "/responses"):
+                # the Responses API's own error event (typed clients read `type`), numbered after the last one
+                tail = b"event: error\ndata: " + json.dumps({
+                    "type": "error", "code": "request_timeout", "message": msg, "param": None,
+                    "sequence_number": state["events"]}).encode() + b"\n\n"
+            elif state["stream"] == "sse":   # Anthropic's streams name their error event
+                event = b"event: error\n" if path.startswith("/v1/messages") else b""
                 tail = event + b"data: " + error_json(msg, "server_error", "request_timeout", scope=scope,
                                                       status=504) + b"\n\n"
             elif state["stream"] == "ndjson":

@@ -362,6 +362,13 @@ def test_request_timeout_cancels_the_sequence(tmp_path_factory):
             assert r.status_code == 200
             lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
         assert len(lines) > 1 and json.loads(lines[-1][6:])["error"]["code"] == "request_timeout"
+        # a Responses stream ends with that API's own error event, numbered after the last one sent
+        with httpx.stream("POST", s.url + "/v1/responses", timeout=60, json={
+                "input": "a", "max_output_tokens": 3000, "temperature": 0, "stream": True}) as r:
+            events = [json.loads(ln[6:]) for ln in r.iter_lines() if ln.startswith("data: ")]
+        last = events[-1]
+        assert last["type"] == "error" and last["code"] == "request_timeout", last
+        assert last["sequence_number"] == events[-2]["sequence_number"] + 1, events[-2:]
         st = settle(s.url)
         assert st["slots"] == [] and st["metrics"]["kv_pages_reserved"] == 0
         assert st["metrics"]["tokens_generated_total"] < 2 * 3000   # neither ran to its end
