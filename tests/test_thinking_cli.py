@@ -9,7 +9,6 @@ from __future__ import annotations
 import io
 import os
 import subprocess
-import sys
 
 import jinja2
 import pytest
