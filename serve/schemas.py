@@ -229,6 +229,7 @@ OFF = {"n_indent": 0, "t_max_predict_ms": 0, "post_sampling_probs": False, "imag
        "lora": None, "multimodal_data": None}
 LAZY = ("grammar_lazy", "grammar_triggers")   # refused when set (true, non-empty)
 
+
 class _Sampling(JSONTyped):
     model_config = ConfigDict(extra="ignore")
     MAX_TEMPERATURE: ClassVar[Optional[float]] = OPENAI_MAX_TEMPERATURE   # None: the engine's range only
