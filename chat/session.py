@@ -241,6 +241,7 @@ class ChatSession:
         """Answer `turn` (the conversation's last), under sigint_as_flag's `flag`: a Ctrl-C at any moment leaves
         it answered, with what was shown (maybe nothing) marked interrupted; never a question without an answer
         (the next turn would put two user messages in a row, which many templates refuse)."""
+        self._shown = []   # nothing of this answer shown yet
         try:
             self._answer_flagged(turn, flag)
         except KeyboardInterrupt:   # a second Ctrl-C before the answer began (while the prompt was fitted)
@@ -252,7 +253,8 @@ class ChatSession:
             self.out.notice("[interrupted]")   # the turn was already answered, or dropped
         except Exception as e:   # a bug mid-answer (handle_line reports it): the question still gets an answer, empty
             if terminal_gone(e) and turn.assistant is None and self.conv.last_turn() is turn:
-                # the terminal closed while the answer was being finished: what was shown is kept, as on SIGHUP
+                # the terminal closed mid-answer (a write failed before its SIGHUP came): what was shown is kept,
+                # and bitchat leaves as on that signal
                 turn.assistant, turn.interrupted, turn.finish_reason = "".join(self._shown), True, "interrupted"
                 self.cached_turn = None
                 with contextlib.suppress(Exception):
@@ -302,7 +304,7 @@ class ChatSession:
         max_tokens = max(1, min(self.settings.max_tokens, self.llm.n_ctx - len(ids)))
         params = self.sampling_params()
         pieces: list[str] = []
-        self._shown = pieces   # what _answer keeps if the terminal closes while the answer is finished
+        self._shown = pieces   # what _answer keeps if the terminal closes mid-answer
         answer_ids: list[int] = []
         stats = None      # the engine's running Stats of the last chunk shown (every chunk carries them)
         n_tokens = 0
@@ -350,14 +352,6 @@ class ChatSession:
                     interrupted = True
         except KeyboardInterrupt:   # a Ctrl-C that landed outside the loop (e.g. in close)
             interrupted = True
-        except OSError as e:
-            if not terminal_gone(e):
-                raise
-            # the terminal closed mid-answer: what was shown is kept, as on SIGHUP (which may come after the
-            # failed write), and bitchat leaves as it would on that signal
-            turn.assistant, turn.interrupted, turn.finish_reason = "".join(pieces), True, "interrupted"
-            self._save_recovery()
-            raise Terminated(getattr(signal, "SIGHUP", signal.SIGTERM)) from None
         except BitNetError as e:   # ContextOverflowError included: one line, the session goes on
             self.out.end_answer()
             if pieces:

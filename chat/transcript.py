@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 import tempfile
 from dataclasses import dataclass, field
 from typing import Callable
@@ -201,11 +200,9 @@ class Conversation:
             if os.path.exists(path) and not os.path.isfile(path) and not os.path.isdir(path):
                 raise TranscriptError(f"{path}: not a regular file")
             with open(path, "rb") as f:
-                st = os.fstat(f.fileno())
-                if not stat.S_ISREG(st.st_mode):
-                    raise TranscriptError(f"{path}: not a regular file")
-                if st.st_size > LOAD_MAX_BYTES:
-                    raise TranscriptError(f"{path}: {st.st_size / (1 << 20):.0f} MiB is too large for a bitchat "
+                size = os.fstat(f.fileno()).st_size
+                if size > LOAD_MAX_BYTES:
+                    raise TranscriptError(f"{path}: {size / (1 << 20):.0f} MiB is too large for a bitchat "
                                           f"conversation (at most {LOAD_MAX_BYTES >> 20} MiB)")
                 d = json.loads(f.read().decode("utf-8"))
         except FileNotFoundError:

@@ -105,7 +105,14 @@ def _guarded(args, settings: Settings, first_message: str | None = None) -> int:
     for sig in ENDING_SIGNALS:
         signal.signal(sig, raise_terminated)
     try:
-        return _run(args, settings, out, interactive, first_message)
+        try:
+            return _run(args, settings, out, interactive, first_message)
+        except OSError as e:
+            from ..chat.session import terminal_gone
+            if not terminal_gone(e):
+                raise
+            # the terminal closed at the prompt before its SIGHUP came: leave as on that signal
+            raise Terminated(getattr(signal, "SIGHUP", signal.SIGTERM)) from None
     except (KeyboardInterrupt, Terminated) as e:
         path = recovery_path()   # turns so far are kept (user data): say where, never leave a file unannounced
         why = "interrupted" if isinstance(e, KeyboardInterrupt) else f"terminated ({signal.Signals(e.signum).name})"
@@ -127,17 +134,8 @@ def _guarded(args, settings: Settings, first_message: str | None = None) -> int:
                     os.unlink(path)
         return quiet_broken_pipe()   # stdout went away (e.g. `| head`): nothing more to say
     except Exception as e:  # a bug: one line (BITNET_DEBUG=1 shows the traceback), never a raw dump
-        from ..chat.session import terminal_gone
         from ..engine.errors import BUG_REPORT_HINT, EXIT_BUG
 
-        if terminal_gone(e):   # the terminal closed at the prompt, before its SIGHUP came: leave as on that signal
-            hup = getattr(signal, "SIGHUP", signal.SIGTERM)
-            path = recovery_path()
-            with contextlib.suppress(OSError):
-                print("bitchat: terminated (its terminal closed)"
-                      + (f"; the conversation so far is saved in {path}" if path and os.path.isfile(path) else ""),
-                      file=sys.stderr)
-            return 128 + hup
         if os.environ.get("BITNET_DEBUG") or os.environ.get("BITCHAT_DEBUG"):   # the latter: older name
             raise
         print(f"bitchat: internal error: {type(e).__name__}: {' '.join(str(e).split())} ({BUG_REPORT_HINT};"

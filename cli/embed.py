@@ -133,9 +133,8 @@ def main(args) -> int:
         trained = eng.config.context_length
         long = [i for i, t in enumerate(ids) if len(t) > trained]
         if long and args.ctx is None:   # the default context is past the trained one: say where it mattered
-            i = long[0]
-            print(f"bitnet: warning: text {i + 1} of {len(ids)}{f' (and {len(long) - 1} more)' if len(long) > 1 else ''} has "
-                  f"{len(ids[i])} tokens, past the {trained} the model was trained on: its embedding may be "
+            i, more = long[0], f" (and {len(long) - 1} more)" if len(long) > 1 else ""
+            print(f"bitnet: warning: text {i + 1} of {len(ids)}{more} has {len(ids[i])} tokens, past the {trained} the model was trained on: its embedding may be "
                   f"garbage (-c {trained} refuses such texts)", file=sys.stderr)
         got = eng.embed_ids(ids)
         took = time.perf_counter() - t0

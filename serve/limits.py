@@ -256,6 +256,8 @@ class LimitsMiddleware:
         if not timeout or scope.get("path") in ("/health", "/v1/health", "/metrics"):
             return await self.app(scope, receive, send)
         state = {"started": False, "done": False, "stream": None, "events": 0}
+        path = scope.get("path", "")
+        numbered = path.rstrip("/") in ("/v1/responses", "/responses")
 
         async def tracked_send(msg):
             if msg["type"] == "http.response.start":
@@ -266,7 +268,7 @@ class LimitsMiddleware:
             elif msg["type"] == "http.response.body":
                 if not msg.get("more_body", False):
                     state["done"] = True
-                if state["stream"] == "sse":   # named events sent (the Responses API numbers them from 0)
+                if state["stream"] == "sse" and numbered:   # events sent (the Responses API numbers them)
                     body = msg.get("body", b"")
                     state["events"] += body.count(b"\nevent: ") + body.startswith(b"event: ")
             await send(msg)
@@ -291,8 +293,7 @@ class LimitsMiddleware:
             await send_error(send, scope, 504, msg, "server_error", "request_timeout")
         elif not state["done"]:
             tail = b""
-            path = scope.get("path", "")
-            if state["stream"] == "sse" and path.rstrip("/") in ("/v1/responses", "/responses"):
+            if state["stream"] == "sse" and numbered:
                 # the Responses API's own error event (typed clients read `type`), numbered after the last one
                 tail = b"event: error\ndata: " + json.dumps({
                     "type": "error", "code": "request_timeout", "message": msg, "param": None,
