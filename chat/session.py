@@ -8,8 +8,9 @@ prefills its new tokens.
 
 Ctrl-C during an answer: a SIGINT handler sets a flag that is checked between chunks, so the
 engine is never interrupted in the middle of a step; the answer stops, what was shown is kept
-(marked interrupted) and the session goes on. A second Ctrl-C while the first is pending raises
-KeyboardInterrupt the usual way (for a stuck prefill).
+(marked interrupted) and the session goes on. During a long prompt the engine asks the flag between prefill
+chunks (generate's cancel), so the first Ctrl-C stops it there. A second Ctrl-C while the first is pending
+raises KeyboardInterrupt the usual way.
 """
 from __future__ import annotations
 
@@ -329,7 +330,9 @@ class ChatSession:
             return
         try:
             with quiet_terminal(self.out.interactive):
-                gen = self.llm.generate(ids, params, max_tokens=max_tokens, constraint=self.format)
+                # a Ctrl-C during a long prompt stops it at the next prefill chunk (the chunks done stay cached)
+                gen = self.llm.generate(ids, params, max_tokens=max_tokens, constraint=self.format,
+                                        cancel=lambda: flag.hit)
                 try:
                     for chunk in gen:
                         if flag.hit:   # stop before showing more than the user saw when pressing Ctrl-C
@@ -381,7 +384,8 @@ class ChatSession:
         if stats and stats.decode_tps and n_counted > 1:
             self.total_decode_tokens += n_counted - 1
             self.total_decode_s += (n_counted - 1) / stats.decode_tps
-        self.tokens_in_cache = len(ids) + n_tokens
+        # an answer cut off during its prompt: only the prompt's chunks done are cached
+        self.tokens_in_cache = len(ids) + n_tokens if stats is not None else len(self.llm.cached_tokens)
         if interrupted:
             self.out.notice("[interrupted: the answer so far is kept]")
         elif turn.finish_reason == "context":
@@ -404,7 +408,7 @@ class ChatSession:
         interrupted = False
         with sigint_as_flag() as flag:
             try:
-                _prefill(self.llm, ids, self.sampling_params())
+                _prefill(self.llm, ids, self.sampling_params(), cancel=lambda: flag.hit)
             except KeyboardInterrupt:
                 interrupted = True
             except BitNetError as e:
@@ -414,7 +418,7 @@ class ChatSession:
         if flag.terminated:   # SIGTERM / SIGHUP: leave (the conversation is loaded; nothing to keep of a prefill)
             raise Terminated(flag.terminated)
         dt = time.perf_counter() - t0
-        self.tokens_in_cache = len(ids)
+        self.tokens_in_cache = len(self.llm.cached_tokens) if interrupted else len(ids)
         if interrupted:
             self.out.notice("[prefill interrupted; it will finish with the next question]")
         else:
@@ -556,9 +560,10 @@ class ChatSession:
         return "\n".join(lines)
 
 
-def _prefill(llm, ids: list[int], params) -> None:
-    """Put `ids` in the KV cache without generating (generate with max_tokens=0, see INTERFACES.md)."""
-    gen = llm.generate(ids, params, max_tokens=0)
+def _prefill(llm, ids: list[int], params, cancel=None) -> None:
+    """Put `ids` in the KV cache without generating (generate with max_tokens=0, see INTERFACES.md); `cancel`
+    stops it between prefill chunks."""
+    gen = llm.generate(ids, params, max_tokens=0, cancel=cancel)
     try:
         for _ in gen:
             pass

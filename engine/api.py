@@ -267,7 +267,7 @@ class LLM(_Text):
     # ---- running ----
     def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                  max_tokens: int = 256, stop: Sequence[str] = (), ignore_eos: bool = False,
-                 lookup: LookupParams | None = None, constraint=None) -> Iterator[Chunk]:
+                 lookup: LookupParams | None = None, constraint=None, cancel=None) -> Iterator[Chunk]:
         """Stream Chunk(text, token) per generated token, then Chunk("", None, finish_reason, stats).
         A str prompt is tokenized with BOS. finish_reason: "eos" | "stop" | "length" | "context".
         max_tokens=0 only prefills the prompt into the cache. Raises ContextOverflowError when the
@@ -277,7 +277,9 @@ class LLM(_Text):
         constraint: structured output every token obeys -- a JSON Schema dict, "json" (any JSON object), or a
         Constraint (Constraint.regex(...), .gbnf(...), .lark(...)); raises ConstraintError (a BitNetError) when
         it cannot be enforced exactly. Ends with "eos" once the output is complete, "length" if it is not by
-        max_tokens."""
+        max_tokens. cancel: a function of no arguments asked between prefill chunks (128 prompt tokens by
+        default); once it returns true the prompt stops there (what was done stays cached) and the stream ends
+        with one Chunk, finish_reason "cancelled" and no token (bitchat's Ctrl-C during a long prompt)."""
         model = self._open_model()
         if isinstance(prompt, (bytes, bytearray)):
             raise BitNetError("prompt: give text (str) or token ids, not bytes")
@@ -285,7 +287,7 @@ class LLM(_Text):
         compiled = self.compile_constraint(constraint)   # raised here, not at the first next()
         return _generate(model, self.tokenizer, ids, params, max_tokens=max_tokens, stop=stop, load_s=self.load_s,
                          ignore_eos=ignore_eos, lookup=lookup if lookup is not None else self.lookup,
-                         constraint=compiled)
+                         constraint=compiled, cancel=cancel)
 
     def embed(self, texts: str | Sequence[str], *, pooling: str = "mean", normalize: int = 2):
         """Embeddings [len(texts), hidden] f32 (a str: one row): each text with BOS through the model, the final-norm

@@ -174,6 +174,41 @@ def test_ctrl_c_keeps_the_partial_answer_and_the_cache_consistent(llm):
     assert not s.conv.turns[1].interrupted and s.last_stats.n_cached > 0
 
 
+def test_ctrl_c_during_a_long_prompt_stops_it_at_the_next_chunk(llm):
+    """A real SIGINT while the prompt is being prefilled (at the second chunk's forward pass): the prefill stops
+    before the third chunk, not after the whole prompt; the question is answered empty, marked interrupted, and
+    the chunks done stay cached for the next turn."""
+    import sys
+
+    llm.reset()
+    sink = io.StringIO()
+    s = ChatSession(llm, Settings(temp=0.0, max_tokens=4), Output(sink, sink, interactive=False))
+    text = "Read all of this carefully before you answer me. " * 12
+    n_prompt = s.count_tokens([{"role": "user", "content": text}])
+    chunk, llm.model.chunk = llm.model.chunk, 8
+    passes = []
+
+    def watch(frame, event, arg):   # counts the model's forward passes; presses Ctrl-C at the second
+        if event == "call" and frame.f_code.co_name == "_blocks":
+            passes.append(1)
+            if len(passes) == 2:
+                os.kill(os.getpid(), signal.SIGINT)
+    try:
+        sys.setprofile(watch)
+        s.ask(text)
+    finally:
+        sys.setprofile(None)
+        llm.model.chunk = chunk
+    assert n_prompt > 5 * 8
+    turn = s.conv.turns[0]
+    assert turn.interrupted and turn.assistant == "" and turn.finish_reason == "interrupted"
+    assert len(passes) == 2   # the third chunk never ran (before: every chunk of the prompt, then the stop)
+    assert s.tokens_in_cache == len(llm.cached_tokens) == 16
+    assert "interrupted" in sink.getvalue()
+    s.ask("Next?")
+    assert not s.conv.turns[1].interrupted and s.last_stats.n_cached >= 16
+
+
 def test_input_lines_commands_messages_and_slash_escape(llm):
     from bitnet_cpu.chat.repl import handle_line
 

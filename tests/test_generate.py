@@ -113,6 +113,30 @@ def test_max_tokens_zero_prefills_only(llm):
     assert f.stats.n_cached == len(p) - 1
 
 
+def test_cancel_stops_the_prompt_between_chunks_and_keeps_what_was_done(llm):
+    """cancel= is asked between prefill chunks: once it says stop, the stream is one "cancelled" Chunk, the chunks
+    done stay cached, and the same prompt afterwards goes on from them to the same tokens as an uncancelled run."""
+    from bitnet_cpu.engine.errors import BitNetError
+
+    p = llm.tokenize("Once upon a time there was a tiny model that read a long prompt " * 4, add_bos=True)
+    llm.model.chunk = 8   # the session's buffers hold 128 rows; fewer per chunk is allowed
+    assert len(p) > 3 * 8
+    ref, _, _ = run(llm, p, max_tokens=6)
+    llm.reset()
+    asked = []
+    chunks = list(llm.generate(p, GREEDY, max_tokens=6, cancel=lambda: asked.append(1) or len(asked) >= 2))
+    assert [(c.text, c.token, c.finish_reason) for c in chunks] == [("", None, "cancelled")]
+    assert chunks[0].stats.n_generated == 0 and chunks[0].stats.finish_reason == "cancelled"
+    assert len(asked) == 2 and llm.cached_tokens == p[:16]   # asked before chunks 2 and 3: two chunks ran
+    toks, _, f = run(llm, p, max_tokens=6, cancel=lambda: False)
+    assert toks == ref and f.stats.n_cached == 16
+    # a prompt of one chunk never asks; a cancel that is not a function is refused before any work
+    llm.reset()
+    run(llm, p[:8], max_tokens=1, cancel=lambda: pytest.fail("asked with nothing left to stop"))
+    with pytest.raises(BitNetError, match="cancel"):
+        llm.generate(p, GREEDY, cancel=True)
+
+
 def test_context_overflow_and_full(store):
     llm = load_model(store, ctx=32, progress=False)
     with pytest.raises(ContextOverflowError):

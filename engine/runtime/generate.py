@@ -166,7 +166,8 @@ class _StopMatcher:
 
 def generate(model, tokenizer, prompt_ids: Sequence[int], params: SamplingParams | None = None, *,
              max_tokens: int = 256, stop: Sequence[str] = (), load_s: float = 0.0,
-             ignore_eos: bool = False, lookup: LookupParams | None = None, constraint=None) -> Iterator[Chunk]:
+             ignore_eos: bool = False, lookup: LookupParams | None = None, constraint=None,
+             cancel=None) -> Iterator[Chunk]:
     """See engine/api.py LLM.generate. ignore_eos: end-of-text tokens can never be sampled (llama.cpp's
     --ignore-eos: their logits are set to -inf), so only length, context or a stop string end the text.
     lookup: prompt-lookup speculation (None: default_lookup(model)). constraint: a Constraint (or a compiled
@@ -185,11 +186,13 @@ def generate(model, tokenizer, prompt_ids: Sequence[int], params: SamplingParams
     sampler = Sampler(params, model.config.vocab_size, tokenizer)
     compiled = compile_constraint(tokenizer, model.config.vocab_size, constraint)   # errors before any work
     spec = default_lookup(model) if lookup is None else checked_lookup(lookup)
-    return _steps(model, tokenizer, prompt, sampler, compiled, max_tokens, stop, load_s, ignore_eos, spec)
+    if cancel is not None and not callable(cancel):
+        raise BitNetError("cancel: give a function of no arguments that returns true to stop")
+    return _steps(model, tokenizer, prompt, sampler, compiled, max_tokens, stop, load_s, ignore_eos, spec, cancel)
 
 
 def _steps(model, tokenizer, prompt: list[int], sampler: Sampler, compiled, max_tokens: int, stop: Sequence[str],
-           load_s: float, ignore_eos: bool, spec: LookupParams) -> Iterator[Chunk]:
+           load_s: float, ignore_eos: bool, spec: LookupParams, cancel=None) -> Iterator[Chunk]:
     """generate()'s tokens, its request already checked."""
     t_start = time.perf_counter()
     eos = set(tokenizer.eos_ids)
@@ -208,10 +211,12 @@ def _steps(model, tokenizer, prompt: list[int], sampler: Sampler, compiled, max_
             n_cached -= 1
         model.truncate(n_cached)
         todo = prompt[n_cached:]
-        logits = model.prefill(todo) if todo else None
+        logits = model.prefill(todo, cancel=cancel) if todo else None
+        cancelled = bool(todo) and logits is None   # cancel() said stop between two prefill chunks
+        n_done = model.n_past - n_cached
     t_prefill = time.perf_counter()
     prefill_s = t_prefill - t_start
-    prefill_tps = len(todo) / prefill_s if todo and prefill_s > 0 else 0.0
+    prefill_tps = n_done / prefill_s if n_done and prefill_s > 0 else 0.0
 
     finder = PromptLookup(spec) if spec.draft_max > 0 and model.verify_max > 1 else None
     draft_len = DraftLength(min(spec.draft_max, model.verify_max - 1)) if finder else None
@@ -230,6 +235,9 @@ def _steps(model, tokenizer, prompt: list[int], sampler: Sampler, compiled, max_
                      (n_gen - 1) / dt if n_gen > 1 and dt > 0 else 0.0, reason, n_drafted, n_accepted,
                      matcher.matched if reason == "stop" else None)
 
+    if cancelled:   # the chunks done stay cached (a next call with the same prompt goes on from there)
+        yield Chunk("", None, "cancelled", stats(0, prefill_s, 0.0, "cancelled"))
+        return
     if max_tokens == 0:  # prefill only (chat re-prefills a loaded conversation this way)
         yield Chunk("", None, "length", stats(0, prefill_s, 0.0, "length"))
         return

@@ -640,11 +640,13 @@ class Model:
             tuner.record(time.perf_counter() - t0)
         return self._logits
 
-    def prefill(self, ids, all_logits: bool = False, rows=None) -> np.ndarray:
+    def prefill(self, ids, all_logits: bool = False, rows=None, cancel=None) -> np.ndarray | None:
         """Run tokens at positions n_past.. in chunks. Returns the last token's logits (the session buffer),
         or a new [len(ids), V] array when all_logits. The cache advances chunk by chunk, so an interrupt
         leaves it consistent with `cache_ids`. rows(x, delta): called with each chunk's residual rows instead of
-        any logits (embeddings: engine/runtime/embed.py); the session buffer is then not updated."""
+        any logits (embeddings: engine/runtime/embed.py); the session buffer is then not updated. cancel: a
+        callable asked before each chunk after the first; when it returns true the prefill stops there (the
+        chunks done stay cached) and returns None (bitchat's Ctrl-C during a long prompt)."""
         ids = [int(t) for t in ids]
         if not ids:
             raise BitNetError("prefill: no tokens to process")
@@ -653,6 +655,8 @@ class Model:
         self._check_ids(ids)
         result = np.empty((len(ids), self.config.vocab_size), np.float32) if all_logits else None
         for start in range(0, len(ids), self.chunk):
+            if start and cancel is not None and cancel():
+                return None
             part = ids[start: start + self.chunk]
             m = len(part)
             v = self._view(m)
