@@ -439,6 +439,13 @@ class _Sampling(JSONTyped):
         s = [self.stop] if isinstance(self.stop, str) else list(self.stop)
         return [x for x in s if x]
 
+    def stream_options_alone(self) -> tuple[str, str] | None:
+        """OpenAI's 400 for stream_options on a request that does not stream (its chat and completions endpoints;
+        vLLM's too): nothing would carry them."""
+        if self.stream_options is not None and not self.stream:
+            return "stream_options", "stream_options is only allowed when stream is true"
+        return None
+
     def unsupported(self) -> tuple[str, str] | None:
         """(param, message) for the first value we cannot honour, else None."""
         for name, why in REFUSED.items():
@@ -595,6 +602,8 @@ class ChatCompletionRequest(_Sampling):
     def unsupported(self):
         if self.top_logprobs is not None and not self.logprobs:
             return "top_logprobs", "top_logprobs needs logprobs: true"
+        if self.stream_options_alone():
+            return self.stream_options_alone()
         for i, m in enumerate(self.messages):
             j = m.other_part()
             if j is not None:
@@ -640,6 +649,8 @@ class CompletionRequest(_Sampling):
             return "best_of", "only best_of=1 is supported"
         if self.suffix:
             return "suffix", "suffix is not supported"
+        if self.stream_options_alone():
+            return self.stream_options_alone()
         if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], list) and \
                 not all(self.prompt):
             return "prompt", "an empty token list"

@@ -141,6 +141,7 @@ def _err(r: httpx.Response, status: int) -> dict:
     ({"messages": Q, "top_logprobs": 2}, "top_logprobs"),   # without logprobs: true
     ({"messages": Q, "audio": {"voice": "alloy"}}, "audio"),
     ({"messages": Q, "modalities": ["text", "audio"]}, "modalities"),
+    ({"messages": Q, "stream_options": {"include_usage": True}}, "stream_options"),   # OpenAI's: only with stream
     ({"messages": Q, "verbosity": "low"}, "verbosity"),
     ({"messages": Q, "functions": [{"name": "f", "parameters": {"type": "object"}}]}, "functions"),
     ({"messages": Q, "function_call": "auto"}, "function_call"),
@@ -181,6 +182,15 @@ def test_other_endpoints_take_json_types_only(server, path, body, param):
     assert r.status_code == 400 and param in r.text and "expected" in r.text, r.text
     ollama = httpx.post(server.url + "/api/chat", json={"model": "m", "messages": Q, "stream": "false"}, timeout=30)
     assert ollama.status_code == 400 and ollama.json() == {"error": "stream: expected true or false, got 'false'"}
+
+
+def test_stream_options_without_stream_400(server):
+    """OpenAI's answer (and vLLM's): stream_options on a request that does not stream is refused, not dropped."""
+    for path, body in [("/v1/chat/completions", {"messages": Q}), ("/v1/completions", {"prompt": "x"})]:
+        e = _err(httpx.post(server.url + path, json={**body, "stream": False, "stream_options": {}}, timeout=30), 400)
+        assert e["param"] == "stream_options" and "stream is true" in e["message"]
+        r = httpx.post(server.url + path, json={**body, "max_tokens": 1, "stream_options": None}, timeout=30)
+        assert r.status_code == 200, r.text
 
 
 def test_malformed_json_400(server):
