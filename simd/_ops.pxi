@@ -22,6 +22,8 @@ cdef extern from "ops.h":
                              const float *rope_sin, int n_seqs, const int32_t *seq_rows, const int32_t *seq_pos0,
                              const int32_t *page_table, int max_pages, void *k_pool, void *v_pool, int kv_type,
                              float *out, float *scratch, int scratch_rows, int scratch_len) nogil
+    int ops_attention_plan(const int32_t *ms, const int32_t *pos0s, int n_segs, int n_heads, int n_kv, int head_dim,
+                           int threads, int32_t *out, int max_out) nogil
     void ops_set_attention_bf16(int on)
     int ops_get_attention_bf16()
     int ops_attention_bf16_vector()
@@ -186,6 +188,26 @@ def attention(float[:, ::1] qkv, int n_heads, int n_kv, int head_dim, const floa
                       scratch.shape[0])
     if rc:
         raise MemoryError("attention: no memory for the workspace of a long context's pieces")
+
+
+def attention_plan(rows, pos0s, int n_heads, int n_kv, int head_dim, int threads):
+    """How attention / attention_paged split their work on `threads` threads, for sequences of rows[i] rows at
+    positions pos0s[i]..: (query heads per item, [(first row, rows, first position), ...] the runs of rows the
+    items go over, in the order they are handed out; a prefill chunk may go in blocks of its rows)."""
+    cdef int32_t[::1] ms = np.ascontiguousarray(rows, dtype=np.int32)
+    cdef int32_t[::1] ps = np.ascontiguousarray(pos0s, dtype=np.int32)
+    cdef int n = ms.shape[0], got
+    if n < 1 or ps.shape[0] != n or min(rows) < 1 or min(pos0s) < 0:
+        _fail("attention_plan: one row count (>= 1) and one first position (>= 0) per sequence")
+    if n_kv <= 0 or n_heads % n_kv or head_dim < 2 or threads < 1:
+        _fail(f"attention_plan: {n_heads} heads / {n_kv} kv heads x {head_dim} on {threads} threads")
+    cdef int max_out = n + sum(int(m) // 16 for m in rows)
+    cdef int32_t[::1] out = np.zeros(3 * max_out + 1, np.int32)
+    with nogil:
+        got = ops_attention_plan(&ms[0], &ps[0], n, n_heads, n_kv, head_dim, threads, &out[0], max_out)
+    if got < 0:
+        raise MemoryError("attention_plan: no memory")
+    return int(out[3 * got]), [(int(out[3 * j]), int(out[3 * j + 1]), int(out[3 * j + 2])) for j in range(got)]
 
 
 def attention_paged(float[:, ::1] qkv, int n_heads, int n_kv, int head_dim, const float[:, ::1] rope_cos,

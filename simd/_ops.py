@@ -22,6 +22,7 @@ from ._kernels import (  # noqa: F401
     attention_precision,
     attention_paged,
     attention_paged_q8,
+    attention_plan,
     attention_q8,
     embed_f16,
     get_num_threads,

@@ -838,6 +838,74 @@ static void attention_items(void *ctx, int item_begin, int item_end) {
     }
 }
 
+/* The plan of attention's items for `threads` threads: *sub (query heads per item: a KV head's group is split while
+ * there would be too few items for the threads; each part rereads the head's cache, the floats do not depend on
+ * it), and the segments the items run over, written to out (NULL: only counted; returns their count). A prefill
+ * chunk's items are long (a KV head's whole group over all rows): 5 KV heads on 2 threads run as 3 + 2, one
+ * thread idle for a third of the step, so they are split until each thread has at least 4 items (not timed on its
+ * own); with piece-major passes each part rereads its head's keys and values once per chunk, a small share of its
+ * arithmetic. Where the query heads are split as far as they go and the items are still fewer than 4 per thread (16
+ * threads on 5 KV heads x 4 query heads: 20 items, the second round keeping 4 of 16 threads busy, 62%), a
+ * prefill segment also goes in blocks of its rows: they start a multiple of 16 rows from its start and hold at
+ * least 16 (the last takes the rest), so every pass (4 rows, or 16 on the tiles) groups the rows it groups
+ * unsplit: the same floats. A block rereads its KV head's positions up to its last row; the last rows, the
+ * longest, come first (items are handed out in order). */
+static int att_plan(const att_seg *segs, int n_segs, int n_kv, int group, int head_dim, int threads, int *sub_out,
+                    att_seg *out) {
+    int64_t base_items = 0;
+    int prefill = 0;
+    for (int sg = 0; sg < n_segs; sg++) {
+        base_items += (int64_t)n_kv * (segs[sg].m == 1 ? n_pieces(segs[sg].pos0 + 1, head_dim) : 1);
+        prefill |= segs[sg].m > 1;
+    }
+    const int64_t enough = (int64_t)(prefill ? 4 : 2) * threads;
+    int sub = group;
+    while (sub % 2 == 0 && base_items * (group / sub) < enough) sub /= 2;
+    *sub_out = sub;
+    const int64_t items = base_items * (group / sub);
+    const int want = prefill && items < enough ? (int)((enough + items - 1) / items) : 1;
+    int n = 0;
+    for (int sg = 0; sg < n_segs; sg++) {
+        const att_seg S = segs[sg];
+        int rows = S.m, nb = 1;
+        if (want > 1 && S.m >= 32) {
+            rows = (S.m + want - 1) / want / 16 * 16;
+            if (rows < 16) rows = 16;
+            nb = S.m / rows;
+        }
+        for (int b = nb - 1; b >= 0; b--, n++)
+            if (out) {
+                const int r0 = b * rows;
+                out[n] = (att_seg){S.row0 + r0, b == nb - 1 ? S.m - r0 : rows, S.pos0 + r0, S.pages};
+            }
+    }
+    return n;
+}
+
+int ops_attention_plan(const int32_t *ms, const int32_t *pos0s, int n_segs, int n_heads, int n_kv, int head_dim,
+                       int threads, int32_t *out, int max_out) {
+    att_seg stack_segs[64];
+    att_seg *segs = n_segs <= 64 ? stack_segs : malloc(sizeof(att_seg) * (size_t)n_segs);
+    if (!segs) return -1;
+    int row0 = 0, sub = 0;
+    for (int i = 0; i < n_segs; row0 += ms[i], i++) segs[i] = (att_seg){row0, ms[i], pos0s[i], NULL};
+    int n = att_plan(segs, n_segs, n_kv, n_heads / n_kv, head_dim, threads, &sub, NULL);
+    att_seg *planned = malloc(sizeof(att_seg) * (size_t)(n > 0 ? n : 1));
+    if (!planned || n > max_out) {
+        free(planned);
+        if (segs != stack_segs) free(segs);
+        return planned ? -2 : -1;
+    }
+    att_plan(segs, n_segs, n_kv, n_heads / n_kv, head_dim, threads, &sub, planned);
+    for (int i = 0; i < n; i++) {
+        out[3 * i] = planned[i].row0, out[3 * i + 1] = planned[i].m, out[3 * i + 2] = planned[i].pos0;
+    }
+    out[3 * n] = sub;
+    free(planned);
+    if (segs != stack_segs) free(segs);
+    return n;
+}
+
 /* The shared body of ops_attention (one segment, contiguous cache) and ops_attention_paged (one segment per
  * sequence of a batched step, caches in the page pool). k/v_head: elements between KV heads; stride:
  * elements between blocks. scratch: [scratch_rows, scratch_len] f32, OPS_ATT_SCRATCH_ROWS rows per thread.
@@ -887,26 +955,21 @@ static int attention_core(float *qkv, int n_heads, int n_kv, int head_dim, const
     /* 2. causal attention: scores of up to MAXQ query vectors per pass over the keys (the query heads
      * sharing a KV head when decoding, consecutive rows of one head in a prefill chunk), then per
      * query softmax and the weighted sum of values. Items: (segment, KV head, part of its query heads, and for a
-     * long decode row, piece of its positions). */
+     * long decode row, piece of its positions); a prefill segment may run as blocks of its rows (att_plan). */
     const att_kernels K = kernels_for(isa);
     int threads = bk_get_num_threads();
     if (threads > scratch_rows / MAXQ) threads = scratch_rows / MAXQ; /* scratch rows are per thread */
     if (threads < 1) threads = 1;
-    /* a KV head's query heads are split over items only while there would be too few items for the threads
-     * (each part rereads the head's cache; the floats do not depend on it) */
-    int64_t base_items = 0;
+    int sub = group, n_bsegs = 0;
+    att_seg stack_bsegs[64];
+    const int n_max_bsegs = att_plan(segs, n_segs, n_kv, group, head_dim, threads, &sub, NULL);
+    att_seg *bsegs = n_max_bsegs <= 64 ? stack_bsegs : malloc(sizeof(att_seg) * (size_t)n_max_bsegs);
+    if (!bsegs) return -1;
+    n_bsegs = att_plan(segs, n_segs, n_kv, group, head_dim, threads, &sub, bsegs);
     int prefill = 0;
-    for (int sg = 0; sg < n_segs; sg++) {
-        base_items += (int64_t)n_kv * (segs[sg].m == 1 ? n_pieces(segs[sg].pos0 + 1, head_dim) : 1);
-        prefill |= segs[sg].m > 1;
-    }
-    /* a prefill chunk's items are long (a KV head's whole group over all rows): 5 KV heads on 2 threads run as 3
-     * + 2, one thread idle for a third of the step, so they are split until each thread has at least 4 items (not
-     * timed on its own); with piece-major passes each part rereads its head's keys and values once per chunk, a
-     * small share of its arithmetic. The floats do not depend on the split. */
-    int sub = group;
-    while (sub % 2 == 0 && base_items * (group / sub) < (prefill ? 4 : 2) * threads) sub /= 2;
+    for (int sg = 0; sg < n_segs; sg++) prefill |= segs[sg].m > 1;
     const int n_sub = group / sub, per_seg = n_kv * n_sub;
+    segs = bsegs, n_segs = n_bsegs; /* steps 2 and 3 run over the planned segments */
     /* items and workspace: a decode segment's pieces each hold n_heads partials, a long prefill segment's rows
      * each n_heads fold states (hd + 2 floats apiece) */
     int64_t n_items = 0, n_states = 0;
@@ -927,7 +990,10 @@ static int attention_core(float *qkv, int n_heads, int n_kv, int head_dim, const
     const size_t ws_bytes = sizeof(float) * (size_t)n_states * (size_t)(head_dim + 2);
     const size_t qc_bytes = sizeof(float) * (size_t)(n_rows * n_heads);
     char *w = malloc(head_bytes + ws_bytes + qc_bytes + (size_t)(n_rows * n_heads) * (size_t)head_dim);
-    if (!w) return -1;
+    if (!w) {
+        if (bsegs != stack_bsegs) free(bsegs);
+        return -1;
+    }
     att_item *items = (att_item *)w;
     int64_t *ws_off = (int64_t *)(w + items_bytes);
     float *ws = (float *)(w + head_bytes);
@@ -969,6 +1035,7 @@ static int attention_core(float *qkv, int n_heads, int n_kv, int head_dim, const
     char *bws = bf16 ? aligned_alloc(64, bws_bytes * (size_t)threads) : NULL;
     if (bf16 && !bws) {
         free(w);
+        if (bsegs != stack_bsegs) free(bsegs);
         return -1;
     }
     const att_job job = {K, Q, q8, segs, items, ws_off, n_sub, group, sub, kv_f16, head_dim, row_stride, q_dim, n_heads,
@@ -997,6 +1064,7 @@ static int attention_core(float *qkv, int n_heads, int n_kv, int head_dim, const
     }
     free(bws);
     free(w);
+    if (bsegs != stack_bsegs) free(bsegs);
     return 0;
 }
 

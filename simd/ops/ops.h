@@ -87,6 +87,12 @@ int ops_attention_paged(float *qkv, int n_heads, int n_kv, int head_dim, const f
                          const float *rope_sin, int n_seqs, const int32_t *seq_rows, const int32_t *seq_pos0,
                          const int32_t *page_table, int max_pages, void *k_pool, void *v_pool, int kv_type,
                          float *out, float *scratch, int scratch_rows, int scratch_len);
+/* How attention splits its work over `threads` threads (attention.c att_plan) for segments of ms[i] rows at positions
+ * pos0s[i]..: out[3j .. 3j+2] = (first row, rows, first position) of the j-th run of rows the items go over, in the
+ * order they are handed out, then out[3n] = query heads per item. Returns n, -2 when n > max_out (out holds
+ * 3 * max_out + 1 ints), -1 without memory. */
+int ops_attention_plan(const int32_t *ms, const int32_t *pos0s, int n_segs, int n_heads, int n_kv, int head_dim,
+                       int threads, int32_t *out, int max_out);
 /* Prefill rows (a segment of more than one row) in bf16 products (attention_bf16.h) when on (default off; f16 and
  * f32 caches, head_dim a multiple of 16 up to 512): process-wide, like the ISA. Decode rows are never affected.
  * ops_attention_bf16_vector: whether its vector bodies (AVX-512 with AVX512_BF16) run here, else scalar ones. */
