@@ -18,9 +18,9 @@ import threading
 import traceback
 from contextlib import contextmanager
 
-from ..engine.errors import ENDING_SIGNALS, Terminated
+from ..engine.errors import ENDING_SIGNALS, Terminated, write_failed
 from .commands import COMMANDS, CommandError, completions, is_command, open_block, parse_command, strip_block
-from .session import ChatSession, ExitChat
+from .session import ChatSession, ExitChat, terminal_gone
 
 PROMPT = ">>> "
 CONTINUATION = "... "
@@ -114,6 +114,8 @@ def handle_line(session: ChatSession, text: str) -> bool:
     except BrokenPipeError:   # stdout was closed (`| head`): not a bug; bitchat ends quietly (cli/chat.py)
         raise
     except Exception as e:  # a bug must not take the transcript with it
+        if write_failed(e) and not terminal_gone(e):   # stdout on a full disk: bitchat leaves, saying so (cli/chat.py)
+            raise
         session.out.end_answer()
         session.out.notice(f"[internal error: {type(e).__name__}: {e}; the session goes on — /save keeps your work]")
         if os.environ.get("BITNET_DEBUG") or os.environ.get("BITCHAT_DEBUG"):

@@ -74,7 +74,7 @@ def interruptible(body) -> int:
 def _main(argv: list[str] | None) -> int:
     from ..engine import faults
     from ..engine.errors import (ENDING_SIGNALS, EXIT_BAD_INPUT, EXIT_BUG, EXIT_INTERRUPTED, BitNetError, Terminated,
-                                 raise_terminated)
+                                 raise_terminated, write_error_line, write_failed)
 
     from .flags import maybe_autocomplete, parse_args_suggesting
 
@@ -119,6 +119,12 @@ def _main(argv: list[str] | None) -> int:
         return EXIT_INTERRUPTED
     except BrokenPipeError:
         return quiet_broken_pipe()
+    except OSError as e:   # stdout or a file on a full disk: one line, not a bug
+        if not write_failed(e):
+            return report_bug("bitnet", e)
+        with contextlib.suppress(OSError):
+            print(write_error_line("bitnet", e), file=sys.stderr)
+        return EXIT_BAD_INPUT
     except MemoryError:
         print("bitnet: error: out of memory (hint: use a smaller -c/--ctx, or close other programs)", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -126,12 +132,14 @@ def _main(argv: list[str] | None) -> int:
         return report_bug("bitnet", e)
 
 
-def stdout_flushed(body) -> int:
+def stdout_flushed(body, prog: str = "bitnet") -> int:
     """Run an entry point's body, then flush stdout while a closed pipe can still end quietly. With stdout a
     pipe, Python holds up to 8 KiB until the interpreter exits: a command that prints less (`bitnet info`,
     `--version`, `--help`) would otherwise meet its reader's hang-up only in that final flush, which prints
     "Exception ignored ... BrokenPipeError" and exits 120. argparse's own exits (--help, --version, usage
-    errors) keep their status."""
+    errors) keep their status. A full disk met in that flush is one line and exit 2, as anywhere else."""
+    from ..engine.errors import EXIT_BAD_INPUT, write_error_line, write_failed
+
     try:
         try:
             code = body()
@@ -142,6 +150,23 @@ def stdout_flushed(body) -> int:
         return code
     except BrokenPipeError:
         return quiet_broken_pipe()
+    except OSError as e:
+        if not write_failed(e):
+            raise
+        with contextlib.suppress(OSError):
+            print(write_error_line(prog, e), file=sys.stderr)
+        with contextlib.suppress(OSError):   # what is still buffered cannot go out either: not at exit again
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BAD_INPUT
+
+
+def write_stdout(text: str) -> None:
+    """Write a large text (embeddings, a JSON report) to stdout in 64 KiB pieces, each flushed: Python's buffered
+    stdout takes the short count of a write to a nearly full disk and drops the rest without an error (a
+    1.8 MB rendering ended at 64 KiB, exit 0); a piece at a time, the write that cannot go through raises."""
+    for i in range(0, len(text), 1 << 16):
+        sys.stdout.write(text[i: i + (1 << 16)])
+        sys.stdout.flush()
 
 
 def quiet_broken_pipe() -> int:

@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"bitchat: error: {e}", file=sys.stderr)
             return 2
         return _guarded(args, settings)
-    return stdout_flushed(body)
+    return stdout_flushed(body, "bitchat")
 
 
 def _refuse(message: str):
@@ -134,7 +134,16 @@ def _guarded(args, settings: Settings, first_message: str | None = None) -> int:
                     os.unlink(path)
         return quiet_broken_pipe()   # stdout went away (e.g. `| head`): nothing more to say
     except Exception as e:  # a bug: one line (BITNET_DEBUG=1 shows the traceback), never a raw dump
-        from ..engine.errors import BUG_REPORT_HINT, EXIT_BUG
+        from ..engine.errors import BUG_REPORT_HINT, EXIT_BAD_INPUT, EXIT_BUG, write_error_line, write_failed
+
+        if write_failed(e):   # the answers cannot be written (stdout on a full disk): one line, the turns kept
+            path = recovery_path()
+            kept = f"; the conversation so far is saved in {path}" if path and os.path.isfile(path) else ""
+            with contextlib.suppress(OSError):
+                print(write_error_line("bitchat", e) + kept, file=sys.stderr)
+            with contextlib.suppress(OSError):   # what is still buffered cannot go out at exit either
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return EXIT_BAD_INPUT
 
         if os.environ.get("BITNET_DEBUG") or os.environ.get("BITCHAT_DEBUG"):   # the latter: older name
             raise

@@ -117,6 +117,7 @@ def main(args) -> int:
 
     from ..engine.api import load_engine
     from ..engine.runtime.embed import check_normalize, check_pooling, normalized
+    from . import write_stdout
     from .flags import auto_threads
     check_pooling(args.pooling, "--pooling")
     normalize = check_normalize(args.embd_normalize, "--embd-normalize")
@@ -144,7 +145,7 @@ def main(args) -> int:
         vectors = list(got)
     else:   # llama-embedding normalises each token's vector too
         vectors = [normalized(row.astype(np.float64), normalize) for rows in got for row in rows]
-    sys.stdout.write(render(vectors, texts, args.embd_output_format, normalize, pooled))
+    write_stdout(render(vectors, texts, args.embd_output_format, normalize, pooled))
     n_tok = sum(len(t) for t in ids)
     print(f"embed: {len(texts)} text{'s' * (len(texts) != 1)}, {n_tok} tokens, {len(vectors[0])} dimensions, "
           f"pooling {args.pooling}, in {took:.2f} s ({n_tok / max(took, 1e-9):.1f} tokens/s)", file=sys.stderr)

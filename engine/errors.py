@@ -43,6 +43,20 @@ def raise_terminated(signum, frame):
     raise Terminated(signum)
 
 
+def write_failed(e: BaseException) -> bool:
+    """An OSError of a write the machine refused (a full disk or quota, a file over its size limit, an I/O error):
+    its state, said in one line (`bitnet: error: write error: No space left on device`, as coreutils says it),
+    never reported as a bug. A closed pipe is not one (it ends quietly)."""
+    import errno
+    return (isinstance(e, OSError) and not isinstance(e, BrokenPipeError)
+            and e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO))
+
+
+def write_error_line(prog: str, e: OSError) -> str:
+    where = f" ({e.filename})" if getattr(e, "filename", None) else ""
+    return f"{prog}: error: write error{where}: {e.strerror or e}"
+
+
 class FormatError(BitNetError):
     """A model file is corrupt, truncated, or not what it claims to be."""
 

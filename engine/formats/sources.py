@@ -753,6 +753,11 @@ def open_source(path: str, hidden_act: str | None = None, ternarize: bool = Fals
         raise FormatError(f"{path}: cannot read: {e.strerror}") from None
     if size == 0:
         raise FormatError(f"{path}: the file is empty (0 bytes)", hint="an interrupted download or copy? fetch it again")
+    try:   # the readers' magic checks take an unreadable file for a foreign one: say what is wrong instead
+        with open(path, "rb"):
+            pass
+    except OSError as e:
+        raise FormatError(f"{path}: cannot read: {e.strerror}") from None
     if is_gguf(path):
         return GGUFSource(path, hidden_act, check_ternary)
     if path.endswith(".safetensors"):
