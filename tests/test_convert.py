@@ -173,6 +173,26 @@ def test_legacy_bitlinear_divides(model, tmp_path):
     assert s.tensor("blk.0.ffn_down.scale")[0] == pytest.approx(model.weight_scale(p), rel=1e-6)
 
 
+def test_rope_theta_left_out_takes_transformers_default_for_the_family(model, tmp_path):
+    """A config.json without rope_theta: BitNetConfig's default is 500000 (it was read as LlamaConfig's 10000, a
+    different model), a Llama-style one's stays 10000."""
+    import json
+
+    from bitnet_cpu.engine.formats.sources import open_source
+
+    src = write_hf_dir(model, str(tmp_path / "bitnet"))
+    cfg_path = os.path.join(src, "config.json")
+    cfg = json.load(open(cfg_path))
+    assert cfg["model_type"] == "bitnet"
+    for key in ("rope_theta", "rope_parameters", "rope_scaling"):
+        cfg.pop(key, None)
+    json.dump(cfg, open(cfg_path, "w"))
+    assert open_source(src).config.rope_theta == 500000.0
+    cfg["rope_theta"] = 12345.0
+    json.dump(cfg, open(cfg_path, "w"))
+    assert open_source(src).config.rope_theta == 12345.0
+
+
 def test_1bitllm_style_and_odd_dims(tmp_path):
     # 1bitLLM-3B-like shapes: multiples of 4 but not of 16/64 (padded in the store)
     m = SynthModel(dict(hidden_size=200, intermediate_size=344, num_attention_heads=4, num_key_value_heads=4,

@@ -292,3 +292,17 @@ def test_mutated_tl_files_fail_only_with_one_line_errors(files, tmp_path, seed):
                     g.ternary(t.name)
     except BitNetError as e:
         assert "\n" not in str(e)
+
+
+@pytest.mark.parametrize("values", ["bm=0 bk=64 bmm=32", "bm=256 bk=0 bmm=32", "bm=256 bk=64 bmm=0",
+                                    "bm=-256 bk=64 bmm=32", "bm=abc bk=64 bmm=32"])
+def test_a_kernel_config_with_unusable_tile_sizes_is_one_line(tmp_path, monkeypatch, values):
+    """A tile size of 0 divided by zero when the file was read (exit 70, "a bug in bitnet-cpu"), a negative one
+    failed in numpy's reshape: both are the ini's fault, refused in one line naming it."""
+    ini = tmp_path / "kernel_config.ini"
+    ini.write_text("[Kernels_0]\nm = 1536\nk = 4096\n" + "".join(f"{kv.replace('=', ' = ')}\n" for kv in values.split()))
+    monkeypatch.setenv(tl_layouts.ENV_CONFIG, str(ini))
+    with pytest.raises(UnsupportedError) as e:
+        tl_layouts.env_tilings(1536, 4096)
+    assert "\n" not in str(e.value) and str(ini) in str(e.value)
+    assert tl_layouts.env_tilings(1536, 1536) == []   # another shape: its section is not read

@@ -491,7 +491,9 @@ class HFSource:
             n_kv_heads=_cfg_int(where, cfg, "num_key_value_heads", H), head_dim=hd,
             vocab_size=_cfg_int(where, cfg, "vocab_size"),
             context_length=_cfg_int(where, cfg, "max_position_embeddings", 4096),
-            rope_theta=_cfg_float(where, {"rope_theta": rope_theta}, "rope_theta", 10000.0),
+            # transformers' defaults when the file says nothing: BitNetConfig's 500000, LlamaConfig's 10000
+            rope_theta=_cfg_float(where, {"rope_theta": rope_theta}, "rope_theta",
+                                  500000.0 if mt == "bitnet" else 10000.0),
             rms_norm_eps=_cfg_float(where, cfg, "rms_norm_eps", 1e-5),
             # MiniCPM: the head always gets its own (logit-scaled) rows, since the embedding is stored scaled
             hidden_act=act, sub_norms=sub_norms, rope_factors=rope_factors, rope_attn_factor=rope_attn,

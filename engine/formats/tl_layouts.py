@@ -111,8 +111,12 @@ def env_tilings(M: int, K: int) -> list[Tiling]:
     try:
         with open(path, encoding="utf-8") as f:
             cp.read_file(f)
-        return [Tiling(int(cp.get(s, "bm")), int(cp.get(s, "bk")), int(cp.get(s, "bmm")), f"{ENV_CONFIG}={path}")
-                for s in cp.sections() if int(cp.get(s, "m")) == M and int(cp.get(s, "k")) == K]
+        found = [Tiling(int(cp.get(s, "bm")), int(cp.get(s, "bk")), int(cp.get(s, "bmm")), f"{ENV_CONFIG}={path}")
+                 for s in cp.sections() if int(cp.get(s, "m")) == M and int(cp.get(s, "k")) == K]
+        for t in found:   # a tile size of 0 or less divided by zero below (an internal error)
+            if min(t.BM, t.BK, t.bm) <= 0:
+                raise ValueError(f"the tile sizes of {M}x{K} must be positive, not {t.label()}")
+        return found
     except (OSError, ValueError, configparser.Error) as e:
         raise UnsupportedError(f"{ENV_CONFIG}={path}: not a readable kernel_config.ini ({e})") from None
 
