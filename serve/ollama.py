@@ -37,6 +37,9 @@ _DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
 _UNIT = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 
 
+MAX_DURATION = (2 ** 63 - 1) / 1e9   # seconds: Go's time.Duration, which ollama parses keep_alive into
+
+
 def parse_keep_alive(value) -> float:
     """ollama's keep_alive in seconds: a number of seconds, or a Go duration string ("5m", "1h30m", "90s", "-1");
     negative = for ever (math.inf), 0 = unload after the request. ValueError if it is neither."""
@@ -54,6 +57,9 @@ def parse_keep_alive(value) -> float:
             value = sign * sum(float(n) * _UNIT[u] for n, u in parts)
     if math.isnan(value):
         raise ValueError(f"keep_alive: {value!r} is not a duration")
+    if MAX_DURATION < value < math.inf:   # a date past year 9999 broke /api/ps's expires_at (a lasting 500)
+        raise ValueError(f"keep_alive: {value:g} s is over the longest duration (Go's, ollama's: 2562047h); "
+                         "-1 keeps the model loaded for ever")
     return FOREVER if value < 0 or math.isinf(value) else float(value)
 
 # the version /api/version reports: clients written for ollama check a minimum (the fields served here are
@@ -63,7 +69,15 @@ DONE = {"eos": "stop", "stop": "stop", "length": "length", "context": "length", 
 ENGINE_FAULT = "the engine failed while generating this answer (the server goes on; see its log)"
 # options -> SamplingParams field (same meaning, same name apart from these)
 OPTION_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n", "seed",
-                 "presence_penalty", "frequency_penalty", "typical_p", "mirostat", "mirostat_tau", "mirostat_eta")
+                 "presence_penalty", "frequency_penalty", "typical_p", "mirostat", "mirostat_tau", "mirostat_eta",
+                 # llama.cpp's samplers the engine has (not ollama's options; llama-server takes them per request)
+                 "xtc_probability", "xtc_threshold", "dry_multiplier", "dry_base", "dry_allowed_length",
+                 "dry_penalty_last_n", "top_n_sigma", "dynatemp_range", "dynatemp_exponent")
+INT_OPTIONS = ("top_k", "repeat_last_n", "seed", "mirostat", "dry_allowed_length", "dry_penalty_last_n")
+# read by the handlers themselves
+HANDLED_OPTIONS = {"num_predict", "num_ctx", "stop"}
+# options ollama's Go server once had and now ignores (its log: "invalid option provided"): ignored here too
+RETIRED_OPTIONS = {"penalize_newline", "num_gqa", "rope_frequency_base", "rope_frequency_scale"}
 # load-time options of a local ollama (the model is loaded once, by `bitnet serve`'s flags): ignored by design
 LOAD_OPTIONS = {"numa", "num_batch", "num_gpu", "main_gpu", "low_vram", "f16_kv", "logits_all", "vocab_only",
                 "use_mmap", "use_mlock", "embedding_only", "num_thread", "num_keep"}
@@ -147,9 +161,13 @@ def sampling_from_options(options: dict | None, defaults: SamplingParams | None)
             if value not in (None, REFUSED_OPTIONS[key]):
                 raise OllamaError(400, f"options.{key} {value}: not supported (only {REFUSED_OPTIONS[key]}, off)")
             continue
+        if key not in OPTION_FIELDS and key not in HANDLED_OPTIONS | LOAD_OPTIONS | RETIRED_OPTIONS:
+            # a typo (temprature) changed nothing in silence
+            raise OllamaError(400, f"options.{key}: not an option (see ollama's Modelfile parameters; "
+                                   f"sampling ones here: {', '.join(OPTION_FIELDS[:9])}, ...)")
         if key not in OPTION_FIELDS or value is None:
             continue
-        integer = key in ("top_k", "repeat_last_n", "seed", "mirostat")
+        integer = key in INT_OPTIONS
         if integer:
             value = option_int(options, key)
         if key == "seed" and value < 0:   # ollama: -1 is a fresh random seed; another negative one is a seed

@@ -177,6 +177,21 @@ def test_logprobs_leave_out_a_stop_strings_tokens(server, model_id, stream):
     assert text == "".join(toks[:k]) and got == toks[:k]
 
 
+def test_engine_samplers_and_retired_options_are_taken(server, model_id):
+    """xtc / DRY / top-n-sigma / dynamic temperature as options change the answer (they were dropped in silence);
+    the options ollama itself retired (penalize_newline, ...) and the load-time ones are taken and ignored, as there."""
+    def answer(options):
+        r = httpx.post(server.url + "/api/generate", json={"model": model_id, "prompt": "Once upon a time",
+                                                           "stream": False, "options": options}, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()["response"]
+    base = {"temperature": 0, "num_predict": 12, "seed": 1}
+    plain = answer(base)
+    assert answer({**base, "penalize_newline": True, "num_gqa": 8, "num_thread": 2, "use_mmap": False}) == plain
+    hot = {**base, "temperature": 1.5}
+    assert answer({**hot, "xtc_probability": 1, "xtc_threshold": 0.001}) != answer(hot)   # the top choices cut
+
+
 @pytest.mark.parametrize("path,body,words", [
     ("/api/chat", {"messages": Q}, "model is required"),
     ("/api/embed", {"model": 5, "input": "hi"}, "model: Input should be a valid string"),   # was "required"
@@ -208,6 +223,10 @@ def test_logprobs_leave_out_a_stop_strings_tokens(server, model_id, stream):
     ("/api/chat", {"model": "m", "messages": Q, "options": {"num_ctx": "big"}}, "options.num_ctx 'big'"),
     ("/api/chat", {"model": "m", "messages": Q, "options": {"top_k": "4"}}, "options.top_k '4'"),
     ("/api/chat", {"model": "m", "messages": Q, "format": 5}, "format: "),   # no union branch tag in the name
+    # an option no one has (a typo) changed nothing in silence; the engine's own samplers are checked as options
+    ("/api/chat", {"model": "m", "messages": Q, "options": {"temprature": 0}}, "options.temprature: not an option"),
+    ("/api/generate", {"model": "m", "prompt": "x", "options": {"xtc_probability": 2}}, "options.xtc_probability 2"),
+    ("/api/chat", {"model": "m", "messages": Q, "options": {"dry_allowed_length": 1.5}}, "dry_allowed_length 1.5"),
 ])
 def test_refusals_in_ollama_error_shape(server, path, body, words):
     r = httpx.post(server.url + path, json=body, timeout=30)

@@ -907,13 +907,14 @@ def test_the_model_processes_get_the_routers_engine_flags():
 
 @pytest.mark.parametrize("value,seconds", [
     (0, 0.0), (30, 30.0), ("90", 90.0), ("5m", 300.0), ("1h30m", 5400.0), ("300ms", 0.3), ("1.5h", 5400.0),
-    (-1, math.inf), ("-1", math.inf), ("-5m", math.inf), (float("inf"), math.inf)])
+    (-1, math.inf), ("-1", math.inf), ("-5m", math.inf), (float("inf"), math.inf), ("2562047h", 2562047 * 3600.0)])
 def test_keep_alive_durations(value, seconds):
     from bitnet_cpu.serve.router import parse_keep_alive
     assert parse_keep_alive(value) == pytest.approx(seconds)
 
 
-@pytest.mark.parametrize("value", ["soon", "5 minutes", "", "m", True, None, [1], "5m3", float("nan"), "nan"])
+@pytest.mark.parametrize("value", ["soon", "5 minutes", "", "m", True, None, [1], "5m3", float("nan"), "nan",
+                                   "100000000h", 1e12, 1e300])   # past Go's longest duration (/api/ps: a 500)
 def test_keep_alive_nonsense(value):
     from bitnet_cpu.serve.router import parse_keep_alive
     with pytest.raises(ValueError):
