@@ -336,7 +336,12 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
 
     def think_splitter(eng, body: _Body, prompt_ids, free_start: bool):
         """Where a thinking model's <think> block goes (`thinking`), unless think is false; free_start False: a
-        `format` decides how the answer starts (engine api's think_splitter)."""
+        `format` decides how the answer starts (engine api's think_splitter). think true with such a format is a
+        400: the format is the answer from its first token, with no room for the thought asked for
+        (docs/structured-output.md; it was answered without one, in silence)."""
+        if body.think is True and not free_start:
+            raise OllamaError(400, "think: true with format: the format decides the answer from its first token and "
+                                   "leaves no room for a thought here; send think false, or leave think out")
         return eng.think_splitter(prompt_ids, free_start) if body.think is not False else None
 
     async def constraint_of(eng, body: _Body, tool_spec=None):

@@ -121,6 +121,14 @@ def test_ollama_thinking(server):
     with pytest.raises(ollama.ResponseError) as e:
         client.chat(model="m", messages=Q, think="high")
     assert e.value.status_code == 400
+    # a format decides the answer from its first token: think true beside it is refused (it was answered without a
+    # thought, in silence); think left out takes the format as the answer
+    for call in (lambda **k: client.chat(model="m", messages=Q, **k),
+                 lambda **k: client.generate(model="m", prompt="x", **k)):
+        with pytest.raises(ollama.ResponseError) as e:
+            call(think=True, format="json", options=opts)
+        assert e.value.status_code == 400 and "think: true with format" in str(e.value)
+        call(format="json", options=opts)
 
 
 def test_anthropic_messages_ask_a_thinking_template_not_to_think(server):
