@@ -29,6 +29,10 @@ def main(args) -> int:
 
     from ..engine.formats.convert import convert
 
+    from ..engine.errors import BitNetError
+
+    if args.out is not None and not args.out.strip():   # "" was taken as no -o: the store went next to SRC
+        raise BitNetError("-o/--output: an empty path (leave -o out to write next to SRC)")
     source_name = None
     if not os.path.exists(args.src):
         from ..engine.formats.hub import is_hub_ref, resolve_hub_ref

@@ -14,7 +14,11 @@ def add_arguments(p):
 
 
 def main(args) -> int:
+    from ..engine.errors import BitNetError
     from ..engine.formats.describe import describe
+
+    if args.tensors is not None and args.tensors < 0:   # -1 printed all but one row, then "... 14 more" of 13
+        raise BitNetError(f"--tensors {args.tensors}: must be 0 or more (leave it out for every row)")
 
     # all of it first: a file that fails part-way (missing, a tensor type not supported) is one error line, not
     # half a description then the error

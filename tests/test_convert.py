@@ -331,6 +331,11 @@ def test_cli_convert_and_inspect(model, tmp_path):
         assert r.returncode == 0, r.stderr
         assert "hidden 256" in r.stdout and "blk.1.ffn_down" in r.stdout and "hf_json (512 tokens" in r.stdout
         assert "Assistant: " in r.stdout and " / 0." in r.stdout
+    # a negative --tensors printed every row but one, then "... N+1 more"; -o "" wrote next to SRC as without -o
+    for args, words in ((["inspect", out, "--tensors", "-1"], "--tensors -1: must be 0 or more"),
+                        (["convert", src, "-o", ""], "-o/--output: an empty path")):
+        r = subprocess.run([sys.executable, "-m", "bitnet_cpu", *args], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and r.stdout == "" and f"bitnet: error: {words}" in r.stderr, r.stderr
 
 
 def test_convert_never_writes_over_what_is_not_a_store(model, tmp_path):

@@ -210,6 +210,23 @@ def test_ternarize_latent_weights_without_quantization_config(tmp_path):
         assert np.array_equal(a.tensor(n), b.tensor(n)), n
 
 
+def test_ternarize_where_it_does_nothing_is_refused(tmp_path):
+    """--ternarize on a checkpoint that declares BitNet quantization (packed or online), or on a GGUF file, did
+    nothing and said nothing: refused in one line."""
+    from bitnet_cpu.engine.synth.writers import write_gguf_tq
+
+    m = SynthModel({"head_dim": 64}, seed=5, style="llama")
+    for form in ("packed", "online"):
+        d = write_hf_dir(m, str(tmp_path / form), form=form)
+        with pytest.raises(UnsupportedError, match="--ternarize is for latent float weights"):
+            convert(d, str(tmp_path / f"{form}.bnstore"), ternarize=True, progress=False)
+        convert(d, str(tmp_path / f"{form}.bnstore"), progress=False)   # without it: as before
+    gguf = str(tmp_path / "m.gguf")
+    write_gguf_tq(SynthModel(seed=5), gguf)
+    with pytest.raises(UnsupportedError, match="not a single file"):
+        convert(gguf, str(tmp_path / "g.bnstore"), ternarize=True, progress=False)
+
+
 def test_unsupported_quantization_and_rope_refused(tmp_path):
     import json
 

@@ -445,6 +445,10 @@ class HFSource:
         self.mode = q.get("quantization_mode", "offline") if q else ("fakequant" if llama else "online")
         if ternarize and self.mode == "fakequant":  # the caller says: latent BitNet weights (Falcon-E bfloat16)
             self.mode = "online"
+        elif ternarize and q:   # it did nothing, in silence
+            raise UnsupportedError(f"{path}: --ternarize is for latent float weights without a quantization_config; "
+                                   f"these are BitNet's already (quantization_config {self.mode!r})",
+                                   hint="convert without --ternarize")
         self.meta: dict = {"hf_linear_class": self.linear_class, "hf_quantization_mode": self.mode}
         names = set(self.st.names())
         self.attn_sub = "attn_sub_norm" if "model.layers.0.self_attn.attn_sub_norm.weight" in names else "inner_attn_ln"
@@ -747,6 +751,9 @@ def open_source(path: str, hidden_act: str | None = None, ternarize: bool = Fals
         return HFSource(path, hidden_act, ternarize)
     if not os.path.exists(path):
         raise FormatError(f"{path}: no such file or directory")
+    if ternarize and not path.endswith(".safetensors"):   # a GGUF's weights are ternary or refused: it did nothing
+        raise UnsupportedError(f"{path}: --ternarize is for a Hugging Face directory of latent float weights, not a "
+                               "single file", hint="convert without --ternarize")
     if not os.path.isfile(path):
         raise FormatError(f"{path}: not a regular file (a model is read from a file or a directory)")
     try:
