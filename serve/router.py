@@ -677,6 +677,14 @@ def model_routes() -> tuple:
                  if getattr(r, "methods", None) and hasattr(r, "path_regex"))
 
 
+@functools.cache
+def model_openapi() -> dict:
+    """A model's own server's OpenAPI schema (create_app built without a model): the router serves the same API."""
+    from .app import create_app
+
+    return create_app(lambda: None).openapi()
+
+
 def create_router_app(router: Router, *, api_keys: tuple = (), limits: Limits | None = None,
                       metrics_public: bool = False, cors_origins: tuple = (), local_only: bool = False) -> FastAPI:
     @contextlib.asynccontextmanager
@@ -908,6 +916,10 @@ def create_router_app(router: Router, *, api_keys: tuple = (), limits: Limits | 
         return {"role": "router", "model_alias": "", "model_path": "", "total_slots": 0, "chat_template": "",
                 "default_generation_settings": {"n_ctx": 0, "params": {}},
                 "modalities": {"vision": False, "audio": False}, "build_info": f"bitnet-cpu {__version__}"}
+
+    @app.get("/openapi.json")
+    async def openapi_schema():   # a model's schema (it was a 400 "model: required" from the forwarder)
+        return JSONResponse(await asyncio.to_thread(model_openapi))
 
     @app.api_route("/", methods=["GET", "HEAD"], response_class=HTMLResponse)   # HEAD /: the ollama CLI's heartbeat
     async def page():

@@ -933,6 +933,15 @@ def test_props_without_a_model_and_v1_health(router):
     assert httpx.get(router.url + "/v1/health").json()["status"] == "ok"
 
 
+def test_openapi_schema_is_a_models(router):
+    """GET /openapi.json is the API a model's server describes (clients and the schemathesis fuzzer read it): it
+    was a 400 "model: required" from the router's forwarder."""
+    r = httpx.get(router.url + "/openapi.json", timeout=60)
+    assert r.status_code == 200, r.text
+    paths = r.json()["paths"]
+    assert {"/v1/chat/completions", "/v1/completions", "/api/chat", "/v1/messages"} <= set(paths)
+
+
 def test_a_split_gguf_is_one_model_of_the_directory(tmp_path):
     """llama.cpp's gguf-split parts (PREFIX-0000N-of-0000M.gguf) in a --models-dir are one model, named by the
     prefix and loaded from its first part (each part was listed as a model of its own)."""
