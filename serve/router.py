@@ -848,6 +848,9 @@ def create_router_app(router: Router, *, api_keys: tuple = (), limits: Limits | 
         if not isinstance(stream, bool):
             raise RouterError(400, "stream: must be true or false", "invalid_value", "stream")
         ref = hub_name(name)
+        listed = router.find(name) if "/" not in ref else None
+        if listed is not None and listed.cached and listed.source:   # a name /api/tags lists (ollama pulls any:
+            ref = listed.source.rsplit("@", 1)[0]                     # an update): its hub id, the newest commit
         # ollama checks a name before anything runs ("invalid model name"); the pull's own process checks the rest
         if not re.fullmatch(r"[A-Za-z0-9][\w.-]*/[^\s/:@]+(:[^\s@]+)?(@[^\s]+)?", ref) or ".." in ref:
             raise RouterError(400, f"invalid model name {name!r}: a hub id, OWNER/REPO[:FILE|:TAG][@REVISION] or "

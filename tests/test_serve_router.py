@@ -692,8 +692,10 @@ def test_ollama_pull_and_delete_on_a_cache_server(tmp_path, models_dir):
             single.stop()
         for name in ("hf.co/o/pulled", "hf.co/o/pulled:latest", "o/pulled", cache_name):
             assert chat_text(s.url, name)["choices"][0]["message"]["content"] == want, name
-        # pulled again (already here): success, nothing new
+        # pulled again (already here): success, nothing new; also by the name /api/tags lists (ollama pulls any
+        # listed name: Open WebUI's "update all models" does; it was a 400 "invalid model name")
         assert client.pull("hf.co/o/pulled").status == "success" and names() == before | {cache_name}
+        assert client.pull(cache_name).status == "success" and names() == before | {cache_name}
         # a quant tag (ollama's hf.co/OWNER/REPO:TAG): that GGUF file, served under the tag in any case; no tag
         # where the repository holds several: the pull's reason names the tags
         with pytest.raises(ollama.ResponseError) as e:
