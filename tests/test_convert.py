@@ -193,6 +193,38 @@ def test_rope_theta_left_out_takes_transformers_default_for_the_family(model, tm
     assert open_source(src).config.rope_theta == 12345.0
 
 
+def test_tie_word_embeddings_is_read_as_transformers_reads_it(tmp_path):
+    """config.json decides: tied, a saved lm_head.weight is not used (transformers ties it; the file's head was
+    taken); untied (said, or left out: LlamaConfig's and BitNetConfig's default), lm_head.weight must be there
+    (it was tied in silence; transformers would start that head from random weights)."""
+    import json
+
+    from bitnet_cpu.engine.formats.sources import open_source
+
+    def edit(src, **changes):
+        path = os.path.join(src, "config.json")
+        cfg = json.load(open(path))
+        for k, v in changes.items():
+            if v is None:
+                cfg.pop(k, None)
+            else:
+                cfg[k] = v
+        json.dump(cfg, open(path, "w"))
+
+    untied = write_hf_dir(SynthModel(seed=6, style="llama"), str(tmp_path / "untied"))   # lm_head.weight saved
+    assert not open_source(untied).config.tie_word_embeddings
+    edit(untied, tie_word_embeddings=True)
+    s = open_source(untied)
+    assert s.config.tie_word_embeddings and s.lm_head(0, 4) is None
+    tied = write_hf_dir(SynthModel(seed=6), str(tmp_path / "tied"))   # no lm_head.weight
+    assert open_source(tied).config.tie_word_embeddings
+    for value, words in ((False, "says tie_word_embeddings false"),
+                         (None, r"leaves tie_word_embeddings out \(transformers reads false\)")):
+        edit(tied, tie_word_embeddings=value)
+        with pytest.raises(FormatError, match=f"{words} but there is no lm_head.weight"):
+            convert(tied, str(tmp_path / "t.bnstore"), progress=False)
+
+
 def test_1bitllm_style_and_odd_dims(tmp_path):
     # 1bitLLM-3B-like shapes: multiples of 4 but not of 16/64 (padded in the store)
     m = SynthModel(dict(hidden_size=200, intermediate_size=344, num_attention_heads=4, num_key_value_heads=4,

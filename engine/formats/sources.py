@@ -501,9 +501,9 @@ class HFSource:
             rms_norm_eps=_cfg_float(where, cfg, "rms_norm_eps", 1e-5),
             # MiniCPM: the head always gets its own (logit-scaled) rows, since the embedding is stored scaled
             hidden_act=act, sub_norms=sub_norms, rope_factors=rope_factors, rope_attn_factor=rope_attn,
-            # Qwen3Config says whether the head is tied (its default: not); a file may still carry lm_head
-            tie_word_embeddings=(cfg.get("tie_word_embeddings", False) is True) if qwen3 else
-            ("lm_head.weight" not in names and not minicpm),
+            # config.json says whether the head is tied, as transformers reads it (Qwen3Config's, LlamaConfig's and
+            # BitNetConfig's default: not): tied, a saved lm_head is not used; untied, it must be there (lm_head)
+            tie_word_embeddings=(cfg.get("tie_word_embeddings", False) is True) and not minicpm,
             weight_groups=groups, qk_norm="model.layers.0.self_attn.q_norm.weight" in names,
             bos_token_id=bos, eos_token_ids=tuple(eos),
             arch="bitnet-b1.58" if mt == "bitnet" else ("minicpm" if minicpm else "qwen3" if qwen3 else
@@ -649,7 +649,11 @@ class HFSource:
             # MiniCPMConfig ties by default (transformers then ignores a saved lm_head): the file's embedding
             name = "model.embed_tokens.weight"
         elif name not in self.st.names():
-            raise FormatError(f"{self.path}: config.json says tie_word_embeddings false but there is no lm_head.weight")
+            said = "says tie_word_embeddings false" if "tie_word_embeddings" in self.cfg else \
+                "leaves tie_word_embeddings out (transformers reads false)"
+            raise FormatError(f"{self.path}: config.json {said} but there is no lm_head.weight (transformers would "
+                              "start the head from random weights)",
+                              hint="if the head is the embedding, set \"tie_word_embeddings\": true in config.json")
         _shape_check(self.path, name, self.st.info(name)[1], (self.config.vocab_size, self.config.hidden_size))
         rows = self._rows_f32(name, r0, r1)
         return rows / np.float32(self.logit_div) if self.logit_div != 1.0 else rows
