@@ -654,4 +654,6 @@ class CompletionRequest(_Sampling):
         if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], list) and \
                 not all(self.prompt):
             return "prompt", "an empty token list"
+        if isinstance(self.prompt, list) and not self.prompt:   # no prompt at all: it was run from BOS alone
+            return "prompt", "an empty list (give text, token ids, or a list of either)"
         return super().unsupported()

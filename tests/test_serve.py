@@ -184,6 +184,13 @@ def test_other_endpoints_take_json_types_only(server, path, body, param):
     assert ollama.status_code == 400 and ollama.json() == {"error": "stream: expected true or false, got 'false'"}
 
 
+def test_an_empty_prompt_list_400(server):
+    """prompt [] is no prompt (OpenAI: 400, "too short"); it was run from BOS alone. "" stays a prompt of BOS."""
+    e = _err(httpx.post(server.url + "/v1/completions", json={"prompt": [], "max_tokens": 1}, timeout=30), 400)
+    assert e["param"] == "prompt" and "an empty list" in e["message"]
+    assert httpx.post(server.url + "/v1/completions", json={"prompt": "", "max_tokens": 1}, timeout=30).status_code == 200
+
+
 def test_stream_options_without_stream_400(server):
     """OpenAI's answer (and vLLM's): stream_options on a request that does not stream is refused, not dropped."""
     for path, body in [("/v1/chat/completions", {"messages": Q}), ("/v1/completions", {"prompt": "x"})]:
