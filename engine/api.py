@@ -184,6 +184,13 @@ class _Text:
             return None
         return ThinkSplitter(free_start and prompt_opens_thought(self.tokenizer.decode(list(prompt_ids[-8:]))))
 
+    def grammar_thinks(self, compiled) -> bool:
+        """Whether a compiled constraint lets the answer open a thought (<think>): a grammar that writes the thought
+        itself (docs/structured-output.md). A format or a required call does not: its output is the answer."""
+        from .runtime.reasoning import OPEN
+        ids = self.tokenizer.encode(OPEN, add_bos=False, special=True)
+        return compiled is None or compiled.matcher().valid_prefix(ids) == ids
+
     def warm_constraints(self) -> None:
         """Build the grammar engine's view of the tokenizer (seconds for a 128k vocabulary on 2 busy cores) and
         a JSON matcher on a background thread, so the first constrained request does not wait for it."""

@@ -362,9 +362,18 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
             kwargs = {"enable_thinking": bool(thinking), **(kwargs or {})}
         prompt_ids = await render_prompt(eng, msgs, tools, param, prefill, kwargs)
         constraint = await compile_constraint(eng, body, tool_spec)
+        free = constraint is None or constraint.spec.free_start   # no grammar decides the start (tools, choice auto)
+        if eng.thinks and not free and (asked or (kwargs or {}).get("enable_thinking") is True) \
+                and not await run_off_loop(eng.grammar_thinks, constraint):
+            # a format (or a required call) is the answer from its first token: the thought asked for has no room
+            # (docs/structured-output.md); it was answered without one, in silence. A grammar that writes the
+            # thought itself (<think> ... </think> answer) is what the docs advise instead
+            raise APIError(400, "thinking with a format or a required tool call: the constrained output is the "
+                           "answer from its first token and leaves no room for a thought; turn thinking off or "
+                           "leave it to the template", param="thinking" if asked else
+                           "chat_template_kwargs.enable_thinking", code="invalid_value")
         params = await sampling_for(eng, body, chat=thinking)
         streams, q = submit(eng, body, prompt_ids, asyncio.get_running_loop(), constraint, param, params=params)
-        free = constraint is None or constraint.spec.free_start   # no grammar decides the start (tools, choice auto)
         return eng, prompt_ids, streams, q, new_parser, (lambda: eng.think_splitter(prompt_ids, free))
 
     async def sampling_for(eng, req, chat: bool = False):

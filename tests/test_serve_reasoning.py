@@ -218,8 +218,8 @@ def test_a_grammar_that_decides_the_start_is_the_answer_though_the_prompt_opened
     m = chat(server, response_format=fmt, max_tokens=40)["message"]
     assert json.loads(m["content"])["n"] in range(10) and not m.get("reasoning_content")
     client = ollama.Client(host=server.url, timeout=60)
-    r = client.generate(model="m", prompt=Q[0]["content"], format=fmt["json_schema"]["schema"], think=True,
-                        options={"temperature": 0, "num_predict": 40})
+    r = client.generate(model="m", prompt=Q[0]["content"], format=fmt["json_schema"]["schema"],
+                        options={"temperature": 0, "num_predict": 40})   # (think true beside it: a 400)
     assert json.loads(r.response)["n"] in range(10) and not r.thinking
     auto = chat(server, tools=tools, max_tokens=8)["message"]   # free text: the tiny model's unclosed thought
     assert auto["reasoning_content"] and not auto.get("tool_calls")
@@ -257,6 +257,27 @@ def test_the_reasoning_budget_cuts_the_thought(server):
     for bad in ({"reasoning_effort": "high"}, {"reasoning_budget": -2}):
         r = httpx.post(server.url + "/v1/chat/completions", json={"messages": Q, **bad})
         assert r.status_code == 400 and r.json()["error"]["param"] in bad, r.text
+
+
+def test_thinking_asked_beside_a_format_is_refused_unless_the_grammar_writes_it(server):
+    """Anthropic's thinking or chat_template_kwargs enable_thinking true, with a format that decides the answer
+    from its first token: a 400 naming the field (it was a 200 with no thought, in silence); a grammar that writes
+    the thought itself is taken (the docs' way), and a format without thinking asked for is the answer."""
+    fmt = {"type": "json_schema", "schema": {"type": "object", "properties": {"a": {"type": "boolean"}},
+                                             "required": ["a"]}}
+    r = httpx.post(server.url + "/v1/messages", headers={"anthropic-version": "2023-06-01"}, timeout=120, json={
+        "model": "m", "max_tokens": 30, "messages": Q, "output_config": {"format": fmt},
+        "thinking": {"type": "enabled", "budget_tokens": 1024}})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
+    assert "no room for a thought" in r.json()["error"]["message"]
+    rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": fmt["schema"]}}
+    body = {"messages": Q, "max_tokens": 30, "response_format": rf}
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=120,
+                   json={**body, "chat_template_kwargs": {"enable_thinking": True}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs.enable_thinking", r.text
+    assert httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120).status_code == 200
+    got = chat(server, max_tokens=40, grammar=GRAMMAR, chat_template_kwargs={**SELF, "enable_thinking": True})
+    assert (got["message"]["reasoning_content"], got["message"]["content"]) == (THOUGHT, ANSWER)
 
 
 def test_anthropic_thinking_blocks(server):
