@@ -487,6 +487,16 @@ def test_request_counts_are_labelled_by_route_not_by_url(server):
         httpx.get(server.url + f"/v1/models/name-{i}")
     assert series() == before
     assert 'bitnet_http_requests_total{endpoint="other",status="404"}' in before
+    # a body sent as curl -d sends it (form content type, read as JSON): counted under its route, not "other"
+    def count(endpoint):
+        for x in httpx.get(server.url + "/metrics").text.splitlines():
+            if x.startswith(f'bitnet_http_requests_total{{endpoint="{endpoint}",status="200"}}'):
+                return float(x.split(" ")[1])
+        return 0.0
+    was = count("/tokenize")
+    r = httpx.post(server.url + "/tokenize", content=b'{"content": "hi"}',
+                   headers={"Content-Type": "application/x-www-form-urlencoded"})
+    assert r.status_code == 200 and count("/tokenize") == was + 1
 
 
 def test_a_body_nested_too_deeply_is_the_same_400_everywhere(server):
