@@ -935,6 +935,15 @@ def test_props_without_a_model_and_v1_health(router):
     assert httpx.get(router.url + "/v1/health").json()["status"] == "ok"
 
 
+def test_stored_response_routes_answer_as_a_models_server(router):
+    """openai's responses.retrieve / delete / cancel / input_items.list carry no model: the router answers them as a
+    model's server does (404 not_stored), where they were a 400 "model: required" nobody could satisfy."""
+    for method, suffix in (("GET", ""), ("DELETE", ""), ("POST", "/cancel"), ("GET", "/input_items")):
+        r = httpx.request(method, router.url + "/v1/responses/resp_123" + suffix, timeout=30)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "not_stored", (method, suffix, r.text)
+        assert "not stored here" in r.json()["error"]["message"]
+
+
 def test_openapi_schema_is_a_models(router):
     """GET /openapi.json is the API a model's server describes (clients and the schemathesis fuzzer read it): it
     was a 400 "model: required" from the router's forwarder."""
