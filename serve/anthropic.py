@@ -46,10 +46,12 @@ class _Conversation(BaseModel):
         if self.system:
             out.append({"role": "system", "content": text_of_parts(self.system, "system", ("text",))})
         names: dict[str, str] = {}   # tool_use id -> tool name, for the results that answer them
+        uses: set[str] = set()       # the tool_use ids of the message just before (the only ones a result answers)
         for i, m in enumerate(self.messages):
             where = f"messages.{i}"
             if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
                 raise RequestProblem(f"{where}.role", f"{where}.role: expected user or assistant")
+            before, uses = uses, set()
             blocks = m.get("content")
             if isinstance(blocks, str):
                 out.append({"role": m["role"], "content": blocks})
@@ -71,12 +73,17 @@ class _Conversation(BaseModel):
                             and isinstance(b.get("input", {}), dict)):
                         raise RequestProblem(at, f"{at}: a tool_use block needs id, name and an input object")
                     names[b["id"]] = b["name"]
+                    uses.add(b["id"])
                     calls.append({"id": b["id"], "type": "function", "function": {
                         "name": b["name"], "arguments": json.dumps(b.get("input", {}), ensure_ascii=False)}})
                 elif kind == "tool_result" and m["role"] == "user":
                     use_id = b.get("tool_use_id")
                     if not isinstance(use_id, str):
                         raise RequestProblem(f"{at}.tool_use_id", f"{at}.tool_use_id: required")
+                    if use_id not in before:   # Anthropic's 400: a result answers a use of the message before it
+                        raise RequestProblem(f"{at}.tool_use_id", f"{at}: unexpected tool_use_id {use_id!r} in a "
+                                             "tool_result block: each tool_result needs a tool_use block with that "
+                                             "id in the previous message")
                     content = b.get("content")
                     result = text_of_parts(content, f"{at}.content", ("text",))
                     if b.get("is_error"):
@@ -125,8 +132,9 @@ class _Conversation(BaseModel):
             if kind != "custom" or not isinstance(t.get("name"), str):
                 raise RequestProblem(f"tools.{i}", f"tools.{i}: only custom tools ({{name, description, "
                                      f"input_schema}}) run here, not {kind!r} (server tools run on Anthropic's)")
-            fn = {"name": t["name"], "description": t.get("description") or "",
-                  "parameters": t.get("input_schema") or {"type": "object", "properties": {}}}
+            fn = {"name": t["name"], "parameters": t.get("input_schema") or {"type": "object", "properties": {}}}
+            if t.get("description") is not None:   # left out as sent: an empty one wrote "description": "" into
+                fn["description"] = t["description"]  # the prompt (other tokens than the chat endpoint's)
             out.append({"type": "function", "function": fn})
         return out
 

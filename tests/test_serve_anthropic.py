@@ -129,6 +129,18 @@ def test_tool_use_and_tool_results(claude, server):
     assert text_of(m2) == (c2["choices"][0]["message"]["content"] or "")
 
 
+def test_a_tool_without_a_description_costs_what_it_costs_on_the_chat_endpoint(server):
+    """A tool sent without description reaches the template without one, as from /v1/chat/completions (it got
+    "description": "", 13 more prompt tokens on the 2B template than the chat endpoint's same request)."""
+    bare = {"name": "add", "input_schema": ADD_SCHEMA}
+    r = httpx.post(server.url + "/v1/messages/count_tokens", json={"model": "any", "messages": [
+        {"role": "user", "content": Q}], "tools": [bare]}, timeout=60)
+    c = httpx.post(server.url + "/v1/chat/completions/input_tokens", json={"messages": [{"role": "user", "content": Q}],
+                   "tools": [{"type": "function", "function": {"name": "add", "parameters": ADD_SCHEMA}}]}, timeout=60)
+    assert r.status_code == 200 and c.status_code == 200, (r.text, c.text)
+    assert r.json()["input_tokens"] == c.json()["input_tokens"]
+
+
 def test_a_final_assistant_message_is_continued(claude, server):
     convo = [{"role": "user", "content": "Tell me a story."}]
     m = claude.messages.create(model="any", max_tokens=10, messages=convo + [
@@ -182,6 +194,13 @@ def test_structured_output_by_output_config(claude, server):
     {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": [
         {"type": "tool_use", "id": "t", "name": "add", "input": {}}]}]},
     {"messages": [{"role": "system", "content": "hi"}]},
+    # a tool_result answers a tool_use of the message just before it (Anthropic's 400; it was answered)
+    {"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_nope", "content": "1"}]}]},
+    {"messages": [{"role": "user", "content": "hi"},
+                  {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "add", "input": {}}]},
+                  {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "1"}]},
+                  {"role": "assistant", "content": "ok"},
+                  {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "2"}]}]},
     {"messages": [{"role": "user", "content": [{"type": "text"}]}]},   # a text block without its text
     {"messages": []},
     {"thinking": {"type": "enabled"}},                               # enabled needs its budget
