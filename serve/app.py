@@ -35,7 +35,7 @@ from .logprobs import Said, TokenText, chat_entry, completion_logprobs, echo_log
 from .metrics import CONTENT_TYPE, ServerMetrics, TokenClock
 from .offload import (BodyRefused, ClientGone, next_or_gone, offloop_route, prepare_sampling, prompt_body_bound, run_off_loop,
                       too_long_for_context, unless_gone, warm_bounds)
-from .responses import ResponseBuilder, ResponsesRequest
+from .responses import ResponseBuilder, ResponsesRequest, responses_names
 from .llama_api import timings_of as llama_timings
 from .schemas import (ChatCompletionRequest, CompletionRequest, RequestProblem, continuation, error_where, main_error,
                       model_object, overflow_message)
@@ -792,8 +792,12 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         """OpenAI's Responses API over the chat pipeline (serve/responses.py translates both ways)."""
         msgs, tools, choice, allowed = responses_conversation(body)
         think = (body.reasoning or {}).get("effort") != "none"   # effort "none": a thinking template does not think
-        eng, prompt_ids, streams, q, new_parser, new_splitter = await start_chat(
-            request, body, msgs, tools, choice, "input", allowed=allowed, thinking=think)
+        try:
+            eng, prompt_ids, streams, q, new_parser, new_splitter = await start_chat(
+                request, body, msgs, tools, choice, "input", allowed=allowed, thinking=think)
+        except APIError as e:   # named as the client named it (tools[1].name: Responses tools are flat)
+            e.message, e.param = responses_names(e.message), responses_names(e.param)
+            raise
         text_of, n_top = state.token_text(eng), body.top_logprobs or 0
         out = ResponseBuilder(body, state.model_id, body.sampling_params(sampling),
                               parser=new_parser() if new_parser is not None else None,

@@ -12,6 +12,7 @@ Pure translation: no engine, no I/O. serve/app.py runs the request and feeds `Re
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from typing import Any, Optional, Union
@@ -436,3 +437,11 @@ class ResponseBuilder:
             "usage": self.usage, "user": b.user, "metadata": b.metadata or {},
         }
 
+
+
+_FLAT_TOOL = re.compile(r"\btools\[(\d+)\]\.function\.")
+
+
+def responses_names(text: str | None) -> str | None:
+    """`tools[1].function.name` (a chat-shaped error) as the Responses API's flat `tools[1].name`."""
+    return None if text is None else _FLAT_TOOL.sub(r"tools[\1].", text)

@@ -239,6 +239,8 @@ def test_text_before_a_call_keeps_its_own_tokens_logprobs():
     ({"moderation": {"model": "omni-moderation-latest"}}, "moderation"),
     ({"input": [{"type": "function_call_output", "call_id": "call_9", "output": "1"}]}, "input[0].call_id"),
     ({"temperature": 3}, "temperature"),
+    # named as the client wrote them (Responses tools are flat: tools[1].name, not the chat shape's path)
+    ({"tools": [ADD, ADD]}, "tools[1].name"),
 ])
 def test_what_cannot_be_honoured_is_a_400_naming_it(server, extra, param):
     body = {"model": "any", "input": "Hi", "max_output_tokens": 4, **extra}
