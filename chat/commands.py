@@ -198,6 +198,8 @@ def parse_command(line: str) -> Command:
         close = [c for c in COMMANDS if c.startswith(name[:3])] if len(name) > 1 else []
         hint = f" (did you mean {close[0]}?)" if close else ""
         raise CommandError(f"unknown command {head}{hint}; type /help for the list")
+    if name in NEEDS_ARG and len(rest) >= 2 and rest[0] == rest[-1] and rest[0] in "'\"":
+        rest = rest[1:-1]   # a shell's habit: /save "my chat.json" names my chat.json, not a file with quotes
     if name in NEEDS_ARG and not rest:
         raise CommandError(f"{name} needs a file name: {name} {COMMANDS[name][0]}")
     if name in NO_ARG and rest:

@@ -86,6 +86,10 @@ def guarded_file_history(path: str):
         def store_string(self, string: str) -> None:
             if self.problem is not None:
                 return
+            try:   # a line typed in another encoding (its bytes kept as surrogates) is not sent, nor stored: the
+                string.encode("utf-8")   # write raised from prompt_toolkit's loop (a traceback, "Press ENTER")
+            except UnicodeError:
+                return
             try:
                 super().store_string(string)
             except OSError as e:
@@ -258,8 +262,9 @@ def run_repl(session: ChatSession) -> int:
         if empty_interrupts[0] >= 2:
             run_in_terminal(lambda: session.out.dim("(use /bye or Ctrl-D to exit)"))
 
+    # enable_suspend: Ctrl-Z stops bitchat as in bash, Python's REPL and llama-cli (it typed a \x1a into the line)
     prompt = PromptSession(history=history, completer=SlashCompleter(), complete_while_typing=False,
-                           key_bindings=keys, multiline=True,
+                           key_bindings=keys, multiline=True, enable_suspend=True,
                            prompt_continuation=lambda width, line_number, soft_wrap: CONTINUATION)
     def sigint_at_prompt(signum, frame):
         session.interrupt_pending = session.interrupt_pending or accepted[0]

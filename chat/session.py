@@ -74,8 +74,10 @@ def quiet_terminal(enabled: bool):
     """While an answer streams, keys typed on the terminal are not echoed (no stray "^C" inside the
     answer); they stay buffered and appear at the next prompt, as typed: the line discipline's canonical mode is off
     too, or it would take a Ctrl-D typed meanwhile as its own end-of-file and the prompt would never see it.
-    Restored whatever happens."""
+    Restored whatever happens. Stopped (Ctrl-Z) and resumed (fg), the shell has put its own modes back: they are
+    set again on SIGCONT (keys typed after fg were echoed into the answer)."""
     fd = None
+    resumed = installed = None
     if enabled:
         try:
             import sys
@@ -88,9 +90,16 @@ def quiet_terminal(enabled: bool):
             termios.tcsetattr(fd, termios.TCSANOW, quiet)
         except Exception:   # noqa: BLE001  (no terminal, or it is gone: termios.error is no OSError)
             fd = None
+    if fd is not None and hasattr(signal, "SIGCONT") and threading.current_thread() is threading.main_thread():
+        def again(signum, frame):
+            with contextlib.suppress(Exception):
+                termios.tcsetattr(fd, termios.TCSANOW, quiet)
+        resumed, installed = signal.signal(signal.SIGCONT, again), True
     try:
         yield
     finally:
+        if installed:   # (None: the handler was not Python's; SIGCONT's default is to do nothing more)
+            signal.signal(signal.SIGCONT, resumed if resumed is not None else signal.SIG_DFL)
         if fd is not None:
             try:
                 termios.tcsetattr(fd, termios.TCSANOW, saved)
@@ -406,7 +415,7 @@ class ChatSession:
             return
         t0 = time.perf_counter()
         interrupted = False
-        with sigint_as_flag() as flag:
+        with sigint_as_flag() as flag, quiet_terminal(self.out.interactive):   # keys typed meanwhile: not echoed
             try:
                 _prefill(self.llm, ids, self.sampling_params(), cancel=lambda: flag.hit)
             except KeyboardInterrupt:
@@ -548,8 +557,10 @@ class ChatSession:
     def describe_stats(self) -> str:
         s = self.last_stats
         lines = []
-        if s is None:
-            lines.append("last answer: none yet")
+        if s is None:   # no answer yet, or the last one stopped before its first token
+            last = self.conv.turns[-1] if self.conv.turns else None
+            lines.append("last answer: interrupted before its first token" if last is not None and last.interrupted
+                         and not last.assistant else "last answer: none yet")
         else:   # the very line shown after the answer, then what it does not say
             pre = f"prefill {s.prefill_tps:.1f} tok/s, " if s.prefill_tps else ""
             lines.append(f"last answer: {format_stats(s, s.n_generated)}  ({pre}stop: {s.finish_reason})")

@@ -177,6 +177,38 @@ def test_every_slash_command(chat_model, tmp_path):
     assert chat.finish("\x04") == 0
 
 
+def test_ctrl_z_at_the_prompt_suspends_and_fg_resumes(chat_model, tmp_path):
+    """Ctrl-Z at the prompt stops bitchat as a job (bash, Python's REPL and llama-cli do): it typed a \x1a into
+    the line. Run under an interactive bash, whose job control is what stops and resumes it."""
+    import shlex
+
+    cmd = console_script("bitchat") + ["-m", chat_model, "-t", "1", "-n", "4"]
+    env = {**test_env(tmp_path), "PS1": "sh$ ", "HISTFILE": str(tmp_path / "bash_history")}
+    sh = pexpect.spawn("bash", ["--norc", "--noprofile", "-i"], env=env, encoding="utf-8", timeout=TIMEOUT,
+                       dimensions=(50, 220))
+    try:
+        sh.expect_exact("sh$ ")
+        sh.send(shlex.join(cmd) + "\r")
+        sh.expect(PROMPT_RE)
+        sh.send("hel")
+        sh.expect_exact("hel")
+        sh.send("\x1a")
+        sh.expect("Stopped", timeout=60)   # bash's job report: bitchat is suspended
+        sh.expect_exact("sh$ ")
+        sh.send("fg\r")
+        sh.expect_exact("hel")    # the prompt is back with the line as it was
+        sh.send("lo there\r")
+        sh.expect(STATS_RE)       # and it answers it
+        sh.expect(PROMPT_RE)
+        sh.send("/save " + str(tmp_path / "c.json") + "\r")
+        sh.expect(r"\[saved 1 turns")
+        assert json.loads((tmp_path / "c.json").read_text())["turns"][0]["user"] == "hello there"
+        sh.send("/bye\r")
+        sh.expect_exact("sh$ ")
+    finally:
+        sh.close(force=True)
+
+
 def test_ctrl_c_stops_a_long_answer_and_the_chat_goes_on(long_model, tmp_path):
     chat = Chat(long_model, tmp_path, "-n", "8000", "--temp", "0")
     chat.enter("Tell me a very long story about a dragon, with many chapters.")

@@ -205,6 +205,7 @@ def test_ctrl_c_during_a_long_prompt_stops_it_at_the_next_chunk(llm):
     assert len(passes) == 2   # the third chunk never ran (before: every chunk of the prompt, then the stop)
     assert s.tokens_in_cache == len(llm.cached_tokens) == 16
     assert "interrupted" in sink.getvalue()
+    assert "last answer: interrupted before its first token" in s.describe_stats()   # was "none yet"
     s.ask("Next?")
     assert not s.conv.turns[1].interrupted and s.last_stats.n_cached >= 16
 
