@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 from dataclasses import dataclass, field
 from typing import Callable
@@ -37,6 +38,17 @@ class Turn:
         if self.finish_reason:
             d["finish_reason"] = self.finish_reason
         return d
+
+
+def _is_conversation(path: str) -> bool:
+    """Whether the file starts as a saved conversation does (save writes "format" first): /save replaces only
+    those (it replaced any file, a read-only one included, with the conversation, mode 0600)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4096).decode("utf-8", "replace")
+    except OSError:
+        return False
+    return re.match(r'\s*\{\s*"format"\s*:\s*"' + re.escape(FORMAT) + '"', head) is not None
 
 
 @dataclass
@@ -167,6 +179,11 @@ class Conversation:
             raise TranscriptError(f"{path}: not a regular file")
         if not os.path.isdir(directory):
             raise TranscriptError(f"{path}: directory {directory} does not exist")
+        if os.path.isfile(path) and os.path.getsize(path) and not _is_conversation(path):   # someone's own file
+            raise TranscriptError(f"{path}: exists and is not a bitchat conversation: not replaced (pick another "
+                                  "name, or remove it first)")
+        if os.path.isfile(path) and not os.access(path, os.W_OK):   # the rename would replace it all the same
+            raise TranscriptError(f"{path}: is read-only: not replaced")
         data = json.dumps(self.to_dict(meta), ensure_ascii=False, indent=1) + "\n"
         try:
             fd, tmp = tempfile.mkstemp(prefix=".bitchat-", suffix=".tmp", dir=directory)

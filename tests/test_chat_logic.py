@@ -128,12 +128,32 @@ def test_save_load_round_trip(tmp_path):
     assert json.loads(open(path, encoding="utf-8").read())["meta"] == {"model": "m"}
 
 
+OLD = '{\n "format": "bitchat-conversation", "turns": []}\n'   # an earlier save's file, as save starts them
+
+
 def test_save_is_atomic_and_leaves_no_temp_files(tmp_path):
     target = tmp_path / "conv.json"
-    target.write_text("old content")
+    target.write_text(OLD)
     make_conv(2).save(str(target))
     assert json.loads(target.read_text())["format"] == "bitchat-conversation"
+    assert len(json.loads(target.read_text())["turns"]) == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["conv.json"]
+
+
+def test_save_never_replaces_a_file_that_is_not_a_conversation(tmp_path):
+    """/save notes.txt replaced the user's notes (a read-only file too, made 0600): only an earlier conversation, or
+    an empty file, is replaced; anything else is one line and stays as it was."""
+    notes = tmp_path / "notes.txt"
+    for content in ("my notes", '{"turns": []}', '[{"format": "bitchat-conversation"}]'):
+        notes.write_text(content)
+        with pytest.raises(TranscriptError, match="exists and is not a bitchat conversation: not replaced"):
+            make_conv(1).save(str(notes))
+        assert notes.read_text() == content
+    notes.write_text("")
+    make_conv(1).save(str(notes))
+    assert len(json.loads(notes.read_text())["turns"]) == 1
+    make_conv(2).save(str(notes))   # its own file again: replaced
+    assert len(json.loads(notes.read_text())["turns"]) == 2
 
 
 def _save_past_the_size_limit(tmp_path, on_sigxfsz, raises):
@@ -143,7 +163,7 @@ def _save_past_the_size_limit(tmp_path, on_sigxfsz, raises):
     import signal
 
     target = tmp_path / "conv.json"
-    target.write_text("old content")
+    target.write_text(OLD)
     big = make_conv(50)
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
     previous = signal.signal(signal.SIGXFSZ, on_sigxfsz)
@@ -163,7 +183,7 @@ def test_failed_save_keeps_the_old_file(tmp_path):
 
     target = _save_past_the_size_limit(tmp_path, signal.SIG_IGN,   # SIG_IGN: EFBIG instead of being killed
                                        pytest.raises(TranscriptError, match="conv.json: write failed"))
-    assert target.read_text() == "old content"
+    assert target.read_text() == OLD
     assert sorted(p.name for p in tmp_path.iterdir()) == ["conv.json"]
 
 
@@ -175,7 +195,7 @@ def test_a_signal_during_a_save_leaves_no_temp_file(tmp_path):
         raise KeyboardInterrupt
 
     target = _save_past_the_size_limit(tmp_path, interrupt, pytest.raises(KeyboardInterrupt))
-    assert target.read_text() == "old content"
+    assert target.read_text() == OLD
     assert sorted(p.name for p in tmp_path.iterdir()) == ["conv.json"]
 
 
@@ -226,7 +246,7 @@ def test_files_that_are_not_regular_are_never_read_replaced_or_chmodded(tmp_path
         private_history(str(fifo))
     assert stat.S_IMODE(os.stat(fifo).st_mode) == 0o644   # not chmodded
     real, link = tmp_path / "real.json", tmp_path / "link.json"
-    real.write_text("{}")
+    real.write_text("")   # (an empty file may be replaced; someone's own content may not)
     os.symlink(real, link)
     make_conv(2).save(str(link))
     assert os.path.islink(link) and len(Conversation.load(str(real)).turns) == 2
