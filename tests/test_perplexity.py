@@ -693,3 +693,30 @@ def test_c_0_is_the_models_trained_context(text_file):
     assert a["n_ctx"] == trained and a["ppl"] == b["ppl"]
     r = bitnet("-f", text_file, "-c", "-1")
     assert r.returncode == 2 and "-c/--ctx-size -1" in r.stderr
+
+
+def test_a_base_logits_file_the_disk_refuses_is_one_line_and_no_partial_file(tmp_path):
+    """A write past what the disk takes (here the file-size limit, which binds root too, SIGXFSZ ignored: EFBIG)
+    while the base logits are written: one line naming the file (it reached the command as an OSError, "a bug in
+    bitnet-cpu") and no PATH.partial left behind, whichever write fails (a chunk's, or the close's last flush)."""
+    import resource
+    import signal
+
+    from bitnet_cpu.engine.errors import BitNetError
+    from bitnet_cpu.engine.runtime.perplexity import LogitsWriter
+
+    path = str(tmp_path / "base.kld")
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, hard))
+    try:
+        for rows in (64, 1):   # one write past the limit; small writes that the buffer flushes past it
+            w = LogitsWriter(path, 4, 1000, list(range(8)))
+            with pytest.raises(BitNetError, match="cannot write .*base.kld"):
+                for _ in range(200):
+                    w.add(np.zeros((rows, 1000), np.float32))
+                w.commit()
+            assert sorted(os.listdir(tmp_path)) == [], rows
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, previous)

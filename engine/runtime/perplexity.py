@@ -195,22 +195,33 @@ class LogitsWriter:
             self.f = open(self.tmp, "wb")
         except OSError as e:
             raise BitNetError(f"cannot write {path}: {e.strerror or e}") from None
-        self.f.write(HEADER.pack(MAGIC, n_ctx, vocab, n_chunk))
-        self.f.write(np.asarray(tokens[: n_chunk * n_ctx], "<i4").tobytes())
+        self._write(HEADER.pack(MAGIC, n_ctx, vocab, n_chunk) + np.asarray(tokens[: n_chunk * n_ctx], "<i4").tobytes())
+
+    def _write(self, data: bytes):
+        """A write the disk refuses (full): the partial file removed, one line naming the file (it was an OSError
+        that reached the command as 'a bug in bitnet-cpu')."""
+        try:
+            self.f.write(data)
+        except OSError as e:
+            self.abort()
+            raise BitNetError(f"cannot write {self.path}: {e.strerror or e}") from None
 
     def add(self, logits: np.ndarray):
-        self.f.write(compress_rows(logits).astype("<u2").tobytes())
+        self._write(compress_rows(logits).astype("<u2").tobytes())
 
     def commit(self):
-        self.f.close()
         try:
+            self.f.close()   # its last flush may be what the disk refuses
             os.replace(self.tmp, self.path)
         except OSError as e:
             self.abort()
             raise BitNetError(f"cannot write {self.path}: {e.strerror or e}") from None
 
     def abort(self):
-        self.f.close()
+        try:   # closing flushes: a full disk fails it, and the partial file must go all the same
+            self.f.close()
+        except OSError:
+            pass
         try:
             os.unlink(self.tmp)
         except OSError:
