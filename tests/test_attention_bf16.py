@@ -18,7 +18,7 @@ import pytest
 
 import bitnet_cpu.simd._kernels as K
 import bitnet_cpu.simd._ops as ops
-from test_attention_paths import CHUNKS, _contiguous, _inputs, _paged
+from test_attention_paths import CHUNKS, _contiguous, _contiguous_q8, _inputs, _paged
 
 SHAPES = [(8, 2, 128), (4, 2, 16), (6, 2, 64), (4, 1, 80)]   # heads, KV heads, head_dim (multiples of 16)
 TILE_SHAPES = [(8, 2, 128), (6, 2, 64)]   # the tile passes take head_dim in steps of 32
@@ -100,18 +100,9 @@ def test_vector_bodies_match_the_scalar_arithmetic(nh, nkv, hd):
 def test_the_int8_cache_is_not_affected():
     nh, nkv, hd = 8, 2, 128
     qkv, cos, sin = _inputs(nh, nkv, hd, seed=5)
-    ctx = 304
 
     def run():
-        kc = np.zeros(ops.q8_cache_shape(nkv, ctx, hd), np.int8)
-        vc = np.zeros(ops.q8_cache_shape(nkv, ctx, hd), np.int8)
-        scratch = np.zeros((nh * ops.ATTENTION_SCRATCH_ROWS, ctx), np.float32)
-        out = np.zeros((len(qkv), nh * hd), np.float32)
-        p = 0
-        for m in CHUNKS:
-            ops.attention_q8(qkv[p: p + m].copy(), nh, nkv, hd, cos, sin, p, ctx, kc, vc, out[p: p + m], scratch)
-            p += m
-        return out
+        return _contiguous_q8(nh, nkv, hd, qkv, cos, sin)
 
     assert _bf16(run).tobytes() == run().tobytes()
 

@@ -46,6 +46,19 @@ def _contiguous(isa, kv_dtype, nh, nkv, hd, qkv, cos, sin, tiles=None):
         ops.set_isa(None)
 
 
+def _contiguous_q8(nh, nkv, hd, qkv, cos, sin):
+    """The rows through attention_q8 (the int8 cache) in CHUNKS, on the automatic path."""
+    kc = np.zeros(ops.q8_cache_shape(nkv, CTX, hd), np.int8)
+    vc = np.zeros(ops.q8_cache_shape(nkv, CTX, hd), np.int8)
+    scratch = np.zeros((nh * ops.ATTENTION_SCRATCH_ROWS, CTX), np.float32)
+    out = np.zeros((len(qkv), nh * hd), np.float32)
+    p = 0
+    for m in CHUNKS:
+        ops.attention_q8(qkv[p: p + m].copy(), nh, nkv, hd, cos, sin, p, CTX, kc, vc, out[p: p + m], scratch)
+        p += m
+    return out
+
+
 def _paged(isa, kv_dtype, nh, nkv, hd, qkv, cos, sin, tiles=None):
     """The same rows through attention_paged, one sequence whose 32-position blocks sit in shuffled pages."""
     kb = ops.KEY_BLOCK

@@ -12,7 +12,7 @@ import pytest
 import bitnet_cpu.simd._kernels as K
 import bitnet_cpu.simd._ops as ops
 from bitnet_cpu.simd.errors import KernelError
-from test_attention_paths import CHUNKS, CTX, _contiguous, _inputs, _paged
+from test_attention_paths import _contiguous, _contiguous_q8, _inputs, _paged
 
 
 @pytest.mark.parametrize("threads", [1, 2, 4, 8, 16, 32, 64])
@@ -52,18 +52,6 @@ def test_decode_rows_and_mixed_steps_keep_their_items():
         ops.attention_plan([0], [0], 20, 5, 128, 4)
     with pytest.raises(KernelError):
         ops.attention_plan([4], [0], 20, 3, 128, 4)
-
-
-def _q8(nh, nkv, hd, qkv, cos, sin):
-    kc = np.zeros(ops.q8_cache_shape(nkv, CTX, hd), np.int8)
-    vc = np.zeros(ops.q8_cache_shape(nkv, CTX, hd), np.int8)
-    scratch = np.zeros((nh * ops.ATTENTION_SCRATCH_ROWS, CTX), np.float32)
-    out = np.zeros((len(qkv), nh * hd), np.float32)
-    p = 0
-    for m in CHUNKS:
-        ops.attention_q8(qkv[p: p + m].copy(), nh, nkv, hd, cos, sin, p, CTX, kc, vc, out[p: p + m], scratch)
-        p += m
-    return out
 
 
 def _run(threads, fn):
@@ -109,5 +97,5 @@ def test_many_threads_give_the_bytes_of_one(nh, nkv, hd, precision, kv_dtype, ti
     one_p, many_p = both(lambda: _paged(None, kv_dtype, nh, nkv, hd, qkv, cos, sin, tiles))
     assert one_p.tobytes() == many_p.tobytes() == one.tobytes()
     if precision == "f32" and kv_dtype is np.float32 and hd % 4 == 0:   # and the int8 cache
-        one_q, many_q = both(lambda: _q8(nh, nkv, hd, qkv, cos, sin))
+        one_q, many_q = both(lambda: _contiguous_q8(nh, nkv, hd, qkv, cos, sin))
         assert one_q.tobytes() == many_q.tobytes()
