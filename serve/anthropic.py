@@ -132,9 +132,10 @@ class _Conversation(BaseModel):
             if kind != "custom" or not isinstance(t.get("name"), str):
                 raise RequestProblem(f"tools.{i}", f"tools.{i}: only custom tools ({{name, description, "
                                      f"input_schema}}) run here, not {kind!r} (server tools run on Anthropic's)")
-            fn = {"name": t["name"], "parameters": t.get("input_schema") or {"type": "object", "properties": {}}}
-            if t.get("description") is not None:   # left out as sent: an empty one wrote "description": "" into
-                fn["description"] = t["description"]  # the prompt (other tokens than the chat endpoint's)
+            # a description left out stays out (an empty one wrote "description": "" into the prompt: other tokens
+            # than the chat endpoint's); the keys in the chat shape's order, which the template renders as they come
+            fn = {"name": t["name"], **({"description": t["description"]} if t.get("description") is not None else {}),
+                  "parameters": t.get("input_schema") or {"type": "object", "properties": {}}}
             out.append({"type": "function", "function": fn})
         return out
 
