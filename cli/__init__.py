@@ -124,6 +124,7 @@ def _main(argv: list[str] | None) -> int:
             return report_bug("bitnet", e)
         with contextlib.suppress(OSError):
             print(write_error_line("bitnet", e), file=sys.stderr)
+        stdout_to_devnull()   # (stdout_flushed's flush next: not a second line)
         return EXIT_BAD_INPUT
     except MemoryError:
         print("bitnet: error: out of memory (hint: use a smaller -c/--ctx, or close other programs)", file=sys.stderr)
@@ -155,8 +156,7 @@ def stdout_flushed(body, prog: str = "bitnet") -> int:
             raise
         with contextlib.suppress(OSError):
             print(write_error_line(prog, e), file=sys.stderr)
-        with contextlib.suppress(OSError):   # what is still buffered cannot go out either: not at exit again
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        stdout_to_devnull()
         return EXIT_BAD_INPUT
 
 
@@ -172,13 +172,19 @@ def write_stdout(text: str) -> None:
 def quiet_broken_pipe() -> int:
     """stdout was closed by its reader (`bitnet run ... | head -c 10`): point fd 1 at /dev/null so the
     interpreter's final flush cannot print "Exception ignored ... BrokenPipeError", and exit 0."""
+    stdout_to_devnull()
+    return 0
+
+
+def stdout_to_devnull() -> None:
+    """Point fd 1 at /dev/null: stdout cannot take more (closed by its reader, a full disk), and what Python still
+    holds for it must not fail again in a later or the interpreter's final flush."""
     try:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         os.close(devnull)
     except (OSError, ValueError, AttributeError):
         pass
-    return 0
 
 
 if __name__ == "__main__":

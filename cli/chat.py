@@ -141,8 +141,9 @@ def _guarded(args, settings: Settings, first_message: str | None = None) -> int:
             kept = f"; the conversation so far is saved in {path}" if path and os.path.isfile(path) else ""
             with contextlib.suppress(OSError):
                 print(write_error_line("bitchat", e) + kept, file=sys.stderr)
-            with contextlib.suppress(OSError):   # what is still buffered cannot go out at exit either
-                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            from . import stdout_to_devnull
+
+            stdout_to_devnull()
             return EXIT_BAD_INPUT
 
         if os.environ.get("BITNET_DEBUG") or os.environ.get("BITCHAT_DEBUG"):   # the latter: older name

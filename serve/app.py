@@ -35,7 +35,7 @@ from .logprobs import Said, TokenText, chat_entry, completion_logprobs, echo_log
 from .metrics import CONTENT_TYPE, ServerMetrics, TokenClock
 from .offload import (BodyRefused, ClientGone, next_or_gone, offloop_route, prepare_sampling, prompt_body_bound, run_off_loop,
                       too_long_for_context, unless_gone, warm_bounds)
-from .responses import ResponseBuilder, ResponsesRequest, responses_names
+from .responses import STORED_RESPONSE_ROUTES, ResponseBuilder, ResponsesRequest, not_stored, responses_names
 from .llama_api import timings_of as llama_timings
 from .schemas import (ChatCompletionRequest, CompletionRequest, RequestProblem, continuation, error_where, main_error,
                       model_object, overflow_message)
@@ -833,8 +833,7 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
                                         body.tool_choice_name(), "messages", body.allowed_tools())
 
     async def response_not_stored(request: Request, response_id: str):
-        raise APIError(404, f"response {response_id!r} not found: responses are not stored here (store is false); "
-                       "keep the answer you got", "not_found_error", "response_id", "not_stored")
+        raise APIError(404, not_stored(response_id), "not_found_error", "response_id", "not_stored")
 
     @app.post("/v1/responses/compact", include_in_schema=False)
     async def responses_compact(request: Request):
@@ -844,10 +843,8 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
                        "OpenAI's models read); send the whole conversation as input", param=None,
                        code="unsupported_endpoint")
 
-    # a client's retrieve / delete / cancel / input_items of an earlier response: the reason, not a bare 404
-    for suffix, methods in (("", ["GET", "DELETE"]), ("/cancel", ["POST"]), ("/input_items", ["GET"])):
-        app.add_api_route("/v1/responses/{response_id}" + suffix, response_not_stored, methods=methods,
-                          include_in_schema=False)
+    for path, methods in STORED_RESPONSE_ROUTES:
+        app.add_api_route(path, response_not_stored, methods=methods, include_in_schema=False)
 
     async def answer_with(request, body, stream, q, n_prompt, out):
         """Run one answer through a builder of another API's shape (serve/responses.py, serve/anthropic.py: start,

@@ -445,3 +445,14 @@ _FLAT_TOOL = re.compile(r"\btools\[(\d+)\]\.function\.")
 def responses_names(text: str | None) -> str | None:
     """`tools[1].function.name` (a chat-shaped error) as the Responses API's flat `tools[1].name`."""
     return None if text is None else _FLAT_TOOL.sub(r"tools[\1].", text)
+
+
+# a client's retrieve / delete / cancel / input_items of an earlier response ((path, methods); the reason, not a bare
+# 404): a model's server and the router answer them alike
+STORED_RESPONSE_ROUTES = tuple(("/v1/responses/{response_id}" + suffix, methods) for suffix, methods in
+                               (("", ["GET", "DELETE"]), ("/cancel", ["POST"]), ("/input_items", ["GET"])))
+
+
+def not_stored(response_id: str) -> str:
+    return (f"response {response_id!r} not found: responses are not stored here (store is false); keep the answer "
+            "you got")

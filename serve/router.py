@@ -920,13 +920,14 @@ def create_router_app(router: Router, *, api_keys: tuple = (), limits: Limits | 
                 "default_generation_settings": {"n_ctx": 0, "params": {}},
                 "modalities": {"vision": False, "audio": False}, "build_info": f"bitnet-cpu {__version__}"}
 
+    from .responses import STORED_RESPONSE_ROUTES, not_stored
+
     async def response_not_stored(request: Request, response_id: str):   # as a model's server answers them (a
         # GET carries no model to route by: it was a 400 "model: required")
-        raise RouterError(404, f"response {response_id!r} not found: responses are not stored here (store is false); "
-                          "keep the answer you got", "not_stored", "response_id")
+        raise RouterError(404, not_stored(response_id), "not_stored", "response_id")
 
-    for suffix, methods in (("", ["GET", "DELETE"]), ("/cancel", ["POST"]), ("/input_items", ["GET"])):
-        app.add_api_route("/v1/responses/{response_id}" + suffix, response_not_stored, methods=methods)
+    for path, methods in STORED_RESPONSE_ROUTES:
+        app.add_api_route(path, response_not_stored, methods=methods)
 
     @app.get("/openapi.json")
     async def openapi_schema():   # a model's schema (it was a 400 "model: required" from the forwarder)

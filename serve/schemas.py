@@ -602,8 +602,8 @@ class ChatCompletionRequest(_Sampling):
     def unsupported(self):
         if self.top_logprobs is not None and not self.logprobs:
             return "top_logprobs", "top_logprobs needs logprobs: true"
-        if self.stream_options_alone():
-            return self.stream_options_alone()
+        if bad := self.stream_options_alone():
+            return bad
         for i, m in enumerate(self.messages):
             j = m.other_part()
             if j is not None:
@@ -649,8 +649,8 @@ class CompletionRequest(_Sampling):
             return "best_of", "only best_of=1 is supported"
         if self.suffix:
             return "suffix", "suffix is not supported"
-        if self.stream_options_alone():
-            return self.stream_options_alone()
+        if bad := self.stream_options_alone():
+            return bad
         if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], list) and \
                 not all(self.prompt):
             return "prompt", "an empty token list"
