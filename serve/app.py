@@ -983,7 +983,7 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
     from .llama_api import register as register_llama   # llama-server's /completion, /tokenize, /props, ...
     pipe = SimpleNamespace(check_model=check_model, refuse_too_long=refuse_too_long, submit=submit,
                            sampling_for=sampling_for, compile_constraint=compile_constraint, run_to_end=run_to_end,
-                           Choices=Choices, Timer=Timer,
+                           Choices=Choices, Timer=Timer, tool_setup=tool_setup,
                            loop=asyncio.get_running_loop, sse_headers=sse_headers, ENGINE_FAULT=ENGINE_FAULT)
     register_llama(app, state, ready, APIError, pipe, sampling=sampling)
 

@@ -18,7 +18,8 @@ from ..engine import __version__
 from ..engine.runtime.sampling import SamplingParams
 from .logprobs import chat_entry
 from .offload import run_off_loop, too_long_for_context
-from .schemas import CHAIN, MANY_STOPS, ChatMessage, JSONTyped, RequestProblem, _Sampling, continuation
+from .schemas import (CHAIN, MANY_STOPS, SAMPLER_ALIASES, ChatMessage, JSONTyped, RequestProblem, _Sampling,
+                      continuation)
 
 STOP_TYPE = {"eos": "eos", "stop": "word", "length": "limit", "context": "limit", "cancelled": "none"}
 
@@ -51,8 +52,17 @@ class NativeCompletionRequest(_Sampling):
     @field_validator("logit_bias", mode="before")
     @classmethod
     def _pairs(cls, v):
-        """[[id, bias], ...] (bias false: never) as OpenAI's {id: bias}; strings as keys cannot be given here."""
+        """[[id, bias], ...] or {id: bias} as OpenAI's {id: bias}; a bias of false is "never" in both forms (as
+        llama-server reads them), true is refused (pydantic would read it as +1); strings as keys cannot be
+        given here."""
         from pydantic_core import PydanticCustomError
+
+        def bias(key, b):
+            if b is True:
+                raise PydanticCustomError("invalid_setting", f"logit_bias {key}: a number, or false (never)")
+            return -100.0 if b is False else b
+        if isinstance(v, dict):
+            return {k: bias(k, b) for k, b in v.items()}
         if not isinstance(v, list):
             return v
         out = {}
@@ -61,7 +71,7 @@ class NativeCompletionRequest(_Sampling):
                     and not isinstance(pair[0], bool)):
                 raise PydanticCustomError("invalid_setting", "logit_bias: [[token id, bias], ...] (a string as the "
                                           "key is not supported: find its ids with /tokenize)")
-            out[str(pair[0])] = -100.0 if pair[1] is False else pair[1]
+            out[str(pair[0])] = bias(pair[0], pair[1])
         return out
 
     def limit(self) -> Optional[int]:   # llama-server: n_predict, else max_tokens; negative: the context's end
@@ -115,6 +125,15 @@ def settings_of(p, n_ctx: int, **extra) -> dict:
             "mirostat_tau": p.mirostat_tau, "mirostat_eta": p.mirostat_eta, "samplers": list(CHAIN), **extra}
 
 
+def chain_of(samplers) -> list[str]:
+    """The sampler chain a request ran, in llama-server's names: its `samplers` (the chain's names, in the
+    chain's order; validated by _Sampling.unsupported), else the whole chain."""
+    if samplers is None:
+        return list(CHAIN)
+    given = {SAMPLER_ALIASES.get(x, x) for x in samplers}
+    return [x for x in CHAIN if x in given]
+
+
 def timings_of(st) -> dict:
     n_pre = st.n_prompt - st.n_cached
     pre_ms = n_pre / st.prefill_tps * 1000 if st.prefill_tps else 0.0
@@ -157,6 +176,16 @@ class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
     tokens: list[int]
 
+    @field_validator("tokens", mode="before")
+    @classmethod
+    def _ids(cls, v):   # JSON's integers: true is not token 1, 3.0 not token 3
+        from pydantic_core import PydanticCustomError
+        if isinstance(v, list):
+            bad = next((i for i, t in enumerate(v) if isinstance(t, bool) or not isinstance(t, int)), None)
+            if bad is not None:
+                raise PydanticCustomError("json_type", f"tokens[{bad}]: expected a token id, got {v[bad]!r}")
+        return v
+
 
 class ApplyTemplateRequest(JSONTyped):
     model_config = ConfigDict(extra="ignore")
@@ -164,6 +193,7 @@ class ApplyTemplateRequest(JSONTyped):
     tools: Optional[list[dict]] = None
     add_generation_prompt: Optional[bool] = None   # None: true, unless a final assistant message is continued
     continue_final_message: Optional[bool] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None   # as the chat endpoint takes them
 
 
 def piece_of(text_of, i: int):
@@ -178,11 +208,14 @@ def piece_of(text_of, i: int):
 def register(app, state, ready, api_error: type, pipe, *, sampling=None):
     """Add the routes to `app` (serve/app.py's create_app); ready(request) -> the engine or raises api_error;
     pipe: the generating endpoints' check_model, compile_constraint, sampling_for, submit, run_to_end, Choices,
-    Timer."""
+    Timer, tool_setup."""
 
     async def completion(body: NativeCompletionRequest, request: Request):
         eng = ready(request)
         pipe.check_model(body.model)
+        if body.n != 1:   # one completion per request here, as llama-server's; the OpenAI route has `n`
+            raise api_error(400, f"n {body.n}: /completion gives one completion (send several requests, or use "
+                            "/v1/completions' n)", param="n", code="invalid_value")
         try:
             pieces = prompt_pieces(body.prompt, eng.config.vocab_size)
         except ValueError as e:
@@ -210,7 +243,8 @@ def register(app, state, ready, api_error: type, pipe, *, sampling=None):
             obj = {**head, "content": text, "tokens": tokens if body.return_tokens else [], "stop": True,
                    "tokens_predicted": st.n_generated, "generation_settings": settings_of(
                        params, eng.n_ctx, n_predict=-1 if body.limit() is None else body.limit(),
-                       stop=body.stops(), ignore_eos=body.ignore_eos, n_probs=n_probs, grammar=body.grammar or ""),
+                       stop=body.stops(), ignore_eos=body.ignore_eos, n_probs=n_probs, grammar=body.grammar or "",
+                       samplers=chain_of(body.samplers)),
                    "prompt": eng.detokenize(ids), "has_new_line": "\n" in whole,
                    "truncated": st.finish_reason == "context", "stop_type": STOP_TYPE.get(st.finish_reason, "none"),
                    "stopping_word": st.stop_word or "", "tokens_cached": st.n_cached, "timings": timings_of(st)}
@@ -309,12 +343,21 @@ def register(app, state, ready, api_error: type, pipe, *, sampling=None):
             except RequestProblem as e:
                 raise api_error(400, str(e), param=e.param, code="invalid_value") from None
             gen, prefill = True, prefill or ""
-        # a continued answer on a thinking template: not inside a thought (as the chat endpoint renders it)
-        kwargs = {"enable_thinking": False} if prefill and eng.thinks else None
+        # the request's template variables, as the chat endpoint renders them: a continued answer on a thinking
+        # template is not inside a thought
+        kwargs = body.chat_template_kwargs
+        if prefill and kwargs and kwargs.get("enable_thinking") is True:
+            raise api_error(400, "a continued assistant message cannot think first (enable_thinking: true), as "
+                            "llama-server refuses it", param="chat_template_kwargs", code="invalid_value")
+        if prefill and eng.thinks:
+            kwargs = {**(kwargs or {}), "enable_thinking": False}
+        tools, _, _ = pipe.tool_setup(eng, body.tools, "auto", None)   # checked and rendered as chat's
         try:
-            prompt = await run_off_loop(eng.chat_text, head, gen, body.tools, kwargs) + prefill
-        except Exception as e:   # the template rejected the conversation (roles out of order, bad tools)
-            raise api_error(400, f"messages: {e}", param="messages", code="invalid_value") from None
+            prompt = await run_off_loop(eng.chat_text, head, gen, tools, kwargs) + prefill
+        except Exception as e:   # the template rejected the conversation (roles out of order) or the variables
+            where = "chat_template_kwargs" if str(e).startswith("chat_template_kwargs") else "messages"
+            raise api_error(400, str(e) if where != "messages" else f"messages: {e}", param=where,
+                            code="invalid_value") from None
         # as llama.cpp's chat code: without the template's BOS when the tokenizer adds one, so the prompt sent on to
         # /completion (llama-server's documented flow) runs with one BOS, not two
         bos = eng.bos_text()

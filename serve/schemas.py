@@ -452,7 +452,8 @@ class _Sampling(JSONTyped):
             if getattr(self, name) is not None:
                 return name, why
         for name, off in OFF.items():
-            if getattr(self, name) != off:
+            value = getattr(self, name)
+            if value != off and not (off is None and value in ([], {})):   # an empty list is off (llama.cpp's UI)
                 return name, f"{name} {getattr(self, name)!r}: not supported (only {off!r}, off)"
         for name in LAZY:   # a lazy grammar waits for a trigger; ignored, it would constrain from the first token
             if getattr(self, name):

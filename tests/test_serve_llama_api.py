@@ -129,6 +129,10 @@ def test_props_settings_post_back_and_llama_server_lengths(server):
 @pytest.mark.parametrize("path, body, param", [
     ("/detokenize", {"tokens": [1, -1]}, "tokens[1]"),
     ("/detokenize", {"tokens": [10 ** 9]}, "tokens[0]"),
+    ("/detokenize", {"tokens": [5, True]}, "tokens"),   # was read as token 1
+    ("/detokenize", {"tokens": [5.0]}, "tokens"),
+    # tools are checked as the chat endpoint checks them (they were rendered into the prompt as they came)
+    ("/apply-template", {"messages": [{"role": "user", "content": "x"}], "tools": [{"bogus": 1}]}, "tools[0]"),
     ("/tokenize", {"content": "word " * 400000}, "content"),
     ("/tokenize", {"text": "the field is content"}, "content"),
     ("/apply-template", {"messages": []}, "messages"),
@@ -218,6 +222,15 @@ def test_completion_prompt_forms_samplers_and_bias(server):
     first = complete(server, return_tokens=True)["tokens"][0]
     banned = complete(server, return_tokens=True, logit_bias=[[first, False]])
     assert banned["tokens"][0] != first
+    # false is "never" in the object form too (it was read as a bias of 0), as llama-server reads it
+    assert complete(server, return_tokens=True, logit_bias={str(first): False})["tokens"] == banned["tokens"]
+    # the chain the request ran comes back, not the whole chain (posted back, it would turn samplers on)
+    ran = complete(server, samplers="pmt", top_k=5, **kw)["generation_settings"]["samplers"]
+    assert ran == ["top_p", "min_p", "temperature"]
+    assert complete(server)["generation_settings"]["samplers"][-1] == "temperature"
+    # llama.cpp's own web UI sends image_data, lora and multimodal_data as [] on every request: off, not a 400
+    off = {"image_data": [], "lora": [], "multimodal_data": []}
+    assert complete(server, **off)["content"] == complete(server)["content"]
 
 
 def test_llama_cpps_other_samplers_take_effect(server):
@@ -267,6 +280,10 @@ def test_llama_cpps_other_samplers_take_effect(server):
     ({"prompt": []}, "prompt"),
     ({"logit_bias": [["Hello", -1.0]]}, "logit_bias"),
     ({"n_probs": 50}, "n_probs"),
+    ({"n": 2}, "n"),   # was run as two sequences, both streamed into one answer, one left running on a disconnect
+    ({"logit_bias": {"5": True}}, "logit_bias"),   # was read as +1
+    ({"logit_bias": [[5, True]]}, "logit_bias"),
+    ({"image_data": [{"data": "AAAA", "id": 1}]}, "image_data"),
 ])
 def test_completion_refusals_name_the_field(server, body, param):
     r = post(server, "/completion", {"prompt": P, "n_predict": 2, **body})

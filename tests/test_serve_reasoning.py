@@ -103,6 +103,21 @@ def test_chat_template_kwargs_reach_the_template(server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning_format"
 
 
+def test_apply_template_renders_the_requests_template_kwargs(server):
+    """/apply-template shows the prompt the chat endpoint runs: with the request's chat_template_kwargs too
+    (enable_thinking false closes the thought in the prompt), counted by the chat endpoint's prompt tokens; bad
+    variables are the chat endpoint's 400."""
+    for kwargs in (None, {"enable_thinking": False}, {"enable_thinking": True}):
+        body = {"messages": Q} if kwargs is None else {"messages": Q, "chat_template_kwargs": kwargs}
+        prompt = httpx.post(server.url + "/apply-template", json=body, timeout=60).json()["prompt"]
+        n = len(httpx.post(server.url + "/tokenize", json={"content": prompt}).json()["tokens"])   # as the test below
+        r = httpx.post(server.url + "/v1/chat/completions", json={**body, "max_tokens": 1}, timeout=60)
+        assert r.json()["usage"]["prompt_tokens"] == n, kwargs
+        assert prompt.endswith("</think>\n\n") == (kwargs == {"enable_thinking": False}), (kwargs, prompt[-30:])
+    r = httpx.post(server.url + "/apply-template", json={"messages": Q, "chat_template_kwargs": {"messages": []}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs", r.text
+
+
 def test_ollama_thinking(server):
     """ollama's `think`: true gives the thought as message.thinking (streamed too), false turns it off; the model's
     capabilities say "thinking"; think levels (gpt-oss's "high") are a 400."""
