@@ -96,6 +96,10 @@ def test_chat_page_asks_for_the_key(browser):
         page = browser.new_page()
         page.goto(s.url + "/")
         page.wait_for_function("document.getElementById('model').textContent.includes('API key')", timeout=20000)
+        assert "needs an API key" in page.inner_text("#model")
+        page.fill("#api_key", "not-the-key")   # a wrong key is said to be refused, not missing
+        page.dispatch_event("#api_key", "change")
+        page.wait_for_function("document.getElementById('model').textContent.includes('refused')", timeout=20000)
         page.fill("#api_key", "page-secret-key")
         page.dispatch_event("#api_key", "change")
         page.wait_for_function("document.getElementById('model').textContent.includes('ctx')", timeout=20000)
@@ -122,7 +126,7 @@ def test_chat_page_picks_among_the_routers_models(browser, tmp_path_factory):
     src = write_hf_dir(SynthModel(small_config(max_position_embeddings=4096), seed=11),
                        str(tmp_path_factory.mktemp("page-hf") / "synth"))
     convert(src, str(d / "synth.bnstore"), progress=False)
-    s = Server("--models-dir", str(d), "-c", "1024")
+    s = Server("--models-dir", str(d), "-c", "1024", "--temp", "0.3", "--top-k", "7")
     try:
         q = "What is 12+7?"
         want = {name: httpx.post(s.url + "/v1/chat/completions", timeout=60, json={
@@ -144,6 +148,10 @@ def test_chat_page_picks_among_the_routers_models(browser, tmp_path_factory):
                                    timeout=30000)
             assert page.inner_text("#log .msg.assistant .text") == want[name], name
             assert page.input_value("#pick") == name   # the listing refreshed after the answer keeps the pick
+            # the empty fields show the picked model's own settings (the router's flags), as on one model's
+            # server; they showed nothing under a note saying the server's settings are shown greyed
+            page.wait_for_function("document.getElementById('top_k').placeholder === '7'", timeout=20000)
+            assert float(page.get_attribute("#temperature", "placeholder")) == 0.3
         page.close()
     finally:
         assert s.stop()[0] == 0
@@ -336,3 +344,66 @@ def test_chat_page_keeps_the_text_before_a_mid_answer_error(browser):
         page.wait_for_function("!document.getElementById('send').disabled", timeout=30000)
         assert [(m["role"], m["content"]) for m in bodies[-1]["messages"]] == \
             [("user", q), ("assistant", cut), ("user", "and 3+4?")]
+
+
+def test_chat_page_stop_while_queued_leaves_no_empty_turn(browser, tmp_path_factory):
+    """Stop before the first token (the page's request waiting behind another on a one-slot server): no empty
+    assistant bubble stays, and no empty assistant turn is sent back with the next question (it was)."""
+    import threading
+
+    from serve_proc import slow_model
+    with _served(browser, "-m", slow_model(tmp_path_factory), "-c", "4096", "--parallel", "1") as (s, page):
+        bodies = []
+        page.on("request", lambda r: bodies.append(r.post_data_json) if r.url.endswith("/chat/completions") else None)
+        _load(page, s.url + "/")
+        started = threading.Event()
+
+        def occupy():   # holds the one slot until the page's Stop is seen; then hangs up (the slot frees)
+            with httpx.stream("POST", s.url + "/v1/completions", timeout=120, json={
+                    "prompt": "a", "max_tokens": 3000, "temperature": 0, "stream": True}) as r:
+                for _ in r.iter_lines():
+                    started.set()
+                    if done.is_set():
+                        return
+        done = threading.Event()
+        t = threading.Thread(target=occupy, daemon=True)
+        t.start()
+        assert started.wait(60)
+        _set(page, temperature=0, max_tokens=3)
+        page.fill("#input", "first question")
+        page.keyboard.press("Enter")
+        page.wait_for_function("document.getElementById('stats').textContent === '…'", timeout=10000)
+        page.click("#stop")
+        page.wait_for_function("document.getElementById('stats').textContent.startsWith('stopped')", timeout=10000)
+        done.set()
+        t.join(60)
+        assert page.inner_text("#stats") == "stopped before the first token"
+        assert page.locator("#log .msg.assistant").count() == 0
+        assert page.locator("#log .msg.user.unsent").count() == 1
+        _ask(page, "second question")
+        assert [m["role"] for m in bodies[-1]["messages"]] == ["user"]
+        assert bodies[-1]["messages"][0]["content"] == "second question"
+
+
+def test_chat_page_says_what_to_do_when_the_conversation_outgrows_the_context(browser):
+    """A conversation longer than the context (each turn sends all of it): the error says to start a New chat,
+    where the server's words alone said to shorten a prompt the user never wrote; a lost server is said to be
+    lost (fetch's own "Failed to fetch" was shown); the page asks for no /favicon.ico (a console error)."""
+    with _served(browser, "--parallel", "2", "-c", "256") as (s, page):
+        errors = []
+        page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+        _load(page, s.url + "/")
+        _set(page, temperature=0, max_tokens=8)
+        words = " ".join(["story"] * 100)
+        _ask(page, words)
+        assert page.locator("#log .msg.assistant").count() == 1
+        page.fill("#input", words + " " + words)
+        page.keyboard.press("Enter")
+        page.wait_for_selector("#log .msg.error", timeout=30000)
+        assert "start a New chat" in page.inner_text("#log .msg.error")
+        assert errors == [m for m in errors if "400" in m], errors   # the refused turn's 400, nothing else
+        s.stop()
+        page.fill("#input", "hello?")
+        page.keyboard.press("Enter")
+        page.wait_for_function("document.querySelectorAll('#log .msg.error').length === 2", timeout=30000)
+        assert "lost the connection to the server" in page.locator("#log .msg.error").nth(1).inner_text()
