@@ -89,6 +89,13 @@ def _check(args) -> None:
         if n != default and task != flag.removesuffix("-tasks"):   # said, not ignored (llama-perplexity ignores it)
             raise BitNetError(f"{flag} counts the tasks of {flag.removesuffix('-tasks')}, which this run does not "
                               "score")
+    if task and args.chunks != -1:   # said, not ignored (llama-perplexity ignores it)
+        raise BitNetError(f"--chunks counts the chunks of a text's perplexity; {task} scores tasks (count them "
+                          f"with {task}-tasks)")
+    printer = task or ("--kl-divergence" if args.kld else "--json" if args.json else None)
+    if args.ppl_output_type and printer:
+        raise BitNetError(f"--ppl-output-type {args.ppl_output_type} chooses the lines of a text's perplexity; "
+                          f"{printer} prints its own")
     if args.ppl_stride < 0:
         raise BitNetError(f"--ppl-stride {args.ppl_stride}: must be >= 0 (0: whole chunks)")
     if args.ppl_stride and (task or args.kld or args.kld_base):
@@ -187,18 +194,19 @@ def _score(args, llm, reader, n_ctx) -> int:
           + (f"windows of {n_ctx} tokens every {stride}, {stride} tokens scored per window" if stride else
              f"chunks, n_ctx={n_ctx}, {P.scored_rows(n_ctx)} tokens scored per chunk") + f", {llm.threads} threads")
     out = sys.stdout
-    done = 0
+    done, marks = 0, None
     started = time.perf_counter()
     try:
         for c, (start, bos, first) in enumerate(runs):
             t0 = time.perf_counter()
+            marks = (nll.mark(), kld.mark() if kld is not None else None)   # a chunk counts whole or not at all
             for logits, targets in P.chunk_logits(llm.model, tokens[start: start + n_ctx], bos, first):
                 nll.add(logits, targets)
                 if writer is not None:
                     writer.add(logits)
                 if kld is not None:
                     kld.add(logits, targets, reader.rows(len(targets)))
-            done += 1
+            done, marks = done + 1, None   # one statement: a Ctrl-C lands before it or after it
             if c == 0:
                 per = time.perf_counter() - t0
                 _info(f"{per:.2f} seconds per pass - ETA {per * n_chunk / 60:.2f} minutes")
@@ -211,6 +219,10 @@ def _score(args, llm, reader, n_ctx) -> int:
     except KeyboardInterrupt:
         if writer is not None:
             writer.abort()
+        if marks is not None:   # Ctrl-C inside a chunk: its pieces scored so far are not part of the estimate
+            nll.back(marks[0])
+            if kld is not None:
+                kld.back(marks[1])
         if done:
             _final(args, out, nll, kld, done, n_chunk, n_ctx, time.perf_counter() - started, interrupted=True)
         print("bitnet: interrupted" + (f" after {done} of {n_chunk} chunks" if done else ""), file=sys.stderr)

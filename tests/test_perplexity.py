@@ -14,10 +14,12 @@
 import json
 import os
 import random
+import re
 import signal
 import struct
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -349,6 +351,33 @@ def test_ctrl_c_keeps_the_estimate_and_the_old_base_file(text_file, tmp_path):
     assert not os.path.exists(str(base) + ".partial")
 
 
+def test_ctrl_c_inside_a_chunk_leaves_it_out_of_the_estimate(text_file, tmp_path):
+    """Ctrl-C while a chunk is scored (its rows come in several pieces): the estimate is over the chunks done,
+    the last running figure printed; it counted the pieces of the cut chunk too (an estimate over "7 chunks" of
+    1913 rows, not 7 x 255). Ctrl-Cs at several points of the second chunk."""
+    long_text = tmp_path / "long.txt"
+    long_text.write_text(open(text_file, encoding="utf-8").read() * 60, encoding="utf-8")
+    for wait in (0.01, 0.03, 0.05, 0.07, 0.09):   # a chunk takes ~0.1 s here, its second half in pieces
+        p = subprocess.Popen([sys.executable, "-m", "bitnet_cpu", "perplexity", "-t", "1", "-f", str(long_text),
+                              "-c", "512"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        first = b""
+        while len(first) < 3:   # "[1]": the first chunk is done, the second being scored (read from the pipe
+            got = os.read(p.stdout.fileno(), 3 - len(first))   # itself: a buffered read keeps what follows)
+            assert got, p.stderr.read().decode()
+            first += got
+        assert first == b"[1]", first
+        time.sleep(wait)
+        p.send_signal(signal.SIGINT)
+        rest, err = p.communicate(timeout=120)
+        out = (first + rest).decode()
+        assert p.returncode == 130, err.decode()
+        running = re.findall(r"\[(\d+)\]([0-9.]+),", out)
+        done = re.search(r"Estimate over (\d+) of \d+ chunks: PPL = ([0-9.]+)", out)
+        assert running and done, out
+        assert (done.group(1), done.group(2)) == running[-1], (wait, out[-300:])
+
+
 def test_special_token_spelling_is_plain_text(llm, tmp_path):
     """As llama-perplexity: a text that spells a special token is scored as those characters, not as the token."""
     eos = llm.tokenizer.eos_ids[0] if llm.tokenizer.eos_ids else None
@@ -567,6 +596,22 @@ def test_a_task_count_without_its_task_set_is_one_line(flag, task, winogrande_fi
     r = bitnet("-f", winogrande_file, flag, "5")
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
         f"bitnet: error: {flag} counts the tasks of {task}, which this run does not score"], r.stderr
+
+
+@pytest.mark.parametrize("args,want", [
+    (("--winogrande", "--chunks", "3"), "--chunks counts the chunks of a text's perplexity; --winogrande scores tasks"),
+    (("--hellaswag", "--chunks", "1"), "--chunks counts the chunks of a text's perplexity; --hellaswag scores tasks"),
+    (("--winogrande", "--ppl-output-type", "1"), "--ppl-output-type 1 chooses the lines of a text's perplexity; "
+                                                 "--winogrande prints its own"),
+    (("--json", "--ppl-output-type", "1"), "--ppl-output-type 1 chooses the lines of a text's perplexity; --json "
+                                           "prints its own"),
+])
+def test_a_flag_the_run_would_not_use_is_one_line(args, want, winogrande_file):
+    """--chunks on a task set and --ppl-output-type where another printer prints were taken and did nothing (as
+    llama-perplexity ignores them): said now, in one line."""
+    r = bitnet("-f", winogrande_file, *args)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"bitnet: error: {want}"), r.stderr
 
 
 @pytest.mark.parametrize("case", ["none", "both", "ctx", "kld"])

@@ -143,6 +143,13 @@ class NllStats:
         self.count += len(nll)
         return nll
 
+    def mark(self) -> tuple:
+        """The running sums now: back() returns to them (a chunk cut short by Ctrl-C is not counted)."""
+        return self.nll, self.nll2, self.count
+
+    def back(self, mark: tuple):
+        self.nll, self.nll2, self.count = mark
+
     def ppl(self) -> float:
         return math.exp(self.nll / self.count) if self.count else float("nan")
 
@@ -292,6 +299,15 @@ class KldStats:
         self.floored = 0   # scored tokens the base file holds at its floor (below its top log-probability - 16)
         self.klds: list[np.ndarray] = []
         self.p_diffs: list[np.ndarray] = []
+
+    def mark(self) -> tuple:
+        """The running figures now: back() returns to them (a chunk cut short by Ctrl-C is not counted)."""
+        return dict(self.sums), self.same_top, self.count, self.floored, len(self.klds), len(self.p_diffs)
+
+    def back(self, mark: tuple):
+        sums, self.same_top, self.count, self.floored, n_klds, n_diffs = mark
+        self.sums = dict(sums)
+        del self.klds[n_klds:], self.p_diffs[n_diffs:]
 
     def add(self, logits: np.ndarray, targets: np.ndarray, base_rows: np.ndarray):
         """Compare one piece of rows with the base file's rows for the same positions."""
