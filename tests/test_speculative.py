@@ -103,9 +103,26 @@ def test_draft_length_adapts():
 
 def test_lookup_params_checked():
     with pytest.raises(BitNetError, match="--draft-max"):
-        LookupParams(draft_max=-1).check()
+        LookupParams(draft_max=-1).check(flags=True)
     with pytest.raises(BitNetError, match="--lookup-ngram-min"):
-        LookupParams(ngram_min=0).check()
+        LookupParams(ngram_min=0).check(flags=True)
+    with pytest.raises(BitNetError, match="LookupParams.draft_max -1"):   # the API's own name from Python
+        LookupParams(draft_max=-1).check()
+
+
+@pytest.mark.parametrize("bad", [dict(draft_max=2.5), dict(ngram_min=1.5), dict(draft_max="4"),
+                                 dict(draft_max=None), dict(ngram_max=True)])
+def test_lookup_params_of_the_wrong_type_are_refused_at_the_call(stores, bad):
+    """A float, a str, None or a bool in LookupParams: one BitNetError when the call is made. generate() streamed
+    tokens and then raised a TypeError from a slice; an Engine's scheduler thread died on it, ending the request
+    as "cancelled" and refusing every later one (the engine stopped after an internal error)."""
+    from bitnet_cpu.engine.api import load_engine
+    llm = load_model(stores["i8"], ctx=64, progress=False)
+    with pytest.raises(BitNetError, match="LookupParams"):
+        llm.generate("Once upon a time", max_tokens=4, lookup=LookupParams(**bad))
+    with pytest.raises(BitNetError, match="LookupParams"):
+        load_engine(stores["i8"], ctx=64, lookup=LookupParams(**bad))
+    llm.close()
 
 
 # ---- model and generator ----------------------------------------------------------------------------------

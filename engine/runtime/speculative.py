@@ -14,6 +14,7 @@ so a draft shrinks after a rejection and grows again after full acceptance.
 """
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 from ..errors import BitNetError
@@ -29,13 +30,20 @@ class LookupParams:
     ngram_min: int = NGRAM_MIN_DEFAULT    # shortest match that may propose (llama.cpp: --lookup-ngram-min)
     ngram_max: int = NGRAM_MAX_DEFAULT    # longest match tried first
 
-    def check(self) -> "LookupParams":
-        if self.draft_max < 0:
-            raise BitNetError(f"--draft-max {self.draft_max}: must be >= 0 (0 disables prompt lookup)")
-        if self.ngram_min < 1:
-            raise BitNetError(f"--lookup-ngram-min {self.ngram_min}: must be >= 1")
+    def check(self, flags: bool = False) -> "LookupParams":
+        """Self, or one BitNetError naming the field (flags: by its command-line flag): whole numbers only (a
+        float or a str failed deep inside the scheduler, stopping an Engine for good)."""
+        names = {"draft_max": "--draft-max", "ngram_min": "--lookup-ngram-min"} if flags else {}
+        for field, minimum, why in (("draft_max", 0, " (0 disables prompt lookup)"), ("ngram_min", 1, ""),
+                                    ("ngram_max", 1, "")):
+            value = getattr(self, field)
+            said = f"{names.get(field, 'LookupParams.' + field)} {value!r}"
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise BitNetError(f"{said}: must be a whole number (int), not {type(value).__name__}")
+            if value < minimum:
+                raise BitNetError(f"{said}: must be >= {minimum}{why}")
         if self.ngram_max < self.ngram_min:
-            raise BitNetError(f"lookup ngram_max {self.ngram_max} < ngram_min {self.ngram_min}")
+            raise BitNetError(f"LookupParams.ngram_max {self.ngram_max} < ngram_min {self.ngram_min}")
         return self
 
 
@@ -139,4 +147,4 @@ def lookup_from_flags(draft_max: int | None, ngram_min: int | None) -> LookupPar
     if draft_max is None:
         draft_max = DRAFT_MAX_DEFAULT
     n = NGRAM_MIN_DEFAULT if ngram_min is None else ngram_min
-    return LookupParams(draft_max=draft_max, ngram_min=n, ngram_max=max(n, NGRAM_MAX_DEFAULT)).check()
+    return LookupParams(draft_max=draft_max, ngram_min=n, ngram_max=max(n, NGRAM_MAX_DEFAULT)).check(flags=True)
