@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .anthropic import CountTokensRequest, MessageBuilder, MessagesRequest, anthropic_names
@@ -33,8 +33,8 @@ from .auth import AuthMiddleware, KeyChecker, allow_cross_origin
 from .limits import Limits, LimitsMiddleware, RouteNorms, anthropic_error_body
 from .logprobs import Said, TokenText, chat_entry, completion_logprobs, echo_logprobs
 from .metrics import CONTENT_TYPE, ServerMetrics, TokenClock
-from .offload import (BodyRefused, ClientGone, next_or_gone, offloop_route, prepare_sampling, prompt_body_bound, run_off_loop,
-                      too_long_for_context, unless_gone, warm_bounds)
+from .offload import (BodyRefused, ClientGone, Streamed, next_or_gone, offloop_route, prepare_sampling,
+                      prompt_body_bound, run_off_loop, too_long_for_context, unless_gone, warm_bounds)
 from .responses import STORED_RESPONSE_ROUTES, ResponseBuilder, ResponsesRequest, not_stored, responses_names
 from .llama_api import timings_of as llama_timings
 from .schemas import (ChatCompletionRequest, CompletionRequest, RequestProblem, continuation, error_where, main_error,
@@ -562,7 +562,7 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
                 if c is not None and include_usage:
                     c["usage"] = None
                 return c
-            return StreamingResponse(stream_events(streams, q, n_prompt, chunk, include_usage,
+            return Streamed(stream_events(streams, q, n_prompt, chunk, include_usage,
                                                    getattr(body, "timings_per_token", False)),
                                      media_type="text/event-stream", headers=sse_headers)
         got, timer = await run_to_end(request, streams, q)
@@ -850,7 +850,7 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         """Run one answer through a builder of another API's shape (serve/responses.py, serve/anthropic.py: start,
         feed, finish, fail, result): its SSE events as they come, or (stream false) its whole result."""
         if body.stream:
-            return StreamingResponse(builder_events(stream, q, n_prompt, out), media_type="text/event-stream",
+            return Streamed(builder_events(stream, q, n_prompt, out), media_type="text/event-stream",
                                      headers=sse_headers)
         got, timer = await run_to_end(request, [stream], q)
         if got is None:

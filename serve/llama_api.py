@@ -11,13 +11,13 @@ import json
 from typing import Any, ClassVar, Optional, Union
 
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ..engine import __version__
 from ..engine.runtime.sampling import SamplingParams
 from .logprobs import chat_entry
-from .offload import run_off_loop, too_long_for_context
+from .offload import Streamed, run_off_loop, too_long_for_context
 from .schemas import (CHAIN, MANY_STOPS, SAMPLER_ALIASES, ChatMessage, JSONTyped, RequestProblem, _Sampling,
                       continuation)
 
@@ -283,7 +283,7 @@ def register(app, state, ready, api_error: type, pipe, *, sampling=None):
                     if got.finals[0] is None:
                         streams[0].cancel()
                     state.streams.discard(streams[0])
-            return StreamingResponse(events(), media_type="text/event-stream", headers=pipe.sse_headers)
+            return Streamed(events(), media_type="text/event-stream", headers=pipe.sse_headers)
         got, timer = await pipe.run_to_end(request, streams, q)
         if got is None:
             return Response(status_code=499)

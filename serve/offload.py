@@ -13,6 +13,8 @@
   client for 19 s). Rendering and tokenizing the rest: `await run_off_loop(fn, ...)`.
 - `within(aw, timeout)`, `next_or_gone(q, request)`: waits with a time limit that, unlike asyncio.wait_for on
   Python 3.10-3.11, never lose a cancellation (a non-streaming handler's wait for its next chunk, a body read).
+- `Streamed`: the streaming response every streaming endpoint answers with; it closes its generator however
+  the response ends, so the generator's `finally` (which cancels the engine sequences) always runs.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import time
 import weakref
 
 from fastapi import HTTPException, Request
+from fastapi.responses import StreamingResponse
 from fastapi.routing import APIRoute
 
 # normalizers may drop characters (zero-width, accents): allow twice the strict bound before refusing unseen
@@ -241,7 +244,12 @@ class ClientGone(Exception):
     """The client hung up while its request was being worked on (unless_gone)."""
 
 
-async def unless_gone(aw, request, poll: float = 0.5):
+# how often a handler that is not streaming looks for a client that hung up: its sequence runs on till then (at
+# 0.5 s a non-streamed answer went on for 0.4-0.6 s, hundreds of tokens of the tiny model); a look costs ~20 us
+HANGUP_POLL = 0.1
+
+
+async def unless_gone(aw, request, poll: float = HANGUP_POLL):
     """aw's result, awaited while the client is there: looked at every `poll` s; once it has hung up, aw is
     cancelled (the work it waits on with it) and ClientGone is raised."""
     fut = asyncio.ensure_future(aw)
@@ -257,7 +265,7 @@ async def unless_gone(aw, request, poll: float = 0.5):
         raise
 
 
-async def next_or_gone(q: asyncio.Queue, request, poll: float = 0.5):
+async def next_or_gone(q: asyncio.Queue, request, poll: float = HANGUP_POLL):
     """q's next item, or None once the client has hung up: looked at every `poll` s, whether items come (a
     decoding answer gives one every few ms) or not (a request waiting in the queue)."""
     key = "bitnet.hangup_checked"
@@ -273,3 +281,21 @@ async def next_or_gone(q: asyncio.Queue, request, poll: float = 0.5):
         request.scope[key] = time.monotonic()
         if await request.is_disconnected():
             return None
+
+
+class Streamed(StreamingResponse):
+    """A StreamingResponse that closes its body generator however the response ends. Starlette leaves one paused
+    at a `yield` as it is when its task is cancelled in send() (a client that stopped reading, its socket full,
+    cut by --request-timeout): the generator's `finally`, which cancels the engine sequence, waited for the
+    garbage collector, and the sequence ran on to max_tokens."""
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            close = getattr(self.body_iterator, "aclose", None)
+            if close is not None:
+                try:
+                    await close()
+                except RuntimeError:   # still running: it is ending by itself (the cancellation is inside it)
+                    pass

@@ -23,13 +23,13 @@ import time
 from typing import Any, Optional, Union
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from ..engine.runtime.sampling import SamplingParams, setting_problem
 from .logprobs import Said, chat_entry
 from .metrics import TokenClock
-from .offload import next_or_gone, prepare_sampling, run_off_loop, too_long_for_context
+from .offload import Streamed, next_or_gone, prepare_sampling, run_off_loop, too_long_for_context
 from .schemas import MANY_STOPS, JSONTyped, error_where, main_error, overflow_message, utc_iso
 
 FOREVER = math.inf
@@ -484,7 +484,7 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
                     if final is None:
                         stream.cancel()
                     state.streams.discard(stream)
-            return StreamingResponse(lines(), media_type="application/x-ndjson")
+            return Streamed(lines(), media_type="application/x-ndjson")
         pieces, tokens, said, final = [], [], Said(), None
         try:
             while final is None:

@@ -44,7 +44,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 
 from .auth import AuthMiddleware, KeyChecker, allow_cross_origin
 from .limits import Limits, LimitsMiddleware, RouteNorms, error_json
-from .offload import ClientGone, unless_gone
+from .offload import ClientGone, Streamed, unless_gone
 from .ollama import FOREVER, OLLAMA_VERSION, parse_keep_alive  # noqa: F401 - parse_keep_alive: the CLI's
 from .schemas import model_object, utc_iso
 
@@ -873,7 +873,7 @@ def create_router_app(router: Router, *, api_keys: tuple = (), limits: Limits | 
             finally:
                 await pulled.aclose()   # a client that hung up ends the pull's process
         if stream:
-            return StreamingResponse((json.dumps(u) + "\n" async for u in updates()), media_type="application/x-ndjson")
+            return Streamed((json.dumps(u) + "\n" async for u in updates()), media_type="application/x-ndjson")
         last: dict = {}
         async for u in updates():
             last = u

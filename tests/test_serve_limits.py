@@ -376,6 +376,35 @@ def test_request_timeout_cancels_the_sequence(tmp_path_factory):
         assert s.stop()[0] == 0
 
 
+def test_request_timeout_ends_the_sequence_of_a_client_that_stopped_reading():
+    """A streaming client that reads nothing (its socket full, the server's send waiting): its sequence ends at
+    --request-timeout too. It ran on to max_tokens in most tries: the stream's generator, paused in that send,
+    was never closed, and its `finally` (which cancels the sequence) waited for the garbage collector."""
+    s = Server("-c", "4096", "--parallel", "1", "--request-timeout", "2")
+    try:
+        for _ in range(3):
+            before = settle(s.url)["metrics"]["tokens_generated_total"]
+            payload = json.dumps({"messages": [{"role": "user", "content": "a"}], "max_tokens": 4000,
+                                  "ignore_eos": True, "stream": True, "logprobs": True, "top_logprobs": 20}).encode()
+            c = socket.socket()
+            c.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
+            c.connect(("127.0.0.1", s.port))
+            try:
+                c.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                          b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(payload) + payload)
+                deadline = time.monotonic() + 30
+                while httpx.get(s.url + "/slots").json()["metrics"]["tokens_generated_total"] == before \
+                        and time.monotonic() < deadline:
+                    time.sleep(0.02)
+                st = settle(s.url, timeout=60)
+            finally:
+                c.close()
+            assert st["slots"] == [] and st["metrics"]["kv_pages_reserved"] == 0
+            assert 0 < st["metrics"]["tokens_generated_total"] - before < 4000, st["metrics"]
+    finally:
+        assert s.stop()[0] == 0
+
+
 # ---- keys -------------------------------------------------------------------------------------------------
 def test_api_key_file_covers_everything_but_health(tmp_path):
     keys = tmp_path / "keys"
