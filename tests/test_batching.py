@@ -508,18 +508,22 @@ def test_pool_size_in_mib_and_bad_sizes(synth):
         load_engine(stores["f16"], ctx=64, kv_pool_tokens=64, kv_pool_mib=1, progress=False)
 
 
-def test_failing_callback_cancels_only_its_request(synth, capsys):
+@pytest.mark.parametrize("raised", [RuntimeError("consumer went away"), SystemExit(0), KeyboardInterrupt()])
+def test_failing_callback_cancels_only_its_request(synth, capsys, raised):
+    """A callback that raises ends its own request; the engine serves the others and later ones. A sys.exit() or
+    a KeyboardInterrupt in it stopped the engine for good ("the engine stopped after an internal error: 0")."""
     m, _, stores = synth
     with running_engine(stores["f16"], ctx=128, parallel=4) as eng:
         def bad(chunks):
-            raise RuntimeError("consumer went away")
+            raise raised
 
         got = _Chunks(then=bad)
         eng.submit([1, 2, 3, 4], GREEDY, max_tokens=50, callback=got)
         ok = eng.submit([5, 6, 7], GREEDY, max_tokens=5)
         assert _collect(ok)[-1].finish_reason in ("length", "eos")
         assert got.wait()[-1].finish_reason == "cancelled"
-        assert "consumer went away" in capsys.readouterr().err
+        assert type(raised).__name__ in capsys.readouterr().err
+        assert _collect(eng.submit([5, 6, 7], GREEDY, max_tokens=5))[-1].finish_reason in ("length", "eos")
         eng.check_consistency()
 
 

@@ -198,7 +198,7 @@ class BatchScheduler(Drafts, Embeddings, Scoring):
                               "process", hint="load the engine in the child process (after the fork, or with "
                               "multiprocessing's 'spawn' start method)")
         if self._error is not None:
-            raise BitNetError(f"the engine stopped after an internal error: {self._error}")
+            raise BitNetError(f"the engine stopped after an internal error: {self._error!r}")
         free, waiting = max(0, self.parallel - len(self._running)), set()
         for s in self._waiting:
             n = 1 + len(s.forks)   # n choices are admitted together

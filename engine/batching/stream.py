@@ -49,7 +49,8 @@ class Stream:
         if self._callback is not None:
             try:
                 self._callback(chunk)
-            except Exception as e:  # a broken consumer ends its own request, never the engine
+            except BaseException as e:  # a broken consumer ends its own request, never the engine (a callback's
+                # sys.exit() or KeyboardInterrupt runs on the scheduler thread: it stopped the engine for good)
                 if not chunk.finish_reason:
                     import sys
                     print(f"bitnet engine: stream {self.id}: callback raised {e!r}; cancelling it", file=sys.stderr)
