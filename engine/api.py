@@ -20,6 +20,8 @@ Many sequences at once (continuous batching over a paged KV cache, engine/batchi
 from __future__ import annotations
 
 import contextlib
+import math
+import numbers
 import os
 import time
 from typing import Iterator, Sequence
@@ -44,8 +46,11 @@ __all__ = ["load_model", "LLM", "load_engine", "Engine", "SamplingParams", "Look
 
 
 def _resolve(model: str | None, lm_head: str | None, progress: bool) -> str:
+    from .formats.convert import LM_HEADS
     if model is not None and not isinstance(model, (str, os.PathLike)):
         raise BitNetError(f"model: a path or a hub id (str), not {type(model).__name__}")
+    if lm_head is not None and lm_head not in LM_HEADS:   # before a store's head is compared with it
+        raise BitNetError(f"lm_head {lm_head!r}: one of {', '.join(LM_HEADS)} (None: the converter's choice)")
     if model is not None and is_store(model):
         from .formats.convert import check_store_head
         return check_store_head(os.fspath(model), lm_head)
@@ -53,11 +58,27 @@ def _resolve(model: str | None, lm_head: str | None, progress: bool) -> str:
         from .formats.hub import is_hub_ref
 
         if not is_hub_ref(model):
-            raise BitNetError(f"-m/--model {model}: no such file or directory",
+            raise BitNetError(f"model {model!r} (-m/--model): no such file or directory",
                               hint="give a model file, a directory, or a hub id such as microsoft/bitnet-b1.58-2B-4T")
     from .formats.convert import resolve_model
 
     return resolve_model(model, lm_head=lm_head, progress=progress)
+
+
+def _text_content(m, k: int) -> dict:
+    """messages[k] as the templates take it: a dict with a 'role'; OpenAI's content parts ([{"type": "text",
+    "text": ...}]) joined into one text, as the server joins them (their repr went into the prompt); a part
+    that is not text is one BitNetError naming it."""
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+        raise BitNetError(f"messages[{k}]: a dict with a 'role' (str), not {m!r:.80}")
+    parts = m.get("content")
+    if not isinstance(parts, list):
+        return m
+    for j, p in enumerate(parts):
+        if not (isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)):
+            raise BitNetError(f"messages[{k}].content[{j}]: this model takes text parts only "
+                              f"({{'type': 'text', 'text': ...}}), not {p!r:.80}")
+    return {**m, "content": "".join(p["text"] for p in parts)}
 
 
 class _Text:
@@ -113,7 +134,17 @@ class _Text:
         return self.tokenizer.encode(text, add_bos=add_bos, special=special)
 
     def detokenize(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(ids)
+        """The text of token ids; one BitNetError for anything but ids of this model (an id outside the
+        vocabulary was dropped from the text in silence, a float truncated)."""
+        return self.tokenizer.decode(self._in_vocab(token_ids(ids, "ids", text_ok=False), "ids"))
+
+    def _in_vocab(self, ids: list[int], what: str) -> list[int]:
+        """ids, or one BitNetError naming the first outside the vocabulary, before any work is done."""
+        vocab = self.config.vocab_size
+        bad = next((i for i, t in enumerate(ids) if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise BitNetError(f"{what}[{bad}] {ids[bad]}: not a token id of this model (0..{vocab - 1})")
+        return ids
 
     def compile_constraint(self, constraint):
         """A Constraint (or schema dict / "json") compiled for this model's tokenizer, cached; None for None.
@@ -140,6 +171,8 @@ class _Text:
         (engine/runtime/tools.py puts them in the form the template renders). prefill: text the answer continues
         (a final assistant message's start, as Anthropic's and ollama's APIs take it), after the template's text.
         template_kwargs: more template variables (enable_thinking=False for Qwen3's; chat_template.render)."""
+        if not isinstance(prefill, str):
+            raise BitNetError(f"prefill: text (str), not {type(prefill).__name__}")
         return self.tokenizer.encode(self.chat_text(messages, add_generation_prompt, tools, template_kwargs) + prefill,
                                      add_bos=False, special=True)
 
@@ -148,9 +181,12 @@ class _Text:
         """The text chat_prompt tokenizes (special tokens as text): what the template makes of `messages`."""
         if isinstance(messages, (str, bytes, dict)) or not isinstance(messages, Sequence):
             raise BitNetError(f"messages: a list of {{'role': ..., 'content': ...}} dicts, not {type(messages).__name__}")
-        for k, m in enumerate(messages):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-                raise BitNetError(f"messages[{k}]: a dict with a 'role' (str), not {m!r:.80}")
+        messages = [_text_content(m, k) for k, m in enumerate(messages)]
+        if tools is not None and (isinstance(tools, (str, bytes, dict)) or not isinstance(tools, Sequence)
+                                  or not all(isinstance(t, dict) for t in tools)):
+            raise BitNetError(f"tools: a list of OpenAI-style tool dicts, not {tools!r:.80}")
+        if template_kwargs is not None and not isinstance(template_kwargs, dict):
+            raise BitNetError(f"template_kwargs: a dict of template variables, not {type(template_kwargs).__name__}")
         tok, meta = self.tokenizer, self.store.meta
         # the model's own strings where its conversion recorded them (tokenizer_config's, as transformers renders)
         bos = meta.get("bos_token") or (tok.id_to_token(tok.bos_id) if tok.bos_id is not None else "")
@@ -290,7 +326,9 @@ class LLM(_Text):
         model = self._open_model()
         if isinstance(prompt, (bytes, bytearray)):
             raise BitNetError("prompt: give text (str) or token ids, not bytes")
-        ids = self.tokenize(prompt, add_bos=True) if isinstance(prompt, str) else token_ids(prompt)
+        # an id outside the vocabulary is raised here, not at the first next() after the cache was cut
+        ids = self.tokenize(prompt, add_bos=True) if isinstance(prompt, str) else \
+            self._in_vocab(token_ids(prompt), "prompt")
         compiled = self.compile_constraint(constraint)   # raised here, not at the first next()
         return _generate(model, self.tokenizer, ids, params, max_tokens=max_tokens, stop=stop, load_s=self.load_s,
                          ignore_eos=ignore_eos, lookup=lookup if lookup is not None else self.lookup,
@@ -327,10 +365,18 @@ class LLM(_Text):
         "tokens_scored"}. BitNetError when `chunk` exceeds n_ctx or the text is shorter than one chunk. Leaves the
         last chunk in the KV cache."""
         from .runtime import perplexity as P
+        # the arguments in this API's names (the runtime's checks name the command line's flags)
+        chunk, stride = whole_number(chunk, "chunk", 4), whole_number(stride, "stride", 0)
+        chunks = whole_number(chunks, "chunks", -1)
         if chunk > self.n_ctx:
             raise BitNetError(f"chunk {chunk} is over this session's context ({self.n_ctx})",
                               hint="load the model with ctx >= chunk")
-        ids = self.tokenize(text, add_bos=True, special=False) if isinstance(text, str) else [int(t) for t in text]
+        if chunks == 0:
+            raise BitNetError("chunks 0: nothing to score (a positive count, or -1 for every chunk)")
+        if stride and stride >= chunk:
+            raise BitNetError(f"stride {stride}: must be below chunk ({chunk})")
+        ids = self.tokenize(text, add_bos=True, special=False) if isinstance(text, str) else \
+            self._in_vocab(token_ids(text, "text"), "text")
         runs = P.passes(len(ids), chunk, chunks, stride, self.tokenizer.text_bos)
         stats = P.NllStats()
         with self._cache("perplexity()"):
@@ -342,6 +388,7 @@ class LLM(_Text):
 
     def forward(self, ids: Sequence[int]) -> np.ndarray:
         """Logits [len(ids), vocab] f32 from a fresh cache (for tests)."""
+        ids = self._in_vocab(token_ids(ids, "ids", text_ok=False), "ids")
         with self._cache("forward()"):
             return self.model.forward(ids)
 
@@ -472,11 +519,24 @@ class Engine(_Text, BatchScheduler):
             self.warnings.append(f"-c/--ctx {n_ctx} is larger than the {cfg.context_length} tokens the model was "
                                  "trained on: output past that may be garbage")
         from .batching.kv_pool import PAGE_TOKENS, KVPool
+        # the sizes as whole numbers, named as here (a float was truncated, a str or NaN failed deep inside)
+        parallel = whole_number(parallel, "parallel", 1, "--parallel")
+        max_queue = whole_number(max_queue, "max_queue", 0, "--max-queue")
+        if max_batch_tokens is not None:
+            max_batch_tokens = whole_number(max_batch_tokens, "max_batch_tokens", 1, "-b/--batch-size")
+        if kv_pool_tokens is not None:
+            kv_pool_tokens = whole_number(kv_pool_tokens, "kv_pool_tokens", 1)
         per_tok = KVPool.bytes_per_token(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, kv_dtype)
         if kv_pool_tokens is not None and kv_pool_mib is not None:
             raise BitNetError("give the KV pool size as kv_pool_tokens or kv_pool_mib, not both")
         if kv_pool_mib is not None:
+            if isinstance(kv_pool_mib, bool) or not isinstance(kv_pool_mib, numbers.Real) \
+                    or not 0 < kv_pool_mib < math.inf:
+                raise BitNetError(f"kv_pool_mib {kv_pool_mib!r}: a size in MiB, > 0")
             kv_pool_tokens = int(kv_pool_mib * (1 << 20)) // per_tok
+        if kv_pool_tokens is not None and kv_pool_tokens * per_tok > 1 << 40:
+            raise BitNetError(f"KV pool of {kv_pool_tokens} tokens: {kv_pool_tokens * per_tok / (1 << 30):.0f} GiB, "
+                              "past any machine's memory (at most 1 TiB)")
         if kv_pool_tokens is None:   # a context per slot, and a page each for n choices' shared partial pages
             kv_pool_tokens = max(n_ctx, min(parallel * (n_ctx + PAGE_TOKENS), DEFAULT_POOL_BYTES // per_tok))
         super().__init__(store, Tokenizer.from_store(store), n_ctx=n_ctx, parallel=parallel,

@@ -183,6 +183,16 @@ def test_breaking_out_of_an_engine_stream_cancels_its_request():
     (lambda: load_model(ctx=64, lookup={"draft_max": 2}, progress=False), "lookup: a LookupParams"),
     (lambda: load_model(123), "model: a path"),
     (lambda: load_engine(ctx=64, threads=2.5, progress=False), "threads 2.5"),
+    # the engine's sizes: a float was truncated, a str or NaN failed deep inside, 10**30 overflowed in the pool
+    (lambda: load_engine(ctx=64, parallel=2.7, progress=False), "parallel 2.7"),
+    (lambda: load_engine(ctx=64, parallel="4", progress=False), "parallel '4'"),
+    (lambda: load_engine(ctx=64, max_queue=None, progress=False), "max_queue None"),
+    (lambda: load_engine(ctx=64, max_batch_tokens=1.9, progress=False), "max_batch_tokens 1.9"),
+    (lambda: load_engine(ctx=64, kv_pool_tokens=[1], progress=False), "kv_pool_tokens"),
+    (lambda: load_engine(ctx=64, kv_pool_tokens=10 ** 30, progress=False), "past any machine's memory"),
+    (lambda: load_engine(ctx=64, kv_pool_mib=float("nan"), progress=False), "kv_pool_mib nan"),
+    (lambda: load_engine(ctx=64, kv_pool_mib=-1, progress=False), "kv_pool_mib -1"),
+    (lambda: load_model(lm_head="bogus", progress=False), "lm_head 'bogus': one of q4, i8, f16"),
 ])
 def test_api_arguments_of_the_wrong_type_are_one_error(call, words):
     """Each a BitNetError naming the argument, at the call (they were TypeErrors / AttributeErrors from deep
@@ -202,9 +212,53 @@ def test_call_arguments_of_the_wrong_type_are_one_error():
                             (lambda: llm.tokenize(None), "tokenize: text"),
                             (lambda: llm.chat_prompt("hi"), "messages: a list"),
                             (lambda: llm.chat_prompt([{"content": "x"}]), r"messages\[0\]: a dict with a 'role'"),
-                            (lambda: llm.set_chat_template(123), "chat template: .* not int")):
+                            (lambda: llm.set_chat_template(123), "chat template: .* not int"),
+                            # these were bare TypeErrors / AttributeErrors, or silently converted
+                            (lambda: llm.chat_prompt([{"role": "user", "content": "x"}], prefill=None),
+                             "prefill: text"),
+                            (lambda: llm.chat_prompt([{"role": "user", "content": "x"}], tools="x"), "tools: a list"),
+                            (lambda: llm.chat_prompt([{"role": "user", "content": "x"}], template_kwargs=5),
+                             "template_kwargs: a dict"),
+                            (lambda: llm.chat_prompt([{"role": "user", "content": [{"type": "image_url"}]}]),
+                             r"messages\[0\].content\[0\]: this model takes text parts only"),
+                            (lambda: llm.detokenize(None), "ids: give token ids, not NoneType"),
+                            (lambda: llm.detokenize([74.9]), "ids: token ids are integers, not float"),
+                            (lambda: llm.detokenize([74, 10 ** 6]), r"ids\[1\] 1000000: not a token id"),
+                            (lambda: llm.forward([1, -1]), r"ids\[1\] -1: not a token id"),
+                            (lambda: llm.perplexity(b"bytes", chunk=32),
+                             r"text: give text \(str\) or token ids, not bytes"),
+                            (lambda: llm.perplexity([7.9] * 200, chunk=32), "text: token ids are integers"),
+                            (lambda: llm.perplexity(PROMPT * 50, chunk=32, stride=True), "stride True"),
+                            (lambda: llm.perplexity(PROMPT * 50, chunk=32, stride=64.0), "stride 64.0"),
+                            (lambda: llm.perplexity(PROMPT * 50, chunk=32, stride=-1), "stride -1"),
+                            (lambda: llm.perplexity(PROMPT * 50, chunk=32, chunks=0), "chunks 0"),
+                            (lambda: eng.score_ids([0, 75.9, 80.2]), "ids: token ids are integers, not float"),
+                            (lambda: eng.score_ids(b"ab"), "ids: give token ids, not bytes"),
+                            (lambda: eng.score_ids([1, 2], top_k=2.9), "top_k 2.9"),
+                            (lambda: eng.submit(PROMPT, callback="print"), "callback: a function"),
+                            (lambda: eng.submit_n(PROMPT, n=1, callbacks=iter([5])), "callback: a function")):
             with pytest.raises(BitNetError, match=words):
                 call()
+    # content parts are text joined, as the server joins them (their Python repr went into the prompt)
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Once upon "}, {"type": "text", "text": "a time"}]}]
+    assert llm.chat_prompt(parts) == llm.chat_prompt([{"role": "user", "content": "Once upon a time"}])
+    llm.close()
+
+
+def test_an_out_of_vocabulary_prompt_id_is_raised_at_the_call_and_touches_nothing():
+    """generate() with an id outside the vocabulary: raised at the call, as its docstring says; it was raised at
+    the first next(), after the generator in flight was superseded and the cache cut."""
+    llm = load_model(ctx=64, progress=False)
+    ids = llm.tokenize(PROMPT, add_bos=True)
+    running = llm.generate(ids, GREEDY, max_tokens=8, ignore_eos=True)
+    first = next(running)
+    cached = llm.cached_tokens
+    with pytest.raises(BitNetError, match="not a token id"):
+        llm.generate(ids + [10 ** 6])
+    assert llm.cached_tokens == cached
+    rest = list(running)   # the generator in flight goes on, not superseded
+    assert rest[-1].finish_reason == "length" and len([first] + rest) == 9
+    llm.close()
 
 
 def test_close_ends_a_generator_not_yet_started():

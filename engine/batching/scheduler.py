@@ -261,8 +261,15 @@ class BatchScheduler(Drafts, Embeddings, Scoring):
         stop = stop_strings(stop)
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 1 <= n <= self.parallel:
             raise BitNetError(f"n {n}: must be in 1..{self.parallel} (the sequences this engine runs at once)")
-        if callbacks is not None and len(callbacks) != n:
-            raise BitNetError(f"{len(callbacks)} callbacks for n={n} streams")
+        if callbacks is not None:   # checked here: a str failed on the scheduler thread, an iterator had no len()
+            if isinstance(callbacks, (str, bytes)) or not hasattr(callbacks, "__iter__"):
+                raise BitNetError(f"callbacks: a list of functions of a Chunk, not {type(callbacks).__name__}")
+            callbacks = list(callbacks)
+            bad = next((c for c in callbacks if not callable(c)), None)
+            if bad is not None:
+                raise BitNetError(f"callback: a function of a Chunk, not {type(bad).__name__}")
+            if len(callbacks) != n:
+                raise BitNetError(f"{len(callbacks)} callbacks for n={n} streams")
         lead, _, extra = self._promise(len(prompt), max_tokens, n - 1)
         promise = lead + extra
         if promise > self.pool.n_pages:   # it would wait for ever, and every request behind it

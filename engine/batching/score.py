@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from ..errors import BitNetError
+from ..errors import BitNetError, token_ids
+from ..runtime.generate import whole_number
 from ..runtime.sampling import SamplingParams, TokenLogprob, token_logprob
 from .stream import OneShot, Stream
 
@@ -51,11 +52,14 @@ class Scoring:
         """Queue the scoring of a prompt of 1..n_ctx token ids (never blocks): for each position after the
         first, the log-probability of its token and the best `top_k` (0..20) tokens there. QueueFullError when
         max_queue requests wait; ContextOverflowError / BitNetError for ids that do not fit or are not tokens."""
-        ids = [int(t) for t in ids]
+        ids = token_ids(ids, "ids", text_ok=False)   # a float, a str of digits, bytes: refused, not converted
         if not ids:
             raise BitNetError("no tokens to score")
-        if not 0 <= top_k <= 20:
+        top_k = whole_number(top_k, "top_k")
+        if top_k > 20:
             raise BitNetError(f"top_k {top_k}: must be in 0..20")
+        if callback is not None and not callable(callback):
+            raise BitNetError(f"callback: a function of the request, not {type(callback).__name__}")
         self._check_ids(ids)
         req = ScoreRequest(self, ids, top_k, callback)
         with self._lock:
