@@ -44,6 +44,7 @@ def main(args) -> int:
         report({"convert": args.ref, "completed": done, "total": total})
 
     store = resolve_model(args.ref, lm_head=args.lm_head, progress=steps if args.json_progress else True)
-    print(f"bitnet: ready: bitnet run -m {args.ref}", file=sys.stderr)
+    head = f" --lm-head {args.lm_head}" if args.lm_head else ""   # the conversion `run` must ask for to find it
+    print(f"bitnet: ready: bitnet run -m {args.ref}{head}", file=sys.stderr)
     print(store)
     return 0

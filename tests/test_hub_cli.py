@@ -258,6 +258,15 @@ def test_pull_of_a_cached_model_works_offline_and_converts(hub, tmp_path):
     assert "bitnet run -m o/tiny-gguf:model-i2_s.gguf" in r.stderr
     r = bitnet("pull", "not a hub id!", env=env)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
+    # a damaged conversion in the cache is converted again (pull said "ready" over it, and the run then failed)
+    with open(store, "r+b") as f:
+        f.truncate(os.path.getsize(store) - 1000)
+    r = bitnet("pull", "o/tiny-gguf:model-i2_s.gguf", env=env)
+    assert r.returncode == 0 and "is damaged" in r.stderr and r.stdout.strip() == store, r.stderr
+    assert run_text("o/tiny-gguf:model-i2_s.gguf", env) == greedy(hub["gguf"])
+    # another head: the hint runs that conversion (without the flag, `run` converted the model a second time)
+    r = bitnet("pull", "o/tiny-gguf:model-i2_s.gguf", "--lm-head", "f16", env=env)
+    assert r.returncode == 0 and "ready: bitnet run -m o/tiny-gguf:model-i2_s.gguf --lm-head f16" in r.stderr
 
 
 def test_a_local_path_wins_over_a_hub_id(hub, tmp_path):
@@ -287,7 +296,8 @@ class FakeHub:
     metadata, GET for its bytes), answered on 127.0.0.1 for one repository at one commit: enough to see it
     download for real."""
 
-    def __init__(self, repo: str, files: dict[str, bytes], commit: str):
+    def __init__(self, repo: str, files: dict[str, bytes], commit: str, file_status: int = 200, said: str = ""):
+        """file_status: the hub's answer to a file's HEAD / GET (429: its rate limit), `said` its error text."""
         import http.server
         import threading
 
@@ -328,6 +338,15 @@ class FakeHub:
                     self.wfile.write(tree if body else b"")
                     return
                 data = self._file()
+                if data is not None and file_status != 200:
+                    err = json.dumps({"error": said}).encode()
+                    self.send_response(file_status)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("X-Error-Message", said)
+                    self.send_header("Content-Length", str(len(err)))
+                    self.end_headers()
+                    self.wfile.write(err if body else b"")
+                    return
                 if data is None:
                     self.send_response(404)
                     self.send_header("Content-Length", "0")
@@ -376,6 +395,23 @@ def test_pull_downloads_converts_and_then_runs_offline(hub, tmp_path):
     assert run_text("o/remote:model-i2_s.gguf", offline) == greedy(hub["gguf"])
     rows = [json.loads(x) for x in bitnet("list", "--json", env=offline).stdout.splitlines()]
     assert [x["source"] for x in rows] == [f"o/remote:model-i2_s.gguf@{commit[:12]}"] and rows[0]["path"] == store
+
+
+@pytest.mark.parametrize("status", [429, 403])
+def test_an_error_answer_of_the_hub_is_said_as_such_not_offline(hub, tmp_path, status):
+    """The hub answering a file with an error status (429: its rate limit, which anonymous bursts meet) is that
+    answer in one line, with what to do; it read "offline: cannot reach" the hub that had just answered."""
+    fake = FakeHub("o/busy", {"model-i2_s.gguf": open(hub["gguf"], "rb").read()}, "d" * 40, file_status=status,
+                   said="slow down" if status == 429 else "no access")
+    try:
+        env = env_for(hub, tmp_path, HF_HUB_CACHE=str(tmp_path / "downloads"), HF_HUB_OFFLINE="0",
+                      HF_ENDPOINT=fake.url, HF_HUB_DISABLE_TELEMETRY="1")
+        r = bitnet("pull", "o/busy:model-i2_s.gguf", env=env, timeout=300)
+    finally:
+        fake.close()
+    last = r.stderr.strip().splitlines()[-1]
+    assert r.returncode == 2 and "offline" not in r.stderr, r.stderr
+    assert last.startswith(f"bitnet: error: pull o/busy:model-i2_s.gguf: the hub answered {status}"), r.stderr
 
 
 def test_pull_of_a_quant_tag_downloads_that_file_alone(hub, tmp_path):

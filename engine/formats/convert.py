@@ -391,8 +391,13 @@ def resolve_model(src: str | None, *, cache_dir: str | None = None, lm_head: str
     name = re.sub(r"[^A-Za-z0-9._-]+", "_", stem)[:80]
     path = os.path.join(d, f"{name}-{key}.bnstore")
     if is_store(path):
-        mark_used(path)
-        return path
+        damage = _damage(path)
+        if damage is None:
+            mark_used(path)
+            return path
+        # our own cache, damaged (a disk error, a copy cut short): converted again, as `bitnet pull` promises
+        # to repair it (it said "ready" over the damaged store, and the run failed on it)
+        print(f"bitnet: the cached conversion {path} is damaged ({damage}): converting {src} again", file=sys.stderr)
     try:
         os.makedirs(d, exist_ok=True)
     except OSError as e:
@@ -401,6 +406,16 @@ def resolve_model(src: str | None, *, cache_dir: str | None = None, lm_head: str
     if progress is True and sys.stderr.isatty():
         print(f"bitnet: converting {src} once into {path}", file=sys.stderr)
     return convert(src, path, lm_head=lm_head, progress=progress, source_name=source_name)
+
+
+def _damage(path: str) -> str | None:
+    """What is wrong with a cached store's structure (its index and sizes, read from the mapping), or None."""
+    from .store import Store
+    try:
+        with Store(path, load="mmap"):
+            return None
+    except FormatError as e:
+        return str(e).removeprefix(f"{path}: ")
 
 
 def mark_used(path: str) -> None:

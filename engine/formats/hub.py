@@ -219,9 +219,33 @@ def _offline_reason(e: BaseException) -> str | None:
                     "TimeoutException", "ProxyError") or isinstance(cur, (ConnectionError, TimeoutError)):
             return f"cannot reach {constants.ENDPOINT} ({name})"
         cur = cur.__cause__ or cur.__context__
-    if isinstance(e, LocalEntryNotFoundError):
+    if isinstance(e, LocalEntryNotFoundError) and _http_failure(e) is None:   # a 429 / 500 is an answer
         return f"cannot reach {constants.ENDPOINT}"
     return None
+
+
+def _http_failure(e: BaseException) -> tuple[int, str] | None:
+    """(status, what the hub said) when `e` or one of its causes is an HTTP answer of the hub (huggingface_hub
+    wraps a 429 or a 500 on a file in LocalEntryNotFoundError, which read as "cannot reach"), else None."""
+    seen, cur = set(), e
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        status = getattr(getattr(cur, "response", None), "status_code", None)
+        if isinstance(status, int) and status >= 400:
+            said = getattr(cur, "server_message", None) or ""
+            reason = getattr(cur.response, "reason_phrase", None) or getattr(cur.response, "reason", None) or ""
+            return status, " ".join(x for x in (reason, f"({said.strip()})" if said.strip() else "") if x)
+        cur = cur.__cause__ or cur.__context__
+    return None
+
+
+def _http_error(ref: str, status: int, said: str) -> BitNetError:
+    """One line for the hub's HTTP answer, with what to do about the usual ones."""
+    hint = {401: "check HF_TOKEN (or `huggingface-cli login`): the hub did not take the token sent",
+            403: "the token has no access to this repository (accept its terms on the hub, or check HF_TOKEN)",
+            429: "the hub limits requests: wait a little and pull again (logged in, the limit is higher)"}.get(
+        status, "the hub's own trouble: pull again later" if status >= 500 else None)
+    return BitNetError(f"pull {ref}: the hub answered {status}" + (f" {said}" if said else ""), hint=hint)
 
 
 def _unreachable(endpoint: str, timeout: float = 5.0) -> str | None:
@@ -355,6 +379,9 @@ def pull(ref: str, progress: Callable[[dict], None] | None = None) -> str:
     except BitNetError:
         raise
     except (LocalEntryNotFoundError, OfflineModeIsEnabled) as e:   # not cached, and the hub out of reach
+        failed = _http_failure(e)
+        if failed is not None:   # or it answered, with an error status (a rate limit, its own 500)
+            raise _http_error(ref, *failed) from None
         raise offline(e) from None
     except GatedRepoError:
         raise BitNetError(f"pull {ref}: the repository is gated", hint="accept its terms on the hub and log in "
@@ -368,6 +395,9 @@ def pull(ref: str, progress: Callable[[dict], None] | None = None) -> str:
     except HFValidationError as e:
         raise BitNetError(f"pull {ref}: not a valid hub id ({e})") from None
     except (HfHubHTTPError, OSError, Exception) as e:  # noqa: BLE001  (network layers raise many types)
+        failed = _http_failure(e)
+        if failed is not None:
+            raise _http_error(ref, *failed) from None
         if _offline_reason(e) is None:
             first = str(e).splitlines()[0] if str(e) else ""
             raise BitNetError(f"pull {ref}: download failed: {type(e).__name__}: {first}") from None
