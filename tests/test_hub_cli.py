@@ -296,8 +296,10 @@ class FakeHub:
     metadata, GET for its bytes), answered on 127.0.0.1 for one repository at one commit: enough to see it
     download for real."""
 
-    def __init__(self, repo: str, files: dict[str, bytes], commit: str, file_status: int = 200, said: str = ""):
-        """file_status: the hub's answer to a file's HEAD / GET (429: its rate limit), `said` its error text."""
+    def __init__(self, repo: str, files: dict[str, bytes], commit: str, file_status: int = 200, said: str = "",
+                 corrupt: bool = False):
+        """file_status: the hub's answer to a file's HEAD / GET (429: its rate limit), `said` its error text;
+        corrupt: a file's bytes come down altered (one byte), its listing and ETag those of the true bytes."""
         import http.server
         import threading
 
@@ -358,7 +360,7 @@ class FakeHub:
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
                 if body:
-                    self.wfile.write(data)
+                    self.wfile.write(data[:-1] + bytes([data[-1] ^ 1]) if corrupt else data)
 
             def do_HEAD(self):
                 self._answer(False)
@@ -412,6 +414,29 @@ def test_an_error_answer_of_the_hub_is_said_as_such_not_offline(hub, tmp_path, s
     last = r.stderr.strip().splitlines()[-1]
     assert r.returncode == 2 and "offline" not in r.stderr, r.stderr
     assert last.startswith(f"bitnet: error: pull o/busy:model-i2_s.gguf: the hub answered {status}"), r.stderr
+
+
+def test_a_download_with_other_bytes_than_listed_is_deleted_and_fetched_again(hub, tmp_path):
+    """Bytes that differ from the hub's listed sha256 (a proxy, a bad resume): one line, and nothing kept, so the
+    next pull downloads the file again; they were kept under the expected name, and every later pull said
+    "downloaded" over them and failed in the converter ("not a GGUF file")."""
+    data = open(hub["gguf"], "rb").read()
+    env = env_for(hub, tmp_path, HF_HUB_CACHE=str(tmp_path / "downloads"), HF_HUB_OFFLINE="0",
+                  HF_HUB_DISABLE_TELEMETRY="1")
+    fake = FakeHub("o/flaky", {"model-i2_s.gguf": data}, "e" * 40, corrupt=True)
+    try:
+        r = bitnet("pull", "o/flaky:model-i2_s.gguf", env=dict(env, HF_ENDPOINT=fake.url))
+    finally:
+        fake.close()
+    assert r.returncode == 2 and "came down with other bytes than the hub lists" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    fake = FakeHub("o/flaky", {"model-i2_s.gguf": data}, "e" * 40)
+    try:
+        r = bitnet("pull", "o/flaky:model-i2_s.gguf", env=dict(env, HF_ENDPOINT=fake.url))
+        assert r.returncode == 0, r.stderr
+        assert ("GET", "/o/flaky/resolve/main/model-i2_s.gguf") in fake.requests   # fetched again
+    finally:
+        fake.close()
 
 
 def test_pull_of_a_quant_tag_downloads_that_file_alone(hub, tmp_path):

@@ -13,6 +13,8 @@ The source label recorded in a converted store is REPO[:FILE]@COMMIT (nothing of
 """
 from __future__ import annotations
 
+import contextlib
+import fnmatch
 import os
 import re
 import time
@@ -324,6 +326,31 @@ def _reporting_bar(report: Callable[[int, int], None]):
     return Bar
 
 
+def _verify(ref: str, path: str, files: dict) -> None:
+    """Each downloaded file whose listing gives a sha256 (its LFS object) has those bytes, as ollama checks every
+    blob; one that differs (a proxy's page, a download cut and resumed wrong) is deleted, so the next pull fetches
+    it again (huggingface_hub keeps it under the expected name: pulling again said "downloaded" over the same bad
+    bytes), and is one error. `path`: the file itself, or the snapshot directory holding `files`."""
+    import hashlib
+
+    for name, entry in files.items():
+        want = getattr(getattr(entry, "lfs", None), "sha256", None)
+        local = path if os.path.isfile(path) else os.path.join(path, name)
+        if not want or not os.path.exists(local):
+            continue
+        h = hashlib.sha256()
+        with open(local, "rb") as f:
+            for block in iter(lambda: f.read(1 << 22), b""):
+                h.update(block)
+        if h.hexdigest() != want:
+            for p in {os.path.realpath(local), local}:   # the blob and the snapshot's link to it
+                with contextlib.suppress(OSError):
+                    os.remove(p)
+            raise BitNetError(f"pull {ref}: {name} came down with other bytes than the hub lists (sha256 "
+                              f"{h.hexdigest()[:12]}, expected {want[:12]}): deleted",
+                              hint="pull again; if it repeats, a proxy or the network alters the download")
+
+
 def _with_bar(fn, progress, **kwargs):
     """fn(**kwargs), with tqdm_class reporting to `progress` where this huggingface_hub takes one."""
     import inspect
@@ -374,8 +401,13 @@ def pull(ref: str, progress: Callable[[dict], None] | None = None) -> str:
         report = None if progress is None else (
             lambda done, total: progress({"file": name, "digest": digest, "completed": done, "total": total}))
         if file:
-            return _with_bar(hf_hub_download, report, repo_id=repo, filename=file, revision=rev)
-        return _with_bar(snapshot_download, report, repo_id=repo, revision=rev, allow_patterns=HF_DIR_PATTERNS)
+            path = _with_bar(hf_hub_download, report, repo_id=repo, filename=file, revision=rev)
+            _verify(ref, path, {file: listed.get(file)})
+            return path
+        path = _with_bar(snapshot_download, report, repo_id=repo, revision=rev, allow_patterns=HF_DIR_PATTERNS)
+        _verify(ref, path, {name: f for name, f in listed.items()   # the files snapshot_download took
+                            if any(fnmatch.fnmatch(name, pat) for pat in HF_DIR_PATTERNS)})
+        return path
     except BitNetError:
         raise
     except (LocalEntryNotFoundError, OfflineModeIsEnabled) as e:   # not cached, and the hub out of reach
