@@ -100,6 +100,39 @@ def test_syntax_errors_name_the_place(grammar, words):
     assert words in str(e.value)
 
 
+def _chain(n: int) -> str:
+    """root -> r0 -> r1 -> ... -> rn, each rule naming the next: the texts x^k y (k < n) and x^n z."""
+    return "root ::= r0\n" + "".join(f'r{i} ::= "x" r{i + 1} | "y"\n' for i in range(n)) + f'r{n} ::= "z"\n'
+
+
+@pytest.mark.parametrize("n", [50, 200, 990])
+def test_a_long_chain_of_rules_takes_its_texts(llm, n):
+    """Rules each naming the next (a form written field by field, 50 of them) were inlined into one regular
+    expression past the regex engine's nesting limit and refused; 160+ ran out of Python's stack."""
+    g = _chain(n)
+    for text in ("y", "x" * 7 + "y", "x" * n + "z"):
+        assert takes(llm, g, text), (n, text)
+    for text in ("z", "x" * (n + 1) + "z", "x" * n + "y" + "y"):
+        assert not takes(llm, g, text), (n, text)
+
+
+def test_groups_nested_as_deep_as_allowed_take_their_texts(llm):
+    g = 'root ::= ' + '("a" | ' * 50 + '"z"' + ')*' * 50
+    for text in ("", "a", "aaz", "zzaz"):
+        assert takes(llm, g, text), text
+    assert not takes(llm, g, "b")
+
+
+@pytest.mark.parametrize("grammar,words", [
+    (_chain(1500), "rules chained 1502 deep"),   # llguidance's stack overflowed (the process died) at ~2000
+    ('root ::= ' + '("a" ' * 60 + ')?' * 60, "groups nested more than 50 deep"),   # llguidance's own limit is near
+], ids=["chain1500", "nested60"])
+def test_too_deep_a_grammar_is_one_clear_error(llm, grammar, words):
+    with pytest.raises(ConstraintError) as e:
+        llm.compile_constraint(Constraint.gbnf(grammar))
+    assert words in str(e.value)
+
+
 def test_a_grammar_no_text_matches_is_refused(llm):
     with pytest.raises(ConstraintError) as e:
         llm.compile_constraint(Constraint.gbnf('root ::= [^\\x00-\\U0010FFFF] | root "a"'))

@@ -77,10 +77,17 @@ def _is_word(c: str) -> bool:
     return c.isascii() and (c.isalnum() or c == "-")
 
 
+# ( ... ) inside ( ... ): llguidance's own grammar parser refuses the converted grammar between 50 and 60 levels
+# ("lark grammar too deeply nested", quoting the converted text), and this parser recursed out of Python's stack
+# at a few hundred; 50 measured to pass in every shape (options, alternatives, repetitions, references)
+MAX_GROUP_DEPTH = 50
+
+
 class _Parser:
     def __init__(self, text: str):
         self.s, self.i = text, 0
         self.used: dict[str, int] = {}    # rule name -> where it was first referred to
+        self.depth = 0                    # groups open where the parser is
 
     # ---- positions and errors ---------------------------------------------------------------------------
     def fail(self, msg: str, at: int | None = None):
@@ -215,9 +222,13 @@ class _Parser:
                 self.i += 1
                 items.append(("cls", ALL))
             elif c == "(":
+                self.depth += 1
+                if self.depth > MAX_GROUP_DEPTH:
+                    self.fail(f"groups nested more than {MAX_GROUP_DEPTH} deep (name some of them as rules)")
                 self.i += 1
                 self.space(True)
                 inner = self.alternates(nested=True)
+                self.depth -= 1
                 if self.peek() != ")":
                     self.fail("expected )")
                 self.i += 1
@@ -292,6 +303,9 @@ class _Parser:
         if not body or any(c in body for c in "<> \n"):
             self.fail("a token <...> names a special token by its text", at)
         return f"<{body}>"
+
+
+MAX_REGEX_DEPTH = 160   # groups nested in a lexeme's regular expression (the regex engine refuses past 250)
 
 
 class _Analysis:
@@ -397,18 +411,25 @@ class _Analysis:
             if not drop:
                 break
             chars_only -= drop
-        state: dict = {}
-
-        def acyclic(n) -> bool:   # no recursion through its references
-            if state.get(n) == 1:
-                return False
-            if state.get(n) == 2:
-                return True
-            state[n] = 1
-            ok = all(acyclic(m) for m in refs[n])
-            state[n] = 2 if ok else 1
-            return ok
-        flat = {n for n in chars_only if acyclic(n)}
+        # no recursion through its references, and an inlined regular expression shallow enough for the regex
+        # engine (its nesting limit is 250; a chain of 50 rules `r1 ::= "x" r2 | "y"` went past it and the
+        # grammar was refused): rules taken in dependency order, without recursion in Python either (a chain of
+        # thousands of rules), each one's inlined depth from those it refers to
+        depth: dict = {}
+        waiting = {n: set(refs[n]) for n in chars_only}
+        users: dict = {}
+        for n, rs in waiting.items():
+            for m in rs:
+                users.setdefault(m, set()).add(n)
+        ready = [n for n, rs in waiting.items() if not rs]
+        while ready:
+            n = ready.pop()
+            depth[n] = self._regex_depth(self.rules[n], depth)
+            for u in users.get(n, ()):
+                waiting[u].discard(n)
+                if not waiting[u] and u not in depth:
+                    ready.append(u)
+        flat = {n for n in chars_only if depth.get(n, MAX_REGEX_DEPTH + 1) <= MAX_REGEX_DEPTH}
         lexemes = {n for n in flat if not meets(_Lexeme(self.rules, self.rules[n]).extends(), self.follow[n])}
         while True:   # a lexeme must not share a first character with any other terminal of the grammar: where
             seen = []   # both may begin at one place (by any path), its greed would take the other path away
@@ -420,6 +441,17 @@ class _Analysis:
             if not clash:
                 return lexemes
             lexemes -= clash
+
+    def _regex_depth(self, x, depth: dict) -> int:
+        """How deeply _Emitter.regex nests groups for x, its references' depths taken from `depth`."""
+        k = x[0]
+        if k in ("lit", "cls", "tok"):
+            return 1
+        if k == "ref":
+            return 1 + depth[x[1]]
+        if k in ("seq", "alt"):
+            return 2 + max((self._regex_depth(y, depth) for y in x[1]), default=0)
+        return 1 + self._regex_depth(x[1], depth)   # rep
 
     def _terminals(self, x, lexemes, out: list):
         """(lexeme name or None, first characters) of every terminal written in x: each character of a literal
@@ -634,7 +666,33 @@ class _Emitter:
         return "\n".join(lines) + "\n"
 
 
+# rules reached one through another from root (a chain `r1 ::= "x" r2 | "y"`, `r2 ::= ...`): llguidance walks
+# them recursively, and a chain of ~2000 overflowed its stack (the process died: SIGSEGV, a server with it)
+MAX_RULE_DEPTH = 1000
+
+
+def _rule_depth(rules: dict, an: "_Analysis") -> int:
+    """The deepest chain of rule references from root, as a depth-first walk meets them (each rule once)."""
+    refs = {n: an._refs(b, set()) for n, b in rules.items()}
+    deepest, seen, stack = 1, {"root"}, [("root", iter(sorted(refs["root"])))]
+    while stack:
+        nxt = next(stack[-1][1], None)
+        if nxt is None:
+            stack.pop()
+        elif nxt not in seen:
+            seen.add(nxt)
+            stack.append((nxt, iter(sorted(refs[nxt]))))
+            deepest = max(deepest, len(stack))
+    return deepest
+
+
 def gbnf_to_lark(text: str) -> str:
-    """A GBNF grammar as llguidance Lark (see the module's docstring); GbnfError when it does not parse."""
+    """A GBNF grammar as llguidance Lark (see the module's docstring); GbnfError when it does not parse or is
+    deeper than the engine can take."""
     rules = _Parser(text).grammar()
-    return _Emitter(rules, _Analysis(rules)).lark()
+    an = _Analysis(rules)
+    depth = _rule_depth(rules, an)
+    if depth > MAX_RULE_DEPTH:
+        raise GbnfError(f"rules chained {depth} deep (each naming the next, from root): at most {MAX_RULE_DEPTH}; "
+                        "write a repetition (x*, x{m,n}) or a recursive rule instead of a chain")
+    return _Emitter(rules, an).lark()
