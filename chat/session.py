@@ -564,6 +564,10 @@ class ChatSession:
         else:   # the very line shown after the answer, then what it does not say
             pre = f"prefill {s.prefill_tps:.1f} tok/s, " if s.prefill_tps else ""
             lines.append(f"last answer: {format_stats(s, s.n_generated)}  ({pre}stop: {s.finish_reason})")
+            lookup = getattr(self.llm, "lookup", None)
+            if s.n_drafted or (lookup is not None and lookup.draft_max):   # --draft-max: how much it took
+                lines.append(f"drafts:      {s.n_accepted}/{s.n_drafted} draft tokens accepted (prompt lookup, "
+                             "forced tokens)")
         mean = f"{self.total_decode_tokens / self.total_decode_s:.1f} tok/s" if self.total_decode_s > 0 else "-"
         lines.append(f"session:     {len(self.conv.turns)} turns ({len(self.conv.window_turns())} in the window, "
                      f"{self.conv.window_start} dropped), {self.total_generated} tokens generated, mean decode {mean}")

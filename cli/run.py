@@ -173,6 +173,6 @@ def main(args) -> int:
               f"{stats.prefill_tps:.1f} tok/s | first token: {stats.ttft_s * 1000:.0f} ms | "
               f"generated: {stats.n_generated} tokens, {stats.decode_tps:.1f} tok/s | stop: {stats.finish_reason}"
               + (f" | drafts (lookup, forced tokens): {stats.n_accepted}/{stats.n_drafted} draft tokens accepted"
-                 if stats.n_drafted else ""),
+                 if stats.n_drafted or (lookup is not None and lookup.draft_max) else ""),   # on: said, 0 too
               file=sys.stderr)
     return 0

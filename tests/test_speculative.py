@@ -228,6 +228,11 @@ def test_bitnet_run_flags_same_text_and_errors(stores):
     on = run("--draft-max", "5", "--lookup-ngram-min", "1", "-v")
     assert on.returncode == 0 and on.stdout == off.stdout
     assert "draft tokens accepted" in on.stderr
+    # lookup on and nothing drafted: said (0/0), not left out as if lookup were off
+    none = subprocess.run([sys.executable, "-m", "bitnet_cpu", "run", "-m", stores["i8"], "-p", "a", "-n", "1",
+                           "--temp", "0", "-t", "1", "--draft-max", "4", "-v"], capture_output=True, text=True,
+                          timeout=120, cwd=root)
+    assert none.returncode == 0 and "0/0 draft tokens accepted" in none.stderr, none.stderr
     bad = run("--draft-max", "-2")
     assert bad.returncode == 2 and bad.stdout == "" and len(bad.stderr.strip().splitlines()) == 1
     assert "--draft-max" in bad.stderr
@@ -246,5 +251,10 @@ def test_bitchat_flags(stores):
     off, on = chat("--draft-max", "0"), chat("--draft-max", "4", "--lookup-ngram-min", "1")
     assert off.returncode == 0 and on.returncode == 0, on.stderr
     assert on.stdout == off.stdout and off.stdout.strip()
+    # /stats says what the drafts took (the doc's advice: measure with --draft-max before turning it on)
+    stats = subprocess.run([sys.executable, "-m", "bitnet_cpu.cli.chat", "-m", stores["i8"], "--temp", "0", "-n",
+                            "16", "--draft-max", "4", "--lookup-ngram-min", "1"], input="a b a b a b\n/stats\n",
+                           capture_output=True, text=True, timeout=120, cwd=root)
+    assert stats.returncode == 0 and "draft tokens accepted" in stats.stdout + stats.stderr, stats.stdout
     bad = chat("--draft-max", "-1")
     assert bad.returncode == 2 and "--draft-max" in bad.stderr
