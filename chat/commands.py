@@ -19,7 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "/set": ("[NAME VALUE]", "show settings, or set temp|top_k|top_p|min_p|repeat_penalty|repeat_last_n|seed|"
                              "max_tokens|dry_multiplier|dry_base|dry_allowed_length|dry_penalty_last_n|"
                              "dry_sequence_breakers|typical_p|top_n_sigma|xtc_probability|xtc_threshold|"
-                             "dynatemp_range|dynatemp_exponent|mirostat|mirostat_tau|mirostat_eta|reasoning_budget|"
+                             "dynatemp_range|dynatemp_exponent|mirostat|mirostat_tau|mirostat_eta|min_keep|reasoning_budget|"
                              "reasoning_budget_message; also ollama's "
                              "/set parameter NAME VALUE, /set system TEXT and "
                              "/set format json|FILE|off (answers as JSON / matching a JSON Schema file), "
@@ -70,6 +70,7 @@ class Settings:
     mirostat: int = _DEFAULT.mirostat
     mirostat_tau: float = _DEFAULT.mirostat_tau
     mirostat_eta: float = _DEFAULT.mirostat_eta
+    min_keep: int = _DEFAULT.min_keep
     reasoning_budget: int = _DEFAULT.reasoning_budget
     reasoning_budget_message: str = _DEFAULT.reasoning_budget_message
 
@@ -84,7 +85,7 @@ class Settings:
             text += f" dry_sequence_breakers={json.dumps(list(self.dry_sequence_breakers))}"
         for name in ("dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n", "top_n_sigma",
                      "typical_p", "xtc_probability", "xtc_threshold", "dynatemp_range", "dynatemp_exponent",
-                     "mirostat", "mirostat_tau", "mirostat_eta", "reasoning_budget"):
+                     "mirostat", "mirostat_tau", "mirostat_eta", "min_keep", "reasoning_budget"):
             if getattr(self, name) != getattr(_DEFAULT, name):
                 text += f" {name}={getattr(self, name):g}"
         if self.reasoning_budget_message:
@@ -112,7 +113,7 @@ SETTING_ALIASES = {"temperature": "temp", "t": "temp", "n": "max_tokens", "max-t
                    "xtc-threshold": "xtc_threshold", "dynatemp-range": "dynatemp_range",
                    "dynatemp-exp": "dynatemp_exponent", "dry-multiplier": "dry_multiplier", "dry-base": "dry_base",
                    "dry-allowed-length": "dry_allowed_length", "dry-penalty-last-n": "dry_penalty_last_n",
-                   "mirostat-lr": "mirostat_eta", "mirostat-ent": "mirostat_tau",
+                   "mirostat-lr": "mirostat_eta", "mirostat-ent": "mirostat_tau", "min-keep": "min_keep",
                    "reasoning-budget": "reasoning_budget", "reasoning-budget-message": "reasoning_budget_message"}
 
 

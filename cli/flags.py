@@ -57,6 +57,7 @@ SAMPLING_FLAGS = {
     "mirostat": (("--mirostat",), int, "N", "Mirostat 1 or 2 instead of top-k/top-p/min-p... (0 = off)"),
     "mirostat_eta": (("--mirostat-lr",), float, "ETA", "Mirostat's learning rate"),
     "mirostat_tau": (("--mirostat-ent",), float, "TAU", "Mirostat's target entropy (surprise, bits)"),
+    "min_keep": (("--min-keep",), int, "N", "typical, top-p, min-p and XTC keep at least N tokens (0 = no minimum)"),
     "reasoning_budget": (("--reasoning-budget",), int, "N", "a thinking model's <think> block ends after N tokens "
                          "(-1 = no limit, 0 = at once)"),
     "reasoning_budget_message": (("--reasoning-budget-message",), str, "TEXT", "text put before the end of a thought "

@@ -122,7 +122,8 @@ def settings_of(p, n_ctx: int, **extra) -> dict:
             "typical_p": p.typical_p,
             "xtc_probability": p.xtc_probability, "xtc_threshold": p.xtc_threshold,
             "dynatemp_range": p.dynatemp_range, "dynatemp_exponent": p.dynatemp_exponent, "mirostat": p.mirostat,
-            "mirostat_tau": p.mirostat_tau, "mirostat_eta": p.mirostat_eta, "samplers": list(CHAIN), **extra}
+            "mirostat_tau": p.mirostat_tau, "mirostat_eta": p.mirostat_eta, "min_keep": p.min_keep,
+            "samplers": list(CHAIN), **extra}
 
 
 def chain_of(samplers) -> list[str]:

@@ -72,8 +72,8 @@ OPTION_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "re
                  "presence_penalty", "frequency_penalty", "typical_p", "mirostat", "mirostat_tau", "mirostat_eta",
                  # llama.cpp's samplers the engine has (not ollama's options; llama-server takes them per request)
                  "xtc_probability", "xtc_threshold", "dry_multiplier", "dry_base", "dry_allowed_length",
-                 "dry_penalty_last_n", "top_n_sigma", "dynatemp_range", "dynatemp_exponent")
-INT_OPTIONS = ("top_k", "repeat_last_n", "seed", "mirostat", "dry_allowed_length", "dry_penalty_last_n")
+                 "dry_penalty_last_n", "top_n_sigma", "dynatemp_range", "dynatemp_exponent", "min_keep")
+INT_OPTIONS = ("top_k", "repeat_last_n", "seed", "mirostat", "dry_allowed_length", "dry_penalty_last_n", "min_keep")
 # read by the handlers themselves
 HANDLED_OPTIONS = {"num_predict", "num_ctx", "stop"}
 # options ollama's Go server once had and now ignores (its log: "invalid option provided"): ignored here too

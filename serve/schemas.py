@@ -275,6 +275,7 @@ class _Sampling(JSONTyped):
     mirostat: int = _DEFAULT.mirostat
     mirostat_tau: float = _DEFAULT.mirostat_tau
     mirostat_eta: float = _DEFAULT.mirostat_eta
+    min_keep: int = _DEFAULT.min_keep   # llama-server's: the truncating samplers keep at least this many
     # llama-server's reasoning budget (also spelled reasoning_budget_tokens and thinking_budget_tokens there)
     reasoning_budget: int = _DEFAULT.reasoning_budget
     reasoning_budget_message: str = _DEFAULT.reasoning_budget_message

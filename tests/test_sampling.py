@@ -151,10 +151,11 @@ def test_record_is_log_softmax_after_bias_and_penalties(temperature):
 OFF = FREE   # top-k, top-p and min-p off, temperature 1: only the sampler under test filters
 
 
-def ref_chain(lg, top_n_sigma=-1.0, top_k=0, typical_p=1.0, top_p=1.0, min_p=0.0):
+def ref_chain(lg, top_n_sigma=-1.0, top_k=0, typical_p=1.0, top_p=1.0, min_p=0.0, min_keep=0):
     """llama.cpp's chain on candidate lists (llama-sampler.cpp): top-n-sigma over every logit, top-k, typical
     (sorted by |surprise - entropy|, kept while the running sum has not passed p), top-p, min-p; each on the
-    softmax of what the ones before kept. Returns the kept ids as a set."""
+    softmax of what the ones before kept, and typical, top-p and min-p keeping at least min_keep. Returns the
+    kept ids as a set."""
     lg = np.asarray(lg, np.float64)
     ids = np.arange(len(lg))
     if top_n_sigma > 0:
@@ -170,7 +171,7 @@ def ref_chain(lg, top_n_sigma=-1.0, top_k=0, typical_p=1.0, top_p=1.0, min_p=0.0
         for j in order:
             cum += pr[j]
             kept.append(ids[j])
-            if cum > typical_p:
+            if cum > typical_p and len(kept) >= min_keep:
                 break
         ids = np.array(sorted(kept, key=lambda t: -lg[t]))
     if top_p < 1:
@@ -178,12 +179,12 @@ def ref_chain(lg, top_n_sigma=-1.0, top_k=0, typical_p=1.0, top_p=1.0, min_p=0.0
         for q in pr:
             cum += q
             n += 1
-            if cum >= top_p:
+            if cum >= top_p and n >= min_keep:
                 break
         ids = ids[:n]
     if min_p > 0:
         pr = softmax(lg[ids])
-        ids = ids[pr >= min_p * pr.max()]
+        ids = ids[(pr >= min_p * pr.max()) | (np.arange(len(ids)) < min_keep)]
     return set(int(t) for t in ids)
 
 
@@ -194,6 +195,9 @@ def ref_chain(lg, top_n_sigma=-1.0, top_k=0, typical_p=1.0, top_p=1.0, min_p=0.0
     # top-k off: top-p before min-p, on the whole vocabulary's probabilities
     dict(top_p=0.6, min_p=0.05), dict(top_p=0.3, min_p=0.01), dict(top_n_sigma=2.0, top_p=0.5, min_p=0.02),
     dict(top_p=0.0), dict(top_p=0.0, min_p=0.1),
+    # min_keep: each truncating sampler keeps at least that many (it was not read at all)
+    dict(typical_p=0.0, min_keep=7), dict(top_p=0.01, min_keep=5), dict(min_p=0.99, min_keep=4),
+    dict(top_k=40, top_p=0.05, min_p=0.5, min_keep=9), dict(top_p=0.3, min_p=0.2, min_keep=3),
 ])
 def test_kept_tokens_follow_llama_cpps_chain(chain):
     for seed in range(5):
@@ -227,6 +231,11 @@ def test_xtc_drops_every_top_choice_but_the_least_likely():
                 dict(xtc_probability=1.0, xtc_threshold=0.3)):   # one token above: nothing goes
         s = Sampler(SamplingParams(**OFF, **off), len(lg))
         assert s.candidates(lg.copy())[0].tolist() == list(range(6)), off
+    # min_keep: nothing goes where fewer than min_keep would stay (llama.cpp's size - pos_last >= min_keep)
+    keep5 = Sampler(SamplingParams(**OFF, xtc_probability=1.0, xtc_threshold=0.12, min_keep=5), len(lg))
+    assert keep5.candidates(lg.copy())[0].tolist() == list(range(6))
+    keep4 = Sampler(SamplingParams(**OFF, xtc_probability=1.0, xtc_threshold=0.12, min_keep=4), len(lg))
+    assert keep4.candidates(lg.copy())[0].tolist() == [2, 3, 4, 5]
     # probability 0.5: about half the steps exclude (the uniform draw below it, as llama.cpp's)
     half = Sampler(SamplingParams(**OFF, xtc_probability=0.5, xtc_threshold=0.12, seed=4), len(lg))
     cut = sum(half.candidates(lg.copy())[0][0] == 2 for _ in range(2000))
@@ -288,7 +297,8 @@ def test_mirostat_v1_sizes_top_k_from_the_zipf_exponent():
 
 def test_other_samplers_reject_bad_values():
     for field, bad in (("typical_p", 1.5), ("xtc_probability", -0.1), ("xtc_threshold", 2.0), ("mirostat", 3),
-                       ("mirostat_tau", -1.0), ("dynatemp_range", float("inf")), ("top_n_sigma", float("nan"))):
+                       ("mirostat_tau", -1.0), ("dynatemp_range", float("inf")), ("top_n_sigma", float("nan")),
+                       ("min_keep", -1), ("min_keep", 1.5)):
         with pytest.raises(BitNetError, match=field):
             SamplingParams(**{field: bad}).check()
 

@@ -262,6 +262,11 @@ def test_llama_cpps_other_samplers_take_effect(server):
         assert complete(server, **kw, **extra, samplers=chain)["content"] == plain, name
     r = post(server, "/completion", {"prompt": P, "n_predict": 2, "typical_p": 1.5})
     assert r.status_code == 400 and r.json()["error"]["param"] == "typical_p", r.text
+    # min_keep: top-p 0.01 alone keeps one token (greedy); with min_keep 5 it draws among five
+    narrow = complete(server, **{**kw, "top_p": 0.01})
+    wide = complete(server, **{**kw, "top_p": 0.01, "min_keep": 5})
+    assert narrow["content"] != wide["content"] and wide["generation_settings"]["min_keep"] == 5
+    assert narrow["content"] == complete(server, **{**kw, "top_p": 0.01, "temperature": 0})["content"]
     # llama-server's leniency: a dry_base below 1 is its default
     assert complete(server, n_predict=2, dry_multiplier=1.0, dry_base=0.5)["generation_settings"]["dry_base"] == 1.75
 

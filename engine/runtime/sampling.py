@@ -57,6 +57,7 @@ class SamplingParams:
     mirostat: int = 0               # 1, 2: Mirostat v1 / v2 instead of top-k .. min-p (0 -> off)
     mirostat_tau: float = 5.0       # its target surprise (bits)
     mirostat_eta: float = 0.1       # its learning rate
+    min_keep: int = 0               # typical, top-p, min-p and XTC keep at least this many tokens (llama.cpp's)
     # a thinking model's <think> block (engine/runtime/reasoning.py): after this many tokens its end is forced,
     # the message first (llama.cpp's --reasoning-budget / --reasoning-budget-message); -1: no limit, 0: none
     reasoning_budget: int = -1
@@ -118,6 +119,7 @@ _RULES = {
     "mirostat": (lambda v: isinstance(v, int) and v in (0, 1, 2), "must be 0, 1 or 2 (0 = off)"),
     "mirostat_tau": (lambda v: 0 <= v < math.inf, "must be >= 0 and finite"),
     "mirostat_eta": (lambda v: 0 <= v < math.inf, "must be >= 0 and finite"),
+    "min_keep": (lambda v: isinstance(v, int) and v >= 0, "must be an integer >= 0 (0 = no minimum)"),
     "reasoning_budget": (lambda v: isinstance(v, int) and v >= -1,
                          "must be an integer >= -1 (-1 = no limit, 0 = end the thought at once)"),
     "reasoning_budget_message": (lambda v: isinstance(v, str), "must be text"),
@@ -125,7 +127,7 @@ _RULES = {
 LOGIT_BIAS_MAX = 100.0
 # each field's type (the rest: a number); None is valid for these
 _KIND = {**dict.fromkeys(("top_k", "repeat_last_n", "seed", "record_logprobs", "dry_allowed_length",
-                          "dry_penalty_last_n", "mirostat", "reasoning_budget"), numbers.Integral),
+                          "dry_penalty_last_n", "mirostat", "reasoning_budget", "min_keep"), numbers.Integral),
          "reasoning_budget_message": str, "dry_sequence_breakers": (list, tuple)}
 _MAY_BE_NONE = ("seed", "record_logprobs")
 
@@ -315,7 +317,7 @@ class Sampler:
             cand = self._top_idx[:got]
             if sigma_floor > -np.inf:
                 cand = cand[logits[cand] >= sigma_floor]
-        elif p.min_p > 0.0 and p.typical_p >= 1.0:
+        elif p.min_p > 0.0 and p.typical_p >= 1.0 and p.min_keep <= 1:   # (a minimum may need tokens it drops)
             # min-p keeps prob >= min_p * max_prob, i.e. logit >= max + log(min_p): a prefilter, so the
             # vocabulary is sorted rarely (while the most likely token is there: typical sampling may drop it)
             cand = np.flatnonzero((logits >= logits.max() + np.float32(np.log(p.min_p))) & (logits >= sigma_floor))
@@ -342,20 +344,21 @@ class Sampler:
             shifted = np.abs(-np.log(probs) - float(-(probs * np.log(probs)).sum()))
             by_typical = np.argsort(shifted, kind="stable")
             over = np.flatnonzero(np.cumsum(probs[by_typical]) > p.typical_p)
-            keep = np.sort(by_typical[: int(over[0]) + 1 if over.size else len(by_typical)])
+            n = max(int(over[0]) + 1, p.min_keep) if over.size else len(by_typical)
+            keep = np.sort(by_typical[:n])
             cand, vals = cand[keep], vals[keep]
             probs = _softmax(vals)
         keep = len(cand)
         if p.top_p < 1.0:
             running = np.cumsum(probs if lse is None else np.exp(vals - lse))
-            keep = min(keep, int(np.searchsorted(running, p.top_p)) + 1)
+            keep = min(keep, max(int(np.searchsorted(running, p.top_p)) + 1, p.min_keep))
         if p.min_p > 0.0:   # relative to the most likely: the same on top-p's renormalized probabilities
-            keep = min(keep, max(1, int(np.count_nonzero(probs >= p.min_p * probs[0]))))
+            keep = min(keep, max(1, int(np.count_nonzero(probs >= p.min_p * probs[0])), p.min_keep))
         cand, vals = cand[:keep], vals[:keep]
         if p.xtc_probability > 0.0 and p.xtc_threshold <= 0.5 and len(cand) > 1 \
                 and self.rng.random() <= p.xtc_probability:
             above = int(np.count_nonzero(_softmax(vals) >= p.xtc_threshold))   # the most likely ones: a prefix
-            if above > 1:   # all of them but the least likely goes
+            if above > 1 and len(cand) - (above - 1) >= p.min_keep:   # all of them but the least likely goes
                 cand, vals = cand[above - 1:], vals[above - 1:]
         return cand, vals
 
