@@ -241,6 +241,12 @@ def main(args) -> int:
         raise BitNetError("-d/--n-depth with -npl above 1: a depth is measured on one sequence (-npl 1)")
     # the longest test's positions (its last token is not fed), after the deepest context
     ctx = max(depths) + max(max(pp, 1) + tg for pp, tg in tests)
+    for m in args.model or []:   # every -m before any test: a typo in the last one ended a long run at it
+        import os
+
+        from ..engine.formats.hub import is_hub_ref
+        if not os.path.exists(m) and not is_hub_ref(m):
+            raise BitNetError(f"-m {m}: no such file or directory")
     table = Table(args.output, sys.stdout)
     said_ctx = False
     host = machine()
@@ -283,5 +289,9 @@ def main(args) -> int:
             table.tail()
         print("bitnet: interrupted", file=sys.stderr)
         return 130
+    except BaseException:   # a model that fails to load after others ran: the rows printed stay a whole array
+        if started:
+            table.tail()
+        raise
     table.tail()
     return 0

@@ -140,6 +140,20 @@ def test_bad_flags_are_one_line(store, args, needle):
     assert len([x for x in r.stderr.splitlines() if "error" in x]) == 1
 
 
+def test_a_bad_model_is_found_before_any_test_and_a_failed_run_keeps_its_json_whole(store, tmp_path):
+    """A missing -m after a good one: one line before anything runs (it ran the first model's tests, then
+    failed); a model that fails to load after rows were printed leaves a whole JSON array (it was left open)."""
+    r = bench("-m", store, "-m", str(tmp_path / "nope.bnstore"), "-p", "8", "-n", "0", "-r", "1", "-t", "1",
+              "-o", "json")
+    assert r.returncode == 2 and r.stdout == "" and "nope.bnstore" in r.stderr, r.stderr
+    broken = tmp_path / "broken.bnstore"
+    broken.write_bytes(open(store, "rb").read()[:4096])   # a store's start: found, refused at load
+    r = bench("-m", store, "-m", str(broken), "-p", "8", "-n", "0", "-r", "1", "-t", "1", "-o", "json")
+    assert r.returncode == 2 and "broken.bnstore" in r.stderr, r.stderr
+    rows = json.loads(r.stdout)
+    assert len(rows) == 1 and rows[0]["n_prompt"] == 8
+
+
 def test_ctrl_c_keeps_the_rows_printed(store):
     """Ctrl-C during a test: exit 130, one line, the rows already printed kept (a table a user can still read)."""
     import signal
