@@ -384,8 +384,9 @@ def _winogrande_tasks(args) -> tuple[list, int]:
     from ..engine.errors import BitNetError
     from ..engine.runtime.perplexity import draw_winogrande, parse_winogrande
     tasks, skipped = parse_winogrande(read_text_file(args.file))
-    if not tasks:
-        raise BitNetError(f"-f/--file {args.file}: no Winogrande tasks in it",
+    if not tasks:   # a file of one task says so: its last line is never read (llama-perplexity's reading)
+        raise BitNetError(f"-f/--file {args.file}: no Winogrande tasks in it (its last line is never a task, as "
+                          "in llama-perplexity)",
                           hint="llama.cpp's CSV: index,sentence with _,choice1,choice2,answer 1 or 2")
     return draw_winogrande(tasks, args.winogrande_tasks), skipped
 

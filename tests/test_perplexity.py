@@ -708,7 +708,8 @@ def test_multiple_choice_draws_read_each_task_at_its_offset(choice_file):
     assert [x["task"] for x in rec["results"]] == float_draw(n, 6)
 
 
-@pytest.mark.parametrize("case", ["short", "count", "answers", "utf8", "empty", "both", "ctx", "negative"])
+@pytest.mark.parametrize("case", ["short", "count", "answers", "utf8", "empty", "both", "ctx", "negative",
+                                  "offset"])
 def test_multiple_choice_bad_input_is_one_line(case, choice_file, tmp_path):
     data = open(choice_file, "rb").read()
     bad = tmp_path / "bad.bin"
@@ -717,15 +718,19 @@ def test_multiple_choice_bad_input_is_one_line(case, choice_file, tmp_path):
     bad.write_bytes({"short": data[: len(data) - 7], "count": struct.pack("<I", 0),
                      "answers": data[: first + 4 + qlen] + struct.pack("<I", 101) + data[first + 8 + qlen:],
                      "utf8": data[: first + 4] + b"\xff" + data[first + 5:],
-                     "empty": data[:first] + struct.pack("<I", 0) + data[first + 4 + qlen:]}.get(case, data))
-    extra = {"both": ("--winogrande",), "ctx": ("-c", "8"), "negative": ("--multiple-choice-tasks", "-1")}.get(case, ())
+                     "empty": data[:first] + struct.pack("<I", 0) + data[first + 4 + qlen:],
+                     # the first task's offset past the end: said so ("-99988618 bytes left" was said)
+                     "offset": data[:4] + struct.pack("<I", 10 ** 8) * struct.unpack_from("<I", data)[0]
+                     + data[4 + 4 * struct.unpack_from("<I", data)[0]:]}.get(case, data))
+    extra = {"both": ("--winogrande",), "ctx": ("-c", "8"), "negative": ("--multiple-choice-tasks", "-1"),
+             "offset": ("--multiple-choice-tasks", "5")}.get(case, ())   # drawn tasks are read at their offsets
     r = bitnet("--multiple-choice", "-f", str(bad), *extra)
     assert r.returncode == 2, r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("bitnet: error: ") and "Traceback" not in r.stderr, r.stderr
     want = {"short": "cut short", "count": "no tasks", "answers": "101 answers", "utf8": "not UTF-8",
             "empty": "empty question", "both": "one task set at a time", "ctx": "raise -c",
-            "negative": "--multiple-choice-tasks -1"}[case]
+            "negative": "--multiple-choice-tasks -1", "offset": "past the end of the file"}[case]
     assert want in lines[0], lines[0]
 
 

@@ -625,6 +625,9 @@ class _Cursor:
         return int.from_bytes(self.take(4, field), "little")
 
     def take(self, size: int, field: str) -> bytes:
+        if self.pos > len(self.data):   # an offset past the end (a damaged table), not a short read
+            raise BitNetError(f"{self.what}: {field} would start at byte {self.pos}, past the end of the file "
+                              f"({len(self.data)} bytes)")
         if self.pos + size > len(self.data):
             raise BitNetError(f"{self.what}: cut short at byte {self.pos} (reading {field}: {size} bytes, "
                               f"{len(self.data) - self.pos} left)")
