@@ -326,6 +326,8 @@ class LLM(_Text):
         model = self._open_model()
         if isinstance(prompt, (bytes, bytearray)):
             raise BitNetError("prompt: give text (str) or token ids, not bytes")
+        if not isinstance(ignore_eos, (bool, np.bool_)):
+            raise BitNetError(f"ignore_eos {ignore_eos!r}: True or False")
         # an id outside the vocabulary is raised here, not at the first next() after the cache was cut
         ids = self.tokenize(prompt, add_bos=True) if isinstance(prompt, str) else \
             self._in_vocab(token_ids(prompt), "prompt")
@@ -440,6 +442,8 @@ def open_store(path: str, *, mmap: bool | None = None, progress: bool = True) ->
     terminal) while a large read takes place."""
     from .formats.convert import progress_bar
 
+    if mmap is not None and not isinstance(mmap, (bool, np.bool_)):   # "no" was true: the file was mapped
+        raise BitNetError(f"mmap {mmap!r}: True, False or None (the default: decided by size and memory)")
     bar = None
 
     def report(done: int, total: int):

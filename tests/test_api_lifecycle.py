@@ -193,6 +193,8 @@ def test_breaking_out_of_an_engine_stream_cancels_its_request():
     (lambda: load_engine(ctx=64, kv_pool_mib=float("nan"), progress=False), "kv_pool_mib nan"),
     (lambda: load_engine(ctx=64, kv_pool_mib=-1, progress=False), "kv_pool_mib -1"),
     (lambda: load_model(lm_head="bogus", progress=False), "lm_head 'bogus': one of q4, i8, f16"),
+    (lambda: load_model(ctx=64, mmap="no", progress=False), "mmap 'no'"),   # a non-empty str was true
+    (lambda: load_engine(ctx=64, mmap=[1], progress=False), r"mmap \[1\]"),
 ])
 def test_api_arguments_of_the_wrong_type_are_one_error(call, words):
     """Each a BitNetError naming the argument, at the call (they were TypeErrors / AttributeErrors from deep
@@ -236,6 +238,8 @@ def test_call_arguments_of_the_wrong_type_are_one_error():
                             (lambda: eng.score_ids(b"ab"), "ids: give token ids, not bytes"),
                             (lambda: eng.score_ids([1, 2], top_k=2.9), "top_k 2.9"),
                             (lambda: eng.submit(PROMPT, callback="print"), "callback: a function"),
+                            (lambda: llm.generate(PROMPT, ignore_eos="no"), "ignore_eos 'no'"),
+                            (lambda: eng.submit(PROMPT, ignore_eos=1), "ignore_eos 1"),
                             (lambda: eng.submit_n(PROMPT, n=1, callbacks=iter([5])), "callback: a function")):
             with pytest.raises(BitNetError, match=words):
                 call()

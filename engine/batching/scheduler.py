@@ -259,6 +259,8 @@ class BatchScheduler(Drafts, Embeddings, Scoring):
         vocab = self.config.vocab_size
         max_tokens = whole_number(max_tokens, "max_tokens")
         stop = stop_strings(stop)
+        if not isinstance(ignore_eos, (bool, np.bool_)):   # "no" was true
+            raise BitNetError(f"ignore_eos {ignore_eos!r}: True or False")
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 1 <= n <= self.parallel:
             raise BitNetError(f"n {n}: must be in 1..{self.parallel} (the sequences this engine runs at once)")
         if callbacks is not None:   # checked here: a str failed on the scheduler thread, an iterator had no len()
