@@ -439,6 +439,31 @@ def test_a_download_with_other_bytes_than_listed_is_deleted_and_fetched_again(hu
         fake.close()
 
 
+def test_a_split_gguf_is_pulled_whole(hub, tmp_path):
+    """A model in gguf-split parts (m-TQ2_0-00001-of-0000N.gguf ...): `pull REPO`, `pull REPO:TAG` and a part's
+    name each download every part and run as the one file does; the hints went in a circle (pick the tag -> name
+    the file -> part 2 of N is missing)."""
+    single = write_gguf_tq(SynthModel(small_config(), seed=8), str(tmp_path / "one.gguf"))
+    src = tmp_path / "src"
+    src.mkdir()
+    write_gguf_tq(SynthModel(small_config(), seed=8), str(src / "m-TQ2_0.gguf"), split_max_tensors=5)
+    parts = {p.name: p.read_bytes() for p in sorted(src.iterdir())}
+    assert len(parts) >= 3 and all("-of-" in n for n in parts), list(parts)
+    want = greedy(single)
+    for i, ref in enumerate(("o/split", "o/split:TQ2_0", f"o/split:{sorted(parts)[0]}")):
+        fake = FakeHub("o/split", parts, "f" * 40)
+        env = env_for(hub, tmp_path, HF_HUB_CACHE=str(tmp_path / f"downloads{i}"), HF_HUB_OFFLINE="0",
+                      HF_ENDPOINT=fake.url, HF_HUB_DISABLE_TELEMETRY="1", BITNET_CACHE=str(tmp_path / f"stores{i}"))
+        try:
+            r = bitnet("pull", ref, env=env)
+            assert r.returncode == 0, (ref, r.stderr)
+            got = {path.rsplit("/", 1)[-1] for method, path in fake.requests if method == "GET"}
+            assert set(parts) <= got, (ref, got)
+        finally:
+            fake.close()
+        assert run_text(ref, dict(env, HF_HUB_OFFLINE="1")) == want, ref
+
+
 def test_pull_of_a_quant_tag_downloads_that_file_alone(hub, tmp_path):
     """`bitnet pull REPO:TAG` lists the repository and downloads the one GGUF file of that tag; without a tag, a
     repository of several GGUF files is refused before any download, naming its tags."""

@@ -75,6 +75,30 @@ def _first(repo: str, ggufs: list[str]) -> str:
     return f"{repo}:{tags[0] if tags else ggufs[0]}"
 
 
+_PART = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$", re.IGNORECASE)
+
+
+def split_parts(file: str, files: list[str]) -> list[str]:
+    """The parts of the split GGUF `file` belongs to (STEM-0000k-of-0000N.gguf, llama.cpp's gguf-split names)
+    found in `files`, in order; [file] for a file that is not a part."""
+    m = _PART.search(file)
+    if m is None:
+        return [file]
+    stem, total = file[: m.start()], m.group(2)
+    parts = {int(x.group(1)): f for f in files
+             for x in [_PART.search(f)] if x and f[: x.start()] == stem and x.group(2) == total}
+    return [parts[k] for k in sorted(parts)]
+
+
+def _one_split_set(ggufs: list[str]) -> str | None:
+    """The first part, when `ggufs` are exactly the parts of one split GGUF (else None)."""
+    if len(ggufs) < 2:
+        return None
+    parts = split_parts(ggufs[0], ggufs)
+    m = _PART.search(parts[0])
+    return parts[0] if sorted(parts) == sorted(ggufs) and m and int(m.group(2)) == len(parts) else None
+
+
 def gguf_for_tag(what: str, repo: str, tag: str, files: list[str], where: str = "", hint: str | None = None) -> str:
     """The one GGUF file of `files` (a repository's, or a snapshot's) whose quant tag is `tag` (any case).
     Errors start with `what` (the command and its argument) and say `where` the files were looked for."""
@@ -82,12 +106,15 @@ def gguf_for_tag(what: str, repo: str, tag: str, files: list[str], where: str = 
     hits = [f for f in ggufs if (quant_tag(f) or "").lower() == tag.lower()]
     if len(hits) == 1:
         return hits[0]
+    first = _one_split_set(hits)
+    if first is not None:   # one model in parts: its first part names it (the engine reads the rest beside it)
+        return first
     if not hits:
         raise BitNetError(f"{what}: no GGUF file of {repo}{where} has the tag {tag!r}" +
                           (f" (tags: {_tags(ggufs)})" if ggufs else " (no .gguf file at all)"),
                           hint=hint or (f"name one: {_first(repo, ggufs)}" if ggufs else None))
-    raise BitNetError(f"{what}: {len(hits)} GGUF files of {repo}{where} have the tag {tag!r} ({', '.join(hits)}; "
-                      f"split GGUF files are not supported)", hint=f"name the file: {repo}:{hits[0]}")
+    raise BitNetError(f"{what}: {len(hits)} GGUF files of {repo}{where} have the tag {tag!r} ({', '.join(hits)})",
+                      hint=f"name the file: {repo}:{hits[0]}")
 
 
 def hub_names(label: str) -> list[str]:
@@ -153,8 +180,9 @@ def _model_in_snapshot(what: str, repo: str, snap: str) -> tuple[str, str | None
         return snap, None
     ggufs = sorted(os.path.relpath(os.path.join(d, f), snap) for d, _, fs in os.walk(snap)
                    for f in fs if f.endswith(".gguf"))
-    if len(ggufs) == 1:
-        return os.path.join(snap, ggufs[0]), ggufs[0]
+    one = ggufs[0] if len(ggufs) == 1 else _one_split_set(ggufs)   # a split GGUF: its first part
+    if one is not None:
+        return os.path.join(snap, one), one
     if not ggufs:
         raise BitNetError(f"{what}: the download in {snap} holds neither config.json nor a .gguf file",
                           hint=f"download the model files with `bitnet pull {repo}`")
@@ -281,6 +309,8 @@ def _file_to_pull(ref: str, repo: str, tag: str | None, files: list[str]) -> str
     ggufs = sorted(f for f in files if f.lower().endswith(".gguf"))
     if len(ggufs) == 1:
         return ggufs[0]
+    if _one_split_set(ggufs) is not None:
+        return _one_split_set(ggufs)
     if not ggufs:
         raise BitNetError(f"pull {ref}: {repo} holds neither config.json nor a .gguf file")
     raise BitNetError(f"pull {ref}: {repo} holds {len(ggufs)} GGUF files (tags: {_tags(ggufs)})",
@@ -400,10 +430,12 @@ def pull(ref: str, progress: Callable[[dict], None] | None = None) -> str:
         digest = f"sha256:{lfs.sha256}" if lfs is not None and getattr(lfs, "sha256", None) else name
         report = None if progress is None else (
             lambda done, total: progress({"file": name, "digest": digest, "completed": done, "total": total}))
-        if file:
-            path = _with_bar(hf_hub_download, report, repo_id=repo, filename=file, revision=rev)
-            _verify(ref, path, {file: listed.get(file)})
-            return path
+        if file:   # a split GGUF comes down whole: every part, the first one's path naming the model
+            paths = [_with_bar(hf_hub_download, report, repo_id=repo, filename=part, revision=rev)
+                     for part in split_parts(file, list(listed))]
+            for part, path in zip(split_parts(file, list(listed)), paths):
+                _verify(ref, path, {part: listed.get(part)})
+            return paths[0]
         path = _with_bar(snapshot_download, report, repo_id=repo, revision=rev, allow_patterns=HF_DIR_PATTERNS)
         _verify(ref, path, {name: f for name, f in listed.items()   # the files snapshot_download took
                             if any(fnmatch.fnmatch(name, pat) for pat in HF_DIR_PATTERNS)})
