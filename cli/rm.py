@@ -47,14 +47,20 @@ def main(args) -> int:
                 raise BitNetError(f"rm {name}: matches {len(found)} models ({', '.join(r['name'] for r in found)})",
                                   hint="give the full name")
             chosen += [r for r in found if r not in chosen]
-    for r in chosen:
+    failed = []
+    for r in chosen:   # one that cannot go (a directory, no permission) is said; the others still go
         try:
+            if os.path.isdir(r["path"]) and not os.path.islink(r["path"]):
+                raise IsADirectoryError(21, "a directory, not a converted model: left alone")
             os.remove(r["path"])
         except FileNotFoundError:
             pass
         except OSError as e:
-            raise BitNetError(f"rm {r['name']}: {e.strerror}") from None
+            failed.append(f"{r['name']}: {e.strerror}")
+            continue
         print(f"deleted {r['name']} ({human_size(r['size'])})")
     if not chosen:
         print("nothing to remove")
+    if failed:
+        raise BitNetError(f"rm: could not remove {'; '.join(failed)}")
     return 0

@@ -196,8 +196,12 @@ def test_list_inspect_and_rm(hub, tmp_path):
     os.symlink(str(tmp_path / "gone.bnstore"), str(tmp_path / "stores" / "dangling.bnstore"))
     r = bitnet("list", env=env)
     assert r.returncode == 0 and "dangling" in r.stdout and "unreadable" in r.stdout, r.stderr
+    # a directory named like a store: --all removes the rest and says what it left (it stopped at it, exit 2)
+    os.mkdir(str(tmp_path / "stores" / "adir.bnstore"))
     r = bitnet("rm", "--all", env=env)
-    assert r.returncode == 0 and r.stdout.count("deleted") == 2, r.stderr
+    assert r.returncode == 2 and r.stdout.count("deleted") == 2, (r.stdout, r.stderr)
+    assert len(r.stderr.strip().splitlines()) == 1 and "adir" in r.stderr and "a directory" in r.stderr, r.stderr
+    os.rmdir(str(tmp_path / "stores" / "adir.bnstore"))
     assert bitnet("list", "--json", env=env).stdout == ""
     assert os.path.isdir(hub["cache"]) and os.listdir(hub["cache"])   # the downloads are never touched
 
