@@ -393,10 +393,15 @@ def test_chat_page_says_what_to_do_when_the_conversation_outgrows_the_context(br
         errors = []
         page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
         _load(page, s.url + "/")
-        _set(page, temperature=0, max_tokens=8)
+        _set(page, temperature=0, max_tokens=2)
         words = " ".join(["story"] * 100)
         _ask(page, words)
         assert page.locator("#log .msg.assistant").count() == 1
+        # an answer cut at max_tokens is marked so (it looked whole; only the stats line said "length")
+        api = httpx.post(s.url + "/v1/chat/completions", timeout=60, json={
+            "messages": [{"role": "user", "content": words}], "temperature": 0, "max_tokens": 2}).json()
+        cut = api["choices"][0]["finish_reason"] == "length"
+        assert (page.locator("#log .msg.assistant.cut").count() == 1) == cut, api["choices"][0]
         page.fill("#input", words + " " + words)
         page.keyboard.press("Enter")
         page.wait_for_selector("#log .msg.error", timeout=30000)
