@@ -133,6 +133,13 @@ def test_too_deep_a_grammar_is_one_clear_error(llm, grammar, words):
     assert words in str(e.value)
 
 
+def test_an_unknown_token_name_is_said_without_the_vocabulary(llm):
+    """<foo> that is no special token: its name and how to write one, not a dump of every special token id."""
+    with pytest.raises(ConstraintError) as e:
+        llm.compile_constraint(Constraint.gbnf('root ::= "a" <foo> "b"'))
+    assert '"<foo>"' in str(e.value) and "<[ID]>" in str(e.value) and "<[1279]>" not in str(e.value), str(e.value)
+
+
 def test_a_grammar_no_text_matches_is_refused(llm):
     with pytest.raises(ConstraintError) as e:
         llm.compile_constraint(Constraint.gbnf('root ::= [^\\x00-\\U0010FFFF] | root "a"'))

@@ -414,7 +414,13 @@ def _text(value, where: str) -> str:
 
 
 def _one_line(e) -> str:
-    return " ".join(str(e).split())[:400]
+    text = " ".join(str(e).split())
+    # the grammar engine lists every special token after an unknown one's name (a 128k vocabulary's worth, cut at
+    # 400 characters into a wall of ids): the name and how to write a token instead
+    cut = text.find("; following special tokens are available")
+    if cut >= 0:
+        text = text[:cut] + " (a token is written <NAME> with its exact text, such as <|eot_id|>, or <[ID]>)"
+    return text[:400]
 
 
 # ---- the tokenizer as llguidance sees it -------------------------------------------------------------------
