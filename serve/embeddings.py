@@ -53,8 +53,9 @@ def json_object(raw: bytes) -> dict:
     """The body as a JSON object, or Refused (invalid_json)."""
     try:
         data = checked_text(raw, json.loads(raw))
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
-        why = ": nested too deeply" if isinstance(e, RecursionError) else ""
+    except (ValueError, RecursionError) as e:   # ValueError: JSONDecodeError, bad UTF-8, an int of 5,000 digits
+        why = ": nested too deeply" if isinstance(e, RecursionError) else \
+            "" if isinstance(e, (json.JSONDecodeError, UnicodeDecodeError)) else f": {e}"
         raise Refused(400, f"request body is not valid JSON{why}", None, "invalid_json") from None
     except BodyRefused as e:
         raise Refused(400, e.detail, e.param, e.code) from None
@@ -291,7 +292,7 @@ def register(app, state, ready, api_error: type, check_model, *, metrics=None):
             body, items = await run_off_loop(parse_openai, raw) if len(raw) > OFFLOAD_BYTES else parse_openai(raw)
             check_model(body.model)
             pooled_only(eng)
-            fmt = body.encoding_format or "float"
+            fmt = "float" if body.encoding_format is None else body.encoding_format   # "" is no format
             if fmt not in ("float", "base64"):
                 raise Refused(400, f"encoding_format {fmt!r}: expected \"float\" or \"base64\"", "encoding_format")
             check_dimensions(eng, body.dimensions)
@@ -394,11 +395,12 @@ def register(app, state, ready, api_error: type, check_model, *, metrics=None):
             data, prompts = await run_off_loop(parse_llama, raw) if len(raw) > OFFLOAD_BYTES else parse_llama(raw)
             if isinstance(data.get("model"), str):
                 check_model(data["model"])
-            fmt = data.get("encoding_format") or "float"   # null: the default
+            fmt = "float" if data.get("encoding_format") is None else data["encoding_format"]   # null: the default
             if fmt != "float":
                 raise Refused(400, f"encoding_format {fmt!r}: this route answers floats, as llama-server's "
                               "(base64 is /v1/embeddings')", "encoding_format")
             normalize = check_normalize(eng, data.get("embd_normalize"))
+            check_dimensions(eng, data.get("dimensions"))   # as the other routes: taken only as the model's width
             where = "input" if "input" in data else "content"
             items = await run_off_loop(llama_prompt_ids, eng, prompts)
             ids = await tokenized(eng, items, where, one=prompts[0] is data[where])   # one prompt: named alone

@@ -260,8 +260,9 @@ async def read_object(request: Request) -> dict:
     """The request body as a JSON object, or ollama's 400 (not JSON, or not an object)."""
     try:
         data = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
-        why = ": nested too deeply" if isinstance(e, RecursionError) else ""
+    except (ValueError, RecursionError) as e:   # ValueError: JSONDecodeError, bad UTF-8, an int of 5,000 digits
+        why = ": nested too deeply" if isinstance(e, RecursionError) else \
+            "" if isinstance(e, (json.JSONDecodeError, UnicodeDecodeError)) else f": {e}"
         raise OllamaError(400, f"request body is not valid JSON{why}") from None
     if not isinstance(data, dict):
         raise OllamaError(400, "request body must be a JSON object")

@@ -105,15 +105,17 @@ def test_cosines_as_llama_embedding_prints_them():
     vectors are alike, 1.00, one is unlike any other, as llama.cpp's common_embd_similarity_cos."""
     import numpy as np
 
-    from bitnet_cpu.cli.embed import _cos
+    from bitnet_cpu.cli.embed import _cos_matrix
     code, out, _ = embed("-p", TEXTS[0], "--pooling", "none", "--embd-output-format", "json+")
     assert code == 0 and "cosineSimilarity" not in json.loads(out) and len(json.loads(out)["data"]) > 1
     code, out, _ = embed("-p", "a\na", "--embd-normalize", "5000", "--embd-output-format", "json+")
     doc = json.loads(out)
     assert code == 0 and all(any(x != 0 for x in d["embedding"]) for d in doc["data"])
     assert [[round(c, 6) for c in row] for row in doc["cosineSimilarity"]] == [[1.0, 1.0], [1.0, 1.0]]
-    zero, one = np.zeros(4, np.float32), np.ones(4, np.float32)
-    assert (_cos(zero, zero), _cos(zero, one), _cos(one, zero)) == (1.0, 0.0, 0.0)
+    zero, one, two = np.zeros(4, np.float32), np.ones(4, np.float32), np.array([1, 0, 0, 0], np.float32)
+    sim = _cos_matrix([zero, one, zero, two])
+    assert sim[0].tolist() == [1.0, 0.0, 1.0, 0.0] and sim[:, 1].tolist() == [0.0, 1.0, 0.0, 0.5]
+    assert sim[1, 3] == sim[3, 1] == 0.5   # as the pair by pair: 1 / (2 * 1)
 
 
 @pytest.mark.parametrize("args, words", [

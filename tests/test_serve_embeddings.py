@@ -189,9 +189,22 @@ def test_llama_server_embedding_route(client, server, llm, model_id):
                                ({"content": "a", "encoding_format": "base64"}, "encoding_format", "answers floats"),
                                ({"content": "a", "embd_normalize": -2}, "embd_normalize", "integer >= -1"),
                                ({"content": [10 ** 6]}, "content", "token ids must be in"),
-                               ({"content": "word " * 5000}, "content", "context")):
+                               ({"content": "word " * 5000}, "content", "context"),
+                               # were taken: "" as floats, a width it cannot give, a norm past llama.cpp's int32
+                               # (10**400 overflowed in the engine: a 500)
+                               ({"content": "a", "encoding_format": ""}, "encoding_format", "answers floats"),
+                               ({"content": "a", "dimensions": 64}, "dimensions", "64"),
+                               ({"content": "a", "embd_normalize": 10 ** 400}, "embd_normalize", "integer >= -1")):
         code, got = post("/embedding", body)
         assert code == 400 and got["error"]["param"] == param and words in got["error"]["message"], body
+    # an integer of 5,000 digits is valid JSON that Python will not read: a 400, on OpenAI's and ollama's routes (a
+    # plain-text 500 and a traceback in the log)
+    big = b'{"input": [' + b"1" * 5001 + b"]}"
+    for path in ("/v1/embeddings", "/embedding", "/api/embed", "/api/chat"):
+        r = httpx.post(server.url + path, content=big, headers={"Content-Type": "application/json"}, timeout=60)
+        assert r.status_code == 400 and "not valid JSON" in r.text, (path, r.status_code, r.text[:200])
+    r = client.embeddings.create(model=model_id, input="a", encoding_format="float")
+    assert r.data[0].embedding   # and the server serves on
 
 
 def test_pooling_none_gives_every_token_s_row_at_embedding_only(llm, model_id):

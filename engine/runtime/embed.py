@@ -54,7 +54,8 @@ def check_normalize(p, name: str = "embd_normalize") -> int:
     """llama.cpp's embd_normalize: -1 none, 0 max-absolute scaled to int16's range, 1 taxicab, 2 Euclidean,
     p > 2 the p-norm; BitNetError otherwise."""
     from ..errors import BitNetError
-    if isinstance(p, bool) or not isinstance(p, int) or p < -1:
+    if isinstance(p, bool) or not isinstance(p, int) or not -1 <= p < 1 << 31:   # llama.cpp's int32 (10**400
+        # passed and overflowed in the norm: a 500)
         raise BitNetError(f"{name} {p!r}: expected an integer >= -1 (-1 none, 0 max-absolute int16, "
                           "1 taxicab, 2 Euclidean, >2 p-norm)")
     return p
