@@ -143,7 +143,9 @@ class Child:
         return None
 
     def log_tail(self) -> str:
-        """The last line the process wrote that says what went wrong (its one-line error)."""
+        """The last line the process wrote that says what went wrong (its one-line error), "" when none does: a
+        warning is no reason (a process killed while loading was said to have failed of the context warning it
+        printed first)."""
         try:
             with open(self.log_path, encoding="utf-8", errors="replace") as f:
                 text = f.read()[-8192:]
@@ -151,7 +153,7 @@ class Child:
             return ""
         lines = [ln.strip() for ln in re.split(r"[\r\n]+", text) if ln.strip()]
         errors = [ln for ln in lines if "error" in ln.lower()]
-        return (errors or lines or [""])[-1]
+        return (errors or [""])[-1]
 
 
 class Router:
@@ -431,8 +433,6 @@ class Router:
         async with self.cond:
             c.active -= 1
             c.last_used = time.monotonic()
-            if keep_alive is not None:
-                c.keep_alive = keep_alive
             if c.active == 0:
                 c.expires = c.last_used + c.keep_alive
                 if c.keep_alive == 0 and not c.stopping and self.children.get(c.spec.name) is c:
@@ -549,7 +549,9 @@ class Router:
             if reason not in ("failed", "shutdown"):
                 self.count("unloads", c.spec.name, reason)
                 if reason == "exited":
-                    self.log(f"'{c.spec.name}': its process exited (code {c.proc.returncode}): {c.log_tail()}")
+                    tail = c.log_tail()
+                    self.log(f"'{c.spec.name}': its process exited (code {c.proc.returncode})"
+                             + (f": {tail}" if tail else ""))
                 else:
                     self.log(f"unloaded '{c.spec.name}' ({reason})")
         if not c.ready.done():
@@ -974,6 +976,9 @@ def create_router_app(router: Router, *, api_keys: tuple = (), limits: Limits | 
                                                                                        "content": ""}}
                 return {"model": spec.name, "created_at": utc_iso(), **piece, "done": True, "done_reason": "unload"}
         c = await router.acquire(spec, load=request.method == "POST" and any("POST" in m for m in methods))
+        if request.method == "POST":   # ollama's: each request sets how long its model stays once idle, the
+            # default where it names none (a keep_alive 0 stayed in force for every later request)
+            c.keep_alive = router.keep_alive if keep_alive is None else keep_alive
         router.count("requests", spec.name)
         headers = [(k, v) for k, v in request.headers.raw if k.lower() not in REQUEST_DROP]
         headers.append((b"authorization", f"Bearer {router.key}".encode()))

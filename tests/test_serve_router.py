@@ -279,6 +279,20 @@ def test_a_client_that_hangs_up_before_a_whole_answer_cancels_it_in_the_models_p
     assert metrics()["embed_inputs_total"] - before["embed_inputs_total"] < len(texts)
 
 
+def test_a_load_failure_is_said_by_its_error_line_never_a_warning(tmp_path):
+    """The reason a model failed to load: the process's last error line, else (killed while loading, nothing but
+    a warning written) its exit code; the context warning it printed first was given as the reason."""
+    from types import SimpleNamespace
+
+    from bitnet_cpu.serve.router import Child
+    log = tmp_path / "child.log"
+    log.write_text("bitnet serve: warning: context 2048 is past the 512 tokens the model was trained on\n")
+    assert Child.log_tail(SimpleNamespace(log_path=str(log))) == ""
+    log.write_text("bitnet serve: warning: context 2048 ...\nbitnet: error: m.bnstore: truncated or corrupt store\n"
+                   "bitnet serve: warning: a later one\n")
+    assert Child.log_tail(SimpleNamespace(log_path=str(log))) == "bitnet: error: m.bnstore: truncated or corrupt store"
+
+
 def test_keep_alive_unloads_as_ollama_does(router, models_dir):
     import ollama
 
@@ -291,6 +305,10 @@ def test_keep_alive_unloads_as_ollama_does(router, models_dir):
     ps = {m.model: m for m in client.ps().models}
     assert "tiny" in ps and ps["tiny"].expires_at.year < 2100   # idle with 10 minutes to go
     assert ps["tiny"].size > (models_dir / "tiny.bnstore").stat().st_size   # the process's memory, not the file's
+    # a request naming no keep_alive sets the default again (--models-keep-alive: for ever), as ollama's: a
+    # keep_alive one request gave stayed in force for every later one (a 0 unloaded the model after each)
+    client.generate(model="tiny", prompt="Hi", options={"num_predict": 2})
+    assert {m.model: m for m in client.ps().models}["tiny"].expires_at.year >= 2100
     r = client.generate(model="tiny", prompt="", keep_alive=0)  # ollama's unload request
     assert r.done_reason == "unload" and "tiny" not in loaded(router.url)
     bad = post(router.url, "/api/generate", {"model": "tiny", "prompt": "x", "keep_alive": "soon"})
