@@ -19,8 +19,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "/set": ("[NAME VALUE]", "show settings, or set temp|top_k|top_p|min_p|repeat_penalty|repeat_last_n|seed|"
                              "max_tokens|dry_multiplier|dry_base|dry_allowed_length|dry_penalty_last_n|"
                              "dry_sequence_breakers|typical_p|top_n_sigma|xtc_probability|xtc_threshold|"
-                             "dynatemp_range|dynatemp_exponent|mirostat|mirostat_tau|mirostat_eta|min_keep|reasoning_budget|"
-                             "reasoning_budget_message; also ollama's "
+                             "dynatemp_range|dynatemp_exponent|mirostat|mirostat_tau|mirostat_eta|min_keep|"
+                             "reasoning_budget|reasoning_budget_message; also ollama's "
                              "/set parameter NAME VALUE, /set system TEXT and "
                              "/set format json|FILE|off (answers as JSON / matching a JSON Schema file), "
                              "/set think and /set nothink (a thinking model's <think> block on / off)"),

@@ -5,7 +5,6 @@ and seeded sampling, both head kinds) while actually drafting; an early stop lea
 import numpy as np
 import pytest
 
-from bitnet_cpu.simd import layout
 from bitnet_cpu.engine.api import SamplingParams, load_model
 from bitnet_cpu.engine.errors import BitNetError, KernelError
 from bitnet_cpu.engine.runtime.speculative import OFF, DraftLength, LookupParams, PromptLookup
