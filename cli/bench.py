@@ -225,12 +225,14 @@ def _csv(v) -> str:
 
 
 def main(args) -> int:
+    import os
     import sys
 
     import numpy as np
 
     from ..engine.api import LookupParams, load_engine, load_model
     from ..engine.errors import BitNetError
+    from ..engine.formats.hub import is_hub_ref
     tests = tests_of(args)
     if not tests:
         raise BitNetError("no tests: every -p and -n is 0 and no -pg was given")
@@ -242,9 +244,6 @@ def main(args) -> int:
     # the longest test's positions (its last token is not fed), after the deepest context
     ctx = max(depths) + max(max(pp, 1) + tg for pp, tg in tests)
     for m in args.model or []:   # every -m before any test: a typo in the last one ended a long run at it
-        import os
-
-        from ..engine.formats.hub import is_hub_ref
         if not os.path.exists(m) and not is_hub_ref(m):
             raise BitNetError(f"-m {m}: no such file or directory")
     table = Table(args.output, sys.stdout)

@@ -563,8 +563,8 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
                     c["usage"] = None
                 return c
             return Streamed(stream_events(streams, q, n_prompt, chunk, include_usage,
-                                                   getattr(body, "timings_per_token", False)),
-                                     media_type="text/event-stream", headers=sse_headers)
+                                          getattr(body, "timings_per_token", False)),
+                            media_type="text/event-stream", headers=sse_headers)
         got, timer = await run_to_end(request, streams, q)
         if got is None:
             return Response(status_code=499)
@@ -851,7 +851,7 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         feed, finish, fail, result): its SSE events as they come, or (stream false) its whole result."""
         if body.stream:
             return Streamed(builder_events(stream, q, n_prompt, out), media_type="text/event-stream",
-                                     headers=sse_headers)
+                            headers=sse_headers)
         got, timer = await run_to_end(request, [stream], q)
         if got is None:
             return Response(status_code=499)

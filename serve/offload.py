@@ -95,6 +95,18 @@ def parse_bounded(body: bytes, n_ctx: int | None):
         raise BodyRefused("request body is not valid JSON: it is not UTF-8 text", None, "invalid_json") from None
 
 
+# what json.loads raises for a body it will not read: JSONDecodeError, bad UTF-8 and an integer of 5,000 digits
+# (plain ValueErrors, which gave a 500), RecursionError for nesting
+NOT_JSON = (ValueError, RecursionError)
+
+
+def not_json(e: BaseException) -> str:
+    """The one line for a body json.loads refused with one of NOT_JSON."""
+    why = ": nested too deeply" if isinstance(e, RecursionError) else \
+        "" if isinstance(e, (json.JSONDecodeError, UnicodeDecodeError)) else f": {e}"
+    return f"request body is not valid JSON{why}"
+
+
 def checked_text(body: bytes, obj):
     """obj (body parsed), after check_text where the body has a surrogate escape at all."""
     if _SURROGATE_ESCAPE.search(body):

@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 from ..engine.runtime.sampling import SamplingParams, setting_problem
 from .logprobs import Said, chat_entry
 from .metrics import TokenClock
-from .offload import Streamed, next_or_gone, prepare_sampling, run_off_loop, too_long_for_context
+from .offload import NOT_JSON, Streamed, next_or_gone, not_json, prepare_sampling, run_off_loop, too_long_for_context
 from .schemas import MANY_STOPS, JSONTyped, error_where, main_error, overflow_message, utc_iso
 
 FOREVER = math.inf
@@ -260,10 +260,8 @@ async def read_object(request: Request) -> dict:
     """The request body as a JSON object, or ollama's 400 (not JSON, or not an object)."""
     try:
         data = await request.json()
-    except (ValueError, RecursionError) as e:   # ValueError: JSONDecodeError, bad UTF-8, an int of 5,000 digits
-        why = ": nested too deeply" if isinstance(e, RecursionError) else \
-            "" if isinstance(e, (json.JSONDecodeError, UnicodeDecodeError)) else f": {e}"
-        raise OllamaError(400, f"request body is not valid JSON{why}") from None
+    except NOT_JSON as e:
+        raise OllamaError(400, not_json(e)) from None
     if not isinstance(data, dict):
         raise OllamaError(400, "request body must be a JSON object")
     return data

@@ -419,14 +419,14 @@ class Router:
                 await asyncio.wait_for(self.cond.wait(), left)
         return c
 
-    def release(self, c: Child, keep_alive: float | None = None, upstream=None) -> asyncio.Task:
-        """A request through `c` has ended (`upstream`: its forwarded response, closed first); `keep_alive`
-        (seconds, ollama's field) if it set one. Runs as a task of its own: a request's task may be cancelled,
+    def release(self, c: Child, upstream=None) -> asyncio.Task:
+        """A request through `c` has ended (`upstream`: its forwarded response, closed first); the model's
+        keep_alive was set when the request began. Runs as a task of its own: a request's task may be cancelled,
         and anyio cancels every await of a cancelled scope again, which would leave the request counted for ever
         (and its model never idle). Awaiting the task is optional."""
-        return self._track(self._release(c, keep_alive, upstream))
+        return self._track(self._release(c, upstream))
 
-    async def _release(self, c: Child, keep_alive: float | None, upstream):
+    async def _release(self, c: Child, upstream):
         if upstream is not None:
             with contextlib.suppress(Exception):
                 await upstream.aclose()
@@ -989,14 +989,14 @@ def create_router_app(router: Router, *, api_keys: tuple = (), limits: Limits | 
             upstream = await unless_gone(router.client.send(router.client.build_request(
                 request.method, url, headers=headers, content=body), stream=True), request)
         except ClientGone:
-            router.release(c, keep_alive)
+            router.release(c)
             return Response(status_code=499)
         except httpx.HTTPError as e:
-            router.release(c, keep_alive)
+            router.release(c)
             raise RouterError(502, f"model '{spec.name}' did not answer: {type(e).__name__}", "model_unavailable",
                               retry_after=router.retry_after) from None
         except BaseException:
-            router.release(c, keep_alive)
+            router.release(c)
             raise
 
         done = False
@@ -1005,7 +1005,7 @@ def create_router_app(router: Router, *, api_keys: tuple = (), limits: Limits | 
             nonlocal done
             if not done:
                 done = True
-                router.release(c, keep_alive, upstream)
+                router.release(c, upstream)
 
         async def relay():
             tail = b""

@@ -455,7 +455,7 @@ class _Sampling(JSONTyped):
         for name, off in OFF.items():
             value = getattr(self, name)
             if value != off and not (off is None and value in ([], {})):   # an empty list is off (llama.cpp's UI)
-                return name, f"{name} {getattr(self, name)!r}: not supported (only {off!r}, off)"
+                return name, f"{name} {value!r}: not supported (only {off!r}, off)"
         for name in LAZY:   # a lazy grammar waits for a trigger; ignored, it would constrain from the first token
             if getattr(self, name):
                 return name, (f"{name}: lazy grammars (applied from a trigger on) are not supported; the grammar "

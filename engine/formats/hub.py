@@ -75,28 +75,24 @@ def _first(repo: str, ggufs: list[str]) -> str:
     return f"{repo}:{tags[0] if tags else ggufs[0]}"
 
 
-_PART = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$", re.IGNORECASE)
-
-
 def split_parts(file: str, files: list[str]) -> list[str]:
-    """The parts of the split GGUF `file` belongs to (STEM-0000k-of-0000N.gguf, llama.cpp's gguf-split names)
-    found in `files`, in order; [file] for a file that is not a part."""
-    m = _PART.search(file)
-    if m is None:
+    """The parts of the split GGUF whose first part is `file` (llama.cpp's gguf-split names, as engine/formats/gguf.py
+    reads them) found in `files`, in order; [file] for a file that is not a first part."""
+    from .gguf import SPLIT_NAME, split_part   # here: the module (numpy) only where a split is looked at
+
+    m = SPLIT_NAME.match(file)
+    if m is None or m.group(2) != "00001":
         return [file]
-    stem, total = file[: m.start()], m.group(2)
-    parts = {int(x.group(1)): f for f in files
-             for x in [_PART.search(f)] if x and f[: x.start()] == stem and x.group(2) == total}
-    return [parts[k] for k in sorted(parts)]
+    listed = set(files)
+    return [p for p in (split_part(file, i) for i in range(1, int(m.group(3)) + 1)) if p in listed]
 
 
 def _one_split_set(ggufs: list[str]) -> str | None:
-    """The first part, when `ggufs` are exactly the parts of one split GGUF (else None)."""
-    if len(ggufs) < 2:
-        return None
-    parts = split_parts(ggufs[0], ggufs)
-    m = _PART.search(parts[0])
-    return parts[0] if sorted(parts) == sorted(ggufs) and m and int(m.group(2)) == len(parts) else None
+    """The first part, when `ggufs` (sorted) are exactly the parts of one split GGUF, every one of them (else None)."""
+    from .gguf import SPLIT_NAME
+
+    m = SPLIT_NAME.match(ggufs[0]) if len(ggufs) > 1 else None
+    return ggufs[0] if m and len(ggufs) == int(m.group(3)) and split_parts(ggufs[0], ggufs) == ggufs else None
 
 
 def gguf_for_tag(what: str, repo: str, tag: str, files: list[str], where: str = "", hint: str | None = None) -> str:
@@ -307,10 +303,9 @@ def _file_to_pull(ref: str, repo: str, tag: str | None, files: list[str]) -> str
     if "config.json" in files:
         return None
     ggufs = sorted(f for f in files if f.lower().endswith(".gguf"))
-    if len(ggufs) == 1:
-        return ggufs[0]
-    if _one_split_set(ggufs) is not None:
-        return _one_split_set(ggufs)
+    one = ggufs[0] if len(ggufs) == 1 else _one_split_set(ggufs)   # a split GGUF: its first part
+    if one is not None:
+        return one
     if not ggufs:
         raise BitNetError(f"pull {ref}: {repo} holds neither config.json nor a .gguf file")
     raise BitNetError(f"pull {ref}: {repo} holds {len(ggufs)} GGUF files (tags: {_tags(ggufs)})",
@@ -431,9 +426,9 @@ def pull(ref: str, progress: Callable[[dict], None] | None = None) -> str:
         report = None if progress is None else (
             lambda done, total: progress({"file": name, "digest": digest, "completed": done, "total": total}))
         if file:   # a split GGUF comes down whole: every part, the first one's path naming the model
-            paths = [_with_bar(hf_hub_download, report, repo_id=repo, filename=part, revision=rev)
-                     for part in split_parts(file, list(listed))]
-            for part, path in zip(split_parts(file, list(listed)), paths):
+            parts = split_parts(file, list(listed))
+            paths = [_with_bar(hf_hub_download, report, repo_id=repo, filename=part, revision=rev) for part in parts]
+            for part, path in zip(parts, paths):
                 _verify(ref, path, {part: listed.get(part)})
             return paths[0]
         path = _with_bar(snapshot_download, report, repo_id=repo, revision=rev, allow_patterns=HF_DIR_PATTERNS)

@@ -330,6 +330,7 @@ class _Analysis:
             for n, body in rules.items():
                 self._walk(body, self.follow[n])
             changed = before != self.follow
+        self.refs = {n: self._refs(b, set()) for n, b in rules.items()}   # rule -> the rules it names
         self.lexemes = self._lexemes()
 
     def nul(self, x) -> bool:
@@ -404,7 +405,7 @@ class _Analysis:
     def _lexemes(self) -> set:
         """Rules of characters alone (no tokens, no recursion) that a greedy lexeme matches as the grammar
         does: none of the characters that could extend a whole match may follow the rule anywhere."""
-        refs = {n: self._refs(b, set()) for n, b in self.rules.items()}
+        refs = self.refs
         chars_only = {n for n, b in self.rules.items() if not self._has_token(b)}
         while True:   # only rules of such rules
             drop = {n for n in chars_only if not refs[n] <= chars_only}
@@ -671,9 +672,9 @@ class _Emitter:
 MAX_RULE_DEPTH = 1000
 
 
-def _rule_depth(rules: dict, an: "_Analysis") -> int:
-    """The deepest chain of rule references from root, as a depth-first walk meets them (each rule once)."""
-    refs = {n: an._refs(b, set()) for n, b in rules.items()}
+def _rule_depth(refs: dict) -> int:
+    """The deepest chain of rule references from root (refs: _Analysis.refs), as a depth-first walk meets them
+    (each rule once)."""
     deepest, seen, stack = 1, {"root"}, [("root", iter(sorted(refs["root"])))]
     while stack:
         nxt = next(stack[-1][1], None)
@@ -691,7 +692,7 @@ def gbnf_to_lark(text: str) -> str:
     deeper than the engine can take."""
     rules = _Parser(text).grammar()
     an = _Analysis(rules)
-    depth = _rule_depth(rules, an)
+    depth = _rule_depth(an.refs)
     if depth > MAX_RULE_DEPTH:
         raise GbnfError(f"rules chained {depth} deep (each naming the next, from root): at most {MAX_RULE_DEPTH}; "
                         "write a repetition (x*, x{m,n}) or a recursive rule instead of a chain")
