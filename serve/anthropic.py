@@ -7,7 +7,8 @@ stop, message_delta, message_stop). A final assistant message is a prefill: the 
 
 Extended thinking (`thinking` enabled or adaptive) lets a thinking model's template think: its <think> block becomes
 a `thinking` block (with an empty `signature`: nothing here is signed), `budget_tokens` caps it (the engine's reasoning
-budget), and thinking blocks sent back in the conversation are dropped, as the templates drop earlier thoughts. A
+budget), and thinking blocks sent back in the conversation are the message's `reasoning_content` for the template
+(most leave earlier thoughts out; Qwen3's shows those of a tool loop after the last user message). A
 model whose template does not think answers without one, as within any budget.
 
 What this server cannot do is refused with a 400 naming the field: images and documents, effort levels, server
@@ -58,7 +59,7 @@ class _Conversation(BaseModel):
                 continue
             if not isinstance(blocks, list):
                 raise RequestProblem(f"{where}.content", f"{where}.content: a string or a list of content blocks")
-            texts, calls = [], []
+            texts, calls, thoughts = [], [], []
             for j, b in enumerate(blocks):
                 at = f"{where}.content.{j}"
                 kind = b.get("type") if isinstance(b, dict) else None
@@ -66,8 +67,13 @@ class _Conversation(BaseModel):
                     if not isinstance(b.get("text"), str):
                         raise RequestProblem(f"{at}.text", f"{at}.text: a text block needs its text (a string)")
                     texts.append(b["text"])
-                elif kind in ("thinking", "redacted_thinking") and m["role"] == "assistant":
-                    continue   # an earlier turn's thought: the templates leave it out of the prompt
+                elif kind == "thinking" and m["role"] == "assistant":   # an earlier turn's thought: the template's
+                    if not isinstance(b.get("thinking"), str):               # to show (Qwen3's: in a tool loop)
+                        raise RequestProblem(f"{at}.thinking", f"{at}.thinking: a thinking block needs its thinking "
+                                                               "(a string)")
+                    thoughts.append(b["thinking"])
+                elif kind == "redacted_thinking" and m["role"] == "assistant":
+                    continue   # encrypted by Anthropic: nothing here can read it
                 elif kind == "tool_use" and m["role"] == "assistant":
                     if not (isinstance(b.get("id"), str) and isinstance(b.get("name"), str)
                             and isinstance(b.get("input", {}), dict)):
@@ -102,6 +108,8 @@ class _Conversation(BaseModel):
                 msg = {"role": m["role"], "content": "".join(texts)}
                 if calls:
                     msg["tool_calls"] = calls
+                if thoughts:
+                    msg["reasoning_content"] = "\n\n".join(thoughts)
                 out.append(msg)
         prefill = ""
         last = out[-1] if out else None

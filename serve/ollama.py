@@ -127,6 +127,7 @@ class _Message(BaseModel):
     images: Optional[list[Any]] = None
     tool_calls: Optional[list[dict[str, Any]]] = None   # ollama's: [{"function": {"name", "arguments": {...}}}]
     tool_name: Optional[str] = None                      # a tool result: which tool it comes from
+    thinking: Optional[str] = None                       # an assistant's earlier thought (the template's to show)
 
 
 class ShowBody(_Body):
@@ -230,6 +231,8 @@ def _engine_message(i: int, m: _Message) -> dict:
         d["tool_calls"] = calls
     if m.role == "tool" and m.tool_name:
         d["name"] = m.tool_name
+    if m.role == "assistant" and m.thinking is not None:
+        d["reasoning_content"] = m.thinking
     return d
 
 

@@ -139,6 +139,7 @@ class ResponsesRequest(_Sampling):
             out.append({"role": "user", "content": self.input})
             return out
         names: dict[str, str] = {}   # call_id -> function name, for the tool results that answer them
+        thought = None   # a reasoning item's text, for the assistant turn that follows it
         for i, item in enumerate(self.input):
             where = f"input[{i}]"
             if not isinstance(item, dict):
@@ -175,7 +176,12 @@ class ResponsesRequest(_Sampling):
                 if call_id in names:
                     msg["name"] = names[call_id]
                 out.append(msg)
-            elif kind == "reasoning":   # a thought given back: chat templates leave past thoughts out too
+            elif kind == "reasoning":   # a thought given back: the next assistant turn's reasoning_content
+                parts = item.get("content") or []
+                if not isinstance(parts, list) or not all(isinstance(p, dict) for p in parts):
+                    raise RequestProblem(f"{where}.content", f"{where}.content: a list of reasoning_text parts")
+                thought = "".join(p["text"] for p in parts
+                                  if p.get("type") == "reasoning_text" and isinstance(p.get("text"), str))
                 continue
             elif kind == "item_reference":
                 raise RequestProblem(where, f"{where}: item references need stored items (none are stored here); "
@@ -183,6 +189,10 @@ class ResponsesRequest(_Sampling):
             else:
                 raise RequestProblem(f"{where}.type", f"{where}.type {kind!r}: not supported here (messages, "
                                                       "function_call and function_call_output items are)")
+            if thought is not None:   # the item after a reasoning item: its turn's, if the assistant's
+                if out and out[-1]["role"] == "assistant":
+                    out[-1].setdefault("reasoning_content", thought)
+                thought = None
         if not any(m["role"] != "system" for m in out):
             raise RequestProblem("input", "input: no message to answer")
         return out

@@ -519,6 +519,7 @@ class ChatMessage(BaseModel):
     tool_calls: Optional[list[ToolCall]] = None     # an assistant's earlier calls
     tool_call_id: Optional[str] = None              # a tool result: which call it answers
     name: Optional[str] = None
+    reasoning_content: Optional[str] = None         # an assistant's earlier thought (llama-server's field)
 
     @model_validator(mode="after")
     def _content_given(self):
@@ -535,6 +536,8 @@ class ChatMessage(BaseModel):
             d["tool_call_id"] = self.tool_call_id
         if self.name is not None:
             d["name"] = self.name
+        if self.reasoning_content is not None and self.role == "assistant":   # the template decides: Qwen3's shows
+            d["reasoning_content"] = self.reasoning_content   # those after the last user message (a tool loop's)
         return d
 
     def text(self) -> str:

@@ -16,8 +16,9 @@ from bitnet_cpu.engine.runtime.reasoning import ThinkSplitter, thinks
 pytest.importorskip("fastapi", reason="bitnet serve needs the serve extra (pip install .[serve])")
 ollama = pytest.importorskip("ollama", reason="the ollama tests need the ollama client (pip install .[test])")
 
-TEMPLATE = ("{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n{{ m['content'] }}"
-            "<|eot_id|>{% endfor %}{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n"
+TEMPLATE = ("{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+            "{% if m.reasoning_content is defined and m.reasoning_content %}<think>{{ m.reasoning_content }}</think>"
+            "{% endif %}{{ m['content'] }}<|eot_id|>{% endfor %}{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n"
             "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
             "{% elif open_thought is not defined or open_thought %}<think>\n{% endif %}{% endif %}")
 THOUGHT, ANSWER = "I add 2 and 3.", "Five."
@@ -32,6 +33,8 @@ Q = [{"role": "user", "content": "What is 2+3?"}]
     ("  Five, <think> is a tag", False, ("", "  Five, <think> is a tag")),   # not at the start: content
     ("<think>\ncut off in the thou", False, ("cut off in the thou", "")),   # never closed: all reasoning
     ("<thi", False, ("", "<thi")),
+    ("<think>\ncut in the thought\n</th", False, ("cut in the thought", "")),   # a closing tag cut part-way
+    ("math: a<", True, ("math: a<", "")),   # a lone "<" may be the thought's own
     ("<think></think>Five.", False, ("", "Five.")),
 ])
 def test_splitter_gives_the_same_split_at_any_cut(text, opened, want):
@@ -101,6 +104,11 @@ def test_chat_template_kwargs_reach_the_template(server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs"
     r = httpx.post(server.url + "/v1/chat/completions", json={"messages": Q, "reasoning_format": "sideways"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning_format"
+    # "false" is true to the template: llama-server's 400 (a string took the thinking path in silence)
+    r = httpx.post(server.url + "/v1/chat/completions",
+                   json={"messages": Q, "chat_template_kwargs": {"enable_thinking": "false"}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs", r.text
+    assert "enable_thinking" in r.json()["error"]["message"]
 
 
 def test_apply_template_renders_the_requests_template_kwargs(server):
@@ -161,7 +169,7 @@ def test_anthropic_messages_ask_a_thinking_template_not_to_think(server):
 def test_responses_reasoning_items(server):
     """The Responses API: the thought is a reasoning item (reasoning_text content) before the message, streamed
     with response.reasoning_text.* events, which the openai client accumulates into the same items; reasoning
-    items sent back as input are taken (and left out, as chat templates leave past thoughts out); effort "none"
+    items sent back as input are taken (the next assistant turn's thought: see the test below); effort "none"
     asks the template not to think; effort levels are a 400."""
     openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
@@ -269,9 +277,33 @@ def test_the_reasoning_budget_cuts_the_thought(server):
     assert said["reasoning_content"] == cut["reasoning_content"] + " Time to answer."
     off = chat(server, max_tokens=8, reasoning_effort="none")["message"]
     assert off == chat(server, max_tokens=8, chat_template_kwargs={"enable_thinking": False})["message"]
-    for bad in ({"reasoning_effort": "high"}, {"reasoning_budget": -2}):
+    # a message that would close the thought itself puts the rest of the forced end in the answer: refused
+    for bad in ({"reasoning_effort": "high"}, {"reasoning_budget": -2},
+                {"reasoning_budget": 3, "reasoning_budget_message": "stop </think> here"}):
         r = httpx.post(server.url + "/v1/chat/completions", json={"messages": Q, **bad})
         assert r.status_code == 400 and r.json()["error"]["param"] in bad, r.text
+
+
+def test_the_budget_waits_out_a_phrase_the_grammar_writes(server):
+    """A grammar that writes a fixed phrase at the thought's start forbids its end only there: a budget that runs
+    out inside the phrase ends the thought just after it (it was dropped, and the thought ran on to max_tokens)."""
+    phrase = "Let me think step by step."
+    grammar = f'root ::= "<think>" "{phrase}" [^<]* "</think>" [ \\n]* [A-Za-z .]+'
+    for budget in (0, 2):
+        c = chat(server, grammar=grammar, reasoning_budget=budget, max_tokens=60, chat_template_kwargs=SELF)
+        thought = c["message"]["reasoning_content"]
+        assert thought.startswith(phrase) and len(thought) < len(phrase) + 12, (budget, c)
+        assert c["message"]["content"], (budget, c)   # the answer after it (the grammar's [A-Za-z .]+ runs on)
+
+
+def test_a_closing_tag_cut_part_way_is_not_thought(server):
+    """max_tokens or a stop string inside the budget's forced end (or any </think> being written) leaves no piece
+    of the tag in reasoning_content (it gave "</th")."""
+    for extra in ({"max_tokens": 4}, {"max_tokens": 6}, {"max_tokens": 24, "stop": ["think"]}):
+        m = chat(server, reasoning_budget=0, **extra)["message"]
+        assert "<" not in (m.get("reasoning_content") or "") and "<" not in m["content"], (extra, m)
+        reasoning, content = streamed(server.url, reasoning_budget=0, **extra)
+        assert (reasoning, content) == (m.get("reasoning_content") or "", m["content"]), extra
 
 
 def test_thinking_asked_beside_a_format_is_refused_unless_the_grammar_writes_it(server):
@@ -299,7 +331,7 @@ def test_anthropic_thinking_blocks(server):
     """`thinking` (adaptive, or enabled with budget_tokens) lets the template think: the thought is a thinking block
     before the text, with an empty signature, streamed as thinking_delta then signature_delta, which Anthropic's
     own client accumulates into the same message; display "omitted" sends the block empty; budget_tokens is the
-    reasoning budget; thinking blocks sent back in the conversation are taken and left out of the prompt."""
+    reasoning budget; thinking blocks sent back in the conversation are the template's to show."""
     anthropic = pytest.importorskip("anthropic")
     client = anthropic.Anthropic(base_url=server.url, api_key="x", max_retries=0)
     # temperature goes in extra_body: the client (2.x) has no such argument
@@ -322,7 +354,7 @@ def test_anthropic_thinking_blocks(server):
                                thinking={"type": "enabled", "budget_tokens": 3})
     assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in m.content] == [
         ("thinking", want["reasoning_content"]), ("text", want["content"])]
-    # an earlier turn's thinking block is taken and dropped, as the template drops an earlier thought
+    # an earlier turn's thinking block is the template's (this one shows it: a longer prompt); a redacted one is not
     turns = [Q[0], {"role": "assistant", "content": [{"type": "thinking", "thinking": "Hmm.", "signature": ""},
                                                      {"type": "redacted_thinking", "data": "xx"},
                                                      {"type": "text", "text": "Five."}]},
@@ -334,9 +366,57 @@ def test_anthropic_thinking_blocks(server):
                                extra_body={"temperature": 0})
     def prompt_size(m):   # Anthropic's input_tokens leaves out the cached part
         return m.usage.input_tokens + (m.usage.cache_read_input_tokens or 0)
-    assert a.model_dump()["content"] == b.model_dump()["content"] and prompt_size(a) == prompt_size(b)
+    assert prompt_size(a) > prompt_size(b)
     n = client.messages.count_tokens(model="m", messages=plain, thinking={"type": "adaptive"})
     assert n.input_tokens == b.usage.input_tokens + (b.usage.cache_read_input_tokens or 0)
+
+
+def test_an_earlier_thought_reaches_the_template(server):
+    """An assistant turn's earlier thought is the template's to show (llama-server passes `reasoning_content` on;
+    Qwen3's template renders those of a tool loop): the chat field, ollama's `thinking`, an Anthropic thinking
+    block and a Responses reasoning item each lengthen the prompt by the same tokens as the chat field does."""
+    thought, q2 = "An earlier thought.", {"role": "user", "content": "And 3+4?"}
+    turns = [Q[0], {"role": "assistant", "content": "Five.", "reasoning_content": thought}, q2]
+    plain = [Q[0], {"role": "assistant", "content": "Five."}, q2]
+    prompt = httpx.post(server.url + "/apply-template", json={"messages": turns}, timeout=60).json()["prompt"]
+    assert f"<think>{thought}</think>Five." in prompt
+    user_thought = [Q[0], {"role": "user", "content": "Hi", "reasoning_content": thought}]   # only an assistant's
+    assert thought not in httpx.post(server.url + "/apply-template", json={"messages": user_thought}).json()["prompt"]
+
+    def chat_size(messages):
+        r = httpx.post(server.url + "/v1/chat/completions", timeout=60,
+                       json={"messages": messages, "max_tokens": 1, "chat_template_kwargs": SELF})
+        return r.json()["usage"]["prompt_tokens"]
+    extra = chat_size(turns) - chat_size(plain)
+    assert extra > 0
+
+    def ollama_size(messages):
+        r = httpx.post(server.url + "/api/chat", timeout=60, json={
+            "model": "m", "messages": messages, "stream": False, "options": {"num_predict": 1}})
+        return r.json()["prompt_eval_count"]
+    o_turns = [Q[0], {"role": "assistant", "content": "Five.", "thinking": thought}, q2]
+    assert ollama_size(o_turns) - ollama_size(plain) == extra
+
+    def anthropic_size(assistant_blocks):
+        r = httpx.post(server.url + "/v1/messages/count_tokens", timeout=60, json={"model": "m", "messages": [
+            Q[0], {"role": "assistant", "content": assistant_blocks}, q2]})
+        return r.json()["input_tokens"]
+    text = {"type": "text", "text": "Five."}
+    block = {"type": "thinking", "thinking": thought, "signature": ""}
+    assert anthropic_size([block, text]) - anthropic_size([text]) == extra
+    r = httpx.post(server.url + "/v1/messages/count_tokens", json={"model": "m", "messages": [
+        Q[0], {"role": "assistant", "content": [{"type": "thinking", "thinking": 5}, text]}, q2]})
+    assert r.status_code == 400 and "thinking" in r.text
+
+    def responses_size(items):
+        r = httpx.post(server.url + "/v1/responses", timeout=60, json={
+            "model": "m", "max_output_tokens": 1, "chat_template_kwargs": SELF, "input": [Q[0], *items, q2]})
+        return r.json()["usage"]["input_tokens"]
+    message = {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Five."}]}
+    reasoning = {"type": "reasoning", "id": "rs_1", "summary": [],
+                 "content": [{"type": "reasoning_text", "text": thought}]}
+    assert responses_size([reasoning, message]) - responses_size([message]) == extra
+    assert responses_size([reasoning]) == responses_size([])   # a thought with no assistant turn after it
 
 
 def test_the_servers_budget_is_for_thinking_chats(tmp_path):

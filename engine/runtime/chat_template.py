@@ -115,6 +115,10 @@ def render(template: str | None, messages: list[dict], *, add_generation_prompt:
         if clash:
             raise TemplateError(f"chat_template_kwargs: {clash[0]!r} cannot be set (the template's own variables: "
                                 f"{', '.join(RESERVED)})")
+        thinking = (kwargs or {}).get("enable_thinking")
+        if thinking is not None and not isinstance(thinking, bool):   # "false" is true to Jinja (llama-server: 400)
+            raise TemplateError(f"chat_template_kwargs: enable_thinking {thinking!r}: expected true or false (a "
+                                f"boolean, not {type(thinking).__name__})")
         extra = {**(kwargs or {}), **({"tools": tools} if tools else {})}
 
         def run(msgs):

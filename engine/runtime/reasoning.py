@@ -87,8 +87,9 @@ class ThinkSplitter:
     def finish(self) -> tuple[str, str]:
         """The rest: text held back as a possible tag is what it was (reasoning inside the block, content before)."""
         rest, self.buf = self.buf, ""
-        if self.mode == "think":
-            return self._reason(rest.rstrip()), ""
+        if self.mode == "think":   # a closing tag cut part-way (max_tokens, a stop string) is markup, not thought
+            n = _partial(rest, CLOSE)
+            return self._reason(rest[: len(rest) - n].rstrip() if n > 1 else rest.rstrip()), ""
         if self.mode == "start":
             return "", rest.strip() and rest
         return "", rest if self.mode == "content" else ""
@@ -138,7 +139,8 @@ class ThoughtBudget:
         """Force the end, if the grammar lets all of it come here (else a piece of it would be written, and the
         thought go on after all: the output is then the grammar's own, as without a budget)."""
         ok = self.forced_ids and (self.inner is None or self.inner.valid_prefix(self.forced_ids) == self.forced_ids)
-        self.state = "force" if ok else "off"
+        # a grammar that forbids the end only here (inside a phrase it writes): tried again after the next token
+        self.state = "force" if ok else "count" if self.inner is not None else "off"
 
     # -- the matcher interface ------------------------------------------------------------------------------
     def start_mask(self):
@@ -151,8 +153,8 @@ class ThoughtBudget:
         if self.state == "force":
             t = self.forced_ids[self.i]
             v = logits[t]
-            if v == -np.inf:   # the grammar forbids the end of the thought here: it goes on as the grammar says
-                self.state = "off"
+            if v == -np.inf:   # the grammar forbids the end of the thought here: it goes on as the grammar says,
+                self.state = "count" if self.i == 0 else "off"   # the end tried again after the next token
                 return
             logits[:] = -np.inf
             logits[t] = v

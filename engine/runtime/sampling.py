@@ -122,7 +122,8 @@ _RULES = {
     "min_keep": (lambda v: isinstance(v, int) and v >= 0, "must be an integer >= 0 (0 = no minimum)"),
     "reasoning_budget": (lambda v: isinstance(v, int) and v >= -1,
                          "must be an integer >= -1 (-1 = no limit, 0 = end the thought at once)"),
-    "reasoning_budget_message": (lambda v: isinstance(v, str), "must be text"),
+    "reasoning_budget_message": (lambda v: isinstance(v, str) and "</think>" not in v,
+                                 "must be text without </think> (the end the budget adds after it)"),
 }
 LOGIT_BIAS_MAX = 100.0
 # each field's type (the rest: a number); None is valid for these

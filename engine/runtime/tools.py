@@ -115,13 +115,15 @@ class ToolFormat:
 
     def _as_text(self, m: dict) -> dict:
         role, content = m["role"], m.get("content") or ""
+        # an assistant's earlier thought stays for the template to show or leave out (llama-server's field)
+        thought = {"reasoning_content": m["reasoning_content"]} if "reasoning_content" in m else {}
         if role == "assistant" and m.get("tool_calls"):
             fns = [c.get("function", c) for c in m["tool_calls"]]   # OpenAI's shape, or {"name", "arguments"}
             calls = "\n".join(self.call_text(f["name"], f.get("arguments") or "{}") for f in fns)
-            return {"role": "assistant", "content": (content + "\n" if content else "") + calls}
+            return {"role": "assistant", "content": (content + "\n" if content else "") + calls, **thought}
         if role == "tool":
             return {"role": "user", "content": f"<tool_response>\n{content}\n</tool_response>"}
-        return {"role": role, "content": content}
+        return {"role": role, "content": content, **thought}
 
     # ---- the grammar ----------------------------------------------------------------------------------
     ARGS = "arguments"   # the call object's key for the arguments
