@@ -261,9 +261,10 @@ class ClientGone(Exception):
 HANGUP_POLL = 0.1
 
 
-async def unless_gone(aw, request, poll: float = HANGUP_POLL):
+async def unless_gone(aw, request, poll: float = HANGUP_POLL, lost=None):
     """aw's result, awaited while the client is there: looked at every `poll` s; once it has hung up, aw is
-    cancelled (the work it waits on with it) and ClientGone is raised."""
+    cancelled (the work it waits on with it) and ClientGone is raised. lost(result): given a result that came
+    while the hang-up was being found (what it holds is released there, never leaked)."""
     fut = asyncio.ensure_future(aw)
     try:
         while True:
@@ -274,6 +275,8 @@ async def unless_gone(aw, request, poll: float = HANGUP_POLL):
                 raise ClientGone
     except BaseException:
         fut.cancel()
+        if lost is not None and fut.done() and not fut.cancelled() and fut.exception() is None:
+            lost(fut.result())
         raise
 
 

@@ -656,13 +656,21 @@ class Relay(StreamingResponse):
             self.finish()
 
 
-def cut_answer_event(content_type: str, message: str, tail: bytes) -> bytes:
+def cut_answer_event(content_type: str, message: str, tail: bytes, path: str = "", events: int = 0) -> bytes:
     """The last piece of a streamed answer cut by its model process's death, in the stream's own format: an SSE
-    error event (as --request-timeout's), or ollama's {"error": ...} line; nothing for other bodies. `tail`: the
-    last bytes relayed, to end a line or event cut in the middle first."""
+    error event (as --request-timeout's: Anthropic's named `event: error`, the Responses API's typed one numbered
+    after the `events` relayed, OpenAI's chat shape for the rest), or ollama's {"error": ...} line; nothing for other
+    bodies. `tail`: the last bytes relayed, to end a line or event cut in the middle first."""
     if content_type.startswith("text/event-stream"):
-        event = json.dumps({"error": {"message": message, "type": "server_error", "code": "model_died"}})
         lead = b"" if tail.endswith(b"\n\n") or not tail else b"\n" if tail.endswith(b"\n") else b"\n\n"
+        if path.rstrip("/") in ("/v1/responses", "/responses"):   # typed clients read `type`
+            event = json.dumps({"type": "error", "code": "model_died", "message": message, "param": None,
+                                "sequence_number": events})
+            return lead + f"event: error\ndata: {event}\n\n".encode()
+        if path.startswith("/v1/messages"):   # the anthropic client skips an SSE message without an event name
+            return lead + b"event: error\ndata: " + error_json(message, "server_error", "model_died",
+                                                             scope={"path": path}, status=500) + b"\n\n"
+        event = json.dumps({"error": {"message": message, "type": "server_error", "code": "model_died"}})
         return lead + f"data: {event}\n\n".encode()
     if content_type.startswith("application/x-ndjson"):
         return (b"" if tail.endswith(b"\n") or not tail else b"\n") + (json.dumps({"error": message}) + "\n").encode()
@@ -975,7 +983,11 @@ def create_router_app(router: Router, *, api_keys: tuple = (), limits: Limits | 
                 piece = {"response": ""} if path == "/api/generate" else {"message": {"role": "assistant",
                                                                                        "content": ""}}
                 return {"model": spec.name, "created_at": utc_iso(), **piece, "done": True, "done_reason": "unload"}
-        c = await router.acquire(spec, load=request.method == "POST" and any("POST" in m for m in methods))
+        try:   # a client gone while its model waits for room (or loads) takes its place in the queue with it
+            c = await unless_gone(router.acquire(spec, load=request.method == "POST" and any(
+                "POST" in m for m in methods)), request, lost=router.release)
+        except ClientGone:
+            return Response(status_code=499)
         if request.method == "POST":   # ollama's: each request sets how long its model stays once idle, the
             # default where it names none (a keep_alive 0 stayed in force for every later request)
             c.keep_alive = router.keep_alive if keep_alive is None else keep_alive
@@ -1008,14 +1020,17 @@ def create_router_app(router: Router, *, api_keys: tuple = (), limits: Limits | 
                 router.release(c, upstream)
 
         async def relay():
-            tail = b""
+            tail, events = b"", 0   # the last bytes relayed; the SSE events (the Responses API numbers them)
             try:
                 async for chunk in upstream.aiter_raw():
-                    tail = chunk[-2:] if chunk else tail
+                    if chunk:
+                        events += (tail[-1:] + chunk).count(b"\n\n")
+                        tail = chunk[-2:]
                     yield chunk
             except httpx.HTTPError:   # its process died mid-answer (the reaper sees the exit): say so, then cut
                 last = cut_answer_event(upstream.headers.get("content-type", ""),
-                                        f"model '{spec.name}' stopped in the middle of this answer", tail)
+                                        f"model '{spec.name}' stopped in the middle of this answer", tail, path,
+                                        events)
                 if last:
                     yield last
                 raise UpstreamGone() from None

@@ -4,6 +4,7 @@ damaged file, driven by the official openai, anthropic and ollama clients. Every
 checked against a single-model `bitnet serve -m FILE` given the same request, never against stored text."""
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
@@ -531,6 +532,44 @@ def test_a_request_for_another_model_is_not_starved_by_a_busy_one(models_dir):
         s.stop()
 
 
+def test_a_client_gone_while_its_model_waits_for_room_takes_its_place_with_it(models_dir):
+    """--models-max 1, one model busy with an open stream: a request for the other model whose client hangs up
+    while it waits for room leaves the queue. It stayed: the busy model took nothing new for a client that was gone
+    (a new request for it waited for the stream's end), then the router unloaded it and loaded the other model for
+    nobody."""
+    s = Server("--models-dir", str(models_dir), "--models-max", "1", "-c", "4096", threads=1)   # a long stream
+    try:
+        chat_text(s.url, "tiny")
+        body = {"model": "tiny", "stream": True, "messages": CHAT, "max_tokens": 100_000, "ignore_eos": True}
+        stop, began = threading.Event(), threading.Event()
+
+        def read():   # the stream runs, read as it comes, till the test is done with it (bounded)
+            end = time.monotonic() + 120 * slowness()
+            with httpx.stream("POST", s.url + "/v1/chat/completions", json=body, timeout=60 * slowness()) as r:
+                for _ in r.iter_lines():
+                    began.set()
+                    if stop.is_set() or time.monotonic() > end:
+                        break
+        reader = threading.Thread(target=read)
+        reader.start()
+        try:
+            assert began.wait(60 * slowness())
+            with pytest.raises(httpx.ReadTimeout):   # its client gives up while "synth" waits for room
+                httpx.post(s.url + "/v1/chat/completions", timeout=1.0,
+                           json={"model": "synth", "messages": CHAT, "max_tokens": 4})
+            r2 = httpx.post(s.url + "/v1/chat/completions", timeout=30 * slowness(),
+                            json={"model": "tiny", "messages": CHAT, "max_tokens": 4})
+            assert r2.status_code == 200, r2.text
+        finally:
+            stop.set()
+            reader.join(120 * slowness())
+        chat_text(s.url, "tiny")   # after the stream: "tiny" idle, nobody waiting for "synth"
+        assert loaded(s.url) == {"tiny"}
+        assert 'model="synth"' not in httpx.get(s.url + "/metrics", timeout=30).text   # never loaded
+    finally:
+        s.stop()
+
+
 def test_switching_models_under_hang_ups_leaves_nothing_counted(models_dir):
     """--models-max 1, six clients switching between the two models, streams hung up mid-answer and ollama's
     unload requests among them (a bounded count of each): every request is answered, and at the end each model
@@ -602,6 +641,41 @@ def test_a_model_process_that_dies_is_started_again(models_dir):
         assert wait_for(lambda: not alive(child))
         assert chat_text(s.url, "tiny")["choices"][0]["message"]["content"] == first
         assert wait_for(lambda: 'reason="exited"' in httpx.get(s.url + "/metrics", timeout=30).text)
+    finally:
+        s.stop()
+
+
+def test_a_model_that_dies_mid_stream_is_said_in_each_streams_own_error_event(models_dir):
+    """Anthropic's stream gets its named `event: error` (the anthropic client skips an SSE message without a name:
+    the error was lost and the user saw only a cut connection), the Responses API's a typed error event numbered
+    after the last one, as --request-timeout's tails are."""
+    import json
+    anthropic = pytest.importorskip("anthropic")
+    s = Server("--models-dir", str(models_dir), threads=1)
+    try:
+        client = anthropic.Anthropic(base_url=s.url, api_key="x", max_retries=0, timeout=60 * slowness())
+        with pytest.raises(anthropic.APIStatusError) as e:
+            with client.messages.stream(model="tiny", max_tokens=100_000, messages=CHAT,
+                                        extra_body={"ignore_eos": True}) as stream:
+                for i, _ in enumerate(stream):
+                    if i == 3:
+                        (child,) = children_of(s.proc.pid)
+                        os.kill(child, signal.SIGKILL)
+        assert "stopped in the middle of this answer" in str(e.value), e.value
+        assert wait_for(lambda: not alive(child))
+        lines = []
+        body = {"model": "tiny", "stream": True, "input": "a story", "max_output_tokens": 100_000,
+                "ignore_eos": True}
+        with contextlib.suppress(httpx.HTTPError):
+            with httpx.stream("POST", s.url + "/v1/responses", json=body, timeout=60 * slowness()) as r:
+                for line in r.iter_lines():
+                    lines.append(line)
+                    if len(lines) == 12:
+                        (child,) = children_of(s.proc.pid)
+                        os.kill(child, signal.SIGKILL)
+        events = [json.loads(x[6:]) for x in lines if x.startswith("data: ")]
+        assert lines[-3] == "event: error" and events[-1]["type"] == "error", lines[-4:]
+        assert events[-1]["sequence_number"] == events[-2]["sequence_number"] + 1, events[-2:]
     finally:
         s.stop()
 
