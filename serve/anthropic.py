@@ -32,8 +32,9 @@ from .schemas import MANY_STOPS, RequestProblem, _Sampling, text_of_parts
 STOP_REASON = {"eos": "end_turn", "stop": "stop_sequence", "length": "max_tokens",
                "context": "model_context_window_exceeded", "cancelled": "end_turn"}
 class _Conversation(BaseModel):
-    """What /v1/messages and /v1/messages/count_tokens share: the conversation and its tools."""
-    model_config = ConfigDict(extra="ignore")
+    """What /v1/messages and /v1/messages/count_tokens share: the conversation and its tools. A field the API does
+    not have is a 400, as Anthropic's ("Extra inputs are not permitted"): a misspelt stop_sequence ran on in silence."""
+    model_config = ConfigDict(extra="forbid")
     messages: list[Any] = Field(min_length=1)
     system: Union[str, list[Any], None] = None
     tools: Optional[list[Any]] = None
@@ -190,7 +191,8 @@ class _Conversation(BaseModel):
 
 
 class MessagesRequest(_Conversation, _Sampling):
-    """The body of POST /v1/messages (Anthropic's fields; the chat endpoint's sampling extras too)."""
+    """The body of POST /v1/messages (Anthropic's fields; the chat endpoint's sampling extras too); any other, a 400."""
+    model_config = ConfigDict(extra="forbid")   # over _Sampling's (the chat endpoint ignores unknown fields)
     MAX_TEMPERATURE: ClassVar[Optional[float]] = 1.0   # Anthropic's range
     MAX_STOPS: ClassVar[Optional[int]] = MANY_STOPS
     FORCED_CALL_FORMAT: ClassVar[str] = "refuse"
@@ -201,6 +203,16 @@ class MessagesRequest(_Conversation, _Sampling):
     mcp_servers: Optional[Any] = None
     context_management: Optional[dict[str, Any]] = None
     output_format: Optional[dict[str, Any]] = None   # the structured-outputs beta's name of output_config.format
+    speed: Optional[str] = None   # "standard" (this machine's own speed); "fast" 400
+    chat_template_kwargs: Optional[dict[str, Any]] = None   # llama-server's extension, as on chat completions
+    # hints with no meaning on one local server (the account's, its caches, its regions): taken, as the API takes them
+    metadata: Optional[dict[str, Any]] = None
+    service_tier: Optional[str] = None
+    cache_control: Optional[dict[str, Any]] = None   # the prefix cache is automatic here
+    inference_geo: Optional[str] = None
+    user_profile_id: Optional[str] = None
+    workspace_id: Optional[str] = None
+    diagnostics: Optional[dict[str, Any]] = None
 
     def limit(self) -> Optional[int]:
         return self.max_tokens
@@ -254,6 +266,8 @@ class MessagesRequest(_Conversation, _Sampling):
             return "context_management", "context editing is not supported (the conversation runs as sent)"
         if self.n != 1:
             return "n", "one answer per message (n is not part of the Messages API)"
+        if self.speed not in (None, "standard"):
+            return "speed", f"speed {self.speed!r}: only \"standard\" (this machine's own speed)"
         return super().unsupported()
 
 
@@ -272,8 +286,10 @@ def anthropic_names(text: str | None) -> str | None:
     return text
 
 
-class CountTokensRequest(_Conversation):
-    model: Optional[str] = None
+class CountTokensRequest(MessagesRequest):
+    """count_tokens' body: a message's (clients count the body they will send; its generation fields change
+    nothing in the count), max_tokens optional; a field neither has is a 400."""
+    max_tokens: Optional[int] = Field(default=None, ge=1)
 
 
 class MessageBuilder:

@@ -17,7 +17,7 @@ import time
 import uuid
 from typing import Any, Optional, Union
 
-from pydantic import Field
+from pydantic import ConfigDict, Field
 
 from .schemas import RequestProblem, _Sampling, text_of_parts
 
@@ -34,12 +34,16 @@ REFUSED_STATE = {
     "max_tool_calls": "max_tool_calls is not supported (built-in tools do not run here)",
     "context_management": "context management (compaction) needs stored responses; none are stored here",
     "moderation": "moderation is not run here",
+    "image": "image options: this model takes and gives text only",
+    "access_programs": "access programs are not supported here",
 }
 TEXT_PARTS = ("input_text", "output_text", "text", "refusal")   # the Responses API's text content parts
 
 
 class ResponsesRequest(_Sampling):
-    """The body of POST /v1/responses (OpenAI's fields; the chat endpoint's sampling extras are taken too)."""
+    """The body of POST /v1/responses (OpenAI's fields; the chat endpoint's sampling extras are taken too). A field
+    neither has is a 400, as OpenAI's "Unknown parameter" (a misspelt one did nothing in silence)."""
+    model_config = ConfigDict(extra="forbid")
 
     input: Union[str, list[Any], None] = None
     instructions: Optional[str] = None
@@ -62,6 +66,15 @@ class ResponsesRequest(_Sampling):
     max_tool_calls: Optional[int] = None
     context_management: Optional[Any] = None
     moderation: Optional[Any] = None
+    # hints with no meaning on one local server (its caches are automatic, the account's tiers): taken
+    prompt_cache_key: Optional[str] = None
+    prompt_cache_retention: Optional[str] = None
+    prompt_cache_options: Optional[dict[str, Any]] = None
+    safety_identifier: Optional[str] = None
+    service_tier: Optional[str] = None
+    background_options: Optional[dict[str, Any]] = None   # with background, which is refused
+    image: Optional[Any] = None            # image options: 400 when set (text only)
+    access_programs: Optional[Any] = None  # 400 when set
 
     # -- what the chat pipeline (serve/app.py) asks of a request --
     def limit(self) -> Optional[int]:

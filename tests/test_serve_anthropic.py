@@ -227,6 +227,12 @@ def test_structured_output_by_output_config(claude, server):
     {"context_management": {"edits": [{"type": "clear_tool_uses_20250919"}]}},
     {"temperature": 1.5},
     {"max_tokens": None},
+    # a field this API does not have: Anthropic's "Extra inputs are not permitted" (a misspelt stop_sequence ran
+    # on to max_tokens in silence; logprobs gave none)
+    {"stop_sequence": ["x"]},
+    {"max_completion_tokens": 3},
+    {"logprobs": True, "top_logprobs": 2},
+    {"speed": "fast"},
 ])
 def test_what_cannot_be_honoured_is_a_400_in_anthropics_shape(server, extra):
     body = {"model": "any", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], **extra}
@@ -285,3 +291,17 @@ def test_count_tokens_refuses_what_messages_refuses(server):
     for path, extra in (("/v1/messages", {"max_tokens": 4}), ("/v1/messages/count_tokens", {})):
         r = httpx.post(server.url + path, json={**body, **extra}, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", (path, r.text)
+
+
+def test_the_apis_hints_are_taken(server):
+    """Anthropic's fields that mean nothing on one local server (the account's ids, tiers, regions, the automatic
+    cache) are taken, as its API takes them, beside the refusal of unknown ones; count_tokens too."""
+    hints = {"metadata": {"user_id": "u"}, "service_tier": "auto", "cache_control": {"type": "ephemeral"},
+             "inference_geo": "us", "speed": "standard"}
+    body = {"model": "any", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], **hints}
+    assert httpx.post(server.url + "/v1/messages", json=body, timeout=60).status_code == 200
+    count = {"model": "any", "messages": [{"role": "user", "content": "hi"}]}
+    assert httpx.post(server.url + "/v1/messages/count_tokens", json={**count, "cache_control": {"type": "ephemeral"}},
+                      timeout=60).status_code == 200
+    r = httpx.post(server.url + "/v1/messages/count_tokens", json={**count, "stop_sequence": ["x"]}, timeout=60)
+    assert r.status_code == 400 and "stop_sequence" in r.json()["error"]["message"], r.text

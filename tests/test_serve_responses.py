@@ -241,6 +241,11 @@ def test_text_before_a_call_keeps_its_own_tokens_logprobs():
     ({"temperature": 3}, "temperature"),
     # named as the client wrote them (Responses tools are flat: tools[1].name, not the chat shape's path)
     ({"tools": [ADD, ADD]}, "tools[1].name"),
+    # a field this API does not have (a misspelt one, a chat-only one): OpenAI's "Unknown parameter", never silence
+    ({"logprobs": True}, "logprobs"),
+    ({"stop_sequences": ["x"]}, "stop_sequences"),
+    ({"max_completion_tokens": 3}, "max_completion_tokens"),
+    ({"image": {"size": "auto"}}, "image"),
 ])
 def test_what_cannot_be_honoured_is_a_400_naming_it(server, extra, param):
     body = {"model": "any", "input": "Hi", "max_output_tokens": 4, **extra}
@@ -288,3 +293,13 @@ def test_input_token_counts_are_the_prompts_that_run(client, server):
     with pytest.raises(openai.BadRequestError) as e:   # what a stored-nothing server cannot honour: a 400 naming it
         client.responses.input_tokens.count(model="any", input=Q, previous_response_id="resp_123")
     assert e.value.body["param"] == "previous_response_id" and "not stored" in e.value.message
+
+
+def test_the_apis_hints_are_taken(server):
+    """OpenAI's fields that mean nothing on one local server (caches, tiers, the account's ids) are taken, as
+    OpenAI takes them, beside the refusal of unknown ones."""
+    body = {"model": "any", "input": "Hi", "max_output_tokens": 4, "prompt_cache_key": "k", "safety_identifier": "s",
+            "prompt_cache_retention": "24h", "service_tier": "auto", "store": False, "metadata": {"a": "b"},
+            "user": "u", "top_k": 5, "seed": 3}
+    r = httpx.post(server.url + "/v1/responses", json=body, timeout=60)
+    assert r.status_code == 200, r.text
