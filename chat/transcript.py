@@ -138,7 +138,9 @@ class Conversation:
         if d.get("format", FORMAT) != FORMAT:
             raise TranscriptError(f"{where}: not a bitchat conversation (format={d.get('format')!r})")
         version = d.get("version", FORMAT_VERSION)
-        if not isinstance(version, int) or version > FORMAT_VERSION:
+        if not isinstance(version, int) or isinstance(version, bool) or version < 1:   # "1", 1.0: not newer
+            raise TranscriptError(f"{where}: 'version' must be an integer (1 to {FORMAT_VERSION}), got {version!r}")
+        if version > FORMAT_VERSION:
             raise TranscriptError(f"{where}: conversation format version {version!r} is newer than this bitchat")
         system = d.get("system")
         if system is not None and not isinstance(system, str):
@@ -237,6 +239,8 @@ class Conversation:
             raise TranscriptError(f"{path}: cannot read ({getattr(e, 'strerror', None) or e})") from None
         except json.JSONDecodeError as e:
             raise TranscriptError(f"{path}: not valid JSON (line {e.lineno}: {e.msg})") from None
+        except ValueError as e:   # valid JSON Python will not read: a number of more than 4300 digits
+            raise TranscriptError(f"{path}: not a bitchat conversation ({str(e).split(';')[0]})") from None
         except RecursionError:
             raise TranscriptError(f"{path}: not a bitchat conversation (JSON nested too deep)") from None
         return cls.from_dict(d, where=path)

@@ -215,6 +215,11 @@ def test_save_errors_name_the_file(tmp_path):
     ('{"turns": "x"}', "'turns' must be a list"),
     ('{"system": 3}', "'system' must be a string"),
     ('{"version": 99}', "newer"),
+    ('{"version": "1", "turns": []}', "'version' must be an integer"),
+    ('{"version": "one", "turns": []}', "'version' must be an integer"),
+    ('{"version": 1.0, "turns": []}', "'version' must be an integer"),
+    pytest.param('{"turns": [], "window_start": ' + "9" * 5000 + "}", "not a bitchat conversation (Exceeds the limit",
+                 id="a-5000-digit-number"),   # Python's own limit: was an internal error
 ])
 def test_load_rejects_bad_files_with_one_line(tmp_path, content, message):
     p = tmp_path / "bad.json"
