@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from ..engine.errors import ENDING_SIGNALS, Terminated, write_failed
 from .commands import COMMANDS, CommandError, completions, is_command, open_block, parse_command, strip_block
 from .session import ChatSession, ExitChat, terminal_gone
+from .transcript import private_dir, state_dir
 
 PROMPT = ">>> "
 CONTINUATION = "... "
@@ -31,8 +32,7 @@ def history_path() -> str | None:
     env = os.environ.get("BITCHAT_HISTORY")
     if env is not None:
         return os.path.expanduser(env) if env.strip() else None
-    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
-    return os.path.join(base, "bitchat", "history")
+    return os.path.join(state_dir(), "history")
 
 
 HISTORY_KEEP = 1000            # entries of the input history kept (ollama keeps 100)
@@ -44,7 +44,7 @@ def private_history(path: str, keep: int = HISTORY_KEEP, max_bytes: int = HISTOR
     secret) and cut to its last `keep` entries and `max_bytes` (it grew without bound, all of it read at start).
     prompt_toolkit's FileHistory format: each entry a "# time" line, then its lines each after a "+"."""
     d = os.path.dirname(path) or "."
-    os.makedirs(d, mode=0o700, exist_ok=True)
+    private_dir(d)
     if os.path.exists(path) and not os.path.isfile(path):   # /dev/null (history off), a FIFO, a device: never
         raise OSError(errno.EINVAL, "not a regular file")     # chmod it, nor read an endless one
     os.close(os.open(path, os.O_CREAT | os.O_APPEND | os.O_WRONLY, 0o600))

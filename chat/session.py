@@ -27,7 +27,7 @@ from ..engine.errors import ENDING_SIGNALS, Terminated
 from .commands import THINK_WORDS, Command, CommandError, Settings, help_text, parse_setting, split_set
 from .render import Output, format_stats
 from .splice import CachedTurn, spliced_prompt
-from .transcript import Conversation, TranscriptError
+from .transcript import Conversation, TranscriptError, private_dir
 
 
 class ExitChat(Exception):
@@ -136,6 +136,7 @@ class ChatSession:
         self.last_prompt_ids: list[int] = []
         self.splice = True            # False: always re-render the whole window (for comparison)
         self.recovery_path: str | None = None   # see enable_recovery()
+        self._recovery_written = None   # (path, its identity) of the copy this session last wrote
         self.format = None            # compiled structured-output constraint of the answers (/set format), or None
         self.format_label = "off"
         # a Ctrl-C typed with or right after the Enter that sent the next line (the prompt saw it, not the turn):
@@ -155,8 +156,10 @@ class ChatSession:
         from ..engine import faults
 
         try:
-            os.makedirs(os.path.dirname(os.path.abspath(self.recovery_path)), exist_ok=True)
-            self.conv.save(self.recovery_path, meta={"model": self.llm.name, "recovered": True}, durable=False)
+            private_dir(os.path.dirname(os.path.abspath(self.recovery_path)))
+            written = self.conv.save(self.recovery_path, meta={"model": self.llm.name, "recovered": True},
+                                     durable=False)
+            self._recovery_written = (written, _identity(os.stat(written)))
         except (TranscriptError, OSError) as e:
             self.out.notice(f"[cannot keep a recovery copy of the conversation: {e}; /save still works]")
             self.recovery_path = None
@@ -164,10 +167,24 @@ class ChatSession:
             return
         faults.set_note(f"; the conversation so far is saved in {self.recovery_path} (/load it in bitchat)")
 
+    def recovery_copy(self) -> str | None:
+        """The recovery file when it still holds the copy this session last wrote, else None: only that one is
+        this session's to name or remove (a file it never wrote was removed at exit: the user's own, or the copy
+        of another bitchat given the same path)."""
+        if self._recovery_written is None:
+            return None
+        path, identity = self._recovery_written
+        try:
+            return path if _identity(os.stat(path)) == identity else None
+        except OSError:
+            return None
+
     def discard_recovery(self) -> None:
-        if self.recovery_path:
+        path = self.recovery_copy()
+        self._recovery_written = None
+        if path:
             try:
-                os.unlink(self.recovery_path)
+                os.unlink(path)
             except OSError:
                 pass
 
@@ -573,6 +590,11 @@ class ChatSession:
                      f"{self.conv.window_start} dropped), {self.total_generated} tokens generated, mean decode {mean}")
         lines.append(f"context:     {self.tokens_in_cache} / {self.llm.n_ctx} tokens")
         return "\n".join(lines)
+
+
+def _identity(st: os.stat_result) -> tuple:
+    """A file's identity and version: a rewrite by another process (a new inode, or a new time and size) differs."""
+    return st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size
 
 
 def _prefill(llm, ids: list[int], params, cancel=None) -> None:

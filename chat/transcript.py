@@ -51,6 +51,44 @@ def _is_conversation(path: str) -> bool:
     return re.match(r'\s*\{\s*"format"\s*:\s*"' + re.escape(FORMAT) + '"', head) is not None
 
 
+def state_dir() -> str:
+    """bitchat's own folder of private state (the input history, recovery copies): $XDG_STATE_HOME/bitchat."""
+    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return os.path.join(base, "bitchat")
+
+
+def private_dir(directory: str) -> None:
+    """Make `directory` if missing, 0700 (what it holds was typed, maybe a secret); bitchat's own state folder,
+    made with the umask's bits by an earlier bitchat (a piped one made it 0755), is made private again."""
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    if os.path.abspath(directory) == os.path.abspath(state_dir()):
+        try:
+            if os.stat(directory).st_mode & 0o077:
+                os.chmod(directory, 0o700)
+        except OSError:   # not ours to change
+            pass
+
+
+def recovery_problem(path: str) -> str | None:
+    """Why `path` cannot be this session's recovery copy, or None: a file there must be empty or an earlier
+    recovery copy (meta.recovered), as the copy is rewritten at every turn and removed at a normal exit."""
+    if not os.path.lexists(path):
+        return None
+    if not os.path.isfile(path):
+        return "is not a regular file"
+    if os.path.getsize(path) == 0:
+        return None
+    recovered = False
+    try:
+        if _is_conversation(path) and os.path.getsize(path) <= LOAD_MAX_BYTES:
+            with open(path, "rb") as f:
+                recovered = json.loads(f.read().decode("utf-8")).get("meta", {}).get("recovered") is True
+    except (OSError, ValueError, AttributeError, RecursionError):
+        pass
+    return None if recovered else "holds a file that is not a bitchat recovery copy (it would be replaced, " \
+        "then removed at exit)"
+
+
 @dataclass
 class Conversation:
     system: str | None = None

@@ -11,8 +11,9 @@ Exit codes: 0 normal end, 1 a piped command/turn failed, 2 bad flag or model (al
 truncated or rewritten while in use), 70 an internal error (a bug: please report it), 130 Ctrl-C while loading.
 
 The conversation is kept in a recovery file while the session runs ($BITCHAT_RECOVERY, empty: none; else
-$XDG_STATE_HOME/bitchat/recovery-PID.json), removed on a normal exit: when the process is ended by a fatal
-fault or Ctrl-C outside a turn (a piped session waiting for input), the one-line message says where it is (/load it).
+$XDG_STATE_HOME/bitchat/recovery-PID.json), removed on a normal exit while it is still the copy this session wrote:
+when the process is ended by a fatal fault or Ctrl-C outside a turn (a piped session waiting for input), the one-line
+message says where it is (/load it). A path holding a file that is not a recovery copy is refused at start.
 """
 from __future__ import annotations
 
@@ -104,9 +105,10 @@ def _guarded(args, settings: Settings, first_message: str | None = None) -> int:
     # the answer so far is saved, then leave
     for sig in ENDING_SIGNALS:
         signal.signal(sig, raise_terminated)
+    live = []   # the session, once made: the recovery copy it wrote is the one to name
     try:
         try:
-            return _run(args, settings, out, interactive, first_message)
+            return _run(args, settings, out, interactive, first_message, live)
         except OSError as e:
             from ..chat.session import terminal_gone
             if not terminal_gone(e):
@@ -114,18 +116,18 @@ def _guarded(args, settings: Settings, first_message: str | None = None) -> int:
             # the terminal closed at the prompt before its SIGHUP came: leave as on that signal
             raise Terminated(getattr(signal, "SIGHUP", signal.SIGTERM)) from None
     except (KeyboardInterrupt, Terminated) as e:
-        path = recovery_path()   # turns so far are kept (user data): say where, never leave a file unannounced
+        path = _written(live)   # turns so far are kept (user data): say where, never leave a file unannounced
         why = "interrupted" if isinstance(e, KeyboardInterrupt) else f"terminated ({signal.Signals(e.signum).name})"
         kept = f"bitchat: {why}; the conversation so far is saved in {path} (/load it in bitchat)" \
-            if path and os.path.isfile(path) else f"bitchat: {why}"
+            if path else f"bitchat: {why}"
         with contextlib.suppress(OSError):   # the terminal may be gone (SIGHUP)
             print(kept, file=sys.stderr)
         return 130 if isinstance(e, KeyboardInterrupt) else 128 + e.signum
     except BrokenPipeError:
         from . import quiet_broken_pipe
 
-        path = recovery_path()   # never a file left unannounced: it was, one per `bitchat < script | head`
-        if path and os.path.isfile(path):
+        path = _written(live)   # never a file left unannounced: it was, one per `bitchat < script | head`
+        if path:
             if sys.stdin.isatty():   # typed turns: kept, and said where
                 with contextlib.suppress(OSError):
                     print(f"bitchat: output closed; the conversation so far is saved in {path}", file=sys.stderr)
@@ -137,8 +139,8 @@ def _guarded(args, settings: Settings, first_message: str | None = None) -> int:
         from ..engine.errors import BUG_REPORT_HINT, EXIT_BAD_INPUT, EXIT_BUG, write_error_line, write_failed
 
         if write_failed(e):   # the answers cannot be written (stdout on a full disk): one line, the turns kept
-            path = recovery_path()
-            kept = f"; the conversation so far is saved in {path}" if path and os.path.isfile(path) else ""
+            path = _written(live)
+            kept = f"; the conversation so far is saved in {path}" if path else ""
             with contextlib.suppress(OSError):
                 print(write_error_line("bitchat", e) + kept, file=sys.stderr)
             from . import stdout_to_devnull
@@ -155,17 +157,32 @@ def _guarded(args, settings: Settings, first_message: str | None = None) -> int:
 
 def recovery_path() -> str | None:
     """$BITCHAT_RECOVERY (empty: no recovery copy), else recovery-PID.json in the XDG state dir."""
+    from ..chat.transcript import state_dir
+
     env = os.environ.get("BITCHAT_RECOVERY")
     if env is not None:
         return os.path.expanduser(env) if env.strip() else None
-    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
-    return os.path.join(base, "bitchat", f"recovery-{os.getpid()}.json")
+    return os.path.join(state_dir(), f"recovery-{os.getpid()}.json")
 
 
-def _run(args, settings: Settings, out: Output, interactive: bool, first_message: str | None = None) -> int:
-    from ..engine.errors import EXIT_BUG, BitNetError
+def _written(live: list) -> str | None:
+    """The recovery copy the session wrote, while it is still that copy (never a file it did not write)."""
+    return live[0].recovery_copy() if live else None
+
+
+def _run(args, settings: Settings, out: Output, interactive: bool, first_message: str | None = None,
+         live: list | None = None) -> int:
+    from ..chat.transcript import recovery_problem
+    from ..engine.errors import EXIT_BAD_INPUT, EXIT_BUG, BitNetError
 
     from ..engine import faults
+
+    path = recovery_path()
+    problem = recovery_problem(path) if path else None
+    if problem:   # it was removed at exit: a file of the user's, or a conversation /load-ed from there
+        print(f"bitchat: error: the recovery copy's path {path} {problem}; set BITCHAT_RECOVERY to another file "
+              "(empty: no recovery copy)", file=sys.stderr)
+        return EXIT_BAD_INPUT
 
     faults.install("bitchat")
     for stream in (sys.stdout, sys.stderr):   # a terminal that is not UTF-8 gets U+FFFD's stand-in, never an
@@ -207,7 +224,8 @@ def _run(args, settings: Settings, out: Output, interactive: bool, first_message
     from ..chat.session import ChatSession
 
     session = ChatSession(llm, settings, out, system=args.system, threads=args.threads, model_label=args.model)
-    path = recovery_path()
+    if live is not None:
+        live.append(session)
     if path:
         session.enable_recovery(path)
     ready = f"bitchat: {llm.name} ready in {load_s:.1f} s ({llm.n_ctx}-token context)."

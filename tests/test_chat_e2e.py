@@ -492,6 +492,21 @@ def test_piped_stdin_turns_and_plain_output(chat_model, tmp_path):
     assert int(stats[1][0]) < int(stats[1][1])                # turn 2 reused turn 1's cache
 
 
+def test_a_recovery_path_holding_another_file_is_refused(chat_model, tmp_path):
+    """$BITCHAT_RECOVERY naming a file that is not a recovery copy (the user's own, a saved conversation) is refused
+    at start in one line, exit 2, the file untouched: it was replaced by the copy, then removed at exit."""
+    for content in ("precious notes\n", json.dumps({"format": "bitchat-conversation", "version": 1, "turns": []})):
+        path = tmp_path / "precious.txt"
+        path.write_text(content)
+        env = test_env(tmp_path)
+        env["BITCHAT_RECOVERY"] = str(path)
+        r = subprocess.run(console_script("bitchat") + ["-m", chat_model, "-t", "1"], input="/bye\n",
+                           capture_output=True, text=True, timeout=TIMEOUT, env=env)
+        assert r.returncode == 2 and path.read_text() == content, r.stderr
+        assert r.stderr.count("\n") == 1 and "not a bitchat recovery copy" in r.stderr
+        assert "BITCHAT_RECOVERY" in r.stderr
+
+
 def test_piped_bad_command_hints_and_exits_1(chat_model, tmp_path):
     r = run_piped(chat_model, tmp_path, "/set temp hot\n/nope\n")
     assert r.returncode == 1

@@ -366,3 +366,43 @@ def test_a_system_prompt_too_long_for_the_context_is_named(llm):
     s.run_command(parse_command("/system Be brief."))
     s.ask("hi")
     assert len(s.conv.turns) == 1 and s.conv.turns[0].assistant is not None
+
+
+def test_the_recovery_copy_removes_only_what_it_wrote(llm, tmp_path):
+    """A normal exit removes the recovery copy only while it is the one this session wrote: a file it never wrote
+    (the user's own, a conversation /load-ed from that path) and one another bitchat wrote there since both stay
+    (each was removed at every exit, even with no turn made)."""
+    path = tmp_path / "rec.json"
+    path.write_text("precious notes\n")
+    s, _ = new_session(llm)
+    s.enable_recovery(str(path))
+    s.discard_recovery()
+    assert path.read_text() == "precious notes\n" and s.recovery_copy() is None
+    path.unlink()
+    s.ask("Hi?")
+    assert json.loads(path.read_text())["meta"]["recovered"] and s.recovery_copy() == str(path)
+    other, _ = new_session(llm)   # a second bitchat given the same path
+    other.enable_recovery(str(path))
+    other.ask("Mine?")
+    s.discard_recovery()
+    assert [t["user"] for t in json.loads(path.read_text())["turns"]] == ["Mine?"]
+    other.discard_recovery()
+    assert not path.exists()
+
+
+def test_the_recovery_folder_is_private(llm, tmp_path, monkeypatch):
+    """bitchat's state folder, made for a recovery copy (a piped bitchat made it with the umask's bits, 0755) or
+    left so by an earlier bitchat, is 0700: what it holds was typed."""
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    folder = tmp_path / "state" / "bitchat"
+    s, _ = new_session(llm)
+    s.enable_recovery(str(folder / "recovery-1.json"))
+    old = os.umask(0o022)
+    try:
+        s.ask("Hi?")
+    finally:
+        os.umask(old)
+    assert folder.stat().st_mode & 0o777 == 0o700
+    os.chmod(folder, 0o755)   # as an earlier bitchat left it
+    s.ask("Again?")
+    assert folder.stat().st_mode & 0o777 == 0o700
