@@ -246,22 +246,44 @@ class ChatSession:
         turn = self.conv.last_turn()
         if turn is None:
             raise CommandError("/retry: nothing to retry yet; ask something first")
+        earlier = (turn.assistant, turn.interrupted, turn.finish_reason)
         with sigint_as_flag() as flag:
             flag.hit, self.interrupt_pending = self.interrupt_pending, False
             turn.assistant = None
             turn.interrupted = False
             turn.finish_reason = None
-            self._answer(turn, flag)
-        self._after_turn(turn, flag)
+            try:
+                self._answer(turn, flag)
+            finally:
+                stopped = turn.interrupted
+                self._keep_earlier(turn, earlier)
+        self._after_turn(turn, flag, stopped)
+
+    def _keep_earlier(self, turn, earlier: tuple) -> None:
+        """A retry that made nothing keeps the turn and its earlier answer: the ways a new message fails (too long
+        for the window, a template or engine error) dropped the user's turn, and a Ctrl-C before the first token
+        replaced a whole answer with an empty one."""
+        dropped = self.conv.last_turn() is not turn
+        if not dropped and (turn.assistant or not earlier[0]):
+            return
+        if dropped:
+            self.conv.turns.append(turn)
+        turn.assistant, turn.interrupted, turn.finish_reason = earlier
+        self.cached_turn = None   # the cache holds the retry's prompt, not this answer's tokens
+        with contextlib.suppress(Exception):
+            self._save_recovery()
+        with contextlib.suppress(Exception):
+            self.out.notice("[/retry made no new answer: the earlier one is kept]")
 
     @staticmethod
-    def _after_turn(turn, flag) -> None:
+    def _after_turn(turn, flag, stopped: bool | None = None) -> None:
         """A signal that came while the turn was made and did not stop its answer (it came after the answer was
         whole, during the bookkeeping) acts now, as outside a turn: SIGTERM / SIGHUP leave, Ctrl-C is a
-        KeyboardInterrupt (piped bitchat exits 130)."""
+        KeyboardInterrupt (piped bitchat exits 130). `stopped`: whether the answer was stopped (a retry that
+        stopped puts the earlier answer back)."""
         if flag.terminated:   # the answer so far is kept and saved: now leave
             raise Terminated(flag.terminated)
-        if flag.hit and not turn.interrupted:
+        if flag.hit and not (turn.interrupted if stopped is None else stopped):
             raise KeyboardInterrupt
 
     def _answer(self, turn, flag) -> None:

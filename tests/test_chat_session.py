@@ -113,6 +113,30 @@ def test_retry_reuses_the_prompt_and_replaces_the_answer(llm):
     assert len(s.conv.turns) == 1 and s.conv.turns[0].assistant is not None
 
 
+def test_a_retry_that_makes_nothing_keeps_the_turn_and_its_answer(llm):
+    """/retry of a turn that no longer fits (a longer system prompt since) is refused and the turn stays, answer and
+    all (it was deleted as a new message too long is); a Ctrl-C before the retry's first token keeps the earlier
+    answer (it became empty)."""
+    from bitnet_cpu.engine.api import load_model
+
+    small = load_model(llm.store.path, ctx=96, threads=1, progress=False)
+    sink = io.StringIO()
+    s = ChatSession(small, Settings(temp=0.0, max_tokens=4), Output(sink, sink, interactive=False))
+    s.ask("Hello.")
+    answer = s.conv.turns[0].assistant
+    assert answer
+    s.run_command(parse_command("/set system " + "rules " * 200))
+    s.run_command(parse_command("/retry"))
+    assert "not sent" in sink.getvalue() and "the earlier one is kept" in sink.getvalue()
+    assert [(t.user, t.assistant) for t in s.conv.turns] == [("Hello.", answer)]
+    s.run_command(parse_command("/system --clear"))
+    s.interrupt_pending = True   # a Ctrl-C typed with the Enter of /retry: the answer stops before it begins
+    s.run_command(parse_command("/retry"))
+    turn = s.conv.turns[0]
+    assert "interrupted before the answer began" in sink.getvalue()
+    assert (turn.user, turn.assistant, turn.interrupted) == ("Hello.", answer, False)
+
+
 def test_commands_change_settings_and_bye_exits(llm):
     s, sink = new_session(llm)
     s.run_command(parse_command("/set temp 0.5"))
