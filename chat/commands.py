@@ -25,7 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
                              "/set format json|FILE|off (answers as JSON / matching a JSON Schema file), "
                              "/set think and /set nothink (a thinking model's <think> block on / off)"),
     "/show": ("[info|system|parameters]", "model information (source file, shape, context) and current settings"),
-    "/save": ("FILE", "save the conversation as JSON (atomic write)"),
+    "/save": ("FILE", "save the conversation as JSON (atomic write); /save! FILE replaces another conversation"),
     "/load": ("FILE", "load a conversation saved with /save and prefill it"),
     "/retry": ("", "regenerate the last answer"),
     "/stats": ("", "timings of the last answer and of the session"),
@@ -175,6 +175,7 @@ def parse_setting(name: str, text: str, *, max_tokens_limit: int | None = None) 
 class Command:
     name: str      # canonical, e.g. "/set"
     arg: str       # the rest of the line, stripped ("" if none)
+    force: bool = False   # /save!: replace a conversation file this session did not write or load
 
 
 NEEDS_ARG = {"/save", "/load"}
@@ -195,6 +196,9 @@ def parse_command(line: str) -> Command:
     name = head.lower()
     name = ALIASES.get(name, name)
     rest = rest.strip()
+    force = name == "/save!"
+    if force:
+        name = "/save"
     if name not in COMMANDS:
         close = [c for c in COMMANDS if c.startswith(name[:3])] if len(name) > 1 else []
         hint = f" (did you mean {close[0]}?)" if close else ""
@@ -220,7 +224,7 @@ def parse_command(line: str) -> Command:
             raise CommandError("/set needs NAME VALUE, e.g. /set temp 0.7 (or /set alone to show settings)")
     if name == "/show" and rest and rest.lower() not in SHOW_TOPICS:
         raise CommandError(f"/show: unknown topic {rest!r} (one of: {', '.join(SHOW_TOPICS)})")
-    return Command(name, rest)
+    return Command(name, rest, force)
 
 
 def split_set(arg: str) -> tuple[str, str] | None:

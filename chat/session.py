@@ -27,7 +27,7 @@ from ..engine.errors import ENDING_SIGNALS, Terminated
 from .commands import THINK_WORDS, Command, CommandError, Settings, help_text, parse_setting, split_set
 from .render import Output, format_stats
 from .splice import CachedTurn, spliced_prompt
-from .transcript import Conversation, TranscriptError, private_dir
+from .transcript import Conversation, TranscriptError, other_conversation, private_dir, same_file_key
 
 
 class ExitChat(Exception):
@@ -137,6 +137,7 @@ class ChatSession:
         self.splice = True            # False: always re-render the whole window (for comparison)
         self.recovery_path: str | None = None   # see enable_recovery()
         self._recovery_written = None   # (path, its identity) of the copy this session last wrote
+        self.own_files: set[str] = set()   # conversation files this session saved or loaded: /save replaces them
         self.format = None            # compiled structured-output constraint of the answers (/set format), or None
         self.format_label = "off"
         # a Ctrl-C typed with or right after the Enter that sent the next line (the prompt saw it, not the turn):
@@ -519,11 +520,18 @@ class ChatSession:
         elif name == "/stats":
             self.out.info(self.describe_stats())
         elif name == "/save":
+            other = None if cmd.force or same_file_key(arg) in self.own_files else other_conversation(
+                same_file_key(arg))
+            if other:   # a fresh session's /save replaced a long conversation with an empty one, in silence
+                raise CommandError(f"/save: {same_file_key(arg)} holds {other}: not replaced; /save! {arg} replaces "
+                                   "it, or pick another name")
             try:
                 path = self.conv.save(arg, meta={"model": self.llm.name, "settings": vars(self.settings).copy()})
             except TranscriptError as e:
                 raise CommandError(f"/save: {e}") from None
-            self.out.info(f"[saved {len(self.conv.turns)} turns to {path}]")
+            self.own_files.add(same_file_key(path))
+            n = len(self.conv.turns)
+            self.out.info(f"[saved {n} turn{'' if n == 1 else 's'} to {path}]")
         elif name == "/load":
             from ..engine.errors import BitNetError
             try:
@@ -537,6 +545,7 @@ class ChatSession:
                 raise CommandError(f"/load: {arg}: this model cannot take the conversation: {e}") from None
             self.conv = conv
             self.cached_turn = None
+            self.own_files.add(same_file_key(arg))
             self.out.info(f"[loaded {len(conv.turns)} turns from {arg}]")
             self.prefill_conversation()
         elif name == "/retry":

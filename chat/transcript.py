@@ -51,6 +51,23 @@ def _is_conversation(path: str) -> bool:
     return re.match(r'\s*\{\s*"format"\s*:\s*"' + re.escape(FORMAT) + '"', head) is not None
 
 
+def same_file_key(path: str) -> str:
+    """The file a path names, links and ~ resolved: what /save compares with the files this session owns."""
+    return os.path.realpath(os.path.abspath(os.path.expanduser(path)))
+
+
+def other_conversation(path: str) -> str | None:
+    """What a conversation file at `path` holds ("another conversation (12 turns)"), or None when there is none
+    there (no file, an empty one, or not a conversation: /save refuses those itself)."""
+    if not os.path.isfile(path) or not os.path.getsize(path) or not _is_conversation(path):
+        return None
+    try:
+        n = len(Conversation.load(path).turns)
+    except TranscriptError:
+        return "another conversation"
+    return f"another conversation ({n} turn{'' if n == 1 else 's'})"
+
+
 def state_dir() -> str:
     """bitchat's own folder of private state (the input history, recovery copies): $XDG_STATE_HOME/bitchat."""
     base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")

@@ -130,7 +130,7 @@ def test_question_streams_an_answer_with_stats_and_bye_exits(chat_model, tmp_pat
     chat = Chat(chat_model, tmp_path)
     shown, n, ttft = chat.ask("Hello, who are you?")
     assert 1 <= n <= 8 and ttft is not None
-    chat.command(f"/save {tmp_path / 'c.json'}", r"\[saved 1 turns")
+    chat.command(f"/save {tmp_path / 'c.json'}", r"\[saved 1 turn ")
     saved = json.loads((tmp_path / "c.json").read_text())
     answer = saved["turns"][0]["assistant"]
     assert saved["turns"][0]["user"] == "Hello, who are you?"
@@ -201,7 +201,7 @@ def test_ctrl_z_at_the_prompt_suspends_and_fg_resumes(chat_model, tmp_path):
         sh.expect(STATS_RE)       # and it answers it
         sh.expect(PROMPT_RE)
         sh.send("/save " + str(tmp_path / "c.json") + "\r")
-        sh.expect(r"\[saved 1 turns")
+        sh.expect(r"\[saved 1 turn ")
         assert json.loads((tmp_path / "c.json").read_text())["turns"][0]["user"] == "hello there"
         sh.send("/bye\r")
         sh.expect_exact("sh$ ")

@@ -161,7 +161,7 @@ def test_pty_long_answer_wraps_at_the_terminal_width(long_model, tmp_path):
     chat.expect(STATS_RE)
     shown = ANSI_RE.sub("", chat.child.before)
     chat.wait_prompt()
-    chat.command(f"/save {tmp_path / 'w.json'}", r"\[saved 1 turns")
+    chat.command(f"/save {tmp_path / 'w.json'}", r"\[saved 1 turn ")
     answer = json.loads((tmp_path / "w.json").read_text())["turns"][0]["assistant"]
     lines = shown.replace("\r\n", "\n").split("\n")
     start = max(i for i, x in enumerate(lines) if "Tell me a long story." in x) + 1   # after the echoed input

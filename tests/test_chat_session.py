@@ -172,6 +172,31 @@ def test_save_load_prefills_and_next_turn_is_cached(llm, tmp_path):
     assert len(s2.conv.turns) == 3
 
 
+def test_save_replaces_another_conversation_only_when_forced(llm, tmp_path):
+    """/save over a conversation file this session neither saved nor loaded is refused, naming its turns (a fresh
+    bitchat replaced a long conversation with an empty one, in silence); /save! replaces it; the session's own
+    earlier save and the file it loaded are replaced as before."""
+    s, _ = new_session(llm)
+    s.ask("One?")
+    s.ask("Two?")
+    path = tmp_path / "mine.json"
+    s.run_command(parse_command(f"/save {path}"))
+    s.ask("Three?")
+    s.run_command(parse_command(f"/save {path}"))
+    fresh, sink = new_session(llm)
+    with pytest.raises(CommandError, match=r"holds another conversation \(3 turns\): not replaced; /save! "):
+        fresh.run_command(parse_command(f"/save {path}"))
+    assert len(json.loads(path.read_text())["turns"]) == 3
+    fresh.run_command(parse_command(f"/save! {path}"))
+    assert json.loads(path.read_text())["turns"] == [] and "[saved 0 turns to" in sink.getvalue()
+    s.run_command(parse_command(f"/save {path}"))   # its own file, though replaced since
+    loader, sink = new_session(llm)
+    loader.run_command(parse_command(f"/load {path}"))
+    loader.ask("Four?")
+    loader.run_command(parse_command(f"/save {path}"))
+    assert len(json.loads(path.read_text())["turns"]) == 4 and "[saved 4 turns to" in sink.getvalue()
+
+
 class _InterruptingOutput(Output):
     """Presses Ctrl-C (a real SIGINT to this process) once the answer has started to show."""
 
