@@ -229,6 +229,13 @@ class ChatSession:
         self.last_prompt_ids = ids
         return ids
 
+    def _system_overflow(self) -> int:
+        """The system prompt's tokens when it alone leaves no room for a turn and its answer, else 0."""
+        if not self.conv.system:
+            return 0
+        n = self.count_tokens(self.conv.messages(start=len(self.conv.turns)))
+        return n if n >= self.llm.n_ctx - self._reserve() else 0
+
     # ---- one answer ----------------------------------------------------------------------------
     def ask(self, text: str) -> None:
         from ..engine.formats.tokenizer import decode_utf8
@@ -342,8 +349,8 @@ class ChatSession:
             n = self.count_tokens(self.conv.messages(start=len(self.conv.turns) - 1))
             self.conv.drop_last_turn()
             self.had_errors = True
-            n_system = self.count_tokens(self.conv.messages(start=len(self.conv.turns))) if self.conv.system else 0
-            if n_system >= self.llm.n_ctx - self._reserve():   # the system prompt is what does not fit
+            n_system = self._system_overflow()
+            if n_system:   # the system prompt is what does not fit
                 self.out.notice(f"[message not sent: the system prompt alone needs {n_system} tokens of the "
                                 f"{self.llm.n_ctx}-token context ({self._reserve()} kept for the answer); shorten it "
                                 "(/system) or start bitchat with a larger -c]")
@@ -450,8 +457,14 @@ class ChatSession:
 
         ids = self._fit(generation_prompt=False)
         if ids is None:
-            self.out.notice("[the loaded conversation's last turn alone does not fit the context window; "
-                            "it will be trimmed when you ask the next question]")
+            n_system = self._system_overflow()
+            if n_system:   # no question can be asked until it is shorter: say so now, not "trimmed" and then refused
+                self.out.notice(f"[the system prompt alone needs {n_system} tokens of the {self.llm.n_ctx}-token "
+                                f"context ({self._reserve()} kept for the answer); shorten it (/system) or start "
+                                "bitchat with a larger -c]")
+            else:
+                self.out.notice("[the loaded conversation's last turn alone does not fit the context window; "
+                                "it will be trimmed when you ask the next question]")
             return
         t0 = time.perf_counter()
         interrupted = False
@@ -539,6 +552,9 @@ class ChatSession:
             except TranscriptError as e:
                 raise CommandError(f"/load: {e}") from None
             conv.window_start = 0   # fitted to this session's context (a save from a smaller -c hid turns that fit)
+            kept_system = conv.system is None and self.conv.system is not None
+            if kept_system:   # a file saved without one keeps this session's (-sys, /system): it was dropped unsaid
+                conv.system = self.conv.system
             try:   # the template and tokenizer take it (a hand-edited file may hold what neither can): else the
                 self.llm.chat_prompt(conv.messages(), add_generation_prompt=False)   # current conversation stays
             except (BitNetError, ValueError, RecursionError) as e:
@@ -546,7 +562,10 @@ class ChatSession:
             self.conv = conv
             self.cached_turn = None
             self.own_files.add(same_file_key(arg))
-            self.out.info(f"[loaded {len(conv.turns)} turns from {arg}]")
+            n = len(conv.turns)
+            system = "no system prompt" if conv.system is None else \
+                f"system prompt {_short(conv.system)}" + (" kept (the file has none)" if kept_system else "")
+            self.out.info(f"[loaded {n} turn{'' if n == 1 else 's'} from {arg}; {system}]")
             self.prefill_conversation()
         elif name == "/retry":
             self.retry()
@@ -621,6 +640,11 @@ class ChatSession:
                      f"{self.conv.window_start} dropped), {self.total_generated} tokens generated, mean decode {mean}")
         lines.append(f"context:     {self.tokens_in_cache} / {self.llm.n_ctx} tokens")
         return "\n".join(lines)
+
+
+def _short(text: str, width: int = 60) -> str:
+    """`text` quoted on one line, cut to about `width` characters."""
+    return repr(text if len(text) <= width else text[:width - 3] + "...")
 
 
 def _identity(st: os.stat_result) -> tuple:

@@ -455,3 +455,37 @@ def test_the_recovery_folder_is_private(llm, tmp_path, monkeypatch):
     os.chmod(folder, 0o755)   # as an earlier bitchat left it
     s.ask("Again?")
     assert folder.stat().st_mode & 0o777 == 0o700
+
+
+def test_load_keeps_the_sessions_system_prompt_when_the_file_has_none(llm, tmp_path):
+    """bitchat -sys TEXT, then /load of a conversation saved without a system prompt: TEXT stays and the loaded line
+    says which system prompt is in use (it was dropped in silence); a file's own system prompt replaces it."""
+    plain, _ = new_session(llm, system=None)
+    plain.ask("Hi?")
+    nosys = tmp_path / "nosys.json"
+    plain.run_command(parse_command(f"/save {nosys}"))
+    s, sink = new_session(llm, system="Answer only in French.")
+    s.run_command(parse_command(f"/load {nosys}"))
+    assert s.conv.system == "Answer only in French."
+    assert "[loaded 1 turn from" in sink.getvalue() and "'Answer only in French.' kept (the file has none)" in \
+        sink.getvalue()
+    assert s.conv.messages()[0] == {"role": "system", "content": "Answer only in French."}
+    withsys = tmp_path / "withsys.json"
+    new_session(llm, system="Be brief.")[0].conv.save(str(withsys))
+    s.run_command(parse_command(f"/load {withsys}"))
+    assert s.conv.system == "Be brief." and "system prompt 'Be brief.'" in sink.getvalue()
+
+
+def test_load_of_a_system_prompt_too_long_for_the_context_says_so(llm, tmp_path):
+    """A loaded conversation whose system prompt alone overflows the context is named as such (it said the last turn
+    would be trimmed, then refused every question over the system prompt)."""
+    from bitnet_cpu.engine.api import load_model
+
+    small = load_model(llm.store.path, ctx=96, threads=1, progress=False)
+    path = tmp_path / "longsys.json"
+    path.write_text(json.dumps({"format": "bitchat-conversation", "version": 1, "system": "rules " * 200,
+                                "turns": [{"user": "Hello", "assistant": "Hi."}]}))
+    sink = io.StringIO()
+    s = ChatSession(small, Settings(temp=0.0, max_tokens=4), Output(sink, sink, interactive=False))
+    s.run_command(parse_command(f"/load {path}"))
+    assert "the system prompt alone needs" in sink.getvalue() and "trimmed" not in sink.getvalue()
