@@ -135,9 +135,11 @@ def _breakers(text: str) -> tuple[str, ...]:
     if text.lstrip().startswith("["):
         try:
             v = json.loads(text)
-        except ValueError:
-            raise CommandError(f"/set dry_sequence_breakers: {text!r} is not a JSON list of strings") from None
-        return tuple(v)   # text starting with '[' that parses is a JSON list
+        except (ValueError, RecursionError):
+            v = None
+        if not isinstance(v, list) or not all(isinstance(x, str) for x in v):   # [1, 2] was echoed as (1, 2)
+            raise CommandError(f"/set dry_sequence_breakers: {text!r} is not a JSON list of strings")
+        return tuple(v)
     return (text,)
 
 

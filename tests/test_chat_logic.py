@@ -354,6 +354,7 @@ def test_parse_setting_ok(name, text, key, value):
     ("max_tokens", "0", ">= 1"), ("repeat_penalty", "0", "> 0"), ("colour", "red", "unknown setting"),
     ("mirostat", "3", "0, 1 or 2"), ("dry_sequence_breakers", '["", "x"]', "non-empty strings"),
     ("dry_sequence_breakers", "[oops", "JSON list"),
+    ("dry_sequence_breakers", "[1,2]", "'[1,2]' is not a JSON list of strings"),
 ])
 def test_parse_setting_rejects(name, text, fragment):
     with pytest.raises(CommandError) as e:
