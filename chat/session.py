@@ -202,18 +202,24 @@ class ChatSession:
         the context, e.g. -n -1, would otherwise leave no room for any earlier turn)."""
         return max(1, min(self.settings.max_tokens, self.llm.n_ctx // 2))
 
-    def _fit(self, generation_prompt: bool = True) -> list[int] | None:
+    def _fit(self, generation_prompt: bool = True, known: list[int] | None = None) -> list[int] | None:
         """Trim the window so prompt + answer room fit n_ctx, dropping only as many of the oldest turns as
         needed (every turn that fits stays); the prompt ids, or None when even the newest message alone
-        cannot fit (then that turn is removed and the user is told)."""
+        cannot fit (then that turn is removed and the user is told). `known`: the ids of the window as it stands,
+        already made (/load tokenized the whole conversation: each time took a minute for 10,000 turns)."""
         n_ctx = self.llm.n_ctx
         budget = n_ctx - self._reserve()
         start_before = self.conv.window_start
+        whole = self.conv.messages() if known is not None else None
+
+        def count(m: list[dict]) -> int:
+            return len(known) if known is not None and m == whole else self.count_tokens(m, generation_prompt)
         # once trimming is needed, down to 3/4 of the room: each trim changes the prompt's start and re-reads the
         # whole window, which trimming one turn at a time did on every turn of a full context
-        dropped = self.conv.fit_window(lambda m: self.count_tokens(m, generation_prompt), budget, budget * 3 // 4)
+        dropped = self.conv.fit_window(count, budget, budget * 3 // 4)
         messages = self.conv.messages()
-        ids = self.llm.chat_prompt(messages, add_generation_prompt=generation_prompt)
+        ids = known if known is not None and messages == whole else \
+            self.llm.chat_prompt(messages, add_generation_prompt=generation_prompt)
         if generation_prompt and self.splice:  # same text, but the last answer's own tokens: the cache covers them
             spliced = spliced_prompt(self.llm, self.cached_turn, messages)
             if spliced is not None and len(spliced) < n_ctx:
@@ -449,13 +455,14 @@ class ChatSession:
         self.out.dim(format_stats(stats, n_tokens))
 
     # ---- loading a saved conversation ----------------------------------------------------------
-    def prefill_conversation(self) -> None:
-        """Feed the whole window to the model now so the next turn starts fast (re-prefill)."""
+    def prefill_conversation(self, known: list[int] | None = None) -> None:
+        """Feed the whole window to the model now so the next turn starts fast (re-prefill); `known`: its ids
+        without a generation prompt, when made already."""
         if not self.conv.turns and not self.conv.system:
             return
         from ..engine.errors import BitNetError
 
-        ids = self._fit(generation_prompt=False)
+        ids = self._fit(generation_prompt=False, known=known)
         if ids is None:
             n_system = self._system_overflow()
             if n_system:   # no question can be asked until it is shorter: say so now, not "trimmed" and then refused
@@ -556,7 +563,7 @@ class ChatSession:
             if kept_system:   # a file saved without one keeps this session's (-sys, /system): it was dropped unsaid
                 conv.system = self.conv.system
             try:   # the template and tokenizer take it (a hand-edited file may hold what neither can): else the
-                self.llm.chat_prompt(conv.messages(), add_generation_prompt=False)   # current conversation stays
+                ids = self.llm.chat_prompt(conv.messages(), add_generation_prompt=False)   # current one stays
             except (BitNetError, ValueError, RecursionError) as e:
                 raise CommandError(f"/load: {arg}: this model cannot take the conversation: {e}") from None
             self.conv = conv
@@ -566,7 +573,7 @@ class ChatSession:
             system = "no system prompt" if conv.system is None else \
                 f"system prompt {_short(conv.system)}" + (" kept (the file has none)" if kept_system else "")
             self.out.info(f"[loaded {n} turn{'' if n == 1 else 's'} from {arg}; {system}]")
-            self.prefill_conversation()
+            self.prefill_conversation(known=ids)
         elif name == "/retry":
             self.retry()
 

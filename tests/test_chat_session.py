@@ -489,3 +489,22 @@ def test_load_of_a_system_prompt_too_long_for_the_context_says_so(llm, tmp_path)
     s = ChatSession(small, Settings(temp=0.0, max_tokens=4), Output(sink, sink, interactive=False))
     s.run_command(parse_command(f"/load {path}"))
     assert "the system prompt alone needs" in sink.getvalue() and "trimmed" not in sink.getvalue()
+
+
+def test_load_tokenizes_a_conversation_that_fits_once(llm, tmp_path, monkeypatch):
+    """/load reads the whole conversation through the tokenizer once: the prefill's fit reuses the ids /load's check
+    made (it tokenized the whole conversation three times: 96 s for 10,000 turns). Counted, not timed: the real
+    tokenizer does the work, each call of it on the whole conversation is counted."""
+    s, _ = new_session(llm)
+    for i in range(3):
+        s.ask(f"Question {i}?")
+    path = tmp_path / "c.json"
+    s.run_command(parse_command(f"/save {path}"))
+    whole = llm.chat_text(s.conv.messages(), add_generation_prompt=False)
+    tok = llm.tokenizer
+    seen = []
+    real = tok.encode
+    monkeypatch.setattr(tok, "encode", lambda text, **kw: (seen.append(text == whole), real(text, **kw))[1])
+    loader, sink = new_session(llm)
+    loader.run_command(parse_command(f"/load {path}"))
+    assert "prefilled" in sink.getvalue() and sum(seen) == 1, seen
