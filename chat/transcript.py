@@ -194,7 +194,7 @@ class Conversation:
             raise TranscriptError(f"{where}: not a bitchat conversation (format={d.get('format')!r})")
         version = d.get("version", FORMAT_VERSION)
         if not isinstance(version, int) or isinstance(version, bool) or version < 1:   # "1", 1.0: not newer
-            raise TranscriptError(f"{where}: 'version' must be an integer (1 to {FORMAT_VERSION}), got {version!r}")
+            raise TranscriptError(f"{where}: 'version' must be an integer, got {version!r}")
         if version > FORMAT_VERSION:
             raise TranscriptError(f"{where}: conversation format version {version!r} is newer than this bitchat")
         system = d.get("system")
