@@ -211,3 +211,32 @@ def test_default_head_is_q4_within_its_kernel_bound():
     assert default_lm_head(SimpleNamespace(hidden_size=2560)) == "q4"
     assert default_lm_head(SimpleNamespace(hidden_size=layout.Q4G_MAX_K)) == "q4"
     assert default_lm_head(SimpleNamespace(hidden_size=layout.Q4G_MAX_K + 4)) == "i8"   # beyond the int32 bound
+
+
+@pytest.mark.parametrize("name,edit", [("output", "halve"), ("output.gscale", "halve"), ("output.scale", "halve"),
+                                       ("output", "int8")])
+def test_a_q4_head_of_the_wrong_size_or_dtype_is_refused_at_load(q4_store, tmp_path, name, edit):
+    """An index edited with its checksum made right again (any tool that rewrites a store): the kernel's sizes
+    are checked at load, so the damage is a one-line FormatError there, not an internal error at each request."""
+    import hashlib
+    import json
+
+    from bitnet_cpu.engine.errors import FormatError
+    from bitnet_cpu.engine.formats.store import _HEADER
+
+    data = bytearray(open(q4_store["q4"], "rb").read())
+    magic, ver, res, ioff, isize, doff, _ = _HEADER.unpack_from(data)
+    index = json.loads(data[ioff:ioff + isize])
+    e = index["tensors"][name]
+    if edit == "halve":
+        e["shape"][0] //= 2
+        e["nbytes"] //= 2
+    else:
+        e["dtype"] = "int8"
+    raw = json.dumps(index, separators=(",", ":"), sort_keys=True).encode()
+    out = data[:ioff] + raw
+    out[:_HEADER.size] = _HEADER.pack(magic, ver, res, ioff, len(raw), doff, hashlib.sha256(raw).digest())
+    p = tmp_path / "bad.bnstore"
+    p.write_bytes(bytes(out))
+    with pytest.raises(FormatError, match=f"tensor {name} has dtype"):
+        Model(Store(str(p)), n_ctx=32)

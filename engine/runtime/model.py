@@ -35,7 +35,7 @@ from ..config import ModelConfig
 from ..errors import BitNetError, ContextOverflowError, FormatError
 from ..memory import available_memory
 from .thread_tuner import ThreadTuner
-from ...simd.layout import K_ALIGN, TG_GROUP, head_kind, pad_to, tg128_bytes, tile16b3_bytes
+from ...simd.layout import K_ALIGN, Q4G_GROUP, Q4G_MAX_K, TG_GROUP, head_kind, pad_to, tg128_bytes, tile16b3_bytes
 
 DEFAULT_CHUNK = 128  # prefill rows per GEMM call (measured: 32..256 within 4%, 128 best)
 # Chunks of at most this many rows use the multi-row GEMV (one sequential weight stream) instead of the GEMM,
@@ -240,9 +240,14 @@ class Weights:
         self.out_w = store.tensor("output").reshape(-1)
         v_pad = pad_to(V, 16)
         self.rescore = None   # f16 rows [V, D] the q4 head's best RESCORE_K candidates are recomputed from
-        if self.lm_head == "q4":
-            self.out_gscale = store.tensor("output.gscale").reshape(-1)
-            self.out_scale = store.tensor("output.scale").reshape(-1)
+        if self.lm_head == "q4":   # sizes as the kernel needs them: a damaged file is refused here, not in it
+            k_pad = pad_to(D, K_ALIGN)
+            if k_pad > Q4G_MAX_K:
+                raise FormatError(f"{store.path}: the q4 lm head of hidden size {D} is beyond the q4 kernel's "
+                                  f"{Q4G_MAX_K} columns (not written by `bitnet convert`)")
+            self.out_w = _expect(store, "output", np.uint8, v_pad * k_pad // 2)
+            self.out_gscale = _expect(store, "output.gscale", np.uint8, v_pad * k_pad // Q4G_GROUP)
+            self.out_scale = _expect(store, "output.scale", np.float32, v_pad)
             if "output.rows" in store.tensor_names:
                 self.rescore = _expect(store, "output.rows", (np.float16, np.uint16), V * D).view(np.uint16).reshape(V, D)
             elif cfg.tie_word_embeddings:
