@@ -108,3 +108,40 @@ def test_read_into_memory_short_file_and_progress(tmp_path):
     mm.close()
     with pytest.raises(FormatError, match="truncated"):
         read_into_memory(str(f), 0, data.size + 1)
+
+
+# ---------------------------------------------------------------- damaged tensor data
+
+
+def _poison(path, name, value):
+    """Write `value` over tensor `name`'s first float32 in place (tensor data has no checksum)."""
+    with Store(path, load="mmap") as s:
+        at = s._data_offset + s.info(name)["offset"]
+    with open(path, "r+b") as f:
+        f.seek(at)
+        f.write(np.float32(value).tobytes())
+
+
+@pytest.mark.parametrize("load", ["mmap", "memory"])
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
+def test_nan_or_inf_in_a_float_tensor_is_refused(tmp_path, load, value):
+    p, _, _ = _write(tmp_path)
+    _poison(p, "a", value)
+    with pytest.raises(FormatError, match=r"tensor 'a' holds NaN/inf values") as e:
+        Store(p, load=load)
+    assert str(e.value).startswith(f"{p}: ") and "\n" not in str(e.value)
+
+
+def test_a_cached_conversion_with_a_nan_norm_is_converted_again(tmp_path, capsys):
+    from bitnet_cpu.engine.formats.convert import resolve_model
+
+    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models", "bitnet-b1.58-tiny")
+    cache = str(tmp_path / "cache")
+    path = resolve_model(src, cache_dir=cache, lm_head="f16", progress=False)
+    with Store(path) as s:
+        want = s.tensor("blk.0.attn_norm").copy()
+    _poison(path, "blk.0.attn_norm", np.nan)
+    assert resolve_model(src, cache_dir=cache, lm_head="f16", progress=False) == path
+    assert "is damaged" in capsys.readouterr().err
+    with Store(path) as s:
+        assert np.array_equal(s.tensor("blk.0.attn_norm"), want)

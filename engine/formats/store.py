@@ -268,6 +268,17 @@ class Store:
             self._mem, start = read_into_memory(self.path, doff, self.data_bytes, huge=thp_mode() != "never",
                                                 progress=progress)
             self._data, self._base, self.load_mode = self._mem, start, "memory"
+        self._check_finite()
+
+    def _check_finite(self):
+        """The f32 tensors (norms, per-row and head scales: small) hold finite values. No checksum covers tensor
+        data, and a NaN or inf there (a disk error, an edit) gives garbage text with exit 0; a GGUF or HF source
+        with them is refused at conversion, a store is here."""
+        for name, e in self._index.items():
+            if e["dtype"] == "float32" and not np.isfinite(self.tensor(name)).all():
+                self.close()
+                raise FormatError(f"{self.path}: tensor {name!r} holds NaN/inf values (file damaged)",
+                                  hint="re-convert the model")
 
     def _wants_memory(self, load: str) -> bool:
         if load == "mmap" or self.data_bytes == 0:
