@@ -516,3 +516,22 @@ def test_cli_weights_t16_and_refusals(model, tmp_path):
     with pytest.raises(BitNetError, match="only t2 applies"):
         convert(gsrc, str(tmp_path / "q.bnstore"), weights="t1.6", progress=False)
     assert not os.path.exists(str(tmp_path / "q.bnstore"))
+
+
+@pytest.mark.parametrize("damage,msg", [(None, "is already a BitNet store"), ("truncate", "truncated or corrupt store"),
+                                        ("index", "index checksum mismatch")])
+def test_converting_a_store_says_whether_it_is_damaged(tmp_path, damage, msg):
+    """A store given to convert: a sound one has nothing to convert; a damaged one is said damaged, in the words
+    run and inspect use (it was called a store with nothing to convert, and the run then failed on it)."""
+    from bitnet_cpu.engine.formats.convert import bundled_model
+
+    data = bytearray(open(bundled_model(), "rb").read())
+    if damage == "truncate":
+        data = data[:len(data) // 2]
+    elif damage == "index":
+        data[-5] ^= 0xFF
+    p = tmp_path / "m.bnstore"
+    p.write_bytes(bytes(data))
+    with pytest.raises(FormatError, match=msg) as e:
+        convert(str(p), str(tmp_path / "out.bnstore"), progress=False)
+    assert str(e.value).startswith(f"{p}: ") and "nothing to convert" not in str(e.value) or damage is None

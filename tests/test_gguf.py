@@ -173,10 +173,12 @@ def test_bad_headers(tmp_path, data, err, msg):
     assert path in str(e.value) and "\n" not in str(e.value)
 
 
-def test_bad_alignment_key(tmp_path):
+@pytest.mark.parametrize("align,msg", [(24, "must be a power of two"), (0, "must be a power of two"),
+                                       (1 << 31, "at most 1048576")])   # a power of two, over the limit: said so
+def test_bad_alignment_key(tmp_path, align, msg):
     k = b"general.alignment"
-    data = _header(n_kv=1) + struct.pack("<Q", len(k)) + k + struct.pack("<II", 4, 24) + b"\0" * 32
-    with pytest.raises(FormatError, match="alignment"):
+    data = _header(n_kv=1) + struct.pack("<Q", len(k)) + k + struct.pack("<II", 4, align) + b"\0" * 32
+    with pytest.raises(FormatError, match=f"bad general.alignment {align} .*{msg}"):
         GGUFFile(_write(tmp_path, data))
 
 

@@ -215,8 +215,9 @@ def convert(src: str, out: str | None = None, *, lm_head: str | None = None, wei
     if weights not in WEIGHTS:
         raise BitNetError(f"--weights: {weights!r} is not one of {', '.join(WEIGHTS)}")
     src = os.fspath(src)
-    if is_store(src):
-        raise FormatError(f"{src}: is already a BitNet store (nothing to convert)")
+    if is_store(src):   # the magic alone: a damaged store is said as such, as `run` and `inspect` say it
+        damage = _damage(src)
+        raise FormatError(f"{src}: " + (damage if damage else "is already a BitNet store (nothing to convert)"))
     source = open_source(src, hidden_act, ternarize)
     try:
         if weights != "t2" and source.config.weight_groups:

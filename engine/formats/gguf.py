@@ -280,7 +280,8 @@ class GGUFFile:
         self.arch = str(self.kv.get("general.architecture", ""))
         align = self.kv.get("general.alignment", DEFAULT_ALIGNMENT)
         if not isinstance(align, int) or isinstance(align, bool) or align <= 0 or align & (align - 1) or align > 1 << 20:
-            raise FormatError(f"{self.path}: bad general.alignment {align!r} (must be a power of two)")
+            raise FormatError(f"{self.path}: bad general.alignment {align!r} (must be a power of two, at most"
+                              f" {1 << 20})")
         self.alignment = align
         infos = []
         for i in range(n_tensors):
