@@ -3,6 +3,7 @@ exactly the source's ternary weights and scales (seen through layout.unpack_*), 
 line naming the file."""
 import json
 import os
+import struct
 import subprocess
 import sys
 
@@ -535,3 +536,15 @@ def test_converting_a_store_says_whether_it_is_damaged(tmp_path, damage, msg):
     with pytest.raises(FormatError, match=msg) as e:
         convert(str(p), str(tmp_path / "out.bnstore"), progress=False)
     assert str(e.value).startswith(f"{p}: ") and "nothing to convert" not in str(e.value) or damage is None
+
+
+def test_a_safetensors_header_naming_a_tensor_twice_is_refused(tmp_path):
+    """json.loads keeps the last of two equal keys: the first entry's bytes were a hole nothing checked."""
+    from bitnet_cpu.engine.formats.safetensors_io import SafetensorsFile
+
+    e = '{"dtype":"F32","shape":[2],"data_offsets":[%d,%d]}'
+    hdr = ('{"a":%s,"b":%s,"a":%s}' % (e % (0, 8), e % (8, 16), e % (16, 24))).encode()
+    p = tmp_path / "model.safetensors"
+    p.write_bytes(struct.pack("<Q", len(hdr)) + hdr + np.arange(6, dtype=np.float32).tobytes())
+    with pytest.raises(FormatError, match="names 'a' twice"):
+        SafetensorsFile(str(p))

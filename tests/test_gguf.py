@@ -276,3 +276,28 @@ def test_a_merge_of_tokens_not_in_the_vocabulary_is_named_in_the_files_terms(tmp
             convert(bad, str(tmp_path / f"{name}.bnstore"), progress=False)
         msg = str(e.value)
         assert f"but {part!r} is not in tokenizer.ggml.tokens" in msg and "tokenizer.json" not in msg, msg
+
+
+def _retype(src: str, dst: str, name: str, tid: int) -> str:
+    """A copy of `src` with tensor `name`'s type field set to `tid` (one header word: its data is unchanged)."""
+    b = bytearray(open(src, "rb").read())
+    at = b.index(struct.pack("<Q", len(name)) + name.encode()) + 8 + len(name)
+    (nd,) = struct.unpack_from("<I", b, at)
+    struct.pack_into("<I", b, at + 4 + 8 * nd, tid)
+    with open(dst, "wb") as f:
+        f.write(b)
+    return dst
+
+
+@pytest.mark.parametrize("name,tid", [("blk.0.attn_norm.weight", 1), ("output_norm.weight", 8),
+                                      ("token_embd.weight", 2), ("token_embd.weight", 34),
+                                      ("blk.1.ffn_norm.weight", 2)])
+def test_a_tensor_whose_type_does_not_fill_its_space_is_refused(model, tmp_path, name, tid):
+    """A type changed in the header (F32 -> F16 is one bit) read part of the tensor's bytes and ran with exit 0;
+    ggml's reader refuses it (each tensor must end where the next begins, padding aside): so do we."""
+    src = write_gguf_tq(model, str(tmp_path / "m.gguf"), "TQ2_0")
+    GGUFFile(src).close()
+    bad = _retype(src, str(tmp_path / "bad.gguf"), name, tid)
+    with pytest.raises(FormatError, match=f"tensor '{name}' .* does not match its data") as e:
+        GGUFFile(bad)
+    assert bad in str(e.value) and "\n" not in str(e.value)

@@ -18,6 +18,7 @@ Layout facts: the GGUF spec (ggml's docs/gguf.md). dims[0] is the fastest axis; 
 """
 from __future__ import annotations
 
+import bisect
 import os
 import re
 import struct
@@ -309,6 +310,24 @@ class GGUFFile:
             raise FormatError(f"{self.path}: duplicate tensor names in GGUF")
         no_overlap(self.path, [(t.offset, t.offset + t.nbytes, t.name) for t in self.tensors.values()
                                 if t.nbytes >= 0])   # a tensor of a type we do not know: its size neither
+        self._check_gaps()
+
+    def _check_gaps(self):
+        """Each tensor of a known type fills the space up to the next one (or the end of the file), padding to
+        general.alignment included, as ggml's reader requires ("tensor has offset N, expected M"): a type or
+        shape changed in the header (one bit: F32 -> F16) would otherwise read part of the bytes, or others'.
+        The file's end may or may not carry the last tensor's padding; order in the header is not required."""
+        starts = sorted(t.offset for t in self.tensors.values())
+        for t in self.tensors.values():
+            if t.nbytes < 0:
+                continue
+            i = bisect.bisect_right(starts, t.offset)
+            gap = (starts[i] if i < len(starts) else self.size) - t.offset
+            if not 0 <= gap - t.nbytes < self.alignment:
+                what = (f"runs {t.nbytes - gap} bytes into the next tensor" if gap < t.nbytes else
+                        f"is followed by {gap - t.nbytes} unused bytes (padding is under {self.alignment})")
+                raise FormatError(f"{self.path}: tensor {t.name!r} ({t.type_name} {list(t.shape)}: {t.nbytes} bytes)"
+                                  f" {what}: its type or shape does not match its data (corrupt file?)")
 
     def _q2_0_variant(self, infos) -> str:
         """ggml's 64-weight Q2_0 blocks or PrismML's 128-weight ones: the one whose sizes fit every Q2_0 tensor

@@ -28,6 +28,19 @@ def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
     return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
 
 
+class _Duplicate(Exception):
+    pass
+
+
+def _no_duplicates(pairs):
+    """A JSON object as a dict, refusing a key given twice (json.loads alone keeps the last)."""
+    d = dict(pairs)
+    if len(d) != len(pairs):
+        seen = set()
+        raise _Duplicate(next(k for k, _ in pairs if k in seen or seen.add(k)))
+    return d
+
+
 class SafetensorsFile:
     def __init__(self, path: str | os.PathLike):
         self.path = os.fspath(path)
@@ -36,7 +49,9 @@ class SafetensorsFile:
         if hlen > MAX_HEADER or 8 + hlen > size:
             raise FormatError(f"{self.path}: corrupt safetensors header (length {hlen}, file {size} bytes)")
         try:
-            header = json.loads(bytes(self._mm[8: 8 + hlen]).decode("utf-8"))
+            header = json.loads(bytes(self._mm[8: 8 + hlen]).decode("utf-8"), object_pairs_hook=_no_duplicates)
+        except _Duplicate as e:   # json.loads keeps the last: the first one's bytes would be an unchecked hole
+            raise FormatError(f"{self.path}: safetensors header names {e.args[0]!r} twice") from None
         except (UnicodeDecodeError, ValueError, RecursionError) as e:   # RecursionError: nested past any depth a header has
             raise FormatError(f"{self.path}: safetensors header is not valid JSON: {json_why(e)}") from None
         if not isinstance(header, dict):
