@@ -485,6 +485,19 @@ def test_dates_and_times_are_rfc_3339_exactly(llm, fmt, text, valid):
     assert _complete(llm, schema, text) == valid
 
 
+def test_hostnames_and_emails_have_their_rfc_lengths(llm):
+    """A hostname is at most 253 characters (RFC 1123), an email address 254 (RFC 5321): the grammar engine's own
+    formats had no limit, and a small model wrote hostnames of 1,000 characters that ended as "stop". A smaller
+    maxLength the schema gives still holds."""
+    host = ".".join(["abcdefghi"] * 30)
+    schema = {"type": "string", "format": "hostname"}
+    assert _complete(llm, schema, f'"{host[:253]}"') and not _complete(llm, schema, f'"{host[:299]}"')
+    assert not _complete(llm, {**schema, "maxLength": 20}, f'"{host[:29]}"')
+    mail = {"type": "string", "format": "email"}
+    local, domain = "a" * 60, ".".join(["b" * 60] * 4)
+    assert _complete(llm, mail, f'"{local}@{domain[:193]}"') and not _complete(llm, mail, f'"{local}@{domain[:194]}"')
+
+
 def test_a_pattern_s_dot_is_ecma_s(llm):
     """JSON Schema patterns are ECMA-262 regexes: `.` matches no line terminator (\\r, U+2028, U+2029 as well as
     \\n); the grammar engine's regexes took them. A dot in a class or escaped stays a dot."""

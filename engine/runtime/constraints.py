@@ -316,6 +316,9 @@ _DATE = ("(?:[0-9]{4}-(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|(?:0[469]
          "-02-29)")
 _TIME = "(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\\.[0-9]{1,9})?(?:[zZ]|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"
 FORMAT_PATTERNS = {"date": f"^{_DATE}$", "time": f"^{_TIME}$", "date-time": f"^{_DATE}[tT]{_TIME}$"}
+# the longest text a format allows, where the grammar engine's own format has no limit (it gave hostnames of 1,000
+# characters): RFC 1123's 253 for a hostname, RFC 5321's 254 for an email address
+FORMAT_MAX_LENGTH = {"hostname": 253, "email": 254}
 
 
 def ecma_dot(pattern: str) -> str:
@@ -341,11 +344,15 @@ def ecma_dot(pattern: str) -> str:
 
 def _exact_strings(out):
     """A schema node's date / time / date-time format (with no pattern of its own) as FORMAT_PATTERNS' exact
-    RFC 3339 pattern, and its pattern's `.` as ECMA's."""
+    RFC 3339 pattern, a hostname's or email's length held to FORMAT_MAX_LENGTH, and its pattern's `.` as ECMA's."""
     if isinstance(out.get("pattern"), str):
         out["pattern"] = ecma_dot(out["pattern"])
     if out.get("format") in FORMAT_PATTERNS and "pattern" not in out:
         out["pattern"] = FORMAT_PATTERNS[out.pop("format")]
+    limit = FORMAT_MAX_LENGTH.get(out.get("format"))
+    given = out.get("maxLength")
+    if limit is not None and (given is None or _is_num(given)):   # (one not a number is the engine's to refuse)
+        out["maxLength"] = limit if given is None else min(given, limit)
     return out
 
 
