@@ -272,15 +272,19 @@ def test_models_list_reads_in_both_clients(claude, server):
 
 def test_errors_name_the_fields_as_anthropics_api_does(server):
     """A tool's schema that cannot be enforced is named tools.N.input_schema (the client's field), not the chat
-    pipeline's tools[N].function.parameters."""
-    bad = {"name": "x", "input_schema": {"type": "array", "uniqueItems": True}}
-    for path in ("/v1/messages", "/v1/messages/count_tokens"):
-        body = {"model": "any", "messages": [{"role": "user", "content": "hi"}], "tools": [ADD, bad]}
-        r = httpx.post(server.url + path, json={**body, "max_tokens": 4} if path == "/v1/messages" else body,
-                       timeout=60)
-        assert r.status_code == 400, r.text
-        err = r.json()["error"]
-        assert "tools.1.input_schema" in err["message"] and "function.parameters" not in err["message"], err
+    pipeline's tools[N].function.parameters. An input_schema that is not an object's is refused as Anthropic's
+    API refuses it (a string's arguments came back as tool_use input {}, the arguments lost)."""
+    unique = {"type": "object", "properties": {"u": {"type": "array", "uniqueItems": True}}}
+    for schema in (unique, {"type": "string"}, {"type": "array", "items": {"type": "boolean"}}):
+        bad = {"name": "x", "input_schema": schema}
+        for path in ("/v1/messages", "/v1/messages/count_tokens"):
+            body = {"model": "any", "messages": [{"role": "user", "content": "hi"}], "tools": [ADD, bad]}
+            if path == "/v1/messages":
+                body = {**body, "max_tokens": 4, "tool_choice": {"type": "any"}}
+            r = httpx.post(server.url + path, json=body, timeout=60)
+            assert r.status_code == 400, r.text
+            err = r.json()["error"]
+            assert "tools.1.input_schema" in err["message"] and "function.parameters" not in err["message"], err
 
 
 

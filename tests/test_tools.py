@@ -339,11 +339,24 @@ def test_falcon3_list_format(llm):
         jsonschema.validate(json.loads(calls[0]["function"]["arguments"]), SCHEMA[calls[0]["function"]["name"]])
 
 
+UNIQUE = {"type": "object", "properties": {"u": {"type": "array", "uniqueItems": True}}}
+
+
 def test_bad_tools_refused_naming_the_tool():
-    bad = TOOLS + [{"type": "function", "function": {"name": "u", "parameters": {"type": "array", "uniqueItems": True}}}]
+    bad = TOOLS + [{"type": "function", "function": {"name": "u", "parameters": UNIQUE}}]
     with pytest.raises(ConstraintError) as e:
         tool_format(None).constraint(functions_from_tools(bad), "required", True)
     assert e.value.where == "tools[2].function.parameters"
+    # a call's arguments are an object: OpenAI and Anthropic refuse a tool whose parameters are a string's or a
+    # list's (here a string's arguments reached the client as a JSON string)
+    for params in ({"type": "string"}, {"type": "array", "items": {"type": "boolean"}}, {"type": ["object", "null"]}):
+        with pytest.raises(ConstraintError) as e:
+            functions_from_tools(TOOLS + [{"type": "function", "function": {"name": "s", "parameters": params}}])
+        assert e.value.where == "tools[2].function.parameters" and '"object"' in str(e.value)
+    # no type but properties, no parameters, and {} stay what they were: an object's arguments / none
+    for params in ({"properties": {"a": {"type": "integer"}}}, None, {}):
+        fn = {"name": "s", **({} if params is None else {"parameters": params})}
+        assert functions_from_tools([{"type": "function", "function": fn}])
     with pytest.raises(ConstraintError) as e:
         functions_from_tools(TOOLS + [TOOLS[0]])
     assert e.value.where == "tools[2].function.name"
@@ -514,7 +527,9 @@ def test_allowed_tools_narrow_the_calls_not_the_prompt(client, model_id, server)
 @pytest.mark.parametrize("body, param", [
     ({"tools": TOOLS, "tool_choice": {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": [
         {"type": "function", "function": {"name": "nope"}}]}}}, "tool_choice"),
-    ({"tools": TOOLS + [{"type": "function", "function": {"name": "x", "parameters": {"type": "array", "uniqueItems": True}}}],
+    ({"tools": TOOLS + [{"type": "function", "function": {"name": "x", "parameters": UNIQUE}}],
+      "tool_choice": "required"}, "tools[2].function.parameters"),
+    ({"tools": TOOLS + [{"type": "function", "function": {"name": "x", "parameters": {"type": "string"}}}],
       "tool_choice": "required"}, "tools[2].function.parameters"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),

@@ -56,7 +56,8 @@ class Function:
 
 def functions_from_tools(tools: list[dict], where: str = "tools") -> list[Function]:
     """OpenAI's / ollama's `tools` ([{"type": "function", "function": {name, description, parameters}}]) checked:
-    names unique and non-empty, parameters a JSON Schema object that can be enforced (refused naming the tool)."""
+    names unique and non-empty, parameters a JSON Schema of objects (its type "object" or not given) that can be
+    enforced (refused naming the tool)."""
     out, seen = [], set()
     for i, t in enumerate(tools):
         fn = t.get("function") if isinstance(t, dict) else None
@@ -72,6 +73,13 @@ def functions_from_tools(tools: list[dict], where: str = "tools") -> list[Functi
         params = {"type": "object", "properties": {}} if params is None else params
         if not isinstance(params, dict):
             raise ConstraintError(f"{where}[{i}].function.parameters: must be a JSON Schema object",
+                                  where=f"{where}[{i}].function.parameters")
+        kind = params.get("type", "object")
+        if kind != "object" and kind != ["object"]:
+            # a call's arguments are an object (OpenAI and Anthropic refuse other tools too); a string's or a
+            # list's arguments reached the client as a JSON string, and Anthropic's tool_use input as {}
+            raise ConstraintError(f"{where}[{i}].function.parameters: must be a JSON Schema of type \"object\" (a "
+                                  f"call's arguments are an object), not {json.dumps(kind, default=str)[:60]}",
                                   where=f"{where}[{i}].function.parameters")
         out.append(Function(name, str(fn.get("description") or ""), params))
     return out
