@@ -316,9 +316,12 @@ def test_gbnf_examples_from_llama_cpp(llm, mode):
     (lambda: Constraint.gbnf('root ::= "a'), "GBNF"),
     (lambda: Constraint.gbnf("root ::= undefined-rule"), "undefined-rule"),
     (lambda: Constraint.json_schema({"enum": ["x" * 1000] * (MAX_SPEC_BYTES // 1000 + 1)}), "KiB limit"),
-    # an integer past 64 bits anywhere in a schema (the grammar engine cannot hold it): was an internal error
-    (lambda: Constraint.json_schema({"type": "integer", "maximum": 2 ** 64}), str(2 ** 64)),
-    (lambda: Constraint.json_schema({"type": "string", "default": 2 ** 70}), str(2 ** 70)),
+    # integers past 64 bits the grammar engine cannot write: the double's digits are another number, no integer
+    # within int64's range meets the bound
+    (lambda: Constraint.json_schema({"const": 2 ** 64}), "past 2^53"),
+    (lambda: Constraint.json_schema({"enum": [1, 10 ** 400]}), "past 2^53"),
+    (lambda: Constraint.json_schema({"type": "integer", "minimum": 10 ** 20}), "int64"),
+    (lambda: Constraint.json_schema({"type": "integer", "exclusiveMaximum": -(10 ** 20)}), "int64"),
     # integers no double equals (the grammar engine's numbers): they were rounded to another value, silently
     (lambda: Constraint.json_schema({"const": 9007199254740993}), "past 2^53"),
     (lambda: Constraint.json_schema({"type": "integer", "enum": [1, 1234567890123456789]}), "past 2^53"),
@@ -471,6 +474,22 @@ def test_integers_a_double_holds_are_kept_exactly(llm):
     assert _complete(llm, {"type": "integer", "enum": [big]}, str(big))
     assert not _complete(llm, {"type": "integer", "enum": [big]}, str(big + 1))
     assert _complete(llm, {"const": -big}, str(-big))
+
+
+def test_integers_past_64_bits_in_bounds_and_values(llm):
+    """A bound past int64's range holds integers to it (the grammar engine's integers are 64-bit), a const / enum
+    integer past 64 bits is enforced where a double's digits write it (10^20), and default / examples enforce
+    nothing: each was a 400 "Value is not JSON serializable"."""
+    for bounds in ({"maximum": 2 ** 64}, {"minimum": -(10 ** 20), "exclusiveMaximum": 10 ** 20}):
+        schema = {"type": "integer", **bounds}
+        assert _complete(llm, schema, "-7") and _complete(llm, schema, str(2 ** 63 - 1024))
+        assert not _complete(llm, schema, str(2 ** 63))
+    assert _complete(llm, {"const": 10 ** 20}, str(10 ** 20)) and not _complete(llm, {"const": 10 ** 20}, "1e+20")
+    values = {"enum": [10 ** 20, -(10 ** 30), "a"]}
+    assert _complete(llm, values, str(-(10 ** 30))) and _complete(llm, values, '"a"')
+    assert not _complete(llm, values, str(10 ** 20 + 1))
+    assert _complete(llm, {"const": {"a": [10 ** 20]}}, '{"a":[100000000000000000000]}')
+    assert _complete(llm, {"type": "string", "default": 2 ** 70 + 1, "examples": [10 ** 400]}, '"a"')
 
 
 @pytest.mark.parametrize("fmt, text, valid", [

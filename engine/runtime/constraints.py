@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+from decimal import Decimal
 import threading
 import weakref
 from collections import OrderedDict
@@ -175,19 +176,40 @@ def rebased(schema, pointer: str):
 
 
 EXACT_INT = 1 << 53   # integers past this are not all doubles; the grammar engine reads a schema's numbers as doubles
+WIDE = (-(1 << 63), 1 << 64)   # the integers the grammar engine takes as such (int64, uint64); others go as doubles
+
+
+def _wide(v) -> bool:
+    """An integer the grammar engine cannot take as one (its JSON reader holds 64 bits): it gets the double."""
+    return isinstance(v, int) and not isinstance(v, bool) and not WIDE[0] <= v < WIDE[1]
+
+
+def _as_double(v):
+    """A wide integer as the double that the grammar engine enforces by its shortest digits (1e20 is written
+    100000000000000000000); None where those digits are another integer (2^64's double is 18446744073709552000)
+    or no double holds it."""
+    try:
+        d = float(v)
+    except OverflowError:
+        return None
+    return d if int(Decimal(repr(d))) == v else None
 
 
 def unenforceable(schema) -> str | None:
     """What of a JSON Schema the grammar engine would enforce other than written (None: nothing), found before
     it is handed over: an integer past 2^53 that no double equals, in multipleOf, const or enum (it was rounded:
     const 9007199254740993 gave 9007199254740992, a snowflake id another id; bounds are rounded inward instead,
-    _inward_bounds); minProperties above 1 over keys that may come from patternProperties / additionalProperties
+    _inward_bounds), or one past 64 bits that a double's shortest digits do not write (_as_double); an integer
+    bound that leaves nothing within int64's range (INT_BOUND); minProperties above 1 over keys that may come
+    from patternProperties / additionalProperties
     (the grammar cannot see a key repeated, and counted {"a":1,"a":2} as two; one key is one key)."""
     found: list[str] = []
 
     def inexact(v) -> bool:
         if isinstance(v, bool):
             return False
+        if _wide(v):
+            return _as_double(v) is None
         if isinstance(v, int):
             return abs(v) > EXACT_INT and float(v) != v
         if isinstance(v, list):
@@ -199,8 +221,15 @@ def unenforceable(schema) -> str | None:
     def fix(out):
         for key in ("multipleOf", "const", "enum"):
             if key in out and inexact(out[key]):
-                found.append(f"{key}: an integer past 2^53 that is not a double ({out[key]!r:.80}) cannot be "
-                             "enforced exactly (the grammar engine reads numbers as doubles; give it as a string)")
+                found.append(f"{key}: an integer past 2^53 ({out[key]!r:.80}) that the grammar engine cannot "
+                             "write exactly (it reads numbers as doubles, and past 64 bits writes a double's shortest "
+                             "digits: 2^64 as 18446744073709552000); give it as a string")
+        if _integers_only(out):
+            past = [f"{k} {out[k]!r:.40}" for k in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum")
+                    if _is_num(out.get(k)) and (out[k] > INT_BOUND if "min" in k else out[k] < -INT_BOUND)]
+            if past:
+                found.append(f"{past[0]}: no integer the grammar engine can write is within it (it holds integers "
+                             f"to int64's range, +-{INT_BOUND} as doubles): give such numbers as strings")
         free = out.get("additionalProperties", True) is not False or out.get("patternProperties")
         if _is_num(out.get("minProperties")) and out["minProperties"] > 1 and free:
             found.append("minProperties over keys not listed in properties cannot be enforced (a key written "
@@ -220,17 +249,56 @@ def _inward_bounds(out):
             d = math.nextafter(d, -math.inf if down else math.inf)
         return int(d)
 
-    t = out.get("type")
-    types = t if isinstance(t, list) else [t]
-    if "integer" not in types or "number" in types:
+    if not _integers_only(out):
         return out
     for key, down, step in (("maximum", True, 0), ("exclusiveMaximum", True, -1),
                             ("minimum", False, 0), ("exclusiveMinimum", False, 1)):
         v = out.get(key)
-        if isinstance(v, int) and not isinstance(v, bool) and abs(v) > EXACT_INT and float(v) != v:
+        if _is_num(v) and (v > INT_BOUND if down else v < -INT_BOUND):
+            # past int64's range: the grammar engine's integers stop there (it failed on 10^20, or took 2^64 as
+            # a value it cannot hold); int64's range less its last 1023 values, as for an unbounded integer
+            del out[key]
+            if out.get("exclusiveMaximum" if down else "exclusiveMinimum") is True:   # draft 4's flag
+                del out["exclusiveMaximum" if down else "exclusiveMinimum"]
+            out["maximum" if down else "minimum"] = INT_BOUND if down else -INT_BOUND
+        elif isinstance(v, int) and not isinstance(v, bool) and abs(v) > EXACT_INT and float(v) != v:
             bound = inside(v + step, down)   # an exclusive integer bound becomes the inclusive one inside
             del out[key]
             out["maximum" if down else "minimum"] = bound
+    return out
+
+
+def _integers_only(out) -> bool:
+    t = out.get("type")
+    types = t if isinstance(t, list) else [t]
+    return "integer" in types and "number" not in types
+
+
+def _doubles(out):
+    """A node's wide integers (WIDE) as the doubles that equal them, in its values (const, enum) and its bounds:
+    the grammar engine refused them whole ("Value is not JSON serializable"); unenforceable refused those no
+    double's digits write. default / examples, which enforce nothing, are dropped where one would not pass."""
+    def conv(v):
+        if _wide(v):
+            d = _as_double(v)
+            if d is None:
+                raise ValueError(f"{v!r:.40}: an integer past 64 bits that no double's digits write")
+            return d
+        if isinstance(v, list):
+            return [conv(x) for x in v]
+        if isinstance(v, dict):
+            return {k: conv(x) for k, x in v.items()}
+        return v
+
+    for key, v in list(out.items()):
+        if key in _SCHEMA_MAPS or isinstance(v, dict) and key not in _DATA_KEYWORDS:
+            continue   # schemas: their own nodes were converted
+        try:
+            out[key] = conv(v) if key in _DATA_KEYWORDS or _wide(v) else v
+        except ValueError:
+            if key not in ("default", "examples"):
+                raise
+            del out[key]
     return out
 
 
@@ -364,7 +432,7 @@ def prepared(schema, where: str):
     problem = unenforceable(schema)
     if problem:
         raise ConstraintError(f"{where}: {problem}", where=where)
-    return _schema_copy(schema, lambda out: _bounded(_inward_bounds(_exact_strings(out))))
+    return _schema_copy(schema, lambda out: _doubles(_bounded(_inward_bounds(_exact_strings(out)))))
 
 
 def bounded_integers(schema):
