@@ -24,7 +24,7 @@ from typing import Any, Optional, Union
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, StrictBool, ValidationError, model_validator
 
 from ..engine.runtime.sampling import SamplingParams, setting_problem
 from .logprobs import Said, chat_entry
@@ -112,7 +112,7 @@ class _Body(JSONTyped):
     model: Optional[str] = None
     stream: bool = True
     options: Optional[dict[str, Any]] = None
-    format: Union[str, dict[str, Any], None] = None
+    format: Union[StrictBool, str, dict[str, Any], None] = None   # a boolean: JSON Schema's true / false
     keep_alive: Any = None   # checked as a duration (parse_keep_alive); the model stays loaded while the server runs
     think: Union[bool, str, None] = None
     logprobs: Optional[bool] = None
@@ -358,7 +358,7 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
         try:
             if fmt == "json":
                 spec = Constraint.json_object(where="format")
-            elif isinstance(fmt, dict):
+            elif isinstance(fmt, (dict, bool)):
                 spec = Constraint.json_schema(fmt, where="format")
             else:
                 raise OllamaError(400, f"format {fmt!r}: expected \"json\" or a JSON Schema object")

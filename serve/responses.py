@@ -111,7 +111,7 @@ class ResponsesRequest(_Sampling):
         if fmt["type"] == "json_object":
             return Constraint.json_object(where="text.format")
         schema = fmt.get("schema")
-        if not isinstance(schema, dict):
+        if not isinstance(schema, (dict, bool)):   # (a boolean is JSON Schema's true / false)
             raise ConstraintError("text.format.schema: a JSON Schema object is required for type json_schema",
                                   where="text.format.schema")
         return Constraint.json_schema(schema, where="text.format.schema")

@@ -12,7 +12,7 @@ import re
 from dataclasses import fields
 from typing import Any, ClassVar, Literal, Optional, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from ..engine.runtime.sampling import SamplingParams, setting_problem
@@ -189,13 +189,18 @@ class StreamOptions(JSONTyped):
     include_usage: bool = False
 
 
+# a JSON Schema as a request gives it: an object, or JSON Schema's boolean schema (true: any value; false: none, a
+# 400 from Constraint.json_schema); not "yes" or 1, which lax validation would have read as true
+JSONSchemaValue = Union[StrictBool, dict[str, Any]]
+
+
 class JSONSchemaFormat(BaseModel):
     """OpenAI's response_format.json_schema: {name, description, schema, strict}. The schema is enforced
     whatever `strict` says (a constrained decoder has no cheaper mode)."""
     model_config = ConfigDict(extra="ignore", populate_by_name=True)
     name: Optional[str] = None
     description: Optional[str] = None
-    schema_: Optional[dict[str, Any]] = Field(default=None, alias="schema")
+    schema_: Optional[JSONSchemaValue] = Field(default=None, alias="schema")
     strict: Optional[bool] = None
 
 
@@ -204,7 +209,7 @@ class ResponseFormat(BaseModel):
     model_config = ConfigDict(extra="ignore", populate_by_name=True)
     type: Literal["text", "json_object", "json_schema"]
     json_schema: Optional[JSONSchemaFormat] = None
-    schema_: Optional[dict[str, Any]] = Field(default=None, alias="schema")
+    schema_: Optional[JSONSchemaValue] = Field(default=None, alias="schema")
 
 
 # llama-server's sampler names. The engine's chain is bias -> penalties -> dry -> top_n_sigma -> top_k -> typ_p ->
@@ -290,7 +295,7 @@ class _Sampling(JSONTyped):
     function_call: Optional[Any] = None
     # structured output: OpenAI's response_format, llama-server's `json_schema` and `grammar` (GBNF) fields
     response_format: Optional[ResponseFormat] = None
-    json_schema: Optional[dict[str, Any]] = None
+    json_schema: Optional[JSONSchemaValue] = None
     grammar: Optional[str] = None
     # llama-server's sampler chain (names, or its string of letters "kpt") and its fields for what this engine has
     # not (OFF, LAZY): read on every endpoint, as llama-server reads them, so none is dropped in silence

@@ -120,3 +120,24 @@ def test_unenforceable_is_400_naming_the_field(server, body, param):
     assert err["param"] == param and err["type"] == "invalid_request_error", err
     after = httpx.get(server.url + "/slots", timeout=30).json()["metrics"]
     assert after["requests_total"] == before["requests_total"] and after["running"] == 0 and after["waiting"] == 0
+
+
+def test_the_boolean_schema_true_is_any_value_on_every_route(server):
+    """JSON Schema's `true` (any value) is a schema wherever one is given; it was a 400 "Input should be a valid
+    dictionary" on each. `false` matches nothing: a 400 that says so. "yes" or 1 are no schema."""
+    url = server.url
+    routes = [("/v1/chat/completions", lambda s: {"messages": Q, "max_tokens": 12, "temperature": 0,
+                                                  "response_format": _fmt(s)}),
+              ("/v1/chat/completions", lambda s: {"messages": Q, "max_tokens": 12, "temperature": 0, "json_schema": s}),
+              ("/completion", lambda s: {"prompt": "JSON:", "n_predict": 12, "temperature": 0, "json_schema": s}),
+              ("/api/chat", lambda s: {"model": "m", "messages": Q, "stream": False, "format": s,
+                                       "options": {"temperature": 0, "num_predict": 12}}),
+              ("/v1/responses", lambda s: {"input": "JSON?", "max_output_tokens": 16, "temperature": 0,
+                                           "text": {"format": {"type": "json_schema", "name": "a", "schema": s}}})]
+    for path, body in routes:
+        r = httpx.post(url + path, json=body(True), timeout=120)
+        assert r.status_code == 200, (path, r.text)
+        r = httpx.post(url + path, json=body(False), timeout=60)
+        assert r.status_code == 400 and "false" in r.text, (path, r.text)
+        for odd in ("yes", 1):
+            assert httpx.post(url + path, json=body(odd), timeout=60).status_code == 400, (path, odd)

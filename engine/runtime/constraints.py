@@ -67,8 +67,8 @@ class Constraint:
 
     @classmethod
     def json_schema(cls, schema, *, where: str = "json_schema", jump_forward: bool = True) -> "Constraint":
-        """schema: a dict (or its JSON text). Refused here when it is not a JSON object at all; everything
-        else is judged when compiling (unsupported keywords, bad $refs)."""
+        """schema: a dict (or its JSON text), or JSON Schema's true (any value). Refused here when it is not a JSON
+        object at all, or false; everything else is judged when compiling (unsupported keywords, bad $refs)."""
         if isinstance(schema, (str, bytes)):
             try:
                 schema = json.loads(schema)
@@ -76,6 +76,9 @@ class Constraint:
                 raise ConstraintError(f"{where}: not valid JSON: {e}", where=where) from None
         if schema is True:
             schema = {}
+        if schema is False:   # JSON Schema's boolean schema that no value matches
+            raise ConstraintError(f"{where}: the schema false matches no value, so no answer can be generated",
+                                  where=where)
         if not isinstance(schema, dict):
             raise ConstraintError(f"{where}: a JSON Schema must be a JSON object, got {type(schema).__name__}",
                                   where=where)
