@@ -96,6 +96,8 @@ class ResponsesRequest(_Sampling):
         if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
             raise RequestProblem("text.format", "text.format: expected {\"type\": \"text\" | \"json_object\" | "
                                                 "\"json_schema\", ...}")
+        if fmt.get("strict") is not None and not isinstance(fmt["strict"], bool):   # OpenAI's 400 too
+            raise RequestProblem("text.format.strict", "text.format.strict: expected a boolean")
         return None if fmt["type"] == "text" else fmt
 
     def constraint(self):

@@ -201,7 +201,7 @@ class JSONSchemaFormat(BaseModel):
     name: Optional[str] = None
     description: Optional[str] = None
     schema_: Optional[JSONSchemaValue] = Field(default=None, alias="schema")
-    strict: Optional[bool] = None
+    strict: Optional[StrictBool] = None   # OpenAI's 400 for "yes" or 1, which lax validation read as true
 
 
 class ResponseFormat(BaseModel):

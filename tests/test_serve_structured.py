@@ -141,3 +141,21 @@ def test_the_boolean_schema_true_is_any_value_on_every_route(server):
         assert r.status_code == 400 and "false" in r.text, (path, r.text)
         for odd in ("yes", 1):
             assert httpx.post(url + path, json=body(odd), timeout=60).status_code == 400, (path, odd)
+
+
+def test_strict_is_a_boolean_and_an_overlapping_one_of_says_what_to_write(server):
+    """json_schema.strict "yes" or 1 is OpenAI's 400 (lax validation took them as true). A oneOf whose branches
+    overlap is refused saying what the client can write, not naming the grammar engine's own option."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    for odd in ("yes", 1):
+        rf = {"type": "json_schema", "json_schema": {"name": "a", "schema": schema, "strict": odd}}
+        r = httpx.post(server.url + "/v1/chat/completions", json={"messages": Q, "max_tokens": 4,
+                                                                  "response_format": rf}, timeout=60)
+        assert r.status_code == 400 and "strict" in r.text, r.text
+        r = httpx.post(server.url + "/v1/responses", json={"input": "hi", "max_output_tokens": 16, "text": {
+            "format": {"type": "json_schema", "name": "a", "schema": schema, "strict": odd}}}, timeout=60)
+        assert r.status_code == 400 and "strict" in r.text, r.text
+    overlap = {"oneOf": [{"type": "integer", "minimum": 0, "maximum": 10}, {"type": "integer", "minimum": 5}]}
+    r = httpx.post(server.url + "/v1/chat/completions", json={"messages": Q, "max_tokens": 4,
+                                                              "response_format": _fmt(overlap)}, timeout=60)
+    assert r.status_code == 400 and "anyOf" in r.text and "coerce_one_of" not in r.text, r.text

@@ -498,6 +498,10 @@ def _one_line(e) -> str:
     cut = text.find("; following special tokens are available")
     if cut >= 0:
         text = text[:cut] + " (a token is written <NAME> with its exact text, such as <|eot_id|>, or <[ID]>)"
+    # its advice names an option of its own that no request can set: what the client can write instead
+    text = text.replace("Enable 'coerce_one_of' option to approximate oneOf with anyOf",
+                        "A oneOf whose branches may match the same value cannot be enforced exactly: make them "
+                        "exclusive, or write anyOf if a value may match more than one")
     return text[:400]
 
 
