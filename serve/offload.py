@@ -3,7 +3,8 @@
 - `offloop_route(n_ctx)`: FastAPI's route class whose request parses its JSON body in a worker thread, and
   refuses a body whose structure cannot fit the context before FastAPI validates it: more messages, content
   parts or prompt token ids than the context has tokens, or more JSON objects than a request that fits could
-  hold. Why a bound and not only a thread: json.loads and pydantic's validation hold the GIL for their whole run,
+  hold (a response format's schema, which never enters the context, bounded on its own: SCHEMA_NODES).
+  Why a bound and not only a thread: json.loads and pydantic's validation hold the GIL for their whole run,
   so a thread does not free the loop; measured here, 8 MB of small messages held it 2.5 s (0.4 s parse, 2.1 s
   validation) and 1M token ids took 2 s to validate. What is left is bounded by --max-body-mb: one 8 MB string
   parses in ~60 ms.
@@ -114,21 +115,52 @@ def checked_text(body: bytes, obj):
     return obj
 
 
+# The top-level fields that hold a response format's schema, which never enters the context (chat's and
+# /completion's, ollama's format, Responses' text.format, Anthropic's output_config.format / output_format), and
+# the JSON objects and numbers allowed in them beyond the context's bound: as many as a schema of the 256 KiB spec
+# limit can hold (a number and its comma are 2 bytes at least). An enum of 10,000 integers was refused as not
+# fitting a 2048-token context.
+SCHEMA_FIELDS = ("response_format", "json_schema", "format", "text", "output_config", "output_format")
+SCHEMA_NODES = (256 << 10) // 2
+
+
+def _nodes(x) -> int:
+    """JSON objects and numbers in x (what the parser's hooks count)."""
+    n, stack = 0, [x]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, dict):
+            n += 1
+            stack.extend(x.values())
+        elif isinstance(x, list):
+            stack.extend(x)
+        elif isinstance(x, (int, float)) and not isinstance(x, bool):
+            n += 1
+    return n
+
+
 def _parse_bounded(body: bytes, n_ctx: int | None):
     if n_ctx is None:
         return json.loads(body)
     limit, count = 4 * n_ctx + 256, 0
 
+    def too_many(what: str):
+        return BodyRefused(f"the request body has over {limit} JSON objects and numbers {what}; a context of {n_ctx} "
+                           "tokens cannot hold them", None, "context_length_exceeded")
+
     def counted(make):
         def hook(x):
             nonlocal count
             count += 1
-            if count > limit:
-                raise BodyRefused(f"the request body has over {limit} JSON objects and numbers; a context of "
-                                  f"{n_ctx} tokens cannot hold them", None, "context_length_exceeded")
+            if count > limit + SCHEMA_NODES:
+                raise too_many(f"outside its schemas (and {SCHEMA_NODES} in them)")
             return make(x)
         return hook
     obj = json.loads(body, object_hook=counted(lambda d: d), parse_int=counted(int), parse_float=counted(float))
+    if count > limit and isinstance(obj, dict):   # what a response format's schema holds is bounded on its own
+        count -= min(SCHEMA_NODES, sum(_nodes(obj[k]) for k in SCHEMA_FIELDS if k in obj))
+    if count > limit:
+        raise too_many("outside its schemas")
     check_structure(obj, n_ctx)
     return obj
 

@@ -167,6 +167,27 @@ def test_huge_prompts_refused_while_small_request_streams():
         assert s.stop()[0] == 0
 
 
+def test_a_schema_s_objects_and_numbers_are_bounded_apart_from_the_context():
+    """A response format's schema never enters the context: an enum of 10,000 integers or 3,000 bounded properties
+    (60-110 KiB, under the 256 KiB spec limit) was refused as not fitting a 2048-token context. What does enter it
+    is still bounded by the context, and a schema by the spec limit's worth."""
+    from bitnet_cpu.serve.offload import BodyRefused, parse_bounded
+
+    def body(**kw):
+        return json.dumps({"messages": Q, **kw}).encode()
+    props = {f"p{i}": {"type": "integer", "minimum": 0, "maximum": 9} for i in range(3000)}
+    for schema in ({"enum": list(range(10000))}, {"type": "object", "properties": props}):
+        fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}
+        assert parse_bounded(body(response_format=fmt), 2048)["response_format"] == fmt
+    assert parse_bounded(body(json_schema={"enum": list(range(10000))}), 2048)["json_schema"]
+    for big in ({"messages": [{"role": "user", "content": "hi", "x": list(range(10000))}]},
+                {"messages": Q, "logit_bias": {str(i): 1 for i in range(10000)}},
+                {"messages": Q, "json_schema": {"enum": list(range(200_000))}}):   # past a 256 KiB schema's worth
+        with pytest.raises(BodyRefused) as e:
+            parse_bounded(json.dumps(big).encode(), 2048)
+        assert e.value.code == "context_length_exceeded" and "schemas" in e.value.detail
+
+
 def _send_until_answered(port: int, path: str, body: bytes, chunked: bool) -> tuple[int, int]:
     """POST body in 64 KiB pieces (Content-Length or chunked) until the server answers; (status, bytes sent)."""
     with socket.create_connection(("127.0.0.1", port)) as sock:

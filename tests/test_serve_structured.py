@@ -159,3 +159,13 @@ def test_strict_is_a_boolean_and_an_overlapping_one_of_says_what_to_write(server
     r = httpx.post(server.url + "/v1/chat/completions", json={"messages": Q, "max_tokens": 4,
                                                               "response_format": _fmt(overlap)}, timeout=60)
     assert r.status_code == 400 and "anyOf" in r.text and "coerce_one_of" not in r.text, r.text
+
+
+def test_a_large_schema_is_not_counted_against_the_context(server):
+    """An enum of 10,000 integers (48 KiB, under the 256 KiB spec limit) was a 400 context_length_exceeded: the body's
+    parser counted the schema's numbers against the context, which a schema never enters."""
+    schema = {"enum": list(range(10000))}
+    r = httpx.post(server.url + "/v1/chat/completions", json={"messages": Q, "max_tokens": 8, "temperature": 0,
+                                                              "response_format": _fmt(schema)}, timeout=120)
+    assert r.status_code == 200, r.text[:300]
+    assert json.loads(r.json()["choices"][0]["message"]["content"]) in schema["enum"]
