@@ -484,6 +484,8 @@ def test_integers_past_64_bits_in_bounds_and_values(llm):
         schema = {"type": "integer", **bounds}
         assert _complete(llm, schema, "-7") and _complete(llm, schema, str(2 ** 63 - 1024))
         assert not _complete(llm, schema, str(2 ** 63))
+    beside = {"type": "integer", "maximum": 5, "exclusiveMaximum": 10 ** 20}   # the tighter bound stands
+    assert _complete(llm, beside, "5") and not _complete(llm, beside, "6")
     assert _complete(llm, {"const": 10 ** 20}, str(10 ** 20)) and not _complete(llm, {"const": 10 ** 20}, "1e+20")
     values = {"enum": [10 ** 20, -(10 ** 30), "a"]}
     assert _complete(llm, values, str(-(10 ** 30))) and _complete(llm, values, '"a"')

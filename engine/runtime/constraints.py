@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import json
 import math
-from decimal import Decimal
 import threading
 import weakref
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from decimal import Decimal
 
 import numpy as np
 
@@ -252,6 +252,17 @@ def _inward_bounds(out):
             d = math.nextafter(d, -math.inf if down else math.inf)
         return int(d)
 
+    def tighten(down: bool, bound: int):
+        """The inclusive bound, kept as the tighter of it and one the node already has (maximum 5 beside
+        exclusiveMaximum 10^20 stays 5)."""
+        name = "maximum" if down else "minimum"
+        have = out.get(name)
+        if _is_num(have) and (have < bound if down else have > bound) and abs(have) <= INT_BOUND:
+            bound = have
+        if out.get("exclusive" + name.capitalize()) is True:   # draft 4's flag, now about a bound it never saw
+            del out["exclusive" + name.capitalize()]
+        out[name] = bound
+
     if not _integers_only(out):
         return out
     for key, down, step in (("maximum", True, 0), ("exclusiveMaximum", True, -1),
@@ -261,13 +272,10 @@ def _inward_bounds(out):
             # past int64's range: the grammar engine's integers stop there (it failed on 10^20, or took 2^64 as
             # a value it cannot hold); int64's range less its last 1023 values, as for an unbounded integer
             del out[key]
-            if out.get("exclusiveMaximum" if down else "exclusiveMinimum") is True:   # draft 4's flag
-                del out["exclusiveMaximum" if down else "exclusiveMinimum"]
-            out["maximum" if down else "minimum"] = INT_BOUND if down else -INT_BOUND
+            tighten(down, INT_BOUND if down else -INT_BOUND)
         elif isinstance(v, int) and not isinstance(v, bool) and abs(v) > EXACT_INT and float(v) != v:
-            bound = inside(v + step, down)   # an exclusive integer bound becomes the inclusive one inside
             del out[key]
-            out["maximum" if down else "minimum"] = bound
+            tighten(down, inside(v + step, down))   # an exclusive integer bound becomes the inclusive one inside
     return out
 
 
