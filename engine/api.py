@@ -220,6 +220,15 @@ class _Text:
             return None
         return ThinkSplitter(free_start and prompt_opens_thought(self.tokenizer.decode(list(prompt_ids[-8:]))))
 
+    def thought_may_open(self, compiled) -> bool:
+        """Whether an answer under a compiled constraint (None: none) may start inside a thought the prompt opened:
+        no grammar, one that leaves the start free (tool_choice auto), or one that continues the thought (it writes
+        </think> without opening one: engine/runtime/reasoning.py continues_thought). think_splitter's free_start."""
+        from .runtime.reasoning import continues_thought
+        if compiled is None or compiled.spec.free_start:
+            return True
+        return continues_thought(compiled.spec, compiled.matcher(), self.tokenizer)
+
     def grammar_thinks(self, compiled) -> bool:
         """Whether a compiled constraint lets the answer open a thought (<think>): a grammar that writes the thought
         itself (docs/structured-output.md). A format or a required call does not: its output is the answer."""

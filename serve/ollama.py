@@ -558,7 +558,8 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
         except Exception as e:   # the template rejected the conversation (e.g. roles out of order)
             raise OllamaError(400, f"messages: {e}") from None
         constraint = await constraint_of(eng, body, tool_spec)
-        free = constraint is None or constraint.spec.free_start   # tools (ollama's are "auto") leave the start free
+        # tools (ollama's are "auto") leave the start free; a grammar may go on with the prompt's thought
+        free = await run_off_loop(eng.thought_may_open, constraint) if constraint is not None else True
         return await answer(request, body, eng, prompt_ids, constraint, piece, parser=parser,
                             splitter=think_splitter(eng, body, prompt_ids, free) if not prefill else None)
 

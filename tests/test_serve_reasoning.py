@@ -248,6 +248,21 @@ def test_a_grammar_that_decides_the_start_is_the_answer_though_the_prompt_opened
     assert auto["reasoning_content"] and not auto.get("tool_calls")
 
 
+def test_a_grammar_that_goes_on_with_the_prompts_thought_is_split_and_budgeted(server):
+    """The prompt opens the thought (R1's templates, Qwen3's forced one) and the grammar writes its rest and the
+    answer without a <think> of its own: the text up to </think> is that thought (it all came back as content), and
+    the budget cuts it (it ran on unbounded)."""
+    grammar = f'root ::= "{THOUGHT}" "\\n</think>\\n\\n" "{ANSWER}"'
+    m = chat(server, grammar=grammar, max_tokens=40)["message"]
+    assert (m.get("reasoning_content"), m["content"]) == (THOUGHT, ANSWER), m
+    assert streamed(server.url, grammar=grammar, max_tokens=40) == (THOUGHT, ANSWER)
+    free = f'root ::= [^<]* "</think>" "\\n\\n" "{ANSWER}"'
+    long = chat(server, grammar=free, max_tokens=40, ignore_eos=True)["message"]
+    cut = chat(server, grammar=free, max_tokens=40, ignore_eos=True, reasoning_budget=2)["message"]
+    assert long["reasoning_content"].startswith(cut["reasoning_content"]), (long, cut)
+    assert len(cut["reasoning_content"]) < len(long["reasoning_content"]) and cut["content"] == ANSWER, (long, cut)
+
+
 def test_an_answer_that_only_starts_like_a_tag_is_kept(server):
     """Text held back as the start of <think> that never became one is the answer, in every API (the Responses
     API gave it back to the splitter at the end, which held it again: an empty output)."""

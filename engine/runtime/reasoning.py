@@ -103,13 +103,22 @@ class ThinkSplitter:
 BUDGET_END = "\n" + CLOSE + "\n\n"
 
 
+def continues_thought(spec, matcher, tokenizer) -> bool:
+    """A grammar (GBNF, Lark, a regex) that writes </think> but cannot open a thought itself: it continues the one
+    the prompt opened (R1's templates, Qwen3's forced one), so its output up to </think> is that thought."""
+    if spec is None or spec.kind not in ("gbnf", "lark", "regex") or CLOSE not in spec.source:
+        return False
+    ids = tokenizer.encode(OPEN, add_bos=False, special=True)
+    return matcher.valid_prefix(ids) != ids
+
+
 def budget_matcher(inner, tokenizer, prompt_ids, budget: int, message: str = ""):
     """`inner` (a grammar's TokenMatcher, or None) wrapped in a ThoughtBudget of `budget` tokens (-1: none, inner
     as it is). The answer starts inside the thought where the prompt ends with an open <think>, unless a grammar
     decides how it starts (the think splitter's rule, engine.api think_splitter: its output is the answer)."""
     if budget is None or budget < 0:
         return inner
-    free = inner is None or getattr(inner.spec, "free_start", False)
+    free = inner is None or getattr(inner.spec, "free_start", False) or continues_thought(inner.spec, inner, tokenizer)
     opened = free and prompt_opens_thought(tokenizer.decode(list(prompt_ids[-8:])))
     forced = tokenizer.encode(message + BUDGET_END, add_bos=False, special=True)
     return ThoughtBudget(inner, tokenizer, budget, forced, opened)
