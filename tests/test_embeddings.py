@@ -203,6 +203,23 @@ def test_an_embedding_request_takes_one_place_in_the_queue(synth):
         eng.close()
 
 
+def test_a_request_of_many_texts_takes_turns_with_later_requests(synth, llm):
+    """parallel 2: an embeddings request of 40 texts, then a generation, queued together (between two steps). The
+    generation is admitted at the first free slot beside the texts and ends long before the last text: it waited
+    behind every one (a chat behind a 2,048-text request waited out all of it). The vectors are as before."""
+    ids = llm.embed_tokens(TEXTS)
+    texts = (ids * 8)[:40]
+    box = {}
+    with running_engine(synth[2]["f16"], threads=1, parallel=2) as eng:
+        def both():   # the callback runs on the scheduler thread as the last text ends: was the generation over?
+            box["req"] = eng.submit_embed(texts, callback=lambda r: box.setdefault("gen_over", box["gen"].finish_reason))
+            box["gen"] = eng.submit([1, 2, 3], GREEDY, max_tokens=4)
+        eng.run_in_scheduler(both)
+        assert np.array_equal(box["req"].result(timeout=120), llm.embed((TEXTS * 8)[:40]))
+        assert box["gen_over"] is not None   # its finish reason was set before the embeddings' last text
+        eng.check_consistency()
+
+
 def test_close_ends_a_waiting_request(synth):
     eng = Engine(Store(synth[2]["f16"]), threads=1)   # never started: the request waits
     got = []

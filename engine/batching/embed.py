@@ -1,7 +1,8 @@
 """Embeddings through the batching engine (a mixin of BatchScheduler, engine/batching/scheduler.py).
 
 A request of n texts becomes n prefill-only sequences: queued, admitted and run in prefill chunks like any prompt
-(decode rows of running generations still go first in every step, so a generation keeps making a token per step),
+(decode rows of running generations still go first in every step, so a generation keeps making a token per step;
+a request that comes later takes the next free slot before the rest of the texts, scheduler._next_waiting),
 never sampled and never given logit rows. After each step the rows of an embedding sequence are taken after the
 final norm and added to its pool (engine/runtime/embed.py: a running mean by default); once its last token has
 run, the vector is normalised and handed to the request, and the sequence retires at once: its KV pages go back to

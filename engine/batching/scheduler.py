@@ -53,6 +53,11 @@ from .prefix_cache import PrefixCache
 from .stream import Stream
 
 
+def _owner(s):
+    """The request a sequence serves: an embedding's texts are sequences of one request; any other is its own."""
+    return getattr(s.embed, "req", s)
+
+
 class _Seq:
     """Per-sequence state: tokens, KV pages, sampler, detokenizer, stop matcher, timings."""
 
@@ -205,7 +210,7 @@ class BatchScheduler(Drafts, Embeddings, Scoring):
             if n <= free:
                 free -= n
             else:   # an embedding's texts are sequences of one request; a scoring sequence is its own
-                waiting.add(id(getattr(s.embed, "req", s)))
+                waiting.add(id(_owner(s)))
         queued = len(waiting) + (need > free)
         if queued > self.max_queue:
             if self.max_queue == 0:
@@ -590,10 +595,39 @@ class BatchScheduler(Drafts, Embeddings, Scoring):
         return (pages - n_cached // PAGE_TOKENS, fork,
                 fork * n_forks + (1 if n_forks and n_prompt % PAGE_TOKENS else 0))
 
+    def _next_waiting(self) -> int:
+        """The index in the queue of the sequence to admit next: the first whose request has the fewest sequences
+        running, so one request of many texts (embeddings: a sequence each) takes its turns beside later requests
+        instead of holding every slot until its last text (a chat waited out a 2,048-text request). Requests of
+        one sequence keep their order (lock held)."""
+        head = _owner(self._waiting[0])
+        if head is self._waiting[0]:
+            return 0
+        running: dict[int, int] = {}
+        for s in self._running:
+            running[id(_owner(s))] = running.get(id(_owner(s)), 0) + 1
+        if not running.get(id(head)):
+            return 0
+        best, fewest, last = 0, running[id(head)], head
+        for i, s in enumerate(self._waiting):
+            owner = _owner(s)
+            if owner is last:   # the rest of a request already looked at
+                continue
+            last, n = owner, running.get(id(owner), 0)
+            if n < fewest:
+                best, fewest = i, n
+                if n == 0:
+                    break
+        return best
+
     def _admit(self):
-        """Admit waiting requests (FIFO) while there are slots and pages can be promised (lock held)."""
-        while self._waiting and len(self._running) + 1 + len(self._waiting[0].forks) <= self.parallel:
-            s = self._waiting[0]
+        """Admit waiting requests while there are slots and pages can be promised, in order but for a request
+        of many sequences, which takes turns (_next_waiting) (lock held)."""
+        while self._waiting:
+            i = self._next_waiting()
+            s = self._waiting[i]
+            if len(self._running) + 1 + len(s.forks) > self.parallel:
+                return
             limit = len(s.prompt) - (1 if s.max_tokens > 0 else 0)
             # an embedding pools every row of its text: no cached prefix stands in for any of them
             pages, n_cached = self.prefix.match(s.prompt, limit) if s.embed is None else ([], 0)
@@ -602,7 +636,7 @@ class BatchScheduler(Drafts, Embeddings, Scoring):
                 for p in pages:
                     self.pool.decref(p)
                 return
-            self._waiting.popleft()
+            del self._waiting[i]
             s.pages, s.n_past, s.n_cached, s.reserve = pages, n_cached, n_cached, need
             s.n_indexed = n_cached // PAGE_TOKENS
             self.pool.reserved += need
