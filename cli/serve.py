@@ -10,6 +10,11 @@ from .flags import add_engine_args, apply_chat_template, check_engine_args, samp
 
 # the router's flags: (flag, their defaults); given without --models-dir / --models-cache they are refused
 ROUTER_FLAGS = {"--models-max": 3, "--models-keep-alive": "-1", "--models-load-timeout": 600.0}
+# flags of the plain server's own connections (its uvicorn, serve/limits.py's protocol): under --ray-replicas Ray's
+# proxy holds the connections, so given beside it they are refused, not silently left unenforced
+RAY_REFUSED = {"--max-connections": Limits().max_connections, "--header-timeout": Limits().header_timeout,
+               "--send-timeout": Limits().send_timeout, "--keep-alive-timeout": 5.0, "--drain-timeout": 5.0,
+               "--log-level": "warning"}
 
 HELP = "serve the model over HTTP: OpenAI's API (chat, completions, Responses), Anthropic's Messages, ollama's and llama-server's (and a chat page at /)"
 
@@ -53,7 +58,8 @@ def add_arguments(p):
     p.add_argument("--body-timeout", type=float, default=d.body_timeout, help="seconds a request's body may take to arrive (408)")
     p.add_argument("--send-timeout", type=float, default=d.send_timeout, help="seconds a client may leave what is sent to it unread before its connection is cut (nginx's send_timeout)")
     p.add_argument("--request-timeout", type=float, default=d.request_timeout, help="seconds a request may run, 0 = no limit (504, or an error event mid-stream)")
-    p.add_argument("--keep-alive-timeout", type=float, default=5.0, help="seconds an idle kept-alive connection stays open")
+    p.add_argument("--keep-alive-timeout", type=float, default=RAY_REFUSED["--keep-alive-timeout"],
+                   help="seconds an idle kept-alive connection stays open")
     p.add_argument("--alias", default=None, metavar="NAME",
                    help="the model id the server answers with (default: the model's name)%(default).0s")
     p.add_argument("--strict-model-name", action="store_true",
@@ -85,8 +91,10 @@ def add_arguments(p):
                    help="a thinking model's <think> block in chat answers, when a request does not say (its "
                         "reasoning_format): auto / deepseek: message.reasoning_content, deepseek-legacy: streamed, left "
                         "in content with its tags (else as deepseek), none: left in content (llama-server's flag)")
-    p.add_argument("--drain-timeout", type=float, default=5.0, help="seconds in-flight requests get to finish on shutdown")
-    p.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"),
+    p.add_argument("--drain-timeout", type=float, default=RAY_REFUSED["--drain-timeout"],
+                   help="seconds in-flight requests get to finish on shutdown")
+    p.add_argument("--log-level", default=RAY_REFUSED["--log-level"],
+                   choices=("critical", "error", "warning", "info", "debug"),
                    help="uvicorn log level")
 
 
@@ -110,6 +118,17 @@ def _check(args):
     check_normalize(args.embd_normalize, "--embd-normalize")
     if args.ray_replicas < 0:
         raise BitNetError(f"--ray-replicas {args.ray_replicas}: must be >= 0")
+    if args.ray_replicas:
+        from ..engine.cpu import available_cores
+        cores = available_cores()
+        if args.ray_replicas > cores:   # each replica is an engine of its own: more only wait for the cores
+            raise BitNetError(f"--ray-replicas {args.ray_replicas}: at most {cores} here (one engine per replica, "
+                              "this machine's cores)")
+        for flag, default in RAY_REFUSED.items():
+            if getattr(args, flag[2:].replace("-", "_")) != default:
+                raise BitNetError(f"{flag} applies to the plain server only (its own connections, shutdown and log): "
+                                  "under --ray-replicas Ray Serve's proxy holds the connections",
+                                  hint="leave it out, or serve without --ray-replicas")
     for flag in ("max_body_mb", "max_header_kb", "max_headers", "max_connections", "header_timeout", "body_timeout",
                  "send_timeout", "keep_alive_timeout"):
         if not 0 < getattr(args, flag) < math.inf:   # inf: an int of it failed later as an internal error
@@ -240,7 +259,18 @@ def main(args) -> int:
         return serve_models(args, keys)
     if args.ray_replicas:
         bind_port(args.host, args.port, keep=False)   # before Ray's minutes of start-up, not after
-        from ..serve.ray_app import run_ray
+        from ..engine.errors import BitNetError
+        try:
+            from ..serve.ray_app import run_ray
+        except ImportError as e:
+            if (e.name or "").split(".")[0] != "ray":
+                raise
+            raise BitNetError(f"--ray-replicas needs Ray Serve, which is not installed here ({e})",
+                              hint='pip install ".[cluster]", or serve without --ray-replicas') from None
+        # the model resolved (a hub id converted once, here) and opened before Ray starts: a missing or unreadable
+        # one is one line and exit 2, as the plain server says it, not replicas restarted for ever
+        from ..engine.api import resolve_store
+        args.model = resolve_store(args.model)
         return run_ray(args, sampling, api_keys=keys, limits=limits_from_args(args))
 
     import uvicorn

@@ -41,7 +41,8 @@ from .runtime.speculative import LookupParams, checked_lookup
 from .formats.store import Store, is_store
 from .formats.tokenizer import Tokenizer
 
-__all__ = ["load_model", "LLM", "load_engine", "Engine", "SamplingParams", "LookupParams", "Chunk", "Stats",
+__all__ = ["load_model", "LLM", "load_engine", "resolve_store", "Engine", "SamplingParams", "LookupParams", "Chunk",
+           "Stats",
            "QueueFullError", "Constraint", "ConstraintError"]
 
 
@@ -470,6 +471,15 @@ def open_store(path: str, *, mmap: bool | None = None, progress: bool = True) ->
 
 
 PROGRESS_MIN_BYTES = 256 << 20
+
+
+def resolve_store(model: str | None = None, *, lm_head: str | None = None, progress: bool = True) -> str:
+    """The path of the store `model` names (as load_model takes it: a store, a GGUF, an HF directory or hub id
+    converted into the cache, None: the default model), opened once (mapped, not read) and closed: a server whose
+    engines load elsewhere (`bitnet serve --ray-replicas`) says what is wrong with -m before it starts them."""
+    path = _resolve(model, lm_head, progress)
+    open_store(path, mmap=True, progress=False).close()
+    return path
 
 
 def load_model(model: str | None = None, *, ctx: int | None = None, threads: int | None = None,

@@ -122,7 +122,9 @@ class ServerState:
                 self.load_error = str(e) or type(e).__name__
                 if self.on_load_error is not None:
                     self.on_load_error(e)
-        threading.Thread(target=run, name="bitnet-load", daemon=True).start()
+        t = threading.Thread(target=run, name="bitnet-load", daemon=True)
+        t.start()
+        return t
 
     def drain(self):
         """Stop admitting and end what is in flight now (finish_reason 'stop'): each stream's final chunk is given
@@ -173,7 +175,7 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
                sampling: Any = None, strict_model: bool = False, limits: Limits | None = None,
                api_keys: tuple = (), metrics_public: bool = False, cors_origins: tuple = (),
                on_load_error: Callable[[BaseException], None] | None = None,
-               reasoning_format: str = "auto", local_only: bool = False) -> FastAPI:
+               reasoning_format: str = "auto", local_only: bool = False, wait_load: bool = False) -> FastAPI:
     """The ASGI app. load() -> an engine with ENGINE_API.md's interface (called once, in a thread).
     sampling: SamplingParams whose values a request's omitted sampling fields take (None: the engine's).
     model_id: the id the server answers with (None: the model's name; `--alias`); strict_model: a request
@@ -185,14 +187,18 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
     thread) when load() raised -- `bitnet serve` then says so and exits; without it the server answers 503.
     reasoning_format: where a chat's <think> block goes when the request does not say (llama-server's
     --reasoning-format: auto / deepseek: reasoning_content, none: left in content, deepseek-legacy: streamed,
-    left in content with its tags, else as deepseek)."""
+    left in content with its tags, else as deepseek). wait_load: the lifespan's startup returns once the load
+    ended (Ray Serve sends a replica requests once its startup returned: they were answered 503 "model is
+    loading" meanwhile); else at once, the model loading behind /health's 503."""
     state = ServerState(load, api_key, model_id, retry_after, strict_model, sampling)
     state.on_load_error = on_load_error
     metrics = ServerMetrics(state.engine_metrics)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        state.start_loading()
+        loading = state.start_loading()
+        if wait_load:
+            await asyncio.to_thread(loading.join)
         yield
         await asyncio.to_thread(state.close)   # joins the engine's thread, which may be in a step: off the loop
         if on_shutdown:

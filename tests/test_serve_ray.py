@@ -86,14 +86,19 @@ def test_ray_two_replicas_spread_and_replace():
         victim, survivor = sorted(seen)
         os.kill(int(victim.rsplit(":", 1)[1]), signal.SIGTERM)
         t_kill = time.monotonic()
-        after = set()
+        after, loading = set(), []
         while time.monotonic() - t_kill < 90 * slowness():   # a replacement loads its model: minutes under qemu
             after |= set(_instances(client, 3))
+            # unretried (the openai client retries a 503): a replacement gets requests once its model is loaded
+            r = httpx.get(url + "/health", timeout=60)
+            if r.status_code == 503 and "loading model" in r.text:
+                loading.append(r.headers.get("x-bitnet-instance"))
             if survivor in after and after - seen:
                 break
             time.sleep(0.5)
         assert survivor in after, f"the other replica did not answer after {victim} was stopped: {after}"
         assert after - seen, f"no replacement replica answered within the bound (seen {sorted(after)})"
+        assert not loading, f"replicas answered 'model is loading': {loading}"
     assert app["returncode"] == 0   # SIGTERM stops it as Ctrl-C does (Ray's own handler aborted it: -6)
 
 
@@ -176,3 +181,236 @@ def test_ray_that_cannot_start_is_one_line_exit_2():
     assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
     assert "Ray did not start" in r.stderr and "not-a-ray-address" in r.stderr, r.stderr[-2000:]
     assert "Traceback" not in r.stderr and "bug" not in r.stderr, r.stderr[-2000:]
+
+
+READY = "Ray Serve replicas on http://"
+
+
+def _env(**extra):
+    return dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                RAY_USAGE_STATS_ENABLED="0", **extra)
+
+
+@pytest.fixture
+def ray_stopped():
+    """Whatever a test leaves of Ray (a start it interrupted, or old code's server it had to stop) is stopped."""
+    try:
+        yield
+    finally:
+        subprocess.run(["ray", "stop", "--force"], capture_output=True, timeout=120 * slowness())
+
+
+def _serve_until_ready_or_exit(argv, env=None, bound=None):
+    """Run `python -m bitnet_cpu serve ARGV` until it exits or prints its ready line (then it is stopped with
+    SIGINT: a server that came up where it should have refused); -> (returncode, stderr, ready)."""
+    proc = subprocess.Popen([sys.executable, "-m", "bitnet_cpu", "serve", "--host", "127.0.0.1",
+                             "--port", str(free_port()), *argv], cwd=ROOT, env=env or _env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    lines, ready = [], False
+    deadline = time.monotonic() + (bound or 400 * slowness())
+    try:
+        for line in proc.stderr:
+            lines.append(line)
+            if READY in line:
+                ready = True
+                proc.send_signal(signal.SIGINT)
+            if time.monotonic() > deadline:
+                break
+        proc.wait(60 * slowness())
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return proc.returncode, "".join(lines), ready
+
+
+def _one_line_exit_2(rc, err, ready):
+    assert not ready, err[-2000:]
+    assert rc == 2, (rc, err[-2000:])
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "error:" in lines[0], err[-2000:]
+    assert "Traceback" not in err and "internal error" not in err, err[-2000:]
+    return lines[0]
+
+
+@pytest.mark.parametrize("model", ["/nonexistent/model.bnstore", "README.md"])
+def test_ray_model_that_does_not_load_is_one_line_exit_2(model, ray_stopped):
+    """-m naming no model: said before Ray starts, as the plain server says it (exit 2), not a ready line over
+    replicas that Ray restarts for ever while every endpoint answers 503."""
+    line = _one_line_exit_2(*_serve_until_ready_or_exit(["--ray-replicas", "2", "-t", "1", "-m", model]))
+    assert model in line
+
+
+def test_ray_replica_that_cannot_load_fails_the_deployment(ray_stopped):
+    """A model that the replicas cannot load (run_ray given one the CLI did not resolve: what a file gone or
+    unreadable on a replica comes to) fails the deployment: one error naming the reason, exit 2, and no ready
+    line (Ray restarted the replicas for ever behind a server that said it was up)."""
+    code = ("import argparse, sys\n"
+            "from bitnet_cpu.cli.serve import add_arguments\n"
+            "from bitnet_cpu.serve.ray_app import run_ray\n"
+            "from bitnet_cpu.engine.errors import BitNetError\n"
+            "p = argparse.ArgumentParser(); add_arguments(p)\n"
+            "a = p.parse_args(['-m', '/nonexistent/replica.bnstore', '--ray-replicas', '1', '-t', '1',\n"
+            "                  '--host', '127.0.0.1', '--port', sys.argv[1]])\n"
+            "try:\n"
+            "    sys.exit(run_ray(a))\n"
+            "except BitNetError as e:\n"
+            "    print('error:', e, file=sys.stderr); sys.exit(e.exit_code)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(free_port())], cwd=ROOT, env=_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    lines, ready = [], False
+    try:
+        for line in proc.stderr:
+            lines.append(line)
+            if READY in line:
+                ready = True
+                proc.send_signal(signal.SIGINT)
+        proc.wait(60 * slowness())
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    err = "".join(lines)
+    assert not ready, err[-2000:]
+    assert proc.returncode == 2, (proc.returncode, err[-2000:])
+    assert "error: the model did not load on Ray's replicas" in err and "/nonexistent/replica.bnstore" in err, \
+        err[-2000:]
+
+
+@pytest.mark.parametrize("flag", ["--max-connections=3", "--header-timeout=2", "--send-timeout=5",
+                                  "--keep-alive-timeout=2", "--drain-timeout=1", "--log-level=info"])
+def test_ray_refuses_the_plain_servers_connection_flags(flag, ray_stopped):
+    """Flags that bound the plain server's own connections (Ray's proxy holds them under --ray-replicas) are
+    refused there with one line, not accepted and left unenforced; their defaults pass (checked by the flags
+    the request-level limits keep, which the replicas' middleware enforces)."""
+    line = _one_line_exit_2(*_serve_until_ready_or_exit(["--ray-replicas", "1", "-t", "1", flag]))
+    assert flag.split("=")[0] in line and "--ray-replicas" in line
+    # --max-body-mb / --request-timeout work under Ray: not refused (the bad model is what stops it, at once)
+    line = _one_line_exit_2(*_serve_until_ready_or_exit(["--ray-replicas", "1", "-t", "1", "--max-body-mb=2",
+                                                         "--request-timeout=30", "-m", "/nonexistent/m.bnstore"]))
+    assert "no such file" in line
+
+
+def test_ray_replicas_beyond_the_cores_refused(ray_stopped):
+    """--ray-replicas far past the machine (each replica is an engine) is one line before Ray starts: 100000
+    replicas never came up, and nothing but SIGKILL ended the wait."""
+    n = len(os.sched_getaffinity(0)) + 1
+    line = _one_line_exit_2(*_serve_until_ready_or_exit(["--ray-replicas", str(n), "-t", "1"]))
+    assert f"--ray-replicas {n}" in line
+
+
+def test_ray_ignores_serve_run_variables(ray_stopped):
+    """`bitnet serve --ray-replicas` builds its app from its flags: a stray BITNET_REPLICAS (`serve run`'s) does
+    not stop it with an internal error (here the missing model is what it says, exit 2)."""
+    line = _one_line_exit_2(*_serve_until_ready_or_exit(
+        ["--ray-replicas", "1", "-t", "1", "-m", "/nonexistent/m.bnstore"], env=_env(BITNET_REPLICAS="x")))
+    assert "no such file" in line and "BITNET_REPLICAS" not in line
+
+
+@pytest.mark.parametrize("var,value", [("BITNET_REPLICAS", "0"), ("BITNET_REPLICAS", "x"),
+                                       ("BITNET_THREADS", "auto"), ("BITNET_MAX_QUEUE", "-1")])
+def test_serve_run_bad_variable_is_one_line(var, value):
+    """`serve run bitnet_cpu.serve.ray_app:app` looks `app` up in the module: a bad BITNET_* value is an error
+    whose message is one line naming the variable (it was a ValueError, or Ray's own failure, at import)."""
+    code = ("import bitnet_cpu.serve.ray_app as m\n"
+            "try:\n"
+            "    m.app\n"
+            "except Exception as e:\n"
+            "    print(type(e).__name__ + ': ' + str(e))\n"
+            "else:\n"
+            "    print('built')\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_env(**{var: value}), capture_output=True,
+                       text=True, timeout=120 * slowness())
+    out = r.stdout.strip()
+    assert r.returncode == 0 and "\n" not in out, (r.returncode, out, r.stderr[-2000:])
+    assert out.startswith(f"BitNetError: {var}={value!r}"), out
+
+
+def test_ray_not_installed_is_one_line_exit_2(tmp_path):
+    """Without Ray (`import ray` fails, as before `pip install ".[cluster]"`): one line with that hint, exit 2,
+    not an internal error (exit 70)."""
+    (tmp_path / "sitecustomize.py").write_text("import sys\nsys.modules['ray'] = None   # import ray fails\n")
+    env = _env()
+    env["PYTHONPATH"] = str(tmp_path) + os.pathsep + env["PYTHONPATH"]
+    line = _one_line_exit_2(*_serve_until_ready_or_exit(["--ray-replicas", "1", "-t", "1"], env=env))
+    assert "--ray-replicas" in line and 'pip install ".[cluster]"' in line
+
+
+def _descendants(pid: int) -> set:
+    parents = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    parents[int(d)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                pass
+    out, todo = set(), [pid]
+    while todo:
+        p = todo.pop()
+        kids = {c for c, pp in parents.items() if pp == p}
+        todo.extend(kids - out)
+        out |= kids
+    return out
+
+
+@pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_ray_signal_while_starting_stops_it(sig, code, ray_stopped):
+    """Ctrl-C / SIGTERM while Ray and Serve start stop them and exit 128 + the signal, leaving no Ray process
+    behind (the signal was waited out until Serve was up, or for ever where it never came up). The signal is
+    sent once Ray's GCS runs, before the ready line."""
+    proc = subprocess.Popen([sys.executable, "-m", "bitnet_cpu", "serve", "--ray-replicas", "1", "-t", "1",
+                             "--host", "127.0.0.1", "--port", str(free_port())], cwd=ROOT, env=_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    import threading
+    lines: list = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 120 * slowness()
+        kids: set = set()
+        while proc.poll() is None and time.monotonic() < deadline and not _named(kids, "gcs_server"):
+            kids = _descendants(proc.pid)
+            time.sleep(0.05)
+        assert _named(kids, "gcs_server"), "Ray's GCS did not start"
+        if any(READY in ln for ln in lines):
+            pytest.skip("Ray Serve was up before the signal")
+        proc.send_signal(sig)
+        rc = proc.wait(300 * slowness())
+        reader.join(60)
+        err = "".join(lines)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert READY not in err, err[-2000:]
+    assert rc == code, (rc, err[-2000:])
+    assert "stopped while Ray Serve was starting" in err and "Traceback" not in err, err[-2000:]
+    deadline = time.monotonic() + 60 * slowness()
+    while time.monotonic() < deadline and _alive(kids):
+        time.sleep(0.5)
+    assert not _alive(kids), f"Ray processes left behind: {sorted(_alive(kids))}"
+
+
+def _named(pids, name: str) -> bool:
+    """Whether one of pids runs a command line holding `name`."""
+    for p in pids:
+        try:
+            with open(f"/proc/{p}/cmdline", "rb") as f:
+                if name.encode() in f.read():
+                    return True
+        except OSError:
+            pass
+    return False
+
+
+def _alive(pids) -> set:
+    out = set()
+    for p in pids:
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] != "Z":
+                    out.add(p)
+        except OSError:
+            pass
+    return out
