@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -197,7 +198,9 @@ def ray_stopped():
     try:
         yield
     finally:
-        subprocess.run(["ray", "stop", "--force"], capture_output=True, timeout=120 * slowness())
+        ray_cli = shutil.which("ray") or os.path.join(os.path.dirname(sys.executable), "ray")
+        if os.path.exists(ray_cli):
+            subprocess.run([ray_cli, "stop", "--force"], capture_output=True, timeout=120 * slowness())
 
 
 def _serve_until_ready_or_exit(argv, env=None, bound=None):
