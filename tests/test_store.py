@@ -145,3 +145,34 @@ def test_a_cached_conversion_with_a_nan_norm_is_converted_again(tmp_path, capsys
     assert "is damaged" in capsys.readouterr().err
     with Store(path) as s:
         assert np.array_equal(s.tensor("blk.0.attn_norm"), want)
+
+
+def _edit_index(path, edit):
+    """Rewrite the store's index JSON through edit(index) with a valid checksum: a deliberately edited file."""
+    import hashlib
+    import json
+
+    from bitnet_cpu.engine.formats.store import _HEADER
+    raw = open(path, "rb").read()
+    magic, version, flags, ioff, ilen, doff, _ = _HEADER.unpack(raw[:_HEADER.size])
+    index = json.loads(raw[ioff:ioff + ilen])
+    edit(index)
+    new = json.dumps(index).encode()
+    head = _HEADER.pack(magic, version, flags, ioff, len(new), doff, hashlib.sha256(new).digest())
+    with open(path, "wb") as f:
+        f.write(head + raw[_HEADER.size:ioff] + new)
+
+
+@pytest.mark.parametrize("edit, words", [
+    (lambda ix: ix["tensors"]["b"].update(offset=ix["tensors"]["b"]["offset"] + 1), "'b' has a corrupt index entry"),
+    (lambda ix: ix["tensors"]["b"].update(offset=64), "overlap"),
+])
+def test_an_index_edited_to_misplace_a_tensor_is_refused(tmp_path, edit, words):
+    """write_store aligns every tensor to 64 bytes and places each after the last: an index (its checksum made
+    anew) that puts one off its alignment or over another is refused, not read as other bytes."""
+    p, a, b = _write(tmp_path)
+    _edit_index(p, lambda ix: None)
+    assert np.array_equal(Store(p).tensor("b"), b)   # the rewrite alone changes nothing
+    _edit_index(p, edit)
+    with pytest.raises(FormatError, match=words):
+        Store(p)

@@ -195,7 +195,7 @@ def _entry_ok(e, doff: int, ioff: int) -> bool:
     n = np.dtype(e["dtype"]).itemsize
     for d in shape:
         n *= d
-    return n == nbytes and off >= 0 and doff + off + n <= ioff
+    return n == nbytes and off >= 0 and off % ALIGN == 0 and doff + off + n <= ioff   # write_store aligns each
 
 
 def _size(n: int) -> str:
@@ -258,6 +258,10 @@ class Store:
         for name, e in self._index.items():
             if not _entry_ok(e, doff, ioff):
                 raise FormatError(f"{self.path}: tensor {name!r} has a corrupt index entry")
+        placed = sorted((e["offset"], e["nbytes"], name) for name, e in self._index.items() if e["nbytes"])
+        for (off, n, name), (nxt, _, other) in zip(placed, placed[1:]):
+            if off + n > nxt:   # write_store places each after the last: an overlap is an edited index
+                raise FormatError(f"{self.path}: tensors {name!r} and {other!r} overlap (corrupt index)")
         # the tensor data: [doff, doff + data_bytes) of the file
         self.data_bytes = max((e["offset"] + e["nbytes"] for e in self._index.values()), default=0)
         self._mem = None
