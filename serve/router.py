@@ -90,9 +90,11 @@ def hub_name(name: str) -> str:
 
 
 class RouterError(Exception):
-    def __init__(self, status: int, message: str, code: str, param: str | None = None, retry_after: int | None = None):
+    def __init__(self, status: int, message: str, code: str | None, param: str | None = None,
+                 retry_after: int | None = None, allow: str | None = None):
         super().__init__(message)
         self.status, self.message, self.code, self.param, self.retry_after = status, message, code, param, retry_after
+        self.allow = allow   # a 405's Allow header
 
 
 def _listening_socket() -> socket.socket:
@@ -715,8 +717,10 @@ def create_router_app(router: Router, *, api_keys: tuple = (), limits: Limits | 
         body = error_json(e.message, "not_found_error" if e.status == 404 else
                           "server_error" if e.status >= 500 else "invalid_request_error",
                           e.code, e.param, scope=request.scope, status=e.status)
-        headers = {"Retry-After": str(e.retry_after)} if e.retry_after is not None else None
-        return Response(body, status_code=e.status, media_type="application/json", headers=headers)
+        headers = {"Retry-After": str(e.retry_after)} if e.retry_after is not None else {}
+        if e.allow:
+            headers["allow"] = e.allow
+        return Response(body, status_code=e.status, media_type="application/json", headers=headers or None)
 
     @app.exception_handler(RouterError)
     async def _router_error(request, e: RouterError):
@@ -960,6 +964,9 @@ def create_router_app(router: Router, *, api_keys: tuple = (), limits: Limits | 
         methods = [m for rx, m in model_routes() if rx.match(path)]
         if not methods:   # no model serves it: never a model loaded (and another unloaded) for a stray request
             raise RouterError(404, f"{request.method} {path}: no such endpoint", "not_found")
+        allowed = set().union(*methods)
+        if request.method not in allowed:   # a model's server's 405, before any model is named or loaded
+            raise RouterError(405, "Method Not Allowed", None, allow=", ".join(sorted(allowed)))
         data, body = await body_model(request)
         name = (data or {}).get("model")
         if name is None and path.startswith("/api/"):

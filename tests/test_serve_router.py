@@ -424,6 +424,10 @@ def test_a_stray_request_loads_no_model(router):
     assert r.status_code == 404 and "no such endpoint" in r.text, r.text
     r = post(router.url, "/api/delete", {"model": "synth"})
     assert r.status_code == 501 and "bitnet rm" in r.text, r.text
+    # a method no model's server takes there: its 405, in the API's shape (it was a 400 "model: required")
+    for path, shape in (("/v1/messages", "type"), ("/v1/chat/completions", "error")):
+        r = httpx.get(router.url + path, params={"model": "synth"}, timeout=30)
+        assert r.status_code == 405 and r.headers["allow"] == "POST" and shape in r.json(), r.text
     assert loaded(router.url) <= before   # nothing loaded for them
 
 
