@@ -303,3 +303,22 @@ def test_the_apis_hints_are_taken(server):
             "user": "u", "top_k": 5, "seed": 3}
     r = httpx.post(server.url + "/v1/responses", json=body, timeout=60)
     assert r.status_code == 200, r.text
+
+
+def test_an_empty_answer_is_still_a_message(server):
+    """A stop string at the answer's very start: the output is one message of empty text, streamed with its events
+    (it was `output: []`, with no output item at all), as the chat endpoint gives content ""."""
+    import json
+    body = {"model": "any", "input": "Hi", "max_output_tokens": 8, "temperature": 0}
+    first = httpx.post(server.url + "/v1/responses", json=body, timeout=60).json()
+    text = first["output"][-1]["content"][0]["text"]
+    assert text[:3].strip()
+    r = httpx.post(server.url + "/v1/responses", json={**body, "stop": [text[:3]]}, timeout=60).json()
+    assert [(o["type"], o["content"][0]["text"]) for o in r["output"]] == [("message", "")], r["output"]
+    kinds = []
+    with httpx.stream("POST", server.url + "/v1/responses", json={**body, "stop": [text[:3]], "stream": True},
+                      timeout=60) as s:
+        for line in s.iter_lines():
+            if line.startswith("data: "):
+                kinds.append(json.loads(line[6:])["type"])
+    assert "response.output_item.added" in kinds and kinds.index("response.output_text.done") < len(kinds) - 1
