@@ -11,7 +11,8 @@ Exit codes: 0 normal end, 1 a piped command/turn failed, 2 bad flag or model (al
 truncated or rewritten while in use), 70 an internal error (a bug: please report it), 130 Ctrl-C while loading.
 
 The conversation is kept in a recovery file while the session runs ($BITCHAT_RECOVERY, empty: none; else
-$XDG_STATE_HOME/bitchat/recovery-PID.json), removed on a normal exit while it is still the copy this session wrote:
+$XDG_STATE_HOME/bitchat/recovery-PID.json, or -PID-2.json beside an earlier session's), removed on a normal exit
+while it is still the copy this session wrote:
 when the process is ended by a fatal fault or Ctrl-C outside a turn (a piped session waiting for input), the one-line
 message says where it is (/load it). A path holding a file that is not a recovery copy is refused at start.
 """
@@ -162,7 +163,12 @@ def recovery_path() -> str | None:
     env = os.environ.get("BITCHAT_RECOVERY")
     if env is not None:
         return os.path.expanduser(env) if env.strip() else None
-    return os.path.join(state_dir(), f"recovery-{os.getpid()}.json")
+    base = os.path.join(state_dir(), f"recovery-{os.getpid()}")
+    path, n = base + ".json", 1
+    while os.path.lexists(path):   # the copy of a session that died with this PID before: kept, never written over
+        n += 1
+        path = f"{base}-{n}.json"
+    return path
 
 
 def _written(live: list) -> str | None:

@@ -508,3 +508,20 @@ def test_load_tokenizes_a_conversation_that_fits_once(llm, tmp_path, monkeypatch
     loader, sink = new_session(llm)
     loader.run_command(parse_command(f"/load {path}"))
     assert "prefilled" in sink.getvalue() and sum(seen) == 1, seen
+
+
+def test_a_dead_sessions_recovery_copy_is_not_written_over(tmp_path, monkeypatch):
+    """The default recovery copy is recovery-PID.json: where a session that died with the same PID (PIDs are
+    reused) left its copy, this session takes recovery-PID-2.json (it wrote over that copy at its first turn)."""
+    from bitnet_cpu.cli.chat import recovery_path
+    monkeypatch.delenv("BITCHAT_RECOVERY", raising=False)
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    first = recovery_path()
+    assert os.path.basename(first) == f"recovery-{os.getpid()}.json"
+    os.makedirs(os.path.dirname(first))
+    with open(first, "w") as f:
+        f.write('{"the": "dead session"}')
+    second = recovery_path()
+    assert second != first and os.path.basename(second) == f"recovery-{os.getpid()}-2.json"
+    with open(first) as f:
+        assert f.read() == '{"the": "dead session"}'
