@@ -196,7 +196,7 @@ def test_an_embedding_request_takes_one_place_in_the_queue(synth):
     try:
         eng.submit_embed([[1, 2, 3]] * 50)   # its first texts take the two free slots; it waits for the rest
         eng.submit([1, 2], GREEDY, max_tokens=2)   # max_queue 2: the embedding and this one wait
-        assert eng.metrics()["waiting"] == 51
+        assert eng.metrics()["waiting"] == 2   # requests, as /metrics says (it counted 51: the texts)
         with pytest.raises(QueueFullError):
             eng.submit([1, 2], GREEDY, max_tokens=2)
     finally:
@@ -224,6 +224,7 @@ def test_close_ends_a_waiting_request(synth):
     eng = Engine(Store(synth[2]["f16"]), threads=1)   # never started: the request waits
     got = []
     req = eng.submit_embed([[1, 2, 3], [4, 5]], callback=got.append)
+    assert eng.metrics()["waiting"] == 1   # one request waiting (its two texts are two sequences)
     eng.close()
     assert got == [req] and req.error == "cancelled"
     with pytest.raises(BitNetError, match="cancelled"):

@@ -336,7 +336,7 @@ class BatchScheduler(Drafts, Embeddings, Scoring):
 
     def metrics(self) -> dict:
         with self._lock:
-            return {"running": len(self._running), "waiting": len(self._waiting),
+            return {"running": len(self._running), "waiting": len({id(_owner(s)) for s in self._waiting}),   # requests
                     "kv_pages_total": self.pool.n_pages, "kv_pages_used": self.pool.n_used,
                     "kv_pages_free": self.pool.n_free, "kv_pages_reserved": self.pool.reserved,
                     "kv_pages_cached": self.prefix.n_nodes, "kv_pages_evictable": self.prefix.n_evictable(),
