@@ -959,8 +959,16 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         raise APIError(501, "/infill (fill-in-the-middle) is not supported: the ternary models served here have no "
                        "FIM tokens; send the prefix to /completion", "not_supported_error", code="not_supported")
 
-    @app.api_route("/health", methods=["GET", "HEAD"])   # HEAD: load balancers' checks (HAProxy's httpchk)
-    @app.api_route("/v1/health", methods=["GET", "HEAD"])   # llama-server's other path
+    def get_and_head(path: str, **kw):
+        """A GET route and its HEAD twin, which stays out of the OpenAPI schema: one route of both methods gave
+        both operations one operationId (OpenAPI: unique; client generators fail on it, FastAPI warns)."""
+        def deco(fn):
+            app.add_api_route(path, fn, methods=["HEAD"], include_in_schema=False, **kw)
+            return app.get(path, **kw)(fn)
+        return deco
+
+    @get_and_head("/health")   # HEAD: load balancers' checks (HAProxy's httpchk)
+    @get_and_head("/v1/health")   # llama-server's other path
     async def health():
         if state.engine is not None and not state.draining:
             return {"status": "ok"}
@@ -969,7 +977,7 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         msg = "shutting down" if state.draining else "loading model"
         return error_response(503, msg, "unavailable_error", code="loading", headers={"Retry-After": str(retry_after)})
 
-    @app.api_route("/metrics", methods=["GET", "HEAD"])
+    @get_and_head("/metrics")
     async def prom():
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
@@ -994,7 +1002,7 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
                            loop=asyncio.get_running_loop, sse_headers=sse_headers, ENGINE_FAULT=ENGINE_FAULT)
     register_llama(app, state, ready, APIError, pipe, sampling=sampling)
 
-    @app.api_route("/", methods=["GET", "HEAD"], response_class=HTMLResponse)
+    @get_and_head("/", response_class=HTMLResponse)
     async def page():   # HEAD /: the ollama CLI's check that a server is up, before every command
         with open(PAGE, encoding="utf-8") as f:
             return HTMLResponse(f.read())

@@ -342,6 +342,18 @@ def test_refused_operations_answer_but_are_not_advertised(server):
     assert r.status_code == 501 and "delete" in r.json()["error"]
 
 
+def test_every_operation_has_its_own_id_and_head_still_answers(server):
+    """OpenAPI: an operationId is unique among all operations (client generators fail on a duplicate); one route of
+    GET and HEAD gave both one id (/health, /v1/health, /metrics, /), and FastAPI warned of it in the server's log.
+    HEAD (load balancers', the ollama CLI's heartbeat) still answers on each."""
+    spec = httpx.get(server.url + "/openapi.json", timeout=30).json()
+    ids = [op["operationId"] for ops in spec["paths"].values() for op in ops.values() if isinstance(op, dict)]
+    assert len(ids) == len(set(ids)), sorted(i for i in ids if ids.count(i) > 1)
+    for path in ("/", "/health", "/v1/health", "/metrics"):
+        assert httpx.head(server.url + path, timeout=30).status_code == 200, path
+        assert "get" in spec["paths"][path], path
+
+
 def test_keep_alive_must_be_a_duration(server, model_id):
     """A single-model server keeps its model loaded whatever keep_alive says, but a value that is no duration is a
     400, as ollama's Go server answers it (time: invalid duration), on the generating and embedding routes."""
