@@ -206,9 +206,14 @@ def ray_stopped():
 def _serve_until_ready_or_exit(argv, env=None, bound=None):
     """Run `python -m bitnet_cpu serve ARGV` until it exits or prints its ready line (then it is stopped with
     SIGINT: a server that came up where it should have refused); -> (returncode, stderr, ready)."""
-    proc = subprocess.Popen([sys.executable, "-m", "bitnet_cpu", "serve", "--host", "127.0.0.1",
-                             "--port", str(free_port()), *argv], cwd=ROOT, env=env or _env(),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    return _until_ready_or_exit([sys.executable, "-m", "bitnet_cpu", "serve", "--host", "127.0.0.1",
+                                 "--port", str(free_port()), *argv], env, bound)
+
+
+def _until_ready_or_exit(cmd, env=None, bound=None):
+    """_serve_until_ready_or_exit's run of any command line."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env or _env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
     lines, ready = [], False
     deadline = time.monotonic() + (bound or 400 * slowness())
     try:
@@ -259,23 +264,9 @@ def test_ray_replica_that_cannot_load_fails_the_deployment(ray_stopped):
             "    sys.exit(run_ray(a))\n"
             "except BitNetError as e:\n"
             "    print('error:', e, file=sys.stderr); sys.exit(e.exit_code)\n")
-    proc = subprocess.Popen([sys.executable, "-c", code, str(free_port())], cwd=ROOT, env=_env(),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    lines, ready = [], False
-    try:
-        for line in proc.stderr:
-            lines.append(line)
-            if READY in line:
-                ready = True
-                proc.send_signal(signal.SIGINT)
-        proc.wait(60 * slowness())
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    err = "".join(lines)
+    rc, err, ready = _until_ready_or_exit([sys.executable, "-c", code, str(free_port())])
     assert not ready, err[-2000:]
-    assert proc.returncode == 2, (proc.returncode, err[-2000:])
+    assert rc == 2, (rc, err[-2000:])
     assert "error: the model did not load on Ray's replicas" in err and "/nonexistent/replica.bnstore" in err, \
         err[-2000:]
 
