@@ -772,3 +772,22 @@ def test_base3_weights_batched_equal_alone_and_equal_tile16(tmp_path):
     _assert_batched_equals_alone(b3, seed=5)
     ids = np.random.default_rng(6).integers(0, m.V, 40).tolist()
     np.testing.assert_array_equal(Model(b3, n_ctx=64).forward(ids), Model(t2, n_ctx=64).forward(ids))
+
+
+@pytest.mark.parametrize("kv", ["f16", "q8"])
+def test_a_pool_of_one_context_serves_a_prompt_that_matches_a_cached_page_in_part(kv):
+    """The smallest pool load_engine takes (one context's pages), its cached pages left by earlier prompts, then a
+    request sharing their first tokens (part of a page) that needs the whole pool: it runs (the partly matched
+    page, held, was not evictable and saved nothing, so its promise was one page short for ever: nothing ran to
+    free one, and every request behind it waited too)."""
+    with running_engine(None, ctx=512, threads=1, parallel=4, kv_pool_tokens=512, kv_dtype=kv) as eng:
+        ids = eng.tokenize("Once upon a time there was a cat named Tom. " * 30)
+        for p in (ids[:200], ids[:210]):   # pages left in the prefix index
+            _collect(eng.submit(p, GREEDY, max_tokens=200))
+        big, after = _Chunks(), _Chunks()
+        eng.submit(ids[:10], GREEDY, max_tokens=600, callback=big)
+        eng.submit(ids[:10], GREEDY, max_tokens=5, callback=after)
+        big.wait()
+        after.wait()
+        assert big[-1].finish_reason in ("length", "eos") and after[-1].finish_reason in ("length", "eos")
+        _assert_every_page_returns(eng)

@@ -635,7 +635,14 @@ class BatchScheduler(Drafts, Embeddings, Scoring):
             if need + extra > self.pool.n_free + self.prefix.n_evictable() - self.pool.reserved:
                 for p in pages:
                     self.pool.decref(p)
-                return
+                if not pages:
+                    return
+                # the matched pages, held, are no longer evictable, and a page matched in part saves none: in a
+                # pool of one context that was one page too many for ever (nothing ran to free one). Without them
+                pages, n_cached = [], 0
+                need, fork_need, extra = self._promise(len(s.prompt), s.max_tokens, len(s.forks))
+                if need + extra > self.pool.n_free + self.prefix.n_evictable() - self.pool.reserved:
+                    return
             del self._waiting[i]
             s.pages, s.n_past, s.n_cached, s.reserve = pages, n_cached, n_cached, need
             s.n_indexed = n_cached // PAGE_TOKENS
