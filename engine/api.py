@@ -557,11 +557,13 @@ class Engine(_Text, BatchScheduler):
                     or not 0 < kv_pool_mib < math.inf:
                 raise BitNetError(f"kv_pool_mib {kv_pool_mib!r}: a size in MiB, > 0")
             kv_pool_tokens = int(kv_pool_mib * (1 << 20)) // per_tok
-        if kv_pool_tokens is not None and kv_pool_tokens * per_tok > 1 << 40:
-            raise BitNetError(f"KV pool of {kv_pool_tokens} tokens: {kv_pool_tokens * per_tok / (1 << 30):.0f} GiB, "
-                              "past any machine's memory (at most 1 TiB)")
-        if kv_pool_tokens is None:   # a context per slot, and a page each for n choices' shared partial pages
+        sized = kv_pool_tokens is not None
+        if not sized:   # a context per slot, and a page each for n choices' shared partial pages
             kv_pool_tokens = max(n_ctx, min(parallel * (n_ctx + PAGE_TOKENS), DEFAULT_POOL_BYTES // per_tok))
+        if kv_pool_tokens * per_tok > 1 << 40:   # (the pool holds a context at least: -c 10^11 overflowed in C)
+            raise BitNetError(f"KV pool of {kv_pool_tokens} tokens: {kv_pool_tokens * per_tok / (1 << 30):.0f} GiB, "
+                              "past any machine's memory (at most 1 TiB)" + ("" if sized else
+                              f"; it holds one context of {n_ctx} tokens at least: give a smaller -c/--ctx-size"))
         super().__init__(store, Tokenizer.from_store(store), n_ctx=n_ctx, parallel=parallel,
                          kv_pool_tokens=kv_pool_tokens,
                          max_batch_tokens=default_batch_tokens() if max_batch_tokens is None else max_batch_tokens,

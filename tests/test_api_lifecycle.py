@@ -190,6 +190,8 @@ def test_breaking_out_of_an_engine_stream_cancels_its_request():
     (lambda: load_engine(ctx=64, max_batch_tokens=1.9, progress=False), "max_batch_tokens 1.9"),
     (lambda: load_engine(ctx=64, kv_pool_tokens=[1], progress=False), "kv_pool_tokens"),
     (lambda: load_engine(ctx=64, kv_pool_tokens=10 ** 30, progress=False), "past any machine's memory"),
+    # the default pool holds a context: -c 10**11 overflowed in C (bitnet serve's exit 70, an internal error)
+    (lambda: load_engine(ctx=10 ** 11, progress=False), "past any machine's memory.*smaller -c"),
     (lambda: load_engine(ctx=64, kv_pool_mib=float("nan"), progress=False), "kv_pool_mib nan"),
     (lambda: load_engine(ctx=64, kv_pool_mib=-1, progress=False), "kv_pool_mib -1"),
     (lambda: load_model(lm_head="bogus", progress=False), "lm_head 'bogus': one of q4, i8, f16"),
