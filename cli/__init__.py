@@ -50,7 +50,7 @@ def report_bug(prog: str, e: BaseException) -> int:
     if os.environ.get("BITNET_DEBUG"):
         import traceback
 
-        traceback.print_exc()
+        traceback.print_exception(e)   # e's own (print_exc shows "NoneType: None" outside an except block)
     what = str(e) if isinstance(e, BitNetError) else f"{type(e).__name__}: {e}"
     print(f"{prog}: internal error: {' '.join(what.split())} ({BUG_REPORT_HINT}; BITNET_DEBUG=1 shows the"
           " traceback)", file=sys.stderr)

@@ -370,3 +370,17 @@ def test_c_0_is_the_models_context_and_n_minus_2_runs_to_the_end(store):
     assert a.returncode == b.returncode == 0
     (*text_a, done_a), (*text_b, done_b) = json_lines(a.stdout), json_lines(b.stdout)
     assert text_a == text_b and done_a["finish_reason"] == done_b["finish_reason"] == "context"
+
+
+def test_bitnet_debug_shows_the_errors_own_traceback(monkeypatch, capsys):
+    """BITNET_DEBUG=1, as the internal-error line promises, shows the error's traceback also where the error is
+    reported after its except block (bitnet serve's start-up failures printed "NoneType: None")."""
+    from bitnet_cpu.cli import report_bug
+    monkeypatch.setenv("BITNET_DEBUG", "1")
+    try:
+        raise OverflowError("value too large to convert to int")
+    except OverflowError as e:
+        err = e
+    assert report_bug("bitnet serve", err) == 70
+    out = capsys.readouterr().err
+    assert "Traceback" in out and "OverflowError: value too large" in out and "NoneType: None" not in out, out
