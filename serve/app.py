@@ -959,6 +959,11 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         raise APIError(501, "/infill (fill-in-the-middle) is not supported: the ternary models served here have no "
                        "FIM tokens; send the prefix to /completion", "not_supported_error", code="not_supported")
 
+    @app.post("/slots/{id_slot}", include_in_schema=False)
+    async def slot_action(id_slot: str):   # llama-server's ?action=save|restore|erase: its 501, not a bare 404
+        raise APIError(501, "slot actions (save, restore, erase) are not supported: the prefix cache keeps recent "
+                       "prompts' KV by itself", "not_supported_error", code="not_supported")
+
     def get_and_head(path: str, **kw):
         """A GET route and its HEAD twin, which stays out of the OpenAPI schema: one route of both methods gave
         both operations one operationId (OpenAPI: unique; client generators fail on it, FastAPI warns)."""

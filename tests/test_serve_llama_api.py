@@ -97,11 +97,15 @@ def test_props_say_what_the_server_runs(server):
 
 
 def test_models_path_and_infill(server):
-    """llama-server's GET /models is /v1/models; /infill, which these models cannot do, is a 501 saying so."""
+    """llama-server's GET /models is /v1/models; /infill, which these models cannot do, and the slot actions are
+    501s saying so."""
     assert httpx.get(server.url + "/models", timeout=30).json() == httpx.get(server.url + "/v1/models",
                                                                             timeout=30).json()
     r = post(server, "/infill", {"input_prefix": "def f(", "input_suffix": "):"})
     assert r.status_code == 501 and "fill-in-the-middle" in r.json()["error"]["message"]
+    for action in ("save", "restore", "erase"):   # llama-server's slot actions: its 501 (they were a bare 404)
+        r = httpx.post(server.url + f"/slots/0?action={action}", json={"filename": "x.bin"}, timeout=30)
+        assert r.status_code == 501 and "slot actions" in r.json()["error"]["message"], r.text
 
 
 def test_props_settings_post_back_and_llama_server_lengths(server):
