@@ -149,9 +149,18 @@ class CountingMiddleware:
     wraps `receive`, and behind it request.is_disconnected() never saw a client hang up, so a non-streaming
     request ran to its end for nobody."""
 
-    def __init__(self, app, metrics):
-        self.app, self.metrics = app, metrics
+    def __init__(self, app, metrics, routes=()):
+        self.app, self.metrics, self.routes = app, metrics, routes
         self.instance = f"{socket.gethostname()}:{os.getpid()}".encode()
+
+    def _route_of(self, scope) -> str | None:
+        """The path of the route that takes this request, for one answered before routing (a 413, a 401): it was
+        counted as "other" though a route takes it."""
+        from starlette.routing import Match
+        for r in self.routes:
+            if hasattr(r, "path") and r.matches(scope)[0] != Match.NONE:
+                return r.path
+        return None
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -164,7 +173,7 @@ class CountingMiddleware:
                 msg = dict(msg, headers=[*msg.get("headers", ()), (b"x-bitnet-instance", self.instance)])
                 if counted:   # by route (/v1/models/{model_name}): a path no route took is "other", so a client
                     # cannot grow the series without bound (one per URL it makes up, before any key is checked)
-                    route = getattr(scope.get("route"), "path", None)
+                    route = getattr(scope.get("route"), "path", None) or self._route_of(scope)
                     self.metrics.requests.labels(route or "other", str(msg["status"])).inc()
             await send(msg)
         await self.app(scope, receive, send_counted)
@@ -268,7 +277,7 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         return in_family(request, error_response(e.status_code, str(e.detail), type_, headers=e.headers))
 
     app.add_middleware(RouteNorms)
-    app.add_middleware(CountingMiddleware, metrics=metrics)
+    app.add_middleware(CountingMiddleware, metrics=metrics, routes=app.router.routes)
     allow_cross_origin(app, cors_origins, local_only, keyed=bool(api_key or api_keys))   # outermost: a preflight
     # is answered before the key check
 

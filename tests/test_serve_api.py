@@ -497,6 +497,11 @@ def test_request_counts_are_labelled_by_route_not_by_url(server):
     r = httpx.post(server.url + "/tokenize", content=b'{"content": "hi"}',
                    headers={"Content-Type": "application/x-www-form-urlencoded"})
     assert r.status_code == 200 and count("/tokenize") == was + 1
+    # answered before routing (a body over --max-body-mb): counted under the route that takes it, not "other"
+    r = httpx.post(server.url + "/v1/chat/completions", content=b"x" * (5 << 20),
+                   headers={"Content-Type": "application/json"}, timeout=60)
+    assert r.status_code == 413
+    assert 'bitnet_http_requests_total{endpoint="/v1/chat/completions",status="413"}' in series()
 
 
 def test_a_body_nested_too_deeply_is_the_same_400_everywhere(server):
