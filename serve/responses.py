@@ -428,8 +428,9 @@ class ResponseBuilder:
         ev += self._close_thought(cut and thinking)
         rest, calls = self.parser.finish(cut) if self.parser is not None else ("", [])
         ev += self._put(rest, calls, cut_call=self.parser is not None and self.parser.cut_call)
-        if self.msg is None and not any(o["type"] in ("message", "function_call") for o in self.output):
+        if not cut and self.msg is None and not any(o["type"] in ("message", "function_call") for o in self.output):
             ev += self._open_message()   # an empty answer (a stop string at its start) is still a message, as chat's
+            #                              (one cut inside its thought is that thought alone, incomplete)
         ev += self._close_message(cut)
         self.usage = {"input_tokens": usage["prompt_tokens"],
                       "input_tokens_details": {"cached_tokens": n_cached, "cache_write_tokens": 0},
