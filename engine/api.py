@@ -225,10 +225,11 @@ class _Text:
         """Whether an answer under a compiled constraint (None: none) may start inside a thought the prompt opened:
         no grammar, one that leaves the start free (tool_choice auto), or one that continues the thought (it writes
         </think> without opening one: engine/runtime/reasoning.py continues_thought). think_splitter's free_start."""
-        from .runtime.reasoning import continues_thought
+        from .runtime.reasoning import continues_thought, writes_close
         if compiled is None or compiled.spec.free_start:
             return True
-        return continues_thought(compiled.spec, compiled.matcher(), self.tokenizer)
+        # a matcher is made only for a grammar that writes </think> (a format's, a call's never does)
+        return writes_close(compiled.spec) and continues_thought(compiled.spec, compiled.matcher(), self.tokenizer)
 
     def grammar_thinks(self, compiled) -> bool:
         """Whether a compiled constraint lets the answer open a thought (<think>): a grammar that writes the thought

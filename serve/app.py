@@ -378,7 +378,8 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         prompt_ids = await render_prompt(eng, msgs, tools, param, prefill, kwargs)
         constraint = await compile_constraint(eng, body, tool_spec)
         # no grammar decides the start (tools, choice auto), or the grammar goes on with the prompt's thought
-        free = await run_off_loop(eng.thought_may_open, constraint) if constraint is not None else True
+        free = constraint is None or constraint.spec.free_start or await run_off_loop(eng.thought_may_open,
+                                                                                       constraint)
         if eng.thinks and not free and (asked or (kwargs or {}).get("enable_thinking") is True) \
                 and not await run_off_loop(eng.grammar_thinks, constraint):
             # a format (or a required call) is the answer from its first token: the thought asked for has no room

@@ -559,7 +559,8 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
             raise OllamaError(400, f"messages: {e}") from None
         constraint = await constraint_of(eng, body, tool_spec)
         # tools (ollama's are "auto") leave the start free; a grammar may go on with the prompt's thought
-        free = await run_off_loop(eng.thought_may_open, constraint) if constraint is not None else True
+        free = constraint is None or constraint.spec.free_start or await run_off_loop(eng.thought_may_open,
+                                                                                       constraint)
         return await answer(request, body, eng, prompt_ids, constraint, piece, parser=parser,
                             splitter=think_splitter(eng, body, prompt_ids, free) if not prefill else None)
 

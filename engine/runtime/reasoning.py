@@ -103,10 +103,15 @@ class ThinkSplitter:
 BUDGET_END = "\n" + CLOSE + "\n\n"
 
 
+def writes_close(spec) -> bool:
+    """A grammar (GBNF, Lark, a regex) whose text holds </think>: the one kind that may continue a thought."""
+    return spec is not None and spec.kind in ("gbnf", "lark", "regex") and CLOSE in spec.source
+
+
 def continues_thought(spec, matcher, tokenizer) -> bool:
-    """A grammar (GBNF, Lark, a regex) that writes </think> but cannot open a thought itself: it continues the one
-    the prompt opened (R1's templates, Qwen3's forced one), so its output up to </think> is that thought."""
-    if spec is None or spec.kind not in ("gbnf", "lark", "regex") or CLOSE not in spec.source:
+    """A grammar that writes </think> but cannot open a thought itself: it continues the one the prompt opened
+    (R1's templates, Qwen3's forced one), so its output up to </think> is that thought."""
+    if not writes_close(spec):
         return False
     ids = tokenizer.encode(OPEN, add_bos=False, special=True)
     return matcher.valid_prefix(ids) != ids
