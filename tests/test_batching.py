@@ -248,6 +248,31 @@ def test_end_now_gives_the_final_chunk_at_once_and_nothing_after(synth):
         _assert_every_page_returns(eng)
 
 
+def test_a_stream_iterated_by_two_threads_ends_in_both(synth):
+    """Two threads iterating one Stream share its chunks; the one that does not take the final chunk ends too,
+    instead of waiting on the queue forever (a consumer handing the stream to a worker thread hung at exit)."""
+    m, _, stores = synth
+    with running_engine(stores["f16"], ctx=256, parallel=4) as eng:
+        stream = eng.submit(list(range(1, 30)), GREEDY, max_tokens=6, ignore_eos=True)
+        got = {0: [], 1: []}
+
+        def take(i):
+            for c in stream:
+                got[i].append(c)
+
+        threads = [threading.Thread(target=take, args=(i,), daemon=True) for i in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not any(t.is_alive() for t in threads), "a thread iterating the stream never ended"
+        chunks = got[0] + got[1]
+        assert [c.finish_reason for c in chunks].count(None) == len(chunks) - 1
+        assert len(_tokens(chunks)) == 6
+        assert list(stream) == []   # drained: iterating again gives nothing, at once
+        _assert_every_page_returns(eng)
+
+
 def test_prefix_sharing_reuses_pages_and_cow_keeps_outputs(synth):
     m, _, stores = synth
     rng = np.random.default_rng(9)

@@ -10,6 +10,9 @@ from ..errors import BitNetError
 from ..runtime.generate import Chunk
 
 
+_TAKEN = object()   # left in a stream's queue after its final chunk: wakes any other thread iterating it
+
+
 class Stream:
     """The consumer's end of one request: iterate it (blocking) or pass a callback to submit()."""
 
@@ -67,8 +70,12 @@ class Stream:
         try:
             while not self._drained:
                 c = self._q.get()
+                if c is _TAKEN:   # another thread took the final chunk: this one ends too, instead of waiting forever
+                    self._q.put(_TAKEN)
+                    return
                 if c.finish_reason:
                     self._drained = True
+                    self._q.put(_TAKEN)
                 yield c
         finally:
             if not self._drained:
