@@ -45,7 +45,9 @@ def spliced_prompt(llm, last: CachedTurn | None, messages: list[dict]) -> list[i
             or messages[k] != {"role": "assistant", "content": last.answer_text}
             or messages[k + 1].get("role") != "user"):
         return None
-    if not last.answer_ids or llm.detokenize(last.answer_ids) != last.answer_text:
+    # the text shown leaves out special tokens the model wrote (a stray <|begin_of_text|>); the cache holds them,
+    # as llama.cpp's does: compare without them, or one such token re-reads the whole window next turn
+    if not last.answer_ids or llm.tokenizer.decode(last.answer_ids, skip_special=True) != last.answer_text:
         return None
     # the template's closing of an assistant message: render it around an empty answer
     opened = llm.chat_prompt(last.messages, add_generation_prompt=True)
