@@ -364,7 +364,9 @@ class ChatSession:
                 self.out.notice(f"[message not sent: it needs {n} tokens but the context window is "
                                 f"{self.llm.n_ctx}; shorten it or start bitchat with a larger -c]")
             return
-        max_tokens = max(1, min(self.settings.max_tokens, self.llm.n_ctx - len(ids)))
+        # the user's limit as set: the engine stops at the context's end itself, and says so ("context"), where
+        # a limit cut to the room left made every full context read "stopped at max_tokens"
+        max_tokens = self.settings.max_tokens
         params = self.sampling_params()
         pieces: list[str] = []
         self._shown = pieces   # what _answer keeps if the terminal closes mid-answer
@@ -448,6 +450,9 @@ class ChatSession:
             self.total_decode_s += (n_counted - 1) / stats.decode_tps
         # an answer cut off during its prompt: only the prompt's chunks done are cached
         self.tokens_in_cache = len(ids) + n_tokens if stats is not None else len(self.llm.cached_tokens)
+        if interrupted and not pieces and stats is None:   # stopped during its prompt: there is no answer to keep
+            self.out.notice("[interrupted before the answer began]")
+            return
         if interrupted:
             self.out.notice("[interrupted: the answer so far is kept]")
         elif turn.finish_reason == "context":

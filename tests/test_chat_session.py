@@ -207,6 +207,37 @@ class _InterruptingOutput(Output):
             os.kill(os.getpid(), signal.SIGINT)
 
 
+def test_an_answer_holding_a_special_token_is_still_spliced(llm):
+    """The text shown leaves out a special token the model wrote mid-answer; the next turn still extends the cached
+    ids (before, the text check failed and the whole window was read again)."""
+    from bitnet_cpu.chat.splice import CachedTurn, spliced_prompt
+
+    tok = llm.tokenizer
+    assert tok.bos_id is not None and tok.is_special(tok.bos_id)
+    first = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi?"}]
+    answer_ids = tok.encode("Hello", add_bos=False) + [tok.bos_id] + tok.encode(" there", add_bos=False)
+    text = tok.decode(answer_ids, skip_special=True)
+    assert text != llm.detokenize(answer_ids)   # what made the splice give up
+    last = CachedTurn(first, llm.chat_prompt(first), answer_ids, text)
+    nxt = first + [{"role": "assistant", "content": text}, {"role": "user", "content": "And?"}]
+    ids = spliced_prompt(llm, last, nxt)
+    assert ids is not None and ids[:len(last.prompt_ids) + len(answer_ids)] == last.prompt_ids + answer_ids
+
+
+def test_an_answer_cut_by_the_context_says_so(llm):
+    """An answer that runs into the end of the context is "context" (the notice and the stats line say the window
+    is full), not "stopped at max_tokens": the limit given to the engine is the user's, not the room left."""
+    from bitnet_cpu.engine.api import load_model
+
+    small = load_model(llm.store.path, ctx=128, threads=1, progress=False)
+    sink = io.StringIO()
+    s = ChatSession(small, Settings(temp=0.0, max_tokens=128), Output(sink, sink, interactive=False), system="Be brief.")
+    s.ask("Tell me a very long story about " + "dragons and " * 10 + "knights.")
+    st, turn = s.last_stats, s.conv.turns[0]
+    assert turn.finish_reason == "context" and st.finish_reason == "context"
+    assert "context window is full" in sink.getvalue() and "stopped at max_tokens" not in sink.getvalue()
+
+
 def test_ctrl_c_keeps_the_partial_answer_and_the_cache_consistent(llm):
     before = signal.getsignal(signal.SIGINT)   # default_int_handler; SIG_IGN when pytest was started in the background
     llm.reset()
@@ -253,7 +284,8 @@ def test_ctrl_c_during_a_long_prompt_stops_it_at_the_next_chunk(llm):
     assert turn.interrupted and turn.assistant == "" and turn.finish_reason == "interrupted"
     assert len(passes) == 2   # the third chunk never ran (before: every chunk of the prompt, then the stop)
     assert s.tokens_in_cache == len(llm.cached_tokens) == 16
-    assert "interrupted" in sink.getvalue()
+    assert "[interrupted before the answer began]" in sink.getvalue()   # not "the answer so far is kept"
+    assert "[0 tokens]" not in sink.getvalue() and "so far is kept" not in sink.getvalue()
     assert "last answer: interrupted before its first token" in s.describe_stats()   # was "none yet"
     s.ask("Next?")
     assert not s.conv.turns[1].interrupted and s.last_stats.n_cached >= 16
