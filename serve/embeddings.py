@@ -20,8 +20,8 @@ from fastapi import Request
 from fastapi.responses import Response
 from pydantic import ConfigDict
 
-from .offload import (NOT_JSON, OFFLOAD_BYTES, BodyRefused, chars_bound, checked_text, next_or_gone, not_json,
-                      run_off_loop, too_long_for_context)
+from .offload import (NOT_JSON, OFFLOAD_BYTES, BodyRefused, chars_bound, checked_text, loads, next_or_gone,
+                      not_json, run_off_loop, too_long_for_context)
 from .schemas import JSONTyped, error_where, main_error, overflow_message
 
 ENGINE_FAULT = "the engine failed while embedding this input (the server goes on; see its log)"
@@ -52,7 +52,7 @@ OPENAPI_BODY = {"requestBody": {"required": True, "content": {"application/json"
 def json_object(raw: bytes) -> dict:
     """The body as a JSON object, or Refused (invalid_json)."""
     try:
-        data = checked_text(raw, json.loads(raw))
+        data = checked_text(raw, loads(raw))
     except NOT_JSON as e:
         raise Refused(400, not_json(e), None, "invalid_json") from None
     except BodyRefused as e:

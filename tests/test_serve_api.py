@@ -455,6 +455,33 @@ def test_a_lone_surrogate_is_a_400_naming_the_field_everywhere(server):
     assert ok.status_code == 200 and ok.json()["tokens"]   # a pair is one character; an escaped backslash is text
 
 
+def test_utf8_encoded_surrogates_are_a_400_not_utf8_everywhere(server):
+    """Raw bytes ED A0..BF (a UTF-16 surrogate encoded as UTF-8: CESU-8, Java's modified UTF-8) are not UTF-8: every
+    body parser answers the 400 a byte 0xff gets (json.loads(bytes) let them through as lone surrogates: 500s, a 400
+    blaming the rendered template, a stream cut short)."""
+    s = b"\xed\xa0\xbd\xed\xb8\x80"   # U+1F600 as two encoded surrogates
+    msgs = b'"messages": [{"role": "user", "content": "hi ' + s + b'"}]'
+    bodies = {"/tokenize": b'{"content": "hi ' + s + b'"}',
+              "/v1/completions": b'{"prompt": "hi ' + s + b'", "max_tokens": 1}',
+              "/completion": b'{"prompt": "hi ' + s + b'", "n_predict": 1}',
+              "/completion#stop": b'{"prompt": "hi", "n_predict": 4, "stream": true, "stop": ["' + s + b'"]}',
+              "/v1/embeddings": b'{"input": "hi ' + s + b'"}',
+              "/embedding": b'{"content": "hi ' + s + b'"}',
+              "/api/embed": b'{"model": "m", "input": "hi ' + s + b'"}',
+              "/apply-template": b"{" + msgs + b"}",
+              "/v1/chat/completions": b"{" + msgs + b', "max_tokens": 1}',
+              "/api/chat": b'{"model": "m", "stream": false, ' + msgs + b"}",
+              "/v1/messages": b'{"model": "m", "max_tokens": 1, ' + msgs + b"}"}
+    for path, body in bodies.items():
+        r = httpx.post(server.url + path.split("#")[0], content=body, headers={"Content-Type": "application/json"},
+                       timeout=60)
+        assert r.status_code == 400, (path, r.status_code, r.text)
+        assert "request body is not valid JSON: it is not UTF-8 text" in r.text, (path, r.text)
+    ok = httpx.post(server.url + "/tokenize", content='{"content": "hi \U0001f600"}'.encode(),
+                    headers={"Content-Type": "application/json"}, timeout=60)
+    assert ok.status_code == 200 and ok.json()["tokens"]   # the same character as UTF-8 is text
+
+
 def test_a_content_part_is_refused_for_what_it_is(server):
     """An image part is refused because this model takes text only; a part type that is no content part at all
     (a typo, the Responses API's input_text sent to chat) is called unknown, not an unsupported medium."""
