@@ -263,3 +263,36 @@ def test_sentencepiece_stream_of_byte_pieces_is_never_revised(spm_blob):
     for i in range(ref.get_piece_size()):
         if not (ref.is_control(i) or ref.is_unknown(i)):
             assert gguf_tok.token_bytes(i) == sp_tok.token_bytes(i) == ref_bytes(i), (i, ref.id_to_piece(i))
+
+
+def test_special_flag_is_per_call_under_concurrent_encodes(bpe):
+    """encode(special=...) sets a flag on the one HF tokenizer every thread shares (the server tokenizes on a pool):
+    threads encoding the same text with special True and False each get their own reading, never the other's (a
+    chat prompt's <|eot_id|> read as plain text, or a parse_special=false answer holding the control token)."""
+    import sys
+    import threading
+    import time
+
+    tok, info = bpe
+    text = "a<|eot_id|>b"
+    want = {True: tok.encode(text, special=True), False: tok.encode(text, special=False)}
+    assert want[True] != want[False] and info["eot"] in want[True]
+    wrong, stop_at = [], time.monotonic() + 5
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)   # switch threads as often as possible: the gap between flag and encode is tiny
+
+    def work(special):
+        for n in range(20000):
+            if tok.encode(text, special=special) != want[special]:
+                wrong.append(special)
+            if n % 256 == 0 and (wrong or time.monotonic() > stop_at):
+                return
+    try:
+        threads = [threading.Thread(target=work, args=(sp,)) for sp in (True, False)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(old)
+    assert not wrong, f"{len(wrong)} encodes read the other thread's special flag"

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 
 from ..errors import BitNetError, FormatError, json_why
 
@@ -110,6 +111,10 @@ class Tokenizer:
 
             spec = parse_hf_json(blob, source)
             self._hf = _library_call(source, "tokenizer.json cannot be loaded", HFTokenizer.from_str, blob.decode("utf-8"))
+            # encode_special_tokens is state of this one HF tokenizer, shared by every thread (the server tokenizes on
+            # a pool): set and read under this lock, or an encode with the other `special` flips it in between (a chat
+            # prompt's control tokens read as plain text)
+            self._flag_lock = threading.Lock()
             self._sp = None
             self.vocab_size = self._hf.get_vocab_size(with_added_tokens=True)
             # specials (added tokens flagged special) are what `special=False` must not parse from text
@@ -176,9 +181,13 @@ class Tokenizer:
                 raise BitNetError(f"the text holds a lone UTF-16 surrogate (\\u{ord(text[e.start]):04x} at character"
                                   f" {e.start + 1}): not text") from None
         if self._hf is not None:
-            self._hf.encode_special_tokens = not special
-            ids = _library_call(self._source, "the tokenizer cannot encode this text",
-                                lambda: self._hf.encode(text, add_special_tokens=add_bos)).ids
+            with self._flag_lock:
+                self._hf.encode_special_tokens = not special
+                ids = _library_call(self._source, "the tokenizer cannot encode this text",
+                                    lambda: self._hf.encode(text, add_special_tokens=add_bos)).ids
+                if add_bos and self.add_bos is False and self.bos_id is not None and ids[:1] == [self.bos_id] and \
+                        self._hf.encode(text, add_special_tokens=False).ids[:1] != [self.bos_id]:
+                    ids = ids[1:]   # a post-processor that adds a BOS where the reference does not: dropped
         else:
             ids = []
             parts = self._special_re.split(text) if special and self._special_re else [text]
@@ -189,12 +198,8 @@ class Tokenizer:
                     ids.append(self._sp.PieceToId(part))
                 else:
                     ids.extend(self._sp.EncodeAsIds(part))
-        if add_bos and self.bos_id is not None:
-            if self.add_bos is False:   # a post-processor that adds one where the reference does not: dropped
-                ids = ids[1:] if self._hf is not None and ids[:1] == [self.bos_id] and \
-                    self._hf.encode(text, add_special_tokens=False).ids[:1] != [self.bos_id] else ids
-            elif not ids or ids[0] != self.bos_id:
-                ids.insert(0, self.bos_id)
+        if add_bos and self.bos_id is not None and self.add_bos is not False and (not ids or ids[0] != self.bos_id):
+            ids.insert(0, self.bos_id)
         return list(ids)
 
     def decode(self, ids, *, skip_special: bool = False) -> str:
