@@ -12,7 +12,7 @@ from typing import Any, ClassVar, Optional, Union
 
 from fastapi import Request
 from fastapi.responses import Response
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import ConfigDict, Field, field_validator
 
 from ..engine import __version__
 from ..engine.runtime.sampling import SamplingParams
@@ -173,19 +173,9 @@ class TokenizeRequest(JSONTyped):
     with_pieces: bool = False     # [{"id", "piece"}]: the piece a string if valid UTF-8, else its bytes
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(JSONTyped):
     model_config = ConfigDict(extra="ignore")
-    tokens: list[int]
-
-    @field_validator("tokens", mode="before")
-    @classmethod
-    def _ids(cls, v):   # JSON's integers: true is not token 1, 3.0 not token 3
-        from pydantic_core import PydanticCustomError
-        if isinstance(v, list):
-            bad = next((i for i, t in enumerate(v) if isinstance(t, bool) or not isinstance(t, int)), None)
-            if bad is not None:
-                raise PydanticCustomError("json_type", f"tokens[{bad}]: expected a token id, got {v[bad]!r}")
-        return v
+    tokens: list[int]   # JSON's integers (JSONTyped): true is not token 1, 3.0 not token 3
 
 
 class ApplyTemplateRequest(JSONTyped):

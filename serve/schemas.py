@@ -153,20 +153,33 @@ def text_of_parts(content, where: str, kinds: tuple[str, ...]) -> str:
 @functools.lru_cache(maxsize=None)   # per field annotation: every request validates each field through it
 def _json_kind(annotation) -> str | None:
     """"boolean" / "number" for a field typed bool / int / float (or Optional of one), "numbers" for a map to
-    numbers (logit_bias), else None."""
+    numbers (logit_bias), "ids" for a list of token ids, "prompt ids" for a prompt that may be one (a string, a
+    list of strings, of ids or of lists of ids), else None."""
     args = get_args(annotation) if get_origin(annotation) is Union else (annotation,)
     kinds = {a for a in args if a is not type(None)}
     if kinds == {bool}:
         return "boolean"
+    if list[int] in kinds or list[list[int]] in kinds:
+        return "ids" if kinds == {list[int]} else "prompt ids"
     if len(kinds) == 1 and get_origin(next(iter(kinds))) is dict and get_args(next(iter(kinds)))[1] in (int, float):
         return "numbers"
     return "number" if kinds and kinds <= {int, float} else None
 
 
+def _id_items(value: list, nested: bool):
+    """(where, item) of a list of token ids, or (nested) of lists of them."""
+    for i, x in enumerate(value):
+        if nested and isinstance(x, list):
+            yield from ((f"[{i}][{j}]", y) for j, y in enumerate(x))
+        else:
+            yield f"[{i}]", x
+
+
 class JSONTyped(BaseModel):
     """A request model whose booleans and numbers take JSON's own types, as OpenAI's API and ollama's Go server
     do: "0.5" for a temperature, "yes" or 1 for stream, true for max_tokens are a 400 naming the field, where
-    pydantic's lax mode would have read them as 0.5, true and 1."""
+    pydantic's lax mode would have read them as 0.5, true and 1. A token id is a JSON integer: true is not token
+    1, 3.0 not token 3."""
 
     @field_validator("*", mode="before")
     @classmethod
@@ -182,6 +195,11 @@ class JSONTyped(BaseModel):
             for k, v in value.items():
                 if isinstance(v, (bool, str)) or not isinstance(v, (int, float)):
                     raise PydanticCustomError("json_type", f"{k!r}: expected a number, got {v!r}")
+        if kind in ("ids", "prompt ids") and isinstance(value, list) and \
+                (kind == "ids" or not all(isinstance(x, str) for x in value)):   # a list of strings: texts
+            for where, x in _id_items(value, nested=kind == "prompt ids"):
+                if isinstance(x, bool) or not isinstance(x, int):
+                    raise PydanticCustomError("json_type", f"{info.field_name}{where}: expected a token id, got {x!r}")
         return value
 
 

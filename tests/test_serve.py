@@ -184,6 +184,26 @@ def test_other_endpoints_take_json_types_only(server, path, body, param):
     assert ollama.status_code == 400 and ollama.json() == {"error": "stream: expected true or false, got 'false'"}
 
 
+def test_token_ids_are_json_integers(server):
+    """A token id is a JSON integer, as /completion and /detokenize take it: true is not token 1 (it was, on
+    /v1/completions' prompt and ollama's context) and 5.0 not token 5; a 400 names the item."""
+    cases = [("/v1/completions", {"prompt": [True, 5], "max_tokens": 1}, "prompt[0]"),
+             ("/v1/completions", {"prompt": [[5, False]], "max_tokens": 1}, "prompt[0][1]"),
+             ("/v1/completions", {"prompt": [5, 6.0], "max_tokens": 1}, "prompt[1]"),
+             ("/api/generate", {"model": "m", "prompt": "x", "context": [True, 5], "stream": False}, "context[0]"),
+             ("/detokenize", {"tokens": [5, True]}, "tokens[1]")]
+    for path, body, item in cases:
+        r = httpx.post(server.url + path, json=body, timeout=30)
+        assert r.status_code == 400 and f"{item}: expected a token id" in r.text, (path, body, r.text)
+    for path, body in [("/v1/completions", {"prompt": [5, 6], "max_tokens": 1}),
+                       ("/v1/completions", {"prompt": [[5, 6]], "max_tokens": 1}),
+                       ("/v1/completions", {"prompt": ["x"], "max_tokens": 1}),
+                       ("/api/generate", {"model": "m", "prompt": "x", "context": [5], "stream": False,
+                                          "options": {"num_predict": 1}})]:
+        r = httpx.post(server.url + path, json=body, timeout=60)
+        assert r.status_code == 200, (path, body, r.text)
+
+
 def test_an_empty_prompt_list_400(server):
     """prompt [] is no prompt (OpenAI: 400, "too short"); it was run from BOS alone. "" stays a prompt of BOS."""
     e = _err(httpx.post(server.url + "/v1/completions", json={"prompt": [], "max_tokens": 1}, timeout=30), 400)
