@@ -179,7 +179,16 @@ class JSONTyped(BaseModel):
     """A request model whose booleans and numbers take JSON's own types, as OpenAI's API and ollama's Go server
     do: "0.5" for a temperature, "yes" or 1 for stream, true for max_tokens are a 400 naming the field, where
     pydantic's lax mode would have read them as 0.5, true and 1. A token id is a JSON integer: true is not token
-    1, 3.0 not token 3."""
+    1, 3.0 not token 3. A null in a field with a default other than null is left out: the default applies, as
+    if the field had not been sent (docs/api.md; /tokenize's "parse_special": null was a 400)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data):
+        if isinstance(data, dict) and any(v is None for v in data.values()):
+            data = {k: v for k, v in data.items() if v is not None or k not in cls.model_fields
+                    or cls.model_fields[k].is_required() or cls.model_fields[k].default is None}
+        return data
 
     @field_validator("*", mode="before")
     @classmethod

@@ -33,6 +33,19 @@ def test_tokenize_round_trip_and_pieces(server):
     assert all(isinstance(p["piece"], str) or all(0 <= b < 256 for b in p["piece"]) for p in pieces)
 
 
+def test_tokenize_null_fields_are_the_defaults(server):
+    """A field sent as null counts as not sent (docs/api.md): /tokenize's booleans answer as left out (a 400 "valid
+    boolean" before); a required content stays required."""
+    plain = post(server, "/tokenize", {"content": TEXT + "<|eot_id|>"}).json()
+    nulls = {"add_special": None, "parse_special": None, "with_pieces": None}
+    r = post(server, "/tokenize", {"content": TEXT + "<|eot_id|>", **nulls})
+    assert r.status_code == 200 and r.json() == plain, r.text
+    assert post(server, "/tokenize", {"content": None}).status_code == 400
+    r = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+                                              "stream": True, "stream_options": {"include_usage": None}})
+    assert r.status_code == 200, r.text   # the same rule in a nested object
+
+
 def test_token_counts_agree_with_the_generating_endpoints(server):
     ids = post(server, "/tokenize", {"content": TEXT, "add_special": True}).json()["tokens"]
     r = post(server, "/v1/completions", {"prompt": TEXT, "max_tokens": 1}).json()
