@@ -153,8 +153,9 @@ def _parse_bounded(body: bytes, n_ctx: int | None):
     limit, count = 4 * n_ctx + 256, 0
 
     def too_many(what: str):
-        return BodyRefused(f"the request body has over {limit} JSON objects and numbers {what}; a context of {n_ctx} "
-                           "tokens cannot hold them", None, "context_length_exceeded")
+        return BodyRefused(f"the request body has over {limit} JSON objects and numbers {what}, the most one for a "
+                           f"context of {n_ctx} tokens can hold (4 x context + 256, token ids to /detokenize too: "
+                           "parsing pauses every stream, so it stops there)", None, "context_length_exceeded")
 
     def counted(make):
         def hook(x):

@@ -46,6 +46,19 @@ def test_tokenize_null_fields_are_the_defaults(server):
     assert r.status_code == 200, r.text   # the same rule in a nested object
 
 
+def test_detokenize_refusal_says_the_limit_and_why(server):
+    """/detokenize takes as many ids as any body holds numbers (4 x context + 256: parsing holds the interpreter's
+    lock): one more is a 400 that says that bound and why, not that a context cannot hold them (detokenizing needs
+    none)."""
+    n_ctx = httpx.get(server.url + "/props", timeout=30).json()["default_generation_settings"]["n_ctx"]
+    limit = 4 * n_ctx + 256
+    assert post(server, "/detokenize", {"tokens": [5] * (limit - 1)}).status_code == 200   # and the body's object
+    r = post(server, "/detokenize", {"tokens": [5] * (limit + 1)})
+    msg = r.json()["error"]["message"]
+    assert r.status_code == 400 and f"over {limit} " in msg and "4 x context + 256" in msg, r.text
+    assert "/detokenize" in msg and "cannot hold them" not in msg, msg
+
+
 def test_token_counts_agree_with_the_generating_endpoints(server):
     ids = post(server, "/tokenize", {"content": TEXT, "add_special": True}).json()["tokens"]
     r = post(server, "/v1/completions", {"prompt": TEXT, "max_tokens": 1}).json()
