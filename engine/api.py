@@ -253,7 +253,8 @@ class _Text:
     def embed_tokens(self, texts: str | Sequence[str]) -> list[list[int]]:
         """The token lists embed() runs: each text with BOS, as llama-server tokenizes an embedding input; an
         empty text is refused (BitNetError naming it)."""
-        if not isinstance(texts, str) and (texts is None or not hasattr(texts, "__iter__")):
+        if not isinstance(texts, str) and (texts is None or not hasattr(texts, "__iter__")
+                                           or isinstance(texts, (bytes, bytearray, dict))):   # bytes: ints; a dict: keys
             raise BitNetError(f"texts: give a string or a list of strings, not {type(texts).__name__}")
         texts = [texts] if isinstance(texts, str) else list(texts)
         if not texts:
@@ -438,6 +439,7 @@ class LLM(_Text):
                 model.taken_by = "close() (the model is closed)"
                 model.closed = True
                 self.model = None
+            del model   # its weight views held the map open: the store could not unmap it while this frame did
         self.store.close()
 
     def __enter__(self):

@@ -383,3 +383,59 @@ def test_close_from_a_callback_is_one_error_and_the_engine_closes_later():
     eng.close()
     with pytest.raises(BitNetError, match="closed"):
         eng.submit(PROMPT, GREEDY, max_tokens=2)
+
+
+@pytest.mark.parametrize("wait", ["embed", "score", "iterate"])
+def test_a_blocking_call_from_a_callback_is_one_error_not_a_dead_engine(wait):
+    """embed / score_ids / iterating a stream from a callback (the engine's own thread) waited for that thread,
+    which was waiting for them: the engine never stepped again and close() hung too. Now a BitNetError at the
+    call; the stream ends and the engine goes on."""
+    eng = load_engine(ctx=128, parallel=2, progress=False)
+    seen, done = [], threading.Event()
+    calls = {"embed": lambda: eng.embed("hello"), "score": lambda: eng.score_ids([1, 2, 3]),
+             "iterate": lambda: list(eng.submit(PROMPT, GREEDY, max_tokens=2))}
+
+    def cb(chunk):
+        if not seen:
+            try:
+                calls[wait]()
+                seen.append(None)
+            except BitNetError as e:
+                seen.append(e)
+        if chunk.finish_reason is not None:
+            done.set()
+    eng.submit(PROMPT, GREEDY, max_tokens=4, callback=cb)
+    ended = done.wait(60)
+    if not ended:   # the old hang: leave the stuck engine's daemon thread behind rather than hang the suite too
+        pytest.fail("the stream never ended: the callback's call waited for the engine's own thread")
+    assert isinstance(seen[0], BitNetError) and "own thread" in str(seen[0]), seen
+    assert len(list(eng.submit(PROMPT, GREEDY, max_tokens=2))) >= 1   # the engine goes on
+    eng.close()
+
+
+def _maps_of(path: str) -> int:
+    import os
+    real = os.path.realpath(path)
+    with open("/proc/self/maps") as f:
+        return sum(line.rstrip("\n").endswith(real) for line in f)
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/maps"), reason="needs /proc/self/maps (Linux)")
+def test_close_unmaps_the_weights_while_the_llm_object_lives():
+    """close() unmaps the store now, though the LLM object is kept (a registry of closed models held one map and one
+    descriptor each: the close() frame's own reference to the model kept its weight views alive)."""
+    llm = load_model(ctx=128, progress=False)
+    path = llm.store.path
+    assert _text(llm, n=2) and _maps_of(path) >= 1
+    llm.close()
+    assert _maps_of(path) == 0
+
+
+def test_bytes_or_a_dict_to_embed_is_one_error_naming_it():
+    """embed(b"hi") said "input 0: expected a string, got int" (bytes iterate as ints); embed({"a": 1}) embedded the
+    dict's keys."""
+    llm = load_model(ctx=128, progress=False)
+    for bad, name in ((b"hi", "bytes"), ({"a": 1, "bb": 2}, "dict")):
+        with pytest.raises(BitNetError, match=f"texts: give a string or a list of strings, not {name}"):
+            llm.embed(bad)
+    llm.close()

@@ -10,6 +10,14 @@ from ..errors import BitNetError
 from ..runtime.generate import Chunk
 
 
+def _not_on_engine_thread(engine, what: str):
+    """A wait on the scheduler's own thread (a callback's) would wait for itself, and the engine with it, for good."""
+    if threading.current_thread() is getattr(engine, "_thread", None):
+        raise BitNetError(f"{what} from the engine's own thread (a callback) would wait for itself: the engine stops "
+                          "for good", hint="give the callback's work to another thread, or pass that request a "
+                                           "callback of its own")
+
+
 _TAKEN = object()   # left in a stream's queue after its final chunk: wakes any other thread iterating it
 
 
@@ -67,6 +75,8 @@ class Stream:
         stream no longer holds its slot and KV pages, decoding to max_tokens for nobody."""
         if self._q is None:
             raise BitNetError("this stream delivers its chunks to a callback")
+        if not self._drained:
+            _not_on_engine_thread(self._engine, "iterating a stream")
         try:
             while not self._drained:
                 c = self._q.get()
@@ -123,6 +133,8 @@ class OneShot:
             raise
 
     def _wait(self, timeout: float | None):
+        if not self._done.is_set():
+            _not_on_engine_thread(self._engine, f"waiting for {self.what}")
         if not self._done.wait(timeout):
             raise BitNetError(f"the {self.what} were not ready within {timeout} s")
         if self.error is not None:

@@ -348,7 +348,9 @@ class Store:
         """Unmap / free the weights now where no view of them is left (a Model's are dropped with it), else as
         soon as the last one goes: the store keeps no reference."""
         self._views.clear()
-        close_map(self._mm)
+        if self._mm is not None:
+            close_map(self._mm)
+        self._mm = None   # a view still alive (a suspended generator's) unmaps it when it goes, not when the Store does
         if self._mem is not None:
             try:
                 self._mem.close()
