@@ -155,3 +155,27 @@ def test_the_server_keeps_openai_temperature_range():
     assert setting_problem("temperature", 5.0) is None       # the engine takes it
     with pytest.raises(ValidationError, match="temperature 5: must be <= 2"):
         ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], temperature=5)
+
+
+def test_no_sampling_number_takes_infinity_or_nan():
+    """JSON's Infinity (what Python's json writes for inf) reached the sampler at temperature inf and then broke
+    the answer's generation_settings (not JSON); every float setting must be finite, on every front end."""
+    from pydantic import ValidationError
+
+    from bitnet_cpu.serve.llama_api import NativeCompletionRequest
+    from bitnet_cpu.serve.ollama import OllamaError, sampling_from_options
+
+    floats = [f.name for f in fields(SamplingParams) if f.type in ("float", float)]
+    assert "temperature" in floats and "dynatemp_range" in floats
+    for field in floats:
+        for bad in (float("inf"), float("-inf"), float("nan")):
+            assert setting_problem(field, bad) is not None, (field, bad)
+            if bad == float("-inf"):   # /completion reads a negative temperature as 0, a dry_base < 1 as 1.75
+                continue
+            with pytest.raises(ValidationError, match=field):
+                NativeCompletionRequest(prompt="hi", **{field: bad})
+            with pytest.raises(OllamaError, match=f"options.{field}"):
+                sampling_from_options({field: bad}, None)
+    for prog in SAMPLING:
+        assert check_engine_args(PARSERS[prog].parse_args(["--temp", "inf"])) == \
+            "--temp inf: must be >= 0 and finite (0 = greedy)"

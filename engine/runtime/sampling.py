@@ -92,7 +92,7 @@ REQUEST_ONLY_FIELDS = ("logit_bias", "record_logprobs")
 MAX_DRY_BREAKERS = 64
 
 _RULES = {
-    "temperature": (lambda v: v >= 0, "must be >= 0 (0 = greedy)"),
+    "temperature": (lambda v: 0 <= v < math.inf, "must be >= 0 and finite (0 = greedy)"),
     "top_k": (lambda v: v >= 0, "must be >= 0 (0 = off)"),
     "top_p": (lambda v: 0 <= v <= 1, "must be in [0, 1] (1 = off; 0 keeps the most likely token)"),
     "min_p": (lambda v: 0 <= v <= 1, "must be in [0, 1] (0 = off)"),
