@@ -418,6 +418,20 @@ def test_dry_breakers_of_a_gguf_sentencepiece_vocabulary(tmp_path):
         llm.close()
 
 
+@pytest.mark.parametrize("base", [1e10, 1e200, 1e308])
+def test_dry_with_a_huge_base_bans_the_repeat_and_never_raises(base):
+    """A base past e^88.7 (log(FLT_MAX)) clamps the exponent below 1, as llama.cpp's float: the repeat's next
+    token gets a penalty of about FLT_MAX (never drawn); Python's float power raised OverflowError here."""
+    lg = np.zeros(8, np.float32)
+    lg[7] = 5.0   # the token that extends the repeat is the most likely one
+    history = [1, 2, 3, 4, 5, 7, 1, 2, 3, 4, 5]   # 7 would extend the repeat (exponent 5 at allowed length 0)
+    p = SamplingParams(temperature=0, dry_multiplier=1.0, dry_base=base, dry_allowed_length=0)
+    s = Sampler(p, 8)
+    x = lg.copy()
+    tok = s.sample(x, history)
+    assert tok != 7 and x[7] < -1e20
+
+
 def test_dry_in_generation_is_the_penalty_on_each_step():
     """Greedy decoding with DRY picks, at every step, the argmax of the model's logits less DRY's penalty over the
     prompt and what came before (no breakers here, so the penalties are brute_dry's alone)."""

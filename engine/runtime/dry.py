@@ -175,12 +175,13 @@ def apply_dry(logits, window, table, multiplier: float, base: float, allowed_len
         return
     import numpy as np
 
-    max_exp = int(FLOAT_MAX_LOG / math.log(base)) if base > 1.000001 else 0
+    # whole (base^max_exp stays under FLT_MAX), but a fraction below 1, as llama.cpp's float, for a base over
+    # e^88.7: an integer 0 there left the exponent unclamped and Python's float power raised OverflowError
+    max_exp = FLOAT_MAX_LOG / math.log(base) if base > 1 else math.inf
+    if 1 <= max_exp < math.inf:
+        max_exp = math.floor(max_exp)
     with np.errstate(over="ignore"):   # multiplier * base^max_exp may pass FLT_MAX: -inf, as in llama.cpp's float
         for t, r in reps.items():
             if not 0 <= t < logits.shape[0] or () in table.get(t, ()):
                 continue
-            e = r - allowed_length
-            if max_exp > 0 and e > max_exp:
-                e = max_exp
-            logits[t] -= multiplier * base ** e
+            logits[t] -= multiplier * base ** min(r - allowed_length, max_exp)
