@@ -7,6 +7,7 @@ submit, constraint and collection, passed in as `pipe`). Nothing here knows of k
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any, ClassVar, Optional, Union
 
@@ -81,6 +82,10 @@ class NativeCompletionRequest(_Sampling):
 
     def record_logprobs(self):
         return self.n_probs or None
+
+    def sampling_params(self, defaults=None):
+        """llama-server's penalties: presence / frequency count the last repeat_last_n tokens, prompt included."""
+        return dataclasses.replace(super().sampling_params(defaults), penalize_prompt=True)
 
 
 def prompt_pieces(prompt, vocab: int) -> list:

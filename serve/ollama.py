@@ -181,7 +181,9 @@ def sampling_from_options(options: dict | None, defaults: SamplingParams | None)
         if problem:
             raise OllamaError(400, problem)
         values[key] = value
-    return dataclasses.replace(base, **values)   # the server's defaults for the rest (its --xtc-probability, ...)
+    # the server's defaults for the rest (its --xtc-probability, ...); the penalties count the prompt, as ollama's
+    # llama.cpp runner
+    return dataclasses.replace(base, penalize_prompt=True, **values)
 
 
 def option_int(options: dict, key: str, default: int = 0) -> int:

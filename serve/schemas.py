@@ -36,8 +36,8 @@ def error_where(err: dict) -> str | None:
     return ".".join(loc) or None
 
 # request fields that are SamplingParams fields of the same name and meaning (record_logprobs is set from the
-# request's logprobs / top_logprobs, whose shapes differ per endpoint)
-SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams) if f.name != "record_logprobs")
+# request's logprobs / top_logprobs, whose shapes differ per endpoint; penalize_prompt by the endpoint)
+SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams) if f.name not in ("record_logprobs", "penalize_prompt"))
 # OpenAI request fields the server cannot honour: refused with a 400 naming them, never silently dropped
 REFUSED = {
     "audio": "audio output is not supported (text only)",

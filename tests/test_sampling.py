@@ -113,6 +113,25 @@ def test_presence_frequency_follow_openai_formula():
     assert s.sample(lg.copy(), prompt + [4]) == 4     # -0.3 + 2 > 1.0
 
 
+@pytest.mark.parametrize("last_n", [4, -1, 0])
+def test_presence_frequency_count_the_prompt_under_llama_cpps_rule(last_n):
+    """penalize_prompt (llama-server's /completion, ollama): the counts are those of the last repeat_last_n tokens,
+    prompt included (-1: all of them, 0: none), as llama.cpp's penalties sampler; repeat_penalty off here."""
+    lg = np.array([1.0, 0.5, 0.2, 0.0, -0.3], np.float32)
+    prompt, gen = [3, 3, 4, 4, 4], [0, 1, 0]
+    pres, freq = 0.6, 0.35
+    s = Sampler(SamplingParams(**FREE, presence_penalty=pres, frequency_penalty=freq, repeat_last_n=last_n,
+                               penalize_prompt=True), 5)
+    for i in range(len(gen) + 1):
+        x = lg.copy()
+        seq = prompt + gen[:i]
+        s.sample(x, seq)
+        window = [] if last_n == 0 else seq if last_n < 0 else seq[-last_n:]
+        counts = np.bincount(window, minlength=5).astype(np.float32)
+        np.testing.assert_allclose(x, lg - counts * np.float32(freq) - (counts > 0) * np.float32(pres),
+                                   rtol=0, atol=1e-6)
+
+
 def test_logit_bias_adds_and_bans_and_checks_vocab():
     lg = np.log(np.array([0.5, 0.3, 0.2])).astype(np.float32)
     bias = {0: -100.0, 2: 1.5}

@@ -301,6 +301,32 @@ def test_llama_cpps_other_samplers_take_effect(server):
     assert complete(server, n_predict=2, dry_multiplier=1.0, dry_base=0.5)["generation_settings"]["dry_base"] == 1.75
 
 
+def test_presence_and_frequency_count_the_prompt_as_llama_server(server):
+    """/completion's presence / frequency penalties count the last repeat_last_n tokens, prompt included (as
+    llama-server; they saw only generated tokens): the first step's logprob of a token the prompt holds n times
+    moves by -(n * frequency + presence) against one it lacks. The OpenAI endpoints keep OpenAI's rule."""
+    ids = post(server, "/tokenize", {"content": " dee dee dee dee dee dee"}).json()["tokens"]
+    x = ids[-1]
+    n = ids.count(x)
+
+    def step0(path, extra):
+        body = {"prompt": ids, "temperature": 0, "logit_bias": {str(x): 20}, **extra}
+        if path == "/completion":
+            r = complete(server, **body, n_predict=1, n_probs=20)["completion_probabilities"][0]["top_logprobs"]
+            return {t["id"]: t["logprob"] for t in r}
+        r = post(server, path, {**body, "max_tokens": 1, "logprobs": 5}).json()
+        return r["choices"][0]["logprobs"]["top_logprobs"][0]
+    pen = {"presence_penalty": 1.5, "frequency_penalty": 0.5}
+    base, got = step0("/completion", {}), step0("/completion", pen)
+    others = [t for t in base if t in got and t not in ids]
+    assert x in base and x in got and others, (base, got)
+    o = others[0]
+    assert abs((got[x] - got[o]) - (base[x] - base[o]) + (n * 0.5 + 1.5)) < 1e-3
+    # repeat_last_n 0: no window, no penalty (llama.cpp's penalties sampler is off)
+    assert step0("/completion", {**pen, "repeat_last_n": 0}) == base
+    assert step0("/v1/completions", pen) == step0("/v1/completions", {})   # nothing generated yet
+
+
 @pytest.mark.parametrize("body, param", [
     ({"mirostat": 3}, "mirostat"),
     ({"dry_penalty_last_n": -2}, "dry_penalty_last_n"),

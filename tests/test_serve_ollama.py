@@ -192,6 +192,33 @@ def test_engine_samplers_and_retired_options_are_taken(server, model_id):
     assert answer({**hot, "xtc_probability": 1, "xtc_threshold": 0.001}) != answer(hot)   # the top choices cut
 
 
+def test_presence_and_frequency_count_the_prompt(server, model_id):
+    """ollama's penalties (its llama.cpp runner's) count the last repeat_last_n tokens, prompt included (they saw only
+    generated tokens here): the first step's logprob of a token the prompt holds n times moves by
+    -(n * frequency + presence) against one it lacks."""
+    text = "Once upon a time, there was a cat. Once upon a time, there was a dog. Once upon a time"
+
+    def tokenize(content):
+        return httpx.post(server.url + "/tokenize", json={"content": content}).json()["tokens"]
+
+    def step0(options):
+        r = httpx.post(server.url + "/api/generate", json={
+            "model": model_id, "prompt": text, "raw": True, "stream": False, "logprobs": True, "top_logprobs": 20,
+            "options": {"temperature": 0, "num_predict": 1, **options}}, timeout=120)
+        assert r.status_code == 200, r.text
+        return {t["token"]: t["logprob"] for t in r.json()["logprobs"][0]["top_logprobs"]}
+    ids = tokenize(text)
+    pen = {"presence_penalty": 1.5, "frequency_penalty": 0.5}
+    base, got = step0({}), step0(pen)
+    one = {t: tokenize(t) for t in base if t in got}
+    held = [t for t, i in one.items() if len(i) == 1 and i[0] in ids]
+    others = [t for t, i in one.items() if not set(i) & set(ids)]
+    assert held and others, (base, got)
+    t, o = held[0], others[0]
+    n = ids.count(one[t][0])
+    assert abs((got[t] - got[o]) - (base[t] - base[o]) + (n * 0.5 + 1.5)) < 1e-3
+
+
 @pytest.mark.parametrize("path,body,words", [
     ("/api/chat", {"messages": Q}, "model is required"),
     ("/api/embed", {"model": 5, "input": "hi"}, "model: Input should be a valid string"),   # was "required"

@@ -42,6 +42,9 @@ class SamplingParams:
     presence_penalty: float = 0.0   # OpenAI's: logit -= presence for every token generated at least once
     frequency_penalty: float = 0.0  # OpenAI's: logit -= frequency * (times generated)
     logit_bias: dict[int, float] | None = None   # token id -> added to its logit (-100 bans, +100 forces)
+    # presence / frequency count the last repeat_last_n tokens, prompt included (llama.cpp's rule: its server's
+    # /completion, ollama), not the generated ones (OpenAI's)
+    penalize_prompt: bool = False
     # llama.cpp's other samplers, with its defaults (off) and its meaning, in its chain's order (Sampler.sample)
     dry_multiplier: float = 0.0     # DRY: a token extending a repeat loses multiplier * base^(length - allowed)
     dry_base: float = 1.75
@@ -84,7 +87,7 @@ class SamplingParams:
 
 
 # fields set per request (the server's API, the Python API), with no command-line flag or bitchat /set
-REQUEST_ONLY_FIELDS = ("logit_bias", "record_logprobs")
+REQUEST_ONLY_FIELDS = ("logit_bias", "record_logprobs", "penalize_prompt")
 
 # field -> (is the value valid, what it must be). A float must also be finite; NaN fails every comparison.
 # each breaker costs scans of the whole vocabulary (~19 ms on a 128k one) the first time a list is seen; a request
@@ -101,6 +104,7 @@ _RULES = {
     "seed": (lambda v: v is None or 0 <= v < 1 << 64,
              "must be >= 0 and < 2^64 (a fresh one: -1 or 'random' in flags and requests, None in Python)"),
     "presence_penalty": (lambda v: -2 <= v <= 2, "must be in [-2, 2] (0 = off)"),
+    "penalize_prompt": (lambda v: True, "must be true or false"),
     "record_logprobs": (lambda v: v is None or 0 <= v <= 20, "must be in 0..20 (None = off)"),
     "frequency_penalty": (lambda v: -2 <= v <= 2, "must be in [-2, 2] (0 = off)"),
     "dry_multiplier": (lambda v: 0 <= v < math.inf, "must be >= 0 and finite (0 = off)"),
@@ -129,7 +133,7 @@ LOGIT_BIAS_MAX = 100.0
 # each field's type (the rest: a number); None is valid for these
 _KIND = {**dict.fromkeys(("top_k", "repeat_last_n", "seed", "record_logprobs", "dry_allowed_length",
                           "dry_penalty_last_n", "mirostat", "reasoning_budget", "min_keep"), numbers.Integral),
-         "reasoning_budget_message": str, "dry_sequence_breakers": (list, tuple)}
+         "reasoning_budget_message": str, "dry_sequence_breakers": (list, tuple), "penalize_prompt": bool}
 _MAY_BE_NONE = ("seed", "record_logprobs")
 
 
@@ -156,9 +160,9 @@ def setting_problem(field: str, value, name: str | None = None) -> str | None:
     ok, rule = _RULES[field]
     kind = _KIND.get(field, numbers.Real)
     if value is not None or field not in _MAY_BE_NONE:
-        if isinstance(value, bool) or not isinstance(value, kind):   # "0.7", 40.0 for top_k: a clear line, not numpy's
-            what = {numbers.Integral: "an integer", numbers.Real: "a number"}.get(kind, "text" if kind is str else
-                                                                                   "a list of strings")
+        if (isinstance(value, bool) and kind is not bool) or not isinstance(value, kind):   # "0.7", 40.0 for top_k
+            what = {numbers.Integral: "an integer", numbers.Real: "a number", bool: "true or false",
+                    str: "text"}.get(kind, "a list of strings")
             return f"{name or field} {value!r}: must be {what}"
         if kind is numbers.Integral:
             value = int(value)   # numpy's integers too
@@ -256,13 +260,21 @@ class Sampler:
         self._n_counted += len(new)
 
     def _presence_frequency(self, logits: np.ndarray, history):
-        """OpenAI's rule over the generated tokens: logit[t] -= count[t] * frequency + (count[t] > 0) * presence."""
-        self._count_generated(history)
-        counts = {t: c for t, c in self._counts.items() if 0 <= t < self.vocab_size}
-        if not counts:
+        """OpenAI's rule over the generated tokens: logit[t] -= count[t] * frequency + (count[t] > 0) * presence;
+        with penalize_prompt, llama.cpp's: the counts of the last repeat_last_n tokens, prompt included."""
+        if self.p.penalize_prompt:
+            n = self.p.repeat_last_n
+            window = () if n == 0 else history if n < 0 else history[-n:]
+            ids, c = np.unique(np.fromiter((t for t in window if 0 <= t < self.vocab_size), np.int64),
+                               return_counts=True)
+            c = c.astype(np.float32)
+        else:
+            self._count_generated(history)
+            counts = {t: c for t, c in self._counts.items() if 0 <= t < self.vocab_size}
+            ids = np.fromiter(counts.keys(), np.int64, len(counts))
+            c = np.fromiter(counts.values(), np.float32, len(counts))
+        if not ids.size:
             return
-        ids = np.fromiter(counts.keys(), np.int64, len(counts))
-        c = np.fromiter(counts.values(), np.float32, len(counts))
         logits[ids] -= c * np.float32(self.p.frequency_penalty) + np.float32(self.p.presence_penalty)
 
     def _record(self, logits: np.ndarray, tok: int):
