@@ -425,8 +425,8 @@ class _Sampling(JSONTyped):
             for name, (field, off) in CHAIN_OFF.items():
                 if name not in chain:
                     setattr(p, field, off)
-            if "temperature" not in chain and p.temperature > 0:
-                p.temperature = 1.0
+            if "temperature" not in chain and p.temperature > 0:   # no temperature stage, so no dynatemp either
+                p.temperature, p.dynatemp_range = 1.0, 0.0
         return p
 
     def record_logprobs(self) -> int | None:

@@ -301,6 +301,16 @@ def test_llama_cpps_other_samplers_take_effect(server):
     assert complete(server, n_predict=2, dry_multiplier=1.0, dry_base=0.5)["generation_settings"]["dry_base"] == 1.75
 
 
+def test_samplers_without_temperature_leave_out_dynamic_temperature(server):
+    """A `samplers` list without temperature runs no temperature stage (llama.cpp drops temp_ext with it), so
+    dynatemp_range changes nothing: the same seeded draw as without it (it still scaled the candidates)."""
+    kw = dict(n_predict=30, temperature=0.8, seed=11, top_k=0, samplers=["top_k"])
+    plain = complete(server, **kw)
+    for extra in ({"dynatemp_range": 1.0}, {"dynatemp_range": 1.0, "dynatemp_exponent": 0.1}):
+        r = complete(server, **kw, **extra)
+        assert r["content"] == plain["content"] and r["generation_settings"]["dynatemp_range"] == 0, extra
+
+
 def test_presence_and_frequency_count_the_prompt_as_llama_server(server):
     """/completion's presence / frequency penalties count the last repeat_last_n tokens, prompt included (as
     llama-server; they saw only generated tokens): the first step's logprob of a token the prompt holds n times
