@@ -35,7 +35,7 @@ _D = SamplingParams()
 # SamplingParams field (the argparse dest) -> (spellings, type, metavar, help); defaults come from SamplingParams
 SAMPLING_FLAGS = {
     "temperature": (("--temp", "--temperature"), float, "T", "temperature (0 = greedy)"),
-    "top_k": (("--top-k",), int, "K", "top-k (0 = off)"),
+    "top_k": (("--top-k",), int, "K", "top-k (<= 0 = off)"),
     "top_p": (("--top-p",), float, "P", "top-p (1 = off)"),
     "min_p": (("--min-p",), float, "P", "min-p (0 = off)"),
     "repeat_penalty": (("--repeat-penalty",), float, "R", "repetition penalty (1 = off)"),
@@ -209,6 +209,8 @@ def check_engine_args(args: argparse.Namespace) -> str | None:
         value = getattr(args, field)
         if field == "temperature" and value is not None and value < 0:   # llama.cpp's max(temp, 0): greedy
             args.temperature = value = 0.0
+        if field == "top_k" and value is not None and value < 0:   # llama.cpp's: top-k <= 0 is off
+            args.top_k = value = 0
         if field == "seed" and value == RANDOM_SEED:
             continue
         problem = setting_problem(field, value, spellings[0])

@@ -173,6 +173,8 @@ def sampling_from_options(options: dict | None, defaults: SamplingParams | None)
             value = option_int(options, key)
         if key == "seed" and value < 0:   # ollama: -1 is a fresh random seed; another negative one is a seed
             value = None if value == -1 else value % (1 << 64)   # (its runner takes it as unsigned)
+        if key == "top_k" and value < 0:   # ollama's Go sampler: k <= 0 is off
+            value = 0
         if key == "repeat_last_n" and value == -1:   # ollama: -1 looks back over the whole context
             value = 1 << 30
         if not integer and (isinstance(value, bool) or not isinstance(value, (int, float))):

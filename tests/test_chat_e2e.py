@@ -534,7 +534,7 @@ def test_bad_model_and_bad_flags_one_line_exit_2(tmp_path):
     assert r.returncode == 2 and "--temp" in r.stderr and "Traceback" not in r.stderr
     r = subprocess.run(cmd + ["--top-p", "2"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and r.stderr.startswith("bitchat: error: --top-p 2") and r.stderr.count("\n") == 1
-    for flags in (["-c", "-5"], ["--top-k", "-3"], ["-n", "0"]):   # a value out of range: one line, no usage block
+    for flags in (["-c", "-5"], ["--min-p", "2"], ["-n", "0"]):   # a value out of range: one line, no usage block
         r = subprocess.run(cmd + flags, capture_output=True, text=True, timeout=60)
         assert r.returncode == 2 and r.stderr.count("\n") == 1 and flags[0] in r.stderr, r.stderr
 

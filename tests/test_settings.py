@@ -60,6 +60,19 @@ def test_llama_cpp_s_automatic_values(prog):
         assert check_engine_args(args) is None and args.temperature == 0.0
 
 
+def test_a_negative_top_k_is_off_on_the_command_line_and_in_ollama_options():
+    """llama.cpp's flags and ollama's Go sampler read top_k <= 0 as off: --top-k -1 and options.top_k -1 were refused
+    (exit 2, 400)."""
+    from bitnet_cpu.serve.ollama import sampling_from_options
+
+    for prog in SAMPLING:
+        for k in ("-1", "-5"):
+            args = PARSERS[prog].parse_args(["--top-k", k])
+            assert check_engine_args(args) is None and args.top_k == 0, (prog, k)
+    for k in (-1, -5, -1.0):
+        assert sampling_from_options({"top_k": k}, None).top_k == 0
+
+
 def test_the_smallest_context_is_accepted_everywhere():
     assert all(check_engine_args(PARSERS[prog].parse_args(["-c", "1", "-t", "1"])) is None for prog in ALL)
 
@@ -95,9 +108,8 @@ def test_every_default_is_sampling_params():
 
 
 # (field, flag, /set name, request field, bad value as typed)
-# (a negative --temp is not here: the command lines read it as llama.cpp, 0; /set and requests refuse it)
-BAD = [("top_k", "--top-k", "top_k", "top_k", "-3"),
-       ("top_p", "--top-p", "top_p", "top_p", "1.5"), ("top_p", "--top-p", "top_p", "top_p", "-0.5"),
+# (a negative --temp or --top-k is not here: the command lines read it as llama.cpp, 0; /set and requests refuse it)
+BAD = [("top_p", "--top-p", "top_p", "top_p", "1.5"), ("top_p", "--top-p", "top_p", "top_p", "-0.5"),
        ("min_p", "--min-p", "min_p", "min_p", "2"), ("repeat_penalty", "--repeat-penalty", "repeat_penalty",
                                                       "repeat_penalty", "0"),
        ("repeat_last_n", "--repeat-last-n", "repeat_last_n", "repeat_last_n", "-2"),
