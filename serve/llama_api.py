@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from typing import Any, ClassVar, Optional, Union
 
 from fastapi import Request
@@ -61,18 +62,25 @@ class NativeCompletionRequest(_Sampling):
         def bias(key, b):
             if b is True:
                 raise PydanticCustomError("invalid_setting", f"logit_bias {key}: a number, or false (never)")
-            return -100.0 if b is False else b
+            return -math.inf if b is False else b   # llama-server's: never drawn, whatever the other logits
         if isinstance(v, dict):
             return {k: bias(k, b) for k, b in v.items()}
         if not isinstance(v, list):
             return v
         out = {}
         for pair in v:
-            if not (isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], int)
-                    and not isinstance(pair[0], bool)):
+            if not (isinstance(pair, list) and len(pair) == 2):
+                raise PydanticCustomError("invalid_setting", "logit_bias: [[token id, bias], ...]")
+            key = pair[0]
+            if isinstance(key, float) and key.is_integer():   # JSON's 14.0 is the integer 14
+                key = int(key)
+            if isinstance(key, str):
                 raise PydanticCustomError("invalid_setting", "logit_bias: [[token id, bias], ...] (a string as the "
                                           "key is not supported: find its ids with /tokenize)")
-            out[str(pair[0])] = bias(pair[0], pair[1])
+            if isinstance(key, bool) or not isinstance(key, int):
+                raise PydanticCustomError("invalid_setting", f"logit_bias {key!r}: [[token id, bias], ...] with the "
+                                          "token id an integer")
+            out[str(key)] = bias(key, pair[1])
         return out
 
     def limit(self) -> Optional[int]:   # llama-server: n_predict, else max_tokens; negative: the context's end

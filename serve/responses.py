@@ -80,7 +80,7 @@ class ResponsesRequest(_Sampling):
     def limit(self) -> Optional[int]:
         if self.max_output_tokens is not None:
             return self.max_output_tokens
-        return self.max_tokens if self.max_tokens is not None else self.predict_limit(None)
+        return self.predict_limit(None)   # llama-server's n_predict (max_tokens is refused: unsupported)
 
     def wants_logprobs(self) -> bool:
         return INCLUDE_LOGPROBS in (self.include or ()) or self.top_logprobs is not None
@@ -139,6 +139,8 @@ class ResponsesRequest(_Sampling):
                 return f"include[{i}]", f"include {v!r}: unknown"
         if self.n != 1:
             return "n", "one output per response (n is not part of the Responses API)"
+        if self.max_tokens is not None:   # OpenAI's 400 too (it was taken, and lost to max_output_tokens in silence)
+            return "max_tokens", "max_tokens is not a Responses API field: use max_output_tokens"
         return super().unsupported()
 
     # -- the translation into the chat pipeline's terms --

@@ -400,11 +400,10 @@ class _Sampling(JSONTyped):
             return 1 << 30
         if field == "logit_bias" and value is not None:   # JSON keys are strings: token ids as text
             bias = {}
-            for k, v in value.items():
-                try:
-                    bias[int(k)] = v
-                except ValueError:
-                    raise PydanticCustomError("invalid_setting", f"logit_bias {k!r}: a key must be a token id") from None
+            for k, v in value.items():   # plain digits: int() also took "1_0" and " 10" as 10
+                if not re.fullmatch(r"-?[0-9]+", k):
+                    raise PydanticCustomError("invalid_setting", f"logit_bias {k!r}: a key must be a token id")
+                bias[int(k)] = v
             value = bias
         problem = setting_problem(field, value)
         if problem is None and field == "temperature" and cls.MAX_TEMPERATURE is not None \

@@ -144,6 +144,14 @@ def test_logit_bias_adds_and_bans_and_checks_vocab():
         Sampler(SamplingParams(logit_bias={3: 1.0}), 3)
     with pytest.raises(BitNetError, match=r"logit_bias 1: 101"):
         SamplingParams(logit_bias={1: 101}).check()
+    # -inf is "never" (llama-server's false): even a token 150 logits ahead, where -100 leaves it the best
+    far = np.array([150.0, 0.0, 0.0], np.float32)
+    assert draw(SamplingParams(temperature=0, logit_bias={0: -100.0}), far, 1) == [0]
+    for params in (SamplingParams(temperature=0, logit_bias={0: -np.inf}),
+                   SamplingParams(**FREE, seed=1, logit_bias={0: float("-inf")})):
+        assert 0 not in draw(params, far, 200)
+    with pytest.raises(BitNetError, match=r"logit_bias 1: inf"):
+        SamplingParams(logit_bias={1: float("inf")}).check()
     with pytest.raises(BitNetError, match="presence_penalty 2.5"):
         SamplingParams(presence_penalty=2.5).check()
 

@@ -254,6 +254,8 @@ def test_completion_prompt_forms_samplers_and_bias(server):
     assert banned["tokens"][0] != first
     # false is "never" in the object form too (it was read as a bias of 0), as llama-server reads it
     assert complete(server, return_tokens=True, logit_bias={str(first): False})["tokens"] == banned["tokens"]
+    # a token id as JSON's 14.0 is the integer 14 (it was "a string as the key is not supported")
+    assert complete(server, return_tokens=True, logit_bias=[[float(first), False]])["tokens"] == banned["tokens"]
     # the chain the request ran comes back, not the whole chain (posted back, it would turn samplers on)
     ran = complete(server, samplers="pmt", top_k=5, **kw)["generation_settings"]["samplers"]
     assert ran == ["top_p", "min_p", "temperature"]
@@ -299,6 +301,17 @@ def test_llama_cpps_other_samplers_take_effect(server):
     assert narrow["content"] == complete(server, **{**kw, "top_p": 0.01, "temperature": 0})["content"]
     # llama-server's leniency: a dry_base below 1 is its default
     assert complete(server, n_predict=2, dry_multiplier=1.0, dry_base=0.5)["generation_settings"]["dry_base"] == 1.75
+
+
+def test_a_false_bias_is_never_as_llama_server():
+    """logit_bias false is llama-server's -inf (it was -100, which a token 100 logits ahead survives), in both
+    forms; in process, no server."""
+    import math
+
+    from bitnet_cpu.serve.llama_api import NativeCompletionRequest
+
+    for bias in ([[7, False]], {"7": False}):
+        assert NativeCompletionRequest(prompt="x", logit_bias=bias).sampling_params().logit_bias == {7: -math.inf}
 
 
 def test_samplers_without_temperature_leave_out_dynamic_temperature(server):
@@ -354,6 +367,10 @@ def test_presence_and_frequency_count_the_prompt_as_llama_server(server):
     ({"n": 2}, "n"),   # was run as two sequences, both streamed into one answer, one left running on a disconnect
     ({"logit_bias": {"5": True}}, "logit_bias"),   # was read as +1
     ({"logit_bias": [[5, True]]}, "logit_bias"),
+    ({"logit_bias": [[5.5, 1.0]]}, "logit_bias"),   # a token id is an integer (5.0 is one)
+    ({"logit_bias": {"1_0": 1.0}}, "logit_bias"),   # int() read these as 10
+    ({"logit_bias": {" 10": 1.0}}, "logit_bias"),
+    ({"logit_bias": {"-5": 1.0}}, "logit_bias"),
     ({"image_data": [{"data": "AAAA", "id": 1}]}, "image_data"),
 ])
 def test_completion_refusals_name_the_field(server, body, param):

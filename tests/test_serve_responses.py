@@ -245,6 +245,7 @@ def test_text_before_a_call_keeps_its_own_tokens_logprobs():
     ({"logprobs": True}, "logprobs"),
     ({"stop_sequences": ["x"]}, "stop_sequences"),
     ({"max_completion_tokens": 3}, "max_completion_tokens"),
+    ({"max_tokens": 3}, "max_tokens"),   # the chat endpoint's: it was taken, and max_output_tokens won in silence
     ({"image": {"size": "auto"}}, "image"),
 ])
 def test_what_cannot_be_honoured_is_a_400_naming_it(server, extra, param):

@@ -191,3 +191,20 @@ def test_no_sampling_number_takes_infinity_or_nan():
     for prog in SAMPLING:
         assert check_engine_args(PARSERS[prog].parse_args(["--temp", "inf"])) == \
             "--temp inf: must be >= 0 and finite (0 = greedy)"
+
+
+def test_the_seed_message_says_what_each_front_end_takes():
+    """It said "-1 or 'random' in flags and requests"; 'random' is /set's alone (a flag or a request refuses it)."""
+    from pydantic import ValidationError
+
+    from bitnet_cpu.serve.schemas import ChatCompletionRequest
+
+    msg = setting_problem("seed", 1 << 64)
+    assert "-1 in flags, requests and /set" in msg and "'random' in /set" in msg, msg
+    assert check_engine_args(PARSERS["bitnet run"].parse_args(["--seed", "-1"])) is None
+    assert parse_setting("seed", "random") == parse_setting("seed", "-1") == ("seed", None)
+    assert ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], seed=-1).seed is None
+    with pytest.raises(ValidationError):
+        ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], seed="random")
+    with pytest.raises(SystemExit):
+        PARSERS["bitnet run"].parse_args(["--seed", "random"])

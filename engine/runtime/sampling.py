@@ -41,7 +41,7 @@ class SamplingParams:
     seed: int | None = None      # None -> a fresh random seed
     presence_penalty: float = 0.0   # OpenAI's: logit -= presence for every token generated at least once
     frequency_penalty: float = 0.0  # OpenAI's: logit -= frequency * (times generated)
-    logit_bias: dict[int, float] | None = None   # token id -> added to its logit (-100 bans, +100 forces)
+    logit_bias: dict[int, float] | None = None   # token id -> added to its logit (-100 bans, +100 forces; -inf: never)
     # presence / frequency count the last repeat_last_n tokens, prompt included (llama.cpp's rule: its server's
     # /completion, ollama), not the generated ones (OpenAI's)
     penalize_prompt: bool = False
@@ -102,7 +102,8 @@ _RULES = {
     "repeat_penalty": (lambda v: 0 < v < math.inf, "must be > 0 and finite (1 = off)"),
     "repeat_last_n": (lambda v: v >= -1, "must be >= 0 (0 = off), or -1 for the whole context"),
     "seed": (lambda v: v is None or 0 <= v < 1 << 64,
-             "must be >= 0 and < 2^64 (a fresh one: -1 or 'random' in flags and requests, None in Python)"),
+             "must be >= 0 and < 2^64 (a fresh one: -1 in flags, requests and /set, also 'random' in /set; "
+             "None in Python)"),
     "presence_penalty": (lambda v: -2 <= v <= 2, "must be in [-2, 2] (0 = off)"),
     "penalize_prompt": (lambda v: True, "must be true or false"),
     "record_logprobs": (lambda v: v is None or 0 <= v <= 20, "must be in 0..20 (None = off)"),
@@ -146,8 +147,9 @@ def _logit_bias_problem(value, name: str) -> str | None:
     for k, v in value.items():
         if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 0:
             return f"{name} {k!r}: a key must be a token id (an integer >= 0)"
-        if isinstance(v, bool) or not isinstance(v, numbers.Real) or not -LOGIT_BIAS_MAX <= v <= LOGIT_BIAS_MAX:
-            return f"{name} {k}: {v!r}: must be in [-100, 100]"
+        if isinstance(v, bool) or not isinstance(v, numbers.Real) or \
+                not (-LOGIT_BIAS_MAX <= v <= LOGIT_BIAS_MAX or v == -math.inf):
+            return f"{name} {k}: {v!r}: must be in [-100, 100], or -inf (never)"
     return None
 
 
