@@ -146,6 +146,89 @@ def test_a_grammar_no_text_matches_is_refused(llm):
     assert "no text matches it" in str(e.value)
 
 
+@pytest.mark.parametrize("grammar", [
+    'root ::= "a" root',
+    'root ::= [a-z]{1,3} "." tail\ntail ::= "x" tail',
+    'root ::= item+\nitem ::= "(" item ")"',
+], ids=["self", "tail", "nested"])
+def test_a_grammar_with_no_finite_text_is_refused(llm, grammar):
+    """Every path never ends: the grammar engine forced "x" after "x" until its own limit, mid-generation (a 500
+    after some tokens); refused before generating instead."""
+    with pytest.raises(ConstraintError) as e:
+        llm.compile_constraint(Constraint.gbnf(grammar))
+    assert "no finite text matches it" in str(e.value), str(e.value)
+
+
+def test_a_branch_that_never_ends_is_never_taken(llm):
+    """ "b" leads only into a rule that never ends: the model biased hard against "a" took "b" and the request
+    failed mid-generation; the branch is cut, so "a" is the answer."""
+    from bitnet_cpu.engine.api import SamplingParams
+    a = llm.tokenize("a", add_bos=False)
+    assert len(a) == 1
+    params = SamplingParams(temperature=0, logit_bias={a[0]: -100.0})
+    c = Constraint.gbnf('root ::= "a" | "b" tail\ntail ::= "x" tail')
+    chunks = list(llm.generate(llm.tokenize("Say b.", add_bos=True), params, max_tokens=8, constraint=c))
+    assert "".join(ch.text for ch in chunks) == "a" and chunks[-1].finish_reason == "eos"
+
+
+def _analysis_calls(grammar: str) -> int:
+    """Calls of the converter's analysis functions while converting (or refusing) a grammar: a measure of its
+    work, not of time."""
+    import sys
+    from bitnet_cpu.engine.runtime import gbnf
+    n = [0]
+
+    def count(frame, event, arg):
+        if event == "call" and frame.f_code.co_filename == gbnf.__file__ and frame.f_code.co_name in (
+                "nul", "fst", "_walk"):
+            n[0] += 1
+    sys.setprofile(count)
+    try:
+        gbnf.gbnf_to_lark(grammar)
+    except GbnfError:
+        pass
+    finally:
+        sys.setprofile(None)
+    return n[0]
+
+
+def _back_chain(n: int) -> str:
+    """root -> r1 -> ... -> rn, each rule naming the next first: `r1 ::= r2 "x"` (the text a x^(n-1))."""
+    return "root ::= r1\n" + "".join(f'r{i} ::= r{i + 1} "x"\n' for i in range(1, n)) + f'r{n} ::= "a"\n'
+
+
+def test_the_analysis_grows_linearly_with_a_chain_of_rules():
+    """Nullable / first / follow were computed by full passes until nothing changed: one pass per level of a
+    chain, quadratic (a chain of 900 accepted, with 3000 one-line rules beside it, took 15 s)."""
+    small, large = _analysis_calls(_back_chain(200)), _analysis_calls(_back_chain(800))
+    assert large < 6 * small, (small, large)   # 4 times the rules: 16 times the work when quadratic
+
+
+@pytest.mark.parametrize("n", [2000, 4000])
+def test_a_chain_too_deep_is_refused_before_the_analysis(llm, n):
+    """A chain past the depth limit was refused only after the (quadratic) analysis: 23 s for 2000 rules, 148 s
+    for 4000, outside the compile time limit."""
+    assert _analysis_calls(_back_chain(n)) == 0
+    with pytest.raises(ConstraintError) as e:
+        llm.compile_constraint(Constraint.gbnf(_back_chain(n)))
+    assert f"rules chained {n + 1} deep" in str(e.value), str(e.value)
+
+
+def test_the_conversion_runs_inside_the_timed_compile(llm):
+    """A spec's conversion (the GBNF analysis, a schema's rewriting) counts in the compile time limit: it ran on
+    the caller's thread before the timed one started."""
+    import threading
+    threads = []
+
+    class Watched(Constraint):
+        def grammar(self):
+            threads.append(threading.current_thread().name)
+            return super().grammar()
+
+    llm.compile_constraint(Watched("gbnf", 'root ::= "watched" [0-9]', "grammar"))
+    assert threads == ["bitnet-grammar-compile"], threads
+
+
 # ---- random grammars against a reference recognizer -----------------------------------------------------------
 ALPHABET = "abx \n"
 

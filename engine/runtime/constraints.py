@@ -598,12 +598,16 @@ class _Compiler:
             if hit is not None:
                 self._cache.move_to_end(key)
                 return CompiledConstraint(spec, hit._template, self.n_vocab)   # this spec's where / jump_forward
-        grammar = spec.grammar()
         ll = self.ll()
         box: dict = {}
 
         def build():   # llguidance drops the GIL while it compiles; a runaway compile is abandoned, not awaited
             from llguidance import LLMatcher
+            try:   # the spec's conversion too (a large GBNF grammar's analysis) counts in the time limit
+                grammar = spec.grammar()
+            except Exception as e:   # raised again on the caller's thread
+                box["refused"] = e
+                return
             m = LLMatcher(ll, grammar, log_level=0, limits=parser_limits())
             box["m"] = m
             if not m.is_error():   # the first step's work (its mask, forced tokens) fails here, not mid-request
@@ -624,6 +628,8 @@ class _Compiler:
         if worker.is_alive():
             raise ConstraintError(f"{spec.where}: compiling it took more than {COMPILE_TIMEOUT_S:g} s; simplify the"
                                   " schema or grammar", where=spec.where)
+        if "refused" in box:
+            raise box["refused"]
         m = box.get("m")
         if m is None or m.is_error() or "error" in box:
             msg = box.get("error") or (m.get_error() if m is not None else "the grammar engine failed")

@@ -305,6 +305,81 @@ class _Parser:
         return f"<{body}>"
 
 
+def _refs(x, out: set) -> set:
+    """The rules x names (added to out)."""
+    if x[0] == "ref":
+        out.add(x[1])
+    elif x[0] in ("seq", "alt"):
+        for y in x[1]:
+            _refs(y, out)
+    elif x[0] == "rep":
+        _refs(x[1], out)
+    return out
+
+
+def _users(refs: dict) -> dict:
+    """rule -> the rules naming it."""
+    users: dict = {n: set() for n in refs}
+    for n, rs in refs.items():
+        for m in rs:
+            users[m].add(n)
+    return users
+
+
+def _ends(x, finite: set) -> bool:
+    """Whether x matches some finite text, given the rules that do."""
+    k = x[0]
+    if k == "ref":
+        return x[1] in finite
+    if k == "seq":
+        return all(_ends(y, finite) for y in x[1])
+    if k == "alt":
+        return any(_ends(y, finite) for y in x[1])
+    if k == "rep":
+        return x[2] == 0 or _ends(x[1], finite)
+    return True   # lit, cls, tok
+
+
+def _pruned(x, finite: set):
+    """x without its alternatives that never end (None when x itself never does)."""
+    k = x[0]
+    if k == "ref":
+        return x if x[1] in finite else None
+    if k == "seq":
+        items = [_pruned(y, finite) for y in x[1]]
+        return None if None in items else ("seq", items)
+    if k == "alt":
+        alts = [y for y in (_pruned(y, finite) for y in x[1]) if y is not None]
+        return None if not alts else alts[0] if len(alts) == 1 else ("alt", alts)
+    if k == "rep":
+        inner = _pruned(x[1], finite)
+        if inner is None:
+            return ("lit", []) if x[2] == 0 else None
+        return ("rep", inner, x[2], x[3])
+    return x
+
+
+def _finite_only(rules: dict, refs: dict) -> dict:
+    """The rules that match some finite text (the standard "productive" rules: a rule is, when one of its
+    alternatives is made of terminals and such rules alone), with every alternative that never ends dropped.
+    The grammar engine follows a path that never ends (`tail ::= "x" tail`: "x" forced forever) until its own
+    limit, mid-generation, so a branch that can never complete is cut here and a root that never completes is
+    refused."""
+    users = _users(refs)
+    finite: set = set()
+    todo = [n for n in rules if _ends(rules[n], finite)]
+    finite.update(todo)
+    while todo:
+        for u in users[todo.pop()]:
+            if u not in finite and _ends(rules[u], finite):
+                finite.add(u)
+                todo.append(u)
+    if "root" not in finite:
+        raise GbnfError("no finite text matches it: every way through root names a rule that never ends"
+                        " (each of its alternatives names itself again, like tail ::= \"x\" tail)")
+    return {n: _pruned(b, finite) for n, b in rules.items() if n in finite}
+
+
 MAX_REGEX_DEPTH = 160   # groups nested in a lexeme's regular expression (the regex engine refuses past 250)
 
 
@@ -314,23 +389,33 @@ class _Analysis:
 
     def __init__(self, rules: dict):
         self.rules = rules
+        self.refs = {n: _refs(b, set()) for n, b in rules.items()}   # rule -> the rules it names
+        self.users = users = _users(self.refs)                       # rule -> the rules naming it
+        # fixpoints on worklists: a rule is looked at again only when one it names (nullable, first) or one naming
+        # it (follow) changed; a full pass per change took a pass per level of a chain of rules (quadratic: a
+        # chain of 2000 took 23 s)
         self.nullable = {n: False for n in rules}
         self.first = {n: NONE for n in rules}
-        changed = True
-        while changed:
-            changed = False
-            for n, body in rules.items():
-                nul, fst = self.nul(body), self.fst(body)
-                if nul != self.nullable[n] or fst != self.first[n]:
-                    self.nullable[n], self.first[n], changed = nul, fst, True
+        todo, queued = list(rules), set(rules)
+        while todo:
+            n = todo.pop()
+            queued.discard(n)
+            nul, fst = self.nul(rules[n]), self.fst(rules[n])
+            if nul != self.nullable[n] or fst != self.first[n]:
+                self.nullable[n], self.first[n] = nul, fst
+                for u in users[n] - queued:
+                    queued.add(u)
+                    todo.append(u)
         self.follow = {n: NONE for n in rules}
-        changed = True
-        while changed:
-            before = dict(self.follow)
-            for n, body in rules.items():
-                self._walk(body, self.follow[n])
-            changed = before != self.follow
-        self.refs = {n: self._refs(b, set()) for n, b in rules.items()}   # rule -> the rules it names
+        todo, queued = list(rules), set(rules)
+        while todo:
+            n = todo.pop()
+            queued.discard(n)
+            changed: set = set()
+            self._walk(rules[n], self.follow[n], changed)
+            for m in changed - queued:
+                queued.add(m)
+                todo.append(m)
         self.lexemes = self._lexemes()
 
     def nul(self, x) -> bool:
@@ -368,33 +453,27 @@ class _Analysis:
             return union(*(self.fst(y) for y in x[1]))
         return self.fst(x[1])   # rep
 
-    def _walk(self, x, follow):
+    def _walk(self, x, follow, changed: set):
+        """Adds to the follow sets of the rules x names (`follow`: what may follow x); changed: those that grew."""
         k = x[0]
         if k == "ref":
-            self.follow[x[1]] = union(self.follow[x[1]], follow)
+            grown = union(self.follow[x[1]], follow)
+            if grown != self.follow[x[1]]:
+                self.follow[x[1]] = grown
+                changed.add(x[1])
         elif k == "seq":
             cur = follow
             for y in reversed(x[1]):
-                self._walk(y, cur)
+                self._walk(y, cur, changed)
                 cur = union(self.fst(y), cur) if self.nul(y) else self.fst(y)
         elif k == "alt":
             for y in x[1]:
-                self._walk(y, follow)
+                self._walk(y, follow, changed)
         elif k == "rep":
             again = x[3] is None or x[3] > 1
-            self._walk(x[1], union(follow, self.fst(x[1])) if again else follow)
+            self._walk(x[1], union(follow, self.fst(x[1])) if again else follow, changed)
 
     # ---- lexemes ------------------------------------------------------------------------------------
-    def _refs(self, x, out: set):
-        if x[0] == "ref":
-            out.add(x[1])
-        elif x[0] in ("seq", "alt"):
-            for y in x[1]:
-                self._refs(y, out)
-        elif x[0] == "rep":
-            self._refs(x[1], out)
-        return out
-
     def _has_token(self, x) -> bool:
         if x[0] == "tok":
             return True
@@ -407,11 +486,12 @@ class _Analysis:
         does: none of the characters that could extend a whole match may follow the rule anywhere."""
         refs = self.refs
         chars_only = {n for n, b in self.rules.items() if not self._has_token(b)}
-        while True:   # only rules of such rules
-            drop = {n for n in chars_only if not refs[n] <= chars_only}
-            if not drop:
-                break
-            chars_only -= drop
+        todo = [n for n in self.rules if n not in chars_only]
+        while todo:   # only rules of such rules: a rule naming one that is not, is not
+            for u in self.users[todo.pop()]:
+                if u in chars_only:
+                    chars_only.discard(u)
+                    todo.append(u)
         # no recursion through its references, and an inlined regular expression shallow enough for the regex
         # engine (its nesting limit is 250; a chain of 50 rules `r1 ::= "x" r2 | "y"` went past it and the
         # grammar was refused): rules taken in dependency order, without recursion in Python either (a chain of
@@ -691,9 +771,10 @@ def gbnf_to_lark(text: str) -> str:
     """A GBNF grammar as llguidance Lark (see the module's docstring); GbnfError when it does not parse or is
     deeper than the engine can take."""
     rules = _Parser(text).grammar()
-    an = _Analysis(rules)
-    depth = _rule_depth(an.refs)
+    refs = {n: _refs(b, set()) for n, b in rules.items()}
+    depth = _rule_depth(refs)   # first: the analysis of a chain far too deep would take long before refusing it
     if depth > MAX_RULE_DEPTH:
         raise GbnfError(f"rules chained {depth} deep (each naming the next, from root): at most {MAX_RULE_DEPTH}; "
                         "write a repetition (x*, x{m,n}) or a recursive rule instead of a chain")
-    return _Emitter(rules, an).lark()
+    rules = _finite_only(rules, refs)
+    return _Emitter(rules, _Analysis(rules)).lark()
