@@ -135,6 +135,26 @@ def test_ignore_eos_still_ends_when_the_grammar_is_complete(llm):
     jsonschema.validate(json.loads(text), PERSON)
 
 
+@pytest.mark.parametrize("grammar", ['root ::= ""', 'root ::= [a-z]{0}'])
+@pytest.mark.parametrize("ignore_eos", [False, True])
+def test_a_grammar_complete_at_the_start_ends_with_no_token(llm, grammar, ignore_eos):
+    """Only end of text can come: with ignore_eos every logit was -inf and the request failed as corrupt weights,
+    and without it the end of text counted as a generated token. Alone and batched alike."""
+    c = Constraint.gbnf(grammar)
+    ids = _ask(llm, "Say nothing.")
+    chunks = list(llm.generate(ids, MODES["temp1"], max_tokens=8, constraint=c, ignore_eos=ignore_eos))
+    assert "".join(ch.text for ch in chunks) == "" and chunks[-1].finish_reason == "eos"
+    assert chunks[-1].stats.n_generated == 0
+    eng = load_engine(None, progress=False, parallel=2)
+    try:
+        got = list(eng.submit(ids, MODES["temp1"], max_tokens=8, constraint=c, ignore_eos=ignore_eos))
+        assert "".join(ch.text for ch in got) == "" and got[-1].finish_reason == "eos"
+        assert got[-1].stats.n_generated == 0
+        eng.check_consistency()
+    finally:
+        eng.close()
+
+
 # ---- unbounded integers get int64's range ---------------------------------------------------------------------
 INT64 = (-2 ** 63, 2 ** 63 - 1)
 TWO_INTS = {"type": "object", "additionalProperties": False, "required": ["a", "b"],

@@ -16,6 +16,18 @@ def draw(params, logits, n, history=()):
     return [s.sample(logits.copy(), list(history)) for _ in range(n)]
 
 
+def test_every_token_excluded_is_said_so_not_blamed_on_the_weights():
+    """-inf everywhere is a grammar's mask with ignore_eos's ban, not corrupt weights (NaN or +inf still are)."""
+    with pytest.raises(BitNetError) as e:
+        draw(SamplingParams(temperature=0), np.full(50, -np.inf, np.float32), 1)
+    assert "no token is allowed here" in str(e.value) and "corrupt" not in str(e.value)
+    for bad in (np.nan, np.inf):
+        lg = np.zeros(50, np.float32)
+        lg[3] = bad
+        with pytest.raises(BitNetError, match="corrupt"):
+            draw(SamplingParams(temperature=0), lg, 1)
+
+
 def test_greedy_is_argmax():
     lg = np.random.default_rng(0).standard_normal(1000).astype(np.float32)
     assert draw(SamplingParams(temperature=0), lg, 3) == [int(lg.argmax())] * 3

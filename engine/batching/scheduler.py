@@ -693,6 +693,9 @@ class BatchScheduler(Drafts, Embeddings, Scoring):
         if s.max_tokens == 0:
             self._finish(s, "length")
             return None
+        if s.n_gen == 0 and s.cm is not None and s.cm.done:   # complete before any token (root ::= ""): only
+            self._finish(s, "eos")                             # end of text could come (none with ignore_eos)
+            return None
         if s.banned:
             logits[s.banned] = -np.inf
         if s.cm is not None:

@@ -597,7 +597,8 @@ class _Compiler:
             hit = self._cache.get(key)
             if hit is not None:
                 self._cache.move_to_end(key)
-                return CompiledConstraint(spec, hit._template, self.n_vocab)   # this spec's where / jump_forward
+                return CompiledConstraint(spec, hit._template, self.n_vocab,   # this spec's where / jump_forward
+                                          hit.complete_at_start)
         ll = self.ll()
         box: dict = {}
 
@@ -621,6 +622,9 @@ class _Compiler:
                     box["error"] = "no text matches it" if err.startswith("NoExtension") else err
                 elif not words.any():
                     box["error"] = "no text matches it"
+                else:   # only end of text at the start (root ::= ""): is_stopped() says so only after a token
+                    allowed = np.unpackbits(words.view(np.uint8), count=self.n_vocab, bitorder="little")
+                    box["complete"] = set(np.flatnonzero(allowed).tolist()) <= set(self.tok.eos_ids)
 
         worker = threading.Thread(target=build, name="bitnet-grammar-compile", daemon=True)
         worker.start()
@@ -634,7 +638,7 @@ class _Compiler:
         if m is None or m.is_error() or "error" in box:
             msg = box.get("error") or (m.get_error() if m is not None else "the grammar engine failed")
             raise ConstraintError(f"{spec.where}: cannot be enforced: {_one_line(msg)}", where=spec.where)
-        compiled = CompiledConstraint(spec, m, self.n_vocab)
+        compiled = CompiledConstraint(spec, m, self.n_vocab, box.get("complete", False))
         with self._lock:
             self._cache[key] = compiled
             while len(self._cache) > CACHE_SPECS:
@@ -664,11 +668,12 @@ def compile_constraint(tokenizer, n_vocab: int, spec) -> "CompiledConstraint | N
 class CompiledConstraint:
     """A spec compiled against one tokenizer: a matcher in its start state, copied for every sequence."""
 
-    def __init__(self, spec: Constraint, template, n_vocab: int):
+    def __init__(self, spec: Constraint, template, n_vocab: int, complete_at_start: bool = False):
         self.spec, self._template, self.n_vocab = spec, template, n_vocab
+        self.complete_at_start = complete_at_start   # the grammar takes only the empty text
 
     def matcher(self) -> "TokenMatcher":
-        return TokenMatcher(self._template.deep_copy(), self.n_vocab, self.spec)
+        return TokenMatcher(self._template.deep_copy(), self.n_vocab, self.spec, self.complete_at_start)
 
 
 _MASK_POOL: ThreadPoolExecutor | None = None
@@ -686,8 +691,9 @@ def _mask_pool() -> ThreadPoolExecutor:
 class TokenMatcher:
     """One sequence's position in its grammar. apply(logits) masks; advance(token) moves on."""
 
-    def __init__(self, m, n_vocab: int, spec: Constraint):
+    def __init__(self, m, n_vocab: int, spec: Constraint, complete_at_start: bool = False):
         self._m, self.n_vocab, self.spec = m, n_vocab, spec
+        self._complete_now = complete_at_start   # until the first token is taken
         self.jump_forward = spec.jump_forward
         self._words = np.zeros((n_vocab + 31) // 32, np.int32)   # allowed-token bitmask (llguidance's layout)
         self._fresh = False          # _words holds the mask of the current state
@@ -733,11 +739,13 @@ class TokenMatcher:
             raise ConstraintError(f"{self.spec.where}: token {token} is not allowed here:"
                                   f" {_one_line(self._m.get_error())}", where=self.spec.where)
         self._fresh = False
+        self._complete_now = False
 
     @property
     def done(self) -> bool:
-        """The grammar is complete and nothing can follow (only end of text)."""
-        return self._m.is_stopped()
+        """The grammar is complete and nothing can follow (only end of text); before any token too (the
+        generators then end at once: with ignore_eos, no token at all could be sampled)."""
+        return self._complete_now or self._m.is_stopped()
 
     @property
     def accepting(self) -> bool:

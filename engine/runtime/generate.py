@@ -241,6 +241,9 @@ def _steps(model, tokenizer, prompt: list[int], sampler: Sampler, compiled, max_
     if max_tokens == 0:  # prefill only (chat re-prefills a loaded conversation this way)
         yield Chunk("", None, "length", stats(0, prefill_s, 0.0, "length"))
         return
+    if cm is not None and cm.done:   # complete before any token (root ::= ""): only end of text could come, and
+        yield Chunk("", None, "eos", stats(0, prefill_s, 0.0, "eos"))   # with ignore_eos no token at all
+        return
 
     history = list(prompt)
     stream = tokenizer.stream()
