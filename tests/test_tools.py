@@ -649,3 +649,19 @@ def test_a_format_beside_a_required_call_is_the_call_on_openai_s_apis(server):
         "tools": [{"name": t["function"]["name"], "input_schema": t["function"]["parameters"]} for t in TOOLS],
         "output_config": {"format": {"type": "json_schema", "schema": fmt}}})
     assert a.status_code == 400 and "tool_choice" in a.text
+
+
+def test_a_grammar_beside_tools_is_refused_whatever_the_choice(server):
+    """A GBNF grammar cannot go with tools (llama-server: "Cannot use custom grammar constraints with tools."):
+    tool_choice auto said so, but required, a named function and allowed_tools required dropped the grammar
+    unread (an invalid one too) and answered with a call."""
+    import httpx
+
+    allowed = {"type": "allowed_tools", "allowed_tools": {"mode": "required", "tools": [
+        {"type": "function", "function": {"name": "add"}}]}}
+    for choice in ("auto", "required", {"type": "function", "function": {"name": "add"}}, allowed):
+        for grammar in ('root ::= "yes" | "no"', "root ::= oops"):
+            r = httpx.post(server.url + "/v1/chat/completions", timeout=120, json={
+                "messages": Q, "tools": TOOLS, "tool_choice": choice, "max_tokens": 20, "temperature": 0,
+                "grammar": grammar})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "grammar", (choice, grammar, r.text)

@@ -239,16 +239,16 @@ def with_answer_format(calls: Constraint, answer: Constraint, *, forced: str = "
     tools, or answers in the format. A required call leaves no text answer to shape: forced "drop" gives the
     call grammar alone (OpenAI's: both fields are taken, the format shapes a later turn's answer; instructor's
     Responses mode and the Agents SDK's forced tool use send the pair), "refuse" a ConstraintError (Anthropic's
-    400). ConstraintError for a regex or grammar beside tools (not JSON)."""
+    400). ConstraintError for a regex or grammar beside tools (not JSON), whatever the choice (llama-server's too)."""
     from .constraints import JSON_OPTIONS
+    if answer.kind not in ("json_object", "json_schema"):   # first: a required call dropped it unread, even invalid
+        raise ConstraintError(f"{answer.where}: only a JSON format can go with tools (a regex or grammar cannot)",
+                              where=answer.where)
     if not calls.free_start and forced == "drop":
         return calls
     if not calls.free_start:
         raise ConstraintError(f"tool_choice: it requires a call, so there is no text answer for {answer.where} to "
                               "shape (use tool_choice auto, or drop the format)", where="tool_choice")
-    if answer.kind not in ("json_object", "json_schema"):
-        raise ConstraintError(f"{answer.where}: only a JSON format can go with tools (a regex or grammar cannot)",
-                              where=answer.where)
     schema = {"type": "object"} if answer.kind == "json_object" else prepared(json.loads(answer.source), answer.where)
     first, rest = calls.source.split("\n", 1)   # "start: TEXT | ...": text, or text leading to calls
     if not first.startswith("start: TEXT |") or "\ncalls:" not in "\n" + rest:
