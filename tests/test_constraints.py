@@ -155,6 +155,26 @@ def test_a_grammar_complete_at_the_start_ends_with_no_token(llm, grammar, ignore
         eng.close()
 
 
+def test_a_length_cut_inside_a_character_is_a_true_prefix(llm):
+    """max_tokens ending inside a multi-byte character ('日本語' is 9 bytes, a token each here) gave '日\ufffd': the
+    character begun is dropped, so the text is a prefix of the whole answer. Alone and batched alike."""
+    c, want = Constraint.gbnf('root ::= "日本語"'), "日本語"
+    ids = _ask(llm, "Say it.")
+    eng = load_engine(None, progress=False, parallel=2)
+    try:
+        cut = 0
+        for n in range(1, 10):
+            alone = list(llm.generate(ids, MODES["greedy"], max_tokens=n, constraint=c))
+            batched = list(eng.submit(ids, MODES["greedy"], max_tokens=n, constraint=c))
+            for chunks in (alone, batched):
+                text = "".join(ch.text for ch in chunks)
+                assert want.startswith(text), (n, text)
+                cut += chunks[-1].finish_reason == "length" and len(text.encode()) < 9
+    finally:
+        eng.close()
+    assert cut >= 2   # some cut did fall inside a character
+
+
 # ---- unbounded integers get int64's range ---------------------------------------------------------------------
 INT64 = (-2 ** 63, 2 ** 63 - 1)
 TWO_INTS = {"type": "object", "additionalProperties": False, "required": ["a", "b"],

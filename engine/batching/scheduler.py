@@ -38,7 +38,7 @@ import numpy as np
 
 from ..errors import BitNetError, ContextOverflowError, QueueFullError, token_ids
 from ..runtime.constraints import compile_constraint
-from ..runtime.generate import Chunk, Stats, _StopMatcher, stop_strings, whole_number
+from ..runtime.generate import Chunk, Stats, _StopMatcher, last_text, stop_strings, whole_number
 from ..runtime.model import decode_rows_attention
 from ..runtime.reasoning import budget_matcher
 from ..runtime.sampling import Sampler, SamplingParams, checked_params
@@ -750,7 +750,7 @@ class BatchScheduler(Drafts, Embeddings, Scoring):
                 f.fork_of = None
                 self._finish(f, reason, locked=True)
         if reason not in ("stop", "cancelled", "error"):
-            rest = s.matcher.flush_text(s.detok.flush())
+            rest = s.matcher.flush_text(last_text(s.detok, reason))
             if rest:
                 self._outbox.append((s.stream, Chunk(rest, None, None, self._stats(s, None), said=s.matcher.said)))
         self._outbox.append((s.stream, Chunk("", None, reason, self._stats(s, reason), said=s.matcher.said)))

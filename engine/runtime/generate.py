@@ -164,6 +164,13 @@ class _StopMatcher:
         return out
 
 
+def last_text(detok, reason: str) -> str:
+    """The detokenizer's text left at an end: at a cut (max_tokens, the context) the bytes of a character begun
+    are dropped, so the text is a true prefix of the longer one ('日' of '日本語', not '日\ufffd'); at the model's
+    own end an incomplete tail stays visible as U+FFFD."""
+    return "" if reason in ("length", "context") else detok.flush()
+
+
 def generate(model, tokenizer, prompt_ids: Sequence[int], params: SamplingParams | None = None, *,
              max_tokens: int = 256, stop: Sequence[str] = (), load_s: float = 0.0,
              ignore_eos: bool = False, lookup: LookupParams | None = None, constraint=None,
@@ -325,7 +332,7 @@ def _steps(model, tokenizer, prompt: list[int], sampler: Sampler, compiled, max_
             if rows is not None and model.generation == mine:
                 model.truncate(base + j + 1)
     if reason != "stop":
-        rest = matcher.flush_text(stream.flush())
+        rest = matcher.flush_text(last_text(stream, reason))
         if rest:
             yield Chunk(rest, None, None, stats(n_gen, ttft, decode_s, None), said=matcher.said)
     yield Chunk("", None, reason, stats(n_gen, ttft, decode_s, reason), said=matcher.said)
