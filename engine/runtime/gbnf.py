@@ -375,8 +375,8 @@ def _finite_only(rules: dict, refs: dict) -> dict:
                 finite.add(u)
                 todo.append(u)
     if "root" not in finite:
-        raise GbnfError("no finite text matches it: every way through root names a rule that never ends"
-                        " (each of its alternatives names itself again, like tail ::= \"x\" tail)")
+        raise GbnfError("no text matches it (no finite text): every way through root names a rule that never"
+                        " ends (each of its alternatives names itself again, like tail ::= \"x\" tail)")
     return {n: _pruned(b, finite) for n, b in rules.items() if n in finite}
 
 
