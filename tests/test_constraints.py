@@ -155,6 +155,18 @@ def test_a_grammar_complete_at_the_start_ends_with_no_token(llm, grammar, ignore
         eng.close()
 
 
+def test_done_waits_for_a_mask_being_computed(llm):
+    """The batching scheduler asks `done` before its first sample, while the helper thread may still compute the
+    mask started during the prefill: the grammar engine's matcher, borrowed twice, failed the sequence
+    ("Already mutably borrowed", a 500 now and then). `done` now takes the mask first."""
+    c = llm.compile_constraint(Constraint.gbnf(ARITHMETIC))
+    for _ in range(300):
+        m = c.matcher()
+        m.start_mask()
+        assert not m.done
+        assert m._pending is None   # nothing left running on the matcher: the race cannot happen
+
+
 def test_a_length_cut_inside_a_character_is_a_true_prefix(llm):
     """max_tokens ending inside a multi-byte character ('日本語' is 9 bytes, a token each here) gave '日\ufffd': the
     character begun is dropped, so the text is a prefix of the whole answer. Alone and batched alike."""

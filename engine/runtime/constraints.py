@@ -745,7 +745,11 @@ class TokenMatcher:
     def done(self) -> bool:
         """The grammar is complete and nothing can follow (only end of text); before any token too (the
         generators then end at once: with ignore_eos, no token at all could be sampled)."""
-        return self._complete_now or self._m.is_stopped()
+        if self._complete_now:
+            return True
+        if self._pending is not None:   # the helper thread holds the matcher while it computes the mask
+            self._ready()
+        return self._m.is_stopped()
 
     @property
     def accepting(self) -> bool:
