@@ -153,6 +153,49 @@ def test_json_nested_too_deeply_is_one_line(model, tmp_path, name):
     assert "nested too deeply" in line and name in line
 
 
+SHARD1 = "model-00001-of-00002.safetensors"
+
+
+@pytest.mark.parametrize("index, expect", [
+    ([1, 2], "shard index is not a JSON object"),
+    ({"metadata": {}}, 'shard index has no "weight_map" object'),
+    ({"weight_map": [SHARD1]}, 'shard index has no "weight_map" object'),
+    ({"weight_map": {"a": SHARD1, "b": 5}}, "the shard name of tensor 'b' is not a string (5)"),
+    ({"weight_map": {"a": None, "b": SHARD1}}, "the shard name of tensor 'a' is not a string (None)"),
+    ({"weight_map": {}}, "shard index lists no shards"),
+    ({"weight_map": {"a": "./" + SHARD1}}, "must be a plain file name in the model folder"),
+    ({"weight_map": {"a": "x\0y.safetensors"}}, "'x\\x00y.safetensors'"),
+])
+def test_a_broken_shard_index_says_what_is_wrong(model, tmp_path, index, expect):
+    """An index that is not {"weight_map": {tensor: file}} is named in words (it showed Python's own: "list
+    indices must be integers", "corrupt shard index: 'weight_map'", a str/int sort failure) and an empty map is
+    not "no *.safetensors files" (they are there)."""
+    d = write_hf_dir(model["m"], str(tmp_path / "sharded"), shards=2)
+    assert os.path.isfile(os.path.join(d, SHARD1))
+    json.dump(index, open(os.path.join(d, "model.safetensors.index.json"), "w"))
+    line = one_error_line(bitnet("inspect", d))
+    assert expect in line and "model.safetensors.index.json" in line and "\0" not in line, line
+
+
+def test_an_oversized_shard_index_is_refused_before_it_is_read(model, tmp_path):
+    from bitnet_cpu.engine.formats.safetensors_io import MAX_INDEX
+
+    d = write_hf_dir(model["m"], str(tmp_path / "sharded"), shards=2)
+    with open(os.path.join(d, "model.safetensors.index.json"), "r+b") as f:
+        f.truncate(MAX_INDEX + 1)   # sparse: what is read of it would be NULs, not JSON
+    assert f"shard index is {MAX_INDEX + 1} bytes" in one_error_line(bitnet("inspect", d))
+
+
+@pytest.mark.parametrize("kind", ["folder", "fifo"])
+def test_a_shard_that_is_not_a_file_is_not_called_missing(model, tmp_path, kind):
+    d = write_hf_dir(model["m"], str(tmp_path / "sharded"), shards=2)
+    shard = os.path.join(d, SHARD1)
+    os.remove(shard)
+    os.mkdir(shard) if kind == "folder" else os.mkfifo(shard)
+    line = one_error_line(bitnet("inspect", d))
+    assert SHARD1 in line and "not a regular file" in line and "missing" not in line, line
+
+
 def _gguf_tensor_offset_field(data: bytes, name: str) -> int:
     """Where a GGUF tensor info's offset (u64) lies: after its name, dimension count, dimensions and type."""
     key = name.encode()

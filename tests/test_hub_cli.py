@@ -546,3 +546,21 @@ def test_a_download_missing_a_weight_shard_is_one_line(hub, tmp_path):
     r = bitnet("run", "-m", "o/half", "-p", "x", env=env)
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1 and f"lacks 1 of its 2 weight files ({shards[1]})" in lines[0], r.stderr
+
+
+@pytest.mark.parametrize("weight_map", [{"a": None}, {"a": 3}, "deep"])
+def test_a_broken_shard_index_by_hub_id_is_one_line(hub, tmp_path, weight_map):
+    """A downloaded index whose weight_map names no files, or nests past the stack, is the loader's one line
+    (exit 2), as the same folder given by path says; the hub's own look at the index crashed (exit 70)."""
+    d = write_hf_dir(SynthModel(small_config(), seed=8), str(tmp_path / "sharded"), shards=2)
+    index = os.path.join(d, "model.safetensors.index.json")
+    with open(index, "w") as f:
+        f.write("[" * 100000 + "]" * 100000 if weight_map == "deep" else json.dumps({"weight_map": weight_map}))
+    cache = str(tmp_path / "cache")
+    add_snapshot(cache, "o/broken", COMMIT_A, hf_files(d))
+    env = env_for(hub, tmp_path, HF_HUB_CACHE=cache)
+    by_path = bitnet("run", "-m", d, "-p", "x", env=env)
+    r = bitnet("run", "-m", "o/broken", "-p", "x", env=env)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == by_path.returncode == 2 and len(lines) == 1, (r.stderr, by_path.stderr)
+    assert "model.safetensors.index.json" in lines[0] and "Traceback" not in r.stderr

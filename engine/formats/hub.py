@@ -160,15 +160,11 @@ def _model_in_snapshot(what: str, repo: str, snap: str) -> tuple[str, str | None
         if not any(f.endswith(".safetensors") for f in os.listdir(snap)):
             raise BitNetError(f"{what}: the download in {snap} has config.json but no *.safetensors",
                               hint=f"finish it with `bitnet pull {repo}`")
-        index = os.path.join(snap, "model.safetensors.index.json")
-        if os.path.isfile(index):
-            import json
+        from .safetensors_io import INDEX, index_shards   # here: numpy only where an HF download is looked at
 
-            try:
-                shards = sorted(set(json.load(open(index))["weight_map"].values()))
-            except (OSError, ValueError, KeyError, TypeError, AttributeError):
-                shards = []   # the loader says what is wrong with the index
-            missing = [f for f in shards if not os.path.isfile(os.path.join(snap, f))]
+        if os.path.isfile(os.path.join(snap, INDEX)):
+            shards = index_shards(snap)   # a broken index: the loader's own words, before any shard is looked for
+            missing = [f for f in shards if not os.path.exists(os.path.join(snap, f))]
             if missing:
                 raise BitNetError(f"{what}: the download in {snap} lacks {len(missing)} of its {len(shards)} "
                                   f"weight files ({missing[0]}{', ...' if len(missing) > 1 else ''})",

@@ -17,6 +17,8 @@ from ..fileio import close_map, map_readonly, no_overlap
 from ..errors import FormatError, UnsupportedError, json_why
 
 MAX_HEADER = 100 << 20
+INDEX = "model.safetensors.index.json"
+MAX_INDEX = 64 << 20   # a real index is well under 1 MB (a name per tensor)
 # tag -> numpy dtype of the raw view (BF16 is read as uint16 bits)
 DTYPES = {"U8": "u1", "I8": "i1", "BF16": "<u2", "F16": "<f2", "F32": "<f4", "F64": "<f8", "I16": "<i2",
           "U16": "<u2", "I32": "<i4", "U32": "<u4", "I64": "<i8", "U64": "<u8", "BOOL": "u1"}
@@ -121,25 +123,57 @@ class SafetensorsFile:
         close_map(self._mm)
 
 
+def _shown(name: str) -> str:
+    """A file name as written in a message: itself, or its repr where it holds control characters."""
+    return name if name.isprintable() else repr(name)
+
+
+def index_shards(path: str) -> list[str]:
+    """The shard file names (sorted, each once) that model.safetensors.index.json of the HF directory `path` maps
+    tensors to; FormatError, in words, for an index that is not that (too large, not JSON, nested too deeply, no
+    "weight_map" object, a name that is not a plain file name beside it, no shard at all). Whether the shards are
+    there is the caller's to say: the loader and the hub's check of a download share this one reading."""
+    index = os.path.join(path, INDEX)
+    try:
+        with open(index, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size > MAX_INDEX:   # json.load holds the whole text and its objects: refused before reading
+                raise FormatError(f"{index}: shard index is {size} bytes (at most {MAX_INDEX} read)")
+            doc = json.loads(f.read().decode("utf-8"))
+    except OSError as e:
+        raise FormatError(f"{index}: cannot read: {e.strerror or e}") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise FormatError(f"{index}: shard index is not valid JSON: {json_why(e)}") from None
+    if not isinstance(doc, dict):
+        raise FormatError(f"{index}: shard index is not a JSON object")
+    wm = doc.get("weight_map")
+    if not isinstance(wm, dict):
+        raise FormatError(f"{index}: shard index has no \"weight_map\" object")
+    for tensor, fn in wm.items():
+        if not isinstance(fn, str):
+            raise FormatError(f"{index}: the shard name of tensor {tensor!r} is not a string ({fn!r})")
+        if not fn or os.path.basename(fn) != fn or fn in (".", "..") or "\0" in fn:
+            raise FormatError(f"{index}: shard name {fn!r} (of tensor {tensor!r}) must be a plain file name in "
+                              "the model folder")
+    if not wm:
+        raise FormatError(f"{index}: shard index lists no shards (its weight_map is empty)")
+    return sorted(set(wm.values()))
+
+
 class SafetensorsDir:
     """All *.safetensors of an HF model directory (sharded via model.safetensors.index.json, or every file)."""
 
     def __init__(self, path: str | os.PathLike):
         self.path = os.fspath(path)
-        index = os.path.join(self.path, "model.safetensors.index.json")
+        index = os.path.join(self.path, INDEX)
         files: list[str]
         if os.path.isfile(index):
-            try:
-                with open(index, encoding="utf-8") as f:
-                    wm = json.load(f)["weight_map"]
-                files = sorted(set(wm.values()))
-            except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
-                raise FormatError(f"{index}: corrupt shard index: {json_why(e)}") from None
+            files = index_shards(self.path)
             for fn in files:
-                if not isinstance(fn, str) or os.path.basename(fn) != fn:
-                    raise FormatError(f"{index}: bad shard file name {fn!r}")
-                if not os.path.isfile(os.path.join(self.path, fn)):
-                    raise FormatError(f"{index}: shard {fn} is missing from {self.path}")
+                shard = os.path.join(self.path, fn)
+                if not os.path.isfile(shard):   # a folder or a FIFO is there, but not as a shard
+                    raise FormatError(f"{index}: shard {_shown(fn)} " + (
+                        "is not a regular file" if os.path.exists(shard) else f"is missing from {self.path}"))
         else:
             try:
                 files = sorted(f for f in os.listdir(self.path) if f.endswith(".safetensors"))
