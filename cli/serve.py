@@ -366,6 +366,26 @@ ROUTER_ONLY = {"help", "model", "host", "port", "api_key", "api_key_file", "metr
 MODEL_SUFFIXES = {".bnstore": "bnstore", ".gguf": "gguf"}
 
 
+def _spec(name: str, path: str, files: list, fmt: str):
+    """The ModelSpec of a model made of `files` (a GGUF file, every part of a split one, an HF folder's files):
+    its size is theirs together, and its stamp holds each one's size and mtime, so replacing any of them (part 2
+    of a split, one shard) is a new model to the router, which loads it anew, as it does for a single file."""
+    import os
+
+    from ..serve.router import ModelSpec
+    size, modified, stamp = 0, 0.0, []
+    for x in files:
+        try:
+            st = os.stat(x)
+        except OSError:
+            stamp.append((os.path.basename(x), None))   # a part not there yet: its coming is a change too
+            continue
+        if os.path.isfile(x):
+            size, modified = size + st.st_size, max(modified, st.st_mtime)
+            stamp.append((os.path.basename(x), st.st_size, st.st_mtime_ns))
+    return ModelSpec(name, path, size, modified, fmt, stamp=tuple(stamp))
+
+
 def model_catalog(args, clash=None) -> dict:
     """name -> serve.router.ModelSpec: the cache's converted models (--models-cache), then each --models-dir's
     stores, GGUF files and HF model directories (a directory with a config.json). Two models of one name: one
@@ -374,7 +394,7 @@ def model_catalog(args, clash=None) -> dict:
     import os
 
     from ..engine.errors import BitNetError
-    from ..engine.formats.gguf import SPLIT_NAME
+    from ..engine.formats.gguf import SPLIT_NAME, split_part
     from ..serve.router import ModelSpec
     found: list = []
     if args.models_cache:
@@ -391,18 +411,16 @@ def model_catalog(args, clash=None) -> dict:
             path = os.path.join(d, f)
             suffix = os.path.splitext(f)[1]
             if suffix in MODEL_SUFFIXES and os.path.isfile(path):
-                st = os.stat(path)
-                name = f[: -len(suffix)]
+                name, files = f[: -len(suffix)], [path]
                 part = SPLIT_NAME.match(f)   # a split GGUF is one model, named by its prefix, loaded from part 1
                 if part is not None:
                     if part.group(2) != "00001":
                         continue
-                    name = os.path.basename(part.group(1))
-                found.append(ModelSpec(name, path, st.st_size, st.st_mtime, MODEL_SUFFIXES[suffix]))
+                    name = os.path.basename(part.group(1)) or name   # "-00001-of-00002.gguf": no prefix to name it
+                    files = [split_part(path, i) for i in range(1, int(part.group(3)) + 1)]
+                found.append(_spec(name, path, files, MODEL_SUFFIXES[suffix]))
             elif os.path.isfile(os.path.join(path, "config.json")):
-                files = [os.path.join(path, x) for x in os.listdir(path)]
-                size = sum(os.path.getsize(x) for x in files if os.path.isfile(x))
-                found.append(ModelSpec(f, path, size, os.stat(path).st_mtime, "safetensors"))
+                found.append(_spec(f, path, [os.path.join(path, x) for x in sorted(os.listdir(path))], "safetensors"))
     models: dict = {}
     for spec in found:
         if spec.name in models:

@@ -71,9 +71,11 @@ class ModelSpec:
     source: str = ""
     cached: bool = False
     names: tuple[str, ...] = ()
+    stamp: tuple = ()   # (file name, size, mtime_ns) of every file of a model of several: any one replaced is seen
 
     def digest(self) -> str:
-        return hashlib.sha256(f"{os.path.abspath(self.path)}:{self.size}:{self.modified}".encode()).hexdigest()
+        return hashlib.sha256(f"{os.path.abspath(self.path)}:{self.size}:{self.modified}:{self.stamp!r}".encode()
+                              ).hexdigest()
 
 
 HUB_PREFIXES = ("hf.co/", "huggingface.co/", "https://huggingface.co/", "https://hf.co/")

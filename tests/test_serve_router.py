@@ -1061,3 +1061,48 @@ def test_a_split_gguf_is_one_model_of_the_directory(tmp_path):
     assert len([p for p in tmp_path.iterdir() if p.name.startswith("tiny-split-")]) >= 3
     models = model_catalog(argparse.Namespace(models_dir=[str(tmp_path)], models_cache=False))
     assert set(models) == {"tiny-split"} and models["tiny-split"].path == first
+
+
+def test_every_file_of_a_model_of_several_is_in_its_digest_and_size(tmp_path):
+    """A split GGUF's part 2 or an HF folder's shard replaced while the router serves it: the model's digest (what
+    the router compares to load it anew) changes, as for part 1 or a single file; it was made of part 1's size
+    and mtime (an HF folder's own mtime), so the old weights were served on. /api/tags' size is every part's."""
+    import argparse
+
+    from bitnet_cpu.cli.serve import model_catalog
+    from bitnet_cpu.engine.synth import SynthModel, small_config, write_gguf_tq, write_hf_dir
+    m = SynthModel(small_config(), seed=3)
+    write_gguf_tq(m, str(tmp_path / "tiny-split.gguf"), "TQ2_0", split_max_tensors=6)
+    parts = sorted(p for p in tmp_path.iterdir() if p.name.startswith("tiny-split-"))
+    hf = tmp_path / "hf"
+    write_hf_dir(m, str(hf), shards=2)
+    shard = hf / "model-00002-of-00002.safetensors"
+    assert len(parts) >= 3 and shard.is_file()
+    args = argparse.Namespace(models_dir=[str(tmp_path)], models_cache=False)
+    before = model_catalog(args)
+    assert set(before) == {"tiny-split", "hf"}
+    assert before["tiny-split"].size == sum(p.stat().st_size for p in parts)
+    assert before["hf"].size == sum(p.stat().st_size for p in hf.iterdir())
+    for f in (parts[1], shard):   # the same bytes but one, at a later time: what a replacement looks like
+        data = bytearray(f.read_bytes())
+        data[-1] ^= 1
+        f.write_bytes(bytes(data))
+        st = f.stat()
+        os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 2_000_000_000))
+    after = model_catalog(args)
+    for name in ("tiny-split", "hf"):
+        assert after[name].size == before[name].size and after[name].digest() != before[name].digest(), name
+    assert model_catalog(args)["hf"].digest() == after["hf"].digest()   # nothing changed: the same model
+
+
+def test_a_split_gguf_without_a_prefix_is_named_by_its_file(tmp_path):
+    """A first part named "-00001-of-00002.gguf" has no prefix to name the model by: it was a model named ""."""
+    import argparse
+
+    from bitnet_cpu.cli.serve import model_catalog
+    from bitnet_cpu.engine.synth import SynthModel, small_config, write_gguf_tq
+    write_gguf_tq(SynthModel(small_config(), seed=3), str(tmp_path / "x.gguf"), "TQ2_0", split_max_tensors=6)
+    for p in tmp_path.iterdir():
+        p.rename(tmp_path / p.name[1:])   # x-00001-of-0000N.gguf -> -00001-of-0000N.gguf
+    models = model_catalog(argparse.Namespace(models_dir=[str(tmp_path)], models_cache=False))
+    assert "" not in models and len(models) == 1, list(models)
