@@ -564,3 +564,21 @@ def test_a_broken_shard_index_by_hub_id_is_one_line(hub, tmp_path, weight_map):
     lines = r.stderr.strip().splitlines()
     assert r.returncode == by_path.returncode == 2 and len(lines) == 1, (r.stderr, by_path.stderr)
     assert "model.safetensors.index.json" in lines[0] and "Traceback" not in r.stderr
+
+
+def test_a_split_gguf_download_missing_a_part_says_which(hub, tmp_path):
+    """A split GGUF whose download lacks a part (an interrupted pull): REPO and REPO:TAG say which part is not
+    there and to pull again; they sent the user round (pick the tag -> name the file -> part N is missing)."""
+    src = tmp_path / "src"
+    src.mkdir()
+    write_gguf_tq(SynthModel(small_config(), seed=8), str(src / "m-TQ2_0.gguf"), split_max_tensors=5)
+    parts = sorted(p.name for p in src.iterdir())
+    assert len(parts) >= 3, parts
+    cache = str(tmp_path / "cache")
+    add_snapshot(cache, "o/cut", COMMIT_A, {p: str(src / p) for p in parts if p != parts[1]})
+    env = env_for(hub, tmp_path, HF_HUB_CACHE=cache)
+    for ref in ("o/cut", "o/cut:TQ2_0"):
+        r = bitnet("run", "-m", ref, "-p", "x", env=env)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1, (ref, r.stderr)
+        assert f"lacks part 2 of {len(parts)}" in lines[0] and f"bitnet pull {ref}" in lines[0], (ref, r.stderr)

@@ -95,6 +95,24 @@ def _one_split_set(ggufs: list[str]) -> str | None:
     return ggufs[0] if m and len(ggufs) == int(m.group(3)) and split_parts(ggufs[0], ggufs) == ggufs else None
 
 
+def _split_gap(ggufs: list[str]) -> tuple[str, int, int] | None:
+    """(first part's name, the number of the first part missing, the part count) when `ggufs` are some but not all
+    parts of one split GGUF (a download cut short); else None."""
+    from .gguf import SPLIT_NAME
+
+    ms = [SPLIT_NAME.match(f) for f in ggufs]
+    if not ms or None in ms or len({(m.group(1), m.group(3)) for m in ms}) != 1:
+        return None
+    count, have = int(ms[0].group(3)), {int(m.group(2)) for m in ms}
+    missing = [i for i in range(1, count + 1) if i not in have]
+    return (f"{ms[0].group(1)}-00001-of-{ms[0].group(3)}.gguf", missing[0], count) if missing else None
+
+
+def _lacks_part(what: str, where: str, gap: tuple[str, int, int], hint: str | None) -> BitNetError:
+    first, no, count = gap
+    return BitNetError(f"{what}: the split GGUF {first}{where} lacks part {no} of {count}", hint=hint)
+
+
 def gguf_for_tag(what: str, repo: str, tag: str, files: list[str], where: str = "", hint: str | None = None) -> str:
     """The one GGUF file of `files` (a repository's, or a snapshot's) whose quant tag is `tag` (any case).
     Errors start with `what` (the command and its argument) and say `where` the files were looked for."""
@@ -105,6 +123,9 @@ def gguf_for_tag(what: str, repo: str, tag: str, files: list[str], where: str = 
     first = _one_split_set(hits)
     if first is not None:   # one model in parts: its first part names it (the engine reads the rest beside it)
         return first
+    gap = _split_gap(hits)
+    if gap is not None:   # some parts of one model: which is not there, not "name the file" (a circle)
+        raise _lacks_part(what, f" ({repo}{where})", gap, hint)
     if not hits:
         raise BitNetError(f"{what}: no GGUF file of {repo}{where} has the tag {tag!r}" +
                           (f" (tags: {_tags(ggufs)})" if ggufs else " (no .gguf file at all)"),
@@ -172,6 +193,9 @@ def _model_in_snapshot(what: str, repo: str, snap: str) -> tuple[str, str | None
         return snap, None
     ggufs = sorted(os.path.relpath(os.path.join(d, f), snap) for d, _, fs in os.walk(snap)
                    for f in fs if f.endswith(".gguf"))
+    gap = _split_gap(ggufs)
+    if gap is not None:   # a download cut short: the engine would say so only after a tag and a file name were picked
+        raise _lacks_part(what, f" in the download in {snap}", gap, f"finish it with `bitnet pull {repo}`")
     one = ggufs[0] if len(ggufs) == 1 else _one_split_set(ggufs)   # a split GGUF: its first part
     if one is not None:
         return os.path.join(snap, one), one
