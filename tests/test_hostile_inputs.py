@@ -242,6 +242,24 @@ def test_a_gguf_missing_a_part_is_refused(model, tmp_path, old, new, words):
     assert words in one_error_line(bitnet("run", "-m", str(tmp_path / "bad.gguf"), "-p", "Hi", "-n", "2"))
 
 
+def test_swapped_split_gguf_parts_are_called_swapped(model, tmp_path):
+    """The file named as part 1 holding part 2 (parts swapped or misnamed): said so, not "give the first part"
+    with a hint naming the very file given (a circle); a later part given still gets that hint."""
+    from bitnet_cpu.engine.synth import write_gguf_tq
+
+    write_gguf_tq(model["m"], str(tmp_path / "s.gguf"), "TQ2_0", split_max_tensors=4)
+    parts = sorted(p for p in tmp_path.iterdir() if p.name.startswith("s-"))
+    assert len(parts) >= 3, parts
+    line = one_error_line(bitnet("inspect", str(parts[1])))
+    assert "give the first part" in line and f"-m {parts[0]}" in line, line
+    tmp = tmp_path / "t"
+    os.rename(parts[0], tmp)
+    os.rename(parts[1], parts[0])
+    os.rename(tmp, parts[1])
+    line = one_error_line(bitnet("inspect", str(parts[0])))
+    assert "swapped" in line and "holds part 2" in line and f"-m {parts[0]}" not in line, line
+
+
 def test_a_metadata_key_given_twice_is_refused(model, tmp_path):
     """Two values for one key (llama.cpp refuses the file): which one counts would be a guess; the last one
     used to win, and an error then named something else."""

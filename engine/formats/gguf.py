@@ -224,8 +224,13 @@ class GGUFFile:
                               f"llama.cpp names the parts (PREFIX-00001-of-{count:05d}.gguf): the others cannot be found",
                               hint="rename the parts, or merge them: llama-gguf-split --merge FIRST-PART OUT.gguf")
         if no != 0:
+            first = split_part(self.path, 1)
+            if m.group(2) == "00001":   # named the first part, holding another: hinting this file again is a circle
+                raise FormatError(f"{self.path}: named part 1 of {count} of a split GGUF, but holds part {no + 1} "
+                                  "(its split.no): the parts are misnamed or swapped",
+                                  hint="name each part by its split.no, or download the parts again")
             raise FormatError(f"{self.path}: part {no + 1} of {count} of a split GGUF: give the first part, which holds "
-                              "the model's metadata", hint=f"-m {m.group(1)}-00001-of-{count:05d}.gguf")
+                              "the model's metadata", hint=f"-m {first}")
         for i in range(1, count):
             path = split_part(self.path, i + 1)
             if not os.path.isfile(path):
