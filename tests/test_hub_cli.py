@@ -582,3 +582,21 @@ def test_a_split_gguf_download_missing_a_part_says_which(hub, tmp_path):
         lines = r.stderr.strip().splitlines()
         assert r.returncode == 2 and len(lines) == 1, (ref, r.stderr)
         assert f"lacks part 2 of {len(parts)}" in lines[0] and f"bitnet pull {ref}" in lines[0], (ref, r.stderr)
+
+
+def test_a_deleted_blob_names_its_file_and_an_unused_one_is_no_matter(hub, tmp_path):
+    """A snapshot whose link points at a deleted blob: the error names that file (it named the folder, "cannot
+    read: No such file or directory"); a dangling link to a file the conversion does not read is no reason to
+    refuse the model (run refused it where convert worked)."""
+    d = write_hf_dir(SynthModel(small_config(), seed=8), str(tmp_path / "sharded"), shards=2)
+    files = hf_files(d)
+    cache = str(tmp_path / "cache")
+    snap = add_snapshot(cache, "o/gone", COMMIT_A, files)
+    os.symlink("../../blobs/" + "0" * 64, os.path.join(snap, "unused.json"))
+    env = env_for(hub, tmp_path, HF_HUB_CACHE=cache)
+    assert run_text("o/gone", env) == greedy(d)
+    assert "tokenizer.json" in files
+    os.remove(os.path.realpath(os.path.join(snap, "tokenizer.json")))
+    r = bitnet("run", "-m", "o/gone", "-p", "x", env=env, timeout=120)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and os.path.join(snap, "tokenizer.json") in lines[0], r.stderr

@@ -314,9 +314,15 @@ def cache_key(src: str, lm_head: str) -> str:
         if os.environ.get(var):
             h.update(f"\0{var}={os.environ[var]}".encode())
     files = [p]
-    if os.path.isdir(p):
-        files = sorted(os.path.join(p, f) for f in os.listdir(p)
-                       if f.endswith((".safetensors", ".json", ".model", ".jinja")))
+    if os.path.isdir(p):   # the files the conversion reads, no other (a dangling link to an unused file is no matter)
+        from .safetensors_io import INDEX, index_shards
+        from .sources import HF_READS
+
+        names = set(os.listdir(p))
+        weights = [f for f in names if f.endswith(".safetensors")]
+        if INDEX in names:
+            weights = [INDEX] + [f for f in index_shards(p) if f in names]   # a bad index: the loader's words
+        files = sorted(os.path.join(p, f) for f in names & set(HF_READS) | set(weights))
     else:   # a split GGUF's first part: every part (engine/formats/gguf.py)
         from .gguf import SPLIT_NAME, split_part
         m = SPLIT_NAME.match(p)
@@ -384,8 +390,8 @@ def resolve_model(src: str | None, *, cache_dir: str | None = None, lm_head: str
         return check_store_head(src, lm_head)
     try:
         key = cache_key(src, lm_head or "default")
-    except OSError as e:
-        raise FormatError(f"{src}: cannot read: {e.strerror}") from None
+    except OSError as e:   # the file that failed (a snapshot's link to a deleted blob), not only its folder
+        raise FormatError(f"{e.filename or src}: cannot read: {e.strerror}") from None
     d = cache_dir or cache_dir_default()
     stem = source_name.split("@")[0].replace("/", "--").replace(":", "--") if source_name else \
         os.path.basename(os.path.abspath(src).rstrip(os.sep))

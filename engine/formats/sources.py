@@ -393,6 +393,11 @@ class GGUFSource:
 
 
 # ---------------------------------------------------------------------------------------------------------
+# what HFSource reads of a model folder besides the weights (convert.cache_key stamps these and the shards)
+HF_READS = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer.model", "tokenizer_config.json",
+            "chat_template.jinja")
+
+
 class HFSource:
     def __init__(self, path: str, hidden_act: str | None = None, ternarize: bool = False):
         self.path = path
