@@ -344,3 +344,15 @@ def test_real_templates_still_render():
                   "{% endif %}{% endfor %}", MSGS) == "123"
     assert render("{{ messages | tojson }}", MSGS[:1]) == '[{"role": "user", "content": "hi"}]'
     assert render("{{ ', '.join(['a', 'b']) }}{{ 'a b' | replace(' ', '_') }}{{ '%s!' % 'x' }}", MSGS) == "a, ba_bx!"
+
+
+@pytest.mark.parametrize("kind", ["folder", "fifo"])
+def test_a_split_gguf_part_that_is_not_a_file_is_not_called_missing(model, tmp_path, kind):
+    from bitnet_cpu.engine.synth import write_gguf_tq
+
+    first = write_gguf_tq(model["m"], str(tmp_path / "s.gguf"), "TQ2_0", split_max_tensors=4)
+    part = sorted(p for p in tmp_path.iterdir() if p.name.startswith("s-"))[1]
+    os.remove(part)
+    os.mkdir(part) if kind == "folder" else os.mkfifo(part)
+    line = one_error_line(bitnet("inspect", first))
+    assert "part 2 of" in line and "not a regular file" in line and "missing" not in line, line

@@ -233,8 +233,9 @@ class GGUFFile:
                               "the model's metadata", hint=f"-m {first}")
         for i in range(1, count):
             path = split_part(self.path, i + 1)
-            if not os.path.isfile(path):
-                raise FormatError(f"{self.path}: part {i + 1} of {count} of this split GGUF is missing: {path}")
+            if not os.path.isfile(path):   # a folder or a FIFO there is not a part either, but not "missing"
+                raise FormatError(f"{self.path}: part {i + 1} of {count} of this split GGUF " +
+                                  ("is not a regular file" if os.path.exists(path) else "is missing") + f": {path}")
             part = GGUFFile(path, first=self)
             self.parts.append(part)
             if part.kv.get("split.no") != i or part.kv.get("split.count") != count:
