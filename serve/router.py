@@ -147,9 +147,9 @@ class Child:
         return None
 
     def log_tail(self) -> str:
-        """The last line the process wrote that says what went wrong (its one-line error), "" when none does: a
-        warning is no reason (a process killed while loading was said to have failed of the context warning it
-        printed first)."""
+        """The last line the process wrote that says what went wrong (its one-line error, less its "bitnet serve:
+        error:" prefix, which nested in the router's own line), "" when none does: a warning is no reason (a
+        process killed while loading was said to have failed of the context warning it printed first)."""
         try:
             with open(self.log_path, encoding="utf-8", errors="replace") as f:
                 text = f.read()[-8192:]
@@ -157,7 +157,7 @@ class Child:
             return ""
         lines = [ln.strip() for ln in re.split(r"[\r\n]+", text) if ln.strip()]
         errors = [ln for ln in lines if "error" in ln.lower()]
-        return (errors or [""])[-1]
+        return re.sub(r"^bitnet(?: serve)?: error: ", "", (errors or [""])[-1])
 
 
 class Router:

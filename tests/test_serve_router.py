@@ -291,7 +291,10 @@ def test_a_load_failure_is_said_by_its_error_line_never_a_warning(tmp_path):
     assert Child.log_tail(SimpleNamespace(log_path=str(log))) == ""
     log.write_text("bitnet serve: warning: context 2048 ...\nbitnet: error: m.bnstore: truncated or corrupt store\n"
                    "bitnet serve: warning: a later one\n")
-    assert Child.log_tail(SimpleNamespace(log_path=str(log))) == "bitnet: error: m.bnstore: truncated or corrupt store"
+    assert Child.log_tail(SimpleNamespace(log_path=str(log))) == "m.bnstore: truncated or corrupt store"
+    # its prefix is not nested in the router's "'m' failed to load: ..." line
+    log.write_text("bitnet serve: error: m.gguf: part 2 of 3 of this split GGUF is missing\n")
+    assert Child.log_tail(SimpleNamespace(log_path=str(log))) == "m.gguf: part 2 of 3 of this split GGUF is missing"
 
 
 def test_keep_alive_unloads_as_ollama_does(router, models_dir):
