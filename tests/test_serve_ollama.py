@@ -328,8 +328,8 @@ def test_client_raises_response_error(client):
         client.pull("llama3")
     assert ei.value.status_code == 501 and "does not download" in ei.value.error
     with pytest.raises(ollama.ResponseError) as ei:
-        client.chat(model="m", messages=Q, options={"top_k": -3})
-    assert ei.value.status_code == 400 and "options.top_k -3" in ei.value.error
+        client.chat(model="m", messages=Q, options={"top_p": 1.5})
+    assert ei.value.status_code == 400 and "options.top_p 1.5" in ei.value.error
 
 
 def test_strict_model_name_404_in_ollama_shape():
