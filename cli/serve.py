@@ -252,8 +252,10 @@ def main(args) -> int:
         raise BitNetError(f"--api-key {args.api_key!r}: no key in it (the server would answer anyone)",
                           hint="give a key, or leave --api-key out to serve without one")
     if args.api_key and "," in args.api_key:   # llama-server's --api-key K1,K2: several keys
-        keys = tuple(k for k in args.api_key.split(",") if k.strip()) + keys
+        keys = tuple(k.strip() for k in args.api_key.split(",") if k.strip()) + keys
         args.api_key = None
+    elif args.api_key:   # as a key file's lines and the headers sent: "K1, K2" or " K" is K2 / K, not " K2"
+        args.api_key = args.api_key.strip()
     sampling = sampling_params_from_args(args)
     if args.models_dir or args.models_cache:
         return serve_models(args, keys)

@@ -67,10 +67,11 @@ class KeyChecker:
 
     def ok(self, authorization: bytes | None, x_api_key: bytes | None = None) -> bool:
         """authorization: the `Authorization` header ("Bearer KEY"); x_api_key: the `x-api-key` header, which
-        Anthropic's clients send instead (taken when there is no Authorization header)."""
+        Anthropic's clients send instead (taken when the Authorization header holds no Bearer key: a proxy's
+        Basic credentials, say, nginx's auth_basic passes on)."""
         raw = authorization or b""
         sent = raw[7:].strip() if raw[:7].lower() == b"bearer " else b""
-        if authorization is None and x_api_key is not None:
+        if not sent and x_api_key is not None:
             sent = x_api_key.strip()
         d = _digest(sent)
         found = False

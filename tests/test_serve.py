@@ -704,11 +704,16 @@ def test_health_503_while_loading():
 
 def test_several_api_keys_in_one_flag_and_metrics_stay_behind_them():
     """llama-server's --api-key K1,K2 is two keys; its --metrics (accepted: /metrics is always served) is not our
-    --metrics-public: /metrics still needs a key (argparse once read --metrics as --metrics-public)."""
-    s = Server("--api-key", "k1,k2", "--metrics", "--parallel", "1")
+    --metrics-public: /metrics still needs a key (argparse once read --metrics as --metrics-public). "k1, k2" is k1
+    and k2 (the second was " k2", which no client could send); an x-api-key counts beside an Authorization header
+    that holds no Bearer key (a proxy's Basic credentials: it was ignored, a 401 telling to send what was sent)."""
+    s = Server("--api-key", "k1, k2", "--metrics", "--parallel", "1")
     try:
         for key, status in (("k1", 200), ("k2", 200), ("k1,k2", 401), ("k3", 401)):
             r = httpx.get(s.url + "/v1/models", headers={"Authorization": f"Bearer {key}"})
+            assert r.status_code == status, (key, r.text)
+        for key, status in (("k2", 200), ("k3", 401)):
+            r = httpx.get(s.url + "/v1/models", headers={"Authorization": "Basic dXNlcjpwYXNz", "x-api-key": key})
             assert r.status_code == status, (key, r.text)
         assert httpx.get(s.url + "/metrics").status_code == 401
         assert httpx.get(s.url + "/metrics", headers={"Authorization": "Bearer k2"}).status_code == 200
