@@ -241,6 +241,10 @@ def main(args) -> int:
     import sys
 
     end_with_router()
+    if not args.host.strip():   # LLAMA_ARG_HOST=${HOST} with HOST unset: it bound every interface, unguarded
+        from ..engine.errors import BitNetError
+        raise BitNetError(f"--host {args.host!r}: an empty address would listen on every network interface",
+                          hint="leave --host out for this machine only (127.0.0.1), or give 0.0.0.0 for every one")
     if not is_loopback(args.host) and not (args.api_key or args.api_key_file):
         print(f"bitnet serve: warning: listening on {args.host} without --api-key: anyone who can reach this "
               "port can use the model", file=sys.stderr, flush=True)

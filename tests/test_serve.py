@@ -545,6 +545,10 @@ def test_non_loopback_warning_and_bad_flags(tmp_path):
     r = subprocess.run([sys.executable, "-m", "bitnet_cpu", "serve", "--host", "0.0.0.0", "--api-key", "k", "--port", "0"],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert "warning" not in r.stderr and r.returncode == 2
+    # an empty address (LLAMA_ARG_HOST=${HOST} with HOST unset) bound every interface with no guard: one line
+    r = subprocess.run([sys.executable, "-m", "bitnet_cpu", "serve", "--port", "1"], cwd=ROOT, capture_output=True,
+                       env=dict(env, LLAMA_ARG_HOST=""), text=True, timeout=60)
+    assert r.returncode == 2 and "--host '': an empty address" in r.stderr and "Traceback" not in r.stderr
 
 
 @pytest.mark.parametrize("extra", [(), ("--ray-replicas", "1")])
