@@ -143,6 +143,7 @@ class ChatSession:
         # a Ctrl-C typed with or right after the Enter that sent the next line (the prompt saw it, not the turn):
         # that line's answer starts stopped, as if the Ctrl-C had come a moment later (it was lost: a whole answer)
         self.interrupt_pending = False
+        self._retrying = False        # a /retry with an earlier answer is being made (see _keep_earlier)
 
     # ---- crash recovery ------------------------------------------------------------------------
     def enable_recovery(self, path: str) -> None:
@@ -261,6 +262,7 @@ class ChatSession:
         if turn is None:
             raise CommandError("/retry: nothing to retry yet; ask something first")
         earlier = (turn.assistant, turn.interrupted, turn.finish_reason)
+        self._retrying = bool(earlier[0])   # an earlier answer to put back if this one is stopped
         with sigint_as_flag() as flag:
             flag.hit, self.interrupt_pending = self.interrupt_pending, False
             turn.assistant = None
@@ -269,16 +271,17 @@ class ChatSession:
             try:
                 self._answer(turn, flag)
             finally:
-                stopped = turn.interrupted
+                stopped, self._retrying = turn.interrupted, False
                 self._keep_earlier(turn, earlier)
         self._after_turn(turn, flag, stopped)
 
     def _keep_earlier(self, turn, earlier: tuple) -> None:
-        """A retry that made nothing keeps the turn and its earlier answer: the ways a new message fails (too long
-        for the window, a template or engine error) dropped the user's turn, and a Ctrl-C before the first token
-        replaced a whole answer with an empty one."""
+        """A retry that made nothing, or was stopped partway, keeps the turn and its earlier answer: the ways a new
+        message fails (too long for the window, a template or engine error) dropped the user's turn, a Ctrl-C
+        before the first token replaced a whole answer with an empty one, and one partway with its first words."""
         dropped = self.conv.last_turn() is not turn
-        if not dropped and (turn.assistant or not earlier[0]):
+        partial = bool(turn.assistant) and turn.interrupted   # shown, but not kept
+        if not dropped and (not earlier[0] or (turn.assistant and not partial)):
             return
         if dropped:
             self.conv.turns.append(turn)
@@ -287,7 +290,8 @@ class ChatSession:
         with contextlib.suppress(Exception):
             self._save_recovery()
         with contextlib.suppress(Exception):
-            self.out.notice("[/retry made no new answer: the earlier one is kept]")
+            self.out.notice("[retry interrupted: the earlier answer is kept]" if partial and not dropped
+                            else "[/retry made no new answer: the earlier one is kept]")
 
     @staticmethod
     def _after_turn(turn, flag, stopped: bool | None = None) -> None:
@@ -453,7 +457,7 @@ class ChatSession:
         if interrupted and not pieces and stats is None:   # stopped during its prompt: there is no answer to keep
             self.out.notice("[interrupted before the answer began]")
             return
-        if interrupted:
+        if interrupted and not self._retrying:   # a retry's: the earlier answer comes back (_keep_earlier says so)
             self.out.notice("[interrupted: the answer so far is kept]")
         elif turn.finish_reason == "context":
             self.out.notice("[the context window is full; the oldest turns will be dropped next turn]")

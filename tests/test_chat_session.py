@@ -137,6 +137,30 @@ def test_a_retry_that_makes_nothing_keeps_the_turn_and_its_answer(llm):
     assert (turn.user, turn.assistant, turn.interrupted) == ("Hello.", answer, False)
 
 
+def test_a_retry_stopped_partway_keeps_the_earlier_answer(llm, tmp_path):
+    """A Ctrl-C partway through /retry shows the new answer's first words but puts the earlier, whole answer back (in
+    the conversation, the recovery copy and /save), and says so; the next turn is built on the answer kept."""
+    s, sink = new_session(llm, max_tokens=20)
+    s.enable_recovery(str(tmp_path / "recovery.json"))
+    s.ask("Tell me something.")
+    answer = s.conv.turns[0].assistant
+    assert answer and len(s.cached_turn.answer_ids) >= 3
+    s.out = _InterruptingOutput(sink, sink, interactive=False)
+    s.run_command(parse_command("/retry"))
+    turn = s.conv.turns[0]
+    assert (turn.assistant, turn.interrupted) == (answer, False)
+    assert "[retry interrupted: the earlier answer is kept]" in sink.getvalue()
+    assert "so far is kept" not in sink.getvalue()
+    for name in ("recovery.json", "c.json"):
+        if name == "c.json":
+            s.out = Output(sink, sink, interactive=False)
+            s.run_command(parse_command(f"/save {tmp_path / name}"))
+        assert json.loads((tmp_path / name).read_text())["turns"][0]["assistant"] == answer, name
+    s.ask("Next?")
+    assert llm.detokenize(s.last_prompt_ids) == llm.detokenize(llm.chat_prompt(s.conv.messages()[:4]))
+    assert s.conv.messages()[2]["content"] == answer
+
+
 def test_commands_change_settings_and_bye_exits(llm):
     s, sink = new_session(llm)
     s.run_command(parse_command("/set temp 0.5"))
