@@ -492,6 +492,23 @@ def test_piped_stdin_turns_and_plain_output(chat_model, tmp_path):
     assert int(stats[1][0]) < int(stats[1][1])                # turn 2 reused turn 1's cache
 
 
+@pytest.mark.parametrize("stderr", ["closed", "/dev/full"])
+def test_an_unwritable_stderr_loses_only_the_notices(chat_model, tmp_path, stderr):
+    """stderr closed (`2>&-`) or on a full disk (`2>/dev/full`): the answers still come on stdout and the exit is 0
+    (every notice raised EBADF / ENOSPC: no answer, exit 1)."""
+    if stderr == "/dev/full" and not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full here")
+    path = tmp_path / "p.json"
+    cmd = console_script("bitchat") + ["-m", chat_model, "-t", "1", "--seed", "1", "-n", "6"]
+    with open(os.devnull if stderr == "closed" else stderr, "w") as err:
+        r = subprocess.run(cmd, input=f"Hello there.\n/save {path}\n", stdout=subprocess.PIPE, stderr=err,
+                           text=True, timeout=TIMEOUT * 2, env=test_env(tmp_path),
+                           preexec_fn=(lambda: os.close(2)) if stderr == "closed" else None)
+    assert r.returncode == 0
+    turns = json.loads(path.read_text())["turns"]
+    assert turns[0]["assistant"] and plain(turns[0]["assistant"]) == plain(r.stdout)
+
+
 def test_a_recovery_path_holding_another_file_is_refused(chat_model, tmp_path):
     """$BITCHAT_RECOVERY naming a file that is not a recovery copy (the user's own, a saved conversation) is refused
     at start in one line, exit 2, the file untouched: it was replaced by the copy, then removed at exit."""
