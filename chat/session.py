@@ -203,11 +203,13 @@ class ChatSession:
         the context, e.g. -n -1, would otherwise leave no room for any earlier turn)."""
         return max(1, min(self.settings.max_tokens, self.llm.n_ctx // 2))
 
-    def _fit(self, generation_prompt: bool = True, known: list[int] | None = None) -> list[int] | None:
+    def _fit(self, generation_prompt: bool = True, known: list[int] | None = None,
+             out_of_view: int = 0) -> list[int] | None:
         """Trim the window so prompt + answer room fit n_ctx, dropping only as many of the oldest turns as
         needed (every turn that fits stays); the prompt ids, or None when even the newest message alone
         cannot fit (then that turn is removed and the user is told). `known`: the ids of the window as it stands,
-        already made (/load tokenized the whole conversation: each time took a minute for 10,000 turns)."""
+        already made (/load tokenized the whole conversation: each time took a minute for 10,000 turns);
+        `out_of_view`: turns /load already left out of the window (counted in the notice)."""
         n_ctx = self.llm.n_ctx
         budget = n_ctx - self._reserve()
         start_before = self.conv.window_start
@@ -217,7 +219,8 @@ class ChatSession:
             return len(known) if known is not None and m == whole else self.count_tokens(m, generation_prompt)
         # once trimming is needed, down to 3/4 of the room: each trim changes the prompt's start and re-reads the
         # whole window, which trimming one turn at a time did on every turn of a full context
-        dropped = self.conv.fit_window(count, budget, budget * 3 // 4)
+        # (turns already out: trimming was needed, so down to the 3/4 as if /load had trimmed them itself)
+        dropped = self.conv.fit_window(count, budget * 3 // 4 if out_of_view else budget, budget * 3 // 4) + out_of_view
         messages = self.conv.messages()
         ids = known if known is not None and messages == whole else \
             self.llm.chat_prompt(messages, add_generation_prompt=generation_prompt)
@@ -464,14 +467,14 @@ class ChatSession:
         self.out.dim(format_stats(stats, n_tokens))
 
     # ---- loading a saved conversation ----------------------------------------------------------
-    def prefill_conversation(self, known: list[int] | None = None) -> None:
+    def prefill_conversation(self, known: list[int] | None = None, out_of_view: int = 0) -> None:
         """Feed the whole window to the model now so the next turn starts fast (re-prefill); `known`: its ids
-        without a generation prompt, when made already."""
+        without a generation prompt, when made already; `out_of_view`: the oldest turns already left out."""
         if not self.conv.turns and not self.conv.system:
             return
         from ..engine.errors import BitNetError
 
-        ids = self._fit(generation_prompt=False, known=known)
+        ids = self._fit(generation_prompt=False, known=known, out_of_view=out_of_view)
         if ids is None:
             n_system = self._system_overflow()
             if n_system:   # no question can be asked until it is shorter: say so now, not "trimmed" and then refused
@@ -567,12 +570,13 @@ class ChatSession:
                 conv = Conversation.load(arg)
             except TranscriptError as e:
                 raise CommandError(f"/load: {e}") from None
-            conv.window_start = 0   # fitted to this session's context (a save from a smaller -c hid turns that fit)
             kept_system = conv.system is None and self.conv.system is not None
             if kept_system:   # a file saved without one keeps this session's (-sys, /system): it was dropped unsaid
                 conv.system = self.conv.system
             try:   # the template and tokenizer take it (a hand-edited file may hold what neither can): else the
-                ids = self.llm.chat_prompt(conv.messages(), add_generation_prompt=False)   # current one stays
+                # current one stays; fitted to this session's context (a save from a smaller -c hid turns that fit)
+                conv.window_start = out_of_view = self._first_in_view(conv, arg)
+                ids = self.llm.chat_prompt(conv.messages(), add_generation_prompt=False)
             except (BitNetError, ValueError, RecursionError) as e:
                 raise CommandError(f"/load: {arg}: this model cannot take the conversation: {e}") from None
             self.conv = conv
@@ -582,9 +586,27 @@ class ChatSession:
             system = "no system prompt" if conv.system is None else \
                 f"system prompt {_short(conv.system)}" + (" kept (the file has none)" if kept_system else "")
             self.out.info(f"[loaded {n} turn{'' if n == 1 else 's'} from {arg}; {system}]")
-            self.prefill_conversation(known=ids)
+            self.prefill_conversation(known=ids, out_of_view=out_of_view)
         elif name == "/retry":
             self.retry()
+
+    def _first_in_view(self, conv: Conversation, name: str) -> int:
+        """The oldest turn of `conv` that may fit this session's window: the turns' own tokens, counted from the
+        newest back until they alone overflow it, so only about a context's worth of text is tokenized, a turn at a
+        time with Ctrl-C heard between turns (a whole large file in one tokenizer call took minutes, deaf to it)."""
+        budget = self.llm.n_ctx - self._reserve()
+        total = 0
+        with sigint_as_flag() as flag:
+            for i in range(len(conv.turns) - 1, -1, -1):
+                if flag.terminated:   # SIGTERM / SIGHUP: leave
+                    raise Terminated(flag.terminated)
+                if flag.hit:
+                    raise CommandError(f"/load {name}: interrupted; the current conversation is kept")
+                t = conv.turns[i]
+                total += max(1, len(self.llm.tokenize(t.user)) + len(self.llm.tokenize(t.assistant or "")))
+                if total > budget:   # with the template's own tokens this turn and all older ones cannot fit
+                    return min(i + 1, len(conv.turns) - 1)
+        return 0
 
     def describe_settings(self) -> str:
         return f"{self.settings.describe()} format={self.format_label}"

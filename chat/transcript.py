@@ -21,7 +21,7 @@ class TranscriptError(Exception):
     """A conversation file cannot be read or written (message names the file and the problem)."""
 
 
-LOAD_MAX_BYTES = 64 << 20   # /load reads at most this much (a conversation of a 128k context is ~1 MB)
+LOAD_MAX_BYTES = 16 << 20   # /load reads at most this much (a conversation of a 128k context is ~1 MB)
 
 
 @dataclass

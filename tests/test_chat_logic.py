@@ -288,6 +288,16 @@ def test_a_history_line_that_is_not_utf8_is_not_stored(tmp_path):
     assert "+before" in text and "+after" in text and text.count("# ") == 2
 
 
+def test_load_refuses_a_file_larger_than_any_conversation(tmp_path):
+    """Over 16 MiB (a 128k-token conversation is about 1 MB) is refused before reading: a 60 MB file froze /load for
+    minutes. A sparse file: nothing is written."""
+    p = tmp_path / "huge.json"
+    with open(p, "wb") as f:
+        f.truncate(17 << 20)
+    with pytest.raises(TranscriptError, match=r"17 MiB is too large for a bitchat conversation \(at most 16 MiB\)"):
+        Conversation.load(str(p))
+
+
 def test_load_missing_file(tmp_path):
     with pytest.raises(TranscriptError, match="no such file"):
         Conversation.load(str(tmp_path / "missing.json"))

@@ -566,6 +566,66 @@ def test_load_tokenizes_a_conversation_that_fits_once(llm, tmp_path, monkeypatch
     assert "prefilled" in sink.getvalue() and sum(seen) == 1, seen
 
 
+def _long_conversation(path, n_turns):
+    from bitnet_cpu.chat.transcript import Conversation, Turn
+
+    conv = Conversation(system="Be brief.", turns=[Turn(f"Question {i}: tell me about item {i}.",
+                                                        f"Answer {i}: item {i} is fine.") for i in range(n_turns)])
+    conv.save(str(path))
+    return conv
+
+
+def test_load_of_a_long_conversation_tokenizes_only_what_can_fit(llm, tmp_path, monkeypatch):
+    """/load of a conversation far longer than the context reads only about a context's worth of it through the
+    tokenizer (it tokenized the whole file in one call: minutes for tens of MB); the window is the one trimming the
+    whole conversation gives. Counted, not timed: the real tokenizer does the work, the text given to it is noted."""
+    from bitnet_cpu.chat.transcript import Conversation
+
+    path = tmp_path / "long.json"
+    _long_conversation(path, 1000)
+    s, sink = new_session(llm, system=None)
+    budget = llm.n_ctx - s._reserve()
+    whole = Conversation.load(str(path))
+    whole.window_start = 0
+    whole.fit_window(lambda m: len(llm.chat_prompt(m, add_generation_prompt=False)), budget, budget * 3 // 4)
+    tok = llm.tokenizer
+    seen = []
+    real = tok.encode
+    monkeypatch.setattr(tok, "encode", lambda text, **kw: (seen.append(text), real(text, **kw))[1])
+    s.run_command(parse_command(f"/load {path}"))
+    assert "prefilled" in sink.getvalue()
+    assert s.conv.window_start == whole.window_start > 0
+    assert f"dropped the {whole.window_start} oldest turns" in sink.getvalue()
+    assert not any("Question 0:" in text for text in seen)   # the oldest turns never went through the tokenizer
+    assert sum(map(len, seen)) < len(llm.chat_text(whole.messages(start=0), add_generation_prompt=False)) / 3
+
+
+def test_ctrl_c_during_a_load_keeps_the_current_conversation(llm, tmp_path, monkeypatch):
+    """A Ctrl-C (a real SIGINT) while /load reads the conversation through the tokenizer stops it there: one line,
+    the current conversation stays (it was heard only once the whole file was tokenized, minutes later)."""
+    path = tmp_path / "long.json"
+    _long_conversation(path, 400)
+    s, sink = new_session(llm)
+    s.ask("Still here?")
+    tok = llm.tokenizer
+    calls = []
+    real = tok.encode
+
+    def encode(text, **kw):
+        calls.append(text)
+        if len(calls) == 1:
+            os.kill(os.getpid(), signal.SIGINT)
+        return real(text, **kw)
+    monkeypatch.setattr(tok, "encode", encode)
+    try:
+        with pytest.raises(CommandError, match=r"/load .*long.json: interrupted; the current conversation is kept"):
+            s.run_command(parse_command(f"/load {path}"))
+    except KeyboardInterrupt:
+        pytest.fail("the Ctrl-C was a KeyboardInterrupt once the whole conversation was tokenized")
+    assert len(calls) <= 2   # stopped within the turn it came in
+    assert [t.user for t in s.conv.turns] == ["Still here?"]
+
+
 def test_a_dead_sessions_recovery_copy_is_not_written_over(tmp_path, monkeypatch):
     """The default recovery copy is recovery-PID.json: where a session that died with the same PID (PIDs are
     reused) left its copy, this session takes recovery-PID-2.json (it wrote over that copy at its first turn)."""
