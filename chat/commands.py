@@ -86,8 +86,9 @@ class Settings:
         for name in ("dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n", "top_n_sigma",
                      "typical_p", "xtc_probability", "xtc_threshold", "dynatemp_range", "dynatemp_exponent",
                      "mirostat", "mirostat_tau", "mirostat_eta", "min_keep", "reasoning_budget"):
-            if getattr(self, name) != getattr(_DEFAULT, name):
-                text += f" {name}={getattr(self, name):g}"
+            value = getattr(self, name)
+            if value != getattr(_DEFAULT, name):   # an integer as typed (:g made 1234567 "1.23457e+06")
+                text += f" {name}={value:g}" if isinstance(value, float) else f" {name}={value}"
         if self.reasoning_budget_message:
             text += f" reasoning_budget_message={json.dumps(self.reasoning_budget_message)}"
         return text

@@ -411,6 +411,16 @@ def test_settings_describe_lists_every_setting():
     assert "mirostat=2 mirostat_tau=3" in Settings(mirostat=2, mirostat_tau=3.0).describe()
 
 
+def test_settings_describe_shows_integers_as_typed():
+    """An integer setting of a million or more is shown as typed, as /set took it (it was "1.23457e+06")."""
+    s = Settings()
+    for name, text in (("min_keep", "1000001"), ("reasoning_budget", "1234567"), ("dry_penalty_last_n", "1234567"),
+                       ("dry_allowed_length", "2000000")):
+        key, value = parse_setting(name, text)
+        setattr(s, key, value)
+        assert f" {name}={text}" in s.describe(), s.describe()
+
+
 def test_help_lists_every_command():
     text = help_text()
     for name in ("/help", "/reset", "/system", "/set", "/show", "/save", "/load", "/retry", "/stats", "/bye"):
