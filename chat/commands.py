@@ -22,7 +22,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
                              "dynatemp_range|dynatemp_exponent|mirostat|mirostat_tau|mirostat_eta|min_keep|"
                              "reasoning_budget|reasoning_budget_message; also ollama's "
                              "/set parameter NAME VALUE, /set system TEXT and "
-                             "/set format json|FILE|off (answers as JSON / matching a JSON Schema file), "
+                             "/set format json|FILE|off (answers as JSON / matching a JSON Schema file; "
+                             "/set noformat: off), "
                              "/set think and /set nothink (a thinking model's <think> block on / off)"),
     "/show": ("[info|system|parameters]", "model information (source file, shape, context) and current settings"),
     "/save": ("FILE", "save the conversation as JSON (atomic write); /save! FILE replaces another conversation"),
@@ -32,6 +33,18 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "/bye": ("", "exit (Ctrl-D also exits)"),
 }
 THINK_WORDS = ("think", "nothink")   # /set think | nothink: ollama's switch of a thinking model's thought
+THINK_LEVELS = ("high", "medium", "low")   # ollama's /set think LEVEL (gpt-oss's reasoning effort)
+# ollama's other one-word /set commands: (what bitchat does already: said, not an error; the line)
+OLLAMA_SET_WORDS = {
+    "verbose": (True, "[the stats line is always shown here, after each answer; /stats repeats it]"),
+    "quiet": (False, "/set quiet: not here: the stats line is always shown (on stderr when stdout is not a terminal)"),
+    "wordwrap": (True, "[answers always wrap at the terminal's width here]"),
+    "nowordwrap": (False, "/set nowordwrap: not here: answers on a terminal always wrap at its width (output "
+                          "piped to a file or program is never wrapped)"),
+    "history": (True, "[the input history is kept here unless bitchat was started with BITCHAT_HISTORY= (empty)]"),
+    "nohistory": (False, "/set nohistory: not here: start bitchat with BITCHAT_HISTORY= (empty) to keep no input "
+                         "history"),
+}
 ALIASES = {"/exit": "/bye", "/quit": "/bye", "/?": "/help", "/clear": "/reset"}
 SHOW_TOPICS = ("info", "system", "parameters")
 
@@ -221,6 +234,13 @@ def parse_command(line: str) -> Command:
             if len(parts) == 2:
                 raise CommandError("/set parameter needs NAME VALUE, e.g. /set parameter temperature 0.7")
         elif parts[0].lower() in THINK_WORDS:      # ollama: /set think, /set nothink
+            if len(parts) == 2 and parts[0].lower() == "think" and parts[1].lower() in THINK_LEVELS:
+                raise CommandError(f"/set think {parts[1].lower()}: no thinking levels here: /set think or /set "
+                                   "nothink (start bitchat with --reasoning-effort LEVEL for a template that takes "
+                                   "one)")
+            if len(parts) > 1:
+                raise CommandError(f"/set {parts[0].lower()} takes no value")
+        elif parts[0].lower() in (*OLLAMA_SET_WORDS, "noformat"):   # ollama: /set verbose, ... (no value)
             if len(parts) > 1:
                 raise CommandError(f"/set {parts[0].lower()} takes no value")
         elif len(parts) < 2:   # the value is the rest of the line (a breaker list may hold spaces)
@@ -234,7 +254,7 @@ def split_set(arg: str) -> tuple[str, str] | None:
     """`/set` argument -> ("system", TEXT) | (NAME, VALUE); None for `/set parameter` alone (list them)."""
     parts = arg.split(None, 1)
     head = parts[0].lower()
-    if head in THINK_WORDS:
+    if head in THINK_WORDS or head in OLLAMA_SET_WORDS or head == "noformat":
         return head, ""
     if head == "system":
         return "system", parts[1].strip()
@@ -261,7 +281,7 @@ def completions(text_before_cursor: str) -> list[str]:
         return [c for c in COMMANDS if c.startswith(text_before_cursor.lower())]
     head, _, rest = text_before_cursor.partition(" ")
     if head.lower() == "/set" and " " not in rest.lstrip():
-        return [n for n in SETTING_NAMES + ["system", "parameter", "format", *THINK_WORDS]
+        return [n for n in SETTING_NAMES + ["system", "parameter", "format", "noformat", *THINK_WORDS]
                 if n.startswith(rest.lstrip().lower())]
     if head.lower() == "/show" and " " not in rest.lstrip():
         return [n for n in SHOW_TOPICS if n.startswith(rest.lstrip().lower())]

@@ -24,7 +24,8 @@ from contextlib import contextmanager
 from dataclasses import replace
 
 from ..engine.errors import ENDING_SIGNALS, Terminated
-from .commands import THINK_WORDS, Command, CommandError, Settings, help_text, parse_setting, split_set
+from .commands import (OLLAMA_SET_WORDS, THINK_WORDS, Command, CommandError, Settings, help_text, parse_setting,
+                       split_set)
 from .render import Output, format_stats
 from .splice import CachedTurn, spliced_prompt
 from .transcript import Conversation, TranscriptError, other_conversation, private_dir, same_file_key
@@ -531,6 +532,13 @@ class ChatSession:
                 self.out.info(self.describe_settings())
             elif pair[0].lower() == "format":
                 self.set_format(pair[1])
+            elif pair[0] == "noformat":   # ollama's spelling of /set format off
+                self.set_format("off")
+            elif pair[0] in OLLAMA_SET_WORDS:
+                done, line = OLLAMA_SET_WORDS[pair[0]]
+                if not done:
+                    raise CommandError(line)
+                self.out.info(line)
             elif pair[0] == "system":
                 self.conv.system = pair[1]
                 self.out.info("[system prompt set]")

@@ -427,11 +427,25 @@ def test_help_lists_every_command():
         assert name in text
 
 
+def test_ollamas_one_word_set_commands_parse():
+    """ollama's /set verbose, quiet, wordwrap, ... are commands of their own ("/set needs NAME VALUE" before); its
+    /set think LEVEL says there are no levels here."""
+    for word in ("verbose", "quiet", "wordwrap", "nowordwrap", "history", "nohistory", "noformat"):
+        cmd = parse_command(f"/set {word.upper()}")
+        assert split_set(cmd.arg) == (word, "")
+        with pytest.raises(CommandError, match=f"/set {word} takes no value"):
+            parse_command(f"/set {word} yes")
+    for level in ("high", "medium", "low"):
+        with pytest.raises(CommandError, match=f"/set think {level}: no thinking levels here: /set think or /set "
+                                               "nothink"):
+            parse_command(f"/set think {level}")
+
+
 def test_completions():
     assert completions("/s") == ["/system", "/set", "/show", "/save", "/stats"]
     assert completions("/re") == ["/reset", "/retry"]
     assert completions("/set t") == ["temp", "top_k", "top_p", "top_n_sigma", "typical_p", "think"]
-    assert completions("/set no") == ["nothink"]
+    assert completions("/set no") == ["noformat", "nothink"]
     assert completions("/set temp 0") == []
     assert completions("hello") == []
 

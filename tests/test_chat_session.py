@@ -371,6 +371,22 @@ def test_set_format_json_schema_and_off(llm, tmp_path):
     assert s.format_label == str(path)
     s.run_command(parse_command("/set format off"))
     assert s.format is None and "format=off" in s.describe_settings()
+    s.run_command(parse_command("/set format json"))
+    s.run_command(parse_command("/set noformat"))   # ollama's spelling of off
+    assert s.format is None and "format=off" in s.describe_settings()
+
+
+def test_ollamas_one_word_set_commands_say_what_they_do_here(llm):
+    """ollama's /set verbose, wordwrap, history: what bitchat always does, said in one line; quiet, nowordwrap,
+    nohistory: refused in one line naming what to do instead ("/set needs NAME VALUE" before)."""
+    s, sink = new_session(llm)
+    for word in ("verbose", "wordwrap", "history"):
+        s.run_command(parse_command(f"/set {word}"))
+    assert "stats line is always shown" in sink.getvalue() and "always wrap" in sink.getvalue()
+    assert "BITCHAT_HISTORY=" in sink.getvalue()
+    for word, hint in (("quiet", "always shown"), ("nowordwrap", "never wrapped"), ("nohistory", "BITCHAT_HISTORY=")):
+        with pytest.raises(CommandError, match=f"/set {word}: not here: .*{hint}"):
+            s.run_command(parse_command(f"/set {word}"))
 
 
 ALTERNATING = ("{% for m in messages %}{% if m['role'] != 'system' %}{% if (m['role'] == 'user') != (loop.index0 "
