@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, fields
 
 from ..engine.runtime.sampling import SamplingParams, setting_problem
@@ -257,7 +258,7 @@ def split_set(arg: str) -> tuple[str, str] | None:
     if head in THINK_WORDS or head in OLLAMA_SET_WORDS or head == "noformat":
         return head, ""
     if head == "system":
-        return "system", parts[1].strip()
+        return "system", strip_block(parts[1])
     if head == "parameter":
         rest = parts[1].split(None, 1) if len(parts) > 1 else []
         return (rest[0], rest[1].strip()) if len(rest) == 2 else None
@@ -267,7 +268,8 @@ def split_set(arg: str) -> tuple[str, str] | None:
 def help_text() -> str:
     width = max(len(n) + 1 + len(a) for n, (a, _) in COMMANDS.items())
     lines = [f"  {(n + ' ' + a).strip():<{width}}  {h}" for n, (a, h) in COMMANDS.items()]
-    lines.append('  """ starts a multi-line message, """ ends it; Esc-Enter inserts a newline.')
+    lines.append('  """ starts a multi-line message, """ ends it (/set system """ a system prompt);')
+    lines.append('  Esc-Enter inserts a newline.')
     lines.append("  A message that starts with / is written //. Ctrl-C stops an answer (what was shown")
     lines.append("  is kept) or clears the line; Ctrl-D exits.")
     return "\n".join(lines)
@@ -288,12 +290,21 @@ def completions(text_before_cursor: str) -> list[str]:
     return []
 
 
+# ollama's multi-line system prompt: /set system """TEXT ... """ (and bitchat's own /system)
+_SYSTEM_BLOCK = re.compile(r'\s*/(?:set\s+)?system\s+"""', re.IGNORECASE)
+
+
 def open_block(text: str) -> bool:
-    '''True when `text` opened a """ multi-line block that is not closed yet.'''
+    '''True when `text` opened a """ multi-line block that is not closed yet: a message, or a system prompt given as
+    ollama does (/set system """You are\n...\n""": its first line was the prompt, the next ones messages).'''
     s = text.lstrip()
-    if not s.startswith('"""'):
+    head = _SYSTEM_BLOCK.match(text)
+    if head:
+        body = text[head.end():]
+    elif s.startswith('"""'):
+        body = s[3:]
+    else:
         return False
-    body = s[3:]
     return '"""' not in body
 
 

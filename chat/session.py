@@ -25,7 +25,7 @@ from dataclasses import replace
 
 from ..engine.errors import ENDING_SIGNALS, Terminated
 from .commands import (OLLAMA_SET_WORDS, THINK_WORDS, Command, CommandError, Settings, help_text, parse_setting,
-                       split_set)
+                       split_set, strip_block)
 from .render import Output, format_stats
 from .splice import CachedTurn, spliced_prompt
 from .transcript import Conversation, TranscriptError, other_conversation, private_dir, same_file_key
@@ -524,8 +524,7 @@ class ChatSession:
                 self.conv.system = None
                 self.out.info("[system prompt cleared]")
             else:
-                self.conv.system = arg
-                self.out.info("[system prompt set]")
+                self.set_system(strip_block(arg), "/system")
         elif name == "/set":
             pair = split_set(arg) if arg else None
             if pair is None:
@@ -540,8 +539,7 @@ class ChatSession:
                     raise CommandError(line)
                 self.out.info(line)
             elif pair[0] == "system":
-                self.conv.system = pair[1]
-                self.out.info("[system prompt set]")
+                self.set_system(pair[1], "/set system")
             elif pair[0] in THINK_WORDS:
                 self.set_thinking(pair[0] == "think")
             else:
@@ -615,6 +613,12 @@ class ChatSession:
                 if total > budget:   # with the template's own tokens this turn and all older ones cannot fit
                     return min(i + 1, len(conv.turns) - 1)
         return 0
+
+    def set_system(self, text: str, name: str) -> None:
+        if not text:   # /set system """ """: an empty block
+            raise CommandError(f"{name} needs the text, e.g. {name} You are brief.")
+        self.conv.system = text
+        self.out.info("[system prompt set]")
 
     def describe_settings(self) -> str:
         return f"{self.settings.describe()} format={self.format_label}"

@@ -432,10 +432,16 @@ def test_multiline_input(chat_model, tmp_path):
     chat.enter("beta")
     chat.expect(STATS_RE)
     chat.wait_prompt()
+    chat.child.send('/set system """You are a pirate.')
+    chat.child.send("\r")            # ollama's system prompt block: Enter adds a line too
+    chat.child.send("Always say arr.\r")
+    chat.command('"""', r"\[system prompt set\]")
     chat.command(f"/save {tmp_path / 'm.json'}", r"\[saved 2 turns")
-    turns = json.loads((tmp_path / "m.json").read_text())["turns"]
+    saved = json.loads((tmp_path / "m.json").read_text())
+    turns = saved["turns"]
     assert turns[0]["user"] == "first line\nsecond line"
     assert turns[1]["user"] == "alpha\nbeta"
+    assert saved["system"] == "You are a pirate.\nAlways say arr."
     assert chat.finish("/bye") == 0
     history = (tmp_path / "history").read_text()     # persistent input history
     assert "alpha" in history and "/save" in history

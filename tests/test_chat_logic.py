@@ -456,6 +456,12 @@ def test_multiline_blocks():
     assert strip_block('"""\nline one\nline two\n"""') == "line one\nline two"
     assert strip_block('"""inline"""') == "inline"
     assert strip_block("  plain  ") == "plain"
+    # ollama's system prompt block (the REPL's Enter adds a line while it is open)
+    assert open_block('/set system """You are') and open_block('/system """\nYou are')
+    assert open_block('/set  system """')
+    assert not open_block('/set system """You are"""') and not open_block('/set system """a\nb\n"""')
+    assert not open_block('/set system You are') and not open_block('/set temp 1')
+    assert split_set('system """a\nb\n"""') == ("system", "a\nb") and split_set('system """a"""') == ("system", "a")
 
 
 # ---- rendering --------------------------------------------------------------------------------

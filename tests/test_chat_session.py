@@ -328,6 +328,24 @@ def test_input_lines_commands_messages_and_slash_escape(llm):
     assert handle_line(s, "/bye") is False
 
 
+def test_a_system_prompt_over_several_lines_as_ollama_takes_it(llm):
+    '''ollama's /set system """...""": the lines up to the one ending in """ are the system prompt, piped as typed
+    (its first line was the prompt, """ and all, the next ones went to the model, and the closing """ opened a block
+    that swallowed the commands after it); on one line, the text inside the quotes.'''
+    from bitnet_cpu.chat.repl import run_plain
+
+    s, sink = new_session(llm, system=None)
+    run_plain(s, io.StringIO('/set system """You are a pirate.\nAlways say arr.\n"""\n/show system\n'))
+    assert s.conv.system == "You are a pirate.\nAlways say arr." and not s.conv.turns
+    assert "system prompt: 'You are a pirate.\\nAlways say arr.'" in sink.getvalue()
+    for line in ('/set system """Be brief."""', '/system """Be brief."""', '/SET SYSTEM """\nBe brief.\n"""'):
+        run_plain(s, io.StringIO(line + "\n/show system\n"))
+        assert s.conv.system == "Be brief." and not s.conv.turns, line
+    with pytest.raises(CommandError, match="/set system needs the text"):
+        s.run_command(parse_command('/set system """\n"""'))
+    assert s.conv.system == "Be brief." and not s.had_errors
+
+
 def test_set_format_json_schema_and_off(llm, tmp_path):
     """/set format (ollama's words): answers are JSON (or match a schema file) until /set format off; a bad
     schema or file is a one-line CommandError and leaves the format as it was."""
