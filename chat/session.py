@@ -252,9 +252,9 @@ class ChatSession:
         from ..engine.formats.tokenizer import decode_utf8
 
         try:   # lone surrogates (undecodable bytes smuggled in as text) cannot be tokenized
-            decode_utf8(text, "message")
+            text = decode_utf8(_typed_text(text), "message")
         except ValueError as e:
-            raise CommandError(f"[{e}; not sent]") from None
+            raise CommandError(f"[{e}; not sent{_locale_note()}]") from None
         with sigint_as_flag() as flag:   # from the turn's first moment: a Ctrl-C never leaves it half made
             flag.hit, self.interrupt_pending = self.interrupt_pending, False
             turn = self.conv.add_user(text)
@@ -690,6 +690,28 @@ class ChatSession:
                      f"{self.conv.window_start} dropped), {self.total_generated} tokens generated, mean decode {mean}")
         lines.append(f"context:     {self.tokens_in_cache} / {self.llm.n_ctx} tokens")
         return "\n".join(lines)
+
+
+def _typed_text(text: str) -> str:
+    """A line typed in a terminal whose locale is not UTF-8 (LANG=C) holds the UTF-8 it was sent as lone surrogates
+    (Python's surrogateescape of each byte): the text they spell, when they are UTF-8 (it was refused as "not UTF-8,
+    convert it with iconv"); else as it came (refused, naming the byte)."""
+    if not any("\udc80" <= ch <= "\udcff" for ch in text):
+        return text
+    try:
+        return text.encode("utf-8", "surrogateescape").decode("utf-8")
+    except UnicodeError:
+        return text
+
+
+def _locale_note() -> str:
+    """Where the bytes were read with a locale that is not UTF-8: said, with the way to one."""
+    import locale
+
+    encoding = locale.getpreferredencoding(False)
+    if encoding.lower().replace("-", "").replace("_", "") in ("utf8", "cp65001"):
+        return ""
+    return f"; the locale's encoding is {encoding}, not UTF-8: set LANG/LC_ALL to a UTF-8 locale, e.g. C.UTF-8"
 
 
 def _short(text: str, width: int = 60) -> str:

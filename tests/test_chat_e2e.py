@@ -583,6 +583,20 @@ def test_a_template_that_cannot_render_is_one_line(chat_model, tmp_path):
     assert "internal error" not in r.stderr and "Traceback" not in r.stderr and r.stdout.strip()
 
 
+def test_utf8_typed_in_a_c_locale_is_sent(chat_model, tmp_path, monkeypatch):
+    """A terminal in the C locale (no UTF-8 coercion) that sends UTF-8: the message goes to the model as typed (it
+    was refused as "not UTF-8 text ... convert it with iconv")."""
+    for name, value in (("LANG", "C"), ("LC_ALL", "C"), ("PYTHONCOERCECLOCALE", "0"), ("PYTHONUTF8", "0")):
+        monkeypatch.setenv(name, value)
+    chat = Chat(chat_model, tmp_path, "-n", "2")
+    chat.enter("Say 🐉 dragon")
+    chat.expect(STATS_RE)
+    chat.wait_prompt()
+    chat.command(f"/save {tmp_path / 'c.json'}", r"\[saved 1 turn")
+    assert json.loads((tmp_path / "c.json").read_text())["turns"][0]["user"] == "Say 🐉 dragon"
+    assert chat.finish("/bye") == 0
+
+
 def test_a_terminal_that_is_not_utf8_gets_the_answers(chat_model, tmp_path):
     """stdout in latin-1 (what a latin-1 locale gives Python) and an answer it cannot encode (forced by a format):
     the answer is shown with stand-ins and saved (every turn ended as an 'internal error', its answer lost)."""

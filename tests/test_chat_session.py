@@ -346,6 +346,22 @@ def test_a_system_prompt_over_several_lines_as_ollama_takes_it(llm):
     assert s.conv.system == "Be brief." and not s.had_errors
 
 
+def test_utf8_typed_in_a_locale_that_is_not_utf8_is_sent(llm, monkeypatch):
+    """In a C locale Python reads typed UTF-8 as lone surrogates, one per byte: the text they spell is sent (it was
+    refused as "not UTF-8 ... iconv"); bytes that are not UTF-8 are refused in one line naming the locale."""
+    import locale
+
+    s, _ = new_session(llm, max_tokens=2)
+    typed = "Say 🐉 dragon".encode("utf-8").decode("ascii", "surrogateescape")
+    s.ask(typed)
+    assert s.conv.turns[-1].user == "Say 🐉 dragon"
+    monkeypatch.setattr(locale, "getpreferredencoding", lambda do_setlocale=True: "ANSI_X3.4-1968")
+    with pytest.raises(CommandError, match=r"not UTF-8 text: byte 0xe9 .*not sent; the locale's encoding is "
+                                           r"ANSI_X3.4-1968, not UTF-8"):
+        s.ask(b"caf\xe9".decode("ascii", "surrogateescape"))
+    assert len(s.conv.turns) == 1
+
+
 def test_set_format_json_schema_and_off(llm, tmp_path):
     """/set format (ollama's words): answers are JSON (or match a schema file) until /set format off; a bad
     schema or file is a one-line CommandError and leaves the format as it was."""
