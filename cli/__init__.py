@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import io
 import os
 import signal
 import sys
@@ -58,7 +59,8 @@ def report_bug(prog: str, e: BaseException) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return interruptible(lambda: stdout_flushed(lambda: _main(argv)))
+    with lossy_stderr():   # `bitnet run -v 2>&-`: the timings lost, never the answer
+        return interruptible(lambda: stdout_flushed(lambda: _main(argv)))
 
 
 def interruptible(body) -> int:
@@ -131,6 +133,57 @@ def _main(argv: list[str] | None) -> int:
         return EXIT_BAD_INPUT
     except Exception as e:  # a bug: one line asking for a report, never a raw traceback
         return report_bug("bitnet", e)
+
+
+class _LossyStream:
+    """stderr that cannot be written (closed: `2>&-`, a full disk: `2>/dev/full`): its notices are lost, never an
+    error; every print to it raised (EBADF, ENOSPC) and a command gave no answer (bitchat none at all). The
+    answers are stdout's."""
+
+    def __init__(self, stream):
+        self._stream = stream
+        self._lost = False
+
+    def write(self, text):
+        if not self._lost:
+            try:
+                return self._stream.write(text)
+            except OSError:
+                self._lost = True   # from now on written nowhere: what it holds can never go out
+        return len(text)
+
+    def flush(self):
+        if not self._lost:
+            try:
+                self._stream.flush()
+            except OSError:
+                self._lost = True
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+class _Nowhere(io.TextIOBase):
+    """What sys.stderr is when fd 2 was closed before Python started (it is None: print sent the notices to
+    stdout, amid the answers, and a write to it raised AttributeError)."""
+
+    def write(self, text):
+        return len(text)
+
+
+@contextlib.contextmanager
+def lossy_stderr():
+    """stderr written through _LossyStream while the block runs (bitnet and bitchat: their answers are stdout's)."""
+    before = sys.stderr
+    if isinstance(before, _LossyStream):
+        yield
+        return
+    sys.stderr = _LossyStream(_Nowhere() if before is None else before)
+    try:
+        yield
+    finally:   # one that lost its text stays: the interpreter's last flush of the real one would fail (exit 120)
+        if isinstance(sys.stderr, _LossyStream) and before is not None and not sys.stderr._lost:
+            sys.stderr = before
 
 
 def stdout_flushed(body, prog: str = "bitnet") -> int:

@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import io
 import os
 import sys
 import time
 
 from ..chat.commands import FIELD_OF_SETTING, Settings
 from ..chat.render import Output
+from . import lossy_stderr
 from .flags import (RANDOM_SEED, UNTIL_END, Parser, add_engine_args, add_system_args, apply_chat_template, check_engine_args,
                     maybe_autocomplete, parse_args_suggesting)
 
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"bitchat: error: {e}", file=sys.stderr)
             return 2
         return _guarded(args, settings)
-    with _lossy_stderr():   # also for a flag's error line (argparse's, settings_from_args')
+    with lossy_stderr():   # also for a flag's error line (argparse's, settings_from_args')
         return stdout_flushed(body, "bitchat")
 
 
@@ -97,57 +97,8 @@ def run_chat(args, first_message: str | None = None) -> int:
     return _guarded(args, settings_from_args(args, error), first_message)
 
 
-class _LossyStream:
-    """stderr that cannot be written (closed: `2>&-`, a full disk: `2>/dev/full`): its notices are lost, never an
-    error; every print to it raised (EBADF, ENOSPC) and bitchat gave no answer. The answers are stdout's."""
-
-    def __init__(self, stream):
-        self._stream = stream
-        self._lost = False
-
-    def write(self, text):
-        if not self._lost:
-            try:
-                return self._stream.write(text)
-            except OSError:
-                self._lost = True   # from now on written nowhere: what it holds can never go out
-        return len(text)
-
-    def flush(self):
-        if not self._lost:
-            try:
-                self._stream.flush()
-            except OSError:
-                self._lost = True
-
-    def __getattr__(self, name):
-        return getattr(self._stream, name)
-
-
-class _Nowhere(io.TextIOBase):
-    """What sys.stderr is when fd 2 was closed before Python started (it is None: print sent the notices to
-    stdout, amid the answers, and a write to it raised AttributeError)."""
-
-    def write(self, text):
-        return len(text)
-
-
-@contextlib.contextmanager
-def _lossy_stderr():
-    before = sys.stderr
-    if isinstance(before, _LossyStream):
-        yield
-        return
-    sys.stderr = _LossyStream(_Nowhere() if before is None else before)
-    try:
-        yield
-    finally:   # one that lost its text stays: the interpreter's last flush of the real one would fail (exit 120)
-        if isinstance(sys.stderr, _LossyStream) and before is not None and not sys.stderr._lost:
-            sys.stderr = before
-
-
 def _guarded(args, settings: Settings, first_message: str | None = None) -> int:
-    with _lossy_stderr():
+    with lossy_stderr():
         return _guarded_body(args, settings, first_message)
 
 

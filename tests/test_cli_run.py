@@ -63,6 +63,22 @@ def test_stdout_is_the_generated_text(store, tmp_path):
                                                     "--top-p", "0.9", "--min-p", "0.01", "--repeat-penalty", "1.1").stdout
 
 
+@pytest.mark.parametrize("stderr", ["closed", "/dev/full"])
+def test_an_unwritable_stderr_loses_only_the_timings(store, stderr):
+    """`bitnet run -v 2>&-` (or 2>/dev/full): the text still comes on stdout, exit 0 (writing the timings raised
+    EBADF / ENOSPC: exit 1 or 70, after the answer)."""
+    if stderr == "/dev/full" and not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full here")
+    args = ["-m", store, "-p", "Once upon a time", "-n", "8", "--temp", "0", "-t", "1"]
+    want = bitnet(*args)
+    assert want.returncode == 0 and want.stdout
+    with open(os.devnull if stderr == "closed" else stderr, "w") as err:
+        r = subprocess.run([sys.executable, "-m", "bitnet_cpu", "run", *args, "--verbose"], stdout=subprocess.PIPE,
+                           stderr=err, text=True, timeout=60, cwd=ROOT,
+                           preexec_fn=(lambda: os.close(2)) if stderr == "closed" else None)
+    assert r.returncode == 0 and r.stdout == want.stdout
+
+
 def test_llama_cpps_other_sampler_flags_reach_the_sampler(store):
     """--typical, --top-nsigma, --xtc-*, --dynatemp-*, --mirostat* and --dry-* change a seeded answer (each one
     reaching the engine), and the same flags give the same answer twice; --dry-sequence-breaker none is accepted."""
