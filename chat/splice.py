@@ -45,9 +45,14 @@ def spliced_prompt(llm, last: CachedTurn | None, messages: list[dict]) -> list[i
             or messages[k] != {"role": "assistant", "content": last.answer_text}
             or messages[k + 1].get("role") != "user"):
         return None
-    # the text shown leaves out special tokens the model wrote (a stray <|begin_of_text|>); the cache holds them,
-    # as llama.cpp's does: compare without them, or one such token re-reads the whole window next turn
-    if not last.answer_ids or llm.tokenizer.decode(last.answer_ids, skip_special=True) != last.answer_text:
+    # the text shown leaves out special tokens the model wrote (a stray <|begin_of_text|>) and, at a max_tokens cut,
+    # the bytes of a character begun; the cache holds them, as llama.cpp's does: compare without them, or one such
+    # token re-reads the whole window next turn
+    if not last.answer_ids:
+        return None
+    said = llm.tokenizer.decode(last.answer_ids, skip_special=True)
+    if said != last.answer_text and not (said.startswith(last.answer_text)
+                                         and set(said[len(last.answer_text):]) == {"\ufffd"}):
         return None
     # the template's closing of an assistant message: render it around an empty answer
     opened = llm.chat_prompt(last.messages, add_generation_prompt=True)

@@ -285,8 +285,9 @@ class Sampler:
     def sample(self, logits: np.ndarray, history=()) -> int:
         p = self.p
         top = logits.max()   # NaN if any logit is NaN (one pass, ~1% of a decode step on a 128k vocabulary)
-        if top == -np.inf:   # every token masked (a grammar) and banned (ignore_eos): the request's doing
-            raise BitNetError("no token is allowed here: the grammar and ignore_eos together exclude every token")
+        if top == -np.inf:   # every token masked (a grammar) or banned (ignore_eos, a -inf bias): the request's doing
+            raise BitNetError("no token is allowed here: the request's grammar, logit_bias and ignore_eos together "
+                              "exclude every token")
         if not np.isfinite(top):
             raise BitNetError("the model produced NaN or infinite logits: its weights are corrupt",
                               hint="re-convert the model from its source")
