@@ -26,6 +26,7 @@ from typing import Any, ClassVar, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from .limits import anthropic_error_body
 from .schemas import MANY_STOPS, RequestProblem, _Sampling, text_of_parts
 
 # finish reason (engine) -> stop_reason; "tool_use" replaces end_turn when whole calls were made
@@ -417,8 +418,8 @@ class MessageBuilder:
                                                           "output_tokens")}),
                      self._event("message_stop")]
 
-    def fail(self, message: str) -> list[str]:
-        return [self._event("error", error={"type": "api_error", "message": message})]
+    def fail(self, message: str, status: int = 500) -> list[str]:
+        return [self._event("error", error=anthropic_error_body(status, message)["error"])]
 
     def result(self) -> dict:
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": self.content,

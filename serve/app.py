@@ -37,11 +37,11 @@ from .offload import (BodyRefused, ClientGone, Streamed, next_or_gone, offloop_r
                       prompt_body_bound, run_off_loop, too_long_for_context, unless_gone, warm_bounds)
 from .responses import STORED_RESPONSE_ROUTES, ResponseBuilder, ResponsesRequest, not_stored, responses_names
 from .llama_api import timings_of as llama_timings
-from .schemas import (ChatCompletionRequest, CompletionRequest, RequestProblem, continuation, error_where, main_error,
-                      model_object, overflow_message)
+from .schemas import (ENGINE_FAULT, ChatCompletionRequest, CompletionRequest, RequestProblem, continuation, error_where,
+                      main_error, model_object, overflow_message, unanswered)
 
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context": "length", "cancelled": "stop"}
-ENGINE_FAULT = "the engine failed while generating this answer (the server goes on; see its log)"
+UNSTARTED = "unavailable"   # the finish reason of a request a stopping server ended before it had a slot
 PAGE = os.path.join(os.path.dirname(__file__), "chat.html")
 # the endpoints whose body is bounded by the context (serve/offload.py prompt_body_bound), and their prompt field
 PROMPT_FIELD = {"/v1/chat/completions": "messages", "/v1/completions": "prompt", "/v1/responses": "input",
@@ -129,12 +129,15 @@ class ServerState:
     def drain(self):
         """Stop admitting and end what is in flight now (finish_reason 'stop'): each stream's final chunk is given
         from here, not at the engine's next step, which a long prefill makes seconds away (uvicorn then cancelled
-        the handlers: a bare 500, streams cut without their last event)."""
+        the handlers: a bare 500, streams cut without their last event). One still waiting for a slot ends
+        'unavailable' (a 503 to retry: an empty 'stop' looked like a model that said nothing)."""
         self.draining = True
-        for s in list(self.streams):
-            if hasattr(s, "end_now"):
-                s.end_now("stop")
-            else:
+        streams = list(self.streams)
+        ending = [s for s in streams if hasattr(s, "end_now")]
+        if ending:
+            self.engine.end_now(ending, "stop", UNSTARTED)
+        for s in streams:
+            if not hasattr(s, "end_now"):
                 s.cancel()   # an embedding request: one step, its own end
 
     def close(self):
@@ -518,6 +521,13 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
                     s.cancel()
                 state.streams.discard(s)
 
+    def refuse_unanswered(finals):
+        """The error of a whole answer one of whose sequences ended without one (schemas.unanswered)."""
+        for f in finals:
+            bad = unanswered(f.finish_reason, state.retry_after)
+            if bad is not None:
+                raise APIError(bad.status, bad.message, bad.type, code=bad.code, headers=bad.headers)
+
     def sse(obj) -> str:
         return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
@@ -536,9 +546,9 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
             while True:
                 i, ch = await q.get()
                 every = got.add(i, ch, timer)
-                if ch.finish_reason == "error":   # this request's sequence failed; the others go on
-                    yield sse({"error": {"message": ENGINE_FAULT, "type": "server_error", "param": None,
-                                         "code": "engine_error"}})
+                bad = unanswered(ch.finish_reason, state.retry_after)
+                if bad is not None:   # this request's sequence failed (the others go on), or never started
+                    yield sse({"error": {"message": bad.message, "type": bad.type, "param": None, "code": bad.code}})
                     return
                 if ch.text:
                     c = make_chunk(i, ch.text, None, lps=got.logprobs[i][sent[i]:])
@@ -585,8 +595,7 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         got, timer = await run_to_end(request, streams, q)
         if got is None:
             return Response(status_code=499)
-        if any(f.finish_reason == "error" for f in got.finals):   # this request's sequence failed; others go on
-            raise APIError(500, ENGINE_FAULT, "server_error", code="engine_error")
+        refuse_unanswered(got.finals)
         usage, timings = timer.done(n_prompt, got.finals)
         choices = [make_choice(i, "".join(got.texts[i]), got.finish(i), got.logprobs[i]) for i in range(len(streams))]
         return {"choices": choices, "usage": usage, "timings": timings}
@@ -873,8 +882,7 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         if got is None:
             return Response(status_code=499)
         fin = got.finals[0]
-        if fin.finish_reason == "error":   # this request's sequence failed; others go on
-            raise APIError(500, ENGINE_FAULT, "server_error", code="engine_error")
+        refuse_unanswered(got.finals)
         usage, _ = timer.done(n_prompt, got.finals)
         out.start(n_prompt)
         got.feed(out)
@@ -890,8 +898,9 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
             while True:
                 _, ch = await q.get()
                 got.add(0, ch, timer)
-                if ch.finish_reason == "error":   # this request's sequence failed; the others go on
-                    for e in out.fail(ENGINE_FAULT):
+                bad = unanswered(ch.finish_reason, state.retry_after)
+                if bad is not None:   # this request's sequence failed (the others go on), or never started
+                    for e in out.fail(bad.message, bad.status):
                         yield e
                     return
                 for e in got.feed(out, len(got.steps[0]) - 1):
@@ -1014,7 +1023,8 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
     pipe = SimpleNamespace(check_model=check_model, refuse_too_long=refuse_too_long, submit=submit,
                            sampling_for=sampling_for, compile_constraint=compile_constraint, run_to_end=run_to_end,
                            Choices=Choices, Timer=Timer, tool_setup=tool_setup,
-                           loop=asyncio.get_running_loop, sse_headers=sse_headers, ENGINE_FAULT=ENGINE_FAULT)
+                           loop=asyncio.get_running_loop, sse_headers=sse_headers,
+                           refuse_unanswered=refuse_unanswered)
     register_llama(app, state, ready, APIError, pipe, sampling=sampling)
 
     @get_and_head("/", response_class=HTMLResponse)

@@ -21,7 +21,7 @@ from ..engine.runtime.sampling import SamplingParams
 from .logprobs import chat_entry
 from .offload import Streamed, run_off_loop, too_long_for_context
 from .schemas import (CHAIN, MANY_STOPS, SAMPLER_ALIASES, ChatMessage, JSONTyped, RequestProblem, _Sampling,
-                      continuation)
+                      continuation, unanswered)
 
 STOP_TYPE = {"eos": "eos", "stop": "word", "length": "limit", "context": "limit", "cancelled": "none"}
 
@@ -263,9 +263,10 @@ def register(app, state, ready, api_error: type, pipe, *, sampling=None):
                     while True:
                         _, ch = await q.get()
                         got.add(0, ch, timer)
-                        if ch.finish_reason == "error":   # this request's sequence failed; the others go on
-                            yield "data: " + json.dumps({"error": {"code": 500, "message": pipe.ENGINE_FAULT,
-                                                                   "type": "server_error"}}) + "\n\n"
+                        bad = unanswered(ch.finish_reason, state.retry_after)
+                        if bad is not None:   # this request's sequence failed (the others go on), or never started
+                            yield "data: " + json.dumps({"error": {"code": bad.status, "message": bad.message,
+                                                                   "type": bad.type}}) + "\n\n"
                             return
                         if ch.finish_reason is not None:
                             timer.done(len(ids), got.finals)
@@ -292,8 +293,7 @@ def register(app, state, ready, api_error: type, pipe, *, sampling=None):
         if got is None:
             return Response(status_code=499)
         fin = got.finals[0]
-        if fin.finish_reason == "error":   # this request's sequence failed; others go on
-            raise api_error(500, pipe.ENGINE_FAULT, "server_error", code="engine_error")
+        pipe.refuse_unanswered(got.finals)
         timer.done(len(ids), got.finals)
         text = "".join(got.texts[0])
         return final(text, got.tokens[0], got.logprobs[0], fin.stats, text)

@@ -30,7 +30,7 @@ from ..engine.runtime.sampling import SamplingParams, setting_problem
 from .logprobs import Said, chat_entry
 from .metrics import TokenClock
 from .offload import NOT_JSON, Streamed, next_or_gone, not_json, prepare_sampling, run_off_loop, too_long_for_context
-from .schemas import MANY_STOPS, JSONTyped, error_where, main_error, overflow_message, utc_iso
+from .schemas import MANY_STOPS, JSONTyped, error_where, main_error, overflow_message, unanswered, utc_iso
 
 FOREVER = math.inf
 _DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
@@ -66,7 +66,6 @@ def parse_keep_alive(value) -> float:
 # those of ollama's API at this version)
 OLLAMA_VERSION = "0.12.0"
 DONE = {"eos": "stop", "stop": "stop", "length": "length", "context": "length", "cancelled": "stop"}
-ENGINE_FAULT = "the engine failed while generating this answer (the server goes on; see its log)"
 # options -> SamplingParams field (same meaning, same name apart from these)
 OPTION_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n", "seed",
                  "presence_penalty", "frequency_penalty", "typical_p", "mirostat", "mirostat_tau", "mirostat_eta",
@@ -465,9 +464,10 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
                             tokens.append(ch.token)
                         said.add(ch)
                         shown.append(ch.text)
-                        if ch.finish_reason == "error":   # this request's sequence failed; the others go on
+                        bad = unanswered(ch.finish_reason, state.retry_after)
+                        if bad is not None:   # this request's sequence failed (the others go on), or never started
                             final = ch
-                            yield json.dumps({"error": ENGINE_FAULT}) + "\n"
+                            yield json.dumps({"error": bad.message}) + "\n"
                             return
                         thinking, text, calls = parsed(ch.text or "", ch.finish_reason)
                         if text or calls or thinking:
@@ -508,8 +508,9 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
             if final is None:
                 stream.cancel()
             state.streams.discard(stream)
-        if final.finish_reason == "error":   # this request's sequence failed; the others go on
-            return JSONResponse({"error": ENGINE_FAULT}, status_code=500)
+        bad = unanswered(final.finish_reason, state.retry_after)
+        if bad is not None:   # this request's sequence failed (the others go on), or never started
+            return JSONResponse({"error": bad.message}, status_code=bad.status, headers=bad.headers)
         thinking, text, calls = parsed("".join(pieces), final.finish_reason)
         obj = {"model": model, "created_at": utc_iso(), **piece(text, calls, thinking), **final_fields(clock, final)}
         if body.logprobs:

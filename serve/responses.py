@@ -445,9 +445,11 @@ class ResponseBuilder:
         self.status = "completed"
         return ev + [self._event("response.completed", response=self.result())]
 
-    def fail(self, message: str) -> list[str]:
-        """The engine failed this request's sequence: response.failed (the server goes on)."""
-        self.status, self.error = "failed", {"code": "server_error", "message": message}
+    def fail(self, message: str, status: int = 500) -> list[str]:
+        """The engine failed this request's sequence (response.failed: the server goes on), or a stopping server
+        ended it before it started (status 503: code "shutting_down", to retry)."""
+        code = "shutting_down" if status == 503 else "server_error"
+        self.status, self.error = "failed", {"code": code, "message": message}
         return [self._event("response.failed", response=self.result())]
 
     def result(self) -> dict:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import re
 from dataclasses import fields
-from typing import Any, ClassVar, Literal, Optional, Union, get_args, get_origin
+from typing import Any, ClassVar, Literal, NamedTuple, Optional, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
@@ -59,6 +59,32 @@ def overflow_message(e) -> str:
     if n is None or ctx is None:
         return str(e)
     return f"This model's maximum context length is {ctx} tokens. However, your messages resulted in {n} tokens: {e}"
+
+
+ENGINE_FAULT = "the engine failed while generating this answer (the server goes on; see its log)"
+NEVER_STARTED = "the server is shutting down: this request never started; retry it"
+
+
+class Unanswered(NamedTuple):
+    """The error a generating request answers when its sequence ended without an answer."""
+    status: int
+    message: str
+    type: str
+    code: str
+    headers: dict | None
+
+
+def unanswered(finish_reason: str | None, retry_after: int, fault: str = ENGINE_FAULT) -> Unanswered | None:
+    """How every API refuses a sequence that ended without an answer: "error" (a fault in its forward pass or
+    sampling: a 500, the server goes on) or "unavailable" (a stopping server ended it before it had a slot: a 503
+    with Retry-After, which clients and load balancers retry: an empty "stop" looked like a model that said
+    nothing); None for any other end."""
+    if finish_reason == "error":
+        return Unanswered(500, fault, "server_error", "engine_error", None)
+    if finish_reason == "unavailable":
+        return Unanswered(503, NEVER_STARTED, "unavailable_error", "shutting_down",
+                          {"Retry-After": str(retry_after)})
+    return None
 
 
 # stop sequences on the endpoints that take more than OpenAI's 4 (llama-server's, Anthropic's, ollama's): each is

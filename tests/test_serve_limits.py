@@ -535,6 +535,64 @@ def test_sigterm_under_load_drains_and_exits_0(tmp_path_factory, signals):
     assert len(made) == 4 and max(made) < 3000, made   # cut short by the drain, not run to the end
 
 
+def test_sigterm_refuses_what_never_started_with_503(tmp_path_factory):
+    """SIGTERM with one request running and others queued behind it (--parallel 1): the running one gets its
+    answer cut short (200), each queued one a 503 to retry, in its API's shape (they got an empty 200 "stop",
+    indistinguishable from a model that said nothing, so nobody retried them)."""
+    import signal
+    s = Server("-m", slow_model(tmp_path_factory), "-c", "4096", "--parallel", "1", "--drain-timeout", "1")
+    got: dict = {}
+    long = {"prompt": "a", "max_tokens": 3000, "temperature": 0, "ignore_eos": True}
+
+    def post(name, path, body):
+        try:
+            r = httpx.post(s.url + path, json=body, timeout=60)
+            got[name] = r
+        except httpx.HTTPError as e:
+            got[name] = e
+
+    def stream():
+        try:
+            with httpx.stream("POST", s.url + "/v1/completions", json=dict(long, stream=True), timeout=60) as r:
+                got["stream"] = (r.status_code, [ln for ln in r.iter_lines() if ln.startswith("data: ")])
+        except httpx.HTTPError as e:
+            got["stream"] = e
+
+    def waiting(n):
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            m = httpx.get(s.url + "/slots").json()["metrics"]
+            if m["running"] == 1 and m["waiting"] == n:
+                return True
+            time.sleep(0.05)
+        return False
+    ts = [threading.Thread(target=post, args=("running", "/v1/completions", long))]
+    ts[0].start()
+    assert waiting(0)
+    ts += [threading.Thread(target=post, args=("openai", "/v1/completions", long)),
+           threading.Thread(target=post, args=("ollama", "/api/generate",
+                                               {"model": "m", "prompt": "a", "stream": False, "raw": True})),
+           threading.Thread(target=stream)]
+    for t in ts[1:]:
+        t.start()
+    assert waiting(3)
+    s.proc.send_signal(signal.SIGTERM)
+    for t in ts:
+        t.join(30)
+    rc, err = s.stop(sig=None, timeout=30)
+    assert rc == 0 and "Traceback" not in err, err[-2000:]
+    run = got["running"]
+    assert run.status_code == 200 and 0 < run.json()["usage"]["completion_tokens"] < 3000, run
+    never = "the server is shutting down: this request never started; retry it"
+    r = got["openai"]
+    assert r.status_code == 503 and int(r.headers["retry-after"]) >= 1, r.text
+    assert r.json()["error"]["message"] == never and r.json()["error"]["code"] == "shutting_down"
+    r = got["ollama"]
+    assert r.status_code == 503 and int(r.headers["retry-after"]) >= 1 and r.json() == {"error": never}, r.text
+    status, events = got["stream"]
+    assert status == 200 and never in events[-1] and "shutting_down" in events[-1], events
+
+
 # ---- HTTP's own rules ---------------------------------------------------------------------------------------
 def _exchange(port: int, raw: bytes) -> bytes:
     """Send raw bytes, read until the server closes the connection (bounded); what came back."""

@@ -320,6 +320,21 @@ class BatchScheduler(Drafts, Embeddings, Scoring):
                 seq.cancelled = True
                 self._wake.notify()
 
+    def end_now(self, streams, finish_reason: str = "stop", waiting_reason: str = "unavailable"):
+        """Stream.end_now() for each of `streams` (a server stopping): one still waiting for a slot ends with
+        `waiting_reason` instead, so its client can tell an answer that never started (to retry) from one cut
+        short. Which is which is decided under the lock, where those waiting are cancelled: none is admitted
+        after, to give out chunks before its end."""
+        with self._lock:
+            waiting = set()
+            for st in streams:
+                seq = self._by_id.get(st.id)
+                if seq is not None and seq.state == "waiting":
+                    seq.cancelled = True
+                    waiting.add(st.id)
+        for st in streams:
+            st.end_now(waiting_reason if st.id in waiting else finish_reason)
+
     def abandon(self, stream_id: int):
         """cancel() for a stream whose iterator was closed early. That may happen inside the garbage collector,
         in any thread, also one holding self._lock (a non-reentrant lock: cancel() would wait for ever): the
