@@ -51,11 +51,6 @@ PROMPT_FIELD = {"/v1/chat/completions": "messages", "/v1/completions": "prompt",
                 "/responses": "input"}
 
 
-# the paths outside /v1/ and /api/ that /metrics counts requests of (others, unknown ones, are not labelled)
-COUNTED_PATHS = {"/health", "/v1/health", "/slots", "/metrics", "/completion", "/completions", "/tokenize",
-                 "/detokenize", "/apply-template", "/props", "/embedding", "/embeddings", "/chat/completions",
-                 "/responses"}
-
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
@@ -168,16 +163,15 @@ class CountingMiddleware:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        path = scope.get("path", "")
-        counted = path.startswith(("/v1/", "/api/")) or path in COUNTED_PATHS
 
         async def send_counted(msg):
             if msg["type"] == "http.response.start":
                 msg = dict(msg, headers=[*msg.get("headers", ()), (b"x-bitnet-instance", self.instance)])
-                if counted:   # by route (/v1/models/{model_name}): a path no route took is "other", so a client
-                    # cannot grow the series without bound (one per URL it makes up, before any key is checked)
-                    route = getattr(scope.get("route"), "path", None) or self._route_of(scope)
-                    self.metrics.requests.labels(route or "other", str(msg["status"])).inc()
+                # every request, by route (/v1/models/{model_name}, /slots/{id_slot}): a path no route takes is
+                # "other", so a client cannot grow the series without bound (one per URL it makes up, before any
+                # key is checked); a list of paths to count left served ones out (/models, /openapi.json, /)
+                route = getattr(scope.get("route"), "path", None) or self._route_of(scope)
+                self.metrics.requests.labels(route or "other", str(msg["status"])).inc()
             await send(msg)
         await self.app(scope, receive, send_counted)
 

@@ -507,13 +507,23 @@ def test_request_counts_are_labelled_by_route_not_by_url(server):
                 if x.startswith("bitnet_http_requests_total{")}
     httpx.get(server.url + "/v1/models/warm-up")
     httpx.get(server.url + "/v1/no-such-route")
+    # every served route is counted, outside /v1/ and /api/ too (a list of paths left these out), and a URL
+    # outside them that no route takes is "other"
+    for path in ("/models", "/openapi.json", "/", "/slots/7", "/no-such-page"):
+        httpx.get(server.url + path)
+    httpx.post(server.url + "/slots/7", params={"action": "save"})
     series()   # /metrics itself counted
     before = series()
     for i in range(40):
         httpx.get(server.url + f"/v1/no-such-route-{i}")
         httpx.get(server.url + f"/v1/models/name-{i}")
+        httpx.get(server.url + f"/no-such-page-{i}")
+        httpx.post(server.url + f"/slots/{i}", params={"action": "erase"})
     assert series() == before
     assert 'bitnet_http_requests_total{endpoint="other",status="404"}' in before
+    for endpoint, status in (("/models", 200), ("/openapi.json", 200), ("/", 200), ("/slots/{id_slot}", 405),
+                             ("/slots/{id_slot}", 501)):
+        assert f'bitnet_http_requests_total{{endpoint="{endpoint}",status="{status}"}}' in before, (endpoint, before)
     # a body sent as curl -d sends it (form content type, read as JSON): counted under its route, not "other"
     def count(endpoint):
         for x in httpx.get(server.url + "/metrics").text.splitlines():
