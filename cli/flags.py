@@ -455,17 +455,40 @@ LLAMA_ENV_SWITCHES = {"LLAMA_ARG_JINJA": "--jinja", "LLAMA_ARG_CONT_BATCHING": "
 _TRUE, _FALSE = _ON + ("yes",), _OFF + ("no", "")   # llama.cpp's readings, and the shell's yes / no / unset
 
 
+def _value_problem(action, value: str) -> str | None:
+    """What argparse would say of `value` for `action` (its type, its choices), or None."""
+    v = value
+    if callable(action.type):
+        try:
+            v = action.type(value)
+        except argparse.ArgumentTypeError as e:
+            return str(e)
+        except (TypeError, ValueError):
+            return f"invalid {getattr(action.type, '__name__', repr(action.type))} value"
+    if action.choices is not None and v not in action.choices:
+        return f"invalid choice (choose from {', '.join(map(repr, action.choices))})"
+    return None
+
+
 def llama_env_argv(parser, argv: list[str], environ) -> tuple[list[str], list[str]]:
     """(the flags llama-server's variables in `environ` give, where argv does not give that flag itself; one warning
-    each for a set LLAMA_ARG_* this server does not take)."""
+    each for a set LLAMA_ARG_* this server does not take). A value the flag does not take exits 2 with one line
+    naming the variable: argparse's usage and "argument --temp/--temperature" named a flag nobody typed."""
+    def action_of(flag: str):
+        return next(a for a in parser._actions if flag in a.option_strings)
+
     def given(flag: str) -> bool:
-        action = next(a for a in parser._actions if flag in a.option_strings)
+        action = action_of(flag)
         return any(w in action.option_strings or w.split("=", 1)[0] in action.option_strings for w in argv)
     out, notes = [], []
     for name, value in sorted(environ.items()):
         if name in LLAMA_ENV:
-            if not given(LLAMA_ENV[name]):
-                out.append(f"{LLAMA_ENV[name]}={value}")
+            flag = LLAMA_ENV[name]
+            if not given(flag):
+                why = _value_problem(action_of(flag), value)
+                if why is not None:
+                    parser.exit(2, f"{parser.prog}: error: {name}={value!r}: argument {flag}: {why}\n")
+                out.append(f"{flag}={value}")
         elif name in LLAMA_ENV_SWITCHES:
             v = value.strip().lower()
             if v not in _TRUE + _FALSE:

@@ -793,3 +793,20 @@ def test_llama_servers_environment_variables():
         assert httpx.get(s.url + "/props").json()["default_generation_settings"]["n_ctx"] == 512
     finally:
         s.stop()
+
+
+@pytest.mark.parametrize("name, value, why", [("LLAMA_ARG_TEMPERATURE", "hot", "argument --temp: invalid float value"),
+                                              ("LLAMA_ARG_THINK", "maybe", "argument --reasoning-format: invalid "
+                                                                           "choice")])
+def test_a_bad_llama_variable_is_named(name, value, why):
+    """A LLAMA_ARG_* value its flag does not take: one line naming the variable, exit 2 (argparse's usage and
+    "argument --temp/--temperature: invalid float value" named a flag the user never typed)."""
+    import os
+    import subprocess
+    import sys
+    from serve_proc import ROOT
+    r = subprocess.run([sys.executable, "-m", "bitnet_cpu", "serve", "--port", "1"], cwd=ROOT, capture_output=True,
+                       env=dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                                **{name: value}), text=True, timeout=60)
+    assert r.returncode == 2 and r.stderr.startswith(f"bitnet serve: error: {name}={value!r}: {why}"), r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "usage" not in r.stderr, r.stderr
