@@ -515,17 +515,18 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
                     s.cancel()
                 state.streams.discard(s)
 
-    def refuse_unanswered(finals):
-        """The error of a whole answer one of whose sequences ended without one (schemas.unanswered)."""
-        for f in finals:
-            bad = unanswered(f.finish_reason, state.retry_after)
+    def refuse_unanswered(finals, streams, rid, where):
+        """The error of a whole answer one of whose sequences ended without one (schemas.unanswered); rid: the id
+        the client gets, where: the path."""
+        for f, s in zip(finals, streams):
+            bad = unanswered(f.finish_reason, state.retry_after, rid, where, s.id)
             if bad is not None:
                 raise APIError(bad.status, bad.message, bad.type, code=bad.code, headers=bad.headers)
 
     def sse(obj) -> str:
         return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
-    async def stream_events(streams, q, n_prompt, make_chunk, include_usage, per_token=False):
+    async def stream_events(streams, q, n_prompt, make_chunk, include_usage, per_token, rid, where):
         """SSE lines for one request's choices. On client disconnect Starlette cancels this generator: we cancel
         the engine streams in `finally`, so their sequences stop at the next step. A chunk carries the logprobs
         of the tokens since the previous chunk of its choice (tokens held back as a possible stop string wait)."""
@@ -540,7 +541,7 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
             while True:
                 i, ch = await q.get()
                 every = got.add(i, ch, timer)
-                bad = unanswered(ch.finish_reason, state.retry_after)
+                bad = unanswered(ch.finish_reason, state.retry_after, rid, where, streams[i].id)
                 if bad is not None:   # this request's sequence failed (the others go on), or never started
                     yield sse({"error": {"message": bad.message, "type": bad.type, "param": None, "code": bad.code}})
                     return
@@ -571,10 +572,10 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
 
     sse_headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
-    async def respond(request, body, streams, q, n_prompt, make_chunk, make_choice):
+    async def respond(request, body, streams, q, n_prompt, make_chunk, make_choice, rid):
         """The one tail of both endpoints: an SSE stream of make_chunk(i, text, finish, first, lps) objects
         (each with "usage": null when the client asked for stream_options.include_usage), or the whole answer
-        with make_choice(i, text, finish, lps) per choice, plus usage and timings."""
+        with make_choice(i, text, finish, lps) per choice, plus usage and timings. rid: the answer's id."""
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
@@ -584,12 +585,12 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
                     c["usage"] = None
                 return c
             return Streamed(stream_events(streams, q, n_prompt, chunk, include_usage,
-                                          getattr(body, "timings_per_token", False)),
+                                          getattr(body, "timings_per_token", False), rid, request.url.path),
                             media_type="text/event-stream", headers=sse_headers)
         got, timer = await run_to_end(request, streams, q)
         if got is None:
             return Response(status_code=499)
-        refuse_unanswered(got.finals)
+        refuse_unanswered(got.finals, streams, rid, request.url.path)
         usage, timings = timer.done(n_prompt, got.finals)
         choices = [make_choice(i, "".join(got.texts[i]), got.finish(i), got.logprobs[i]) for i in range(len(streams))]
         return {"choices": choices, "usage": usage, "timings": timings}
@@ -683,7 +684,7 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
                     message["tool_calls"] = calls
                     finish = "tool_calls" if finish == "stop" and not parser.cut_call else finish
             return {"index": i, "message": message, "logprobs": logprobs(lps), "finish_reason": finish}
-        out = await respond(request, body, streams, q, len(prompt_ids), make_chunk, make_choice)
+        out = await respond(request, body, streams, q, len(prompt_ids), make_chunk, make_choice, cid)
         return {**head, "object": "chat.completion", **out} if isinstance(out, dict) else out
 
     @app.post("/v1/completions")
@@ -761,7 +762,7 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
                 got = {k: echoed[k] + (got[k] if got else []) for k in echoed}
             return {"index": i, "text": echo_of(i) + text, "logprobs": got, "finish_reason": finish}
         out = await respond(request, body, streams, q, sum(len(ids) for ids, _, _ in prompts), make_chunk,
-                            make_choice)
+                            make_choice, cid)
         return {**head, **out} if isinstance(out, dict) else out
 
     async def score_prompt(eng, prompt_ids, top_k):
@@ -870,20 +871,20 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         """Run one answer through a builder of another API's shape (serve/responses.py, serve/anthropic.py: start,
         feed, finish, fail, result): its SSE events as they come, or (stream false) its whole result."""
         if body.stream:
-            return Streamed(builder_events(stream, q, n_prompt, out), media_type="text/event-stream",
+            return Streamed(builder_events(stream, q, n_prompt, out, request.url.path), media_type="text/event-stream",
                             headers=sse_headers)
         got, timer = await run_to_end(request, [stream], q)
         if got is None:
             return Response(status_code=499)
         fin = got.finals[0]
-        refuse_unanswered(got.finals)
+        refuse_unanswered(got.finals, [stream], out.id, request.url.path)
         usage, _ = timer.done(n_prompt, got.finals)
         out.start(n_prompt)
         got.feed(out)
         out.finish(fin, usage)
         return out.result()
 
-    async def builder_events(stream, q, n_prompt, out):
+    async def builder_events(stream, q, n_prompt, out, where):
         """A builder's SSE events for one answer; the stream is cancelled if the client goes."""
         got, timer = Choices(1), Timer()
         try:
@@ -892,7 +893,7 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
             while True:
                 _, ch = await q.get()
                 got.add(0, ch, timer)
-                bad = unanswered(ch.finish_reason, state.retry_after)
+                bad = unanswered(ch.finish_reason, state.retry_after, out.id, where, stream.id)
                 if bad is not None:   # this request's sequence failed (the others go on), or never started
                     for e in out.fail(bad.message, bad.status):
                         yield e

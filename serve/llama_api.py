@@ -263,7 +263,8 @@ def register(app, state, ready, api_error: type, pipe, *, sampling=None):
                     while True:
                         _, ch = await q.get()
                         got.add(0, ch, timer)
-                        bad = unanswered(ch.finish_reason, state.retry_after)
+                        bad = unanswered(ch.finish_reason, state.retry_after, None, request.url.path,
+                                         streams[0].id)
                         if bad is not None:   # this request's sequence failed (the others go on), or never started
                             yield "data: " + json.dumps({"error": {"code": bad.status, "message": bad.message,
                                                                    "type": bad.type}}) + "\n\n"
@@ -293,7 +294,7 @@ def register(app, state, ready, api_error: type, pipe, *, sampling=None):
         if got is None:
             return Response(status_code=499)
         fin = got.finals[0]
-        pipe.refuse_unanswered(got.finals)
+        pipe.refuse_unanswered(got.finals, streams, None, request.url.path)
         timer.done(len(ids), got.finals)
         text = "".join(got.texts[0])
         return final(text, got.tokens[0], got.logprobs[0], fin.stats, text)

@@ -464,7 +464,7 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
                             tokens.append(ch.token)
                         said.add(ch)
                         shown.append(ch.text)
-                        bad = unanswered(ch.finish_reason, state.retry_after)
+                        bad = unanswered(ch.finish_reason, state.retry_after, None, request.url.path, stream.id)
                         if bad is not None:   # this request's sequence failed (the others go on), or never started
                             final = ch
                             yield json.dumps({"error": bad.message}) + "\n"
@@ -508,7 +508,7 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
             if final is None:
                 stream.cancel()
             state.streams.discard(stream)
-        bad = unanswered(final.finish_reason, state.retry_after)
+        bad = unanswered(final.finish_reason, state.retry_after, None, request.url.path, stream.id)
         if bad is not None:   # this request's sequence failed (the others go on), or never started
             return JSONResponse({"error": bad.message}, status_code=bad.status, headers=bad.headers)
         thinking, text, calls = parsed("".join(pieces), final.finish_reason)

@@ -213,3 +213,40 @@ def test_forward_fault_ends_only_its_request(store, monkeypatch):
         assert s.engine.metrics()["kv_pages_used"] == 0 and s.engine.metrics()["kv_pages_reserved"] == 0
     finally:
         s.stop()
+
+
+def test_an_engine_fault_names_the_request_in_the_log(store, monkeypatch, capfd):
+    """A 500 engine_error says "see its log": its message names the request (the answer's id, cmpl-...; req-...
+    where the API's answers have none), and the server's log has one line naming that id and the path (the
+    engine's own line names only its sequence number, which no client sees)."""
+    import re
+    monkeypatch.setenv("BITNET_FAULT_TOKEN", str(FAULT_TOKEN))
+    s = InProcessServer(store, parallel=2)
+    bad = [7, FAULT_TOKEN, 9]
+    try:
+        capfd.readouterr()
+        said = []   # (path, the error's message)
+        r = httpx.post(s.url + "/v1/completions", timeout=60 * SLOW, json={"prompt": bad, "max_tokens": 5})
+        assert r.status_code == 500 and r.json()["error"]["code"] == "engine_error", r.text
+        said.append(("/v1/completions", r.json()["error"]["message"]))
+        with httpx.stream("POST", s.url + "/v1/completions", timeout=60 * SLOW,
+                          json={"prompt": bad, "max_tokens": 5, "stream": True}) as r:
+            lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+        said.append(("/v1/completions", json.loads(lines[-1][6:])["error"]["message"]))
+        r = httpx.post(s.url + "/api/generate", timeout=60 * SLOW,
+                       json={"model": "m", "context": bad, "prompt": "x", "raw": True, "stream": False})
+        assert r.status_code == 500, r.text
+        said.append(("/api/generate", r.json()["error"]))
+        r = httpx.post(s.url + "/completion", timeout=60 * SLOW, json={"prompt": bad, "n_predict": 5})
+        assert r.status_code == 500, r.text
+        said.append(("/completion", r.json()["error"]["message"]))
+    finally:
+        s.stop()
+    err = capfd.readouterr().err
+    ids = []
+    for path, message in said:
+        m = re.search(r"see its log, request ((?:cmpl|req)-\w+)\)", message)
+        assert m, message
+        ids.append(m.group(1))
+        assert any(m.group(1) in line and path in line for line in err.splitlines()), (m.group(1), path, err)
+    assert ids[0].startswith("cmpl-") and ids[2].startswith("req-") and len(set(ids)) == 4, ids
