@@ -253,8 +253,9 @@ class _Text:
     def embed_tokens(self, texts: str | Sequence[str]) -> list[list[int]]:
         """The token lists embed() runs: each text with BOS, as llama-server tokenizes an embedding input; an
         empty text is refused (BitNetError naming it)."""
+        # bytes iterate as ints, a dict as its keys: neither is a list of texts
         if not isinstance(texts, str) and (texts is None or not hasattr(texts, "__iter__")
-                                           or isinstance(texts, (bytes, bytearray, dict))):   # bytes: ints; a dict: keys
+                                           or isinstance(texts, (bytes, bytearray, dict))):
             raise BitNetError(f"texts: give a string or a list of strings, not {type(texts).__name__}")
         texts = [texts] if isinstance(texts, str) else list(texts)
         if not texts:

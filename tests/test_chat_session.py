@@ -255,7 +255,8 @@ def test_an_answer_cut_by_the_context_says_so(llm):
 
     small = load_model(llm.store.path, ctx=128, threads=1, progress=False)
     sink = io.StringIO()
-    s = ChatSession(small, Settings(temp=0.0, max_tokens=128), Output(sink, sink, interactive=False), system="Be brief.")
+    s = ChatSession(small, Settings(temp=0.0, max_tokens=128), Output(sink, sink, interactive=False),
+                    system="Be brief.")
     s.ask("Tell me a very long story about " + "dragons and " * 10 + "knights.")
     st, turn = s.last_stats, s.conv.turns[0]
     assert turn.finish_reason == "context" and st.finish_reason == "context"
