@@ -32,13 +32,19 @@ def wait_healthy(url: str, timeout: float, proc=None, poll: float = 0.2) -> bool
     return False
 
 
+def pythonpath() -> str:
+    """PYTHONPATH for a subprocess of the tests: this checkout first, then what the suite runs with (a worktree's
+    link folder: ROOT alone let `import bitnet_cpu` find the installed checkout instead)."""
+    return ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")
+
+
 class Server:
     def __init__(self, *extra: str, threads: int | None = 2, timeout: float | None = None, env: dict | None = None):
         """threads None: no -t (the server's own default); env: variables set for the server beside ours."""
         from helpers import slowness
         if timeout is None:   # loading the model: seconds here, minutes under qemu
             timeout = 60.0 * slowness()
-        env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env or {}))
+        env = dict(os.environ, PYTHONPATH=pythonpath(), **(env or {}))
         for attempt in range(3):
             # free_port() gives the port back before the server binds it: another process (the suite starts
             # hundreds of servers) may take it meanwhile; the server then says so and exits 2 -- try another

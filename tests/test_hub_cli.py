@@ -20,6 +20,7 @@ pytest.importorskip("huggingface_hub", reason="huggingface_hub is a dependency o
 from bitnet_cpu.engine.api import SamplingParams, load_model  # noqa: E402
 from bitnet_cpu.engine.formats.hub import hub_names, parse_hub_ref, quant_tag  # noqa: E402
 from bitnet_cpu.engine.synth import SynthModel, small_config, write_gguf_i2s, write_gguf_tq, write_hf_dir  # noqa: E402
+from serve_proc import pythonpath  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMMIT_A = "a" * 40
@@ -279,14 +280,14 @@ def test_a_local_path_wins_over_a_hub_id(hub, tmp_path):
     shutil.copytree(hub["hf"][COMMIT_A], local)
     r = subprocess.run([sys.executable, "-m", "bitnet_cpu", "run", "-m", "o/tiny", "-p", "Once upon", "-n", "8",
                         "--temp", "0"], capture_output=True, text=True, timeout=120, cwd=tmp_path,
-                       env=dict(env_for(hub, tmp_path), PYTHONPATH=ROOT))
+                       env=dict(env_for(hub, tmp_path), PYTHONPATH=pythonpath()))
     assert r.returncode == 0 and r.stdout == greedy(hub["hf"][COMMIT_A]), r.stderr
 
 
 def test_convert_and_inspect_take_a_hub_id(hub, tmp_path):
     env = env_for(hub, tmp_path)
     r = subprocess.run([sys.executable, "-m", "bitnet_cpu", "convert", "o/tiny-gguf", "--no-progress"], capture_output=True,
-                       text=True, timeout=120, cwd=tmp_path, env=dict(env, PYTHONPATH=ROOT))
+                       text=True, timeout=120, cwd=tmp_path, env=dict(env, PYTHONPATH=pythonpath()))
     assert r.returncode == 0, r.stderr
     out = r.stdout.strip()
     assert os.path.basename(out) == "o--tiny-gguf--model-i2_s.bnstore" and os.path.dirname(os.path.abspath(

@@ -13,7 +13,7 @@ import pytest
 openai = pytest.importorskip("openai", reason="the serve tests need the openai client (pip install .[test])")
 pytest.importorskip("fastapi", reason="bitnet serve needs the serve extra (pip install .[serve])")
 
-from serve_proc import Server  # noqa: E402
+from serve_proc import Server, pythonpath  # noqa: E402
 
 Q = [{"role": "user", "content": "What is 12+7?"}]
 # sampling that avoids an early eos: random tokens at high temperature, nothing cut off
@@ -431,7 +431,7 @@ def test_batch_size_flag_chunks_prompts_with_the_same_text(client, model_id, ser
         assert m["steps_total"] >= -(-usage[0].prompt_tokens // 8)
     finally:
         s.stop()
-    env = dict(os.environ, PYTHONPATH=ROOT)
+    env = dict(os.environ, PYTHONPATH=pythonpath())
     for bad in ("0", "8193"):
         r = subprocess.run([sys.executable, "-m", "bitnet_cpu", "serve", "--port", str(free_port()), "-b", bad],
                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
@@ -536,7 +536,7 @@ def test_non_loopback_warning_and_bad_flags(tmp_path):
     import sys
     from serve_proc import ROOT
     import os
-    env = dict(os.environ, PYTHONPATH=ROOT)
+    env = dict(os.environ, PYTHONPATH=pythonpath())
     # an invalid port makes it exit before binding: the warning is printed first, then one error line
     r = subprocess.run([sys.executable, "-m", "bitnet_cpu", "serve", "--host", "0.0.0.0", "--port", "70000"],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
@@ -560,7 +560,7 @@ def test_port_in_use_is_one_line_exit_2(extra):
     import sys
     from serve_proc import ROOT
     import os
-    env = dict(os.environ, PYTHONPATH=ROOT)
+    env = dict(os.environ, PYTHONPATH=pythonpath())
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))
         holder.listen()
@@ -660,7 +660,7 @@ def test_serve_sampling_flag_checked_at_start():
 
     from serve_proc import ROOT
     r = subprocess.run([sys.executable, "-m", "bitnet_cpu", "serve", "--top-p", "1.5"],
-                       cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True, timeout=60)
+                       cwd=ROOT, env=dict(os.environ, PYTHONPATH=pythonpath()), capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "--top-p 1.5" in r.stderr and "Traceback" not in r.stderr
 
 
@@ -674,7 +674,7 @@ def test_a_model_that_does_not_load_is_one_line_and_exit_2(model, words, tmp_pat
 
     from serve_proc import ROOT, free_port
     r = subprocess.run([sys.executable, "-m", "bitnet_cpu", "serve", "-m", os.path.join(ROOT, model),
-                        "--port", str(free_port())], cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT),
+                        "--port", str(free_port())], cwd=ROOT, env=dict(os.environ, PYTHONPATH=pythonpath()),
                        capture_output=True, text=True, timeout=120)
     errors = [line for line in r.stderr.splitlines() if "error" in line]
     assert r.returncode == 2 and len(errors) == 1 and words in errors[0], r.stderr

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 pytest.importorskip("fastapi", reason="bitnet serve needs the serve extra (pip install .[serve])")
-from serve_proc import Server, slow_model  # noqa: E402
+from serve_proc import Server, pythonpath, slow_model  # noqa: E402
 
 Q = [{"role": "user", "content": "What is 12+7?"}]
 WILD = {"temperature": 2.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "seed": 3}
@@ -467,7 +467,7 @@ def test_api_key_file_errors(tmp_path):
     empty.write_text("# nothing\n\n")
     for path, want in ((empty, "no keys in it"), (tmp_path / "missing", "No such file")):
         r = subprocess.run([sys.executable, "-m", "bitnet_cpu", "serve", "--api-key-file", str(path)], cwd=ROOT,
-                           env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True, timeout=60)
+                           env=dict(os.environ, PYTHONPATH=pythonpath()), capture_output=True, text=True, timeout=60)
         assert r.returncode == 2 and want in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
@@ -478,7 +478,7 @@ def test_flags_checked():
 
     from serve_proc import ROOT
     r = subprocess.run([sys.executable, "-m", "bitnet_cpu", "serve", "--max-body-mb", "0"], cwd=ROOT,
-                       env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True, timeout=60)
+                       env=dict(os.environ, PYTHONPATH=pythonpath()), capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "--max-body-mb 0" in r.stderr and "Traceback" not in r.stderr
 
 
