@@ -360,23 +360,30 @@ def test_an_engine_asked_for_more_than_the_trained_context_says_so():
         assert not any("trained" in w for w in eng.warnings)
 
 
-def test_close_from_a_callback_is_one_error_and_the_engine_closes_later():
-    """A stream's callback runs on the engine's own thread: close() there joined that thread (RuntimeError
-    'cannot join current thread', swallowed by the callback wrapper) and left the engine marked closed with its
-    weights held. Now a BitNetError saying where to call it from; the stream ends, and close() elsewhere works."""
-    eng = load_engine(ctx=128, parallel=2, progress=False)
+def _call_from_a_callback(eng, call):
+    """Submit a short request whose callback runs call() once, on the engine's own thread: (seen, done), seen[0]
+    the BitNetError it raised (None if it returned), done set at the stream's final chunk."""
     seen, done = [], threading.Event()
 
     def cb(chunk):
         if not seen:
             try:
-                eng.close()
+                call()
                 seen.append(None)
             except BitNetError as e:
                 seen.append(e)
         if chunk.finish_reason is not None:
             done.set()
     eng.submit(PROMPT, GREEDY, max_tokens=4, callback=cb)
+    return seen, done
+
+
+def test_close_from_a_callback_is_one_error_and_the_engine_closes_later():
+    """A stream's callback runs on the engine's own thread: close() there joined that thread (RuntimeError
+    'cannot join current thread', swallowed by the callback wrapper) and left the engine marked closed with its
+    weights held. Now a BitNetError saying where to call it from; the stream ends, and close() elsewhere works."""
+    eng = load_engine(ctx=128, parallel=2, progress=False)
+    seen, done = _call_from_a_callback(eng, eng.close)
     assert done.wait(120)
     assert isinstance(seen[0], BitNetError) and "own thread" in str(seen[0]), seen
     assert len(list(eng.submit(PROMPT, GREEDY, max_tokens=2))) >= 1   # still open
@@ -391,20 +398,9 @@ def test_a_blocking_call_from_a_callback_is_one_error_not_a_dead_engine(wait):
     which was waiting for them: the engine never stepped again and close() hung too. Now a BitNetError at the
     call; the stream ends and the engine goes on."""
     eng = load_engine(ctx=128, parallel=2, progress=False)
-    seen, done = [], threading.Event()
     calls = {"embed": lambda: eng.embed("hello"), "score": lambda: eng.score_ids([1, 2, 3]),
              "iterate": lambda: list(eng.submit(PROMPT, GREEDY, max_tokens=2))}
-
-    def cb(chunk):
-        if not seen:
-            try:
-                calls[wait]()
-                seen.append(None)
-            except BitNetError as e:
-                seen.append(e)
-        if chunk.finish_reason is not None:
-            done.set()
-    eng.submit(PROMPT, GREEDY, max_tokens=4, callback=cb)
+    seen, done = _call_from_a_callback(eng, calls[wait])
     ended = done.wait(60)
     if not ended:   # the old hang: leave the stuck engine's daemon thread behind rather than hang the suite too
         pytest.fail("the stream never ended: the callback's call waited for the engine's own thread")
