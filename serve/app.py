@@ -265,7 +265,7 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
 
     @app.exception_handler(BodyRefused)
     async def _refused(request, e: BodyRefused):
-        return in_family(request, error_response(400, str(e.detail), param=e.param, code=e.code))
+        return in_family(request, error_response(400, str(e.detail), param=e.param, code=e.code, extra=e.extra))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request, e):

@@ -39,26 +39,37 @@ OFFLOAD_BYTES = 64 << 10   # smaller bodies parse in well under a millisecond: n
 class BodyRefused(HTTPException):
     """A body refused from its structure alone (FastAPI lets HTTPExceptions out of body parsing as they are)."""
 
-    def __init__(self, message: str, param: str | None, code: str):
+    def __init__(self, message: str, param: str | None, code: str, extra: dict | None = None):
         super().__init__(400, message)
-        self.param, self.code = param, code
+        self.param, self.code, self.extra = param, code, extra
+
+
+def _over(n_ctx: int, n: int, exact: bool, what: str, param: str) -> BodyRefused:
+    """A body that cannot fit the context, in the words of every other context_length_exceeded 400 (OpenAI's
+    sentence, which clients classify by: schemas.overflow_message), with llama-server's counts where exact."""
+    return BodyRefused(f"This model's maximum context length is {n_ctx} tokens. However, your messages resulted in "
+                       f"{'' if exact else 'at least '}{n} tokens: {what}", param, "context_length_exceeded",
+                       {"n_prompt_tokens": n, "n_ctx": n_ctx} if exact else None)
 
 
 def check_structure(obj, n_ctx: int | None):
     """Raise BodyRefused when the parsed body cannot fit a context of n_ctx tokens (each message, content part
-    and prompt id takes at least one token)."""
+    and prompt id takes at least one token). A prompt list with a token id in it is one prompt (ids, or
+    llama-server's mix of ids and strings); one of strings or lists is a batch, each prompt run alone (bounded by
+    --max-queue, not the context: 300 two-token prompts were refused as too long for a context of 256)."""
     if n_ctx is None or not isinstance(obj, dict):
         return
     msgs = obj.get("messages")
     if isinstance(msgs, list):
         parts = sum(len(m["content"]) for m in msgs if isinstance(m, dict) and isinstance(m.get("content"), list))
         if len(msgs) + parts > n_ctx:
-            raise BodyRefused(f"messages: {len(msgs)} messages ({parts} content parts) cannot fit a context of "
-                              f"{n_ctx} tokens", "messages", "context_length_exceeded")
+            raise _over(n_ctx, len(msgs) + parts, False, f"{len(msgs)} messages ({parts} content parts), each at "
+                        "least one token", "messages")
     prompt = obj.get("prompt")
-    if isinstance(prompt, list) and len(prompt) > n_ctx:
-        raise BodyRefused(f"prompt: {len(prompt)} items cannot fit a context of {n_ctx} tokens", "prompt",
-                          "context_length_exceeded")
+    if isinstance(prompt, list) and len(prompt) > n_ctx and any(type(x) is int for x in prompt):
+        ids = all(type(x) is int for x in prompt)
+        raise _over(n_ctx, len(prompt), ids, f"a prompt of {len(prompt)} " + ("token ids" if ids else
+                    "token ids and strings"), "prompt")
 
 
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")

@@ -246,6 +246,30 @@ def test_prompt_over_context_400(client, server, model_id):
     assert r.status_code == 400 and r.json()["error"].startswith("This model's maximum context length is")
 
 
+def test_prompt_lists_against_the_context(server):
+    """A list of token ids is one prompt: one id over the context gets the same 400 as text would (OpenAI's
+    sentence, llama-server's exact counts). A list of strings is a batch, each prompt run alone: more prompts than
+    the context has tokens are refused by --max-queue's rule, never as a context overflow."""
+    n_ctx = httpx.get(server.url + "/v1/models").json()["data"][0]["meta"]["n_ctx"]
+    tok = httpx.post(server.url + "/tokenize", json={"content": " x"}).json()["tokens"][-1]
+    for path in ("/v1/completions", "/completion"):
+        r = httpx.post(server.url + path, json={"prompt": [tok] * (n_ctx + 1), "max_tokens": 1}, timeout=30)
+        assert r.status_code == 400, r.text
+        e = r.json()["error"]
+        assert e["code"] == "context_length_exceeded" and (e["n_prompt_tokens"], e["n_ctx"]) == (n_ctx + 1, n_ctx)
+        assert e["message"].startswith(f"This model's maximum context length is {n_ctx} tokens. However, your "
+                                       f"messages resulted in {n_ctx + 1} tokens"), e["message"]
+        e = _err(httpx.post(server.url + path, json={"prompt": ["x"] * (n_ctx + 1), "max_tokens": 1}, timeout=30), 400)
+        assert e["code"] == "invalid_value" and ("--max-queue" if path == "/v1/completions" else "one prompt per "
+                                                 "request") in e["message"], e
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": [tok] * (n_ctx - 1), "max_tokens": 1}, timeout=60)
+    assert r.status_code == 200, r.text
+    e = _err(httpx.post(server.url + "/v1/chat/completions", timeout=30,
+                        json={"messages": [{"role": "user", "content": "x"}] * (n_ctx + 1)}), 400)
+    assert e["code"] == "context_length_exceeded" and e["message"].startswith(
+        f"This model's maximum context length is {n_ctx} tokens. However, your messages resulted in at least"), e
+
+
 def test_any_model_name_is_answered_by_the_loaded_one(client, model_id):
     r = client.chat.completions.create(model="gpt-17", messages=Q, max_tokens=2)
     assert r.model == model_id and r.choices[0].message.content is not None
