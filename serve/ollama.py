@@ -117,6 +117,10 @@ class _Body(JSONTyped):
     logprobs: Optional[bool] = None
     top_logprobs: Optional[int] = None
     tools: Optional[list[Any]] = None
+    # ollama's context switches: its true (cut the oldest history / slide the context at its end) is not done
+    # here, so true is a 400 (refuse_common); false is what this server does anyway
+    truncate: Optional[StrictBool] = None
+    shift: Optional[StrictBool] = None
 
 
 class _Message(BaseModel):
@@ -145,6 +149,9 @@ class GenerateBody(_Body):
     suffix: Optional[str] = None
     template: Optional[str] = None
     images: Optional[list[Any]] = None
+    width: Optional[int] = None    # ollama's image generation (refused: text only)
+    height: Optional[int] = None
+    steps: Optional[int] = None
 
 
 def _ns(seconds: float) -> int:
@@ -326,6 +333,12 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
                 raise OllamaError(400, str(e)) from None
         if body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20:
             raise OllamaError(400, f"top_logprobs {body.top_logprobs}: must be in 0..20")
+        if body.truncate:   # both were dropped in silence: a client asking for them got something else
+            raise OllamaError(400, "truncate: true is not supported here: a prompt over the context is a 400, its "
+                                   "history is never cut (send false, or leave it out)")
+        if body.shift:
+            raise OllamaError(400, "shift: true is not supported here: an answer ends at the context's end "
+                                   "(done_reason \"length\"), the context never slides (send false, or leave it out)")
 
     async def generation_request(request: Request, cls):
         """The engine, and the body parsed and checked (model name, options, what this model cannot do)."""
@@ -574,6 +587,9 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
         eng, body = await generation_request(request, GenerateBody)
         if body.images:
             raise OllamaError(400, "images: this model takes text only")
+        for name in ("width", "height", "steps"):
+            if getattr(body, name) is not None:
+                raise OllamaError(400, f"{name}: image generation is not supported (this model writes text)")
         if body.suffix:
             raise OllamaError(400, "suffix: fill-in-the-middle is not supported")
         if body.template:

@@ -237,6 +237,11 @@ def test_presence_and_frequency_count_the_prompt(server, model_id):
     ("/api/chat", {"model": "m", "messages": Q, "format": {"type": "nonsense-type"}}, "format"),
     ("/api/chat", {"model": "m", "messages": [{"role": "user", "content": "x", "images": ["aGk="]}]}, "text only"),
     ("/api/generate", {"model": "m", "prompt": "x", "suffix": "y"}, "suffix"),
+    # ollama's context switches were dropped in silence: true (cut the history, slide the context) is not done here
+    ("/api/chat", {"model": "m", "messages": Q, "truncate": True}, "truncate: true is not supported"),
+    ("/api/generate", {"model": "m", "prompt": "x", "shift": True}, "shift: true is not supported"),
+    ("/api/chat", {"model": "m", "messages": Q, "shift": "yes"}, "shift: Input should be a valid boolean"),
+    ("/api/generate", {"model": "m", "prompt": "x", "width": 512}, "width: image generation"),
     ("/api/pull", {"model": "llama3"}, "does not download models"),
     ("/api/create", {"model": "x"}, "bitnet convert"),
     ("/api/push", {"model": "x"}, "does not push"),
@@ -288,6 +293,9 @@ def test_go_clients_numbers_nulls_and_the_server_check(server, model_id):
                       timeout=60) as r:
         lines = [json.loads(x) for x in r.iter_lines() if x]
     assert r.status_code == 200 and len(lines) > 1 and lines[-1]["done"] and not lines[0]["done"]
+    r = httpx.post(url + "/api/chat", json={"model": model_id, "messages": Q, "stream": False, "truncate": False,
+                                            "shift": False, "options": {"num_predict": 2}}, timeout=60)
+    assert r.status_code == 200, r.text   # false is what this server does anyway
 
 
 def test_chat_continues_a_final_assistant_message(server, model_id):
