@@ -46,6 +46,8 @@ REFUSED = {
     "functions": "functions is OpenAI's deprecated form of tools: send tools ([{\"type\": \"function\", "
                  "\"function\": {...}}])",
     "function_call": "function_call is OpenAI's deprecated form of tool_choice: send tool_choice",
+    "truncate_prompt_tokens": "truncate_prompt_tokens (vLLM's) is not supported: a prompt is never cut here (one "
+                              "over the context is a 400)",
 }
 # The one range that differs from the engine's on purpose: OpenAI's API takes temperature in [0, 2] only (the
 # engine and llama.cpp take any >= 0), and a client written against OpenAI should get the same 400 here.
@@ -355,6 +357,7 @@ class _Sampling(JSONTyped):
     verbosity: Optional[str] = None   # OpenAI's answer-length hint: only "medium" (the model's own length) is honoured
     functions: Optional[Any] = None       # the deprecated forms of tools / tool_choice: refused, naming the new ones
     function_call: Optional[Any] = None
+    truncate_prompt_tokens: Optional[Any] = None   # vLLM's prompt cut: refused (REFUSED)
     # structured output: OpenAI's response_format, llama-server's `json_schema` and `grammar` (GBNF) fields
     response_format: Optional[ResponseFormat] = None
     json_schema: Optional[JSONSchemaValue] = None

@@ -145,6 +145,7 @@ def _err(r: httpx.Response, status: int) -> dict:
     ({"messages": Q, "verbosity": "low"}, "verbosity"),
     ({"messages": Q, "functions": [{"name": "f", "parameters": {"type": "object"}}]}, "functions"),
     ({"messages": Q, "function_call": "auto"}, "function_call"),
+    ({"messages": Q, "truncate_prompt_tokens": 10}, "truncate_prompt_tokens"),   # vLLM's cut: never done here
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": "What is this?"},
                                                 {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]},
      "messages.0.content.1"),
