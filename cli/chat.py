@@ -27,8 +27,8 @@ import time
 from ..chat.commands import FIELD_OF_SETTING, Settings
 from ..chat.render import Output
 from . import lossy_stderr
-from .flags import (RANDOM_SEED, UNTIL_END, Parser, add_engine_args, add_system_args, apply_chat_template, check_engine_args,
-                    maybe_autocomplete, parse_args_suggesting)
+from .flags import (UNTIL_END, Parser, add_engine_args, add_system_args, apply_chat_template, check_engine_args,
+                    maybe_autocomplete, parse_args_suggesting, sampling_params_from_args)
 
 UNTIL_END_TOKENS = 1 << 30   # -n -1: clamped to the context window once the model is loaded
 
@@ -55,11 +55,15 @@ def settings_from_args(args, error) -> Settings:
     problem = check_engine_args(args)
     if problem:
         error(problem)
+    from ..engine.errors import BitNetError
+
+    try:   # the flags as `bitnet run` and `bitnet serve` read them: -e escapes, --dry-sequence-breaker none
+        params = sampling_params_from_args(args)
+    except BitNetError as e:
+        error(str(e))
     s = Settings()
     for name, field in FIELD_OF_SETTING.items():
-        setattr(s, name, getattr(args, field))
-    if s.seed == RANDOM_SEED:
-        s.seed = None
+        setattr(s, name, getattr(params, field))
     if args.n_predict == 0:   # as /set max_tokens 0: a chat turn is an answer (bitnet run -n 0 only prefills)
         error("-n/--n-predict 0: a chat answer has at least one token (-1: until the end of text)")
     s.max_tokens = UNTIL_END_TOKENS if args.n_predict == UNTIL_END else args.n_predict

@@ -391,6 +391,21 @@ def test_a_set_value_with_words_too_many_is_refused_by_the_setting():
         parse_setting(*split_set(parse_command("/set temp 1 2").arg))
 
 
+@pytest.mark.parametrize("argv, breakers", [
+    (["--dry-sequence-breaker", r"\n"], ("\n",)),
+    (["--dry-sequence-breaker", "none"], ()),
+    (["-e", "--dry-sequence-breaker", r"\x3a", "--dry-sequence-breaker", "x"], (":", "x")),
+    (["--no-escape", "--dry-sequence-breaker", r"\n"], (r"\n",)),
+])
+def test_bitchat_reads_dry_sequence_breakers_as_bitnet_run_does(argv, breakers):
+    """-e escapes and 'none' mean in bitchat what they mean in `bitnet run` and `bitnet serve` (it took the raw
+    text: a breaker of backslash and n, and one of the four letters n-o-n-e)."""
+    from bitnet_cpu.cli.chat import build_parser, settings_from_args
+
+    args = build_parser().parse_args(argv)
+    assert settings_from_args(args, pytest.fail).dry_sequence_breakers == breakers
+
+
 def test_max_tokens_limited_by_context():
     with pytest.raises(CommandError, match="<= 128"):
         parse_setting("max_tokens", "129", max_tokens_limit=128)
