@@ -126,7 +126,10 @@ class ChatSession:
         self.threads = threads
         self.model_label = model_label
         self.last_stats = None
-        self.n_answers = 0            # answers made (also advances a fixed seed so /retry differs)
+        self.n_answers = 0            # answers made
+        # added to a fixed seed, one more per answer, so /retry differs; /set seed and /reset start it again at 0, so
+        # the same seed and question give the answer a fresh bitchat --seed gives
+        self.seed_offset = 0
         self.total_generated = 0      # sum of the stats lines' token counts
         self.total_decode_tokens = 0  # tokens after each answer's first (what decode tok/s counts)
         self.total_decode_s = 0.0
@@ -193,7 +196,7 @@ class ChatSession:
 
     # ---- engine adapters -----------------------------------------------------------------------
     def sampling_params(self):
-        return self.settings.sampling_params(seed_offset=self.n_answers)
+        return self.settings.sampling_params(seed_offset=self.seed_offset)
 
     def count_tokens(self, messages: list[dict], generation_prompt: bool = True) -> int:
         return len(self.llm.chat_prompt(messages, add_generation_prompt=generation_prompt))
@@ -445,6 +448,7 @@ class ChatSession:
         turn.assistant = "".join(pieces)
         self.cached_turn = CachedTurn(messages, list(ids), answer_ids, turn.assistant)
         self.n_answers += 1
+        self.seed_offset += 1
         if interrupted and stats is not None:
             stats = replace(stats, finish_reason="interrupted")
         turn.interrupted = interrupted
@@ -516,6 +520,7 @@ class ChatSession:
             self.out.info(help_text())
         elif name == "/reset":
             self.conv.reset()
+            self.seed_offset = 0
             self.out.info("[conversation cleared]")
         elif name == "/system":
             if not arg:
@@ -545,6 +550,8 @@ class ChatSession:
             else:
                 key, value = parse_setting(pair[0], pair[1], max_tokens_limit=self.llm.n_ctx)
                 setattr(self.settings, key, value)
+                if key == "seed":   # even the same value: the next answer is that seed's own, not seed + answers
+                    self.seed_offset = 0
                 shown = "random" if value is None else json.dumps([*value]) if isinstance(value, tuple) else value
                 self.out.info(f"[{key} = {shown}]")   # a breaker list as /show prints it (JSON)
         elif name == "/show":

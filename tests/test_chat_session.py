@@ -176,6 +176,29 @@ def test_commands_change_settings_and_bye_exits(llm):
         s.run_command(parse_command("/bye"))
 
 
+def test_a_fixed_seed_gives_the_same_answer_again_after_set_seed_or_reset(llm):
+    """The same seed and question give the same answer, as a fresh `bitchat --seed` does: /set seed (even the same
+    value) and /reset start the per-answer seed offset again (answers used seed + answers made so far, never
+    reset); a /retry still gets the next seed."""
+    def answer(s):
+        s.ask("Hello")
+        return s.conv.turns[-1].assistant
+
+    fresh, _ = new_session(llm, temp=1.5, max_tokens=12)
+    first = answer(fresh)
+    assert fresh.sampling_params().seed == 4   # the next answer (a /retry) gets another seed
+    s, _ = new_session(llm, temp=1.5, max_tokens=12)
+    for _ in range(3):
+        answer(s)
+    s.run_command(parse_command("/set seed 3"))
+    assert s.sampling_params().seed == 3
+    s.run_command(parse_command("/reset"))
+    assert answer(s) == first
+    answer(s)
+    s.run_command(parse_command("/reset"))
+    assert answer(s) == first
+
+
 def test_save_load_prefills_and_next_turn_is_cached(llm, tmp_path):
     s, _ = new_session(llm)
     s.ask("One?")
