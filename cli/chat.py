@@ -11,7 +11,8 @@ Exit codes: 0 normal end, 1 a piped command/turn failed, 2 bad flag or model (al
 truncated or rewritten while in use), 70 an internal error (a bug: please report it), 130 Ctrl-C while loading.
 
 The conversation is kept in a recovery file while the session runs ($BITCHAT_RECOVERY, empty: none; else
-$XDG_STATE_HOME/bitchat/recovery-PID.json, or -PID-2.json beside an earlier session's), removed on a normal exit
+$XDG_STATE_HOME/bitchat/recovery-PID.json, or -PID-2.json beside an earlier session's; a $BITCHAT_RECOVERY that
+holds an earlier session's copy is kept too, this session's going to X-2.json beside it), removed on a normal exit
 while it is still the copy this session wrote:
 when the process is ended by a fatal fault or Ctrl-C outside a turn (a piped session waiting for input), the one-line
 message says where it is (/load it). A path holding a file that is not a recovery copy is refused at start.
@@ -182,6 +183,16 @@ def recovery_path() -> str | None:
     return path
 
 
+def _beside(path: str) -> str:
+    """The first free X-N.json beside X.json ($BITCHAT_RECOVERY holding another session's copy, never written over
+    nor removed: it was, and deleted at exit, even after the user /load-ed it as the crash line advised)."""
+    base, ext = os.path.splitext(path)
+    n = 2
+    while os.path.lexists(f"{base}-{n}{ext}"):
+        n += 1
+    return f"{base}-{n}{ext}"
+
+
 def _written(live: list) -> str | None:
     """The recovery copy the session wrote, while it is still that copy (never a file it did not write)."""
     return live[0].recovery_copy() if live else None
@@ -200,6 +211,10 @@ def _run(args, settings: Settings, out: Output, interactive: bool, first_message
         print(f"bitchat: error: the recovery copy's path {path} {problem}; set BITCHAT_RECOVERY to another file "
               "(empty: no recovery copy)", file=sys.stderr)
         return EXIT_BAD_INPUT
+    if path and os.path.isfile(path) and os.path.getsize(path):   # an earlier session's copy: the user's turns
+        kept, path = path, _beside(path)
+        print(f"bitchat: {kept} holds an earlier session's conversation (kept: /load it); this session's recovery "
+              f"copy is {path}", file=sys.stderr)
 
     faults.install("bitchat")
     for stream in (sys.stdout, sys.stderr):   # a terminal that is not UTF-8 gets U+FFFD's stand-in, never an

@@ -530,6 +530,27 @@ def test_a_recovery_path_holding_another_file_is_refused(chat_model, tmp_path):
         assert "BITCHAT_RECOVERY" in r.stderr
 
 
+def test_an_earlier_sessions_copy_at_a_fixed_recovery_path_is_kept(chat_model, tmp_path):
+    """A fixed $BITCHAT_RECOVERY holding the copy an earlier (crashed) session left is never written over nor
+    removed, even once /load-ed as the crash line advises: this session writes X-2.json beside it and says so in one
+    line naming both (the copy was replaced at the first turn, then deleted at exit)."""
+    path = tmp_path / "rec.json"
+    content = json.dumps({"format": "bitchat-conversation", "version": 1, "system": None,
+                          "turns": [{"user": "My secret plan", "assistant": "Noted."}],
+                          "meta": {"recovered": True}})
+    path.write_text(content)
+    env = test_env(tmp_path)
+    env["BITCHAT_RECOVERY"] = str(path)
+    r = subprocess.run(console_script("bitchat") + ["-m", chat_model, "-t", "1", "-n", "4"],
+                       input=f"/load {path}\nAnd then?\n", capture_output=True, text=True, timeout=TIMEOUT * 2,
+                       env=env)
+    assert r.returncode == 0, r.stderr
+    assert path.read_text() == content
+    beside = tmp_path / "rec-2.json"
+    assert [line for line in r.stderr.splitlines() if str(path) in line and str(beside) in line], r.stderr
+    assert not beside.exists()   # this session's own copy: removed at its normal exit
+
+
 def test_piped_bad_command_hints_and_exits_1(chat_model, tmp_path):
     r = run_piped(chat_model, tmp_path, "/set temp hot\n/nope\n")
     assert r.returncode == 1
