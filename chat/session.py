@@ -157,9 +157,16 @@ class ChatSession:
         self.recovery_path = path
 
     def _save_recovery(self) -> None:
-        if not self.recovery_path or not self.conv.turns:
+        """Write the copy: around every turn, and after each command that changes the conversation (/system, /set
+        system, /reset, /load: the copy a signal's line named was the one before it)."""
+        if not self.recovery_path:
             return
         from ..engine import faults
+
+        if not self.conv.turns:   # /reset: no turn to keep; the copy this session wrote told the old conversation
+            self.discard_recovery()
+            faults.set_note("")
+            return
 
         try:
             private_dir(os.path.dirname(os.path.abspath(self.recovery_path)))
@@ -521,12 +528,14 @@ class ChatSession:
         elif name == "/reset":
             self.conv.reset()
             self.seed_offset = 0
+            self._save_recovery()
             self.out.info("[conversation cleared]")
         elif name == "/system":
             if not arg:
                 self.out.info(f"system prompt: {self.conv.system!r}" if self.conv.system else "no system prompt")
             elif arg == "--clear":
                 self.conv.system = None
+                self._save_recovery()
                 self.out.info("[system prompt cleared]")
             else:
                 self.set_system(strip_block(arg), "/system")
@@ -594,6 +603,7 @@ class ChatSession:
                 raise CommandError(f"/load: {arg}: this model cannot take the conversation: {e}") from None
             self.conv = conv
             self.cached_turn = None
+            self._save_recovery()
             self.own_files.add(same_file_key(arg))
             n = len(conv.turns)
             system = "no system prompt" if conv.system is None else \
@@ -625,6 +635,7 @@ class ChatSession:
         if not text:   # /set system """ """: an empty block
             raise CommandError(f"{name} needs the text, e.g. {name} You are brief.")
         self.conv.system = text
+        self._save_recovery()
         self.out.info("[system prompt set]")
 
     def describe_settings(self) -> str:

@@ -10,6 +10,7 @@ import pytest
 from bitnet_cpu.chat.commands import CommandError, Settings, parse_command
 from bitnet_cpu.chat.render import Output
 from bitnet_cpu.chat.session import ChatSession, ExitChat
+from bitnet_cpu.chat.transcript import Conversation, Turn
 
 
 @pytest.fixture(scope="module")
@@ -567,6 +568,32 @@ def test_the_recovery_copy_removes_only_what_it_wrote(llm, tmp_path):
     assert [t["user"] for t in json.loads(path.read_text())["turns"]] == ["Mine?"]
     other.discard_recovery()
     assert not path.exists()
+
+
+def test_the_recovery_copy_follows_the_commands_that_change_the_conversation(llm, tmp_path):
+    """/set system, /system, /load and /reset rewrite the recovery copy (or remove it when no turn is left), so the
+    copy a SIGTERM's line names is the conversation as it stands (it was the one before the command)."""
+    rec, other = tmp_path / "rec.json", tmp_path / "other.json"
+    s, _ = new_session(llm)
+    s.enable_recovery(str(rec))
+    s.ask("Hi?")
+
+    def copy():
+        return json.loads(rec.read_text())
+
+    s.run_command(parse_command("/set system Be terse."))
+    assert copy()["system"] == "Be terse."
+    s.run_command(parse_command("/system Be kind."))
+    assert copy()["system"] == "Be kind."
+    s.run_command(parse_command("/system --clear"))
+    assert copy()["system"] is None
+    Conversation(system="Loaded.", turns=[Turn("Loaded question?", "Loaded answer.")]).save(str(other))
+    s.run_command(parse_command(f"/load {other}"))
+    assert [t["user"] for t in copy()["turns"]] == ["Loaded question?"] and copy()["system"] == "Loaded."
+    s.run_command(parse_command("/reset"))
+    assert not rec.exists() and s.recovery_copy() is None
+    s.ask("Again?")
+    assert [t["user"] for t in copy()["turns"]] == ["Again?"]
 
 
 def test_the_recovery_folder_is_private(llm, tmp_path, monkeypatch):
