@@ -24,8 +24,8 @@ from contextlib import contextmanager
 from dataclasses import replace
 
 from ..engine.errors import ENDING_SIGNALS, Terminated
-from .commands import (OLLAMA_SET_WORDS, THINK_WORDS, Command, CommandError, Settings, help_text, parse_setting,
-                       split_set, strip_block)
+from .commands import (OLLAMA_SET_WORDS, SETTING_NAMES, THINK_WORDS, Command, CommandError, Settings, help_text,
+                       parse_setting, split_set, strip_block)
 from .render import Output, format_stats
 from .splice import CachedTurn, spliced_prompt
 from .transcript import Conversation, TranscriptError, other_conversation, private_dir, same_file_key
@@ -144,6 +144,7 @@ class ChatSession:
         self.own_files: set[str] = set()   # conversation files this session saved or loaded: /save replaces them
         self.format = None            # compiled structured-output constraint of the answers (/set format), or None
         self.format_label = "off"
+        self.format_spec = None       # the Constraint it was compiled from (/save keeps a schema itself)
         # a Ctrl-C typed with or right after the Enter that sent the next line (the prompt saw it, not the turn):
         # that line's answer starts stopped, as if the Ctrl-C had come a moment later (it was lost: a whole answer)
         self.interrupt_pending = False
@@ -170,8 +171,8 @@ class ChatSession:
 
         try:
             private_dir(os.path.dirname(os.path.abspath(self.recovery_path)))
-            written = self.conv.save(self.recovery_path, meta={"model": self.llm.name, "recovered": True},
-                                     durable=False)
+            written = self.conv.save(self.recovery_path, meta={"model": self.llm.name, "recovered": True,
+                                                               "settings": self.saved_settings()}, durable=False)
             self._recovery_written = (written, _identity(os.stat(written)))
         except (TranscriptError, OSError) as e:
             self.out.notice(f"[cannot keep a recovery copy of the conversation: {e}; /save still works]")
@@ -561,6 +562,7 @@ class ChatSession:
                 setattr(self.settings, key, value)
                 if key == "seed":   # even the same value: the next answer is that seed's own, not seed + answers
                     self.seed_offset = 0
+                self._save_recovery()   # the copy carries the settings too
                 shown = "random" if value is None else json.dumps([*value]) if isinstance(value, tuple) else value
                 self.out.info(f"[{key} = {shown}]")   # a breaker list as /show prints it (JSON)
         elif name == "/show":
@@ -580,7 +582,7 @@ class ChatSession:
                 raise CommandError(f"/save: {same_file_key(arg)} holds {other}: not replaced; /save! {arg} replaces "
                                    "it, or pick another name")
             try:
-                path = self.conv.save(arg, meta={"model": self.llm.name, "settings": vars(self.settings).copy()})
+                path = self.conv.save(arg, meta={"model": self.llm.name, "settings": self.saved_settings()})
             except TranscriptError as e:
                 raise CommandError(f"/save: {e}") from None
             self.own_files.add(same_file_key(path))
@@ -603,12 +605,14 @@ class ChatSession:
                 raise CommandError(f"/load: {arg}: this model cannot take the conversation: {e}") from None
             self.conv = conv
             self.cached_turn = None
+            restored = self.restore_settings(conv.meta.get("settings"), f"/load {arg}")
             self._save_recovery()
             self.own_files.add(same_file_key(arg))
             n = len(conv.turns)
             system = "no system prompt" if conv.system is None else \
                 f"system prompt {_short(conv.system)}" + (" kept (the file has none)" if kept_system else "")
-            self.out.info(f"[loaded {n} turn{'' if n == 1 else 's'} from {arg}; {system}]")
+            restored = f"; settings restored: {', '.join(restored)}" if restored else ""
+            self.out.info(f"[loaded {n} turn{'' if n == 1 else 's'} from {arg}; {system}{restored}]")
             self.prefill_conversation(known=ids, out_of_view=out_of_view)
         elif name == "/retry":
             self.retry()
@@ -647,6 +651,7 @@ class ChatSession:
             raise CommandError(f"/set {'think' if on else 'nothink'}: {self.llm.name}'s chat template does not think")
         self.llm.set_template_kwargs({**self.llm.template_kwargs, "enable_thinking": on})
         self.out.info(f"[thinking {'on' if on else 'off'}]")
+        self._save_recovery()
 
     def set_format(self, value: str) -> None:
         """ollama's words: /set format json (answers are a JSON object), /set format FILE (a JSON Schema file),
@@ -655,8 +660,9 @@ class ChatSession:
         from ..engine.runtime.constraints import Constraint
 
         if value.lower() in ("off", "none", "text"):
-            self.format, self.format_label = None, "off"
+            self.format, self.format_label, self.format_spec = None, "off", None
             self.out.info("[format off: plain text answers]")
+            self._save_recovery()
             return
         try:
             if value.lower() == "json":
@@ -669,11 +675,94 @@ class ChatSession:
                     raise CommandError(f"/set format {value}: {getattr(e, 'strerror', None) or e}"
                                        " (give json, off, or a JSON Schema file)") from None
                 spec = Constraint.json_schema(text, where=f"/set format {value}")
+        except ConstraintError as e:
+            raise CommandError(str(e)) from None
+        self.use_format(spec, value)
+        self.out.info(f"[format = {value}: every answer matches it]")
+        self._save_recovery()
+
+    def use_format(self, spec, label: str) -> None:
+        """Compile `spec` (a Constraint) as the answers' format, named `label`; CommandError when it cannot be."""
+        from ..engine.errors import ConstraintError
+
+        try:
             self.format = self.llm.compile_constraint(spec)
         except ConstraintError as e:
             raise CommandError(str(e)) from None
-        self.format_label = value
-        self.out.info(f"[format = {value}: every answer matches it]")
+        self.format_label, self.format_spec = label, spec
+
+    # ---- the settings /save keeps and /load restores -------------------------------------------
+    def saved_settings(self) -> dict:
+        """Every setting /set changes: the sampling settings, the format (json, or a schema's file name and the
+        schema itself, so it loads where the file is gone) and, on a thinking template, whether it thinks."""
+        d = vars(self.settings).copy()
+        d["dry_sequence_breakers"] = list(self.settings.dry_sequence_breakers)
+        spec = self.format_spec
+        d["format"] = None if spec is None else "json" if spec.kind == "json_object" else \
+            {"file": self.format_label, "schema": json.loads(spec.source)}
+        if self.llm.thinks and "enable_thinking" in self.llm.template_kwargs:
+            d["think"] = bool(self.llm.template_kwargs["enable_thinking"])
+        return d
+
+    def restore_settings(self, saved, where: str) -> list[str]:
+        """Put back what saved_settings() wrote (a file of an older bitchat may hold only some); a value this
+        model or session cannot take is skipped with one line naming it. Returns the changes ("temp 0")."""
+        from ..engine.errors import ConstraintError
+        from ..engine.runtime.constraints import Constraint
+
+        if not isinstance(saved, dict):
+            return []
+        changed, current_format = [], self.saved_settings()["format"]
+
+        def skip(name, why):
+            self.out.notice(f"[{where}: setting {name} not restored: {why}]")
+        for name, value in saved.items():
+            if name == "format":
+                if value == current_format:
+                    continue
+                try:
+                    if value is None:
+                        self.format, self.format_label, self.format_spec = None, "off", None
+                    elif value == "json":
+                        self.use_format(Constraint.json_object(where=f"{where}: format"), "json")
+                    elif isinstance(value, dict) and isinstance(value.get("file"), str) and "schema" in value:
+                        self.use_format(Constraint.json_schema(value["schema"], where=f"{where}: format"),
+                                        value["file"])
+                    else:
+                        skip("format", f"{_short(json.dumps(value))} is not json, off or a schema")
+                        continue
+                except (CommandError, ConstraintError) as e:
+                    skip("format", str(e))
+                    continue
+                changed.append(f"format {self.format_label}")
+            elif name == "think":
+                if not isinstance(value, bool):
+                    skip("think", f"{_short(json.dumps(value))} is not true or false")
+                elif not self.llm.thinks:
+                    skip("think", f"{self.llm.name}'s chat template does not think")
+                elif self.llm.template_kwargs.get("enable_thinking") != value:
+                    self.llm.set_template_kwargs({**self.llm.template_kwargs, "enable_thinking": value})
+                    changed.append("think" if value else "nothink")
+            elif name in SETTING_NAMES:
+                text = "random" if value is None and name == "seed" else \
+                    json.dumps(value) if name == "dry_sequence_breakers" else \
+                    value if isinstance(value, str) and name == "reasoning_budget_message" else \
+                    str(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+                try:
+                    if text is None:
+                        raise CommandError(f"{_short(json.dumps(value))} is not a value of it")
+                    key, typed = parse_setting(name, text, max_tokens_limit=self.llm.n_ctx)
+                except CommandError as e:
+                    skip(name, str(e).removeprefix(f"/set {name}: "))
+                    continue
+                if typed != getattr(self.settings, key):
+                    setattr(self.settings, key, typed)
+                    if key == "seed":
+                        self.seed_offset = 0
+                    shown = "random" if typed is None else json.dumps([*typed]) if isinstance(typed, tuple) \
+                        else f"{typed:g}" if isinstance(typed, float) else typed
+                    changed.append(f"{key} {shown}")
+        return changed
 
     def describe_model(self) -> str:
         llm, c = self.llm, self.llm.config

@@ -111,6 +111,7 @@ class Conversation:
     system: str | None = None
     turns: list[Turn] = field(default_factory=list)
     window_start: int = 0            # index of the oldest turn still rendered into the prompt
+    meta: dict = field(default_factory=dict, compare=False)   # the file's "meta" (the settings /load restores)
 
     # ---- editing -------------------------------------------------------------------------------
     def add_user(self, text: str) -> Turn:
@@ -220,7 +221,8 @@ class Conversation:
         start = d.get("window_start", 0)
         if not isinstance(start, int) or not 0 <= start <= len(turns):
             start = 0
-        return cls(system=system or None, turns=turns, window_start=start)
+        meta = d.get("meta")
+        return cls(system=system or None, turns=turns, window_start=start, meta=meta if isinstance(meta, dict) else {})
 
     def save(self, path: str, meta: dict | None = None, *, durable: bool = True) -> str:
         """Write atomically: temp file in the same directory, fsync, rename, fsync the directory.

@@ -220,6 +220,54 @@ def test_save_load_prefills_and_next_turn_is_cached(llm, tmp_path):
     assert len(s2.conv.turns) == 3
 
 
+def test_load_restores_the_settings_save_kept_and_the_recovery_copy_has_them(llm, tmp_path):
+    """/save keeps every setting /set changes, the format included (a schema itself, so it loads where its file is
+    gone), /load puts them back and says so in its loaded line (it restored none, and format was not saved); the
+    recovery copy carries them too."""
+    import jsonschema
+
+    schema = {"type": "object", "additionalProperties": False, "required": ["mood"],
+              "properties": {"mood": {"enum": ["happy", "sad"]}}}
+    schema_file, saved, rec = tmp_path / "mood.json", tmp_path / "chat.json", tmp_path / "rec.json"
+    schema_file.write_text(json.dumps(schema))
+    s, _ = new_session(llm, max_tokens=40)
+    s.enable_recovery(str(rec))
+    for line in ("/set temp 1.5", "/set seed 42", "/set top_k 5", '/set dry_sequence_breakers ["@@"]',
+                 f"/set format {schema_file}"):
+        s.run_command(parse_command(line))
+    s.ask("How are you?")
+    assert json.loads(rec.read_text())["meta"]["settings"]["seed"] == 42
+    s.run_command(parse_command(f"/save {saved}"))
+    schema_file.unlink()
+
+    fresh, sink = new_session(llm, max_tokens=40)
+    fresh.run_command(parse_command(f"/load {saved}"))
+    st = fresh.settings
+    assert (st.temp, st.seed, st.top_k, st.dry_sequence_breakers) == (1.5, 42, 5, ("@@",))
+    assert fresh.format is not None and fresh.format_label == str(schema_file)
+    loaded = [line for line in sink.getvalue().splitlines() if line.startswith("[loaded 1 turn")]
+    assert loaded and "; settings restored: " in loaded[0], sink.getvalue()
+    for said in ("temp 1.5", "seed 42", "top_k 5", 'dry_sequence_breakers ["@@"]', f"format {schema_file}"):
+        assert said in loaded[0].split("; settings restored: ")[1], loaded[0]
+    fresh.ask("And now?")
+    jsonschema.validate(json.loads(fresh.conv.turns[-1].assistant), schema)
+
+
+def test_load_skips_a_setting_this_model_cannot_take_with_one_line(llm, tmp_path):
+    """A saved setting the current model or context cannot honour (a max_tokens over this context, think on a
+    template that does not think, a value out of range) is skipped with one line naming it; the rest are restored."""
+    path = tmp_path / "chat.json"
+    Conversation(turns=[Turn("Hi?", "Hello.")]).save(str(path), meta={"settings": {
+        "max_tokens": 99999, "think": True, "top_p": 7, "temp": 0.25}})
+    s, sink = new_session(llm)
+    s.run_command(parse_command(f"/load {path}"))
+    out = sink.getvalue()
+    for name in ("max_tokens", "think", "top_p"):
+        assert len([line for line in out.splitlines() if f"setting {name} not restored" in line]) == 1, out
+    assert s.settings.temp == 0.25 and s.settings.max_tokens == 8 and s.settings.top_p != 7
+    assert "settings restored: temp 0.25]" in out
+
+
 def test_save_replaces_another_conversation_only_when_forced(llm, tmp_path):
     """/save over a conversation file this session neither saved nor loaded is refused, naming its turns (a fresh
     bitchat replaced a long conversation with an empty one, in silence); /save! replaces it; the session's own
