@@ -27,8 +27,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
                              "/set noformat: off), "
                              "/set think and /set nothink (a thinking model's <think> block on / off)"),
     "/show": ("[info|system|parameters]", "model information (source file, shape, context) and current settings"),
-    "/save": ("FILE", "save the conversation as JSON (atomic write); /save! FILE replaces another conversation"),
-    "/load": ("FILE", "load a conversation saved with /save and prefill it"),
+    "/save": ("FILE", "save the conversation and its settings as JSON (atomic write); /save! FILE replaces another "
+                      "conversation"),
+    "/load": ("FILE", "load a conversation saved with /save, restore its settings and prefill it"),
     "/retry": ("", "regenerate the last answer"),
     "/stats": ("", "timings of the last answer and of the session"),
     "/bye": ("", "exit (Ctrl-D also exits)"),
