@@ -145,6 +145,7 @@ class ChatSession:
         self.format = None            # compiled structured-output constraint of the answers (/set format), or None
         self.format_label = "off"
         self.format_spec = None       # the Constraint it was compiled from (/save keeps a schema itself)
+        self.jump_forward = True      # a format's forced tokens run as a verified draft (bitnet run --no-jump-forward)
         # a Ctrl-C typed with or right after the Enter that sent the next line (the prompt saw it, not the turn):
         # that line's answer starts stopped, as if the Ctrl-C had come a moment later (it was lost: a whole answer)
         self.interrupt_pending = False
@@ -666,7 +667,7 @@ class ChatSession:
             return
         try:
             if value.lower() == "json":
-                spec = Constraint.json_object(where="/set format json")
+                spec = Constraint.json_object(where="/set format json", jump_forward=self.jump_forward)
             else:
                 try:
                     with open(value, encoding="utf-8") as f:
@@ -674,7 +675,7 @@ class ChatSession:
                 except (OSError, UnicodeDecodeError) as e:
                     raise CommandError(f"/set format {value}: {getattr(e, 'strerror', None) or e}"
                                        " (give json, off, or a JSON Schema file)") from None
-                spec = Constraint.json_schema(text, where=f"/set format {value}")
+                spec = Constraint.json_schema(text, where=f"/set format {value}", jump_forward=self.jump_forward)
         except ConstraintError as e:
             raise CommandError(str(e)) from None
         self.use_format(spec, value)
@@ -724,10 +725,11 @@ class ChatSession:
                     if value is None:
                         self.format, self.format_label, self.format_spec = None, "off", None
                     elif value == "json":
-                        self.use_format(Constraint.json_object(where=f"{where}: format"), "json")
+                        spec = Constraint.json_object(where=f"{where}: format", jump_forward=self.jump_forward)
+                        self.use_format(spec, "json")
                     elif isinstance(value, dict) and isinstance(value.get("file"), str) and "schema" in value:
-                        self.use_format(Constraint.json_schema(value["schema"], where=f"{where}: format"),
-                                        value["file"])
+                        self.use_format(Constraint.json_schema(value["schema"], where=f"{where}: format",
+                                                               jump_forward=self.jump_forward), value["file"])
                     else:
                         skip("format", f"{_short(json.dumps(value))} is not json, off or a schema")
                         continue

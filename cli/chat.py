@@ -258,6 +258,14 @@ def _run(args, settings: Settings, out: Output, interactive: bool, first_message
     session = ChatSession(llm, settings, out, system=args.system, threads=args.threads, model_label=args.model)
     if live is not None:
         live.append(session)
+    session.jump_forward = not getattr(args, "no_jump_forward", False)   # bitnet run -cnv --no-jump-forward
+    if getattr(args, "chat_format", None) is not None:   # bitnet run -cnv -j: the starting /set format
+        from ..chat.commands import CommandError
+        try:
+            session.use_format(args.chat_format, args.chat_format_label)
+        except CommandError as e:
+            print(f"bitchat: error: {e}", file=sys.stderr)
+            return EXIT_BAD_INPUT
     if path:
         session.enable_recovery(path)
     ready = f"bitchat: {llm.name} ready in {load_s:.1f} s ({llm.n_ctx}-token context)."

@@ -94,10 +94,19 @@ def main(args) -> int:
     prompt = _read_prompt(args)
     constraint = constraint_from_args(args)   # a malformed schema or unreadable file: before the model loads
     if args.conversation:
-        for flag, given in (("--json", args.json), ("--ignore-eos", args.ignore_eos), ("--stop", args.stop),
-                            ("-j/--json-schema or --grammar", constraint)):
+        for flag, given in (("--json", args.json), ("--ignore-eos", args.ignore_eos), ("--stop", args.stop)):
             if given:
-                raise BitNetError(f"{flag} does not apply to -cnv/--conversation (the chat has plain text answers that end at the end of a turn)")
+                raise BitNetError(f"{flag} does not apply to -cnv/--conversation (the chat has plain text answers "
+                                  "that end at the end of a turn)")
+        if args.verbose:   # bitchat has no -v: its stats line follows every answer
+            raise BitNetError("-v/--verbose does not apply to -cnv/--conversation (the chat shows each answer's stats "
+                              "line; /stats and /show info say the rest: model, seed, threads)")
+        if constraint is not None and constraint.kind != "json_schema":
+            raise BitNetError("--grammar/--grammar-file does not apply to -cnv/--conversation (its answers take a JSON Schema: "
+                              "-j/--json-schema, --json-schema-file, or /set format inside the chat)")
+        # a JSON Schema is the chat's starting format (/set format FILE's), with its --no-jump-forward
+        args.chat_format = constraint
+        args.chat_format_label = args.json_schema_file or "the -j schema"
         from .chat import run_chat
 
         return run_chat(args, first_message=prompt)

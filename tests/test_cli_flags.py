@@ -120,6 +120,36 @@ def test_conversation_mode_chats_on_stdin_like_bitchat(store, tmp_path):
     assert first.returncode == 0 and first.stdout == chat.stdout, first.stderr
 
 
+def test_conversation_mode_takes_a_schema_as_its_format_and_refuses_what_it_ignored(store, tmp_path):
+    """-cnv -j / --json-schema-file is the chat's starting format (/set format's; it was refused as "plain text
+    answers"), --no-jump-forward is honoured (no forced-token drafts), and -v, which the chat ignored, is refused in
+    one line, as is a GBNF grammar (the chat's formats are JSON Schemas)."""
+    env = dict(os.environ, BITCHAT_HISTORY="", BITCHAT_RECOVERY="", NO_COLOR="1")
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+              "additionalProperties": False}
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(schema))
+    common = ("run", "-m", store, "-cnv", "-n", "40", "--temp", "0", "-t", "1")
+    drafts = {}
+    for extra in ((), ("--no-jump-forward",)):
+        r = bitnet(*common, "--json-schema-file", str(path), *extra, stdin="Hello\n/stats\n/show parameters\n",
+                   env=env)
+        assert r.returncode == 0, r.stderr
+        answer = r.stdout.split("\n")[0]
+        assert isinstance(json.loads(answer)["a"], int), r.stdout   # the schema is in force
+        assert "format=" + str(path) in r.stderr   # /show parameters (a command's output goes to stderr)
+        drafts[extra] = "draft tokens accepted" in r.stderr
+    assert drafts == {(): True, ("--no-jump-forward",): False}
+    r = bitnet(*common, "-j", json.dumps(schema), stdin="Hello\n", env=env)
+    assert r.returncode == 0 and isinstance(json.loads(r.stdout.split("\n")[0])["a"], int), r.stdout + r.stderr
+    for extra, flag in ((("-v",), "-v/--verbose"), (("--grammar", 'root ::= "a"'), "--grammar")):
+        r = bitnet(*common, *extra, stdin="Hello\n", env=env)
+        assert r.returncode == 2 and len(r.stderr.splitlines()) == 1 and flag in r.stderr, r.stderr
+        assert "-cnv" in r.stderr and "Traceback" not in r.stderr
+    r = bitnet(*common, "--grammar", 'root ::= "a"', stdin="Hello\n", env=env)
+    assert "/set format" in r.stderr
+
+
 def test_non_utf8_input_is_one_line_naming_the_byte(store, tmp_path):
     r = bitnet("run", "-m", store, "-p", "-", stdin=b"hello \xff\n")
     err = r.stderr.decode()
