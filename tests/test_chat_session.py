@@ -268,6 +268,25 @@ def test_load_skips_a_setting_this_model_cannot_take_with_one_line(llm, tmp_path
     assert "settings restored: temp 0.25]" in out
 
 
+def test_load_restores_think_on_a_thinking_template(llm, tmp_path):
+    """/set nothink is saved with the conversation and restored by /load on a template that thinks."""
+    from bitnet_cpu.engine.api import load_model
+
+    thinker = load_model(llm.store.path, threads=1, progress=False)
+    thinker.set_chat_template("{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+                              "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}")
+    path = tmp_path / "chat.json"
+    sink = io.StringIO()
+    s = ChatSession(thinker, Settings(temp=0.0, max_tokens=4), Output(sink, sink, interactive=False))
+    s.run_command(parse_command("/set nothink"))
+    s.ask("Hi?")
+    s.run_command(parse_command(f"/save {path}"))
+    s.run_command(parse_command("/set think"))
+    s.run_command(parse_command(f"/load {path}"))
+    assert thinker.template_kwargs["enable_thinking"] is False
+    assert "settings restored: nothink]" in sink.getvalue()
+
+
 def test_save_replaces_another_conversation_only_when_forced(llm, tmp_path):
     """/save over a conversation file this session neither saved nor loaded is refused, naming its turns (a fresh
     bitchat replaced a long conversation with an empty one, in silence); /save! replaces it; the session's own
