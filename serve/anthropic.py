@@ -367,21 +367,20 @@ class MessageBuilder:
                                   delta={"type": "text_delta", "text": content}))
         for c in calls:
             fn = c["function"]
-            if not fn["name"]:   # cut (a stop sequence, max_tokens) before its name: no tool_use to show
-                continue
-            ev += self._close_text()
             try:
                 args = json.loads(fn["arguments"])
-            except ValueError:   # a call cut at max_tokens: its arguments so far are no object
+            except ValueError:   # a call cut (max_tokens, a stop sequence): its arguments so far are no object
                 args = None
+            if not fn["name"] or not isinstance(args, dict):   # a cut call: no tool_use claiming input it never
+                continue                                        # had (it showed {} for a call cut mid-arguments)
+            ev += self._close_text()
             block = {"type": "tool_use", "id": "toolu_" + c["id"].split("_", 1)[-1], "name": fn["name"],
-                     "input": args if isinstance(args, dict) else {}}
+                     "input": args}
             self.content.append(block)
             i = len(self.content) - 1
             ev.append(self._event("content_block_start", index=i, content_block={**block, "input": {}}))
-            if isinstance(args, dict):
-                ev.append(self._event("content_block_delta", index=i,
-                                      delta={"type": "input_json_delta", "partial_json": json.dumps(args)}))
+            ev.append(self._event("content_block_delta", index=i,
+                                  delta={"type": "input_json_delta", "partial_json": json.dumps(args)}))
             ev.append(self._event("content_block_stop", index=i))
         return ev
 

@@ -129,6 +129,25 @@ def test_tool_use_and_tool_results(claude, server):
     assert text_of(m2) == (c2["choices"][0]["message"]["content"] or "")
 
 
+def test_a_cut_call_is_no_tool_use_with_made_up_input(claude):
+    """A call cut mid-arguments (max_tokens) is no tool_use block: one came back with input {} (arguments the model
+    never wrote, missing the schema's required fields), which a client would run. A schema without "type" gets an
+    object's arguments, never an empty input in place of a number."""
+    for n in range(8, 22, 2):
+        m = claude.messages.create(model="any", max_tokens=n, messages=[{"role": "user", "content": Q}], tools=[ADD],
+                                   tool_choice={"type": "tool", "name": "add"}, **GREEDY)
+        for b in m.content:
+            if b.type == "tool_use":
+                jsonschema.validate(b.input, ADD_SCHEMA)
+    untyped = {"name": "f", "input_schema": {"properties": {"a": {"type": "boolean"}}, "required": ["a"]}}
+    m = claude.messages.create(model="any", max_tokens=100, messages=[{"role": "user", "content": Q}],
+                               tools=[untyped], tool_choice={"type": "any"}, **GREEDY)
+    uses = [b for b in m.content if b.type == "tool_use"]
+    assert m.stop_reason == "tool_use" and uses, m
+    for b in uses:
+        assert isinstance(b.input["a"], bool), m
+
+
 def test_a_tool_without_a_description_costs_what_it_costs_on_the_chat_endpoint(server):
     """A tool sent without description reaches the template without one, as from /v1/chat/completions (it got
     "description": "", 13 more prompt tokens on the 2B template than the chat endpoint's same request)."""
@@ -275,7 +294,8 @@ def test_errors_name_the_fields_as_anthropics_api_does(server):
     pipeline's tools[N].function.parameters. An input_schema that is not an object's is refused as Anthropic's
     API refuses it (a string's arguments came back as tool_use input {}, the arguments lost)."""
     unique = {"type": "object", "properties": {"u": {"type": "array", "uniqueItems": True}}}
-    for schema in (unique, {"type": "string"}, {"type": "array", "items": {"type": "boolean"}}):
+    for schema in (unique, {"type": "string"}, {"type": "array", "items": {"type": "boolean"}},
+                   {"anyOf": [{"type": "string"}, {"type": "integer"}]}):
         bad = {"name": "x", "input_schema": schema}
         for path in ("/v1/messages", "/v1/messages/count_tokens"):
             body = {"model": "any", "messages": [{"role": "user", "content": "hi"}], "tools": [ADD, bad]}

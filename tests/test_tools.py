@@ -360,6 +360,37 @@ def test_bad_tools_refused_naming_the_tool():
     with pytest.raises(ConstraintError) as e:
         functions_from_tools(TOOLS + [TOOLS[0]])
     assert e.value.where == "tools[2].function.name"
+    # a top-level anyOf/oneOf with a branch no object can take: no call could ever have those arguments
+    for params in ({"anyOf": [{"type": "string"}, {"type": "integer"}]}, {"oneOf": [{"type": "object"}, {"const": 1}]}):
+        with pytest.raises(ConstraintError) as e:
+            functions_from_tools([{"type": "function", "function": {"name": "s", "parameters": params}}])
+        assert e.value.where == "tools[0].function.parameters" and "Of[" in str(e.value), e.value
+
+
+@pytest.mark.parametrize("params", [{}, {"properties": {"a": {"type": "boolean"}}, "required": ["a"]},
+                                    {"anyOf": [{"required": ["a"]}, {"required": ["b"]}]}])
+def test_parameters_without_a_type_still_give_object_arguments(llm, params):
+    """A schema without "type" (no type, its properties only, an anyOf of untyped branches) is an object's: the
+    grammar held such calls to no type at all, and a call's arguments came back as "0" or "0.1098..."."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": params}}]
+    fmt = tool_format(None)
+    spec = fmt.constraint(functions_from_tools(tools), "required", parallel=False)
+    ids = llm.chat_prompt(Q, tools=tools)
+    ended = 0
+    for seed in range(4):
+        chunks = list(llm.generate(ids, SamplingParams(temperature=1.0, seed=seed), max_tokens=120, constraint=spec))
+        text = "".join(c.text for c in chunks)
+        p = fmt.parser()
+        _, calls = p.feed(text)
+        calls += p.finish()[1]
+        if chunks[-1].finish_reason != "eos":
+            continue   # cut at max_tokens: nothing to check
+        [call] = calls
+        args = json.loads(call["function"]["arguments"])
+        assert isinstance(args, dict), text
+        jsonschema.validate(args, params)
+        ended += 1
+    assert ended, "every call was cut at max_tokens"
 
 
 # ---- through the server --------------------------------------------------------------------------------------

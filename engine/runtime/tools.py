@@ -56,8 +56,9 @@ class Function:
 
 def functions_from_tools(tools: list[dict], where: str = "tools") -> list[Function]:
     """OpenAI's / ollama's `tools` ([{"type": "function", "function": {name, description, parameters}}]) checked:
-    names unique and non-empty, parameters a JSON Schema of objects (its type "object" or not given) that can be
-    enforced (refused naming the tool)."""
+    names unique and non-empty, parameters a JSON Schema of objects (its type "object" or not given, then taken as
+    "object"; a top-level anyOf/oneOf with a branch that cannot be one is refused) that can be enforced (refused
+    naming the tool)."""
     out, seen = [], set()
     for i, t in enumerate(tools):
         fn = t.get("function") if isinstance(t, dict) else None
@@ -81,8 +82,31 @@ def functions_from_tools(tools: list[dict], where: str = "tools") -> list[Functi
             raise ConstraintError(f"{where}[{i}].function.parameters: must be a JSON Schema of type \"object\" (a "
                                   f"call's arguments are an object), not {json.dumps(kind, default=str)[:60]}",
                                   where=f"{where}[{i}].function.parameters")
-        out.append(Function(name, str(fn.get("description") or ""), params))
+        for key in ("anyOf", "oneOf"):   # a branch that is no object's would be dropped unsaid: refused instead
+            branches = params.get(key)
+            bad = next((j for j, b in enumerate(branches) if not _may_be_object(b)), None) \
+                if isinstance(branches, list) else None
+            if bad is not None:
+                raise ConstraintError(f"{where}[{i}].function.parameters: {key}[{bad}] cannot be an object (a "
+                                      "call's arguments are an object)", where=f"{where}[{i}].function.parameters")
+        # the type said, not just checked: without it the grammar took any JSON value ("0", a number) as arguments
+        out.append(Function(name, str(fn.get("description") or ""), {**params, "type": "object"}))
     return out
+
+
+def _may_be_object(schema) -> bool:
+    """Whether a schema branch admits an object at all (its type, const or enum says not)."""
+    if schema is False:
+        return False
+    if not isinstance(schema, dict):
+        return True
+    kind = schema.get("type")
+    if isinstance(kind, str) and kind != "object" or isinstance(kind, list) and "object" not in kind:
+        return False
+    if "const" in schema and not isinstance(schema["const"], dict):
+        return False
+    enum = schema.get("enum")
+    return not (isinstance(enum, list) and not any(isinstance(v, dict) for v in enum))
 
 
 def new_call_id() -> str:
