@@ -655,8 +655,8 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
                     said, calls = parser.feed(content or "")
                     rest, more = parser.finish(finish == "length")
                     delta = tool_delta(i, said + rest, calls + more)
-                if finish == "stop" and n_calls[i] and not parser.cut_call:   # a cut call is not to be run
-                    finish = "tool_calls"
+                if finish == "stop" and n_calls[i]:   # a call cut by a stop string is reported as one cut by
+                    finish = "length" if parser.cut_call else "tool_calls"   # max_tokens: never to be run
             else:
                 delta = {"content": content} if content else {}
             if reasoning:
@@ -682,7 +682,8 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
                 message["content"] = (content + rest) or None if calls else content + rest
                 if calls:
                     message["tool_calls"] = calls
-                    finish = "tool_calls" if finish == "stop" and not parser.cut_call else finish
+                    if finish == "stop":   # a call cut by a stop string: as one cut by max_tokens (length)
+                        finish = "length" if parser.cut_call else "tool_calls"
             return {"index": i, "message": message, "logprobs": logprobs(lps), "finish_reason": finish}
         out = await respond(request, body, streams, q, len(prompt_ids), make_chunk, make_choice, cid)
         return {**head, "object": "chat.completion", **out} if isinstance(out, dict) else out

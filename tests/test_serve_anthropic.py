@@ -139,6 +139,10 @@ def test_a_cut_call_is_no_tool_use_with_made_up_input(claude):
         for b in m.content:
             if b.type == "tool_use":
                 jsonschema.validate(b.input, ADD_SCHEMA)
+    # a stop sequence inside the arguments cuts the call the same way
+    m = claude.messages.create(model="any", max_tokens=100, messages=[{"role": "user", "content": Q}], tools=[ADD],
+                               tool_choice={"type": "tool", "name": "add"}, stop_sequences=['"b"'], **GREEDY)
+    assert m.stop_reason == "stop_sequence" and not [b for b in m.content if b.type == "tool_use"], m
     untyped = {"name": "f", "input_schema": {"properties": {"a": {"type": "boolean"}}, "required": ["a"]}}
     m = claude.messages.create(model="any", max_tokens=100, messages=[{"role": "user", "content": Q}],
                                tools=[untyped], tool_choice={"type": "any"}, **GREEDY)
