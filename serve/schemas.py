@@ -685,6 +685,28 @@ class ChatCompletionRequest(_Sampling):
                                                                    CHAT_TEXT_PARTS))
         return super().unsupported()
 
+    def check_tool_results(self):
+        """RequestProblem (OpenAI's 400s) for a tool message without tool_call_id, with no assistant tool_calls
+        before it, or answering an id none of those calls has: such a result was rendered as an answer to no call.
+        Calls never answered are taken (clients send those mid-conversation)."""
+        ids: set = set()
+        called = False
+        for i, m in enumerate(self.messages):
+            if m.role == "assistant" and m.tool_calls:
+                called = True
+                ids |= {c.id for c in m.tool_calls}
+            if m.role != "tool":
+                continue
+            where = f"messages[{i}].tool_call_id"
+            if m.tool_call_id is None:
+                raise RequestProblem(where, f"Missing required parameter '{where}'.")
+            if not called:
+                raise RequestProblem(where, f"{where}: messages with role 'tool' must be a response to a preceding "
+                                            "message with 'tool_calls'")
+            if None not in ids and m.tool_call_id not in ids:   # calls sent without ids cannot be matched
+                raise RequestProblem(where, f"{where} {m.tool_call_id!r}: no earlier assistant message has a tool "
+                                            "call with that id")
+
     def tool_choice_name(self) -> str:
         """"none" | "auto" | "required" | a function name; OpenAI's default: auto with tools, none without."""
         if self.tool_choice is None:

@@ -558,6 +558,10 @@ def test_allowed_tools_narrow_the_calls_not_the_prompt(client, model_id, server)
             jsonschema.validate(json.loads(c["arguments"]), SCHEMA["add"])
 
 
+CALLED = {"role": "assistant", "content": None, "tool_calls": [
+    {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}]}
+
+
 @pytest.mark.parametrize("body, param", [
     ({"tools": TOOLS, "tool_choice": {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": [
         {"type": "function", "function": {"name": "nope"}}]}}}, "tool_choice"),
@@ -567,6 +571,12 @@ def test_allowed_tools_narrow_the_calls_not_the_prompt(client, model_id, server)
       "tool_choice": "required"}, "tools[2].function.parameters"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
+    # a tool result answers a call of an earlier assistant message, by its id (OpenAI's 400s): it was rendered as
+    # an answer to no call
+    ({"messages": Q + [CALLED, {"role": "tool", "content": "5"}]}, "messages[2].tool_call_id"),
+    ({"messages": Q + [CALLED, {"role": "tool", "tool_call_id": "call_nope", "content": "5"}]},
+     "messages[2].tool_call_id"),
+    ({"messages": Q + [{"role": "tool", "tool_call_id": "call_1", "content": "5"}]}, "messages[1].tool_call_id"),
 ])
 def test_tool_errors_400(server, body, param):
     import httpx
@@ -574,6 +584,23 @@ def test_tool_errors_400(server, body, param):
     r = httpx.post(server.url + "/v1/chat/completions", json={"messages": Q, "max_tokens": 8, **body}, timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.json()
+    if param.startswith("messages"):   # the token count refuses the same body
+        r = httpx.post(server.url + "/v1/chat/completions/input_tokens", json={"messages": Q, **body}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_calls_answered_and_unanswered_are_taken(server):
+    """A result per call, by id, in any order, is taken; so are calls never answered (sent back mid-conversation)."""
+    import httpx
+
+    two = {**CALLED, "tool_calls": CALLED["tool_calls"] + [
+        {"id": "call_2", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 1}'}}]}
+    for msgs in (Q + [two, {"role": "tool", "tool_call_id": "call_2", "content": "2"},
+                      {"role": "tool", "tool_call_id": "call_1", "content": "5"}],
+                 Q + [CALLED, {"role": "user", "content": "Never mind."}]):
+        r = httpx.post(server.url + "/v1/chat/completions", json={"messages": msgs, "tools": TOOLS, "max_tokens": 2},
+                       timeout=60)
+        assert r.status_code == 200, r.text
 
 
 def test_history_calls_in_either_shape_render():
@@ -607,8 +634,25 @@ def test_a_turn_s_tool_results_are_one_message_for_a_template_without_tools():
                    {"role": "tool", "tool_call_id": "c2", "content": "3"}]
     msgs, _ = tool_format(MISTRAL_ALTERNATE).prepare(history, TOOLS)
     assert [m["role"] for m in msgs] == ["system", "user", "assistant", "user"]
-    assert msgs[-1]["content"] == "<tool_response>\n3\n</tool_response>\n<tool_response>\n3\n</tool_response>"
+    assert msgs[-1]["content"].count("<tool_response>\n") == 2 and msgs[-1]["content"].endswith("</tool_response>")
     assert render(MISTRAL_ALTERNATE, msgs)   # the template's alternation check passes
+
+
+def test_a_tool_result_names_the_function_it_answers():
+    """With the default block a result says which function's call it answers (by its tool_call_id): results sent
+    back in another order than the calls reached the model as bare text, each taken as the answer to the call in
+    its place."""
+    calls = [{"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}},
+             {"id": "c2", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}]
+    history = Q + [{"role": "assistant", "content": None, "tool_calls": calls},
+                   {"role": "tool", "tool_call_id": "c2", "content": "cold"},
+                   {"role": "tool", "tool_call_id": "c1", "content": "3"}]
+    msgs, _ = tool_format(None).prepare(history, TOOLS)
+    blocks = re.findall(r"<tool_response>\n(.*?)\n</tool_response>", msgs[-1]["content"], re.S)
+    assert [json.loads(b) for b in blocks] == [{"name": "weather", "content": "cold"}, {"name": "add", "content": "3"}]
+    # a template that renders tools itself gets the messages as sent (it renders the results its own way)
+    native, _ = tool_format(HERMES_TEMPLATE).prepare(history, TOOLS)
+    assert [m["content"] for m in native[-2:]] == ["cold", "3"]
 
 
 MISTRAL_ALTERNATE = (   # the check of Mistral-7B-Instruct's template, with a tools section of its own

@@ -127,8 +127,10 @@ class ToolFormat:
         if self.template_renders_tools:
             return [_native(m) for m in messages], tools
         out: list[dict] = []
+        names = {c.get("id"): c.get("function", c).get("name") for m in messages if m["role"] == "assistant"
+                 for c in m.get("tool_calls") or () if isinstance(c, dict) and c.get("id") is not None}
         for i, m in enumerate(messages):
-            text = self._as_text(m)
+            text = self._as_text(m, names.get(m.get("tool_call_id")) or m.get("name"))
             if m["role"] == "tool" and i and messages[i - 1]["role"] == "tool":   # one turn for a turn's results:
                 out[-1] = {**out[-1], "content": out[-1]["content"] + "\n" + text["content"]}   # templates that
                 continue                                                                   # alternate roles
@@ -145,7 +147,10 @@ class ToolFormat:
     def call_text(self, name: str, arguments) -> str:
         return f"{HERMES_OPEN}\n{_call_json(name, 'arguments', arguments)}\n{HERMES_CLOSE}"
 
-    def _as_text(self, m: dict) -> dict:
+    def _as_text(self, m: dict, answers: str | None = None) -> dict:
+        """answers: for a tool result, the name of the function whose call it answers (from the call its
+        tool_call_id names): the result says it, as Hermes-2-Pro's {"name", "content"}, so results sent back in
+        another order than the calls still reach the model as answers to the right functions."""
         role, content = m["role"], m.get("content") or ""
         # an assistant's earlier thought stays for the template to show or leave out (llama-server's field)
         thought = {"reasoning_content": m["reasoning_content"]} if "reasoning_content" in m else {}
@@ -154,6 +159,8 @@ class ToolFormat:
             calls = "\n".join(self.call_text(f["name"], f.get("arguments") or "{}") for f in fns)
             return {"role": "assistant", "content": (content + "\n" if content else "") + calls, **thought}
         if role == "tool":
+            if isinstance(answers, str) and answers:
+                content = json.dumps({"name": answers, "content": content}, ensure_ascii=False)
             return {"role": "user", "content": f"<tool_response>\n{content}\n</tool_response>"}
         return {"role": role, "content": content, **thought}
 
