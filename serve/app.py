@@ -803,7 +803,12 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
             raise APIError(400, str(e), param=e.param, code="invalid_value") from None
 
     def responses_conversation(body):
-        """(messages, tools, tool choice, allowed tool names) of a Responses request, its text.format checked."""
+        """(messages, tools, tool choice, allowed tool names) of a Responses request, its text.format checked.
+        What is not supported is said first: previous_response_id with a function_call_output was blamed on the
+        output's call_id (no call before it), not on the stored response it pointed to."""
+        bad = body.unsupported()
+        if bad:
+            raise APIError(400, bad[1], param=bad[0], code="unsupported_parameter")
         with translated():
             msgs, tools, choice = body.messages(), body.chat_tools(), body.tool_choice_name()
             body.format_spec()

@@ -211,6 +211,9 @@ def test_text_before_a_call_keeps_its_own_tokens_logprobs():
 
 @pytest.mark.parametrize("extra, param", [
     ({"previous_response_id": "resp_1"}, "previous_response_id"),
+    # an agent loop's second turn: the output answers a call of the stored response, so the cause is that
+    ({"previous_response_id": "resp_1", "input": [{"type": "function_call_output", "call_id": "call_1",
+                                                   "output": "sunny"}]}, "previous_response_id"),
     ({"conversation": "conv_1"}, "conversation"),
     ({"prompt": {"id": "pmpt_1"}}, "prompt"),
     ({"background": True}, "background"),
@@ -254,6 +257,9 @@ def test_what_cannot_be_honoured_is_a_400_naming_it(server, extra, param):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and err["message"], err
+    if "previous_response_id" in extra:   # the token count says the same
+        r = httpx.post(server.url + "/v1/responses/input_tokens", json=body, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
 def test_input_longer_than_the_context_is_a_400(server):
