@@ -21,7 +21,7 @@ from ..engine.runtime.sampling import SamplingParams
 from .logprobs import chat_entry
 from .offload import Streamed, run_off_loop, too_long_for_context
 from .schemas import (CHAIN, MANY_STOPS, SAMPLER_ALIASES, ChatMessage, JSONTyped, RequestProblem, _Sampling,
-                      continuation, unanswered)
+                      continuation, tools_refused, unanswered)
 
 STOP_TYPE = {"eos": "eos", "stop": "word", "length": "limit", "context": "limit", "cancelled": "none"}
 
@@ -40,6 +40,12 @@ class NativeCompletionRequest(_Sampling):
     id_slot: Optional[int] = None  # ignored by design: the scheduler places sequences
     n_keep: Optional[int] = None   # ignored by design: the context never shifts (a prompt over it is refused)
     logit_bias: Union[dict[str, float], list[Any], None] = None
+    tools: Optional[Any] = None   # llama-server ignores these here; refused (tools_refused), never dropped in silence
+    tool_choice: Optional[Any] = None
+    parallel_tool_calls: Optional[Any] = None
+
+    def unsupported(self):
+        return tools_refused(self) or super().unsupported()
 
     @field_validator("temperature", mode="before")
     @classmethod

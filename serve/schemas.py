@@ -49,6 +49,18 @@ REFUSED = {
     "truncate_prompt_tokens": "truncate_prompt_tokens (vLLM's) is not supported: a prompt is never cut here (one "
                               "over the context is a 400)",
 }
+# the tool fields on a completion endpoint (text in, text out: no messages to carry calls and results); taken, they
+# were ignored, even tool_choice "required"
+TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls", "functions", "function_call")
+TOOLS_ELSEWHERE = "only /v1/chat/completions (and /v1/responses, /v1/messages, /api/chat) take tools"
+
+
+def tools_refused(body) -> tuple[str, str] | None:
+    """(param, message) for the first tool field a completion request (/v1/completions, /completion) gives."""
+    name = next((n for n in TOOL_FIELDS if getattr(body, n, None) is not None), None)
+    return None if name is None else (name, f"{name}: {TOOLS_ELSEWHERE}")
+
+
 # The one range that differs from the engine's on purpose: OpenAI's API takes temperature in [0, 2] only (the
 # engine and llama.cpp take any >= 0), and a client written against OpenAI should get the same 400 here.
 OPENAI_MAX_TEMPERATURE = 2.0
@@ -733,6 +745,9 @@ class CompletionRequest(_Sampling):
     echo: bool = False
     best_of: Optional[int] = None
     suffix: Optional[str] = None
+    tools: Optional[Any] = None               # refused (tools_refused): read, so they are not dropped in silence
+    tool_choice: Optional[Any] = None
+    parallel_tool_calls: Optional[Any] = None
 
     def limit(self) -> Optional[int]:
         return self.max_tokens if self.max_tokens is not None else self.predict_limit(16)   # OpenAI's default: 16
@@ -741,6 +756,8 @@ class CompletionRequest(_Sampling):
         return self.logprobs
 
     def unsupported(self):
+        if bad := tools_refused(self):
+            return bad
         if self.best_of not in (None, 1):
             return "best_of", "only best_of=1 is supported"
         if self.suffix:

@@ -589,6 +589,20 @@ def test_tool_errors_400(server, body, param):
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/completion"])
+@pytest.mark.parametrize("field, value", [("tools", TOOLS), ("tool_choice", "required"), ("parallel_tool_calls", False),
+                                          ("functions", [TOOLS[0]["function"]]), ("function_call", "auto")])
+def test_completion_endpoints_refuse_tools(server, path, field, value):
+    """Text completion has no messages to carry calls: tools there were ignored (200 plain text, even with
+    tool_choice required), and functions' 400 told the client to send tools, which that endpoint then ignored."""
+    import httpx
+
+    r = httpx.post(server.url + path, json={"prompt": "Hi", "max_tokens": 2, field: value}, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == field and "/v1/chat/completions" in err["message"], err
+
+
 def test_calls_answered_and_unanswered_are_taken(server):
     """A result per call, by id, in any order, is taken; so are calls never answered (sent back mid-conversation)."""
     import httpx
