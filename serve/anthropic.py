@@ -139,13 +139,19 @@ class _Conversation(BaseModel):
         out = []
         for i, t in enumerate(self.tools):
             kind = t.get("type", "custom") if isinstance(t, dict) else None
-            if kind != "custom" or not isinstance(t.get("name"), str):
+            if kind != "custom":
                 raise RequestProblem(f"tools.{i}", f"tools.{i}: only custom tools ({{name, description, "
                                      f"input_schema}}) run here, not {kind!r} (server tools run on Anthropic's)")
+            # a custom tool's own fields, as Anthropic's API names them (a missing name was blamed on the type)
+            if not isinstance(t.get("name"), str):
+                raise RequestProblem(f"tools.{i}.name", f"tools.{i}.name: required (a string)")
+            if not isinstance(t.get("input_schema"), dict):
+                raise RequestProblem(f"tools.{i}.input_schema", f"tools.{i}.input_schema: required (a JSON Schema "
+                                     "object; {\"type\": \"object\"} for a tool without arguments)")
             # a description left out stays out (an empty one wrote "description": "" into the prompt: other tokens
             # than the chat endpoint's); the keys in the chat shape's order, which the template renders as they come
             fn = {"name": t["name"], **({"description": t["description"]} if t.get("description") is not None else {}),
-                  "parameters": t.get("input_schema") or {"type": "object", "properties": {}}}
+                  "parameters": t["input_schema"]}
             out.append({"type": "function", "function": fn})
         return out
 

@@ -312,6 +312,22 @@ def test_errors_name_the_fields_as_anthropics_api_does(server):
 
 
 
+@pytest.mark.parametrize("tool, field", [({"input_schema": ADD_SCHEMA}, "tools.0.name"),
+                                         ({"name": 5, "input_schema": ADD_SCHEMA}, "tools.0.name"),
+                                         ({"name": "add"}, "tools.0.input_schema"),
+                                         ({"name": "add", "input_schema": None}, "tools.0.input_schema")])
+def test_a_custom_tool_s_missing_field_is_named(server, tool, field):
+    """A custom tool without its name (or input_schema) is a 400 naming that field, as Anthropic's API answers: a
+    missing name was blamed on the tool's type ("only custom tools ... not 'custom'"), a missing input_schema taken."""
+    for path in ("/v1/messages", "/v1/messages/count_tokens"):
+        body = {"model": "any", "messages": [{"role": "user", "content": "hi"}], "tools": [tool]}
+        r = httpx.post(server.url + path, json={**body, "max_tokens": 4} if path == "/v1/messages" else body,
+                       timeout=60)
+        assert r.status_code == 400, r.text
+        message = r.json()["error"]["message"]
+        assert message.startswith(field + ":") and "custom" not in message, message
+
+
 def test_count_tokens_refuses_what_messages_refuses(server):
     """thinking with a forced tool use is Anthropic's 400 on both endpoints."""
     body = {"model": "any", "messages": [{"role": "user", "content": "hi"}], "tools": [ADD],
