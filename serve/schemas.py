@@ -697,6 +697,18 @@ class ChatCompletionRequest(_Sampling):
                                                                    CHAT_TEXT_PARTS))
         return super().unsupported()
 
+    def check_tool_shapes(self):
+        """RequestProblem (OpenAI's 400s) for a tool without its "type", or an assistant's call whose arguments are
+        not the JSON string OpenAI's API sends (an object was taken here, and refused by every other server)."""
+        for i, t in enumerate(self.tools or ()):
+            if isinstance(t, dict) and "type" not in t:
+                raise RequestProblem(f"tools[{i}].type", f"Missing required parameter: 'tools[{i}].type'.")
+        for i, m in enumerate(self.messages):
+            for j, c in enumerate(m.tool_calls or ()):
+                if not isinstance(c.function.arguments, str):
+                    where = f"messages[{i}].tool_calls[{j}].function.arguments"
+                    raise RequestProblem(where, f"{where}: a JSON string (the arguments as JSON text), not an object")
+
     def check_tool_results(self):
         """RequestProblem (OpenAI's 400s) for a tool message without tool_call_id, with no assistant tool_calls
         before it, or answering an id none of those calls has: such a result was rendered as an answer to no call.

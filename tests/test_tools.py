@@ -577,6 +577,11 @@ CALLED = {"role": "assistant", "content": None, "tool_calls": [
     ({"messages": Q + [CALLED, {"role": "tool", "tool_call_id": "call_nope", "content": "5"}]},
      "messages[2].tool_call_id"),
     ({"messages": Q + [{"role": "tool", "tool_call_id": "call_1", "content": "5"}]}, "messages[1].tool_call_id"),
+    # OpenAI's shapes: a tool's type, and a call's arguments as a JSON string
+    ({"tools": [TOOLS[0], {"function": TOOLS[1]["function"]}]}, "tools[1].type"),
+    ({"messages": Q + [{**CALLED, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+        "name": "add", "arguments": {"a": 2, "b": 3}}}]}, {"role": "tool", "tool_call_id": "call_1", "content": "5"}]},
+     "messages[1].tool_calls[0].function.arguments"),
 ])
 def test_tool_errors_400(server, body, param):
     import httpx
