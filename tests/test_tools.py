@@ -76,6 +76,8 @@ def test_plain_text_passes_and_cut_call_is_a_partial_call():
     assert p.finish(cut=True) == ("", [])
     p = HermesParser()   # ... but a text that ends so at end of text is text
     assert p.feed("x <") == ("x ", []) and p.finish() == ("<", [])
+    p = HermesParser()   # and a lone "<" at a cut too: any text may end so (the cut text is a prefix of the whole)
+    assert p.feed("5 <") == ("5 ", []) and p.finish(cut=True) == ("<", [])
     jp = JsonCallParser()
     assert jp.feed('{"name": "add", "parameters": {"a": 1') == ("", [])
     assert _fn(jp.finish(cut=True)[1]) == [("add", '{"a": 1')]

@@ -415,9 +415,9 @@ class HermesParser:
 
     def finish(self, cut: bool = False) -> tuple[str, list[dict]]:
         """cut: the answer ended at max_tokens or the context (finish reason length), so text held back as the
-        start of <tool_call> was one."""
+        start of <tool_call> was one; a lone "<" stays text (any text may end so: "5 <" lost its "<")."""
         rest, self.buf, self.looked = self.buf, "", 0
-        if self.in_call or (cut and rest and HERMES_OPEN.startswith(rest)):   # cut off inside a call: as far as
+        if self.in_call or (cut and len(rest) > 1 and HERMES_OPEN.startswith(rest)):   # cut inside a call: as far as
             started, self.in_call, self.cut_call = self.in_call, False, True     # it was written, never as text
             body = rest.lstrip() if started else ""
             return "", partial_call(body[1:] if body.startswith("[") else body, "arguments")   # a list: its first
