@@ -113,15 +113,22 @@ def bandwidth(threads: int, mib: int = 512) -> float | None:
 
 
 def ensure_store(cache: str, shape: str = "2b4t", head: str = "q4", weights: str = "t2") -> str:
-    """Our store of the benchmark file with this head and ternary layout (make_models writes the t2 ones; the
-    rest are converted here once, next to them)."""
-    path = model_paths(cache, shape)[f"store_{head}"]
+    """Our store of the benchmark file with this head and ternary layout: the one make_models wrote, or (any
+    head, any layout: a row asked for is measured, never dropped for want of its store) converted here once,
+    next to the others."""
+    paths = model_paths(cache, shape)
+    path = paths[f"store_{head}"]
     if weights != "t2":
         path = path.removesuffix(".bnstore") + f".{weights}.bnstore"
     if not os.path.exists(path):
         from bitnet_cpu.engine.formats.convert import convert
 
-        convert(model_paths(cache, shape)["tq2_0"], path + ".tmp", lm_head=head, weights=weights, progress=False)
+        if not os.path.exists(paths["tq2_0"]):
+            raise SystemExit(f"decode_rows: {paths['tq2_0']} is missing: make it with `python bench/make_models.py "
+                             f"--shape {shape} --cache {cache} --gguf-only`")
+        print(f"converting {paths['tq2_0']} -> {path} (lm head {head}, weights {weights}) ...", file=sys.stderr,
+              flush=True)
+        convert(paths["tq2_0"], path + ".tmp", lm_head=head, weights=weights, progress=False)
         os.replace(path + ".tmp", path)
     return path
 
@@ -140,9 +147,7 @@ def measure(a) -> dict:
     stores = {}   # engine -> (store path, head, weights)
     for wl in a.weights:
         for h in a.heads:
-            p = ensure_store(a.cache, a.shape, h, wl) if (h == "q4" or wl != "t2") else paths[f"store_{h}"]
-            if os.path.exists(p):
-                stores[f"ours_{h}" + ("" if wl == "t2" else f"_{wl}")] = (p, h, wl)
+            stores[f"ours_{h}" + ("" if wl == "t2" else f"_{wl}")] = (ensure_store(a.cache, a.shape, h, wl), h, wl)
     if a.llama_bench:
         have_llama = os.path.exists(paths["tq2_0"])
     else:
@@ -230,6 +235,8 @@ def measure(a) -> dict:
 
 def markdown(res: dict) -> str:
     f = lambda v, fmt: "-" if v is None else format(v, fmt)
+    x = lambda v: "-" if v is None else f"{v:.2f}x"   # a ratio not measured: "-", not "-x"
+    pct = lambda v: "-" if v is None else f"{100 * v:.0f}%"
     out = [f"## Decode per layout / LM head ({res['threads']} threads, {res['tokens']} tokens, best of the run)", "",
            f"Streaming-read bandwidth measured in the same run: {f(res['bandwidth_Bps'] and res['bandwidth_Bps'] / 1e9, '.1f')} GB/s. "
            "The machine was shared with other jobs: compare the ratios, not the absolute numbers."
@@ -242,10 +249,8 @@ def markdown(res: dict) -> str:
            "|---|---|---|---|---|---|" + ("---|" if res.get("bitnet") else "")]
     for r in res["rows"]:
         out.append(f"| {r['engine']} | {r['bytes_per_token'] / 1e6:.2f} MB | {f(r['decode_tps'], '.1f')} | "
-                   f"{f(r['bw_share'] and 100 * r['bw_share'], '.0f')}% | "
-                   f"{f(r.get('adj_share_best') and 100 * r['adj_share_best'], '.0f')}% / "
-                   f"{f(r.get('adj_share_median') and 100 * r['adj_share_median'], '.0f')}% | {f(r['vs_llama'], '.2f')}x |"
-                   + (f" {f(r.get('vs_bitnet'), '.2f')}x |" if res.get("bitnet") else ""))
+                   f"{pct(r['bw_share'])} | {pct(r.get('adj_share_best'))} / {pct(r.get('adj_share_median'))} | "
+                   f"{x(r['vs_llama'])} |" + (f" {x(r.get('vs_bitnet'))} |" if res.get("bitnet") else ""))
     if res["spec"]:
         out += ["", f"### Prompt-lookup speculative decoding ({res['spec_head']} head, greedy, same output)", "",
                 "| prompt | lookup | decode tok/s | drafted | accepted | acceptance | speed-up |", "|---|---|---|---|---|---|---|"]
@@ -256,7 +261,7 @@ def markdown(res: dict) -> str:
                 sp = r.get("decode_tps") / off["decode_tps"] if r.get("decode_tps") and off.get("decode_tps") else None
                 out.append(f"| {'repetitive code' if p == 'code' else 'random ids'} | {name} | "
                            f"{f(r.get('decode_tps'), '.1f')} | {r.get('drafted', '-')} | {r.get('accepted', '-')} | "
-                           f"{f(acc and 100 * acc, '.0f')}% | {f(sp, '.2f')}x |")
+                           f"{pct(acc)} | {x(sp)} |")
     return "\n".join(out) + "\n"
 
 
@@ -284,7 +289,12 @@ def parse_args(argv=None):
     ap.add_argument("--bitnet-bench", metavar="PATH", default=os.environ.get("BITNET_BENCH"),
                     help="bitnet.cpp's llama-bench binary (bench/setup_bitnet_cpp.sh; or $BITNET_BENCH): adds its "
                          "I2_S row and ratio column")
-    return ap.parse_args(argv)
+    a = ap.parse_args(argv)
+    if not a.heads or set(a.heads) - {"q4", "i8", "f16"}:
+        ap.error(f"--heads {','.join(a.heads)!r}: expected a comma list of q4, i8, f16")
+    if not a.weights or set(a.weights) - set(LAYOUT_NAMES):
+        ap.error(f"--weights {','.join(a.weights)!r}: expected a comma list of {', '.join(LAYOUT_NAMES)}")
+    return a
 
 
 def main(argv=None) -> int:
@@ -294,7 +304,11 @@ def main(argv=None) -> int:
         return 0
     res = measure(a)
     print(markdown(res))
-    return 0 if any(r["decode_tps"] for r in res["rows"]) else 1
+    if any(r["decode_tps"] for r in res["rows"]):
+        return 0
+    print("decode_rows: no row was measured" + (" (see the errors above)" if res["rows"] else " (no engine to run)"),
+          file=sys.stderr)
+    return 1
 
 
 if __name__ == "__main__":

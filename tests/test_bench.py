@@ -217,6 +217,29 @@ def test_decode_rows_small(small_models, capsys):
     assert "repetitive code | off" in out and "random ids | --draft-max 4" in out
 
 
+def test_decode_rows_converts_a_missing_store_and_shows_no_ratio_it_lacks(small_models, tmp_path, capsys):
+    """A t2 row whose store make_models did not write (here the f16 head: only the GGUF is in the cache) is
+    converted and measured, not dropped (it printed an empty table and exited 1 without a word); a ratio with
+    nothing to divide by is "-", not "-x"."""
+    import shutil
+
+    import decode_rows  # bench/decode_rows.py
+    import make_models
+
+    cache = str(tmp_path)
+    shutil.copy(small_models["tq2_0"], make_models.model_paths(cache, "small")["tq2_0"])
+    rc = decode_rows.main(["--cache", cache, "--shape", "small", "--heads", "f16", "--weights", "t2", "--no-mmap-rows",
+                           "--tokens", "4", "--repeats", "1", "--threads", "1", "--bw-mib", "8"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    rows = [ln for ln in out.splitlines() if ln.startswith("| ours")]
+    assert len(rows) == 1 and rows[0].startswith("| ours tile16 + f16 head"), out
+    assert os.path.exists(make_models.model_paths(cache, "small")["store_f16"])
+    assert not any(c.strip() == "-x" for ln in out.splitlines() if ln.startswith("|") for c in ln.split("|")), out
+    with pytest.raises(SystemExit):   # a head that does not exist is a usage error, not a KeyError
+        decode_rows.parse_args(["--heads", "q5"])
+
+
 def test_bench_batch_arithmetic():
     from types import SimpleNamespace
 
