@@ -14,14 +14,16 @@ HELP = "measure prompt processing (pp) and generation (tg) speed, llama-bench st
 FORMATS = ("md", "json", "jsonl", "csv")
 
 
-def _int_list(flag: str, minimum: int):
+def _int_list(flag: str, minimum: int | None):
     def parse(text: str) -> list[int]:
         import argparse
         try:
             vals = [int(x) for x in text.split(",") if x.strip()]
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r}: a comma-separated list of integers") from None
-        if not vals or any(v < minimum for v in vals):
+        if not vals:
+            raise argparse.ArgumentTypeError(f"{text!r}: a comma-separated list of integers")
+        if minimum is not None and any(v < minimum for v in vals):
             raise argparse.ArgumentTypeError(f"{text!r}: integers >= {minimum}")
         return vals
     parse.__name__ = flag
@@ -54,9 +56,10 @@ def add_arguments(p):
                    help="generated tokens of each tg test (0: none; default: 128)%(default).0s")
     p.add_argument("-pg", dest="pg", type=_pairs, action="extend", default=None, metavar="PP,TG",
                    help="also a prompt of PP tokens then TG generated, timed together (several: 'A,B;C,D')%(default).0s")
-    p.add_argument("-t", "--threads", type=_int_list("threads", 1), action="extend", default=None,
-                   metavar="N[,N...]",
-                   help="thread counts to test (default: one per physical core, or $OMP_NUM_THREADS)%(default).0s")
+    # 0 or less: the default count, as `bitnet run -t 0` and llama.cpp's -t take it
+    p.add_argument("-t", "--threads", type=_int_list("threads", None), action="extend", default=None,
+                   metavar="N[,N...]", help="thread counts to test (default, also 0 or -1: one per physical core, or "
+                                            "$OMP_NUM_THREADS)%(default).0s")
     p.add_argument("-npl", dest="npl", type=_int_list("npl", 1), action="extend", default=None, metavar="N[,N...]",
                    help="sequences at once: N > 1 runs each test as N sequences batched through the serving "
                         "engine (as llama-batched-bench's -npl); t/s counts every sequence's tokens%(default).0s")
@@ -165,12 +168,17 @@ def record(info: dict, runner, args, pp: int, tg: int, npl: int, times: list, ra
 
 
 class Table:
-    """Rows printed as they come, in the chosen format."""
+    """Rows printed as they come, in the chosen format. The md table adds type_k and type_v after threads when
+    the KV cache is not llama-bench's default f16, as its printer does: a q8 run's table read as an f16 one."""
     COLUMNS = ("model", "size", "params", "backend", "threads", "test", "t/s")
     WIDTHS = (30, 10, 10, 12, 7, 13, 20)
 
-    def __init__(self, fmt: str, out):
+    def __init__(self, fmt: str, out, kv: str = "f16"):
         self.fmt, self.out, self.rows = fmt, out, []
+        if kv != "f16":
+            at = self.COLUMNS.index("test")
+            self.COLUMNS = self.COLUMNS[:at] + ("type_k", "type_v") + self.COLUMNS[at:]
+            self.WIDTHS = self.WIDTHS[:at] + (6, 6) + self.WIDTHS[at:]
 
     def head(self):
         if self.fmt == "md":
@@ -191,6 +199,7 @@ class Table:
             cells = (rec["model_type"], f"{size / 2 ** 30:.2f} GiB" if size >= 2 ** 30 else f"{size / 2 ** 20:.2f} MiB",
                      f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M",
                      f"{rec['backends']} {rec['isa']}", str(rec["n_threads"]),
+                     *((rec["type_k"], rec["type_v"]) if "type_k" in self.COLUMNS else ()),
                      _name(rec["n_prompt"], rec["n_gen"], rec["n_depth"])
                      + (f" x{rec['n_parallel']}" if rec["n_parallel"] > 1 else ""),
                      f"{rec['avg_ts']:.2f} ± {rec['stddev_ts']:.2f}")
@@ -233,6 +242,7 @@ def main(args) -> int:
     from ..engine.api import LookupParams, load_engine, load_model
     from ..engine.errors import BitNetError
     from ..engine.formats.hub import is_hub_ref
+    from .flags import auto_threads
     tests = tests_of(args)
     if not tests:
         raise BitNetError("no tests: every -p and -n is 0 and no -pg was given")
@@ -246,13 +256,13 @@ def main(args) -> int:
     for m in args.model or []:   # every -m before any test: a typo in the last one ended a long run at it
         if not os.path.exists(m) and not is_hub_ref(m):
             raise BitNetError(f"-m {m}: no such file or directory")
-    table = Table(args.output, sys.stdout)
+    table = Table(args.output, sys.stdout, args.kv)
     said_ctx = False
     host = machine()
     started = False
     try:
-        for model, threads, npl in ((m, t, n) for m in args.model or [None] for t in args.threads or [None]
-                                    for n in args.npl or [1]):
+        for model, threads, npl in ((m, auto_threads(t), n) for m in args.model or [None]
+                                    for t in args.threads or [None] for n in args.npl or [1]):
             if npl == 1:   # one sequence: the LLM session, as bitnet run decodes
                 runner = load_model(model, ctx=max(ctx, 16), threads=threads, kv_dtype=args.kv,
                                     progress=sys.stderr.isatty())

@@ -127,7 +127,7 @@ def test_depth_runs_each_test_after_that_many_tokens(store):
 @pytest.mark.parametrize("args, needle", [
     (("-p", "x"), "-p/--n-prompt"),
     (("-p", "-4"), "-p/--n-prompt"),
-    (("-t", "0"), "-t/--threads"),
+    (("-t", "two"), "-t/--threads"),
     (("-npl", "0"), "-npl"),
     (("-pg", "5"), "-pg"),
     (("-p", "0", "-n", "0"), "no tests"),
@@ -138,6 +138,27 @@ def test_bad_flags_are_one_line(store, args, needle):
     r = bench("-m", store, *args)
     assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert len([x for x in r.stderr.splitlines() if "error" in x]) == 1
+
+
+def test_a_kv_type_other_than_f16_has_its_columns(store):
+    """--kv q8: the md table has llama-bench's type_k and type_v columns after threads (an f16 run's table, which
+    has none, was printed for it); the row says q8_0 in both."""
+    r = bench("-m", store, "-p", "8", "-n", "0", "-r", "1", "-t", "1", "--kv", "q8")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    head = [c.strip() for c in lines[0].split("|")[1:-1]]
+    assert head == ["model", "size", "params", "backend", "threads", "type_k", "type_v", "test", "t/s"]
+    assert len(lines[1].split("|")) == len(lines[0].split("|"))
+    row = dict(zip(head, (c.strip() for c in lines[2].split("|")[1:-1])))
+    assert row["type_k"] == row["type_v"] == "q8_0" and row["test"] == "pp8"
+
+
+def test_threads_0_is_the_default_count(store):
+    """-t 0 is the default thread count, as `bitnet run -t 0` takes it (bench refused it: 'integers >= 1')."""
+    from bitnet_cpu.engine.cpu import default_threads
+    r = bench("-m", store, "-p", "8", "-n", "0", "-r", "1", "-t", "0", "-o", "json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)[0]["n_threads"] == default_threads() >= 1
 
 
 def test_a_bad_model_is_found_before_any_test_and_a_failed_run_keeps_its_json_whole(store, tmp_path):
