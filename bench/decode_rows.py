@@ -36,7 +36,7 @@ if ROOT not in sys.path:
 sys.path.insert(0, HERE)
 
 from llama_bench import llama_bench  # noqa: E402
-from make_models import DEFAULT_CACHE, LIMITS, model_paths  # noqa: E402
+from make_models import DEFAULT_CACHE, LIMITS, model_paths, sigterm_unwinds  # noqa: E402
 
 CODE = "".join(f"def get_{f}(self):\n    return self._{f}\n\ndef set_{f}(self, value):\n    self._{f} = value\n\n"
                for f in ("name", "size", "color", "weight", "owner", "price"))
@@ -128,8 +128,9 @@ def ensure_store(cache: str, shape: str = "2b4t", head: str = "q4", weights: str
                              f"--shape {shape} --cache {cache} --gguf-only`")
         print(f"converting {paths['tq2_0']} -> {path} (lm head {head}, weights {weights}) ...", file=sys.stderr,
               flush=True)
-        convert(paths["tq2_0"], path + ".tmp", lm_head=head, weights=weights, progress=False)
-        os.replace(path + ".tmp", path)
+        with sigterm_unwinds():   # a SIGTERM removes the store being written, as in make_models
+            convert(paths["tq2_0"], path + ".tmp", lm_head=head, weights=weights, progress=False)
+            os.replace(path + ".tmp", path)
     return path
 
 

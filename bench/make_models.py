@@ -13,9 +13,12 @@ Everything is streamed tensor by tensor by engine.synth / engine.convert, so mem
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import sys
+import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -83,6 +86,41 @@ def synth_model(shape: str, seed: int = SEED):
     return SynthModel(cfg, seed=seed)
 
 
+@contextlib.contextmanager
+def sigterm_unwinds():
+    """SIGTERM / SIGHUP (a script's `timeout`, a lease ending) unwind as Ctrl-C does while the files are written,
+    as the `bitnet` CLI has them: the store writer removes its temporary file (a hidden .bnstore-* of over 1 GB at
+    the 2B-4T shape was left by the signal's default action) and the script exits 128 + signum. Only in the main
+    thread, and only where the signal still has its default action (a caller's own handler is kept)."""
+    from bitnet_cpu.engine.errors import ENDING_SIGNALS, raise_terminated
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = {s: signal.getsignal(s) for s in ENDING_SIGNALS}
+    mine = [s for s, h in old.items() if h == signal.SIG_DFL]
+    for s in mine:
+        signal.signal(s, raise_terminated)
+    try:
+        yield
+    finally:
+        for s in mine:
+            signal.signal(s, old[s])
+
+
+def _write_whole(path: str, write) -> None:
+    """write(tmp) into path + ".tmp", renamed over path once complete: an interrupted write leaves no partial
+    file under the final name (the next run took it for a finished model)."""
+    tmp = path + ".tmp"
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
 def _human(n: int) -> str:
     return f"{n / (1 << 30):.2f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
 
@@ -93,7 +131,15 @@ def make(cache: str = DEFAULT_CACHE, shape: str = "2b4t", *, tq1: bool = False, 
          only_ik: bool = False) -> dict[str, str]:
     """Create the missing files; return the paths of the ones that exist afterwards. `heads`: which of our
     stores (by LM head) to convert, where `stores` is on (f16 only if `f16` too). only_ik: the IQ2_BN file
-    alone (it is written from the synthetic model, not the TQ2_0 file, so it can be made beside that one)."""
+    alone (it is written from the synthetic model, not the TQ2_0 file, so it can be made beside that one).
+    A SIGTERM meanwhile removes the file being written (sigterm_unwinds)."""
+    with sigterm_unwinds():
+        return _make(cache, shape, tq1=tq1, f16=f16, force=force, progress=progress, stores=stores,
+                     ik_quantize=ik_quantize, heads=heads, only_ik=only_ik)
+
+
+def _make(cache: str, shape: str, *, tq1: bool, f16: bool, force: bool, progress, stores: bool,
+          ik_quantize: str | None, heads: tuple[str, ...], only_ik: bool) -> dict[str, str]:
     from bitnet_cpu.engine.synth import write_gguf_tq
 
     os.makedirs(cache, exist_ok=True)
@@ -112,8 +158,9 @@ def make(cache: str = DEFAULT_CACHE, shape: str = "2b4t", *, tq1: bool = False, 
         t0 = time.perf_counter()
         print(f"writing {p} ...", file=sys.stderr, flush=True)
         # TQ2_0 has a fast numpy packer (identical bytes to gguf's quantizer); TQ1_0 goes through gguf
-        write_gguf_tq(model, p, qtype=key.upper(), embed_type="F16", hidden_activation="relu2",
-                      quantizer="fast" if key == "tq2_0" else "gguf")
+        _write_whole(p, lambda tmp: write_gguf_tq(model, tmp, qtype=key.upper(), embed_type="F16",
+                                                  hidden_activation="relu2",
+                                                  quantizer="fast" if key == "tq2_0" else "gguf"))
         manifest[key] = {"seconds": round(time.perf_counter() - t0, 1), "seed": SEED}
     for head in ("q4", "i8", "f16"):
         key, wanted = f"store_{head}", stores and not only_ik and head in heads and (f16 or head != "f16")
@@ -143,8 +190,8 @@ def make_i2s(cache: str = DEFAULT_CACHE, shape: str = "2b4t") -> str:
     path = model_paths(cache, shape)["i2_s"]
     if not os.path.exists(path):
         print(f"writing {path} ...", file=sys.stderr, flush=True)
-        write_gguf_i2s(synth_model(shape), path + ".tmp", arch="bitnet", pre=None)
-        os.replace(path + ".tmp", path)
+        with sigterm_unwinds():
+            _write_whole(path, lambda tmp: write_gguf_i2s(synth_model(shape), tmp, arch="bitnet", pre=None))
     return path
 
 

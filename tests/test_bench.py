@@ -137,6 +137,27 @@ def test_make_models_converts_only_the_heads_asked_and_the_ik_file_alone(tmp_pat
     assert not (tmp_path / "c").exists()
 
 
+def test_make_models_sigterm_removes_the_store_being_written(small_models, tmp_path):
+    """A SIGTERM while make_models converts (a script's timeout, a lease ending) unwinds as the CLI does: exit 143,
+    no hidden .bnstore-* temporary left (over 1 GB at the 2B-4T shape), no store under the final name. The signal
+    is sent from the conversion's own progress report, so it lands mid-write every time."""
+    import shutil
+    import signal
+
+    import make_models
+
+    cache = str(tmp_path)
+    shutil.copy(small_models["tq2_0"], make_models.model_paths(cache, "small")["tq2_0"])
+    code = ("import os, signal, sys; sys.path.insert(0, sys.argv[1]); import make_models; "
+            "make_models.make(sys.argv[2], 'small', heads=('q4',), "
+            "progress=lambda done, total: os.kill(os.getpid(), signal.SIGTERM))")
+    r = subprocess.run([sys.executable, "-c", code, BENCH, cache], capture_output=True, text=True, timeout=300,
+                       cwd=ROOT, preexec_fn=lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL))
+    assert r.returncode == 128 + signal.SIGTERM and "Traceback" not in r.stderr, (r.returncode, r.stderr)
+    assert not [n for n in os.listdir(cache) if n.startswith(".bnstore-")], os.listdir(cache)
+    assert not os.path.exists(make_models.model_paths(cache, "small")["store_q4"])
+
+
 def test_i2s_file_holds_the_same_weights(small_models):
     """bitnet.cpp's row (decode_rows --bitnet-bench) runs make_i2s's I2_S file: the same ternary matrices and
     scales as the TQ2_0 file llama.cpp runs and our stores are converted from."""
@@ -182,8 +203,15 @@ def test_worker_llama_if_installed(small_models):
 
 
 def test_bench_e2e_orchestrator_small(small_models, tmp_path):
-    """The whole command on the tiny model, our engine only: report, chart and raw JSON are written."""
-    cache = os.path.dirname(small_models["tq2_0"])
+    """The whole command on the tiny model, our engine only: report, chart and raw JSON are written; of our
+    stores only the one it runs is converted (the i8 one was made and never read)."""
+    import shutil
+
+    import make_models
+
+    cache = str(tmp_path / "cache")
+    os.makedirs(cache)
+    shutil.copy(small_models["tq2_0"], make_models.model_paths(cache, "small")["tq2_0"])
     out, png, js = tmp_path / "R.md", tmp_path / "r.png", tmp_path / "r.json"
     r = subprocess.run([sys.executable, os.path.join(BENCH, "bench_e2e.py"), "--quick", "--shape", "small",
                         "--cache", cache, "--engines", "ours", "--ctx", "1024", "--threads", "1", "--bw-mib", "32",
@@ -195,6 +223,8 @@ def test_bench_e2e_orchestrator_small(small_models, tmp_path):
     raw = json.loads(js.read_text())
     assert {s["engine"] for s in raw["sessions"]} == {"ours"} and len(raw["cold"]) == 1 and not raw["failures"]
     assert raw["facts"]["bytes_per_token"] > 0 and raw["facts"]["macs_per_token"] > 0
+    made = make_models.model_paths(cache, "small")
+    assert os.path.exists(made["store_q4"]) and not os.path.exists(made["store_i8"])
 
 
 def test_decode_rows_small(small_models, capsys):
