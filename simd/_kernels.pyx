@@ -160,7 +160,8 @@ def set_isa(name=None):
         bk_set_tiles(BK_TILES_AMX)
         return active()
     if name not in ISA_NAMES:
-        raise IsaChoiceError(f"unknown ISA {name!r}", hint=f"use one of {', '.join(ISA_NAMES)}")
+        # "amx" and "auto" are names set_isa takes besides ISA_NAMES (the hint listed only those)
+        raise IsaChoiceError(f"unknown ISA {name!r}", hint=f"use one of {', '.join(ISA_NAMES + ('amx', 'auto'))}")
     if bk_set_isa(ISA_NAMES.index(name)) != 0:
         raise IsaChoiceError(f"this CPU cannot run the {name!r} kernels",
                           hint=f"it supports: {', '.join(supported_isas())}")

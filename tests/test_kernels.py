@@ -70,6 +70,22 @@ def test_set_isa_rejects_unknown_and_unsupported():
     K.set_isa(None)
 
 
+def test_unknown_isa_hint_names_every_choice():
+    """The hint of an unknown name lists every name set_isa takes ("amx" and "auto" were missing) and only those."""
+    with pytest.raises(KernelError) as e:
+        K.set_isa("bogus")
+    names = [n.strip() for n in e.value.hint.removeprefix("use one of ").split(",")]
+    assert set(names) == set(K.ISA_NAMES) | {"amx", "auto"}, e.value.hint
+    try:
+        for name in names:   # each is known: run here or refused as one this CPU cannot run
+            try:
+                K.set_isa(name)
+            except KernelError as err:
+                assert "unknown ISA" not in str(err), err
+    finally:
+        K.set_isa(None)
+
+
 @pytest.mark.parametrize("name", ISAS)
 def test_bitnet_isa_env_forces_path(name):
     env = dict(os.environ, BITNET_ISA=name)
