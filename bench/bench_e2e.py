@@ -237,7 +237,7 @@ def main(argv=None) -> int:
         peak_note = f"{int8.get('isa')}: " + "; ".join(parts) + \
             f" ({facts['macs_per_token'] / 1e9:.2f} GMAC per token)" if parts else None
     tgt = report.targets(table, facts["bytes_per_token"], lim["bandwidth_Bps"], facts["store_bytes"],
-                         facts["kv_bytes"], a.turns, peak_mac, facts["macs_per_token"])
+                         facts["kv_bytes"], a.turns, peak_mac, facts["macs_per_token"], quoted_shape=a.shape)
 
     def med(key, eng):
         st = (table.get(key) or {}).get(eng)
@@ -289,7 +289,8 @@ def main(argv=None) -> int:
            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
            "git": git_rev(), "machine": machine(llama_version), "threads": a.threads, "limits": lim,
            "peak_note": peak_note, "setup": setup, "repeats": a.repeats, "table": table,
-           "bandwidth_rows": bandwidth_rows, "targets": tgt, "quoted_rows": quoted_rows, "notes": notes}
+           "bandwidth_rows": bandwidth_rows, "targets": tgt, "quoted_rows": quoted_rows, "shape": a.shape,
+           "notes": notes}
     md = report.markdown(ctx)
     if a.profile:
         import profile_ours as bench_profile  # bench/profile_ours.py

@@ -61,6 +61,30 @@ def test_aggregate_pairs_ratios_per_repeat_and_checks_targets():
     assert "1.08x over" in tg["chat TTFT turn 5 within 20% of turn 1"]["note"]
 
 
+def test_quoted_peer_figures_are_not_compared_with_another_shape():
+    """The quoted peer figures are of the 2B-4T shape: a run of another shape (--shape small) shows its ratios to
+    them as n/a, with one line saying why, and the target set against them is n/a (it printed 616.90x and graded
+    the 2B-4T target on a tiny model)."""
+    sessions = [_session("ours", 0, 7000.0, 25000.0, 0.001, 0.002, 50 << 20)]
+    table = report.aggregate(sessions, [], turns=5)
+    kw = dict(ours_bytes_per_token=1 << 20, bandwidth_Bps=1e10, store_bytes=1 << 20, kv_bytes=1 << 20, turns=5,
+              peak_mac_per_s=None, macs_per_token=1e6)
+    name = "prefill 512 vs 2x bitnet.cpp 67.5 tok/s (quoted)"
+    small = {t["target"]: t for t in report.targets(table, **kw, quoted_shape="small")}[name]
+    assert small["status"] == "n/a" and "small" in small["note"] and small["measured"] == "25000.0 tok/s"
+    assert {t["target"]: t for t in report.targets(table, **kw, quoted_shape="2b4t")}[name]["status"] == "met"
+    ctx = {"command": "x", "date": "d", "machine": {"cpu": "c", "cores": 2, "flags": "f", "ram_gib": 1.0,
+                                                     "kernel": "k", "python": "p", "numpy": "n",
+                                                     "kernel_path": "avx2", "llama_cpp": "v"},
+           "threads": 2, "limits": {"bandwidth_Bps": 1e10, "method": "m"}, "setup": [], "repeats": 1,
+           "table": table, "bandwidth_rows": [], "targets": [],
+           "quoted_rows": [{"name": "bitnet.cpp I2_S decode tok/s", "quoted": 12.6, "ours": 7000.0}]}
+    quoted = lambda md: [ln for ln in md.splitlines() if ln.startswith("| bitnet.cpp I2_S decode")]
+    assert quoted(report.markdown(dict(ctx, shape="small"))) == ["| bitnet.cpp I2_S decode tok/s | 12.6 | 7000 | n/a |"]
+    assert "`small` shape" in report.markdown(dict(ctx, shape="small"))
+    assert quoted(report.markdown(dict(ctx, shape="2b4t")))[0].endswith("| 555.56x |")
+
+
 def test_markdown_and_chart(tmp_path):
     sessions = [_session("ours", 0, 30.0, 150.0, 0.4, 0.44, 900 << 20),
                 _session("llama", 0, 10.0, 50.0, 1.0, 1.5, 1200 << 20)]
@@ -220,6 +244,10 @@ def test_bench_e2e_orchestrator_small(small_models, tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     md = out.read_text()
     assert "| prefill 512 tokens | tok/s |" in md and "## Targets" in md and "NOT measured" in md
+    # the quoted 2B-4T peer figures are not divided into a tiny model's results
+    peers = [ln for ln in md.splitlines() if ln.startswith(("| bitnet.cpp I2_S", "| llama.cpp TQ2_0 decode tok/s",
+                                                                  "| llama.cpp TQ2_0 prefill"))]
+    assert peers and all(ln.endswith("| n/a |") for ln in peers), peers
     raw = json.loads(js.read_text())
     assert {s["engine"] for s in raw["sessions"]} == {"ours"} and len(raw["cold"]) == 1 and not raw["failures"]
     assert raw["facts"]["bytes_per_token"] > 0 and raw["facts"]["macs_per_token"] > 0
