@@ -412,3 +412,21 @@ def test_chat_page_says_what_to_do_when_the_conversation_outgrows_the_context(br
         page.keyboard.press("Enter")
         page.wait_for_function("document.querySelectorAll('#log .msg.error').length === 2", timeout=30000)
         assert "lost the connection to the server" in page.locator("#log .msg.error").nth(1).inner_text()
+
+
+def test_chat_page_sends_number_settings_as_typed(browser):
+    """A number field is sent as typed: "1e3" max tokens is 1000 and a top-k of 2.5 reaches the server, whose 400
+    the page shows; the page read both with parseInt, sending 1 and 2 (and "0.5", 0: top-k off) without a word."""
+    with _served(browser, "--parallel", "2") as (s, page):
+        bodies = []
+        page.on("request", lambda r: bodies.append(r.post_data_json) if r.url.endswith("/chat/completions") else None)
+        _load(page, s.url + "/")
+        _set(page, temperature=0, max_tokens="1e3", top_k=40)
+        _ask(page, "What is 12+7?")
+        assert bodies[-1]["max_tokens"] == 1000 and bodies[-1]["top_k"] == 40
+        _set(page, max_tokens=4, top_k=2.5)
+        page.fill("#input", "and 3+4?")
+        page.keyboard.press("Enter")
+        page.wait_for_selector("#log .msg.error", timeout=30000)
+        assert bodies[-1]["top_k"] == 2.5
+        assert "top_k" in page.inner_text("#log .msg.error")
