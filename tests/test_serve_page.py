@@ -430,3 +430,27 @@ def test_chat_page_sends_number_settings_as_typed(browser):
         page.wait_for_selector("#log .msg.error", timeout=30000)
         assert bodies[-1]["top_k"] == 2.5
         assert "top_k" in page.inner_text("#log .msg.error")
+
+
+def test_chat_page_stays_where_the_reader_scrolled(browser, tmp_path_factory):
+    """A long answer streaming: the view follows it while it is at the end, and stays put once the reader
+    scrolls up to read (every token pulled the view back to the bottom)."""
+    from serve_proc import slow_model
+    with _served(browser, "-m", slow_model(tmp_path_factory), "-c", "4096", "--parallel", "2",
+                 viewport={"width": 900, "height": 420}) as (s, page):
+        _load(page, s.url + "/")
+        _set(page, temperature=0, max_tokens=3000)
+        page.fill("#input", "a")
+        page.keyboard.press("Enter")
+        page.wait_for_function("(l => l.scrollHeight > l.clientHeight + 200)(document.getElementById('log'))",
+                               timeout=60000)
+        # followed: the view is at the end while the answer grows past the screen
+        at_end = "(l => l.scrollHeight - l.scrollTop - l.clientHeight < 30)(document.getElementById('log'))"
+        page.wait_for_function(at_end, timeout=10000)
+        page.evaluate("document.getElementById('log').scrollTop = 0")
+        n = len(page.inner_text("#log .msg.assistant .text"))
+        page.wait_for_function(f"document.querySelector('#log .msg.assistant .text').textContent.length > {n + 300}",
+                               timeout=60000)
+        assert page.evaluate("document.getElementById('log').scrollTop") == 0
+        page.click("#stop")
+        page.wait_for_function("document.getElementById('stats').textContent.startsWith('stopped')", timeout=10000)
