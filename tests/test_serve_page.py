@@ -454,3 +454,63 @@ def test_chat_page_stays_where_the_reader_scrolled(browser, tmp_path_factory):
         assert page.evaluate("document.getElementById('log').scrollTop") == 0
         page.click("#stop")
         page.wait_for_function("document.getElementById('stats').textContent.startsWith('stopped')", timeout=10000)
+
+
+def test_chat_page_stop_mid_thought_keeps_the_thought(browser, tmp_path_factory):
+    """Stop while a thinking model is still in its thought: the bubble with the thought stays and the stats say
+    how many tokens came; the page removed it and said "stopped before the first token", the question marked
+    unsent, though the user had watched the thought stream."""
+    from serve_proc import slow_model
+    from test_serve_reasoning import TEMPLATE
+    path = tmp_path_factory.mktemp("think-stop") / "think.jinja"
+    path.write_text(TEMPLATE, encoding="utf-8")
+    with _served(browser, "-m", slow_model(tmp_path_factory), "-c", "4096", "--parallel", "2",
+                 "--chat-template-file", str(path)) as (s, page):
+        bodies = []
+        page.on("request", lambda r: bodies.append(r.post_data_json) if r.url.endswith("/chat/completions") else None)
+        _load(page, s.url + "/")
+        _set(page, temperature=0, max_tokens=3000)
+        page.fill("#input", "a")
+        page.keyboard.press("Enter")
+        page.wait_for_function("document.querySelector('#log .msg.assistant .thought')?.textContent.length > 0",
+                               timeout=30000)
+        page.click("#stop")
+        page.wait_for_function("document.getElementById('stats').textContent.startsWith('stopped')", timeout=10000)
+        assert page.inner_text("#stats").startswith("stopped after ")
+        assert page.inner_text("#log .msg.assistant .thought")
+        assert page.locator("#log .msg.user.unsent").count() == 0
+        _set(page, max_tokens=1)
+        _ask(page, "b")
+        assert [m["role"] for m in bodies[-1]["messages"]] == ["user", "assistant", "user"]
+
+
+def test_chat_page_keeps_a_thought_cut_by_an_error(browser, tmp_path_factory):
+    """A fault while the model is still thinking (BITNET_FAULT_TOKEN, as above): the thought shown so far stays,
+    marked cut off, and the question stays part of the conversation; the page removed both as if nothing came."""
+    from test_serve_reasoning import TEMPLATE
+    path = tmp_path_factory.mktemp("think-fault") / "think.jinja"
+    path.write_text(TEMPLATE, encoding="utf-8")
+    args = ("--parallel", "2", "--chat-template-file", str(path))
+    q = "What is 12+7?"
+    s = Server(*args)
+    try:
+        prompt = httpx.post(s.url + "/apply-template", json={"messages": [{"role": "user", "content": q}]},
+                            timeout=60).json()["prompt"]
+        r = httpx.post(s.url + "/completion", timeout=60, json={
+            "prompt": prompt, "temperature": 0, "n_predict": 16, "return_tokens": True}).json()
+        prompt_ids = httpx.post(s.url + "/tokenize", json={"content": prompt, "add_special": True},
+                                timeout=60).json()["tokens"]
+    finally:
+        assert s.stop()[0] == 0
+    assert "</think>" not in r["content"]   # 16 tokens of the tiny model stay in the thought
+    k, bad = next((k, t) for k, t in enumerate(r["tokens"])
+                  if k >= 3 and t not in prompt_ids and t not in r["tokens"][:k])
+    with _served(browser, *args, env={"BITNET_FAULT_TOKEN": str(bad)}) as (s, page):
+        _load(page, s.url + "/")
+        _set(page, temperature=0, max_tokens=16)
+        page.fill("#input", q)
+        page.keyboard.press("Enter")
+        page.wait_for_selector("#log .msg.error", timeout=30000)
+        assert page.inner_text("#log .msg.assistant .thought")
+        assert page.locator("#log .msg.assistant.cut").count() == 1
+        assert page.locator("#log .msg.user.unsent").count() == 0
