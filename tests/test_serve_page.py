@@ -514,3 +514,25 @@ def test_chat_page_keeps_a_thought_cut_by_an_error(browser, tmp_path_factory):
         assert page.inner_text("#log .msg.assistant .thought")
         assert page.locator("#log .msg.assistant.cut").count() == 1
         assert page.locator("#log .msg.user.unsent").count() == 0
+
+
+def test_chat_page_says_the_key_cannot_be_sent(browser):
+    """An API key with a character an HTTP header cannot carry (a pasted em dash): the page says so, at load and
+    at Send, and keeps the question; fetch threw, and the page said it had lost the connection to the server."""
+    with _served(browser, "--api-key", "page-key", "--parallel", "2") as (s, page):
+        page.goto(s.url + "/")
+        page.wait_for_function("document.getElementById('model').textContent.includes('API key')", timeout=20000)
+        page.fill("#api_key", "page-key\u2014")
+        page.dispatch_event("#api_key", "change")
+        page.wait_for_function("document.getElementById('model').textContent.includes('cannot carry')", timeout=20000)
+        page.fill("#input", "What is 12+7?")
+        page.keyboard.press("Enter")
+        page.wait_for_selector("#log .msg.error", timeout=10000)
+        assert "cannot carry" in page.inner_text("#log .msg.error")
+        assert page.input_value("#input") == "What is 12+7?"
+        page.fill("#api_key", "page-key")
+        page.dispatch_event("#api_key", "change")
+        _ready(page)
+        _set(page, temperature=0, max_tokens=4)
+        _ask(page, "What is 12+7?")
+        assert page.inner_text("#log .msg.assistant .text")
