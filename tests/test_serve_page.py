@@ -536,3 +536,20 @@ def test_chat_page_says_the_key_cannot_be_sent(browser):
         _set(page, temperature=0, max_tokens=4)
         _ask(page, "What is 12+7?")
         assert page.inner_text("#log .msg.assistant .text")
+
+
+def test_chat_page_writes_right_to_left_text_right_to_left(browser):
+    """Hebrew or Arabic typed or answered runs right to left, in the input box and in its bubble, while English
+    beside it stays left to right (everything was laid out left to right: punctuation landed at the wrong end)."""
+    with _served(browser, "--parallel", "2") as (s, page):
+        _load(page, s.url + "/")
+        _set(page, temperature=0, max_tokens=2)
+        page.fill("#input", "שלום, מה שלומך?")
+        assert page.evaluate("getComputedStyle(document.getElementById('input')).direction") == "rtl"
+        page.keyboard.press("Enter")
+        page.wait_for_function("document.getElementById('stats').textContent.includes('finish')", timeout=30000)
+        page.fill("#input", "What is 12+7?")
+        assert page.evaluate("getComputedStyle(document.getElementById('input')).direction") == "ltr"
+        _ask(page, "What is 12+7?")
+        dirs = page.eval_on_selector_all("#log .msg.user .text", "es => es.map(e => getComputedStyle(e).direction)")
+        assert dirs == ["rtl", "ltr"]
