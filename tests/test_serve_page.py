@@ -4,6 +4,7 @@ chat; the screenshot is kept as an artifact (tests/artifacts/serve_chat_page.png
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 
@@ -479,9 +480,13 @@ def test_chat_page_stop_mid_thought_keeps_the_thought(browser, tmp_path_factory)
         assert page.inner_text("#stats").startswith("stopped after ")
         assert page.inner_text("#log .msg.assistant .thought")
         assert page.locator("#log .msg.user.unsent").count() == 0
+        thought = page.inner_text("#log .msg.assistant .thought")
         _set(page, max_tokens=1)
         _ask(page, "b")
         assert [m["role"] for m in bodies[-1]["messages"]] == ["user", "assistant", "user"]
+        page.reload()   # the conversation kept over a reload shows the thought too
+        _ready(page)
+        assert page.locator("#log .msg.assistant .thought").first.inner_text() == thought
 
 
 def test_chat_page_keeps_a_thought_cut_by_an_error(browser, tmp_path_factory):
@@ -553,3 +558,48 @@ def test_chat_page_writes_right_to_left_text_right_to_left(browser):
         _ask(page, "What is 12+7?")
         dirs = page.eval_on_selector_all("#log .msg.user .text", "es => es.map(e => getComputedStyle(e).direction)")
         assert dirs == ["rtl", "ltr"]
+
+
+def test_chat_page_keeps_the_conversation_over_a_reload(browser):
+    """The conversation survives a reload (it was lost; the settings were kept) and goes on from there; "New
+    chat" clears it for good; what is kept is bounded (~1 MB: the oldest turns go) and never holds the key."""
+    with _served(browser, "--api-key", "reload-key", "--parallel", "2") as (s, page):
+        bodies = []
+        page.on("request", lambda r: bodies.append(r.post_data_json) if r.url.endswith("/chat/completions") else None)
+        page.goto(s.url + "/")
+        page.fill("#api_key", "reload-key")
+        page.dispatch_event("#api_key", "change")
+        _ready(page)
+        _set(page, temperature=0, max_tokens=6)
+        _ask(page, "What is 12+7?")
+        _ask(page, "and 3+4?")
+        shown = page.eval_on_selector_all("#log .msg", "es => es.map(e => [e.className, e.innerText])")
+        page.reload()
+        page.fill("#api_key", "reload-key")
+        page.dispatch_event("#api_key", "change")
+        _ready(page)
+        assert page.eval_on_selector_all("#log .msg", "es => es.map(e => [e.className, e.innerText])") == shown
+        assert "reload-key" not in page.evaluate("JSON.stringify(Object.assign({}, localStorage))")
+        _ask(page, "and 5+6?")
+        sent = bodies[-1]["messages"]
+        assert [m["role"] for m in sent] == ["user", "assistant"] * 2 + ["user"]
+        assert [m["content"] for m in sent[::2]] == ["What is 12+7?", "and 3+4?", "and 5+6?"]
+        assert sent[1]["content"] == page.locator("#log .msg.assistant .text").first.inner_text()
+        page.click("#new")
+        page.reload()
+        assert page.locator("#log .msg").count() == 0
+        # three turns of 400 kB kept (another tab, an older page): the next save keeps the newest that fit
+        big = [{"role": r, "content": f"{i}" + "x" * 400000 if r == "user" else f"answer {i}"}
+               for i in range(3) for r in ("user", "assistant")]
+        page.evaluate("t => localStorage.setItem('bitnet.conversation', JSON.stringify(t))", big)
+        page.reload()
+        page.fill("#api_key", "reload-key")
+        page.dispatch_event("#api_key", "change")
+        _ready(page)
+        assert page.locator("#log .msg").count() == 6
+        page.fill("#input", "hello")
+        page.keyboard.press("Enter")
+        page.wait_for_function("!document.getElementById('send').disabled", timeout=60000)
+        kept = page.evaluate("localStorage.getItem('bitnet.conversation')")
+        assert len(kept) <= 1000000
+        assert json.loads(kept)[0]["content"].startswith("1x")
