@@ -603,3 +603,35 @@ def test_chat_page_keeps_the_conversation_over_a_reload(browser):
         kept = page.evaluate("localStorage.getItem('bitnet.conversation')")
         assert len(kept) <= 1000000
         assert json.loads(kept)[0]["content"].startswith("1x")
+
+
+def test_chat_page_reads_the_server_again_after_losing_it(browser):
+    """The server gone (a restart) and back with another context and temperature: the page reads them again
+    once it reaches the server, where the header's ctx and the greyed defaults stayed the old ones until a reload.
+    The page's requests go through a route standing for the one address both servers take in turn."""
+    s1 = Server("--parallel", "2", "-c", "1024", "--temp", "0.3")
+    s2 = Server("--parallel", "2", "-c", "512", "--temp", "0.6")
+    at = {"url": s1.url}
+    try:
+        page = browser.new_page()
+
+        def proxy(route):
+            if at["url"] is None:
+                return route.abort("connectionrefused")
+            route.fulfill(response=route.fetch(url=at["url"] + "/" + route.request.url.split("/", 3)[3]))
+        page.route("**/*", proxy)
+        _load(page, s1.url + "/")
+        assert "ctx 1024" in page.inner_text("#model")
+        page.wait_for_function("document.getElementById('temperature').placeholder === '0.3'", timeout=20000)
+        at["url"] = None
+        page.fill("#input", "What is 12+7?")
+        page.keyboard.press("Enter")
+        page.wait_for_selector("#log .msg.error", timeout=30000)
+        assert "lost the connection" in page.inner_text("#log .msg.error")
+        at["url"] = s2.url
+        page.wait_for_function("document.getElementById('model').textContent.includes('ctx 512')", timeout=20000)
+        page.wait_for_function("document.getElementById('temperature').placeholder === '0.6'", timeout=20000)
+        page.close()
+    finally:
+        codes = s1.stop()[0], s2.stop()[0]
+        assert codes == (0, 0)
