@@ -181,6 +181,7 @@ class Router:
         self.shows: dict[str, bytes] = {}      # /api/show answers by model file and request: never a load again
         self.pulling: set[str] = set()         # hub ids being pulled now (one process each, PULLS_MAX at most)
         self.counts: dict[tuple, int] = {}
+        self.spawned = 0                       # model processes started: numbers each one's log file
         self.draining = False
         self.cond: asyncio.Condition | None = None
         self.client: httpx.AsyncClient | None = None
@@ -444,7 +445,10 @@ class Router:
             self.cond.notify_all()
 
     def _spawn(self, spec: ModelSpec) -> Child:
-        log_path = os.path.join(self.logdir, f"{re.sub(r'[^A-Za-z0-9._-]', '_', spec.name)}.log")
+        # numbered: the name alone, made safe for a file, is not unique ("x y" and "x_y"; every two-character
+        # name of another script), and two loads then wrote one file, each reading the other's load error
+        self.spawned += 1
+        log_path = os.path.join(self.logdir, f"{self.spawned}-{re.sub(r'[^A-Za-z0-9._-]', '_', spec.name)}.log")
         with _listening_socket() as sock, open(log_path, "wb") as log:
             port = sock.getsockname()[1]
             # BITNET_ROUTER_PID: the process ends itself when this one dies, even by SIGKILL; BITNET_LISTEN_FD: it
@@ -537,6 +541,8 @@ class Router:
             await asyncio.to_thread(c.proc.wait)
         finally:
             self.ending.discard(c)
+            with contextlib.suppress(OSError):   # its log is read no more (each load has its own file)
+                os.remove(c.log_path)
             async with self.cond:   # room for a model waiting to load
                 self.cond.notify_all()
 

@@ -297,6 +297,31 @@ def test_a_load_failure_is_said_by_its_error_line_never_a_warning(tmp_path):
     assert Child.log_tail(SimpleNamespace(log_path=str(log))) == "m.gguf: part 2 of 3 of this split GGUF is missing"
 
 
+def test_two_loads_at_once_each_say_their_own_models_error(tmp_path):
+    """Each model process has its own log: "x y" and "x_y" (one name once made safe for a file) shared one, each
+    start truncated the other's, and two that failed at once each gave the other's reason (or both one). Two
+    processes that say their own error and exit, started at once (the router's command is the CLI's to give)."""
+    import asyncio
+
+    from bitnet_cpu.serve.router import ModelSpec, Router, RouterError
+    specs = {name: ModelSpec(name, str(tmp_path / f"{name}.bnstore")) for name in ("x y", "x_y")}
+    script = "import sys, time; time.sleep(0.5); print('bitnet: error: ' + sys.argv[1] + ' is broken'); sys.exit(1)"
+
+    def command(spec, port, key_file):
+        return [sys.executable, "-c", script, spec.name]
+
+    async def both():
+        router = Router(lambda: dict(specs), command, log=lambda line: None)
+        await router.start()
+        try:
+            return await asyncio.gather(*(router.acquire(spec) for spec in specs.values()), return_exceptions=True)
+        finally:
+            await router.close()
+    for name, e in zip(specs, asyncio.run(both())):
+        assert isinstance(e, RouterError) and e.status == 500, (name, e)
+        assert e.message == f"model '{name}' failed to load: {name} is broken", e.message
+
+
 def test_keep_alive_unloads_as_ollama_does(router, models_dir):
     import ollama
 
