@@ -91,6 +91,11 @@ def hub_name(name: str) -> str:
     return name[: -len(":latest")] if name.endswith(":latest") else name
 
 
+def _bare(name: str) -> str:
+    """A model's name less ollama's ":latest" tag (in any case), which names the model without it."""
+    return name[: -len(":latest")] if name.lower().endswith(":latest") else name
+
+
 class RouterError(Exception):
     def __init__(self, status: int, message: str, code: str | None, param: str | None = None,
                  retry_after: int | None = None, allow: str | None = None):
@@ -210,13 +215,18 @@ class Router:
     def find(self, name: str) -> ModelSpec | None:
         """The model a request's name means: its name, with or without ollama's ":latest" tag, in any case (ollama
         matches names case-insensitively; an exact name first, then the one that differs only in case), or a hub
-        id the cache converted."""
-        bare = name[: -len(":latest")] if name.lower().endswith(":latest") else name
-        spec = self.models.get(name) or self.models.get(bare)
+        id the cache converted. ":latest" is no part of a name on either side: a file `solo:latest.bnstore` is
+        `solo` too, as in ollama."""
+        spec = self.models.get(name) or self.models.get(_bare(name))
         if spec is None:
-            folded = [s for n, s in self.models.items() if n.casefold() in (name.casefold(), bare.casefold())]
+            folded = self.alike(name)
             spec = folded[0] if len(folded) == 1 else None
         return spec if spec is not None else self.by_source(name)
+
+    def alike(self, name: str) -> list[ModelSpec]:
+        """The catalog's models named `name` but for case and ollama's ":latest" (several: the name is ambiguous)."""
+        key = _bare(name).casefold()
+        return [s for n, s in self.models.items() if _bare(n).casefold() == key]
 
     async def resolve(self, name) -> ModelSpec:
         if isinstance(name, str) and name:
@@ -226,9 +236,16 @@ class Router:
                     return spec
                 if attempt == 0:   # perhaps new since the last scan
                     await self.refresh(fresh=True)
-            loaded = [c.spec for n, c in self.children.items() if n.casefold() == name.casefold()]
-            if loaded:   # its file is gone but it is still loaded: it can be used and unloaded until the reaper's
-                return loaded[0]   # next round
+            alike = self.alike(name)
+            if len(alike) > 1:   # never whichever of them is loaded now: one name, one answer
+                raise RouterError(404, f"model '{name}' not found: it could be any of "
+                                  f"{', '.join(sorted(s.name for s in alike))} (they differ only in case or "
+                                  "\":latest\"): name one exactly",
+                                  "model_not_found", "model")
+            loaded = [c.spec for n, c in self.children.items() if _bare(n).casefold() == _bare(name).casefold()]
+            loaded = [s for s in loaded if s.name == name] or loaded
+            if len(loaded) == 1:   # its file is gone but it is still loaded: it can be used and unloaded until the
+                return loaded[0]   # reaper's next round
             # ollama's words: its CLI (ollama stop / rm, /load in ollama run) looks for "not found"
             raise RouterError(404, f"model '{name}' not found (models here: {', '.join(sorted(self.models))})",
                               "model_not_found", "model")

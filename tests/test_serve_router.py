@@ -193,6 +193,30 @@ def test_names_as_ollama_matches_them_and_its_heartbeat(router):
         assert httpx.head(router.url + path, timeout=30).status_code == 200, path
 
 
+def test_a_name_of_several_models_is_one_answer_and_latest_is_no_part_of_a_file_name(tmp_path):
+    """"ALPHA" beside alpha and Alpha was a 404 with neither loaded and whichever was loaded otherwise: always the
+    404 now, naming both. A file named solo:latest.bnstore is `solo` too (ollama's NAME:latest is NAME)."""
+    for name in ("alpha", "Alpha", "solo:latest"):
+        shutil.copy(os.path.join(ROOT, "models", "default.bnstore"), tmp_path / f"{name}.bnstore")
+    s = Server("--models-dir", str(tmp_path), "-c", "1024", threads=1)
+    try:
+        def generate(name):
+            return post(s.url, "/api/generate", {"model": name, "prompt": "Hi", "stream": False,
+                                                 "options": {"num_predict": 1}})
+        for name in ("solo", "Solo", "solo:latest"):
+            r = generate(name)
+            assert r.status_code == 200 and r.json()["model"] == "solo:latest", (name, r.text)
+        for loaded_now in (None, "Alpha", "alpha"):
+            if loaded_now is not None:
+                assert generate(loaded_now).json()["model"] == loaded_now
+                assert loaded_now in loaded(s.url)
+            r = generate("ALPHA")
+            assert r.status_code == 404, (loaded_now, r.text)
+            assert "Alpha, alpha" in r.json()["error"], r.text
+    finally:
+        s.stop()
+
+
 def test_show_loads_a_model_once_at_most(router):
     """ollama's /api/show is metadata, asked of every listed model by clients: once answered, asking again never
     loads the model (nor unloads one in use to make room), and the answer is the model's own."""
