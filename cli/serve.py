@@ -45,7 +45,8 @@ def add_arguments(p):
     p.add_argument("-cb", "--cont-batching", dest="cont_batching", action="store_true",
                    help="accepted for llama-server's command lines: batching is always continuous here")
     p.add_argument("--cors-origin", action="append", default=None, metavar="ORIGIN",
-                   help="let web pages from ORIGIN (e.g. https://app.example.com; * = any) call the API from the "
+                   help="let web pages from ORIGIN (e.g. https://app.example.com; null: sandboxed frames and "
+                        "file:// pages; * = any) call the API from the "
                         "browser; pages of this machine (localhost, 127.0.0.1, app://, ...) always may, as with "
                         "ollama; repeatable%(default).0s")
     # what one client may cost (serve/limits.py; docs/serving-limits.md)

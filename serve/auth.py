@@ -189,9 +189,10 @@ def allow_cross_origin(app, origins=(), local_only: bool = False, keyed: bool = 
 
 
 def check_origin(origin: str) -> str | None:
-    """What is wrong with a --cors-origin value, or None."""
-    if origin == "*":
+    """What is wrong with a --cors-origin value, or None. `null` is the origin browsers send for a sandboxed
+    iframe, a file:// page or a redirect across sites: the 403 for it says to name it, so it is one."""
+    if origin in ("*", "null"):
         return None
     if not re.fullmatch(r"[a-z][a-z0-9+.-]*://[^/\s]+/?", origin):
-        return "not an origin (scheme://host[:port], e.g. https://app.example.com, or * for any)"
+        return "not an origin (scheme://host[:port], e.g. https://app.example.com; null; or * for any)"
     return None

@@ -179,6 +179,30 @@ def test_a_page_of_another_site_cannot_make_the_server_work(open_server, origin)
         assert ok.status_code == 200, (headers, ok.text)
 
 
+def test_the_403s_advice_for_a_null_origin_works(open_server, tmp_path):
+    """Browsers send `Origin: null` from sandboxed iframes and file:// pages; the 403 says to start the server with
+    --cors-origin null, which the CLI refused as not an origin. Taken as advised (a single-model server and a
+    router): that origin may call, answered with the `null` browsers need; other sites are refused as before."""
+    r = httpx.post(open_server.url + "/v1/chat/completions", json=BODY, timeout=60, headers={"Origin": "null"})
+    assert r.status_code == 403
+    advice = __import__("re").search(r"start it with (--cors-origin \S+) to allow", r.json()["error"]["message"])
+    flag, value = advice.group(1).split()
+    shutil.copy(os.path.join(ROOT, "models", "default.bnstore"), tmp_path / "tiny.bnstore")
+    for args in ((), ("--models-dir", str(tmp_path))):
+        s = Server(flag, value, *args, threads=1)
+        try:
+            pre = preflight(s.url, "null")
+            assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == "null", (args, pre.text)
+            ok = httpx.post(s.url + "/v1/chat/completions", json={**BODY, "model": "tiny"}, timeout=120,
+                            headers={"Origin": "null"})
+            assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "null", (args, ok.text)
+            bad = httpx.post(s.url + "/v1/chat/completions", json={**BODY, "model": "tiny"}, timeout=60,
+                             headers={"Origin": "https://evil.example"})
+            assert bad.status_code == 403, args
+        finally:
+            s.stop()
+
+
 def test_dns_rebinding_is_refused_on_a_loopback_server(open_server):
     """A site whose name comes to point at 127.0.0.1 is same-origin with its own pages: a loopback-only server
     refuses a Host that is not this machine (ollama's allowed hosts); this machine's names pass, and so does a
