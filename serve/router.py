@@ -317,12 +317,13 @@ class Router:
             code = await proc.wait()
         finally:
             self.pulling.discard(ref)
-            if proc.returncode is None:
+            if proc.returncode is None:   # its client went away (or the server stops): the pull ends with it
+                # said first, with no await before it: a cancelled request's task is cancelled again at each one
+                self.log(f"pull of {ref!r} stopped: " + ("the server is shutting down" if self.draining else
+                                                         "its client went away"))
                 with contextlib.suppress(ProcessLookupError):
                     proc.terminate()
-                with contextlib.suppress(Exception):
-                    await asyncio.wait_for(proc.wait(), 10)
-                self.log(f"pull of {ref!r} stopped: its client went away")
+                self._track(self._end_pull(proc))   # waited for by a task of its own, for the same reason
         if code != 0:
             errors = [ln for ln in lines if ln.startswith("bitnet: error: ")]
             why = errors[-1].removeprefix("bitnet: error: ") if errors else (lines[-1] if lines else f"exit {code}")
@@ -333,6 +334,16 @@ class Router:
         spec = self.by_source(name)
         self.log(f"pulled {ref!r}" + (f": served as '{spec.name}'" if spec else ""))
         yield {"status": "success"}
+
+    async def _end_pull(self, proc):
+        """A stopped pull's process: its exit waited for (SIGKILL if it takes over 10 s), so none is left behind."""
+        try:
+            await asyncio.wait_for(proc.wait(), 10)
+        except asyncio.TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            with contextlib.suppress(Exception):
+                await proc.wait()
 
     def count(self, *key):
         self.counts[key] = self.counts.get(key, 0) + 1

@@ -918,6 +918,35 @@ def test_ollama_pull_reports_the_bytes_of_a_real_download(tmp_path):
         fake.close()
 
 
+def test_a_pull_whose_client_hangs_up_is_said_to_have_stopped(tmp_path):
+    """A pull's client that hung up ended the pull's process, but the log said nothing after "pulling 'o/stuck'"
+    (the line meant to say so was after an await that the cancelled request never got past). A hub that never
+    answers (a socket that listens and accepts nothing) keeps the pull running until the client goes."""
+    import socket
+
+    hub = socket.socket()
+    hub.bind(("127.0.0.1", 0))
+    hub.listen(16)
+    env = {"HF_HUB_CACHE": str(tmp_path / "hub"), "BITNET_CACHE": str(tmp_path / "stores"), "HF_HUB_OFFLINE": "0",
+           "HF_ENDPOINT": f"http://127.0.0.1:{hub.getsockname()[1]}", "HF_HUB_DISABLE_TELEMETRY": "1"}
+    s = Server("--models-cache", "-c", "1024", threads=1, env=env)
+    lines: list = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(s.proc.stderr.readline, "")), daemon=True)
+    reader.start()
+    try:
+        with httpx.stream("POST", s.url + "/api/pull", json={"model": "hf.co/o/stuck"}, timeout=60) as r:
+            for line in r.iter_lines():
+                if "downloading" in line:   # its process runs: the client hangs up
+                    break
+        assert wait_for(lambda: any("pulling 'o/stuck'" in ln for ln in lines))
+        assert wait_for(lambda: any("pull of 'o/stuck' stopped: its client went away" in ln for ln in lines)), lines
+        assert not any("Traceback" in ln for ln in lines), lines
+        assert wait_for(lambda: not children_of(s.proc.pid))   # the pull's process is gone
+    finally:
+        s.stop()
+        hub.close()
+
+
 def test_the_routers_key_guards_every_model(models_dir):
     s = Server("--models-dir", str(models_dir), "--api-key", "sesame", threads=1)
     try:
