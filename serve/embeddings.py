@@ -276,7 +276,7 @@ def llama_prompt_ids(eng, prompts: list) -> list:
 def register(app, state, ready, api_error: type, check_model, *, metrics=None):
     """Add the embeddings routes to `app` (serve/app.py's create_app): ready(request) -> the engine or raises
     api_error; check_model(name) applies --strict-model-name (OpenAI's shape)."""
-    from .ollama import OllamaError, check_model_name, parse_keep_alive, read_object, ready_engine
+    from .ollama import OllamaError, check_model_name, load_wait_ns, parse_keep_alive, read_object, ready_engine
 
     def openai_error(e: Refused):
         return api_error(e.status, e.message, "server_error" if e.status >= 500 else "invalid_request_error",
@@ -363,9 +363,10 @@ def register(app, state, ready, api_error: type, check_model, *, metrics=None):
         ids, vectors = await ollama_vectors(eng, request, texts, "input", truncate is not False)
         if vectors is None:
             return gone()
+        load_ns = load_wait_ns(request)   # the router's wait for this model's load (ollama counts it)
         return await json_answer(lambda: {
             "model": state.model_id, "embeddings": [v.tolist() for v in vectors],
-            "total_duration": max(0, int((time.perf_counter() - t0) * 1e9)), "load_duration": 0,
+            "total_duration": max(0, int((time.perf_counter() - t0) * 1e9)) + load_ns, "load_duration": load_ns,
             "prompt_eval_count": sum(len(t) for t in ids)})
 
     @app.post("/api/embeddings")

@@ -158,6 +158,17 @@ def _ns(seconds: float) -> int:
     return max(0, int(seconds * 1e9))
 
 
+# set by `bitnet serve --models-dir`'s router (which drops it from its clients' requests): the nanoseconds the
+# request waited there for this model's process to load, ollama's load_duration (a single model is loaded before
+# the server answers: 0)
+LOAD_WAIT_HEADER = "x-bitnet-load-wait-ns"
+
+
+def load_wait_ns(request) -> int:
+    value = request.headers.get(LOAD_WAIT_HEADER, "")
+    return min(int(value), 2 ** 63 - 1) if value.isascii() and value.isdigit() else 0
+
+
 def sampling_from_options(options: dict | None, defaults: SamplingParams | None) -> SamplingParams:
     """SamplingParams of ollama's `options` (a field left out takes the server's default); a bad value raises
     OllamaError naming `options.X` with the engine's rule."""
@@ -420,14 +431,16 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
             metrics.prompt_tokens.inc(len(prompt_ids))
         return stream, q
 
-    def final_fields(clock, final):
+    def final_fields(clock, final, load_ns: int = 0):
+        """load_ns: how long the request waited for its model's load (the router's, load_wait_ns): ollama counts
+        it in load_duration and total_duration."""
         st, t0, t_first = final.stats, clock.t0, clock.first
         now = time.perf_counter()
         clock.settle(st.n_generated)
         if metrics is not None:
             metrics.e2e.observe(now - t0)
         return {"done": True, "done_reason": DONE.get(final.finish_reason, "stop"),
-                "total_duration": _ns(now - t0), "load_duration": 0,
+                "total_duration": _ns(now - t0) + load_ns, "load_duration": load_ns,
                 "prompt_eval_count": st.n_prompt, "prompt_eval_duration": _ns((t_first or now) - t0),
                 "eval_count": st.n_generated, "eval_duration": _ns(now - (t_first or now))}
 
@@ -460,6 +473,7 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
         await prepare_sampling(eng, params)   # off the loop: DRY's breaker table scans the vocabulary
         stream, q = submit(eng, body, prompt_ids, constraint, loop, params)
         clock, model = TokenClock(metrics), state.model_id
+        load_ns = load_wait_ns(request)
         text_of = state.token_text(eng)
         n_top = body.top_logprobs or 0
 
@@ -493,7 +507,8 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
                         if ch.finish_reason is not None:
                             final = ch
                             break
-                    obj = {"model": model, "created_at": utc_iso(), **piece(""), **final_fields(clock, final)}
+                    obj = {"model": model, "created_at": utc_iso(), **piece(""),
+                           **final_fields(clock, final, load_ns)}
                     if body.logprobs and said.items[sent:]:   # tokens of no text of their own, said at the end
                         obj["logprobs"] = lp_list(said.items[sent:])
                     if extra_final:
@@ -525,7 +540,8 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
         if bad is not None:   # this request's sequence failed (the others go on), or never started
             return JSONResponse({"error": bad.message}, status_code=bad.status, headers=bad.headers)
         thinking, text, calls = parsed("".join(pieces), final.finish_reason)
-        obj = {"model": model, "created_at": utc_iso(), **piece(text, calls, thinking), **final_fields(clock, final)}
+        obj = {"model": model, "created_at": utc_iso(), **piece(text, calls, thinking),
+               **final_fields(clock, final, load_ns)}
         if body.logprobs:
             obj["logprobs"] = lp_list(said.items)
         if extra_final:

@@ -45,7 +45,8 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from .auth import AuthMiddleware, KeyChecker, allow_cross_origin
 from .limits import Limits, LimitsMiddleware, RouteNorms, error_json
 from .offload import ClientGone, Streamed, unless_gone
-from .ollama import FOREVER, OLLAMA_VERSION, parse_keep_alive  # noqa: F401 - parse_keep_alive: the CLI's
+from .ollama import (FOREVER, LOAD_WAIT_HEADER, OLLAMA_VERSION,  # noqa: F401 - parse_keep_alive: the CLI's
+                     parse_keep_alive)
 from .schemas import model_object, utc_iso
 
 PAGE = os.path.join(os.path.dirname(__file__), "chat.html")
@@ -53,7 +54,8 @@ PULLS_MAX = 2   # ollama's /api/pull processes at once (each downloads and conve
 # hop-by-hop headers, and what this router sets itself on the forwarded request / the response
 REQUEST_DROP = {b"host", b"content-length", b"connection", b"keep-alive", b"transfer-encoding", b"authorization",
                 b"x-api-key", b"upgrade", b"te", b"proxy-authorization",
-                b"origin"}   # the router judged the origin; the model's process answers the router, not a page
+                b"origin",   # the router judged the origin; the model's process answers the router, not a page
+                LOAD_WAIT_HEADER.encode()}   # the router's own word to the model's process, never a client's
 RESPONSE_DROP = {"connection", "keep-alive", "transfer-encoding", "date", "server"}
 
 
@@ -131,6 +133,7 @@ class Child:
         self.keep_alive = FOREVER        # seconds it stays loaded once idle (the last request's keep_alive)
         self.expires = FOREVER           # monotonic time it is unloaded at, if still idle
         self.started = time.monotonic()
+        self.ready_at = math.inf         # monotonic time it became ready (loaded)
         self.info: dict = {}             # its /api/ps entry once loaded: context_length, details
         self.stopping = False
         self.yielding = False            # chosen to make room for a waiting request: takes no new ones meanwhile
@@ -516,6 +519,7 @@ class Router:
             await self._learn(c)
             took = time.monotonic() - c.started
             self.log(f"'{c.spec.name}' loaded in {took:.1f} s")
+            c.ready_at = time.monotonic()
             if not c.ready.done():
                 c.ready.set_result(True)
             return
@@ -1026,6 +1030,7 @@ def create_router_app(router: Router, *, api_keys: tuple = (), limits: Limits | 
                 piece = {"response": ""} if path == "/api/generate" else {"message": {"role": "assistant",
                                                                                        "content": ""}}
                 return {"model": spec.name, "created_at": utc_iso(), **piece, "done": True, "done_reason": "unload"}
+        asked = time.monotonic()
         try:   # a client gone while its model waits for room (or loads) takes its place in the queue with it
             c = await unless_gone(router.acquire(spec, load=request.method == "POST" and any(
                 "POST" in m for m in methods)), request, lost=router.release)
@@ -1037,6 +1042,9 @@ def create_router_app(router: Router, *, api_keys: tuple = (), limits: Limits | 
         router.count("requests", spec.name)
         headers = [(k, v) for k, v in request.headers.raw if k.lower() not in REQUEST_DROP]
         headers.append((b"authorization", f"Bearer {router.key}".encode()))
+        if c.ready_at > asked:   # it waited for its model's load: ollama's load_duration, which the model's
+            # process puts in its answer (it knows nothing of the wait)
+            headers.append((LOAD_WAIT_HEADER.encode(), str(int((c.ready_at - asked) * 1e9)).encode()))
         url = httpx.URL(c.url + path, query=request.url.query.encode())
         try:
             # a non-streamed answer's headers come when its work is done: a client that hangs up before then

@@ -217,6 +217,26 @@ def test_a_name_of_several_models_is_one_answer_and_latest_is_no_part_of_a_file_
         s.stop()
 
 
+@pytest.mark.parametrize("path", ["/api/chat", "/api/generate", "/api/embed"])
+def test_ollamas_load_duration_is_the_wait_for_the_load(router, path):
+    """ollama's load_duration (in total_duration too) is the time a request waited for its model to load: it was
+    0 through the router, also on the request that loaded the model. Once loaded it is 0, and a client cannot
+    set it by sending the router's header to the model's process."""
+    body = {"model": "synth", "stream": False, "options": {"num_predict": 2}}
+    body.update({"/api/chat": {"messages": CHAT}, "/api/generate": {"prompt": "Hi"},
+                 "/api/embed": {"input": "Hi"}}[path])
+    post(router.url, "/models/unload", {"model": "synth"})
+    assert wait_for(lambda: "synth" not in loaded(router.url))
+    t0 = time.monotonic()
+    cold = post(router.url, path, body)
+    wall = (time.monotonic() - t0) * 1e9
+    assert cold.status_code == 200, cold.text
+    cold = cold.json()
+    assert 0 < cold["load_duration"] < cold["total_duration"] <= wall, cold
+    warm = post(router.url, path, body, headers={"x-bitnet-load-wait-ns": "123456789000"}).json()
+    assert warm["load_duration"] == 0 and warm["total_duration"] > 0, warm
+
+
 def test_show_loads_a_model_once_at_most(router):
     """ollama's /api/show is metadata, asked of every listed model by clients: once answered, asking again never
     loads the model (nor unloads one in use to make room), and the answer is the model's own."""
