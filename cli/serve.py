@@ -334,13 +334,18 @@ def main(args) -> int:
             server.force_exit = True
             return
         app.state.bitnet.draining = True  # stop admitting; /health says 503 to load balancers
-        t = threading.Timer(args.drain_timeout if len(signals) == 1 else 0.0, app.state.bitnet.drain)
+        t = threading.Timer(args.drain_timeout if len(signals) == 1 else 0.0, deadline)
         t.daemon = True
         t.start()
 
+    def deadline():
+        app.state.bitnet.drain()
+        protocol.stopping()   # a client that reads nothing would hold its handler's last send past uvicorn's timeout
+
+    protocol = guarded_protocol(limits)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.drain_timeout + 2, lifespan="on",
-                            http=guarded_protocol(limits), timeout_keep_alive=args.keep_alive_timeout,
+                            http=protocol, timeout_keep_alive=args.keep_alive_timeout,
                             h11_max_incomplete_event_size=limits.max_header_bytes)
     server = Server(config)
     sock = inherited_socket() or bind_port(args.host, args.port)   # a port in use: one line before the load
@@ -528,10 +533,15 @@ def serve_models(args, keys: tuple) -> int:
             server.force_exit = True
         server.should_exit = True
         router.begin_drain()   # each model's process finishes its streams (within --drain-timeout) and exits
+        import threading
+        t = threading.Timer(args.drain_timeout if len(router_signals) == 1 else 0.0, protocol.stopping)
+        t.daemon = True   # then clients that read nothing are cut, as in main()
+        t.start()
 
+    protocol = guarded_protocol(limits)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.drain_timeout + 2, lifespan="on",
-                            http=guarded_protocol(limits), timeout_keep_alive=args.keep_alive_timeout,
+                            http=protocol, timeout_keep_alive=args.keep_alive_timeout,
                             h11_max_incomplete_event_size=limits.max_header_bytes)
     server = Server(config)
     for sig in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)):   # SIGHUP: its terminal closed

@@ -23,12 +23,14 @@ import asyncio
 import ctypes
 import ctypes.util
 import json
+import sys
 import time
 from dataclasses import dataclass
 
 from .offload import within
 
 MiB = 1 << 20
+STOP_GRACE = 0.5   # after the drain's deadline, what a client may go without taking a byte (uvicorn cancels at +2 s)
 
 
 @dataclass(frozen=True)
@@ -351,17 +353,37 @@ def guarded_protocol(limits: Limits, base=None):
     uvicorn.Config(http=...). The send timeout: a client that takes nothing of what is written to it for
     limits.send_timeout (the transport paused the whole time: its buffer full) is cut off (transport.abort()).
     Without it such a client held its connection for ever, a finished answer's megabytes with it, and counted
-    against --max-connections: that many of them locked everyone else out."""
+    against --max-connections: that many of them locked everyone else out.
+    The class's `stopping()` (any thread; the drain's deadline calls it) cuts, from then on, each connection whose
+    unsent bytes have not shrunk for STOP_GRACE s: a client reading nothing held its handler's last send (the send
+    timeout is longer than the drain) until uvicorn's graceful-shutdown timeout cancelled the handler and logged
+    a traceback."""
     if base is None:
         try:
             from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
         except ImportError:
             from uvicorn.protocols.http.h11_impl import H11Protocol as base
 
+    live: set = set()              # the open connections, for stopping()
+    shared = {"loop": None}        # the server's event loop (stopping() may be called from another thread)
+
     class GuardedProtocol(base):
+        @staticmethod
+        def stopping():
+            loop = shared["loop"]
+            if loop is None:
+                return
+            try:
+                loop.call_soon_threadsafe(lambda: [p._watch_stop() for p in list(live) if p._stop_timer is None])
+            except RuntimeError:   # the loop has already closed: nothing is left to cut
+                pass
+
         def connection_made(self, transport):
             super().connection_made(transport)
+            shared["loop"] = self.loop
+            live.add(self)
             self._timer = None
+            self._stop_timer = None
             self._send_timer = None
             self._send_left = 0
             self._rejected = False
@@ -465,7 +487,27 @@ def guarded_protocol(limits: Limits, base=None):
                 return
             self.transport.abort()   # nothing taken for a whole send_timeout: connection_lost follows
 
+        def _watch_stop(self, last=None):
+            """While stopping: a connection whose unsent bytes have not shrunk since the last look is cut (its
+            handler's send returns, the client sees the connection close), so the drain ends within its deadline."""
+            self._stop_timer = None
+            if self.transport.is_closing() and not self.transport.get_write_buffer_size():
+                return   # closed, or closing with nothing left to send: connection_lost follows
+            left = self.transport.get_write_buffer_size()
+            if last and left >= last:   # bytes pending at the last look, and none taken since
+                peer = self.transport.get_extra_info("peername")
+                who = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) and len(peer) >= 2 else "a client"
+                print(f"bitnet serve: stopping: closed the connection of {who}, which took nothing of its answer "
+                      f"for {STOP_GRACE:g} s", file=sys.stderr, flush=True)
+                self.transport.abort()
+                return
+            self._stop_timer = self.loop.call_later(STOP_GRACE, self._watch_stop, left)
+
         def connection_lost(self, exc):
+            live.discard(self)
+            if self._stop_timer is not None:
+                self._stop_timer.cancel()
+                self._stop_timer = None
             self._disarm()
             self._stop_send_timer()
             super().connection_lost(exc)

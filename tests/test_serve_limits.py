@@ -535,6 +535,38 @@ def test_sigterm_under_load_drains_and_exits_0(tmp_path_factory, signals):
     assert len(made) == 4 and max(made) < 3000, made   # cut short by the drain, not run to the end
 
 
+def test_sigterm_with_a_client_that_reads_nothing_ends_without_a_traceback(tmp_path_factory):
+    """SIGTERM while a stream's client reads nothing (its socket buffer full): the handler's last send waited on
+    the paused connection (--send-timeout is longer than the drain) until uvicorn's graceful-shutdown timeout
+    cancelled it ("Exception in ASGI application", a CancelledError traceback). At the drain's deadline such a
+    client is now cut: one line names it, the process exits 0, and the client sees its connection close."""
+    import signal
+    s = Server("-m", slow_model(tmp_path_factory), "-c", "4096", "--parallel", "8", "--drain-timeout", "1")
+    # ~1.5 KB an event (20 logprobs): 8 x 500 of them are more than the socket buffers hold (4 MiB at most here)
+    body = json.dumps({"messages": [{"role": "user", "content": "a"}], "max_tokens": 3000, "temperature": 0,
+                       "ignore_eos": True, "stream": True, "logprobs": True, "top_logprobs": 20, "n": 8}).encode()
+    c = socket.socket()
+    try:
+        c.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+        c.connect(("127.0.0.1", s.port))
+        c.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)   # and never read
+        deadline = time.monotonic() + 60   # until far more was made than the socket buffers hold
+        while time.monotonic() < deadline:
+            slots = httpx.get(s.url + "/slots").json()["slots"]
+            if len(slots) == 8 and min(x["n_generated"] for x in slots) >= 500:
+                break
+            time.sleep(0.1)
+        s.proc.send_signal(signal.SIGTERM)
+        rc, err = s.stop(sig=None, timeout=60)
+    finally:
+        c.close()
+    assert rc == 0, err[-2000:]
+    assert "Traceback" not in err and "Exception in ASGI" not in err and "graceful shutdown exceeded" not in err, \
+        err[-3000:]
+    assert err.count("took nothing of its answer") == 1, err[-2000:]
+
+
 def test_sigterm_refuses_what_never_started_with_503(tmp_path_factory):
     """SIGTERM with one request running and others queued behind it (--parallel 1): the running one gets its
     answer cut short (200), each queued one a 503 to retry, in its API's shape (they got an empty 200 "stop",
