@@ -37,7 +37,7 @@ from .offload import (BodyRefused, ClientGone, Streamed, next_or_gone, offloop_r
                       prompt_body_bound, run_off_loop, too_long_for_context, unless_gone, warm_bounds)
 from .responses import STORED_RESPONSE_ROUTES, ResponseBuilder, ResponsesRequest, not_stored, responses_names
 from .llama_api import timings_of as llama_timings
-from .schemas import (ENGINE_FAULT, ChatCompletionRequest, CompletionRequest, RequestProblem, continuation, error_where,
+from .schemas import (ChatCompletionRequest, CompletionRequest, RequestProblem, continuation, error_where,
                       main_error, model_object, overflow_message, unanswered)
 
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context": "length", "cancelled": "stop"}
@@ -721,6 +721,7 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         loop = asyncio.get_running_loop()
         streams, q = [], asyncio.Queue()
         n = body.n
+        cid = f"cmpl-{uuid.uuid4().hex[:24]}"   # before the scoring passes: a fault there names it
         try:
             for k, (ids, _, _) in enumerate(prompts):
                 streams += submit(eng, body, ids, loop, constraint, q=q, offset=k * n, params=params)[0]
@@ -728,7 +729,7 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
             if body.echo and body.logprobs is not None:   # every prompt token's logprob: scoring passes beside,
                 # stopped with the answers when the client hangs up (a long prompt's pass runs for many seconds)
                 scores = await unless_gone(asyncio.gather(
-                    *(score_prompt(eng, ids, body.logprobs) for ids, _, _ in prompts)), request)
+                    *(score_prompt(eng, ids, body.logprobs, cid, request.url.path) for ids, _, _ in prompts)), request)
                 for k, ((ids, _, shown), sc) in enumerate(zip(prompts, scores)):
                     echo_lp[k], echo_end[k] = echo_logprobs(state.token_text(eng), ids, sc, shown, body.logprobs)
         except BaseException as e:
@@ -738,7 +739,7 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
             if isinstance(e, ClientGone):
                 return Response(status_code=499)
             raise
-        cid, created, model = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time()), state.model_id
+        created, model = int(time.time()), state.model_id
         head = {"id": cid, "object": "text_completion", "created": created, "model": model, "system_fingerprint": None}
         text_of, offsets = state.token_text(eng), [echo_end[i // n] for i in range(len(streams))]
 
@@ -768,7 +769,7 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
                             make_choice, cid)
         return {**head, **out} if isinstance(out, dict) else out
 
-    async def score_prompt(eng, prompt_ids, top_k):
+    async def score_prompt(eng, prompt_ids, top_k, rid, where):
         """The prompt's per-token TokenLogprobs (engine.submit_score: a prefill-only pass of its own), awaited
         on the event loop; cancelled with the request."""
         from ..engine.errors import QueueFullError
@@ -788,10 +789,9 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         except BaseException:
             req.cancel()
             raise
-        if req.error is not None:
-            if req.error == "cancelled":
-                raise APIError(503, "server is shutting down", "server_error", code="shutting_down")
-            raise APIError(500, ENGINE_FAULT, "server_error", code="engine_error")
+        if req.error is not None:   # as the answers' own ends: a fault names the request, a drain says retry
+            bad = unanswered("unavailable" if req.error == "cancelled" else "error", state.retry_after, rid, where)
+            raise APIError(bad.status, bad.message, bad.type, code=bad.code, headers=bad.headers)
         return req.logprobs
 
     @contextlib.contextmanager

@@ -22,7 +22,7 @@ from pydantic import ConfigDict
 
 from .offload import (NOT_JSON, OFFLOAD_BYTES, BodyRefused, chars_bound, checked_text, loads, next_or_gone,
                       not_json, run_off_loop, too_long_for_context)
-from .schemas import JSONTyped, error_where, main_error, overflow_message
+from .schemas import JSONTyped, error_where, main_error, overflow_message, unanswered
 
 ENGINE_FAULT = "the engine failed while embedding this input (the server goes on; see its log)"
 
@@ -80,9 +80,11 @@ def parse_openai(raw: bytes) -> tuple[EmbeddingRequest, list]:
 class Refused(Exception):
     """A request the endpoint refuses: status, message, the field it is about, OpenAI's error code."""
 
-    def __init__(self, status: int, message: str, param: str | None = "input", code: str = "invalid_value"):
+    def __init__(self, status: int, message: str, param: str | None = "input", code: str = "invalid_value",
+                 type_: str | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.type = type_ or ("server_error" if status >= 500 else "invalid_request_error")   # OpenAI's error type
 
 
 def openai_inputs(value) -> list:
@@ -219,9 +221,11 @@ async def run_embed(eng, state, request: Request, ids: list[list[int]], metrics=
     if got is None:
         return None
     if req.error is not None:
-        if state.draining:
-            raise Refused(503, "server is shutting down", None, "shutting_down")
-        raise Refused(500, ENGINE_FAULT, None, "engine_error")
+        # as the generating routes: a fault is a 500 naming a request id the log names too; one a stopping server
+        # ended (its drain cancels it) is NEVER_STARTED's 503 to retry
+        bad = unanswered("unavailable" if req.error == "cancelled" else "error", state.retry_after, None,
+                         request.url.path, fault=ENGINE_FAULT)
+        raise Refused(bad.status, bad.message, None, bad.code, bad.type)
     return req.vectors
 
 
@@ -279,8 +283,8 @@ def register(app, state, ready, api_error: type, check_model, *, metrics=None):
     from .ollama import OllamaError, check_model_name, load_wait_ns, parse_keep_alive, read_object, ready_engine
 
     def openai_error(e: Refused):
-        return api_error(e.status, e.message, "server_error" if e.status >= 500 else "invalid_request_error",
-                         e.param, e.code, {"Retry-After": str(state.retry_after)} if e.status == 503 else None)
+        return api_error(e.status, e.message, e.type, e.param, e.code,
+                         {"Retry-After": str(state.retry_after)} if e.status == 503 else None)
 
     @app.post("/v1/embeddings", openapi_extra=OPENAPI_BODY)
     async def embeddings(request: Request):

@@ -89,21 +89,21 @@ class Unanswered(NamedTuple):
 
 
 def unanswered(finish_reason: str | None, retry_after: int, rid: str | None = None, where: str = "",
-               seq: int | None = None) -> Unanswered | None:
+               seq: int | None = None, fault: str = ENGINE_FAULT) -> Unanswered | None:
     """How every API refuses a sequence that ended without an answer: "error" (a fault in its forward pass or
     sampling: a 500, the server goes on) or "unavailable" (a stopping server ended it before it had a slot: a 503
     with Retry-After, which clients and load balancers retry: an empty "stop" looked like a model that said
     nothing); None for any other end. A fault is logged (stderr) naming the request id the client got (rid), its
     path (where) and the engine's sequence (seq: the engine's own line names only that), and the message names
     rid, so an operator can find the cause from what the client saw (an API whose answers have no id: one made
-    here, req-...)."""
+    here, req-...). `fault`: the 500's message before the id (the embedding routes' names what they do)."""
     if finish_reason == "error":
         import sys
         import uuid
         rid = rid or f"req-{uuid.uuid4().hex[:24]}"
         print(f"bitnet serve: request {rid} ({where}) failed: the engine ended its sequence"
               f"{'' if seq is None else f' {seq}'} on a fault (the 'bitnet engine' line says why)", file=sys.stderr)
-        return Unanswered(500, f"{ENGINE_FAULT[:-1]}, request {rid})", "server_error", "engine_error", None)
+        return Unanswered(500, f"{fault[:-1]}, request {rid})", "server_error", "engine_error", None)
     if finish_reason == "unavailable":
         return Unanswered(503, NEVER_STARTED, "unavailable_error", "shutting_down",
                           {"Retry-After": str(retry_after)})

@@ -250,3 +250,35 @@ def test_an_engine_fault_names_the_request_in_the_log(store, monkeypatch, capfd)
         ids.append(m.group(1))
         assert any(m.group(1) in line and path in line for line in err.splitlines()), (m.group(1), path, err)
     assert ids[0].startswith("cmpl-") and ids[2].startswith("req-") and len(set(ids)) == 4, ids
+
+
+def test_an_engine_fault_on_the_embedding_routes_names_the_request_in_the_log(store, monkeypatch, capfd):
+    """The embedding routes as the generating ones: a fault is a 500 engine_error whose message names a request id
+    (req-...: their answers have none) and a log line names that id and the path (they said only "see its log",
+    and the log had no line a client's error could be matched to)."""
+    import re
+    monkeypatch.setenv("BITNET_FAULT_TOKEN", str(FAULT_TOKEN))
+    s = InProcessServer(store, parallel=2)
+    try:
+        text = s.engine.detokenize([FAULT_TOKEN])
+        assert FAULT_TOKEN in s.engine.tokenize(text, add_bos=True), repr(text)   # a text holding the token
+        capfd.readouterr()
+        said = []   # (path, the error's message)
+        for path, body, message in (("/v1/embeddings", {"input": [7, FAULT_TOKEN, 9]}, lambda j: j["error"]["message"]),
+                                    ("/embedding", {"content": [7, FAULT_TOKEN, 9]}, lambda j: j["error"]["message"]),
+                                    ("/api/embed", {"model": "m", "input": text}, lambda j: j["error"])):
+            r = httpx.post(s.url + path, timeout=60 * SLOW, json=body)
+            assert r.status_code == 500, (path, r.text)
+            if path != "/api/embed":
+                assert r.json()["error"]["code"] == "engine_error", r.text
+            said.append((path, message(r.json())))
+    finally:
+        s.stop()
+    err = capfd.readouterr().err
+    ids = []
+    for path, message in said:
+        m = re.search(r"see its log, request (req-\w+)\)", message)
+        assert m, message
+        ids.append(m.group(1))
+        assert any(m.group(1) in line and path in line for line in err.splitlines()), (m.group(1), path, err)
+    assert len(set(ids)) == 3, ids

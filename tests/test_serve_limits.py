@@ -625,6 +625,43 @@ def test_sigterm_refuses_what_never_started_with_503(tmp_path_factory):
     assert status == 200 and never in events[-1] and "shutting_down" in events[-1], events
 
 
+def test_sigterm_refuses_embeddings_it_ended_as_never_started(tmp_path_factory):
+    """Embedding requests a drain ends (their texts queued or in their prefill) get the same 503 as the generating
+    routes' queued requests: NEVER_STARTED, unavailable_error, Retry-After, in each API's shape (they said "server
+    is shutting down" as a server_error, which clients do not take for a request to retry)."""
+    import signal
+    s = Server("-m", slow_model(tmp_path_factory), "-c", "4096", "--parallel", "1", "--drain-timeout", "0")
+    texts = [f"sentence number {i} about cats and dogs " * 10 for i in range(400)]   # seconds of prefill each
+    got: dict = {}
+
+    def post(path, body):
+        try:
+            got[path] = httpx.post(s.url + path, json=body, timeout=120)
+        except httpx.HTTPError as e:
+            got[path] = e
+    ts = [threading.Thread(target=post, args=a) for a in (("/v1/embeddings", {"input": texts}),
+                                                          ("/embedding", {"content": texts}),
+                                                          ("/api/embed", {"model": "m", "input": texts}))]
+    for t in ts:
+        t.start()
+    deadline = time.monotonic() + 60   # all three in the engine (each text is a slot row, waiting or running)
+    while time.monotonic() < deadline and len(httpx.get(s.url + "/slots", timeout=60).json()["slots"]) < 1200:
+        time.sleep(0.1)
+    s.proc.send_signal(signal.SIGTERM)
+    for t in ts:
+        t.join(60)
+    rc, err = s.stop(sig=None, timeout=30)
+    assert rc == 0 and "Traceback" not in err, err[-2000:]
+    never = "the server is shutting down: this request never started; retry it"
+    for path in ("/v1/embeddings", "/embedding"):
+        r = got[path]
+        assert r.status_code == 503 and int(r.headers["retry-after"]) >= 1, (path, r)
+        assert r.json()["error"] == {"message": never, "type": "unavailable_error", "param": None,
+                                     "code": "shutting_down"}, r.text
+    r = got["/api/embed"]
+    assert r.status_code == 503 and int(r.headers["retry-after"]) >= 1 and r.json() == {"error": never}, r
+
+
 # ---- HTTP's own rules ---------------------------------------------------------------------------------------
 def _exchange(port: int, raw: bytes) -> bytes:
     """Send raw bytes, read until the server closes the connection (bounded); what came back."""
