@@ -133,9 +133,11 @@ def _check(args):
     for flag in ("max_body_mb", "max_header_kb", "max_headers", "max_connections", "header_timeout", "body_timeout",
                  "send_timeout", "keep_alive_timeout"):
         if not 0 < getattr(args, flag) < math.inf:   # inf: an int of it failed later as an internal error
-            raise BitNetError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be a number > 0")
+            unit = " of seconds" if flag.endswith("timeout") else ""   # "inf" is a number: say finite
+            raise BitNetError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be a finite number{unit} > 0")
     if not 0 <= args.request_timeout < math.inf:
-        raise BitNetError(f"--request-timeout {args.request_timeout}: must be >= 0 (0 = no limit)")
+        raise BitNetError(f"--request-timeout {args.request_timeout}: must be a finite number of seconds >= 0 "
+                          "(0 = no limit)")
     if not 0 <= args.drain_timeout < math.inf:   # nan / inf were taken, then broke the shutdown they time
         raise BitNetError(f"--drain-timeout {args.drain_timeout}: must be a number of seconds >= 0")
     from ..serve.auth import check_origin

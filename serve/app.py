@@ -409,6 +409,9 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         bad = req.unsupported()
         if bad:
             raise APIError(400, bad[1], param=bad[0], code="unsupported_parameter")
+        if not 1 <= req.n <= eng.parallel:   # the engine's words, before a callback per choice is made
+            raise APIError(400, f"n {req.n}: must be in 1..{eng.parallel} (the answers this server makes at once: "
+                           "bitnet serve --parallel)", param="n", code="invalid_value")
         q = asyncio.Queue() if q is None else q
         limit = req.limit()
         # no limit: until the context is full, which the engine ends as "context" (the last token needs no place
@@ -424,7 +427,8 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
             raise APIError(503, str(e), "server_error", code="queue_full",
                            headers={"Retry-After": str(state.retry_after)}) from None
         except ContextOverflowError as e:
-            raise APIError(400, overflow_message(e), param=param, code="context_length_exceeded",
+            raise APIError(400, overflow_message(e, "prompt" if param == "prompt" else "messages"), param=param,
+                           code="context_length_exceeded",
                            extra=overflow_fields(e)) from None
         except BitNetError as e:
             field = str(e).split(" ", 1)[0]   # the engine's messages start with the setting they are about

@@ -206,7 +206,7 @@ async def run_embed(eng, state, request: Request, ids: list[list[int]], metrics=
             metrics.rejected.inc()
         raise Refused(503, str(e), None, "queue_full") from None
     except ContextOverflowError as e:
-        raise Refused(400, overflow_message(e), code="context_length_exceeded") from None
+        raise Refused(400, overflow_message(e, "input"), code="context_length_exceeded") from None
     except BitNetError as e:
         raise Refused(400, str(e)) from None
     state.streams.add(req)   # a drain cancels it with the generations

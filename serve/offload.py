@@ -47,7 +47,7 @@ class BodyRefused(HTTPException):
 def _over(n_ctx: int, n: int, exact: bool, what: str, param: str) -> BodyRefused:
     """A body that cannot fit the context, in the words of every other context_length_exceeded 400 (OpenAI's
     sentence, which clients classify by: schemas.overflow_message), with llama-server's counts where exact."""
-    return BodyRefused(f"This model's maximum context length is {n_ctx} tokens. However, your messages resulted in "
+    return BodyRefused(f"This model's maximum context length is {n_ctx} tokens. However, your {param} resulted in "
                        f"{'' if exact else 'at least '}{n} tokens: {what}", param, "context_length_exceeded",
                        {"n_prompt_tokens": n, "n_ctx": n_ctx} if exact else None)
 

@@ -423,7 +423,8 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
                 metrics.rejected.inc()
             raise OllamaError(503, str(e)) from None
         except ContextOverflowError as e:
-            raise OllamaError(400, overflow_message(e)) from None
+            raise OllamaError(400, overflow_message(e, "prompt" if isinstance(body, GenerateBody) else "messages")) \
+                from None
         except BitNetError as e:
             raise OllamaError(400, str(e)) from None
         state.streams.add(stream)

@@ -64,15 +64,16 @@ def tools_refused(body) -> tuple[str, str] | None:
 # The one range that differs from the engine's on purpose: OpenAI's API takes temperature in [0, 2] only (the
 # engine and llama.cpp take any >= 0), and a client written against OpenAI should get the same 400 here.
 OPENAI_MAX_TEMPERATURE = 2.0
-def overflow_message(e) -> str:
+def overflow_message(e, what: str = "messages") -> str:
     """A ContextOverflowError as an API's message: OpenAI's sentence first where the counts are known ("This
     model's maximum context length is N tokens. However, your messages resulted in M tokens"), the wording clients
-    classify by (LiteLLM's ContextWindowExceededError, its routers' context-window fallbacks; vLLM and
-    llama-cpp-python answer it too), then the engine's own line and hint."""
+    classify by (LiteLLM's ContextWindowExceededError, its routers' context-window fallbacks, match its start;
+    vLLM and llama-cpp-python answer it too), then the engine's own line and hint. `what`: what the request sent
+    ("messages", "prompt" on the completion routes, "input" on the embedding ones)."""
     n, ctx = getattr(e, "n_prompt_tokens", None), getattr(e, "n_ctx", None)
     if n is None or ctx is None:
         return str(e)
-    return f"This model's maximum context length is {ctx} tokens. However, your messages resulted in {n} tokens: {e}"
+    return f"This model's maximum context length is {ctx} tokens. However, your {what} resulted in {n} tokens: {e}"
 
 
 ENGINE_FAULT = "the engine failed while generating this answer (the server goes on; see its log)"
@@ -337,7 +338,7 @@ class _Sampling(JSONTyped):
     ignore_eos: bool = False
     seed: Optional[int] = _DEFAULT.seed
     stop: Union[str, list[str], None] = None
-    n: int = Field(default=1, ge=1, le=128)
+    n: int = 1   # 1..--parallel: checked where the engine is known (a fixed bound here named a wrong limit)
     presence_penalty: float = _DEFAULT.presence_penalty
     frequency_penalty: float = _DEFAULT.frequency_penalty
     logit_bias: Optional[dict[str, float]] = None

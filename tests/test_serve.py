@@ -169,6 +169,16 @@ def test_bad_values_400(server, body, param):
     assert e["param"] == param and e["type"] == "invalid_request_error"
 
 
+@pytest.mark.parametrize("n", [0, 17, 1000])
+@pytest.mark.parametrize("path, body", [("/v1/chat/completions", {"messages": Q}),
+                                        ("/v1/completions", {"prompt": "x"})])
+def test_n_out_of_range_names_the_server_s_limit(server, path, body, n):
+    """n's limit is --parallel (16 here) whatever n is: 1000 said "less than or equal to 128", a bound that was
+    not the server's, while 17 named the real one."""
+    e = _err(httpx.post(server.url + path, json=dict(body, n=n, max_tokens=1), timeout=30), 400)
+    assert e["param"] == "n" and f"n {n}: must be in 1..16" in e["message"] and "128" not in e["message"], e
+
+
 @pytest.mark.parametrize("path, body, param", [
     ("/v1/completions", {"prompt": "x", "echo": "true"}, "echo"),
     ("/v1/completions", {"prompt": "x", "max_tokens": "3"}, "max_tokens"),
@@ -239,12 +249,18 @@ def test_prompt_over_context_400(client, server, model_id):
         e = httpx.post(server.url + path, json=body, timeout=60).json()["error"]
         assert e["n_ctx"] == n_ctx and n <= e["n_prompt_tokens"] <= n + 40, (path, e)
         # OpenAI's sentence first: what clients classify a context overflow by (LiteLLM's ContextWindowExceeded
-        # error and its routers' fallbacks did not fire on our own wording)
+        # error and its routers' fallbacks did not fire on our own wording); then what was sent (a completion's
+        # prompt was called "your messages")
+        sent = "messages" if "messages" in body else "prompt"
         assert e["message"].startswith(f"This model's maximum context length is {n_ctx} tokens. However, your "
-                                       f"messages resulted in {e['n_prompt_tokens']} tokens"), e["message"]
+                                       f"{sent} resulted in {e['n_prompt_tokens']} tokens"), e["message"]
     r = httpx.post(server.url + "/api/chat", timeout=60, json={"model": "m", "stream": False,
                                                                "messages": [{"role": "user", "content": content}]})
-    assert r.status_code == 400 and r.json()["error"].startswith("This model's maximum context length is")
+    assert r.status_code == 400 and r.json()["error"].startswith("This model's maximum context length is"), r.text
+    assert "your messages resulted in" in r.json()["error"], r.text
+    r = httpx.post(server.url + "/api/generate", timeout=60, json={"model": "m", "stream": False, "prompt": content})
+    assert r.status_code == 400 and r.json()["error"].startswith("This model's maximum context length is"), r.text
+    assert "your prompt resulted in" in r.json()["error"], r.text
 
 
 def test_prompt_lists_against_the_context(server):
@@ -259,7 +275,7 @@ def test_prompt_lists_against_the_context(server):
         e = r.json()["error"]
         assert e["code"] == "context_length_exceeded" and (e["n_prompt_tokens"], e["n_ctx"]) == (n_ctx + 1, n_ctx)
         assert e["message"].startswith(f"This model's maximum context length is {n_ctx} tokens. However, your "
-                                       f"messages resulted in {n_ctx + 1} tokens"), e["message"]
+                                       f"prompt resulted in {n_ctx + 1} tokens"), e["message"]
         e = _err(httpx.post(server.url + path, json={"prompt": ["x"] * (n_ctx + 1), "max_tokens": 1}, timeout=30), 400)
         assert e["code"] == "invalid_value" and ("--max-queue" if path == "/v1/completions" else "one prompt per "
                                                  "request") in e["message"], e

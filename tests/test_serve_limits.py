@@ -477,9 +477,13 @@ def test_flags_checked():
     import sys
 
     from serve_proc import ROOT
-    r = subprocess.run([sys.executable, "-m", "bitnet_cpu", "serve", "--max-body-mb", "0"], cwd=ROOT,
-                       env=dict(os.environ, PYTHONPATH=pythonpath()), capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2 and "--max-body-mb 0" in r.stderr and "Traceback" not in r.stderr
+    for flags, want in ((("--max-body-mb", "0"), "--max-body-mb 0.0: must be a finite number > 0"),
+                        # inf is a number: the message says what is wanted instead ("a number > 0" did not)
+                        (("--send-timeout", "inf"), "--send-timeout inf: must be a finite number of seconds > 0"),
+                        (("--request-timeout", "inf"), "--request-timeout inf: must be a finite number of seconds")):
+        r = subprocess.run([sys.executable, "-m", "bitnet_cpu", "serve", *flags], cwd=ROOT,
+                           env=dict(os.environ, PYTHONPATH=pythonpath()), capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and want in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
 @pytest.mark.parametrize("signals", [1, 2])
