@@ -59,8 +59,26 @@ def report_bug(prog: str, e: BaseException) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    ended_early()
     with lossy_stderr():   # `bitnet run -v 2>&-`: the timings lost, never the answer
         return interruptible(lambda: stdout_flushed(lambda: _main(argv)))
+
+
+def _ended_early(signum, frame):
+    with contextlib.suppress(OSError):   # the terminal may be gone (SIGHUP)
+        print(f"bitnet: terminated ({signal.Signals(signum).name})", file=sys.stderr)
+    raise SystemExit(128 + signum)
+
+
+def ended_early():
+    """SIGTERM / SIGHUP before _main puts its handler in place (the imports of the engine and the subcommands:
+    ~1.5 s for `serve`) end with its line and 128 + signum, as later: Python's default action killed the
+    process without one. Nothing is written yet then, so there is nothing to unwind. A signal ignored (nohup's
+    SIGHUP) stays ignored until _main's own handler."""
+    for name in ("SIGTERM", "SIGHUP"):
+        sig = getattr(signal, name, None)
+        if sig is not None and signal.getsignal(sig) is signal.SIG_DFL:
+            signal.signal(sig, _ended_early)
 
 
 def interruptible(body) -> int:

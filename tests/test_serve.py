@@ -3,6 +3,7 @@ on 127.0.0.1 with the bundled model: shapes, streaming == non-streaming, batchin
 status, hang-up frees the slot, Prometheus text parses, SIGINT drains and exits 0."""
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import time
@@ -570,6 +571,38 @@ def test_sigterm_exits_0():
     s = Server()
     rc, err = s.stop(signal.SIGTERM)
     assert rc == 0 and "Traceback" not in err
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads a process's caught signals in /proc")
+def test_sigterm_while_it_starts_ends_with_its_line():
+    """SIGTERM while `bitnet serve` still imports the engine (before it listens) ends as any command does: exit 143
+    with "bitnet: terminated (SIGTERM)" (the handler was put in place after the imports, ~1.5 s, before which
+    Python's default action ended it without a line). The signal goes the moment the process catches SIGTERM;
+    that moment must come before the kernels' library is loaded."""
+    import subprocess
+    import sys
+    from serve_proc import ROOT, free_port
+    p = subprocess.Popen([sys.executable, "-m", "bitnet_cpu", "serve", "--port", str(free_port())], cwd=ROOT,
+                         env=dict(os.environ, PYTHONPATH=pythonpath()), stderr=subprocess.PIPE, text=True)
+    loaded = None
+    try:
+        deadline = time.monotonic() + 60
+        while loaded is None and time.monotonic() < deadline and p.poll() is None:
+            with open(f"/proc/{p.pid}/status") as f:
+                caught = int(next(ln for ln in f if ln.startswith("SigCgt:")).split()[1], 16)
+            if caught >> (signal.SIGTERM - 1) & 1:
+                with open(f"/proc/{p.pid}/maps") as f:
+                    loaded = "_kernels" in f.read()
+            else:
+                time.sleep(0.002)
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert loaded is False, "SIGTERM was caught only after the engine's imports"
+    assert p.returncode == 143 and err.strip().endswith("bitnet: terminated (SIGTERM)") and "Traceback" not in err, \
+        (p.returncode, err)
 
 
 def test_non_loopback_warning_and_bad_flags(tmp_path):
