@@ -102,8 +102,8 @@ def main(args) -> int:
             raise BitNetError("-v/--verbose does not apply to -cnv/--conversation (the chat shows each answer's stats "
                               "line; /stats and /show info say the rest: model, seed, threads)")
         if constraint is not None and constraint.kind != "json_schema":
-            raise BitNetError("--grammar/--grammar-file does not apply to -cnv/--conversation (its answers take a JSON Schema: "
-                              "-j/--json-schema, --json-schema-file, or /set format inside the chat)")
+            raise BitNetError("--grammar/--grammar-file does not apply to -cnv/--conversation (its answers take a "
+                              "JSON Schema: -j/--json-schema, --json-schema-file, or /set format inside the chat)")
         # a JSON Schema is the chat's starting format (/set format FILE's), with its --no-jump-forward
         args.chat_format = constraint
         args.chat_format_label = args.json_schema_file or "the -j schema"

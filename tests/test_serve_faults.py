@@ -219,7 +219,6 @@ def test_an_engine_fault_names_the_request_in_the_log(store, monkeypatch, capfd)
     """A 500 engine_error says "see its log": its message names the request (the answer's id, cmpl-...; req-...
     where the API's answers have none), and the server's log has one line naming that id and the path (the
     engine's own line names only its sequence number, which no client sees)."""
-    import re
     monkeypatch.setenv("BITNET_FAULT_TOKEN", str(FAULT_TOKEN))
     s = InProcessServer(store, parallel=2)
     bad = [7, FAULT_TOKEN, 9]
@@ -242,13 +241,7 @@ def test_an_engine_fault_names_the_request_in_the_log(store, monkeypatch, capfd)
         said.append(("/completion", r.json()["error"]["message"]))
     finally:
         s.stop()
-    err = capfd.readouterr().err
-    ids = []
-    for path, message in said:
-        m = re.search(r"see its log, request ((?:cmpl|req)-\w+)\)", message)
-        assert m, message
-        ids.append(m.group(1))
-        assert any(m.group(1) in line and path in line for line in err.splitlines()), (m.group(1), path, err)
+    ids = _logged_ids(said, capfd.readouterr().err, r"(?:cmpl|req)-\w+")
     assert ids[0].startswith("cmpl-") and ids[2].startswith("req-") and len(set(ids)) == 4, ids
 
 
@@ -256,7 +249,6 @@ def test_an_engine_fault_on_the_embedding_routes_names_the_request_in_the_log(st
     """The embedding routes as the generating ones: a fault is a 500 engine_error whose message names a request id
     (req-...: their answers have none) and a log line names that id and the path (they said only "see its log",
     and the log had no line a client's error could be matched to)."""
-    import re
     monkeypatch.setenv("BITNET_FAULT_TOKEN", str(FAULT_TOKEN))
     s = InProcessServer(store, parallel=2)
     try:
@@ -274,11 +266,18 @@ def test_an_engine_fault_on_the_embedding_routes_names_the_request_in_the_log(st
             said.append((path, message(r.json())))
     finally:
         s.stop()
-    err = capfd.readouterr().err
+    ids = _logged_ids(said, capfd.readouterr().err, r"req-\w+")
+    assert len(set(ids)) == 3, ids
+
+
+def _logged_ids(said, err: str, id_pattern: str) -> list[str]:
+    """The request id each (path, error message) names, each checked to be on a line of the server's log `err`
+    with its path."""
+    import re
     ids = []
     for path, message in said:
-        m = re.search(r"see its log, request (req-\w+)\)", message)
+        m = re.search(rf"see its log, request ({id_pattern})\)", message)
         assert m, message
         ids.append(m.group(1))
         assert any(m.group(1) in line and path in line for line in err.splitlines()), (m.group(1), path, err)
-    assert len(set(ids)) == 3, ids
+    return ids

@@ -213,6 +213,21 @@ def _ask(page, q):
     page.wait_for_function("document.getElementById('stats').textContent.includes('finish')", timeout=30000)
 
 
+def _started(page, q, part="text"):
+    """Send q and wait until the answer's `part` (text or thought) shows its first characters."""
+    page.fill("#input", q)
+    page.keyboard.press("Enter")
+    page.wait_for_function(f"document.querySelector('#log .msg.assistant .{part}')?.textContent.length > 0",
+                           timeout=30000)
+
+
+def _bodies(page) -> list:
+    """The chat requests' bodies the page sends, in order (filled as it sends them)."""
+    bodies = []
+    page.on("request", lambda r: bodies.append(r.post_data_json) if r.url.endswith("/chat/completions") else None)
+    return bodies
+
+
 def test_chat_page_leaves_sampling_to_the_server_unless_set(browser):
     """Fields left empty send nothing: the server's own settings (--temp 0 here) answer, as the API's greedy
     answer; the fields show the server's values (/props) as placeholders. The page sent its own 0.8 / 256."""
@@ -220,8 +235,7 @@ def test_chat_page_leaves_sampling_to_the_server_unless_set(browser):
         q = "What is 12+7?"
         want = httpx.post(s.url + "/v1/chat/completions", timeout=60, json={
             "messages": [{"role": "user", "content": q}], "temperature": 0}).json()["choices"][0]["message"]["content"]
-        bodies = []
-        page.on("request", lambda r: bodies.append(r.post_data_json) if r.url.endswith("/chat/completions") else None)
+        bodies = _bodies(page)
         _load(page, s.url + "/")
         page.wait_for_function("document.getElementById('temperature').placeholder !== ''", timeout=20000)
         assert float(page.get_attribute("#temperature", "placeholder")) == 0.0
@@ -239,14 +253,10 @@ def test_chat_page_new_chat_while_an_answer_streams(browser, tmp_path_factory):
     'stopped' line showed in the empty chat)."""
     from serve_proc import slow_model
     with _served(browser, "-m", slow_model(tmp_path_factory), "-c", "4096", "--parallel", "2") as (s, page):
-        bodies = []
-        page.on("request", lambda r: bodies.append(r.post_data_json) if r.url.endswith("/chat/completions") else None)
+        bodies = _bodies(page)
         _load(page, s.url + "/")
         _set(page, temperature=0, max_tokens=3000)
-        page.fill("#input", "first question")
-        page.keyboard.press("Enter")
-        page.wait_for_function("document.querySelector('#log .msg.assistant .text')?.textContent.length > 0",
-                               timeout=30000)
+        _started(page, "first question", "text")
         page.click("#new")
         page.wait_for_function("document.getElementById('stop').disabled", timeout=10000)
         assert page.inner_text("#stats") == "" and page.locator("#log .msg").count() == 0
@@ -329,8 +339,7 @@ def test_chat_page_keeps_the_text_before_a_mid_answer_error(browser):
     k, bad = next((k, t) for k, t in enumerate(r["tokens"])
                   if k >= 3 and t not in prompt_ids and t not in r["tokens"][:k])
     with _served(browser, "--parallel", "2", env={"BITNET_FAULT_TOKEN": str(bad)}) as (s, page):
-        bodies = []
-        page.on("request", lambda x: bodies.append(x.post_data_json) if x.url.endswith("/chat/completions") else None)
+        bodies = _bodies(page)
         _load(page, s.url + "/")
         _set(page, temperature=0, max_tokens=24)
         page.fill("#input", q)
@@ -354,8 +363,7 @@ def test_chat_page_stop_while_queued_leaves_no_empty_turn(browser, tmp_path_fact
 
     from serve_proc import slow_model
     with _served(browser, "-m", slow_model(tmp_path_factory), "-c", "4096", "--parallel", "1") as (s, page):
-        bodies = []
-        page.on("request", lambda r: bodies.append(r.post_data_json) if r.url.endswith("/chat/completions") else None)
+        bodies = _bodies(page)
         _load(page, s.url + "/")
         started = threading.Event()
 
@@ -419,8 +427,7 @@ def test_chat_page_sends_number_settings_as_typed(browser):
     """A number field is sent as typed: "1e3" max tokens is 1000 and a top-k of 2.5 reaches the server, whose 400
     the page shows; the page read both with parseInt, sending 1 and 2 (and "0.5", 0: top-k off) without a word."""
     with _served(browser, "--parallel", "2") as (s, page):
-        bodies = []
-        page.on("request", lambda r: bodies.append(r.post_data_json) if r.url.endswith("/chat/completions") else None)
+        bodies = _bodies(page)
         _load(page, s.url + "/")
         _set(page, temperature=0, max_tokens="1e3", top_k=40)
         _ask(page, "What is 12+7?")
@@ -467,14 +474,10 @@ def test_chat_page_stop_mid_thought_keeps_the_thought(browser, tmp_path_factory)
     path.write_text(TEMPLATE, encoding="utf-8")
     with _served(browser, "-m", slow_model(tmp_path_factory), "-c", "4096", "--parallel", "2",
                  "--chat-template-file", str(path)) as (s, page):
-        bodies = []
-        page.on("request", lambda r: bodies.append(r.post_data_json) if r.url.endswith("/chat/completions") else None)
+        bodies = _bodies(page)
         _load(page, s.url + "/")
         _set(page, temperature=0, max_tokens=3000)
-        page.fill("#input", "a")
-        page.keyboard.press("Enter")
-        page.wait_for_function("document.querySelector('#log .msg.assistant .thought')?.textContent.length > 0",
-                               timeout=30000)
+        _started(page, "a", "thought")
         page.click("#stop")
         page.wait_for_function("document.getElementById('stats').textContent.startsWith('stopped')", timeout=10000)
         assert page.inner_text("#stats").startswith("stopped after ")
@@ -564,8 +567,7 @@ def test_chat_page_keeps_the_conversation_over_a_reload(browser):
     """The conversation survives a reload (it was lost; the settings were kept) and goes on from there; "New
     chat" clears it for good; what is kept is bounded (~1 MB: the oldest turns go) and never holds the key."""
     with _served(browser, "--api-key", "reload-key", "--parallel", "2") as (s, page):
-        bodies = []
-        page.on("request", lambda r: bodies.append(r.post_data_json) if r.url.endswith("/chat/completions") else None)
+        bodies = _bodies(page)
         page.goto(s.url + "/")
         page.fill("#api_key", "reload-key")
         page.dispatch_event("#api_key", "change")
