@@ -257,6 +257,35 @@ def test_layers_past_block_count_and_matrix_norms_are_refused(tmp_path, model):
     convert(src, str(tmp_path / "plain.bnstore"), progress=False)   # the file itself converts
 
 
+def test_a_tensor_the_model_does_not_use_is_refused_and_inspect_flags_it(tmp_path, model):
+    """A bias of a linear or a tensor of no architecture's was left out in silence (a q bias of 0.5 gave the same
+    output as none): refused in one line naming it, a bias in the HF path's words, as llama.cpp refuses the file
+    ("wrong number of tensors"); `bitnet inspect` still shows the file and flags the tensor."""
+    import subprocess
+    import sys
+
+    from bitnet_cpu.engine.formats.convert import convert
+    from bitnet_cpu.engine.formats.describe import describe
+
+    src = write_gguf_tq(model, str(tmp_path / "plain.gguf"), "TQ2_0")
+    qdim = GGUFFile(src).info("blk.0.attn_q.weight").shape[0]
+    bias = _with(src, str(tmp_path / "bias.gguf"), tensor=("blk.0.attn_q.bias", [0.5] * qdim))
+    junk = _with(src, str(tmp_path / "junk.gguf"), tensor=("foo.weight", [1.0] * 4))
+    for path, err, msg in ((bias, UnsupportedError, r"linear biases \(blk\.0\.attn_q\.bias \.\.\.\) are not supported"),
+                           (junk, FormatError, r"tensor 'foo\.weight' is not one a bitnet model has")):
+        with pytest.raises(err, match=msg):
+            convert(path, str(tmp_path / "x.bnstore"), progress=False)
+        assert not (tmp_path / "x.bnstore").exists()
+        r = subprocess.run([sys.executable, "-m", "bitnet_cpu", "convert", path, "-o", str(tmp_path / "y.bnstore")],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        lines = list(describe(path))
+        name = "blk.0.attn_q.bias" if path == bias else "foo.weight"
+        assert any(line.startswith("UNUSED TENSORS: 1 tensors (first " + name) for line in lines), lines
+    convert(src, str(tmp_path / "plain.bnstore"), progress=False)   # the file itself converts
+    assert not any(line.startswith("UNUSED") for line in describe(src))
+
+
 def test_a_merge_of_tokens_not_in_the_vocabulary_is_named_in_the_files_terms(tmp_path, model):
     """A gpt2 vocabulary whose merges name a token the file lacks: one line naming the merge and the key, not the
     tokenizers library's complaint about a tokenizer.json (and a line and column) the user never had."""

@@ -184,6 +184,10 @@ def describe(path: str, max_tensors: int | None = None) -> Iterator[str]:
         yield from _stats_lines(stats)
         if isinstance(src, GGUFSource) and src.g.tl_tilings:
             yield from _tl_lines(src.g.tl_tilings)
+        unused = getattr(src, "unused_tensors", [])
+        if unused:
+            yield (f"UNUSED TENSORS: {len(unused)} tensors (first {unused[0]}) are not part of a {src.g.arch} model;"
+                   " conversion refuses this file")
         if refused:
             yield (f"NOT TERNARY: {len(refused)} linear tensors (first {refused[0]}) are not ternary; conversion"
                    " refuses this file (run it with llama.cpp)")

@@ -266,6 +266,14 @@ class GGUFSource:
             raise UnsupportedError(f"{path}: RoPE scaling 'llama3' (tensor rope_freqs.weight) is not supported")
         if arch == "llama":
             self.meta["qk_rows"] = "un-permuted from llama.cpp's interleaved-RoPE order"
+        self.unused_tensors = self._unused_tensors()
+        if self.unused_tensors and check_ternary:   # inspect lists the file (and flags them)
+            biases = [n for n in self.unused_tensors if n.endswith(".bias")]
+            if biases:   # as the HF path says it
+                raise UnsupportedError(f"{path}: linear biases ({biases[0]} ...) are not supported")
+            more = len(self.unused_tensors) - 1
+            raise FormatError(f"{path}: tensor {self.unused_tensors[0]!r}" + (f" (and {more} more)" if more else "")
+                              + f" is not one a {arch} model has (llama.cpp refuses the file: wrong number of tensors)")
         types = sorted({g.info(f"blk.0.{s}.weight").type_name for s in LINEARS})
         self.source_format = f"gguf-{arch}-" + "+".join(t.lower() for t in types)
         self.fit_notes: dict[str, dict] = {}
@@ -278,6 +286,18 @@ class GGUFSource:
         else:
             # refuse a non-ternary file before anything is written (the fit is kept for linear())
             self._first_fit = (first.name, self.ternary_fit(first.name, raise_if_not=True))
+
+    def _unused_tensors(self) -> list[str]:
+        """The file's tensors that conversion would not read (a bias, a tensor of another architecture): left out,
+        the model would run without them, its output silently different from what the file says."""
+        c = self.config
+        per_layer = ["attn_norm", "ffn_norm", *LINEARS, *(f"{s}.scale" for s in LINEARS)]
+        per_layer += ["attn_q_norm", "attn_k_norm"] if c.qk_norm else []
+        per_layer += ["attn_sub_norm", "ffn_sub_norm"] if c.sub_norms else []
+        used = {"token_embd.weight", "output_norm.weight", "output.weight"}
+        used.update(f"blk.{i}.{s}" if s.endswith(".scale") else f"blk.{i}.{s}.weight"
+                    for i in range(c.n_layers) for s in per_layer)
+        return [n for n in self.g.tensors if n not in used]
 
     def _activation(self, arch, override, tok_kind) -> str:
         act = self.g.get(f"{arch}.hidden_activation", str)
