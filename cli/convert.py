@@ -52,5 +52,12 @@ def main(args) -> int:
                   file=sys.stderr)
     out = convert(args.src, args.out, lm_head=args.lm_head, weights=args.weights, progress=not args.no_progress, hidden_act=args.hidden_act,
                   ternarize=args.ternarize, source_name=source_name)
+    import sys
+
+    from ..engine.formats.store import Store, store_warnings
+
+    with Store(out, load="mmap") as s:   # what the file left to a guess (every load of the store says it too)
+        for w in store_warnings(s):
+            print(f"bitnet: warning: {w}", file=sys.stderr)
     print(out)
     return 0

@@ -38,7 +38,7 @@ from .runtime.constraints import Constraint, compile_constraint
 from .runtime.dry import breaker_table, cached_table
 from .runtime.sampling import SamplingParams
 from .runtime.speculative import LookupParams, checked_lookup
-from .formats.store import Store, is_store
+from .formats.store import Store, is_store, store_warnings
 from .formats.tokenizer import Tokenizer
 
 __all__ = ["load_model", "LLM", "load_engine", "resolve_store", "Engine", "SamplingParams", "LookupParams", "Chunk",
@@ -304,7 +304,7 @@ class LLM(_Text):
         self.lookup = checked_lookup(lookup) if lookup is not None else None  # None: speculative.default_lookup
         self.store = store
         self.config: ModelConfig = store.config
-        self.warnings: list[str] = []   # one line each, for the CLI to print ("-c above the trained context", ...)
+        self.warnings: list[str] = store_warnings(store)   # one line each, for the CLI to print ("-c above ...")
         ctx = _checked_ctx(ctx)
         if ctx == 0:
             ctx = store.config.context_length
@@ -533,7 +533,7 @@ class Engine(_Text, BatchScheduler):
                  lookup: LookupParams | None = None):
         t0 = time.perf_counter()
         cfg = store.config
-        self.warnings: list[str] = []
+        self.warnings: list[str] = store_warnings(store)
         self.threads = threads = _checked_threads(threads, self.warnings)
         ctx = _checked_ctx(ctx)
         check_kv_dtype(kv_dtype)

@@ -286,6 +286,44 @@ def test_a_tensor_the_model_does_not_use_is_refused_and_inspect_flags_it(tmp_pat
     assert not any(line.startswith("UNUSED") for line in describe(src))
 
 
+def test_pre_tokenizer_names_as_llama_cpp_takes_them(tmp_path, model):
+    """tokenizer.ggml.pre: a name llama.cpp does not know was split with GPT-2's regex in silence (llama.cpp refuses
+    it): refused in one line naming it; a name llama.cpp splits its own way gets our closest regex and one warning
+    line (convert, inspect, every load); a name llama.cpp gives exactly our LLaMA-3 regex gets it, without one."""
+    import subprocess
+    import sys
+
+    from bitnet_cpu.engine.api import load_model
+    from bitnet_cpu.engine.formats.convert import convert
+    from bitnet_cpu.engine.formats.describe import describe
+    from bitnet_cpu.engine.formats.sources import GGUFSource
+    from bitnet_cpu.engine.formats.store import Store
+
+    unknown = write_gguf_tq(model, str(tmp_path / "unknown.gguf"), "TQ2_0", pre="frobnicate")
+    with pytest.raises(FormatError, match=r"unknown tokenizer\.ggml\.pre 'frobnicate' .*llama-bpe"):
+        convert(unknown, str(tmp_path / "x.bnstore"), progress=False)
+    r = subprocess.run([sys.executable, "-m", "bitnet_cpu", "convert", unknown, "-o", str(tmp_path / "y.bnstore")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "'frobnicate'" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+    exact = GGUFSource(write_gguf_tq(model, str(tmp_path / "h1.gguf"), "TQ2_0", pre="falcon-h1"))
+    assert exact.meta["tokenizer_pre"] == "falcon-h1 -> llama3 regex" and "warnings" not in exact.meta
+    exact.close()
+
+    close = write_gguf_tq(model, str(tmp_path / "tekken.gguf"), "TQ2_0", pre="tekken")
+    r = subprocess.run([sys.executable, "-m", "bitnet_cpu", "convert", close, "-o", str(tmp_path / "t.bnstore")],
+                       capture_output=True, text=True, timeout=120)
+    warn = [line for line in r.stderr.splitlines() if line.startswith("bitnet: warning: ")]
+    assert r.returncode == 0 and len(warn) == 1 and "'tekken'" in warn[0] and "llama.cpp" in warn[0], r.stderr
+    with Store(str(tmp_path / "t.bnstore")) as st:
+        assert st.meta["tokenizer_pre"].startswith("tekken -> qwen2 regex")
+    assert [line for line in describe(str(tmp_path / "t.bnstore")) if line.startswith("warning:")] == \
+        ["warning: " + warn[0].removeprefix("bitnet: warning: ")]
+    assert any("'tekken'" in line for line in describe(close) if line.startswith("warning:"))
+    with load_model(str(tmp_path / "t.bnstore"), progress=False) as llm:
+        assert [w for w in llm.warnings if "'tekken'" in w] == [warn[0].removeprefix("bitnet: warning: ")]
+
+
 def test_a_merge_of_tokens_not_in_the_vocabulary_is_named_in_the_files_terms(tmp_path, model):
     """A gpt2 vocabulary whose merges name a token the file lacks: one line naming the merge and the key, not the
     tokenizers library's complaint about a tokenizer.json (and a line and column) the user never had."""

@@ -9,7 +9,7 @@ from typing import Iterator
 import numpy as np
 
 from ..errors import FormatError
-from .store import Store, is_store
+from .store import Store, is_store, store_warnings
 
 
 def human_size(n: float, base: int = 1024) -> str:
@@ -125,6 +125,8 @@ def describe(path: str, max_tensors: int | None = None) -> Iterator[str]:
                    f" weights {m.get('weights', 't2')}, converter {m.get('converter_version', '?')}")
             if m.get("folded"):  # constants folded into the weights at conversion (MiniCPM)
                 yield f"folded: {m['folded']}"
+            for w in store_warnings(s):   # what conversion could only guess (every load says it too)
+                yield f"warning: {w}"
             yield head_line(s)
             rows = []
             for n in s.tensor_names:
@@ -145,7 +147,10 @@ def describe(path: str, max_tensors: int | None = None) -> Iterator[str]:
         yield f"kind: {kind} ({src.source_format})"
         yield from _config_lines(src.config, src.meta.get("family", ""))
         for k, v in sorted(src.meta.items()):
-            yield f"{k}: {v}"
+            if k != "warnings":
+                yield f"{k}: {v}"
+        for w in src.meta.get("warnings", []):
+            yield f"warning: {w}"
         if isinstance(src, GGUFSource):
             rows = [(t.name, t.type_name, t.shape, max(t.nbytes, 0)) for t in src.g.tensors.values()]
         else:

@@ -367,3 +367,11 @@ class Store:
 
 def is_store(path: str | os.PathLike) -> bool:
     return starts_with(path, MAGIC)
+
+
+def store_warnings(store: Store) -> list[str]:
+    """What conversion could only guess from the source file (meta "warnings": a GGUF's pre-tokenizer split another
+    way, a BOS it asks for but does not name), one line each: said on every load, as llama.cpp says it on every
+    load of the file."""
+    ws = store.meta.get("warnings")
+    return [w.splitlines()[0][:300] for w in ws if isinstance(w, str) and w.strip()] if isinstance(ws, list) else []

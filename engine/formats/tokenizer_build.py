@@ -1,9 +1,10 @@
 """Tokenizer data for the weight store, built from what a source file carries.
 
 - GGUF "gpt2" (byte-level BPE: tokens + merges + token types) -> an HF tokenizer.json that gives the same ids:
-  LLaMA-3 pre-tokenizer regex and ignore_merges when tokenizer.ggml.pre is llama-bpe / llama3 / smaug-bpe or
-  MISSING (the official 2B-4T GGUF has no .pre key), GPT-2's regex otherwise; control tokens (type 3) and
-  user-defined tokens (type 4) become added tokens, so they are matched whole in text.
+  the LLaMA-3, GPT-2 or Qwen2 pre-tokenizer regex, as llama.cpp picks it by tokenizer.ggml.pre (LLaMA-3's when
+  the key is MISSING: the official 2B-4T GGUF has none); a name llama.cpp splits another way gets the closest
+  regex and a warning, a name llama.cpp does not know is refused (as llama.cpp refuses it); control tokens
+  (type 3) and user-defined tokens (type 4) become added tokens, so they are matched whole in text.
 - GGUF "llama" (SentencePiece) -> best effort: an HF BPE tokenizer.json in the LLaMA-2 style (metaspace
   normalizer, byte fallback, merges derived from the token scores the way transformers' SentencePiece
   converter does). Ids agree with SentencePiece on ordinary text; rare tie-breaks may differ.
@@ -21,9 +22,35 @@ LLAMA3_SPLIT_REGEX = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 GPT2_SPLIT_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-LLAMA3_PRES = {None, "", "llama-bpe", "llama3", "llama-v3", "smaug-bpe", "falcon3"}  # as llama.cpp maps them
 # Qwen2 / Qwen3 (tokenizer.ggml.pre "qwen2"): the LLaMA-3 pattern with single digits, no ignore_merges
 QWEN2_SPLIT_REGEX = LLAMA3_SPLIT_REGEX.replace(r"\p{N}{1,3}", r"\p{N}")
+SPLIT_REGEX = {"llama3": LLAMA3_SPLIT_REGEX, "gpt2": GPT2_SPLIT_REGEX, "qwen2": QWEN2_SPLIT_REGEX}
+# tokenizer.ggml.pre names for which llama.cpp (src/llama-vocab.cpp) splits text with exactly one of these regexes;
+# missing: LLaMA-3's, as the official 2B-4T GGUF (no .pre key) needs
+LLAMA3_PRES = {None, "", "llama-bpe", "llama3", "llama-v3", "smaug-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0",
+               "lfm2", "jina-v5-nano"}
+PRE_REGEX = {**dict.fromkeys(LLAMA3_PRES, "llama3"),
+             **dict.fromkeys(("gpt-2", "phi-2", "jina-es", "jina-de", "gigachat", "jina-v2-es", "jina-v2-de", "a.x-4.0",
+                              "mellum", "modern-bert", "exaone4", "mpt", "olmo", "jais", "trillion", "granite-docling"),
+                             "gpt2"),
+             **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez", "stablelm2", "hunyuan",
+                              "solar-open"), "qwen2")}
+# the names llama.cpp knows and splits its own way: the closest regex here (by how it splits digits and letters),
+# with a warning, since the ids may differ from llama.cpp's
+PRE_CLOSEST = {**dict.fromkeys(("dbrx", "chatglm-bpe", "glm4", "glm5", "jais-2", "minicpm5", "gpt-4o", "llama4",
+                                "kanana2", "talkie", "minimax-m2", "granite-embed-multi-97m", "tiny_aya", "cohere2moe",
+                                "deepseek-v3", "hunyuan-dense", "joyai-llm", "hy_v4", "kimi-k2", "afmoe"), "llama3"),
+               **dict.fromkeys(("qwen35", "tekken", "youtu", "spark2_5", "bailingmoe", "bailingmoe2", "llada-moe",
+                                "seed-coder", "ufakzeka", "grok-2", "laguna", "exaone-moe", "deepseek-coder"), "qwen2"),
+               **dict.fromkeys(("default", "deepseek-llm", "falcon", "starcoder", "refact", "command-r", "smollm",
+                                "codeshell", "exaone", "minerva-7b", "mellum2", "poro-chat", "bloom", "gpt3-finnish",
+                                "viking", "chameleon", "superbpe", "jina-v1-en", "jina-v2-code", "roberta-bpe",
+                                "whitespace", "gemma4", "granite-embed-multi-311m", "sarvam-moe"), "gpt2")}
+# llama.cpp's own flags for a pre-tokenizer: merges ignored (a word in the vocabulary is one token), BOS by default
+IGNORE_MERGES_PRES = LLAMA3_PRES | {"minicpm5", "youtu", "glm4", "glm5", "tekken", "granite-embed-multi-97m"}
+ADD_BOS_PRES = LLAMA3_PRES | {"tekken", "chameleon"}
+
+
 def fix_chat_template(tmpl: str | None) -> str:
     """The template to store: the 2B-4T form if missing or the known-broken official GGUF one (the same rule
     the runtime renders by: engine/config.py)."""
@@ -62,6 +89,7 @@ def gguf_tokenizer(g) -> dict:
     model = g.get("tokenizer.ggml.model", str)
     tokens = _as_list(kv.get("tokenizer.ggml.tokens"), "tokenizer.ggml.tokens", path)
     meta: dict = {}
+    warnings: list[str] = []   # one line each: what the file leaves to a guess (the store keeps them)
     bos = g.get("tokenizer.ggml.bos_token_id", int)
     eos: list[int] = []
     for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
@@ -93,12 +121,19 @@ def gguf_tokenizer(g) -> dict:
                                   " llama.cpp refuses such a file too)")
             merges = _as_list(kv.get("tokenizer.ggml.merges"), "tokenizer.ggml.merges", path) or []
             pre = g.get("tokenizer.ggml.pre", str)
-            llama3 = pre in LLAMA3_PRES
-            regex = "qwen2" if pre == "qwen2" else "llama3" if llama3 else "gpt2"
+            regex = PRE_REGEX.get(pre) or PRE_CLOSEST.get(pre)
+            if regex is None:   # llama.cpp refuses the file ("unknown pre-tokenizer type")
+                raise FormatError(f"{path}: unknown tokenizer.ggml.pre {pre!r} (llama.cpp refuses it too); this engine"
+                                  f" splits text as llama.cpp does for {', '.join(sorted(p for p in PRE_REGEX if p))}")
             meta["tokenizer_pre"] = f"{pre or 'missing'} -> {regex} regex"
-            meta["add_bos"] = add_bos if add_bos is not None else llama3   # llama.cpp's: the key, else its pre's
-            js = _bpe_json(tokens, types, merges, llama3, bos if meta["add_bos"] else None,
-                           path, QWEN2_SPLIT_REGEX if regex == "qwen2" else None)
+            if pre not in PRE_REGEX:
+                meta["tokenizer_pre"] += " (the closest; llama.cpp splits its own way)"
+                warnings.append(f"the GGUF's tokenizer.ggml.pre {pre!r} is split here with the {regex} regex, the"
+                                " closest of ours: text may tokenize differently from llama.cpp")
+            # llama.cpp's: the key, else its pre's
+            meta["add_bos"] = add_bos if add_bos is not None else pre in ADD_BOS_PRES
+            js = _bpe_json(tokens, types, merges, pre in IGNORE_MERGES_PRES, bos if meta["add_bos"] else None,
+                           path, SPLIT_REGEX[regex])
             blob = ("hf_json", js.encode("utf-8"))
         elif model == "llama":
             scores = _as_list(kv.get("tokenizer.ggml.scores"), "tokenizer.ggml.scores", path) or [0.0] * n
@@ -119,6 +154,8 @@ def gguf_tokenizer(g) -> dict:
         if fixed != tmpl:
             meta["chat_template_note"] = "missing in the file" if not tmpl else "replaced the broken GGUF template"
         tmpl = fixed
+    if warnings:
+        meta["warnings"] = warnings
     return {"kind": model, "blob": blob, "chat_template": tmpl, "bos": bos if isinstance(bos, int) else None,
             "eos": eos, "meta": meta}
 
@@ -143,7 +180,7 @@ def _post(bos, tokens):
             "special_tokens": {b: {"id": b, "ids": [bos], "tokens": [b]}}}
 
 
-def _bpe_json(tokens, types, merges, llama3: bool, bos, path: str, regex: str | None = None) -> str:
+def _bpe_json(tokens, types, merges, ignore_merges: bool, bos, path: str, regex: str) -> str:
     vocab = {}
     for i, t in enumerate(tokens):
         vocab.setdefault(t, i)
@@ -162,14 +199,14 @@ def _bpe_json(tokens, types, merges, llama3: bool, bos, path: str, regex: str | 
         "added_tokens": _added(tokens, types),
         "normalizer": None,
         "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
-            {"type": "Split", "pattern": {"Regex": regex or (LLAMA3_SPLIT_REGEX if llama3 else GPT2_SPLIT_REGEX)},
+            {"type": "Split", "pattern": {"Regex": regex},
              "behavior": "Isolated", "invert": False},
             {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]},
         "post_processor": _post(bos, tokens),
         "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
         "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
                   "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
-                  "ignore_merges": bool(llama3), "vocab": vocab, "merges": pairs},
+                  "ignore_merges": bool(ignore_merges), "vocab": vocab, "merges": pairs},
     }
     return json.dumps(tj, ensure_ascii=False)
 
