@@ -324,6 +324,34 @@ def test_pre_tokenizer_names_as_llama_cpp_takes_them(tmp_path, model):
         assert [w for w in llm.warnings if "'tekken'" in w] == [warn[0].removeprefix("bitnet: warning: ")]
 
 
+@pytest.mark.parametrize("style,name", [("bitnet", "<|begin_of_text|>"), ("1bitllm", "<s>")])
+def test_a_bos_asked_for_but_not_named(tmp_path, style, name):
+    """add_bos_token true without tokenizer.ggml.bos_token_id dropped the BOS in silence: the vocabulary family's
+    BOS token (LLaMA-3's <|begin_of_text|>, SentencePiece's <s>) is used; a vocabulary without it: one warning."""
+    from test_fuzz import _rewrite_gguf
+
+    from bitnet_cpu.engine.formats.sources import GGUFSource
+    from bitnet_cpu.engine.formats.tokenizer import Tokenizer
+
+    m = SynthModel(seed=21, style=style)
+    src = write_gguf_tq(m, str(tmp_path / "plain.gguf"), "TQ2_0")
+    want = GGUFFile(src).kv["tokenizer.ggml.tokens"].index(name)
+    nobos = str(tmp_path / "nobos.gguf")
+    _rewrite_gguf(src, nobos, "tokenizer.ggml.bos_token_id", None)
+    s = GGUFSource(nobos)
+    assert s.config.bos_token_id == want and "warnings" not in s.meta, s.meta
+    kind, blob = s.tokenizer
+    tok = Tokenizer(kind, blob, bos_id=s.config.bos_token_id, eos_ids=s.config.eos_token_ids)
+    assert tok.encode("hello", add_bos=True)[0] == want
+    s.close()
+    renamed = _with(nobos, str(tmp_path / "renamed.gguf"),
+                    change={"tokenizer.ggml.tokens": lambda v: [t if t != name else "<bos-renamed>" for t in v]})
+    s = GGUFSource(renamed)
+    assert s.config.bos_token_id is None
+    assert len(s.meta["warnings"]) == 1 and "tokenizer.ggml.bos_token_id" in s.meta["warnings"][0], s.meta
+    s.close()
+
+
 def test_a_merge_of_tokens_not_in_the_vocabulary_is_named_in_the_files_terms(tmp_path, model):
     """A gpt2 vocabulary whose merges name a token the file lacks: one line naming the merge and the key, not the
     tokenizers library's complaint about a tokenizer.json (and a line and column) the user never had."""

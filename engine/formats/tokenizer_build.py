@@ -8,6 +8,8 @@
 - GGUF "llama" (SentencePiece) -> best effort: an HF BPE tokenizer.json in the LLaMA-2 style (metaspace
   normalizer, byte fallback, merges derived from the token scores the way transformers' SentencePiece
   converter does). Ids agree with SentencePiece on ordinary text; rare tie-breaks may differ.
+- BOS: add_bos_token (or llama.cpp's default for the pre-tokenizer) without tokenizer.ggml.bos_token_id takes the
+  vocabulary family's BOS token by name (<|begin_of_text|>, <s>); a vocabulary without it gets a warning.
 - Chat templates: the official GGUF's broken "Human: ... BITNETAssistant:" template is replaced by the
   2B-4T chat form; a missing one is filled in for BitNet b1.58 (LLaMA-3 vocab) models.
 """
@@ -132,6 +134,7 @@ def gguf_tokenizer(g) -> dict:
                                 " closest of ours: text may tokenize differently from llama.cpp")
             # llama.cpp's: the key, else its pre's
             meta["add_bos"] = add_bos if add_bos is not None else pre in ADD_BOS_PRES
+            bos = _named_bos(bos, meta, tokens, "<|begin_of_text|>", warnings)
             js = _bpe_json(tokens, types, merges, pre in IGNORE_MERGES_PRES, bos if meta["add_bos"] else None,
                            path, SPLIT_REGEX[regex])
             blob = ("hf_json", js.encode("utf-8"))
@@ -144,6 +147,7 @@ def gguf_tokenizer(g) -> dict:
             if len(scores) != n:
                 raise FormatError(f"{path}: tokenizer.ggml.scores has {len(scores)} entries for {n} tokens")
             meta["add_bos"] = add_bos is not False
+            bos = _named_bos(bos, meta, tokens, "<s>", warnings)
             js = _spm_json(tokens, types, scores, bos if meta["add_bos"] else None)
             blob = ("hf_json", js.encode("utf-8"))
             meta["tokenizer_note"] = "SentencePiece vocab rebuilt as an HF BPE tokenizer (best effort)"
@@ -158,6 +162,21 @@ def gguf_tokenizer(g) -> dict:
         meta["warnings"] = warnings
     return {"kind": model, "blob": blob, "chat_template": tmpl, "bos": bos if isinstance(bos, int) else None,
             "eos": eos, "meta": meta}
+
+
+def _named_bos(bos, meta: dict, tokens: list, name: str, warnings: list) -> int | None:
+    """The BOS id when the file wants one (meta["add_bos"]) but tokenizer.ggml.bos_token_id is missing: the token
+    named as the vocabulary family's BOS (LLaMA-3's <|begin_of_text|>, SentencePiece's <s>). Without one, texts
+    start with no BOS though the file asks for it: said in a warning."""
+    if bos is not None or not meta["add_bos"]:
+        return bos
+    if name in tokens:
+        i = tokens.index(name)
+        meta["bos_note"] = f"no tokenizer.ggml.bos_token_id: {name} (id {i}) is the BOS"
+        return i
+    warnings.append(f"the GGUF asks for a BOS token (tokenizer.ggml.add_bos_token) but names none (no"
+                    f" tokenizer.ggml.bos_token_id, no {name} in its vocabulary): texts start without one")
+    return None
 
 
 def _added(tokens, types, specials_only=False):
