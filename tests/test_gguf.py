@@ -352,6 +352,22 @@ def test_a_bos_asked_for_but_not_named(tmp_path, style, name):
     s.close()
 
 
+@pytest.mark.parametrize("style,act,family", [("bitnet", "relu2", "bitnet-b1.58"), ("bitnet", None, "bitnet-b1.58"),
+                                              ("1bitllm", "silu", "1bitllm"), ("1bitllm", None, "1bitllm")])
+def test_bitnet_arch_family_by_activation_and_vocabulary(tmp_path, style, act, family):
+    """llama.cpp's `bitnet` architecture holds 2B-4T (relu^2, LLaMA-3 BPE vocab) and 1bitLLM (SiLU, SentencePiece):
+    a small 2B-4T-style file was named 1bitLLM by its vocabulary's size alone; activation and tokenizer decide."""
+    from bitnet_cpu.engine.formats.families import family_label
+    from bitnet_cpu.engine.formats.sources import GGUFSource
+
+    m = SynthModel(seed=21, style=style)
+    assert m.V < 100000
+    s = GGUFSource(write_gguf_tq(m, str(tmp_path / "m.gguf"), "TQ2_0", hidden_activation=act))
+    assert s.g.arch == "bitnet" and s.config.hidden_act == ("relu2" if style == "bitnet" else "silu")
+    assert s.meta["family"] == family, family_label(s.meta["family"])
+    s.close()
+
+
 def test_a_merge_of_tokens_not_in_the_vocabulary_is_named_in_the_files_terms(tmp_path, model):
     """A gpt2 vocabulary whose merges name a token the file lacks: one line naming the merge and the key, not the
     tokenizers library's complaint about a tokenizer.json (and a line and column) the user never had."""

@@ -7,7 +7,7 @@ weights at conversion (engine/formats/sources.py). The family name is informatio
 
     FAMILIES: {key: Family}                       key as stored in meta["family"]
     hf_family(cfg: dict, names: set[str]) -> key  best guess from config.json and tensor names
-    gguf_family(arch, g) -> key
+    gguf_family(arch, vocab, head_dim, hidden_act, tokenizer) -> key
     runtime_summary(config) -> str                 one line: what the forward pass does for this model
     refuse_unsupported_hf(path, cfg)               UnsupportedError for known non-ternary / unsupported archs
 """
@@ -81,12 +81,18 @@ def hf_family(cfg: dict, names: set, ternary_floats: bool = False, path: str = "
     return "llama-ternary"
 
 
-def gguf_family(arch: str, vocab: int, head_dim: int) -> str:
+def gguf_family(arch: str, vocab: int, head_dim: int, hidden_act: str = "", tokenizer: str | None = None) -> str:
+    """llama.cpp's `bitnet` architecture holds both BitNet families: 2B-4T's relu^2 (LLaMA-3 byte-level BPE vocab)
+    and 1bitLLM's SiLU (SentencePiece vocab); the size of the vocabulary decides only what those leave open."""
     if arch == "qwen3":
         return "bonsai"
     if arch in ("bitnet-b1.58", "bitnet-25"):
         return "bitnet-b1.58"
     if arch == "bitnet":
+        if hidden_act == "relu2":
+            return "bitnet-b1.58"
+        if hidden_act == "silu" and tokenizer == "llama":
+            return "1bitllm"
         return "bitnet-b1.58" if vocab >= 100000 else "1bitllm"
     if vocab == 131072 and head_dim == 256:
         return "falcon3-1.58bit"

@@ -251,7 +251,7 @@ class GGUFSource:
             # any sub-norm makes them all required (each missing one is then named), not one layer's alone
             sub_norms=any(n.endswith(("attn_sub_norm.weight", "ffn_sub_norm.weight")) for n in g.tensors),
             weight_groups=GROUP if arch == "qwen3" else 0, qk_norm="blk.0.attn_q_norm.weight" in g.tensors)
-        self.meta["family"] = gguf_family(arch, V, hd)
+        self.meta["family"] = gguf_family(arch, V, hd, self.hidden_act, tok["kind"])
         rd = g.get(f"{arch}.rope.dimension_count", int)
         if rd is not None and rd != hd:
             raise UnsupportedError(f"{path}: partial RoPE (rope.dimension_count {rd} != head_dim {hd})")
