@@ -268,6 +268,9 @@ class GGUFSource:
             self.meta["qk_rows"] = "un-permuted from llama.cpp's interleaved-RoPE order"
         self.unused_tensors = self._unused_tensors()
         if self.unused_tensors and check_ternary:   # inspect lists the file (and flags them)
+            missing = next((n for n in self._required() if n not in g.tensors), None)
+            if missing:   # a tensor renamed: the one missing is the better news (named as such)
+                g.info(missing)
             biases = [n for n in self.unused_tensors if n.endswith(".bias")]
             if biases:   # as the HF path says it
                 raise UnsupportedError(f"{path}: linear biases ({biases[0]} ...) are not supported")
@@ -287,17 +290,30 @@ class GGUFSource:
             # refuse a non-ternary file before anything is written (the fit is kept for linear())
             self._first_fit = (first.name, self.ternary_fit(first.name, raise_if_not=True))
 
+    def _layer_tensors(self) -> list[str]:
+        """The names (after blk.N.) of the tensors each layer must have."""
+        c = self.config
+        return [f"{s}.weight" for s in ("attn_norm", "ffn_norm", *LINEARS,
+                                        *(("attn_q_norm", "attn_k_norm") if c.qk_norm else ()),
+                                        *(("attn_sub_norm", "ffn_sub_norm") if c.sub_norms else ()))]
+
+    def _required(self):
+        yield from ("token_embd.weight", "output_norm.weight")
+        per_layer = self._layer_tensors()
+        for i in range(self.config.n_layers):
+            yield from (f"blk.{i}.{s}" for s in per_layer)
+
     def _unused_tensors(self) -> list[str]:
         """The file's tensors that conversion would not read (a bias, a tensor of another architecture): left out,
         the model would run without them, its output silently different from what the file says."""
-        c = self.config
-        per_layer = ["attn_norm", "ffn_norm", *LINEARS, *(f"{s}.scale" for s in LINEARS)]
-        per_layer += ["attn_q_norm", "attn_k_norm"] if c.qk_norm else []
-        per_layer += ["attn_sub_norm", "ffn_sub_norm"] if c.sub_norms else []
-        used = {"token_embd.weight", "output_norm.weight", "output.weight"}
-        used.update(f"blk.{i}.{s}" if s.endswith(".scale") else f"blk.{i}.{s}.weight"
-                    for i in range(c.n_layers) for s in per_layer)
-        return [n for n in self.g.tensors if n not in used]
+        per_layer = {*self._layer_tensors(), *(f"{s}.scale" for s in LINEARS)}   # scales: optional (llama.cpp's too)
+        out = []
+        for n in self.g.tensors:
+            m = re.fullmatch(r"blk\.(0|[1-9]\d*)\.(.+)", n)
+            if n not in ("token_embd.weight", "output_norm.weight", "output.weight") and not (
+                    m and int(m.group(1)) < self.config.n_layers and m.group(2) in per_layer):
+                out.append(n)
+        return out
 
     def _activation(self, arch, override, tok_kind) -> str:
         act = self.g.get(f"{arch}.hidden_activation", str)
