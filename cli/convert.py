@@ -26,6 +26,7 @@ def add_arguments(p):
 
 def main(args) -> int:
     import os
+    import sys
 
     from ..engine.formats.convert import convert
 
@@ -42,8 +43,6 @@ def main(args) -> int:
             stem = source_name.split("@")[0].replace("/", "--").replace(":", "--").removesuffix(".gguf")
             args.out = args.out or stem + (f".{args.lm_head}.bnstore" if args.lm_head else ".bnstore")
     if args.weights == "t1.6":
-        import sys
-
         from ..simd import _kernels as K
 
         if K.active() not in ("avx512", "amx"):   # the store is still valid anywhere; only the speed differs
@@ -52,8 +51,6 @@ def main(args) -> int:
                   file=sys.stderr)
     out = convert(args.src, args.out, lm_head=args.lm_head, weights=args.weights, progress=not args.no_progress, hidden_act=args.hidden_act,
                   ternarize=args.ternarize, source_name=source_name)
-    import sys
-
     from ..engine.formats.store import Store, store_warnings
 
     with Store(out, load="mmap") as s:   # what the file left to a guess (every load of the store says it too)
