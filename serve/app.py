@@ -603,8 +603,7 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
     @app.post("/chat/completions", include_in_schema=False)   # llama-server's: an SDK pointed at the bare root
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         with translated():   # a final assistant message is continued, as llama-server does
-            body.check_tool_shapes()
-            body.check_tool_results()
+            body.check_tool_messages()
             msgs, prefill = continuation([m.as_dict() for m in body.messages], body.continue_final_message,
                                          body.add_generation_prompt)
             if prefill is not None and (body.chat_template_kwargs or {}).get("enable_thinking") is True:
@@ -863,8 +862,7 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
     async def chat_input_tokens(body: ChatCompletionRequest, request: Request):
         """llama-server's token count of a chat completion body (the same object as OpenAI's Responses count)."""
         with translated():
-            body.check_tool_shapes()
-            body.check_tool_results()
+            body.check_tool_messages()
         return await count_input_tokens(request, body, [m.as_dict() for m in body.messages], body.tools,
                                         body.tool_choice_name(), "messages", body.allowed_tools())
 

@@ -83,6 +83,11 @@ class ModelSpec:
 HUB_PREFIXES = ("hf.co/", "huggingface.co/", "https://huggingface.co/", "https://hf.co/")
 
 
+def _bare(name: str) -> str:
+    """A model's name less ollama's ":latest" tag (in any case), which names the model without it."""
+    return name[: -len(":latest")] if name.lower().endswith(":latest") else name
+
+
 def hub_name(name: str) -> str:
     """ollama's name of a Hugging Face model (hf.co/OWNER/REPO[:TAG], TAG "latest" meaning none) as the hub id
     `bitnet pull` takes (OWNER/REPO[:FILE|:TAG]); any other name as it is."""
@@ -90,12 +95,7 @@ def hub_name(name: str) -> str:
         if name.startswith(prefix):
             name = name[len(prefix):]
             break
-    return name[: -len(":latest")] if name.endswith(":latest") else name
-
-
-def _bare(name: str) -> str:
-    """A model's name less ollama's ":latest" tag (in any case), which names the model without it."""
-    return name[: -len(":latest")] if name.lower().endswith(":latest") else name
+    return _bare(name)
 
 
 class RouterError(Exception):

@@ -698,6 +698,12 @@ class ChatCompletionRequest(_Sampling):
                                                                    CHAT_TEXT_PARTS))
         return super().unsupported()
 
+    def check_tool_messages(self):
+        """RequestProblem for what OpenAI's API refuses in the tools and the messages that carry calls and
+        results (check_tool_shapes, then check_tool_results)."""
+        self.check_tool_shapes()
+        self.check_tool_results()
+
     def check_tool_shapes(self):
         """RequestProblem (OpenAI's 400s) for a tool without its "type", or an assistant's call whose arguments are
         not the JSON string OpenAI's API sends (an object was taken here, and refused by every other server)."""
