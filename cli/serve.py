@@ -172,8 +172,10 @@ def _check(args):
 def bind_port(host: str, port: int, keep: bool = True):
     """The listening socket, bound here rather than by uvicorn (which logs '[Errno 98] ...' after we have said
     'listening' and exits 3) so that a port in use or an address this machine does not have is one line, exit 2.
-    Bound as uvicorn binds (IPv6 when the host has a ':', else IPv4; SO_REUSEADDR to restart over TIME_WAIT).
-    keep=False only checks (Ray Serve's proxy binds the port itself) and closes it again."""
+    Bound as uvicorn binds (IPv6 when the host has a ':', else IPv4; SO_REUSEADDR to restart over TIME_WAIT), and
+    listening at once (uvicorn's own backlog), so that a client that connects as soon as 'listening' is printed
+    waits in the queue until the server accepts instead of being refused while uvicorn starts or the router
+    scans its models. keep=False only checks (Ray Serve's proxy binds the port itself) and closes it again."""
     import errno
     import socket
 
@@ -182,6 +184,8 @@ def bind_port(host: str, port: int, keep: bool = True):
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
+        if keep:
+            sock.listen(2048)
     except OSError as e:   # socket.gaierror (a host name that does not resolve) included
         sock.close()
         hint = ("another process listens there (another bitnet serve?): stop it or choose another --port"

@@ -640,6 +640,46 @@ def test_port_in_use_is_one_line_exit_2(extra):
     assert len([ln for ln in r.stderr.splitlines() if ln.strip()]) <= 2   # the error and its hint
 
 
+@pytest.mark.parametrize("mode", ["model", "models-dir"])
+def test_the_port_takes_connections_once_listening_is_said(tmp_path, mode):
+    """'listening on ...' is the line scripts and supervisors wait for: a connection made the moment it is printed
+    waits for its answer; it was refused (ECONNREFUSED) while uvicorn started, and for seconds while a router
+    scanned its models, because the socket was bound but not yet listening."""
+    import shutil
+    import socket
+    import subprocess
+    import sys
+    from serve_proc import ROOT, free_port
+    model = os.path.join(ROOT, "models", "default.bnstore")
+    if mode == "model":
+        where = ["-m", model]
+    else:
+        shutil.copy(model, tmp_path / "a.bnstore")
+        shutil.copy(model, tmp_path / "b.bnstore")
+        where = ["--models-dir", str(tmp_path)]
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "bitnet_cpu", "serve", "--host", "127.0.0.1", "--port", str(port),
+                             "-t", "1", *where], cwd=ROOT, env=dict(os.environ, PYTHONPATH=pythonpath()),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        seen = []
+        for line in proc.stderr:   # bounded: the server prints the line or exits (then the loop ends)
+            seen.append(line)
+            if "listening on" in line:
+                break
+        assert "listening on" in "".join(seen), "".join(seen)
+        with socket.create_connection(("127.0.0.1", port), timeout=5):   # refused on the old code
+            pass
+        assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=120).status_code in (200, 503)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+
+
 def test_server_sampling_flags_are_request_defaults():
     """In-process: the server's sampling settings (bitnet serve --temp/--top-k/.../--seed) fill the fields a
     request leaves out, so a bare request samples exactly as one that sends those values; a request's own
