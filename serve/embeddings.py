@@ -149,6 +149,8 @@ async def tokenized(eng, items: list, where: str, truncate: bool = False, one: b
 def check_dimensions(eng, dimensions) -> None:
     """`dimensions` is honoured only as the model's own width: these models were not trained for shortened
     (Matryoshka) vectors, so a cut vector would be a worse one, not a smaller version of the same."""
+    if isinstance(dimensions, float) and dimensions.is_integer():   # JSON's 256.0, taken as /v1/embeddings takes it
+        dimensions = int(dimensions)
     if dimensions is not None and (not isinstance(dimensions, int) or isinstance(dimensions, bool)):
         raise Refused(400, f"dimensions {dimensions!r}: expected an integer", param="dimensions", code="invalid_value")
     if dimensions is not None and dimensions != eng.config.hidden_size:

@@ -80,6 +80,9 @@ RETIRED_OPTIONS = {"penalize_newline", "num_gqa", "rope_frequency_base", "rope_f
 # load-time options of a local ollama (the model is loaded once, by `bitnet serve`'s flags): ignored by design
 LOAD_OPTIONS = {"numa", "num_batch", "num_gpu", "main_gpu", "low_vram", "f16_kv", "logits_all", "vocab_only",
                 "use_mmap", "use_mlock", "embedding_only", "num_thread", "num_keep"}
+# ...but typed as ollama's Options.FromMap types them ("option \"num_thread\" must be of type integer"): a wrong
+# type is a 400 here too, not a 200 that looked as if the value had been taken
+LOAD_INT_OPTIONS = {"num_batch", "num_gpu", "main_gpu", "num_thread", "num_keep"}
 # options that would change sampling in ways the engine does not do: refused unless left at their "off" value
 REFUSED_OPTIONS = {"tfs_z": 1.0}
 UNSUPPORTED_ENDPOINTS = {
@@ -89,6 +92,9 @@ UNSUPPORTED_ENDPOINTS = {
     "copy": "bitnet serve serves one model under one name (use --alias NAME to rename it)",
     "delete": "bitnet serve does not delete models",
 }
+
+BLOBS_WHY = ("/api/blobs: bitnet serve takes no model uploads (ollama create's blobs): convert a model with "
+             "`bitnet convert` on the server's machine and serve it")
 
 
 class OllamaError(Exception):
@@ -183,6 +189,11 @@ def sampling_from_options(options: dict | None, defaults: SamplingParams | None)
             # a typo (temprature) changed nothing in silence
             raise OllamaError(400, f"options.{key}: not an option (see ollama's Modelfile parameters; "
                                    f"sampling ones here: {', '.join(OPTION_FIELDS[:9])}, ...)")
+        if key in LOAD_OPTIONS and value is not None:
+            if key in LOAD_INT_OPTIONS:
+                option_int(options, key)
+            elif not isinstance(value, bool):
+                raise OllamaError(400, f"options.{key} {value!r}: must be a boolean")
         if key not in OPTION_FIELDS or value is None:
             continue
         integer = key in INT_OPTIONS
@@ -245,10 +256,18 @@ def _engine_message(i: int, m: _Message) -> dict:
             fn = c.get("function") if isinstance(c, dict) else None
             if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
                 raise OllamaError(400, f"messages.{i}.tool_calls.{j}: expected {{\"function\": {{\"name\", \"arguments\"}}}}")
-            args = fn.get("arguments") or {}
+            args = fn.get("arguments")
+            args = {} if args is None else args
+            if isinstance(args, str):   # OpenAI's shape (a JSON text), taken where it holds an object
+                try:
+                    args = json.loads(args)
+                except ValueError:
+                    pass
+            if not isinstance(args, dict):   # ollama's arguments are an object (its Go server's 400 for others):
+                # 5, "not json" and [] reached the template as if they were a call's arguments
+                raise OllamaError(400, f"messages.{i}.tool_calls.{j}.function.arguments: expected an object")
             calls.append({"id": c.get("id") or f"call_{i}_{j}", "type": "function",
-                          "function": {"name": fn["name"],
-                                       "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)}})
+                          "function": {"name": fn["name"], "arguments": json.dumps(args, ensure_ascii=False)}})
         d["tool_calls"] = calls
     if m.role == "tool" and m.tool_name:
         d["name"] = m.tool_name
@@ -344,6 +363,8 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
                 raise OllamaError(400, str(e)) from None
         if body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20:
             raise OllamaError(400, f"top_logprobs {body.top_logprobs}: must be in 0..20")
+        if body.top_logprobs and not body.logprobs:   # dropped in silence; the OpenAI routes' 400 too
+            raise OllamaError(400, f"top_logprobs {body.top_logprobs} needs logprobs: true")
         if body.truncate:   # both were dropped in silence: a client asking for them got something else
             raise OllamaError(400, "truncate: true is not supported here: a prompt over the context is a 400, its "
                                    "history is never cut (send false, or leave it out)")
@@ -702,3 +723,8 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
 
     for name, why in UNSUPPORTED_ENDPOINTS.items():
         unsupported(name, why)
+
+    async def api_blobs(request: Request, digest: str):
+        # `ollama create` uploads its GGUF here before /api/create: a bare 404 "Not Found" hid create's reason
+        raise OllamaError(501, BLOBS_WHY)
+    app.add_api_route("/api/blobs/{digest}", api_blobs, methods=["HEAD", "POST"], include_in_schema=False)

@@ -45,7 +45,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from .auth import AuthMiddleware, KeyChecker, allow_cross_origin
 from .limits import Limits, LimitsMiddleware, RouteNorms, error_json
 from .offload import ClientGone, Streamed, unless_gone
-from .ollama import (FOREVER, LOAD_WAIT_HEADER, OLLAMA_VERSION,  # noqa: F401 - parse_keep_alive: the CLI's
+from .ollama import (BLOBS_WHY, FOREVER, LOAD_WAIT_HEADER, OLLAMA_VERSION,  # noqa: F401 - parse_keep_alive: the CLI's
                      parse_keep_alive)
 from .schemas import model_object, utc_iso
 
@@ -851,6 +851,10 @@ def create_router_app(router: Router, *, api_keys: tuple = (), limits: Limits | 
         return JSONResponse({"error": f"/api/{what}: {why}"}, status_code=501)
     for what in ("push", "create", "copy"):
         app.add_api_route(f"/api/{what}", not_here, methods=["POST"])
+
+    async def no_blobs(request: Request, digest: str):   # ollama create's upload, before its /api/create
+        return JSONResponse({"error": BLOBS_WHY}, status_code=501)
+    app.add_api_route("/api/blobs/{digest}", no_blobs, methods=["HEAD", "POST"], include_in_schema=False)
 
     def ollama_name(data: dict | None) -> str:
         name = (data or {}).get("model") or (data or {}).get("name")   # older clients send `name`

@@ -99,6 +99,10 @@ def test_over_the_context_and_empty_inputs_are_400s(client, oclient, server, llm
     assert r.status_code == 400 and r.json() == {"error": "input.1: an empty string has nothing to embed"}
     r = httpx.post(server.url + "/api/embed", json={"model": model_id, "input": "a", "dimensions": 3})
     assert r.status_code == 400 and "dimensions 3" in r.json()["error"]
+    width = float(len(oclient.embed(model=model_id, input="a")["embeddings"][0]))   # JSON's 256.0 is 256, as on
+    for path in ("/api/embed", "/v1/embeddings"):                                   # /v1/embeddings (ollama's: 400)
+        r = httpx.post(server.url + path, json={"model": model_id, "input": "a", "dimensions": width})
+        assert r.status_code == 200, (path, r.text)
     # truncate: true keeps the first n_ctx tokens, as ollama does
     cut = llm.tokenize(long_text, add_bos=True)[:n_ctx]
     r = httpx.post(server.url + "/api/embed", json={"model": model_id, "input": long_text, "truncate": True},

@@ -259,6 +259,19 @@ def test_presence_and_frequency_count_the_prompt(server, model_id):
     ("/api/chat", {"model": "m", "messages": Q, "options": {"temprature": 0}}, "options.temprature: not an option"),
     ("/api/generate", {"model": "m", "prompt": "x", "options": {"xtc_probability": 2}}, "options.xtc_probability 2"),
     ("/api/chat", {"model": "m", "messages": Q, "options": {"dry_allowed_length": 1.5}}, "dry_allowed_length 1.5"),
+    # load-time options are ignored but typed as ollama types them (a wrong type was a 200)
+    ("/api/chat", {"model": "m", "messages": Q, "options": {"num_thread": "x"}}, "options.num_thread 'x'"),
+    ("/api/generate", {"model": "m", "prompt": "x", "options": {"num_batch": [1]}}, "options.num_batch [1]"),
+    ("/api/generate", {"model": "m", "prompt": "x", "options": {"use_mmap": 5}}, "options.use_mmap 5: must be a bool"),
+    ("/api/chat", {"model": "m", "messages": Q, "options": {"numa": "yes"}}, "options.numa 'yes'"),
+    # asked-for alternatives without logprobs were dropped in silence
+    ("/api/chat", {"model": "m", "messages": Q, "top_logprobs": 3}, "top_logprobs 3 needs logprobs: true"),
+    ("/api/generate", {"model": "m", "prompt": "x", "top_logprobs": 2}, "top_logprobs 2 needs logprobs: true"),
+    # a history call's arguments are an object: 5 and "not json" reached the template as if they were arguments
+    ("/api/chat", {"model": "m", "messages": [{"role": "assistant", "content": "", "tool_calls": [
+        {"function": {"name": "add", "arguments": 5}}]}, *Q]}, "messages.0.tool_calls.0.function.arguments"),
+    ("/api/chat", {"model": "m", "messages": [{"role": "assistant", "content": "", "tool_calls": [
+        {"function": {"name": "add", "arguments": "not json"}}]}, *Q]}, "expected an object"),
 ])
 def test_refusals_in_ollama_error_shape(server, path, body, words):
     r = httpx.post(server.url + path, json=body, timeout=30)
@@ -375,6 +388,11 @@ def test_refused_operations_answer_but_are_not_advertised(server):
         assert r.status_code == 501 and isinstance(r.json()["error"], str) and r.json()["error"], r.text
     r = httpx.request("DELETE", server.url + "/api/delete", json={"model": "m"}, timeout=30)
     assert r.status_code == 501 and "delete" in r.json()["error"]
+    # `ollama create` uploads its blob first: that answered a bare 404 "Not Found", hiding create's reason
+    digest = "sha256:" + "0" * 64
+    r = httpx.post(server.url + f"/api/blobs/{digest}", content=b"GGUF", timeout=30)
+    assert r.status_code == 501 and "bitnet convert" in r.json()["error"], r.text
+    assert httpx.head(server.url + f"/api/blobs/{digest}", timeout=30).status_code == 501
 
 
 def test_every_operation_has_its_own_id_and_head_still_answers(server):
