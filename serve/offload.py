@@ -329,6 +329,9 @@ async def unless_gone(aw, request, poll: float = HANGUP_POLL, lost=None):
         fut.cancel()
         if lost is not None and fut.done() and not fut.cancelled() and fut.exception() is None:
             lost(fut.result())
+        # read its end, whatever it is: a cancelled gather() ends with CancelledError set as its exception, which
+        # asyncio logged ('exception was never retrieved', a traceback) for every such hang-up
+        fut.add_done_callback(lambda f: f.cancelled() or f.exception())
         raise
 
 

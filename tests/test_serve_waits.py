@@ -92,3 +92,23 @@ def test_within_times_out_without_taking_anything(path):
             await within(fails(), 1)
         assert q.empty()
     asyncio.run(main())
+
+
+def test_a_hang_up_leaves_no_unread_error_behind():
+    """unless_gone over a gather() (the echo scoring passes of a prompt list): a hang-up cancels it, and the
+    gather ends with its CancelledError set as an exception no one read; asyncio logged 'exception was never
+    retrieved' with a traceback in the server's log for every such hang-up."""
+    import gc
+    from bitnet_cpu.serve.offload import ClientGone, unless_gone
+    unread = []
+
+    async def main():
+        asyncio.get_running_loop().set_exception_handler(lambda loop, ctx: unread.append(ctx["message"]))
+        with pytest.raises(ClientGone):
+            await unless_gone(asyncio.gather(asyncio.sleep(10), asyncio.sleep(10)), Client(gone=True), poll=0.01)
+        await asyncio.sleep(0.05)   # the children's cancellations reach the gather
+        gc.collect()
+        await asyncio.sleep(0.05)
+    asyncio.run(main())
+    gc.collect()
+    assert unread == []
