@@ -76,6 +76,9 @@ def test_sentencepiece(spm_blob):
         assert not any("\ufffd" in p for p in pieces)
     assert tok.encode("a</s>b", special=True).count(2) == 1
     assert 2 not in tok.encode("a</s>b", special=False)
+    # "<unk>" in a text is the unknown token, as transformers and llama.cpp parse it (it was cut into pieces)
+    assert tok.encode("a<unk>b", special=True).count(0) == 1
+    assert 0 not in tok.encode("a<unk>b", special=False)
 
 
 def test_bad_blobs():

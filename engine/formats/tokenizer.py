@@ -129,7 +129,9 @@ class Tokenizer:
             _library_call(source, "SentencePiece model cannot be loaded", self._sp.LoadFromSerializedProto, blob)
             self._hf = None
             self.vocab_size = self._sp.GetPieceSize()
-            self._special_ids = {i for i in range(self.vocab_size) if self._sp.IsControl(i)}
+            # control pieces and <unk>: transformers (slow and fast) and llama.cpp parse "<unk>" in a text as the
+            # one token, as a tokenizer.json of the same vocabulary flags it special (it was cut into pieces)
+            self._special_ids = {i for i in range(self.vocab_size) if self._sp.IsControl(i) or self._sp.IsUnknown(i)}
             pieces = sorted((self._sp.IdToPiece(i) for i in self._special_ids if self._sp.IdToPiece(i)), key=len, reverse=True)
             self._special_re = re.compile("(" + "|".join(re.escape(p) for p in pieces) + ")") if pieces else None
         else:
