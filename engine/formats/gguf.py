@@ -229,8 +229,9 @@ class GGUFFile:
                 raise FormatError(f"{self.path}: named part 1 of {count} of a split GGUF, but holds part {no + 1} "
                                   "(its split.no): the parts are misnamed or swapped",
                                   hint="name each part by its split.no, or download the parts again")
+            # the hint names the file, not a flag: -m is run's, convert and inspect take the file itself
             raise FormatError(f"{self.path}: part {no + 1} of {count} of a split GGUF: give the first part, which holds "
-                              "the model's metadata", hint=f"-m {first}")
+                              "the model's metadata", hint=f"give {first} instead")
         for i in range(1, count):
             path = split_part(self.path, i + 1)
             if not os.path.isfile(path):   # a folder or a FIFO there is not a part either, but not "missing"
