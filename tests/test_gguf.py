@@ -352,6 +352,38 @@ def test_a_bos_asked_for_but_not_named(tmp_path, style, name):
     s.close()
 
 
+@pytest.mark.parametrize("style", ["bitnet", "1bitllm"])
+@pytest.mark.parametrize("how", ["typed normal", "no token_type"])
+def test_named_specials_typed_normal_are_control(tmp_path, style, how):
+    """A GGUF whose BOS / EOS / EOT tokens are typed NORMAL (or that has no tokenizer.ggml.token_type): a chat
+    template's bos_token and end-of-turn texts were cut into literal pieces, so prompts had no BOS id and no
+    end-of-turn id, in silence. They are control tokens now, with one warning, as llama.cpp overrides them."""
+    from test_fuzz import _rewrite_gguf
+
+    from bitnet_cpu.engine.formats.sources import GGUFSource
+    from bitnet_cpu.engine.formats.tokenizer import Tokenizer
+
+    m = SynthModel(seed=21, style=style)
+    src = write_gguf_tq(m, str(tmp_path / "plain.gguf"), "TQ2_0")
+    g = GGUFFile(src)
+    tokens = list(g.kv["tokenizer.ggml.tokens"])
+    named = [int(g.kv[k]) for k in ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id") if k in g.kv]
+    bad = str(tmp_path / "bad.gguf")
+    if how == "typed normal":
+        _with(src, bad, change={"tokenizer.ggml.token_type": lambda v: np.ones_like(v)})
+    else:
+        _rewrite_gguf(src, bad, "tokenizer.ggml.token_type", None)
+    for path, warned in ((src, False), (bad, True)):
+        s = GGUFSource(path)
+        kind, blob = s.tokenizer
+        tok = Tokenizer(kind, blob, bos_id=s.config.bos_token_id, eos_ids=s.config.eos_token_ids)
+        text = "".join(f"x{tokens[i]}" for i in named) + "x"
+        ids = tok.encode(text, special=True)
+        assert all(ids.count(i) == 1 for i in named), (path, ids, named)
+        assert any("not typed control" in w for w in s.meta.get("warnings", [])) == warned, s.meta
+        s.close()
+
+
 @pytest.mark.parametrize("style,act,family", [("bitnet", "relu2", "bitnet-b1.58"), ("bitnet", None, "bitnet-b1.58"),
                                               ("1bitllm", "silu", "1bitllm"), ("1bitllm", None, "1bitllm")])
 def test_bitnet_arch_family_by_activation_and_vocabulary(tmp_path, style, act, family):

@@ -135,6 +135,7 @@ def gguf_tokenizer(g) -> dict:
             # llama.cpp's: the key, else its pre's
             meta["add_bos"] = add_bos if add_bos is not None else pre in ADD_BOS_PRES
             bos = _named_bos(bos, meta, tokens, "<|begin_of_text|>", warnings)
+            _named_are_control(types, tokens, [bos, *eos], warnings)
             js = _bpe_json(tokens, types, merges, pre in IGNORE_MERGES_PRES, bos if meta["add_bos"] else None,
                            path, SPLIT_REGEX[regex])
             blob = ("hf_json", js.encode("utf-8"))
@@ -148,6 +149,7 @@ def gguf_tokenizer(g) -> dict:
                 raise FormatError(f"{path}: tokenizer.ggml.scores has {len(scores)} entries for {n} tokens")
             meta["add_bos"] = add_bos is not False
             bos = _named_bos(bos, meta, tokens, "<s>", warnings)
+            _named_are_control(types, tokens, [bos, *eos], warnings)
             js = _spm_json(tokens, types, scores, bos if meta["add_bos"] else None)
             blob = ("hf_json", js.encode("utf-8"))
             meta["tokenizer_note"] = "SentencePiece vocab rebuilt as an HF BPE tokenizer (best effort)"
@@ -177,6 +179,21 @@ def _named_bos(bos, meta: dict, tokens: list, name: str, warnings: list) -> int 
     warnings.append(f"the GGUF asks for a BOS token (tokenizer.ggml.add_bos_token) but names none (no"
                     f" tokenizer.ggml.bos_token_id, no {name} in its vocabulary): texts start without one")
     return None
+
+
+def _named_are_control(types: list, tokens: list, ids, warnings: list) -> None:
+    """The BOS / EOS / EOT ids the file names, typed NORMAL (or no token_type at all): typed control here, as
+    llama.cpp overrides them with a warning. Else a chat template's bos_token and <|eot_id|> texts were cut into
+    literal pieces: prompts with no BOS id and no end-of-turn id, said nowhere."""
+    fixed = []
+    for i in dict.fromkeys(i for i in ids if isinstance(i, int) and 0 <= i < len(tokens)):
+        t = tokens[i]
+        if types[i] not in (3, 4) and len(t) > 2 and t.startswith("<") and t.endswith(">"):   # control-looking
+            types[i] = 3
+            fixed.append(f"{t!r} (id {i})")
+    if fixed:
+        warnings.append(f"the GGUF's {', '.join(fixed)} named as BOS/EOS/EOT {'is' if len(fixed) == 1 else 'are'} "
+                        "not typed control (tokenizer.ggml.token_type): taken as control tokens, as llama.cpp does")
 
 
 def _added(tokens, types, specials_only=False):
