@@ -58,8 +58,20 @@ def report_bug(prog: str, e: BaseException) -> int:
     return EXIT_BUG
 
 
+def replace_unencodable() -> None:
+    """stdout writes what its encoding cannot hold as '?' (an ASCII locale, PYTHONIOENCODING=ascii): every
+    command's text may hold more than ASCII (bench's +-, a cached model's unicode name, an answer), and an
+    encoding error there ended the command as an "internal error", after the work was done. Once, for every
+    command (bitnet and bitchat); stderr replaces already (Python's backslashreplace)."""
+    try:
+        sys.stdout.reconfigure(errors="replace")
+    except (AttributeError, ValueError):   # not a TextIOWrapper (a test's capture), or None (fd 1 closed)
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     ended_early()
+    replace_unencodable()
     with lossy_stderr():   # `bitnet run -v 2>&-`: the timings lost, never the answer
         return interruptible(lambda: stdout_flushed(lambda: _main(argv)))
 

@@ -27,7 +27,7 @@ import time
 
 from ..chat.commands import FIELD_OF_SETTING, Settings
 from ..chat.render import Output
-from . import lossy_stderr
+from . import lossy_stderr, replace_unencodable
 from .flags import (UNTIL_END, Parser, add_engine_args, add_system_args, apply_chat_template, check_engine_args,
                     maybe_autocomplete, parse_args_suggesting, sampling_params_from_args)
 
@@ -73,6 +73,8 @@ def settings_from_args(args, error) -> Settings:
 
 def main(argv: list[str] | None = None) -> int:
     from . import stdout_flushed
+
+    replace_unencodable()
 
     def body():
         parser = build_parser()
@@ -217,11 +219,7 @@ def _run(args, settings: Settings, out: Output, interactive: bool, first_message
               f"copy is {path}", file=sys.stderr)
 
     faults.install("bitchat")
-    for stream in (sys.stdout, sys.stderr):   # a terminal that is not UTF-8 gets U+FFFD's stand-in, never an
-        try:                                  # encoding error that ended every answer as an "internal error"
-            stream.reconfigure(errors="replace")
-        except (AttributeError, ValueError):
-            pass
+    replace_unencodable()   # `bitnet run -cnv` comes here too: a non-UTF-8 terminal never ends an answer
     label = args.model or "the bundled default model"
     print(f"bitchat: loading {label} ...", file=sys.stderr, flush=True)
     t0 = time.perf_counter()

@@ -139,11 +139,7 @@ def main(args) -> int:
         constraint = llm.compile_constraint(constraint)   # refused (one line) before any token is generated
     until_end = args.n_predict == UNTIL_END
     max_tokens = llm.n_ctx if until_end else args.n_predict
-    out = sys.stdout
-    try:  # a non-UTF-8 terminal gets replacement characters, never an encoding traceback
-        out.reconfigure(errors="replace")
-    except (AttributeError, ValueError):
-        pass
+    out = sys.stdout   # a non-UTF-8 terminal gets '?' for what it cannot show (replace_unencodable, at entry)
     if args.json:
         import json
 

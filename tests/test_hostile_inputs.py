@@ -356,3 +356,16 @@ def test_a_split_gguf_part_that_is_not_a_file_is_not_called_missing(model, tmp_p
     os.mkdir(part) if kind == "folder" else os.mkfifo(part)
     line = one_error_line(bitnet("inspect", first))
     assert "part 2 of" in line and "not a regular file" in line and "missing" not in line, line
+
+
+def test_a_stdout_that_cannot_encode_unicode_never_ends_a_command(tmp_path):
+    """PYTHONIOENCODING=ascii (or an ASCII locale without UTF-8 mode): bench's table (its +-) and inspect of a
+    unicode path ended as "internal error: UnicodeEncodeError", exit 70, after the work; only run and bitchat
+    replaced what the terminal cannot show. Every command does now ('?')."""
+    store = tmp_path / "modèle.bnstore"
+    shutil.copy(os.path.join(ROOT, "models", "default.bnstore"), store)
+    env = dict(ENV, PYTHONIOENCODING="ascii")
+    for args in (("bench", "-m", str(store), "-p", "8", "-n", "4", "-r", "1", "-t", "1"), ("inspect", str(store))):
+        r = bitnet(*args, env=env, timeout=300)
+        assert r.returncode == 0 and "internal error" not in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
+        assert "?" in r.stdout, (args, r.stdout)   # the unencodable characters, replaced
