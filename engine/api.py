@@ -221,6 +221,15 @@ class _Text:
             return None
         return ThinkSplitter(free_start and prompt_opens_thought(self.tokenizer.decode(list(prompt_ids[-8:]))))
 
+    def answer_thought(self, prompt_ids: Sequence[int]) -> str | None:
+        """Where an answer to prompt_ids stands with a thought its think_splitter takes out, for a tool grammar
+        (engine/runtime/tools.py constraint's thought): None, the template does not think; "open", the prompt
+        opened one (the answer starts in it); "may", the answer may open one."""
+        from .runtime.reasoning import prompt_opens_thought
+        if not self.thinks:
+            return None
+        return "open" if prompt_opens_thought(self.tokenizer.decode(list(prompt_ids[-8:]))) else "may"
+
     def thought_may_open(self, compiled) -> bool:
         """Whether an answer under a compiled constraint (None: none) may start inside a thought the prompt opened:
         no grammar, one that leaves the start free (tool_choice auto), or one that continues the thought (it writes

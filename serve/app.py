@@ -316,10 +316,12 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
             raise APIError(400, str(e), param=e.where, code="invalid_constraint") from None
 
     def tool_setup(eng, tools, choice, parallel, allowed=None):
-        """(tools for the prompt, their call grammar, a maker of answer parsers: one per choice) of a chat request's
-        tools (chat shape), tool choice ("none" | "auto" | "required" | a name) and parallel_tool_calls;
+        """(tools for the prompt, a maker of their call grammar, a maker of answer parsers: one per choice) of a chat
+        request's tools (chat shape), tool choice ("none" | "auto" | "required" | a name) and parallel_tool_calls;
         allowed: the names the model may call (OpenAI's allowed_tools: every tool stays in the prompt, the grammar
-        takes only these); (None, None, None) without tools or with tool_choice "none"."""
+        takes only these); (None, None, None) without tools or with tool_choice "none". The grammar (checked
+        here) is made for where the rendered prompt leaves a thought (grammar(eng.answer_thought(prompt_ids)):
+        choice auto lets a thought before the calls name them)."""
         from ..engine.errors import ConstraintError
         from ..engine.runtime.tools import functions_from_tools
         if not tools or choice == "none":
@@ -343,7 +345,12 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
             spec = fmt.constraint(functions, choice, parallel is not False)
         except ConstraintError as e:
             raise APIError(400, str(e), param=e.where, code="invalid_value") from None
-        return tools, spec, fmt.parser
+
+        def grammar(thought=None):
+            if thought is None or spec is None or not spec.free_start:
+                return spec
+            return fmt.constraint(functions, choice, parallel is not False, thought)
+        return tools, grammar, fmt.parser
 
     async def render_prompt(eng, msgs, tools, param, prefill="", template_kwargs=None):
         """The prompt ids of a conversation through the model's template (with the tools); prefill: text the
@@ -359,20 +366,23 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
             raise APIError(400, f"{param}: {e}", param=param, code="invalid_value") from None
 
     async def start_chat(request, body, msgs, tools, choice, param, prefill="", allowed=None, thinking=True,
-                         asked=False):
+                         asked=False, split=True):
         """The chat-shaped endpoints' common start (/v1/chat/completions, /v1/responses, /v1/messages): the engine,
         the prompt through the model's template (with the tools), the constraint, the submitted streams.
         thinking False: a thinking template is asked not to think (enable_thinking false; Anthropic's default);
         asked: the request asked it to think (Anthropic's thinking enabled), over the server's -rea off.
+        split: the endpoint takes a thought out of the answer with the think splitter (then the tool grammar lets
+        the thought name calls; without, the parser would read them as calls).
         -> (engine, prompt ids, streams, queue, maker of tool-call parsers or None, maker of think splitters or
         None: one per choice, for a thinking template)"""
         eng = ready(request)
         check_model(body.model)
-        tools, tool_spec, new_parser = tool_setup(eng, tools, choice, body.parallel_tool_calls, allowed)
+        tools, tool_grammar, new_parser = tool_setup(eng, tools, choice, body.parallel_tool_calls, allowed)
         kwargs = getattr(body, "chat_template_kwargs", None)
         if eng.thinks and (not thinking or asked):
             kwargs = {"enable_thinking": bool(thinking), **(kwargs or {})}
         prompt_ids = await render_prompt(eng, msgs, tools, param, prefill, kwargs)
+        tool_spec = tool_grammar and tool_grammar(eng.answer_thought(prompt_ids) if split and not prefill else None)
         constraint = await compile_constraint(eng, body, tool_spec)
         # no grammar decides the start (tools, choice auto), or the grammar goes on with the prompt's thought
         free = constraint is None or constraint.spec.free_start or await run_off_loop(eng.thought_may_open,
@@ -609,21 +619,22 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
             if prefill is not None and (body.chat_template_kwargs or {}).get("enable_thinking") is True:
                 raise RequestProblem("chat_template_kwargs", "a continued assistant message cannot think first "
                                      "(enable_thinking: true), as llama-server refuses it")
-        # a continued answer is the answer: a thinking template is asked not to think (as /v1/messages renders it)
-        eng, prompt_ids, streams, q, new_parser, new_splitter = await start_chat(
-            request, body, msgs, body.tools, body.tool_choice_name(), "messages", prefill or "",
-            allowed=body.allowed_tools(), thinking=body.reasoning_effort != "none" and prefill is None)
-        cid, created, model = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time()), state.model_id
-        head = {"id": cid, "created": created, "model": model, "system_fingerprint": None}
-        text_of, n_top = state.token_text(eng), body.top_logprobs or 0
-        parsers = [new_parser() if new_parser is not None else None for _ in streams]   # one per choice
-        n_calls = [0] * len(streams)
         # a thinking model's <think> block goes to reasoning_content (llama-server's --reasoning-format deepseek);
         # none: in the content as generated; deepseek-legacy, as llama-server: streamed, the block stays in the
         # content with its tags (the opening one too where the prompt opened it), else as deepseek
         fmt = body.reasoning_format or reasoning_format
         if fmt == "deepseek-legacy" and not body.stream:
             fmt = "deepseek"
+        # a continued answer is the answer: a thinking template is asked not to think (as /v1/messages renders it)
+        eng, prompt_ids, streams, q, new_parser, new_splitter = await start_chat(
+            request, body, msgs, body.tools, body.tool_choice_name(), "messages", prefill or "",
+            allowed=body.allowed_tools(), thinking=body.reasoning_effort != "none" and prefill is None,
+            split=fmt not in ("none", "deepseek-legacy") and prefill is None)
+        cid, created, model = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time()), state.model_id
+        head = {"id": cid, "created": created, "model": model, "system_fingerprint": None}
+        text_of, n_top = state.token_text(eng), body.top_logprobs or 0
+        parsers = [new_parser() if new_parser is not None else None for _ in streams]   # one per choice
+        n_calls = [0] * len(streams)
         splitters = [new_splitter() if fmt != "none" and prefill is None else None for _ in streams]
         opened = ["<think>\n" if fmt == "deepseek-legacy" and sp is not None and sp.opened else "" for sp in splitters]
         if fmt == "deepseek-legacy":
@@ -826,7 +837,7 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         think = (body.reasoning or {}).get("effort") != "none"   # effort "none": a thinking template does not think
         try:
             eng, prompt_ids, streams, q, new_parser, new_splitter = await start_chat(
-                request, body, msgs, tools, choice, "input", allowed=allowed, thinking=think)
+                request, body, msgs, tools, choice, "input", allowed=allowed, thinking=think, split=think)
         except APIError as e:   # named as the client named it (tools[1].name: Responses tools are flat)
             e.message, e.param = responses_names(e.message), responses_names(e.param)
             raise

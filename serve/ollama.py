@@ -603,7 +603,8 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
             from ..engine.runtime.tools import functions_from_tools
             fmt = eng.tool_format()
             try:
-                tool_spec = fmt.constraint(functions_from_tools(body.tools), "auto", True)
+                functions = functions_from_tools(body.tools)
+                tool_spec = fmt.constraint(functions, "auto", True)
             except ConstraintError as e:
                 raise OllamaError(400, str(e)) from None
             tools, parser = body.tools, fmt.parser()
@@ -613,6 +614,8 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
                                             template_kwargs=think_kwargs(eng, body))
         except Exception as e:   # the template rejected the conversation (e.g. roles out of order)
             raise OllamaError(400, f"messages: {e}") from None
+        if tool_spec is not None and not prefill and body.think is not False:   # the thought is split off: it may
+            tool_spec = fmt.constraint(functions, "auto", True, eng.answer_thought(prompt_ids))   # name calls
         constraint = await constraint_of(eng, body, tool_spec)
         # tools (ollama's are "auto") leave the start free; a grammar may go on with the prompt's thought
         free = constraint is None or constraint.spec.free_start or await run_off_loop(eng.thought_may_open,

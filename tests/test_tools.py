@@ -202,6 +202,44 @@ def test_auto_takes_text_then_calls_and_constrains_them(llm):
     assert content == "<think>\nI should add.\n</think>\n\n" and _fn(calls) == [("add", '{"a": 1, "b": 2}')]
 
 
+@pytest.mark.parametrize("template", [HERMES_TEMPLATE, LIST_TEMPLATE, LLAMA3_TEMPLATE])
+def test_auto_lets_a_thought_name_calls_before_the_real_one(llm, template):
+    """tool_choice auto, a thinking template: a thought that names <tool_call> (or writes a whole call while it
+    plans) is a thought, and the call after it is a call. The tag in the thought was forced into a call's JSON
+    and then only the end: the thought never closed and the real call never came. The thought is the model's
+    to open ("may") or the prompt's ("open": it must close before a call); the call after it stays held to its
+    schema, and nothing follows it."""
+    fmt = tool_format(template)
+    call = fmt.call_text("add", {"a": 1, "b": 2})
+    bad = fmt.call_text("sub", {})
+    for thought, pre in (("may", "<think>\n"), ("open", "")):
+        auto = fmt.constraint(functions_from_tools(TOOLS), "auto", False, thought)
+        yes = [f"{pre}Maybe {call} works.\n</think>\n\n{call}", f"{pre}I should add.\n</think>\n\n{call}",
+               f"{pre}I will write <tool_call> next.\n</think>\n\n{call}",
+               f"{pre}No <tool_call> needed.\n</think>\n\nFive.", "Five."]
+        no = [f"{pre}Hm.\n</think>\n\n{bad}", f"{pre}Hm.\n</think>\n\n{call}\nDone."]
+        for text in yes:
+            assert takes(llm, auto, text), (thought, text)
+        for text in no:
+            assert not takes(llm, auto, text), (thought, text)
+
+
+def test_answer_thought_says_where_the_prompt_leaves_the_thought(llm):
+    """What the server builds the tool grammar for: a template that opens the thought in its generation prompt
+    ("open"), one whose model opens it (or that closed an empty one: enable_thinking false), none that thinks."""
+    think = ("{% for m in messages %}{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}"
+             "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n"
+             "{% elif open_thought is not defined or open_thought %}<think>\n{% endif %}{% endif %}")
+    llm.set_chat_template(think)
+    try:
+        assert llm.answer_thought(llm.chat_prompt(Q)) == "open"
+        assert llm.answer_thought(llm.chat_prompt(Q, template_kwargs={"open_thought": False})) == "may"
+        assert llm.answer_thought(llm.chat_prompt(Q, template_kwargs={"enable_thinking": False})) == "may"
+    finally:
+        llm._chat_template = None
+    assert not llm.thinks and llm.answer_thought(llm.chat_prompt(Q)) is None
+
+
 def test_llama3_json_is_one_call_an_answer(llm):
     """Llama 3.x templates refuse two calls in the history, and its parser read only the first of two (the rest
     was lost as 'stop'): the grammar allows one, whatever parallel_tool_calls says."""

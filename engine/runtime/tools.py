@@ -4,6 +4,7 @@ the parser that turns its text back into calls.
     fmt = tool_format(template)                       # from the model's chat template
     messages, tools_arg = fmt.prepare(messages, tools) # the tool list reaches the model through its template
     spec = fmt.constraint(tools, choice, parallel)     # "required" / a named function: every call is valid
+    spec = fmt.constraint(tools, "auto", parallel, llm.answer_thought(prompt_ids))   # a thought may name calls
     parser = fmt.parser(); parser.feed(text) -> (content, calls); parser.finish(cut) -> (content, calls)
 
 Formats:
@@ -20,7 +21,8 @@ as one that knows nothing of tools, so the prompt and the grammar agree on herme
 to the separators the templates write (", ", ": ").
 A call's arguments are constrained by its function's JSON Schema (engine/runtime/constraints.py); with
 tool_choice "auto" the model may answer in text, or write text (a thought, a <think> block) and then calls; once
-it opens a call the rest is constrained.
+it opens a call the rest is constrained; a thinking template's thought (split off the answer) may name calls, which
+are thought, not calls.
 A call cut off by max_tokens or the context comes back as a call with the name and arguments written so far
 (partial_call), never as template text in the content; the finish reason (length) says it is not to be run.
 """
@@ -178,8 +180,8 @@ class ToolFormat:
                for i, f in enumerate(functions)]
         return {"x-guidance": CALL_JSON, **({"oneOf": one} if len(one) > 1 else one[0])}
 
-    def _call_rule(self, functions, parallel: bool) -> str:
-        """`call`: one block; `tail`: what follows its opening tag."""
+    def _call_rule(self, functions, parallel: bool, thought: str | None = None) -> str:
+        """`call`: one block; `tail`: what follows its opening tag (thought: _auto_rule's LEAD takes it)."""
         return (f'call: "{HERMES_OPEN}" tail\n'
                 f'tail: "\\n" body "\\n{HERMES_CLOSE}"\n'
                 f"body: %json {json.dumps(self._call_schema(functions), ensure_ascii=False)}\n")
@@ -187,27 +189,50 @@ class ToolFormat:
     def _calls_rule(self, parallel: bool) -> str:
         return 'calls: call ("\\n" call)*\n' if parallel else "calls: call\n"
 
-    def _text_rule(self) -> str:   # free text that never opens a call (so a call, once begun, is constrained)
-        return f"TEXT: /(?s:.+)/ & ~/(?s:.*{_regex_escape(HERMES_OPEN)}.*)/\n"
+    def _text_rule(self, thought: str | None = None) -> str:
+        """Free text that never opens a call (so a call, once begun, is constrained); with a thought, the thought
+        may say anything (the tag too: it is no call) and the text after it opens none."""
+        tag = _regex_escape(HERMES_OPEN)
+        if thought is None:
+            return f"TEXT: /(?s:.+)/ & ~/(?s:.*{tag}.*)/\n"
+        rules = _thought_rules(thought) + f"NO_CALL: /(?s:.*)/ & ~/(?s:.*{tag}.*)/\n"
+        if thought == "open":   # still inside the prompt's thought (never closed: all reasoning), or past it
+            return rules + 'TEXT: (/(?s:.+)/ & THINK_BODY) | THINK_BODY "</think>" NO_CALL\n'
+        return rules + "TEXT: (/(?s:.+)/ & NO_CALL) | THINK NO_CALL | THINK_OPEN THINK_BODY\n"
 
-    def _auto_rule(self, parallel: bool) -> str:
+    def _auto_rule(self, parallel: bool, thought: str | None = None) -> str:
         """tool_choice auto: text alone, or text (maybe none) up to the first opening tag -- one lexeme, so the
-        lexer never has to take back the start of a tag it read as text -- then that call's tail and any others."""
+        lexer never has to take back the start of a tag it read as text -- then that call's tail and any others.
+        With a thought (_thought_rules), the first tag after it: one the thought names is no call (it was forced
+        into a call's JSON, and after it only the end, so the thought never closed and no call came)."""
         tag = _regex_escape(HERMES_OPEN)
         more = ' ("\\n" call)*' if parallel else ""
-        return (f"start: TEXT | LEAD tail{more}\n" + self._text_rule() +
-                f"LEAD: /(?s:.*{tag})/ & ~/(?s:.*{tag}.+)/\n")
+        if thought is None:
+            lead = f"LEAD: /(?s:.*{tag})/ & ~/(?s:.*{tag}.+)/\n"
+        elif thought == "open":   # the thought must close first
+            lead = f'LEAD: THINK_BODY "</think>" NO_CALL "{HERMES_OPEN}"\n'
+        else:   # no thought, or a whole one first; a thought left open opens no call
+            lead = f'LEAD: (NO_CALL "{HERMES_OPEN}" & ~/(?s:\\s*<think>.*)/) | THINK NO_CALL "{HERMES_OPEN}"\n'
+        return f"start: TEXT | LEAD tail{more}\n" + self._text_rule(thought) + lead
 
-    def constraint(self, functions: list[Function], choice: str, parallel: bool) -> Constraint | None:
-        """choice: "auto" | "required" | a function name ("none": no constraint, no tools)."""
+    def constraint(self, functions: list[Function], choice: str, parallel: bool,
+                   thought: str | None = None) -> Constraint | None:
+        """choice: "auto" | "required" | a function name ("none": no constraint, no tools). thought (choice auto):
+        where the answer stands with a <think> block its splitter takes out (engine api's answer_thought): None,
+        the template does not think (or the thought is not split off: <think> is text); "may", the answer may
+        open with one; "open", the prompt opened it. Text before a call may then hold the whole thought."""
         if choice == "none" or not functions:
             return None
         for i, f in enumerate(functions):   # each tool's schema alone first: an error names the tool
             check(Constraint.json_schema(f.parameters, where=f"tools[{i}].function.parameters"))
         if choice not in ("auto", "required"):
             functions = [f for f in functions if f.name == choice]
-        start = self._auto_rule(parallel) if choice == "auto" else "start: calls\n"
-        c = Constraint.lark(start + self._calls_rule(parallel) + self._call_rule(functions, parallel), where="tools")
+        if thought not in (None, "may", "open"):
+            raise ValueError(f"thought: None, 'may' or 'open', not {thought!r}")
+        thought = thought if choice == "auto" else None   # a required call is the answer from its first token
+        start = self._auto_rule(parallel, thought) if choice == "auto" else "start: calls\n"
+        c = Constraint.lark(start + self._calls_rule(parallel) + self._call_rule(functions, parallel, thought),
+                            where="tools")
         return replace(c, free_start=True) if choice == "auto" else c
 
     # ---- the answer -----------------------------------------------------------------------------------
@@ -223,12 +248,18 @@ class Llama3JsonFormat(ToolFormat):
     def call_text(self, name, arguments):
         return _call_json(name, self.ARGS, arguments)
 
-    def _call_rule(self, functions, parallel):
+    def _call_rule(self, functions, parallel, thought=None):
         """A call opens with one lexeme, '{"name": "': up to there a text answer may start the same way (JSON that
         is no call is text), and the lexer never has to take back a "{" it read as text; then a function's name
-        and its arguments."""
+        and its arguments. With a thought (_thought_rules), the lexeme takes it first: a whole one, or the rest
+        of the one the prompt opened."""
+        opener = json.dumps(_JSON_CALL_OPEN)
+        if thought == "open":
+            opener = f'THINK_BODY "</think>" /\\s*/ {opener}'
+        elif thought == "may":
+            opener = f"(THINK /\\s*/)? {opener}"
         rules = [f'call: CALL_OPEN ({" | ".join(f"args{i}" for i in range(len(functions)))})\n',
-                 f"CALL_OPEN: {json.dumps(_JSON_CALL_OPEN)}\n"]
+                 f"CALL_OPEN: {opener}\n"]
         for i, f in enumerate(functions):
             after_open = json.dumps(f.name, ensure_ascii=False)[1:] + f', "{self.ARGS}": '
             schema = {"x-guidance": CALL_JSON, **prepared(f.parameters, f"tools: {f.name}")}
@@ -239,13 +270,18 @@ class Llama3JsonFormat(ToolFormat):
     def _calls_rule(self, parallel):
         return "calls: call\n"   # one call an answer: Llama 3.x templates raise on two in the history
 
-    def _text_rule(self):   # a text answer is anything that does not open a call: JSON that is no call is text
-        # (whitespace then a call is neither: the parser reads past leading whitespace, so it would be a call that
-        # skipped the call grammar)
-        return f"TEXT: /(?s:.+)/ & ~/(?s:\\s*{_CALL_START.pattern}.*)/\n"
+    def _text_rule(self, thought=None):   # a text answer is anything that does not open a call: JSON that is no
+        # call is text (whitespace then a call is neither: the parser reads past leading whitespace, so it would be
+        # a call that skipped the call grammar); nor is a thought then a call
+        call = f"/(?s:\\s*{_CALL_START.pattern}.*)/"
+        if thought is None:
+            return f"TEXT: /(?s:.+)/ & ~{call}\n"
+        if thought == "open":
+            return _thought_rules(thought) + f'TEXT: /(?s:.+)/ & ~(THINK_BODY "</think>" {call})\n'
+        return _thought_rules(thought) + f"TEXT: /(?s:.+)/ & ~{call} & ~(THINK {call})\n"
 
-    def _auto_rule(self, parallel):
-        return "start: TEXT | calls\n" + self._text_rule()   # the whole answer is the call
+    def _auto_rule(self, parallel, thought=None):
+        return "start: TEXT | calls\n" + self._text_rule(thought)   # the whole answer is the call
 
     def parser(self):
         return JsonCallParser()
@@ -312,7 +348,7 @@ class HermesListFormat(ToolFormat):
     def call_text(self, name, arguments):
         return f"{HERMES_OPEN}\n[{_call_json(name, 'arguments', arguments)}]\n{HERMES_CLOSE}"
 
-    def _call_rule(self, functions, parallel):
+    def _call_rule(self, functions, parallel, thought=None):
         more = ' (WS? "," WS? body)*' if parallel else ""
         return (f'call: "{HERMES_OPEN}" tail\n'
                 f'tail: "\\n[" WS? body{more} WS? "]\\n{HERMES_CLOSE}"\n'
@@ -322,8 +358,17 @@ class HermesListFormat(ToolFormat):
     def _calls_rule(self, parallel):
         return "calls: call\n"   # every call in the one block
 
-    def _auto_rule(self, parallel):
-        return super()._auto_rule(False)
+    def _auto_rule(self, parallel, thought=None):
+        return super()._auto_rule(False, thought)
+
+
+def _thought_rules(thought: str) -> str:
+    """The thought an answer may hold before its calls (engine/runtime/reasoning.py splits it off): THINK_BODY,
+    free text up to its first </think> (tags included: a call it names is no call); THINK, a whole one at the
+    answer's start ("may": the model opens it); THINK_OPEN, its opening ("open": the prompt opened it, and the
+    answer starts in THINK_BODY)."""
+    return ("THINK_BODY: /(?s:.*)/ & ~/(?s:.*<\\/think>.*)/\n"
+            + ('THINK_OPEN: /\\s*<think>/\nTHINK: THINK_OPEN THINK_BODY "</think>"\n' if thought == "may" else ""))
 
 
 def _native(m: dict) -> dict:
