@@ -837,7 +837,7 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         think = (body.reasoning or {}).get("effort") != "none"   # effort "none": a thinking template does not think
         try:
             eng, prompt_ids, streams, q, new_parser, new_splitter = await start_chat(
-                request, body, msgs, tools, choice, "input", allowed=allowed, thinking=think, split=think)
+                request, body, msgs, tools, choice, "input", allowed=allowed, thinking=think)
         except APIError as e:   # named as the client named it (tools[1].name: Responses tools are flat)
             e.message, e.param = responses_names(e.message), responses_names(e.param)
             raise
@@ -845,7 +845,7 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         out = ResponseBuilder(body, state.model_id, body.sampling_params(sampling),
                               parser=new_parser() if new_parser is not None else None,
                               entry=(lambda t, lp: chat_entry(text_of, t, lp, n_top)) if body.wants_logprobs() else None,
-                              splitter=new_splitter() if think else None)
+                              splitter=new_splitter())   # effort none: a thought written anyway is still one
         return await answer_with(request, body, streams[0], q, len(prompt_ids), out)
 
     async def count_input_tokens(request, body, msgs, tools, choice, param, allowed=None) -> dict:

@@ -195,6 +195,19 @@ def test_responses_reasoning_items(server):
         client.responses.create(model="m", input=q, reasoning={"effort": "high"})
 
 
+def test_responses_effort_none_still_splits_a_thought_written_anyway(server):
+    """reasoning.effort "none" asks the template not to think; a <think> block the model writes anyway is a
+    reasoning item, as chat's reasoning_effort "none" gives it as reasoning_content (it was left in output_text,
+    tags and all)."""
+    body = {"model": "m", "input": Q[0]["content"], "temperature": 0, "reasoning": {"effort": "none"},
+            "grammar": GRAMMAR}
+    r = httpx.post(server.url + "/v1/responses", json=body, timeout=60).json()
+    assert [o["type"] for o in r["output"]] == ["reasoning", "message"], r
+    assert r["output"][0]["content"][0]["text"] == THOUGHT and r["output"][1]["content"][0]["text"] == ANSWER
+    c = chat(server, grammar=GRAMMAR, reasoning_effort="none")["message"]
+    assert (c["reasoning_content"], c["content"]) == (THOUGHT, ANSWER)
+
+
 def test_responses_thought_tokens_are_reasoning_tokens_not_the_texts_logprobs(server):
     """The Responses API with a thought: the message's logprobs are its own text's tokens, whole and streamed (the
     first text delta carried every token of the <think> block), the thought's tokens (tags included) are
