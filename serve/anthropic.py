@@ -124,6 +124,14 @@ class _Conversation(BaseModel):
             raise RequestProblem("messages", "messages: no user message to answer")
         return out, prefill
 
+    def ends_in_thought(self) -> bool:
+        """The final message is the assistant's with a thinking block: a prefill even without text (its thought
+        would be lost, as a prefill's is)."""
+        last = self.messages[-1] if self.messages else None
+        blocks = last.get("content") if isinstance(last, dict) and last.get("role") == "assistant" else None
+        return isinstance(blocks, list) and any(
+            isinstance(b, dict) and b.get("type") in ("thinking", "redacted_thinking") for b in blocks)
+
     def check_thinking(self) -> bool:
         """Whether `thinking` is on; RequestProblem for a malformed one, or one with a forced tool use (Anthropic's
         400; /v1/messages and count_tokens alike)."""

@@ -939,7 +939,7 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         with translated():
             (msgs, prefill), tools, choice = body.chat_messages(), body.chat_tools(), body.tool_choice_name()
             thinking = body.check_thinking()
-            if thinking and prefill:
+            if thinking and (prefill or body.ends_in_thought()):
                 raise RequestProblem("thinking", "thinking may not be enabled with a prefilled answer (a final "
                                                  "assistant message), as Anthropic's API")
         return msgs, prefill, tools, choice, thinking

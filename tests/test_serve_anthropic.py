@@ -235,6 +235,9 @@ def test_structured_output_by_output_config(claude, server):
     {"thinking": {"type": "adaptive"}, "tools": [ADD], "tool_choice": {"type": "any"}},   # as Anthropic refuses
     {"thinking": {"type": "adaptive"}, "messages": [{"role": "user", "content": "hi"},
                                                     {"role": "assistant", "content": "Well"}]},   # with a prefill
+    # a final assistant message of a thought alone is a prefill too (its thought was dropped, in silence)
+    {"thinking": {"type": "adaptive"}, "messages": [{"role": "user", "content": "hi"}, {"role": "assistant",
+                                                    "content": [{"type": "thinking", "thinking": "Hmm."}]}]},
     {"reasoning_effort": "none"},                                     # an OpenAI chat field, not this API's
     {"output_config": {"effort": "high"}},
     {"output_config": {"format": {"type": "json_object"}}},
