@@ -418,6 +418,9 @@ LLAMA_ONLY = {
                             "num_predict) sets it", ("bitnet serve",)),
     ("-md", "--model-draft", "-ngld", "--gpu-layers-draft"): "speculation uses prompt lookup here (--draft-max K), not "
                                                             "a draft model",
+    ("--reasoning-format",): ("bitchat shows a thought apart, between [Start thinking] and [End thinking], and "
+                              "bitnet run prints the text as generated; it is bitnet serve's (reasoning_content). "
+                              "-rea off turns thinking off", ("bitnet run", "bitchat")),
 }
 
 

@@ -345,9 +345,12 @@ def test_no_cnv_is_llama_cli_s_one_prompt_one_answer():
     (["serve", "-n", "64"], "bitnet serve: error: -n: bitnet serve has no server-wide answer length"),
     (["run", "-ctk", "q8_0", "-p", "x"], "bitnet run: error: -ctk: the KV cache's type is --kv"),
     (["embed", "-n", "5"], "bitnet embed: error: unrecognized arguments: -n 5"),   # serve's reason is serve's
+    # llama-cli's, and serve's own flag here: not "did you mean --reasoning-effort?"
+    (["run", "--reasoning-format", "none", "-p", "x"], "bitnet run: error: --reasoning-format: bitchat shows"),
+    (["bitnet_cpu.cli.chat", "--reasoning-format=deepseek"], "bitchat: error: --reasoning-format: bitchat shows"),
 ])
 def test_llama_cpp_only_flags_get_their_reason(argv, said):
-    r = bitnet(*argv)
+    r = run(argv[0], *argv[1:]) if argv[0].startswith("bitnet_cpu") else bitnet(*argv)
     assert r.returncode == 2 and said in r.stderr.splitlines()[-1], r.stderr
     assert "Traceback" not in r.stderr
 
