@@ -62,11 +62,14 @@ def private_history(path: str, keep: int = HISTORY_KEEP, max_bytes: int = HISTOR
         cut = later[0] if later else len(text)
     if cut == 0:
         return
-    fd, tmp = tempfile.mkstemp(prefix=".history-", suffix=".tmp", dir=d)   # 0600; one per bitchat starting
+    # written through a link (a dotfiles repo's, stow's): replacing the link itself left a copy here and the
+    # user's file behind, no longer written; the copy goes beside the file it replaces (one filesystem)
+    real = os.path.realpath(path)
+    fd, tmp = tempfile.mkstemp(prefix=".history-", suffix=".tmp", dir=os.path.dirname(real))   # 0600; per bitchat
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write("\n" + text[cut:])
-        os.replace(tmp, path)
+        os.replace(tmp, real)
     except BaseException:   # a full disk: no partial copy left taking the space
         with contextlib.suppress(OSError):
             os.unlink(tmp)

@@ -658,6 +658,19 @@ def test_history_is_private_and_bounded(tmp_path):
     assert all(s.split("\n")[1].startswith(f"second line {39 - k}") for k, s in enumerate(kept))
     private_history(str(path), keep=100, max_bytes=2000)
     assert 0 < len(list(FileHistory(str(path)).load_history_strings())) < 5
+    # a history linked to a dotfiles repo is cut through the link: the link stays, the user's file is cut
+    # (the link was replaced by a cut copy, and the user's file was never written again)
+    target = tmp_path / "dotfiles" / "history"
+    target.parent.mkdir()
+    os.replace(path, target)
+    os.symlink(target, path)
+    for i in range(30):   # past the 16 KiB under which the file is not read
+        FileHistory(str(target)).store_string(f"more {i}" + " padding" * 100)
+    FileHistory(str(target)).store_string("newest")
+    private_history(str(path), keep=2)
+    assert path.is_symlink() and os.path.realpath(path) == str(target)
+    assert [s.split("\n")[0] for s in FileHistory(str(target)).load_history_strings()][0] == "newest"
+    assert len(list(FileHistory(str(target)).load_history_strings())) == 2
 
 
 def test_term_dumb_gets_no_colour():
