@@ -56,19 +56,23 @@ def add_arguments(p):
     p.add_argument("--hellaswag", action="store_true",
                    help="score HellaSwag tasks from -f (llama.cpp's 6-line file) as llama-perplexity --hellaswag: "
                         "acc_norm with its 95%% interval%(default).0s")
-    p.add_argument("--hellaswag-tasks", dest="hellaswag_tasks", type=int, default=HELLASWAG_TASKS, metavar="N",
+    # the task counts' defaults are None, so that one given for another task set is said even at its default value
+    p.add_argument("--hellaswag-tasks", dest="hellaswag_tasks", type=int, default=None, metavar="N",
                    help="tasks to score, drawn at random from the file as llama-perplexity draws them (the same "
-                        "tasks where it was built with GCC's libstdc++); 0: every one")
+                        f"tasks where it was built with GCC's libstdc++); 0: every one (default: {HELLASWAG_TASKS})"
+                        "%(default).0s")
     p.add_argument("--winogrande", action="store_true",
                    help="score Winogrande tasks from -f (llama.cpp's CSV: index,sentence,choice1,choice2,answer) as "
                         "llama-perplexity --winogrande%(default).0s")
-    p.add_argument("--winogrande-tasks", dest="winogrande_tasks", type=int, default=0, metavar="N",
-                   help="tasks to score, drawn as llama-perplexity draws them; 0: every one, in the file's order")
+    p.add_argument("--winogrande-tasks", dest="winogrande_tasks", type=int, default=None, metavar="N",
+                   help="tasks to score, drawn as llama-perplexity draws them; 0: every one, in the file's order "
+                        "(default: 0)%(default).0s")
     p.add_argument("--multiple-choice", dest="multiple_choice", action="store_true",
                    help="score multiple-choice tasks from -f (llama.cpp's binary file: ARC, MMLU, TruthfulQA) as "
                         "llama-perplexity --multiple-choice%(default).0s")
-    p.add_argument("--multiple-choice-tasks", dest="multiple_choice_tasks", type=int, default=0, metavar="N",
-                   help="tasks to score, drawn as llama-perplexity draws them; 0: every one, in the file's order")
+    p.add_argument("--multiple-choice-tasks", dest="multiple_choice_tasks", type=int, default=None, metavar="N",
+                   help="tasks to score, drawn as llama-perplexity draws them; 0: every one, in the file's order "
+                        "(default: 0)%(default).0s")
     p.add_argument("--json", action="store_true", help="print one JSON object with the results%(default).0s")
 
 
@@ -81,14 +85,20 @@ def _check(args) -> None:
     task = chosen[0] if chosen else None
     if task and (args.kld or args.kld_base):
         raise BitNetError(f"{task} scores tasks: it takes no --kl-divergence / --kl-divergence-base")
-    for flag, n, default in (("--hellaswag-tasks", args.hellaswag_tasks, HELLASWAG_TASKS),
-                             ("--winogrande-tasks", args.winogrande_tasks, 0),
-                             ("--multiple-choice-tasks", args.multiple_choice_tasks, 0)):
+    for flag, dest, default in (("--hellaswag-tasks", "hellaswag_tasks", HELLASWAG_TASKS),
+                                ("--winogrande-tasks", "winogrande_tasks", 0),
+                                ("--multiple-choice-tasks", "multiple_choice_tasks", 0)):
+        n = getattr(args, dest)
+        if n is None:
+            setattr(args, dest, default)
+            continue
         if n < 0:
             raise BitNetError(f"{flag} {n}: must be >= 0 (0: every task)")
-        if n != default and task != flag.removesuffix("-tasks"):   # said, not ignored (llama-perplexity ignores it)
+        if task != flag.removesuffix("-tasks"):   # said, not ignored (llama-perplexity ignores it), at any value
             raise BitNetError(f"{flag} counts the tasks of {flag.removesuffix('-tasks')}, which this run does not "
                               "score")
+    if args.batch_size is not None and args.batch_size < 1:   # taken, not used: a nonsense value is still said
+        raise BitNetError(f"-b/--batch-size {args.batch_size}: must be >= 1")
     if task and args.chunks != -1:   # said, not ignored (llama-perplexity ignores it)
         raise BitNetError(f"--chunks counts the chunks of a text's perplexity; {task} scores tasks (count them "
                           f"with {task}-tasks)")

@@ -593,9 +593,19 @@ def test_winogrande_is_the_definition(llm, winogrande_file):
 def test_a_task_count_without_its_task_set_is_one_line(flag, task, winogrande_file):
     """llama-perplexity ignores --hellaswag-tasks N without --hellaswag; a plain perplexity run followed, and the
     count the user asked for meant nothing: said now, in one line."""
-    r = bitnet("-f", winogrande_file, flag, "5")
+    # at its default value too (400 / 0 typed out ran without a word)
+    for n in ("5", "400" if flag == "--hellaswag-tasks" else "0"):
+        r = bitnet("-f", winogrande_file, flag, n)
+        assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+            f"bitnet: error: {flag} counts the tasks of {task}, which this run does not score"], r.stderr
+
+
+@pytest.mark.parametrize("value", ["0", "-5"])
+def test_a_batch_size_below_one_is_one_line(value, text_file):
+    """-b / -ub are taken for llama-perplexity's command lines and not used, but a nonsense value is said (it ran)."""
+    r = bitnet("-f", text_file, "-c", "128", "--chunks", "1", "-b", value)
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
-        f"bitnet: error: {flag} counts the tasks of {task}, which this run does not score"], r.stderr
+        f"bitnet: error: -b/--batch-size {value}: must be >= 1"], r.stderr
 
 
 @pytest.mark.parametrize("args,want", [
