@@ -324,6 +324,9 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         choice auto lets a thought before the calls name them)."""
         from ..engine.errors import ConstraintError
         from ..engine.runtime.tools import functions_from_tools
+        if allowed and not tools:   # the same 400 as with tools that lack the name (mode auto was answered 200)
+            raise APIError(400, f"tool_choice: allowed tool {allowed[0]!r} is not among the tools (the request gives "
+                           "no tools)", param="tool_choice", code="invalid_value")
         if not tools or choice == "none":
             if choice not in ("none", "auto"):   # said in no API's own words ("required" is Anthropic's "any")
                 what = "a tool call" if choice == "required" else f"a call of {choice!r}"

@@ -228,6 +228,9 @@ def test_text_before_a_call_keeps_its_own_tokens_logprobs():
     ({"tools": [ADD], "tool_choice": {"type": "file_search"}}, "tool_choice"),
     ({"tools": [ADD], "tool_choice": {"type": "function", "name": "sub"}}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
+    # an allowed list naming tools that are not there, with no tools at all (mode auto was answered 200)
+    ({"tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": [{"type": "function", "name": "nope"}]}},
+     "tool_choice"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]},
      "input[0].content[0]"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0]"),

@@ -611,6 +611,9 @@ CALLED = {"role": "assistant", "content": None, "tool_calls": [
       "tool_choice": "required"}, "tools[2].function.parameters"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
+    # an allowed list naming tools that are not there is refused with no tools too (mode auto was answered 200)
+    ({"tool_choice": {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": [
+        {"type": "function", "function": {"name": "nope"}}]}}}, "tool_choice"),
     # a tool result answers a call of an earlier assistant message, by its id (OpenAI's 400s): it was rendered as
     # an answer to no call
     ({"messages": Q + [CALLED, {"role": "tool", "content": "5"}]}, "messages[2].tool_call_id"),
