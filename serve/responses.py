@@ -17,9 +17,10 @@ import time
 import uuid
 from typing import Any, Optional, Union
 
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, with_config
+from typing_extensions import TypedDict
 
-from .schemas import RequestProblem, _Sampling, text_of_parts
+from .schemas import Metadata, RequestProblem, ServiceTier, _Sampling, text_of_parts
 
 # `include` values: what they ask for exists here (logprobs) or is vacuous (no reasoning, no built-in tools run)
 INCLUDE_LOGPROBS = "message.output_text.logprobs"
@@ -40,6 +41,30 @@ REFUSED_STATE = {
 TEXT_PARTS = ("input_text", "output_text", "text", "refusal")   # the Responses API's text content parts
 
 
+# the objects nested in a request, with OpenAI's keys: any other key is a 400 naming its dotted path
+# (reasoning.foo), as an unknown top-level field is (they were ignored, and text.format's echoed back)
+@with_config(ConfigDict(extra="forbid"))
+class TextFormat(TypedDict, total=False):
+    type: Any
+    name: Any
+    schema: Any
+    strict: Any
+    description: Any
+
+
+@with_config(ConfigDict(extra="forbid"))
+class TextOptions(TypedDict, total=False):
+    format: Optional[TextFormat]
+    verbosity: Any
+
+
+@with_config(ConfigDict(extra="forbid"))
+class ReasoningOptions(TypedDict, total=False):
+    effort: Any
+    summary: Any
+    generate_summary: Any
+
+
 class ResponsesRequest(_Sampling):
     """The body of POST /v1/responses (OpenAI's fields; the chat endpoint's sampling extras are taken too). A field
     neither has is a 400, as OpenAI's "Unknown parameter" (a misspelt one did nothing in silence)."""
@@ -51,15 +76,15 @@ class ResponsesRequest(_Sampling):
     tools: Optional[list[Any]] = None
     tool_choice: Union[str, dict[str, Any], None] = None
     parallel_tool_calls: Optional[bool] = None
-    text: Optional[dict[str, Any]] = None
+    text: Optional[TextOptions] = None
     top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
     chat_template_kwargs: Optional[dict[str, Any]] = None   # llama-server's extension, as on chat completions
     include: Optional[list[str]] = None
     truncation: Optional[str] = None
-    reasoning: Optional[dict[str, Any]] = None
+    reasoning: Optional[ReasoningOptions] = None
     background: Optional[bool] = None
     store: Optional[bool] = None
-    metadata: Optional[dict[str, Any]] = None
+    metadata: Optional[Metadata] = None   # OpenAI's rule: string values (serve/schemas.py)
     previous_response_id: Optional[str] = None
     conversation: Optional[Any] = None
     prompt: Optional[Any] = None
@@ -71,7 +96,7 @@ class ResponsesRequest(_Sampling):
     prompt_cache_retention: Optional[str] = None
     prompt_cache_options: Optional[dict[str, Any]] = None
     safety_identifier: Optional[str] = None
-    service_tier: Optional[str] = None
+    service_tier: Optional[ServiceTier] = None   # one of OpenAI's tiers
     background_options: Optional[dict[str, Any]] = None   # with background, which is refused
     image: Optional[Any] = None            # image options: 400 when set (text only)
     access_programs: Optional[Any] = None  # 400 when set
@@ -98,6 +123,8 @@ class ResponsesRequest(_Sampling):
                                                 "\"json_schema\", ...}")
         if fmt.get("strict") is not None and not isinstance(fmt["strict"], bool):   # OpenAI's 400 too
             raise RequestProblem("text.format.strict", "text.format.strict: expected a boolean")
+        if fmt["type"] == "json_schema" and not isinstance(fmt.get("name"), str):   # OpenAI's 400 (and its words)
+            raise RequestProblem("text.format.name", "Missing required parameter: 'text.format.name'.")
         return None if fmt["type"] == "text" else fmt
 
     def constraint(self):

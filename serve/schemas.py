@@ -10,9 +10,10 @@ from __future__ import annotations
 import functools
 import re
 from dataclasses import fields
-from typing import Any, ClassVar, Literal, NamedTuple, Optional, Union, get_args, get_origin
+from typing import Annotated, Any, ClassVar, Literal, NamedTuple, Optional, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationInfo, field_validator, model_validator
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, StrictBool, ValidationInfo, field_validator,
+                      model_validator)
 from pydantic_core import PydanticCustomError
 
 from ..engine.runtime.sampling import SamplingParams, setting_problem
@@ -260,6 +261,25 @@ class JSONTyped(BaseModel):
                 if isinstance(x, bool) or not isinstance(x, int):
                     raise PydanticCustomError("json_type", f"{info.field_name}{where}: expected a token id, got {x!r}")
         return value
+
+
+def _metadata_checked(value: dict) -> dict:
+    """OpenAI's rule for `metadata` (its 400 otherwise): at most 16 pairs, keys of at most 64 characters, values of
+    at most 512 (string values: the type says so)."""
+    if len(value) > 16:
+        raise PydanticCustomError("metadata", f"at most 16 keys, got {len(value)}")
+    for k, v in value.items():
+        if len(k) > 64:
+            raise PydanticCustomError("metadata", f"key {k[:20]!r}...: at most 64 characters, got {len(k)}")
+        if len(v) > 512:
+            raise PydanticCustomError("metadata", f"{k!r}: a value of at most 512 characters, got {len(v)}")
+    return value
+
+
+# OpenAI's `metadata` and `service_tier` (chat completions and Responses alike): nothing here reads them, but a value
+# OpenAI refuses is a 400 here too (a client's bug is found before it meets OpenAI)
+Metadata = Annotated[dict[str, str], AfterValidator(_metadata_checked)]
+ServiceTier = Literal["auto", "default", "flex", "scale", "priority"]
 
 
 class StreamOptions(JSONTyped):
@@ -682,6 +702,8 @@ class ChatCompletionRequest(_Sampling):
     tools: Optional[list[dict[str, Any]]] = None
     tool_choice: Union[Literal["none", "auto", "required"], ToolChoice, AllowedToolsChoice, None] = None
     parallel_tool_calls: Optional[bool] = None
+    metadata: Optional[Metadata] = None        # taken, not used (checked as OpenAI checks them)
+    service_tier: Optional[ServiceTier] = None
 
     def record_logprobs(self):
         return (self.top_logprobs or 0) if self.logprobs else None

@@ -147,6 +147,10 @@ def _err(r: httpx.Response, status: int) -> dict:
     ({"messages": Q, "functions": [{"name": "f", "parameters": {"type": "object"}}]}, "functions"),
     ({"messages": Q, "function_call": "auto"}, "function_call"),
     ({"messages": Q, "truncate_prompt_tokens": 10}, "truncate_prompt_tokens"),   # vLLM's cut: never done here
+    # taken and unused, but checked as OpenAI checks them (as on /v1/responses)
+    ({"messages": Q, "service_tier": "bogus"}, "service_tier"),
+    ({"messages": Q, "metadata": {"a": {"b": 1}}}, "metadata.a"),
+    ({"messages": Q, "metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": "What is this?"},
                                                 {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]},
      "messages.0.content.1"),

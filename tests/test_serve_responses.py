@@ -253,6 +253,16 @@ def test_text_before_a_call_keeps_its_own_tokens_logprobs():
     ({"max_completion_tokens": 3}, "max_completion_tokens"),
     ({"max_tokens": 3}, "max_tokens"),   # the chat endpoint's: it was taken, and max_output_tokens won in silence
     ({"image": {"size": "auto"}}, "image"),
+    # keys nested in OpenAI's objects are checked as the top level's are (they were ignored; text.format's echoed)
+    ({"reasoning": {"foo": "bar"}}, "reasoning.foo"),
+    ({"text": {"foo": 1}}, "text.foo"),
+    ({"text": {"format": {"type": "json_object", "foo": 1}}}, "text.format.foo"),
+    ({"text": {"format": {"type": "json_schema", "schema": {"type": "object"}}}}, "text.format.name"),
+    ({"service_tier": "bogus"}, "service_tier"),
+    ({"metadata": {"a": {"b": 1}}}, "metadata.a"),   # OpenAI's metadata: string values, 16 keys, 64 / 512 chars
+    ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
+    ({"metadata": {"k" * 65: "v"}}, "metadata"),
+    ({"metadata": {"a": "v" * 513}}, "metadata"),
 ])
 def test_what_cannot_be_honoured_is_a_400_naming_it(server, extra, param):
     body = {"model": "any", "input": "Hi", "max_output_tokens": 4, **extra}
