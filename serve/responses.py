@@ -482,6 +482,7 @@ class ResponseBuilder:
     def result(self) -> dict:
         b = self.body
         fmt = b.format_spec() or {"type": "text"}
+        reasoning = b.reasoning or {}   # as sent (effort "none" is honoured: it was echoed as null)
         return {
             "id": self.id, "object": "response", "created_at": self.created, "status": self.status,
             "completed_at": int(time.time()) if self.status == "completed" else None,
@@ -489,7 +490,7 @@ class ResponseBuilder:
             "instructions": b.instructions, "max_output_tokens": b.max_output_tokens, "max_tool_calls": None,
             "model": self.model, "output": self.output,
             "parallel_tool_calls": b.parallel_tool_calls is not False, "previous_response_id": None,
-            "reasoning": {"effort": None, "summary": None}, "store": False,
+            "reasoning": {"effort": reasoning.get("effort"), "summary": reasoning.get("summary")}, "store": False,
             "temperature": self.params.temperature, "top_p": self.params.top_p,
             "text": {"format": fmt, "verbosity": "medium"}, "tool_choice": b.tool_choice or "auto",
             "tools": b.tools or [], "top_logprobs": b.top_logprobs or 0, "truncation": "disabled",

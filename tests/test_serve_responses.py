@@ -325,6 +325,16 @@ def test_the_apis_hints_are_taken(server):
     assert r.status_code == 200, r.text
 
 
+def test_the_answer_echoes_the_reasoning_asked_for(server):
+    """reasoning.effort "none" is honoured (a thinking template does not think), and the answer says so, as
+    OpenAI's echoes the request's reasoning (it said effort null whatever was sent)."""
+    body = {"model": "any", "input": "Hi", "max_output_tokens": 2, "temperature": 0}
+    for reasoning, echo in ((None, {"effort": None, "summary": None}), ({"effort": "none"},
+                                                                        {"effort": "none", "summary": None})):
+        r = httpx.post(server.url + "/v1/responses", json={**body, "reasoning": reasoning}, timeout=60)
+        assert r.status_code == 200 and r.json()["reasoning"] == echo, r.text
+
+
 def test_an_empty_answer_is_still_a_message(server):
     """A stop string at the answer's very start: the output is one message of empty text, streamed with its events
     (it was `output: []`, with no output item at all), as the chat endpoint gives content ""."""
