@@ -508,9 +508,10 @@ def responses_names(text: str | None) -> str | None:
 
 
 # a client's retrieve / delete / cancel / input_items of an earlier response ((path, methods); the reason, not a bare
-# 404): a model's server and the router answer them alike
-STORED_RESPONSE_ROUTES = tuple(("/v1/responses/{response_id}" + suffix, methods) for suffix, methods in
-                               (("", ["GET", "DELETE"]), ("/cancel", ["POST"]), ("/input_items", ["GET"])))
+# 404): a model's server and the router answer them alike, under both prefixes, as POST /responses is served
+STORED_RESPONSE_ROUTES = tuple((prefix + "/responses/{response_id}" + suffix, methods) for prefix in ("/v1", "")
+                               for suffix, methods in (("", ["GET", "DELETE"]), ("/cancel", ["POST"]),
+                                                       ("/input_items", ["GET"])))
 
 
 def not_stored(response_id: str) -> str:

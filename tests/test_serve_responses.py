@@ -281,15 +281,20 @@ def test_input_longer_than_the_context_is_a_400(server):
     assert r.json()["error"]["param"] == "input"
 
 
-def test_stored_responses_are_a_404_saying_why(client):
+def test_stored_responses_are_a_404_saying_why(client, server):
     """Nothing is stored: retrieving, deleting or cancelling an earlier response says so (the client's own
     NotFoundError), instead of a bare 404 for an unknown path."""
     r = client.responses.create(model="any", input="Hi", temperature=0, max_output_tokens=2)
+    r_id = r.id
     for call in (lambda: client.responses.retrieve(r.id), lambda: client.responses.delete(r.id),
                  lambda: client.responses.cancel(r.id)):
         with pytest.raises(openai.NotFoundError) as e:
             call()
         assert "not stored" in e.value.body["message"] and e.value.body["param"] == "response_id"
+    # without the /v1 prefix too, as POST /responses is served (a client whose base URL has none got a bare 404)
+    for method, suffix in (("GET", ""), ("DELETE", ""), ("POST", "/cancel"), ("GET", "/input_items")):
+        r = httpx.request(method, f"{server.url}/responses/{r_id}{suffix}", timeout=60)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "not_stored", (method, suffix, r.text)
     # compaction (codex-like clients): a 400 saying why, not a bare 405
     r = httpx.post(str(client.base_url).rstrip("/") + "/responses/compact", json={"model": "any", "input": "Hi"},
                    timeout=60)

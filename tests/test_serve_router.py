@@ -1134,11 +1134,13 @@ def test_props_without_a_model_and_v1_health(router):
 
 def test_stored_response_routes_answer_as_a_models_server(router):
     """openai's responses.retrieve / delete / cancel / input_items.list carry no model: the router answers them as a
-    model's server does (404 not_stored), where they were a 400 "model: required" nobody could satisfy."""
-    for method, suffix in (("GET", ""), ("DELETE", ""), ("POST", "/cancel"), ("GET", "/input_items")):
-        r = httpx.request(method, router.url + "/v1/responses/resp_123" + suffix, timeout=30)
-        assert r.status_code == 404 and r.json()["error"]["code"] == "not_stored", (method, suffix, r.text)
-        assert "not stored here" in r.json()["error"]["message"]
+    model's server does (404 not_stored), where they were a 400 "model: required" nobody could satisfy; without
+    the /v1 prefix too, as POST /responses is served (that was "no such endpoint")."""
+    for prefix in ("/v1", ""):
+        for method, suffix in (("GET", ""), ("DELETE", ""), ("POST", "/cancel"), ("GET", "/input_items")):
+            r = httpx.request(method, router.url + prefix + "/responses/resp_123" + suffix, timeout=30)
+            assert r.status_code == 404 and r.json()["error"]["code"] == "not_stored", (method, suffix, r.text)
+            assert "not stored here" in r.json()["error"]["message"]
 
 
 def test_openapi_schema_is_a_models(router):
