@@ -440,7 +440,8 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
             raise APIError(503, str(e), "server_error", code="queue_full",
                            headers={"Retry-After": str(state.retry_after)}) from None
         except ContextOverflowError as e:
-            raise APIError(400, overflow_message(e, "prompt" if param == "prompt" else "messages"), param=param,
+            # named as the request named it: "your input" on /v1/responses, where "messages" is no field
+            raise APIError(400, overflow_message(e, param if param in ("prompt", "input") else "messages"), param=param,
                            code="context_length_exceeded",
                            extra=overflow_fields(e)) from None
         except BitNetError as e:

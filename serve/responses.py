@@ -17,7 +17,8 @@ import time
 import uuid
 from typing import Any, Optional, Union
 
-from pydantic import ConfigDict, Field, with_config
+from pydantic import ConfigDict, Field, field_validator, with_config
+from pydantic_core import PydanticCustomError
 from typing_extensions import TypedDict
 
 from .schemas import Metadata, RequestProblem, ServiceTier, _Sampling, text_of_parts
@@ -100,6 +101,17 @@ class ResponsesRequest(_Sampling):
     background_options: Optional[dict[str, Any]] = None   # with background, which is refused
     image: Optional[Any] = None            # image options: 400 when set (text only)
     access_programs: Optional[Any] = None  # 400 when set
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _input_shape(cls, value):
+        """One message object or a number: said as what input takes (it was "Input should be a valid string",
+        pydantic's word for the union's first branch)."""
+        if value is None or isinstance(value, (str, list)):
+            return value
+        got = "an object" if isinstance(value, dict) else "a boolean" if isinstance(value, bool) else \
+            "a number" if isinstance(value, (int, float)) else type(value).__name__
+        raise PydanticCustomError("input_type", f"expected a string or a list of input items, got {got}")
 
     # -- what the chat pipeline (serve/app.py) asks of a request --
     def limit(self) -> Optional[int]:

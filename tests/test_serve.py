@@ -156,6 +156,7 @@ def _err(r: httpx.Response, status: int) -> dict:
      "messages.0.content.1"),
     ({"messages": Q, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"messages": Q, "max_tokens": -2}, "max_tokens"),   # (-1 is llama-server's "to the end")
+    ({"messages": Q, "max_tokens": 1e30}, "max_tokens"),   # "an integer within range", not pydantic's string words
     # JSON's own types, as OpenAI's API checks them (pydantic alone would read "0.5" as 0.5 and "yes" as true)
     ({"messages": Q, "temperature": "0.5"}, "temperature"),
     ({"messages": Q, "n": "2"}, "n"),

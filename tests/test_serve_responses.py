@@ -279,6 +279,25 @@ def test_input_longer_than_the_context_is_a_400(server):
     r = httpx.post(server.url + "/v1/responses", json={"input": "word " * 20000, "max_output_tokens": 4}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
     assert r.json()["error"]["param"] == "input"
+    # one that passes the body's bound and overflows once tokenized: OpenAI's sentence, naming the field sent
+    r = httpx.post(server.url + "/v1/responses", json={"input": "7 + 8 = 15. " * 400, "max_output_tokens": 4},
+                   timeout=60)
+    e = r.json()["error"]
+    assert r.status_code == 400 and e["code"] == "context_length_exceeded" and e["param"] == "input", r.text
+    assert "However, your input resulted in" in e["message"], e
+
+
+@pytest.mark.parametrize("extra, param, words", [
+    # one message object, or a number, for input: it said "Input should be a valid string" (the union's first type)
+    ({"input": {"role": "user", "content": "Hi"}}, "input", "a string or a list of input items"),
+    ({"input": 5}, "input", "a string or a list of input items"),
+    # pydantic said "Unable to parse input string as an integer, exceeded maximum size" of a number
+    ({"max_output_tokens": 1e30}, "max_output_tokens", "an integer within range"),
+])
+def test_bad_values_are_said_as_the_field_takes_them(server, extra, param, words):
+    r = httpx.post(server.url + "/v1/responses", json={"input": "Hi", "max_output_tokens": 4, **extra}, timeout=60)
+    e = r.json()["error"]
+    assert r.status_code == 400 and e["param"] == param and words in e["message"], r.text
 
 
 def test_stored_responses_are_a_404_saying_why(client, server):
