@@ -66,3 +66,21 @@ def test_no_issue_numbers_in_tracked_text():
                 if pattern.search(line):
                     found.append(f"{path}:{n}: {line.strip()[:80]}")
     assert not found, "issue numbers in tracked files (say what the thing does instead):\n" + "\n".join(found)
+
+
+def test_every_kernel_source_ships_in_the_packages():
+    """The sdist and the wheel carry simd's sources by [tool.setuptools.package-data]'s patterns: _ops.pxi (which
+    _kernels.pyx includes) matched none, so `pip install` of the sdist (PyPI's fallback where no wheel fits) and
+    `python -m build` failed with Cython's "'_ops.pxi' not found". Every tracked source the build reads must match."""
+    import fnmatch
+    try:
+        import tomllib
+    except ImportError:   # Python 3.10: pytest's own dependency
+        import tomli as tomllib
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        patterns = tomllib.load(f)["tool"]["setuptools"]["package-data"]["bitnet_cpu.simd"]
+    sources = [p[len("simd/"):] for p in tracked_files()
+               if p.startswith("simd/") and p.endswith((".pyx", ".pxd", ".pxi", ".c", ".h"))]
+    assert sources
+    left_out = [p for p in sources if not any(fnmatch.fnmatchcase(p, pat) for pat in patterns)]
+    assert not left_out, f"simd sources no package-data pattern of pyproject.toml ships: {left_out}"
