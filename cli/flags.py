@@ -167,6 +167,9 @@ def add_constraint_args(p: argparse.ArgumentParser) -> None:
 def constraint_from_args(args: argparse.Namespace):
     """The Constraint the structured-output flags ask for, or None. Raises BitNetError (one line naming the
     flag) for an unreadable file or a malformed schema; what cannot be enforced is refused when compiled."""
+    import contextlib
+    import json
+
     from ..engine.errors import BitNetError
     from ..engine.runtime.constraints import Constraint
 
@@ -179,11 +182,18 @@ def constraint_from_args(args: argparse.Namespace):
         except (OSError, UnicodeDecodeError) as e:
             raise BitNetError(f"{flag} {path}: {getattr(e, 'strerror', None) or e}") from None
 
+    def schema(text, where):
+        # '{}' (or nothing) is "a JSON object", as /set format json and llama.cpp's converter read it; a schema
+        # that says nothing would otherwise let any value through (60, "x")
+        with contextlib.suppress(ValueError):
+            if json.loads(text) == {}:
+                return Constraint.json_object(where=where, jump_forward=jf)
+        return Constraint.json_schema(text, where=where, jump_forward=jf)
+
     if getattr(args, "json_schema", None) is not None:
-        return Constraint.json_schema(args.json_schema or "{}", where="-j/--json-schema", jump_forward=jf)
+        return schema(args.json_schema or "{}", "-j/--json-schema")
     if getattr(args, "json_schema_file", None) is not None:
-        return Constraint.json_schema(read(args.json_schema_file, "--json-schema-file"),
-                                      where=f"--json-schema-file {args.json_schema_file}", jump_forward=jf)
+        return schema(read(args.json_schema_file, "--json-schema-file"), f"--json-schema-file {args.json_schema_file}")
     if getattr(args, "grammar", None) is not None:
         return Constraint.gbnf(args.grammar, where="--grammar", jump_forward=jf)
     if getattr(args, "grammar_file", None) is not None:

@@ -101,12 +101,13 @@ def main(args) -> int:
         if args.verbose:   # bitchat has no -v: its stats line follows every answer
             raise BitNetError("-v/--verbose does not apply to -cnv/--conversation (the chat shows each answer's stats "
                               "line; /stats and /show info say the rest: model, seed, threads)")
-        if constraint is not None and constraint.kind != "json_schema":
+        if constraint is not None and constraint.kind not in ("json_schema", "json_object"):
             raise BitNetError("--grammar/--grammar-file does not apply to -cnv/--conversation (its answers take a "
                               "JSON Schema: -j/--json-schema, --json-schema-file, or /set format inside the chat)")
         # a JSON Schema is the chat's starting format (/set format FILE's), with its --no-jump-forward
         args.chat_format = constraint
-        args.chat_format_label = args.json_schema_file or "the -j schema"
+        args.chat_format_label = "json" if constraint is not None and constraint.kind == "json_object" else \
+            args.json_schema_file or "the -j schema"
         from .chat import run_chat
 
         return run_chat(args, first_message=prompt)

@@ -62,3 +62,30 @@ def test_bad_constraints_one_line_exit_2(args, words):
 def test_help_tells_json_lines_from_json_answers():
     out = bitnet("--help").stdout
     assert "--json-schema" in out and "--grammar-file" in out and "to make the ANSWER JSON, use -j" in " ".join(out.split())
+
+
+@pytest.mark.parametrize("how", ["-j {}", "-j ''", "file {}"])
+def test_empty_schema_is_a_json_object(tmp_path, how):
+    """'{}' is "a JSON object" (docs/structured-output.md's table, --help, /set format json, llama.cpp's converter),
+    never any JSON value: it gave 60, 8, 59911.59119."""
+    if how.startswith("file"):
+        p = tmp_path / "s.json"
+        p.write_text("{}\n")
+        flag = ["--json-schema-file", str(p)]
+    else:
+        flag = ["-j", "{}" if how == "-j {}" else ""]
+    for seed in ("1", "2", "3"):
+        r = bitnet("-p", "Hi", "--seed", seed, "-n", "80", "--json", *flag)
+        assert r.returncode == 0, r.stderr
+        lines = [json.loads(line) for line in r.stdout.splitlines()]
+        text, done = "".join(d.get("text", "") for d in lines), lines[-1]
+        assert text.startswith("{"), (seed, text)
+        if done["finish_reason"] == "stop":   # whole: an object (cut by -n: its start says it)
+            assert isinstance(json.loads(text), dict), (seed, text)
+
+
+def test_empty_schema_is_a_json_object_in_the_chat():
+    r = subprocess.run([sys.executable, "-m", "bitnet_cpu", "run", "-cnv", "-j", "{}", "--temp", "0", "-n", "40"],
+                       input="Hi\n", capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("{"), r.stdout
