@@ -5,7 +5,7 @@ Exit codes (engine/errors.py; docs/usage.md "Errors"): 0 ok; 2 bad input — err
 (engine.errors.BitNetError) print one line to stderr, and so does a model file truncated or rewritten while
 mapped (the C SIGBUS guard, engine/faults.py); 70 an engine bug (KernelError or any unexpected exception:
 one line asking for a report, BITNET_DEBUG=1 shows the traceback); 130 Ctrl-C, keeping what was printed;
-a closed stdout (`| head`) ends quietly (exit 0).
+a closed stdout (`| head`, `>&-`) ends quietly (exit 0); a closed stdin (`<&-`) is empty input.
 An unknown flag gets that subcommand's usage and a "did you mean" suggestion.
 """
 from __future__ import annotations
@@ -71,6 +71,7 @@ def replace_unencodable() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ended_early()
+    closed_std_streams()   # before anything writes: a closed stdout becomes /dev/null
     replace_unencodable()
     with lossy_stderr():   # `bitnet run -v 2>&-`: the timings lost, never the answer
         return interruptible(lambda: stdout_flushed(lambda: _main(argv)))
@@ -199,6 +200,34 @@ class _Nowhere(io.TextIOBase):
 
     def write(self, text):
         return len(text)
+
+
+def closed_std_streams() -> None:
+    """stdin or stdout closed before Python started (`<&-`, `>&-`, a daemon's or cron's): Python makes them None,
+    and the first read or write was an AttributeError ("internal error", or bitchat's raw traceback). They become
+    /dev/null: a closed stdin is empty input, as `</dev/null` is; a closed stdout is one nobody reads, as a pipe
+    closed by its reader is (the answer goes nowhere, exit 0)."""
+    for fd, name, flags in ((0, "stdin", os.O_RDONLY), (1, "stdout", os.O_WRONLY)):
+        if getattr(sys, name) is not None:
+            continue
+        try:
+            null = os.open(os.devnull, flags)   # the lowest free descriptor: fd itself unless a lower one is free
+            if null != fd and not _in_use(fd):
+                os.dup2(null, fd)   # (a child process started later gets it too, never a file opened there)
+                os.close(null)
+                null = fd
+            setattr(sys, name, open(null, "r" if fd == 0 else "w", encoding="utf-8", closefd=null != fd))
+        except OSError:
+            if fd == 1:
+                setattr(sys, name, _Nowhere())
+
+
+def _in_use(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+        return True
+    except OSError:
+        return False
 
 
 @contextlib.contextmanager

@@ -72,8 +72,9 @@ def settings_from_args(args, error) -> Settings:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from . import stdout_flushed
+    from . import closed_std_streams, stdout_flushed
 
+    closed_std_streams()   # `bitchat <&-`, `bitchat >&-`: empty input, output nowhere
     replace_unencodable()
 
     def body():

@@ -1,6 +1,6 @@
 """The command line as llama.cpp and ollama users type it, in subprocesses: llama.cpp flag spellings, -n -1,
 --ignore-eos, -sys, -cnv, unknown flags answered with the subcommand's usage and a suggestion, --json,
-non-UTF-8 input, a closed stdout, --version, `bitnet info`, shell completion."""
+non-UTF-8 input, a closed stdout or stdin, --version, `bitnet info`, shell completion."""
 import json
 import os
 import subprocess
@@ -218,6 +218,45 @@ def test_stdout_closed_before_anything_is_written(store, argv, tmp_path):
     assert r.returncode == 0, err
     assert "Traceback" not in err and "Broken pipe" not in err and "Exception ignored" not in err, err
     assert "internal error" not in err, err
+    assert not list(tmp_path.rglob("recovery-*.json"))
+
+
+BITCHAT_MAIN = "import sys; from bitnet_cpu.cli.bitchat import main; sys.exit(main())"   # the console script's
+
+
+@pytest.mark.parametrize("argv", [["-m", "bitnet_cpu", "run", "-f", "-", "-n", "6"],
+                                  ["-m", "bitnet_cpu", "run", "-p", "-", "-n", "6"],
+                                  ["-m", "bitnet_cpu", "run", "-cnv", "-n", "6"],
+                                  ["-c", BITCHAT_MAIN, "-n", "6"]])
+def test_closed_stdin_is_empty_input(store, argv, tmp_path):
+    """`<&-` (a daemon's, cron's): Python makes sys.stdin None; the same as `</dev/null` (it was "internal error:
+    'NoneType' object has no attribute 'buffer'", exit 70, or bitchat's raw traceback)."""
+    args = [sys.executable, *argv, "-m", store, "--temp", "0", "-t", "1"]
+    env = dict(os.environ, BITCHAT_HISTORY="", XDG_STATE_HOME=str(tmp_path))
+    want = subprocess.run(args, stdin=subprocess.DEVNULL, capture_output=True, text=True, cwd=ROOT, timeout=120,
+                          env=env)
+    r = subprocess.run(args, capture_output=True, text=True, cwd=ROOT, timeout=120, env=env,
+                       preexec_fn=lambda: os.close(0))
+    assert want.returncode == 0, want.stderr
+    assert (r.returncode, r.stdout) == (0, want.stdout), r.stderr
+    assert "Traceback" not in r.stderr and "internal error" not in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("argv", [["-m", "bitnet_cpu", "run", "-p", "Once", "-n", "6", "-m"],
+                                  ["-m", "bitnet_cpu", "run", "-p", "Once", "-n", "6", "--json", "-m"],
+                                  ["-m", "bitnet_cpu", "run", "-cnv", "-n", "6", "-m"],
+                                  ["-c", BITCHAT_MAIN, "-n", "6", "-m"],
+                                  ["-m", "bitnet_cpu", "info"]])
+def test_closed_stdout_at_start_ends_quietly(store, argv, tmp_path):
+    """`>&-`: Python makes sys.stdout None; the answer goes nowhere and the exit is 0, as when a reader closes the
+    pipe (it was "internal error: AttributeError: 'NoneType' object has no attribute 'write'" and a traceback)."""
+    extra = [store, "-t", "1"] if argv[-1] == "-m" else []
+    r = subprocess.run([sys.executable, *argv, *extra], input="Hello\n", stdout=subprocess.DEVNULL,
+                       stderr=subprocess.PIPE, text=True, cwd=ROOT, timeout=120,
+                       env=dict(os.environ, BITCHAT_HISTORY="", XDG_STATE_HOME=str(tmp_path)),
+                       preexec_fn=lambda: os.close(1))
+    assert r.returncode == 0, r.stderr
+    assert "Traceback" not in r.stderr and "internal error" not in r.stderr, r.stderr
     assert not list(tmp_path.rglob("recovery-*.json"))
 
 
