@@ -426,6 +426,12 @@ LLAMA_ONLY = {
     ("--keep", "--context-shift"): "the context does not shift here: a prompt longer than -c is refused",
     ("-n", "--n-predict"): ("bitnet serve has no server-wide answer length: each request's max_tokens (n_predict, "
                             "num_predict) sets it", ("bitnet serve",)),
+    ("-b", "--batch-size", "-ub", "--ubatch-size"): ("the prompt is processed in the engine's own batches here: "
+                                                     "there is no batch size to set", ("bitnet run", "bitchat")),
+    ("-ub", "--ubatch-size"): ("one step's size is -b/--batch-size here", ("bitnet serve",)),
+    ("--special",): ("special tokens are never printed here (--json gives each piece's token id)",
+                     ("bitnet run", "bitchat")),
+    ("--verbose-prompt",): "the prompt's tokens are not listed here (`bitnet run -v` prints their count)",
     ("-md", "--model-draft", "-ngld", "--gpu-layers-draft"): "speculation uses prompt lookup here (--draft-max K), not "
                                                             "a draft model",
     ("--reasoning-format",): ("bitchat shows a thought apart, between [Start thinking] and [End thinking], and "

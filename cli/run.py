@@ -28,6 +28,18 @@ def add_arguments(p):
     # llama-cli's opposite, common in its command lines: one prompt, one answer, which is bitnet run's default
     p.add_argument("-no-cnv", "--no-conversation", dest="conversation", action="store_false",
                    help="one prompt, one answer (the default; llama-cli's flag, taken as it means there)%(default).0s")
+    p.add_argument("-st", "--single-turn", dest="single_turn", action="store_true",
+                   help="one chat turn: the prompt in the model's chat template, one answer (llama-cli's flag, as "
+                        "--chat; with -cnv too)%(default).0s")
+    # llama-cli's flags that ask for what bitnet run always does: accepted, so its command lines run unchanged
+    for flags, why in (
+            (("--no-display-prompt",), "the prompt is never echoed here"),
+            (("--no-context-shift",), "the context never shifts here: a prompt longer than -c is refused"),
+            (("--no-warmup",), "no warm-up pass runs here"),
+            (("--log-disable",), "stderr carries only warnings, errors and -v's timings (2>/dev/null hides them)"),
+            (("--simple-io",), "the input and output are always plain text")):
+        p.add_argument(*flags, dest="llama_cli_" + flags[0].lstrip("-").replace("-", "_"), action="store_true",
+                       help=f"accepted for llama-cli's command lines: {why}%(default).0s")
     p.add_argument("--ignore-eos", action="store_true",
                    help="never end at the end-of-text token (only -n, the context or --stop end it)%(default).0s")
     p.add_argument("--stop", "-r", "--reverse-prompt", dest="stop", action="append", default=[],
@@ -91,6 +103,8 @@ def main(args) -> int:
     problem = check_engine_args(args)
     if problem:
         raise BitNetError(problem)
+    if args.single_turn:   # llama-cli's -st: its conversation mode for one turn, i.e. one chat answer
+        args.conversation, args.chat = False, True
     prompt = _read_prompt(args)
     constraint = constraint_from_args(args)   # a malformed schema or unreadable file: before the model loads
     if args.conversation:

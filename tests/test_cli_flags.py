@@ -387,11 +387,37 @@ def test_no_cnv_is_llama_cli_s_one_prompt_one_answer():
     # llama-cli's, and serve's own flag here: not "did you mean --reasoning-effort?"
     (["run", "--reasoning-format", "none", "-p", "x"], "bitnet run: error: --reasoning-format: bitchat shows"),
     (["bitnet_cpu.cli.chat", "--reasoning-format=deepseek"], "bitchat: error: --reasoning-format: bitchat shows"),
+    (["run", "-b", "512", "-p", "x"], "bitnet run: error: -b: the prompt is processed in the engine's own batches"),
+    (["run", "--ubatch-size", "512", "-p", "x"], "bitnet run: error: --ubatch-size: the prompt is processed"),
+    (["serve", "-ub", "512"], "bitnet serve: error: -ub: one step's size is -b/--batch-size here"),
+    (["run", "--special", "-p", "x"], "bitnet run: error: --special: special tokens are never printed here"),
+    (["run", "--verbose-prompt", "-p", "x"], "bitnet run: error: --verbose-prompt: the prompt's tokens are not"),
 ])
 def test_llama_cpp_only_flags_get_their_reason(argv, said):
     r = run(argv[0], *argv[1:]) if argv[0].startswith("bitnet_cpu") else bitnet(*argv)
     assert r.returncode == 2 and said in r.stderr.splitlines()[-1], r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_llama_cli_flags_that_ask_for_what_run_does_are_accepted():
+    """llama-cli's script flags whose request is bitnet run's own behaviour were "unrecognized arguments" and the
+    whole usage: no prompt echo, no context shift, no warm-up, no logs on stdout, plain text."""
+    argv = ["--no-display-prompt", "--no-context-shift", "--no-warmup", "--log-disable", "--simple-io", "-p", "x"]
+    args, extras = _parse("run", argv)
+    assert not extras and args.prompt == "x"
+    help_text = " ".join(bitnet("run", "--help").stdout.split())
+    assert help_text.count("accepted for llama-cli's command lines") == 5
+
+
+def test_single_turn_is_one_chat_answer(bundled):
+    """-st/--single-turn (llama-cli: its conversation mode, one turn) is one answer to the prompt in the chat
+    template, as --chat; with -cnv too."""
+    def n_prompt(*argv):
+        r = bitnet("run", "-m", bundled, "-p", "hi", "-n", "1", "--temp", "0", "--json", *argv)
+        assert r.returncode == 0, r.stderr
+        return json_lines(r.stdout)[-1]["stats"]["n_prompt"]
+    chat = n_prompt("--chat")
+    assert n_prompt("-st") == n_prompt("--single-turn") == n_prompt("-cnv", "-st") == chat != n_prompt()
 
 
 def test_escapes_as_llama_cpp_processes_them(store):
