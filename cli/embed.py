@@ -54,7 +54,7 @@ def texts_of(args) -> list[str]:
                           "-p and -f: give the texts one way")
     if not args.embd_separator:
         raise BitNetError("--embd-separator: must not be empty")
-    text = escaped(args, args.prompt) if args.prompt is not None else read_text_file(args.file)
+    text = escaped(args, args.prompt, "-p/--prompt") if args.prompt is not None else read_text_file(args.file)
     texts = text.split(args.embd_separator)
     if args.file is not None and len(texts) > 1 and texts[-1] == "":
         texts.pop()   # the file's final newline

@@ -354,7 +354,8 @@ def sampling_params_from_args(args: argparse.Namespace, seed: int | None = None)
     values = {field: getattr(args, field) for field in SAMPLING_FLAGS}
     breakers = getattr(args, "dry_sequence_breakers", None)
     if breakers is not None:   # llama.cpp's --dry-sequence-breaker: replaces the defaults; "none": no breakers
-        values["dry_sequence_breakers"] = tuple(escaped(args, b) for b in breakers if b != "none")
+        values["dry_sequence_breakers"] = tuple(escaped(args, b, "--dry-sequence-breaker")
+                                                for b in breakers if b != "none")
     if seed is not None:
         values["seed"] = seed
     elif values["seed"] == RANDOM_SEED:
@@ -366,29 +367,52 @@ _ESCAPES = {"n": "\n", "r": "\r", "t": "\t", "'": "'", '"': '"', "\\": "\\"}
 
 
 def process_escapes(text: str) -> str:
-    """llama.cpp's string_process_escapes: \\n \\r \\t \\' \\" \\\\ and \\xHH; any other backslash stays as typed."""
-    out, i, n = [], 0, len(text)
+    """llama.cpp's string_process_escapes: \\n \\r \\t \\' \\" \\\\ and \\xHH; any other backslash stays as typed.
+    As there, \\xHH is a byte: a run of them is decoded as UTF-8 (\\xc3\\xa9 is é); ValueError (one line) when
+    the run is not UTF-8."""
+    out, raw, i, n = [], bytearray(), 0, len(text)
+
+    def bytes_done():
+        if raw:
+            try:
+                out.append(raw.decode("utf-8"))
+            except UnicodeDecodeError:
+                typed = "".join(f"\\x{b:02x}" for b in raw)
+                raise ValueError(f"{typed} is not UTF-8: \\xHH escapes are bytes, as in llama.cpp (é is \\xc3\\xa9; "
+                                 "--no-escape takes the text as typed)") from None
+            raw.clear()
+
     while i < n:
         c = text[i]
         if c == "\\" and i + 1 < n:
             e = text[i + 1]
+            hh = text[i + 2:i + 4]
+            if e == "x" and len(hh) == 2 and all(h in "0123456789abcdefABCDEF" for h in hh):
+                raw.append(int(hh, 16))
+                i += 4
+                continue
+            bytes_done()
             if e in _ESCAPES:
                 out.append(_ESCAPES[e])
                 i += 2
                 continue
-            hh = text[i + 2:i + 4]
-            if e == "x" and len(hh) == 2 and all(h in "0123456789abcdefABCDEF" for h in hh):
-                out.append(chr(int(hh, 16)))   # a character (llama.cpp's is a byte: the same below 0x80)
-                i += 4
-                continue
+        bytes_done()
         out.append(c)
         i += 1
+    bytes_done()
     return "".join(out)
 
 
-def escaped(args: argparse.Namespace, text: str) -> str:
-    """`text` with its escapes processed unless --no-escape was given (llama.cpp's -e, on by default)."""
-    return process_escapes(text) if getattr(args, "escape", True) else text
+def escaped(args: argparse.Namespace, text: str, flag: str = "") -> str:
+    """`text` with its escapes processed unless --no-escape was given (llama.cpp's -e, on by default); \\xHH bytes
+    that are not UTF-8 are a BitNetError naming `flag`."""
+    if not getattr(args, "escape", True):
+        return text
+    try:
+        return process_escapes(text)
+    except ValueError as e:
+        from ..engine.errors import BitNetError
+        raise BitNetError(f"{flag + ': ' if flag else ''}{e}") from None
 
 
 # ---- parsing: exact flags only ---------------------------------------------------------------------------

@@ -72,7 +72,7 @@ def _read_prompt(args) -> str | None:
             return None
         raise BitNetError("no prompt: give -p/--prompt TEXT or -f/--file FILE ('-' for stdin), or -cnv to chat")
     try:
-        return escaped(args, decode_utf8(args.prompt, "-p/--prompt"))
+        return escaped(args, decode_utf8(args.prompt, "-p/--prompt"), "-p/--prompt")
     except ValueError as e:
         raise BitNetError(str(e)) from None
 
@@ -126,6 +126,7 @@ def main(args) -> int:
 
         return run_chat(args, first_message=prompt)
 
+    stop = [escaped(args, s, "-r/--stop") for s in args.stop]   # an escape that is not UTF-8: before the model loads
     from ..engine.api import load_model
     from ..engine.runtime.generate import FINISH_MESSAGES
 
@@ -165,7 +166,7 @@ def main(args) -> int:
             out.write(text)
     stats = None
     try:
-        for chunk in llm.generate(ids, params, max_tokens=max_tokens, stop=[escaped(args, s) for s in args.stop],
+        for chunk in llm.generate(ids, params, max_tokens=max_tokens, stop=stop,
                                   ignore_eos=args.ignore_eos, constraint=constraint):
             if chunk.text:
                 emit(chunk.text, chunk.token)

@@ -439,6 +439,29 @@ def test_escapes_as_llama_cpp_processes_them(store):
     assert escaped == n_prompt("-p", "a\nb") != n_prompt("--no-escape", "-p", "a\\nb")
 
 
+def test_hex_escapes_are_bytes_of_utf8_as_in_llama_cpp(store):
+    """\\xHH is a byte there: a run of them is UTF-8 (\\xc3\\xa9 was the two characters 'Ã©'); bytes that are not
+    UTF-8 are one line naming the flag, exit 2."""
+    from bitnet_cpu.cli.flags import process_escapes
+    for typed, want in [("caf\\xc3\\xa9", "caf\u00e9"), ("\\xe2\\x82\\xac\\n", "\u20ac\n"),
+                        ("\\x41\\xc3\\xa9!", "A\u00e9!"), ("\\xF0\\x9F\\x99\\x82", "\U0001f642")]:
+        assert process_escapes(typed) == want, typed
+    for bad in ("caf\\xe9", "\\xc3", "\\xc3\\n\\xa9", "\\xff"):
+        with pytest.raises(ValueError):
+            process_escapes(bad)
+
+    def n_prompt(*argv):
+        r = bitnet("run", "-m", store, "-n", "1", "--temp", "0", "--json", *argv)
+        assert r.returncode == 0, r.stderr
+        return json_lines(r.stdout)[-1]["stats"]["n_prompt"]
+    assert n_prompt("-p", "caf\\xc3\\xa9") == n_prompt("-p", "caf\u00e9")
+    for flag in ("-p", "-r", "--dry-sequence-breaker"):
+        argv = ["-p", "x", flag, "caf\\xe9"] if flag != "-p" else ["-p", "caf\\xe9"]
+        r = bitnet("run", "-m", store, "-n", "1", *argv)
+        assert r.returncode == 2 and len(r.stderr.splitlines()) == 1, r.stderr
+        assert "\\xe9 is not UTF-8" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
 def test_a_chat_template_flag_makes_run_a_chat(bundled):
     def n_prompt(*argv):
         r = bitnet("run", "-m", bundled, "-p", "hi", "-n", "1", "--temp", "0", "--json", *argv)
