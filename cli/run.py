@@ -108,7 +108,8 @@ def main(args) -> int:
     prompt = _read_prompt(args)
     constraint = constraint_from_args(args)   # a malformed schema or unreadable file: before the model loads
     if args.conversation:
-        for flag, given in (("--json", args.json), ("--ignore-eos", args.ignore_eos), ("--stop", args.stop)):
+        for flag, given in (("--json", args.json), ("--ignore-eos", args.ignore_eos),
+                            ("-r/--reverse-prompt/--stop", args.stop)):   # all its spellings: -r is llama-cli's
             if given:
                 raise BitNetError(f"{flag} does not apply to -cnv/--conversation (the chat has plain text answers "
                                   "that end at the end of a turn)")

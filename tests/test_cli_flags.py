@@ -175,6 +175,14 @@ def _default_buffering() -> dict:
     return {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
 
 
+def test_cnv_refuses_a_stop_string_naming_the_flag_as_typed():
+    """`bitnet run -cnv -r x` said "--stop does not apply", a flag the user never typed."""
+    for flag in ("-r", "--reverse-prompt", "--stop"):
+        r = bitnet("run", "-cnv", flag, "User:", stdin="Hello\n")
+        assert r.returncode == 2 and len(r.stderr.splitlines()) == 1, r.stderr
+        assert "error: -r/--reverse-prompt/--stop does not apply to -cnv" in r.stderr, r.stderr
+
+
 @pytest.mark.parametrize("cmd", [["bitnet_cpu", "run", "-p", "Once", "-n", "5000", "-c", "6000", "--ignore-eos"],
                                  ["bitnet_cpu.cli.chat", "-n", "5000", "-c", "6000"]])
 def test_closed_stdout_ends_quietly(store, cmd, tmp_path):
