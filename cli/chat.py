@@ -29,7 +29,7 @@ from ..chat.commands import FIELD_OF_SETTING, Settings
 from ..chat.render import Output
 from . import lossy_stderr, replace_unencodable
 from .flags import (UNTIL_END, Parser, add_engine_args, add_system_args, apply_chat_template, check_engine_args,
-                    maybe_autocomplete, parse_args_suggesting, sampling_params_from_args)
+                    maybe_autocomplete, parse_args_suggesting, sampling_params_from_args, thinking_warnings)
 
 UNTIL_END_TOKENS = 1 << 30   # -n -1: clamped to the context window once the model is loaded
 
@@ -246,7 +246,7 @@ def _run(args, settings: Settings, out: Output, interactive: bool, first_message
         print(f"bitchat: error: cannot load {label}: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
     load_s = time.perf_counter() - t0
-    for w in getattr(llm, "warnings", ()):
+    for w in [*getattr(llm, "warnings", ()), *thinking_warnings(llm, args)]:
         print(f"bitchat: warning: {w}", file=sys.stderr)
     if settings.max_tokens > llm.n_ctx:
         settings.max_tokens = llm.n_ctx

@@ -322,6 +322,22 @@ def apply_chat_template(model, args: argparse.Namespace) -> None:
             raise BitNetError(f"{flag}: {e.args[0].removeprefix('chat_template_kwargs: ')}") from None
 
 
+def thinking_warnings(model, args: argparse.Namespace) -> list[str]:
+    """-rea on and --reasoning-budget N ask for a <think> block; on a chat template that writes none they change
+    nothing: a warning each, never silence (bitchat's /set think refuses the same). A warning, not an error: one
+    command line often serves several models; -rea off and auto ask for nothing."""
+    if getattr(model, "thinks", True):
+        return []
+    out, why = [], f"{model.name}'s chat template does not think; it changes nothing"
+    reasoning = getattr(args, "reasoning", None)
+    if reasoning is not None and reasoning.lower() in _ON:
+        out.append(f"-rea/--reasoning {reasoning}: {why}")
+    budget = getattr(args, "reasoning_budget", _D.reasoning_budget)
+    if budget is not None and budget != _D.reasoning_budget:
+        out.append(f"--reasoning-budget {budget}: {why}")
+    return out
+
+
 def _apply_prefill_attention(precision: str | None) -> str | None:
     """Sets the prefill attention's precision (None: leave BITNET_ATTENTION's or the default); bf16 only where
     its vector bodies run (the scalar ones are for tests: slower than f32), else one line saying why.

@@ -3,7 +3,7 @@ piece); progress, warnings and --verbose timings go to stderr. Ctrl-C stops gene
 printed (exit 130). Flags follow llama.cpp (cli/flags.py); `-cnv` runs the chat on stdin
 as bitchat does; `--json` prints one JSON object per line (text pieces, then the stats) for scripts."""
 from .flags import (RANDOM_SEED, UNTIL_END, add_constraint_args, add_engine_args, add_system_args, apply_chat_template,
-                    check_engine_args, constraint_from_args, escaped, sampling_params_from_args)
+                    check_engine_args, constraint_from_args, escaped, sampling_params_from_args, thinking_warnings)
 from ..engine.formats.tokenizer import decode_utf8
 
 HELP = "generate text from a prompt (streams to stdout)"
@@ -139,7 +139,7 @@ def main(args) -> int:
     llm = load_model(args.model, ctx=args.ctx, threads=args.threads, kv_dtype=args.kv,
                      progress=sys.stderr.isatty(), lm_head=args.lm_head, lookup=lookup, mmap=args.mmap)
     apply_chat_template(llm, args)
-    for w in llm.warnings:
+    for w in [*llm.warnings, *thinking_warnings(llm, args)]:
         print(f"bitnet: warning: {w}", file=sys.stderr)
     # a system prompt or a chat template (or its variables) only means something in a chat (llama.cpp turns its chat
     # on for them)

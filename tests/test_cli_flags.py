@@ -428,6 +428,22 @@ def test_single_turn_is_one_chat_answer(bundled):
     assert n_prompt("-st") == n_prompt("--single-turn") == n_prompt("-cnv", "-st") == chat != n_prompt()
 
 
+def test_thinking_flags_on_a_template_that_does_not_think_are_said(bundled):
+    """-rea on / --reasoning-budget N on a template without a <think> block changed nothing in silence (bitchat's
+    /set think refuses it): a warning each, on bitnet run and bitchat; -rea off asks for nothing."""
+    if load_model(bundled, ctx=64, progress=False).thinks:
+        pytest.skip("the bundled model's template thinks")
+    base = ["-m", bundled, "-p", "hi", "-n", "2", "--temp", "0"]
+    r = bitnet("run", *base, "-rea", "on", "--reasoning-budget", "5")
+    assert r.returncode == 0, r.stderr
+    assert "warning: -rea/--reasoning on: " in r.stderr and "does not think" in r.stderr, r.stderr
+    assert "warning: --reasoning-budget 5: " in r.stderr, r.stderr
+    assert "does not think" not in bitnet("run", *base, "-rea", "off").stderr
+    c = run("bitnet_cpu.cli.chat", "-m", bundled, "-n", "2", "-rea", "on", stdin="hi\n",
+            env=dict(os.environ, BITCHAT_HISTORY="", BITCHAT_RECOVERY=""))
+    assert c.returncode == 0 and "bitchat: warning: -rea/--reasoning on: " in c.stderr, c.stderr
+
+
 def test_escapes_as_llama_cpp_processes_them(store):
     from bitnet_cpu.cli.flags import process_escapes
     for typed, want in [("a\\nb", "a\nb"), ("\\t\\\\x", "\t\\x"), ("\\x41\\x4", "A\\x4"), ("end\\", "end\\"),
