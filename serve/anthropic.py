@@ -22,9 +22,10 @@ import json
 import re
 import uuid
 from dataclasses import replace
-from typing import Any, ClassVar, Optional, Union
+from typing import Any, ClassVar, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic_core import PydanticCustomError
 
 from .limits import anthropic_error_body
 from .schemas import MANY_STOPS, RequestProblem, _Sampling, text_of_parts
@@ -32,6 +33,20 @@ from .schemas import MANY_STOPS, RequestProblem, _Sampling, text_of_parts
 # finish reason (engine) -> stop_reason; "tool_use" replaces end_turn when whole calls were made
 STOP_REASON = {"eos": "end_turn", "stop": "stop_sequence", "length": "max_tokens",
                "context": "model_context_window_exceeded", "cancelled": "end_turn"}
+# the keys Anthropic's API takes in its nested objects; any other is its 400 ("Extra inputs are not permitted")
+TEXT_BLOCK_KEYS = {"type", "text", "cache_control", "citations"}
+TOOL_CHOICE_KEYS = {"type", "name", "disable_parallel_tool_use"}
+NESTED_KEYS = {"metadata": {"user_id"}, "output_config": {"format", "effort"}}
+TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,128}")
+
+
+def only_keys(value: Optional[dict], keys: set, where: str) -> None:
+    """RequestProblem for a key of `value` that Anthropic's API does not have there (a misspelt one did nothing)."""
+    extra = sorted(set(value or ()) - keys)
+    if extra:
+        raise RequestProblem(f"{where}.{extra[0]}", f"{where}.{extra[0]}: Extra inputs are not permitted")
+
+
 class _Conversation(BaseModel):
     """What /v1/messages and /v1/messages/count_tokens share: the conversation and its tools. A field the API does
     not have is a 400, as Anthropic's ("Extra inputs are not permitted"): a misspelt stop_sequence ran on in silence."""
@@ -42,41 +57,65 @@ class _Conversation(BaseModel):
     tool_choice: Optional[dict[str, Any]] = None
     thinking: Optional[dict[str, Any]] = None
 
-    def chat_messages(self) -> tuple[list[dict], str]:
-        """(the engine's chat messages, the prefill: the text of a final assistant message the answer continues);
-        RequestProblem naming the block this model cannot take."""
-        out: list[dict] = []
-        if self.system:
-            out.append({"role": "system", "content": text_of_parts(self.system, "system", ("text",))})
-        names: dict[str, str] = {}   # tool_use id -> tool name, for the results that answer them
-        uses: set[str] = set()       # the tool_use ids of the message just before (the only ones a result answers)
+    def turns(self) -> list[tuple[str, str, list[tuple[str, Any]]]]:
+        """The messages as turns (role, the first message's path, [(a block's path, the block)]): consecutive
+        messages of one role are one turn, their blocks in order, as Anthropic's API combines them (two user
+        messages were two turns; two final assistant messages, a finished turn and a prefill of the second's
+        text). RequestProblem for a message without content: only a final assistant message may be empty."""
+        turns: list[tuple[str, str, list[tuple[str, Any]]]] = []
+        last = len(self.messages) - 1
         for i, m in enumerate(self.messages):
             where = f"messages.{i}"
             if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
                 raise RequestProblem(f"{where}.role", f"{where}.role: expected user or assistant")
-            before, uses = uses, set()
             blocks = m.get("content")
             if isinstance(blocks, str):
-                out.append({"role": m["role"], "content": blocks})
-                continue
-            if not isinstance(blocks, list):
+                blocks = [(f"{where}.content", {"type": "text", "text": blocks})] if blocks else []
+            elif isinstance(blocks, list):
+                blocks = [(f"{where}.content.{j}", b) for j, b in enumerate(blocks)]
+            else:
                 raise RequestProblem(f"{where}.content", f"{where}.content: a string or a list of content blocks")
+            if not blocks and not (i == last and m["role"] == "assistant"):
+                raise RequestProblem(f"{where}.content", f"{where}: all messages must have non-empty content "
+                                                         "except for the optional final assistant message")
+            if turns and turns[-1][0] == m["role"]:
+                turns[-1][2].extend(blocks)
+            else:
+                turns.append((m["role"], where, blocks))
+        return turns
+
+    def chat_messages(self) -> tuple[list[dict], str]:
+        """(the engine's chat messages, the prefill: the text of a final assistant turn the answer continues);
+        RequestProblem naming the block this model cannot take, or what Anthropic's API refuses."""
+        out: list[dict] = []
+        if self.system:
+            out.append({"role": "system", "content": text_of_parts(self.system, "system", ("text",))})
+        names: dict[str, str] = {}   # tool_use id -> tool name, for the results that answer them
+        uses: set[str] = set()       # the tool_use ids of the turn just before (the only ones a result answers)
+        tool_blocks = False
+        for role, where, items in self.turns():
+            before, uses, answered = uses, set(), set()
             texts, calls, thoughts = [], [], []
-            for j, b in enumerate(blocks):
-                at = f"{where}.content.{j}"
+            for at, b in items:
                 kind = b.get("type") if isinstance(b, dict) else None
+                tool_blocks = tool_blocks or kind in ("tool_use", "tool_result")
                 if kind == "text":
                     if not isinstance(b.get("text"), str):
                         raise RequestProblem(f"{at}.text", f"{at}.text: a text block needs its text (a string)")
+                    only_keys(b, TEXT_BLOCK_KEYS, at)
+                    # an answer's own whitespace may come back in a history; a prefill's is refused below
+                    if not b["text"].strip() and not (role == "assistant" and b["text"]):
+                        raise RequestProblem(f"{at}", f"{at}: text content blocks must "
+                                             + ("contain non-whitespace text" if b["text"] else "be non-empty"))
                     texts.append(b["text"])
-                elif kind == "thinking" and m["role"] == "assistant":   # an earlier turn's thought: the template's
+                elif kind == "thinking" and role == "assistant":   # an earlier turn's thought: the template's
                     if not isinstance(b.get("thinking"), str):               # to show (Qwen3's: in a tool loop)
                         raise RequestProblem(f"{at}.thinking", f"{at}.thinking: a thinking block needs its thinking "
                                                                "(a string)")
                     thoughts.append(b["thinking"])
-                elif kind == "redacted_thinking" and m["role"] == "assistant":
+                elif kind == "redacted_thinking" and role == "assistant":
                     continue   # encrypted by Anthropic: nothing here can read it
-                elif kind == "tool_use" and m["role"] == "assistant":
+                elif kind == "tool_use" and role == "assistant":
                     if not (isinstance(b.get("id"), str) and isinstance(b.get("name"), str)
                             and isinstance(b.get("input", {}), dict)):
                         raise RequestProblem(at, f"{at}: a tool_use block needs id, name and an input object")
@@ -84,10 +123,11 @@ class _Conversation(BaseModel):
                     uses.add(b["id"])
                     calls.append({"id": b["id"], "type": "function", "function": {
                         "name": b["name"], "arguments": json.dumps(b.get("input", {}), ensure_ascii=False)}})
-                elif kind == "tool_result" and m["role"] == "user":
+                elif kind == "tool_result" and role == "user":
                     use_id = b.get("tool_use_id")
                     if not isinstance(use_id, str):
                         raise RequestProblem(f"{at}.tool_use_id", f"{at}.tool_use_id: required")
+                    answered.add(use_id)
                     if use_id not in before:   # Anthropic's 400: a result answers a use of the message before it
                         raise RequestProblem(f"{at}.tool_use_id", f"{at}: unexpected tool_use_id {use_id!r} in a "
                                              "tool_result block: each tool_result needs a tool_use block with that "
@@ -106,8 +146,12 @@ class _Conversation(BaseModel):
                 else:
                     raise RequestProblem(f"{at}.type", f"{at}.type {kind!r}: not supported here (text, tool_use and "
                                                        "tool_result blocks are; this model takes text only)")
-            if texts or calls or m["role"] == "assistant":
-                msg = {"role": m["role"], "content": "".join(texts)}
+            if role == "user" and before - answered:   # Anthropic's 400: a use is answered in the next turn
+                raise RequestProblem(where, f"{where}: `tool_use` ids were found without `tool_result` blocks "
+                                     f"immediately after: {', '.join(sorted(before - answered))}. Each `tool_use` "
+                                     "block must have a corresponding `tool_result` block in the next message.")
+            if texts or calls or role == "assistant":
+                msg = {"role": role, "content": "".join(texts)}
                 if calls:
                     msg["tool_calls"] = calls
                 if thoughts:
@@ -120,6 +164,12 @@ class _Conversation(BaseModel):
                 raise RequestProblem(f"messages.{len(self.messages) - 1}", "the last message is the assistant's tool "
                                      "use: send its tool_result in a user message")
             prefill = out.pop()["content"]
+            if prefill != prefill.rstrip():   # Anthropic's 400 (its models' tokens start with the space)
+                raise RequestProblem("messages", "messages: final assistant content cannot end with trailing "
+                                                 "whitespace")
+        if tool_blocks and not self.tools:
+            raise RequestProblem("tools", "Requests which include `tool_use` or `tool_result` blocks must define "
+                                          "tools.")
         if not any(m["role"] != "system" for m in out):
             raise RequestProblem("messages", "messages: no user message to answer")
         return out, prefill
@@ -153,6 +203,9 @@ class _Conversation(BaseModel):
             # a custom tool's own fields, as Anthropic's API names them (a missing name was blamed on the type)
             if not isinstance(t.get("name"), str):
                 raise RequestProblem(f"tools.{i}.name", f"tools.{i}.name: required (a string)")
+            if not TOOL_NAME.fullmatch(t["name"]):   # Anthropic's pattern (a call to "f f!" cannot be written back)
+                raise RequestProblem(f"tools.{i}.name", f"tools.{i}.name: String should match pattern "
+                                     f"'^{TOOL_NAME.pattern}$'")
             if not isinstance(t.get("input_schema"), dict):
                 raise RequestProblem(f"tools.{i}.input_schema", f"tools.{i}.input_schema: required (a JSON Schema "
                                      "object; {\"type\": \"object\"} for a tool without arguments)")
@@ -165,6 +218,7 @@ class _Conversation(BaseModel):
 
     def tool_choice_name(self) -> str:
         c = self.tool_choice or {"type": "auto"}
+        only_keys(c, TOOL_CHOICE_KEYS, "tool_choice")
         kind = c.get("type")
         if kind == "tool":
             if not isinstance(c.get("name"), str):
@@ -211,6 +265,7 @@ class MessagesRequest(_Conversation, _Sampling):
     MAX_TEMPERATURE: ClassVar[Optional[float]] = 1.0   # Anthropic's range
     MAX_STOPS: ClassVar[Optional[int]] = MANY_STOPS
     FORCED_CALL_FORMAT: ClassVar[str] = "refuse"
+    model: str   # required, as Anthropic's API (the chat endpoint's is optional); any name is this model's
     max_tokens: int = Field(ge=1)
     stop_sequences: Optional[list[str]] = None
     output_config: Optional[dict[str, Any]] = None
@@ -222,12 +277,30 @@ class MessagesRequest(_Conversation, _Sampling):
     chat_template_kwargs: Optional[dict[str, Any]] = None   # llama-server's extension, as on chat completions
     # hints with no meaning on one local server (the account's, its caches, its regions): taken, as the API takes them
     metadata: Optional[dict[str, Any]] = None
-    service_tier: Optional[str] = None
+    service_tier: Optional[Literal["auto", "standard_only"]] = None
     cache_control: Optional[dict[str, Any]] = None   # the prefix cache is automatic here
     inference_geo: Optional[str] = None
     user_profile_id: Optional[str] = None
     workspace_id: Optional[str] = None
     diagnostics: Optional[dict[str, Any]] = None
+
+    @field_validator("metadata", "output_config")
+    @classmethod
+    def _known_keys(cls, value, info: ValidationInfo):
+        """A key Anthropic's API does not have in the object is its 400, as at the top (metadata.foo was taken)."""
+        try:
+            only_keys(value, NESTED_KEYS[info.field_name], info.field_name)
+        except RequestProblem as e:
+            raise PydanticCustomError("invalid_setting", "{message}", {"message": str(e)}) from None
+        return value
+
+    @field_validator("stop_sequences")
+    @classmethod
+    def _no_empty_stop(cls, value):
+        """An empty stop sequence is Anthropic's 400 (it was dropped in silence)."""
+        if value and any(not s for s in value):
+            raise PydanticCustomError("invalid_setting", "stop_sequences: each stop sequence must be non-empty")
+        return value
 
     def limit(self) -> Optional[int]:
         return self.max_tokens

@@ -188,7 +188,7 @@ def test_n_out_of_range_names_the_server_s_limit(server, path, body, n):
 @pytest.mark.parametrize("path, body, param", [
     ("/v1/completions", {"prompt": "x", "echo": "true"}, "echo"),
     ("/v1/completions", {"prompt": "x", "max_tokens": "3"}, "max_tokens"),
-    ("/v1/messages", {"messages": Q, "max_tokens": "4"}, "max_tokens"),
+    ("/v1/messages", {"model": "m", "messages": Q, "max_tokens": "4"}, "max_tokens"),
     ("/v1/responses", {"input": "x", "temperature": "1"}, "temperature"),
     ("/completion", {"prompt": "x", "n_predict": "4"}, "n_predict"),
     ("/tokenize", {"content": "x", "add_special": 1}, "add_special"),

@@ -259,6 +259,28 @@ def test_structured_output_by_output_config(claude, server):
     {"max_completion_tokens": 3},
     {"logprobs": True, "top_logprobs": 2},
     {"speed": "fast"},
+    # what Anthropic's API refuses (each was answered): empty or blank content, a tool_use its next message does
+    # not answer, tool blocks without tools, unknown keys inside its objects, an unknown tier, a tool name it
+    # cannot call, an empty stop sequence, no model, a prefill ending in whitespace
+    {"messages": [{"role": "user", "content": ""}]},
+    {"messages": [{"role": "user", "content": " \n"}]},
+    {"messages": [{"role": "user", "content": [{"type": "text", "text": ""}]}]},
+    {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""},
+                  {"role": "user", "content": "hi"}]},
+    {"tools": [ADD], "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": [
+        {"type": "tool_use", "id": "t1", "name": "add", "input": {}}]}, {"role": "user", "content": "just text"}]},
+    {"messages": [{"role": "user", "content": "hi"},
+                  {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "add", "input": {}}]},
+                  {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "1"}]}]},
+    {"output_config": {"foo": 1}},
+    {"metadata": {"foo": "bar"}},
+    {"tools": [ADD], "tool_choice": {"type": "auto", "foo": 1}},
+    {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi", "foo": 1}]}]},
+    {"service_tier": "bogus"},
+    {"tools": [{"name": "f f!", "input_schema": {"type": "object"}}]},
+    {"stop_sequences": [""]},
+    {"model": None},
+    {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Well "}]},
 ])
 def test_what_cannot_be_honoured_is_a_400_in_anthropics_shape(server, extra):
     body = {"model": "any", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], **extra}
@@ -352,3 +374,56 @@ def test_the_apis_hints_are_taken(server):
                       timeout=60).status_code == 200
     r = httpx.post(server.url + "/v1/messages/count_tokens", json={**count, "stop_sequence": ["x"]}, timeout=60)
     assert r.status_code == 400 and "stop_sequence" in r.json()["error"]["message"], r.text
+
+
+def test_consecutive_turns_of_one_role_are_one_turn(claude, server):
+    """Consecutive user (or assistant) messages are one turn, their blocks in order, as Anthropic's API combines
+    them: two user messages were two turns of the template, and two final assistant messages a finished answer
+    and a prefill of the second's text only."""
+    def count(messages):
+        return claude.messages.count_tokens(model="any", messages=messages).input_tokens
+    two = [{"role": "user", "content": "Tell me"}, {"role": "user", "content": [{"type": "text", "text": " a story."}]}]
+    one = [{"role": "user", "content": [{"type": "text", "text": "Tell me"}, {"type": "text", "text": " a story."}]}]
+    assert count(two) == count(one)
+    u = [{"role": "user", "content": "Hello there"}]
+    split = u + [{"role": "assistant", "content": "Hello!"}, {"role": "assistant", "content": " I"}]
+    whole = u + [{"role": "assistant", "content": "Hello! I"}]
+    assert count(split) == count(whole)
+    a, b = (claude.messages.create(model="any", max_tokens=8, messages=m, **GREEDY) for m in (split, whole))
+    assert text_of(a) == text_of(b) and a.usage.input_tokens + a.usage.cache_read_input_tokens == count(whole)
+
+
+def test_refusals_say_what_anthropics_api_says(server):
+    """The 400s Anthropic's API answers, in its words, on /v1/messages and count_tokens alike."""
+    hi = [{"role": "user", "content": "hi"}]
+    cases = [({"messages": hi + [{"role": "assistant", "content": "Well "}]},
+              "final assistant content cannot end with trailing whitespace"),
+             ({"messages": hi + [{"role": "assistant", "content": "Well"}, {"role": "assistant", "content": " \n"}]},
+              "final assistant content cannot end with trailing whitespace"),
+             ({"messages": [{"role": "user", "content": "  "}]},
+              "text content blocks must contain non-whitespace text"),
+             ({"tools": [ADD], "messages": hi + [{"role": "assistant", "content": [
+                 {"type": "tool_use", "id": "t1", "name": "add", "input": {}}]}, {"role": "user", "content": "x"}]},
+              "messages.2: `tool_use` ids were found without `tool_result` blocks immediately after: t1"),
+             ({"messages": hi + [{"role": "assistant", "content": [
+                 {"type": "tool_use", "id": "t1", "name": "add", "input": {}}]},
+                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "1"}]}]},
+              "Requests which include `tool_use` or `tool_result` blocks must define tools."),
+             ({"output_config": {"foo": 1}}, "output_config.foo: Extra inputs are not permitted"),
+             ({"metadata": {"user_id": "u", "foo": 1}}, "metadata.foo: Extra inputs are not permitted"),
+             ({"tools": [ADD], "tool_choice": {"type": "auto", "foo": 1}},
+              "tool_choice.foo: Extra inputs are not permitted"),
+             ({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi", "foo": 1}]}]},
+              "messages.0.content.0.foo: Extra inputs are not permitted"),
+             ({"tools": [{"name": "f f!", "input_schema": {"type": "object"}}]}, "tools.0.name: String should match"),
+             ({"model": None}, "model: Field required")]
+    for extra, said in cases:
+        body = {k: v for k, v in {"model": "any", "messages": hi, **extra}.items() if v is not None}
+        for path, more in (("/v1/messages", {"max_tokens": 4}), ("/v1/messages/count_tokens", {})):
+            r = httpx.post(server.url + path, json={**body, **more}, timeout=60)
+            assert r.status_code == 400 and said in r.json()["error"]["message"], (path, extra, r.text)
+    # what it takes: a whitespace answer of the model's own in a history, a tool loop whose uses are all answered
+    ok = hi + [{"role": "assistant", "content": "\n\n"}, {"role": "user", "content": "hi"}]
+    r = httpx.post(server.url + "/v1/messages/count_tokens", json={"model": "any", "messages": ok}, timeout=60)
+    assert r.status_code == 200, r.text
+

@@ -334,7 +334,7 @@ def test_hangup_cancels_through_every_adapter(tmp_path_factory):
     try:
         made = 0
         for path, body in (("/v1/responses", {"input": "a", "max_output_tokens": 1500}),
-                           ("/v1/messages", {"messages": q, "max_tokens": 1500}),
+                           ("/v1/messages", {"model": "m", "messages": q, "max_tokens": 1500}),
                            ("/completion", {"prompt": "a", "n_predict": 1500})):
             body = {**body, "temperature": 0, "ignore_eos": True, "stream": True}
             with httpx.stream("POST", s.url + path, json=body, timeout=30 * slowness()) as r:
@@ -363,7 +363,7 @@ def test_non_streaming_hangup_cancels_decoding_and_queued_requests(tmp_path_fact
         made = 0
         for path, body in (("/v1/completions", {"prompt": "a", "max_tokens": 1500}),
                            ("/v1/chat/completions", {"messages": q, "max_tokens": 1500}),
-                           ("/v1/messages", {"messages": q, "max_tokens": 1500}),
+                           ("/v1/messages", {"model": "m", "messages": q, "max_tokens": 1500}),
                            ("/completion", {"prompt": "a", "n_predict": 1500}),
                            ("/api/generate", {"model": "m", "prompt": "a", "stream": False,
                                               "options": {"num_predict": 1500, "temperature": 0}})):

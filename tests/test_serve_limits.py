@@ -74,7 +74,7 @@ def test_huge_prompts_refused_while_small_request_streams():
         bodies["responses 10 MB"] = ("/v1/responses", {"input": prompt(10)}, False)
         bodies["completion 10 MB"] = ("/completion", {"prompt": prompt(10)}, False)
         for mb in (10, 50):
-            bodies[f"anthropic {mb} MB"] = ("/v1/messages", {"max_tokens": 4, "messages": [
+            bodies[f"anthropic {mb} MB"] = ("/v1/messages", {"model": "m", "max_tokens": 4, "messages": [
                 {"role": "user", "content": prompt(mb)}]}, False)
         # under the bound: tiny messages and token ids (cheap to send, dear to parse and validate: GIL-bound, so a
         # thread does not help), and prompts too long in characters for the context
