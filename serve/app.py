@@ -30,7 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .anthropic import CountTokensRequest, MessageBuilder, MessagesRequest, anthropic_names
 from .auth import AuthMiddleware, KeyChecker, allow_cross_origin
-from .limits import Limits, LimitsMiddleware, RouteNorms, anthropic_error_body
+from .limits import Limits, LimitsMiddleware, RouteNorms, anthropic_error_body, anthropic_shaped, anthropic_status
 from .logprobs import Said, TokenText, chat_entry, completion_logprobs, echo_logprobs
 from .metrics import CONTENT_TYPE, ServerMetrics, TokenClock
 from .offload import (BodyRefused, ClientGone, Streamed, next_or_gone, offloop_route, prepare_sampling,
@@ -238,17 +238,19 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         return in_family(request, validation_response(e))
 
     def in_family(request, resp):
-        """ollama's routes (/api/) answer errors as {"error": "message"}, Anthropic's (/v1/messages) as
-        {"type": "error", "error": {"type", "message"}}; the rest in OpenAI's shape."""
-        path = request.url.path
-        if path.startswith("/api/"):
+        """ollama's routes (/api/) answer errors as {"error": "message"}, Anthropic's (serve/limits.py
+        anthropic_shaped) as {"type": "error", "error": {"type", "message"}} with its status (529 overloaded); the
+        rest in OpenAI's shape."""
+        status = resp.status_code
+        if request.url.path.startswith("/api/"):
             body = {"error": json.loads(resp.body)["error"]["message"]}
-        elif path.startswith("/v1/messages"):
-            body = anthropic_error_body(resp.status_code, json.loads(resp.body)["error"]["message"])
+        elif anthropic_shaped(request.scope):
+            status = anthropic_status(status)
+            body = anthropic_error_body(status, json.loads(resp.body)["error"]["message"])
         else:
             return resp
         headers = {k: v for k, v in resp.headers.items() if k.lower() not in ("content-length", "content-type")}
-        return JSONResponse(body, status_code=resp.status_code, headers=headers)
+        return JSONResponse(body, status_code=status, headers=headers)
 
     def validation_response(e: RequestValidationError):
         err = main_error(e.errors())

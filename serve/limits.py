@@ -48,7 +48,8 @@ class Limits:
 
 # Anthropic's error types by HTTP status (its API's table); anything else 5xx is api_error
 ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-              404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
+              404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error",
+              504: "timeout_error", 529: "overloaded_error"}
 
 
 def anthropic_error_body(status: int, message: str) -> dict:
@@ -56,18 +57,37 @@ def anthropic_error_body(status: int, message: str) -> dict:
                                                               "invalid_request_error"), "message": message}}
 
 
+def anthropic_shaped(scope) -> bool:
+    """Whether a request's errors take Anthropic's shape: on its routes (/v1/messages...), and on /v1/models when
+    Anthropic's client asks (it sends anthropic-version on every request; OpenAI's clients never do), which
+    otherwise read a 401 or 404 in OpenAI's shape. The one rule for the handlers' errors and the middlewares'."""
+    path = scope.get("path", "")
+    if path.startswith("/v1/messages"):
+        return True
+    return path.startswith("/v1/models") and any(k.lower() == b"anthropic-version"
+                                                 for k, _ in scope.get("headers") or ())
+
+
+def anthropic_status(status: int) -> int:
+    """Anthropic's status for one of ours: its overloaded_error is a 529 (the anthropic SDK raises OverloadedError
+    for 529 only; a 503 was a bare InternalServerError), every other the same."""
+    return 529 if status == 503 else status
+
+
 def error_json(message: str, type_: str, code: str, param: str | None = None, scope=None, status: int = 400) -> bytes:
-    """OpenAI's error body, or ollama's ({"error": "..."}) for its /api/ routes, or Anthropic's for /v1/messages."""
+    """OpenAI's error body, or ollama's ({"error": "..."}) for its /api/ routes, or Anthropic's (anthropic_shaped)."""
     if scope is not None and scope.get("path", "").startswith("/api/"):
         return json.dumps({"error": message}).encode()
-    if scope is not None and scope.get("path", "").startswith("/v1/messages"):
-        return json.dumps(anthropic_error_body(status, message)).encode()
+    if scope is not None and anthropic_shaped(scope):
+        return json.dumps(anthropic_error_body(anthropic_status(status), message)).encode()
     return json.dumps({"error": {"message": message, "type": type_, "param": param, "code": code}}).encode()
 
 
 async def send_error(send, scope, status: int, message: str, type_: str, code: str, *, close: bool = False,
                      headers: tuple = (), param: str | None = None):
     body = error_json(message, type_, code, param, scope=scope, status=status)
+    if scope is not None and anthropic_shaped(scope):
+        status = anthropic_status(status)
     h = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *headers]
     if close:
         h.append((b"connection", b"close"))

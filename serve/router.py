@@ -43,7 +43,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 
 from .auth import AuthMiddleware, KeyChecker, allow_cross_origin
-from .limits import Limits, LimitsMiddleware, RouteNorms, error_json
+from .limits import Limits, LimitsMiddleware, RouteNorms, anthropic_shaped, anthropic_status, error_json
 from .offload import ClientGone, Streamed, unless_gone
 from .ollama import (BLOBS_WHY, FOREVER, LOAD_WAIT_HEADER, OLLAMA_VERSION,  # noqa: F401 - parse_keep_alive: the CLI's
                      parse_keep_alive)
@@ -760,7 +760,8 @@ def create_router_app(router: Router, *, api_keys: tuple = (), limits: Limits | 
         headers = {"Retry-After": str(e.retry_after)} if e.retry_after is not None else {}
         if e.allow:
             headers["allow"] = e.allow
-        return Response(body, status_code=e.status, media_type="application/json", headers=headers or None)
+        status = anthropic_status(e.status) if anthropic_shaped(request.scope) else e.status   # 529: overloaded
+        return Response(body, status_code=status, media_type="application/json", headers=headers or None)
 
     @app.exception_handler(RouterError)
     async def _router_error(request, e: RouterError):

@@ -526,10 +526,12 @@ def test_api_key_and_queue_full():
 
 def test_queue_full_has_retry_after_on_every_api(tmp_path_factory):
     """--max-queue 0: nothing waits for a slot. With the one slot streaming, a request on each API is a 503
-    queue_full with Retry-After (ollama's routes used to leave the header out)."""
+    queue_full with Retry-After (ollama's routes used to leave the header out); Anthropic's, its 529."""
     from helpers import slowness
     from serve_proc import slow_model
+    anthropic = pytest.importorskip("anthropic")   # imported before the slot is taken: it takes seconds
     s = Server("-m", slow_model(tmp_path_factory), "-c", "4096", "--parallel", "1", "--max-queue", "0")
+    claude = anthropic.Anthropic(base_url=s.url, api_key="x", max_retries=0, timeout=30 * slowness())
     try:
         body = {"prompt": "a", "max_tokens": 1500, "temperature": 0, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=30 * slowness()) as r:
@@ -539,6 +541,10 @@ def test_queue_full_has_retry_after_on_every_api(tmp_path_factory):
             busy = httpx.get(s.url + "/slots", params={"fail_on_no_slot": 1}, timeout=30)
             assert busy.status_code == 503 and busy.json()["error"]["code"] == "no_slot_available"
             assert httpx.get(s.url + "/slots", timeout=30).json()["metrics"]["running"] == 1
+            # the anthropic client reads a full queue as its OverloadedError (it was a 503 InternalServerError)
+            with pytest.raises(anthropic.OverloadedError) as e:
+                claude.messages.create(model="m", max_tokens=2, messages=[{"role": "user", "content": "a"}])
+            assert e.value.body["error"]["type"] == "overloaded_error", e.value.body
             for path, req in (("/v1/completions", {"prompt": "a", "max_tokens": 2}),
                               ("/v1/messages", {"model": "m", "max_tokens": 2, "messages": [{"role": "user",
                                                                                               "content": "a"}]}),
@@ -548,7 +554,9 @@ def test_queue_full_has_retry_after_on_every_api(tmp_path_factory):
                               ("/v1/embeddings", {"input": "a"}), ("/api/embed", {"model": "m", "input": "a"}),
                               ("/api/embeddings", {"model": "m", "prompt": "a"})):
                 got = httpx.post(s.url + path, json=req, timeout=30 * slowness())
-                assert got.status_code == 503 and int(got.headers["retry-after"]) >= 1, (path, got.text)
+                # Anthropic's overloaded_error is its 529 (the anthropic SDK's OverloadedError)
+                want = 529 if path == "/v1/messages" else 503
+                assert got.status_code == want and int(got.headers["retry-after"]) >= 1, (path, got.text)
         s.slots_when_idle()
         assert httpx.get(s.url + "/slots", params={"fail_on_no_slot": 1}, timeout=30).status_code == 200
     finally:

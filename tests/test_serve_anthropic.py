@@ -427,3 +427,23 @@ def test_refusals_say_what_anthropics_api_says(server):
     r = httpx.post(server.url + "/v1/messages/count_tokens", json={"model": "any", "messages": ok}, timeout=60)
     assert r.status_code == 200, r.text
 
+
+def test_models_errors_in_anthropics_shape_for_its_client():
+    """/v1/models answers Anthropic's client (it sends anthropic-version) in Anthropic's error shape: a bad key
+    and an unknown model (--strict-model-name) came in OpenAI's, which the client reads as a bare status."""
+    s = Server("--api-key", "sekrit", "--strict-model-name", "--parallel", "1")
+    try:
+        bad = anthropic.Anthropic(base_url=s.url, api_key="wrong", max_retries=0, timeout=60)
+        with pytest.raises(anthropic.AuthenticationError) as e:
+            bad.models.list()
+        assert e.value.body == {"type": "error", "error": {"type": "authentication_error",
+                                                           "message": e.value.body["error"]["message"]}}
+        ok = anthropic.Anthropic(base_url=s.url, api_key="sekrit", max_retries=0, timeout=60)
+        with pytest.raises(anthropic.NotFoundError) as e:
+            ok.models.retrieve("no-such-model")
+        assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "not_found_error", e.value.body
+        # OpenAI's clients send no anthropic-version: their shape stays
+        r = httpx.get(s.url + "/v1/models", headers={"Authorization": "Bearer wrong"}, timeout=30)
+        assert r.status_code == 401 and set(r.json()["error"]) == {"message", "type", "param", "code"}, r.text
+    finally:
+        s.stop()

@@ -377,6 +377,10 @@ def test_request_timeout_cancels_the_sequence(tmp_path_factory):
         t0 = time.perf_counter()
         e = openai_error(httpx.post(s.url + "/v1/completions", json=body, timeout=60), 504)
         assert e["code"] == "request_timeout"
+        # Anthropic's type for a 504 is timeout_error (it was api_error)
+        r = httpx.post(s.url + "/v1/messages", timeout=60, json={
+            "model": "m", "max_tokens": 3000, "temperature": 0, "messages": [{"role": "user", "content": "a"}]})
+        assert r.status_code == 504 and r.json()["error"]["type"] == "timeout_error", r.text
         print(f"\nnon-streaming request timed out after {time.perf_counter() - t0:.2f} s")
         lines = []
         with httpx.stream("POST", s.url + "/v1/completions", json=dict(body, stream=True), timeout=60) as r:
