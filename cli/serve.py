@@ -58,7 +58,9 @@ def add_arguments(p):
     p.add_argument("--header-timeout", type=float, default=d.header_timeout, help="seconds a request's headers may take to arrive (408)")
     p.add_argument("--body-timeout", type=float, default=d.body_timeout, help="seconds a request's body may take to arrive (408)")
     p.add_argument("--send-timeout", type=float, default=d.send_timeout, help="seconds a client may leave what is sent to it unread before its connection is cut (nginx's send_timeout)")
-    p.add_argument("--request-timeout", type=float, default=d.request_timeout, help="seconds a request may run, 0 = no limit (504, or an error event mid-stream)")
+    p.add_argument("--request-timeout", type=float, default=d.request_timeout,
+                   help="seconds a request may run, 0 = no limit (504, or an error event mid-stream); with "
+                        "--models-dir, from when its model has loaded")
     p.add_argument("--keep-alive-timeout", type=float, default=RAY_REFUSED["--keep-alive-timeout"],
                    help="seconds an idle kept-alive connection stays open")
     p.add_argument("--alias", default=None, metavar="NAME",

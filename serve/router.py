@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import json
@@ -749,7 +750,10 @@ def create_router_app(router: Router, *, api_keys: tuple = (), limits: Limits | 
     app = FastAPI(title="bitnet serve (models)", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.router = router
     app.add_middleware(RouteNorms)
-    app.add_middleware(LimitsMiddleware, limits=limits or Limits())
+    # no --request-timeout here: each model's process holds its requests to it, timed from when it has the request,
+    # so the wait for a load (bounded by --models-load-timeout) never counts, as in ollama (a first request whose
+    # model loaded for longer than the limit was a 504 while the load went on)
+    app.add_middleware(LimitsMiddleware, limits=dataclasses.replace(limits or Limits(), request_timeout=0))
     app.add_middleware(AuthMiddleware, checker=KeyChecker(api_keys), metrics_public=metrics_public)
     allow_cross_origin(app, cors_origins, local_only, keyed=bool(api_keys))   # the models' processes see the router
 

@@ -237,6 +237,25 @@ def test_ollamas_load_duration_is_the_wait_for_the_load(router, path):
     assert warm["load_duration"] == 0 and warm["total_duration"] > 0, warm
 
 
+def test_request_timeout_never_counts_the_wait_for_a_load(models_dir):
+    """--request-timeout times the request in its model's process, from when the model has it: the first request
+    of a model whose load outlasts the limit is answered (it was a 504 "ran past the server's limit" while the load
+    went on, which capped --models-load-timeout at --request-timeout), and a generation longer than the limit is
+    still cut."""
+    limit = 1.0 * slowness()
+    s = Server("--models-dir", str(models_dir), "-c", "4096", "--request-timeout", str(limit), threads=1)
+    try:
+        r = post(s.url, "/api/generate", {"model": "tiny", "prompt": "Hi", "stream": False,
+                                          "options": {"num_predict": 2}})
+        assert r.status_code == 200, r.text
+        assert r.json()["load_duration"] > limit * 1e9, "the load was quicker than the limit: nothing was tested"
+        long = post(s.url, "/v1/chat/completions", {"model": "tiny", "messages": CHAT, "max_tokens": 100_000,
+                                                    "ignore_eos": True})
+        assert long.status_code == 504 and "--request-timeout" in long.text, long.text
+    finally:
+        s.stop()
+
+
 def test_show_loads_a_model_once_at_most(router):
     """ollama's /api/show is metadata, asked of every listed model by clients: once answered, asking again never
     loads the model (nor unloads one in use to make room), and the answer is the model's own."""
