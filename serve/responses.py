@@ -39,6 +39,7 @@ REFUSED_STATE = {
     "image": "image options: this model takes and gives text only",
     "access_programs": "access programs are not supported here",
 }
+BACKGROUND_WHY = "background responses are not supported (nothing is stored to poll)"
 TEXT_PARTS = ("input_text", "output_text", "text", "refusal")   # the Responses API's text content parts
 
 
@@ -64,6 +65,18 @@ class ReasoningOptions(TypedDict, total=False):
     effort: Any
     summary: Any
     generate_summary: Any
+
+
+def refused_state(fields: dict) -> tuple[str, str] | None:
+    """(field, why) of the first field of a Responses request that needs state no server here has (REFUSED_STATE,
+    background), else None: read from the parsed request by unsupported(), and from the raw JSON body by the
+    router (serve/router.py), which so refuses it before it loads (and makes room for) a model that would too."""
+    for name, why in REFUSED_STATE.items():
+        if fields.get(name) is not None:
+            return name, why
+    if fields.get("background") is True:
+        return "background", BACKGROUND_WHY
+    return None
 
 
 class ResponsesRequest(_Sampling):
@@ -158,11 +171,9 @@ class ResponsesRequest(_Sampling):
         return Constraint.json_schema(schema, where="text.format.schema")
 
     def unsupported(self) -> tuple[str, str] | None:
-        for name, why in REFUSED_STATE.items():
-            if getattr(self, name) is not None:
-                return name, why
-        if self.background:
-            return "background", "background responses are not supported (nothing is stored to poll)"
+        refused = refused_state({name: getattr(self, name) for name in (*REFUSED_STATE, "background")})
+        if refused:
+            return refused
         if self.truncation not in (None, "disabled"):
             return "truncation", f"truncation {self.truncation!r}: only \"disabled\" (an input longer than the " \
                                  "context is refused, not cut)"

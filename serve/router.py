@@ -58,6 +58,7 @@ REQUEST_DROP = {b"host", b"content-length", b"connection", b"keep-alive", b"tran
                 b"origin",   # the router judged the origin; the model's process answers the router, not a page
                 LOAD_WAIT_HEADER.encode()}   # the router's own word to the model's process, never a client's
 RESPONSE_DROP = {"connection", "keep-alive", "transfer-encoding", "date", "server"}
+RESPONSES_PATHS = ("/v1/responses", "/responses", "/v1/responses/input_tokens")   # OpenAI's Responses API requests
 
 
 @dataclass(frozen=True)
@@ -983,7 +984,7 @@ def create_router_app(router: Router, *, api_keys: tuple = (), limits: Limits | 
                 "default_generation_settings": {"n_ctx": 0, "params": {}},
                 "modalities": {"vision": False, "audio": False}, "build_info": f"bitnet-cpu {__version__}"}
 
-    from .responses import STORED_RESPONSE_ROUTES, not_stored
+    from .responses import STORED_RESPONSE_ROUTES, not_stored, refused_state
 
     async def response_not_stored(request: Request, response_id: str):   # as a model's server answers them (a
         # GET carries no model to route by: it was a 400 "model: required")
@@ -1026,6 +1027,9 @@ def create_router_app(router: Router, *, api_keys: tuple = (), limits: Limits | 
                               "invalid_json")
         await router.refresh()   # at most once a second: a file replaced or removed since is seen by its next request
         spec = await router.resolve(name)
+        refused = refused_state(data) if data is not None and path.rstrip("/") in RESPONSES_PATHS else None
+        if refused:   # the model's server's own 400, said before its model is loaded (and another unloaded for it)
+            raise RouterError(400, refused[1], "unsupported_parameter", refused[0])
         keep_alive = None
         if data is not None and data.get("keep_alive") is not None and path.startswith("/api/"):
             try:

@@ -1162,6 +1162,22 @@ def test_stored_response_routes_answer_as_a_models_server(router):
             assert "not stored here" in r.json()["error"]["message"]
 
 
+def test_a_responses_request_that_needs_stored_state_loads_no_model(router, singles):
+    """A Responses request with a field that needs state no server here has (previous_response_id, conversation,
+    background, ...) is the model's server's own 400, said by the router before any load: it unloaded another
+    model to make room, loaded the one named, then was refused there."""
+    chat_text(router.url, "tiny")
+    post(router.url, "/models/unload", {"model": "synth"})
+    assert wait_for(lambda: "synth" not in loaded(router.url))
+    for extra in ({"previous_response_id": "resp_abc"}, {"background": True}, {"conversation": "conv_1"}):
+        body = {"model": "synth", "input": "Hi", **extra}
+        for path in ("/v1/responses", "/v1/responses/input_tokens"):
+            r, want = post(router.url, path, body), post(singles["synth"].url, path, body)
+            assert want.status_code == 400, want.text   # what the model's server says of it
+            assert r.status_code == 400 and r.json() == want.json(), (path, r.text)
+    assert "synth" not in loaded(router.url) and "tiny" in loaded(router.url)
+
+
 def test_openapi_schema_is_a_models(router):
     """GET /openapi.json is the API a model's server describes (clients and the schemathesis fuzzer read it): it
     was a 400 "model: required" from the router's forwarder."""
