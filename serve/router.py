@@ -194,6 +194,7 @@ class Router:
         self.spawned = 0                       # model processes started: numbers each one's log file
         self.draining = False
         self.cond: asyncio.Condition | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
         self.client: httpx.AsyncClient | None = None
         self.logdir = tempfile.mkdtemp(prefix="bitnet-router-")   # 0700: the key file and each process's log
         self.key_file = os.path.join(self.logdir, "key")
@@ -355,6 +356,7 @@ class Router:
 
     # ---- lifecycle ------------------------------------------------------------------------------------------
     async def start(self):
+        self.loop = asyncio.get_running_loop()
         self.cond = asyncio.Condition()
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0),
                                         limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
@@ -373,12 +375,22 @@ class Router:
         shutil.rmtree(self.logdir, ignore_errors=True)
 
     def begin_drain(self):
-        """Ctrl-C / SIGTERM: admit nothing more; every model process drains itself (its streams end) and exits."""
+        """Ctrl-C / SIGTERM: admit nothing more; every model process drains itself (its streams end) and exits.
+        The requests waiting for room are woken, so they answer "shutting down" now (they waited on till a busy
+        model's stream ended or their load timeout passed). Called from a signal handler: the wake-up is handed to
+        the event loop."""
         self.draining = True
         for c in self.children.values():
             if c.proc.poll() is None:
                 with contextlib.suppress(OSError):
                     c.proc.send_signal(signal.SIGTERM)
+        if self.loop is not None and not self.loop.is_closed():
+            with contextlib.suppress(RuntimeError):   # the loop has just stopped: nobody waits
+                self.loop.call_soon_threadsafe(lambda: self._track(self._wake()))
+
+    async def _wake(self):
+        async with self.cond:
+            self.cond.notify_all()
 
     # ---- loading and unloading ------------------------------------------------------------------------------
     async def acquire(self, spec: ModelSpec, load: bool = True) -> Child:

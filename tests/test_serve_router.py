@@ -1030,6 +1030,48 @@ def test_ctrl_c_finishes_the_streams_and_stops_every_model(models_dir):
     assert "Traceback" not in err
 
 
+def test_sigterm_answers_a_request_waiting_for_room_at_once(models_dir):
+    """--models-max 1, a long stream holding the only room and a request for the other model waiting for it:
+    SIGTERM answers the waiting one 503 "shutting down" while the stream goes on draining (it was told only when
+    the stream ended, or its load timeout passed)."""
+    s = Server("--models-dir", str(models_dir), "--models-max", "1", "-c", "4096", "--drain-timeout", "30",
+               threads=1)
+    try:
+        chat_text(s.url, "tiny")
+        body = {"model": "tiny", "stream": True, "messages": CHAT, "max_tokens": 100_000, "ignore_eos": True}
+        began, lines, seen_at_answer, waiting = threading.Event(), [], [], []
+
+        def read():
+            with httpx.stream("POST", s.url + "/v1/chat/completions", json=body, timeout=60 * slowness()) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        lines.append(line)
+                        began.set()
+
+        def wait_for_room():
+            r = post(s.url, "/v1/chat/completions", {"model": "synth", "messages": CHAT, "max_tokens": 4})
+            seen_at_answer.append(len(lines))
+            waiting.append(r)
+        reader, other = threading.Thread(target=read), threading.Thread(target=wait_for_room)
+        reader.start()
+        try:
+            assert began.wait(60 * slowness())
+            other.start()
+            time.sleep(1.0)   # a grace second for the router to queue it
+            s.proc.send_signal(signal.SIGTERM)
+            other.join(120 * slowness())
+        finally:
+            reader.join(120 * slowness())
+        (r,) = waiting
+        assert r.status_code == 503 and "shutting down" in r.text, r.text
+        # the stream sent on after that answer (more than a last chunk read late)
+        assert len(lines) - seen_at_answer[0] > 10, (len(lines), seen_at_answer)
+        code, err = s.stop(sig=None, timeout=60 * slowness())
+        assert code == 0 and "Traceback" not in err, err
+    finally:
+        s.stop()
+
+
 def test_a_second_ctrl_c_ends_the_drain_without_a_traceback(tmp_path, models_dir):
     """Two Ctrl-C (or SIGTERM) while streams run: the second passes on to the models' processes, which end their
     drain at once, and the router exits 0 without a traceback (it forced uvicorn's exit, which skipped the shutdown
