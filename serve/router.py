@@ -751,6 +751,17 @@ def model_openapi() -> dict:
     return create_app(lambda: None).openapi()
 
 
+async def exited(proc: subprocess.Popen, wait: float = 0.5) -> bool:
+    """Whether a model's process has exited, or does within `wait` s (a process killed closes its sockets a
+    moment before its exit can be seen)."""
+    deadline = time.monotonic() + wait
+    while proc.poll() is None:
+        if time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(0.02)
+    return True
+
+
 def create_router_app(router: Router, *, api_keys: tuple = (), limits: Limits | None = None,
                       metrics_public: bool = False, cors_origins: tuple = (), local_only: bool = False) -> FastAPI:
     @contextlib.asynccontextmanager
@@ -1056,36 +1067,44 @@ def create_router_app(router: Router, *, api_keys: tuple = (), limits: Limits | 
                                                                                        "content": ""}}
                 return {"model": spec.name, "created_at": utc_iso(), **piece, "done": True, "done_reason": "unload"}
         asked = time.monotonic()
-        try:   # a client gone while its model waits for room (or loads) takes its place in the queue with it
-            c = await unless_gone(router.acquire(spec, load=request.method == "POST" and any(
-                "POST" in m for m in methods)), request, lost=router.release)
-        except ClientGone:
-            return Response(status_code=499)
-        if request.method == "POST":   # ollama's: each request sets how long its model stays once idle, the
-            # default where it names none (a keep_alive 0 stayed in force for every later request)
-            c.keep_alive = router.keep_alive if keep_alive is None else keep_alive
-        router.count("requests", spec.name)
-        headers = [(k, v) for k, v in request.headers.raw if k.lower() not in REQUEST_DROP]
-        headers.append((b"authorization", f"Bearer {router.key}".encode()))
-        if c.ready_at > asked:   # it waited for its model's load: ollama's load_duration, which the model's
-            # process puts in its answer (it knows nothing of the wait)
-            headers.append((LOAD_WAIT_HEADER.encode(), str(int((c.ready_at - asked) * 1e9)).encode()))
-        url = httpx.URL(c.url + path, query=request.url.query.encode())
-        try:
-            # a non-streamed answer's headers come when its work is done: a client that hangs up before then
-            # closes the connection to the model's process (which cancels the work there), as a stream's does
-            upstream = await unless_gone(router.client.send(router.client.build_request(
-                request.method, url, headers=headers, content=body), stream=True), request)
-        except ClientGone:
-            router.release(c)
-            return Response(status_code=499)
-        except httpx.HTTPError as e:
-            router.release(c)
-            raise RouterError(502, f"model '{spec.name}' did not answer: {type(e).__name__}", "model_unavailable",
-                              retry_after=router.retry_after) from None
-        except BaseException:
-            router.release(c)
-            raise
+        for attempt in range(2):
+            try:   # a client gone while its model waits for room (or loads) takes its place in the queue with it
+                c = await unless_gone(router.acquire(spec, load=request.method == "POST" and any(
+                    "POST" in m for m in methods)), request, lost=router.release)
+            except ClientGone:
+                return Response(status_code=499)
+            if request.method == "POST":   # ollama's: each request sets how long its model stays once idle, the
+                # default where it names none (a keep_alive 0 stayed in force for every later request)
+                c.keep_alive = router.keep_alive if keep_alive is None else keep_alive
+            if attempt == 0:
+                router.count("requests", spec.name)
+            headers = [(k, v) for k, v in request.headers.raw if k.lower() not in REQUEST_DROP]
+            headers.append((b"authorization", f"Bearer {router.key}".encode()))
+            if c.ready_at > asked:   # it waited for its model's load: ollama's load_duration, which the model's
+                # process puts in its answer (it knows nothing of the wait)
+                headers.append((LOAD_WAIT_HEADER.encode(), str(int((c.ready_at - asked) * 1e9)).encode()))
+            url = httpx.URL(c.url + path, query=request.url.query.encode())
+            try:
+                # a non-streamed answer's headers come when its work is done: a client that hangs up before then
+                # closes the connection to the model's process (which cancels the work there), as a stream's does
+                upstream = await unless_gone(router.client.send(router.client.build_request(
+                    request.method, url, headers=headers, content=body), stream=True), request)
+                break
+            except ClientGone:
+                router.release(c)
+                return Response(status_code=499)
+            except httpx.HTTPError as e:
+                router.release(c)
+                if attempt == 0 and isinstance(e, (httpx.NetworkError, httpx.RemoteProtocolError)) and \
+                        await exited(c.proc):
+                    # its process died while idle, its socket closed before the router saw the exit: nothing of
+                    # the answer was sent, so the model is started again for it, once (it was a 502)
+                    continue
+                raise RouterError(502, f"model '{spec.name}' did not answer: {type(e).__name__}",
+                                  "model_unavailable", retry_after=router.retry_after) from None
+            except BaseException:
+                router.release(c)
+                raise
 
         done = False
 

@@ -740,6 +740,25 @@ def test_a_model_process_that_dies_is_started_again(models_dir):
         s.stop()
 
 
+def test_a_model_process_killed_while_idle_is_started_again_by_the_very_next_request(models_dir):
+    """kill -9 of an idle model process, the next request sent at once: its socket closes a moment before the
+    router can see the exit, and that request got a 502 "did not answer: ReadError / ConnectError" (most rounds).
+    Nothing of the answer was sent: the router starts the model again for it."""
+    s = Server("--models-dir", str(models_dir), "-c", "1024", threads=1)
+    try:
+        body = {"model": "tiny", "prompt": "Once", "max_tokens": 2}
+        with httpx.Client(base_url=s.url, timeout=60 * slowness()) as client:   # kept alive: sent at once
+            for _ in range(3):
+                assert client.post("/v1/completions", json=body).status_code == 200
+                (child,) = children_of(s.proc.pid)
+                os.kill(child, signal.SIGKILL)
+                r = client.post("/v1/completions", json=body)
+                assert r.status_code == 200, r.text
+                assert children_of(s.proc.pid) != [child]
+    finally:
+        s.stop()
+
+
 def test_a_model_that_dies_mid_stream_is_said_in_each_streams_own_error_event(models_dir):
     """Anthropic's stream gets its named `event: error` (the anthropic client skips an SSE message without a name:
     the error was lost and the user saw only a cut connection), the Responses API's a typed error event numbered
