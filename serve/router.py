@@ -43,6 +43,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 
+from ..engine.errors import EXIT_BAD_INPUT
 from .auth import AuthMiddleware, KeyChecker, allow_cross_origin
 from .limits import Limits, LimitsMiddleware, RouteNorms, anthropic_shaped, anthropic_status, error_json
 from .offload import ClientGone, Streamed, unless_gone
@@ -188,6 +189,10 @@ class Router:
         self.ending: set[Child] = set()             # stopped, their processes not yet exited
         self.room_queue: list = []                  # requests waiting for a model's room (--models-max), in order
         self.details: dict[str, dict] = {}     # a model's /api/ps entry, kept after it is unloaded
+        # a model whose process said its file cannot be loaded: (the file's digest, the error), answered again while
+        # the file is unchanged, so that each retry (a client's, a model picker's) does not unload a working model
+        # for room and load the broken one again
+        self.failed: dict[str, tuple[str, str]] = {}
         self.shows: dict[str, bytes] = {}      # /api/show answers by model file and request: never a load again
         self.pulling: set[str] = set()         # hub ids being pulled now (one process each, PULLS_MAX at most)
         self.counts: dict[tuple, int] = {}
@@ -441,6 +446,8 @@ class Router:
             elif c is not None:   # exited (the reaper has not seen it yet)
                 self._forget(c, "exited")
                 continue
+            elif spec.name in self.failed and self.failed[spec.name][0] == spec.digest():
+                raise RouterError(500, self.failed[spec.name][1], "load_failed", "model")
             elif not load:
                 raise RouterError(400, f"model '{spec.name}' is not loaded (a request that generates with it, or "
                                        "POST /models/load, loads it)", "model_not_loaded", "model")
@@ -512,11 +519,12 @@ class Router:
 
     async def _watch_load(self, c: Child):
         """Poll the process's /health until it answers 200 (ready), says its model failed to load, or exits."""
-        problem = None
+        problem, said = None, False   # said: the model's process said why its file does not load (not an exit)
         while True:
             if c.proc.poll() is not None:
                 tail = c.log_tail()
                 problem = tail or f"its process exited with code {c.proc.returncode}"
+                said = c.proc.returncode == EXIT_BAD_INPUT and bool(tail)   # its one line on the file (a kill: not)
                 break
             try:
                 r = await self.client.get(c.url + "/health", timeout=5.0)
@@ -524,12 +532,13 @@ class Router:
                     break
                 body = r.json() if r.headers.get("content-type", "").startswith("application/json") else {}
                 if (body.get("error") or {}).get("code") == "load_failed":
-                    problem = body["error"]["message"].removeprefix("model failed to load: ")
+                    problem, said = body["error"]["message"].removeprefix("model failed to load: "), True
                     break
             except (httpx.HTTPError, ValueError):
                 pass
             await asyncio.sleep(0.1)
         if problem is None:
+            self.failed.pop(c.spec.name, None)
             await self._learn(c)
             took = time.monotonic() - c.started
             self.log(f"'{c.spec.name}' loaded in {took:.1f} s")
@@ -544,6 +553,8 @@ class Router:
             self.count("load_failures", c.spec.name)
             self.log(f"'{c.spec.name}' failed to load: {problem}")
             error = RouterError(500, f"model '{c.spec.name}' failed to load: {problem}", "load_failed", "model")
+            if said:   # the same file fails the same way: remembered until it changes (an exit, a kill, may not)
+                self.failed[c.spec.name] = (c.spec.digest(), str(error))
         if not c.ready.done():
             c.ready.set_exception(error)
             c.ready.exception()   # retrieved: no "never retrieved" warning when no request waits

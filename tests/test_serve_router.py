@@ -280,6 +280,26 @@ def test_a_model_that_fails_to_load_is_one_error_and_the_rest_serve_on(router):
     assert 'bitnet_router_load_failures_total{model="broken"}' in metrics
 
 
+def test_a_file_that_fails_to_load_never_unloads_a_working_model_again(models_dir):
+    """--models-max 1: a request for a model whose file fails to load unloaded the working model for room, and
+    every retry (a client's, a model picker's) did it again, each time loading the broken file anew. The failure is
+    remembered while the file is unchanged: the same 500, and the working model stays."""
+    s = Server("--models-dir", str(models_dir), "--models-max", "1", "-c", "1024", threads=1)
+    try:
+        assert chat_text(s.url, "tiny")["model"] == "tiny"
+        first = post(s.url, "/v1/chat/completions", {"model": "broken", "messages": CHAT})
+        assert first.status_code == 500 and first.json()["error"]["code"] == "load_failed", first.text
+        assert chat_text(s.url, "tiny")["model"] == "tiny"   # loaded again: the one unload for the first try
+        for _ in range(2):
+            again = post(s.url, "/v1/chat/completions", {"model": "broken", "messages": CHAT})
+            assert again.status_code == 500 and again.json()["error"] == first.json()["error"], again.text
+            assert loaded(s.url) == {"tiny"}
+        metrics = httpx.get(s.url + "/metrics", timeout=30).text
+        assert re.search(r'bitnet_router_loads_total\{model="broken"\} 1(\.0)?$', metrics, re.M), metrics
+    finally:
+        s.stop()
+
+
 def test_gets_reach_a_loaded_model_and_never_load_one(router):
     post(router.url, "/models/unload", {"model": "synth"})
     assert wait_for(lambda: "synth" not in loaded(router.url))
