@@ -46,7 +46,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from ..engine.errors import EXIT_BAD_INPUT
 from .auth import AuthMiddleware, KeyChecker, allow_cross_origin
 from .limits import Limits, LimitsMiddleware, RouteNorms, anthropic_shaped, anthropic_status, error_json
-from .offload import ClientGone, Streamed, unless_gone
+from .offload import NOT_JSON, ClientGone, Streamed, loads, not_json, unless_gone
 from .ollama import (BLOBS_WHY, FOREVER, LOAD_WAIT_HEADER, OLLAMA_VERSION,  # noqa: F401 - parse_keep_alive: the CLI's
                      parse_keep_alive)
 from .schemas import model_object, utc_iso
@@ -773,6 +773,17 @@ async def exited(proc: subprocess.Popen, wait: float = 0.5) -> bool:
     return True
 
 
+def body_problem(body: bytes) -> str:
+    """Why a request body with no model to route by is refused, in a model's server's own words (not JSON, not
+    UTF-8, not an object): the router said "not a JSON object" to all three."""
+    try:
+        data = loads(body)
+    except NOT_JSON as e:
+        return not_json(e)
+    return "request body must be a JSON object" if not isinstance(data, dict) else \
+        "request body is not a JSON object (with the model's name in `model`)"
+
+
 def create_router_app(router: Router, *, api_keys: tuple = (), limits: Limits | None = None,
                       metrics_public: bool = False, cors_origins: tuple = (), local_only: bool = False) -> FastAPI:
     @contextlib.asynccontextmanager
@@ -1057,8 +1068,7 @@ def create_router_app(router: Router, *, api_keys: tuple = (), limits: Limits | 
             name = (data or {}).get("name")   # ollama's older clients name the model so
         name = request.query_params.get("model") if name is None else name
         if name is None and data is None and body and len(router.models) > 1:
-            raise RouterError(400, "request body is not a JSON object (with the model's name in `model`)",
-                              "invalid_json")
+            raise RouterError(400, body_problem(body), "invalid_json")
         await router.refresh()   # at most once a second: a file replaced or removed since is seen by its next request
         spec = await router.resolve(name)
         refused = refused_state(data) if data is not None and path.rstrip("/") in RESPONSES_PATHS else None

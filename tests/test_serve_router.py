@@ -300,6 +300,18 @@ def test_a_file_that_fails_to_load_never_unloads_a_working_model_again(models_di
         s.stop()
 
 
+@pytest.mark.parametrize("body,words", [(b"{bad", "request body is not valid JSON"),
+                                        (b"\xff{}", "request body is not valid JSON: it is not UTF-8 text"),
+                                        (b"[1]", "request body must be a JSON object")])
+def test_a_body_with_no_model_to_route_by_is_said_as_a_models_server_says_it(router, body, words):
+    """Not JSON, not UTF-8, not an object: each said in a model's server's own words (docs/api.md's UTF-8 line
+    holds on every endpoint); the router said "not a JSON object" to all three."""
+    for path in ("/v1/chat/completions", "/api/chat"):
+        r = httpx.post(router.url + path, content=body, headers={"content-type": "application/json"}, timeout=30)
+        err = r.json()["error"]
+        assert r.status_code == 400 and (err if isinstance(err, str) else err["message"]) == words, (path, r.text)
+
+
 def test_gets_reach_a_loaded_model_and_never_load_one(router):
     post(router.url, "/models/unload", {"model": "synth"})
     assert wait_for(lambda: "synth" not in loaded(router.url))
