@@ -70,7 +70,9 @@ def other_conversation(path: str) -> str | None:
 
 def state_dir() -> str:
     """bitchat's own folder of private state (the input history, recovery copies): $XDG_STATE_HOME/bitchat."""
-    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    base = os.environ.get("XDG_STATE_HOME", "")
+    if not os.path.isabs(base):   # the XDG spec: a relative one is ignored (not taken from the working directory)
+        base = os.path.join(os.path.expanduser("~"), ".local", "state")
     return os.path.join(base, "bitchat")
 
 

@@ -538,3 +538,14 @@ def test_a_terminal_gets_visible_controls_also_when_stdin_is_piped():
         got = os.read(master, 1024).decode("utf-8")
     os.close(master)
     assert "\x1b" not in got and "\x07" not in got and "\u241b[2J" in got and "\u2407" in got
+
+
+def test_bitchats_state_ignores_a_relative_xdg_folder(tmp_path, monkeypatch):
+    """XDG_STATE_HOME=rel put the history and recovery copies under the working directory; the XDG spec says a
+    relative one is ignored."""
+    from bitnet_cpu.chat.transcript import state_dir
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("XDG_STATE_HOME", "rel")
+    assert state_dir() == str(tmp_path / ".local" / "state" / "bitchat")
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "s"))
+    assert state_dir() == str(tmp_path / "s" / "bitchat")

@@ -548,3 +548,19 @@ def test_a_safetensors_header_naming_a_tensor_twice_is_refused(tmp_path):
     p.write_bytes(struct.pack("<Q", len(hdr)) + hdr + np.arange(6, dtype=np.float32).tobytes())
     with pytest.raises(FormatError, match="names 'a' twice"):
         SafetensorsFile(str(p))
+
+
+def test_the_cache_ignores_a_relative_xdg_folder_and_follows_links(tmp_path, monkeypatch):
+    """XDG_CACHE_HOME=rel was taken from the working directory (a model converted again in each); the XDG spec
+    says a relative one is ignored. A link to a model folder was a second conversion (the key was its abspath)."""
+    from bitnet_cpu.engine.formats.convert import cache_dir_default, cache_key
+    monkeypatch.delenv("BITNET_CACHE", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("XDG_CACHE_HOME", "rel")
+    assert cache_dir_default() == str(tmp_path / "home" / ".cache" / "bitnet")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_dir_default() == str(tmp_path / "xdg" / "bitnet")
+    (tmp_path / "model").mkdir()
+    os.symlink(tmp_path / "model", tmp_path / "link")
+    assert cache_key(str(tmp_path / "link"), "q4") == cache_key(str(tmp_path / "model"), "q4")
+    assert cache_key(str(tmp_path / "model"), "q4") != cache_key(str(tmp_path / "model"), "f16")

@@ -303,12 +303,14 @@ def cache_dir_default() -> str:
     d = os.environ.get("BITNET_CACHE")
     if d:
         return d
-    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    if not os.path.isabs(xdg):   # the XDG spec: a relative one is ignored (it was taken from the working directory,
+        xdg = os.path.join(os.path.expanduser("~"), ".cache")   # a model converted again in each)
     return os.path.join(xdg, "bitnet")
 
 
 def cache_key(src: str, lm_head: str) -> str:
-    p = os.path.abspath(src)
+    p = os.path.realpath(src)   # a link to a model folder is that folder: one conversion (abspath made a second)
     h = hashlib.sha256(f"{p}\0{CONVERTER_VERSION}\0{lm_head}".encode())
     for var in ("BITNET_TL_KERNEL_CONFIG", "BITNET_I2S_BLOCK"):   # they change how a bitnet.cpp GGUF reads
         if os.environ.get(var):
