@@ -390,7 +390,7 @@ def _hellaswag(args, llm, tasks) -> int:
 
 
 def _winogrande_tasks(args) -> tuple[list, int]:
-    """(the tasks to score, the lines that were none: a header)."""
+    """(the tasks to score, the lines that were none, each "line N: why": a header's, or a mistake's)."""
     from ..engine.errors import BitNetError
     from ..engine.runtime.perplexity import draw_winogrande, parse_winogrande
     tasks, skipped = parse_winogrande(read_text_file(args.file))
@@ -401,7 +401,7 @@ def _winogrande_tasks(args) -> tuple[list, int]:
     return draw_winogrande(tasks, args.winogrande_tasks), skipped
 
 
-def _winogrande(args, llm, tasks, skipped: int) -> int:
+def _winogrande(args, llm, tasks, skipped: list) -> int:
     """Winogrande's accuracy, a line per task as llama-perplexity prints them (task, running accuracy, the two
     scores, the choice, the answer), and its final score with the standard error from 100 tasks on."""
     import json
@@ -420,8 +420,9 @@ def _winogrande(args, llm, tasks, skipped: int) -> int:
             raise BitNetError(f"Winogrande task {task.index + 1} needs {max(len(x) for x in seqs)} tokens, over the "
                               f"context ({llm.n_ctx})", hint="raise -c")
         prepared.append((seqs, bases))
-    if skipped:
-        _info(f"skipped {skipped} lines that are not tasks (a header?)")
+    if skipped:   # which and why (a header's, or a task's mistake: "3 lines (a header?)" named none)
+        _info(f"skipped {len(skipped)} line{'s' if len(skipped) > 1 else ''} that {'are' if len(skipped) > 1 else 'is'}"
+              f" not a task: {'; '.join(skipped[:3])}{'; ...' if len(skipped) > 3 else ''}")
     _info(f"scoring {len(tasks)} Winogrande tasks, {llm.threads} threads")
     right, results, interrupted = 0, [], False
     started = time.perf_counter()

@@ -555,6 +555,21 @@ def winogrande_file(tmp_path_factory):
     return str(path)
 
 
+def test_winogrande_lines_that_are_no_task_are_named_with_why(tmp_path):
+    """A row with answer 3, or without "_", was skipped as "2 lines that are not tasks (a header?)": which lines, and
+    why, are said now (llama-perplexity names each bad line)."""
+    lines = winogrande_text(6).split("\n")
+    lines[2] = re.sub(r",[12]$", ",3", lines[2])
+    lines[3] = lines[3].replace("_", "x")
+    path = tmp_path / "bad.csv"
+    path.write_text("\n".join(lines), encoding="utf-8")
+    r = bitnet("--winogrande", "-f", str(path))
+    assert r.returncode == 0, r.stderr
+    said = [ln for ln in r.stderr.splitlines() if "skipped" in ln]
+    assert len(said) == 1 and "skipped 3 lines that are not a task: line 1: " in said[0], r.stderr
+    assert "line 3: answer '3' is not 1 or 2" in said[0] and "line 4: no _ in its sentence" in said[0], said
+
+
 def test_winogrande_is_the_definition(llm, winogrande_file):
     """Each choice's score is the mean log-probability of the tokens after "first part + choice" (the last token
     left out), computed here from LLM.forward; the higher one is chosen (1 on a tie, as llama-perplexity)."""

@@ -522,15 +522,15 @@ class WinograndeTask:
         self.index, self.first, self.second, self.choices, self.answer = index, first, second, choices, answer
 
 
-def parse_winogrande(text: str) -> tuple[list[WinograndeTask], int]:
-    """(tasks, lines skipped): llama-perplexity's CSV reading -- the first four commas outside quotes split a line,
+def parse_winogrande(text: str) -> tuple[list[WinograndeTask], list[str]]:
+    """(tasks, the lines skipped, each "line N: why"): llama-perplexity's CSV reading -- the first four commas outside quotes split a line,
     a quoted sentence loses its quotes, and a line without them, without "_" or without an answer of 1 or 2 (a
     header) is skipped. As there, the file's last line is never a task: llama-perplexity drops the file's final
     newline and stops at the end of the file before using the line read last; doing the same keeps the task count,
     and so its random draw, the same."""
-    tasks, skipped = [], 0
+    tasks, skipped = [], []
     lines = (text[:-1] if text.endswith("\n") else text).split("\n")[:-1]
-    for line in lines:
+    for number, line in enumerate(lines, 1):
         line = line.rstrip("\r")
         if not line:
             continue
@@ -545,13 +545,14 @@ def parse_winogrande(text: str) -> tuple[list[WinograndeTask], int]:
                 if len(commas) == 4:
                     break
         if len(commas) != 4:
-            skipped += 1
+            skipped.append(f"line {number}: fewer than 5 fields")
             continue
         c0, c1, c2, c3 = commas
         sentence = line[c0 + 2: c1 - 1] if line[c0 + 1: c0 + 2] == '"' else line[c0 + 1: c1]
         answer = line[c3 + 1:].strip()
         if "_" not in sentence or answer not in ("1", "2"):
-            skipped += 1
+            skipped.append(f"line {number}: " + ("no _ in its sentence" if "_" not in sentence else
+                                                f"answer {answer[:20]!r} is not 1 or 2"))
             continue
         where = sentence.index("_")
         tasks.append(WinograndeTask(len(tasks), sentence[:where], sentence[where + 1:],
