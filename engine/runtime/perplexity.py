@@ -523,11 +523,11 @@ class WinograndeTask:
 
 
 def parse_winogrande(text: str) -> tuple[list[WinograndeTask], list[str]]:
-    """(tasks, the lines skipped, each "line N: why"): llama-perplexity's CSV reading -- the first four commas outside quotes split a line,
-    a quoted sentence loses its quotes, and a line without them, without "_" or without an answer of 1 or 2 (a
-    header) is skipped. As there, the file's last line is never a task: llama-perplexity drops the file's final
-    newline and stops at the end of the file before using the line read last; doing the same keeps the task count,
-    and so its random draw, the same."""
+    """(tasks, the lines skipped, each "line N: why"): llama-perplexity's CSV reading -- the first four commas outside
+    quotes split a line, a quoted sentence loses its quotes, and a line without them, without "_" or without an
+    answer of 1 or 2 (a header) is skipped. As there, the file's last line is never a task: llama-perplexity drops
+    the file's final newline and stops at the end of the file before using the line read last; doing the same keeps
+    the task count, and so its random draw, the same."""
     tasks, skipped = [], []
     lines = (text[:-1] if text.endswith("\n") else text).split("\n")[:-1]
     for number, line in enumerate(lines, 1):
