@@ -446,6 +446,8 @@ class Parser(argparse.ArgumentParser):
         return []
 
 
+TLS_REFUSED = "TLS is not supported here: put a TLS-terminating proxy (nginx, Caddy) in front"
+
 # llama.cpp flags this engine has no use for, and why (one line instead of "unrecognized arguments")
 LLAMA_ONLY = {
     ("-ngl", "--gpu-layers", "--n-gpu-layers"): "GPU offload does not apply: this engine runs on the CPU",
@@ -477,6 +479,25 @@ LLAMA_ONLY = {
     ("--reasoning-format",): ("bitchat shows a thought apart, between [Start thinking] and [End thinking], and "
                               "bitnet run prints the text as generated; it is bitnet serve's (reasoning_content). "
                               "-rea off turns thinking off", ("bitnet run", "bitchat")),
+    # llama-server's, refused by bitnet serve (its flags that ask for what it always does are accepted flags)
+    ("--ssl-key-file", "--ssl-cert-file"): (TLS_REFUSED, ("bitnet serve",)),
+    ("-to", "--timeout"): ("a request's time limit is --request-timeout here (a slow client's: --header-timeout, "
+                           "--body-timeout, --send-timeout)", ("bitnet serve",)),
+    ("-nocb", "--no-cont-batching"): ("batching is always continuous here", ("bitnet serve",)),
+    ("--threads-http",): ("HTTP is served by one event loop here: there are no HTTP threads to count",
+                          ("bitnet serve",)),
+    ("--no-slots",): ("/slots is always served here (with the API key); it shows no prompts", ("bitnet serve",)),
+    ("--props",): ("/props is read-only here (GET): the server's settings are its flags, changed by a restart",
+                   ("bitnet serve",)),
+    ("--path",): ("there is no web UI here: no static files to serve", ("bitnet serve",)),
+    ("--log-disable", "--log-format"): ("the server's log is uvicorn's: --log-level sets how much (critical: "
+                                        "the least)", ("bitnet serve",)),
+    ("--reranking", "--rerank"): ("reranking (/rerank) is not supported", ("bitnet serve",)),
+    ("--cache-reuse",): ("the prefix cache reuses a prompt's cached start by itself here: there is nothing to set",
+                         ("bitnet serve",)),
+    ("--grammar", "--grammar-file", "-j", "--json-schema", "--json-schema-file"):
+        ("a server-wide grammar or schema is not supported: give it in each request (grammar, json_schema, "
+         "response_format)", ("bitnet serve",)),
 }
 
 

@@ -44,6 +44,13 @@ def add_arguments(p):
                         "unless --metrics-public)")
     p.add_argument("-cb", "--cont-batching", dest="cont_batching", action="store_true",
                    help="accepted for llama-server's command lines: batching is always continuous here")
+    p.add_argument("--embedding", "--embeddings", dest="embedding", action="store_true",
+                   help="accepted for llama-server's command lines: embeddings are always served (/v1/embeddings, "
+                        "/embedding), next to chat")
+    p.add_argument("--slots", dest="slots", action="store_true",
+                   help="accepted for llama-server's command lines: /slots is always served (with the API key)")
+    p.add_argument("--no-webui", dest="no_webui", action="store_true",
+                   help="accepted for llama-server's command lines: there is no web UI here")
     p.add_argument("--cors-origin", action="append", default=None, metavar="ORIGIN",
                    help="let web pages from ORIGIN (e.g. https://app.example.com; null: sandboxed frames and "
                         "file:// pages; * = any) call the API from the "
@@ -63,7 +70,7 @@ def add_arguments(p):
                         "--models-dir, from when its model has loaded")
     p.add_argument("--keep-alive-timeout", type=float, default=RAY_REFUSED["--keep-alive-timeout"],
                    help="seconds an idle kept-alive connection stays open")
-    p.add_argument("--alias", default=None, metavar="NAME",
+    p.add_argument("--alias", "-a", default=None, metavar="NAME",
                    help="the model id the server answers with (default: the model's name)%(default).0s")
     p.add_argument("--strict-model-name", action="store_true",
                    help="answer 404 to a request naming another model (default: any name gets this model, as llama-server)%(default).0s")

@@ -400,6 +400,23 @@ def test_no_cnv_is_llama_cli_s_one_prompt_one_answer():
     (["serve", "-ub", "512"], "bitnet serve: error: -ub: one step's size is -b/--batch-size here"),
     (["run", "--special", "-p", "x"], "bitnet run: error: --special: special tokens are never printed here"),
     (["run", "--verbose-prompt", "-p", "x"], "bitnet run: error: --verbose-prompt: the prompt's tokens are not"),
+    # llama-server's: one line, not the whole usage and "did you mean -t?" / "--api-key-file?"
+    (["serve", "--ssl-key-file", "k.pem"], "bitnet serve: error: --ssl-key-file: TLS is not supported here"),
+    (["serve", "--ssl-cert-file", "c.pem"], "bitnet serve: error: --ssl-cert-file: TLS is not supported here"),
+    (["serve", "-to", "600"], "bitnet serve: error: -to: a request's time limit is --request-timeout here"),
+    (["serve", "--timeout", "600"], "bitnet serve: error: --timeout: a request's time limit is --request-timeout"),
+    (["serve", "-nocb"], "bitnet serve: error: -nocb: batching is always continuous here"),
+    (["serve", "--no-cont-batching"], "bitnet serve: error: --no-cont-batching: batching is always continuous"),
+    (["serve", "--threads-http", "4"], "bitnet serve: error: --threads-http: HTTP is served by one event loop"),
+    (["serve", "--no-slots"], "bitnet serve: error: --no-slots: /slots is always served here"),
+    (["serve", "--props"], "bitnet serve: error: --props: /props is read-only here"),
+    (["serve", "--path", "ui"], "bitnet serve: error: --path: there is no web UI here"),
+    (["serve", "--log-disable"], "bitnet serve: error: --log-disable: the server's log is uvicorn's"),
+    (["serve", "--log-format", "json"], "bitnet serve: error: --log-format: the server's log is uvicorn's"),
+    (["serve", "--reranking"], "bitnet serve: error: --reranking: reranking (/rerank) is not supported"),
+    (["serve", "--cache-reuse", "256"], "bitnet serve: error: --cache-reuse: the prefix cache reuses"),
+    (["serve", "--grammar-file", "g.gbnf"], "bitnet serve: error: --grammar-file: a server-wide grammar or schema"),
+    (["serve", "-j", "{}"], "bitnet serve: error: -j: a server-wide grammar or schema is not supported"),
 ])
 def test_llama_cpp_only_flags_get_their_reason(argv, said):
     r = run(argv[0], *argv[1:]) if argv[0].startswith("bitnet_cpu") else bitnet(*argv)
@@ -415,6 +432,17 @@ def test_llama_cli_flags_that_ask_for_what_run_does_are_accepted():
     assert not extras and args.prompt == "x"
     help_text = " ".join(bitnet("run", "--help").stdout.split())
     assert help_text.count("accepted for llama-cli's command lines") == 5
+
+
+def test_llama_server_flags_that_ask_for_what_serve_does_are_accepted():
+    """llama-server's flags whose request is bitnet serve's own behaviour were "unrecognized arguments" and the
+    whole usage: -a (its short --alias), --embedding(s) (always served), --slots (always on), --no-webui (there
+    is none)."""
+    args, extras = _parse("serve", ["-a", "mine", "--embeddings", "--embedding", "--slots", "--no-webui"])
+    assert not extras and args.alias == "mine"
+    help_text = " ".join(bitnet("serve", "--help").stdout.split())
+    for flag in ("--embedding, --embeddings", "--slots", "--no-webui"):
+        assert f"{flag} accepted for llama-server's command lines" in help_text, flag
 
 
 def test_single_turn_is_one_chat_answer(bundled):
