@@ -123,11 +123,14 @@ def _main(argv: list[str] | None) -> int:
         return EXIT_BAD_INPUT
     if argv[:1] == ["serve"] and "BITNET_ROUTER_PID" not in os.environ:   # (a router's model takes its flags)
         from .flags import llama_env_argv
-        extra, notes = llama_env_argv(subparsers["serve"], argv[1:], os.environ)
+        extra, notes, from_env = llama_env_argv(subparsers["serve"], argv[1:], os.environ)
         for note in notes:
             print(f"bitnet serve: warning: {note}", file=sys.stderr)
         argv = ["serve", *extra, *argv[1:]]
+    else:
+        from_env = {}
     args = parse_args_suggesting(parser, argv, subparsers)
+    args.llama_env = from_env   # a bad value of these is said by its variable's name (flags.from_variable)
     if not getattr(args, "_main", None):
         parser.print_help(sys.stderr)
         return EXIT_BAD_INPUT

@@ -533,6 +533,13 @@ LLAMA_ENV = {"LLAMA_ARG_MODEL": "-m", "LLAMA_ARG_CTX_SIZE": "-c", "LLAMA_ARG_THR
 LLAMA_ENV_SWITCHES = {"LLAMA_ARG_JINJA": "--jinja", "LLAMA_ARG_CONT_BATCHING": "-cb",
                       "LLAMA_ARG_ENDPOINT_METRICS": "--metrics", "LLAMA_ARG_NO_MMAP": "--no-mmap"}
 _TRUE, _FALSE = _ON + ("yes",), _OFF + ("no", "")   # llama.cpp's readings, and the shell's yes / no / unset
+# refused, whatever their value: ignored, they would serve plain HTTP to clients whose operator set up TLS
+LLAMA_ENV_REFUSED = {"LLAMA_ARG_SSL_KEY_FILE": TLS_REFUSED, "LLAMA_ARG_SSL_CERT_FILE": TLS_REFUSED}
+# a variable's flag -> the flags it cannot go with: typed on the command line, they win over the variable too
+_ROUTER = ("--models-dir", "--models-cache")
+LLAMA_ENV_EXCLUDED_BY = {"--chat-template": ("--chat-template-file",), "--chat-template-file": ("--chat-template",),
+                         "-m": _ROUTER, "--alias": _ROUTER, "--models-dir": ("-m", "--alias")}
+LLAMA_ENV_ROUTER_ONLY = ("--models-max",)   # without a router: a warning, as a variable with no meaning here
 
 
 def _value_problem(action, value: str) -> str | None:
@@ -550,25 +557,38 @@ def _value_problem(action, value: str) -> str | None:
     return None
 
 
-def llama_env_argv(parser, argv: list[str], environ) -> tuple[list[str], list[str]]:
-    """(the flags llama-server's variables in `environ` give, where argv does not give that flag itself; one warning
-    each for a set LLAMA_ARG_* this server does not take). A value the flag does not take exits 2 with one line
-    naming the variable: argparse's usage and "argument --temp/--temperature" named a flag nobody typed."""
+def llama_env_argv(parser, argv: list[str], environ) -> tuple[list[str], list[str], dict]:
+    """(the flags llama-server's variables in `environ` give, where argv gives neither that flag nor one it cannot go
+    with; one warning each for a set LLAMA_ARG_* this server does not take; {"NAME='value'": its flag's spellings} of
+    the variables applied, for from_variable). A value the flag does not take exits 2 with one line naming the variable:
+    argparse's usage and "argument --temp/--temperature" named a flag nobody typed; so does a TLS variable."""
     def action_of(flag: str):
         return next(a for a in parser._actions if flag in a.option_strings)
 
     def given(flag: str) -> bool:
         action = action_of(flag)
         return any(w in action.option_strings or w.split("=", 1)[0] in action.option_strings for w in argv)
-    out, notes = [], []
+
+    def typed_wins(flag: str) -> bool:
+        return given(flag) or any(given(other) for other in LLAMA_ENV_EXCLUDED_BY.get(flag, ()))
+    router = any(given(f) for f in _ROUTER) or ("LLAMA_ARG_MODELS_DIR" in environ and not typed_wins("--models-dir"))
+    out, notes, applied = [], [], {}
     for name, value in sorted(environ.items()):
+        if name in LLAMA_ENV_REFUSED:
+            parser.exit(2, f"{parser.prog}: error: {name}: {LLAMA_ENV_REFUSED[name]}\n")
         if name in LLAMA_ENV:
             flag = LLAMA_ENV[name]
-            if not given(flag):
-                why = _value_problem(action_of(flag), value)
-                if why is not None:
-                    parser.exit(2, f"{parser.prog}: error: {name}={value!r}: argument {flag}: {why}\n")
-                out.append(f"{flag}={value}")
+            if typed_wins(flag):
+                continue
+            if flag in LLAMA_ENV_ROUTER_ONLY and not router:
+                notes.append(f"{name} applies to --models-dir / --models-cache only (llama-server's router); "
+                             "it is not used")
+                continue
+            why = _value_problem(action_of(flag), value)
+            if why is not None:
+                parser.exit(2, f"{parser.prog}: error: {name}={value!r}: argument {flag}: {why}\n")
+            out.append(f"{flag}={value}")
+            applied[f"{name}={value!r}"] = tuple(action_of(flag).option_strings)
         elif name in LLAMA_ENV_SWITCHES:
             v = value.strip().lower()
             if v not in _TRUE + _FALSE:
@@ -577,7 +597,21 @@ def llama_env_argv(parser, argv: list[str], environ) -> tuple[list[str], list[st
                 out.append(LLAMA_ENV_SWITCHES[name])
         elif name.startswith("LLAMA_ARG_"):
             notes.append(f"{name} is llama-server's and has no meaning here; it is not used")
-    return out, notes
+    return out, notes, applied
+
+
+def from_variable(error, applied: dict[str, tuple[str, ...]] | None):
+    """`error` (a BitNetError "FLAG VALUE: why", FLAG spelled as -c/--ctx too) as "NAME='VALUE': FLAG why" when the
+    flag's value came from a variable (llama_env_argv's `applied`): the user set the variable and never typed the
+    flag. Any other error is returned as it is."""
+    from ..engine.errors import BitNetError
+    head, sep, why = str(error.args[0]).partition(": ") if error.args else ("", "", "")
+    spelled = head.split(" ", 1)[0]
+    for variable, spellings in (applied or {}).items():
+        if sep and set(spelled.split("/")) & set(spellings):
+            joint = " " if why.startswith("must") else ": "   # "--port must be in ...", "--host: unix sockets ..."
+            return BitNetError(f"{variable}: {spelled}{joint}{why}", hint=getattr(error, "hint", None))
+    return error
 
 
 # ---- unknown flags: the subcommand's usage and a suggestion -------------------------------------------------

@@ -244,6 +244,14 @@ def end_with_router():
         raise SystemExit(1)
 
 
+def _check_host(args) -> None:
+    """An empty --host (LLAMA_ARG_HOST=${HOST}, HOST unset) bound every interface, unguarded."""
+    from ..engine.errors import BitNetError
+    if not args.host.strip():
+        raise BitNetError(f"--host {args.host!r}: an empty address would listen on every network interface",
+                          hint="leave --host out for this machine only (127.0.0.1), or give 0.0.0.0 for every one")
+
+
 def limits_from_args(args) -> Limits:
     return Limits(max_body_bytes=int(args.max_body_mb * MiB), max_header_bytes=int(args.max_header_kb * 1024),
                   max_headers=args.max_headers, max_connections=args.max_connections,
@@ -256,15 +264,18 @@ def main(args) -> int:
     import signal
     import sys
 
+    from ..engine.errors import BitNetError
+    from .flags import from_variable
+
     end_with_router()
-    if not args.host.strip():   # LLAMA_ARG_HOST=${HOST} with HOST unset: it bound every interface, unguarded
-        from ..engine.errors import BitNetError
-        raise BitNetError(f"--host {args.host!r}: an empty address would listen on every network interface",
-                          hint="leave --host out for this machine only (127.0.0.1), or give 0.0.0.0 for every one")
-    if not is_loopback(args.host) and not (args.api_key or args.api_key_file):
-        print(f"bitnet serve: warning: listening on {args.host} without --api-key: anyone who can reach this "
-              "port can use the model", file=sys.stderr, flush=True)
-    _check(args)
+    try:
+        _check_host(args)
+        if not is_loopback(args.host) and not (args.api_key or args.api_key_file):
+            print(f"bitnet serve: warning: listening on {args.host} without --api-key: anyone who can reach this "
+                  "port can use the model", file=sys.stderr, flush=True)
+        _check(args)
+    except BitNetError as e:   # a value from LLAMA_ARG_PORT=... is said by the variable's name
+        raise from_variable(e, getattr(args, "llama_env", None)) from None
     from ..serve.auth import read_key_file
     keys = tuple(read_key_file(args.api_key_file)) if args.api_key_file else ()
     if args.api_key is not None and not args.api_key.replace(",", "").strip():   # "", ",", "$A,$B" both unset
@@ -367,7 +378,8 @@ def main(args) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)):   # SIGHUP: its terminal closed
         if sig is not None:
             signal.signal(sig, handler)
-    print(f"bitnet serve: listening on http://{args.host}:{args.port} (loading the model...)", file=sys.stderr, flush=True)
+    print(f"bitnet serve: listening on http://{args.host}:{args.port} (loading the model...)", file=sys.stderr,
+          flush=True)
     server.run(sockets=[sock])
     if failed:
         e = failed[0]

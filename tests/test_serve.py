@@ -628,7 +628,8 @@ def test_non_loopback_warning_and_bad_flags(tmp_path):
     # an empty address (LLAMA_ARG_HOST=${HOST} with HOST unset) bound every interface with no guard: one line
     r = subprocess.run([sys.executable, "-m", "bitnet_cpu", "serve", "--port", "1"], cwd=ROOT, capture_output=True,
                        env=dict(env, LLAMA_ARG_HOST=""), text=True, timeout=60)
-    assert r.returncode == 2 and "--host '': an empty address" in r.stderr and "Traceback" not in r.stderr
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "LLAMA_ARG_HOST='': --host: an empty address" in r.stderr, r.stderr   # the variable the user set
 
 
 @pytest.mark.parametrize("extra", [(), ("--ray-replicas", "1")])
@@ -930,3 +931,54 @@ def test_a_bad_llama_variable_is_named(name, value, why):
                                 **{name: value}), text=True, timeout=60)
     assert r.returncode == 2 and r.stderr.startswith(f"bitnet serve: error: {name}={value!r}: {why}"), r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and "usage" not in r.stderr, r.stderr
+
+
+def _serve_cli(*argv, env=None, timeout=60):
+    """`bitnet serve ARGV` with the variables `env` besides ours, to its end (a bad flag or variable: it never
+    listens)."""
+    import subprocess
+    import sys
+    from serve_proc import ROOT
+    return subprocess.run([sys.executable, "-m", "bitnet_cpu", "serve", *argv], cwd=ROOT, capture_output=True,
+                          env=dict(os.environ, PYTHONPATH=pythonpath(), **(env or {})), text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("name", ["LLAMA_ARG_SSL_KEY_FILE", "LLAMA_ARG_SSL_CERT_FILE"])
+def test_a_tls_variable_is_refused_not_dropped(tmp_path, name):
+    """llama-server's TLS variables were dropped with a warning and the server went on in plain HTTP (on 0.0.0.0
+    if asked), to clients whose operator had set up TLS: one line, exit 2, as the --ssl-* flags. (--parallel 0
+    stops a server that would start anyway.)"""
+    r = _serve_cli("--host", "0.0.0.0", "--api-key", "k", "--parallel", "0", env={name: str(tmp_path / "k.pem")})
+    assert r.returncode == 2 and r.stderr.strip() == f"bitnet serve: error: {name}: TLS is not supported here: put " \
+        "a TLS-terminating proxy (nginx, Caddy) in front", r.stderr
+
+
+def test_a_variable_gives_way_to_a_flag_it_cannot_go_with(tmp_path):
+    """A LLAMA_ARG_* variable for a flag that excludes one typed on the command line stopped the server, naming a
+    flag nobody typed: the command line wins over it as over the variable's own flag; a router-only variable with
+    no router is a warning. (A bad value of a typed flag stops each server after the variables were read.)"""
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}[{{ m.role }}:{{ m.content }}]{% endfor %}")
+    r = _serve_cli("--chat-template-file", str(template), "--parallel", "0", env={"LLAMA_ARG_CHAT_TEMPLATE": "chatml"})
+    assert r.returncode == 2 and r.stderr.strip() == "bitnet: error: --parallel 0: must be >= 1", r.stderr
+    r = _serve_cli("--models-dir", str(tmp_path), "--models-max", "0", env={"LLAMA_ARG_MODEL": "x.gguf"})
+    assert r.returncode == 2 and r.stderr.strip() == "bitnet: error: --models-max 0: must be >= 1", r.stderr
+    r = _serve_cli("-m", "x.gguf", "--parallel", "0", env={"LLAMA_ARG_MODELS_DIR": str(tmp_path)})
+    assert r.returncode == 2 and r.stderr.strip() == "bitnet: error: --parallel 0: must be >= 1", r.stderr
+    r = _serve_cli("--parallel", "0", env={"LLAMA_ARG_MODELS_MAX": "2"})
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "bitnet serve: warning: LLAMA_ARG_MODELS_MAX applies to --models-dir / --models-cache only (llama-server's "
+        "router); it is not used", "bitnet: error: --parallel 0: must be >= 1"], r.stderr
+
+
+@pytest.mark.parametrize("name, value, said", [
+    ("LLAMA_ARG_PORT", "99999", "--port must be in 1..65535"),
+    ("LLAMA_ARG_N_PARALLEL", "-1", "--parallel must be >= 1"),
+    ("LLAMA_ARG_CTX_SIZE", "-5", "-c/--ctx must be >= 0")])
+def test_a_variable_s_value_out_of_range_is_named_by_the_variable(name, value, said):
+    """A value from a variable that its flag's check refuses named the flag (`--port 99999: ...`), which the
+    user never typed: the line names the variable."""
+    r = _serve_cli(env={name: value})
+    assert r.returncode == 2 and r.stderr.startswith(f"bitnet: error: {name}={value!r}: {said}"), r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+

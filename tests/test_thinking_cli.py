@@ -73,7 +73,7 @@ def test_the_flags_make_the_template_variables():
         assert kwargs("-rea", "maybe") == "-rea/--reasoning 'maybe': on, off or auto"
         assert kwargs("--chat-template-kwargs", "[1]").startswith("--chat-template-kwargs: a JSON object")
         assert kwargs("--chat-template-kwargs", "{x}").startswith("--chat-template-kwargs: not JSON")
-    argv, notes = llama_env_argv(subs["serve"], [], {"LLAMA_ARG_REASONING": "off", "LLAMA_ARG_THINK": "none",
+    argv, notes, _ = llama_env_argv(subs["serve"], [], {"LLAMA_ARG_REASONING": "off", "LLAMA_ARG_THINK": "none",
                                                      "LLAMA_ARG_CHAT_TEMPLATE_KWARGS": '{"a": 1}'})
     assert sorted(argv) == sorted(["--reasoning=off", "--reasoning-format=none", '--chat-template-kwargs={"a": 1}'])
     assert not notes
