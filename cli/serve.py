@@ -245,11 +245,25 @@ def end_with_router():
 
 
 def _check_host(args) -> None:
-    """An empty --host (LLAMA_ARG_HOST=${HOST}, HOST unset) bound every interface, unguarded."""
+    """--host as an address or a name only; llama-server's [::1] is taken as ::1 (brackets belong in URLs). An
+    empty one (LLAMA_ARG_HOST=${HOST}, HOST unset) bound every interface, unguarded; a unix socket (llama-server
+    listens on one when the host ends in .sock) or a URL were looked up as names, 5 s of DNS and then a
+    misleading error."""
     from ..engine.errors import BitNetError
     if not args.host.strip():
         raise BitNetError(f"--host {args.host!r}: an empty address would listen on every network interface",
                           hint="leave --host out for this machine only (127.0.0.1), or give 0.0.0.0 for every one")
+    if args.host.startswith("[") and args.host.endswith("]"):
+        args.host = args.host[1:-1]
+    if "://" in args.host and not args.host.startswith("unix://"):
+        raise BitNetError(f"--host {args.host}: --host takes an address or name, not a URL (the port is --port)")
+    if "/" in args.host or args.host.endswith(".sock"):
+        raise BitNetError(f"--host {args.host}: unix sockets are not supported: --host takes an address or name")
+
+
+def http_url(host: str, port: int) -> str:
+    """The URL of host:port, an IPv6 address in brackets (http://[::1]:8080, as a browser or curl takes it)."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def limits_from_args(args) -> Limits:
@@ -378,7 +392,7 @@ def main(args) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)):   # SIGHUP: its terminal closed
         if sig is not None:
             signal.signal(sig, handler)
-    print(f"bitnet serve: listening on http://{args.host}:{args.port} (loading the model...)", file=sys.stderr,
+    print(f"bitnet serve: listening on {http_url(args.host, args.port)} (loading the model...)", file=sys.stderr,
           flush=True)
     server.run(sockets=[sock])
     if failed:
@@ -576,7 +590,7 @@ def serve_models(args, keys: tuple) -> int:
             signal.signal(sig, handler)
     names = ", ".join(sorted(models))
     count = f"{len(models)} model{'s' if len(models) != 1 else ''}"
-    print(f"bitnet serve: listening on http://{args.host}:{args.port} ({count}, each loaded on first use, at most "
+    print(f"bitnet serve: listening on {http_url(args.host, args.port)} ({count}, each loaded on first use, at most "
           f"{args.models_max} at once: {names})", file=sys.stderr, flush=True)
     try:
         server.run(sockets=[sock])

@@ -974,7 +974,8 @@ def test_a_variable_gives_way_to_a_flag_it_cannot_go_with(tmp_path):
 @pytest.mark.parametrize("name, value, said", [
     ("LLAMA_ARG_PORT", "99999", "--port must be in 1..65535"),
     ("LLAMA_ARG_N_PARALLEL", "-1", "--parallel must be >= 1"),
-    ("LLAMA_ARG_CTX_SIZE", "-5", "-c/--ctx must be >= 0")])
+    ("LLAMA_ARG_CTX_SIZE", "-5", "-c/--ctx must be >= 0"),
+    ("LLAMA_ARG_HOST", "/tmp/x.sock", "--host: unix sockets are not supported")])
 def test_a_variable_s_value_out_of_range_is_named_by_the_variable(name, value, said):
     """A value from a variable that its flag's check refuses named the flag (`--port 99999: ...`), which the
     user never typed: the line names the variable."""
@@ -982,3 +983,38 @@ def test_a_variable_s_value_out_of_range_is_named_by_the_variable(name, value, s
     assert r.returncode == 2 and r.stderr.startswith(f"bitnet: error: {name}={value!r}: {said}"), r.stderr
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
 
+
+@pytest.mark.parametrize("host, said", [("/tmp/x.sock", "unix sockets are not supported"),
+                                        ("x.sock", "unix sockets are not supported"),
+                                        ("unix:///tmp/x.sock", "unix sockets are not supported"),
+                                        ("http://localhost", "--host takes an address or name, not a URL")])
+def test_a_host_that_is_no_address_is_one_line_at_once(host, said):
+    """llama-server listens on a unix socket when the host ends in .sock: here such a host (or a URL) was looked up
+    as a name, after a warning that anyone who can reach its port can use the model, and failed seconds later."""
+    r = _serve_cli("--host", host)
+    assert r.returncode == 2 and r.stderr.startswith(f"bitnet: error: --host {host}: {said}"), r.stderr
+    assert "warning" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_an_ipv6_host_in_brackets_and_its_url():
+    """--host [::1] (a URL's spelling) failed as a name that does not resolve, and --host ::1 printed
+    http://::1:PORT, which no client takes: brackets are dropped, and the URL printed has them."""
+    import socket
+    import subprocess
+    import sys
+    from serve_proc import ROOT, wait_healthy
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+            port = s.getsockname()[1]
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    proc = subprocess.Popen([sys.executable, "-m", "bitnet_cpu", "serve", "-t", "2", "--host", "[::1]", "--port",
+                             str(port)], cwd=ROOT, env=dict(os.environ, PYTHONPATH=pythonpath()),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert wait_healthy(f"http://[::1]:{port}", 120, proc), proc.stderr.read() if proc.poll() is not None else ""
+    finally:
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    assert f"listening on http://[::1]:{port} " in err, err
