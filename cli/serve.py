@@ -50,7 +50,8 @@ def add_arguments(p):
     p.add_argument("--slots", dest="slots", action="store_true",
                    help="accepted for llama-server's command lines: /slots is always served (with the API key)")
     p.add_argument("--no-webui", dest="no_webui", action="store_true",
-                   help="accepted for llama-server's command lines: there is no web UI here")
+                   help="no chat page at / (llama-server's flag): GET / answers \"bitnet serve is running\" "
+                        "(ollama's heartbeat still answered)")
     p.add_argument("--cors-origin", action="append", default=None, metavar="ORIGIN",
                    help="let web pages from ORIGIN (e.g. https://app.example.com; null: sandboxed frames and "
                         "file:// pages; * = any) call the API from the "
@@ -351,7 +352,8 @@ def main(args) -> int:
     app = create_app(load, api_key=args.api_key, api_keys=keys, sampling=sampling, limits=limits,
                      metrics_public=args.metrics_public, model_id=args.alias, strict_model=args.strict_model_name,
                      cors_origins=tuple(args.cors_origin or ()), on_load_error=load_failed,
-                     reasoning_format=args.reasoning_format, local_only=is_loopback(args.host))
+                     reasoning_format=args.reasoning_format, local_only=is_loopback(args.host),
+                     webui=not args.no_webui)
 
     class Server(uvicorn.Server):
         """uvicorn re-raises the caught signal after shutdown (-> exit 130/143); a drained server exits 0.
@@ -557,7 +559,7 @@ def serve_models(args, keys: tuple) -> int:
                     load_timeout=args.models_load_timeout, stop_timeout=args.drain_timeout + 5)
     app = create_router_app(router, api_keys=(([args.api_key] if args.api_key else []) + list(keys)),
                             limits=limits, metrics_public=args.metrics_public, cors_origins=tuple(args.cors_origin or ()),
-                            local_only=is_loopback(args.host))
+                            local_only=is_loopback(args.host), webui=not args.no_webui)
 
     class Server(uvicorn.Server):
         @contextlib.contextmanager

@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import HTMLResponse, JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .anthropic import CountTokensRequest, MessageBuilder, MessagesRequest, anthropic_names
@@ -43,6 +43,15 @@ from .schemas import (ChatCompletionRequest, CompletionRequest, RequestProblem, 
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context": "length", "cancelled": "stop"}
 UNSTARTED = "unavailable"   # the finish reason of a request a stopping server ended before it had a slot
 PAGE = os.path.join(os.path.dirname(__file__), "chat.html")
+
+
+def page_response(webui: bool) -> Response:
+    """GET / : the chat page, or (bitnet serve --no-webui, llama-server's flag) ollama's plain "is running" line,
+    which still answers the ollama CLI's HEAD / heartbeat."""
+    if not webui:
+        return PlainTextResponse("bitnet serve is running")
+    with open(PAGE, encoding="utf-8") as f:
+        return HTMLResponse(f.read())
 # the endpoints whose body is bounded by the context (serve/offload.py prompt_body_bound), and their prompt field
 PROMPT_FIELD = {"/v1/chat/completions": "messages", "/v1/completions": "prompt", "/v1/responses": "input",
                 "/v1/messages": "messages", "/completion": "prompt", "/completions": "prompt", "/api/chat": "messages",
@@ -181,7 +190,8 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
                sampling: Any = None, strict_model: bool = False, limits: Limits | None = None,
                api_keys: tuple = (), metrics_public: bool = False, cors_origins: tuple = (),
                on_load_error: Callable[[BaseException], None] | None = None,
-               reasoning_format: str = "auto", local_only: bool = False, wait_load: bool = False) -> FastAPI:
+               reasoning_format: str = "auto", local_only: bool = False, wait_load: bool = False,
+               webui: bool = True) -> FastAPI:
     """The ASGI app. load() -> an engine with ENGINE_API.md's interface (called once, in a thread).
     sampling: SamplingParams whose values a request's omitted sampling fields take (None: the engine's).
     model_id: the id the server answers with (None: the model's name; `--alias`); strict_model: a request
@@ -1054,7 +1064,6 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
 
     @get_and_head("/", response_class=HTMLResponse)
     async def page():   # HEAD /: the ollama CLI's check that a server is up, before every command
-        with open(PAGE, encoding="utf-8") as f:
-            return HTMLResponse(f.read())
+        return page_response(webui)
 
     return app

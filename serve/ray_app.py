@@ -27,7 +27,7 @@ def build(model: str | None = None, *, threads: int | None = 1, parallel: int = 
           api_keys: tuple = (), limits=None, metrics_public: bool = False, batch_size: int | None = None,
           cors_origins: tuple = (), chat_template: str | None = None,
           template_kwargs: dict | None = None, reasoning_format: str = "auto", pooling: str = "mean",
-          embd_normalize: int = 2, local_only: bool = False):
+          embd_normalize: int = 2, local_only: bool = False, webui: bool = True):
     """A bound Ray Serve application with `replicas` replicas of the server (lookup: engine LookupParams;
     sampling: the SamplingParams a request's omitted sampling fields take; mmap: load_engine's — each replica
     otherwise reads its own copy of the weights into memory, while memory lasts; batch_size: load_engine's
@@ -50,7 +50,7 @@ def build(model: str | None = None, *, threads: int | None = 1, parallel: int = 
                              strict_model=strict_model,
                              api_keys=api_keys, limits=limits, metrics_public=metrics_public, cors_origins=cors_origins,
                              reasoning_format=reasoning_format, local_only=local_only,
-                             wait_load=True)
+                             wait_load=True, webui=webui)
 
     # num_cpus=0: the engine's own threads do the work; Ray must not refuse replicas on a small machine
     @serve.deployment(name="bitnet", num_replicas=replicas, ray_actor_options={"num_cpus": 0},
@@ -223,7 +223,7 @@ def run_ray(args, sampling=None, api_keys: tuple = (), limits=None) -> int:
                             template_kwargs=getattr(args, "template_kwargs", None),
                             reasoning_format=args.reasoning_format, batch_size=args.batch_size,
                             pooling=args.pooling, embd_normalize=args.embd_normalize,
-                            local_only=is_loopback(args.host))
+                            local_only=is_loopback(args.host), webui=not args.no_webui)
         try:
             handle = serve.run(application, name="bitnet", route_prefix="/", blocking=False)
         except Exception as e:   # the deployment failed: its replicas' constructors raised (the model's load)

@@ -51,7 +51,6 @@ from .ollama import (BLOBS_WHY, FOREVER, LOAD_WAIT_HEADER, OLLAMA_VERSION,  # no
                      parse_keep_alive)
 from .schemas import model_object, utc_iso
 
-PAGE = os.path.join(os.path.dirname(__file__), "chat.html")
 PULLS_MAX = 2   # ollama's /api/pull processes at once (each downloads and converts: a process, ~70 MB, a core)
 # hop-by-hop headers, and what this router sets itself on the forwarded request / the response
 REQUEST_DROP = {b"host", b"content-length", b"connection", b"keep-alive", b"transfer-encoding", b"authorization",
@@ -785,7 +784,8 @@ def body_problem(body: bytes) -> str:
 
 
 def create_router_app(router: Router, *, api_keys: tuple = (), limits: Limits | None = None,
-                      metrics_public: bool = False, cors_origins: tuple = (), local_only: bool = False) -> FastAPI:
+                      metrics_public: bool = False, cors_origins: tuple = (), local_only: bool = False,
+                      webui: bool = True) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app):
         await router.start()
@@ -1044,8 +1044,8 @@ def create_router_app(router: Router, *, api_keys: tuple = (), limits: Limits | 
 
     @app.api_route("/", methods=["GET", "HEAD"], response_class=HTMLResponse)   # HEAD /: the ollama CLI's heartbeat
     async def page():
-        with open(PAGE, encoding="utf-8") as f:
-            return HTMLResponse(f.read())
+        from .app import page_response
+        return page_response(webui)
 
     @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD"],
                    include_in_schema=False)

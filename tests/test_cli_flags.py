@@ -436,12 +436,12 @@ def test_llama_cli_flags_that_ask_for_what_run_does_are_accepted():
 
 def test_llama_server_flags_that_ask_for_what_serve_does_are_accepted():
     """llama-server's flags whose request is bitnet serve's own behaviour were "unrecognized arguments" and the
-    whole usage: -a (its short --alias), --embedding(s) (always served), --slots (always on), --no-webui (there
-    is none)."""
+    whole usage: -a (its short --alias), --embedding(s) (always served), --slots (always on); --no-webui is
+    honoured (tests/test_serve.py)."""
     args, extras = _parse("serve", ["-a", "mine", "--embeddings", "--embedding", "--slots", "--no-webui"])
     assert not extras and args.alias == "mine"
     help_text = " ".join(bitnet("serve", "--help").stdout.split())
-    for flag in ("--embedding, --embeddings", "--slots", "--no-webui"):
+    for flag in ("--embedding, --embeddings", "--slots"):
         assert f"{flag} accepted for llama-server's command lines" in help_text, flag
 
 

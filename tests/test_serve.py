@@ -694,6 +694,23 @@ def test_the_port_takes_connections_once_listening_is_said(tmp_path, mode):
             proc.communicate()
 
 
+def test_no_webui_serves_no_chat_page():
+    """--no-webui (llama-server's) was accepted and the chat page still served at /: a server its operator wanted
+    without a UI showed one. / answers ollama's plain "is running" line instead (HEAD / still answers)."""
+    s = Server("--no-webui", threads=1)
+    try:
+        r = httpx.get(s.url + "/", timeout=30)
+        assert r.status_code == 200 and r.text == "bitnet serve is running" and "<html" not in r.text.lower()
+        assert httpx.head(s.url + "/", timeout=30).status_code == 200
+    finally:
+        s.stop()
+    s = Server(threads=1)
+    try:
+        assert "<html" in httpx.get(s.url + "/", timeout=30).text.lower()   # the page, without the flag
+    finally:
+        s.stop()
+
+
 def test_server_sampling_flags_are_request_defaults():
     """In-process: the server's sampling settings (bitnet serve --temp/--top-k/.../--seed) fill the fields a
     request leaves out, so a bare request samples exactly as one that sends those values; a request's own
