@@ -54,7 +54,7 @@ def request_of(api: str, i: int, gen: int) -> tuple[str, dict]:
     if api == "responses":
         return "/v1/responses", {"input": question(i), "max_output_tokens": gen, **common}
     if api == "messages":
-        return "/v1/messages", {"messages": q, "max_tokens": gen, **common}
+        return "/v1/messages", {"model": "m", "messages": q, "max_tokens": gen, **common}   # Anthropic's: required
     if api == "completion":
         return "/completion", {"prompt": question(i), "n_predict": gen, **common}
     raise SystemExit(f"--apis: unknown API {api!r} (chat, responses, messages, completion)")
