@@ -128,7 +128,8 @@ async def one(c, kind, rng, big_body, bound_body, n_ctx, max_tokens, rec):
             rec["lost"] = r.status_code == 200 and not ended
     elif kind in LAST_EVENT:   # the other APIs' typed event streams; half of them hung up after two events
         path, ask = (("/v1/responses", {"input": q["content"], "max_output_tokens": body["max_tokens"]})
-                     if kind == "responses" else ("/v1/messages", {"model": "m", "messages": [q], "max_tokens": body["max_tokens"]}))
+                     if kind == "responses" else
+                     ("/v1/messages", {"model": "m", "messages": [q], "max_tokens": body["max_tokens"]}))
         hang = rng.random() < 0.5
         async with c.stream("POST", path, json=dict(ask, temperature=body["temperature"] / 2, stream=True)) as r:
             rec["status"] = r.status_code

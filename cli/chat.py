@@ -220,7 +220,6 @@ def _run(args, settings: Settings, out: Output, interactive: bool, first_message
               f"copy is {path}", file=sys.stderr)
 
     faults.install("bitchat")
-    replace_unencodable()   # `bitnet run -cnv` comes here too: a non-UTF-8 terminal never ends an answer
     label = args.model or "the bundled default model"
     print(f"bitchat: loading {label} ...", file=sys.stderr, flush=True)
     t0 = time.perf_counter()

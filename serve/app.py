@@ -43,6 +43,12 @@ from .schemas import (ChatCompletionRequest, CompletionRequest, RequestProblem, 
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context": "length", "cancelled": "stop"}
 UNSTARTED = "unavailable"   # the finish reason of a request a stopping server ended before it had a slot
 PAGE = os.path.join(os.path.dirname(__file__), "chat.html")
+# the endpoints whose body is bounded by the context (serve/offload.py prompt_body_bound), and their prompt field
+PROMPT_FIELD = {"/v1/chat/completions": "messages", "/v1/completions": "prompt", "/v1/responses": "input",
+                "/v1/messages": "messages", "/completion": "prompt", "/completions": "prompt", "/api/chat": "messages",
+                "/api/generate": "prompt", "/v1/responses/input_tokens": "input",
+                "/v1/chat/completions/input_tokens": "messages", "/chat/completions": "messages",
+                "/responses": "input"}
 
 
 def page_response(webui: bool) -> Response:
@@ -52,13 +58,6 @@ def page_response(webui: bool) -> Response:
         return PlainTextResponse("bitnet serve is running")
     with open(PAGE, encoding="utf-8") as f:
         return HTMLResponse(f.read())
-# the endpoints whose body is bounded by the context (serve/offload.py prompt_body_bound), and their prompt field
-PROMPT_FIELD = {"/v1/chat/completions": "messages", "/v1/completions": "prompt", "/v1/responses": "input",
-                "/v1/messages": "messages", "/completion": "prompt", "/completions": "prompt", "/api/chat": "messages",
-                "/api/generate": "prompt", "/v1/responses/input_tokens": "input",
-                "/v1/chat/completions/input_tokens": "messages", "/chat/completions": "messages",
-                "/responses": "input"}
-
 
 
 class APIError(Exception):
@@ -364,7 +363,7 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         def grammar(thought=None):
             if thought is None or spec is None or not spec.free_start:
                 return spec
-            return fmt.constraint(functions, choice, parallel is not False, thought)
+            return fmt.constraint(functions, choice, parallel is not False, thought, checked=True)
         return tools, grammar, fmt.parser
 
     async def render_prompt(eng, msgs, tools, param, prefill="", template_kwargs=None):

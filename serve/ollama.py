@@ -614,8 +614,10 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
                                             template_kwargs=think_kwargs(eng, body))
         except Exception as e:   # the template rejected the conversation (e.g. roles out of order)
             raise OllamaError(400, f"messages: {e}") from None
-        if tool_spec is not None and not prefill and body.think is not False:   # the thought is split off: it may
-            tool_spec = fmt.constraint(functions, "auto", True, eng.answer_thought(prompt_ids))   # name calls
+        thought = eng.answer_thought(prompt_ids) if tool_spec is not None and not prefill and body.think is not False \
+            else None   # a thought split off the answer may name calls: the grammar knows where it stands
+        if thought is not None:
+            tool_spec = fmt.constraint(functions, "auto", True, thought, checked=True)
         constraint = await constraint_of(eng, body, tool_spec)
         # tools (ollama's are "auto") leave the start free; a grammar may go on with the prompt's thought
         free = constraint is None or constraint.spec.free_start or await run_off_loop(eng.thought_may_open,

@@ -251,11 +251,11 @@ class JSONTyped(BaseModel):
             raise PydanticCustomError("json_type", f"expected true or false, got {value!r}")
         if kind == "number" and (isinstance(value, (bool, str)) or not isinstance(value, (int, float))):
             raise PydanticCustomError("json_type", f"expected a number, got {value!r}")
-        annotation = cls.model_fields[info.field_name].annotation
-        if kind == "number" and isinstance(value, float) and not abs(value) < 2 ** 63 and \
-                float not in (get_args(annotation) or (annotation,)):   # an integer field: pydantic said "Unable to
-            # parse input string as an integer, exceeded maximum size" of 1e30, a string the client never sent
-            raise PydanticCustomError("json_type", f"expected an integer within range, got {value!r} (too large)")
+        if kind == "number" and isinstance(value, float) and not abs(value) < 2 ** 63:   # (the field's type: only
+            annotation = cls.model_fields[info.field_name].annotation                  # for such a number)
+            if float not in (get_args(annotation) or (annotation,)):   # an integer field: pydantic said "Unable to
+                # parse input string as an integer, exceeded maximum size" of 1e30, a string the client never sent
+                raise PydanticCustomError("json_type", f"expected an integer within range, got {value!r} (too large)")
         if kind == "numbers" and isinstance(value, dict):
             for k, v in value.items():
                 if isinstance(v, (bool, str)) or not isinstance(v, (int, float)):

@@ -216,14 +216,16 @@ class ToolFormat:
         return f"start: TEXT | LEAD tail{more}\n" + self._text_rule(thought) + lead
 
     def constraint(self, functions: list[Function], choice: str, parallel: bool,
-                   thought: str | None = None) -> Constraint | None:
+                   thought: str | None = None, checked: bool = False) -> Constraint | None:
         """choice: "auto" | "required" | a function name ("none": no constraint, no tools). thought (choice auto):
         where the answer stands with a <think> block its splitter takes out (engine api's answer_thought): None,
         the template does not think (or the thought is not split off: <think> is text); "may", the answer may
-        open with one; "open", the prompt opened it. Text before a call may then hold the whole thought."""
+        open with one; "open", the prompt opened it. Text before a call may then hold the whole thought.
+        checked: an earlier call for the same functions checked each schema (~2 ms a tool): the request's first,
+        made before its prompt is rendered, and this one once the prompt says where the thought stands."""
         if choice == "none" or not functions:
             return None
-        for i, f in enumerate(functions):   # each tool's schema alone first: an error names the tool
+        for i, f in enumerate([] if checked else functions):   # each tool's schema alone first: an error names it
             check(Constraint.json_schema(f.parameters, where=f"tools[{i}].function.parameters"))
         if choice not in ("auto", "required"):
             functions = [f for f in functions if f.name == choice]
