@@ -5,7 +5,8 @@
   at least 9 exact (the shipped model: 98.25% exact in chat form, 99.35% bare; see models/README.md);
 - a story prompt continues with dictionary words (>= 90% of the words are in the corpus grammar's words);
 - `bitchat` (piped) answers a greeting and "who are you" in a friendly, on-topic way;
-- the shipped store is what converting the shipped HF directory gives, and it is <= 25 MB.
+- the shipped store is what converting the shipped HF directory gives (tensors and metadata: a converter that
+  records more must regenerate it), and it is <= 25 MB.
 """
 import os
 import random
@@ -41,6 +42,8 @@ def test_store_is_the_conversion_of_the_hf_dir(tmp_path):
     a, b = Store(DEFAULT_STORE), Store(fresh)
     assert a.config == b.config
     assert a.tokenizer_spec == b.tokenizer_spec
+    # what a newer converter records (bos/eos tokens a template renders, add_bos) must be in the shipped store too
+    assert a.meta == b.meta and a.chat_template == b.chat_template
     names = sorted(a.tensor_names)
     assert names == sorted(b.tensor_names)
     for n in names:
