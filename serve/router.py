@@ -134,6 +134,7 @@ class Child:
         self.last_used = time.monotonic()
         self.keep_alive = FOREVER        # seconds it stays loaded once idle (the last request's keep_alive)
         self.expires = FOREVER           # monotonic time it is unloaded at, if still idle
+        self.unload_asked = False        # /models/unload came while it served: its unload is the request's
         self.started = time.monotonic()
         self.ready_at = math.inf         # monotonic time it became ready (loaded)
         self.info: dict = {}             # its /api/ps entry once loaded: context_length, details
@@ -492,7 +493,7 @@ class Router:
             if c.active == 0:
                 c.expires = c.last_used + c.keep_alive
                 if c.keep_alive == 0 and not c.stopping and self.children.get(c.spec.name) is c:
-                    self._stop(c, "keep_alive")
+                    self._stop(c, "request" if c.unload_asked else "keep_alive")
             self.cond.notify_all()
 
     def _spawn(self, spec: ModelSpec) -> Child:
@@ -638,7 +639,7 @@ class Router:
                         self._forget(c, "exited")
                         self.cond.notify_all()
                     elif c.active == 0 and c.ready.done() and now >= c.expires:
-                        self._stop(c, "keep_alive")
+                        self._stop(c, "request" if c.unload_asked else "keep_alive")
                         self.cond.notify_all()
                     elif c.active == 0 and c.ready.done() and c.spec.name not in self.models:
                         self._stop(c, "removed")   # its file is gone from the directories (bitnet rm)
@@ -651,7 +652,7 @@ class Router:
             if c is None:
                 return False
             if c.active:
-                c.keep_alive = 0
+                c.keep_alive, c.unload_asked = 0, True
                 return True
             self._stop(c, "request")
             self.cond.notify_all()
@@ -1097,6 +1098,7 @@ def create_router_app(router: Router, *, api_keys: tuple = (), limits: Limits | 
             if request.method == "POST":   # ollama's: each request sets how long its model stays once idle, the
                 # default where it names none (a keep_alive 0 stayed in force for every later request)
                 c.keep_alive = router.keep_alive if keep_alive is None else keep_alive
+                c.unload_asked = False   # (a request after an unload keeps it, as its keep_alive says)
             if attempt == 0:
                 router.count("requests", spec.name)
             headers = [(k, v) for k, v in request.headers.raw if k.lower() not in REQUEST_DROP]

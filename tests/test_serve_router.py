@@ -472,6 +472,33 @@ def test_unloading_one_model_never_holds_up_another(models_dir):
         s.stop()
 
 
+def test_an_unload_asked_while_the_model_serves_is_counted_as_the_requests(models_dir):
+    """/models/unload while a request runs on the model unloads it once that request ends: that unload was logged
+    and counted as keep_alive's (the deferral is a keep_alive of 0), not as the request's that asked for it. The
+    model's process is frozen (SIGSTOP) so the request is surely in flight when the unload comes."""
+    s = Server("--models-dir", str(models_dir), "-c", "1024", threads=1)
+    try:
+        chat_text(s.url, "tiny")
+        proc = model_process(s, models_dir / "tiny.bnstore")
+        os.kill(proc, signal.SIGSTOP)
+        asking = threading.Thread(target=chat_text, args=(s.url, "tiny"))
+        asking.start()
+        try:
+            assert wait_for(lambda: 'bitnet_router_requests_total{model="tiny"} 2' in
+                            httpx.get(s.url + "/metrics", timeout=30).text)
+            assert post(s.url, "/models/unload", {"model": "tiny"}).json() == {"success": True}
+            assert "tiny" in loaded(s.url)   # it still serves that request
+        finally:
+            os.kill(proc, signal.SIGCONT)
+        asking.join(60 * slowness())
+        assert wait_for(lambda: "tiny" not in loaded(s.url))
+        text = httpx.get(s.url + "/metrics", timeout=30).text
+        assert 'bitnet_router_unloads_total{model="tiny",reason="request"} 1' in text, text
+        assert 'reason="keep_alive"' not in text, text
+    finally:
+        s.stop()
+
+
 def test_a_replaced_or_removed_file_is_not_served_from_its_old_process(tmp_path, models_dir):
     """Loaded models were known by name alone: a file replaced (bitnet pull / convert again) kept being served by
     the old process, and a removed one stayed loaded, its memory held, until room eviction chose it."""
