@@ -109,7 +109,7 @@ def _main(argv: list[str] | None) -> int:
     from ..engine.errors import (ENDING_SIGNALS, EXIT_BAD_INPUT, EXIT_BUG, EXIT_INTERRUPTED, BitNetError, Terminated,
                                  raise_terminated, write_error_line, write_failed)
 
-    from .flags import maybe_autocomplete, parse_args_suggesting
+    from .flags import given_options, maybe_autocomplete, parse_args_suggesting
 
     subparsers: dict = {}
     parser = build_parser(subparsers)
@@ -131,6 +131,7 @@ def _main(argv: list[str] | None) -> int:
         from_env = {}
     args = parse_args_suggesting(parser, argv, subparsers)
     args.llama_env = from_env   # a bad value of these is said by its variable's name (flags.from_variable)
+    args.given_flags = given_options(argv)   # a flag typed at its default value is still given (flags.given)
     if not getattr(args, "_main", None):
         parser.print_help(sys.stderr)
         return EXIT_BAD_INPUT

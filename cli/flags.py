@@ -655,6 +655,27 @@ def parse_args_suggesting(parser: argparse.ArgumentParser, argv: list[str] | Non
     return args
 
 
+def given_options(argv: list[str]) -> frozenset:
+    """The long options typed in argv (their --NAME=value forms too), up to a bare `--`."""
+    out = set()
+    for w in argv:
+        if w == "--":
+            break
+        if w.startswith("--"):
+            out.add(w.split("=", 1)[0])
+    return frozenset(out)
+
+
+def given(args, flag: str, default) -> bool:
+    """Whether `flag` (a long option, no abbreviations here) was given: typed, even at its default value (a user
+    who asks for `--drain-timeout 5` where it cannot apply is told so), or, for a Namespace not parsed by
+    bitnet's main, set off its default."""
+    flags = getattr(args, "given_flags", None)
+    if flags is not None:
+        return flag in flags
+    return getattr(args, flag[2:].replace("-", "_")) != default
+
+
 def maybe_autocomplete(parser: argparse.ArgumentParser) -> None:
     """Shell completion through argcomplete, only when a shell asks for it (no import cost otherwise).
     Enable with: eval "$(register-python-argcomplete bitnet)" (and the same for bitchat)."""

@@ -6,7 +6,7 @@ import math
 from ..engine.cpu import BATCH_TOKENS_DEFAULT, BATCH_TOKENS_MAX, BATCH_TOKENS_TILES
 from ..serve.auth import is_loopback
 from ..serve.limits import MiB, Limits
-from .flags import add_engine_args, apply_chat_template, check_engine_args, sampling_params_from_args
+from .flags import add_engine_args, apply_chat_template, check_engine_args, given, sampling_params_from_args
 
 # the router's flags: (flag, their defaults); given without --models-dir / --models-cache they are refused
 ROUTER_FLAGS = {"--models-max": 3, "--models-keep-alive": "-1", "--models-load-timeout": 600.0}
@@ -136,7 +136,7 @@ def _check(args):
             raise BitNetError(f"--ray-replicas {args.ray_replicas}: at most {cores} here (one engine per replica, "
                               "this machine's cores)")
         for flag, default in RAY_REFUSED.items():
-            if getattr(args, flag[2:].replace("-", "_")) != default:
+            if given(args, flag, default):
                 raise BitNetError(f"{flag} applies to the plain server only (its own connections, shutdown and log): "
                                   "under --ray-replicas Ray Serve's proxy holds the connections",
                                   hint="leave it out, or serve without --ray-replicas")
@@ -174,7 +174,7 @@ def _check(args):
                               ) from e
     else:   # the router's own flags, where there is no router: said, not ignored
         for flag, default in ROUTER_FLAGS.items():
-            if getattr(args, flag[2:].replace("-", "_")) != default:
+            if given(args, flag, default):
                 raise BitNetError(f"{flag} applies to --models-dir / --models-cache only (this server serves -m's "
                                   "one model)")
 

@@ -272,11 +272,13 @@ def test_ray_replica_that_cannot_load_fails_the_deployment(ray_stopped):
 
 
 @pytest.mark.parametrize("flag", ["--max-connections=3", "--header-timeout=2", "--send-timeout=5",
-                                  "--keep-alive-timeout=2", "--drain-timeout=1", "--log-level=info"])
+                                  "--keep-alive-timeout=2", "--drain-timeout=1", "--log-level=info",
+                                  "--drain-timeout=5", "--log-level=warning"])   # typed at their defaults too
 def test_ray_refuses_the_plain_servers_connection_flags(flag, ray_stopped):
     """Flags that bound the plain server's own connections (Ray's proxy holds them under --ray-replicas) are
-    refused there with one line, not accepted and left unenforced; their defaults pass (checked by the flags
-    the request-level limits keep, which the replicas' middleware enforces)."""
+    refused there with one line, not accepted and left unenforced, even typed at their default values (a user who
+    asks for a 5 s drain gets none under Ray); left out they pass (checked by the flags the request-level limits
+    keep, which the replicas' middleware enforces)."""
     line = _one_line_exit_2(*_serve_until_ready_or_exit(["--ray-replicas", "1", "-t", "1", flag]))
     assert flag.split("=")[0] in line and "--ray-replicas" in line
     # --max-body-mb / --request-timeout work under Ray: not refused (the bad model is what stops it, at once)

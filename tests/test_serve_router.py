@@ -1201,7 +1201,8 @@ def run_cli(*args):
 ])
 def test_bad_router_flags_are_one_line(models_dir, args, words):
     if args == ("--models-dir",):   # the router's flags without a router: refused, not ignored
-        for flag, value in (("--models-max", "0"), ("--models-keep-alive", "bogus"), ("--models-load-timeout", "9")):
+        for flag, value in (("--models-max", "0"), ("--models-keep-alive", "bogus"), ("--models-load-timeout", "9"),
+                            ("--models-max", "3"), ("--models-load-timeout", "600")):   # typed at the default too
             r = run_cli("-m", "x.bnstore", flag, value)
             assert r.returncode == 2 and f"{flag} applies to --models-dir / --models-cache only" in r.stderr, r.stderr
         return
