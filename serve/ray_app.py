@@ -248,8 +248,11 @@ def run_ray(args, sampling=None, api_keys: tuple = (), limits=None) -> int:
         return 128 + e.sig
     finally:
         starting[0] = False
-        with contextlib.suppress(Exception):   # Serve never started: nothing to shut down
-            serve.shutdown()
+        # only where Ray is up: serve.shutdown() without a client looks one up, which started a second, complete
+        # local Ray (24-30 s, agents once left behind) when a signal had cut ray.init() short
+        if ray.is_initialized():
+            with contextlib.suppress(Exception):   # Serve never started: nothing to shut down
+                serve.shutdown()
         ray.shutdown()
     print("bitnet serve: stopped", file=sys.stderr)
     return 0

@@ -382,6 +382,8 @@ def test_ray_signal_while_starting_stops_it(sig, code, ray_stopped):
     assert READY not in err, err[-2000:]
     assert rc == code, (rc, err[-2000:])
     assert "stopped while Ray Serve was starting" in err and "Traceback" not in err, err[-2000:]
+    # a signal inside ray.init(): the shutdown that follows must not start a Ray of its own to stop
+    assert "Started a local Ray instance" not in err.split("stopped while Ray Serve was starting", 1)[1], err[-2000:]
     deadline = time.monotonic() + 60 * slowness()
     while time.monotonic() < deadline and _alive(kids):
         time.sleep(0.5)
