@@ -25,6 +25,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+import logging
 import math
 import os
 import re
@@ -703,6 +704,26 @@ def _gone(e: BaseException) -> bool:
     return isinstance(e, UpstreamGone) or bool(inner) and all(_gone(x) for x in inner)
 
 
+class _CutAnswers(logging.Filter):
+    """uvicorn logs "ASGI callable returned without completing response." (an ERROR, read as the router's bug) for
+    each answer a Relay ends without HTTP's end of body on purpose, after the router's own line on why (its model's
+    process died): that many of those lines are dropped, no other."""
+    NOTE = "ASGI callable returned without completing response"
+
+    def __init__(self):
+        super().__init__()
+        self.pending = 0
+
+    def filter(self, record) -> bool:
+        if self.pending and record.getMessage().startswith(self.NOTE):
+            self.pending -= 1
+            return False
+        return True
+
+
+CUT_ANSWERS = _CutAnswers()
+
+
 class Relay(StreamingResponse):
     """A forwarded answer. Its cleanup (close the stream to the model's process, count the request as ended) runs
     however the response ends, also when the client left before its first byte (the body never iterated). An
@@ -719,6 +740,7 @@ class Relay(StreamingResponse):
         except Exception as e:
             if not _gone(e):
                 raise
+            CUT_ANSWERS.pending += 1
         finally:
             self.finish()
 
@@ -787,6 +809,10 @@ def body_problem(body: bytes) -> str:
 def create_router_app(router: Router, *, api_keys: tuple = (), limits: Limits | None = None,
                       metrics_public: bool = False, cors_origins: tuple = (), local_only: bool = False,
                       webui: bool = True) -> FastAPI:
+    error_log = logging.getLogger("uvicorn.error")
+    if CUT_ANSWERS not in error_log.filters:
+        error_log.addFilter(CUT_ANSWERS)
+
     @contextlib.asynccontextmanager
     async def lifespan(app):
         await router.start()
