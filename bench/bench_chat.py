@@ -50,10 +50,16 @@ def main(argv=None) -> int:
     from bitnet_cpu.chat.session import ChatSession
     from bitnet_cpu.engine.api import SamplingParams, load_model
 
+    from bitnet_cpu.engine.errors import BitNetError
+
     t0 = time.perf_counter()
-    llm = load_model(args.model, ctx=args.ctx_size, threads=args.threads, progress=False)
-    fresh = None if args.no_baseline else load_model(args.model, ctx=args.ctx_size, threads=args.threads,
-                                                     progress=False)
+    try:   # a missing or broken model: one line, as `bitnet bench` says it
+        llm = load_model(args.model, ctx=args.ctx_size, threads=args.threads, progress=False)
+        fresh = None if args.no_baseline else load_model(args.model, ctx=args.ctx_size, threads=args.threads,
+                                                         progress=False)
+    except BitNetError as e:
+        print(f"bench_chat: error: {e}", file=sys.stderr)
+        return e.exit_code
     print(f"# model {llm.name}, n_ctx {llm.n_ctx}, loaded in {time.perf_counter() - t0:.2f} s, "
           f"{args.turns} turns, answers of <= {args.max_tokens} tokens, greedy, "
           f"{'re-rendered' if args.no_splice else 'spliced'} prompts", flush=True)

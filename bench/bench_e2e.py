@@ -141,7 +141,7 @@ def parse_args(argv=None):
     ap.add_argument("--engines", default="ours,llama")
     ap.add_argument("--f16-head", action="store_true",
                     help="also run our f16-LM-head store (sessions only; an extra column and bandwidth row)")
-    ap.add_argument("--cache", default=DEFAULT_CACHE)
+    ap.add_argument("--cache", default=DEFAULT_CACHE, type=os.path.abspath)
     ap.add_argument("--shape", default="2b4t", help="2b4t (the benchmark) or small (harness check)")
     ap.add_argument("--no-cold", action="store_true", help="skip the cold-load measurements")
     ap.add_argument("--drop-caches", action="store_true",

@@ -158,7 +158,7 @@ def main(argv=None) -> int:
     ap.add_argument("--shape", default="2b4t", help="bench/make_models.py's shape: 2b4t (the benchmark) or small")
     ap.add_argument("--engines", default="ours,llama")
     ap.add_argument("--llama-server", default=None)
-    ap.add_argument("--cache", default=DEFAULT_CACHE)
+    ap.add_argument("--cache", default=DEFAULT_CACHE, type=os.path.abspath)
     ap.add_argument("--out-dir", default=HERE)
     a = ap.parse_args(argv)
     paths = model_paths(a.cache, a.shape)

@@ -234,7 +234,7 @@ def main(argv=None) -> int:
                     help="llama.cpp's llama-bench binary instead of llama-cpp-python (or $LLAMA_BENCH)")
     ap.add_argument("--ik-model", default=os.path.join(CACHE, "2b4t.iq2_bn.gguf"),
                     help="IQ2_BN GGUF of the same weights (python bench/make_models.py --ik-quantize ...)")
-    ap.add_argument("--store", default=os.path.join(CACHE, "2b4t.q4.bnstore"),
+    ap.add_argument("--store", default=os.path.join(CACHE, "2b4t.q4.bnstore"), type=os.path.abspath,
                     help="our store (default the q4-head one, what `bitnet run` uses)")
     ap.add_argument("--no-busy", action="store_true", help="skip the busy-core case")
     ap.add_argument("--busy-limit-s", type=float, default=120, help="the busy loop ends by itself after this")

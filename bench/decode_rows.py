@@ -282,7 +282,7 @@ def parse_args(argv=None):
     ap.add_argument("--heads", type=lambda s: [h for h in s.split(",") if h], default=["i8", "q4", "f16"])
     ap.add_argument("--weights", type=lambda s: [w for w in s.split(",") if w], default=["t2", "t1.6"],
                     help="ternary layouts to time (t2 = tile16, t1.6 = base-3 tile16b3; converted once into the cache)")
-    ap.add_argument("--cache", default=DEFAULT_CACHE)
+    ap.add_argument("--cache", default=DEFAULT_CACHE, type=os.path.abspath)
     ap.add_argument("--shape", default="2b4t", help="2b4t (the benchmark) or small (harness check)")
     ap.add_argument("--bw-mib", type=int, default=512, help="bandwidth probe buffer (MiB)")
     ap.add_argument("--llama-bench", metavar="PATH", default=os.environ.get("LLAMA_BENCH"),

@@ -80,7 +80,7 @@ def markdown(results: dict[str, list[tuple[str, float]] | str]) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", required=True)
+    ap.add_argument("--model", required=True, type=os.path.abspath)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rate", type=int, default=100, help="samples per second")
     a = ap.parse_args(argv)

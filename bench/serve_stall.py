@@ -98,7 +98,7 @@ def run_one(url: str, streams: int, gen: int, prompt: list[int], vocab: int) -> 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--store", default=os.path.join(DEFAULT_CACHE, "2b4t.q4.bnstore"))
+    ap.add_argument("--store", default=os.path.join(DEFAULT_CACHE, "2b4t.q4.bnstore"), type=os.path.abspath)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--streams", type=int, default=12, help="streams decoding when the long prompt arrives (<= 15)")
     ap.add_argument("--gen", type=int, default=160, help="tokens each stream generates")

@@ -255,7 +255,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seconds", type=float, default=600)
     ap.add_argument("--clients", type=int, default=32)
     ap.add_argument("--url", default=None, help="soak a running server instead of starting one")
-    ap.add_argument("-m", "--model", default=None, help="model for the server it starts (default: the bundled one)")
+    ap.add_argument("-m", "--model", default=None, type=os.path.abspath,
+                    help="model for the server it starts (default: the bundled one)")
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--parallel", type=int, default=16)
     ap.add_argument("--max-queue", type=int, default=64)

@@ -58,7 +58,8 @@ def add_arguments(p):
                    help="also a prompt of PP tokens then TG generated, timed together (several: 'A,B;C,D')%(default).0s")
     # 0 or less: the default count, as `bitnet run -t 0` and llama.cpp's -t take it
     p.add_argument("-t", "--threads", type=_int_list("threads", None), action="extend", default=None,
-                   metavar="N[,N...]", help="thread counts to test (default, also 0 or -1: one per physical core, or "
+                   metavar="N[,N...]", help="thread counts to test (default, 0 or less too, as llama.cpp: one "
+                                            "per physical core, or "
                                             "$OMP_NUM_THREADS)%(default).0s")
     p.add_argument("-npl", dest="npl", type=_int_list("npl", 1), action="extend", default=None, metavar="N[,N...]",
                    help="sequences at once: N > 1 runs each test as N sequences batched through the serving "

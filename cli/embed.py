@@ -30,7 +30,8 @@ def add_arguments(p):
     p.add_argument("-c", "--ctx-size", "--ctx", dest="ctx", type=int, default=None, metavar="N",
                    help="the most tokens of one text (default: the model's trained context, 2048 to 4096)%(default).0s")
     p.add_argument("-t", "--threads", type=int, default=None, metavar="N",
-                   help="CPU threads (default, also 0 or -1: one per physical core, or $OMP_NUM_THREADS)%(default).0s")
+                   help="CPU threads (default, 0 or less too, as llama.cpp: one per physical core, or "
+                        "$OMP_NUM_THREADS)%(default).0s")
     p.add_argument("--pooling", default="mean", metavar="{mean,last,none}",
                    help="a text's vector: the mean of its tokens' final states, the last token's, or none: one "
                         "vector per token")

@@ -93,7 +93,8 @@ def add_engine_args(p: argparse.ArgumentParser, *, n_predict_default: int | None
                    help="context size in tokens, of each sequence (default: min(model's, 4096); bitnet serve: "
                         "at least 2048; 0: the model's trained context)%(default).0s")
     p.add_argument("-t", "--threads", type=int, default=None, metavar="N",
-                   help="CPU threads (default, also 0 or -1: one per physical core, or $OMP_NUM_THREADS)%(default).0s")
+                   help="CPU threads (default, 0 or less too, as llama.cpp: one per physical core, or "
+                        "$OMP_NUM_THREADS)%(default).0s")
     p.add_argument("--kv", dest="kv", choices=("f16", "f32", "q8"), default="f16",
                    help="KV cache precision (q8: int8 with a scale per position, 0.52x the memory of f16; "
                         "docs/kv-cache.md)")

@@ -44,7 +44,8 @@ def add_arguments(p):
                    metavar="N", help="accepted for llama-perplexity's command lines: chunks run one after another "
                                      "here, and the score is the same%(default).0s")
     p.add_argument("-t", "--threads", type=int, default=None, metavar="N",
-                   help="CPU threads (default, also 0 or -1: one per physical core, or $OMP_NUM_THREADS)%(default).0s")
+                   help="CPU threads (default, 0 or less too, as llama.cpp: one per physical core, or "
+                        "$OMP_NUM_THREADS)%(default).0s")
     p.add_argument("--kv", dest="kv", choices=("f16", "f32", "q8"), default="f16", help="KV cache precision")
     p.add_argument("--lm-head", choices=("q4", "i8", "f16"), default=None,
                    help="LM head precision when the model gets converted (default: the converter's)%(default).0s")

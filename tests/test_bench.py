@@ -228,7 +228,8 @@ def test_worker_llama_if_installed(small_models):
 
 def test_bench_e2e_orchestrator_small(small_models, tmp_path):
     """The whole command on the tiny model, our engine only: report, chart and raw JSON are written; of our
-    stores only the one it runs is converted (the i8 one was made and never read)."""
+    stores only the one it runs is converted (the i8 one was made and never read). Run from another directory with
+    a relative --cache: its worker runs in the repository and was handed the relative path (every session failed)."""
     import shutil
 
     import make_models
@@ -238,9 +239,9 @@ def test_bench_e2e_orchestrator_small(small_models, tmp_path):
     shutil.copy(small_models["tq2_0"], make_models.model_paths(cache, "small")["tq2_0"])
     out, png, js = tmp_path / "R.md", tmp_path / "r.png", tmp_path / "r.json"
     r = subprocess.run([sys.executable, os.path.join(BENCH, "bench_e2e.py"), "--quick", "--shape", "small",
-                        "--cache", cache, "--engines", "ours", "--ctx", "1024", "--threads", "1", "--bw-mib", "32",
+                        "--cache", "cache", "--engines", "ours", "--ctx", "1024", "--threads", "1", "--bw-mib", "32",
                         "--out", str(out), "--png", str(png), "--json", str(js)],
-                       capture_output=True, text=True, timeout=600, cwd=ROOT)
+                       capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
     md = out.read_text()
     assert "| prefill 512 tokens | tok/s |" in md and "## Targets" in md and "NOT measured" in md
