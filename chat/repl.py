@@ -39,6 +39,58 @@ HISTORY_KEEP = 1000            # entries of the input history kept (ollama keeps
 HISTORY_MAX_BYTES = 1 << 20    # ... and at most this much of them (a pasted page is one entry)
 
 
+@contextmanager
+def history_locked(path: str, flags: int = os.O_WRONLY):
+    """An fd on the history file as it is now, held under an exclusive flock: a bitchat starting up (the trim reads
+    the file and replaces it) and another one storing a line (an append) take turns; an entry appended between the
+    trim's read and its replace was lost. The trim replaces the file's inode, so a lock won on one that has since
+    been replaced is dropped and taken again on the new one. Where flock is missing (not POSIX, some network
+    filesystems) the fd comes unlocked, as before."""
+    try:
+        import fcntl
+    except ImportError:
+        fcntl = None
+    while True:
+        fd = os.open(path, flags | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            if fcntl is not None:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX)
+                except OSError:   # ENOLCK (NFS without a lock daemon): go on unlocked
+                    fcntl = None
+            if fcntl is None or os.path.samestat(os.fstat(fd), os.stat(path)):
+                break
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)   # replaced by a trim while we waited: lock the file that is there now
+    try:
+        yield fd
+    finally:
+        os.close(fd)   # (the lock goes with it)
+
+
+def trim_history(text: str, keep: int, max_bytes: int) -> str | None:
+    """The newest entries of a FileHistory text, at most `keep` of them and `max_bytes` in all; None when nothing
+    is dropped. An entry that alone takes over a quarter of `max_bytes` (a pasted file) is dropped by itself: it
+    pushed every older entry out, and one over `max_bytes` emptied the whole history."""
+    starts = [m.start() for m in re.finditer(r"(?m)^# ", text)]
+    entries = [text[a:b] for a, b in zip(starts, starts[1:] + [len(text)])]
+    kept: list[str] = []
+    size = 0
+    for entry in reversed(entries):
+        n = len(entry.encode("utf-8"))
+        if n > max_bytes // 4:
+            continue
+        if len(kept) >= keep or size + n > max_bytes:
+            break
+        kept.append(entry)
+        size += n
+    if len(kept) == len(entries):
+        return None
+    return "\n" + "".join(reversed(kept))
+
+
 def private_history(path: str, keep: int = HISTORY_KEEP, max_bytes: int = HISTORY_MAX_BYTES) -> None:
     """The input history file, made private (0600 in a 0700 directory, as ollama's; what was typed may be a
     secret) and cut to its last `keep` entries and `max_bytes` (it grew without bound, all of it read at start).
@@ -53,33 +105,31 @@ def private_history(path: str, keep: int = HISTORY_KEEP, max_bytes: int = HISTOR
     size = os.path.getsize(path)
     if size < 16384 and size <= max_bytes:   # under 1,000 entries for sure (each has a ~30-byte time line)
         return
-    with open(path, encoding="utf-8", errors="replace") as f:
-        text = f.read()
-    starts = [m.start() for m in re.finditer(r"(?m)^# ", text)]
-    cut = starts[-keep] if len(starts) > keep else 0
-    while cut < len(text) and len(text[cut:].encode("utf-8")) > max_bytes:
-        later = [i for i in starts if i > cut]
-        cut = later[0] if later else len(text)
-    if cut == 0:
-        return
     # written through a link (a dotfiles repo's, stow's): replacing the link itself left a copy here and the
     # user's file behind, no longer written; the copy goes beside the file it replaces (one filesystem)
     real = os.path.realpath(path)
-    fd, tmp = tempfile.mkstemp(prefix=".history-", suffix=".tmp", dir=os.path.dirname(real))   # 0600; per bitchat
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write("\n" + text[cut:])
-        os.replace(tmp, real)
-    except BaseException:   # a full disk: no partial copy left taking the space
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    with history_locked(real, os.O_RDWR) as fd:
+        with open(fd, encoding="utf-8", errors="replace", closefd=False) as f:
+            text = f.read()
+        trimmed = trim_history(text, keep, max_bytes)
+        if trimmed is None:
+            return
+        fd, tmp = tempfile.mkstemp(prefix=".history-", suffix=".tmp", dir=os.path.dirname(real))   # 0600
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(trimmed)
+            os.replace(tmp, real)
+        except BaseException:   # a full disk: no partial copy left taking the space
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
 
 
 def guarded_file_history(path: str):
     """prompt_toolkit's FileHistory whose writes may fail (a full disk, the file removed): the first failure is
     kept in .problem (the REPL says it once) and the history goes on in memory; prompt_toolkit printed its own
-    traceback and "Press ENTER to continue" at every line."""
+    traceback and "Press ENTER to continue" at every line. Each append holds the history's lock (history_locked),
+    so a bitchat trimming the shared file at its start cannot lose it."""
     from prompt_toolkit.history import FileHistory
 
     class GuardedFileHistory(FileHistory):
@@ -94,7 +144,8 @@ def guarded_file_history(path: str):
             except UnicodeError:
                 return
             try:
-                super().store_string(string)
+                with history_locked(os.path.realpath(path)):
+                    super().store_string(string)
             except OSError as e:
                 self.problem = f"[history file {path}: {e.strerror or e}; history kept in memory only]"
 

@@ -288,6 +288,58 @@ def test_a_history_line_that_is_not_utf8_is_not_stored(tmp_path):
     assert "+before" in text and "+after" in text and text.count("# ") == 2
 
 
+def test_one_huge_history_entry_does_not_erase_the_history(tmp_path):
+    """A 1.2 MiB paste in the input history: the trim at the next start kept nothing but what came after it (all
+    501 entries went). Only the oversized entry is dropped; the entries before and after it are kept."""
+    from prompt_toolkit.history import FileHistory
+
+    from bitnet_cpu.chat.repl import private_history
+
+    path = tmp_path / "history"
+    h = FileHistory(str(path))
+    for i in range(500):
+        h.store_string(f"entry {i}")
+    h.store_string("pasted " + "x" * (1200 << 10))
+    h.store_string("after the paste")
+    private_history(str(path))
+    kept = list(FileHistory(str(path)).load_history_strings())
+    assert kept == ["after the paste"] + [f"entry {i}" for i in range(499, -1, -1)]
+
+
+def _append_history(path, n):
+    from bitnet_cpu.chat.repl import guarded_file_history
+
+    h = guarded_file_history(path)
+    for k in range(n):
+        h.store_string(f"B-{k}")
+    assert h.problem is None
+
+
+def test_a_bitchat_starting_up_keeps_what_another_one_stores_meanwhile(tmp_path):
+    """Two bitchats on one history: the trim at one's start read the file and replaced it, and what the other
+    appended in between was lost (hundreds of entries under a tight loop). The trim and the appends take turns on
+    a lock: every entry appended while trims run is there afterwards (all are newer than the ones cut)."""
+    import multiprocessing
+    import re
+
+    from bitnet_cpu.chat.repl import private_history
+
+    if "fork" not in multiprocessing.get_all_start_methods():
+        pytest.skip("needs fork to run the second bitchat's appends")
+    path = tmp_path / "history"
+    path.write_text("".join(f"\n# 2026-01-01 00:00:00\n+A-{i} " + "y" * 100 + "\n" for i in range(4000)))
+    child = multiprocessing.get_context("fork").Process(target=_append_history, args=(str(path), 2000))
+    child.start()
+    trims = 0
+    while child.is_alive() or trims == 0:
+        private_history(str(path), keep=3000)
+        trims += 1
+    child.join()
+    assert child.exitcode == 0
+    got = set(re.findall(r"(?m)^\+B-(\d+)$", path.read_text()))
+    assert len(got) == 2000, f"{2000 - len(got)} appended entries lost over {trims} trims"
+
+
 def test_load_refuses_a_file_larger_than_any_conversation(tmp_path):
     """Over 16 MiB (a 128k-token conversation is about 1 MB) is refused before reading: a 60 MB file froze /load for
     minutes. A sparse file: nothing is written."""
