@@ -141,7 +141,9 @@ class ChatSession:
         self.splice = True            # False: always re-render the whole window (for comparison)
         self.recovery_path: str | None = None   # see enable_recovery()
         self._recovery_written = None   # (path, its identity) of the copy this session last wrote
-        self.own_files: set[str] = set()   # conversation files this session saved or loaded: /save replaces them
+        # conversation files this session saved or loaded, each with its identity then: /save replaces one only
+        # while it is still that file (another bitchat's /save! since, or a copy over it, is someone else's)
+        self.own_files: dict[str, tuple] = {}
         self.format = None            # compiled structured-output constraint of the answers (/set format), or None
         self.format_label = "off"
         self.format_spec = None       # the Constraint it was compiled from (/save keeps a schema itself)
@@ -193,6 +195,21 @@ class ChatSession:
             return path if _identity(os.stat(path)) == identity else None
         except OSError:
             return None
+
+    def _own(self, path: str) -> None:
+        """`path` was just written by this session: /save may replace it while it stays as written."""
+        key = same_file_key(path)
+        try:
+            self.own_files[key] = _identity(os.stat(key))
+        except OSError:
+            self.own_files.pop(key, None)
+
+    def _still_own(self, key: str) -> bool:
+        """Whether the file at `key` is still the one this session saved or loaded there."""
+        try:
+            return key in self.own_files and _identity(os.stat(key)) == self.own_files[key]
+        except OSError:
+            return False
 
     def discard_recovery(self) -> None:
         path = self.recovery_copy()
@@ -577,7 +594,7 @@ class ChatSession:
         elif name == "/stats":
             self.out.info(self.describe_stats())
         elif name == "/save":
-            other = None if cmd.force or same_file_key(arg) in self.own_files else other_conversation(
+            other = None if cmd.force or self._still_own(same_file_key(arg)) else other_conversation(
                 same_file_key(arg))
             if other:   # a fresh session's /save replaced a long conversation with an empty one, in silence
                 raise CommandError(f"/save: {same_file_key(arg)} holds {other}: not replaced; /save! {arg} replaces "
@@ -586,11 +603,15 @@ class ChatSession:
                 path = self.conv.save(arg, meta={"model": self.llm.name, "settings": self.saved_settings()})
             except TranscriptError as e:
                 raise CommandError(f"/save: {e}") from None
-            self.own_files.add(same_file_key(path))
+            self._own(path)
             n = len(self.conv.turns)
             self.out.info(f"[saved {n} turn{'' if n == 1 else 's'} to {path}]")
         elif name == "/load":
             from ..engine.errors import BitNetError
+            try:   # the file as it is before reading: one rewritten meanwhile is not taken as the one loaded
+                loaded = _identity(os.stat(same_file_key(arg)))
+            except OSError:
+                loaded = None
             try:
                 conv = Conversation.load(arg)
             except TranscriptError as e:
@@ -608,7 +629,8 @@ class ChatSession:
             self.cached_turn = None
             restored = self.restore_settings(conv.meta.get("settings"), f"/load {arg}")
             self._save_recovery()
-            self.own_files.add(same_file_key(arg))
+            if loaded is not None:
+                self.own_files[same_file_key(arg)] = loaded
             n = len(conv.turns)
             system = "no system prompt" if conv.system is None else \
                 f"system prompt {_short(conv.system)}" + (" kept (the file has none)" if kept_system else "")

@@ -290,7 +290,8 @@ def test_load_restores_think_on_a_thinking_template(llm, tmp_path):
 def test_save_replaces_another_conversation_only_when_forced(llm, tmp_path):
     """/save over a conversation file this session neither saved nor loaded is refused, naming its turns (a fresh
     bitchat replaced a long conversation with an empty one, in silence); /save! replaces it; the session's own
-    earlier save and the file it loaded are replaced as before."""
+    earlier save and the file it loaded are replaced as before, but only while they are still as it left them
+    (another session's /save! there since was replaced by the first one's next /save, in silence)."""
     s, _ = new_session(llm)
     s.ask("One?")
     s.ask("Two?")
@@ -304,7 +305,14 @@ def test_save_replaces_another_conversation_only_when_forced(llm, tmp_path):
     assert len(json.loads(path.read_text())["turns"]) == 3
     fresh.run_command(parse_command(f"/save! {path}"))
     assert json.loads(path.read_text())["turns"] == [] and "[saved 0 turns to" in sink.getvalue()
-    s.run_command(parse_command(f"/save {path}"))   # its own file, though replaced since
+    with pytest.raises(CommandError, match=r"holds another conversation \(0 turns\): not replaced; /save! "):
+        s.run_command(parse_command(f"/save {path}"))   # its own earlier save, but replaced since by another's
+    assert json.loads(path.read_text())["turns"] == []
+    s.run_command(parse_command(f"/save! {path}"))
+    path.write_text(path.read_text().replace("Three?", "Three, edited?"))   # changed from a shell
+    with pytest.raises(CommandError, match=r"holds another conversation \(3 turns\): not replaced"):
+        s.run_command(parse_command(f"/save {path}"))
+    s.run_command(parse_command(f"/save! {path}"))
     loader, sink = new_session(llm)
     loader.run_command(parse_command(f"/load {path}"))
     loader.ask("Four?")
