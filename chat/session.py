@@ -18,6 +18,7 @@ import contextlib
 import json
 import os
 import signal
+import stat
 import threading
 import time
 from contextlib import contextmanager
@@ -160,9 +161,11 @@ class ChatSession:
         turn the user has seen; the fatal line says where the copy is. discard_recovery() on a normal exit."""
         self.recovery_path = path
 
-    def _save_recovery(self) -> None:
+    def _save_recovery(self, quiet: bool = False) -> None:
         """Write the copy: around every turn, and after each command that changes the conversation (/system, /set
-        system, /reset, /load: the copy a signal's line named was the one before it)."""
+        system, /reset, /load: the copy a signal's line named was the one before it). Never over a copy another
+        process wrote at that path since: this session's then goes to a free X-PID.json beside it (`quiet`: with
+        no line about it, for a terminal that may be gone)."""
         if not self.recovery_path:
             return
         from ..engine import faults
@@ -174,6 +177,13 @@ class ChatSession:
 
         try:
             private_dir(os.path.dirname(os.path.abspath(self.recovery_path)))
+            if self.recovery_copy() is None and _holds_something(self.recovery_path):
+                # another bitchat given the same $BITCHAT_RECOVERY wrote there since (or before our first turn):
+                # its copy was written over, then ours named nowhere and removed at its exit; ours goes beside it
+                taken, self.recovery_path = self.recovery_path, _free_beside(self.recovery_path)
+                if not quiet:
+                    self.out.notice(f"[{taken} holds another bitchat's recovery copy (kept); this session's copy "
+                                    f"is now {self.recovery_path}]")
             written = self.conv.save(self.recovery_path, meta={"model": self.llm.name, "recovered": True,
                                                                "settings": self.saved_settings()}, durable=False)
             self._recovery_written = (written, _identity(os.stat(written)))
@@ -210,6 +220,15 @@ class ChatSession:
             return key in self.own_files and _identity(os.stat(key)) == self.own_files[key]
         except OSError:
             return False
+
+    def keep_recovery(self) -> str | None:
+        """The recovery copy to name as bitchat leaves on a signal: the one this session wrote, or, when another
+        bitchat has written over it since, a fresh one beside it (the line named nothing and the turns were lost)."""
+        if self.recovery_path and self.conv.turns and self.recovery_copy() is None \
+                and self._recovery_written is not None:
+            with contextlib.suppress(OSError):   # (a notice failing on a closed terminal)
+                self._save_recovery(quiet=True)
+        return self.recovery_copy()
 
     def discard_recovery(self) -> None:
         path = self.recovery_copy()
@@ -848,6 +867,26 @@ def _locale_note() -> str:
 def _short(text: str, width: int = 60) -> str:
     """`text` quoted on one line, cut to about `width` characters."""
     return repr(text if len(text) <= width else text[:width - 3] + "...")
+
+
+def _holds_something(path: str) -> bool:
+    """Whether there is a non-empty file (or anything but a regular file) at `path`."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return os.path.lexists(path)
+    return st.st_size > 0 or not stat.S_ISREG(st.st_mode)
+
+
+def _free_beside(path: str) -> str:
+    """X-PID.json beside X.json (X-PID-2.json, ... when taken): a recovery copy of this process's own."""
+    base, ext = os.path.splitext(path)
+    base = f"{base}-{os.getpid()}"
+    candidate, n = base + (ext or ".json"), 1
+    while os.path.lexists(candidate):
+        n += 1
+        candidate = f"{base}-{n}{ext or '.json'}"
+    return candidate
 
 
 def _identity(st: os.stat_result) -> tuple:

@@ -12,7 +12,8 @@ truncated or rewritten while in use), 70 an internal error (a bug: please report
 
 The conversation is kept in a recovery file while the session runs ($BITCHAT_RECOVERY, empty: none; else
 $XDG_STATE_HOME/bitchat/recovery-PID.json, or -PID-2.json beside an earlier session's; a $BITCHAT_RECOVERY that
-holds an earlier session's copy is kept too, this session's going to X-2.json beside it), removed on a normal exit
+holds an earlier session's copy is kept too, this session's going to X-2.json beside it, and one another bitchat
+writes there while this one runs is never written over: this session's goes to X-PID.json), removed on a normal exit
 while it is still the copy this session wrote:
 when the process is ended by a fatal fault or Ctrl-C outside a turn (a piped session waiting for input), the one-line
 message says where it is (/load it). A path holding a file that is not a recovery copy is refused at start.
@@ -132,7 +133,9 @@ def _guarded_body(args, settings: Settings, first_message: str | None = None) ->
             # the terminal closed at the prompt before its SIGHUP came: leave as on that signal
             raise Terminated(getattr(signal, "SIGHUP", signal.SIGTERM)) from None
     except (KeyboardInterrupt, Terminated) as e:
-        path = _written(live)   # turns so far are kept (user data): say where, never leave a file unannounced
+        # turns so far are kept (user data): say where, never leave a file unannounced; a copy another bitchat
+        # wrote over (a shared $BITCHAT_RECOVERY) is written again beside it
+        path = live[0].keep_recovery() if live else None
         why = "interrupted" if isinstance(e, KeyboardInterrupt) else f"terminated ({signal.Signals(e.signum).name})"
         kept = f"bitchat: {why}; the conversation so far is saved in {path} (/load it in bitchat)" \
             if path else f"bitchat: {why}"

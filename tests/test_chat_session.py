@@ -625,8 +625,8 @@ def test_a_system_prompt_too_long_for_the_context_is_named(llm):
 
 def test_the_recovery_copy_removes_only_what_it_wrote(llm, tmp_path):
     """A normal exit removes the recovery copy only while it is the one this session wrote: a file it never wrote
-    (the user's own, a conversation /load-ed from that path) and one another bitchat wrote there since both stay
-    (each was removed at every exit, even with no turn made)."""
+    (the user's own, a conversation /load-ed from that path), another bitchat's copy there and one written over
+    it since all stay (each was removed at every exit, even with no turn made)."""
     path = tmp_path / "rec.json"
     path.write_text("precious notes\n")
     s, _ = new_session(llm)
@@ -639,10 +639,38 @@ def test_the_recovery_copy_removes_only_what_it_wrote(llm, tmp_path):
     other, _ = new_session(llm)   # a second bitchat given the same path
     other.enable_recovery(str(path))
     other.ask("Mine?")
-    s.discard_recovery()
-    assert [t["user"] for t in json.loads(path.read_text())["turns"]] == ["Mine?"]
     other.discard_recovery()
-    assert not path.exists()
+    assert [t["user"] for t in json.loads(path.read_text())["turns"]] == ["Hi?"]
+    path.write_text(json.dumps({**json.loads(path.read_text()), "turns": []}))   # a copy written over it since
+    s.discard_recovery()
+    assert path.exists()
+
+
+def test_a_shared_recovery_path_keeps_each_sessions_copy(llm, tmp_path):
+    """Two bitchats given the same $BITCHAT_RECOVERY: the second one's first turn wrote over the first one's copy,
+    so a SIGHUP to the first named no copy, and the second one's normal exit removed the only one left: the first
+    one's turns were gone. The second one's copy goes beside it (X-PID.json, said in one line); a copy written
+    over behind a session's back is written again beside it as the session leaves on a signal, and named."""
+    def users(p):
+        return [t["user"] for t in json.loads(open(p).read())["turns"]]
+
+    path = tmp_path / "shared.json"
+    a, _ = new_session(llm)
+    a.enable_recovery(str(path))
+    a.ask("A's secret question?")
+    b, b_sink = new_session(llm)
+    b.enable_recovery(str(path))
+    b.ask("B's question?")
+    theirs = b.recovery_copy()
+    assert theirs and theirs != str(path) and users(theirs) == ["B's question?"]
+    assert f"this session's copy is now {theirs}" in b_sink.getvalue()
+    assert a.keep_recovery() == str(path) and users(path) == ["A's secret question?"]
+    b.discard_recovery()   # B's normal exit
+    assert not os.path.exists(theirs) and users(path) == ["A's secret question?"]
+    Conversation(turns=[Turn("Someone else's?", "Yes.")]).save(str(path), meta={"recovered": True})
+    kept = a.keep_recovery()   # A's terminal closes
+    assert kept and kept != str(path) and users(kept) == ["A's secret question?"]
+    assert users(path) == ["Someone else's?"]
 
 
 def test_the_recovery_copy_follows_the_commands_that_change_the_conversation(llm, tmp_path):
