@@ -188,7 +188,9 @@ class ChatSession:
                                                                "settings": self.saved_settings()}, durable=False)
             self._recovery_written = (written, _identity(os.stat(written)))
         except (TranscriptError, OSError) as e:
-            self.out.notice(f"[cannot keep a recovery copy of the conversation: {e}; /save still works]")
+            why = f"{e.filename}: {e.strerror}" if isinstance(e, OSError) and e.filename and e.strerror else \
+                (e.strerror if isinstance(e, OSError) and e.strerror else str(e))   # not "[Errno 20] ..."
+            self.out.notice(f"[cannot keep a recovery copy of the conversation: {why}; /save still works]")
             self.recovery_path = None
             faults.set_note("")
             return
@@ -618,10 +620,17 @@ class ChatSession:
             if other:   # a fresh session's /save replaced a long conversation with an empty one, in silence
                 raise CommandError(f"/save: {same_file_key(arg)} holds {other}: not replaced; /save! {arg} replaces "
                                    "it, or pick another name")
+            target = same_file_key(arg)
+            before = _identity_at(target)
             try:
                 path = self.conv.save(arg, meta={"model": self.llm.name, "settings": self.saved_settings()})
             except TranscriptError as e:
                 raise CommandError(f"/save: {e}") from None
+            except KeyboardInterrupt:   # Ctrl-C mid-write: the save is atomic; say which file is (not) there
+                if _identity_at(target) == before:
+                    kept = " (the file there is kept as it was)" if before else ""
+                    raise CommandError(f"/save: interrupted; {target} was not written{kept}") from None
+                path = target   # it came after the rename: written
             self._own(path)
             n = len(self.conv.turns)
             self.out.info(f"[saved {n} turn{'' if n == 1 else 's'} to {path}]")
@@ -887,6 +896,14 @@ def _free_beside(path: str) -> str:
         n += 1
         candidate = f"{base}-{n}{ext or '.json'}"
     return candidate
+
+
+def _identity_at(path: str) -> tuple | None:
+    """The _identity of the file at `path`, or None where there is none."""
+    try:
+        return _identity(os.stat(path))
+    except OSError:
+        return None
 
 
 def _identity(st: os.stat_result) -> tuple:

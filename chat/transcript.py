@@ -6,6 +6,7 @@ Pure logic, no engine and no terminal: unit-tested directly.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -79,7 +80,10 @@ def state_dir() -> str:
 def private_dir(directory: str) -> None:
     """Make `directory` if missing, 0700 (what it holds was typed, maybe a secret); bitchat's own state folder,
     made with the umask's bits by an earlier bitchat (a piped one made it 0755), is made private again."""
-    os.makedirs(directory, mode=0o700, exist_ok=True)
+    try:
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+    except FileExistsError:   # a file where the folder goes: its "File exists" named no problem
+        raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), directory) from None
     if os.path.abspath(directory) == os.path.abspath(state_dir()):
         try:
             if os.stat(directory).st_mode & 0o077:
@@ -239,6 +243,11 @@ class Conversation:
         if os.path.exists(path) and not os.path.isfile(path):   # a device, a FIFO: never replaced by a file
             raise TranscriptError(f"{path}: not a regular file")
         if not os.path.isdir(directory):
+            above = directory
+            while not os.path.lexists(above) and os.path.dirname(above) != above:
+                above = os.path.dirname(above)
+            if os.path.lexists(above) and not os.path.isdir(above):   # a file where a folder of the path goes
+                raise TranscriptError(f"{path}: {above} is not a directory")
             raise TranscriptError(f"{path}: directory {directory} does not exist")
         if os.path.isfile(path) and os.path.getsize(path) and not _is_conversation(path):   # someone's own file
             raise TranscriptError(f"{path}: exists and is not a bitchat conversation: not replaced (pick another "

@@ -204,6 +204,21 @@ def test_save_errors_name_the_file(tmp_path):
         make_conv(1).save(str(tmp_path / "nodir" / "c.json"))
     with pytest.raises(TranscriptError, match="is a directory"):
         make_conv(1).save(str(tmp_path))
+    afile = tmp_path / "afile"
+    afile.write_text("notes\n")   # a file where a folder of the path goes: it said the folder "does not exist"
+    for path in (afile / "c.json", afile / "sub" / "c.json"):
+        with pytest.raises(TranscriptError, match=f"{afile} is not a directory$"):
+            make_conv(1).save(str(path))
+
+
+def test_a_history_under_a_file_says_not_a_directory(tmp_path):
+    """The input history's folder is a file: the line said "File exists", which named no problem."""
+    from bitnet_cpu.chat.repl import private_history
+
+    (tmp_path / "f").write_text("")
+    with pytest.raises(NotADirectoryError) as e:
+        private_history(str(tmp_path / "f" / "h"))
+    assert e.value.strerror == "Not a directory" and e.value.filename == str(tmp_path / "f")
 
 
 @pytest.mark.parametrize("content, message", [

@@ -673,6 +673,48 @@ def test_a_shared_recovery_path_keeps_each_sessions_copy(llm, tmp_path):
     assert users(path) == ["Someone else's?"]
 
 
+def test_a_recovery_copy_under_a_file_says_why_in_words(llm, tmp_path):
+    """$XDG_STATE_HOME/bitchat is a file: the notice showed Python's "[Errno 17] File exists: '...'"."""
+    afile = tmp_path / "bitchat"
+    afile.write_text("")
+    s, sink = new_session(llm)
+    s.enable_recovery(str(afile / "recovery-1.json"))
+    s.ask("Hi?")
+    assert f"[cannot keep a recovery copy of the conversation: {afile}: Not a directory; /save still works]" \
+        in sink.getvalue()
+    assert "Errno" not in sink.getvalue()
+
+
+def test_a_ctrl_c_during_save_says_the_file_was_not_written(llm, tmp_path):
+    """Ctrl-C while /save writes (here: the kernel's SIGXFSZ at the file-size limit, its handler raising
+    KeyboardInterrupt as Ctrl-C's does): it said only "[interrupted]"; now the line says the file was not written
+    and the old one is kept (the save is atomic)."""
+    import resource
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    s, _ = new_session(llm)
+    s.conv.turns = [Turn(f"Question {i}?", "An answer. " * 20) for i in range(20)]
+    path = tmp_path / "c.json"
+    s.run_command(parse_command(f"/save {path}"))
+    old = path.read_text()
+    s.conv.turns.append(Turn("One more?", "Yes."))
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    previous = signal.signal(signal.SIGXFSZ, interrupt)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1000, hard))
+    try:
+        with pytest.raises(CommandError, match=rf"^/save: interrupted; {path} was not written \(the file there is "
+                                               r"kept as it was\)$"):
+            s.run_command(parse_command(f"/save {path}"))
+    except KeyboardInterrupt:   # (as the REPL took it: "[interrupted]" alone; caught here so pytest goes on)
+        pytest.fail("the Ctrl-C left /save without a line saying what was written")
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, previous)
+    assert path.read_text() == old
+
+
 def test_the_recovery_copy_follows_the_commands_that_change_the_conversation(llm, tmp_path):
     """/set system, /system, /load and /reset rewrite the recovery copy (or remove it when no turn is left), so the
     copy a SIGTERM's line names is the conversation as it stands (it was the one before the command)."""
