@@ -86,7 +86,7 @@ def trim_history(text: str, keep: int, max_bytes: int) -> str | None:
             break
         kept.append(entry)
         size += n
-    if len(kept) == len(entries):
+    if len(kept) == len(entries) and (entries or len(text.encode("utf-8")) <= max_bytes):   # (no entry: not ours)
         return None
     return "\n" + "".join(reversed(kept))
 
