@@ -490,7 +490,9 @@ LLAMA_ONLY = {
     ("--no-slots",): ("/slots is always served here (with the API key); it shows no prompts", ("bitnet serve",)),
     ("--props",): ("/props is read-only here (GET): the server's settings are its flags, changed by a restart",
                    ("bitnet serve",)),
-    ("--path",): ("there is no web UI here: no static files to serve", ("bitnet serve",)),
+    ("--path",): ("the chat page is built in; there are no static files to serve", ("bitnet serve",)),
+    ("--slot-save-path",): ("slot save / restore is not supported: the prefix cache keeps recent prompts' KV by "
+                            "itself", ("bitnet serve",)),
     ("--log-disable", "--log-format"): ("the server's log is uvicorn's: --log-level sets how much (critical: "
                                         "the least)", ("bitnet serve",)),
     ("--reranking", "--rerank"): ("reranking (/rerank) is not supported", ("bitnet serve",)),
