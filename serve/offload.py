@@ -179,7 +179,8 @@ def _parse_bounded(body: bytes, n_ctx: int | None):
     obj = loads(body, object_hook=counted(lambda d: d), parse_int=counted(int), parse_float=counted(float))
     if count > limit and isinstance(obj, dict):   # what a response format's schema holds is bounded on its own
         count -= min(SCHEMA_NODES, sum(_nodes(obj[k]) for k in SCHEMA_FIELDS if k in obj))
-    if count > limit:
+    if count > limit:   # a prompt of token ids (or messages) past the context says so, as one under this bound does
+        check_structure(obj, n_ctx)
         raise too_many("outside its schemas")
     check_structure(obj, n_ctx)
     return obj

@@ -188,6 +188,23 @@ def test_a_schema_s_objects_and_numbers_are_bounded_apart_from_the_context():
         assert e.value.code == "context_length_exceeded" and "schemas" in e.value.detail
 
 
+def test_a_prompt_of_token_ids_past_the_bodys_bound_is_a_context_overflow():
+    """A prompt of more token ids than a body's bound (4 x context + 256) is refused as the prompt that does not fit
+    the context, with llama-server's counts, as one of fewer ids is: it got the bound's words about JSON objects
+    and numbers outside schemas and /detokenize, naming no field."""
+    from bitnet_cpu.serve.offload import BodyRefused, parse_bounded
+
+    for n in (5000, 9000):
+        with pytest.raises(BodyRefused) as e:
+            parse_bounded(json.dumps({"prompt": [5] * n, "n_predict": 1}).encode(), 2048)
+        assert e.value.code == "context_length_exceeded" and e.value.param == "prompt", e.value.detail
+        assert e.value.extra == {"n_prompt_tokens": n, "n_ctx": 2048}
+        assert f"maximum context length is 2048 tokens. However, your prompt resulted in {n} tokens" in e.value.detail
+    with pytest.raises(BodyRefused) as e:   # other numbers past the bound keep the bound's words
+        parse_bounded(json.dumps({"prompt": [5] * 100, "x": list(range(9000))}).encode(), 2048)
+    assert "JSON objects and numbers" in e.value.detail and e.value.param is None
+
+
 def _send_until_answered(port: int, path: str, body: bytes, chunked: bool) -> tuple[int, int]:
     """POST body in 64 KiB pieces (Content-Length or chunked) until the server answers; (status, bytes sent)."""
     with socket.create_connection(("127.0.0.1", port)) as sock:
