@@ -36,6 +36,7 @@ from .metrics import CONTENT_TYPE, ServerMetrics, TokenClock
 from .offload import (BodyRefused, ClientGone, Streamed, next_or_gone, offloop_route, prepare_sampling,
                       prompt_body_bound, run_off_loop, too_long_for_context, unless_gone, warm_bounds)
 from .responses import STORED_RESPONSE_ROUTES, ResponseBuilder, ResponsesRequest, not_stored, responses_names
+from .llama_api import LORA_WHY, NOT_SERVED, lora_request_is_empty
 from .llama_api import timings_of as llama_timings
 from .schemas import (ChatCompletionRequest, CompletionRequest, RequestProblem, continuation, error_where,
                       main_error, model_object, overflow_message, unanswered)
@@ -1007,15 +1008,24 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         check_model(model_name)
         return model_entry(eng)
 
-    @app.post("/infill", include_in_schema=False)
-    async def infill():   # llama-server's fill-in-the-middle: a clear answer, not a bare 404
-        raise APIError(501, "/infill (fill-in-the-middle) is not supported: the ternary models served here have no "
-                       "FIM tokens; send the prefix to /completion", "not_supported_error", code="not_supported")
+    def not_served(why: str):
+        async def refuse():   # llama-server's /infill, slot actions, /rerank, POST /props: a 501, not a bare 404
+            raise APIError(501, why, "not_supported_error", code="not_supported")
+        return refuse
 
-    @app.post("/slots/{id_slot}", include_in_schema=False)
-    async def slot_action(id_slot: str):   # llama-server's ?action=save|restore|erase: its 501, not a bare 404
-        raise APIError(501, "slot actions (save, restore, erase) are not supported: the prefix cache keeps recent "
-                       "prompts' KV by itself", "not_supported_error", code="not_supported")
+    for paths, why in NOT_SERVED.items():
+        for path in paths:
+            app.add_api_route(path, not_served(why), methods=["POST"], include_in_schema=False)
+
+    @app.get("/lora-adapters", include_in_schema=False)
+    async def lora_adapters():   # llama-server's list of loaded adapters: none here
+        return []
+
+    @app.post("/lora-adapters", include_in_schema=False)
+    async def lora_scales(request: Request):
+        if lora_request_is_empty(await request.body()):
+            return {"success": True}
+        raise APIError(501, LORA_WHY, "not_supported_error", code="not_supported")
 
     def get_and_head(path: str, **kw):
         """A GET route and its HEAD twin, which stays out of the OpenAPI schema: one route of both methods gave

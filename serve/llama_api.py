@@ -23,6 +23,44 @@ from .offload import Streamed, run_off_loop, too_long_for_context
 from .schemas import (CHAIN, MANY_STOPS, SAMPLER_ALIASES, ChatMessage, JSONTyped, RequestProblem, _Sampling,
                       continuation, tools_refused, unanswered)
 
+# fields /completion takes but cannot honour: their "off" values (taken, as clients send them), and why any other
+# is refused, naming /completion's own field where there is one (the mirror of /v1/completions' n_probs refusal)
+NOT_HERE = {
+    "logprobs": ((None, False), "the OpenAI endpoints' field; on /completion ask for n_probs (0..20)"),
+    "top_logprobs": ((None,), "the OpenAI endpoints' field; on /completion ask for n_probs (0..20)"),
+    "echo": ((None, False), "not supported on /completion (the answer's `prompt` field is the prompt it ran)"),
+    "best_of": ((None, 1), "only best_of=1 is supported"),
+    "suffix": ((None, ""), "suffix is not supported (fill-in-the-middle: these models have no FIM tokens)"),
+    "max_completion_tokens": ((None,), "the chat endpoint's field; on /completion set n_predict (or max_tokens)"),
+    "return_progress": ((None, False), "prompt-processing progress is not reported"),
+    "n_cmpl": ((None, 1), "/completion gives one completion (send several requests, or use /v1/completions' n)"),
+    "chat_template_kwargs": ((None, {}), "/completion takes a raw prompt, with no chat template to pass them to "
+                                         "(/v1/chat/completions and /apply-template take them)"),
+}
+# llama-server's endpoints for what this server has not: a POST to any of these paths is a 501 saying why (it was
+# a bare 404 / 405), from a model's server (serve/app.py) and from the --models-dir router alike, no model loaded
+NOT_SERVED = {
+    ("/infill",): "/infill (fill-in-the-middle) is not supported: the ternary models served here have no FIM tokens; "
+                  "send the prefix to /completion",
+    ("/slots/{id_slot}",): "slot actions (save, restore, erase) are not supported: the prefix cache keeps recent "
+                           "prompts' KV by itself",
+    ("/rerank", "/reranking", "/v1/rerank", "/v1/reranking"):
+        "reranking is not supported: no reranking model is served here (/v1/embeddings gives vectors to compare)",
+    ("/props",): "POST /props is not supported: /props is read-only here (GET); the server's settings are its flags, "
+                 "changed by a restart",
+}
+LORA_WHY = ("LoRA adapters are not supported: none is loaded here (GET /lora-adapters lists none), so there is no "
+            "scale to set")
+
+
+def lora_request_is_empty(body: bytes) -> bool:
+    """POST /lora-adapters with [] (every adapter's scale, of none) asks for nothing: llama-server's success."""
+    try:
+        return len(body) <= 64 and json.loads(body) == []
+    except (ValueError, RecursionError):
+        return False
+
+
 STOP_TYPE = {"eos": "eos", "stop": "word", "length": "limit", "context": "limit", "cancelled": "none"}
 
 
@@ -43,9 +81,28 @@ class NativeCompletionRequest(_Sampling):
     tools: Optional[Any] = None   # llama-server ignores these here; refused (tools_refused), never dropped in silence
     tool_choice: Optional[Any] = None
     parallel_tool_calls: Optional[Any] = None
+    # the OpenAI endpoints' fields and llama-server's that this endpoint cannot honour: read, so that a value other
+    # than "off" is refused (NOT_HERE) rather than dropped in silence (max_completion_tokens ran to EOS)
+    logprobs: Any = None
+    top_logprobs: Any = None
+    echo: Any = None
+    best_of: Any = None
+    suffix: Any = None
+    max_completion_tokens: Any = None
+    return_progress: Any = None
+    n_cmpl: Any = None
+    chat_template_kwargs: Any = None
 
     def unsupported(self):
-        return tools_refused(self) or super().unsupported()
+        return tools_refused(self) or self.not_here() or super().unsupported()
+
+    def not_here(self) -> Optional[tuple[str, str]]:
+        """(param, message) for the first NOT_HERE field set to other than its "off" values."""
+        for name, (off, why) in NOT_HERE.items():
+            value = getattr(self, name)
+            if not any(value is x or (type(value) is type(x) and value == x) for x in off):
+                return name, f"{name}: {why}"
+        return None
 
     @field_validator("temperature", mode="before")
     @classmethod
@@ -86,7 +143,10 @@ class NativeCompletionRequest(_Sampling):
             if isinstance(key, bool) or not isinstance(key, int):
                 raise PydanticCustomError("invalid_setting", f"logit_bias {key!r}: [[token id, bias], ...] with the "
                                           "token id an integer")
-            out[str(key)] = bias(key, pair[1])
+            b, was = bias(key, pair[1]), out.get(str(key))
+            if all(isinstance(x, (int, float)) for x in (b, was)):   # a token given twice: its biases add up, as
+                b += was                                                # llama-server's (false stays never: -inf)
+            out[str(key)] = b
         return out
 
     def limit(self) -> Optional[int]:   # llama-server: n_predict, else max_tokens; negative: the context's end

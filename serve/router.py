@@ -1056,6 +1056,27 @@ def create_router_app(router: Router, *, api_keys: tuple = (), limits: Limits | 
                 "default_generation_settings": {"n_ctx": 0, "params": {}},
                 "modalities": {"vision": False, "audio": False}, "build_info": f"bitnet-cpu {__version__}"}
 
+    def not_served(why: str):
+        async def refuse(request: Request):   # a model's server's 501, said without loading a model for it
+            return Response(error_json(why, "not_supported_error", "not_supported", scope=request.scope, status=501),
+                            status_code=501, media_type="application/json")
+        return refuse
+
+    from .llama_api import LORA_WHY, NOT_SERVED, lora_request_is_empty
+    for paths, why in NOT_SERVED.items():
+        for path in paths:
+            app.add_api_route(path, not_served(why), methods=["POST"], include_in_schema=False)
+
+    @app.get("/lora-adapters", include_in_schema=False)
+    async def lora_adapters():   # as a model's server answers: no adapters
+        return []
+
+    @app.post("/lora-adapters", include_in_schema=False)
+    async def lora_scales(request: Request):
+        if lora_request_is_empty(await request.body()):
+            return {"success": True}
+        return await not_served(LORA_WHY)(request)
+
     from .responses import STORED_RESPONSE_ROUTES, not_stored, refused_state
 
     async def response_not_stored(request: Request, response_id: str):   # as a model's server answers them (a

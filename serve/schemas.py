@@ -8,12 +8,13 @@ with the parameter named, so the client gets a clear 400 instead of a silently d
 from __future__ import annotations
 
 import functools
+import json
 import re
 from dataclasses import fields
 from typing import Annotated, Any, ClassVar, Literal, NamedTuple, Optional, Union, get_args, get_origin
 
-from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, StrictBool, ValidationInfo, field_validator,
-                      model_validator)
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, ValidationInfo,
+                      field_validator, model_validator)
 from pydantic_core import PydanticCustomError
 
 from ..engine.runtime.sampling import SamplingParams, setting_problem
@@ -28,6 +29,13 @@ def main_error(errors: list[dict]) -> dict:
     """The one error a 400 reports: the deepest, so that inside a union it is the branch that got furthest (a
     list of parts with a part missing its text, not "expected a string" for the whole list)."""
     return max(errors, key=lambda e: len(e.get("loc", ())), default={})
+
+
+def json_text(value, limit: int = 80) -> str:
+    """A request's value as JSON spells it (true, null, double quotes: not Python's True, None, 'x'), cut at
+    `limit` characters (an image's base64 is not echoed back whole)."""
+    text = json.dumps(value, ensure_ascii=False, default=str)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def error_where(err: dict) -> str | None:
@@ -291,9 +299,19 @@ class StreamOptions(JSONTyped):
     include_usage: bool = False
 
 
+def _schema_given(value):
+    """One message for what is not a schema: the union's first failure said "Input should be a valid boolean" for a
+    schema sent as a string of JSON."""
+    if value is not None and not isinstance(value, (bool, dict)):
+        what = "a string (send the schema itself, not its JSON text)" if isinstance(value, str) else \
+            f"a JSON {'array' if isinstance(value, list) else 'number'}"
+        raise PydanticCustomError("json_schema_value", f"a JSON Schema is an object (or true / false), not {what}")
+    return value
+
+
 # a JSON Schema as a request gives it: an object, or JSON Schema's boolean schema (true: any value; false: none, a
 # 400 from Constraint.json_schema); not "yes" or 1, which lax validation would have read as true
-JSONSchemaValue = Union[StrictBool, dict[str, Any]]
+JSONSchemaValue = Annotated[Union[StrictBool, dict[str, Any]], BeforeValidator(_schema_given)]
 
 
 class JSONSchemaFormat(BaseModel):
@@ -562,7 +580,8 @@ class _Sampling(JSONTyped):
         for name, off in OFF.items():
             value = getattr(self, name)
             if value != off and not (off is None and value in ([], {})):   # an empty list is off (llama.cpp's UI)
-                return name, f"{name} {value!r}: not supported (only {off!r}, off)"
+                return name, (f"{name} {json_text(value)}: not supported (only {json.dumps(off)}"
+                              f"{' or []' if off is None else ''}, off)")
         for name in LAZY:   # a lazy grammar waits for a trigger; ignored, it would constrain from the first token
             if getattr(self, name):
                 return name, (f"{name}: lazy grammars (applied from a trigger on) are not supported; the grammar "

@@ -134,6 +134,24 @@ def test_models_path_and_infill(server):
         assert r.status_code == 501 and "slot actions" in r.json()["error"]["message"], r.text
 
 
+def test_llama_servers_other_endpoints_say_what_is_not_served(server):
+    """llama-server's reranking, LoRA and POST /props endpoints were a bare "Not Found" / "Method Not Allowed":
+    reranking and setting /props are 501s saying so; /lora-adapters lists no adapters, and setting a scale on one is
+    a 501 (an empty list asks for nothing, as llama-server takes it)."""
+    for path in ("/rerank", "/reranking", "/v1/rerank", "/v1/reranking"):
+        r = post(server, path, {"query": "a", "documents": ["b", "c"]})
+        assert r.status_code == 501 and "reranking is not supported" in r.json()["error"]["message"], (path, r.text)
+    r = post(server, "/props", {"n_ctx": 5})
+    assert r.status_code == 501 and "read-only" in r.json()["error"]["message"], r.text
+    assert httpx.get(server.url + "/props", timeout=30).status_code == 200   # GET is still /props
+    r = httpx.get(server.url + "/lora-adapters", timeout=30)
+    assert r.status_code == 200 and r.json() == [], r.text
+    r = post(server, "/lora-adapters", [{"id": 0, "scale": 0.5}])
+    assert r.status_code == 501 and "LoRA adapters are not supported" in r.json()["error"]["message"], r.text
+    r = post(server, "/lora-adapters", [])
+    assert r.status_code == 200 and r.json() == {"success": True}, r.text
+
+
 def test_props_settings_post_back_and_llama_server_lengths(server):
     """A client may send /props' default settings back as a request (llama-server takes its own echo): its
     empty grammar is no grammar, its max_tokens -1 no limit. n_predict is honoured on the OpenAI endpoints as
@@ -254,6 +272,11 @@ def test_completion_prompt_forms_samplers_and_bias(server):
     assert banned["tokens"][0] != first
     # false is "never" in the object form too (it was read as a bias of 0), as llama-server reads it
     assert complete(server, return_tokens=True, logit_bias={str(first): False})["tokens"] == banned["tokens"]
+    # a token given twice: its biases add up, as llama-server's (the last one alone was kept)
+    assert complete(server, return_tokens=True, logit_bias=[[first, 100], [first, -100]])["tokens"] == \
+        complete(server, return_tokens=True)["tokens"]
+    assert complete(server, return_tokens=True, logit_bias=[[first, False], [first, 100]])["tokens"] == \
+        banned["tokens"]
     # a token id as JSON's 14.0 is the integer 14 (it was "a string as the key is not supported")
     assert complete(server, return_tokens=True, logit_bias=[[float(first), False]])["tokens"] == banned["tokens"]
     # the chain the request ran comes back, not the whole chain (posted back, it would turn samplers on)
@@ -310,8 +333,11 @@ def test_a_false_bias_is_never_as_llama_server():
 
     from bitnet_cpu.serve.llama_api import NativeCompletionRequest
 
-    for bias in ([[7, False]], {"7": False}):
+    for bias in ([[7, False]], {"7": False}, [[7, False], [7, 5]], [[7, 5], [7, False]]):
         assert NativeCompletionRequest(prompt="x", logit_bias=bias).sampling_params().logit_bias == {7: -math.inf}
+    # a token given twice: the biases add up (llama-server's), where the last one alone was kept
+    assert NativeCompletionRequest(prompt="x", logit_bias=[[273, -100], [273, 5], [9, 1]]).sampling_params() \
+        .logit_bias == {273: -95, 9: 1}
 
 
 def test_samplers_without_temperature_leave_out_dynamic_temperature(server):
@@ -372,11 +398,45 @@ def test_presence_and_frequency_count_the_prompt_as_llama_server(server):
     ({"logit_bias": {" 10": 1.0}}, "logit_bias"),
     ({"logit_bias": {"-5": 1.0}}, "logit_bias"),
     ({"image_data": [{"data": "AAAA", "id": 1}]}, "image_data"),
+    # fields of the OpenAI endpoints (and llama-server's) this endpoint cannot honour: they were dropped in silence
+    ({"logprobs": 5}, "logprobs"),
+    ({"logprobs": True, "top_logprobs": 3}, "logprobs"),
+    ({"top_logprobs": 3}, "top_logprobs"),
+    ({"echo": True}, "echo"),
+    ({"suffix": "world"}, "suffix"),
+    ({"best_of": 3}, "best_of"),
+    ({"max_completion_tokens": 1}, "max_completion_tokens"),   # ran to the end of the text
+    ({"return_progress": True}, "return_progress"),
+    ({"n_cmpl": 2}, "n_cmpl"),
+    ({"chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs"),
+    ({"json_schema": '{"type": "object"}'}, "json_schema"),   # a string: was "Input should be a valid boolean"
 ])
 def test_completion_refusals_name_the_field(server, body, param):
     r = post(server, "/completion", {"prompt": P, "n_predict": 2, **body})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param and r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("body, says", [
+    ({"logprobs": 5}, "n_probs"),
+    ({"top_logprobs": 3}, "n_probs"),
+    ({"max_completion_tokens": 1}, "n_predict"),
+    ({"post_sampling_probs": True}, "post_sampling_probs true: not supported (only false, off)"),
+    ({"image_data": [{"data": "AAAA", "id": 1}]}, 'image_data [{"data": "AAAA", "id": 1}]: not supported (only null'),
+    ({"json_schema": '{"type": "object"}'}, "json_schema: a JSON Schema is an object (or true / false), not a string"),
+])
+def test_completion_refusals_say_what_to_send_in_json(server, body, says):
+    """A refusal names /completion's own field where there is one, and writes the value sent as JSON spells it
+    (true, double quotes: not Python's True and single quotes)."""
+    r = post(server, "/completion", {"prompt": P, "n_predict": 2, **body})
+    assert r.status_code == 400 and says in r.json()["error"]["message"], r.text
+
+
+def test_completion_takes_those_fields_at_their_off_values(server):
+    """What clients send by default (false, null, best_of 1, an empty suffix or kwargs) is not a refusal."""
+    off = {"logprobs": False, "top_logprobs": None, "echo": False, "best_of": 1, "suffix": "",
+           "return_progress": False, "n_cmpl": 1, "chat_template_kwargs": {}, "max_completion_tokens": None}
+    assert complete(server, **off)["content"] == complete(server)["content"]
 
 
 @pytest.mark.parametrize("body, param", [

@@ -1274,6 +1274,20 @@ def test_props_without_a_model_and_v1_health(router):
     assert httpx.get(router.url + "/v1/health").json()["status"] == "ok"
 
 
+def test_llama_server_endpoints_not_served_are_answered_without_a_model(router):
+    """llama-server's /infill, slot actions, reranking, POST /props and LoRA endpoints are a model's server's 501s
+    (and its empty adapter list), said by the router itself: no model to name, none loaded for a refusal (they were
+    forwarded, a 400 "model: required" with two models, or a bare 404)."""
+    for path, said in (("/infill", "fill-in-the-middle"), ("/slots/0?action=save", "slot actions"),
+                       ("/rerank", "reranking is not supported"), ("/v1/rerank", "reranking is not supported"),
+                       ("/props", "read-only"), ("/lora-adapters", "LoRA adapters are not supported")):
+        r = post(router.url, path, [{"id": 0, "scale": 1.0}] if "lora" in path else {"query": "a"})
+        assert r.status_code == 501 and said in r.json()["error"]["message"], (path, r.text)
+        assert r.json()["error"]["code"] == "not_supported"
+    r = httpx.get(router.url + "/lora-adapters", timeout=30)
+    assert r.status_code == 200 and r.json() == [], r.text
+
+
 def test_stored_response_routes_answer_as_a_models_server(router):
     """openai's responses.retrieve / delete / cancel / input_items.list carry no model: the router answers them as a
     model's server does (404 not_stored), where they were a 400 "model: required" nobody could satisfy; without
