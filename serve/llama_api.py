@@ -30,7 +30,7 @@ NOT_HERE = {
     "top_logprobs": ((None,), "the OpenAI endpoints' field; on /completion ask for n_probs (0..20)"),
     "echo": ((None, False), "not supported on /completion (the answer's `prompt` field is the prompt it ran)"),
     "best_of": ((None, 1), "only best_of=1 is supported"),
-    "suffix": ((None, ""), "suffix is not supported (fill-in-the-middle: these models have no FIM tokens)"),
+    "suffix": ((None, ""), "not supported (fill-in-the-middle: these models have no FIM tokens)"),
     "max_completion_tokens": ((None,), "the chat endpoint's field; on /completion set n_predict (or max_tokens)"),
     "return_progress": ((None, False), "prompt-processing progress is not reported"),
     "n_cmpl": ((None, 1), "/completion gives one completion (send several requests, or use /v1/completions' n)"),
