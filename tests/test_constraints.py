@@ -393,6 +393,29 @@ def test_refused_with_the_reason(llm, spec, words):
     assert words in str(e.value)
 
 
+def test_key_counts_over_listed_keys_are_refused_with_advice_that_works(llm):
+    """min/maxProperties over keys listed in properties: the grammar engine counts them only where every key is
+    required, or one key past the required ones. What it cannot count is refused by this check, never by the
+    engine's own words (this check had advised listing the keys, and the engine then refused that form in turn),
+    and the form advised compiles."""
+    props = {k: {"type": "integer", "minimum": 0, "maximum": 9} for k in "abc"}
+    for n_req in range(3):   # each count over 3 listed keys (closed), of which n_req are required
+        for name in ("minProperties", "maxProperties"):
+            for v in range(n_req if name == "maxProperties" else 0, 5):
+                schema = {"type": "object", "properties": props, "required": list("abc"[:n_req]), name: v,
+                          "additionalProperties": False}
+                try:
+                    llm.compile_constraint(Constraint.json_schema(schema))
+                except ConstraintError as e:
+                    assert f"{name} {v} over optional keys" in str(e) and "listed in" not in str(e), (schema, e)
+    schema = {"type": "object", "properties": props, "minProperties": 2, "additionalProperties": False}
+    with pytest.raises(ConstraintError) as e:
+        llm.compile_constraint(Constraint.json_schema(schema))
+    assert "make every key in properties required" in str(e.value) and "minProperties / maxProperties 1" in str(e.value)
+    for advised in ({"required": list(props)}, {"minProperties": 1}):
+        assert llm.compile_constraint(Constraint.json_schema({**schema, **advised})) is not None
+
+
 @pytest.mark.parametrize("n,required", [(600, True), (600, False), (1200, True)])
 def test_schemas_of_thousands_of_properties_are_enforced(llm, n, required):
     """OpenAI takes up to 5,000 properties; llguidance's default limits refused 600 required ones (its lexer's

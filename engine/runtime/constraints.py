@@ -205,7 +205,8 @@ def unenforceable(schema) -> str | None:
     _inward_bounds), or one past 64 bits that a double's shortest digits do not write (_as_double); an integer
     bound that leaves nothing within int64's range (INT_BOUND); minProperties above 1 over keys that may come
     from patternProperties / additionalProperties
-    (the grammar cannot see a key repeated, and counted {"a":1,"a":2} as two; one key is one key)."""
+    (the grammar cannot see a key repeated, and counted {"a":1,"a":2} as two; one key is one key), and
+    min/maxProperties over optional keys in a way the grammar engine cannot count (_key_counts)."""
     found: list[str] = []
 
     def inexact(v) -> bool:
@@ -233,13 +234,38 @@ def unenforceable(schema) -> str | None:
             if past:
                 found.append(f"{past[0]}: no integer the grammar engine can write is within it (it holds integers "
                              f"to int64's range, +-{INT_BOUND} as doubles): give such numbers as strings")
-        free = out.get("additionalProperties", True) is not False or out.get("patternProperties")
-        if _is_num(out.get("minProperties")) and out["minProperties"] > 1 and free:
-            found.append("minProperties over keys not listed in properties cannot be enforced (a key written "
-                         "twice would count twice); list the keys, with additionalProperties false")
+        counts = _key_counts(out)
+        if counts:
+            found.append(counts)
         return out
     _schema_copy(schema, fix)
     return found[0] if found else None
+
+
+def _key_counts(out) -> str | None:
+    """unenforceable's word on a node's minProperties / maxProperties. The grammar engine counts keys only where
+    every key in properties is required, or, with no other keys allowed, for one key more than the required ones
+    (at least one / at most one of the optional keys): it refused the rest with advice of its own, after this
+    check had advised listing the keys, so each 400 sent the client to the other."""
+    mn, mx = (out.get(k) if _is_num(out.get(k)) else None for k in ("minProperties", "maxProperties"))
+    if mn is None and mx is None:
+        return None
+    props = out.get("properties") if isinstance(out.get("properties"), dict) else {}
+    required = {k for k in out.get("required") or () if isinstance(k, str)} \
+        if isinstance(out.get("required"), list) else set()
+    n_req, optional = len(required), [k for k in props if k not in required]
+    free = out.get("additionalProperties", True) is not False or out.get("patternProperties")
+    works = "make every key in properties required, or (with additionalProperties false) ask for one key more " \
+        f"than the required ones: minProperties / maxProperties {n_req + 1}"
+    if mn is not None and mn > 1 and mn > n_req and free:
+        return f"minProperties {mn} over keys not listed in properties cannot be enforced (a key written twice " \
+               f"would count twice); list the keys in properties with additionalProperties false, and {works}"
+    for name, v in (("minProperties", mn), ("maxProperties", mx)):
+        if v is None or not optional or (name == "minProperties" and v <= n_req) or (not free and v == n_req + 1):
+            continue
+        return f"{name} {v} over optional keys ({', '.join(optional[:3])}{', ...' if len(optional) > 3 else ''}) " \
+               f"cannot be enforced; {works}"
+    return None
 
 
 def _inward_bounds(out):
