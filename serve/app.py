@@ -38,7 +38,7 @@ from .offload import (BodyRefused, ClientGone, Streamed, next_or_gone, offloop_r
 from .responses import STORED_RESPONSE_ROUTES, ResponseBuilder, ResponsesRequest, not_stored, responses_names
 from .llama_api import LORA_WHY, NOT_SERVED, lora_request_is_empty
 from .llama_api import timings_of as llama_timings
-from .schemas import (ChatCompletionRequest, CompletionRequest, RequestProblem, continuation, error_where,
+from .schemas import (ChatCompletionRequest, CompletionRequest, RequestProblem, continuation, cut_json, error_where,
                       main_error, model_object, overflow_message, unanswered)
 
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context": "length", "cancelled": "stop"}
@@ -651,6 +651,11 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         text_of, n_top = state.token_text(eng), body.top_logprobs or 0
         parsers = [new_parser() if new_parser is not None else None for _ in streams]   # one per choice
         n_calls = [0] * len(streams)
+        # an answer in a JSON format cut by a stop string: as one cut by max_tokens (length), as a cut call is
+        answers = [""] * len(streams) if body.json_answer() and prefill is None else None   # each choice's text so far
+
+        def cut_answer(i, text):
+            return answers is not None and cut_json(text, new_splitter())
         splitters = [new_splitter() if fmt != "none" and prefill is None else None for _ in streams]
         opened = ["<think>\n" if fmt == "deepseek-legacy" and sp is not None and sp.opened else "" for sp in splitters]
         if fmt == "deepseek-legacy":
@@ -678,6 +683,8 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         def make_chunk(i, text, finish, first=False, lps=None):
             parser = parsers[i]
             reasoning, content = split(i, text) if not first else ("", None)
+            if answers is not None and text:
+                answers[i] += text
             if first:
                 delta = {"role": "assistant", "content": opened[i]}
             elif parser is not None:   # tool calls: content streams, each call goes out once its block closes
@@ -691,6 +698,8 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
                     finish = "length" if parser.cut_call else "tool_calls"   # max_tokens: never to be run
             else:
                 delta = {"content": content} if content else {}
+            if finish == "stop" and not n_calls[i] and cut_answer(i, answers[i] if answers is not None else ""):
+                finish = "length"
             if reasoning:
                 delta = {"reasoning_content": reasoning, **delta}
             if text is not None and not delta:
@@ -699,6 +708,7 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
                     "choices": [{"index": i, "delta": delta, "logprobs": logprobs(lps), "finish_reason": finish}]}
 
         def make_choice(i, text, finish, lps):
+            whole = text
             reasoning, text = split(i, text)
             if splitters[i] is not None:
                 more, rest = split(i, None)
@@ -716,6 +726,8 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
                     message["tool_calls"] = calls
                     if finish == "stop":   # a call cut by a stop string: as one cut by max_tokens (length)
                         finish = "length" if parser.cut_call else "tool_calls"
+            if finish == "stop" and "tool_calls" not in message and cut_answer(i, whole):
+                finish = "length"
             return {"index": i, "message": message, "logprobs": logprobs(lps), "finish_reason": finish}
         out = await respond(request, body, streams, q, len(prompt_ids), make_chunk, make_choice, cid)
         return {**head, "object": "chat.completion", **out} if isinstance(out, dict) else out

@@ -21,7 +21,7 @@ from pydantic import ConfigDict, Field, field_validator, with_config
 from pydantic_core import PydanticCustomError
 from typing_extensions import TypedDict
 
-from .schemas import Metadata, RequestProblem, ServiceTier, _Sampling, text_of_parts
+from .schemas import Metadata, RequestProblem, ServiceTier, _Sampling, cut_json, text_of_parts
 
 # `include` values: what they ask for exists here (logprobs) or is vacuous (no reasoning, no built-in tools run)
 INCLUDE_LOGPROBS = "message.output_text.logprobs"
@@ -328,6 +328,7 @@ class ResponseBuilder:
         self.body, self.model, self.params, self.parser = body, model, params, parser
         self.splitter, self.thought = splitter, None   # the reasoning item being written
         self.entry = entry   # (token, TokenLogprob) -> a logprob entry; None: no logprobs asked
+        self.json_answer = body.json_answer()   # text.format (or response_format) asks for JSON
         self.id, self.created = _id("resp"), int(time.time())
         self.output: list[dict] = []
         self.msg: Optional[dict] = None   # the message item being written
@@ -480,6 +481,8 @@ class ResponseBuilder:
         ev += self._close_thought(cut and thinking)
         rest, calls = self.parser.finish(cut) if self.parser is not None else ("", [])
         ev += self._put(rest, calls, cut_call=self.parser is not None and self.parser.cut_call)
+        if final.finish_reason == "stop" and self.json_answer and self._answer_cut():
+            cut = True   # an answer in text.format cut by a stop string: as one cut by max_output_tokens
         if not cut and self.msg is None and not any(o["type"] in ("message", "function_call") for o in self.output):
             ev += self._open_message()   # an empty answer (a stop string at its start) is still a message, as chat's
             #                              (one cut inside its thought is that thought alone, incomplete)
@@ -494,6 +497,13 @@ class ResponseBuilder:
             return ev + [self._event("response.incomplete", response=self.result())]
         self.status = "completed"
         return ev + [self._event("response.completed", response=self.result())]
+
+    def _answer_cut(self) -> bool:
+        """Whether the answer, being JSON of a format, is no whole value (a function call instead: the calls'
+        own rule)."""
+        if any(o["type"] == "function_call" for o in self.output):
+            return False
+        return cut_json(self.msg["content"][0]["text"] if self.msg is not None else "")
 
     def fail(self, message: str, status: int = 500) -> list[str]:
         """The engine failed this request's sequence (response.failed: the server goes on), or a stopping server

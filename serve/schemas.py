@@ -234,6 +234,22 @@ def _id_items(value: list, nested: bool):
             yield f"[{i}]", x
 
 
+def cut_json(text: str, splitter=None) -> bool:
+    """Whether an answer that must be JSON is no whole JSON value: a stop string cut it before its grammar let it
+    end (one after a whole value, past its last digit, cut nothing). splitter: a fresh think splitter, to leave
+    out a thought written in the text."""
+    if splitter is not None:
+        _, text = splitter.feed(text)
+        text += splitter.finish()[1]
+    try:
+        json.loads(text)
+    except ValueError:
+        return True
+    except RecursionError:   # nested past the parser's depth: the grammar closed it
+        return False
+    return False
+
+
 class JSONTyped(BaseModel):
     """A request model whose booleans and numbers take JSON's own types, as OpenAI's API and ollama's Go server
     do: "0.5" for a temperature, "yes" or 1 for stream, true for max_tokens are a 400 naming the field, where
@@ -552,6 +568,16 @@ class _Sampling(JSONTyped):
             raise ConstraintError("give one of response_format, json_schema and grammar, not several",
                                   where=given[1].where)
         return given[0] if given else None
+
+    def json_answer(self) -> bool:
+        """Whether the answer in text must be JSON of a format (response_format, text.format, llama-server's
+        json_schema), not a grammar's text; asked once the request's constraint has been checked."""
+        from ..engine.errors import ConstraintError
+        try:
+            spec = self.constraint()
+        except ConstraintError:
+            return False
+        return spec is not None and spec.kind in ("json_object", "json_schema")
 
     def predict_limit(self, default: Optional[int]) -> Optional[int]:
         """n_predict's limit: the value; None (the context's end) when negative; `default` when not sent."""

@@ -169,3 +169,43 @@ def test_a_large_schema_is_not_counted_against_the_context(server):
                                                               "response_format": _fmt(schema)}, timeout=120)
     assert r.status_code == 200, r.text[:300]
     assert json.loads(r.json()["choices"][0]["message"]["content"]) in schema["enum"]
+
+
+TWO = {"type": "object", "additionalProperties": False, "required": ["a", "b"],
+       "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9},
+                      "b": {"type": "integer", "minimum": 0, "maximum": 9}}}
+
+
+def test_an_answer_cut_by_a_stop_string_is_cut_as_by_max_tokens(client, model_id, server):
+    """A stop string inside a JSON answer (TWO's object always writes a comma) leaves no whole object: chat's
+    finish_reason is length and a Responses answer is incomplete, as for max_tokens, streamed or not (they said
+    stop / completed, and openai's parse() raised a validation error on the cut object instead of its
+    LengthFinishReasonError). A stop string after a whole value cuts nothing: still stop."""
+    kw = dict(model=model_id, messages=Q, response_format=_fmt(TWO), max_tokens=60, temperature=0, stop=[","])
+    c = client.chat.completions.create(**kw).choices[0]
+    assert c.finish_reason == "length" and re.fullmatch(r'\{ ?"a": ?[0-9]', c.message.content), c
+    chunks = list(client.chat.completions.create(stream=True, **kw))
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason] == ["length"]
+
+    class Two(pydantic.BaseModel):
+        a: int = pydantic.Field(ge=0, le=9)
+        b: int = pydantic.Field(ge=0, le=9)
+    parse = getattr(client.chat.completions, "parse", None) or client.beta.chat.completions.parse
+    with pytest.raises(openai.LengthFinishReasonError):
+        parse(model=model_id, messages=Q, response_format=Two, max_tokens=60, temperature=0, stop=[","])
+    # "1" is whole where the enum also allows "12": a stop string "2" after it leaves a whole value
+    whole = client.chat.completions.create(**{**kw, "response_format": _fmt({"enum": [1, 12]}), "stop": ["2"]})
+    assert whole.choices[0].finish_reason == "stop" and whole.choices[0].message.content == "1", whole
+
+    body = {"input": "Give me two digits as JSON.", "max_output_tokens": 60, "temperature": 0, "stop": [","],
+            "text": {"format": {"type": "json_schema", "name": "two", "schema": TWO, "strict": True}}}
+    out = httpx.post(server.url + "/v1/responses", json=body, timeout=120).json()
+    assert out["status"] == "incomplete" and out["incomplete_details"] == {"reason": "max_output_tokens"}, out
+    [msg] = [o for o in out["output"] if o["type"] == "message"]
+    assert msg["status"] == "incomplete", msg
+    with httpx.stream("POST", server.url + "/v1/responses", json={**body, "stream": True}, timeout=120) as r:
+        kinds = [line[len("event: "):] for line in r.iter_lines() if line.startswith("event: ")]
+    assert kinds[-1] == "response.incomplete", kinds
+    body["text"]["format"]["schema"], body["stop"] = {"enum": [1, 12]}, ["2"]
+    out = httpx.post(server.url + "/v1/responses", json=body, timeout=120).json()
+    assert out["status"] == "completed", out
