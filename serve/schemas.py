@@ -552,9 +552,9 @@ class _Sampling(JSONTyped):
         rf = self.response_format
         if rf is not None and rf.type != "text":
             if rf.type == "json_schema":
-                if rf.json_schema is None or rf.json_schema.schema_ is None:
-                    raise ConstraintError("response_format.json_schema.schema: required for type json_schema",
-                                          where="response_format")
+                if rf.json_schema is None or rf.json_schema.schema_ is None:   # param: the path the words name
+                    where = "response_format.json_schema" + (".schema" if rf.json_schema is not None else "")
+                    raise ConstraintError(f"{where}: required for type json_schema", where=where)
                 given.append(Constraint.json_schema(rf.json_schema.schema_, where="response_format.json_schema.schema"))
             elif rf.schema_ is not None:
                 given.append(Constraint.json_schema(rf.schema_, where="response_format.schema"))

@@ -106,7 +106,8 @@ def test_openai_parse_helper_with_pydantic(client, model_id):
 @pytest.mark.parametrize("body, param", [
     ({"response_format": _fmt({"type": "strin"})}, "response_format.json_schema.schema"),
     ({"response_format": _fmt({"type": "array", "uniqueItems": True})}, "response_format.json_schema.schema"),
-    ({"response_format": {"type": "json_schema"}}, "response_format"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a"}}}, "response_format.json_schema.schema"),
     ({"response_format": {"type": "xml"}}, "response_format.type"),
     ({"grammar": 'root ::= "a'}, "grammar"),
     ({"json_schema": {"type": "object", "properties": {"a": {"$ref": "#/$defs/x"}}}}, "json_schema"),
