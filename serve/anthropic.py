@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from pydantic_core import PydanticCustomError
 
 from .limits import anthropic_error_body
-from .schemas import MANY_STOPS, RequestProblem, _Sampling, text_of_parts
+from .schemas import MANY_STOPS, RequestProblem, _Sampling, boolean_or_none, text_of_parts
 
 # finish reason (engine) -> stop_reason; "tool_use" replaces end_turn when whole calls were made
 STOP_REASON = {"eos": "end_turn", "stop": "stop_sequence", "length": "max_tokens",
@@ -206,6 +206,8 @@ class _Conversation(BaseModel):
             if not TOOL_NAME.fullmatch(t["name"]):   # Anthropic's pattern (a call to "f f!" cannot be written back)
                 raise RequestProblem(f"tools.{i}.name", f"tools.{i}.name: String should match pattern "
                                      f"'^{TOOL_NAME.pattern}$'")
+            if not boolean_or_none(t.get("strict")):   # Anthropic's 400 ("yes" was taken, and dropped)
+                raise RequestProblem(f"tools.{i}.strict", f"tools.{i}.strict: Input should be a valid boolean")
             if not isinstance(t.get("input_schema"), dict):
                 raise RequestProblem(f"tools.{i}.input_schema", f"tools.{i}.input_schema: required (a JSON Schema "
                                      "object; {\"type\": \"object\"} for a tool without arguments)")

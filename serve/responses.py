@@ -21,7 +21,7 @@ from pydantic import ConfigDict, Field, field_validator, with_config
 from pydantic_core import PydanticCustomError
 from typing_extensions import TypedDict
 
-from .schemas import Metadata, RequestProblem, ServiceTier, _Sampling, cut_json, text_of_parts
+from .schemas import Metadata, RequestProblem, ServiceTier, _Sampling, boolean_or_none, cut_json, text_of_parts
 
 # `include` values: what they ask for exists here (logprobs) or is vacuous (no reasoning, no built-in tools run)
 INCLUDE_LOGPROBS = "message.output_text.logprobs"
@@ -274,7 +274,11 @@ class ResponsesRequest(_Sampling):
                 kind = t.get("type") if isinstance(t, dict) else None
                 raise RequestProblem(f"tools[{i}].type", f"tools[{i}].type {kind!r}: only function tools run "
                                                          "here (built-in tools run on OpenAI's servers)")
-            if isinstance(t.get("function"), dict):   # the chat shape, sent here by mistake: taken as it is
+            flat = not isinstance(t.get("function"), dict)
+            if not boolean_or_none((t if flat else t["function"]).get("strict")):   # OpenAI's 400 ("yes" was taken)
+                where = f"tools[{i}].strict" if flat else f"tools[{i}].function.strict"
+                raise RequestProblem(where, f"{where}: expected a boolean")
+            if not flat:   # the chat shape, sent here by mistake: taken as it is
                 out.append(t)
                 continue
             out.append({"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters",

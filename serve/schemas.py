@@ -234,6 +234,12 @@ def _id_items(value: list, nested: bool):
             yield f"[{i}]", x
 
 
+def boolean_or_none(value) -> bool:
+    """Whether a flag the APIs type as a boolean (a tool's `strict`) is one, or left out: "yes" or 1 is their 400,
+    which a lax reading took as true (and false as true, for "false")."""
+    return value is None or isinstance(value, bool)
+
+
 def cut_json(text: str, splitter=None) -> bool:
     """Whether an answer that must be JSON is no whole JSON value: a stop string cut it before its grammar let it
     end (one after a whole value, past its last digit, cut nothing). splitter: a fresh think splitter, to leave
@@ -782,6 +788,9 @@ class ChatCompletionRequest(_Sampling):
         for i, t in enumerate(self.tools or ()):
             if isinstance(t, dict) and "type" not in t:
                 raise RequestProblem(f"tools[{i}].type", f"Missing required parameter: 'tools[{i}].type'.")
+            fn = t.get("function") if isinstance(t, dict) else None
+            if isinstance(fn, dict) and not boolean_or_none(fn.get("strict")):   # OpenAI's 400 ("yes" was taken)
+                raise RequestProblem(f"tools[{i}].function.strict", f"tools[{i}].function.strict: expected a boolean")
         for i, m in enumerate(self.messages):
             for j, c in enumerate(m.tool_calls or ()):
                 if not isinstance(c.function.arguments, str):

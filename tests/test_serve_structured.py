@@ -162,6 +162,30 @@ def test_strict_is_a_boolean_and_an_overlapping_one_of_says_what_to_write(server
     assert r.status_code == 400 and "anyOf" in r.text and "coerce_one_of" not in r.text, r.text
 
 
+def test_a_tools_strict_is_a_boolean_on_every_route(server):
+    """A tool's `strict` "yes" or 1 is the APIs' 400 naming it, as response_format's strict is (it was taken in
+    silence on chat and Responses, and dropped on /v1/messages); true and false are taken."""
+    params = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    routes = [("/v1/chat/completions", "tools[0].function.strict",
+               lambda v: {"messages": Q, "max_tokens": 1, "tools": [
+                   {"type": "function", "function": {"name": "f", "parameters": params, "strict": v}}]}),
+              ("/v1/responses", "tools[0].strict",
+               lambda v: {"input": "hi", "max_output_tokens": 16, "tools": [
+                   {"type": "function", "name": "f", "parameters": params, "strict": v}]}),
+              ("/v1/messages", "tools.0.strict",
+               lambda v: {"model": "m", "max_tokens": 1, "messages": Q, "tools": [
+                   {"name": "f", "input_schema": params, "strict": v}]})]
+    for path, param, body in routes:
+        for odd in ("yes", 1):
+            r = httpx.post(server.url + path, json=body(odd), timeout=60)
+            assert r.status_code == 400 and param in r.text, (path, r.text)
+            if path != "/v1/messages":
+                assert r.json()["error"]["param"] == param, r.text
+        for fine in (True, False):
+            r = httpx.post(server.url + path, json=body(fine), timeout=120)
+            assert r.status_code == 200, (path, r.text)
+
+
 def test_a_large_schema_is_not_counted_against_the_context(server):
     """An enum of 10,000 integers (48 KiB, under the 256 KiB spec limit) was a 400 context_length_exceeded: the body's
     parser counted the schema's numbers against the context, which a schema never enters."""
