@@ -6,6 +6,7 @@ import json
 import re
 
 import jsonschema
+import numpy as np
 import pytest
 
 from bitnet_cpu.engine.api import Constraint, ConstraintError, LookupParams, SamplingParams, load_engine, load_model
@@ -165,6 +166,80 @@ def test_done_waits_for_a_mask_being_computed(llm):
         m.start_mask()
         assert not m.done
         assert m._pending is None   # nothing left running on the matcher: the race cannot happen
+
+
+def _in_a_forked_child(work) -> str:
+    """work() run in a fork()ed child (an alarm bounds it: a hang is a failure); what it returned."""
+    import os
+    import signal
+
+    if not hasattr(os, "fork"):
+        pytest.skip("no fork() on this platform")
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:   # the child: report on the pipe, never return into pytest
+        code = 1
+        try:
+            signal.signal(signal.SIGALRM, signal.SIG_DFL)
+            signal.alarm(60)
+            os.write(w, work().encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        got = f.read().decode()
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, (status, got)
+    return got
+
+
+def test_structured_output_in_a_forked_child_after_the_parent_used_it(llm):
+    """fork() after a constrained generation (multiprocessing's 'fork', gunicorn --preload): the child inherited
+    the mask pool but not its thread, and its constrained generation waited for ever -- with the parent's LLM and
+    with a model or engine loaded in the child (the documented remedy) alike."""
+    ids = _ask(llm, "Describe a person as JSON.")
+    want, _, _ = _run(llm, ids, MODES["greedy"], PERSON)
+    jsonschema.validate(json.loads(want), PERSON)
+
+    def work():
+        outs = [_run(llm, ids, MODES["greedy"], PERSON)[0]]
+        with load_model(None, progress=False) as own:
+            outs.append(_run(own, ids, MODES["greedy"], PERSON)[0])
+        with load_engine(None, parallel=2, progress=False) as eng:
+            outs.append("".join(c.text for c in eng.submit(ids, MODES["greedy"], max_tokens=MAX_TOKENS,
+                                                           constraint=PERSON)))
+        return json.dumps(outs)
+    for text in json.loads(_in_a_forked_child(work)):
+        jsonschema.validate(json.loads(text), PERSON)
+        assert text == want   # greedy: the child's answer is the parent's
+
+
+def test_a_mask_queued_at_fork_is_computed_in_the_child(llm):
+    """A matcher whose mask was queued on the parent's pool thread when the process forked: the child computes
+    it itself (the queued job never runs there) and gets the mask a fresh matcher gets."""
+    import threading
+
+    from bitnet_cpu.engine.runtime.constraints import _mask_pool
+
+    c = llm.compile_constraint(PERSON)
+    n = c.n_vocab
+    busy, release = threading.Event(), threading.Event()
+    _mask_pool().submit(lambda: (busy.set(), release.wait(60)))   # the pool's one thread, taken
+    busy.wait(30)
+    m = c.matcher()
+    m.start_mask()   # queued behind it
+
+    def work():
+        got, ref = np.zeros(n, np.float32), np.zeros(n, np.float32)
+        m.apply(got)
+        c.matcher().apply(ref)
+        return "same" if np.array_equal(np.isinf(got), np.isinf(ref)) and np.isinf(got).any() else "different"
+    try:
+        assert _in_a_forked_child(work) == "same"
+    finally:
+        release.set()
+    m.apply(np.zeros(n, np.float32))   # the parent's own queued job still runs
 
 
 def test_a_length_cut_inside_a_character_is_a_true_prefix(llm):

@@ -13,8 +13,10 @@ had to give up after 4 pieces on an invalid byte run and then emitted text twice
 from __future__ import annotations
 
 import json
+import os
 import re
 import threading
+import weakref
 
 from ..errors import BitNetError, FormatError, json_why
 
@@ -96,6 +98,20 @@ def _library_call(source: str, what: str, fn, *args):
         raise FormatError(f"{source}: {what}: {' '.join(str(e).split())[:300]}") from None
 
 
+_LIVE: "weakref.WeakSet[Tokenizer]" = weakref.WeakSet()
+
+
+def _after_fork_in_child():
+    """A fork()ed child gets each tokenizer's flag lock as the parent's threads held it: one encoding at the fork
+    (a server tokenizes on a pool) would leave it held for ever there."""
+    for t in list(_LIVE):
+        t._flag_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 class Tokenizer:
     """encode / decode / stream. `bos_id`, `eos_ids` (every id that should stop generation)."""
 
@@ -115,6 +131,7 @@ class Tokenizer:
             # a pool): set and read under this lock, or an encode with the other `special` flips it in between (a chat
             # prompt's control tokens read as plain text)
             self._flag_lock = threading.Lock()
+            _LIVE.add(self)
             self._sp = None
             self.vocab_size = self._hf.get_vocab_size(with_added_tokens=True)
             # specials (added tokens flagged special) are what `special=False` must not parse from text

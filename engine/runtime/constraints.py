@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import threading
 import weakref
 from collections import OrderedDict
@@ -30,7 +31,7 @@ from decimal import Decimal
 
 import numpy as np
 
-from ..errors import ConstraintError
+from ..errors import BitNetError, ConstraintError
 
 KINDS = ("json_object", "json_schema", "regex", "gbnf", "lark")
 MAX_SPEC_BYTES = 256 << 10          # a schema or grammar larger than this is refused before compiling
@@ -714,6 +715,23 @@ def _mask_pool() -> ThreadPoolExecutor:
         return _MASK_POOL
 
 
+def _after_fork_in_child():
+    """A fork()ed child inherits the mask pool but not its worker thread: a mask submitted there never ran and
+    the generation waited for ever (with the parent's LLM and with one loaded in the child alike). The child
+    starts a pool of its own on first use, and gets new locks (one held by a thread of the parent at the fork,
+    a warm-up building the grammar tokenizer, would be held for ever)."""
+    global _MASK_POOL, _MASK_POOL_LOCK, _COMPILERS_LOCK
+    _MASK_POOL = None
+    _MASK_POOL_LOCK = threading.Lock()
+    _COMPILERS_LOCK = threading.Lock()
+    for c in list(_COMPILERS.values()):
+        c._lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 class TokenMatcher:
     """One sequence's position in its grammar. apply(logits) masks; advance(token) moves on."""
 
@@ -724,21 +742,40 @@ class TokenMatcher:
         self._words = np.zeros((n_vocab + 31) // 32, np.int32)   # allowed-token bitmask (llguidance's layout)
         self._fresh = False          # _words holds the mask of the current state
         self._pending: Future | None = None
+        self._pending_pid = 0        # the process that submitted _pending (a fork()ed child has no pool thread)
+        self._job = [0]              # _pending's progress: 0 queued, 1 computing, 2 written
 
     # -- masks ------------------------------------------------------------------------------------------
     def _compute(self):
         self._m.unsafe_compute_mask_ptr(self._words.ctypes.data, self._words.nbytes)
 
+    def _compute_job(self, job: list):
+        job[0] = 1
+        self._compute()
+        job[0] = 2
+
     def start_mask(self):
         """Begin computing the current state's mask on the helper thread (call before a forward pass)."""
         if not self._fresh and self._pending is None:
-            self._pending = _mask_pool().submit(self._compute)
+            self._job = [0]
+            self._pending_pid = os.getpid()
+            self._pending = _mask_pool().submit(self._compute_job, self._job)
+
+    def _settle(self) -> bool:
+        """Wait for the pending mask; whether it was written. One submitted before a fork() (its pool thread is
+        the parent's) is not waited for: not started, it is dropped; cut off mid-computation, the matcher's state
+        is unknown, and the generation ends in one error instead of waiting for ever."""
+        fut, self._pending = self._pending, None
+        if self._pending_pid == os.getpid():
+            fut.result()
+            return True
+        if self._job[0] == 1:
+            raise BitNetError("this generation's structured-output step was under way in another thread when the"
+                              " process forked: start the generation again in this process")
+        return self._job[0] == 2
 
     def _ready(self):
-        if self._pending is not None:
-            fut, self._pending = self._pending, None
-            fut.result()
-        else:
+        if self._pending is None or not self._settle():
             self._compute()
         self._fresh = True
 
@@ -759,8 +796,7 @@ class TokenMatcher:
     # -- moving on --------------------------------------------------------------------------------------
     def advance(self, token: int):
         if self._pending is not None:   # a mask started for a state we leave (a finished draft row)
-            self._pending.result()
-            self._pending = None
+            self._settle()
         if not self._m.consume_token(int(token)):
             raise ConstraintError(f"{self.spec.where}: token {token} is not allowed here:"
                                   f" {_one_line(self._m.get_error())}", where=self.spec.where)

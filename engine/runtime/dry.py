@@ -11,6 +11,7 @@ tokenized, at most 20 tokens), so the same ids break the same repeats.
 """
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 from collections import OrderedDict
@@ -26,6 +27,17 @@ FLOAT_MAX_LOG = 88.7228391           # log(FLT_MAX): the exponent is clamped so 
 
 _TABLES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _LOCK = threading.Lock()
+
+
+def _after_fork_in_child():
+    """A fork()ed child gets the lock as the parent's threads held it: a table stored by another thread at the
+    fork would leave it held for ever there (the tables themselves are whole at any moment)."""
+    global _LOCK
+    _LOCK = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class _Vocab:

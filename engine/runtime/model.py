@@ -405,9 +405,14 @@ _LIVE: "weakref.WeakSet[Model]" = weakref.WeakSet()
 def _after_fork_in_child():
     """A fork()ed child gets each model's lock as the parent's threads held it: one held by a generate() of
     another thread would be held for ever there (the thread does not exist in the child). Each gets a new one;
-    the cache is consistent at any moment (n_past moves only after its KV rows are written)."""
+    the cache is consistent at any moment (n_past moves only after its KV rows are written). The same for the
+    attention-precision lock: a verify pass of the parent's cut off by the fork left f32 set, switched back."""
+    global _PRECISION_LOCK
     for m in list(_LIVE):
         m.lock = threading.RLock()
+    if _PRECISION_LOCK.locked():
+        ops.set_attention_precision("bf16")
+    _PRECISION_LOCK = threading.Lock()
 
 
 if hasattr(os, "register_at_fork"):
