@@ -115,7 +115,7 @@ class Output:
     def __init__(self, out=None, err=None, interactive: bool | None = None, width: int | None = None):
         self.out = out or sys.stdout
         self.err = err or sys.stderr
-        self.interactive = self.out.isatty() if interactive is None else interactive
+        self.interactive = _isatty(self.out) if interactive is None else interactive
         self.color = self.interactive and not os.environ.get("NO_COLOR") and os.environ.get("TERM") != "dumb"
         # a terminal gets control pictures for model output also when stdin is piped (echo hi | bitchat)
         self.visible_controls = self.interactive or _isatty(self.out)
@@ -168,7 +168,7 @@ class Output:
         if self.interactive:
             self.stream(text, DIM)
             return
-        if self.err.isatty():   # model output: shown, never obeyed (as stream() treats answers)
+        if _isatty(self.err):   # model output: shown, never obeyed (as stream() treats answers)
             text = text.translate(_VISIBLE_CONTROLS)
         self.err.write(text)
         self.err.flush()

@@ -572,6 +572,29 @@ def test_output_plain_when_not_a_terminal():
     assert "\x1b" not in out.getvalue() + err.getvalue()
 
 
+class _Writes:
+    """A stream with only write/flush (contextlib.redirect_stdout to a logger adapter): no isatty."""
+
+    def __init__(self):
+        self.text = ""
+
+    def write(self, s):
+        self.text += s
+        return len(s)
+
+    def flush(self):
+        pass
+
+
+def test_output_to_streams_without_isatty_is_plain():
+    """Streams without isatty are no terminal (it raised AttributeError when asked)."""
+    out, err = _Writes(), _Writes()
+    o = Output(out, err)
+    o.thought("hmm")
+    o.stream("Hello")
+    assert not o.interactive and out.text.endswith("Hello") and "hmm" in err.text
+
+
 def test_output_dim_on_a_terminal(monkeypatch):
     monkeypatch.delenv("NO_COLOR", raising=False)
     out = io.StringIO()

@@ -439,6 +439,27 @@ def test_resolve_model_caches(model, tmp_path, monkeypatch):
         resolve_model(str(tmp_path / "nope.gguf"))
 
 
+class _NoIsatty:
+    """A stderr stand-in with only write/flush (contextlib.redirect_stderr to a logger adapter)."""
+
+    def write(self, s):
+        return len(s)
+
+    def flush(self):
+        pass
+
+
+@pytest.mark.parametrize("stderr", [None, _NoIsatty()], ids=["none", "no_isatty"])
+def test_conversion_with_no_terminal_stderr_has_no_bar(model, tmp_path, monkeypatch, stderr):
+    """sys.stderr None (pythonw, a frozen app) or without isatty: the conversion runs with no progress bar (it
+    raised AttributeError from load_model(), progress=True being the default)."""
+    monkeypatch.setenv("BITNET_CACHE", str(tmp_path / "cache"))
+    src = write_hf_dir(model, str(tmp_path / "hf"))
+    monkeypatch.setattr(sys, "stderr", stderr)
+    path = resolve_model(src)
+    assert Store(path).meta["lm_head"]
+
+
 def test_sentencepiece_sources(tmp_path):
     """1bitLLM style: tokenizer.model is stored as is; a GGUF `llama` vocab is rebuilt as a tokenizer.json that
     gives SentencePiece's ids (best effort, checked on ordinary and byte-fallback text)."""

@@ -283,12 +283,22 @@ class _Reported:
         pass
 
 
+def stderr_is_terminal() -> bool:
+    """Whether sys.stderr is a terminal: False also when there is none (pythonw, a frozen app: None) or it is a
+    stand-in without isatty (contextlib.redirect_stderr to a logger), as tqdm judges it; load_model() raised an
+    AttributeError there."""
+    try:
+        return bool(sys.stderr.isatty())
+    except (AttributeError, ValueError, OSError):   # ValueError: a closed file
+        return False
+
+
 def progress_bar(total: int, desc: str, progress, unit: str = "step"):
     """A tqdm bar on stderr when progress is wanted, stderr is a terminal and tqdm is installed; else None.
     progress may also be a callable report(done, total), which then gets each step instead of a bar."""
     if callable(progress):
         return _Reported(total, progress)
-    if not progress or not sys.stderr.isatty():
+    if not progress or not stderr_is_terminal():
         return None
     try:
         from tqdm import tqdm
@@ -412,7 +422,7 @@ def resolve_model(src: str | None, *, cache_dir: str | None = None, lm_head: str
     except OSError as e:
         raise FormatError(f"{d}: cannot create the cache directory: {e.strerror}",
                           hint="set BITNET_CACHE to a writable directory") from None
-    if progress is True and sys.stderr.isatty():
+    if progress is True and stderr_is_terminal():
         print(f"bitnet: converting {src} once into {path}", file=sys.stderr)
     return convert(src, path, lm_head=lm_head, progress=progress, source_name=source_name)
 
