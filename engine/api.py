@@ -88,6 +88,12 @@ class _Text:
     _chat_template: str | None = None   # set_chat_template's, else the model file's
     _template_kwargs: dict = {}         # set_template_kwargs's: every chat's template variables, under a call's own
 
+    def __reduce__(self):
+        """Mapped weights, a KV cache, an Engine's thread: none crosses processes (pickle, a spawn Process's args,
+        a Pool): one line saying what to do instead of "cannot pickle 'mmap.mmap' object"."""
+        kind, load = ("an Engine", "load_engine()") if isinstance(self, Engine) else ("an LLM", "load_model()")
+        raise BitNetError(f"{kind} cannot cross processes: {load} in the child")
+
     @property
     def chat_template(self) -> str | None:
         """The chat template in use: set_chat_template's, else the model file's (None: the built-in fallback)."""

@@ -5,6 +5,7 @@ tokenizes it), bad settings of the wrong type (one BitNetError naming the field,
 model, in process."""
 from __future__ import annotations
 
+import re
 import threading
 
 import numpy as np
@@ -324,6 +325,23 @@ def test_an_engine_or_model_in_a_forked_child():
         first, text = got.split("\n", 1)
         assert "loaded before fork()" in first
         assert text == want
+
+
+@pytest.mark.parametrize("what", ["llm_mmap", "llm_memory", "engine"])
+def test_a_model_cannot_be_pickled_and_says_what_to_do(what):
+    """pickle (a spawn Process's args, a Pool) of an LLM or Engine: one BitNetError saying to load in the child
+    (it was "TypeError: cannot pickle 'mmap.mmap' object", also with mmap=False)."""
+    import pickle
+
+    if what == "engine":
+        obj, want = load_engine(ctx=64, parallel=1, progress=False), "an Engine cannot cross processes: load_engine()"
+    else:
+        obj = load_model(ctx=64, progress=False, mmap=what == "llm_mmap")
+        want = "an LLM cannot cross processes: load_model()"
+    with obj:
+        with pytest.raises(BitNetError, match=re.escape(want)) as e:
+            pickle.dumps(obj)
+        assert "\n" not in str(e.value)
 
 
 def test_an_engine_dropped_without_close_is_freed():
