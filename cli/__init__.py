@@ -70,11 +70,28 @@ def replace_unencodable() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ended_early()
-    closed_std_streams()   # before anything writes: a closed stdout becomes /dev/null
-    replace_unencodable()
-    with lossy_stderr():   # `bitnet run -v 2>&-`: the timings lost, never the answer
-        return interruptible(lambda: stdout_flushed(lambda: _main(argv)))
+    with signals_restored():
+        ended_early()
+        closed_std_streams()   # before anything writes: a closed stdout becomes /dev/null
+        replace_unencodable()
+        with lossy_stderr():   # `bitnet run -v 2>&-`: the timings lost, never the answer
+            return interruptible(lambda: stdout_flushed(lambda: _main(argv)))
+
+
+@contextlib.contextmanager
+def signals_restored():
+    """SIGINT / SIGTERM / SIGHUP handlers as they were before, when main() returns: a program that calls main()
+    (a notebook) kept the command's handlers, and a later SIGTERM raised Terminated in whatever it ran next.
+    The console script exits right after, so its 128 + signum stays."""
+    sigs = [s for s in (getattr(signal, n, None) for n in ("SIGINT", "SIGTERM", "SIGHUP")) if s is not None]
+    before = {s: signal.getsignal(s) for s in sigs}
+    try:
+        yield
+    finally:
+        for s, h in before.items():
+            if h is not None and signal.getsignal(s) is not h:   # None: a handler not set from Python
+                with contextlib.suppress(ValueError, OSError):   # (not the main thread: nothing was set either)
+                    signal.signal(s, h)
 
 
 def _ended_early(signum, frame):

@@ -79,6 +79,31 @@ def test_an_unwritable_stderr_loses_only_the_timings(store, stderr):
     assert r.returncode == 0 and r.stdout == want.stdout
 
 
+HOST = """
+import os, signal, sys
+from bitnet_cpu.cli import main
+got = []
+def host(signum, frame):
+    got.append(signum)
+sigs = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+for s in sigs:
+    signal.signal(s, host)
+rc = main(["run", "-m", sys.argv[1], "-p", "Once upon a time", "-n", "2", "--temp", "0"])
+print("\\n" + str(rc), all(signal.getsignal(s) is host for s in sigs))   # (after the text, no newline)
+os.kill(os.getpid(), signal.SIGTERM)   # the host's handler runs, not the command's
+print(got)
+"""
+
+
+def test_main_called_by_a_program_gives_its_signal_handlers_back(store):
+    """bitnet_cpu.cli.main() from a host program (a notebook): when it returns, the host's SIGINT / SIGTERM /
+    SIGHUP handlers are in place again (the command's raise_terminated stayed, and a later SIGTERM raised
+    Terminated in whatever the host ran next)."""
+    r = subprocess.run([sys.executable, "-c", HOST, store], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines()[-2:] == ["0 True", f"[{int(signal.SIGTERM)}]"], r.stdout + r.stderr
+
+
 def test_llama_cpps_other_sampler_flags_reach_the_sampler(store):
     """--typical, --top-nsigma, --xtc-*, --dynatemp-*, --mirostat* and --dry-* change a seeded answer (each one
     reaching the engine), and the same flags give the same answer twice; --dry-sequence-breaker none is accepted."""
