@@ -242,6 +242,7 @@ def main(args) -> int:
 
     from ..engine.api import LookupParams, load_engine, load_model
     from ..engine.errors import BitNetError
+    from ..engine.formats.convert import stderr_is_terminal
     from ..engine.formats.hub import is_hub_ref
     from .flags import auto_threads
     tests = tests_of(args)
@@ -266,12 +267,12 @@ def main(args) -> int:
                                     for t in args.threads or [None] for n in args.npl or [1]):
             if npl == 1:   # one sequence: the LLM session, as bitnet run decodes
                 runner = load_model(model, ctx=max(ctx, 16), threads=threads, kv_dtype=args.kv,
-                                    progress=sys.stderr.isatty())
+                                    progress=stderr_is_terminal())
                 one = lambda pp, tg, rng, d: run_test(runner, pp, tg, rng, d)   # noqa: E731
             else:          # many: the serving engine's batched steps, as bitnet serve runs them
                 runner = load_engine(model, ctx=max(ctx, 16), threads=threads, kv_dtype=args.kv,
                                      parallel=npl, max_queue=npl,   # all npl are submitted at once
-                                     progress=sys.stderr.isatty(), lookup=LookupParams(draft_max=0))
+                                     progress=stderr_is_terminal(), lookup=LookupParams(draft_max=0))
                 one = lambda pp, tg, rng, d, npl=npl: run_batched(runner, pp, tg, npl, rng)   # noqa: E731
             for w in runner.warnings:   # the context is bench's own choice, not a -c the user gave
                 if not w.startswith("-c/--ctx"):

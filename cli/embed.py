@@ -122,6 +122,7 @@ def main(args) -> int:
     import numpy as np
 
     from ..engine.api import load_engine
+    from ..engine.formats.convert import stderr_is_terminal
     from ..engine.runtime.embed import check_normalize, check_pooling, normalized
     from . import write_stdout
     from .flags import auto_threads
@@ -130,7 +131,7 @@ def main(args) -> int:
     texts = texts_of(args)
     pooled = args.pooling != "none"
     eng = load_engine(args.model, ctx=args.ctx, threads=auto_threads(args.threads), parallel=min(16, len(texts)),
-                      progress=sys.stderr.isatty(), pooling=args.pooling, embd_normalize=normalize)
+                      progress=stderr_is_terminal(), pooling=args.pooling, embd_normalize=normalize)
     try:
         for w in eng.warnings:   # a default context past the trained one bounds only the longest text here
             if args.ctx is not None or not w.startswith("context "):

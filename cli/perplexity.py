@@ -142,6 +142,7 @@ def main(args) -> int:
 
     from ..engine.api import load_model
     from ..engine.errors import BitNetError
+    from ..engine.formats.convert import stderr_is_terminal
     from ..engine.runtime.perplexity import LogitsReader
 
     _check(args)
@@ -160,7 +161,7 @@ def main(args) -> int:
             _winogrande_tasks(args) if args.winogrande else \
             _choice_tasks(args) if args.multiple_choice else (None, 0)
         llm = load_model(args.model, ctx=n_ctx, threads=args.threads, kv_dtype=args.kv, lm_head=args.lm_head,
-                         progress=sys.stderr.isatty())
+                         progress=stderr_is_terminal())
         n_ctx = n_ctx or llm.n_ctx   # -c 0: the model's
         try:
             for w in llm.warnings:

@@ -129,6 +129,7 @@ def main(args) -> int:
 
     stop = [escaped(args, s, "-r/--stop") for s in args.stop]   # an escape that is not UTF-8: before the model loads
     from ..engine.api import load_model
+    from ..engine.formats.convert import stderr_is_terminal
     from ..engine.runtime.generate import FINISH_MESSAGES
 
     seed = resolve_seed(args.seed)
@@ -137,7 +138,7 @@ def main(args) -> int:
 
     lookup = lookup_from_flags(args.draft_max, args.lookup_ngram_min)
     llm = load_model(args.model, ctx=args.ctx, threads=args.threads, kv_dtype=args.kv,
-                     progress=sys.stderr.isatty(), lm_head=args.lm_head, lookup=lookup, mmap=args.mmap)
+                     progress=stderr_is_terminal(), lm_head=args.lm_head, lookup=lookup, mmap=args.mmap)
     apply_chat_template(llm, args)
     for w in [*llm.warnings, *thinking_warnings(llm, args)]:
         print(f"bitnet: warning: {w}", file=sys.stderr)

@@ -104,6 +104,27 @@ def test_main_called_by_a_program_gives_its_signal_handlers_back(store):
     assert r.stdout.splitlines()[-2:] == ["0 True", f"[{int(signal.SIGTERM)}]"], r.stdout + r.stderr
 
 
+NO_ISATTY = """
+import sys
+class Writes:   # a logger adapter's stand-in: write and flush only
+    def write(self, s):
+        return len(s)
+    def flush(self):
+        pass
+sys.stderr = Writes()
+from bitnet_cpu.cli import main
+rc = main(["run", "-m", sys.argv[1], "-p", "Once upon a time", "-n", "2", "--temp", "0"])
+print("\\n" + str(rc))
+"""
+
+
+def test_main_called_with_a_stderr_without_isatty_runs(store):
+    """cli.main() from a host whose stderr has no isatty (redirect_stderr to a logger adapter): the command runs
+    (the progress check raised AttributeError: exit 70, an internal error)."""
+    r = subprocess.run([sys.executable, "-c", NO_ISATTY, store], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.stdout.splitlines()[-1:] == ["0"], r.stdout + r.stderr
+
+
 def test_llama_cpps_other_sampler_flags_reach_the_sampler(store):
     """--typical, --top-nsigma, --xtc-*, --dynatemp-*, --mirostat* and --dry-* change a seeded answer (each one
     reaching the engine), and the same flags give the same answer twice; --dry-sequence-breaker none is accepted."""
