@@ -245,8 +245,9 @@ def _score(args, llm, reader, n_ctx) -> int:
         raise
     if writer is not None:
         writer.commit()
-        _info(f"saved the base logits of {n_chunk} chunks to {args.kld_base}")
     _final(args, out, nll, kld, done, n_chunk, n_ctx, time.perf_counter() - started)
+    if writer is not None:   # after the final line: before it, it landed on the running [i]ppl, line of a terminal
+        _info(f"saved the base logits of {n_chunk} chunks to {args.kld_base}")
     return 0
 
 

@@ -150,6 +150,18 @@ def stored_log_probs(rows, vocab):
     return head[:, :1] * rows[:, 4: 4 + vocab].astype(np.float32) + head[:, 1:2]
 
 
+def test_the_saved_note_is_a_line_of_its_own(text_file, tmp_path):
+    """stdout and stderr merged (2>&1, a terminal): the note that the base logits were saved came between the running
+    `[1]ppl,[2]ppl,` pieces and the line that ends them, glued onto them."""
+    base = str(tmp_path / "base.kld")
+    r = subprocess.run([sys.executable, "-m", "bitnet_cpu", "perplexity", "-t", "2", "-f", text_file, "-c", str(CTX),
+                        "--chunks", "2", "--kl-divergence-base", base], stdout=subprocess.PIPE,
+                       stderr=subprocess.STDOUT, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stdout
+    saved = [ln for ln in r.stdout.splitlines() if "saved the base logits" in ln]
+    assert len(saved) == 1 and saved[0].startswith("perplexity: saved"), r.stdout
+
+
 def test_base_file_is_llama_cpp_layout(llm, text_file, tmp_path):
     base = str(tmp_path / "base.kld")
     r = bitnet("-f", text_file, "-c", str(CTX), "--chunks", "2", "--kl-divergence-base", base)
