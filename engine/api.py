@@ -177,11 +177,16 @@ class _Text:
         tools: OpenAI-style function list; messages may then hold assistant `tool_calls` and `tool` results
         (engine/runtime/tools.py puts them in the form the template renders). prefill: text the answer continues
         (a final assistant message's start, as Anthropic's and ollama's APIs take it), after the template's text.
-        template_kwargs: more template variables (enable_thinking=False for Qwen3's; chat_template.render)."""
+        template_kwargs: more template variables (enable_thinking=False for Qwen3's; chat_template.render).
+        The ids start with BOS where the model's tokenizer adds one, whether or not the template writes it
+        (llama-server tokenizes chat prompts with add_special): a ChatML template has no {{ bos_token }}, and a
+        template that writes it does not get two."""
         if not isinstance(prefill, str):
             raise BitNetError(f"prefill: text (str), not {type(prefill).__name__}")
-        return self.tokenizer.encode(self.chat_text(messages, add_generation_prompt, tools, template_kwargs) + prefill,
-                                     add_bos=False, special=True)
+        ids = self.tokenizer.encode(self.chat_text(messages, add_generation_prompt, tools, template_kwargs) + prefill,
+                                    add_bos=False, special=True)
+        bos = self.tokenizer.text_bos
+        return ids if bos is None or ids[:1] == [bos] else [bos] + ids
 
     def chat_text(self, messages: list[dict], add_generation_prompt: bool = True,
                   tools: list[dict] | None = None, template_kwargs: dict | None = None) -> str:

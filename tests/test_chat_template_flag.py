@@ -81,10 +81,26 @@ def test_generation_tags_render_their_body(llm):
         llm._chat_template = None
 
 
+def test_chat_prompts_start_with_one_bos_whatever_the_template_writes(llm):
+    """llama-server tokenizes a chat prompt with add_special: a template without {{ bos_token }} (ChatML, Qwen's)
+    still gets the BOS the model's tokenizer adds, where its prompts started without one; one that writes it does
+    not get two."""
+    bos, bos_text = llm.tokenizer.text_bos, llm.bos_text()
+    assert bos is not None and bos_text
+    try:
+        for template in ("chatml", TEMPLATE, "{{ bos_token }}" + TEMPLATE, "llama3"):
+            llm.set_chat_template(template)
+            text = llm.chat_text(MSGS)
+            ids = llm.chat_prompt(MSGS)
+            assert ids[0] == bos and ids[1:] == llm.tokenize(text.removeprefix(bos_text), add_bos=False), template
+    finally:
+        llm._chat_template = None
+
+
 def test_run_prompts_with_the_templates_text(llm, tmp_path):
     path = tmp_path / "t.jinja"
     path.write_text(TEMPLATE)
-    want = len(llm.tokenize(expected(TEMPLATE, MSGS[1:]), add_bos=False, special=True))
+    want = len(llm.tokenize(expected(TEMPLATE, MSGS[1:]), add_bos=True, special=True))   # BOS: the tokenizer's
     for flags in (("--chat-template-file", str(path)), ("--chat-template", TEMPLATE)):
         r = bitnet("run", "--chat", "-p", MSGS[1]["content"], "-n", "2", "--temp", "0", "--json", *flags)
         assert r.returncode == 0, r.stderr
@@ -119,7 +135,7 @@ def test_a_template_that_does_not_render_is_one_line(tmp_path):
 def test_bitchat_chats_with_the_template(llm, tmp_path):
     path = tmp_path / "t.jinja"
     path.write_text(TEMPLATE)
-    want = len(llm.tokenize(expected(TEMPLATE, [{"role": "user", "content": "hi"}]), add_bos=False, special=True))
+    want = len(llm.tokenize(expected(TEMPLATE, [{"role": "user", "content": "hi"}]), add_bos=True, special=True))
     r = bitchat("--chat-template-file", str(path), "-n", "4", "--temp", "0", stdin="hi\n")
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
     assert f"prefill {want} new of {want}" in r.stderr + r.stdout   # its stats line: the prompt it rendered
@@ -135,7 +151,9 @@ def test_serve_renders_every_chat_with_it(tmp_path):
     try:
         got = httpx.post(s.url + "/apply-template", json={"messages": MSGS}, timeout=60).json()["prompt"]
         assert got == expected(TEMPLATE, MSGS, bos_token="<|begin_of_text|>")
-        n = len(httpx.post(s.url + "/tokenize", json={"content": got}, timeout=60).json()["tokens"])
+        # with BOS, as llama-server tokenizes a chat prompt (the template writes none)
+        tokens = httpx.post(s.url + "/tokenize", json={"content": got, "add_special": True}, timeout=60).json()
+        n = len(tokens["tokens"])
         chat = httpx.post(s.url + "/v1/chat/completions", json={"messages": MSGS, "max_tokens": 1}, timeout=60).json()
         assert chat["usage"]["prompt_tokens"] == n
         assert httpx.get(s.url + "/props", timeout=30).json()["chat_template"] == TEMPLATE
@@ -176,6 +194,14 @@ NO_SYSTEM = ("{% if messages[0]['role'] == 'system' %}{{ raise_exception('System
              "{% if add_generation_prompt %}<assistant>{% endif %}")
 
 
+# Mistral's form: user and assistant alternate, any other role raises
+ALTERNATING = ("{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+               "{{ raise_exception('Conversation roles must alternate') }}{% endif %}"
+               "{% if m['role'] == 'user' %}[INST] {{ m['content'] }} [/INST]{% elif m['role'] == 'assistant' %}"
+               "{{ m['content'] }}</s>{% else %}{{ raise_exception('Only user and assistant roles') }}{% endif %}"
+               "{% endfor %}")
+
+
 def test_a_template_without_a_system_role_gets_the_system_text_in_the_first_user_turn(llm, tmp_path):
     """Gemma's templates raise on a system message: the system text goes before the first user message's (llama.cpp's
     polyfill), where such a template was refused at --chat-template-file (`echo hi | bitchat` exited 2) and every
@@ -186,11 +212,36 @@ def test_a_template_without_a_system_role_gets_the_system_text_in_the_first_user
     try:
         assert llm.chat_text(MSGS) == expected(NO_SYSTEM, folded)
         assert llm.chat_text(MSGS[1:]) == expected(NO_SYSTEM, MSGS[1:])   # none: as it is
-        with pytest.raises(BitNetError, match="System role not supported"):   # no user turn to put it in
-            llm.chat_text(MSGS[:1])
+        with pytest.raises(BitNetError, match="System role not supported"):   # a template that fails anyway
+            llm.set_chat_template(NO_SYSTEM + "{{ raise_exception('System role not supported') }}")
     finally:
         llm._chat_template = None   # the model file's again, for the module's other tests
     path = tmp_path / "nosys.jinja"
     path.write_text(NO_SYSTEM)
     r = bitchat("--chat-template-file", str(path), "--system", "Be brief.", "-n", "2", stdin="hi\n")
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+
+
+def test_every_system_message_is_folded_as_llama_cpp_folds_them(llm):
+    """llama.cpp's polyfill for a template without a system role: system texts waiting are joined with a newline
+    and go before the next user message's; before an assistant message or at the end they are a user message of
+    their own. Only a leading one was folded: two system messages, a system prompt alone, or one in mid-conversation
+    were "System role not supported"."""
+    s1, s2 = {"role": "system", "content": "A."}, {"role": "system", "content": "B."}
+    u, a = {"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}
+    cases = [([s1, s2, u], [{"role": "user", "content": "A.\nB.\nhi"}]),
+             ([s1], [{"role": "user", "content": "A."}]),
+             ([u, a, s1, u], [u, a, {"role": "user", "content": "A.\nhi"}]),
+             ([u, s1, a], [u, {"role": "user", "content": "A."}, a]),
+             ([u, a, s1, s2], [u, a, {"role": "user", "content": "A.\nB."}])]
+    anywhere = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System role not supported')"
+                " }}{% endif %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}<assistant>")
+    for template in (anywhere, ALTERNATING):
+        llm.set_chat_template(template)
+        try:
+            for msgs, folded in cases:
+                if template is ALTERNATING and msgs[1:2] == [s1]:
+                    continue   # two user turns in a row: that template refuses them however they come
+                assert llm.chat_text(msgs) == expected(template, folded), msgs
+        finally:
+            llm._chat_template = None

@@ -83,18 +83,28 @@ RESERVED = ("messages", "add_generation_prompt", "bos_token", "eos_token", "tool
 
 
 def _system_folded(messages: list[dict]) -> list[dict] | None:
-    """The messages with their leading system message put before the first user message's text ("\n" between,
-    as llama.cpp's chat templates do for a template that has no system role), or None where that does not apply
-    (no leading system message, no user message after it, content that is not text)."""
-    if not messages or messages[0].get("role") != "system" or not isinstance(messages[0].get("content"), str):
+    """The messages without system messages, for a template that has no system role, as llama.cpp's polyfill
+    (minja's polyfill_system_role) makes them: pending system texts joined with "\n" go before the next user
+    message's text ("\n" between); before any other message, or at the end, they become a user message of their
+    own (empty ones are dropped). None where there is no system message; one whose content is not text stays."""
+    if not any(m.get("role") == "system" for m in messages):
         return None
-    rest = list(messages[1:])
-    k = next((i for i, m in enumerate(rest) if m.get("role") == "user"), None)
-    if k is None or not isinstance(rest[k].get("content"), str):
-        return None
-    system, user = messages[0]["content"], rest[k]["content"]
-    rest[k] = {**rest[k], "content": system + ("\n" + user if user else "")}
-    return rest
+    out, pending = [], ""
+    for m in messages:
+        content, role = m.get("content"), m.get("role")
+        if isinstance(content, str) and role == "system":
+            pending += ("\n" if pending else "") + content
+            continue
+        if isinstance(content, str) and pending:
+            if role == "user":
+                m = {**m, "content": pending + ("\n" + content if content else "")}
+            else:
+                out.append({"role": "user", "content": pending})
+            pending = ""
+        out.append(m)
+    if pending:
+        out.append({"role": "user", "content": pending})
+    return out
 
 
 def render(template: str | None, messages: list[dict], *, add_generation_prompt: bool = True,
@@ -131,8 +141,8 @@ def render(template: str | None, messages: list[dict], *, add_generation_prompt:
             folded = _system_folded(messages)
             if folded is None:
                 raise
-            try:   # a template without a system role (Gemma's raises): llama.cpp's polyfill, the system text first
-                return run(folded)    # in the first user message
+            try:   # a template without a system role (Gemma's raises): llama.cpp's polyfill, the system texts in
+                return run(folded)    # the user messages after them
             except Exception:
                 raise e from None
     except BitNetError:  # TemplateError, TemplateLimitError
