@@ -17,6 +17,7 @@ from fastapi.responses import Response
 from pydantic import ConfigDict, Field, field_validator
 
 from ..engine import __version__
+from ..engine.runtime.chat_template import choose_template   # the one rendered: the fallback too
 from ..engine.runtime.sampling import SamplingParams
 from .logprobs import chat_entry
 from .offload import Streamed, run_off_loop, too_long_for_context
@@ -444,6 +445,6 @@ def register(app, state, ready, api_error: type, pipe, *, sampling=None):
         eos = tok.id_to_token(tok.eos_ids[0]) if tok.eos_ids else None
         return {"default_generation_settings": {"n_ctx": eng.n_ctx, "params": params},
                 "total_slots": getattr(eng, "parallel", 1), "model_path": eng.store.path,
-                "model_alias": state.model_id, "chat_template": eng.chat_template or "",
+                "model_alias": state.model_id, "chat_template": choose_template(eng.chat_template),
                 "bos_token": bos, "eos_token": eos, "modalities": {"vision": False, "audio": False},
                 "build_info": f"bitnet-cpu {__version__}"}

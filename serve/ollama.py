@@ -26,6 +26,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, StrictBool, ValidationError, model_validator
 
+from ..engine.runtime.chat_template import choose_template   # the one rendered: the fallback too
 from ..engine.runtime.sampling import SamplingParams, setting_problem
 from .logprobs import Said, chat_entry
 from .metrics import TokenClock
@@ -710,7 +711,7 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
                   if getattr(s, k) != getattr(off, k)]   # ollama's other options, where the server's flags set them
         params = "\n".join(f"{k:<15}{v}" for k, v in shown)
         return {"modelfile": f"# served by bitnet serve\nFROM {eng.store.path}\n", "parameters": params,
-                "template": eng.chat_template or "", "details": d["details"], "model_info": info,
+                "template": choose_template(eng.chat_template), "details": d["details"], "model_info": info,
                 "capabilities": ["completion", "tools", "embedding", *(["thinking"] if eng.thinks else [])],
                 "modified_at": d["modified_at"]}
 

@@ -173,6 +173,32 @@ def test_serve_renders_every_chat_with_it(tmp_path):
         s.stop()
 
 
+def test_serve_reports_the_fallback_template_where_the_model_has_none(tmp_path):
+    """/props' chat_template and ollama's /api/show template are the template rendered: for a model file without
+    one, the built-in fallback (they were "", though every chat was rendered with it)."""
+    pytest.importorskip("fastapi", reason="bitnet serve needs the serve extra (pip install .[serve])")
+    from bitnet_cpu.engine.formats.convert import convert
+    from bitnet_cpu.engine.formats.store import Store
+    from bitnet_cpu.engine.synth import SynthModel, write_hf_dir
+    from serve_proc import Server
+
+    m = SynthModel(seed=5, style="llama")   # a llama-style model: no template is put in for it
+    m.chat_template = None
+    store = convert(write_hf_dir(m, str(tmp_path / "src")), str(tmp_path / "t.bnstore"), progress=False)
+    assert Store(store).chat_template is None
+    s = Server("-m", store, threads=1)
+    try:
+        props = httpx.get(s.url + "/props", timeout=30).json()
+        got = httpx.post(s.url + "/apply-template", json={"messages": MSGS}, timeout=60).json()["prompt"]
+        bos = props["bos_token"]
+        assert expected(props["chat_template"], MSGS, bos_token=bos).removeprefix(bos) == got and got
+        model = httpx.get(s.url + "/v1/models", timeout=30).json()["data"][0]["id"]
+        shown = httpx.post(s.url + "/api/show", json={"model": model}, timeout=30).json()["template"]
+        assert shown == props["chat_template"]
+    finally:
+        s.stop()
+
+
 def test_templates_get_the_tokenizer_configs_eos_and_bos_strings(tmp_path):
     """A template's eos_token / bos_token are tokenizer_config.json's strings, as transformers passes them: the
     bundled HF directory says <|eot_id|>, while its config.json's first end-of-text id is <|end_of_text|> (which a
