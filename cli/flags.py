@@ -261,10 +261,17 @@ def _read_chat_template(args: argparse.Namespace) -> str | None:
         if len(text) > 1 << 20:
             return f"--chat-template-file {path}: over 1 MiB: not a chat template"
     from ..engine.runtime import chat_template as ct
-    if text not in ct.NAMED and "{{" not in text and "{%" not in text:
+    jinja = "{{" in text or "{%" in text
+    if path is not None and not jinja:   # a file is a Jinja2 template, never a name (as llama.cpp reads it)
+        if not text.strip():
+            return f"--chat-template-file {path}: {'empty' if not text else 'only whitespace'}: no chat template"
+        named = f" (for the named template give --chat-template {text.strip()})" if text.strip() in ct.NAMED else ""
+        return (f"--chat-template-file {path}: no Jinja2 in it ({{{{ ... }}}} or {{% ... %}}): a chat template "
+                f"renders the messages{named}")
+    if path is None and text not in ct.NAMED and not jinja:
         return f"{flag} {text!r}: not a template name ({', '.join(ct.NAMED)}) nor a Jinja2 template"
     try:
-        ct.check(ct.NAMED.get(text, text))
+        ct.check(text if path is not None else ct.NAMED.get(text, text))
     except ct.TemplateError as e:
         return f"{flag}{' ' + path if path else ''}: {e.args[0]}"
     args.chat_template_text, args.chat_template_flag = text, f"{flag} {path}" if path else flag

@@ -123,6 +123,21 @@ def test_bad_templates_are_one_line_before_anything_loads(flags, words):
         assert len(r.stderr.strip().splitlines()) == 1
 
 
+def test_a_template_file_is_jinja_never_a_name(tmp_path):
+    """A --chat-template-file is read as a Jinja2 template (llama.cpp's reading), never looked up as a name: a file
+    holding "chatml" was the named template in silence, and a file of plain text or an empty one was refused with
+    its whole content where the path belongs. Now one line names the path and says why."""
+    big = "plain text, no template markers. " * 400
+    for name, content, words in (("name.txt", "chatml", "no Jinja2 in it"), ("plain.txt", big, "no Jinja2 in it"),
+                                 ("empty.txt", "", "empty"), ("blank.txt", "\n\n", "only whitespace")):
+        path = tmp_path / name
+        path.write_text(content)
+        for cmd in (("run", "-p", "hi"), ("serve", "--port", "1")):
+            r = bitnet(*cmd, "--chat-template-file", str(path))
+            assert r.returncode == 2 and f"--chat-template-file {path}: {words}" in r.stderr, r.stderr
+            assert len(r.stderr.strip().splitlines()) == 1 and len(r.stderr) < 300, r.stderr
+
+
 def test_a_template_that_does_not_render_is_one_line(tmp_path):
     path = tmp_path / "t.jinja"
     path.write_text("{{ messages[7]['content'] }}")   # parses; fails on a real conversation
