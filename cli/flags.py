@@ -75,6 +75,22 @@ class _Breakers(argparse._AppendAction):
         setattr(namespace, self.dest, given + [values])
 
 
+NO_JINJA = "chat templates are always rendered as Jinja2 here (there is no other renderer); it changes nothing"
+
+
+class _Unneeded(argparse._StoreTrueAction):
+    """A llama.cpp flag asking for what cannot be done here and changes nothing: taken, with one warning line saying
+    why (its command lines run unchanged, and the user is told)."""
+
+    def __init__(self, *args, why: str, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.why = why
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"{parser.prog}: warning: {option_string}: {self.why}", file=sys.stderr)
+        super().__call__(parser, namespace, values, option_string)
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", metavar="MODEL", default=None,
                    help="a converted store, a GGUF file, an HF model directory, or a Hugging Face hub id "
@@ -110,6 +126,9 @@ def add_engine_args(p: argparse.ArgumentParser, *, n_predict_default: int | None
     p.add_argument("--no-escape", dest="escape", action="store_false", help="take those texts as typed%(default).0s")
     p.add_argument("--jinja", action="store_true",
                    help="accepted for llama.cpp's command lines: chat templates are always Jinja2 here")
+    p.add_argument("--no-jinja", dest="no_jinja", action=_Unneeded, why=NO_JINJA,
+                   help="accepted for llama.cpp's command lines, with a warning: chat templates are always Jinja2 "
+                        "here")
     p.add_argument("--mmap", dest="mmap", action="store_const", const=True, default=None,
                    help="map the model file instead of reading its weights into huge-page memory: starts at once "
                         "and shares the file's pages with other processes, decodes ~10%% slower (default: models "
@@ -605,6 +624,8 @@ def llama_env_argv(parser, argv: list[str], environ) -> tuple[list[str], list[st
                 notes.append(f"{name}={value!r}: not a switch value (true / false); left out")
             elif v in _TRUE and not given(LLAMA_ENV_SWITCHES[name]):
                 out.append(LLAMA_ENV_SWITCHES[name])
+            elif name == "LLAMA_ARG_JINJA" and v and v in _FALSE and not given("--jinja"):   # llama.cpp's --no-jinja
+                notes.append(f"{name}={value!r}: {NO_JINJA}")
         elif name.startswith("LLAMA_ARG_"):
             notes.append(f"{name} is llama-server's and has no meaning here; it is not used")
     return out, notes, applied

@@ -417,7 +417,7 @@ def main(args) -> int:
 # flags of the router alone: everything else is passed on to each model's process
 ROUTER_ONLY = {"help", "model", "host", "port", "api_key", "api_key_file", "metrics_public", "cors_origin", "alias",
                "strict_model_name", "ray_replicas", "models_dir", "models_cache", "models_max", "models_keep_alive",
-               "models_load_timeout"}
+               "models_load_timeout", "no_jinja"}   # no_jinja: warned of once, by the router
 MODEL_SUFFIXES = {".bnstore": "bnstore", ".gguf": "gguf"}
 
 

@@ -355,6 +355,29 @@ def test_flags_mean_what_llama_cpp_users_mean(prog, argv, dest, want):
     assert not extras and getattr(args, dest) == want
 
 
+@pytest.mark.parametrize("prog", ["run", "serve", "bitchat"])
+def test_no_jinja_is_taken_with_one_line_saying_it_changes_nothing(prog, capsys):
+    """llama.cpp's --no-jinja (its other template renderer): templates are always Jinja2 here, so the flag is taken
+    with one warning line saying so, where it was argparse's usage and "did you mean --jinja?"."""
+    args, extras = _parse(prog, ["--no-jinja"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert not extras and len(err) == 1 and "warning: --no-jinja:" in err[0] and "always" in err[0], err
+
+
+def test_llama_arg_jinja_off_is_named_as_no_jinja():
+    """LLAMA_ARG_JINJA=0 (llama-server's --no-jinja by variable) was taken in silence: it gets the same warning,
+    naming the variable; true is --jinja, and an empty one is unset."""
+    from bitnet_cpu.cli import build_parser
+    from bitnet_cpu.cli.flags import llama_env_argv
+    subs = {}
+    build_parser(subs)
+    for value in ("0", "false", "off"):
+        out, notes, _ = llama_env_argv(subs["serve"], [], {"LLAMA_ARG_JINJA": value})
+        assert out == [] and len(notes) == 1 and notes[0].startswith(f"LLAMA_ARG_JINJA={value!r}: chat templates")
+    assert llama_env_argv(subs["serve"], [], {"LLAMA_ARG_JINJA": "1"})[:2] == (["--jinja"], [])
+    assert llama_env_argv(subs["serve"], [], {"LLAMA_ARG_JINJA": ""})[:2] == ([], [])
+
+
 @pytest.mark.parametrize("prog,argv", [
     ("serve", ["--keep", "256"]),      # was --keep-alive-timeout 256
     ("serve", ["-n", "64"]),           # was -np 64
