@@ -23,11 +23,13 @@ def add_arguments(p):
     src.add_argument("-f", "--file", default=None, help="read the prompt from this file ('-' reads stdin)%(default).0s")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template%(default).0s")
     add_system_args(p)
-    p.add_argument("-cnv", "--conversation", action="store_true",
+    p.add_argument("-cnv", "--conversation", action="store_const", const=True, default=None,
                    help="chat on stdin as bitchat does (a terminal gets the REPL; -p is the first message)%(default).0s")
     # llama-cli's opposite, common in its command lines: one prompt, one answer, which is bitnet run's default
-    p.add_argument("-no-cnv", "--no-conversation", dest="conversation", action="store_false",
-                   help="one prompt, one answer (the default; llama-cli's flag, taken as it means there)%(default).0s")
+    p.add_argument("-no-cnv", "--no-conversation", dest="conversation", action="store_const", const=False,
+                   help="one prompt, one answer (the default; llama-cli's flag, taken as it means there: the prompt "
+                        "is completed as it is, without the chat template that -sys or --chat-template would "
+                        "bring)%(default).0s")
     p.add_argument("-st", "--single-turn", dest="single_turn", action="store_true",
                    help="one chat turn: the prompt in the model's chat template, one answer (llama-cli's flag, as "
                         "--chat; with -cnv too)%(default).0s")
@@ -103,6 +105,16 @@ def main(args) -> int:
     problem = check_engine_args(args)
     if problem:
         raise BitNetError(problem)
+    # flags that only mean something in a chat (llama.cpp turns its chat on for them)
+    chat_only = [flag for flag, given in (
+        ("-sys/--system-prompt", args.system is not None), ("--chat-template", args.chat_template is not None),
+        ("--chat-template-file", args.chat_template_file is not None),
+        ("--chat-template-kwargs / -rea", bool(args.template_kwargs))) if given]
+    raw = args.conversation is False and not args.chat and not args.single_turn   # an explicit -no-cnv
+    if raw and chat_only:   # llama-cli's -no-cnv: the prompt as it is, no template
+        print(f"bitnet: warning: -no-cnv: the prompt is completed as it is; {', '.join(chat_only)} "
+              f"{'is' if len(chat_only) == 1 else 'are'} not used (--chat to wrap it in the chat template)",
+              file=sys.stderr)
     if args.single_turn:   # llama-cli's -st: its conversation mode for one turn, i.e. one chat answer
         args.conversation, args.chat = False, True
     prompt = _read_prompt(args)
@@ -142,10 +154,7 @@ def main(args) -> int:
     apply_chat_template(llm, args)
     for w in [*llm.warnings, *thinking_warnings(llm, args)]:
         print(f"bitnet: warning: {w}", file=sys.stderr)
-    # a system prompt or a chat template (or its variables) only means something in a chat (llama.cpp turns its chat
-    # on for them)
-    if args.chat or args.system is not None or args.chat_template is not None or args.chat_template_file is not None \
-            or args.template_kwargs:
+    if args.chat or (chat_only and not raw):
         msgs = ([{"role": "system", "content": args.system}] if args.system is not None else [])
         ids = llm.chat_prompt(msgs + [{"role": "user", "content": prompt}])
     else:

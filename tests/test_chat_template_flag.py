@@ -110,6 +110,24 @@ def test_run_prompts_with_the_templates_text(llm, tmp_path):
     assert json.loads(default.stdout.splitlines()[-1])["stats"]["n_prompt"] != want
 
 
+def test_no_cnv_completes_the_prompt_as_it_is(llm, tmp_path):
+    """llama-cli's -no-cnv is raw completion: given with -sys or --chat-template it was ignored and the prompt went
+    through the template. Now the prompt is completed as it is (BOS and its own tokens), with one warning line
+    naming what is not used; without -no-cnv those flags still turn the chat on."""
+    path = tmp_path / "t.jinja"
+    path.write_text(TEMPLATE)
+    raw = len(llm.tokenize(MSGS[1]["content"], add_bos=True))
+    for flags, named in ((("-sys", "Be brief."), "-sys/--system-prompt"),
+                         (("--chat-template-file", str(path)), "--chat-template-file")):
+        r = bitnet("run", "-no-cnv", "-p", MSGS[1]["content"], "-n", "2", "--temp", "0", "--json", *flags)
+        assert r.returncode == 0, r.stderr
+        assert json.loads(r.stdout.splitlines()[-1])["stats"]["n_prompt"] == raw
+        warned = [line for line in r.stderr.splitlines() if "-no-cnv" in line]
+        assert len(warned) == 1 and named in warned[0] and "not used" in warned[0], r.stderr
+        r = bitnet("run", "-p", MSGS[1]["content"], "-n", "2", "--temp", "0", "--json", *flags)
+        assert json.loads(r.stdout.splitlines()[-1])["stats"]["n_prompt"] > raw and "-no-cnv" not in r.stderr
+
+
 @pytest.mark.parametrize("flags,words", [
     (("--chat-template", "vicuna-ish"), "not a template name"),
     (("--chat-template", "{% for %}"), "does not parse"),

@@ -404,7 +404,7 @@ def test_no_cnv_is_llama_cli_s_one_prompt_one_answer():
     """-no-cnv (in very many llama-cli command lines) was "unrecognized arguments": it is bitnet run's default, and
     the later of -cnv / -no-cnv wins, as with llama-cli."""
     for argv, conversation in ((["-no-cnv"], False), (["--no-conversation"], False), (["-cnv", "-no-cnv"], False),
-                               (["-no-cnv", "-cnv"], True), ([], False)):
+                               (["-no-cnv", "-cnv"], True), ([], None)):   # None: neither given
         args, extras = _parse("run", argv + ["-p", "x"])
         assert not extras and args.conversation is conversation, argv
 
