@@ -21,8 +21,8 @@ from ..engine.runtime.chat_template import choose_template   # the one rendered:
 from ..engine.runtime.sampling import SamplingParams
 from .logprobs import chat_entry
 from .offload import Streamed, run_off_loop, too_long_for_context
-from .schemas import (CHAIN, MANY_STOPS, SAMPLER_ALIASES, ChatMessage, JSONTyped, RequestProblem, _Sampling,
-                      continuation, tools_refused, unanswered)
+from .schemas import (CHAIN, MANY_STOPS, SAMPLER_ALIASES, ChatMessage, JSONTyped, RequestProblem, ToolMessages,
+                      _Sampling, continuation, tools_refused, unanswered)
 
 # fields /completion takes but cannot honour: their "off" values (taken, as clients send them), and why any other
 # is refused, naming /completion's own field where there is one (the mirror of /v1/completions' n_probs refusal)
@@ -258,7 +258,7 @@ class DetokenizeRequest(JSONTyped):
     tokens: list[int]   # JSON's integers (JSONTyped): true is not token 1, 3.0 not token 3
 
 
-class ApplyTemplateRequest(JSONTyped):
+class ApplyTemplateRequest(ToolMessages, JSONTyped):
     model_config = ConfigDict(extra="ignore")
     messages: list[ChatMessage] = Field(min_length=1)
     tools: Optional[list[dict]] = None
@@ -394,6 +394,10 @@ def register(app, state, ready, api_error: type, pipe, *, sampling=None):
     @app.post("/apply-template")
     async def apply_template(body: ApplyTemplateRequest, request: Request):
         eng = ready(request)
+        try:   # as the chat endpoint checks them: a tool result answers a call, a call's arguments are JSON text
+            body.check_tool_messages()
+        except RequestProblem as e:
+            raise api_error(400, str(e), param=e.param, code="invalid_value") from None
         for i, m in enumerate(body.messages):
             j = m.other_part()
             if j is not None:

@@ -742,39 +742,9 @@ class AllowedToolsChoice(BaseModel):
     allowed_tools: AllowedTools
 
 
-class ChatCompletionRequest(_Sampling):
-    EFFORT_NONE: ClassVar[bool] = True   # reasoning_effort "none": a thinking template does not think
-    messages: list[ChatMessage] = Field(min_length=1)
-    # llama-server's: variables for the chat template (enable_thinking: false turns Qwen3's thinking off), and
-    # where a thinking model's <think> block goes ("none": left in content; else reasoning_content)
-    chat_template_kwargs: Optional[dict[str, Any]] = None
-    reasoning_format: Optional[Literal["none", "auto", "deepseek", "deepseek-legacy"]] = None
-    # llama-server's: a final assistant message is continued (its default); these two say so explicitly
-    continue_final_message: Optional[bool] = None
-    add_generation_prompt: Optional[bool] = None
-    max_completion_tokens: Optional[int] = Field(default=None, ge=0)
-    logprobs: Optional[bool] = None
-    top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
-    tools: Optional[list[dict[str, Any]]] = None
-    tool_choice: Union[Literal["none", "auto", "required"], ToolChoice, AllowedToolsChoice, None] = None
-    parallel_tool_calls: Optional[bool] = None
-    metadata: Optional[Metadata] = None        # taken, not used (checked as OpenAI checks them)
-    service_tier: Optional[ServiceTier] = None
-
-    def record_logprobs(self):
-        return (self.top_logprobs or 0) if self.logprobs else None
-
-    def unsupported(self):
-        if self.top_logprobs is not None and not self.logprobs:
-            return "top_logprobs", "top_logprobs needs logprobs: true"
-        if bad := self.stream_options_alone():
-            return bad
-        for i, m in enumerate(self.messages):
-            j = m.other_part()
-            if j is not None:
-                return (f"messages.{i}.content.{j}", part_refusal(f"messages.{i}.content.{j}", m.content[j].type,
-                                                                   CHAT_TEXT_PARTS))
-        return super().unsupported()
+class ToolMessages:
+    """The checks of tool definitions and of the messages that carry calls and results, for every request with
+    `tools` and `messages` (the chat endpoint, and llama-server's /apply-template, which checks them as there)."""
 
     def check_tool_messages(self):
         """RequestProblem for what OpenAI's API refuses in the tools and the messages that carry calls and
@@ -818,6 +788,41 @@ class ChatCompletionRequest(_Sampling):
             if None not in ids and m.tool_call_id not in ids:   # calls sent without ids cannot be matched
                 raise RequestProblem(where, f"{where} {m.tool_call_id!r}: no earlier assistant message has a tool "
                                             "call with that id")
+
+
+class ChatCompletionRequest(ToolMessages, _Sampling):
+    EFFORT_NONE: ClassVar[bool] = True   # reasoning_effort "none": a thinking template does not think
+    messages: list[ChatMessage] = Field(min_length=1)
+    # llama-server's: variables for the chat template (enable_thinking: false turns Qwen3's thinking off), and
+    # where a thinking model's <think> block goes ("none": left in content; else reasoning_content)
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    reasoning_format: Optional[Literal["none", "auto", "deepseek", "deepseek-legacy"]] = None
+    # llama-server's: a final assistant message is continued (its default); these two say so explicitly
+    continue_final_message: Optional[bool] = None
+    add_generation_prompt: Optional[bool] = None
+    max_completion_tokens: Optional[int] = Field(default=None, ge=0)
+    logprobs: Optional[bool] = None
+    top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
+    tools: Optional[list[dict[str, Any]]] = None
+    tool_choice: Union[Literal["none", "auto", "required"], ToolChoice, AllowedToolsChoice, None] = None
+    parallel_tool_calls: Optional[bool] = None
+    metadata: Optional[Metadata] = None        # taken, not used (checked as OpenAI checks them)
+    service_tier: Optional[ServiceTier] = None
+
+    def record_logprobs(self):
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def unsupported(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            return "top_logprobs", "top_logprobs needs logprobs: true"
+        if bad := self.stream_options_alone():
+            return bad
+        for i, m in enumerate(self.messages):
+            j = m.other_part()
+            if j is not None:
+                return (f"messages.{i}.content.{j}", part_refusal(f"messages.{i}.content.{j}", m.content[j].type,
+                                                                   CHAT_TEXT_PARTS))
+        return super().unsupported()
 
     def tool_choice_name(self) -> str:
         """"none" | "auto" | "required" | a function name; OpenAI's default: auto with tools, none without."""

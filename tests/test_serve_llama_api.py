@@ -180,7 +180,15 @@ def test_props_settings_post_back_and_llama_server_lengths(server):
     ("/detokenize", {"tokens": [5, True]}, "tokens"),   # was read as token 1
     ("/detokenize", {"tokens": [5.0]}, "tokens"),
     # tools are checked as the chat endpoint checks them (they were rendered into the prompt as they came)
-    ("/apply-template", {"messages": [{"role": "user", "content": "x"}], "tools": [{"bogus": 1}]}, "tools[0]"),
+    ("/apply-template", {"messages": [{"role": "user", "content": "x"}], "tools": [{"bogus": 1}]}, "tools[0].type"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"bogus": 1}]},
+     "tools[0].type"),
+    # and the messages that carry calls and results, as there (a result answering no call was rendered)
+    *[(path, {"messages": [{"role": "user", "content": "x"}, {"role": "tool", "content": "42"}]},
+       "messages[1].tool_call_id") for path in ("/apply-template", "/v1/chat/completions")],
+    *[(path, {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"a": 1}}}]}]},
+       "messages[1].tool_calls[0].function.arguments") for path in ("/apply-template", "/v1/chat/completions")],
     ("/tokenize", {"content": "word " * 400000}, "content"),
     ("/tokenize", {"text": "the field is content"}, "content"),
     ("/apply-template", {"messages": []}, "messages"),
