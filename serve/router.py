@@ -172,6 +172,18 @@ class Child:
         return re.sub(r"^bitnet(?: serve)?: error: ", "", (errors or [""])[-1])
 
 
+def exit_said(code: int | None) -> str:
+    """How a model's process ended, for the router's lines: a negative code is the signal that killed it (the
+    kernel's out-of-memory killer sends SIGKILL), not an exit code."""
+    if code is None or code >= 0:
+        return f"exited with code {code}"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = "an unknown signal"
+    return f"was killed by signal {-code} ({name}" + (": out of memory?)" if -code == signal.SIGKILL else ")")
+
+
 class Router:
     def __init__(self, scan: Callable[[], dict[str, ModelSpec]], command: Callable[[ModelSpec, int, str], list[str]], *,
                  models_max: int = 3, keep_alive: float = FOREVER, load_timeout: float = 600.0,
@@ -524,7 +536,7 @@ class Router:
         while True:
             if c.proc.poll() is not None:
                 tail = c.log_tail()
-                problem = tail or f"its process exited with code {c.proc.returncode}"
+                problem = tail or f"its process {exit_said(c.proc.returncode)}"
                 said = c.proc.returncode == EXIT_BAD_INPUT and bool(tail)   # its one line on the file (a kill: not)
                 break
             try:
@@ -618,7 +630,7 @@ class Router:
                 self.count("unloads", c.spec.name, reason)
                 if reason == "exited":
                     tail = c.log_tail()
-                    self.log(f"'{c.spec.name}': its process exited (code {c.proc.returncode})"
+                    self.log(f"'{c.spec.name}': its process {exit_said(c.proc.returncode)}"
                              + (f": {tail}" if tail else ""))
                 else:
                     self.log(f"unloaded '{c.spec.name}' ({reason})")

@@ -819,6 +819,28 @@ def test_a_model_that_does_not_load_is_one_line_and_exit_2(model, words, tmp_pat
     assert "Traceback" not in r.stderr
 
 
+def test_a_context_past_memory_is_refused_before_it_is_allocated():
+    """`bitnet serve -c 10000000` as `bitnet run` refuses it: one line naming what the KV pool and buffers need and
+    what is available, exit 2, before anything that size is allocated (it built RoPE tables for minutes, memory
+    climbing, /health saying 503 loading). The address-space limit makes "available" the same on any machine."""
+    import resource
+    import subprocess
+    import sys
+
+    from serve_proc import ROOT, free_port
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_AS, (8 << 30, resource.RLIM_INFINITY))
+    r = subprocess.run([sys.executable, "-m", "bitnet_cpu", "serve", "-t", "1", "-c", "10000000", "--parallel", "1",
+                        "--port", str(free_port())], cwd=ROOT, env=dict(os.environ, PYTHONPATH=pythonpath()),
+                       capture_output=True, text=True, timeout=120, preexec_fn=limit)
+    errors = [line for line in r.stderr.splitlines() if "error" in line]
+    assert r.returncode == 2 and len(errors) == 1, r.stderr
+    assert errors[0].startswith("bitnet serve: error: -c/--ctx 10000000: the KV cache and buffers would need "), \
+        r.stderr
+    assert "of memory available" in errors[0] and "Traceback" not in r.stderr, r.stderr
+
+
 def test_health_503_while_loading():
     """In-process: the app answers /health 503 (+ Retry-After) until load() returns, then 200."""
     from starlette.testclient import TestClient

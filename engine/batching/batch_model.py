@@ -29,6 +29,17 @@ from ..runtime.model import (RESCORE_K, Weights, _Views, alloc_run_state, i8_hea
 from .kv_pool import PAGE_TOKENS, KVPool
 
 
+def batch_model_bytes(cfg: ModelConfig, *, max_rows: int, n_ctx: int, max_logit_rows: int, max_threads: int) -> int:
+    """Bytes BatchModel() allocates beside the KV pool: RoPE tables, attention scratch, per-step rows, logit rows
+    (as engine.runtime.model.session_bytes counts a session's: the engine's memory check adds the pool)."""
+    ctx = -(-int(n_ctx) // PAGE_TOKENS) * PAGE_TOKENS
+    rope = 2 * ctx * (cfg.head_dim // 2) * 4 + ctx * 4 * 2
+    scratch = max_threads * ops.ATTENTION_SCRATCH_ROWS * ctx * 4
+    rows = max_rows * ((4 * cfg.hidden_size + 2 * cfg.q_dim + 2 * cfg.kv_dim + 2 * cfg.intermediate_size) * 4)
+    logits = max_logit_rows * ((3 * cfg.hidden_size + cfg.vocab_size) * 4 + 8 * RESCORE_K)
+    return rope + scratch + rows + logits
+
+
 class BatchModel:
     def __init__(self, store, pool: KVPool, *, max_rows: int, n_ctx: int, max_logit_rows: int,
                  weights: Weights | None = None, max_threads: int = 64, threads: int | None = None):

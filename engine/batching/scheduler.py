@@ -39,12 +39,13 @@ import numpy as np
 from ..errors import BitNetError, ContextOverflowError, QueueFullError, token_ids
 from ..runtime.constraints import compile_constraint
 from ..runtime.generate import Chunk, Stats, _StopMatcher, last_text, stop_strings, whole_number
-from ..runtime.model import decode_rows_attention
+from ..memory import available_memory
+from ..runtime.model import _gib, decode_rows_attention
 from ..runtime.reasoning import budget_matcher
 from ..runtime.sampling import Sampler, SamplingParams, checked_params
 from ..runtime.speculative import OFF, DraftLength, LookupParams, PromptLookup, checked_lookup
 from ..cpu import BATCH_TOKENS_MAX
-from .batch_model import BatchModel
+from .batch_model import BatchModel, batch_model_bytes
 from .drafts import FORCED_DRAFT_MAX, Drafts
 from .embed import Embeddings
 from .score import ScoreRequest, Scoring
@@ -153,13 +154,15 @@ class BatchScheduler(Drafts, Embeddings, Scoring):
         # a constrained sequence's forced tokens (jump-forward) run as a draft of up to this many rows, whatever
         # the lookup setting (its logit rows are sized for it: untouched rows cost no memory)
         self.forced_max = min(FORCED_DRAFT_MAX, self.max_batch_tokens - 1)
+        self.max_step_seqs = min(self.parallel, self.max_batch_tokens)   # sequences in one step
+        sizes = dict(max_rows=self.max_batch_tokens, n_ctx=self.n_ctx,
+                     max_logit_rows=min(self.max_step_seqs * (1 + max(self.draft_max, self.forced_max)),
+                                        self.max_batch_tokens),
+                     max_threads=max(2, int(threads or 0), _cpu_count()))
+        self._check_memory(cfg, n_pages, kv_dtype, sizes)
         self.pool = KVPool(cfg.n_layers, n_pages, cfg.n_kv_heads, cfg.head_dim, kv_dtype)
         self.prefix = PrefixCache(self.pool)
-        self.max_step_seqs = min(self.parallel, self.max_batch_tokens)   # sequences in one step
-        self.model = BatchModel(store, self.pool, max_rows=self.max_batch_tokens, n_ctx=self.n_ctx,
-                                max_logit_rows=min(self.max_step_seqs * (1 + max(self.draft_max, self.forced_max)),
-                                                   self.max_batch_tokens),
-                                max_threads=max(2, int(threads or 0), _cpu_count()), threads=threads)
+        self.model = BatchModel(store, self.pool, threads=threads, **sizes)
         self.load_s = load_s
         self._eos = set(tokenizer.eos_ids)
         self._ids = itertools.count(1)
@@ -185,6 +188,19 @@ class BatchScheduler(Drafts, Embeddings, Scoring):
         self._error: BaseException | None = None
         self._outbox: list[tuple[Stream, Chunk]] = []   # final chunks, emitted once the lock is released
         self._calls: deque = deque()                      # (fn, result box) to run on the scheduler thread
+
+    def _check_memory(self, cfg, n_pages: int, kv_dtype: str, sizes: dict):
+        """Refuse, before allocating any of it, a KV pool and buffers larger than the memory available, as
+        Model() refuses a session's (engine/runtime/model.py): np.zeros maps them lazily, so without this a
+        huge -c/--ctx was accepted and the server ground for minutes (RoPE tables) until the kernel killed it."""
+        need = n_pages * PAGE_TOKENS * KVPool.bytes_per_token(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, kv_dtype)
+        need += batch_model_bytes(cfg, **sizes)
+        avail = available_memory()
+        if avail is not None and need > avail:
+            more = "" if self.parallel == 1 else f" with --parallel {self.parallel}"
+            raise BitNetError(f"-c/--ctx {self.n_ctx}{more}: the KV cache and buffers would need {_gib(need)}, more "
+                              f"than the {_gib(avail)} of memory available", hint="use a smaller -c/--ctx or "
+                              f"--parallel (the model was trained for {cfg.context_length})")
 
     def start(self):
         self._thread.start()
