@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import os
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -59,6 +61,27 @@ def page_response(webui: bool) -> Response:
         return PlainTextResponse("bitnet serve is running")
     with open(PAGE, encoding="utf-8") as f:
         return HTMLResponse(f.read())
+
+
+def import_for_requests():
+    """What requests import lazily, imported once the model has loaded: a first request that imports it when the
+    process is out of file descriptors (ulimit -n, many clients) failed with "Too many open files" on a module."""
+    import importlib
+    # every sampler's generator, a template's string escapes, requests with tools, what a template that raises
+    # imports (jinja2 is optional: a store without a chat template)
+    for name in ("numpy.random", "encodings.unicode_escape", "..engine.runtime.tools", "jinja2.debug"):
+        try:
+            importlib.import_module(name, __package__)
+        except ImportError:
+            pass
+
+
+def out_of_resources(e: BaseException) -> bool:
+    """The process ran out of file descriptors or memory: the server's state, not the request's fault."""
+    return isinstance(e, MemoryError) or (isinstance(e, OSError) and e.errno in RESOURCE_ERRNOS)
+
+
+RESOURCE_ERRNOS = (errno.EMFILE, errno.ENFILE, errno.ENOMEM)
 
 
 class APIError(Exception):
@@ -119,6 +142,7 @@ class ServerState:
                 if self.sampling is not None:
                     eng.prepare_sampling(self.sampling)   # the server's defaults: DRY's breaker table, if on
                 warm_bounds(eng)             # the prompt bounds need the tokenizer's longest token
+                import_for_requests()
                 if self.model_id is None:
                     self.model_id = eng.name
                 self.engine = eng
@@ -279,6 +303,20 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
     async def _refused(request, e: BodyRefused):
         return in_family(request, error_response(400, str(e.detail), param=e.param, code=e.code, extra=e.extra))
 
+    @app.exception_handler(OSError)
+    @app.exception_handler(MemoryError)
+    async def _out_of_resources(request, e: Exception):
+        """Out of file descriptors or memory under load: a 503 in the API's shape and one log line, not a 500 in
+        plain text with a traceback; any other OSError is a bug and goes on as one."""
+        if not out_of_resources(e):
+            raise e
+        why = "out of memory" if isinstance(e, MemoryError) else os.strerror(e.errno).lower()
+        print(f"bitnet serve: {request.method} {request.url.path}: {why} ({type(e).__name__}: {e})",
+              file=sys.stderr, flush=True)
+        return in_family(request, error_response(503, f"the server is out of resources ({why}); retry later",
+                                                 "server_error", code="out_of_resources",
+                                                 headers={"Retry-After": str(state.retry_after)}))
+
     @app.exception_handler(StarletteHTTPException)
     async def _http(request, e):
         type_ = "not_found_error" if e.status_code == 404 else "invalid_request_error"
@@ -376,6 +414,8 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
             return await run_off_loop(eng.chat_prompt, msgs, tools=tools, prefill=prefill,
                                       template_kwargs=template_kwargs)
         except Exception as e:  # the template rejected the conversation (e.g. roles out of order)
+            if out_of_resources(e):   # not the conversation's fault: a 503 (_out_of_resources)
+                raise
             if str(e).startswith("chat_template_kwargs"):
                 raise APIError(400, str(e), param="chat_template_kwargs", code="invalid_value") from None
             raise APIError(400, f"{param}: {e}", param=param, code="invalid_value") from None

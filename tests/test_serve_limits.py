@@ -743,3 +743,38 @@ def test_http_rules_clients_and_proxies_rely_on():
         assert got.startswith(b"HTTP/1.1 200"), got[:200]
     finally:
         assert s.stop()[0] == 0
+
+
+_NO_FDS_LEFT = r"""
+import json, resource, time
+from starlette.testclient import TestClient
+from bitnet_cpu.engine.api import load_engine
+from bitnet_cpu.serve.app import create_app
+
+app = create_app(lambda: load_engine(None, ctx=256, threads=1, parallel=2, progress=False))
+with TestClient(app, raise_server_exceptions=False) as tc:
+    while tc.get("/health").status_code != 200:
+        time.sleep(0.05)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (0, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))  # none left
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "temperature": 0.8, "seed": 1}
+    answers = [tc.post(path, json=body) for path in ("/v1/chat/completions", "/v1/chat/completions")]
+    print(json.dumps([(r.status_code, r.headers.get("content-type", ""), r.text) for r in answers]))
+"""
+
+
+def test_a_server_out_of_file_descriptors_still_answers_in_json():
+    """A process at its open-files limit (ulimit -n, many clients): a request imported numpy.random on first use,
+    which failed with "Too many open files" and gave a plain-text 500 and a traceback. What requests import is
+    imported once the model has loaded, so such a request is answered (here every descriptor is taken)."""
+    import os
+    import subprocess
+    import sys
+
+    from serve_proc import ROOT
+    r = subprocess.run([sys.executable, "-c", _NO_FDS_LEFT], cwd=ROOT, env=dict(os.environ, PYTHONPATH=pythonpath()),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip(), r.stderr[-3000:]
+    for status, ctype, text in json.loads(r.stdout.strip().splitlines()[-1]):
+        assert ctype.startswith("application/json") and "Too many open files" not in text, (status, text)
+        assert status in (200, 503), (status, text)
+    assert "Traceback" not in r.stderr, r.stderr[-3000:]
