@@ -75,7 +75,13 @@ def main(argv: list[str] | None = None) -> int:
         closed_std_streams()   # before anything writes: a closed stdout becomes /dev/null
         replace_unencodable()
         with lossy_stderr():   # `bitnet run -v 2>&-`: the timings lost, never the answer
-            return interruptible(lambda: stdout_flushed(lambda: _main(argv)))
+            try:
+                return interruptible(lambda: stdout_flushed(lambda: _main(argv)))
+            except (ImportError, MemoryError) as e:   # the first imports (the kernels, numpy) short of memory
+                if not out_of_memory(e):
+                    raise
+                print(f"bitnet: error: {OUT_OF_MEMORY}", file=sys.stderr)
+                return 2   # EXIT_BAD_INPUT (its module may be what did not load)
 
 
 @contextlib.contextmanager
@@ -121,10 +127,55 @@ def interruptible(body) -> int:
         return 130
 
 
+OUT_OF_MEMORY = "out of memory (hint: use a smaller -c/--ctx, or close other programs)"
+
+
+def out_of_memory(e: BaseException) -> bool:
+    """MemoryError, or a library that could not be mapped into memory (ulimit -v: "failed to map segment from
+    shared object", "cannot allocate memory"): the machine's state, not a bug to report."""
+    if isinstance(e, MemoryError):
+        return True
+    text = str(e).lower()
+    return isinstance(e, ImportError) and ("failed to map segment" in text or "cannot allocate memory" in text)
+
+
 def _main(argv: list[str] | None) -> int:
+    from ..engine.errors import (EXIT_BAD_INPUT, EXIT_BUG, EXIT_INTERRUPTED, BitNetError, Terminated,
+                                 write_error_line, write_failed)
+
+    try:   # the parser's imports (every subcommand's module) included
+        return _command(argv)
+    except Terminated as e:
+        with contextlib.suppress(OSError):   # the terminal may be gone (SIGHUP)
+            print(f"bitnet: terminated ({signal.Signals(e.signum).name})", file=sys.stderr)
+        return 128 + e.signum
+    except BitNetError as e:
+        if e.exit_code == EXIT_BUG:
+            return report_bug("bitnet", e)
+        print(f"bitnet: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        return quiet_broken_pipe()
+    except OSError as e:   # stdout or a file on a full disk: one line, not a bug
+        if not write_failed(e):
+            return report_bug("bitnet", e)
+        with contextlib.suppress(OSError):
+            print(write_error_line("bitnet", e), file=sys.stderr)
+        stdout_to_devnull()   # (stdout_flushed's flush next: not a second line)
+        return EXIT_BAD_INPUT
+    except Exception as e:  # a bug: one line asking for a report, never a raw traceback
+        if out_of_memory(e):   # MemoryError, a library that could not be mapped
+            print(f"bitnet: error: {OUT_OF_MEMORY}", file=sys.stderr)
+            return EXIT_BAD_INPUT
+        return report_bug("bitnet", e)
+
+
+def _command(argv: list[str] | None) -> int:
     from ..engine import faults
-    from ..engine.errors import (ENDING_SIGNALS, EXIT_BAD_INPUT, EXIT_BUG, EXIT_INTERRUPTED, BitNetError, Terminated,
-                                 raise_terminated, write_error_line, write_failed)
+    from ..engine.errors import ENDING_SIGNALS, EXIT_BAD_INPUT, raise_terminated
 
     from .flags import given_options, maybe_autocomplete, parse_args_suggesting
 
@@ -157,34 +208,7 @@ def _main(argv: list[str] | None) -> int:
     # writing (a conversion's temporary store: hundreds of MB) is removed; `serve` and `chat` put their own in place
     for sig in ENDING_SIGNALS:
         signal.signal(sig, raise_terminated)
-    try:
-        return int(args._main(args) or 0)
-    except Terminated as e:
-        with contextlib.suppress(OSError):   # the terminal may be gone (SIGHUP)
-            print(f"bitnet: terminated ({signal.Signals(e.signum).name})", file=sys.stderr)
-        return 128 + e.signum
-    except BitNetError as e:
-        if e.exit_code == EXIT_BUG:
-            return report_bug("bitnet", e)
-        print(f"bitnet: error: {e}", file=sys.stderr)
-        return e.exit_code
-    except KeyboardInterrupt:
-        print("", file=sys.stderr)
-        return EXIT_INTERRUPTED
-    except BrokenPipeError:
-        return quiet_broken_pipe()
-    except OSError as e:   # stdout or a file on a full disk: one line, not a bug
-        if not write_failed(e):
-            return report_bug("bitnet", e)
-        with contextlib.suppress(OSError):
-            print(write_error_line("bitnet", e), file=sys.stderr)
-        stdout_to_devnull()   # (stdout_flushed's flush next: not a second line)
-        return EXIT_BAD_INPUT
-    except MemoryError:
-        print("bitnet: error: out of memory (hint: use a smaller -c/--ctx, or close other programs)", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    except Exception as e:  # a bug: one line asking for a report, never a raw traceback
-        return report_bug("bitnet", e)
+    return int(args._main(args) or 0)
 
 
 class _LossyStream:

@@ -404,7 +404,8 @@ def main(args) -> int:
         if isinstance(e, BitNetError) and e.exit_code != EXIT_BUG:
             print(f"bitnet serve: error: {e}", file=sys.stderr)
             return e.exit_code
-        if isinstance(e, MemoryError):
+        from . import out_of_memory
+        if out_of_memory(e):   # MemoryError, a library that could not be mapped (ulimit -v)
             print("bitnet serve: error: out of memory loading the model (hint: a smaller -c/--ctx or --parallel)",
                   file=sys.stderr)
             return EXIT_BAD_INPUT

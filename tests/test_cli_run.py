@@ -225,6 +225,36 @@ def test_ctrl_c_while_starting_is_one_exit_130(at, entry, args):
     assert r.returncode == 130 and "Traceback" not in r.stderr and not r.stdout, (r.returncode, r.stderr)
 
 
+FAIL_AT_IMPORT = """
+import importlib.abc, sys
+class Fail(importlib.abc.MetaPathFinder):   # the import of `at` fails as under a tight `ulimit -v`
+    def find_spec(self, name, path=None, target=None):
+        if name == sys.argv[1]:
+            if sys.argv[2] == "map":
+                raise ImportError(name + ".so: failed to map segment from shared object")
+            raise MemoryError()
+        return None
+sys.meta_path.insert(0, Fail())
+import importlib
+sys.exit(importlib.import_module("bitnet_cpu.cli").main(sys.argv[3:]))
+"""
+
+
+@pytest.mark.parametrize("at, how", [
+    ("tokenizers", "map"),              # a library loaded lazily, with the model
+    ("bitnet_cpu.cli.serve", "memory"),  # the parser's subcommands: before the error handler was in place
+    ("bitnet_cpu.cli.serve", "map"),
+])
+def test_out_of_memory_while_importing_is_the_out_of_memory_line(store, at, how):
+    """A library that cannot be mapped under an address-space limit was "internal error ... a bug, please report
+    it" (exit 70), and a MemoryError while the parser imported the subcommands a raw traceback (exit 1): both are
+    out of memory, said in one line, exit 2."""
+    r = subprocess.run([sys.executable, "-c", FAIL_AT_IMPORT, at, how, "run", "-m", store, "-p", "Once", "-n", "2"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "bitnet: error: out of memory (hint: use a smaller -c/--ctx, or close other programs)"], r.stderr
+
+
 def test_ctrl_c_keeps_text(store):
     p = subprocess.Popen([sys.executable, "-m", "bitnet_cpu", "run", "-m", store, "-p", "Once upon a time", "-n", "100000",
                           "-c", "60000", "--temp", "1", "--seed", "1", "-t", "1"], cwd=ROOT,
