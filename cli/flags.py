@@ -472,6 +472,12 @@ class Parser(argparse.ArgumentParser):
     def _get_option_tuples(self, option_string):
         return []
 
+    def _print_message(self, message, file=None):
+        """argparse drops an OSError writing --help / --version: to a full disk that was exit 0 and nothing said.
+        It goes on to the command's handler ("write error: ...", exit 2), as any other write to stdout does."""
+        if message:
+            (file or sys.stderr).write(message)
+
 
 TLS_REFUSED = "TLS is not supported here: put a TLS-terminating proxy (nginx, Caddy) in front"
 

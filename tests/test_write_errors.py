@@ -38,6 +38,15 @@ def test_bitnet_output_on_a_full_disk_is_one_line(args):
     assert "internal error" not in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.parametrize("prog, args", [("bitnet", ["--version"]), ("bitnet", ["--help"]),
+                                        ("bitnet", ["run", "--help"]), ("bitchat", ["--version"])])
+def test_help_and_version_on_a_full_disk_are_one_line(prog, args):
+    """argparse drops an error writing its help or version: they exited 0 with nothing written and nothing said."""
+    r = _to_full(args, prog=prog)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.splitlines() == [f"{prog}: error: write error: No space left on device"], r.stderr
+
+
 def test_bitchat_output_on_a_full_disk_leaves_with_the_turns_kept(tmp_path):
     rec = tmp_path / "rec.json"
     env = {**os.environ, "BITCHAT_RECOVERY": str(rec), "BITCHAT_HISTORY": str(tmp_path / "hist")}
