@@ -71,6 +71,11 @@ def check_output(path: str, flag: str, *, keep=None) -> None:
         raise BitNetError(f"{flag} {path}: not a regular file")
     d = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(d):
+        up = d   # the nearest part of it that exists: a file there is why (ENOTDIR), not a missing directory
+        while not os.path.exists(up) and os.path.dirname(up) != up:
+            up = os.path.dirname(up)
+        if os.path.exists(up) and not os.path.isdir(up):
+            raise BitNetError(f"{flag} {path}: {up} is not a directory")
         raise BitNetError(f"{flag} {path}: the directory {d} does not exist")
     if keep is not None and os.path.isfile(path) and keep(path):
         raise BitNetError(f"{flag} {path}: the file exists and is not one this command writes; refusing to "

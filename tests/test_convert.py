@@ -373,7 +373,8 @@ def test_cli_convert_and_inspect(model, tmp_path):
 
 def test_convert_never_writes_over_what_is_not_a_store(model, tmp_path):
     """-o is checked before any work: the source itself, a model directory's own file, a symbolic link (a rename
-    would replace the link, e.g. /dev/stdout's), a directory or a missing one are refused with one line, and
+    would replace the link, e.g. /dev/stdout's), a directory, a missing one or a file in its place are refused with
+    one line, and
     nothing changes; an earlier store is replaced, readable as open() would make a file (the umask), not 0600."""
     src = write_gguf_i2s(model, str(tmp_path / "m.gguf"))
     hf = write_hf_dir(model, str(tmp_path / "hf"))
@@ -383,7 +384,12 @@ def test_convert_never_writes_over_what_is_not_a_store(model, tmp_path):
     before = {p: open(p, "rb").read() for p in kept}
     for out, words in ((src, "not one this command writes"), (os.path.join(hf, "model.safetensors"), "refusing"),
                        (str(tmp_path / "link"), "symbolic link"), (str(tmp_path), "a directory"),
-                       (str(tmp_path / "no" / "m.bnstore"), "does not exist")):
+                       (str(tmp_path / "no" / "m.bnstore"), "does not exist"),
+                       # a file where a directory should be: said as it is, not as a missing directory
+                       (os.path.join(tmp_path, "elsewhere", "m.bnstore"),
+                        f"{tmp_path / 'elsewhere'} is not a directory"),
+                       (os.path.join(tmp_path, "elsewhere", "d", "m.bnstore"),
+                        f"{tmp_path / 'elsewhere'} is not a directory")):
         source = hf if out.startswith(hf) else src
         r = subprocess.run([sys.executable, "-m", "bitnet_cpu", "convert", source, "-o", out],
                            capture_output=True, text=True, timeout=120)
