@@ -279,8 +279,11 @@ def main(args) -> int:
     import signal
     import sys
 
+    from ..engine import faults
     from ..engine.errors import BitNetError
     from .flags import from_variable
+
+    faults.install("bitnet serve")   # a model file truncated while in use: its line starts as every server line
 
     end_with_router()
     try:

@@ -2,6 +2,7 @@
 mid-conversion, bitchat between turns. Each must end with one line naming the file, exit 2, no temporary file
 left behind, and bitchat must leave the conversation on disk; a SIGBUS outside any model file is still a crash
 (a bug), after removing the registered temporary files."""
+import contextlib
 import glob
 import json
 import os
@@ -184,3 +185,27 @@ with faults.removed_on_fault({tmp!r}):
     assert r.returncode == -7, (r.returncode, r.stderr)   # SIGBUS
     assert "outside any model file: this is a bug, please report it" in r.stderr
     assert not os.path.exists(tmp)
+
+
+def test_serve_store_truncated_while_serving_says_it_as_the_server(models, tmp_path):
+    """A single-model server whose (mapped) store is truncated under it: one line and exit 2, starting
+    "bitnet serve:" as every other line of the server (it was "bitnet: error:", the command line's prefix)."""
+    pytest.importorskip("fastapi", reason="bitnet serve needs the serve extra (pip install .[serve])")
+    import httpx
+    from serve_proc import Server
+    d, store = models
+    victim = str(tmp_path / "victim.bnstore")
+    shutil.copy(store, victim)
+    s = Server("-m", victim, "--mmap", "-c", "256", threads=1)
+    try:
+        body = {"prompt": "Once", "max_tokens": 8, "temperature": 0}
+        assert httpx.post(s.url + "/v1/completions", json=body, timeout=60 * slowness()).status_code == 200
+        os.truncate(victim, 4096)
+        with contextlib.suppress(httpx.HTTPError):
+            httpx.post(s.url + "/v1/completions", json=body, timeout=60 * slowness())
+        s.proc.wait(timeout=60 * slowness())
+    finally:
+        rc, err = s.stop()
+    assert rc == 2, (rc, err)
+    line = _one_line_error(err, victim)
+    assert line.startswith("bitnet serve: error: "), err
