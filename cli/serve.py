@@ -267,6 +267,38 @@ def http_url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
+FILES_RESERVE = 32   # open files beside the connections: the model, logs, imports, the event loop's own
+
+
+def fit_open_files(args, per_connection: int = 1) -> None:
+    """Raise the open-files limit to its hard limit (as Go's runtime, hence ollama, does), and cap
+    args.max_connections, with one warning naming both numbers, to what still fits: past the limit each new
+    connection was reset silently and a request that needed a file (an import) failed, where the cap's 503 +
+    Retry-After says what is wrong. per_connection: files one connection takes (the router's: its upstream too)."""
+    import sys
+    try:
+        import resource
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (ImportError, OSError, ValueError):   # not on this platform: nothing to fit to
+        return
+    want = args.max_connections * per_connection + FILES_RESERVE
+    if soft != resource.RLIM_INFINITY and soft < want:
+        for target in (hard, want):   # an unlimited hard limit may not be taken as such (Linux's nr_open)
+            try:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+                soft = target
+                break
+            except (OSError, ValueError):
+                continue
+    if soft == resource.RLIM_INFINITY or soft >= want:
+        return
+    fits = max(1, (soft - FILES_RESERVE) // per_connection)
+    print(f"bitnet serve: warning: --max-connections {args.max_connections} needs about {want} open files, more "
+          f"than the limit of {soft} (ulimit -n): taking at most {fits} connections (503 beyond); raise ulimit -n "
+          "for more", file=sys.stderr, flush=True)
+    args.max_connections = fits
+
+
 def limits_from_args(args) -> Limits:
     return Limits(max_body_bytes=int(args.max_body_mb * MiB), max_header_bytes=int(args.max_header_kb * 1024),
                   max_headers=args.max_headers, max_connections=args.max_connections,
@@ -344,6 +376,7 @@ def main(args) -> int:
             print(f"bitnet serve: warning: {w}", file=sys.stderr, flush=True)
         return eng
 
+    fit_open_files(args)
     limits = limits_from_args(args)
     failed: list = []
 
@@ -550,6 +583,7 @@ def serve_models(args, keys: tuple) -> int:
     def pull(ref: str) -> list:   # ollama's /api/pull on a --models-cache server: into the cache it serves
         return [sys.executable, "-m", "bitnet_cpu", "pull", "--json-progress", "--", ref]   # never an option
 
+    fit_open_files(args, per_connection=2)   # each proxied connection holds one to the model's process too
     limits = limits_from_args(args)
     sock = bind_port(args.host, args.port)   # first: a port in use leaves nothing behind (the router's key file)
     said: set = set()

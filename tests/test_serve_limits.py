@@ -778,3 +778,60 @@ def test_a_server_out_of_file_descriptors_still_answers_in_json():
         assert ctype.startswith("application/json") and "Too many open files" not in text, (status, text)
         assert status in (200, 503), (status, text)
     assert "Traceback" not in r.stderr, r.stderr[-3000:]
+
+
+def _one_answer(c: socket.socket) -> bytes:
+    """One HTTP response read whole (headers, then Content-Length bytes), or what came before the connection
+    ended (b"" for a reset or an empty reply)."""
+    data = b""
+    try:
+        while b"\r\n\r\n" not in data or len(data.partition(b"\r\n\r\n")[2]) < int(
+                (data.lower().partition(b"content-length:")[2].split(b"\r\n")[0] or b"0").strip()):
+            more = c.recv(4096)
+            if not more:
+                break
+            data += more
+    except OSError:
+        pass
+    return data
+
+
+def test_max_connections_is_capped_to_the_open_files_limit():
+    """The default --max-connections (512) under `ulimit -n 64`: connections past the open-files limit were reset
+    without a word and a new request got an empty reply. The server takes its hard limit and, where that is still
+    short, caps the connections with one warning naming both numbers: every connection past the cap gets the
+    documented 503 + Retry-After, none is reset."""
+    import os
+    import resource
+    import subprocess
+    import sys
+
+    from serve_proc import ROOT, free_port, wait_healthy
+    from helpers import slowness
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([sys.executable, "-m", "bitnet_cpu", "serve", "-t", "1", "-c", "256", "--port", str(port),
+                             "--keep-alive-timeout", "600"],   # the first connections stay while the rest come
+                            cwd=ROOT, env=dict(os.environ, PYTHONPATH=pythonpath()),
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64)))
+    answers = []
+    try:
+        assert wait_healthy(url, 60 * slowness(), proc)
+        held = []
+        for _ in range(80):
+            c = socket.create_connection(("127.0.0.1", port), timeout=30 * slowness())
+            c.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            held.append(c)
+        for c in held:   # all held open until every answer is in: a closed one would free its slot
+            answers.append(_one_answer(c))
+        for c in held:
+            c.close()
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=30)
+    assert all(a.startswith((b"HTTP/1.1 200", b"HTTP/1.1 503")) for a in answers), [a[:60] for a in answers]
+    refused = [a for a in answers if a.startswith(b"HTTP/1.1 503")]
+    assert refused, err
+    assert all(b"too_many_connections" in a and b"retry-after" in a.lower() for a in refused), refused[:1]
+    assert "--max-connections 512 needs about 544 open files, more than the limit of 64" in err, err
