@@ -582,8 +582,13 @@ class Engine(_Text, BatchScheduler):
                 raise BitNetError(f"kv_pool_mib {kv_pool_mib!r}: a size in MiB, > 0")
             kv_pool_tokens = int(kv_pool_mib * (1 << 20)) // per_tok
         sized = kv_pool_tokens is not None
-        if not sized:   # a context per slot, and a page each for n choices' shared partial pages
-            kv_pool_tokens = max(n_ctx, min(parallel * (n_ctx + PAGE_TOKENS), DEFAULT_POOL_BYTES // per_tok))
+        if not sized:   # a context per slot, and a page each for n choices' shared partial pages; within half the
+            # memory available (the scheduler refuses a pool past what is available: a small machine's default
+            # --parallel must still serve, its slots sharing fewer pages, as before that check)
+            from .memory import available_memory
+            avail = available_memory()
+            cap = DEFAULT_POOL_BYTES if avail is None else min(DEFAULT_POOL_BYTES, avail // 2)
+            kv_pool_tokens = max(n_ctx, min(parallel * (n_ctx + PAGE_TOKENS), cap // per_tok))
         if kv_pool_tokens * per_tok > 1 << 40:   # (the pool holds a context at least: -c 10^11 overflowed in C)
             raise BitNetError(f"KV pool of {kv_pool_tokens} tokens: {kv_pool_tokens * per_tok / (1 << 30):.0f} GiB, "
                               "past any machine's memory (at most 1 TiB)" + ("" if sized else

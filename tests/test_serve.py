@@ -841,6 +841,38 @@ def test_a_context_past_memory_is_refused_before_it_is_allocated():
     assert "of memory available" in errors[0] and "Traceback" not in r.stderr, r.stderr
 
 
+def test_the_default_kv_pool_fits_in_the_memory_available():
+    """The default pool (a context per --parallel slot, up to 4 GiB) is sized within the memory available: counted
+    whole against it, a small machine's server with the default --parallel was refused at load, though its pool's
+    pages cost nothing until used. Here 64 slots of 65,536 tokens (4 GiB capped) under a 2.5 GiB address space serve;
+    one context of them fits."""
+    import contextlib
+    import resource
+    import subprocess
+    import sys
+
+    from helpers import slowness
+    from serve_proc import ROOT, free_port
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_AS, (2560 << 20, resource.RLIM_INFINITY))
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "bitnet_cpu", "serve", "-t", "1", "-c", "65536", "--parallel", "64",
+                             "--port", str(port)], cwd=ROOT, env=dict(os.environ, PYTHONPATH=pythonpath()),
+                            stderr=subprocess.PIPE, text=True, preexec_fn=limit)
+    try:
+        deadline, up = time.monotonic() + 120 * slowness(), False
+        while not up and proc.poll() is None and time.monotonic() < deadline:
+            with contextlib.suppress(httpx.HTTPError):
+                up = httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
+            time.sleep(0.2)
+        assert up, proc.stderr.read() if proc.poll() is not None else "not healthy in time"
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=60)
+    assert "error" not in err, err
+
+
 def test_health_503_while_loading():
     """In-process: the app answers /health 503 (+ Retry-After) until load() returns, then 200."""
     from starlette.testclient import TestClient
