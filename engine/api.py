@@ -32,6 +32,7 @@ from .runtime import chat_template as _ct
 from .config import ModelConfig
 from .cpu import available_cores, default_threads
 from .errors import BitNetError, ConstraintError, FormatError, QueueFullError, token_ids
+from .fileio import why_missing
 from .runtime.generate import Chunk, Stats, generate as _generate, whole_number
 from .runtime.model import Model, check_kv_dtype
 from .runtime.constraints import Constraint, compile_constraint
@@ -59,7 +60,7 @@ def _resolve(model: str | None, lm_head: str | None, progress: bool) -> str:
         from .formats.hub import is_hub_ref
 
         if not is_hub_ref(model):
-            raise BitNetError(f"model {model!r} (-m/--model): no such file or directory",
+            raise BitNetError(f"model {model!r} (-m/--model): {why_missing(model)}",
                               hint="give a model file, a directory, or a hub id such as microsoft/bitnet-b1.58-2B-4T")
     from .formats.convert import resolve_model
 

@@ -23,6 +23,20 @@ def starts_with(path: str | os.PathLike, magic: bytes) -> bool:
         return False
 
 
+def why_missing(path: str | os.PathLike) -> str:
+    """Why a path os.path.exists() said False for is not there, in the OS's words ("not a directory" for a file
+    given with a trailing /, "file name too long", "permission denied"): "no such file or directory" was said
+    for each of them."""
+    try:
+        os.stat(path)
+    except OSError as e:
+        if e.strerror:
+            return e.strerror[:1].lower() + e.strerror[1:]
+    except ValueError:   # an embedded NUL byte
+        return "not a valid path"
+    return "no such file or directory"
+
+
 def not_a_file(path: str) -> bool:
     """Whether path is there but neither a regular file nor a directory (a FIFO, a socket, a device: opening a FIFO
     waits for a writer); a missing path or a dangling link is not."""

@@ -802,10 +802,13 @@ def test_serve_sampling_flag_checked_at_start():
     assert r.returncode == 2 and "--top-p 1.5" in r.stderr and "Traceback" not in r.stderr
 
 
-@pytest.mark.parametrize("model, words", [("README.md", "not a GGUF file"), ("missing.bnstore", "no such file")])
+@pytest.mark.parametrize("model, words", [("README.md", "not a GGUF file"), ("missing.bnstore", "no such file"),
+                                          ("README.md/", "not a directory"), ("m" * 260 + ".bnstore", "name too long")])
 def test_a_model_that_does_not_load_is_one_line_and_exit_2(model, words, tmp_path):
     """`bitnet serve -m` with a typo or a wrong file says what is wrong and exits 2, as `bitnet run` and
-    llama-server do; it used to listen and answer 503 for ever (to a script or systemd, a server still loading)."""
+    llama-server do; it used to listen and answer 503 for ever (to a script or systemd, a server still loading).
+    A path that is not there for another reason says the OS's reason (a file given with a trailing "/", a name
+    too long were "no such file or directory")."""
     import os
     import subprocess
     import sys

@@ -31,7 +31,7 @@ import numpy as np
 
 from ...simd import layout
 from ..errors import BitNetError, FormatError
-from ..fileio import check_output
+from ..fileio import check_output, why_missing
 from .store import TensorSpec, is_store, write_store
 
 CONVERTER_VERSION = "3"   # part of the cache key: 2 records tokenizer_config's bos_token / eos_token, 3 add_bos
@@ -397,7 +397,7 @@ def resolve_model(src: str | None, *, cache_dir: str | None = None, lm_head: str
                               hint="pass a model with -m FILE")
     src = os.fspath(src)
     if not os.path.exists(src):
-        raise FormatError(f"{src}: no such file or directory")
+        raise FormatError(f"{src}: {why_missing(src)}")
     if is_store(src):
         return check_store_head(src, lm_head)
     try:

@@ -21,7 +21,7 @@ import numpy as np
 
 from ..config import ModelConfig
 from ..errors import FormatError, UnsupportedError, json_why
-from ..fileio import not_a_file
+from ..fileio import not_a_file, why_missing
 from .families import gguf_family, hf_family, is_minicpm, refuse_unsupported_hf
 from .gguf import GGUFFile
 from .safetensors_io import SafetensorsDir
@@ -795,7 +795,7 @@ def open_source(path: str, hidden_act: str | None = None, ternarize: bool = Fals
     if os.path.isdir(path):
         return HFSource(path, hidden_act, ternarize)
     if not os.path.exists(path):
-        raise FormatError(f"{path}: no such file or directory")
+        raise FormatError(f"{path}: {why_missing(path)}")
     if ternarize and not path.endswith(".safetensors"):   # a GGUF's weights are ternary or refused: it did nothing
         raise UnsupportedError(f"{path}: --ternarize is for a Hugging Face directory of latent float weights, not a "
                                "single file", hint="convert without --ternarize")
