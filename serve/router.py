@@ -50,7 +50,7 @@ from .limits import Limits, LimitsMiddleware, RouteNorms, anthropic_shaped, anth
 from .offload import NOT_JSON, ClientGone, Streamed, loads, not_json, unless_gone
 from .ollama import (BLOBS_WHY, FOREVER, LOAD_WAIT_HEADER, OLLAMA_VERSION,  # noqa: F401 - parse_keep_alive: the CLI's
                      parse_keep_alive)
-from .schemas import model_object, utc_iso
+from .schemas import bare_name as _bare, model_object, utc_iso
 
 PULLS_MAX = 2   # ollama's /api/pull processes at once (each downloads and converts: a process, ~70 MB, a core)
 # hop-by-hop headers, and what this router sets itself on the forwarded request / the response
@@ -84,11 +84,6 @@ class ModelSpec:
 
 
 HUB_PREFIXES = ("hf.co/", "huggingface.co/", "https://huggingface.co/", "https://hf.co/")
-
-
-def _bare(name: str) -> str:
-    """A model's name less ollama's ":latest" tag (in any case), which names the model without it."""
-    return name[: -len(":latest")] if name.lower().endswith(":latest") else name
 
 
 def hub_name(name: str) -> str:

@@ -133,6 +133,11 @@ def utc_iso(ts: float | None = None) -> str:
     return when.isoformat().replace("+00:00", "Z")
 
 
+def bare_name(name: str) -> str:
+    """A model's name less ollama's ":latest" tag (in any case), which names the model without it."""
+    return name[: -len(":latest")] if name.lower().endswith(":latest") else name
+
+
 def model_object(model_id: str, created: int, **extra) -> dict:
     """One model as `GET /v1/models` lists it, in OpenAI's shape and Anthropic's at once (both SDKs call that path;
     each reads its own fields: object/created/owned_by, type/display_name/created_at); `extra`: ours (meta, ...)."""

@@ -377,6 +377,23 @@ def test_strict_model_name_404_in_ollama_shape():
         s.stop()
 
 
+def test_strict_model_name_matches_names_as_the_router_does():
+    """--alias NAME:latest: NAME is the same model to ollama (and to the router, which also ignores case); under
+    --strict-model-name a request naming `m` was a 404 while `m:latest` answered."""
+    s = Server("--strict-model-name", "--alias", "m:latest")
+    try:
+        chat = {"messages": Q, "max_tokens": 1}
+        for name, code in (("m", 200), ("M", 200), ("m:latest", 200), ("M:Latest", 200), ("m:7b", 404),
+                           ("mm", 404)):
+            got = [httpx.get(f"{s.url}/v1/models/{name}", timeout=60).status_code]
+            for path, body in (("/v1/chat/completions", chat), ("/api/chat", {**chat, "stream": False}),
+                               ("/api/show", {})):
+                got.append(httpx.post(s.url + path, json={**body, "model": name}, timeout=60).status_code)
+            assert got == [code] * 4, (name, got)
+    finally:
+        s.stop()
+
+
 def test_refused_operations_answer_but_are_not_advertised(server):
     """pull, push, create, copy, delete always answer 501 (ollama's shape, with the reason): /openapi.json does not
     list them as operations (a schema fuzzer called them server errors)."""
