@@ -478,6 +478,28 @@ def _spec(name: str, path: str, files: list, fmt: str):
     return ModelSpec(name, path, size, modified, fmt, stamp=tuple(stamp))
 
 
+_NOT_UTF8_SAID: set = set()
+
+
+def _utf8_name(path: str) -> bool:
+    """Whether a file of a --models-dir has a UTF-8 name: a model's name is its file name, and one that is not
+    UTF-8 cannot be sent in JSON nor named by a client. Said once (a line on stderr, the bytes escaped), not at
+    every scan of the router."""
+    import os
+    import sys
+
+    try:
+        os.path.basename(path).encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        if path not in _NOT_UTF8_SAID:
+            _NOT_UTF8_SAID.add(path)
+            shown = os.fsencode(path).decode("utf-8", "backslashreplace")
+            print(f"bitnet serve: skipping {shown}: its name is not UTF-8 (rename the file to serve it)",
+                  file=sys.stderr, flush=True)
+        return False
+
+
 def model_catalog(args, clash=None) -> dict:
     """name -> serve.router.ModelSpec: the cache's converted models (--models-cache), then each --models-dir's
     stores, GGUF files and HF model directories (a directory with a config.json). Two models of one name: one
@@ -501,6 +523,8 @@ def model_catalog(args, clash=None) -> dict:
             raise BitNetError(f"--models-dir {d}: not a directory")
         for f in sorted(os.listdir(d)):
             path = os.path.join(d, f)
+            if not _utf8_name(path):
+                continue
             suffix = os.path.splitext(f)[1]
             if suffix in MODEL_SUFFIXES and os.path.isfile(path):
                 name, files = f[: -len(suffix)], [path]

@@ -22,7 +22,7 @@ from ..engine.runtime.sampling import SamplingParams
 from .logprobs import chat_entry
 from .offload import Streamed, run_off_loop, too_long_for_context
 from .schemas import (CHAIN, MANY_STOPS, SAMPLER_ALIASES, ChatMessage, JSONTyped, RequestProblem, ToolMessages,
-                      _Sampling, continuation, tools_refused, unanswered)
+                      _Sampling, continuation, shown_path, tools_refused, unanswered)
 
 # fields /completion takes but cannot honour: their "off" values (taken, as clients send them), and why any other
 # is refused, naming /completion's own field where there is one (the mirror of /v1/completions' n_probs refusal)
@@ -448,7 +448,7 @@ def register(app, state, ready, api_error: type, pipe, *, sampling=None):
         bos = tok.id_to_token(tok.bos_id) if tok.bos_id is not None else None
         eos = tok.id_to_token(tok.eos_ids[0]) if tok.eos_ids else None
         return {"default_generation_settings": {"n_ctx": eng.n_ctx, "params": params},
-                "total_slots": getattr(eng, "parallel", 1), "model_path": eng.store.path,
+                "total_slots": getattr(eng, "parallel", 1), "model_path": shown_path(eng.store.path),
                 "model_alias": state.model_id, "chat_template": choose_template(eng.chat_template),
                 "bos_token": bos, "eos_token": eos, "modalities": {"vision": False, "audio": False},
                 "build_info": f"bitnet-cpu {__version__}"}

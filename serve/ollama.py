@@ -31,7 +31,8 @@ from ..engine.runtime.sampling import SamplingParams, setting_problem
 from .logprobs import Said, chat_entry
 from .metrics import TokenClock
 from .offload import NOT_JSON, Streamed, next_or_gone, not_json, prepare_sampling, run_off_loop, too_long_for_context
-from .schemas import MANY_STOPS, JSONTyped, error_where, main_error, overflow_message, unanswered, utc_iso
+from .schemas import (MANY_STOPS, JSONTyped, error_where, main_error, overflow_message, shown_path, unanswered,
+                      utc_iso)
 
 FOREVER = math.inf
 _DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
@@ -674,7 +675,7 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
         except OSError:
             size, mtime = 0, time.time()
         cfg = eng.config
-        digest = hashlib.sha256(f"{os.path.abspath(path)}:{size}:{mtime}".encode()).hexdigest()
+        digest = hashlib.sha256(os.fsencode(os.path.abspath(path)) + f":{size}:{mtime}".encode()).hexdigest()
         details = {"parent_model": "", "format": "bnstore", "family": cfg.arch, "families": [cfg.arch],
                    "parameter_size": _param_size(cfg), "quantization_level": "ternary (b1.58)"}
         modified = utc_iso(mtime)
@@ -710,7 +711,8 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
         shown += [(k, getattr(s, k)) for k in ("typical_p", "mirostat", "mirostat_tau", "mirostat_eta")
                   if getattr(s, k) != getattr(off, k)]   # ollama's other options, where the server's flags set them
         params = "\n".join(f"{k:<15}{v}" for k, v in shown)
-        return {"modelfile": f"# served by bitnet serve\nFROM {eng.store.path}\n", "parameters": params,
+        return {"modelfile": f"# served by bitnet serve\nFROM {shown_path(eng.store.path)}\n",
+                "parameters": params,
                 "template": choose_template(eng.chat_template), "details": d["details"], "model_info": info,
                 "capabilities": ["completion", "tools", "embedding", *(["thinking"] if eng.thinks else [])],
                 "modified_at": d["modified_at"]}

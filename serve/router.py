@@ -50,7 +50,7 @@ from .limits import Limits, LimitsMiddleware, RouteNorms, anthropic_shaped, anth
 from .offload import NOT_JSON, ClientGone, Streamed, loads, not_json, unless_gone
 from .ollama import (BLOBS_WHY, FOREVER, LOAD_WAIT_HEADER, OLLAMA_VERSION,  # noqa: F401 - parse_keep_alive: the CLI's
                      parse_keep_alive)
-from .schemas import bare_name as _bare, model_object, utc_iso
+from .schemas import bare_name as _bare, model_object, shown_path, utc_iso
 
 PULLS_MAX = 2   # ollama's /api/pull processes at once (each downloads and converts: a process, ~70 MB, a core)
 # hop-by-hop headers, and what this router sets itself on the forwarded request / the response
@@ -79,7 +79,9 @@ class ModelSpec:
     stamp: tuple = ()   # (file name, size, mtime_ns) of every file of a model of several: any one replaced is seen
 
     def digest(self) -> str:
-        return hashlib.sha256(f"{os.path.abspath(self.path)}:{self.size}:{self.modified}:{self.stamp!r}".encode()
+        # the path's own bytes: a name that is not UTF-8 has surrogates, which str.encode() refuses
+        return hashlib.sha256(os.fsencode(os.path.abspath(self.path))
+                              + f":{self.size}:{self.modified}:{self.stamp!r}".encode()
                               ).hexdigest()
 
 
@@ -862,8 +864,8 @@ def create_router_app(router: Router, *, api_keys: tuple = (), limits: Limits | 
 
     def model_entry(spec: ModelSpec) -> dict:
         n_ctx = (router.details.get(spec.name) or {}).get("context_length")
-        return model_object(spec.name, int(spec.modified), path=spec.path, status={"value": router.status(spec.name)},
-                            **({"meta": {"n_ctx": n_ctx}} if n_ctx else {}))
+        return model_object(spec.name, int(spec.modified), path=shown_path(spec.path),
+                            status={"value": router.status(spec.name)}, **({"meta": {"n_ctx": n_ctx}} if n_ctx else {}))
 
     @app.get("/v1/models")
     @app.get("/models")
@@ -1033,8 +1035,9 @@ def create_router_app(router: Router, *, api_keys: tuple = (), limits: Limits | 
         data, _ = await body_model(request)
         spec = await router.resolve(ollama_name(data))
         if not spec.cached:
-            raise RouterError(400, f"'{spec.name}' is {spec.path}, a file of --models-dir: the server deletes only "
-                              "the converted models of its cache (remove the file itself)", "invalid_value", "model")
+            raise RouterError(400, f"'{spec.name}' is {shown_path(spec.path)}, a file of --models-dir: the server "
+                              "deletes only the converted models of its cache (remove the file itself)",
+                              "invalid_value", "model")
         await router.unload(spec)
         try:
             await asyncio.to_thread(os.remove, spec.path)

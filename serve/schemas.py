@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import re
 from dataclasses import fields
 from typing import Annotated, Any, ClassVar, Literal, NamedTuple, Optional, Union, get_args, get_origin
@@ -136,6 +137,12 @@ def utc_iso(ts: float | None = None) -> str:
 def bare_name(name: str) -> str:
     """A model's name less ollama's ":latest" tag (in any case), which names the model without it."""
     return name[: -len(":latest")] if name.lower().endswith(":latest") else name
+
+
+def shown_path(path: str) -> str:
+    """A file path as a reply shows it: a name that is not UTF-8 (its bytes surrogate-escaped by os.listdir /
+    argv) with each bad byte as U+FFFD, since JSON cannot carry a lone surrogate."""
+    return os.fsencode(path).decode("utf-8", "replace")
 
 
 def model_object(model_id: str, created: int, **extra) -> dict:

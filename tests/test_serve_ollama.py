@@ -394,6 +394,29 @@ def test_strict_model_name_matches_names_as_the_router_does():
         s.stop()
 
 
+def test_a_model_file_named_with_bytes_not_utf8_is_described(tmp_path):
+    """-m with a file name that is not UTF-8: /api/tags, /api/ps, /api/show and /props were a bare 500 (its path
+    could not be hashed nor sent as JSON); the path is shown with U+FFFD for each bad byte."""
+    import os
+    import shutil
+
+    from serve_proc import ROOT
+    path = str(tmp_path / os.fsdecode(b"bad\xff.bnstore"))
+    shutil.copy(os.path.join(ROOT, "models", "default.bnstore"), path)
+    shown = os.fsencode(path).decode("utf-8", "replace")
+    s = Server("-m", path)
+    try:
+        for route in ("/api/tags", "/api/ps"):
+            r = httpx.get(s.url + route, timeout=60)
+            assert r.status_code == 200 and len(r.json()["models"][0]["digest"]) == 64, (route, r.text)
+        r = httpx.post(s.url + "/api/show", json={"model": "x"}, timeout=60)
+        assert r.status_code == 200 and f"FROM {shown}\n" in r.json()["modelfile"], r.text
+        r = httpx.get(s.url + "/props", timeout=60)
+        assert r.status_code == 200 and r.json()["model_path"] == shown, r.text
+    finally:
+        s.stop()
+
+
 def test_refused_operations_answer_but_are_not_advertised(server):
     """pull, push, create, copy, delete always answer 501 (ollama's shape, with the reason): /openapi.json does not
     list them as operations (a schema fuzzer called them server errors)."""

@@ -1228,6 +1228,30 @@ def test_empty_directories_and_clashing_names_are_one_line(tmp_path, models_dir)
     assert r.returncode == 2 and "two models named 'tiny'" in r.stderr
 
 
+def test_a_file_name_that_is_not_utf8_is_skipped_and_the_rest_listed(tmp_path):
+    """A model file named with a byte that is not UTF-8 made every listing (/v1/models, /models, /api/tags) a
+    bare 500, so no model could be seen: it is left out with one line naming it, and a directory whose own name
+    is not UTF-8 is listed (its path shown with U+FFFD)."""
+    d = tmp_path / os.fsdecode(b"dir\xff")
+    d.mkdir()
+    for name in ("ok.bnstore", os.fsdecode(b"bad\xff.bnstore")):
+        shutil.copy(os.path.join(ROOT, "models", "default.bnstore"), d / name)
+    s = Server("--models-dir", str(d), "-c", "1024", threads=1)
+    try:
+        for path in ("/v1/models", "/models"):
+            r = httpx.get(s.url + path, timeout=60)
+            assert r.status_code == 200 and [m["id"] for m in r.json()["data"]] == ["ok"], r.text
+            assert r.json()["data"][0]["path"] == os.fsencode(str(d / "ok.bnstore")).decode("utf-8", "replace")
+        r = httpx.get(s.url + "/api/tags", timeout=60)
+        assert r.status_code == 200 and [m["name"] for m in r.json()["models"]] == ["ok"], r.text
+        r = post(s.url, "/api/show", {"model": "ok"})
+        assert r.status_code == 200, r.text
+    finally:
+        _, err = s.stop()
+    said = [line for line in err.splitlines() if "not UTF-8" in line]
+    assert len(said) == 1 and "bad\\xff.bnstore" in said[0] and "Traceback" not in err, err
+
+
 def test_the_model_processes_get_the_routers_engine_flags():
     import argparse
 
