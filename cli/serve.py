@@ -518,9 +518,13 @@ def model_catalog(args, clash=None) -> dict:
             source = row["source"] if row["source"] != "?" else ""
             found.append(ModelSpec(row["name"], row["path"], row["size"], row["last_used"], "bnstore",
                                    source=source, cached=True, names=tuple(hub_names(source))))
+    seen: set = set()
     for d in args.models_dir or ():
         if not os.path.isdir(d):
             raise BitNetError(f"--models-dir {d}: not a directory")
+        if os.path.realpath(d) in seen:   # one directory given twice (d and d/, a link to it): its files once
+            continue
+        seen.add(os.path.realpath(d))
         for f in sorted(os.listdir(d)):
             path = os.path.join(d, f)
             if not _utf8_name(path):

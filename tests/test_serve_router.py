@@ -1228,6 +1228,21 @@ def test_empty_directories_and_clashing_names_are_one_line(tmp_path, models_dir)
     assert r.returncode == 2 and "two models named 'tiny'" in r.stderr
 
 
+def test_a_directory_given_twice_is_read_once(tmp_path):
+    """--models-dir d --models-dir d/ (or a link to d): one directory, each model once; it was "two models named
+    'tiny': d/tiny.bnstore and d/tiny.bnstore", exit 2."""
+    import argparse
+
+    from bitnet_cpu.cli.serve import model_catalog
+    d = tmp_path / "d"
+    d.mkdir()
+    shutil.copy(os.path.join(ROOT, "models", "default.bnstore"), d / "tiny.bnstore")
+    os.symlink(d, tmp_path / "link")
+    models = model_catalog(argparse.Namespace(models_dir=[str(d), str(d) + "/", str(tmp_path / "link")],
+                                              models_cache=False))
+    assert list(models) == ["tiny"] and models["tiny"].path == str(d / "tiny.bnstore")
+
+
 def test_a_file_name_that_is_not_utf8_is_skipped_and_the_rest_listed(tmp_path):
     """A model file named with a byte that is not UTF-8 made every listing (/v1/models, /models, /api/tags) a
     bare 500, so no model could be seen: it is left out with one line naming it, and a directory whose own name
