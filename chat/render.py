@@ -47,7 +47,9 @@ def format_stats(stats, n_shown: int | None = None) -> str:
     return "[" + ", ".join(parts) + "]"
 
 
-def _isatty(f) -> bool:
+def is_terminal(f) -> bool:
+    """Whether stream f is a terminal: False also for None or a stand-in without isatty (a notebook's or a logging
+    adapter's stream, where a host program calls the CLI's main())."""
     try:
         return bool(f.isatty())
     except (AttributeError, ValueError, OSError):
@@ -115,10 +117,10 @@ class Output:
     def __init__(self, out=None, err=None, interactive: bool | None = None, width: int | None = None):
         self.out = out or sys.stdout
         self.err = err or sys.stderr
-        self.interactive = _isatty(self.out) if interactive is None else interactive
+        self.interactive = is_terminal(self.out) if interactive is None else interactive
         self.color = self.interactive and not os.environ.get("NO_COLOR") and os.environ.get("TERM") != "dumb"
         # a terminal gets control pictures for model output also when stdin is piped (echo hi | bitchat)
-        self.visible_controls = self.interactive or _isatty(self.out)
+        self.visible_controls = self.interactive or is_terminal(self.out)
         self.at_line_start = True
         self.width = width
         self._wrap: WordWrapper | None = None
@@ -168,7 +170,7 @@ class Output:
         if self.interactive:
             self.stream(text, DIM)
             return
-        if _isatty(self.err):   # model output: shown, never obeyed (as stream() treats answers)
+        if is_terminal(self.err):   # model output: shown, never obeyed (as stream() treats answers)
             text = text.translate(_VISIBLE_CONTROLS)
         self.err.write(text)
         self.err.flush()

@@ -27,7 +27,7 @@ import sys
 import time
 
 from ..chat.commands import FIELD_OF_SETTING, Settings
-from ..chat.render import Output
+from ..chat.render import Output, is_terminal
 from . import lossy_stderr, replace_unencodable
 from .flags import (UNTIL_END, Parser, add_engine_args, add_system_args, apply_chat_template, check_engine_args,
                     maybe_autocomplete, parse_args_suggesting, sampling_params_from_args, thinking_warnings)
@@ -116,7 +116,7 @@ def _guarded_body(args, settings: Settings, first_message: str | None = None) ->
 
     from ..engine.errors import ENDING_SIGNALS, Terminated, raise_terminated
 
-    interactive = sys.stdin.isatty() and sys.stdout.isatty()
+    interactive = is_terminal(sys.stdin) and is_terminal(sys.stdout)
     out = Output(interactive=interactive)
     # SIGTERM, and SIGHUP (its terminal closed): unwind as Ctrl-C does, so the terminal's modes are restored and
     # the answer so far is saved, then leave
@@ -147,7 +147,7 @@ def _guarded_body(args, settings: Settings, first_message: str | None = None) ->
 
         path = _written(live)   # never a file left unannounced: it was, one per `bitchat < script | head`
         if path:
-            if sys.stdin.isatty():   # typed turns: kept, and said where
+            if is_terminal(sys.stdin):   # typed turns: kept, and said where
                 with contextlib.suppress(OSError):
                     print(f"bitchat: output closed; the conversation so far is saved in {path}", file=sys.stderr)
             else:                    # a script's turns: the script has them

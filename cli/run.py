@@ -140,6 +140,7 @@ def main(args) -> int:
         return run_chat(args, first_message=prompt)
 
     stop = [escaped(args, s, "-r/--stop") for s in args.stop]   # an escape that is not UTF-8: before the model loads
+    from ..chat.render import is_terminal
     from ..engine.api import load_model
     from ..engine.formats.convert import stderr_is_terminal
     from ..engine.runtime.generate import FINISH_MESSAGES
@@ -185,7 +186,7 @@ def main(args) -> int:
             if chunk.finish_reason:
                 stats = chunk.stats
     except KeyboardInterrupt:
-        if out.isatty() and not args.json:
+        if is_terminal(out) and not args.json:
             out.write("\n")
         out.flush()
         print("bitnet: interrupted", file=sys.stderr)
@@ -193,7 +194,7 @@ def main(args) -> int:
     if args.json and stats is not None:
         out.write(json.dumps({"done": True, "finish_reason": stats.finish_reason,
                               "stats": _stats_dict(stats, llm)}) + "\n")
-    elif out.isatty():  # a pipe gets exactly the generated text
+    elif is_terminal(out):  # a pipe gets exactly the generated text
         out.write("\n")
     out.flush()
     if stats and stats.finish_reason == "context" and not until_end:

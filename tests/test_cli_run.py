@@ -118,10 +118,14 @@ print("\\n" + str(rc))
 """
 
 
-def test_main_called_with_a_stderr_without_isatty_runs(store):
-    """cli.main() from a host whose stderr has no isatty (redirect_stderr to a logger adapter): the command runs
-    (the progress check raised AttributeError: exit 70, an internal error)."""
-    r = subprocess.run([sys.executable, "-c", NO_ISATTY, store], capture_output=True, text=True, timeout=120, cwd=ROOT)
+@pytest.mark.parametrize("stream", ["stderr", "stdout"])
+def test_main_called_with_a_stream_without_isatty_runs(store, stream):
+    """cli.main() from a host whose stderr or stdout has no isatty (redirect_stderr to a logger adapter, a
+    notebook's stdout): the command runs (the progress check, then the answer's last newline, raised
+    AttributeError: exit 70, an internal error)."""
+    code = NO_ISATTY.replace("sys.stderr = Writes()", f"sys.{stream} = Writes()").replace(
+        'print("\\n" + str(rc))', 'sys.__stdout__.write("\\n" + str(rc) + "\\n")')
+    r = subprocess.run([sys.executable, "-c", code, store], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert r.stdout.splitlines()[-1:] == ["0"], r.stdout + r.stderr
 
 
