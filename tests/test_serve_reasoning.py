@@ -118,7 +118,8 @@ def test_apply_template_renders_the_requests_template_kwargs(server):
     for kwargs in (None, {"enable_thinking": False}, {"enable_thinking": True}):
         body = {"messages": Q} if kwargs is None else {"messages": Q, "chat_template_kwargs": kwargs}
         prompt = httpx.post(server.url + "/apply-template", json=body, timeout=60).json()["prompt"]
-        n = len(httpx.post(server.url + "/tokenize", json={"content": prompt}).json()["tokens"])   # as the test below
+        # as the test below; with the BOS the chat endpoint puts first (llama-server's add_special)
+        n = len(httpx.post(server.url + "/tokenize", json={"content": prompt, "add_special": True}).json()["tokens"])
         r = httpx.post(server.url + "/v1/chat/completions", json={**body, "max_tokens": 1}, timeout=60)
         assert r.json()["usage"]["prompt_tokens"] == n, kwargs
         assert prompt.endswith("</think>\n\n") == (kwargs == {"enable_thinking": False}), (kwargs, prompt[-30:])
@@ -486,7 +487,7 @@ def test_a_continued_answer_on_a_thinking_template_is_not_a_thought(server):
         "messages": m, "temperature": 0, "max_tokens": 8, "grammar": 'root ::= " five."'})
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == " five.", r.text
     assert r.json()["usage"]["prompt_tokens"] == len(httpx.post(server.url + "/tokenize", json={
-        "content": prompt}).json()["tokens"])
+        "content": prompt, "add_special": True}).json()["tokens"])   # with the chat prompt's BOS
     r = httpx.post(server.url + "/v1/chat/completions", json={"messages": m, "chat_template_kwargs":
                                                               {"enable_thinking": True}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs"
