@@ -38,7 +38,7 @@ from .metrics import CONTENT_TYPE, ServerMetrics, TokenClock
 from .offload import (BodyRefused, ClientGone, Streamed, next_or_gone, offloop_route, prepare_sampling,
                       prompt_body_bound, run_off_loop, too_long_for_context, unless_gone, warm_bounds)
 from .responses import STORED_RESPONSE_ROUTES, ResponseBuilder, ResponsesRequest, not_stored, responses_names
-from .llama_api import LORA_WHY, NOT_SERVED, lora_request_is_empty
+from .llama_api import LORA_WHY, NOT_SERVED, READ_ONLY, lora_request_is_empty
 from .llama_api import timings_of as llama_timings
 from .schemas import (ChatCompletionRequest, CompletionRequest, RequestProblem, bare_name, continuation, cut_json,
                       error_where, main_error, model_object, overflow_message, unanswered)
@@ -1063,14 +1063,16 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         check_model(model_name)
         return model_entry(eng)
 
-    def not_served(why: str):
-        async def refuse():   # llama-server's /infill, slot actions, /rerank, POST /props: a 501, not a bare 404
+    def not_served(why: str, path: str = ""):
+        async def refuse():   # llama-server's /infill, slot actions, /rerank: a 501, not a bare 404; POST /props 405
+            if path in READ_ONLY:
+                raise APIError(405, why, "not_supported_error", code="not_supported", headers={"Allow": "GET, HEAD"})
             raise APIError(501, why, "not_supported_error", code="not_supported")
         return refuse
 
     for paths, why in NOT_SERVED.items():
         for path in paths:
-            app.add_api_route(path, not_served(why), methods=["POST"], include_in_schema=False)
+            app.add_api_route(path, not_served(why, path), methods=["POST"], include_in_schema=False)
 
     @app.get("/lora-adapters", include_in_schema=False)
     async def lora_adapters():   # llama-server's list of loaded adapters: none here

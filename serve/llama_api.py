@@ -50,6 +50,9 @@ NOT_SERVED = {
     ("/props",): "POST /props is not supported: /props is read-only here (GET); the server's settings are its flags, "
                  "changed by a restart",
 }
+# of those, the paths a GET serves: a POST there is HTTP's 405 (Allow: GET, HEAD) with the reason, not a 501 (a
+# method the path does not take is a client's error; fuzzers and HTTP tools expect 405)
+READ_ONLY = ("/props",)
 LORA_WHY = ("LoRA adapters are not supported: none is loaded here (GET /lora-adapters lists none), so there is no "
             "scale to set")
 

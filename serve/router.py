@@ -1066,16 +1066,18 @@ def create_router_app(router: Router, *, api_keys: tuple = (), limits: Limits | 
                 "default_generation_settings": {"n_ctx": 0, "params": {}},
                 "modalities": {"vision": False, "audio": False}, "build_info": f"bitnet-cpu {__version__}"}
 
-    def not_served(why: str):
-        async def refuse(request: Request):   # a model's server's 501, said without loading a model for it
-            return Response(error_json(why, "not_supported_error", "not_supported", scope=request.scope, status=501),
-                            status_code=501, media_type="application/json")
+    def not_served(why: str, path: str = ""):
+        async def refuse(request: Request):   # a model's server's 501 (405 for POST /props), without loading a model
+            status, headers = (405, {"Allow": "GET, HEAD"}) if path in READ_ONLY else (501, None)
+            return Response(error_json(why, "not_supported_error", "not_supported", scope=request.scope,
+                                       status=status), status_code=status, media_type="application/json",
+                            headers=headers)
         return refuse
 
-    from .llama_api import LORA_WHY, NOT_SERVED, lora_request_is_empty
+    from .llama_api import LORA_WHY, NOT_SERVED, READ_ONLY, lora_request_is_empty
     for paths, why in NOT_SERVED.items():
         for path in paths:
-            app.add_api_route(path, not_served(why), methods=["POST"], include_in_schema=False)
+            app.add_api_route(path, not_served(why, path), methods=["POST"], include_in_schema=False)
 
     @app.get("/lora-adapters", include_in_schema=False)
     async def lora_adapters():   # as a model's server answers: no adapters

@@ -136,13 +136,14 @@ def test_models_path_and_infill(server):
 
 def test_llama_servers_other_endpoints_say_what_is_not_served(server):
     """llama-server's reranking, LoRA and POST /props endpoints were a bare "Not Found" / "Method Not Allowed":
-    reranking and setting /props are 501s saying so; /lora-adapters lists no adapters, and setting a scale on one is
+    reranking is a 501 and setting /props a 405 saying so; /lora-adapters lists no adapters, and setting a scale on one is
     a 501 (an empty list asks for nothing, as llama-server takes it)."""
     for path in ("/rerank", "/reranking", "/v1/rerank", "/v1/reranking"):
         r = post(server, path, {"query": "a", "documents": ["b", "c"]})
         assert r.status_code == 501 and "reranking is not supported" in r.json()["error"]["message"], (path, r.text)
-    r = post(server, "/props", {"n_ctx": 5})
-    assert r.status_code == 501 and "read-only" in r.json()["error"]["message"], r.text
+    r = post(server, "/props", {"n_ctx": 5})   # a method the path does not take: HTTP's 405, with the reason
+    assert r.status_code == 405 and "read-only" in r.json()["error"]["message"], r.text
+    assert r.headers["allow"] == "GET, HEAD"
     assert httpx.get(server.url + "/props", timeout=30).status_code == 200   # GET is still /props
     r = httpx.get(server.url + "/lora-adapters", timeout=30)
     assert r.status_code == 200 and r.json() == [], r.text
