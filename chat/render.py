@@ -14,6 +14,8 @@ import io
 import os
 import sys
 
+from ..engine.fileio import is_terminal
+
 # Model output is untrusted text: on a terminal, control characters (an ESC could move the cursor,
 # recolour or clear the screen) are shown as their visible Unicode "control pictures" instead.
 _VISIBLE_CONTROLS = {c: 0x2400 + c for c in range(32) if chr(c) not in "\n\t"}
@@ -47,13 +49,6 @@ def format_stats(stats, n_shown: int | None = None) -> str:
     return "[" + ", ".join(parts) + "]"
 
 
-def is_terminal(f) -> bool:
-    """Whether stream f is a terminal: False also for None or a stand-in without isatty (a notebook's or a logging
-    adapter's stream, where a host program calls the CLI's main())."""
-    try:
-        return bool(f.isatty())
-    except (AttributeError, ValueError, OSError):
-        return False
 
 
 def _cell_width(text: str) -> int:

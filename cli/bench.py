@@ -257,7 +257,8 @@ def main(args) -> int:
     ctx = max(depths) + max(max(pp, 1) + tg for pp, tg in tests)
     for m in args.model or []:   # every -m before any test: a typo in the last one ended a long run at it
         if not os.path.exists(m) and not is_hub_ref(m):
-            raise BitNetError(f"-m {m}: no such file or directory")
+            from ..engine.fileio import why_missing
+            raise BitNetError(f"-m {m}: {why_missing(m)}")
     table = Table(args.output, sys.stdout, args.kv)
     said_ctx = False
     host = machine()

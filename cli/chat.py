@@ -27,7 +27,8 @@ import sys
 import time
 
 from ..chat.commands import FIELD_OF_SETTING, Settings
-from ..chat.render import Output, is_terminal
+from ..chat.render import Output
+from ..engine.fileio import is_terminal
 from . import lossy_stderr, replace_unencodable
 from .flags import (UNTIL_END, Parser, add_engine_args, add_system_args, apply_chat_template, check_engine_args,
                     maybe_autocomplete, parse_args_suggesting, sampling_params_from_args, thinking_warnings)

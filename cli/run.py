@@ -140,8 +140,8 @@ def main(args) -> int:
         return run_chat(args, first_message=prompt)
 
     stop = [escaped(args, s, "-r/--stop") for s in args.stop]   # an escape that is not UTF-8: before the model loads
-    from ..chat.render import is_terminal
     from ..engine.api import load_model
+    from ..engine.fileio import is_terminal
     from ..engine.formats.convert import stderr_is_terminal
     from ..engine.runtime.generate import FINISH_MESSAGES
 

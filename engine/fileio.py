@@ -23,6 +23,16 @@ def starts_with(path: str | os.PathLike, magic: bytes) -> bool:
         return False
 
 
+def is_terminal(f) -> bool:
+    """Whether stream f is a terminal: False also for None (pythonw, a frozen app) or a stand-in without isatty (a
+    notebook's stream, contextlib.redirect_stderr to a logger, where a host program calls us), as tqdm judges it;
+    ValueError: a closed file."""
+    try:
+        return bool(f.isatty())
+    except (AttributeError, ValueError, OSError):
+        return False
+
+
 def why_missing(path: str | os.PathLike) -> str:
     """Why a path os.path.exists() said False for is not there, in the OS's words ("not a directory" for a file
     given with a trailing /, "file name too long", "permission denied"): "no such file or directory" was said

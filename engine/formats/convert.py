@@ -31,7 +31,7 @@ import numpy as np
 
 from ...simd import layout
 from ..errors import BitNetError, FormatError
-from ..fileio import check_output, why_missing
+from ..fileio import check_output, is_terminal, why_missing
 from .store import TensorSpec, is_store, write_store
 
 CONVERTER_VERSION = "3"   # part of the cache key: 2 records tokenizer_config's bos_token / eos_token, 3 add_bos
@@ -284,13 +284,9 @@ class _Reported:
 
 
 def stderr_is_terminal() -> bool:
-    """Whether sys.stderr is a terminal: False also when there is none (pythonw, a frozen app: None) or it is a
-    stand-in without isatty (contextlib.redirect_stderr to a logger), as tqdm judges it; load_model() raised an
-    AttributeError there."""
-    try:
-        return bool(sys.stderr.isatty())
-    except (AttributeError, ValueError, OSError):   # ValueError: a closed file
-        return False
+    """Whether sys.stderr is a terminal (fileio.is_terminal: None or a stand-in without isatty is not; load_model()
+    raised an AttributeError there)."""
+    return is_terminal(sys.stderr)
 
 
 def progress_bar(total: int, desc: str, progress, unit: str = "step"):
