@@ -4,6 +4,7 @@ printed (exit 130). Flags follow llama.cpp (cli/flags.py); `-cnv` runs the chat 
 as bitchat does; `--json` prints one JSON object per line (text pieces, then the stats) for scripts."""
 from .flags import (RANDOM_SEED, UNTIL_END, add_constraint_args, add_engine_args, add_system_args, apply_chat_template,
                     check_engine_args, constraint_from_args, escaped, sampling_params_from_args, thinking_warnings)
+from .. import simd
 from ..engine.formats.tokenizer import decode_utf8
 
 HELP = "generate text from a prompt (streams to stdout)"
@@ -201,7 +202,7 @@ def main(args) -> int:
         print(f"bitnet: {FINISH_MESSAGES['context']} (n_ctx {llm.n_ctx}; {llm.model.context_hint()})", file=sys.stderr)
     if args.verbose and stats:
         print(f"model: {llm.name} ({llm.model.lm_head} head, kv {args.kv}, n_ctx {llm.n_ctx}, seed {seed}, "
-              f"threads {llm.threads}{_tuned(llm.model.tuner)})\n"
+              f"threads {llm.threads}{_tuned(llm.model.tuner)}, kernels {simd.active()})\n"
               f"load: {stats.load_s * 1000:.0f} ms, weights {llm.store.load_summary()} | prompt: {stats.n_prompt} tokens ({stats.n_cached} cached), "
               f"{stats.prefill_tps:.1f} tok/s | first token: {stats.ttft_s * 1000:.0f} ms | "
               f"generated: {stats.n_generated} tokens, {stats.decode_tps:.1f} tok/s | stop: {stats.finish_reason}"

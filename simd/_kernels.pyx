@@ -536,6 +536,10 @@ def gemm_ternary_i32(w, xq, act_sum, out):
     _ternary_call("gemm_ternary_i32", w, None, xq, None, act_sum, out, False, GEMM, True)
 
 
+# |w . xq| <= 128 * 127 * K_pad stays below 2^31 for K_pad <= 2^16 (no model's hidden size comes near it)
+I8_MAX_K = 1 << 16
+
+
 cdef _i8_call(str fn, w, row_scale, w_rowsum, xq, act_scale, out, int kind, bint raw):
     """The int8 head (i8_tile16) for one row or M rows; raw: exact int32 dots into out."""
     cdef int nd = 1 if kind == ONE else 2
@@ -546,6 +550,8 @@ cdef _i8_call(str fn, w, row_scale, w_rowsum, xq, act_scale, out, int kind, bint
     cdef cnp.ndarray ars = None
     cdef cnp.ndarray asc = None
     cdef Py_ssize_t k_pad = _k_pad_of(fn, cnp.PyArray_DIM(aq, nd - 1))
+    if k_pad > I8_MAX_K:
+        raise KernelError(f"{fn}: K_pad {k_pad} > {I8_MAX_K} (the int32 dot bound of the int8 head)")
     cdef Py_ssize_t n = _n_of(fn, cnp.PyArray_DIM(ao, nd - 1))
     cdef Py_ssize_t m = 1
     if kind == ROWS:

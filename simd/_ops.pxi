@@ -169,7 +169,8 @@ def attention(float[:, ::1] qkv, int n_heads, int n_kv, int head_dim, const floa
     cdef int m = qkv.shape[0]
     cdef int n_ctx = v_cache.shape[1]
     cdef int q_dim = n_heads * head_dim
-    if n_kv <= 0 or n_heads % n_kv or head_dim % 2 or qkv.shape[1] != q_dim + 2 * n_kv * head_dim:
+    if (n_heads < 1 or n_kv < 1 or n_heads % n_kv or head_dim < 2 or head_dim % 2
+            or qkv.shape[1] != q_dim + 2 * n_kv * head_dim):
         _fail(f"attention: qkv width {qkv.shape[1]} does not fit {n_heads} heads / {n_kv} kv heads x {head_dim}")
     if (k_cache.shape[0] != n_kv or k_cache.shape[1] != (n_ctx + OPS_KT_BLOCK - 1) // OPS_KT_BLOCK
             or k_cache.shape[2] != head_dim or k_cache.shape[3] != OPS_KT_BLOCK
@@ -199,7 +200,7 @@ def attention_plan(rows, pos0s, int n_heads, int n_kv, int head_dim, int threads
     cdef int n = ms.shape[0], got
     if n < 1 or ps.shape[0] != n or min(rows) < 1 or min(pos0s) < 0:
         _fail("attention_plan: one row count (>= 1) and one first position (>= 0) per sequence")
-    if n_kv <= 0 or n_heads % n_kv or head_dim < 2 or threads < 1:
+    if n_heads < 1 or n_kv < 1 or n_heads % n_kv or head_dim < 2 or threads < 1:
         _fail(f"attention_plan: {n_heads} heads / {n_kv} kv heads x {head_dim} on {threads} threads")
     cdef int max_out = n + sum(int(m) // 16 for m in rows)
     cdef int32_t[::1] out = np.zeros(3 * max_out + 1, np.int32)
@@ -242,7 +243,8 @@ cdef int _check_paged(str fn, float[:, ::1] qkv, int n_heads, int n_kv, int head
     """The checks the paged attention wrappers share (everything but the pools' own shapes)."""
     cdef int m = qkv.shape[0], n = seq_pos0.shape[0], q_dim = n_heads * head_dim
     cdef int max_pages = page_table.shape[1], i, b, r0, r1, last
-    if n_kv <= 0 or n_heads % n_kv or head_dim % 2 or qkv.shape[1] != q_dim + 2 * n_kv * head_dim:
+    if (n_heads < 1 or n_kv < 1 or n_heads % n_kv or head_dim < 2 or head_dim % 2
+            or qkv.shape[1] != q_dim + 2 * n_kv * head_dim):
         _fail(f"{fn}: qkv width {qkv.shape[1]} does not fit {n_heads} heads / {n_kv} kv heads x {head_dim}")
     if seq_rows.shape[0] != n + 1 or page_table.shape[0] < n or n < 1:
         _fail(f"{fn}: seq_rows has {seq_rows.shape[0]} entries, page_table {page_table.shape[0]} rows "
@@ -300,7 +302,8 @@ def attention_q8(float[:, ::1] qkv, int n_heads, int n_kv, int head_dim, const f
     """attention() over an int8 cache: k_cache and v_cache q8_cache_shape(n_kv, n_ctx, head_dim) (keys transposed
     in each block, values row by row, one f32 scale per position per KV head after each block's values)."""
     cdef int m = qkv.shape[0], q_dim = n_heads * head_dim
-    if n_kv <= 0 or n_heads % n_kv or head_dim % 2 or qkv.shape[1] != q_dim + 2 * n_kv * head_dim:
+    if (n_heads < 1 or n_kv < 1 or n_heads % n_kv or head_dim < 2 or head_dim % 2
+            or qkv.shape[1] != q_dim + 2 * n_kv * head_dim):
         _fail(f"attention_q8: qkv width {qkv.shape[1]} does not fit {n_heads} heads / {n_kv} kv heads x {head_dim}")
     _check_q8_head_dim("attention_q8", head_dim)
     shape = q8_cache_shape(n_kv, n_ctx, head_dim)

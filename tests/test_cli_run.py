@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from bitnet_cpu import simd
 from bitnet_cpu.engine.api import SamplingParams, load_model
 from test_model_fixtures import make_synth
 
@@ -56,6 +57,10 @@ def test_stdout_is_the_generated_text(store, tmp_path):
     assert bitnet("-m", store, "-f", str(f), "-n", "24", "--temp", "0").stdout == two
     v = bitnet("-m", store, "-p", prompt, "-n", "24", "--temp", "0", "--verbose")
     assert v.stdout == want and "tok/s" in v.stderr
+    for isa in simd.supported_isas():   # the kernel path that ran, as llama.cpp's feature line says it
+        forced = bitnet("-m", store, "-p", prompt, "-n", "2", "--temp", "0", "--verbose",
+                        env={**os.environ, "BITNET_ISA": isa})
+        assert f"kernels {isa})" in forced.stderr, (isa, forced.stderr)
     # seeded sampling is reproducible from the command line too
     a = bitnet("-m", store, "-p", prompt, "-n", "16", "--seed", "7", "--top-k", "5", "--top-p", "0.9",
                "--min-p", "0.01", "--repeat-penalty", "1.1")

@@ -334,6 +334,23 @@ def test_thread_counts_give_identical_results(isa):
             assert np.array_equal(a, b)
 
 
+def test_i8_head_exact_at_its_widest_rows():
+    """The int8 head's bound (I8_MAX_K columns) is real: its most extreme dots there are exact int32s on every path
+    (past it they wrapped silently, and the wrappers now refuse)."""
+    kp, n = K.I8_MAX_K, 16
+    w = np.full(n * kp, -128, np.int8)
+    xq = np.full(kp, 127, np.int8)
+    rowsum = np.full(n, -128 * kp, np.int32)
+    for isa in K.supported_isas():
+        K.set_isa(isa)
+        try:
+            raw = np.zeros(n, np.int32)
+            K.gemv_i8_i32(w, rowsum, xq, raw)
+        finally:
+            K.set_isa("auto")
+        assert (raw == -128 * 127 * kp).all(), isa
+
+
 # ---------------------------------------------------------------- bad arguments
 def _good():
     n, k = 40, 128
@@ -370,6 +387,8 @@ def test_bad_arguments_raise_kernel_error():
         lambda: K.gemv_i8(np.zeros(n * k, np.uint8), rs, sm, xq[0], 1.0, out),         # i8 dtype
         lambda: K.gemv_i8(np.zeros(48 * k + 1, np.int8), rs, np.zeros(n, np.int32), xq[0], 1.0, out),
         lambda: K.gemv_i8(np.zeros(48 * k, np.int8), rs, np.zeros(3, np.int32), xq[0], 1.0, out),
+        lambda: K.gemv_i8(np.zeros(48 * (k + (1 << 16)), np.int8), rs, np.zeros(n, np.int32),  # K_pad past the
+                          np.zeros(k + (1 << 16), np.int8), 1.0, out),                    # int32 dot bound
         lambda: K.gemv_f16(np.zeros(48 * k, np.float32), np.zeros(k, np.float32), out),
         lambda: K.gemv_f16(np.zeros(48 * k - 1, np.uint16), np.zeros(k, np.float32), out),
         lambda: K.gemv_f16(np.zeros(48 * k, np.uint16), np.zeros(0, np.float32), out),

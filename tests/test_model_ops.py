@@ -647,6 +647,33 @@ def test_attention_q8_decode_rows_equal_verify_rows_and_threads(isa):
     assert np.array_equal(dec1[530:].view(np.int32), chunk[530:].view(np.int32))
 
 
+def test_attention_without_query_heads_or_head_width_raises_instead_of_crashing():
+    """n_heads 0 divided by zero in the C work split (SIGFPE killed Python) and a negative count passed; every
+    attention entry point refuses them, and a head_dim below 2, at the boundary."""
+    ctx, hd = 8, 8
+    cos = sin = np.zeros((ctx, hd // 2), np.float32)
+    kc = np.zeros(ops.key_cache_shape(1, ctx, hd), np.float32)
+    vc = np.zeros((1, ctx, hd), np.float32)
+    q8 = np.zeros(ops.q8_cache_shape(1, ctx, hd), np.int8)
+    out, scr = np.zeros((1, 0), np.float32), np.zeros((4, ctx), np.float32)
+    for n_heads in (0, -2):
+        qkv = np.zeros((1, n_heads * hd + 2 * hd), np.float32)   # a width that fits the head counts
+        with pytest.raises(KernelError, match="heads"):
+            ops.attention_plan([3], [0], n_heads, 1, hd, 2)
+        with pytest.raises(KernelError, match="heads"):
+            ops.attention(qkv, n_heads, 1, hd, cos, sin, 0, kc, vc, out, scr)
+        with pytest.raises(KernelError, match="heads"):
+            ops.attention_q8(qkv, n_heads, 1, hd, cos, sin, 0, ctx, q8, q8.copy(), out, scr)
+        with pytest.raises(KernelError, match="heads"):
+            ops.attention_paged(qkv, n_heads, 1, hd, cos, sin, np.array([0, 1], np.int32), np.array([0], np.int32),
+                                np.zeros((1, 1), np.int32), np.zeros(ops.paged_key_pool_shape(1, 1, hd), np.float32),
+                                np.zeros(ops.paged_value_pool_shape(1, 1, hd), np.float32), out, scr)
+    with pytest.raises(KernelError, match="heads"):
+        ops.attention(np.zeros((1, 0), np.float32), 1, 1, 0, cos[:, :0].copy(), sin[:, :0].copy(), 0,
+                      np.zeros(ops.key_cache_shape(1, ctx, 0), np.float32), np.zeros((1, ctx, 0), np.float32),
+                      np.zeros((1, 0), np.float32), scr)
+
+
 def test_attention_q8_bad_arguments_raise():
     cos = sin = np.zeros((8, 4), np.float32)
     kc = np.zeros(ops.q8_cache_shape(1, 8, 8), np.int8)
