@@ -644,6 +644,51 @@ def test_integers_past_64_bits_in_bounds_and_values(llm):
     assert _complete(llm, {"type": "string", "default": 2 ** 70 + 1, "examples": [10 ** 400]}, '"a"')
 
 
+@pytest.mark.parametrize("bounds, excluded, inside", [
+    ({"exclusiveMinimum": 0, "exclusiveMaximum": 0.5}, "0", "0.3"),
+    ({"exclusiveMinimum": 0, "exclusiveMaximum": 0.1}, "0", "0.05"),
+    ({"exclusiveMinimum": 1, "exclusiveMaximum": 1.5}, "1", "1.2"),
+    ({"exclusiveMinimum": 10, "maximum": 10.5}, "10", "10.5"),
+    ({"exclusiveMinimum": 3, "exclusiveMaximum": 3.001}, "3", "3.0005"),
+    ({"exclusiveMinimum": -1.5, "exclusiveMaximum": -1}, "-1", "-1.2"),
+    ({"exclusiveMinimum": -0.25, "exclusiveMaximum": 0}, "-0", "-0.1"),
+    ({"minimum": 0, "exclusiveMinimum": True, "maximum": 0.5}, "0", "0.25"),   # draft 4's flag
+    ({"exclusiveMinimum": 0, "exclusiveMaximum": 0.3, "multipleOf": 0.1}, "0", "0.2")])
+def test_a_number_s_exclusive_bound_within_one_integer_step_is_excluded(llm, bounds, excluded, inside):
+    """A number between two bounds in one integer step: the grammar engine's range of decimals took the bare
+    integer bound itself ((0, 0.5) gave 0, (-1.5, -1) gave -1), which jsonschema rejects."""
+    schema = {"type": "number", **bounds}
+    assert not _complete(llm, schema, excluded) and _complete(llm, schema, inside)
+    obj = {"type": "object", "properties": {"a": schema}, "required": ["a"], "additionalProperties": False}
+    validator = (jsonschema.Draft4Validator if bounds.get("exclusiveMinimum") is True
+                 else jsonschema.Draft202012Validator)(obj)
+    for text in (f'{{"a":{excluded}}}', f'{{"a":{inside}}}'):   # the grammar's verdicts are jsonschema's
+        assert _complete(llm, obj, text) == validator.is_valid(json.loads(text)), text
+    for seed in range(3):
+        text, _, last = _run(llm, _ask(llm, "A number?"), SamplingParams(temperature=1.0, seed=seed),
+                             Constraint.json_schema(obj), max_tokens=40)
+        if last.finish_reason == "eos":
+            validator.validate(json.loads(text))
+
+
+@pytest.mark.parametrize("bounds", [
+    {"exclusiveMinimum": 2 ** 53, "exclusiveMaximum": 2 ** 53 + 4},
+    {"exclusiveMinimum": 2 ** 53, "maximum": 2 ** 53 + 2},
+    {"exclusiveMinimum": 2 ** 60}, {"exclusiveMaximum": 2 ** 60}, {"exclusiveMaximum": -(2 ** 60)},
+    {"exclusiveMinimum": float(2 ** 53)}])
+def test_an_exclusive_integer_bound_that_is_a_double_past_2_53_is_excluded(llm, bounds):
+    """An exclusive integer bound past 2^53 that is a double: the grammar engine added 1 in doubles (2^53 + 1 is
+    2^53) and took the bound itself; it is the inclusive bound inside, rounded inward, as one no double equals."""
+    schema = {"type": "integer", **bounds}
+    for key in ("exclusiveMinimum", "exclusiveMaximum"):
+        if key in bounds:
+            v = int(bounds[key])
+            assert not _complete(llm, schema, str(v)), (schema, v)
+            step = 2 if abs(v) < 2 ** 54 else 256
+            near = v + step if key == "exclusiveMinimum" else v - step
+            assert _complete(llm, schema, str(near)) == jsonschema.Draft202012Validator(schema).is_valid(near)
+
+
 @pytest.mark.parametrize("fmt, text, valid", [
     ("date", '"2024-02-29"', True), ("date", '"2000-02-29"', True), ("date", '"2023-02-29"', False),
     ("date", '"1900-02-29"', False), ("date", '"2023-04-31"', False), ("date", '"2023-12-31"', True),

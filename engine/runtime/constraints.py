@@ -300,9 +300,42 @@ def _inward_bounds(out):
             # a value it cannot hold); int64's range less its last 1023 values, as for an unbounded integer
             del out[key]
             tighten(down, INT_BOUND if down else -INT_BOUND)
-        elif isinstance(v, int) and not isinstance(v, bool) and abs(v) > EXACT_INT and float(v) != v:
+        elif _is_num(v) and float(v).is_integer() and (step and abs(v) >= EXACT_INT or float(v) != v):
+            # an exclusive integer bound becomes the inclusive one inside: also one that is a double past 2^53,
+            # which the grammar engine moved by 1 in doubles (2^53 + 1 is 2^53) and so took the bound itself
             del out[key]
-            tighten(down, inside(v + step, down))   # an exclusive integer bound becomes the inclusive one inside
+            tighten(down, inside(int(v) + step, down))
+    return out
+
+
+def _exclusive_numbers(out):
+    """A number node's exclusive integer bound on the side towards 0 (exclusiveMinimum 0, or draft 4's minimum 0
+    with exclusiveMinimum true) where its other bound lies within one integer step of it: as the nearest double
+    inside it, inclusive.
+    The grammar engine's range of decimals then let the bound itself through ((0, 0.5) took 0, (-1.5, -1) took
+    -1, (-0.25, 0) took -0). For 0 the bound is 10^-30 (or a tenth of the other bound, nearer): the engine writes
+    a bound's digits out, and the double next to 0 has 324 of them."""
+    if _integers_only(out):
+        return out
+    for side, other_side, sign in (("Minimum", "Maximum", 1), ("Maximum", "Minimum", -1)):
+        excl, incl = "exclusive" + side, side.lower()
+        v = out.get(excl)
+        if v is True and _is_num(out.get(incl)):   # draft 4: the flag makes `minimum` itself exclusive
+            v = out[incl]
+        if not _is_num(v) or not math.isfinite(v) or not float(v).is_integer():
+            continue
+        others = [out.get(k) for k in ("exclusive" + other_side, other_side.lower())]
+        other = next((o for o in others if _is_num(o)), None)
+        if other is None or v * sign < 0 or not 0 < (other - v) * sign < 1:
+            continue   # (the far side of a range in one step, (-2, -1.5)'s -2, is the engine's right)
+        if v == 0:
+            inside = sign * min(1e-30, abs(other) / 10)
+        else:
+            inside = math.nextafter(float(v), sign * math.inf)
+        out.pop(excl)
+        have = out.get(incl)
+        if not _is_num(have) or (have < inside if sign > 0 else have > inside) or have == v:
+            out[incl] = inside
     return out
 
 
@@ -470,7 +503,8 @@ def prepared(schema, where: str):
     problem = unenforceable(schema)
     if problem:
         raise ConstraintError(f"{where}: {problem}", where=where)
-    return _schema_copy(schema, lambda out: _doubles(_bounded(_inward_bounds(_exact_strings(out)))))
+    return _schema_copy(schema, lambda out: _doubles(_bounded(_inward_bounds(_exclusive_numbers(
+        _exact_strings(out))))))
 
 
 def bounded_integers(schema):
