@@ -49,6 +49,8 @@ def test_grammar_flags_and_jump_forward_off_same_text(tmp_path):
     (["-j", '{"type": "strin"}'], "-j/--json-schema: cannot be enforced"),
     (["-j", '{"type": "array", "uniqueItems": true}'], "uniqueItems"),
     (["-j", "[1, 2"], "-j/--json-schema: not valid JSON"),
+    (["-j", '{"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}'],
+     "-j/--json-schema: cannot be enforced: no finite JSON value"),
     (["--grammar", 'root ::= "a'], "--grammar: GBNF grammar"),
     (["--json-schema-file", "/nonexistent/s.json"], "--json-schema-file /nonexistent/s.json"),
     (["-j", "{}", "--grammar", 'root ::= "a"'], "not allowed with argument"),

@@ -458,9 +458,25 @@ def test_gbnf_examples_from_llama_cpp(llm, mode):
     # grammars no text matches: refused when compiled, not by the first step of a request (an engine error)
     (lambda: Constraint.gbnf('root ::= root "a"'), "no text matches it"),
     (lambda: Constraint.gbnf('root ::= "a" | "b" x\nx ::= x "c"'), None),
+    # schemas no finite JSON matches: refused when compiled, not by the engine's item limit mid-generation (a 500)
+    (lambda: Constraint.json_schema({"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}),
+     "no finite JSON value"),
+    (lambda: Constraint.json_schema({"type": "object", "properties": {"v": {"type": "integer"}, "next": {"$ref": "#"}},
+                                     "required": ["v", "next"]}), "no finite JSON value"),
+    (lambda: Constraint.json_schema({"$defs": {"A": {"type": "object", "required": ["b"], "properties": {
+        "b": {"type": "array", "minItems": 1, "items": {"$ref": "#/$defs/A"}}}}}, "$ref": "#/$defs/A"}),
+     "no finite JSON value"),
+    (lambda: Constraint.json_schema({"$ref": "#"}), "no finite JSON value"),
+    # a way out (an optional key, null, minItems 0) is no error
+    (lambda: Constraint.json_schema({"type": "object", "properties": {"a": {"$ref": "#"}}}), None),
+    (lambda: Constraint.json_schema({"type": ["object", "null"], "properties": {"a": {"$ref": "#"}},
+                                     "required": ["a"]}), None),
+    (lambda: Constraint.json_schema({"$defs": {"A": {"type": "object", "required": ["b"], "properties": {
+        "b": {"type": "array", "items": {"$ref": "#/$defs/A"}}}}}, "$ref": "#/$defs/A"}), None),
 ])
 def test_refused_with_the_reason(llm, spec, words):
-    if words is None:   # a grammar with a dead branch beside a live one is no error: it matches "a"
+    if words is None:   # a grammar with a dead branch beside a live one is no error: it matches "a"; a schema
+        # with a way out of its recursion neither
         assert llm.compile_constraint(spec()) is not None
         return
     with pytest.raises(ConstraintError) as e:

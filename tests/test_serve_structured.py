@@ -144,6 +144,31 @@ def test_the_boolean_schema_true_is_any_value_on_every_route(server):
             assert httpx.post(url + path, json=body(odd), timeout=60).status_code == 400, (path, odd)
 
 
+def test_a_schema_no_finite_value_matches_is_a_400_on_every_route(server):
+    """A schema whose every value must hold another ({"a": {"$ref": "#"}} required) was a 500 mid-generation (the
+    grammar engine's item limit), or an answer to max_tokens where a key came first; a 400 naming the field on
+    every API, streamed or not, before anything is generated."""
+    endless = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}
+    chained = {"type": "object", "properties": {"v": {"type": "integer"}, "next": {"$ref": "#"}},
+               "required": ["v", "next"]}
+    routes = [("/v1/chat/completions", lambda s: {"messages": Q, "max_tokens": 60, "response_format": _fmt(s)},
+               "response_format.json_schema.schema"),
+              ("/v1/chat/completions", lambda s: {"messages": Q, "max_tokens": 60, "stream": True,
+                                                  "response_format": _fmt(s)}, "response_format.json_schema.schema"),
+              ("/completion", lambda s: {"prompt": "JSON:", "n_predict": 60, "json_schema": s}, "json_schema"),
+              ("/api/chat", lambda s: {"model": "m", "messages": Q, "stream": False, "format": s}, "format"),
+              ("/v1/messages", lambda s: {"model": "m", "max_tokens": 60, "messages": Q,
+                                          "output_config": {"format": {"type": "json_schema", "schema": s}}},
+               "output_config.format"),
+              ("/v1/chat/completions", lambda s: {"messages": Q, "max_tokens": 60, "tool_choice": "required",
+                                                  "tools": [{"type": "function", "function": {
+                                                      "name": "f", "parameters": s}}]}, "tools")]
+    for schema in (endless, chained):
+        for path, body, field in routes:
+            r = httpx.post(server.url + path, json=body(schema), timeout=60)
+            assert r.status_code == 400 and "no finite JSON value" in r.text and field in r.text, (path, r.text)
+
+
 def test_strict_is_a_boolean_and_an_overlapping_one_of_says_what_to_write(server):
     """json_schema.strict "yes" or 1 is OpenAI's 400 (lax validation took them as true). A oneOf whose branches
     overlap is refused saying what the client can write, not naming the grammar engine's own option."""

@@ -495,12 +495,114 @@ def _exact_strings(out):
     return out
 
 
+def endless(schema) -> str | None:
+    """Where a JSON Schema admits no finite value (None: it does): every value of it must hold another value of
+    it inside, through required keys, minItems and $refs that lead back without end ({"properties": {"a": {"$ref":
+    "#"}}, "required": ["a"]}). The grammar engine then forced "{\"a\":" after "{\"a\":" until its own item limit,
+    an engine error mid-generation (HTTP 500), or, with a key to sample first, wrote until max_tokens. Found as a
+    least fixed point: a node has a finite value once its own type can be written with the parts it requires (a
+    required key's schema, the first minItems items' schemas), every allOf part and $ref target has one, and
+    some anyOf / oneOf branch has one. Anything not understood here ($refs past local pointers, keys of
+    patternProperties) counts as finite: only a sure case is refused."""
+    from urllib.parse import unquote
+    nodes: list[dict] = []
+
+    def collect(node):
+        if isinstance(node, list):
+            for x in node:
+                collect(x)
+        elif isinstance(node, dict):
+            for k, v in node.items():
+                if k in _DATA_KEYWORDS:
+                    continue
+                if k in _SCHEMA_MAPS and isinstance(v, dict):
+                    for sub in v.values():
+                        collect(sub)
+                else:
+                    collect(v)
+            nodes.append(node)   # children first: one pass settles a schema without recursion
+    collect(schema)
+
+    def target(ref: str):
+        if ref == "#":
+            return schema
+        if not ref.startswith("#/"):
+            return True
+        node = schema
+        for key in ref[2:].split("/"):
+            key = unquote(key).replace("~1", "/").replace("~0", "~")
+            if isinstance(node, dict) and key in node:
+                node = node[key]
+            elif isinstance(node, list) and key.isdigit() and int(key) < len(node):
+                node = node[int(key)]
+            else:
+                return True   # an unknown target is the grammar engine's to refuse
+        return node
+
+    done: set[int] = set()
+
+    def ok(x) -> bool:
+        return x is not False and (not isinstance(x, dict) or id(x) in done)
+
+    def own(node) -> bool:
+        t = node.get("type")
+        types = t if isinstance(t, list) else [t]
+        for t in types:
+            if t == "object":
+                props = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+                required = node.get("required") if isinstance(node.get("required"), list) else []
+                extra = node.get("additionalProperties", True)
+                if all(ok(props[k]) if k in props else (ok(extra) or bool(node.get("patternProperties")))
+                       for k in required if isinstance(k, str)):
+                    return True
+            elif t == "array":
+                n = node.get("minItems") if _is_num(node.get("minItems")) else 0
+                prefix = node.get("prefixItems")
+                rest = node.get("items", True)
+                if isinstance(rest, list):   # draft 7's tuple form
+                    prefix, rest = rest, node.get("additionalItems", True)
+                prefix = prefix if isinstance(prefix, list) else []
+                if all(ok(prefix[i]) if i < len(prefix) else ok(rest) for i in range(min(int(n), len(prefix) + 1))):
+                    return True
+            else:   # a scalar type, or no type (any value)
+                return True
+        return False
+
+    def finite(node) -> bool:
+        if "const" in node or isinstance(node.get("enum"), list) and node["enum"]:
+            return True
+        ref = node.get("$ref")
+        if isinstance(ref, str) and not ok(target(ref)):
+            return False
+        for key in ("anyOf", "oneOf"):
+            parts = node.get(key)
+            if isinstance(parts, list) and parts and not any(ok(p) for p in parts):
+                return False
+        parts = node.get("allOf")
+        if isinstance(parts, list) and not all(ok(p) for p in parts):
+            return False
+        return own(node)
+
+    changed = True
+    while changed:
+        changed = False
+        for node in nodes:
+            if id(node) not in done and finite(node):
+                done.add(id(node))
+                changed = True
+    if ok(schema):
+        return None
+    return ("cannot be enforced: no finite JSON value matches it: each value must hold another one inside "
+            "without end (a required key, minItems or $ref leads back to the same schema); give the recursion a "
+            "way to stop, such as an optional key, an anyOf with a plain value, or minItems 0")
+
+
 def prepared(schema, where: str):
     """A JSON Schema as the grammar engine gets it (closed_objects; then, in one more copy, each node's exact
     strings, inward bounds and int64 bounds), after unenforceable's check (ConstraintError naming `where`): one
     reading for response formats, tool parameters and a format beside tools."""
     schema = closed_objects(schema)
-    problem = unenforceable(schema)
+    problem = unenforceable(schema) or endless(schema)
     if problem:
         raise ConstraintError(f"{where}: {problem}", where=where)
     return _schema_copy(schema, lambda out: _doubles(_bounded(_inward_bounds(_exclusive_numbers(
