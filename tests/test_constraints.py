@@ -717,6 +717,20 @@ def test_dates_and_times_are_rfc_3339_exactly(llm, fmt, text, valid):
     assert _complete(llm, schema, text) == valid
 
 
+@pytest.mark.parametrize("fmt, pattern, text, valid", [
+    ("date", "^2023-02-2", '"2023-02-29"', False), ("date", "^2023-02-2", '"2023-02-28"', True),
+    ("date-time", "^2023-", '"2023-02-29T00:00:00Z"', False), ("date-time", "^2023-", '"2023-01-01T00:00:60Z"', False),
+    ("date-time", "Z$", '"2024-02-29T00:00:00Z"', True), ("time", "^1", '"10:00:60Z"', False),
+    ("time", "^1", '"10:00:59Z"', True)])
+def test_dates_and_times_beside_a_pattern_are_still_rfc_3339_exactly(llm, fmt, pattern, text, valid):
+    """A pattern of the schema's own beside date / time / date-time: both hold. The grammar engine's loose format
+    stayed in place then, and the answer to ^2023-02-2 was "2023-02-29", which the format checker refuses."""
+    schema = {"type": "string", "format": fmt, "pattern": pattern}
+    assert _complete(llm, schema, text) == valid
+    checker = jsonschema.Draft202012Validator(schema, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
+    assert checker.is_valid(json.loads(text)) == valid   # the verdicts are the format checker's
+
+
 def test_hostnames_and_emails_have_their_rfc_lengths(llm):
     """A hostname is at most 253 characters (RFC 1123), an email address 254 (RFC 5321): the grammar engine's own
     formats had no limit, and a small model wrote hostnames of 1,000 characters that ended as "stop". A smaller

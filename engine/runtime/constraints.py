@@ -482,12 +482,19 @@ def ecma_dot(pattern: str) -> str:
 
 
 def _exact_strings(out):
-    """A schema node's date / time / date-time format (with no pattern of its own) as FORMAT_PATTERNS' exact
-    RFC 3339 pattern, a hostname's or email's length held to FORMAT_MAX_LENGTH, and its pattern's `.` as ECMA's."""
+    """A schema node's date / time / date-time format as FORMAT_PATTERNS' exact RFC 3339 pattern (in an allOf
+    beside a pattern of its own), a hostname's or email's length held to FORMAT_MAX_LENGTH, and its pattern's
+    `.` as ECMA's."""
     if isinstance(out.get("pattern"), str):
         out["pattern"] = ecma_dot(out["pattern"])
-    if out.get("format") in FORMAT_PATTERNS and "pattern" not in out:
-        out["pattern"] = FORMAT_PATTERNS[out.pop("format")]
+    if out.get("format") in FORMAT_PATTERNS and ("pattern" not in out or isinstance(out.get("allOf", []), list)):
+        exact = FORMAT_PATTERNS[out.pop("format")]
+        if "pattern" in out:
+            # both hold (the grammar engine intersects them): beside the schema's own pattern the engine's loose
+            # format stayed, and "2023-02-29" passed the pattern "^2023-02-2"
+            out["allOf"] = [*out.get("allOf", []), {"pattern": exact}]
+        else:
+            out["pattern"] = exact
     limit = FORMAT_MAX_LENGTH.get(out.get("format"))
     given = out.get("maxLength")
     if limit is not None and (given is None or _is_num(given)):   # (one not a number is the engine's to refuse)
