@@ -467,6 +467,9 @@ def test_gbnf_examples_from_llama_cpp(llm, mode):
         "b": {"type": "array", "minItems": 1, "items": {"$ref": "#/$defs/A"}}}}}, "$ref": "#/$defs/A"}),
      "no finite JSON value"),
     (lambda: Constraint.json_schema({"$ref": "#"}), "no finite JSON value"),
+    # uniqueItems false asks for nothing (JSON Schema's default, which schema generators write)
+    (lambda: Constraint.json_schema({"type": "object", "required": ["tags"], "properties": {
+        "tags": {"type": "array", "items": {"type": "string"}, "uniqueItems": False}}}), None),
     # a way out (an optional key, null, minItems 0) is no error
     (lambda: Constraint.json_schema({"type": "object", "properties": {"a": {"$ref": "#"}}}), None),
     (lambda: Constraint.json_schema({"type": ["object", "null"], "properties": {"a": {"$ref": "#"}},
@@ -482,6 +485,15 @@ def test_refused_with_the_reason(llm, spec, words):
     with pytest.raises(ConstraintError) as e:
         llm.compile_constraint(spec())
     assert words in str(e.value)
+
+
+def test_unique_items_false_is_taken_and_asks_for_nothing(llm):
+    """uniqueItems false was a 400 "Unimplemented keys": it is JSON Schema's default, so duplicates stay allowed;
+    true is still refused (a grammar cannot keep items unique)."""
+    schema = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "uniqueItems": False}
+    assert _complete(llm, schema, "[1,1]") and jsonschema.Draft202012Validator(schema).is_valid([1, 1])
+    with pytest.raises(ConstraintError, match="uniqueItems"):
+        llm.compile_constraint(Constraint.json_schema({**schema, "uniqueItems": True}))
 
 
 def test_key_counts_over_listed_keys_are_refused_with_advice_that_works(llm):

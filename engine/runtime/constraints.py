@@ -613,7 +613,15 @@ def prepared(schema, where: str):
     if problem:
         raise ConstraintError(f"{where}: {problem}", where=where)
     return _schema_copy(schema, lambda out: _doubles(_bounded(_inward_bounds(_exclusive_numbers(
-        _exact_strings(out))))))
+        _exact_strings(_no_ops(out)))))))
+
+
+def _no_ops(out):
+    """Keywords that ask for nothing, dropped: uniqueItems false is JSON Schema's default (schema generators
+    write it), and the grammar engine refused the key whatever its value; uniqueItems true stays refused."""
+    if out.get("uniqueItems") is False:
+        del out["uniqueItems"]
+    return out
 
 
 def bounded_integers(schema):
