@@ -487,6 +487,20 @@ def test_refused_with_the_reason(llm, spec, words):
     assert words in str(e.value)
 
 
+@pytest.mark.parametrize("bounds", [{"minimum": 0, "maximum": 1e19}, {"minimum": 1e20}, {"exclusiveMinimum": 1e307},
+                                    {"minimum": -1e20}])
+def test_number_bounds_too_large_say_what_is_supported(llm, bounds):
+    """A number's bounds past what the grammar engine's digit ranges hold were refused in its internal words
+    ("Failed to generate regex for float range: min=Some(0.0), max=Some(1e19)"); now in ours, saying which range
+    is supported, and bounds within it compile."""
+    with pytest.raises(ConstraintError) as e:
+        llm.compile_constraint(Constraint.json_schema({"type": "number", **bounds}))
+    assert "within -10^17 .. 10^17" in str(e.value) and "Some(" not in str(e.value), e.value
+    for inside in ({"minimum": -1e17, "maximum": 1e17}, {"minimum": 1e17}, {"exclusiveMaximum": -1e17}):
+        schema = {"type": "number", **inside}
+        assert llm.compile_constraint(Constraint.json_schema(schema)) is not None, schema
+
+
 def test_unique_items_false_is_taken_and_asks_for_nothing(llm):
     """uniqueItems false was a 400 "Unimplemented keys": it is JSON Schema's default, so duplicates stay allowed;
     true is still refused (a grammar cannot keep items unique)."""

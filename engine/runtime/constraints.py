@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import threading
 import weakref
 from collections import OrderedDict
@@ -684,6 +685,15 @@ def _one_line(e) -> str:
     cut = text.find("; following special tokens are available")
     if cut >= 0:
         text = text[:cut] + " (a token is written <NAME> with its exact text, such as <|eot_id|>, or <[ID]>)"
+    # a number bound past what its range of digits holds (int64's, and less for a lower bound alone): in words
+    # that say what to write, not its internal "min=Some(0.0), max=Some(1e19)"
+    found = re.search(r"Failed to generate regex for float range: min=(?:Some\(([^)]*)\)|None), "
+                      r"max=(?:Some\(([^)]*)\)|None)", text)
+    if found:
+        given = ", ".join(f"{name} {v}" for name, v in zip(("minimum", "maximum"), found.groups()) if v)
+        text = (f"a number's bounds ({given}) are too large: the grammar engine writes a bounded number as "
+                "ranges of 64-bit integer digits; keep a number's minimum / maximum within -10^17 .. "
+                "10^17, or leave the bound out (an unbounded number is taken), or give such values as strings")
     # its advice names an option of its own that no request can set: what the client can write instead
     text = text.replace("Enable 'coerce_one_of' option to approximate oneOf with anyOf",
                         "A oneOf whose branches may match the same value cannot be enforced exactly: make them "
