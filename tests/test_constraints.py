@@ -770,6 +770,25 @@ def test_hostnames_and_emails_have_their_rfc_lengths(llm):
     assert _complete(llm, mail, f'"{local}@{domain[:193]}"') and not _complete(llm, mail, f'"{local}@{domain[:194]}"')
 
 
+def test_an_email_s_local_part_is_at_most_64_characters(llm):
+    """RFC 5321 caps the part before the "@" at 64 characters: the grammar engine's format had no such cap, and
+    every sampled address ran to 254 characters with a local part of 252, which email validators refuse. Beside a
+    pattern of the schema's own, both hold."""
+    mail = {"type": "string", "format": "email"}
+    assert _complete(llm, mail, f'"{"a" * 64}@b.com"') and not _complete(llm, mail, f'"{"a" * 65}@b.com"')
+    assert _complete(llm, mail, f'"{"a." * 31}ab@b.com"') and not _complete(llm, mail, '"a..b@b.com"')
+    own = {**mail, "pattern": "@example\\.com$"}
+    assert _complete(llm, own, '"x.y@example.com"') and not _complete(llm, own, '"x.y@example.org"')
+    assert not _complete(llm, own, f'"{"a" * 65}@example.com"')
+    obj = {"type": "object", "properties": {"email": mail}, "required": ["email"], "additionalProperties": False}
+    for seed in range(3):
+        text, _, last = _run(llm, _ask(llm, "An email?"), SamplingParams(temperature=1.0, seed=seed),
+                             Constraint.json_schema(obj), max_tokens=300)
+        if last.finish_reason == "eos":
+            address = json.loads(text)["email"]
+            assert len(address.rpartition("@")[0]) <= 64 and len(address) <= 254, address
+
+
 def test_a_pattern_s_dot_is_ecma_s(llm):
     """JSON Schema patterns are ECMA-262 regexes: `.` matches no line terminator (\\r, U+2028, U+2029 as well as
     \\n); the grammar engine's regexes took them. A dot in a class or escaped stays a dot."""

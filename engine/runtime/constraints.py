@@ -459,6 +459,17 @@ FORMAT_PATTERNS = {"date": f"^{_DATE}$", "time": f"^{_TIME}$", "date-time": f"^{
 # the longest text a format allows, where the grammar engine's own format has no limit (it gave hostnames of 1,000
 # characters): RFC 1123's 253 for a hostname, RFC 5321's 254 for an email address
 FORMAT_MAX_LENGTH = {"hostname": 253, "email": 254}
+# An email address as the grammar engine's own format writes one (a dot-string, then a domain of labels; its
+# address literals, "[192.0.2.1]", left out), and RFC 5321's 64-character cap on the part before the "@" (the
+# engine's format had none: a small model wrote local parts of 252 characters, which validators refuse). Two
+# patterns the engine intersects: its own format beside a second pattern and maxLength was too much for it. Beside
+# a pattern of the schema's own, three patterns were too much as well: there the part before the "@" is at most 32
+# characters between dots, 63 in all (EMAIL_PATTERN_SHORT, one pattern).
+_ATEXT = "[a-zA-Z0-9!#$%&'*+\\-/=?^_`{|}~]"
+_LABEL = "[a-zA-Z0-9](?:[a-zA-Z0-9-]{0,61}[a-zA-Z0-9])?"
+EMAIL_PATTERN = f"^{_ATEXT}+(?:\\.{_ATEXT}+)*@{_LABEL}(?:\\.{_LABEL})*$"
+EMAIL_LOCAL_PART = "^[^@]{1,64}@"
+EMAIL_PATTERN_SHORT = f"^{_ATEXT}(?:\\.?{_ATEXT}){{0,31}}@{_LABEL}(?:\\.{_LABEL})*$"
 
 
 def ecma_dot(pattern: str) -> str:
@@ -484,8 +495,8 @@ def ecma_dot(pattern: str) -> str:
 
 def _exact_strings(out):
     """A schema node's date / time / date-time format as FORMAT_PATTERNS' exact RFC 3339 pattern (in an allOf
-    beside a pattern of its own), a hostname's or email's length held to FORMAT_MAX_LENGTH, and its pattern's
-    `.` as ECMA's."""
+    beside a pattern of its own), a hostname's or email's length held to FORMAT_MAX_LENGTH, an email's part
+    before the "@" to 64 characters (EMAIL_PATTERN), and its pattern's `.` as ECMA's."""
     if isinstance(out.get("pattern"), str):
         out["pattern"] = ecma_dot(out["pattern"])
     if out.get("format") in FORMAT_PATTERNS and ("pattern" not in out or isinstance(out.get("allOf", []), list)):
@@ -497,6 +508,13 @@ def _exact_strings(out):
         else:
             out["pattern"] = exact
     limit = FORMAT_MAX_LENGTH.get(out.get("format"))
+    if out.get("format") == "email" and isinstance(out.get("allOf", []), list):
+        del out["format"]
+        if "pattern" in out:
+            out["allOf"] = [*out.get("allOf", []), {"pattern": EMAIL_PATTERN_SHORT}]
+        else:
+            out["pattern"] = EMAIL_PATTERN
+            out["allOf"] = [*out.get("allOf", []), {"pattern": EMAIL_LOCAL_PART}]
     given = out.get("maxLength")
     if limit is not None and (given is None or _is_num(given)):   # (one not a number is the engine's to refuse)
         out["maxLength"] = limit if given is None else min(given, limit)
