@@ -799,6 +799,34 @@ def test_a_pattern_s_dot_is_ecma_s(llm):
     assert _complete(llm, {"type": "string", "pattern": "^a[.]b\\.$"}, '"a.b."')
 
 
+ECMA_SPACES = "\t\n\x0b\x0c\r \xa0\u1680\u2000\u200a\u2028\u2029\u202f\u205f\u3000\ufeff"   # ECMA-262's \s
+
+
+def test_a_pattern_s_whitespace_and_classes_are_ecma_s(llm):
+    """\\s is ECMA-262's set, not Rust's (which took U+0085, NEL, and refused U+FEFF), in and out of classes and
+    negated; a `[` inside a class is a plain `[` (Rust's opens a nested class)."""
+    def takes_char(pattern, ch):
+        return _complete(llm, {"type": "string", "pattern": pattern}, json.dumps(ch, ensure_ascii=False))
+    for ch in ECMA_SPACES + "\x85a,":
+        space = ch in ECMA_SPACES
+        assert takes_char("^\\s$", ch) == space and takes_char("^\\S$", ch) == (not space), ascii(ch)
+        assert takes_char("^[\\s,]$", ch) == (space or ch == ","), ascii(ch)
+        assert takes_char("^[^\\s,]$", ch) == (not space and ch != ","), ascii(ch)
+    assert takes_char("^[a[b]$", "[") and takes_char("^[a[b]$", "b") and not takes_char("^[a[b]$", "c")
+
+
+@pytest.mark.parametrize("pattern, words", [
+    ("^[[:alpha:]]{3}$", "POSIX class"), ("^[[:digit:]]$", "POSIX class"), ("^[]a]$", "empty class"),
+    ("^[^]a]$", "any-character class"), ("^[a&&b]$", "set operation"), ("^[a--b]$", "set operation")])
+def test_pattern_syntax_ecma_reads_otherwise_is_refused(llm, pattern, words):
+    """Constructs the grammar engine's (Rust) regexes read otherwise than ECMA-262: [[:alpha:]] took "uss", which
+    ECMA (and Python's jsonschema) reject; [] is ECMA's empty class, which Rust read as a class holding ']'. A 400
+    that names the construct and what to write, as for back-references and look-arounds."""
+    with pytest.raises(ConstraintError) as e:
+        llm.compile_constraint(Constraint.json_schema({"type": "string", "pattern": pattern}))
+    assert words in str(e.value) and "write" in str(e.value) and pattern in str(e.value), e.value
+
+
 @pytest.mark.parametrize("mirostat", [1, 2])
 def test_mirostat_under_a_grammar_that_leaves_one_token(llm, mirostat):
     """Mirostat 1 estimates a Zipf exponent over the tokens left: one left (a grammar's mask) made its formula

@@ -472,20 +472,57 @@ EMAIL_LOCAL_PART = "^[^@]{1,64}@"
 EMAIL_PATTERN_SHORT = f"^{_ATEXT}(?:\\.?{_ATEXT}){{0,31}}@{_LABEL}(?:\\.{_LABEL})*$"
 
 
-def ecma_dot(pattern: str) -> str:
-    """A JSON Schema pattern (ECMA-262) for the grammar engine's regexes (Rust's), where `.` outside a class
-    matches any character but \\n: ECMA's `.` matches no line terminator (\\r, U+2028, U+2029 too)."""
+# ECMA-262's \s (WhiteSpace and LineTerminator) in the grammar engine's regex syntax: Rust's \s is Unicode's
+# White_Space, which adds U+0085 (NEL) and leaves out U+FEFF
+ECMA_SPACE = ("\\t\\n\\x0B\\x0C\\r \\xA0\\x{1680}\\x{2000}-\\x{200A}\\x{2028}\\x{2029}\\x{202F}\\x{205F}"
+              "\\x{3000}\\x{FEFF}")
+
+
+def ecma_pattern(pattern: str) -> str:
+    """A JSON Schema pattern (ECMA-262) for the grammar engine's regexes (Rust's), where they read the same text
+    differently: `.` outside a class matches no line terminator (Rust's took \\r, U+2028, U+2029); `\\s` / `\\S` are
+    ECMA's set (Rust's took U+0085 and refused U+FEFF); a `[` inside a class is a plain `[` (Rust's opens a nested
+    class). Refused (ValueError, saying what to write): a POSIX class `[[:alpha:]]` (Rust's syntax; ECMA reads the
+    class `[[:alph]` then `]`), a class that starts `[]` or `[^]` (ECMA's empty / any-character class; Rust reads
+    `]` as a member), and `&&`, `--`, `~~` in a class (Rust's set operations, ECMA's plain characters)."""
+    def refuse(what: str, write: str):
+        raise ValueError(f"pattern {pattern!r:.80}: {what}; {write}")
+
     out, i, in_class = [], 0, False
     while i < len(pattern):
         c = pattern[i]
         if c == "\\":
-            out.append(pattern[i:i + 2])
+            esc = pattern[i:i + 2]
+            if esc in ("\\s", "\\S"):   # in a class, a nested class: a union there
+                out.append(("[^" if esc[1] == "S" else "[") + ECMA_SPACE + "]")
+            else:
+                out.append(esc)
             i += 2
             continue
         if in_class:
-            in_class = c != "]"
+            if c == "]":
+                in_class = False
+            elif c == "[":
+                posix = re.match(r"\[:\^?[a-z]+:\]", pattern[i:])
+                if posix:
+                    refuse(f"{posix.group()!r} is a POSIX class, which ECMA-262 (JSON Schema's regexes) does not "
+                           "have", "write the characters, such as [a-zA-Z] for [[:alpha:]] or [0-9] for [[:digit:]]")
+                c = "\\["
+            elif pattern[i:i + 2] in ("&&", "--", "~~"):
+                refuse(f"{pattern[i:i + 2]!r} in a class is a set operation in the grammar engine's regexes, not "
+                       "ECMA-262's characters", f"write each character escaped (\\{pattern[i]}\\{pattern[i]})")
         elif c == "[":
             in_class = True
+            start = pattern[i + 1:i + 3]
+            if start.startswith("]") or start == "^]":
+                empty = start.startswith("]")
+                refuse(f"{'[]' if empty else '[^]'!r} is ECMA-262's {'empty' if empty else 'any-character'} "
+                       "class, which the grammar engine reads as a class holding ']'",
+                       "write \\] for a ']' in a class, or [\\s\\S] for any character")
+            if start.startswith("^"):   # the negation, then the class's first member
+                out.append("[^")
+                i += 2
+                continue
         elif c == ".":
             c = "[^\\n\\r\u2028\u2029]"
         out.append(c)
@@ -498,7 +535,7 @@ def _exact_strings(out):
     beside a pattern of its own), a hostname's or email's length held to FORMAT_MAX_LENGTH, an email's part
     before the "@" to 64 characters (EMAIL_PATTERN), and its pattern's `.` as ECMA's."""
     if isinstance(out.get("pattern"), str):
-        out["pattern"] = ecma_dot(out["pattern"])
+        out["pattern"] = ecma_pattern(out["pattern"])
     if out.get("format") in FORMAT_PATTERNS and ("pattern" not in out or isinstance(out.get("allOf", []), list)):
         exact = FORMAT_PATTERNS[out.pop("format")]
         if "pattern" in out:
