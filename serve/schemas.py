@@ -18,7 +18,7 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fi
                       field_validator, model_validator)
 from pydantic_core import PydanticCustomError
 
-from ..engine.runtime.sampling import SamplingParams, setting_problem
+from ..engine.runtime.sampling import EXCLUDED, NO_TOKEN_ALLOWED, SamplingParams, setting_problem
 
 
 _DEFAULT = SamplingParams()
@@ -102,7 +102,8 @@ class Unanswered(NamedTuple):
 def unanswered(finish_reason: str | None, retry_after: int, rid: str | None = None, where: str = "",
                seq: int | None = None, fault: str = ENGINE_FAULT) -> Unanswered | None:
     """How every API refuses a sequence that ended without an answer: "error" (a fault in its forward pass or
-    sampling: a 500, the server goes on) or "unavailable" (a stopping server ended it before it had a slot: a 503
+    sampling: a 500, the server goes on), "excluded" (the request's grammar, logit_bias and ignore_eos left no
+    token to draw: a 400 saying so) or "unavailable" (a stopping server ended it before it had a slot: a 503
     with Retry-After, which clients and load balancers retry: an empty "stop" looked like a model that said
     nothing); None for any other end. A fault is logged (stderr) naming the request id the client got (rid), its
     path (where) and the engine's sequence (seq: the engine's own line names only that), and the message names
@@ -115,6 +116,8 @@ def unanswered(finish_reason: str | None, retry_after: int, rid: str | None = No
         print(f"bitnet serve: request {rid} ({where}) failed: the engine ended its sequence"
               f"{'' if seq is None else f' {seq}'} on a fault (the 'bitnet engine' line says why)", file=sys.stderr)
         return Unanswered(500, f"{fault[:-1]}, request {rid})", "server_error", "engine_error", None)
+    if finish_reason == EXCLUDED:   # the request's grammar and logit_bias left no token to draw: its own doing
+        return Unanswered(400, NO_TOKEN_ALLOWED, "invalid_request_error", "no_token_allowed", None)
     if finish_reason == "unavailable":
         return Unanswered(503, NEVER_STARTED, "unavailable_error", "shutting_down",
                           {"Retry-After": str(retry_after)})

@@ -1,5 +1,7 @@
 """Sampling: greedy, temperature, top-k, top-p, min-p, repetition penalty, seeds; llama.cpp's top-n-sigma,
 typical, XTC, dynamic temperature and Mirostat against their definitions."""
+import warnings
+
 import numpy as np
 import pytest
 
@@ -26,6 +28,27 @@ def test_every_token_excluded_is_said_so_not_blamed_on_the_weights():
         lg[3] = bad
         with pytest.raises(BitNetError, match="corrupt"):
             draw(SamplingParams(temperature=0), lg, 1)
+
+
+@pytest.mark.parametrize("chain", [dict(temperature=0), dict(temperature=0.8), dict(temperature=0.8, top_k=0),
+                                   dict(temperature=0.8, mirostat=1), dict(temperature=0.8, mirostat=2)])
+def test_a_bias_that_bans_every_allowed_token_is_the_same_refusal(chain):
+    """A -inf logit_bias on every token, or on every token a mask (a grammar's) leaves, excludes every token as a
+    mask alone does: the same refusal, checked after the bias, never a banned token drawn with NaN logprobs (and no
+    numpy warnings on the way)."""
+    lg = np.random.default_rng(1).standard_normal(50).astype(np.float32)
+    masked = lg.copy()
+    masked[:45] = -np.inf   # a grammar's mask leaves tokens 45..49
+    for logits, banned in ((lg, range(50)), (masked, range(45, 50))):
+        params = SamplingParams(**chain, logit_bias={i: -np.inf for i in banned}, record_logprobs=2, seed=0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with pytest.raises(BitNetError, match="no token is allowed here"):
+                draw(params, logits, 1)
+    # one token left unbanned is drawn, every time
+    params = SamplingParams(**chain, logit_bias={i: -np.inf for i in range(49)}, record_logprobs=2, seed=0)
+    s = Sampler(params, 50)
+    assert [s.sample(lg.copy()) for _ in range(5)] == [49] * 5 and s.record.logprob == 0.0
 
 
 def test_greedy_is_argmax():

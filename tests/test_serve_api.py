@@ -7,6 +7,8 @@ for the same SamplingParams; any model name answers with the served id, --alias 
 from __future__ import annotations
 
 import itertools
+import json
+import math
 import time
 
 import httpx
@@ -433,6 +435,49 @@ def test_n_choices_with_required_tool_calls(client):
     assert [[got[i][k] for k in sorted(got[i])] for i in range(3)] == whole
     assert all(sorted(got[i]) == list(range(len(whole[i]))) for i in range(3))
     assert finish == {0: "tool_calls", 1: "tool_calls", 2: "tool_calls"}
+
+
+def test_a_bias_that_bans_every_allowed_token_is_a_400_everywhere(server, llm):
+    """A -inf logit_bias (llama-server's `false`) on every token, or on every token a grammar allows, leaves nothing
+    to draw: each API answers its 400 saying so (a stream: its error event), and the Python API raises that one line,
+    where the banned token 0 came back (200, NaN logprobs) and a grammar's case was a 500."""
+    from bitnet_cpu.engine.api import SamplingParams
+    from bitnet_cpu.engine.errors import BitNetError
+    vocab, keep = llm.config.vocab_size, llm.tokenize("Once")[0]
+    every = {str(i): -math.inf for i in range(vocab)}            # sent as JSON's -Infinity
+    but_keep = [[i, False] for i in range(vocab) if i != keep]   # a grammar for "yes" allows none of what is left
+    says = "no token is allowed here"
+    chat = {"messages": Q, "max_tokens": 3, "logit_bias": every}
+    refusals = {"/v1/chat/completions": {**chat, "logprobs": True, "top_logprobs": 2},
+                "/v1/chat/completions#n": {**chat, "n": 2, "temperature": 0.8},
+                "/v1/completions": {"prompt": "Once upon a time", "max_tokens": 3, "logit_bias": every, "logprobs": 1},
+                "/completion": {"prompt": "Once upon a time", "n_predict": 5, "temperature": 0, "n_probs": 1,
+                                "logit_bias": [[i, False] for i in range(vocab)]},
+                "/completion#grammar": {"prompt": "Is it raining?", "n_predict": 5, "temperature": 0,
+                                        "grammar": 'root ::= "yes"', "logit_bias": but_keep},
+                "/v1/responses": {"input": "hi", "max_output_tokens": 3, "logit_bias": every},
+                "/v1/messages": {"model": "m", **chat}}
+    head = {"Content-Type": "application/json"}
+    for path, body in refusals.items():
+        url = server.url + path.partition("#")[0]
+        r = httpx.post(url, content=json.dumps(body), headers=head, timeout=60)
+        assert r.status_code == 400 and says in r.text, (path, r.status_code, r.text)
+        shape = r.json()
+        if path == "/v1/messages":
+            assert shape["type"] == "error" and shape["error"]["type"] == "invalid_request_error", shape
+        else:
+            assert shape["error"]["type"] == "invalid_request_error" and says in shape["error"]["message"], shape
+        with httpx.stream("POST", url, content=json.dumps({**body, "stream": True}), headers=head, timeout=60) as s:
+            text = s.read().decode()
+        assert says in text and "begin_of_text" not in text and "NaN" not in text, (path, text)
+    # without the grammar the one token left is what comes
+    r = httpx.post(server.url + "/completion", json={"prompt": "Is it raining?", "n_predict": 1, "temperature": 0,
+                                                      "logit_bias": but_keep, "return_tokens": True}, timeout=60)
+    assert r.status_code == 200 and r.json()["tokens"] == [keep], r.text
+    with pytest.raises(BitNetError, match=says):
+        list(llm.generate("Once upon a time", SamplingParams(temperature=0, logit_bias={i: -math.inf for i in
+                                                                                          range(vocab)},
+                                                             record_logprobs=1), max_tokens=3))
 
 
 def test_a_lone_surrogate_is_a_400_naming_the_field_everywhere(server):

@@ -18,7 +18,8 @@ same sampler state as without lookup, so the output is identical (greedy and see
 ever reach the prefix index: a page is indexed once full, i.e. once every position in it is committed.
 
 Chunks are exactly those of engine.generate.generate (per token with the running Stats, then a final one);
-finish reasons add "cancelled" and "error" (that sequence's sampling, or a forward pass of its rows, raised: _run_plan).
+finish reasons add "cancelled", "error" (that sequence's sampling, or a forward pass of its rows, raised: _run_plan)
+and "excluded" (its grammar, logit_bias and ignore_eos left no token to draw: the request's doing, not a fault).
 Only the scheduler thread touches the pool, the index and the model;
 submit/cancel/metrics take the lock.
 """
@@ -42,7 +43,7 @@ from ..runtime.generate import Chunk, Stats, _StopMatcher, last_text, stop_strin
 from ..memory import available_memory
 from ..runtime.model import _gib, decode_rows_attention
 from ..runtime.reasoning import budget_matcher
-from ..runtime.sampling import Sampler, SamplingParams, checked_params
+from ..runtime.sampling import EXCLUDED, NoTokenAllowedError, Sampler, SamplingParams, checked_params
 from ..runtime.speculative import OFF, DraftLength, LookupParams, PromptLookup, checked_lookup
 from ..cpu import BATCH_TOKENS_MAX
 from .batch_model import BatchModel, batch_model_bytes
@@ -581,6 +582,10 @@ class BatchScheduler(Drafts, Embeddings, Scoring):
         finish_reason "error": its pages go back, the step's other sequences carry on."""
         try:
             return sample(s, *args)
+        except NoTokenAllowedError:   # the request's grammar and logit_bias exclude every token: its doing, no fault
+            s.draft = []
+            self._finish(s, EXCLUDED)
+            return None
         except Exception as e:
             self._fail(s, e, "its sampling")
             return None
@@ -780,7 +785,7 @@ class BatchScheduler(Drafts, Embeddings, Scoring):
             if f.fork_of is s:
                 f.fork_of = None
                 self._finish(f, reason, locked=True)
-        if reason not in ("stop", "cancelled", "error"):
+        if reason not in ("stop", "cancelled", "error", EXCLUDED):
             rest = s.matcher.flush_text(last_text(s.detok, reason))
             if rest:
                 self._outbox.append((s.stream, Chunk(rest, None, None, self._stats(s, None), said=s.matcher.said)))

@@ -174,6 +174,18 @@ def setting_problem(field: str, value, name: str | None = None) -> str | None:
     return None
 
 
+# what a request whose grammar, logit_bias and ignore_eos leave no token to draw is told (every API: a 400), and the
+# finish_reason of a batched sequence that ended so (engine/batching/scheduler.py; serve/schemas.py's unanswered)
+NO_TOKEN_ALLOWED = ("no token is allowed here: the request's grammar, logit_bias and ignore_eos together exclude "
+                    "every token")
+EXCLUDED = "excluded"
+
+
+class NoTokenAllowedError(BitNetError):
+    """Every token is excluded at this step: masked (a grammar, ignore_eos) or banned (a -inf logit_bias). The
+    request's own doing, not a fault of the engine or the weights."""
+
+
 @dataclass(slots=True)
 class TokenLogprob:
     """One step's log-softmax of the logits the sampler saw (after logit bias and penalties, before top-k /
@@ -284,13 +296,6 @@ class Sampler:
 
     def sample(self, logits: np.ndarray, history=()) -> int:
         p = self.p
-        top = logits.max()   # NaN if any logit is NaN (one pass, ~1% of a decode step on a 128k vocabulary)
-        if top == -np.inf:   # every token masked (a grammar) or banned (ignore_eos, a -inf bias): the request's doing
-            raise BitNetError("no token is allowed here: the request's grammar, logit_bias and ignore_eos together "
-                              "exclude every token")
-        if not np.isfinite(top):
-            raise BitNetError("the model produced NaN or infinite logits: its weights are corrupt",
-                              hint="re-convert the model from its source")
         if self._bias_ids.size:
             logits[self._bias_ids] += self._bias_vals
         self._penalize(logits, history)
@@ -300,6 +305,15 @@ class Sampler:
             n = len(history) if p.dry_penalty_last_n < 0 else p.dry_penalty_last_n
             self._apply_dry(logits, list(history[-n:]), self._dry_table, p.dry_multiplier, p.dry_base,
                             p.dry_allowed_length)
+        # checked on what the draw sees, after the bias: a -inf bias on every token a mask leaves excludes them all
+        # too (checked before it, argmax drew the banned token 0 with NaN logprobs). Bias and penalties keep a NaN
+        # or +inf logit non-finite (+inf - inf is NaN), so the weights' fault is still told apart
+        top = logits.max()   # NaN if any logit is NaN (one pass, ~1% of a decode step on a 128k vocabulary)
+        if top == -np.inf:   # every token masked (a grammar) or banned (ignore_eos, a -inf bias): the request's doing
+            raise NoTokenAllowedError(NO_TOKEN_ALLOWED)
+        if not np.isfinite(top):
+            raise BitNetError("the model produced NaN or infinite logits: its weights are corrupt",
+                              hint="re-convert the model from its source")
         tok = self._choose(logits)
         if p.record_logprobs is not None:
             self._record(logits, tok)
