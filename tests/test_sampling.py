@@ -1,5 +1,6 @@
 """Sampling: greedy, temperature, top-k, top-p, min-p, repetition penalty, seeds; llama.cpp's top-n-sigma,
 typical, XTC, dynamic temperature and Mirostat against their definitions."""
+import math
 import warnings
 
 import numpy as np
@@ -355,6 +356,23 @@ def test_mirostat_v1_sizes_top_k_from_the_zipf_exponent():
         eps, mu = zipf - 1, 2 * tau
         k = int(((eps * 2 ** mu) / (1 - v ** -eps)) ** (1 / zipf))
         assert len(cand) == max(1, k) and cand.tolist() == list(range(len(cand))), tau
+
+
+def test_mirostat_v1_with_a_huge_mu_keeps_the_whole_vocabulary():
+    """mu bounds the surprise allowed: one so large that 2^mu overflows allows any, so v1 keeps every token as v2
+    does, not the top token alone (mu 1024 and up made v1 greedy: a silent cliff after ~2,700 confident tokens)."""
+    v = 3000
+    lg = (-1.3 * np.log(np.arange(1, v + 1))).astype(np.float32)
+    for mu in (1023.0, 1025.0, 5000.0, math.inf):
+        for version in (1, 2):
+            s = Sampler(SamplingParams(**OFF, mirostat=version, seed=0), v)
+            s.mu = mu
+            cand, probs = s.mirostat_candidates(lg.copy())
+            assert len(cand) == v and probs.sum() == pytest.approx(1.0), (version, mu)
+    # and draws stay random there: a large target surprise (tau) with no learning keeps mu at 2 tau
+    lg = np.zeros(50, np.float32)
+    draws = draw(SamplingParams(**OFF, mirostat=1, mirostat_tau=600.0, mirostat_eta=0.0, seed=1), lg, 200)
+    assert len(set(draws)) > 30
 
 
 def test_other_samplers_reject_bad_values():

@@ -419,8 +419,8 @@ class Sampler:
     def mirostat_candidates(self, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(token ids, their probabilities renormalized over them), most likely first, as llama.cpp's Mirostat
         keeps them after the temperature, over the whole vocabulary: v1, the top k with k from the Zipf exponent
-        estimated on the 100 most likely tokens and 2^mu; v2, every token of surprise <= mu bits (at least one).
-        mu starts at 2 tau."""
+        estimated on the 100 most likely tokens and 2^mu (every token once 2^mu overflows: any surprise is
+        allowed); v2, every token of surprise <= mu bits (at least one). mu starts at 2 tau."""
         p = self.p
         if self.mu is None:
             self.mu = 2.0 * p.mirostat_tau
@@ -438,8 +438,12 @@ class Sampler:
                 # in doubles, as llama.cpp in floats: one candidate left (a grammar's mask) makes eps 0 and 0 / 0,
                 # tied logits s_hat 0; both give no finite k, so the top token alone (Python floats raised here)
                 eps, s_hat = np.float64(eps), np.float64(s_hat)
-                k = ((eps * np.float64(2.0) ** self.mu) / (1.0 - np.float64(v) ** -eps)) ** (1.0 / s_hat)
-            k = min(int(k), v) if np.isfinite(k) and k >= 1 else 1
+                two_mu = np.float64(2.0) ** self.mu
+                k = ((eps * two_mu) / (1.0 - np.float64(v) ** -eps)) ** (1.0 / s_hat)
+            if two_mu == np.inf:   # mu past 1023 bits allows any surprise: every token, as v2 keeps (k of 1 made
+                k = v              # a larger mu greedy: a cliff confident text reached after ~2,700 tokens)
+            else:
+                k = min(int(k), v) if np.isfinite(k) and k >= 1 else 1
             cand = np.argpartition(-scaled, k - 1)[:k] if k < v else np.arange(v)
         else:
             cand = np.flatnonzero((_logsumexp(scaled) - scaled) / math.log(2.0) <= self.mu)
