@@ -868,6 +868,7 @@ class CompletionRequest(_Sampling):
     tools: Optional[Any] = None               # refused (tools_refused): read, so they are not dropped in silence
     tool_choice: Optional[Any] = None
     parallel_tool_calls: Optional[Any] = None
+    top_logprobs: Optional[Any] = None        # the chat endpoint's field: refused, not dropped in silence
 
     def limit(self) -> Optional[int]:
         return self.max_tokens if self.max_tokens is not None else self.predict_limit(16)   # OpenAI's default: 16
@@ -878,6 +879,9 @@ class CompletionRequest(_Sampling):
     def unsupported(self):
         if bad := tools_refused(self):
             return bad
+        if self.top_logprobs is not None:
+            return "top_logprobs", ("top_logprobs: the chat endpoint's field; on /v1/completions ask for logprobs "
+                                    "(0..5)")
         if self.best_of not in (None, 1):
             return "best_of", "only best_of=1 is supported"
         if self.suffix:

@@ -175,6 +175,17 @@ def test_bad_values_400(server, body, param):
     assert e["param"] == param and e["type"] == "invalid_request_error"
 
 
+@pytest.mark.parametrize("value", [0, 3])
+def test_completions_top_logprobs_points_to_logprobs(server, value):
+    """/v1/completions asks for alternatives with `logprobs` (0..5): the chat endpoint's `top_logprobs` there was
+    dropped in silence (200, "logprobs": null); it is a 400 saying what to send, as `n_probs` is. null is taken."""
+    body = {"prompt": "x", "max_tokens": 1}
+    e = _err(httpx.post(server.url + "/v1/completions", json={**body, "top_logprobs": value}, timeout=30), 400)
+    assert e["param"] == "top_logprobs" and "ask for logprobs (0..5)" in e["message"], e
+    assert httpx.post(server.url + "/v1/completions", json={**body, "top_logprobs": None}, timeout=30).status_code \
+        == 200
+
+
 @pytest.mark.parametrize("n", [0, 17, 1000])
 @pytest.mark.parametrize("path, body", [("/v1/chat/completions", {"messages": Q}),
                                         ("/v1/completions", {"prompt": "x"})])
