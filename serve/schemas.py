@@ -828,8 +828,8 @@ class ChatCompletionRequest(ToolMessages, _Sampling):
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def unsupported(self):
-        if self.top_logprobs is not None and not self.logprobs:
-            return "top_logprobs", "top_logprobs needs logprobs: true"
+        if self.top_logprobs and not self.logprobs:   # ollama's /api/chat rule too; the harmless 0 is taken
+            return "top_logprobs", f"top_logprobs {self.top_logprobs} needs logprobs: true"
         if bad := self.stream_options_alone():
             return bad
         for i, m in enumerate(self.messages):

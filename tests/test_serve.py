@@ -186,6 +186,23 @@ def test_completions_top_logprobs_points_to_logprobs(server, value):
         == 200
 
 
+def test_top_logprobs_without_logprobs_is_one_rule_on_chat_and_api_chat(server, model_id):
+    """`top_logprobs` above 0 without `logprobs: true` is a 400 on /v1/chat/completions and /api/chat alike; the
+    harmless 0 is taken on both with `logprobs` left out, null or false (the chat route refused it, /api/chat took
+    it, and docs/api.md said the two matched)."""
+    for lp in ({}, {"logprobs": None}, {"logprobs": False}):
+        chat = {"messages": Q, "max_tokens": 1, **lp}
+        r = httpx.post(server.url + "/v1/chat/completions", json={**chat, "top_logprobs": 0}, timeout=60)
+        assert r.status_code == 200 and r.json()["choices"][0]["logprobs"] is None, (lp, r.text)
+        e = _err(httpx.post(server.url + "/v1/chat/completions", json={**chat, "top_logprobs": 2}, timeout=60), 400)
+        assert e["param"] == "top_logprobs" and "needs logprobs: true" in e["message"], (lp, e)
+        ollama = {"model": model_id, "messages": Q, "stream": False, "options": {"num_predict": 1}, **lp}
+        r = httpx.post(server.url + "/api/chat", json={**ollama, "top_logprobs": 0}, timeout=60)
+        assert r.status_code == 200 and not r.json().get("logprobs"), (lp, r.text)
+        r = httpx.post(server.url + "/api/chat", json={**ollama, "top_logprobs": 2}, timeout=60)
+        assert r.status_code == 400 and "needs logprobs: true" in r.json()["error"], (lp, r.text)
+
+
 @pytest.mark.parametrize("n", [0, 17, 1000])
 @pytest.mark.parametrize("path, body", [("/v1/chat/completions", {"messages": Q}),
                                         ("/v1/completions", {"prompt": "x"})])
