@@ -480,6 +480,32 @@ def test_a_bias_that_bans_every_allowed_token_is_a_400_everywhere(server, llm):
                                                              record_logprobs=1), max_tokens=3))
 
 
+def test_a_bias_that_bans_a_grammar_s_forced_tokens_is_refused_in_the_draft_pass(server, llm):
+    """The grammar's forced tokens run as a draft (jump-forward) and are sampled in its verify pass: a bias that
+    bans what the grammar forces there gets the same 400 (the Python API: the same BitNetError), not a 500."""
+    from bitnet_cpu.engine.api import Constraint, SamplingParams
+    from bitnet_cpu.engine.errors import BitNetError
+    text = " there was a little girl named Lily"
+    ids = post_json(server, "/tokenize", {"content": text}).json()["tokens"]
+    vocab = llm.config.vocab_size
+    bias = {i: -math.inf for i in range(vocab) if i not in ids[:3]}   # its first 3 tokens, then nothing
+    body = {"prompt": "Once upon a time", "n_predict": 20, "temperature": 0, "grammar": f'root ::= "{text}"',
+            "logit_bias": [[i, False] for i in bias]}
+    r = post_json(server, "/completion", body)
+    assert r.status_code == 400 and "no token is allowed here" in r.text, r.text
+    assert post_json(server, "/completion", {**body, "logit_bias": []}).json()["content"] == text
+    chunks = []
+    with pytest.raises(BitNetError, match="no token is allowed here"):
+        for c in llm.generate("Once upon a time", SamplingParams(temperature=0, logit_bias=bias), max_tokens=20,
+                              constraint=Constraint.regex(text)):
+            chunks.append(c.token)
+    assert chunks == ids[:3]
+
+
+def post_json(server, path, body):
+    return httpx.post(server.url + path, json=body, timeout=60)
+
+
 def test_a_lone_surrogate_is_a_400_naming_the_field_everywhere(server):
     """JSON's "\\ud800" with no pair is no text: every endpoint that takes text answers 400 naming where it is
     (tokenizers, templates and response writers failed on it: 500s, or a 400 blaming the model file)."""
