@@ -178,19 +178,30 @@ def prompt_pieces(prompt, vocab: int) -> list:
         raise ValueError("prompt: empty")
     if any(isinstance(x, list) for x in items) or (len(items) > 1 and all(isinstance(x, str) for x in items)):
         raise ValueError("prompt: one prompt per request (send several requests; they run batched)")
+    return mixed_pieces(items, vocab, "prompt")
+
+
+def mixed_pieces(items, vocab: int, field: str) -> list:
+    """llama-server's tokenize_mixed input: a string, or a list of strings and token ids, each checked (ValueError
+    naming field[i]: an id outside the vocabulary, anything else)."""
+    if isinstance(items, str):
+        return [items]
+    if not isinstance(items, list):
+        raise ValueError(f"{field}: a string, or a list of strings and token ids")
     for i, x in enumerate(items):
         if isinstance(x, bool) or not isinstance(x, (int, str)):
-            raise ValueError(f"prompt[{i}]: a string or a token id")
+            raise ValueError(f"{field}[{i}]: a string or a token id")
         if isinstance(x, int) and not 0 <= x < vocab:
-            raise ValueError(f"prompt[{i}] {x}: not in the vocabulary (0..{vocab - 1})")
+            raise ValueError(f"{field}[{i}] {x}: not in the vocabulary (0..{vocab - 1})")
     return items
 
 
-def prompt_ids(eng, pieces: list) -> list[int]:
-    """Token ids: strings tokenized (special tokens parsed), BOS first when the prompt starts with a string."""
+def prompt_ids(eng, pieces: list, add_special: bool = True, parse_special: bool = True) -> list[int]:
+    """Token ids: strings tokenized (special tokens parsed unless parse_special is false), BOS first when the
+    prompt starts with a string and add_special (llama-server's tokenize_mixed: ids as they are)."""
     ids: list[int] = []
     for i, x in enumerate(pieces):
-        ids += eng.tokenize(x, add_bos=i == 0) if isinstance(x, str) else [x]
+        ids += eng.tokenize(x, add_bos=add_special and i == 0, special=parse_special) if isinstance(x, str) else [x]
     return ids
 
 
@@ -250,7 +261,7 @@ def pick_fields(obj: dict, fields: list[str]) -> dict:
 
 class TokenizeRequest(JSONTyped):
     model_config = ConfigDict(extra="ignore")
-    content: str
+    content: Union[str, list[Any]]   # llama-server's tokenize_mixed: a string, or a list of strings and token ids
     add_special: bool = False     # BOS first, as the model's prompts start
     parse_special: bool = True    # special tokens written in the text ("<|eot_id|>") are those tokens
     with_pieces: bool = False     # [{"id", "piece"}]: the piece a string if valid UTF-8, else its bytes
@@ -375,10 +386,15 @@ def register(app, state, ready, api_error: type, pipe, *, sampling=None):
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest, request: Request):
         eng = ready(request)
-        msg = await too_long_for_context(eng, len(body.content))   # the prompts' bound: tokenizing holds the GIL
-        if msg:                                                      # (4 MiB of text: 2.4 s of every stream)
+        try:
+            pieces = mixed_pieces(body.content, eng.config.vocab_size, "content")
+        except ValueError as e:
+            raise api_error(400, str(e), param="content", code="invalid_value") from None
+        # the prompts' bound: tokenizing holds the GIL (4 MiB of text: 2.4 s of every stream)
+        msg = await too_long_for_context(eng, sum(len(x) for x in pieces if isinstance(x, str)))
+        if msg:
             raise api_error(400, msg, param="content", code="context_length_exceeded")
-        ids = await run_off_loop(eng.tokenize, body.content, add_bos=body.add_special, special=body.parse_special)
+        ids = await run_off_loop(prompt_ids, eng, pieces, body.add_special, body.parse_special)
         if not body.with_pieces:
             return {"tokens": ids}
         text_of = state.token_text(eng)

@@ -33,6 +33,36 @@ def test_tokenize_round_trip_and_pieces(server):
     assert all(isinstance(p["piece"], str) or all(0 <= b < 256 for b in p["piece"]) for p in pieces)
 
 
+def test_tokenize_takes_the_prompt_forms_completion_takes(server):
+    """llama-server's /tokenize reads `content` as its tokenize_mixed does: a string, a list of strings (tokenized
+    one after another, BOS only before the first when add_special) or strings mixed with token ids (the ids as
+    they are). Such a list was a 400 "Input should be a valid string", where /completion takes it as a prompt."""
+    def tok(content, **kw):
+        r = post(server, "/tokenize", {"content": content, **kw})
+        assert r.status_code == 200, r.text
+        return r.json()["tokens"]
+    hello, world = tok("Hello"), tok(" world")
+    assert tok(["Hello", " world"]) == hello + world
+    assert tok(["Hello", 1, " world"]) == hello + [1] + world
+    assert tok([42, 546]) == [42, 546] and tok([]) == []
+    bos = tok("Hello", add_special=True)[0]
+    assert tok(["Hello", 1, " world"], add_special=True) == [bos] + hello + [1] + world
+    assert tok([42, "Hello"], add_special=True) == [42] + hello   # no BOS when it starts with an id (/completion's)
+    pieces = tok(["Hello", 42], with_pieces=True)
+    assert [p["id"] for p in pieces] == hello + [42]
+    assert pieces[:-1] == tok("Hello", with_pieces=True)
+    assert pieces[-1]["piece"] == tok(post(server, "/detokenize", {"tokens": [42]}).json()["content"],
+                                      with_pieces=True)[0]["piece"]
+    # the count a client takes for a /completion prompt is the count /completion evaluates
+    done = post(server, "/completion", {"prompt": ["Hello", 1, " world"], "n_predict": 1}).json()
+    assert done["tokens_evaluated"] == len(tok(["Hello", 1, " world"], add_special=True))
+    for content, says in (([[1, 2]], "content"), ([1, 10 ** 9], "content[1] 1000000000"), ([True], "content[0]"),
+                          ([1.5], "content[0]"), ({"a": 1}, "content")):
+        r = post(server, "/tokenize", {"content": content})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "content", r.text
+        assert r.json()["error"]["message"].startswith(says), r.text
+
+
 def test_tokenize_null_fields_are_the_defaults(server):
     """A field sent as null counts as not sent (docs/api.md): /tokenize's booleans answer as left out (a 400 "valid
     boolean" before); a required content stays required."""
@@ -543,3 +573,4 @@ def test_dry_sequence_breakers_are_bounded(server):
     assert post(server, "/completion", {**body, "dry_sequence_breakers": ["x"] * MAX_DRY_BREAKERS}).status_code == 200
     r = post(server, "/completion", {**body, "dry_sequence_breakers": [f"b{i}" for i in range(MAX_DRY_BREAKERS + 1)]})
     assert r.status_code == 400 and "dry_sequence_breakers" in r.text and f"at most {MAX_DRY_BREAKERS}" in r.text
+
