@@ -331,14 +331,22 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
     allow_cross_origin(app, cors_origins, local_only, keyed=bool(api_key or api_keys))   # outermost: a preflight
     # is answered before the key check
 
+    def unavailable() -> APIError | None:
+        """Why the model cannot answer now (None: it can): one error for /health and every route that needs the
+        model, as llama-server answers every route while it loads (503 "unavailable_error", Retry-After); a model
+        that failed to load is the server's fault, and a retry will not help."""
+        if state.load_error:
+            return APIError(503, f"model failed to load: {state.load_error}", "server_error", code="load_failed")
+        if state.draining or state.engine is None:
+            msg, code = ("server is shutting down", "shutting_down") if state.draining else ("loading model", "loading")
+            return APIError(503, msg, "unavailable_error", code=code, headers={"Retry-After": str(state.retry_after)})
+        return None
+
     def ready(request: Request):
         """Availability (the key was checked before the body was read: serve/auth.py)."""
-        if state.draining:
-            raise APIError(503, "server is shutting down", "server_error", code="shutting_down",
-                           headers={"Retry-After": str(state.retry_after)})
-        if state.engine is None:
-            msg = f"model failed to load: {state.load_error}" if state.load_error else "model is loading"
-            raise APIError(503, msg, "server_error", code="loading", headers={"Retry-After": str(state.retry_after)})
+        why = unavailable()
+        if why is not None:
+            raise why
         return state.engine
 
     async def refuse_too_long(eng, n_chars, param):
@@ -1095,12 +1103,10 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
     @get_and_head("/health")   # HEAD: load balancers' checks (HAProxy's httpchk)
     @get_and_head("/v1/health")   # llama-server's other path
     async def health():
-        if state.engine is not None and not state.draining:
+        why = unavailable()
+        if why is None:
             return {"status": "ok"}
-        if state.load_error:
-            return error_response(503, f"model failed to load: {state.load_error}", "server_error", code="load_failed")
-        msg = "shutting down" if state.draining else "loading model"
-        return error_response(503, msg, "unavailable_error", code="loading", headers={"Retry-After": str(retry_after)})
+        return error_response(why.status, why.message, why.type, code=why.code, headers=why.headers)
 
     @get_and_head("/metrics")
     async def prom():

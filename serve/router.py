@@ -857,8 +857,8 @@ def create_router_app(router: Router, *, api_keys: tuple = (), limits: Limits | 
     @app.api_route("/v1/health", methods=["GET", "HEAD"])   # llama-server's other path
     async def health():
         if router.draining:
-            return JSONResponse({"error": {"message": "shutting down", "type": "unavailable_error", "param": None,
-                                           "code": "loading"}}, status_code=503,
+            return JSONResponse({"error": {"message": "server is shutting down", "type": "unavailable_error",
+                                           "param": None, "code": "shutting_down"}}, status_code=503,
                                 headers={"Retry-After": str(router.retry_after)})
         return {"status": "ok", "models_loaded": len(router.children)}
 

@@ -574,3 +574,34 @@ def test_dry_sequence_breakers_are_bounded(server):
     r = post(server, "/completion", {**body, "dry_sequence_breakers": [f"b{i}" for i in range(MAX_DRY_BREAKERS + 1)]})
     assert r.status_code == 400 and "dry_sequence_breakers" in r.text and f"at most {MAX_DRY_BREAKERS}" in r.text
 
+
+def test_every_route_answers_the_loading_503_as_health_does():
+    """While the model loads, every route that needs it answers /health's 503 (llama-server's
+    "unavailable_error", Retry-After): /slots and the generating routes said "server_error", a server fault to
+    the proxies and balancers that sort errors by type."""
+    import threading
+
+    from starlette.testclient import TestClient
+
+    from bitnet_cpu.engine.api import load_engine
+    from bitnet_cpu.serve.app import create_app
+    gate = threading.Event()
+
+    def load():
+        gate.wait(60)
+        return load_engine(None, threads=1, parallel=1, progress=False)
+    try:
+        with TestClient(create_app(load)) as tc:
+            health = tc.get("/health")
+            assert health.status_code == 503 and health.json()["error"]["type"] == "unavailable_error"
+            for method, path, body in (("GET", "/slots", None), ("GET", "/props", None),
+                                       ("POST", "/tokenize", {"content": "hi"}),
+                                       ("POST", "/completion", {"prompt": "hi", "n_predict": 1}),
+                                       ("POST", "/v1/chat/completions", {"messages": [{"role": "user",
+                                                                                       "content": "hi"}]})):
+                r = tc.request(method, path, json=body)
+                assert r.status_code == 503 and r.json() == health.json(), (path, r.text)
+                assert r.headers["retry-after"] == health.headers["retry-after"], path
+            gate.set()
+    finally:
+        gate.set()
