@@ -88,6 +88,20 @@ class ConstraintError(BitNetError):
         self.where = where
 
 
+def json_text(value, limit: int = 80) -> str:
+    """A request's value as JSON spells it (true, null, double quotes, arrays: not Python's True, None, 'x',
+    tuples), cut at `limit` characters (an image's base64 is not echoed back whole)."""
+    import json
+    text = json.dumps(value, ensure_ascii=False, default=str)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def shown_value(value, json_terms: bool = False) -> str:
+    """A bad value as a message echoes it: JSON's spelling for a JSON API's client (json_terms), else Python's
+    repr (a Python caller's True, None, 'x')."""
+    return json_text(value) if json_terms else repr(value)
+
+
 def json_why(e: BaseException) -> str:
     """What a JSON parse error says, in one phrase: a RecursionError (json nests by recursion, so a document
     nested a few thousand levels deep exhausts the stack) is "nested too deeply", not Python's own words."""

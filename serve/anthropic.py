@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from pydantic_core import PydanticCustomError
 
 from .limits import anthropic_error_body
-from .schemas import MANY_STOPS, RequestProblem, _Sampling, boolean_or_none, text_of_parts
+from .schemas import MANY_STOPS, RequestProblem, _Sampling, boolean_or_none, json_text, text_of_parts
 
 # finish reason (engine) -> stop_reason; "tool_use" replaces end_turn when whole calls were made
 STOP_REASON = {"eos": "end_turn", "stop": "stop_sequence", "length": "max_tokens",
@@ -129,7 +129,8 @@ class _Conversation(BaseModel):
                         raise RequestProblem(f"{at}.tool_use_id", f"{at}.tool_use_id: required")
                     answered.add(use_id)
                     if use_id not in before:   # Anthropic's 400: a result answers a use of the message before it
-                        raise RequestProblem(f"{at}.tool_use_id", f"{at}: unexpected tool_use_id {use_id!r} in a "
+                        raise RequestProblem(f"{at}.tool_use_id", f"{at}: unexpected tool_use_id {json_text(use_id)}"
+                                                                  " in a "
                                              "tool_result block: each tool_result needs a tool_use block with that "
                                              "id in the previous message")
                     content = b.get("content")
@@ -141,10 +142,11 @@ class _Conversation(BaseModel):
                         msg["name"] = names[use_id]
                     out.append(msg)
                 elif kind in ("tool_use", "tool_result"):
-                    raise RequestProblem(f"{at}.type", f"{at}.type {kind!r}: belongs in an "
+                    raise RequestProblem(f"{at}.type", f"{at}.type {json_text(kind)}: belongs in an "
                                                        f"{'assistant' if kind == 'tool_use' else 'user'} message")
                 else:
-                    raise RequestProblem(f"{at}.type", f"{at}.type {kind!r}: not supported here (text, tool_use and "
+                    raise RequestProblem(f"{at}.type", f"{at}.type {json_text(kind)}"
+                                                       ": not supported here (text, tool_use and "
                                                        "tool_result blocks are; this model takes text only)")
             if role == "user" and before - answered:   # Anthropic's 400: a use is answered in the next turn
                 raise RequestProblem(where, f"{where}: `tool_use` ids were found without `tool_result` blocks "
@@ -199,7 +201,8 @@ class _Conversation(BaseModel):
             kind = t.get("type", "custom") if isinstance(t, dict) else None
             if kind != "custom":
                 raise RequestProblem(f"tools.{i}", f"tools.{i}: only custom tools ({{name, description, "
-                                     f"input_schema}}) run here, not {kind!r} (server tools run on Anthropic's)")
+                                     f"input_schema}}) run here, not {json_text(kind)}"
+                                     " (server tools run on Anthropic's)")
             # a custom tool's own fields, as Anthropic's API names them (a missing name was blamed on the type)
             if not isinstance(t.get("name"), str):
                 raise RequestProblem(f"tools.{i}.name", f"tools.{i}.name: required (a string)")
@@ -227,7 +230,8 @@ class _Conversation(BaseModel):
                 raise RequestProblem("tool_choice.name", "tool_choice.name: required for type tool")
             return c["name"]
         if kind not in ("auto", "any", "none"):
-            raise RequestProblem("tool_choice.type", f"tool_choice.type {kind!r}: expected auto, any, tool or none")
+            raise RequestProblem("tool_choice.type", f"tool_choice.type {json_text(kind)}"
+                                                     ": expected auto, any, tool or none")
         return {"auto": "auto" if self.tools else "none", "any": "required", "none": "none"}[kind]
 
     @property
@@ -244,9 +248,11 @@ class _Conversation(BaseModel):
         if kind == "disabled":
             return None
         if kind not in ("enabled", "adaptive"):
-            raise RequestProblem("thinking.type", f"thinking.type {kind!r}: expected enabled, adaptive or disabled")
+            raise RequestProblem("thinking.type", f"thinking.type {json_text(kind)}"
+                                                  ": expected enabled, adaptive or disabled")
         if t.get("display", "summarized") not in ("summarized", "omitted"):
-            raise RequestProblem("thinking.display", f"thinking.display {t.get('display')!r}: expected summarized or "
+            raise RequestProblem("thinking.display", f"thinking.display {json_text(t.get('display'))}"
+                                                     ": expected summarized or "
                                                      "omitted")
         budget = t.get("budget_tokens")
         if kind == "adaptive":
@@ -255,7 +261,8 @@ class _Conversation(BaseModel):
                                                               "(the model decides how long it thinks)")
             return -1
         if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
-            raise RequestProblem("thinking.budget_tokens", f"thinking.budget_tokens {budget!r}: required with type "
+            raise RequestProblem("thinking.budget_tokens", f"thinking.budget_tokens {json_text(budget)}"
+                                                           ": required with type "
                                                           "enabled, an integer >= 0")
         return budget
 
@@ -357,7 +364,7 @@ class MessagesRequest(_Conversation, _Sampling):
         if self.n != 1:
             return "n", "one answer per message (n is not part of the Messages API)"
         if self.speed not in (None, "standard"):
-            return "speed", f"speed {self.speed!r}: only \"standard\" (this machine's own speed)"
+            return "speed", f"speed {json_text(self.speed)}: only \"standard\" (this machine's own speed)"
         return super().unsupported()
 
 

@@ -41,7 +41,7 @@ from .responses import STORED_RESPONSE_ROUTES, ResponseBuilder, ResponsesRequest
 from .llama_api import LORA_WHY, NOT_SERVED, READ_ONLY, lora_request_is_empty
 from .llama_api import timings_of as llama_timings
 from .schemas import (ChatCompletionRequest, CompletionRequest, RequestProblem, bare_name, continuation, cut_json,
-                      error_where, main_error, model_object, overflow_message, unanswered)
+                      error_message, error_where, json_text, main_error, model_object, overflow_message, unanswered)
 
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context": "length", "cancelled": "stop"}
 UNSTARTED = "unavailable"   # the finish reason of a request a stopping server ended before it had a slot
@@ -296,7 +296,7 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
             return error_response(400, "request body is not valid JSON", code="invalid_json")
         if param is None:
             return error_response(400, "request body must be a JSON object", code="invalid_json")
-        msg = err.get("msg", "invalid value")
+        msg = error_message(err)
         if err.get("type") != "invalid_setting":   # a sampling setting's message names it already
             msg = f"{param or 'body'}: {msg}"
         return error_response(400, msg, param=param,
@@ -386,11 +386,12 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         from ..engine.errors import ConstraintError
         from ..engine.runtime.tools import functions_from_tools
         if allowed and not tools:   # the same 400 as with tools that lack the name (mode auto was answered 200)
-            raise APIError(400, f"tool_choice: allowed tool {allowed[0]!r} is not among the tools (the request gives "
+            raise APIError(400, f"tool_choice: allowed tool {json_text(allowed[0])}"
+                                " is not among the tools (the request gives "
                            "no tools)", param="tool_choice", code="invalid_value")
         if not tools or choice == "none":
             if choice not in ("none", "auto"):   # said in no API's own words ("required" is Anthropic's "any")
-                what = "a tool call" if choice == "required" else f"a call of {choice!r}"
+                what = "a tool call" if choice == "required" else f"a call of {json_text(choice)}"
                 raise APIError(400, f"tool_choice asks for {what} but the request gives no tools",
                                param="tool_choice", code="invalid_value")
             return None, None, None
@@ -399,11 +400,11 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
             functions = functions_from_tools(tools)
             names = {f.name for f in functions}
             if choice not in ("auto", "required") and choice not in names:
-                raise ConstraintError(f"tool_choice: no tool named {choice!r}", where="tool_choice")
+                raise ConstraintError(f"tool_choice: no tool named {json_text(choice)}", where="tool_choice")
             if allowed is not None:
                 missing = [n for n in allowed if n not in names]
                 if missing:
-                    raise ConstraintError(f"tool_choice: allowed tool {missing[0]!r} is not among the tools",
+                    raise ConstraintError(f"tool_choice: allowed tool {json_text(missing[0])} is not among the tools",
                                           where="tool_choice")
                 functions = [f for f in functions if f.name in allowed]
             spec = fmt.constraint(functions, choice, parallel is not False)

@@ -22,7 +22,7 @@ from pydantic import ConfigDict
 
 from .offload import (NOT_JSON, OFFLOAD_BYTES, BodyRefused, chars_bound, checked_text, loads, next_or_gone,
                       not_json, run_off_loop, too_long_for_context)
-from .schemas import JSONTyped, error_where, main_error, overflow_message, unanswered
+from .schemas import JSONTyped, error_message, error_where, json_text, main_error, overflow_message, unanswered
 
 ENGINE_FAULT = "the engine failed while embedding this input (the server goes on; see its log)"
 
@@ -73,7 +73,7 @@ def parse_openai(raw: bytes) -> tuple[EmbeddingRequest, list]:
     except ValidationError as e:
         err = main_error(e.errors())
         where = error_where(err)
-        raise Refused(400, f"{where}: {err.get('msg', 'invalid value')}", where) from None
+        raise Refused(400, f"{where}: {error_message(err)}", where) from None
     return body, openai_inputs(data.get("input"))
 
 
@@ -152,7 +152,8 @@ def check_dimensions(eng, dimensions) -> None:
     if isinstance(dimensions, float) and dimensions.is_integer():   # JSON's 256.0, taken as /v1/embeddings takes it
         dimensions = int(dimensions)
     if dimensions is not None and (not isinstance(dimensions, int) or isinstance(dimensions, bool)):
-        raise Refused(400, f"dimensions {dimensions!r}: expected an integer", param="dimensions", code="invalid_value")
+        raise Refused(400, f"dimensions {json_text(dimensions)}"
+                           ": expected an integer", param="dimensions", code="invalid_value")
     if dimensions is not None and dimensions != eng.config.hidden_size:
         raise Refused(400, f"dimensions {dimensions}: this model's embeddings have {eng.config.hidden_size} "
                       "dimensions and it was not trained for shortened ones; leave dimensions out",
@@ -179,7 +180,7 @@ def check_normalize(eng, value) -> Optional[int]:
     if isinstance(value, float) and value.is_integer():   # 2.0, as /v1/embeddings' schema reads it
         value = int(value)
     try:
-        value = check(value)
+        value = check(value, json_terms=True)
     except BitNetError as e:
         raise Refused(400, str(e), "embd_normalize") from None
     if eng.pooling == "none":
@@ -298,7 +299,8 @@ def register(app, state, ready, api_error: type, check_model, *, metrics=None):
             pooled_only(eng)
             fmt = "float" if body.encoding_format is None else body.encoding_format   # "" is no format
             if fmt not in ("float", "base64"):
-                raise Refused(400, f"encoding_format {fmt!r}: expected \"float\" or \"base64\"", "encoding_format")
+                raise Refused(400, f"encoding_format {json_text(fmt)}"
+                                   ": expected \"float\" or \"base64\"", "encoding_format")
             check_dimensions(eng, body.dimensions)
             normalize = check_normalize(eng, body.embd_normalize)
             ids = await tokenized(eng, items, "input")
@@ -402,7 +404,7 @@ def register(app, state, ready, api_error: type, check_model, *, metrics=None):
                 check_model(data["model"])
             fmt = "float" if data.get("encoding_format") is None else data["encoding_format"]   # null: the default
             if fmt != "float":
-                raise Refused(400, f"encoding_format {fmt!r}: this route answers floats, as llama-server's "
+                raise Refused(400, f"encoding_format {json_text(fmt)}: this route answers floats, as llama-server's "
                               "(base64 is /v1/embeddings')", "encoding_format")
             normalize = check_normalize(eng, data.get("embd_normalize"))
             check_dimensions(eng, data.get("dimensions"))   # as the other routes: taken only as the model's width

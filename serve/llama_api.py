@@ -22,7 +22,7 @@ from ..engine.runtime.sampling import SamplingParams
 from .logprobs import chat_entry
 from .offload import Streamed, run_off_loop, too_long_for_context
 from .schemas import (CHAIN, MANY_STOPS, SAMPLER_ALIASES, ChatMessage, JSONTyped, RequestProblem, ToolMessages,
-                      _Sampling, continuation, shown_path, tools_refused, unanswered)
+                      _Sampling, continuation, json_text, shown_path, tools_refused, unanswered)
 
 # fields /completion takes but cannot honour: their "off" values (taken, as clients send them), and why any other
 # is refused, naming /completion's own field where there is one (the mirror of /v1/completions' n_probs refusal)
@@ -145,7 +145,8 @@ class NativeCompletionRequest(_Sampling):
                 raise PydanticCustomError("invalid_setting", "logit_bias: [[token id, bias], ...] (a string as the "
                                           "key is not supported: find its ids with /tokenize)")
             if isinstance(key, bool) or not isinstance(key, int):
-                raise PydanticCustomError("invalid_setting", f"logit_bias {key!r}: [[token id, bias], ...] with the "
+                raise PydanticCustomError("invalid_setting", f"logit_bias {json_text(key)}"
+                                                             ": [[token id, bias], ...] with the "
                                           "token id an integer")
             b, was = bias(key, pair[1]), out.get(str(key))
             if all(isinstance(x, (int, float)) for x in (b, was)):   # a token given twice: its biases add up, as
@@ -420,7 +421,8 @@ def register(app, state, ready, api_error: type, pipe, *, sampling=None):
         for i, m in enumerate(body.messages):
             j = m.other_part()
             if j is not None:
-                raise api_error(400, f"messages.{i}.content.{j}.type {m.content[j].type!r}: this model takes text "
+                raise api_error(400, f"messages.{i}.content.{j}.type {json_text(m.content[j].type)}"
+                                     ": this model takes text "
                                 "only", param=f"messages.{i}.content.{j}", code="invalid_value")
         msgs = [m.as_dict() for m in body.messages]
         msg = await too_long_for_context(eng, sum(len(m["content"]) for m in msgs))

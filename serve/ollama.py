@@ -31,8 +31,8 @@ from ..engine.runtime.sampling import SamplingParams, setting_problem
 from .logprobs import Said, chat_entry
 from .metrics import TokenClock
 from .offload import NOT_JSON, Streamed, next_or_gone, not_json, prepare_sampling, run_off_loop, too_long_for_context
-from .schemas import (MANY_STOPS, JSONTyped, error_where, main_error, overflow_message, shown_path, unanswered,
-                      utc_iso)
+from .schemas import (MANY_STOPS, JSONTyped, error_message, error_where, json_text, main_error, overflow_message,
+                      shown_path, unanswered, utc_iso)
 
 FOREVER = math.inf
 _DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
@@ -46,7 +46,7 @@ def parse_keep_alive(value) -> float:
     """ollama's keep_alive in seconds: a number of seconds, or a Go duration string ("5m", "1h30m", "90s", "-1");
     negative = for ever (math.inf), 0 = unload after the request. ValueError if it is neither."""
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        raise ValueError(f"keep_alive: {value!r} is not a duration (seconds, or a string such as \"5m\")")
+        raise ValueError(f"keep_alive: {json_text(value)} is not a duration (seconds, or a string such as \"5m\")")
     if isinstance(value, str):
         text = value.strip()
         try:
@@ -55,10 +55,11 @@ def parse_keep_alive(value) -> float:
             sign, body = (-1.0, text[1:]) if text.startswith("-") else (1.0, text.lstrip("+"))
             parts = _DURATION.findall(body)
             if not body or "".join(n + u for n, u in parts) != body:
-                raise ValueError(f"keep_alive: {text!r} is not a duration (seconds, or a string such as \"5m\")")
+                raise ValueError(f"keep_alive: {json_text(text)}"
+                                 " is not a duration (seconds, or a string such as \"5m\")")
             value = sign * sum(float(n) * _UNIT[u] for n, u in parts)
     if math.isnan(value):
-        raise ValueError(f"keep_alive: {value!r} is not a duration")
+        raise ValueError(f"keep_alive: {json_text(value)} is not a duration")
     if MAX_DURATION < value < math.inf:   # a date past year 9999 broke /api/ps's expires_at (a lasting 500)
         raise ValueError(f"keep_alive: {value:g} s is over the longest duration (Go's, ollama's: 2562047h); "
                          "-1 keeps the model loaded for ever")
@@ -195,7 +196,7 @@ def sampling_from_options(options: dict | None, defaults: SamplingParams | None)
             if key in LOAD_INT_OPTIONS:
                 option_int(options, key)
             elif not isinstance(value, bool):
-                raise OllamaError(400, f"options.{key} {value!r}: must be a boolean")
+                raise OllamaError(400, f"options.{key} {json_text(value)}: must be a boolean")
         if key not in OPTION_FIELDS or value is None:
             continue
         integer = key in INT_OPTIONS
@@ -208,8 +209,8 @@ def sampling_from_options(options: dict | None, defaults: SamplingParams | None)
         if key == "repeat_last_n" and value == -1:   # ollama: -1 looks back over the whole context
             value = 1 << 30
         if not integer and (isinstance(value, bool) or not isinstance(value, (int, float))):
-            raise OllamaError(400, f"options.{key} {value!r}: must be a number")
-        problem = setting_problem(key, value, f"options.{key}")
+            raise OllamaError(400, f"options.{key} {json_text(value)}: must be a number")
+        problem = setting_problem(key, value, f"options.{key}", json_terms=True)
         if problem:
             raise OllamaError(400, problem)
         values[key] = value
@@ -227,7 +228,7 @@ def option_int(options: dict, key: str, default: int = 0) -> int:
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int):
-        raise OllamaError(400, f"options.{key} {value!r}: must be an integer")
+        raise OllamaError(400, f"options.{key} {json_text(value)}: must be an integer")
     return value
 
 
@@ -238,7 +239,7 @@ def option_stops(options: dict) -> list[str]:
         return []
     stop = [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-        raise OllamaError(400, f"options.stop {options['stop']!r}: must be a list of strings")
+        raise OllamaError(400, f"options.stop {json_text(options['stop'])}: must be an array of strings")
     if len(stop) > MANY_STOPS:   # each is matched at every token, in the step every stream shares
         raise OllamaError(400, f"options.stop: at most {MANY_STOPS} stop sequences")
     return [s for s in stop if s]
@@ -250,7 +251,7 @@ def _engine_message(i: int, m: _Message) -> dict:
     if m.images:
         raise OllamaError(400, f"messages.{i}.images: this model takes text only")
     if m.role not in ("system", "user", "assistant", "tool"):
-        raise OllamaError(400, f"messages.{i}.role {m.role!r}: expected system, user, assistant or tool")
+        raise OllamaError(400, f"messages.{i}.role {json_text(m.role)}: expected system, user, assistant or tool")
     d: dict[str, Any] = {"role": m.role, "content": m.content or ""}
     if m.tool_calls:
         calls = []
@@ -343,7 +344,7 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
         except ValidationError as e:
             err = main_error(e.errors())
             where = error_where(err) or "body"
-            raise OllamaError(400, f"{where}: {err.get('msg', 'invalid value')}") from None
+            raise OllamaError(400, f"{where}: {error_message(err)}") from None
 
     async def refuse_too_long(eng, n_chars: int):
         """More characters than the context could hold: a 400 before the template or tokenizer sees them."""
@@ -357,7 +358,8 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
             raise OllamaError(400, "tools: only /api/chat takes tools")
         if body.think not in (None, False) and not (body.think is True and eng.thinks):
             raise OllamaError(400, f"\"{state.model_id}\" does not support thinking" if not eng.thinks else
-                              f"think {body.think!r}: this model thinks or not (true / false); levels are gpt-oss's")
+                              f"think {json_text(body.think)}"
+                              ": this model thinks or not (true / false); levels are gpt-oss's")
         if body.keep_alive is not None:   # the model stays loaded here, but a malformed value is ollama's 400
             try:
                 parse_keep_alive(body.keep_alive)
@@ -411,7 +413,7 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
             elif isinstance(fmt, (dict, bool)):
                 spec = Constraint.json_schema(fmt, where="format")
             else:
-                raise OllamaError(400, f"format {fmt!r}: expected \"json\" or a JSON Schema object")
+                raise OllamaError(400, f"format {json_text(fmt)}: expected \"json\" or a JSON Schema object")
             if tool_spec is not None:   # the model calls tools, or answers in the format
                 from ..engine.runtime.tools import with_answer_format
                 spec = with_answer_format(tool_spec, spec)

@@ -21,7 +21,8 @@ from pydantic import ConfigDict, Field, field_validator, with_config
 from pydantic_core import PydanticCustomError
 from typing_extensions import TypedDict
 
-from .schemas import Metadata, RequestProblem, ServiceTier, _Sampling, boolean_or_none, cut_json, text_of_parts
+from .schemas import (Metadata, RequestProblem, ServiceTier, _Sampling, boolean_or_none, cut_json, json_text,
+                      text_of_parts)
 
 # `include` values: what they ask for exists here (logprobs) or is vacuous (no reasoning, no built-in tools run)
 INCLUDE_LOGPROBS = "message.output_text.logprobs"
@@ -175,18 +176,18 @@ class ResponsesRequest(_Sampling):
         if refused:
             return refused
         if self.truncation not in (None, "disabled"):
-            return "truncation", f"truncation {self.truncation!r}: only \"disabled\" (an input longer than the " \
-                                 "context is refused, not cut)"
+            return "truncation", (f"truncation {json_text(self.truncation)}: only \"disabled\" (an input longer "
+                                  "than the context is refused, not cut)")
         effort, reasoning = (self.reasoning or {}).get("effort"), self.reasoning or {}
         if effort not in (None, "none") or any(reasoning.get(k) is not None for k in ("summary", "generate_summary")):
             return "reasoning", ("reasoning: this model has no effort levels or summaries (a thinking template thinks "
                                  "unless effort is \"none\")")
         verbosity = (self.text or {}).get("verbosity")
         if verbosity not in (None, "medium"):
-            return "text.verbosity", f"text.verbosity {verbosity!r}: only \"medium\" (the model's own length)"
+            return "text.verbosity", f"text.verbosity {json_text(verbosity)}: only \"medium\" (the model's own length)"
         for i, v in enumerate(self.include or ()):
             if v not in INCLUDABLE:
-                return f"include[{i}]", f"include {v!r}: unknown"
+                return f"include[{i}]", f"include {json_text(v)}: unknown"
         if self.n != 1:
             return "n", "one output per response (n is not part of the Responses API)"
         if self.max_tokens is not None:   # OpenAI's 400 too (it was taken, and lost to max_output_tokens in silence)
@@ -215,7 +216,7 @@ class ResponsesRequest(_Sampling):
             if kind == "message":
                 role = item.get("role")
                 if role not in ("user", "system", "developer", "assistant"):
-                    raise RequestProblem(f"{where}.role", f"{where}.role {role!r}: expected user, system, "
+                    raise RequestProblem(f"{where}.role", f"{where}.role {json_text(role)}: expected user, system, "
                                                           "developer or assistant")
                 out.append({"role": "system" if role == "developer" else role,
                             "content": text_of_parts(item.get("content"), f"{where}.content", TEXT_PARTS)})
@@ -236,7 +237,8 @@ class ResponsesRequest(_Sampling):
                 if not isinstance(call_id, str) or not call_id:
                     raise RequestProblem(f"{where}.call_id", f"{where}.call_id: required")
                 if call_id not in names:   # OpenAI's "No tool call found for function call output with call_id"
-                    raise RequestProblem(f"{where}.call_id", f"{where}.call_id {call_id!r}: no function_call item "
+                    raise RequestProblem(f"{where}.call_id", f"{where}.call_id {json_text(call_id)}"
+                                                             ": no function_call item "
                                                              "before it has this call_id")
                 msg = {"role": "tool", "tool_call_id": call_id,
                        "content": text_of_parts(item.get("output"), f"{where}.output", TEXT_PARTS)}
@@ -254,7 +256,7 @@ class ResponsesRequest(_Sampling):
                 raise RequestProblem(where, f"{where}: item references need stored items (none are stored here); "
                                             "send the item itself")
             else:
-                raise RequestProblem(f"{where}.type", f"{where}.type {kind!r}: not supported here (messages, "
+                raise RequestProblem(f"{where}.type", f"{where}.type {json_text(kind)}: not supported here (messages, "
                                                       "function_call and function_call_output items are)")
             if thought is not None:   # the item after a reasoning item: its turn's, if the assistant's
                 if out and out[-1]["role"] == "assistant":
@@ -272,7 +274,7 @@ class ResponsesRequest(_Sampling):
         for i, t in enumerate(self.tools):
             if not isinstance(t, dict) or t.get("type", "function") != "function":
                 kind = t.get("type") if isinstance(t, dict) else None
-                raise RequestProblem(f"tools[{i}].type", f"tools[{i}].type {kind!r}: only function tools run "
+                raise RequestProblem(f"tools[{i}].type", f"tools[{i}].type {json_text(kind)}: only function tools run "
                                                          "here (built-in tools run on OpenAI's servers)")
             flat = not isinstance(t.get("function"), dict)
             if not boolean_or_none((t if flat else t["function"]).get("strict")):   # OpenAI's 400 ("yes" was taken)
@@ -292,7 +294,7 @@ class ResponsesRequest(_Sampling):
             return "auto" if self.tools else "none"
         if isinstance(c, str):
             if c not in ("none", "auto", "required"):
-                raise RequestProblem("tool_choice", f"tool_choice {c!r}: expected none, auto, required or "
+                raise RequestProblem("tool_choice", f"tool_choice {json_text(c)}: expected none, auto, required or "
                                                     "{\"type\": \"function\", \"name\": ...}")
             return c
         if c.get("type") == "function" and isinstance(c.get("name"), str):
@@ -552,5 +554,6 @@ STORED_RESPONSE_ROUTES = tuple((prefix + "/responses/{response_id}" + suffix, me
 
 
 def not_stored(response_id: str) -> str:
-    return (f"response {response_id!r} not found: responses are not stored here (store is false); keep the answer "
+    return (f"response {json_text(response_id)}"
+            " not found: responses are not stored here (store is false); keep the answer "
             "you got")

@@ -18,6 +18,7 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fi
                       field_validator, model_validator)
 from pydantic_core import PydanticCustomError
 
+from ..engine.errors import json_text  # noqa: F401  (the serve modules' name for it)
 from ..engine.runtime.sampling import EXCLUDED, NO_TOKEN_ALLOWED, SamplingParams, setting_problem
 
 
@@ -32,11 +33,20 @@ def main_error(errors: list[dict]) -> dict:
     return max(errors, key=lambda e: len(e.get("loc", ())), default={})
 
 
-def json_text(value, limit: int = 80) -> str:
-    """A request's value as JSON spells it (true, null, double quotes: not Python's True, None, 'x'), cut at
-    `limit` characters (an image's base64 is not echoed back whole)."""
-    text = json.dumps(value, ensure_ascii=False, default=str)
-    return text if len(text) <= limit else text[:limit] + "..."
+# pydantic's words for the Python types its errors name, as JSON names them (a tuple or list is an array, a dict or
+# a model an object): "Input should be a valid tuple" said a type no client sends
+_JSON_TYPE_WORDS = (("a valid tuple", "an array"), ("a valid list", "an array"), ("a valid set", "an array"),
+                    ("a valid dictionary", "an object"), ("Tuple should", "Array should"),
+                    ("List should", "Array should"), ("Dictionary should", "Object should"))
+
+
+def error_message(err: dict) -> str:
+    """A pydantic error's message in JSON's terms (see _JSON_TYPE_WORDS; "or instance of ChatMessage", a Python
+    class, left out): the one builder every API's 400 for a body that fails its model goes through."""
+    msg = re.sub(r" or instance of \w+", "", err.get("msg", "invalid value"))
+    for python, js in _JSON_TYPE_WORDS:
+        msg = msg.replace(python, js)
+    return msg
 
 
 def error_where(err: dict) -> str | None:
@@ -198,8 +208,8 @@ MEDIA_PARTS = frozenset({"image_url", "input_audio", "file", "input_image", "inp
 def part_refusal(where: str, kind, kinds: tuple[str, ...]) -> str:
     """Why a content part of type `kind` (not one of the text `kinds`) is refused, in words naming `where`."""
     if kind in MEDIA_PARTS:
-        return f"{where}.type {kind!r}: this model takes text only ({', '.join(kinds)} parts)"
-    return f"{where}.type {kind!r}: not a content part type here (its text parts: {', '.join(kinds)})"
+        return f"{where}.type {json_text(kind)}: this model takes text only ({', '.join(kinds)} parts)"
+    return f"{where}.type {json_text(kind)}: not a content part type here (its text parts: {', '.join(kinds)})"
 
 
 def text_of_parts(content, where: str, kinds: tuple[str, ...]) -> str:
@@ -228,11 +238,13 @@ def text_of_parts(content, where: str, kinds: tuple[str, ...]) -> str:
 def _json_kind(annotation) -> str | None:
     """"boolean" / "number" for a field typed bool / int / float (or Optional of one), "numbers" for a map to
     numbers (logit_bias), "ids" for a list of token ids, "prompt ids" for a prompt that may be one (a string, a
-    list of strings, of ids or of lists of ids), else None."""
+    list of strings, of ids or of lists of ids), "strings" for a list of strings, else None."""
     args = get_args(annotation) if get_origin(annotation) is Union else (annotation,)
     kinds = {a for a in args if a is not type(None)}
     if kinds == {bool}:
         return "boolean"
+    if kinds in ({list[str]}, {tuple[str, ...]}):
+        return "strings"
     if list[int] in kinds or list[list[int]] in kinds:
         return "ids" if kinds == {list[int]} else "prompt ids"
     if len(kinds) == 1 and get_origin(next(iter(kinds))) is dict and get_args(next(iter(kinds)))[1] in (int, float):
@@ -293,23 +305,27 @@ class JSONTyped(BaseModel):
         if kind is None or value is None:
             return value
         if kind == "boolean" and not isinstance(value, bool):
-            raise PydanticCustomError("json_type", f"expected true or false, got {value!r}")
+            raise PydanticCustomError("json_type", f"expected true or false, got {json_text(value)}")
         if kind == "number" and (isinstance(value, (bool, str)) or not isinstance(value, (int, float))):
-            raise PydanticCustomError("json_type", f"expected a number, got {value!r}")
+            raise PydanticCustomError("json_type", f"expected a number, got {json_text(value)}")
+        if kind == "strings" and not (isinstance(value, list) and all(isinstance(x, str) for x in value)):
+            raise PydanticCustomError("json_type", f"expected an array of strings, got {json_text(value)}")
         if kind == "number" and isinstance(value, float) and not abs(value) < 2 ** 63:   # (the field's type: only
             annotation = cls.model_fields[info.field_name].annotation                  # for such a number)
             if float not in (get_args(annotation) or (annotation,)):   # an integer field: pydantic said "Unable to
                 # parse input string as an integer, exceeded maximum size" of 1e30, a string the client never sent
-                raise PydanticCustomError("json_type", f"expected an integer within range, got {value!r} (too large)")
+                raise PydanticCustomError("json_type", f"expected an integer within range, got {json_text(value)} "
+                                          "(too large)")
         if kind == "numbers" and isinstance(value, dict):
             for k, v in value.items():
                 if isinstance(v, (bool, str)) or not isinstance(v, (int, float)):
-                    raise PydanticCustomError("json_type", f"{k!r}: expected a number, got {v!r}")
+                    raise PydanticCustomError("json_type", f"{json_text(k)}: expected a number, got {json_text(v)}")
         if kind in ("ids", "prompt ids") and isinstance(value, list) and \
                 (kind == "ids" or not all(isinstance(x, str) for x in value)):   # a list of strings: texts
             for where, x in _id_items(value, nested=kind == "prompt ids"):
                 if isinstance(x, bool) or not isinstance(x, int):
-                    raise PydanticCustomError("json_type", f"{info.field_name}{where}: expected a token id, got {x!r}")
+                    raise PydanticCustomError("json_type", f"{info.field_name}{where}: expected a token id, "
+                                              f"got {json_text(x)}")
         return value
 
 
@@ -320,9 +336,9 @@ def _metadata_checked(value: dict) -> dict:
         raise PydanticCustomError("metadata", f"at most 16 keys, got {len(value)}")
     for k, v in value.items():
         if len(k) > 64:
-            raise PydanticCustomError("metadata", f"key {k[:20]!r}...: at most 64 characters, got {len(k)}")
+            raise PydanticCustomError("metadata", f"key {json_text(k[:20])}...: at most 64 characters, got {len(k)}")
         if len(v) > 512:
-            raise PydanticCustomError("metadata", f"{k!r}: a value of at most 512 characters, got {len(v)}")
+            raise PydanticCustomError("metadata", f"{json_text(k)}: a value of at most 512 characters, got {len(v)}")
     return value
 
 
@@ -533,10 +549,10 @@ class _Sampling(JSONTyped):
             bias = {}
             for k, v in value.items():   # plain digits: int() also took "1_0" and " 10" as 10
                 if not re.fullmatch(r"-?[0-9]+", k):
-                    raise PydanticCustomError("invalid_setting", f"logit_bias {k!r}: a key must be a token id")
+                    raise PydanticCustomError("invalid_setting", f"logit_bias {json_text(k)}: a key must be a token id")
                 bias[int(k)] = v
             value = bias
-        problem = setting_problem(field, value)
+        problem = setting_problem(field, value, json_terms=True)
         if problem is None and field == "temperature" and cls.MAX_TEMPERATURE is not None \
                 and value > cls.MAX_TEMPERATURE:
             problem = f"temperature {value:g}: must be <= {cls.MAX_TEMPERATURE:g} (this API's range)"
@@ -639,16 +655,16 @@ class _Sampling(JSONTyped):
             names = [SAMPLER_ALIASES.get(x, x) if isinstance(x, str) else x for x in self.samplers]
             unknown = [x for x in names if x not in CHAIN and x not in NO_OP_SAMPLERS]
             if unknown:
-                return "samplers", f"samplers: unknown {unknown[0]!r}"
+                return "samplers", f"samplers: unknown {json_text(unknown[0])}"
             given = [x for x in names if x in CHAIN]
             if given != [x for x in CHAIN if x in given]:
                 return "samplers", f"samplers: the engine's order is {', '.join(CHAIN)} (any may be left out)"
         if self.reasoning_effort is not None and (self.reasoning_effort != "none" or not self.EFFORT_NONE):
-            return "reasoning_effort", (f"reasoning_effort {self.reasoning_effort!r}: no effort levels here"
+            return "reasoning_effort", (f"reasoning_effort {json_text(self.reasoning_effort)}: no effort levels here"
                                         + (" (\"none\" turns a thinking template's thinking off)" if self.EFFORT_NONE
                                            else " (a chat completion's field)"))
         if self.verbosity not in (None, "medium"):
-            return "verbosity", f"verbosity {self.verbosity!r}: only \"medium\" (the model's own length)"
+            return "verbosity", f"verbosity {json_text(self.verbosity)}: only \"medium\" (the model's own length)"
         if self.modalities is not None and set(self.modalities) - {"text"}:
             return "modalities", "only the text modality is supported"
         if self.MAX_STOPS is not None and len(self.stops()) > self.MAX_STOPS:   # Anthropic's: stop_sequences
@@ -801,8 +817,8 @@ class ToolMessages:
                 raise RequestProblem(where, f"{where}: messages with role 'tool' must be a response to a preceding "
                                             "message with 'tool_calls'")
             if None not in ids and m.tool_call_id not in ids:   # calls sent without ids cannot be matched
-                raise RequestProblem(where, f"{where} {m.tool_call_id!r}: no earlier assistant message has a tool "
-                                            "call with that id")
+                raise RequestProblem(where, f"{where} {json_text(m.tool_call_id)}: no earlier assistant message has "
+                                            "a tool call with that id")
 
 
 class ChatCompletionRequest(ToolMessages, _Sampling):

@@ -226,7 +226,7 @@ def test_other_endpoints_take_json_types_only(server, path, body, param):
     r = httpx.post(server.url + path, json=body, headers={"anthropic-version": "2023-06-01"}, timeout=30)
     assert r.status_code == 400 and param in r.text and "expected" in r.text, r.text
     ollama = httpx.post(server.url + "/api/chat", json={"model": "m", "messages": Q, "stream": "false"}, timeout=30)
-    assert ollama.status_code == 400 and ollama.json() == {"error": "stream: expected true or false, got 'false'"}
+    assert ollama.status_code == 400 and ollama.json() == {"error": 'stream: expected true or false, got "false"'}
 
 
 def test_token_ids_are_json_integers(server):

@@ -305,7 +305,7 @@ def test_completion_prompt_forms_samplers_and_bias(server):
     # llama-server's string of letters names the same chain (p top_p, m min_p, t temperature)
     assert complete(server, samplers="pmt", top_k=5, **kw)["content"] == complete(server, top_k=0, **kw)["content"]
     r = post(server, "/completion", {"prompt": P, "samplers": "kq"})
-    assert r.status_code == 400 and "'q'" in r.json()["error"]["message"]
+    assert r.status_code == 400 and '"q"' in r.json()["error"]["message"]
     first = complete(server, return_tokens=True)["tokens"][0]
     banned = complete(server, return_tokens=True, logit_bias=[[first, False]])
     assert banned["tokens"][0] != first
@@ -573,6 +573,30 @@ def test_dry_sequence_breakers_are_bounded(server):
     assert post(server, "/completion", {**body, "dry_sequence_breakers": ["x"] * MAX_DRY_BREAKERS}).status_code == 200
     r = post(server, "/completion", {**body, "dry_sequence_breakers": [f"b{i}" for i in range(MAX_DRY_BREAKERS + 1)]})
     assert r.status_code == 400 and "dry_sequence_breakers" in r.text and f"at most {MAX_DRY_BREAKERS}" in r.text
+
+
+@pytest.mark.parametrize("path, body, says", [
+    ("/completion", {"dry_sequence_breakers": "\n"}, 'dry_sequence_breakers: expected an array of strings, got "\\n"'),
+    ("/completion", {"dry_multiplier": 1, "dry_sequence_breakers": ["", "x"]}, 'dry_sequence_breakers ["", "x"]: '),
+    ("/completion", {"temperature": "0.5"}, 'temperature: expected a number, got "0.5"'),
+    ("/completion", {"logit_bias": {"abc": 1}}, 'logit_bias "abc": '),
+    ("/completion", {"samplers": ["top_k", 5]}, "samplers: expected an array of strings, got [\"top_k\", 5]"),
+    ("/v1/chat/completions", {"reasoning_effort": "high"}, 'reasoning_effort "high": '),
+    ("/embedding", {"content": "hi", "embd_normalize": True}, "embd_normalize true: "),
+    ("/api/generate", {"options": {"temperature": "hot"}}, 'options.temperature "hot": must be a number'),
+    ("/api/generate", {"options": {"mirostat": "2"}}, 'options.mirostat "2": must be an integer'),
+])
+def test_refusals_spell_types_and_values_as_json(server, path, body, says):
+    """A refusal names JSON's types (an array, not Python's tuple or list) and echoes the value as JSON spells it
+    (true, "x", ["", "x"]: not Python's True, 'x', ('', 'x')), as the client sent it."""
+    base = {"/completion": {"prompt": P, "n_predict": 2}, "/embedding": {},
+            "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+            "/api/generate": {"model": "m", "prompt": P, "stream": False}}[path]
+    r = post(server, path, {**base, **body})
+    assert r.status_code == 400, r.text
+    msg = r.json()["error"] if path.startswith("/api/") else r.json()["error"]["message"]
+    assert says in msg, msg
+    assert not any(w in msg for w in ("tuple", "True", " '", "('")), msg
 
 
 def test_every_route_answers_the_loading_503_as_health_does():

@@ -247,23 +247,23 @@ def test_presence_and_frequency_count_the_prompt(server, model_id):
     ("/api/push", {"model": "x"}, "does not push"),
     ("/api/embed", {"model": "x", "input": ["hi", ""]}, "input.1: an empty string"),   # embeddings: served
     # ollama's Go server: stop is a list of strings, an integer option a number with no fraction
-    ("/api/chat", {"model": "m", "messages": Q, "options": {"stop": 5}}, "options.stop 5: must be a list of strings"),
-    ("/api/chat", {"model": "m", "messages": Q, "options": {"stop": True}}, "options.stop True"),
+    ("/api/chat", {"model": "m", "messages": Q, "options": {"stop": 5}}, "options.stop 5: must be an array of strings"),
+    ("/api/chat", {"model": "m", "messages": Q, "options": {"stop": True}}, "options.stop true"),
     ("/api/generate", {"model": "m", "prompt": "x", "options": {"stop": [5]}}, "options.stop [5]"),
-    ("/api/generate", {"model": "m", "prompt": "x", "options": {"stop": {"a": 1}}}, "options.stop {'a': 1}"),
+    ("/api/generate", {"model": "m", "prompt": "x", "options": {"stop": {"a": 1}}}, 'options.stop {"a": 1}'),
     ("/api/chat", {"model": "m", "messages": Q, "options": {"num_predict": 2.5}}, "options.num_predict 2.5"),
-    ("/api/chat", {"model": "m", "messages": Q, "options": {"num_ctx": "big"}}, "options.num_ctx 'big'"),
-    ("/api/chat", {"model": "m", "messages": Q, "options": {"top_k": "4"}}, "options.top_k '4'"),
+    ("/api/chat", {"model": "m", "messages": Q, "options": {"num_ctx": "big"}}, 'options.num_ctx "big"'),
+    ("/api/chat", {"model": "m", "messages": Q, "options": {"top_k": "4"}}, 'options.top_k "4"'),
     ("/api/chat", {"model": "m", "messages": Q, "format": 5}, "format: "),   # no union branch tag in the name
     # an option no one has (a typo) changed nothing in silence; the engine's own samplers are checked as options
     ("/api/chat", {"model": "m", "messages": Q, "options": {"temprature": 0}}, "options.temprature: not an option"),
     ("/api/generate", {"model": "m", "prompt": "x", "options": {"xtc_probability": 2}}, "options.xtc_probability 2"),
     ("/api/chat", {"model": "m", "messages": Q, "options": {"dry_allowed_length": 1.5}}, "dry_allowed_length 1.5"),
     # load-time options are ignored but typed as ollama types them (a wrong type was a 200)
-    ("/api/chat", {"model": "m", "messages": Q, "options": {"num_thread": "x"}}, "options.num_thread 'x'"),
+    ("/api/chat", {"model": "m", "messages": Q, "options": {"num_thread": "x"}}, 'options.num_thread "x"'),
     ("/api/generate", {"model": "m", "prompt": "x", "options": {"num_batch": [1]}}, "options.num_batch [1]"),
     ("/api/generate", {"model": "m", "prompt": "x", "options": {"use_mmap": 5}}, "options.use_mmap 5: must be a bool"),
-    ("/api/chat", {"model": "m", "messages": Q, "options": {"numa": "yes"}}, "options.numa 'yes'"),
+    ("/api/chat", {"model": "m", "messages": Q, "options": {"numa": "yes"}}, 'options.numa "yes"'),
     # asked-for alternatives without logprobs were dropped in silence
     ("/api/chat", {"model": "m", "messages": Q, "top_logprobs": 3}, "top_logprobs 3 needs logprobs: true"),
     ("/api/generate", {"model": "m", "prompt": "x", "top_logprobs": 2}, "top_logprobs 2 needs logprobs: true"),

@@ -35,10 +35,10 @@ POOLING = "mean"                       # the default (llama-server `--pooling me
 NORMALIZE = 2                          # llama.cpp's embd_normalize default: Euclidean (L2)
 
 
-def check_pooling(pooling, name: str = "pooling") -> str:
+def check_pooling(pooling, name: str = "pooling", json_terms: bool = False) -> str:
     """One of POOLINGS, or BitNetError saying why not: llama.cpp's `cls` pools the first token, which in a causal
     model is BOS before any text (one vector for every input); `rank` needs a reranker's classification head."""
-    from ..errors import BitNetError
+    from ..errors import BitNetError, shown_value
     if pooling in POOLINGS:
         return pooling
     if pooling == "cls":
@@ -47,17 +47,17 @@ def check_pooling(pooling, name: str = "pooling") -> str:
                           hint="use mean (every token) or last (the final token, which has read the whole text)")
     if pooling == "rank":
         raise BitNetError(f"{name} rank: it needs a reranker's classification head, which this model does not have")
-    raise BitNetError(f"{name} {pooling!r}: expected one of {', '.join(POOLINGS)}")
+    raise BitNetError(f"{name} {shown_value(pooling, json_terms)}: expected one of {', '.join(POOLINGS)}")
 
 
-def check_normalize(p, name: str = "embd_normalize") -> int:
+def check_normalize(p, name: str = "embd_normalize", json_terms: bool = False) -> int:
     """llama.cpp's embd_normalize: -1 none, 0 max-absolute scaled to int16's range, 1 taxicab, 2 Euclidean,
-    p > 2 the p-norm; BitNetError otherwise."""
-    from ..errors import BitNetError
+    p > 2 the p-norm; BitNetError otherwise (json_terms: the value as JSON spells it, `true`, not `True`)."""
+    from ..errors import BitNetError, shown_value
     if isinstance(p, bool) or not isinstance(p, int) or not -1 <= p < 1 << 31:   # llama.cpp's int32 (10**400
         # passed and overflowed in the norm: a 500)
-        raise BitNetError(f"{name} {p!r}: expected an integer >= -1 (-1 none, 0 max-absolute int16, "
-                          "1 taxicab, 2 Euclidean, >2 p-norm)")
+        raise BitNetError(f"{name} {shown_value(p, json_terms)}: expected an integer >= -1 (-1 none, "
+                          "0 max-absolute int16, 1 taxicab, 2 Euclidean, >2 p-norm)")
     return p
 
 

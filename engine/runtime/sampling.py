@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-from ..errors import BitNetError
+from ..errors import BitNetError, shown_value
 
 
 def checked_params(params) -> "SamplingParams":
@@ -114,7 +114,7 @@ _RULES = {
     "dry_penalty_last_n": (lambda v: isinstance(v, int) and v >= -1, "must be >= 0, or -1 for the whole context"),
     "dry_sequence_breakers": (lambda v: isinstance(v, (list, tuple)) and len(v) <= MAX_DRY_BREAKERS and
                               all(isinstance(x, str) and x for x in v),
-                              f"must be a list of at most {MAX_DRY_BREAKERS} non-empty strings"),
+                              f"must be at most {MAX_DRY_BREAKERS} non-empty strings"),
     "top_n_sigma": (lambda v: -math.inf < v < math.inf, "must be finite (<= 0 = off)"),
     "typical_p": (lambda v: 0 <= v <= 1, "must be in [0, 1] (1 = off)"),
     "xtc_probability": (lambda v: 0 <= v <= 1, "must be in [0, 1] (0 = off)"),
@@ -138,37 +138,44 @@ _KIND = {**dict.fromkeys(("top_k", "repeat_last_n", "seed", "record_logprobs", "
 _MAY_BE_NONE = ("seed", "record_logprobs")
 
 
-def _logit_bias_problem(value, name: str) -> str | None:
+def _logit_bias_problem(value, name: str, json_terms: bool = False) -> str | None:
     """The first bad entry of a logit_bias map, named by its key (OpenAI's range: -100..100)."""
     if value is None:
         return None
     if not isinstance(value, dict):
-        return f"{name}: must be a map of token id -> bias"
+        return f"{name}: must be {'an object' if json_terms else 'a map'} of token id -> bias"
     for k, v in value.items():
         if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 0:
-            return f"{name} {k!r}: a key must be a token id (an integer >= 0)"
+            return f"{name} {shown_value(k, json_terms)}: a key must be a token id (an integer >= 0)"
         if isinstance(v, bool) or not isinstance(v, numbers.Real) or \
                 not (-LOGIT_BIAS_MAX <= v <= LOGIT_BIAS_MAX or v == -math.inf):
-            return f"{name} {k}: {v!r}: must be in [-100, 100], or -inf (never)"
+            return f"{name} {k}: {shown_value(v, json_terms)}: must be in [-100, 100], or -inf (never)"
     return None
 
 
-def setting_problem(field: str, value, name: str | None = None) -> str | None:
+# the type a field must have, in Python's words and (json_terms) in JSON's
+_TYPE_WORDS = {numbers.Integral: ("an integer", "an integer"), numbers.Real: ("a number", "a number"),
+               bool: ("true or false", "true or false"), str: ("text", "a string")}
+
+
+def setting_problem(field: str, value, name: str | None = None, json_terms: bool = False) -> str | None:
     """The one message for a bad value of SamplingParams.`field`, or None when it is valid. `name` is how the
     caller's user spells the setting (`--temp`, `/set temp`, `temperature`; default: the field name), so every
-    front end says the same thing: "--top-p 1.5: must be in [0, 1] (1 = off; 0 keeps the most likely token)"."""
+    front end says the same thing: "--top-p 1.5: must be in [0, 1] (1 = off; 0 keeps the most likely token)".
+    json_terms: the value and types as a JSON API's client wrote them (["", "x"], true, an array), else as
+    Python's (('', 'x'), True, a list)."""
     if field == "logit_bias":
-        return _logit_bias_problem(value, name or field)
+        return _logit_bias_problem(value, name or field, json_terms)
     ok, rule = _RULES[field]
     kind = _KIND.get(field, numbers.Real)
     if value is not None or field not in _MAY_BE_NONE:
         if (isinstance(value, bool) and kind is not bool) or not isinstance(value, kind):   # "0.7", 40.0 for top_k
-            what = {numbers.Integral: "an integer", numbers.Real: "a number", bool: "true or false",
-                    str: "text"}.get(kind, "a list of strings")
-            return f"{name or field} {value!r}: must be {what}"
+            what = _TYPE_WORDS.get(kind, ("a list of strings", "an array of strings"))[json_terms]
+            return f"{name or field} {shown_value(value, json_terms)}: must be {what}"
         if kind is numbers.Integral:
             value = int(value)   # numpy's integers too
-    shown = f"{value:g}" if isinstance(value, float) else str(value)
+    shown = f"{value:g}" if isinstance(value, float) else \
+        shown_value(value, json_terms) if json_terms and isinstance(value, (tuple, list, str)) else str(value)
     if not ok(value):
         return f"{name or field} {shown}: {rule}"
     return None
