@@ -114,6 +114,8 @@ class ServerState:
         self.engine = None
         self.load_error: str | None = None
         self.draining = False
+        self.closed = False
+        self._closing = threading.Lock()   # a load that ends after close() closes its engine (never kept mapped)
         self.streams: set = set()
         self.created = int(time.time())
         self.sampling = sampling           # the requests' default SamplingParams (create_app's sampling)
@@ -146,9 +148,13 @@ class ServerState:
                     eng.prepare_sampling(self.sampling)   # the server's defaults: DRY's breaker table, if on
                 warm_bounds(eng)             # the prompt bounds need the tokenizer's longest token
                 import_for_requests()
-                if self.model_id is None:
-                    self.model_id = eng.name
-                self.engine = eng
+                with self._closing:
+                    if not self.closed:
+                        if self.model_id is None:
+                            self.model_id = eng.name
+                        self.engine = eng
+                        return
+                eng.close()   # the app shut down while this loaded: nobody will close it later
             except BaseException as e:  # reported by /health (503 load_failed), and to on_load_error
                 self.load_error = str(e) or type(e).__name__
                 if self.on_load_error is not None:
@@ -172,6 +178,8 @@ class ServerState:
                 s.cancel()   # an embedding request: one step, its own end
 
     def close(self):
+        with self._closing:
+            self.closed = True
         self.drain()
         if self.engine is not None:
             self.engine.close()

@@ -629,3 +629,32 @@ def test_every_route_answers_the_loading_503_as_health_does():
             gate.set()
     finally:
         gate.set()
+
+
+def test_a_load_that_ends_after_shutdown_closes_its_engine():
+    """The app shut down while its model still loaded: the load finished later and kept the engine (its threads,
+    the weights mapped) with nobody left to close it, in a process that embeds the app and lives on."""
+    import threading
+
+    from starlette.testclient import TestClient
+
+    from bitnet_cpu.engine.api import load_engine
+    from bitnet_cpu.engine.errors import BitNetError
+    from bitnet_cpu.serve.app import create_app
+    gate, made = threading.Event(), []
+
+    def load():
+        gate.wait(60)
+        made.append(load_engine(None, threads=1, parallel=1, progress=False))
+        return made[0]
+    try:
+        with TestClient(create_app(load)) as tc:
+            assert tc.get("/health").status_code == 503
+            loading = [t for t in threading.enumerate() if t.name == "bitnet-load"]
+    finally:
+        gate.set()   # the load goes on after the app's shutdown
+    for t in loading:
+        t.join(60)
+    assert made, "the load did not run"
+    with pytest.raises(BitNetError, match="closed"):
+        made[0].submit("hi", max_tokens=1)
