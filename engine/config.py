@@ -112,11 +112,14 @@ class ModelConfig:
 
 
 # The BitNet b1.58 2B-4T chat form: <|begin_of_text|>System: ...<|eot_id|>User: ...<|eot_id|>Assistant:
+# with each content trimmed, as the model's own template (microsoft/bitnet-b1.58-2B-4T tokenizer_config) trims it
 BITNET_CHAT_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}"
-    "{{ message['role'] | capitalize }}: {{ message['content'] }}<|eot_id|>"
+    "{{ message['role'] | capitalize }}: {{ message['content'] | trim }}<|eot_id|>"
     "{% endfor %}{% if add_generation_prompt %}Assistant: {% endif %}"
 )
+# the same form without the trim, as earlier conversions stored it: rendered as BITNET_CHAT_TEMPLATE
+LEGACY_BITNET_CHAT_TEMPLATE = BITNET_CHAT_TEMPLATE.replace(" | trim }}", " }}")
 
 
 def is_broken_chat_template(template: str | None) -> bool:

@@ -304,3 +304,53 @@ def test_every_system_message_is_folded_as_llama_cpp_folds_them(llm):
                 assert llm.chat_text(msgs) == expected(template, folded), msgs
         finally:
             llm._chat_template = None
+
+
+# a template with a system role that needs a user message (Llama-3.1's with tools in the first user message)
+NEEDS_USER = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+              "{% if not messages | selectattr('role', 'equalto', 'user') | list %}"
+              "{{ raise_exception('no first user message') }}{% endif %}")
+
+
+def test_system_text_is_folded_only_for_templates_without_a_system_role(llm):
+    """The system texts go into the user turns only for a template that refuses a system role (decided once, on a
+    probe conversation, as llama.cpp does). They were folded after any error: a template with a system role got
+    its system prompt as the user's message instead of its own error, and Gemma's said "System role not supported"
+    where the real problem was two user messages in a row."""
+    from bitnet_cpu.engine.errors import BitNetError
+    llm.set_chat_template(NEEDS_USER)
+    try:
+        with pytest.raises(BitNetError, match="no first user message"):
+            llm.chat_text([{"role": "system", "content": "S"}])
+        llm.set_chat_template(ALTERNATING)
+        with pytest.raises(BitNetError, match="Conversation roles must alternate") as e:
+            llm.chat_text([{"role": "system", "content": "S"}, {"role": "user", "content": "a"},
+                           {"role": "user", "content": "b"}])
+        assert "System" not in str(e.value) and "Only user and assistant" not in str(e.value)
+    finally:
+        llm._chat_template = None
+
+
+# microsoft/bitnet-b1.58-2B-4T's own template (its tokenizer_config.json)
+HF_2B4T = ("{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = message['role'] | "
+           "capitalize + ': '+ message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = "
+           "bos_token + content %}{% endif %}{{ content }}{% endfor %}{% if add_generation_prompt %}{{ 'Assistant: ' }}"
+           "{% endif %}")
+
+
+# the built-in form as earlier conversions stored it (for the official GGUF, whose own template is broken)
+STORED_BEFORE = ("{{ bos_token }}{% for message in messages %}{{ message['role'] | capitalize }}: "
+                 "{{ message['content'] }}<|eot_id|>{% endfor %}{% if add_generation_prompt %}Assistant: {% endif %}")
+
+
+def test_the_builtin_bitnet_template_trims_as_the_models_own(llm):
+    """--chat-template bitnet (and the replacement of the official GGUF's broken template) renders as the 2B-4T
+    model's own template, each content trimmed; a model file that stored the untrimmed form renders trimmed too."""
+    msgs = [{"role": "system", "content": "Be brief.\n"}, {"role": "user", "content": " Hello there\n"}]
+    want = expected(HF_2B4T, msgs, bos_token="<|begin_of_text|>")
+    for template in ("bitnet", STORED_BEFORE):
+        llm.set_chat_template(template)
+        try:
+            assert llm.chat_text(msgs) == want
+        finally:
+            llm._chat_template = None

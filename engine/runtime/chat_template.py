@@ -15,9 +15,10 @@ import datetime
 import json
 from functools import lru_cache
 
-from ..config import BITNET_CHAT_TEMPLATE, is_broken_chat_template
+from ..config import BITNET_CHAT_TEMPLATE, LEGACY_BITNET_CHAT_TEMPLATE, is_broken_chat_template
 from ..errors import BitNetError
-from .template_sandbox import Limits, _guard_filter, render_limited
+from .template_sandbox import HINT as LOOP_HINT
+from .template_sandbox import Limits, TemplateLimitError, _guard_filter, render_limited
 
 LIMITS = Limits()   # per render: 2 s, 1 MiB (+4x the messages) per value and output, 200k loop iterations
 
@@ -43,6 +44,8 @@ def check(template: str) -> None:
 
 def choose_template(template: str | None) -> str:
     """The template to render: the model's own, or the fallback (engine/config.py: the one rule for both)."""
+    if template == LEGACY_BITNET_CHAT_TEMPLATE:   # stored by earlier conversions: the same form, untrimmed
+        return BITNET_CHAT_TEMPLATE
     return BITNET_CHAT_TEMPLATE if is_broken_chat_template(template) else template
 
 
@@ -107,19 +110,56 @@ def _system_folded(messages: list[dict]) -> list[dict] | None:
     return out
 
 
+_PROBE_NEEDLE = "<System Needle>"
+
+
+@lru_cache(maxsize=8)
+def supports_system_role(template: str) -> bool:
+    """Whether `template` (a template text choose_template gave) renders a system message: decided once per template
+    as llama.cpp's chat-template caps detection does it (minja's supports_system_role): a probe conversation of a
+    system and a user message renders without error and shows the system text. Gemma's raise, and a template that
+    leaves system messages out shows nothing: the system text then goes into the user turns (_system_folded)."""
+    probe = [{"role": "system", "content": _PROBE_NEEDLE}, {"role": "user", "content": "Hey"}]
+    try:
+        out = render_limited(_compile(template), LIMITS.for_messages(probe), messages=probe,
+                             add_generation_prompt=False, bos_token="", eos_token="")
+    except Exception:  # noqa: BLE001 - whatever the template raises on the probe: it takes no system role
+        return False
+    return _PROBE_NEEDLE in out
+
+
+def _hints(source: str | None) -> tuple[str, str]:
+    """(broken, loops): the hints of a template that fails to render and of one that ran past its budget, naming
+    where the template came from (source: "--chat-template-file FILE", "--chat-template NAME", ...; None: the
+    model file)."""
+    if not source:
+        return "the model file's template is broken", LOOP_HINT
+    return (f"the template of {source} is broken: fix it, or give another",
+            f"the template of {source} loops or grows without bound: fix it, or give another")
+
+
 def render(template: str | None, messages: list[dict], *, add_generation_prompt: bool = True,
            bos_token: str = "", eos_token: str = "", limits: Limits | None = None, tools: list | None = None,
-           kwargs: dict | None = None) -> str:
-    """Render `messages` ([{"role", "content"}]) with the model's template (or the fallback). tools: the
-    function list, for templates that render it (engine/runtime/tools.py decides which do). kwargs: more
-    variables for the template (transformers' apply_chat_template **kwargs, llama-server's chat_template_kwargs:
-    enable_thinking=False, ...); RESERVED names are refused (TemplateError)."""
+           kwargs: dict | None = None, source: str | None = None) -> str:
+    """Render `messages` ([{"role", "content", ...}]: every key reaches the template, as transformers passes them)
+    with the model's template (or the fallback). tools: the function list, for templates that render it
+    (engine/runtime/tools.py decides which do). kwargs: more variables for the template (transformers'
+    apply_chat_template **kwargs, llama-server's chat_template_kwargs: enable_thinking=False, ...); RESERVED names
+    are refused (TemplateError). A template without a system role (supports_system_role) gets the system texts
+    in the user turns (llama.cpp's polyfill); any other template's own error is the error. source: where the
+    template came from, for the hints (None: the model file)."""
     from jinja2 import TemplateError as JinjaError
 
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or "role" not in m or "content" not in m:
             raise TemplateError(f"chat message {i}: expected a dict with 'role' and 'content'")
-    tpl = _compile(choose_template(template))
+    chosen = choose_template(template)
+    broken, loops = _hints(source)
+    try:
+        tpl = _compile(chosen)
+    except TemplateError as e:
+        raise TemplateError(e.args[0], hint=broken) from None
+    empty = "" if messages else " (the message list is empty: give at least one message)"
     try:
         clash = [k for k in (kwargs or {}) if k in RESERVED or not isinstance(k, str) or not k.isidentifier()]
         if clash:
@@ -130,24 +170,20 @@ def render(template: str | None, messages: list[dict], *, add_generation_prompt:
             raise TemplateError(f"chat_template_kwargs: enable_thinking {thinking!r}: expected true or false (a "
                                 f"boolean, not {type(thinking).__name__})")
         extra = {**(kwargs or {}), **({"tools": tools} if tools else {})}
-
-        def run(msgs):
-            return render_limited(tpl, (limits or LIMITS).for_messages(msgs), messages=list(msgs),
-                                  add_generation_prompt=add_generation_prompt, bos_token=bos_token,
-                                  eos_token=eos_token, **extra)
-        try:
-            return run(messages)
-        except (JinjaError, TemplateError) as e:
-            folded = _system_folded(messages)
-            if folded is None:
-                raise
-            try:   # a template without a system role (Gemma's raises): llama.cpp's polyfill, the system texts in
-                return run(folded)    # the user messages after them
-            except Exception:
-                raise e from None
-    except BitNetError:  # TemplateError, TemplateLimitError
+        if not supports_system_role(chosen):
+            messages = _system_folded(messages) or messages
+        return render_limited(tpl, (limits or LIMITS).for_messages(messages), messages=list(messages),
+                              add_generation_prompt=add_generation_prompt, bos_token=bos_token,
+                              eos_token=eos_token, **extra)
+    except TemplateLimitError as e:
+        raise TemplateLimitError(e.args[0] + empty, hint=loops) from None
+    except TemplateError as e:
+        if not empty:
+            raise
+        raise TemplateError(e.args[0] + empty, hint=e.hint) from None
+    except BitNetError:
         raise
     except (JinjaError, RecursionError, MemoryError, ArithmeticError, LookupError, TypeError, ValueError,
             AttributeError) as e:  # whatever the template's own code runs into
-        raise TemplateError(f"chat template failed to render: {type(e).__name__}: {_one_line(e)}",
-                            hint="the model file's template is broken") from None
+        raise TemplateError(f"chat template failed to render: {type(e).__name__}: {_one_line(e)}{empty}",
+                            hint=None if empty else broken) from None
