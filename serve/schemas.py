@@ -709,9 +709,18 @@ class ChatMessage(BaseModel):
     tool_call_id: Optional[str] = None              # a tool result: which call it answers
     name: Optional[str] = None
     reasoning_content: Optional[str] = None         # an assistant's earlier thought (llama-server's field)
+    function_call: Optional[FunctionCall] = None    # OpenAI's deprecated form of one call: tool_calls' one call
+    refusal: Optional[str] = None                   # an assistant's refusal (OpenAI's field): its text
 
     @model_validator(mode="after")
     def _content_given(self):
+        for key in ("function_call", "refusal"):   # only an assistant's: said, never dropped in silence
+            if getattr(self, key) is not None and self.role != "assistant":
+                raise PydanticCustomError("invalid_field", f"{key}: only an assistant message has one, not a "
+                                          f"{self.role} message")
+        if self.function_call is not None and self.tool_calls:
+            raise PydanticCustomError("invalid_field", "function_call is the deprecated form of tool_calls: give "
+                                      "one of them")
         if self.content is None and self.role != "assistant":   # only an assistant's (tool calls) may be null
             raise PydanticCustomError("missing_content", f"a {self.role} message needs its content")
         return self
@@ -719,8 +728,12 @@ class ChatMessage(BaseModel):
     def as_dict(self) -> dict:
         """The message as the engine's chat_prompt takes it (developer is system)."""
         d: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.refusal:   # the assistant's refusal is what it said (as refusal content parts are)
+            d["content"] = d["content"] + "\n" + self.refusal if d["content"] else self.refusal
         if self.tool_calls:
             d["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        elif self.function_call is not None:   # the legacy one call: a tool call as the template renders them
+            d["tool_calls"] = [ToolCall(function=self.function_call).model_dump()]
         if self.tool_call_id is not None:
             d["tool_call_id"] = self.tool_call_id
         if self.name is not None:

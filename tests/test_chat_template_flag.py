@@ -354,3 +354,56 @@ def test_the_builtin_bitnet_template_trims_as_the_models_own(llm):
             assert llm.chat_text(msgs) == want
         finally:
             llm._chat_template = None
+
+
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+
+
+NAMED_ROLES = ("{{ bos_token }}{% for m in messages %}{{ m.name if m.name is defined else m.role }}: {{ m['content'] }}"
+               "\n{% endfor %}{% if add_generation_prompt %}assistant:{% else %}{{ eos_token }}{% endif %}")
+
+
+def test_a_messages_name_and_other_keys_reach_the_template(llm):
+    """A message's `name` (and any key the template reads) reaches it as given, as transformers passes messages:
+    the messages were rebuilt as {role, content} for every template that does not render tools itself."""
+    msgs = [{"role": "user", "name": "alice", "content": "Hi"}, {"role": "user", "name": "bob", "content": "Yo"}]
+    llm.set_chat_template(NAMED_ROLES)
+    try:
+        assert llm.chat_text(msgs) == expected(NAMED_ROLES, msgs, bos_token="<|begin_of_text|>")
+        assert "alice: Hi\nbob: Yo\n" in llm.chat_text(msgs, tools=TOOLS)   # with tools, the names stay too
+    finally:
+        llm._chat_template = None
+
+
+def test_serve_takes_function_call_and_refusal(tmp_path):
+    """An assistant's deprecated function_call is its one tool call and a refusal its text (both were dropped in
+    silence: an empty assistant turn); one where it means nothing is a 400 naming it."""
+    pytest.importorskip("fastapi", reason="bitnet serve needs the serve extra (pip install .[serve])")
+    from serve_proc import Server
+
+    path = tmp_path / "t.jinja"
+    path.write_text(NAMED_ROLES)
+    s = Server("--chat-template-file", str(path), threads=1)
+    try:
+        def apply(msgs, **kw):
+            return httpx.post(s.url + "/apply-template", json={"messages": msgs, **kw}, timeout=60)
+
+        call = {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}
+        legacy = apply([{"role": "user", "content": "W?"},
+                        {"role": "assistant", "content": None, "function_call": call},
+                        {"role": "user", "content": "ok"}])
+        modern = apply([{"role": "user", "content": "W?"},
+                        {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": call}]},
+                        {"role": "user", "content": "ok"}])
+        assert legacy.status_code == 200 and legacy.json() == modern.json()
+        assert "get_weather" in legacy.json()["prompt"]
+        refused = apply([{"role": "user", "content": "W?"}, {"role": "assistant", "content": None, "refusal": "No."},
+                         {"role": "user", "content": "why"}]).json()["prompt"]
+        assert "assistant: No.\n" in refused
+        for bad, where in (({"role": "user", "content": "x", "function_call": call}, "function_call"),
+                           ({"role": "assistant", "content": None, "function_call": call,
+                             "tool_calls": [{"type": "function", "function": call}]}, "function_call")):
+            r = apply([bad])
+            assert r.status_code == 400 and where in r.json()["error"]["message"], r.text
+    finally:
+        s.stop()

@@ -141,7 +141,7 @@ class ToolFormat:
             lines = "\n".join(json.dumps(t.get("function", t), ensure_ascii=False) for t in tools)
             block = DEFAULT_SYSTEM_BLOCK.format(tools=lines)
             if out and out[0]["role"] == "system":
-                out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + block}
+                out[0] = {**out[0], "content": out[0]["content"] + "\n\n" + block}
             else:
                 out.insert(0, {"role": "system", "content": block})
         return out, None
@@ -154,17 +154,18 @@ class ToolFormat:
         tool_call_id names): the result says it, as Hermes-2-Pro's {"name", "content"}, so results sent back in
         another order than the calls still reach the model as answers to the right functions."""
         role, content = m["role"], m.get("content") or ""
-        # an assistant's earlier thought stays for the template to show or leave out (llama-server's field)
-        thought = {"reasoning_content": m["reasoning_content"]} if "reasoning_content" in m else {}
+        # an assistant's earlier thought (llama-server's reasoning_content) and a message's other keys stay for the
+        # template to show or leave out
         if role == "assistant" and m.get("tool_calls"):
             fns = [c.get("function", c) for c in m["tool_calls"]]   # OpenAI's shape, or {"name", "arguments"}
             calls = "\n".join(self.call_text(f["name"], f.get("arguments") or "{}") for f in fns)
-            return {"role": "assistant", "content": (content + "\n" if content else "") + calls, **thought}
+            rest = {k: v for k, v in m.items() if k != "tool_calls"}   # the calls are in the text now
+            return {**rest, "content": (content + "\n" if content else "") + calls}
         if role == "tool":
             if isinstance(answers, str) and answers:
                 content = json.dumps({"name": answers, "content": content}, ensure_ascii=False)
             return {"role": "user", "content": f"<tool_response>\n{content}\n</tool_response>"}
-        return {"role": role, "content": content, **thought}
+        return {**m, "content": content}   # every other key as given (a `name`, ...), as transformers passes them
 
     # ---- the grammar ----------------------------------------------------------------------------------
     ARGS = "arguments"   # the call object's key for the arguments
