@@ -337,7 +337,7 @@ def apply_chat_template(model, args: argparse.Namespace) -> None:
     text = getattr(args, "chat_template_text", None)
     if text is not None:
         try:
-            model.set_chat_template(text)
+            model.set_chat_template(text, source=getattr(args, "chat_template_flag", "--chat-template"))
         except BitNetError as e:
             raise BitNetError(f"{getattr(args, 'chat_template_flag', '--chat-template')}: {e.args[0]}") from None
     kwargs = getattr(args, "template_kwargs", None)

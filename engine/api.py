@@ -95,26 +95,42 @@ class _Text:
         kind, load = ("an Engine", "load_engine()") if isinstance(self, Engine) else ("an LLM", "load_model()")
         raise BitNetError(f"{kind} cannot cross processes: {load} in the child")
 
+    _template_source: str | None = None   # where set_chat_template's came from, for error hints
+
     @property
     def chat_template(self) -> str | None:
         """The chat template in use: set_chat_template's, else the model file's (None: the built-in fallback)."""
         return self._chat_template if self._chat_template is not None else self.store.chat_template
 
-    def set_chat_template(self, template: str) -> None:
+    def template_for(self, tools: bool = False) -> str | None:
+        """The template a chat is rendered with: chat_template, or for a request with tools the model file's
+        template named "tool_use" where it has one (tokenizer_config's named templates; transformers and
+        llama.cpp pick it for tools the same way)."""
+        if tools and self._chat_template is None:
+            tool_use = self.store.meta.get("chat_template_tool_use")
+            if isinstance(tool_use, str) and tool_use.strip():
+                return tool_use
+        return self.chat_template
+
+    def set_chat_template(self, template: str, source: str | None = None) -> None:
         """Render chats with `template` (a Jinja2 chat template, or a name of runtime/chat_template.NAMED)
         instead of the model file's, as llama.cpp's --chat-template / --chat-template-file. It is rendered once
         on a test conversation first: a template that does not parse or render is a TemplateError (a
-        BitNetError) and the model's own stays."""
+        BitNetError) and the model's own stays. source: where the template came from, as error hints name it
+        ("--chat-template-file FILE"; default: set_chat_template, or --chat-template NAME for a name)."""
         if not isinstance(template, str):
             raise _ct.TemplateError(f"chat template: a Jinja2 template or a name (str), not {type(template).__name__}")
+        if template in _ct.NAMED and source in (None, "--chat-template"):
+            source = f"--chat-template {template}"
+        source = source or "set_chat_template"
         template = _ct.NAMED.get(template, template)
-        before = self._chat_template
-        self._chat_template = template
+        before = self._chat_template, self._template_source
+        self._chat_template, self._template_source = template, source
         try:
             self.chat_text([{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
                             {"role": "assistant", "content": "a"}, {"role": "user", "content": "u"}])
         except BaseException:
-            self._chat_template = before
+            self._chat_template, self._template_source = before
             raise
 
     @property
@@ -200,15 +216,23 @@ class _Text:
             raise BitNetError(f"tools: a list of OpenAI-style tool dicts, not {tools!r:.80}")
         if template_kwargs is not None and not isinstance(template_kwargs, dict):
             raise BitNetError(f"template_kwargs: a dict of template variables, not {type(template_kwargs).__name__}")
-        tok, meta = self.tokenizer, self.store.meta
-        # the model's own strings where its conversion recorded them (tokenizer_config's, as transformers renders)
-        bos = meta.get("bos_token") or (tok.id_to_token(tok.bos_id) if tok.bos_id is not None else "")
-        eos = meta.get("eos_token") or (tok.id_to_token(tok.eos_ids[0]) if tok.eos_ids else "")
-        messages, tools = self.tool_format().prepare(messages, tools)
+        bos, eos = self.template_tokens()
+        template = self.template_for(bool(tools))
+        messages, tools = self.tool_format(bool(tools)).prepare(messages, tools)
         if self._template_kwargs:
             template_kwargs = {**self._template_kwargs, **(template_kwargs or {})}
-        return _ct.render(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
-                          bos_token=bos or "", eos_token=eos or "", tools=tools, kwargs=template_kwargs)
+        source = self._template_source if self._chat_template is not None else None
+        return _ct.render(template, messages, add_generation_prompt=add_generation_prompt,
+                          bos_token=bos or "", eos_token=eos or "", tools=tools, kwargs=template_kwargs, source=source)
+
+    def template_tokens(self) -> tuple[str, str]:
+        """(bos_token, eos_token): the strings the chat template is rendered with ("" where there is none): the
+        model's own where its conversion recorded them (tokenizer_config's, as transformers renders), else the
+        tokenizer's BOS and first end-of-text token."""
+        tok, meta = self.tokenizer, self.store.meta
+        bos = meta.get("bos_token") or (tok.id_to_token(tok.bos_id) if tok.bos_id is not None else "")
+        eos = meta.get("eos_token") or (tok.id_to_token(tok.eos_ids[0]) if tok.eos_ids else "")
+        return bos or "", eos or ""
 
     def bos_text(self) -> str:
         """The BOS token's text when tokenizing a text adds it (tokenize(add_bos=True)), else ""."""
@@ -287,11 +311,12 @@ class _Text:
                                   f"input {i}: expected a string, got {type(t).__name__}")
         return [self.tokenize(t, add_bos=True) for t in texts]
 
-    def tool_format(self):
-        """How this model writes tool calls (engine/runtime/tools.py), from its chat template."""
+    def tool_format(self, tools: bool = True):
+        """How this model writes tool calls (engine/runtime/tools.py), from the chat template a request with tools
+        (tools False: one without) is rendered with (template_for)."""
         from .runtime.tools import tool_format
 
-        return tool_format(_ct.choose_template(self.chat_template))
+        return tool_format(_ct.choose_template(self.template_for(tools)))
 
 
 def _display_name(store: Store) -> str:

@@ -465,9 +465,9 @@ def register(app, state, ready, api_error: type, pipe, *, sampling=None):
         eng = ready(request)
         params = settings_of(sampling or SamplingParams(), eng.n_ctx, n_predict=-1, stop=[], max_tokens=-1,
                              ignore_eos=False, n_probs=0, grammar="")
-        tok = eng.tokenizer
-        bos = tok.id_to_token(tok.bos_id) if tok.bos_id is not None else None
-        eos = tok.id_to_token(tok.eos_ids[0]) if tok.eos_ids else None
+        # the strings the chat template is rendered with, so a client rendering chat_template itself with them
+        # gets the server's prompt (llama-server's are the same too)
+        bos, eos = (t or None for t in eng.template_tokens())
         return {"default_generation_settings": {"n_ctx": eng.n_ctx, "params": params},
                 "total_slots": getattr(eng, "parallel", 1), "model_path": shown_path(eng.store.path),
                 "model_alias": state.model_id, "chat_template": choose_template(eng.chat_template),

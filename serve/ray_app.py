@@ -25,7 +25,7 @@ def build(model: str | None = None, *, threads: int | None = 1, parallel: int = 
           max_queue: int = 64, api_key: str | None = None, replicas: int = 1, kv: str = "f16", lookup=None,
           sampling=None, mmap: bool | None = None, alias: str | None = None, strict_model: bool = False,
           api_keys: tuple = (), limits=None, metrics_public: bool = False, batch_size: int | None = None,
-          cors_origins: tuple = (), chat_template: str | None = None,
+          cors_origins: tuple = (), chat_template: str | None = None, chat_template_source: str | None = None,
           template_kwargs: dict | None = None, reasoning_format: str = "auto", pooling: str = "mean",
           embd_normalize: int = 2, local_only: bool = False, webui: bool = True):
     """A bound Ray Serve application with `replicas` replicas of the server (lookup: engine LookupParams;
@@ -39,7 +39,7 @@ def build(model: str | None = None, *, threads: int | None = 1, parallel: int = 
                           progress=False, lookup=lookup, mmap=mmap, max_batch_tokens=batch_size, pooling=pooling,
                           embd_normalize=embd_normalize)
         if chat_template is not None:   # --chat-template(-file), checked by the CLI
-            eng.set_chat_template(chat_template)
+            eng.set_chat_template(chat_template, source=chat_template_source)
         if template_kwargs:   # --chat-template-kwargs / -rea / --reasoning-effort
             eng.set_template_kwargs(template_kwargs)
         return eng
@@ -220,6 +220,7 @@ def run_ray(args, sampling=None, api_keys: tuple = (), limits=None) -> int:
                             strict_model=args.strict_model_name, api_keys=api_keys, limits=limits,
                             metrics_public=args.metrics_public, cors_origins=tuple(args.cors_origin or ()),
                             chat_template=getattr(args, "chat_template_text", None),
+                            chat_template_source=getattr(args, "chat_template_flag", None),
                             template_kwargs=getattr(args, "template_kwargs", None),
                             reasoning_format=args.reasoning_format, batch_size=args.batch_size,
                             pooling=args.pooling, embd_normalize=args.embd_normalize,

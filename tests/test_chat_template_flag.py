@@ -375,9 +375,12 @@ def test_a_messages_name_and_other_keys_reach_the_template(llm):
         llm._chat_template = None
 
 
-def test_serve_takes_function_call_and_refusal(tmp_path):
+def test_serve_takes_function_call_and_refusal_and_reports_the_templates_tokens(tmp_path):
     """An assistant's deprecated function_call is its one tool call and a refusal its text (both were dropped in
-    silence: an empty assistant turn); one where it means nothing is a 400 naming it."""
+    silence: an empty assistant turn); one where it means nothing is a 400 naming it. A message's name reaches the
+    template. /props' bos_token / eos_token are the strings the template is rendered with: rendering its
+    chat_template with them gives the server's prompt (eos_token was the first end-of-text token, not the
+    template's)."""
     pytest.importorskip("fastapi", reason="bitnet serve needs the serve extra (pip install .[serve])")
     from serve_proc import Server
 
@@ -405,5 +408,86 @@ def test_serve_takes_function_call_and_refusal(tmp_path):
                              "tool_calls": [{"type": "function", "function": call}]}, "function_call")):
             r = apply([bad])
             assert r.status_code == 400 and where in r.json()["error"]["message"], r.text
+        msgs = [{"role": "user", "name": "alice", "content": "u"}, {"role": "assistant", "content": "a"}]
+        got = apply(msgs, add_generation_prompt=False, continue_final_message=False).json()["prompt"]
+        props = httpx.get(s.url + "/props", timeout=30).json()
+        want = jinja2.Environment(trim_blocks=True, lstrip_blocks=True).from_string(NAMED_ROLES).render(
+            messages=msgs, add_generation_prompt=False, bos_token=props["bos_token"], eos_token=props["eos_token"])
+        assert "alice: u" in got and got == want.removeprefix(props["bos_token"]) and got.endswith("<|eot_id|>")
     finally:
         s.stop()
+
+
+def _hf_model(tmp_path, template, jinja_file: str | None = None) -> str:
+    """A converted synthetic model whose tokenizer_config.json holds `template` (a string or named templates),
+    with chat_template.jinja beside it where jinja_file is given."""
+    from bitnet_cpu.engine.formats.convert import convert
+    from bitnet_cpu.engine.synth import SynthModel, write_hf_dir
+    m = SynthModel(seed=5, style="llama")
+    m.chat_template = template
+    src = write_hf_dir(m, str(tmp_path / "src"))
+    if jinja_file is not None:
+        with open(os.path.join(src, "chat_template.jinja"), "w", encoding="utf-8") as f:
+            f.write(jinja_file)
+    return convert(src, str(tmp_path / "t.bnstore"), progress=False)
+
+
+ONE_USER = [{"role": "user", "content": "hi"}]
+
+
+def test_chat_template_jinja_takes_priority_over_tokenizer_configs(tmp_path):
+    """transformers reads chat_template.jinja before tokenizer_config.json's chat_template (hub repos keep an old
+    template in the config and the fixed one in the file): the config's was rendered."""
+    from bitnet_cpu.engine.api import load_model
+    old = "{% for m in messages %}OLD {{ m['content'] }}\n{% endfor %}"
+    new = "{% for m in messages %}NEW {{ m['content'] }}\n{% endfor %}"
+    with load_model(_hf_model(tmp_path, old, jinja_file=new), ctx=64, progress=False) as llm:
+        assert llm.chat_template == new
+        assert llm.chat_text(ONE_USER) == expected(new, ONE_USER)
+
+
+def test_a_named_tool_use_template_renders_requests_with_tools(tmp_path, llm):
+    """tokenizer_config.json's named templates [{"name": "default"}, {"name": "tool_use"}]: a request with tools
+    is rendered with tool_use, as transformers and llama.cpp pick it; the conversion dropped it and every request
+    got the default with the generic tool block."""
+    from bitnet_cpu.engine.api import load_model
+    default = "{% for m in messages %}DEFAULT {{ m['content'] }}\n{% endfor %}"
+    tool_use = ("{% for t in tools %}TOOL {{ t.function.name }}\n{% endfor %}For each call return\n<tool_call>\n"
+                '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>\n'   # Hermes' form
+                "{% for m in messages %}TOOLUSE {{ m['content'] }}\n{% endfor %}")
+    named = [{"name": "default", "template": default}, {"name": "tool_use", "template": tool_use}]
+    with load_model(_hf_model(tmp_path, named), ctx=64, progress=False) as model:
+        assert model.chat_text(ONE_USER) == expected(default, ONE_USER)
+        assert model.chat_text(ONE_USER, tools=TOOLS) == expected(tool_use, ONE_USER, tools=TOOLS)
+        model.set_chat_template("chatml")   # a template given replaces both
+        assert model.chat_text(ONE_USER, tools=TOOLS).startswith("<|im_start|>system\nYou can call these tools")
+    # a model file converted before (no tool_use kept): its one template, for requests with tools too
+    assert "chat_template_tool_use" not in llm.store.meta and llm.template_for(True) == llm.chat_template
+
+
+LOOPS = ("{% for m in messages %}{% if 'LOOP' in m['content'] %}{% for i in range(100000) %}{% for j in range(9) %}"
+         "{% endfor %}{% endfor %}{% endif %}{{ m['content'] }}{% endfor %}")
+
+
+def test_template_errors_name_where_the_template_came_from(llm, tmp_path):
+    """A template's error hint names its source (the flag and file, set_chat_template), not "the model file"; an
+    empty message list is said to be one (it read as a broken template)."""
+    from bitnet_cpu.engine.errors import BitNetError
+    path = tmp_path / "t.jinja"
+    path.write_text(LOOPS)
+    r = bitnet("run", "--chat-template-file", str(path), "-p", "LOOP", "-n", "1")
+    assert r.returncode == 2 and f"the template of --chat-template-file {path} loops" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and "model file" not in r.stderr
+    llm.set_chat_template(LOOPS, source="--chat-template-file t.jinja")
+    try:
+        with pytest.raises(BitNetError, match="the template of --chat-template-file t.jinja loops") as e:
+            llm.chat_text([{"role": "user", "content": "LOOP"}])
+        assert "model file" not in str(e.value)
+        with pytest.raises(BitNetError, match="the template of set_chat_template is broken"):
+            llm.set_chat_template("{{ messages[0]['content'].nope() }}")
+        llm.set_chat_template("{{ messages[0]['content'] }}")
+        with pytest.raises(BitNetError, match="the message list is empty") as e:
+            llm.chat_text([])
+        assert "broken" not in str(e.value)
+    finally:
+        llm._chat_template = None

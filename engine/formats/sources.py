@@ -643,15 +643,10 @@ class HFSource:
             v = v.get("content") if isinstance(v, dict) else v
             if isinstance(v, str) and v:
                 self.meta[key] = v
-        tmpl = tc.get("chat_template")
-        if isinstance(tmpl, list):  # [{"name": ..., "template": ...}]
-            tmpl = next((t.get("template") for t in tmpl if isinstance(t, dict) and t.get("name") == "default"), None)
-        if tmpl is not None and not isinstance(tmpl, str):
-            raise FormatError(f"{os.path.join(self.path, 'tokenizer_config.json')}: chat_template must be a string,"
-                              f" got {type(tmpl).__name__}")
-        jinja = os.path.join(self.path, "chat_template.jinja")
-        if tmpl is None and os.path.isfile(jinja):
-            tmpl = _read_bytes(jinja).decode("utf-8", errors="replace")
+        named = self._chat_templates(tc)
+        tmpl = named.get("default")
+        if isinstance(named.get("tool_use"), str):   # the template for requests with tools (runtime: template_for)
+            self.meta["chat_template_tool_use"] = named["tool_use"]
         if tmpl is None and cfg.get("model_type") == "bitnet":
             tmpl = fix_chat_template(None)
         elif tmpl is not None:
@@ -661,6 +656,29 @@ class HFSource:
         if blob is not None and bos is not None:
             self.meta["add_bos"] = _adds_bos(kind, blob, tc, bos)
         return ((kind, blob) if blob is not None else None), tmpl, bos, eos
+
+    def _chat_templates(self, tc: dict) -> dict:
+        """The chat templates by name ("default", "tool_use", ...), as transformers loads them: chat_template.jinja
+        (and additional_chat_templates/NAME.jinja) beside the weights take priority over tokenizer_config.json's
+        chat_template, a string (the default) or a list of {"name", "template"}."""
+        jinja = os.path.join(self.path, "chat_template.jinja")
+        more = os.path.join(self.path, "additional_chat_templates")
+        files = sorted(f for f in os.listdir(more) if f.endswith(".jinja")) if os.path.isdir(more) else []
+        if os.path.isfile(jinja) or files:
+            named = {f[:-len(".jinja")]: _read_bytes(os.path.join(more, f)).decode("utf-8", errors="replace")
+                     for f in files}
+            if os.path.isfile(jinja):
+                named["default"] = _read_bytes(jinja).decode("utf-8", errors="replace")
+            return named
+        tmpl, where = tc.get("chat_template"), os.path.join(self.path, "tokenizer_config.json")
+        if tmpl is None:
+            return {}
+        if isinstance(tmpl, str):
+            return {"default": tmpl}
+        if isinstance(tmpl, list):   # [{"name": ..., "template": ...}]
+            return {t["name"]: t["template"] for t in tmpl if isinstance(t, dict) and isinstance(t.get("name"), str)
+                    and isinstance(t.get("template"), str)}
+        raise FormatError(f"{where}: chat_template must be a string, got {type(tmpl).__name__}")
 
     def _hf(self, short, i):
         return f"model.layers.{i}.{HF_LINEAR[short]}"

@@ -99,6 +99,9 @@ def gguf_tokenizer(g) -> dict:
         if v is not None and v not in eos:
             eos.append(v)
     tmpl = g.get("tokenizer.chat_template", str)
+    tool_use = g.get("tokenizer.chat_template.tool_use", str)   # llama.cpp's key for the named "tool_use" template
+    if tool_use:
+        meta["chat_template_tool_use"] = tool_use
     blob = None
     if model is None or tokens is None:
         meta["tokenizer_note"] = "the GGUF file has no tokenizer"
