@@ -52,6 +52,10 @@ from .ollama import (BLOBS_WHY, FOREVER, LOAD_WAIT_HEADER, OLLAMA_VERSION,  # no
                      parse_keep_alive)
 from .schemas import bare_name as _bare, model_object, shown_path, utc_iso
 
+# a model whose load failed gets the same answer at once for FAILED_RETRY s, then is loaded again by the next
+# request (its cause may lie outside its file: a cache directory, memory); each failure again doubles the wait, up
+# to FAILED_RETRY_MAX s. A changed file, or POST /models/load, tries again at once.
+FAILED_RETRY, FAILED_RETRY_MAX = 30.0, 300.0
 PULLS_MAX = 2   # ollama's /api/pull processes at once (each downloads and converts: a process, ~70 MB, a core)
 # hop-by-hop headers, and what this router sets itself on the forwarded request / the response
 REQUEST_DROP = {b"host", b"content-length", b"connection", b"keep-alive", b"transfer-encoding", b"authorization",
@@ -60,6 +64,17 @@ REQUEST_DROP = {b"host", b"content-length", b"connection", b"keep-alive", b"tran
                 LOAD_WAIT_HEADER.encode()}   # the router's own word to the model's process, never a client's
 RESPONSE_DROP = {"connection", "keep-alive", "transfer-encoding", "date", "server"}
 RESPONSES_PATHS = ("/v1/responses", "/responses", "/v1/responses/input_tokens")   # OpenAI's Responses API requests
+
+
+@dataclass(frozen=True)
+class LoadFailure:
+    """A model's last load, which failed: of the file whose digest this is, with this answer (`message`) and its
+    process's exit code, answered again until `retry_at` (monotonic); `wait`: the seconds that was after it."""
+    digest: str
+    message: str
+    exit_code: int
+    retry_at: float
+    wait: float
 
 
 @dataclass(frozen=True)
@@ -185,24 +200,25 @@ class Router:
     def __init__(self, scan: Callable[[], dict[str, ModelSpec]], command: Callable[[ModelSpec, int, str], list[str]], *,
                  models_max: int = 3, keep_alive: float = FOREVER, load_timeout: float = 600.0,
                  stop_timeout: float = 10.0, retry_after: int = 1, log: Callable[[str], None] | None = None,
-                 pull: Callable[[str], list[str]] | None = None):
+                 pull: Callable[[str], list[str]] | None = None, failed_retry: float = FAILED_RETRY):
         """pull: the command that downloads and converts a hub id into the store cache (`bitnet pull REF`), for
-        ollama's /api/pull; None where the catalog holds no cache (--models-dir alone): /api/pull answers 501."""
+        ollama's /api/pull; None where the catalog holds no cache (--models-dir alone): /api/pull answers 501.
+        failed_retry: seconds a failed load is answered again before a request loads the model anew (doubling)."""
         self.scan, self.command, self.models_max, self.pull = scan, command, models_max, pull
         self.models = scan()        # name -> ModelSpec, scanned again (refresh) as files come and go
         self._scanned = time.monotonic()
         self.keep_alive, self.load_timeout, self.stop_timeout = keep_alive, load_timeout, stop_timeout
-        self.retry_after = retry_after
+        self.retry_after, self.failed_retry = retry_after, failed_retry
         self.log = log or (lambda line: print(f"bitnet serve: {line}", file=sys.stderr, flush=True))
         self.key = secrets.token_urlsafe(32)   # the model processes answer only the router
         self.children: dict[str, Child] = {}
         self.ending: set[Child] = set()             # stopped, their processes not yet exited
         self.room_queue: list = []                  # requests waiting for a model's room (--models-max), in order
         self.details: dict[str, dict] = {}     # a model's /api/ps entry, kept after it is unloaded
-        # a model whose process said its file cannot be loaded: (the file's digest, the error), answered again while
+        # a model whose process said why it cannot be loaded: its answer, given again for a while (FAILED_RETRY) while
         # the file is unchanged, so that each retry (a client's, a model picker's) does not unload a working model
-        # for room and load the broken one again
-        self.failed: dict[str, tuple[str, str]] = {}
+        # for room and load the broken one again; the listings say the last load failed
+        self.failed: dict[str, LoadFailure] = {}
         self.shows: dict[str, bytes] = {}      # /api/show answers by model file and request: never a load again
         self.pulling: set[str] = set()         # hub ids being pulled now (one process each, PULLS_MAX at most)
         self.counts: dict[tuple, int] = {}
@@ -456,8 +472,10 @@ class Router:
             elif c is not None:   # exited (the reaper has not seen it yet)
                 self._forget(c, "exited")
                 continue
-            elif spec.name in self.failed and self.failed[spec.name][0] == spec.digest():
-                raise RouterError(500, self.failed[spec.name][1], "load_failed", "model")
+            elif self.failure(spec) is not None and time.monotonic() < self.failed[spec.name].retry_at:
+                f = self.failed[spec.name]
+                raise RouterError(500, f.message, "load_failed", "model",
+                                  retry_after=max(1, math.ceil(f.retry_at - time.monotonic())))
             elif not load:
                 raise RouterError(400, f"model '{spec.name}' is not loaded (a request that generates with it, or "
                                        "POST /models/load, loads it)", "model_not_loaded", "model")
@@ -529,12 +547,12 @@ class Router:
 
     async def _watch_load(self, c: Child):
         """Poll the process's /health until it answers 200 (ready), says its model failed to load, or exits."""
-        problem, said = None, False   # said: the model's process said why its file does not load (not an exit)
+        problem, said = None, False   # said: the model's process said why its model does not load (not a kill)
         while True:
             if c.proc.poll() is not None:
                 tail = c.log_tail()
                 problem = tail or f"its process {exit_said(c.proc.returncode)}"
-                said = c.proc.returncode == EXIT_BAD_INPUT and bool(tail)   # its one line on the file (a kill: not)
+                said = c.proc.returncode == EXIT_BAD_INPUT and bool(tail)   # its one line on the load (a kill: not)
                 break
             try:
                 r = await self.client.get(c.url + "/health", timeout=5.0)
@@ -559,12 +577,25 @@ class Router:
         if self.draining or c.stopping:   # stopped while loading (Ctrl-C, an unload): not the model's fault
             error = RouterError(503, "shutting down" if self.draining else f"model '{c.spec.name}' was unloaded "
                                 "while loading; retry", "unavailable", retry_after=self.retry_after)
+        elif not await asyncio.to_thread(os.path.exists, c.spec.path):
+            # removed while it loaded (ollama's /api/delete, rm): said in the router's words, not the process's
+            # command-line ones (-m/--model, "a hub id such as ..."), and no failure of the model's
+            self.log(f"'{c.spec.name}': its file {c.spec.path} was removed while it loaded")
+            error = RouterError(404, f"model '{c.spec.name}' not found: its file was removed while it loaded",
+                                "model_not_found", "model")
         else:
             self.count("load_failures", c.spec.name)
             self.log(f"'{c.spec.name}' failed to load: {problem}")
-            error = RouterError(500, f"model '{c.spec.name}' failed to load: {problem}", "load_failed", "model")
-            if said:   # the same file fails the same way: remembered until it changes (an exit, a kill, may not)
-                self.failed[c.spec.name] = (c.spec.digest(), str(error))
+            message = f"model '{c.spec.name}' failed to load: {problem}"
+            wait = None
+            if said:   # answered again for a while, the wait doubling while it fails (an exit, a kill, may not)
+                last = self.failure(c.spec)
+                wait = self.failed_retry if last is None else min(max(last.wait * 2, self.failed_retry),
+                                                                  FAILED_RETRY_MAX)
+                code = c.proc.returncode if c.proc.returncode is not None else EXIT_BAD_INPUT   # (/health said it)
+                self.failed[c.spec.name] = LoadFailure(c.spec.digest(), message, code, time.monotonic() + wait, wait)
+            error = RouterError(500, message, "load_failed", "model",
+                                retry_after=None if wait is None else max(1, math.ceil(wait)))
         if not c.ready.done():
             c.ready.set_exception(error)
             c.ready.exception()   # retrieved: no "never retrieved" warning when no request waits
@@ -670,10 +701,22 @@ class Router:
             await asyncio.shield(c.ended)   # outside the condition: the other models serve on meanwhile
         return True
 
+    def failure(self, spec: ModelSpec) -> LoadFailure | None:
+        """The model's last load, if it failed, of the file as it is now (a file changed since: tried afresh)."""
+        f = self.failed.get(spec.name)
+        return f if f is not None and f.digest == spec.digest() else None
+
     # ---- listings -------------------------------------------------------------------------------------------
     def status(self, name: str) -> str:
         c = self.children.get(name)
         return "unloaded" if c is None else c.status
+
+    def status_object(self, spec: ModelSpec) -> dict:
+        """llama-server's router `status`: {"value": loaded / loading / unloaded}, and, while its last load
+        failed and it is not loading again, "failed": true with the process's "exit_code"."""
+        value = self.status(spec.name)
+        f = self.failure(spec) if value == "unloaded" else None
+        return {"value": value} if f is None else {"value": value, "failed": True, "exit_code": f.exit_code}
 
     def expires_at(self, c: Child) -> str:
         left = c.keep_alive if c.active else c.expires - time.monotonic()
@@ -865,7 +908,7 @@ def create_router_app(router: Router, *, api_keys: tuple = (), limits: Limits | 
     def model_entry(spec: ModelSpec) -> dict:
         n_ctx = (router.details.get(spec.name) or {}).get("context_length")
         return model_object(spec.name, int(spec.modified), path=shown_path(spec.path),
-                            status={"value": router.status(spec.name)}, **({"meta": {"n_ctx": n_ctx}} if n_ctx else {}))
+                            status=router.status_object(spec), **({"meta": {"n_ctx": n_ctx}} if n_ctx else {}))
 
     @app.get("/v1/models")
     @app.get("/models")
@@ -892,6 +935,7 @@ def create_router_app(router: Router, *, api_keys: tuple = (), limits: Limits | 
             if not await router.unload(spec):
                 raise RouterError(400, f"model '{spec.name}' is not loaded", "model_not_loaded", "model")
         else:
+            router.failed.pop(spec.name, None)   # asked by hand: tried again now, its cause perhaps fixed meanwhile
             c = await router.acquire(spec)
             await router.release(c)   # the task: a load returns once it counts as idle
         return {"success": True}

@@ -400,6 +400,8 @@ def test_two_loads_at_once_each_say_their_own_models_error(tmp_path):
 
     from bitnet_cpu.serve.router import ModelSpec, Router, RouterError
     specs = {name: ModelSpec(name, str(tmp_path / f"{name}.bnstore")) for name in ("x y", "x_y")}
+    for spec in specs.values():   # there (a file gone by the end of a load is said so instead)
+        open(spec.path, "wb").close()
     script = "import sys, time; time.sleep(0.5); print('bitnet: error: ' + sys.argv[1] + ' is broken'); sys.exit(1)"
 
     def command(spec, port, key_file):
@@ -1424,3 +1426,143 @@ def test_a_split_gguf_without_a_prefix_is_named_by_its_file(tmp_path):
         p.rename(tmp_path / p.name[1:])   # x-00001-of-0000N.gguf -> -00001-of-0000N.gguf
     models = model_catalog(argparse.Namespace(models_dir=[str(tmp_path)], models_cache=False))
     assert "" not in models and len(models) == 1, list(models)
+
+
+def test_a_load_failed_for_a_cause_outside_its_file_is_tried_again(tmp_path):
+    """An HF directory whose conversion cannot write its cache (BITNET_CACHE is a file) failed, and that failure
+    was answered again until a file of the model changed: fixing the cache, as the error's hint asks, did not help.
+    The failure is kept only for a short while (so a model picker's retries do not load it again and again), an
+    explicit POST /models/load tries again at once, and the listing says the last load failed (llama-server's
+    router: status.failed and status.exit_code)."""
+    d = tmp_path / "md"
+    d.mkdir()
+    shutil.copytree(os.path.join(ROOT, "models", "bitnet-b1.58-tiny"), d / "hfmodel")
+    cache = tmp_path / "cache"
+    cache.write_text("x")
+    s = Server("--models-dir", str(d), "-c", "1024", threads=1, env={"BITNET_CACHE": str(cache)})
+    try:
+        first = post(s.url, "/v1/chat/completions", {"model": "hfmodel", "messages": CHAT, "max_tokens": 2})
+        err = first.json()["error"]
+        assert first.status_code == 500 and err["code"] == "load_failed" and "cache" in err["message"], first.text
+        again = post(s.url, "/v1/chat/completions", {"model": "hfmodel", "messages": CHAT, "max_tokens": 2})
+        assert again.status_code == 500 and again.json()["error"] == err   # at once: not loaded again
+        entry = httpx.get(s.url + "/v1/models/hfmodel", timeout=30).json()
+        assert entry["status"] == {"value": "unloaded", "failed": True, "exit_code": 2}, entry
+        listed = {m["id"]: m["status"] for m in httpx.get(s.url + "/models", timeout=30).json()["data"]}
+        assert listed["hfmodel"].get("failed") is True
+        cache.unlink()
+        cache.mkdir()
+        r = post(s.url, "/models/load", {"model": "hfmodel"})
+        assert r.status_code == 200 and r.json() == {"success": True}, r.text
+        assert chat_text(s.url, "hfmodel")["model"] == "hfmodel"
+        entry = httpx.get(s.url + "/v1/models/hfmodel", timeout=30).json()
+        assert entry["status"] == {"value": "loaded"}, entry
+    finally:
+        s.stop()
+
+
+def fake_model_command(script: str):
+    """A model process's command for Router tests: `script` (python) gets the model's path as argv[1]."""
+    def command(spec, port, key_file):
+        return [sys.executable, "-c", script, spec.path]
+    return command
+
+
+# a model process that serves /health on the router's socket when its file's "cause" (FILE.ok) is there, and
+# otherwise says why it cannot load and exits 2, as `bitnet serve` does
+SERVES_IF_OK = """
+import http.server, os, socket, sys
+if not os.path.exists(sys.argv[1] + ".ok"):
+    print("bitnet: error: " + sys.argv[1] + ": cannot create the cache directory", flush=True)
+    sys.exit(2)
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        self.end_headers()
+        self.wfile.write(b"{}")
+    def log_message(self, *a):
+        pass
+srv = http.server.HTTPServer(("127.0.0.1", 0), Health, bind_and_activate=False)
+srv.socket = socket.socket(fileno=int(os.environ["BITNET_LISTEN_FD"]))
+srv.serve_forever()
+"""
+
+
+def test_a_remembered_load_failure_is_tried_again_after_a_while(tmp_path):
+    """A failed load is answered again at once for a short while only: the cause may lie outside the file (a cache,
+    memory), and once it is fixed a later request loads the model, with no change to its file."""
+    import asyncio
+
+    from bitnet_cpu.serve.router import ModelSpec, Router, RouterError
+    path = tmp_path / "m.bnstore"
+    path.write_bytes(b"x")
+    spec = ModelSpec("m", str(path), size=1, modified=path.stat().st_mtime)
+
+    async def scenario():
+        router = Router(lambda: {"m": spec}, fake_model_command(SERVES_IF_OK), log=lambda line: None,
+                        failed_retry=0.3)
+        await router.start()
+        try:
+            for _ in range(2):
+                with pytest.raises(RouterError) as e:
+                    await router.acquire(spec)
+                assert e.value.status == 500 and "cannot create the cache directory" in e.value.message
+            assert router.counts[("loads", "m")] == 1   # the second answer was the remembered one
+            (tmp_path / "m.bnstore.ok").write_text("")   # the cause, fixed; the file itself unchanged
+            deadline = time.monotonic() + 30 * slowness()
+            while True:
+                try:
+                    c = await router.acquire(spec)
+                    break
+                except RouterError:
+                    assert time.monotonic() < deadline, "never tried again"
+                    await asyncio.sleep(0.05)
+            await router.release(c)
+            assert router.counts[("loads", "m")] == 2 and router.status("m") == "loaded"
+            assert "m" not in router.failed
+        finally:
+            await router.close()
+    asyncio.run(scenario())
+
+
+# a model process whose file is removed while it loads: it waits for that, then says what the CLI says
+LOSES_ITS_FILE = """
+import os, sys, time
+while os.path.exists(sys.argv[1]):
+    time.sleep(0.02)
+print("bitnet: error: model " + repr(sys.argv[1]) + " (-m/--model): no such file or directory (hint: give a model "
+      "file, a directory, or a hub id such as microsoft/bitnet-b1.58-2B-4T)", flush=True)
+sys.exit(2)
+"""
+
+
+def test_a_model_file_removed_while_it_loads_is_a_404_in_the_routers_words(tmp_path):
+    """A model file deleted (ollama's /api/delete, rm) while its first request waits for its load: that request
+    got the model process's command-line error (-m/--model, a hub id such as ...) as a 500 load_failed. It is a 404
+    saying the file is gone, not counted as a failed load nor remembered."""
+    import asyncio
+
+    from bitnet_cpu.serve.router import ModelSpec, Router, RouterError
+    path = tmp_path / "delme.bnstore"
+    path.write_bytes(b"x")
+    spec = ModelSpec("delme", str(path), size=1, modified=path.stat().st_mtime)
+
+    async def scenario():
+        router = Router(lambda: {"delme": spec}, fake_model_command(LOSES_ITS_FILE), log=lambda line: None)
+        await router.start()
+        try:
+            waiting = asyncio.ensure_future(router.acquire(spec))
+            while "delme" not in router.children:   # its process started
+                await asyncio.sleep(0.01)
+            path.unlink()
+            with pytest.raises(RouterError) as e:
+                await waiting
+            return e.value, dict(router.counts), dict(router.failed)
+        finally:
+            await router.close()
+    e, counts, failed = asyncio.run(scenario())
+    assert e.status == 404 and e.code == "model_not_found", (e.status, e.message)
+    assert "delme" in e.message and "removed" in e.message and "-m/--model" not in e.message, e.message
+    assert ("load_failures", "delme") not in counts and "delme" not in failed
+
