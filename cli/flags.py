@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import re
 import sys
 
 from ..engine.runtime.sampling import SamplingParams, setting_problem
@@ -459,6 +460,9 @@ def escaped(args: argparse.Namespace, text: str, flag: str = "") -> str:
 
 
 # ---- parsing: exact flags only ---------------------------------------------------------------------------
+NEGATIVE_VALUE = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$|^-((\d+\.?\d*|\.\d+)(ns|us|µs|ms|s|m|h))+$")
+
+
 class Parser(argparse.ArgumentParser):
     """argparse without its guesses: a flag is matched only as spelled (no `--metrics` -> --metrics-public, `--keep`
     -> --keep-alive-timeout prefixes), and a single-dash flag takes no value glued to it (`-s 42`, llama.cpp's seed,
@@ -468,6 +472,10 @@ class Parser(argparse.ArgumentParser):
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
+        # a value, not a flag: a negative number as argparse takes one (-1, -.5), in exponent form (-1e3), or a
+        # negative Go duration (`--models-keep-alive -5m`, ollama's "for ever"), which argparse refused as
+        # "expected one argument" (only `=-5m` got through)
+        self._negative_number_matcher = NEGATIVE_VALUE
 
     def _get_option_tuples(self, option_string):
         return []

@@ -40,8 +40,9 @@ from .offload import (BodyRefused, ClientGone, Streamed, next_or_gone, offloop_r
 from .responses import STORED_RESPONSE_ROUTES, ResponseBuilder, ResponsesRequest, not_stored, responses_names
 from .llama_api import LORA_WHY, NOT_SERVED, READ_ONLY, lora_request_is_empty
 from .llama_api import timings_of as llama_timings
-from .schemas import (ChatCompletionRequest, CompletionRequest, RequestProblem, bare_name, continuation, cut_json,
-                      error_message, error_where, json_text, main_error, model_object, overflow_message, unanswered)
+from .schemas import (ChatCompletionRequest, CompletionRequest, RequestProblem, continuation, cut_json,
+                      error_message, error_where, json_text, main_error, model_object, name_key, overflow_message,
+                      unanswered)
 
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context": "length", "cancelled": "stop"}
 UNSTARTED = "unavailable"   # the finish reason of a request a stopping server ended before it had a slot
@@ -123,11 +124,12 @@ class ServerState:
 
     def refuses(self, name) -> bool:
         """Whether a request naming `name` gets a 404: only under --strict-model-name, for a name other than the
-        served id, as the router matches one: case aside, and ":latest" on neither side (ollama's NAME and
-        NAME:latest are one model, so `--alias m:latest` answers `m` too). Every route asks this, so they agree."""
+        served id, as the router matches one: case and Unicode normalisation aside, and ":latest" on neither side
+        (ollama's NAME and NAME:latest are one model, so `--alias m:latest` answers `m` too). Every route asks this,
+        so they agree."""
         if not (self.strict_model and name):
             return False
-        return not isinstance(name, str) or bare_name(name).casefold() != bare_name(self.model_id or "").casefold()
+        return not isinstance(name, str) or name_key(name) != name_key(self.model_id or "")
 
     def token_text(self, eng) -> TokenText:
         """The server's one token -> (text, bytes) cache for logprobs."""

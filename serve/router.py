@@ -50,7 +50,7 @@ from .limits import Limits, LimitsMiddleware, RouteNorms, anthropic_shaped, anth
 from .offload import NOT_JSON, ClientGone, Streamed, loads, not_json, unless_gone
 from .ollama import (BLOBS_WHY, FOREVER, LOAD_WAIT_HEADER, OLLAMA_VERSION,  # noqa: F401 - parse_keep_alive: the CLI's
                      parse_keep_alive)
-from .schemas import bare_name as _bare, model_object, shown_path, utc_iso
+from .schemas import bare_name as _bare, model_object, name_key, shown_path, utc_iso
 
 # a model whose load failed gets the same answer at once for FAILED_RETRY s, then is loaded again by the next
 # request (its cause may lie outside its file: a cache directory, memory); each failure again doubles the wait, up
@@ -111,6 +111,15 @@ def hub_name(name: str) -> str:
             name = name[len(prefix):]
             break
     return _bare(name)
+
+
+def told_apart(names) -> list[str]:
+    """Names, sorted, as a message shows them: escaped (\\u0301) where two look the same (one NFC, one NFD)."""
+    import unicodedata
+    names = sorted(names)
+    if len({unicodedata.normalize("NFC", n) for n in names}) < len(names):
+        return [ascii(n)[1:-1] for n in names]
+    return names
 
 
 class RouterError(Exception):
@@ -250,10 +259,10 @@ class Router:
             self.log(f"the model directories were not scanned again: {e}")
 
     def find(self, name: str) -> ModelSpec | None:
-        """The model a request's name means: its name, with or without ollama's ":latest" tag, in any case (ollama
-        matches names case-insensitively; an exact name first, then the one that differs only in case), or a hub
-        id the cache converted. ":latest" is no part of a name on either side: a file `solo:latest.bnstore` is
-        `solo` too, as in ollama."""
+        """The model a request's name means: its name, with or without ollama's ":latest" tag, in any case and any
+        Unicode normalisation (ollama matches names case-insensitively; a file named on macOS is NFD, a name typed
+        elsewhere NFC; an exact name first, then the one that differs only so), or a hub id the cache converted.
+        ":latest" is no part of a name on either side: a file `solo:latest.bnstore` is `solo` too, as in ollama."""
         spec = self.models.get(name) or self.models.get(_bare(name))
         if spec is None:
             folded = self.alike(name)
@@ -261,9 +270,10 @@ class Router:
         return spec if spec is not None else self.by_source(name)
 
     def alike(self, name: str) -> list[ModelSpec]:
-        """The catalog's models named `name` but for case and ollama's ":latest" (several: the name is ambiguous)."""
-        key = _bare(name).casefold()
-        return [s for n, s in self.models.items() if _bare(n).casefold() == key]
+        """The catalog's models named `name` but for case, Unicode normalisation and ollama's ":latest" (several:
+        the name is ambiguous)."""
+        key = name_key(name)
+        return [s for n, s in self.models.items() if name_key(n) == key]
 
     async def resolve(self, name) -> ModelSpec:
         if isinstance(name, str) and name:
@@ -276,10 +286,10 @@ class Router:
             alike = self.alike(name)
             if len(alike) > 1:   # never whichever of them is loaded now: one name, one answer
                 raise RouterError(404, f"model '{name}' not found: it could be any of "
-                                  f"{', '.join(sorted(s.name for s in alike))} (they differ only in case or "
-                                  "\":latest\"): name one exactly",
+                                  f"{', '.join(told_apart(s.name for s in alike))} (they differ only in case, Unicode "
+                                  "normalisation or \":latest\"): name one exactly",
                                   "model_not_found", "model")
-            loaded = [c.spec for n, c in self.children.items() if _bare(n).casefold() == _bare(name).casefold()]
+            loaded = [c.spec for n, c in self.children.items() if name_key(n) == name_key(name)]
             loaded = [s for s in loaded if s.name == name] or loaded
             if len(loaded) == 1:   # its file is gone but it is still loaded: it can be used and unloaded until the
                 return loaded[0]   # reaper's next round
@@ -896,6 +906,19 @@ def create_router_app(router: Router, *, api_keys: tuple = (), limits: Limits | 
     async def _router_error(request, e: RouterError):
         return error(request, e)
 
+    @app.exception_handler(404)
+    async def _no_route(request: Request, e):
+        """A path no route's pattern takes: one with a newline in it (a route's `.` stops at one), such as
+        /v1/models/NAME for a file named with a newline. Its model entry, or the API's own 404, never FastAPI's
+        {"detail": "Not Found"}."""
+        path = request.scope["path"]   # (request.url drops a newline: urllib's URL parsing removes it)
+        try:
+            if path.startswith("/v1/models/") and request.method == "GET":
+                return JSONResponse(model_entry(await router.resolve(path[len("/v1/models/"):])))
+            raise RouterError(404, f"{request.method} {path}: no such endpoint", "not_found")
+        except RouterError as err:
+            return error(request, err)
+
     @app.api_route("/health", methods=["GET", "HEAD"])   # HEAD: load balancers' checks (HAProxy's httpchk)
     @app.api_route("/v1/health", methods=["GET", "HEAD"])   # llama-server's other path
     async def health():
@@ -991,7 +1014,16 @@ def create_router_app(router: Router, *, api_keys: tuple = (), limits: Limits | 
         name = (data or {}).get("model") or (data or {}).get("name")   # older clients send `name`
         if not isinstance(name, str) or not name.strip():
             raise RouterError(400, "model: required (the model's name, a string)", "invalid_value", "model")
-        return name.strip()
+        return name
+
+    async def ollama_model(data: dict | None) -> ModelSpec:
+        """The model /api/show and /api/delete name: the name as sent first (a file " lead.bnstore" is listed,
+        and served by /api/chat, as " lead"), then without the spaces around it."""
+        name = ollama_name(data)
+        if name != name.strip():
+            with contextlib.suppress(RouterError):
+                return await router.resolve(name)
+        return await router.resolve(name.strip())
 
     @app.post("/api/show")
     async def api_show(request: Request):
@@ -1001,7 +1033,7 @@ def create_router_app(router: Router, *, api_keys: tuple = (), limits: Limits | 
         if router.draining:
             raise RouterError(503, "shutting down", "unavailable", retry_after=router.retry_after)
         data, body = await body_model(request)
-        spec = await router.resolve(ollama_name(data))
+        spec = await ollama_model(data)
         key = spec.digest() + json.dumps({k: v for k, v in data.items() if k not in ("model", "name")},
                                          sort_keys=True, default=str)
         if key in router.shows:
@@ -1036,8 +1068,10 @@ def create_router_app(router: Router, *, api_keys: tuple = (), limits: Limits | 
         stream = (data or {}).get("stream", True)
         if not isinstance(stream, bool):
             raise RouterError(400, "stream: must be true or false", "invalid_value", "stream")
+        listed = router.find(name)   # a listed name as sent (" lead"), else without the spaces around it
+        name = name if listed is not None else name.strip()
         ref = hub_name(name)
-        listed = router.find(name) if "/" not in ref else None
+        listed = (listed or router.find(name)) if "/" not in ref else None
         if listed is not None and listed.cached and listed.source:   # a name /api/tags lists (ollama pulls any:
             ref = listed.source.rsplit("@", 1)[0]                     # an update): its hub id, the newest commit
         # ollama checks a name before anything runs ("invalid model name"); the pull's own process checks the rest
@@ -1077,7 +1111,7 @@ def create_router_app(router: Router, *, api_keys: tuple = (), limits: Limits | 
         if router.pull is None:
             return await not_here(request)
         data, _ = await body_model(request)
-        spec = await router.resolve(ollama_name(data))
+        spec = await ollama_model(data)
         if not spec.cached:
             raise RouterError(400, f"'{spec.name}' is {shown_path(spec.path)}, a file of --models-dir: the server "
                               "deletes only the converted models of its cache (remove the file itself)",

@@ -152,6 +152,14 @@ def bare_name(name: str) -> str:
     return name[: -len(":latest")] if name.lower().endswith(":latest") else name
 
 
+def name_key(name: str) -> str:
+    """What two model names that mean one model share: the name less ":latest", in any case and any Unicode
+    normalisation (a file named on macOS is NFD, "cafe" + U+0301; a name typed elsewhere is NFC, U+00E9: they look
+    the same). Unicode's caseless match: NFC before and after the case fold."""
+    import unicodedata
+    return unicodedata.normalize("NFC", unicodedata.normalize("NFC", bare_name(name)).casefold())
+
+
 def shown_path(path: str) -> str:
     """A file path as a reply shows it: a name that is not UTF-8 (its bytes surrogate-escaped by os.listdir /
     argv) with each bad byte as U+FFFD, since JSON cannot carry a lone surrogate."""

@@ -1566,3 +1566,70 @@ def test_a_model_file_removed_while_it_loads_is_a_404_in_the_routers_words(tmp_p
     assert "delme" in e.message and "removed" in e.message and "-m/--model" not in e.message, e.message
     assert ("load_failures", "delme") not in counts and "delme" not in failed
 
+
+def test_names_match_in_any_unicode_normalisation(tmp_path):
+    """A file named on macOS is NFD ("cafe" + U+0301); a name typed elsewhere is NFC ("caf" + U+00E9): they look
+    the same, and the 404 listed "café" beside "model 'café' not found". Names match after NFC as after case."""
+    import asyncio
+
+    from bitnet_cpu.serve.router import ModelSpec, Router, RouterError
+    nfd, nfc = "cafe\u0301", "caf\u00e9"
+    specs = {name: ModelSpec(name, str(tmp_path / f"{name}.bnstore")) for name in (nfd, "alpha")}
+    router = Router(lambda: dict(specs), fake_model_command(""), log=lambda line: None)
+    try:
+        for asked in (nfc, nfd, "CAF\u00c9", "CAFE\u0301:latest"):
+            assert router.find(asked) is specs[nfd], asked
+        both = {**specs, nfc: ModelSpec(nfc, str(tmp_path / "other.bnstore"))}   # two files, one name: one answer
+        router.scan, router.models = (lambda: dict(both)), dict(both)
+        assert router.find(nfc) is both[nfc] and router.find(nfd) is both[nfd]   # each exact name is its own
+        with pytest.raises(RouterError) as e:
+            asyncio.run(router.resolve("CAF\u00c9"))
+        assert e.value.status == 404 and "normalisation" in e.value.message, e.value.message
+    finally:
+        asyncio.run(router.close())
+
+
+def test_odd_names_are_found_by_every_api(tmp_path):
+    """A name with a space at either end, listed by /api/tags and served by /api/chat, was a 404 at ollama's
+    /api/show (which Open WebUI asks of every listed model): the name was stripped there alone. A name in NFC finds
+    its NFD file over HTTP too, and /v1/models/NAME with a newline in NAME is the API's 404 or entry, never
+    FastAPI's {"detail": "Not Found"}."""
+    model = os.path.join(ROOT, "models", "default.bnstore")
+    for name in (" lead", "trail ", "cafe\u0301", "new\nline"):
+        shutil.copy(model, tmp_path / f"{name}.bnstore")
+    s = Server("--models-dir", str(tmp_path), "-c", "1024", threads=1)
+    try:
+        names = {m["name"] for m in httpx.get(s.url + "/api/tags", timeout=30).json()["models"]}
+        assert {" lead", "trail "} <= names
+        for name in (" lead", "trail "):
+            r = post(s.url, "/api/show", {"model": name})
+            assert r.status_code == 200 and "modelfile" in r.json(), (name, r.text)
+        r = post(s.url, "/api/show", {"model": "lead"})   # the stripped name is no model's
+        assert r.status_code == 404 and "model 'lead' not found" in r.json()["error"], r.text
+        r = httpx.get(s.url + "/v1/models/caf%C3%A9", timeout=30)
+        assert r.status_code == 200 and r.json()["id"] == "cafe\u0301", r.text
+        r = post(s.url, "/v1/chat/completions", {"model": "caf\u00e9", "messages": CHAT, "max_tokens": 2})
+        assert r.status_code == 200 and r.json()["model"] == "cafe\u0301", r.text
+        r = httpx.get(s.url + "/v1/models/new%0Aline", timeout=30)
+        assert r.status_code == 200 and r.json()["id"] == "new\nline", r.text
+        r = httpx.get(s.url + "/v1/models/no%0Asuch", timeout=30)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", r.text
+        r = post(s.url, "/api/generate", {"model": " lead", "prompt": "Hi", "keep_alive": True})
+        assert r.status_code == 400 and r.json()["error"].startswith("keep_alive: true is not"), r.text
+    finally:
+        s.stop()
+
+
+@pytest.mark.parametrize("value", ["-5m", "-1h30m", "-1.5h", "-1"])
+def test_a_negative_duration_flag_is_taken_as_its_value(models_dir, value):
+    """`--models-keep-alive -5m` was argparse's "expected one argument" (only `=-5m` and plain numbers were
+    taken): a negative duration is a value, as ollama's negative keep_alive is."""
+    from bitnet_cpu.cli import build_parser
+    subs: dict = {}
+    build_parser(subs)
+    args = subs["serve"].parse_args(["--models-dir", str(models_dir), "--models-keep-alive", value])
+    assert args.models_keep_alive == value
+    args = subs["serve"].parse_args(["--models-dir", str(models_dir), "--models-load-timeout", "-1e3"])
+    assert args.models_load_timeout == -1000.0
+    args = subs["serve"].parse_args(["-m", "x", "-c", "1024"])   # short flags stay flags
+    assert args.ctx == 1024
