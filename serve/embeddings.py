@@ -113,15 +113,24 @@ def openai_inputs(value) -> list:
     return value
 
 
-async def tokenized(eng, items: list, where: str, truncate: bool = False, one: bool = False) -> list[list[int]]:
+async def tokenized(eng, items: list, where: str, truncate: bool = False, one: bool = False,
+                    num_ctx: int = 0) -> list[list[int]]:
     """Token lists of texts (each with BOS, as llama-server tokenizes an embedding input) and of token-id lists
     (as given), each checked against the vocabulary and the context: Refused(400) naming `where.i`. truncate: a
     text over the context keeps its first n_ctx tokens instead (ollama's `truncate: true`). one: the field holds
-    one text, named `where` alone (/api/embeddings' prompt)."""
+    one text, named `where` alone (/api/embeddings' prompt). num_ctx: ollama's options.num_ctx, a bound below
+    the context (min of the two, as ollama's EmbedHandler; 0 or less: the context's)."""
     n_ctx, vocab = eng.n_ctx, eng.config.vocab_size
+    limit = min(n_ctx, num_ctx) if num_ctx > 0 else n_ctx
 
     def name(i):
         return where if one else f"{where}.{i}"
+
+    def over(i, n):
+        if limit < n_ctx:
+            return (f"{name(i)} has {n} tokens, over options.num_ctx {limit} (truncate true keeps its first "
+                    f"{limit})")
+        return f"This model's maximum context length is {n_ctx} tokens. However, {name(i)} has {n} tokens"
     items = list(items)
     bound = await chars_bound(eng) if any(isinstance(t, str) for t in items) else 0
     for i, item in enumerate(items):   # before the tokenizer sees megabytes of text (it stalls every stream)
@@ -137,11 +146,10 @@ async def tokenized(eng, items: list, where: str, truncate: bool = False, one: b
         ids = next(done) if isinstance(item, str) else [int(t) for t in item]
         if any(not 0 <= t < vocab for t in ids):
             raise Refused(400, f"{name(i)}: token ids must be in 0..{vocab - 1}", where)
-        if len(ids) > n_ctx:
+        if len(ids) > limit:
             if not truncate:
-                raise Refused(400, f"This model's maximum context length is {n_ctx} tokens. However, {name(i)} has "
-                              f"{len(ids)} tokens", where, "context_length_exceeded")
-            ids = ids[:n_ctx]
+                raise Refused(400, over(i, len(ids)), where, "context_length_exceeded")
+            ids = ids[:limit]
         out.append(ids)
     return out
 
@@ -283,7 +291,8 @@ def llama_prompt_ids(eng, prompts: list) -> list:
 def register(app, state, ready, api_error: type, check_model, *, metrics=None):
     """Add the embeddings routes to `app` (serve/app.py's create_app): ready(request) -> the engine or raises
     api_error; check_model(name) applies --strict-model-name (OpenAI's shape)."""
-    from .ollama import OllamaError, check_model_name, load_wait_ns, parse_keep_alive, read_object, ready_engine
+    from .ollama import (OllamaError, check_model_name, load_wait_ns, option_int, option_stops, parse_keep_alive,
+                         read_object, ready_engine, sampling_from_options)
 
     def openai_error(e: Refused):
         return api_error(e.status, e.message, e.type, e.param, e.code,
@@ -325,21 +334,39 @@ def register(app, state, ready, api_error: type, check_model, *, metrics=None):
     def ollama_model(name):
         check_model_name(state, name)
 
-    async def ollama_body(request: Request) -> dict:
+    async def ollama_body(request: Request, eng) -> dict:
+        """The body, its `options` checked as /api/generate checks them (the same 400 for one that is not an
+        option or a bad value; the sampling ones are then ignored, as ollama ignores them here: nothing samples),
+        `keep_alive`, `truncate` and `dimensions` checked."""
         data = await read_object(request)
-        if data.get("options") is not None and not isinstance(data["options"], dict):
+        options = data.get("options")
+        if options is not None and not isinstance(options, dict):
             raise OllamaError(400, "options: expected an object")
+        sampling_from_options(options, None)
+        for key in ("num_ctx", "num_predict"):
+            option_int(options or {}, key)
+        option_stops(options or {})
         if data.get("keep_alive") is not None:
             try:
                 parse_keep_alive(data["keep_alive"])
             except ValueError as e:
                 raise OllamaError(400, str(e)) from None
+        truncate = data.get("truncate")
+        if truncate is not None and not isinstance(truncate, bool):
+            raise OllamaError(400, "truncate: expected true or false")
+        try:
+            check_dimensions(eng, data.get("dimensions"))   # a load request (no input) too
+        except Refused as e:
+            raise OllamaError(400, e.message) from None
         return data
 
-    async def ollama_vectors(eng, request, texts, where, truncate=False, one=False):
+    async def ollama_vectors(eng, request, data, texts, where, truncate=False, one=False):
+        """The token lists and vectors of `texts`, options.num_ctx a bound below the context (cut or refused as
+        `truncate` says), as ollama's EmbedHandler."""
         try:
             pooled_only(eng)
-            ids = await tokenized(eng, texts, where, truncate, one)
+            num_ctx = option_int(data.get("options") or {}, "num_ctx")
+            ids = await tokenized(eng, texts, where, truncate, one, num_ctx)
             return ids, await run_embed(eng, state, request, ids, metrics)
         except Refused as e:
             raise OllamaError(e.status, e.message) from None
@@ -348,15 +375,9 @@ def register(app, state, ready, api_error: type, check_model, *, metrics=None):
     async def api_embed(request: Request):
         t0 = time.perf_counter()
         eng = engine(request)
-        data = await ollama_body(request)
+        data = await ollama_body(request, eng)
         ollama_model(data.get("model"))
         value, truncate = data.get("input"), data.get("truncate")
-        if truncate is not None and not isinstance(truncate, bool):
-            raise OllamaError(400, "truncate: expected true or false")
-        try:
-            check_dimensions(eng, data.get("dimensions"))
-        except Refused as e:
-            raise OllamaError(400, e.message) from None
         if value is None or value == "" or value == []:   # ollama: nothing to embed is an empty list (a load)
             return {"model": state.model_id, "embeddings": []}
         texts = [value] if isinstance(value, str) else value
@@ -368,7 +389,7 @@ def register(app, state, ready, api_error: type, check_model, *, metrics=None):
         if empty:
             raise OllamaError(400, f"input.{empty[0]}: an empty string has nothing to embed")
         # ollama's default is true: only an explicit false refuses a text over the context
-        ids, vectors = await ollama_vectors(eng, request, texts, "input", truncate is not False)
+        ids, vectors = await ollama_vectors(eng, request, data, texts, "input", truncate is not False)
         if vectors is None:
             return gone()
         load_ns = load_wait_ns(request)   # the router's wait for this model's load (ollama counts it)
@@ -380,14 +401,16 @@ def register(app, state, ready, api_error: type, check_model, *, metrics=None):
     @app.post("/api/embeddings")
     async def api_embeddings(request: Request):
         eng = engine(request)
-        data = await ollama_body(request)
+        data = await ollama_body(request, eng)
         ollama_model(data.get("model"))
         prompt = data.get("prompt")
         if prompt is not None and not isinstance(prompt, str):
             raise OllamaError(400, "prompt: expected a string")
         if not prompt:   # ollama answers an empty prompt with an empty embedding
             return {"embedding": []}
-        _, vectors = await ollama_vectors(eng, request, [prompt], "prompt", one=True)
+        # /api/embed's truncate, but false when left out, as before: ollama's older route has no such field
+        _, vectors = await ollama_vectors(eng, request, data, [prompt], "prompt", data.get("truncate") is True,
+                                          one=True)
         if vectors is None:
             return gone()
         return {"embedding": vectors[0].tolist()}

@@ -122,6 +122,83 @@ def test_over_the_context_and_empty_inputs_are_400s(client, oclient, server, llm
     assert r.status_code == 400 and "at most 2048" in r.json()["error"]   # as /v1/embeddings
 
 
+def test_ollama_options_are_checked_and_num_ctx_bounds_the_input(oclient, client, server, llm, model_id):
+    """ollama's `options` on /api/embed and /api/embeddings: checked as /api/generate checks them (an unknown one
+    is the same 400; they were taken in silence), and num_ctx bounds each text at min(num_ctx, the context), as
+    ollama's EmbedHandler does: truncate true (or left out, on /api/embed) keeps the first num_ctx tokens, false
+    is a 400 (a text of 300 tokens was embedded whole under num_ctx 8)."""
+    text = "hello world " * 100
+    ids = llm.tokenize(text, add_bos=True)
+    cut = client.embeddings.create(model=model_id, input=[ids[:8]], encoding_format="float").data[0].embedding
+    whole = llm.embed(text)[0]
+
+    def post(path, body):
+        r = httpx.post(server.url + path, json={"model": model_id, **body}, timeout=60)
+        return r.status_code, r.json()
+    for extra in ({}, {"truncate": True}):
+        code, got = post("/api/embed", {"input": ["hi", text], "options": {"num_ctx": 8}, **extra})
+        assert code == 200 and np.array_equal(f32(got["embeddings"][1]), f32(cut)), extra
+        assert got["prompt_eval_count"] == len(llm.tokenize("hi", add_bos=True)) + 8
+    r = oclient.embed(model=model_id, input=text, options={"num_ctx": 8.0})   # JSON's 8.0 is 8, as ollama's
+    assert np.array_equal(f32(r.embeddings[0]), f32(cut))
+    code, got = post("/api/embed", {"input": ["hi", text], "options": {"num_ctx": 8}, "truncate": False})
+    assert code == 400 and got["error"].startswith(f"input.1 has {len(ids)} tokens, over options.num_ctx 8"), got
+    # num_ctx past the server's context is capped by it; 0 or less is the server's context (as on /api/generate)
+    for num_ctx in (10 ** 6, 0, -1):
+        code, got = post("/api/embed", {"input": text, "options": {"num_ctx": num_ctx}, "truncate": False})
+        assert code == 200 and np.array_equal(f32(got["embeddings"][0]), whole), num_ctx
+    # the older route: the same options and num_ctx (its truncate: see the next test)
+    code, got = post("/api/embeddings", {"prompt": text, "options": {"num_ctx": 8}, "truncate": True})
+    assert code == 200 and np.array_equal(f32(got["embedding"]), f32(cut))
+    code, got = post("/api/embeddings", {"prompt": text, "options": {"num_ctx": 8}})
+    assert code == 400 and got["error"].startswith(f"prompt has {len(ids)} tokens, over options.num_ctx 8"), got
+    # an option that is not one, or a bad value, is /api/generate's own 400 on every route
+    for options in ({"bogus_opt": 8}, {"num_ctx": "8"}, {"num_ctx": 8.5}, {"temperature": "hot"}, {"top_k": 1.5},
+                    {"num_thread": "2"}, {"stop": 5}, {"tfs_z": 0.5}):
+        code, want = post("/api/generate", {"prompt": "hi", "stream": False, "options": {"num_predict": 1, **options}})
+        assert code == 400 and want["error"].startswith("options."), (options, want)
+        for path, field in (("/api/embed", "input"), ("/api/embeddings", "prompt")):
+            code, got = post(path, {field: "hi", "options": options})
+            assert code == 400 and got == want, (path, options, got)
+        code, got = post("/api/embed", {"input": [], "options": options})   # a load request too, as /api/generate
+        assert code == 400 and got == want, options
+    # sampling options are accepted and ignored, as ollama ignores them for embeddings (nothing samples)
+    sampled = {"temperature": 0.7, "seed": 3, "top_k": 5, "num_predict": 4, "stop": ["x"], "num_thread": 2}
+    code, got = post("/api/embed", {"input": text, "options": sampled})
+    assert code == 200 and np.array_equal(f32(got["embeddings"][0]), whole)
+    code, got = post("/api/embeddings", {"prompt": text, "options": sampled})
+    assert code == 200 and np.array_equal(f32(got["embedding"]), whole)
+
+
+def test_older_api_embeddings_honours_dimensions_and_truncate(oclient, client, server, llm, model_id):
+    """/api/embeddings took `dimensions` and `truncate` and ignored them (a 64 asked for, 256 answered; truncate
+    true still refused a long prompt): they are /api/embed's, checked and honoured the same way. Left out,
+    truncate is false here, as before (ollama's older endpoint has no such field): a long prompt is a 400."""
+    n_ctx = client.models.list().data[0].model_extra["meta"]["n_ctx"]
+    width = llm.config.hidden_size
+    long_text = "word " * (n_ctx + 10)
+    cut = llm.tokenize(long_text, add_bos=True)[:n_ctx]
+    want = client.embeddings.create(model=model_id, input=[cut], encoding_format="float").data[0].embedding
+
+    def post(body):
+        r = httpx.post(server.url + "/api/embeddings", json={"model": model_id, **body}, timeout=60)
+        return r.status_code, r.json()
+    code, got = post({"prompt": "x", "dimensions": 64})
+    assert code == 400 and got["error"].startswith(f"dimensions 64: this model's embeddings have {width}"), got
+    code, got = post({"prompt": "x", "dimensions": "64"})
+    assert code == 400 and "expected an integer" in got["error"]
+    for dims in (width, float(width)):
+        code, got = post({"prompt": "x", "dimensions": dims})
+        assert code == 200 and np.array_equal(f32(got["embedding"]), llm.embed("x")[0]), dims
+    code, got = post({"prompt": long_text, "truncate": True})
+    assert code == 200 and np.array_equal(f32(got["embedding"]), f32(want))
+    for truncate in (False, None):
+        code, got = post({"prompt": long_text, "truncate": truncate})
+        assert code == 400 and "However, prompt has" in got["error"], truncate
+    code, got = post({"prompt": "x", "truncate": "yes"})
+    assert code == 400 and got == {"error": "truncate: expected true or false"}
+
+
 def test_many_contexts_of_token_ids_in_one_request(client, server, model_id, llm):
     """A request may carry many contexts' worth of token ids (the generating endpoints' body bound is one context);
     more than 2048 inputs is OpenAI's own 400."""
