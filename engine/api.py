@@ -305,10 +305,10 @@ class _Text:
         texts = [texts] if isinstance(texts, str) else list(texts)
         if not texts:
             raise BitNetError("no texts to embed")
-        for i, t in enumerate(texts):
+        for i, t in enumerate(texts):   # counted as `bitnet embed` counts them: "text 2 of 3", from 1
             if not isinstance(t, str) or not t:
-                raise BitNetError(f"input {i}: an empty text has nothing to embed" if t == "" else
-                                  f"input {i}: expected a string, got {type(t).__name__}")
+                raise BitNetError(f"text {i + 1} of {len(texts)} is empty: nothing to embed" if t == "" else
+                                  f"text {i + 1} of {len(texts)}: expected a string, got {type(t).__name__}")
         return [self.tokenize(t, add_bos=True) for t in texts]
 
     def tool_format(self, tools: bool = True):
@@ -407,8 +407,8 @@ class LLM(_Text):
         all_ids = self.embed_tokens(texts)
         for i, ids in enumerate(all_ids):
             if len(ids) > self.n_ctx:
-                raise ContextOverflowError(f"input {i} has {len(ids)} tokens but the context holds {self.n_ctx}",
-                                           hint="raise the context or shorten the text")
+                raise ContextOverflowError(f"text {i + 1} of {len(all_ids)} has {len(ids)} tokens but the context "
+                                           f"holds {self.n_ctx}", hint="raise the context or shorten the text")
         with self._cache("embed()"):
             if pooling == "none":
                 return [embed_ids(self.model, ids, pooling) for ids in all_ids]

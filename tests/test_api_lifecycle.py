@@ -130,9 +130,9 @@ def test_prompts_and_texts_of_the_wrong_type_are_a_bitnet_error():
                             (lambda: list(llm.generate(7)), "prompt: give text (str) or token ids, not int"),
                             (lambda: list(llm.generate([1.5])), r"prompt: token ids are integers, not float \(1.5\)"),
                             (lambda: eng.submit(None), "prompt: give text"),
-                            (lambda: eng.embed_ids([[True]]), r"input 0: token ids are integers, not bool"),
-                            (lambda: eng.embed_ids([[1], [2.0]]), r"input 1: token ids are integers, not float"),
-                            (lambda: eng.embed_ids(["ab"]), "input 0: give token ids, not str")):
+                            (lambda: eng.embed_ids([[True]]), r"text 1 of 1: token ids are integers, not bool"),
+                            (lambda: eng.embed_ids([[1], [2.0]]), r"text 2 of 2: token ids are integers, not float"),
+                            (lambda: eng.embed_ids(["ab"]), "text 1 of 1: give token ids, not str")):
             with pytest.raises(BitNetError, match=words.replace("(str)", r"\(str\)")):
                 call()
         assert eng.embed_ids([np.array([1, 2, 3])]).shape[0] == 1

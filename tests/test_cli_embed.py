@@ -125,7 +125,9 @@ def test_cosines_as_llama_embedding_prints_them():
     (("-f", "/nonexistent/texts.txt"), "No such file"),
     (("-p", "a", "--pooling", "cls"), "every text would get the same vector"),
     (("-p", "a", "--embd-normalize", "-2"), "--embd-normalize -2"),
-    (("-p", "word " * 3000), "context holds"),
+    # texts are counted one way in every message, "text N of M" from 1 (the context's error said "input 0")
+    (("-p", "word " * 3000), "error: text 1 of 1 has"),
+    (("-p", "a\nword word word word", "-c", "2"), "error: text 2 of 2 has"),
     (("-p", "a", "--embd-separator", ""), "--embd-separator: must not be empty"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, words):

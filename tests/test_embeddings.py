@@ -168,19 +168,22 @@ def test_beside_a_generation_tokens_and_vectors_unchanged_pages_returned(synth, 
 
 def test_refusals(synth, llm):
     long_text = "word " * 400   # the synthetic model's context is 256 tokens
-    with pytest.raises(ContextOverflowError, match="input 1 has"):
+    # texts counted as `bitnet embed`'s other messages count them, "text N of M" from 1 (this said "input 1")
+    with pytest.raises(ContextOverflowError, match="text 2 of 2 has"):
         llm.embed(["ok", long_text])
     with running_engine(synth[2]["f16"], threads=1) as eng:
         # a server's context is at least 2048 (api.serving_ctx), past the model's 256: over the engine's own
-        with pytest.raises(ContextOverflowError, match="input 1 has"):
-            eng.embed(["ok", "word " * (eng.n_ctx + 10)])
-        with pytest.raises(BitNetError, match="input 0: an empty text"):
-            eng.embed([""])
+        with pytest.raises(ContextOverflowError, match="text 2 of 3 has"):
+            eng.embed(["ok", "word " * (eng.n_ctx + 10), "ok"])
+        with pytest.raises(BitNetError, match="text 2 of 2 is empty: nothing to embed"):
+            eng.embed(["ok", ""])
+        with pytest.raises(BitNetError, match="text 1 of 1: expected a string, got int"):
+            llm.embed([5])
         with pytest.raises(BitNetError, match="no texts"):
             eng.embed([])
         with pytest.raises(BitNetError, match="outside the vocabulary"):
             eng.submit_embed([[1, 2, 10 ** 6]])
-        with pytest.raises(BitNetError, match="input 0: no tokens"):
+        with pytest.raises(BitNetError, match="text 1 of 1: no tokens"):
             eng.submit_embed([[]])
         # exactly the context fits
         ids = [int(t) for t in np.random.default_rng(0).integers(3, llm.config.vocab_size, eng.n_ctx)]

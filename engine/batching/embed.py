@@ -86,13 +86,17 @@ class Embeddings:
         vocab, dim = self.config.vocab_size, self.config.hidden_size
         if texts is None or isinstance(texts, (str, bytes)) or not hasattr(texts, "__iter__"):
             raise BitNetError(f"texts: give lists of token ids, not {type(texts).__name__}")
-        texts = [token_ids(ids, f"input {i}", text_ok=False) for i, ids in enumerate(texts)]
+        texts = list(texts)
+
+        def name(i):   # counted as LLM.embed and `bitnet embed` count texts: "text 2 of 3", from 1
+            return f"text {i + 1} of {len(texts)}"
+        texts = [token_ids(ids, name(i), text_ok=False) for i, ids in enumerate(texts)]
         if not texts:
             raise BitNetError("no texts to embed")
         for i, ids in enumerate(texts):
             if not ids:
-                raise BitNetError(f"input {i}: no tokens to embed")
-            self._check_ids(ids, f"input {i}")   # BatchScheduler's: the vocabulary and the context
+                raise BitNetError(f"{name(i)}: no tokens to embed")
+            self._check_ids(ids, name(i))   # BatchScheduler's: the vocabulary and the context
         req = EmbedRequest(self, texts, dim, callback, pooling)
         params = SamplingParams(temperature=0)
         with self._lock:

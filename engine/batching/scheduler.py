@@ -236,7 +236,7 @@ class BatchScheduler(Drafts, Embeddings, Scoring):
                                  f"{self.max_queue})", hint="retry later")
 
     def _check_ids(self, ids: list, text: str | None = None):
-        """A prompt's ids (text None) or those of embedding text `text` ("input 2"): every id in the vocabulary
+        """A prompt's ids (text None) or those of embedding text `text` ("text 2 of 3"): every id in the vocabulary
         (BitNetError) and no more than the context holds (ContextOverflowError)."""
         vocab = self.config.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]
