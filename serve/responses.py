@@ -474,8 +474,8 @@ class ResponseBuilder:
         return ev
 
     def finish(self, final, usage: dict) -> list[str]:
-        """The end, from the answer's final Chunk: completed, or incomplete (max_output_tokens or the context).
-        usage: the chat pipeline's counts."""
+        """The end, from the answer's final Chunk: completed, or incomplete (max_output_tokens or the context, or a
+        stop string inside a call or a text.format answer). usage: the chat pipeline's counts."""
         cut = final.finish_reason in ("length", "context")
         n_cached = final.stats.n_cached if final.stats is not None else 0
         ev, thinking = [], self.splitter is not None and self.splitter.mode == "think"
@@ -486,7 +486,10 @@ class ResponseBuilder:
             ev += self._answer(held, lps) if held else []
         ev += self._close_thought(cut and thinking)
         rest, calls = self.parser.finish(cut) if self.parser is not None else ("", [])
-        ev += self._put(rest, calls, cut_call=self.parser is not None and self.parser.cut_call)
+        cut_call = self.parser is not None and self.parser.cut_call
+        ev += self._put(rest, calls, cut_call=cut_call)
+        if cut_call:   # a call cut by a stop string: as one cut by max_output_tokens (chat's length), never to be run
+            cut = True
         if final.finish_reason == "stop" and self.json_answer and self._answer_cut():
             cut = True   # an answer in text.format cut by a stop string: as one cut by max_output_tokens
         if not cut and self.msg is None and not any(o["type"] in ("message", "function_call") for o in self.output):

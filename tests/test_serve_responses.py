@@ -136,6 +136,24 @@ def test_function_calls_and_their_results(client):
     assert client.responses.create(model="any", input=nameless, tools=[ADD], max_output_tokens=2).output is not None
 
 
+@pytest.mark.parametrize("stop", ['"b"', ', "'])   # inside the arguments; before they began (arguments "")
+def test_a_call_cut_by_a_stop_string_is_incomplete(client, server, stop):
+    """A stop string inside a call cuts it as max_output_tokens does: the response is incomplete and its stream
+    ends with response.incomplete, as the chat endpoint says length for it (it said completed: an agent loop that
+    checks the status ran a call with arguments "" or '{"a": 12, ')."""
+    kw = dict(input=Q, tools=[ADD], tool_choice="required", temperature=0, max_output_tokens=100)
+    c = chat(client, [{"role": "user", "content": Q}], tools=[ADD_CHAT], tool_choice="required", max_tokens=100,
+             stop=[stop])
+    assert c.choices[0].finish_reason == "length" and c.choices[0].message.tool_calls
+    r = client.responses.create(model="any", extra_body={"stop": [stop]}, **kw)
+    calls = [o for o in r.output if o.type == "function_call"]
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens", r
+    assert calls and calls[-1].status == "incomplete"
+    assert calls[-1].arguments == c.choices[0].message.tool_calls[-1].function.arguments
+    raw = events_of(server, {**kw, "stop": [stop]})
+    assert raw[-1][0] == "response.incomplete" and raw[-1][1]["response"]["status"] == "incomplete"
+    assert "response.completed" not in [k for k, _ in raw]
+
 def test_structured_output_by_text_format(client):
     schema = {"type": "object", "properties": {"answer": {"type": "integer"}, "unit": {"enum": ["apples", "pears"]}},
               "required": ["answer", "unit"], "additionalProperties": False}
