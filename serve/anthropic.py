@@ -35,8 +35,15 @@ STOP_REASON = {"eos": "end_turn", "stop": "stop_sequence", "length": "max_tokens
                "context": "model_context_window_exceeded", "cancelled": "end_turn"}
 # the keys Anthropic's API takes in its nested objects; any other is its 400 ("Extra inputs are not permitted")
 TEXT_BLOCK_KEYS = {"type", "text", "cache_control", "citations"}
-TOOL_CHOICE_KEYS = {"type", "name", "disable_parallel_tool_use"}
-NESTED_KEYS = {"metadata": {"user_id"}, "output_config": {"format", "effort"}}
+# per tool_choice type (a name on type auto was ignored; none has no disable_parallel_tool_use)
+TOOL_CHOICE_KEYS = {"auto": {"type", "disable_parallel_tool_use"}, "any": {"type", "disable_parallel_tool_use"},
+                    "tool": {"type", "name", "disable_parallel_tool_use"}, "none": {"type"}}
+FORMAT_KEYS = {"type", "schema"}   # output_config.format, output_format
+NESTED_KEYS = {"metadata": {"user_id"}, "output_config": {"format", "effort"}, "output_format": FORMAT_KEYS}
+# a custom tool's keys, and a tool_result block's: Anthropic's (what this server does not use is ignored)
+TOOL_KEYS = {"type", "name", "description", "input_schema", "cache_control", "strict", "input_examples",
+             "defer_loading", "allowed_callers", "eager_input_streaming"}
+TOOL_RESULT_KEYS = {"type", "tool_use_id", "content", "is_error", "cache_control", "toolset_name"}
 TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,128}")
 
 
@@ -45,6 +52,22 @@ def only_keys(value: Optional[dict], keys: set, where: str) -> None:
     extra = sorted(set(value or ()) - keys)
     if extra:
         raise RequestProblem(f"{where}.{extra[0]}", f"{where}.{extra[0]}: Extra inputs are not permitted")
+
+
+def only_boolean(value: Any, where: str) -> None:
+    """RequestProblem for a flag that is not JSON's boolean (its truthiness read "no" as true), as Anthropic's."""
+    if not boolean_or_none(value):
+        raise RequestProblem(where, f"{where}: Input should be a valid boolean")
+
+
+def text_blocks(content, where: str) -> str:
+    """A string or text blocks (system, a tool_result's content) as text, a block's keys checked as a message's
+    text block's are (an unknown key inside a tool_result was ignored)."""
+    if isinstance(content, list):
+        for j, p in enumerate(content):
+            if isinstance(p, dict) and p.get("type") == "text":
+                only_keys(p, TEXT_BLOCK_KEYS, f"{where}.{j}")
+    return text_of_parts(content, where, ("text",))
 
 
 class _Conversation(BaseModel):
@@ -89,7 +112,7 @@ class _Conversation(BaseModel):
         RequestProblem naming the block this model cannot take, or what Anthropic's API refuses."""
         out: list[dict] = []
         if self.system:
-            out.append({"role": "system", "content": text_of_parts(self.system, "system", ("text",))})
+            out.append({"role": "system", "content": text_blocks(self.system, "system")})
         names: dict[str, str] = {}   # tool_use id -> tool name, for the results that answer them
         uses: set[str] = set()       # the tool_use ids of the turn just before (the only ones a result answers)
         tool_blocks = False
@@ -127,6 +150,8 @@ class _Conversation(BaseModel):
                     use_id = b.get("tool_use_id")
                     if not isinstance(use_id, str):
                         raise RequestProblem(f"{at}.tool_use_id", f"{at}.tool_use_id: required")
+                    only_keys(b, TOOL_RESULT_KEYS, at)
+                    only_boolean(b.get("is_error"), f"{at}.is_error")   # "false" was an error result
                     answered.add(use_id)
                     if use_id not in before:   # Anthropic's 400: a result answers a use of the message before it
                         raise RequestProblem(f"{at}.tool_use_id", f"{at}: unexpected tool_use_id {json_text(use_id)}"
@@ -134,7 +159,7 @@ class _Conversation(BaseModel):
                                              "tool_result block: each tool_result needs a tool_use block with that "
                                              "id in the previous message")
                     content = b.get("content")
-                    result = text_of_parts(content, f"{at}.content", ("text",))
+                    result = text_blocks(content, f"{at}.content")
                     if b.get("is_error"):
                         result = f"Error: {result}"
                     msg = {"role": "tool", "tool_call_id": use_id, "content": result}
@@ -203,14 +228,14 @@ class _Conversation(BaseModel):
                 raise RequestProblem(f"tools.{i}", f"tools.{i}: only custom tools ({{name, description, "
                                      f"input_schema}}) run here, not {json_text(kind)}"
                                      " (server tools run on Anthropic's)")
+            only_keys(t, TOOL_KEYS, f"tools.{i}")   # an unknown key was ignored
             # a custom tool's own fields, as Anthropic's API names them (a missing name was blamed on the type)
             if not isinstance(t.get("name"), str):
                 raise RequestProblem(f"tools.{i}.name", f"tools.{i}.name: required (a string)")
             if not TOOL_NAME.fullmatch(t["name"]):   # Anthropic's pattern (a call to "f f!" cannot be written back)
                 raise RequestProblem(f"tools.{i}.name", f"tools.{i}.name: String should match pattern "
                                      f"'^{TOOL_NAME.pattern}$'")
-            if not boolean_or_none(t.get("strict")):   # Anthropic's 400 ("yes" was taken, and dropped)
-                raise RequestProblem(f"tools.{i}.strict", f"tools.{i}.strict: Input should be a valid boolean")
+            only_boolean(t.get("strict"), f"tools.{i}.strict")   # Anthropic's 400 ("yes" was taken, and dropped)
             if not isinstance(t.get("input_schema"), dict):
                 raise RequestProblem(f"tools.{i}.input_schema", f"tools.{i}.input_schema: required (a JSON Schema "
                                      "object; {\"type\": \"object\"} for a tool without arguments)")
@@ -223,15 +248,17 @@ class _Conversation(BaseModel):
 
     def tool_choice_name(self) -> str:
         c = self.tool_choice or {"type": "auto"}
-        only_keys(c, TOOL_CHOICE_KEYS, "tool_choice")
         kind = c.get("type")
+        if kind not in TOOL_CHOICE_KEYS:
+            raise RequestProblem("tool_choice.type", f"tool_choice.type {json_text(kind)}"
+                                                     ": expected auto, any, tool or none")
+        only_keys(c, TOOL_CHOICE_KEYS[kind], "tool_choice")
+        # JSON's boolean: "no" was read as true (parallel calls off)
+        only_boolean(c.get("disable_parallel_tool_use"), "tool_choice.disable_parallel_tool_use")
         if kind == "tool":
             if not isinstance(c.get("name"), str):
                 raise RequestProblem("tool_choice.name", "tool_choice.name: required for type tool")
             return c["name"]
-        if kind not in ("auto", "any", "none"):
-            raise RequestProblem("tool_choice.type", f"tool_choice.type {json_text(kind)}"
-                                                     ": expected auto, any, tool or none")
         return {"auto": "auto" if self.tools else "none", "any": "required", "none": "none"}[kind]
 
     @property
@@ -293,12 +320,16 @@ class MessagesRequest(_Conversation, _Sampling):
     workspace_id: Optional[str] = None
     diagnostics: Optional[dict[str, Any]] = None
 
-    @field_validator("metadata", "output_config")
+    @field_validator("metadata", "output_config", "output_format")
     @classmethod
     def _known_keys(cls, value, info: ValidationInfo):
-        """A key Anthropic's API does not have in the object is its 400, as at the top (metadata.foo was taken)."""
+        """A key Anthropic's API does not have in the object is its 400, as at the top (metadata.foo was taken;
+        output_config.format.name too)."""
         try:
             only_keys(value, NESTED_KEYS[info.field_name], info.field_name)
+            fmt = (value or {}).get("format") if info.field_name == "output_config" else None
+            if isinstance(fmt, dict):
+                only_keys(fmt, FORMAT_KEYS, "output_config.format")
         except RequestProblem as e:
             raise PydanticCustomError("invalid_setting", "{message}", {"message": str(e)}) from None
         return value

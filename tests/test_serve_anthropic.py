@@ -417,6 +417,34 @@ def test_refusals_say_what_anthropics_api_says(server):
               "messages.0.content.0.foo: Extra inputs are not permitted"),
              ({"tools": [{"name": "f f!", "input_schema": {"type": "object"}}]}, "tools.0.name: String should match"),
              ({"model": None}, "model: Field required")]
+
+    def loop(result, **tool):   # a tool use and the user's tool_result block for it
+        use = {"type": "tool_use", "id": "t1", "name": "add", "input": {"a": 1, "b": 2}}
+        return {"tools": [{**ADD, **tool}], "messages": hi + [{"role": "assistant", "content": [use]},
+                                                             {"role": "user", "content": [
+                                                                 {"type": "tool_result", "tool_use_id": "t1",
+                                                                  **result}]}]}
+    # booleans are JSON's own (a string or a number was read by its truthiness: "no" disabled parallel calls,
+    # "false" marked a result as an error), and the keys inside a tool, a tool_result (and its text blocks),
+    # output_config.format and each tool_choice type are Anthropic's (any other was ignored)
+    cases += [({"tools": [ADD], "tool_choice": {"type": "any", "disable_parallel_tool_use": "no"}},
+               "tool_choice.disable_parallel_tool_use: Input should be a valid boolean"),
+              ({"tools": [ADD], "tool_choice": {"type": "auto", "disable_parallel_tool_use": 1}},
+               "tool_choice.disable_parallel_tool_use: Input should be a valid boolean"),
+              (loop({"content": "3", "is_error": "false"}), "messages.2.content.0.is_error: Input should be a valid "
+                                                             "boolean"),
+              (loop({"content": "3", "foo": 1}), "messages.2.content.0.foo: Extra inputs are not permitted"),
+              (loop({"content": [{"type": "text", "text": "3", "foo": 1}]}),
+               "messages.2.content.0.content.0.foo: Extra inputs are not permitted"),
+              (loop({"content": "3"}, foo=1), "tools.0.foo: Extra inputs are not permitted"),
+              ({"output_config": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}}}},
+               "output_config.format.name: Extra inputs are not permitted"),
+              ({"output_format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}}},
+               "output_format.name: Extra inputs are not permitted"),
+              ({"tools": [ADD], "tool_choice": {"type": "auto", "name": "add"}},
+               "tool_choice.name: Extra inputs are not permitted"),
+              ({"tools": [ADD], "tool_choice": {"type": "none", "disable_parallel_tool_use": True}},
+               "tool_choice.disable_parallel_tool_use: Extra inputs are not permitted")]
     for extra, said in cases:
         body = {k: v for k, v in {"model": "any", "messages": hi, **extra}.items() if v is not None}
         for path, more in (("/v1/messages", {"max_tokens": 4}), ("/v1/messages/count_tokens", {})):
@@ -426,6 +454,16 @@ def test_refusals_say_what_anthropics_api_says(server):
     ok = hi + [{"role": "assistant", "content": "\n\n"}, {"role": "user", "content": "hi"}]
     r = httpx.post(server.url + "/v1/messages/count_tokens", json={"model": "any", "messages": ok}, timeout=60)
     assert r.status_code == 200, r.text
+    # and Anthropic's own keys in those objects, booleans as booleans
+    for extra in (loop({"content": [{"type": "text", "text": "3", "cache_control": {"type": "ephemeral"}}],
+                        "is_error": False, "cache_control": {"type": "ephemeral"}},
+                       input_examples=[{"a": 1, "b": 2}], cache_control={"type": "ephemeral"}, strict=True),
+                  {"tools": [ADD], "tool_choice": {"type": "any", "disable_parallel_tool_use": True}},
+                  {"tools": [ADD], "tool_choice": {"type": "tool", "name": "add", "disable_parallel_tool_use": False}},
+                  {"output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}}}):
+        r = httpx.post(server.url + "/v1/messages/count_tokens", json={"model": "any", "messages": hi, **extra},
+                       timeout=60)
+        assert r.status_code == 200, (extra, r.text)
 
 
 def test_models_errors_in_anthropics_shape_for_its_client():
