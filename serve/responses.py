@@ -297,13 +297,19 @@ class ResponsesRequest(_Sampling):
                 raise RequestProblem("tool_choice", f"tool_choice {json_text(c)}: expected none, auto, required or "
                                                     "{\"type\": \"function\", \"name\": ...}")
             return c
-        if c.get("type") == "function" and isinstance(c.get("name"), str):
+        kind = c.get("type")   # the key at fault is named (the whole object was echoed, cut mid-JSON)
+        if kind == "function":
+            if not isinstance(c.get("name"), str):
+                raise RequestProblem("tool_choice.name", "tool_choice.name: required for type function (a string)")
             return c["name"]
-        if c.get("type") == "allowed_tools" and c.get("mode") in ("auto", "required"):
+        if kind == "allowed_tools":
+            if c.get("mode") not in ("auto", "required"):
+                raise RequestProblem("tool_choice.mode", f"tool_choice.mode {json_text(c.get('mode'))}: expected "
+                                                         "auto or required")
             return c["mode"]
-        raise RequestProblem("tool_choice", f"tool_choice {json.dumps(c)[:80]}: only none, auto, required, "
-                                            "{\"type\": \"function\", \"name\": ...} or allowed_tools (built-in "
-                                            "tools do not run here)")
+        raise RequestProblem("tool_choice", f"tool_choice.type {json_text(kind)}: expected function or "
+                                            "allowed_tools (or the string none, auto or required; built-in tools "
+                                            "do not run here)")
 
     def allowed_tools(self) -> Optional[list[str]]:
         """The function names tool_choice {"type": "allowed_tools", "mode", "tools"} lets the model call (None: all)."""

@@ -293,6 +293,24 @@ def test_what_cannot_be_honoured_is_a_400_naming_it(server, extra, param):
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
+@pytest.mark.parametrize("choice, param, words", [
+    ({"type": "allowed_tools", "mode": "never", "tools": [{"type": "function", "name": "add"}]}, "tool_choice.mode",
+     'tool_choice.mode "never": expected auto or required'),
+    ({"type": "allowed_tools", "tools": [{"type": "function", "name": "add"}]}, "tool_choice.mode",
+     "tool_choice.mode null: expected auto or required"),
+    ({"type": "function"}, "tool_choice.name", "tool_choice.name: required"),
+    ({"type": "web_search_preview", "search_context_size": "high" * 30}, "tool_choice",
+     'tool_choice.type "web_search_preview": expected'),
+])
+def test_a_bad_tool_choice_names_its_field(server, choice, param, words):
+    """The 400 for a tool_choice object names the key that is wrong (a bad allowed_tools mode said the whole
+    object, cut mid-JSON, and listed allowed_tools, what was sent, as accepted)."""
+    body = {"input": "Hi", "max_output_tokens": 4, "tools": [ADD], "tool_choice": choice}
+    r = httpx.post(server.url + "/v1/responses", json=body, timeout=60)
+    e = r.json()["error"]
+    assert r.status_code == 400 and e["param"] == param and words in e["message"], r.text
+    assert "high" not in e["message"], e
+
 def test_input_longer_than_the_context_is_a_400(server):
     r = httpx.post(server.url + "/v1/responses", json={"input": "word " * 20000, "max_output_tokens": 4}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
