@@ -21,8 +21,8 @@ from pydantic import ConfigDict, Field, field_validator, with_config
 from pydantic_core import PydanticCustomError
 from typing_extensions import TypedDict
 
-from .schemas import (Metadata, RequestProblem, ServiceTier, _Sampling, boolean_or_none, cut_json, json_text,
-                      text_of_parts)
+from .schemas import (Metadata, RequestProblem, ServiceTier, _Sampling, boolean_or_none, check_openai_name, cut_json,
+                      json_text, text_of_parts)
 
 # `include` values: what they ask for exists here (logprobs) or is vacuous (no reasoning, no built-in tools run)
 INCLUDE_LOGPROBS = "message.output_text.logprobs"
@@ -151,6 +151,7 @@ class ResponsesRequest(_Sampling):
             raise RequestProblem("text.format.strict", "text.format.strict: expected a boolean")
         if fmt["type"] == "json_schema" and not isinstance(fmt.get("name"), str):   # OpenAI's 400 (and its words)
             raise RequestProblem("text.format.name", "Missing required parameter: 'text.format.name'.")
+        check_openai_name(fmt.get("name"), "text.format.name")
         return None if fmt["type"] == "text" else fmt
 
     def constraint(self):
@@ -280,6 +281,8 @@ class ResponsesRequest(_Sampling):
             if not boolean_or_none((t if flat else t["function"]).get("strict")):   # OpenAI's 400 ("yes" was taken)
                 where = f"tools[{i}].strict" if flat else f"tools[{i}].function.strict"
                 raise RequestProblem(where, f"{where}: expected a boolean")
+            check_openai_name((t if flat else t["function"]).get("name"),
+                              f"tools[{i}].name" if flat else f"tools[{i}].function.name")
             if not flat:   # the chat shape, sent here by mistake: taken as it is
                 out.append(t)
                 continue

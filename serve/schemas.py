@@ -275,6 +275,18 @@ def boolean_or_none(value) -> bool:
     return value is None or isinstance(value, bool)
 
 
+# OpenAI's pattern for a function's name and a response format's name (its API refuses "a b", "x</tool_call>y")
+OPENAI_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+
+
+def check_openai_name(name, where: str) -> None:
+    """RequestProblem for a tool's or a format's name outside OpenAI's pattern, on OpenAI's endpoints (ollama's
+    and llama-server's own take any); a name that is not a string is left to the check of its shape."""
+    if isinstance(name, str) and not OPENAI_NAME.fullmatch(name):
+        raise RequestProblem(where, f"{where} {json_text(name)}: expected 1 to 64 letters, digits, underscores or "
+                                    f"dashes ('^{OPENAI_NAME.pattern}$'), as OpenAI's API")
+
+
 def cut_json(text: str, splitter=None) -> bool:
     """Whether an answer that must be JSON is no whole JSON value: a stop string cut it before its grammar let it
     end (one after a whole value, past its last digit, cut nothing). splitter: a fresh think splitter, to leave
@@ -863,6 +875,17 @@ class ChatCompletionRequest(ToolMessages, _Sampling):
 
     def record_logprobs(self):
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def check_tool_shapes(self):
+        """ToolMessages' checks, and OpenAI's pattern for the tools' and the response format's names (llama-server's
+        /apply-template, which shares the others, takes any name)."""
+        super().check_tool_shapes()
+        for i, t in enumerate(self.tools or ()):
+            fn = t.get("function") if isinstance(t, dict) else None
+            if isinstance(fn, dict):
+                check_openai_name(fn.get("name"), f"tools[{i}].function.name")
+        if self.response_format is not None and self.response_format.json_schema is not None:
+            check_openai_name(self.response_format.json_schema.name, "response_format.json_schema.name")
 
     def unsupported(self):
         if self.top_logprobs and not self.logprobs:   # ollama's /api/chat rule too; the harmless 0 is taken

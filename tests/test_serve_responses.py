@@ -311,6 +311,32 @@ def test_a_bad_tool_choice_names_its_field(server, choice, param, words):
     assert r.status_code == 400 and e["param"] == param and words in e["message"], r.text
     assert "high" not in e["message"], e
 
+def test_names_follow_openais_pattern(server):
+    """A tool's name and a format's name are OpenAI's ^[a-zA-Z0-9_-]{1,64}$ on its endpoints, a 400 naming the
+    field (OpenAI refuses "a b" or "x</tool_call>y"; they were taken here), and any such name is taken."""
+    obj = {"type": "object"}
+    fmt = {"type": "json_schema", "schema": obj}
+    hi = [{"role": "user", "content": "Hi"}]
+    for bad in ("a b", "x</tool_call>y", "x" * 65, "", "n\u00e4me"):
+        chat_tool = {"type": "function", "function": {"name": bad, "parameters": obj}}
+        for path, body, param in (
+                ("/v1/responses", {"tools": [{**ADD, "name": bad}]}, "tools[0].name"),
+                ("/v1/responses", {"tools": [ADD_CHAT, chat_tool]}, "tools[1].function.name"),
+                ("/v1/responses", {"text": {"format": {**fmt, "name": bad}}}, "text.format.name"),
+                ("/v1/chat/completions", {"tools": [chat_tool]}, "tools[0].function.name"),
+                ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {
+                    "name": bad, "schema": obj}}}, "response_format.json_schema.name")):
+            body = {**body, **({"messages": hi, "max_tokens": 1} if "chat" in path else
+                               {"input": "Hi", "max_output_tokens": 1})}
+            r = httpx.post(server.url + path, json=body, timeout=60)
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, bad, r.text)
+            assert "^[a-zA-Z0-9_-]{1,64}$" in r.json()["error"]["message"], r.text
+    good = "Get_weather-2" + "x" * 51
+    r = httpx.post(server.url + "/v1/responses", timeout=60, json={
+        "input": "Hi", "max_output_tokens": 1, "tools": [{**ADD, "name": good}],
+        "text": {"format": {**fmt, "name": good}}})
+    assert r.status_code == 200, r.text
+
 def test_input_longer_than_the_context_is_a_400(server):
     r = httpx.post(server.url + "/v1/responses", json={"input": "word " * 20000, "max_output_tokens": 4}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
