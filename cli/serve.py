@@ -620,7 +620,15 @@ def serve_models(args, keys: tuple) -> int:
         if why not in said:
             said.add(why)
             print(f"bitnet serve: {why}: serving the first (rename one of the files)", file=sys.stderr, flush=True)
+    def source_of(ref: str) -> str | None:   # what REPO@REV names in the download cache (never the network)
+        from ..engine.formats.hub import resolve_hub_ref
+        try:
+            return resolve_hub_ref(ref)[1]
+        except BitNetError:
+            return None
+
     router = Router(lambda: model_catalog(args, clash), command, pull=pull if args.models_cache else None,
+                    source_of=source_of if args.models_cache else None,
                     models_max=args.models_max, keep_alive=parse_keep_alive(args.models_keep_alive),
                     load_timeout=args.models_load_timeout, stop_timeout=args.drain_timeout + 5)
     app = create_router_app(router, api_keys=(([args.api_key] if args.api_key else []) + list(keys)),

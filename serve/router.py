@@ -209,11 +209,16 @@ class Router:
     def __init__(self, scan: Callable[[], dict[str, ModelSpec]], command: Callable[[ModelSpec, int, str], list[str]], *,
                  models_max: int = 3, keep_alive: float = FOREVER, load_timeout: float = 600.0,
                  stop_timeout: float = 10.0, retry_after: int = 1, log: Callable[[str], None] | None = None,
-                 pull: Callable[[str], list[str]] | None = None, failed_retry: float = FAILED_RETRY):
+                 pull: Callable[[str], list[str]] | None = None, failed_retry: float = FAILED_RETRY,
+                 source_of: Callable[[str], str | None] | None = None):
         """pull: the command that downloads and converts a hub id into the store cache (`bitnet pull REF`), for
         ollama's /api/pull; None where the catalog holds no cache (--models-dir alone): /api/pull answers 501.
+        source_of: the source (REPO[:FILE]@COMMIT, as a store records it) that a hub id with a revision (a branch,
+        a tag, a commit) names in the download cache, None where it is not there: such a name is served as the
+        conversion of that source (the source keeps the commit alone, so REPO@main matched nothing).
         failed_retry: seconds a failed load is answered again before a request loads the model anew (doubling)."""
         self.scan, self.command, self.models_max, self.pull = scan, command, models_max, pull
+        self.source_of = source_of
         self.models = scan()        # name -> ModelSpec, scanned again (refresh) as files come and go
         self._scanned = time.monotonic()
         self.keep_alive, self.load_timeout, self.stop_timeout = keep_alive, load_timeout, stop_timeout
@@ -306,13 +311,25 @@ class Router:
         raise RouterError(400, f"model: required: this server has several (models: {', '.join(sorted(self.models))})",
                           "missing_model", "model")
 
-    def by_source(self, name: str) -> ModelSpec | None:
-        """The cache's conversion of a hub id (OWNER/REPO[:FILE|:TAG], or ollama's hf.co/OWNER/REPO[:TAG]): the
-        name a client that pulled it uses. Several conversions of it (other heads, other commits): the newest."""
-        ref = hub_name(name).lower()
+    def conversions(self, name: str) -> list[ModelSpec]:
+        """Every conversion in the cache of a hub id (OWNER/REPO[:FILE|:TAG][@REV], or ollama's
+        hf.co/OWNER/REPO[:TAG]), as `bitnet rm` finds them: other heads, other commits; with @REV, those of the
+        commit the revision names in the download cache."""
+        ref = hub_name(name)
         if "/" not in ref:
-            return None
-        found = [spec for spec in self.models.values() if ref in spec.names]
+            return []
+        if "@" not in ref:
+            return [spec for spec in self.models.values() if ref.lower() in spec.names]
+        try:
+            source = self.source_of(ref) if self.source_of is not None else None
+        except Exception:   # noqa: BLE001  (a name the cache cannot resolve names no model)
+            source = None
+        return [spec for spec in self.models.values() if source and spec.source.lower() == source.lower()]
+
+    def by_source(self, name: str) -> ModelSpec | None:
+        """The cache's conversion of a hub id (OWNER/REPO[:FILE|:TAG][@REV], or ollama's hf.co/OWNER/REPO[:TAG]):
+        the name a client that pulled it uses. Several conversions of it (other heads, other commits): the newest."""
+        found = self.conversions(name)
         return max(found, key=lambda spec: spec.modified) if found else None
 
     async def pull_updates(self, name: str, ref: str):
@@ -1116,14 +1133,18 @@ def create_router_app(router: Router, *, api_keys: tuple = (), limits: Limits | 
             raise RouterError(400, f"'{spec.name}' is {shown_path(spec.path)}, a file of --models-dir: the server "
                               "deletes only the converted models of its cache (remove the file itself)",
                               "invalid_value", "model")
-        await router.unload(spec)
-        try:
-            await asyncio.to_thread(os.remove, spec.path)
-        except FileNotFoundError:
-            pass
-        except OSError as e:
-            raise RouterError(500, f"cannot delete '{spec.name}': {e.strerror}", "delete_failed") from None
-        router.log(f"deleted '{spec.name}' ({spec.path})")
+        # a hub id names every conversion of it (other heads, other commits), as `bitnet rm REPO` removes them all:
+        # the newest alone went, and the name still answered with the next one
+        every = [s for s in router.conversions(ollama_name(data).strip()) if s.cached]
+        for one in sorted(every, key=lambda s: s.name) if spec in every else [spec]:
+            await router.unload(one)
+            try:
+                await asyncio.to_thread(os.remove, one.path)
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                raise RouterError(500, f"cannot delete '{one.name}': {e.strerror}", "delete_failed") from None
+            router.log(f"deleted '{one.name}' ({one.path})")
         await router.refresh(fresh=True)
         return Response(status_code=200)
 

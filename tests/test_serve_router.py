@@ -1010,6 +1010,41 @@ def test_ollama_pull_and_delete_on_a_cache_server(tmp_path, models_dir):
         s.stop()
 
 
+def test_a_pull_by_revision_is_served_under_that_name_and_delete_takes_every_conversion(tmp_path):
+    """`/api/pull` of OWNER/REPO@REV said success, and the name pulled was then a 404 (the recorded source keeps the
+    commit alone, cut to 12 characters): a branch and a full commit name the conversion of that commit. A delete by
+    hub id removed only the newest of its conversions, and the model was still served under that name."""
+    import json
+
+    from test_hub_cli import COMMIT_A, add_snapshot, quant_files
+
+    one = {k: v for k, v in quant_files(tmp_path).items() if "TQ2_0" in k}
+    add_snapshot(str(tmp_path / "hub"), "o/rev", COMMIT_A, one)
+    env = {"HF_HUB_CACHE": str(tmp_path / "hub"), "BITNET_CACHE": str(tmp_path / "stores"), "HF_HUB_OFFLINE": "1"}
+    s = Server("--models-cache", "-c", "1024", threads=1, env=env)
+    try:
+        for name in ("o/rev@main", f"o/rev@{COMMIT_A}", f"hf.co/o/rev@{COMMIT_A}"):
+            r = httpx.post(s.url + "/api/pull", json={"model": name, "stream": False}, timeout=300 * slowness())
+            assert r.status_code == 200 and r.json() == {"status": "success"}, (name, r.text)
+            assert "m-1.58bit-TQ2_0.gguf" in chat_text(s.url, name)["model"], name
+        assert httpx.post(s.url + "/api/show", json={"model": "o/rev@nobranch"}, timeout=60).status_code == 404
+        # a second conversion of the same download (another head): `bitnet rm o/rev` removes both, and so must
+        # ollama's delete of the same name
+        r = subprocess.run([sys.executable, "-m", "bitnet_cpu", "pull", "o/rev", "--lm-head", "f16"], cwd=ROOT,
+                           capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT, **env),
+                           timeout=300 * slowness())
+        assert r.returncode == 0, r.stderr
+        tags = lambda: [m["name"] for m in httpx.get(s.url + "/api/tags", timeout=30).json()["models"]]  # noqa: E731
+        assert len(tags()) == 2, tags()
+        r = httpx.request("DELETE", s.url + "/api/delete", content=json.dumps({"model": "o/rev"}), timeout=60)
+        assert r.status_code == 200, r.text
+        assert tags() == [] and not os.listdir(tmp_path / "stores"), tags()
+        r = httpx.request("DELETE", s.url + "/api/delete", content=json.dumps({"model": "o/rev"}), timeout=60)
+        assert r.status_code == 404, r.text
+    finally:
+        s.stop()
+
+
 # ---- keys, shutdown, flags ----------------------------------------------------------------------------------
 def test_ollama_pull_reports_the_bytes_of_a_real_download(tmp_path):
     """Against a hub on 127.0.0.1 (tests/test_hub_cli.py's FakeHub): ollama's client sees the download as its
