@@ -444,6 +444,30 @@ def test_a_download_with_other_bytes_than_listed_is_deleted_and_fetched_again(hu
         fake.close()
 
 
+def test_a_damaged_file_already_downloaded_is_fetched_again_in_the_same_pull(hub, tmp_path):
+    """A file of the download cache damaged since (a disk error, a copy cut short): the pull said it "came down
+    with other bytes" (nothing had come down) and failed, and only the next pull worked. It says the cached copy
+    was damaged and downloads it again, once, in the same pull."""
+    data = open(hub["gguf"], "rb").read()
+    fake = FakeHub("o/again", {"model-i2_s.gguf": data}, "e" * 40)
+    env = env_for(hub, tmp_path, HF_HUB_CACHE=str(tmp_path / "downloads"), HF_HUB_OFFLINE="0",
+                  HF_ENDPOINT=fake.url, HF_HUB_DISABLE_TELEMETRY="1")
+    try:
+        assert bitnet("pull", "--no-convert", "o/again", env=env).returncode == 0
+        blobs = tmp_path / "downloads" / "models--o--again" / "blobs"
+        (blob,) = blobs.iterdir()
+        with open(blob, "r+b") as f:
+            f.truncate(len(data) // 2)
+        del fake.requests[:]
+        r = bitnet("pull", "o/again", env=env)
+        assert r.returncode == 0, r.stderr
+        assert "came down" not in r.stderr and "damaged" in r.stderr and "model-i2_s.gguf" in r.stderr, r.stderr
+        assert ("GET", "/o/again/resolve/main/model-i2_s.gguf") in fake.requests
+        assert hashlib.sha256(blob.read_bytes()).hexdigest() == hashlib.sha256(data).hexdigest()
+    finally:
+        fake.close()
+
+
 def test_a_split_gguf_is_pulled_whole(hub, tmp_path):
     """A model in gguf-split parts (m-TQ2_0-00001-of-0000N.gguf ...): `pull REPO`, `pull REPO:TAG` and a part's
     name each download every part and run as the one file does; the hints went in a circle (pick the tag -> name

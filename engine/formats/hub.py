@@ -371,13 +371,17 @@ def _reporting_bar(report: Callable[[int, int], None]):
     return Bar
 
 
-def _verify(ref: str, path: str, files: dict) -> None:
+def _verify(ref: str, path: str, files: dict, cached: frozenset = frozenset()) -> list[str]:
     """Each downloaded file whose listing gives a sha256 (its LFS object) has those bytes, as ollama checks every
     blob; one that differs (a proxy's page, a download cut and resumed wrong) is deleted, so the next pull fetches
     it again (huggingface_hub keeps it under the expected name: pulling again said "downloaded" over the same bad
-    bytes), and is one error. `path`: the file itself, or the snapshot directory holding `files`."""
+    bytes), and is one error. `path`: the file itself, or the snapshot directory holding `files`. A file of
+    `cached` (in the download cache before this pull: nothing came down) that differs is deleted and said on
+    stderr, and its name returned, for the pull to download it again."""
     import hashlib
+    import sys
 
+    again = []
     for name, entry in files.items():
         want = getattr(getattr(entry, "lfs", None), "sha256", None)
         local = path if os.path.isfile(path) else os.path.join(path, name)
@@ -391,9 +395,29 @@ def _verify(ref: str, path: str, files: dict) -> None:
             for p in {os.path.realpath(local), local}:   # the blob and the snapshot's link to it
                 with contextlib.suppress(OSError):
                     os.remove(p)
+            if name in cached:
+                print(f"bitnet: pull {ref}: the copy of {name} in the download cache is damaged (sha256 "
+                      f"{h.hexdigest()[:12]}, expected {want[:12]}): downloading it again", file=sys.stderr)
+                again.append(name)
+                continue
             raise BitNetError(f"pull {ref}: {name} came down with other bytes than the hub lists (sha256 "
                               f"{h.hexdigest()[:12]}, expected {want[:12]}): deleted",
                               hint="pull again; if it repeats, a proxy or the network alters the download")
+    return again
+
+
+def _in_cache(repo: str, names, rev: str | None) -> frozenset:
+    """The names of `names` that the download cache already holds for `repo` at `rev` (a pull downloads none of
+    them: huggingface_hub takes the cached copy as it is)."""
+    from huggingface_hub import try_to_load_from_cache
+
+    found = set()
+    for name in names:
+        with contextlib.suppress(Exception):   # noqa: BLE001  (not cached, or a cache it cannot read)
+            path = try_to_load_from_cache(repo, name, revision=rev)
+            if isinstance(path, str) and os.path.exists(path):
+                found.add(name)
+    return frozenset(found)
 
 
 def _with_bar(fn, progress, **kwargs):
@@ -447,14 +471,23 @@ def pull(ref: str, progress: Callable[[dict], None] | None = None) -> str:
             lambda done, total: progress({"file": name, "digest": digest, "completed": done, "total": total}))
         if file:   # a split GGUF comes down whole: every part, the first one's path naming the model
             parts = split_parts(file, list(listed))
-            paths = [_with_bar(hf_hub_download, report, repo_id=repo, filename=part, revision=rev) for part in parts]
-            for part, path in zip(parts, paths):
-                _verify(ref, path, {part: listed.get(part)})
-            return paths[0]
-        path = _with_bar(snapshot_download, report, repo_id=repo, revision=rev, allow_patterns=HF_DIR_PATTERNS)
-        _verify(ref, path, {name: f for name, f in listed.items()   # the files snapshot_download took
-                            if any(fnmatch.fnmatch(name, pat) for pat in HF_DIR_PATTERNS)})
-        return path
+            cached = _in_cache(repo, parts, rev)
+            for attempt in range(2):   # a damaged copy in the download cache: deleted, and downloaded once again
+                paths = [_with_bar(hf_hub_download, report, repo_id=repo, filename=part, revision=rev)
+                         for part in parts]
+                again = [n for part, path in zip(parts, paths) for n in _verify(ref, path, {part: listed.get(part)},
+                                                                                 cached)]
+                if not again:
+                    return paths[0]
+                cached = frozenset()
+        took = {name: f for name, f in listed.items()   # the files snapshot_download takes
+                if any(fnmatch.fnmatch(name, pat) for pat in HF_DIR_PATTERNS)}
+        cached = _in_cache(repo, took, rev)
+        for attempt in range(2):
+            path = _with_bar(snapshot_download, report, repo_id=repo, revision=rev, allow_patterns=HF_DIR_PATTERNS)
+            if not _verify(ref, path, took, cached):
+                return path
+            cached = frozenset()
     except BitNetError:
         raise
     except (LocalEntryNotFoundError, OfflineModeIsEnabled) as e:   # not cached, and the hub out of reach
