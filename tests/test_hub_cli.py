@@ -302,9 +302,10 @@ class FakeHub:
     download for real."""
 
     def __init__(self, repo: str, files: dict[str, bytes], commit: str, file_status: int = 200, said: str = "",
-                 corrupt: bool = False):
+                 corrupt: bool = False, page: str | None = None):
         """file_status: the hub's answer to a file's HEAD / GET (429: its rate limit), `said` its error text;
-        corrupt: a file's bytes come down altered (one byte), its listing and ETag those of the true bytes."""
+        corrupt: a file's bytes come down altered (one byte), its listing and ETag those of the true bytes;
+        page "file" / "listing": that answer is an HTML page with status 200 (a captive portal, a proxy's login)."""
         import http.server
         import threading
 
@@ -334,9 +335,21 @@ class FakeHub:
                 name = self.path[len(prefix):].split("/", 1)[-1]
                 return files.get(name)
 
+            def _page(self, body: bool):
+                html = b"<html><body>Sign in to continue</body></html>"
+                self.send_response(200)
+                self.send_header("Content-Type", "text/html")
+                self.send_header("Content-Length", str(len(html)))
+                self.end_headers()
+                self.wfile.write(html if body else b"")
+
             def _answer(self, body: bool):
                 hub.requests.append((self.command, self.path))
                 tree = self._tree()
+                if tree is not None and page == "listing":
+                    return self._page(body)
+                if tree is None and page == "file" and body and self._file() is not None:
+                    return self._page(body)
                 if tree is not None:
                     self.send_response(200)
                     self.send_header("Content-Type", "application/json")
@@ -404,7 +417,7 @@ def test_pull_downloads_converts_and_then_runs_offline(hub, tmp_path):
     assert [x["source"] for x in rows] == [f"o/remote:model-i2_s.gguf@{commit[:12]}"] and rows[0]["path"] == store
 
 
-@pytest.mark.parametrize("status", [429, 403])
+@pytest.mark.parametrize("status", [429, 403, 500])
 def test_an_error_answer_of_the_hub_is_said_as_such_not_offline(hub, tmp_path, status):
     """The hub answering a file with an error status (429: its rate limit, which anonymous bursts meet) is that
     answer in one line, with what to do; it read "offline: cannot reach" the hub that had just answered."""
@@ -416,9 +429,28 @@ def test_an_error_answer_of_the_hub_is_said_as_such_not_offline(hub, tmp_path, s
         r = bitnet("pull", "o/busy:model-i2_s.gguf", env=env, timeout=300)
     finally:
         fake.close()
-    last = r.stderr.strip().splitlines()[-1]
+    lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and "offline" not in r.stderr, r.stderr
-    assert last.startswith(f"bitnet: error: pull o/busy:model-i2_s.gguf: the hub answered {status}"), r.stderr
+    assert lines[-1].startswith(f"bitnet: error: pull o/busy:model-i2_s.gguf: the hub answered {status}"), r.stderr
+    assert len(lines) == 1, r.stderr   # huggingface_hub's retries logged a line each ("Retrying in 8s ...")
+
+
+@pytest.mark.parametrize("where", ["file", "listing"])
+def test_a_page_where_the_hub_should_answer_is_one_line_of_ours(hub, tmp_path, where):
+    """A captive portal or a proxy's login page, 200 and HTML, where the file or the repository's listing should
+    be: the error was huggingface_hub's own words ("OSError: Consistency check failed: file should be of size
+    ...", "JSONDecodeError: Expecting value: line 1 column 1")."""
+    fake = FakeHub("o/portal", {"model-i2_s.gguf": open(hub["gguf"], "rb").read()}, "d" * 40, page=where)
+    try:
+        env = env_for(hub, tmp_path, HF_HUB_CACHE=str(tmp_path / "downloads"), HF_HUB_OFFLINE="0",
+                      HF_ENDPOINT=fake.url, HF_HUB_DISABLE_TELEMETRY="1")
+        r = bitnet("pull", "o/portal", env=env, timeout=300)
+    finally:
+        fake.close()
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("bitnet: error: pull o/portal: "), r.stderr
+    assert "page" in lines[0] and "Consistency" not in lines[0] and "JSONDecodeError" not in lines[0], r.stderr
+    assert ("model-i2_s.gguf" in lines[0]) if where == "file" else ("listing" in lines[0]), r.stderr
 
 
 def test_a_download_with_other_bytes_than_listed_is_deleted_and_fetched_again(hub, tmp_path):

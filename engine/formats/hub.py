@@ -420,6 +420,72 @@ def _in_cache(repo: str, names, rev: str | None) -> frozenset:
     return frozenset(found)
 
 
+@contextlib.contextmanager
+def _quiet():
+    """huggingface_hub's own warnings ("Not enough free disk space ...", with their source line) and its retry
+    logging ("HTTP Error 500 thrown while requesting HEAD ...", "Retrying in 8s [Retry 5/5].") kept off stderr:
+    what went wrong is the pull's one line."""
+    import logging
+    import warnings
+
+    from huggingface_hub.utils import logging as hf_logging   # its loggers, set up as huggingface_hub sets them
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", module=r"huggingface_hub(\.|$)")
+            yield
+    finally:
+        hf_logging.set_verbosity(level)
+
+
+def _cause(e: BaseException, test: Callable[[BaseException], bool]) -> BaseException | None:
+    """The first of `e` and its causes that passes `test`."""
+    seen, cur = set(), e
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if test(cur):
+            return cur
+        cur = cur.__cause__ or cur.__context__
+    return None
+
+
+def _free(path: str) -> int | None:
+    """Free bytes on the file system that holds `path` (or its nearest existing parent)."""
+    import shutil
+
+    path = os.path.abspath(path)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return None
+
+
+def _failed(ref: str, repo: str, file: str | None, e: BaseException, need: int, free: int | None) -> BitNetError | None:
+    """Our own line for a download failure that huggingface_hub says in its words (None: no such failure)."""
+    import errno
+
+    if _cause(e, lambda c: isinstance(c, OSError) and c.errno == errno.ENOSPC) is not None:
+        mb = lambda n: f"{n / 1e6:.2f} MB"   # noqa: E731
+        sizes = f" (need {mb(need)}, {mb(free)} free before the download)" if need and free is not None else ""
+        return BitNetError(f"pull {ref}: no space left on device in {hub_cache_dir()}{sizes}",
+                           hint="free some space, or set HF_HUB_CACHE to a disk with room")
+    bad = _cause(e, lambda c: "Consistency check failed" in str(c))
+    m = re.search(r"should be of size (\d+) but has size (\d+)", str(bad)) if bad is not None else None
+    if m:
+        return BitNetError(f"pull {ref}: the hub answered {file or repo} with {m.group(2)} bytes, not the "
+                           f"{m.group(1)} it lists: a page (a proxy's or a login page?) instead of the file",
+                           hint="check HF_ENDPOINT and the proxy settings, or sign in to the network")
+    if _cause(e, lambda c: type(c).__name__ == "JSONDecodeError") is not None:
+        return BitNetError(f"pull {ref}: the hub answered the listing of {repo} with something that is not JSON: "
+                           "a page (a proxy's or a login page?) instead of the hub's answer",
+                           hint="check HF_ENDPOINT and the proxy settings, or sign in to the network")
+    return None
+
+
 def _with_bar(fn, progress, **kwargs):
     """fn(**kwargs), with tqdm_class reporting to `progress` where this huggingface_hub takes one."""
     import inspect
@@ -435,6 +501,11 @@ def pull(ref: str, progress: Callable[[dict], None] | None = None) -> str:
     local path. Raises BitNetError with one clear line when offline, or when the repo/file/revision is unknown.
     progress: called instead of the bars with {"file", "digest", "completed", "total"} as bytes arrive (digest:
     the file's sha256 where the hub lists one, else its name; a whole snapshot is one item named by REPO)."""
+    with _quiet():
+        return _pull(ref, progress)
+
+
+def _pull(ref: str, progress: Callable[[dict], None] | None) -> str:
     parsed = parse_hub_ref(ref)
     if parsed is None:
         raise BitNetError(f"pull {ref}: not a Hugging Face hub id", hint="e.g. bitnet pull microsoft/bitnet-b1.58-2B-4T")
@@ -457,6 +528,7 @@ def pull(ref: str, progress: Callable[[dict], None] | None = None) -> str:
         except NotDownloaded:
             raise offline(None, reason) from None
 
+    free, need = _free(hub_cache_dir()), [0]
     try:
         listed = {f.path: f for f in HfApi().list_repo_tree(repo, revision=rev, recursive=True)
                   if hasattr(f, "size")}   # files, not folders
@@ -472,6 +544,7 @@ def pull(ref: str, progress: Callable[[dict], None] | None = None) -> str:
         if file:   # a split GGUF comes down whole: every part, the first one's path naming the model
             parts = split_parts(file, list(listed))
             cached = _in_cache(repo, parts, rev)
+            need[0] = sum(getattr(listed.get(p), "size", 0) or 0 for p in parts if p not in cached)
             for attempt in range(2):   # a damaged copy in the download cache: deleted, and downloaded once again
                 paths = [_with_bar(hf_hub_download, report, repo_id=repo, filename=part, revision=rev)
                          for part in parts]
@@ -483,6 +556,7 @@ def pull(ref: str, progress: Callable[[dict], None] | None = None) -> str:
         took = {name: f for name, f in listed.items()   # the files snapshot_download takes
                 if any(fnmatch.fnmatch(name, pat) for pat in HF_DIR_PATTERNS)}
         cached = _in_cache(repo, took, rev)
+        need[0] = sum(getattr(f, "size", 0) or 0 for n, f in took.items() if n not in cached)
         for attempt in range(2):
             path = _with_bar(snapshot_download, report, repo_id=repo, revision=rev, allow_patterns=HF_DIR_PATTERNS)
             if not _verify(ref, path, took, cached):
@@ -510,6 +584,9 @@ def pull(ref: str, progress: Callable[[dict], None] | None = None) -> str:
         failed = _http_failure(e)
         if failed is not None:
             raise _http_error(ref, *failed) from None
+        ours = _failed(ref, repo, file, e, need[0], free)
+        if ours is not None:
+            raise ours from None
         if _offline_reason(e) is None:
             first = str(e).splitlines()[0] if str(e) else ""
             raise BitNetError(f"pull {ref}: download failed: {type(e).__name__}: {first}") from None
