@@ -500,6 +500,27 @@ def test_a_damaged_file_already_downloaded_is_fetched_again_in_the_same_pull(hub
         fake.close()
 
 
+def test_the_same_commit_downloaded_again_reuses_its_conversion(hub, tmp_path):
+    """A download fetched again (its folder removed, a damaged blob replaced) is the same commit, the same bytes:
+    it was converted again (the stores were keyed by the blobs' times), and `bitnet list` showed two rows of one
+    SOURCE, the old one never used again."""
+    data = open(hub["gguf"], "rb").read()
+    fake = FakeHub("o/twice", {"model-i2_s.gguf": data}, "e" * 40)
+    env = env_for(hub, tmp_path, HF_HUB_CACHE=str(tmp_path / "downloads"), HF_HUB_OFFLINE="0",
+                  HF_ENDPOINT=fake.url, HF_HUB_DISABLE_TELEMETRY="1")
+    try:
+        first = bitnet("pull", "o/twice", env=env)
+        assert first.returncode == 0, first.stderr
+        shutil.rmtree(tmp_path / "downloads" / "models--o--twice")
+        again = bitnet("pull", "o/twice", env=env)
+        assert again.returncode == 0, again.stderr
+    finally:
+        fake.close()
+    assert again.stdout == first.stdout
+    rows = [json.loads(x) for x in bitnet("list", "--json", env=env).stdout.splitlines()]
+    assert [r["path"] for r in rows] == [first.stdout.strip()], rows
+
+
 def test_a_split_gguf_is_pulled_whole(hub, tmp_path):
     """A model in gguf-split parts (m-TQ2_0-00001-of-0000N.gguf ...): `pull REPO`, `pull REPO:TAG` and a part's
     name each download every part and run as the one file does; the hints went in a circle (pick the tag -> name

@@ -315,7 +315,11 @@ def cache_dir_default() -> str:
     return os.path.join(xdg, "bitnet")
 
 
-def cache_key(src: str, lm_head: str) -> str:
+def cache_key(src: str, lm_head: str, downloaded: bool = False) -> str:
+    """The conversion's name: the model's files (path, size, time) and what changes how they convert.
+    downloaded: a hub download, whose path (huggingface_hub's snapshot of a commit, its blobs named by their
+    hashes) names its bytes: its files' times are left out, so the same commit downloaded again is the same
+    conversion (it was converted again, and `bitnet list` showed two rows of one source)."""
     p = os.path.realpath(src)   # a link to a model folder is that folder: one conversion (abspath made a second)
     h = hashlib.sha256(f"{p}\0{CONVERTER_VERSION}\0{lm_head}".encode())
     for var in ("BITNET_TL_KERNEL_CONFIG", "BITNET_I2S_BLOCK"):   # they change how a bitnet.cpp GGUF reads
@@ -338,7 +342,9 @@ def cache_key(src: str, lm_head: str) -> str:
             files += [f for f in (split_part(p, i) for i in range(2, int(m.group(3)) + 1)) if os.path.isfile(f)]
     for f in files:
         st = os.stat(f)
-        h.update(f"\0{os.path.basename(f)}\0{st.st_size}\0{st.st_mtime_ns}".encode())
+        h.update(f"\0{os.path.basename(f)}\0{st.st_size}".encode())
+        if not downloaded:
+            h.update(f"\0{st.st_mtime_ns}".encode())
     return h.hexdigest()[:20]
 
 
@@ -397,7 +403,7 @@ def resolve_model(src: str | None, *, cache_dir: str | None = None, lm_head: str
     if is_store(src):
         return check_store_head(src, lm_head)
     try:
-        key = cache_key(src, lm_head or "default")
+        key = cache_key(src, lm_head or "default", downloaded=source_name is not None)
     except OSError as e:   # the file that failed (a snapshot's link to a deleted blob), not only its folder
         raise FormatError(f"{e.filename or src}: cannot read: {e.strerror}") from None
     d = cache_dir or cache_dir_default()
