@@ -604,6 +604,8 @@ def test_pull_of_an_hf_repository_takes_its_model_files_with_progress(hub, tmp_p
         total = sum(len(d) for d in files.values())
         assert updates and updates[-1] == {"file": "o/remote-hf", "digest": "o/remote-hf", "completed": total,
                                            "total": total}, r.stderr
+        # the listing's size from the first object on (a client sizes its bar by it): it grew as files were found
+        assert all(u["total"] == total and 0 <= u["completed"] <= total for u in updates), updates
     finally:
         fake.close()
     assert run_text("o/remote-hf", dict(env, HF_HUB_OFFLINE="1")) == greedy(hub["hf"][COMMIT_B])

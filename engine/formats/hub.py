@@ -539,8 +539,13 @@ def _pull(ref: str, progress: Callable[[dict], None] | None) -> str:
         name = file or repo
         lfs = getattr(listed.get(file), "lfs", None) if file else None
         digest = f"sha256:{lfs.sha256}" if lfs is not None and getattr(lfs, "sha256", None) else name
-        report = None if progress is None else (
-            lambda done, total: progress({"file": name, "digest": digest, "completed": done, "total": total}))
+        # a snapshot's bar grows as its files are found: the listing's size of what comes down is the total
+        # from the first report on (a client sizes its bar by the first one)
+        def report(done, total):
+            total = (0 if file else need[0]) or total
+            progress({"file": name, "digest": digest, "completed": min(done, total), "total": total})
+
+        report = None if progress is None else report
         if file:   # a split GGUF comes down whole: every part, the first one's path naming the model
             parts = split_parts(file, list(listed))
             cached = _in_cache(repo, parts, rev)
