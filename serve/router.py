@@ -1128,6 +1128,7 @@ def create_router_app(router: Router, *, api_keys: tuple = (), limits: Limits | 
         if router.pull is None:
             return await not_here(request)
         data, _ = await body_model(request)
+        await router.refresh(fresh=True)   # every conversion there is now, not those of a listing up to 1 s old
         spec = await ollama_model(data)
         if not spec.cached:
             raise RouterError(400, f"'{spec.name}' is {shown_path(spec.path)}, a file of --models-dir: the server "
