@@ -396,12 +396,17 @@ class FakeHub:
         self.server.server_close()
 
 
+def online_env(hub, tmp_path, fake):
+    """The environment of a pull from `fake` (the hub online, its downloads under tmp_path/downloads)."""
+    return env_for(hub, tmp_path, HF_HUB_CACHE=str(tmp_path / "downloads"), HF_HUB_OFFLINE="0",
+                   HF_ENDPOINT=fake.url, HF_HUB_DISABLE_TELEMETRY="1")
+
+
 def test_pull_downloads_converts_and_then_runs_offline(hub, tmp_path):
     commit = "c" * 40
     fake = FakeHub("o/remote", {"model-i2_s.gguf": open(hub["gguf"], "rb").read()}, commit)
     try:
-        env = env_for(hub, tmp_path, HF_HUB_CACHE=str(tmp_path / "downloads"), HF_HUB_OFFLINE="0",
-                      HF_ENDPOINT=fake.url, HF_HUB_DISABLE_TELEMETRY="1")
+        env = online_env(hub, tmp_path, fake)
         r = bitnet("pull", "o/remote:model-i2_s.gguf", env=env)
         assert r.returncode == 0, r.stderr
         assert ("GET", "/o/remote/resolve/main/model-i2_s.gguf") in fake.requests
@@ -424,8 +429,7 @@ def test_an_error_answer_of_the_hub_is_said_as_such_not_offline(hub, tmp_path, s
     fake = FakeHub("o/busy", {"model-i2_s.gguf": open(hub["gguf"], "rb").read()}, "d" * 40, file_status=status,
                    said="slow down" if status == 429 else "no access")
     try:
-        env = env_for(hub, tmp_path, HF_HUB_CACHE=str(tmp_path / "downloads"), HF_HUB_OFFLINE="0",
-                      HF_ENDPOINT=fake.url, HF_HUB_DISABLE_TELEMETRY="1")
+        env = online_env(hub, tmp_path, fake)
         r = bitnet("pull", "o/busy:model-i2_s.gguf", env=env, timeout=300)
     finally:
         fake.close()
@@ -442,8 +446,7 @@ def test_a_page_where_the_hub_should_answer_is_one_line_of_ours(hub, tmp_path, w
     ...", "JSONDecodeError: Expecting value: line 1 column 1")."""
     fake = FakeHub("o/portal", {"model-i2_s.gguf": open(hub["gguf"], "rb").read()}, "d" * 40, page=where)
     try:
-        env = env_for(hub, tmp_path, HF_HUB_CACHE=str(tmp_path / "downloads"), HF_HUB_OFFLINE="0",
-                      HF_ENDPOINT=fake.url, HF_HUB_DISABLE_TELEMETRY="1")
+        env = online_env(hub, tmp_path, fake)
         r = bitnet("pull", "o/portal", env=env, timeout=300)
     finally:
         fake.close()
@@ -482,8 +485,7 @@ def test_a_damaged_file_already_downloaded_is_fetched_again_in_the_same_pull(hub
     was damaged and downloads it again, once, in the same pull."""
     data = open(hub["gguf"], "rb").read()
     fake = FakeHub("o/again", {"model-i2_s.gguf": data}, "e" * 40)
-    env = env_for(hub, tmp_path, HF_HUB_CACHE=str(tmp_path / "downloads"), HF_HUB_OFFLINE="0",
-                  HF_ENDPOINT=fake.url, HF_HUB_DISABLE_TELEMETRY="1")
+    env = online_env(hub, tmp_path, fake)
     try:
         assert bitnet("pull", "--no-convert", "o/again", env=env).returncode == 0
         blobs = tmp_path / "downloads" / "models--o--again" / "blobs"
@@ -506,8 +508,7 @@ def test_the_same_commit_downloaded_again_reuses_its_conversion(hub, tmp_path):
     SOURCE, the old one never used again."""
     data = open(hub["gguf"], "rb").read()
     fake = FakeHub("o/twice", {"model-i2_s.gguf": data}, "e" * 40)
-    env = env_for(hub, tmp_path, HF_HUB_CACHE=str(tmp_path / "downloads"), HF_HUB_OFFLINE="0",
-                  HF_ENDPOINT=fake.url, HF_HUB_DISABLE_TELEMETRY="1")
+    env = online_env(hub, tmp_path, fake)
     try:
         first = bitnet("pull", "o/twice", env=env)
         assert first.returncode == 0, first.stderr
@@ -552,8 +553,7 @@ def test_pull_of_a_quant_tag_downloads_that_file_alone(hub, tmp_path):
     commit = "d" * 40
     fake = FakeHub("o/remote-quants", {name: open(p, "rb").read() for name, p in hub["quants"].items()}, commit)
     try:
-        env = env_for(hub, tmp_path, HF_HUB_CACHE=str(tmp_path / "downloads"), HF_HUB_OFFLINE="0",
-                      HF_ENDPOINT=fake.url, HF_HUB_DISABLE_TELEMETRY="1")
+        env = online_env(hub, tmp_path, fake)
         for ref in ("o/remote-quants", "o/remote-quants:latest", "o/remote-quants:Q8_0"):
             r = bitnet("pull", ref, env=env)
             lines = r.stderr.strip().splitlines()
@@ -593,8 +593,7 @@ def test_pull_of_an_hf_repository_takes_its_model_files_with_progress(hub, tmp_p
     extra = {"README.md": b"# a model card\n", "m-1.58bit-TQ2_0.gguf": open(hub["quants"]["m-1.58bit-TQ2_0.gguf"], "rb").read()}
     fake = FakeHub("o/remote-hf", {**files, **extra}, commit)
     try:
-        env = env_for(hub, tmp_path, HF_HUB_CACHE=str(tmp_path / "downloads"), HF_HUB_OFFLINE="0",
-                      HF_ENDPOINT=fake.url, HF_HUB_DISABLE_TELEMETRY="1")
+        env = online_env(hub, tmp_path, fake)
         r = bitnet("pull", "--json-progress", "o/remote-hf", env=env)
         assert r.returncode == 0, r.stderr
         fetched = {p.rsplit("/", 1)[-1] for m, p in fake.requests if m == "GET" and "/resolve/" in p}
