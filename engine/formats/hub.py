@@ -250,6 +250,17 @@ def resolve_hub_ref(ref: str, what: str | None = None) -> tuple[str, str]:
 
 
 # ---- downloading --------------------------------------------------------------------------------------------
+def _cause(e: BaseException, test: Callable[[BaseException], bool]) -> BaseException | None:
+    """The first of `e` and its causes that passes `test`."""
+    seen, cur = set(), e
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if test(cur):
+            return cur
+        cur = cur.__cause__ or cur.__context__
+    return None
+
+
 def _offline_reason(e: BaseException) -> str | None:
     """Why the hub could not be reached, when `e` says so (None: some other failure)."""
     from huggingface_hub import constants
@@ -257,14 +268,11 @@ def _offline_reason(e: BaseException) -> str | None:
 
     if constants.HF_HUB_OFFLINE or isinstance(e, OfflineModeIsEnabled):
         return "HF_HUB_OFFLINE is set, so nothing is downloaded (unset it to download)"
-    seen, cur = set(), e
-    while cur is not None and id(cur) not in seen:  # the connection error is usually a cause of the hub's error
-        seen.add(id(cur))
-        name = type(cur).__name__
-        if name in ("ConnectError", "ConnectTimeout", "ConnectionError", "NetworkError", "ReadTimeout",
-                    "TimeoutException", "ProxyError") or isinstance(cur, (ConnectionError, TimeoutError)):
-            return f"cannot reach {constants.ENDPOINT} ({name})"
-        cur = cur.__cause__ or cur.__context__
+    names = ("ConnectError", "ConnectTimeout", "ConnectionError", "NetworkError", "ReadTimeout", "TimeoutException",
+             "ProxyError")   # the connection error is usually a cause of the hub's error
+    unreachable = _cause(e, lambda c: type(c).__name__ in names or isinstance(c, (ConnectionError, TimeoutError)))
+    if unreachable is not None:
+        return f"cannot reach {constants.ENDPOINT} ({type(unreachable).__name__})"
     if isinstance(e, LocalEntryNotFoundError) and _http_failure(e) is None:   # a 429 / 500 is an answer
         return f"cannot reach {constants.ENDPOINT}"
     return None
@@ -273,16 +281,14 @@ def _offline_reason(e: BaseException) -> str | None:
 def _http_failure(e: BaseException) -> tuple[int, str] | None:
     """(status, what the hub said) when `e` or one of its causes is an HTTP answer of the hub (huggingface_hub
     wraps a 429 or a 500 on a file in LocalEntryNotFoundError, which read as "cannot reach"), else None."""
-    seen, cur = set(), e
-    while cur is not None and id(cur) not in seen:
-        seen.add(id(cur))
-        status = getattr(getattr(cur, "response", None), "status_code", None)
-        if isinstance(status, int) and status >= 400:
-            said = getattr(cur, "server_message", None) or ""
-            reason = getattr(cur.response, "reason_phrase", None) or getattr(cur.response, "reason", None) or ""
-            return status, " ".join(x for x in (reason, f"({said.strip()})" if said.strip() else "") if x)
-        cur = cur.__cause__ or cur.__context__
-    return None
+    def status(c):
+        return getattr(getattr(c, "response", None), "status_code", None)
+    cur = _cause(e, lambda c: isinstance(status(c), int) and status(c) >= 400)
+    if cur is None:
+        return None
+    said = getattr(cur, "server_message", None) or ""
+    reason = getattr(cur.response, "reason_phrase", None) or getattr(cur.response, "reason", None) or ""
+    return status(cur), " ".join(x for x in (reason, f"({said.strip()})" if said.strip() else "") if x)
 
 
 def _http_error(ref: str, status: int, said: str) -> BitNetError:
@@ -406,6 +412,16 @@ def _verify(ref: str, path: str, files: dict, cached: frozenset = frozenset()) -
     return again
 
 
+def _checked(download, verify, cached: frozenset):
+    """download(), its files verified (verify(got, cached): _verify's list of damaged copies the download cache
+    held): those are deleted, and everything is downloaded once again, where bad bytes are then an error."""
+    got = download()
+    if verify(got, cached):
+        got = download()
+        verify(got, frozenset())
+    return got
+
+
 def _in_cache(repo: str, names, rev: str | None) -> frozenset:
     """The names of `names` that the download cache already holds for `repo` at `rev` (a pull downloads none of
     them: huggingface_hub takes the cached copy as it is)."""
@@ -438,17 +454,6 @@ def _quiet():
             yield
     finally:
         hf_logging.set_verbosity(level)
-
-
-def _cause(e: BaseException, test: Callable[[BaseException], bool]) -> BaseException | None:
-    """The first of `e` and its causes that passes `test`."""
-    seen, cur = set(), e
-    while cur is not None and id(cur) not in seen:
-        seen.add(id(cur))
-        if test(cur):
-            return cur
-        cur = cur.__cause__ or cur.__context__
-    return None
 
 
 def _free(path: str) -> int | None:
@@ -550,23 +555,19 @@ def _pull(ref: str, progress: Callable[[dict], None] | None) -> str:
             parts = split_parts(file, list(listed))
             cached = _in_cache(repo, parts, rev)
             need[0] = sum(getattr(listed.get(p), "size", 0) or 0 for p in parts if p not in cached)
-            for attempt in range(2):   # a damaged copy in the download cache: deleted, and downloaded once again
-                paths = [_with_bar(hf_hub_download, report, repo_id=repo, filename=part, revision=rev)
-                         for part in parts]
-                again = [n for part, path in zip(parts, paths) for n in _verify(ref, path, {part: listed.get(part)},
-                                                                                 cached)]
-                if not again:
-                    return paths[0]
-                cached = frozenset()
+            paths = _checked(lambda: [_with_bar(hf_hub_download, report, repo_id=repo, filename=part, revision=rev)
+                                      for part in parts],
+                             lambda paths, cached: [n for part, path in zip(parts, paths)
+                                                    for n in _verify(ref, path, {part: listed.get(part)}, cached)],
+                             cached)
+            return paths[0]
         took = {name: f for name, f in listed.items()   # the files snapshot_download takes
                 if any(fnmatch.fnmatch(name, pat) for pat in HF_DIR_PATTERNS)}
         cached = _in_cache(repo, took, rev)
         need[0] = sum(getattr(f, "size", 0) or 0 for n, f in took.items() if n not in cached)
-        for attempt in range(2):
-            path = _with_bar(snapshot_download, report, repo_id=repo, revision=rev, allow_patterns=HF_DIR_PATTERNS)
-            if not _verify(ref, path, took, cached):
-                return path
-            cached = frozenset()
+        return _checked(lambda: _with_bar(snapshot_download, report, repo_id=repo, revision=rev,
+                                          allow_patterns=HF_DIR_PATTERNS),
+                        lambda path, cached: _verify(ref, path, took, cached), cached)
     except BitNetError:
         raise
     except (LocalEntryNotFoundError, OfflineModeIsEnabled) as e:   # not cached, and the hub out of reach
