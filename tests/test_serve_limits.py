@@ -427,11 +427,14 @@ def test_request_timeout_cancels_the_sequence(tmp_path_factory):
         assert s.stop()[0] == 0
 
 
-def test_request_timeout_ends_the_sequence_of_a_client_that_stopped_reading():
+def test_request_timeout_ends_the_sequence_of_a_client_that_stopped_reading(tmp_path_factory):
     """A streaming client that reads nothing (its socket full, the server's send waiting): its sequence ends at
     --request-timeout too. It ran on to max_tokens in most tries: the stream's generator, paused in that send,
-    was never closed, and its `finally` (which cancels the sequence) waited for the garbage collector."""
-    s = Server("-c", "4096", "--parallel", "1", "--request-timeout", "2")
+    was never closed, and its `finally` (which cancels the sequence) waited for the garbage collector. The slow
+    model on one thread takes seconds for the 4,000 tokens, so only a cut ends it at the 1 s limit (the tiny
+    model made all 4,000 inside a 2 s limit on a fast machine)."""
+    s = Server("-m", slow_model(tmp_path_factory), "-c", "4096", "--parallel", "1", "--request-timeout", "1",
+               threads=1)
     try:
         for _ in range(3):
             before = settle(s.url)["metrics"]["tokens_generated_total"]
@@ -664,7 +667,8 @@ def test_sigterm_refuses_embeddings_it_ended_as_never_started(tmp_path_factory):
     routes' queued requests: NEVER_STARTED, unavailable_error, Retry-After, in each API's shape (they said "server
     is shutting down" as a server_error, which clients do not take for a request to retry)."""
     import signal
-    s = Server("-m", slow_model(tmp_path_factory), "-c", "4096", "--parallel", "1", "--drain-timeout", "0")
+    s = Server("-m", slow_model(tmp_path_factory), "-c", "4096", "--parallel", "1", "--drain-timeout", "0",
+               threads=1)
     texts = [f"sentence number {i} about cats and dogs " * 10 for i in range(400)]   # seconds of prefill each
     got: dict = {}
 
@@ -678,9 +682,16 @@ def test_sigterm_refuses_embeddings_it_ended_as_never_started(tmp_path_factory):
                                                           ("/api/embed", {"model": "m", "input": texts}))]
     for t in ts:
         t.start()
-    deadline = time.monotonic() + 60   # all three in the engine (each text is a slot row, waiting or running)
-    while time.monotonic() < deadline and len(httpx.get(s.url + "/slots", timeout=60).json()["slots"]) < 1200:
-        time.sleep(0.1)
+
+    def in_engine() -> int:
+        """Texts the engine has had: each is a slot row, waiting or running, until it is embedded (counting only
+        the rows waited for a 1,200 that never came once the first texts were done, on a fast machine: the first
+        request had ended by the time the signal went)."""
+        st = httpx.get(s.url + "/slots", timeout=60).json()
+        return len(st["slots"]) + st["metrics"]["embed_inputs_total"]
+    deadline = time.monotonic() + 60   # all three in the engine
+    while time.monotonic() < deadline and in_engine() < 1200:
+        time.sleep(0.05)
     s.proc.send_signal(signal.SIGTERM)
     for t in ts:
         t.join(60)
