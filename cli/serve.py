@@ -274,7 +274,9 @@ def fit_open_files(args, per_connection: int = 1) -> None:
     """Raise the open-files limit to its hard limit (as Go's runtime, hence ollama, does), and cap
     args.max_connections, with one warning naming both numbers, to what still fits: past the limit each new
     connection was reset silently and a request that needed a file (an import) failed, where the cap's 503 +
-    Retry-After says what is wrong. per_connection: files one connection takes (the router's: its upstream too)."""
+    Retry-After says what is wrong. per_connection: files one connection takes (the router's: its upstream too).
+    A limit without room for the reserve and one connection is one line and exit 2: the server failed on its
+    way up, on the first file an import opened, as "internal error ... a bug"."""
     import sys
     try:
         import resource
@@ -292,11 +294,41 @@ def fit_open_files(args, per_connection: int = 1) -> None:
                 continue
     if soft == resource.RLIM_INFINITY or soft >= want:
         return
-    fits = max(1, (soft - FILES_RESERVE) // per_connection)
+    least = FILES_RESERVE + per_connection
+    if soft < least:
+        from ..engine.errors import BitNetError
+        raise BitNetError(f"the open-files limit (ulimit -n) is {soft}, too low for bitnet serve: it needs at least "
+                          f"{least} ({FILES_RESERVE} for the model, logs and imports, {per_connection} per connection)",
+                          hint=f"raise it, e.g. `ulimit -n {want}` for --max-connections {args.max_connections}")
+    fits = (soft - FILES_RESERVE) // per_connection
     print(f"bitnet serve: warning: --max-connections {args.max_connections} needs about {want} open files, more "
-          f"than the limit of {soft} (ulimit -n): taking at most {fits} connections (503 beyond); raise ulimit -n "
-          "for more", file=sys.stderr, flush=True)
+          f"than the limit of {soft} (ulimit -n): taking at most {fits} connection{'s' if fits != 1 else ''} (503 "
+          f"beyond); raise ulimit -n to {want} for all of them", file=sys.stderr, flush=True)
     args.max_connections = fits
+
+
+def server_class(limits):
+    """uvicorn's Server as `bitnet serve` runs it, on asyncio's loop (not uvloop: out of descriptors, libuv resets
+    every connection waiting without a word; asyncio says so to the loop's handler, where serve.limits'
+    AcceptGuard answers them 503 out_of_resources and logs one line). Its signal handlers are ours: uvicorn
+    re-raised the caught signal after shutdown (-> exit 130/143), where a drained server exits 0; ours are
+    installed before asyncio.run, so its own SIGINT handler (task cancel) stays out."""
+    import asyncio
+    import contextlib
+
+    import uvicorn
+
+    from ..serve.limits import guard_loop
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            yield
+
+        async def startup(self, sockets=None):
+            guard_loop(asyncio.get_running_loop(), limits)
+            await super().startup(sockets=sockets)
+    return Server
 
 
 def limits_from_args(args) -> Limits:
@@ -307,7 +339,6 @@ def limits_from_args(args) -> Limits:
 
 
 def main(args) -> int:
-    import contextlib
     import signal
     import sys
 
@@ -391,13 +422,7 @@ def main(args) -> int:
                      reasoning_format=args.reasoning_format, local_only=is_loopback(args.host),
                      webui=not args.no_webui)
 
-    class Server(uvicorn.Server):
-        """uvicorn re-raises the caught signal after shutdown (-> exit 130/143); a drained server exits 0.
-        Our handlers are installed before asyncio.run, so its own SIGINT handler (task cancel) stays out."""
-
-        @contextlib.contextmanager
-        def capture_signals(self):
-            yield
+    Server = server_class(limits)
 
     signals = []
 
@@ -423,7 +448,7 @@ def main(args) -> int:
     protocol = guarded_protocol(limits)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.drain_timeout + 2, lifespan="on",
-                            http=protocol, timeout_keep_alive=args.keep_alive_timeout,
+                            http=protocol, timeout_keep_alive=args.keep_alive_timeout, loop="asyncio",
                             h11_max_incomplete_event_size=limits.max_header_bytes)
     server = Server(config)
     sock = inherited_socket() or bind_port(args.host, args.port)   # a port in use: one line before the load
@@ -444,6 +469,12 @@ def main(args) -> int:
         if out_of_memory(e):   # MemoryError, a library that could not be mapped (ulimit -v)
             print("bitnet serve: error: out of memory loading the model (hint: a smaller -c/--ctx or --parallel)",
                   file=sys.stderr)
+            return EXIT_BAD_INPUT
+        import errno
+        if isinstance(e, OSError) and e.errno in (errno.EMFILE, errno.ENFILE):   # an import, a file of the model
+            from ..serve.limits import nofile
+            print(f"bitnet serve: error: out of open files loading the model ({e.strerror}; {nofile()}) (hint: "
+                  "raise ulimit -n)", file=sys.stderr)
             return EXIT_BAD_INPUT
         from . import report_bug
         return report_bug("bitnet serve", e)
@@ -583,7 +614,6 @@ def passthrough_argv(args) -> list:
 def serve_models(args, keys: tuple) -> int:
     """`bitnet serve --models-dir DIR / --models-cache`: serve.router on uvicorn; each model in its own
     `bitnet serve` process, started on first use."""
-    import contextlib
     import shutil
     import signal
     import sys
@@ -635,10 +665,7 @@ def serve_models(args, keys: tuple) -> int:
                             limits=limits, metrics_public=args.metrics_public, cors_origins=tuple(args.cors_origin or ()),
                             local_only=is_loopback(args.host), webui=not args.no_webui)
 
-    class Server(uvicorn.Server):
-        @contextlib.contextmanager
-        def capture_signals(self):   # as in main(): ours, so that a drained router exits 0
-            yield
+    Server = server_class(limits)   # as in main(): ours, so that a drained router exits 0
 
     router_signals = []
 
@@ -658,7 +685,7 @@ def serve_models(args, keys: tuple) -> int:
     protocol = guarded_protocol(limits)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.drain_timeout + 2, lifespan="on",
-                            http=protocol, timeout_keep_alive=args.keep_alive_timeout,
+                            http=protocol, timeout_keep_alive=args.keep_alive_timeout, loop="asyncio",
                             h11_max_incomplete_event_size=limits.max_header_bytes)
     server = Server(config)
     for sig in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)):   # SIGHUP: its terminal closed

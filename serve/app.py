@@ -69,8 +69,9 @@ def import_for_requests():
     process is out of file descriptors (ulimit -n, many clients) failed with "Too many open files" on a module."""
     import importlib
     # every sampler's generator, a template's string escapes, requests with tools, what a template that raises
-    # imports (jinja2 is optional: a store without a chat template)
-    for name in ("numpy.random", "encodings.unicode_escape", "..engine.runtime.tools", "jinja2.debug"):
+    # imports (jinja2 is optional: a store without a chat template), anyio's backend (a streaming answer's first)
+    for name in ("numpy.random", "encodings.unicode_escape", "..engine.runtime.tools", "jinja2.debug",
+                 "anyio._backends._asyncio"):
         try:
             importlib.import_module(name, __package__)
         except ImportError:

@@ -4,9 +4,13 @@ code}}), before the request reaches the handlers or the engine.
 
 Two layers, because some limits must act before there is a request at all:
 - `guarded_protocol(limits)`: a uvicorn HTTP protocol class (httptools or h11) that counts connections (one over
-  --max-connections gets a 503 + Retry-After for its request), times the headers of every request from its first
+  --max-connections gets a 503 + Retry-After for its request, or at once and closed if it has sent no request
+  within QUIET_GRACE; a newcomer at the cap closes the connection silent the longest
+  first, as nginx reuses its idle ones), times the headers of every request from its first
   byte (or the connection's start) and answers 408 and closes when they take longer than --header-timeout
   (slowloris), and (httptools) refuses header blocks over --max-header-kb with 431 while they arrive.
+- `AcceptGuard`: the event loop's handler for an accept() that fails for want of descriptors: one log line, and
+  the connections waiting get a 503 out_of_resources through a descriptor held in reserve for that.
 - `LimitsMiddleware`: a pure ASGI middleware that refuses too many headers (431), a Content-Length over
   --max-body-mb (413, nothing read), reads the body itself under the cap (413 as soon as a chunked body passes
   it, never buffering more) and within --body-timeout (408), then runs the handler within --request-timeout
@@ -22,7 +26,10 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import ctypes.util
+import errno
 import json
+import os
+import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -31,6 +38,9 @@ from .offload import within
 
 MiB = 1 << 20
 STOP_GRACE = 0.5   # after the drain's deadline, what a client may go without taking a byte (uvicorn cancels at +2 s)
+QUIET_GRACE = 1.0   # a connection over --max-connections has this long to send its request's headers (a real
+                    # client's come at once; a silent one held a descriptor for the whole --header-timeout); one
+                    # silent this long is the first to go when the cap is full
 
 
 @dataclass(frozen=True)
@@ -341,12 +351,128 @@ def _raw_response(status: int, reason: str, message: str, code: str, extra: str 
     return head.encode() + body
 
 
+def _over_cap_message(limits: Limits) -> str:
+    return (f"the server has {limits.max_connections} connections open (bitnet serve --max-connections); "
+            "retry later")
+
+
 def _overloaded_app(limits: Limits):
     async def app(scope, receive, send):
-        await send_error(send, scope, 503, f"the server has {limits.max_connections} connections open (bitnet serve "
-                         "--max-connections); retry later", "server_error", "too_many_connections", close=True,
-                         headers=((b"retry-after", str(limits.retry_after).encode()),))
+        await send_error(send, scope, 503, _over_cap_message(limits), "server_error", "too_many_connections",
+                         close=True, headers=((b"retry-after", str(limits.retry_after).encode()),))
     return app
+
+
+def _reserve_fd():
+    try:
+        return os.open(os.devnull, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return None
+
+
+class AcceptGuard:
+    """The event loop's exception handler for an accept() that fails with EMFILE/ENFILE (the process, or the
+    system, out of file descriptors: silent connections, a flood): uvloop reset every connection waiting, asyncio
+    leaves them waiting, and neither says a word in the server's log. Here the descriptor held in reserve is
+    given up for a moment to accept each connection waiting, answer it 503 out_of_resources + Retry-After (what
+    it had sent is read first, so the close sends no reset over the answer) and close it; then it is taken again.
+    One log line per second at most, with the count answered. Anything else goes to the loop's default handler.
+    Installed by guard_loop() on the asyncio loop (not uvloop: libuv resets such connections itself, with no
+    callback)."""
+
+    MAX_PER_CALL = 256   # connections answered per failed accept (asyncio retries the accept a second later)
+
+    def __init__(self, limits: Limits = Limits()):
+        self.limits = limits
+        self.reserve = _reserve_fd()
+        self.said_at = None   # loop time of the last log line
+        self.unsaid = 0       # connections answered since it
+
+    def __call__(self, loop, context):
+        exc, sock = context.get("exception"), context.get("socket")
+        if not (isinstance(exc, OSError) and exc.errno in (errno.EMFILE, errno.ENFILE) and sock is not None
+                and str(context.get("message", "")).startswith("socket.accept()")):
+            return loop.default_exception_handler(context)
+        # Linux takes the descriptor before it looks for a connection: EMFILE with none waiting is nobody's loss
+        self.unsaid += self._answer_waiting(sock.fileno())
+        now = loop.time()
+        if (self.unsaid or self.reserve is None) and (self.said_at is None or now - self.said_at >= 1.0):
+            self.said_at = now
+            what = (f"answered {self.unsaid} with 503 out_of_resources" if self.reserve is not None else
+                    "no descriptor left even to refuse them: they wait")
+            print(f"bitnet serve: out of file descriptors ({os.strerror(exc.errno)}; {nofile()}) accepting "
+                  f"connections: {what}; raise ulimit -n or lower --max-connections", file=sys.stderr, flush=True)
+            self.unsaid = 0
+
+    def _answer_waiting(self, listen_fd: int) -> int:
+        if self.reserve is None:
+            self.reserve = _reserve_fd()   # a descriptor freed since: held for next time
+            return 0
+        os.close(self.reserve)
+        self.reserve = None
+        msg = "the server is out of resources (too many open files); retry later"
+        raw = _raw_response(503, "Service Unavailable", msg, "out_of_resources",
+                            f"retry-after: {self.limits.retry_after}\r\n")
+        answered, listener = 0, None
+        try:
+            listener = socket.socket(fileno=listen_fd)   # the loop's own socket, not a copy: detached below
+            while answered < self.MAX_PER_CALL:
+                try:
+                    conn, _ = listener.accept()
+                except OSError:   # none waiting (EAGAIN), or the freed descriptor already taken
+                    break
+                with conn:
+                    _answer_and_close(conn, raw)
+                answered += 1
+        except OSError:
+            pass
+        finally:
+            if listener is not None:
+                listener.detach()
+            self.reserve = _reserve_fd()
+        return answered
+
+
+def _not_a_lost_write(record) -> bool:
+    """asyncio's "socket.send() raised exception." (its 5th and later write to a connection already lost): a
+    stream's client that hung up between two tokens, which uvicorn learns of a moment later and the handler then
+    stops for. uvloop said nothing of it; a line of noise per hang-up in the server's log."""
+    return record.getMessage() != "socket.send() raised exception."
+
+
+def guard_loop(loop, limits: Limits = Limits()) -> None:
+    """What `bitnet serve` sets on its (asyncio) event loop: AcceptGuard, and asyncio's log without the noise of
+    clients that hang up mid-stream."""
+    import logging
+    loop.set_exception_handler(AcceptGuard(limits))
+    log = logging.getLogger("asyncio")
+    if _not_a_lost_write not in log.filters:
+        log.addFilter(_not_a_lost_write)
+
+
+def _answer_and_close(conn: socket.socket, raw: bytes) -> None:
+    """Without blocking: read what the client has sent (closing over unread bytes sends a reset, which can
+    destroy the answer before the client reads it), send the answer, end our side."""
+    try:
+        conn.setblocking(False)
+        for _ in range(16):
+            if not conn.recv(65536):
+                break
+    except OSError:
+        pass
+    try:
+        conn.send(raw)
+        conn.shutdown(socket.SHUT_WR)
+    except OSError:
+        pass
+
+
+def nofile() -> str:
+    try:
+        import resource
+        return f"ulimit -n {resource.getrlimit(resource.RLIMIT_NOFILE)[0]}"
+    except (ImportError, OSError, ValueError):
+        return "the open-files limit"
 
 
 def _close_delimited(cycle, send):
@@ -408,17 +534,53 @@ def guarded_protocol(limits: Limits, base=None):
             self._send_left = 0
             self._rejected = False
             self._header_bytes = 0
-            if len(self.connections) > limits.max_connections:
-                # read its request, answer 503 (a response before the request is read can be lost to a reset)
+            self._quiet_since = self.loop.time()   # nothing of a request heard since (opened, or last answered)
+            self._heard = False
+            self._over_cap = sum(not p._rejected for p in live) > limits.max_connections and not self._make_room()
+            if self._over_cap:
+                # its request, if it comes at once, is answered 503 in its API's shape (a response before the request
+                # is read can be lost to a reset); a silent one is answered and closed after QUIET_GRACE, so that
+                # such connections never hold the descriptors the cap keeps for those within it
                 self.app = _overloaded_app(limits)
             self._arm()
+
+        def _make_room(self) -> bool:
+            """At the cap: close the connection that has sent nothing the longest (QUIET_GRACE at least), as nginx
+            reuses its idle connections when it has none left: silent ones held the cap (at a low open-files limit,
+            a handful) for the whole --header-timeout, a kept-alive idle one for --keep-alive-timeout, and every real
+            client meanwhile got a 503. One that never sent a request gets the cap's 503 + Retry-After; an idle
+            kept-alive one is closed, as its keep-alive timeout closes it. Whether one was closed."""
+            now = self.loop.time()
+            quiet = [p for p in live if p is not self and p._quiet_for(now) >= QUIET_GRACE]
+            if not quiet:
+                return False
+            p = min(quiet, key=lambda p: p._quiet_since)
+            if p.cycle is None:
+                p._reject(_raw_response(503, "Service Unavailable", _over_cap_message(limits),
+                                        "too_many_connections", f"retry-after: {limits.retry_after}\r\n"))
+            else:
+                p._rejected = True
+                p._disarm()
+                p.transport.close()
+            return True
+
+        def _quiet_for(self, now: float) -> float:
+            """How long this connection has been silent, between requests (0: a request being read or answered)."""
+            if self._rejected or self._heard or not self._in_headers() or self.transport.is_closing():
+                return 0.0
+            return now - self._quiet_since
+
+        def on_response_complete(self):
+            self._quiet_since, self._heard = self.loop.time(), False
+            super().on_response_complete()
 
         def _in_headers(self):
             return self.cycle is None or self.cycle.response_complete
 
         def _arm(self):
             if self._timer is None and not self._rejected:
-                self._timer = self.loop.call_later(limits.header_timeout, self._header_timeout)
+                wait = min(limits.header_timeout, QUIET_GRACE) if self._over_cap else limits.header_timeout
+                self._timer = self.loop.call_later(wait, self._header_timeout)
 
         def _disarm(self):
             if self._timer is not None:
@@ -427,9 +589,14 @@ def guarded_protocol(limits: Limits, base=None):
 
         def _header_timeout(self):
             self._timer = None
-            if self._in_headers() and not self.transport.is_closing():
-                self._reject(_raw_response(408, "Request Timeout", f"the request headers did not arrive within "
-                                           f"{limits.header_timeout:g} s", "request_timeout"))
+            if not self._in_headers() or self.transport.is_closing():
+                return
+            if self._over_cap:
+                self._reject(_raw_response(503, "Service Unavailable", _over_cap_message(limits),
+                                           "too_many_connections", f"retry-after: {limits.retry_after}\r\n"))
+                return
+            self._reject(_raw_response(408, "Request Timeout", f"the request headers did not arrive within "
+                                       f"{limits.header_timeout:g} s", "request_timeout"))
 
         def _reject(self, raw: bytes):
             self._rejected = True
@@ -458,6 +625,7 @@ def guarded_protocol(limits: Limits, base=None):
             if self._rejected:
                 return
             before = self.cycle
+            self._heard = True
             if self._in_headers():
                 self._arm()   # a new request on a kept-alive connection: its headers are timed from here
             super().data_received(data)
