@@ -334,7 +334,7 @@ def test_hangup_frees_slot(tmp_path_factory):
     from helpers import slowness
     from serve_proc import slow_model
     from prometheus_client.parser import text_string_to_metric_families
-    s = Server("-m", slow_model(tmp_path_factory), "-c", "4096", "--parallel", "2")
+    s = Server("-m", slow_model(tmp_path_factory), "-c", "4096", "--parallel", "2", threads=1)
 
     def counted():
         fams = text_string_to_metric_families(httpx.get(s.url + "/metrics").text)
@@ -558,10 +558,12 @@ def test_queue_full_has_retry_after_on_every_api(tmp_path_factory):
     from helpers import slowness
     from serve_proc import slow_model
     anthropic = pytest.importorskip("anthropic")   # imported before the slot is taken: it takes seconds
-    s = Server("-m", slow_model(tmp_path_factory), "-c", "4096", "--parallel", "1", "--max-queue", "0")
+    # one thread and 4,000 tokens: the stream outlasts the eight requests on a fast machine too (1,500 tokens on
+    # two threads took about a second there)
+    s = Server("-m", slow_model(tmp_path_factory), "-c", "4096", "--parallel", "1", "--max-queue", "0", threads=1)
     claude = anthropic.Anthropic(base_url=s.url, api_key="x", max_retries=0, timeout=30 * slowness())
     try:
-        body = {"prompt": "a", "max_tokens": 1500, "temperature": 0, "ignore_eos": True, "stream": True}
+        body = {"prompt": "a", "max_tokens": 4000, "temperature": 0, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=30 * slowness()) as r:
             lines = r.iter_lines()   # kept: a dropped iterator closes the response
             assert next(lines).startswith("data: ")

@@ -308,7 +308,7 @@ def test_hangup_cancels_every_choice(tmp_path_factory):
 
     from helpers import slowness
     from serve_proc import slow_model
-    s = Server("-m", slow_model(tmp_path_factory), "-c", "4096", "--parallel", "4")
+    s = Server("-m", slow_model(tmp_path_factory), "-c", "4096", "--parallel", "4", threads=1)
     try:
         body = {"prompt": "a", "max_tokens": 1500, "temperature": 0, "ignore_eos": True, "n": 4, "stream": True}
         with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=30 * slowness()) as r:
@@ -331,7 +331,7 @@ def test_hangup_cancels_through_every_adapter(tmp_path_factory):
     too (slots empty, far fewer tokens made than the whole answer), one API after another on one server."""
     from helpers import slowness
     from serve_proc import slow_model
-    s = Server("-m", slow_model(tmp_path_factory), "-c", "4096", "--parallel", "2")
+    s = Server("-m", slow_model(tmp_path_factory), "-c", "4096", "--parallel", "2", threads=1)
     q = [{"role": "user", "content": "a"}]
     try:
         made = 0
