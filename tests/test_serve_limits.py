@@ -739,7 +739,10 @@ def test_sigterm_refuses_what_never_started_with_503(tmp_path_factory):
     answer cut short (200), each queued one a 503 to retry, in its API's shape (they got an empty 200 "stop",
     indistinguishable from a model that said nothing, so nobody retried them)."""
     import signal
-    s = Server("-m", slow_model(tmp_path_factory), "-c", "4096", "--parallel", "1", "--drain-timeout", "1")
+    # one thread: the running answer's 3,000 tokens take seconds, past the 1 s drain (two threads of a fast machine
+    # make about 1,500 a second)
+    s = Server("-m", slow_model(tmp_path_factory), "-c", "4096", "--parallel", "1", "--drain-timeout", "1",
+               threads=1)
     got: dict = {}
     long = {"prompt": "a", "max_tokens": 3000, "temperature": 0, "ignore_eos": True}
 
