@@ -694,7 +694,7 @@ def serve_models(args, keys: tuple) -> int:
     names = ", ".join(sorted(models))
     count = f"{len(models)} model{'s' if len(models) != 1 else ''}"
     print(f"bitnet serve: listening on {http_url(args.host, args.port)} ({count}, each loaded on first use, at most "
-          f"{args.models_max} at once: {names})", file=sys.stderr, flush=True)
+          f"{args.models_max} at once{': ' + names if names else ''})", file=sys.stderr, flush=True)
     try:
         server.run(sockets=[sock])
     finally:   # the key file and the models' logs, whatever ended the server (its shutdown removes them too)

@@ -1052,7 +1052,9 @@ def test_a_pull_by_revision_is_served_under_that_name_and_delete_takes_every_con
         r = httpx.request("DELETE", s.url + "/api/delete", content=json.dumps({"model": "o/rev"}), timeout=60)
         assert r.status_code == 404, r.text
     finally:
-        s.stop()
+        err = s.stop()[1]
+    # started on an empty cache: the count says so, and no empty list follows (it read "at most 3 at once: )")
+    assert "(0 models, each loaded on first use, at most 3 at once)" in err, err[-2000:]
 
 
 # ---- keys, shutdown, flags ----------------------------------------------------------------------------------
