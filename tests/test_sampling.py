@@ -375,6 +375,29 @@ def test_mirostat_v1_with_a_huge_mu_keeps_the_whole_vocabulary():
     assert len(set(draws)) > 30
 
 
+@pytest.mark.parametrize("version", [1, 2])
+def test_mirostat_at_a_temperature_whose_logits_overflow_is_greedy(version):
+    """A temperature so small that logit / temperature overflows (1e-308 on logits of a few units, or a larger one
+    on large logits) is the limit of a small temperature: the most likely token, as the chain without Mirostat
+    draws at that temperature, never a draw from NaN probabilities (BOS, token 0: the first +inf)."""
+    rng = np.random.default_rng(5)
+    cases = [(rng.standard_normal(500).astype(np.float32) * 4, t) for t in (1e-307, 1e-308, 1e-310, 5e-324)]
+    cases.append(((rng.standard_normal(500) * 1e30).astype(np.float32), 1e-290))   # |logit| / T about 1e320
+    masked = cases[0][0].copy()
+    masked[: int(np.argmax(masked))] = -np.inf   # a grammar's mask before the best token
+    cases.append((masked, 1e-310))
+    for lg, t in cases:
+        best = int(np.argmax(lg))
+        s = Sampler(SamplingParams(**OFF | {"temperature": t}, mirostat=version, seed=1), len(lg))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert draw(SamplingParams(**OFF | {"temperature": t}, seed=1), lg, 5) == [best] * 5   # the chain
+            cand, probs = s.mirostat_candidates(lg.copy())
+            assert cand.tolist() == [best] and probs.tolist() == [1.0], t
+            assert [s.sample(lg.copy()) for _ in range(5)] == [best] * 5, t
+        assert np.isfinite(s.mu), t
+
+
 def test_other_samplers_reject_bad_values():
     for field, bad in (("typical_p", 1.5), ("xtc_probability", -0.1), ("xtc_threshold", 2.0), ("mirostat", 3),
                        ("mirostat_tau", -1.0), ("dynatemp_range", float("inf")), ("top_n_sigma", float("nan")),

@@ -333,7 +333,8 @@ class Sampler:
         if p.mirostat:
             return self._mirostat(logits)
         cand, vals = self.candidates(logits)
-        w = np.exp((vals - vals[0]) / self.temperature_of(vals))
+        with np.errstate(over="ignore"):   # a tiny temperature sends all but the first to -inf: greedy
+            w = np.exp((vals - vals[0]) / self.temperature_of(vals))
         c = np.cumsum(w)
         i = int(np.searchsorted(c, self.rng.random() * c[-1], side="right"))
         return int(cand[min(i, len(cand) - 1)])
@@ -431,7 +432,11 @@ class Sampler:
         p = self.p
         if self.mu is None:
             self.mu = 2.0 * p.mirostat_tau
-        scaled = logits.astype(np.float64) / p.temperature
+        # shifted so the most likely token is at 0 before the division: a temperature small enough that a logit /
+        # temperature overflows (1e-308 on logits of a few units) sends the others to -inf, the greedy limit (the
+        # unshifted +inf logits gave NaN probabilities and drew BOS, the first +inf); the same draws otherwise
+        with np.errstate(over="ignore"):
+            scaled = (logits.astype(np.float64) - float(logits.max())) / p.temperature
         v = scaled.shape[0]
         if p.mirostat == 1:
             m = max(1, min(100, int(np.count_nonzero(scaled > -np.inf))))   # masked tokens are no Zipf tail
@@ -453,7 +458,8 @@ class Sampler:
                 k = min(int(k), v) if np.isfinite(k) and k >= 1 else 1
             cand = np.argpartition(-scaled, k - 1)[:k] if k < v else np.arange(v)
         else:
-            cand = np.flatnonzero((_logsumexp(scaled) - scaled) / math.log(2.0) <= self.mu)
+            with np.errstate(over="ignore"):   # the surprise of a token far below the best: +inf bits
+                cand = np.flatnonzero((_logsumexp(scaled) - scaled) / math.log(2.0) <= self.mu)
             if cand.size == 0:
                 cand = np.array([int(np.argmax(scaled))])
         cand = cand[np.argsort(-scaled[cand], kind="stable")]
