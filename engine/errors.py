@@ -102,6 +102,15 @@ def shown_value(value, json_terms: bool = False) -> str:
     return json_text(value) if json_terms else repr(value)
 
 
+def shown_number(value) -> str:
+    """A number as a message echoes it: every digit of Python's repr (2.0000001, which {:g} rounded to a 2 that
+    is in range), a whole float without repr's ".0" (5, as a client or a flag writes it)."""
+    if isinstance(value, float):
+        text = repr(float(value))   # numpy's float64 too (its own repr is np.float64(...))
+        return text[:-2] if text.endswith(".0") else text
+    return str(value)
+
+
 def json_why(e: BaseException) -> str:
     """What a JSON parse error says, in one phrase: a RecursionError (json nests by recursion, so a document
     nested a few thousand levels deep exhausts the stack) is "nested too deeply", not Python's own words."""

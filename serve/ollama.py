@@ -26,6 +26,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, StrictBool, ValidationError, model_validator
 
+from ..engine.errors import shown_number
 from ..engine.runtime.chat_template import choose_template   # the one rendered: the fallback too
 from ..engine.runtime.sampling import SamplingParams, setting_problem
 from .logprobs import Said, chat_entry
@@ -61,7 +62,8 @@ def parse_keep_alive(value) -> float:
     if math.isnan(value):
         raise ValueError(f"keep_alive: {json_text(value)} is not a duration")
     if MAX_DURATION < value < math.inf:   # a date past year 9999 broke /api/ps's expires_at (a lasting 500)
-        raise ValueError(f"keep_alive: {value:g} s is over the longest duration (Go's, ollama's: 2562047h); "
+        raise ValueError(f"keep_alive: {shown_number(value)} s is over the longest duration "
+                         "(Go's, ollama's: 2562047h); "
                          "-1 keeps the model loaded for ever")
     return FOREVER if value < 0 or math.isinf(value) else float(value)
 

@@ -18,7 +18,7 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fi
                       field_validator, model_validator)
 from pydantic_core import PydanticCustomError
 
-from ..engine.errors import json_text  # noqa: F401  (the serve modules' name for it)
+from ..engine.errors import json_text, shown_number  # noqa: F401  (json_text: the serve modules' name for it)
 from ..engine.runtime.sampling import EXCLUDED, NO_TOKEN_ALLOWED, SamplingParams, setting_problem
 
 
@@ -575,7 +575,7 @@ class _Sampling(JSONTyped):
         problem = setting_problem(field, value, json_terms=True)
         if problem is None and field == "temperature" and cls.MAX_TEMPERATURE is not None \
                 and value > cls.MAX_TEMPERATURE:
-            problem = f"temperature {value:g}: must be <= {cls.MAX_TEMPERATURE:g} (this API's range)"
+            problem = f"temperature {shown_number(value)}: must be <= {cls.MAX_TEMPERATURE:g} (this API's range)"
         if problem:
             raise PydanticCustomError("invalid_setting", problem)   # the message as is, named by its field
         return value

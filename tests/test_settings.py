@@ -208,3 +208,32 @@ def test_the_seed_message_says_what_each_front_end_takes():
         ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], seed="random")
     with pytest.raises(SystemExit):
         PARSERS["bitnet run"].parse_args(["--seed", "random"])
+
+
+def test_an_out_of_range_value_is_echoed_as_sent_not_rounded():
+    """A value just past a bound (2.0000001, float arithmetic's kind) was echoed rounded to six digits: "temperature
+    2: must be <= 2" named a value in range. Every digit is kept; a whole number stays as a client writes it."""
+    from pydantic import ValidationError
+
+    from bitnet_cpu.serve.llama_api import NativeCompletionRequest
+    from bitnet_cpu.serve.ollama import OllamaError, parse_keep_alive, sampling_from_options
+    from bitnet_cpu.serve.schemas import ChatCompletionRequest, CompletionRequest
+
+    hi = [{"role": "user", "content": "hi"}]
+    with pytest.raises(ValidationError, match=r"temperature 2\.0000001: must be <= 2 \(this API's range\)"):
+        ChatCompletionRequest(messages=hi, temperature=2.0000001)
+    for field, bad in (("top_p", 1.0000001), ("min_p", 1.0000001), ("presence_penalty", -2.0000001),
+                       ("frequency_penalty", 2.000000000000001), ("typical_p", 1.0000000000000002)):
+        assert setting_problem(field, bad).startswith(f"{field} {bad!r}: "), field
+        with pytest.raises(ValidationError, match=f"{field} {bad!r}: "):
+            CompletionRequest(prompt="a", **{field: bad})
+        with pytest.raises(ValidationError, match=f"{field} {bad!r}: "):
+            NativeCompletionRequest(prompt="a", **{field: bad})
+        with pytest.raises(OllamaError, match=f"options.{field} {bad!r}: "):
+            sampling_from_options({field: bad}, None)
+    assert check_engine_args(PARSERS["bitnet run"].parse_args(["--top-p", "1.0000001"])).startswith(
+        "--top-p 1.0000001: ")
+    assert setting_problem("xtc_threshold", 123456789.0).startswith("xtc_threshold 123456789: ")
+    assert setting_problem("min_p", 1e-7 + 1).startswith("min_p 1.0000001: ")
+    with pytest.raises(ValueError, match=r"keep_alive: 9223372036\.855 s is over"):
+        parse_keep_alive(9223372036.855)

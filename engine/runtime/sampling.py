@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-from ..errors import BitNetError, shown_value
+from ..errors import BitNetError, shown_number, shown_value
 
 
 def checked_params(params) -> "SamplingParams":
@@ -174,7 +174,7 @@ def setting_problem(field: str, value, name: str | None = None, json_terms: bool
             return f"{name or field} {shown_value(value, json_terms)}: must be {what}"
         if kind is numbers.Integral:
             value = int(value)   # numpy's integers too
-    shown = f"{value:g}" if isinstance(value, float) else \
+    shown = shown_number(value) if isinstance(value, float) else \
         shown_value(value, json_terms) if json_terms and isinstance(value, (tuple, list, str)) else str(value)
     if not ok(value):
         return f"{name or field} {shown}: {rule}"
