@@ -33,7 +33,7 @@ from .logprobs import Said, chat_entry
 from .metrics import TokenClock
 from .offload import NOT_JSON, Streamed, next_or_gone, not_json, prepare_sampling, run_off_loop, too_long_for_context
 from .schemas import (MANY_STOPS, JSONTyped, error_message, error_where, json_text, main_error, overflow_message,
-                      shown_path, unanswered, utc_iso)
+                      request_seed, shown_path, unanswered, utc_iso)
 
 FOREVER = math.inf
 _DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
@@ -204,8 +204,11 @@ def sampling_from_options(options: dict | None, defaults: SamplingParams | None)
         integer = key in INT_OPTIONS
         if integer:
             value = option_int(options, key)
-        if key == "seed" and value < 0:   # ollama: -1 is a fresh random seed; another negative one is a seed
-            value = None if value == -1 else value % (1 << 64)   # (its runner takes it as unsigned)
+        if key == "seed":   # ollama: -1 is a fresh random seed; another negative one is a seed (the one range)
+            try:
+                value = request_seed(value, "options.seed")
+            except ValueError as e:
+                raise OllamaError(400, str(e)) from None
         if key == "top_k" and value < 0:   # ollama's Go sampler: k <= 0 is off
             value = 0
         if key == "repeat_last_n" and value == -1:   # ollama: -1 looks back over the whole context

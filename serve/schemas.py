@@ -84,6 +84,22 @@ def tools_refused(body) -> tuple[str, str] | None:
 # The one range that differs from the engine's on purpose: OpenAI's API takes temperature in [0, 2] only (the
 # engine and llama.cpp take any >= 0), and a client written against OpenAI should get the same 400 here.
 OPENAI_MAX_TEMPERATURE = 2.0
+# A request's seed, on every API (OpenAI's, llama-server's /completion, ollama's options): OpenAI's signed int64 or
+# an unsigned 64-bit one. -1 is a fresh random seed (llama-server's and ollama's), another negative one its unsigned
+# twin (ollama's runner reads its int64 seed as unsigned)
+SEED_RULE = "must be an integer in -2^63 .. 2^64-1 (-1: a fresh random seed; another negative one: seed + 2^64)"
+
+
+def request_seed(value, name: str = "seed"):
+    """A request's integer seed as the engine takes it (None: a fresh random one), or ValueError with the one
+    message every API gives for one outside SEED_RULE's range. Anything else is returned as is (the engine's
+    check names its type)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        return value
+    if not -(1 << 63) <= value < 1 << 64:
+        raise ValueError(f"{name} {value}: {SEED_RULE}")
+    return None if value == -1 else value % (1 << 64)
+
 def overflow_message(e, what: str = "messages") -> str:
     """A ContextOverflowError as an API's message: OpenAI's sentence first where the counts are known ("This
     model's maximum context length is N tokens. However, your messages resulted in M tokens"), the wording clients
@@ -553,10 +569,11 @@ class _Sampling(JSONTyped):
     @classmethod
     def _sampling_value(cls, value, info: ValidationInfo):
         field = info.field_name
-        if field == "seed" and value == -1:   # llama.cpp's server: -1 is a fresh random seed
-            return None
-        if field == "seed" and isinstance(value, int) and -(1 << 63) <= value < 0:
-            return value % (1 << 64)   # OpenAI's seed is a signed int64: another negative one is a seed (as ollama's)
+        if field == "seed":
+            try:
+                value = request_seed(value)
+            except ValueError as e:
+                raise PydanticCustomError("invalid_setting", str(e)) from None
         if field == "dry_base" and isinstance(value, (int, float)) and value < 1:   # llama-server: the default
             return _DEFAULT.dry_base
         # llama-server reads its extras on these endpoints as /completion does: top_k -1 is off (its clients' way

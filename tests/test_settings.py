@@ -138,6 +138,10 @@ def test_a_bad_sampling_value_gets_the_same_words_everywhere(field, flag, set_na
         SamplingParams(**{field: kind(text)}).check()
     said["engine"] = str(e.value)
     rule = setting_problem(field, kind(text)).split(": ", 1)[1]
+    if field == "seed":   # a request's seed also takes OpenAI's negative int64 ones: the APIs' own range
+        from bitnet_cpu.serve.schemas import SEED_RULE
+
+        assert said.pop("server") == f"{param} {text}: {SEED_RULE}"
     names = {"bitnet run": flag, "bitchat": flag, "/set": f"/set {set_name}", "server": param, "engine": field}
     for where, message in said.items():
         assert message is not None and message.startswith(names[where] + " ") and message.endswith(": " + rule), \
@@ -237,3 +241,30 @@ def test_an_out_of_range_value_is_echoed_as_sent_not_rounded():
     assert setting_problem("min_p", 1e-7 + 1).startswith("min_p 1.0000001: ")
     with pytest.raises(ValueError, match=r"keep_alive: 9223372036\.855 s is over"):
         parse_keep_alive(9223372036.855)
+
+
+def test_a_request_seed_has_one_range_on_every_api_and_its_message_says_it():
+    """OpenAI's, llama-server's and ollama's seeds: an integer in -2^63 .. 2^64-1 (OpenAI's signed int64 or an
+    unsigned 64-bit one), -1 a fresh random seed, another negative one its unsigned twin. ollama's options took any
+    negative (-2^70 too) where the others refused it, and their message said a seed "must be >= 0"."""
+    from pydantic import ValidationError
+
+    from bitnet_cpu.serve.llama_api import NativeCompletionRequest
+    from bitnet_cpu.serve.ollama import OllamaError, sampling_from_options
+    from bitnet_cpu.serve.schemas import ChatCompletionRequest, CompletionRequest
+
+    hi = [{"role": "user", "content": "hi"}]
+    apis = {"chat": lambda s: ChatCompletionRequest(messages=hi, seed=s).seed,
+            "completions": lambda s: CompletionRequest(prompt="a", seed=s).seed,
+            "/completion": lambda s: NativeCompletionRequest(prompt="a", seed=s).seed,
+            "ollama": lambda s: sampling_from_options({"seed": s}, None).seed}
+    for name, seed_of in apis.items():
+        assert seed_of(-1) is None, name
+        for sent, taken in ((-5, (1 << 64) - 5), (-(1 << 63), 1 << 63), (0, 0), ((1 << 64) - 1, (1 << 64) - 1)):
+            assert seed_of(sent) == taken, (name, sent)
+        for bad in (-(1 << 63) - 1, -(1 << 70), 1 << 64):
+            with pytest.raises((ValidationError, OllamaError)) as e:
+                seed_of(bad)
+            msg = str(e.value)
+            assert f"seed {bad}: must be an integer in -2^63 .. 2^64-1" in msg, (name, msg)
+            assert "-1: a fresh random seed" in msg and ">= 0" not in msg, (name, msg)
