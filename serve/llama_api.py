@@ -74,6 +74,7 @@ class NativeCompletionRequest(_Sampling):
     N_PROBS: ClassVar[bool] = True   # n_probs is this endpoint's own logprobs field
     MAX_TEMPERATURE: ClassVar[Optional[float]] = None
     MAX_STOPS: ClassVar[Optional[int]] = MANY_STOPS
+    DRY_BASE_BELOW_1_IS_DEFAULT: ClassVar[bool] = True
     prompt: Union[str, list[Any]]
     max_tokens: Optional[int] = None   # n_predict's other name in llama-server (-1: to the context's end)
     return_tokens: bool = False

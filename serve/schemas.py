@@ -452,6 +452,9 @@ class _Sampling(JSONTyped):
     # grammar alone), Anthropic's API refuses it ("refuse": 400); engine/runtime/tools.py with_answer_format
     FORCED_CALL_FORMAT: ClassVar[str] = "drop"
     EFFORT_NONE: ClassVar[bool] = False   # reasoning_effort "none" is taken (the chat endpoint's)
+    # llama-server's leniency, on its own /completion only: a dry_base below 1 is its default (elsewhere a 400, as
+    # ollama's options give: the rule that no value is dropped in silence)
+    DRY_BASE_BELOW_1_IS_DEFAULT: ClassVar[bool] = False
 
     model: Optional[str] = None
     stream: bool = False
@@ -574,7 +577,8 @@ class _Sampling(JSONTyped):
                 value = request_seed(value)
             except ValueError as e:
                 raise PydanticCustomError("invalid_setting", str(e)) from None
-        if field == "dry_base" and isinstance(value, (int, float)) and value < 1:   # llama-server: the default
+        if field == "dry_base" and cls.DRY_BASE_BELOW_1_IS_DEFAULT and isinstance(value, (int, float)) \
+                and value < 1:   # llama-server's: its default
             return _DEFAULT.dry_base
         # llama-server reads its extras on these endpoints as /completion does: top_k -1 is off (its clients' way
         # of saying so; other negatives stay the 400 every front end gives), repeat_last_n -1 the whole context

@@ -268,3 +268,24 @@ def test_a_request_seed_has_one_range_on_every_api_and_its_message_says_it():
             msg = str(e.value)
             assert f"seed {bad}: must be an integer in -2^63 .. 2^64-1" in msg, (name, msg)
             assert "-1: a fresh random seed" in msg and ">= 0" not in msg, (name, msg)
+
+
+def test_a_dry_base_below_1_is_refused_on_the_openai_endpoints_as_on_ollama():
+    """The OpenAI endpoints replaced a dry_base below 1 with 1.75 in silence while ollama's options refused it;
+    only llama-server's own /completion keeps its leniency (documented there)."""
+    from pydantic import ValidationError
+
+    from bitnet_cpu.serve.llama_api import NativeCompletionRequest
+    from bitnet_cpu.serve.ollama import OllamaError, sampling_from_options
+    from bitnet_cpu.serve.schemas import ChatCompletionRequest, CompletionRequest
+
+    hi = [{"role": "user", "content": "hi"}]
+    for bad, shown in ((0.5, "0.5"), (-1, "-1"), (0, "0")):
+        for make in (lambda: ChatCompletionRequest(messages=hi, dry_multiplier=0.8, dry_base=bad),
+                     lambda: CompletionRequest(prompt="a", dry_multiplier=0.8, dry_base=bad)):
+            with pytest.raises(ValidationError, match=f"dry_base {shown}: must be >= 1 and finite"):
+                make()
+        with pytest.raises(OllamaError, match=f"options.dry_base {shown}: must be >= 1 and finite"):
+            sampling_from_options({"dry_multiplier": 0.8, "dry_base": bad}, None)
+        assert NativeCompletionRequest(prompt="a", dry_base=bad).sampling_params().dry_base == 1.75   # llama-server's
+    assert CompletionRequest(prompt="a", dry_base=1).sampling_params().dry_base == 1.0
