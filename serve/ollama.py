@@ -32,8 +32,8 @@ from ..engine.runtime.sampling import SamplingParams, setting_problem
 from .logprobs import Said, chat_entry
 from .metrics import TokenClock
 from .offload import NOT_JSON, Streamed, next_or_gone, not_json, prepare_sampling, run_off_loop, too_long_for_context
-from .schemas import (MANY_STOPS, JSONTyped, error_message, error_where, json_text, main_error, overflow_message,
-                      request_seed, shown_path, unanswered, utc_iso)
+from .schemas import (MANY_STOPS, JSONTyped, error_message, error_where, is_off, json_text, main_error, off_refusal,
+                      overflow_message, request_seed, shown_path, unanswered, utc_iso)
 
 FOREVER = math.inf
 _DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
@@ -187,8 +187,8 @@ def sampling_from_options(options: dict | None, defaults: SamplingParams | None)
     values = {}
     for key, value in (options or {}).items():
         if key in REFUSED_OPTIONS:
-            if value not in (None, REFUSED_OPTIONS[key]):
-                raise OllamaError(400, f"options.{key} {value}: not supported (only {REFUSED_OPTIONS[key]}, off)")
+            if value is not None and not is_off(value, REFUSED_OPTIONS[key]):
+                raise OllamaError(400, off_refusal(f"options.{key}", value, REFUSED_OPTIONS[key]))
             continue
         if key not in OPTION_FIELDS and key not in HANDLED_OPTIONS | LOAD_OPTIONS | RETIRED_OPTIONS:
             # a typo (temprature) changed nothing in silence

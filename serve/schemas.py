@@ -440,7 +440,23 @@ CHAIN_OFF = {"dry": ("dry_multiplier", 0.0), "top_n_sigma": ("top_n_sigma", -1.0
 # llama-server fields for samplers and features this engine does not have: refused unless at their "off" value,
 # on every endpoint that takes llama-server's extras (its own /completion and the OpenAI ones)
 OFF = {"n_indent": 0, "t_max_predict_ms": 0, "post_sampling_probs": False, "image_data": None,
-       "lora": None, "multimodal_data": None}
+       "lora": None, "multimodal_data": None, "tfs_z": 1.0}
+OFF_WHY = {"tfs_z": "llama.cpp removed tail-free sampling"}   # (ollama's options.tfs_z is refused the same way)
+
+
+def is_off(value, off) -> bool:
+    """Whether a value sent for one of OFF's fields is its off value (an empty list is off for a null one, as
+    llama.cpp's web UI sends them; true is not a number's 1)."""
+    if isinstance(value, bool) and not isinstance(off, bool):
+        return False
+    return value == off or (off is None and value in ([], {}))
+
+
+def off_refusal(name: str, value, off) -> str:
+    """The 400's message for a value of an OFF field (or ollama's REFUSED_OPTIONS) other than its off value."""
+    why = OFF_WHY.get(name.removeprefix("options."))
+    return (f"{name} {json_text(value)}: not supported (only {json.dumps(off)}{' or []' if off is None else ''}, off"
+            f"{': ' + why if why else ''})")
 LAZY = ("grammar_lazy", "grammar_triggers")   # refused when set (true, non-empty)
 
 
@@ -517,6 +533,7 @@ class _Sampling(JSONTyped):
     n_indent: Any = OFF["n_indent"]
     t_max_predict_ms: Any = OFF["t_max_predict_ms"]
     post_sampling_probs: Any = OFF["post_sampling_probs"]
+    tfs_z: Any = OFF["tfs_z"]
     image_data: Any = None
     lora: Any = None
     multimodal_data: Any = None
@@ -683,9 +700,8 @@ class _Sampling(JSONTyped):
                 return name, why
         for name, off in OFF.items():
             value = getattr(self, name)
-            if value != off and not (off is None and value in ([], {})):   # an empty list is off (llama.cpp's UI)
-                return name, (f"{name} {json_text(value)}: not supported (only {json.dumps(off)}"
-                              f"{' or []' if off is None else ''}, off)")
+            if not is_off(value, off):
+                return name, off_refusal(name, value, off)
         for name in LAZY:   # a lazy grammar waits for a trigger; ignored, it would constrain from the first token
             if getattr(self, name):
                 return name, (f"{name}: lazy grammars (applied from a trigger on) are not supported; the grammar "

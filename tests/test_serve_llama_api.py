@@ -220,6 +220,8 @@ def test_props_settings_post_back_and_llama_server_lengths(server):
     *[(path, {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": [
         {"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"a": 1}}}]}]},
        "messages[1].tool_calls[0].function.arguments") for path in ("/apply-template", "/v1/chat/completions")],
+    *[(path, {"prompt": "a", "max_tokens": 1, "tfs_z": 0.5}, "tfs_z") for path in ("/v1/completions", "/completion")],
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1, "tfs_z": 0.5}, "tfs_z"),
     ("/tokenize", {"content": "word " * 400000}, "content"),
     ("/tokenize", {"text": "the field is content"}, "content"),
     ("/apply-template", {"messages": []}, "messages"),
@@ -461,6 +463,7 @@ def test_completion_refusals_name_the_field(server, body, param):
     ({"top_logprobs": 3}, "n_probs"),
     ({"max_completion_tokens": 1}, "n_predict"),
     ({"post_sampling_probs": True}, "post_sampling_probs true: not supported (only false, off)"),
+    ({"tfs_z": 0.5}, "tfs_z 0.5: not supported (only 1.0, off: llama.cpp removed tail-free sampling)"),
     ({"image_data": [{"data": "AAAA", "id": 1}]}, 'image_data [{"data": "AAAA", "id": 1}]: not supported (only null'),
     ({"json_schema": '{"type": "object"}'}, "json_schema: a JSON Schema is an object (or true / false), not a string"),
 ])

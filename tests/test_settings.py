@@ -1,6 +1,7 @@
 """One source for each setting: the sampling defaults and checks are SamplingParams' (engine/runtime/sampling.py),
 and `bitnet run`, `bitchat` and `bitnet serve` take the model / context / thread flags from one helper
 (cli/flags.py): same spellings, same minimums, same help, same words for a bad value. In process, no model."""
+import re
 from dataclasses import fields
 
 import pytest
@@ -289,3 +290,26 @@ def test_a_dry_base_below_1_is_refused_on_the_openai_endpoints_as_on_ollama():
             sampling_from_options({"dry_multiplier": 0.8, "dry_base": bad}, None)
         assert NativeCompletionRequest(prompt="a", dry_base=bad).sampling_params().dry_base == 1.75   # llama-server's
     assert CompletionRequest(prompt="a", dry_base=1).sampling_params().dry_base == 1.0
+
+
+def test_tfs_z_other_than_off_is_refused_on_every_api():
+    """Tail-free sampling is gone from llama.cpp and the engine has none: a tfs_z that would change sampling was a
+    400 in ollama's options but taken and ignored on /completion and the OpenAI endpoints. 1 (off) is taken."""
+    from bitnet_cpu.serve.llama_api import NativeCompletionRequest
+    from bitnet_cpu.serve.ollama import OllamaError, sampling_from_options
+    from bitnet_cpu.serve.schemas import ChatCompletionRequest, CompletionRequest
+
+    hi = [{"role": "user", "content": "hi"}]
+    why = "not supported (only 1.0, off: llama.cpp removed tail-free sampling)"
+    for make in (lambda **kw: ChatCompletionRequest(messages=hi, **kw),
+                 lambda **kw: CompletionRequest(prompt="a", **kw),
+                 lambda **kw: NativeCompletionRequest(prompt="a", **kw)):
+        assert make(tfs_z=0.5).unsupported() == ("tfs_z", f"tfs_z 0.5: {why}")
+        assert make(tfs_z="0.5").unsupported() == ("tfs_z", f'tfs_z "0.5": {why}')
+        for off in (1, 1.0, None):
+            assert make(tfs_z=off).unsupported() is None
+    with pytest.raises(OllamaError, match=f"^options.tfs_z 0.5: {re.escape(why)}$"):
+        sampling_from_options({"tfs_z": 0.5}, None)
+    with pytest.raises(OllamaError, match=f'^options.tfs_z "0.5": {re.escape(why)}$'):
+        sampling_from_options({"tfs_z": "0.5"}, None)
+    assert sampling_from_options({"tfs_z": 1}, None) == sampling_from_options({}, None)
