@@ -288,10 +288,12 @@ def _read_chat_template(args: argparse.Namespace) -> str | None:
         named = f" (for the named template give --chat-template {text.strip()})" if text.strip() in ct.NAMED else ""
         return (f"--chat-template-file {path}: no Jinja2 in it ({{{{ ... }}}} or {{% ... %}}): a chat template "
                 f"renders the messages{named}")
-    if path is None and text not in ct.NAMED and not jinja:
-        return f"{flag} {text!r}: not a template name ({', '.join(ct.NAMED)}) nor a Jinja2 template"
+    try:   # a name, or Jinja2 (the engine's check): "--chat-template 'chatlm': not a template name (...) nor ..."
+        template = text if path is not None else ct.named_or_jinja(text)
+    except ct.TemplateError as e:
+        return f"{flag} {e.args[0]}"
     try:
-        ct.check(text if path is not None else ct.NAMED.get(text, text))
+        ct.check(template)
     except ct.TemplateError as e:
         return f"{flag}{' ' + path if path else ''}: {e.args[0]}"
     args.chat_template_text, args.chat_template_flag = text, f"{flag} {path}" if path else flag

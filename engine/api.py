@@ -113,17 +113,21 @@ class _Text:
         return self.chat_template
 
     def set_chat_template(self, template: str, source: str | None = None) -> None:
-        """Render chats with `template` (a Jinja2 chat template, or a name of runtime/chat_template.NAMED)
-        instead of the model file's, as llama.cpp's --chat-template / --chat-template-file. It is rendered once
-        on a test conversation first: a template that does not parse or render is a TemplateError (a
-        BitNetError) and the model's own stays. source: where the template came from, as error hints name it
-        ("--chat-template-file FILE"; default: set_chat_template, or --chat-template NAME for a name)."""
+        """Render chats with `template` (a Jinja2 chat template, or a name of runtime/chat_template.NAMED: any other
+        text is a TemplateError, as --chat-template's) instead of the model file's, as llama.cpp's --chat-template /
+        --chat-template-file. It is rendered once on a test conversation first: a template that does not parse or
+        render is a TemplateError (a BitNetError) and the model's own stays. source: where the template came from, as
+        error hints name it ("--chat-template-file FILE"; default: set_chat_template, or --chat-template NAME for a
+        name)."""
         if not isinstance(template, str):
             raise _ct.TemplateError(f"chat template: a Jinja2 template or a name (str), not {type(template).__name__}")
         if template in _ct.NAMED and source in (None, "--chat-template"):
             source = f"--chat-template {template}"
         source = source or "set_chat_template"
-        template = _ct.NAMED.get(template, template)
+        try:
+            template = _ct.named_or_jinja(template)
+        except _ct.TemplateError as e:
+            raise _ct.TemplateError(f"chat template {e.args[0]}") from None
         before = self._chat_template, self._template_source
         self._chat_template, self._template_source = template, source
         try:

@@ -65,6 +65,20 @@ def test_set_chat_template_renders_the_given_template_and_keeps_the_old_one_on_e
     assert llm.chat_text(MSGS) == own
 
 
+def test_set_chat_template_refuses_a_mistyped_name_as_the_cli_does(llm):
+    """set_chat_template("chatlm") (a typo of "chatml") took the word as a constant template, and every chat
+    became that one word; now it is the CLI's --chat-template refusal (one check in the engine), a TemplateError
+    naming the templates, and the template before stays."""
+    from bitnet_cpu.engine.runtime.chat_template import NAMED, TemplateError
+
+    own = llm.chat_text(MSGS)
+    for bad in ("chatlm", "", "plain words"):
+        with pytest.raises(TemplateError, match="not a template name") as e:
+            llm.set_chat_template(bad)
+        assert repr(bad) in str(e.value) and all(name in str(e.value) for name in NAMED)
+        assert "\n" not in str(e.value) and llm.chat_text(MSGS) == own
+
+
 def test_generation_tags_render_their_body(llm):
     """transformers' `{% generation %}...{% endgeneration %}` (it marks the assistant's tokens for training masks;
     LFM2.5's and SmolLM3's templates use it) renders what it encloses, as the same template without the tags."""

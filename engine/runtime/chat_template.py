@@ -37,6 +37,17 @@ NAMED = {
 }
 
 
+def named_or_jinja(text: str) -> str:
+    """The Jinja2 text a --chat-template / set_chat_template value stands for: a NAMED template's, or `text` itself
+    where it is Jinja2 ({{ ... }} or {% ... %}). Anything else (a mistyped name such as "chatlm") would render as
+    that constant word in place of every chat: a TemplateError naming the names (the CLI's and the API's check)."""
+    if text in NAMED:
+        return NAMED[text]
+    if "{{" in text or "{%" in text:
+        return text
+    raise TemplateError(f"{text!r}: not a template name ({', '.join(NAMED)}) nor a Jinja2 template")
+
+
 def check(template: str) -> None:
     """TemplateError if `template` does not parse (a template given on the command line, checked before loading)."""
     _compile(template)
