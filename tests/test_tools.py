@@ -407,6 +407,36 @@ def test_bad_tools_refused_naming_the_tool():
         assert e.value.where == "tools[0].function.parameters" and "Of[" in str(e.value), e.value
 
 
+def test_constraint_takes_the_openai_tool_list_and_refuses_a_bad_choice_in_one_line(llm):
+    """ToolFormat.constraint(tools, ...) as the module's docstring shows it: the OpenAI-style list raised
+    AttributeError ('dict' object has no attribute 'parameters'), and a tool_choice naming no listed function or a
+    mistyped mode ("requird") IndexError. The list is now taken as functions_from_tools takes it, and a bad
+    choice, a list of neither, or not a list is a one-line ConstraintError naming the functions."""
+    fmt = tool_format(None)
+    for choice in ("required", "weather", "auto"):
+        assert fmt.constraint(TOOLS, choice, True) == fmt.constraint(functions_from_tools(TOOLS), choice, True)
+    for tools in (TOOLS, functions_from_tools(TOOLS)):
+        for choice in ("requird", "g", "", None, 5):
+            with pytest.raises(ConstraintError, match="tool_choice") as e:
+                fmt.constraint(tools, choice, True)
+            assert e.value.where == "tool_choice" and "add, weather" in str(e.value), e.value
+            assert "\n" not in str(e.value)
+    for tools in ("add", [functions_from_tools(TOOLS)[0], TOOLS[1]], [5], {"add": ADD}):
+        with pytest.raises(ConstraintError, match="functions_from_tools") as e:
+            fmt.constraint(tools, "required", True)
+        assert "\n" not in str(e.value)
+    with pytest.raises(ConstraintError, match="tools: a list") as e:
+        functions_from_tools("notalist")
+    assert fmt.constraint(TOOLS, "none", True) is None and fmt.constraint([], "auto", True) is None
+    # the whole Python path, prompt to parsed call, with the OpenAI-style list alone
+    ids = llm.chat_prompt(Q, tools=TOOLS)
+    text = "".join(c.text for c in llm.generate(ids, SamplingParams(temperature=0), max_tokens=120,
+                                                 constraint=fmt.constraint(TOOLS, "add", False)))
+    parser = llm.tool_format().parser()
+    calls = parser.feed(text)[1] + parser.finish()[1]
+    assert [c["function"]["name"] for c in calls] == ["add"], text
+
+
 @pytest.mark.parametrize("params", [{}, {"properties": {"a": {"type": "boolean"}}, "required": ["a"]},
                                     {"anyOf": [{"required": ["a"]}, {"required": ["b"]}]}])
 def test_parameters_without_a_type_still_give_object_arguments(llm, params):

@@ -5,6 +5,7 @@ the parser that turns its text back into calls.
     messages, tools_arg = fmt.prepare(messages, tools) # the tool list reaches the model through its template
     spec = fmt.constraint(tools, choice, parallel)     # "required" / a named function: every call is valid
     spec = fmt.constraint(tools, "auto", parallel, llm.answer_thought(prompt_ids))   # a thought may name calls
+    # tools: OpenAI's list ([{"type": "function", "function": {...}}]) or functions_from_tools(tools)'s Functions
     parser = fmt.parser(); parser.feed(text) -> (content, calls); parser.finish(cut) -> (content, calls)
 
 Formats:
@@ -61,6 +62,9 @@ def functions_from_tools(tools: list[dict], where: str = "tools") -> list[Functi
     names unique and non-empty, parameters a JSON Schema of objects (its type "object" or not given, then taken as
     "object"; a top-level anyOf/oneOf with a branch that cannot be one is refused) that can be enforced (refused
     naming the tool)."""
+    if not isinstance(tools, (list, tuple)):
+        raise ConstraintError(f"{where}: a list of {{\"type\": \"function\", \"function\": {{...}}}}, not "
+                              f"{type(tools).__name__}", where=where)
     out, seen = [], set()
     for i, t in enumerate(tools):
         fn = t.get("function") if isinstance(t, dict) else None
@@ -94,6 +98,18 @@ def functions_from_tools(tools: list[dict], where: str = "tools") -> list[Functi
         # the type said, not just checked: without it the grammar took any JSON value ("0", a number) as arguments
         out.append(Function(name, str(fn.get("description") or ""), {**params, "type": "object"}))
     return out
+
+
+def _functions(tools) -> list[Function]:
+    """ToolFormat.constraint's functions: Functions, or OpenAI's tool list (checked by functions_from_tools)."""
+    if isinstance(tools, (list, tuple)) and all(isinstance(f, Function) for f in tools):
+        return list(tools)
+    if isinstance(tools, (list, tuple)) and all(isinstance(t, dict) for t in tools):
+        return functions_from_tools(tools)
+    raise ConstraintError("tools: a list of OpenAI-style tools ({\"type\": \"function\", ...}) or of "
+                          "functions_from_tools(tools)'s Functions, not a mix nor "
+                          f"{type(tools).__name__ if not isinstance(tools, (list, tuple)) else 'other items'}",
+                          where="tools")
 
 
 def _may_be_object(schema) -> bool:
@@ -216,14 +232,21 @@ class ToolFormat:
             lead = f'LEAD: (NO_CALL "{HERMES_OPEN}" & ~/(?s:\\s*<think>.*)/) | THINK NO_CALL "{HERMES_OPEN}"\n'
         return f"start: TEXT | LEAD tail{more}\n" + self._text_rule(thought) + lead
 
-    def constraint(self, functions: list[Function], choice: str, parallel: bool,
+    def constraint(self, functions: list[Function] | list[dict], choice: str, parallel: bool,
                    thought: str | None = None, checked: bool = False) -> Constraint | None:
-        """choice: "auto" | "required" | a function name ("none": no constraint, no tools). thought (choice auto):
-        where the answer stands with a <think> block its splitter takes out (engine api's answer_thought): None,
-        the template does not think (or the thought is not split off: <think> is text); "may", the answer may
-        open with one; "open", the prompt opened it. Text before a call may then hold the whole thought.
-        checked: an earlier call for the same functions checked each schema (~2 ms a tool): the request's first,
-        made before its prompt is rendered, and this one once the prompt says where the thought stands."""
+        """functions: functions_from_tools(tools)'s, or OpenAI's tool list itself. choice: "auto" | "required" | a
+        function name ("none": no constraint, no tools); anything else is a ConstraintError naming the functions.
+        thought (choice auto): where the answer stands with a <think> block its splitter takes out (engine api's
+        answer_thought): None, the template does not think (or the thought is not split off: <think> is text); "may",
+        the answer may open with one; "open", the prompt opened it. Text before a call may then hold the whole
+        thought. checked: an earlier call for the same functions checked each schema (~2 ms a tool): the request's
+        first, made before its prompt is rendered, and this one once the prompt says where the thought stands."""
+        functions = _functions(functions)
+        names = ", ".join(f.name for f in functions) or "none given"
+        if choice not in ("none", "auto", "required") and not any(f.name == choice for f in functions):
+            # the filter below would leave no function, and the grammar's schema an IndexError
+            raise ConstraintError(f"tool_choice {choice!r}: not 'auto', 'required', 'none' nor a function of the "
+                                  f"tools ({names})", where="tool_choice")
         if choice == "none" or not functions:
             return None
         for i, f in enumerate([] if checked else functions):   # each tool's schema alone first: an error names it
