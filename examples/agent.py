@@ -5,7 +5,8 @@
 
 Step 1 forces a tool call (tool_choice "required": the server's grammar makes even a tiny model emit a valid
 call), the script runs the tool, sends the result back as a `tool` message, and step 2 lets the model answer in
-text (tool_choice "none"). Prints every step; exits 0 when the loop completed.
+text (tool_choice "none"). Prints every step; exits 0 when the loop completed. A step 1 cut by --max-tokens
+(finish_reason "length": its last call is partial) runs no tool: one line says to raise --max-tokens.
 """
 from __future__ import annotations
 
@@ -52,8 +53,17 @@ def clock() -> str:
 
 
 def run_tool(name: str, arguments: str) -> str:
-    args = json.loads(arguments)
+    """The tool's result, or one line "error: ..." (sent back to the model as the result) when the arguments are
+    not what the tool takes."""
+    try:
+        args = json.loads(arguments)
+    except json.JSONDecodeError as e:
+        return f"error: the arguments are not JSON ({e.msg})"
+    if not isinstance(args, dict):
+        return "error: the arguments are not a JSON object"
     if name == "calculator":
+        if not isinstance(args.get("expression"), str):
+            return "error: calculator takes {\"expression\": \"...\"}"
         return calculator(args["expression"])
     if name == "clock":
         return clock()
@@ -65,7 +75,8 @@ def main(argv=None) -> int:
     ap.add_argument("question", nargs="?", default="What time is it, and what is 17*3?")
     ap.add_argument("--base-url", default="http://127.0.0.1:8080/v1")
     ap.add_argument("--api-key", default="unused")
-    ap.add_argument("--max-tokens", type=int, default=128)
+    # the bundled model's three calls take 129 tokens: at 128 the last one was cut (finish_reason length)
+    ap.add_argument("--max-tokens", type=int, default=256)
     a = ap.parse_args(argv)
     client = OpenAI(base_url=a.base_url, api_key=a.api_key, max_retries=0, timeout=300)
     model = client.models.list().data[0].id
@@ -73,6 +84,10 @@ def main(argv=None) -> int:
     first = client.chat.completions.create(model=model, messages=messages, tools=TOOLS, tool_choice="required",
                                            temperature=0, max_tokens=a.max_tokens)
     msg = first.choices[0].message
+    if first.choices[0].finish_reason == "length":   # a call cut off is not to be run (its arguments are partial)
+        print(f"agent: step 1's answer was cut at {a.max_tokens} tokens (finish_reason length): raise --max-tokens",
+              file=sys.stderr)
+        return 1
     if not msg.tool_calls:
         print(f"agent: step 1 made no tool call (finish_reason {first.choices[0].finish_reason})", file=sys.stderr)
         return 1

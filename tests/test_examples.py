@@ -59,3 +59,41 @@ def test_example_runs_as_documented(path):
         if server is not None:
             rc, err = server.stop()
             assert rc == 0 and "Traceback" not in err, err[-3000:]
+
+
+def test_agent_does_not_run_a_call_cut_by_max_tokens():
+    """examples/agent.py ran a tool call the server marked cut (finish_reason "length", arguments "") and died in
+    json.loads with a traceback; a cut step is now one line saying so (raise --max-tokens), and arguments that are
+    not JSON reach the model as the tool's error, never a traceback. Greedy answers for max-tokens from "cut before
+    any call" to "whole", against a real `bitnet serve`."""
+    server = Server(threads=1)
+    seen = set()
+    try:
+        for n in (10, 16, 20, 24, 128, 256):
+            r = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "agent.py"), "--base-url",
+                                server.url + "/v1", "--max-tokens", str(n), "Use the calculator: what is 17*3?"],
+                               cwd=ROOT, capture_output=True, text=True, timeout=300 * slowness())
+            assert "Traceback" not in r.stderr, (n, r.stderr[-3000:])
+            if r.returncode:
+                assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, (n, r.stderr)
+                assert "--max-tokens" in r.stderr and "length" in r.stderr, (n, r.stderr)
+                seen.add("cut")
+            else:
+                assert "answer:" in r.stdout, (n, r.stdout)
+                seen.add("whole")
+    finally:
+        rc, err = server.stop()
+    assert rc == 0 and "Traceback" not in err, err[-3000:]
+    assert seen == {"cut", "whole"}
+
+
+def test_agent_tool_arguments_that_are_not_json_are_the_tools_error():
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    try:
+        import agent
+    finally:
+        sys.path.pop(0)
+    for bad in ("", "{", "[1]", '{"x": 1}'):
+        result = agent.run_tool("calculator", bad)
+        assert result.startswith("error:") and "\n" not in result, (bad, result)
+    assert agent.run_tool("calculator", '{"expression": "17*3"}') == "51"
