@@ -236,6 +236,7 @@ def _run(args, settings: Settings, out: Output, interactive: bool, first_message
                          kv_dtype=getattr(args, "kv", "f16"), lm_head=getattr(args, "lm_head", None),
                          lookup=lookup_from_flags(args.draft_max, args.lookup_ngram_min),
                          mmap=getattr(args, "mmap", None))
+        llm.model.cli_hints = True   # a context hint names -c/--ctx, not load_model(ctx=N)
         apply_chat_template(llm, args)
         llm.chat_text([{"role": "user", "content": "Hello"}])   # a template that cannot render: one line now
     except BitNetError as e:

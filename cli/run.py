@@ -153,6 +153,7 @@ def main(args) -> int:
     lookup = lookup_from_flags(args.draft_max, args.lookup_ngram_min)
     llm = load_model(args.model, ctx=args.ctx, threads=args.threads, kv_dtype=args.kv,
                      progress=stderr_is_terminal(), lm_head=args.lm_head, lookup=lookup, mmap=args.mmap)
+    llm.model.cli_hints = True   # a context hint names -c/--ctx, not load_model(ctx=N)
     apply_chat_template(llm, args)
     for w in [*llm.warnings, *thinking_warnings(llm, args)]:
         print(f"bitnet: warning: {w}", file=sys.stderr)

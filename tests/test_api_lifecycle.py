@@ -453,3 +453,21 @@ def test_bytes_or_a_dict_to_embed_is_one_error_naming_it():
         with pytest.raises(BitNetError, match=f"texts: give a string or a list of strings, not {name}"):
             llm.embed(bad)
     llm.close()
+
+
+def test_a_prompt_over_the_context_says_to_load_a_larger_one():
+    """A prompt alone over an LLM's context was told "the context is already the model's full 512 tokens: shorten
+    the prompt or ask for less", though load_model(ctx=N) takes it (with a warning past the trained length) and
+    asking for less cannot help; now the hint says to load with a larger context, as the Engine's does."""
+    from bitnet_cpu.engine.errors import ContextOverflowError
+    llm = load_model(progress=False)
+    trained = llm.config.context_length
+    prompt = "word " * trained
+    n = len(llm.tokenize(prompt, add_bos=True))
+    with pytest.raises(ContextOverflowError) as e:
+        llm.generate(prompt, GREEDY, max_tokens=8)
+    assert f"load with a context over {n} tokens (load_model(ctx=N)" in str(e.value), e.value
+    assert "ask for less" not in str(e.value) and "-c/--ctx" not in str(e.value)
+    llm.close()
+    with load_model(ctx=n + 8, progress=False) as big:   # what the hint says works
+        assert list(big.generate(prompt, GREEDY, max_tokens=4))[-1].finish_reason in ("length", "eos")

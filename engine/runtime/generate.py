@@ -187,7 +187,8 @@ def generate(model, tokenizer, prompt_ids: Sequence[int], params: SamplingParams
         prompt = [tokenizer.bos_id]
     if len(prompt) > model.n_ctx:
         raise ContextOverflowError(f"the prompt has {len(prompt)} tokens but the context holds {model.n_ctx}",
-                                   hint=model.context_hint(), n_prompt_tokens=len(prompt), n_ctx=model.n_ctx)
+                                   hint=model.context_hint(len(prompt)), n_prompt_tokens=len(prompt),
+                                   n_ctx=model.n_ctx)
     max_tokens = whole_number(max_tokens, "max_tokens")
     stop = stop_strings(stop)
     sampler = Sampler(params, model.config.vocab_size, tokenizer)

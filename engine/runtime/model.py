@@ -558,15 +558,23 @@ class Model:
             ops.add_rmsnorm_quant(x, delta, self._out_norm, self._eps, self._head_x, v1.xq_d, v1.act_scale, v1.act_sum)
             K.gemv_i8(self._out_w, self._out_scale, self._out_rowsum, v1.xq_d1, v1.act_scale[0], out)
 
-    def context_hint(self) -> str:
-        """What the user can do when the context is full: raise -c only while it is below the model's own."""
+    cli_hints = False   # context hints in the CLI's words (-c/--ctx): set by bitnet run / bitchat
+
+    def context_hint(self, n_prompt: int | None = None) -> str:
+        """What the user can do when the context is full. n_prompt: the prompt alone is over it, so asking for fewer
+        tokens cannot help. The CLI says raise -c only while it is below the model's own; the Python API says load
+        with a context that holds the prompt, as the Engine's hint does (load_model warns past the trained length)."""
         trained = self.config.context_length
+        if n_prompt is not None and not self.cli_hints:
+            past = f"; past the {trained} tokens the model was trained for it warns" if n_prompt >= trained else ""
+            return f"load with a context over {n_prompt} tokens (load_model(ctx=N){past}) or shorten the prompt"
+        less = "" if n_prompt is not None else " or ask for less"
         if self.n_ctx < trained:
             return f"raise -c/--ctx (the model was trained for up to {trained} tokens) or shorten the prompt"
         if self.n_ctx > trained:
             return (f"the context ({self.n_ctx}) is already past the {trained} tokens the model was trained for: "
-                    "shorten the prompt or ask for less")
-        return f"the context is already the model's full {trained} tokens: shorten the prompt or ask for less"
+                    f"shorten the prompt{less}")
+        return f"the context is already the model's full {trained} tokens: shorten the prompt{less}"
 
     def _head_rows(self, v: _Views, out: np.ndarray):
         """Logits of all v.m rows of the last chunk into out[:v.m]: one pass over a q4 or f16 head (their kernels
