@@ -125,6 +125,24 @@ def test_json_object_and_regex(llm):
     assert last.finish_reason == "eos"
 
 
+def test_the_boolean_schemas_are_constraints_as_documented(llm):
+    """structured-output.md: wherever a schema goes, true is one (any JSON value) and false matches none.
+    constraint=True was refused as "expected a Constraint ... got True", and False got the same generic line."""
+    text, _, last = _run(llm, _ask(llm, "Some JSON"), MODES["greedy"], True, max_tokens=60)
+    assert last.finish_reason == "eos" and text.strip(), text
+    json.loads(text)
+    assert llm.compile_constraint(True).spec == Constraint.json_schema(True, where="constraint")
+    with load_engine(None, progress=False, parallel=1) as eng:
+        assert eng.compile_constraint(True).spec == Constraint.json_schema(True, where="constraint")
+        with pytest.raises(ConstraintError, match="the schema false matches no value"):
+            eng.submit("Q", max_tokens=4, constraint=False)
+    with pytest.raises(ConstraintError, match="the schema false matches no value"):
+        llm.generate("Q", max_tokens=4, constraint=False)
+    for other in (1, 0, "true", ["json"]):   # not the booleans: still refused naming what is taken
+        with pytest.raises(ConstraintError, match="expected a Constraint, a JSON Schema"):
+            llm.generate("Q", max_tokens=4, constraint=other)
+
+
 def test_cannot_complete_within_max_tokens_is_length(llm):
     text, toks, last = _run(llm, _ask(llm, "JSON"), MODES["greedy"], Constraint.json_schema(SCHEMAS["nested"]),
                             max_tokens=5)

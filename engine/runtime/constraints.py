@@ -104,16 +104,17 @@ class Constraint:
 
     @classmethod
     def coerce(cls, value, *, where: str = "constraint") -> "Constraint | None":
-        """The Python API's `constraint=` argument: a Constraint, a JSON Schema dict, "json" (any object), or
-        None. Regexes and grammars are given as Constraint.regex(...) / Constraint.gbnf(...): a bare string
-        would be ambiguous."""
+        """The Python API's `constraint=` argument: a Constraint, a JSON Schema dict or boolean schema (True: any
+        JSON value; False matches none: a ConstraintError saying so), "json" (any object), or None. Regexes and
+        grammars are given as Constraint.regex(...) / Constraint.gbnf(...): a bare string would be ambiguous."""
         if value is None or isinstance(value, Constraint):
             return value
-        if isinstance(value, dict):
+        if isinstance(value, dict) or value is True or value is False:
             return cls.json_schema(value, where=where)
         if value == "json":
             return cls.json_object(where=where)
-        raise ConstraintError(f"{where}: expected a Constraint, a JSON Schema dict or 'json', got {value!r:.60}",
+        raise ConstraintError(f"{where}: expected a Constraint, a JSON Schema (a dict, True or False) or 'json', "
+                              f"got {value!r:.60}",
                               where=where)
 
     def grammar(self) -> str:
