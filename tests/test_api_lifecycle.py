@@ -471,3 +471,18 @@ def test_a_prompt_over_the_context_says_to_load_a_larger_one():
     llm.close()
     with load_model(ctx=n + 8, progress=False) as big:   # what the hint says works
         assert list(big.generate(prompt, GREEDY, max_tokens=4))[-1].finish_reason in ("length", "eos")
+
+
+def test_a_wait_s_timeout_of_the_wrong_type_or_range_is_one_error():
+    """Engine.embed(timeout=-1) said "the embeddings were not ready within -1 s" and timeout="x" raised a bare
+    TypeError from the comparison; a timeout is now checked as every other argument is, before the request runs."""
+    with load_engine(ctx=64, parallel=1, progress=False) as eng:
+        ids = eng.tokenize("a cat", add_bos=True)
+        for bad in (-1, "x", True, float("nan"), [1]):
+            for call in (lambda: eng.embed(["a cat"], timeout=bad), lambda: eng.score_ids(ids, timeout=bad)):
+                with pytest.raises(BitNetError, match=r"timeout .*: None \(no limit\) or seconds") as e:
+                    call()
+                assert "\n" not in str(e.value) and "not ready" not in str(e.value)
+        for good in (None, 60, 2.5, float("inf")):
+            assert eng.embed(["a cat"], timeout=good).shape[0] == 1
+            assert len(eng.score_ids(ids, timeout=good)) == len(ids) - 1

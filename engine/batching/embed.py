@@ -17,7 +17,7 @@ import numpy as np
 from ..errors import BitNetError, token_ids
 from ..runtime.embed import NORMALIZE, POOLING, Pool, check_normalize, check_pooling
 from ..runtime.sampling import SamplingParams
-from .stream import OneShot, Stream
+from .stream import OneShot, Stream, checked_timeout
 
 EMBEDDED = "embedded"   # the finish reason of an embedding sequence that delivered its vector
 
@@ -119,6 +119,7 @@ class Embeddings:
         """submit_embed(texts, pooling=, normalize=) and wait (a timeout or Ctrl-C cancels it): [n, hidden] float32
         (by default mean-pooled and L2-normalised: engine/runtime/embed.py), or a list of [tokens, hidden] rows for
         pooling none."""
+        timeout = checked_timeout(timeout)   # before the texts run
         return self.submit_embed(texts, pooling=pooling, normalize=normalize).wait(timeout)
 
     def _embed_rows(self, s, row0: int, r: int):

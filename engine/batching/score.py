@@ -17,7 +17,7 @@ from typing import Callable, Sequence
 from ..errors import BitNetError, token_ids
 from ..runtime.generate import whole_number
 from ..runtime.sampling import SamplingParams, TokenLogprob, token_logprob
-from .stream import OneShot, Stream
+from .stream import OneShot, Stream, checked_timeout
 
 SCORED = "scored"   # the finish reason of a scoring sequence that delivered its result
 
@@ -79,6 +79,7 @@ class Scoring:
 
     def score_ids(self, ids: Sequence[int], top_k: int = 0, timeout: float | None = None) -> list[TokenLogprob]:
         """submit_score and wait (a timeout or Ctrl-C cancels it)."""
+        timeout = checked_timeout(timeout)   # before the ids run
         return self.submit_score(ids, top_k).wait(timeout)
 
     def _score_rows(self, s, row0: int, r: int):

@@ -10,6 +10,16 @@ from ..errors import BitNetError
 from ..runtime.generate import Chunk
 
 
+def checked_timeout(timeout) -> float | None:
+    """A wait's timeout: None or inf (no limit), or seconds >= 0; anything else one BitNetError naming it (it read
+    as "not ready within -1 s", or a bare TypeError for a string)."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0:
+        raise BitNetError(f"timeout {timeout!r:.40}: None (no limit) or seconds, 0 or more")
+    return None if timeout == float("inf") else timeout
+
+
 def _not_on_engine_thread(engine, what: str):
     """A wait on the scheduler's own thread (a callback's) would wait for itself, and the engine with it, for good."""
     if threading.current_thread() is getattr(engine, "_thread", None):
@@ -133,6 +143,7 @@ class OneShot:
             raise
 
     def _wait(self, timeout: float | None):
+        timeout = checked_timeout(timeout)
         if not self._done.is_set():
             _not_on_engine_thread(self._engine, f"waiting for {self.what}")
         if not self._done.wait(timeout):
