@@ -1,6 +1,6 @@
 """The public runtime API: the only thing chat/ and bench/ use (contract: engine/INTERFACES.md).
 
-    from engine.api import load_model, SamplingParams
+    from bitnet_cpu.engine.api import load_model, SamplingParams
     llm = load_model("model.gguf", ctx=2048, threads=2)          # None -> the bundled default model
     ids = llm.chat_prompt([{"role": "user", "content": "Hi"}])
     for chunk in llm.generate(ids, SamplingParams(temperature=0.7), max_tokens=128):
@@ -16,6 +16,9 @@ Many sequences at once (continuous batching over a paged KV cache, engine/batchi
     for chunk in stream:                                        # or submit(..., callback=fn)
         print(chunk.text, end="")
     eng.close()
+
+Every error the API raises is a BitNetError (one line; .hint says what to do), importable from here with the
+documented kinds: ContextOverflowError, ConstraintError, NoTokenAllowedError, QueueFullError, TemplateError.
 """
 from __future__ import annotations
 
@@ -31,20 +34,23 @@ import numpy as np
 from .runtime import chat_template as _ct
 from .config import ModelConfig
 from .cpu import available_cores, default_threads
-from .errors import BitNetError, ConstraintError, FormatError, QueueFullError, token_ids
+from .errors import BitNetError, ConstraintError, ContextOverflowError, FormatError, QueueFullError, token_ids
 from .fileio import why_missing
 from .runtime.generate import Chunk, Stats, generate as _generate, whole_number
 from .runtime.model import Model, check_kv_dtype
 from .runtime.constraints import Constraint, compile_constraint
 from .runtime.dry import breaker_table, cached_table
-from .runtime.sampling import SamplingParams
+from .runtime.sampling import NoTokenAllowedError, SamplingParams
 from .runtime.speculative import LookupParams, checked_lookup
 from .formats.store import Store, is_store, store_warnings
 from .formats.tokenizer import Tokenizer
 
 __all__ = ["load_model", "LLM", "load_engine", "resolve_store", "Engine", "SamplingParams", "LookupParams", "Chunk",
-           "Stats",
-           "QueueFullError", "Constraint", "ConstraintError"]
+           "Stats", "Constraint",
+           # the errors the API raises: BitNetError and its documented kinds
+           "BitNetError", "ContextOverflowError", "ConstraintError", "NoTokenAllowedError", "QueueFullError",
+           "TemplateError"]
+TemplateError = _ct.TemplateError
 
 
 def _resolve(model: str | None, lm_head: str | None, progress: bool) -> str:
@@ -406,7 +412,6 @@ class LLM(_Text):
         the same bits as Engine.embed). Raises ContextOverflowError for a text over n_ctx. Leaves the last text in
         the KV cache."""
         from .runtime.embed import check_normalize, check_pooling, embed_ids
-        from .errors import ContextOverflowError
         pooling, normalize = check_pooling(pooling), check_normalize(normalize)
         all_ids = self.embed_tokens(texts)
         for i, ids in enumerate(all_ids):

@@ -486,3 +486,30 @@ def test_a_wait_s_timeout_of_the_wrong_type_or_range_is_one_error():
         for good in (None, 60, 2.5, float("inf")):
             assert eng.embed(["a cat"], timeout=good).shape[0] == 1
             assert len(eng.score_ids(ids, timeout=good)) == len(ids) - 1
+
+
+def test_every_documented_exception_comes_from_engine_api():
+    """ContextOverflowError, NoTokenAllowedError and TemplateError (documented as raised) lived only in internal
+    modules, BitNetError was not in __all__, and the module's docstring imported from "engine.api", which is no
+    module; all come from bitnet_cpu.engine.api now, and the docstring's import runs."""
+    import bitnet_cpu.engine.api as api
+    from bitnet_cpu.engine import errors
+    from bitnet_cpu.engine.runtime import chat_template, sampling
+    names = {}
+    exec("from bitnet_cpu.engine.api import *", names)
+    for name, cls in (("BitNetError", errors.BitNetError), ("ContextOverflowError", errors.ContextOverflowError),
+                      ("NoTokenAllowedError", sampling.NoTokenAllowedError),
+                      ("TemplateError", chat_template.TemplateError),
+                      ("ConstraintError", errors.ConstraintError), ("QueueFullError", errors.QueueFullError)):
+        assert names.get(name) is cls and issubclass(cls, errors.BitNetError), name
+    imports = [line.strip() for line in api.__doc__.splitlines() if line.strip().startswith("from ")]
+    assert imports and all(line.startswith("from bitnet_cpu.engine.api import") for line in imports), imports
+    for line in imports:
+        exec(line, {})
+    import os
+    import re
+    docs = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(api.__file__))), "docs", "api.md"),
+                encoding="utf-8").read()
+    block = re.search(r"```python\n(from bitnet_cpu\.engine\.api import \(.*?\))\n```", docs, re.S)
+    assert block, "docs/api.md says where the Python API's errors come from"
+    exec(block.group(1), {})
