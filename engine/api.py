@@ -73,13 +73,25 @@ def _resolve(model: str | None, lm_head: str | None, progress: bool) -> str:
     return resolve_model(model, lm_head=lm_head, progress=progress)
 
 
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")   # the server's (developer: as system)
+
+
 def _text_content(m, k: int) -> dict:
-    """messages[k] as the templates take it: a dict with a 'role'; OpenAI's content parts ([{"type": "text",
-    "text": ...}]) joined into one text, as the server joins them (their repr went into the prompt); a part
-    that is not text is one BitNetError naming it."""
+    """messages[k] as the templates take it: a dict with a 'role' the server takes (developer becomes system, as
+    there) and text content (None only for an assistant's tool calls); OpenAI's content parts ([{"type": "text",
+    "text": ...}]) joined into one text, as the server joins them (their repr went into the prompt). Anything else
+    is one BitNetError naming it, as the server's 400 (a role "bogus" or content 5 rendered in silence)."""
     if not isinstance(m, dict) or not isinstance(m.get("role"), str):
         raise BitNetError(f"messages[{k}]: a dict with a 'role' (str), not {m!r:.80}")
+    if m["role"] not in CHAT_ROLES:
+        raise BitNetError(f"messages[{k}].role {m['role']!r:.40}: one of {', '.join(CHAT_ROLES)}")
+    if m["role"] == "developer":
+        m = {**m, "role": "system"}
     parts = m.get("content")
+    if parts is None and m["role"] != "assistant":
+        raise BitNetError(f"messages[{k}].content: a {m['role']} message needs its content (text)")
+    if parts is not None and not isinstance(parts, (str, list)):
+        raise BitNetError(f"messages[{k}].content: text (str) or OpenAI's text parts, not {type(parts).__name__}")
     if not isinstance(parts, list):
         return m
     for j, p in enumerate(parts):
@@ -218,6 +230,8 @@ class _Text:
     def chat_text(self, messages: list[dict], add_generation_prompt: bool = True,
                   tools: list[dict] | None = None, template_kwargs: dict | None = None) -> str:
         """The text chat_prompt tokenizes (special tokens as text): what the template makes of `messages`."""
+        if not isinstance(add_generation_prompt, (bool, np.bool_)):   # "no" was True
+            raise BitNetError(f"add_generation_prompt {add_generation_prompt!r:.40}: True or False")
         if isinstance(messages, (str, bytes, dict)) or not isinstance(messages, Sequence):
             raise BitNetError(f"messages: a list of {{'role': ..., 'content': ...}} dicts, not {type(messages).__name__}")
         messages = [_text_content(m, k) for k, m in enumerate(messages)]

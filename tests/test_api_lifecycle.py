@@ -513,3 +513,29 @@ def test_every_documented_exception_comes_from_engine_api():
     block = re.search(r"```python\n(from bitnet_cpu\.engine\.api import \(.*?\))\n```", docs, re.S)
     assert block, "docs/api.md says where the Python API's errors come from"
     exec(block.group(1), {})
+
+
+def test_chat_prompt_refuses_what_the_server_refuses():
+    """chat_prompt took add_generation_prompt="no" as True, and a {"role": "bogus"} message or content 5 in
+    silence (5 rendered as "5"); the server refuses all three, and so does the API now, one BitNetError each."""
+    llm = load_model(ctx=64, progress=False)
+    user = {"role": "user", "content": "Hi"}
+    for call, words in ((lambda: llm.chat_prompt([user], add_generation_prompt="no"), "add_generation_prompt 'no'"),
+                        (lambda: llm.chat_text([user], add_generation_prompt=1), "add_generation_prompt 1"),
+                        (lambda: llm.chat_prompt([{"role": "bogus", "content": "x"}]),
+                         r"messages\[0\]\.role 'bogus': one of system, developer, user, assistant, tool"),
+                        (lambda: llm.chat_prompt([user, {"role": "user", "content": 5}]),
+                         r"messages\[1\]\.content: text"),
+                        (lambda: llm.chat_prompt([{"role": "user", "content": None}]), r"messages\[0\]\.content"),
+                        (lambda: llm.chat_prompt([{"role": "user"}]), r"messages\[0\]\.content")):
+        with pytest.raises(BitNetError, match=words) as e:
+            call()
+        assert "\n" not in str(e.value)
+    # what the server takes still renders: an assistant's call with no content, developer as system, a tool result
+    calls = [{"type": "function", "id": "c1", "function": {"name": "f", "arguments": "{}"}}]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    msgs = [{"role": "developer", "content": "Be brief."}, user, {"role": "assistant", "content": None,
+            "tool_calls": calls}, {"role": "tool", "tool_call_id": "c1", "content": "ok"}]
+    assert llm.chat_prompt(msgs, add_generation_prompt=False, tools=tools)
+    assert llm.chat_text(msgs[:2]) == llm.chat_text([{"role": "system", "content": "Be brief."}, user])
+    llm.close()
