@@ -82,7 +82,10 @@ class Stream:
     def __iter__(self):
         """The chunks, blocking for each. Iteration that stops before the final chunk (a break, an exception,
         Ctrl-C: the iterator closed or collected) cancels the request, as LLM.generate's does: an abandoned
-        stream no longer holds its slot and KV pages, decoding to max_tokens for nobody."""
+        stream no longer holds its slot and KV pages, decoding to max_tokens for nobody. Threads iterating one
+        stream at once share its chunks, a work queue's way (each chunk goes to one of them; all end at the final
+        chunk): not an error, as handing a stream to a worker thread while another still holds it is common; a
+        thread that needs the whole text iterates alone."""
         if self._q is None:
             raise BitNetError("this stream delivers its chunks to a callback")
         if not self._drained:
