@@ -29,7 +29,8 @@ from .commands import (OLLAMA_SET_WORDS, SETTING_NAMES, THINK_WORDS, Command, Co
                        parse_setting, split_set, strip_block)
 from .render import Output, format_stats
 from .splice import CachedTurn, spliced_prompt
-from .transcript import Conversation, TranscriptError, other_conversation, private_dir, same_file_key
+from .transcript import (Conversation, TranscriptError, other_conversation, private_dir, refuse_directory_name,
+                         same_file_key)
 
 
 class ExitChat(Exception):
@@ -615,6 +616,10 @@ class ChatSession:
         elif name == "/stats":
             self.out.info(self.describe_stats())
         elif name == "/save":
+            try:   # "x.json/": before the checks below, which name the file x.json
+                refuse_directory_name(arg)
+            except TranscriptError as e:
+                raise CommandError(f"/save: {e}") from None
             other = None if cmd.force or self._still_own(same_file_key(arg)) else other_conversation(
                 same_file_key(arg))
             if other:   # a fresh session's /save replaced a long conversation with an empty one, in silence

@@ -92,9 +92,27 @@ def private_dir(directory: str) -> None:
             pass
 
 
+def names_a_directory(path: str) -> bool:
+    """Whether `path` ends in "/" (or "/.", ".."), naming a directory as a shell takes it: never a file to write.
+    (os.path.abspath drops the slash: "mine.json/" became mine.json, written over and then removed.)"""
+    seps = os.sep + (os.altsep or "")
+    return path.endswith(tuple(seps)) or os.path.basename(path) in (".", "..")
+
+
+def refuse_directory_name(path: str) -> None:
+    """TranscriptError when `path` names a directory (names_a_directory): a shell's rule, "x.json/" is never the
+    file x.json."""
+    path = os.path.expanduser(path)
+    if names_a_directory(path):
+        raise TranscriptError(f"{path}: is a directory" if os.path.isdir(path) else
+                              f"{path}: names a directory (it ends in '/'), not a file: give a file name")
+
+
 def recovery_problem(path: str) -> str | None:
     """Why `path` cannot be this session's recovery copy, or None: a file there must be empty or an earlier
     recovery copy (meta.recovered), as the copy is rewritten at every turn and removed at a normal exit."""
+    if names_a_directory(path):
+        return "ends in '/': it names a directory, not a file"
     if not os.path.lexists(path):
         return None
     if not os.path.isfile(path):
@@ -234,7 +252,9 @@ class Conversation:
         """Write atomically: temp file in the same directory, fsync, rename, fsync the directory.
         A crash at any point leaves either the old file or the new one, never half of one.
         durable=False skips the fsyncs (the recovery copy: it must survive the process, not the machine)."""
-        path = os.path.abspath(os.path.expanduser(path))
+        given = os.path.expanduser(path)
+        refuse_directory_name(given)
+        path = os.path.abspath(given)
         if os.path.islink(path):   # written through: the link stays, its file gets the conversation
             path = os.path.realpath(path)
         directory = os.path.dirname(path)

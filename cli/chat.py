@@ -16,7 +16,8 @@ holds an earlier session's copy is kept too, this session's going to X-2.json be
 writes there while this one runs is never written over: this session's goes to X-PID.json), removed on a normal exit
 while it is still the copy this session wrote:
 when the process is ended by a fatal fault or Ctrl-C outside a turn (a piped session waiting for input), the one-line
-message says where it is (/load it). A path holding a file that is not a recovery copy is refused at start.
+message says where it is (/load it). A path holding a file that is not a recovery copy, or ending in "/", is refused
+at start.
 """
 from __future__ import annotations
 

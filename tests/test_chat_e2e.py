@@ -530,6 +530,21 @@ def test_a_recovery_path_holding_another_file_is_refused(chat_model, tmp_path):
         assert "BITCHAT_RECOVERY" in r.stderr
 
 
+def test_a_recovery_path_ending_in_a_slash_is_refused_and_the_saved_chat_kept(chat_model, tmp_path):
+    """BITCHAT_RECOVERY=$PWD/mine.json/ passed the start-up check (nothing is at "mine.json/"), then the copy was
+    written over mine.json, a saved conversation, and removed at the normal exit: the user's chat was gone."""
+    saved = tmp_path / "mine.json"
+    content = json.dumps({"format": "bitchat-conversation", "version": 1, "system": None,
+                          "turns": [{"user": "My saved question", "assistant": "Kept."}]})
+    saved.write_text(content)
+    env = test_env(tmp_path)
+    env["BITCHAT_RECOVERY"] = f"{saved}/"
+    r = subprocess.run(console_script("bitchat") + ["-m", chat_model, "-t", "1", "-n", "4"], input="hi\n",
+                       capture_output=True, text=True, timeout=TIMEOUT * 2, env=env)
+    assert saved.read_text() == content
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "BITCHAT_RECOVERY" in r.stderr, r.stderr
+
+
 def test_an_earlier_sessions_copy_at_a_fixed_recovery_path_is_kept(chat_model, tmp_path):
     """A fixed $BITCHAT_RECOVERY holding the copy an earlier (crashed) session left is never written over nor
     removed, even once /load-ed as the crash line advises: this session writes X-2.json beside it and says so in one

@@ -211,6 +211,23 @@ def test_save_errors_name_the_file(tmp_path):
             make_conv(1).save(str(path))
 
 
+def test_a_path_ending_in_a_slash_names_a_directory_and_never_a_file(tmp_path):
+    """/save newdir/ wrote a regular file named newdir, and /save x.json/ replaced x.json (the slash was dropped
+    before the checks): a name ending in / (or /.) names a directory, as in a shell; nothing is written."""
+    from bitnet_cpu.chat.transcript import recovery_problem
+
+    saved = tmp_path / "mine.json"
+    make_conv(1).save(str(saved))
+    before = saved.read_text()
+    for name in ("newdir/", "mine.json/", "mine.json/."):
+        path = f"{tmp_path}/{name}"   # (pathlib drops the slash)
+        with pytest.raises(TranscriptError, match="names a directory"):
+            make_conv(2).save(path)
+        assert recovery_problem(path), name
+    assert saved.read_text() == before and not (tmp_path / "newdir").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine.json"]
+
+
 def test_a_history_under_a_file_says_not_a_directory(tmp_path):
     """The input history's folder is a file: the line said "File exists", which named no problem."""
     from bitnet_cpu.chat.repl import private_history

@@ -673,6 +673,20 @@ def test_a_shared_recovery_path_keeps_each_sessions_copy(llm, tmp_path):
     assert users(path) == ["Someone else's?"]
 
 
+def test_save_to_a_name_ending_in_a_slash_keeps_the_file_without_it(llm, tmp_path):
+    """/save mine.json/ said "holds another conversation ... /save! mine.json/ replaces it" (and /save! did, the
+    slash dropped): a name ending in / names a directory, refused in one line; mine.json stays."""
+    saved = tmp_path / "mine.json"
+    Conversation(turns=[Turn("Mine?", "Yes.")]).save(str(saved))
+    before = saved.read_text()
+    s, _ = new_session(llm)
+    s.ask("Hi?")
+    for line in (f"/save {saved}/", f"/save! {saved}/", f"/save {tmp_path}/newdir/"):
+        with pytest.raises(CommandError, match=r"^/save: .*names a directory \(it ends in '/'\), not a file"):
+            s.run_command(parse_command(line))
+    assert saved.read_text() == before and sorted(p.name for p in tmp_path.iterdir()) == ["mine.json"]
+
+
 def test_a_recovery_copy_under_a_file_says_why_in_words(llm, tmp_path):
     """$XDG_STATE_HOME/bitchat is a file: the notice showed Python's "[Errno 17] File exists: '...'"."""
     afile = tmp_path / "bitchat"
