@@ -55,6 +55,10 @@ class CommandError(Exception):
     """One-line hint for a command the user mistyped."""
 
 
+class CommandInterrupted(CommandError):
+    """Ctrl-C stopped a command (/save, /load), nothing changed: the REPL goes on; a piped run ends (130)."""
+
+
 _DEFAULT = SamplingParams()   # the one source of the sampling defaults and checks (engine/runtime/sampling.py)
 
 

@@ -19,7 +19,8 @@ import traceback
 from contextlib import contextmanager
 
 from ..engine.errors import ENDING_SIGNALS, Terminated, write_failed
-from .commands import COMMANDS, CommandError, completions, is_command, open_block, parse_command, strip_block
+from .commands import (COMMANDS, CommandError, CommandInterrupted, completions, is_command, open_block, parse_command,
+                       strip_block)
 from .session import ChatSession, ExitChat, terminal_gone
 from .transcript import private_dir, state_dir
 
@@ -169,6 +170,8 @@ def handle_line(session: ChatSession, text: str) -> bool:
     except CommandError as e:
         session.out.notice(str(e))
         session.had_errors = True
+        if isinstance(e, CommandInterrupted) and session.ctrl_c_ends:   # a piped run: Ctrl-C ends it (exit 130)
+            raise KeyboardInterrupt from None
     except BrokenPipeError:   # stdout was closed (`| head`): not a bug; bitchat ends quietly (cli/chat.py)
         raise
     except Exception as e:  # a bug must not take the transcript with it

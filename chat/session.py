@@ -25,8 +25,8 @@ from contextlib import contextmanager
 from dataclasses import replace
 
 from ..engine.errors import ENDING_SIGNALS, Terminated
-from .commands import (OLLAMA_SET_WORDS, SETTING_NAMES, THINK_WORDS, Command, CommandError, Settings, help_text,
-                       parse_setting, split_set, strip_block)
+from .commands import (OLLAMA_SET_WORDS, SETTING_NAMES, THINK_WORDS, Command, CommandError, CommandInterrupted,
+                       Settings, help_text, parse_setting, split_set, strip_block)
 from .render import Output, format_stats
 from .splice import CachedTurn, spliced_prompt
 from .transcript import (Conversation, TranscriptError, other_conversation, private_dir, refuse_directory_name,
@@ -154,6 +154,9 @@ class ChatSession:
         # that line's answer starts stopped, as if the Ctrl-C had come a moment later (it was lost: a whole answer)
         self.interrupt_pending = False
         self._retrying = False        # a /retry with an earlier answer is being made (see _keep_earlier)
+        # Ctrl-C ends the whole run (stdin is not a terminal: `bitchat < questions.txt`, nobody at a prompt): the
+        # answer so far is kept as in the REPL, then KeyboardInterrupt (exit 130); it only cut the one answer
+        self.ctrl_c_ends = False
 
     # ---- crash recovery ------------------------------------------------------------------------
     def enable_recovery(self, path: str) -> None:
@@ -310,7 +313,7 @@ class ChatSession:
             flag.hit, self.interrupt_pending = self.interrupt_pending, False
             turn = self.conv.add_user(text)
             self._answer(turn, flag)
-        self._after_turn(turn, flag)
+        self._after_turn(turn, flag, ends=self.ctrl_c_ends)
 
     def retry(self) -> None:
         turn = self.conv.last_turn()
@@ -328,7 +331,7 @@ class ChatSession:
             finally:
                 stopped, self._retrying = turn.interrupted, False
                 self._keep_earlier(turn, earlier)
-        self._after_turn(turn, flag, stopped)
+        self._after_turn(turn, flag, stopped, ends=self.ctrl_c_ends)
 
     def _keep_earlier(self, turn, earlier: tuple) -> None:
         """A retry that made nothing, or was stopped partway, keeps the turn and its earlier answer: the ways a new
@@ -349,14 +352,15 @@ class ChatSession:
                             else "[/retry made no new answer: the earlier one is kept]")
 
     @staticmethod
-    def _after_turn(turn, flag, stopped: bool | None = None) -> None:
+    def _after_turn(turn, flag, stopped: bool | None = None, ends: bool = False) -> None:
         """A signal that came while the turn was made and did not stop its answer (it came after the answer was
         whole, during the bookkeeping) acts now, as outside a turn: SIGTERM / SIGHUP leave, Ctrl-C is a
         KeyboardInterrupt (piped bitchat exits 130). `stopped`: whether the answer was stopped (a retry that
-        stopped puts the earlier answer back)."""
+        stopped puts the earlier answer back). `ends`: a Ctrl-C that stopped the answer ends the run too
+        (ChatSession.ctrl_c_ends), once the answer so far is kept."""
         if flag.terminated:   # the answer so far is kept and saved: now leave
             raise Terminated(flag.terminated)
-        if flag.hit and not (turn.interrupted if stopped is None else stopped):
+        if flag.hit and (ends or not (turn.interrupted if stopped is None else stopped)):
             raise KeyboardInterrupt
 
     def _answer(self, turn, flag) -> None:
@@ -553,6 +557,8 @@ class ChatSession:
             raise Terminated(flag.terminated)
         dt = time.perf_counter() - t0
         self.tokens_in_cache = len(self.llm.cached_tokens) if interrupted else len(ids)
+        if interrupted and self.ctrl_c_ends:   # the conversation is loaded (and in the recovery copy): end the run
+            raise KeyboardInterrupt
         if interrupted:
             self.out.notice("[prefill interrupted; it will finish with the next question]")
         else:
@@ -634,7 +640,7 @@ class ChatSession:
             except KeyboardInterrupt:   # Ctrl-C mid-write: the save is atomic; say which file is (not) there
                 if _identity_at(target) == before:
                     kept = " (the file there is kept as it was)" if before else ""
-                    raise CommandError(f"/save: interrupted; {target} was not written{kept}") from None
+                    raise CommandInterrupted(f"/save: interrupted; {target} was not written{kept}") from None
                 path = target   # it came after the rename: written
             self._own(path)
             n = len(self.conv.turns)
@@ -684,7 +690,7 @@ class ChatSession:
                 if flag.terminated:   # SIGTERM / SIGHUP: leave
                     raise Terminated(flag.terminated)
                 if flag.hit:
-                    raise CommandError(f"/load {name}: interrupted; the current conversation is kept")
+                    raise CommandInterrupted(f"/load {name}: interrupted; the current conversation is kept")
                 t = conv.turns[i]
                 total += max(1, len(self.llm.tokenize(t.user)) + len(self.llm.tokenize(t.assistant or "")))
                 if total > budget:   # with the template's own tokens this turn and all older ones cannot fit

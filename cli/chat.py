@@ -8,7 +8,8 @@ The flags are `bitnet run`'s (cli/flags.py); `bitnet run -cnv` lands here too
 (run_chat). No -m opens the bundled default model. On a terminal it is a prompt_toolkit REPL; when
 stdin or stdout is not a terminal, input lines become turns and the output is plain text.
 Exit codes: 0 normal end, 1 a piped command/turn failed, 2 bad flag or model (also: the model file was
-truncated or rewritten while in use), 70 an internal error (a bug: please report it), 130 Ctrl-C while loading.
+truncated or rewritten while in use), 70 an internal error (a bug: please report it), 130 Ctrl-C while loading, or at any moment of a run whose
+stdin is not a terminal (the answer so far is kept, as in the REPL, then the run ends).
 
 The conversation is kept in a recovery file while the session runs ($BITCHAT_RECOVERY, empty: none; else
 $XDG_STATE_HOME/bitchat/recovery-PID.json, or -PID-2.json beside an earlier session's; a $BITCHAT_RECOVERY that
@@ -262,6 +263,7 @@ def _run(args, settings: Settings, out: Output, interactive: bool, first_message
     session = ChatSession(llm, settings, out, system=args.system, threads=args.threads, model_label=args.model)
     if live is not None:
         live.append(session)
+    session.ctrl_c_ends = not is_terminal(sys.stdin)   # `bitchat < questions.txt`: Ctrl-C ends the run (130)
     session.jump_forward = not getattr(args, "no_jump_forward", False)   # bitnet run -cnv --no-jump-forward
     if getattr(args, "chat_format", None) is not None:   # bitnet run -cnv -j: the starting /set format
         from ..chat.commands import CommandError

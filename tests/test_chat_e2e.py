@@ -498,6 +498,34 @@ def test_piped_stdin_turns_and_plain_output(chat_model, tmp_path):
     assert int(stats[1][0]) < int(stats[1][1])                # turn 2 reused turn 1's cache
 
 
+def test_ctrl_c_ends_a_piped_run_with_130_keeping_what_was_answered(long_model, tmp_path):
+    """`bitchat < questions.txt` and Ctrl-C: each press only cut the current answer, the next question ran, and the
+    run ended 0 (a file of 100 questions took 100 presses). Nobody is at a prompt: the answer so far is kept in the
+    recovery copy, named in one line, and the run ends 130, as llama-cli's and every filter's."""
+    import signal
+
+    env = test_env(tmp_path)
+    env["BITCHAT_RECOVERY"] = str(tmp_path / "rec.json")
+    cmd = console_script("bitchat") + ["-m", long_model, "-t", "1", "--temp", "0", "-n", "1500"]
+    questions = tmp_path / "questions.txt"
+    questions.write_text("Once upon a time\nsecond question\nthird question\n")
+    with open(questions) as stdin:
+        p = subprocess.Popen(cmd, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    try:
+        assert p.stdout.read(1)   # the first answer has started
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=TIMEOUT * 2)
+    finally:
+        p.kill()
+        p.wait()
+    err = err.decode()
+    assert p.returncode == 130, err
+    turns = json.loads((tmp_path / "rec.json").read_text())["turns"]
+    assert [t["user"] for t in turns] == ["Once upon a time"] and turns[0]["interrupted"], turns
+    assert f"bitchat: interrupted; the conversation so far is saved in {tmp_path / 'rec.json'}" in err
+    assert "Traceback" not in err
+
+
 @pytest.mark.parametrize("stderr", ["closed", "/dev/full"])
 def test_an_unwritable_stderr_loses_only_the_notices(chat_model, tmp_path, stderr):
     """stderr closed (`2>&-`) or on a full disk (`2>/dev/full`): the answers still come on stdout and the exit is 0
