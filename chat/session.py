@@ -33,6 +33,10 @@ from .transcript import (Conversation, TranscriptError, other_conversation, priv
                          same_file_key)
 
 
+LAST_TURN_TOO_LONG = ("[the loaded conversation's last turn alone does not fit the context window; it will be "
+                      "trimmed when you ask the next question]")
+
+
 class ExitChat(Exception):
     """/bye: leave the session."""
 
@@ -539,8 +543,7 @@ class ChatSession:
                                 f"context ({self._reserve()} kept for the answer); shorten it (/system) or start "
                                 "bitchat with a larger -c]")
             else:
-                self.out.notice("[the loaded conversation's last turn alone does not fit the context window; "
-                                "it will be trimmed when you ask the next question]")
+                self.out.notice(LAST_TURN_TOO_LONG)
             return
         t0 = time.perf_counter()
         interrupted = False
@@ -659,9 +662,19 @@ class ChatSession:
             if kept_system:   # a file saved without one keeps this session's (-sys, /system): it was dropped unsaid
                 conv.system = self.conv.system
             try:   # the template and tokenizer take it (a hand-edited file may hold what neither can): else the
-                # current one stays; fitted to this session's context (a save from a smaller -c hid turns that fit)
-                conv.window_start = out_of_view = self._first_in_view(conv, arg)
-                ids = self.llm.chat_prompt(conv.messages(), add_generation_prompt=False)
+                # current one stays; fitted to this session's context (a save from a smaller -c hid turns that fit).
+                # Ctrl-C is heard after every tokenizer call (a second one at once), keys typed meanwhile not echoed
+                with sigint_as_flag() as flag, quiet_terminal(self.out.interactive):
+                    out_of_view, fits = self._first_in_view(conv, arg, flag)
+                    conv.window_start = out_of_view
+                    if fits:
+                        ids = self.llm.chat_prompt(conv.messages(), add_generation_prompt=False)
+                    else:   # the newest turn alone overflows the window: rendered (the template takes it), not
+                        ids = None   # tokenized whole (15 MB: a minute)
+                        self.llm.chat_text(conv.messages(), add_generation_prompt=False)
+                    self._load_heard(flag, arg)
+            except KeyboardInterrupt:   # a second Ctrl-C
+                raise CommandInterrupted(f"/load {arg}: interrupted; the current conversation is kept") from None
             except (BitNetError, ValueError, RecursionError) as e:
                 raise CommandError(f"/load: {arg}: this model cannot take the conversation: {e}") from None
             self.conv = conv
@@ -675,27 +688,48 @@ class ChatSession:
                 f"system prompt {_short(conv.system)}" + (" kept (the file has none)" if kept_system else "")
             restored = f"; settings restored: {', '.join(restored)}" if restored else ""
             self.out.info(f"[loaded {n} turn{'' if n == 1 else 's'} from {arg}; {system}{restored}]")
-            self.prefill_conversation(known=ids, out_of_view=out_of_view)
+            if fits:
+                self.prefill_conversation(known=ids, out_of_view=out_of_view)
+            else:
+                self.out.notice(LAST_TURN_TOO_LONG)
         elif name == "/retry":
             self.retry()
 
-    def _first_in_view(self, conv: Conversation, name: str) -> int:
-        """The oldest turn of `conv` that may fit this session's window: the turns' own tokens, counted from the
-        newest back until they alone overflow it, so only about a context's worth of text is tokenized, a turn at a
-        time with Ctrl-C heard between turns (a whole large file in one tokenizer call took minutes, deaf to it)."""
+    def _first_in_view(self, conv: Conversation, name: str, flag) -> tuple[int, bool]:
+        """The oldest turn of `conv` that may fit this session's window, and whether the newest turn alone may: the
+        turns' own tokens, counted from the newest back until they alone overflow it, so only about a context's
+        worth of text is tokenized, a turn at a time with Ctrl-C (`flag`) heard after each call (a whole large file
+        in one tokenizer call took minutes, deaf to it), and of a turn far beyond the window only enough to know."""
         budget = self.llm.n_ctx - self._reserve()
         total = 0
-        with sigint_as_flag() as flag:
-            for i in range(len(conv.turns) - 1, -1, -1):
-                if flag.terminated:   # SIGTERM / SIGHUP: leave
-                    raise Terminated(flag.terminated)
-                if flag.hit:
-                    raise CommandInterrupted(f"/load {name}: interrupted; the current conversation is kept")
-                t = conv.turns[i]
-                total += max(1, len(self.llm.tokenize(t.user)) + len(self.llm.tokenize(t.assistant or "")))
-                if total > budget:   # with the template's own tokens this turn and all older ones cannot fit
-                    return min(i + 1, len(conv.turns) - 1)
-        return 0
+        for i in range(len(conv.turns) - 1, -1, -1):
+            t = conv.turns[i]
+            for text in (t.user, t.assistant or ""):
+                total += self._tokens_past(text, budget - total, flag, name)
+            total = max(total, 1)
+            if total > budget:   # with the template's own tokens this turn and all older ones cannot fit
+                return min(i + 1, len(conv.turns) - 1), i < len(conv.turns) - 1
+        return 0, True
+
+    def _tokens_past(self, text: str, room: int, flag, name: str) -> int:
+        """The tokens of `text`, or, once a prefix of it alone has far more than `room`, that prefix's (the cut may
+        split a word: a margin): a turn of megabytes is never tokenized whole. Ctrl-C is heard after each call."""
+        n = 8 * (max(room, 0) + 64)   # characters: a token is rarely over 8 of them
+        while True:
+            count = len(self.llm.tokenize(text if n >= len(text) else text[:n]))
+            self._load_heard(flag, name)
+            if n >= len(text) or count > 2 * max(room, 0) + 64:
+                return count
+            n *= 4
+
+    @staticmethod
+    def _load_heard(flag, name: str) -> None:
+        """A signal that came while /load read the file: SIGTERM / SIGHUP leave, Ctrl-C stops the load (the current
+        conversation is kept)."""
+        if flag.terminated:
+            raise Terminated(flag.terminated)
+        if flag.hit:
+            raise CommandInterrupted(f"/load {name}: interrupted; the current conversation is kept")
 
     def set_system(self, text: str, name: str) -> None:
         if not text:   # /set system """ """: an empty block

@@ -886,6 +886,53 @@ def test_ctrl_c_during_a_load_keeps_the_current_conversation(llm, tmp_path, monk
     assert [t.user for t in s.conv.turns] == ["Still here?"]
 
 
+def _one_huge_turn(path):
+    huge = "hello " * 200_000
+    Conversation(turns=[Turn(huge, "ok")]).save(str(path))
+    return huge
+
+
+def test_ctrl_c_during_the_load_of_one_huge_turn_keeps_the_current_conversation(llm, tmp_path, monkeypatch):
+    """A conversation whose one turn alone overflows the window: a Ctrl-C while it went through the tokenizer was
+    never looked at (the count returned as the turn overflowed), and the load went on to replace the chat."""
+    path = tmp_path / "huge.json"
+    _one_huge_turn(path)
+    s, sink = new_session(llm)
+    s.ask("Still here?")
+    tok = llm.tokenizer
+    real = tok.encode
+    calls = []
+
+    def encode(text, **kw):
+        calls.append(text)
+        if len(calls) == 1:
+            os.kill(os.getpid(), signal.SIGINT)
+        return real(text, **kw)
+    monkeypatch.setattr(tok, "encode", encode)
+    try:
+        with pytest.raises(CommandError, match=r"/load .*huge.json: interrupted; the current conversation is kept"):
+            s.run_command(parse_command(f"/load {path}"))
+    except KeyboardInterrupt:
+        pytest.fail("the Ctrl-C was a KeyboardInterrupt once the whole turn was tokenized")
+    assert len(calls) == 1 and [t.user for t in s.conv.turns] == ["Still here?"]
+
+
+def test_load_never_tokenizes_a_turn_far_beyond_the_window_whole(llm, tmp_path, monkeypatch):
+    """The newest turn alone far beyond the window: /load tokenized all of it at least twice (15 MB: a minute,
+    deaf to Ctrl-C); now only enough of it to know it cannot fit. It loads, and the one line says it does not fit."""
+    path = tmp_path / "huge.json"
+    huge = _one_huge_turn(path)
+    s, sink = new_session(llm)
+    tok = llm.tokenizer
+    real = tok.encode
+    seen = []
+    monkeypatch.setattr(tok, "encode", lambda text, **kw: (seen.append(len(text)), real(text, **kw))[1])
+    s.run_command(parse_command(f"/load {path}"))
+    assert "[loaded 1 turn from" in sink.getvalue()
+    assert "last turn alone does not fit the context window" in sink.getvalue()
+    assert sum(seen) < len(huge) / 10, seen
+
+
 def test_a_dead_sessions_recovery_copy_is_not_written_over(tmp_path, monkeypatch):
     """The default recovery copy is recovery-PID.json: where a session that died with the same PID (PIDs are
     reused) left its copy, this session takes recovery-PID-2.json (it wrote over that copy at its first turn)."""
