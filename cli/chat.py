@@ -8,8 +8,8 @@ The flags are `bitnet run`'s (cli/flags.py); `bitnet run -cnv` lands here too
 (run_chat). No -m opens the bundled default model. On a terminal it is a prompt_toolkit REPL; when
 stdin or stdout is not a terminal, input lines become turns and the output is plain text.
 Exit codes: 0 normal end, 1 a piped command/turn failed, 2 bad flag or model (also: the model file was
-truncated or rewritten while in use), 70 an internal error (a bug: please report it), 130 Ctrl-C while loading, or at any moment of a run whose
-stdin is not a terminal (the answer so far is kept, as in the REPL, then the run ends).
+truncated or rewritten while in use), 70 an internal error (a bug: please report it), 130 Ctrl-C while loading,
+or at any moment of a run whose stdin is not a terminal (the answer so far is kept, as in the REPL, then it ends).
 
 The conversation is kept in a recovery file while the session runs ($BITCHAT_RECOVERY, empty: none; else
 $XDG_STATE_HOME/bitchat/recovery-PID.json, or -PID-2.json beside an earlier session's; a $BITCHAT_RECOVERY that
@@ -32,11 +32,8 @@ from ..chat.commands import FIELD_OF_SETTING, Settings
 from ..chat.render import Output
 from ..engine.fileio import is_terminal
 from . import lossy_stderr, replace_unencodable
-from .flags import (UNTIL_END, Parser, add_engine_args, add_system_args, apply_chat_template, check_engine_args,
+from .flags import (Parser, add_engine_args, add_system_args, apply_chat_template, check_engine_args,
                     maybe_autocomplete, parse_args_suggesting, sampling_params_from_args, thinking_warnings)
-
-UNTIL_END_TOKENS = 1 << 30   # -n -1: clamped to the context window once the model is loaded
-
 
 def build_parser() -> argparse.ArgumentParser:
     from ..engine import __version__
@@ -71,7 +68,7 @@ def settings_from_args(args, error) -> Settings:
         setattr(s, name, getattr(params, field))
     if args.n_predict == 0:   # as /set max_tokens 0: a chat turn is an answer (bitnet run -n 0 only prefills)
         error("-n/--n-predict 0: a chat answer has at least one token (-1: until the end of text)")
-    s.max_tokens = UNTIL_END_TOKENS if args.n_predict == UNTIL_END else args.n_predict
+    s.max_tokens = args.n_predict   # -1 (UNTIL_END, -2 too): kept as such, shown and saved as "until the end"
     return s
 
 
