@@ -60,6 +60,11 @@ class CommandInterrupted(CommandError):
 
 
 _DEFAULT = SamplingParams()   # the one source of the sampling defaults and checks (engine/runtime/sampling.py)
+UNTIL_END = -1   # max_tokens -1 (-n -1, num_predict -1): until the end of text or a full context, shown and saved so
+
+
+def shown_max_tokens(n: int) -> str:
+    return "-1 (until the end)" if n == UNTIL_END else str(n)
 
 
 @dataclass
@@ -96,7 +101,7 @@ class Settings:
     def describe(self) -> str:
         seed = "random" if self.seed is None else str(self.seed)
         text = (f"temp={self.temp:g} top_k={self.top_k} top_p={self.top_p:g} min_p={self.min_p:g} "
-                f"repeat_penalty={self.repeat_penalty:g} seed={seed} max_tokens={self.max_tokens} "
+                f"repeat_penalty={self.repeat_penalty:g} seed={seed} max_tokens={shown_max_tokens(self.max_tokens)} "
                 f"repeat_last_n={self.repeat_last_n} presence_penalty={self.presence_penalty:g} "
                 f"frequency_penalty={self.frequency_penalty:g}")
         # llama.cpp's other samplers: shown once set (off, they would only lengthen the line)
@@ -111,6 +116,10 @@ class Settings:
         if self.reasoning_budget_message:
             text += f" reasoning_budget_message={json.dumps(self.reasoning_budget_message)}"
         return text
+
+    def answer_limit(self, n_ctx: int) -> int:
+        """The most tokens an answer may have: max_tokens, or the whole context for -1 (the engine stops there)."""
+        return n_ctx if self.max_tokens == UNTIL_END else self.max_tokens
 
     def sampling_params(self, seed_offset: int = 0) -> SamplingParams:
         """The engine's SamplingParams; a fixed seed is advanced by `seed_offset` (so /retry differs)."""
@@ -172,7 +181,7 @@ def parse_setting(name: str, text: str, *, max_tokens_limit: int | None = None) 
     if key == "max_tokens":
         v = _number(key, text, int)
         if v in (-1, -2):   # ollama's num_predict -1 / llama.cpp's -n -1 / -2: until the end or a full context
-            return key, max_tokens_limit or (1 << 30)
+            return key, UNTIL_END   # kept as such (it was the context size: /save wrote that number)
         if v < 1:
             raise CommandError("/set max_tokens: must be >= 1, or -1 for until the end of text or a full context")
         if max_tokens_limit is not None and v > max_tokens_limit:

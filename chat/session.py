@@ -26,7 +26,7 @@ from dataclasses import replace
 
 from ..engine.errors import ENDING_SIGNALS, Terminated
 from .commands import (OLLAMA_SET_WORDS, SETTING_NAMES, THINK_WORDS, Command, CommandError, CommandInterrupted,
-                       Settings, help_text, parse_setting, split_set, strip_block)
+                       Settings, help_text, parse_setting, shown_max_tokens, split_set, strip_block)
 from .render import Output, format_stats
 from .splice import CachedTurn, spliced_prompt
 from .transcript import (Conversation, TranscriptError, other_conversation, private_dir, refuse_directory_name,
@@ -260,7 +260,7 @@ class ChatSession:
     def _reserve(self) -> int:
         """Room kept free for the answer: its -n/max_tokens, at most half the window (a -n as large as
         the context, e.g. -n -1, would otherwise leave no room for any earlier turn)."""
-        return max(1, min(self.settings.max_tokens, self.llm.n_ctx // 2))
+        return max(1, min(self.settings.answer_limit(self.llm.n_ctx), self.llm.n_ctx // 2))
 
     def _fit(self, generation_prompt: bool = True, known: list[int] | None = None,
              out_of_view: int = 0) -> list[int] | None:
@@ -433,7 +433,7 @@ class ChatSession:
             return
         # the user's limit as set: the engine stops at the context's end itself, and says so ("context"), where
         # a limit cut to the room left made every full context read "stopped at max_tokens"
-        max_tokens = self.settings.max_tokens
+        max_tokens = self.settings.answer_limit(self.llm.n_ctx)
         params = self.sampling_params()
         pieces: list[str] = []
         self._shown = pieces   # what _answer keeps if the terminal closes mid-answer
@@ -612,7 +612,8 @@ class ChatSession:
                 if key == "seed":   # even the same value: the next answer is that seed's own, not seed + answers
                     self.seed_offset = 0
                 self._save_recovery()   # the copy carries the settings too
-                shown = "random" if value is None else json.dumps([*value]) if isinstance(value, tuple) else value
+                shown = "random" if value is None else json.dumps([*value]) if isinstance(value, tuple) else \
+                    shown_max_tokens(value) if key == "max_tokens" else value
                 self.out.info(f"[{key} = {shown}]")   # a breaker list as /show prints it (JSON)
         elif name == "/show":
             topic = arg.lower()
@@ -857,7 +858,8 @@ class ChatSession:
                     if key == "seed":
                         self.seed_offset = 0
                     shown = "random" if typed is None else json.dumps([*typed]) if isinstance(typed, tuple) \
-                        else f"{typed:g}" if isinstance(typed, float) else typed
+                        else f"{typed:g}" if isinstance(typed, float) else \
+                        shown_max_tokens(typed) if key == "max_tokens" else typed
                     changed.append(f"{key} {shown}")
         return changed
 

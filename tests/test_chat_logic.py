@@ -495,9 +495,19 @@ def test_max_tokens_limited_by_context():
         parse_setting("max_tokens", "129", max_tokens_limit=128)
     assert parse_setting("max_tokens", "128", max_tokens_limit=128) == ("max_tokens", 128)
     # ollama's num_predict -1 (llama.cpp's -n -1 / -2): until the end of text or a full context
+    # is kept as -1 (it became the context size: /save wrote 128, and a /load into a larger -c capped every answer)
     for v in ("-1", "-2"):
-        assert parse_setting("max_tokens", v, max_tokens_limit=128) == ("max_tokens", 128)
-        assert parse_setting("num_predict", v, max_tokens_limit=128) == ("max_tokens", 128)
+        assert parse_setting("max_tokens", v, max_tokens_limit=128) == ("max_tokens", -1)
+        assert parse_setting("num_predict", v, max_tokens_limit=128) == ("max_tokens", -1)
+    assert "max_tokens=-1 (until the end)" in Settings(max_tokens=-1).describe()
+
+
+def test_n_minus_one_is_until_the_end_not_a_number():
+    """bitchat -n -1 kept 2^30, then the context size: shown and saved as that number."""
+    from bitnet_cpu.cli.chat import build_parser, settings_from_args
+
+    for n in ("-1", "-2"):
+        assert settings_from_args(build_parser().parse_args(["-n", n]), pytest.fail).max_tokens == -1
     with pytest.raises(CommandError):
         parse_setting("max_tokens", "-3", max_tokens_limit=128)
 

@@ -253,6 +253,26 @@ def test_load_restores_the_settings_save_kept_and_the_recovery_copy_has_them(llm
     jsonschema.validate(json.loads(fresh.conv.turns[-1].assistant), schema)
 
 
+def test_max_tokens_until_the_end_survives_save_and_load(llm, tmp_path):
+    """/set max_tokens -1 (bitchat -n -1) became the context size: /show said 1024, /save wrote it, and a /load into
+    a session with a larger -c brought back that cap. It stays "until the end" (-1), and answers still run."""
+    s, sink = new_session(llm, max_tokens=8)
+    s.run_command(parse_command("/set max_tokens -1"))
+    assert "[max_tokens = -1 (until the end)]" in sink.getvalue()
+    assert "max_tokens=-1 (until the end)" in s.describe_settings()
+    path = tmp_path / "until.json"
+    s.run_command(parse_command(f"/save {path}"))
+    assert json.loads(path.read_text())["meta"]["settings"]["max_tokens"] == -1
+    t, t_sink = new_session(llm, max_tokens=8)
+    t.run_command(parse_command(f"/load {path}"))
+    assert t.settings.max_tokens == -1 and "max_tokens -1 (until the end)" in t_sink.getvalue()
+    assert t._reserve() == llm.n_ctx // 2
+    s.run_command(parse_command("/set max_tokens 3"))
+    s.run_command(parse_command("/set max_tokens -1"))
+    s.ask("Hi?")
+    assert s.conv.turns[-1].assistant is not None and s.last_stats.finish_reason != "length"
+
+
 def test_load_skips_a_setting_this_model_cannot_take_with_one_line(llm, tmp_path):
     """A saved setting the current model or context cannot honour (a max_tokens over this context, think on a
     template that does not think, a value out of range) is skipped with one line naming it; the rest are restored."""
