@@ -220,6 +220,15 @@ def is_command(line: str) -> bool:
     return len(s) >= 2 and s[0] == "/" and (s[1].isalpha() or s[1] == "?")
 
 
+def file_argument(text: str) -> str:
+    """A file named in a command (/save, /load, /set format): a shell's habit, "my chat.json" in quotes names my
+    chat.json, not a file with quotes in its name. The one rule for every file argument."""
+    text = text.strip()
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+        return text[1:-1]
+    return text
+
+
 def parse_command(line: str) -> Command:
     """Parse a slash command line; raises CommandError with a one-line hint when it is not valid."""
     s = line.strip()
@@ -234,8 +243,8 @@ def parse_command(line: str) -> Command:
         close = [c for c in COMMANDS if c.startswith(name[:3])] if len(name) > 1 else []
         hint = f" (did you mean {close[0]}?)" if close else ""
         raise CommandError(f"unknown command {head}{hint}; type /help for the list")
-    if name in NEEDS_ARG and len(rest) >= 2 and rest[0] == rest[-1] and rest[0] in "'\"":
-        rest = rest[1:-1]   # a shell's habit: /save "my chat.json" names my chat.json, not a file with quotes
+    if name in NEEDS_ARG:
+        rest = file_argument(rest)
     if name in NEEDS_ARG and not rest:
         raise CommandError(f"{name} needs a file name: {name} {COMMANDS[name][0]}")
     if name in NO_ARG and rest:
@@ -275,8 +284,12 @@ def split_set(arg: str) -> tuple[str, str] | None:
         return "system", strip_block(parts[1])
     if head == "parameter":
         rest = parts[1].split(None, 1) if len(parts) > 1 else []
-        return (rest[0], rest[1].strip()) if len(rest) == 2 else None
-    return parts[0], parts[1].strip()   # VALUE: the rest of the line
+        if len(rest) < 2:
+            return None
+        name, value = rest
+    else:
+        name, value = parts   # VALUE: the rest of the line
+    return name, file_argument(value) if name.lower() == "format" else value.strip()
 
 
 def help_text() -> str:

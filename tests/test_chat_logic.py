@@ -102,6 +102,15 @@ def test_save_and_load_take_a_quoted_path_as_a_shell_would():
         parse_command('/save ""')
 
 
+def test_set_format_takes_a_quoted_path_as_save_and_load_do():
+    """/set format "dir with space/s chema.json" looked for a file with the quotes in its name (/save and /load
+    remove them): every file argument is read by the same rule."""
+    for line, want in (('/set format "dir with space/s chema.json"', "dir with space/s chema.json"),
+                       ("/set format 'a b.json'", "a b.json"), ("/set format plain.json", "plain.json"),
+                       ('/set parameter format "x y.json"', "x y.json"), ("/set format json", "json")):
+        assert split_set(parse_command(line).arg)[1] == want, line
+
+
 def test_reset_and_drop_last_turn():
     c = make_conv(3)
     c.window_start = 3
