@@ -26,16 +26,20 @@ YELLOW = "\x1b[33m"
 RESET = "\x1b[0m"
 
 
+def _tokens(n: int) -> str:
+    return f"{n} token{'' if n == 1 else 's'}"
+
+
 def format_stats(stats, n_shown: int | None = None) -> str:
     """The one-line summary after an answer: tokens, time to first token, decode speed."""
     if stats is None:
-        return f"[{n_shown or 0} tokens]"
+        return f"[{_tokens(n_shown or 0)}]"
     n = getattr(stats, "n_generated", n_shown) or 0
     ttft = getattr(stats, "ttft_s", None)
     tps = getattr(stats, "decode_tps", None)
     n_prompt = getattr(stats, "n_prompt", None)
     n_cached = getattr(stats, "n_cached", None)
-    parts = [f"{n} tokens"]
+    parts = [_tokens(n)]
     if ttft is not None:
         parts.append(f"first token {ttft * 1000:.0f} ms")
     if tps:

@@ -128,7 +128,7 @@ class ChatSession:
         self.settings = settings
         self.out = output
         self._shown: list[str] = []   # the text of the answer being shown
-        self.conv = Conversation(system=system or None)
+        self.conv = Conversation(system=system if system and system.strip() else None)   # -sys '  ': none
         self.threads = threads
         self.model_label = model_label
         self.last_stats = None
@@ -428,8 +428,8 @@ class ChatSession:
                                 f"{self.llm.n_ctx}-token context ({self._reserve()} kept for the answer); shorten it "
                                 "(/system) or start bitchat with a larger -c]")
             else:
-                self.out.notice(f"[message not sent: it needs {n} tokens but the context window is "
-                                f"{self.llm.n_ctx}; shorten it or start bitchat with a larger -c]")
+                self.out.notice(f"[message not sent: it needs {n} tokens plus room for the answer, and the context "
+                                f"window is {self.llm.n_ctx}; shorten it or start bitchat with a larger -c]")
             return
         # the user's limit as set: the engine stops at the context's end itself, and says so ("context"), where
         # a limit cut to the room left made every full context read "stopped at max_tokens"
@@ -583,6 +583,8 @@ class ChatSession:
         elif name == "/system":
             if not arg:
                 self.out.info(f"system prompt: {self.conv.system!r}" if self.conv.system else "no system prompt")
+            elif arg.split()[0] == "--clear" and arg != "--clear":   # as /reset now: never the text "--clear x"
+                raise CommandError(f"/system --clear takes nothing after it (got {arg.split(None, 1)[1]!r})")
             elif arg == "--clear":
                 self.conv.system = None
                 self._save_recovery()
@@ -688,6 +690,8 @@ class ChatSession:
             system = "no system prompt" if conv.system is None else \
                 f"system prompt {_short(conv.system)}" + (" kept (the file has none)" if kept_system else "")
             restored = f"; settings restored: {', '.join(restored)}" if restored else ""
+            model = conv.meta.get("model")   # ollama's /load switches to it; here the loaded model stays: said
+            restored += f"; saved with {model}" if isinstance(model, str) and model != self.llm.name else ""
             self.out.info(f"[loaded {n} turn{'' if n == 1 else 's'} from {arg}; {system}{restored}]")
             if fits:
                 self.prefill_conversation(known=ids, out_of_view=out_of_view)

@@ -11,7 +11,7 @@ Exit codes: 0 normal end, 1 a piped command/turn failed, 2 bad flag or model (al
 truncated or rewritten while in use), 70 an internal error (a bug: please report it), 130 Ctrl-C while loading,
 or at any moment of a run whose stdin is not a terminal (the answer so far is kept, as in the REPL, then it ends).
 
-The conversation is kept in a recovery file while the session runs ($BITCHAT_RECOVERY, empty: none; else
+The conversation is kept in a recovery file while the session runs ($BITCHAT_RECOVERY, empty or /dev/null: none; else
 $XDG_STATE_HOME/bitchat/recovery-PID.json, or -PID-2.json beside an earlier session's; a $BITCHAT_RECOVERY that
 holds an earlier session's copy is kept too, this session's going to X-2.json beside it, and one another bitchat
 writes there while this one runs is never written over: this session's goes to X-PID.json), removed on a normal exit
@@ -179,8 +179,8 @@ def recovery_path() -> str | None:
     from ..chat.transcript import state_dir
 
     env = os.environ.get("BITCHAT_RECOVERY")
-    if env is not None:
-        return os.path.expanduser(env) if env.strip() else None
+    if env is not None:   # /dev/null: none too, as BITCHAT_HISTORY=/dev/null (it was refused: not a regular file)
+        return os.path.expanduser(env) if env.strip() and os.path.realpath(env) != os.devnull else None
     base = os.path.join(state_dir(), f"recovery-{os.getpid()}")
     path, n = base + ".json", 1
     while os.path.lexists(path):   # the copy of a session that died with this PID before: kept, never written over
@@ -211,6 +211,10 @@ def _run(args, settings: Settings, out: Output, interactive: bool, first_message
 
     from ..engine import faults
 
+    if args.model is not None and not args.model.strip():   # it said "loading the bundled default model", then
+        print("bitchat: error: -m/--model '': an empty model name (leave -m out for the bundled default model)",
+              file=sys.stderr)   # "model '': no such file"
+        return EXIT_BAD_INPUT
     path = recovery_path()
     problem = recovery_problem(path) if path else None
     if problem:   # it was removed at exit: a file of the user's, or a conversation /load-ed from there

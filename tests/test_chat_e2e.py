@@ -20,7 +20,7 @@ TIMEOUT = 180
 # accepted: these two markers tell a fresh prompt from a re-render of the line being typed.
 PROMPT_RE = re.compile(r"\x1b\[\?2004h[^>]*>>>")
 ACCEPTED = "\x1b[?2004l"
-STATS_RE = re.compile(r"\[(\d+) tokens(?:, first token (\d+) ms)?[^\]\r\n]*\]")
+STATS_RE = re.compile(r"\[(\d+) tokens?(?:, first token (\d+) ms)?[^\]\r\n]*\]")
 ANSI_RE = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
 
@@ -624,6 +624,9 @@ def test_bad_model_and_bad_flags_one_line_exit_2(tmp_path):
     for flags in (["-c", "-5"], ["--min-p", "2"], ["-n", "0"]):   # a value out of range: one line, no usage block
         r = subprocess.run(cmd + flags, capture_output=True, text=True, timeout=60)
         assert r.returncode == 2 and r.stderr.count("\n") == 1 and flags[0] in r.stderr, r.stderr
+    # -m '': "loading the bundled default model ..." and then "model '': no such file": one line, saying which
+    r = subprocess.run(cmd + ["-m", ""], input="", capture_output=True, text=True, timeout=60, env=test_env(tmp_path))
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "-m" in r.stderr and "loading" not in r.stderr, r.stderr
 
 
 def test_a_template_that_cannot_render_is_one_line(chat_model, tmp_path):

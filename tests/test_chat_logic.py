@@ -594,6 +594,9 @@ def test_format_stats():
     assert line.startswith("[12 tokens") and "first token 12 ms" in line and "45.7 tok/s" in line
     assert "prefill 10 new of 40" in line and "max_tokens" in line
     assert format_stats(None, 3) == "[3 tokens]"
+    one = _Stats()
+    one.n_generated = 1   # -n 1: "[1 tokens, ...]"
+    assert format_stats(one).startswith("[1 token,") and format_stats(None, 1) == "[1 token]"
 
 
 def test_output_plain_when_not_a_terminal():

@@ -63,7 +63,7 @@ def test_stats_command_says_what_the_stats_line_said(llm):
     out = sink.getvalue().splitlines()
     last = next(x for x in out if x.startswith("last answer:"))
     assert stats_line in last
-    total = sum(int(re.match(r"\[(\d+) tokens", x).group(1)) for x in sink.getvalue().splitlines()
+    total = sum(int(re.match(r"\[(\d+) tokens?", x).group(1)) for x in sink.getvalue().splitlines()
                 if re.match(r"\[\d+ tokens", x))
     session_line = next(x for x in out if x.startswith("session:"))
     assert f"{total} tokens generated" in session_line

@@ -3,6 +3,7 @@ prompt splicing, context-window trimming, refused messages, /retry, /load + re-p
 import io
 import json
 import os
+import re
 import signal
 
 import pytest
@@ -99,6 +100,8 @@ def test_too_long_message_is_refused_and_the_window_stays(llm):
     s.ask("Hello.")
     s.ask("word " * 400)
     assert "message not sent" in sink.getvalue()
+    # the rule is "no room left for the answer": "it needs 96 tokens but the context window is 96" contradicted itself
+    assert re.search(r"it needs \d+ tokens plus room for the answer, and the context window is 96", sink.getvalue())
     assert len(s.conv.turns) == 1 and s.conv.window_start == 0
     s.ask("Still there?")
     assert len(s.conv.turns) == 2 and s.had_errors
@@ -951,6 +954,30 @@ def test_load_never_tokenizes_a_turn_far_beyond_the_window_whole(llm, tmp_path, 
     assert "[loaded 1 turn from" in sink.getvalue()
     assert "last turn alone does not fit the context window" in sink.getvalue()
     assert sum(seen) < len(huge) / 10, seen
+
+
+def test_small_inputs_that_are_nothing_or_too_much(llm, tmp_path):
+    """-sys '   ' rendered an empty system block (-sys '' and a blank /system are none); /system --clear extra set
+    the system prompt to "--clear extra"; /load said nothing when the file was saved with another model."""
+    s, sink = new_session(llm, system="   \n ")
+    assert s.conv.system is None
+    s.run_command(parse_command("/system Be brief."))
+    with pytest.raises(CommandError, match=r"/system --clear takes nothing after it"):
+        s.run_command(parse_command("/system --clear extra"))
+    assert s.conv.system == "Be brief."
+    path = tmp_path / "other.json"
+    Conversation(turns=[Turn("Hi?", "Hello.")]).save(str(path), meta={"model": "some-other-model"})
+    s.run_command(parse_command(f"/load {path}"))
+    assert "saved with some-other-model" in sink.getvalue()
+
+
+def test_dev_null_as_the_recovery_path_is_no_recovery_copy(monkeypatch):
+    """BITCHAT_RECOVERY=/dev/null refused to start ("not a regular file"), while BITCHAT_HISTORY=/dev/null is
+    history off (HISTFILE=/dev/null is a common habit): it is no recovery copy, as the empty value."""
+    from bitnet_cpu.cli.chat import recovery_path
+    for value in (os.devnull, ""):
+        monkeypatch.setenv("BITCHAT_RECOVERY", value)
+        assert recovery_path() is None
 
 
 def test_a_dead_sessions_recovery_copy_is_not_written_over(tmp_path, monkeypatch):
