@@ -378,9 +378,9 @@ class AcceptGuard:
     it had sent is read first, so the close sends no reset over the answer) and close it; then it is taken again.
     One log line per second at most, with the count answered. Anything else goes to the loop's default handler.
     Installed by guard_loop() on the asyncio loop (not uvloop: libuv resets such connections itself, with no
-    callback)."""
+    callback), which also makes the listener wait a second after such a failure: one call here a second."""
 
-    MAX_PER_CALL = 256   # connections answered per failed accept (asyncio retries the accept a second later)
+    MAX_PER_CALL = 2048   # connections answered per failed accept, one a second: uvicorn's listen backlog
 
     def __init__(self, limits: Limits = Limits()):
         self.limits = limits
@@ -440,14 +440,69 @@ def _not_a_lost_write(record) -> bool:
     return record.getMessage() != "socket.send() raised exception."
 
 
-def guard_loop(loop, limits: Limits = Limits()) -> None:
-    """What `bitnet serve` sets on its (asyncio) event loop: AcceptGuard, and asyncio's log without the noise of
-    clients that hang up mid-stream."""
+def guard_loop(loop, limits: Limits = Limits()) -> AcceptGuard:
+    """What `bitnet serve` sets on its (asyncio) event loop: AcceptGuard, listeners that wait a second after an
+    accept out of descriptors (_accept_paused), and asyncio's log without the noise of clients that hang up
+    mid-stream. Returns the guard."""
     import logging
-    loop.set_exception_handler(AcceptGuard(limits))
+    guard = AcceptGuard(limits)
+    loop.set_exception_handler(guard)
+    _accept_paused(loop)
     log = logging.getLogger("asyncio")
     if _not_a_lost_write not in log.filters:
         log.addFilter(_not_a_lost_write)
+    return guard
+
+
+ACCEPT_RETRY = 1.0   # s a listener waits after an accept out of descriptors (asyncio's own delay)
+_OUT_OF = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+
+
+def _accept_paused(loop) -> None:
+    """asyncio's accept loop (BaseSelectorEventLoop._accept_connection, 3.8-3.13) as on this loop: after an accept
+    that fails for want of descriptors it stops, where asyncio's went on for its whole backlog (uvicorn's 2048).
+    That called the guard ~2048 times a tick (each a reserve dance and a syscall or four: running streams stalled
+    0.3-0.4 s a second) and scheduled as many retries of the listener; once it had closed (SIGTERM), each retry
+    logged a traceback ("Invalid file descriptor: -1"), thousands in all. Here the listener's reader is removed
+    and one retry comes a second later, which does nothing if the listener has closed meanwhile. A loop without
+    these internals (uvloop, a later asyncio whose signatures differ) is left as it is."""
+    import inspect
+    from asyncio import trsock
+
+    cls = type(loop)
+    try:
+        names = list(inspect.signature(cls._accept_connection).parameters)
+        names2 = list(inspect.signature(cls._accept_connection2).parameters)
+    except (AttributeError, TypeError, ValueError):
+        return
+    if names[:6] != ["self", "protocol_factory", "sock", "sslcontext", "server", "backlog"] or \
+            names2[:6] != ["self", "protocol_factory", "conn", "extra", "sslcontext", "server"] or \
+            names[6:] != names2[6:] or not hasattr(loop, "_start_serving") or not hasattr(loop, "_remove_reader"):
+        return
+    start_serving = loop._start_serving
+
+    def resume(protocol_factory, sock, *rest):
+        if sock.fileno() >= 0:   # -1: closed since (the server stopped): nothing to resume
+            start_serving(protocol_factory, sock, *rest)
+
+    def accept_connection(protocol_factory, sock, sslcontext=None, server=None, backlog=100, *timeouts):
+        for _ in range(backlog):
+            try:
+                conn, addr = sock.accept()
+                conn.setblocking(False)
+            except (BlockingIOError, InterruptedError, ConnectionAbortedError):
+                return   # none waiting
+            except OSError as exc:
+                if exc.errno not in _OUT_OF:
+                    raise   # the loop logs it and goes on, as asyncio's
+                loop.call_exception_handler({"message": "socket.accept() out of system resource", "exception": exc,
+                                             "socket": trsock.TransportSocket(sock)})
+                loop._remove_reader(sock.fileno())
+                loop.call_later(ACCEPT_RETRY, resume, protocol_factory, sock, sslcontext, server, backlog, *timeouts)
+                return
+            loop.create_task(loop._accept_connection2(protocol_factory, conn, {"peername": addr}, sslcontext,
+                                                      server, *timeouts))
+    loop._accept_connection = accept_connection   # _start_serving adds the reader with self._accept_connection
 
 
 def _answer_and_close(conn: socket.socket, raw: bytes) -> None:

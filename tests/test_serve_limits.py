@@ -418,6 +418,128 @@ def test_a_flood_of_silent_connections_at_the_open_files_limit_is_answered_not_r
     assert "Traceback" not in err and "socket.send() raised" not in err, err
 
 
+_FLOODED_LISTENER = r"""
+import asyncio, resource, socket, sys
+from bitnet_cpu.serve.limits import guard_loop
+resource.setrlimit(resource.RLIMIT_NOFILE, (40, 40))
+
+async def main():
+    loop = asyncio.get_running_loop()
+    guard_loop(loop)
+    held = []
+
+    async def hold(reader, writer):   # every connection taken is kept: the descriptors run out
+        held.append(writer)
+    srv = await asyncio.start_server(hold, "127.0.0.1", 0, backlog=2048)   # uvicorn's backlog
+    fd = srv.sockets[0].fileno()
+    print(srv.sockets[0].getsockname()[1], flush=True)
+    most = 0
+    for _ in range(80):   # the flood: how many retries of the listener are waiting at once
+        await asyncio.sleep(0.05)
+        most = max(most, sum(1 for h in loop._scheduled if not h.cancelled() and any(
+            isinstance(a, socket.socket) and a.fileno() == fd for a in h._args or ())))
+    srv.close()   # the listener closes, the loop runs on (a server draining its requests)
+    await asyncio.sleep(2.5)
+    print(most, flush=True)
+    for w in held:
+        w.close()
+
+asyncio.run(main())
+"""
+
+
+def test_an_accept_that_runs_out_of_descriptors_retries_once_and_not_after_the_listener_closed():
+    """Out of descriptors, asyncio's accept loop went on for its whole backlog (2048) after the first EMFILE: the
+    guard ran ~2048 times a tick (the server's streams stalled 0.3-0.4 s each second) and as many retries of the
+    listener were scheduled; once it had closed (SIGTERM), each of them logged a traceback ("Invalid file
+    descriptor: -1"), thousands of them. The listener now pauses until one retry a second later, which does
+    nothing once it is closed."""
+    import os
+    import subprocess
+    import sys
+
+    from serve_proc import ROOT
+    proc = subprocess.Popen([sys.executable, "-c", _FLOODED_LISTENER], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=pythonpath()))
+    socks = []
+    try:
+        port = int(proc.stdout.readline())
+        for _ in range(300):   # ~3 s of them, as a flood comes
+            socks.append(socket.create_connection(("127.0.0.1", port), timeout=10))
+            time.sleep(0.01)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        for c in socks:
+            c.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, err[-2000:]
+    assert int(out.split()[-1]) <= 1, out   # one retry at a time, not one per accept tried
+    assert "Traceback" not in err and "Invalid file descriptor" not in err, err[-2000:]
+    lines = [ln for ln in err.splitlines() if "out of file descriptors" in ln]
+    assert lines and all("answered" in ln or "no descriptor left" in ln for ln in lines), err[-2000:]
+
+
+def test_sigterm_after_a_flood_at_the_open_files_limit_exits_0_without_tracebacks(tmp_path_factory):
+    """`ulimit -n 64`, a stream in flight and a flood of silent connections, then SIGTERM: the drain kept the loop
+    running while asyncio's thousands of accept retries fired on the closed listener, each logged with its
+    traceback. The process now exits 0 with a quiet log, the stream whole."""
+    import os
+    import re
+    import resource
+    import signal
+    import subprocess
+    import sys
+
+    from helpers import slowness
+    from serve_proc import ROOT, free_port, wait_healthy
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([sys.executable, "-m", "bitnet_cpu", "serve", "-m", slow_model(tmp_path_factory), "-c",
+                             "4096", "--parallel", "2", "-t", "1", "--port", str(port), "--header-timeout", "600"],
+                            cwd=ROOT, env=dict(os.environ, PYTHONPATH=pythonpath()),
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64)))
+    socks, got = [], {}
+
+    def stream():
+        body = {"prompt": "Once upon a time", "max_tokens": 3000, "stream": True, "ignore_eos": True,
+                "temperature": 0}
+        try:
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+                got["last"] = [ln for ln in r.iter_lines() if ln.startswith("data: ")][-1:]
+        except httpx.HTTPError as e:
+            got["last"] = repr(e)
+    t = threading.Thread(target=stream)
+    try:
+        assert wait_healthy(url, 60 * slowness(), proc)
+        t.start()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not httpx.get(url + "/slots").json()["slots"]:
+            time.sleep(0.05)
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline:   # silent connections, a few hundred a second
+            try:
+                socks.append(socket.create_connection(("127.0.0.1", port), timeout=2))
+            except OSError:
+                pass
+            time.sleep(0.004)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=90)
+        t.join(60)
+    finally:
+        for c in socks:
+            c.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, err[-2000:]
+    assert "Traceback" not in err and "Invalid file descriptor" not in err, err[-3000:]
+    assert got.get("last") == ["data: [DONE]"], got
+    assert re.search(r"out of file descriptors .* answered \d+ with 503 out_of_resources", err), err[-2000:]
+
+
 def test_an_open_files_limit_too_low_to_serve_is_said_in_one_line():
     """`ulimit -n 17`: the server warned "taking at most 1 connections" and then failed on the first file an import
     opened, as an "internal error ... a bug in bitnet-cpu". It is one line naming the limit and what is needed,
