@@ -326,8 +326,16 @@ def server_class(limits):
             yield
 
         async def startup(self, sockets=None):
-            guard_loop(asyncio.get_running_loop(), limits)
+            self.accept_guard = guard_loop(asyncio.get_running_loop(), limits)
             await super().startup(sockets=sockets)
+
+        async def shutdown(self, sockets=None):
+            try:
+                await super().shutdown(sockets=sockets)
+            finally:
+                guard = getattr(self, "accept_guard", None)
+                if guard is not None:
+                    guard.flush()   # the connections refused since its last line are in the log too
     return Server
 
 

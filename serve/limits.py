@@ -376,7 +376,8 @@ class AcceptGuard:
     leaves them waiting, and neither says a word in the server's log. Here the descriptor held in reserve is
     given up for a moment to accept each connection waiting, answer it 503 out_of_resources + Retry-After (what
     it had sent is read first, so the close sends no reset over the answer) and close it; then it is taken again.
-    One log line per second at most, with the count answered. Anything else goes to the loop's default handler.
+    One log line per second at most, with the count answered since the last; what is left is said a second later
+    (or by flush(), when the server stops). Anything else goes to the loop's default handler.
     Installed by guard_loop() on the asyncio loop (not uvloop: libuv resets such connections itself, with no
     callback), which also makes the listener wait a second after such a failure: one call here a second."""
 
@@ -387,22 +388,45 @@ class AcceptGuard:
         self.reserve = _reserve_fd()
         self.said_at = None   # loop time of the last log line
         self.unsaid = 0       # connections answered since it
+        self.later = None     # the timer that says them, when they came within a second of the last line
+        self.errno = errno.EMFILE
 
     def __call__(self, loop, context):
         exc, sock = context.get("exception"), context.get("socket")
         if not (isinstance(exc, OSError) and exc.errno in (errno.EMFILE, errno.ENFILE) and sock is not None
                 and str(context.get("message", "")).startswith("socket.accept()")):
             return loop.default_exception_handler(context)
+        self.errno = exc.errno
         # Linux takes the descriptor before it looks for a connection: EMFILE with none waiting is nobody's loss
         self.unsaid += self._answer_waiting(sock.fileno())
+        if not self.unsaid and self.reserve is not None:
+            return
         now = loop.time()
-        if (self.unsaid or self.reserve is None) and (self.said_at is None or now - self.said_at >= 1.0):
-            self.said_at = now
-            what = (f"answered {self.unsaid} with 503 out_of_resources" if self.reserve is not None else
-                    "no descriptor left even to refuse them: they wait")
-            print(f"bitnet serve: out of file descriptors ({os.strerror(exc.errno)}; {nofile()}) accepting "
-                  f"connections: {what}; raise ulimit -n or lower --max-connections", file=sys.stderr, flush=True)
-            self.unsaid = 0
+        if self.said_at is None or now - self.said_at >= 1.0:
+            self._say(now)
+        elif self.later is None and self.unsaid:   # said within the second: the rest once it is over
+            self.later = loop.call_later(self.said_at + 1.0 - now, lambda: self._said_later(loop))
+
+    def _said_later(self, loop):
+        self.later = None
+        if self.unsaid:
+            self._say(loop.time())
+
+    def flush(self) -> None:
+        """Say what was answered since the last line (the server stops: no timer will)."""
+        if self.later is not None:
+            self.later.cancel()
+            self.later = None
+        if self.unsaid:
+            self._say(None)
+
+    def _say(self, now) -> None:
+        self.said_at = now
+        what = (f"answered {self.unsaid} with 503 out_of_resources" if self.unsaid or self.reserve is not None else
+                "no descriptor left even to refuse them: they wait")
+        print(f"bitnet serve: out of file descriptors ({os.strerror(self.errno)}; {nofile()}) accepting "
+              f"connections: {what}; raise ulimit -n or lower --max-connections", file=sys.stderr, flush=True)
+        self.unsaid = 0
 
     def _answer_waiting(self, listen_fd: int) -> int:
         if self.reserve is None:
@@ -443,7 +467,7 @@ def _not_a_lost_write(record) -> bool:
 def guard_loop(loop, limits: Limits = Limits()) -> AcceptGuard:
     """What `bitnet serve` sets on its (asyncio) event loop: AcceptGuard, listeners that wait a second after an
     accept out of descriptors (_accept_paused), and asyncio's log without the noise of clients that hang up
-    mid-stream. Returns the guard."""
+    mid-stream. The guard, for its flush() when the server stops."""
     import logging
     guard = AcceptGuard(limits)
     loop.set_exception_handler(guard)

@@ -540,6 +540,43 @@ def test_sigterm_after_a_flood_at_the_open_files_limit_exits_0_without_traceback
     assert re.search(r"out of file descriptors .* answered \d+ with 503 out_of_resources", err), err[-2000:]
 
 
+def test_the_out_of_descriptors_log_counts_every_connection_it_answered():
+    """The log's "answered K with 503 out_of_resources" left out what was answered less than a second after its
+    last line when no later burst came: 245 refused, the log said 192. What is left is said a second after, or
+    when the server stops, so the lines add up to what the clients got."""
+    import os
+    import re
+    import resource
+    import subprocess
+    import sys
+
+    from helpers import slowness
+    from serve_proc import ROOT, free_port, wait_healthy
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([sys.executable, "-m", "bitnet_cpu", "serve", "-t", "1", "-c", "256", "--port", str(port),
+                             "--header-timeout", "600"],
+                            cwd=ROOT, env=dict(os.environ, PYTHONPATH=pythonpath()),
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64)))
+    socks = []
+    try:
+        assert wait_healthy(url, 60 * slowness(), proc)
+        for _ in range(300):
+            socks.append(socket.create_connection(("127.0.0.1", port)))
+        answered, _ = _answers(socks, 64 - 32, 60 * slowness())
+        time.sleep(1.5)   # past the second the log waits for
+    finally:
+        for c in socks:
+            c.close()
+        proc.terminate()
+        _, err = proc.communicate(timeout=30)
+    refused = [_refusal(a) for a in answered.values()].count("out_of_resources")
+    said = sum(int(n) for n in re.findall(r"answered (\d+) with 503 out_of_resources", err))
+    assert refused and said == refused, (said, refused, err[-2000:])
+    assert proc.returncode == 0 and "Traceback" not in err, err[-2000:]
+
+
 def test_an_open_files_limit_too_low_to_serve_is_said_in_one_line():
     """`ulimit -n 17`: the server warned "taking at most 1 connections" and then failed on the first file an import
     opened, as an "internal error ... a bug in bitnet-cpu". It is one line naming the limit and what is needed,
