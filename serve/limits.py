@@ -352,7 +352,8 @@ def _raw_response(status: int, reason: str, message: str, code: str, extra: str 
 
 
 def _over_cap_message(limits: Limits) -> str:
-    return (f"the server has {limits.max_connections} connections open (bitnet serve --max-connections); "
+    n = limits.max_connections
+    return (f"the server has {n} connection{'s' if n != 1 else ''} open (bitnet serve --max-connections); "
             "retry later")
 
 

@@ -577,6 +577,12 @@ def test_the_out_of_descriptors_log_counts_every_connection_it_answered():
     assert proc.returncode == 0 and "Traceback" not in err, err[-2000:]
 
 
+def test_the_cap_s_503_says_connection_for_one():
+    from bitnet_cpu.serve.limits import Limits, _over_cap_message
+    assert "has 1 connection open" in _over_cap_message(Limits(max_connections=1))
+    assert "has 2 connections open" in _over_cap_message(Limits(max_connections=2))
+
+
 def test_an_open_files_limit_too_low_to_serve_is_said_in_one_line():
     """`ulimit -n 17`: the server warned "taking at most 1 connections" and then failed on the first file an import
     opened, as an "internal error ... a bug in bitnet-cpu". It is one line naming the limit and what is needed,
