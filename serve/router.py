@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import errno
 import functools
 import hashlib
 import json
@@ -128,6 +129,36 @@ class RouterError(Exception):
         super().__init__(message)
         self.status, self.message, self.code, self.param, self.retry_after = status, message, code, param, retry_after
         self.allow = allow   # a 405's Allow header
+
+
+def out_of_files(e: BaseException | None) -> OSError | None:
+    """The EMFILE / ENFILE behind an error (httpx's ConnectError: its causes, anyio's groups of attempts), if any."""
+    seen, todo = set(), [e]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in (errno.EMFILE, errno.ENFILE):
+            return e
+        todo += [e.__cause__, e.__context__, *getattr(e, "exceptions", ())]
+    return None
+
+
+def upstream_error(request: Request, spec, e: BaseException, retry_after: int) -> RouterError:
+    """What a request is told when its model's process could not be reached: out of descriptors, the router's own
+    state (503 out_of_resources + Retry-After and one log line, as the plain server says it; a 502 blamed a model
+    that was fine); else the model did not answer (502)."""
+    short = out_of_files(e)
+    if short is not None:
+        why = os.strerror(short.errno).lower()
+        print(f"bitnet serve: {request.method} {request.url.path}: {why} connecting to model '{spec.name}' "
+              f"({type(short).__name__}: {short}); raise ulimit -n or lower --max-connections", file=sys.stderr,
+              flush=True)
+        return RouterError(503, f"the server is out of resources ({why}); retry later", "out_of_resources",
+                           retry_after=retry_after)
+    return RouterError(502, f"model '{spec.name}' did not answer: {type(e).__name__}", "model_unavailable",
+                       retry_after=retry_after)
 
 
 def _listening_socket() -> socket.socket:
@@ -1061,8 +1092,7 @@ def create_router_app(router: Router, *, api_keys: tuple = (), limits: Limits | 
                                          headers={"authorization": f"Bearer {router.key}",
                                                   "content-type": "application/json"})
         except httpx.HTTPError as e:
-            raise RouterError(502, f"model '{spec.name}' did not answer: {type(e).__name__}", "model_unavailable",
-                              retry_after=router.retry_after) from None
+            raise upstream_error(request, spec, e, router.retry_after) from None
         finally:
             router.release(c)
         if r.status_code == 200:
@@ -1282,8 +1312,7 @@ def create_router_app(router: Router, *, api_keys: tuple = (), limits: Limits | 
                     # its process died while idle, its socket closed before the router saw the exit: nothing of
                     # the answer was sent, so the model is started again for it, once (it was a 502)
                     continue
-                raise RouterError(502, f"model '{spec.name}' did not answer: {type(e).__name__}",
-                                  "model_unavailable", retry_after=router.retry_after) from None
+                raise upstream_error(request, spec, e, router.retry_after) from None
             except BaseException:
                 router.release(c)
                 raise

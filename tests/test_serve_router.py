@@ -1680,3 +1680,66 @@ def test_a_negative_duration_flag_is_taken_as_its_value(models_dir, value):
     assert args.models_load_timeout == -1000.0
     args = subs["serve"].parse_args(["-m", "x", "-c", "1024"])   # short flags stay flags
     assert args.ctx == 1024
+
+
+def test_a_router_out_of_descriptors_says_so_and_never_blames_the_model(tmp_path):
+    """The router under `ulimit -n 64` (its cap lowered to 16), 10 clients within the cap part-way through their
+    headers, then a flood of silent connections that takes the descriptors left: the 10 could not connect to
+    their (healthy) model's process and got 502 "model 'tiny' did not answer: ConnectError", which sent an
+    operator to the wrong place. They get the plain server's 503 out_of_resources + Retry-After, and the log says
+    why in one line."""
+    import json
+    import resource
+    import socket
+
+    from serve_proc import free_port, pythonpath, wait_healthy
+    shutil.copy(os.path.join(ROOT, "models", "default.bnstore"), tmp_path / "tiny.bnstore")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([sys.executable, "-m", "bitnet_cpu", "serve", "--models-dir", str(tmp_path), "-c", "1024",
+                             "-t", "1", "--port", str(port), "--header-timeout", "600"],
+                            cwd=ROOT, env=dict(os.environ, PYTHONPATH=pythonpath()), stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64)))
+    body = json.dumps({"model": "tiny", "prompt": "a", "max_tokens": 3}).encode()
+    pre, silent, answers = [], [], []
+    try:
+        assert wait_healthy(url, 60 * slowness(), proc)
+        assert post(url, "/v1/completions", json.loads(body)).status_code == 200   # its model loaded
+        for _ in range(10):
+            c = socket.create_connection(("127.0.0.1", port), timeout=30 * slowness())
+            c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n")
+            pre.append(c)
+        time.sleep(0.3)
+        for _ in range(250):
+            try:
+                silent.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+            except OSError:
+                break
+        time.sleep(0.05)
+        for c in pre:
+            c.sendall(b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body) + body)
+        for c in pre:
+            data = b""
+            try:
+                while len(data) < 1 << 20:
+                    more = c.recv(65536)
+                    if not more:
+                        break
+                    data += more
+            except OSError:
+                pass
+            answers.append(data)
+    finally:
+        for c in pre + silent:
+            c.close()
+        proc.terminate()
+        _, err = proc.communicate(timeout=60)
+    heads = [a.split(b"\r\n")[0] for a in answers]
+    assert not any(b" 502 " in h for h in heads), (heads, answers[:2], err[-2000:])
+    short = [a for a in answers if a.startswith(b"HTTP/1.1 503")]
+    assert short, (heads, err[-2000:])   # the flood took what the 10 needed to reach their model
+    for a in short:
+        head, _, rest = a.partition(b"\r\n\r\n")
+        assert b"retry-after:" in head.lower() and json.loads(rest)["error"]["code"] == "out_of_resources", a[:500]
+    assert "too many open files connecting to model 'tiny'" in err, err[-2000:]
+    assert "Traceback" not in err, err[-2000:]
