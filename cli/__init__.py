@@ -70,7 +70,7 @@ def replace_unencodable() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    with signals_restored():
+    with signals_restored(command_line=argv is None):
         ended_early()
         closed_std_streams()   # before anything writes: a closed stdout becomes /dev/null
         replace_unencodable()
@@ -85,19 +85,38 @@ def main(argv: list[str] | None = None) -> int:
 
 
 @contextlib.contextmanager
-def signals_restored():
+def signals_restored(command_line: bool = False):
     """SIGINT / SIGTERM / SIGHUP handlers as they were before, when main() returns: a program that calls main()
     (a notebook) kept the command's handlers, and a later SIGTERM raised Terminated in whatever it ran next.
-    The console script exits right after, so its 128 + signum stays."""
+    The console script exits right after, so its 128 + signum stays. From the command line (main() without
+    argv), after a command that has said it stopped (stopped_with: serve), they are ignored instead until the
+    process ends: Python's default action killed it by the signal (143 / 130) in the 0.3-0.8 s the interpreter
+    takes to end (engine threads, modules) after `bitnet serve: stopped`, where a supervisor's repeated SIGTERM
+    or a second Ctrl-C asks for what is already happening. Ignored at the OS level (SIG_IGN): Python puts its own
+    handlers back to the default early in its teardown, and the exit handlers still run (a store being written
+    has its temporary file removed); SIGKILL still ends a teardown that hangs."""
     sigs = [s for s in (getattr(signal, n, None) for n in ("SIGINT", "SIGTERM", "SIGHUP")) if s is not None]
     before = {s: signal.getsignal(s) for s in sigs}
+    _STOPPED.clear()
     try:
         yield
     finally:
+        if command_line and _STOPPED:
+            before = {s: signal.SIG_IGN for s in sigs}
         for s, h in before.items():
             if h is not None and signal.getsignal(s) is not h:   # None: a handler not set from Python
                 with contextlib.suppress(ValueError, OSError):   # (not the main thread: nothing was set either)
                     signal.signal(s, h)
+
+
+_STOPPED: list = []   # not empty once a command has said it stopped (serve): see signals_restored
+
+
+def stopped_with(code: int) -> int:
+    """`code`, the status of a command that has just said it stopped (`bitnet serve: stopped`): a SIGTERM or
+    Ctrl-C in what is left of the process's life then leaves it to end with that status (signals_restored)."""
+    _STOPPED.append(code)
+    return code
 
 
 def _ended_early(signum, frame):

@@ -487,7 +487,8 @@ def main(args) -> int:
         from . import report_bug
         return report_bug("bitnet serve", e)
     print("bitnet serve: stopped", file=sys.stderr)
-    return 0
+    from . import stopped_with
+    return stopped_with(0)   # a second signal while the process ends: exit 0 still
 
 
 # flags of the router alone: everything else is passed on to each model's process
@@ -708,4 +709,5 @@ def serve_models(args, keys: tuple) -> int:
     finally:   # the key file and the models' logs, whatever ended the server (its shutdown removes them too)
         shutil.rmtree(router.logdir, ignore_errors=True)
     print("bitnet serve: stopped", file=sys.stderr)
-    return 0
+    from . import stopped_with
+    return stopped_with(0)   # a second signal while the process ends: exit 0 still

@@ -867,6 +867,39 @@ def test_sigterm_under_load_drains_and_exits_0(tmp_path_factory, signals):
     assert len(made) == 4 and max(made) < 3000, made   # cut short by the drain, not run to the end
 
 
+@pytest.mark.parametrize("second", ["SIGTERM", "SIGINT"])
+def test_a_second_signal_after_stopped_still_exits_0(tmp_path, second):
+    """A second SIGTERM / Ctrl-C just after "bitnet serve: stopped" (a supervisor's repeat, a user's second Ctrl-C)
+    came while the interpreter was ending (0.3-0.8 s here) with Python's default handlers back: the process was
+    killed by the signal (143 / 130) after saying it had stopped. It now exits 0 at once."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from helpers import slowness
+    from serve_proc import ROOT, free_port, wait_healthy
+    port = free_port()
+    log = tmp_path / "stderr.log"
+    with open(log, "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "bitnet_cpu", "serve", "-t", "1", "-c", "256", "--port",
+                                 str(port)], cwd=ROOT, env=dict(os.environ, PYTHONPATH=pythonpath()), stderr=err)
+    try:
+        assert wait_healthy(f"http://127.0.0.1:{port}", 60 * slowness(), proc)
+        proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and proc.poll() is None and "bitnet serve: stopped" not in log.read_text():
+            time.sleep(0.005)
+        proc.send_signal(getattr(signal, second))
+        rc = proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert "bitnet serve: stopped" in log.read_text()
+    assert rc == 0, (rc, log.read_text()[-2000:])
+
+
 def test_sigterm_with_a_client_that_reads_nothing_ends_without_a_traceback(tmp_path_factory):
     """SIGTERM while a stream's client reads nothing (its socket buffer full): the handler's last send waited on
     the paused connection (--send-timeout is longer than the drain) until uvicorn's graceful-shutdown timeout
