@@ -3,6 +3,8 @@ but /health (load balancers) and the chat page's HTML (it holds no data and asks
 too unless --metrics-public.
 
 Keys come from --api-key and --api-key-file (one per line, `#` comments; several users, each with their own key).
+A key past ASCII is taken as its UTF-8 bytes or, for characters up to U+00FF, as their Latin-1 bytes (a browser's
+fetch sends those): `clé` works from curl and from the chat page alike.
 The check hashes the sent key and compares the digest with every key's digest, always all of them, with
 hmac.compare_digest: the time taken says nothing about how much of a key matched, nor which key. A 401 never
 echoes what was sent. It runs as ASGI middleware before the body is read, so a client without a key cannot make
@@ -55,15 +57,30 @@ def _digest(key: bytes) -> bytes:
     return hashlib.sha256(key).digest()
 
 
+def _sent_forms(key: str) -> list[bytes]:
+    """The bytes a key may arrive as: its UTF-8 (curl, the SDKs), and, for a key of characters up to U+00FF
+    beyond ASCII (clé), their Latin-1, one byte each: what a browser's fetch puts in a header (headers are
+    byte strings there), the chat page's included. A key past U+00FF can come as UTF-8 only."""
+    forms = [key.encode("utf-8")]
+    if not key.isascii():
+        try:
+            forms.append(key.encode("latin-1"))
+        except UnicodeEncodeError:
+            pass
+    return forms
+
+
 class KeyChecker:
     def __init__(self, keys: Iterable[str]):
-        self._digests = [_digest(k.encode("utf-8")) for k in keys]
+        keys = list(keys)
+        self._n = len(keys)
+        self._digests = [_digest(form) for k in keys for form in _sent_forms(k)]
 
     def __bool__(self):
         return bool(self._digests)
 
     def __len__(self):
-        return len(self._digests)
+        return self._n
 
     def ok(self, authorization: bytes | None, x_api_key: bytes | None = None) -> bool:
         """authorization: the `Authorization` header ("Bearer KEY"); x_api_key: the `x-api-key` header, which

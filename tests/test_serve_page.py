@@ -637,3 +637,22 @@ def test_chat_page_reads_the_server_again_after_losing_it(browser):
     finally:
         codes = s1.stop()[0], s2.stop()[0]
         assert codes == (0, 0)
+
+
+def test_chat_page_sends_a_latin1_key(browser):
+    """A key with a letter past ASCII but within Latin-1 (clé): a browser sends it as Latin-1 bytes, curl as UTF-8;
+    the server takes both, so the page gets in; it said the server refused the key curl was let in with."""
+    with _served(browser, "--api-key", "clé", "--parallel", "2") as (s, page):
+        assert httpx.get(s.url + "/v1/models", headers={"Authorization": "Bearer clé".encode()}).status_code == 200
+        assert httpx.get(s.url + "/v1/models",
+                         headers={"Authorization": "Bearer clé".encode("latin-1")}).status_code == 200
+        assert httpx.get(s.url + "/v1/models", headers={"Authorization": "Bearer cle"}).status_code == 401
+        page.goto(s.url + "/")
+        page.wait_for_function("document.getElementById('model').textContent.includes('API key')", timeout=20000)
+        page.fill("#api_key", "clé")
+        page.dispatch_event("#api_key", "change")
+        _ready(page)
+        _set(page, temperature=0, max_tokens=4)
+        _ask(page, "What is 12+7?")
+        assert page.locator("#log .msg.error").count() == 0
+
