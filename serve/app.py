@@ -648,6 +648,8 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
                 if ch.finish_reason is not None:
                     last = make_chunk(i, None, got.finish(i), lps=got.logprobs[i][sent[i]:] or None)
                     last["timings"] = timings_of(ch.stats)
+                    if getattr(streams[i], "ended_now", False):   # finish "stop" as documented, but cut short
+                        last["cut_by"] = "shutdown"               # by the drain: a client can tell (the page)
                     yield sse(last)
                 if every:
                     break

@@ -900,6 +900,34 @@ def test_a_second_signal_after_stopped_still_exits_0(tmp_path, second):
     assert rc == 0, (rc, log.read_text()[-2000:])
 
 
+def test_an_answer_cut_by_the_drain_says_so(tmp_path_factory):
+    """A stream cut short by a stopping server's drain: its last chunk keeps finish_reason "stop" (as documented)
+    and says "cut_by": "shutdown", so a client (the chat page) can tell it from an answer the model finished; it
+    looked whole. An answer that ends on its own carries no such field."""
+    import signal
+    s = Server("-m", slow_model(tmp_path_factory), "-c", "4096", "--parallel", "2", "--drain-timeout", "1")
+    events: list = []
+    try:
+        with httpx.stream("POST", s.url + "/v1/chat/completions", timeout=60, json={
+                "messages": [{"role": "user", "content": "a"}], "max_tokens": 3, "temperature": 0,
+                "stream": True}) as r:
+            whole = [json.loads(ln[6:]) for ln in r.iter_lines() if ln.startswith("data: {")]
+        assert not any("cut_by" in e for e in whole), whole[-1]
+        with httpx.stream("POST", s.url + "/v1/chat/completions", timeout=60, json={
+                "messages": [{"role": "user", "content": "a"}], "max_tokens": 3000, "temperature": 0,
+                "stream": True}) as r:
+            for ln in r.iter_lines():
+                if ln.startswith("data: {"):
+                    events.append(json.loads(ln[6:]))
+                    if len(events) == 5:
+                        s.proc.send_signal(signal.SIGINT)
+    finally:
+        rc, err = s.stop(timeout=30)
+    assert rc == 0, err[-2000:]
+    last = [e for e in events if e["choices"] and e["choices"][0]["finish_reason"]][-1]
+    assert last["choices"][0]["finish_reason"] == "stop" and last.get("cut_by") == "shutdown", last
+
+
 def test_sigterm_with_a_client_that_reads_nothing_ends_without_a_traceback(tmp_path_factory):
     """SIGTERM while a stream's client reads nothing (its socket buffer full): the handler's last send waited on
     the paused connection (--send-timeout is longer than the drain) until uvicorn's graceful-shutdown timeout

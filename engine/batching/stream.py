@@ -43,6 +43,8 @@ class Stream:
         self._drained = False   # the final chunk has been taken: iterating again gives nothing (never waits)
         self._last: Chunk | None = None   # the latest chunk given out (its running stats and said count)
         self._ending = threading.RLock()   # end_now() and the scheduler's chunks: one final, nothing after it
+        self.ended_now = False   # end_now() ended it (a stopping server cut it): not an end of the engine's own
+        self._cutting = False    # end_now() has begun: the engine's "cancelled" end, if it comes first, is that cut
 
     def _emit(self, chunk: Chunk):
         with self._ending:
@@ -50,6 +52,7 @@ class Stream:
                 return   # ended already (end_now): what the engine made since is for nobody
             if chunk.finish_reason:
                 self.finish_reason = chunk.finish_reason
+                self.ended_now = self._cutting and chunk.finish_reason == "cancelled"
             self._last = chunk
             self._deliver(chunk)
 
@@ -57,11 +60,13 @@ class Stream:
         """Cancel, and give the consumer its final chunk now, from this thread, instead of at the engine's next
         step (a long prefill step can take seconds: a server stopping at its drain deadline must not wait for it);
         the engine's own chunks for this stream are dropped from then on. No-op once the stream has ended."""
+        self._cutting = True   # before the cancel: the engine's "cancelled" end for it may come first
         self._engine.cancel(self.id)
         with self._ending:
             if self.finish_reason is not None:
-                return
+                return   # the engine's own end came first ("cancelled" by the cut above: ended_now says so)
             self.finish_reason = finish_reason
+            self.ended_now = True
             last = self._last
             self._deliver(Chunk("", None, finish_reason, stats=last.stats if last is not None else None,
                                 said=last.said if last is not None else 0))
