@@ -656,3 +656,44 @@ def test_chat_page_sends_a_latin1_key(browser):
         _ask(page, "What is 12+7?")
         assert page.locator("#log .msg.error").count() == 0
 
+def _stores(tmp_path_factory, *names) -> str:
+    """A --models-dir holding the bundled model under each of `names`."""
+    d = tmp_path_factory.mktemp("page-router")
+    for name in names:
+        shutil.copy(os.path.join(ROOT, "models", "default.bnstore"), d / (name + ".bnstore"))
+    return str(d)
+
+
+def _picker(page, url):
+    page.goto(url)
+    page.wait_for_selector("#pick:not([hidden])", timeout=20000)
+
+
+def test_chat_page_header_fits_a_long_model_name(browser, tmp_path_factory):
+    """A long model name in the router's picker: the picker shrinks (ellipsis, the whole name as its title) and
+    "New chat" / "Settings" stay on screen and clickable, on a desktop and on a phone; the picker took its longest
+    name's width and pushed them off the page (under the settings panel, past a phone's screen)."""
+    long_name, phone_name = "bitnet-b1.58-2B-4T-instruct-" + "x" * 60, "Llama3-8B-1.58-100B-tokens-TQ2_0"
+    d = _stores(tmp_path_factory, "tiny", long_name, phone_name)
+    with _served(browser, "--models-dir", d, "-c", "512") as (s, _):
+        for width, name, buttons in ((1100, long_name, ("new",)), (390, phone_name, ("settings", "new"))):
+            ctx = browser.new_context(viewport={"width": width, "height": 760}, is_mobile=width < 700,
+                                      has_touch=width < 700)
+            page = ctx.new_page()
+            _picker(page, s.url + "/")
+            page.select_option("#pick", name)
+            assert page.evaluate("document.documentElement.scrollWidth") <= width
+            for b in buttons:
+                box = page.locator("#" + b).bounding_box()
+                assert box["x"] >= 0 and box["x"] + box["width"] <= width, (width, b, box)
+                top = page.evaluate("([x, y]) => document.elementFromPoint(x, y)?.id",
+                                    [box["x"] + box["width"] / 2, box["y"] + box["height"] / 2])
+                assert top == b, (width, b, top)   # not under the settings panel
+            assert page.get_attribute("#pick", "title") == name
+            if width < 700:
+                page.click("#settings", timeout=5000)
+                assert page.is_visible("#temperature")
+                page.click("#close_settings")
+            page.click("#new", timeout=5000)
+            ctx.close()
+
