@@ -697,3 +697,63 @@ def test_chat_page_header_fits_a_long_model_name(browser, tmp_path_factory):
             page.click("#new", timeout=5000)
             ctx.close()
 
+def test_chat_page_on_a_router_without_models(browser, tmp_path_factory):
+    """A router whose cache is empty (the docs: it may start so): the header says what the server says, no models
+    here yet and how to pull one; it showed a JavaScript TypeError ("Cannot read properties of undefined")."""
+    cache = tmp_path_factory.mktemp("empty-cache")
+    with _served(browser, "--models-cache", env={"BITNET_CACHE": str(cache)}) as (s, page):
+        errors = []
+        page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.goto(s.url + "/")
+        page.wait_for_function("document.getElementById('model').textContent.includes('no models')", timeout=20000)
+        header = page.inner_text("#model")
+        assert "no models on this server yet" in header and "pull" in header, header
+        assert "Cannot read" not in header and "undefined" not in header
+        assert page.is_hidden("#pick") and not errors, errors
+
+def test_chat_page_on_a_router_with_one_model_shows_its_settings(browser, tmp_path_factory):
+    """A router serving one model (the usual ollama-style setup): once it is loaded (after the first answer) the
+    header shows its context and the empty fields its settings, greyed; they stayed "ctx ?" and empty."""
+    d = _stores(tmp_path_factory, "only")
+    with _served(browser, "--models-dir", d, "-c", "1024", "--temp", "0.3", "--top-k", "7") as (s, page):
+        _load(page, s.url + "/")
+        _set(page, max_tokens=4)
+        _ask(page, "hi")
+        page.wait_for_function("document.getElementById('model').textContent.includes('ctx 1024')", timeout=20000)
+        page.wait_for_function("document.getElementById('top_k').placeholder === '7'", timeout=20000)
+        assert float(page.get_attribute("#temperature", "placeholder")) == 0.3
+
+def test_chat_page_keeps_the_picked_model_over_a_reload(browser, tmp_path_factory):
+    """The model picked in the router's page is kept over a reload (the conversation goes on with it); the page
+    went on with the first loaded model in the listing, silently."""
+    d = _stores(tmp_path_factory, "alpha", "beta")
+    with _served(browser, "--models-dir", d, "-c", "512") as (s, page):
+        bodies = _bodies(page)
+        _picker(page, s.url + "/")
+        _set(page, max_tokens=4)
+        for name in ("alpha", "beta"):
+            page.select_option("#pick", name)
+            _ask(page, "hi " + name)
+        page.reload()
+        page.wait_for_selector("#pick:not([hidden])", timeout=20000)
+        assert page.input_value("#pick") == "beta"
+        _ask(page, "go on")
+        assert [b["model"] for b in bodies] == ["alpha", "beta", "beta"]
+
+def test_chat_page_asks_no_settings_of_a_model_not_loaded(browser, tmp_path_factory):
+    """Picking models the router has not loaded: no console errors (the page asked /props of each, a 400
+    model_not_loaded every time)."""
+    d = _stores(tmp_path_factory, "alpha", "beta")
+    with _served(browser, "--models-dir", d, "-c", "512") as (s, page):
+        errors = []
+        page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+        _picker(page, s.url + "/")
+        page.select_option("#pick", "beta")
+        page.select_option("#pick", "alpha")
+        _set(page, max_tokens=2)
+        _ask(page, "hi")   # alpha loaded now: its settings are read, and asking them is no error either
+        page.select_option("#pick", "beta")
+        page.select_option("#pick", "alpha")
+        page.wait_for_function("document.getElementById('model').textContent.includes('ctx 512')", timeout=20000)
+        assert errors == [], errors
