@@ -656,6 +656,7 @@ def test_chat_page_sends_a_latin1_key(browser):
         _ask(page, "What is 12+7?")
         assert page.locator("#log .msg.error").count() == 0
 
+
 def _stores(tmp_path_factory, *names) -> str:
     """A --models-dir holding the bundled model under each of `names`."""
     d = tmp_path_factory.mktemp("page-router")
@@ -697,6 +698,7 @@ def test_chat_page_header_fits_a_long_model_name(browser, tmp_path_factory):
             page.click("#new", timeout=5000)
             ctx.close()
 
+
 def test_chat_page_on_a_router_without_models(browser, tmp_path_factory):
     """A router whose cache is empty (the docs: it may start so): the header says what the server says, no models
     here yet and how to pull one; it showed a JavaScript TypeError ("Cannot read properties of undefined")."""
@@ -712,6 +714,7 @@ def test_chat_page_on_a_router_without_models(browser, tmp_path_factory):
         assert "Cannot read" not in header and "undefined" not in header
         assert page.is_hidden("#pick") and not errors, errors
 
+
 def test_chat_page_on_a_router_with_one_model_shows_its_settings(browser, tmp_path_factory):
     """A router serving one model (the usual ollama-style setup): once it is loaded (after the first answer) the
     header shows its context and the empty fields its settings, greyed; they stayed "ctx ?" and empty."""
@@ -723,6 +726,7 @@ def test_chat_page_on_a_router_with_one_model_shows_its_settings(browser, tmp_pa
         page.wait_for_function("document.getElementById('model').textContent.includes('ctx 1024')", timeout=20000)
         page.wait_for_function("document.getElementById('top_k').placeholder === '7'", timeout=20000)
         assert float(page.get_attribute("#temperature", "placeholder")) == 0.3
+
 
 def test_chat_page_keeps_the_picked_model_over_a_reload(browser, tmp_path_factory):
     """The model picked in the router's page is kept over a reload (the conversation goes on with it); the page
@@ -741,6 +745,7 @@ def test_chat_page_keeps_the_picked_model_over_a_reload(browser, tmp_path_factor
         _ask(page, "go on")
         assert [b["model"] for b in bodies] == ["alpha", "beta", "beta"]
 
+
 def test_chat_page_asks_no_settings_of_a_model_not_loaded(browser, tmp_path_factory):
     """Picking models the router has not loaded: no console errors (the page asked /props of each, a 400
     model_not_loaded every time)."""
@@ -757,3 +762,56 @@ def test_chat_page_asks_no_settings_of_a_model_not_loaded(browser, tmp_path_fact
         page.select_option("#pick", "alpha")
         page.wait_for_function("document.getElementById('model').textContent.includes('ctx 512')", timeout=20000)
         assert errors == [], errors
+
+
+def test_chat_page_reload_mid_answer_keeps_the_question_and_the_partial_answer(browser, tmp_path_factory):
+    """A reload (or a closed tab) while an answer streams: the question and the answer so far come back, the
+    answer marked cut off, and the next turn sends both back; both were lost (only the turns before came back)."""
+    from serve_proc import slow_model
+    with _served(browser, "-m", slow_model(tmp_path_factory), "-c", "4096", "--parallel", "2") as (s, page):
+        bodies = _bodies(page)
+        _load(page, s.url + "/")
+        _set(page, temperature=0, max_tokens=4)
+        _ask(page, "first question")
+        _set(page, max_tokens=3000)
+        page.fill("#input", "second question")
+        page.keyboard.press("Enter")
+        page.wait_for_function("document.querySelectorAll('#log .msg.assistant .text')[1]?.textContent.length > 50",
+                               timeout=60000)
+        page.reload()
+        _ready(page)
+        shown = page.eval_on_selector_all("#log .msg", "es => es.map(e => e.className)")
+        assert len(shown) == 4, shown
+        assert page.locator("#log .msg.user .text").nth(1).inner_text() == "second question"
+        partial = page.locator("#log .msg.assistant .text").nth(1).inner_text()
+        assert partial and "cut" in shown[3], shown
+        _set(page, max_tokens=1)
+        _ask(page, "third")
+        assert [m["role"] for m in bodies[-1]["messages"]] == ["user", "assistant"] * 2 + ["user"]
+        assert bodies[-1]["messages"][3]["content"] == partial
+
+
+def test_chat_page_when_the_server_stops(browser, tmp_path_factory):
+    """The server stopped (Ctrl-C) while an answer streams: the answer it cut at its drain is marked cut off
+    (it looked whole: finish "stop"), and the header says the connection is lost in the words the error bubble
+    uses for a send that finds the server gone (it kept showing the model, then fetch's "Failed to fetch")."""
+    import signal
+
+    from serve_proc import slow_model
+    with _served(browser, "-m", slow_model(tmp_path_factory), "-c", "4096", "--parallel", "2",
+                 "--drain-timeout", "1") as (s, page):
+        _load(page, s.url + "/")
+        _set(page, temperature=0, max_tokens=3000)
+        _started(page, "a")
+        s.proc.send_signal(signal.SIGINT)
+        page.wait_for_function("!document.getElementById('send').disabled", timeout=60000)
+        assert page.locator("#log .msg.assistant.cut").count() == 1
+        assert s.proc.wait(60) == 0   # gone (a second Ctrl-C while it exits is not this test's)
+        page.wait_for_function("document.getElementById('model').textContent.includes('lost the connection')",
+                               timeout=30000)
+        assert "Failed to fetch" not in page.inner_text("#model")
+        page.fill("#input", "hello?")
+        page.keyboard.press("Enter")
+        page.wait_for_selector("#log .msg.error", timeout=30000)
+        assert "lost the connection to the server" in page.inner_text("#log .msg.error")
+        assert "lost the connection to the server" in page.inner_text("#model")
