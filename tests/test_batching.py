@@ -248,6 +248,28 @@ def test_end_now_gives_the_final_chunk_at_once_and_nothing_after(synth):
         _assert_every_page_returns(eng)
 
 
+def test_end_now_ends_a_waiting_request_with_its_reason_whichever_end_comes_first(synth):
+    """Engine.end_now(streams, "stop", "unavailable") (a server at its drain deadline) for requests still waiting
+    for a slot: each ends "unavailable" (a 503 to retry) also when the scheduler's own "cancelled" end for it comes
+    before end_now() reaches it. That order ended it "cancelled" (a 200 with nothing) now and then in a server's
+    drain; here it is made certain: the first stream end_now() ends delivers its end to a callback (on this
+    thread) that waits for the scheduler to end the second, queued before it."""
+    m, _, stores = synth
+    with running_engine(stores["f16"], ctx=256, parallel=1) as eng:
+        running = iter(eng.submit(list(range(1, 20)), GREEDY, max_tokens=40, ignore_eos=True))
+        assert next(running).finish_reason is None   # it holds the one slot (the iterator kept: not abandoned)
+        first = _Chunks()   # queued first: the scheduler comes to it first
+        second = _Chunks(then=lambda got: got[-1].finish_reason and first.finished.wait(60))
+        a = eng.submit(list(range(1, 10)), GREEDY, max_tokens=20, callback=first)
+        b = eng.submit(list(range(1, 12)), GREEDY, max_tokens=20, callback=second)
+        eng.end_now([b, a], "stop", "unavailable")
+        assert first.finished.is_set(), "the scheduler never ended the first: nothing was tested"
+        assert [c.finish_reason for c in first] == ["unavailable"] and a.finish_reason == "unavailable", \
+            [c.finish_reason for c in first]
+        assert second.wait()[-1].finish_reason == "unavailable"
+        assert [c.finish_reason for c in running][-1] == "length"
+
+
 def test_a_stream_iterated_by_two_threads_ends_in_both(synth):
     """Two threads iterating one Stream share its chunks; the one that does not take the final chunk ends too,
     instead of waiting on the queue forever (a consumer handing the stream to a worker thread hung at exit)."""

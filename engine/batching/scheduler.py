@@ -341,12 +341,15 @@ class BatchScheduler(Drafts, Embeddings, Scoring):
         """Stream.end_now() for each of `streams` (a server stopping): one still waiting for a slot ends with
         `waiting_reason` instead, so its client can tell an answer that never started (to retry) from one cut
         short. Which is which is decided under the lock, where those waiting are cancelled: none is admitted
-        after, to give out chunks before its end."""
+        after, to give out chunks before its end. Each is told its reason before it is cancelled: the scheduler's
+        own "cancelled" end could come first, once the lock is free, and a request that never started ended as one
+        cut short (a 200 with nothing, where its client should have had the 503 to retry)."""
         with self._lock:
             waiting = set()
             for st in streams:
                 seq = self._by_id.get(st.id)
                 if seq is not None and seq.state == "waiting":
+                    st._cut_reason = waiting_reason
                     seq.cancelled = True
                     waiting.add(st.id)
         for st in streams:

@@ -3,6 +3,7 @@ through a queue (iterate it) or a callback called on the scheduler thread; a pre
 scoring) end is a OneShot, done once with one result."""
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
 
@@ -44,15 +45,19 @@ class Stream:
         self._last: Chunk | None = None   # the latest chunk given out (its running stats and said count)
         self._ending = threading.RLock()   # end_now() and the scheduler's chunks: one final, nothing after it
         self.ended_now = False   # end_now() ended it (a stopping server cut it): not an end of the engine's own
-        self._cutting = False    # end_now() has begun: the engine's "cancelled" end, if it comes first, is that cut
+        # end_now()'s reason once it has begun (set under the scheduler's lock for a request still waiting): the
+        # engine's "cancelled" end, if it comes first, is that cut and says its reason
+        self._cut_reason: str | None = None
 
     def _emit(self, chunk: Chunk):
         with self._ending:
             if self.finish_reason is not None:
                 return   # ended already (end_now): what the engine made since is for nobody
             if chunk.finish_reason:
+                if self._cut_reason is not None and chunk.finish_reason == "cancelled":
+                    chunk = dataclasses.replace(chunk, finish_reason=self._cut_reason)
+                    self.ended_now = True
                 self.finish_reason = chunk.finish_reason
-                self.ended_now = self._cutting and chunk.finish_reason == "cancelled"
             self._last = chunk
             self._deliver(chunk)
 
@@ -60,11 +65,11 @@ class Stream:
         """Cancel, and give the consumer its final chunk now, from this thread, instead of at the engine's next
         step (a long prefill step can take seconds: a server stopping at its drain deadline must not wait for it);
         the engine's own chunks for this stream are dropped from then on. No-op once the stream has ended."""
-        self._cutting = True   # before the cancel: the engine's "cancelled" end for it may come first
+        self._cut_reason = finish_reason   # before the cancel: the engine's "cancelled" end for it may come first
         self._engine.cancel(self.id)
         with self._ending:
             if self.finish_reason is not None:
-                return   # the engine's own end came first ("cancelled" by the cut above: ended_now says so)
+                return   # the engine's own end came first (its "cancelled", by the cut above, says finish_reason)
             self.finish_reason = finish_reason
             self.ended_now = True
             last = self._last
