@@ -63,11 +63,14 @@ def _resolve(model: str | None, lm_head: str | None, progress: bool) -> str:
         from .formats.convert import check_store_head
         return check_store_head(os.fspath(model), lm_head)
     if model is not None and not os.path.exists(model):
-        from .formats.hub import is_hub_ref
+        from .formats.hub import control_character, is_hub_ref
 
         if not is_hub_ref(model):
-            raise BitNetError(f"model {model!r} (-m/--model): {why_missing(model)}",
-                              hint="give a model file, a directory, or a hub id such as microsoft/bitnet-b1.58-2B-4T")
+            bad = control_character(model)   # `$'o/r\n'`: was taken as the hub id o/r
+            raise BitNetError(f"model {model!r} (-m/--model): {why_missing(model)}" +
+                              (f", nor a hub id: it holds a control character ({bad})" if bad else ""),
+                              hint="check how the name was quoted or pasted" if bad else
+                              "give a model file, a directory, or a hub id such as microsoft/bitnet-b1.58-2B-4T")
     from .formats.convert import resolve_model
 
     return resolve_model(model, lm_head=lm_head, progress=progress)

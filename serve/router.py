@@ -1116,6 +1116,10 @@ def create_router_app(router: Router, *, api_keys: tuple = (), limits: Limits | 
         if not isinstance(stream, bool):
             raise RouterError(400, "stream: must be true or false", "invalid_value", "stream")
         listed = router.find(name)   # a listed name as sent (" lead"), else without the spaces around it
+        bad = re.search(r"[\x00-\x1f\x7f-\x9f]", name) if listed is None else None
+        if bad:   # "o/r\n" was pulled as o/r: a control character is no typed space to strip (ollama refuses it too)
+            raise RouterError(400, f"invalid model name {name!r}: it holds a control character "
+                              f"({ascii(bad.group())[1:-1]})", "invalid_value", "model")
         name = name if listed is not None else name.strip()
         ref = hub_name(name)
         listed = (listed or router.find(name)) if "/" not in ref else None

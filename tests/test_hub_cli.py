@@ -679,3 +679,17 @@ def test_a_deleted_blob_names_its_file_and_an_unused_one_is_no_matter(hub, tmp_p
     r = bitnet("run", "-m", "o/gone", "-p", "x", env=env, timeout=120)
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1 and os.path.join(snap, "tokenizer.json") in lines[0], r.stderr
+
+
+@pytest.mark.parametrize("ref", ["o/tiny-gguf\n", "o/tiny-gguf\r", "o/tiny-gguf:model-i2_s.gguf\n", "\to/tiny-gguf",
+                                 "o/tiny-gguf@main\n", "o/tiny-\x1b[2Jgguf"])
+def test_a_hub_id_with_a_control_character_is_refused_in_one_line(hub, tmp_path, ref):
+    """`bitnet pull $'o/r\\n'` was taken as o/r (a trailing newline passed the id's pattern, a trailing space did
+    not), and its lines were split by the newline. Refused, as ollama refuses such a name, in one line."""
+    env = env_for(hub, tmp_path)
+    for args in (("pull", ref), ("run", "-m", ref, "-p", "x"), ("convert", ref)):
+        r = bitnet(*args, env=env)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1 and "Traceback" not in r.stderr, (args, r.stderr)
+        assert "control character" in lines[0] and repr(ref) in lines[0], (args, r.stderr)
+    assert parse_hub_ref(ref) is None

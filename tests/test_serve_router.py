@@ -1057,6 +1057,24 @@ def test_a_pull_by_revision_is_served_under_that_name_and_delete_takes_every_con
     assert "(0 models, each loaded on first use, at most 3 at once)" in err, err[-2000:]
 
 
+
+def test_ollama_pull_refuses_a_name_with_a_control_character(tmp_path):
+    """{"model": "o/r\\n"} was pulled as o/r: the newline was stripped as a typed space is. A control character in
+    a name that no model has is ollama's "invalid model name", before any pull runs; plain spaces around a name
+    are still stripped, as every route of the router strips them."""
+    env = {"HF_HUB_CACHE": str(tmp_path / "hub"), "BITNET_CACHE": str(tmp_path / "stores"), "HF_HUB_OFFLINE": "1"}
+    s = Server("--models-cache", "-c", "1024", threads=1, env=env)
+    try:
+        for bad in ("o/r\n", "hf.co/o/r\r\n", "\to/r", "o/r\x1b[2J", "o/r\x00"):
+            r = httpx.post(s.url + "/api/pull", json={"model": bad, "stream": False}, timeout=30)
+            assert r.status_code == 400 and "invalid model name" in r.json()["error"], (bad, r.text)
+            assert "control character" in r.json()["error"] and "\n" not in r.json()["error"], (bad, r.text)
+        # the pull runs, and fails offline on the name without the spaces
+        r = httpx.post(s.url + "/api/pull", json={"model": " o/absent ", "stream": False}, timeout=120 * slowness())
+        assert r.status_code == 500 and "pull o/absent: offline" in r.json()["error"], r.text
+    finally:
+        s.stop()
+
 # ---- keys, shutdown, flags ----------------------------------------------------------------------------------
 def test_ollama_pull_reports_the_bytes_of_a_real_download(tmp_path):
     """Against a hub on 127.0.0.1 (tests/test_hub_cli.py's FakeHub): ollama's client sees the download as its

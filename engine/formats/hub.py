@@ -26,13 +26,21 @@ from ..errors import BitNetError
 # skipped); a GGUF model is its one file
 HF_DIR_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.jinja"]
 _REF = re.compile(r"^(?P<repo>[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*)"
-                  r"(?::(?P<file>[^@:]+))?(?:@(?P<rev>[A-Za-z0-9_./-]+))?$")
+                  r"(?::(?P<file>[^@:]+))?(?:@(?P<rev>[A-Za-z0-9_./-]+))?")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def control_character(ref: str) -> str | None:
+    """The first control character of `ref` (a newline, a tab, an escape), as a message shows it, or None: a hub
+    id never holds one (ollama refuses such a name too); a trailing newline was taken as the id without it."""
+    m = _CONTROL.search(ref) if isinstance(ref, str) else None
+    return repr(m.group())[1:-1] if m else None
 
 
 def parse_hub_ref(ref: str) -> tuple[str, str | None, str | None] | None:
     """(repo id, file or None, revision or None), or None when `ref` is not a hub id."""
-    m = _REF.match(ref or "")
-    if not m or ref.startswith(("./", "../")):
+    m = _REF.fullmatch(ref or "")   # fullmatch: `$` let a trailing newline through
+    if not m or ref.startswith(("./", "../")) or control_character(ref):
         return None
     if m.group("repo").endswith((".gguf", ".bnstore", ".safetensors")):   # a mistyped local path, not a repo
         return None
@@ -512,6 +520,9 @@ def pull(ref: str, progress: Callable[[dict], None] | None = None) -> str:
 
 def _pull(ref: str, progress: Callable[[dict], None] | None) -> str:
     parsed = parse_hub_ref(ref)
+    if parsed is None and control_character(ref):
+        raise BitNetError(f"pull {ref!r}: not a Hugging Face hub id: it holds a control character "
+                          f"({control_character(ref)})", hint="check how the name was quoted or pasted")
     if parsed is None:
         raise BitNetError(f"pull {ref}: not a Hugging Face hub id", hint="e.g. bitnet pull microsoft/bitnet-b1.58-2B-4T")
     repo, file, rev = parsed
