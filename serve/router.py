@@ -1058,6 +1058,15 @@ def create_router_app(router: Router, *, api_keys: tuple = (), limits: Limits | 
         return JSONResponse({"error": BLOBS_WHY}, status_code=501)
     app.add_api_route("/api/blobs/{digest}", no_blobs, methods=["HEAD", "POST"], include_in_schema=False)
 
+    async def ollama_body(request: Request) -> tuple[dict | None, bytes]:
+        """The body of ollama's /api/show, /api/pull and /api/delete: a JSON object, or None for no body (then
+        "model: required"); any other body is ollama's 400 for it, in a model's server's words (a body that was not
+        JSON read "model: required", as if it had come without its name)."""
+        data, body = await body_model(request)
+        if data is None and body:
+            raise RouterError(400, body_problem(body), "invalid_json")
+        return data, body
+
     def ollama_name(data: dict | None) -> str:
         name = (data or {}).get("model") or (data or {}).get("name")   # older clients send `name`
         if not isinstance(name, str) or not name.strip():
@@ -1080,7 +1089,7 @@ def create_router_app(router: Router, *, api_keys: tuple = (), limits: Limits | 
         asking again never loads it, nor unloads one in use to make room; the first ask loads it, as it must."""
         if router.draining:
             raise RouterError(503, "shutting down", "unavailable", retry_after=router.retry_after)
-        data, body = await body_model(request)
+        data, body = await ollama_body(request)
         spec = await ollama_model(data)
         key = spec.digest() + json.dumps({k: v for k, v in data.items() if k not in ("model", "name")},
                                          sort_keys=True, default=str)
@@ -1110,7 +1119,7 @@ def create_router_app(router: Router, *, api_keys: tuple = (), limits: Limits | 
             return await not_here(request)
         if router.draining:
             raise RouterError(503, "shutting down", "unavailable", retry_after=router.retry_after)
-        data, _ = await body_model(request)
+        data, _ = await ollama_body(request)
         name = ollama_name(data)
         stream = (data or {}).get("stream", True)
         if not isinstance(stream, bool):
@@ -1161,7 +1170,7 @@ def create_router_app(router: Router, *, api_keys: tuple = (), limits: Limits | 
         rm`); a --models-dir file is the user's and stays (400). Without --models-cache: 501, as /api/pull."""
         if router.pull is None:
             return await not_here(request)
-        data, _ = await body_model(request)
+        data, _ = await ollama_body(request)
         await router.refresh(fresh=True)   # every conversion there is now, not those of a listing up to 1 s old
         spec = await ollama_model(data)
         if not spec.cached:

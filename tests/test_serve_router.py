@@ -1058,6 +1058,23 @@ def test_a_pull_by_revision_is_served_under_that_name_and_delete_takes_every_con
 
 
 
+def test_ollamas_model_routes_say_a_body_that_is_not_json_is_not_json(tmp_path):
+    """`/api/pull -d notjson` answered "model: required" (the body was read as one without a name). A body that is
+    not JSON, or not an object, is the 400 a model's server gives it, at /api/show and /api/delete too."""
+    env = {"HF_HUB_CACHE": str(tmp_path / "hub"), "BITNET_CACHE": str(tmp_path / "stores"), "HF_HUB_OFFLINE": "1"}
+    s = Server("--models-cache", "-c", "1024", threads=1, env=env)
+    try:
+        for path in ("/api/pull", "/api/show", "/api/delete"):
+            for body, said in ((b"notjson", "request body is not valid JSON"), (b"{\"model\": ", "not valid JSON"),
+                               (b"[1]", "request body must be a JSON object")):
+                r = httpx.post(s.url + path, content=body, timeout=30)
+                assert r.status_code == 400 and said in r.json()["error"], (path, body, r.text)
+                assert "required" not in r.json()["error"], (path, body, r.text)
+        assert "model: required" in httpx.post(s.url + "/api/pull", content=b"", timeout=30).json()["error"]
+    finally:
+        s.stop()
+
+
 def test_ollama_pull_refuses_a_name_with_a_control_character(tmp_path):
     """{"model": "o/r\\n"} was pulled as o/r: the newline was stripped as a typed space is. A control character in
     a name that no model has is ollama's "invalid model name", before any pull runs; plain spaces around a name
