@@ -681,6 +681,34 @@ def test_a_deleted_blob_names_its_file_and_an_unused_one_is_no_matter(hub, tmp_p
     assert r.returncode == 2 and len(lines) == 1 and os.path.join(snap, "tokenizer.json") in lines[0], r.stderr
 
 
+def test_offline_pull_of_an_unfinished_download_says_offline_and_what_works_offline(hub, tmp_path):
+    """Offline, a pull of a download left unfinished said "finish it with `bitnet pull o/half`" (the command just
+    run, which cannot finish it offline), and a pull of a model not downloaded pointed at `bitnet run -m REPO`,
+    which sends the user back to `bitnet pull`. The line says offline, and the hint what works offline."""
+    d = write_hf_dir(SynthModel(small_config(), seed=8), str(tmp_path / "src"))
+    cache = str(tmp_path / "cache")
+    add_snapshot(cache, "o/half", COMMIT_A, {f: p for f, p in hf_files(d).items() if not f.endswith(".safetensors")})
+    env = env_for(hub, tmp_path, HF_HUB_CACHE=cache)
+    for ref in ("o/half", "o/absent"):
+        r = bitnet("pull", ref, env=env)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1 and f"pull {ref}: offline: HF_HUB_OFFLINE" in lines[0], r.stderr
+        hint = lines[0].split("(hint: ", 1)[1]
+        assert f"bitnet pull {ref}" not in hint and "bitnet run -m REPO" not in hint, r.stderr
+        assert "unset HF_HUB_OFFLINE" in hint and "local" in hint, r.stderr
+    assert "no *.safetensors" in bitnet("pull", "o/half", env=env).stderr   # what is wrong with the download
+    # `run` offline: the pull it suggests needs HF_HUB_OFFLINE unset first
+    r = bitnet("run", "-m", "o/absent", "-p", "x", env=env)
+    assert r.returncode == 2 and "unset HF_HUB_OFFLINE" in r.stderr and "bitnet pull o/absent" in r.stderr, r.stderr
+    # an unreachable hub: the hint is about the network, not the same command
+    r = bitnet("pull", "o/absent", env=env_for(hub, tmp_path, HF_HUB_CACHE=cache, HF_HUB_OFFLINE="0",
+                                              HF_ENDPOINT=f"http://127.0.0.1:{closed_port()}"))
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and "offline: cannot reach" in lines[0], r.stderr
+    hint = lines[0].split("(hint: ", 1)[1]
+    assert "bitnet run -m REPO" not in hint and "HF_HUB_OFFLINE" in hint and "local" in hint, r.stderr
+
+
 @pytest.mark.parametrize("ref", ["o/tiny-gguf\n", "o/tiny-gguf\r", "o/tiny-gguf:model-i2_s.gguf\n", "\to/tiny-gguf",
                                  "o/tiny-gguf@main\n", "o/tiny-\x1b[2Jgguf"])
 def test_a_hub_id_with_a_control_character_is_refused_in_one_line(hub, tmp_path, ref):

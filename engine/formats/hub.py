@@ -177,39 +177,53 @@ class NotDownloaded(BitNetError):
     """The hub id (or its quant tag) is not in the local cache: `bitnet pull` would fetch it."""
 
 
+class Unfinished(BitNetError):
+    """The hub id's download is in the cache, but not all of it (a pull cut short): `bitnet pull` would finish it."""
+
+
+def _pull_hint(do: str, ref: str, tail: str = "") -> str:
+    """"DO with `bitnet pull REF`"; with HF_HUB_OFFLINE set, that the pull needs it
+    unset first (offline, the pull cannot do what the hint says: it pointed back at the command just run)."""
+    from huggingface_hub import constants
+
+    hint = f"{do} with `bitnet pull {ref}`{tail}"
+    return f"unset HF_HUB_OFFLINE, then {hint}" if constants.HF_HUB_OFFLINE else hint
+
+
 def _not_cached(what: str, ref: str, repo: str) -> BitNetError:
     return NotDownloaded(f"{what}: no such file or directory here, and not downloaded into the "
                          f"Hugging Face cache ({hub_cache_dir()})",
-                         hint=f"download it with `bitnet pull {ref}` (or `huggingface-cli download {repo}`)")
+                         hint=_pull_hint("download it", ref, f" (or `huggingface-cli download {repo}`)"))
 
 
 def _model_in_snapshot(what: str, repo: str, snap: str) -> tuple[str, str | None]:
     """(path, file) of the model inside a snapshot folder: the folder itself (HF layout) or its .gguf file."""
     if os.path.isfile(os.path.join(snap, "config.json")):
         if not any(f.endswith(".safetensors") for f in os.listdir(snap)):
-            raise BitNetError(f"{what}: the download in {snap} has config.json but no *.safetensors",
-                              hint=f"finish it with `bitnet pull {repo}`")
+            raise Unfinished(f"{what}: the download in {snap} has config.json but no *.safetensors",
+                              hint=_pull_hint("finish it", repo))
         from .safetensors_io import INDEX, index_shards   # here: numpy only where an HF download is looked at
 
         if os.path.isfile(os.path.join(snap, INDEX)):
             shards = index_shards(snap)   # a broken index: the loader's own words, before any shard is looked for
             missing = [f for f in shards if not os.path.exists(os.path.join(snap, f))]
             if missing:
-                raise BitNetError(f"{what}: the download in {snap} lacks {len(missing)} of its {len(shards)} "
+                raise Unfinished(f"{what}: the download in {snap} lacks {len(missing)} of its {len(shards)} "
                                   f"weight files ({missing[0]}{', ...' if len(missing) > 1 else ''})",
-                                  hint=f"finish it with `bitnet pull {repo}`")
+                                  hint=_pull_hint("finish it", repo))
         return snap, None
     ggufs = sorted(os.path.relpath(os.path.join(d, f), snap) for d, _, fs in os.walk(snap)
                    for f in fs if f.endswith(".gguf"))
     gap = _split_gap(ggufs)
     if gap is not None:   # a download cut short: the engine would say so only after a tag and a file name were picked
-        raise _lacks_part(what, f" in the download in {snap}", gap, f"finish it with `bitnet pull {repo}`")
+        e = _lacks_part(what, f" in the download in {snap}", gap, _pull_hint("finish it", repo))
+        raise Unfinished(e.args[0], hint=e.hint)
     one = ggufs[0] if len(ggufs) == 1 else _one_split_set(ggufs)   # a split GGUF: its first part
     if one is not None:
         return os.path.join(snap, one), one
     if not ggufs:
-        raise BitNetError(f"{what}: the download in {snap} holds neither config.json nor a .gguf file",
-                          hint=f"download the model files with `bitnet pull {repo}`")
+        raise Unfinished(f"{what}: the download in {snap} holds neither config.json nor a .gguf file",
+                          hint=_pull_hint("download the model files", repo))
     how = "bitnet pull" if what.startswith("pull ") else "-m"
     raise BitNetError(f"{what}: {len(ggufs)} GGUF files in that download ({', '.join(ggufs)})",
                       hint=f"pick one by its tag ({_tags(ggufs)}): {how} {_first(repo, ggufs)}")
@@ -249,7 +263,7 @@ def resolve_hub_ref(ref: str, what: str | None = None) -> tuple[str, str]:
     if file:   # a quant tag: the file of that tag among those downloaded
         try:
             found = gguf_for_tag(what, repo, file, _snapshot_files(snap), " downloaded here",
-                                 hint=f"download it with `bitnet pull {ref}`")
+                                 hint=_pull_hint("download it", ref))
         except BitNetError as e:
             raise NotDownloaded(str(e.args[0]), hint=e.hint) from None
         return os.path.join(snap, found), _label(repo, found, snap)
@@ -526,16 +540,18 @@ def _pull(ref: str, progress: Callable[[dict], None] | None) -> str:
     if parsed is None:
         raise BitNetError(f"pull {ref}: not a Hugging Face hub id", hint="e.g. bitnet pull microsoft/bitnet-b1.58-2B-4T")
     repo, file, rev = parsed
-    from huggingface_hub import HfApi, hf_hub_download, snapshot_download
+    from huggingface_hub import HfApi, constants, hf_hub_download, snapshot_download
     from huggingface_hub.errors import (EntryNotFoundError, GatedRepoError, HfHubHTTPError, HFValidationError,
                                         LocalEntryNotFoundError, OfflineModeIsEnabled, RepositoryNotFoundError,
                                         RevisionNotFoundError)
 
     def offline(e, reason=None):
+        # what works offline, never this same pull (nor `run -m REPO`, which sends the user back to it)
+        local = "offline, `bitnet run -m` takes a local model file or folder, or a hub id already downloaded in full"
+        hint = f"{local}; unset HF_HUB_OFFLINE to download this one" if constants.HF_HUB_OFFLINE else \
+            f"{local} (HF_HUB_OFFLINE=1 skips the network); pull again once {constants.ENDPOINT} can be reached"
         return BitNetError(f"pull {ref}: offline: {reason or _offline_reason(e) or 'the hub cannot be reached'}",
-                           hint="models already downloaded still run: `bitnet list`, `bitnet run -m REPO`")
-
-    from huggingface_hub import constants
+                           hint=hint)
 
     reason = _offline_reason(OfflineModeIsEnabled()) if constants.HF_HUB_OFFLINE else _unreachable(constants.ENDPOINT)
     if reason:
@@ -543,6 +559,8 @@ def _pull(ref: str, progress: Callable[[dict], None] | None) -> str:
             return resolve_hub_ref(ref, what=f"pull {ref}")[0]
         except NotDownloaded:
             raise offline(None, reason) from None
+        except Unfinished as e:   # it said "finish it with `bitnet pull REPO`": this very pull, which cannot
+            raise offline(None, f"{reason}, and {e.args[0].removeprefix(f'pull {ref}: ')}") from None
 
     free, need = _free(hub_cache_dir()), [0]
     try:
