@@ -709,6 +709,28 @@ def test_offline_pull_of_an_unfinished_download_says_offline_and_what_works_offl
     assert "bitnet run -m REPO" not in hint and "HF_HUB_OFFLINE" in hint and "local" in hint, r.stderr
 
 
+def test_tags_that_differ_only_in_case_get_a_hint_that_picks_one(hub, tmp_path):
+    """Two GGUF files whose tags differ only in case (tags match in any case): the hint said `pick one: ...:I2_S`,
+    a tag that names both files, so following it was the next error. The hint names a file where a tag cannot."""
+    cache = str(tmp_path / "cache")
+    add_snapshot(cache, "o/two", COMMIT_A, {"a-i2_s.gguf": hub["gguf"], "b-I2_S.gguf": hub["gguf"]})
+    env = env_for(hub, tmp_path, HF_HUB_CACHE=cache)
+    r = bitnet("run", "-m", "o/two", "-p", "x", env=env)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and "I2_S" in lines[0] and "i2_s" in lines[0], r.stderr
+    suggested = lines[0].split("-m ")[-1].rstrip(")")
+    assert suggested == "o/two:a-i2_s.gguf", r.stderr
+    assert run_text(suggested, env) == greedy(hub["gguf"])
+    # online, before anything is downloaded: the same
+    fake = FakeHub("o/two", {"a-i2_s.gguf": b"x", "b-I2_S.gguf": b"y", "c-TQ2_0.gguf": b"z"}, "d" * 40)
+    try:
+        r = bitnet("pull", "o/two", env=online_env(hub, tmp_path, fake))
+    finally:
+        fake.close()
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and "pick one: bitnet pull o/two:TQ2_0" in lines[0], r.stderr
+
+
 @pytest.mark.parametrize("ref", ["o/tiny-gguf\n", "o/tiny-gguf\r", "o/tiny-gguf:model-i2_s.gguf\n", "\to/tiny-gguf",
                                  "o/tiny-gguf@main\n", "o/tiny-\x1b[2Jgguf"])
 def test_a_hub_id_with_a_control_character_is_refused_in_one_line(hub, tmp_path, ref):

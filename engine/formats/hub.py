@@ -78,9 +78,13 @@ def _tags(ggufs: list[str]) -> str:
 
 
 def _first(repo: str, ggufs: list[str]) -> str:
-    """REPO:TAG of the first tag (by name), or REPO:FILE where no file has a tag, for a hint."""
-    tags = _tag_list(ggufs)
-    return f"{repo}:{tags[0] if tags else ggufs[0]}"
+    """REPO:TAG of the first tag (by name) that picks one model, for a hint; else REPO:FILE. Tags match in any
+    case, so a tag that two files hold in different cases (i2_s, I2_S) picks neither: the file is named."""
+    for tag in _tag_list(ggufs):
+        hits = [f for f in ggufs if (quant_tag(f) or "").lower() == tag.lower()]
+        if len(hits) == 1 or _one_split_set(hits) is not None:
+            return f"{repo}:{tag}"
+    return f"{repo}:{ggufs[0]}"
 
 
 def split_parts(file: str, files: list[str]) -> list[str]:
