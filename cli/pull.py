@@ -18,6 +18,7 @@ def add_arguments(p):
 
 
 def main(args) -> int:
+    import shlex
     import sys
 
     from ..engine.formats.hub import pull
@@ -45,6 +46,7 @@ def main(args) -> int:
 
     store = resolve_model(args.ref, lm_head=args.lm_head, progress=steps if args.json_progress else True)
     head = f" --lm-head {args.lm_head}" if args.lm_head else ""   # the conversion `run` must ask for to find it
-    print(f"bitnet: ready: bitnet run -m {args.ref}{head}", file=sys.stderr)
+    # quoted for a shell: a file name with a space was two words when pasted (another model, or none)
+    print(f"bitnet: ready: bitnet run -m {shlex.quote(args.ref)}{head}", file=sys.stderr)
     print(store)
     return 0

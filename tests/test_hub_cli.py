@@ -743,3 +743,24 @@ def test_a_hub_id_with_a_control_character_is_refused_in_one_line(hub, tmp_path,
         assert r.returncode == 2 and len(lines) == 1 and "Traceback" not in r.stderr, (args, r.stderr)
         assert "control character" in lines[0] and repr(ref) in lines[0], (args, r.stderr)
     assert parse_hub_ref(ref) is None
+
+
+def test_the_ready_hint_is_quoted_for_the_shell(hub, tmp_path):
+    """The line after a pull showed `bitnet run -m o/sp:sub dir/m ü-i2_s.gguf`, which a shell splits: pasted, it
+    ran another model or none. The name is quoted where it needs to be, and the line runs as printed."""
+    import shlex
+
+    cache = str(tmp_path / "cache")
+    name = "sub dir/m ü-i2_s.gguf"
+    add_snapshot(cache, "o/sp", COMMIT_A, {name: hub["gguf"]})
+    env = env_for(hub, tmp_path, HF_HUB_CACHE=cache)
+    r = bitnet("pull", f"o/sp:{name}", env=env)
+    assert r.returncode == 0, r.stderr
+    (line,) = [ln for ln in r.stderr.splitlines() if "ready: " in ln]
+    command = line.split("ready: ", 1)[1]
+    assert command == f"bitnet run -m 'o/sp:{name}'", line
+    argv = shlex.split(command)
+    assert argv[:3] == ["bitnet", "run", "-m"] and argv[3] == f"o/sp:{name}"
+    assert run_text(argv[3], env) == greedy(hub["gguf"])
+    r = bitnet("pull", "o/tiny-gguf", "--lm-head", "f16", env=env_for(hub, tmp_path))   # a plain name stays plain
+    assert r.returncode == 0 and "ready: bitnet run -m o/tiny-gguf --lm-head f16" in r.stderr, r.stderr

@@ -17,6 +17,7 @@ import contextlib
 import fnmatch
 import os
 import re
+import shlex
 import time
 from typing import Callable
 
@@ -186,18 +187,18 @@ class Unfinished(BitNetError):
 
 
 def _pull_hint(do: str, ref: str, tail: str = "") -> str:
-    """"DO with `bitnet pull REF`"; with HF_HUB_OFFLINE set, that the pull needs it
+    """"DO with `bitnet pull REF`", the name quoted for a shell; with HF_HUB_OFFLINE set, that the pull needs it
     unset first (offline, the pull cannot do what the hint says: it pointed back at the command just run)."""
     from huggingface_hub import constants
 
-    hint = f"{do} with `bitnet pull {ref}`{tail}"
+    hint = f"{do} with `bitnet pull {shlex.quote(ref)}`{tail}"
     return f"unset HF_HUB_OFFLINE, then {hint}" if constants.HF_HUB_OFFLINE else hint
 
 
 def _not_cached(what: str, ref: str, repo: str) -> BitNetError:
     return NotDownloaded(f"{what}: no such file or directory here, and not downloaded into the "
                          f"Hugging Face cache ({hub_cache_dir()})",
-                         hint=_pull_hint("download it", ref, f" (or `huggingface-cli download {repo}`)"))
+                         hint=_pull_hint("download it", ref, f" (or `huggingface-cli download {shlex.quote(repo)}`)"))
 
 
 def _model_in_snapshot(what: str, repo: str, snap: str) -> tuple[str, str | None]:
@@ -230,7 +231,7 @@ def _model_in_snapshot(what: str, repo: str, snap: str) -> tuple[str, str | None
                           hint=_pull_hint("download the model files", repo))
     how = "bitnet pull" if what.startswith("pull ") else "-m"
     raise BitNetError(f"{what}: {len(ggufs)} GGUF files in that download ({', '.join(ggufs)})",
-                      hint=f"pick one by its tag ({_tags(ggufs)}): {how} {_first(repo, ggufs)}")
+                      hint=f"pick one by its tag ({_tags(ggufs)}): {how} {shlex.quote(_first(repo, ggufs))}")
 
 
 def _snapshot_files(snap: str) -> list[str]:
@@ -361,7 +362,7 @@ def _file_to_pull(ref: str, repo: str, tag: str | None, files: list[str]) -> str
     if not ggufs:
         raise BitNetError(f"pull {ref}: {repo} holds neither config.json nor a .gguf file")
     raise BitNetError(f"pull {ref}: {repo} holds {len(ggufs)} GGUF files (tags: {_tags(ggufs)})",
-                      hint=f"pick one: bitnet pull {_first(repo, ggufs)}")
+                      hint=f"pick one: bitnet pull {shlex.quote(_first(repo, ggufs))}")
 
 
 class _NullFile:
