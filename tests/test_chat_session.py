@@ -890,8 +890,20 @@ def test_ctrl_c_during_a_load_keeps_the_current_conversation(llm, tmp_path, monk
     _long_conversation(path, 400)
     s, sink = new_session(llm)
     s.ask("Still here?")
-    tok = llm.tokenizer
-    calls = []
+    calls = _ctrl_c_at_the_first_encode(llm, monkeypatch)
+    try:
+        with pytest.raises(CommandError, match=r"/load .*long.json: interrupted; the current conversation is kept"):
+            s.run_command(parse_command(f"/load {path}"))
+    except KeyboardInterrupt:
+        pytest.fail("the Ctrl-C was a KeyboardInterrupt once the whole conversation was tokenized")
+    assert len(calls) <= 2   # stopped within the turn it came in
+    assert [t.user for t in s.conv.turns] == ["Still here?"]
+
+
+def _ctrl_c_at_the_first_encode(llm, monkeypatch) -> list:
+    """A Ctrl-C (SIGINT to this process) as the tokenizer's first encode() of what follows begins, as a user's
+    comes while a /load tokenizes; the texts encoded are listed in the list returned."""
+    tok, calls = llm.tokenizer, []
     real = tok.encode
 
     def encode(text, **kw):
@@ -900,13 +912,7 @@ def test_ctrl_c_during_a_load_keeps_the_current_conversation(llm, tmp_path, monk
             os.kill(os.getpid(), signal.SIGINT)
         return real(text, **kw)
     monkeypatch.setattr(tok, "encode", encode)
-    try:
-        with pytest.raises(CommandError, match=r"/load .*long.json: interrupted; the current conversation is kept"):
-            s.run_command(parse_command(f"/load {path}"))
-    except KeyboardInterrupt:
-        pytest.fail("the Ctrl-C was a KeyboardInterrupt once the whole conversation was tokenized")
-    assert len(calls) <= 2   # stopped within the turn it came in
-    assert [t.user for t in s.conv.turns] == ["Still here?"]
+    return calls
 
 
 def _one_huge_turn(path):
@@ -922,16 +928,7 @@ def test_ctrl_c_during_the_load_of_one_huge_turn_keeps_the_current_conversation(
     _one_huge_turn(path)
     s, sink = new_session(llm)
     s.ask("Still here?")
-    tok = llm.tokenizer
-    real = tok.encode
-    calls = []
-
-    def encode(text, **kw):
-        calls.append(text)
-        if len(calls) == 1:
-            os.kill(os.getpid(), signal.SIGINT)
-        return real(text, **kw)
-    monkeypatch.setattr(tok, "encode", encode)
+    calls = _ctrl_c_at_the_first_encode(llm, monkeypatch)
     try:
         with pytest.raises(CommandError, match=r"/load .*huge.json: interrupted; the current conversation is kept"):
             s.run_command(parse_command(f"/load {path}"))

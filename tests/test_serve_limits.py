@@ -323,6 +323,31 @@ def test_slow_body_408_and_connection_cap_503():
         assert s.stop()[0] == 0
 
 
+def _serve_at_nofile(limit: int, *flags: str):
+    """`bitnet serve -t 1 FLAGS` on a free port under an open-files limit (`ulimit -n LIMIT`), its stderr piped:
+    (the process, its URL, its port)."""
+    import os
+    import resource
+    import subprocess
+    import sys
+
+    from serve_proc import ROOT, free_port
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "bitnet_cpu", "serve", "-t", "1", "--port", str(port), *flags],
+                            cwd=ROOT, env=dict(os.environ, PYTHONPATH=pythonpath()), stderr=subprocess.PIPE,
+                            text=True, preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit)))
+    return proc, f"http://127.0.0.1:{port}", port
+
+
+def _close(socks: list, proc) -> None:
+    """A test's end: its sockets closed, and its server killed if it is still running."""
+    for c in socks:
+        c.close()
+    if proc.poll() is None:
+        proc.kill()
+        proc.communicate()
+
+
 def _answers(socks: list, until_open: int, timeout: float) -> tuple[dict, list]:
     """What each silent socket was sent before its connection ended ({index: bytes}; b"" for a reset or an end
     with nothing said), read until at most `until_open` of them are still open or `timeout` s have passed; and
@@ -381,21 +406,11 @@ def test_a_flood_of_silent_connections_at_the_open_files_limit_is_answered_not_r
     without an answer or a log line until they timed out. Now each is answered in JSON with Retry-After: the
     cap's 503 too_many_connections, or, where the process is out of descriptors, 503 out_of_resources through a
     descriptor kept in reserve, with a line in the log; a real client gets in meanwhile."""
-    import os
-    import resource
-    import subprocess
-    import sys
 
     from bitnet_cpu.cli.serve import FILES_RESERVE
     from helpers import slowness
-    from serve_proc import ROOT, free_port, wait_healthy
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen([sys.executable, "-m", "bitnet_cpu", "serve", "-t", "1", "-c", "256", "--port", str(port),
-                             "--header-timeout", "600"],
-                            cwd=ROOT, env=dict(os.environ, PYTHONPATH=pythonpath()),
-                            stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (40, 40)))
+    from serve_proc import wait_healthy
+    proc, url, port = _serve_at_nofile(40, "-c", "256", "--header-timeout", "600")
     socks = []
     try:
         assert wait_healthy(url, 60 * slowness(), proc)
@@ -469,11 +484,7 @@ def test_an_accept_that_runs_out_of_descriptors_retries_once_and_not_after_the_l
             time.sleep(0.01)
         out, err = proc.communicate(timeout=60)
     finally:
-        for c in socks:
-            c.close()
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+        _close(socks, proc)
     assert proc.returncode == 0, err[-2000:]
     assert int(out.split()[-1]) <= 1, out   # one retry at a time, not one per accept tried
     assert "Traceback" not in err and "Invalid file descriptor" not in err, err[-2000:]
@@ -485,22 +496,13 @@ def test_sigterm_after_a_flood_at_the_open_files_limit_exits_0_without_traceback
     """`ulimit -n 64`, a stream in flight and a flood of silent connections, then SIGTERM: the drain kept the loop
     running while asyncio's thousands of accept retries fired on the closed listener, each logged with its
     traceback. The process now exits 0 with a quiet log, the stream whole."""
-    import os
     import re
-    import resource
     import signal
-    import subprocess
-    import sys
 
     from helpers import slowness
-    from serve_proc import ROOT, free_port, wait_healthy
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen([sys.executable, "-m", "bitnet_cpu", "serve", "-m", slow_model(tmp_path_factory), "-c",
-                             "4096", "--parallel", "2", "-t", "1", "--port", str(port), "--header-timeout", "600"],
-                            cwd=ROOT, env=dict(os.environ, PYTHONPATH=pythonpath()),
-                            stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64)))
+    from serve_proc import wait_healthy
+    proc, url, port = _serve_at_nofile(64, "-m", slow_model(tmp_path_factory), "-c", "4096", "--parallel", "2",
+                                       "--header-timeout", "600")
     socks, got = [], {}
 
     def stream():
@@ -529,11 +531,7 @@ def test_sigterm_after_a_flood_at_the_open_files_limit_exits_0_without_traceback
         _, err = proc.communicate(timeout=90)
         t.join(60)
     finally:
-        for c in socks:
-            c.close()
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+        _close(socks, proc)
     assert proc.returncode == 0, err[-2000:]
     assert "Traceback" not in err and "Invalid file descriptor" not in err, err[-3000:]
     assert got.get("last") == ["data: [DONE]"], got
@@ -544,21 +542,11 @@ def test_the_out_of_descriptors_log_counts_every_connection_it_answered():
     """The log's "answered K with 503 out_of_resources" left out what was answered less than a second after its
     last line when no later burst came: 245 refused, the log said 192. What is left is said a second after, or
     when the server stops, so the lines add up to what the clients got."""
-    import os
     import re
-    import resource
-    import subprocess
-    import sys
 
     from helpers import slowness
-    from serve_proc import ROOT, free_port, wait_healthy
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen([sys.executable, "-m", "bitnet_cpu", "serve", "-t", "1", "-c", "256", "--port", str(port),
-                             "--header-timeout", "600"],
-                            cwd=ROOT, env=dict(os.environ, PYTHONPATH=pythonpath()),
-                            stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64)))
+    from serve_proc import wait_healthy
+    proc, url, port = _serve_at_nofile(64, "-c", "256", "--header-timeout", "600")
     socks = []
     try:
         assert wait_healthy(url, 60 * slowness(), proc)
@@ -1181,20 +1169,11 @@ def test_max_connections_is_capped_to_the_open_files_limit():
     short, caps the connections with one warning naming both numbers: every connection past the cap gets the
     documented 503 + Retry-After, none is reset (too_many_connections; out_of_resources, with its log line, for
     those that came in a burst past the descriptors left, before the cap's own count could refuse them)."""
-    import os
-    import resource
-    import subprocess
-    import sys
 
-    from serve_proc import ROOT, free_port, wait_healthy
+    from serve_proc import wait_healthy
     from helpers import slowness
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen([sys.executable, "-m", "bitnet_cpu", "serve", "-t", "1", "-c", "256", "--port", str(port),
-                             "--keep-alive-timeout", "600"],   # the first connections stay while the rest come
-                            cwd=ROOT, env=dict(os.environ, PYTHONPATH=pythonpath()),
-                            stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64)))
+    # --keep-alive-timeout: the first connections stay while the rest come
+    proc, url, port = _serve_at_nofile(64, "-c", "256", "--keep-alive-timeout", "600")
     answers = []
     try:
         assert wait_healthy(url, 60 * slowness(), proc)
