@@ -38,9 +38,10 @@ def main(args) -> int:
     if not os.path.exists(args.src):
         from ..engine.formats.hub import control_character, is_hub_ref, resolve_hub_ref
 
-        if control_character(args.src):   # `$'o/r\n'` was converted as the hub id o/r
+        bad = control_character(args.src)
+        if bad:   # `$'o/r\n'` was converted as the hub id o/r
             raise BitNetError(f"{args.src!r}: no such file or directory, nor a hub id: it holds a control character "
-                              f"({control_character(args.src)})", hint="check how the name was quoted or pasted")
+                              f"({bad})", hint="check how the name was quoted or pasted")
         if is_hub_ref(args.src):   # a hub id already downloaded: convert that download (into the cwd by default)
             args.src, source_name = resolve_hub_ref(args.src)
             stem = source_name.split("@")[0].replace("/", "--").replace(":", "--").removesuffix(".gguf")

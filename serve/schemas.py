@@ -100,6 +100,7 @@ def request_seed(value, name: str = "seed"):
         raise ValueError(f"{name} {value}: {SEED_RULE}")
     return None if value == -1 else value % (1 << 64)
 
+
 def overflow_message(e, what: str = "messages") -> str:
     """A ContextOverflowError as an API's message: OpenAI's sentence first where the counts are known ("This
     model's maximum context length is N tokens. However, your messages resulted in M tokens"), the wording clients
@@ -457,6 +458,8 @@ def off_refusal(name: str, value, off) -> str:
     why = OFF_WHY.get(name.removeprefix("options."))
     return (f"{name} {json_text(value)}: not supported (only {json.dumps(off)}{' or []' if off is None else ''}, off"
             f"{': ' + why if why else ''})")
+
+
 LAZY = ("grammar_lazy", "grammar_triggers")   # refused when set (true, non-empty)
 
 

@@ -538,10 +538,10 @@ def pull(ref: str, progress: Callable[[dict], None] | None = None) -> str:
 
 
 def _pull(ref: str, progress: Callable[[dict], None] | None) -> str:
-    parsed = parse_hub_ref(ref)
-    if parsed is None and control_character(ref):
-        raise BitNetError(f"pull {ref!r}: not a Hugging Face hub id: it holds a control character "
-                          f"({control_character(ref)})", hint="check how the name was quoted or pasted")
+    parsed, bad = parse_hub_ref(ref), control_character(ref)
+    if bad:
+        raise BitNetError(f"pull {ref!r}: not a Hugging Face hub id: it holds a control character ({bad})",
+                          hint="check how the name was quoted or pasted")
     if parsed is None:
         raise BitNetError(f"pull {ref}: not a Hugging Face hub id", hint="e.g. bitnet pull microsoft/bitnet-b1.58-2B-4T")
     repo, file, rev = parsed
