@@ -69,6 +69,32 @@ static void check_norms(int m, int d) {
 }
 
 
+/* the rows of a norm split over the pool (run_rows: from 14 rows of 2,560 on 16 threads, 26 on 2) give the bytes
+ * the caller alone gives; the machine's own vector path */
+static void check_norm_threads(int m, int d) {
+    const int k_pad = (d + 63) / 64 * 64, nts[] = {1, 2, 16};
+    const size_t md = (size_t)m * d;
+    float *x0 = malloc(4 * md), *delta = malloc(4 * md), *w = malloc(4 * (size_t)d), *x[3], *h[3], sc[3][64];
+    int8_t *q[3];
+    int32_t sm[3][64];
+    for (size_t i = 0; i < md; i++) x0[i] = frnd(9.0f), delta[i] = frnd(1.5f);
+    for (int i = 0; i < d; i++) w[i] = 0.25f + (rnd() % 1000) / 500.0f;
+    for (int t = 0; t < 3; t++) {
+        x[t] = malloc(4 * md), h[t] = malloc(4 * md), q[t] = malloc((size_t)m * k_pad);
+        memcpy(x[t], x0, 4 * md);
+        bk_set_num_threads(nts[t]);
+        ops_add_rmsnorm_quant(x[t], delta, w, m, d, 1e-5f, h[t], q[t], k_pad, sc[t], sm[t]);
+        ops_add_rmsnorm(x[t], delta, w, m, d, 1e-6f, h[t]);
+        CHECK(t == 0 || (!memcmp(x[0], x[t], 4 * md) && !memcmp(h[0], h[t], 4 * md) &&
+                         !memcmp(q[0], q[t], (size_t)m * k_pad) && !memcmp(sc[0], sc[t], 4 * (size_t)m) &&
+                         !memcmp(sm[0], sm[t], 4 * (size_t)m)),
+              "norms on %d threads differ from one, m %d d %d", nts[t], m, d);
+    }
+    bk_set_num_threads(0);
+    for (int t = 0; t < 3; t++) free(x[t]), free(h[t]), free(q[t]);
+    free(x0), free(delta), free(w);
+}
+
 /* silu(g) * u: the gate alone (no norm, no quantization), then fused with the norm and the quantization */
 static void check_silu(int m, int inter, int edges) {
     const size_t n = (size_t)m * 2 * inter;
@@ -206,6 +232,9 @@ int main(void) {
     CHECK(n_paths >= 2, "no vector path to compare with scalar");
     static const int norm_shapes[][2] = {{1, 64}, {3, 2560}, {5, 37}, {16, 200}, {2, 8}, {1, 15}};
     for (unsigned s = 0; s < sizeof norm_shapes / sizeof norm_shapes[0]; s++) check_norms(norm_shapes[s][0], norm_shapes[s][1]);
+    static const int thread_shapes[][2] = {{8, 2560}, {14, 2560}, {16, 2560}, {26, 2560}, {64, 2560}, {40, 300}};
+    for (unsigned s = 0; s < sizeof thread_shapes / sizeof thread_shapes[0]; s++)
+        check_norm_threads(thread_shapes[s][0], thread_shapes[s][1]);
     static const int silu_shapes[][2] = {{1, 1}, {1, 3}, {2, 4}, {1, 7}, {3, 8}, {2, 9}, {1, 31}, {2, 37}, {3, 300}, {1, 6912}};
     for (unsigned s = 0; s < sizeof silu_shapes / sizeof silu_shapes[0]; s++)
         for (int edges = 0; edges < 2; edges++) check_silu(silu_shapes[s][0], silu_shapes[s][1], edges);

@@ -270,14 +270,19 @@ static inline float inv_rms(const float *x, int n, float eps) {
     return 1.0f / sqrtf(mean + eps);
 }
 
-/* Rows are independent: prefill chunks and batches of 26+ rows (2B-4T width) spread them over the pool; a decode
- * row, or the 16 rows of a batched decode step (~20 us of work), stay on the caller: a hand-off costs as much as
- * it saves. add_rmsnorm_quant, d = 2560, 2 threads, 2-core Zen 5, us per call, the caller alone -> the pool:
- * 16 rows 18-20 -> 19-34 (pool from 4 rows), 32 rows 35 -> 28-32, 64 rows 65-68 -> 43-44 (the bound was 1 << 18,
- * 103 rows, before 2026-11-30). */
+/* Rows are independent: prefill chunks and batches spread them over the pool once the work the hand-off takes off
+ * the caller, m * row_work * (nt - 1) / nt, passes what the hand-off costs, 2^15 row-elements: on 2 threads that
+ * is 26+ rows of 2,560 (2B-4T width) as measured below; a decode row, or the 16 rows of a 2-thread batched decode
+ * step (~20 us of work), stay on the caller. add_rmsnorm_quant, d = 2560, 2 threads, 2-core Zen 5, us per call,
+ * the caller alone -> the pool: 16 rows 18-20 -> 19-34 (pool from 4 rows), 32 rows 35 -> 28-32, 64 rows 65-68 ->
+ * 43-44 (the bound was 1 << 18, 103 rows, before 2026-11-30). On 16 threads the same cost takes 16 rows of 2,560
+ * (the bound, 34,953 row-elements, is 13.7 rows): there lease 4 measured them on the caller at 2.9 ms of an
+ * 18.6 ms batched step (16 sequences, Xeon with AMX), while glu_rmsnorm_quant's 16 rows of 6,912, 2.7 times the
+ * data, took 0.75 ms on the pool (bench/TILES_RESULTS.md). */
 static void run_rows(int m, int64_t row_work, bk_range_fn fn, void *ctx) {
-    if (m >= 8 && (int64_t)m * row_work >= (1 << 16))
-        bk_parallel_for(m, 1, bk_get_num_threads(), fn, ctx);
+    const int nt = bk_get_num_threads();
+    if (m >= 8 && nt > 1 && (int64_t)m * row_work * (nt - 1) >= ((int64_t)nt << 15))
+        bk_parallel_for(m, 1, nt, fn, ctx);
     else
         fn(ctx, 0, m);
 }
