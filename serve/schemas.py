@@ -969,9 +969,15 @@ class CompletionRequest(_Sampling):
     tool_choice: Optional[Any] = None
     parallel_tool_calls: Optional[Any] = None
     top_logprobs: Optional[Any] = None        # the chat endpoint's field: refused, not dropped in silence
+    max_completion_tokens: Optional[int] = Field(default=None, ge=0)   # the newer name, honoured as on chat
+    metadata: Optional[Metadata] = None        # taken, not used (checked as OpenAI checks them, as on chat)
+    service_tier: Optional[ServiceTier] = None
 
     def limit(self) -> Optional[int]:
-        return self.max_tokens if self.max_tokens is not None else self.predict_limit(16)   # OpenAI's default: 16
+        """As chat's (and vLLM's): max_completion_tokens over max_tokens, then n_predict, then OpenAI's 16."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens if self.max_tokens is not None else self.predict_limit(16)
 
     def record_logprobs(self):
         return self.logprobs
