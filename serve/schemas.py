@@ -1,9 +1,10 @@
 """Request bodies of the OpenAI-compatible endpoints, as pydantic models.
 
 Field names and defaults follow OpenAI's API; llama.cpp's extras that clients send (`top_k`, `min_p`,
-`repeat_penalty`, `ignore_eos`) are accepted too. Unknown fields are ignored (clients send many); the ones
-ignored by design are listed in docs/api.md. Values the engine cannot honour are rejected by `unsupported()`
-with the parameter named, so the client gets a clear 400 instead of a silently different answer.
+`repeat_penalty`, `ignore_eos`) are accepted too. Unknown top-level fields are ignored (clients send many); the
+ones ignored by design are listed in docs/api.md. A sibling endpoint's field, or an unknown key inside OpenAI's own
+objects (stream_options, response_format), is a 400 naming it. Values the engine cannot honour are rejected by
+`unsupported()` with the parameter named, so the client gets a clear 400 instead of a silently different answer.
 """
 from __future__ import annotations
 
@@ -73,6 +74,25 @@ REFUSED = {
 # were ignored, even tool_choice "required"
 TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls", "functions", "function_call")
 TOOLS_ELSEWHERE = "only /v1/chat/completions (and /v1/responses, /v1/messages, /api/chat) take tools"
+
+
+# the /v1/completions fields a chat request may send: taken at their "off" values (they ask for nothing), else a
+# 400 saying where they belong (they were dropped in silence: echo true echoed nothing)
+COMPLETIONS_ONLY = {
+    "echo": (None, False),
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+}
+
+
+def sibling_refused(body, fields: dict, where: str) -> tuple[str, str] | None:
+    """(param, message) for the first of `fields` (name: its "off" values) that a request sets to another value:
+    a field of the sibling endpoint `where`."""
+    for name, off in fields.items():
+        value = getattr(body, name)
+        if not any(value is x or (type(value) is type(x) and value == x) for x in off):
+            return name, f"{name}: a {where} field, not taken here"
+    return None
 
 
 def tools_refused(body) -> tuple[str, str] | None:
@@ -386,7 +406,20 @@ ServiceTier = Literal["auto", "default", "flex", "scale", "priority"]
 
 
 class StreamOptions(JSONTyped):
+    """OpenAI's stream_options; any other key is a 400 naming its path (stream_options.foo): no client's extension
+    lives there but vLLM's continuous_usage_stats, which is taken when false."""
+    model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+    include_obfuscation: Optional[bool] = None   # taken either way: no chunk is padded here (nothing to hide)
+    continuous_usage_stats: Optional[bool] = None   # vLLM's usage in every chunk: not done here
+
+    @field_validator("continuous_usage_stats")
+    @classmethod
+    def _no_usage_per_chunk(cls, value):
+        if value:
+            raise PydanticCustomError("unsupported", "vLLM's usage in every chunk is not given here "
+                                      "(include_usage gives it in a final chunk)")
+        return value
 
 
 def _schema_given(value):
@@ -406,8 +439,8 @@ JSONSchemaValue = Annotated[Union[StrictBool, dict[str, Any]], BeforeValidator(_
 
 class JSONSchemaFormat(BaseModel):
     """OpenAI's response_format.json_schema: {name, description, schema, strict}. The schema is enforced
-    whatever `strict` says (a constrained decoder has no cheaper mode)."""
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    whatever `strict` says (a constrained decoder has no cheaper mode). Any other key is a 400 naming its path."""
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
     name: Optional[str] = None
     description: Optional[str] = None
     schema_: Optional[JSONSchemaValue] = Field(default=None, alias="schema")
@@ -415,8 +448,9 @@ class JSONSchemaFormat(BaseModel):
 
 
 class ResponseFormat(BaseModel):
-    """OpenAI's `response_format`; llama-server's {"type": "json_object", "schema": {...}} form too."""
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    """OpenAI's `response_format`; llama-server's {"type": "json_object", "schema": {...}} form too. Any other key
+    is a 400 naming its path (response_format.foo), as no client's extension lives there."""
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
     type: Literal["text", "json_object", "json_schema"]
     json_schema: Optional[JSONSchemaFormat] = None
     schema_: Optional[JSONSchemaValue] = Field(default=None, alias="schema")
@@ -912,6 +946,18 @@ class ChatCompletionRequest(ToolMessages, _Sampling):
     parallel_tool_calls: Optional[bool] = None
     metadata: Optional[Metadata] = None        # taken, not used (checked as OpenAI checks them)
     service_tier: Optional[ServiceTier] = None
+    echo: Any = None      # /v1/completions' fields (COMPLETIONS_ONLY): read, so they are not dropped in silence
+    best_of: Any = None
+    suffix: Any = None
+
+    @field_validator("logprobs", mode="before")
+    @classmethod
+    def _logprobs_flag(cls, value):
+        """An integer logprobs is /v1/completions' count of alternatives: said so, with chat's way to ask."""
+        if isinstance(value, int) and not isinstance(value, bool):
+            raise PydanticCustomError("json_type", f"expected true or false, got {value} (an integer is "
+                                      f"/v1/completions' logprobs; here send logprobs: true, top_logprobs: {value})")
+        return value
 
     def record_logprobs(self):
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -931,6 +977,8 @@ class ChatCompletionRequest(ToolMessages, _Sampling):
         if self.top_logprobs and not self.logprobs:   # ollama's /api/chat rule too; the harmless 0 is taken
             return "top_logprobs", f"top_logprobs {self.top_logprobs} needs logprobs: true"
         if bad := self.stream_options_alone():
+            return bad
+        if bad := sibling_refused(self, COMPLETIONS_ONLY, "/v1/completions"):
             return bad
         for i, m in enumerate(self.messages):
             j = m.other_part()
@@ -969,6 +1017,7 @@ class CompletionRequest(_Sampling):
     tool_choice: Optional[Any] = None
     parallel_tool_calls: Optional[Any] = None
     top_logprobs: Optional[Any] = None        # the chat endpoint's field: refused, not dropped in silence
+    messages: Optional[Any] = None            # the chat endpoint's: refused, not dropped in silence (the prompt ran)
     max_completion_tokens: Optional[int] = Field(default=None, ge=0)   # the newer name, honoured as on chat
     metadata: Optional[Metadata] = None        # taken, not used (checked as OpenAI checks them, as on chat)
     service_tier: Optional[ServiceTier] = None
@@ -985,6 +1034,8 @@ class CompletionRequest(_Sampling):
     def unsupported(self):
         if bad := tools_refused(self):
             return bad
+        if self.messages is not None:
+            return "messages", "messages: a /v1/chat/completions field, not taken here (/v1/completions takes prompt)"
         if self.top_logprobs is not None:
             return "top_logprobs", ("top_logprobs: the chat endpoint's field; on /v1/completions ask for logprobs "
                                     "(0..5)")

@@ -72,3 +72,80 @@ def test_good_metadata_and_service_tier_are_taken_on_both(server, path, body):
     _ok(_post(server, path, {**body, "metadata": {"a": "b"}, "service_tier": "auto"}))
 
 
+# -- a sibling endpoint's fields: a 400 saying where they belong -------------------------------------------------------
+@pytest.mark.parametrize("extra, param", [
+    ({"echo": True}, "echo"),
+    ({"best_of": 5}, "best_of"),
+    ({"suffix": "x"}, "suffix"),
+])
+def test_completions_fields_on_chat_say_where_they_belong(server, extra, param):
+    for path in ("/v1/chat/completions", "/v1/chat/completions/input_tokens"):
+        e = _err(_post(server, path, {**CHAT, **extra}))
+        assert e["param"] == param and "/v1/completions" in e["message"], (path, e)
+
+
+def test_completions_fields_at_their_off_values_are_taken_on_chat(server):
+    """false, 1, "" and null ask for nothing: a client that sends its defaults everywhere keeps working."""
+    _ok(_post(server, "/v1/chat/completions", {**CHAT, "echo": False, "best_of": 1, "suffix": ""}))
+    _ok(_post(server, "/v1/chat/completions", {**CHAT, "echo": None, "best_of": None, "suffix": None}))
+
+
+def test_an_integer_logprobs_on_chat_points_to_top_logprobs(server):
+    e = _err(_post(server, "/v1/chat/completions", {**CHAT, "logprobs": 3}))
+    assert e["param"] == "logprobs" and "top_logprobs" in e["message"] and "/v1/completions" in e["message"], e
+
+
+def test_messages_on_completions_say_where_they_belong(server):
+    """The messages were dropped and the prompt alone ran."""
+    e = _err(_post(server, "/v1/completions", {**COMPLETION, "messages": Q}))
+    assert e["param"] == "messages" and "/v1/chat/completions" in e["message"], e
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/chat/completions/input_tokens"])
+def test_an_unknown_top_level_field_stays_ignored_on_chat(server, path):
+    """The documented policy: llama-server's and vLLM's clients send their own extension fields."""
+    _ok(_post(server, path, {**CHAT, "some_extension": {"x": 1}, "temprature": 0.1}))
+
+
+def test_an_unknown_top_level_field_stays_ignored_on_completions(server):
+    _ok(_post(server, "/v1/completions", {**COMPLETION, "some_extension": True}))
+
+
+# -- OpenAI's nested objects: an unknown key is a 400 naming its path ------------------------------------------------
+SCHEMA = {"type": "object"}
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA, "bogus": 1}}},
+     "response_format.json_schema.bogus"),
+    ({"response_format": {"type": "json_object", "bogus": 1}}, "response_format.bogus"),
+    ({"stream": True, "stream_options": {"include_usage": True, "bogus": 1}}, "stream_options.bogus"),
+    ({"stream": True, "stream_options": {"include_obfuscation": "yes"}}, "stream_options.include_obfuscation"),
+    # vLLM's usage in every chunk: not given here (false is taken)
+    ({"stream": True, "stream_options": {"continuous_usage_stats": True}}, "stream_options.continuous_usage_stats"),
+])
+def test_an_unknown_key_inside_openais_objects_is_a_400_naming_its_path(server, extra, param):
+    for path, body in (("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION),
+                       ("/v1/chat/completions/input_tokens", CHAT)):
+        e = _err(_post(server, path, {**body, **extra}))
+        assert e["param"] == param, (path, e)
+
+
+@pytest.mark.parametrize("obfuscation", [True, False])
+@pytest.mark.parametrize("path, body", [("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION)])
+def test_include_obfuscation_is_taken(server, path, body, obfuscation):
+    """OpenAI's stream_options.include_obfuscation: taken either way (nothing is padded here), as the usage chunk
+    the request also asks for shows."""
+    options = {"include_usage": True, "include_obfuscation": obfuscation}
+    with httpx.stream("POST", server.url + path, timeout=120, json={**body, "stream": True,
+                                                                     "stream_options": options}) as r:
+        assert r.status_code == 200, r.read()
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert chunks and chunks[-1]["usage"]["completion_tokens"] == 2, chunks
+    assert not any("obfuscation" in c for c in chunks), chunks
+
+
+def test_vllms_continuous_usage_stats_false_is_taken(server):
+    r = _post(server, "/v1/chat/completions", {**CHAT, "stream": True, "stream_options": {
+        "include_usage": True, "continuous_usage_stats": False}})
+    assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]"), r.text
