@@ -971,7 +971,10 @@ class ChatCompletionRequest(ToolMessages, _Sampling):
             if isinstance(fn, dict):
                 check_openai_name(fn.get("name"), f"tools[{i}].function.name")
         if self.response_format is not None and self.response_format.json_schema is not None:
-            check_openai_name(self.response_format.json_schema.name, "response_format.json_schema.name")
+            name, where = self.response_format.json_schema.name, "response_format.json_schema.name"
+            if name is None:   # OpenAI's 400 (and its words), as /v1/responses' text.format.name
+                raise RequestProblem(where, f"Missing required parameter: '{where}'.")
+            check_openai_name(name, where)
 
     def unsupported(self):
         if self.top_logprobs and not self.logprobs:   # ollama's /api/chat rule too; the harmless 0 is taken

@@ -149,3 +149,12 @@ def test_vllms_continuous_usage_stats_false_is_taken(server):
     r = _post(server, "/v1/chat/completions", {**CHAT, "stream": True, "stream_options": {
         "include_usage": True, "continuous_usage_stats": False}})
     assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]"), r.text
+
+
+# -- response_format.json_schema.name: required, as OpenAI and /v1/responses require it ------------------------------
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/chat/completions/input_tokens"])
+def test_a_chat_json_schema_needs_its_name(server, path):
+    e = _err(_post(server, path, {**CHAT, "response_format": {"type": "json_schema",
+                                                              "json_schema": {"schema": SCHEMA}}}))
+    assert e["param"] == "response_format.json_schema.name", e
+    assert e["message"] == "Missing required parameter: 'response_format.json_schema.name'.", e
