@@ -353,8 +353,8 @@ class MessagesRequest(_Conversation, _Sampling):
             params = replace(params, reasoning_budget=budget)
         return params
 
-    def stops(self) -> list[str]:
-        return [s for s in (self.stop_sequences or []) + super().stops() if s]
+    def stop_entries(self) -> list[str]:
+        return (self.stop_sequences or []) + super().stop_entries()
 
     def format_spec(self) -> Optional[dict]:
         fmt, where = (self.output_config or {}).get("format"), "output_config.format"

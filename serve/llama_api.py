@@ -75,6 +75,7 @@ class NativeCompletionRequest(_Sampling):
     MAX_TEMPERATURE: ClassVar[Optional[float]] = None
     MAX_STOPS: ClassVar[Optional[int]] = MANY_STOPS
     DRY_BASE_BELOW_1_IS_DEFAULT: ClassVar[bool] = True
+    EMPTY_STOP_SKIPPED: ClassVar[bool] = True   # as llama-server skips an empty stop word
     prompt: Union[str, list[Any]]
     max_tokens: Optional[int] = None   # n_predict's other name in llama-server (-1: to the context's end)
     return_tokens: bool = False

@@ -508,6 +508,9 @@ class _Sampling(JSONTyped):
     # llama-server's leniency, on its own /completion only: a dry_base below 1 is its default (elsewhere a 400, as
     # ollama's options give: the rule that no value is dropped in silence)
     DRY_BASE_BELOW_1_IS_DEFAULT: ClassVar[bool] = False
+    # an empty stop string: a 400 (as Anthropic's API refuses one), but skipped on llama-server's own /completion,
+    # as llama-server skips it there
+    EMPTY_STOP_SKIPPED: ClassVar[bool] = False
 
     model: Optional[str] = None
     stream: bool = False
@@ -717,11 +720,15 @@ class _Sampling(JSONTyped):
             return default
         return self.n_predict if self.n_predict >= 0 else None
 
-    def stops(self) -> list[str]:
+    def stop_entries(self) -> list[str]:
+        """The stop strings as the request sent them, empty ones included (what the limit counts)."""
         if self.stop is None:
             return []
-        s = [self.stop] if isinstance(self.stop, str) else list(self.stop)
-        return [x for x in s if x]
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def stops(self) -> list[str]:
+        """The stop strings the engine matches (an empty one matches nothing: skipped where it is taken)."""
+        return [x for x in self.stop_entries() if x]
 
     def stream_options_alone(self) -> tuple[str, str] | None:
         """OpenAI's 400 for stream_options on a request that does not stream (its chat and completions endpoints;
@@ -761,8 +768,12 @@ class _Sampling(JSONTyped):
             return "verbosity", f"verbosity {json_text(self.verbosity)}: only \"medium\" (the model's own length)"
         if self.modalities is not None and set(self.modalities) - {"text"}:
             return "modalities", "only the text modality is supported"
-        if self.MAX_STOPS is not None and len(self.stops()) > self.MAX_STOPS:   # Anthropic's: stop_sequences
-            return ("stop" if self.stop is not None else "stop_sequences"), f"at most {self.MAX_STOPS} stop sequences"
+        entries = self.stop_entries()   # Anthropic's: stop_sequences too
+        param = "stop" if self.stop is not None else "stop_sequences"
+        if self.MAX_STOPS is not None and len(entries) > self.MAX_STOPS:   # counted as sent, empty ones too
+            return param, f"at most {self.MAX_STOPS} stop sequences, got {len(entries)}"
+        if "" in entries and not self.EMPTY_STOP_SKIPPED:   # it was dropped in silence
+            return param, f"{param}: an empty stop string (each must be non-empty)"
         return None
 
 

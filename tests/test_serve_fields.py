@@ -158,3 +158,27 @@ def test_a_chat_json_schema_needs_its_name(server, path):
                                                               "json_schema": {"schema": SCHEMA}}}))
     assert e["param"] == "response_format.json_schema.name", e
     assert e["message"] == "Missing required parameter: 'response_format.json_schema.name'.", e
+
+
+# -- stop: counted as sent; an empty stop string is a 400 (llama-server's /completion drops it, as llama-server) ------
+STOP_PATHS = [("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION),
+              ("/v1/responses", {"input": "Hi", "max_output_tokens": 2})]
+
+
+@pytest.mark.parametrize("stop", [["a", "b", "c", "d", ""], [""] * 6, "", [""], ["a", ""]])
+@pytest.mark.parametrize("path, body", STOP_PATHS)
+def test_stop_entries_are_counted_as_sent_and_none_is_empty(server, path, body, stop):
+    e = _err(_post(server, path, {**body, "stop": stop}))
+    assert e["param"] == "stop", e
+
+
+@pytest.mark.parametrize("path, body", STOP_PATHS)
+def test_four_stop_strings_and_none_are_taken(server, path, body):
+    _ok(_post(server, path, {**body, "stop": ["a", "b", "c", "d"]}))
+    _ok(_post(server, path, {**body, "stop": []}))
+
+
+def test_llama_server_completion_still_drops_an_empty_stop(server):
+    """llama-server skips an empty stop word on its /completion; this server's /completion keeps doing so."""
+    r = _post(server, "/completion", {"prompt": "Once upon a time", "n_predict": 2, "stop": ["", "zzz"]})
+    assert r.status_code == 200, r.text
