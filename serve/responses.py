@@ -24,11 +24,17 @@ from typing_extensions import TypedDict
 from .schemas import (Metadata, RequestProblem, ServiceTier, _Sampling, boolean_or_none, check_openai_name, cut_json,
                       json_text, text_of_parts)
 
-# `include` values: what they ask for exists here (logprobs) or is vacuous (no reasoning, no built-in tools run)
+# `include` values: what they ask for exists here (logprobs) or is vacuous (no built-in tools run, no images are
+# taken: accepted, nothing to include)
 INCLUDE_LOGPROBS = "message.output_text.logprobs"
-INCLUDABLE = {INCLUDE_LOGPROBS, "reasoning.encrypted_content", "file_search_call.results",
-              "web_search_call.results", "web_search_call.action.sources", "message.input_image.image_url",
+INCLUDABLE = {INCLUDE_LOGPROBS, "file_search_call.results", "web_search_call.results",
+              "web_search_call.action.sources", "message.input_image.image_url",
               "computer_call_output.output.image_url", "code_interpreter_call.outputs"}
+# the one a client relies on: a stateless client (store false) carries reasoning across turns in it, and a
+# thinking template's reasoning items came back without it, with no sign the request was not honoured
+ENCRYPTED_REASONING = "reasoning.encrypted_content"
+ENCRYPTED_WHY = ("include \"reasoning.encrypted_content\": this server cannot produce encrypted reasoning (a "
+                 "reasoning item carries its text; send the earlier reasoning items back as they came)")
 # request fields that need state or machinery this server does not have: (field, why) when set
 REFUSED_STATE = {
     "previous_response_id": "responses are not stored here (store is false); send the whole conversation as input",
@@ -187,6 +193,8 @@ class ResponsesRequest(_Sampling):
         if verbosity not in (None, "medium"):
             return "text.verbosity", f"text.verbosity {json_text(verbosity)}: only \"medium\" (the model's own length)"
         for i, v in enumerate(self.include or ()):
+            if v == ENCRYPTED_REASONING:
+                return f"include[{i}]", ENCRYPTED_WHY
             if v not in INCLUDABLE:
                 return f"include[{i}]", f"include {json_text(v)}: unknown"
         if self.n != 1:
