@@ -373,6 +373,12 @@ class JSONTyped(BaseModel):
                 # parse input string as an integer, exceeded maximum size" of 1e30, a string the client never sent
                 raise PydanticCustomError("json_type", f"expected an integer within range, got {json_text(value)} "
                                           "(too large)")
+        if kind == "number" and isinstance(value, int) and not isinstance(value, bool) and not abs(value) < 2 ** 63 \
+                and info.field_name != "seed":   # the same bound as a JSON integer (a seed has its own: SEED_RULE)
+            annotation = cls.model_fields[info.field_name].annotation
+            if float not in (get_args(annotation) or (annotation,)):   # it ran a max_tokens of 1e23 to the end
+                raise PydanticCustomError("json_type", f"expected an integer within range, got {json_text(value)} "
+                                          "(too large)")
         if kind == "numbers" and isinstance(value, dict):
             for k, v in value.items():
                 if isinstance(v, (bool, str)) or not isinstance(v, (int, float)):
@@ -817,6 +823,16 @@ class ChatMessage(BaseModel):
     function_call: Optional[FunctionCall] = None    # OpenAI's deprecated form of one call: tool_calls' one call
     refusal: Optional[str] = None                   # an assistant's refusal (OpenAI's field): its text
 
+    @field_validator("content")
+    @classmethod
+    def _parts_given(cls, value, info: ValidationInfo):
+        """OpenAI's 400 for an empty array of parts (it was an empty turn); an assistant's may be empty, as null."""
+        role = info.data.get("role")
+        if isinstance(value, list) and not value and role not in (None, "assistant"):
+            raise PydanticCustomError("empty_content", f"an empty array: a {role} message needs at least one "
+                                      "content part (or a string)")
+        return value
+
     @model_validator(mode="after")
     def _content_given(self):
         for key in ("function_call", "refusal"):   # only an assistant's: said, never dropped in silence
@@ -853,6 +869,12 @@ class ChatMessage(BaseModel):
         if isinstance(self.content, str):
             return self.content
         return "".join((p.refusal if p.type == "refusal" else p.text) or "" for p in self.content)
+
+    def misplaced_refusal(self) -> Optional[int]:
+        """The index of a refusal part in a message that is not an assistant's (OpenAI's schema: only its), or None."""
+        if isinstance(self.content, list) and self.role != "assistant":
+            return next((j for j, p in enumerate(self.content) if p.type == "refusal"), None)
+        return None
 
     def other_part(self) -> Optional[int]:
         """The index of the first content part that is not text (an image, audio, a file), or None."""
@@ -999,6 +1021,10 @@ class ChatCompletionRequest(ToolMessages, _Sampling):
             if j is not None:
                 return (f"messages.{i}.content.{j}", part_refusal(f"messages.{i}.content.{j}", m.content[j].type,
                                                                    CHAT_TEXT_PARTS))
+            j = m.misplaced_refusal()
+            if j is not None:
+                return (f"messages.{i}.content.{j}", f"messages.{i}.content.{j}.type \"refusal\": only an assistant "
+                                                     f"message has refusal parts, not a {m.role} message")
         return super().unsupported()
 
     def tool_choice_name(self) -> str:

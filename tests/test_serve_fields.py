@@ -200,3 +200,57 @@ def test_encrypted_reasoning_cannot_be_included(server):
                                    "computer_call_output.output.image_url", "message.output_text.logprobs"])
 def test_includes_with_nothing_to_include_are_taken(server, value):
     _ok(_post(server, "/v1/responses", {**RESPONSE, "include": [value]}))
+
+
+# -- huge integers, empty content, a refusal part where none can be --------------------------------------------------
+HUGE = 99999999999999999999999
+
+
+@pytest.mark.parametrize("path, body, field", [
+    ("/v1/chat/completions", {"messages": Q}, "max_tokens"),
+    ("/v1/chat/completions", {"messages": Q}, "max_completion_tokens"),
+    ("/v1/chat/completions", {"messages": Q}, "n_predict"),
+    ("/v1/completions", {"prompt": "x"}, "max_tokens"),
+    ("/v1/completions", {"prompt": "x"}, "max_completion_tokens"),
+    ("/v1/responses", {"input": "x"}, "max_output_tokens"),
+    ("/completion", {"prompt": "x"}, "n_predict"),
+])
+def test_a_huge_integer_length_is_the_huge_floats_400(server, path, body, field):
+    """1e20 was refused "too large" while the same size as a JSON integer ran to the context's end."""
+    r_float = _post(server, path, {**body, field: 1e20})
+    r_int = _post(server, path, {**body, field: HUGE})
+    assert r_float.status_code == r_int.status_code == 400, (r_float.text, r_int.text)
+    if path != "/completion":   # (llama-server's error shape has no param)
+        assert r_float.json()["error"]["param"] == r_int.json()["error"]["param"] == field
+    assert "too large" in r_float.text and "too large" in r_int.text, r_int.text
+
+
+def test_a_seed_keeps_its_own_range(server):
+    """A seed is taken up to 2^64 - 1 (the unsigned one): the bound of the other integers is not its."""
+    _ok(_post(server, "/v1/chat/completions", {**CHAT, "seed": (1 << 64) - 1}))
+    assert _err(_post(server, "/v1/chat/completions", {**CHAT, "seed": 1 << 64}))["param"] == "seed"
+
+
+@pytest.mark.parametrize("role", ["user", "system", "developer"])
+def test_an_empty_content_array_is_a_400(server, role):
+    msgs = [{"role": role, "content": []}] + ([] if role == "user" else Q)
+    for path in ("/v1/chat/completions", "/v1/chat/completions/input_tokens"):
+        e = _err(_post(server, path, {"messages": msgs, "max_tokens": 2}))
+        assert e["param"] == "messages.0.content" and "empty" in e["message"], (path, e)
+
+
+def test_an_assistant_message_may_still_have_no_content_parts(server):
+    msgs = [*Q, {"role": "assistant", "content": [], "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "19"}]
+    _ok(_post(server, "/v1/chat/completions", {"messages": msgs, "max_tokens": 2}))
+
+
+@pytest.mark.parametrize("role", ["user", "system", "developer"])
+def test_a_refusal_part_outside_an_assistant_message_is_a_400(server, role):
+    msgs = [{"role": role, "content": [{"type": "refusal", "refusal": "no"}]}] + ([] if role == "user" else Q)
+    for path in ("/v1/chat/completions", "/v1/chat/completions/input_tokens"):
+        e = _err(_post(server, path, {"messages": msgs, "max_tokens": 2}))
+        assert e["param"] == "messages.0.content.0" and "assistant" in e["message"], (path, e)
+    good = [*Q, {"role": "assistant", "content": [{"type": "refusal", "refusal": "no"}]}, *Q]
+    _ok(_post(server, "/v1/chat/completions", {"messages": good, "max_tokens": 2}))
