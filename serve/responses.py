@@ -11,6 +11,7 @@ Pure translation: no engine, no I/O. serve/app.py runs the request and feeds `Re
 """
 from __future__ import annotations
 
+import base64
 import json
 import re
 import time
@@ -27,14 +28,33 @@ from .schemas import (Metadata, RequestProblem, ServiceTier, _Sampling, boolean_
 # `include` values: what they ask for exists here (logprobs) or is vacuous (no built-in tools run, no images are
 # taken: accepted, nothing to include)
 INCLUDE_LOGPROBS = "message.output_text.logprobs"
-INCLUDABLE = {INCLUDE_LOGPROBS, "file_search_call.results", "web_search_call.results",
+INCLUDABLE = {INCLUDE_LOGPROBS, "reasoning.encrypted_content", "file_search_call.results", "web_search_call.results",
               "web_search_call.action.sources", "message.input_image.image_url",
               "computer_call_output.output.image_url", "code_interpreter_call.outputs"}
-# the one a client relies on: a stateless client (store false) carries reasoning across turns in it, and a
-# thinking template's reasoning items came back without it, with no sign the request was not honoured
+# a stateless client (store false) carries its model's reasoning across turns in encrypted_content: here the
+# thought's own text, wrapped (no keys, nothing stored), on each reasoning item when asked for; given back
+# without its content, it is read again. One from another server (OpenAI's) cannot be read: dropped, as
+# Anthropic's redacted_thinking is
 ENCRYPTED_REASONING = "reasoning.encrypted_content"
-ENCRYPTED_WHY = ("include \"reasoning.encrypted_content\": this server cannot produce encrypted reasoning (a "
-                 "reasoning item carries its text; send the earlier reasoning items back as they came)")
+SEALED = "bitnet.v1."
+
+
+def seal_thought(text: str) -> str:
+    return SEALED + base64.urlsafe_b64encode(text.encode("utf-8")).decode("ascii")
+
+
+def open_thought(blob, where: str) -> str:
+    """The thought a reasoning item's encrypted_content holds ("" when another server wrote it)."""
+    if not isinstance(blob, str):
+        raise RequestProblem(where, f"{where}: a string (the encrypted_content a response gave)")
+    if not blob.startswith(SEALED):
+        return ""
+    try:
+        return base64.b64decode(blob[len(SEALED):].encode("ascii"), altchars=b"-_", validate=True).decode("utf-8")
+    except (ValueError, UnicodeError):   # binascii.Error is a ValueError
+        raise RequestProblem(where, f"{where}: not reasoning this server wrote (send it back as it came)") from None
+
+
 # request fields that need state or machinery this server does not have: (field, why) when set
 REFUSED_STATE = {
     "previous_response_id": "responses are not stored here (store is false); send the whole conversation as input",
@@ -193,8 +213,6 @@ class ResponsesRequest(_Sampling):
         if verbosity not in (None, "medium"):
             return "text.verbosity", f"text.verbosity {json_text(verbosity)}: only \"medium\" (the model's own length)"
         for i, v in enumerate(self.include or ()):
-            if v == ENCRYPTED_REASONING:
-                return f"include[{i}]", ENCRYPTED_WHY
             if v not in INCLUDABLE:
                 return f"include[{i}]", f"include {json_text(v)}: unknown"
         if self.n != 1:
@@ -260,6 +278,8 @@ class ResponsesRequest(_Sampling):
                     raise RequestProblem(f"{where}.content", f"{where}.content: a list of reasoning_text parts")
                 thought = "".join(p["text"] for p in parts
                                   if p.get("type") == "reasoning_text" and isinstance(p.get("text"), str))
+                if not thought and item.get("encrypted_content") is not None:
+                    thought = open_thought(item["encrypted_content"], f"{where}.encrypted_content")
                 continue
             elif kind == "item_reference":
                 raise RequestProblem(where, f"{where}: item references need stored items (none are stored here); "
@@ -350,6 +370,7 @@ class ResponseBuilder:
         reasoning item (reasoning_text content), as open models' thoughts come back in this API."""
         self.body, self.model, self.params, self.parser = body, model, params, parser
         self.splitter, self.thought = splitter, None   # the reasoning item being written
+        self.seal = ENCRYPTED_REASONING in (body.include or ())   # the thought also goes into encrypted_content
         self.entry = entry   # (token, TokenLogprob) -> a logprob entry; None: no logprobs asked
         self.json_answer = body.json_answer()   # text.format (or response_format) asks for JSON
         self.id, self.created = _id("resp"), int(time.time())
@@ -418,6 +439,8 @@ class ResponseBuilder:
         if item is None:
             return []
         item["status"] = "incomplete" if cut else "completed"   # cut: max_output_tokens came inside the thought
+        if self.seal:
+            item["encrypted_content"] = seal_thought(item["content"][0]["text"])
         i = self.output.index(item)
         return [self._event("response.reasoning_text.done", item_id=item["id"], output_index=i, content_index=0,
                             text=item["content"][0]["text"]),

@@ -448,6 +448,43 @@ def test_an_earlier_thought_reaches_the_template(server):
     assert responses_size([reasoning]) == responses_size([])   # a thought with no assistant turn after it
 
 
+def test_responses_carry_the_thought_in_encrypted_content_when_asked(server):
+    """include ["reasoning.encrypted_content"] (what a stateless Responses client such as Codex sends with store
+    false): each reasoning item, whole and streamed, carries its thought there too; given back with that alone
+    (no content) it is the same prompt as with its text; another server's blob cannot be read and is dropped (the
+    prompt has no thought), and one that claims to be this server's but is not is a 400."""
+    body = {"model": "m", "input": Q[0]["content"], "temperature": 0, "grammar": GRAMMAR, "chat_template_kwargs": SELF,
+            "include": ["reasoning.encrypted_content"]}
+    whole = httpx.post(server.url + "/v1/responses", json=body, timeout=60).json()
+    thought = whole["output"][0]
+    assert thought["type"] == "reasoning" and thought["content"][0]["text"] == THOUGHT, whole
+    assert isinstance(thought["encrypted_content"], str) and THOUGHT not in thought["encrypted_content"]
+    plain = httpx.post(server.url + "/v1/responses", json={**body, "include": None}, timeout=60).json()
+    assert "encrypted_content" not in plain["output"][0], plain
+    done = []
+    with httpx.stream("POST", server.url + "/v1/responses", json={**body, "stream": True}, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                e = json.loads(line[6:])
+                if e["type"] == "response.output_item.done" and e["item"]["type"] == "reasoning":
+                    done.append(e["item"]["encrypted_content"])
+    assert done == [thought["encrypted_content"]]
+
+    def size(item):
+        r = httpx.post(server.url + "/v1/responses", timeout=60, json={
+            "model": "m", "max_output_tokens": 1, "chat_template_kwargs": SELF,
+            "input": [Q[0], *([item] if item else []), whole["output"][1], {"role": "user", "content": "And 3+4?"}]})
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["input_tokens"]
+    sealed = {"type": "reasoning", "id": thought["id"], "summary": [], "encrypted_content": thought["encrypted_content"]}
+    assert size(sealed) == size(thought) > size(None)
+    assert size({**sealed, "encrypted_content": "gAAAAABo-another-servers-blob"}) == size(None)
+    r = httpx.post(server.url + "/v1/responses", timeout=60, json={
+        "model": "m", "max_output_tokens": 1,
+        "input": [Q[0], {**sealed, "encrypted_content": "bitnet.v1.%%%"}, whole["output"][1]]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input[1].encrypted_content", r.text
+
+
 def test_the_servers_budget_is_for_thinking_chats(tmp_path):
     """--reasoning-budget is the default of a thinking template's chats, as llama-server's: raw completions
     (/completion, /v1/completions, ollama's raw generate) are not cut unless the request asks; -1 in a request's
