@@ -439,9 +439,9 @@ def test_resolve_model_caches(model, tmp_path, monkeypatch):
     t1 = os.stat(p1).st_mtime_ns
     assert resolve_model(src, progress=False) == p1 and os.stat(p1).st_mtime_ns == t1
     assert resolve_model(p1) == p1  # a store is itself
-    os.utime(src, ns=(t1 + 10**9, t1 + 10**9))  # changed source -> new conversion
+    os.utime(src, ns=(t1 + 10**9, t1 + 10**9))  # changed source -> converted again, in place of the first
     p2 = resolve_model(src, progress=False)
-    assert p2 != p1 and os.path.exists(p2)
+    assert p2 == p1 and os.stat(p2).st_mtime_ns != t1 and os.listdir(tmp_path / "cache") == [os.path.basename(p1)]
     p3 = resolve_model(src, lm_head="f16", progress=False, cache_dir=str(tmp_path / "c2"))
     assert Store(p3).meta["lm_head"] == "f16"
     with pytest.raises(BitNetError):

@@ -306,3 +306,47 @@ def test_a_kernel_config_with_unusable_tile_sizes_is_one_line(tmp_path, monkeypa
         tl_layouts.env_tilings(1536, 4096)
     assert "\n" not in str(e.value) and str(ini) in str(e.value)
     assert tl_layouts.env_tilings(1536, 1536) == []   # another shape: its section is not read
+
+
+# ---- the conversion cache and the kernel config -----------------------------------------------------------------
+def _tiling_ini(path, BM, BK) -> str:
+    os.makedirs(os.path.dirname(str(path)), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(f"[Kernels_0]\nm = 1536\nk = 1536\nbm = {BM}\nbk = {BK}\nbmm = 32\n")
+    return str(path)
+
+
+def _weights(path) -> dict:
+    from bitnet_cpu.engine.formats.store import Store
+    with Store(path) as s:
+        return {n: np.array(s.tensor(n)) for n in s.tensor_names if n.startswith("blk.")}
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(np.array_equal(a[n], b[n]) for n in a)
+
+
+def test_the_cache_converts_again_when_the_kernel_config_file_changes(files, tmp_path, monkeypatch):
+    """The cache was keyed by BITNET_TL_KERNEL_CONFIG's text: the ini fixed in place (what docs/formats.md tells a
+    user to do), or another folder's ini of the same relative name, got the first conversion back, read with the
+    wrong tiling, without a word. Now the file's resolved path and its content decide."""
+    from bitnet_cpu.engine.formats.convert import resolve_model
+
+    src = files("model_large_tl2")
+    want = _weights(convert(src, str(tmp_path / "preset.bnstore"), progress=False))   # the right tiling: the preset
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("BITNET_CACHE", str(cache))
+    ini = _tiling_ini(tmp_path / "ini" / "kernel_config.ini", 256, 96)   # a tiling this file was not written with
+    monkeypatch.setenv(tl_layouts.ENV_CONFIG, ini)
+    assert not _same(_weights(resolve_model(src, progress=False)), want), "the wrong tiling must read otherwise"
+    _tiling_ini(ini, 128, 192)                                             # fixed in place
+    assert _same(_weights(resolve_model(src, progress=False)), want)
+    assert len(os.listdir(cache)) == 1   # one source and one ini: the fixed conversion replaced the wrong one
+    # the same relative name in two folders: two files, two conversions
+    monkeypatch.setenv(tl_layouts.ENV_CONFIG, "kernel_config.ini")
+    _tiling_ini(tmp_path / "dA" / "kernel_config.ini", 256, 96)
+    _tiling_ini(tmp_path / "dB" / "kernel_config.ini", 128, 192)
+    monkeypatch.chdir(tmp_path / "dA")
+    assert not _same(_weights(resolve_model(src, progress=False)), want)
+    monkeypatch.chdir(tmp_path / "dB")
+    assert _same(_weights(resolve_model(src, progress=False)), want)

@@ -16,8 +16,10 @@ What goes into the store (tensor names and layouts: engine/INTERFACES.md):
   q4 kernel's bound), or f16 (lm_head="f16", the reference numerics);
 - config, tokenizer blob, chat template, and meta (source, format, per-tensor ternary shares and scales).
 Everything is streamed tensor by tensor (peak memory ~ one layer plus one chunk of the embedding).
-Cache: $BITNET_CACHE, else $XDG_CACHE_HOME/bitnet, else ~/.cache/bitnet; key = absolute path + size + mtime (ns)
-of the source (every file of an HF directory) + converter version + LM head kind.
+Cache: $BITNET_CACHE, else $XDG_CACHE_HOME/bitnet, else ~/.cache/bitnet; one store per source and options, named
+by the source's resolved path + LM head kind + the kernel settings (cache_key); the store records the state it was
+made from (size + mtime (ns) of every file the conversion reads, converter version, the kernel_config.ini's content:
+source_stamp), and a store whose source changed is converted again in its place.
 """
 from __future__ import annotations
 
@@ -203,10 +205,11 @@ def source_label(meta: dict) -> str:
 
 def convert(src: str, out: str | None = None, *, lm_head: str | None = None, weights: str = "t2",
             progress=True, hidden_act: str | None = None, ternarize: bool = False,
-            source_name: str | None = None) -> str:
+            source_name: str | None = None, cache: dict | None = None) -> str:
     """Convert `src` (GGUF file or HF directory) into a store at `out`; returns the store path.
     lm_head None: default_lm_head of the model. weights: "t2" (tile16, 2 bits per weight) or "t1.6" (base-3
-    tile16b3). `source_name` is what the store records as its source (default: the file name of `src`).
+    tile16b3). `source_name` is what the store records as its source (default: the file name of `src`);
+    `cache`, the cache's record of a conversion it makes (meta "cache": the source's path and state).
     progress: a bar on a terminal (True), none (False), or report(done, total) called at each step."""
     from .sources import open_source
 
@@ -216,7 +219,7 @@ def convert(src: str, out: str | None = None, *, lm_head: str | None = None, wei
         raise BitNetError(f"--weights: {weights!r} is not one of {', '.join(WEIGHTS)}")
     src = os.fspath(src)
     if is_store(src):   # the magic alone: a damaged store is said as such, as `run` and `inspect` say it
-        damage = _damage(src)
+        damage = _damage(src)[0]
         raise FormatError(f"{src}: " + (damage if damage else "is already a BitNet store (nothing to convert)"))
     source = open_source(src, hidden_act, ternarize)
     try:
@@ -234,8 +237,11 @@ def convert(src: str, out: str | None = None, *, lm_head: str | None = None, wei
     stats: dict = {}
     bar = progress_bar(source.config.n_layers + 2, f"convert {os.path.basename(src.rstrip(os.sep))}", progress)
     try:
-        meta = {"source": source_name or os.path.basename(os.path.abspath(src).rstrip(os.sep)), "source_format": source.source_format, "lm_head": lm_head,
-                "weights": weights, "converter_version": CONVERTER_VERSION, "ternary_stats": stats, **source.meta}
+        meta = {"source": source_name or os.path.basename(os.path.abspath(src).rstrip(os.sep)),
+                "source_format": source.source_format, "lm_head": lm_head, "weights": weights,
+                "converter_version": CONVERTER_VERSION, "ternary_stats": stats, **source.meta}
+        if cache is not None:
+            meta["cache"] = cache
         tok = source.tokenizer
         try:  # values are checked explicitly (NaN/inf -> FormatError): no numpy warning lines on stderr
             with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
@@ -315,18 +321,39 @@ def cache_dir_default() -> str:
     return os.path.join(xdg, "bitnet")
 
 
-def cache_key(src: str, lm_head: str, downloaded: bool = False) -> str:
-    """The conversion's name: the model's files (path, size, time) and what changes how they convert.
-    downloaded: a hub download, whose path (huggingface_hub's snapshot of a commit, its blobs named by their
-    hashes) names its bytes: its files' times are left out, so the same commit downloaded again is the same
-    conversion (it was converted again, and `bitnet list` showed two rows of one source)."""
+CACHE_NAME = re.compile(r"-[0-9a-f]{20}\.bnstore$")   # NAME-KEY.bnstore: the cache's own conversions
+KERNEL_CONFIG = "BITNET_TL_KERNEL_CONFIG"
+
+
+def cache_options(lm_head: str) -> dict:
+    """What besides the source decides how it converts: the LM head asked for, the kernel_config.ini named by
+    BITNET_TL_KERNEL_CONFIG (its file, resolved as it is read: from the working directory) and a
+    BITNET_I2S_BLOCK other than the default 128."""
+    opts = {"lm_head": lm_head}
+    if os.environ.get(KERNEL_CONFIG):
+        opts["kernel_config"] = os.path.realpath(os.environ[KERNEL_CONFIG])
+    if os.environ.get("BITNET_I2S_BLOCK", "128") != "128":
+        opts["i2s_block"] = os.environ["BITNET_I2S_BLOCK"]
+    return opts
+
+
+def cache_key(src: str, lm_head: str) -> str:
+    """The conversion's name in the cache: the source's resolved path and cache_options, not the state of its
+    files (source_stamp, recorded in the store), so a source that changes is converted again under the same
+    name, replacing its earlier conversion (each change left one more store behind)."""
     p = os.path.realpath(src)   # a link to a model folder is that folder: one conversion (abspath made a second)
-    h = hashlib.sha256(f"{p}\0{CONVERTER_VERSION}\0{lm_head}".encode())
-    for var in ("BITNET_TL_KERNEL_CONFIG", "BITNET_I2S_BLOCK"):   # they change how a bitnet.cpp GGUF reads
-        if os.environ.get(var):
-            h.update(f"\0{var}={os.environ[var]}".encode())
-    files = [p]
-    if os.path.isdir(p):   # the files the conversion reads, no other (a dangling link to an unused file is no matter)
+    opts = cache_options(lm_head)
+    h = hashlib.sha256(f"{p}\0{lm_head}".encode())
+    for k in ("kernel_config", "i2s_block"):
+        if k in opts:
+            h.update(f"\0{k}={opts[k]}".encode())
+    return h.hexdigest()[:20]
+
+
+def _source_files(p: str) -> list[str]:
+    """The files a conversion of `p` (a resolved path) reads, no other (a dangling link to an unused file is no
+    matter)."""
+    if os.path.isdir(p):
         from .safetensors_io import INDEX, index_shards
         from .sources import HF_READS
 
@@ -334,18 +361,58 @@ def cache_key(src: str, lm_head: str, downloaded: bool = False) -> str:
         weights = [f for f in names if f.endswith(".safetensors")]
         if INDEX in names:
             weights = [INDEX] + [f for f in index_shards(p) if f in names]   # a bad index: the loader's words
-        files = sorted(os.path.join(p, f) for f in names & set(HF_READS) | set(weights))
-    else:   # a split GGUF's first part: every part (engine/formats/gguf.py)
-        from .gguf import SPLIT_NAME, split_part
-        m = SPLIT_NAME.match(p)
-        if m is not None and m.group(2) == "00001":
-            files += [f for f in (split_part(p, i) for i in range(2, int(m.group(3)) + 1)) if os.path.isfile(f)]
-    for f in files:
+        return sorted(os.path.join(p, f) for f in names & set(HF_READS) | set(weights))
+    from .gguf import SPLIT_NAME, split_part   # a split GGUF's first part: every part (engine/formats/gguf.py)
+    m = SPLIT_NAME.match(p)
+    if m is not None and m.group(2) == "00001":
+        return [p] + [f for f in (split_part(p, i) for i in range(2, int(m.group(3)) + 1)) if os.path.isfile(f)]
+    return [p]
+
+
+def _file_digest(path: str) -> str:
+    """sha256 of a small settings file, or why it cannot be read (the conversion says so, where it reads it)."""
+    h = hashlib.sha256()
+    try:
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+    except OSError as e:
+        return f"unreadable ({e.strerror or e})"
+    return h.hexdigest()
+
+
+def source_stamp(src: str, downloaded: bool = False, kernel_config: str | None = None) -> str:
+    """The state a conversion of `src` was made from: the converter version, each file's name, size and mtime
+    (a hub download's times are left out: the same commit downloaded again is the same conversion) and the
+    content of the kernel_config.ini it read (edited in place, it was the same conversion). A cached store
+    records it; another one now means that the store is stale. OSError: a file of the source is unreadable."""
+    p = os.path.realpath(src)
+    h = hashlib.sha256(f"{CONVERTER_VERSION}".encode())
+    for f in _source_files(p):
         st = os.stat(f)
         h.update(f"\0{os.path.basename(f)}\0{st.st_size}".encode())
         if not downloaded:
             h.update(f"\0{st.st_mtime_ns}".encode())
+    if kernel_config:
+        h.update(f"\0{KERNEL_CONFIG}\0{_file_digest(kernel_config)}".encode())
     return h.hexdigest()[:20]
+
+
+def cache_status(meta: dict, path: str) -> tuple[str | None, str]:
+    """(the source's resolved path or None, "current" | "stale" | "source missing" | "unknown") of the store at
+    `path` in the cache with metadata `meta`: stale when its source changed since (it is converted again at its
+    next use) or when it is an entry of an older bitnet (no record of its source: never used again)."""
+    rec = meta.get("cache")
+    if not isinstance(rec, dict) or not isinstance(rec.get("source_path"), str):
+        return None, "stale" if CACHE_NAME.search(os.path.basename(path)) else "unknown"
+    src = rec["source_path"]
+    if not os.path.exists(src):
+        return src, "source missing"
+    try:
+        now = source_stamp(src, bool(rec.get("downloaded")), rec.get("kernel_config"))
+    except OSError:   # a file of it gone or unreadable: its conversion would fail or differ
+        return src, "stale"
+    return src, "current" if now == rec.get("stamp") else "stale"
 
 
 def bundled_model() -> str | None:
@@ -402,8 +469,11 @@ def resolve_model(src: str | None, *, cache_dir: str | None = None, lm_head: str
         raise FormatError(f"{src}: {why_missing(src)}")
     if is_store(src):
         return check_store_head(src, lm_head)
+    downloaded = source_name is not None
+    opts = cache_options(lm_head or "default")
     try:
-        key = cache_key(src, lm_head or "default", downloaded=source_name is not None)
+        key = cache_key(src, lm_head or "default")
+        stamp = source_stamp(src, downloaded, opts.get("kernel_config"))
     except OSError as e:   # the file that failed (a snapshot's link to a deleted blob), not only its folder
         raise FormatError(f"{e.filename or src}: cannot read: {e.strerror}") from None
     d = cache_dir or cache_dir_default()
@@ -411,32 +481,42 @@ def resolve_model(src: str | None, *, cache_dir: str | None = None, lm_head: str
         os.path.basename(os.path.abspath(src).rstrip(os.sep))
     name = re.sub(r"[^A-Za-z0-9._-]+", "_", stem)[:80]
     path = os.path.join(d, f"{name}-{key}.bnstore")
+    how = "once"
     if is_store(path):
-        damage = _damage(path)
-        if damage is None:
+        damage, had = _damage(path)
+        if damage is None and had == stamp:
             mark_used(path)
             return path
-        # our own cache, damaged (a disk error, a copy cut short): converted again, as `bitnet pull` promises
-        # to repair it (it said "ready" over the damaged store, and the run failed on it)
-        print(f"bitnet: the cached conversion {path} is damaged ({damage}): converting {src} again", file=sys.stderr)
+        if damage is not None:
+            # our own cache, damaged (a disk error, a copy cut short): converted again, as `bitnet pull` promises
+            # to repair it (it said "ready" over the damaged store, and the run failed on it)
+            print(f"bitnet: the cached conversion {path} is damaged ({damage}): converting {src} again",
+                  file=sys.stderr)
+        # else its source changed since (or an older bitnet made it): the new store is written beside it and
+        # renamed over it when whole (a process that maps the old one keeps reading it), as one store per source
+        how = "again" if damage is not None else "again (it changed since its conversion)"
     try:
         os.makedirs(d, exist_ok=True)
     except OSError as e:
         raise FormatError(f"{d}: cannot create the cache directory: {e.strerror}",
                           hint="set BITNET_CACHE to a writable directory") from None
     if progress is True and stderr_is_terminal():
-        print(f"bitnet: converting {src} once into {path}", file=sys.stderr)
-    return convert(src, path, lm_head=lm_head, progress=progress, source_name=source_name)
+        print(f"bitnet: converting {src} {how} into {path}", file=sys.stderr)
+    cache = {"source_path": os.path.realpath(src), "downloaded": downloaded, "stamp": stamp,
+             "kernel_config": opts.get("kernel_config")}
+    return convert(src, path, lm_head=lm_head, progress=progress, source_name=source_name, cache=cache)
 
 
-def _damage(path: str) -> str | None:
-    """What is wrong with a cached store's structure (its index and sizes, read from the mapping), or None."""
+def _damage(path: str) -> tuple[str | None, str | None]:
+    """(what is wrong with a store's structure (its index and sizes, read from the mapping) or None, the
+    source_stamp its cache record holds or None)."""
     from .store import Store
     try:
-        with Store(path, load="mmap"):
-            return None
+        with Store(path, load="mmap") as s:
+            rec = s.meta.get("cache")
+            return None, rec.get("stamp") if isinstance(rec, dict) else None
     except FormatError as e:
-        return str(e).removeprefix(f"{path}: ")
+        return str(e).removeprefix(f"{path}: "), None
 
 
 def mark_used(path: str) -> None:
