@@ -1,9 +1,10 @@
 """`bitnet list`: the converted weight stores in the engine's cache ($BITNET_CACHE, else
-$XDG_CACHE_HOME/bitnet): name (what `bitnet rm` takes), source, size, LM head type, last used (the access
-time that engine.convert.mark_used sets on every use)."""
+$XDG_CACHE_HOME/bitnet): name (what `bitnet rm` takes), source (the file's full path, or the hub id), size, LM
+head type, status (current, stale: its source changed since, or an older bitnet made it; source missing), last
+used (the access time that engine.convert.mark_used sets on every use)."""
 from __future__ import annotations
 
-HELP = "list the converted models in the cache (name, source, size, head, last used)"
+HELP = "list the converted models in the cache (name, source path or hub id, size, head, status, last used)"
 
 
 def add_arguments(p):
@@ -26,10 +27,12 @@ def ago(seconds: float) -> str:
 
 
 def cached_stores(cache_dir: str | None = None) -> list[dict]:
-    """One dict per *.bnstore in the cache: name, path, source, size, lm_head, last_used (mtime), error."""
+    """One dict per *.bnstore in the cache: name, path, source (the label the store records: a file name or a hub
+    id), source_path (the resolved path it was converted from, None for a store that does not record one), status
+    (engine.formats.convert.cache_status), size, lm_head, last_used (mtime), error."""
     import os
 
-    from ..engine.formats.convert import cache_dir_default, source_label
+    from ..engine.formats.convert import cache_dir_default, cache_status, source_label
     from ..engine.formats.store import Store
 
     d = cache_dir or cache_dir_default()
@@ -51,8 +54,9 @@ def cached_stores(cache_dir: str | None = None) -> list[dict]:
                 st, why = os.lstat(path), f"unreadable: {e.strerror or e}"
             except OSError:
                 continue
-        row = {"name": f[: -len(".bnstore")], "path": path, "size": st.st_size, "last_used": max(st.st_atime, st.st_mtime),
-               "source": "?", "lm_head": "?", "error": why}
+        row = {"name": f[: -len(".bnstore")], "path": path, "size": st.st_size,
+               "last_used": max(st.st_atime, st.st_mtime), "source": "?", "source_path": None, "status": "unknown",
+               "lm_head": "?", "error": why}
         if why:
             out.append(row)
             continue
@@ -60,6 +64,7 @@ def cached_stores(cache_dir: str | None = None) -> list[dict]:
             with Store(path) as s:
                 row["source"] = source_label(s.meta)
                 row["lm_head"] = s.meta.get("lm_head", "?")
+                row["source_path"], row["status"] = cache_status(s.meta, path)
         except Exception as e:  # noqa: BLE001  (a damaged file is listed, so that `bitnet rm` can remove it)
             row["error"] = f"unreadable: {e}"
         out.append(row)
@@ -83,10 +88,11 @@ def main(args) -> int:
               file=sys.stderr)
         return 0
     now = time.time()
-    table = [("NAME", "SOURCE", "SIZE", "HEAD", "LAST USED")]
-    for r in rows:
-        table.append((r["name"], r["error"] or r["source"], human_size(r["size"]), r["lm_head"],
-                      ago(now - r["last_used"])))
+    table = [("NAME", "SOURCE", "SIZE", "HEAD", "STATUS", "LAST USED")]
+    for r in rows:   # a local source by its full path: the same file name in two folders is two sources
+        source = r["source"] if "/" in r["source"] or not r["source_path"] else r["source_path"]
+        table.append((r["name"], r["error"] or source, human_size(r["size"]), r["lm_head"],
+                      "-" if r["error"] else r["status"], ago(now - r["last_used"])))
     widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
     for row in table:
         print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())

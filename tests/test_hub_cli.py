@@ -173,11 +173,12 @@ def test_list_inspect_and_rm(hub, tmp_path):
     r = bitnet("list", env=env)
     assert r.returncode == 0, r.stderr
     lines = r.stdout.strip().splitlines()
-    assert lines[0].split() == ["NAME", "SOURCE", "SIZE", "HEAD", "LAST", "USED"] and len(lines) == 3
+    assert lines[0].split() == ["NAME", "SOURCE", "SIZE", "HEAD", "STATUS", "LAST", "USED"] and len(lines) == 3
     rows = [json.loads(x) for x in bitnet("list", "--json", env=env).stdout.splitlines()]
     sources = sorted(r["source"] for r in rows)
     assert sources == [f"o/tiny-gguf:model-i2_s.gguf@{COMMIT_A[:12]}", f"o/tiny@{COMMIT_B[:12]}"]
     assert all(r["lm_head"] == "q4" and r["size"] == os.path.getsize(r["path"]) for r in rows)
+    assert all(r["status"] == "current" for r in rows)   # a download's stamp: its commit's files' sizes
     assert all(row["name"] in "\n".join(lines) for row in rows)
     # inspect names the file it was given and the recorded source, with no path of this machine
     store = next(r for r in rows if r["source"].startswith("o/tiny@"))["path"]
