@@ -611,9 +611,10 @@ class Engine(_Text, BatchScheduler):
         check_kv_dtype(kv_dtype)
         n_ctx = int(cfg.context_length if ctx == 0 else ctx or serving_ctx(cfg))
         if ctx is None and n_ctx > cfg.context_length:
+            # -c N is a trade-off, not a fix: at the trained length a tool list or a long system prompt may not fit
             self.warnings.append(f"context {n_ctx} (a server's default: at least {SERVE_MIN_CTX}) is past the "
                                  f"{cfg.context_length} tokens the model was trained on; -c {cfg.context_length} "
-                                 "keeps to it")
+                                 "keeps to it, but then tool lists or long system prompts may not fit")
         elif n_ctx > cfg.context_length:   # as LLM's (engine/runtime/model.py): the server said nothing of it
             self.warnings.append(f"-c/--ctx {n_ctx} is larger than the {cfg.context_length} tokens the model was "
                                  "trained on: output past that may be garbage")

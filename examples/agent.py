@@ -6,7 +6,8 @@
 Step 1 forces a tool call (tool_choice "required": the server's grammar makes even a tiny model emit a valid
 call), the script runs the tool, sends the result back as a `tool` message, and step 2 lets the model answer in
 text (tool_choice "none"). Prints every step; exits 0 when the loop completed. A step 1 cut by --max-tokens
-(finish_reason "length": its last call is partial) runs no tool: one line says to raise --max-tokens.
+(finish_reason "length": its last call is partial) runs no tool: one line says to raise --max-tokens. A server
+that cannot be reached or refuses a request (a 400: the two tools past a small -c, say) is one line too, exit 1.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import json
 import operator
 import sys
 
-from openai import OpenAI
+from openai import APIConnectionError, APIError, OpenAI
 
 TOOLS = [
     {"type": "function", "function": {
@@ -70,6 +71,17 @@ def run_tool(name: str, arguments: str) -> str:
     return f"error: no tool {name}"
 
 
+def error_line(e: APIError, base_url: str) -> str:
+    """One line for what the client raised: the server's own message (its `error.message`) and status, or that it
+    could not be reached."""
+    if isinstance(e, APIConnectionError):   # (a timeout included)
+        return f"agent: cannot reach {base_url} ({e.message}): is `bitnet serve` running there?"
+    body = e.body if isinstance(e.body, dict) else {}
+    message = body.get("message") if isinstance(body.get("message"), str) else e.message
+    status = getattr(e, "status_code", None)
+    return "agent: the server answered " + (f"{status}: " if status else "") + " ".join(str(message).split())
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("question", nargs="?", default="What time is it, and what is 17*3?")
@@ -78,6 +90,15 @@ def main(argv=None) -> int:
     # the bundled model's three calls take 129 tokens: at 128 the last one was cut (finish_reason length)
     ap.add_argument("--max-tokens", type=int, default=256)
     a = ap.parse_args(argv)
+    try:
+        return agent(a)
+    except APIError as e:   # connection refused, a 400 (context_length_exceeded), a 401, ...: one line
+        print(error_line(e, a.base_url), file=sys.stderr)
+        return 1
+
+
+def agent(a) -> int:
+    """The two steps against the server at a.base_url (APIError out of here when it fails)."""
     client = OpenAI(base_url=a.base_url, api_key=a.api_key, max_retries=0, timeout=300)
     model = client.models.list().data[0].id
     messages = [{"role": "user", "content": a.question}]

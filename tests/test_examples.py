@@ -97,3 +97,40 @@ def test_agent_tool_arguments_that_are_not_json_are_the_tools_error():
         result = agent.run_tool("calculator", bad)
         assert result.startswith("error:") and "\n" not in result, (bad, result)
     assert agent.run_tool("calculator", '{"expression": "17*3"}') == "51"
+
+
+def test_agent_failures_are_one_line_not_a_traceback():
+    """examples/agent.py died with a 25-line traceback when the server could not be reached (APIConnectionError)
+    and when it refused the request: a `bitnet serve -c 512` (what the start-up warning names for the bundled
+    model) cannot take the two tools, a 400 context_length_exceeded. Each is now one line on stderr, exit 1."""
+    from serve_proc import free_port
+    agent = os.path.join(ROOT, "examples", "agent.py")
+    nowhere = f"http://127.0.0.1:{free_port()}/v1"   # nothing listens there
+    r = subprocess.run([sys.executable, agent, "--base-url", nowhere], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120 * slowness())
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert len(r.stderr.strip().splitlines()) == 1 and nowhere in r.stderr, r.stderr
+    server = Server("-c", "512", threads=1)
+    try:
+        r = subprocess.run([sys.executable, agent, "--base-url", server.url + "/v1"], cwd=ROOT, capture_output=True,
+                           text=True, timeout=300 * slowness())
+    finally:
+        rc, err = server.stop()
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    line = r.stderr.strip()
+    assert len(line.splitlines()) == 1 and "400" in line and "512" in line, line
+    assert rc == 0 and "Traceback" not in err, err[-3000:]
+
+
+def test_the_default_context_warning_names_what_the_trained_length_costs():
+    """The server's start-up warning (its default context past the bundled model's trained 512) said "-c 512 keeps
+    to it" as plain advice; followed, the agent example's two tools no longer fit. It names that cost now."""
+    from bitnet_cpu.engine.api import load_engine
+    eng = load_engine(None, threads=1, parallel=1, progress=False)
+    try:
+        trained = eng.config.context_length
+        assert eng.n_ctx > trained   # the server's default context: the warning's case
+        (w,) = [w for w in eng.warnings if f"-c {trained}" in w]
+    finally:
+        eng.close()
+    assert "tool" in w and "system prompt" in w and "\n" not in w, w
