@@ -37,7 +37,9 @@ def add_arguments(p):
                    " Retry-After (0: never wait)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint but /health (several: KEY1,KEY2, as "
                         "llama-server)%(default).0s")
-    p.add_argument("--api-key-file", default=None, help="file of API keys, one per line (several users); with or instead of --api-key%(default).0s")
+    p.add_argument("--api-key-file", default=None,
+                   help="file of API keys, one per line (several users; # starts a comment, also after a key); "
+                        "with or instead of --api-key%(default).0s")
     p.add_argument("--metrics-public", action="store_true", help="serve /metrics without the API key")
     p.add_argument("--metrics", action="store_true",
                    help="accepted for llama-server's command lines: /metrics is always served (with the API key, "

@@ -2,7 +2,8 @@
 but /health (load balancers) and the chat page's HTML (it holds no data and asks for the key itself); /metrics
 too unless --metrics-public.
 
-Keys come from --api-key and --api-key-file (one per line, `#` comments; several users, each with their own key).
+Keys come from --api-key and --api-key-file (one per line, `#` comments, also after a key; several users, each with
+their own key).
 A key past ASCII is taken as its UTF-8 bytes or, for characters up to U+00FF, as their Latin-1 bytes (a browser's
 fetch sends those): `clé` works from curl and from the chat page alike.
 The check hashes the sent key and compares the digest with every key's digest, always all of them, with
@@ -39,15 +40,26 @@ PAGE_PATHS = ("/",)
 
 
 def read_key_file(path: str) -> list[str]:
-    """Keys from a file: one per line; blank lines and lines starting with # are skipped."""
+    """Keys from a file: one per line; blank lines and lines starting with # are skipped, and a # after whitespace
+    starts a comment (`k2  # bob` is the key k2; a # inside a key, `k#2`, is part of it). A key that still holds
+    whitespace is refused, by its line number (never the key itself: it is a secret): no client sends one."""
     from ..engine.errors import BitNetError
     try:
         with open(path, encoding="utf-8") as f:
-            keys = [ln.strip() for ln in f if ln.strip() and not ln.lstrip().startswith("#")]
+            lines = list(f)
     except OSError as e:
         raise BitNetError(f"--api-key-file {path}: {e.strerror or e}") from None
     except UnicodeDecodeError:
         raise BitNetError(f"--api-key-file {path}: not UTF-8 text") from None
+    keys = []
+    for n, line in enumerate(lines, 1):
+        key = re.split(r"\s#", line.strip(), maxsplit=1)[0].strip()
+        if not key or key.startswith("#"):
+            continue
+        if any(c.isspace() for c in key):
+            raise BitNetError(f"--api-key-file {path}: line {n} holds a key with whitespace in it",
+                              hint="one key per line; a comment after a key starts with whitespace and #")
+        keys.append(key)
     if not keys:
         raise BitNetError(f"--api-key-file {path}: no keys in it", hint="one key per line")
     return keys

@@ -1197,3 +1197,28 @@ def test_max_connections_is_capped_to_the_open_files_limit():
     if any(_refusal(a) == "out_of_resources" for a in refused):
         assert "out of file descriptors" in err, err
     assert "--max-connections 512 needs about 544 open files, more than the limit of 64" in err, err
+
+
+def test_api_key_file_comment_after_a_key_and_a_key_with_a_space(tmp_path):
+    """docs/serving-limits.md says "(# comments)": a line `k2  # bob` was the key "k2  # bob" (bob locked out, the
+    comment in force as his key). A `#` after whitespace starts a comment now; a key that still holds whitespace is
+    refused at start, one line naming its line (never the key: it is a secret)."""
+    import os
+    import subprocess
+    import sys
+
+    from serve_proc import ROOT
+    from bitnet_cpu.engine.errors import BitNetError
+    from bitnet_cpu.serve.auth import read_key_file
+    keys = tmp_path / "keys"
+    keys.write_text("# users\nk1\nk2  # bob\nk#3\n\tk4\t#\tcarol\n\n", encoding="utf-8")
+    assert read_key_file(str(keys)) == ["k1", "k2", "k#3", "k4"]   # a # inside a key is part of it
+    bad = tmp_path / "bad"
+    bad.write_text("# users\nk1\nsecret part two # dave\n", encoding="utf-8")
+    with pytest.raises(BitNetError, match="line 3") as e:
+        read_key_file(str(bad))
+    assert "secret" not in str(e.value) and "\n" not in str(e.value)
+    r = subprocess.run([sys.executable, "-m", "bitnet_cpu", "serve", "--api-key-file", str(bad)], cwd=ROOT,
+                       env=dict(os.environ, PYTHONPATH=pythonpath()), capture_output=True, text=True, timeout=60)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and "line 3" in lines[0] and "secret" not in r.stderr, r.stderr
