@@ -77,7 +77,10 @@ def add_arguments(p):
                    help="the model id the server answers with (default: the model's name)%(default).0s")
     p.add_argument("--strict-model-name", action="store_true",
                    help="answer 404 to a request naming another model (default: any name gets this model, as llama-server)%(default).0s")
-    p.add_argument("--ray-replicas", type=int, default=0, help="run as a Ray Serve deployment with N replicas (0 = plain uvicorn)")
+    p.add_argument("--ray-replicas", type=int, default=0,
+                   help="run as a Ray Serve deployment with N replicas (0 = plain uvicorn); each replica runs -t "
+                        "threads, 1 thread when -t is not given (not one per core); N x -t above the CPU cores is "
+                        "capped, with a warning")
     g = p.add_argument_group("many models behind one port (ollama's way; llama-server's router mode)",
                              "a request's `model` picks the model; the first request naming one loads it "
                              "(docs/serving.md)")
@@ -111,8 +114,10 @@ def add_arguments(p):
                    help="uvicorn log level")
 
 
-def _check(args):
+def _check(args) -> list[str]:
+    """BitNetError for a flag's bad value; else the warnings to print (one line each), for a value adjusted here."""
     from ..engine.errors import BitNetError
+    warnings = []
     problem = check_engine_args(args)
     if problem:
         raise BitNetError(problem)
@@ -137,6 +142,12 @@ def _check(args):
         if args.ray_replicas > cores:   # each replica is an engine of its own: more only wait for the cores
             raise BitNetError(f"--ray-replicas {args.ray_replicas}: at most {cores} here (one engine per replica, "
                               "this machine's cores)")
+        threads = args.threads or 1   # a replica's default (serve/ray_app.build): one thread, not one per core
+        if args.ray_replicas * threads > cores:   # as plain serve's -t above the cores: capped, with a warning
+            args.threads = cores // args.ray_replicas
+            warnings.append(f"--ray-replicas {args.ray_replicas} x -t {threads} is {args.ray_replicas * threads} "
+                            f"threads, more than the {cores} CPU cores available; using -t {args.threads} in "
+                            "each replica")
         for flag, default in RAY_REFUSED.items():
             if given(args, flag, default):
                 raise BitNetError(f"{flag} applies to the plain server only (its own connections, shutdown and log): "
@@ -179,6 +190,7 @@ def _check(args):
             if given(args, flag, default):
                 raise BitNetError(f"{flag} applies to --models-dir / --models-cache only (this server serves -m's "
                                   "one model)")
+    return warnings
 
 
 def bind_port(host: str, port: int, keep: bool = True):
@@ -364,7 +376,8 @@ def main(args) -> int:
         if not is_loopback(args.host) and not (args.api_key or args.api_key_file):
             print(f"bitnet serve: warning: listening on {args.host} without --api-key: anyone who can reach this "
                   "port can use the model", file=sys.stderr, flush=True)
-        _check(args)
+        for w in _check(args):
+            print(f"bitnet serve: warning: {w}", file=sys.stderr, flush=True)
     except BitNetError as e:   # a value from LLAMA_ARG_PORT=... is said by the variable's name
         raise from_variable(e, getattr(args, "llama_env", None)) from None
     from ..serve.auth import read_key_file

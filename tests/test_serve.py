@@ -684,6 +684,45 @@ def test_port_in_use_is_one_line_exit_2(extra):
     assert len([ln for ln in r.stderr.splitlines() if ln.strip()]) <= 2   # the error and its hint
 
 
+def _serve_args(*argv):
+    from bitnet_cpu.cli import build_parser
+    from bitnet_cpu.cli.flags import given_options
+    args = build_parser().parse_args(["serve", *argv])
+    args.llama_env, args.given_flags = {}, given_options(["serve", *argv])
+    return args
+
+
+def test_ray_replicas_times_threads_against_the_cores():
+    """--ray-replicas N checked N against the cores but never N x -t: 4 replicas x 2 threads started 8 busy threads
+    on a 4-core machine without a word, where plain `serve -t 8` warns and caps. Now the same: one warning naming
+    both flags and the count used, -t capped to the cores' share of a replica. Checked before Ray starts (a model
+    that does not exist stops it there)."""
+    import subprocess
+    import sys
+
+    from bitnet_cpu.cli.serve import _check
+    from bitnet_cpu.engine.cpu import available_cores
+    from serve_proc import ROOT, free_port
+    cores = available_cores()
+    args = _serve_args("--ray-replicas", str(cores), "-t", "2")
+    (w,) = _check(args)
+    assert f"--ray-replicas {cores}" in w and "-t 2" in w and f"{cores} CPU cores" in w and "\n" not in w, w
+    assert args.threads == 1
+    for argv in (("--ray-replicas", str(cores)), ("--ray-replicas", "1", "-t", str(cores)), ()):
+        args = _serve_args(*argv)
+        assert _check(args) == [] and args.threads in (None, cores), argv   # within the cores: nothing said
+    r = subprocess.run([sys.executable, "-m", "bitnet_cpu", "serve", "--host", "127.0.0.1", "--port", str(free_port()),
+                        "--ray-replicas", str(cores), "-t", "2", "-m", "/nonexistent/m.bnstore"], cwd=ROOT,
+                       env=dict(os.environ, PYTHONPATH=pythonpath()), capture_output=True, text=True, timeout=120)
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert lines[0].startswith("bitnet serve: warning: --ray-replicas") and "error:" in lines[-1], r.stderr
+    help_text = subprocess.run([sys.executable, "-m", "bitnet_cpu", "serve", "--help"], cwd=ROOT, capture_output=True,
+                               env=dict(os.environ, PYTHONPATH=pythonpath()), text=True, timeout=120).stdout
+    ray_help = " ".join(help_text.split("\n  --ray-replicas", 1)[1].split("\n  -", 1)[0].split())
+    assert "1 thread" in ray_help and "replica" in ray_help, ray_help
+
+
 @pytest.mark.parametrize("mode", ["model", "models-dir"])
 def test_the_port_takes_connections_once_listening_is_said(tmp_path, mode):
     """'listening on ...' is the line scripts and supervisors wait for: a connection made the moment it is printed
