@@ -28,6 +28,7 @@ def build_parser(subparsers: dict | None = None) -> argparse.ArgumentParser:
     p = Parser(
         prog="bitnet",
         description="Run BitNet b1.58 ternary language models on the CPU.",
+        epilog="Chat in the terminal: bitchat -m MODEL (its own command; /help inside), or bitnet run -cnv.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     from ..engine import __version__
@@ -207,6 +208,10 @@ def _command(argv: list[str] | None) -> int:
         import shlex
         print(f"bitnet: error: {argv[0]}: a command comes first, as in `bitnet run {shlex.join(argv)}` (`bitnet "
               "--help` lists the commands)", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if argv[:1] == ["chat"]:   # ollama's and llama.cpp users' guess: the chat is its own command
+        print("bitnet: error: chat: there is no `bitnet chat`; chat with `bitchat` (the same model flags, /help "
+              "inside) or `bitnet run -cnv`", file=sys.stderr)
         return EXIT_BAD_INPUT
     if argv[:1] == ["serve"] and "BITNET_ROUTER_PID" not in os.environ:   # (a router's model takes its flags)
         from .flags import llama_env_argv

@@ -32,8 +32,9 @@ from ..chat.commands import FIELD_OF_SETTING, Settings
 from ..chat.render import Output
 from ..engine.fileio import is_terminal
 from . import lossy_stderr, replace_unencodable
-from .flags import (Parser, add_engine_args, add_system_args, apply_chat_template, check_engine_args,
-                    maybe_autocomplete, parse_args_suggesting, sampling_params_from_args, thinking_warnings)
+from .flags import (Parser, add_engine_args, add_lm_head_arg, add_system_args, apply_chat_template,
+                    check_engine_args, maybe_autocomplete, parse_args_suggesting, sampling_params_from_args,
+                    thinking_warnings)
 
 def build_parser() -> argparse.ArgumentParser:
     from ..engine import __version__
@@ -46,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     add_engine_args(p, n_predict_default=Settings().max_tokens)
+    add_lm_head_arg(p)   # the model flags are `bitnet run`'s
     add_system_args(p)
     p.add_argument("--version", action="version", version=f"bitchat {__version__}")
     return p

@@ -167,6 +167,12 @@ def add_engine_args(p: argparse.ArgumentParser, *, n_predict_default: int | None
                    help="prompt lookup: shortest repeated n-gram that proposes a draft (default: 2)%(default).0s")
 
 
+def add_lm_head_arg(p: argparse.ArgumentParser) -> None:
+    """--lm-head of `bitnet run` and bitchat (they share the model flags): the head a conversion of -m gets."""
+    p.add_argument("--lm-head", choices=("q4", "i8", "f16"), default=None,
+                   help="LM head precision when the model gets converted (default: the converter's)%(default).0s")
+
+
 def add_system_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-sys", "--system-prompt", "--system", dest="system", default=None, metavar="TEXT",
                    help="system prompt (default: none)%(default).0s")

@@ -2,8 +2,9 @@
 piece); progress, warnings and --verbose timings go to stderr. Ctrl-C stops generation keeping what was
 printed (exit 130). Flags follow llama.cpp (cli/flags.py); `-cnv` runs the chat on stdin
 as bitchat does; `--json` prints one JSON object per line (text pieces, then the stats) for scripts."""
-from .flags import (RANDOM_SEED, UNTIL_END, add_constraint_args, add_engine_args, add_system_args, apply_chat_template,
-                    check_engine_args, constraint_from_args, escaped, sampling_params_from_args, thinking_warnings)
+from .flags import (RANDOM_SEED, UNTIL_END, add_constraint_args, add_engine_args, add_lm_head_arg, add_system_args,
+                    apply_chat_template, check_engine_args, constraint_from_args, escaped, sampling_params_from_args,
+                    thinking_warnings)
 from .. import simd
 from ..engine.formats.tokenizer import decode_utf8
 
@@ -47,8 +48,7 @@ def add_arguments(p):
                    help="never end at the end-of-text token (only -n, the context or --stop end it)%(default).0s")
     p.add_argument("--stop", "-r", "--reverse-prompt", dest="stop", action="append", default=[],
                    help="stop string (repeatable; llama.cpp's -r)%(default).0s")
-    p.add_argument("--lm-head", choices=("q4", "i8", "f16"), default=None,
-                   help="LM head precision when the model gets converted (default: the converter's)%(default).0s")
+    add_lm_head_arg(p)
     p.add_argument("--json", action="store_true",
                    help='print one JSON object per line: {"text": ...} per piece, then {"done": true, "stats": ...} '
                         '(to make the ANSWER JSON, use -j/--json-schema)%(default).0s')

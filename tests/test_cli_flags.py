@@ -581,3 +581,24 @@ def test_bitnet_debug_shows_the_errors_own_traceback(monkeypatch, capsys):
     assert report_bug("bitnet serve", err) == 70
     out = capsys.readouterr().err
     assert "Traceback" in out and "OverflowError: value too large" in out and "NoneType: None" not in out, out
+
+
+def test_bitnet_chat_points_to_bitchat_and_help_names_it():
+    """`bitnet chat` (ollama's and llama.cpp users' guess) said "invalid choice: 'chat'", and `bitnet --help`
+    never named bitchat: one line pointing to bitchat and `bitnet run -cnv`, exit 2; the help names bitchat."""
+    for argv in (["chat"], ["chat", "-m", "x", "--temp", "0"]):
+        r = bitnet(*argv)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+        assert "bitchat" in lines[0] and "bitnet run -cnv" in lines[0], lines
+    r = bitnet("--help")
+    assert r.returncode == 0 and "bitchat" in r.stdout, r.stdout
+
+
+def test_bitchat_takes_run_s_lm_head(bundled):
+    """README: `bitnet run` and `bitchat` share the model flags; `bitchat --lm-head f16` was "unrecognized
+    arguments". It is the same flag, checked the same way against a converted store's head."""
+    r = run("bitnet_cpu.cli.chat", "-m", bundled, "--lm-head", "q4", "-n", "2", stdin="hi\n")
+    assert r.returncode == 2 and "--lm-head q4" in r.stderr and "f16 head" in r.stderr, r.stderr
+    r = run("bitnet_cpu.cli.chat", "-m", bundled, "--lm-head", "f16", "-n", "2", "--temp", "0", stdin="hi\n")
+    assert r.returncode == 0 and r.stdout.strip(), r.stderr
