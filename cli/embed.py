@@ -6,10 +6,10 @@
 
 The texts are the prompt (-p, or -f FILE; '-' reads stdin) cut at --embd-separator (a newline by default; a file's
 final newline ends its last text rather than starting an empty one). Each runs with BOS through the model and is
-pooled (--pooling: mean of every token, the last token's, or none: every token's own vector) and normalised
-(--embd-normalize, llama.cpp's norms), the numbers `bitnet serve` answers (engine/runtime/embed.py); the texts run
-together through the batching engine. Vectors go to stdout in llama-embedding's formats; a one-line summary goes to
-stderr.
+pooled (--pooling: mean of every token, the last token's, or none: every token's own vector, as it is) and
+normalised (--embd-normalize, llama.cpp's norms; never under none), the numbers `bitnet serve` answers
+(engine/runtime/embed.py); the texts run together through the batching engine. Vectors go to stdout in
+llama-embedding's formats; a one-line summary goes to stderr.
 """
 HELP = ("print sentence embeddings of texts (llama-embedding's poolings, norms and output formats: plain, array, "
         "json, json+, raw)")
@@ -119,15 +119,15 @@ def main(args) -> int:
     import sys
     import time
 
-    import numpy as np
-
     from ..engine.api import load_engine
     from ..engine.formats.convert import stderr_is_terminal
-    from ..engine.runtime.embed import check_normalize, check_pooling, normalized
+    from ..engine.runtime.embed import check_normalize, check_pooling, check_unpooled_norm
     from . import write_stdout
-    from .flags import auto_threads
+    from .flags import auto_threads, given
     check_pooling(args.pooling, "--pooling")
     normalize = check_normalize(args.embd_normalize, "--embd-normalize")
+    # none: every token's row as it is, the numbers of the server's /embedding and LLM.embed (a norm: refused there)
+    check_unpooled_norm(args.pooling, normalize if given(args, "--embd-normalize", 2) else None, "--embd-normalize")
     texts = texts_of(args)
     pooled = args.pooling != "none"
     eng = load_engine(args.model, ctx=args.ctx, threads=auto_threads(args.threads), parallel=min(16, len(texts)),
@@ -148,10 +148,7 @@ def main(args) -> int:
         took = time.perf_counter() - t0
     finally:
         eng.close()
-    if pooled:
-        vectors = list(got)
-    else:   # llama-embedding normalises each token's vector too
-        vectors = [normalized(row.astype(np.float64), normalize) for rows in got for row in rows]
+    vectors = list(got) if pooled else [row for rows in got for row in rows]
     write_stdout(render(vectors, texts, args.embd_output_format, normalize, pooled))
     n_tok = sum(len(t) for t in ids)
     print(f"embed: {len(texts)} text{'s' * (len(texts) != 1)}, {n_tok} tokens, {len(vectors[0])} dimensions, "

@@ -422,14 +422,18 @@ class LLM(_Text):
                          ignore_eos=ignore_eos, lookup=lookup if lookup is not None else self.lookup,
                          constraint=compiled, cancel=cancel)
 
-    def embed(self, texts: str | Sequence[str], *, pooling: str = "mean", normalize: int = 2):
+    def embed(self, texts: str | Sequence[str], *, pooling: str = "mean", normalize: int | None = None):
         """Embeddings [len(texts), hidden] f32 (a str: one row): each text with BOS through the model, the final-norm
-        hidden states pooled -- "mean" (default) or "last" -- and normalised (2: L2; llama.cpp's embd_normalize
-        values), or pooling "none": a list of each text's [tokens, hidden] rows as they are (engine/runtime/embed.py;
-        the same bits as Engine.embed). Raises ContextOverflowError for a text over n_ctx. Leaves the last text in
-        the KV cache."""
-        from .runtime.embed import check_normalize, check_pooling, embed_ids
-        pooling, normalize = check_pooling(pooling), check_normalize(normalize)
+        hidden states pooled -- "mean" (default) or "last" -- and normalised (None: 2, L2; llama.cpp's
+        embd_normalize values), or pooling "none": a list of each text's [tokens, hidden] rows as they are
+        (engine/runtime/embed.py; the same bits as Engine.embed), where a normalize is refused (BitNetError, as the
+        server's 400). Raises ContextOverflowError for a text over n_ctx. Leaves the last text in the KV cache."""
+        from .runtime.embed import NORMALIZE, check_normalize, check_pooling, check_unpooled_norm, embed_ids
+        pooling = check_pooling(pooling)
+        if normalize is not None:
+            check_normalize(normalize)
+        check_unpooled_norm(pooling, normalize)
+        normalize = NORMALIZE if normalize is None else normalize
         all_ids = self.embed_tokens(texts)
         for i, ids in enumerate(all_ids):
             if len(ids) > self.n_ctx:

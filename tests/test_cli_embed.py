@@ -1,7 +1,7 @@
 """`bitnet embed` end to end in a subprocess on the bundled model: every output format (llama-embedding's listing
 with its cosine matrix, array, json, json+, raw) carries the Python API's vectors to the printed precision; texts
 come from -p or -f (a file's final newline ends its last text), cut at --embd-separator; pooling none prints every
-token's vector, each normalised as llama-embedding does; bad input is one line and exit 2."""
+token's vector as it is, as the server's /embedding answers it; bad input is one line and exit 2."""
 import json
 import os
 import subprocess
@@ -75,11 +75,12 @@ def test_the_listing_norms_and_poolings(llm):
     want0 = llm.embed(TEXTS[0], pooling="last", normalize=0)[0]
     assert code == 0 and len(v) == llm.config.hidden_size and max(abs(x) for x in v) == 32760
     assert np.abs(np.array(v) - want0).max() <= 0.5   # "%6.0f"
-    # none: every token's vector, normalised one by one (llama-embedding), first and last three numbers
+    # none: every token's vector as it is, the numbers of `bitnet serve --pooling none`'s /embedding and of
+    # LLM.embed(pooling="none") (docs/usage.md); each row was normalised here (llama-embedding's way), unlike both
     code, out, _ = embed("-p", TEXTS[1], "--pooling", "none", "--embd-output-format", "array")
     rows = llm.embed(TEXTS[1], pooling="none")[0].astype(np.float64)
     assert code == 0
-    assert np.abs(np.array(json.loads(out)) - rows / np.linalg.norm(rows, axis=1, keepdims=True)).max() <= 6e-8
+    assert np.abs(np.array(json.loads(out)) - rows).max() <= 6e-8
     code, out, _ = embed("-p", TEXTS[1], "--pooling", "none")
     listed = [line for line in out.splitlines() if line.startswith("embedding ")]
     assert code == 0 and len(listed) == len(rows) and all(" ... " in line for line in listed)
@@ -125,6 +126,8 @@ def test_cosines_as_llama_embedding_prints_them():
     (("-f", "/nonexistent/texts.txt"), "No such file"),
     (("-p", "a", "--pooling", "cls"), "every text would get the same vector"),
     (("-p", "a", "--embd-normalize", "-2"), "--embd-normalize -2"),
+    # none's rows are never normalised (as the server's /embedding): a norm asked for is refused, not ignored
+    (("-p", "a", "--pooling", "none", "--embd-normalize", "2"), "never normalised"),
     # texts are counted one way in every message, "text N of M" from 1 (the context's error said "input 0")
     (("-p", "word " * 3000), "error: text 1 of 1 has"),
     (("-p", "a\nword word word word", "-c", "2"), "error: text 2 of 2 has"),

@@ -267,6 +267,26 @@ def test_the_engine_s_own_pooling_is_what_a_call_naming_none_gets(synth, llm):
             running_engine(path, threads=1, pooling=bad).__enter__()
 
 
+def test_a_norm_asked_of_pooling_none_is_refused_as_the_server_refuses_it(synth, llm):
+    """LLM.embed(pooling="none", normalize=2) returned the raw rows and dropped normalize without a word, where the
+    server answers the same request 400 "... per-token vectors are never normalised". Both engines now refuse it in
+    the server's words; left out, the rows come as they are."""
+    for kw in ({"normalize": 2}, {"normalize": -1}, {"normalize": 0}):
+        with pytest.raises(BitNetError, match="per-token vectors are never normalised"):
+            llm.embed(TEXTS[:2], pooling="none", **kw)
+    rows = llm.embed(TEXTS[:2], pooling="none")
+    assert len(rows) == 2 and all(r.ndim == 2 for r in rows)
+    assert np.array_equal(llm.embed(TEXTS[:2]), llm.embed(TEXTS[:2], normalize=2))   # pooled: 2 stays the default
+    with running_engine(synth[2]["f16"], threads=1) as eng:
+        with pytest.raises(BitNetError, match="per-token vectors are never normalised"):
+            eng.embed(TEXTS[:2], timeout=120, pooling="none", normalize=2)
+        for got, want in zip(eng.embed(TEXTS[:2], timeout=120, pooling="none"), rows):
+            assert np.array_equal(got, want)
+    with running_engine(synth[2]["f16"], threads=1, pooling="none") as eng:
+        with pytest.raises(BitNetError, match="per-token vectors are never normalised"):
+            eng.embed(TEXTS[:2], timeout=120, normalize=1)
+
+
 def _until_idle(eng, seconds=300):
     deadline = time.monotonic() + seconds
     while eng.metrics()["running"] + eng.metrics()["waiting"] and time.monotonic() < deadline:

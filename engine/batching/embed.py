@@ -15,7 +15,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ..errors import BitNetError, token_ids
-from ..runtime.embed import NORMALIZE, POOLING, Pool, check_normalize, check_pooling
+from ..runtime.embed import NORMALIZE, POOLING, Pool, check_normalize, check_pooling, check_unpooled_norm
 from ..runtime.sampling import SamplingParams
 from .stream import OneShot, Stream, checked_timeout
 
@@ -82,6 +82,9 @@ class Embeddings:
         when max_queue requests wait (the request counts as one, whatever its n). pooling / normalize: as
         engine/runtime/embed.py's check_pooling / check_normalize take them (None: the engine's own)."""
         pooling = check_pooling(self.pooling if pooling is None else pooling)
+        if normalize is not None:
+            check_normalize(normalize)
+            check_unpooled_norm(pooling, normalize)   # asked of rows that are never normalised: said, not dropped
         normalize = check_normalize(self.embd_normalize if normalize is None else normalize)
         vocab, dim = self.config.vocab_size, self.config.hidden_size
         if texts is None or isinstance(texts, (str, bytes)) or not hasattr(texts, "__iter__"):

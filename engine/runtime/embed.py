@@ -61,6 +61,16 @@ def check_normalize(p, name: str = "embd_normalize", json_terms: bool = False) -
     return p
 
 
+def check_unpooled_norm(pooling: str, normalize, name: str = "normalize") -> None:
+    """Pooling none gives each token's row as the model computed it, never normalised (llama-server's /embedding
+    under --pooling none; `bitnet serve` answers an embd_normalize there with a 400): a norm asked for with it
+    (normalize not None) is refused in those words, not dropped without a word."""
+    from ..errors import BitNetError
+    if pooling == "none" and normalize is not None:
+        raise BitNetError(f"{name}: pooling none's per-token vectors are never normalised",
+                          hint=f"leave {name} out, or pool the text (mean, last)")
+
+
 def normalized(v: np.ndarray, p: int) -> np.ndarray:
     """v (float64) scaled as llama.cpp's common_embd_normalize(v, p) scales it (the sum in double), as float32; a zero
     vector stays zero."""
