@@ -5,6 +5,7 @@
   at least 9 exact (the shipped model: 98.25% exact in chat form, 99.35% bare; see models/README.md);
 - a story prompt continues with dictionary words (>= 90% of the words are in the corpus grammar's words);
 - `bitchat` (piped) answers a greeting and "who are you" in a friendly, on-topic way;
+- models/README.md's greedy samples are what `bitnet run --kv f32` prints, and the default cache's one flip is shown;
 - the shipped store is what converting the shipped HF directory gives (tensors and metadata: a converter that
   records more must regenerate it), and it is <= 25 MB.
 """
@@ -131,3 +132,42 @@ def test_kv_q8_answers_and_stays_near_f16_over_long_generations(capsys):
         lp -= np.log(np.exp(lp).sum(-1, keepdims=True))
         ppl[kv] = float(np.exp(-lp[np.arange(256), ids[-256:]].mean()))
     assert abs(ppl["q8"] / ppl["f16"] - 1) < 0.01, ppl
+
+
+def _readme_samples(text: str) -> tuple[str, list[tuple[str, str]]]:
+    """models/README.md's samples: (the heading line, [(prompt, the text shown, whitespace folded)])."""
+    head = next(line for line in text.splitlines() if line.startswith("Samples (greedy"))
+    block = text.split(head, 1)[1].split("```", 2)[1]
+    samples: list[list[str]] = []
+    for line in block.splitlines():
+        if not line.strip():
+            continue
+        if line.startswith("->"):
+            samples[-1][1] += line[2:]
+        elif line[0].isspace():
+            samples[-1][1] += " " + line
+        else:
+            prompt, _, shown = line.partition(" -> ")
+            samples.append([prompt.strip(), shown])
+    return head, [(p, " ".join(s.split())) for p, s in samples]
+
+
+def test_the_readme_samples_are_what_the_cli_prints():
+    """models/README.md's greedy samples (models/evaluate.py's f32 reference) are what `bitnet run --temp 0 --kv f32`
+    prints, and where the default f16 KV cache flips a near tie (the story after "Daisy."), the README shows what
+    the default prints too: a user comparing `bitnet run` with the README thought something was wrong."""
+    text = open(os.path.join(ROOT, "models", "README.md"), encoding="utf-8").read()
+    head, samples = _readme_samples(text)
+    assert "--kv f32" in head and len(samples) >= 9, (head, samples)
+    folded = " ".join(text.split())
+    for prompt, shown in samples:
+        user = prompt.startswith("User: ")
+        argv = ["--chat", "-p", prompt[len("User: "):]] if user else ["-p", prompt.replace("<|begin_of_text|>", "")]
+        want = shown.removesuffix("...").strip()
+        reference = " ".join(bitnet_run(*argv, "-n", "120", "--temp", "0", "--kv", "f32").split())
+        assert reference.startswith(want), (prompt, reference, want)
+        default = " ".join(bitnet_run(*argv, "-n", "120", "--temp", "0").split())
+        if not default.startswith(want):   # the README must show the default's text up to a few words past the flip
+            n = next(i for i, (a, b) in enumerate(zip(default, want)) if a != b)
+            upto = " ".join(default[:n].split() + default[n:].split()[:6])
+            assert upto in folded, (prompt, upto)
