@@ -7,7 +7,7 @@
 The texts are the prompt (-p, or -f FILE; '-' reads stdin) cut at --embd-separator (a newline by default; a file's
 final newline ends its last text rather than starting an empty one). Each runs with BOS through the model and is
 pooled (--pooling: mean of every token, the last token's, or none: every token's own vector, as it is) and
-normalised (--embd-normalize, llama.cpp's norms; never under none), the numbers `bitnet serve` answers
+normalised (--embd-normalize, llama.cpp's norms; under none only when given, each row as llama-embedding), the numbers `bitnet serve` answers
 (engine/runtime/embed.py); the texts run together through the batching engine. Vectors go to stdout in
 llama-embedding's formats; a one-line summary goes to stderr.
 """
@@ -121,13 +121,16 @@ def main(args) -> int:
 
     from ..engine.api import load_engine
     from ..engine.formats.convert import stderr_is_terminal
-    from ..engine.runtime.embed import check_normalize, check_pooling, check_unpooled_norm
+    import numpy as np
+
+    from ..engine.runtime.embed import check_normalize, check_pooling, normalized
     from . import write_stdout
     from .flags import auto_threads, given
     check_pooling(args.pooling, "--pooling")
     normalize = check_normalize(args.embd_normalize, "--embd-normalize")
-    # none: every token's row as it is, the numbers of the server's /embedding and LLM.embed (a norm: refused there)
-    check_unpooled_norm(args.pooling, normalize if given(args, "--embd-normalize", 2) else None, "--embd-normalize")
+    # none: every token's row as it is, the numbers of the server's /embedding and LLM.embed; a norm given here
+    # normalises each row, as llama-embedding does (the server and LLM.embed refuse one)
+    row_norm = normalize if args.pooling == "none" and given(args, "--embd-normalize", 2) else None
     texts = texts_of(args)
     pooled = args.pooling != "none"
     eng = load_engine(args.model, ctx=args.ctx, threads=auto_threads(args.threads), parallel=min(16, len(texts)),
@@ -149,6 +152,8 @@ def main(args) -> int:
     finally:
         eng.close()
     vectors = list(got) if pooled else [row for rows in got for row in rows]
+    if row_norm is not None:
+        vectors = [normalized(row.astype(np.float64), row_norm) for row in vectors]
     write_stdout(render(vectors, texts, args.embd_output_format, normalize, pooled))
     n_tok = sum(len(t) for t in ids)
     print(f"embed: {len(texts)} text{'s' * (len(texts) != 1)}, {n_tok} tokens, {len(vectors[0])} dimensions, "

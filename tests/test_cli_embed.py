@@ -84,6 +84,10 @@ def test_the_listing_norms_and_poolings(llm):
     code, out, _ = embed("-p", TEXTS[1], "--pooling", "none")
     listed = [line for line in out.splitlines() if line.startswith("embedding ")]
     assert code == 0 and len(listed) == len(rows) and all(" ... " in line for line in listed)
+    # a norm given with none normalises each row, as llama-embedding does (the server and LLM.embed refuse one)
+    code, out, _ = embed("-p", TEXTS[1], "--pooling", "none", "--embd-normalize", "2", "--embd-output-format", "array")
+    unit = rows / np.linalg.norm(rows, axis=1, keepdims=True)
+    assert code == 0 and np.abs(np.array(json.loads(out)) - unit).max() <= 6e-8
 
 
 def test_escapes_in_p_as_llama_embedding(llm, tmp_path):
@@ -127,7 +131,6 @@ def test_cosines_as_llama_embedding_prints_them():
     (("-p", "a", "--pooling", "cls"), "every text would get the same vector"),
     (("-p", "a", "--embd-normalize", "-2"), "--embd-normalize -2"),
     # none's rows are never normalised (as the server's /embedding): a norm asked for is refused, not ignored
-    (("-p", "a", "--pooling", "none", "--embd-normalize", "2"), "never normalised"),
     # texts are counted one way in every message, "text N of M" from 1 (the context's error said "input 0")
     (("-p", "word " * 3000), "error: text 1 of 1 has"),
     (("-p", "a\nword word word word", "-c", "2"), "error: text 2 of 2 has"),
