@@ -517,8 +517,10 @@ class MessageBuilder:
         self.open_text = False
         return [self._event("content_block_stop", index=len(self.content) - 1)]
 
-    def finish(self, final, usage: dict) -> list[str]:
-        """The end, from the answer's final Chunk (its reason and Stats); usage: the chat pipeline's counts."""
+    def finish(self, final, usage: dict, cut_by: str | None = None) -> list[str]:
+        """The end, from the answer's final Chunk (its reason and Stats); usage: the chat pipeline's counts;
+        cut_by: "shutdown" for an answer a stopping server's drain cut short, said in the last event
+        (message_stop), as OpenAI's stream says it."""
         finish_reason, st = final.finish_reason, final.stats
         n_generated, n_cached = usage["completion_tokens"], st.n_cached if st is not None else 0
         stop_word = st.stop_word if st is not None else None
@@ -542,7 +544,7 @@ class MessageBuilder:
                                                          "stop_sequence": self.stop_sequence},
                                  usage={k: u[k] for k in ("input_tokens", "cache_read_input_tokens",
                                                           "output_tokens")}),
-                     self._event("message_stop")]
+                     self._event("message_stop", **({"cut_by": cut_by} if cut_by else {}))]
 
     def fail(self, message: str, status: int = 500) -> list[str]:
         return [self._event("error", error=anthropic_error_body(status, message)["error"])]

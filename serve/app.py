@@ -1019,7 +1019,8 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
                     yield e
                 if ch.finish_reason is not None:
                     usage, _ = timer.done(n_prompt, got.finals)
-                    for e in out.finish(ch, usage):
+                    # cut short by a stopping server's drain: its last event says so (as the chat stream's)
+                    for e in out.finish(ch, usage, cut_by="shutdown" if getattr(stream, "ended_now", False) else None):
                         yield e
                     return
         finally:

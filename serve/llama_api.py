@@ -357,6 +357,8 @@ def register(app, state, ready, api_error: type, pipe, *, sampling=None):
                             timer.done(len(ids), got.finals)
                             obj = final(ch.text or "", got.tokens[0][sent_tokens:], got.logprobs[0][sent:], ch.stats,
                                         "".join(got.texts[0]))
+                            if getattr(streams[0], "ended_now", False):   # cut short by a stopping server's drain
+                                obj["cut_by"] = "shutdown"
                             yield "data: " + json.dumps(obj, ensure_ascii=False) + "\n\n"
                             return
                         if ch.text or ch.token is not None:

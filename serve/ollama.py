@@ -544,6 +544,8 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
                         obj["logprobs"] = lp_list(said.items[sent:])
                     if extra_final:
                         obj.update(extra_final(answered(eng, tokens, "".join(shown), final)))
+                    if getattr(stream, "ended_now", False):   # done_reason "stop", but cut short by a stopping
+                        obj["cut_by"] = "shutdown"            # server's drain: a client can tell (as OpenAI's SSE)
                     yield json.dumps(obj, ensure_ascii=False) + "\n"
                 finally:
                     if final is None:

@@ -513,9 +513,12 @@ class ResponseBuilder:
         ev.append(self._event("response.output_item.done", output_index=i, item=item))
         return ev
 
-    def finish(self, final, usage: dict) -> list[str]:
+    def finish(self, final, usage: dict, cut_by: str | None = None) -> list[str]:
         """The end, from the answer's final Chunk: completed, or incomplete (max_output_tokens or the context, or a
-        stop string inside a call or a text.format answer). usage: the chat pipeline's counts."""
+        stop string inside a call or a text.format answer). usage: the chat pipeline's counts; cut_by: "shutdown"
+        for an answer a stopping server's drain cut short, said in the last event, as OpenAI's chat stream says
+        it."""
+        said = {"cut_by": cut_by} if cut_by else {}
         cut = final.finish_reason in ("length", "context")
         n_cached = final.stats.n_cached if final.stats is not None else 0
         ev, thinking = [], self.splitter is not None and self.splitter.mode == "think"
@@ -543,9 +546,9 @@ class ResponseBuilder:
                       "total_tokens": usage["total_tokens"]}
         if cut:
             self.status, self.incomplete = "incomplete", {"reason": "max_output_tokens"}
-            return ev + [self._event("response.incomplete", response=self.result())]
+            return ev + [self._event("response.incomplete", response=self.result(), **said)]
         self.status = "completed"
-        return ev + [self._event("response.completed", response=self.result())]
+        return ev + [self._event("response.completed", response=self.result(), **said)]
 
     def _answer_cut(self) -> bool:
         """Whether the answer, being JSON of a format, is no whole value (a function call instead: the calls'

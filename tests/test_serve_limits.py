@@ -1222,3 +1222,66 @@ def test_api_key_file_comment_after_a_key_and_a_key_with_a_space(tmp_path):
                        env=dict(os.environ, PYTHONPATH=pythonpath()), capture_output=True, text=True, timeout=60)
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1 and "line 3" in lines[0] and "secret" not in r.stderr, r.stderr
+
+
+# each streaming API's request for a long answer: (path, body); the slow model on one thread takes seconds for it
+DRAIN_CUT_STREAMS = {
+    "ollama generate": ("/api/generate", {"prompt": "a", "raw": True,
+                                          "options": {"num_predict": 4000, "temperature": 0}}),
+    "ollama chat": ("/api/chat", {"messages": [{"role": "user", "content": "a"}],
+                                  "options": {"num_predict": 4000, "temperature": 0}}),
+    "anthropic": ("/v1/messages", {"messages": [{"role": "user", "content": "a"}], "max_tokens": 4000,
+                                   "ignore_eos": True, "stream": True}),
+    "responses": ("/v1/responses", {"input": "a", "max_output_tokens": 4000, "ignore_eos": True, "stream": True}),
+    "llama-server": ("/completion", {"prompt": "a", "n_predict": 4000, "ignore_eos": True, "stream": True}),
+}
+
+
+def test_every_apis_stream_cut_by_the_drain_says_so(tmp_path_factory):
+    """Streams of every API cut short by a stopping server's drain: ollama's ended with {"done": true,
+    "done_reason": "stop"} and nothing else, so a client took the cut answer for a finished one (OpenAI's stream
+    said "cut_by": "shutdown", as documented). Each API's last event says it now: ollama's done line, Anthropic's
+    message_stop, the Responses API's response.completed, llama-server's stop event."""
+    import signal
+    s = Server("-m", slow_model(tmp_path_factory), "-c", "4096", "--parallel", str(len(DRAIN_CUT_STREAMS)),
+               "--drain-timeout", "1", threads=1)
+    events = {name: [] for name in DRAIN_CUT_STREAMS}
+    started = {name: threading.Event() for name in DRAIN_CUT_STREAMS}
+
+    def read(name):
+        path, body = DRAIN_CUT_STREAMS[name]
+        try:
+            with httpx.stream("POST", s.url + path, timeout=120, json={"model": "slow", "temperature": 0, **body}) as r:
+                for ln in r.iter_lines():
+                    ln = ln.removeprefix("data: ")
+                    if ln.startswith("{"):
+                        events[name].append(json.loads(ln))
+                        if len(events[name]) >= 5:
+                            started[name].set()
+        finally:
+            started[name].set()
+    readers = [threading.Thread(target=read, args=(name,)) for name in DRAIN_CUT_STREAMS]
+    try:
+        with httpx.stream("POST", s.url + "/api/generate", timeout=120, json={
+                "model": "slow", "prompt": "a", "raw": True, "options": {"num_predict": 3, "temperature": 0}}) as r:
+            whole = [json.loads(ln) for ln in r.iter_lines() if ln.strip()]
+        assert whole[-1]["done"] is True and "cut_by" not in whole[-1], whole[-1]   # an end of its own: no cut
+        for t in readers:
+            t.start()
+        for e in started.values():
+            assert e.wait(120)
+        s.proc.send_signal(signal.SIGTERM)
+        for t in readers:
+            t.join(120)
+    finally:
+        rc, err = s.stop(timeout=60)
+    assert rc == 0, err[-2000:]
+    for name, got in events.items():
+        last = got[-1]
+        assert last.get("cut_by") == "shutdown", (name, last)
+        assert not any("cut_by" in e for e in got[:-1]), name
+    assert events["ollama generate"][-1]["done_reason"] == "stop"
+    assert events["ollama chat"][-1]["done"] is True
+    assert events["anthropic"][-1]["type"] == "message_stop"
+    assert events["responses"][-1]["type"] == "response.completed"
+    assert events["llama-server"][-1]["stop"] is True
