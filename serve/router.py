@@ -176,6 +176,48 @@ def _listening_socket() -> socket.socket:
     return s
 
 
+class Reserve:
+    """The descriptors starting a model's process takes (its listening socket, its log file, /dev/null for its
+    stdin, and two spare ones for Popen's pipe to its child), held from before room is made for it."""
+
+    def __init__(self, log_path: str):
+        self.log_path = log_path
+        self.sock: socket.socket | None = None
+        self.log = None
+        self.devnull: int | None = None
+        self.spare: tuple[int, ...] = ()
+
+    def take(self):
+        self.sock = _listening_socket()
+        self.log = open(self.log_path, "wb")
+        self.devnull = os.open(os.devnull, os.O_RDONLY)
+        self.spare = os.pipe()
+
+    def spare_free(self):
+        for fd in self.spare:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.spare = ()
+
+    def close(self):
+        self.spare_free()
+        if self.devnull is not None:
+            with contextlib.suppress(OSError):
+                os.close(self.devnull)
+            self.devnull = None
+        for f in (self.log, self.sock):
+            if f is not None:
+                with contextlib.suppress(OSError):
+                    f.close()
+        self.log = self.sock = None
+
+    def discard(self):
+        """Unused (or its start failed): closed, and its log file, empty, removed."""
+        self.close()
+        with contextlib.suppress(OSError):
+            os.remove(self.log_path)
+
+
 class Child:
     """A model's process and what the router knows of it."""
 
@@ -482,16 +524,22 @@ class Router:
             self.cond.notify_all()
 
     # ---- loading and unloading ------------------------------------------------------------------------------
-    async def acquire(self, spec: ModelSpec, load: bool = True) -> Child:
+    async def acquire(self, spec: ModelSpec, load: bool = True,
+                      admitted: Callable[[Child], None] | None = None) -> Child:
         """The model's process, ready, with this request counted on it (release() it). Loads the model if
         `load`, first unloading the least recently used idle one when `models_max` are loaded; waits (up to the
-        load timeout) while every loaded model is busy."""
+        load timeout) while every loaded model is busy. `admitted(c)`: called once the request has its model's
+        process, before the wait for its load (a request's keep_alive: an unload asked during that wait is
+        later, and wins)."""
         deadline = time.monotonic() + self.load_timeout
         async with self.cond:
             ticket = object()   # its place in room_queue once it waits for room
+            held: list[Reserve] = []   # what starting its model's process takes, once it makes room for it
             try:
-                c = await self._admit(spec, load, deadline, ticket)
+                c = await self._admit(spec, load, deadline, ticket, held)
             finally:
+                for r in held:   # not used: the model came another way, or this request gave up
+                    r.discard()
                 if ticket in self.room_queue:
                     self.room_queue.remove(ticket)
                     if not self.room_queue:   # nobody waits for room (any more): every model takes requests
@@ -499,6 +547,8 @@ class Router:
                             x.yielding = False
                     self.cond.notify_all()   # the next in the queue may act
             c.active += 1
+            if admitted is not None:
+                admitted(c)
         try:
             await asyncio.wait_for(asyncio.shield(c.ready), max(0.0, deadline - time.monotonic()))
         except asyncio.TimeoutError:
@@ -510,10 +560,12 @@ class Router:
             raise
         return c
 
-    async def _admit(self, spec: ModelSpec, load: bool, deadline: float, ticket) -> Child:
+    async def _admit(self, spec: ModelSpec, load: bool, deadline: float, ticket, held: list) -> Child:
         """acquire()'s wait, the condition held: the model's process once this request may use it. A request that
         needs room (its model not loaded) joins room_queue with its ticket, and only the queue's first makes room
-        and loads, in the order they came (acquire() takes the ticket out)."""
+        and loads, in the order they came (acquire() takes the ticket out). What starting its model's process takes
+        (a Reserve, in `held`) is taken before an idle model is unloaded for it, and held while that one exits: a start
+        that cannot proceed for want of descriptors unloads nothing (acquire() discards one left unused)."""
         while True:
             if self.draining:
                 raise RouterError(503, "shutting down", "unavailable", retry_after=self.retry_after)
@@ -541,12 +593,14 @@ class Router:
                 pass   # others came first for room: after them
             # a model still exiting holds its memory: it counts until it has gone
             elif len(self.children) + len(self.ending) < self.models_max:
-                c = self._spawn(spec)
+                c = self._spawn(spec, held.pop() if held else self._reserve(spec))
                 break
             else:
                 idle = [x for x in self.children.values() if x.active == 0 and not x.stopping]
                 if idle and len(self.children) >= self.models_max:   # one victim: not every idle model while
                     victim = min(idle, key=lambda x: x.last_used)      # the first one is still exiting
+                    if not held:   # raises (out of descriptors) before the victim goes
+                        held.append(self._reserve(spec))
                     self._stop(victim, "room")
                     continue
                 busy = [x for x in self.children.values() if not x.stopping]
@@ -582,20 +636,54 @@ class Router:
                     self._stop(c, "request" if c.unload_asked else "keep_alive")
             self.cond.notify_all()
 
-    def _spawn(self, spec: ModelSpec) -> Child:
+    def _start_failed(self, spec: ModelSpec, e: OSError) -> RouterError:
+        """What a request is told when its model's process could not be started: out of descriptors or processes
+        (EMFILE / ENFILE, EAGAIN from fork, ENOMEM), the router's own state: 503 out_of_resources + Retry-After, as
+        the connect to a running process says it; else a 500 saying why. One log line either way, never a
+        traceback."""
+        hint = {errno.EMFILE: "raise ulimit -n or lower --max-connections",
+                errno.ENFILE: "the system's open-files table is full",
+                errno.EAGAIN: "the process limit is reached (ulimit -u)",
+                errno.ENOMEM: "out of memory"}.get(e.errno)
+        why = os.strerror(e.errno).lower() if e.errno else type(e).__name__
+        self.log(f"{why} starting model '{spec.name}' ({type(e).__name__}: {e})" + (f"; {hint}" if hint else ""))
+        if hint is not None:
+            return RouterError(503, f"the server is out of resources ({why}); retry later", "out_of_resources",
+                               retry_after=self.retry_after)
+        return RouterError(500, f"model '{spec.name}' could not be started: {why}", "load_failed", "model")
+
+    def _reserve(self, spec: ModelSpec) -> "Reserve":
+        """What starting the model's process takes of the router's descriptors, taken now: before an idle model is
+        unloaded to make room, so a start that cannot proceed for want of them unloads nothing (a working model was
+        stopped, then the start failed, and nothing was loaded). Raises the start's RouterError."""
         # numbered: the name alone, made safe for a file, is not unique ("x y" and "x_y"; every two-character
         # name of another script), and two loads then wrote one file, each reading the other's load error
         self.spawned += 1
         log_path = os.path.join(self.logdir, f"{self.spawned}-{re.sub(r'[^A-Za-z0-9._-]', '_', spec.name)}.log")
-        with _listening_socket() as sock, open(log_path, "wb") as log:
-            port = sock.getsockname()[1]
+        r = Reserve(log_path)
+        try:
+            r.take()
+        except OSError as e:
+            r.discard()
+            raise self._start_failed(spec, e) from None
+        return r
+
+    def _spawn(self, spec: ModelSpec, r: "Reserve") -> Child:
+        """Start the model's process with what `r` holds (closed here, whatever happens)."""
+        try:
+            port = r.sock.getsockname()[1]
+            r.spare_free()   # Popen's own pipe to its child takes these two
             # BITNET_ROUTER_PID: the process ends itself when this one dies, even by SIGKILL; BITNET_LISTEN_FD: it
             # serves on this socket, inherited (cli/serve.py); the router's copy closes once the process has it
-            proc = subprocess.Popen(self.command(spec, port, self.key_file), stdin=subprocess.DEVNULL, stdout=log,
-                                    stderr=subprocess.STDOUT, pass_fds=(sock.fileno(),),
+            proc = subprocess.Popen(self.command(spec, port, self.key_file), stdin=r.devnull, stdout=r.log,
+                                    stderr=subprocess.STDOUT, pass_fds=(r.sock.fileno(),),
                                     env=dict(os.environ, BITNET_ROUTER_PID=str(os.getpid()),
-                                             BITNET_LISTEN_FD=str(sock.fileno())))
-        c = Child(spec, proc, port, log_path)
+                                             BITNET_LISTEN_FD=str(r.sock.fileno())))
+        except OSError as e:   # fork's EAGAIN (the process table), ENOMEM: said, never a traceback
+            r.discard()
+            raise self._start_failed(spec, e) from None
+        r.close()
+        c = Child(spec, proc, port, r.log_path)
         c.keep_alive = self.keep_alive
         self.children[spec.name] = c
         self.count("loads", spec.name)
@@ -726,7 +814,8 @@ class Router:
             c.ready.exception()
 
     async def _reap(self):
-        """Unload idle models past their keep_alive; forget processes that exited."""
+        """Unload idle models past their keep_alive; forget processes that exited (one that drained and exited 0
+        while the router stops is no unexpected exit: neither said nor counted as one)."""
         while True:
             await asyncio.sleep(0.25)
             now = time.monotonic()
@@ -735,7 +824,9 @@ class Router:
                     if c.stopping:
                         continue
                     if c.proc.poll() is not None and c.ready.done():
-                        self._forget(c, "exited")
+                        # a stopping router told it to drain (SIGTERM): its exit 0 is that drain's end, no crash
+                        drained = self.draining and c.proc.returncode == 0
+                        self._forget(c, "shutdown" if drained else "exited")
                         self.cond.notify_all()
                     elif c.active == 0 and c.ready.done() and now >= c.expires:
                         self._stop(c, "request" if c.unload_asked else "keep_alive")
@@ -1290,17 +1381,23 @@ def create_router_app(router: Router, *, api_keys: tuple = (), limits: Limits | 
                 piece = {"response": ""} if path == "/api/generate" else {"message": {"role": "assistant",
                                                                                        "content": ""}}
                 return {"model": spec.name, "created_at": utc_iso(), **piece, "done": True, "done_reason": "unload"}
+        def set_keep_alive(c: Child):
+            """ollama's: each request sets how long its model stays once idle, the default where it names none (a
+            keep_alive 0 stayed in force for every later request); set when the request is admitted, before its
+            model has loaded: an unload asked meanwhile came later and wins (it was overwritten once the load was
+            done, and the model stayed loaded for ever). A request after an unload keeps the model, as its
+            keep_alive says."""
+            c.keep_alive = router.keep_alive if keep_alive is None else keep_alive
+            c.unload_asked = False
+
         asked = time.monotonic()
         for attempt in range(2):
             try:   # a client gone while its model waits for room (or loads) takes its place in the queue with it
                 c = await unless_gone(router.acquire(spec, load=request.method == "POST" and any(
-                    "POST" in m for m in methods)), request, lost=router.release)
+                    "POST" in m for m in methods), admitted=set_keep_alive if request.method == "POST" else None),
+                    request, lost=router.release)
             except ClientGone:
                 return Response(status_code=499)
-            if request.method == "POST":   # ollama's: each request sets how long its model stays once idle, the
-                # default where it names none (a keep_alive 0 stayed in force for every later request)
-                c.keep_alive = router.keep_alive if keep_alive is None else keep_alive
-                c.unload_asked = False   # (a request after an unload keeps it, as its keep_alive says)
             if attempt == 0:
                 router.count("requests", spec.name)
             headers = [(k, v) for k, v in request.headers.raw if k.lower() not in REQUEST_DROP]

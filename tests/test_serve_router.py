@@ -1778,3 +1778,149 @@ def test_a_router_out_of_descriptors_says_so_and_never_blames_the_model(tmp_path
         assert b"retry-after:" in head.lower() and json.loads(rest)["error"]["code"] == "out_of_resources", a[:500]
     assert "too many open files connecting to model 'tiny'" in err, err[-2000:]
     assert "Traceback" not in err, err[-2000:]
+
+
+def test_a_model_that_cannot_be_started_for_want_of_descriptors_is_a_503_and_unloads_nothing(tmp_path):
+    """The router near its open-files limit (lowered on the running process, as prlimit does), a request for a
+    model not loaded: starting its process failed with EMFILE, a plain-text 500 with a traceback in the log; and
+    with --models-max 1 the idle loaded model was unloaded for room first, so nothing was loaded after. Now it is
+    the 503 out_of_resources + Retry-After in each API's shape, one log line, and the loaded model stays."""
+    import resource
+
+    for name in ("alpha", "beta"):
+        shutil.copy(os.path.join(ROOT, "models", "default.bnstore"), tmp_path / f"{name}.bnstore")
+    s = Server("--models-dir", str(tmp_path), "--models-max", "1", "-c", "1024", threads=1)
+    answers = []
+    try:
+        assert chat_text(s.url, "alpha")["model"] == "alpha"
+        (kid,) = children_of(s.proc.pid)
+        soft, hard = resource.prlimit(s.proc.pid, resource.RLIMIT_NOFILE)
+        n = len(os.listdir(f"/proc/{s.proc.pid}/fd"))
+        resource.prlimit(s.proc.pid, resource.RLIMIT_NOFILE, (n + 2, hard))   # the connection, and one more
+        try:
+            answers.append(post(s.url, "/api/generate", {"model": "beta", "prompt": "hi", "stream": False}))
+            answers.append(post(s.url, "/v1/chat/completions", {"model": "beta", "messages": CHAT,
+                                                                "max_tokens": 2}))
+        finally:
+            resource.prlimit(s.proc.pid, resource.RLIMIT_NOFILE, (soft, hard))
+        assert alive(kid) and children_of(s.proc.pid) == [kid]   # alpha was not stopped for nothing
+        assert loaded(s.url) == {"alpha"}
+        assert 'reason="room"' not in httpx.get(s.url + "/metrics", timeout=30).text
+        assert chat_text(s.url, "beta")["model"] == "beta"   # descriptors back: it loads
+    finally:
+        code, err = s.stop()
+    ollama, openai = answers
+    for r in answers:
+        assert r.status_code == 503 and r.headers.get("retry-after"), (r.status_code, r.text, err[-2000:])
+        assert r.headers["content-type"].startswith("application/json"), r.headers
+    assert ollama.json() == {"error": ollama.json()["error"]} and "out of resources" in ollama.json()["error"]
+    assert openai.json()["error"]["code"] == "out_of_resources", openai.text
+    said = [ln for ln in err.splitlines() if "starting model 'beta'" in ln]
+    assert len(said) == 2 and all("too many open files" in ln for ln in said), err[-2000:]
+    assert "Traceback" not in err, err[-3000:]
+
+
+# a model process whose load waits for its file's "FILE.ok" (the test says when it is loaded), then answers every
+# POST with one ollama answer; its /health says 503 until then
+LOADS_WHEN_OK = """
+import http.server, json, os, socket, sys
+class Model(http.server.BaseHTTPRequestHandler):
+    def answer(self, status, body):
+        self.send_response(status)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+    def do_GET(self):
+        self.answer(200 if os.path.exists(sys.argv[1] + ".ok") else 503, b"{}")
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("content-length") or 0))
+        self.answer(200, json.dumps({"model": "m", "response": "x", "done": True}).encode())
+    def log_message(self, *a):
+        pass
+srv = http.server.HTTPServer(("127.0.0.1", 0), Model, bind_and_activate=False)
+srv.socket = socket.socket(fileno=int(os.environ["BITNET_LISTEN_FD"]))
+srv.serve_forever()
+"""
+
+
+@pytest.mark.parametrize("unload", ["ollama", "llama-server"])
+def test_an_unload_asked_while_the_model_loads_for_an_earlier_request_wins(tmp_path, unload):
+    """A request that loads a model, then an unload (ollama's empty request with keep_alive 0, or POST
+    /models/unload) while that load goes on: the unload answered "unload" / success, then the first request, once
+    its model had loaded, set its own keep_alive over it, and the model stayed loaded for ever. The latest request's
+    keep_alive wins (ollama's rule): the model is unloaded once the first request has ended."""
+    import asyncio
+
+    from bitnet_cpu.serve.router import ModelSpec, Router, create_router_app
+    path = tmp_path / "m.bnstore"
+    path.write_bytes(b"x")
+    spec = ModelSpec("m", str(path), size=1, modified=path.stat().st_mtime)
+    lines: list[str] = []
+
+    async def scenario():
+        router = Router(lambda: {"m": spec}, fake_model_command(LOADS_WHEN_OK), log=lines.append)
+        app = create_router_app(router)
+        await router.start()
+        try:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router",
+                                         timeout=60 * slowness()) as client:
+                first = asyncio.ensure_future(client.post("/api/generate", json={"model": "m", "prompt": "hi",
+                                                                                 "stream": False}))
+                deadline = time.monotonic() + 30 * slowness()
+                while not ("m" in router.children and router.children["m"].active == 1):   # admitted, loading
+                    assert time.monotonic() < deadline and not first.done(), "never admitted"
+                    await asyncio.sleep(0.01)
+                assert router.status("m") == "loading"
+                if unload == "ollama":
+                    u = await client.post("/api/generate", json={"model": "m", "keep_alive": 0})
+                    assert u.status_code == 200 and u.json()["done_reason"] == "unload", u.text
+                else:
+                    u = await client.post("/models/unload", json={"model": "m"})
+                    assert u.status_code == 200 and u.json() == {"success": True}, u.text
+                (tmp_path / "m.bnstore.ok").write_text("")   # its load ends now
+                r = await first
+                assert r.status_code == 200 and r.json()["done"] is True, r.text
+                deadline = time.monotonic() + 30 * slowness()
+                while "m" in router.children and time.monotonic() < deadline:
+                    await asyncio.sleep(0.02)
+                return router.status("m"), dict(router.counts)
+        finally:
+            await router.close()
+    status, counts = asyncio.run(scenario())
+    assert status == "unloaded", lines
+    assert counts.get(("unloads", "m", "request")) == 1, counts
+
+
+def test_a_model_that_drains_and_exits_while_the_router_stops_is_no_crash(tmp_path_factory):
+    """SIGTERM with one model idle and another streaming: the idle one's process drains at once and exits 0 while
+    the router waits for the stream, and the router said "'alpha': its process exited with code 0", its line for a
+    crash, and counted an unload "exited". It is the drain's normal end: not said so. The stream, cut by the drain,
+    ends in ollama's shape with "cut_by": "shutdown" through the router too."""
+    import json
+
+    from serve_proc import slow_model
+    slow = slow_model(tmp_path_factory)
+    d = tmp_path_factory.mktemp("drain-models")
+    for name in ("alpha", "beta"):
+        shutil.copy(slow, d / f"{name}.bnstore")
+    s = Server("--models-dir", str(d), "--models-max", "2", "-c", "4096", "--drain-timeout", "3", threads=1)
+    events = []
+    try:
+        r = post(s.url, "/api/generate", {"model": "alpha", "prompt": "a", "stream": False,
+                                          "options": {"num_predict": 2}})
+        assert r.status_code == 200, r.text
+        with httpx.stream("POST", s.url + "/api/generate", timeout=60 * slowness(), json={
+                "model": "beta", "prompt": "a", "raw": True, "options": {"num_predict": 4000, "temperature": 0}}) as r:
+            for ln in r.iter_lines():
+                if ln.strip():
+                    events.append(json.loads(ln))
+                    if len(events) == 5:
+                        s.proc.send_signal(signal.SIGTERM)
+    finally:
+        code, err = s.stop(sig=None, timeout=60 * slowness())
+    assert code == 0 and "Traceback" not in err, err[-2000:]
+    assert "exited with code" not in err, err[-2000:]
+    last = events[-1]
+    assert last["done"] is True and last["done_reason"] == "stop" and last.get("cut_by") == "shutdown", last
+    assert len(events) < 4000, len(events)
