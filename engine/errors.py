@@ -102,6 +102,15 @@ def shown_value(value, json_terms: bool = False) -> str:
     return json_text(value) if json_terms else repr(value)
 
 
+def quoted(value, limit: int = 80) -> str:
+    """repr(value) for a message, cut at `limit` characters: a name, key or value read from a model file, which
+    a corrupt header can make as long as the file (a line of megabytes, printed to a terminal or a server log)."""
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    return text[:limit] + "..." + (f" ({len(value)} characters)" if isinstance(value, str) else "")
+
+
 def shown_number(value) -> str:
     """A number as a message echoes it: every digit of Python's repr (2.0000001, which {:g} rounded to a 2 that
     is in range), a whole float without repr's ".0" (5, as a client or a flag writes it)."""

@@ -112,3 +112,43 @@ def xz_files(root, data_dir: str):
         return path
     get.root = root
     return get
+
+
+def gguf_fields(path: str) -> tuple[dict, dict, int]:
+    """Where a GGUF file's header fields sit, read without our reader (whose parse a test of it must not lean
+    on): ({key: (position of its length field, position of its value)}, {tensor name: position of its n_dims
+    field}, the end of the tensor infos)."""
+    import struct
+
+    b = open(path, "rb").read()
+    sizes = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+
+    def skip(pos: int, t: int) -> int:
+        if t == 8:
+            return pos + 8 + struct.unpack_from("<Q", b, pos)[0]
+        if t == 9:
+            sub, count = struct.unpack_from("<IQ", b, pos)
+            pos += 12
+            if sub in sizes:
+                return pos + count * sizes[sub]
+            for _ in range(count):
+                pos = skip(pos, sub)
+            return pos
+        return pos + sizes[t]
+
+    n_tensors, n_kv = struct.unpack_from("<QQ", b, 8)
+    pos, keys, ndims = 24, {}, {}
+    for _ in range(n_kv):
+        (n,) = struct.unpack_from("<Q", b, pos)
+        key = b[pos + 8: pos + 8 + n].decode()
+        (t,) = struct.unpack_from("<I", b, pos + 8 + n)
+        keys[key] = (pos, pos + 8 + n + 4)
+        pos = skip(pos + 8 + n + 4, t)
+    for _ in range(n_tensors):
+        (n,) = struct.unpack_from("<Q", b, pos)
+        name = b[pos + 8: pos + 8 + n].decode()
+        pos += 8 + n
+        ndims[name] = pos
+        (nd,) = struct.unpack_from("<I", b, pos)
+        pos += 4 + 8 * nd + 4 + 8
+    return keys, ndims, pos

@@ -1,6 +1,9 @@
 """engine.gguf: our GGUF reader against the `gguf` package (reference writer and dequantizer) on synthetic
 files, bitnet.cpp's I2_S layout, and every kind of bad header (truncated, corrupt, lying sizes)."""
+import os
 import struct
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -9,6 +12,7 @@ from bitnet_cpu.engine.errors import FormatError, UnsupportedError
 from bitnet_cpu.engine.formats.gguf import GGUFFile, decode_blocks
 from bitnet_cpu.engine.synth import SynthModel, write_gguf_i2s, write_gguf_tq
 from bitnet_cpu.engine.synth.writers import RawGGUFWriter
+from helpers import gguf_fields
 
 gguf = pytest.importorskip("gguf", reason="the gguf package is the reference writer (pip install '.[test]')")
 
@@ -444,3 +448,63 @@ def test_a_tensor_whose_type_does_not_fill_its_space_is_refused(model, tmp_path,
     with pytest.raises(FormatError, match=f"tensor '{name}' .* does not match its data") as e:
         GGUFFile(bad)
     assert bad in str(e.value) and "\n" not in str(e.value)
+
+
+def _assert_short_one_line(bad: str, tmp_path, *words):
+    """GGUFFile and `bitnet convert` refuse `bad` with one short line (no file bytes quoted at length), exit 2."""
+    with pytest.raises(FormatError) as e:
+        GGUFFile(bad)
+    msg = str(e.value)
+    assert "\n" not in msg and len(msg) < 300 + len(bad) and all(w in msg for w in words), msg[:1000]
+    r = subprocess.run([sys.executable, "-m", "bitnet_cpu", "convert", bad, "-o", str(tmp_path / "x.bnstore")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[:1000]
+    assert len(r.stderr.strip().splitlines()) <= 2 and len(r.stderr) < 600 + 2 * len(bad), r.stderr[:1000]
+    return msg
+
+
+def test_a_shifted_tensor_info_block_quotes_no_file_bytes(model, tmp_path):
+    """One tensor's n_dims 2 -> 1 shifts the parse: the next "name length" is read from that tensor's offset
+    field. The name was read whole (up to the file's size: GBs on a real model) and quoted in full in the
+    "one-line" error; a name longer than any GGUF writer can give is now said to be a corrupt header."""
+    src = write_gguf_tq(model, str(tmp_path / "m.gguf"), "TQ2_0")
+    _, ndims, end = gguf_fields(src)
+    size = os.path.getsize(src)
+    with GGUFFile(src) as g:   # a tensor whose offset, read as the next name's length, fits in the file (as a
+        # long garbage name) but is over any real name's length
+        names = [t.name for t in g.tensors.values() if len(t.shape) == 2 and 4096 < t.offset - g.data_offset
+                 < size - end - 4096]
+        order = list(g.tensors)
+    assert names
+    name = names[0]
+    b = bytearray(open(src, "rb").read())
+    struct.pack_into("<I", b, ndims[name], 1)
+    bad = str(tmp_path / "bad.gguf")
+    open(bad, "wb").write(bytes(b))
+    msg = _assert_short_one_line(bad, tmp_path, "corrupt")
+    assert f"tensor #{order.index(name) + 1}'s name is " in msg and "bytes long" in msg, msg
+
+
+def test_a_long_metadata_key_is_quoted_short(model, tmp_path):
+    """A key length field grown to 3,000 bytes (the key then runs over the following values): the errors
+    that quote the key quote its start only."""
+    src = write_gguf_tq(model, str(tmp_path / "m.gguf"), "TQ2_0")
+    keys, _, _ = gguf_fields(src)
+    for i, (at, _) in enumerate(list(keys.values())[1:6]):
+        b = bytearray(open(src, "rb").read())
+        struct.pack_into("<Q", b, at, 3000)
+        bad = str(tmp_path / f"bad{i}.gguf")
+        open(bad, "wb").write(bytes(b))
+        _assert_short_one_line(bad, tmp_path)
+
+
+@pytest.mark.parametrize("n", [300, 100_000])
+def test_a_tensor_name_over_the_bound_is_a_corrupt_header(tmp_path, n):
+    data = _pad(_header(n_tensors=1) + _tinfo("t" * n, [8], 0, 0)) + b"\0" * 64
+    path = _write(tmp_path, data)
+    with pytest.raises(FormatError, match=f"corrupt GGUF header: tensor #0's name is {n} bytes long") as e:
+        GGUFFile(path)
+    assert "\n" not in str(e.value) and len(str(e.value)) < 300 + len(path)
+    data = _pad(_header(n_tensors=1) + _tinfo("t" * 200, [8], 0, 0)) + b"\0" * 32   # long, but under the bound:
+    with GGUFFile(_write(tmp_path, data)) as g:                                     # read (and quoted short)
+        assert list(g.tensors) == ["t" * 200]

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..fileio import close_map, map_readonly, no_overlap, starts_with
-from ..errors import FormatError, UnsupportedError
+from ..errors import FormatError, UnsupportedError, quoted
 from . import tl_layouts
 from .gguf_dequant import OWN_DECODERS, decode_with_gguf, gguf_decodable
 
@@ -36,6 +36,12 @@ DEFAULT_ALIGNMENT = 32
 MAX_DIMS = 4
 MAX_ELEMENTS = 1 << 40
 MAX_NESTING = 4
+# GGUF's own limits (ggml's docs/gguf.md): tensor names at most 64 bytes (GGML_MAX_NAME; llama.cpp refuses longer
+# ones), keys at most 65535. A longer length field is a corrupt header (a field before it misread), not a name to
+# read whole: it could span the file. Names get 4x the spec's room; metadata values (chat templates,
+# vocabularies) are not bounded.
+GGUF_NAME_MAX, NAME_MAX = 64, 256
+KEY_MAX = 65535
 
 # type id -> (name, block size in elements, bytes per block)
 GGML_TYPES: dict[int, tuple[str, int, int]] = {
@@ -126,8 +132,12 @@ class _Cursor:
     def u64(self, what: str) -> int:
         return self.scalar("<Q", 8, what)
 
-    def string(self, what: str) -> str:
+    def string(self, what: str, limit: int | None = None, spec: str = "") -> str:
+        """A GGUF string; one of more than `limit` bytes (the format's bound, `spec` says it) is a corrupt header."""
         n = self.u64(what + " length")
+        if limit is not None and n > limit:
+            raise FormatError(f"{self.path}: corrupt GGUF header: {what} is {n} bytes long ({spec})",
+                              hint="if the file was downloaded, fetch it again")
         self.need(n, what)
         b = bytes(self.buf[self.pos: self.pos + n])
         self.pos += n
@@ -217,7 +227,7 @@ class GGUFFile:
         if count in (0, 1) and no == 0:
             return
         if not all(isinstance(v, int) and not isinstance(v, bool) for v in (count, no)) or not 0 <= no < count:
-            raise FormatError(f"{self.path}: bad split keys (split.no {no!r} of split.count {count!r})")
+            raise FormatError(f"{self.path}: bad split keys (split.no {quoted(no)} of split.count {quoted(count)})")
         m = SPLIT_NAME.match(self.path)
         if m is None or int(m.group(3)) != count:
             raise FormatError(f"{self.path}: part {no + 1} of a GGUF split into {count} files, named otherwise than "
@@ -240,11 +250,12 @@ class GGUFFile:
             part = GGUFFile(path, first=self)
             self.parts.append(part)
             if part.kv.get("split.no") != i or part.kv.get("split.count") != count:
-                raise FormatError(f"{path}: not part {i + 1} of {count} of {self.path} (its split.no "
-                                  f"{part.kv.get('split.no')!r}, split.count {part.kv.get('split.count')!r})")
+                no_, count_ = (quoted(part.kv.get(k)) for k in ("split.no", "split.count"))
+                raise FormatError(f"{path}: not part {i + 1} of {count} of {self.path} (its split.no {no_}, "
+                                  f"split.count {count_})")
             for name, t in part.tensors.items():
                 if name in self.tensors:
-                    raise FormatError(f"{path}: tensor {name!r} is also in another part of the split GGUF")
+                    raise FormatError(f"{path}: tensor {quoted(name)} is also in another part of the split GGUF")
                 self.tensors[name] = t
                 self._part_of[name] = part
         want = self.kv.get("split.tensors.count")
@@ -275,11 +286,11 @@ class GGUFFile:
         self.kv: dict = {}
         self.kv_types: dict[str, int] = {}
         for i in range(n_kv):
-            key = c.string(f"metadata key #{i}")
+            key = c.string(f"metadata key #{i}", KEY_MAX, f"GGUF keys are at most {KEY_MAX} bytes")
             if key in self.kv:   # llama.cpp refuses it too: which value counts would be a guess
-                raise FormatError(f"{self.path}: metadata key {key!r} appears twice")
-            vtype = c.u32(f"type of {key!r}")
-            self.kv[key] = c.value(vtype, repr(key))
+                raise FormatError(f"{self.path}: metadata key {quoted(key)} appears twice")
+            vtype = c.u32(f"type of {quoted(key)}")
+            self.kv[key] = c.value(vtype, quoted(key))
             self.kv_types[key] = vtype
         if self._first is not None:   # a later part of a split model: the model's metadata is the first part's
             for key in ("general.architecture", "general.file_type"):
@@ -288,18 +299,18 @@ class GGUFFile:
         self.arch = str(self.kv.get("general.architecture", ""))
         align = self.kv.get("general.alignment", DEFAULT_ALIGNMENT)
         if not isinstance(align, int) or isinstance(align, bool) or align <= 0 or align & (align - 1) or align > 1 << 20:
-            raise FormatError(f"{self.path}: bad general.alignment {align!r} (must be a power of two, at most"
+            raise FormatError(f"{self.path}: bad general.alignment {quoted(align)} (must be a power of two, at most"
                               f" {1 << 20})")
         self.alignment = align
         infos = []
         for i in range(n_tensors):
-            name = c.string(f"tensor #{i} name")
-            nd = c.u32(f"dims of {name!r}")
+            name = c.string(f"tensor #{i}'s name", NAME_MAX, f"GGUF tensor names are at most {GGUF_NAME_MAX} bytes")
+            nd = c.u32(f"dims of {quoted(name)}")
             if not 1 <= nd <= MAX_DIMS:
-                raise FormatError(f"{self.path}: tensor {name!r} has {nd} dimensions (1..{MAX_DIMS} allowed)")
-            dims = [c.u64(f"dims of {name!r}") for _ in range(nd)]
-            tid = c.u32(f"type of {name!r}")
-            off = c.u64(f"offset of {name!r}")
+                raise FormatError(f"{self.path}: tensor {quoted(name)} has {nd} dimensions (1..{MAX_DIMS} allowed)")
+            dims = [c.u64(f"dims of {quoted(name)}") for _ in range(nd)]
+            tid = c.u32(f"type of {quoted(name)}")
+            off = c.u64(f"offset of {quoted(name)}")
             infos.append((name, dims, tid, off))
         self.data_offset = -(-c.pos // align) * align
         self.types = dict(GGML_TYPES)   # this file's: the block size of Q2_0 depends on who wrote it
@@ -333,8 +344,8 @@ class GGUFFile:
             if not 0 <= gap - t.nbytes < self.alignment:
                 what = (f"runs {t.nbytes - gap} bytes into the next tensor" if gap < t.nbytes else
                         f"is followed by {gap - t.nbytes} unused bytes (padding is under {self.alignment})")
-                raise FormatError(f"{self.path}: tensor {t.name!r} ({t.type_name} {list(t.shape)}: {t.nbytes} bytes)"
-                                  f" {what}: its type or shape does not match its data (corrupt file?)")
+                raise FormatError(f"{self.path}: tensor {quoted(t.name)} ({t.type_name} {list(t.shape)}: {t.nbytes}"
+                                  f" bytes) {what}: its type or shape does not match its data (corrupt file?)")
 
     def _q2_0_variant(self, infos) -> str:
         """ggml's 64-weight Q2_0 blocks or PrismML's 128-weight ones: the one whose sizes fit every Q2_0 tensor
@@ -394,35 +405,35 @@ class GGUFFile:
 
     def _check_tensor(self, name, dims, tid, off) -> TensorInfo:
         if any(d <= 0 or d > MAX_ELEMENTS for d in dims):
-            raise FormatError(f"{self.path}: tensor {name!r} has a bad dimension {dims}")
+            raise FormatError(f"{self.path}: tensor {quoted(name)} has a bad dimension {dims}")
         n = 1
         for d in dims:
             n *= d
         if n > MAX_ELEMENTS:
-            raise FormatError(f"{self.path}: tensor {name!r} is absurdly large ({n} elements)")
+            raise FormatError(f"{self.path}: tensor {quoted(name)} is absurdly large ({n} elements)")
         tname = self._type_name(tid)
         if tname == "I2_S":
             if n % 128:
-                raise FormatError(f"{self.path}: I2_S tensor {name!r} has {n} elements (not a multiple of 128)")
+                raise FormatError(f"{self.path}: I2_S tensor {quoted(name)} has {n} elements (not a multiple of 128)")
             nbytes = n // 4 + 32
         elif tname in TL_TYPES:
             if len(dims) != 2 or not tl_layouts.shape_ok(tname, dims[1], dims[0]):
-                raise FormatError(f"{self.path}: {tname} tensor {name!r} has shape {list(reversed(dims))}, which"
+                raise FormatError(f"{self.path}: {tname} tensor {quoted(name)} has shape {list(reversed(dims))}, which"
                                   " bitnet.cpp's converter cannot write")
             nbytes = tl_layouts.tensor_bytes(tname, dims[1], dims[0])
         elif tid in self.types and tname == self.types[tid][0]:
             _, bs, ts = self.types[tid]
             if dims[0] % bs:
-                raise FormatError(f"{self.path}: tensor {name!r} row length {dims[0]} is not a multiple of"
+                raise FormatError(f"{self.path}: tensor {quoted(name)} row length {dims[0]} is not a multiple of"
                                   f" the {tname} block size {bs}")
             nbytes = n // bs * ts
         else:
             nbytes = -1  # unknown type: it is an error only when someone reads it
         if off % self.alignment:
-            raise FormatError(f"{self.path}: tensor {name!r} offset {off} is not {self.alignment}-byte aligned")
+            raise FormatError(f"{self.path}: tensor {quoted(name)} offset {off} is not {self.alignment}-byte aligned")
         start = self.data_offset + off
         if nbytes >= 0 and start + nbytes > self.size:
-            raise FormatError(f"{self.path}: tensor {name!r} ({nbytes} bytes at {start}) lies past the end of the"
+            raise FormatError(f"{self.path}: tensor {quoted(name)} ({nbytes} bytes at {start}) lies past the end of the"
                               f" file ({self.size} bytes): truncated?")
         return TensorInfo(name, tid, tname, tuple(reversed(dims)), start, nbytes)
 
@@ -445,7 +456,7 @@ class GGUFFile:
     def info(self, name: str) -> TensorInfo:
         t = self.tensors.get(name)
         if t is None:
-            raise FormatError(f"{self.path}: tensor {name!r} is missing")
+            raise FormatError(f"{self.path}: tensor {quoted(name)} is missing")
         return t
 
     def raw(self, name: str) -> np.ndarray:
@@ -454,7 +465,7 @@ class GGUFFile:
             return part.raw(name)
         t = self.info(name)
         if t.nbytes < 0:
-            raise UnsupportedError(f"{self.path}: tensor {name!r} has an unsupported type: {t.type_name}")
+            raise UnsupportedError(f"{self.path}: tensor {quoted(name)} has an unsupported type: {t.type_name}")
         return np.frombuffer(self._mm, dtype=np.uint8, count=t.nbytes, offset=t.offset)
 
     def dequantize(self, name: str, rows: slice | None = None) -> np.ndarray:
@@ -465,7 +476,7 @@ class GGUFFile:
         t = self.info(name)
         own = t.type_name in DECODABLE or t.type_name in TL_TYPES
         if not own and (t.nbytes < 0 or t.type_name not in gguf_decodable()):
-            raise UnsupportedError(f"{self.path}: tensor {name!r} has an unsupported type: {t.type_name}",
+            raise UnsupportedError(f"{self.path}: tensor {quoted(name)} has an unsupported type: {t.type_name}",
                                    hint="supported: " + ", ".join(sorted(DECODABLE | gguf_decodable())) + (
                                        "" if gguf_decodable() else "; pip install gguf for the other types"))
         ne0 = t.shape[-1]
@@ -490,7 +501,7 @@ class GGUFFile:
             return out
         t = self.info(name)
         if len(t.shape) != 2:
-            raise FormatError(f"{self.path}: ternary tensor {name!r} must be 2-D, has shape {t.shape}")
+            raise FormatError(f"{self.path}: ternary tensor {quoted(name)} must be 2-D, has shape {t.shape}")
         out, inp = t.shape
         raw = self.raw(name)
         if t.type_name == "I2_S":
@@ -498,7 +509,7 @@ class GGUFFile:
             layout = i2s_layout()
             if layout == "1x4":   # byte [r // 4, c] holds rows r..r+3 of column c at bits 7-6, 5-4, 3-2, 1-0
                 if out % 4:
-                    raise FormatError(f"{self.path}: I2_S tensor {name!r} has {out} rows: the 1x4 layout"
+                    raise FormatError(f"{self.path}: I2_S tensor {quoted(name)} has {out} rows: the 1x4 layout"
                                       " (BITNET_I2S_BLOCK=1x4) needs a multiple of 4")
                 codes = raw[: n // 4].reshape(out // 4, inp)
             else:                 # block b: byte [b, j] holds weights j, j + B/4, j + B/2, j + 3B/4 of the block
@@ -509,13 +520,13 @@ class GGUFFile:
             if (w == 3).any():
                 # also what a multi-threaded bitnet.cpp llama-quantize leaves: each chunk lands at 4x its place
                 # and writes its f32 scale into the codes (bytes 0x30-0x3f of a scale in [2^-31, 2) hold a 3)
-                raise FormatError(f"{self.path}: I2_S tensor {name!r} holds invalid code 3 (corrupt, or quantized"
+                raise FormatError(f"{self.path}: I2_S tensor {quoted(name)} holds invalid code 3 (corrupt, or quantized"
                                   " by bitnet.cpp's llama-quantize with more than 1 thread: pass nthreads 1)")
             scale = np.frombuffer(raw[n // 4: n // 4 + 4].tobytes(), "<f4").astype(np.float32)
             return (w.view(np.int8) - np.int8(1)).reshape(out, inp), scale
         if t.type_name in TL_TYPES:
             key = (t.type_name, out, inp)
-            w, scale, tiling = tl_layouts.decode(t.type_name, raw, out, inp, f"{self.path}: tensor {name!r}",
+            w, scale, tiling = tl_layouts.decode(t.type_name, raw, out, inp, f"{self.path}: tensor {quoted(name)}",
                                                  self.tl_tilings.get(key))
             self.tl_tilings[key] = tiling
             return w, scale
@@ -523,7 +534,7 @@ class GGUFFile:
             blocks = raw.reshape(-1, self.types[t.type_id][2])
             codes = _q2_0_codes(blocks)
             if (codes == 3).any():
-                raise FormatError(f"{self.path}: Q2_0 tensor {name!r} holds code 3 (+2 x scale): not ternary")
+                raise FormatError(f"{self.path}: Q2_0 tensor {quoted(name)} holds code 3 (+2 x scale): not ternary")
             d = blocks[:, :2].copy().view("<f2").reshape(-1)
             return (codes.view(np.int8) - np.int8(1)).reshape(out, inp), d
         if t.type_name in ("TQ1_0", "TQ2_0"):
@@ -532,9 +543,9 @@ class GGUFFile:
             d = blocks[:, ts - 2:].copy().view("<f2").astype(np.float32).reshape(-1)
             codes = _tq2_codes(blocks) if t.type_name == "TQ2_0" else _tq1_codes(blocks)
             if t.type_name == "TQ2_0" and (codes == 3).any():
-                raise FormatError(f"{self.path}: TQ2_0 tensor {name!r} holds invalid code 3")
+                raise FormatError(f"{self.path}: TQ2_0 tensor {quoted(name)} holds invalid code 3")
             return (codes.view(np.int8) - np.int8(1)).reshape(out, inp), d
-        raise UnsupportedError(f"{self.path}: tensor {name!r} of type {t.type_name} is not ternary"
+        raise UnsupportedError(f"{self.path}: tensor {quoted(name)} of type {t.type_name} is not ternary"
                                " (expected I2_S, TL1, TL2, TQ1_0, TQ2_0 or Q2_0)")
 
     def close(self):

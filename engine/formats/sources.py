@@ -20,7 +20,7 @@ import re
 import numpy as np
 
 from ..config import ModelConfig
-from ..errors import FormatError, UnsupportedError, json_why
+from ..errors import FormatError, UnsupportedError, json_why, quoted
 from ..fileio import not_a_file, why_missing
 from .families import gguf_family, hf_family, is_minicpm, refuse_unsupported_hf
 from .gguf import GGUFFile
@@ -204,7 +204,7 @@ class GGUFSource:
         self.g = g = GGUFFile(path)
         arch = g.arch
         if arch not in GGUF_ARCHS:
-            raise UnsupportedError(f"{path}: unsupported GGUF architecture {arch!r}",
+            raise UnsupportedError(f"{path}: unsupported GGUF architecture {quoted(arch)}",
                                    hint="this engine runs ternary models: GGUF architectures bitnet-b1.58,"
                                         " bitnet-25, bitnet, and llama with TQ1_0 / TQ2_0 / I2_S / TL1 / TL2 tensors")
         self.meta: dict = {"gguf_arch": arch}
@@ -325,7 +325,7 @@ class GGUFSource:
                    "swiglu": "silu"}.get(str(act).lower())
             if act is None:
                 raise UnsupportedError(f"{self.path}: unsupported {arch}.hidden_activation "
-                                       f"{self.g.kv[f'{arch}.hidden_activation']!r}")
+                                       f"{quoted(self.g.kv[f'{arch}.hidden_activation'])}")
             self.meta["hidden_act_from"] = "gguf key"
             return act
         if arch in ("bitnet-b1.58", "bitnet-25"):
