@@ -7,6 +7,7 @@ the matrices alone for bitnet_b1_58-3B and Llama3-8B-1.58 (every TL1 / TL2 tilin
 """
 import os
 import shutil
+import struct
 import sys
 
 import numpy as np
@@ -18,7 +19,7 @@ from bitnet_cpu.engine.formats import tl_layouts
 from bitnet_cpu.engine.formats.convert import convert
 from bitnet_cpu.engine.formats.gguf import GGUFFile
 from bitnet_cpu.engine.synth import write_gguf_tq
-from helpers import assert_conversion_refused, bitnet_inspect, xz_files
+from helpers import assert_conversion_refused, bitnet_inspect, gguf_fields, xz_files
 from test_model_fixtures import our_greedy
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "tl")
@@ -221,6 +222,38 @@ def test_bit_flipped_tl2_sign_is_refused(files, tmp_path):
                 f.write(bytes([b | 1 << bit]))
                 break
     assert_conversion_refused(path, tmp_path, "TL2 tensor breaks its layout's invariants in 1 places")
+
+
+@pytest.mark.parametrize("dims,words", [
+    ((1536, 768), f"(TL2 [768, 1536]: {tl_layouts.tensor_bytes('TL2', 768, 1536)} bytes) is followed by"),
+    ((1535, 1536), "TL2 tensor 'blk.0.attn_q.weight' has shape [1536, 1535]")])
+def test_one_tl2_tensor_with_a_bad_shape_is_named_as_tl2(files, tmp_path, dims, words):
+    """One type-39 tensor whose shape field is corrupt no longer makes the whole file MXFP4 (an intact tensor
+    then blamed as "truncated?"): the others are TL2-sized, so the odd one is named, as TL2."""
+    path = _copy(files, "model_large_tl2", tmp_path)
+    _, ndims, _ = gguf_fields(path)
+    with open(path, "r+b") as f:
+        f.seek(ndims["blk.0.attn_q.weight"] + 4)
+        f.write(struct.pack("<2Q", *dims))
+    err = assert_conversion_refused(path, tmp_path, "tensor 'blk.0.attn_q.weight'")
+    assert words in err and "MXFP4" not in err and "truncated" not in err, err
+
+
+def test_a_llama_tl2_file_with_another_file_type_still_reads_as_tl2(files, tmp_path):
+    """general.file_type 39 -> 1 in bitnet.cpp's Llama3 TL2 file: every type-39 tensor is still TL2-sized (none
+    MXFP4-sized), so it reads as TL2, to the same weights."""
+    src = files("model_llama3_tl2")
+    path = _copy(files, "model_llama3_tl2", tmp_path)
+    keys, _, _ = gguf_fields(path)
+    with open(path, "r+b") as f:
+        f.seek(keys["general.file_type"][1])
+        f.write(struct.pack("<I", 1))
+    with GGUFFile(path) as g, GGUFFile(src) as want:
+        assert g.kv["general.file_type"] == 1
+        for t in want.tensors.values():
+            assert g.info(t.name).type_name == t.type_name
+            if t.type_name == "TL2":
+                np.testing.assert_array_equal(g.ternary(t.name)[0], want.ternary(t.name)[0])
 
 
 def test_mxfp4_in_a_bitnet_file_is_still_mxfp4(tmp_path):

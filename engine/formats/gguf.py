@@ -315,8 +315,8 @@ class GGUFFile:
         self.data_offset = -(-c.pos // align) * align
         self.types = dict(GGML_TYPES)   # this file's: the block size of Q2_0 depends on who wrote it
         ftype = self.kv.get("general.file_type")
-        self.tl2_not_mxfp4 = (self.arch.startswith("bitnet") and (self.arch != "bitnet" or self._tl2_fits(infos))
-                              or self.arch == "llama" and ftype == 39 and self._tl2_fits(infos))
+        self.tl2_not_mxfp4 = (self.arch.startswith("bitnet") and (self.arch != "bitnet" or self._tl2_fits(infos, ftype))
+                              or self.arch == "llama" and self._tl2_fits(infos, ftype))
         self.tl_tilings: dict[tuple[str, int, int], tl_layouts.Tiling] = {}   # what ternary() used, per shape
         if any(tid == Q2_0 for _, _, tid, _ in infos):
             name = self._q2_0_variant(infos)
@@ -371,32 +371,37 @@ class GGUFFile:
                               " 128-weight ones (truncated or corrupt file?)")
         return fits[0]
 
-    def _tl2_fits(self, infos) -> bool:
-        """Type 39 in a `bitnet` file: bitnet.cpp's TL2 (its 2024 converter writes this architecture name) or
-        llama.cpp's MXFP4. TL2 when every type-39 tensor fills the space up to the next one (or the end) as a TL2
-        tensor (codes + 32-byte scale tail), which MXFP4's 17 bytes per 32 weights never do for the same shape."""
+    def _tl2_fits(self, infos, ftype) -> bool:
+        """Type 39 in a `bitnet` or `llama` file: bitnet.cpp's TL2 (its 2024 converter writes these architecture
+        names, and general.file_type 39) or llama.cpp's MXFP4. A tensor fits TL2 when it fills the space up to the
+        next one (or the end) as a TL2 tensor (codes + 32-byte scale tail), MXFP4 when it fills it at 17 bytes per
+        32 weights: never both for one shape. TL2 when more type-39 tensors fit TL2 than MXFP4, so one tensor whose
+        header is corrupt is named, as TL2, instead of the whole file read as MXFP4 (an intact tensor then blamed
+        as "truncated?"); with no tensor fitting either, file type 39 says TL2."""
         ends = sorted(off for _, _, _, off in infos) + [self.size - self.data_offset]
-        seen = False
+        tl2 = mxfp4 = 0
         for _, dims, tid, off in infos:
             if tid != 39:
                 continue
-            seen = True
-            if len(dims) != 2 or not tl_layouts.shape_ok("TL2", dims[1], dims[0]):
-                return False
             nxt = next((e for e in ends if e > off), None)
-            want = tl_layouts.tensor_bytes("TL2", dims[1], dims[0])
-            if nxt is None or not 0 <= (nxt - off) - want < max(self.alignment, 1):
-                return False
-        return seen
+            if nxt is None:
+                continue
+            n = 1
+            for d in dims:
+                n *= d
+            if len(dims) == 2 and tl_layouts.shape_ok("TL2", dims[1], dims[0]):
+                tl2 += 0 <= (nxt - off) - tl_layouts.tensor_bytes("TL2", dims[1], dims[0]) < self.alignment
+            mxfp4 += dims[0] % 32 == 0 and 0 <= (nxt - off) - n // 32 * 17 < self.alignment
+        return tl2 > mxfp4 or tl2 == mxfp4 == 0 and ftype == 39
 
     def _type_name(self, tid: int) -> str:
         if tid in BITNET_CPP_TYPES and self.arch.startswith("bitnet") and (tid != 39 or self.tl2_not_mxfp4):
             return BITNET_CPP_TYPES[tid]
         if tid == I2_S and self.arch == "llama" and self.kv.get("general.file_type") == BITNET_CPP_FTYPE_I2_S:
             return "I2_S"  # bitnet.cpp's Falcon3 / Falcon-E files (upstream's 36 was IQ4_NL_4_4)
-        if tid in (38, 39) and self.arch == "llama" and self.kv.get("general.file_type") == tid and (
-                tid == 38 or self.tl2_not_mxfp4):
-            return BITNET_CPP_TYPES[tid]   # bitnet.cpp's Llama3-8B-1.58 TL files: file type 38 / 39 (its TL1 / TL2)
+        if self.arch == "llama" and (tid == 38 and self.kv.get("general.file_type") == 38 or
+                                     tid == 39 and self.tl2_not_mxfp4):
+            return BITNET_CPP_TYPES[tid]   # bitnet.cpp's Llama3-8B-1.58 TL files: file type 38 (TL1), or TL2-sized
         if tid in self.types:
             return self.types[tid][0]
         if tid in IK_TYPES:   # ik_llama.cpp's own ternary types: named, so its files are recognised as such
