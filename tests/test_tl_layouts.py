@@ -8,6 +8,7 @@ the matrices alone for bitnet_b1_58-3B and Llama3-8B-1.58 (every TL1 / TL2 tilin
 import os
 import shutil
 import struct
+import subprocess
 import sys
 
 import numpy as np
@@ -224,6 +225,21 @@ def test_bit_flipped_tl2_sign_is_refused(files, tmp_path):
     assert_conversion_refused(path, tmp_path, "TL2 tensor breaks its layout's invariants in 1 places")
 
 
+@pytest.mark.parametrize("n", [4096, 65536])
+def test_a_tl2_tensor_with_garbage_in_its_codes_is_said_corrupt(files, tmp_path, n):
+    """Random bytes over part of attn_v's codes, in a file whose tiling is the preset's: more broken places than
+    a stray bit gives, which sent the user to BITNET_TL_KERNEL_CONFIG ("no TL2 tiling fits"); no K split of the
+    shape reads those bytes as codes either, so the tensor is said corrupt."""
+    path = _copy(files, "model_large_tl2", tmp_path)
+    with GGUFFile(path) as g:
+        off = g.info("blk.0.attn_v.weight").offset + 1000
+    with open(path, "r+b") as f:
+        f.seek(off)
+        f.write(np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8).tobytes())
+    err = assert_conversion_refused(path, tmp_path, "tensor 'blk.0.attn_v.weight': TL2 tensor breaks its layout's")
+    assert "corrupt file?" in err and tl_layouts.ENV_CONFIG not in err, err
+
+
 @pytest.mark.parametrize("dims,words", [
     ((1536, 768), f"(TL2 [768, 1536]: {tl_layouts.tensor_bytes('TL2', 768, 1536)} bytes) is followed by"),
     ((1535, 1536), "TL2 tensor 'blk.0.attn_q.weight' has shape [1536, 1535]")])
@@ -339,6 +355,31 @@ def test_a_kernel_config_with_unusable_tile_sizes_is_one_line(tmp_path, monkeypa
         tl_layouts.env_tilings(1536, 4096)
     assert "\n" not in str(e.value) and str(ini) in str(e.value)
     assert tl_layouts.env_tilings(1536, 1536) == []   # another shape: its section is not read
+
+
+@pytest.mark.parametrize("stem,values", [("model_large_tl2", "bm=7 bk=5 bmm=3"),
+                                         ("model_large_tl2", "bm=1536 bk=1536 bmm=1536"),
+                                         ("model_large_tl2", "bm=128 bk=64 bmm=64"),   # the TL1 ini's tiling
+                                         ("model_large_tl1", "bm=7 bk=5 bmm=3"),
+                                         ("model_large_tl1", "bm=128 bk=64 bmm=16")])
+def test_a_kernel_config_tiling_that_cannot_apply_is_refused(files, tmp_path, monkeypatch, stem, values):
+    """An ini whose tiling for the shape bitnet.cpp's converter could not have used (not dividing it, or bm other
+    than TL2's 32) was skipped without a word and the preset read instead: refused in one line naming the ini,
+    the shape and its tiling."""
+    BM, BK, bm = (int(kv.split("=")[1]) for kv in values.split())
+    ini = tmp_path / "kernel_config.ini"
+    ini.write_text(f"[Kernels_0]\nm = 1536\nk = 1536\nbm = {BM}\nbk = {BK}\nbmm = {bm}\n")
+    monkeypatch.setenv(tl_layouts.ENV_CONFIG, str(ini))
+    with GGUFFile(files(stem)) as g:
+        with pytest.raises(UnsupportedError) as e:
+            g.ternary("blk.0.attn_q.weight")
+    msg = str(e.value)
+    assert "\n" not in msg and f"{tl_layouts.ENV_CONFIG}={ini}" in msg, msg
+    assert f"1536x1536 as BM={BM} BK={BK} bm={bm}" in msg and "blk.0.attn_q.weight" in msg, msg
+    r = subprocess.run([sys.executable, "-m", "bitnet_cpu", "convert", files(stem), "-o", str(tmp_path / "x.bnstore")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and f"BM={BM} BK={BK} bm={bm}" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) <= 2 and not os.path.exists(tmp_path / "x.bnstore"), r.stderr
 
 
 # ---- the conversion cache and the kernel config -----------------------------------------------------------------

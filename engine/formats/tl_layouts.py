@@ -22,7 +22,8 @@ TL2 (pad32(T) bytes with T = (K-256)*M/3*5/8 + 64*M, then the 32-byte scale tail
 The tiling (BM, BK, bm) comes from include/kernel_config.ini, which bitnet.cpp's codegen scripts write per
 matrix shape; it is not in the GGUF. We take it from what bitnet.cpp ships for its three TL models: the codegen
 commands of setup_env.py (what `setup_env.py -q tl1|tl2` writes, tried first) and preset_kernels/*/
-kernel_config_tl*.ini. BITNET_TL_KERNEL_CONFIG=<a kernel_config.ini> puts that file's tilings first.
+kernel_config_tl*.ini. BITNET_TL_KERNEL_CONFIG=<a kernel_config.ini> puts that file's tilings first (one the
+converter could not have used for the shape is refused, not skipped).
 
 The file's own invariants (checked for every tensor, and used to tell tilings apart):
   TL1: every code <= 8. A permutation keeps that, so TL1 codes cannot tell tilings apart: a TL1 shape needs
@@ -32,7 +33,9 @@ The file's own invariants (checked for every tensor, and used to tell tilings ap
        sign and pair regions then overlap wrongly) and corrupt bytes, but not a tiling with the same split:
        tried on the converter's output, every tiling codegen_tl2.py accepts for the shape with the same K % BK
        kept all four (the signs move with their triples), while decoding to a different matrix. So TL2 too
-       takes only tilings bitnet.cpp ships (or the override) and refuses a file none of them fits.
+       takes only tilings bitnet.cpp ships (or the override) and refuses a file none of them fits. The code and
+       padding checks need only the split, not the tiling (a permutation moves nibbles, it does not change them):
+       when only a split no tiling tried has fits the bytes, the tiling is blamed; otherwise the bytes are.
 """
 from __future__ import annotations
 
@@ -204,6 +207,39 @@ def _tl2_parts(M: int, K: int, t: Tiling):
     return parts if sum(parts[2:]) <= tl2_code_bytes(M, K) else None
 
 
+def unusable(kind: str, M: int, K: int, t: Tiling) -> str | None:
+    """Why bitnet.cpp's converter could not have tiled an M x K matrix of `kind` with t (None: it could)."""
+    BM, BK, bm = t.BM, t.BK, t.bm
+    if kind == "TL1":
+        reasons = [(bm not in (32, 64), "bm is 32 or 64"), (M % BM, f"BM must divide M = {M}"),
+                   (K % BK, f"BK must divide K = {K}"), (BM % bm, "bm must divide BM"),
+                   (bm in (32, 64) and BK % (256 // max(bm, 1)), f"BK must be a multiple of {256 // max(bm, 1)}")]
+    else:
+        reasons = [(bm != 32, "bm is 32"), (BK % 24, "BK must be a multiple of 24"),
+                   (M % BM, f"BM must divide M = {M}"), (BM % bm, "bm must divide BM"),
+                   (BK > K, f"BK must be at most K = {K}"),
+                   (BK <= K and K % BK % 32, f"K % BK must be a multiple of 32 (it is {K % BK})")]
+    why = [text for bad, text in reasons if bad]
+    if why:
+        return "; ".join(why)
+    if kind == "TL2" and _tl2_parts(M, K, t) is None:
+        return "its parts would not fit the tensor's size"
+    return None
+
+
+def _tl2_split_fits(raw: np.ndarray, M: int, K: int, K2: int) -> bool:
+    """Whether the bytes read as TL2 codes split at K - K2 keep the invariants no tiling changes (a permutation only
+    moves nibbles): triple codes <= 13, pair codes <= 8, zero padding (the signs' check needs the tiling)."""
+    K3 = K - K2
+    n_idx, n_sign, n_two = M * K3 // 6, M * K3 // 24, M * K2 // 4
+    end = n_idx + n_sign
+    if K3 <= 0 or K3 % 24 or K2 % 32 or end + n_two > tl2_code_bytes(M, K):
+        return False
+    idx, two = raw[:n_idx], raw[end: end + n_two]
+    return not (((idx >> 4) > 13).any() or ((idx & 15) > 13).any() or ((two >> 4) > 8).any()
+                or ((two & 15) > 8).any() or raw[end + n_two: tl2_code_bytes(M, K)].any())
+
+
 def _tl2_three(idx_raw, sign_raw, M, K3, BM, BY, bm=32):
     """Triple codes and signs of a [M, K3] block -> (|v| uint8 [M, K3/3], negative bool [M, K3/3])."""
     by = 192 // bm
@@ -249,7 +285,15 @@ def decode(kind: str, raw: np.ndarray, M: int, K: int, where: str, known: Tiling
     ncode = tl1_code_bytes(M, K) if kind == "TL1" else tl2_code_bytes(M, K)
     scale_at = ncode if kind == "TL1" else -(-ncode // 32) * 32
     scale = np.frombuffer(raw[scale_at: scale_at + 4].tobytes(), "<f4").astype(np.float32)
-    first = env_tilings(M, K) or ([known] if known else [])
+    env = env_tilings(M, K)
+    for t in env:   # the user's ini, for this shape: a tiling that cannot apply is its error, not a silent preset
+        why = unusable(kind, M, K, t)
+        if why:
+            raise UnsupportedError(f"{where}: {t.source} tiles {M}x{K} as BM={t.BM} BK={t.BK} bm={t.bm}, which"
+                                   f" bitnet.cpp's {kind} converter cannot use ({why})",
+                                   hint=f"set {ENV_CONFIG} to the kernel_config.ini the file was converted with, or"
+                                        " unset it for bitnet.cpp's presets")
+    first = env or ([known] if known else [])
     presets = PRESETS[kind].get((M, K), [])
     tried = ", ".join(t.label() for t in presets) or "none"
     if kind == "TL1":
@@ -268,7 +312,7 @@ def decode(kind: str, raw: np.ndarray, M: int, K: int, where: str, known: Tiling
                               hint="if the file was downloaded, fetch it again")
         return _pairs_to_weights(codes, M, K), scale, t
     # TL2: the first candidate that keeps every invariant
-    seen, best = set(), None
+    seen, best, splits = set(), None, set()
     for t in first + presets:
         if (t.BM, t.BK, t.bm) in seen:
             continue
@@ -278,10 +322,20 @@ def decode(kind: str, raw: np.ndarray, M: int, K: int, where: str, known: Tiling
             continue
         if r[1] == 0:
             return r[0], scale, t
+        splits.add(K % t.BK)
         if best is None or r[1] < best[0]:
             best = (r[1], t)
-    if best is not None and best[0] <= max(8, M * K // 3 // 20000):
-        raise FormatError(f"{where}: TL2 tensor breaks its layout's invariants in {best[0]} places with tiling"
-                          f" {best[1].label()}: corrupt file?", hint="if the file was downloaded, fetch it again")
-    raise UnsupportedError(f"{where}: no TL2 tiling fits a {M}x{K} matrix (presets tried: {tried})",
-                           hint=f"set {ENV_CONFIG} to the kernel_config.ini the file was converted with")
+    hint = f"set {ENV_CONFIG} to the kernel_config.ini the file was converted with"
+    if best is None:
+        raise UnsupportedError(f"{where}: no TL2 tiling fits a {M}x{K} matrix (presets tried: {tried})", hint=hint)
+    # Which: a tiling that splits K elsewhere (its code, sign and pair regions overlap the file's), or bytes that
+    # are broken. The regions of each split can be checked without the tiling: if only a split none of the
+    # tilings tried has fits the bytes, the tiling is the cause; if a tried one fits (the breaks are in its signs)
+    # or none does (broken bytes every split reads), the file is.
+    others = [K2 for K2 in range(0, K, 32) if K2 not in splits and _tl2_split_fits(raw, M, K, K2)]
+    if others and not any(_tl2_split_fits(raw, M, K, K2) for K2 in splits):
+        raise UnsupportedError(f"{where}: no TL2 tiling fits a {M}x{K} matrix (presets tried: {tried}); its bytes"
+                               f" read as a split at K % BK = {others[0]}, which none of them has", hint=hint)
+    raise FormatError(f"{where}: TL2 tensor breaks its layout's invariants in {best[0]} places with tiling"
+                      f" {best[1].label()}: corrupt file?",
+                      hint="if the file was downloaded, fetch it again; if you made it, convert it again")
