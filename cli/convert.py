@@ -4,8 +4,9 @@ HELP = "convert a GGUF file or Hugging Face model directory into the engine's we
 
 
 def add_arguments(p):
-    p.add_argument("src", metavar="SRC", help="GGUF file (bitnet.cpp I2_S, llama.cpp TQ1_0/TQ2_0), HF model directory, "
-                                              "or a hub id REPO[:FILE|:TAG][@REV] already downloaded")
+    p.add_argument("src", metavar="SRC", help="GGUF file (bitnet.cpp I2_S/TL1/TL2, llama.cpp TQ1_0/TQ2_0, or F16/Q8_0/"
+                                              "K-quants of a ternary model), HF model directory, or a hub id "
+                                              "REPO[:FILE|:TAG][@REV] already downloaded")
     p.add_argument("-o", "--output", dest="out", metavar="OUT", default=None,
                    help="store path (default: next to SRC, with the .bnstore extension)%(default).0s")
     p.add_argument("--lm-head", choices=["q4", "i8", "f16"], default=None,

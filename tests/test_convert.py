@@ -594,3 +594,13 @@ def test_the_cache_ignores_a_relative_xdg_folder_and_follows_links(tmp_path, mon
     os.symlink(tmp_path / "model", tmp_path / "link")
     assert cache_key(str(tmp_path / "link"), "q4") == cache_key(str(tmp_path / "model"), "q4")
     assert cache_key(str(tmp_path / "model"), "q4") != cache_key(str(tmp_path / "model"), "f16")
+
+
+def test_convert_help_names_every_ternary_gguf_it_takes():
+    """`bitnet convert --help` left out bitnet.cpp's TL1 / TL2 files, which convert (the README lists them)."""
+    r = subprocess.run([sys.executable, "-m", "bitnet_cpu", "convert", "--help"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    text = " ".join(r.stdout.split())
+    for kind in ("I2_S", "TL1", "TL2", "TQ1_0", "TQ2_0"):
+        assert kind in text, text
