@@ -449,7 +449,10 @@ async def main():
     fd = srv.sockets[0].fileno()
     print(srv.sockets[0].getsockname()[1], flush=True)
     most = 0
-    for _ in range(80):   # the flood: how many retries of the listener are waiting at once
+    flooded = loop.run_in_executor(None, sys.stdin.readline)   # the test's line: its flood is over
+    for _ in range(2400):   # the flood (at most 2 minutes): how many retries of the listener are waiting at once
+        if flooded.done():
+            break
         await asyncio.sleep(0.05)
         most = max(most, sum(1 for h in loop._scheduled if not h.cancelled() and any(
             isinstance(a, socket.socket) and a.fileno() == fd for a in h._args or ())))
@@ -474,15 +477,16 @@ def test_an_accept_that_runs_out_of_descriptors_retries_once_and_not_after_the_l
     import sys
 
     from serve_proc import ROOT
-    proc = subprocess.Popen([sys.executable, "-c", _FLOODED_LISTENER], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=pythonpath()))
+    proc = subprocess.Popen([sys.executable, "-c", _FLOODED_LISTENER], cwd=ROOT, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, PYTHONPATH=pythonpath()))
     socks = []
     try:
         port = int(proc.stdout.readline())
-        for _ in range(300):   # ~3 s of them, as a flood comes
+        for _ in range(300):   # ~3 s of them, as a flood comes; the listener stays open until the line below
             socks.append(socket.create_connection(("127.0.0.1", port), timeout=10))
             time.sleep(0.01)
-        out, err = proc.communicate(timeout=60)
+        out, err = proc.communicate("flooded\n", timeout=180)
     finally:
         _close(socks, proc)
     assert proc.returncode == 0, err[-2000:]
