@@ -7,9 +7,9 @@
 The texts are the prompt (-p, or -f FILE; '-' reads stdin) cut at --embd-separator (a newline by default; a file's
 final newline ends its last text rather than starting an empty one). Each runs with BOS through the model and is
 pooled (--pooling: mean of every token, the last token's, or none: every token's own vector, as it is) and
-normalised (--embd-normalize, llama.cpp's norms; under none only when given, each row as llama-embedding), the numbers `bitnet serve` answers
-(engine/runtime/embed.py); the texts run together through the batching engine. Vectors go to stdout in
-llama-embedding's formats; a one-line summary goes to stderr.
+normalised (--embd-normalize, llama.cpp's norms; under none only when given, each row as llama-embedding), the
+numbers `bitnet serve` answers (engine/runtime/embed.py); the texts run together through the batching engine.
+Vectors go to stdout in llama-embedding's formats; a one-line summary goes to stderr.
 """
 HELP = ("print sentence embeddings of texts (llama-embedding's poolings, norms and output formats: plain, array, "
         "json, json+, raw)")

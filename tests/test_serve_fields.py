@@ -184,7 +184,7 @@ def test_llama_server_completion_still_drops_an_empty_stop(server):
     assert r.status_code == 200, r.text
 
 
-# -- /v1/responses include: what is never in the output -----------------------------------------------------------------
+# -- /v1/responses include: what is never in the output ----------------------------------------------------------------
 RESPONSE = {"input": "Hi", "max_output_tokens": 2}
 
 

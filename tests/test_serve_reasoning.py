@@ -476,7 +476,8 @@ def test_responses_carry_the_thought_in_encrypted_content_when_asked(server):
             "input": [Q[0], *([item] if item else []), whole["output"][1], {"role": "user", "content": "And 3+4?"}]})
         assert r.status_code == 200, r.text
         return r.json()["usage"]["input_tokens"]
-    sealed = {"type": "reasoning", "id": thought["id"], "summary": [], "encrypted_content": thought["encrypted_content"]}
+    sealed = {"type": "reasoning", "id": thought["id"], "summary": [],
+              "encrypted_content": thought["encrypted_content"]}
     assert size(sealed) == size(thought) > size(None)
     assert size({**sealed, "encrypted_content": "gAAAAABo-another-servers-blob"}) == size(None)
     r = httpx.post(server.url + "/v1/responses", timeout=60, json={
