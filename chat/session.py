@@ -769,12 +769,7 @@ class ChatSession:
             if value.lower() == "json":
                 spec = Constraint.json_object(where="/set format json", jump_forward=self.jump_forward)
             else:
-                try:
-                    with open(value, encoding="utf-8") as f:
-                        text = f.read()
-                except (OSError, UnicodeDecodeError) as e:
-                    raise CommandError(f"/set format {value}: {getattr(e, 'strerror', None) or e}"
-                                       " (give json, off, or a JSON Schema file)") from None
+                text = _read_schema_file(value)
                 spec = Constraint.json_schema(text, where=f"/set format {value}", jump_forward=self.jump_forward)
         except ConstraintError as e:
             raise CommandError(str(e)) from None
@@ -900,6 +895,43 @@ class ChatSession:
                      f"{self.conv.window_start} dropped), {self.total_generated} tokens generated, mean decode {mean}")
         lines.append(f"context:     {self.tokens_in_cache} / {self.llm.n_ctx} tokens")
         return "\n".join(lines)
+
+
+FORMAT_MAX_BYTES = 4 << 20   # /set format FILE reads at most this much (the server takes a request of 4 MiB in all)
+
+
+def _read_schema_file(value: str) -> str:
+    """The text of /set format's FILE (~ expanded, as /save and /load take it), or CommandError in one line: only a
+    regular file of at most FORMAT_MAX_BYTES is read (/dev/zero was read until memory ran out, deaf to Ctrl-C; a
+    FIFO waited for a writer: it is opened without waiting, then refused)."""
+    path = os.path.expanduser(value)
+
+    def refused(why: str) -> CommandError:
+        return CommandError(f"/set format {value}: {why} (give json, off, or a JSON Schema file)")
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        raise refused(e.strerror or str(e)) from None
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
+            raise refused("is a directory")
+        if not stat.S_ISREG(st.st_mode):
+            raise refused("not a regular file")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            data = f.read(FORMAT_MAX_BYTES + 1)   # never more, whatever the size said a moment ago
+    except OSError as e:
+        raise refused(e.strerror or str(e)) from None
+    finally:
+        os.close(fd)
+    if len(data) > FORMAT_MAX_BYTES:
+        size = max(st.st_size, len(data))
+        raise refused(f"{size / (1 << 20):.1f} MiB is too large for a JSON Schema (at most "
+                      f"{FORMAT_MAX_BYTES >> 20} MiB)")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise refused(f"not UTF-8 ({e.reason} at byte {e.start})") from None
 
 
 def _typed_text(text: str) -> str:

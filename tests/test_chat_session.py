@@ -992,3 +992,34 @@ def test_a_dead_sessions_recovery_copy_is_not_written_over(tmp_path, monkeypatch
     assert second != first and os.path.basename(second) == f"recovery-{os.getpid()}-2.json"
     with open(first) as f:
         assert f.read() == '{"the": "dead session"}'
+
+
+def test_set_format_reads_only_a_regular_file_of_bounded_size(llm, tmp_path, monkeypatch):
+    """/set format FILE takes the checks /load has: a device, a FIFO or a directory is one line and nothing is read
+    (/dev/zero was read until the machine ran out of memory, deaf to Ctrl-C; a FIFO waited for a writer), a file
+    over the cap is one line naming the cap, and ~ is the home folder as for /save and /load."""
+    from bitnet_cpu.chat.session import FORMAT_MAX_BYTES
+    from helpers import address_space_cap
+
+    s, _ = new_session(llm)
+    with pytest.raises(CommandError, match=r"^/set format /dev/null: not a regular file"):
+        s.run_command(parse_command("/set format /dev/null"))
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with address_space_cap():   # the old read of /dev/zero: a MemoryError here, not the OOM killer
+        for name in ("/dev/zero", "/dev/urandom", str(fifo)):
+            with pytest.raises(CommandError, match=r"not a regular file \(give json, off, or a JSON Schema file\)"):
+                s.run_command(parse_command(f"/set format {name}"))
+    with pytest.raises(CommandError, match=r"^/set format .*: is a directory"):
+        s.run_command(parse_command(f"/set format {tmp_path}"))
+    big = tmp_path / "big.json"
+    with open(big, "wb") as f:
+        f.truncate(FORMAT_MAX_BYTES + 1)
+    with pytest.raises(CommandError) as e:
+        s.run_command(parse_command(f"/set format {big}"))
+    assert "too large for a JSON Schema" in str(e.value) and "\n" not in str(e.value)
+    assert s.format is None and s.format_label == "off"
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "s.json").write_text('{"type": "object"}')
+    s.run_command(parse_command("/set format ~/s.json"))
+    assert s.format is not None and s.format_label == "~/s.json"
