@@ -147,6 +147,10 @@ class ChatSession:
         self.splice = True            # False: always re-render the whole window (for comparison)
         self.recovery_path: str | None = None   # see enable_recovery()
         self._recovery_written = None   # (path, its identity) of the copy this session last wrote
+        self._recovery_turns = 0        # the turns that copy holds
+        # why the last write of the copy failed (a full disk), else None: the copy there, if any, is an older one,
+        # never named as the conversation; every turn tries again
+        self._recovery_failed: str | None = None
         # conversation files this session saved or loaded, each with its identity then: /save replaces one only
         # while it is still that file (another bitchat's /save! since, or a copy over it, is someone else's)
         self.own_files: dict[str, tuple] = {}
@@ -180,6 +184,7 @@ class ChatSession:
 
         if not self.conv.turns:   # /reset: no turn to keep; the copy this session wrote told the old conversation
             self.discard_recovery()
+            self._recovery_failed = None
             faults.set_note("")
             return
 
@@ -195,13 +200,21 @@ class ChatSession:
             written = self.conv.save(self.recovery_path, meta={"model": self.llm.name, "recovered": True,
                                                                "settings": self.saved_settings()}, durable=False)
             self._recovery_written = (written, _identity(os.stat(written)))
+            self._recovery_turns = len(self.conv.turns)
         except (TranscriptError, OSError) as e:
             why = f"{e.filename}: {e.strerror}" if isinstance(e, OSError) and e.filename and e.strerror else \
                 (e.strerror if isinstance(e, OSError) and e.strerror else str(e))   # not "[Errno 20] ..."
-            self.out.notice(f"[cannot keep a recovery copy of the conversation: {why}; /save still works]")
-            self.recovery_path = None
+            # kept trying at every turn (it stopped for good: once the disk had room again no copy was written), said
+            # once; the copy there is older than the conversation: never named as it (faults' line, a signal's)
+            if self._recovery_failed is None and not quiet:
+                self.out.notice(f"[cannot keep a recovery copy of the conversation: {why}; /save still works; "
+                                "it is tried again at every turn]")
+            self._recovery_failed = why
             faults.set_note("")
             return
+        if self._recovery_failed is not None and not quiet:
+            self.out.notice(f"[the recovery copy is kept again: {self.recovery_path}]")
+        self._recovery_failed = None
         faults.set_note(f"; the conversation so far is saved in {self.recovery_path} (/load it in bitchat)")
 
     def recovery_copy(self) -> str | None:
@@ -231,14 +244,31 @@ class ChatSession:
         except OSError:
             return False
 
+    def recovery_current(self) -> str | None:
+        """recovery_copy() while it holds the conversation as it is: None once a later write of it failed."""
+        return None if self._recovery_failed is not None else self.recovery_copy()
+
     def keep_recovery(self) -> str | None:
         """The recovery copy to name as bitchat leaves on a signal: the one this session wrote, or, when another
-        bitchat has written over it since, a fresh one beside it (the line named nothing and the turns were lost)."""
-        if self.recovery_path and self.conv.turns and self.recovery_copy() is None \
-                and self._recovery_written is not None:
+        bitchat has written over it since, a fresh one beside it (the line named nothing and the turns were lost),
+        or, when the last write failed (a full disk), the copy written now; None when it cannot be (the older copy
+        was named as "the conversation so far": see recovery_lost)."""
+        if self.recovery_path and self.conv.turns and (self._recovery_failed is not None or (
+                self.recovery_copy() is None and self._recovery_written is not None)):
             with contextlib.suppress(OSError):   # (a notice failing on a closed terminal)
                 self._save_recovery(quiet=True)
-        return self.recovery_copy()
+        return self.recovery_current()
+
+    def recovery_lost(self) -> str | None:
+        """Why the conversation has no recovery copy as bitchat leaves, in words for its last line (with what an
+        older copy there holds), or None when it has one or none was asked for."""
+        if not self.recovery_path or not self.conv.turns or self._recovery_failed is None:
+            return None
+        line = f"the recovery copy could not be written ({self._recovery_failed})"
+        older = self.recovery_copy()
+        if older:
+            line += f"; {older} holds an older copy ({self._recovery_turns} of {len(self.conv.turns)} turns)"
+        return line
 
     def discard_recovery(self) -> None:
         path = self.recovery_copy()

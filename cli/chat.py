@@ -138,9 +138,10 @@ def _guarded_body(args, settings: Settings, first_message: str | None = None) ->
         # turns so far are kept (user data): say where, never leave a file unannounced; a copy another bitchat
         # wrote over (a shared $BITCHAT_RECOVERY) is written again beside it
         path = live[0].keep_recovery() if live else None
+        lost = live[0].recovery_lost() if live and not path else None   # a full disk: never an older copy named
         why = "interrupted" if isinstance(e, KeyboardInterrupt) else f"terminated ({signal.Signals(e.signum).name})"
-        kept = f"bitchat: {why}; the conversation so far is saved in {path} (/load it in bitchat)" \
-            if path else f"bitchat: {why}"
+        kept = f"bitchat: {why}; the conversation so far is saved in {path} (/load it in bitchat)" if path else \
+            f"bitchat: {why}; the conversation so far is not saved: {lost}" if lost else f"bitchat: {why}"
         with contextlib.suppress(OSError):   # the terminal may be gone (SIGHUP)
             print(kept, file=sys.stderr)
         return 130 if isinstance(e, KeyboardInterrupt) else 128 + e.signum
@@ -149,9 +150,10 @@ def _guarded_body(args, settings: Settings, first_message: str | None = None) ->
 
         path = _written(live)   # never a file left unannounced: it was, one per `bitchat < script | head`
         if path:
-            if is_terminal(sys.stdin):   # typed turns: kept, and said where
-                with contextlib.suppress(OSError):
-                    print(f"bitchat: output closed; the conversation so far is saved in {path}", file=sys.stderr)
+            if is_terminal(sys.stdin):   # typed turns: kept, and said where (never an older copy: a write failed)
+                if live[0].keep_recovery():
+                    with contextlib.suppress(OSError):
+                        print(f"bitchat: output closed; the conversation so far is saved in {path}", file=sys.stderr)
             else:                    # a script's turns: the script has them
                 with contextlib.suppress(OSError):
                     os.unlink(path)
@@ -160,7 +162,7 @@ def _guarded_body(args, settings: Settings, first_message: str | None = None) ->
         from ..engine.errors import BUG_REPORT_HINT, EXIT_BAD_INPUT, EXIT_BUG, write_error_line, write_failed
 
         if write_failed(e):   # the answers cannot be written (stdout on a full disk): one line, the turns kept
-            path = _written(live)
+            path = live[0].keep_recovery() if live else None   # (never an older copy, after a failed write)
             kept = f"; the conversation so far is saved in {path}" if path else ""
             with contextlib.suppress(OSError):
                 print(write_error_line("bitchat", e) + kept, file=sys.stderr)

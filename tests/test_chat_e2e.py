@@ -738,3 +738,41 @@ def test_term_dumb_gets_no_colour():
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def test_a_signal_after_a_failed_recovery_write_never_names_the_older_copy(chat_model, tmp_path):
+    """The recovery copy's write failed (a full disk: here the OS's file size limit on the bitchat process): SIGTERM
+    then said "the conversation so far is saved in" a copy holding only the turns before the failure. Now the line
+    says it is not saved and what the older copy holds; with room again, the next turn writes it again."""
+    import resource
+    import signal
+
+    chat = Chat(chat_model, tmp_path)
+    chat.ask("Hello?")
+    rec = tmp_path / "state" / "bitchat" / f"recovery-{chat.child.pid}.json"
+    assert len(json.loads(rec.read_text())["turns"]) == 1
+    hard = resource.prlimit(chat.child.pid, resource.RLIMIT_FSIZE)[1]
+    resource.prlimit(chat.child.pid, resource.RLIMIT_FSIZE, (rec.stat().st_size + 16, hard))   # "the disk is full"
+    chat.ask("And a longer second question, please?")
+    assert "cannot keep a recovery copy" in plain("".join(chat.log))
+    chat.child.kill(signal.SIGTERM)
+    chat.expect(pexpect.EOF)
+    chat.child.close()
+    last = plain(chat.child.before)
+    assert chat.child.exitstatus == 143 and "saved in" not in last, last
+    assert "bitchat: terminated (SIGTERM); the conversation so far is not saved: the recovery copy could not be " \
+           "written" in last and f"{rec} holds an older copy (1 of 2 turns)" in last, last
+    # the same, the limit lifted before the next turn: written again, and named as the session ends
+    chat = Chat(chat_model, tmp_path)
+    chat.ask("Hello?")
+    rec = tmp_path / "state" / "bitchat" / f"recovery-{chat.child.pid}.json"
+    resource.prlimit(chat.child.pid, resource.RLIMIT_FSIZE, (rec.stat().st_size + 16, hard))
+    chat.ask("And a longer second question, please?")
+    resource.prlimit(chat.child.pid, resource.RLIMIT_FSIZE, (hard, hard))
+    chat.ask("Third?")
+    assert "recovery copy is kept again" in plain("".join(chat.log))
+    chat.child.kill(signal.SIGTERM)
+    chat.expect(pexpect.EOF)
+    chat.child.close()
+    assert f"saved in {rec}" in plain(chat.child.before)
+    assert len(json.loads(rec.read_text())["turns"]) == 3

@@ -1,9 +1,11 @@
 """bitchat's session on a real (small, synthetic) model, in process: KV reuse across turns through
 prompt splicing, context-window trimming, refused messages, /retry, /load + re-prefill, Ctrl-C."""
+import contextlib
 import io
 import json
 import os
 import re
+import resource
 import signal
 
 import pytest
@@ -717,8 +719,8 @@ def test_a_recovery_copy_under_a_file_says_why_in_words(llm, tmp_path):
     s, sink = new_session(llm)
     s.enable_recovery(str(afile / "recovery-1.json"))
     s.ask("Hi?")
-    assert f"[cannot keep a recovery copy of the conversation: {afile}: Not a directory; /save still works]" \
-        in sink.getvalue()
+    assert f"[cannot keep a recovery copy of the conversation: {afile}: Not a directory; /save still works; it is " \
+        "tried again at every turn]" in sink.getvalue()
     assert "Errno" not in sink.getvalue()
 
 
@@ -1023,3 +1025,45 @@ def test_set_format_reads_only_a_regular_file_of_bounded_size(llm, tmp_path, mon
     (tmp_path / "s.json").write_text('{"type": "object"}')
     s.run_command(parse_command("/set format ~/s.json"))
     assert s.format is not None and s.format_label == "~/s.json"
+
+
+@contextlib.contextmanager
+def _file_size_cap(limit: int):
+    """Writes past `limit` bytes of a file fail (EFBIG) while the block runs, as on a full disk: the OS's own
+    limit (RLIMIT_FSIZE; Python ignores SIGXFSZ), nothing of bitchat's replaced."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+
+
+def test_a_recovery_copy_that_failed_is_written_again_and_a_stale_one_never_named(llm, tmp_path):
+    """A recovery write that failed once (a full disk) stopped the copy for good, and a signal then named the stale
+    copy as "the conversation so far" (1 turn of 10,003). Now each turn tries again, one line says when it works
+    again, and as bitchat leaves it is written then or said to be lost, with what the older copy holds."""
+    rec = tmp_path / "rec.json"
+    s, sink = new_session(llm)
+    s.enable_recovery(str(rec))
+    s.ask("First question?")
+    assert s.keep_recovery() == str(rec)
+    with _file_size_cap(os.path.getsize(rec) + 16):   # the next copy is larger: its write fails
+        s.ask("Second question, a longer one than the first?")
+        assert sink.getvalue().count("cannot keep a recovery copy") == 1
+        s.ask("Third?")
+        assert sink.getvalue().count("cannot keep a recovery copy") == 1   # said once, tried at every turn
+        assert s.keep_recovery() is None   # the file there holds one turn of three: never named as the conversation
+        lost = s.recovery_lost()
+        assert "could not be written" in lost and f"{rec} holds an older copy (1 of 3 turns)" in lost, lost
+        assert "\n" not in lost
+    assert len(Conversation.load(str(rec)).turns) == 1
+    s.ask("Fourth, with room again?")   # the next turn writes it again, and says so
+    assert len(Conversation.load(str(rec)).turns) == 4 and "recovery copy is kept again" in sink.getvalue()
+    assert s.keep_recovery() == str(rec) and s.recovery_lost() is None
+    with _file_size_cap(os.path.getsize(rec) + 16):
+        s.ask("Fifth, and the disk is full again?")
+    # a signal once there is room again: the copy is written then, before it is named
+    assert s.keep_recovery() == str(rec) and len(Conversation.load(str(rec)).turns) == 5
+    s.discard_recovery()
+    assert not rec.exists()
