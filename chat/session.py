@@ -33,12 +33,17 @@ from .transcript import (Conversation, TranscriptError, other_conversation, priv
                          same_file_key)
 
 
+EXACT_COUNT_CHARS = 1 << 20   # a refused message up to this long is counted whole to say what it needs
 LAST_TURN_TOO_LONG = ("[the loaded conversation's last turn alone does not fit the context window; it will be "
                       "trimmed when you ask the next question]")
 
 
 class ExitChat(Exception):
     """/bye: leave the session."""
+
+
+class _FitStopped(Exception):
+    """A Ctrl-C (or SIGTERM) came while the window was fitted to a question: it is answered empty, interrupted."""
 
 
 class _InterruptFlag:
@@ -144,6 +149,9 @@ class ChatSession:
         self.had_errors = False       # a command or turn failed (the plain loop's exit code)
         self.cached_turn: CachedTurn | None = None   # the exact tokens of the last turn (chat/splice.py)
         self.last_prompt_ids: list[int] = []
+        # the tokens of each turn's text alone, counted once: text -> (count, whole); of a text far beyond the context
+        # only a prefix, its count already over twice the context (whole False). See _text_tokens
+        self._counted: dict[str, tuple[int, bool]] = {}
         self.splice = True            # False: always re-render the whole window (for comparison)
         self.recovery_path: str | None = None   # see enable_recovery()
         self._recovery_written = None   # (path, its identity) of the copy this session last wrote
@@ -292,27 +300,92 @@ class ChatSession:
         the context, e.g. -n -1, would otherwise leave no room for any earlier turn)."""
         return max(1, min(self.settings.answer_limit(self.llm.n_ctx), self.llm.n_ctx // 2))
 
+    def _text_tokens(self, text: str, heard=None) -> tuple[int, bool]:
+        """The tokens of `text` alone (a message's content) and True; or, once a prefix of it alone has over twice the
+        context's (the cut may split a word: a margin), that prefix's and False: a turn of megabytes is never
+        tokenized whole. Counted once per text (self._counted), however many questions follow. `heard()` is called
+        after each tokenizer call (a Ctrl-C acts there)."""
+        if not text:
+            return 0, True
+        got = self._counted.get(text)
+        if got is not None:
+            return got
+        room = self.llm.n_ctx
+        n = 8 * (room + 64)   # characters: a token is rarely over 8 of them
+        while True:
+            whole = n >= len(text)
+            count = len(self.llm.tokenize(text if whole else text[:n]))
+            if heard is not None:
+                heard()
+            if whole or count > 2 * room + 64:
+                break
+            n *= 4
+        self._counted[text] = got = (count, whole)
+        return got
+
+    def _forget_counts(self) -> None:
+        """Keep the counts of this conversation's texts only (a /load or /reset left others: never a huge text held)."""
+        if len(self._counted) > 2 * len(self.conv.turns) + 16:
+            texts = {x for t in self.conv.turns for x in (t.user, t.assistant) if x}
+            self._counted = {k: v for k, v in self._counted.items() if k in texts}
+
+    def _least_start(self, budget: int, heard=None) -> tuple[int, int]:
+        """The first window start worth counting whole, and the newest turn's own tokens: a start before a turn whose
+        text alone has more than `budget` tokens cannot fit (the template adds to it), so it is not rendered and
+        tokenized whole (a loaded turn of 12 MB took 10-30 s, twice, deaf to Ctrl-C). A text too short to hold that
+        many tokens (a token is at least a byte, a character at most 4) is not tokenized here at all."""
+        first, last = self.conv.window_start, len(self.conv.turns) - 1
+        least, newest = first, 0
+        for i in range(last, first - 1, -1):
+            t = self.conv.turns[i]
+            n = sum(self._text_tokens(x, heard)[0] for x in (t.user, t.assistant or "") if 4 * len(x) > budget)
+            if i == last:
+                newest = n
+            if n > budget:
+                least = min(i + 1, last)
+                break
+        return least, newest
+
     def _fit(self, generation_prompt: bool = True, known: list[int] | None = None,
-             out_of_view: int = 0) -> list[int] | None:
+             out_of_view: int = 0, flag=None) -> list[int] | None:
         """Trim the window so prompt + answer room fit n_ctx, dropping only as many of the oldest turns as
         needed (every turn that fits stays); the prompt ids, or None when even the newest message alone
         cannot fit (then that turn is removed and the user is told). `known`: the ids of the window as it stands,
         already made (/load tokenized the whole conversation: each time took a minute for 10,000 turns);
-        `out_of_view`: turns /load already left out of the window (counted in the notice)."""
+        `out_of_view`: turns /load already left out of the window (counted in the notice). `flag` (sigint_as_flag's):
+        a Ctrl-C is heard after each tokenizer call that counts a huge turn (_FitStopped, the window as it was).
+        The window is rendered and tokenized whole once: the count that found it fits gives the ids."""
         n_ctx = self.llm.n_ctx
         budget = n_ctx - self._reserve()
         start_before = self.conv.window_start
         whole = self.conv.messages() if known is not None else None
+        made: dict[int, list[int]] = {}   # the ids of each window counted, by its number of messages
+
+        def heard() -> None:
+            if flag is not None and flag.hit:
+                raise _FitStopped
 
         def count(m: list[dict]) -> int:
-            return len(known) if known is not None and m == whole else self.count_tokens(m, generation_prompt)
+            if known is not None and m == whole:
+                return len(known)
+            made[len(m)] = ids = self.llm.chat_prompt(m, add_generation_prompt=generation_prompt)
+            return len(ids)
+        self._forget_counts()
+        least, newest = self._least_start(budget, heard)
+        if newest >= n_ctx:   # the newest turn's text alone fills the context: never rendered and tokenized whole
+            return None
         # once trimming is needed, down to 3/4 of the room: each trim changes the prompt's start and re-reads the
         # whole window, which trimming one turn at a time did on every turn of a full context
         # (turns already out: trimming was needed, so down to the 3/4 as if /load had trimmed them itself)
-        dropped = self.conv.fit_window(count, budget * 3 // 4 if out_of_view else budget, budget * 3 // 4) + out_of_view
+        try:
+            dropped = self.conv.fit_window(count, budget * 3 // 4 if out_of_view else budget, budget * 3 // 4,
+                                           least_start=least) + out_of_view
+        except BaseException:   # a second Ctrl-C mid-bisection: never a window left at one of its guesses
+            self.conv.window_start = start_before
+            raise
         messages = self.conv.messages()
-        ids = known if known is not None and messages == whole else \
-            self.llm.chat_prompt(messages, add_generation_prompt=generation_prompt)
+        ids = known if known is not None and messages == whole else made[len(messages)] \
+            if len(messages) in made else self.llm.chat_prompt(messages, add_generation_prompt=generation_prompt)
         if generation_prompt and self.splice:  # same text, but the last answer's own tokens: the cache covers them
             spliced = spliced_prompt(self.llm, self.cached_turn, messages)
             if spliced is not None and len(spliced) < n_ctx:
@@ -327,6 +400,16 @@ class ChatSession:
                             "/save still has them]")
         self.last_prompt_ids = ids
         return ids
+
+    def _newest_needs(self) -> str:
+        """The tokens the newest turn needs alone (with the system prompt), as the refusal says it: "over N" for a text
+        of megabytes far beyond the context, which is never tokenized whole (a paste of 100 KB is counted: 0.1 s)."""
+        t = self.conv.turns[-1]
+        texts = [x for x in (t.user, t.assistant) if x]
+        counts = [self._counted.get(x) for x in texts]
+        if sum(map(len, texts)) > EXACT_COUNT_CHARS and any(c is not None and not c[1] for c in counts):
+            return f"over {sum(c[0] for c in counts if c is not None)}"
+        return str(self.count_tokens(self.conv.messages(start=len(self.conv.turns) - 1)))
 
     def _system_overflow(self) -> int:
         """The system prompt's tokens when it alone leaves no room for a turn and its answer, else 0."""
@@ -403,7 +486,8 @@ class ChatSession:
         (the next turn would put two user messages in a row, which many templates refuse)."""
         self._shown = []   # nothing of this answer shown yet
         try:
-            self._answer_flagged(turn, flag)
+            with quiet_terminal(self.out.interactive):   # from the start: keys typed while the window is fitted too
+                self._answer_flagged(turn, flag)
         except KeyboardInterrupt:   # a second Ctrl-C before the answer began (while the prompt was fitted)
             if turn.assistant is None and self.conv.last_turn() is turn:
                 with contextlib.suppress(KeyboardInterrupt):
@@ -440,7 +524,10 @@ class ChatSession:
         from ..engine.errors import BUG_REPORT_HINT, EXIT_BUG, BitNetError, ContextOverflowError
 
         try:
-            ids = self._fit()
+            ids = self._fit(flag=flag)
+        except _FitStopped:   # Ctrl-C (or SIGTERM) while a huge turn was counted: the window stays as it was
+            self._not_begun(turn)
+            return
         except BitNetError as e:   # the template cannot render this conversation (a role it refuses, ...)
             self.conv.drop_last_turn()
             self.had_errors = True
@@ -449,7 +536,7 @@ class ChatSession:
         messages = self.conv.messages()
         self.cached_turn = None   # until this answer is complete, the cache holds something else
         if ids is None:
-            n = self.count_tokens(self.conv.messages(start=len(self.conv.turns) - 1))
+            n = self._newest_needs()
             self.conv.drop_last_turn()
             self.had_errors = True
             n_system = self._system_overflow()
@@ -739,23 +826,12 @@ class ChatSession:
         total = 0
         for i in range(len(conv.turns) - 1, -1, -1):
             t = conv.turns[i]
-            for text in (t.user, t.assistant or ""):
-                total += self._tokens_past(text, budget - total, flag, name)
+            for text in (t.user, t.assistant or ""):   # (each counted once: the next question's fit reuses them)
+                total += self._text_tokens(text, lambda: self._load_heard(flag, name))[0]
             total = max(total, 1)
             if total > budget:   # with the template's own tokens this turn and all older ones cannot fit
                 return min(i + 1, len(conv.turns) - 1), i < len(conv.turns) - 1
         return 0, True
-
-    def _tokens_past(self, text: str, room: int, flag, name: str) -> int:
-        """The tokens of `text`, or, once a prefix of it alone has far more than `room`, that prefix's (the cut may
-        split a word: a margin): a turn of megabytes is never tokenized whole. Ctrl-C is heard after each call."""
-        n = 8 * (max(room, 0) + 64)   # characters: a token is rarely over 8 of them
-        while True:
-            count = len(self.llm.tokenize(text if n >= len(text) else text[:n]))
-            self._load_heard(flag, name)
-            if n >= len(text) or count > 2 * max(room, 0) + 64:
-                return count
-            n *= 4
 
     @staticmethod
     def _load_heard(flag, name: str) -> None:

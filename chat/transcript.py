@@ -172,23 +172,27 @@ class Conversation:
                 msgs.append({"role": "assistant", "content": t.assistant})
         return msgs
 
-    def fit_window(self, count_tokens: Callable[[list[dict]], int], budget: int, target: int | None = None) -> int:
+    def fit_window(self, count_tokens: Callable[[list[dict]], int], budget: int, target: int | None = None,
+                   least_start: int | None = None) -> int:
         """Move the window start forward (dropping oldest turns, never the system prompt nor the
         newest turn) until `count_tokens(messages) <= budget`. Once trimming is needed it trims
         down to `target` (<= budget) so the next few turns do not each trigger a new trim (every
         trim changes the prompt prefix and costs a full re-prefill). Returns how many turns left
         the window; raises nothing: the caller checks whether the newest turn alone fits.
+        `least_start`: the caller knows no window starting before it fits (a turn's own text alone is too long):
+        those are never counted (a 12 MB turn was rendered and tokenized whole, twice, to learn it).
         """
-        if count_tokens(self.messages()) <= budget:
+        first, last = self.window_start, len(self.turns) - 1
+        known_over = least_start is not None and least_start > first
+        if not known_over and count_tokens(self.messages()) <= budget:
             return 0
         goal = budget if target is None else min(target, budget)
-        first, last = self.window_start, len(self.turns) - 1
         if first >= last:
             return 0
         # the first start whose window fits, by bisection: the count only falls as the start moves on, and each
         # count renders and tokenizes the whole window (one turn at a time, /load of a 1,000-turn conversation
         # took 245 s on 2 cores; 3.6 s this way); none fits: the newest turn alone
-        lo, hi = first + 1, last
+        lo, hi = min(max(first + 1, least_start or 0), last), last
         while lo < hi:
             self.window_start = (lo + hi) // 2
             if count_tokens(self.messages()) <= goal:

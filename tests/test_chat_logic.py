@@ -678,3 +678,22 @@ def test_bitchats_state_ignores_a_relative_xdg_folder(tmp_path, monkeypatch):
     assert state_dir() == str(tmp_path / ".local" / "state" / "bitchat")
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "s"))
     assert state_dir() == str(tmp_path / "s" / "bitchat")
+
+
+def test_fit_window_never_counts_a_window_the_caller_knows_cannot_fit():
+    """least_start: the caller knows no window starting before it fits (one turn's own text is too long); those
+    windows are never counted, and the window found is the one counting every window gives."""
+    for least in range(0, 9):
+        plain, told = make_conv(12), make_conv(12)
+        plain.turns[least - 1 if least else 0].user += " w" * 400   # a turn no window holding it can fit
+        told.turns[least - 1 if least else 0].user += " w" * 400
+        counted = []
+
+        def count(m, seen=counted):
+            seen.append(len(m))
+            return words(m)
+        dropped = plain.fit_window(words, 200, 150)
+        assert told.fit_window(count, 200, 150, least_start=least) == dropped
+        assert told.window_start == plain.window_start
+        if least:   # every window counted starts after the long turn
+            assert all(n <= len(told.messages(start=least)) for n in counted), (least, counted)

@@ -1067,3 +1067,78 @@ def test_a_recovery_copy_that_failed_is_written_again_and_a_stale_one_never_name
     assert s.keep_recovery() == str(rec) and len(Conversation.load(str(rec)).turns) == 5
     s.discard_recovery()
     assert not rec.exists()
+
+
+def _huge_last_answer(path):
+    huge = "word " * 250_000
+    Conversation(turns=[Turn("First question?", "Short answer."), Turn("Tell me a lot.", huge)]).save(str(path))
+    return huge
+
+
+def _window_as_plain_trimming_gives(s, question: str) -> tuple[int, list[int]]:
+    """The window start and prompt ids trimming s's conversation plus `question` gives by counting every window whole
+    (what bitchat did before it kept each turn's count), on a copy: the reference the session must match."""
+    conv = Conversation(system=s.conv.system, turns=[Turn(t.user, t.assistant) for t in s.conv.turns] + [Turn(question)],
+                        window_start=s.conv.window_start)
+    budget = s.llm.n_ctx - s._reserve()
+    conv.fit_window(lambda m: len(s.llm.chat_prompt(m)), budget, budget * 3 // 4)
+    return conv.window_start, s.llm.chat_prompt(conv.messages())
+
+
+def test_the_first_question_after_loading_a_huge_turn_never_tokenizes_it_whole(llm, tmp_path, monkeypatch):
+    """/load of a conversation whose last answer is far beyond the context left it in the window; the next question
+    then tokenized the whole window twice (a 12 MB turn: 10-30 s, deaf to Ctrl-C). Now each turn's text is counted
+    once, and of a huge one only enough to know it cannot fit: the same window and prompt as counting every window
+    whole gives. Counted, not timed: the real tokenizer does the work, the texts given to it are noted."""
+    path = tmp_path / "huge.json"
+    huge = _huge_last_answer(path)
+    s, sink = new_session(llm, system=None)
+    s.run_command(parse_command(f"/load {path}"))
+    assert "last turn alone does not fit" in sink.getvalue()
+    start, prompt = _window_as_plain_trimming_gives(s, "What next?")
+    tok = llm.tokenizer
+    seen = []
+    real = tok.encode
+    monkeypatch.setattr(tok, "encode", lambda text, **kw: (seen.append(len(text)), real(text, **kw))[1])
+    s.ask("What next?")
+    assert s.conv.window_start == start and s.last_prompt_ids == prompt
+    assert s.conv.turns[-1].assistant is not None and not s.conv.turns[-1].interrupted
+    assert sum(seen) < len(huge) / 10, seen   # it went through the tokenizer whole, twice
+    seen.clear()
+    s.ask("And then?")
+    assert sum(seen) < len(huge) / 10, seen
+
+
+def test_a_ctrl_c_while_the_first_question_after_a_huge_load_is_fitted_stops_it_there(llm, tmp_path, monkeypatch):
+    """A Ctrl-C (a real SIGINT) while the window is fitted to the first question after /load of a huge turn: heard
+    after that tokenizer call, the question is answered empty and marked interrupted, the session goes on (it was
+    heard only once the whole window had been tokenized, twice)."""
+    path = tmp_path / "huge.json"
+    _huge_last_answer(path)
+    s, sink = new_session(llm, system=None)
+    s.run_command(parse_command(f"/load {path}"))
+    calls = _ctrl_c_at_the_first_encode(llm, monkeypatch)
+    s.ask("What next?")
+    assert len(calls) == 1, [len(c) for c in calls]
+    assert "[interrupted before the answer began]" in sink.getvalue()
+    last = s.conv.turns[-1]
+    assert last.user == "What next?" and last.assistant == "" and last.interrupted
+    monkeypatch.undo()
+    s.ask("Still there?")
+    assert s.conv.turns[-1].assistant is not None and not s.conv.turns[-1].interrupted
+
+
+def test_a_message_far_beyond_the_context_is_refused_without_tokenizing_it_whole(llm, monkeypatch):
+    """A pasted message far larger than the context is refused in one line (it needs over N tokens) after reading
+    only enough of it to know; the one before it stays."""
+    s, sink = new_session(llm)
+    s.ask("Hello.")
+    huge = "word " * 250_000
+    tok = llm.tokenizer
+    seen = []
+    real = tok.encode
+    monkeypatch.setattr(tok, "encode", lambda text, **kw: (seen.append(len(text)), real(text, **kw))[1])
+    s.ask(huge)
+    assert re.search(r"message not sent: it needs over \d+ tokens plus room for the answer", sink.getvalue())
+    assert sum(seen) < len(huge) / 10, seen
+    assert [t.user for t in s.conv.turns] == ["Hello."]
