@@ -232,13 +232,19 @@ def file_argument(text: str) -> str:
 def parse_command(line: str) -> Command:
     """Parse a slash command line; raises CommandError with a one-line hint when it is not valid."""
     s = line.strip()
-    head, _, rest = s.partition(" ")
+    head = s.split(None, 1)[0]   # ("/show\nparameters": /show, not a command named with a newline)
+    rest = s[len(head):].strip()
     name = head.lower()
     name = ALIASES.get(name, name)
-    rest = rest.strip()
     force = name == "/save!"
     if force:
         name = "/save"
+    lines = s.splitlines()
+    if len(lines) > 1 and name != "/system" and not (name == "/set" and rest.split(None, 1)[0].lower() == "system"):
+        # a paste whose first line is a command: its other lines were the argument (/save made a file whose name
+        # held a newline, and the message was lost). Only a system prompt's text spans lines
+        raise CommandError(f"{head}: a command is one line, and this input has {len(lines)}: nothing was done (to "
+                           "send it as a message, start it with //)")
     if name not in COMMANDS:
         close = [c for c in COMMANDS if c.startswith(name[:3])] if len(name) > 1 else []
         hint = f" (did you mean {close[0]}?)" if close else ""
@@ -297,8 +303,9 @@ def help_text() -> str:
     lines = [f"  {(n + ' ' + a).strip():<{width}}  {h}" for n, (a, h) in COMMANDS.items()]
     lines.append('  """ starts a multi-line message, """ ends it (/set system """ a system prompt);')
     lines.append('  Esc-Enter inserts a newline.')
-    lines.append("  A message that starts with / is written //. Ctrl-C stops an answer (what was shown")
-    lines.append("  is kept) or clears the line; Ctrl-D exits.")
+    lines.append("  A message that starts with / is written //. A command is one line (but a system")
+    lines.append("  prompt's text): input of several lines that starts with one is refused, nothing done.")
+    lines.append("  Ctrl-C stops an answer (what was shown is kept) or clears the line; Ctrl-D exits.")
     return "\n".join(lines)
 
 

@@ -776,3 +776,23 @@ def test_a_signal_after_a_failed_recovery_write_never_names_the_older_copy(chat_
     chat.child.close()
     assert f"saved in {rec}" in plain(chat.child.before)
     assert len(json.loads(rec.read_text())["turns"]) == 3
+
+
+def test_a_pasted_command_with_more_lines_does_nothing_and_says_so(chat_model, tmp_path):
+    """A bracketed paste whose first line is /save made the next line part of the file name (a file named
+    "paste.json\\nhello") and the message was lost: now one line says a command is one line and nothing was done;
+    with // in front the same paste is a message."""
+    chat = Chat(chat_model, tmp_path)
+    target = tmp_path / "paste.json"
+    chat.child.send(f"\x1b[200~/save {target}\nhello\x1b[201~")
+    out = chat.command("", r"nothing was done[^\r\n]*")
+    assert "a command is one line" in plain(out) and "start it with //" in plain(out)
+    assert not any(x.startswith("paste.json") for x in os.listdir(tmp_path))
+    chat.child.send(f"\x1b[200~//save {target}\nhello\x1b[201~")
+    chat.enter("")
+    chat.expect(STATS_RE)
+    chat.wait_prompt()
+    chat.command(f"/save {tmp_path / 'c.json'}", r"\[saved 1 turn ")
+    assert json.loads((tmp_path / "c.json").read_text())["turns"][0]["user"] == f"/save {target}\nhello"
+    assert not any(x.startswith("paste.json") for x in os.listdir(tmp_path))
+    assert chat.finish("/bye") == 0

@@ -697,3 +697,25 @@ def test_fit_window_never_counts_a_window_the_caller_knows_cannot_fit():
         assert told.window_start == plain.window_start
         if least:   # every window counted starts after the long turn
             assert all(n <= len(told.messages(start=least)) for n in counted), (least, counted)
+
+
+@pytest.mark.parametrize("text", ["/save paste.json\nhello", "/save! paste2.json\r\nnext", "/set temp 0.5\nhello there",
+                                  "/load paste.json\nthen ask", "/set format json\nsecond line", "/show\nparameters",
+                                  "/bye\nsee you", "/nope\nsecond line"])
+def test_a_command_is_one_line_and_a_paste_of_several_is_refused(text):
+    """A paste whose first line is a command made the other lines its argument: /save wrote a file whose name held
+    a newline and the message was lost. A command is one line: such input is one line saying nothing was done and
+    how to send the text as a message."""
+    with pytest.raises(CommandError) as e:
+        parse_command(text)
+    line = str(e.value)
+    assert "\n" not in line and "\r" not in line
+    assert line.startswith(text.split()[0] + ": a command is one line") and "nothing was done" in line
+    assert "start it with //" in line
+
+
+def test_the_system_prompt_commands_still_span_lines():
+    assert parse_command('/set system """You are\nbrief."""').arg == 'system """You are\nbrief."""'
+    assert parse_command("/system You are\nbrief.").arg == "You are\nbrief."
+    assert parse_command("/system\nYou are brief.").arg == "You are brief."
+    assert "a command is one line" in help_text().lower()
