@@ -41,7 +41,7 @@ SAMPLING_FLAGS = {
     "min_p": (("--min-p",), float, "P", "min-p (0 = off)"),
     "repeat_penalty": (("--repeat-penalty",), float, "R", "repetition penalty (1 = off)"),
     "repeat_last_n": (("--repeat-last-n",), int, "N", "tokens the repetition penalty looks back at"),
-    "seed": (("--seed", "-s"), int, "S", "random seed; -1 or none: a random one (printed with -v)"),
+    "seed": (("--seed", "-s"), int, "S", "random seed; -1 or none: a random one"),
     "presence_penalty": (("--presence-penalty",), float, "P", "OpenAI's presence penalty on generated tokens (0 = off)"),
     "frequency_penalty": (("--frequency-penalty",), float, "F", "OpenAI's frequency penalty on generated tokens (0 = off)"),
     "dry_multiplier": (("--dry-multiplier",), float, "M", "DRY: penalty multiplier of tokens extending a repeat (0 = off)"),
@@ -139,6 +139,8 @@ def add_engine_args(p: argparse.ArgumentParser, *, n_predict_default: int | None
                    help="always read the weights into memory%(default).0s")
     for field, (spellings, kind, metavar, text) in SAMPLING_FLAGS.items():
         default = getattr(_D, field)
+        if field == "seed" and p.prog.endswith(" run"):   # only bitnet run has -v (bitchat, serve: no such flag)
+            text += " (printed with -v)"
         p.add_argument(*spellings, dest=field, type=kind, default=default, metavar=metavar,
                        help=text + ("%(default).0s" if default in (None, "") else ""))
     p.add_argument("--dry-sequence-breaker", dest="dry_sequence_breakers", action=_Breakers,

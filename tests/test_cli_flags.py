@@ -602,3 +602,16 @@ def test_bitchat_takes_run_s_lm_head(bundled):
     assert r.returncode == 2 and "--lm-head q4" in r.stderr and "f16 head" in r.stderr, r.stderr
     r = run("bitnet_cpu.cli.chat", "-m", bundled, "--lm-head", "f16", "-n", "2", "--temp", "0", stdin="hi\n")
     assert r.returncode == 0 and r.stdout.strip(), r.stderr
+
+
+def test_seed_help_names_no_flag_the_command_lacks():
+    """bitchat --help said the random seed is "printed with -v", and bitchat has no -v."""
+    from bitnet_cpu.cli import build_parser
+    from bitnet_cpu.cli.chat import build_parser as chat_parser
+
+    subparsers: dict = {}
+    build_parser(subparsers)
+    for name, p in {**subparsers, "bitchat": chat_parser()}.items():
+        seed = p._option_string_actions.get("--seed")
+        if seed is not None:
+            assert ("-v" in seed.help) == ("-v" in p._option_string_actions), (name, seed.help)
