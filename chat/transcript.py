@@ -282,6 +282,9 @@ class Conversation:
         try:
             fd, tmp = tempfile.mkstemp(prefix=".bitchat-", suffix=".tmp", dir=directory)
         except OSError as e:
+            if e.errno == errno.ENOENT and os.path.isdir(directory):   # /proc, /sys: "No such file or directory" of
+                raise TranscriptError(f"{path}: cannot create a file in {directory} (that folder takes no new "
+                                      "files)") from None   # a folder that is there
             raise TranscriptError(f"{path}: cannot write here ({e.strerror})") from None
         try:
             with os.fdopen(fd, "w", encoding="utf-8") as f:

@@ -2,6 +2,7 @@
 and validation, multi-line blocks, completion, stats rendering. No engine, no terminal."""
 import io
 import json
+import os
 
 import pytest
 
@@ -719,3 +720,14 @@ def test_the_system_prompt_commands_still_span_lines():
     assert parse_command("/system You are\nbrief.").arg == "You are\nbrief."
     assert parse_command("/system\nYou are brief.").arg == "You are brief."
     assert "a command is one line" in help_text().lower()
+
+
+def test_save_into_a_folder_that_takes_no_files_says_so(tmp_path):
+    """/save /proc/x.json said "cannot write here (No such file or directory)" of a folder that exists."""
+    if not os.path.isdir("/proc/self"):
+        pytest.skip("no /proc on this system")
+    with pytest.raises(TranscriptError) as e:
+        make_conv(1).save("/proc/x.json")
+    assert "No such file or directory" not in str(e.value)
+    assert str(e.value) == "/proc/x.json: cannot create a file in /proc (that folder takes no new files)"
+
