@@ -126,6 +126,31 @@ def private_history(path: str, keep: int = HISTORY_KEEP, max_bytes: int = HISTOR
             raise
 
 
+def history_entry(string: str) -> bytes:
+    """One entry of prompt_toolkit's FileHistory format, as its store_string writes it: a "# time" line, then each
+    line of `string` after a "+"."""
+    import datetime
+
+    return (f"\n# {datetime.datetime.now()}\n" + "".join(f"+{line}\n" for line in string.split("\n"))).encode("utf-8")
+
+
+def append_whole(fd: int, data: bytes) -> None:
+    """Append `data` to the file open at `fd` (O_APPEND, under history_locked) whole or not at all: a write that
+    fails partway (a full disk) is cut back off, or the part that fitted came back at the next start as an entry."""
+    before = os.fstat(fd).st_size
+    view = memoryview(data)
+    try:
+        while view:
+            n = os.write(fd, view)
+            if n <= 0:   # (a file takes a byte or says why not: never a loop on nothing written)
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            view = view[n:]
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, before)
+        raise
+
+
 def guarded_file_history(path: str):
     """prompt_toolkit's FileHistory whose writes may fail (a full disk, the file removed): the first failure is
     kept in .problem (the REPL says it once) and the history goes on in memory; prompt_toolkit printed its own
@@ -145,8 +170,8 @@ def guarded_file_history(path: str):
             except UnicodeError:
                 return
             try:
-                with history_locked(os.path.realpath(path)):
-                    super().store_string(string)
+                with history_locked(os.path.realpath(path)) as fd:
+                    append_whole(fd, history_entry(string))
             except OSError as e:
                 self.problem = f"[history file {path}: {e.strerror or e}; history kept in memory only]"
 

@@ -634,7 +634,9 @@ class ChatSession:
             self.total_decode_tokens += n_counted - 1
             self.total_decode_s += (n_counted - 1) / stats.decode_tps
         # an answer cut off during its prompt: only the prompt's chunks done are cached
-        self.tokens_in_cache = len(ids) + n_tokens if stats is not None else len(self.llm.cached_tokens)
+        # (what the cache holds: the last token sampled is not fed to it, so prompt + answer was one over a full
+        # context, "257 / 256")
+        self.tokens_in_cache = len(self.llm.cached_tokens)
         if interrupted and not pieces and stats is None:   # stopped during its prompt: there is no answer to keep
             self.out.notice("[interrupted before the answer began]")
             return
@@ -976,11 +978,21 @@ class ChatSession:
             f"shape:    {c.n_layers} layers, hidden {c.hidden_size}, ffn {c.intermediate_size}, "
             f"{c.n_heads} heads ({c.n_kv_heads} kv, dim {c.head_dim}), vocab {c.vocab_size}, {c.hidden_act}",
             f"context:  {llm.n_ctx} tokens (model max {c.context_length}); in use {self.tokens_in_cache}",
-            f"threads:  {self.threads if self.threads else 'auto'}",
+            f"threads:  {self._threads_used()}",
             f"sampling: {self.settings.describe()}",
             f"system:   {self.conv.system!r}" if self.conv.system else "system:   (none)",
         ]
         return "\n".join(lines)
+
+    def _threads_used(self) -> str:
+        """The threads in use as /show info says it: -t as given, or as capped to the CPUs there are (it said 64
+        where the warning said 2 were used), or 'auto'."""
+        used = getattr(self.llm, "threads", None)
+        if not self.threads:   # (decode's count may be tuned from there: not named)
+            return "auto"
+        if used is not None and used != self.threads:
+            return f"{used} (-t {self.threads} is more than the {used} CPU cores available)"
+        return str(self.threads)
 
     def describe_stats(self) -> str:
         s = self.last_stats
@@ -997,7 +1009,8 @@ class ChatSession:
                 lines.append(f"drafts:      {s.n_accepted}/{s.n_drafted} draft tokens accepted (prompt lookup, "
                              "forced tokens)")
         mean = f"{self.total_decode_tokens / self.total_decode_s:.1f} tok/s" if self.total_decode_s > 0 else "-"
-        lines.append(f"session:     {len(self.conv.turns)} turns ({len(self.conv.window_turns())} in the window, "
+        n = len(self.conv.turns)
+        lines.append(f"session:     {n} turn{'' if n == 1 else 's'} ({len(self.conv.window_turns())} in the window, "
                      f"{self.conv.window_start} dropped), {self.total_generated} tokens generated, mean decode {mean}")
         lines.append(f"context:     {self.tokens_in_cache} / {self.llm.n_ctx} tokens")
         return "\n".join(lines)

@@ -28,6 +28,18 @@ def address_space_cap(headroom: int = 3 << 30):
         resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
 
 
+@contextlib.contextmanager
+def file_size_cap(limit: int):
+    """Writes past `limit` bytes of a file fail (EFBIG) while the block runs, as on a full disk: the OS's own limit
+    (RLIMIT_FSIZE; Python ignores SIGXFSZ), so a write that fails then works again needs no stand-in of our code."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+
+
 def assert_conversion_refused(src: str, tmp_path, match: str) -> str:
     """A source that must not convert: convert() raises FormatError matching `match` and leaves no file, and
     `bitnet convert` exits 2 with one error line (plus at most a hint), no traceback. Returns that stderr."""

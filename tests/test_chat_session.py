@@ -1,11 +1,9 @@
 """bitchat's session on a real (small, synthetic) model, in process: KV reuse across turns through
 prompt splicing, context-window trimming, refused messages, /retry, /load + re-prefill, Ctrl-C."""
-import contextlib
 import io
 import json
 import os
 import re
-import resource
 import signal
 
 import pytest
@@ -1027,28 +1025,18 @@ def test_set_format_reads_only_a_regular_file_of_bounded_size(llm, tmp_path, mon
     assert s.format is not None and s.format_label == "~/s.json"
 
 
-@contextlib.contextmanager
-def _file_size_cap(limit: int):
-    """Writes past `limit` bytes of a file fail (EFBIG) while the block runs, as on a full disk: the OS's own
-    limit (RLIMIT_FSIZE; Python ignores SIGXFSZ), nothing of bitchat's replaced."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
-    try:
-        yield
-    finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
-
-
 def test_a_recovery_copy_that_failed_is_written_again_and_a_stale_one_never_named(llm, tmp_path):
     """A recovery write that failed once (a full disk) stopped the copy for good, and a signal then named the stale
     copy as "the conversation so far" (1 turn of 10,003). Now each turn tries again, one line says when it works
     again, and as bitchat leaves it is written then or said to be lost, with what the older copy holds."""
+    from helpers import file_size_cap
+
     rec = tmp_path / "rec.json"
     s, sink = new_session(llm)
     s.enable_recovery(str(rec))
     s.ask("First question?")
     assert s.keep_recovery() == str(rec)
-    with _file_size_cap(os.path.getsize(rec) + 16):   # the next copy is larger: its write fails
+    with file_size_cap(os.path.getsize(rec) + 16):   # the next copy is larger: its write fails
         s.ask("Second question, a longer one than the first?")
         assert sink.getvalue().count("cannot keep a recovery copy") == 1
         s.ask("Third?")
@@ -1061,7 +1049,7 @@ def test_a_recovery_copy_that_failed_is_written_again_and_a_stale_one_never_name
     s.ask("Fourth, with room again?")   # the next turn writes it again, and says so
     assert len(Conversation.load(str(rec)).turns) == 4 and "recovery copy is kept again" in sink.getvalue()
     assert s.keep_recovery() == str(rec) and s.recovery_lost() is None
-    with _file_size_cap(os.path.getsize(rec) + 16):
+    with file_size_cap(os.path.getsize(rec) + 16):
         s.ask("Fifth, and the disk is full again?")
     # a signal once there is room again: the copy is written then, before it is named
     assert s.keep_recovery() == str(rec) and len(Conversation.load(str(rec)).turns) == 5
@@ -1142,3 +1130,44 @@ def test_a_message_far_beyond_the_context_is_refused_without_tokenizing_it_whole
     assert re.search(r"message not sent: it needs over \d+ tokens plus room for the answer", sink.getvalue())
     assert sum(seen) < len(huge) / 10, seen
     assert [t.user for t in s.conv.turns] == ["Hello."]
+
+
+def test_stats_and_info_say_what_is_in_use(llm):
+    """/stats said "context: 257 / 256 tokens" after an answer cut by a full context (the last token sampled is never
+    fed to the cache) and "1 turns"; /show info said "threads: 64" where -t 64 was capped to the CPUs there are."""
+    from bitnet_cpu.engine.api import load_model
+    from bitnet_cpu.engine.cpu import available_cores
+
+    small = load_model(llm.store.path, ctx=128, threads=10_000, progress=False)
+    sink = io.StringIO()
+    s = ChatSession(small, Settings(temp=0.0, max_tokens=128), Output(sink, sink, interactive=False),
+                    system="Be brief.", threads=10_000)
+    s.ask("Tell me a very long story about " + "dragons and " * 10 + "knights.")
+    assert s.conv.turns[0].finish_reason == "context"
+    assert s.tokens_in_cache == len(small.cached_tokens) <= small.n_ctx
+    s.run_command(parse_command("/stats"))
+    assert f"context:     {len(small.cached_tokens)} / 128 tokens" in sink.getvalue()
+    assert "session:     1 turn (1 in the window, 0 dropped)" in sink.getvalue()
+    s.run_command(parse_command("/show info"))
+    cores = available_cores()
+    assert re.search(rf"threads:  {cores} \(-t 10000 is more than the {cores} CPU cores available\)", sink.getvalue()), \
+        sink.getvalue()
+
+
+def test_a_history_entry_is_written_whole_or_not_at_all(tmp_path):
+    """A line typed while the history's disk was full left the part that fitted (57,344 bytes of a 70 KB line), which
+    came back at the next start as an entry of its own: an entry is now written whole or not at all."""
+    from prompt_toolkit.history import FileHistory
+
+    from bitnet_cpu.chat.repl import guarded_file_history
+    from helpers import file_size_cap
+
+    path = tmp_path / "history"
+    h = guarded_file_history(str(path))
+    h.store_string("first entry\nof two lines")
+    size = path.stat().st_size
+    with file_size_cap(size + 4096):   # "the disk is full" past 4 KiB more
+        h.store_string("a long line " * 6_000)
+    assert h.problem and "history kept in memory only" in h.problem and "\n" not in h.problem
+    assert path.stat().st_size == size
+    assert list(FileHistory(str(path)).load_history_strings()) == ["first entry\nof two lines"]
