@@ -1066,8 +1066,8 @@ def _huge_last_answer(path):
 def _window_as_plain_trimming_gives(s, question: str) -> tuple[int, list[int]]:
     """The window start and prompt ids trimming s's conversation plus `question` gives by counting every window whole
     (what bitchat did before it kept each turn's count), on a copy: the reference the session must match."""
-    conv = Conversation(system=s.conv.system, turns=[Turn(t.user, t.assistant) for t in s.conv.turns] + [Turn(question)],
-                        window_start=s.conv.window_start)
+    turns = [Turn(t.user, t.assistant) for t in s.conv.turns] + [Turn(question)]
+    conv = Conversation(system=s.conv.system, turns=turns, window_start=s.conv.window_start)
     budget = s.llm.n_ctx - s._reserve()
     conv.fit_window(lambda m: len(s.llm.chat_prompt(m)), budget, budget * 3 // 4)
     return conv.window_start, s.llm.chat_prompt(conv.messages())
@@ -1150,8 +1150,8 @@ def test_stats_and_info_say_what_is_in_use(llm):
     assert "session:     1 turn (1 in the window, 0 dropped)" in sink.getvalue()
     s.run_command(parse_command("/show info"))
     cores = available_cores()
-    assert re.search(rf"threads:  {cores} \(-t 10000 is more than the {cores} CPU cores available\)", sink.getvalue()), \
-        sink.getvalue()
+    said = sink.getvalue()
+    assert re.search(rf"threads:  {cores} \(-t 10000 is more than the {cores} CPU cores available\)", said), said
 
 
 def test_a_history_entry_is_written_whole_or_not_at_all(tmp_path):
