@@ -163,7 +163,7 @@ def test_every_slash_command(chat_model, tmp_path):
     chat.expect(STATS_RE)
     chat.wait_prompt()
     out = chat.command("/stats", r"context: [^\r\n]*")
-    assert "last answer:" in out and "session:     1 turns" in out
+    assert "last answer:" in out and "session:     1 turn (" in out
     chat.command("/reset", r"\[conversation cleared\]")
     chat.command("/stats", r"session:     0 turns")
     # tab completion: "/he" + Tab completes to /help (on screen before the Enter: read with the Tab, the Enter
