@@ -139,8 +139,6 @@ def add_engine_args(p: argparse.ArgumentParser, *, n_predict_default: int | None
                    help="always read the weights into memory%(default).0s")
     for field, (spellings, kind, metavar, text) in SAMPLING_FLAGS.items():
         default = getattr(_D, field)
-        if field == "seed" and p.prog.endswith(" run"):   # only bitnet run has -v (bitchat, serve: no such flag)
-            text += " (printed with -v)"
         p.add_argument(*spellings, dest=field, type=kind, default=default, metavar=metavar,
                        help=text + ("%(default).0s" if default in (None, "") else ""))
     p.add_argument("--dry-sequence-breaker", dest="dry_sequence_breakers", action=_Breakers,

@@ -53,7 +53,8 @@ def add_arguments(p):
                    help='print one JSON object per line: {"text": ...} per piece, then {"done": true, "stats": ...} '
                         '(to make the ANSWER JSON, use -j/--json-schema)%(default).0s')
     add_constraint_args(p)
-    p.add_argument("-v", "--verbose", action="store_true", help="print timings to stderr%(default).0s")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="print timings, and the random seed chosen, to stderr%(default).0s")
 
 
 def _read_prompt(args) -> str | None:
