@@ -334,6 +334,20 @@ def test_help_states_each_default_once():
     assert not twice, twice
 
 
+def test_seed_help_names_no_flag_the_command_lacks():
+    """bitchat --help said the random seed is "printed with -v", and bitchat has no -v: bitnet run's -v says it."""
+    from bitnet_cpu.cli import build_parser
+    from bitnet_cpu.cli.chat import build_parser as chat_parser
+
+    subparsers: dict = {}
+    build_parser(subparsers)
+    for name, p in {**subparsers, "bitchat": chat_parser()}.items():
+        seed = p._option_string_actions.get("--seed")
+        if seed is not None:
+            assert "-v" not in seed.help or "-v" in p._option_string_actions, (name, seed.help)
+    assert "seed" in subparsers["run"]._option_string_actions["-v"].help
+
+
 def _parse(prog, argv):
     from bitnet_cpu.cli import build_parser
     from bitnet_cpu.cli.chat import build_parser as bitchat_parser
@@ -602,17 +616,3 @@ def test_bitchat_takes_run_s_lm_head(bundled):
     assert r.returncode == 2 and "--lm-head q4" in r.stderr and "f16 head" in r.stderr, r.stderr
     r = run("bitnet_cpu.cli.chat", "-m", bundled, "--lm-head", "f16", "-n", "2", "--temp", "0", stdin="hi\n")
     assert r.returncode == 0 and r.stdout.strip(), r.stderr
-
-
-def test_seed_help_names_no_flag_the_command_lacks():
-    """bitchat --help said the random seed is "printed with -v", and bitchat has no -v: bitnet run's -v says it."""
-    from bitnet_cpu.cli import build_parser
-    from bitnet_cpu.cli.chat import build_parser as chat_parser
-
-    subparsers: dict = {}
-    build_parser(subparsers)
-    for name, p in {**subparsers, "bitchat": chat_parser()}.items():
-        seed = p._option_string_actions.get("--seed")
-        if seed is not None:
-            assert "-v" not in seed.help or "-v" in p._option_string_actions, (name, seed.help)
-    assert "seed" in subparsers["run"]._option_string_actions["-v"].help
