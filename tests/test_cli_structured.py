@@ -91,3 +91,31 @@ def test_empty_schema_is_a_json_object_in_the_chat():
                        input="Hi\n", capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("{"), r.stdout
+
+
+@pytest.mark.parametrize("flag", ["--json-schema-file", "--grammar-file"])
+def test_a_constraint_file_is_a_regular_file_of_bounded_size(tmp_path, flag):
+    """--json-schema-file / --grammar-file read the whole of whatever they were given: /dev/zero grew the process
+    without bound (and a FIFO with no writer hung it), as /set format did in bitchat. Only a regular file of at
+    most 4 MiB is read now, `~` expanded; anything else is one line naming the flag, exit 2."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    big = tmp_path / "big"
+    big.write_bytes(b" " * ((4 << 20) + 1))
+    cases = [("/dev/zero", "not a regular file"), (str(fifo), "not a regular file"),
+             (str(tmp_path), "is a directory"), (str(big), "over 4 mib")]
+    for path, words in cases:
+        r = subprocess.run([sys.executable, "-c", "import resource, runpy, sys; "
+                            "resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30)); "
+                            "sys.argv = ['bitnet', 'run', '-p', 'x', '-n', '2', *sys.argv[1:]]; "
+                            "runpy.run_module('bitnet_cpu', run_name='__main__')", flag, path],
+                           capture_output=True, text=True, timeout=120, cwd=ROOT)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1 and flag in lines[0], (path, r.stderr)
+        assert words in lines[0].lower(), (path, r.stderr)
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "g").write_text(json.dumps(SCHEMA) if flag == "--json-schema-file" else 'root ::= "yes"')
+    r = subprocess.run([sys.executable, "-m", "bitnet_cpu", "run", "-p", "x", "-n", "4", "--temp", "0", f"{flag}=~/g"],
+                       capture_output=True, text=True, timeout=120, cwd=ROOT, env=dict(os.environ, HOME=str(home)))
+    assert r.returncode == 0, r.stderr
