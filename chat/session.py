@@ -25,6 +25,7 @@ from contextlib import contextmanager
 from dataclasses import replace
 
 from ..engine.errors import ENDING_SIGNALS, Terminated
+from ..engine.fileio import SETTINGS_FILE_MAX, read_settings_file
 from .commands import (OLLAMA_SET_WORDS, SETTING_NAMES, THINK_WORDS, Command, CommandError, CommandInterrupted,
                        Settings, help_text, parse_setting, shown_max_tokens, split_set, strip_block)
 from .render import Output, format_stats
@@ -1016,41 +1017,16 @@ class ChatSession:
         return "\n".join(lines)
 
 
-FORMAT_MAX_BYTES = 4 << 20   # /set format FILE reads at most this much (the server takes a request of 4 MiB in all)
+FORMAT_MAX_BYTES = SETTINGS_FILE_MAX   # /set format FILE reads at most this much
 
 
 def _read_schema_file(value: str) -> str:
     """The text of /set format's FILE (~ expanded, as /save and /load take it), or CommandError in one line: only a
-    regular file of at most FORMAT_MAX_BYTES is read (/dev/zero was read until memory ran out, deaf to Ctrl-C; a
-    FIFO waited for a writer: it is opened without waiting, then refused)."""
-    path = os.path.expanduser(value)
-
-    def refused(why: str) -> CommandError:
-        return CommandError(f"/set format {value}: {why} (give json, off, or a JSON Schema file)")
+    regular file of at most FORMAT_MAX_BYTES (engine/fileio.py)."""
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
-    except OSError as e:
-        raise refused(e.strerror or str(e)) from None
-    try:
-        st = os.fstat(fd)
-        if stat.S_ISDIR(st.st_mode):
-            raise refused("is a directory")
-        if not stat.S_ISREG(st.st_mode):
-            raise refused("not a regular file")
-        with os.fdopen(fd, "rb", closefd=False) as f:
-            data = f.read(FORMAT_MAX_BYTES + 1)   # never more, whatever the size said a moment ago
-    except OSError as e:
-        raise refused(e.strerror or str(e)) from None
-    finally:
-        os.close(fd)
-    if len(data) > FORMAT_MAX_BYTES:
-        size = max(st.st_size, len(data))
-        raise refused(f"{size / (1 << 20):.1f} MiB is too large for a JSON Schema (at most "
-                      f"{FORMAT_MAX_BYTES >> 20} MiB)")
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise refused(f"not UTF-8 ({e.reason} at byte {e.start})") from None
+        return read_settings_file(value, "a JSON Schema", FORMAT_MAX_BYTES)
+    except ValueError as e:
+        raise CommandError(f"/set format {value}: {e} (give json, off, or a JSON Schema file)") from None
 
 
 def _typed_text(text: str) -> str:

@@ -198,28 +198,16 @@ def constraint_from_args(args: argparse.Namespace):
     import json
 
     from ..engine.errors import BitNetError
+    from ..engine.fileio import read_settings_file
     from ..engine.runtime.constraints import Constraint
 
     jf = not getattr(args, "no_jump_forward", False)
 
-    def read(path, flag):
-        """A regular file of at most CONSTRAINT_FILE_MAX bytes (/dev/zero grew the process without bound, a FIFO
-        with no writer hung it), `~` expanded; else one line naming the flag."""
-        import os
-        import stat
-        try:   # non-blocking: a FIFO is refused below, never waited on
-            fd = os.open(os.path.expanduser(path), os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-            with os.fdopen(fd, "rb") as f:
-                mode = os.fstat(fd).st_mode
-                if not stat.S_ISREG(mode):
-                    why = "is a directory" if stat.S_ISDIR(mode) else "not a regular file"
-                    raise BitNetError(f"{flag} {path}: {why}")
-                data = f.read(CONSTRAINT_FILE_MAX + 1)
-            if len(data) > CONSTRAINT_FILE_MAX:
-                raise BitNetError(f"{flag} {path}: over {CONSTRAINT_FILE_MAX >> 20} MiB: not a schema or grammar")
-            return data.decode("utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise BitNetError(f"{flag} {path}: {getattr(e, 'strerror', None) or e}") from None
+    def read(path, flag):   # a regular file of at most 4 MiB, ~ expanded (engine/fileio.py)
+        try:
+            return read_settings_file(path, "a schema or grammar")
+        except ValueError as e:
+            raise BitNetError(f"{flag} {path}: {e}") from None
 
     def schema(text, where):
         # '{}' (or nothing) is "a JSON object", as /set format json and llama.cpp's converter read it; a schema
@@ -277,9 +265,6 @@ def check_engine_args(args: argparse.Namespace) -> str | None:
         except BitNetError as e:
             return str(e)
     return _apply_prefill_attention(getattr(args, "prefill_attention", None))
-
-
-CONSTRAINT_FILE_MAX = 4 << 20   # --json-schema-file / --grammar-file: as bitchat's /set format FILE
 
 
 def _read_chat_template(args: argparse.Namespace) -> str | None:

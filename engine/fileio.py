@@ -57,6 +57,39 @@ def not_a_file(path: str) -> bool:
     return not (stat.S_ISREG(mode) or stat.S_ISDIR(mode))
 
 
+SETTINGS_FILE_MAX = 4 << 20   # a JSON Schema or grammar file (the server takes a request of 4 MiB in all)
+
+
+def read_settings_file(path: str, what: str, limit: int = SETTINGS_FILE_MAX) -> str:
+    """The UTF-8 text of a small file the user names (`what`: "a JSON Schema", ...), `~` expanded; ValueError with
+    the reason in words for the caller's one line. Only a regular file is read (a FIFO is opened without waiting,
+    then refused), never more than `limit` bytes whatever its size said (/dev/zero was read until memory ran out,
+    deaf to Ctrl-C)."""
+    try:
+        fd = os.open(os.path.expanduser(path), os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        raise ValueError(e.strerror or str(e)) from None
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
+            raise ValueError("is a directory")
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError("not a regular file")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            data = f.read(limit + 1)
+    except OSError as e:
+        raise ValueError(e.strerror or str(e)) from None
+    finally:
+        os.close(fd)
+    if len(data) > limit:
+        size = max(st.st_size, len(data))
+        raise ValueError(f"{size / (1 << 20):.1f} MiB, over {limit >> 20} MiB: too large for {what}")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"not UTF-8 ({e.reason} at byte {e.start})") from None
+
+
 def map_readonly(path: str, min_size: int, kind: str) -> tuple[mmap.mmap, int]:
     """Map `path` read-only; raise FormatError if it cannot be opened or mapped, or is under `min_size` bytes."""
     try:   # looked at before the open: opening a FIFO waits for a writer (for ever)
