@@ -29,6 +29,7 @@ from ..engine.fileio import SETTINGS_FILE_MAX, read_settings_file
 from .commands import (OLLAMA_SET_WORDS, SETTING_NAMES, THINK_WORDS, Command, CommandError, CommandInterrupted,
                        Settings, help_text, parse_setting, shown_max_tokens, split_set, strip_block)
 from .render import Output, format_stats
+from .recovery import this_process
 from .splice import CachedTurn, spliced_prompt
 from .transcript import (Conversation, TranscriptError, other_conversation, private_dir, refuse_directory_name,
                          same_file_key)
@@ -206,8 +207,10 @@ class ChatSession:
                 if not quiet:
                     self.out.notice(f"[{taken} holds another bitchat's recovery copy (kept); this session's copy "
                                     f"is now {self.recovery_path}]")
+            # "process": who wrote it, so a later bitchat tells a copy left behind from a running session's
             written = self.conv.save(self.recovery_path, meta={"model": self.llm.name, "recovered": True,
-                                                               "settings": self.saved_settings()}, durable=False)
+                                                               "settings": self.saved_settings(),
+                                                               "process": this_process()}, durable=False)
             self._recovery_written = (written, _identity(os.stat(written)))
             self._recovery_turns = len(self.conv.turns)
         except (TranscriptError, OSError) as e:

@@ -3,6 +3,7 @@ and validation, multi-line blocks, completion, stats rendering. No engine, no te
 import io
 import json
 import os
+import time
 
 import pytest
 
@@ -731,3 +732,47 @@ def test_save_into_a_folder_that_takes_no_files_says_so(tmp_path):
     assert "No such file or directory" not in str(e.value)
     assert str(e.value) == "/proc/x.json: cannot create a file in /proc (that folder takes no new files)"
 
+
+
+def _recovery_copy(path, meta):
+    path.write_text(json.dumps({"format": "bitchat-conversation", "version": 1, "system": None,
+                                "turns": [{"user": "Kept?", "assistant": "Kept."}], "meta": meta}))
+
+
+def test_a_copy_is_left_behind_when_the_process_it_names_is_not_its_writer(tmp_path, monkeypatch):
+    """Which recovery copies a starting bitchat names: those whose writer no longer runs. The writer is the process
+    the copy's meta names (PID and start time: a PID reused by another process is not it); a copy of an older
+    bitchat, without that, is judged by the PID in its name: a process that started after the copy's last write
+    is not its writer. Real processes (this one, a child that has ended); files that are not copies are skipped."""
+    import subprocess
+    import sys
+
+    from bitnet_cpu.chat.recovery import left_behind, recovery_copies, this_process
+
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path))
+    folder = tmp_path / "bitchat"
+    folder.mkdir()
+    me = this_process()
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    gone = int(ended.stdout)
+    _recovery_copy(folder / "recovery-11.json", {"recovered": True, "process": me})                  # this process
+    _recovery_copy(folder / "recovery-12.json", {"recovered": True, "process": dict(me, pid=gone)})   # it ended
+    if "start" in me:   # the PID runs, but another process than the writer (started at another time)
+        _recovery_copy(folder / "recovery-13.json", {"recovered": True, "process": dict(me, start=me["start"] + 1)})
+    legacy_now = folder / f"recovery-{os.getpid()}-5.json"   # an older bitchat's copy written while this one ran
+    _recovery_copy(legacy_now, {"recovered": True})
+    legacy_old = folder / f"recovery-{os.getpid()}-6.json"   # one written a day before this process started
+    _recovery_copy(legacy_old, {"recovered": True})
+    os.utime(legacy_old, (time.time() - 86400, time.time() - 86400))
+    _recovery_copy(folder / f"recovery-{gone}.json", {"recovered": True})   # the PID in its name has ended
+    (folder / "recovery-14.json").write_text('{"format": "bitchat-conversation", "turns": []}')   # not a copy
+    (folder / "notes-15.json").write_text("mine")
+
+    running = {os.path.basename(c.path) for c in recovery_copies() if c.running}
+    left = {os.path.basename(c.path) for c in left_behind()}
+    want = {"recovery-12.json", f"recovery-{gone}.json"} | ({"recovery-13.json"} if "start" in me else set())
+    if os.path.isdir("/proc/self"):   # where a process's start time can be read
+        want.add(legacy_old.name)
+    assert left == want
+    assert running == {"recovery-11.json", legacy_now.name} | ({legacy_old.name} - want)
+    assert all(c.turns == 1 and c.first == "Kept?" for c in left_behind())
