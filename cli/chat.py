@@ -19,6 +19,14 @@ while it is still the copy this session wrote:
 when the process is ended by a fatal fault or Ctrl-C outside a turn (a piped session waiting for input), the one-line
 message says where it is (/load it). A path holding a file that is not a recovery copy, or ending in "/", is refused
 at start.
+
+Copies left by sessions that no longer run (killed by SIGKILL or the OOM killer, crashed: no line said where) are
+named at the next start: one line before the first prompt (how many, the newest one's path, turns and last write,
+/load PATH), on stderr also when stdin or stdout is not a terminal (stderr already carries the loading and ready
+lines; stdout holds answers only, so a script reading it is never disturbed). Only this session's place counts (the
+state dir's recovery-PID*.json, or $BITCHAT_RECOVERY and its X-N.json siblings; none when that is empty or
+/dev/null); a copy of a bitchat still running is never named (chat/recovery.py). `bitchat --recovered` lists them
+(tab-separated, stdout) and exits. None is ever deleted by bitchat: they are the user's conversations.
 """
 from __future__ import annotations
 
@@ -49,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(p, n_predict_default=Settings().max_tokens)
     add_lm_head_arg(p)   # the model flags are `bitnet run`'s
     add_system_args(p)
+    p.add_argument("--recovered", action="store_true",
+                   help="list the recovery copies that bitchat sessions which did not end normally left behind "
+                        "(path, last written, turns, first question; tab-separated) and exit%(default).0s")
     p.add_argument("--version", action="version", version=f"bitchat {__version__}")
     return p
 
@@ -84,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
         parser = build_parser()
         maybe_autocomplete(parser)
         args = parse_args_suggesting(parser, argv)
+        if args.recovered:
+            return _list_recovered()
         try:
             settings = settings_from_args(args, _refuse)
         except ValueError as e:   # a value out of range: one line, as `bitnet run` says it
@@ -193,6 +206,34 @@ def recovery_path() -> str | None:
     return path
 
 
+def _recovery_place() -> tuple[bool, str | None]:
+    """(whether recovery copies are kept, $BITCHAT_RECOVERY's path or None for the state dir's recovery-PID.json)."""
+    if os.environ.get("BITCHAT_RECOVERY") is None:
+        return True, None
+    fixed = recovery_path()
+    return fixed is not None, fixed
+
+
+def _list_recovered() -> int:
+    """`bitchat --recovered`: the copies left behind, one a line on stdout (none: one line on stderr), exit 0."""
+    from ..chat.recovery import left_behind, listing
+
+    on, fixed = _recovery_place()
+    if not on:
+        print("bitchat: no recovery copies are kept (BITCHAT_RECOVERY is empty or /dev/null)", file=sys.stderr)
+        return 0
+    lines = listing(left_behind(fixed))
+    if not lines:
+        from ..chat.transcript import state_dir
+
+        where = fixed if fixed else os.path.join(state_dir(), "recovery-PID.json")
+        print(f"bitchat: no recovery copies left behind (looked for {where} and the copies beside it)",
+              file=sys.stderr)
+    for line in lines:
+        print(line)
+    return 0
+
+
 def _beside(path: str) -> str:
     """The first free X-N.json beside X.json ($BITCHAT_RECOVERY holding another session's copy, never written over
     nor removed: it was, and deleted at exit, even after the user /load-ed it as the crash line advised)."""
@@ -219,16 +260,23 @@ def _run(args, settings: Settings, out: Output, interactive: bool, first_message
         print("bitchat: error: -m/--model '': an empty model name (leave -m out for the bundled default model)",
               file=sys.stderr)   # "model '': no such file"
         return EXIT_BAD_INPUT
+    from ..chat.recovery import notice, recovery_copies
+
     path = recovery_path()
     problem = recovery_problem(path) if path else None
     if problem:   # it was removed at exit: a file of the user's, or a conversation /load-ed from there
         print(f"bitchat: error: the recovery copy's path {path} {problem}; set BITCHAT_RECOVERY to another file "
               "(empty: no recovery copy)", file=sys.stderr)
         return EXIT_BAD_INPUT
-    if path and os.path.isfile(path) and os.path.getsize(path):   # an earlier session's copy: the user's turns
+    # the copies of sessions that did not end normally (killed: they could not say where): named before the first
+    # prompt, on stderr (a script's stdout gets answers only); a copy of a bitchat still running never is
+    copies = recovery_copies(path if os.environ.get("BITCHAT_RECOVERY") is not None else None) if path else []
+    if path and os.path.isfile(path) and os.path.getsize(path):   # another session's copy: the user's turns
         kept, path = path, _beside(path)
-        print(f"bitchat: {kept} holds an earlier session's conversation (kept: /load it); this session's recovery "
-              f"copy is {path}", file=sys.stderr)
+        running = any(c.running and c.path == os.path.abspath(kept) for c in copies)
+        whose = "a bitchat still running" if running else "an earlier session"
+        print(f"bitchat: {kept} holds the recovery copy of {whose} (kept); this session's recovery copy is {path}",
+              file=sys.stderr)
 
     faults.install("bitchat")
     label = args.model or "the bundled default model"
@@ -280,14 +328,19 @@ def _run(args, settings: Settings, out: Output, interactive: bool, first_message
     if path:
         session.enable_recovery(path)
     ready = f"bitchat: {llm.name} ready in {load_s:.1f} s ({llm.n_ctx}-token context)."
+    left = notice([c for c in copies if not c.running])
     if interactive:
         print(ready + " Type /help for commands, /bye or Ctrl-D to exit.", file=sys.stderr, flush=True)
+        if left:
+            print(left, file=sys.stderr, flush=True)
         if first_message and not handle_line(session, first_message):
             session.discard_recovery()
             return 0
         rc = run_repl(session)
     else:
         print(ready, file=sys.stderr, flush=True)
+        if left:
+            print(left, file=sys.stderr, flush=True)
         if first_message and not handle_line(session, first_message):
             session.discard_recovery()
             return 1 if session.had_errors else 0

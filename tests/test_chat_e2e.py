@@ -6,6 +6,7 @@ converted by engine.convert). Timeouts are generous and answers short: the CI ma
 import json
 import os
 import re
+import shutil
 import subprocess
 import time
 
@@ -592,6 +593,134 @@ def test_an_earlier_sessions_copy_at_a_fixed_recovery_path_is_kept(chat_model, t
     beside = tmp_path / "rec-2.json"
     assert [line for line in r.stderr.splitlines() if str(path) in line and str(beside) in line], r.stderr
     assert not beside.exists()   # this session's own copy: removed at its normal exit
+
+
+LEFT_BEHIND = "did not end normally"   # the start notice about copies that sessions killed or crashed left
+
+
+def _session_with_a_copy(model, tmp_path, copy=None, **env_extra):
+    """A piped bitchat that has answered its first turn and waits for the next, its recovery copy written:
+    (process, copy path). `copy`: where the copy goes (default: the state dir's recovery-PID.json)."""
+    env = dict(test_env(tmp_path), **env_extra)
+    cmd = console_script("bitchat") + ["-m", model, "-t", "1", "--seed", "1", "-n", "4"]
+    p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    copy = copy or tmp_path / "state" / "bitchat" / f"recovery-{p.pid}.json"
+    p.stdin.write(b"My secret plan\n")
+    p.stdin.flush()
+    deadline = time.monotonic() + TIMEOUT * 2
+    while time.monotonic() < deadline and p.poll() is None:   # the copy holds the turn once its answer is made
+        try:
+            turns = json.loads(copy.read_text())["turns"]
+            if turns and turns[0]["assistant"] is not None:
+                return p, copy
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.05)
+    p.kill()
+    p.wait()
+    raise AssertionError(f"bitchat (exit {p.returncode}) never wrote its first turn to {copy}")
+
+
+def _killed_session(model, tmp_path, copy=None, **env_extra):
+    """The recovery copy a bitchat left as SIGKILL ended it after its first turn (it had no chance to say so)."""
+    import signal
+
+    p, copy = _session_with_a_copy(model, tmp_path, copy, **env_extra)
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    assert copy.exists()
+    return copy
+
+
+def _end(p):
+    """End a session waiting for input as a user does (end of input): a normal exit, its copy removed."""
+    try:
+        p.stdin.close()
+        assert p.wait(timeout=TIMEOUT) == 0
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_a_killed_sessions_copy_is_named_at_the_next_start_and_a_running_ones_never(chat_model, tmp_path):
+    """A bitchat killed with SIGKILL (or by the OOM killer, or a crash) left its recovery copy, the user's
+    conversation, unannounced for ever. The next bitchat names it before the first prompt, in one line on stderr
+    (a piped run's stdout holds answers only), with its turns, when it was last written and how to /load it; the
+    copy of a bitchat still running in another terminal is never named; nothing is deleted."""
+    orphan = _killed_session(chat_model, tmp_path)
+    live, live_copy = _session_with_a_copy(chat_model, tmp_path)
+    try:
+        r = run_piped(chat_model, tmp_path, f"/load {orphan}\n")   # the line's advice works
+        assert r.returncode == 0, r.stderr
+        named = [line for line in r.stderr.splitlines() if LEFT_BEHIND in line]
+        assert len(named) == 1 and str(orphan) in named[0] and "1 turn" in named[0], r.stderr
+        assert f"/load {orphan}" in named[0] and "last written" in named[0]
+        assert str(live_copy) not in r.stderr and str(orphan) not in r.stdout and LEFT_BEHIND not in r.stdout
+        assert orphan.exists() and live_copy.exists()   # never deleted: the user's data
+
+        chat = Chat(chat_model, tmp_path)   # on a terminal: said before the first prompt
+        before = plain(chat.log[0])
+        assert LEFT_BEHIND in before and str(orphan) in before and str(live_copy) not in before, before
+        assert chat.finish() == 0
+
+        listed = subprocess.run(console_script("bitchat") + ["--recovered"], capture_output=True, text=True,
+                                timeout=TIMEOUT, env=test_env(tmp_path))
+        assert listed.returncode == 0, listed.stderr
+        assert [line.split("\t")[0] for line in listed.stdout.splitlines()] == [str(orphan)], listed.stdout
+        assert "1 turn" in listed.stdout and "My secret plan" in listed.stdout
+    finally:
+        _end(live)
+    assert not live_copy.exists() and orphan.exists()
+
+
+def test_a_copy_whose_pid_now_runs_another_process_is_named(chat_model, tmp_path):
+    """PID reuse: the process holding a dead session's PID now (here another running bitchat) is not its writer:
+    the copy is named; one written by the process that runs now is not."""
+    orphan = _killed_session(chat_model, tmp_path)
+    live, live_copy = _session_with_a_copy(chat_model, tmp_path)
+    try:
+        d = json.loads(orphan.read_text())
+        d["meta"]["process"]["pid"] = live.pid   # the dead writer's PID, as the running one got it
+        reused = tmp_path / "state" / "bitchat" / f"recovery-{live.pid}-2.json"
+        reused.write_text(json.dumps(d))
+        orphan.unlink()
+        r = run_piped(chat_model, tmp_path, "")
+        assert r.returncode == 0, r.stderr
+        named = [line for line in r.stderr.splitlines() if LEFT_BEHIND in line]
+        assert len(named) == 1 and str(reused) in named[0] and str(live_copy) not in r.stderr, r.stderr
+    finally:
+        _end(live)
+
+
+def test_bitchat_recovery_limits_which_copies_are_named_and_dev_null_none(chat_model, tmp_path):
+    """$BITCHAT_RECOVERY=X.json: only X.json and the copies beside it are this bitchat's to name (the state dir's
+    are not); /dev/null: no recovery copies, none named; a running bitchat's copy at X is said to be one."""
+    fixed = tmp_path / "rec.json"
+    orphan = _killed_session(chat_model, tmp_path, fixed, BITCHAT_RECOVERY=str(fixed))
+    dead = json.loads(orphan.read_text())["meta"]["process"]["pid"]
+    elsewhere = tmp_path / "state" / "bitchat" / f"recovery-{dead}.json"   # as a session in the state dir left it
+    elsewhere.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy(orphan, elsewhere)
+
+    def start(recovery):
+        env = dict(test_env(tmp_path), BITCHAT_RECOVERY=recovery)
+        r = subprocess.run(console_script("bitchat") + ["-m", chat_model, "-t", "1"], input="", capture_output=True,
+                           text=True, timeout=TIMEOUT, env=env)
+        assert r.returncode == 0, r.stderr
+        return [line for line in r.stderr.splitlines() if LEFT_BEHIND in line], r.stderr
+
+    named, err = start(str(fixed))
+    assert len(named) == 1 and str(fixed) in named[0] and str(elsewhere) not in err, err
+    assert start(os.devnull)[0] == [] and start("")[0] == []
+
+    live_path = tmp_path / "live.json"
+    live, _ = _session_with_a_copy(chat_model, tmp_path, live_path, BITCHAT_RECOVERY=str(live_path))
+    try:
+        named, err = start(str(live_path))
+        assert named == [] and "a bitchat still running" in err, err
+    finally:
+        _end(live)
+    assert fixed.exists() and elsewhere.exists()
 
 
 def test_piped_bad_command_hints_and_exits_1(chat_model, tmp_path):
