@@ -24,6 +24,7 @@ from ..engine.runtime.sampling import EXCLUDED, NO_TOKEN_ALLOWED, SamplingParams
 
 
 _DEFAULT = SamplingParams()
+WHOLE_CONTEXT = 1 << 30   # repeat_last_n covering every token of a sequence (llama-server's -1)
 # the branch tags pydantic puts in an error's location inside a union ("str", "dict[str,float]", a model's name)
 _UNION_TAG = re.compile(r"^(str|int|float|bool|none|bytes|[a-z-]+\[.*\]|[A-Z]\w*)$")
 
@@ -648,7 +649,7 @@ class _Sampling(JSONTyped):
         if field == "top_k" and value == -1:
             return 0
         if field == "repeat_last_n" and value == -1:
-            return 1 << 30
+            return WHOLE_CONTEXT
         if field == "logit_bias" and value is not None:   # JSON keys are strings: token ids as text
             bias = {}
             for k, v in value.items():   # plain digits: int() also took "1_0" and " 10" as 10
@@ -961,7 +962,44 @@ class ToolMessages:
                                             "a tool call with that id")
 
 
-class ChatCompletionRequest(ToolMessages, _Sampling):
+class VLLMRepetition(JSONTyped):
+    """vLLM's `repetition_penalty` (its most used sampling extension, sent by clients written for vLLM): HF's
+    multiplicative rule over every token of the prompt and the answer, which is llama.cpp's `repeat_penalty`
+    (the same CTRL rule) over the whole context (`repeat_last_n: -1`), so it is taken as that pair. Sent beside a
+    `repeat_penalty` of another value, or a `repeat_last_n` other than -1, it is a 400 naming both."""
+    repetition_penalty: Optional[float] = None
+
+    @field_validator("repetition_penalty")
+    @classmethod
+    def _repetition_value(cls, value):
+        if value is not None:
+            problem = setting_problem("repeat_penalty", value, json_terms=True)
+            if problem:
+                raise PydanticCustomError("invalid_setting", problem.replace("repeat_penalty", "repetition_penalty"))
+        return value
+
+    def repetition_conflict(self) -> tuple[str, str] | None:
+        rp = self.repetition_penalty
+        if rp is None:
+            return None
+        if "repeat_penalty" in self.model_fields_set and self.repeat_penalty != rp:
+            return "repetition_penalty", (f"repetition_penalty {shown_number(rp)} (vLLM's) and repeat_penalty "
+                                          f"{shown_number(self.repeat_penalty)} (llama.cpp's) are the same penalty: "
+                                          "send one of them")
+        if "repeat_last_n" in self.model_fields_set and self.repeat_last_n != WHOLE_CONTEXT:
+            return "repetition_penalty", (f"repetition_penalty counts the whole context (vLLM's rule), not the last "
+                                          f"repeat_last_n {self.repeat_last_n} tokens: send repeat_penalty with "
+                                          "repeat_last_n instead")
+        return None
+
+    def sampling_params(self, defaults=None):
+        p = super().sampling_params(defaults)
+        if self.repetition_penalty is not None:
+            p.repeat_penalty, p.repeat_last_n = self.repetition_penalty, WHOLE_CONTEXT
+        return p
+
+
+class ChatCompletionRequest(ToolMessages, VLLMRepetition, _Sampling):
     EFFORT_NONE: ClassVar[bool] = True   # reasoning_effort "none": a thinking template does not think
     messages: list[ChatMessage] = Field(min_length=1)
     # llama-server's: variables for the chat template (enable_thinking: false turns Qwen3's thinking off), and
@@ -1012,6 +1050,8 @@ class ChatCompletionRequest(ToolMessages, _Sampling):
     def unsupported(self):
         if self.top_logprobs and not self.logprobs:   # ollama's /api/chat rule too; the harmless 0 is taken
             return "top_logprobs", f"top_logprobs {self.top_logprobs} needs logprobs: true"
+        if bad := self.repetition_conflict():
+            return bad
         if bad := self.stream_options_alone():
             return bad
         if bad := sibling_refused(self, COMPLETIONS_ONLY, "/v1/completions"):
@@ -1047,7 +1087,7 @@ class ChatCompletionRequest(ToolMessages, _Sampling):
         return self.max_tokens if self.max_tokens is not None else self.predict_limit(None)
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(VLLMRepetition, _Sampling):
     prompt: Union[str, list[str], list[int], list[list[int]]]   # [[ids]]: one tokenized prompt (lm-eval sends so)
     logprobs: Optional[int] = Field(default=None, ge=0, le=5)   # OpenAI's legacy range: 0..5 alternatives
     echo: bool = False
@@ -1072,7 +1112,7 @@ class CompletionRequest(_Sampling):
         return self.logprobs
 
     def unsupported(self):
-        if bad := tools_refused(self):
+        if bad := tools_refused(self) or self.repetition_conflict():
             return bad
         if self.messages is not None:
             return "messages", "messages: a /v1/chat/completions field, not taken here (/v1/completions takes prompt)"
