@@ -33,7 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from .anthropic import CountTokensRequest, MessageBuilder, MessagesRequest, anthropic_names
 from .auth import AuthMiddleware, KeyChecker, allow_cross_origin
 from .limits import Limits, LimitsMiddleware, RouteNorms, anthropic_error_body, anthropic_shaped, anthropic_status
-from .logprobs import Said, TokenText, chat_entry, completion_logprobs, echo_logprobs
+from .logprobs import Said, TextOffsets, TokenText, chat_entry, completion_logprobs, echo_logprobs
 from .metrics import CONTENT_TYPE, ServerMetrics, TokenClock
 from .offload import (BodyRefused, ClientGone, Streamed, next_or_gone, offloop_route, prepare_sampling,
                       prompt_body_bound, run_off_loop, too_long_for_context, unless_gone, warm_bounds)
@@ -837,8 +837,9 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
                 # stopped with the answers when the client hangs up (a long prompt's pass runs for many seconds)
                 scores = await unless_gone(asyncio.gather(
                     *(score_prompt(eng, ids, body.logprobs, cid, request.url.path) for ids, _, _ in prompts)), request)
-                for k, ((ids, _, shown), sc) in enumerate(zip(prompts, scores)):
-                    echo_lp[k], echo_end[k] = echo_logprobs(state.token_text(eng), ids, sc, shown, body.logprobs)
+                for k, ((ids, echoed, shown), sc) in enumerate(zip(prompts, scores)):
+                    echo_lp[k], echo_end[k] = echo_logprobs(state.token_text(eng), ids, sc, shown, body.logprobs,
+                                                            echoed)
         except BaseException as e:
             for st in streams:
                 st.cancel()
@@ -848,7 +849,8 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
             raise
         created, model = int(time.time()), state.model_id
         head = {"id": cid, "object": "text_completion", "created": created, "model": model, "system_fingerprint": None}
-        text_of, offsets = state.token_text(eng), [echo_end[i // n] for i in range(len(streams))]
+        text_of = state.token_text(eng)
+        offsets = [TextOffsets(eng.tokenizer, echo_end[i // n]) for i in range(len(streams))]   # one per choice
 
         def echo_of(i):
             return prompts[i // n][1] if body.echo else ""
@@ -856,9 +858,7 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         def logprobs(i, lps):
             if body.logprobs is None or lps is None:
                 return None
-            out = completion_logprobs(text_of, lps, body.logprobs, offsets[i])
-            offsets[i] = out["text_offset"][-1] + len(out["tokens"][-1]) if lps else offsets[i]
-            return out
+            return completion_logprobs(text_of, lps, body.logprobs, offsets[i])
 
         def make_chunk(i, text, finish, first=False, lps=None):
             if first:   # an echo goes out first, with its logprobs

@@ -1,13 +1,17 @@
 """The engine's per-token log-probabilities (Chunk.logprob, a TokenLogprob) in OpenAI's two shapes.
 
 Chat: `{"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}]}`.
-Completions: `{"tokens", "token_logprobs", "top_logprobs": [{token: logprob}], "text_offset"}`.
+Completions: `{"tokens", "token_logprobs", "top_logprobs": [{token: logprob}], "text_offset"}`: a token that is no
+whole UTF-8 text on its own (a byte of a character split over tokens) is written "bytes:\\xNN...", as OpenAI's
+legacy completions write it, so different tokens never share a name; text_offset is where the token's first byte
+lies in the returned text, in characters (the bytes of one character share its offset, as OpenAI's do).
 Both shared by the ollama adapter (serve/ollama.py), which uses the chat shape's entries.
 A token that can never be sampled (logit -inf: ignore_eos, a -100 bias pushed to nothing) has logprob -inf,
 which JSON cannot carry; OpenAI reports such tokens as -9999.0, and so do we.
 """
 from __future__ import annotations
 
+import codecs
 import math
 from collections import deque
 
@@ -65,42 +69,76 @@ def chat_entry(text_of: TokenText, token: int, lp, n_top: int) -> dict:
     return {"token": text, "logprob": _finite(lp.logprob), "bytes": list(b), "top_logprobs": top}
 
 
-def completion_logprobs(text_of: TokenText, items: list[tuple[int, object]], n_top: int, offset: int) -> dict:
-    """The completions `logprobs` object for (token, TokenLogprob) items whose text starts at `offset` of the
-    completion (text_offset counts characters of the tokens' own texts, as OpenAI's does)."""
+def legacy_name(b: bytes) -> str:
+    """A token's name in the completions (legacy) logprobs: its text, or "bytes:" and each byte as \\xNN where its
+    bytes are no whole UTF-8 text (part of a character), as OpenAI's legacy completions name such a token."""
+    try:
+        return b.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{c:02x}" for c in b)
+
+
+class TextOffsets:
+    """text_offset of a completion's tokens, in characters of its returned text: each token's bytes go through an
+    incremental UTF-8 decoder, as the engine's text does (engine/formats/tokenizer.py StreamDecoder), so a token
+    is at the character its first byte lies in, the bytes of a character split over tokens share that
+    character's offset, and no offset runs past the text. skip_special: special tokens add no text (a generated
+    answer's text leaves them out; an echoed prompt's keeps them)."""
+
+    def __init__(self, tokenizer, start: int = 0, skip_special: bool = True):
+        self.tok, self.at, self.skip = tokenizer, start, skip_special
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def take(self, token: int) -> int:
+        """The offset of this token, the next of the text."""
+        here = self.at
+        if not (self.skip and self.tok.is_special(token)):
+            self.at += len(self._utf8.decode(self.tok.token_bytes(token)))
+        return here
+
+    def close(self) -> int:
+        """The offset past the text's end (bytes of a character left incomplete decode to U+FFFD, as the text's)."""
+        self.at += len(self._utf8.decode(b"", final=True))
+        return self.at
+
+
+def _legacy_top(text_of: TokenText, lp, n_top: int) -> dict[str, float]:
+    top: dict[str, float] = {}
+    for i, v in lp.top[:n_top]:
+        top.setdefault(legacy_name(text_of(i)[1]), _finite(v))
+    return top
+
+
+def completion_logprobs(text_of: TokenText, items: list[tuple[int, object]], n_top: int,
+                        offsets: TextOffsets) -> dict:
+    """The completions `logprobs` object for (token, TokenLogprob) items, the next of a completion whose text
+    offsets `offsets` counts (one per choice, kept across a stream's chunks)."""
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for token, lp in items:
-        text, _ = text_of(token)
-        out["tokens"].append(text)
+        out["tokens"].append(legacy_name(text_of(token)[1]))
         out["token_logprobs"].append(_finite(lp.logprob))
-        top: dict[str, float] = {}
-        for i, v in lp.top[:n_top]:
-            top.setdefault(text_of(i)[0], _finite(v))
-        out["top_logprobs"].append(top)
-        out["text_offset"].append(offset)
-        offset += len(text)
+        out["top_logprobs"].append(_legacy_top(text_of, lp, n_top))
+        out["text_offset"].append(offsets.take(token))
     return out
 
 
-def echo_logprobs(text_of: TokenText, ids: list[int], scores: list, first: int, n_top: int) -> tuple[dict, int]:
+def echo_logprobs(text_of: TokenText, ids: list[int], scores: list, first: int, n_top: int,
+                  echoed: str) -> tuple[dict, int]:
     """The completions `logprobs` of an echoed prompt, tokens ids[first:] (first 1: a BOS the server added is not
     echoed), scores[j - 1] being token j's TokenLogprob (engine/batching/score.py); token 0 has none (null, as
-    OpenAI's). Returns the object and the text offset where the completion's own tokens start."""
+    OpenAI's). echoed: the prompt's text as the answer shows it. Returns the object and the text offset where the
+    completion's own tokens start (the echoed text's length)."""
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    offset = 0
+    offsets = TextOffsets(text_of.tok, skip_special=False)
     for j in range(first, len(ids)):
-        text, _ = text_of(ids[j])
-        out["tokens"].append(text)
-        out["text_offset"].append(offset)
-        offset += len(text)
+        out["tokens"].append(legacy_name(text_of(ids[j])[1]))
+        out["text_offset"].append(min(offsets.take(ids[j]), len(echoed)))
         if j == 0:
             out["token_logprobs"].append(None)
             out["top_logprobs"].append(None)
             continue
         lp = scores[j - 1]
         out["token_logprobs"].append(_finite(lp.logprob))
-        top: dict[str, float] = {}
-        for i, v in lp.top[:n_top]:
-            top.setdefault(text_of(i)[0], _finite(v))
-        out["top_logprobs"].append(top)
-    return out, offset
+        out["top_logprobs"].append(_legacy_top(text_of, lp, n_top))
+    return out, len(echoed)
+

@@ -71,6 +71,53 @@ def check_offsets(text: str, lp: dict):
     assert lp["text_offset"] == sorted(lp["text_offset"])
 
 
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_byte_tokens_keep_their_own_names(server, seed):
+    """A sampled byte token and the other byte tokens of its position have names of their own: each of the
+    grammar's 3 allowed continuation bytes is a top_logprobs key, tokens[i] is a key there only with its own
+    logprob (an é sampled where è was likelier is no longer "the top token"), and the names spell the text."""
+    code, r = post(server, "/v1/completions", prompt="Letter:", max_tokens=4, temperature=1.5, seed=seed,
+                   logprobs=3, grammar=ACCENTS)
+    assert code == 200, r
+    c = r["choices"][0]
+    lp = c["logprobs"]
+    assert b"".join(raw_bytes(t) for t in lp["tokens"]).decode("utf-8") == c["text"]
+    second = lp["top_logprobs"][1]   # after 0xc3: the continuation bytes of é, è and ü
+    assert len(second) == 3 and all(k.startswith("bytes:\\x") for k in second)
+    for tok, v, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
+        assert len(set(top)) == len(top)
+        if tok in top:
+            assert top[tok] == v
+        greedy = max(top, key=top.get)
+        assert (greedy == tok) == (top[greedy] == v)
+
+
+@pytest.mark.parametrize("prompt, body", [
+    ("Dessert:", {"grammar": f'root ::= "{MIXED}"', "max_tokens": 40}),
+    (f"The café in {MIXED} and", {"echo": True, "max_tokens": 4}),
+], ids=["grammar", "echo"])
+def test_text_offset_indexes_into_the_text(server, prompt, body):
+    """text_offset on text with 2-, 3- and 4-byte characters (a grammar-forced answer; an echoed accented prompt
+    and its completion): each offset is the character its token's first byte lies in, never past the text; a
+    stream gives the same tokens, logprobs and offsets."""
+    kw = dict(prompt=prompt, temperature=0, logprobs=2, **body)
+    code, r = post(server, "/v1/completions", **kw)
+    assert code == 200, r
+    c = r["choices"][0]
+    if "grammar" in body:
+        assert c["text"] == MIXED
+    else:
+        assert c["text"].startswith(prompt)
+    check_offsets(c["text"], c["logprobs"])
+    text, got = "", {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for ch in streamed(server, "/v1/completions", **kw):
+        for x in ch["choices"]:
+            text += x["text"]
+            for k in got:
+                got[k] += (x["logprobs"] or {}).get(k) or []
+    assert text == c["text"] and got == c["logprobs"]
+
+
 def test_repetition_penalty_is_repeat_penalty_over_the_whole_context(server):
     """vLLM's repetition_penalty (HF's rule over prompt and answer) is repeat_penalty with repeat_last_n -1: the
     same text and logprobs, on completions and chat; it changes a greedy answer's logprobs (it was ignored); sent
