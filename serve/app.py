@@ -33,7 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from .anthropic import CountTokensRequest, MessageBuilder, MessagesRequest, anthropic_names
 from .auth import AuthMiddleware, KeyChecker, allow_cross_origin
 from .limits import Limits, LimitsMiddleware, RouteNorms, anthropic_error_body, anthropic_shaped, anthropic_status
-from .logprobs import Said, TextOffsets, TokenText, chat_entry, completion_logprobs, echo_logprobs
+from .logprobs import Said, ShownRecords, TextOffsets, TokenText, chat_entry, completion_logprobs, echo_logprobs
 from .metrics import CONTENT_TYPE, ServerMetrics, TokenClock
 from .offload import (BodyRefused, ClientGone, Streamed, next_or_gone, offloop_route, prepare_sampling,
                       prompt_body_bound, run_off_loop, too_long_for_context, unless_gone, warm_bounds)
@@ -621,8 +621,9 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
 
     async def stream_events(streams, q, n_prompt, make_chunk, include_usage, per_token, rid, where):
         """SSE lines for one request's choices. On client disconnect Starlette cancels this generator: we cancel
-        the engine streams in `finally`, so their sequences stop at the next step. A chunk carries the logprobs
-        of the tokens since the previous chunk of its choice (tokens held back as a possible stop string wait)."""
+        the engine streams in `finally`, so their sequences stop at the next step. make_chunk is given the logprob
+        items of the tokens since its previous call for that choice (tokens held back as a possible stop string
+        wait); where it holds a chunk back (None) it keeps them for a later one."""
         n = len(streams)
         got, timer = Choices(n), Timer()
         sent = [0] * n   # logprob items of each choice already sent
@@ -640,11 +641,11 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
                     return
                 if ch.text:
                     c = make_chunk(i, ch.text, None, lps=got.logprobs[i][sent[i]:])
-                    if c is not None:   # None: text held back (a tool call being written); its logprobs wait
+                    sent[i] = len(got.logprobs[i])
+                    if c is not None:   # None: text held back (a tool call being written); make_chunk keeps its items
                         if per_token and ch.stats is not None:
                             c["timings"] = timings_of(ch.stats)
                         yield sse(c)
-                        sent[i] = len(got.logprobs[i])
                 if ch.finish_reason is not None:
                     last = make_chunk(i, None, got.finish(i), lps=got.logprobs[i][sent[i]:] or None)
                     last["timings"] = timings_of(ch.stats)
@@ -738,6 +739,22 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
                 return None
             return {"content": [chat_entry(text_of, t, lp, n_top) for t, lp in lps], "refusal": None}
 
+        # the logprob items of a stream's chunks held back (text a tag or a call may start with), and with a tool
+        # parser, which items are of the text shown (serve/logprobs.py ShownRecords): a call's markup has none
+        waiting = [[] for _ in streams]
+        shown = [ShownRecords(eng.tokenizer) if p is not None else None for p in parsers]
+
+        def held(i) -> int:
+            """Bytes of the answer's text that choice i's thought splitter and tool parser hold, not yet given out."""
+            return sum(len(x.buf.encode("utf-8")) for x in (splitters[i], parsers[i]) if x is not None)
+
+        def shown_items(i, lps, raw: int, held_before: int, fed: str, parsed_before: int, content, last: bool):
+            """Choice i's items of the text given out in one step: `raw` new bytes of the answer's text, `fed` the
+            text given to the tool parser (which held parsed_before bytes before it), `content` what it gave out."""
+            parsed_after = len(parsers[i].buf.encode("utf-8"))
+            called = len(fed.encode("utf-8")) + parsed_before - parsed_after - len((content or "").encode("utf-8"))
+            return shown[i].step(lps, raw + held_before - held(i), max(called, 0), last)
+
         def tool_delta(i, content, calls):
             delta = {"content": content} if content else {}
             if calls:
@@ -747,6 +764,8 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
 
         def make_chunk(i, text, finish, first=False, lps=None):
             parser = parsers[i]
+            held_before = held(i)
+            parsed_before = len(parser.buf.encode("utf-8")) if parser is not None else 0
             reasoning, content = split(i, text) if not first else ("", None)
             if answers is not None and text:
                 answers[i] += text
@@ -759,6 +778,8 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
                     said, calls = parser.feed(content or "")
                     rest, more = parser.finish(finish == "length")
                     delta = tool_delta(i, said + rest, calls + more)
+                lps = shown_items(i, lps or [], len((text or "").encode("utf-8")), held_before, content or "",
+                                  parsed_before, delta.get("content"), text is None)
                 if finish == "stop" and n_calls[i]:   # a call cut by a stop string is reported as one cut by
                     finish = "length" if parser.cut_call else "tool_calls"   # max_tokens: never to be run
             else:
@@ -767,8 +788,13 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
                 finish = "length"
             if reasoning:
                 delta = {"reasoning_content": reasoning, **delta}
+            if not first:   # the items of a chunk held back go out with the next one
+                lps, waiting[i] = waiting[i] + (lps or []), []
             if text is not None and not delta:
+                waiting[i] = lps
                 return None   # held back: a tag being written, or a tool call
+            if not first and not lps and (text is None or parser is not None):
+                lps = None   # no records: null (a call's chunk, the last one), as OpenAI's
             return {**head, "object": "chat.completion.chunk",
                     "choices": [{"index": i, "delta": delta, "logprobs": logprobs(lps), "finish_reason": finish}]}
 
@@ -787,13 +813,19 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
                 rest, more = parser.finish(finish == "length")   # a call cut off: the call so far, not markup
                 calls += more
                 message["content"] = (content + rest) or None if calls else content + rest
+                if body.logprobs:   # the items of the text shown: none of a call's markup (null content: null)
+                    lps = shown_items(i, lps, len(whole.encode("utf-8")), 0, text, 0, message["content"], True)
+                    lps = lps if message["content"] is not None or reasoning else None
                 if calls:
                     message["tool_calls"] = calls
                     if finish == "stop":   # a call cut by a stop string: as one cut by max_tokens (length)
                         finish = "length" if parser.cut_call else "tool_calls"
             if finish == "stop" and "tool_calls" not in message and cut_answer(i, whole):
                 finish = "length"
-            return {"index": i, "message": message, "logprobs": logprobs(lps), "finish_reason": finish}
+            records = logprobs(lps)
+            if body.logprobs and records is None:   # a message of calls alone: no content, no records (OpenAI's)
+                records = {"content": None, "refusal": None}
+            return {"index": i, "message": message, "logprobs": records, "finish_reason": finish}
         out = await respond(request, body, streams, q, len(prompt_ids), make_chunk, make_choice, cid)
         return {**head, "object": "chat.completion", **out} if isinstance(out, dict) else out
 

@@ -142,3 +142,39 @@ def echo_logprobs(text_of: TokenText, ids: list[int], scores: list, first: int, 
         out["top_logprobs"].append(_legacy_top(text_of, lp, n_top))
     return out, len(echoed)
 
+
+class ShownRecords:
+    """The (token, TokenLogprob) items of a chat answer whose text a tool-call parser reads: an item goes out once
+    its token's text has begun in the text shown (content, or a thought's reasoning before it), and the items of
+    the text the parser turned into tool calls (the <tool_call> markup and the call in it) never do, so
+    `logprobs.content` covers the text the message shows. The answer's text is counted in bytes (a token by its
+    bytes, a special token by none: the text leaves it out); each step says how many bytes of it were released
+    (shown or turned into calls) and how many of those, at their end, went into calls. A stream's steps and a whole
+    answer's one step give the same items where the text after a call is whitespace (what a call's grammar lets
+    come after it); text after a call in the same step as it is counted as the call's."""
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        self._pending: deque = deque()   # (byte where the token starts, item)
+        self._end = 0      # bytes of the tokens taken in
+        self._done = 0     # bytes released so far
+
+    def _size(self, token: int) -> int:
+        return 0 if self.tok.is_special(token) else len(self.tok.token_bytes(token))
+
+    def step(self, items, released: int, called: int, last: bool = False) -> list:
+        """The items to give out now, given the new items, `released` new bytes of text (the last `called` of them
+        turned into calls); last: the answer's end (an item of no text after the last shown one goes out with it,
+        unless a call ended the answer)."""
+        for it in items:
+            self._pending.append((self._end, it))
+            self._end += self._size(it[0])
+        upto = self._done + released
+        shown_to = upto - called
+        out = []
+        while self._pending and (self._pending[0][0] < upto or (last and not called)):
+            at, it = self._pending.popleft()
+            if at < shown_to or (last and not called and at >= upto):
+                out.append(it)
+        self._done = upto
+        return out

@@ -118,6 +118,43 @@ def test_text_offset_indexes_into_the_text(server, prompt, body):
     assert text == c["text"] and got == c["logprobs"]
 
 
+def test_a_tool_call_answer_has_no_records_of_its_markup(server):
+    """An answer that became a tool call (content null) has logprobs.content null, as OpenAI's: the <tool_call>
+    markup is no text of the message; a stream carries no records either (and the same names and logprobs as the
+    whole answer where it carries any)."""
+    body = dict(messages=[{"role": "user", "content": "Weather in Paris?"}], tools=TOOLS, tool_choice="required",
+                max_tokens=40, temperature=0, logprobs=True, top_logprobs=1)
+    code, r = post(server, "/v1/chat/completions", **body)
+    assert code == 200, r
+    c = r["choices"][0]
+    assert c["message"]["content"] is None and c["message"]["tool_calls"]
+    assert c["logprobs"] == {"content": None, "refusal": None}
+    records, calls = [], []
+    for ch in streamed(server, "/v1/chat/completions", **body):
+        for x in ch["choices"]:
+            records += (x["logprobs"] or {}).get("content") or []
+            calls += x["delta"].get("tool_calls") or []
+    assert calls and records == []
+
+
+def test_an_answer_beside_tools_has_the_records_of_its_content(server):
+    """With tools offered and tool_choice auto: the records are those of the message's content (its bytes
+    joined are the content; none where the answer is a call alone), streamed and not."""
+    base = dict(messages=[{"role": "user", "content": "Say hello."}], tools=TOOLS, tool_choice="auto",
+                max_tokens=24, temperature=0, logprobs=True)
+    code, r = post(server, "/v1/chat/completions", **base)
+    assert code == 200, r
+    c = r["choices"][0]
+    content = c["message"]["content"]
+    entries = (c["logprobs"] or {}).get("content") or []
+    assert bytes(b for e in entries for b in e["bytes"]).decode("utf-8") == (content or "")
+    records = []
+    for ch in streamed(server, "/v1/chat/completions", **base):
+        for x in ch["choices"]:
+            records += (x["logprobs"] or {}).get("content") or []
+    assert records == entries
+
+
 def test_repetition_penalty_is_repeat_penalty_over_the_whole_context(server):
     """vLLM's repetition_penalty (HF's rule over prompt and answer) is repeat_penalty with repeat_last_n -1: the
     same text and logprobs, on completions and chat; it changes a greedy answer's logprobs (it was ignored); sent
