@@ -95,6 +95,9 @@ def _text_content(m, k: int) -> dict:
         raise BitNetError(f"messages[{k}].content: a {m['role']} message needs its content (text)")
     if parts is not None and not isinstance(parts, (str, list)):
         raise BitNetError(f"messages[{k}].content: text (str) or OpenAI's text parts, not {type(parts).__name__}")
+    if parts == [] and m["role"] != "assistant":   # OpenAI's 400 (the server's): it was an empty turn
+        raise BitNetError(f"messages[{k}].content: an empty list: a {m['role']} message needs at least one text "
+                          "part (or a string)")
     if not isinstance(parts, list):
         return m
     for j, p in enumerate(parts):
@@ -214,10 +217,14 @@ class _Text:
             breaker_table(self.tokenizer, self.config.vocab_size, params.dry_breakers)
 
     def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True,
-                    tools: list[dict] | None = None, prefill: str = "", template_kwargs: dict | None = None) -> list[int]:
+                    tools: list[dict] | None = None, prefill: str = "", template_kwargs: dict | None = None, *,
+                    results_in_order: bool = False) -> list[int]:
         """Token ids of `messages` rendered with the model's own chat template (or the built-in fallback).
-        tools: OpenAI-style function list; messages may then hold assistant `tool_calls` and `tool` results
-        (engine/runtime/tools.py puts them in the form the template renders). prefill: text the answer continues
+        tools: OpenAI-style function list; messages may then hold assistant `tool_calls` (or the deprecated
+        `function_call`, that message's one call) and `tool` results (engine/runtime/tools.py puts them in the form
+        the template renders). Both are checked as the server checks them (a BitNetError naming the field): a tool
+        result answers an earlier call by its `tool_call_id`, unless results_in_order (ollama's history: results
+        without ids, each answering the calls in order). prefill: text the answer continues
         (a final assistant message's start, as Anthropic's and ollama's APIs take it), after the template's text.
         template_kwargs: more template variables (enable_thinking=False for Qwen3's; chat_template.render).
         The ids start with BOS where the model's tokenizer adds one, whether or not the template writes it
@@ -225,22 +232,40 @@ class _Text:
         template that writes it does not get two."""
         if not isinstance(prefill, str):
             raise BitNetError(f"prefill: text (str), not {type(prefill).__name__}")
-        ids = self.tokenizer.encode(self.chat_text(messages, add_generation_prompt, tools, template_kwargs) + prefill,
-                                    add_bos=False, special=True)
+        text = self.chat_text(messages, add_generation_prompt, tools, template_kwargs,
+                              results_in_order=results_in_order)
+        ids = self.tokenizer.encode(text + prefill, add_bos=False, special=True)
         bos = self.tokenizer.text_bos
         return ids if bos is None or ids[:1] == [bos] else [bos] + ids
 
     def chat_text(self, messages: list[dict], add_generation_prompt: bool = True,
-                  tools: list[dict] | None = None, template_kwargs: dict | None = None) -> str:
+                  tools: list[dict] | None = None, template_kwargs: dict | None = None, *,
+                  results_in_order: bool = False) -> str:
         """The text chat_prompt tokenizes (special tokens as text): what the template makes of `messages`."""
+        from .runtime.tools import MessageError, check_tool_results, checked_calls, functions_from_tools
         if not isinstance(add_generation_prompt, (bool, np.bool_)):   # "no" was True
             raise BitNetError(f"add_generation_prompt {add_generation_prompt!r:.40}: True or False")
+        if not isinstance(results_in_order, (bool, np.bool_)):
+            raise BitNetError(f"results_in_order {results_in_order!r:.40}: True or False")
         if isinstance(messages, (str, bytes, dict)) or not isinstance(messages, Sequence):
             raise BitNetError(f"messages: a list of {{'role': ..., 'content': ...}} dicts, not {type(messages).__name__}")
         messages = [_text_content(m, k) for k, m in enumerate(messages)]
+        # the calls and results as the server checks them (they were AttributeErrors from inside, or rendered in
+        # silence: a function_call dropped, a result answering no call)
+        checked = [checked_calls(m, f"messages[{k}]") for k, m in enumerate(messages)]
+        if not results_in_order:   # before a function_call becomes a call: the server counts tool_calls only
+            try:
+                check_tool_results(messages)
+            except MessageError as e:   # the server's words, and what to do here
+                raise MessageError(e.args[0], where=e.where, hint="a tool result gives the tool_call_id of the call "
+                                   "it answers (results_in_order=True: results without ids, in the calls' order)"
+                                   ) from None
+        messages = checked
         if tools is not None and (isinstance(tools, (str, bytes, dict)) or not isinstance(tools, Sequence)
                                   or not all(isinstance(t, dict) for t in tools)):
             raise BitNetError(f"tools: a list of OpenAI-style tool dicts, not {tools!r:.80}")
+        if tools:   # as the server checks them before they reach the template (they went in as given)
+            functions_from_tools(list(tools))
         if template_kwargs is not None and not isinstance(template_kwargs, dict):
             raise BitNetError(f"template_kwargs: a dict of template variables, not {type(template_kwargs).__name__}")
         bos, eos = self.template_tokens()

@@ -276,7 +276,8 @@ def _engine_message(i: int, m: _Message) -> dict:
                 raise OllamaError(400, f"messages.{i}.tool_calls.{j}.function.arguments: expected an object")
             calls.append({"id": c.get("id") or f"call_{i}_{j}", "type": "function",
                           "function": {"name": fn["name"], "arguments": json.dumps(args, ensure_ascii=False)}})
-        d["tool_calls"] = calls
+        if m.role == "assistant":   # another role's calls were never rendered (the engine now refuses them)
+            d["tool_calls"] = calls
     if m.role == "tool" and m.tool_name:
         d["name"] = m.tool_name
     if m.role == "assistant" and m.thinking is not None:
@@ -622,7 +623,7 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
         await refuse_too_long(eng, sum(len(m["content"] or "") for m in msgs) + len(prefill))
         try:
             prompt_ids = await run_off_loop(eng.chat_prompt, msgs, tools=tools, prefill=prefill,
-                                            template_kwargs=think_kwargs(eng, body))
+                                            template_kwargs=think_kwargs(eng, body), results_in_order=True)
         except Exception as e:   # the template rejected the conversation (e.g. roles out of order)
             raise OllamaError(400, f"messages: {e}") from None
         thought = eng.answer_thought(prompt_ids) if tool_spec is not None and not prefill and body.think is not False \

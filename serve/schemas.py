@@ -852,8 +852,8 @@ class ChatMessage(BaseModel):
         d: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
         if self.refusal:   # the assistant's refusal is what it said (as refusal content parts are)
             d["content"] = d["content"] + "\n" + self.refusal if d["content"] else self.refusal
-        if self.tool_calls:
-            d["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_calls and self.role == "assistant":   # another role's were never rendered (the engine's
+            d["tool_calls"] = [c.model_dump() for c in self.tool_calls]   # chat_prompt now refuses them)
         elif self.function_call is not None:   # the legacy one call: a tool call as the template renders them
             d["tool_calls"] = [ToolCall(function=self.function_call).model_dump()]
         if self.tool_call_id is not None:
@@ -941,25 +941,14 @@ class ToolMessages:
 
     def check_tool_results(self):
         """RequestProblem (OpenAI's 400s) for a tool message without tool_call_id, with no assistant tool_calls
-        before it, or answering an id none of those calls has: such a result was rendered as an answer to no call.
-        Calls never answered are taken (clients send those mid-conversation)."""
-        ids: set = set()
-        called = False
-        for i, m in enumerate(self.messages):
-            if m.role == "assistant" and m.tool_calls:
-                called = True
-                ids |= {c.id for c in m.tool_calls}
-            if m.role != "tool":
-                continue
-            where = f"messages[{i}].tool_call_id"
-            if m.tool_call_id is None:
-                raise RequestProblem(where, f"Missing required parameter '{where}'.")
-            if not called:
-                raise RequestProblem(where, f"{where}: messages with role 'tool' must be a response to a preceding "
-                                            "message with 'tool_calls'")
-            if None not in ids and m.tool_call_id not in ids:   # calls sent without ids cannot be matched
-                raise RequestProblem(where, f"{where} {json_text(m.tool_call_id)}: no earlier assistant message has "
-                                            "a tool call with that id")
+        before it, or answering an id none of those calls has: the engine's check (engine/runtime/tools.py
+        check_tool_results, which the Python API's chat_prompt runs too)."""
+        from ..engine.runtime.tools import MessageError, check_tool_results
+        try:
+            check_tool_results([{"role": m.role, "tool_call_id": m.tool_call_id,
+                                 "tool_calls": [c.model_dump() for c in m.tool_calls or ()]} for m in self.messages])
+        except MessageError as e:
+            raise RequestProblem(e.where, str(e)) from None
 
 
 class VLLMRepetition(JSONTyped):

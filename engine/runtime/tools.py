@@ -34,7 +34,7 @@ import re
 import uuid
 from dataclasses import dataclass, replace
 
-from ..errors import ConstraintError
+from ..errors import BitNetError, ConstraintError, json_text
 from .constraints import Constraint, check, prepared, rebased
 
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
@@ -98,6 +98,93 @@ def functions_from_tools(tools: list[dict], where: str = "tools") -> list[Functi
         # the type said, not just checked: without it the grammar took any JSON value ("0", a number) as arguments
         out.append(Function(name, str(fn.get("description") or ""), {**params, "type": "object"}))
     return out
+
+
+class MessageError(BitNetError):
+    """A chat message whose tool calls or tool result cannot be rendered as given (the server's 400); where: the
+    field (messages[1].tool_calls[0].function)."""
+
+    def __init__(self, message: str, *, where: str, hint: str | None = None):
+        super().__init__(message, hint=hint)
+        self.where = where
+
+
+CALL_SHAPE = "{'type': 'function', 'function': {'name': ..., 'arguments': ...}}"
+
+
+def checked_calls(m: dict, where: str) -> dict:
+    """A message (its role checked) with its calls checked as the server checks them: tool_calls and function_call
+    only on an assistant message, not both; each call OpenAI's shape or transformers' flat {"name", "arguments"},
+    its name a str, its arguments JSON text (as written: a call cut at max_tokens comes back so) or a dict, its
+    type "function", its id a str. An assistant's function_call (OpenAI's deprecated single call) becomes its
+    one tool call, as the server takes it. MessageError naming the field, else the message to render."""
+    role = m["role"]
+    for key in ("tool_calls", "function_call"):
+        if m.get(key) is not None and role != "assistant":
+            raise MessageError(f"{where}.{key}: only an assistant message has one, not a {role} message",
+                               where=f"{where}.{key}")
+    legacy = m.get("function_call")
+    if legacy is not None:
+        if m.get("tool_calls"):
+            raise MessageError(f"{where}.function_call is the deprecated form of tool_calls: give one of them",
+                               where=f"{where}.function_call")
+        _checked_function(legacy, f"{where}.function_call")
+        rest = {k: v for k, v in m.items() if k != "function_call"}
+        return {**rest, "tool_calls": [{"id": None, "type": "function", "function": legacy}]}
+    calls = m.get("tool_calls")
+    if calls is None:
+        return m
+    if not isinstance(calls, (list, tuple)):
+        raise MessageError(f"{where}.tool_calls: a list of calls {CALL_SHAPE}, not {calls!r:.60}",
+                           where=f"{where}.tool_calls")
+    for j, c in enumerate(calls):
+        at = f"{where}.tool_calls[{j}]"
+        if not isinstance(c, dict) or not ("function" in c or "name" in c):
+            raise MessageError(f"{at}: a call {CALL_SHAPE}, not {c!r:.60}", where=at)
+        if c.get("type", "function") != "function":
+            raise MessageError(f"{at}.type {c['type']!r:.40}: 'function' (the one kind of call)", where=f"{at}.type")
+        if c.get("id") is not None and not isinstance(c["id"], str):
+            raise MessageError(f"{at}.id: the call's id (str), not {type(c['id']).__name__}", where=f"{at}.id")
+        _checked_function(c["function"] if "function" in c else c, f"{at}.function" if "function" in c else at)
+    return m
+
+
+def _checked_function(f, at: str) -> None:
+    """MessageError unless `f` is a call's function: a name (str) and arguments (JSON text or a dict) if any."""
+    if not isinstance(f, dict) or not isinstance(f.get("name"), str):
+        raise MessageError(f"{at}: a function call {{'name': str, 'arguments': ...}}, not {f!r:.60}", where=at)
+    args = f.get("arguments")
+    if args is not None and not isinstance(args, (str, dict)):
+        raise MessageError(f"{at}.arguments: the arguments as JSON text (str) or a dict, not {args!r:.40}",
+                           where=f"{at}.arguments")
+
+
+def check_tool_results(messages: list[dict]) -> None:
+    """MessageError (OpenAI's 400s, in its words, as the server answers them) for a tool message without a
+    tool_call_id, with no assistant tool_calls before it, or answering an id none of those calls has: such a
+    result was rendered as an answer to no call. Calls never answered are taken (clients send those
+    mid-conversation); calls sent without ids cannot be matched, so then any id is taken."""
+    ids: set = set()
+    called = False
+    for i, m in enumerate(messages):
+        calls = m.get("tool_calls") if m.get("role") == "assistant" else None
+        if calls:
+            called = True
+            ids |= {c.get("id") for c in calls}
+        if m.get("role") != "tool":
+            continue
+        where, call_id = f"messages[{i}].tool_call_id", m.get("tool_call_id")
+        if call_id is None:
+            raise MessageError(f"Missing required parameter '{where}'.", where=where)
+        if not isinstance(call_id, str):
+            raise MessageError(f"{where}: the id (str) of the call it answers, not {type(call_id).__name__}",
+                               where=where)
+        if not called:
+            raise MessageError(f"{where}: messages with role 'tool' must be a response to a preceding message with "
+                               "'tool_calls'", where=where)
+        if None not in ids and call_id not in ids:
+            raise MessageError(f"{where} {json_text(call_id)}: no earlier assistant message has a tool call with "
+                               "that id", where=where)
 
 
 def _functions(tools) -> list[Function]:
