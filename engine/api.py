@@ -183,7 +183,10 @@ class _Text:
     def tokenize(self, text: str, *, add_bos: bool = False, special: bool = True) -> list[int]:
         if not isinstance(text, str):
             raise BitNetError(f"tokenize: text (str), not {type(text).__name__}")
-        return self.tokenizer.encode(text, add_bos=add_bos, special=special)
+        for name, flag in (("add_bos", add_bos), ("special", special)):   # 1 was a FormatError about the model
+            if not isinstance(flag, (bool, np.bool_)):                      # file, "no" was True
+                raise BitNetError(f"{name} {flag!r:.40}: True or False")
+        return self.tokenizer.encode(text, add_bos=bool(add_bos), special=bool(special))
 
     def detokenize(self, ids: Sequence[int]) -> str:
         """The text of token ids; one BitNetError for anything but ids of this model (an id outside the
@@ -463,7 +466,8 @@ class LLM(_Text):
         for i, ids in enumerate(all_ids):
             if len(ids) > self.n_ctx:
                 raise ContextOverflowError(f"text {i + 1} of {len(all_ids)} has {len(ids)} tokens but the context "
-                                           f"holds {self.n_ctx}", hint="raise the context or shorten the text")
+                                           f"holds {self.n_ctx}", hint="raise the context or shorten the text",
+                                           n_prompt_tokens=len(ids), n_ctx=self.n_ctx)
         with self._cache("embed()"):
             if pooling == "none":
                 return [embed_ids(self.model, ids, pooling) for ids in all_ids]
@@ -481,6 +485,7 @@ class LLM(_Text):
         "tokens_scored"}. BitNetError when `chunk` exceeds n_ctx or the text is shorter than one chunk. Leaves the
         last chunk in the KV cache."""
         from .runtime import perplexity as P
+        self._open_model()   # a closed model says so first (a short text was told it was shorter than a chunk)
         # the arguments in this API's names (the runtime's checks name the command line's flags)
         chunk, stride = whole_number(chunk, "chunk", 4), whole_number(stride, "stride", 0)
         chunks = whole_number(chunks, "chunks", -1)
@@ -663,6 +668,12 @@ class Engine(_Text, BatchScheduler):
                     or not 0 < kv_pool_mib < math.inf:
                 raise BitNetError(f"kv_pool_mib {kv_pool_mib!r}: a size in MiB, > 0")
             kv_pool_tokens = int(kv_pool_mib * (1 << 20)) // per_tok
+            least = -(-n_ctx // PAGE_TOKENS) * PAGE_TOKENS   # the scheduler's floor: a context's pages
+            if -(-kv_pool_tokens // PAGE_TOKENS) < least // PAGE_TOKENS:   # named as given (the scheduler
+                # named kv_pool_tokens, which the caller never passed)
+                mib = math.ceil(least * per_tok / (1 << 20) * 100) / 100
+                raise BitNetError(f"kv_pool_mib {kv_pool_mib!r}: the pool must hold at least one context ({n_ctx} "
+                                  f"tokens: {mib:g} MiB)", hint=f"give kv_pool_mib >= {mib:g}, or leave it out")
         sized = kv_pool_tokens is not None
         if not sized:   # a context per slot, and a page each for n choices' shared partial pages; within half the
             # memory available (the scheduler refuses a pool past what is available: a small machine's default

@@ -69,7 +69,8 @@ def test_close_frees_the_model_and_using_it_after_is_one_error():
     with load_model(ctx=128, progress=False) as llm:
         assert _text(llm, n=4)
     for call in (lambda: llm.generate(PROMPT), lambda: llm.embed("hi"), lambda: llm.forward([1, 2]),
-                 lambda: llm.perplexity(PROMPT * 40, chunk=32), lambda: llm.cached_tokens):
+                 lambda: llm.perplexity(PROMPT * 40, chunk=32), lambda: llm.cached_tokens,
+                 lambda: llm.perplexity("hello world", chunk=128)):   # short: it was "fewer than one chunk"
         with pytest.raises(BitNetError, match="closed"):
             call()
     assert llm.model is None and llm.store._data is None   # nothing holds the weights
@@ -195,6 +196,9 @@ def test_breaking_out_of_an_engine_stream_cancels_its_request():
     (lambda: load_engine(ctx=10 ** 11, progress=False), "past any machine's memory.*smaller -c"),
     (lambda: load_engine(ctx=64, kv_pool_mib=float("nan"), progress=False), "kv_pool_mib nan"),
     (lambda: load_engine(ctx=64, kv_pool_mib=-1, progress=False), "kv_pool_mib -1"),
+    # named as given (it said "kv_pool_tokens 0", an argument the caller never passed)
+    (lambda: load_engine(ctx=64, kv_pool_mib=0.001, progress=False),
+     r"kv_pool_mib 0.001: the pool must hold at least one context \(64 tokens: [\d.]+ MiB\)"),
     (lambda: load_model(lm_head="bogus", progress=False), "lm_head 'bogus': one of q4, i8, f16"),
     (lambda: load_model(ctx=64, mmap="no", progress=False), "mmap 'no'"),   # a non-empty str was true
     (lambda: load_engine(ctx=64, mmap=[1], progress=False), r"mmap \[1\]"),
@@ -215,6 +219,10 @@ def test_call_arguments_of_the_wrong_type_are_one_error():
                             (lambda: llm.generate(PROMPT, max_tokens=1.5), "max_tokens 1.5"),
                             (lambda: eng.submit(PROMPT, max_tokens="4"), "max_tokens '4'"),
                             (lambda: llm.tokenize(None), "tokenize: text"),
+                            # a FormatError blaming the model file; "no" was True (control tokens parsed)
+                            (lambda: llm.tokenize("<|eot_id|>hi", add_bos=1), "add_bos 1: True or False"),
+                            (lambda: llm.tokenize("x", add_bos=None), "add_bos None: True or False"),
+                            (lambda: eng.tokenize("<|eot_id|>hi", special="no"), "special 'no': True or False"),
                             (lambda: llm.chat_prompt("hi"), "messages: a list"),
                             (lambda: llm.chat_prompt([{"content": "x"}]), r"messages\[0\]: a dict with a 'role'"),
                             (lambda: llm.set_chat_template(123), "chat template: .* not int"),
@@ -471,6 +479,26 @@ def test_a_prompt_over_the_context_says_to_load_a_larger_one():
     llm.close()
     with load_model(ctx=n + 8, progress=False) as big:   # what the hint says works
         assert list(big.generate(prompt, GREEDY, max_tokens=4))[-1].finish_reason in ("length", "eos")
+
+
+def test_the_smallest_kv_pool_mib_named_is_taken():
+    """The size kv_pool_mib's error names is enough: a pool of that many MiB loads."""
+    with pytest.raises(BitNetError) as e:
+        load_engine(ctx=64, kv_pool_mib=0.001, progress=False)
+    least = float(re.search(r"([\d.]+) MiB", str(e.value)).group(1))
+    load_engine(ctx=64, kv_pool_mib=least, parallel=1, progress=False).close()
+
+
+def test_embed_overflow_carries_the_counts():
+    """LLM.embed's ContextOverflowError had n_prompt_tokens and n_ctx None, though its message gave both (as
+    Engine.embed's and generate's errors carry them)."""
+    from bitnet_cpu.engine.errors import ContextOverflowError
+    with load_model(ctx=64, progress=False) as llm:
+        text = "word " * 100
+        n = len(llm.tokenize(text, add_bos=True))
+        with pytest.raises(ContextOverflowError) as e:
+            llm.embed(["a cat", text])
+        assert (e.value.n_prompt_tokens, e.value.n_ctx) == (n, 64) and f"{n} tokens" in str(e.value)
 
 
 def test_a_wait_s_timeout_of_the_wrong_type_or_range_is_one_error():
