@@ -77,6 +77,14 @@ class _Breakers(argparse._AppendAction):
 
 
 NO_JINJA = "chat templates are always rendered as Jinja2 here (there is no other renderer); it changes nothing"
+# what llama.cpp's --context-shift / --cache-prompt switches ask for, as done here (always the same)
+NO_SHIFT = ("the context never shifts here: a prompt longer than -c is refused, and an answer stops when the context "
+            "is full")
+CACHED = ("the start a prompt shares with an earlier one is always reused from the KV cache here (bitnet serve's "
+          "prefix cache, bitchat's conversation), with the same results (f32 prefill attention, the default)")
+SHIFT_REFUSED = "the context does not shift here: a prompt longer than -c is refused, an answer stops at a full context"
+NO_CACHE_REFUSED = ("the prompt cache cannot be turned off here: a cached prompt start gives the same results as a "
+                    "fresh one (f32 prefill attention, the default)")
 
 
 class _Unneeded(argparse._StoreTrueAction):
@@ -130,6 +138,12 @@ def add_engine_args(p: argparse.ArgumentParser, *, n_predict_default: int | None
     p.add_argument("--no-jinja", dest="no_jinja", action=_Unneeded, why=NO_JINJA,
                    help="accepted for llama.cpp's command lines, with a warning: chat templates are always Jinja2 "
                         "here")
+    # llama.cpp's switches whose "on" / "off" asks for what every command here always does: accepted (a no-op);
+    # their other side is one line, exit 2 (LLAMA_ONLY), and so are llama-server's variables for them (llama_env_argv)
+    p.add_argument("--no-context-shift", dest="no_context_shift", action="store_true",
+                   help=f"accepted for llama.cpp's command lines: {NO_SHIFT}%(default).0s")
+    p.add_argument("--cache-prompt", dest="cache_prompt", action="store_true",
+                   help=f"accepted for llama.cpp's command lines: {CACHED}%(default).0s")
     p.add_argument("--mmap", dest="mmap", action="store_const", const=True, default=None,
                    help="map the model file instead of reading its weights into huge-page memory: starts at once "
                         "and shares the file's pages with other processes, decodes ~10%% slower (default: models "
@@ -514,7 +528,8 @@ LLAMA_ONLY = {
     ("-i", "--interactive", "-if", "--interactive-first"): ("chat interactively with `bitchat` (or `bitnet run -cnv`)",
                                                            ("bitnet run",)),
     ("--lora", "--lora-scaled", "--control-vector"): "adapters are not supported",
-    ("--keep", "--context-shift"): "the context does not shift here: a prompt longer than -c is refused",
+    ("--keep", "--context-shift"): SHIFT_REFUSED,
+    ("--no-cache-prompt",): NO_CACHE_REFUSED,
     ("-n", "--n-predict"): ("bitnet serve has no server-wide answer length: each request's max_tokens (n_predict, "
                             "num_predict) sets it", ("bitnet serve",)),
     ("-b", "--batch-size", "-ub", "--ubatch-size"): ("the prompt is processed in the engine's own batches here: "
@@ -591,6 +606,25 @@ _ROUTER = ("--models-dir", "--models-cache")
 LLAMA_ENV_EXCLUDED_BY = {"--chat-template": ("--chat-template-file",), "--chat-template-file": ("--chat-template",),
                          "-m": _ROUTER, "--alias": _ROUTER, "--models-dir": ("-m", "--alias")}
 LLAMA_ENV_ROUTER_ONLY = ("--models-max",)   # without a router: a warning, as a variable with no meaning here
+# llama.cpp's switches of what is always so here: variable -> (the value that is so, its flags: on, off; why the
+# other value cannot be). As in llama.cpp, LLAMA_ARG_NO_<NAME> set is <NAME> off, before LLAMA_ARG_<NAME>; a typed
+# flag of either side wins. The flags and the variables get one answer: accepted, or the same line and exit 2
+LLAMA_ENV_ALWAYS = {"LLAMA_ARG_CONTEXT_SHIFT": (False, ("--context-shift", "--no-context-shift"), SHIFT_REFUSED),
+                    "LLAMA_ARG_CACHE_PROMPT": (True, ("--cache-prompt", "--no-cache-prompt"), NO_CACHE_REFUSED)}
+
+
+def _always_switch(name: str, environ) -> tuple[bool | None, str] | None:
+    """What llama.cpp reads from LLAMA_ENV_ALWAYS's variable `name` (or its LLAMA_ARG_NO_ twin) in `environ`:
+    (on / off, or None for a value that is no switch value; the variable and value to name), or None: unset (an
+    empty value is unset, the shell's way, as for the other switches)."""
+    no = name.replace("LLAMA_ARG_", "LLAMA_ARG_NO_", 1)
+    if environ.get(no, ""):
+        return False, f"{no}={environ[no]!r}"
+    value = environ.get(name, "")
+    if not value:
+        return None
+    v = value.strip().lower()
+    return (True if v in _TRUE else False if v in _FALSE else None), f"{name}={value!r}"
 
 
 def _value_problem(action, value: str) -> str | None:
@@ -620,11 +654,25 @@ def llama_env_argv(parser, argv: list[str], environ) -> tuple[list[str], list[st
         action = action_of(flag)
         return any(w in action.option_strings or w.split("=", 1)[0] in action.option_strings for w in argv)
 
+    def given_word(flag: str) -> bool:   # a flag typed as such (--context-shift is no option of this parser)
+        return any(w.split("=", 1)[0] == flag for w in argv)
+
     def typed_wins(flag: str) -> bool:
         return given(flag) or any(given(other) for other in LLAMA_ENV_EXCLUDED_BY.get(flag, ()))
     router = any(given(f) for f in _ROUTER) or ("LLAMA_ARG_MODELS_DIR" in environ and not typed_wins("--models-dir"))
     out, notes, applied = [], [], {}
+    for name, (always, flags, why) in LLAMA_ENV_ALWAYS.items():
+        asked = _always_switch(name, environ)
+        if asked is None or any(given_word(f) for f in flags):
+            continue
+        on, said = asked
+        if on is None:
+            notes.append(f"{said}: not a switch value (true / false); left out")
+        elif on != always:
+            parser.exit(2, f"{parser.prog}: error: {said} ({flags[0] if on else flags[1]}): {why}\n")
     for name, value in sorted(environ.items()):
+        if name in LLAMA_ENV_ALWAYS or name.replace("LLAMA_ARG_NO_", "LLAMA_ARG_", 1) in LLAMA_ENV_ALWAYS:
+            continue   # read above
         if name in LLAMA_ENV_REFUSED:
             parser.exit(2, f"{parser.prog}: error: {name}: {LLAMA_ENV_REFUSED[name]}\n")
         if name in LLAMA_ENV:

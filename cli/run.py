@@ -38,7 +38,6 @@ def add_arguments(p):
     # llama-cli's flags that ask for what bitnet run always does: accepted, so its command lines run unchanged
     for flags, why in (
             (("--no-display-prompt",), "the prompt is never echoed here"),
-            (("--no-context-shift",), "the context never shifts here: a prompt longer than -c is refused"),
             (("--no-warmup",), "no warm-up pass runs here"),
             (("--log-disable",), "stderr carries only warnings, errors and -v's timings (2>/dev/null hides them)"),
             (("--simple-io",), "the input and output are always plain text")):

@@ -469,7 +469,58 @@ def test_llama_cli_flags_that_ask_for_what_run_does_are_accepted():
     args, extras = _parse("run", argv)
     assert not extras and args.prompt == "x"
     help_text = " ".join(bitnet("run", "--help").stdout.split())
-    assert help_text.count("accepted for llama-cli's command lines") == 5
+    assert help_text.count("accepted for llama-cli's command lines") == 4
+
+
+@pytest.mark.parametrize("prog", ["run", "serve", "bitchat"])
+def test_context_shift_and_prompt_cache_switches_get_one_answer_everywhere(prog):
+    """llama.cpp's --no-context-shift (common in llama-server launch scripts) asks for what every command here does:
+    `bitnet serve` and bitchat answered it with the whole usage and "unrecognized arguments" (bitnet run took it);
+    so did --cache-prompt. Both are taken by all three, and --help says they change nothing; their other sides
+    (--context-shift, --no-cache-prompt) are one line naming the flag, exit 2, the same on all three."""
+    args, extras = _parse(prog, ["--no-context-shift", "--cache-prompt"])
+    assert not extras
+    cmd = ("bitnet_cpu.cli.chat",) if prog == "bitchat" else ("bitnet_cpu", prog)
+    help_text = " ".join(run(*cmd, "--help").stdout.split())
+    for flag in ("--no-context-shift", "--cache-prompt"):
+        assert f"{flag} accepted for llama.cpp's command lines" in help_text, (prog, flag)
+    name = "bitchat" if prog == "bitchat" else f"bitnet {prog}"
+    for flag, said in (("--context-shift", "the context does not shift here"),
+                       ("--no-cache-prompt", "the prompt cache cannot be turned off here")):
+        r = run(*cmd, flag, *(["-p", "x"] if prog == "run" else []), stdin="")
+        assert r.returncode == 2 and r.stderr.strip().splitlines() == [f"{name}: error: {flag}: " +
+                                                                       r.stderr.split(f"{flag}: ", 1)[1].strip()]
+        assert said in r.stderr and "usage:" not in r.stderr, r.stderr
+
+
+def test_llama_server_variables_for_those_switches_agree_with_the_flags(capsys):
+    """LLAMA_ARG_CONTEXT_SHIFT=1 started a server without a context shift and a warning that the variable "has no
+    meaning here", while --context-shift was refused; LLAMA_ARG_NO_CONTEXT_SHIFT (what the server does) got the same
+    warning. A variable now gets its flag's answer: what is always done is taken in silence, the other side is the
+    flag's line naming the variable, exit 2. As in llama.cpp, LLAMA_ARG_NO_<NAME> set is off, and a typed flag wins."""
+    from bitnet_cpu.cli import build_parser
+    from bitnet_cpu.cli.flags import llama_env_argv
+    subs = {}
+    build_parser(subs)
+    for env in ({"LLAMA_ARG_CONTEXT_SHIFT": "0"}, {"LLAMA_ARG_CONTEXT_SHIFT": "false"},
+                {"LLAMA_ARG_NO_CONTEXT_SHIFT": "1"},
+                {"LLAMA_ARG_NO_CONTEXT_SHIFT": "1", "LLAMA_ARG_CONTEXT_SHIFT": "1"},
+                {"LLAMA_ARG_CACHE_PROMPT": "1"}, {"LLAMA_ARG_CACHE_PROMPT": "true"}, {"LLAMA_ARG_CACHE_PROMPT": ""},
+                {"LLAMA_ARG_CONTEXT_SHIFT": "1", "LLAMA_ARG_CACHE_PROMPT": "0", "ARGV": "--no-context-shift "
+                 "--cache-prompt"}):
+        argv = env.pop("ARGV", "").split()
+        assert llama_env_argv(subs["serve"], argv, env)[:2] == ([], []), env
+    for env, flag, said in (({"LLAMA_ARG_CONTEXT_SHIFT": "1"}, "--context-shift", "the context does not shift"),
+                            ({"LLAMA_ARG_CACHE_PROMPT": "0"}, "--no-cache-prompt", "cannot be turned off"),
+                            ({"LLAMA_ARG_NO_CACHE_PROMPT": "1"}, "--no-cache-prompt", "cannot be turned off")):
+        with pytest.raises(SystemExit) as e:
+            llama_env_argv(subs["serve"], [], env)
+        err = capsys.readouterr().err.strip().splitlines()
+        (name, value), = env.items()
+        assert e.value.code == 2 and len(err) == 1, err
+        assert err[0].startswith(f"bitnet serve: error: {name}={value!r} ({flag}): ") and said in err[0], err
+    out, notes, _ = llama_env_argv(subs["serve"], [], {"LLAMA_ARG_CONTEXT_SHIFT": "maybe"})
+    assert out == [] and notes == ["LLAMA_ARG_CONTEXT_SHIFT='maybe': not a switch value (true / false); left out"]
 
 
 def test_llama_server_flags_that_ask_for_what_serve_does_are_accepted():
