@@ -438,9 +438,10 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
         opts = body.options or {}
         n_ctx = eng.n_ctx
         num_ctx = option_int(opts, "num_ctx")
-        if 0 < num_ctx and len(prompt_ids) < num_ctx:   # the server's context is fixed at start: a larger one
-            n_ctx = min(n_ctx, num_ctx)                   # is capped; a prompt over a smaller one runs in the
-            #                                               server's (ollama would cut the prompt to fit)
+        if 0 < num_ctx and len(prompt_ids) <= num_ctx:   # the server's context is fixed at start: a larger one
+            n_ctx = min(n_ctx, num_ctx)                    # is capped; a prompt that fits num_ctx (one as long
+            # as it too: one token, as the server's own context) runs in it; a prompt longer than num_ctx runs in the
+            # server's (ollama would cut the prompt to fit)
         room = max(0, n_ctx - len(prompt_ids)) + 1   # the last token needs no place in the cache
         num_predict = option_int(opts, "num_predict")
         max_tokens = room if num_predict <= 0 else min(num_predict, room)   # ollama: 0 or less, no limit
@@ -710,7 +711,9 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
         check_model(data.model or data.name)
         d, cfg = describe(eng), eng.config
         arch = cfg.arch
-        info = {"general.architecture": arch, "general.name": eng.name, f"{arch}.context_length": eng.n_ctx,
+        # ollama's model_info is the model file's: the context it was trained for; the server's -c is the
+        # parameters' num_ctx (and /api/ps' context_length, the loaded one's)
+        info = {"general.architecture": arch, "general.name": eng.name, f"{arch}.context_length": cfg.context_length,
                 f"{arch}.embedding_length": cfg.hidden_size, f"{arch}.block_count": cfg.n_layers,
                 f"{arch}.attention.head_count": cfg.n_heads, f"{arch}.attention.head_count_kv": cfg.n_kv_heads,
                 f"{arch}.feed_forward_length": cfg.intermediate_size, "tokenizer.vocab_size": cfg.vocab_size}

@@ -311,6 +311,37 @@ def test_go_clients_numbers_nulls_and_the_server_check(server, model_id):
     assert r.status_code == 200, r.text   # false is what this server does anyway
 
 
+def test_num_ctx_as_long_as_the_prompt_caps_the_answer(server, model_id):
+    """options.num_ctx equal to the prompt's length lifted the cap (the answer ran to EOS, 100 tokens) while one token
+    more gave 2 tokens: a prompt as long as num_ctx fits it, as one as long as the server's -c fits that (one token,
+    finish "length"); only a longer prompt runs in the server's context (docs/api.md)."""
+    def gen(**options):
+        r = httpx.post(server.url + "/api/generate", json={"model": model_id, "prompt": "Once upon", "raw": True,
+                                                           "stream": False, "options": {"temperature": 0, **options}},
+                       timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()
+    n_prompt = gen(num_predict=1)["prompt_eval_count"]
+    for extra in (0, 1, 2):
+        got = gen(num_ctx=n_prompt + extra)
+        assert got["eval_count"] <= extra + 1, (extra, got["eval_count"], got["done_reason"])
+
+
+def test_show_gives_the_trained_context_as_ollama_does(server, model_id):
+    """/api/show's model_info["<arch>.context_length"] is the model file's (ollama reads it from the GGUF: the trained
+    context); it was the server's -c. The server's context is the parameters' num_ctx and /api/ps' context_length."""
+    from bitnet_cpu.engine.api import load_model
+
+    with load_model(None, progress=False) as llm:
+        trained, arch = llm.config.context_length, llm.config.arch
+    n_ctx = httpx.get(server.url + "/v1/models").json()["data"][0]["meta"]["n_ctx"]
+    assert n_ctx != trained   # the server's default context is not the bundled model's trained one
+    show = httpx.post(server.url + "/api/show", json={"model": model_id}, timeout=30).json()
+    assert show["model_info"][f"{arch}.context_length"] == trained, show["model_info"]
+    assert f"num_ctx        {n_ctx}" in show["parameters"].splitlines(), show["parameters"]
+    assert httpx.get(server.url + "/api/ps").json()["models"][0]["context_length"] == n_ctx
+
+
 def test_chat_continues_a_final_assistant_message(server, model_id):
     """A conversation ending in an assistant message is continued, as ollama's templates leave that message open:
     the answer is the greedy continuation of the template's text with the message's start appended (the
