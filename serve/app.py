@@ -32,7 +32,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .anthropic import CountTokensRequest, MessageBuilder, MessagesRequest, anthropic_names
 from .auth import AuthMiddleware, KeyChecker, allow_cross_origin
-from .limits import Limits, LimitsMiddleware, RouteNorms, anthropic_error_body, anthropic_shaped, anthropic_status
+from .limits import (LLAMA_SERVER_COMPLETION, Limits, LimitsMiddleware, RouteNorms, anthropic_error_body,
+                     anthropic_shaped, anthropic_status, llama_overflow)
 from .logprobs import Said, ShownRecords, TextOffsets, TokenText, chat_entry, completion_logprobs, echo_logprobs
 from .metrics import CONTENT_TYPE, ServerMetrics, TokenClock
 from .offload import (BodyRefused, ClientGone, Streamed, next_or_gone, offloop_route, prepare_sampling,
@@ -295,6 +296,8 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         elif anthropic_shaped(request.scope):
             status = anthropic_status(status)
             body = anthropic_error_body(status, json.loads(resp.body)["error"]["message"])
+        elif request.url.path in LLAMA_SERVER_COMPLETION:   # a context overflow there: in llama-server's words
+            body = {"error": llama_overflow(request.url.path, json.loads(resp.body)["error"])}
         else:
             return resp
         headers = {k: v for k, v in resp.headers.items() if k.lower() not in ("content-length", "content-type")}

@@ -84,13 +84,35 @@ def anthropic_status(status: int) -> int:
     return 529 if status == 503 else status
 
 
+# llama-server's own generating endpoint: a context overflow there is answered in its words (llama_overflow)
+LLAMA_SERVER_COMPLETION = ("/completion", "/completions")
+
+
+def llama_overflow(path: str, error: dict) -> dict:
+    """`error` (an OpenAI-shaped error object) as llama-server words a context overflow, on its /completion:
+    type "exceed_context_size_error" and "request (N tokens) exceeds the available context size (C tokens), try
+    increasing it", with its n_prompt_tokens / n_ctx where known (its clients trim and retry on the type or that
+    phrase; OpenAI's sentence and type were a generic 400 to them). Any other error, or path, as it is."""
+    if path not in LLAMA_SERVER_COMPLETION or error.get("code") != "context_length_exceeded":
+        return error
+    n, ctx = error.get("n_prompt_tokens"), error.get("n_ctx")
+    if n is not None and ctx is not None:
+        message = (f"request ({n} tokens) exceeds the available context size ({ctx} tokens), try increasing it "
+                   "(bitnet serve -c) or shorten the prompt")
+    else:   # counted from the body's size alone: the bound's own words follow
+        message = f"request exceeds the available context size: {error.get('message')}"
+    return {**error, "message": message, "type": "exceed_context_size_error"}
+
+
 def error_json(message: str, type_: str, code: str, param: str | None = None, scope=None, status: int = 400) -> bytes:
-    """OpenAI's error body, or ollama's ({"error": "..."}) for its /api/ routes, or Anthropic's (anthropic_shaped)."""
+    """OpenAI's error body, or ollama's ({"error": "..."}) for its /api/ routes, or Anthropic's (anthropic_shaped),
+    or, for a context overflow on llama-server's /completion, llama-server's words (llama_overflow)."""
     if scope is not None and scope.get("path", "").startswith("/api/"):
         return json.dumps({"error": message}).encode()
     if scope is not None and anthropic_shaped(scope):
         return json.dumps(anthropic_error_body(anthropic_status(status), message)).encode()
-    return json.dumps({"error": {"message": message, "type": type_, "param": param, "code": code}}).encode()
+    error = {"message": message, "type": type_, "param": param, "code": code}
+    return json.dumps({"error": llama_overflow(scope.get("path", "") if scope is not None else "", error)}).encode()
 
 
 async def send_error(send, scope, status: int, message: str, type_: str, code: str, *, close: bool = False,

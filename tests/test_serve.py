@@ -279,7 +279,7 @@ def test_prompt_over_context_400(client, server, model_id):
     content = "7 + 8 = 15. " * 400
     n = len(httpx.post(server.url + "/tokenize", json={"content": content}).json()["tokens"])
     for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": content}]}),
-                       ("/completion", {"prompt": content}), ("/v1/completions", {"prompt": content})):
+                       ("/v1/completions", {"prompt": content})):
         e = httpx.post(server.url + path, json=body, timeout=60).json()["error"]
         assert e["n_ctx"] == n_ctx and n <= e["n_prompt_tokens"] <= n + 40, (path, e)
         # OpenAI's sentence first: what clients classify a context overflow by (LiteLLM's ContextWindowExceeded
@@ -297,6 +297,31 @@ def test_prompt_over_context_400(client, server, model_id):
     assert "your prompt resulted in" in r.json()["error"], r.text
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_prompt_over_context_on_completion_is_llama_server_s_error(server, stream):
+    """llama-server's clients recognise a context overflow on its /completion by the error's type
+    "exceed_context_size_error" or its words "exceeds the available context size" (then trim and retry): they got
+    OpenAI's sentence and type, a generic 400 to them. /completion answers in llama-server's words, with its
+    n_prompt_tokens and n_ctx and its status 400; the OpenAI routes keep OpenAI's (test_prompt_over_context_400)."""
+    n_ctx = httpx.get(server.url + "/v1/models").json()["data"][0]["meta"]["n_ctx"]
+    content = "7 + 8 = 15. " * 400
+    n = len(httpx.post(server.url + "/tokenize", json={"content": content, "add_special": True}).json()["tokens"])
+    for path in ("/completion", "/completions"):
+        r = httpx.post(server.url + path, json={"prompt": content, "stream": stream}, timeout=60)
+        e = r.json()["error"]
+        assert r.status_code == 400 and e["type"] == "exceed_context_size_error", (path, r.text)
+        assert (e["n_ctx"], e["n_prompt_tokens"]) == (n_ctx, n), e
+        assert e["message"].startswith(f"request ({n} tokens) exceeds the available context size ({n_ctx} tokens), "
+                                       "try increasing it"), e["message"]
+    e = httpx.post(server.url + "/v1/completions", json={"prompt": content}, timeout=60).json()["error"]
+    assert e["type"] == "invalid_request_error" and "exceed" not in e["message"], e
+    # a body too large for the context is refused from its size alone (no count): still llama-server's type and words
+    r = httpx.post(server.url + "/completion", json={"prompt": "x" * 2_000_000, "stream": stream}, timeout=60)
+    e = r.json()["error"]
+    assert r.status_code == 400 and e["type"] == "exceed_context_size_error", r.text[:500]
+    assert e["message"].startswith("request exceeds the available context size: "), e
+
+
 def test_prompt_lists_against_the_context(server):
     """A list of token ids is one prompt: one id over the context gets the same 400 as text would (OpenAI's
     sentence, llama-server's exact counts). A list of strings is a batch, each prompt run alone: more prompts than
@@ -309,7 +334,8 @@ def test_prompt_lists_against_the_context(server):
         e = r.json()["error"]
         assert e["code"] == "context_length_exceeded" and (e["n_prompt_tokens"], e["n_ctx"]) == (n_ctx + 1, n_ctx)
         assert e["message"].startswith(f"This model's maximum context length is {n_ctx} tokens. However, your "
-                                       f"prompt resulted in {n_ctx + 1} tokens"), e["message"]
+                                       f"prompt resulted in {n_ctx + 1} tokens" if path == "/v1/completions" else
+                                       f"request ({n_ctx + 1} tokens) exceeds the available context size"), e
         e = _err(httpx.post(server.url + path, json={"prompt": ["x"] * (n_ctx + 1), "max_tokens": 1}, timeout=30), 400)
         assert e["code"] == "invalid_value" and ("--max-queue" if path == "/v1/completions" else "one prompt per "
                                                  "request") in e["message"], e
