@@ -5,8 +5,9 @@
 
 Step 1 forces a tool call (tool_choice "required": the server's grammar makes even a tiny model emit a valid
 call), the script runs the tool, sends the result back as a `tool` message, and step 2 lets the model answer in
-text (tool_choice "none"). Prints every step; exits 0 when the loop completed. A step 1 cut by --max-tokens
-(finish_reason "length": its last call is partial) runs no tool: one line says to raise --max-tokens. A server
+text (tool_choice "none"). Prints every step; exits 0 when the loop completed. A step 1 cut short (finish_reason
+"length": its last call is partial) runs no tool: one line says to raise --max-tokens, or, when the server's context
+ended it (fewer tokens than --max-tokens), to start the server with a larger -c. A server
 that cannot be reached or refuses a request (a 400: the two tools past a small -c, say) is one line too, exit 1.
 """
 from __future__ import annotations
@@ -82,6 +83,26 @@ def error_line(e: APIError, base_url: str) -> str:
     return "agent: the server answered " + (f"{status}: " if status else "") + " ".join(str(message).split())
 
 
+def n_ctx_of(client) -> int | None:
+    """The server's context (bitnet serve and llama-server give it in /v1/models' meta.n_ctx), or None."""
+    try:
+        meta = client.models.list().data[0].model_extra.get("meta") or {}
+    except (APIError, AttributeError, IndexError):
+        return None
+    return meta.get("n_ctx") if isinstance(meta.get("n_ctx"), int) else None
+
+
+def cut_by(response, max_tokens: int, n_ctx: int | None) -> str:
+    """What ended an answer with finish_reason "length", and what to do: --max-tokens, or the server's context (the
+    answer has fewer tokens than --max-tokens: raising it cannot help)."""
+    usage = response.usage
+    if usage is None or usage.completion_tokens >= max_tokens:
+        return f"cut at {max_tokens} tokens (finish_reason length): raise --max-tokens"
+    of = f" of its {n_ctx}-token context" if n_ctx else ""
+    return (f"cut by the server's context (finish_reason length: the prompt's {usage.prompt_tokens} tokens and the "
+            f"answer's {usage.completion_tokens} filled it{of}): start the server with a larger -c")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("question", nargs="?", default="What time is it, and what is 17*3?")
@@ -106,8 +127,7 @@ def agent(a) -> int:
                                            temperature=0, max_tokens=a.max_tokens)
     msg = first.choices[0].message
     if first.choices[0].finish_reason == "length":   # a call cut off is not to be run (its arguments are partial)
-        print(f"agent: step 1's answer was cut at {a.max_tokens} tokens (finish_reason length): raise --max-tokens",
-              file=sys.stderr)
+        print(f"agent: step 1's answer was {cut_by(first, a.max_tokens, n_ctx_of(client))}", file=sys.stderr)
         return 1
     if not msg.tool_calls:
         print(f"agent: step 1 made no tool call (finish_reason {first.choices[0].finish_reason})", file=sys.stderr)

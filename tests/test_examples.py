@@ -122,6 +122,40 @@ def test_agent_failures_are_one_line_not_a_traceback():
     assert rc == 0 and "Traceback" not in err, err[-3000:]
 
 
+def test_agent_says_which_limit_cut_the_tool_call():
+    """A step 1 cut by the server's context (finish_reason length with fewer tokens than --max-tokens) was told to
+    "raise --max-tokens", which can never help; it names the context and -c now. A cut at --max-tokens still says to
+    raise that."""
+    import openai
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    try:
+        import agent as example
+    finally:
+        sys.path.pop(0)
+    script = os.path.join(ROOT, "examples", "agent.py")
+    server = Server("-c", "600", threads=1)
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=300)
+        # what the agent's step 1 gets: cut by the context (the calls the model makes need more than its room)
+        first = client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "What time is it, and what is 17*3?"}],
+            tools=example.TOOLS, tool_choice="required", temperature=0, max_tokens=5000)
+        used = first.usage.prompt_tokens + first.usage.completion_tokens
+        assert first.choices[0].finish_reason == "length" and used == 601, first.usage
+        said = {}
+        for max_tokens in ("5000", "3"):
+            r = subprocess.run([sys.executable, script, "--base-url", server.url + "/v1", "--max-tokens", max_tokens],
+                               cwd=ROOT, capture_output=True, text=True, timeout=300 * slowness())
+            assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr[-3000:]
+            said[max_tokens] = r.stderr.strip()
+    finally:
+        rc, err = server.stop()
+    assert "context" in said["5000"] and "larger -c" in said["5000"] and "600" in said["5000"], said
+    assert "--max-tokens" not in said["5000"], said
+    assert "cut at 3 tokens" in said["3"] and "raise --max-tokens" in said["3"], said
+    assert rc == 0, err[-3000:]
+
+
 def test_the_default_context_warning_names_what_the_trained_length_costs():
     """The server's start-up warning (its default context past the bundled model's trained 512) said "-c 512 keeps
     to it" as plain advice; followed, the agent example's two tools no longer fit. It names that cost now."""
