@@ -146,6 +146,17 @@ SETTING_ALIASES = {"temperature": "temp", "t": "temp", "n": "max_tokens", "max-t
                    "reasoning-budget": "reasoning_budget", "reasoning-budget-message": "reasoning_budget_message"}
 
 
+# the context's size by its other names (ollama's /set parameter num_ctx, llama.cpp's -c / --ctx-size): fixed when
+# bitchat starts, so /set answers that in one line, never "unknown setting" and the list of every name
+CONTEXT_NAMES = ("num_ctx", "n_ctx", "ctx", "ctx_size", "ctx-size", "c", "context", "context_length")
+
+
+def max_tokens_over_context(n: int, n_ctx: int) -> str:
+    """The one line for a max_tokens over the context (bitchat -n, /set max_tokens): taken as the context's size."""
+    return (f"max_tokens {n} is more than the {n_ctx}-token context window, where an answer ends anyway: "
+            f"max_tokens = {n_ctx}")
+
+
 def _number(name: str, text: str, kind):
     try:
         value = kind(text)
@@ -176,6 +187,9 @@ def parse_setting(name: str, text: str, *, max_tokens_limit: int | None = None) 
     """Validate `/set NAME VALUE`; returns (canonical name, typed value) or raises CommandError."""
     key = name.lower()
     key = SETTING_ALIASES.get(key, key)
+    if key in CONTEXT_NAMES:
+        now = f" (now {max_tokens_limit})" if max_tokens_limit is not None else ""
+        raise CommandError(f"/set {name}: the context window is fixed when bitchat starts: restart it with -c N{now}")
     if key not in SETTING_NAMES:
         raise CommandError(f"/set: unknown setting {name!r} (one of: {', '.join(SETTING_NAMES)})")
     if key == "max_tokens":
@@ -184,8 +198,8 @@ def parse_setting(name: str, text: str, *, max_tokens_limit: int | None = None) 
             return key, UNTIL_END   # kept as such (it was the context size: /save wrote that number)
         if v < 1:
             raise CommandError("/set max_tokens: must be >= 1, or -1 for until the end of text or a full context")
-        if max_tokens_limit is not None and v > max_tokens_limit:
-            raise CommandError(f"/set max_tokens: must be <= {max_tokens_limit} (the context window)")
+        if max_tokens_limit is not None and v > max_tokens_limit:   # an answer ends at the context's end anyway
+            return key, max_tokens_limit   # (the session says so: max_tokens_over_context), as bitchat -n N
         return key, v
     field = FIELD_OF_SETTING[key]
     if key == "dry_sequence_breakers":   # a JSON list of strings, one string, or none

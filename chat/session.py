@@ -26,8 +26,9 @@ from dataclasses import replace
 
 from ..engine.errors import ENDING_SIGNALS, Terminated
 from ..engine.fileio import SETTINGS_FILE_MAX, read_settings_file
-from .commands import (OLLAMA_SET_WORDS, SETTING_NAMES, THINK_WORDS, Command, CommandError, CommandInterrupted,
-                       Settings, help_text, parse_setting, shown_max_tokens, split_set, strip_block)
+from .commands import (OLLAMA_SET_WORDS, SETTING_NAMES, THINK_WORDS, UNTIL_END, Command, CommandError,
+                       CommandInterrupted, Settings, help_text, max_tokens_over_context, parse_setting,
+                       shown_max_tokens, split_set, strip_block)
 from .render import Output, format_stats
 from .recovery import this_process
 from .splice import CachedTurn, spliced_prompt
@@ -36,8 +37,9 @@ from .transcript import (Conversation, TranscriptError, other_conversation, priv
 
 
 EXACT_COUNT_CHARS = 1 << 20   # a refused message up to this long is counted whole to say what it needs
-LAST_TURN_TOO_LONG = ("[the loaded conversation's last turn alone does not fit the context window; it will be "
-                      "trimmed when you ask the next question]")
+LAST_TURN_TOO_LONG = ("[the loaded conversation's last turn alone does not fit the context window with room for an "
+                      "answer: it is left out of the model's view, and the next question starts without it; /save "
+                      "still has it]")
 
 
 class ExitChat(Exception):
@@ -397,11 +399,20 @@ class ChatSession:
         if len(ids) >= n_ctx:
             self.conv.window_start = start_before   # refused message: the older turns stay in view
             return None
+        # the room the answer has: the reserve when the window could be trimmed to it, less when the system prompt
+        # and the newest message alone take more (the message is sent while any answer fits)
+        room = min(n_ctx - len(ids) + 1, self.settings.answer_limit(n_ctx))   # the last token needs no place
+        # (said when the window is down to the newest turn: only then is the prompt itself what leaves too little)
+        short = generation_prompt and room < self._reserve() and self.conv.window_start >= len(self.conv.turns) - 1
         if dropped:
             self.n_dropped += dropped
-            self.out.notice(f"[context full ({n_ctx} tokens, {self._reserve()} kept for the answer): dropped the "
+            kept = f"only {room} left for the answer" if short else f"{room} kept for the answer"
+            self.out.notice(f"[context full ({n_ctx} tokens, {kept}): dropped the "
                             f"{dropped} oldest turn{'s' if dropped > 1 else ''} from the model's view; "
                             "/save still has them]")
+        elif short:
+            self.out.notice(f"[only {room} tokens left for the answer: the prompt takes {len(ids)} of the "
+                            f"{n_ctx}-token context; a shorter system prompt (/system) or a larger -c leaves more]")
         self.last_prompt_ids = ids
         return ids
 
@@ -415,12 +426,31 @@ class ChatSession:
             return f"over {sum(c[0] for c in counts if c is not None)}"
         return str(self.count_tokens(self.conv.messages(start=len(self.conv.turns) - 1)))
 
-    def _system_overflow(self) -> int:
-        """The system prompt's tokens when it alone leaves no room for a turn and its answer, else 0."""
-        if not self.conv.system:
-            return 0
-        n = self.count_tokens(self.conv.messages(start=len(self.conv.turns)))
-        return n if n >= self.llm.n_ctx - self._reserve() else 0
+    def _system_tokens(self, system: str | None = None) -> str:
+        """The tokens the system prompt (`system`, else the conversation's) takes rendered alone, as a refusal says
+        them ("over N" for a text far beyond the context: never tokenized whole), or "" for none."""
+        system = self.conv.system if system is None else system
+        if not system:
+            return ""
+        n, whole = self._text_tokens(system)
+        if not whole:
+            return f"over {n}"
+        return str(self.count_tokens([{"role": "system", "content": system}]))
+
+    def _system_overflow(self, system: str | None = None) -> str:
+        """The system prompt's tokens (as _system_tokens says them) when it alone leaves no room for any message: a
+        one-character question does not fit beside it with room for an answer's first token (what a message is
+        sent with); else "". Then no question can be asked until it is shorter."""
+        system = self.conv.system if system is None else system
+        n = self._system_tokens(system)
+        if not n or n.startswith("over"):
+            return n
+        least = self.count_tokens([{"role": "system", "content": system}, {"role": "user", "content": "?"}])
+        return n if least >= self.llm.n_ctx else ""
+
+    def _system_prompt_too_long(self, n: str) -> str:
+        return (f"the system prompt alone needs {n} tokens of the {self.llm.n_ctx}-token context, leaving no room "
+                "for a message and its answer; shorten it (/system) or start bitchat with a larger -c")
 
     # ---- one answer ----------------------------------------------------------------------------
     def ask(self, text: str) -> None:
@@ -545,12 +575,12 @@ class ChatSession:
             self.had_errors = True
             n_system = self._system_overflow()
             if n_system:   # the system prompt is what does not fit
-                self.out.notice(f"[message not sent: the system prompt alone needs {n_system} tokens of the "
-                                f"{self.llm.n_ctx}-token context ({self._reserve()} kept for the answer); shorten it "
-                                "(/system) or start bitchat with a larger -c]")
+                self.out.notice(f"[message not sent: {self._system_prompt_too_long(n_system)}]")
             else:
+                of = self._system_tokens()
+                of = f" ({of} of them the system prompt's)" if of else ""
                 self.out.notice(f"[message not sent: it needs {n} tokens plus room for the answer, and the context "
-                                f"window is {self.llm.n_ctx}; shorten it or start bitchat with a larger -c]")
+                                f"window is {self.llm.n_ctx}{of}; shorten it or start bitchat with a larger -c]")
             return
         # the user's limit as set: the engine stops at the context's end itself, and says so ("context"), where
         # a limit cut to the room left made every full context read "stopped at max_tokens"
@@ -662,11 +692,9 @@ class ChatSession:
         if ids is None:
             n_system = self._system_overflow()
             if n_system:   # no question can be asked until it is shorter: say so now, not "trimmed" and then refused
-                self.out.notice(f"[the system prompt alone needs {n_system} tokens of the {self.llm.n_ctx}-token "
-                                f"context ({self._reserve()} kept for the answer); shorten it (/system) or start "
-                                "bitchat with a larger -c]")
-            else:
-                self.out.notice(LAST_TURN_TOO_LONG)
+                self.out.notice(f"[{self._system_prompt_too_long(n_system)}]")
+            else:   # the last turn with its answer fills the window (an answer that ran to the context's end)
+                self.last_turn_out_of_view()
             return
         t0 = time.perf_counter()
         interrupted = False
@@ -689,6 +717,14 @@ class ChatSession:
             self.out.notice("[prefill interrupted; it will finish with the next question]")
         else:
             self.out.dim(f"[prefilled {len(ids)} tokens in {dt:.2f} s]")
+
+    def last_turn_out_of_view(self) -> None:
+        """A loaded conversation whose last turn alone does not fit the window with room for an answer: every turn
+        leaves the model's view now (the next question would drop them), so /stats counts them out, and it is said."""
+        before = self.conv.window_start
+        self.conv.window_start = len(self.conv.turns)
+        self.n_dropped += self.conv.window_start - before
+        self.out.notice(LAST_TURN_TOO_LONG)
 
     # ---- slash commands ------------------------------------------------------------------------
     def run_command(self, cmd: Command) -> None:
@@ -733,6 +769,8 @@ class ChatSession:
                 self.set_thinking(pair[0] == "think")
             else:
                 key, value = parse_setting(pair[0], pair[1], max_tokens_limit=self.llm.n_ctx)
+                if key == "max_tokens" and value != UNTIL_END and value < int(pair[1]):   # capped to the context
+                    self.out.notice(f"[{max_tokens_over_context(int(pair[1]), self.llm.n_ctx)}]")
                 setattr(self.settings, key, value)
                 if key == "seed":   # even the same value: the next answer is that seed's own, not seed + answers
                     self.seed_offset = 0
@@ -818,8 +856,10 @@ class ChatSession:
             self.out.info(f"[loaded {n} turn{'' if n == 1 else 's'} from {arg}; {system}{restored}]")
             if fits:
                 self.prefill_conversation(known=ids, out_of_view=out_of_view)
+            elif self._system_overflow():
+                self.out.notice(f"[{self._system_prompt_too_long(self._system_overflow())}]")
             else:
-                self.out.notice(LAST_TURN_TOO_LONG)
+                self.last_turn_out_of_view()
         elif name == "/retry":
             self.retry()
 
@@ -854,6 +894,20 @@ class ChatSession:
         self.conv.system = text
         self._save_recovery()
         self.out.info("[system prompt set]")
+        self.system_notice()
+
+    def system_notice(self) -> None:
+        """One line when the system prompt leaves no room for a message, or less than the answer's reserve: said
+        when it is set (-sys, /system), not only at the next message's refusal or cut answer."""
+        n = self._system_overflow()
+        if n:
+            self.out.notice(f"[{self._system_prompt_too_long(n)}]")
+            return
+        n = self._system_tokens()
+        if n and int(n) > self.llm.n_ctx - self._reserve():
+            self.out.notice(f"[the system prompt takes {n} of the {self.llm.n_ctx}-token context: less than the "
+                            f"{self._reserve()} kept for an answer remain beside a message, so answers will be cut "
+                            "short; shorten it (/system) or start bitchat with a larger -c]")
 
     def describe_settings(self) -> str:
         return f"{self.settings.describe()} format={self.format_label}"
@@ -971,6 +1025,8 @@ class ChatSession:
                     shown = "random" if typed is None else json.dumps([*typed]) if isinstance(typed, tuple) \
                         else f"{typed:g}" if isinstance(typed, float) else \
                         shown_max_tokens(typed) if key == "max_tokens" else typed
+                    if key == "max_tokens" and typed != UNTIL_END and typed < int(text):   # capped to the context
+                        shown = f"{shown} (saved {text}: more than this {self.llm.n_ctx}-token context)"
                     changed.append(f"{key} {shown}")
         return changed
 

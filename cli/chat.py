@@ -36,7 +36,7 @@ import os
 import sys
 import time
 
-from ..chat.commands import FIELD_OF_SETTING, Settings
+from ..chat.commands import FIELD_OF_SETTING, Settings, max_tokens_over_context
 from ..chat.render import Output
 from ..engine.fileio import is_terminal
 from . import lossy_stderr, replace_unencodable
@@ -307,7 +307,9 @@ def _run(args, settings: Settings, out: Output, interactive: bool, first_message
     load_s = time.perf_counter() - t0
     for w in [*getattr(llm, "warnings", ()), *thinking_warnings(llm, args)]:
         print(f"bitchat: warning: {w}", file=sys.stderr)
-    if settings.max_tokens > llm.n_ctx:
+    if settings.max_tokens > llm.n_ctx:   # as /set max_tokens N takes it: the context's size, said
+        print(f"bitchat: warning: -n {settings.max_tokens}: {max_tokens_over_context(settings.max_tokens, llm.n_ctx)}",
+              file=sys.stderr)
         settings.max_tokens = llm.n_ctx
 
     from ..chat.repl import handle_line, run_plain, run_repl
@@ -329,18 +331,18 @@ def _run(args, settings: Settings, out: Output, interactive: bool, first_message
         session.enable_recovery(path)
     ready = f"bitchat: {llm.name} ready in {load_s:.1f} s ({llm.n_ctx}-token context)."
     left = notice([c for c in copies if not c.running])
+    print(ready + (" Type /help for commands, /bye or Ctrl-D to exit." if interactive else ""), file=sys.stderr,
+          flush=True)
+    if left:
+        print(left, file=sys.stderr, flush=True)
+    if session.conv.system:   # -sys: a system prompt too long for the context is said now, as /system says it
+        session.system_notice()
     if interactive:
-        print(ready + " Type /help for commands, /bye or Ctrl-D to exit.", file=sys.stderr, flush=True)
-        if left:
-            print(left, file=sys.stderr, flush=True)
         if first_message and not handle_line(session, first_message):
             session.discard_recovery()
             return 0
         rc = run_repl(session)
     else:
-        print(ready, file=sys.stderr, flush=True)
-        if left:
-            print(left, file=sys.stderr, flush=True)
         if first_message and not handle_line(session, first_message):
             session.discard_recovery()
             return 1 if session.had_errors else 0

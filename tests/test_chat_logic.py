@@ -502,8 +502,10 @@ def test_bitchat_reads_dry_sequence_breakers_as_bitnet_run_does(argv, breakers):
 
 
 def test_max_tokens_limited_by_context():
-    with pytest.raises(CommandError, match="<= 128"):
-        parse_setting("max_tokens", "129", max_tokens_limit=128)
+    """/set max_tokens over the context is its size (the session says so), as bitchat -n N takes it: one refused and
+    the other taken was two answers to one request."""
+    assert parse_setting("max_tokens", "129", max_tokens_limit=128) == ("max_tokens", 128)
+    assert parse_setting("num_predict", "1000", max_tokens_limit=128) == ("max_tokens", 128)
     assert parse_setting("max_tokens", "128", max_tokens_limit=128) == ("max_tokens", 128)
     # ollama's num_predict -1 (llama.cpp's -n -1 / -2): until the end of text or a full context
     # is kept as -1 (it became the context size: /save wrote 128, and a /load into a larger -c capped every answer)
@@ -511,6 +513,17 @@ def test_max_tokens_limited_by_context():
         assert parse_setting("max_tokens", v, max_tokens_limit=128) == ("max_tokens", -1)
         assert parse_setting("num_predict", v, max_tokens_limit=128) == ("max_tokens", -1)
     assert "max_tokens=-1 (until the end)" in Settings(max_tokens=-1).describe()
+
+
+@pytest.mark.parametrize("name", ["num_ctx", "ctx-size", "n_ctx"])
+def test_setting_the_context_says_it_is_fixed_at_start(name):
+    """ollama's /set parameter num_ctx N (what its users type at "context full" notices) was "unknown setting" and a
+    list of 30 names, as if bitchat had no context to set: one line says it is fixed at start, and how to set it."""
+    with pytest.raises(CommandError) as e:
+        parse_setting(name, "128", max_tokens_limit=256)
+    assert str(e.value) == (f"/set {name}: the context window is fixed when bitchat starts: restart it with -c N "
+                            "(now 256)"), e.value
+    assert split_set(f"parameter {name} 128") == (name, "128")
 
 
 def test_n_minus_one_is_until_the_end_not_a_number():

@@ -170,8 +170,8 @@ def test_commands_change_settings_and_bye_exits(llm):
     s.run_command(parse_command("/set temp 0.5"))
     s.run_command(parse_command("/set seed random"))
     assert s.settings.temp == 0.5 and s.settings.seed is None
-    with pytest.raises(CommandError, match="<= 1024"):
-        s.run_command(parse_command("/set max_tokens 5000"))
+    s.run_command(parse_command("/set max_tokens 5000"))   # as bitchat -n 5000: the context's size, said
+    assert s.settings.max_tokens == 1024 and "max_tokens 5000 is more than the 1024-token context" in sink.getvalue()
     s.run_command(parse_command("/system New rules."))
     assert s.conv.messages()[0]["content"] == "New rules."
     s.run_command(parse_command("/system --clear"))
@@ -277,18 +277,20 @@ def test_max_tokens_until_the_end_survives_save_and_load(llm, tmp_path):
 
 
 def test_load_skips_a_setting_this_model_cannot_take_with_one_line(llm, tmp_path):
-    """A saved setting the current model or context cannot honour (a max_tokens over this context, think on a
-    template that does not think, a value out of range) is skipped with one line naming it; the rest are restored."""
+    """A saved setting the current model cannot honour (think on a template that does not think, a value out of
+    range) is skipped with one line naming it; the rest are restored, a max_tokens over this context as the
+    context's size (as /set max_tokens and -n take it), said."""
     path = tmp_path / "chat.json"
     Conversation(turns=[Turn("Hi?", "Hello.")]).save(str(path), meta={"settings": {
         "max_tokens": 99999, "think": True, "top_p": 7, "temp": 0.25}})
     s, sink = new_session(llm)
     s.run_command(parse_command(f"/load {path}"))
     out = sink.getvalue()
-    for name in ("max_tokens", "think", "top_p"):
+    for name in ("think", "top_p"):
         assert len([line for line in out.splitlines() if f"setting {name} not restored" in line]) == 1, out
-    assert s.settings.temp == 0.25 and s.settings.max_tokens == 8 and s.settings.top_p != 7
-    assert "settings restored: temp 0.25]" in out
+    assert s.settings.temp == 0.25 and s.settings.max_tokens == llm.n_ctx and s.settings.top_p != 7
+    assert (f"settings restored: max_tokens {llm.n_ctx} (saved 99999: more than this {llm.n_ctx}-token context), "
+            "temp 0.25]") in out
 
 
 def test_load_restores_think_on_a_thinking_template(llm, tmp_path):
@@ -1171,3 +1173,72 @@ def test_a_history_entry_is_written_whole_or_not_at_all(tmp_path):
     assert h.problem and "history kept in memory only" in h.problem and "\n" not in h.problem
     assert path.stat().st_size == size
     assert list(FileHistory(str(path)).load_history_strings()) == ["first entry\nof two lines"]
+
+
+def _sized(small, words: str, least: int, most: int, system: bool = True) -> str:
+    """A text of `words` repeated whose tokens (a system message rendered alone, else the text alone) are in
+    least..most on this model, found by counting (no token counts assumed)."""
+    for k in range(1, 400):
+        text = words * k
+        n = len(small.chat_prompt([{"role": "system", "content": text}])) if system else len(small.tokenize(text))
+        if least <= n <= most:
+            return text
+    raise AssertionError(f"no repeat of {words!r} has {least}..{most} tokens")
+
+
+def test_load_of_a_turn_that_fills_the_window_does_not_blame_the_system_prompt(llm, tmp_path):
+    """A loaded conversation whose last answer ran to the context's end: /load said the system prompt alone could not
+    fit ("shorten it"), /stats showed the turn in the window and nothing cached, and the next message was answered
+    with that same system prompt. The turn leaves the model's view at load, said so; /stats counts it out."""
+    from bitnet_cpu.engine.api import load_model
+
+    small = load_model(llm.store.path, ctx=96, threads=1, progress=False)
+    settings = Settings(temp=0.0, max_tokens=40)   # 40 kept for the answer: the rest, 56, for the prompt
+    system = _sized(small, "rules ", 60, 70)         # over the prompt's share, yet a message fits beside it
+    answer = _sized(small, "word ", 40, 50, system=False)
+    path = tmp_path / "full.json"
+    path.write_text(json.dumps({"format": "bitchat-conversation", "version": 1, "system": system,
+                                "turns": [{"user": "Hello", "assistant": answer, "finish_reason": "context"}]}))
+    sink = io.StringIO()
+    s = ChatSession(small, settings, Output(sink, sink, interactive=False))
+    s.run_command(parse_command(f"/load {path}"))
+    out = sink.getvalue()
+    assert "system prompt alone" not in out and "left out of the model's view" in out, out
+    s.run_command(parse_command("/stats"))
+    assert "1 turn (0 in the window, 1 dropped)" in sink.getvalue(), sink.getvalue()
+    s.ask("hi")
+    assert s.conv.turns[-1].assistant is not None and len(s.conv.turns) == 2, sink.getvalue()
+
+
+def test_the_room_left_for_the_answer_is_said_as_it_is(llm):
+    """"context full (N tokens, 40 kept for the answer)" was said when the system prompt and the message left far
+    less, and /system with a text longer than the whole context answered "[system prompt set]" alone (only the next
+    message was refused). The notices say the room there is, and /system says at once what its text leaves."""
+    from bitnet_cpu.engine.api import load_model
+
+    small = load_model(llm.store.path, ctx=96, threads=1, progress=False)
+    sink = io.StringIO()
+    s = ChatSession(small, Settings(temp=0.0, max_tokens=40), Output(sink, sink, interactive=False))
+    s.ask("hi")
+    long_system = _sized(small, "rules ", 60, 70)
+    s.run_command(parse_command(f"/system {long_system}"))
+    assert "answers will be cut short" in sink.getvalue().splitlines()[-1], sink.getvalue()
+    mark = len(sink.getvalue())
+    s.ask("hello")
+    said, room = sink.getvalue()[mark:], small.n_ctx - len(s.last_prompt_ids) + 1
+    assert room < 40 and f"only {room} left for the answer): dropped the 1 oldest turn" in said, said
+    assert "kept for the answer" not in said, said
+    mark = len(sink.getvalue())
+    s.run_command(parse_command("/reset"))
+    s.ask("again")   # nothing to drop: the room is still said
+    room = small.n_ctx - len(s.last_prompt_ids) + 1
+    assert f"[only {room} tokens left for the answer" in sink.getvalue()[mark:], sink.getvalue()[mark:]
+    s.run_command(parse_command("/system " + "rules " * 200))
+    assert "[system prompt set]" in sink.getvalue() and "the system prompt alone needs" in \
+        sink.getvalue().splitlines()[-1], sink.getvalue()
+    s.run_command(parse_command("/system Be brief."))
+    mark = len(sink.getvalue())
+    s.ask("hi")
+    said = sink.getvalue()[mark:]   # a short system prompt: the whole reserve is kept (said, if a turn dropped)
+    assert "left for the answer" not in said and all("40 kept for the answer" in x for x in said.splitlines()
+                                                      if "context full" in x), said

@@ -667,3 +667,15 @@ def test_bitchat_takes_run_s_lm_head(bundled):
     assert r.returncode == 2 and "--lm-head q4" in r.stderr and "f16 head" in r.stderr, r.stderr
     r = run("bitnet_cpu.cli.chat", "-m", bundled, "--lm-head", "f16", "-n", "2", "--temp", "0", stdin="hi\n")
     assert r.returncode == 0 and r.stdout.strip(), r.stderr
+
+
+def test_bitchat_n_over_the_context_is_taken_as_set_max_tokens_is(bundled):
+    """bitchat -c 256 -n 1000 showed max_tokens=256 in silence while /set num_predict 1000 was refused ("must be
+    <= 256"): both are now taken as the context's size, with the same line saying so."""
+    r = run("bitnet_cpu.cli.chat", "-m", bundled, "-c", "256", "-n", "1000", "-t", "1",
+            stdin="/set\n/set num_predict 1000\n", env={**os.environ, "BITCHAT_RECOVERY": ""})
+    assert r.returncode == 0, r.stderr
+    line = "max_tokens 1000 is more than the 256-token context window, where an answer ends anyway: max_tokens = 256"
+    assert f"bitchat: warning: -n 1000: {line}" in r.stderr.splitlines(), r.stderr
+    said = (r.stdout + r.stderr).splitlines()
+    assert f"[{line}]" in said and any("max_tokens=256" in x for x in said), said
