@@ -474,7 +474,7 @@ def test_a_prompt_over_the_context_says_to_load_a_larger_one():
     n = len(llm.tokenize(prompt, add_bos=True))
     with pytest.raises(ContextOverflowError) as e:
         llm.generate(prompt, GREEDY, max_tokens=8)
-    assert f"load with a context over {n} tokens (load_model(ctx=N)" in str(e.value), e.value
+    assert f"load with a context of at least {n} tokens (load_model(ctx=N)" in str(e.value), e.value
     assert "ask for less" not in str(e.value) and "-c/--ctx" not in str(e.value)
     llm.close()
     with load_model(ctx=n + 8, progress=False) as big:   # what the hint says works
@@ -499,6 +499,21 @@ def test_embed_overflow_carries_the_counts():
         with pytest.raises(ContextOverflowError) as e:
             llm.embed(["a cat", text])
         assert (e.value.n_prompt_tokens, e.value.n_ctx) == (n, 64) and f"{n} tokens" in str(e.value)
+
+
+def test_the_overflow_hint_names_the_least_context_that_holds_the_prompt():
+    """A 65-token prompt at ctx=64 said "load with a context over 65 tokens", though ctx=65 holds it (a prompt as long
+    as the context gets one token): the hint names that context, and it does hold the prompt."""
+    from bitnet_cpu.engine.errors import ContextOverflowError
+    with load_model(ctx=64, progress=False) as llm:
+        prompt = "the fox " * 40
+        n = len(llm.tokenize(prompt, add_bos=True))
+        with pytest.raises(ContextOverflowError) as e:
+            llm.generate(prompt, GREEDY, max_tokens=4)
+    assert f"load with a context of at least {n} tokens (load_model(ctx=N))" in str(e.value), e.value
+    with load_model(ctx=n, progress=False) as exact:   # exactly that: the prompt, and one token
+        *_, last = exact.generate(prompt, GREEDY, max_tokens=4)
+        assert last.stats.n_prompt == n and last.stats.n_generated == 1 and last.finish_reason == "context"
 
 
 def test_a_wait_s_timeout_of_the_wrong_type_or_range_is_one_error():

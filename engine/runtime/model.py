@@ -566,8 +566,9 @@ class Model:
         with a context that holds the prompt, as the Engine's hint does (load_model warns past the trained length)."""
         trained = self.config.context_length
         if n_prompt is not None and not self.cli_hints:
-            past = f"; past the {trained} tokens the model was trained for it warns" if n_prompt >= trained else ""
-            return f"load with a context over {n_prompt} tokens (load_model(ctx=N){past}) or shorten the prompt"
+            # a prompt as long as the context fits it (one token of answer): ctx=n_prompt takes it
+            past = f"; past the {trained} tokens the model was trained for it warns" if n_prompt > trained else ""
+            return f"load with a context of at least {n_prompt} tokens (load_model(ctx=N){past}) or shorten the prompt"
         less = "" if n_prompt is not None else " or ask for less"
         if self.n_ctx < trained:
             return f"raise -c/--ctx (the model was trained for up to {trained} tokens) or shorten the prompt"
