@@ -49,8 +49,9 @@ def add_arguments(p):
                    help="stop string (repeatable; llama.cpp's -r)%(default).0s")
     add_lm_head_arg(p)
     p.add_argument("--json", action="store_true",
-                   help='print one JSON object per line: {"text": ...} per piece, then {"done": true, "stats": ...} '
-                        '(to make the ANSWER JSON, use -j/--json-schema)%(default).0s')
+                   help='print one JSON object per line: {"text": ...} per piece, then {"done": true, "stats": ...}, '
+                        'or {"error": {"message": ...}} (and the error on stderr) (to make the ANSWER JSON, use '
+                        '-j/--json-schema)%(default).0s')
     add_constraint_args(p)
     p.add_argument("-v", "--verbose", action="store_true",
                    help="print timings, and the random seed chosen, to stderr%(default).0s")
@@ -99,6 +100,35 @@ def resolve_seed(seed: int | None) -> int:
 
 
 def main(args) -> int:
+    """The command; under --json an error (a prompt over the context, a model that does not load, ...) is also one
+    JSON object on stdout, {"error": {"message", "exit_code", ...}} (the server's shape, with its n_prompt_tokens /
+    n_ctx for a prompt over the context), so a consumer of the JSON lines gets one: stderr's line and the exit code
+    stay as for any error."""
+    from ..engine.errors import BitNetError
+
+    try:
+        return _main(args)
+    except BitNetError as e:
+        if getattr(args, "json", False) and not getattr(args, "conversation", None):
+            _json_error(e)
+        raise
+
+
+def _json_error(e) -> None:
+    import contextlib
+    import json
+    import sys
+
+    error = {"message": str(e), "exit_code": e.exit_code}
+    n, ctx = getattr(e, "n_prompt_tokens", None), getattr(e, "n_ctx", None)
+    if n is not None and ctx is not None:
+        error.update(n_prompt_tokens=n, n_ctx=ctx)
+    with contextlib.suppress(OSError, ValueError):   # stdout closed or full: stderr's line still says it
+        sys.stdout.write(json.dumps({"error": error}, ensure_ascii=False) + "\n")
+        sys.stdout.flush()
+
+
+def _main(args) -> int:
     import sys
 
     from ..engine.errors import BitNetError

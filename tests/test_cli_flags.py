@@ -679,3 +679,19 @@ def test_bitchat_n_over_the_context_is_taken_as_set_max_tokens_is(bundled):
     assert f"bitchat: warning: -n 1000: {line}" in r.stderr.splitlines(), r.stderr
     said = (r.stdout + r.stderr).splitlines()
     assert f"[{line}]" in said and any("max_tokens=256" in x for x in said), said
+
+
+def test_run_json_errors_are_a_json_object_too(store, tmp_path):
+    """`bitnet run --json` with a prompt over the context gave its JSON consumer nothing on stdout (a stop at the
+    context mid-answer is a JSON line): an error is now one JSON object there, the server's shape with its counts;
+    stderr's one line and exit 2 stay, for that error and any other (a model that is not there)."""
+    r = bitnet("run", "-m", store, "-c", "32", "-p", "once upon a time " * 40, "-n", "2", "--json")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    (obj,) = json_lines(r.stdout)
+    e = obj["error"]
+    assert e["n_ctx"] == 32 and e["n_prompt_tokens"] > 32 and e["exit_code"] == 2, e
+    assert e["message"] in r.stderr and "context" in e["message"], (e, r.stderr)
+    r = bitnet("run", "-m", str(tmp_path / "none.bnstore"), "-p", "x", "--json")
+    assert r.returncode == 2 and json_lines(r.stdout)[0]["error"]["message"] in r.stderr, (r.stdout, r.stderr)
+    r = bitnet("run", "-m", store, "-c", "32", "-p", "once upon a time " * 40, "-n", "2")   # no --json: stderr only
+    assert r.returncode == 2 and r.stdout == "", r.stdout
