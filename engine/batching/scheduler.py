@@ -80,6 +80,7 @@ class _Seq:
         self.t_submit = time.perf_counter()
         self.t_admit = self.t_prefilled = self.t_first = self.t_last = 0.0
         self.banned: list[int] = []      # token ids never sampled (ignore_eos)
+        self.ends: frozenset = frozenset()   # the request's own end-of-text tokens (end_ids), beside the model's
         self.finder: PromptLookup | None = None   # prompt lookup (engine lookup on): n-gram index of tokens
         self.draft_len: DraftLength | None = None
         self.draft: list[int] = []       # draft tokens run in the current step after tokens[n_past]
@@ -251,18 +252,19 @@ class BatchScheduler(Drafts, Embeddings, Scoring):
 
     def submit(self, prompt_ids: Sequence[int] | str, params: SamplingParams | None = None, *, max_tokens: int = 256,
                stop: Sequence[str] = (), callback: Callable[[Chunk], None] | None = None,
-               ignore_eos: bool = False, constraint=None) -> Stream:
+               ignore_eos: bool = False, constraint=None, end_ids: Sequence[int] = ()) -> Stream:
         """Queue a request (never blocks; a str prompt is tokenized with BOS); see engine.api.Engine. ignore_eos:
         end-of-text tokens are never sampled, as LLM.generate(ignore_eos=True). constraint: as LLM.generate's (compiled here unless it already
-        is: a server compiles off its event loop); a ConstraintError leaves nothing behind."""
+        is: a server compiles off its event loop); a ConstraintError leaves nothing behind. end_ids: more tokens
+        that end this request as end of text does ("eos"; a filled-in middle's FIM pad and separators)."""
         return self.submit_n(prompt_ids, params, 1, max_tokens=max_tokens, stop=stop,
                              callbacks=None if callback is None else [callback], ignore_eos=ignore_eos,
-                             constraint=constraint)[0]
+                             constraint=constraint, end_ids=end_ids)[0]
 
     def submit_n(self, prompt_ids: Sequence[int] | str, params: SamplingParams | None = None, n: int = 1, *,
                  max_tokens: int = 256, stop: Sequence[str] = (),
                  callbacks: Sequence[Callable[[Chunk], None]] | None = None, ignore_eos: bool = False,
-                 constraint=None) -> list[Stream]:
+                 constraint=None, end_ids: Sequence[int] = ()) -> list[Stream]:
         """n completions of one prompt (OpenAI's `n`), one Stream each: choice i samples with its own sampler,
         seeded params.seed + i (a fixed seed gives the same n choices every run), and its own constraint matcher.
         The prompt is prefilled once: the first sequence runs it, and the others then take its pages (shared,
@@ -281,6 +283,9 @@ class BatchScheduler(Drafts, Embeddings, Scoring):
         vocab = self.config.vocab_size
         max_tokens = whole_number(max_tokens, "max_tokens")
         stop = stop_strings(stop)
+        ends = frozenset(token_ids(end_ids, "end_ids", text_ok=False)) - self._eos
+        if any(not 0 <= t < vocab for t in ends):
+            raise BitNetError(f"end_ids: token ids of this model (0..{vocab - 1})")
         if not isinstance(ignore_eos, (bool, np.bool_)):   # "no" was true
             raise BitNetError(f"ignore_eos {ignore_eos!r}: True or False")
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 1 <= n <= self.parallel:
@@ -312,8 +317,9 @@ class BatchScheduler(Drafts, Embeddings, Scoring):
                 sid = next(self._ids)
                 stream = Stream(sid, self, callbacks[i] if callbacks is not None else None)
                 seq = _Seq(sid, prompt, choice_params[i], int(max_tokens), stop, stream, self.tokenizer, vocab)
+                seq.ends = ends
                 if ignore_eos:
-                    seq.banned = [t for t in self._eos if 0 <= t < vocab]
+                    seq.banned = [t for t in self._eos | ends if 0 <= t < vocab]
                 if self.draft_max > 0:
                     seq.finder, seq.draft_len = PromptLookup(self.lookup), DraftLength(self.draft_max)
                 seq.cm = budget_matcher(compiled.matcher() if compiled is not None else None, self.tokenizer, prompt,
@@ -746,7 +752,7 @@ class BatchScheduler(Drafts, Embeddings, Scoring):
         if s.n_gen == 1:
             s.t_first = now
         s.t_last = now
-        if tok in self._eos:
+        if tok in self._eos or tok in s.ends:
             self._finish(s, "eos")
             return tok
         if s.cm is not None:
