@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from pydantic_core import PydanticCustomError
 
 from .limits import anthropic_error_body
-from .schemas import MANY_STOPS, RequestProblem, _Sampling, boolean_or_none, json_text, text_of_parts
+from .schemas import RequestProblem, _Sampling, boolean_or_none, json_text, text_of_parts
 
 # finish reason (engine) -> stop_reason; "tool_use" replaces end_turn when whole calls were made
 STOP_REASON = {"eos": "end_turn", "stop": "stop_sequence", "length": "max_tokens",
@@ -299,7 +299,6 @@ class MessagesRequest(_Conversation, _Sampling):
     """The body of POST /v1/messages (Anthropic's fields; the chat endpoint's sampling extras too); any other, a 400."""
     model_config = ConfigDict(extra="forbid")   # over _Sampling's (the chat endpoint ignores unknown fields)
     MAX_TEMPERATURE: ClassVar[Optional[float]] = 1.0   # Anthropic's range
-    MAX_STOPS: ClassVar[Optional[int]] = MANY_STOPS
     FORCED_CALL_FORMAT: ClassVar[str] = "refuse"
     model: str   # required, as Anthropic's API (the chat endpoint's is optional); any name is this model's
     max_tokens: int = Field(ge=1)

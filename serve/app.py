@@ -39,6 +39,8 @@ from .metrics import CONTENT_TYPE, ServerMetrics, TokenClock
 from .offload import (BodyRefused, ClientGone, Streamed, next_or_gone, offloop_route, prepare_sampling,
                       prompt_body_bound, run_off_loop, too_long_for_context, unless_gone, warm_bounds)
 from .responses import STORED_RESPONSE_ROUTES, ResponseBuilder, ResponsesRequest, not_stored, responses_names
+from .fim import INFILL_FIELDS, field_refusal, fim_ends, fim_tokens, infill_ids, suffix_refusal
+from .fim import off as fim_off
 from .llama_api import LORA_WHY, NOT_SERVED, READ_ONLY, lora_request_is_empty
 from .llama_api import timings_of as llama_timings
 from .schemas import (ChatCompletionRequest, CompletionRequest, RequestProblem, continuation, cut_json,
@@ -511,8 +513,10 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         callbacks = [(lambda ch, i=i: loop.call_soon_threadsafe(q.put_nowait, (i, ch)))
                      for i in range(offset, offset + req.n)]
         try:
+            ends = getattr(req, "_end_ids", None)   # a filled-in middle's (fim.py); only given where there are
             streams = eng.submit_n(prompt_ids, params, req.n, max_tokens=max(0, max_tokens), stop=req.stops(),
-                                   ignore_eos=req.ignore_eos, constraint=constraint, callbacks=callbacks)
+                                   ignore_eos=req.ignore_eos, constraint=constraint, callbacks=callbacks,
+                                   **({"end_ids": ends} if ends else {}))
         except QueueFullError as e:
             metrics.rejected.inc()
             raise APIError(503, str(e), "server_error", code="queue_full",
@@ -694,9 +698,18 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         choices = [make_choice(i, "".join(got.texts[i]), got.finish(i), got.logprobs[i]) for i in range(len(streams))]
         return {"choices": choices, "usage": usage, "timings": timings}
 
+    def refuse_chat_suffix(request, body):
+        """A chat request's suffix: where the model has no FIM tokens, the message every endpoint gives; else
+        where fill-in-the-middle is (it was "a /v1/completions field" alone, which refused it too)."""
+        if not fim_off(getattr(body, "suffix", None)):
+            why = suffix_refusal(ready(request)) or ("suffix: a /v1/completions field (fill-in-the-middle), not "
+                                                     "taken here")
+            raise APIError(400, why, param="suffix", code="unsupported_parameter")
+
     @app.post("/v1/chat/completions")
     @app.post("/chat/completions", include_in_schema=False)   # llama-server's: an SDK pointed at the bare root
     async def chat_completions(body: ChatCompletionRequest, request: Request):
+        refuse_chat_suffix(request, body)
         with translated():   # a final assistant message is continued, as llama-server does
             body.check_tool_messages()
             msgs, prefill = continuation([m.as_dict() for m in body.messages], body.continue_final_message,
@@ -832,6 +845,25 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         out = await respond(request, body, streams, q, len(prompt_ids), make_chunk, make_choice, cid)
         return {**head, "object": "chat.completion", **out} if isinstance(out, dict) else out
 
+    async def fill_in_the_middle(eng, body: CompletionRequest):
+        """The model's FIM tokens where the request fills in the middle (a suffix), else None; a 400 for /infill's
+        fields (they were dropped in silence) and for a suffix the model or the request cannot take."""
+        for name in INFILL_FIELDS:
+            if not fim_off(getattr(body, name)):
+                raise APIError(400, field_refusal(eng, name), param=name, code="unsupported_parameter")
+        if not body.suffix:   # "" and null: what clients send at a file's end
+            return None
+        why = suffix_refusal(eng)
+        if why is None and not isinstance(body.prompt, str):
+            why = "suffix: the prompt is then one text, the text before the gap (not token ids or several prompts)"
+        if why is None and body.echo:
+            why = "suffix: not with echo (the prompt is the text before the gap, not the text the model ran)"
+        if why is not None:
+            raise APIError(400, why, param="suffix", code="unsupported_parameter")
+        fim = fim_tokens(eng.tokenizer)
+        body._end_ids = fim_ends(eng, fim)
+        return fim
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         eng = ready(request)
@@ -839,6 +871,7 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         bad = body.unsupported()   # before the prompt is read: [[]] (submit checks it again)
         if bad:
             raise APIError(400, bad[1], param=bad[0], code="unsupported_parameter")
+        fim = await fill_in_the_middle(eng, body)
         p = body.prompt
         # OpenAI's prompt shapes: a text, a token list, or a list of either (several prompts: choice p * n + j)
         items = p if isinstance(p, list) and p and isinstance(p[0], (str, list)) else [p]
@@ -852,6 +885,10 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
                 if any(t < 0 or t >= eng.config.vocab_size for t in ids):
                     raise APIError(400, "prompt: token id out of the vocabulary", param="prompt", code="invalid_value")
                 prompts.append((ids, await run_off_loop(eng.detokenize, ids) if body.echo else "", 0))
+            elif fim is not None:   # the prompt is the text before the gap, suffix the text after it
+                await refuse_too_long(eng, len(item) + len(body.suffix), "prompt")
+                ids = await run_off_loop(infill_ids, eng, fim, item, body.suffix, (), (), body.limit())
+                prompts.append((ids, item, 0))
             else:
                 text = item if isinstance(item, str) else ""
                 await refuse_too_long(eng, len(text), "prompt")
@@ -981,6 +1018,7 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         generating: OpenAI's input token count object."""
         eng = ready(request)
         check_model(body.model)
+        refuse_chat_suffix(request, body)
         bad = body.unsupported()
         if bad:
             raise APIError(400, bad[1], param=bad[0], code="unsupported_parameter")

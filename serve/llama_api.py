@@ -20,8 +20,10 @@ from ..engine import __version__
 from ..engine.runtime.chat_template import choose_template   # the one rendered: the fallback too
 from ..engine.runtime.sampling import SamplingParams
 from .logprobs import chat_entry
+from .fim import INFILL_FIELDS, NO_FIM, extra_chunks, fim_ends, fim_tokens, field_refusal, infill_ids
+from .fim import off as fim_off
 from .offload import Streamed, run_off_loop, too_long_for_context
-from .schemas import (CHAIN, MANY_STOPS, SAMPLER_ALIASES, ChatMessage, JSONTyped, RequestProblem, ToolMessages,
+from .schemas import (CHAIN, SAMPLER_ALIASES, ChatMessage, JSONTyped, RequestProblem, ToolMessages,
                       _Sampling, continuation, json_text, shown_path, tools_refused, unanswered)
 
 # fields /completion takes but cannot honour: their "off" values (taken, as clients send them), and why any other
@@ -31,7 +33,6 @@ NOT_HERE = {
     "top_logprobs": ((None,), "the OpenAI endpoints' field; on /completion ask for n_probs (0..20)"),
     "echo": ((None, False), "not supported on /completion (the answer's `prompt` field is the prompt it ran)"),
     "best_of": ((None, 1), "only best_of=1 is supported"),
-    "suffix": ((None, ""), "not supported (fill-in-the-middle: these models have no FIM tokens)"),
     "max_completion_tokens": ((None,), "the chat endpoint's field; on /completion set n_predict (or max_tokens)"),
     "return_progress": ((None, False), "prompt-processing progress is not reported"),
     "n_cmpl": ((None, 1), "/completion gives one completion (send several requests, or use /v1/completions' n)"),
@@ -41,8 +42,12 @@ NOT_HERE = {
 # llama-server's endpoints for what this server has not: a POST to any of these paths is a 501 saying why (it was
 # a bare 404 / 405), from a model's server (serve/app.py) and from the --models-dir router alike, no model loaded
 NOT_SERVED = {
-    ("/infill",): "/infill (fill-in-the-middle) is not supported: the ternary models served here have no FIM tokens; "
-                  "send the prefix to /completion",
+    ("/v1/fim/completions",): "/v1/fim/completions (Mistral's fill-in-the-middle API) is not served here: send "
+                              "prompt and suffix to /v1/completions, or input_prefix and input_suffix to /infill "
+                              "(for a model whose vocabulary has fill-in-the-middle tokens)",
+    ("/beta/completions",): "/beta/completions (DeepSeek's fill-in-the-middle API) is not served here: send prompt "
+                            "and suffix to /v1/completions, or input_prefix and input_suffix to /infill (for a model "
+                            "whose vocabulary has fill-in-the-middle tokens)",
     ("/slots/{id_slot}",): "slot actions (save, restore, erase) are not supported: the prefix cache keeps recent "
                            "prompts' KV by itself",
     ("/rerank", "/reranking", "/v1/rerank", "/v1/reranking"):
@@ -70,10 +75,9 @@ STOP_TYPE = {"eos": "eos", "stop": "word", "length": "limit", "context": "limit"
 
 class NativeCompletionRequest(_Sampling):
     """llama-server's POST /completion body: its names (n_predict, n_probs, logit_bias as pairs) over the
-    OpenAI endpoints' sampling fields and checks (temperature without OpenAI's cap, up to MANY_STOPS stops)."""
+    OpenAI endpoints' sampling fields and checks (temperature without OpenAI's cap)."""
     N_PROBS: ClassVar[bool] = True   # n_probs is this endpoint's own logprobs field
     MAX_TEMPERATURE: ClassVar[Optional[float]] = None
-    MAX_STOPS: ClassVar[Optional[int]] = MANY_STOPS
     DRY_BASE_BELOW_1_IS_DEFAULT: ClassVar[bool] = True
     EMPTY_STOP_SKIPPED: ClassVar[bool] = True   # as llama-server skips an empty stop word
     prompt: Union[str, list[Any]]
@@ -93,7 +97,10 @@ class NativeCompletionRequest(_Sampling):
     top_logprobs: Any = None
     echo: Any = None
     best_of: Any = None
-    suffix: Any = None
+    suffix: Any = None            # fill-in-the-middle: /infill's fields and suffix, refused by the route (fim.py)
+    input_prefix: Any = None
+    input_suffix: Any = None
+    input_extra: Any = None
     max_completion_tokens: Any = None
     return_progress: Any = None
     n_cmpl: Any = None
@@ -167,6 +174,15 @@ class NativeCompletionRequest(_Sampling):
     def sampling_params(self, defaults=None):
         """llama-server's penalties: presence / frequency count the last repeat_last_n tokens, prompt included."""
         return dataclasses.replace(super().sampling_params(defaults), penalize_prompt=True)
+
+
+class InfillRequest(NativeCompletionRequest):
+    """llama-server's POST /infill body: /completion's sampling fields, the text before the gap (input_prefix),
+    after it (input_suffix), other files' text (input_extra) and the middle's start (prompt, optional)."""
+    prompt: str = ""
+    input_prefix: str
+    input_suffix: str
+    input_extra: Optional[list[Any]] = None
 
 
 def prompt_pieces(prompt, vocab: int) -> list:
@@ -298,18 +314,48 @@ def register(app, state, ready, api_error: type, pipe, *, sampling=None):
     pipe: the generating endpoints' check_model, compile_constraint, sampling_for, submit, run_to_end, Choices,
     Timer, tool_setup."""
 
-    async def completion(body: NativeCompletionRequest, request: Request):
-        eng = ready(request)
+    def one_completion(body, eng, where: str):
         pipe.check_model(body.model)
         if body.n != 1:   # one completion per request here, as llama-server's; the OpenAI route has `n`
-            raise api_error(400, f"n {body.n}: /completion gives one completion (send several requests, or use "
+            raise api_error(400, f"n {body.n}: {where} gives one completion (send several requests, or use "
                             "/v1/completions' n)", param="n", code="invalid_value")
+
+    async def completion(body: NativeCompletionRequest, request: Request):
+        eng = ready(request)
+        one_completion(body, eng, "/completion")
+        for name in ("suffix",) + INFILL_FIELDS:   # fill-in-the-middle: /infill's (they were dropped in silence)
+            if not fim_off(getattr(body, name)):
+                raise api_error(400, field_refusal(eng, name), param=name, code="unsupported_parameter")
         try:
             pieces = prompt_pieces(body.prompt, eng.config.vocab_size)
         except ValueError as e:
             raise api_error(400, str(e), param="prompt", code="invalid_value") from None
         await pipe.refuse_too_long(eng, sum(len(x) for x in pieces if isinstance(x, str)), "prompt")
-        ids = await run_off_loop(prompt_ids, eng, pieces)
+        return await answer(body, request, eng, await run_off_loop(prompt_ids, eng, pieces))
+
+    async def infill(body: InfillRequest, request: Request):
+        """llama-server's /infill: the middle between input_prefix and input_suffix, after input_extra's files,
+        starting with prompt; answered as /completion answers. A model without FIM tokens: a 501 saying so."""
+        eng = ready(request)
+        fim = fim_tokens(eng.tokenizer)
+        if fim is None:
+            raise api_error(501, f"/infill: {NO_FIM}", "not_supported_error", code="not_supported")
+        one_completion(body, eng, "/infill")
+        if not fim_off(body.suffix):
+            raise api_error(400, "suffix: /v1/completions' field; /infill takes the text after the gap as "
+                            "input_suffix", param="suffix", code="unsupported_parameter")
+        try:
+            extra = extra_chunks(body.input_extra)
+        except ValueError as e:
+            raise api_error(400, str(e), param="input_extra", code="invalid_value") from None
+        await pipe.refuse_too_long(eng, len(body.input_prefix) + len(body.input_suffix) + len(body.prompt), "prompt")
+        body._end_ids = fim_ends(eng, fim)
+        ids = await run_off_loop(lambda: infill_ids(eng, fim, body.input_prefix, body.input_suffix, extra,
+                                                    eng.tokenize(body.prompt, add_bos=False), body.limit()))
+        return await answer(body, request, eng, ids)
+
+    async def answer(body, request: Request, eng, ids: list[int]):
+        """/completion's answer (and /infill's) to the prompt `ids`."""
         constraint = await pipe.compile_constraint(eng, body)
         params = await pipe.sampling_for(eng, body)
         streams, q = pipe.submit(eng, body, ids, pipe.loop(), constraint, "prompt", params=params)
@@ -387,6 +433,7 @@ def register(app, state, ready, api_error: type, pipe, *, sampling=None):
 
     app.add_api_route("/completion", completion, methods=["POST"])
     app.add_api_route("/completions", completion, methods=["POST"], include_in_schema=False)   # its alias
+    app.add_api_route("/infill", infill, methods=["POST"])
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest, request: Request):

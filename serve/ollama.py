@@ -24,7 +24,7 @@ from typing import Any, Optional, Union
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, StrictBool, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, PrivateAttr, StrictBool, ValidationError, model_validator
 
 from ..engine.errors import shown_number
 from ..engine.runtime.chat_template import choose_template   # the one rendered: the fallback too
@@ -32,8 +32,9 @@ from ..engine.runtime.sampling import SamplingParams, setting_problem
 from .logprobs import Said, chat_entry
 from .metrics import TokenClock
 from .offload import NOT_JSON, Streamed, next_or_gone, not_json, prepare_sampling, run_off_loop, too_long_for_context
-from .schemas import (MANY_STOPS, JSONTyped, error_message, error_where, is_off, json_text, main_error, off_refusal,
-                      overflow_message, request_seed, shown_path, unanswered, utc_iso)
+from .fim import fim_ends, fim_tokens, infill_ids, suffix_refusal
+from .schemas import (JSONTyped, error_message, error_where, is_off, json_text, main_error, off_refusal,
+                      overflow_message, request_seed, shown_path, stops_problem, unanswered, utc_iso)
 
 FOREVER = math.inf
 _DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
@@ -110,6 +111,7 @@ class OllamaError(Exception):
 
 class _Body(JSONTyped):
     model_config = ConfigDict(extra="ignore")
+    _end_ids: list = PrivateAttr(default_factory=list)   # more tokens that end the answer (a middle's: fim.py)
 
     @model_validator(mode="before")
     @classmethod
@@ -245,8 +247,8 @@ def option_stops(options: dict) -> list[str]:
     stop = [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
         raise OllamaError(400, f"options.stop {json_text(options['stop'])}: must be an array of strings")
-    if len(stop) > MANY_STOPS:   # each is matched at every token, in the step every stream shares
-        raise OllamaError(400, f"options.stop: at most {MANY_STOPS} stop sequences")
+    if bad := stops_problem(stop, "options.stop"):   # each is matched at every token, in every stream's step
+        raise OllamaError(400, bad)
     return [s for s in stop if s]
 
 
@@ -449,7 +451,8 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
         q: asyncio.Queue = asyncio.Queue()
         try:
             stream = eng.submit(prompt_ids, params, max_tokens=max_tokens, stop=stop, constraint=constraint,
-                                callback=lambda ch: loop.call_soon_threadsafe(q.put_nowait, ch))
+                                callback=lambda ch: loop.call_soon_threadsafe(q.put_nowait, ch),
+                                **({"end_ids": body._end_ids} if body._end_ids else {}))
         except QueueFullError as e:
             if metrics is not None:
                 metrics.rejected.inc()
@@ -646,21 +649,34 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
         for name in ("width", "height", "steps"):
             if getattr(body, name) is not None:
                 raise OllamaError(400, f"{name}: image generation is not supported (this model writes text)")
-        if body.suffix:
-            raise OllamaError(400, "suffix: fill-in-the-middle is not supported")
+        fim = None
+        if body.suffix:   # fill-in-the-middle: prompt is the text before the gap (ollama's template .Suffix)
+            why = suffix_refusal(eng)
+            if why is not None:
+                raise OllamaError(400, why)
+            fim = fim_tokens(eng.tokenizer)
+            body._end_ids = fim_ends(eng, fim)
         if body.template:
             raise OllamaError(400, "template: the model's own chat template is used (a Go template cannot be)")
 
         def piece(text, calls=(), thinking=""):
             return {"response": text, **({"thinking": thinking} if thinking else {})}
-        if not body.prompt and not body.context:
+        if not body.prompt and not body.context and fim is None:
             return loaded(body, piece)
         vocab = eng.config.vocab_size
         context = [int(t) for t in body.context or []]
         if any(not 0 <= t < vocab for t in context):
             raise OllamaError(400, f"context: token ids must be in 0..{vocab - 1}")
-        await refuse_too_long(eng, len(body.prompt or "") + (0 if body.raw else len(body.system or "")))
-        if body.raw:
+        await refuse_too_long(eng, len(body.prompt or "") + (0 if body.raw else len(body.system or ""))
+                              + len(body.suffix or ""))
+        if fim is not None:   # no template, no system prompt (ollama's FIM templates have neither)
+            limit = option_int(body.options or {}, "num_predict")
+            ids = await run_off_loop(infill_ids, eng, fim, body.prompt or "", body.suffix, (), (),
+                                     limit if limit > 0 else None)
+            bos = eng.tokenizer.bos_id
+            if context and bos is not None and ids[:1] == [bos]:
+                ids = ids[1:]
+        elif body.raw:
             ids = await run_off_loop(eng.tokenize, body.prompt or "", add_bos=not context)
         else:
             msgs = ([{"role": "system", "content": body.system}] if body.system else []) + \
@@ -676,7 +692,8 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
         constraint = await constraint_of(eng, body)
         return await answer(request, body, eng, prompt_ids, constraint, piece,
                             extra_final=lambda tokens: {"context": prompt_ids + tokens},
-                            splitter=None if body.raw else think_splitter(eng, body, prompt_ids, constraint is None))
+                            splitter=None if body.raw or fim is not None else
+                            think_splitter(eng, body, prompt_ids, constraint is None))
 
     def describe(eng) -> dict:
         path = eng.store.path

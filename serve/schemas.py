@@ -15,8 +15,8 @@ import re
 from dataclasses import fields
 from typing import Annotated, Any, ClassVar, Literal, NamedTuple, Optional, Union, get_args, get_origin
 
-from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, ValidationInfo,
-                      field_validator, model_validator)
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, StrictBool,
+                      ValidationInfo, field_validator, model_validator)
 from pydantic_core import PydanticCustomError
 
 from ..engine.errors import json_text, shown_number  # noqa: F401  (json_text: the serve modules' name for it)
@@ -172,9 +172,22 @@ def unanswered(finish_reason: str | None, retry_after: int, rid: str | None = No
     return None
 
 
-# stop sequences on the endpoints that take more than OpenAI's 4 (llama-server's, Anthropic's, ollama's): each is
-# matched at every token in the scheduler's step, which every stream shares (20,000 made another's 23x slower)
+# stop sequences on every endpoint (OpenAI's own API takes 4, but the local servers code-completion clients are
+# written for take more: llama-server, ollama, vLLM; a FIM client sends its model's 5-10 control tokens): each is
+# matched at every token in the scheduler's step, which every stream shares (20,000 made another's 23x slower),
+# so their count and their total length are bounded
 MANY_STOPS = 64
+STOP_CHARS = 8192
+
+
+def stops_problem(stops: list, name: str = "stop") -> str | None:
+    """The 400's message for stop strings over MANY_STOPS or STOP_CHARS (counted as sent), else None."""
+    if len(stops) > MANY_STOPS:
+        return f"{name}: at most {MANY_STOPS} stop sequences, got {len(stops)}"
+    total = sum(len(x) for x in stops if isinstance(x, str))
+    if total > STOP_CHARS:
+        return f"{name}: the stop sequences are {total} characters long together; at most {STOP_CHARS}"
+    return None
 
 
 def utc_iso(ts: float | None = None) -> str:
@@ -507,7 +520,6 @@ LAZY = ("grammar_lazy", "grammar_triggers")   # refused when set (true, non-empt
 class _Sampling(JSONTyped):
     model_config = ConfigDict(extra="ignore")
     MAX_TEMPERATURE: ClassVar[Optional[float]] = OPENAI_MAX_TEMPERATURE   # None: the engine's range only
-    MAX_STOPS: ClassVar[Optional[int]] = 4                                # OpenAI's (the others: MANY_STOPS)
     # a format beside a required tool call (no text answer this turn): OpenAI takes the pair ("drop": the call
     # grammar alone), Anthropic's API refuses it ("refuse": 400); engine/runtime/tools.py with_answer_format
     FORCED_CALL_FORMAT: ClassVar[str] = "drop"
@@ -519,6 +531,7 @@ class _Sampling(JSONTyped):
     # as llama-server skips it there
     EMPTY_STOP_SKIPPED: ClassVar[bool] = False
 
+    _end_ids: list = PrivateAttr(default_factory=list)   # more tokens that end the answer (a middle's: fim.py)
     model: Optional[str] = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
@@ -777,8 +790,8 @@ class _Sampling(JSONTyped):
             return "modalities", "only the text modality is supported"
         entries = self.stop_entries()   # Anthropic's: stop_sequences too
         param = "stop" if self.stop is not None else "stop_sequences"
-        if self.MAX_STOPS is not None and len(entries) > self.MAX_STOPS:   # counted as sent, empty ones too
-            return param, f"at most {self.MAX_STOPS} stop sequences, got {len(entries)}"
+        if bad := stops_problem(entries, param):   # counted as sent, empty ones too
+            return param, bad
         if "" in entries and not self.EMPTY_STOP_SKIPPED:   # it was dropped in silence
             return param, f"{param}: an empty stop string (each must be non-empty)"
         return None
@@ -1081,7 +1094,10 @@ class CompletionRequest(VLLMRepetition, _Sampling):
     logprobs: Optional[int] = Field(default=None, ge=0, le=5)   # OpenAI's legacy range: 0..5 alternatives
     echo: bool = False
     best_of: Optional[int] = None
-    suffix: Optional[str] = None
+    suffix: Optional[str] = None              # fill-in-the-middle where the model can (the route: serve/fim.py)
+    input_prefix: Any = None                  # /infill's fields: refused by the route, not dropped in silence
+    input_suffix: Any = None
+    input_extra: Any = None
     tools: Optional[Any] = None               # refused (tools_refused): read, so they are not dropped in silence
     tool_choice: Optional[Any] = None
     parallel_tool_calls: Optional[Any] = None
@@ -1110,8 +1126,6 @@ class CompletionRequest(VLLMRepetition, _Sampling):
                                     "(0..5)")
         if self.best_of not in (None, 1):
             return "best_of", "only best_of=1 is supported"
-        if self.suffix:
-            return "suffix", "suffix is not supported"
         if bad := self.stream_options_alone():
             return bad
         if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], list) and \

@@ -76,12 +76,19 @@ def test_good_metadata_and_service_tier_are_taken_on_both(server, path, body):
 @pytest.mark.parametrize("extra, param", [
     ({"echo": True}, "echo"),
     ({"best_of": 5}, "best_of"),
-    ({"suffix": "x"}, "suffix"),
 ])
 def test_completions_fields_on_chat_say_where_they_belong(server, extra, param):
     for path in ("/v1/chat/completions", "/v1/chat/completions/input_tokens"):
         e = _err(_post(server, path, {**CHAT, **extra}))
         assert e["param"] == param and "/v1/completions" in e["message"], (path, e)
+
+
+def test_suffix_on_chat_says_why_as_every_endpoint_does(server):
+    """It pointed to /v1/completions, which refused it too: now the one reason every endpoint gives (the bundled
+    model's vocabulary has no fill-in-the-middle tokens)."""
+    for path in ("/v1/chat/completions", "/v1/chat/completions/input_tokens"):
+        e = _err(_post(server, path, {**CHAT, "suffix": "x"}))
+        assert e["param"] == "suffix" and "no fill-in-the-middle tokens" in e["message"], (path, e)
 
 
 def test_completions_fields_at_their_off_values_are_taken_on_chat(server):

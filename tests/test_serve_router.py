@@ -1401,10 +1401,12 @@ def test_props_without_a_model_and_v1_health(router):
 
 
 def test_llama_server_endpoints_not_served_are_answered_without_a_model(router):
-    """llama-server's /infill, slot actions, reranking, POST /props and LoRA endpoints are a model's server's 501s
+    """Mistral's and DeepSeek's FIM routes, llama-server's slot actions, reranking, POST /props and LoRA endpoints
+    are a model's server's 501s
     (and its empty adapter list), said by the router itself: no model to name, none loaded for a refusal (they were
     forwarded, a 400 "model: required" with two models, or a bare 404)."""
-    for path, said in (("/infill", "fill-in-the-middle"), ("/slots/0?action=save", "slot actions"),
+    for path, said in (("/v1/fim/completions", "fill-in-the-middle"), ("/beta/completions", "fill-in-the-middle"),
+                       ("/slots/0?action=save", "slot actions"),
                        ("/rerank", "reranking is not supported"), ("/v1/rerank", "reranking is not supported"),
                        ("/props", "read-only"), ("/lora-adapters", "LoRA adapters are not supported")):
         r = post(router.url, path, [{"id": 0, "scale": 1.0}] if "lora" in path else {"query": "a"})
