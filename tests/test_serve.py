@@ -154,7 +154,7 @@ def _err(r: httpx.Response, status: int) -> dict:
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": "What is this?"},
                                                 {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]},
      "messages.0.content.1"),
-    ({"messages": Q, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"messages": Q, "stop": [f"s{i}" for i in range(65)]}, "stop"),   # over 64 (OpenAI's 4 is too few for FIM)
     ({"messages": Q, "max_tokens": -2}, "max_tokens"),   # (-1 is llama-server's "to the end")
     ({"messages": Q, "max_tokens": 1e30}, "max_tokens"),   # "an integer within range", not pydantic's string words
     # JSON's own types, as OpenAI's API checks them (pydantic alone would read "0.5" as 0.5 and "yes" as true)
