@@ -61,7 +61,10 @@ def build(model: str | None = None, *, threads: int | None = 1, parallel: int = 
             # loaded here, not in the app's loading thread: a replica whose constructor has not returned gets no
             # requests (they were answered 503 "model is loading" and 500 while a replacement loaded), and one
             # that raises counts towards failing the deployment (it was restarted every few seconds, for ever)
-            _preload(load)
+            eng = _preload(load)
+            import logging
+            for w in getattr(eng, "warnings", ()):   # in the replica's log, which `serve run` shows
+                logging.getLogger("ray.serve").warning("bitnet: warning: %s", w)
 
         def warnings(self) -> list:
             """The engine's load warnings (a context past the trained one, ...), for the driver to print."""
@@ -82,9 +85,12 @@ _PRELOADED: list = []
 LOAD_FAILED = "bitnet: the model failed to load on a replica: "   # run_ray finds the reason after it
 
 
-def _preload(load) -> None:
+def _preload(load):
+    """The engine load() made, kept for the app's first load() (which may take it at once, in its own thread)."""
     try:
-        _PRELOADED[:] = [load()]
+        eng = load()
+        _PRELOADED[:] = [eng]
+        return eng
     except Exception as e:   # one line the driver can find in Ray's report of the failed deployment
         raise RuntimeError(LOAD_FAILED + (str(e).strip().splitlines() or [type(e).__name__])[0]) from e
 
@@ -113,13 +119,50 @@ def _env_int(name, default):
     return n
 
 
+def _env_model() -> str | None:
+    """BITNET_MODEL, resolved and opened here as `bitnet serve --ray-replicas` does -m: a missing or unreadable
+    model is one BitNetError naming the variable (each replica's load failed with its own traceback, and the
+    message named -m/--model). The value itself goes to the replicas, which may run on other machines."""
+    model = os.environ.get("BITNET_MODEL") or None
+    from ..engine.api import resolve_store
+    try:
+        resolve_store(model, progress=False)
+    except BitNetError as e:
+        why = str(e.args[0]) if e.args else type(e).__name__
+        for head in (f"model {model!r} (-m/--model): ", f"{model}: ", f"{model!r}: "):
+            if model is not None and why.startswith(head):
+                why = why[len(head):]
+                break
+        raise BitNetError(f"BITNET_MODEL={model!r}: {why.replace(' (-m/--model)', '')}", hint=e.hint) from None
+    return model
+
+
+def _cores_warning(replicas: int, threads: int) -> str | None:
+    """BITNET_REPLICAS x BITNET_THREADS past this machine's cores, said as `bitnet serve --ray-replicas` says its
+    flags'; a warning only: `serve run` may deploy on a cluster of several machines, where the replicas spread."""
+    from ..engine.cpu import available_cores
+    cores = available_cores()
+    if replicas * threads <= cores:
+        return None
+    return (f"BITNET_REPLICAS={replicas} x BITNET_THREADS={threads} is {replicas * threads} engine threads, more than "
+            f"the {cores} CPU cores of this machine: replicas placed here wait for each other's cores "
+            f"(at most {cores} replicas of 1 thread fit)")
+
+
 def build_from_env():
     """The application `serve run bitnet_cpu.serve.ray_app:app` deploys, from the BITNET_* variables. A bad value
-    raises BitNetError, its message one line naming the variable."""
-    return build(os.environ.get("BITNET_MODEL") or None, threads=_env_int("BITNET_THREADS", 1),
-                 parallel=_env_int("BITNET_PARALLEL", 16), ctx=_env_int("BITNET_CTX", None),
-                 max_queue=_env_int("BITNET_MAX_QUEUE", 64), api_key=os.environ.get("BITNET_API_KEY") or None,
-                 replicas=_env_int("BITNET_REPLICAS", 2), batch_size=_env_int("BITNET_BATCH_SIZE", None))
+    raises BitNetError, its message one line naming the variable; BITNET_REPLICAS x BITNET_THREADS past the
+    cores is a warning on stderr."""
+    import sys
+    threads, replicas = _env_int("BITNET_THREADS", 1), _env_int("BITNET_REPLICAS", 2)
+    parallel, ctx = _env_int("BITNET_PARALLEL", 16), _env_int("BITNET_CTX", None)
+    max_queue, batch_size = _env_int("BITNET_MAX_QUEUE", 64), _env_int("BITNET_BATCH_SIZE", None)
+    model = _env_model()
+    warning = _cores_warning(replicas, threads)
+    if warning:
+        print(f"bitnet: warning: {warning}", file=sys.stderr, flush=True)
+    return build(model, threads=threads, parallel=parallel, ctx=ctx, max_queue=max_queue,
+                 api_key=os.environ.get("BITNET_API_KEY") or None, replicas=replicas, batch_size=batch_size)
 
 
 def __getattr__(name):
@@ -147,6 +190,95 @@ def _lengthen_proxy_wait() -> None:
             mod.HTTP_PROXY_TIMEOUT = PROXY_WAIT_S
 
 
+def _become_subreaper() -> bool:
+    """Linux: processes orphaned below this one (the raylet's agents when the raylet dies first) become its
+    children instead of init's, so that _end_leftovers still finds them. False where it cannot be set."""
+    if not os.path.isdir("/proc"):
+        return False
+    try:
+        import ctypes
+        return ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) == 0   # PR_SET_CHILD_SUBREAPER
+    except (OSError, AttributeError):
+        return False
+
+
+def _descendants(pid: int) -> set:
+    """The live processes below pid (from /proc: empty where there is none), zombies left out."""
+    parents, state = {}, {}
+    with contextlib.suppress(OSError):
+        for d in os.listdir("/proc"):
+            if d.isdigit():
+                try:
+                    with open(f"/proc/{d}/stat") as f:
+                        fields = f.read().rsplit(")", 1)[1].split()
+                    state[int(d)], parents[int(d)] = fields[0], int(fields[1])
+                except (OSError, IndexError, ValueError):
+                    pass
+    out, todo = set(), [pid]
+    while todo:
+        p = todo.pop()
+        kids = {c for c, pp in parents.items() if pp == p} - out
+        todo.extend(kids)
+        out |= kids
+    return {p for p in out if state.get(p) != "Z"}
+
+
+def _reap(pids) -> None:
+    for p in pids:
+        with contextlib.suppress(ChildProcessError, OSError):
+            os.waitpid(p, os.WNOHANG)
+
+
+def _end_leftovers(bound_s: float = 15.0) -> None:
+    """After ray.shutdown(): every process Ray started that still runs below this one (a start cut short by a
+    signal left the raylet's DashboardAgent and RuntimeEnvAgent running for a minute after bitnet had exited) is
+    sent SIGTERM, then SIGKILL after bound_s, and reaped. Only this process's own descendants are touched."""
+    import signal
+    import time
+    left = _descendants(os.getpid())
+    for p in left:
+        with contextlib.suppress(OSError):
+            os.kill(p, signal.SIGTERM)
+    deadline = time.monotonic() + bound_s
+    while left and time.monotonic() < deadline:
+        _reap(left)
+        left &= _descendants(os.getpid())
+        if left:
+            time.sleep(0.05)
+    for p in left:
+        with contextlib.suppress(OSError):
+            os.kill(p, signal.SIGKILL)
+    while left and time.monotonic() < deadline + bound_s:   # SIGKILL: gone at once, reaped here
+        _reap(left)
+        left &= _descendants(os.getpid())
+        if left:
+            time.sleep(0.05)
+
+
+def _quiet_ray_output(stopping) -> None:
+    """Ray's driver-side chatter that says nothing to a bitnet user: Serve's INFO lines ("New http_options ...
+    will not be applied" after bitnet had itself started Serve with --host/--port) and, once bitnet stops, the
+    raylet's report of the Serve controller that Serve's own shutdown killed. Warnings and errors stay."""
+    import logging
+    logging.getLogger("ray.serve").setLevel(logging.WARNING)
+    try:
+        from ray._private import worker as ray_worker
+    except ImportError:
+        return
+    shown = getattr(ray_worker, "print_to_stdstream", None)
+    if shown is None or getattr(shown, "_bitnet_quiet", False):
+        return
+
+    def filtered(data, *args, **kwargs):
+        lines = data.get("lines") or () if isinstance(data, dict) else ()
+        if stopping() and data.get("pid") == "raylet" and lines and all(
+                "ServeController." in ln and "ray.kill" in ln for ln in lines):
+            return None
+        return shown(data, *args, **kwargs)
+    filtered._bitnet_quiet = True
+    ray_worker.print_to_stdstream = filtered
+
+
 class _StoppedStarting(BaseException):
     """Ctrl-C / SIGTERM while Ray or Serve starts (a BaseException: Ray's `except Exception` lets it through)."""
 
@@ -156,10 +288,13 @@ class _StoppedStarting(BaseException):
 
 
 def run_ray(args, sampling=None, api_keys: tuple = (), limits=None) -> int:
-    """`bitnet serve --ray-replicas N`: a local Ray instance, the deployment on host:port, Ctrl-C/SIGTERM stop;
-    sampling: the server-wide SamplingParams defaults (from the command's flags); args.model: a store the CLI
-    has resolved and opened. A signal during the start stops Ray and returns 128 + its number (Ray's start
-    only polls, so it was waited out: minutes, or for ever when the replicas never came up)."""
+    """`bitnet serve --ray-replicas N`: a private local Ray instance, started here and stopped here with
+    everything it ran (a Ray cluster already on the machine, or named by RAY_ADDRESS, is never joined: it served
+    on that cluster's port and its stop shut down every Serve app there), the deployment on host:port,
+    Ctrl-C/SIGTERM stop; sampling: the server-wide SamplingParams defaults (from the command's flags);
+    args.model: a store the CLI has resolved and opened. A signal during the start stops Ray and returns
+    128 + its number (Ray's start only polls, so it was waited out: minutes, or for ever when the replicas never
+    came up)."""
     import signal
     import sys
     import threading
@@ -189,10 +324,22 @@ def run_ray(args, sampling=None, api_keys: tuple = (), limits=None) -> int:
     # process; a value the user set wins.
     for var in ("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S"):
         os.environ.setdefault(var, str(PROXY_WAIT_S))
+    # Ray's GCS, raylet and agents listen on every interface whatever --host says (Ray has no setting to bind them
+    # to loopback): a ray.init() instance authenticates them with a token from Ray 2.59 on (the cluster extra's
+    # minimum; RAY_AUTH_MODE=token set here instead broke that start on 2.60). No colour codes in Ray's lines.
+    os.environ.setdefault("RAY_COLOR_PREFIX", "0")
+    address = os.environ.pop("RAY_ADDRESS", None)   # workers inherit the environment: not theirs either
+    if address:
+        print(f"bitnet serve: warning: RAY_ADDRESS={address} is not used: --ray-replicas starts a Ray instance of "
+              "its own on this machine (to deploy on that cluster: serve run bitnet_cpu.serve.ray_app:app)",
+              file=sys.stderr, flush=True)
     _lengthen_proxy_wait()
+    _become_subreaper()
+    _quiet_ray_output(stop.is_set)
     try:
         try:
-            ray.init(include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+            # address="local": always a new instance, never a cluster found on the machine
+            ray.init(address="local", include_dashboard=False, logging_level="ERROR", log_to_driver=False)
         except SystemExit as e:   # ray.init's own SIGTERM handler, in place while it runs: sys.exit(signum)
             if e.code != signal.SIGTERM:
                 raise
@@ -203,6 +350,7 @@ def run_ray(args, sampling=None, api_keys: tuple = (), limits=None) -> int:
                               hint="check `ray start --head` works on this machine, or serve without --ray-replicas"
                               ) from e
         on_stop_signals()
+        _quiet_ray_output(stop.is_set)
         try:
             serve.start(http_options={"host": args.host, "port": args.port})
         except Exception as e:   # its controller or HTTP proxy actor died (a machine out of memory, a lost port)
@@ -249,11 +397,14 @@ def run_ray(args, sampling=None, api_keys: tuple = (), limits=None) -> int:
         return 128 + e.sig
     finally:
         starting[0] = False
-        # only where Ray is up: serve.shutdown() without a client looks one up, which started a second, complete
-        # local Ray (24-30 s, agents once left behind) when a signal had cut ray.init() short
+        stop.set()   # from here Ray's reports of what the shutdown kills are expected, not news
+        # only where Ray is up (always the instance started above: address="local"): serve.shutdown() without a
+        # client looks one up, which started a second, complete local Ray (24-30 s, agents once left behind) when
+        # a signal had cut ray.init() short
         if ray.is_initialized():
             with contextlib.suppress(Exception):   # Serve never started: nothing to shut down
                 serve.shutdown()
         ray.shutdown()
+        _end_leftovers()
     print("bitnet serve: stopped", file=sys.stderr)
     return 0

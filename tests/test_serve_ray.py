@@ -171,16 +171,18 @@ def test_ray_replica_sigkill_under_load():
         assert victim not in after
 
 
-def test_ray_that_cannot_start_is_one_line_exit_2():
-    """A Ray that cannot start (here: a malformed RAY_ADDRESS, which Ray refuses at once) is the environment's
-    problem: one line naming Ray and exit 2, not "internal error ... a bug in bitnet-cpu" (exit 70)."""
+def test_ray_that_cannot_start_is_one_line_exit_2(tmp_path):
+    """A Ray that cannot start (here: its temporary directory under a regular file, which Ray fails to create at
+    once) is the environment's problem: one line naming Ray and exit 2, not "internal error ... a bug in
+    bitnet-cpu" (exit 70)."""
+    (tmp_path / "file").write_text("")
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               RAY_USAGE_STATS_ENABLED="0", RAY_ADDRESS="not-a-ray-address")
+               RAY_USAGE_STATS_ENABLED="0", RAY_TMPDIR=str(tmp_path / "file" / "ray"))
     r = subprocess.run([sys.executable, "-m", "bitnet_cpu", "serve", "--ray-replicas", "1", "--host", "127.0.0.1",
                         "--port", str(free_port()), "-t", "1"], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=120 * slowness())
     assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
-    assert "Ray did not start" in r.stderr and "not-a-ray-address" in r.stderr, r.stderr[-2000:]
+    assert "Ray did not start" in r.stderr, r.stderr[-2000:]
     assert "Traceback" not in r.stderr and "bug" not in r.stderr, r.stderr[-2000:]
 
 
@@ -354,7 +356,9 @@ def _descendants(pid: int) -> set:
 def test_ray_signal_while_starting_stops_it(sig, code, ray_stopped):
     """Ctrl-C / SIGTERM while Ray and Serve start stop them and exit 128 + the signal, leaving no Ray process
     behind (the signal was waited out until Serve was up, or for ever where it never came up). The signal is
-    sent once Ray's GCS runs, before the ready line."""
+    sent once the raylet has started its agents (the raylet's children: a SIGTERM then left DashboardAgent and
+    RuntimeEnvAgent running for a minute after bitnet had exited); every process bitnet started, seen up to the
+    signal, is gone when bitnet has exited (nothing waited for after that)."""
     proc = subprocess.Popen([sys.executable, "-m", "bitnet_cpu", "serve", "--ray-replicas", "1", "-t", "1",
                              "--host", "127.0.0.1", "--port", str(free_port())], cwd=ROOT, env=_env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -365,29 +369,42 @@ def test_ray_signal_while_starting_stops_it(sig, code, ray_stopped):
     try:
         deadline = time.monotonic() + 120 * slowness()
         kids: set = set()
-        while proc.poll() is None and time.monotonic() < deadline and not _named(kids, "gcs_server"):
-            kids = _descendants(proc.pid)
+        while proc.poll() is None and time.monotonic() < deadline and not _named(kids, "RuntimeEnvAgent"):
+            kids |= _descendants(proc.pid)
             time.sleep(0.05)
-        assert _named(kids, "gcs_server"), "Ray's GCS did not start"
-        if any(READY in ln for ln in lines):
-            pytest.skip("Ray Serve was up before the signal")
+        assert _named(kids, "RuntimeEnvAgent"), "Ray's raylet did not start its agents"
+        ready_before = any(READY in ln for ln in lines)   # then it is the running server's stop, as checked too
+        kids |= _descendants(proc.pid)
         proc.send_signal(sig)
         rc = proc.wait(300 * slowness())
+        left = _alive(kids)   # at once: bitnet stops what it started before it exits
         reader.join(60)
         err = "".join(lines)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+    assert not left, f"Ray processes outlived bitnet: {sorted(_cmdlines(left))}"
+    if ready_before:
+        assert rc == 0 and "bitnet serve: stopped" in err, (rc, err[-2000:])
+        return
     assert READY not in err, err[-2000:]
     assert rc == code, (rc, err[-2000:])
     assert "stopped while Ray Serve was starting" in err and "Traceback" not in err, err[-2000:]
     # a signal inside ray.init(): the shutdown that follows must not start a Ray of its own to stop
     assert "Started a local Ray instance" not in err.split("stopped while Ray Serve was starting", 1)[1], err[-2000:]
-    deadline = time.monotonic() + 60 * slowness()
-    while time.monotonic() < deadline and _alive(kids):
-        time.sleep(0.5)
-    assert not _alive(kids), f"Ray processes left behind: {sorted(_alive(kids))}"
+
+
+def _cmdlines(pids) -> list:
+    out = []
+    for p in pids:
+        try:
+            with open(f"/proc/{p}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+            out.append(f"{p} {cmd[:80]}")
+        except OSError:
+            pass
+    return out
 
 
 def _named(pids, name: str) -> bool:
@@ -412,3 +429,196 @@ def _alive(pids) -> set:
         except OSError:
             pass
     return out
+
+
+def _ray_cli() -> str:
+    return shutil.which("ray") or os.path.join(os.path.dirname(sys.executable), "ray")
+
+
+OTHER_APP = """from ray import serve
+
+
+@serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0})
+class Other:
+    def __call__(self, request):
+        return "other app alive"
+
+
+app = Other.bind()
+"""
+
+
+def _read_until(proc, stop_at, bound: float) -> tuple[list, bool]:
+    """proc's output lines until one for which stop_at(line) is true (-> True), the output ends or `bound`
+    seconds pass (-> False): read by a thread, so a process that prints nothing cannot hang the test."""
+    import queue
+    import threading
+    q: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: ([q.put(ln) for ln in proc.stdout], q.put(None)), daemon=True).start()
+    lines, deadline = [], time.monotonic() + bound
+    while True:
+        try:
+            line = q.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            return lines, False
+        if line is None:
+            return lines, False
+        lines.append(line)
+        if stop_at(line):
+            return lines, True
+
+
+def _rest(proc, lines: list, bound: float) -> str:
+    """The output left after a stop (bounded), joined to `lines`."""
+    try:
+        out, _ = proc.communicate(timeout=bound)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+    return "".join(lines) + (out or "")
+
+
+def _serve_cli(*argv) -> list:
+    """Ray's `serve` command line, run by this interpreter (no PATH needed)."""
+    return [sys.executable, "-c", "import sys; from ray.serve.scripts import cli; sys.exit(cli())", *argv]
+
+
+def test_ray_replicas_beside_another_cluster_leave_it_running(ray_stopped):
+    """A Ray cluster already runs on the machine (started here with `ray start --head`, its own Serve app on its
+    own port) and RAY_ADDRESS names it: `bitnet serve --ray-replicas` starts a private local Ray instead of
+    joining it, says that RAY_ADDRESS is not used, serves on its own --port, and its stop leaves the other
+    cluster's app answering (it answered on the other cluster's port, and its stop shut down that cluster's Serve
+    and every app on it)."""
+    import tempfile
+    tmp = tempfile.mkdtemp(prefix="rc", dir="/tmp")   # the other app's module
+    gcs_port, other_port, port = free_port(), free_port(), free_port()
+    bound = 300 * slowness()
+    cluster_env = _env(RAY_ADDRESS="auto")   # the cluster `ray start` made, found on the machine (as the report's)
+    with open(os.path.join(tmp, "other_app.py"), "w") as f:
+        f.write(OTHER_APP)
+
+    def run(cmd, env):
+        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=bound)
+        assert r.returncode == 0, (cmd, r.stdout[-1500:], r.stderr[-1500:])
+    try:
+        run([_ray_cli(), "start", "--head", f"--port={gcs_port}", "--include-dashboard=false",
+             "--disable-usage-stats"], _env())
+        run(_serve_cli("start", "--http-host", "127.0.0.1", "--http-port", str(other_port)), cluster_env)
+        run(_serve_cli("run", "--non-blocking", "--name", "other", "--route-prefix", "/other", "--app-dir", tmp,
+                       "other_app:app"), cluster_env)
+        other = f"http://127.0.0.1:{other_port}/other"
+        assert httpx.get(other, timeout=60).text == "other app alive"
+
+        proc = subprocess.Popen([sys.executable, "-m", "bitnet_cpu", "serve", "--ray-replicas", "1", "-t", "1",
+                                 "--host", "127.0.0.1", "--port", str(port)], cwd=ROOT, env=cluster_env,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        health = None
+        try:
+            lines, ready = _read_until(proc, lambda ln: READY in ln, 400 * slowness())
+            if ready:
+                health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=60).status_code
+            proc.send_signal(signal.SIGINT)
+            out = _rest(proc, lines, 120 * slowness())
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        assert health == 200, f"nothing answered on --port {port}: {out[-2000:]}"
+        assert proc.returncode == 0, (proc.returncode, out[-2000:])
+        assert "RAY_ADDRESS" in out, out[-2000:]   # said, not silently ignored
+        assert httpx.get(other, timeout=60).text == "other app alive", "bitnet's stop took the other app down"
+    finally:
+        subprocess.run([_ray_cli(), "stop", "--force"], capture_output=True, timeout=120 * slowness())
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_ray_start_and_stop_say_only_what_matters(ray_stopped):
+    """A normal start and stop print bitnet's own lines, not Ray's: no "New http_options ... will not be applied"
+    (bitnet started that Serve itself, with its --host/--port), no raylet report of the controller bitnet's stop
+    killed, and no raw terminal colour codes in a log."""
+    proc = subprocess.Popen([sys.executable, "-m", "bitnet_cpu", "serve", "--ray-replicas", "1", "-t", "1",
+                             "--host", "127.0.0.1", "--port", str(free_port())], cwd=ROOT, env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        lines, ready = _read_until(proc, lambda ln: READY in ln, 400 * slowness())
+        proc.send_signal(signal.SIGINT)
+        out = _rest(proc, lines, 120 * slowness())
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert ready and proc.returncode == 0 and "bitnet serve: stopped" in out, (proc.returncode, out[-2000:])
+    assert "will not be applied" not in out, out[-2000:]
+    assert "graceful_shutdown" not in out and "killed by `ray.kill`" not in out, out[-2000:]
+    assert "\x1b[" not in out, out[-2000:]
+
+
+def _look_up_app(env) -> subprocess.CompletedProcess:
+    """`serve run`'s look-up of `app` (the application built, nothing deployed): stdout is 'built' or the error."""
+    code = ("import bitnet_cpu.serve.ray_app as m\n"
+            "try:\n"
+            "    m.app\n"
+            "except Exception as e:\n"
+            "    print(type(e).__name__ + ': ' + str(e))\n"
+            "else:\n"
+            "    print('built')\n")
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=120 * slowness())
+
+
+@pytest.mark.parametrize("model", ["/nonexistent/model.bnstore", "README.md"])
+def test_serve_run_bad_model_is_one_error_naming_the_variable(model):
+    """`serve run` with a BITNET_MODEL that names no model: one error when `app` is looked up, naming
+    BITNET_MODEL (not -m/--model, which the user never typed), instead of a deployment whose every replica
+    failed with its own traceback (13 of them, and `serve run` exited 0)."""
+    r = _look_up_app(_env(BITNET_MODEL=model))
+    out = r.stdout.strip()
+    assert r.returncode == 0 and "\n" not in out, (r.returncode, out, r.stderr[-2000:])
+    assert out.startswith(f"BitNetError: BITNET_MODEL={model!r}"), out
+    assert "-m/--model" not in out, out
+
+
+def test_serve_run_replicas_past_the_cores_warned():
+    """BITNET_REPLICAS x BITNET_THREADS past this machine's cores is said when `serve run` builds the app, as
+    `bitnet serve --ray-replicas` says it for its flags (it started 4 replicas of 2 threads on 2 cores in
+    silence). A warning, not a refusal: on a cluster of several machines the replicas spread over them."""
+    from bitnet_cpu.engine.cpu import available_cores
+    n = available_cores() + 1
+    r = _look_up_app(_env(BITNET_REPLICAS=str(n), BITNET_THREADS="2"))
+    assert r.stdout.strip() == "built", (r.stdout, r.stderr[-2000:])
+    warned = [ln for ln in r.stderr.splitlines() if "warning" in ln]
+    assert any(f"BITNET_REPLICAS={n}" in ln and "BITNET_THREADS=2" in ln and "cores" in ln for ln in warned), \
+        r.stderr[-2000:]
+    assert "Traceback" not in r.stderr, r.stderr[-2000:]
+
+
+def test_serve_run_shows_the_replicas_load_warnings(ray_stopped):
+    """Under `serve run` each replica logs its engine's load warnings (here -t past the cores), which Ray passes
+    on to `serve run`'s output: they were only returned by a method nobody called there."""
+    from bitnet_cpu.engine.cpu import available_cores
+    env = _env(BITNET_REPLICAS="1", BITNET_THREADS=str(available_cores() + 1))
+    env.pop("RAY_ADDRESS", None)
+    proc = subprocess.Popen(_serve_cli("run", "bitnet_cpu.serve.ray_app:app"), cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        lines, seen = _read_until(proc, lambda ln: "ServeReplica" in ln and "CPU cores available" in ln,
+                                  400 * slowness())
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(120 * slowness())
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    assert seen, "".join(lines)[-3000:]
+
+
+def test_cluster_extra_needs_a_ray_with_token_auth():
+    """Ray's internal services (GCS, raylet, agents) listen on every interface whatever --host says (Ray has no
+    setting to bind them to loopback): the cluster extra asks for a Ray whose ray.init() instance authenticates
+    them with a token (Ray 2.59), not one that answers anyone who can reach them."""
+    import re
+    text = open(os.path.join(ROOT, "pyproject.toml")).read()
+    m = re.search(r'"ray\[serve\]>=(\d+)\.(\d+)', text)
+    assert m and (int(m.group(1)), int(m.group(2))) >= (2, 59), m and m.group(0)
