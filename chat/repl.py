@@ -220,8 +220,10 @@ def run_plain(session: ChatSession, stream=None) -> int:
     block: list[str] | None = None
     for number, raw in enumerate(stream, 1):
         try:
-            line = decode_utf8(raw, f"stdin line {number}").rstrip("\r\n") if isinstance(raw, bytes) \
-                else decode_utf8(raw.rstrip("\n"), f"stdin line {number}")
+            # start: the stream's UTF-8 BOM (a script saved by a Windows editor) is dropped, never a later line's;
+            # it made the first line's command a chat message
+            line = decode_utf8(raw, f"stdin line {number}", start=number == 1).rstrip("\r\n") \
+                if isinstance(raw, bytes) else decode_utf8(raw.rstrip("\n"), f"stdin line {number}", start=number == 1)
         except ValueError as e:
             session.out.notice(f"[{e}; the line was skipped]")
             session.had_errors = True

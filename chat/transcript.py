@@ -49,7 +49,7 @@ def _is_conversation(path: str) -> bool:
             head = f.read(4096).decode("utf-8", "replace")
     except OSError:
         return False
-    return re.match(r'\s*\{\s*"format"\s*:\s*"' + re.escape(FORMAT) + '"', head) is not None
+    return re.match(r'\ufeff?\s*\{\s*"format"\s*:\s*"' + re.escape(FORMAT) + '"', head) is not None
 
 
 def same_file_key(path: str) -> str:
@@ -122,8 +122,9 @@ def recovery_problem(path: str) -> str | None:
     recovered = False
     try:
         if _is_conversation(path) and os.path.getsize(path) <= LOAD_MAX_BYTES:
+            from ..engine.fileio import decode_text
             with open(path, "rb") as f:
-                recovered = json.loads(f.read().decode("utf-8")).get("meta", {}).get("recovered") is True
+                recovered = json.loads(decode_text(f.read())).get("meta", {}).get("recovered") is True
     except (OSError, ValueError, AttributeError, RecursionError):
         pass
     return None if recovered else "holds a file that is not a bitchat recovery copy (it would be replaced, " \
@@ -325,13 +326,19 @@ class Conversation:
                 if size > LOAD_MAX_BYTES:
                     raise TranscriptError(f"{path}: {size / (1 << 20):.0f} MiB is too large for a bitchat "
                                           f"conversation (at most {LOAD_MAX_BYTES >> 20} MiB)")
-                d = json.loads(f.read().decode("utf-8"))
+                data = f.read()
+            from ..engine.fileio import decode_text
+            try:   # a BOM an editor added is dropped; UTF-16 is said as such, with its iconv
+                text = decode_text(data)
+            except ValueError as e:
+                raise TranscriptError(f"{path}: {e}") from None
+            d = json.loads(text)
         except FileNotFoundError:
             raise TranscriptError(f"{path}: no such file") from None
         except IsADirectoryError:
             raise TranscriptError(f"{path}: is a directory") from None
-        except (OSError, UnicodeDecodeError) as e:
-            raise TranscriptError(f"{path}: cannot read ({getattr(e, 'strerror', None) or e})") from None
+        except OSError as e:
+            raise TranscriptError(f"{path}: cannot read ({e.strerror or e})") from None
         except json.JSONDecodeError as e:
             raise TranscriptError(f"{path}: not valid JSON (line {e.lineno}: {e.msg})") from None
         except ValueError as e:   # valid JSON Python will not read: a number of more than 4300 digits

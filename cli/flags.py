@@ -291,15 +291,18 @@ def _read_chat_template(args: argparse.Namespace) -> str | None:
         return "--chat-template and --chat-template-file: give one"
     flag = "--chat-template-file" if path is not None else "--chat-template"
     if path is not None:
+        from ..engine.fileio import decode_text
         try:
-            with open(path, encoding="utf-8") as f:
-                text = f.read((1 << 20) + 1)
+            with open(path, "rb") as f:
+                data = f.read((1 << 20) + 1)
         except OSError as e:
             return f"--chat-template-file {path}: {e.strerror or e}"
-        except UnicodeDecodeError:
-            return f"--chat-template-file {path}: not UTF-8 text"
-        if len(text) > 1 << 20:
+        if len(data) > 1 << 20:
             return f"--chat-template-file {path}: over 1 MiB: not a chat template"
+        try:
+            text = decode_text(data)   # a leading BOM dropped: it went into every rendered prompt
+        except ValueError as e:
+            return f"--chat-template-file {path}: {e}"
     from ..engine.runtime import chat_template as ct
     jinja = "{{" in text or "{%" in text
     if path is not None and not jinja:   # a file is a Jinja2 template, never a name (as llama.cpp reads it)
@@ -792,16 +795,17 @@ def maybe_autocomplete(parser: argparse.ArgumentParser) -> None:
 
 
 def read_text_file(path: str, flag: str = "-f/--file") -> str:
-    """The UTF-8 text of `path` ('-': stdin), or BitNetError in one line (a missing file, invalid UTF-8)."""
+    """The UTF-8 text of `path` ('-': stdin), or BitNetError in one line (a missing file, invalid UTF-8, UTF-16).
+    A leading UTF-8 BOM is dropped: it marks the encoding, it is never a prompt's text."""
     import sys
 
     from ..engine.errors import BitNetError
     from ..engine.formats.tokenizer import decode_utf8
     try:
         if path == "-":
-            return decode_utf8(sys.stdin.buffer.read(), "stdin")
+            return decode_utf8(sys.stdin.buffer.read(), "stdin", start=True)
         with open(path, "rb") as f:
-            return decode_utf8(f.read(), f"{flag} {path}")
+            return decode_utf8(f.read(), f"{flag} {path}", start=True)
     except OSError as e:
         raise BitNetError(f"{flag} {path}: {e.strerror}") from None
     except ValueError as e:

@@ -1,6 +1,7 @@
 """Read-only file mapping shared by every reader (GGUF, safetensors, the weight store): one place that
 turns open/map failures and too-short or empty files into a FormatError naming the file, and registers the
-map with the SIGBUS guard (engine/faults.py) so a file truncated while in use is one line, not a crash."""
+map with the SIGBUS guard (engine/faults.py) so a file truncated while in use is one line, not a crash.
+Also the one decoder of the text files the user names (decode_text: UTF-8, a leading BOM dropped)."""
 from __future__ import annotations
 
 import mmap
@@ -57,14 +58,45 @@ def not_a_file(path: str) -> bool:
     return not (stat.S_ISREG(mode) or stat.S_ISDIR(mode))
 
 
+UTF8_BOM = b"\xef\xbb\xbf"
+NOT_UTF8_HINT = "convert it to UTF-8 first, e.g. `iconv -f latin1 -t utf-8`"
+# byte-order marks of the encodings a UTF-8 reader must not take for Latin-1 (UTF-32's first: FF FE 00 00 is also
+# UTF-16's FF FE); none of them can start UTF-8 text
+_WIDE_BOMS = ((b"\xff\xfe\x00\x00", "UTF-32"), (b"\x00\x00\xfe\xff", "UTF-32"), (b"\xff\xfe", "UTF-16"),
+              (b"\xfe\xff", "UTF-16"))
+
+
+def decode_text(data: bytes, start: bool = True) -> str:
+    """`data` (a text file's bytes, piped stdin's, or one line of it) as UTF-8 text, or ValueError with the reason
+    and what to do, in words, for the caller's one line. One reader for every text file the user names (prompts,
+    templates, schemas, grammars, key files, conversations). start: `data` begins a file or a stream, where a UTF-8
+    byte-order mark (EF BB BF: Windows editors' "UTF-8 with BOM") is dropped, as Python's json tools, jq and editors
+    drop it: it marks the encoding and is never text (it went into every prompt, made a key file's first key one no
+    client sends, and a script's first command a chat message); and where a UTF-16 or UTF-32 mark is named with
+    its `iconv` (the Latin-1 advice turned such a file into text full of NULs)."""
+    skip = 0
+    if start:
+        for bom, name in _WIDE_BOMS:
+            if data.startswith(bom):
+                raise ValueError(f"{name} text, not UTF-8 (it starts with the byte-order mark {bom.hex(' ').upper()}):"
+                                 f" convert it to UTF-8 first, e.g. `iconv -f {name} -t UTF-8`")
+        if data.startswith(UTF8_BOM):
+            skip = len(UTF8_BOM)
+    try:
+        return str(memoryview(data)[skip:], "utf-8")
+    except UnicodeDecodeError as e:
+        at = skip + e.start
+        raise ValueError(f"not UTF-8 text: byte 0x{data[at]:02x} at position {at + 1} ({NOT_UTF8_HINT})") from None
+
+
 SETTINGS_FILE_MAX = 4 << 20   # a JSON Schema or grammar file (the server takes a request of 4 MiB in all)
 
 
 def read_settings_file(path: str, what: str, limit: int = SETTINGS_FILE_MAX) -> str:
-    """The UTF-8 text of a small file the user names (`what`: "a JSON Schema", ...), `~` expanded; ValueError with
-    the reason in words for the caller's one line. Only a regular file is read (a FIFO is opened without waiting,
-    then refused), never more than `limit` bytes whatever its size said (/dev/zero was read until memory ran out,
-    deaf to Ctrl-C)."""
+    """The UTF-8 text of a small file the user names (`what`: "a JSON Schema", ...), `~` expanded, a leading BOM
+    dropped (decode_text); ValueError with the reason in words for the caller's one line. Only a regular file is
+    read (a FIFO is opened without waiting, then refused), never more than `limit` bytes whatever its size said
+    (/dev/zero was read until memory ran out, deaf to Ctrl-C)."""
     try:
         fd = os.open(os.path.expanduser(path), os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
     except OSError as e:
@@ -84,10 +116,7 @@ def read_settings_file(path: str, what: str, limit: int = SETTINGS_FILE_MAX) -> 
     if len(data) > limit:
         size = max(st.st_size, len(data))
         raise ValueError(f"{size / (1 << 20):.1f} MiB, over {limit >> 20} MiB: too large for {what}")
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ValueError(f"not UTF-8 ({e.reason} at byte {e.start})") from None
+    return decode_text(data)
 
 
 def map_readonly(path: str, min_size: int, kind: str) -> tuple[mmap.mmap, int]:

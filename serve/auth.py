@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import io
 import ipaddress
 import re
 import socket
@@ -44,13 +45,15 @@ def read_key_file(path: str) -> list[str]:
     starts a comment (`k2  # bob` is the key k2; a # inside a key, `k#2`, is part of it). A key that still holds
     whitespace is refused, by its line number (never the key itself: it is a secret): no client sends one."""
     from ..engine.errors import BitNetError
+    from ..engine.fileio import decode_text
     try:
-        with open(path, encoding="utf-8") as f:
-            lines = list(f)
+        with open(path, "rb") as f:   # (a FIFO too: `--api-key-file <(pass show key)`)
+            # a leading BOM dropped (the first key is the key typed); lines as a text-mode file splits them
+            lines = list(io.StringIO(decode_text(f.read()), newline=None))
     except OSError as e:
         raise BitNetError(f"--api-key-file {path}: {e.strerror or e}") from None
-    except UnicodeDecodeError:
-        raise BitNetError(f"--api-key-file {path}: not UTF-8 text") from None
+    except ValueError as e:
+        raise BitNetError(f"--api-key-file {path}: {e}") from None
     keys = []
     for n, line in enumerate(lines, 1):
         key = re.split(r"\s#", line.strip(), maxsplit=1)[0].strip()

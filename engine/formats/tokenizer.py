@@ -19,6 +19,7 @@ import threading
 import weakref
 
 from ..errors import BitNetError, FormatError, json_why
+from ..fileio import NOT_UTF8_HINT, decode_text
 
 # Names under which the end-of-turn token appears in known vocabularies; all present ones stop generation.
 END_OF_TURN_TOKENS = ("<|eot_id|>", "<|end_of_text|>", "<|im_end|>", "<end_of_turn>")
@@ -341,20 +342,29 @@ class StreamDecoder:
 
 
 # ---- text given by the user (argv, stdin, -f files) ------------------------------------------------------
-ENCODING_HINT = "convert it to UTF-8 first, e.g. `iconv -f latin1 -t utf-8`"
+ENCODING_HINT = NOT_UTF8_HINT
 
 
-def decode_utf8(data: bytes | str, where: str) -> str:
+def decode_utf8(data: bytes | str, where: str, start: bool = False) -> str:
     """`data` as text, or ValueError with one line naming the first bad byte, where it is and what to do.
-    A str is checked for the lone surrogates Python uses for undecodable bytes of argv/stdin."""
+    Bytes: engine/fileio.py's decode_text (start: they begin a file or a stream, whose UTF-8 BOM is dropped).
+    A str holds lone surrogates where Python could not decode argv's or stdin's bytes in the locale's encoding
+    (surrogateescape): UTF-8 typed under a locale that is not UTF-8 (LANG=C with PYTHONUTF8=0) is the text it
+    spells; bytes that are no UTF-8 are refused, naming the first."""
     if isinstance(data, str):
+        if start and data.startswith("\ufeff"):
+            data = data[1:]
+        if not any("\udc80" <= ch <= "\udcff" for ch in data):
+            return data
+        try:
+            return data.encode("utf-8", "surrogateescape").decode("utf-8")
+        except UnicodeError:
+            pass
         for i, ch in enumerate(data):
             if "\udc80" <= ch <= "\udcff":
                 raise ValueError(f"{where}: not UTF-8 text: byte 0x{ord(ch) - 0xDC00:02x} at character {i + 1} "
                                  f"({ENCODING_HINT})")
-        return data
     try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{where}: not UTF-8 text: byte 0x{data[e.start]:02x} at position {e.start + 1} "
-                         f"({ENCODING_HINT})") from None
+        return decode_text(data, start)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None

@@ -1,0 +1,169 @@
+"""Text the user hands us in files, on stdin and on the command line, whatever the locale.
+
+A UTF-8 byte-order mark (Windows editors' "UTF-8 with BOM") at the start of a file or of piped stdin is no text; a
+UTF-16 or UTF-32 file is named as such with the way to convert it; UTF-8 typed under a locale that is not UTF-8
+(Python not in UTF-8 mode: PYTHONUTF8=0 LC_ALL=C) is taken as the text it is, in every flag; request bodies are
+UTF-8, as docs/api.md says; and output the terminal's encoding cannot show is said once on stderr, not lost
+silently. Expected outputs come from the same command run in a UTF-8 setting (or from a grammar that forces the
+text), never from stored values."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from helpers import ROOT, console_script
+
+BOM = b"\xef\xbb\xbf"
+# Python then decodes argv as ASCII with surrogateescape: typed UTF-8 arrives as lone surrogates
+NOT_UTF8_MODE = {"PYTHONUTF8": "0", "LC_ALL": "C", "LANG": "C"}
+WIDE = [("utf-16", "UTF-16"), ("utf-16-be", "UTF-16"), ("utf-32", "UTF-32")]
+
+
+def wide_bytes(codec: str, text: str) -> bytes:
+    """text in a UTF-16/32 codec, with its byte-order mark (utf-16-be writes none of its own)."""
+    return (b"\xfe\xff" if codec == "utf-16-be" else b"") + text.encode(codec)
+
+
+def env(**extra) -> dict:
+    e = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), BITCHAT_RECOVERY="")
+    e.pop("PYTHONIOENCODING", None)
+    e.update(extra)
+    return e
+
+
+def bitnet(*args, stdin: bytes | None = None, cwd: str = ROOT, timeout: float = 300,
+           **extra) -> subprocess.CompletedProcess:
+    from helpers import slowness
+    return subprocess.run([sys.executable, "-m", "bitnet_cpu", *args], cwd=cwd, env=env(**extra), input=stdin,
+                          capture_output=True, timeout=timeout * slowness())
+
+
+def bitchat(*args, stdin: bytes, cwd: str = ROOT, **extra) -> subprocess.CompletedProcess:
+    return subprocess.run([*console_script("bitchat"), *args], cwd=cwd, env=env(**extra), input=stdin,
+                          capture_output=True, timeout=300)
+
+
+def err(r) -> str:
+    return r.stderr.decode("utf-8", "backslashreplace")
+
+
+def one_line(r, rc: int = 2) -> str:
+    text = err(r)
+    assert r.returncode == rc and "Traceback" not in text and len(text.strip().splitlines()) == 1, text
+    return text
+
+
+def json_text(r) -> str:
+    """The generated text of `bitnet run --json` output."""
+    assert r.returncode == 0, err(r)
+    return "".join(d.get("text", "") for d in map(json.loads, r.stdout.decode("utf-8").splitlines()))
+
+
+def prompt_tokens(r) -> int:
+    assert r.returncode == 0, err(r)
+    return int(err(r).split("prompt: ")[1].split()[0])
+
+
+# ---- 1-2: a UTF-8 byte-order mark is no text ------------------------------------------------------------
+def test_text_file_readers_drop_a_leading_utf8_bom_only(tmp_path):
+    from bitnet_cpu.cli.flags import read_text_file
+    from bitnet_cpu.engine.fileio import read_settings_file
+    from bitnet_cpu.serve.auth import read_key_file
+
+    p = tmp_path / "p.txt"
+    p.write_bytes(BOM + "Café\r\nnaïve\n".encode())
+    assert read_text_file(str(p)) == "Café\r\nnaïve\n"
+    assert read_settings_file(str(p), "a grammar") == "Café\r\nnaïve\n"
+    inner = tmp_path / "inner.txt"   # only the mark that starts the file: one inside it is text, as typed
+    inner.write_bytes(b"a" + BOM + b"b")
+    assert read_text_file(str(inner)) == "a\ufeffb"
+    keys = tmp_path / "keys.txt"   # Notepad's "UTF-8 with BOM", CRLF
+    keys.write_bytes(BOM + b"secret1\r\nsecret2\r\n")
+    assert read_key_file(str(keys)) == ["secret1", "secret2"]
+
+
+@pytest.mark.parametrize("codec,name", WIDE)
+def test_utf16_and_utf32_files_are_named_with_the_way_to_convert_them(tmp_path, codec, name):
+    from bitnet_cpu.chat.transcript import Conversation, TranscriptError
+    from bitnet_cpu.cli.flags import read_text_file
+    from bitnet_cpu.engine.errors import BitNetError
+    from bitnet_cpu.engine.fileio import read_settings_file
+    from bitnet_cpu.serve.auth import read_key_file
+
+    p = tmp_path / "wide.txt"
+    p.write_bytes(wide_bytes(codec, '{"a": "Once upon a time"}\n'))
+    said = []
+    for call, kind in ((lambda: read_text_file(str(p)), BitNetError),
+                       (lambda: read_settings_file(str(p), "a JSON Schema"), ValueError),
+                       (lambda: read_key_file(str(p)), BitNetError),
+                       (lambda: Conversation.load(str(p)), TranscriptError)):
+        with pytest.raises(kind) as e:
+            call()
+        said.append(str(e.value))
+    r = bitnet("run", "--chat", "-p", "Hi", "--chat-template-file", str(p))
+    said.append(one_line(r))
+    for s in said:
+        assert f"{name} text" in s and f"iconv -f {name} -t UTF-8" in s, s
+        assert "latin1" not in s and "codec" not in s and "\n" not in s.strip(), s
+
+
+def test_a_bom_in_chat_template_schema_and_grammar_files_changes_nothing(tmp_path):
+    template = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+                "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+    files = {"t.jinja": template, "s.json": '{"type": "object", "properties": {"name": {"enum": ["café", "thé"]}},'
+                                            ' "required": ["name"]}',
+             "g.gbnf": 'root ::= "café" | "thé"\n'}
+    for name, text in files.items():
+        (tmp_path / name).write_text(text, encoding="utf-8")
+        (tmp_path / ("bom_" + name)).write_bytes(BOM + text.encode())
+    runs = {}
+    for prefix in ("", "bom_"):
+        t, s, g = (str(tmp_path / (prefix + n)) for n in files)
+        runs[prefix] = (prompt_tokens(bitnet("run", "--chat", "-p", "Hi", "--chat-template-file", t, "-v", "-n", "1",
+                                             "--temp", "0")),
+                        json_text(bitnet("run", "-p", "Hi", "--json-schema-file", s, "-n", "16", "--temp", "0",
+                                         "--json")),
+                        json_text(bitnet("run", "-p", "Hi", "--grammar-file", g, "-n", "8", "--temp", "0", "--json")))
+    assert runs["bom_"] == runs[""]
+    assert runs[""][2] in ("café", "thé") and json.loads(runs[""][1])["name"] in ("café", "thé")
+
+
+def test_prompt_files_drop_the_bom_in_run_embed_and_on_stdin(tmp_path):
+    text = "Once upon a time, a café\n"
+    (tmp_path / "p.txt").write_bytes(text.encode())
+    (tmp_path / "bom.txt").write_bytes(BOM + text.encode())
+    plain = prompt_tokens(bitnet("run", "-f", str(tmp_path / "p.txt"), "-n", "1", "-v"))
+    assert prompt_tokens(bitnet("run", "-f", str(tmp_path / "bom.txt"), "-n", "1", "-v")) == plain
+    assert prompt_tokens(bitnet("run", "-f", "-", "-n", "1", "-v", stdin=BOM + text.encode())) == plain
+    vectors = [bitnet("embed", "-f", str(tmp_path / n), "--embd-output-format", "json") for n in ("p.txt", "bom.txt")]
+    assert all(r.returncode == 0 for r in vectors), [err(r) for r in vectors]
+    assert json.loads(vectors[0].stdout) == json.loads(vectors[1].stdout)
+
+
+def test_bitchat_script_with_a_bom_runs_its_first_line_and_loads_a_bom_conversation(tmp_path):
+    r = bitchat("-n", "4", stdin=BOM + b"/set temp 0\r\nhello\r\n/save a.json\r\n", cwd=str(tmp_path))
+    assert r.returncode == 0, err(r)
+    saved = json.loads((tmp_path / "a.json").read_text(encoding="utf-8"))
+    assert [t["user"] for t in saved["turns"]] == ["hello"]
+    assert saved["meta"]["settings"]["temp"] == 0
+    (tmp_path / "b.json").write_bytes(BOM + (tmp_path / "a.json").read_bytes())   # an editor saved it again
+    r = bitchat("-n", "4", stdin=b"/load b.json\nagain\n/save b.json\n", cwd=str(tmp_path))
+    assert r.returncode == 0, err(r)
+    again = json.loads((tmp_path / "b.json").read_text(encoding="utf-8"))
+    assert [t["user"] for t in again["turns"]] == ["hello", "again"]
+
+
+@pytest.mark.skipif(shutil.which("iconv") is None, reason="checks the advice with iconv itself")
+def test_the_iconv_advice_for_a_utf16_file_gives_a_file_that_is_read(tmp_path):
+    p = tmp_path / "p16.txt"
+    p.write_bytes("Once upon a time\n".encode("utf-16"))
+    said = one_line(bitnet("run", "-f", str(p)))
+    cmd = said.split("`")[1].split()
+    with open(tmp_path / "p8.txt", "wb") as out:
+        subprocess.run([*cmd, str(p)], stdout=out, check=True, timeout=30)
+    assert (tmp_path / "p8.txt").read_bytes() == b"Once upon a time\n"
