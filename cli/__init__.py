@@ -59,15 +59,44 @@ def report_bug(prog: str, e: BaseException) -> int:
     return EXIT_BUG
 
 
-def replace_unencodable() -> None:
+_UNENCODABLE = "bitnet.replace-and-warn"
+_WARN = {"prog": "bitnet", "said": False}   # the running command's name; whether this run said it yet
+
+
+def _replace_and_warn(e: UnicodeEncodeError):
+    if not _WARN["said"]:
+        _WARN["said"] = True
+        with contextlib.suppress(Exception):   # never the output's failure (stderr closed, ...)
+            print(f"{_WARN['prog']}: warning: stdout's encoding ({e.encoding}) cannot show some characters of the "
+                  "output; they are written as '?' (set PYTHONIOENCODING=utf-8, or use a UTF-8 locale such as "
+                  "LANG=C.UTF-8)", file=sys.stderr, flush=True)
+    return "?" * (e.end - e.start), e.end
+
+
+def replace_unencodable(prog: str = "bitnet") -> None:
     """stdout writes what its encoding cannot hold as '?' (an ASCII locale, PYTHONIOENCODING=ascii): every
     command's text may hold more than ASCII (bench's +-, a cached model's unicode name, an answer), and an
-    encoding error there ended the command as an "internal error", after the work was done. Once, for every
-    command (bitnet and bitchat); stderr replaces already (Python's backslashreplace)."""
+    encoding error there ended the command as an "internal error", after the work was done. The first '?' of a
+    run is said on stderr (text lost silently, even inside a JSON answer, was taken for the model's). Once, for
+    every command (bitnet and bitchat); stderr replaces already (Python's backslashreplace)."""
+    import codecs
+
+    _WARN.update(prog=prog, said=False)
+    codecs.register_error(_UNENCODABLE, _replace_and_warn)
     try:
-        sys.stdout.reconfigure(errors="replace")
+        sys.stdout.reconfigure(errors=_UNENCODABLE)
     except (AttributeError, ValueError):   # not a TextIOWrapper (a test's capture), or None (fd 1 closed)
         pass
+
+
+def takes_any_text(stream) -> bool:
+    """Whether `stream`'s encoding holds every character (UTF-8, UTF-16, ...): else JSON it is written escaped
+    (\\u00e9), not turned into '?'."""
+    import codecs
+    try:
+        return codecs.lookup(getattr(stream, "encoding", None) or "ascii").name.startswith("utf")
+    except LookupError:
+        return False
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     from . import closed_std_streams, stdout_flushed
 
     closed_std_streams()   # `bitchat <&-`, `bitchat >&-`: empty input, output nowhere
-    replace_unencodable()
+    replace_unencodable("bitchat")
 
     def body():
         parser = build_parser()

@@ -203,8 +203,11 @@ def _main(args) -> int:
     if args.json:
         import json
 
+        from . import takes_any_text
+        escape = not takes_any_text(out)   # JSON escapes (\u00e9) where stdout's encoding cannot show it
+
         def emit(text, token):
-            out.write(json.dumps({"text": text, "token": token}, ensure_ascii=False) + "\n")
+            out.write(json.dumps({"text": text, "token": token}, ensure_ascii=escape) + "\n")
     else:
         def emit(text, token):
             out.write(text)

@@ -158,6 +158,31 @@ def test_bitchat_script_with_a_bom_runs_its_first_line_and_loads_a_bom_conversat
     assert [t["user"] for t in again["turns"]] == ["hello", "again"]
 
 
+# ---- 6: output the terminal's encoding cannot show ------------------------------------------------------
+def test_unencodable_output_is_said_once_and_json_output_escapes_it(tmp_path):
+    grammar = 'root ::= "Ça — 日本語 é"'
+    r = bitnet("run", "-p", "Hi", "--grammar", grammar, "-n", "64", PYTHONIOENCODING="ascii")
+    assert r.returncode == 0, err(r)
+    warned = [line for line in err(r).splitlines() if "cannot show" in line]
+    assert len(warned) == 1 and "ascii" in warned[0] and "PYTHONIOENCODING=utf-8" in warned[0], err(r)
+    assert r.stdout.startswith(b"?a")
+    js = bitnet("run", "-p", "Hi", "--grammar", grammar, "-n", "64", "--json", PYTHONIOENCODING="ascii")
+    assert json_text(js) == "Ça — 日本語 é" and "cannot show" not in err(js)
+    js = bitnet("run", "-p", "Hi", "--grammar", grammar, "-n", "64", "--json")   # a UTF-8 stdout: the text as is
+    assert json_text(js) == "Ça — 日本語 é" and b"\\u" not in js.stdout
+    (tmp_path / "s.json").write_text('{"enum": ["thé"]}', encoding="utf-8")
+    r = bitchat("-n", "8", stdin=b"/set format s.json\nhi\n", cwd=str(tmp_path), PYTHONIOENCODING="ascii")
+    assert r.returncode == 0, err(r)
+    assert b'"th?"' in r.stdout
+    warned = [line for line in err(r).splitlines() if "cannot show" in line]
+    assert len(warned) == 1 and warned[0].startswith("bitchat: warning:"), err(r)
+
+
+def test_a_utf8_stdout_gets_no_warning():
+    r = bitnet("run", "-p", "Hi", "--grammar", 'root ::= "é"', "-n", "4")
+    assert r.returncode == 0 and r.stdout.decode() == "é" and "cannot show" not in err(r), err(r)
+
+
 @pytest.mark.skipif(shutil.which("iconv") is None, reason="checks the advice with iconv itself")
 def test_the_iconv_advice_for_a_utf16_file_gives_a_file_that_is_read(tmp_path):
     p = tmp_path / "p16.txt"
