@@ -488,6 +488,23 @@ def escaped(args: argparse.Namespace, text: str, flag: str = "") -> str:
 NEGATIVE_VALUE = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$|^-((\d+\.?\d*|\.\d+)(ns|us|µs|ms|s|m|h))+$")
 
 
+# options whose values name files or models (paths, cache names, repositories): kept as the OS gave them, the bytes
+# that open the file; every other option's value is text (Parser.parse_known_args)
+PATH_DESTS = frozenset({"model", "file", "api_key_file", "chat_template_file", "grammar_file", "json_schema_file",
+                        "kld_base", "models_dir", "out", "src", "names", "ref"})
+
+
+def typed_text(value: str, action: argparse.Action) -> str:
+    """A flag's value as the text typed: where Python decodes argv in a locale that is not UTF-8 (LANG=C with
+    PYTHONUTF8=0), typed UTF-8 arrives as lone surrogates (surrogateescape), which went on into a server's every
+    answer (500s), a stop string that never matched, a system prompt that refused every message; they are the
+    UTF-8 they spell. ValueError (one line naming the flag) for bytes that are no UTF-8."""
+    if not any("\udc80" <= ch <= "\udcff" for ch in value):
+        return value
+    from ..engine.formats.tokenizer import decode_utf8
+    return decode_utf8(value, "/".join(action.option_strings) or action.metavar or action.dest)
+
+
 class Parser(argparse.ArgumentParser):
     """argparse without its guesses: a flag is matched only as spelled (no `--metrics` -> --metrics-public, `--keep`
     -> --keep-alive-timeout prefixes), and a single-dash flag takes no value glued to it (`-s 42`, llama.cpp's seed,
@@ -504,6 +521,23 @@ class Parser(argparse.ArgumentParser):
 
     def _get_option_tuples(self, option_string):
         return []
+
+    def parse_known_args(self, args=None, namespace=None):
+        """argparse's, then every text value made the text it was typed as (typed_text); a value that is no UTF-8
+        is one line naming its flag, exit 2. Each subcommand's parser (a Parser too) does its own values."""
+        ns, extras = super().parse_known_args(args, namespace)
+        for a in self._actions:
+            if a.dest in PATH_DESTS or not hasattr(ns, a.dest):
+                continue
+            value = getattr(ns, a.dest)
+            try:
+                if isinstance(value, str):
+                    setattr(ns, a.dest, typed_text(value, a))
+                elif isinstance(value, list) and any(isinstance(v, str) for v in value):
+                    setattr(ns, a.dest, [typed_text(v, a) if isinstance(v, str) else v for v in value])
+            except ValueError as e:
+                self.exit(2, f"{self.prog}: error: {e}\n")
+        return ns, extras
 
     def _print_message(self, message, file=None):
         """argparse drops an OSError writing --help / --version: to a full disk that was exit 0 and nothing said.

@@ -629,10 +629,22 @@ def passthrough_argv(args) -> list:
                 out.append(flag)
         elif isinstance(a, argparse._AppendAction):   # FLAG=VALUE: a value may start with '-'
             for x in v:
-                out.append(f"{flag}={x}")
+                out.append(_as_argv(f"{flag}={x}"))
         else:
-            out.append(f"{flag}={v}")
+            out.append(_as_argv(f"{flag}={v}"))
     return out
+
+
+def _as_argv(arg: str) -> str:
+    """arg as a process's argument: the parser made typed UTF-8 text (Parser.parse_known_args), which a locale that
+    is not UTF-8 (LANG=C, PYTHONUTF8=0) cannot encode for exec; its UTF-8 bytes then, in the form the OS's
+    encoding hands them on (surrogateescape), which the model's process reads back as this text."""
+    import os
+    try:
+        os.fsencode(arg)
+        return arg
+    except UnicodeEncodeError:
+        return os.fsdecode(arg.encode("utf-8"))
 
 
 def serve_models(args, keys: tuple) -> int:

@@ -123,8 +123,10 @@ def loads(body: bytes, **hooks):
     """json.loads of a request body, decoded strictly: json.loads(bytes) decodes with "surrogatepass", so UTF-8-encoded
     surrogates (ED A0..BF, CESU-8 / WTF-8, what Java's modified UTF-8 writes for an emoji) came through as lone
     surrogates that every tokenizer, template and response writer failed on (500s). Every body parser reads through
-    here: UnicodeDecodeError (a ValueError, so in NOT_JSON) for a body that is not text."""
-    return json.loads(body.decode(json.detect_encoding(body)), **hooks)
+    here: UnicodeDecodeError (a ValueError, so in NOT_JSON) for a body that is not UTF-8 text. JSON on the wire is
+    UTF-8 (RFC 8259), as llama-server and ollama read it: a UTF-16 or UTF-32 body (json.loads' guess from its
+    first bytes, which took it) is refused as docs/api.md says; a leading UTF-8 BOM is ignored, as the RFC allows."""
+    return json.loads(body.decode("utf-8-sig"), **hooks)
 
 
 def checked_text(body: bytes, obj):

@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 
+import httpx
 import pytest
 
 from helpers import ROOT, console_script
@@ -156,6 +157,95 @@ def test_bitchat_script_with_a_bom_runs_its_first_line_and_loads_a_bom_conversat
     assert r.returncode == 0, err(r)
     again = json.loads((tmp_path / "b.json").read_text(encoding="utf-8"))
     assert [t["user"] for t in again["turns"]] == ["hello", "again"]
+
+
+# ---- 4: UTF-8 typed under a locale that is not UTF-8 ------------------------------------------------------
+def test_non_ascii_flag_values_are_text_when_python_is_not_in_utf8_mode(tmp_path):
+    forced = bitnet("run", "-p", "Hi", "--grammar", 'root ::= "aé b"', "-n", "8", "--json", **NOT_UTF8_MODE)
+    assert json_text(forced) == "aé b"
+    assert json_text(bitnet("run", "-p", "Hi", "--grammar", 'root ::= "aé b"', "--stop", "é", "-n", "8", "--json",
+                            **NOT_UTF8_MODE)) == "a"
+    assert json.loads(json_text(bitnet("run", "-p", "Hi", "-j", '{"enum": ["é"]}', "-n", "8", "--json",
+                                       **NOT_UTF8_MODE))) == "é"
+    utf8 = bitnet("run", "-p", "Café — naïve", "-n", "4", "--temp", "0", "--json")
+    assert json_text(bitnet("run", "-p", "Café — naïve", "-n", "4", "--temp", "0", "--json",
+                            **NOT_UTF8_MODE)) == json_text(utf8)
+    # paths are used as the OS gave them (their bytes open the file), whatever the locale
+    (tmp_path / "invite é.txt").write_text("Once upon a time\n", encoding="utf-8")
+    (tmp_path / "règle.gbnf").write_text('root ::= "é"\n', encoding="utf-8")
+    os.symlink(os.path.join(ROOT, "models", "default.bnstore"), tmp_path / "modèle.bnstore")
+    r = bitnet("run", "-m", str(tmp_path / "modèle.bnstore"), "-f", str(tmp_path / "invite é.txt"),
+               "--grammar-file", str(tmp_path / "règle.gbnf"), "-n", "4", "--json", **NOT_UTF8_MODE)
+    assert json_text(r) == "é"
+    system = "Tu es gentil — ça va"
+    chat = [bitnet("run", "--chat", "-p", "hi", "-sys", system, "-n", "3", "--temp", "0", "--json", **e)
+            for e in ({}, NOT_UTF8_MODE)]
+    assert json_text(chat[1]) == json_text(chat[0])
+    r = bitchat("-sys", system, "-n", "3", "--temp", "0", stdin=b"hello\n/save s.json\n", cwd=str(tmp_path),
+                **NOT_UTF8_MODE)
+    assert r.returncode == 0, err(r)
+    saved = json.loads((tmp_path / "s.json").read_text(encoding="utf-8"))
+    assert saved["turns"][0]["user"] == "hello" and system in json.dumps(saved, ensure_ascii=False)
+
+
+@pytest.mark.parametrize("args,flag", [(["run", "-p", b"caf\xe9"], "-p/--prompt"),
+                                       (["run", "-p", "x", "--stop", b"\xe9"], "--stop"),
+                                       (["serve", "--alias", b"caf\xe9"], "--alias"),
+                                       (["serve", "--api-key", b"cl\xe9"], "--api-key")])
+def test_a_flag_value_that_is_not_utf8_is_one_line_naming_the_flag(args, flag):
+    from serve_proc import free_port
+    if args[0] == "serve":   # refused before it listens (a server that did start is stopped by the timeout)
+        args = [*args, "--host", "127.0.0.1", "--port", str(free_port())]
+    r = bitnet(*args, timeout=60)
+    assert flag in one_line(r) and "not UTF-8" in err(r), err(r)
+    assert "internal error" not in err(r)
+
+
+def test_server_alias_and_key_typed_in_utf8_under_a_c_locale_serve_every_endpoint():
+    from serve_proc import Server
+    s = Server("--alias", "café", "--api-key", "clé", env=NOT_UTF8_MODE)
+    try:
+        auth = {"Authorization": "Bearer clé".encode()}
+        models = httpx.get(s.url + "/v1/models", headers=auth, timeout=30)
+        assert models.status_code == 200 and models.json()["data"][0]["id"] == "café", models.text
+        for path in ("/api/tags", "/props"):
+            r = httpx.get(s.url + path, headers=auth, timeout=30)
+            assert r.status_code == 200 and "café" in json.dumps(r.json(), ensure_ascii=False), (path, r.text)
+        body = {"model": "café", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        r = httpx.post(s.url + "/v1/chat/completions", json=body, headers=auth, timeout=60)
+        assert r.status_code == 200 and r.json()["model"] == "café", r.text
+        r = httpx.post(s.url + "/v1/chat/completions", json={**body, "stream": True}, headers=auth, timeout=60)
+        assert r.status_code == 200 and "[DONE]" in r.text and '"model":"café"' in r.text.replace(" ", ""), r.text
+        r = httpx.post(s.url + "/api/chat", json={**body, "stream": False}, headers=auth, timeout=60)
+        assert r.status_code == 200 and r.json()["model"].startswith("café"), r.text
+        assert httpx.get(s.url + "/v1/models", headers={"Authorization": "Bearer cle"}, timeout=30).status_code == 401
+
+        # ---- 5: a body is UTF-8 (RFC 8259), as docs/api.md says: UTF-16 and UTF-32 are a 400 ----
+        raw = json.dumps(body)
+        for data in (raw.encode("utf-16"), raw.encode("utf-16-le"), raw.encode("utf-32")):
+            r = httpx.post(s.url + "/v1/chat/completions", content=data, timeout=60,
+                           headers={**auth, "Content-Type": "application/json"})
+            assert r.status_code == 400 and "not valid JSON" in r.text, r.text
+        r = httpx.post(s.url + "/v1/chat/completions", content=BOM + raw.encode(), timeout=60,
+                       headers={**auth, "Content-Type": "application/json"})
+        assert r.status_code == 200, r.text   # a UTF-8 BOM before the JSON is ignored (RFC 8259 allows it)
+    finally:
+        code, stderr = s.stop()
+    assert "Traceback" not in stderr, stderr
+
+
+def test_router_passes_non_ascii_flags_on_to_its_models_under_a_c_locale(tmp_path):
+    from serve_proc import Server
+    models = tmp_path / "models"
+    models.mkdir()
+    os.symlink(os.path.join(ROOT, "models", "default.bnstore"), models / "m.bnstore")
+    s = Server("--models-dir", str(models), "--reasoning-budget-message", "… assez réfléchi.", env=NOT_UTF8_MODE)
+    try:
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        r = httpx.post(s.url + "/v1/chat/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+    finally:
+        s.stop()
 
 
 # ---- 6: output the terminal's encoding cannot show ------------------------------------------------------
