@@ -836,7 +836,8 @@ class ChatSession:
                     else:   # the newest turn alone overflows the window: rendered (the template takes it), not
                         ids = None   # tokenized whole (15 MB: a minute)
                         self.llm.chat_text(conv.messages(), add_generation_prompt=False)
-                    self._load_heard(flag, arg)
+                # looked at once the handlers are back: a signal that came as they were put back set the flag and
+                self._load_heard(flag, arg)   # nothing read it (a SIGTERM lost: the load went on, bitchat stayed)
             except KeyboardInterrupt:   # a second Ctrl-C
                 raise CommandInterrupted(f"/load {arg}: interrupted; the current conversation is kept") from None
             except (BitNetError, ValueError, RecursionError) as e:

@@ -939,6 +939,39 @@ def test_ctrl_c_during_the_load_of_one_huge_turn_keeps_the_current_conversation(
     assert len(calls) == 1 and [t.user for t in s.conv.turns] == ["Still here?"]
 
 
+def test_a_sigterm_as_a_load_winds_down_ends_the_session(llm, tmp_path):
+    """A SIGTERM after /load's last look at the signals, as it put the terminal and the handlers back, was taken
+    and never acted on: the conversation loaded and bitchat went back to its prompt, still running. Now it
+    leaves (Terminated, bitchat's exit 143) with the current conversation kept, as at any earlier moment."""
+    import sys
+
+    from bitnet_cpu.chat.session import quiet_terminal
+    from bitnet_cpu.engine.errors import Terminated, raise_terminated
+
+    path = tmp_path / "other.json"
+    Conversation(turns=[Turn("Loaded question?", "Loaded answer.")]).save(str(path))
+    s, _ = new_session(llm)
+    s.ask("Still here?")
+    code, entered, sent = quiet_terminal.__wrapped__.__code__, [], []
+
+    def watch(frame, event, arg):   # the SIGTERM as /load's quiet_terminal resumes to restore (its 2nd "call")
+        if event == "call" and frame.f_code is code:
+            entered.append(1)
+            if len(entered) == 2:
+                sent.append(1)
+                os.kill(os.getpid(), signal.SIGTERM)
+    previous = signal.signal(signal.SIGTERM, raise_terminated)   # as bitchat has it
+    try:
+        sys.setprofile(watch)
+        with pytest.raises(Terminated):
+            s.run_command(parse_command(f"/load {path}"))
+    finally:
+        sys.setprofile(None)
+        signal.signal(signal.SIGTERM, previous)
+    assert sent   # (the moment came)
+    assert [t.user for t in s.conv.turns] == ["Still here?"]
+
+
 def test_load_never_tokenizes_a_turn_far_beyond_the_window_whole(llm, tmp_path, monkeypatch):
     """The newest turn alone far beyond the window: /load tokenized all of it at least twice (15 MB: a minute,
     deaf to Ctrl-C); now only enough of it to know it cannot fit. It loads, and the one line says it does not fit."""
