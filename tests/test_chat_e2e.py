@@ -377,7 +377,10 @@ def _sigterm_ends_it(chat, delay):
 
     time.sleep(delay)
     chat.child.kill(signal.SIGTERM)
-    chat.expect(pexpect.EOF)
+    try:
+        chat.expect(pexpect.EOF)
+    except AssertionError as e:   # (a SIGTERM taken and never acted on: bitchat at its prompt again, say)
+        raise AssertionError(f"bitchat did not end after a SIGTERM {delay} s into it: {e}") from None
     chat.child.close()
     assert chat.child.exitstatus == 143 and "bitchat: terminated (SIGTERM)" in chat.child.before, \
         (delay, chat.child.before[-500:])
