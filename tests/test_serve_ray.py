@@ -310,15 +310,7 @@ def test_ray_ignores_serve_run_variables(ray_stopped):
 def test_serve_run_bad_variable_is_one_line(var, value):
     """`serve run bitnet_cpu.serve.ray_app:app` looks `app` up in the module: a bad BITNET_* value is an error
     whose message is one line naming the variable (it was a ValueError, or Ray's own failure, at import)."""
-    code = ("import bitnet_cpu.serve.ray_app as m\n"
-            "try:\n"
-            "    m.app\n"
-            "except Exception as e:\n"
-            "    print(type(e).__name__ + ': ' + str(e))\n"
-            "else:\n"
-            "    print('built')\n")
-    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_env(**{var: value}), capture_output=True,
-                       text=True, timeout=120 * slowness())
+    r = _look_up_app(_env(**{var: value}))
     out = r.stdout.strip()
     assert r.returncode == 0 and "\n" not in out, (r.returncode, out, r.stderr[-2000:])
     assert out.startswith(f"BitNetError: {var}={value!r}"), out
