@@ -86,16 +86,23 @@ def _alive(pid: int) -> bool:
     return stat is None or stat[0] not in ("Z", "X")
 
 
-def _start_epoch(pid: int) -> float | None:
-    """When process `pid` started (seconds since the epoch), or None where /proc does not say."""
-    stat = _proc_stat(pid)
-    if stat is None:
-        return None
+def _boot_epoch() -> int | None:
+    """When this machine started (seconds since the epoch), or None where /proc does not say."""
     try:
         with open("/proc/stat", encoding="ascii", errors="replace") as f:
-            btime = next((int(line.split()[1]) for line in f if line.startswith("btime ")), None)
-        return None if btime is None else btime + stat[1] / os.sysconf("SC_CLK_TCK")
+            return next((int(line.split()[1]) for line in f if line.startswith("btime ")), None)
     except (OSError, ValueError, IndexError):
+        return None
+
+
+def _start_epoch(pid: int) -> float | None:
+    """When process `pid` started (seconds since the epoch), or None where /proc does not say."""
+    stat, btime = _proc_stat(pid), _boot_epoch()
+    if stat is None or btime is None:
+        return None
+    try:
+        return btime + stat[1] / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError):
         return None
 
 
@@ -108,7 +115,10 @@ def writer_running(meta: dict, path: str, mtime: float) -> bool:
         if owner.get("host") != me["host"]:
             return True    # another machine sharing this folder: whether it runs cannot be told from here
         if owner.get("boot") and me.get("boot") and owner["boot"] != me["boot"]:
-            return False   # this machine started again since
+            # this machine started again since the copy's last write, or it is another machine of the same name
+            # (cloned VMs, containers given one --hostname): only the former is known to have ended it
+            booted = _boot_epoch()
+            return booted is None or booted <= mtime - CLOCK_SLACK_S
         if owner.get("pidns") != me.get("pidns"):
             return True    # another PID namespace (a container): its PIDs are not ours to look up
         if not _alive(owner["pid"]):
@@ -195,7 +205,10 @@ def left_behind(fixed: str | None = None) -> list[Copy]:
 
 
 def when(mtime: float) -> str:
-    return time.strftime("%Y-%m-%d %H:%M", time.localtime(mtime))
+    try:
+        return time.strftime("%Y-%m-%d %H:%M", time.localtime(mtime))
+    except (OverflowError, OSError, ValueError):   # a file system's absurd time: never bitchat's start failing
+        return "?"
 
 
 def _turns(n: int) -> str:

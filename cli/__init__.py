@@ -64,7 +64,8 @@ _WARN = {"prog": "bitnet", "said": False}   # the running command's name; whethe
 
 
 def _replace_and_warn(e: UnicodeEncodeError):
-    if not _WARN["said"]:
+    bytes_only = all("\udc80" <= ch <= "\udcff" for ch in e.object[e.start:e.end])   # a name's undecodable bytes
+    if not _WARN["said"] and not bytes_only:   # (no fault of stdout's encoding: never blamed on it)
         _WARN["said"] = True
         with contextlib.suppress(Exception):   # never the output's failure (stderr closed, ...)
             print(f"{_WARN['prog']}: warning: stdout's encoding ({e.encoding}) cannot show some characters of the "

@@ -124,7 +124,8 @@ def _json_error(e) -> None:
     if n is not None and ctx is not None:
         error.update(n_prompt_tokens=n, n_ctx=ctx)
     with contextlib.suppress(OSError, ValueError):   # stdout closed or full: stderr's line still says it
-        sys.stdout.write(json.dumps({"error": error}, ensure_ascii=False) + "\n")
+        # escaped: any stdout shows it, and a file name's undecodable bytes (\udce9) stay what they were
+        sys.stdout.write(json.dumps({"error": error}) + "\n")
         sys.stdout.flush()
 
 

@@ -36,10 +36,10 @@ from .limits import (LLAMA_SERVER_COMPLETION, Limits, LimitsMiddleware, RouteNor
                      anthropic_shaped, anthropic_status, llama_overflow)
 from .logprobs import Said, ShownRecords, TextOffsets, TokenText, chat_entry, completion_logprobs, echo_logprobs
 from .metrics import CONTENT_TYPE, ServerMetrics, TokenClock
-from .offload import (BodyRefused, ClientGone, Streamed, next_or_gone, offloop_route, prepare_sampling,
-                      prompt_body_bound, run_off_loop, too_long_for_context, unless_gone, warm_bounds)
+from .offload import (BodyRefused, ClientGone, Streamed, chars_bound, next_or_gone, offloop_route,
+                      prepare_sampling, prompt_body_bound, run_off_loop, too_long_for_context, unless_gone, warm_bounds)
 from .responses import STORED_RESPONSE_ROUTES, ResponseBuilder, ResponsesRequest, not_stored, responses_names
-from .fim import INFILL_FIELDS, field_refusal, fim_ends, fim_tokens, infill_ids, suffix_refusal
+from .fim import INFILL_FIELDS, cut_to, field_refusal, fim_ends, fim_tokens, infill_ids, suffix_refusal
 from .fim import off as fim_off
 from .llama_api import LORA_WHY, NOT_SERVED, READ_ONLY, lora_request_is_empty
 from .llama_api import timings_of as llama_timings
@@ -886,8 +886,8 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
                     raise APIError(400, "prompt: token id out of the vocabulary", param="prompt", code="invalid_value")
                 prompts.append((ids, await run_off_loop(eng.detokenize, ids) if body.echo else "", 0))
             elif fim is not None:   # the prompt is the text before the gap, suffix the text after it
-                await refuse_too_long(eng, len(item) + len(body.suffix), "prompt")
-                ids = await run_off_loop(infill_ids, eng, fim, item, body.suffix, (), (), body.limit())
+                prefix, suffix = cut_to(item, body.suffix, await chars_bound(eng))   # cut to fit, not refused
+                ids = await run_off_loop(infill_ids, eng, fim, prefix, suffix, (), (), body.limit())
                 prompts.append((ids, item, 0))
             else:
                 text = item if isinstance(item, str) else ""

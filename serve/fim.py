@@ -102,12 +102,20 @@ def extra_chunks(value) -> list[tuple[str, str]]:
     return out
 
 
+def cut_to(prefix: str, suffix: str, chars: int) -> tuple[str, str]:
+    """The prefix's last and the suffix's first `chars` characters (the most of a prompt the context can hold,
+    offload.chars_bound): infill_ids keeps less of either, so a file longer than the context is cut here, not
+    refused for its length (the characters are counted before the tokens are cut)."""
+    return prefix[max(0, len(prefix) - chars):], suffix[:max(0, chars)]
+
+
 def infill_ids(eng, fim: FimTokens, prefix: str, suffix: str, extra=(), prompt_ids=(),
                answer_room: Optional[int] = None) -> list[int]:
     """The FIM prompt's ids: prefix and suffix as plain text (a control token's text in them stays text), the
-    prefix's last 3/4 of a batch and the suffix's first 1/4 less the prompt kept (llama-server's bound), then as
-    much extra context, from its end, as fits in the context besides room for the answer (answer_room tokens,
-    at most a quarter of the context; None: a quarter)."""
+    prefix's last 3/4 of a batch and the suffix's first 1/4 less the prompt kept (llama-server's bound), less
+    where the context leaves less beside the answer's room, then as much extra context, from its end, as fits in
+    the context besides room for the answer (answer_room tokens, at most a quarter of the context; None: a
+    quarter)."""
     def tok(text):
         return eng.tokenize(text, add_bos=False, special=False) if text else []
     n_ctx, prompt_ids = eng.n_ctx, list(prompt_ids)
@@ -115,14 +123,22 @@ def infill_ids(eng, fim: FimTokens, prefix: str, suffix: str, extra=(), prompt_i
     pre, suf = tok(prefix), tok(suffix)
     pre = pre[len(pre) - min(len(pre), 3 * (batch // 4)):]
     suf = suf[:max(0, batch // 4 - (2 + len(prompt_ids)))]
+    bos = eng.tokenize("", add_bos=True)   # [BOS] where the model's prompts start with one
+    room = n_ctx // 4 if answer_room is None else min(answer_room, n_ctx // 4)
+    # the batch's bound alone left a prompt over a context of 2048 or less (a 400 for the server's own cut): the
+    # prefix and suffix also share what the context leaves beside BOS, the FIM tokens, the prompt and the answer,
+    # the suffix up to a quarter (more where the prefix is short), the prefix the rest
+    budget = max(0, n_ctx - len(bos) - 3 - len(prompt_ids) - room)
+    if len(pre) + len(suf) > budget:
+        keep_suf = min(len(suf), max(budget // 4, budget - len(pre)))
+        keep_pre = min(len(pre), budget - keep_suf)
+        pre, suf = pre[len(pre) - keep_pre:], suf[:keep_suf]
     extra_ids = [fim.rep] + tok("myproject\n") if fim.rep is not None else []
     for name, text in extra:
         extra_ids += [fim.sep] + tok(name + "\n") if fim.sep is not None else tok("\n\n--- snippet ---\n\n")
         extra_ids += tok(text)
     if fim.sep is not None:
         extra_ids += [fim.sep] + tok("filename\n")
-    bos = eng.tokenize("", add_bos=True)   # [BOS] where the model's prompts start with one
     core = [fim.pre] + pre + prompt_ids + [fim.suf] + suf + [fim.mid]
-    room = n_ctx // 4 if answer_room is None else min(answer_room, n_ctx // 4)
     take = max(0, min(len(extra_ids), n_ctx - len(bos) - len(core) - room))
     return bos + extra_ids[len(extra_ids) - take:] + core

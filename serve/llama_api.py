@@ -20,9 +20,9 @@ from ..engine import __version__
 from ..engine.runtime.chat_template import choose_template   # the one rendered: the fallback too
 from ..engine.runtime.sampling import SamplingParams
 from .logprobs import chat_entry
-from .fim import INFILL_FIELDS, NO_FIM, extra_chunks, fim_ends, fim_tokens, field_refusal, infill_ids
+from .fim import INFILL_FIELDS, NO_FIM, cut_to, extra_chunks, fim_ends, fim_tokens, field_refusal, infill_ids
 from .fim import off as fim_off
-from .offload import Streamed, run_off_loop, too_long_for_context
+from .offload import Streamed, chars_bound, run_off_loop, too_long_for_context
 from .schemas import (CHAIN, SAMPLER_ALIASES, ChatMessage, JSONTyped, RequestProblem, ToolMessages,
                       _Sampling, continuation, json_text, shown_path, tools_refused, unanswered)
 
@@ -348,9 +348,10 @@ def register(app, state, ready, api_error: type, pipe, *, sampling=None):
             extra = extra_chunks(body.input_extra)
         except ValueError as e:
             raise api_error(400, str(e), param="input_extra", code="invalid_value") from None
-        await pipe.refuse_too_long(eng, len(body.input_prefix) + len(body.input_suffix) + len(body.prompt), "prompt")
+        await pipe.refuse_too_long(eng, len(body.prompt), "prompt")   # prefix and suffix: cut to fit, not refused
+        prefix, suffix = cut_to(body.input_prefix, body.input_suffix, await chars_bound(eng))
         body._end_ids = fim_ends(eng, fim)
-        ids = await run_off_loop(lambda: infill_ids(eng, fim, body.input_prefix, body.input_suffix, extra,
+        ids = await run_off_loop(lambda: infill_ids(eng, fim, prefix, suffix, extra,
                                                     eng.tokenize(body.prompt, add_bos=False), body.limit()))
         return await answer(body, request, eng, ids)
 

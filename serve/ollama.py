@@ -31,8 +31,9 @@ from ..engine.runtime.chat_template import choose_template   # the one rendered:
 from ..engine.runtime.sampling import SamplingParams, setting_problem
 from .logprobs import Said, chat_entry
 from .metrics import TokenClock
-from .offload import NOT_JSON, Streamed, next_or_gone, not_json, prepare_sampling, run_off_loop, too_long_for_context
-from .fim import fim_ends, fim_tokens, infill_ids, suffix_refusal
+from .offload import (NOT_JSON, Streamed, chars_bound, next_or_gone, not_json, prepare_sampling, run_off_loop,
+                      too_long_for_context)
+from .fim import cut_to, fim_ends, fim_tokens, infill_ids, suffix_refusal
 from .schemas import (JSONTyped, error_message, error_where, is_off, json_text, main_error, off_refusal,
                       overflow_message, request_seed, shown_path, stops_problem, unanswered, utc_iso)
 
@@ -667,12 +668,12 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
         context = [int(t) for t in body.context or []]
         if any(not 0 <= t < vocab for t in context):
             raise OllamaError(400, f"context: token ids must be in 0..{vocab - 1}")
-        await refuse_too_long(eng, len(body.prompt or "") + (0 if body.raw else len(body.system or ""))
-                              + len(body.suffix or ""))
+        if fim is None:   # (the text around a gap is cut to fit, not refused)
+            await refuse_too_long(eng, len(body.prompt or "") + (0 if body.raw else len(body.system or "")))
         if fim is not None:   # no template, no system prompt (ollama's FIM templates have neither)
             limit = option_int(body.options or {}, "num_predict")
-            ids = await run_off_loop(infill_ids, eng, fim, body.prompt or "", body.suffix, (), (),
-                                     limit if limit > 0 else None)
+            prefix, suffix = cut_to(body.prompt or "", body.suffix, await chars_bound(eng))
+            ids = await run_off_loop(infill_ids, eng, fim, prefix, suffix, (), (), limit if limit > 0 else None)
             bos = eng.tokenizer.bos_id
             if context and bos is not None and ids[:1] == [bos]:
                 ids = ids[1:]

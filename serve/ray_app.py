@@ -209,9 +209,9 @@ def _descendants(pid: int) -> set:
         for d in os.listdir("/proc"):
             if d.isdigit():
                 try:
-                    with open(f"/proc/{d}/stat") as f:
-                        fields = f.read().rsplit(")", 1)[1].split()
-                    state[int(d)], parents[int(d)] = fields[0], int(fields[1])
+                    with open(f"/proc/{d}/stat", "rb") as f:   # bytes: a command name is any bytes
+                        fields = f.read().rsplit(b")", 1)[1].split()
+                    state[int(d)], parents[int(d)] = fields[0].decode("ascii", "replace"), int(fields[1])
                 except (OSError, IndexError, ValueError):
                     pass
     out, todo = set(), [pid]
@@ -404,7 +404,9 @@ def run_ray(args, sampling=None, api_keys: tuple = (), limits=None) -> int:
         if ray.is_initialized():
             with contextlib.suppress(Exception):   # Serve never started: nothing to shut down
                 serve.shutdown()
-        ray.shutdown()
-        _end_leftovers()
+        try:
+            ray.shutdown()
+        finally:   # a shutdown that failed leaves the most behind
+            _end_leftovers()
     print("bitnet serve: stopped", file=sys.stderr)
     return 0

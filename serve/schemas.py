@@ -968,7 +968,8 @@ class VLLMRepetition(JSONTyped):
     """vLLM's `repetition_penalty` (its most used sampling extension, sent by clients written for vLLM): HF's
     multiplicative rule over every token of the prompt and the answer, which is llama.cpp's `repeat_penalty`
     (the same CTRL rule) over the whole context (`repeat_last_n: -1`), so it is taken as that pair. Sent beside a
-    `repeat_penalty` of another value, or a `repeat_last_n` other than -1, it is a 400 naming both."""
+    `repeat_penalty` of another value, or a `repeat_last_n` other than -1, it is a 400 naming both; its "off" (1)
+    beside them leaves them as sent."""
     repetition_penalty: Optional[float] = None
 
     @field_validator("repetition_penalty")
@@ -980,9 +981,14 @@ class VLLMRepetition(JSONTyped):
                 raise PydanticCustomError("invalid_setting", problem.replace("repeat_penalty", "repetition_penalty"))
         return value
 
+    def _repetition_off_beside_llama(self) -> bool:
+        """repetition_penalty 1 (vLLM's "off", which its clients send in every request) beside llama.cpp's own
+        fields: those say what the client wants (it was a 400, "the same penalty: send one of them")."""
+        return self.repetition_penalty == 1 and bool({"repeat_penalty", "repeat_last_n"} & self.model_fields_set)
+
     def repetition_conflict(self) -> tuple[str, str] | None:
         rp = self.repetition_penalty
-        if rp is None:
+        if rp is None or self._repetition_off_beside_llama():
             return None
         if "repeat_penalty" in self.model_fields_set and self.repeat_penalty != rp:
             return "repetition_penalty", (f"repetition_penalty {shown_number(rp)} (vLLM's) and repeat_penalty "
@@ -996,7 +1002,7 @@ class VLLMRepetition(JSONTyped):
 
     def sampling_params(self, defaults=None):
         p = super().sampling_params(defaults)
-        if self.repetition_penalty is not None:
+        if self.repetition_penalty is not None and not self._repetition_off_beside_llama():
             p.repeat_penalty, p.repeat_last_n = self.repetition_penalty, WHOLE_CONTEXT
         return p
 

@@ -780,12 +780,20 @@ def test_a_copy_is_left_behind_when_the_process_it_names_is_not_its_writer(tmp_p
     _recovery_copy(folder / f"recovery-{gone}.json", {"recovered": True})   # the PID in its name has ended
     (folder / "recovery-14.json").write_text('{"format": "bitchat-conversation", "turns": []}')   # not a copy
     (folder / "notes-15.json").write_text("mine")
+    if "boot" in me:   # another boot id: a copy written before this boot has ended; one written since is another
+        from bitnet_cpu.chat.recovery import _boot_epoch   # machine of this name (cloned VMs): it may still run
+        _recovery_copy(folder / "recovery-16.json", {"recovered": True, "process": dict(me, boot="another")})
+        _recovery_copy(folder / "recovery-17.json", {"recovered": True, "process": dict(me, boot="another")})
+        before_boot = _boot_epoch() - 86400
+        os.utime(folder / "recovery-17.json", (before_boot, before_boot))
 
     running = {os.path.basename(c.path) for c in recovery_copies() if c.running}
     left = {os.path.basename(c.path) for c in left_behind()}
     want = {"recovery-12.json", f"recovery-{gone}.json"} | ({"recovery-13.json"} if "start" in me else set())
     if os.path.isdir("/proc/self"):   # where a process's start time can be read
         want.add(legacy_old.name)
+    want |= {"recovery-17.json"} if "boot" in me else set()
     assert left == want
-    assert running == {"recovery-11.json", legacy_now.name} | ({legacy_old.name} - want)
+    assert running == {"recovery-11.json", legacy_now.name} | ({legacy_old.name} - want) | (
+        {"recovery-16.json"} if "boot" in me else set())
     assert all(c.turns == 1 and c.first == "Kept?" for c in left_behind())

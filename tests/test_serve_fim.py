@@ -52,9 +52,8 @@ def _loaded(tc):
 
 
 @pytest.fixture(scope="module")
-def fim(tmp_path_factory):
-    """A TestClient on a synthetic model with FIM tokens; its token ids by name."""
-    from bitnet_cpu.engine.api import load_engine
+def fim_store(tmp_path_factory) -> str:
+    """A synthetic model's store whose vocabulary has Qwen's FIM tokens."""
     from bitnet_cpu.engine.formats.convert import convert
 
     root = tmp_path_factory.mktemp("fim")
@@ -64,7 +63,15 @@ def fim(tmp_path_factory):
     for name in ("tokenizer.json", "tokenizer_config.json"):
         if os.path.exists(os.path.join(fim_dir, name)):
             _rename_tokens(os.path.join(fim_dir, name))
-    store = convert(fim_dir, fim_dir + ".bnstore", progress=False)
+    return convert(fim_dir, fim_dir + ".bnstore", progress=False)
+
+
+@pytest.fixture(scope="module")
+def fim(fim_store):
+    """A TestClient on a synthetic model with FIM tokens; its token ids by name."""
+    from bitnet_cpu.engine.api import load_engine
+
+    store = fim_store
     with _client(lambda: load_engine(store, threads=1, parallel=2, progress=False)) as tc:
         _loaded(tc)
         ids = {name: tc.post("/tokenize", json={"content": name}).json()["tokens"] for name in FIM_NAMES.values()}
@@ -259,3 +266,32 @@ def test_engine_end_ids_end_a_request_as_end_of_text():
         assert chunks[-1].finish_reason == "length" and all(c.token != x for c in chunks)
         with pytest.raises(BitNetError, match="end_ids"):
             eng.submit(ids, forced, max_tokens=1, end_ids=[10 ** 9])
+
+
+@pytest.mark.parametrize("ctx", [256, 512, 2048])
+def test_a_long_prefix_and_suffix_are_cut_to_fit_the_context(fim_store, ctx):
+    """At a context of 2048 or less the batch's bound alone (1536 prefix and 510 suffix tokens) made a prompt
+    longer than the context: every large file was a 400 for the server's own cut. The prompt now leaves the
+    answer's room, keeps the prefix's end and the suffix's start, 3:1, and the server answers it."""
+    from bitnet_cpu.engine.api import load_engine
+    from bitnet_cpu.serve.fim import fim_tokens, infill_ids
+
+    prefix, suffix = "x = 1\n" * 3000, "y = 2\n" * 3000
+    with load_engine(fim_store, ctx=ctx, threads=1, parallel=1, progress=False) as eng:
+        fim = fim_tokens(eng.tokenizer)
+        ids = infill_ids(eng, fim, prefix, suffix, answer_room=16)
+        assert len(ids) + 16 <= eng.n_ctx and ids[-1] == fim.mid, (len(ids), eng.n_ctx)
+        pre, suf = ids[ids.index(fim.pre) + 1:ids.index(fim.suf)], ids[ids.index(fim.suf) + 1:-1]
+        assert len(pre) >= 2 * len(suf) > 0, (len(pre), len(suf))
+        whole_pre = eng.tokenize(prefix, add_bos=False, special=False)
+        whole_suf = eng.tokenize(suffix, add_bos=False, special=False)
+        assert pre == whole_pre[len(whole_pre) - len(pre):] and suf == whole_suf[:len(suf)]
+        assert len(ids) + 16 > eng.n_ctx - 8   # the context is used, not left empty
+    with _client(lambda: load_engine(fim_store, ctx=ctx, threads=1, parallel=1, progress=False)) as tc:
+        _loaded(tc)
+        for path, body in (("/infill", {"input_prefix": prefix, "input_suffix": suffix, "n_predict": 4}),
+                           ("/v1/completions", {"prompt": prefix, "suffix": suffix, "max_tokens": 4}),
+                           ("/api/generate", {"model": "m", "prompt": prefix, "suffix": suffix, "stream": False,
+                                              "options": {"num_predict": 4}})):
+            r = tc.post(path, json={**body, "temperature": 0})   # (the characters were refused before the cut)
+            assert r.status_code == 200, (path, r.text)

@@ -178,3 +178,7 @@ def test_repetition_penalty_is_repeat_penalty_over_the_whole_context(server):
             code, r = post(server, path, **extra, repetition_penalty=0 if not bad else 1.5, **bad)
             assert code == 400, r
             assert r["error"]["param"] == "repetition_penalty" and "\n" not in r["error"]["message"]
+    # vLLM's "off" (1, in every request of its clients) beside llama.cpp's fields: those as sent (it was a 400)
+    windowed = post(server, "/v1/completions", repeat_penalty=1.5, repeat_last_n=8, **kw)[1]["choices"][0]
+    off = post(server, "/v1/completions", repetition_penalty=1, repeat_penalty=1.5, repeat_last_n=8, **kw)
+    assert off[0] == 200 and off[1]["choices"][0]["logprobs"] == windowed["logprobs"], off

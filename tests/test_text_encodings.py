@@ -282,3 +282,31 @@ def test_the_iconv_advice_for_a_utf16_file_gives_a_file_that_is_read(tmp_path):
     with open(tmp_path / "p8.txt", "wb") as out:
         subprocess.run([*cmd, str(p)], stdout=out, check=True, timeout=30)
     assert (tmp_path / "p8.txt").read_bytes() == b"Once upon a time\n"
+
+
+def test_run_json_error_object_is_escaped_whatever_stdout_takes(tmp_path):
+    """`bitnet run --json`'s error object was written as is: '?' for "é" under an ASCII stdout (the docs promise
+    JSON escapes), and a file name's undecodable byte came out as '?' with a warning blaming a UTF-8 stdout."""
+    for extra in ({"PYTHONIOENCODING": "ascii"}, {}):
+        r = bitnet("run", "--json", "-f", str(tmp_path / "café.txt"), **extra)
+        assert r.returncode == 2 and "cannot show" not in err(r), err(r)
+        error = json.loads(r.stdout.decode("ascii"))["error"]
+        assert "café.txt" in error["message"] and error["exit_code"] == 2, error
+    bad = os.fsencode(str(tmp_path)) + b"/caf\xe9.txt"   # a name that is no UTF-8 (bytes as the OS gives them)
+    r = bitnet("run", "--json", "-f", bad)
+    assert r.returncode == 2 and "cannot show" not in err(r), err(r)
+    assert "caf\udce9.txt" in json.loads(r.stdout.decode("ascii"))["error"]["message"], r.stdout
+
+
+def test_escaped_utf8_names_its_first_bad_byte_and_drops_an_escaped_bom():
+    """A str that came through surrogateescape (argv or a stream under LANG=C): the byte named is the first that
+    is no UTF-8 (it named the first escaped one, 0xc3 of a valid "é"), and a UTF-8 BOM that came in escaped is
+    dropped at a stream's start like one decoded already (a piped script's first command went to the model)."""
+    from bitnet_cpu.engine.formats.tokenizer import decode_utf8
+    typed = (b"caf\xc3\xa9 \xe9").decode("ascii", "surrogateescape")   # a valid "é", then a lone latin-1 one
+    with pytest.raises(ValueError, match=r"byte 0xe9 at character 6"):
+        decode_utf8(typed, "-p")
+    assert decode_utf8(b"\xef\xbb\xbf/help".decode("ascii", "surrogateescape"), "stdin", start=True) == "/help"
+    assert decode_utf8("\ufeff/help", "stdin", start=True) == "/help"
+    assert decode_utf8("\ufeff/help", "stdin") == "\ufeff/help"   # not a stream's start: kept
+    assert decode_utf8((b"caf\xc3\xa9").decode("ascii", "surrogateescape"), "-p") == "café"

@@ -352,18 +352,16 @@ def decode_utf8(data: bytes | str, where: str, start: bool = False) -> str:
     (surrogateescape): UTF-8 typed under a locale that is not UTF-8 (LANG=C with PYTHONUTF8=0) is the text it
     spells; bytes that are no UTF-8 are refused, naming the first."""
     if isinstance(data, str):
-        if start and data.startswith("\ufeff"):
-            data = data[1:]
-        if not any("\udc80" <= ch <= "\udcff" for ch in data):
-            return data
-        try:
-            return data.encode("utf-8", "surrogateescape").decode("utf-8")
-        except UnicodeError:
-            pass
-        for i, ch in enumerate(data):
-            if "\udc80" <= ch <= "\udcff":
-                raise ValueError(f"{where}: not UTF-8 text: byte 0x{ord(ch) - 0xDC00:02x} at character {i + 1} "
-                                 f"({ENCODING_HINT})")
+        if any("\udc80" <= ch <= "\udcff" for ch in data):
+            raw = data.encode("utf-8", "surrogateescape")
+            try:
+                data = raw.decode("utf-8")
+            except UnicodeDecodeError as e:   # the first byte that is no UTF-8 (one before it may be: "é" then 0xe9)
+                i = len(raw[:e.start].decode("utf-8", "surrogateescape"))
+                raise ValueError(f"{where}: not UTF-8 text: byte 0x{raw[e.start]:02x} at character {i + 1} "
+                                 f"({ENCODING_HINT})") from None
+        # the BOM after the bytes are text: one that came in escaped ("\udcef\udcbb\udcbf") is one too
+        return data[1:] if start and data.startswith("\ufeff") else data
     try:
         return decode_text(data, start)
     except ValueError as e:
