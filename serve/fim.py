@@ -74,7 +74,8 @@ def field_refusal(eng, name: str) -> str:
     prompt alone: where the model can fill in the middle, where it can; else why it cannot."""
     if fim_tokens(eng.tokenizer) is None:
         return f"{name}: {NO_FIM}"
-    return (f"{name}: an /infill field; this endpoint completes its prompt alone (send input_prefix, input_suffix "
+    kind = "/v1/completions' field" if name == "suffix" else "an /infill field"   # (/infill refuses suffix)
+    return (f"{name}: {kind}; this endpoint completes its prompt alone (send input_prefix, input_suffix "
             "and input_extra to /infill, or prompt and suffix to /v1/completions)")
 
 

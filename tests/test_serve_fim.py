@@ -190,6 +190,9 @@ def test_completion_refuses_infill_fields_pointing_to_infill(fim):
                         ("suffix", "x")):
         r = tc.post("/completion", json={"prompt": "a", "n_predict": 1, name: value})
         assert r.status_code == 400 and r.json()["error"]["param"] == name and "/infill" in r.text, r.text
+        # suffix is /v1/completions' field (/infill refuses it): it was called "an /infill field"
+        assert ("an /infill field" in r.text) == (name != "suffix") and ("suffix" != name or "/v1/completions' "
+                                                                         "field" in r.text), r.text
     for off in ("", None, []):   # what clients send at a file's end: asks for nothing
         _ok(tc.post("/completion", json={"prompt": "a", "n_predict": 1, "input_suffix": off, "input_extra": off}))
 
