@@ -45,6 +45,9 @@ schema = schemathesis.pytest.from_fixture("api_schema")
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 def test_fuzz_every_operation(case):
     r = case.call(timeout=120 * slowness())
+    if r.status_code == 501 and case.path == "/infill":   # this model has no FIM tokens: llama-server's refusal
+        assert r.json()["error"]["type"] == "not_supported_error", r.text[:500]
+        return
     assert r.status_code < 500, (r.status_code, r.text[:500], case.body)
     if r.status_code >= 400:
         e = r.json().get("error")

@@ -445,8 +445,10 @@ def _read_until(proc, stop_at, bound: float) -> tuple[list, bool]:
     seconds pass (-> False): read by a thread, so a process that prints nothing cannot hang the test."""
     import queue
     import threading
-    q: queue.Queue = queue.Queue()
-    threading.Thread(target=lambda: ([q.put(ln) for ln in proc.stdout], q.put(None)), daemon=True).start()
+    q = getattr(proc, "lines_read", None)   # one reader per process: a second one (or communicate()) took lines
+    if q is None:
+        q = proc.lines_read = queue.Queue()
+        threading.Thread(target=lambda: ([q.put(ln) for ln in proc.stdout], q.put(None)), daemon=True).start()
     lines, deadline = [], time.monotonic() + bound
     while True:
         try:
@@ -461,13 +463,15 @@ def _read_until(proc, stop_at, bound: float) -> tuple[list, bool]:
 
 
 def _rest(proc, lines: list, bound: float) -> str:
-    """The output left after a stop (bounded), joined to `lines`."""
+    """The output left after a stop (bounded), joined to `lines`: read from _read_until's reader, which holds
+    proc's stdout (communicate() here raced it for the last lines: "bitnet serve: stopped" went missing)."""
+    more, _ = _read_until(proc, lambda ln: False, bound)
     try:
-        out, _ = proc.communicate(timeout=bound)
+        proc.wait(timeout=10)
     except subprocess.TimeoutExpired:
         proc.kill()
-        out, _ = proc.communicate()
-    return "".join(lines) + (out or "")
+        proc.wait()
+    return "".join(lines + more)
 
 
 def _serve_cli(*argv) -> list:
