@@ -474,6 +474,26 @@ def _rest(proc, lines: list, bound: float) -> str:
     return "".join(lines + more)
 
 
+def _replicas_until_ready_then_stopped(port: int, env, when_ready=None):
+    """`bitnet serve --ray-replicas 1` on `port` until ready (bounded), when_ready() called then, stopped by
+    SIGINT: (the process, whether it was ready, all its output, when_ready's result or None)."""
+    proc = subprocess.Popen([sys.executable, "-m", "bitnet_cpu", "serve", "--ray-replicas", "1", "-t", "1",
+                             "--host", "127.0.0.1", "--port", str(port)], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    got = None
+    try:
+        lines, ready = _read_until(proc, lambda ln: READY in ln, 400 * slowness())
+        if ready and when_ready is not None:
+            got = when_ready()
+        proc.send_signal(signal.SIGINT)
+        out = _rest(proc, lines, 120 * slowness())
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return proc, ready, out, got
+
+
 def _serve_cli(*argv) -> list:
     """Ray's `serve` command line, run by this interpreter (no PATH needed)."""
     return [sys.executable, "-c", "import sys; from ray.serve.scripts import cli; sys.exit(cli())", *argv]
@@ -505,20 +525,8 @@ def test_ray_replicas_beside_another_cluster_leave_it_running(ray_stopped):
         other = f"http://127.0.0.1:{other_port}/other"
         assert httpx.get(other, timeout=60).text == "other app alive"
 
-        proc = subprocess.Popen([sys.executable, "-m", "bitnet_cpu", "serve", "--ray-replicas", "1", "-t", "1",
-                                 "--host", "127.0.0.1", "--port", str(port)], cwd=ROOT, env=cluster_env,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        health = None
-        try:
-            lines, ready = _read_until(proc, lambda ln: READY in ln, 400 * slowness())
-            if ready:
-                health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=60).status_code
-            proc.send_signal(signal.SIGINT)
-            out = _rest(proc, lines, 120 * slowness())
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        proc, ready, out, health = _replicas_until_ready_then_stopped(
+            port, cluster_env, lambda: httpx.get(f"http://127.0.0.1:{port}/health", timeout=60).status_code)
         assert health == 200, f"nothing answered on --port {port}: {out[-2000:]}"
         assert proc.returncode == 0, (proc.returncode, out[-2000:])
         assert "RAY_ADDRESS" in out, out[-2000:]   # said, not silently ignored
@@ -532,17 +540,7 @@ def test_ray_start_and_stop_say_only_what_matters(ray_stopped):
     """A normal start and stop print bitnet's own lines, not Ray's: no "New http_options ... will not be applied"
     (bitnet started that Serve itself, with its --host/--port), no raylet report of the controller bitnet's stop
     killed, and no raw terminal colour codes in a log."""
-    proc = subprocess.Popen([sys.executable, "-m", "bitnet_cpu", "serve", "--ray-replicas", "1", "-t", "1",
-                             "--host", "127.0.0.1", "--port", str(free_port())], cwd=ROOT, env=_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        lines, ready = _read_until(proc, lambda ln: READY in ln, 400 * slowness())
-        proc.send_signal(signal.SIGINT)
-        out = _rest(proc, lines, 120 * slowness())
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    proc, ready, out, _ = _replicas_until_ready_then_stopped(free_port(), _env())
     assert ready and proc.returncode == 0 and "bitnet serve: stopped" in out, (proc.returncode, out[-2000:])
     assert "will not be applied" not in out, out[-2000:]
     assert "graceful_shutdown" not in out and "killed by `ray.kill`" not in out, out[-2000:]
