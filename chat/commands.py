@@ -202,10 +202,12 @@ def parse_setting(name: str, text: str, *, max_tokens_limit: int | None = None) 
             return key, max_tokens_limit   # (the session says so: max_tokens_over_context), as bitchat -n N
         return key, v
     field = FIELD_OF_SETTING[key]
-    if key == "dry_sequence_breakers":   # a JSON list of strings, one string, or none
-        v = _breakers(text)
-    elif key == "reasoning_budget_message":   # the text as typed
-        v = text
+    if key in ("dry_sequence_breakers", "reasoning_budget_message"):
+        # a JSON list of strings, one string, or none; the text as typed
+        v = _breakers(text) if key == "dry_sequence_breakers" else text
+        bad = next((s for s in (v if isinstance(v, tuple) else (v,)) if re.search("[\ud800-\udfff]", s)), None)
+        if bad is not None:   # JSON's unpaired "\ud800": no text; every later /save failed (an internal error)
+            raise CommandError(f"/set {key}: {text!r} holds a lone UTF-16 surrogate, which is not text")
     elif key == "seed" and text.lower() in ("none", "random", "off", "-1"):
         v = None
     else:

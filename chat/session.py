@@ -26,14 +26,14 @@ from dataclasses import replace
 
 from ..engine.errors import ENDING_SIGNALS, Terminated
 from ..engine.fileio import SETTINGS_FILE_MAX, read_settings_file
-from .commands import (OLLAMA_SET_WORDS, SETTING_NAMES, THINK_WORDS, UNTIL_END, Command, CommandError,
+from .commands import (OLLAMA_SET_WORDS, SETTING_ALIASES, SETTING_NAMES, THINK_WORDS, UNTIL_END, Command, CommandError,
                        CommandInterrupted, Settings, help_text, max_tokens_over_context, parse_setting,
                        shown_max_tokens, split_set, strip_block)
 from .render import Output, format_stats
 from .recovery import this_process
 from .splice import CachedTurn, spliced_prompt
-from .transcript import (Conversation, TranscriptError, other_conversation, private_dir, refuse_directory_name,
-                         same_file_key)
+from .transcript import (Conversation, TranscriptError, file_identity, lone_surrogate, other_conversation,
+                         private_dir, refuse_directory_name, same_file_key)
 
 
 EXACT_COUNT_CHARS = 1 << 20   # a refused message up to this long is counted whole to say what it needs
@@ -767,8 +767,8 @@ class ChatSession:
                 self.set_system(pair[1], "/set system")
             elif pair[0] in THINK_WORDS:
                 self.set_thinking(pair[0] == "think")
-            else:
-                key, value = parse_setting(pair[0], pair[1], max_tokens_limit=self.llm.n_ctx)
+            else:   # (a value typed in a locale that is not UTF-8: the text its bytes spell, as a message's)
+                key, value = parse_setting(pair[0], _typed_text(pair[1]), max_tokens_limit=self.llm.n_ctx)
                 if key == "max_tokens" and value != UNTIL_END and value < int(pair[1]):   # capped to the context
                     self.out.notice(f"[{max_tokens_over_context(int(pair[1]), self.llm.n_ctx)}]")
                 setattr(self.settings, key, value)
@@ -793,15 +793,18 @@ class ChatSession:
                 refuse_directory_name(arg)
             except TranscriptError as e:
                 raise CommandError(f"/save: {e}") from None
-            other = None if cmd.force or self._still_own(same_file_key(arg)) else other_conversation(
-                same_file_key(arg))
-            if other:   # a fresh session's /save replaced a long conversation with an empty one, in silence
-                raise CommandError(f"/save: {same_file_key(arg)} holds {other}: not replaced; /save! {arg} replaces "
-                                   "it, or pick another name")
             target = same_file_key(arg)
+            # the file as judged here: the save replaces only that one, and creates a file where there was none (two
+            # sessions saving to one new name both said "saved"; the file held only the second's conversation)
             before = _identity_at(target)
-            try:
-                path = self.conv.save(arg, meta={"model": self.llm.name, "settings": self.saved_settings()})
+            owned = self._still_own(target)
+            other = None if cmd.force or owned else other_conversation(target)
+            if other:   # a fresh session's /save replaced a long conversation with an empty one, in silence
+                raise CommandError(f"/save: {target} holds {other}: not replaced; /save! {arg} replaces "
+                                   "it, or pick another name")
+            try:   # (the file this session loaded or saved is its own, whatever its keys: a hand-written one too)
+                path = self.conv.save(arg, meta={"model": self.llm.name, "settings": self.saved_settings()},
+                                      expect=before, owned=owned)
             except TranscriptError as e:
                 raise CommandError(f"/save: {e}") from None
             except KeyboardInterrupt:   # Ctrl-C mid-write: the save is atomic; say which file is (not) there
@@ -890,8 +893,17 @@ class ChatSession:
             raise CommandInterrupted(f"/load {name}: interrupted; the current conversation is kept")
 
     def set_system(self, text: str, name: str) -> None:
+        from ..engine.formats.tokenizer import decode_utf8
+
         if not text:   # /set system """ """: an empty block
             raise CommandError(f"{name} needs the text, e.g. {name} You are brief.")
+        try:   # typed in a locale that is not UTF-8 (as a message): lone surrogates made every /save fail
+            text = decode_utf8(_typed_text(text), name)
+        except ValueError as e:
+            raise CommandError(f"[{e}; the system prompt is unchanged{_locale_note()}]") from None
+        problem = lone_surrogate(text, name)
+        if problem:
+            raise CommandError(f"{problem}; the system prompt is unchanged")
         self.conv.system = text
         self._save_recovery()
         self.out.info("[system prompt set]")
@@ -1007,7 +1019,11 @@ class ChatSession:
                 elif self.llm.template_kwargs.get("enable_thinking") != value:
                     self.llm.set_template_kwargs({**self.llm.template_kwargs, "enable_thinking": value})
                     changed.append("think" if value else "nothink")
-            elif name in SETTING_NAMES:
+            elif name not in SETTING_NAMES:   # ollama's spelling, or a later bitchat's setting: dropped unsaid
+                alias = SETTING_ALIASES.get(name.lower(), name.lower())
+                skip(name, f"not a setting of bitchat's files (bitchat's files name it {alias})"
+                     if alias in SETTING_NAMES else "unknown to this bitchat")
+            else:
                 text = "random" if value is None and name == "seed" else \
                     json.dumps(value) if name == "dry_sequence_breakers" else \
                     value if isinstance(value, str) and name == "reasoning_budget_message" else \
@@ -1144,9 +1160,7 @@ def _identity_at(path: str) -> tuple | None:
         return None
 
 
-def _identity(st: os.stat_result) -> tuple:
-    """A file's identity and version: a rewrite by another process (a new inode, or a new time and size) differs."""
-    return st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size
+_identity = file_identity   # a file's identity and version (transcript.py: what Conversation.save compares)
 
 
 def _prefill(llm, ids: list[int], params, cancel=None) -> None:

@@ -384,12 +384,16 @@ def test_a_bitchat_starting_up_keeps_what_another_one_stores_meanwhile(tmp_path)
 
 
 def test_load_refuses_a_file_larger_than_any_conversation(tmp_path):
-    """Over 16 MiB (a 128k-token conversation is about 1 MB) is refused before reading: a 60 MB file froze /load for
+    """Over LOAD_MAX_BYTES (what /save writes at most) is refused before reading: a 60 MB file froze /load for
     minutes. A sparse file: nothing is written."""
+    from bitnet_cpu.chat.transcript import LOAD_MAX_BYTES
+
     p = tmp_path / "huge.json"
     with open(p, "wb") as f:
-        f.truncate(17 << 20)
-    with pytest.raises(TranscriptError, match=r"17 MiB is too large for a bitchat conversation \(at most 16 MiB\)"):
+        f.truncate(LOAD_MAX_BYTES + (1 << 20))
+    over, limit = (LOAD_MAX_BYTES >> 20) + 1, LOAD_MAX_BYTES >> 20
+    with pytest.raises(TranscriptError,
+                       match=rf"{over} MiB is too large for a bitchat conversation \(at most {limit} MiB\)"):
         Conversation.load(str(p))
 
 
@@ -797,3 +801,185 @@ def test_a_copy_is_left_behind_when_the_process_it_names_is_not_its_writer(tmp_p
     assert running == {"recovery-11.json", legacy_now.name} | ({legacy_old.name} - want) | (
         {"recovery-16.json"} if "boot" in me else set())
     assert all(c.turns == 1 and c.first == "Kept?" for c in left_behind())
+
+
+# ---- what /save writes, /load reads back --------------------------------------------------------
+
+def test_a_lone_surrogate_anywhere_in_a_file_is_refused_at_load_in_one_line(tmp_path):
+    """JSON's unpaired "\\ud800" (a JavaScript tool that cut an emoji in half) loaded into a turn out of the model's
+    view, or a setting, and every later /save failed as an internal error: the file is refused where it is read,
+    naming where the character is. A pair ("\\ud83d\\ude00") is one character and loads."""
+    cases = {
+        "turns[0].user": {"turns": [{"user": "old \\ud800 one", "assistant": "a"}, {"user": "b", "assistant": "c"}]},
+        "system": {"system": "x\\udfffy", "turns": []},
+        "meta.settings.dry_sequence_breakers[0]": {"turns": [], "meta": {"settings": {
+            "dry_sequence_breakers": ["a\\ud800"]}}},
+        "meta.settings.reasoning_budget_message": {"turns": [], "meta": {"settings": {
+            "reasoning_budget_message": "x\\ud800y"}}},
+    }
+    for place, body in cases.items():
+        p = tmp_path / "sur.json"
+        p.write_text(json.dumps(body).replace("\\\\u", "\\u"))
+        with pytest.raises(TranscriptError) as e:
+            Conversation.load(str(p))
+        line = str(e.value)
+        assert "lone UTF-16 surrogate" in line and place in line and str(p) in line and "\n" not in line, line
+    p.write_text('{"turns": [{"user": "smile \\ud83d\\ude00", "assistant": "ok"}]}')
+    assert Conversation.load(str(p)).turns[0].user == "smile \U0001F600"
+
+
+def test_a_save_of_text_that_is_not_text_is_one_line_and_writes_nothing(tmp_path):
+    """A lone surrogate that got into the conversation some other way: /save said "internal error:
+    UnicodeEncodeError"; now one line naming the file, and the file there stays as it was."""
+    target = tmp_path / "conv.json"
+    target.write_text(OLD)
+    c = make_conv(1)
+    c.add_user("bad \ud800").assistant = "x"
+    with pytest.raises(TranscriptError, match=r"conv.json: .*lone UTF-16 surrogate"):
+        c.save(str(target))
+    assert target.read_text() == OLD
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["conv.json"]
+
+
+def test_a_conversation_over_the_old_16_mib_bound_is_saved_and_loaded_back(tmp_path):
+    """/save wrote 17.6 MB (indented) from a 16.6 MB file it had loaded, then /load refused its own file as over
+    16 MiB: what /save writes, /load reads, and a large conversation is written compactly."""
+    c = Conversation()
+    for i in range(2):
+        c.add_user(f"paste {i} " + "q" * (9 << 20)).assistant = "a" * 1000
+    path = c.save(str(tmp_path / "big.json"))
+    assert Conversation.load(path).turns == c.turns
+    assert os.path.getsize(path) < len(c.turns[0].user) * 2 + 4096   # no indentation bytes on every line
+
+
+def test_save_refuses_what_load_would_refuse_and_keeps_the_old_file(tmp_path, monkeypatch):
+    """The size bound of /load is checked when writing too: never a file bitchat cannot read back (a lower bound
+    here, as a conversation at the real one takes hundreds of MB)."""
+    from bitnet_cpu.chat import transcript
+
+    monkeypatch.setattr(transcript, "LOAD_MAX_BYTES", 64 << 10)
+    target = tmp_path / "conv.json"
+    target.write_text(OLD)
+    c = Conversation()
+    c.add_user("x" * (100 << 10)).assistant = "y"
+    with pytest.raises(TranscriptError, match=r"conv.json: .*too large for /load to read back") as e:
+        c.save(str(target))
+    assert "\n" not in str(e.value)
+    assert target.read_text() == OLD and sorted(p.name for p in tmp_path.iterdir()) == ["conv.json"]
+
+
+def test_big_recovery_copies_are_found(tmp_path, monkeypatch):
+    """A killed session's recovery copy over 16 MiB was never named at start nor by --recovered, and
+    $BITCHAT_RECOVERY naming it called it "not a bitchat recovery copy"."""
+    import subprocess
+    import sys
+
+    from bitnet_cpu.chat.recovery import left_behind
+    from bitnet_cpu.chat.transcript import recovery_problem
+
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path))
+    folder = tmp_path / "bitchat"
+    folder.mkdir()
+    gone = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True).stdout)
+    c = Conversation()
+    c.add_user("First?").assistant = "x" * (17 << 20)
+    path = c.save(str(folder / f"recovery-{gone}.json"), meta={"recovered": True}, durable=False)
+    assert os.path.getsize(path) > 16 << 20
+    assert [(x.path, x.turns, x.first) for x in left_behind()] == [(path, 1, "First?")]
+    assert recovery_problem(path) is None
+
+
+def test_a_conversation_is_known_by_its_format_wherever_the_key_is(tmp_path):
+    """A saved conversation reformatted by jq or an editor ("version" first) loads, but /save and /save! refused to
+    replace it ("exists and is not a bitchat conversation"): the file is judged by its content, as /load does."""
+    p = tmp_path / "vfirst.json"
+    p.write_text(json.dumps({"version": 1, "turns": [{"user": "a", "assistant": "b"}],
+                             "format": "bitchat-conversation"}, indent=4))
+    assert len(Conversation.load(str(p)).turns) == 1
+    make_conv(3).save(str(p))
+    assert len(Conversation.load(str(p)).turns) == 3
+
+
+def test_a_save_to_a_new_name_never_replaces_a_file_made_there_meanwhile(tmp_path):
+    """/save checked that the name was free, then replaced whatever was there at the rename: two sessions saving to
+    one new name both said "saved" and one conversation was lost. A caller that found no file (expect=None) only
+    ever creates one; one that saw a file replaces only that file."""
+    target = tmp_path / "x.json"
+    make_conv(1).save(str(target))
+    theirs = target.read_text()
+    with pytest.raises(TranscriptError, match=r"x.json: .*meanwhile .*: not replaced"):
+        make_conv(2).save(str(target), expect=None)
+    assert target.read_text() == theirs
+    from bitnet_cpu.chat.transcript import file_identity
+
+    seen = file_identity(os.stat(target))
+    make_conv(3).save(str(target))   # another writer after the caller looked
+    with pytest.raises(TranscriptError, match=r"meanwhile .*: not replaced"):
+        make_conv(4).save(str(target), expect=seen)
+    assert len(Conversation.load(str(target)).turns) == 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.json"]
+
+
+def test_two_writers_of_one_new_name_one_wins_and_the_other_is_told(tmp_path):
+    """Both writers of a new name start together (a barrier), many rounds: each round exactly one is saved, and the
+    file holds that one's conversation."""
+    import threading
+
+    for round_ in range(30):
+        target = str(tmp_path / f"r{round_}.json")
+        barrier, results = threading.Barrier(2), {}
+
+        def write(n):
+            barrier.wait()
+            try:
+                make_conv(n).save(target, expect=None, durable=False)
+                results[n] = True
+            except TranscriptError:
+                results[n] = False
+        threads = [threading.Thread(target=write, args=(n,)) for n in (1, 2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert sorted(results.values()) == [False, True], results
+        winner = next(n for n, ok in results.items() if ok)
+        assert len(Conversation.load(target).turns) == winner
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".bitchat-")]
+
+
+def test_a_replaced_file_keeps_its_mode(tmp_path):
+    """/save over a 0644 conversation left it 0600 (the temp file's mode); a new file is still private (0600)."""
+    import stat
+
+    target = tmp_path / "shared.json"
+    make_conv(1).save(str(target))
+    assert stat.S_IMODE(os.stat(target).st_mode) == 0o600
+    os.chmod(target, 0o644)
+    make_conv(2).save(str(target))
+    assert stat.S_IMODE(os.stat(target).st_mode) == 0o644
+
+
+def test_interrupted_must_be_true_or_false(tmp_path):
+    """"interrupted": "false" loaded as interrupted (bool of a non-empty string)."""
+    p = tmp_path / "c.json"
+    p.write_text('{"turns": [{"user": "a", "assistant": "b", "interrupted": "false"}]}')
+    with pytest.raises(TranscriptError, match=r"turn 0: 'interrupted' must be true or false, got 'false'"):
+        Conversation.load(str(p))
+    p.write_text('{"turns": [{"user": "a", "assistant": "b", "interrupted": false}]}')
+    assert Conversation.load(str(p)).turns[0].interrupted is False
+
+
+@pytest.mark.parametrize("content, message", [
+    (b'[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]',
+     "a list of role/content messages (OpenAI or ollama style), not a bitchat conversation"),
+    (b'{"turns": []}\n{"turns": []}\n', "JSON Lines"),
+    (b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x00\x03", "gzip-compressed"),
+])
+def test_other_tools_files_are_named_in_the_refusal(tmp_path, content, message):
+    p = tmp_path / "other.json"
+    p.write_bytes(content)
+    with pytest.raises(TranscriptError) as e:
+        Conversation.load(str(p))
+    line = str(e.value)
+    assert message in line and str(p) in line and "\n" not in line and "iconv" not in line, line

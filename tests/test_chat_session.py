@@ -582,7 +582,7 @@ def test_load_refuses_what_the_model_cannot_take_and_keeps_the_chat(llm, tmp_pat
     bad = tmp_path / "bad.json"
     bad.write_text('{"format": "bitchat-conversation", "version": 1, '
                    '"turns": [{"user": "x\\ud800y", "assistant": "z"}]}')
-    with pytest.raises(CommandError, match=r"/load: .*bad.json: this model cannot take the conversation: .*surrogate"):
+    with pytest.raises(CommandError, match=r"/load: .*bad.json: turns\[0\].user holds a lone UTF-16 surrogate"):
         s.run_command(parse_command(f"/load {bad}"))
     assert [t.user for t in s.conv.turns] == ["One?"]
     s.ask("Two?")
@@ -1275,3 +1275,109 @@ def test_the_room_left_for_the_answer_is_said_as_it_is(llm):
     said = sink.getvalue()[mark:]   # a short system prompt: the whole reserve is kept (said, if a turn dropped)
     assert "left for the answer" not in said and all("40 kept for the answer" in x for x in said.splitlines()
                                                       if "context full" in x), said
+
+
+def test_a_lone_surrogate_never_makes_the_session_unsavable(llm, tmp_path):
+    """A loaded file with an unpaired "\\ud800" in a turn out of the model's view or in a setting, a /set value
+    spelled with one, or a /system typed in a C locale: /load, /set and /system refuse it in one line, and the
+    conversation can still be saved (every question, /save and /reset failed as an internal error)."""
+    from bitnet_cpu.engine.api import load_model
+
+    small = load_model(llm.store.path, ctx=128, threads=1, progress=False)
+    sink = io.StringIO()
+    s = ChatSession(small, Settings(temp=0.0, max_tokens=8), Output(sink, sink, interactive=False))
+    s.ask("Kept?")
+    old = [{"user": "old \\ud800 one", "assistant": "answer"}] + [{"user": "word " * 150, "assistant": "reply " * 100}
+                                                                   for _ in range(4)]
+    files = {
+        "old_turn.json": {"turns": old},
+        "breakers.json": {"turns": [{"user": "hi", "assistant": "ok"}],
+                          "meta": {"settings": {"dry_sequence_breakers": ["a\\ud800"]}}},
+        "budget.json": {"turns": [{"user": "hi", "assistant": "ok"}],
+                        "meta": {"settings": {"reasoning_budget_message": "x\\ud800y"}}},
+    }
+    for name, body in files.items():
+        p = tmp_path / name
+        p.write_text(json.dumps(body).replace("\\\\u", "\\u"))
+        with pytest.raises(CommandError, match=r"^/load: .*surrogate[^\n]*$"):
+            s.run_command(parse_command(f"/load {p}"))
+        assert [t.user for t in s.conv.turns] == ["Kept?"], name
+    for line in ('/set dry_sequence_breakers ["a\\ud800"]', '/set reasoning_budget_message x\ud800y'):
+        with pytest.raises(CommandError, match=r"surrogate"):
+            s.run_command(parse_command(line))
+    s.run_command(parse_command("/system caf" + "é".encode().decode("ascii", "surrogateescape")))
+    assert s.conv.system == "café"
+    with pytest.raises(CommandError, match=r"not UTF-8 text: byte 0xff"):
+        s.run_command(parse_command("/system x" + b"\xff".decode("ascii", "surrogateescape")))
+    assert s.conv.system == "café"
+    out = tmp_path / "out.json"
+    s.run_command(parse_command(f"/save {out}"))
+    assert [t["user"] for t in json.loads(out.read_text(encoding="utf-8"))["turns"]] == ["Kept?"]
+    assert "internal error" not in sink.getvalue()
+
+
+def test_a_file_loaded_in_any_key_order_or_without_format_saves_back_to_its_path(llm, tmp_path):
+    """/load accepts a file with "version" first (jq, an editor) or a hand-written one with no "format", but /save
+    and /save! back to it said "exists and is not a bitchat conversation"; the file the session loaded is its own."""
+    vfirst, minimal = tmp_path / "vfirst.json", tmp_path / "minimal.json"
+    vfirst.write_text(json.dumps({"version": 1, "format": "bitchat-conversation", "system": None,
+                                  "turns": [{"user": "a", "assistant": "b"}]}))
+    minimal.write_text(json.dumps({"turns": [{"user": "hand written", "assistant": "yes"}]}))
+    for path in (vfirst, minimal):
+        s, sink = new_session(llm)
+        s.run_command(parse_command(f"/load {path}"))
+        s.ask("Hello?")
+        s.run_command(parse_command(f"/save {path}"))
+        assert len(json.loads(path.read_text())["turns"]) == 2
+        s.ask("Again?")
+        s.run_command(parse_command(f"/save! {path}"))
+        assert len(json.loads(path.read_text())["turns"]) == 3, sink.getvalue()
+
+
+def test_a_save_to_a_name_another_session_took_meanwhile_is_refused(llm, tmp_path):
+    """Two sessions saving to one new name at once both said "saved" and one conversation was lost: the session
+    that checked the name was free only creates the file, so the second is refused with the /save! hint. Run as
+    two sessions in threads, many rounds: never both saved, and the file holds the one that was."""
+    import threading
+
+    a, _ = new_session(llm)
+    b, _ = new_session(llm)
+    a.conv.add_user("from A").assistant = "a"
+    b.conv.add_user("from B").assistant = "b"
+    b.conv.add_user("more B").assistant = "b"
+    for round_ in range(20):
+        path = tmp_path / f"x{round_}.json"
+        barrier, saved = threading.Barrier(2), {}
+
+        def save(name, session):
+            barrier.wait()
+            try:
+                session.run_command(parse_command(f"/save {path}"))
+                saved[name] = True
+            except CommandError as e:
+                assert "not replaced" in str(e) and "/save!" in str(e), str(e)
+                saved[name] = False
+        threads = [threading.Thread(target=save, args=x) for x in (("A", a), ("B", b))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert sorted(saved.values()) == [False, True], saved
+        turns = len(json.loads(path.read_text())["turns"])
+        assert turns == (1 if saved["A"] else 2)
+
+
+def test_load_names_each_setting_it_does_not_know(llm, tmp_path):
+    """ollama's spellings (temperature, num_predict) or a later bitchat's new setting in a file were dropped without
+    a word: one line each, as a bad value gets."""
+    path = tmp_path / "alias.json"
+    path.write_text(json.dumps({"turns": [{"user": "a", "assistant": "b"}],
+                                "meta": {"settings": {"temperature": 0.1, "num_predict": 5, "future_knob": 1,
+                                                      "temp": 0.5}}}))
+    s, sink = new_session(llm)
+    s.run_command(parse_command(f"/load {path}"))
+    out = sink.getvalue()
+    for name in ("temperature", "num_predict", "future_knob"):
+        lines = [line for line in out.splitlines() if f"setting {name} not restored" in line]
+        assert len(lines) == 1, out
+    assert "bitchat's files name it temp" in out and s.settings.temp == 0.5
