@@ -8,7 +8,9 @@ Two layers, because some limits must act before there is a request at all:
   within QUIET_GRACE; a newcomer at the cap closes the connection silent the longest
   first, as nginx reuses its idle ones), times the headers of every request from its first
   byte (or the connection's start) and answers 408 and closes when they take longer than --header-timeout
-  (slowloris), and (httptools) refuses header blocks over --max-header-kb with 431 while they arrive.
+  (slowloris), and (httptools) refuses a request's header block over --max-header-kb with 431 while it arrives.
+  It ignores Upgrade (the body stays with its request), refuses Content-Length beside Transfer-Encoding, and
+  answers what the parser refuses in JSON (400 invalid_http, saying why) and closes.
 - `AcceptGuard`: the event loop's handler for an accept() that fails for want of descriptors: one log line, and
   the connections waiting get a 503 out_of_resources through a descriptor held in reserve for that.
 - `LimitsMiddleware`: a pure ASGI middleware that refuses too many headers (431), a Content-Length over
@@ -207,7 +209,9 @@ class LimitsMiddleware:
         if len(headers) > lim.max_headers:
             return await send_error(send, scope, 431, f"{len(headers)} request headers: at most {lim.max_headers}",
                                     "invalid_request_error", "headers_too_large", close=True)
-        if sum(len(k) + len(v) + 4 for k, v in headers) > lim.max_header_bytes:
+        # the request target counts too, as the protocol counts it while it arrives (httptools; h11 left it out)
+        target = len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"") + 1
+        if target + sum(len(k) + len(v) + 4 for k, v in headers) > lim.max_header_bytes:
             return await send_error(send, scope, 431, f"request headers over {lim.max_header_bytes} bytes",
                                     "invalid_request_error", "headers_too_large", close=True)
         length = None
@@ -595,9 +599,81 @@ def _close_delimited(cycle, send):
     return send10
 
 
+class _UpgradesIgnored:
+    """uvicorn's httptools parser, with every Upgrade ignored (RFC 9110 7.8: a server may, and then answers the
+    request as it came): this server has no websocket or h2c routes. llhttp stops at the end of the headers of a
+    request that asks to upgrade (curl --http2, Java's HttpClient, a proxy passing a websocket's headers on) and
+    leaves the rest to the other protocol; uvicorn then ran the request with no body and parsed its body as the next
+    request (a request hidden in it ran past a front proxy's rules). Here a fresh parser takes over, fed the
+    request's framing (its Content-Length / Transfer-Encoding) with the protocol's callbacks muted, so the body
+    goes to its request and what follows it is parsed as what it is. Every other attribute is the parser's."""
+
+    def __init__(self, protocol, parser):
+        self._protocol, self._parser = protocol, parser
+
+    def __getattr__(self, name):
+        return getattr(self._parser, name)
+
+    def feed_data(self, data: bytes) -> None:
+        import httptools
+        p = self._protocol
+        for _ in range(len(data) + 1):   # each pass takes a request's headers at least: bounded by the bytes
+            try:
+                return self._parser.feed_data(data)
+            except httptools.HttpParserUpgrade as e:
+                offset = e.args[0] if e.args and isinstance(e.args[0], int) else len(data)
+            except httptools.HttpParserError as e:   # uvicorn answers 400 with a fixed text: why, for ours
+                p._why = _parser_why(e)
+                raise
+            version = self._parser.get_http_version() or "1.1"
+            framing = "".join(f"{k.decode('latin-1')}: {v.decode('latin-1')}\r\n" for k, v in p.headers
+                              if k in (b"content-length", b"transfer-encoding"))
+            self._parser = httptools.HttpRequestParser(p)
+            try:
+                self._parser.set_dangerous_leniencies(lenient_data_after_close=True)   # as uvicorn sets its own
+            except AttributeError:
+                pass
+            p._replaying = True
+            try:
+                self._parser.feed_data(f"POST / HTTP/{version}\r\n{framing}\r\n".encode("latin-1"))
+            except httptools.HttpParserError as e:   # framing llhttp refuses (Content-Length beside chunked)
+                p._why = _parser_why(e)
+                raise
+            finally:
+                p._replaying = False
+            data = data[offset:]
+
+
+def _framing_checked(app):
+    """The app behind a check of the request's framing, before anything else sees it: Content-Length beside
+    Transfer-Encoding (RFC 9112 6.3: a sign of request smuggling, which a server must refuse or close the connection
+    after) is a 400 and the connection closed. httptools refuses it itself; h11 took the chunked body and kept the
+    connection, so the bytes the Content-Length covered past it ran as a request of their own (CL.TE)."""
+    async def checked(scope, receive, send):
+        if scope["type"] == "http":
+            names = {k for k, _ in scope.get("headers") or () if k in (b"content-length", b"transfer-encoding")}
+            if len(names) == 2:
+                return await send_error(send, scope, 400, "not a valid HTTP/1.1 request (Content-Length beside "
+                                        "Transfer-Encoding)", "invalid_request_error", "invalid_http", close=True)
+        return await app(scope, receive, send)
+    return checked
+
+
+def _parser_why(e: BaseException) -> str:
+    """Why httptools refused a request, in one line."""
+    why = e.__context__ if type(e).__name__ == "HttpParserCallbackError" and e.__context__ is not None else e
+    return " ".join(str(why).split())[:200] or type(why).__name__
+
+
+def _not_http(why: str | None) -> bytes:
+    text = f"not a valid HTTP/1.1 request ({why})" if why else "not a valid HTTP/1.1 request"
+    return _raw_response(400, "Bad Request", text, "invalid_http")
+
+
 def guarded_protocol(limits: Limits, base=None):
-    """A subclass of uvicorn's HTTP protocol (`base`; default: httptools when installed, else h11) that enforces
-    the connection cap, the header timeout, (httptools) the header size and the send timeout; pass it as
+    """A subclass of uvicorn's HTTP protocol (`base`; default: httptools, a dependency; h11 where it is missing,
+    which behaves the same here) that enforces the connection cap, the header timeout, (httptools) the header size
+    and the send timeout, and HTTP's framing rules above (_UpgradesIgnored, _framing_checked); pass it as
     uvicorn.Config(http=...). The send timeout: a client that takes nothing of what is written to it for
     limits.send_timeout (the transport paused the whole time: its buffer full) is cut off (transport.abort()).
     Without it such a client held its connection for ever, a finished answer's megabytes with it, and counted
@@ -615,7 +691,39 @@ def guarded_protocol(limits: Limits, base=None):
     live: set = set()              # the open connections, for stopping()
     shared = {"loop": None}        # the server's event loop (stopping() may be called from another thread)
 
+    httptools_base = hasattr(base, "on_message_begin")
+
     class GuardedProtocol(base):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            # no websocket routes here: a request asking for one is answered as any other (uvicorn handed it to its
+            # websocket protocol, which answered a POST 408 after --header-timeout, or a plain-text 400)
+            self.ws_protocol_class = None
+            self._why = None          # why the parser refused the request (its error), for the 400 that says so
+            self._replaying = False   # feeding a fresh parser a request's framing (_UpgradesIgnored): callbacks muted
+            if httptools_base:
+                self.parser = _UpgradesIgnored(self, self.parser)
+            else:
+                self.conn.next_event = self._h11_next_event(self.conn.next_event)
+            self.app = _framing_checked(self.app)
+
+        def _h11_next_event(self, next_event):
+            import h11
+
+            def noted():
+                try:
+                    return next_event()
+                except h11.RemoteProtocolError as e:
+                    self._why = e
+                    raise
+            return noted
+
+        def _unsupported_upgrade_warning(self):
+            pass   # an Upgrade ignored is HTTP's rule (RFC 9110 7.8), not a warning per request
+
+        def _should_upgrade(self):
+            return False
+
         @staticmethod
         def stopping():
             loop = shared["loop"]
@@ -714,9 +822,22 @@ def guarded_protocol(limits: Limits, base=None):
                 c.keep_alive = False
                 return
             if not self._rejected:
-                super().send_400_response(msg)
+                self._reject(self._refusal())
 
-        def on_headers_complete(self):
+        def _refusal(self) -> bytes:
+            """The answer to bytes the parser refused, in JSON (uvicorn's was text/plain "Invalid HTTP request
+            received."): h11's header block over its buffer (--max-header-kb) is the 431 httptools' gives."""
+            why = self._why
+            if getattr(why, "error_status_hint", 400) == 431:
+                return _raw_response(431, "Request Header Fields Too Large", f"request headers over "
+                                     f"{limits.max_header_bytes} bytes", "headers_too_large")
+            if why is not None and not isinstance(why, str):   # h11's RemoteProtocolError
+                why = " ".join(str(why).split())[:200] or None
+            return _not_http(why)
+
+        def on_headers_complete(self):   # httptools
+            if self._replaying:
+                return
             super().on_headers_complete()
             c = self.cycle
             if c is not None and c.scope.get("http_version") == "1.0" and hasattr(c, "chunked_encoding"):
@@ -733,15 +854,29 @@ def guarded_protocol(limits: Limits, base=None):
             super().data_received(data)
             if self.cycle is not before and self.cycle is not None:
                 self._disarm()
-                self._header_bytes = 0
+
+        def on_message_begin(self):   # httptools: each request's header bytes counted alone (a pipelined burst
+            if self._replaying:         # of small requests added up to one 431 for all)
+                return
+            self._header_bytes = 0
+            super().on_message_begin()
 
         def on_url(self, url):
+            if self._replaying:
+                return
             self._count(len(url))
             super().on_url(url)
 
         def on_header(self, name, value):
+            if self._replaying:
+                return
             self._count(len(name) + len(value) + 4)
             super().on_header(name, value)
+
+        def on_message_complete(self):
+            if httptools_base and self.parser.should_upgrade():
+                return   # llhttp ends a request asking to upgrade at its headers: its body follows (_UpgradesIgnored)
+            super().on_message_complete()
 
         def _count(self, n):
             self._header_bytes += n

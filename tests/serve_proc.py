@@ -40,11 +40,14 @@ def pythonpath() -> str:
 
 class Server:
     def __init__(self, *extra: str, threads: int | None = 2, timeout: float | None = None, env: dict | None = None):
-        """threads None: no -t (the server's own default); env: variables set for the server beside ours."""
+        """threads None: no -t (the server's own default); env: variables set for the server beside ours (a
+        PYTHONPATH there comes before ours)."""
         from helpers import slowness
         if timeout is None:   # loading the model: seconds here, minutes under qemu
             timeout = 60.0 * slowness()
-        env = dict(os.environ, PYTHONPATH=pythonpath(), **(env or {}))
+        own = env or {}
+        env = dict(os.environ, **own)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (own.get("PYTHONPATH"), pythonpath()) if p)
         for attempt in range(3):
             # free_port() gives the port back before the server binds it: another process (the suite starts
             # hundreds of servers) may take it meanwhile; the server then says so and exits 2 -- try another

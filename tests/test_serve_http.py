@@ -1,0 +1,216 @@
+"""HTTP/1.1 framing at `bitnet serve`'s door (serve/limits.py guarded_protocol and LimitsMiddleware), on both of
+uvicorn's parsers: httptools (a dependency, what every install runs) and h11 (what uvicorn falls back to where
+httptools is missing: the server runs here with httptools hidden from it). Raw bytes on a socket, since HTTP
+clients never send these shapes: a request asking to upgrade (curl --http2, Java's HttpClient) is served as
+itself and its body never runs as a request of its own, Content-Length beside Transfer-Encoding is refused and
+the connection closed, the header limit counts each pipelined request alone, a 405 names every method its path
+takes, and what the parser refuses is answered in JSON."""
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import httpx
+import pytest
+
+pytest.importorskip("fastapi", reason="bitnet serve needs the serve extra (pip install .[serve])")
+from serve_proc import Server  # noqa: E402
+
+CHAT = json.dumps({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}).encode()
+HIDE_HTTPTOOLS = "import sys\nsys.modules['httptools'] = None   # uvicorn without httptools: its h11 protocol\n"
+
+
+def _has_httptools() -> bool:
+    import importlib.util
+    return importlib.util.find_spec("httptools") is not None
+
+
+@pytest.fixture(scope="module", params=["httptools", "h11"])
+def parser(request, tmp_path_factory):
+    """(server, parser name): one `bitnet serve` per parser."""
+    env = {}
+    if request.param == "httptools" and not _has_httptools():
+        pytest.skip("httptools is not installed here (pip install httptools): the httptools parser's cases "
+                    "did not run, only h11's")
+    if request.param == "h11":
+        d = tmp_path_factory.mktemp("no-httptools")
+        (d / "sitecustomize.py").write_text(HIDE_HTTPTOOLS)
+        env["PYTHONPATH"] = str(d)
+    s = Server("--parallel", "2", env=env)
+    yield s, request.param
+    assert s.stop()[0] == 0
+
+
+def _running_parser(s: Server) -> str:
+    """Which parser the server's protocol class is built on, from /proc: the modules its process has loaded."""
+    with open(f"/proc/{s.proc.pid}/maps") as f:
+        return "httptools" if "httptools" in f.read() else "h11"
+
+
+def exchange(port: int, *parts: bytes, pause: float = 0.2, timeout: float = 60.0) -> bytes:
+    """Send `parts` (each its own write, `pause` s apart: separate TCP segments), then read until the server
+    closes the connection (bounded by `timeout`); what came back."""
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for i, part in enumerate(parts):
+            if i:
+                time.sleep(pause)
+            sock.sendall(part)
+        sock.settimeout(timeout)
+        out = b""
+        try:
+            while True:
+                chunk = sock.recv(65536)
+                if not chunk:
+                    return out
+                out += chunk
+        except ConnectionResetError:
+            return out
+
+
+def responses(raw: bytes) -> list[tuple[int, dict, bytes]]:
+    """The HTTP/1.1 responses in `raw`, in order: (status, headers lowercased, body), each body framed by its
+    Content-Length, chunked coding, or the end of the connection."""
+    out = []
+    while raw:
+        head, sep, raw = raw.partition(b"\r\n\r\n")
+        assert sep, head[:300]
+        lines = head.decode("latin-1").split("\r\n")
+        status = int(lines[0].split()[1])
+        headers = {}
+        for line in lines[1:]:
+            k, _, v = line.partition(":")
+            headers[k.strip().lower()] = v.strip()
+        if "content-length" in headers:
+            n = int(headers["content-length"])
+            body, raw = raw[:n], raw[n:]
+        elif headers.get("transfer-encoding", "").lower() == "chunked":
+            body = b""
+            while True:
+                size, _, raw = raw.partition(b"\r\n")
+                n = int(size.split(b";")[0], 16)
+                body, raw = body + raw[:n], raw[n + 2:]
+                if n == 0:
+                    break
+        else:
+            body, raw = raw, b""
+        out.append((status, headers, body))
+    return out
+
+
+def post_head(path: str, n: int, *extra: str) -> bytes:
+    return (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: {n}\r\n"
+            + "".join(f"{h}\r\n" for h in extra) + "\r\n").encode()
+
+
+H2C = ("Connection: Upgrade, HTTP2-Settings", "Upgrade: h2c",
+       "HTTP2-Settings: AAEAAEAAAAIAAAABAAMAAABkAAQBAAAAAAUAAEAA")   # what Java's HttpClient sends on http://
+CLOSE = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
+
+
+def test_the_parser_is_the_one_asked_for(parser):
+    s, name = parser
+    assert _running_parser(s) == name
+
+
+def test_a_request_asking_to_upgrade_is_served_as_itself(parser):
+    """RFC 9110 7.8: a server may ignore an Upgrade it does not support, and then answers the request as it came.
+    Java's HttpClient (HTTP_2 its default) and curl --http2 ask for h2c on every http:// request: httptools took
+    the body as another protocol's bytes, so the request ran with none (a 400), and a body in a later segment was
+    parsed as a request of its own."""
+    s, _ = parser
+    # the body in the same segment as the headers, a request pipelined after it
+    got = responses(exchange(s.port, post_head("/v1/chat/completions", len(CHAT), *H2C) + CHAT + CLOSE))
+    assert [g[0] for g in got] == [200, 200], got
+    assert json.loads(got[0][2])["object"] == "chat.completion", got[0]
+    # the body in a segment of its own
+    got = responses(exchange(s.port, post_head("/v1/chat/completions", len(CHAT), *H2C), CHAT, CLOSE))
+    assert [g[0] for g in got] == [200, 200], got
+    assert json.loads(got[0][2])["object"] == "chat.completion", got[0]
+    # chunked, and on ollama's API
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "Hi"}], "stream": False,
+                       "options": {"num_predict": 3}}).encode()
+    head = (b"POST /api/chat HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n"
+            + "".join(f"{h}\r\n" for h in H2C).encode() + b"\r\n")
+    got = responses(exchange(s.port, head, b"%x\r\n" % len(body) + body + b"\r\n0\r\n\r\n", CLOSE))
+    assert [g[0] for g in got] == [200, 200], got
+    assert json.loads(got[0][2])["done"] is True, got[0]
+    # a websocket upgrade (this server has no websocket routes): a GET answered as a GET, at once
+    got = responses(exchange(s.port, b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: Upgrade\r\n"
+                                     b"Upgrade: websocket\r\n\r\n" + CLOSE))
+    assert [g[0] for g in got] == [200, 200] and json.loads(got[0][2])["object"] == "list", got
+    got = responses(exchange(s.port, post_head("/v1/chat/completions", len(CHAT), "Connection: Upgrade",
+                                               "Upgrade: websocket") + CHAT + CLOSE))
+    assert [g[0] for g in got] == [200, 200], got
+
+
+def test_the_body_of_an_upgrade_request_never_runs_as_a_request(parser):
+    """A body that is itself an HTTP request, sent after headers that ask to upgrade (a proxy forwarding
+    websocket headers passes them on): it is that request's body (here not JSON: a 400), never a second request
+    run past the proxy's rules."""
+    s, _ = parser
+    smuggled = b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+    for parts in ((post_head("/v1/chat/completions", len(smuggled), "Connection: Upgrade", "Upgrade: foo"),
+                   smuggled),
+                  (post_head("/v1/chat/completions", len(smuggled), "Connection: Upgrade", "Upgrade: foo")
+                   + smuggled,)):
+        got = responses(exchange(s.port, *parts, CLOSE))
+        assert [g[0] for g in got] == [400, 200], got
+        assert json.loads(got[0][2])["error"]["code"] == "invalid_json", got[0]
+        assert all(b'"object":"list"' not in g[2].replace(b" ", b"") for g in got), got
+
+
+def test_content_length_beside_transfer_encoding_is_refused_and_the_connection_closed(parser):
+    """RFC 9112 6.3: a message with both is a sign of request smuggling; the server must refuse it or close the
+    connection after it. h11 read the chunked body and served what the Content-Length covered after it as a
+    second request (CL.TE); httptools refused it in plain text."""
+    s, _ = parser
+    smuggled = b"0\r\n\r\nGET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: %d\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n" % len(smuggled))
+    got = responses(exchange(s.port, head + smuggled))
+    assert len(got) == 1 and got[0][0] == 400, got
+    assert got[0][1].get("connection") == "close" and got[0][1]["content-type"] == "application/json", got[0]
+    assert json.loads(got[0][2])["error"]["message"], got[0]
+    # a valid chunked body: refused all the same, and what follows it on the connection is not served
+    body = b"%x\r\n" % len(CHAT) + CHAT + b"\r\n0\r\n\r\n"
+    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 4\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n")
+    got = responses(exchange(s.port, head + body + CLOSE))
+    assert [g[0] for g in got] == [400], got
+
+
+def test_the_header_limit_counts_each_pipelined_request_alone(parser):
+    """--max-header-kb (32 KiB) is per request: 40 pipelined requests of 1 KiB of headers each are all answered
+    (httptools' count ran on over the whole burst: one 431 for all, after the first had run unanswered)."""
+    s, _ = parser
+    one = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Token: " + b"a" * 1000 + b"\r\n\r\n"
+    got = responses(exchange(s.port, one * 39 + CLOSE.replace(b"\r\n\r\n", b"\r\nX-Token: " + b"a" * 1000
+                                                                + b"\r\n\r\n")))
+    assert [g[0] for g in got] == [200] * 40, [g[0] for g in got]
+    # one request over the limit is still refused, URL and headers counted together (h11 left the URL out)
+    got = responses(exchange(s.port, b"GET /health?" + b"q" * (40 << 10) + b" HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"))
+    assert [g[0] for g in got] == [431], got
+    assert json.loads(got[0][2])["error"]["code"] == "headers_too_large", got[0]
+    got = responses(exchange(s.port, b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + b"b" * (1 << 20)
+                             + b"\r\n\r\n"))
+    assert [g[0] for g in got] == [431], got
+    assert got[0][1]["content-type"] == "application/json", got[0]
+
+
+@pytest.mark.parametrize("raw, words", [
+    (b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-A: a\x00b\r\n\r\n", "header"),
+    (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", "chunk"),
+    (b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n", "Content-Length"),
+], ids=["nul-in-header", "bad-chunk-size", "two-content-lengths"])
+def test_a_request_the_parser_refuses_is_answered_in_json(parser, raw, words):
+    """Bytes that are not HTTP/1.1: a 400 in the API's JSON error shape saying why, and the connection closed
+    (uvicorn's was a plain-text "Invalid HTTP request received.")."""
+    s, _ = parser
+    got = responses(exchange(s.port, raw))
+    assert len(got) == 1 and got[0][0] == 400, got
+    assert got[0][1]["content-type"] == "application/json" and got[0][1].get("connection") == "close", got[0]
+    err = json.loads(got[0][2])["error"]
+    assert err["code"] == "invalid_http" and err["message"].startswith("not a valid HTTP/1.1 request"), err
+    assert words.lower() in err["message"].lower(), err   # the parser's reason
