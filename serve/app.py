@@ -32,8 +32,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .anthropic import CountTokensRequest, MessageBuilder, MessagesRequest, anthropic_names
 from .auth import AuthMiddleware, KeyChecker, allow_cross_origin
-from .limits import (LLAMA_SERVER_COMPLETION, Limits, LimitsMiddleware, RouteNorms, anthropic_error_body,
-                     anthropic_shaped, anthropic_status, llama_overflow)
+from .limits import (LLAMA_SERVER_COMPLETION, Limits, LimitsMiddleware, RouteNorms, allow_header, allowed_methods,
+                     anthropic_error_body, anthropic_shaped, anthropic_status, llama_overflow, refuses_method)
 from .logprobs import Said, ShownRecords, TextOffsets, TokenText, chat_entry, completion_logprobs, echo_logprobs
 from .metrics import CONTENT_TYPE, ServerMetrics, TokenClock
 from .offload import (BodyRefused, ClientGone, Streamed, chars_bound, next_or_gone, offloop_route,
@@ -339,8 +339,11 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
     @app.exception_handler(StarletteHTTPException)
     async def _http(request, e):
         type_ = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        # its headers too: a 405's Allow (RFC 9110 15.5.6: it MUST be there)
-        return in_family(request, error_response(e.status_code, str(e.detail), type_, headers=e.headers))
+        # its headers too: a 405's Allow (RFC 9110 15.5.6: it MUST be there), every method its path takes
+        headers = e.headers
+        if e.status_code == 405:
+            headers = {**(e.headers or {}), "Allow": allow_header(allowed_methods(app.router.routes, request.scope))}
+        return in_family(request, error_response(e.status_code, str(e.detail), type_, headers=headers))
 
     app.add_middleware(RouteNorms)
     app.add_middleware(CountingMiddleware, metrics=metrics, routes=app.router.routes)
@@ -1164,7 +1167,7 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
             if path in READ_ONLY:
                 raise APIError(405, why, "not_supported_error", code="not_supported", headers={"Allow": "GET, HEAD"})
             raise APIError(501, why, "not_supported_error", code="not_supported")
-        return refuse
+        return refuses_method(refuse) if path in READ_ONLY else refuse
 
     for paths, why in NOT_SERVED.items():
         for path in paths:

@@ -188,12 +188,53 @@ class RouteNorms:
             if len(path) > 1 and path.endswith("/"):
                 scope = dict(scope, path=path.rstrip("/") or "/")
             if scope["method"] == "HEAD":
-                from starlette.routing import Match
                 routes = scope["app"].router.routes
-                if not any(r.matches(scope)[0] == Match.FULL for r in routes) and \
-                        any(r.matches(dict(scope, method="GET"))[0] == Match.FULL for r in routes):
+                get = _first_route(routes, dict(scope, method="GET"))
+                if get is not None and get < _first_route(routes, scope, len(routes)):
+                    # a GET route before any that takes HEAD (the router's catch-all forwarder, last, takes every
+                    # method: HEAD /v1/models went there and was a 405)
                     scope = dict(scope, method="GET")
         await self.app(scope, receive, send)
+
+
+def _first_route(routes, scope, default=None):
+    """The index of the first route that takes this request (path and method), as the router picks it."""
+    from starlette.routing import Match
+    return next((i for i, r in enumerate(routes) if r.matches(scope)[0] == Match.FULL), default)
+
+
+_METHOD_ORDER = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
+
+
+def refuses_method(endpoint):
+    """Mark a route that is there only to refuse its method with a reason (POST /props: a 405 saying why): it is
+    left out of a 405's Allow."""
+    endpoint.refuses_method = True
+    return endpoint
+
+
+def allow_header(methods) -> str:
+    """A 405's Allow: the methods, HEAD wherever GET is (RouteNorms runs HEAD as GET), in a fixed order."""
+    methods = set(methods)
+    if "GET" in methods:
+        methods.add("HEAD")
+    return ", ".join(sorted(methods, key=lambda m: (_METHOD_ORDER.index(m) if m in _METHOD_ORDER else 99, m)))
+
+
+def allowed_methods(routes, scope, skip=()) -> set:
+    """The methods the request's path takes (RFC 9110 15.5.6: a 405's Allow lists them all): those of every route
+    whose path matches, less routes that only refuse theirs (refuses_method) and the endpoints in `skip`. Starlette
+    named the first route that matched the path alone: /health's HEAD twin (Allow: HEAD), /props' refusal of POST
+    (Allow: POST)."""
+    from starlette.routing import Match
+    out: set = set()
+    for r in routes:
+        endpoint = getattr(r, "endpoint", None)
+        if not getattr(r, "methods", None) or getattr(endpoint, "refuses_method", False) or endpoint in skip:
+            continue
+        if r.matches(scope)[0] != Match.NONE:
+            out |= set(r.methods)
+    return out
 
 
 class LimitsMiddleware:

@@ -47,7 +47,8 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 
 from ..engine.errors import EXIT_BAD_INPUT
 from .auth import AuthMiddleware, KeyChecker, allow_cross_origin
-from .limits import Limits, LimitsMiddleware, RouteNorms, anthropic_shaped, anthropic_status, error_json
+from .limits import (Limits, LimitsMiddleware, RouteNorms, allow_header, allowed_methods, anthropic_shaped,
+                     anthropic_status, error_json, refuses_method)
 from .offload import NOT_JSON, ClientGone, Streamed, loads, not_json, unless_gone
 from .ollama import (BLOBS_WHY, FOREVER, LOAD_WAIT_HEADER, OLLAMA_VERSION,  # noqa: F401 - parse_keep_alive: the CLI's
                      parse_keep_alive)
@@ -970,11 +971,13 @@ def cut_answer_event(content_type: str, message: str, tail: bytes, path: str = "
 @functools.cache
 def model_routes() -> tuple:
     """(path regex, methods) of every route a model's own server has (serve/app.py's create_app, built without a
-    model): the router forwards only to those, and loads a model only for a POST one."""
+    model): the router forwards only to those, and loads a model only for a POST one. A route there only to refuse
+    its method (POST /props: 405) is left out: the router answers it itself."""
     from .app import create_app
 
     return tuple((r.path_regex, frozenset(r.methods)) for r in create_app(lambda: None).routes
-                 if getattr(r, "methods", None) and hasattr(r, "path_regex"))
+                 if getattr(r, "methods", None) and hasattr(r, "path_regex")
+                 and not getattr(getattr(r, "endpoint", None), "refuses_method", False))
 
 
 @functools.cache
@@ -1044,6 +1047,19 @@ def create_router_app(router: Router, *, api_keys: tuple = (), limits: Limits | 
     @app.exception_handler(RouterError)
     async def _router_error(request, e: RouterError):
         return error(request, e)
+
+    @app.exception_handler(405)
+    async def _not_allowed(request: Request, e):
+        """A method no route of the path takes (the forwarder takes the usual ones): in the API's error shape, its
+        Allow every method of the path, the router's and its models' (FastAPI's was {"detail": ...})."""
+        return error(request, RouterError(405, f"{request.method} {request.scope['path']}: method not allowed", None,
+                                          allow=allow_header(path_methods(request.scope))))
+
+    def path_methods(scope) -> set:
+        """The methods a path takes here: its routes' (the forwarder aside), and its models' where they serve it."""
+        path = scope["path"]
+        return allowed_methods(app.router.routes, scope, skip=(forward,)) | set().union(
+            *(m for rx, m in model_routes() if rx.match(path)))
 
     @app.exception_handler(404)
     async def _no_route(request: Request, e):
@@ -1306,7 +1322,7 @@ def create_router_app(router: Router, *, api_keys: tuple = (), limits: Limits | 
             return Response(error_json(why, "not_supported_error", "not_supported", scope=request.scope,
                                        status=status), status_code=status, media_type="application/json",
                             headers=headers)
-        return refuse
+        return refuses_method(refuse) if path in READ_ONLY else refuse
 
     from .llama_api import LORA_WHY, NOT_SERVED, READ_ONLY, lora_request_is_empty
     for paths, why in NOT_SERVED.items():
@@ -1345,8 +1361,9 @@ def create_router_app(router: Router, *, api_keys: tuple = (), limits: Limits | 
                    include_in_schema=False)
     async def forward(request: Request):
         if request.url.path in ("/health", "/v1/health", "/metrics") and request.method not in ("GET", "HEAD"):
-            return JSONResponse({"error": f"{request.method} {request.url.path}: not allowed (GET)"}, status_code=405,
-                                headers={"allow": "GET, HEAD"})   # their reads are the router's own (/metrics?model=)
+            # their reads are the router's own (/metrics?model=); in the API's shape, as a model's server says it
+            raise RouterError(405, f"{request.method} {request.url.path}: method not allowed", None,
+                              allow=allow_header({"GET"}))
         if router.draining:
             raise RouterError(503, "shutting down", "unavailable", retry_after=router.retry_after)
         path = request.url.path
@@ -1354,8 +1371,10 @@ def create_router_app(router: Router, *, api_keys: tuple = (), limits: Limits | 
         if not methods:   # no model serves it: never a model loaded (and another unloaded) for a stray request
             raise RouterError(404, f"{request.method} {path}: no such endpoint", "not_found")
         allowed = set().union(*methods)
+        if "GET" in allowed:   # a model's server runs HEAD as GET (RouteNorms)
+            allowed.add("HEAD")
         if request.method not in allowed:   # a model's server's 405, before any model is named or loaded
-            raise RouterError(405, "Method Not Allowed", None, allow=", ".join(sorted(allowed)))
+            raise RouterError(405, "Method Not Allowed", None, allow=allow_header(path_methods(request.scope)))
         data, body = await body_model(request)
         name = (data or {}).get("model")
         if name is None and path.startswith("/api/"):

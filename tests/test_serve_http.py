@@ -214,3 +214,16 @@ def test_a_request_the_parser_refuses_is_answered_in_json(parser, raw, words):
     err = json.loads(got[0][2])["error"]
     assert err["code"] == "invalid_http" and err["message"].startswith("not a valid HTTP/1.1 request"), err
     assert words.lower() in err["message"].lower(), err   # the parser's reason
+
+
+def test_a_405_names_every_method_its_path_takes(parser):
+    """RFC 9110 15.5.6: a 405's Allow lists the methods the resource supports. /health's said HEAD (its HEAD route
+    came first), /props's POST (a route that refuses POST), /v1/models's GET (HEAD is served too)."""
+    s, _ = parser
+    for method, path, allow in (("DELETE", "/health", "GET, HEAD"), ("OPTIONS", "/metrics", "GET, HEAD"),
+                                ("PUT", "/", "GET, HEAD"), ("PUT", "/props", "GET, HEAD"),
+                                ("PUT", "/v1/models", "GET, HEAD"), ("DELETE", "/v1/health", "GET, HEAD"),
+                                ("PUT", "/v1/chat/completions", "POST")):
+        r = httpx.request(method, s.url + path, timeout=60)
+        assert r.status_code == 405 and r.headers.get("allow") == allow, (method, path, r.status_code, r.headers)
+        assert r.json()["error"]["message"], r.text

@@ -593,6 +593,25 @@ def test_a_stray_request_loads_no_model(router):
     assert loaded(router.url) <= before   # nothing loaded for them
 
 
+def test_head_is_answered_wherever_get_is_and_a_405_names_every_method(router):
+    """RFC 9110 9.1: HEAD wherever GET (uptime monitors probe HEAD /v1/models): the router's GET-only routes were a
+    405 (its forwarder, last, takes HEAD and won over them), /openapi.json a 400 "model: required". A 405's Allow
+    names every method of the path, and /health's is in OpenAI's shape as a model's server says it (it was
+    ollama's)."""
+    before = loaded(router.url)
+    for path in ("/v1/models", "/models", "/v1/models/tiny", "/api/ps", "/props", "/openapi.json", "/api/tags",
+                 "/health", "/"):
+        get, head = httpx.get(router.url + path, timeout=60), httpx.head(router.url + path, timeout=60)
+        assert get.status_code == head.status_code == 200 and head.content == b"", (path, head.status_code)
+        assert head.headers.get("content-length") == get.headers.get("content-length"), path
+    for method, path in (("DELETE", "/health"), ("PUT", "/v1/health"), ("PUT", "/metrics"), ("PUT", "/props"),
+                         ("OPTIONS", "/v1/models"), ("PUT", "/v1/models"), ("PATCH", "/slots")):
+        r = httpx.request(method, router.url + path, timeout=60)
+        assert r.status_code == 405 and r.headers.get("allow") == "GET, HEAD", (method, path, r.headers, r.text)
+        assert r.json()["error"]["message"] and r.json()["error"]["type"] == "invalid_request_error", r.text
+    assert loaded(router.url) <= before   # nothing loaded for them
+
+
 def test_room_is_made_by_unloading_one_model(tmp_path, models_dir):
     """--models-max 2, two idle models loaded, a third asked for: the least recently used one goes, the other stays
     (every idle one went while the first was still exiting)."""
