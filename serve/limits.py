@@ -157,14 +157,16 @@ def as_json(scope):
     """The request with its body read as JSON whatever Content-Type it names, as llama-server and ollama read
     theirs: `curl -d` sends application/x-www-form-urlencoded, a browser's fetch() of a string text/plain, and
     some clients none, where the handlers (FastAPI's strict content type) would see bytes and refuse them.
-    Multipart bodies keep their type. The scope is changed in place: the routing writes the route it matched
+    Multipart too: no route here takes a form, and FastAPI parsed one into something that is not JSON (a JSON body
+    sent so was "request body must be a JSON object" on some routes, taken on others). The scope is changed in
+    place: the routing writes the route it matched
     into the scope it is given, which the metrics (CountingMiddleware, outside) read back (a copy here counted
     every such request under endpoint "other")."""
     headers = scope.get("headers") or []
     for i, (k, v) in enumerate(headers):
         if k == b"content-type":
             t = v.split(b";")[0].strip().lower()
-            if t == b"application/json" or t.endswith(b"+json") or t.startswith(b"multipart/"):
+            if t == b"application/json" or t.endswith(b"+json"):
                 return scope
             scope["headers"] = headers[:i] + [(k, b"application/json")] + headers[i + 1:]
             return scope

@@ -128,7 +128,48 @@ def loads(body: bytes, **hooks):
     first bytes, which took it) is refused as docs/api.md says; a leading UTF-8 BOM is ignored, as the RFC allows."""
     # (the BOM dropped by hand: the utf-8-sig codec is imported on first use, which a process out of file
     # descriptors cannot do: every body was a 400 there)
-    return json.loads((body[3:] if body[:3] == b"\xef\xbb\xbf" else body).decode("utf-8"), **hooks)
+    text = (body[3:] if body[:3] == b"\xef\xbb\xbf" else body).decode("utf-8")
+    limit = _int_digits()
+    if not limit:
+        return json.loads(text, **hooks)
+    make_int, huge = hooks.pop("parse_int", int), []
+
+    def parse_int(digits: str):
+        n = len(digits) - digits.startswith("-")
+        if n > limit:   # int() refuses it in Python's words ("use sys.set_int_max_str_digits()"): found below
+            huge.append(n)
+            return _TOO_LONG
+        return make_int(digits)
+    obj = json.loads(text, parse_int=parse_int, **hooks)
+    if huge:
+        name = _where(obj, _TOO_LONG)
+        raise BodyRefused(f"{name}: an integer of {huge[0]} digits is out of range (numbers here have at most "
+                          f"{limit} digits)", name, "invalid_value")
+    return obj
+
+
+_TOO_LONG = object()   # stands in for an integer too long to convert while the body is parsed
+
+
+def _int_digits() -> int:
+    """The most digits Python converts to an int (sys.set_int_max_str_digits, 3.11 and 3.10.7+), 0: no limit."""
+    import sys
+    get = getattr(sys, "get_int_max_str_digits", None)
+    return get() if get is not None else 0
+
+
+def _where(obj, target) -> str:
+    """Where `target` is in obj, as the errors name a field: messages[0].content, logit_bias.5 ("body": obj)."""
+    stack = [("", obj)]
+    while stack:
+        where, x = stack.pop()
+        if x is target:
+            return where.lstrip(".") or "body"
+        if isinstance(x, dict):
+            stack.extend(reversed([(f"{where}.{k}", v) for k, v in x.items()]))
+        elif isinstance(x, list):
+            stack.extend(reversed([(f"{where}[{i}]", v) for i, v in enumerate(x)]))
+    return "body"
 
 
 def checked_text(body: bytes, obj):

@@ -49,7 +49,7 @@ from ..engine.errors import EXIT_BAD_INPUT
 from .auth import AuthMiddleware, KeyChecker, allow_cross_origin
 from .limits import (Limits, LimitsMiddleware, RouteNorms, allow_header, allowed_methods, anthropic_shaped,
                      anthropic_status, error_json, refuses_method)
-from .offload import NOT_JSON, ClientGone, Streamed, loads, not_json, unless_gone
+from .offload import NOT_JSON, BodyRefused, ClientGone, Streamed, loads, not_json, unless_gone
 from .ollama import (BLOBS_WHY, FOREVER, LOAD_WAIT_HEADER, OLLAMA_VERSION,  # noqa: F401 - parse_keep_alive: the CLI's
                      parse_keep_alive)
 from .schemas import bare_name as _bare, model_object, name_key, shown_path, utc_iso
@@ -1006,6 +1006,8 @@ def body_problem(body: bytes) -> str:
         data = loads(body)
     except NOT_JSON as e:
         return not_json(e)
+    except BodyRefused as e:   # an integer too long to read, named by its field
+        return str(e.detail)
     return "request body must be a JSON object" if not isinstance(data, dict) else \
         "request body is not a JSON object (with the model's name in `model`)"
 

@@ -227,3 +227,47 @@ def test_a_405_names_every_method_its_path_takes(parser):
         r = httpx.request(method, s.url + path, timeout=60)
         assert r.status_code == 405 and r.headers.get("allow") == allow, (method, path, r.status_code, r.headers)
         assert r.json()["error"]["message"], r.text
+
+
+def test_a_body_is_read_as_json_whatever_its_content_type_says(parser):
+    """A JSON body sent as multipart/form-data: read as JSON as with every other Content-Type (llama-server and
+    ollama read bodies so), where it was a 400 "request body must be a JSON object" on some routes and a 200 on
+    /v1/embeddings."""
+    s, _ = parser
+    for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}),
+                       ("/completion", {"prompt": "Hi", "n_predict": 2}), ("/tokenize", {"content": "Hi"}),
+                       ("/v1/messages", {"model": "m", "max_tokens": 2,
+                                         "messages": [{"role": "user", "content": "Hi"}]}),
+                       ("/v1/embeddings", {"input": "Hi"})):
+        r = httpx.post(s.url + path, content=json.dumps(body), timeout=60,
+                       headers={"Content-Type": "multipart/form-data; boundary=x"})
+        assert r.status_code == 200, (path, r.text)
+    r = httpx.post(s.url + "/v1/chat/completions", files={"f": ("a.txt", b"hello")}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json", r.text
+
+
+@pytest.mark.parametrize("path, body, field", [
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "max_tokens": N}', "max_tokens"),
+    ("/v1/completions", '{"prompt": "hi", "max_tokens": N}', "max_tokens"),
+    ("/completion", '{"prompt": "hi", "n_predict": N}', "n_predict"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"5": N}}',
+     "logit_bias.5"),
+    ("/api/chat", '{"model": "m", "messages": [{"role": "user", "content": "hi"}], "options": {"num_predict": -N}}',
+     "options.num_predict"),
+    ("/api/generate", '{"model": "m", "prompt": "hi", "options": {"seed": N}}', "options.seed"),
+    ("/v1/embeddings", '{"input": [[1, 2, N]]}', "input[0][2]"),
+    ("/v1/messages", '{"model": "m", "max_tokens": N, "messages": [{"role": "user", "content": "hi"}]}',
+     "max_tokens"),
+], ids=lambda x: x if isinstance(x, str) and x.startswith("/") else "")
+def test_an_integer_too_long_to_read_names_its_field(parser, path, body, field):
+    """An integer of 5,000 digits (past what Python converts): a 400 naming the field, in the API's shape, never
+    Python's "use sys.set_int_max_str_digits()" nor FastAPI's "There was an error parsing the body"."""
+    s, _ = parser
+    r = httpx.post(s.url + path, content=body.replace("N", "9" * 5000), timeout=60,
+                   headers={"Content-Type": "application/json"})
+    assert r.status_code == 400, r.text
+    text = r.text
+    assert "sys.set_int_max_str_digits" not in text and "error parsing the body" not in text, text
+    assert f"{field}: an integer of 5000 digits" in text, text
+    if not path.startswith("/api/") and path != "/v1/messages":
+        assert r.json()["error"]["param"] == field and r.json()["error"]["code"] == "invalid_value", text
