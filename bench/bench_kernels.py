@@ -368,8 +368,8 @@ def main(argv=None):
               f"{caller_sleeps} times waiting for a chunk held by a worker that was not running")
     print(f"load average at end: {os.getloadavg()[0]:.1f}")
     if K.active() == "avx512":
-        print("peak: what the register-only loop above measures at the current clock (Zen 4 issues 1 vpdpbusd zmm a\n"
-              "cycle per core, as 2 x 256 bit: 64 int8 MAC/cycle; Zen 5 and Xeons with two 512-bit units issue 2).")
+        print("peak: what the register-only loop above measures at the current clock (Zen 4 runs 1 vpdpbusd zmm a\n"
+              "cycle per core, as 2 x 256 bit: 64 int8 MAC/cycle; Zen 5 and Xeons with two 512-bit units run 2).")
     K.set_num_threads(0)
 
 
