@@ -132,11 +132,13 @@ def _adds_bos(kind: str, blob: bytes, tc: dict, bos: int) -> bool:
     if kind == "sentencepiece" or str(tc.get("tokenizer_class") or "").startswith("Llama"):
         return flag if isinstance(flag, bool) else True
     from tokenizers import Tokenizer as HFTokenizer
+
+    from .tokenizer import hf_adds_bos
     try:
-        ids = HFTokenizer.from_str(blob.decode("utf-8")).encode("a", add_special_tokens=True).ids
+        hf = HFTokenizer.from_str(blob.decode("utf-8"))
     except Exception:   # the tokenizer's own load reports a broken file, naming it
         return True
-    return ids[:1] == [bos]
+    return hf_adds_bos(hf, bos)   # the rule a store without add_bos is read by too (Tokenizer.from_store)
 
 
 def _f32(v) -> float:

@@ -99,6 +99,15 @@ def _library_call(source: str, what: str, fn, *args):
         raise FormatError(f"{source}: {what}: {' '.join(str(e).split())[:300]}") from None
 
 
+def hf_adds_bos(hf, bos: int) -> bool:
+    """Whether a `tokenizers` Tokenizer's own post-processor starts a text's tokens with `bos` (what
+    transformers' PreTrainedTokenizerFast adds)."""
+    try:
+        return hf.encode("a", add_special_tokens=True).ids[:1] == [bos]
+    except Exception:   # noqa: BLE001  (a tokenizer that cannot encode: its load or first use says so)
+        return True
+
+
 _LIVE: "weakref.WeakSet[Tokenizer]" = weakref.WeakSet()
 
 
@@ -119,7 +128,7 @@ class Tokenizer:
     def __init__(self, kind: str, blob: bytes, *, bos_id: int | None = None, eos_ids=(), source: str = "store",
                  add_bos: bool | None = None):
         """add_bos: whether encode(add_bos=True) starts with BOS, as the model's reference tokenizer does (the
-        conversion's finding; None, a store made before it: always)."""
+        conversion's finding; None, a store made before it whose tokenizer cannot tell: always)."""
         self.kind = kind
         self.add_bos = add_bos
         self._source = source
@@ -175,8 +184,14 @@ class Tokenizer:
         origin = store.meta.get("source")
         source = store.path if not isinstance(origin, str) or not origin else f"{store.path} (converted from {origin})"
         add_bos = store.meta.get("add_bos")
-        return cls(spec[0], spec[1], bos_id=cfg.bos_token_id, eos_ids=cfg.eos_token_ids, source=source,
-                   add_bos=add_bos if isinstance(add_bos, bool) else None)
+        tok = cls(spec[0], spec[1], bos_id=cfg.bos_token_id, eos_ids=cfg.eos_token_ids, source=source,
+                  add_bos=add_bos if isinstance(add_bos, bool) else None)
+        if tok.add_bos is None and tok._hf is not None and tok.bos_id is not None:
+            # a store of a converter before 3 (no add_bos): its own tokenizer.json decides, as a conversion today
+            # decides it for a tokenizer.json of no Llama class (a Qwen3 / Ternary Bonsai one adds no BOS, and got
+            # one here before); a GGUF's built tokenizer.json has its BOS template exactly where the file wants one
+            tok.add_bos = hf_adds_bos(tok._hf, tok.bos_id)
+        return tok
 
     # ---- lookups ------------------------------------------------------------------------------------
     def token_to_id(self, token: str) -> int | None:
