@@ -42,7 +42,8 @@ from .runtime.constraints import Constraint, compile_constraint
 from .runtime.dry import breaker_table, cached_table
 from .runtime.sampling import NoTokenAllowedError, SamplingParams
 from .runtime.speculative import LookupParams, checked_lookup
-from .formats.store import Store, is_store, store_warnings
+from .formats.compat import all_warnings, check_runnable
+from .formats.store import Store, is_store
 from .formats.tokenizer import Tokenizer
 
 __all__ = ["load_model", "LLM", "load_engine", "resolve_store", "Engine", "SamplingParams", "LookupParams", "Chunk",
@@ -405,7 +406,8 @@ class LLM(_Text):
         self.lookup = checked_lookup(lookup) if lookup is not None else None  # None: speculative.default_lookup
         self.store = store
         self.config: ModelConfig = store.config
-        self.warnings: list[str] = store_warnings(store)   # one line each, for the CLI to print ("-c above ...")
+        check_runnable(store)   # what this engine does not know (a newer bitnet-cpu's): refused, not ignored
+        self.warnings: list[str] = all_warnings(store)   # one line each, for the CLI to print ("-c above ...")
         ctx = _checked_ctx(ctx)
         if ctx == 0:
             ctx = store.config.context_length
@@ -639,7 +641,8 @@ class Engine(_Text, BatchScheduler):
                  lookup: LookupParams | None = None):
         t0 = time.perf_counter()
         cfg = store.config
-        self.warnings: list[str] = store_warnings(store)
+        check_runnable(store)
+        self.warnings: list[str] = all_warnings(store)
         self.threads = threads = _checked_threads(threads, self.warnings)
         ctx = _checked_ctx(ctx)
         check_kv_dtype(kv_dtype)

@@ -18,7 +18,7 @@ import sys
 import numpy as np
 import pytest
 
-from bitnet_cpu.engine.api import load_model
+from bitnet_cpu.engine.api import load_engine, load_model
 from bitnet_cpu.engine.errors import FormatError
 from bitnet_cpu.engine.formats import convert as C
 from bitnet_cpu.engine.formats.store import _HEADER, STORE_VERSION, Store
@@ -115,3 +115,124 @@ def test_a_store_without_add_bos_tokenizes_as_a_conversion_today(qwen_store, tmp
     shipped, llm = load_model(DEFAULT_STORE, ctx=64, progress=False), load_model(llama, ctx=64, progress=False)
     ids = llm.tokenize(TEXT, add_bos=True)
     assert ids == shipped.tokenize(TEXT, add_bos=True) and ids[0] == llm.tokenizer.bos_id
+
+
+def test_an_untied_q4_store_without_rescoring_rows_says_so_at_load(untied_src, tmp_path):
+    """A q4 store of an untied head from before output.rows ran with approximate logits, silently. Now one line
+    at load names what is missing and the command that converts it again (run, serve's engine, the API)."""
+    fresh = C.convert(untied_src, str(tmp_path / "new.bnstore"), lm_head="q4", progress=False)
+    old = rewrite(fresh, str(tmp_path / "old.bnstore"), lambda ix: (ix["tensors"].pop("output.rows"),
+                                                                  _as_converter("1", "add_bos")(ix)))
+    assert load_model(fresh, ctx=64, progress=False).warnings == []
+    llm = load_model(old, ctx=64, progress=False)
+    said = [w for w in llm.warnings if "output.rows" in w]
+    assert len(said) == 1 and "approximate" in said[0]
+    assert f"bitnet convert llama_untied -o {old}" in said[0]
+    eng = load_engine(old, ctx=64, parallel=1, progress=False)
+    try:
+        assert said[0] in eng.warnings
+    finally:
+        eng.close()
+    r = _bitnet("run", "-m", old, "-p", TEXT, "-n", "2", "--temp", "0")
+    assert r.returncode == 0, r.stderr
+    lines = [x for x in r.stderr.splitlines() if "output.rows" in x]
+    assert len(lines) == 1 and lines[0].startswith("bitnet: warning:") and "Traceback" not in r.stderr
+
+
+def test_a_converter_1_store_says_its_template_eos_token_may_differ(tmp_path):
+    """Converter 1 did not record tokenizer_config's eos_token: a template writing {{ eos_token }} gets the
+    config's first EOS (Llama 3: <|end_of_text|>, where transformers renders <|eot_id|>). Said once at load,
+    with the command (a --chat-template-file may use it too, so it is said whatever the store's template)."""
+    tmpl = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}{{ eos_token }}{% endfor %}assistant:"
+
+    def v1(index):
+        _as_converter("1", "bos_token", "eos_token", "add_bos")(index)
+        index["chat_template"] = tmpl
+    old = rewrite(DEFAULT_STORE, str(tmp_path / "v1.bnstore"), v1)
+    llm = load_model(old, ctx=64, progress=False)
+    said = [w for w in llm.warnings if "eos_token" in w]
+    assert len(said) == 1, llm.warnings
+    assert "<|end_of_text|>" in said[0] and f"bitnet convert bitnet-b1.58-tiny --lm-head f16 -o {old}" in said[0]
+    assert llm.template_tokens()[1] == "<|end_of_text|>"   # what it says is what it renders
+    assert load_model(DEFAULT_STORE, ctx=64, progress=False).warnings == []
+
+
+def test_a_stale_cache_entry_says_so_when_loaded_as_a_file(untied_src, tmp_path):
+    """`bitnet serve --models-cache` (and `-m` of a cached file) loads the cache's store itself: one whose source
+    changed since, or one an older bitnet-cpu made, says so in one line with the command that converts it again
+    (`bitnet run -m SRC` converts a stale source again itself: no line there)."""
+    cache = str(tmp_path / "cache")
+    entry = C.resolve_model(untied_src, cache_dir=cache, progress=False)
+    assert load_model(entry, ctx=64, progress=False).warnings == []
+    st = os.stat(os.path.join(untied_src, "config.json"))
+    os.utime(os.path.join(untied_src, "config.json"), ns=(st.st_atime_ns, st.st_mtime_ns + 10 ** 9))
+    said = [w for w in load_model(entry, ctx=64, progress=False).warnings if "stale" in w]
+    assert len(said) == 1 and f"bitnet run -m {os.path.realpath(untied_src)}" in said[0]
+    # an older bitnet's entry (no record of its source): `bitnet rm --stale`
+    old = rewrite(entry, os.path.join(cache, "llama_untied-0123456789abcdef0123.bnstore"),
+                  lambda ix: ix["meta"].pop("cache"))
+    said = [w for w in load_model(old, ctx=64, progress=False).warnings if "stale" in w]
+    assert len(said) == 1 and "bitnet rm --stale" in said[0]
+    eng = load_engine(old, ctx=64, parallel=1, progress=False)   # a server's model (a router's model process)
+    try:
+        assert said[0] in eng.warnings
+    finally:
+        eng.close()
+
+
+# ---- newer stores -------------------------------------------------------------------------------------------
+def test_a_newer_converter_is_named_with_upgrade(tmp_path):
+    newer = rewrite(DEFAULT_STORE, str(tmp_path / "c99.bnstore"), _as_converter("99"))
+    said = [w for w in load_model(newer, ctx=64, progress=False).warnings if "newer" in w]
+    assert len(said) == 1 and "converter 99" in said[0] and "upgrade" in said[0]
+    assert "re-convert" not in said[0]
+
+
+def test_a_newer_store_format_says_upgrade_not_reconvert(tmp_path):
+    v = rewrite(DEFAULT_STORE, str(tmp_path / "v2.bnstore"), _as_converter("7"), version=STORE_VERSION + 1)
+    with pytest.raises(FormatError) as e:
+        Store(v)
+    text = f"{e.value} {e.value.hint}"
+    assert "newer bitnet-cpu" in text and "converter 7" in text and "upgrade" in text and "re-convert" not in text
+    r = _bitnet("run", "-m", v, "-p", "hi", "-n", "1")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "upgrade" in r.stderr
+
+
+@pytest.mark.parametrize("edit, words", [
+    (lambda ix: ix["config"].__setitem__("sliding_window", 4096), ["sliding_window"]),
+    ("output.bias", ["output.bias"]),
+    (lambda ix: ix["tensors"]["output_norm"].__setitem__("dtype", "bfloat16"), ["output_norm", "bfloat16"]),
+    (lambda ix: ix["tensors"]["output"].__setitem__("layout", "q5g_tile16"), ["q5g_tile16", "upgrade"]),
+    (lambda ix: ix["tensors"]["blk.0.attn_qkv"].__setitem__("layout", "tile32"), ["tile32", "upgrade"]),
+    (lambda ix: ix["tokenizer"].__setitem__("kind", "tiktoken"), ["tiktoken", "upgrade"]),
+    (lambda ix: ix.__setitem__("requires", ["sliding_window"]), ["sliding_window", "upgrade"]),
+], ids=["config-key", "tensor", "dtype", "head-layout", "linear-layout", "tokenizer-kind", "requires"])
+def test_what_this_engine_does_not_know_is_refused_in_one_line(tmp_path, edit, words):
+    """A config key or tensor it would ignore (a sliding window, a bias: other numbers, exit 0), a dtype, a
+    layout or a tokenizer kind it cannot read: refused in one line that says what, and that a newer bitnet-cpu
+    may read it; never "corrupt"."""
+    if isinstance(edit, str):   # a tensor more, through the store writer (index entries must not overlap)
+        base = with_tensor(DEFAULT_STORE, str(tmp_path / "base.bnstore"), edit, np.zeros(64, np.float32))
+        edit = None
+    else:
+        base = DEFAULT_STORE
+    bad = rewrite(base, str(tmp_path / "x.bnstore"), edit)
+    with pytest.raises(FormatError) as e:
+        load_model(bad, ctx=64, progress=False).close()
+    text = f"{e.value} {e.value.hint or ''}"
+    assert all(w in text for w in words) and "corrupt" not in text, text
+    assert "newer bitnet-cpu" in text
+    r = _bitnet("run", "-m", bad, "-p", "hi", "-n", "1")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr, r.stderr
+    out = rewrite(bad, str(tmp_path / "newer.bnstore"), _as_converter("99"))
+    with pytest.raises(FormatError, match=r"made by a newer bitnet-cpu \(converter 99"):
+        load_model(out, ctx=64, progress=False).close()
+
+
+def test_extra_meta_and_per_tensor_keys_still_load(tmp_path):
+    """Meta is informational (a newer converter's notes), per-tensor keys beside the ones read are too."""
+    ok = rewrite(DEFAULT_STORE, str(tmp_path / "ok.bnstore"),
+                 lambda ix: (ix["meta"].__setitem__("future_note", {"x": 1}),
+                             ix["tensors"]["blk.0.attn_qkv"].__setitem__("future_key", 2)))
+    llm = load_model(ok, ctx=64, progress=False)
+    assert llm.warnings == [] and len(_greedy(llm, 2)) == 2

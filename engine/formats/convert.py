@@ -34,9 +34,8 @@ import numpy as np
 from ...simd import layout
 from ..errors import BitNetError, FormatError
 from ..fileio import check_output, is_terminal, why_missing
-from .store import TensorSpec, is_store, write_store
+from .store import CONVERTER_VERSION, TensorSpec, is_store, write_store
 
-CONVERTER_VERSION = "3"   # part of the cache key: 2 records tokenizer_config's bos_token / eos_token, 3 add_bos
 LM_HEADS = ("q4", "i8", "f16")
 WEIGHTS = {"t2": "tile16", "t1.6": "tile16b3"}   # --weights: ternary layout of the linear layers
 EMBED_CHUNK = 8192  # rows per chunk (a multiple of 16 so tile-major packs concatenate)

@@ -9,7 +9,8 @@ from typing import Iterator
 import numpy as np
 
 from ..errors import FormatError
-from .store import Store, is_store, store_warnings
+from .compat import all_warnings
+from .store import Store, is_store
 
 
 def human_size(n: float, base: int = 1024) -> str:
@@ -125,7 +126,7 @@ def describe(path: str, max_tensors: int | None = None) -> Iterator[str]:
                    f" weights {m.get('weights', 't2')}, converter {m.get('converter_version', '?')}")
             if m.get("folded"):  # constants folded into the weights at conversion (MiniCPM)
                 yield f"folded: {m['folded']}"
-            for w in store_warnings(s):   # what conversion could only guess (every load says it too)
+            for w in all_warnings(s):   # what conversion could only guess, another version's store (as every load)
                 yield f"warning: {w}"
             yield head_line(s)
             rows = []

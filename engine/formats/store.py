@@ -13,7 +13,8 @@ File layout (little-endian):
 
 Index JSON: {"config": ModelConfig dict, "meta": {...}, "chat_template": str | null,
              "tokenizer": {"kind": "hf_json" | "sentencepiece", "tensor": name-of-uint8-blob} | null,
-             "tensors": {name: {"dtype", "shape", "offset", "nbytes", ...extra layout keys}}}
+             "tensors": {name: {"dtype", "shape", "offset", "nbytes", ...extra layout keys}},
+             "requires": [what a reader must know] (optional; a reader refuses any it does not know)}
 
 Tensor names and layouts are listed in engine/INTERFACES.md. Writing goes to a temporary file that is
 renamed into place, so a crash never leaves a half-written store under the final name.
@@ -41,6 +42,13 @@ from ..memory import available_memory, huge_page_bytes, read_into_memory, thp_mo
 
 MAGIC = b"BNSTORE\0"
 STORE_VERSION = 1
+# recorded in every store (engine/formats/compat.py reads it) and part of the cache's source_stamp
+# (engine/formats/convert.py: a cached conversion of another version is converted again): bump it with every change
+# of what a conversion writes. 2 records tokenizer_config's bos_token / eos_token, 3 add_bos
+CONVERTER_VERSION = "3"
+# index "requires": what a reader must know to read the store right (a later writer lists what it adds that an
+# older reader would silently ignore); this engine knows none yet, and refuses a store that names any
+REQUIRES_KNOWN: frozenset[str] = frozenset()
 ALIGN = 64
 _HEADER = struct.Struct("<8sIIQQQ32s")  # 72 bytes
 _DTYPES = {"uint8", "int8", "uint16", "int16", "int32", "uint32", "float16", "float32", "int64"}
@@ -180,6 +188,37 @@ def _umask() -> int:
     return 0o022
 
 
+def converter_of(meta: dict) -> int | None:
+    """The converter version a store records, as a number (None: not recorded, or not a number)."""
+    v = meta.get("converter_version")
+    return int(v) if isinstance(v, str) and v.isdigit() else None
+
+
+def newer_converter(meta: dict) -> int | None:
+    """The store's converter version where it is above this bitnet-cpu's, else None."""
+    n = converter_of(meta)
+    return n if n is not None and n > int(CONVERTER_VERSION) else None
+
+
+def made_by(meta: dict) -> str:
+    """"made by a newer bitnet-cpu (converter N; this one writes M)" where the store says so, else what may be."""
+    n = newer_converter(meta)
+    if n is not None:
+        return f"made by a newer bitnet-cpu (converter {n}; this one writes {CONVERTER_VERSION})"
+    return "a newer bitnet-cpu may have written it"
+
+
+def _converter_in(mm, ioff: int, isize: int, size: int) -> str | None:
+    """The converter version a store of another format records, where its index is JSON we can find."""
+    if isize > _MAX_INDEX or ioff + isize > size:
+        return None
+    try:
+        v = json.loads(mm[ioff: ioff + isize])["meta"]["converter_version"]
+    except (ValueError, KeyError, TypeError, RecursionError):
+        return None
+    return v if isinstance(v, str) and v.isdigit() else None
+
+
 def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -224,6 +263,11 @@ class Store:
         magic, version, _, ioff, isize, doff, digest = _HEADER.unpack_from(self._mm, 0)
         if magic != MAGIC:
             raise FormatError(f"{self.path}: not a BitNet store (bad magic {magic!r})", hint="convert the model with `bitnet convert`")
+        if version > STORE_VERSION:   # a later format: this engine cannot know what it means
+            conv = _converter_in(self._mm, ioff, isize, size)
+            raise FormatError(f"{self.path}: made by a newer bitnet-cpu (store format {version}"
+                              f"{f', converter {conv}' if conv else ''}; this one reads format {STORE_VERSION})",
+                              hint="upgrade bitnet-cpu")
         if version != STORE_VERSION:
             raise FormatError(f"{self.path}: store format version {version} is not supported (this engine reads {STORE_VERSION})",
                               hint="re-convert the source model with `bitnet convert`")
@@ -242,6 +286,10 @@ class Store:
             self.meta: dict = index.get("meta") or {}
             self.chat_template: str | None = index.get("chat_template")
             self._tok = index.get("tokenizer")
+            self.config_keys: list[str] = list(index["config"])   # engine/formats/compat.py: any it does not know
+            requires = index.get("requires", [])
+            if not isinstance(requires, list) or not all(isinstance(r, str) for r in requires):
+                raise TypeError("requires must be a list of strings")
             self._index: dict[str, dict] = index["tensors"]
             if not isinstance(self.meta, dict) or not isinstance(self._index, dict):
                 raise TypeError("meta and tensors must be objects")
@@ -252,10 +300,17 @@ class Store:
                 raise TypeError("tokenizer must name its kind and a tensor of the store")
         except (ValueError, KeyError, TypeError, RecursionError) as e:
             raise FormatError(f"{self.path}: corrupt store index: {json_why(e)}") from None
+        unknown = [r for r in requires if r not in REQUIRES_KNOWN]
+        if unknown:   # what a later writer says a reader must know to read the store right
+            raise FormatError(f"{self.path}: requires {', '.join(map(repr, unknown))}, which this bitnet-cpu does not "
+                              f"know ({made_by(self.meta)})", hint="upgrade bitnet-cpu")
         self._data_offset = doff
         self._size = size
         self._views: dict[str, np.ndarray] = {}
         for name, e in self._index.items():
+            if isinstance(e, dict) and isinstance(e.get("dtype"), str) and e["dtype"] not in _DTYPES:   # not damage
+                raise FormatError(f"{self.path}: tensor {name!r} has dtype {e['dtype']!r}, which this bitnet-cpu does "
+                                  f"not read ({made_by(self.meta)})", hint="upgrade bitnet-cpu")
             if not _entry_ok(e, doff, ioff):
                 raise FormatError(f"{self.path}: tensor {name!r} has a corrupt index entry")
         # write_store places each after the last: an overlap is an edited index
@@ -338,6 +393,14 @@ class Store:
         return v
 
     @property
+    def tokenizer_kind(self) -> str | None:
+        return self._tok["kind"] if self._tok else None
+
+    @property
+    def tokenizer_tensor(self) -> str | None:
+        return self._tok["tensor"] if self._tok else None
+
+    @property
     def tokenizer_spec(self) -> tuple[str, bytes] | None:
         """(kind, blob): kind "hf_json" (tokenizer.json text) or "sentencepiece" (model proto bytes)."""
         if not self._tok:
@@ -372,6 +435,6 @@ def is_store(path: str | os.PathLike) -> bool:
 def store_warnings(store: Store) -> list[str]:
     """What conversion could only guess from the source file (meta "warnings": a GGUF's pre-tokenizer split another
     way, a BOS it asks for but does not name), one line each: said on every load, as llama.cpp says it on every
-    load of the file."""
+    load of the file. (A store another bitnet-cpu made: engine/formats/compat.py's load_warnings.)"""
     ws = store.meta.get("warnings")
     return [w.splitlines()[0][:300] for w in ws if isinstance(w, str) and w.strip()] if isinstance(ws, list) else []
