@@ -180,6 +180,26 @@ def test_a_stale_cache_entry_says_so_when_loaded_as_a_file(untied_src, tmp_path)
         eng.close()
 
 
+def test_a_cached_conversion_of_converter_3_is_converted_again(untied_src, tmp_path, monkeypatch):
+    """Conversions changed after converter 3 (tokenizer rules for more GGUF pre-tokenizers, the tool-use chat
+    template, the head of a tied model): a cache entry converter 3 made is stale and converted again."""
+    cache = str(tmp_path / "cache")
+    entry = C.resolve_model(untied_src, cache_dir=cache, progress=False)
+    assert Store(entry).meta["converter_version"] == C.CONVERTER_VERSION != "3"
+    with monkeypatch.context() as m:   # the stamp converter 3 recorded for the same source files
+        m.setattr(C, "CONVERTER_VERSION", "3")
+        stamp3 = C.source_stamp(untied_src)
+
+    def as3(index):
+        index["meta"]["converter_version"] = "3"
+        index["meta"]["cache"]["stamp"] = stamp3
+    rewrite(entry, entry + ".tmp", as3)
+    os.replace(entry + ".tmp", entry)
+    assert C.cache_status(Store(entry).meta, entry)[1] == "stale"
+    again = C.resolve_model(untied_src, cache_dir=cache, progress=False)
+    assert again == entry and Store(again).meta["converter_version"] == C.CONVERTER_VERSION
+
+
 # ---- newer stores -------------------------------------------------------------------------------------------
 def test_a_newer_converter_is_named_with_upgrade(tmp_path):
     newer = rewrite(DEFAULT_STORE, str(tmp_path / "c99.bnstore"), _as_converter("99"))

@@ -44,8 +44,9 @@ MAGIC = b"BNSTORE\0"
 STORE_VERSION = 1
 # recorded in every store (engine/formats/compat.py reads it) and part of the cache's source_stamp
 # (engine/formats/convert.py: a cached conversion of another version is converted again): bump it with every change
-# of what a conversion writes. 2 records tokenizer_config's bos_token / eos_token, 3 add_bos
-CONVERTER_VERSION = "3"
+# of what a conversion writes. 2 records tokenizer_config's bos_token / eos_token, 3 add_bos, 4 the tokenizer rules
+# of more GGUF pre-tokenizers, the tool-use chat template, bos_note, tie_word_embeddings deciding the head
+CONVERTER_VERSION = "4"
 # index "requires": what a reader must know to read the store right (a later writer lists what it adds that an
 # older reader would silently ignore); this engine knows none yet, and refuses a store that names any
 REQUIRES_KNOWN: frozenset[str] = frozenset()
