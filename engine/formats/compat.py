@@ -48,16 +48,16 @@ def check_runnable(store) -> None:
             (m is not None and int(m.group(1)) < n_layers and m.group(2) in LAYER_TENSORS)
         if not known:
             what.append(f"tensor {name!r}")
-    if "output" in store:
-        lay = store.info("output").get("layout")
-        if lay is not None and lay not in HEAD_LAYOUTS:
-            what.append(f"lm head layout {lay!r}")
-    for i in range(n_layers):
-        for short in LINEARS:
-            name = f"blk.{i}.{short}"
-            lay = store.info(name).get("layout") if name in store else None
-            if lay is not None and lay not in LINEAR_LAYOUTS:
-                what.append(f"layout {lay!r} ({name})")
+    for name, known in [("output", HEAD_LAYOUTS)] + [(f"blk.{i}.{s}", LINEAR_LAYOUTS) for i in range(n_layers)
+                                                     for s in LINEARS]:
+        lay = store.info(name).get("layout") if name in store else None
+        if lay is None:
+            continue
+        if not isinstance(lay, str):   # damage, not a later writer's layout
+            raise FormatError(f"{store.path}: tensor {name!r} has a corrupt index entry (layout {str(lay)[:60]})")
+        if lay not in known:
+            what.append(f"{'lm head layout' if name == 'output' else 'layout'} {lay!r}"
+                        f"{'' if name == 'output' else f' ({name})'}")
     if tok is not None and tok not in TOKENIZER_KINDS:
         what.append(f"tokenizer kind {tok!r}")
     if what:
