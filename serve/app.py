@@ -43,7 +43,7 @@ from .fim import INFILL_FIELDS, cut_to, field_refusal, fim_ends, fim_tokens, inf
 from .fim import off as fim_off
 from .llama_api import LORA_WHY, NOT_SERVED, READ_ONLY, lora_request_is_empty
 from .llama_api import timings_of as llama_timings
-from .schemas import (ChatCompletionRequest, CompletionRequest, RequestProblem, continuation, cut_json,
+from .schemas import (ChatCompletionRequest, CompletionRequest, RequestProblem, continuation, cut_short,
                       error_message, error_where, json_text, main_error, model_object, name_key, overflow_message,
                       unanswered)
 
@@ -739,8 +739,13 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         # an answer in a JSON format cut by a stop string: as one cut by max_tokens (length), as a cut call is
         answers = [""] * len(streams) if body.json_answer() and prefill is None else None   # each choice's text so far
 
-        def cut_answer(i, text):
-            return answers is not None and cut_json(text, new_splitter())
+        def ended(i, text: str, called: bool) -> str:
+            """Choice i's finish reason where a stop string (or the end of text) ended it: length for a call or a
+            JSON answer it cut (never to be run or parsed: the rule the other APIs share, schemas.cut_short),
+            tool_calls for whole calls, else stop."""
+            if cut_short("stop", parsers[i], text if answers is not None else None, called, new_splitter()):
+                return "length"
+            return "tool_calls" if called else "stop"
         splitters = [new_splitter() if fmt != "none" and prefill is None else None for _ in streams]
         opened = ["<think>\n" if fmt == "deepseek-legacy" and sp is not None and sp.opened else "" for sp in splitters]
         if fmt == "deepseek-legacy":
@@ -799,12 +804,10 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
                     delta = tool_delta(i, said + rest, calls + more)
                 lps = shown_items(i, lps or [], len((text or "").encode("utf-8")), held_before, content or "",
                                   parsed_before, delta.get("content"), text is None)
-                if finish == "stop" and n_calls[i]:   # a call cut by a stop string is reported as one cut by
-                    finish = "length" if parser.cut_call else "tool_calls"   # max_tokens: never to be run
             else:
                 delta = {"content": content} if content else {}
-            if finish == "stop" and not n_calls[i] and cut_answer(i, answers[i] if answers is not None else ""):
-                finish = "length"
+            if finish == "stop":
+                finish = ended(i, answers[i] if answers is not None else "", n_calls[i] > 0)
             if reasoning:
                 delta = {"reasoning_content": reasoning, **delta}
             if not first:   # the items of a chunk held back go out with the next one
@@ -837,10 +840,8 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
                     lps = lps if message["content"] is not None or reasoning else None
                 if calls:
                     message["tool_calls"] = calls
-                    if finish == "stop":   # a call cut by a stop string: as one cut by max_tokens (length)
-                        finish = "length" if parser.cut_call else "tool_calls"
-            if finish == "stop" and "tool_calls" not in message and cut_answer(i, whole):
-                finish = "length"
+            if finish == "stop":
+                finish = ended(i, whole, "tool_calls" in message)
             records = logprobs(lps)
             if body.logprobs and records is None:   # a message of calls alone: no content, no records (OpenAI's)
                 records = {"content": None, "refusal": None}
@@ -1128,7 +1129,8 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
             raise
         out = MessageBuilder(state.model_id, new_parser() if new_parser is not None else None,
                              new_splitter() if not prefill else None,
-                             thinking=(body.thinking or {}).get("display", "summarized") if thinking else None)
+                             thinking=(body.thinking or {}).get("display", "summarized") if thinking else None,
+                             json_answer=body.json_answer() and not prefill)   # a prefill's JSON began before it
         return await answer_with(request, body, streams[0], q, len(prompt_ids), out)
 
     @app.post("/v1/messages/count_tokens")

@@ -22,7 +22,7 @@ from pydantic import ConfigDict, Field, field_validator, with_config
 from pydantic_core import PydanticCustomError
 from typing_extensions import TypedDict
 
-from .schemas import (Metadata, RequestProblem, ServiceTier, _Sampling, boolean_or_none, check_openai_name, cut_json,
+from .schemas import (Metadata, RequestProblem, ServiceTier, _Sampling, boolean_or_none, check_openai_name, cut_short,
                       json_text, text_of_parts)
 
 # `include` values: what they ask for exists here (logprobs) or is vacuous (no built-in tools run, no images are
@@ -531,10 +531,10 @@ class ResponseBuilder:
         rest, calls = self.parser.finish(cut) if self.parser is not None else ("", [])
         cut_call = self.parser is not None and self.parser.cut_call
         ev += self._put(rest, calls, cut_call=cut_call)
-        if cut_call:   # a call cut by a stop string: as one cut by max_output_tokens (chat's length), never to be run
-            cut = True
-        if final.finish_reason == "stop" and self.json_answer and self._answer_cut():
-            cut = True   # an answer in text.format cut by a stop string: as one cut by max_output_tokens
+        # a call, or an answer in text.format, cut by a stop string: as one cut by max_output_tokens (chat's
+        # length), never to be run or parsed
+        cut = cut_short(final.finish_reason, self.parser, self._answer_text() if self.json_answer else None,
+                        any(o["type"] == "function_call" for o in self.output))
         if not cut and self.msg is None and not any(o["type"] in ("message", "function_call") for o in self.output):
             ev += self._open_message()   # an empty answer (a stop string at its start) is still a message, as chat's
             #                              (one cut inside its thought is that thought alone, incomplete)
@@ -550,12 +550,9 @@ class ResponseBuilder:
         self.status = "completed"
         return ev + [self._event("response.completed", response=self.result(), **said)]
 
-    def _answer_cut(self) -> bool:
-        """Whether the answer, being JSON of a format, is no whole value (a function call instead: the calls'
-        own rule)."""
-        if any(o["type"] == "function_call" for o in self.output):
-            return False
-        return cut_json(self.msg["content"][0]["text"] if self.msg is not None else "")
+    def _answer_text(self) -> str:
+        """The message's text so far (its thought is a reasoning item of its own)."""
+        return self.msg["content"][0]["text"] if self.msg is not None else ""
 
     def fail(self, message: str, status: int = 500) -> list[str]:
         """The engine failed this request's sequence (response.failed: the server goes on), or a stopping server

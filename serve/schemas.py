@@ -354,6 +354,21 @@ def cut_json(text: str, splitter=None) -> bool:
     return False
 
 
+def cut_short(finish_reason: str | None, parser=None, json_text: str | None = None, called: bool = False,
+              splitter=None) -> bool:
+    """Whether an answer is to be reported as cut by the token limit (chat's finish_reason length, the Responses
+    API's incomplete, Anthropic's stop_reason max_tokens), the one rule of every OpenAI- and Anthropic-shaped
+    endpoint: it ran into the limit or the context (finish_reason length or context), or it ended otherwise (a stop
+    string, the end of text) but cut a tool call (`parser.cut_call`: never to be run, even where no call was left
+    to give), or, with no call made (`called`), it must be JSON of a format (json_text: its text so far; None when
+    it need not be) and is no whole value (cut_json; splitter as there)."""
+    if finish_reason in ("length", "context"):
+        return True
+    if parser is not None and parser.cut_call:
+        return True
+    return json_text is not None and not called and cut_json(json_text, splitter)
+
+
 class JSONTyped(BaseModel):
     """A request model whose booleans and numbers take JSON's own types, as OpenAI's API and ollama's Go server
     do: "0.5" for a temperature, "yes" or 1 for stream, true for max_tokens are a 400 naming the field, where

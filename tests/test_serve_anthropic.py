@@ -139,10 +139,10 @@ def test_a_cut_call_is_no_tool_use_with_made_up_input(claude):
         for b in m.content:
             if b.type == "tool_use":
                 jsonschema.validate(b.input, ADD_SCHEMA)
-    # a stop sequence inside the arguments cuts the call the same way
+    # a stop sequence inside the arguments cuts the call the same way (and says max_tokens: see below)
     m = claude.messages.create(model="any", max_tokens=100, messages=[{"role": "user", "content": Q}], tools=[ADD],
                                tool_choice={"type": "tool", "name": "add"}, stop_sequences=['"b"'], **GREEDY)
-    assert m.stop_reason == "stop_sequence" and not [b for b in m.content if b.type == "tool_use"], m
+    assert m.stop_reason == "max_tokens" and not [b for b in m.content if b.type == "tool_use"], m
     untyped = {"name": "f", "input_schema": {"properties": {"a": {"type": "boolean"}}, "required": ["a"]}}
     m = claude.messages.create(model="any", max_tokens=100, messages=[{"role": "user", "content": Q}],
                                tools=[untyped], tool_choice={"type": "any"}, **GREEDY)
@@ -151,6 +151,49 @@ def test_a_cut_call_is_no_tool_use_with_made_up_input(claude):
     for b in uses:
         assert isinstance(b.input["a"], bool), m
 
+
+
+def raw_events(server, body) -> list[tuple[str, dict]]:
+    """The raw SSE events of a streamed /v1/messages request: [(event line, data object)]."""
+    out, kind = [], None
+    with httpx.stream("POST", server.url + "/v1/messages", json={**body, "stream": True}, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("event: "):
+                kind = line[7:]
+            elif line.startswith("data: "):
+                out.append((kind, json.loads(line[6:])))
+    return out
+
+
+def test_a_stop_sequence_inside_a_call_or_a_json_answer_says_max_tokens(claude, server):
+    """A stop sequence that cuts a tool call, or an answer in output_config.format before its JSON is whole, is
+    reported as max_tokens (the call or answer may have been cut: do not run or parse it), as the chat endpoint
+    says length and the Responses API incomplete for the same cut. It said stop_sequence: a forced call vanished
+    behind a normal-looking stop, and messages.parse raised on the broken JSON. Streamed (the raw events and the
+    client's accumulator) and not; the stop sequence that matched is not named (Anthropic names it only with
+    stop_reason stop_sequence)."""
+    schema = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"],
+              "additionalProperties": False}
+    call = dict(tools=[ADD], tool_choice={"type": "tool", "name": "add", "disable_parallel_tool_use": True},
+                stop_sequences=['"b"'])
+    answer = dict(output_config={"format": {"type": "json_schema", "schema": schema}}, stop_sequences=['"answer"'])
+    for extra in (call, answer):
+        kw = dict(model="any", max_tokens=100, messages=[{"role": "user", "content": Q}], **extra)
+        whole = claude.messages.create(**{k: v for k, v in kw.items() if k != "stop_sequences"}, **GREEDY)
+        assert whole.stop_reason in ("tool_use", "end_turn"), whole   # uncut, the same request is whole
+        m = claude.messages.create(**kw, **GREEDY)
+        assert (m.stop_reason, m.stop_sequence) == ("max_tokens", None), m
+        assert not [b for b in m.content if b.type == "tool_use"], m
+        if "output_config" in extra:
+            assert text_of(whole).startswith(text_of(m)) and text_of(m) != text_of(whole)
+        with claude.messages.stream(**kw, **GREEDY) as s:
+            final = s.get_final_message()
+        assert (final.stop_reason, final.stop_sequence) == ("max_tokens", None) and text_of(final) == text_of(m)
+        events = raw_events(server, {**kw, "temperature": 0})
+        [delta] = [d for k, d in events if k == "message_delta"]
+        assert delta["delta"] == {"stop_reason": "max_tokens", "stop_sequence": None}, delta
+        assert [k for k, _ in events][-2:] == ["message_delta", "message_stop"]
 
 def test_a_tool_without_a_description_costs_what_it_costs_on_the_chat_endpoint(server):
     """A tool sent without description reaches the template without one, as from /v1/chat/completions (it got
@@ -187,10 +230,11 @@ def test_stop_sequences_and_count_tokens(claude, server):
         u = claude.messages.create(max_tokens=1, model="any", messages=kw["messages"], **extra, **GREEDY).usage
         assert n == u.input_tokens + u.cache_read_input_tokens
     # a stop sequence that matches the call's own markup (the newline after <tool_call>) cuts the call before its
-    # name: no tool_use block with an empty name (the client would send it back as a call to no tool)
+    # name: no tool_use block with an empty name (the client would send it back as a call to no tool), and the
+    # forced call that never came is said to be cut (max_tokens), not a normal stop
     m = claude.messages.create(model="any", max_tokens=30, messages=[{"role": "user", "content": Q}], tools=[ADD],
                                tool_choice={"type": "any"}, stop_sequences=["\n"], **GREEDY)
-    assert m.stop_reason == "stop_sequence" and all(b.type != "tool_use" or b.name for b in m.content), m
+    assert m.stop_reason == "max_tokens" and all(b.type != "tool_use" or b.name for b in m.content), m
 
 
 def test_structured_output_by_output_config(claude, server):

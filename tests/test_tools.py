@@ -596,6 +596,15 @@ def test_call_cut_by_a_stop_string_is_no_text_and_not_tool_calls(client, model_i
     assert call.function.name == "add" and re.fullmatch(r'\{"a": -?[0-9]+, ', call.function.arguments), call
     chunks = list(client.chat.completions.create(stream=True, **kw))
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason] == ["length"]
+    # one that cuts the call before its name is whole (the newline after <tool_call>) leaves no call to give: still
+    # length, as the Responses API's incomplete and Anthropic's max_tokens (it said stop: a required call vanished
+    # behind a normal stop)
+    kw = dict(kw, tool_choice="required", stop=["\n"])
+    c = client.chat.completions.create(**kw).choices[0]
+    assert c.finish_reason == "length" and not c.message.tool_calls and not c.message.content, c
+    chunks = list(client.chat.completions.create(stream=True, **kw))
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason] == ["length"]
+    assert not any(ch.choices[0].delta.tool_calls or ch.choices[0].delta.content for ch in chunks if ch.choices)
 
 
 def test_allowed_tools_narrow_the_calls_not_the_prompt(client, model_id, server):
