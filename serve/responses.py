@@ -427,8 +427,11 @@ class ResponseBuilder:
             self.thought = {"type": "reasoning", "id": _id("rs"), "summary": [], "status": "in_progress",
                             "content": [{"type": "reasoning_text", "text": ""}]}
             self.output.append(self.thought)
-            ev.append(self._event("response.output_item.added", output_index=len(self.output) - 1,
-                                  item={**self.thought, "content": []}))
+            i = len(self.output) - 1
+            # the item, then its reasoning_text part, as a message's output_text part (and OpenAI's gpt-oss server)
+            ev.append(self._event("response.output_item.added", output_index=i, item={**self.thought, "content": []}))
+            ev.append(self._event("response.content_part.added", item_id=self.thought["id"], output_index=i,
+                                  content_index=0, part={"type": "reasoning_text", "text": ""}))
         self.thought["content"][0]["text"] += text
         ev.append(self._event("response.reasoning_text.delta", item_id=self.thought["id"],
                               output_index=self.output.index(self.thought), content_index=0, delta=text))
@@ -444,6 +447,8 @@ class ResponseBuilder:
         i = self.output.index(item)
         return [self._event("response.reasoning_text.done", item_id=item["id"], output_index=i, content_index=0,
                             text=item["content"][0]["text"]),
+                self._event("response.content_part.done", item_id=item["id"], output_index=i, content_index=0,
+                            part=item["content"][0]),
                 self._event("response.output_item.done", output_index=i, item=item)]
 
     def _put(self, content: str, calls: list[dict], lps=(), cut_call: bool = False) -> list[str]:

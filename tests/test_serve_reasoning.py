@@ -196,6 +196,65 @@ def test_responses_reasoning_items(server):
         client.responses.create(model="m", input=q, reasoning={"effort": "high"})
 
 
+
+def responses_events(server, body) -> list[tuple[str, dict]]:
+    """The raw SSE events of a streamed /v1/responses request: [(event line, data object)]."""
+    out, kind = [], None
+    with httpx.stream("POST", server.url + "/v1/responses", json={**body, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("event: "):
+                kind = line[7:]
+            elif line.startswith("data: "):
+                out.append((kind, json.loads(line[6:])))
+    return out
+
+
+@pytest.mark.parametrize("limit", [None, 8])   # the whole thought; one cut inside it by max_output_tokens
+def test_a_reasoning_items_part_is_added_and_done_as_a_messages_part_is(server, limit):
+    """A streamed reasoning item's reasoning_text part opens with response.content_part.added (the part, empty)
+    and closes with response.content_part.done (the part, whole) around its reasoning_text events, as a
+    message's output_text part does and as OpenAI's reference Responses server (gpt-oss's) streams it: a strict
+    event-order check, or an accumulator that indexes item.content by the part events, found none. Every part's
+    events lie between its added and its done; the openai client reads the stream to the same items."""
+    openai = pytest.importorskip("openai")
+    body = {"model": "m", "input": Q[0]["content"], "temperature": 0, "grammar": GRAMMAR,
+            "chat_template_kwargs": SELF, **({"max_output_tokens": limit} if limit else {})}
+    events = responses_events(server, body)
+    [(_, added)] = [(k, d) for k, d in events if k == "response.output_item.added" and d["item"]["type"] == "reasoning"]
+    rs, at = added["item"]["id"], added["output_index"]
+    mine = [(k, d) for k, d in events if d.get("item_id") == rs or (d.get("item") or {}).get("id") == rs]
+    kinds = [k for k, _ in mine]
+    n = kinds.count("response.reasoning_text.delta")
+    assert n and kinds == ["response.output_item.added", "response.content_part.added",
+                           *["response.reasoning_text.delta"] * n, "response.reasoning_text.done",
+                           "response.content_part.done", "response.output_item.done"], kinds
+    thought = mine[-1][1]["item"]["content"][0]["text"]
+    assert thought == (THOUGHT if limit is None else "".join(d["delta"] for _, d in mine[2:2 + n]))
+    assert thought and (limit is not None or mine[-1][1]["item"]["status"] == "completed")
+    assert mine[1][1]["part"] == {"type": "reasoning_text", "text": ""}
+    assert mine[-2][1]["part"] == {"type": "reasoning_text", "text": thought}
+    assert all(d["output_index"] == at and d.get("content_index", 0) == 0 for _, d in mine)
+    opened, closed = set(), set()   # every part-level event within its part's added .. done
+    for k, d in events:
+        if k == "response.content_part.added":
+            opened.add((d["item_id"], d["content_index"]))
+        elif "content_index" in d:
+            key = (d["item_id"], d["content_index"])
+            assert key in opened and key not in closed, (k, d)
+            if k == "response.content_part.done":
+                closed.add(key)
+    assert opened == closed
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    extra = {"grammar": GRAMMAR, "chat_template_kwargs": SELF}
+    with client.responses.stream(model="m", input=Q[0]["content"], temperature=0, extra_body=extra,
+                                 **({"max_output_tokens": limit} if limit else {})) as s:
+        parts = [e.part for e in s if e.type == "response.content_part.added"]
+        final = s.get_final_response() if limit is None else None
+    assert parts and parts[0].type == "reasoning_text"
+    if final is not None:
+        assert final.output[0].content[0].text == THOUGHT and final.output_text == ANSWER
+
 def test_responses_effort_none_still_splits_a_thought_written_anyway(server):
     """reasoning.effort "none" asks the template not to think; a <think> block the model writes anyway is a
     reasoning item, as chat's reasoning_effort "none" gives it as reasoning_content (it was left in output_text,
