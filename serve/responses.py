@@ -113,7 +113,7 @@ class ResponsesRequest(_Sampling):
 
     input: Union[str, list[Any], None] = None
     instructions: Optional[str] = None
-    max_output_tokens: Optional[int] = Field(default=None, ge=0)
+    max_output_tokens: Optional[int] = Field(default=None, ge=1)   # 0 gave an empty output (OpenAI's minimum: 16)
     tools: Optional[list[Any]] = None
     tool_choice: Union[str, dict[str, Any], None] = None
     parallel_tool_calls: Optional[bool] = None

@@ -270,6 +270,9 @@ def test_text_before_a_call_keeps_its_own_tokens_logprobs():
     ({"stop_sequences": ["x"]}, "stop_sequences"),
     ({"max_completion_tokens": 3}, "max_completion_tokens"),
     ({"max_tokens": 3}, "max_tokens"),   # the chat endpoint's: it was taken, and max_output_tokens won in silence
+    # at least 1 (OpenAI's own minimum is 16): 0 gave an empty incomplete response, output [] (clients read output[0])
+    ({"max_output_tokens": 0}, "max_output_tokens"),
+    ({"max_output_tokens": -2}, "max_output_tokens"),   # (-1 is llama-server's "to the context's end")
     ({"image": {"size": "auto"}}, "image"),
     # keys nested in OpenAI's objects are checked as the top level's are (they were ignored; text.format's echoed)
     ({"reasoning": {"foo": "bar"}}, "reasoning.foo"),
