@@ -731,6 +731,18 @@ def test_a_number_s_exclusive_bound_within_one_integer_step_is_excluded(llm, bou
             validator.validate(json.loads(text))
 
 
+def test_multipleof_a_power_of_ten_caps_a_numbers_decimals_and_bounds_do_not(llm):
+    """What docs/structured-output.md tells a user whose float ran on (llama.cpp caps a number at 16 digits each
+    side of the point; nothing here does): minimum / maximum bound the integer part only, never the fraction's
+    digits; multipleOf 0.01 allows at most two decimals; with both, a number's length is bounded."""
+    bounded = {"type": "number", "minimum": 0, "maximum": 100}
+    assert _complete(llm, bounded, "0." + "3" * 40) and not _complete(llm, bounded, "123")
+    step = {"type": "number", "multipleOf": 0.01}
+    assert _complete(llm, step, "12.34") and _complete(llm, step, "-3.5") and _complete(llm, step, "7")
+    assert not _complete(llm, step, "12.345") and not _complete(llm, step, "0." + "3" * 40)
+    both = {**bounded, **step}
+    assert _complete(llm, both, "99.99") and not _complete(llm, both, "12.345") and not _complete(llm, both, "123")
+
 @pytest.mark.parametrize("bounds", [
     {"exclusiveMinimum": 2 ** 53, "exclusiveMaximum": 2 ** 53 + 4},
     {"exclusiveMinimum": 2 ** 53, "maximum": 2 ** 53 + 2},
