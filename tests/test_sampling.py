@@ -111,6 +111,41 @@ def test_repeat_penalty():
         SamplingParams(repeat_last_n=-2).check()
 
 
+@pytest.mark.parametrize("penalty", [1e-38, 1e-300, 5e-324, 1e300, 1.7976931348623157e308])
+def test_an_extreme_repeat_penalty_keeps_the_logits_finite(penalty):
+    """Any penalty the rule takes (> 0, finite) gives finite logits: a float32 overflow (a positive logit over a tiny
+    penalty, 0 times a penalty past float32) saturates instead of failing the request as corrupt weights, with no
+    numpy warnings. A masked token stays masked, and a NaN logit is still the weights' fault."""
+    lg = np.array([20.0, 0.0, -1.0, -np.inf, 1.5], np.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        s = Sampler(SamplingParams(temperature=0, repeat_penalty=penalty), 5)
+        x = lg.copy()
+        s._penalize(x, [0, 1, 2, 3])
+        assert np.isfinite(x[[0, 1, 2, 4]]).all() and x[3] == -np.inf
+        assert x[1] == 0 and x[0] >= 0 >= x[2]   # the rule: positive shrinks (to 0 at worst), negative falls
+        tok = draw(SamplingParams(temperature=0, repeat_penalty=penalty), lg, 1, history=[0, 1, 2, 3])[0]
+        assert tok == (0 if penalty < 1 else 4)   # a tiny penalty favours the repeat; a huge one the fresh token
+        draw(SamplingParams(temperature=1, top_k=0, seed=1, repeat_penalty=penalty, record_logprobs=2), lg, 2,
+             history=[0, 1, 2])
+    bad = lg.copy()
+    bad[0] = np.nan
+    with pytest.raises(BitNetError, match="corrupt"):
+        draw(SamplingParams(temperature=0, repeat_penalty=penalty), bad, 1, history=[0])
+
+
+def test_a_huge_top_n_sigma_keeps_every_token_without_warnings():
+    """top_n_sigma far past float32 (1e300) keeps every finite logit, as a large one does, with no numpy warning of
+    an overflowing cast on each step."""
+    lg = np.random.default_rng(2).standard_normal(50).astype(np.float32)
+    lg[7] = -np.inf
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        s = Sampler(SamplingParams(temperature=1, top_k=0, top_p=1, min_p=0, top_n_sigma=1e300), 50)
+        kept = set(int(t) for t in s.candidates(lg.copy())[0])
+    assert kept == set(range(50)) - {7}
+
+
 @pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_k=-1), dict(top_p=-0.1), dict(top_p=1.5),
                                  dict(min_p=2.0), dict(repeat_penalty=0.0)])
 def test_bad_params(bad):

@@ -131,6 +131,7 @@ _RULES = {
                                  "must be text without </think> (the end the budget adds after it)"),
 }
 LOGIT_BIAS_MAX = 100.0
+_F32_MAX = float(np.finfo(np.float32).max)
 # each field's type (the rest: a number); None is valid for these
 _KIND = {**dict.fromkeys(("top_k", "repeat_last_n", "seed", "record_logprobs", "dry_allowed_length",
                           "dry_penalty_last_n", "mirostat", "reasoning_budget", "min_keep"), numbers.Integral),
@@ -269,7 +270,19 @@ class Sampler:
         ids = np.unique(recent)
         vals = logits[ids]
         # CTRL / llama.cpp rule: shrink positive logits, push negative ones further down
-        logits[ids] = np.where(vals > 0, vals / np.float32(p), vals * np.float32(p))
+        with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+            out = np.where(vals > 0, vals / np.float32(p), vals * np.float32(p))
+            # a penalty float32 cannot hold (1e-38 dividing, 1e300 cast to inf: 0 * inf) made a finite logit
+            # non-finite, which the draw took for corrupt weights: saturate those at float32's range instead. A
+            # non-finite logit stays as it was (a mask's -inf times a penalty rounded to 0 was NaN; a model's NaN
+            # or +inf is still told apart)
+            finite = np.isfinite(vals)
+            bad = finite & ~np.isfinite(out)
+            if bad.any():
+                v = vals[bad].astype(np.float64)
+                out[bad] = np.clip(np.where(v > 0, v / p, v * p), -_F32_MAX, _F32_MAX)
+            out[~finite] = vals[~finite]
+        logits[ids] = out
 
     def _count_generated(self, history):
         """Fold the tokens generated since the last call into the counts (incrementally: one step's worth)."""
@@ -350,8 +363,8 @@ class Sampler:
         lse = None   # set where top-p must see the probabilities of more tokens than `cand` keeps
         if p.top_n_sigma > 0.0:
             finite = logits[np.isfinite(logits)].astype(np.float64)
-            if finite.size > 1:
-                sigma_floor = float(finite.max()) - p.top_n_sigma * float(finite.std())
+            if finite.size > 1:   # (below float32's range: every finite logit is kept, with no overflowing cast)
+                sigma_floor = max(float(finite.max()) - p.top_n_sigma * float(finite.std()), -_F32_MAX)
         if k < v:
             got = self._topk(np.ascontiguousarray(logits, dtype=np.float32), self._top_heap, self._top_idx)
             cand = self._top_idx[:got]
