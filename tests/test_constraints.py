@@ -485,6 +485,9 @@ def test_gbnf_examples_from_llama_cpp(llm, mode):
         "b": {"type": "array", "minItems": 1, "items": {"$ref": "#/$defs/A"}}}}}, "$ref": "#/$defs/A"}),
      "no finite JSON value"),
     (lambda: Constraint.json_schema({"$ref": "#"}), "no finite JSON value"),
+    # a lone UTF-16 surrogate is not text: said so, as for a prompt (it was the codec's "can't encode character")
+    (lambda: Constraint.regex("a\ud83d"), "regex: holds a lone UTF-16 surrogate (\\ud83d): not text"),
+    (lambda: Constraint.json_schema({"const": "\ud83d"}), "json_schema: holds a lone UTF-16 surrogate (\\ud83d)"),
     # uniqueItems false asks for nothing (JSON Schema's default, which schema generators write)
     (lambda: Constraint.json_schema({"type": "object", "required": ["tags"], "properties": {
         "tags": {"type": "array", "items": {"type": "string"}, "uniqueItems": False}}}), None),

@@ -146,6 +146,15 @@ def test_a_huge_top_n_sigma_keeps_every_token_without_warnings():
     assert kept == set(range(50)) - {7}
 
 
+def test_a_dry_breaker_that_is_not_text_is_one_error_naming_it():
+    """A breaker holding a lone UTF-16 surrogate is refused by the settings check, naming the breaker, as a prompt
+    is (it was a raw UnicodeEncodeError from the breaker table at the call)."""
+    with pytest.raises(BitNetError, match=r"dry_sequence_breakers\[1\]: a lone UTF-16 surrogate \(\\ud83d at "
+                                          r"character 2\) is not text"):
+        SamplingParams(dry_multiplier=1, dry_sequence_breakers=["\n", "x\ud83d"]).check()
+    assert SamplingParams(dry_multiplier=1, dry_sequence_breakers=["\U0001f600"]).check()
+
+
 @pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_k=-1), dict(top_p=-0.1), dict(top_p=1.5),
                                  dict(min_p=2.0), dict(repeat_penalty=0.0)])
 def test_bad_params(bad):

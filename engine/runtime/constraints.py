@@ -121,6 +121,9 @@ class Constraint:
         """The spec as an llguidance grammar (JSON text)."""
         try:
             return self._grammar()
+        except UnicodeEncodeError as e:   # a lone surrogate in a pattern or a schema's string: as a prompt's
+            raise ConstraintError(f"{self.where}: holds a lone UTF-16 surrogate (\\u{ord(e.object[e.start]):04x}): "
+                                  "not text", where=self.where) from None
         except (ValueError, TypeError, OverflowError, RecursionError) as e:
             # llguidance's own refusals of a spec it cannot represent (an integer past 64 bits in a schema)
             raise ConstraintError(f"{self.where}: cannot be enforced: {_one_line(e)}", where=self.where) from None

@@ -179,6 +179,12 @@ def setting_problem(field: str, value, name: str | None = None, json_terms: bool
         shown_value(value, json_terms) if json_terms and isinstance(value, (tuple, list, str)) else str(value)
     if not ok(value):
         return f"{name or field} {shown}: {rule}"
+    if field == "dry_sequence_breakers":   # matched as UTF-8 bytes: a lone surrogate was a raw UnicodeEncodeError
+        for i, breaker in enumerate(value):
+            bad = next((j for j, ch in enumerate(breaker) if "\ud800" <= ch <= "\udfff"), None)
+            if bad is not None:
+                return (f"{name or field}[{i}]: a lone UTF-16 surrogate (\\u{ord(breaker[bad]):04x} at character "
+                        f"{bad + 1}) is not text")
     return None
 
 
