@@ -436,7 +436,8 @@ class LLM(_Text):
         constraint: structured output every token obeys -- a JSON Schema dict, "json" (any JSON object), or a
         Constraint (Constraint.regex(...), .gbnf(...), .lark(...)); raises ConstraintError (a BitNetError) when
         it cannot be enforced exactly. Ends with "eos" once the output is complete, "length" if it is not by
-        max_tokens. cancel: a function of no arguments asked between prefill chunks (128 prompt tokens by
+        max_tokens; a stop string ends it "stop" where it matches, inside a value too (OpenAI's, llama-server's
+        and this server's rule: stats.stop_word names it), so "stop" is no promise of a whole value. cancel: a function of no arguments asked between prefill chunks (128 prompt tokens by
         default); once it returns true the prompt stops there (what was done stays cached) and the stream ends
         with one Chunk, finish_reason "cancelled" and no token (bitchat's Ctrl-C during a long prompt)."""
         model = self._open_model()

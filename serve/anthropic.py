@@ -31,7 +31,8 @@ from .limits import anthropic_error_body
 from .schemas import RequestProblem, _Sampling, boolean_or_none, cut_short, json_text, text_of_parts
 
 # finish reason (engine) -> stop_reason; "tool_use" replaces end_turn when whole calls were made, and "max_tokens"
-# any other where the answer was cut (a call or a JSON answer cut by a stop sequence: schemas.cut_short)
+# any other where the answer was cut (a call cut by a stop sequence: schemas.cut_short; a JSON answer one cut is a
+# stop_sequence, as chat's stop)
 STOP_REASON = {"eos": "end_turn", "stop": "stop_sequence", "length": "max_tokens",
                "context": "model_context_window_exceeded", "cancelled": "end_turn"}
 # the keys Anthropic's API takes in its nested objects; any other is its 400 ("Extra inputs are not permitted")
@@ -425,12 +426,10 @@ class MessageBuilder:
     feed() / finish() return the SSE events the stream sends, result() the whole answer. The non-streaming answer
     is the same calls with the events dropped."""
 
-    def __init__(self, model: str, parser=None, splitter=None, thinking: str | None = None, json_answer: bool = False):
+    def __init__(self, model: str, parser=None, splitter=None, thinking: str | None = None):
         """splitter: a thinking model's ThinkSplitter (engine/runtime/reasoning.py); thinking: where its <think>
-        block goes -- None: left out (thinking off), "summarized": a thinking block, "omitted": the block, empty.
-        json_answer: the answer's text must be JSON of a format (output_config.format), whole unless cut."""
+        block goes -- None: left out (thinking off), "summarized": a thinking block, "omitted": the block, empty."""
         self.model, self.parser, self.splitter, self.thinking = model, parser, splitter, thinking
-        self.json_answer = json_answer
         self.id = f"msg_{uuid.uuid4().hex}"
         self.content: list[dict] = []
         self.open_text = False   # the last block is text still being written
@@ -534,9 +533,8 @@ class MessageBuilder:
         ev += self._put(rest, calls) + self._close_text()
         reason = STOP_REASON.get(finish_reason, "end_turn")
         called = any(b["type"] == "tool_use" for b in self.content)
-        text = "".join(b["text"] for b in self.content if b["type"] == "text") if self.json_answer else None
-        if reason in ("end_turn", "stop_sequence") and cut_short(finish_reason, self.parser, text, called):
-            reason = "max_tokens"   # a call or a JSON answer a stop sequence cut: may be cut, never to run or parse
+        if reason in ("end_turn", "stop_sequence") and cut_short(finish_reason, self.parser):
+            reason = "max_tokens"   # a call a stop sequence cut: may be cut, never to run
         if reason == "end_turn" and called:
             reason = "tool_use"
         self.stop_reason, self.stop_sequence = reason, stop_word if reason == "stop_sequence" else None

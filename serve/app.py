@@ -736,14 +736,12 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         text_of, n_top = state.token_text(eng), body.top_logprobs or 0
         parsers = [new_parser() if new_parser is not None else None for _ in streams]   # one per choice
         n_calls = [0] * len(streams)
-        # an answer in a JSON format cut by a stop string: as one cut by max_tokens (length), as a cut call is
-        answers = [""] * len(streams) if body.json_answer() and prefill is None else None   # each choice's text so far
 
-        def ended(i, text: str, called: bool) -> str:
-            """Choice i's finish reason where a stop string (or the end of text) ended it: length for a call or a
-            JSON answer it cut (never to be run or parsed: the rule the other APIs share, schemas.cut_short),
-            tool_calls for whole calls, else stop."""
-            if cut_short("stop", parsers[i], text if answers is not None else None, called, new_splitter()):
+        def ended(i, called: bool) -> str:
+            """Choice i's finish reason where a stop string (or the end of text) ended it: length for a call it cut
+            (never to be run: the rule the other APIs share, schemas.cut_short), tool_calls for whole calls, else
+            stop (an answer in a JSON format too, whole or not, as OpenAI's and llama-server's)."""
+            if cut_short("stop", parsers[i]):
                 return "length"
             return "tool_calls" if called else "stop"
         splitters = [new_splitter() if fmt != "none" and prefill is None else None for _ in streams]
@@ -791,8 +789,6 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
             held_before = held(i)
             parsed_before = len(parser.buf.encode("utf-8")) if parser is not None else 0
             reasoning, content = split(i, text) if not first else ("", None)
-            if answers is not None and text:
-                answers[i] += text
             if first:
                 delta = {"role": "assistant", "content": opened[i]}
             elif parser is not None:   # tool calls: content streams, each call goes out once its block closes
@@ -807,7 +803,7 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
             else:
                 delta = {"content": content} if content else {}
             if finish == "stop":
-                finish = ended(i, answers[i] if answers is not None else "", n_calls[i] > 0)
+                finish = ended(i, n_calls[i] > 0)
             if reasoning:
                 delta = {"reasoning_content": reasoning, **delta}
             if not first:   # the items of a chunk held back go out with the next one
@@ -841,7 +837,7 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
                 if calls:
                     message["tool_calls"] = calls
             if finish == "stop":
-                finish = ended(i, whole, "tool_calls" in message)
+                finish = ended(i, "tool_calls" in message)
             records = logprobs(lps)
             if body.logprobs and records is None:   # a message of calls alone: no content, no records (OpenAI's)
                 records = {"content": None, "refusal": None}
@@ -1129,8 +1125,7 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
             raise
         out = MessageBuilder(state.model_id, new_parser() if new_parser is not None else None,
                              new_splitter() if not prefill else None,
-                             thinking=(body.thinking or {}).get("display", "summarized") if thinking else None,
-                             json_answer=body.json_answer() and not prefill)   # a prefill's JSON began before it
+                             thinking=(body.thinking or {}).get("display", "summarized") if thinking else None)
         return await answer_with(request, body, streams[0], q, len(prompt_ids), out)
 
     @app.post("/v1/messages/count_tokens")

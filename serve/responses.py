@@ -372,7 +372,6 @@ class ResponseBuilder:
         self.splitter, self.thought = splitter, None   # the reasoning item being written
         self.seal = ENCRYPTED_REASONING in (body.include or ())   # the thought also goes into encrypted_content
         self.entry = entry   # (token, TokenLogprob) -> a logprob entry; None: no logprobs asked
-        self.json_answer = body.json_answer()   # text.format (or response_format) asks for JSON
         self.id, self.created = _id("resp"), int(time.time())
         self.output: list[dict] = []
         self.msg: Optional[dict] = None   # the message item being written
@@ -536,10 +535,9 @@ class ResponseBuilder:
         rest, calls = self.parser.finish(cut) if self.parser is not None else ("", [])
         cut_call = self.parser is not None and self.parser.cut_call
         ev += self._put(rest, calls, cut_call=cut_call)
-        # a call, or an answer in text.format, cut by a stop string: as one cut by max_output_tokens (chat's
-        # length), never to be run or parsed
-        cut = cut_short(final.finish_reason, self.parser, self._answer_text() if self.json_answer else None,
-                        any(o["type"] == "function_call" for o in self.output))
+        # a call cut by a stop string: as one cut by max_output_tokens (chat's length), never to be run (an answer
+        # in text.format a stop string cut is completed, as OpenAI's)
+        cut = cut_short(final.finish_reason, self.parser)
         if not cut and self.msg is None and not any(o["type"] in ("message", "function_call") for o in self.output):
             ev += self._open_message()   # an empty answer (a stop string at its start) is still a message, as chat's
             #                              (one cut inside its thought is that thought alone, incomplete)
@@ -554,10 +552,6 @@ class ResponseBuilder:
             return ev + [self._event("response.incomplete", response=self.result(), **said)]
         self.status = "completed"
         return ev + [self._event("response.completed", response=self.result(), **said)]
-
-    def _answer_text(self) -> str:
-        """The message's text so far (its thought is a reasoning item of its own)."""
-        return self.msg["content"][0]["text"] if self.msg is not None else ""
 
     def fail(self, message: str, status: int = 500) -> list[str]:
         """The engine failed this request's sequence (response.failed: the server goes on), or a stopping server

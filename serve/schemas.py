@@ -338,35 +338,17 @@ def check_openai_name(name, where: str) -> None:
                                     f"dashes ('^{OPENAI_NAME.pattern}$'), as OpenAI's API")
 
 
-def cut_json(text: str, splitter=None) -> bool:
-    """Whether an answer that must be JSON is no whole JSON value: a stop string cut it before its grammar let it
-    end (one after a whole value, past its last digit, cut nothing). splitter: a fresh think splitter, to leave
-    out a thought written in the text."""
-    if splitter is not None:
-        _, text = splitter.feed(text)
-        text += splitter.finish()[1]
-    try:
-        json.loads(text)
-    except ValueError:
-        return True
-    except RecursionError:   # nested past the parser's depth: the grammar closed it
-        return False
-    return False
-
-
-def cut_short(finish_reason: str | None, parser=None, json_text: str | None = None, called: bool = False,
-              splitter=None) -> bool:
+def cut_short(finish_reason: str | None, parser=None) -> bool:
     """Whether an answer is to be reported as cut by the token limit (chat's finish_reason length, the Responses
     API's incomplete, Anthropic's stop_reason max_tokens), the one rule of every OpenAI- and Anthropic-shaped
     endpoint: it ran into the limit or the context (finish_reason length or context), or it ended otherwise (a stop
     string, the end of text) but cut a tool call (`parser.cut_call`: never to be run, even where no call was left
-    to give), or, with no call made (`called`), it must be JSON of a format (json_text: its text so far; None when
-    it need not be) and is no whole value (cut_json; splitter as there)."""
+    to give). An answer in a JSON format a stop string cut is not cut short: it ends as any answer a stop string
+    ends (stop), as OpenAI's and llama-server's do, and as the Python API's; a larger limit would not make it
+    whole."""
     if finish_reason in ("length", "context"):
         return True
-    if parser is not None and parser.cut_call:
-        return True
-    return json_text is not None and not called and cut_json(json_text, splitter)
+    return parser is not None and parser.cut_call
 
 
 class JSONTyped(BaseModel):
@@ -738,16 +720,6 @@ class _Sampling(JSONTyped):
             raise ConstraintError("give one of response_format, json_schema and grammar, not several",
                                   where=given[1].where)
         return given[0] if given else None
-
-    def json_answer(self) -> bool:
-        """Whether the answer in text must be JSON of a format (response_format, text.format, llama-server's
-        json_schema), not a grammar's text; asked once the request's constraint has been checked."""
-        from ..engine.errors import ConstraintError
-        try:
-            spec = self.constraint()
-        except ConstraintError:
-            return False
-        return spec is not None and spec.kind in ("json_object", "json_schema")
 
     def predict_limit(self, default: Optional[int]) -> Optional[int]:
         """n_predict's limit: the value; None (the context's end) when negative; `default` when not sent."""

@@ -152,7 +152,6 @@ def test_a_cut_call_is_no_tool_use_with_made_up_input(claude):
         assert isinstance(b.input["a"], bool), m
 
 
-
 def raw_events(server, body) -> list[tuple[str, dict]]:
     """The raw SSE events of a streamed /v1/messages request: [(event line, data object)]."""
     out, kind = [], None
@@ -166,34 +165,36 @@ def raw_events(server, body) -> list[tuple[str, dict]]:
     return out
 
 
-def test_a_stop_sequence_inside_a_call_or_a_json_answer_says_max_tokens(claude, server):
-    """A stop sequence that cuts a tool call, or an answer in output_config.format before its JSON is whole, is
-    reported as max_tokens (the call or answer may have been cut: do not run or parse it), as the chat endpoint
-    says length and the Responses API incomplete for the same cut. It said stop_sequence: a forced call vanished
-    behind a normal-looking stop, and messages.parse raised on the broken JSON. Streamed (the raw events and the
-    client's accumulator) and not; the stop sequence that matched is not named (Anthropic names it only with
-    stop_reason stop_sequence)."""
+def test_a_stop_sequence_says_max_tokens_in_a_call_and_stop_sequence_in_a_json_answer(claude, server):
+    """A stop sequence that cuts a tool call is reported as max_tokens (the call may have been cut: do not run it),
+    as the chat endpoint says length and the Responses API incomplete for the same cut; it said stop_sequence, and a
+    forced call vanished behind a normal-looking stop. One that cuts an answer in output_config.format before its
+    JSON is whole ends it as any stop sequence does: stop_sequence, naming it, as chat's stop and Responses'
+    completed (OpenAI's and llama-server's rule: max_tokens would ask for a larger limit, which gives the same cut).
+    Streamed (the raw events and the client's accumulator) and not; Anthropic names the stop sequence only with
+    stop_reason stop_sequence."""
     schema = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"],
               "additionalProperties": False}
     call = dict(tools=[ADD], tool_choice={"type": "tool", "name": "add", "disable_parallel_tool_use": True},
                 stop_sequences=['"b"'])
     answer = dict(output_config={"format": {"type": "json_schema", "schema": schema}}, stop_sequences=['"answer"'])
-    for extra in (call, answer):
+    for extra, said in ((call, ("max_tokens", None)), (answer, ("stop_sequence", '"answer"'))):
         kw = dict(model="any", max_tokens=100, messages=[{"role": "user", "content": Q}], **extra)
         whole = claude.messages.create(**{k: v for k, v in kw.items() if k != "stop_sequences"}, **GREEDY)
         assert whole.stop_reason in ("tool_use", "end_turn"), whole   # uncut, the same request is whole
         m = claude.messages.create(**kw, **GREEDY)
-        assert (m.stop_reason, m.stop_sequence) == ("max_tokens", None), m
+        assert (m.stop_reason, m.stop_sequence) == said, m
         assert not [b for b in m.content if b.type == "tool_use"], m
         if "output_config" in extra:
             assert text_of(whole).startswith(text_of(m)) and text_of(m) != text_of(whole)
         with claude.messages.stream(**kw, **GREEDY) as s:
             final = s.get_final_message()
-        assert (final.stop_reason, final.stop_sequence) == ("max_tokens", None) and text_of(final) == text_of(m)
+        assert (final.stop_reason, final.stop_sequence) == said and text_of(final) == text_of(m)
         events = raw_events(server, {**kw, "temperature": 0})
         [delta] = [d for k, d in events if k == "message_delta"]
-        assert delta["delta"] == {"stop_reason": "max_tokens", "stop_sequence": None}, delta
+        assert delta["delta"] == {"stop_reason": said[0], "stop_sequence": said[1]}, delta
         assert [k for k, _ in events][-2:] == ["message_delta", "message_stop"]
+
 
 def test_a_tool_without_a_description_costs_what_it_costs_on_the_chat_endpoint(server):
     """A tool sent without description reaches the template without one, as from /v1/chat/completions (it got
