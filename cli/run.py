@@ -172,6 +172,8 @@ def _main(args) -> int:
         return run_chat(args, first_message=prompt)
 
     stop = [escaped(args, s, "-r/--stop") for s in args.stop]   # an escape that is not UTF-8: before the model loads
+    if "" in stop:   # before the model loads, named as typed (generate refuses it as `stop`)
+        raise BitNetError("-r/--stop \"\": an empty stop string (each must be non-empty)")
     from ..engine.api import load_model
     from ..engine.fileio import is_terminal
     from ..engine.formats.convert import stderr_is_terminal

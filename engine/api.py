@@ -120,6 +120,16 @@ class _Text:
         kind, load = ("an Engine", "load_engine()") if isinstance(self, Engine) else ("an LLM", "load_model()")
         raise BitNetError(f"{kind} cannot cross processes: {load} in the child")
 
+    def __copy__(self):
+        """copy.copy / copy.deepcopy: no process is crossed, so not __reduce__'s words: what to do instead."""
+        if isinstance(self, Engine):
+            raise BitNetError("an Engine cannot be copied: submit to this one from any thread (it batches them), or "
+                              "load_engine() again")
+        raise BitNetError("an LLM cannot be copied: it is one session (one KV cache); load_model() again for another")
+
+    def __deepcopy__(self, memo):
+        self.__copy__()
+
     _template_source: str | None = None   # where set_chat_template's came from, for error hints
 
     @property
@@ -462,7 +472,7 @@ class LLM(_Text):
         from .runtime.embed import NORMALIZE, check_normalize, check_pooling, check_unpooled_norm, embed_ids
         pooling = check_pooling(pooling)
         if normalize is not None:
-            check_normalize(normalize)
+            check_normalize(normalize, "normalize")   # this argument's name (embd_normalize is the server's field)
         check_unpooled_norm(pooling, normalize)
         normalize = NORMALIZE if normalize is None else normalize
         all_ids = self.embed_tokens(texts)

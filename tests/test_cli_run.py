@@ -178,6 +178,7 @@ def test_chat(store):
     (["-p", "x", "--dry-base", "0.5", "--dry-multiplier", "1"], "--dry-base 0.5"),
     (["-p", "x", "--xtc-probability", "2"], "--xtc-probability 2"),
     (["-p", "x", "-n", "-3"], "-n"),
+    (["-p", "x", "-r", "y", "-r", ""], '-r/--stop "": an empty stop string'),   # it never matched, in silence
     (["-p", "Once upon a time, in a small village", "-c", "4"], "-c/--ctx"),
     ([], "prompt"),
     (["-f", "/nonexistent/prompt.txt"], "/nonexistent/prompt.txt"),

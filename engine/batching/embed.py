@@ -83,7 +83,7 @@ class Embeddings:
         engine/runtime/embed.py's check_pooling / check_normalize take them (None: the engine's own)."""
         pooling = check_pooling(self.pooling if pooling is None else pooling)
         if normalize is not None:
-            check_normalize(normalize)
+            check_normalize(normalize, "normalize")   # this argument's name (embd_normalize is the server's field)
             check_unpooled_norm(pooling, normalize)   # asked of rows that are never normalised: said, not dropped
         normalize = check_normalize(self.embd_normalize if normalize is None else normalize)
         vocab, dim = self.config.vocab_size, self.config.hidden_size

@@ -82,10 +82,14 @@ class Stream:
                 self._callback(chunk)
             except BaseException as e:  # a broken consumer ends its own request, never the engine (a callback's
                 # sys.exit() or KeyboardInterrupt runs on the scheduler thread: it stopped the engine for good)
+                import sys
                 if not chunk.finish_reason:
-                    import sys
                     print(f"bitnet engine: stream {self.id}: callback raised {e!r}; cancelling it", file=sys.stderr)
                     self._engine.cancel(self.id)
+                else:   # nothing left to cancel, but said: code waiting on what this handler sets would wait on
+                    # in silence (it was swallowed)
+                    print(f"bitnet engine: stream {self.id}: callback raised {e!r} on the final chunk "
+                          f"({chunk.finish_reason})", file=sys.stderr)
         else:
             self._q.put(chunk)
 

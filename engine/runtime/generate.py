@@ -78,17 +78,17 @@ def whole_number(value, name: str, minimum: int = 0, flag: str = "") -> int:
 
 def stop_strings(stop) -> tuple[str, ...]:
     """The stop strings of a call: one str is one stop string (OpenAI's `stop: string | array`, which a str
-    iterated letter by letter was not), None is none, else a sequence of str."""
+    iterated letter by letter was not), None is none, else a sequence of str; an empty one is refused."""
     if stop is None:
         return ()
-    if isinstance(stop, str):
-        return (stop,)
-    if isinstance(stop, (bytes, bytearray, dict)) or not hasattr(stop, "__iter__"):
+    if not isinstance(stop, str) and (isinstance(stop, (bytes, bytearray, dict)) or not hasattr(stop, "__iter__")):
         raise BitNetError(f"stop: a string or a list of strings, not {type(stop).__name__}")
-    stops = tuple(stop)
+    stops = (stop,) if isinstance(stop, str) else tuple(stop)
     for s in stops:
         if not isinstance(s, str):
             raise BitNetError(f"stop: every stop sequence must be a string, not {type(s).__name__} ({s!r})")
+        if not s:   # it never matched, in silence; the HTTP APIs' 400 in their words
+            raise BitNetError("stop: an empty stop string (each must be non-empty)")
     return stops
 
 

@@ -334,14 +334,18 @@ class ToolFormat:
             # the filter below would leave no function, and the grammar's schema an IndexError
             raise ConstraintError(f"tool_choice {choice!r}: not 'auto', 'required', 'none' nor a function of the "
                                   f"tools ({names})", where="tool_choice")
+        if parallel not in (True, False):   # "no" was taken as true: several calls allowed
+            raise ConstraintError(f"parallel {parallel!r:.40}: True or False (several calls in one answer, or one)",
+                                  where="parallel")
         if choice == "none" or not functions:
             return None
         for i, f in enumerate([] if checked else functions):   # each tool's schema alone first: an error names it
             check(Constraint.json_schema(f.parameters, where=f"tools[{i}].function.parameters"))
         if choice not in ("auto", "required"):
             functions = [f for f in functions if f.name == choice]
-        if thought not in (None, "may", "open"):
-            raise ValueError(f"thought: None, 'may' or 'open', not {thought!r}")
+        if thought not in (None, "may", "open"):   # a ValueError, not the BitNetError the API promises
+            raise ConstraintError(f"thought {thought!r:.40}: None, 'may' or 'open' (engine api's answer_thought)",
+                                  where="thought")
         thought = thought if choice == "auto" else None   # a required call is the answer from its first token
         start = self._auto_rule(parallel, thought) if choice == "auto" else "start: calls\n"
         c = Constraint.lark(start + self._calls_rule(parallel) + self._call_rule(functions, parallel, thought),
