@@ -298,7 +298,8 @@ class ChatSession:
         return self.settings.sampling_params(seed_offset=self.seed_offset)
 
     def count_tokens(self, messages: list[dict], generation_prompt: bool = True) -> int:
-        return len(self.llm.chat_prompt(messages, add_generation_prompt=generation_prompt))
+        return len(self.llm.chat_prompt(messages, add_generation_prompt=generation_prompt,
+                                        continue_final_message=False))   # an answered turn is closed, not continued
 
     # ---- context window ------------------------------------------------------------------------
     def _reserve(self) -> int:
@@ -374,7 +375,8 @@ class ChatSession:
         def count(m: list[dict]) -> int:
             if known is not None and m == whole:
                 return len(known)
-            made[len(m)] = ids = self.llm.chat_prompt(m, add_generation_prompt=generation_prompt)
+            made[len(m)] = ids = self.llm.chat_prompt(m, add_generation_prompt=generation_prompt,
+                                                      continue_final_message=False)
             return len(ids)
         self._forget_counts()
         least, newest = self._least_start(budget, heard)
@@ -391,7 +393,8 @@ class ChatSession:
             raise
         messages = self.conv.messages()
         ids = known if known is not None and messages == whole else made[len(messages)] \
-            if len(messages) in made else self.llm.chat_prompt(messages, add_generation_prompt=generation_prompt)
+            if len(messages) in made else self.llm.chat_prompt(messages, add_generation_prompt=generation_prompt,
+                                                               continue_final_message=False)
         if generation_prompt and self.splice:  # same text, but the last answer's own tokens: the cache covers them
             spliced = spliced_prompt(self.llm, self.cached_turn, messages)
             if spliced is not None and len(spliced) < n_ctx:

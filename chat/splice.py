@@ -55,7 +55,7 @@ def spliced_prompt(llm, last: CachedTurn | None, messages: list[dict]) -> list[i
                                          and set(said[len(last.answer_text):]) == {"\ufffd"}):
         return None
     # the template's closing of an assistant message: render it around an empty answer
-    opened = llm.chat_prompt(last.messages, add_generation_prompt=True)
+    opened = llm.chat_prompt(last.messages, add_generation_prompt=True, continue_final_message=False)
     closed_empty = llm.chat_prompt(last.messages + [{"role": "assistant", "content": ""}],
                                    add_generation_prompt=False)
     if not _starts_with(closed_empty, opened):
@@ -63,7 +63,7 @@ def spliced_prompt(llm, last: CachedTurn | None, messages: list[dict]) -> list[i
     close = closed_empty[len(opened):]
     # the new user message and the generation prompt: what follows the closed answer
     closed = llm.chat_prompt(messages[:k + 1], add_generation_prompt=False)
-    full = llm.chat_prompt(messages, add_generation_prompt=True)
+    full = llm.chat_prompt(messages, add_generation_prompt=True, continue_final_message=False)
     if not _starts_with(full, closed) or len(full) == len(closed):
         return None
     return list(last.prompt_ids) + list(last.answer_ids) + close + full[len(closed):]

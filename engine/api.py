@@ -108,6 +108,25 @@ def _text_content(m, k: int) -> dict:
     return {**m, "content": "".join(p["text"] for p in parts)}
 
 
+def _continuation(messages: list[dict], continue_final: bool | None, generation_prompt: bool
+                  ) -> tuple[list[dict], str | None]:
+    """(the messages to render, the text of a final assistant message the answer continues, or None): the server's
+    rule (serve/schemas.py continuation, llama-server's), in the Python API's words. continue_final None continues
+    a final assistant's text where a generation prompt is asked for."""
+    last = messages[-1] if messages else {}
+    can = last.get("role") == "assistant" and not last.get("tool_calls")
+    if continue_final is None:
+        continue_final = can and generation_prompt
+    if not continue_final:
+        return messages, None
+    if not can:
+        raise BitNetError("continue_final_message: the last message is not an assistant's text to continue")
+    if len(messages) >= 2 and messages[-2].get("role") == "assistant":
+        raise BitNetError("messages: two assistant messages at the end (the last one is continued)",
+                          hint="continue_final_message=False renders them as they are, with a new turn after")
+    return messages[:-1], last.get("content") or ""
+
+
 class _Text:
     """text <-> ids helpers shared by LLM and Engine (need self.tokenizer and self.store)."""
 
@@ -232,7 +251,7 @@ class _Text:
 
     def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True,
                     tools: list[dict] | None = None, prefill: str = "", template_kwargs: dict | None = None, *,
-                    results_in_order: bool = False) -> list[int]:
+                    results_in_order: bool = False, continue_final_message: bool | None = None) -> list[int]:
         """Token ids of `messages` rendered with the model's own chat template (or the built-in fallback).
         tools: OpenAI-style function list; messages may then hold assistant `tool_calls` (or the deprecated
         `function_call`, that message's one call) and `tool` results (engine/runtime/tools.py puts them in the form
@@ -240,6 +259,13 @@ class _Text:
         result answers an earlier call by its `tool_call_id`, unless results_in_order (ollama's history: results
         without ids, each answering the calls in order). prefill: text the answer continues
         (a final assistant message's start, as Anthropic's and ollama's APIs take it), after the template's text.
+        A final assistant message (text, not tool calls) is continued, as the server does by default (llama-server's
+        rule, ollama's and Anthropic's): the messages before it with the generation prompt, then its text, then
+        prefill; on a thinking template with enable_thinking False (the continued text is the answer), unless
+        template_kwargs say otherwise. continue_final_message (the server's field): None, that default (only with
+        add_generation_prompt); False, the message is closed and a new assistant turn opened, as any other; True, the
+        last message must be an assistant's text (else a BitNetError). Two assistant messages at the end are
+        refused when the last one would be continued, as the server refuses them.
         template_kwargs: more template variables (enable_thinking=False for Qwen3's; chat_template.render).
         The ids start with BOS where the model's tokenizer adds one, whether or not the template writes it
         (llama-server tokenizes chat prompts with add_special): a ChatML template has no {{ bos_token }}, and a
@@ -247,20 +273,24 @@ class _Text:
         if not isinstance(prefill, str):
             raise BitNetError(f"prefill: text (str), not {type(prefill).__name__}")
         text = self.chat_text(messages, add_generation_prompt, tools, template_kwargs,
-                              results_in_order=results_in_order)
+                              results_in_order=results_in_order, continue_final_message=continue_final_message)
         ids = self.tokenizer.encode(text + prefill, add_bos=False, special=True)
         bos = self.tokenizer.text_bos
         return ids if bos is None or ids[:1] == [bos] else [bos] + ids
 
     def chat_text(self, messages: list[dict], add_generation_prompt: bool = True,
                   tools: list[dict] | None = None, template_kwargs: dict | None = None, *,
-                  results_in_order: bool = False) -> str:
-        """The text chat_prompt tokenizes (special tokens as text): what the template makes of `messages`."""
+                  results_in_order: bool = False, continue_final_message: bool | None = None) -> str:
+        """The text chat_prompt tokenizes (special tokens as text): what the template makes of `messages`, a final
+        assistant message continued as chat_prompt says."""
         from .runtime.tools import MessageError, check_tool_results, checked_calls, functions_from_tools
         if not isinstance(add_generation_prompt, (bool, np.bool_)):   # "no" was True
             raise BitNetError(f"add_generation_prompt {add_generation_prompt!r:.40}: True or False")
         if not isinstance(results_in_order, (bool, np.bool_)):
             raise BitNetError(f"results_in_order {results_in_order!r:.40}: True or False")
+        if continue_final_message is not None and not isinstance(continue_final_message, (bool, np.bool_)):
+            raise BitNetError(f"continue_final_message {continue_final_message!r:.40}: True, False or None (continue "
+                              "a final assistant message with the generation prompt)")
         if isinstance(messages, (str, bytes, dict)) or not isinstance(messages, Sequence):
             raise BitNetError(f"messages: a list of {{'role': ..., 'content': ...}} dicts, not {type(messages).__name__}")
         messages = [_text_content(m, k) for k, m in enumerate(messages)]
@@ -275,6 +305,11 @@ class _Text:
                                    "it answers (results_in_order=True: results without ids, in the calls' order)"
                                    ) from None
         messages = checked
+        messages, continued = _continuation(messages, continue_final_message, bool(add_generation_prompt))
+        if continued is not None:
+            add_generation_prompt = True
+            if self.thinks:   # the continued text is the answer, not a thought (the server's rule)
+                template_kwargs = {"enable_thinking": False, **(template_kwargs or {})}
         if tools is not None and (isinstance(tools, (str, bytes, dict)) or not isinstance(tools, Sequence)
                                   or not all(isinstance(t, dict) for t in tools)):
             raise BitNetError(f"tools: a list of OpenAI-style tool dicts, not {tools!r:.80}")
@@ -289,7 +324,8 @@ class _Text:
             template_kwargs = {**self._template_kwargs, **(template_kwargs or {})}
         source = self._template_source if self._chat_template is not None else None
         return _ct.render(template, messages, add_generation_prompt=add_generation_prompt,
-                          bos_token=bos or "", eos_token=eos or "", tools=tools, kwargs=template_kwargs, source=source)
+                          bos_token=bos or "", eos_token=eos or "", tools=tools, kwargs=template_kwargs,
+                          source=source) + (continued or "")
 
     def template_tokens(self) -> tuple[str, str]:
         """(bos_token, eos_token): the strings the chat template is rendered with ("" where there is none): the
@@ -447,9 +483,10 @@ class LLM(_Text):
         Constraint (Constraint.regex(...), .gbnf(...), .lark(...)); raises ConstraintError (a BitNetError) when
         it cannot be enforced exactly. Ends with "eos" once the output is complete, "length" if it is not by
         max_tokens; a stop string ends it "stop" where it matches, inside a value too (OpenAI's, llama-server's
-        and this server's rule: stats.stop_word names it), so "stop" is no promise of a whole value. cancel: a function of no arguments asked between prefill chunks (128 prompt tokens by
-        default); once it returns true the prompt stops there (what was done stays cached) and the stream ends
-        with one Chunk, finish_reason "cancelled" and no token (bitchat's Ctrl-C during a long prompt)."""
+        and this server's rule: stats.stop_word names it), so "stop" is no promise of a whole value. cancel: a
+        function of no arguments asked between prefill chunks (128 prompt tokens by default); once it returns true
+        the prompt stops there (what was done stays cached) and the stream ends with one Chunk, finish_reason
+        "cancelled" and no token (bitchat's Ctrl-C during a long prompt)."""
         model = self._open_model()
         if isinstance(prompt, (bytes, bytearray)):
             raise BitNetError("prompt: give text (str) or token ids, not bytes")

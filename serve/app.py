@@ -442,8 +442,10 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         template_kwargs: llama-server's chat_template_kwargs (enable_thinking, ...)."""
         await refuse_too_long(eng, sum(len(m["content"]) for m in msgs) + len(prefill), param)
         try:
+            # continued or not by each endpoint's own rule (continuation; a Responses input ending with an
+            # assistant message gets a new turn), never again by chat_prompt's default
             return await run_off_loop(eng.chat_prompt, msgs, tools=tools, prefill=prefill,
-                                      template_kwargs=template_kwargs)
+                                      template_kwargs=template_kwargs, continue_final_message=False)
         except Exception as e:  # the template rejected the conversation (e.g. roles out of order)
             if out_of_resources(e):   # not the conversation's fault: a 503 (_out_of_resources)
                 raise

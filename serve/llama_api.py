@@ -502,7 +502,8 @@ def register(app, state, ready, api_error: type, pipe, *, sampling=None):
             kwargs = {**(kwargs or {}), "enable_thinking": False}
         tools, _, _ = pipe.tool_setup(eng, body.tools, "auto", None)   # checked and rendered as chat's
         try:
-            prompt = await run_off_loop(eng.chat_text, head, gen, tools, kwargs) + prefill
+            prompt = await run_off_loop(eng.chat_text, head, gen, tools, kwargs,   # continued above, or not at all
+                                        continue_final_message=False) + prefill
         except Exception as e:   # the template rejected the conversation (roles out of order) or the variables
             where = "chat_template_kwargs" if str(e).startswith("chat_template_kwargs") else "messages"
             raise api_error(400, str(e) if where != "messages" else f"messages: {e}", param=where,

@@ -628,7 +628,8 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
         await refuse_too_long(eng, sum(len(m["content"] or "") for m in msgs) + len(prefill))
         try:
             prompt_ids = await run_off_loop(eng.chat_prompt, msgs, tools=tools, prefill=prefill,
-                                            template_kwargs=think_kwargs(eng, body), results_in_order=True)
+                                            template_kwargs=think_kwargs(eng, body), results_in_order=True,
+                                            continue_final_message=False)   # continued above, as ollama does
         except Exception as e:   # the template rejected the conversation (e.g. roles out of order)
             raise OllamaError(400, f"messages: {e}") from None
         thought = eng.answer_thought(prompt_ids) if tool_spec is not None and not prefill and body.think is not False \

@@ -94,3 +94,32 @@ def test_a_callback_raising_on_the_final_chunk_is_said_on_stderr(capfd):
     err = capfd.readouterr().err
     assert f"stream {s.id}: callback raised ValueError('bug in the final handler') on the final chunk (length)" \
         in err, err
+
+
+STORY = [{"role": "user", "content": "Tell me a story"}, {"role": "assistant", "content": "Once upon"}]
+
+
+def test_chat_prompt_continues_a_final_assistant_message_as_the_server_does(llm, eng):
+    """The server continues a final assistant message by default (llama-server's rule); chat_prompt closed it and
+    opened a second assistant turn, so the same messages gave another prompt and answer in Python.
+    continue_final_message=False is that old rendering; what the server refuses is one BitNetError."""
+    for m in (llm, eng):
+        assert m.chat_prompt(STORY) == m.chat_prompt(STORY[:1], prefill="Once upon")
+        assert m.chat_prompt(STORY, prefill=" a") == m.chat_prompt(STORY[:1], prefill="Once upon a")
+        assert m.chat_text(STORY).endswith("Once upon")
+    closed = llm.chat_prompt(STORY, continue_final_message=False)
+    assert closed[:len(llm.chat_prompt(STORY, add_generation_prompt=False))] == \
+        llm.chat_prompt(STORY, add_generation_prompt=False) != closed   # closed, then a new turn opened
+    # no generation prompt asked: rendered as it is (the server's add_generation_prompt false continues only with
+    # continue_final_message); True continues whatever add_generation_prompt says
+    assert llm.chat_text(STORY, add_generation_prompt=False).startswith(llm.chat_text(STORY))
+    assert llm.chat_prompt(STORY, add_generation_prompt=False, continue_final_message=True) == llm.chat_prompt(STORY)
+    call = {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {
+        "name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]}
+    assert llm.chat_prompt(STORY[:1] + [call], tools=TOOLS)   # tool calls are no text to continue: a new turn
+    for kw, words in (({"messages": STORY + [{"role": "assistant", "content": "x"}]}, "two assistant messages"),
+                      ({"messages": STORY[:1], "continue_final_message": True}, "not an assistant's text"),
+                      ({"messages": STORY, "continue_final_message": "no"}, "continue_final_message 'no'")):
+        with pytest.raises(BitNetError, match=words):
+            llm.chat_prompt(**kw)
+    assert llm.chat_prompt(STORY + [{"role": "assistant", "content": "x"}], continue_final_message=False)

@@ -1056,6 +1056,14 @@ def test_a_final_assistant_message_is_continued(server):
     assert prompt.endswith("Once upon a")
     closed = httpx.post(server.url + "/apply-template", json={"messages": m, "continue_final_message": False}).json()
     assert closed["prompt"].startswith(prompt) and len(closed["prompt"]) > len(prompt)
+    # the Python API's chat_prompt follows the same rule (it closed the message and opened another turn)
+    from bitnet_cpu.engine.api import SamplingParams, load_model
+    with load_model(progress=False) as llm:
+        bos = llm.bos_text()   # /apply-template leaves out the BOS the tokenizer adds
+        assert llm.chat_text(m) == bos + prompt
+        assert llm.chat_text(m, continue_final_message=False) == bos + closed["prompt"]
+        said = llm.generate(llm.chat_prompt(m), SamplingParams(temperature=0), max_tokens=8)
+        assert "".join(c.text for c in said) == chat()
     for bad in ({"continue_final_message": True, "add_generation_prompt": True},
                 {"messages": m + [{"role": "assistant", "content": "x"}]},
                 {"messages": m[:1], "continue_final_message": True},
