@@ -156,3 +156,26 @@ def test_python_api_blocks_run_as_written():
                            stdin=subprocess.DEVNULL, timeout=COMMAND_SECONDS)
         assert r.returncode == 0, f"{where}: exit {r.returncode}\n{r.stderr[-2000:]}"
         assert "Traceback" not in r.stderr, f"{where}: {r.stderr[-2000:]}"
+
+
+def test_the_asyncio_recipe_answers_as_the_engine_does():
+    """docs/api.md's asyncio recipe (the API has no async methods; users of the openai and ollama clients expect
+    them) runs as written, and its answers, awaited through the callback bridge, are the ones Engine.submit gives
+    the same requests when iterated."""
+    import ast
+
+    text = open(os.path.join(ROOT, "docs", "api.md"), encoding="utf-8").read()
+    section = text[text.index("## The Python API from asyncio"):]
+    code = next(m.group(2) for m in FENCE.finditer(section) if m.group(1).strip() == "python")
+    assert "asyncio.run(" in code and "call_soon_threadsafe" in code
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                       stdin=subprocess.DEVNULL, timeout=COMMAND_SECONDS)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    got = ast.literal_eval(r.stdout.strip().splitlines()[-1])
+
+    from bitnet_cpu.engine.api import SamplingParams, load_engine
+    with load_engine(None, threads=2, parallel=2, progress=False) as eng:
+        want = ["".join(c.text for c in eng.submit(eng.chat_prompt([{"role": "user", "content": q}]),
+                                                   SamplingParams(temperature=0), max_tokens=24))
+                for q in ("Tell me a story", "What is 2+2?")]
+    assert got == want
