@@ -267,6 +267,13 @@ class _Conversation(BaseModel):
     def parallel_tool_calls(self) -> bool:
         return not (self.tool_choice or {}).get("disable_parallel_tool_use", False)
 
+    @property
+    def named_parallel_calls(self) -> bool:
+        """A type tool choice may make several calls of its tool only when disable_parallel_tool_use: false is
+        sent (Anthropic documents the flag on that type); left out, the forced tool is one call, as OpenAI's named
+        choice (several copies of one forced call ran a small model to max_tokens)."""
+        return (self.tool_choice or {}).get("disable_parallel_tool_use") is False
+
     def thinking_budget(self) -> int | None:
         """-> None: thinking off (absent or disabled); -1: on without a budget (adaptive); N: on, at most N tokens.
         RequestProblem for a malformed `thinking`."""

@@ -395,11 +395,14 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         except ConstraintError as e:
             raise APIError(400, str(e), param=e.where, code="invalid_constraint") from None
 
-    def tool_setup(eng, tools, choice, parallel, allowed=None):
+    def tool_setup(eng, tools, choice, parallel, allowed=None, named_parallel=False):
         """(tools for the prompt, a maker of their call grammar, a maker of answer parsers: one per choice) of a chat
         request's tools (chat shape), tool choice ("none" | "auto" | "required" | a name) and parallel_tool_calls;
         allowed: the names the model may call (OpenAI's allowed_tools: every tool stays in the prompt, the grammar
-        takes only these); (None, None, None) without tools or with tool_choice "none". The grammar (checked
+        takes only these); (None, None, None) without tools or with tool_choice "none". A named choice is exactly
+        one call of that tool, whatever parallel_tool_calls says (OpenAI's "call exactly one specific function";
+        a grammar of one or more let a small model repeat the call up to max_tokens), unless named_parallel: the
+        request's API lets it ask for more (Anthropic's disable_parallel_tool_use: false, sent). The grammar (checked
         here) is made for where the rendered prompt leaves a thought (grammar(eng.answer_thought(prompt_ids)):
         choice auto lets a thought before the calls name them)."""
         from ..engine.errors import ConstraintError
@@ -426,14 +429,15 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
                     raise ConstraintError(f"tool_choice: allowed tool {json_text(missing[0])} is not among the tools",
                                           where="tool_choice")
                 functions = [f for f in functions if f.name in allowed]
-            spec = fmt.constraint(functions, choice, parallel is not False)
+            many = parallel is not False if choice in ("auto", "required") else named_parallel
+            spec = fmt.constraint(functions, choice, many)
         except ConstraintError as e:
             raise APIError(400, str(e), param=e.where, code="invalid_value") from None
 
         def grammar(thought=None):
             if thought is None or spec is None or not spec.free_start:
                 return spec
-            return fmt.constraint(functions, choice, parallel is not False, thought, checked=True)
+            return fmt.constraint(functions, choice, many, thought, checked=True)
         return tools, grammar, fmt.parser
 
     async def render_prompt(eng, msgs, tools, param, prefill="", template_kwargs=None):
@@ -465,7 +469,8 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         None: one per choice, for a thinking template)"""
         eng = ready(request)
         check_model(body.model)
-        tools, tool_grammar, new_parser = tool_setup(eng, tools, choice, body.parallel_tool_calls, allowed)
+        tools, tool_grammar, new_parser = tool_setup(eng, tools, choice, body.parallel_tool_calls, allowed,
+                                                     getattr(body, "named_parallel_calls", False))
         kwargs = getattr(body, "chat_template_kwargs", None)
         if eng.thinks and (not thinking or asked):
             kwargs = {"enable_thinking": bool(thinking), **(kwargs or {})}

@@ -828,6 +828,47 @@ def test_a_format_beside_a_required_call_is_the_call_on_openai_s_apis(server):
     assert a.status_code == 400 and "tool_choice" in a.text
 
 
+def test_a_named_choice_is_exactly_one_call_on_every_endpoint(server):
+    """A named tool choice is one call of that tool (OpenAI: "call exactly one specific function"), whatever
+    parallel_tool_calls says; the grammar let the model write one or more, and the tiny model repeated the call
+    up to max_tokens (instructor's default mode then raised on the cut last copy). ignore_eos takes away the
+    model's own stop, so only the grammar can end the answer: after one call it must. "required" keeps one or
+    more, and so does Anthropic's type tool with disable_parallel_tool_use: false sent (the flag it documents)."""
+    import httpx
+
+    def post(path, body):
+        r = httpx.post(server.url + path, timeout=120, json={"temperature": 0, "ignore_eos": True, **body})
+        assert r.status_code == 200, (path, body, r.text)
+        return r.json()
+
+    named = {"type": "function", "function": {"name": "add"}}
+    for extra in ({}, {"parallel_tool_calls": True}, {"parallel_tool_calls": False}):
+        c = post("/v1/chat/completions", {"messages": Q, "tools": TOOLS, "tool_choice": named, "max_tokens": 300,
+                                          **extra})["choices"][0]
+        assert c["finish_reason"] == "tool_calls", extra
+        assert [t["function"]["name"] for t in c["message"]["tool_calls"]] == ["add"], extra
+    c = post("/v1/chat/completions", {"messages": Q, "tools": TOOLS, "tool_choice": "required",
+                                      "max_tokens": 300})["choices"][0]
+    assert c["finish_reason"] == "length" and len(c["message"]["tool_calls"]) >= 2   # more than one may come
+    flat = [{"type": "function", "name": t["function"]["name"], "parameters": t["function"]["parameters"]}
+            for t in TOOLS]
+    for extra in ({}, {"parallel_tool_calls": True}):
+        r = post("/v1/responses", {"input": Q[0]["content"], "tools": flat, "max_output_tokens": 300,
+                                   "tool_choice": {"type": "function", "name": "add"}, **extra})
+        assert r["status"] == "completed", extra
+        assert [o["name"] for o in r["output"] if o["type"] == "function_call"] == ["add"], extra
+    anthropic_tools = [{"name": t["function"]["name"], "input_schema": t["function"]["parameters"]} for t in TOOLS]
+    for flag, one in ((None, True), (True, True), (False, False)):
+        choice = {"type": "tool", "name": "add", **({} if flag is None else {"disable_parallel_tool_use": flag})}
+        m = post("/v1/messages", {"model": "m", "messages": Q, "tools": anthropic_tools, "tool_choice": choice,
+                                  "max_tokens": 300})
+        uses = [b["name"] for b in m["content"] if b["type"] == "tool_use"]
+        if one:
+            assert m["stop_reason"] == "tool_use" and uses == ["add"], flag
+        else:
+            assert m["stop_reason"] == "max_tokens" and len(uses) >= 2 and set(uses) == {"add"}
+
+
 def test_a_grammar_beside_tools_is_refused_whatever_the_choice(server):
     """A GBNF grammar cannot go with tools (llama-server: "Cannot use custom grammar constraints with tools."):
     tool_choice auto said so, but required, a named function and allowed_tools required dropped the grammar
