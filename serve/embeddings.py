@@ -113,6 +113,13 @@ def openai_inputs(value) -> list:
     return value
 
 
+# token ids are read in the model's own vocabulary; the common sender of others is LangChain's OpenAIEmbeddings,
+# which tokenizes with OpenAI's tiktoken unless told not to (ids that fall inside the vocabulary cannot be told
+# apart: they embed some other text, which docs/api.md warns of)
+FOREIGN_IDS = ("this model's own vocabulary (LangChain's OpenAIEmbeddings sends OpenAI tiktoken ids unless "
+               "check_embedding_ctx_length=False; send the text instead)")
+
+
 async def tokenized(eng, items: list, where: str, truncate: bool = False, one: bool = False,
                     num_ctx: int = 0) -> list[list[int]]:
     """Token lists of texts (each with BOS, as llama-server tokenizes an embedding input) and of token-id lists
@@ -144,8 +151,8 @@ async def tokenized(eng, items: list, where: str, truncate: bool = False, one: b
     out = []
     for i, item in enumerate(items):
         ids = next(done) if isinstance(item, str) else [int(t) for t in item]
-        if any(not 0 <= t < vocab for t in ids):
-            raise Refused(400, f"{name(i)}: token ids must be in 0..{vocab - 1}", where)
+        if any(not 0 <= t < vocab for t in ids):   # only ids as sent can be past it: a text's never are
+            raise Refused(400, f"{name(i)}: token ids must be in 0..{vocab - 1}, {FOREIGN_IDS}", where)
         if len(ids) > limit:
             if not truncate:
                 raise Refused(400, over(i, len(ids)), where, "context_length_exceeded")

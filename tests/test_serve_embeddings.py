@@ -122,6 +122,23 @@ def test_over_the_context_and_empty_inputs_are_400s(client, oclient, server, llm
     assert r.status_code == 400 and "at most 2048" in r.json()["error"]   # as /v1/embeddings
 
 
+def test_token_ids_past_the_vocabulary_say_whose_ids_they_must_be(client, server, llm, model_id):
+    """LangChain's OpenAIEmbeddings (check_embedding_ctx_length left at True) posts OpenAI's tiktoken ids, not
+    text; ids past this model's vocabulary were a bare "token ids must be in 0..V-1", with nothing saying why a
+    client sent them. The 400 now says the ids are this model's and how LangChain sends text instead."""
+    past = llm.config.vocab_size + 7
+    for path, body in (("/v1/embeddings", {"model": model_id, "input": [[3, past]], "encoding_format": "base64"}),
+                       ("/embedding", {"content": [3, past]})):
+        r = httpx.post(server.url + path, json=body, timeout=60)
+        assert r.status_code == 400, (path, r.text)
+        msg = r.json()["error"]["message"]
+        assert f"0..{llm.config.vocab_size - 1}" in msg and "this model's own" in msg, msg
+        assert "check_embedding_ctx_length=False" in msg and "\n" not in msg, msg
+    with pytest.raises(openai.BadRequestError) as ei:   # the openai client sends token-id lists as they are
+        client.embeddings.create(model=model_id, input=[[past]])
+    assert ei.value.body["param"] == "input" and "tiktoken" in ei.value.body["message"]
+
+
 def test_ollama_options_are_checked_and_num_ctx_bounds_the_input(oclient, client, server, llm, model_id):
     """ollama's `options` on /api/embed and /api/embeddings: checked as /api/generate checks them (an unknown one
     is the same 400; they were taken in silence), and num_ctx bounds each text at min(num_ctx, the context), as
