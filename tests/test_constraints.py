@@ -860,6 +860,82 @@ def test_pattern_syntax_ecma_reads_otherwise_is_refused(llm, pattern, words):
     assert words in str(e.value) and "write" in str(e.value) and pattern in str(e.value), e.value
 
 
+def test_pydantic_s_decimal_pattern_is_enforced_as_written(llm):
+    """pydantic writes a Decimal field as a number or a string whose pattern opens with a negative look-ahead
+    (^(?!^[-+.]*$)...: not signs and dots alone); the grammar engine's regexes have no look-around, and every
+    client's structured output with a Decimal field was a 400. A leading (?!C*$) / (?!C+$) is now enforced as the
+    pattern AND some character outside C: what the grammar takes is what jsonschema (Python's re) takes."""
+    from decimal import Decimal
+
+    import pydantic
+
+    class Price(pydantic.BaseModel):
+        amount: Decimal
+
+    schema = Price.model_json_schema()
+    validator = jsonschema.Draft202012Validator(schema)
+    texts = ["1.50", "-0.5", ".5", "5.", "+7", "007", "", "+", ".", "-.", "+-", "1.2.3", "1e5", "a1", " 1"]
+    for t in texts:
+        doc = {"amount": t}
+        assert _complete(llm, schema, json.dumps(doc, separators=(",", ":"))) == validator.is_valid(doc), t
+    assert _complete(llm, schema, '{"amount":2.25}') and _complete(llm, schema, '{"amount":"0.10"}')
+    assert Price.model_validate_json('{"amount":"0.10"}').amount == Decimal("0.10")   # what it takes, pydantic reads
+
+
+@pytest.mark.parametrize("pattern, texts", [
+    ("^(?!\\s*$).{1,8}$", ["", " ", "  \t", " a", "a", "ab cd"]),
+    ("^(?![0-9]+$)[a-z0-9]{0,6}$", ["", "0", "123", "1a", "abc", "a1b2"]),
+    ("^(?!^[-+.]*$)(?!\\d*$)[-+.0-9a]*$", ["", "+", "12", "+1", "a", "1a", "-.a"]),
+])
+def test_a_leading_negative_look_ahead_of_one_class_is_enforced(llm, pattern, texts):
+    schema = {"type": "string", "pattern": pattern}
+    validator = jsonschema.Draft202012Validator(schema)
+    for t in texts:
+        assert _complete(llm, schema, json.dumps(t)) == validator.is_valid(t), (pattern, t)
+
+
+@pytest.mark.parametrize("field, pattern, words", [
+    ("code", "^(?=[A-Z])\\w+$", "look-around '(?='"), ("code", "^a(?!b)\\w*$", "look-around '(?!'"),
+    ("code", "^(?<!x)y$", "look-around '(?<!'"), ("code", "^(?!\\s*$)a|b$", "look-around '(?!'"),
+    ("code", "^(a)\\1$", "backreferences"), ("code", "^[[:alpha:]]$", "POSIX class")])
+def test_a_pattern_it_cannot_enforce_is_refused_naming_where_it_stands(llm, field, pattern, words):
+    """A look-around past the one form taken, a back-reference, a construct Rust's regexes read otherwise: the 400
+    names the property (a JSON pointer into the schema as sent), quotes the pattern as the client wrote it (the
+    engine's message quoted it rewritten, \\d as [0-9], and named no property), and says what to write."""
+    schema = {"type": "object", "$defs": {"Item": {"type": "object", "properties": {
+        field: {"anyOf": [{"type": "string", "pattern": pattern}, {"type": "null"}]}}}},
+        "properties": {"items": {"type": "array", "items": {"$ref": "#/$defs/Item"}}}}
+    with pytest.raises(ConstraintError) as e:
+        llm.compile_constraint(Constraint.json_schema(schema, where="response_format.json_schema.schema"))
+    msg = str(e.value)
+    assert msg.startswith("response_format.json_schema.schema: at /$defs/Item/properties/code/anyOf/0: pattern ")
+    assert json.dumps(pattern) in msg and words in msg and "write" in msg and "\n" not in msg, msg
+
+
+def test_pydantic_s_set_and_bytes_are_refused_naming_the_field_and_what_to_write(llm):
+    """set[str] (uniqueItems true) and bytes (format binary) were refused in the grammar engine's words
+    ("Unimplemented keys: [\"uniqueItems\"]", "Unknown format: binary"), naming no field and no way out."""
+    import pydantic
+
+    class Tagged(pydantic.BaseModel):
+        tags: set[str]
+
+    class Blob(pydantic.BaseModel):
+        data: bytes
+
+    for model, where, words in ((Tagged, "/properties/tags", "list[str]"), (Blob, "/properties/data", "str")):
+        with pytest.raises(ConstraintError) as e:
+            llm.compile_constraint(Constraint.json_schema(model.model_json_schema(), where="schema"))
+        assert str(e.value).startswith(f"schema: at {where}: ") and words in str(e.value), e.value
+    schema = {"type": "string", "format": "idn-email"}   # any format it does not know: the ones it does are listed
+    with pytest.raises(ConstraintError) as e:
+        llm.compile_constraint(Constraint.json_schema(schema))
+    assert "at the schema's root" in str(e.value) and "leave the format out" in str(e.value)
+    from bitnet_cpu.engine.runtime.constraints import KNOWN_FORMATS
+    for fmt in KNOWN_FORMATS:
+        assert llm.compile_constraint(Constraint.json_schema({"type": "string", "format": fmt})) is not None, fmt
+
+
 @pytest.mark.parametrize("mirostat", [1, 2])
 def test_mirostat_under_a_grammar_that_leaves_one_token(llm, mirostat):
     """Mirostat 1 estimates a Zipf exponent over the tokens left: one left (a grammar's mask) made its formula

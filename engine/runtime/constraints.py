@@ -32,7 +32,7 @@ from decimal import Decimal
 
 import numpy as np
 
-from ..errors import BitNetError, ConstraintError
+from ..errors import BitNetError, ConstraintError, json_text
 
 KINDS = ("json_object", "json_schema", "regex", "gbnf", "lark")
 MAX_SPEC_BYTES = 256 << 10          # a schema or grammar larger than this is refused before compiling
@@ -488,9 +488,11 @@ def ecma_pattern(pattern: str) -> str:
     ECMA's set (Rust's took U+0085 and refused U+FEFF); a `[` inside a class is a plain `[` (Rust's opens a nested
     class). Refused (ValueError, saying what to write): a POSIX class `[[:alpha:]]` (Rust's syntax; ECMA reads the
     class `[[:alph]` then `]`), a class that starts `[]` or `[^]` (ECMA's empty / any-character class; Rust reads
-    `]` as a member), and `&&`, `--`, `~~` in a class (Rust's set operations, ECMA's plain characters)."""
+    `]` as a member), `&&`, `--`, `~~` in a class (Rust's set operations, ECMA's plain characters), and a
+    look-around (the grammar engine's regexes have none: split_lookaheads takes the one form it can write first).
+    The ValueError says what and what to write; the caller names the pattern and where it stands."""
     def refuse(what: str, write: str):
-        raise ValueError(f"pattern {pattern!r:.80}: {what}; {write}")
+        raise ValueError(f"{what}; {write}")
 
     out, i, in_class = [], 0, False
     while i < len(pattern):
@@ -527,6 +529,12 @@ def ecma_pattern(pattern: str) -> str:
                 out.append("[^")
                 i += 2
                 continue
+        elif c == "(" and re.match(r"\(\?<?[=!]", pattern[i:]):
+            kind = re.match(r"\(\?<?[=!]", pattern[i:]).group()
+            refuse(f"the look-around {kind!r} cannot be enforced: the grammar engine's regexes have none (of them it "
+                   "takes only a leading (?!C*$) or (?!C+$), C one character class: some character is not C)",
+                   "write the pattern without it (fold what it excludes into the pattern, or check that after "
+                   "parsing)")
         elif c == ".":
             c = "[^\\n\\r\u2028\u2029]"
         out.append(c)
@@ -534,12 +542,159 @@ def ecma_pattern(pattern: str) -> str:
     return "".join(out)
 
 
+# a leading negative look-ahead that says "not made only of C to the end": C one ECMA character class ([...], \d,
+# \s, \w and their negations, or .), after the pattern's own ^ and with one of its own or none (pydantic's Decimal
+# pattern is ^(?!^[-+.]*$)[+-]?0*\d*\.?\d*$: a number that is more than signs and dots; "not blank" is (?!\s*$))
+_LEADING_NOT = re.compile(r"\(\?!\^?(\[\^?(?!\])(?:\\.|[^\]\\])+\]|\\[dDsSwW]|\.)([*+])\$\)")
+_NEGATED = {"\\d": "\\D", "\\D": "\\d", "\\s": "\\S", "\\S": "\\s", "\\w": "\\W", "\\W": "\\w",
+            ".": "[\\n\\r\u2028\u2029]"}
+
+
+def split_lookaheads(pattern: str) -> tuple[str, list[str]]:
+    """A JSON Schema pattern (ECMA-262) whose leading negative look-aheads the grammar engine can write, as the
+    pattern without them (ECMA's still) and the patterns that must hold beside it (the grammar engine's regexes;
+    it intersects a node's pattern with its allOf's). At the start (^), (?!C*$) holds where some character is not
+    C, and (?!C+$) where the text is empty or one is. Any other pattern comes back as it is, with none."""
+    if not pattern.startswith("^"):
+        return pattern, []
+    i, beside = 1, []
+    while (m := _LEADING_NOT.match(pattern, i)) is not None:
+        atom, repeat = m.groups()
+        if atom in _NEGATED:
+            other = _NEGATED[atom]
+        else:
+            other = "[" + atom[2:] if atom.startswith("[^") else "[^" + atom[1:]
+        some = f"(?s:.*){ecma_pattern(other)}(?s:.*)"
+        beside.append(f"^{some}$" if repeat == "*" else f"^(?:{some})?$")
+        i = m.end()
+    if beside and _alternates(pattern[i:]):   # ^(?!X)a|b: the look-ahead guards a alone, not the whole text
+        return pattern, []
+    return "^" + pattern[i:], beside
+
+
+def _alternates(pattern: str) -> bool:
+    """Whether an ECMA pattern has a | outside every group and class."""
+    depth, in_class, i = 0, False, 0
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\":
+            i += 2
+            continue
+        if in_class:
+            in_class = c != "]"
+        elif c == "[":
+            in_class = True
+        elif c in "()":
+            depth += 1 if c == "(" else -1
+        elif c == "|" and depth == 0:
+            return True
+        i += 1
+    return False
+
+
+KNOWN_FORMATS = ("date-time", "date", "time", "duration", "email", "hostname", "ipv4", "ipv6", "uuid", "uri")
+
+
+def _engine_refusal(grammar_error: str) -> str:
+    found = re.search(r"error: ([^\n]+)", grammar_error)
+    return (found.group(1) if found else _one_line(grammar_error)).strip()
+
+
+_pattern_problems: dict[str, str | None] = {}
+_format_problems: dict[str, bool] = {}
+
+
+def _pattern_problem(pattern: str) -> str | None:
+    """Why the grammar engine cannot enforce a schema's pattern, and what to write (None: it can)."""
+    if pattern in _pattern_problems:
+        return _pattern_problems[pattern]
+    from llguidance import LLMatcher
+    problem = None
+    try:
+        rest, beside = split_lookaheads(pattern)
+        for rx in (ecma_pattern(rest), *beside):
+            err = LLMatcher.validate_grammar(LLMatcher.grammar_from_regex(rx))
+            if err:
+                problem = (f"{_engine_refusal(err)} in the grammar engine's regexes; write the pattern without it "
+                           "(ECMA-262 less back-references and look-arounds)")
+                break
+    except ValueError as e:
+        problem = str(e)
+    if len(_pattern_problems) < 4096:
+        _pattern_problems[pattern] = problem
+    return problem
+
+
+def _unknown_format(fmt: str) -> bool:
+    if fmt not in _format_problems:
+        from llguidance import LLMatcher
+        err = LLMatcher.validate_grammar(LLMatcher.grammar_from_json_schema({"type": "string", "format": fmt}))
+        if len(_format_problems) < 4096:
+            _format_problems[fmt] = bool(err)
+        return bool(err)
+    return _format_problems[fmt]
+
+
+def _pointer(ptr: str) -> str:
+    return f"at {ptr}" if ptr else "at the schema's root"
+
+
+def unwritable_strings(schema) -> str | None:
+    """A JSON Schema's string and array keywords the grammar engine refuses in words of its own, said with where
+    they stand (a JSON pointer into the schema as sent), the pattern as the client wrote it, and what to write
+    instead: a pattern it cannot read (a look-around past split_lookaheads', a back-reference, a construct it reads
+    otherwise than ECMA-262), a format it does not know (pydantic's bytes is format binary), and uniqueItems true
+    (pydantic's set[...]). None: none of these."""
+    def nodes(node, ptr):
+        if isinstance(node, list):
+            for i, x in enumerate(node):
+                yield from nodes(x, f"{ptr}/{i}")
+            return
+        if not isinstance(node, dict):
+            return
+        yield ptr, node
+        for k, v in node.items():
+            if k in _DATA_KEYWORDS:
+                continue
+            key = k.replace("~", "~0").replace("/", "~1")
+            if k in _SCHEMA_MAPS and isinstance(v, dict):
+                for name, sub in v.items():
+                    yield from nodes(sub, f"{ptr}/{key}/{name.replace('~', '~0').replace('/', '~1')}")
+            else:
+                yield from nodes(v, f"{ptr}/{key}")
+
+    for ptr, node in nodes(schema, ""):
+        pattern = node.get("pattern")
+        if isinstance(pattern, str):
+            problem = _pattern_problem(pattern)
+            if problem:
+                return f"{_pointer(ptr)}: pattern {json_text(pattern, 120)}: {problem}"
+        if node.get("uniqueItems") is True:
+            return (f"{_pointer(ptr)}: uniqueItems true (pydantic's set[...]) cannot be enforced: a grammar cannot "
+                    "compare an item with the ones before it; use a list (list[str]) and drop repeats after "
+                    "parsing")
+        fmt, kind = node.get("format"), node.get("type", "string")
+        if isinstance(fmt, str) and ("string" in kind if isinstance(kind, list) else kind == "string") \
+                and fmt not in KNOWN_FORMATS and _unknown_format(fmt):
+            what = " (pydantic's bytes)" if fmt == "binary" else ""
+            write = ("declare the field str (base64 text, if it carries bytes)" if fmt == "binary" else
+                     "leave the format out, or give a pattern for the text instead")
+            return (f"{_pointer(ptr)}: format {json_text(fmt)}{what} is not one the grammar engine can write (it "
+                    f"knows {', '.join(KNOWN_FORMATS)}); {write}")
+    return None
+
+
 def _exact_strings(out):
     """A schema node's date / time / date-time format as FORMAT_PATTERNS' exact RFC 3339 pattern (in an allOf
     beside a pattern of its own), a hostname's or email's length held to FORMAT_MAX_LENGTH, an email's part
     before the "@" to 64 characters (EMAIL_PATTERN), and its pattern's `.` as ECMA's."""
     if isinstance(out.get("pattern"), str):
-        out["pattern"] = ecma_pattern(out["pattern"])
+        rest, beside = split_lookaheads(out["pattern"])
+        out["pattern"] = ecma_pattern(rest)
+        if beside and isinstance(out.get("allOf", []), list):   # both hold: the grammar engine intersects them
+            out["allOf"] = [*out.get("allOf", []), *({"pattern": b} for b in beside)]
+        elif beside:   # the look-ahead has nowhere to go: refused, never dropped
+            raise ValueError("allOf: expected a list of schemas")
     if out.get("format") in FORMAT_PATTERNS and ("pattern" not in out or isinstance(out.get("allOf", []), list)):
         exact = FORMAT_PATTERNS[out.pop("format")]
         if "pattern" in out:
@@ -669,7 +824,7 @@ def prepared(schema, where: str):
     strings, inward bounds and int64 bounds), after unenforceable's check (ConstraintError naming `where`): one
     reading for response formats, tool parameters and a format beside tools."""
     schema = closed_objects(schema)
-    problem = unenforceable(schema) or endless(schema)
+    problem = unenforceable(schema) or endless(schema) or unwritable_strings(schema)
     if problem:
         raise ConstraintError(f"{where}: {problem}", where=where)
     return _schema_copy(schema, lambda out: _doubles(_bounded(_inward_bounds(_exclusive_numbers(
