@@ -35,7 +35,7 @@ from .offload import (NOT_JSON, Streamed, chars_bound, next_or_gone, not_json, p
                       too_long_for_context)
 from .fim import cut_to, fim_ends, fim_tokens, infill_ids, suffix_refusal
 from .schemas import (JSONTyped, error_message, error_where, is_off, json_text, main_error, off_refusal,
-                      overflow_message, request_seed, shown_path, stops_problem, unanswered, utc_iso)
+                      overflow_message, request_seed, shown_path, stops_problem, tagged_name, unanswered, utc_iso)
 
 FOREVER = math.inf
 _DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
@@ -709,7 +709,8 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
         details = {"parent_model": "", "format": "bnstore", "family": cfg.arch, "families": [cfg.arch],
                    "parameter_size": _param_size(cfg), "quantization_level": "ternary (b1.58)"}
         modified = utc_iso(mtime)
-        return {"name": state.model_id, "model": state.model_id, "modified_at": modified, "size": size,
+        listed = tagged_name(state.model_id)   # as ollama lists a name: its clients match it with the tag
+        return {"name": listed, "model": listed, "modified_at": modified, "size": size,
                 "digest": digest, "details": details}
 
     @app.get("/api/tags")

@@ -52,7 +52,7 @@ from .limits import (Limits, LimitsMiddleware, RouteNorms, allow_header, allowed
 from .offload import NOT_JSON, BodyRefused, ClientGone, Streamed, loads, not_json, unless_gone
 from .ollama import (BLOBS_WHY, FOREVER, LOAD_WAIT_HEADER, OLLAMA_VERSION,  # noqa: F401 - parse_keep_alive: the CLI's
                      parse_keep_alive)
-from .schemas import bare_name as _bare, model_object, name_key, shown_path, utc_iso
+from .schemas import bare_name as _bare, model_object, name_key, shown_path, tagged_name, utc_iso
 
 # a model whose load failed gets the same answer at once for FAILED_RETRY s, then is loaded again by the next
 # request (its cause may lie outside its file: a cache directory, memory); each failure again doubles the wait, up
@@ -876,7 +876,8 @@ class Router:
         known = (self.details.get(spec.name) or {}).get("details") or {}
         details = {"parent_model": "", "format": spec.format, "family": "", "families": [], "parameter_size": "",
                    "quantization_level": "ternary (b1.58)", **known}
-        return {"name": spec.name, "model": spec.name, "modified_at": utc_iso(spec.modified or 0), "size": spec.size,
+        listed = tagged_name(spec.name)   # as ollama lists a name (NAME:latest): its clients match it with the tag
+        return {"name": listed, "model": listed, "modified_at": utc_iso(spec.modified or 0), "size": spec.size,
                 "digest": spec.digest(), "details": details}
 
     def metrics_text(self) -> str:

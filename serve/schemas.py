@@ -203,6 +203,13 @@ def bare_name(name: str) -> str:
     return name[: -len(":latest")] if name.lower().endswith(":latest") else name
 
 
+def tagged_name(name: str) -> str:
+    """A model's name as ollama lists it (/api/tags, /api/ps): NAME:latest where the name has no tag of its own.
+    ollama's clients check a name against that list with its tag ("m:latest" was "not found" beside "m"; a list of
+    "m:latest" passes "m" too); every route takes either spelling."""
+    return name if ":" in name.rsplit("/", 1)[-1] else f"{name}:latest"
+
+
 def name_key(name: str) -> str:
     """What two model names that mean one model share: the name less ":latest", in any case and any Unicode
     normalisation (a file named on macOS is NFD, "cafe" + U+0301; a name typed elsewhere is NFC, U+00E9: they look

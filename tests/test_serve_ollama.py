@@ -35,7 +35,7 @@ def model_id(server):
 
 def test_tags_show_ps_version(client, model_id):
     tags = client.list()
-    assert [m.model for m in tags.models] == [model_id]
+    assert [m.model for m in tags.models] == [f"{model_id}:latest"]   # as ollama lists a name without a tag
     m = tags.models[0]
     assert m.size > 0 and len(m.digest) == 64 and m.details.family and m.details.parameter_size
     show = client.show(model_id)
@@ -44,8 +44,26 @@ def test_tags_show_ps_version(client, model_id):
     older = httpx.post(client._client.base_url.join("/api/show"), json={"name": model_id}).json()   # older clients
     assert older["template"] == show.template and older["model_info"] == show.modelinfo
     ps = client.ps()
-    assert ps.models[0].model == model_id and ps.models[0].context_length > 0
+    assert ps.models[0].model == f"{model_id}:latest" and ps.models[0].context_length > 0
     assert httpx.get(client._client.base_url.join("/api/version")).json()["version"].count(".") == 2
+
+
+def test_listed_names_carry_latest_and_both_spellings_are_served(client, model_id, server):
+    """ollama lists NAME:latest (name and model), and its clients check a model against that list with the tag
+    (LangChain's validate_model: the name itself, or one that starts with it and ":"): a bare NAME listed made
+    "NAME:latest" "not found" there. Both spellings pass that check against the list, and every route takes both."""
+    for route in ("/api/tags", "/api/ps"):
+        listed = httpx.get(server.url + route, timeout=60).json()["models"]
+        assert [(m["name"], m["model"]) for m in listed] == [(f"{model_id}:latest",) * 2], route
+        for asked in (model_id, f"{model_id}:latest"):
+            assert any(asked == m["model"] or m["model"].startswith(asked + ":") for m in listed), (route, asked)
+    for asked in (model_id, f"{model_id}:latest"):
+        assert client.chat(model=asked, messages=Q, options={"num_predict": 2}).done, asked
+        assert client.show(asked).template, asked
+        r = httpx.post(server.url + "/v1/chat/completions", timeout=60,
+                       json={"model": asked, "messages": Q, "max_tokens": 1})
+        assert r.status_code == 200, (asked, r.text)
+    assert [m["id"] for m in httpx.get(server.url + "/v1/models", timeout=60).json()["data"]] == [model_id]
 
 
 def test_chat_streams_ndjson_the_client_reads(client, model_id, server):
@@ -395,7 +413,7 @@ def test_strict_model_name_404_in_ollama_shape():
             c.chat(model="llama3", messages=Q)
         assert ei.value.status_code == 404 and "bitnet-small" in ei.value.error
         assert c.chat(model="bitnet-small:latest", messages=Q, options={"num_predict": 2}).done
-        assert [m.model for m in c.list().models] == ["bitnet-small"]
+        assert [m.model for m in c.list().models] == ["bitnet-small:latest"]
         # every route agrees on a name: NAME and NAME:latest are served, another tag is not (as ollama: 404)
         chat = {"messages": Q, "max_tokens": 1}
         for name, code in (("bitnet-small", 200), ("bitnet-small:latest", 200), ("bitnet-small:70b", 404)):

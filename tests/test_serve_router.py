@@ -99,7 +99,8 @@ def wait_for(cond, timeout: float = 20.0):
 
 
 def loaded(url) -> set:
-    return {m["name"] for m in httpx.get(url + "/api/ps", timeout=30).json()["models"]}
+    """The loaded models' names as the catalog spells them (/api/ps lists each as ollama does, NAME:latest)."""
+    return {m["name"].removesuffix(":latest") for m in httpx.get(url + "/api/ps", timeout=30).json()["models"]}
 
 
 # ---- what it serves -----------------------------------------------------------------------------------------
@@ -109,7 +110,8 @@ def test_lists_every_model_of_the_directory(router):
 
     ids = {m.id for m in openai.OpenAI(base_url=router.url + "/v1", api_key="x").models.list()}
     assert ids == {"tiny", "synth", "broken"}
-    assert {m.model for m in ollama.Client(host=router.url).list().models} == ids
+    # as ollama lists a name without a tag of its own (its clients match a model against the list with the tag)
+    assert {m.model for m in ollama.Client(host=router.url).list().models} == {f"{i}:latest" for i in ids}
     data = httpx.get(router.url + "/models", timeout=30).json()["data"]
     assert {d["id"]: d["path"] for d in data}["tiny"].endswith("tiny.bnstore")
     assert all(d["status"]["value"] in ("loaded", "loading", "unloaded") for d in data)
@@ -437,12 +439,13 @@ def test_keep_alive_unloads_as_ollama_does(router, models_dir):
     assert wait_for(lambda: "tiny" not in loaded(router.url))
     client.generate(model="tiny", prompt="", keep_alive="10m")   # ollama's load request
     ps = {m.model: m for m in client.ps().models}
-    assert "tiny" in ps and ps["tiny"].expires_at.year < 2100   # idle with 10 minutes to go
-    assert ps["tiny"].size > (models_dir / "tiny.bnstore").stat().st_size   # the process's memory, not the file's
+    assert "tiny:latest" in ps and ps["tiny:latest"].expires_at.year < 2100   # idle with 10 minutes to go
+    # the process's memory, not the file's
+    assert ps["tiny:latest"].size > (models_dir / "tiny.bnstore").stat().st_size
     # a request naming no keep_alive sets the default again (--models-keep-alive: for ever), as ollama's: a
     # keep_alive one request gave stayed in force for every later one (a 0 unloaded the model after each)
     client.generate(model="tiny", prompt="Hi", options={"num_predict": 2})
-    assert {m.model: m for m in client.ps().models}["tiny"].expires_at.year >= 2100
+    assert {m.model: m for m in client.ps().models}["tiny:latest"].expires_at.year >= 2100
     r = client.generate(model="tiny", prompt="", keep_alive=0)  # ollama's unload request
     assert r.done_reason == "unload" and "tiny" not in loaded(router.url)
     bad = post(router.url, "/api/generate", {"model": "tiny", "prompt": "x", "keep_alive": "soon"})
@@ -526,7 +529,7 @@ def test_a_replaced_or_removed_file_is_not_served_from_its_old_process(tmp_path,
         os.remove(d / "b.bnstore")
         # a listing looks at the files at most once a second: the one after the removal may come within it
         assert wait_for(lambda: {m["name"] for m in httpx.get(s.url + "/api/tags", timeout=30).json()["models"]}
-                        == {"a"})
+                        == {"a:latest"})
         assert wait_for(lambda: "b" not in loaded(s.url) and not alive(old_b))   # idle, and gone from the disk
         chat_text(s.url, "a")
         assert wait_for(lambda: not alive(old_a)) and model_process(s, d / "a.bnstore") != old_a
@@ -567,7 +570,7 @@ def test_a_name_clash_added_while_it_runs_leaves_the_rest_served(tmp_path, model
         shutil.copy(models_dir / "tiny.bnstore", d / "a.gguf")   # not read: the clash is by name
         shutil.copy(models_dir / "tiny.bnstore", d / "b.bnstore")
         names = {m["name"] for m in httpx.get(s.url + "/api/tags", timeout=30).json()["models"]}
-        assert names == {"a", "b"}, names
+        assert names == {"a:latest", "b:latest"}, names
         assert chat_text(s.url, "b")["model"] == "b"
         assert chat_text(s.url, "a")["model"] == "a"
         httpx.get(s.url + "/v1/models", timeout=30)
@@ -976,7 +979,7 @@ def test_ollama_pull_and_delete_on_a_cache_server(tmp_path, models_dir):
         client = ollama.Client(host=s.url, timeout=300 * slowness())
         names = lambda: {m.model for m in client.list().models}   # noqa: E731
         before = names()
-        assert before == {"tiny", "synth", "broken"}
+        assert before == {"tiny:latest", "synth:latest", "broken:latest"}
         updates = list(client.pull("hf.co/o/pulled", stream=True))
         assert updates[0].status == "pulling manifest" and updates[-1].status == "success"
         added = names() - before
@@ -985,7 +988,8 @@ def test_ollama_pull_and_delete_on_a_cache_server(tmp_path, models_dir):
         rows = [json.loads(x) for x in subprocess.run(
             [sys.executable, "-m", "bitnet_cpu", "list", "--json"], cwd=ROOT, capture_output=True, text=True,
             env=dict(os.environ, PYTHONPATH=ROOT, **env), timeout=120 * slowness()).stdout.splitlines()]
-        assert [r["name"] for r in rows] == [cache_name] and rows[0]["source"].startswith("o/pulled@")
+        assert [r["name"] for r in rows] == [cache_name.removesuffix(":latest")]
+        assert rows[0]["source"].startswith("o/pulled@")
         single = Server("-m", "o/pulled", "-c", "1024", "--alias", "single", threads=1, env=env)
         try:
             want = chat_text(single.url, "single")["choices"][0]["message"]["content"]
@@ -1361,7 +1365,7 @@ def test_a_file_name_that_is_not_utf8_is_skipped_and_the_rest_listed(tmp_path):
             assert r.status_code == 200 and [m["id"] for m in r.json()["data"]] == ["ok"], r.text
             assert r.json()["data"][0]["path"] == os.fsencode(str(d / "ok.bnstore")).decode("utf-8", "replace")
         r = httpx.get(s.url + "/api/tags", timeout=60)
-        assert r.status_code == 200 and [m["name"] for m in r.json()["models"]] == ["ok"], r.text
+        assert r.status_code == 200 and [m["name"] for m in r.json()["models"]] == ["ok:latest"], r.text
         r = post(s.url, "/api/show", {"model": "ok"})
         assert r.status_code == 200, r.text
     finally:
@@ -1703,7 +1707,7 @@ def test_odd_names_are_found_by_every_api(tmp_path):
     s = Server("--models-dir", str(tmp_path), "-c", "1024", threads=1)
     try:
         names = {m["name"] for m in httpx.get(s.url + "/api/tags", timeout=30).json()["models"]}
-        assert {" lead", "trail "} <= names
+        assert {" lead:latest", "trail :latest"} <= names
         for name in (" lead", "trail "):
             r = post(s.url, "/api/show", {"model": name})
             assert r.status_code == 200 and "modelfile" in r.json(), (name, r.text)
