@@ -115,7 +115,8 @@ def test_tool_use_and_tool_results(claude, server):
         jsonschema.validate(u.input, ADD_SCHEMA)
     with claude.messages.stream(tool_choice={"type": "tool", "name": "add"}, **kw) as s:
         final = s.get_final_message()
-    assert [(b.name, b.input) for b in final.content if b.type == "tool_use"] == [(u.name, u.input) for u in uses]
+    # a named tool is one call: the first of type any's (the same grammar up to its end, so the same tokens)
+    assert [(b.name, b.input) for b in final.content if b.type == "tool_use"] == [(u.name, u.input) for u in uses[:1]]
     # the results go back in a user message: the chat answer to the same history
     back = [{"role": "user", "content": Q}, {"role": "assistant", "content": [u.model_dump() for u in uses]},
             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": u.id, "content": "19"} for u in uses]}]

@@ -114,8 +114,9 @@ def test_function_calls_and_their_results(client):
                                  temperature=0) as s:
         kinds = [e.type for e in s]
         streamed = s.get_final_response()
+    # a named choice is one call: the first of "required"'s (the same grammar up to its end, so the same tokens)
     assert [(o.name, o.arguments) for o in streamed.output if o.type == "function_call"] == \
-        [(x.name, x.arguments) for x in calls]
+        [(x.name, x.arguments) for x in calls[:1]]
     assert "response.function_call_arguments.done" in kinds and "response.output_text.delta" not in kinds
     # the result goes back as a function_call_output item: the chat answer to the same history
     back = [{"role": "user", "content": Q}] + [x.model_dump(exclude_none=True) for x in calls] + \
