@@ -13,7 +13,8 @@ the server read (or parse) a large body.
 
 Cross-origin requests from browsers (CORS, `allow_cross_origin`): as ollama, pages served from this machine
 (http(s)://localhost, 127.0.0.1, [::1], 0.0.0.0 on any port; app://, file://, tauri://, vscode-webview://) may
-call the API from their scripts, and `--cors-origin ORIGIN` adds others (`*`: any). A request that names another
+call the API from their scripts, and `--cors-origin ORIGIN` adds others (`*`: any; a pattern in the forms
+OLLAMA_ORIGINS takes: `chrome-extension://*`, `https://*.example.com`, `http://host:*`). A request that names another
 origin is refused with a 403 before it runs (`OriginGuard`, as ollama's CORS middleware does): the browser's CORS
 only hides the answer, and a page the user merely visits could otherwise send a "simple" POST (text/plain, no
 preflight) that runs a generation, loads or deletes a model. On a server listening on loopback only, the Host
@@ -171,8 +172,12 @@ class OriginGuard:
     def __init__(self, app, origins: tuple = (), local_only: bool = False):
         self.app, self.origins, self.local_only = app, origins, local_only
         self.any = "*" in origins
-        # the sites named by --cors-origin are this server's names too (a proxy that passes its Host on)
-        self.hosts = {o.split("://", 1)[1].lower() for o in origins if "://" in o}
+        # the sites named by --cors-origin are this server's names too (a proxy that passes its Host on); of a
+        # pattern, an http(s) one of a domain's subdomains (https://*.example.com) only: an extension's "host" is
+        # its id, and chrome-extension://* named every Host (DNS rebinding let in)
+        self.hosts = {o.split("://", 1)[1].lower() for o in origins if "://" in o and "*" not in o}
+        self.wild = wildcard_regex(origins)
+        self.wild_hosts = wildcard_regex(origins, hosts=True)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -180,7 +185,8 @@ class OriginGuard:
         headers = scope.get("headers") or ()
         host = next((v for k, v in headers if k == b"host"), b"").decode("latin-1")
         if self.local_only and not self.any and not _local_host(host) and host.lower() not in self.hosts and \
-                host.lower().rsplit(":", 1)[0] not in self.hosts:
+                host.lower().rsplit(":", 1)[0] not in self.hosts and \
+                not (self.wild_hosts and self.wild_hosts.fullmatch(host)):
             return await send_error(send, scope, 403, f"Host {host[:100]!r} is not this machine: refused (this "
                                     "server listens on loopback only, and a web page whose name points here is not "
                                     "let in; behind a proxy, have it send Host localhost, or start the server with "
@@ -193,6 +199,7 @@ class OriginGuard:
         netloc = origin.split("://", 1)[1] if "://" in origin else None
         forwarded = next((v for k, v in headers if k == b"x-forwarded-host"), b"").decode("latin-1")
         if re.fullmatch(LOCAL_ORIGINS, origin) or origin in self.origins or \
+                (self.wild is not None and self.wild.fullmatch(origin)) or \
                 (netloc is not None and netloc.lower() in (host.lower(), forwarded.split(",")[0].strip().lower())):
             return await self.app(scope, receive, send)
         return await send_error(send, scope, 403, f"a page from {origin[:100]} may not call this server (start it "
@@ -214,17 +221,75 @@ def allow_cross_origin(app, origins=(), local_only: bool = False, keyed: bool = 
     kw = {}
     if "allow_private_network" in inspect.signature(CORSMiddleware.__init__).parameters:
         kw["allow_private_network"] = True   # Chrome's preflight for a public page calling a private address
-    app.add_middleware(CORSMiddleware, allow_origins=["*"] if "*" in extra else list(extra),
-                       allow_origin_regex=None if "*" in extra else LOCAL_ORIGINS,
+    wild = wildcard_regex(extra)
+    app.add_middleware(CORSMiddleware, allow_origins=["*"] if "*" in extra else [o for o in extra if "*" not in o],
+                       allow_origin_regex=None if "*" in extra else
+                       LOCAL_ORIGINS + ("" if wild is None else "|" + wild.pattern),
                        allow_methods=["GET", "POST", "DELETE", "OPTIONS"], allow_headers=["*"],
                        expose_headers=["Retry-After", "X-Bitnet-Instance"], max_age=600, **kw)
 
 
 def check_origin(origin: str) -> str | None:
     """What is wrong with a --cors-origin value, or None. `null` is the origin browsers send for a sandboxed
-    iframe, a file:// page or a redirect across sites: the 403 for it says to name it, so it is one."""
+    iframe, a file:// page or a redirect across sites: the 403 for it says to name it, so it is one. A value with
+    a `*` is a pattern (_pattern_regex): the forms OLLAMA_ORIGINS is given, any other is refused."""
     if origin in ("*", "null"):
         return None
     if not re.fullmatch(r"[a-z][a-z0-9+.-]*://[^/\s]+/?", origin):
         return "not an origin (scheme://host[:port], e.g. https://app.example.com; null; or * for any)"
+    if "*" in origin and _pattern_regex(origin.rstrip("/")) is None:
+        return ("a wildcard only as scheme://* (any origin of that scheme: chrome-extension://*), "
+                "scheme://*.DOMAIN (its subdomains: https://*.example.com) or a port :* (http://HOST:*)")
     return None
+
+
+# a host name's label (a browser sends an origin's host in lower case; a pattern's domain is matched regardless)
+_LABEL = r"[a-z0-9_](?:[a-z0-9_-]*[a-z0-9_])?"
+
+
+def _pattern_regex(pattern: str, hosts: bool = False) -> str | None:
+    """The regex of a --cors-origin pattern (re.fullmatch, case-insensitive host), None for a form it does not
+    take. As OLLAMA_ORIGINS is written, and no looser: scheme://* is any origin of that scheme (an extension's
+    id, a port), scheme://*.DOMAIN one of DOMAIN's subdomains (not DOMAIN itself, nor evil-DOMAIN, nor
+    DOMAIN.evil.org), HOST:* that host on any port (or none). hosts: the regex of a Host header the pattern names
+    (a proxy passing its site's Host on): an http(s) domain pattern's alone, None for any other."""
+    scheme, _, authority = pattern.partition("://")
+    if "*" in scheme:
+        return None
+    host, port = authority, None
+    if not authority.startswith("[") and authority.count(":") == 1:
+        host, port = authority.split(":")
+    if port is not None and port != "*" and not port.isdigit():
+        return None
+    port_rx = "" if port is None else r"(?::\d+)?" if port == "*" else ":" + port
+    if host == "*":   # (scheme://*:* is scheme://*; scheme://*:PORT is no form of OLLAMA_ORIGINS)
+        return None if hosts or port not in (None, "*") else re.escape(scheme) + r"://[^/?#@\s]+"
+    if host.startswith("*."):
+        domain = host[2:]
+        if "*" in domain or not re.fullmatch(rf"{_LABEL}(?:\.{_LABEL})*", domain.lower()):
+            return None
+        host_rx = rf"(?i:(?:{_LABEL}\.)+{re.escape(domain)})"
+    elif "*" in host:
+        return None
+    else:
+        host_rx = f"(?i:{re.escape(host)})"
+    if hosts:
+        return host_rx + r"(?::\d+)?" if scheme in ("http", "https") and host.startswith("*.") else None
+    return re.escape(scheme) + "://" + host_rx + port_rx
+
+
+def wildcard_regex(origins, hosts: bool = False) -> re.Pattern | None:
+    """The compiled alternation of the --cors-origin patterns among `origins` (those with a `*`, but `*` alone),
+    None when there are none; hosts: of the Host headers they name (_pattern_regex)."""
+    parts = [_pattern_regex(o.rstrip("/"), hosts) for o in origins if "*" in o and o != "*"]
+    parts = [f"(?:{p})" for p in parts if p is not None]
+    return re.compile("|".join(parts)) if parts else None
+
+
+def origin_allowed(origin: str, origins=()) -> bool:
+    """Whether a page of `origin` may call a server started with these --cors-origin values (this machine's own
+    pages always may)."""
+    origin = origin.rstrip("/")
+    wild = wildcard_regex(origins)
+    return bool("*" in origins or re.fullmatch(LOCAL_ORIGINS, origin) or origin in origins
+                or (wild is not None and wild.fullmatch(origin)))

@@ -265,3 +265,81 @@ def test_an_api_key_flag_without_a_key_is_refused(value):
                        capture_output=True, text=True, timeout=120,
                        env=dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")))
     assert r.returncode == 2 and "no key in it" in r.stderr and "Traceback" not in r.stderr
+
+
+# ---- wildcard origins, as OLLAMA_ORIGINS takes them ---------------------------------------------------------
+WILD = ("chrome-extension://*", "moz-extension://*", "https://*.example.com", "http://localhost.test:*")
+
+
+@pytest.mark.parametrize("origin,allowed", [
+    ("chrome-extension://jfgfiigpkhlkbnfnbobbkinehhfdhndo", True), ("moz-extension://1234-abcd", True),
+    ("https://chat.example.com", True), ("https://a.b.example.com", True), ("https://CHAT.Example.com", True),
+    ("http://localhost.test:8080", True), ("http://localhost.test", True),
+    ("https://example.com", False), ("https://evil-example.com", False), ("https://example.com.evil.org", False),
+    ("https://chat.example.com.evil.org", False), ("http://chat.example.com", False),
+    ("https://chat.example.com:8443", False), ("https://evil.org/.example.com", False),
+    ("https://evil.org?.example.com", False), ("https://evil.org#.example.com", False),
+    ("https://evil.org@chat.example.com", False), ("chrome-extension-x://abc", False),
+    ("safari-web-extension://abc", False), ("http://localhost.test.evil.org:80", False),
+])
+def test_wildcard_origins_match_as_ollama_origins_do(origin, allowed):
+    """--cors-origin 'chrome-extension://*' (Page Assist's setup on ollama: OLLAMA_ORIGINS=chrome-extension://*),
+    'https://*.example.com', 'http://host:*': patterns, matched by the browser-facing check and the CORS headers
+    alike. They were compared as literal text, so they allowed nothing while the server started without a word."""
+    from bitnet_cpu.serve.auth import origin_allowed
+    assert origin_allowed(origin, WILD) is allowed
+
+
+@pytest.fixture(scope="module")
+def wild_servers():
+    keyed = Server("--api-key", KEY, *[a for o in WILD for a in ("--cors-origin", o)], threads=1)
+    try:
+        open_ = Server(*[a for o in WILD for a in ("--cors-origin", o)], threads=1)
+    except BaseException:
+        keyed.stop()
+        raise
+    yield keyed, open_
+    keyed.stop()
+    open_.stop()
+
+
+@pytest.mark.parametrize("origin", ["chrome-extension://jfgfiigpkhlkbnfnbobbkinehhfdhndo", "moz-extension://1234",
+                                    "https://chat.example.com"])
+def test_a_wildcard_origin_lets_its_pages_call(wild_servers, origin):
+    keyed, open_ = wild_servers
+    pre = preflight(keyed.url, origin)
+    assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == origin, pre.text
+    ok = httpx.post(keyed.url + "/v1/chat/completions", json=BODY, timeout=60,
+                    headers={"Origin": origin, "Authorization": f"Bearer {KEY}"})
+    assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == origin
+    plain = httpx.post(open_.url + "/v1/chat/completions", json=BODY, timeout=60, headers={"Origin": origin})
+    assert plain.status_code == 200 and plain.headers["access-control-allow-origin"] == origin, plain.text
+
+
+@pytest.mark.parametrize("origin", ["https://evil-example.com", "https://example.com.evil.org", "https://example.com"])
+def test_a_wildcard_origin_lets_no_lookalike_in(wild_servers, origin):
+    keyed, open_ = wild_servers
+    pre = preflight(keyed.url, origin)
+    assert pre.status_code == 400 and "access-control-allow-origin" not in pre.headers
+    r = httpx.post(open_.url + "/v1/chat/completions", json=BODY, timeout=60, headers={"Origin": origin})
+    assert r.status_code == 403 and "--cors-origin" in r.json()["error"]["message"]
+
+
+def test_a_wildcard_site_is_no_host_for_dns_rebinding_unless_it_names_a_domain(wild_servers):
+    """An extension's 'host' is its id, never a name a site points here: chrome-extension://* opens no Host; a
+    domain pattern does for its own subdomains (a proxy that passes its Host on), as a named site does."""
+    _, open_ = wild_servers
+    for host in ("rebind.evil.example", "jfgfiigpkhlkbnfnbobbkinehhfdhndo.evil.example", "example.com"):
+        assert httpx.get(open_.url + "/v1/models", headers={"Host": host}, timeout=30).status_code == 403, host
+    assert httpx.get(open_.url + "/v1/models", headers={"Host": "chat.example.com"}, timeout=30).status_code == 200
+
+
+@pytest.mark.parametrize("value", ["https://ex*ample.com", "*://example.com", "https://*example.com",
+                                   "https://*.*.example.com", "https://chat.*.com", "https://*.com:8*",
+                                   "https://*.", "https://[*::1]"])
+def test_a_wildcard_origin_ollama_does_not_mean_is_one_line(value):
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, "-m", "bitnet_cpu", "serve", "--cors-origin", value, "--port", "1"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--cors-origin" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) <= 2, r.stderr   # the error line (and its hint)
