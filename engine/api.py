@@ -83,7 +83,8 @@ CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")   # the server
 def _text_content(m, k: int) -> dict:
     """messages[k] as the templates take it: a dict with a 'role' the server takes (developer becomes system, as
     there) and text content (None only for an assistant's tool calls); OpenAI's content parts ([{"type": "text",
-    "text": ...}]) joined into one text, as the server joins them (their repr went into the prompt). Anything else
+    "text": ...}]) joined into one text with a newline between two, as the server joins them (their repr went into
+    the prompt; chat_template.join_text_parts). Anything else
     is one BitNetError naming it, as the server's 400 (a role "bogus" or content 5 rendered in silence)."""
     if not isinstance(m, dict) or not isinstance(m.get("role"), str):
         raise BitNetError(f"messages[{k}]: a dict with a 'role' (str), not {m!r:.80}")
@@ -105,7 +106,7 @@ def _text_content(m, k: int) -> dict:
         if not (isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)):
             raise BitNetError(f"messages[{k}].content[{j}]: this model takes text parts only "
                               f"({{'type': 'text', 'text': ...}}), not {p!r:.80}")
-    return {**m, "content": "".join(p["text"] for p in parts)}
+    return {**m, "content": _ct.join_text_parts(p["text"] for p in parts)}
 
 
 def _continuation(messages: list[dict], continue_final: bool | None, generation_prompt: bool

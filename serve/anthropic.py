@@ -28,7 +28,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from pydantic_core import PydanticCustomError
 
 from .limits import anthropic_error_body
-from .schemas import RequestProblem, _Sampling, boolean_or_none, cut_short, json_text, text_of_parts
+from .schemas import (RequestProblem, _Sampling, boolean_or_none, cut_short, join_text_parts, json_text,
+                      text_of_parts)
 
 # finish reason (engine) -> stop_reason; "tool_use" replaces end_turn when whole calls were made, and "max_tokens"
 # any other where the answer was cut (a call cut by a stop sequence: schemas.cut_short; a JSON answer one cut is a
@@ -180,7 +181,7 @@ class _Conversation(BaseModel):
                                      f"immediately after: {', '.join(sorted(before - answered))}. Each `tool_use` "
                                      "block must have a corresponding `tool_result` block in the next message.")
             if texts or calls or role == "assistant":
-                msg = {"role": role, "content": "".join(texts)}
+                msg = {"role": role, "content": join_text_parts(texts)}   # a newline between blocks
                 if calls:
                     msg["tool_calls"] = calls
                 if thoughts:

@@ -20,6 +20,7 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fi
 from pydantic_core import PydanticCustomError
 
 from ..engine.errors import json_text, shown_number  # noqa: F401  (json_text: the serve modules' name for it)
+from ..engine.runtime.chat_template import join_text_parts
 from ..engine.runtime.sampling import EXCLUDED, NO_TOKEN_ALLOWED, SamplingParams, setting_problem
 
 
@@ -279,8 +280,9 @@ def part_refusal(where: str, kind, kinds: tuple[str, ...]) -> str:
 
 
 def text_of_parts(content, where: str, kinds: tuple[str, ...]) -> str:
-    """A message's content (a string, or parts of the given text kinds) as text; a part of another kind (an image,
-    a file: this model takes text only) is a RequestProblem naming it.
+    """A message's content (a string, or parts of the given text kinds) as text, a newline between two parts
+    (join_text_parts: as llama-server); a part of another kind (an image, a file: this model takes text only) is a
+    RequestProblem naming it.
     The Responses and Anthropic adapters share it."""
     if content is None:
         return ""
@@ -297,7 +299,7 @@ def text_of_parts(content, where: str, kinds: tuple[str, ...]) -> str:
         if not isinstance(t, str):
             raise RequestProblem(f"{where}[{j}]", f"{where}[{j}]: a text part needs a string")
         texts.append(t)
-    return "".join(texts)
+    return join_text_parts(texts)
 
 
 @functools.lru_cache(maxsize=None)   # per field annotation: every request validates each field through it
@@ -876,7 +878,7 @@ class ChatMessage(BaseModel):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join((p.refusal if p.type == "refusal" else p.text) or "" for p in self.content)
+        return join_text_parts((p.refusal if p.type == "refusal" else p.text) or "" for p in self.content)
 
     def misplaced_refusal(self) -> Optional[int]:
         """The index of a refusal part in a message that is not an assistant's (OpenAI's schema: only its), or None."""

@@ -254,9 +254,10 @@ def test_call_arguments_of_the_wrong_type_are_one_error():
                             (lambda: eng.submit_n(PROMPT, n=1, callbacks=iter([5])), "callback: a function")):
             with pytest.raises(BitNetError, match=words):
                 call()
-    # content parts are text joined, as the server joins them (their Python repr went into the prompt)
-    parts = [{"role": "user", "content": [{"type": "text", "text": "Once upon "}, {"type": "text", "text": "a time"}]}]
-    assert llm.chat_prompt(parts) == llm.chat_prompt([{"role": "user", "content": "Once upon a time"}])
+    # content parts are text joined, a newline between two, as the server joins them (their Python repr went into
+    # the prompt)
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Once upon"}, {"type": "text", "text": "a time"}]}]
+    assert llm.chat_prompt(parts) == llm.chat_prompt([{"role": "user", "content": "Once upon\na time"}])
     llm.close()
 
 

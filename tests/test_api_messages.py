@@ -212,3 +212,23 @@ def test_what_the_server_takes_reaches_chat_prompt_and_renders(llm):
     assert "tool_calls" not in sent[0]
     text = llm.chat_text(sent, tools=TOOLS, results_in_order=True)
     assert "<tool_response>\n5\n</tool_response>" in text and '"arguments": {"x": 1}' in text
+
+
+def test_text_parts_are_one_text_with_a_newline_between_them(llm):
+    """OpenAI's text parts of one message are one text with "\\n" between two, as llama-server joins them (and vLLM):
+    "Hi" + "there" rendered "Hithere", and a document part ran into the question after it. The server's request
+    schema joins them the same way."""
+    from bitnet_cpu.serve.schemas import ChatCompletionRequest
+    parts = [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]
+    msgs = [{"role": "system", "content": [{"type": "text", "text": "s1"}, {"type": "text", "text": "s2"}]},
+            {"role": "user", "content": parts}, {"role": "assistant", "content": parts}, U]
+    joined = [{"role": m["role"], "content": "\n".join(p["text"] for p in m["content"])} if isinstance(
+        m["content"], list) else m for m in msgs]
+    assert llm.chat_text(msgs) == llm.chat_text(joined)
+    assert "Hi\nthere" in llm.chat_text(msgs) and "s1\ns2" in llm.chat_text(msgs)
+    assert [m.as_dict()["content"] for m in ChatCompletionRequest(messages=msgs).messages] == \
+        [m["content"] for m in joined]
+    # one part alone is that part; an empty first part adds no newline of its own (llama-server's rule)
+    assert llm.chat_text([{"role": "user", "content": [{"type": "text", "text": "a"}]}]) == llm.chat_text([U])
+    lead = [{"role": "user", "content": [{"type": "text", "text": ""}, {"type": "text", "text": "a"}]}]
+    assert llm.chat_text(lead) == llm.chat_text([U])

@@ -57,10 +57,10 @@ def test_text_answer_is_the_chat_answer(client):
 def test_instructions_and_roles_are_chat_messages(client):
     r = client.responses.create(model="any", instructions="Be brief.", temperature=0, max_output_tokens=30,
                                 input=[{"role": "developer", "content": "Answer in words."},
-                                       {"role": "user", "content": [{"type": "input_text", "text": "What is "},
+                                       {"role": "user", "content": [{"type": "input_text", "text": "What is"},
                                                                     {"type": "input_text", "text": "2+2?"}]}])
     c = chat(client, [{"role": "system", "content": "Be brief."}, {"role": "system", "content": "Answer in words."},
-                      {"role": "user", "content": "What is 2+2?"}], max_tokens=30)
+                      {"role": "user", "content": "What is\n2+2?"}], max_tokens=30)   # parts: a newline between
     assert r.output_text == c.choices[0].message.content and r.instructions == "Be brief."
 
 

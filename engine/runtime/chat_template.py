@@ -37,6 +37,16 @@ NAMED = {
 }
 
 
+def join_text_parts(texts) -> str:
+    """A message's text parts (OpenAI's content parts, Responses' input_text, Anthropic's text blocks) as the one
+    text the template renders: a newline between two, as llama-server joins them (common/chat.cpp: a "\n" before
+    each part once the text so far is not empty) and vLLM; glued, "Hi" + "there" was "Hithere"."""
+    out = ""
+    for t in texts:
+        out = out + "\n" + t if out else t
+    return out
+
+
 def named_or_jinja(text: str) -> str:
     """The Jinja2 text a --chat-template / set_chat_template value stands for: a NAMED template's, or `text` itself
     where it is Jinja2 ({{ ... }} or {% ... %}). Anything else (a mistyped name such as "chatlm") would render as
