@@ -693,7 +693,21 @@ def serve_models(args, keys: tuple) -> int:
         except BitNetError:
             return None
 
+    sampling = sampling_params_from_args(args)
+
+    def describe(spec) -> dict:
+        """ollama's /api/show answer of a model from its file, its weights unread (as its process would give it
+        once loaded, with this command line's context, sampling defaults and chat template): never a load."""
+        from ..engine.api import engine_ctx, model_card
+        from ..serve.ollama import model_details, show_answer
+        from ..serve.schemas import utc_iso
+        card = model_card(spec.path, chat_template=getattr(args, "chat_template_text", None))
+        return show_answer(cfg=card.config, name=card.name, template=card.chat_template, thinks=card.thinks,
+                           path=spec.path, n_ctx=engine_ctx(card.config, args.ctx), sampling=sampling,
+                           details=model_details(card.config, spec.format), modified_at=utc_iso(spec.modified or 0))
+
     router = Router(lambda: model_catalog(args, clash), command, pull=pull if args.models_cache else None,
+                    describe=describe,
                     source_of=source_of if args.models_cache else None,
                     models_max=args.models_max, keep_alive=parse_keep_alive(args.models_keep_alive),
                     load_timeout=args.models_load_timeout, stop_timeout=args.drain_timeout + 5)

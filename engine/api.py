@@ -46,8 +46,8 @@ from .formats.compat import all_warnings, check_runnable
 from .formats.store import Store, is_store
 from .formats.tokenizer import Tokenizer
 
-__all__ = ["load_model", "LLM", "load_engine", "resolve_store", "Engine", "SamplingParams", "LookupParams", "Chunk",
-           "Stats", "Constraint",
+__all__ = ["load_model", "LLM", "load_engine", "resolve_store", "model_card", "ModelCard", "Engine", "SamplingParams",
+           "LookupParams", "Chunk", "Stats", "Constraint",
            # the errors the API raises: BitNetError and its documented kinds
            "BitNetError", "ContextOverflowError", "ConstraintError", "NoTokenAllowedError", "QueueFullError",
            "TemplateError"]
@@ -681,6 +681,54 @@ def serving_ctx(cfg: ModelConfig) -> int:
     return min(max(cfg.context_length, SERVE_MIN_CTX), 4096)
 
 
+def engine_ctx(cfg: ModelConfig, ctx: int | None = None) -> int:
+    """The context an Engine of this model runs with, given load_engine's ctx (None: serving_ctx; 0: the trained
+    one)."""
+    ctx = _checked_ctx(ctx)
+    return int(cfg.context_length if ctx == 0 else ctx or serving_ctx(cfg))
+
+
+class ModelCard:
+    """What a model file says of itself, read without loading its weights (model_card): `config` (ModelConfig),
+    `name` (as a loaded model's .name), `chat_template` (the file's, or the one given; None: the built-in
+    fallback), `path` (the file read: a store, or the GGUF file / HF directory itself when it is not converted
+    yet), `thinks` (as a loaded model's)."""
+
+    def __init__(self, config: ModelConfig, name: str, chat_template: str | None, path: str):
+        self.config, self.name, self.chat_template, self.path = config, name, chat_template, path
+
+    @property
+    def thinks(self) -> bool:
+        from .runtime.reasoning import thinks
+        return thinks(_ct.choose_template(self.chat_template))
+
+
+def model_card(model: str | os.PathLike, *, chat_template: str | None = None) -> ModelCard:
+    """A model's description (ModelCard) from its file, its weights left unread: a store's header and index; for a
+    GGUF file or an HF directory, its current conversion in the cache when there is one, else the file's own
+    metadata (nothing is converted, nor marked used). chat_template: a template (or a name of NAMED) that replaces
+    the file's, as set_chat_template's. For ollama's /api/show and listings of models not loaded. A file that
+    cannot be read: BitNetError."""
+    path = os.fspath(model)
+    if not os.path.exists(path):
+        raise FormatError(f"{path}: {why_missing(path)}")
+    template = None if chat_template is None else _ct.named_or_jinja(chat_template)
+    if not is_store(path):
+        from .formats.convert import current_conversion
+        store_path = current_conversion(path)
+        if store_path is None:
+            from .formats.sources import open_source
+            src = open_source(path, check_ternary=False)
+            try:
+                name = src.config.name or os.path.splitext(os.path.basename(os.path.abspath(path).rstrip(os.sep)))[0]
+                return ModelCard(src.config, name, template if template is not None else src.chat_template, path)
+            finally:
+                src.close()
+        path = store_path
+    with Store(path, load="mmap") as s:
+        return ModelCard(s.config, _display_name(s), template if template is not None else s.chat_template, path)
+
+
 class Engine(_Text, BatchScheduler):
     """Many sequences through one model (see load_engine). Attributes: config, n_ctx, name, tokenizer, load_s."""
 
@@ -695,7 +743,7 @@ class Engine(_Text, BatchScheduler):
         self.threads = threads = _checked_threads(threads, self.warnings)
         ctx = _checked_ctx(ctx)
         check_kv_dtype(kv_dtype)
-        n_ctx = int(cfg.context_length if ctx == 0 else ctx or serving_ctx(cfg))
+        n_ctx = engine_ctx(cfg, ctx)
         if ctx is None and n_ctx > cfg.context_length:
             # -c N is a trade-off, not a fix: at the trained length a tool list or a long system prompt may not fit
             self.warnings.append(f"context {n_ctx} (a server's default: at least {SERVE_MIN_CTX}) is past the "

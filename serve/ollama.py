@@ -293,6 +293,39 @@ def _param_size(cfg) -> str:
     return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.0f}M"
 
 
+def model_details(cfg, fmt: str = "bnstore") -> dict:
+    """ollama's `details` of a model (/api/tags, /api/ps, /api/show) from its config; fmt: its file's format."""
+    return {"parent_model": "", "format": fmt, "family": cfg.arch, "families": [cfg.arch],
+            "parameter_size": _param_size(cfg), "quantization_level": "ternary (b1.58)"}
+
+
+def show_answer(*, cfg, name: str, template: str | None, thinks: bool, path: str, n_ctx: int,
+                sampling: SamplingParams | None, details: dict, modified_at: str) -> dict:
+    """ollama's /api/show answer for a model: cfg its ModelConfig, name its name (general.name), template the chat
+    template it renders with (None: the built-in fallback), thinks whether that template thinks, path its file,
+    n_ctx the context it is served with, sampling the server's defaults. The one form of a single-model server
+    (of its loaded engine) and of a router (of the model's file, unloaded: serve/router.py)."""
+    arch = cfg.arch
+    # ollama's model_info is the model file's: the context it was trained for; the server's -c is the
+    # parameters' num_ctx (and /api/ps' context_length, the loaded one's)
+    info = {"general.architecture": arch, "general.name": name, f"{arch}.context_length": cfg.context_length,
+            f"{arch}.embedding_length": cfg.hidden_size, f"{arch}.block_count": cfg.n_layers,
+            f"{arch}.attention.head_count": cfg.n_heads, f"{arch}.attention.head_count_kv": cfg.n_kv_heads,
+            f"{arch}.feed_forward_length": cfg.intermediate_size, "tokenizer.vocab_size": cfg.vocab_size}
+    s = sampling or SamplingParams()
+    shown = [("temperature", s.temperature), ("top_k", s.top_k), ("top_p", s.top_p), ("min_p", s.min_p),
+             ("repeat_penalty", s.repeat_penalty), ("num_ctx", n_ctx)]
+    off = SamplingParams()
+    shown += [(k, getattr(s, k)) for k in ("typical_p", "mirostat", "mirostat_tau", "mirostat_eta")
+              if getattr(s, k) != getattr(off, k)]   # ollama's other options, where the server's flags set them
+    params = "\n".join(f"{k:<15}{v}" for k, v in shown)
+    return {"modelfile": f"# served by bitnet serve\nFROM {shown_path(path)}\n",
+            "parameters": params,
+            "template": choose_template(template), "details": details, "model_info": info,
+            "capabilities": ["completion", "tools", "embedding", *(["thinking"] if thinks else [])],
+            "modified_at": modified_at}
+
+
 def ready_engine(ready, api_error: type, request):
     """The engine, or the server's refusal (auth, loading, draining) as an ollama-shaped error."""
     try:
@@ -705,9 +738,10 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
         except OSError:
             size, mtime = 0, time.time()
         cfg = eng.config
+        # of the file's path, size and time, not its content (gigabytes, read at each listing): it changes with the
+        # file, but two copies differ (docs/serving.md)
         digest = hashlib.sha256(os.fsencode(os.path.abspath(path)) + f":{size}:{mtime}".encode()).hexdigest()
-        details = {"parent_model": "", "format": "bnstore", "family": cfg.arch, "families": [cfg.arch],
-                   "parameter_size": _param_size(cfg), "quantization_level": "ternary (b1.58)"}
+        details = model_details(cfg)
         modified = utc_iso(mtime)
         listed = tagged_name(state.model_id)   # as ollama lists a name: its clients match it with the tag
         return {"name": listed, "model": listed, "modified_at": modified, "size": size,
@@ -729,26 +763,10 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
         eng = engine(request)
         data = await parse(request, ShowBody)
         check_model(data.model or data.name)
-        d, cfg = describe(eng), eng.config
-        arch = cfg.arch
-        # ollama's model_info is the model file's: the context it was trained for; the server's -c is the
-        # parameters' num_ctx (and /api/ps' context_length, the loaded one's)
-        info = {"general.architecture": arch, "general.name": eng.name, f"{arch}.context_length": cfg.context_length,
-                f"{arch}.embedding_length": cfg.hidden_size, f"{arch}.block_count": cfg.n_layers,
-                f"{arch}.attention.head_count": cfg.n_heads, f"{arch}.attention.head_count_kv": cfg.n_kv_heads,
-                f"{arch}.feed_forward_length": cfg.intermediate_size, "tokenizer.vocab_size": cfg.vocab_size}
-        s = sampling or SamplingParams()
-        shown = [("temperature", s.temperature), ("top_k", s.top_k), ("top_p", s.top_p), ("min_p", s.min_p),
-                 ("repeat_penalty", s.repeat_penalty), ("num_ctx", eng.n_ctx)]
-        off = SamplingParams()
-        shown += [(k, getattr(s, k)) for k in ("typical_p", "mirostat", "mirostat_tau", "mirostat_eta")
-                  if getattr(s, k) != getattr(off, k)]   # ollama's other options, where the server's flags set them
-        params = "\n".join(f"{k:<15}{v}" for k, v in shown)
-        return {"modelfile": f"# served by bitnet serve\nFROM {shown_path(eng.store.path)}\n",
-                "parameters": params,
-                "template": choose_template(eng.chat_template), "details": d["details"], "model_info": info,
-                "capabilities": ["completion", "tools", "embedding", *(["thinking"] if eng.thinks else [])],
-                "modified_at": d["modified_at"]}
+        d = describe(eng)
+        return show_answer(cfg=eng.config, name=eng.name, template=eng.chat_template, thinks=eng.thinks,
+                           path=eng.store.path, n_ctx=eng.n_ctx, sampling=sampling, details=d["details"],
+                           modified_at=d["modified_at"])
 
     @app.get("/api/version")
     async def api_version():

@@ -11,7 +11,8 @@ exactly as a single-model server would, a model that crashes takes down nothing 
 its memory back to the system. A client that hangs up closes the forwarded stream, which cancels its sequence in
 the model's process.
 
-The router itself answers the listings (`/v1/models`, `/models`, ollama's `/api/tags` and `/api/ps`), llama-server's
+The router itself answers the listings (`/v1/models`, `/models`, ollama's `/api/tags` and `/api/ps`), ollama's
+`/api/show` (from the model's file, as ollama reads it: no model is loaded for it), llama-server's
 `/models/load` and `/models/unload`, ollama's keep_alive (a request's keep_alive sets how long its model stays
 loaded once idle; 0 unloads it after the request, and an empty `/api/generate` or `/api/chat` with keep_alive 0
 unloads it at once, as ollama does), `/health`, its own `/metrics` (`?model=NAME` forwards to the model's), and
@@ -45,7 +46,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 
-from ..engine.errors import EXIT_BAD_INPUT
+from ..engine.errors import EXIT_BAD_INPUT, BitNetError
 from .auth import AuthMiddleware, KeyChecker, allow_cross_origin
 from .limits import (Limits, LimitsMiddleware, RouteNorms, allow_header, allowed_methods, anthropic_shaped,
                      anthropic_status, error_json, refuses_method)
@@ -96,7 +97,9 @@ class ModelSpec:
     stamp: tuple = ()   # (file name, size, mtime_ns) of every file of a model of several: any one replaced is seen
 
     def digest(self) -> str:
-        # the path's own bytes: a name that is not UTF-8 has surrogates, which str.encode() refuses
+        # ollama's `digest`: of the path, size and time, not the content (gigabytes, read at each listing): it
+        # changes with the file, but two copies differ (docs/serving.md). The path's own bytes: a name that is not
+        # UTF-8 has surrogates, which str.encode() refuses
         return hashlib.sha256(os.fsencode(os.path.abspath(self.path))
                               + f":{self.size}:{self.modified}:{self.stamp!r}".encode()
                               ).hexdigest()
@@ -284,14 +287,19 @@ class Router:
                  models_max: int = 3, keep_alive: float = FOREVER, load_timeout: float = 600.0,
                  stop_timeout: float = 10.0, retry_after: int = 1, log: Callable[[str], None] | None = None,
                  pull: Callable[[str], list[str]] | None = None, failed_retry: float = FAILED_RETRY,
-                 source_of: Callable[[str], str | None] | None = None):
+                 source_of: Callable[[str], str | None] | None = None,
+                 describe: Callable[[ModelSpec], dict] | None = None):
         """pull: the command that downloads and converts a hub id into the store cache (`bitnet pull REF`), for
         ollama's /api/pull; None where the catalog holds no cache (--models-dir alone): /api/pull answers 501.
         source_of: the source (REPO[:FILE]@COMMIT, as a store records it) that a hub id with a revision (a branch,
         a tag, a commit) names in the download cache, None where it is not there: such a name is served as the
         conversion of that source (the source keeps the commit alone, so REPO@main matched nothing).
-        failed_retry: seconds a failed load is answered again before a request loads the model anew (doubling)."""
+        failed_retry: seconds a failed load is answered again before a request loads the model anew (doubling).
+        describe: ollama's /api/show answer of a model, read from its file without loading it (run in a thread;
+        BitNetError / OSError: the file cannot be read); its `details` fill /api/tags too. None: /api/show loads
+        the model and asks its process."""
         self.scan, self.command, self.models_max, self.pull = scan, command, models_max, pull
+        self.describe = describe
         self.source_of = source_of
         self.models = scan()        # name -> ModelSpec, scanned again (refresh) as files come and go
         self._scanned = time.monotonic()
@@ -307,7 +315,8 @@ class Router:
         # the file is unchanged, so that each retry (a client's, a model picker's) does not unload a working model
         # for room and load the broken one again; the listings say the last load failed
         self.failed: dict[str, LoadFailure] = {}
-        self.shows: dict[str, bytes] = {}      # /api/show answers by model file and request: never a load again
+        self.shows: dict[str, dict] = {}       # /api/show answers by model file (ModelSpec.digest), bounded
+        self.unreadable: dict[str, str] = {}   # digest -> why describe failed: a listing does not read it again
         self.pulling: set[str] = set()         # hub ids being pulled now (one process each, PULLS_MAX at most)
         self.counts: dict[tuple, int] = {}
         self.spawned = 0                       # model processes started: numbers each one's log file
@@ -851,6 +860,56 @@ class Router:
             await asyncio.shield(c.ended)   # outside the condition: the other models serve on meanwhile
         return True
 
+    def keep_show(self, key: str, answer: dict):
+        if len(self.shows) >= 256 and key not in self.shows:   # bounded: the oldest answer goes
+            self.shows.pop(next(iter(self.shows)))
+        self.shows[key] = answer
+
+    def said_unreadable(self, key: str, why: str):
+        if len(self.unreadable) >= 256 and key not in self.unreadable:   # bounded, as shows
+            self.unreadable.pop(next(iter(self.unreadable)))
+        self.unreadable[key] = why
+
+    async def show(self, spec: ModelSpec) -> dict | None:
+        """ollama's /api/show answer of a model, from its file (describe), never loading it; kept by model file.
+        None where the router has no describe."""
+        if self.describe is None:
+            return None
+        key = spec.digest()
+        if key not in self.shows:
+            try:
+                answer = await asyncio.to_thread(self.describe, spec)
+            except (BitNetError, OSError) as e:
+                self.said_unreadable(key, str(e))
+                raise RouterError(500, f"model '{spec.name}': cannot read its file: {e}", "load_failed",
+                                  "model") from None
+            self.unreadable.pop(key, None)
+            self.keep_show(key, answer)
+        return self.shows[key]
+
+    async def describe_all(self, specs: list[ModelSpec]):
+        """The show answers of the listed models not read yet (their details for /api/tags), in one thread; a file
+        that cannot be read is listed without them, and not read again while it is unchanged."""
+        if self.describe is None:
+            return
+        todo = [s for s in specs if s.digest() not in self.shows and s.digest() not in self.unreadable][:256]
+        if not todo:
+            return
+
+        def read_all():
+            out = []
+            for s in todo:
+                try:
+                    out.append((s, self.describe(s), None))
+                except (BitNetError, OSError) as e:
+                    out.append((s, None, str(e)))
+            return out
+        for s, answer, why in await asyncio.to_thread(read_all):
+            if answer is None:
+                self.said_unreadable(s.digest(), why)
+            else:
+                self.keep_show(s.digest(), answer)
+
     def failure(self, spec: ModelSpec) -> LoadFailure | None:
         """The model's last load, if it failed, of the file as it is now (a file changed since: tried afresh)."""
         f = self.failed.get(spec.name)
@@ -873,7 +932,8 @@ class Router:
         return "2318-01-01T00:00:00Z" if not math.isfinite(left) else utc_iso(time.time() + max(0.0, left))
 
     def tag(self, spec: ModelSpec) -> dict:
-        known = (self.details.get(spec.name) or {}).get("details") or {}
+        known = (self.shows.get(spec.digest()) or {}).get("details") or \
+            (self.details.get(spec.name) or {}).get("details") or {}
         details = {"parent_model": "", "format": spec.format, "family": "", "families": [], "parameter_size": "",
                    "quantization_level": "ternary (b1.58)", **known}
         listed = tagged_name(spec.name)   # as ollama lists a name (NAME:latest): its clients match it with the tag
@@ -1136,6 +1196,7 @@ def create_router_app(router: Router, *, api_keys: tuple = (), limits: Limits | 
     @app.api_route("/api/tags", methods=["GET", "HEAD"])   # HEAD: as ollama answers it
     async def api_tags():
         await router.refresh()
+        await router.describe_all(list(router.models.values()))   # family, parameter_size: from the files
         return {"models": [router.tag(s) for s in router.models.values()]}
 
     @app.get("/api/ps")
@@ -1194,17 +1255,21 @@ def create_router_app(router: Router, *, api_keys: tuple = (), limits: Limits | 
 
     @app.post("/api/show")
     async def api_show(request: Request):
-        """ollama's /api/show is metadata: clients (Open WebUI, Continue, editors) ask it of every listed model. A
-        model's answer is kept once given, by its file (path, size, time) and the request's other fields, so
-        asking again never loads it, nor unloads one in use to make room; the first ask loads it, as it must."""
+        """ollama's /api/show is metadata: clients (Open WebUI, Continue, editors) ask it of every listed model. It
+        is answered from the model's file (router.describe: its header, config and template), as ollama answers
+        it: no model is loaded for it, nor one in use unloaded to make room. An answer is kept by model file
+        (path, size, time); the request's other fields (verbose) change nothing of it. A router without describe
+        (none given) loads the model once and asks its process."""
         if router.draining:
             raise RouterError(503, "shutting down", "unavailable", retry_after=router.retry_after)
         data, body = await ollama_body(request)
         spec = await ollama_model(data)
-        key = spec.digest() + json.dumps({k: v for k, v in data.items() if k not in ("model", "name")},
-                                         sort_keys=True, default=str)
+        answer = await router.show(spec)
+        if answer is not None:
+            return JSONResponse(answer)
+        key = spec.digest()
         if key in router.shows:
-            return Response(router.shows[key], media_type="application/json")
+            return JSONResponse(router.shows[key])
         c = await router.acquire(spec)
         try:
             r = await router.client.post(c.url + "/api/show", content=body, timeout=60,
@@ -1215,9 +1280,8 @@ def create_router_app(router: Router, *, api_keys: tuple = (), limits: Limits | 
         finally:
             router.release(c)
         if r.status_code == 200:
-            if len(router.shows) >= 256:   # bounded: the oldest answer goes
-                router.shows.pop(next(iter(router.shows)))
-            router.shows[key] = r.content
+            with contextlib.suppress(ValueError):
+                router.keep_show(key, json.loads(r.content))
         return Response(r.content, status_code=r.status_code, media_type="application/json")
 
     @app.post("/api/pull")

@@ -583,3 +583,39 @@ def test_chat_prompt_refuses_what_the_server_refuses():
     assert llm.chat_prompt(msgs, add_generation_prompt=False, tools=tools)
     assert llm.chat_text(msgs[:2]) == llm.chat_text([{"role": "system", "content": "Be brief."}, user])
     llm.close()
+
+
+def test_model_card_reads_a_model_without_loading_or_converting_it(tmp_path, monkeypatch):
+    """model_card (ollama's /api/show of a router's models): a store's config, name, template and thinking as the
+    loaded model has them; an HF directory's from its own files, nothing converted into the cache; a file that is
+    no model: one BitNetError."""
+    import os
+    import shutil
+
+    from bitnet_cpu.engine.api import engine_ctx, model_card
+    from bitnet_cpu.engine.formats.convert import bundled_model
+    from bitnet_cpu.engine.synth import SynthModel, small_config, write_hf_dir
+
+    monkeypatch.setenv("BITNET_CACHE", str(tmp_path / "cache"))
+    store = bundled_model()
+    card = model_card(store)
+    with load_engine(store, ctx=256, parallel=1, progress=False) as eng:
+        assert (card.config, card.name, card.chat_template, card.thinks) == \
+            (eng.config, eng.name, eng.chat_template, eng.thinks)
+        assert engine_ctx(card.config, 256) == eng.n_ctx
+    with load_engine(store, parallel=1, progress=False) as eng:
+        assert engine_ctx(card.config) == eng.n_ctx
+    assert model_card(store, chat_template="chatml").chat_template.startswith("{% for message")
+    hf = write_hf_dir(SynthModel(small_config(), seed=3), str(tmp_path / "hf"))
+    hf_card = model_card(hf)
+    assert hf_card.path == hf and hf_card.config.n_layers == small_config()["num_hidden_layers"]
+    assert not os.path.exists(tmp_path / "cache")
+    with load_engine(hf, ctx=256, parallel=1, progress=False) as eng:   # converted now: the card is its store's
+        assert hf_card.config == eng.config and hf_card.name == eng.name
+        assert model_card(hf).path == eng.store.path
+    shutil.copy(store, tmp_path / "broken.bnstore")
+    with open(tmp_path / "broken.bnstore", "r+b") as f:
+        f.truncate(100)
+    for bad in (tmp_path / "broken.bnstore", tmp_path / "missing.gguf"):
+        with pytest.raises(BitNetError):
+            model_card(bad)

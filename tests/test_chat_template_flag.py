@@ -216,6 +216,8 @@ def test_serve_renders_every_chat_with_it(tmp_path):
         from bitnet_cpu.engine.runtime.chat_template import NAMED
         got = httpx.post(s.url + "/apply-template", json={"model": "tiny", "messages": MSGS}, timeout=60).json()
         assert got["prompt"] == expected(NAMED["chatml"], MSGS)
+        # ollama's /api/show, read from the file by the router (no load), names the template the model renders
+        assert httpx.post(s.url + "/api/show", json={"model": "tiny"}, timeout=30).json()["template"] == NAMED["chatml"]
     finally:
         s.stop()
 

@@ -279,6 +279,73 @@ def test_show_loads_a_model_once_at_most(router):
     assert post(router.url, "/api/show", {"model": "nope"}).status_code == 404
 
 
+def _metadata_router(tmp_path, models_dir):
+    """A --models-max 1 router over tiny, synth, broken and synth-hf (the HF directory synth.bnstore was converted
+    from, not converted here: its own cache)."""
+    from bitnet_cpu.engine.synth import SynthModel, small_config, write_hf_dir
+
+    d, cache = tmp_path / "models", tmp_path / "cache"
+    d.mkdir()
+    cache.mkdir()
+    for name in ("tiny", "synth", "broken"):
+        shutil.copy(models_dir / f"{name}.bnstore", d / f"{name}.bnstore")
+    write_hf_dir(SynthModel(small_config(max_position_embeddings=4096), seed=11), str(d / "synth-hf"))
+    return Server("--models-dir", str(d), "--models-max", "1", "-c", "1024", threads=1,
+                  env={"BITNET_CACHE": str(cache)}), cache
+
+
+def test_tags_give_family_and_size_of_models_never_loaded(tmp_path, models_dir, singles):
+    """/api/tags had no family, families nor parameter_size for a model not loaded yet (Open WebUI's and Msty's
+    model pickers show them): now read from each file, equal to a single-model server's; a file that cannot be
+    read is listed all the same."""
+    s, cache = _metadata_router(tmp_path, models_dir)
+    try:
+        tags = {m["name"]: m["details"] for m in httpx.get(s.url + "/api/tags", timeout=30).json()["models"]}
+        for name, single in singles.items():
+            assert tags[name] == httpx.get(single.url + "/api/tags", timeout=30).json()["models"][0]["details"]
+        assert tags["synth-hf"] == {**tags["synth"], "format": "safetensors"}
+        assert tags["broken"]["family"] == "" and tags["broken"]["parameter_size"] == ""
+        assert loaded(s.url) == set() and not os.listdir(cache)
+    finally:
+        s.stop()
+
+
+def test_show_reads_the_file_and_never_loads_a_model(tmp_path, models_dir, singles):
+    """ollama answers /api/show from the model's file and loads nothing. The router loaded the model for the first
+    show of it: it waited for a busy model to go idle, unloaded it to make room (--models-max 1, within its
+    keep_alive), and each new request body ({"model"}, {"name"}, verbose false: what `ollama show` sends) loaded it
+    again. Now the answer comes from the file, the loaded model stays, and it equals a single-model server's; an
+    HF directory not converted yet answers from its own config."""
+    def same(answer: dict) -> dict:   # a single server's answer of the same file but for where it lies
+        return {k: v for k, v in answer.items() if k not in ("modelfile", "modified_at")}
+    want = {name: same(post(single.url, "/api/show", {"model": name}).json()) for name, single in singles.items()}
+    s, cache = _metadata_router(tmp_path, models_dir)
+    try:
+        chat_text(s.url, "tiny")   # loaded, idle within its keep_alive, in the one slot (--models-max 1)
+        for body in ({"model": "tiny", "verbose": True}, {"model": "synth"}, {"name": "synth"},
+                     {"model": "synth", "verbose": False}):
+            got = post(s.url, "/api/show", body)
+            assert got.status_code == 200 and same(got.json()) == want[body.get("model") or body["name"]], got.text
+        assert loaded(s.url) == {"tiny"}   # it was synth: tiny unloaded for room, synth loaded for a show
+        assert post(s.url, "/api/show", {"model": "synth"}).json()["modelfile"].endswith(
+            f"FROM {tmp_path / 'models' / 'synth.bnstore'}\n")
+        hf = post(s.url, "/api/show", {"model": "synth-hf"}).json()
+        assert hf["details"] == {**want["synth"]["details"], "format": "safetensors"}
+        assert {k: v for k, v in hf["model_info"].items() if k != "general.name"} == \
+            {k: v for k, v in want["synth"]["model_info"].items() if k != "general.name"}
+        assert [hf[k] for k in ("template", "parameters", "capabilities")] == \
+            [want["synth"][k] for k in ("template", "parameters", "capabilities")]
+        assert loaded(s.url) == {"tiny"}
+        bad = post(s.url, "/api/show", {"model": "broken"})
+        assert bad.status_code == 500 and "broken" in bad.json()["error"] and "\n" not in bad.json()["error"]
+        metrics = httpx.get(s.url + "/metrics", timeout=30).text
+        assert re.findall(r'bitnet_router_loads_total\{model="(.*?)"\}', metrics) == ["tiny"], metrics
+        assert "bitnet_router_unloads_total{" not in metrics, metrics
+        assert not os.listdir(cache)   # nothing converted for a show
+    finally:
+        s.stop()
+
+
 def test_a_model_that_fails_to_load_is_one_error_and_the_rest_serve_on(router):
     r = post(router.url, "/v1/chat/completions", {"model": "broken", "messages": CHAT})
     assert r.status_code == 500

@@ -470,16 +470,8 @@ def resolve_model(src: str | None, *, cache_dir: str | None = None, lm_head: str
         return check_store_head(src, lm_head)
     downloaded = source_name is not None
     opts = cache_options(lm_head or "default")
-    try:
-        key = cache_key(src, lm_head or "default")
-        stamp = source_stamp(src, downloaded, opts.get("kernel_config"))
-    except OSError as e:   # the file that failed (a snapshot's link to a deleted blob), not only its folder
-        raise FormatError(f"{e.filename or src}: cannot read: {e.strerror}") from None
-    d = cache_dir or cache_dir_default()
-    stem = source_name.split("@")[0].replace("/", "--").replace(":", "--") if source_name else \
-        os.path.basename(os.path.abspath(src).rstrip(os.sep))
-    name = re.sub(r"[^A-Za-z0-9._-]+", "_", stem)[:80]
-    path = os.path.join(d, f"{name}-{key}.bnstore")
+    path, stamp = _cache_entry(src, source_name, lm_head, cache_dir)
+    d = os.path.dirname(path)
     how = "once"
     if is_store(path):
         damage, had = _damage(path)
@@ -504,6 +496,34 @@ def resolve_model(src: str | None, *, cache_dir: str | None = None, lm_head: str
     cache = {"source_path": os.path.realpath(src), "downloaded": downloaded, "stamp": stamp,
              "kernel_config": opts.get("kernel_config")}
     return convert(src, path, lm_head=lm_head, progress=progress, source_name=source_name, cache=cache)
+
+
+def _cache_entry(src: str, source_name: str | None, lm_head: str | None,
+                 cache_dir: str | None) -> tuple[str, str]:
+    """(the path of `src`'s conversion in the cache, the stamp of `src`'s files now), as resolve_model names and
+    checks it. FormatError: a file of the source is unreadable."""
+    opts = cache_options(lm_head or "default")
+    try:
+        key = cache_key(src, lm_head or "default")
+        stamp = source_stamp(src, source_name is not None, opts.get("kernel_config"))
+    except OSError as e:   # the file that failed (a snapshot's link to a deleted blob), not only its folder
+        raise FormatError(f"{e.filename or src}: cannot read: {e.strerror}") from None
+    d = cache_dir or cache_dir_default()
+    stem = source_name.split("@")[0].replace("/", "--").replace(":", "--") if source_name else \
+        os.path.basename(os.path.abspath(src).rstrip(os.sep))
+    name = re.sub(r"[^A-Za-z0-9._-]+", "_", stem)[:80]
+    return os.path.join(d, f"{name}-{key}.bnstore"), stamp
+
+
+def current_conversion(src: str, *, cache_dir: str | None = None, lm_head: str | None = None) -> str | None:
+    """The cache's conversion of the local GGUF file or HF directory `src` when there is one, whole and made from
+    `src` as it is now, else None; nothing is converted, nor marked used (a model's metadata, read for a
+    listing)."""
+    path, stamp = _cache_entry(os.fspath(src), None, lm_head, cache_dir)
+    if not is_store(path):
+        return None
+    damage, had = _damage(path)
+    return path if damage is None and had == stamp else None
 
 
 def _damage(path: str) -> tuple[str | None, str | None]:
