@@ -32,6 +32,22 @@ def wait_healthy(url: str, timeout: float, proc=None, poll: float = 0.2) -> bool
     return False
 
 
+def sse_events(url: str, path: str, body: dict, timeout: float = 120) -> list[tuple[str, dict]]:
+    """The raw SSE events of a streamed POST to url + path (body with "stream": true): [(event line, data object)],
+    after checking the answer is a 200 event stream."""
+    import json
+    out, kind = [], None
+    with httpx.stream("POST", url + path, json={**body, "stream": True}, timeout=timeout) as r:
+        assert r.status_code == 200, r.read()
+        assert r.headers["content-type"].startswith("text/event-stream"), r.headers
+        for line in r.iter_lines():
+            if line.startswith("event: "):
+                kind = line[7:]
+            elif line.startswith("data: "):
+                out.append((kind, json.loads(line[6:])))
+    return out
+
+
 def pythonpath() -> str:
     """PYTHONPATH for a subprocess of the tests: this checkout first, then what the suite runs with (a worktree's
     link folder: ROOT alone let `import bitnet_cpu` find the installed checkout instead)."""

@@ -16,7 +16,7 @@ anthropic = pytest.importorskip("anthropic", reason="the Anthropic API tests nee
 jsonschema = pytest.importorskip("jsonschema", reason="the structured-output checks need jsonschema (pip install .[test])")
 pytest.importorskip("fastapi", reason="bitnet serve needs the serve extra (pip install .[serve])")
 
-from serve_proc import Server  # noqa: E402
+from serve_proc import Server, sse_events  # noqa: E402
 
 SERVER_ARGS = ("--parallel", "4")   # conftest's server fixture
 Q = "What is 12+7?"
@@ -153,19 +153,6 @@ def test_a_cut_call_is_no_tool_use_with_made_up_input(claude):
         assert isinstance(b.input["a"], bool), m
 
 
-def raw_events(server, body) -> list[tuple[str, dict]]:
-    """The raw SSE events of a streamed /v1/messages request: [(event line, data object)]."""
-    out, kind = [], None
-    with httpx.stream("POST", server.url + "/v1/messages", json={**body, "stream": True}, timeout=120) as r:
-        assert r.status_code == 200, r.read()
-        for line in r.iter_lines():
-            if line.startswith("event: "):
-                kind = line[7:]
-            elif line.startswith("data: "):
-                out.append((kind, json.loads(line[6:])))
-    return out
-
-
 def test_a_stop_sequence_says_max_tokens_in_a_call_and_stop_sequence_in_a_json_answer(claude, server):
     """A stop sequence that cuts a tool call is reported as max_tokens (the call may have been cut: do not run it),
     as the chat endpoint says length and the Responses API incomplete for the same cut; it said stop_sequence, and a
@@ -191,7 +178,7 @@ def test_a_stop_sequence_says_max_tokens_in_a_call_and_stop_sequence_in_a_json_a
         with claude.messages.stream(**kw, **GREEDY) as s:
             final = s.get_final_message()
         assert (final.stop_reason, final.stop_sequence) == said and text_of(final) == text_of(m)
-        events = raw_events(server, {**kw, "temperature": 0})
+        events = sse_events(server.url, "/v1/messages", {**kw, "temperature": 0})
         [delta] = [d for k, d in events if k == "message_delta"]
         assert delta["delta"] == {"stop_reason": said[0], "stop_sequence": said[1]}, delta
         assert [k for k, _ in events][-2:] == ["message_delta", "message_stop"]

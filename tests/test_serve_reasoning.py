@@ -15,6 +15,7 @@ from bitnet_cpu.engine.runtime.reasoning import ThinkSplitter, thinks
 
 pytest.importorskip("fastapi", reason="bitnet serve needs the serve extra (pip install .[serve])")
 ollama = pytest.importorskip("ollama", reason="the ollama tests need the ollama client (pip install .[test])")
+from serve_proc import sse_events  # noqa: E402
 
 TEMPLATE = ("{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
             "{% if m.reasoning_content is defined and m.reasoning_content %}<think>{{ m.reasoning_content }}</think>"
@@ -197,19 +198,6 @@ def test_responses_reasoning_items(server):
 
 
 
-def responses_events(server, body) -> list[tuple[str, dict]]:
-    """The raw SSE events of a streamed /v1/responses request: [(event line, data object)]."""
-    out, kind = [], None
-    with httpx.stream("POST", server.url + "/v1/responses", json={**body, "stream": True}, timeout=60) as r:
-        assert r.status_code == 200, r.read()
-        for line in r.iter_lines():
-            if line.startswith("event: "):
-                kind = line[7:]
-            elif line.startswith("data: "):
-                out.append((kind, json.loads(line[6:])))
-    return out
-
-
 @pytest.mark.parametrize("limit", [None, 8])   # the whole thought; one cut inside it by max_output_tokens
 def test_a_reasoning_items_part_is_added_and_done_as_a_messages_part_is(server, limit):
     """A streamed reasoning item's reasoning_text part opens with response.content_part.added (the part, empty)
@@ -220,7 +208,7 @@ def test_a_reasoning_items_part_is_added_and_done_as_a_messages_part_is(server, 
     openai = pytest.importorskip("openai")
     body = {"model": "m", "input": Q[0]["content"], "temperature": 0, "grammar": GRAMMAR,
             "chat_template_kwargs": SELF, **({"max_output_tokens": limit} if limit else {})}
-    events = responses_events(server, body)
+    events = sse_events(server.url, "/v1/responses", body)
     [(_, added)] = [(k, d) for k, d in events if k == "response.output_item.added" and d["item"]["type"] == "reasoning"]
     rs, at = added["item"]["id"], added["output_index"]
     mine = [(k, d) for k, d in events if d.get("item_id") == rs or (d.get("item") or {}).get("id") == rs]

@@ -14,6 +14,7 @@ import pytest
 openai = pytest.importorskip("openai", reason="the serve tests need the openai client (pip install .[test])")
 jsonschema = pytest.importorskip("jsonschema", reason="the structured-output checks need jsonschema (pip install .[test])")
 pytest.importorskip("fastapi", reason="bitnet serve needs the serve extra (pip install .[serve])")
+from serve_proc import sse_events  # noqa: E402
 
 SERVER_ARGS = ("--parallel", "4")   # conftest's server fixture
 Q = "What is 12+7?"
@@ -24,21 +25,12 @@ ADD_CHAT = {"type": "function", "function": {"name": "add", "description": "add 
                                              "parameters": ADD_PARAMS}}
 
 
+def events_of(server, body):
+    return sse_events(server.url, "/v1/responses", body)
+
+
 def chat(client, messages, **kw):
     return client.chat.completions.create(model="any", messages=messages, temperature=0, **kw)
-
-
-def events_of(server, body):
-    """The raw SSE events of a streamed request: [(event line, data object)]."""
-    out, kind = [], None
-    with httpx.stream("POST", server.url + "/v1/responses", json={**body, "stream": True}, timeout=120) as r:
-        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
-        for line in r.iter_lines():
-            if line.startswith("event: "):
-                kind = line[7:]
-            elif line.startswith("data: "):
-                out.append((kind, json.loads(line[6:])))
-    return out
 
 
 def test_text_answer_is_the_chat_answer(client):
