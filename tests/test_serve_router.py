@@ -300,7 +300,8 @@ def test_tags_give_family_and_size_of_models_never_loaded(tmp_path, models_dir, 
     read is listed all the same."""
     s, cache = _metadata_router(tmp_path, models_dir)
     try:
-        tags = {m["name"]: m["details"] for m in httpx.get(s.url + "/api/tags", timeout=30).json()["models"]}
+        tags = {m["name"].removesuffix(":latest"): m["details"]   # listed NAME:latest, as ollama lists them
+                for m in httpx.get(s.url + "/api/tags", timeout=30).json()["models"]}
         for name, single in singles.items():
             assert tags[name] == httpx.get(single.url + "/api/tags", timeout=30).json()["models"][0]["details"]
         assert tags["synth-hf"] == {**tags["synth"], "format": "safetensors"}
