@@ -41,10 +41,9 @@ def join_text_parts(texts) -> str:
     """A message's text parts (OpenAI's content parts, Responses' input_text, Anthropic's text blocks) as the one
     text the template renders: a newline between two, as llama-server joins them (common/chat.cpp: a "\n" before
     each part once the text so far is not empty) and vLLM; glued, "Hi" + "there" was "Hithere"."""
-    out = ""
-    for t in texts:
-        out = out + "\n" + t if out else t
-    return out
+    texts = list(texts)
+    first = next((i for i, t in enumerate(texts) if t), len(texts))   # the empty parts before any text add nothing
+    return "\n".join(texts[first:])   # one pass: adding part by part was quadratic (30,000 parts took 20 s)
 
 
 def named_or_jinja(text: str) -> str:
