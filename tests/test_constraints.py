@@ -886,6 +886,10 @@ def test_pydantic_s_decimal_pattern_is_enforced_as_written(llm):
     ("^(?!\\s*$).{1,8}$", ["", " ", "  \t", " a", "a", "ab cd"]),
     ("^(?![0-9]+$)[a-z0-9]{0,6}$", ["", "0", "123", "1a", "abc", "a1b2"]),
     ("^(?!^[-+.]*$)(?!\\d*$)[-+.0-9a]*$", ["", "+", "12", "+1", "a", "1a", "-.a"]),
+    # a negated class whose first member is ^: its complement is the class of ^ and the rest, not [^rest]
+    ("^(?![^^a]*$).*", ["", "xyz", "a", "aaa", "^", "x^y", "xa"]),
+    ("^(?![^^]*$).*", ["", "xyz", "^", "a^b"]),
+    ("^(?![\\^a]+$).*", ["", "^", "a^", "xa", "b"]),
 ])
 def test_a_leading_negative_look_ahead_of_one_class_is_enforced(llm, pattern, texts):
     schema = {"type": "string", "pattern": pattern}

@@ -562,8 +562,11 @@ def split_lookaheads(pattern: str) -> tuple[str, list[str]]:
         atom, repeat = m.groups()
         if atom in _NEGATED:
             other = _NEGATED[atom]
+        elif atom.startswith("[^"):   # [^^a]'s complement is [\^a]: a ^ left first would negate it again
+            body = atom[2:-1]
+            other = "[" + ("\\" + body if body.startswith("^") else body) + "]"
         else:
-            other = "[" + atom[2:] if atom.startswith("[^") else "[^" + atom[1:]
+            other = "[^" + atom[1:]
         some = f"(?s:.*){ecma_pattern(other)}(?s:.*)"
         beside.append(f"^{some}$" if repeat == "*" else f"^(?:{some})?$")
         i = m.end()
