@@ -1024,7 +1024,8 @@ class ChatSession:
                     changed.append("think" if value else "nothink")
             elif name not in SETTING_NAMES:   # ollama's spelling, or a later bitchat's setting: dropped unsaid
                 alias = SETTING_ALIASES.get(name.lower(), name.lower())
-                skip(name, f"not a setting of bitchat's files (bitchat's files name it {alias})"
+                label = name if name.isascii() and name.isidentifier() else _short(name)   # escapes an ESC
+                skip(label, f"not a setting of bitchat's files (bitchat's files name it {alias})"
                      if alias in SETTING_NAMES else "unknown to this bitchat")
             else:
                 text = "random" if value is None and name == "seed" else \

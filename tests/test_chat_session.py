@@ -1381,3 +1381,18 @@ def test_load_names_each_setting_it_does_not_know(llm, tmp_path):
         lines = [line for line in out.splitlines() if f"setting {name} not restored" in line]
         assert len(lines) == 1, out
     assert "bitchat's files name it temp" in out and s.settings.temp == 0.5
+
+
+def test_load_shows_an_unknown_setting_name_without_its_control_characters(llm, tmp_path):
+    """A setting name in a file is text from whoever wrote the file: one holding an ESC sequence (a title change, a
+    screen clear) went to the terminal as it was. It is shown quoted, each control character escaped."""
+    name = "\u001b]0;owned\u0007\u001b[2J\u001b[31mx"
+    path = tmp_path / "hostile.json"
+    path.write_text(json.dumps({"turns": [{"user": "a", "assistant": "b"}], "meta": {"settings": {name: 1}}}))
+    s, sink = new_session(llm)
+    s.run_command(parse_command(f"/load {path}"))
+    out = sink.getvalue()
+    lines = [line for line in out.splitlines() if "not restored" in line]
+    assert len(lines) == 1 and "unknown to this bitchat" in lines[0], out
+    assert not any(ord(c) < 32 or ord(c) == 127 for c in out.replace("\n", "")), repr(out)
+    assert "owned" in lines[0] and "\\x1b" in lines[0], lines
