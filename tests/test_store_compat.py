@@ -208,6 +208,24 @@ def test_a_newer_converter_is_named_with_upgrade(tmp_path):
     assert "re-convert" not in said[0]
 
 
+@pytest.mark.parametrize("version", ["\u00b2", "\u0663", "9" * 5000], ids=["superscript", "arabic-indic", "5000-digits"])
+def test_a_converter_version_that_is_no_ascii_number_is_not_one(tmp_path, version):
+    """str.isdigit() holds for a superscript 2, other scripts' digits and digit strings past int()'s limit: a
+    store (damaged, or crafted) recording one made every load, `bitnet inspect` and a refusal raise int()'s
+    ValueError, a traceback where a bad store gets one line. Such a version is read as no version at all."""
+    from bitnet_cpu.engine.formats.store import converter_of
+
+    assert converter_of({"converter_version": version}) is None
+    odd = rewrite(DEFAULT_STORE, str(tmp_path / "odd.bnstore"), _as_converter(version))
+    llm = load_model(odd, ctx=64, progress=False)
+    assert not any("newer" in w for w in llm.warnings) and len(_greedy(llm, 2)) == 2
+    r = _bitnet("inspect", odd)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    bad = rewrite(odd, str(tmp_path / "bad.bnstore"), lambda ix: ix["config"].__setitem__("sliding_window", 64))
+    r = _bitnet("run", "-m", bad, "-p", "hi", "-n", "1")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "sliding_window" in r.stderr, r.stderr
+
+
 def test_a_newer_store_format_says_upgrade_not_reconvert(tmp_path):
     v = rewrite(DEFAULT_STORE, str(tmp_path / "v2.bnstore"), _as_converter("7"), version=STORE_VERSION + 1)
     with pytest.raises(FormatError) as e:

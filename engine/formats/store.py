@@ -25,6 +25,7 @@ import atexit
 import hashlib
 import json
 import os
+import re
 import struct
 import tempfile
 import threading
@@ -192,7 +193,12 @@ def _umask() -> int:
 def converter_of(meta: dict) -> int | None:
     """The converter version a store records, as a number (None: not recorded, or not a number)."""
     v = meta.get("converter_version")
-    return int(v) if isinstance(v, str) and v.isdigit() else None
+    return int(v) if _is_version(v) else None
+
+
+def _is_version(v) -> bool:
+    """ASCII digits, a few of them: str.isdigit() also takes a superscript 2 or digits past int()'s limit."""
+    return isinstance(v, str) and re.fullmatch(r"[0-9]{1,9}", v) is not None
 
 
 def newer_converter(meta: dict) -> int | None:
@@ -217,7 +223,7 @@ def _converter_in(mm, ioff: int, isize: int, size: int) -> str | None:
         v = json.loads(mm[ioff: ioff + isize])["meta"]["converter_version"]
     except (ValueError, KeyError, TypeError, RecursionError):
         return None
-    return v if isinstance(v, str) and v.isdigit() else None
+    return v if _is_version(v) else None
 
 
 def _is_int(v) -> bool:
