@@ -610,7 +610,7 @@ class LLM(_Text):
 def open_store(path: str, *, mmap: bool | None = None, progress: bool = True) -> Store:
     """The store at `path`: mmap True maps the file, False reads the weights into (huge-page) memory, None
     decides by size, huge-page support and free memory (Store's load="auto"); a progress bar on stderr (a
-    terminal) while a large read takes place."""
+    terminal) while a large read takes place. What this engine does not know (check_runnable) is refused first."""
     from .formats.convert import progress_bar
 
     if mmap is not None and not isinstance(mmap, (bool, np.bool_)):   # "no" was true: the file was mapped
@@ -625,7 +625,8 @@ def open_store(path: str, *, mmap: bool | None = None, progress: bool = True) ->
             bar.update(done - bar.n)
 
     try:
-        return Store(path, load="auto" if mmap is None else "mmap" if mmap else "memory", progress=report)
+        return Store(path, load="auto" if mmap is None else "mmap" if mmap else "memory", progress=report,
+                     check=check_runnable)   # a store this engine cannot run is refused before its weights are read
     finally:
         if bar:
             bar.close()
@@ -636,8 +637,9 @@ PROGRESS_MIN_BYTES = 256 << 20
 
 def resolve_store(model: str | None = None, *, lm_head: str | None = None, progress: bool = True) -> str:
     """The path of the store `model` names (as load_model takes it: a store, a GGUF, an HF directory or hub id
-    converted into the cache, None: the default model), opened once (mapped, not read) and closed: a server whose
-    engines load elsewhere (`bitnet serve --ray-replicas`) says what is wrong with -m before it starts them."""
+    converted into the cache, None: the default model), opened once (mapped, not read; what this engine does not
+    know refused, as a load refuses it) and closed: a server whose engines load elsewhere (`bitnet serve
+    --ray-replicas`) says what is wrong with -m before it starts them."""
     path = _resolve(model, lm_head, progress)
     open_store(path, mmap=True, progress=False).close()
     return path
@@ -655,7 +657,12 @@ def load_model(model: str | None = None, *, ctx: int | None = None, threads: int
     path = _resolve(model, lm_head, progress)
     try:
         store = open_store(path, mmap=mmap, progress=progress)
-        return LLM(store, ctx=ctx, threads=threads, kv_dtype=kv_dtype, load_s=time.perf_counter() - t0, lookup=lookup)
+        try:
+            return LLM(store, ctx=ctx, threads=threads, kv_dtype=kv_dtype, load_s=time.perf_counter() - t0,
+                       lookup=lookup)
+        except BaseException:   # its weights go now, not when the traceback does (as load_engine's)
+            store.close()
+            raise
     except FormatError as e:
         if model is None or os.path.abspath(path) == os.path.abspath(model):
             raise

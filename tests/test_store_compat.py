@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from bitnet_cpu.engine.api import load_engine, load_model
-from bitnet_cpu.engine.errors import FormatError
+from bitnet_cpu.engine.errors import BitNetError, FormatError
 from bitnet_cpu.engine.formats import convert as C
 from bitnet_cpu.engine.formats.store import _HEADER, STORE_VERSION, Store
 from bitnet_cpu.engine.synth import SynthModel, write_bonsai_dir, write_hf_dir
@@ -265,6 +265,44 @@ def test_what_this_engine_does_not_know_is_refused_in_one_line(tmp_path, edit, w
     out = rewrite(bad, str(tmp_path / "newer.bnstore"), _as_converter("99"))
     with pytest.raises(FormatError, match=r"made by a newer bitnet-cpu \(converter 99"):
         load_model(out, ctx=64, progress=False).close()
+
+
+def _read_chars() -> int:
+    """Bytes this process has read through read(2) and its kin so far (/proc/self/io's rchar)."""
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
+
+
+def _mapped(path: str) -> bool:
+    with open("/proc/self/maps") as f:
+        return any(line.rstrip("\n").endswith(" " + path) for line in f)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="reads /proc/self/io (Linux)")
+def test_a_store_it_cannot_run_is_refused_before_its_weights_are_read(tmp_path):
+    """The refusal of a newer store came after open_store had read the weights into memory (GBs for a large model),
+    and load_model's refused store stayed mapped while the traceback lived; resolve_store (serve --ray-replicas
+    checks -m with it before starting replicas) did not refuse it at all, so every replica refused it instead."""
+    from bitnet_cpu.engine.api import resolve_store
+
+    bad = rewrite(DEFAULT_STORE, str(tmp_path / "x.bnstore"),
+                  lambda ix: ix["config"].__setitem__("sliding_window", 4096))
+    weights = Store(bad, load="mmap").data_bytes
+    assert weights > 1 << 20
+    before = _read_chars()
+    with pytest.raises(FormatError, match="sliding_window") as e:
+        load_model(bad, ctx=64, progress=False, mmap=False)
+    assert _read_chars() - before < weights // 4   # the index, not the weights
+    assert not _mapped(os.path.realpath(bad)), "a refused store is still mapped"
+    del e
+    with pytest.raises(FormatError, match="sliding_window"):
+        resolve_store(bad, progress=False)
+    good = str(tmp_path / "good.bnstore")
+    with open(DEFAULT_STORE, "rb") as f, open(good, "wb") as g:
+        g.write(f.read())
+    with pytest.raises(BitNetError) as e:   # refused by LLM itself (a bad argument): the store is closed all the same
+        load_model(good, ctx=-1, progress=False)
+    assert not _mapped(os.path.realpath(good)), "a refused store is still mapped"
 
 
 def test_extra_meta_and_per_tensor_keys_still_load(tmp_path):

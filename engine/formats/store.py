@@ -259,10 +259,12 @@ class Store:
     "memory" reads the tensor data into anonymous memory advised to use huge pages (faster decode, a copy);
     "auto" is "memory" for stores with over AUTO_MIN_BYTES of tensors when the kernel has transparent huge
     pages and enough memory is available, else "mmap". `load_mode` says which one happened.
-    progress(done, total) reports the read (memory only)."""
+    progress(done, total) reports the read (memory only). check(store), where given, runs on the index before the
+    weights are read (a refusal then costs no read; the store is closed when it raises)."""
 
     def __init__(self, path: str | os.PathLike, load: str = "auto",
-                 progress: Callable[[int, int], None] | None = None):
+                 progress: Callable[[int, int], None] | None = None,
+                 check: Callable[["Store"], None] | None = None):
         if load not in LOADS:
             raise BitNetError(f"load {load!r}: expected one of {', '.join(LOADS)}")
         self.path = os.fspath(path)
@@ -328,6 +330,12 @@ class Store:
         self._data: Any = self._mm      # what tensor views are made from, at offset _base + entry offset
         self._base = doff
         self.load_mode = "mmap"
+        if check is not None:
+            try:
+                check(self)
+            except BaseException:
+                self.close()
+                raise
         if self._wants_memory(load):
             self._mem, start = read_into_memory(self.path, doff, self.data_bytes, huge=thp_mode() != "never",
                                                 progress=progress)
