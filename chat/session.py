@@ -811,8 +811,11 @@ class ChatSession:
             except TranscriptError as e:
                 raise CommandError(f"/save: {e}") from None
             except KeyboardInterrupt:   # Ctrl-C mid-write: the save is atomic; say which file is (not) there
-                if _identity_at(target) == before:
-                    kept = " (the file there is kept as it was)" if before else ""
+                now = _identity_at(target)
+                if now == before or (before is None and now is not None and now[3] == 0):   # (an empty file: a
+                    # name reserved where hard links fail, not a conversation written)
+                    kept = " (the file there is kept as it was)" if before else \
+                        " (an empty file is left at its name)" if now is not None else ""
                     raise CommandInterrupted(f"/save: interrupted; {target} was not written{kept}") from None
                 path = target   # it came after the rename: written
             self._own(path)

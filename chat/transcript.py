@@ -430,10 +430,24 @@ def _commit(tmp: str, path: str, seen: tuple | None) -> None:
             if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK, errno.ENOSYS):
                 raise
         try:
-            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         except FileExistsError:
             raise TranscriptError(f"{path}: {_MEANWHILE}") from None
-        seen = _identity_at(path)
+        placeholder = None
+        try:
+            try:
+                placeholder = os.fstat(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+        except BaseException:   # a failed replace, or Ctrl-C: no empty file left under the user's name
+            with contextlib.suppress(OSError):
+                st = os.stat(path)
+                if (st.st_dev, st.st_ino) == (placeholder.st_dev, placeholder.st_ino) if placeholder is not None \
+                        else st.st_size == 0:
+                    os.unlink(path)
+            raise
+        return
     if _identity_at(path) != seen:
         raise TranscriptError(f"{path}: {_MEANWHILE}")
     os.replace(tmp, path)

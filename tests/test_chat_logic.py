@@ -921,6 +921,36 @@ def test_a_save_to_a_new_name_never_replaces_a_file_made_there_meanwhile(tmp_pat
     assert sorted(p.name for p in tmp_path.iterdir()) == ["x.json"]
 
 
+def _no_hard_links(monkeypatch):
+    """os.link as on FAT, SMB or vboxsf: EPERM, so a save to a new name reserves it with O_EXCL instead."""
+    import errno
+
+    def link(src, dst, *args, **kwargs):
+        raise OSError(errno.EPERM, "Operation not permitted")
+    monkeypatch.setattr(os, "link", link)
+
+
+@pytest.mark.parametrize("failure", [OSError(5, "Input/output error"), KeyboardInterrupt()], ids=["eio", "ctrl-c"])
+def test_a_save_to_a_new_name_without_hard_links_leaves_no_empty_file_when_it_fails(tmp_path, monkeypatch,
+                                                                                     failure):
+    """Where hard links fail, the new name is reserved by creating an empty file, then the written file replaces
+    it: a failure or a Ctrl-C at the replace left that empty file under the user's name (and bitchat's /save,
+    seeing a file that was not there, said it had saved the conversation to it)."""
+    target = tmp_path / "new.json"
+    _no_hard_links(monkeypatch)
+    make_conv(2).save(str(target), expect=None)   # the fallback itself works
+    assert len(Conversation.load(str(target)).turns) == 2
+    target.unlink()
+
+    def replace(src, dst, *args, **kwargs):
+        raise failure
+    with monkeypatch.context() as m:
+        m.setattr(os, "replace", replace)
+        with pytest.raises(TranscriptError if isinstance(failure, OSError) else KeyboardInterrupt):
+            make_conv(1).save(str(target), expect=None)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
 def test_two_writers_of_one_new_name_one_wins_and_the_other_is_told(tmp_path):
     """Both writers of a new name start together (a barrier), many rounds: each round exactly one is saved, and the
     file holds that one's conversation."""

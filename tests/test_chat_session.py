@@ -754,6 +754,28 @@ def test_a_ctrl_c_during_save_says_the_file_was_not_written(llm, tmp_path):
     assert path.read_text() == old
 
 
+def test_a_ctrl_c_at_a_new_file_s_rename_without_hard_links_is_not_called_saved(llm, tmp_path, monkeypatch):
+    """Where hard links fail (FAT, SMB, vboxsf) a new name is reserved with an empty file first: a Ctrl-C before
+    the written file replaced it left that empty file, and /save, seeing a file where there was none, said
+    "[saved N turns to ...]" over it. Now nothing is left there and the line says it was not written."""
+    import errno
+
+    def link(src, dst, *args, **kwargs):
+        raise OSError(errno.EPERM, "Operation not permitted")
+
+    def replace(src, dst, *args, **kwargs):
+        raise KeyboardInterrupt
+    s, sink = new_session(llm)
+    s.conv.turns = [Turn("Question?", "An answer.")]
+    path = tmp_path / "c.json"
+    with monkeypatch.context() as m:
+        m.setattr(os, "link", link)
+        m.setattr(os, "replace", replace)
+        with pytest.raises(CommandError, match=rf"^/save: interrupted; {path} was not written$"):
+            s.run_command(parse_command(f"/save {path}"))
+    assert not path.exists() and "saved" not in sink.getvalue()
+
+
 def test_the_recovery_copy_follows_the_commands_that_change_the_conversation(llm, tmp_path):
     """/set system, /system, /load and /reset rewrite the recovery copy (or remove it when no turn is left), so the
     copy a SIGTERM's line names is the conversation as it stands (it was the one before the command)."""
