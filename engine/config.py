@@ -9,6 +9,12 @@ from dataclasses import dataclass
 from .errors import FormatError
 
 
+# Config keys a ModelConfig of an earlier bitnet-cpu had and this one no longer has: a store converted then holds
+# them, and compat.check_runnable (which refuses a key it does not know as a newer writer's) lets them pass. A
+# field removed from ModelConfig is added here.
+RETIRED_CONFIG_KEYS = frozenset({"family"})
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     hidden_size: int                 # D, e.g. 2560

@@ -180,6 +180,15 @@ def test_a_stale_cache_entry_says_so_when_loaded_as_a_file(untied_src, tmp_path)
         eng.close()
 
 
+def test_a_config_key_a_former_bitnet_cpu_wrote_still_loads(tmp_path):
+    """ModelConfig had a `family` field for a while: a store converted then holds that config key, and was refused
+    as holding a key "a newer bitnet-cpu may have written". It is an older writer's, dropped as it always was."""
+    old = rewrite(DEFAULT_STORE, str(tmp_path / "family.bnstore"),
+                  lambda ix: ix["config"].__setitem__("family", "bitnet"))
+    llm = load_model(old, ctx=64, progress=False)
+    assert llm.warnings == [] and len(_greedy(llm, 2)) == 2
+
+
 def test_a_cached_conversion_of_converter_3_is_converted_again(untied_src, tmp_path, monkeypatch):
     """Conversions changed after converter 3 (tokenizer rules for more GGUF pre-tokenizers, the tool-use chat
     template, the head of a tied model): a cache entry converter 3 made is stale and converted again."""

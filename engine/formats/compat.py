@@ -17,7 +17,7 @@ import os
 import re
 import shlex
 
-from ..config import ModelConfig
+from ..config import RETIRED_CONFIG_KEYS, ModelConfig
 from ..errors import FormatError
 from .convert import CACHE_NAME, LM_HEADS, cache_key, cache_status, default_lm_head, source_label
 from .store import CONVERTER_VERSION, converter_of, made_by, newer_converter, store_warnings
@@ -38,7 +38,7 @@ def check_runnable(store) -> None:
     """FormatError (one line) where the store holds what this engine does not know and would otherwise ignore or
     misread: a config key, a tensor, a head or linear layout, a tokenizer kind (a dtype, an index "requires"
     entry, a format version: Store refuses those)."""
-    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    fields = {f.name for f in dataclasses.fields(ModelConfig)} | RETIRED_CONFIG_KEYS   # an older writer's, not a newer
     what = [f"config key {k!r}" for k in sorted(set(store.config_keys) - fields)]
     n_layers = store.config.n_layers
     tok = store.tokenizer_kind
