@@ -765,3 +765,41 @@ def test_the_ready_hint_is_quoted_for_the_shell(hub, tmp_path):
     assert run_text(argv[3], env) == greedy(hub["gguf"])
     r = bitnet("pull", "o/tiny-gguf", "--lm-head", "f16", env=env_for(hub, tmp_path))   # a plain name stays plain
     assert r.returncode == 0 and "ready: bitnet run -m o/tiny-gguf --lm-head f16" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("ref, said", [("o/tiny-gguf:model-i2_s.gguf", "o/tiny-gguf:model-i2_s.gguf"),
+                                       ("o/tiny@v1", f"o/tiny@{COMMIT_A}")], ids=["gguf-at-main", "dir-at-a-tag"])
+def test_a_stale_cache_entry_of_a_download_says_a_command_that_replaces_it(hub, tmp_path, ref, said):
+    """A cache entry of a hub download that an older bitnet-cpu made (every one, after a converter change) said
+    `bitnet run -m <the blob or snapshot path in the hub cache>`: that run made a second entry, named after the
+    blob, and the stale one stayed and was said at every `serve --models-cache` start. The line now gives the hub
+    id (with the full commit where it is not the repository's main), and that command converts the entry in place."""
+    import shlex
+
+    from bitnet_cpu.engine.formats.convert import CONVERTER_VERSION
+    from bitnet_cpu.engine.formats.store import Store
+    from test_store_compat import rewrite
+
+    env = env_for(hub, tmp_path)
+    run_text(ref, env)
+    stores = tmp_path / "stores"
+    [entry] = [str(p) for p in stores.iterdir() if p.name.endswith(".bnstore")]
+
+    def as_older(index):   # as converter 3 left it (its stamp is not today's)
+        index["meta"]["converter_version"] = "3"
+        index["meta"]["cache"]["stamp"] = "0" * 20
+    rewrite(entry, entry + ".tmp", as_older)
+    os.replace(entry + ".tmp", entry)
+    llm = load_model(entry, ctx=64, progress=False)
+    said_lines = [w for w in llm.warnings if "stale" in w]
+    llm.close()
+    assert len(said_lines) == 1 and f"`bitnet run -m {shlex.quote(said)}`" in said_lines[0], said_lines
+    cmd = shlex.split(said_lines[0].split("`")[1])
+    assert cmd[0] == "bitnet"
+    r = bitnet(*cmd[1:], "-p", "Once upon", "-n", "2", "-t", "1", env=env)
+    assert r.returncode == 0, r.stderr
+    assert sorted(p.name for p in stores.iterdir() if p.name.endswith(".bnstore")) == [os.path.basename(entry)]
+    assert Store(entry, load="mmap").meta["converter_version"] == CONVERTER_VERSION
+    llm = load_model(entry, ctx=64, progress=False)
+    assert llm.warnings == [], llm.warnings
+    llm.close()

@@ -67,11 +67,43 @@ def check_runnable(store) -> None:
                           f"({made_by(store.meta)})", hint=hint)
 
 
+def _hub_ref(m: dict) -> str | None:
+    """For a cache entry of a hub download: the REPO[:FILE][@COMMIT] that `bitnet run -m` resolves to that same
+    download, so the entry is converted again in place (its recorded path is a blob or snapshot of the hub cache:
+    run with it, the conversion was another entry, named after the blob). Without @ where the repository's main is
+    that commit, else with the full commit (huggingface_hub finds no short one offline). None: not a download."""
+    rec = m.get("cache")
+    if not (isinstance(rec, dict) and rec.get("downloaded") is True and isinstance(rec.get("source_path"), str)):
+        return None
+    from .hub import parse_hub_ref
+
+    ref, _, commit = str(m.get("source") or "").partition("@")
+    if parse_hub_ref(ref) is None:
+        return None
+    parts = os.path.normpath(rec["source_path"]).split(os.sep)
+    repo = next((os.sep.join(parts[:i + 1]) for i in range(len(parts) - 1, -1, -1)
+                 if parts[i].startswith("models--")), None)
+    if not commit or repo is None:
+        return ref
+    try:
+        with open(os.path.join(repo, "refs", "main")) as f:
+            if f.read(100).strip().startswith(commit):
+                return ref
+    except OSError:
+        pass
+    try:
+        full = [c for c in os.listdir(os.path.join(repo, "snapshots")) if c.startswith(commit)]
+    except OSError:
+        full = []
+    return f"{ref}@{full[0]}" if len(full) == 1 else ref
+
+
 def reconvert_command(store) -> str:
     """`bitnet convert SRC [--lm-head H] [--weights W] -o PATH`: the store converted again as it was, today."""
     m = store.meta
     rec = m.get("cache")
-    src = rec["source_path"] if isinstance(rec, dict) and isinstance(rec.get("source_path"), str) else source_label(m)
+    src = _hub_ref(m) or (rec["source_path"] if isinstance(rec, dict) and isinstance(rec.get("source_path"), str)
+                          else source_label(m))
     args = ["bitnet", "convert", src if src != "?" else "SRC"]
     head = m.get("lm_head")
     if head in LM_HEADS and head != default_lm_head(store.config):
@@ -116,7 +148,7 @@ def _cache_line(store, diffs: list[str]) -> str | None:
                 "source again, `bitnet rm --stale` removes this one")
     why = "its source changed since it was converted" if n == int(CONVERTER_VERSION) else \
         f"an older bitnet-cpu made it (converter {n if n is not None else '?'})"
-    cmd = f"bitnet run -m {shlex.quote(src)}"
+    cmd = f"bitnet run -m {shlex.quote(_hub_ref(m) or src)}"
     key = CACHE_NAME.search(os.path.basename(path)).group(0)[1:21] if CACHE_NAME.search(os.path.basename(path)) else ""
     head = m.get("lm_head")
     if head in LM_HEADS and key and key != cache_key(src, "default") and key == cache_key(src, head):
