@@ -22,6 +22,13 @@ from .transcript import FORMAT, LOAD_MAX_BYTES, names_a_directory, state_dir
 
 SCAN_MAX = 10_000     # directory entries looked at (a state dir is small; a huge $BITCHAT_RECOVERY folder is not)
 READ_MAX = 200        # copies read, newest first (each up to LOAD_MAX_BYTES)
+# bitchat's start-up notice reads a copy whole only up to PARSE_MAX bytes, and PARSE_BUDGET bytes in all: a larger
+# one (/load takes up to LOAD_MAX_BYTES: a few GiB of Python objects to parse) is judged from its head and its
+# meta at its end (save writes "format" first and "meta" last), its turns left uncounted. --recovered reads whole.
+PARSE_MAX = 16 << 20
+PARSE_BUDGET = 64 << 20
+HEAD_BYTES = 4096
+TAIL_BYTES = 256 << 10
 CLOCK_SLACK_S = 2.0   # the boot time /proc gives is whole seconds and may drift: a start that close is not "after"
 
 
@@ -29,9 +36,10 @@ CLOCK_SLACK_S = 2.0   # the boot time /proc gives is whole seconds and may drift
 class Copy:
     path: str
     mtime: float      # when it was last written
-    turns: int
-    first: str        # the first question, as typed
+    turns: int | None   # None: not counted (a large copy, at start)
+    first: str        # the first question, as typed ("" where not read)
     running: bool     # its bitchat is still running (another terminal): never called left behind
+    size: int = 0     # bytes
 
 
 def _proc_stat(pid: int) -> tuple[str, int] | None:
@@ -168,9 +176,38 @@ def _read_copy(path: str) -> tuple[dict, list] | None:
     return meta, d["turns"]
 
 
-def recovery_copies(fixed: str | None = None) -> list[Copy]:
+_HEAD = re.compile(r'\ufeff?\s*\{\s*"format"\s*:\s*"' + re.escape(FORMAT) + '"')
+_META = re.compile(r'"meta"\s*:\s*(?=\{)')
+
+
+def _skim_copy(path: str) -> dict | None:
+    """The meta of the recovery copy at `path`, from its first and last bytes only (None: not one, or its meta is
+    not where save writes it: the file's last value, whole within TAIL_BYTES)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(HEAD_BYTES).decode("utf-8", "replace")
+            size = os.fstat(f.fileno()).st_size
+            f.seek(max(0, size - TAIL_BYTES))
+            tail = f.read(TAIL_BYTES).decode("utf-8", "replace")
+    except OSError:
+        return None
+    if not _HEAD.match(head):
+        return None
+    for m in list(_META.finditer(tail))[-16:]:   # the outermost that ends the file (a schema may hold a "meta" too)
+        try:
+            meta, end = json.JSONDecoder().raw_decode(tail, m.end())
+        except (ValueError, RecursionError):
+            continue
+        if tail[end:].strip() == "}":
+            return meta if isinstance(meta, dict) and meta.get("recovered") is True else None
+    return None
+
+
+def recovery_copies(fixed: str | None = None, *, whole: bool = False) -> list[Copy]:
     """The recovery copies of this place (see _pattern; `fixed`: $BITCHAT_RECOVERY), newest first, with whether each
-    one's bitchat still runs. Reads at most READ_MAX of them; never raises for a folder it cannot read."""
+    one's bitchat still runs. Reads at most READ_MAX of them; never raises for a folder it cannot read. whole False
+    (bitchat's start): a copy over PARSE_MAX, or past PARSE_BUDGET, is skimmed (_skim_copy; its turns None);
+    True (--recovered): each is read whole."""
     directory, pattern = _pattern(fixed)
     found = []
     try:
@@ -185,23 +222,29 @@ def recovery_copies(fixed: str | None = None) -> list[Copy]:
                 except OSError:
                     continue
                 if entry.is_file() and 0 < st.st_size <= LOAD_MAX_BYTES:
-                    found.append((st.st_mtime, entry.path))
+                    found.append((st.st_mtime, st.st_size, entry.path))
     except OSError:   # no such folder yet, or one not ours to read
         return []
-    copies = []
-    for mtime, path in sorted(found, reverse=True)[:READ_MAX]:
+    copies, budget = [], PARSE_BUDGET
+    for mtime, size, path in sorted(found, reverse=True)[:READ_MAX]:
+        if not whole and (size > PARSE_MAX or size > budget):
+            meta = _skim_copy(path)
+            if meta is not None:
+                copies.append(Copy(path, mtime, None, "", writer_running(meta, path, mtime), size))
+            continue
+        budget -= size
         read = _read_copy(path)
         if read is None:
             continue
         meta, turns = read
         first = next((t["user"] for t in turns if isinstance(t, dict) and isinstance(t.get("user"), str)), "")
-        copies.append(Copy(path, mtime, len(turns), first, writer_running(meta, path, mtime)))
+        copies.append(Copy(path, mtime, len(turns), first, writer_running(meta, path, mtime), size))
     return copies
 
 
 def left_behind(fixed: str | None = None) -> list[Copy]:
-    """The recovery copies whose bitchat no longer runs, newest first."""
-    return [c for c in recovery_copies(fixed) if not c.running]
+    """The recovery copies whose bitchat no longer runs, newest first (each read whole: `bitchat --recovered`)."""
+    return [c for c in recovery_copies(fixed, whole=True) if not c.running]
 
 
 def when(mtime: float) -> str:
@@ -220,7 +263,8 @@ def notice(copies: list[Copy]) -> str | None:
     if not copies:
         return None
     newest = copies[0]
-    about = f"{_turns(newest.turns)}, last written {when(newest.mtime)}"
+    held = _turns(newest.turns) if newest.turns is not None else f"{newest.size / (1 << 20):.0f} MiB"
+    about = f"{held}, last written {when(newest.mtime)}"
     if len(copies) == 1:
         return (f"bitchat: a session that did not end normally (killed or crashed) left its conversation ({about}): "
                 f"/load {newest.path} to continue it, or delete the file")
@@ -235,5 +279,6 @@ def listing(copies: list[Copy]) -> list[str]:
     for c in copies:
         first = "".join(ch if ch.isprintable() else "?" for ch in " ".join(c.first.split()))   # no terminal codes
         first = first if len(first) <= 60 else first[:57] + "..."
-        lines.append(f"{c.path}\t{when(c.mtime)}\t{_turns(c.turns)}\t{first}")
+        held = _turns(c.turns) if c.turns is not None else f"{c.size / (1 << 20):.0f} MiB"
+        lines.append(f"{c.path}\t{when(c.mtime)}\t{held}\t{first}")
     return lines

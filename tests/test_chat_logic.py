@@ -890,6 +890,43 @@ def test_big_recovery_copies_are_found(tmp_path, monkeypatch):
     assert recovery_problem(path) is None
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="reads /proc/self/io (Linux)")
+def test_the_start_up_scan_does_not_parse_large_recovery_copies(tmp_path, monkeypatch):
+    """/load reads conversations up to 256 MiB, and bitchat's start-up notice read and parsed every recovery copy
+    up to that too (a few GiB of Python objects each) only to count turns: a few large crashed sessions made every
+    start slow or ran it out of memory. At start a large copy is judged from its first and last bytes (it is still
+    named, with its size); `bitchat --recovered` reads it whole."""
+    import subprocess
+    import sys
+
+    from bitnet_cpu.chat.recovery import left_behind, notice, recovery_copies, this_process
+
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path))
+    folder = tmp_path / "bitchat"
+    folder.mkdir()
+    gone = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True).stdout)
+    schema = {"type": "object", "properties": {"meta": {"type": "string"}}}   # a "meta" inside the meta
+    c = Conversation()
+    c.add_user("Big?").assistant = "x" * (24 << 20)   # more than the old 16 MiB bound
+    big = c.save(str(folder / f"recovery-{gone}.json"), durable=False, meta={
+        "recovered": True, "process": dict(this_process(), pid=gone), "settings": {"format": {"file": "s.json",
+                                                                                               "schema": schema}}})
+    mine = c.save(str(folder / f"recovery-{gone}-2.json"), durable=False, meta={   # this bitchat's, still running
+        "recovered": True, "process": this_process()})
+    os.utime(mine, (time.time() - 60, time.time() - 60))
+    with open("/proc/self/io") as f:
+        before = next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
+    copies = recovery_copies()
+    with open("/proc/self/io") as f:
+        read = next(int(line.split()[1]) for line in f if line.startswith("rchar:")) - before
+    assert read < 2 << 20, f"read {read} bytes to start"
+    assert [(x.path, x.running, x.turns) for x in copies] == [(big, False, None), (mine, True, None)]
+    line = notice([x for x in copies if not x.running])
+    assert big in line and f"{os.path.getsize(big) >> 20} MiB" in line, line
+    assert [(x.path, x.turns, x.first) for x in left_behind()] == [(big, 1, "Big?")]
+
+
 def test_a_conversation_is_known_by_its_format_wherever_the_key_is(tmp_path):
     """A saved conversation reformatted by jq or an editor ("version" first) loads, but /save and /save! refused to
     replace it ("exists and is not a bitchat conversation"): the file is judged by its content, as /load does."""
