@@ -217,7 +217,8 @@ def test_a_newer_converter_is_named_with_upgrade(tmp_path):
     assert "re-convert" not in said[0]
 
 
-@pytest.mark.parametrize("version", ["\u00b2", "\u0663", "9" * 5000], ids=["superscript", "arabic-indic", "5000-digits"])
+@pytest.mark.parametrize("version", ["\u00b2", "\u0663", "9" * 5000],
+                         ids=["superscript", "arabic-indic", "5000-digits"])
 def test_a_converter_version_that_is_no_ascii_number_is_not_one(tmp_path, version):
     """str.isdigit() holds for a superscript 2, other scripts' digits and digit strings past int()'s limit: a
     store (damaged, or crafted) recording one made every load, `bitnet inspect` and a refusal raise int()'s
