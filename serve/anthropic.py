@@ -28,8 +28,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from pydantic_core import PydanticCustomError
 
 from .limits import anthropic_error_body
-from .schemas import (RequestProblem, _Sampling, boolean_or_none, cut_short, join_text_parts, json_text,
-                      text_of_parts)
+from .schemas import (NamedTool, RequestProblem, ToolChoiceName, _Sampling, boolean_or_none, cut_short,
+                      join_text_parts, json_text, text_of_parts)
 
 # finish reason (engine) -> stop_reason; "tool_use" replaces end_turn when whole calls were made, and "max_tokens"
 # any other where the answer was cut (a call cut by a stop sequence: schemas.cut_short; a JSON answer one cut is a
@@ -249,7 +249,8 @@ class _Conversation(BaseModel):
             out.append({"type": "function", "function": fn})
         return out
 
-    def tool_choice_name(self) -> str:
+    def tool_choice_name(self) -> ToolChoiceName:
+        """"none" | "auto" | "required" (type any) | NamedTool(a function name: type tool)."""
         c = self.tool_choice or {"type": "auto"}
         kind = c.get("type")
         if kind not in TOOL_CHOICE_KEYS:
@@ -261,7 +262,7 @@ class _Conversation(BaseModel):
         if kind == "tool":
             if not isinstance(c.get("name"), str):
                 raise RequestProblem("tool_choice.name", "tool_choice.name: required for type tool")
-            return c["name"]
+            return NamedTool(c["name"])
         return {"auto": "auto" if self.tools else "none", "any": "required", "none": "none"}[kind]
 
     @property

@@ -43,7 +43,7 @@ from .fim import INFILL_FIELDS, cut_to, field_refusal, fim_ends, fim_tokens, inf
 from .fim import off as fim_off
 from .llama_api import LORA_WHY, NOT_SERVED, READ_ONLY, lora_request_is_empty
 from .llama_api import timings_of as llama_timings
-from .schemas import (ChatCompletionRequest, CompletionRequest, RequestProblem, continuation, cut_short,
+from .schemas import (ChatCompletionRequest, CompletionRequest, NamedTool, RequestProblem, continuation, cut_short,
                       error_message, error_where, json_text, main_error, model_object, name_key, overflow_message,
                       unanswered)
 
@@ -397,7 +397,8 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
 
     def tool_setup(eng, tools, choice, parallel, allowed=None, named_parallel=False):
         """(tools for the prompt, a maker of their call grammar, a maker of answer parsers: one per choice) of a chat
-        request's tools (chat shape), tool choice ("none" | "auto" | "required" | a name) and parallel_tool_calls;
+        request's tools (chat shape), tool choice ("none" | "auto" | "required" | NamedTool: a function named, which
+        may itself be called "auto", "required" or "none") and parallel_tool_calls;
         allowed: the names the model may call (OpenAI's allowed_tools: every tool stays in the prompt, the grammar
         takes only these); (None, None, None) without tools or with tool_choice "none". A named choice is exactly
         one call of that tool, whatever parallel_tool_calls says (OpenAI's "call exactly one specific function";
@@ -407,13 +408,16 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         choice auto lets a thought before the calls name them)."""
         from ..engine.errors import ConstraintError
         from ..engine.runtime.tools import functions_from_tools
+        named = isinstance(choice, NamedTool) or choice not in ("none", "auto", "required")
+        if isinstance(choice, NamedTool):
+            choice = choice.name
         if allowed and not tools:   # the same 400 as with tools that lack the name (mode auto was answered 200)
             raise APIError(400, f"tool_choice: allowed tool {json_text(allowed[0])}"
                                 " is not among the tools (the request gives "
                            "no tools)", param="tool_choice", code="invalid_value")
-        if not tools or choice == "none":
-            if choice not in ("none", "auto"):   # said in no API's own words ("required" is Anthropic's "any")
-                what = "a tool call" if choice == "required" else f"a call of {json_text(choice)}"
+        if not tools or (choice == "none" and not named):
+            if named or choice == "required":   # said in no API's own words ("required" is Anthropic's "any")
+                what = f"a call of {json_text(choice)}" if named else "a tool call"
                 raise APIError(400, f"tool_choice asks for {what} but the request gives no tools",
                                param="tool_choice", code="invalid_value")
             return None, None, None
@@ -421,7 +425,7 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         try:
             functions = functions_from_tools(tools)
             names = {f.name for f in functions}
-            if choice not in ("auto", "required") and choice not in names:
+            if named and choice not in names:
                 raise ConstraintError(f"tool_choice: no tool named {json_text(choice)}", where="tool_choice")
             if allowed is not None:
                 missing = [n for n in allowed if n not in names]
@@ -429,15 +433,15 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
                     raise ConstraintError(f"tool_choice: allowed tool {json_text(missing[0])} is not among the tools",
                                           where="tool_choice")
                 functions = [f for f in functions if f.name in allowed]
-            many = parallel is not False if choice in ("auto", "required") else named_parallel
-            spec = fmt.constraint(functions, choice, many)
+            many = named_parallel if named else parallel is not False
+            spec = fmt.constraint(functions, choice, many, named=named)
         except ConstraintError as e:
             raise APIError(400, str(e), param=e.where, code="invalid_value") from None
 
         def grammar(thought=None):
             if thought is None or spec is None or not spec.free_start:
                 return spec
-            return fmt.constraint(functions, choice, many, thought, checked=True)
+            return fmt.constraint(functions, choice, many, thought, checked=True, named=named)
         return tools, grammar, fmt.parser
 
     async def render_prompt(eng, msgs, tools, param, prefill="", template_kwargs=None):

@@ -22,8 +22,8 @@ from pydantic import ConfigDict, Field, field_validator, with_config
 from pydantic_core import PydanticCustomError
 from typing_extensions import TypedDict
 
-from .schemas import (Metadata, RequestProblem, ServiceTier, _Sampling, boolean_or_none, check_openai_name, cut_short,
-                      json_text, text_of_parts)
+from .schemas import (Metadata, NamedTool, RequestProblem, ServiceTier, ToolChoiceName, _Sampling, boolean_or_none,
+                      check_openai_name, cut_short, json_text, text_of_parts)
 
 # `include` values: what they ask for exists here (logprobs) or is vacuous (no built-in tools run, no images are
 # taken: accepted, nothing to include)
@@ -318,8 +318,8 @@ class ResponsesRequest(_Sampling):
                                                                           "strict") if k in t}})
         return out
 
-    def tool_choice_name(self) -> str:
-        """"none" | "auto" | "required" | a function name (the chat pipeline's terms)."""
+    def tool_choice_name(self) -> ToolChoiceName:
+        """"none" | "auto" | "required" | NamedTool(a function name) (the chat pipeline's terms)."""
         c = self.tool_choice
         if c is None:
             return "auto" if self.tools else "none"
@@ -332,7 +332,7 @@ class ResponsesRequest(_Sampling):
         if kind == "function":
             if not isinstance(c.get("name"), str):
                 raise RequestProblem("tool_choice.name", "tool_choice.name: required for type function (a string)")
-            return c["name"]
+            return NamedTool(c["name"])
         if kind == "allowed_tools":
             if c.get("mode") not in ("auto", "required"):
                 raise RequestProblem("tool_choice.mode", f"tool_choice.mode {json_text(c.get('mode'))}: expected "

@@ -893,6 +893,15 @@ class ChatMessage(BaseModel):
         return None
 
 
+class NamedTool(NamedTuple):
+    """A tool_choice that names a function: kept apart from the modes "none" / "auto" / "required", which are also
+    valid function names (a tool named "required" forced by name is one call of it, not "any tool")."""
+    name: str
+
+
+ToolChoiceName = Union[str, NamedTool]   # a mode ("none" | "auto" | "required"), or NamedTool
+
+
 class ToolChoiceFunction(BaseModel):
     name: str
 
@@ -1071,13 +1080,14 @@ class ChatCompletionRequest(ToolMessages, VLLMRepetition, _Sampling):
                                                      f"message has refusal parts, not a {m.role} message")
         return super().unsupported()
 
-    def tool_choice_name(self) -> str:
-        """"none" | "auto" | "required" | a function name; OpenAI's default: auto with tools, none without."""
+    def tool_choice_name(self) -> ToolChoiceName:
+        """"none" | "auto" | "required" | NamedTool(a function name); OpenAI's default: auto with tools, none
+        without."""
         if self.tool_choice is None:
             return "auto" if self.tools else "none"
         if isinstance(self.tool_choice, AllowedToolsChoice):
             return self.tool_choice.allowed_tools.mode
-        return self.tool_choice if isinstance(self.tool_choice, str) else self.tool_choice.function.name
+        return self.tool_choice if isinstance(self.tool_choice, str) else NamedTool(self.tool_choice.function.name)
 
     def allowed_tools(self) -> Optional[list[str]]:
         """The names tool_choice "allowed_tools" lets the model call (None: every tool)."""

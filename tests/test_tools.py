@@ -437,6 +437,24 @@ def test_constraint_takes_the_openai_tool_list_and_refuses_a_bad_choice_in_one_l
     assert [c["function"]["name"] for c in calls] == ["add"], text
 
 
+def test_a_function_named_like_a_mode_is_that_function_when_named(llm):
+    """named=True: the choice is a function's name, never a mode. A tool called "required", "auto" or "none" forced
+    by name is one call of that tool (as a mode, "required" took a call of any tool, "auto" a text answer too, and
+    "none" no grammar at all); a name that is no tool is refused, even "auto"."""
+    for mode in ("required", "auto", "none"):
+        tools = [{"type": "function", "function": {"name": mode, "parameters": ADD}}, TOOLS[1]]
+        spec = tool_format(None).constraint(tools, mode, False, named=True)
+        assert spec is not None and not spec.free_start, mode
+        own = "<tool_call>\n" + json.dumps({"name": mode, "arguments": {"a": 1, "b": 2}}) + "\n</tool_call>"
+        assert takes(llm, spec, own), mode
+        assert not takes(llm, spec, "<tool_call>\n" + OSLO_CALL + "\n</tool_call>"), mode
+        assert not takes(llm, spec, "Hello."), mode
+        assert not takes(llm, spec, own + "\n" + own), mode
+    with pytest.raises(ConstraintError, match="no function of that name") as e:
+        tool_format(None).constraint(TOOLS, "auto", True, named=True)
+    assert e.value.where == "tool_choice" and "add, weather" in str(e.value)
+
+
 @pytest.mark.parametrize("params", [{}, {"properties": {"a": {"type": "boolean"}}, "required": ["a"]},
                                     {"anyOf": [{"required": ["a"]}, {"required": ["b"]}]}])
 def test_parameters_without_a_type_still_give_object_arguments(llm, params):
@@ -867,6 +885,50 @@ def test_a_named_choice_is_exactly_one_call_on_every_endpoint(server):
             assert m["stop_reason"] == "tool_use" and uses == ["add"], flag
         else:
             assert m["stop_reason"] == "max_tokens" and len(uses) >= 2 and set(uses) == {"add"}
+
+
+def test_a_tool_named_like_a_mode_is_forced_by_name_on_every_endpoint(server):
+    """A tool named "required", "auto" or "none" (valid OpenAI names) forced by name is one call of that tool on
+    chat, Responses and Messages: the named choice reached the grammar as the bare string, so "required" meant any
+    tool one or more times, "auto" maybe text, and "none" no tools at all and a text answer. ignore_eos: only the
+    grammar can end the answer. A name the tools lack is a 400 naming tool_choice, "auto" too, and so is a named
+    choice with no tools (it was a 200 for "none": the tool choice was read as the mode)."""
+    import httpx
+
+    def post(path, body, status=200):
+        r = httpx.post(server.url + path, timeout=120, json={"temperature": 0, "ignore_eos": True, **body})
+        assert r.status_code == status, (path, body, r.text)
+        return r.json()
+
+    for name in ("required", "auto", "none"):
+        tools = [{"type": "function", "function": {"name": name, "description": "Add two integers",
+                                                   "parameters": ADD}}, TOOLS[1]]
+        c = post("/v1/chat/completions", {"messages": Q, "tools": tools, "max_tokens": 300,
+                                          "tool_choice": {"type": "function", "function": {"name": name}}})
+        c = c["choices"][0]
+        assert c["finish_reason"] == "tool_calls", (name, c)
+        assert [t["function"]["name"] for t in c["message"]["tool_calls"]] == [name], c
+        flat = [{"type": "function", "name": t["function"]["name"], "parameters": t["function"]["parameters"]}
+                for t in tools]
+        r = post("/v1/responses", {"input": Q[0]["content"], "tools": flat, "max_output_tokens": 300,
+                                   "tool_choice": {"type": "function", "name": name}})
+        assert r["status"] == "completed", (name, r)
+        assert [o["name"] for o in r["output"] if o["type"] == "function_call"] == [name], r
+        assert not [o for o in r["output"] if o["type"] == "message"], r
+        anthropic_tools = [{"name": t["function"]["name"], "input_schema": t["function"]["parameters"]}
+                           for t in tools]
+        m = post("/v1/messages", {"model": "m", "messages": Q, "tools": anthropic_tools, "max_tokens": 300,
+                                  "tool_choice": {"type": "tool", "name": name}})
+        assert m["stop_reason"] == "tool_use", (name, m)
+        assert [b["name"] for b in m["content"] if b["type"] == "tool_use"] == [name], m
+        assert not [b for b in m["content"] if b["type"] == "text"], m
+        # a name the tools lack: the 400 of any unknown name (TOOLS has no tool of these names)
+        e = post("/v1/chat/completions", {"messages": Q, "tools": TOOLS, "max_tokens": 5,
+                                          "tool_choice": {"type": "function", "function": {"name": name}}}, 400)
+        assert e["error"]["param"] == "tool_choice" and name in e["error"]["message"], e
+        e = post("/v1/messages", {"model": "m", "messages": Q, "max_tokens": 5,
+                                  "tool_choice": {"type": "tool", "name": name}}, 400)
+        assert "tool_choice" in json.dumps(e) and name in json.dumps(e), e
 
 
 def test_a_grammar_beside_tools_is_refused_whatever_the_choice(server):

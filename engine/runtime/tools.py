@@ -320,9 +320,10 @@ class ToolFormat:
         return f"start: TEXT | LEAD tail{more}\n" + self._text_rule(thought) + lead
 
     def constraint(self, functions: list[Function] | list[dict], choice: str, parallel: bool,
-                   thought: str | None = None, checked: bool = False) -> Constraint | None:
+                   thought: str | None = None, checked: bool = False, *, named: bool = False) -> Constraint | None:
         """functions: functions_from_tools(tools)'s, or OpenAI's tool list itself. choice: "auto" | "required" | a
         function name ("none": no constraint, no tools); anything else is a ConstraintError naming the functions.
+        named: choice is a function's name, never a mode (a tool may be named "auto", "required" or "none").
         thought (choice auto): where the answer stands with a <think> block its splitter takes out (engine api's
         answer_thought): None, the template does not think (or the thought is not split off: <think> is text); "may",
         the answer may open with one; "open", the prompt opened it. Text before a call may then hold the whole
@@ -330,27 +331,29 @@ class ToolFormat:
         first, made before its prompt is rendered, and this one once the prompt says where the thought stands."""
         functions = _functions(functions)
         names = ", ".join(f.name for f in functions) or "none given"
-        if choice not in ("none", "auto", "required") and not any(f.name == choice for f in functions):
+        mode = None if named or choice not in ("none", "auto", "required") else choice   # None: a named function
+        if mode is None and not any(f.name == choice for f in functions):
             # the filter below would leave no function, and the grammar's schema an IndexError
-            raise ConstraintError(f"tool_choice {choice!r}: not 'auto', 'required', 'none' nor a function of the "
-                                  f"tools ({names})", where="tool_choice")
+            what = "no function of that name among the" if named else \
+                "not 'auto', 'required', 'none' nor a function of the"
+            raise ConstraintError(f"tool_choice {choice!r}: {what} tools ({names})", where="tool_choice")
         if parallel not in (True, False):   # "no" was taken as true: several calls allowed
             raise ConstraintError(f"parallel {parallel!r:.40}: True or False (several calls in one answer, or one)",
                                   where="parallel")
-        if choice == "none" or not functions:
+        if mode == "none" or not functions:
             return None
         for i, f in enumerate([] if checked else functions):   # each tool's schema alone first: an error names it
             check(Constraint.json_schema(f.parameters, where=f"tools[{i}].function.parameters"))
-        if choice not in ("auto", "required"):
+        if mode is None:
             functions = [f for f in functions if f.name == choice]
         if thought not in (None, "may", "open"):   # a ValueError, not the BitNetError the API promises
             raise ConstraintError(f"thought {thought!r:.40}: None, 'may' or 'open' (engine api's answer_thought)",
                                   where="thought")
-        thought = thought if choice == "auto" else None   # a required call is the answer from its first token
-        start = self._auto_rule(parallel, thought) if choice == "auto" else "start: calls\n"
+        thought = thought if mode == "auto" else None   # a required call is the answer from its first token
+        start = self._auto_rule(parallel, thought) if mode == "auto" else "start: calls\n"
         c = Constraint.lark(start + self._calls_rule(parallel) + self._call_rule(functions, parallel, thought),
                             where="tools")
-        return replace(c, free_start=True) if choice == "auto" else c
+        return replace(c, free_start=True) if mode == "auto" else c
 
     # ---- the answer -----------------------------------------------------------------------------------
     def parser(self) -> "HermesParser":
