@@ -59,6 +59,7 @@ from .schemas import bare_name as _bare, model_object, name_key, shown_path, tag
 # request (its cause may lie outside its file: a cache directory, memory); each failure again doubles the wait, up
 # to FAILED_RETRY_MAX s. A changed file, or POST /models/load, tries again at once.
 FAILED_RETRY, FAILED_RETRY_MAX = 30.0, 300.0
+SHOWS_MAX = 256   # describe answers kept at least (more with a larger catalog: Router.shows_limit)
 PULLS_MAX = 2   # ollama's /api/pull processes at once (each downloads and converts: a process, ~70 MB, a core)
 # hop-by-hop headers, and what this router sets itself on the forwarded request / the response
 REQUEST_DROP = {b"host", b"content-length", b"connection", b"keep-alive", b"transfer-encoding", b"authorization",
@@ -288,7 +289,7 @@ class Router:
                  stop_timeout: float = 10.0, retry_after: int = 1, log: Callable[[str], None] | None = None,
                  pull: Callable[[str], list[str]] | None = None, failed_retry: float = FAILED_RETRY,
                  source_of: Callable[[str], str | None] | None = None,
-                 describe: Callable[[ModelSpec], dict] | None = None):
+                 describe: Callable[[ModelSpec], dict] | None = None, shows_max: int = SHOWS_MAX):
         """pull: the command that downloads and converts a hub id into the store cache (`bitnet pull REF`), for
         ollama's /api/pull; None where the catalog holds no cache (--models-dir alone): /api/pull answers 501.
         source_of: the source (REPO[:FILE]@COMMIT, as a store records it) that a hub id with a revision (a branch,
@@ -297,9 +298,10 @@ class Router:
         failed_retry: seconds a failed load is answered again before a request loads the model anew (doubling).
         describe: ollama's /api/show answer of a model, read from its file without loading it (run in a thread;
         BitNetError / OSError: the file cannot be read); its `details` fill /api/tags too. None: /api/show loads
-        the model and asks its process."""
+        the model and asks its process. shows_max: the describe answers (and unreadable files) kept at least; more
+        while the catalog holds more models (shows_limit), and those of files gone from it are dropped at a scan."""
         self.scan, self.command, self.models_max, self.pull = scan, command, models_max, pull
-        self.describe = describe
+        self.describe, self.shows_max = describe, shows_max
         self.source_of = source_of
         self.models = scan()        # name -> ModelSpec, scanned again (refresh) as files come and go
         self._scanned = time.monotonic()
@@ -345,6 +347,18 @@ class Router:
             self.models = await asyncio.to_thread(self.scan)
         except Exception as e:   # noqa: BLE001  (the catalog stays as it was)
             self.log(f"the model directories were not scanned again: {e}")
+            return
+        # what was read of files no longer in the catalog (removed, replaced: a new digest) is read no more
+        here = {s.digest() for s in self.models.values()}
+        for kept in (self.shows, self.unreadable):
+            for key in [k for k in kept if k not in here]:
+                del kept[key]
+
+    def shows_limit(self) -> int:
+        """How many describe answers (and unreadable files) are kept: every model of the catalog's, and room for the
+        files replaced since the last scan (a catalog larger than a fixed bound had a listing evict, and read again,
+        the answers the one before it read, and showed a different set of models without details each time)."""
+        return max(self.shows_max, 2 * len(self.models))
 
     def find(self, name: str) -> ModelSpec | None:
         """The model a request's name means: its name, with or without ollama's ":latest" tag, in any case and any
@@ -861,12 +875,12 @@ class Router:
         return True
 
     def keep_show(self, key: str, answer: dict):
-        if len(self.shows) >= 256 and key not in self.shows:   # bounded: the oldest answer goes
+        if len(self.shows) >= self.shows_limit() and key not in self.shows:   # bounded: the oldest answer goes
             self.shows.pop(next(iter(self.shows)))
         self.shows[key] = answer
 
     def said_unreadable(self, key: str, why: str):
-        if len(self.unreadable) >= 256 and key not in self.unreadable:   # bounded, as shows
+        if len(self.unreadable) >= self.shows_limit() and key not in self.unreadable:   # bounded, as shows
             self.unreadable.pop(next(iter(self.unreadable)))
         self.unreadable[key] = why
 
@@ -892,7 +906,8 @@ class Router:
         that cannot be read is listed without them, and not read again while it is unchanged."""
         if self.describe is None:
             return
-        todo = [s for s in specs if s.digest() not in self.shows and s.digest() not in self.unreadable][:256]
+        todo = [s for s in specs if s.digest() not in self.shows and s.digest() not in self.unreadable]
+        todo = todo[:self.shows_limit()]   # specs: the catalog's, which the limit holds whole
         if not todo:
             return
 

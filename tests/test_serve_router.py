@@ -311,6 +311,28 @@ def test_tags_give_family_and_size_of_models_never_loaded(tmp_path, models_dir, 
         s.stop()
 
 
+def test_tags_give_every_model_s_details_with_more_than_256_models(tmp_path):
+    """The router kept 256 answers read from the files: with 300 models the first /api/tags listed 44 without
+    family and parameter_size, and each later one read those again, evicting 44 others, which it then listed
+    without. Every listing now gives every model's details, the same each time (hard links: one file's bytes)."""
+    d = tmp_path / "many"
+    d.mkdir()
+    shutil.copy(os.path.join(ROOT, "models", "default.bnstore"), d / "m000.bnstore")
+    for i in range(1, 300):
+        os.link(d / "m000.bnstore", d / f"m{i:03d}.bnstore")
+    s = Server("--models-dir", str(d), "-c", "1024", threads=1)
+    try:
+        listings = []
+        for _ in range(3):
+            models = httpx.get(s.url + "/api/tags", timeout=120).json()["models"]
+            listings.append({m["name"]: m["details"] for m in models})
+        assert len(listings[0]) == 300
+        assert [n for n, det in listings[0].items() if not det["family"] or not det["parameter_size"]] == []
+        assert listings[1] == listings[0] and listings[2] == listings[0]
+    finally:
+        s.stop()
+
+
 def test_show_reads_the_file_and_never_loads_a_model(tmp_path, models_dir, singles):
     """ollama answers /api/show from the model's file and loads nothing. The router loaded the model for the first
     show of it: it waited for a busy model to go idle, unloaded it to make room (--models-max 1, within its
@@ -1762,6 +1784,53 @@ def test_names_match_in_any_unicode_normalisation(tmp_path):
         assert e.value.status == 404 and "normalisation" in e.value.message, e.value.message
     finally:
         asyncio.run(router.close())
+
+
+def test_describe_answers_are_kept_for_the_whole_catalog_and_go_with_its_files(tmp_path):
+    """The answers read from the files for /api/show and /api/tags (and the files found unreadable) were bounded
+    at a fixed count, below which a larger catalog evicted at every listing what the one before had read. They are
+    kept for every model of the catalog however small shows_max (here 4, with 10 models): each file is read once
+    over many listings; a model gone from the catalog loses its answer at the next scan."""
+    import asyncio
+
+    from bitnet_cpu.engine.api import model_card
+    from bitnet_cpu.serve.ollama import model_details
+    from bitnet_cpu.serve.router import ModelSpec, Router
+
+    shutil.copy(os.path.join(ROOT, "models", "default.bnstore"), tmp_path / "m0.bnstore")
+    for i in range(1, 9):
+        os.link(tmp_path / "m0.bnstore", tmp_path / f"m{i}.bnstore")
+    (tmp_path / "broken.bnstore").write_bytes(b"BNSTORE\x00" + b"\x17" * 4096)
+    names = [f"m{i}" for i in range(9)] + ["broken"]
+    listed, read = list(names), []
+
+    def describe(spec):   # the files' own details, as the router's describe reads them; each read noted
+        read.append(spec.name)
+        return {"details": model_details(model_card(spec.path).config, spec.format)}
+
+    async def run():
+        router = Router(lambda: {n: ModelSpec(n, str(tmp_path / f"{n}.bnstore")) for n in listed},
+                        fake_model_command(""), log=lambda line: None, describe=describe, shows_max=4)
+        try:
+            async def listing():
+                await router.refresh(fresh=True)
+                await router.describe_all(list(router.models.values()))
+                return {spec.name: router.tag(spec)["details"] for spec in router.models.values()}
+            first = await listing()
+            assert sorted(read) == sorted(names)
+            assert all(first[n]["family"] and first[n]["parameter_size"] for n in names[:-1]), first
+            assert first["broken"]["family"] == ""
+            for _ in range(3):
+                assert await listing() == first
+            assert sorted(read) == sorted(names)   # not one file read again
+            del listed[:6]
+            await listing()
+            here = {spec.digest() for spec in router.models.values()}
+            assert set(router.shows) | set(router.unreadable) == here and len(here) == 4
+            assert sorted(read) == sorted(names)
+        finally:
+            await router.close()
+    asyncio.run(run())
 
 
 def test_odd_names_are_found_by_every_api(tmp_path):
