@@ -239,7 +239,8 @@ def check_origin(origin: str) -> str | None:
         return "not an origin (scheme://host[:port], e.g. https://app.example.com; null; or * for any)"
     if "*" in origin and _pattern_regex(origin.rstrip("/")) is None:
         return ("a wildcard only as scheme://* (any origin of that scheme: chrome-extension://*), "
-                "scheme://*.DOMAIN (its subdomains: https://*.example.com) or a port :* (http://HOST:*)")
+                "scheme://*.DOMAIN (its subdomains: https://*.example.com) or a port :* (http://HOST:*, "
+                "http://[IPv6 address]:*)")
     return None
 
 
@@ -251,13 +252,23 @@ def _pattern_regex(pattern: str, hosts: bool = False) -> str | None:
     """The regex of a --cors-origin pattern (re.fullmatch, case-insensitive host), None for a form it does not
     take. As OLLAMA_ORIGINS is written, and no looser: scheme://* is any origin of that scheme (an extension's
     id, a port), scheme://*.DOMAIN one of DOMAIN's subdomains (not DOMAIN itself, nor evil-DOMAIN, nor
-    DOMAIN.evil.org), HOST:* that host on any port (or none). hosts: the regex of a Host header the pattern names
-    (a proxy passing its site's Host on): an http(s) domain pattern's alone, None for any other."""
+    DOMAIN.evil.org), HOST:* that host on any port (or none), an IPv6 literal too ([fd00::5]:*). hosts: the regex
+    of a Host header the pattern names (a proxy passing its site's Host on): an http(s) domain pattern's alone, None
+    for any other."""
     scheme, _, authority = pattern.partition("://")
     if "*" in scheme:
         return None
     host, port = authority, None
-    if not authority.startswith("[") and authority.count(":") == 1:
+    if authority.startswith("["):   # an IPv6 literal: [fd00::5], [fd00::5]:*, [fd00::5]:8080
+        m = re.fullmatch(r"\[([^\]]+)\](?::(\*|\d+))?", authority)
+        if m is None:
+            return None
+        try:   # as a browser writes it in an origin: compressed, lower case (so [FD00:0::5] is [fd00::5])
+            host = "[" + ipaddress.IPv6Address(m.group(1)).compressed + "]"
+        except ValueError:
+            return None
+        port = m.group(2)
+    elif authority.count(":") == 1:
         host, port = authority.split(":")
     if port is not None and port != "*" and not port.isdigit():
         return None

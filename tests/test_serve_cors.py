@@ -268,7 +268,8 @@ def test_an_api_key_flag_without_a_key_is_refused(value):
 
 
 # ---- wildcard origins, as OLLAMA_ORIGINS takes them ---------------------------------------------------------
-WILD = ("chrome-extension://*", "moz-extension://*", "https://*.example.com", "http://localhost.test:*")
+WILD = ("chrome-extension://*", "moz-extension://*", "https://*.example.com", "http://localhost.test:*",
+        "http://[fd00::5]:*")
 
 
 @pytest.mark.parametrize("origin,allowed", [
@@ -281,6 +282,9 @@ WILD = ("chrome-extension://*", "moz-extension://*", "https://*.example.com", "h
     ("https://evil.org?.example.com", False), ("https://evil.org#.example.com", False),
     ("https://evil.org@chat.example.com", False), ("chrome-extension-x://abc", False),
     ("safari-web-extension://abc", False), ("http://localhost.test.evil.org:80", False),
+    ("http://[fd00::5]:8080", True), ("http://[fd00::5]", True), ("http://[fd00::6]:8080", False),
+    ("http://[fd00::55]:8080", False), ("http://[fd00::5:1]", False), ("https://[fd00::5]:8080", False),
+    ("http://[fd00::5]:8080.evil.org", False), ("http://evil.org@[fd00::5]:80", False),
 ])
 def test_wildcard_origins_match_as_ollama_origins_do(origin, allowed):
     """--cors-origin 'chrome-extension://*' (Page Assist's setup on ollama: OLLAMA_ORIGINS=chrome-extension://*),
@@ -288,6 +292,19 @@ def test_wildcard_origins_match_as_ollama_origins_do(origin, allowed):
     alike. They were compared as literal text, so they allowed nothing while the server started without a word."""
     from bitnet_cpu.serve.auth import origin_allowed
     assert origin_allowed(origin, WILD) is allowed
+
+
+def test_an_ipv6_host_on_any_port_is_the_address_however_it_is_written():
+    """HOST:* with an IPv6 literal (http://[fd00::5]:*, as docs/serving-limits.md promises for any HOST) was
+    refused at start as a misplaced wildcard. It is the address on any port, matched as a browser writes it in an
+    origin (compressed, lower case), however the pattern spells it; brackets that hold no address are refused."""
+    from bitnet_cpu.serve.auth import check_origin, origin_allowed
+    for pattern in ("http://[fd00::5]:*", "http://[FD00:0:0::5]:*", "http://[fd00:0000::0005]:*/"):
+        assert check_origin(pattern) is None, pattern
+        assert origin_allowed("http://[fd00::5]:3000", (pattern,)), pattern
+        assert not origin_allowed("http://[fd00::50]:3000", (pattern,)), pattern
+    for pattern in ("http://[zz::1]:*", "http://[fd00::5]x:*", "http://[fd00::5]:*:*", "http://[]:*"):
+        assert "wildcard" in check_origin(pattern), pattern
 
 
 @pytest.fixture(scope="module")
@@ -304,7 +321,7 @@ def wild_servers():
 
 
 @pytest.mark.parametrize("origin", ["chrome-extension://jfgfiigpkhlkbnfnbobbkinehhfdhndo", "moz-extension://1234",
-                                    "https://chat.example.com"])
+                                    "https://chat.example.com", "http://[fd00::5]:3000"])
 def test_a_wildcard_origin_lets_its_pages_call(wild_servers, origin):
     keyed, open_ = wild_servers
     pre = preflight(keyed.url, origin)
@@ -316,7 +333,8 @@ def test_a_wildcard_origin_lets_its_pages_call(wild_servers, origin):
     assert plain.status_code == 200 and plain.headers["access-control-allow-origin"] == origin, plain.text
 
 
-@pytest.mark.parametrize("origin", ["https://evil-example.com", "https://example.com.evil.org", "https://example.com"])
+@pytest.mark.parametrize("origin", ["https://evil-example.com", "https://example.com.evil.org", "https://example.com",
+                                    "http://[fd00::55]:3000"])
 def test_a_wildcard_origin_lets_no_lookalike_in(wild_servers, origin):
     keyed, open_ = wild_servers
     pre = preflight(keyed.url, origin)
@@ -336,7 +354,7 @@ def test_a_wildcard_site_is_no_host_for_dns_rebinding_unless_it_names_a_domain(w
 
 @pytest.mark.parametrize("value", ["https://ex*ample.com", "*://example.com", "https://*example.com",
                                    "https://*.*.example.com", "https://chat.*.com", "https://*.com:8*",
-                                   "https://*.", "https://[*::1]"])
+                                   "https://*.", "https://[*::1]", "http://[zz::1]:*"])
 def test_a_wildcard_origin_ollama_does_not_mean_is_one_line(value):
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     r = subprocess.run([sys.executable, "-m", "bitnet_cpu", "serve", "--cors-origin", value, "--port", "1"],
