@@ -443,7 +443,7 @@ def main(args) -> int:
                      metrics_public=args.metrics_public, model_id=args.alias, strict_model=args.strict_model_name,
                      cors_origins=tuple(args.cors_origin or ()), on_load_error=load_failed,
                      reasoning_format=args.reasoning_format, local_only=is_loopback(args.host),
-                     webui=not args.no_webui)
+                     webui=not args.no_webui, model_format=given_format(args.model))
 
     Server = server_class(limits)
 
@@ -511,6 +511,21 @@ ROUTER_ONLY = {"help", "model", "host", "port", "api_key", "api_key_file", "metr
                "strict_model_name", "ray_replicas", "models_dir", "models_cache", "models_max", "models_keep_alive",
                "models_load_timeout", "no_jinja"}   # no_jinja: warned of once, by the router
 MODEL_SUFFIXES = {".bnstore": "bnstore", ".gguf": "gguf"}
+
+
+def given_format(model: str | None) -> str:
+    """ollama's details.format of the model a server was started with (-m): of what the user gave, as a router
+    lists that file: "gguf" for a GGUF file (served from its conversion in the cache), "safetensors" for a Hugging
+    Face model directory, "bnstore" for a store, a hub id (its conversion in the cache, which a router lists as a
+    store) or None (the bundled model)."""
+    import os
+
+    from ..engine.formats.gguf import is_gguf
+    if model is None or not os.path.exists(model):
+        return "bnstore"
+    if os.path.isdir(model):
+        return "safetensors"
+    return "gguf" if is_gguf(model) else "bnstore"
 
 
 def _spec(name: str, path: str, files: list, fmt: str):

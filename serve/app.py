@@ -232,7 +232,7 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
                api_keys: tuple = (), metrics_public: bool = False, cors_origins: tuple = (),
                on_load_error: Callable[[BaseException], None] | None = None,
                reasoning_format: str = "auto", local_only: bool = False, wait_load: bool = False,
-               webui: bool = True) -> FastAPI:
+               webui: bool = True, model_format: str = "bnstore") -> FastAPI:
     """The ASGI app. load() -> an engine with ENGINE_API.md's interface (called once, in a thread).
     sampling: SamplingParams whose values a request's omitted sampling fields take (None: the engine's).
     model_id: the id the server answers with (None: the model's name; `--alias`); strict_model: a request
@@ -246,7 +246,9 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
     --reasoning-format: auto / deepseek: reasoning_content, none: left in content, deepseek-legacy: streamed,
     left in content with its tags, else as deepseek). wait_load: the lifespan's startup returns once the load
     ended (Ray Serve sends a replica requests once its startup returned: they were answered 503 "model is
-    loading" meanwhile); else at once, the model loading behind /health's 503."""
+    loading" meanwhile); else at once, the model loading behind /health's 503. model_format: ollama's
+    details.format, of the file the server was given (cli/serve.py given_format: "gguf" for -m x.gguf, as a
+    router lists that file), not of the conversion it loads."""
     state = ServerState(load, api_key, model_id, retry_after, strict_model, sampling)
     state.on_load_error = on_load_error
     metrics = ServerMetrics(state.engine_metrics)
@@ -1222,7 +1224,7 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         return {"model": state.model_id, "n_ctx": eng.n_ctx, "metrics": m, "slots": eng.slots()}
 
     from .ollama import register as register_ollama   # ollama's API: a second adapter over the same engine
-    register_ollama(app, state, ready, APIError, sampling=sampling, metrics=metrics)
+    register_ollama(app, state, ready, APIError, sampling=sampling, metrics=metrics, model_format=model_format)
     from .embeddings import register as register_embeddings   # /v1/embeddings, /api/embed, /api/embeddings
     register_embeddings(app, state, ready, APIError, check_model, metrics=metrics)
     from .llama_api import register as register_llama   # llama-server's /completion, /tokenize, /props, ...

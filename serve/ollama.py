@@ -363,9 +363,11 @@ def answered(eng, tokens: list[int], text: str, final) -> list[int]:
     return tokens
 
 
-def register(app, state, ready, api_error: type, *, sampling: SamplingParams | None = None, metrics=None):
+def register(app, state, ready, api_error: type, *, sampling: SamplingParams | None = None, metrics=None,
+             model_format: str = "bnstore"):
     """Add ollama's routes to `app` (serve/app.py's create_app). ready(request) -> the engine, or raises the
-    server's `api_error` (auth, loading, draining: .status, .message), which these routes answer in ollama's shape."""
+    server's `api_error` (auth, loading, draining: .status, .message), which these routes answer in ollama's shape.
+    model_format: details.format, of the file the server was given (cli/serve.py given_format)."""
 
     @app.exception_handler(OllamaError)
     async def _ollama_error(request, e: OllamaError):
@@ -741,7 +743,7 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
         # of the file's path, size and time, not its content (gigabytes, read at each listing): it changes with the
         # file, but two copies differ (docs/serving.md)
         digest = hashlib.sha256(os.fsencode(os.path.abspath(path)) + f":{size}:{mtime}".encode()).hexdigest()
-        details = model_details(cfg)
+        details = model_details(cfg, model_format)
         modified = utc_iso(mtime)
         listed = tagged_name(state.model_id)   # as ollama lists a name: its clients match it with the tag
         return {"name": listed, "model": listed, "modified_at": modified, "size": size,

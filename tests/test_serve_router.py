@@ -333,6 +333,39 @@ def test_tags_give_every_model_s_details_with_more_than_256_models(tmp_path):
         s.stop()
 
 
+def test_a_gguf_or_hf_model_s_format_is_the_file_s_on_a_single_server_as_on_a_router(tmp_path):
+    """details.format is of the file the user gave: a single server started with -m x.gguf listed "bnstore" (the
+    format of the conversion it loads from the cache) while a router listing the same file said "gguf"; an HF
+    directory the same ("safetensors"). Both now say what the file is, and the single server's details equal the
+    router's, in /api/tags, /api/show and /api/ps."""
+    from bitnet_cpu.engine.synth import SynthModel, small_config, write_gguf_tq, write_hf_dir
+
+    d, cache = tmp_path / "models", tmp_path / "cache"
+    d.mkdir()
+    cache.mkdir()
+    m = SynthModel(small_config(), seed=3)
+    write_gguf_tq(m, str(d / "g.gguf"), "TQ2_0")
+    write_hf_dir(m, str(d / "h"))
+    env = {"BITNET_CACHE": str(cache)}
+    r = Server("--models-dir", str(d), "-c", "1024", threads=1, env=env)
+    try:
+        tags = {x["name"].removesuffix(":latest"): x["details"]
+                for x in httpx.get(r.url + "/api/tags", timeout=60).json()["models"]}
+        for name, path, fmt in (("g", d / "g.gguf", "gguf"), ("h", d / "h", "safetensors")):
+            assert tags[name]["format"] == fmt, tags
+            s = Server("-m", str(path), "-c", "1024", "--alias", name, threads=1, env=env)
+            try:
+                single = httpx.get(s.url + "/api/tags", timeout=60).json()["models"][0]["details"]
+                assert single == tags[name], (name, single, tags[name])
+                assert post(s.url, "/api/show", {"model": name}).json()["details"] == single
+                assert httpx.get(s.url + "/api/ps", timeout=60).json()["models"][0]["details"] == single
+                assert post(r.url, "/api/show", {"model": name}).json()["details"] == single
+            finally:
+                s.stop()
+    finally:
+        r.stop()
+
+
 def test_show_reads_the_file_and_never_loads_a_model(tmp_path, models_dir, singles):
     """ollama answers /api/show from the model's file and loads nothing. The router loaded the model for the first
     show of it: it waited for a busy model to go idle, unloaded it to make room (--models-max 1, within its
