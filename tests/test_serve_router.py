@@ -692,6 +692,7 @@ def test_a_name_clash_added_while_it_runs_leaves_the_rest_served(tmp_path, model
         chat_text(s.url, "a")
         shutil.copy(models_dir / "tiny.bnstore", d / "a.gguf")   # not read: the clash is by name
         shutil.copy(models_dir / "tiny.bnstore", d / "b.bnstore")
+        time.sleep(1.1)   # a listing looks at the catalog again at most once a second (the chat above may have)
         names = {m["name"] for m in httpx.get(s.url + "/api/tags", timeout=30).json()["models"]}
         assert names == {"a:latest", "b:latest"}, names
         assert chat_text(s.url, "b")["model"] == "b"
