@@ -479,6 +479,7 @@ def _read_until(proc, stop_at, bound: float) -> tuple[list, bool]:
         except queue.Empty:
             return lines, False
         if line is None:
+            q.put(None)   # the end stays seen: a later call (the rest after a stop) returns at once, not at its bound
             return lines, False
         lines.append(line)
         if stop_at(line):
