@@ -310,7 +310,7 @@ def test_a_store_it_cannot_run_is_refused_before_its_weights_are_read(tmp_path):
     good = str(tmp_path / "good.bnstore")
     with open(DEFAULT_STORE, "rb") as f, open(good, "wb") as g:
         g.write(f.read())
-    with pytest.raises(BitNetError) as e:   # refused by LLM itself (a bad argument): the store is closed all the same
+    with pytest.raises(BitNetError):   # refused by LLM itself (a bad argument): the store is closed all the same
         load_model(good, ctx=-1, progress=False)
     assert not _mapped(os.path.realpath(good)), "a refused store is still mapped"
 
