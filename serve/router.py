@@ -874,15 +874,17 @@ class Router:
             await asyncio.shield(c.ended)   # outside the condition: the other models serve on meanwhile
         return True
 
+    def _kept(self, kept: dict, key: str, value) -> None:
+        """kept[key] = value, bounded by shows_limit(): the oldest entry goes."""
+        if len(kept) >= self.shows_limit() and key not in kept:
+            kept.pop(next(iter(kept)))
+        kept[key] = value
+
     def keep_show(self, key: str, answer: dict):
-        if len(self.shows) >= self.shows_limit() and key not in self.shows:   # bounded: the oldest answer goes
-            self.shows.pop(next(iter(self.shows)))
-        self.shows[key] = answer
+        self._kept(self.shows, key, answer)
 
     def said_unreadable(self, key: str, why: str):
-        if len(self.unreadable) >= self.shows_limit() and key not in self.unreadable:   # bounded, as shows
-            self.unreadable.pop(next(iter(self.unreadable)))
-        self.unreadable[key] = why
+        self._kept(self.unreadable, key, why)
 
     async def show(self, spec: ModelSpec) -> dict | None:
         """ollama's /api/show answer of a model, from its file (describe), never loading it; kept by model file.
