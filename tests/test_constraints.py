@@ -746,6 +746,30 @@ def test_multipleof_a_power_of_ten_caps_a_numbers_decimals_and_bounds_do_not(llm
     both = {**bounded, **step}
     assert _complete(llm, both, "99.99") and not _complete(llm, both, "12.345") and not _complete(llm, both, "123")
 
+@pytest.mark.parametrize("step", ["0.25", "0.125", "0.75", "0.15", "0.35", "2.25", "0.0625", "0.05", "1e-3"])
+@pytest.mark.parametrize("bounds", [{}, {"minimum": 0, "maximum": 3}, {"anyOf": [{"minimum": 1}, {"maximum": -1}]}])
+def test_multipleof_takes_every_multiple_in_its_shortest_form(llm, step, bounds):
+    """multipleOf with decimals: the grammar engine took a multiple with as many decimals as the step or none, so
+    0.25 refused 0.5 and 1.5 (only 1.50), 0.15 refused 0.3, 0.0625 refused 0.125: every multiple in its shortest
+    form is taken now, every other number still refused (checked in exact fractions: jsonschema's floats call
+    0.15 no multiple of 0.05)."""
+    from decimal import Decimal
+    from fractions import Fraction
+    exact = Fraction(step)
+    schema = {"type": "number", "multipleOf": float(step), **bounds}
+    in_bounds = jsonschema.Draft202012Validator({"type": "number", **bounds})
+
+    def shortest(f):
+        return format((Decimal(f.numerator) / Decimal(f.denominator)).normalize(), "f")
+    texts = [shortest(exact * k) for k in range(-10, 14)] + ["0.1", "0.7", "1.1", "0.35", "1.3", "4", "0.5", "1.5"]
+    wrong = [t for t in texts
+             if _complete(llm, schema, t) != (in_bounds.is_valid(float(t)) and Fraction(t) % exact == 0)]
+    assert wrong == []
+    some = next((t for t in texts if "." in t and in_bounds.is_valid(float(t)) and Fraction(t) % exact == 0
+                and len(t.lstrip("-")) < len(shortest(exact))), "0")   # fewer decimals than the step
+    assert _complete(llm, {"type": "object", "properties": {"a": schema}, "required": ["a"]}, '{"a":%s}' % some)
+
+
 @pytest.mark.parametrize("bounds", [
     {"exclusiveMinimum": 2 ** 53, "exclusiveMaximum": 2 ** 53 + 4},
     {"exclusiveMinimum": 2 ** 53, "maximum": 2 ** 53 + 2},

@@ -29,6 +29,7 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from decimal import Decimal
+from decimal import Decimal
 
 import numpy as np
 
@@ -830,8 +831,39 @@ def prepared(schema, where: str):
     problem = unenforceable(schema) or endless(schema) or unwritable_strings(schema)
     if problem:
         raise ConstraintError(f"{where}: {problem}", where=where)
-    return _schema_copy(schema, lambda out: _doubles(_bounded(_inward_bounds(_exclusive_numbers(
-        _exact_strings(_no_ops(out)))))))
+    return _schema_copy(schema, lambda out: _decimal_steps(_doubles(_bounded(_inward_bounds(_exclusive_numbers(
+        _exact_strings(_no_ops(out))))))))
+
+
+def _decimal_steps(out):
+    """A `multipleOf` with decimals as the steps of each shorter fraction. The grammar engine writes a multiple of
+    m x 10^-d with d decimals or none: 0.25 took 0.75 and 2 but refused 0.5 and 1.5 (only 1.50), 0.15 refused 0.3,
+    0.125 refused 0.5, so a model that wrote 1.5 had to pad it or pick another value. A multiple written with
+    k < d decimals is one of m / gcd(m, 10^(d-k)) x 10^-k (for 0.25: 0.5 with one decimal, 1 with none), each of
+    those steps a multiple of the schema's: the node takes any of them (anyOf), so every shortest form passes."""
+    step = out.get("multipleOf")
+    if not _is_num(step) or not math.isfinite(step) or step <= 0 or _integers_only(out):
+        return out
+    _, digits, exp = Decimal(repr(float(step))).as_tuple()   # the shortest digits, as the engine reads the double
+    if not isinstance(exp, int) or not -20 <= exp < -1:   # one decimal: nothing shorter but integers, taken
+        return out
+    m, d = int("".join(map(str, digits))), -exp
+    steps = []
+    for k in range(d + 1):
+        s = float(Decimal(m // math.gcd(m, 10 ** (d - k))).scaleb(-k))
+        if s not in steps:
+            steps.append(s)
+    if len(steps) < 2:
+        return out
+    branches = [{"multipleOf": s} for s in steps]
+    if "anyOf" not in out:
+        out["anyOf"] = branches
+    elif isinstance(out.get("allOf", []), list):
+        out["allOf"] = [*out.get("allOf", []), {"anyOf": branches}]
+    else:
+        return out
+    del out["multipleOf"]
+    return out
 
 
 def _no_ops(out):
