@@ -972,3 +972,23 @@ def test_mirostat_under_a_grammar_that_leaves_one_token(llm, mirostat):
     params = SamplingParams(temperature=0.8, mirostat=mirostat, seed=3)
     text, _, last = _run(llm, _ask(llm, "yes?"), params, Constraint.gbnf('root ::= "yes"'), max_tokens=8)
     assert text == "yes" and last.finish_reason in ("eos", "stop")
+
+
+def test_patternproperties_keys_read_as_ecma_patterns(llm):
+    """A patternProperties key is a JSON Schema pattern (ECMA-262) as `pattern` is: the grammar engine read it as
+    its own regex, so `.` took a carriage return in a key that jsonschema refuses, and a look-ahead, a POSIX class or
+    a back-reference came back as the engine's parse error without saying which key; now the key is converted as
+    `pattern` is, and each of those is refused naming patternProperties and the key."""
+    schema = {"type": "object", "patternProperties": {"^x-.$": {"type": "integer"}, "^n\\sm$": {"type": "integer"}},
+              "additionalProperties": False}
+    # ECMA-262's verdicts (jsonschema's Python regexes are not ECMA's: their `.` takes "\\r")
+    verdicts = {'{"x-a":1}': True, '{"x-\\r":1}': False, '{"x-\u2028":1}': False, '{"y":1}': False,
+                '{"n m":1}': True, '{"n\ufeffm":1}': True, '{"n\u0085m":1}': False}
+    assert {text: _complete(llm, schema, text) for text in verdicts} == verdicts
+    for key, what in (("^(?!x)", "look-around"), ("^(?!\\s*$)", "look-ahead"), ("^[[:alpha:]]+$", "POSIX class"),
+                      ("(a)\\1", "backreferences")):
+        with pytest.raises(ConstraintError) as e:
+            llm.compile_constraint(Constraint.json_schema(
+                {"type": "object", "properties": {"p": {"patternProperties": {key: {"type": "string"}}}}}))
+        message = str(e.value)
+        assert "/properties/p/patternProperties" in message and json.dumps(key) in message and what in message

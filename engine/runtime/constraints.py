@@ -673,6 +673,14 @@ def unwritable_strings(schema) -> str | None:
             problem = _pattern_problem(pattern)
             if problem:
                 return f"{_pointer(ptr)}: pattern {json_text(pattern, 120)}: {problem}"
+        keys = node.get("patternProperties")
+        for key in keys if isinstance(keys, dict) else ():
+            problem = _pattern_problem(key)
+            if not problem and split_lookaheads(key)[1]:   # a key's regex has no allOf to carry the look-ahead
+                problem = ("a look-ahead cannot be enforced in a patternProperties key: the grammar engine's "
+                           "regexes have none; write the key's pattern without it")
+            if problem:
+                return f"{_pointer(ptr)}/patternProperties: key pattern {json_text(key, 120)}: {problem}"
         if node.get("uniqueItems") is True:
             return (f"{_pointer(ptr)}: uniqueItems true (pydantic's set[...]) cannot be enforced: a grammar cannot "
                     "compare an item with the ones before it; use a list (list[str]) and drop repeats after "
@@ -691,7 +699,10 @@ def unwritable_strings(schema) -> str | None:
 def _exact_strings(out):
     """A schema node's date / time / date-time format as FORMAT_PATTERNS' exact RFC 3339 pattern (in an allOf
     beside a pattern of its own), a hostname's or email's length held to FORMAT_MAX_LENGTH, an email's part
-    before the "@" to 64 characters (EMAIL_PATTERN), and its pattern's `.` as ECMA's."""
+    before the "@" to 64 characters (EMAIL_PATTERN), and its pattern's and patternProperties keys' `.` as ECMA's."""
+    keys = out.get("patternProperties")
+    if isinstance(keys, dict):   # a key is a pattern too: ECMA's `.`, `\\s` and classes (a look-ahead was refused)
+        out["patternProperties"] = {ecma_pattern(k): v for k, v in keys.items()}
     if isinstance(out.get("pattern"), str):
         rest, beside = split_lookaheads(out["pattern"])
         out["pattern"] = ecma_pattern(rest)
