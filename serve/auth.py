@@ -195,16 +195,26 @@ class OriginGuard:
         origin = next((v for k, v in headers if k == b"origin"), None)
         if origin is None or self.any:
             return await self.app(scope, receive, send)
-        origin = origin.decode("latin-1").rstrip("/")
+        origin = bare_origin(origin.decode("latin-1"))
         netloc = origin.split("://", 1)[1] if "://" in origin else None
         forwarded = next((v for k, v in headers if k == b"x-forwarded-host"), b"").decode("latin-1")
         if re.fullmatch(LOCAL_ORIGINS, origin) or origin in self.origins or \
                 (self.wild is not None and self.wild.fullmatch(origin)) or \
                 (netloc is not None and netloc.lower() in (host.lower(), forwarded.split(",")[0].strip().lower())):
             return await self.app(scope, receive, send)
+        allow = (f"{origin[:100]} to allow that origin" if check_origin(origin) is None else
+                 "'*' to allow any origin: no value names that one alone")
         return await send_error(send, scope, 403, f"a page from {origin[:100]} may not call this server (start it "
-                                f"with --cors-origin {origin[:100]} to allow that origin)", "permission_error",
-                                "forbidden_origin")
+                                f"with --cors-origin {allow})", "permission_error", "forbidden_origin")
+
+
+def bare_origin(origin: str) -> str:
+    """An origin without a trailing "/" (some clients send one), but never cut into its scheme: an app shell's page
+    from disk sends `file://`, which stripped to `file:` matched none of the local origins (a 403 after a preflight
+    that said yes)."""
+    while origin.endswith("/") and not origin.endswith("://"):
+        origin = origin[:-1]
+    return origin
 
 
 def allow_cross_origin(app, origins=(), local_only: bool = False, keyed: bool = False):
@@ -300,7 +310,7 @@ def wildcard_regex(origins, hosts: bool = False) -> re.Pattern | None:
 def origin_allowed(origin: str, origins=()) -> bool:
     """Whether a page of `origin` may call a server started with these --cors-origin values (this machine's own
     pages always may)."""
-    origin = origin.rstrip("/")
+    origin = bare_origin(origin)
     wild = wildcard_regex(origins)
     return bool("*" in origins or re.fullmatch(LOCAL_ORIGINS, origin) or origin in origins
                 or (wild is not None and wild.fullmatch(origin)))

@@ -361,3 +361,26 @@ def test_a_wildcard_origin_ollama_does_not_mean_is_one_line(value):
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "--cors-origin" in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) <= 2, r.stderr   # the error line (and its hint)
+
+
+@pytest.mark.parametrize("origin", ["file://", "app://", "tauri://localhost", "vscode-webview://abc"])
+def test_app_shell_origins_pass_the_preflight_and_the_request_alike(open_server, origin):
+    """An Electron page loaded from disk sends `Origin: file://`: the preflight said yes (the CORS middleware took the
+    origin as sent), then every request was a 403 (the guard stripped the "/" and `file:` matched no local origin),
+    and the 403 advised `--cors-origin file:`, a value the server refuses at start."""
+    pre = preflight(open_server.url, origin)
+    assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == origin
+    ok = httpx.post(open_server.url + "/v1/chat/completions", json=BODY, timeout=60, headers={"Origin": origin})
+    assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == origin, ok.text
+
+
+def test_the_403s_advice_is_a_value_the_server_takes(open_server):
+    """An origin --cors-origin cannot name (no host) is advised `--cors-origin '*'`, never a value the CLI refuses."""
+    from bitnet_cpu.serve.auth import check_origin
+    for origin in ("https://evil.example", "weird-app:"):
+        r = httpx.post(open_server.url + "/v1/chat/completions", json=BODY, timeout=60, headers={"Origin": origin})
+        assert r.status_code == 403
+        value = __import__("re").search(r"--cors-origin (.\*.|\S+) to allow", r.json()["error"]["message"])
+        assert value, r.text
+        value = value.group(1)
+        assert check_origin(value.strip("'")) is None, value
