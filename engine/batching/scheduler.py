@@ -233,7 +233,8 @@ class BatchScheduler(Drafts, Embeddings, Scoring):
         if queued > self.max_queue:
             if self.max_queue == 0:
                 raise QueueFullError("no slot is free and requests never wait (max_queue 0)", hint="retry later")
-            raise QueueFullError(f"{len(waiting)} requests are already waiting to start (max_queue "
+            raise QueueFullError(f"{len(waiting)} {'request is' if len(waiting) == 1 else 'requests are'} already "
+                                 "waiting to start (max_queue "
                                  f"{self.max_queue})", hint="retry later")
 
     def _check_ids(self, ids: list, text: str | None = None):
