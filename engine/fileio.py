@@ -183,3 +183,15 @@ def no_overlap(path: str, spans) -> None:
 def close_map(mm) -> None:
     """Close a map made by map_readonly (kept open while numpy views of it are alive)."""
     faults.close_map(mm)
+
+
+def current_umask() -> int:
+    """The process's umask, read without setting it (os.umask would, for a moment, for every thread)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0o022

@@ -1326,7 +1326,9 @@ def create_router_app(router: Router, *, api_keys: tuple = (), limits: Limits | 
         if listed is not None and listed.cached and listed.source:   # a name /api/tags lists (ollama pulls any:
             ref = listed.source.rsplit("@", 1)[0]                     # an update): its hub id, the newest commit
         # ollama checks a name before anything runs ("invalid model name"); the pull's own process checks the rest
-        if not re.fullmatch(r"[A-Za-z0-9][\w.-]*/[^\s/:@]+(:[^\s@]+)?(@[^\s]+)?", ref) or ".." in ref:
+        # (FILE: not an absolute, drive or backslash path, which huggingface_hub refuses as a ValueError, a 500)
+        if not re.fullmatch(r"[A-Za-z0-9][\w.-]*/[^\s/:@]+(:(?![A-Za-z]:)[^\s@/\\][^\s@\\]*)?(@[^\s]+)?", ref) \
+                or ".." in ref:
             raise RouterError(400, f"invalid model name {name!r}: a hub id, OWNER/REPO[:FILE|:TAG][@REVISION] or "
                               "hf.co/OWNER/REPO[:TAG]", "invalid_value", "model")
         if ref in router.pulling:

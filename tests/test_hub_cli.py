@@ -164,6 +164,17 @@ def test_missing_hub_id_is_one_line_with_the_pull_hint(hub, tmp_path):
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "o/tiny:nope.gguf" in r.stderr
 
 
+@pytest.mark.parametrize("ref", ["o/tiny:/etc/passwd", "o/tiny:sub\\..\\x.gguf", "o/tiny:a/../b.gguf"])
+def test_a_file_part_that_is_no_file_of_the_repository_is_one_line(hub, tmp_path, ref):
+    """huggingface_hub refuses an absolute, drive, backslash or '..' FILE with a ValueError, which reached the user
+    as "internal error ... a bug in bitnet-cpu" (exit 70): one line naming the part, exit 2, for run and pull."""
+    for args in (("run", "-m", ref, "-p", "x"), ("pull", ref)):
+        r = bitnet(*args, env=env_for(hub, tmp_path))
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1 and "the file part" in lines[0] and "bug" not in lines[0], \
+            (args, r.stderr)
+
+
 def test_list_inspect_and_rm(hub, tmp_path):
     env = env_for(hub, tmp_path)
     r = bitnet("list", env=env)

@@ -166,7 +166,7 @@ def test_base_file_is_llama_cpp_layout(llm, text_file, tmp_path):
     base = str(tmp_path / "base.kld")
     r = bitnet("-f", text_file, "-c", str(CTX), "--chunks", "2", "--kl-divergence-base", base)
     assert r.returncode == 0, r.stderr
-    assert "Final estimate" in r.stdout and not os.path.exists(base + ".partial")
+    assert "Final estimate" in r.stdout and not list(tmp_path.glob("*.partial"))
     n_ctx, vocab, tokens, rows = read_base_file(base)
     chunks = chunks_of(llm, text_file, n=2)
     assert (n_ctx, vocab) == (CTX, llm.config.vocab_size)
@@ -360,7 +360,7 @@ def test_ctrl_c_keeps_the_estimate_and_the_old_base_file(text_file, tmp_path):
     assert p.returncode == 130, err.decode()
     assert "Estimate over " in out and " chunks: PPL = " in out and b"Traceback" not in err
     assert base.read_bytes() == b"_logits_ an earlier base file"
-    assert not os.path.exists(str(base) + ".partial")
+    assert not list(base.parent.glob("*.partial"))
 
 
 def test_ctrl_c_inside_a_chunk_leaves_it_out_of_the_estimate(text_file, tmp_path):
@@ -807,3 +807,27 @@ def test_a_base_logits_file_the_disk_refuses_is_one_line_and_no_partial_file(tmp
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
         signal.signal(signal.SIGXFSZ, previous)
+
+
+def test_the_base_logits_never_write_through_a_name_made_before(tmp_path):
+    """PATH.partial was opened by name, following a link: in a folder others may write, a link made there first
+    (to a file of the user's) was truncated and written over. The partial file is now a fresh name of its own."""
+    from bitnet_cpu.engine.runtime.perplexity import LogitsWriter
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    path = str(tmp_path / "base.kld")
+    os.symlink(victim, path + ".partial")
+    w = LogitsWriter(path, 4, 1000, list(range(8)))
+    w.add(np.zeros((4, 1000), np.float32))
+    w.add(np.zeros((4, 1000), np.float32))
+    w.commit()
+    assert victim.read_text() == "keep me" and os.path.islink(path + ".partial")
+    with open(path, "rb") as f:
+        assert f.read(8) == b"_logits_"
+    assert oct(os.stat(path).st_mode & 0o777) == oct(0o666 & ~_umask_now())   # as open() would make it
+
+
+def _umask_now() -> int:
+    old = os.umask(0)
+    os.umask(old)
+    return old

@@ -1150,7 +1150,8 @@ def test_ollama_pull_and_delete_on_a_cache_server(tmp_path, models_dir):
         # checked before a process starts (ollama's "invalid model name"): `--help` was run as `bitnet pull --help`
         # (status success), and a newline forged lines of the log
         for bad in ("--help", "-h", "hf.co/--help", "o/x\nbitnet serve: deleted 'tiny'", "/etc/passwd",
-                    "https://evil.example/a/b", "o/../x"):
+                    "https://evil.example/a/b", "o/../x", "o/r:/etc/passwd", "hf.co/o/r:/etc/passwd",
+                    "o/r:sub\\x.gguf", "o/r:C:x.gguf"):   # (a FILE huggingface_hub refuses: a 500 "bug" before)
             r = httpx.post(s.url + "/api/pull", json={"model": bad, "stream": False}, timeout=30)
             assert r.status_code == 400 and "invalid model name" in r.json()["error"], (bad, r.text)
         # delete: the conversion goes (it was loaded: unloaded first); the user's own files stay

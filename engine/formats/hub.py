@@ -51,6 +51,25 @@ def parse_hub_ref(ref: str) -> tuple[str, str | None, str | None] | None:
     return m.group("repo"), file, m.group("rev")
 
 
+def file_problem(file: str | None) -> str | None:
+    """Why FILE of REPO:FILE cannot name a file of a repository (None: it can): an absolute, drive or UNC path, a
+    backslash, a `..` segment. huggingface_hub refuses these too, but with a ValueError that read as a bug here."""
+    if not file:
+        return None
+    if file.startswith("/") or "\\" in file or re.match(r"[A-Za-z]:", file):
+        return "an absolute, drive or backslash path"
+    if ".." in file.split("/"):
+        return "a '..' segment"
+    return None
+
+
+def _check_file(what: str, file: str | None) -> None:
+    why = file_problem(file)
+    if why:
+        raise BitNetError(f"{what}: the file part {file!r} is {why}, not a file of the repository",
+                          hint="name a file as the repository lists it, e.g. REPO:model.gguf or REPO:i2_s")
+
+
 # ---- quant tags: REPO:TAG names the GGUF file of that quantization, as ollama's hf.co/OWNER/REPO:TAG does ----
 _SHARD = re.compile(r"-\d{5}-of-\d{5}$")
 
@@ -246,6 +265,7 @@ def resolve_hub_ref(ref: str, what: str | None = None) -> tuple[str, str]:
     if parsed is None:
         raise BitNetError(f"{what}: not a Hugging Face hub id (REPO[:FILE|:TAG][@REVISION])")
     repo, file, rev = parsed
+    _check_file(what, file)
     try:
         from huggingface_hub import hf_hub_download, snapshot_download
         from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
@@ -545,6 +565,7 @@ def _pull(ref: str, progress: Callable[[dict], None] | None) -> str:
     if parsed is None:
         raise BitNetError(f"pull {ref}: not a Hugging Face hub id", hint="e.g. bitnet pull microsoft/bitnet-b1.58-2B-4T")
     repo, file, rev = parsed
+    _check_file(f"pull {ref}", file)
     from huggingface_hub import HfApi, constants, hf_hub_download, snapshot_download
     from huggingface_hub.errors import (EntryNotFoundError, GatedRepoError, HfHubHTTPError, HFValidationError,
                                         LocalEntryNotFoundError, OfflineModeIsEnabled, RepositoryNotFoundError,

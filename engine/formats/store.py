@@ -37,7 +37,7 @@ import numpy as np
 
 from .. import faults
 from ..config import ModelConfig
-from ..fileio import close_map, map_readonly, no_overlap, starts_with
+from ..fileio import close_map, current_umask, map_readonly, no_overlap, starts_with
 from ..errors import BitNetError, FormatError, json_why
 from ..memory import available_memory, huge_page_bytes, read_into_memory, thp_mode
 
@@ -164,7 +164,7 @@ def write_store(
             f.write(raw)
             f.seek(0)
             f.write(_HEADER.pack(MAGIC, STORE_VERSION, 0, index_offset, len(raw), data_offset, hashlib.sha256(raw).digest()))
-        os.chmod(tmp, 0o666 & ~_umask())   # as open() would make it (mkstemp's is 0600: no one else could read it)
+        os.chmod(tmp, 0o666 & ~current_umask())   # as open() would make it (mkstemp's is 0600: no one else could read it)
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -176,18 +176,6 @@ def write_store(
         with _writing_lock:
             _writing.discard(tmp)
     return path
-
-
-def _umask() -> int:
-    """The process's umask, read without setting it (os.umask would, for a moment, for every thread)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0o022
 
 
 def converter_of(meta: dict) -> int | None:

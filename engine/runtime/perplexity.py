@@ -26,11 +26,13 @@ from __future__ import annotations
 import math
 import os
 import struct
+import tempfile
 from typing import Iterator, Sequence
 
 import numpy as np
 
 from ..errors import BitNetError
+from ..fileio import current_umask
 from .sampling import token_logprob
 
 MAGIC = b"_logits_"
@@ -192,14 +194,17 @@ def expand_rows(rows: np.ndarray, vocab: int) -> np.ndarray:
 
 
 class LogitsWriter:
-    """Writes a base-logits file: to PATH.partial, renamed over PATH by commit() once every chunk is in, so an
+    """Writes a base-logits file: to PATH.XXXX.partial, renamed over PATH by commit() once every chunk is in, so an
     interrupted run never leaves a half file (nor replaces a whole one)."""
 
     def __init__(self, path: str, n_ctx: int, vocab: int, tokens: Sequence[int]):
-        self.path, self.tmp = path, path + ".partial"
+        self.path = path
         n_chunk = len(tokens) // n_ctx
-        try:
-            self.f = open(self.tmp, "wb")
+        try:   # a fresh name of its own (O_EXCL), never a PATH.partial another user made first, or a link there
+            fd, self.tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".partial",
+                                            dir=os.path.dirname(path) or ".")
+            self.f = os.fdopen(fd, "wb")
+            os.chmod(self.tmp, 0o666 & ~current_umask())   # as open() would make it (mkstemp's is 0600)
         except OSError as e:
             raise BitNetError(f"cannot write {path}: {e.strerror or e}") from None
         self._write(HEADER.pack(MAGIC, n_ctx, vocab, n_chunk) + np.asarray(tokens[: n_chunk * n_ctx], "<i4").tobytes())
