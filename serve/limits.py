@@ -40,6 +40,8 @@ from .offload import within
 
 MiB = 1 << 20
 STOP_GRACE = 0.5   # after the drain's deadline, what a client may go without taking a byte (uvicorn cancels at +2 s)
+RAW_HEADER_SLACK = 4 << 10   # what a header block's bytes on the wire may have beyond what --max-header-kb counts of
+                             # it (the method, "HTTP/1.1", the colons, spaces and line ends)
 QUIET_GRACE = 1.0   # a connection over --max-connections has this long to send its request's headers (a real
                     # client's come at once; a silent one held a descriptor for the whole --header-timeout); one
                     # silent this long is the first to go when the cap is full
@@ -787,6 +789,9 @@ def guarded_protocol(limits: Limits, base=None):
             self._send_left = 0
             self._rejected = False
             self._header_bytes = 0
+            self._raw_header = 0     # bytes on the wire of the header block being read (httptools)
+            self._in_body = False    # (httptools) between a request's end of headers and its end
+            self._turned = False     # a request's headers or message ended within the bytes being fed
             self._quiet_since = self.loop.time()   # nothing of a request heard since (opened, or last answered)
             self._heard = False
             self._over_cap = sum(not p._rejected for p in live) > limits.max_connections and not self._make_room()
@@ -881,6 +886,7 @@ def guarded_protocol(limits: Limits, base=None):
         def on_headers_complete(self):   # httptools
             if self._replaying:
                 return
+            self._in_body, self._turned = True, True
             super().on_headers_complete()
             c = self.cycle
             if c is not None and c.scope.get("http_version") == "1.0" and hasattr(c, "chunked_encoding"):
@@ -894,9 +900,22 @@ def guarded_protocol(limits: Limits, base=None):
             self._heard = True
             if self._in_headers():
                 self._arm()   # a new request on a kept-alive connection: its headers are timed from here
+            self._turned = False
             super().data_received(data)
             if self.cycle is not before and self.cycle is not None:
                 self._disarm()
+            if httptools_base and not self._in_body and not self._rejected:
+                self._count_raw(len(data))
+
+        def _count_raw(self, n):
+            """httptools hands a header over only once its value has ended: one that never ends was read on and
+            held (64 MiB of it before the 431, 74 MiB before a 408). The bytes of a header block are counted here
+            as they arrive (those after a request that ended within the same read are not: at most one read's
+            worth more), and a block past the limit (with RAW_HEADER_SLACK for HTTP's own bytes) is a 431 at once."""
+            self._raw_header = 0 if self._turned else self._raw_header + n
+            if self._raw_header > limits.max_header_bytes + RAW_HEADER_SLACK:
+                self._reject(_raw_response(431, "Request Header Fields Too Large", f"request headers over "
+                                           f"{limits.max_header_bytes} bytes", "headers_too_large"))
 
         def on_message_begin(self):   # httptools: each request's header bytes counted alone (a pipelined burst
             if self._replaying:         # of small requests added up to one 431 for all)
@@ -919,6 +938,7 @@ def guarded_protocol(limits: Limits, base=None):
         def on_message_complete(self):
             if httptools_base and self.parser.should_upgrade():
                 return   # llhttp ends a request asking to upgrade at its headers: its body follows (_UpgradesIgnored)
+            self._in_body, self._turned = False, True
             super().on_message_complete()
 
         def _count(self, n):

@@ -271,3 +271,31 @@ def test_an_integer_too_long_to_read_names_its_field(parser, path, body, field):
     assert f"{field}: an integer of 5000 digits" in text, text
     if not path.startswith("/api/") and path != "/v1/messages":
         assert r.json()["error"]["param"] == field and r.json()["error"]["code"] == "invalid_value", text
+
+
+def test_an_unterminated_header_is_refused_while_it_arrives(parser):
+    """One header value that never ends: refused with the 431 as soon as the bytes of the header block pass
+    --max-header-kb (32 KiB here), not read on until it ends or the header timeout fires (httptools hands a value
+    over only once it is complete: the server took 64 MiB of one before its 431, 74 MiB before a 408). Sent as
+    1 MiB of a value, then nothing more: the answer can only be the size limit's, whatever the machine's speed."""
+    s, _ = parser
+    with socket.create_connection(("127.0.0.1", s.port)) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: ")
+        try:
+            for _ in range(16):
+                sock.sendall(b"b" * (64 << 10))
+        except OSError:   # refused and closed while we sent: what follows reads its answer
+            pass
+        sock.settimeout(60)
+        out = b""
+        try:
+            while True:
+                chunk = sock.recv(65536)
+                if not chunk:
+                    break
+                out += chunk
+        except (ConnectionResetError, socket.timeout):
+            pass
+    got = responses(out)
+    assert [g[0] for g in got] == [431], out[:300]
+    assert json.loads(got[0][2])["error"]["code"] == "headers_too_large", got[0]
