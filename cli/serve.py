@@ -10,11 +10,9 @@ from .flags import add_engine_args, apply_chat_template, check_engine_args, give
 
 # the router's flags: (flag, their defaults); given without --models-dir / --models-cache they are refused
 ROUTER_FLAGS = {"--models-max": 3, "--models-keep-alive": "-1", "--models-load-timeout": 600.0}
-# flags of the plain server's own connections (its uvicorn, serve/limits.py's protocol): under --ray-replicas Ray's
-# proxy holds the connections, so given beside it they are refused, not silently left unenforced
-RAY_REFUSED = {"--max-connections": Limits().max_connections, "--header-timeout": Limits().header_timeout,
-               "--send-timeout": Limits().send_timeout, "--keep-alive-timeout": 5.0, "--drain-timeout": 5.0,
-               "--log-level": "warning"}
+# the defaults of the server's own connections, shutdown and log (under --ray-replicas too: its front,
+# serve/ray_front.py, holds the connections there)
+CONNECTION_DEFAULTS = {"--keep-alive-timeout": 5.0, "--drain-timeout": 5.0, "--log-level": "warning"}
 
 HELP = "serve the model over HTTP: OpenAI's API (chat, completions, Responses), Anthropic's Messages, ollama's and llama-server's (and a chat page at /)"
 
@@ -71,7 +69,7 @@ def add_arguments(p):
     p.add_argument("--request-timeout", type=float, default=d.request_timeout,
                    help="seconds a request may run, 0 = no limit (504, or an error event mid-stream); with "
                         "--models-dir, from when its model has loaded")
-    p.add_argument("--keep-alive-timeout", type=float, default=RAY_REFUSED["--keep-alive-timeout"],
+    p.add_argument("--keep-alive-timeout", type=float, default=CONNECTION_DEFAULTS["--keep-alive-timeout"],
                    help="seconds an idle kept-alive connection stays open")
     p.add_argument("--alias", "-a", default=None, metavar="NAME",
                    help="the model id the server answers with (default: the model's name)%(default).0s")
@@ -107,9 +105,9 @@ def add_arguments(p):
                    help="a thinking model's <think> block in chat answers, when a request does not say (its "
                         "reasoning_format): auto / deepseek: message.reasoning_content, deepseek-legacy: streamed, left "
                         "in content with its tags (else as deepseek), none: left in content (llama-server's flag)")
-    p.add_argument("--drain-timeout", type=float, default=RAY_REFUSED["--drain-timeout"],
+    p.add_argument("--drain-timeout", type=float, default=CONNECTION_DEFAULTS["--drain-timeout"],
                    help="seconds in-flight requests get to finish on shutdown")
-    p.add_argument("--log-level", default=RAY_REFUSED["--log-level"],
+    p.add_argument("--log-level", default=CONNECTION_DEFAULTS["--log-level"],
                    choices=("critical", "error", "warning", "info", "debug"),
                    help="uvicorn log level")
 
@@ -148,11 +146,6 @@ def _check(args) -> list[str]:
             warnings.append(f"--ray-replicas {args.ray_replicas} x -t {threads} is {args.ray_replicas * threads} "
                             f"threads, more than the {cores} CPU cores available; using -t {args.threads} in "
                             "each replica")
-        for flag, default in RAY_REFUSED.items():
-            if given(args, flag, default):
-                raise BitNetError(f"{flag} applies to the plain server only (its own connections, shutdown and log): "
-                                  "under --ray-replicas Ray Serve's proxy holds the connections",
-                                  hint="leave it out, or serve without --ray-replicas")
     for flag in ("max_body_mb", "max_header_kb", "max_headers", "max_connections", "header_timeout", "body_timeout",
                  "send_timeout", "keep_alive_timeout"):
         if not 0 < getattr(args, flag) < math.inf:   # inf: an int of it failed later as an internal error
@@ -193,13 +186,13 @@ def _check(args) -> list[str]:
     return warnings
 
 
-def bind_port(host: str, port: int, keep: bool = True):
+def bind_port(host: str, port: int):
     """The listening socket, bound here rather than by uvicorn (which logs '[Errno 98] ...' after we have said
     'listening' and exits 3) so that a port in use or an address this machine does not have is one line, exit 2.
     Bound as uvicorn binds (IPv6 when the host has a ':', else IPv4; SO_REUSEADDR to restart over TIME_WAIT), and
     listening at once (uvicorn's own backlog), so that a client that connects as soon as 'listening' is printed
     waits in the queue until the server accepts instead of being refused while uvicorn starts or the router
-    scans its models. keep=False only checks (Ray Serve's proxy binds the port itself) and closes it again."""
+    scans its models (or Ray starts, under --ray-replicas)."""
     import errno
     import socket
 
@@ -208,16 +201,12 @@ def bind_port(host: str, port: int, keep: bool = True):
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
-        if keep:
-            sock.listen(2048)
+        sock.listen(2048)
     except OSError as e:   # socket.gaierror (a host name that does not resolve) included
         sock.close()
         hint = ("another process listens there (another bitnet serve?): stop it or choose another --port"
                 if e.errno == errno.EADDRINUSE else "check --host (a name or address of this machine) and --port")
         raise BitNetError(f"cannot listen on {host}:{port}: {e.strerror or e}", hint=hint)
-    if not keep:
-        sock.close()
-        return None
     return sock
 
 
@@ -395,7 +384,8 @@ def main(args) -> int:
     if args.models_dir or args.models_cache:
         return serve_models(args, keys)
     if args.ray_replicas:
-        bind_port(args.host, args.port, keep=False)   # before Ray's minutes of start-up, not after
+        fit_open_files(args, per_connection=2)   # each connection of the front holds one to Ray's proxy too
+        sock = bind_port(args.host, args.port)   # before Ray's minutes of start-up, not after; the front's
         from ..engine.errors import BitNetError
         try:
             from ..serve.ray_app import run_ray
@@ -407,8 +397,12 @@ def main(args) -> int:
         # the model resolved (a hub id converted once, here) and opened before Ray starts: a missing or unreadable
         # one is one line and exit 2, as the plain server says it, not replicas restarted for ever
         from ..engine.api import resolve_store
-        args.model = resolve_store(args.model)
-        return run_ray(args, sampling, api_keys=keys, limits=limits_from_args(args))
+        try:
+            args.model = resolve_store(args.model)
+        except BaseException:
+            sock.close()
+            raise
+        return run_ray(args, sampling, api_keys=keys, limits=limits_from_args(args), sock=sock)
 
     import uvicorn
 

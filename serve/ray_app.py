@@ -45,7 +45,7 @@ def build(model: str | None = None, *, threads: int | None = 1, parallel: int = 
         return eng
 
     # limits: body, headers, request time (serve/limits.py's middleware); connections and slow clients are
-    # the Ray proxy's to bound (bitnet serve refuses those flags beside --ray-replicas)
+    # bounded by `bitnet serve --ray-replicas`' front (serve/ray_front.py), not under `serve run`
     fastapi_app = create_app(_preloaded_or(load), api_key=api_key, sampling=sampling, model_id=alias,
                              strict_model=strict_model,
                              api_keys=api_keys, limits=limits, metrics_public=metrics_public, cors_origins=cors_origins,
@@ -287,14 +287,15 @@ class _StoppedStarting(BaseException):
         self.sig = sig
 
 
-def run_ray(args, sampling=None, api_keys: tuple = (), limits=None) -> int:
+def run_ray(args, sampling=None, api_keys: tuple = (), limits=None, sock=None) -> int:
     """`bitnet serve --ray-replicas N`: a private local Ray instance, started here and stopped here with
     everything it ran (a Ray cluster already on the machine, or named by RAY_ADDRESS, is never joined: it served
     on that cluster's port and its stop shut down every Serve app there), the deployment on host:port,
     Ctrl-C/SIGTERM stop; sampling: the server-wide SamplingParams defaults (from the command's flags);
     args.model: a store the CLI has resolved and opened. A signal during the start stops Ray and returns
     128 + its number (Ray's start only polls, so it was waited out: minutes, or for ever when the replicas never
-    came up)."""
+    came up). HTTP reaches Ray Serve's proxy (on a private loopback port) through the front of serve/ray_front.py
+    on host:port (`sock`, bound by the caller; here when None), with the plain server's connection limits."""
     import signal
     import sys
     import threading
@@ -336,7 +337,19 @@ def run_ray(args, sampling=None, api_keys: tuple = (), limits=None) -> int:
     _lengthen_proxy_wait()
     _become_subreaper()
     _quiet_ray_output(stop.is_set)
+    from .limits import Limits
+    from .ray_front import Front, listen, private_port, replica_limits
+    limits = limits or Limits()
+    if sock is None:
+        try:
+            sock = listen(args.host, args.port)
+        except OSError as e:
+            raise BitNetError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
+    proxy_port = private_port()
+    front = Front(sock, f"http://127.0.0.1:{proxy_port}", limits, keep_alive=args.keep_alive_timeout,
+                  drain_s=args.drain_timeout, log_level=args.log_level)
     try:
+        front.start()   # answers 503 + Retry-After until the replicas are up, as the plain server while it loads
         try:
             # address="local": always a new instance, never a cluster found on the machine
             ray.init(address="local", include_dashboard=False, logging_level="ERROR", log_to_driver=False)
@@ -352,7 +365,8 @@ def run_ray(args, sampling=None, api_keys: tuple = (), limits=None) -> int:
         on_stop_signals()
         _quiet_ray_output(stop.is_set)
         try:
-            serve.start(http_options={"host": args.host, "port": args.port})
+            # Ray's proxy on loopback, reached only through the front on --host/--port
+            serve.start(http_options={"host": "127.0.0.1", "port": proxy_port})
         except Exception as e:   # its controller or HTTP proxy actor died (a machine out of memory, a lost port)
             first = (str(e).strip().splitlines() or [type(e).__name__])[0]
             raise BitNetError(f"Ray Serve did not start: {first[:300]}",
@@ -365,7 +379,7 @@ def run_ray(args, sampling=None, api_keys: tuple = (), limits=None) -> int:
                             max_queue=args.max_queue, api_key=args.api_key, replicas=args.ray_replicas, kv=args.kv,
                             lookup=lookup_from_flags(args.draft_max, args.lookup_ngram_min),
                             sampling=sampling, mmap=args.mmap, alias=args.alias,
-                            strict_model=args.strict_model_name, api_keys=api_keys, limits=limits,
+                            strict_model=args.strict_model_name, api_keys=api_keys, limits=replica_limits(limits),
                             metrics_public=args.metrics_public, cors_origins=tuple(args.cors_origin or ()),
                             chat_template=getattr(args, "chat_template_text", None),
                             chat_template_source=getattr(args, "chat_template_flag", None),
@@ -389,6 +403,7 @@ def run_ray(args, sampling=None, api_keys: tuple = (), limits=None) -> int:
             for w in handle.warnings.remote().result(timeout_s=60):
                 print(f"bitnet serve: warning: {w}", file=sys.stderr, flush=True)
         starting[0] = False
+        front.ready.set()
         print(f"bitnet serve: {args.ray_replicas} Ray Serve replicas on http://{args.host}:{args.port}",
               file=sys.stderr, flush=True)
         stop.wait()
@@ -398,6 +413,8 @@ def run_ray(args, sampling=None, api_keys: tuple = (), limits=None) -> int:
     finally:
         starting[0] = False
         stop.set()   # from here Ray's reports of what the shutdown kills are expected, not news
+        with contextlib.suppress(Exception):   # first: requests in flight get --drain-timeout, then Serve and Ray
+            front.stop()
         # only where Ray is up (always the instance started above: address="local"): serve.shutdown() without a
         # client looks one up, which started a second, complete local Ray (24-30 s, agents once left behind) when
         # a signal had cut ray.init() short
