@@ -88,6 +88,11 @@ class ConstraintError(BitNetError):
         self.where = where
 
 
+class GrammarBusyError(QueueFullError):
+    """Every compile slot of the grammar engine stayed taken (by other requests' schemas or grammars) for as long
+    as a request may wait for one: the server is busy, the spec is not at fault (a server answers 503, to retry)."""
+
+
 def json_text(value, limit: int = 80) -> str:
     """A request's value as JSON spells it (true, null, double quotes, arrays: not Python's True, None, 'x',
     tuples), cut at `limit` characters (an image's base64 is not echoed back whole)."""

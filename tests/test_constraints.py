@@ -238,13 +238,15 @@ def test_a_mask_queued_at_fork_is_computed_in_the_child(llm):
     it itself (the queued job never runs there) and gets the mask a fresh matcher gets."""
     import threading
 
-    from bitnet_cpu.engine.runtime.constraints import _mask_pool
+    from bitnet_cpu.engine.runtime.constraints import MASK_WORKERS, _mask_pool
 
     c = llm.compile_constraint(PERSON)
     n = c.n_vocab
-    busy, release = threading.Event(), threading.Event()
-    _mask_pool().submit(lambda: (busy.set(), release.wait(60)))   # the pool's one thread, taken
-    busy.wait(30)
+    busy, release = [threading.Event() for _ in range(MASK_WORKERS)], threading.Event()
+    for b in busy:   # every thread of the pool, taken
+        _mask_pool().submit(lambda b=b: (b.set(), release.wait(60)))
+    for b in busy:
+        b.wait(30)
     m = c.matcher()
     m.start_mask()   # queued behind it
 

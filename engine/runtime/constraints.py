@@ -29,16 +29,23 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from decimal import Decimal
-from decimal import Decimal
 
 import numpy as np
 
-from ..errors import BitNetError, ConstraintError, json_text
+from ..errors import BitNetError, ConstraintError, GrammarBusyError, json_text, shown_number
+from .grammar_cost import MAX_REPEAT_COST, regex_cost, too_costly
 
 KINDS = ("json_object", "json_schema", "regex", "gbnf", "lark")
 MAX_SPEC_BYTES = 256 << 10          # a schema or grammar larger than this is refused before compiling
-COMPILE_TIMEOUT_S = 10.0            # a spec whose compilation takes longer is refused (the work is abandoned)
-CACHE_SPECS = 64                    # compiled specs kept per tokenizer (LRU)
+# What a spec may cost is judged before compiling, by its text (grammar_cost.MAX_REPEAT_COST, MAX_SPEC_BYTES), the
+# same answer every time. The time limit is the last resort for what that misses: a compile past it is refused (400),
+# and runs on to its end in the background, holding its compile slot (it cannot be stopped inside the engine).
+COMPILE_TIMEOUT_S = 60.0            # a spec whose compilation (with its first mask) takes longer is refused
+COMPILE_SLOTS = 2                   # compiles that run at once, in the whole process; others wait for a slot
+COMPILE_WAIT_S = 30.0               # a request that waited this long for a slot gets GrammarBusyError (503)
+CACHE_SPECS = 64                    # compiled specs kept per tokenizer (LRU) ...
+# ... and the memory they may hold together (each one's estimate: the process's RSS growth while it compiled)
+CACHE_BYTES = int(os.environ.get("BITNET_GRAMMAR_CACHE_MB", "256")) << 20
 # compact JSON with OpenAI's separators: the model cannot pad an answer with endless whitespace, and more of
 # the text is forced (jump-forward) instead of sampled
 JSON_OPTIONS = {"whitespace_flexible": False}
@@ -118,23 +125,64 @@ class Constraint:
                               f"got {value!r:.60}",
                               where=where)
 
+    def _surrogate(self, e: UnicodeEncodeError) -> ConstraintError:
+        return ConstraintError(f"{self.where}: holds a lone UTF-16 surrogate (\\u{ord(e.object[e.start]):04x}): "
+                               "not text", where=self.where)
+
+    def refuse_costly(self):
+        """ConstraintError for a spec too large or too costly by its text alone (MAX_SPEC_BYTES, repeat_problem):
+        judged the same way every time, before anything is compiled."""
+        try:
+            size = len(self.source.encode("utf-8"))
+        except UnicodeEncodeError as e:
+            raise self._surrogate(e) from None
+        if size > MAX_SPEC_BYTES:
+            raise ConstraintError(f"{self.where}: {size} bytes is larger than the"
+                                  f" {MAX_SPEC_BYTES >> 10} KiB limit for a schema or grammar", where=self.where)
+        problem = repeat_problem(self)
+        if problem:
+            raise ConstraintError(f"{self.where}: {problem}", where=self.where)
+
     def grammar(self) -> str:
         """The spec as an llguidance grammar (JSON text)."""
         try:
             return self._grammar()
         except UnicodeEncodeError as e:   # a lone surrogate in a pattern or a schema's string: as a prompt's
-            raise ConstraintError(f"{self.where}: holds a lone UTF-16 surrogate (\\u{ord(e.object[e.start]):04x}): "
-                                  "not text", where=self.where) from None
+            raise self._surrogate(e) from None
         except (ValueError, TypeError, OverflowError, RecursionError) as e:
             # llguidance's own refusals of a spec it cannot represent (an integer past 64 bits in a schema)
             raise ConstraintError(f"{self.where}: cannot be enforced: {_one_line(e)}", where=self.where) from None
 
+    def _refused_step(self) -> str | None:
+        """The grammar engine's "Value for 'multipleOf' has too many digits: 9999999999999992" (for 1e-300: its own
+        reading of the double, not the number sent) said with the client's value and where it stands: the first
+        multipleOf of the schema that the engine refuses alone."""
+        from llguidance import LLMatcher
+        try:
+            schema = json.loads(self.source)
+        except ValueError:
+            return None
+        for ptr, node in _schema_nodes(schema):
+            v = node.get("multipleOf")
+            if not _is_num(v):
+                continue
+            try:
+                alone = LLMatcher.grammar_from_json_schema(_schema_copy({"type": "number", "multipleOf": v},
+                                                                        _decimal_steps))
+                refused = bool(LLMatcher.validate_grammar(alone))
+            except (ValueError, TypeError, OverflowError):
+                refused = True
+            if refused:
+                return (f"{_pointer(ptr)}: multipleOf {_short_number(v)}: the grammar engine writes "
+                        "multiples of a step of at most 9 significant digits, down to about 10^-10 (it reads the step "
+                        "as a double: 123456789012345 and 1e-20 are past it); use a shorter step, or check the "
+                        "multiple after parsing")
+        return None
+
     def _grammar(self) -> str:
         from llguidance import LLMatcher
 
-        if len(self.source.encode("utf-8")) > MAX_SPEC_BYTES:
-            raise ConstraintError(f"{self.where}: {len(self.source.encode('utf-8'))} bytes is larger than the"
-                                  f" {MAX_SPEC_BYTES >> 10} KiB limit for a schema or grammar", where=self.where)
+        self.refuse_costly()
         if self.kind == "json_object":
             return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
         if self.kind == "json_schema":
@@ -236,7 +284,8 @@ def unenforceable(schema) -> str | None:
                              "write exactly (it reads numbers as doubles, and past 64 bits writes a double's shortest "
                              "digits: 2^64 as 18446744073709552000); give it as a string")
         if _integers_only(out):
-            past = [f"{k} {out[k]!r:.40}" for k in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum")
+            past = [f"{k} {_short_number(out[k])}" for k in ("minimum", "exclusiveMinimum", "maximum",
+                                                             "exclusiveMaximum")
                     if _is_num(out.get(k)) and (out[k] > INT_BOUND if "min" in k else out[k] < -INT_BOUND)]
             if past:
                 found.append(f"{past[0]}: no integer the grammar engine can write is within it (it holds integers "
@@ -247,6 +296,14 @@ def unenforceable(schema) -> str | None:
         return out
     _schema_copy(schema, fix)
     return found[0] if found else None
+
+
+def _short_number(v) -> str:
+    """A number of the request as a message shows it: every digit up to 40 (10^39 is not cut to look like
+    10^39 when it was 10^300), else its first digits and its size (1000000000... (301 digits))."""
+    text = shown_number(v)
+    digits = text.lstrip("-")
+    return text if len(digits) <= 40 or not digits.isdigit() else f"{text[:20]}... ({len(digits)} digits)"
 
 
 def _key_counts(out) -> str | None:
@@ -643,31 +700,88 @@ def _pointer(ptr: str) -> str:
     return f"at {ptr}" if ptr else "at the schema's root"
 
 
+def _schema_nodes(node, ptr: str = ""):
+    """(JSON pointer, node) for every schema node of a JSON Schema, parents first (values under const / enum /
+    default / examples are not schemas)."""
+    stack = [(ptr, node)]
+    while stack:   # iterative: a schema may nest deeper than Python's recursion limit
+        ptr, node = stack.pop()
+        if isinstance(node, list):
+            stack.extend((f"{ptr}/{i}", x) for i, x in reversed(list(enumerate(node))))
+            continue
+        if not isinstance(node, dict):
+            continue
+        yield ptr, node
+        subs = []
+        for k, v in node.items():
+            if k in _DATA_KEYWORDS:
+                continue
+            key = k.replace("~", "~0").replace("/", "~1")
+            if k in _SCHEMA_MAPS and isinstance(v, dict):
+                subs.extend((f"{ptr}/{key}/{name.replace('~', '~0').replace('/', '~1')}", sub)
+                            for name, sub in v.items())
+            else:
+                subs.append((f"{ptr}/{key}", v))
+        stack.extend(reversed(subs))
+
+
+def _pattern_cost(pattern: str) -> int:
+    """A JSON Schema pattern's repeat cost (grammar_cost), as the grammar engine gets it (ECMA's syntax read as
+    ecma_pattern writes it); 0 for a pattern refused for its syntax (that refusal comes later, in its words)."""
+    try:
+        rest, beside = split_lookaheads(pattern)
+        return max(regex_cost(rx) for rx in (ecma_pattern(rest), *beside))
+    except ValueError:
+        return 0
+
+
+_LARK_REGEX = re.compile(r"/((?:\\.|[^/\\\n])+)/")
+
+
+def repeat_problem(spec: "Constraint") -> str | None:
+    """Why a spec costs the grammar engine too much to enforce, by its text alone (grammar_cost's measure of
+    counted repetitions, MAX_REPEAT_COST), with where it stands (a JSON pointer, a GBNF rule), the pattern and the
+    limit; None: it does not. Cheap (one pass over the text), so it runs before any compile starts."""
+    if spec.kind == "regex":
+        cost = regex_cost(spec.source)
+        return f"regex {json_text(spec.source, 120)}: {too_costly(cost)}" if cost > MAX_REPEAT_COST else None
+    if spec.kind == "json_schema":
+        try:
+            schema = json.loads(spec.source)
+        except (ValueError, RecursionError):
+            return None   # refused later, in the schema's own words
+        for ptr, node in _schema_nodes(schema):
+            keys = node.get("patternProperties")
+            for what, pattern in [("pattern", node.get("pattern")),
+                                  *(("patternProperties key pattern", k) for k in
+                                    (keys if isinstance(keys, dict) else ()))]:
+                cost = _pattern_cost(pattern) if isinstance(pattern, str) else 0
+                if cost > MAX_REPEAT_COST:
+                    at = _pointer(ptr) + ("/patternProperties" if what != "pattern" else "")
+                    return f"{at}: {what} {json_text(pattern, 120)}: {too_costly(cost)}"
+        return None
+    if spec.kind == "gbnf":
+        from .gbnf import GbnfError, gbnf_costs
+        try:
+            gbnf_costs(spec.source)
+        except GbnfError as e:
+            return f"GBNF grammar: {_one_line(e)}"
+        return None
+    if spec.kind == "lark":   # its regex terminals (/.../); its rules' own repetitions are the engine's to bound
+        for found in _LARK_REGEX.finditer(spec.source):
+            cost = regex_cost(found.group(1))
+            if cost > MAX_REPEAT_COST:
+                return f"Lark grammar: regex /{found.group(1)[:120]}/: {too_costly(cost)}"
+    return None
+
+
 def unwritable_strings(schema) -> str | None:
     """A JSON Schema's string and array keywords the grammar engine refuses in words of its own, said with where
     they stand (a JSON pointer into the schema as sent), the pattern as the client wrote it, and what to write
     instead: a pattern it cannot read (a look-around past split_lookaheads', a back-reference, a construct it reads
     otherwise than ECMA-262), a format it does not know (pydantic's bytes is format binary), and uniqueItems true
     (pydantic's set[...]). None: none of these."""
-    def nodes(node, ptr):
-        if isinstance(node, list):
-            for i, x in enumerate(node):
-                yield from nodes(x, f"{ptr}/{i}")
-            return
-        if not isinstance(node, dict):
-            return
-        yield ptr, node
-        for k, v in node.items():
-            if k in _DATA_KEYWORDS:
-                continue
-            key = k.replace("~", "~0").replace("/", "~1")
-            if k in _SCHEMA_MAPS and isinstance(v, dict):
-                for name, sub in v.items():
-                    yield from nodes(sub, f"{ptr}/{key}/{name.replace('~', '~0').replace('/', '~1')}")
-            else:
-                yield from nodes(v, f"{ptr}/{key}")
-
-    for ptr, node in nodes(schema, ""):
+    for ptr, node in _schema_nodes(schema):
         pattern = node.get("pattern")
         if isinstance(pattern, str):
             problem = _pattern_problem(pattern)
@@ -912,7 +1026,10 @@ def _bounded(out):
 def parser_limits():
     """llguidance's resource limits, two of them raised: a schema of a few thousand properties (OpenAI takes up
     to 5,000) passes the lexer's initial fuel (default 1M, ~20 ms) and an Earley row's items (default 2,000).
-    The per-step limits, which bound each token's mask, stay llguidance's."""
+    The per-step limits stay llguidance's (step_lexer_fuel 200k, step_max_items 50k, max_lexer_states 250k):
+    a mask past them is an error that ends its own request (finish_reason "error"), never a stall. They do not
+    bound the cost of nested counted repetitions ((a{1000}){1000} ran 0.3-2.5 s a mask with step_lexer_fuel
+    20k, max_lexer_states 5k or step_max_items 5k alike): repeat_problem refuses those before compiling."""
     from llguidance import LLParserLimits
     return LLParserLimits(initial_lexer_fuel=20_000_000, max_items_in_row=20_000, verbose_errors=False)
 
@@ -928,7 +1045,7 @@ def check(spec: Constraint) -> Constraint:
 
     err = LLMatcher.validate_grammar(spec.grammar(), limits=parser_limits())
     if err:
-        raise ConstraintError(f"{spec.where}: cannot be enforced: {_one_line(err)}", where=spec.where)
+        raise ConstraintError(f"{spec.where}: cannot be enforced: {engine_error(err, spec)}", where=spec.where)
     return spec
 
 
@@ -936,6 +1053,20 @@ def _text(value, where: str) -> str:
     if not isinstance(value, str) or not value:
         raise ConstraintError(f"{where}: expected a non-empty string", where=where)
     return value
+
+
+def engine_error(e, spec: "Constraint | None" = None) -> str:
+    """One line of the grammar engine's refusal of a compiled grammar, in the client's terms: its JSON reader's
+    "recursion limit exceeded at line 1 column 2220" points into the engine's internal grammar text, not the
+    schema: it says the nesting limit instead; a multipleOf it cannot write is named as the client sent it."""
+    text = _one_line(e)
+    if spec is not None and spec.kind == "json_schema" and "'multipleOf'" in text:
+        text = spec._refused_step() or text
+    if "recursion limit exceeded" in text:
+        return ("nested too deeply for the grammar engine: it reads the schema as JSON at most 128 levels deep (a "
+                "nested object takes two levels, an array's items one: about 60 objects inside each other); "
+                "nest it less, or name the inner parts in $defs and use $ref")
+    return text
 
 
 def _one_line(e) -> str:
@@ -1022,22 +1153,68 @@ def _ll_tokenizer(tok, n_vocab: int):
     return LLTokenizer(TokenizerWrapper(_SentencePieceVocab(tok, n_vocab)), n_vocab=n_vocab, eos_token=eos)
 
 
+_COMPILE_SLOTS = threading.BoundedSemaphore(COMPILE_SLOTS)
+
+
+def _rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+class _Job:
+    """One spec's compile, shared by every request for that spec while it runs (a second request waits for it
+    instead of starting another). done: set when it ended; then exactly one of compiled / error is set."""
+
+    def __init__(self, where: str):
+        self.where = where   # the field of the request that started it (its refusals are worded so)
+        self.done = threading.Event()
+        self.compiled: CompiledConstraint | None = None
+        self.error: ConstraintError | None = None
+
+
 class _Compiler:
     """One per tokenizer: the llguidance tokenizer (built once: ~0.1 s for a small vocabulary, 6-10 s for 128k
     tokens on 2 busy cores: the server builds it in the background after loading, Engine.warm_constraints) and
-    the LRU of compiled specs."""
+    the LRU of compiled specs, bounded in count (CACHE_SPECS) and in estimated bytes (CACHE_BYTES).
+
+    A compile runs on a thread of its own, at most COMPILE_SLOTS at a time in the process (a request waits up to
+    COMPILE_WAIT_S for a slot, then GrammarBusyError); a spec asked for while its compile runs joins that compile.
+    A compile past COMPILE_TIMEOUT_S is refused to its requests and runs on to its end (the engine cannot be
+    stopped mid-compile), in its slot, so abandoned compiles never pile up; what it built is then cached (the
+    next request for it is served at once), and a spec refused for what it is stays refused without compiling
+    again (_refused)."""
 
     def __init__(self, tok, n_vocab: int):
         self.tok, self.n_vocab = tok, n_vocab
         self._ll = None
         self._lock = threading.Lock()
         self._cache: OrderedDict[tuple, CompiledConstraint] = OrderedDict()
+        self._sizes: dict[tuple, int] = {}       # a cached spec's estimated bytes
+        self._refused: OrderedDict[tuple, ConstraintError] = OrderedDict()
+        self._jobs: dict[tuple, _Job] = {}       # the compiles running now
+        self.compiles_started = 0                # compile threads started (a statically refused spec starts none)
+
+    @property
+    def cached_bytes(self) -> int:
+        with self._lock:
+            return sum(self._sizes.values())
 
     def ll(self):
         with self._lock:
             if self._ll is None:
                 self._ll = _ll_tokenizer(self.tok, self.n_vocab)
             return self._ll
+
+    @staticmethod
+    def _as_theirs(e: ConstraintError, job_where: str, spec: Constraint) -> ConstraintError:
+        """A refusal of a compile another request started, in this request's words (its field's name)."""
+        text = str(e)
+        if spec.where != job_where and text.startswith(job_where + ":"):
+            text = spec.where + text[len(job_where):]
+        return ConstraintError(text, where=spec.where)
 
     def compile(self, spec: Constraint) -> "CompiledConstraint":
         key = (spec.kind, spec.source)
@@ -1047,51 +1224,97 @@ class _Compiler:
                 self._cache.move_to_end(key)
                 return CompiledConstraint(spec, hit._template, self.n_vocab,   # this spec's where / jump_forward
                                           hit.complete_at_start)
+            refused = self._refused.get(key)
+        if refused is not None:
+            raise self._as_theirs(refused, refused.where, spec)
+        spec.refuse_costly()   # by the text alone, before any thread or slot: the same answer under any load
         ll = self.ll()
-        box: dict = {}
-
-        def build():   # llguidance drops the GIL while it compiles; a runaway compile is abandoned, not awaited
-            from llguidance import LLMatcher
-            try:   # the spec's conversion too (a large GBNF grammar's analysis) counts in the time limit
-                grammar = spec.grammar()
-            except Exception as e:   # raised again on the caller's thread
-                box["refused"] = e
-                return
-            m = LLMatcher(ll, grammar, log_level=0, limits=parser_limits())
-            box["m"] = m
-            if not m.is_error():   # the first step's work (its mask, forced tokens) fails here, not mid-request
-                probe = m.deep_copy()
-                words = np.zeros((self.n_vocab + 31) // 32, np.int32)
-                probe.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
-                if spec.jump_forward and not probe.is_error():
-                    probe.compute_ff_tokens()
-                if probe.is_error():   # NoExtensionBias: no token can begin any text the grammar takes
-                    err = probe.get_error()
-                    box["error"] = "no text matches it" if err.startswith("NoExtension") else err
-                elif not words.any():
-                    box["error"] = "no text matches it"
-                else:   # only end of text at the start (root ::= ""): is_stopped() says so only after a token
-                    allowed = np.unpackbits(words.view(np.uint8), count=self.n_vocab, bitorder="little")
-                    box["complete"] = set(np.flatnonzero(allowed).tolist()) <= set(self.tok.eos_ids)
-
-        worker = threading.Thread(target=build, name="bitnet-grammar-compile", daemon=True)
-        worker.start()
-        worker.join(COMPILE_TIMEOUT_S)
-        if worker.is_alive():
-            raise ConstraintError(f"{spec.where}: compiling it took more than {COMPILE_TIMEOUT_S:g} s; simplify the"
-                                  " schema or grammar", where=spec.where)
-        if "refused" in box:
-            raise box["refused"]
-        m = box.get("m")
-        if m is None or m.is_error() or "error" in box:
-            msg = box.get("error") or (m.get_error() if m is not None else "the grammar engine failed")
-            raise ConstraintError(f"{spec.where}: cannot be enforced: {_one_line(msg)}", where=spec.where)
-        compiled = CompiledConstraint(spec, m, self.n_vocab, box.get("complete", False))
         with self._lock:
-            self._cache[key] = compiled
-            while len(self._cache) > CACHE_SPECS:
-                self._cache.popitem(last=False)
-        return compiled
+            hit = self._cache.get(key)   # (one that ended since the first look)
+            job = self._jobs.get(key)
+            mine = job is None and hit is None
+            if mine:
+                job = self._jobs[key] = _Job(spec.where)
+        if hit is not None:
+            return CompiledConstraint(spec, hit._template, self.n_vocab, hit.complete_at_start)
+        if mine:
+            if not _COMPILE_SLOTS.acquire(timeout=COMPILE_WAIT_S):
+                with self._lock:
+                    self._jobs.pop(key, None)
+                job.error = GrammarBusyError(
+                    f"{spec.where}: the server is busy compiling other schemas or grammars ({COMPILE_SLOTS} at a "
+                    f"time; waited {COMPILE_WAIT_S:g} s for a turn); retry later")
+                job.done.set()
+                raise job.error
+            with self._lock:
+                self.compiles_started += 1
+            threading.Thread(target=self._run, args=(spec, ll, key, job), name="bitnet-grammar-compile",
+                             daemon=True).start()
+        if not job.done.wait(COMPILE_TIMEOUT_S):
+            raise ConstraintError(f"{spec.where}: compiling it took more than {COMPILE_TIMEOUT_S:g} s, past the"
+                                  " limit for a schema or grammar; simplify it", where=spec.where)
+        if job.error is not None:
+            if isinstance(job.error, GrammarBusyError):
+                raise job.error
+            raise self._as_theirs(job.error, job.where, spec)
+        return CompiledConstraint(spec, job.compiled._template, self.n_vocab, job.compiled.complete_at_start)
+
+    def _run(self, spec: Constraint, ll, key: tuple, job: _Job):
+        """The compile thread: build, then cache (or note the refusal), give the slot back, wake the waiters."""
+        rss0 = _rss_bytes()
+        try:
+            try:
+                job.compiled = self._build(spec, ll)
+            except ConstraintError as e:
+                job.error = e
+            except Exception as e:   # a failure of the engine or the process (memory): this request's, not kept
+                job.error = ConstraintError(f"{spec.where}: cannot be enforced: {_one_line(e)}", where=spec.where)
+                job.error.transient = True
+            with self._lock:
+                if job.compiled is not None:
+                    # its estimated size: the memory the process took while building it (what its matcher keeps:
+                    # ~350 MB for (a{1000}){1000}, now refused before compiling); at least its grammar's text
+                    size = max(_rss_bytes() - rss0, 2 * len(spec.source.encode("utf-8")), 64 << 10)
+                    if size <= CACHE_BYTES:
+                        self._cache[key], self._sizes[key] = job.compiled, size
+                        while len(self._cache) > CACHE_SPECS or sum(self._sizes.values()) > CACHE_BYTES:
+                            old, _ = self._cache.popitem(last=False)
+                            self._sizes.pop(old, None)
+                elif not getattr(job.error, "transient", False):   # the spec's own fault: the same every time
+                    self._refused[key] = job.error
+                    while len(self._refused) > 256:
+                        self._refused.popitem(last=False)
+                self._jobs.pop(key, None)
+        finally:
+            _COMPILE_SLOTS.release()
+            job.done.set()
+
+    def _build(self, spec: Constraint, ll) -> "CompiledConstraint":
+        """The spec compiled (llguidance drops the GIL while it compiles), with its first mask and forced tokens
+        computed, so that they fail here and not mid-request. ConstraintError: it cannot be enforced."""
+        from llguidance import LLMatcher
+        grammar = spec.grammar()   # the spec's conversion too (a large GBNF grammar's analysis) counts in the time
+        m = LLMatcher(ll, grammar, log_level=0, limits=parser_limits())
+        if m.is_error():
+            raise ConstraintError(f"{spec.where}: cannot be enforced: {engine_error(m.get_error(), spec)}",
+                                  where=spec.where)
+        probe = m.deep_copy()
+        words = np.zeros((self.n_vocab + 31) // 32, np.int32)
+        probe.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
+        if spec.jump_forward and not probe.is_error():
+            probe.compute_ff_tokens()
+        if probe.is_error():   # NoExtensionBias: no token can begin any text the grammar takes
+            err = probe.get_error()
+            why = engine_error(err, spec)
+            raise ConstraintError(f"{spec.where}: cannot be enforced: "
+                                  f"{'no text matches it' if err.startswith('NoExtension') else why}",
+                                  where=spec.where)
+        if not words.any():
+            raise ConstraintError(f"{spec.where}: cannot be enforced: no text matches it", where=spec.where)
+        # only end of text at the start (root ::= ""): is_stopped() says so only after a token
+        allowed = np.unpackbits(words.view(np.uint8), count=self.n_vocab, bitorder="little")
+        complete = set(np.flatnonzero(allowed).tolist()) <= set(self.tok.eos_ids)
+        return CompiledConstraint(spec, m, self.n_vocab, complete)
 
 
 _COMPILERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -1128,11 +1351,17 @@ _MASK_POOL: ThreadPoolExecutor | None = None
 _MASK_POOL_LOCK = threading.Lock()
 
 
+MASK_WORKERS = max(1, min(4, os.cpu_count() or 1))   # masks of several constrained sequences at once
+
+
 def _mask_pool() -> ThreadPoolExecutor:
+    """The helper threads that compute masks during the forward pass (llguidance drops the GIL): MASK_WORKERS of
+    them, so one sequence's mask does not queue behind another's (each mask's own time is bounded by the
+    spec's repeat cost, grammar_cost)."""
     global _MASK_POOL
     with _MASK_POOL_LOCK:
         if _MASK_POOL is None:
-            _MASK_POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bitnet-mask")
+            _MASK_POOL = ThreadPoolExecutor(max_workers=MASK_WORKERS, thread_name_prefix="bitnet-mask")
         return _MASK_POOL
 
 
@@ -1141,12 +1370,14 @@ def _after_fork_in_child():
     the generation waited for ever (with the parent's LLM and with one loaded in the child alike). The child
     starts a pool of its own on first use, and gets new locks (one held by a thread of the parent at the fork,
     a warm-up building the grammar tokenizer, would be held for ever)."""
-    global _MASK_POOL, _MASK_POOL_LOCK, _COMPILERS_LOCK
+    global _MASK_POOL, _MASK_POOL_LOCK, _COMPILERS_LOCK, _COMPILE_SLOTS
     _MASK_POOL = None
     _MASK_POOL_LOCK = threading.Lock()
     _COMPILERS_LOCK = threading.Lock()
+    _COMPILE_SLOTS = threading.BoundedSemaphore(COMPILE_SLOTS)   # the parent's compiles hold none here
     for c in list(_COMPILERS.values()):
         c._lock = threading.Lock()
+        c._jobs = {}   # their threads are the parent's: a request here compiles afresh
 
 
 if hasattr(os, "register_at_fork"):

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import json
 
+from .grammar_cost import MAX_REPEAT_COST, too_costly
+
 MAX_REPETITION = 2000    # llama.cpp's MAX_REPETITION_THRESHOLD
 DIGITS = "0123456789"
 
@@ -357,6 +359,53 @@ def _pruned(x, finite: set):
             return ("lit", []) if x[2] == 0 else None
         return ("rep", inner, x[2], x[3])
     return x
+
+
+def _size_and_cost(x, sizes: dict) -> tuple[int, int]:
+    """(x written out, the repeat cost of x's own repetitions: grammar_cost's measure), the rules it names taken
+    at their size in `sizes` (one not there, a recursion, counts 1)."""
+    k = x[0]
+    if k == "lit":
+        return len(x[1]), 0
+    if k in ("cls", "tok"):
+        return 1, 0
+    if k == "ref":
+        return sizes.get(x[1], 1), 0
+    if k in ("seq", "alt"):
+        size = cost = 0
+        for y in x[1]:
+            a, b = _size_and_cost(y, sizes)
+            size, cost = min(_CAP, size + a), min(_CAP, cost + b)
+        return size, cost
+    size, cost = _size_and_cost(x[1], sizes)
+    times = x[3] if x[3] is not None else x[2]
+    if times <= 1 or x[1][0] == "cls" and x[1][1] and x[1][1] != ((x[1][1][0][0],) * 2,):
+        # a run of one class (of more than one character: [a] is a literal) is one step for the engine
+        return size, cost
+    return min(_CAP, size * times), min(_CAP, cost + size * times)
+
+
+_CAP = 10 ** 18
+
+
+def repeat_cost(rules: dict, refs: dict) -> tuple[str, int] | None:
+    """The first rule (in the order they are reached from root) whose counted repetitions cost more than
+    MAX_REPEAT_COST (grammar_cost), with that cost; None: none does. A rule named inside a repetition counts
+    at its written-out size: t ::= "a"{1000} and s ::= t{1000} make s cost 1,000,000."""
+    sizes: dict = {}
+    on_path, stack = {"root"}, [("root", iter(sorted(refs["root"])))]
+    while stack:   # rules after the ones they name (iterative: a chain may be 1000 rules deep)
+        nxt = next(stack[-1][1], None)
+        if nxt is None:
+            name = stack.pop()[0]
+            on_path.discard(name)
+            sizes[name], cost = _size_and_cost(rules[name], sizes)
+            if cost > MAX_REPEAT_COST:
+                return name, cost
+        elif nxt not in sizes and nxt not in on_path:
+            on_path.add(nxt)
+            stack.append((nxt, iter(sorted(refs[nxt]))))
+    return None
 
 
 def _finite_only(rules: dict, refs: dict) -> dict:
@@ -767,14 +816,25 @@ def _rule_depth(refs: dict) -> int:
     return deepest
 
 
-def gbnf_to_lark(text: str) -> str:
-    """A GBNF grammar as llguidance Lark (see the module's docstring); GbnfError when it does not parse or is
-    deeper than the engine can take."""
+def gbnf_costs(text: str) -> tuple[dict, dict]:
+    """(rules, the rules each names) of a GBNF grammar that parses and that the engine can take at an acceptable
+    cost (rule chains at most MAX_RULE_DEPTH deep, counted repetitions within MAX_REPEAT_COST): GbnfError naming
+    the rule otherwise. Linear in the text: a caller checks this before compiling anything."""
     rules = _Parser(text).grammar()
     refs = {n: _refs(b, set()) for n, b in rules.items()}
     depth = _rule_depth(refs)   # first: the analysis of a chain far too deep would take long before refusing it
     if depth > MAX_RULE_DEPTH:
         raise GbnfError(f"rules chained {depth} deep (each naming the next, from root): at most {MAX_RULE_DEPTH}; "
                         "write a repetition (x*, x{m,n}) or a recursive rule instead of a chain")
+    costly = repeat_cost(rules, refs)
+    if costly is not None:
+        raise GbnfError(f"rule {costly[0]}: {too_costly(costly[1])}")
+    return rules, refs
+
+
+def gbnf_to_lark(text: str) -> str:
+    """A GBNF grammar as llguidance Lark (see the module's docstring); GbnfError when it does not parse, is
+    deeper than the engine can take or costs it too much (gbnf_costs)."""
+    rules, refs = gbnf_costs(text)
     rules = _finite_only(rules, refs)
     return _Emitter(rules, _Analysis(rules)).lark()
