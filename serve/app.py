@@ -386,7 +386,7 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         """The request's structured-output spec (or its tool-call grammar) compiled for the model, off the event
         loop (a new schema takes ~10-100 ms to compile; repeats come from a cache), or None. A spec that cannot
         be enforced: 400 naming the field."""
-        from ..engine.errors import ConstraintError
+        from ..engine.errors import ConstraintError, GrammarBusyError
         try:
             spec = req.constraint()
             if spec is not None and tool_spec is not None:   # call tools, or answer in the format
@@ -394,6 +394,9 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
                 spec = with_answer_format(tool_spec, spec, forced=req.FORCED_CALL_FORMAT)
             spec = spec or tool_spec
             return None if spec is None else await asyncio.to_thread(eng.compile_constraint, spec)
+        except GrammarBusyError as e:   # every compile slot taken by other requests: to retry, not the spec's fault
+            raise APIError(503, str(e), "unavailable_error", code="grammar_busy", headers={"Retry-After": "5"}) \
+                from None
         except ConstraintError as e:
             raise APIError(400, str(e), param=e.where, code="invalid_constraint") from None
 

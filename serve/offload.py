@@ -102,7 +102,7 @@ def parse_bounded(body: bytes, n_ctx: int | None):
     try:
         return checked_text(body, _parse_bounded(body, n_ctx))
     except RecursionError:   # one line as every endpoint words it (FastAPI's own: "error parsing the body")
-        raise BodyRefused("request body is not valid JSON: nested too deeply", None, "invalid_json") from None
+        raise BodyRefused(too_deep(), None, "invalid_json") from None
     except UnicodeDecodeError:   # json.loads of bytes: not a JSONDecodeError, so FastAPI's vague "error parsing"
         raise BodyRefused("request body is not valid JSON: it is not UTF-8 text", None, "invalid_json") from None
 
@@ -112,9 +112,19 @@ def parse_bounded(body: bytes, n_ctx: int | None):
 NOT_JSON = (ValueError, RecursionError)
 
 
+def too_deep() -> str:
+    """The one line for a body nested deeper than the parser reads: it may be valid JSON (a schema 500 levels
+    deep is), so say the limit, not "not valid JSON"."""
+    import sys
+    return (f"request body is nested too deeply to be read: over about {sys.getrecursionlimit() - 100} levels of "
+            "objects and arrays in all (a JSON Schema takes two per nested object); nest it less")
+
+
 def not_json(e: BaseException) -> str:
     """The one line for a body loads refused with one of NOT_JSON."""
-    why = ": nested too deeply" if isinstance(e, RecursionError) else ": it is not UTF-8 text" \
+    if isinstance(e, RecursionError):
+        return too_deep()
+    why = ": it is not UTF-8 text" \
         if isinstance(e, UnicodeDecodeError) else "" if isinstance(e, json.JSONDecodeError) else f": {e}"
     return f"request body is not valid JSON{why}"
 

@@ -113,6 +113,7 @@ class OllamaError(Exception):
 class _Body(JSONTyped):
     model_config = ConfigDict(extra="ignore")
     _end_ids: list = PrivateAttr(default_factory=list)   # more tokens that end the answer (a middle's: fim.py)
+    _compile_ns: int = PrivateAttr(default=0)   # time its format / tools took to compile: in total_duration
 
     @model_validator(mode="before")
     @classmethod
@@ -443,12 +444,23 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
         return eng.think_splitter(prompt_ids, free_start) if body.think is not False else None
 
     async def constraint_of(eng, body: _Body, tool_spec=None):
-        from ..engine.errors import ConstraintError
+        """The request's format (with its tools' grammar) compiled; the time it took goes into body._compile_ns
+        (ollama's total_duration counts it: a new schema's compile was left out of it)."""
+        t0 = time.perf_counter()
+        try:
+            return await _constraint_of(eng, body, tool_spec)
+        finally:
+            body._compile_ns = _ns(time.perf_counter() - t0)
+
+    async def _constraint_of(eng, body: _Body, tool_spec=None):
+        from ..engine.errors import ConstraintError, GrammarBusyError
         from ..engine.runtime.constraints import Constraint
         fmt = body.format
         if fmt in (None, ""):
             try:
                 return None if tool_spec is None else await asyncio.to_thread(eng.compile_constraint, tool_spec)
+            except GrammarBusyError as e:
+                raise OllamaError(503, str(e)) from None
             except ConstraintError as e:
                 raise OllamaError(400, str(e)) from None
         try:
@@ -462,6 +474,8 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
                 from ..engine.runtime.tools import with_answer_format
                 spec = with_answer_format(tool_spec, spec)
             return await asyncio.to_thread(eng.compile_constraint, spec)
+        except GrammarBusyError as e:   # not the request's fault: to retry
+            raise OllamaError(503, str(e)) from None
         except ConstraintError as e:
             raise OllamaError(400, str(e)) from None
 
@@ -503,16 +517,16 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
             metrics.prompt_tokens.inc(len(prompt_ids))
         return stream, q
 
-    def final_fields(clock, final, load_ns: int = 0):
+    def final_fields(clock, final, load_ns: int = 0, compile_ns: int = 0):
         """load_ns: how long the request waited for its model's load (the router's, load_wait_ns): ollama counts
-        it in load_duration and total_duration."""
+        it in load_duration and total_duration; compile_ns: its format's compile, in total_duration."""
         st, t0, t_first = final.stats, clock.t0, clock.first
         now = time.perf_counter()
         clock.settle(st.n_generated)
         if metrics is not None:
             metrics.e2e.observe(now - t0)
         return {"done": True, "done_reason": DONE.get(final.finish_reason, "stop"),
-                "total_duration": _ns(now - t0) + load_ns, "load_duration": load_ns,
+                "total_duration": _ns(now - t0) + load_ns + compile_ns, "load_duration": load_ns,
                 "prompt_eval_count": st.n_prompt, "prompt_eval_duration": _ns((t_first or now) - t0),
                 "eval_count": st.n_generated, "eval_duration": _ns(now - (t_first or now))}
 
@@ -580,7 +594,7 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
                             final = ch
                             break
                     obj = {"model": model, "created_at": utc_iso(), **piece(""),
-                           **final_fields(clock, final, load_ns)}
+                           **final_fields(clock, final, load_ns, body._compile_ns)}
                     if body.logprobs and said.items[sent:]:   # tokens of no text of their own, said at the end
                         obj["logprobs"] = lp_list(said.items[sent:])
                     if extra_final:
@@ -615,7 +629,7 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
             return JSONResponse({"error": bad.message}, status_code=bad.status, headers=bad.headers)
         thinking, text, calls = parsed("".join(pieces), final.finish_reason)
         obj = {"model": model, "created_at": utc_iso(), **piece(text, calls, thinking),
-               **final_fields(clock, final, load_ns)}
+               **final_fields(clock, final, load_ns, body._compile_ns)}
         if body.logprobs:
             obj["logprobs"] = lp_list(said.items)
         if extra_final:

@@ -260,3 +260,25 @@ def test_an_answer_cut_by_a_stop_string_ends_stop_on_the_server_and_in_python(cl
     with httpx.stream("POST", server.url + "/v1/responses", json={**body, "stream": True}, timeout=120) as r:
         kinds = [line[len("event: "):] for line in r.iter_lines() if line.startswith("event: ")]
     assert kinds[-1] == "response.completed", kinds
+
+
+def test_a_pattern_of_nested_counts_is_a_400_naming_the_limit_on_every_route(server):
+    """A 24-byte pattern ^(a{1000}){1000}$ (or GBNF ([a]{1000}){1000}) was served at ~0.5 s per token, slowing
+    every other request 100-1000x and keeping ~400 MB: a 400 on every API that names the field, the pattern
+    and the limit, before anything is compiled."""
+    from bitnet_cpu.engine.runtime.grammar_cost import MAX_REPEAT_COST
+    heavy = {"type": "object", "properties": {"s": {"type": "string", "pattern": "^(a{1000}){1000}$"}},
+             "required": ["s"]}
+    routes = [("/v1/chat/completions", lambda s: {"messages": Q, "max_tokens": 8, "response_format": _fmt(s)},
+               "response_format.json_schema.schema"),
+              ("/completion", lambda s: {"prompt": "JSON:", "n_predict": 8, "json_schema": s}, "json_schema"),
+              ("/api/chat", lambda s: {"model": "m", "messages": Q, "stream": False, "format": s}, "format"),
+              ("/v1/chat/completions", lambda s: {"messages": Q, "max_tokens": 8, "tool_choice": "required",
+                                                  "tools": [{"type": "function", "function": {
+                                                      "name": "f", "parameters": s}}]}, "tools"),
+              ("/completion", lambda s: {"prompt": "x", "n_predict": 8,
+                                         "grammar": 'root ::= s\ns ::= ([a]{1000}){1000}'}, "rule s")]
+    for path, body, field in routes:
+        r = httpx.post(server.url + path, json=body(heavy), timeout=60)
+        assert r.status_code == 400 and f"{MAX_REPEAT_COST:,}" in r.text and field in r.text, (path, r.text)
+        assert "/properties/s" in r.text or "rule s" in r.text, (path, r.text)
