@@ -18,7 +18,7 @@ import threading
 import traceback
 from contextlib import contextmanager
 
-from ..engine.errors import ENDING_SIGNALS, Terminated, write_failed
+from ..engine.errors import ENDING_SIGNALS, ModelChangedError, Terminated, write_failed
 from .commands import (COMMANDS, CommandError, CommandInterrupted, completions, is_command, open_block, parse_command,
                        strip_block)
 from .session import ChatSession, ExitChat, terminal_gone
@@ -197,8 +197,8 @@ def handle_line(session: ChatSession, text: str) -> bool:
         session.had_errors = True
         if isinstance(e, CommandInterrupted) and session.ctrl_c_ends:   # a piped run: Ctrl-C ends it (exit 130)
             raise KeyboardInterrupt from None
-    except BrokenPipeError:   # stdout was closed (`| head`): not a bug; bitchat ends quietly (cli/chat.py)
-        raise
+    except (BrokenPipeError, ModelChangedError):   # stdout was closed (`| head`): not a bug; bitchat ends quietly;
+        raise   # the model file rewritten under it: bitchat ends with one line naming its recovery copy (cli/chat.py)
     except Exception as e:  # a bug must not take the transcript with it
         if write_failed(e) and not terminal_gone(e):   # stdout on a full disk: bitchat leaves, saying so (cli/chat.py)
             raise

@@ -24,7 +24,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import replace
 
-from ..engine.errors import ENDING_SIGNALS, Terminated
+from ..engine.errors import ENDING_SIGNALS, ModelChangedError, Terminated
 from ..engine.fileio import SETTINGS_FILE_MAX, read_settings_file
 from .commands import (OLLAMA_SET_WORDS, SETTING_ALIASES, SETTING_NAMES, THINK_WORDS, UNTIL_END, Command, CommandError,
                        CommandInterrupted, Settings, help_text, max_tokens_over_context, parse_setting,
@@ -532,6 +532,8 @@ class ChatSession:
                 return
             self.out.end_answer()
             self.out.notice("[interrupted]")   # the turn was already answered, or dropped
+        except ModelChangedError:   # bitchat ends (cli/chat.py): the turn stays unanswered in the recovery copy, as
+            raise                   # after the fault guard's exit
         except Exception as e:   # a bug mid-answer (handle_line reports it): the question still gets an answer, empty
             if terminal_gone(e) and turn.assistant is None and self.conv.last_turn() is turn:
                 # the terminal closed mid-answer (a write failed before its SIGHUP came): what was shown is kept,
@@ -640,6 +642,12 @@ class ChatSession:
                     interrupted = True
         except KeyboardInterrupt:   # a Ctrl-C that landed outside the loop (e.g. in close)
             interrupted = True
+        except ModelChangedError:   # the model file was rewritten under it: no later turn can be answered either;
+            self.out.end_answer()     # the turn is kept (unanswered) in the recovery copy the fatal line names
+            if pieces:
+                turn.assistant, turn.interrupted, turn.finish_reason = "".join(pieces), True, "error"
+            self._save_recovery()
+            raise
         except BitNetError as e:   # ContextOverflowError included: one line, the session goes on
             self.out.end_answer()
             if pieces:

@@ -129,7 +129,7 @@ def _guarded(args, settings: Settings, first_message: str | None = None) -> int:
 def _guarded_body(args, settings: Settings, first_message: str | None = None) -> int:
     import signal
 
-    from ..engine.errors import ENDING_SIGNALS, Terminated, raise_terminated
+    from ..engine.errors import EXIT_BAD_INPUT, ENDING_SIGNALS, ModelChangedError, Terminated, raise_terminated
 
     interactive = is_terminal(sys.stdin) and is_terminal(sys.stdout)
     out = Output(interactive=interactive)
@@ -158,6 +158,12 @@ def _guarded_body(args, settings: Settings, first_message: str | None = None) ->
         with contextlib.suppress(OSError):   # the terminal may be gone (SIGHUP)
             print(kept, file=sys.stderr)
         return 130 if isinstance(e, KeyboardInterrupt) else 128 + e.signum
+    except ModelChangedError as e:   # the model file was rewritten under the loaded model: no answer can be trusted
+        path = live[0].keep_recovery() if live else None
+        kept = f"; the conversation so far is saved in {path} (/load it in bitchat)" if path else ""
+        with contextlib.suppress(OSError):
+            print(f"bitchat: error: {e}{kept}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     except BrokenPipeError:
         from . import quiet_broken_pipe
 

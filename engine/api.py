@@ -488,7 +488,7 @@ class LLM(_Text):
         function of no arguments asked between prefill chunks (128 prompt tokens by default); once it returns true
         the prompt stops there (what was done stays cached) and the stream ends with one Chunk, finish_reason
         "cancelled" and no token (bitchat's Ctrl-C during a long prompt)."""
-        model = self._open_model()
+        model = self._open_model(run=True)
         if isinstance(prompt, (bytes, bytearray)):
             raise BitNetError("prompt: give text (str) or token ids, not bytes")
         if not isinstance(ignore_eos, (bool, np.bool_)):
@@ -497,9 +497,10 @@ class LLM(_Text):
         ids = self.tokenize(prompt, add_bos=True) if isinstance(prompt, str) else \
             self._in_vocab(token_ids(prompt), "prompt")
         compiled = self.compile_constraint(constraint)   # raised here, not at the first next()
-        return _generate(model, self.tokenizer, ids, params, max_tokens=max_tokens, stop=stop, load_s=self.load_s,
-                         ignore_eos=ignore_eos, lookup=lookup if lookup is not None else self.lookup,
-                         constraint=compiled, cancel=cancel)
+        return _told_changed(_generate(model, self.tokenizer, ids, params, max_tokens=max_tokens, stop=stop,
+                                       load_s=self.load_s, ignore_eos=ignore_eos,
+                                       lookup=lookup if lookup is not None else self.lookup, constraint=compiled,
+                                       cancel=cancel), self.store)
 
     def embed(self, texts: str | Sequence[str], *, pooling: str = "mean", normalize: int | None = None):
         """Embeddings [len(texts), hidden] f32 (a str: one row): each text with BOS through the model, the final-norm
@@ -519,7 +520,7 @@ class LLM(_Text):
                 raise ContextOverflowError(f"text {i + 1} of {len(all_ids)} has {len(ids)} tokens but the context "
                                            f"holds {self.n_ctx}", hint="raise the context or shorten the text",
                                            n_prompt_tokens=len(ids), n_ctx=self.n_ctx)
-        with self._cache("embed()"):
+        with self._cache("embed()", run=True):
             if pooling == "none":
                 return [embed_ids(self.model, ids, pooling) for ids in all_ids]
             out = np.zeros((len(all_ids), self.config.hidden_size), np.float32)
@@ -536,7 +537,7 @@ class LLM(_Text):
         "tokens_scored"}. BitNetError when `chunk` exceeds n_ctx or the text is shorter than one chunk. Leaves the
         last chunk in the KV cache."""
         from .runtime import perplexity as P
-        self._open_model()   # a closed model says so first (a short text was told it was shorter than a chunk)
+        self._open_model(run=True)   # a closed model says so first (a short text was told it was shorter than a chunk)
         # the arguments in this API's names (the runtime's checks name the command line's flags)
         chunk, stride = whole_number(chunk, "chunk", 4), whole_number(stride, "stride", 0)
         chunks = whole_number(chunks, "chunks", -1)
@@ -551,7 +552,7 @@ class LLM(_Text):
             self._in_vocab(token_ids(text, "text"), "text")
         runs = P.passes(len(ids), chunk, chunks, stride, self.tokenizer.text_bos)
         stats = P.NllStats()
-        with self._cache("perplexity()"):
+        with self._cache("perplexity()", run=True):
             for start, bos, first in runs:
                 for logits, targets in P.chunk_logits(self.model, ids[start: start + chunk], bos, first):
                     stats.add(logits, targets)
@@ -561,7 +562,7 @@ class LLM(_Text):
     def forward(self, ids: Sequence[int]) -> np.ndarray:
         """Logits [len(ids), vocab] f32 from a fresh cache (for tests)."""
         ids = self._in_vocab(token_ids(ids, "ids", text_ok=False), "ids")
-        with self._cache("forward()"):
+        with self._cache("forward()", run=True):
             return self.model.forward(ids)
 
     def reset(self):
@@ -569,22 +570,31 @@ class LLM(_Text):
             self.model.reset()
 
     @contextlib.contextmanager
-    def _cache(self, what: str):
+    def _cache(self, what: str, run: bool = False):
         """The KV cache, for a call (`what`) that runs it: a generate() in flight (this thread's or another's) is
-        superseded (its next step says by what) instead of sharing the cache."""
-        model = self._open_model()
+        superseded (its next step says by what) instead of sharing the cache. run: the call reads the weights (the
+        model file rewritten in place since the load is a ModelChangedError first)."""
+        model = self._open_model(run)
         with model.lock:
             model.generation += 1
             model.taken_by = what
-            yield
+            try:
+                yield
+            except BitNetError:
+                _raise_if_changed(self.store)
+                raise
 
     @property
     def cached_tokens(self) -> list[int]:
         return list(self._open_model().cache_ids)
 
-    def _open_model(self) -> Model:
+    def _open_model(self, run: bool = False) -> Model:
+        """The model; run: a call that reads the weights, refused (ModelChangedError) when the file they are mapped
+        from was rewritten in place since the load (one fstat per call, never per token)."""
         if self.model is None:
             raise BitNetError("this model is closed", hint="load it again with load_model()")
+        if run:
+            self.store.check_unchanged()
         return self.model
 
     def close(self):
@@ -605,6 +615,22 @@ class LLM(_Text):
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _raise_if_changed(store: Store) -> None:
+    """Where a run failed (NaN logits: "its weights are corrupt"), the cause when it is the file rewritten under the
+    mapping while the run read it: the file is fine, and re-converting it would not help."""
+    store.check_unchanged()
+
+
+def _told_changed(chunks: Iterator[Chunk], store: Store) -> Iterator[Chunk]:
+    """generate()'s chunks; a failure while the model file was rewritten under it is told as that
+    (_raise_if_changed)."""
+    try:
+        yield from chunks
+    except BitNetError:
+        _raise_if_changed(store)
+        raise
 
 
 def open_store(path: str, *, mmap: bool | None = None, progress: bool = True) -> Store:
@@ -732,7 +758,9 @@ def model_card(model: str | os.PathLike, *, chat_template: str | None = None) ->
             finally:
                 src.close()
         path = store_path
-    with Store(path, load="mmap") as s:
+    # the header and the index with plain reads, nothing mapped: a listing (the router's /api/tags, /api/show) of a
+    # file being rewritten meanwhile is an error for that file, never a SIGBUS ending the process
+    with Store(path, load="index") as s:
         return ModelCard(s.config, _display_name(s), template if template is not None else s.chat_template, path)
 
 

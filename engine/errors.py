@@ -61,6 +61,11 @@ class FormatError(BitNetError):
     """A model file is corrupt, truncated, or not what it claims to be."""
 
 
+class ModelChangedError(BitNetError):
+    """A model file was rewritten in place (`cp` over it, `rsync --inplace`) while it was loaded from its mapping:
+    what the engine would read now is another file's bytes through the old index. Load the model again."""
+
+
 class UnsupportedError(BitNetError):
     """A well-formed file uses something we do not support (architecture, tensor type, ...)."""
 

@@ -119,30 +119,59 @@ def read_settings_file(path: str, what: str, limit: int = SETTINGS_FILE_MAX) -> 
     return decode_text(data)
 
 
-def map_readonly(path: str, min_size: int, kind: str) -> tuple[mmap.mmap, int]:
-    """Map `path` read-only; raise FormatError if it cannot be opened or mapped, or is under `min_size` bytes."""
+def open_regular(path: str, min_size: int, kind: str):
+    """(open binary file object, its os.stat_result) of `path`; FormatError if it cannot be opened, is no regular
+    file, is empty or is under `min_size` bytes. The caller closes it."""
     try:   # looked at before the open: opening a FIFO waits for a writer (for ever)
         if not stat.S_ISREG(os.stat(path).st_mode):
             raise FormatError(f"{path}: not a regular file (a {kind} is read from a file)")
         fh = open(path, "rb")
     except OSError as e:
         raise FormatError(f"{path}: cannot open {kind}: {e.strerror}") from None
-    with fh:
+    try:
         st = os.fstat(fh.fileno())
         if not stat.S_ISREG(st.st_mode):
             raise FormatError(f"{path}: not a regular file (a {kind} is read from a file)")
-        size = st.st_size
-        if size == 0:
+        if st.st_size == 0:
             raise FormatError(f"{path}: the file is empty (0 bytes), not a {kind}",
                               hint="an interrupted download or copy? fetch the file again")
-        if size < min_size:
-            raise FormatError(f"{path}: not a {kind} (only {size} bytes, too short for a header)")
-        try:
-            mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
-        except (OSError, ValueError) as e:
-            raise FormatError(f"{path}: cannot map {kind}: {e}") from None
+        if st.st_size < min_size:
+            raise FormatError(f"{path}: not a {kind} (only {st.st_size} bytes, too short for a header)")
+    except BaseException:
+        fh.close()
+        raise
+    return fh, st
+
+
+def map_fd(fh, path: str, kind: str) -> mmap.mmap:
+    """Map the whole open file `fh` read-only, registered with the SIGBUS guard; FormatError if it cannot be."""
+    try:
+        mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+    except (OSError, ValueError) as e:
+        raise FormatError(f"{path}: cannot map {kind}: {e}") from None
     faults.watch_mapping(mm, path, kind)
-    return mm, size
+    return mm
+
+
+def read_at(fh, offset: int, n: int) -> bytes:
+    """Up to n bytes of the open file `fh` at `offset`, with plain reads (no mapping: a file cut short meanwhile
+    gives fewer bytes, never a SIGBUS)."""
+    out = []
+    while n > 0:
+        b = os.pread(fh.fileno(), min(n, 1 << 26), offset)
+        if not b:
+            break
+        out.append(b)
+        offset += len(b)
+        n -= len(b)
+    return b"".join(out)
+
+
+def map_readonly(path: str, min_size: int, kind: str) -> tuple[mmap.mmap, int]:
+    """Map `path` read-only; raise FormatError if it cannot be opened or mapped, or is under `min_size` bytes."""
+    fh, st = open_regular(path, min_size, kind)
+    with fh:
+        return map_fd(fh, path, kind), st.st_size
 
 
 def check_output(path: str, flag: str, *, keep=None) -> None:

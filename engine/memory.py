@@ -62,10 +62,12 @@ def thp_mode() -> str | None:
 
 
 def read_into_memory(path: str, offset: int, length: int, *, huge: bool = True,
-                     progress: Callable[[int, int], None] | None = None) -> tuple[mmap.mmap, int]:
+                     progress: Callable[[int, int], None] | None = None, fh=None) -> tuple[mmap.mmap, int]:
     """Read `length` bytes of `path` from `offset` into a new private anonymous mapping, advised MADV_HUGEPAGE
     when `huge` (and the platform has it). Returns (mapping, start): the bytes are mapping[start:start+length],
     start chosen so they begin on a 2 MB boundary. progress(done, total) is called after every 64 MB chunk.
+    fh: the file already open (read from it, not from `path` opened again: a file renamed over the path meanwhile
+    is another file; `path` then only names it in messages).
     Raises FormatError when the file is shorter than offset + length, BitNetError when memory runs out;
     KeyboardInterrupt between chunks leaves nothing behind (the mapping is released)."""
     try:
@@ -83,7 +85,7 @@ def read_into_memory(path: str, offset: int, length: int, *, huge: bool = True,
                 pass  # a kernel without THP: plain pages, still correct
         view = memoryview(mm)[start:start + length]
         try:
-            with open(path, "rb", buffering=0) as f:
+            with open(path if fh is None else fh.fileno(), "rb", buffering=0, closefd=fh is None) as f:
                 f.seek(offset)
                 done = 0
                 while done < length:

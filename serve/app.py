@@ -125,6 +125,7 @@ class ServerState:
         self.created = int(time.time())
         self.sampling = sampling           # the requests' default SamplingParams (create_app's sampling)
         self.on_load_error: Callable[[BaseException], None] | None = None   # create_app's
+        self.model_changed = False   # the model file was found rewritten under the loaded model: the server stops
 
     def refuses(self, name) -> bool:
         """Whether a request naming `name` gets a 404: only under --strict-model-name, for a name other than the
@@ -241,7 +242,8 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
     needs (serve/auth.py), /metrics too unless metrics_public; cors_origins: the origins whose pages may call it
     beside this machine's (serve/auth.py allow_cross_origin; "*": any); local_only: it listens on loopback only
     (requests whose Host is not this machine are refused: DNS rebinding). on_load_error(e): called (in the loading
-    thread) when load() raised -- `bitnet serve` then says so and exits; without it the server answers 503.
+    thread) when load() raised -- `bitnet serve` then says so and exits; without it the server answers 503 -- and
+    when the loaded model's file is found rewritten in place (ModelChangedError: every request answers 500).
     reasoning_format: where a chat's <think> block goes when the request does not say (llama-server's
     --reasoning-format: auto / deepseek: reasoning_content, none: left in content, deepseek-legacy: streamed,
     left in content with its tags, else as deepseek). wait_load: the lifespan's startup returns once the load
@@ -358,10 +360,36 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         that failed to load is the server's fault, and a retry will not help."""
         if state.load_error:
             return APIError(503, f"model failed to load: {state.load_error}", "server_error", code="load_failed")
+        changed = model_changed()
+        if changed is not None:
+            return changed
         if state.draining or state.engine is None:
             msg, code = ("server is shutting down", "shutting_down") if state.draining else ("loading model", "loading")
             return APIError(503, msg, "unavailable_error", code=code, headers={"Retry-After": str(state.retry_after)})
         return None
+
+    def model_changed() -> APIError | None:
+        """The model file rewritten in place under the loaded model's mapping (one fstat): every request would read
+        another file's bytes through the old index, so it is refused with what happened and what to do, and the
+        server stops as a SIGBUS on that file would stop it (on_load_error: one line, exit 2; a supervisor or the
+        router starts it again on the file as it is now)."""
+        from ..engine.errors import ModelChangedError
+        store = getattr(state.engine, "store", None)
+        try:
+            if store is not None:
+                store.check_unchanged()
+        except ModelChangedError as e:
+            return changed_error(e)
+        return None
+
+    def changed_error(e) -> APIError:
+        if not state.model_changed:
+            state.model_changed = True
+            if state.on_load_error is not None:
+                state.on_load_error(e)
+            else:
+                print(f"bitnet serve: error: {e}", file=sys.stderr, flush=True)
+        return APIError(500, str(e), "server_error", code="model_changed")
 
     def ready(request: Request):
         """Availability (the key was checked before the body was read: serve/auth.py)."""
@@ -517,7 +545,7 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         """Submit the request's n choices to the engine with `params` (sampling_for's); return (streams, queue of
         (choice index, Chunk)). Maps engine errors to HTTP ones. q, offset: the queue of a request of several
         prompts, and the index of this prompt's first choice there."""
-        from ..engine.errors import BitNetError, ContextOverflowError, QueueFullError
+        from ..engine.errors import BitNetError, ContextOverflowError, ModelChangedError, QueueFullError
         bad = req.unsupported()
         if bad:
             raise APIError(400, bad[1], param=bad[0], code="unsupported_parameter")
@@ -545,6 +573,8 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
             raise APIError(400, overflow_message(e, param if param in ("prompt", "input") else "messages"), param=param,
                            code="context_length_exceeded",
                            extra=overflow_fields(e)) from None
+        except ModelChangedError as e:
+            raise changed_error(e) from None
         except BitNetError as e:
             field = str(e).split(" ", 1)[0]   # the engine's messages start with the setting they are about
             raise APIError(400, str(e), param=field if field in type(req).model_fields else None,

@@ -37,7 +37,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from ..errors import BitNetError, ContextOverflowError, QueueFullError, token_ids
+from ..errors import BitNetError, ContextOverflowError, ModelChangedError, QueueFullError, token_ids
 from ..runtime.constraints import compile_constraint
 from ..runtime.generate import Chunk, Stats, _StopMatcher, last_text, stop_strings, whole_number
 from ..memory import available_memory
@@ -222,6 +222,9 @@ class BatchScheduler(Drafts, Embeddings, Scoring):
                               "multiprocessing's 'spawn' start method)")
         if self._error is not None:
             raise BitNetError(f"the engine stopped after an internal error: {self._error!r}")
+        # the model file rewritten in place under its mapping: another file's bytes through this index (one fstat
+        # per request, never per token)
+        self.store.check_unchanged()
         free, waiting = max(0, self.parallel - len(self._running)), set()
         for s in self._waiting:
             n = 1 + len(s.forks)   # n choices are admitted together
@@ -603,6 +606,9 @@ class BatchScheduler(Drafts, Embeddings, Scoring):
     def _fail(self, s: _Seq, e: Exception, where: str):
         """End s after a fault (one line on stderr): finish_reason "error", its pages back to the pool."""
         import sys
+        why = self.store.changed()
+        if why is not None:   # the cause, not what it made of the numbers ("NaN logits: weights corrupt")
+            e = ModelChangedError(f"{self.store.path}: the BitNet store changed while in use (it {why})")
         print(f"bitnet engine: sequence {s.id} failed in {where} ({type(e).__name__}: {e}); ending it",
               file=sys.stderr)
         s.draft = []

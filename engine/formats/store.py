@@ -37,8 +37,8 @@ import numpy as np
 
 from .. import faults
 from ..config import ModelConfig
-from ..fileio import close_map, current_umask, map_readonly, no_overlap, starts_with
-from ..errors import BitNetError, FormatError, json_why
+from ..fileio import close_map, current_umask, map_fd, no_overlap, open_regular, read_at, starts_with
+from ..errors import BitNetError, FormatError, ModelChangedError, json_why
 from ..memory import available_memory, huge_page_bytes, read_into_memory, thp_mode
 
 MAGIC = b"BNSTORE\0"
@@ -203,12 +203,12 @@ def made_by(meta: dict) -> str:
     return "a newer bitnet-cpu may have written it"
 
 
-def _converter_in(mm, ioff: int, isize: int, size: int) -> str | None:
+def _converter_in(fh, ioff: int, isize: int, size: int) -> str | None:
     """The converter version a store of another format records, where its index is JSON we can find."""
     if isize > _MAX_INDEX or ioff + isize > size:
         return None
     try:
-        v = json.loads(mm[ioff: ioff + isize])["meta"]["converter_version"]
+        v = json.loads(read_at(fh, ioff, isize))["meta"]["converter_version"]
     except (ValueError, KeyError, TypeError, RecursionError):
         return None
     return v if _is_version(v) else None
@@ -247,21 +247,47 @@ class Store:
     "memory" reads the tensor data into anonymous memory advised to use huge pages (faster decode, a copy);
     "auto" is "memory" for stores with over AUTO_MIN_BYTES of tensors when the kernel has transparent huge
     pages and enough memory is available, else "mmap". `load_mode` says which one happened.
+    "index" reads the header and the index only (config, meta, chat template: a listing's; no tensor is readable).
     progress(done, total) reports the read (memory only). check(store), where given, runs on the index before the
-    weights are read (a refusal then costs no read; the store is closed when it raises)."""
+    weights are read (a refusal then costs no read; the store is closed when it raises).
+    The file stays open while its weights are mapped: changed() / check_unchanged() tell whether it was rewritten in
+    place since (one fstat; the engine asks before each request)."""
 
     def __init__(self, path: str | os.PathLike, load: str = "auto",
                  progress: Callable[[int, int], None] | None = None,
                  check: Callable[["Store"], None] | None = None):
-        if load not in LOADS:
+        if load not in LOADS + ("index",):
             raise BitNetError(f"load {load!r}: expected one of {', '.join(LOADS)}")
         self.path = os.fspath(path)
-        self._mm, size = map_readonly(self.path, _HEADER.size, "BitNet store")
-        magic, version, _, ioff, isize, doff, digest = _HEADER.unpack_from(self._mm, 0)
+        self._mm = self._mem = self._data = None
+        self._views: dict[str, np.ndarray] = {}
+        # the header and the index are read with plain reads from the file held open: a file cut short meanwhile is
+        # a FormatError here, never a SIGBUS; the weights come from the same open file (mapped, or read), never from
+        # the path opened again (a store renamed over it in between mixed two files)
+        self._fh, st = open_regular(self.path, _HEADER.size, "BitNet store")
+        # the identity of the file opened: a file rewritten in place under a mapping is seen (changed())
+        self._ident = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        try:
+            self._read_index(st.st_size)
+            self.load_mode = "index"
+            if load == "index":   # what a listing reads of a store: config, meta, template; no tensor is readable
+                self._close_file()
+                return
+            self._open_weights(load, progress, check)
+        except BaseException:
+            self.close()
+            raise
+
+    def _read_index(self, size: int):
+        head = read_at(self._fh, 0, _HEADER.size)
+        if len(head) < _HEADER.size:
+            raise FormatError(f"{self.path}: truncated or corrupt store (header of {len(head)} bytes)")
+        self._head = head
+        magic, version, _, ioff, isize, doff, digest = _HEADER.unpack_from(head, 0)
         if magic != MAGIC:
             raise FormatError(f"{self.path}: not a BitNet store (bad magic {magic!r})", hint="convert the model with `bitnet convert`")
         if version > STORE_VERSION:   # a later format: this engine cannot know what it means
-            conv = _converter_in(self._mm, ioff, isize, size)
+            conv = _converter_in(self._fh, ioff, isize, size)
             raise FormatError(f"{self.path}: made by a newer bitnet-cpu (store format {version}"
                               f"{f', converter {conv}' if conv else ''}; this one reads format {STORE_VERSION})",
                               hint="upgrade bitnet-cpu")
@@ -270,7 +296,10 @@ class Store:
                               hint="re-convert the source model with `bitnet convert`")
         if isize > _MAX_INDEX or ioff + isize > size or doff > size or doff % ALIGN:
             raise FormatError(f"{self.path}: truncated or corrupt store (index at {ioff}+{isize}, file {size} bytes)")
-        raw = self._mm[ioff: ioff + isize]
+        raw = read_at(self._fh, ioff, isize)
+        if len(raw) < isize:   # cut short since its size was taken
+            raise FormatError(f"{self.path}: truncated or corrupt store (index at {ioff}+{isize}, file "
+                              f"{ioff + len(raw)} bytes)")
         if hashlib.sha256(raw).digest() != digest:
             raise FormatError(f"{self.path}: store index checksum mismatch (file corrupt)", hint="re-convert the model")
         try:
@@ -303,7 +332,6 @@ class Store:
                               f"know ({made_by(self.meta)})", hint="upgrade bitnet-cpu")
         self._data_offset = doff
         self._size = size
-        self._views: dict[str, np.ndarray] = {}
         for name, e in self._index.items():
             if isinstance(e, dict) and isinstance(e.get("dtype"), str) and e["dtype"] not in _DTYPES:   # not damage
                 raise FormatError(f"{self.path}: tensor {name!r} has dtype {e['dtype']!r}, which this bitnet-cpu does "
@@ -314,21 +342,77 @@ class Store:
         no_overlap(self.path, [(e["offset"], e["offset"] + e["nbytes"], name) for name, e in self._index.items()])
         # the tensor data: [doff, doff + data_bytes) of the file
         self.data_bytes = max((e["offset"] + e["nbytes"] for e in self._index.values()), default=0)
-        self._mem = None
+
+    def _open_weights(self, load: str, progress, check):
+        self._mm = map_fd(self._fh, self.path, "BitNet store")
         self._data: Any = self._mm      # what tensor views are made from, at offset _base + entry offset
-        self._base = doff
+        self._base = self._data_offset
         self.load_mode = "mmap"
         if check is not None:
-            try:
-                check(self)
-            except BaseException:
-                self.close()
-                raise
+            check(self)
         if self._wants_memory(load):
-            self._mem, start = read_into_memory(self.path, doff, self.data_bytes, huge=thp_mode() != "never",
-                                                progress=progress)
+            self._mem, start = read_into_memory(self.path, self._data_offset, self.data_bytes,
+                                                huge=thp_mode() != "never", progress=progress, fh=self._fh)
+            why = self.changed()
+            if why is not None:   # rewritten while it was read: part old file, part new
+                raise FormatError(f"{self.path}: the file {why} while its weights were read",
+                                  hint="load it again once the copy or download is complete")
+            self._views.clear()   # the check's views were of the mapping
             self._data, self._base, self.load_mode = self._mem, start, "memory"
+            close_map(self._mm)   # the tensor data is all in memory: neither the mapping nor the file is read again,
+            self._mm = None       # and a change to the file changes nothing loaded
+            self._close_file()
         self._check_finite()
+
+    def changed(self) -> str | None:
+        """How the file the weights are mapped from has changed in place since it was opened ("was rewritten in
+        place", "was truncated"...), or None: unchanged, or nothing is read from it any more (weights in memory,
+        closed, or only the index read). One fstat of the file held open: a rename or removal of the path is no
+        change (the mapping still reads the old file), a `cp` or `rsync --inplace` over it is. Cheap: once per
+        request, never per token."""
+        fh = self._fh
+        if fh is None:
+            return None
+        try:
+            st = os.fstat(fh.fileno())
+        except (OSError, ValueError):   # closed meanwhile (close() in another thread)
+            return None
+        dev, ino, size, mtime, ctime = self._ident
+        if st.st_size < size:
+            return f"was truncated ({size} bytes when loaded, {st.st_size} now)"
+        if st.st_size > size:
+            return f"was rewritten in place ({size} bytes when loaded, {st.st_size} now)"
+        if st.st_mtime_ns != mtime:
+            return "was rewritten in place (same size, modified since it was loaded)"
+        if st.st_ctime_ns != ctime:
+            # a rename, removal, link or chmod changes only ctime; so does a copy that also set the old mtime
+            # (cp -p, rsync -t): the header and index read again tell those apart
+            try:
+                head = read_at(fh, 0, _HEADER.size)
+                _, _, _, ioff, isize, _, digest = _HEADER.unpack_from(head, 0)
+                same = head == self._head and hashlib.sha256(read_at(fh, ioff, isize)).digest() == digest
+            except (OSError, struct.error):
+                same = False
+            if not same:
+                return "was rewritten in place (same size and time, other contents)"
+            self._ident = (dev, ino, size, mtime, st.st_ctime_ns)
+        return None
+
+    def check_unchanged(self) -> None:
+        """ModelChangedError (one line naming the file, what happened and what to do) when changed() says the file
+        the weights are mapped from was rewritten in place. Called before each request, never per token; a request
+        already running when the file changes may still read the new bytes."""
+        why = self.changed()
+        if why is not None:
+            raise ModelChangedError(f"{self.path}: the BitNet store changed or was truncated while in use (it {why})",
+                                    hint="load the model again (restart) to use the file as it is now; to replace a "
+                                    "model in use, write the new file beside it and rename it over (mv), which leaves "
+                                    "the loaded one intact")
+
+    def _close_file(self):
+        fh, self._fh = self._fh, None
+        if fh is not None:
+            fh.close()
 
     def _check_finite(self):
         """The f32 tensors (norms, per-row and head scales: small) hold finite values. No checksum covers tensor
@@ -423,6 +507,7 @@ class Store:
             except BufferError:   # numpy views still hold it: it goes when they do
                 pass
         self._data = self._mem = None
+        self._close_file()
 
     def __enter__(self):
         return self

@@ -1,0 +1,203 @@
+"""A model file rewritten in place (`cp` over it, `rsync --inplace`, same size or larger) while a model is loaded from
+its mapping: every page is valid again, so no SIGBUS says anything, and the old index would read the new bytes
+(garbage with exit 0 / HTTP 200). The engine looks at the file (one fstat) before each request: a changed file is
+one clear error naming it; a rename or removal of the path is no change; weights read into memory are unaffected."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+
+from bitnet_cpu.engine.api import BitNetError, load_engine, load_model, model_card
+from bitnet_cpu.engine.errors import ModelChangedError
+from bitnet_cpu.engine.formats.convert import convert
+from bitnet_cpu.engine.formats.store import Store
+from bitnet_cpu.engine.runtime.sampling import SamplingParams
+from bitnet_cpu.engine.synth import SynthModel, small_config, write_hf_dir
+from helpers import slowness
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GREEDY = SamplingParams(temperature=0)
+
+
+@pytest.fixture(scope="module")
+def stores(tmp_path_factory):
+    """(small, larger): two stores of other weights, the second larger (a bigger model copied over the first)."""
+    d = tmp_path_factory.mktemp("hotswap")
+    out = []
+    for i, layers in enumerate((2, 3)):
+        m = SynthModel(small_config(num_hidden_layers=layers, vocab_size=512), seed=10 + i)
+        write_hf_dir(m, str(d / f"hf{i}"))
+        out.append(convert(str(d / f"hf{i}"), str(d / f"m{i}.bnstore"), progress=False))
+    assert os.path.getsize(out[1]) > os.path.getsize(out[0])
+    return out
+
+
+def _copy_over(src: str, dst: str):
+    """`cp src dst`: the same inode, truncated and written again."""
+    with open(src, "rb") as f, open(dst, "r+b") as g:
+        g.truncate(0)
+        g.write(f.read())
+
+
+def _poison_norm(path: str):
+    """The store at `path` rewritten in place, same size, its output norm all NaN (other weights under the old
+    index: what a same-size copy of another model does)."""
+    with Store(path, load="index") as s:
+        e = s.info("output_norm")
+        at = s._data_offset + e["offset"]
+        n = e["nbytes"]
+    with open(path, "r+b") as f:
+        f.seek(at)
+        f.write(np.full(n // 4, np.nan, np.float32).tobytes())
+
+
+def _text(llm, prompt="Once upon", n=6):
+    return "".join(c.text for c in llm.generate(prompt, GREEDY, max_tokens=n, ignore_eos=True))
+
+
+def test_api_a_larger_store_copied_over_a_mapped_one_is_one_error_naming_it(stores, tmp_path):
+    victim = str(tmp_path / "served.bnstore")
+    shutil.copy(stores[0], victim)
+    with load_model(victim, mmap=True, progress=False, threads=1) as llm:
+        _text(llm)
+        _copy_over(stores[1], victim)
+        with pytest.raises(ModelChangedError) as e:
+            _text(llm)
+        msg = str(e.value)
+        assert victim in msg and "rewritten in place" in msg and "\n" not in msg
+        assert "restart" in e.value.hint or "reload" in e.value.hint
+        for call in (lambda: llm.embed("x"), lambda: llm.forward([1, 2]), lambda: llm.perplexity("a b " * 40,
+                                                                                                 chunk=8)):
+            with pytest.raises(ModelChangedError):
+                call()
+
+
+def test_api_a_same_size_rewrite_is_seen_too(stores, tmp_path):
+    victim = str(tmp_path / "served.bnstore")
+    shutil.copy(stores[0], victim)
+    with load_model(victim, mmap=True, progress=False, threads=1) as llm:
+        _text(llm)
+        size = os.path.getsize(victim)
+        _poison_norm(victim)
+        assert os.path.getsize(victim) == size
+        with pytest.raises(ModelChangedError, match="rewritten in place"):
+            _text(llm)
+
+
+def test_a_run_under_way_when_the_file_changes_is_told_the_cause_not_corrupt_weights(stores, tmp_path):
+    # the request was admitted before the change: what it reads next is the new file's (here NaN norms); the error
+    # names the change, not "its weights are corrupt: re-convert", which would not help
+    victim = str(tmp_path / "served.bnstore")
+    shutil.copy(stores[0], victim)
+    with load_model(victim, mmap=True, progress=False, threads=1) as llm:
+        gen = llm.generate("Once upon", GREEDY, max_tokens=20, ignore_eos=True)
+        next(gen)
+        _poison_norm(victim)
+        with pytest.raises(BitNetError) as e:
+            for _ in gen:
+                pass
+        assert isinstance(e.value, ModelChangedError) and victim in str(e.value), str(e.value)
+        assert "corrupt" not in str(e.value)
+
+
+def test_a_rename_or_removal_of_the_path_changes_nothing_loaded(stores, tmp_path):
+    victim = str(tmp_path / "served.bnstore")
+    shutil.copy(stores[0], victim)
+    with load_model(victim, mmap=True, progress=False, threads=1) as llm:
+        before = _text(llm)
+        os.chmod(victim, 0o644)                       # its ctime moves, its contents do not
+        staged = str(tmp_path / "new.bnstore")
+        shutil.copy(stores[1], staged)
+        os.replace(staged, victim)                    # the documented way to update a store in use
+        assert _text(llm) == before
+        os.unlink(victim)
+        assert _text(llm) == before
+
+
+def test_weights_read_into_memory_are_not_affected(stores, tmp_path):
+    victim = str(tmp_path / "served.bnstore")
+    shutil.copy(stores[0], victim)
+    with load_model(victim, mmap=False, progress=False, threads=1) as llm:
+        before = _text(llm)
+        _copy_over(stores[1], victim)
+        assert _text(llm) == before
+
+
+def test_engine_refuses_a_request_once_its_mapped_file_changed(stores, tmp_path):
+    victim = str(tmp_path / "served.bnstore")
+    shutil.copy(stores[0], victim)
+    with load_engine(victim, mmap=True, progress=False, threads=1, parallel=2, ctx=256) as eng:
+        assert list(eng.submit("Once", GREEDY, max_tokens=3))[-1].finish_reason
+        _copy_over(stores[1], victim)
+        with pytest.raises(ModelChangedError, match="rewritten in place"):
+            eng.submit("Once", GREEDY, max_tokens=3)
+        with pytest.raises(ModelChangedError):
+            eng.embed("Once")
+
+
+def test_a_listing_reads_a_store_without_mapping_it(stores, tmp_path):
+    # the router's /api/tags and /api/show read model files in its own process: a mapping there made a file
+    # rewritten meanwhile a SIGBUS that ended the router and every model with it
+    victim = str(tmp_path / "listed.bnstore")
+    shutil.copy(stores[0], victim)
+    with Store(victim, load="index") as s:
+        with open("/proc/self/maps") as f:
+            assert victim not in f.read()
+        assert s.config.n_layers == 2
+        with pytest.raises(BitNetError):
+            s.tensor("output_norm")
+    assert model_card(victim).config.n_layers == 2
+    os.truncate(victim, 5000)   # cut short: its index is gone; one error for this file
+    with pytest.raises(BitNetError, match="truncated or corrupt"):
+        model_card(victim)
+
+
+def _get(url: str, body: dict | None = None):
+    req = urllib.request.Request(url, data=None if body is None else json.dumps(body).encode(),
+                                 headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_server_answers_one_clear_error_and_stops_once_its_model_file_changed(stores, tmp_path):
+    # as a SIGBUS on its file stops it (docs/usage.md: exit 2, one line): a supervisor, or the router, starts it
+    # again on the file as it is now; the request that found the change is told what happened
+    from serve_proc import free_port, pythonpath, wait_healthy
+    victim = str(tmp_path / "served.bnstore")
+    shutil.copy(stores[0], victim)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    p = subprocess.Popen([sys.executable, "-m", "bitnet_cpu", "serve", "-m", victim, "--mmap", "--host", "127.0.0.1",
+                          "--port", str(port), "-t", "1", "--parallel", "2", "-c", "256"], cwd=ROOT,
+                         env=dict(os.environ, PYTHONPATH=pythonpath()), stdout=subprocess.DEVNULL,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        assert wait_healthy(url, 120 * slowness(), p)
+        body = {"prompt": "Once upon a time", "max_tokens": 4, "temperature": 0}
+        status, _ = _get(url + "/v1/completions", body)
+        assert status == 200
+        _copy_over(stores[1], victim)
+        status, answer = _get(url + "/v1/completions", body)
+        assert status == 500, answer
+        assert answer["error"]["code"] == "model_changed"
+        assert victim in answer["error"]["message"] and "rewritten in place" in answer["error"]["message"]
+        _, err = p.communicate(timeout=120 * slowness())
+        rc = p.returncode
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert rc == 2, (rc, err)
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert "Traceback" not in err
+    assert lines[-1].startswith("bitnet serve: error: ") and victim in lines[-1], err
+    assert "rewritten in place" in lines[-1]
