@@ -34,7 +34,8 @@ import numpy as np
 from .runtime import chat_template as _ct
 from .config import ModelConfig
 from .cpu import available_cores, default_threads
-from .errors import BitNetError, ConstraintError, ContextOverflowError, FormatError, QueueFullError, token_ids
+from .errors import (BitNetError, ConstraintError, ContextOverflowError, FormatError, ModelChangedError, QueueFullError,
+                     token_ids)
 from .fileio import why_missing
 from .runtime.generate import Chunk, Stats, generate as _generate, whole_number
 from .runtime.model import Model, check_kv_dtype
@@ -50,7 +51,7 @@ __all__ = ["load_model", "LLM", "load_engine", "resolve_store", "model_card", "M
            "LookupParams", "Chunk", "Stats", "Constraint",
            # the errors the API raises: BitNetError and its documented kinds
            "BitNetError", "ContextOverflowError", "ConstraintError", "NoTokenAllowedError", "QueueFullError",
-           "TemplateError"]
+           "TemplateError", "ModelChangedError"]
 TemplateError = _ct.TemplateError
 
 
@@ -641,6 +642,9 @@ def open_store(path: str, *, mmap: bool | None = None, progress: bool = True) ->
 
     if mmap is not None and not isinstance(mmap, (bool, np.bool_)):   # "no" was true: the file was mapped
         raise BitNetError(f"mmap {mmap!r}: True, False or None (the default: decided by size and memory)")
+    from . import faults
+    if not faults.installed():   # a program embedding the engine: a mapped file truncated under it is one line naming
+        faults.install(GUARD_PROG)   # the file and exit 2, not a bare "Bus error" (the CLIs install their own name)
     bar = None
 
     def report(done: int, total: int):
@@ -659,6 +663,7 @@ def open_store(path: str, *, mmap: bool | None = None, progress: bool = True) ->
 
 
 PROGRESS_MIN_BYTES = 256 << 20
+GUARD_PROG = "bitnet_cpu"   # the fault guard's line starts "bitnet_cpu: error: " (faults.install("myapp") first: yours)
 
 
 def resolve_store(model: str | None = None, *, lm_head: str | None = None, progress: bool = True) -> str:

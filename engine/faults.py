@@ -1,9 +1,11 @@
-"""Fatal faults on memory-mapped files: a model file truncated or rewritten while it is mapped (a download
-still being written, `cp` over it, a full disk) makes the next load from it raise SIGBUS inside C code,
-where Python cannot catch anything. simd._faultguard (a C handler) turns that into one line on stderr and
-an exit with EXIT_BAD_INPUT, after unlinking the temporary files registered here.
+"""Fatal faults on memory-mapped files: a model file truncated while it is mapped (a download still being
+written, `cp` of a smaller file over it, a full disk) makes the next load from a page past its new end raise
+SIGBUS inside C code, where Python cannot catch anything. simd._faultguard (a C handler) turns that into one line
+on stderr and an exit with EXIT_BAD_INPUT, after unlinking the temporary files registered here. A file rewritten in
+place at the same size or larger raises no signal (every page is valid again): the store sees that with an fstat
+before each request (engine/formats/store.py Store.changed), not here.
 
-    install("bitnet")                  the CLIs call this once; library users may too
+    install("bitnet")                  the CLIs call this once; load_model / load_engine do where none is
     watch_mapping(mm, path, kind)      fileio.map_readonly registers every map it makes
     close_map(mm)                      close a map and forget its region
     with removed_on_fault(tmp): ...    a temporary output (the converter's store) unlinked on such a fault

@@ -201,3 +201,26 @@ def test_server_answers_one_clear_error_and_stops_once_its_model_file_changed(st
     assert "Traceback" not in err
     assert lines[-1].startswith("bitnet serve: error: ") and victim in lines[-1], err
     assert "rewritten in place" in lines[-1]
+
+
+def test_python_api_a_store_truncated_during_a_run_is_one_line_not_a_bare_bus_error(stores, tmp_path):
+    # load_model installs the fault guard where the program has none: a program embedding the engine died with a
+    # bare "Bus error" (exit 135), no file named
+    victim = str(tmp_path / "embedded.bnstore")
+    shutil.copy(stores[0], victim)
+    script = ("import os, sys\n"
+              "from bitnet_cpu.engine.api import load_model, SamplingParams\n"
+              "llm = load_model(sys.argv[1], mmap=True, progress=False, threads=1)\n"
+              "gen = llm.generate('Once', SamplingParams(temperature=0), max_tokens=50, ignore_eos=True)\n"
+              "next(gen)\n"
+              "os.truncate(sys.argv[1], 4096)\n"
+              "for _ in gen:\n"
+              "    pass\n"
+              "print('not reached')\n")
+    from serve_proc import pythonpath
+    r = subprocess.run([sys.executable, "-c", script, victim], cwd=ROOT, env=dict(os.environ, PYTHONPATH=pythonpath()),
+                       capture_output=True, text=True, timeout=120 * slowness())
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert lines and lines[-1].startswith("bitnet_cpu: error: ") and victim in lines[-1], r.stderr
+    assert "changed or was truncated while in use" in lines[-1] and "not reached" not in r.stdout
