@@ -9,6 +9,7 @@ before each request (engine/formats/store.py Store.changed), not here.
     watch_mapping(mm, path, kind)      fileio.map_readonly registers every map it makes
     close_map(mm)                      close a map and forget its region
     with removed_on_fault(tmp): ...    a temporary output (the converter's store) unlinked on such a fault
+    unlink_on_fault(path)              a file unlinked on such a fault, for the rest of the process
     set_note(text)                     appended to the fatal line (bitchat: where the transcript is saved)
 """
 from __future__ import annotations
@@ -80,6 +81,12 @@ def removed_on_fault(path: str):
     finally:
         if slot >= 0:
             _fg.remove_cleanup(slot)
+
+
+def unlink_on_fault(path: str) -> int:
+    """`path` is unlinked if a fatal fault ends the process (for as long as it runs: the router's key file);
+    -1 where it cannot be registered."""
+    return _fg.add_cleanup(os.path.abspath(path)) if _fg is not None else -1
 
 
 def set_note(text: str) -> None:

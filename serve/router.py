@@ -46,6 +46,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 
+from ..engine import faults
 from ..engine.errors import EXIT_BAD_INPUT, BitNetError
 from .auth import AuthMiddleware, KeyChecker, allow_cross_origin
 from .limits import (Limits, LimitsMiddleware, RouteNorms, allow_header, allowed_methods, anthropic_shaped,
@@ -283,6 +284,37 @@ def exit_said(code: int | None) -> str:
     return f"was killed by signal {-code} ({name}" + (": out of memory?)" if -code == signal.SIGKILL else ")")
 
 
+LOGDIR_PREFIX = "bitnet-router-"
+
+
+def remove_dead_routers_dirs():
+    """The temporary directories (key file, logs) of this user's routers that ended without removing them (a fatal
+    fault, SIGKILL): each names its router's pid; one whose process is gone is removed. Directories of routers
+    still running, of other users, or of unknown owners are left."""
+    base = tempfile.gettempdir()
+    try:
+        names = [n for n in os.listdir(base) if n.startswith(LOGDIR_PREFIX)]
+    except OSError:
+        return
+    for n in names[:1000]:
+        d = os.path.join(base, n)
+        try:
+            if os.lstat(d).st_uid != os.getuid():
+                continue
+            with open(os.path.join(d, "pid")) as f:
+                pid = int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        if pid <= 0 or pid == os.getpid():
+            continue
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            shutil.rmtree(d, ignore_errors=True)
+        except OSError:   # alive (another user's pid now: EPERM)
+            pass
+
+
 class Router:
     def __init__(self, scan: Callable[[], dict[str, ModelSpec]], command: Callable[[ModelSpec, int, str], list[str]], *,
                  models_max: int = 3, keep_alive: float = FOREVER, load_timeout: float = 600.0,
@@ -326,11 +358,17 @@ class Router:
         self.cond: asyncio.Condition | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self.client: httpx.AsyncClient | None = None
-        self.logdir = tempfile.mkdtemp(prefix="bitnet-router-")   # 0700: the key file and each process's log
+        remove_dead_routers_dirs()
+        self.logdir = tempfile.mkdtemp(prefix=LOGDIR_PREFIX)   # 0700: the key file and each process's log
+        with open(os.path.join(self.logdir, "pid"), "w") as f:   # whose it is: remove_dead_routers_dirs
+            f.write(f"{os.getpid()}\n")
         self.key_file = os.path.join(self.logdir, "key")
         fd = os.open(self.key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(self.key + "\n")
+        # an exit through the fault guard (a file mapped in this process cut short) runs no Python: the key goes
+        # with it, and the next router removes the rest (remove_dead_routers_dirs)
+        faults.unlink_on_fault(self.key_file)
         self._reaper: asyncio.Task | None = None
         self._tasks: set = set()               # releases and process waits in flight (the loop holds tasks weakly)
 
@@ -396,8 +434,8 @@ class Router:
             if len(loaded) == 1:   # its file is gone but it is still loaded: it can be used and unloaded until the
                 return loaded[0]   # reaper's next round
             # ollama's words: its CLI (ollama stop / rm, /load in ollama run) looks for "not found"
-            raise RouterError(404, f"model '{name}' not found (models here: {', '.join(sorted(self.models))})",
-                              "model_not_found", "model")
+            here = f"models here: {', '.join(sorted(self.models))}" if self.models else "no models here yet"
+            raise RouterError(404, f"model '{name}' not found ({here})", "model_not_found", "model")
         if name is not None and not isinstance(name, str):
             raise RouterError(400, "model: must be a string", "invalid_value", "model")
         if len(self.models) == 1:

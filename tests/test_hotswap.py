@@ -224,3 +224,46 @@ def test_python_api_a_store_truncated_during_a_run_is_one_line_not_a_bare_bus_er
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert lines and lines[-1].startswith("bitnet_cpu: error: ") and victim in lines[-1], r.stderr
     assert "changed or was truncated while in use" in lines[-1] and "not reached" not in r.stdout
+
+
+def test_router_with_no_models_says_so_for_an_unknown_name(tmp_path):
+    pytest.importorskip("fastapi", reason="bitnet serve needs the serve extra (pip install .[serve])")
+    from serve_proc import Server
+    cache = tmp_path / "cache"   # an empty model cache (a pull that failed on a full disk)
+    cache.mkdir()
+    s = Server("--models-cache", threads=1, env={"BITNET_CACHE": str(cache), "HF_HUB_OFFLINE": "1"})
+    try:
+        status, answer = _get(s.url + "/v1/completions", {"model": "x", "prompt": "Once", "max_tokens": 2})
+    finally:
+        s.stop()
+    assert status == 404
+    msg = answer["error"]["message"]
+    assert "no models here yet" in msg and "models here: )" not in msg, msg
+
+
+def test_a_router_removes_what_a_router_that_died_left_in_the_temp_dir(tmp_path):
+    # a router ended by the fault guard (or SIGKILL) runs no Python: its key file and logs were left for good
+    pytest.importorskip("fastapi", reason="bitnet serve needs the serve extra (pip install .[serve])")
+    from serve_proc import Server
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    left = tmp / "bitnet-router-left"
+    left.mkdir()
+    (left / "pid").write_text(dead.stdout)
+    (left / "key").write_text("secret\n")
+    other = tmp / "bitnet-router-live"   # a router still running (this test's own process stands for it)
+    other.mkdir()
+    (other / "pid").write_text(f"{os.getpid()}\n")
+    models = tmp_path / "models"
+    models.mkdir()
+    shutil.copy(os.path.join(ROOT, "models", "default.bnstore"), models / "a.bnstore")
+    s = Server("--models-dir", str(models), threads=1, env={"TMPDIR": str(tmp)})
+    try:
+        assert not left.exists()
+        assert other.exists()
+        mine = [p for p in tmp.iterdir() if p.name.startswith("bitnet-router-") and p not in (other,)]
+        assert len(mine) == 1 and (mine[0] / "pid").read_text().strip() == str(s.proc.pid)
+    finally:
+        s.stop()
+    assert not mine[0].exists()
