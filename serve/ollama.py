@@ -748,11 +748,15 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
 
     def describe(eng) -> dict:
         path = eng.store.path
-        try:
-            st = os.stat(path)
-            size, mtime = st.st_size, st.st_mtime
-        except OSError:
-            size, mtime = 0, time.time()
+        opened = getattr(eng.store, "opened", None)
+        if opened is not None:   # the file loaded, not what the path holds now (a store renamed over it is not served)
+            size, mtime = opened
+        else:
+            try:
+                st = os.stat(path)
+                size, mtime = st.st_size, st.st_mtime
+            except OSError:
+                size, mtime = 0, time.time()
         cfg = eng.config
         # of the file's path, size and time, not its content (gigabytes, read at each listing): it changes with the
         # file, but two copies differ (docs/serving.md)

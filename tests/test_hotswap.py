@@ -267,3 +267,23 @@ def test_a_router_removes_what_a_router_that_died_left_in_the_temp_dir(tmp_path)
     finally:
         s.stop()
     assert not mine[0].exists()
+
+
+def test_single_server_lists_the_model_it_loaded_not_the_file_renamed_over_it(stores, tmp_path):
+    # ollama's digest identifies the model loaded: a client watching it was told of an update that was not served
+    pytest.importorskip("fastapi", reason="bitnet serve needs the serve extra (pip install .[serve])")
+    from serve_proc import Server
+    victim = str(tmp_path / "served.bnstore")
+    shutil.copy(stores[0], victim)
+    s = Server("-m", victim, "-c", "256", threads=1)
+    try:
+        _, before = _get(s.url + "/api/tags")
+        staged = str(tmp_path / "staged.bnstore")
+        shutil.copy(stores[1], staged)
+        os.replace(staged, victim)   # bitnet convert -o over it: the server goes on with the old model
+        _, after = _get(s.url + "/api/tags")
+    finally:
+        s.stop()
+    keys = ("size", "digest", "modified_at")
+    assert [after["models"][0][k] for k in keys] == [before["models"][0][k] for k in keys]
+    assert before["models"][0]["size"] == os.path.getsize(stores[0])

@@ -267,6 +267,7 @@ class Store:
         self._fh, st = open_regular(self.path, _HEADER.size, "BitNet store")
         # the identity of the file opened: a file rewritten in place under a mapping is seen (changed())
         self._ident = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        self.opened = (st.st_size, st.st_mtime)   # (bytes, mtime) of the file loaded, whatever the path holds later
         try:
             self._read_index(st.st_size)
             self.load_mode = "index"
