@@ -1587,9 +1587,12 @@ def create_router_app(router: Router, *, api_keys: tuple = (), limits: Limits | 
                         tail = chunk[-2:]
                     yield chunk
             except httpx.HTTPError:   # its process died mid-answer (the reaper sees the exit): say so, then cut
+                # with its reason where it said one as it exited (a model file changed under it: its one line),
+                # which was in the router's log only
+                why = await asyncio.to_thread(c.log_tail) if await exited(c.proc) else ""
                 last = cut_answer_event(upstream.headers.get("content-type", ""),
-                                        f"model '{spec.name}' stopped in the middle of this answer", tail, path,
-                                        events)
+                                        f"model '{spec.name}' stopped in the middle of this answer"
+                                        + (f": {why}" if why else ""), tail, path, events)
                 if last:
                     yield last
                 raise UpstreamGone() from None

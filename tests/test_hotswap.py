@@ -2,6 +2,7 @@
 its mapping: every page is valid again, so no SIGBUS says anything, and the old index would read the new bytes
 (garbage with exit 0 / HTTP 200). The engine looks at the file (one fstat) before each request: a changed file is
 one clear error naming it; a rename or removal of the path is no change; weights read into memory are unaffected."""
+import contextlib
 import json
 import os
 import shutil
@@ -287,3 +288,31 @@ def test_single_server_lists_the_model_it_loaded_not_the_file_renamed_over_it(st
     keys = ("size", "digest", "modified_at")
     assert [after["models"][0][k] for k in keys] == [before["models"][0][k] for k in keys]
     assert before["models"][0]["size"] == os.path.getsize(stores[0])
+
+
+def test_router_tells_a_stream_cut_by_its_model_file_changing_why(tmp_path):
+    # the child's one line (the fault guard's) was in the router's log only; the client got "stopped" and no reason
+    pytest.importorskip("fastapi", reason="bitnet serve needs the serve extra (pip install .[serve])")
+    import httpx
+    from serve_proc import Server
+    models = tmp_path / "models"
+    models.mkdir()
+    victim = models / "alpha.bnstore"
+    shutil.copy(os.path.join(ROOT, "models", "default.bnstore"), victim)
+    s = Server("--models-dir", str(models), "-c", "2048", threads=1)
+    lines = []
+    try:
+        body = {"model": "alpha", "stream": True, "prompt": "Once", "max_tokens": 100_000, "ignore_eos": True}
+        with contextlib.suppress(httpx.HTTPError):
+            with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=120 * slowness()) as r:
+                for line in r.iter_lines():
+                    lines.append(line)
+                    if len(lines) == 6:
+                        os.truncate(victim, 4096)   # the model's next token reads past the file's new end
+    finally:
+        s.stop()
+    errors = [json.loads(ln[len("data: "):]) for ln in lines if ln.startswith("data: {\"error\"")]
+    assert errors, lines[-3:]
+    msg = errors[-1]["error"]["message"]
+    assert "stopped in the middle of this answer" in msg
+    assert "changed or was truncated while in use" in msg and str(victim) in msg, msg
