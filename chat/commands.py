@@ -14,7 +14,7 @@ from ..engine.runtime.sampling import SamplingParams, setting_problem
 
 # name -> (argument synopsis, one-line help). Order is the order /help shows.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "/help": ("", "show this help"),
+    "/help": ("", "show this help (/? too)"),
     "/reset": ("", "forget the conversation, the system prompt stays (/clear does the same)"),
     "/system": ("[TEXT|--clear]", "show, set or clear the system prompt"),
     "/set": ("[NAME VALUE]", "show settings, or set temp|top_k|top_p|min_p|repeat_penalty|repeat_last_n|seed|"
@@ -32,7 +32,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "/load": ("FILE", "load a conversation saved with /save, restore its settings and prefill it"),
     "/retry": ("", "regenerate the last answer"),
     "/stats": ("", "timings of the last answer and of the session"),
-    "/bye": ("", "exit (Ctrl-D also exits)"),
+    "/bye": ("", "exit (/exit and /quit too; Ctrl-D also exits)"),
 }
 THINK_WORDS = ("think", "nothink")   # /set think | nothink: ollama's switch of a thinking model's thought
 THINK_LEVELS = ("high", "medium", "low")   # ollama's /set think LEVEL (gpt-oss's reasoning effort)
@@ -270,7 +270,7 @@ def parse_command(line: str) -> Command:
     if name in NEEDS_ARG and not rest:
         raise CommandError(f"{name} needs a file name: {name} {COMMANDS[name][0]}")
     if name in NO_ARG and rest:
-        raise CommandError(f"{name} takes no argument (got {rest!r})")
+        raise CommandError(f"{head} takes no argument (got {rest!r})")   # as typed: /exit, not /bye
     if name == "/set" and rest:
         parts = rest.split()
         if parts[0].lower() == "system":            # ollama: /set system TEXT (the text may have spaces)
@@ -317,11 +317,13 @@ def split_set(arg: str) -> tuple[str, str] | None:
 def help_text() -> str:
     width = max(len(n) + 1 + len(a) for n, (a, _) in COMMANDS.items())
     lines = [f"  {(n + ' ' + a).strip():<{width}}  {h}" for n, (a, h) in COMMANDS.items()]
-    lines.append('  """ starts a multi-line message, """ ends it (/set system """ a system prompt);')
+    lines.append('  """ starts a multi-line message, a line ending in """ ends it (/set system """ a system')
+    lines.append('  prompt); a """ inside a line is part of the text.')
     lines.append('  Esc-Enter inserts a newline.')
     lines.append("  A message that starts with / is written //. A command is one line (but a system")
     lines.append("  prompt's text): input of several lines that starts with one is refused, nothing done.")
-    lines.append("  Ctrl-C stops an answer (what was shown is kept) or clears the line; Ctrl-D exits.")
+    lines.append("  Ctrl-C stops an answer (what was shown is kept; a message stopped before its answer")
+    lines.append("  began is dropped from the conversation) or clears the line; Ctrl-D exits.")
     return "\n".join(lines)
 
 
@@ -355,16 +357,23 @@ def open_block(text: str) -> bool:
         body = s[3:]
     else:
         return False
-    return '"""' not in body
+    return not closes_block(body)
+
+
+def closes_block(text: str) -> bool:
+    '''Whether `text` (a block's lines after its opening """) ends the block: only a line that ends in """ does,
+    as in ollama and in piped input. A """ inside a line is text: `"""Hello""" is what ...` opens a block whose
+    message keeps every word (a close anywhere cut the message there and dropped the rest unsaid).'''
+    return text.rstrip().endswith('"""')
 
 
 def strip_block(text: str) -> str:
-    '''The message inside a """ ... """ block (or the text itself when it is not a block).'''
+    '''The message inside a """ ... """ block (or the text itself when it is not a block): the opening """ and a
+    closing one at the end are taken off, every other character is the message's.'''
     s = text.strip()
     if s.startswith('"""'):
         s = s[3:]
-        end = s.rfind('"""')
-        if end >= 0:
-            s = s[:end]
+        if closes_block(s):
+            s = s.rstrip()[:-3]
         return s.strip("\n").strip()
     return text.strip()

@@ -564,6 +564,23 @@ def test_help_lists_every_command():
         assert name in text
 
 
+def test_help_names_every_alias():
+    """/exit, /quit, /? and /clear work: /help says so (only /clear was named)."""
+    from bitnet_cpu.chat.commands import ALIASES
+
+    text = help_text()
+    for alias in ALIASES:
+        assert alias in text, alias
+
+
+@pytest.mark.parametrize("line", ["/exit now", "/quit now", "/? x", "/clear x"])
+def test_an_alias_given_an_argument_is_named_as_typed(line):
+    """`/exit now` said "/bye takes no argument", a command the user did not type."""
+    with pytest.raises(CommandError) as e:
+        parse_command(line)
+    assert str(e.value).startswith(f"{line.split()[0]} takes no argument"), str(e.value)
+
+
 def test_ollamas_one_word_set_commands_parse():
     """ollama's /set verbose, quiet, wordwrap, ... are commands of their own ("/set needs NAME VALUE" before); its
     /set think LEVEL says there are no levels here."""
@@ -599,6 +616,27 @@ def test_multiline_blocks():
     assert not open_block('/set system """You are"""') and not open_block('/set system """a\nb\n"""')
     assert not open_block('/set system You are') and not open_block('/set temp 1')
     assert split_set('system """a\nb\n"""') == ("system", "a\nb") and split_set('system """a"""') == ("system", "a")
+
+
+@pytest.mark.parametrize("lines, message", [
+    (['"""Hello""" is what a docstring looks like; explain it', '"""'],
+     'Hello""" is what a docstring looks like; explain it'),
+    (['"""', "first", '""" trailing words', '"""'], 'first\n""" trailing words'),
+    (['"""a""" or """b"""?', '"""'], 'a""" or """b"""?'),
+    (['"""one"""'], "one"),
+    (['"""', "two lines", "here  \"\"\"  "], "two lines\nhere"),
+])
+def test_a_block_closes_only_at_a_line_end_and_keeps_every_word(lines, message):
+    """A \"\"\" inside a line is text: the block stays open until a line ends in \"\"\", and the message keeps
+    every word typed (what followed a closing \"\"\" on its line was dropped unsaid). The REPL's Enter (open_block
+    on its buffer) and the piped loop (a line ending in \"\"\") agree on where a block ends."""
+    from bitnet_cpu.chat.commands import closes_block
+
+    for i in range(1, len(lines)):   # the REPL keeps the block open while the lines so far do not close it
+        assert open_block("\n".join(lines[:i])), lines[:i]
+        assert not closes_block(lines[i - 1]) or i == 1
+    assert not open_block("\n".join(lines))
+    assert strip_block("\n".join(lines)) == message
 
 
 # ---- rendering --------------------------------------------------------------------------------

@@ -471,6 +471,21 @@ def test_a_system_prompt_over_several_lines_as_ollama_takes_it(llm):
     assert s.conv.system == "Be brief." and not s.had_errors
 
 
+def test_piped_blocks_keep_the_text_after_a_quote_inside_a_line(llm, tmp_path):
+    '''Piped, as typed: a """ inside a line is text, a line ending in """ ends the block. The message keeps every
+    word (`"""Hello""" is what ...` sent "Hello"), and the command after a closed block runs.'''
+    from bitnet_cpu.chat.repl import run_plain
+
+    s, _ = new_session(llm, max_tokens=2, system=None)
+    script = ('"""Hello""" is what a docstring looks like; explain it\n"""\n'
+              '"""\nfirst\n""" trailing words\n"""\n'
+              f'/save {tmp_path / "c.json"}\n')
+    assert run_plain(s, io.StringIO(script)) == 0
+    turns = json.loads((tmp_path / "c.json").read_text())["turns"]
+    assert [t["user"] for t in turns] == ['Hello""" is what a docstring looks like; explain it',
+                                          'first\n""" trailing words']
+
+
 def test_utf8_typed_in_a_locale_that_is_not_utf8_is_sent(llm, monkeypatch):
     """In a C locale Python reads typed UTF-8 as lone surrogates, one per byte: the text they spell is sent (it was
     refused as "not UTF-8 ... iconv"); bytes that are not UTF-8 are refused in one line naming the locale."""
