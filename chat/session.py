@@ -174,6 +174,8 @@ class ChatSession:
         # that line's answer starts stopped, as if the Ctrl-C had come a moment later (it was lost: a whole answer)
         self.interrupt_pending = False
         self._retrying = False        # a /retry with an earlier answer is being made (see _keep_earlier)
+        # while a new message is asked: the window's start and n_dropped before it (see _drop_unanswered), else None
+        self._before_ask: tuple[int, int] | None = None
         # Ctrl-C ends the whole run (stdin is not a terminal: `bitchat < questions.txt`, nobody at a prompt): the
         # answer so far is kept as in the REPL, then KeyboardInterrupt (exit 130); it only cut the one answer
         self.ctrl_c_ends = False
@@ -465,8 +467,14 @@ class ChatSession:
             raise CommandError(f"[{e}; not sent{_locale_note()}]") from None
         with sigint_as_flag() as flag:   # from the turn's first moment: a Ctrl-C never leaves it half made
             flag.hit, self.interrupt_pending = self.interrupt_pending, False
+            # a Ctrl-C before the answer's first word takes the message back out (_drop_unanswered): the window as
+            # it was before it, too
+            self._before_ask = (self.conv.window_start, self.n_dropped)
             turn = self.conv.add_user(text)
-            self._answer(turn, flag)
+            try:
+                self._answer(turn, flag)
+            finally:
+                self._before_ask = None
         self._after_turn(turn, flag, ends=self.ctrl_c_ends)
 
     def retry(self) -> None:
@@ -551,11 +559,29 @@ class ChatSession:
             raise
 
     def _not_begun(self, turn) -> None:
-        """A Ctrl-C before `turn`'s answer began: an empty answer, interrupted, saved and said."""
+        """A Ctrl-C before `turn`'s answer began: a new message is taken back out (_drop_unanswered); a /retry's turn
+        gets an empty answer, interrupted, saved and said (its earlier answer comes back: _keep_earlier)."""
         turn.assistant, turn.interrupted, turn.finish_reason = "", True, "interrupted"
         self.cached_turn = None
         self.out.end_answer()
+        if self._before_ask is not None:
+            self._drop_unanswered(turn)
+            return
         self.out.notice("[interrupted before the answer began]")
+        self._save_recovery()
+
+    def _drop_unanswered(self, turn) -> None:
+        """A new message stopped (Ctrl-C) before any of its answer was shown leaves the conversation, its transcript,
+        the recovery copy and the model's view, as if never sent, and the window comes back as it was: kept as a turn
+        with an empty answer, the next question read it again (paying the prefill the user had just stopped) and a
+        message too long for the context pushed the real conversation out of view. Said in one line."""
+        if self.conv.last_turn() is turn:
+            self.conv.drop_last_turn()
+        if self._before_ask is not None:
+            start, dropped = self._before_ask
+            self.conv.window_start, self.n_dropped = min(start, len(self.conv.turns)), dropped
+        self.cached_turn = None   # the cache holds part of this prompt; the next turn reuses the prefix it shares
+        self.out.notice("[interrupted before the answer began: the message is dropped from the conversation]")
         self._save_recovery()
 
 
@@ -664,6 +690,10 @@ class ChatSession:
             return
         self.out.end_answer()
         turn.assistant = "".join(pieces)
+        if interrupted and not pieces and self._before_ask is not None:   # nothing of it shown: never sent
+            turn.interrupted, turn.finish_reason = True, "interrupted"
+            self._drop_unanswered(turn)
+            return
         self.cached_turn = CachedTurn(messages, list(ids), answer_ids, turn.assistant)
         self.n_answers += 1
         self.seed_offset += 1

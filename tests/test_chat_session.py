@@ -405,22 +405,36 @@ def test_ctrl_c_keeps_the_partial_answer_and_the_cache_consistent(llm):
 
 def test_ctrl_c_during_a_long_prompt_stops_it_at_the_next_chunk(llm):
     """A real SIGINT while the prompt is being prefilled (at the second chunk's forward pass): the prefill stops
-    before the third chunk, not after the whole prompt; the question is answered empty, marked interrupted, and
-    the chunks done stay cached for the next turn."""
-    import sys
-
+    before the third chunk, not after the whole prompt; the question leaves the conversation (nothing of its answer
+    was shown: as if never sent, said in one line), and the chunks done stay cached for the next turn."""
     llm.reset()
     sink = io.StringIO()
     s = ChatSession(llm, Settings(temp=0.0, max_tokens=4), Output(sink, sink, interactive=False))
     text = "Read all of this carefully before you answer me. " * 12
-    n_prompt = s.count_tokens([{"role": "user", "content": text}])
+    passes = _ctrl_c_at_forward_pass(llm, s, text, 2)
+    assert s.count_tokens([{"role": "user", "content": text}]) > 5 * 8
+    assert s.conv.turns == []   # no turn with an empty answer that every later prompt carries
+    assert len(passes) == 2   # the third chunk never ran (before: every chunk of the prompt, then the stop)
+    assert len(llm.cached_tokens) == 16
+    assert "[interrupted before the answer began: the message is dropped from the conversation]" in sink.getvalue()
+    assert "[0 tokens]" not in sink.getvalue() and "so far is kept" not in sink.getvalue()
+    assert "last answer: none yet" in s.describe_stats() and "0 turns" in s.describe_stats()
+    s.ask("Next?")
+    assert len(s.conv.turns) == 1 and not s.conv.turns[0].interrupted and s.last_stats.n_cached >= 1
+
+
+def _ctrl_c_at_forward_pass(llm, s, text, at):
+    """Ask `text` in 8-token prefill chunks, pressing Ctrl-C (a real SIGINT) at the `at`-th forward pass; the passes
+    made."""
+    import sys
+
     chunk, llm.model.chunk = llm.model.chunk, 8
     passes = []
 
-    def watch(frame, event, arg):   # counts the model's forward passes; presses Ctrl-C at the second
+    def watch(frame, event, arg):   # counts the model's forward passes; presses Ctrl-C at the `at`-th
         if event == "call" and frame.f_code.co_name == "_blocks":
             passes.append(1)
-            if len(passes) == 2:
+            if len(passes) == at:
                 os.kill(os.getpid(), signal.SIGINT)
     try:
         sys.setprofile(watch)
@@ -428,16 +442,42 @@ def test_ctrl_c_during_a_long_prompt_stops_it_at_the_next_chunk(llm):
     finally:
         sys.setprofile(None)
         llm.model.chunk = chunk
-    assert n_prompt > 5 * 8
-    turn = s.conv.turns[0]
-    assert turn.interrupted and turn.assistant == "" and turn.finish_reason == "interrupted"
-    assert len(passes) == 2   # the third chunk never ran (before: every chunk of the prompt, then the stop)
-    assert s.tokens_in_cache == len(llm.cached_tokens) == 16
-    assert "[interrupted before the answer began]" in sink.getvalue()   # not "the answer so far is kept"
-    assert "[0 tokens]" not in sink.getvalue() and "so far is kept" not in sink.getvalue()
-    assert "last answer: interrupted before its first token" in s.describe_stats()   # was "none yet"
-    s.ask("Next?")
-    assert not s.conv.turns[1].interrupted and s.last_stats.n_cached >= 16
+    return passes
+
+
+def test_a_message_stopped_before_its_answer_is_not_read_again_nor_saved(llm, tmp_path):
+    """The finding's case: a message answered, a long paste stopped by Ctrl-C while it is prefilled, then "Hi". The
+    stopped message is in neither the conversation, the recovery copy nor /save, and "Hi" does not pay its prefill
+    again (it was a turn with an empty answer that every later prompt carried)."""
+    s, sink = new_session(llm, max_tokens=4, system=None)
+    s.enable_recovery(str(tmp_path / "recovery.json"))
+    s.ask("My name is Zed.")
+    _ctrl_c_at_forward_pass(llm, s, "word " * 120, 2)
+    assert [t.user for t in s.conv.turns] == ["My name is Zed."]
+    assert [t["user"] for t in json.loads((tmp_path / "recovery.json").read_text())["turns"]] == ["My name is Zed."]
+    s.ask("Hi")
+    alone = s.count_tokens(s.conv.messages())   # the prompt of the two real turns
+    assert s.last_stats.n_prompt <= alone and "word word" not in llm.detokenize(s.last_prompt_ids)
+    s.run_command(parse_command(f"/save {tmp_path / 'c.json'}"))
+    assert [t["user"] for t in json.loads((tmp_path / "c.json").read_text())["turns"]] == ["My name is Zed.", "Hi"]
+
+
+def test_a_message_stopped_before_its_answer_gives_back_the_turns_it_pushed_out(llm):
+    """A message that made room for itself by dropping the oldest turns from view, then stopped before its answer:
+    those turns come back into the model's view (a message the user cancelled pushed the conversation out)."""
+    from bitnet_cpu.engine.api import load_model
+
+    small = load_model(llm.store.path, ctx=256, threads=1, progress=False)
+    sink = io.StringIO()
+    s = ChatSession(small, Settings(temp=0.0, max_tokens=4), Output(sink, sink, interactive=False))
+    for i in range(3):
+        s.ask(f"Question {i}?")
+    paste = "a long paste " * 25
+    assert s.conv.window_start == 0 and s.count_tokens([{"role": "user", "content": paste}]) < 256 - 4
+    _ctrl_c_at_forward_pass(small, s, paste, 1)
+    assert "dropped the" in sink.getvalue(), sink.getvalue()   # it had pushed turns out of view
+    assert len(s.conv.turns) == 3 and s.conv.window_start == 0 and s.n_dropped == 0
+    assert "3 turns (3 in the window, 0 dropped)" in s.describe_stats()
 
 
 def test_input_lines_commands_messages_and_slash_escape(llm):
@@ -1171,8 +1211,8 @@ def test_the_first_question_after_loading_a_huge_turn_never_tokenizes_it_whole(l
 
 def test_a_ctrl_c_while_the_first_question_after_a_huge_load_is_fitted_stops_it_there(llm, tmp_path, monkeypatch):
     """A Ctrl-C (a real SIGINT) while the window is fitted to the first question after /load of a huge turn: heard
-    after that tokenizer call, the question is answered empty and marked interrupted, the session goes on (it was
-    heard only once the whole window had been tokenized, twice)."""
+    after that tokenizer call, the question leaves the conversation (said), the session goes on (it was heard only
+    once the whole window had been tokenized, twice)."""
     path = tmp_path / "huge.json"
     _huge_last_answer(path)
     s, sink = new_session(llm, system=None)
@@ -1180,9 +1220,8 @@ def test_a_ctrl_c_while_the_first_question_after_a_huge_load_is_fitted_stops_it_
     calls = _ctrl_c_at_the_first_encode(llm, monkeypatch)
     s.ask("What next?")
     assert len(calls) == 1, [len(c) for c in calls]
-    assert "[interrupted before the answer began]" in sink.getvalue()
-    last = s.conv.turns[-1]
-    assert last.user == "What next?" and last.assistant == "" and last.interrupted
+    assert "[interrupted before the answer began: the message is dropped from the conversation]" in sink.getvalue()
+    assert "What next?" not in [t.user for t in s.conv.turns]
     monkeypatch.undo()
     s.ask("Still there?")
     assert s.conv.turns[-1].assistant is not None and not s.conv.turns[-1].interrupted
