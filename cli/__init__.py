@@ -10,7 +10,6 @@ An unknown flag gets that subcommand's usage and a "did you mean" suggestion.
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import importlib
 import io
@@ -23,6 +22,8 @@ COMMANDS = ["run", "convert", "inspect", "info", "pull", "list", "rm", "serve", 
 
 def build_parser(subparsers: dict | None = None) -> argparse.ArgumentParser:
     """The `bitnet` parser; `subparsers` (if given) is filled with name -> subcommand parser."""
+    import argparse   # here, not at the top: bitchat's entry point imports this package before its Ctrl-C guard
+
     from .flags import Parser
 
     p = Parser(

@@ -225,6 +225,7 @@ sys.exit(importlib.import_module(sys.argv[2]).main(sys.argv[3:]))
     ("bitnet_cpu.cli.serve", "bitnet_cpu.cli", ["run", "-p", "Once", "-n", "2"]),   # the parser's subcommands
     ("bitnet_cpu.engine.api", "bitnet_cpu.cli", ["run", "-p", "Once", "-n", "2"]),  # loading the engine
     ("bitnet_cpu.chat.commands", "bitnet_cpu.cli.bitchat", ["-n", "2"]),            # bitchat importing its REPL
+    ("argparse", "bitnet_cpu.cli.bitchat", ["-n", "2"]),   # bitchat's first import of a module Python has not loaded
 ])
 def test_ctrl_c_while_starting_is_one_exit_130(at, entry, args):
     """Ctrl-C at any moment: while the command is still importing its parts, too (a SIGINT at a chosen import,
@@ -233,6 +234,35 @@ def test_ctrl_c_while_starting_is_one_exit_130(at, entry, args):
                        capture_output=True, text=True, timeout=120,
                        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert r.returncode == 130 and "Traceback" not in r.stderr and not r.stdout, (r.returncode, r.stderr)
+
+
+INTERRUPT_TURNED_INTO_IMPORT_ERROR = """
+import importlib.abc, os, signal, sys
+class Interrupt(importlib.abc.MetaPathFinder):   # a Ctrl-C inside an extension's import, which turns it into an
+    def find_spec(self, name, path=None, target=None):   # ImportError (numpy's C code, at its datetime capsule)
+        if name == sys.argv[1]:
+            try:
+                os.kill(os.getpid(), signal.SIGINT)
+                for _ in range(1000):   # (the handler runs at the next bytecode)
+                    pass
+            except KeyboardInterrupt:
+                raise ImportError('PyCapsule_Import could not import module "datetime"') from None
+        return None
+sys.meta_path.insert(0, Interrupt())
+import importlib
+sys.exit(importlib.import_module("bitnet_cpu.cli.bitchat").main(sys.argv[2:]))
+"""
+
+
+def test_ctrl_c_that_an_import_turned_into_another_error_is_still_exit_130():
+    """A Ctrl-C inside numpy's import came out as an ImportError ("PyCapsule_Import could not import module
+    "datetime""): a traceback and exit 1. bitchat hears the signal itself while it imports, so it is exit 130 with
+    one line, as a Ctrl-C at any other moment of the start."""
+    r = subprocess.run([sys.executable, "-c", INTERRUPT_TURNED_INTO_IMPORT_ERROR, "numpy", "-n", "2"], cwd=ROOT,
+                       input="", capture_output=True, text=True, timeout=120,
+                       preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    assert r.returncode == 130 and "Traceback" not in r.stderr and not r.stdout, (r.returncode, r.stderr)
+    assert r.stderr.strip() == "bitchat: interrupted", r.stderr
 
 
 FAIL_AT_IMPORT = """
