@@ -19,8 +19,8 @@ import traceback
 from contextlib import contextmanager
 
 from ..engine.errors import ENDING_SIGNALS, ModelChangedError, Terminated, write_failed
-from .commands import (COMMANDS, CommandError, CommandInterrupted, completions, is_command, open_block, parse_command,
-                       strip_block)
+from .commands import (COMMANDS, CommandError, CommandInterrupted, closes_block, completions, is_command, open_block,
+                       parse_command, strip_block)
 from .session import ChatSession, ExitChat, terminal_gone
 from .transcript import private_dir, state_dir
 
@@ -210,15 +210,41 @@ def handle_line(session: ChatSession, text: str) -> bool:
     return True
 
 
-def run_plain(session: ChatSession, stream=None) -> int:
+def run_plain(session: ChatSession, stream=None, prompt=None) -> int:
     """Lines of `stream` (stdin's bytes by default; text or bytes) become turns; a line that is a command runs
     it; \"\"\" blocks span lines. A line that is not UTF-8 is skipped with one line naming the byte. Exit 0
-    at end of input, 1 if a command or turn failed on the way."""
+    at end of input, 1 if a command or turn failed on the way. `prompt(text)`: lines typed at a terminal whose
+    output is not one (`bitchat | tee log`): it shows the prompt before each line (on stderr, so the answers'
+    pipe stays clean), and a Ctrl-C while a line is typed clears it (and an open block), as the REPL does."""
     from ..engine.formats.tokenizer import decode_utf8
 
     stream = stream or getattr(sys.stdin, "buffer", sys.stdin)
     block: list[str] | None = None
-    for number, raw in enumerate(stream, 1):
+    number = 0
+
+    def run(text: str) -> bool:
+        if prompt is None:
+            return handle_line(session, text)
+        try:
+            return handle_line(session, text)
+        except KeyboardInterrupt:   # typed: a Ctrl-C outside an answer ends nothing, as in the REPL
+            session.out.end_answer()
+            session.out.notice("[interrupted]")
+            return True
+    while True:   # until the end of input or /bye: each pass reads a line
+        if prompt is not None:
+            prompt(CONTINUATION if block is not None else PROMPT)
+        try:
+            raw = stream.readline()
+        except KeyboardInterrupt:
+            if prompt is None:   # (piped input: Ctrl-C ends the run, cli/chat.py says where the turns are)
+                raise
+            prompt("\n")   # the terminal dropped the line typed so far; the block goes with it
+            block = None
+            continue
+        if not raw:
+            break
+        number += 1
         try:
             # start: the stream's UTF-8 BOM (a script saved by a Windows editor) is dropped, never a later line's;
             # it made the first line's command a chat message
@@ -230,21 +256,20 @@ def run_plain(session: ChatSession, stream=None) -> int:
             continue
         if block is not None:
             block.append(line)
-            if line.rstrip().endswith('"""'):
+            if closes_block(line):
                 text, block = "\n".join(block), None
-                if not handle_line(session, text):
-                    break
+                if not run(text):
+                    return 1 if session.had_errors else 0
             continue
         if not line.strip():
             continue
         if open_block(line):
             block = [line]
             continue
-        if not handle_line(session, line):
-            break
-    else:
-        if block is not None:  # unterminated block at end of input: send what there is
-            handle_line(session, "\n".join(block) + '\n"""')
+        if not run(line):
+            return 1 if session.had_errors else 0
+    if block is not None:  # unterminated block at end of input: send what there is
+        run("\n".join(block) + '\n"""')
     return 1 if session.had_errors else 0
 
 

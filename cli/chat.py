@@ -6,7 +6,8 @@
 
 The flags are `bitnet run`'s (cli/flags.py); `bitnet run -cnv` lands here too
 (run_chat). No -m opens the bundled default model. On a terminal it is a prompt_toolkit REPL; when
-stdin or stdout is not a terminal, input lines become turns and the output is plain text.
+stdin or stdout is not a terminal, input lines become turns and the output is plain text (typed at a terminal with
+stdout piped, `bitchat | tee log`: line mode, said at start, with its prompt on stderr).
 Exit codes: 0 normal end, 1 a piped command/turn failed, 2 bad flag or model (also: the model file was
 truncated or rewritten while in use), 70 an internal error (a bug: please report it), 130 Ctrl-C while loading,
 or at any moment of a run whose stdin is not a terminal (the answer so far is kept, as in the REPL, then it ends).
@@ -197,6 +198,19 @@ def _guarded_body(args, settings: Settings, first_message: str | None = None) ->
         return EXIT_BUG
 
 
+def _line_prompt():
+    """The prompt of line mode (typed lines, stdout not a terminal): on stderr, where it is seen and never enters
+    the answers' pipe; none when stderr is not a terminal either (a log file would fill with prompts)."""
+    if not is_terminal(sys.stderr):
+        return None
+
+    def prompt(text: str) -> None:
+        with contextlib.suppress(OSError, ValueError):   # (stderr closed or gone: the lines still work)
+            sys.stderr.write(text)
+            sys.stderr.flush()
+    return prompt
+
+
 def recovery_path() -> str | None:
     """$BITCHAT_RECOVERY (empty: no recovery copy), else recovery-PID.json in the XDG state dir."""
     from ..chat.transcript import state_dir
@@ -337,8 +351,13 @@ def _run(args, settings: Settings, out: Output, interactive: bool, first_message
         session.enable_recovery(path)
     ready = f"bitchat: {llm.name} ready in {load_s:.1f} s ({llm.n_ctx}-token context)."
     left = notice([c for c in copies if not c.running])
-    print(ready + (" Type /help for commands, /bye or Ctrl-D to exit." if interactive else ""), file=sys.stderr,
-          flush=True)
+    # typed lines, output piped (`bitchat | tee log`): no REPL (its screen would go into the pipe), so say which mode
+    # this is, and show a prompt on stderr (it looked like a hang: no prompt, no hint)
+    typed = not interactive and is_terminal(sys.stdin)
+    hint = " Type /help for commands, /bye or Ctrl-D to exit." if interactive else \
+        (" stdout is not a terminal, so this is line mode: no line editing, history or completion; answers go to "
+         "stdout, the prompt and notices to stderr. Type /help for commands, /bye or Ctrl-D to exit.") if typed else ""
+    print(ready + hint, file=sys.stderr, flush=True)
     if left:
         print(left, file=sys.stderr, flush=True)
     if session.conv.system:   # -sys: a system prompt too long for the context is said now, as /system says it
@@ -352,7 +371,7 @@ def _run(args, settings: Settings, out: Output, interactive: bool, first_message
         if first_message and not handle_line(session, first_message):
             session.discard_recovery()
             return 1 if session.had_errors else 0
-        rc = run_plain(session)
+        rc = run_plain(session, prompt=_line_prompt() if typed else None)
     session.discard_recovery()   # only on a normal end: after a crash the copy is the user's transcript
     return rc
 

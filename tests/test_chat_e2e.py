@@ -425,6 +425,47 @@ def test_ctrl_c_at_the_prompt_clears_the_line_and_hints(chat_model, tmp_path):
     assert chat.finish("\x04") == 0
 
 
+def test_typed_lines_with_stdout_piped_say_line_mode_and_show_a_prompt(chat_model, tmp_path):
+    """`bitchat | tee log`, `bitchat > answers.txt` (stdin a terminal, stdout not): no REPL, and it looked like a
+    hang: no prompt, no hint. The ready line says it is line mode, a prompt shows on stderr (the terminal) before
+    each line, stdout gets the answers only, and a Ctrl-C while a line is typed clears it, as the REPL does (the
+    run goes on). (A file, not `| cat`: the terminal's Ctrl-C would end cat as well, as it ends a real tee.)"""
+    import shlex
+
+    out = tmp_path / "out.txt"
+    cmd = console_script("bitchat") + ["-m", chat_model, "-t", "1", "--seed", "1", "-n", "4", "--temp", "0"]
+    child = pexpect.spawn("bash", ["-c", f"{shlex.join(cmd)} > {shlex.quote(str(out))}"],
+                          env=test_env(tmp_path), encoding="utf-8", timeout=TIMEOUT, dimensions=(50, 220))
+    try:
+        child.expect(r"ready in [^\r\n]*")
+        assert "line mode" in child.after and "/bye or Ctrl-D" in child.after, child.after
+        child.expect_exact(">>> ")
+        child.send("Hello there\r")
+        child.expect(STATS_RE)
+        child.expect_exact(">>> ")
+        child.send("words never sent")
+        child.expect_exact("words never sent")   # (echoed by the terminal: the line is being typed)
+        child.send("\x03")
+        child.expect_exact(">>> ")                # cleared: a fresh prompt, bitchat still runs
+        child.send('"""\r')
+        child.expect_exact("... ")                # a block's continuation prompt
+        child.send('two\r"""\r')
+        child.expect(STATS_RE)
+        child.expect_exact(">>> ")
+        child.send(f"/save {tmp_path / 'c.json'}\r")
+        child.expect(r"\[saved 2 turns")
+        child.send("/bye\r")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close(force=True)
+    assert child.exitstatus == 0, child.before
+    turns = json.loads((tmp_path / "c.json").read_text())["turns"]
+    assert [t["user"] for t in turns] == ["Hello there", "two"]
+    piped = out.read_text()
+    assert ">>>" not in piped and "saved" not in piped and "ready" not in piped, piped
+    assert plain(turns[0]["assistant"]) in plain(piped)
+
+
 def test_multiline_input(chat_model, tmp_path):
     chat = Chat(chat_model, tmp_path, "-n", "2")
     chat.child.send('"""')
