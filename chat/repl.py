@@ -29,10 +29,12 @@ CONTINUATION = "... "
 
 
 def history_path() -> str | None:
-    """$BITCHAT_HISTORY (empty: no history file), else the XDG state dir."""
+    """$BITCHAT_HISTORY (empty or /dev/null: no history file, said nowhere, as $BITCHAT_RECOVERY; /dev/null was
+    refused as "not a regular file" at every start), else the XDG state dir."""
     env = os.environ.get("BITCHAT_HISTORY")
     if env is not None:
-        return os.path.expanduser(env) if env.strip() else None
+        path = os.path.expanduser(env)
+        return path if env.strip() and os.path.realpath(path) != os.devnull else None
     return os.path.join(state_dir(), "history")
 
 

@@ -778,6 +778,9 @@ class ChatSession:
         elif name == "/reset":
             self.conv.reset()
             self.seed_offset = 0
+            # what the conversation holds of the context: nothing now (/stats and /show info said the forgotten
+            # turns' count, "34 / 512" with 0 turns); the cache's tokens are only reused where the next prompt agrees
+            self.tokens_in_cache = 0
             self._save_recovery()
             self.out.info("[conversation cleared]")
         elif name == "/system":
@@ -810,15 +813,22 @@ class ChatSession:
                 self.set_thinking(pair[0] == "think")
             else:   # (a value typed in a locale that is not UTF-8: the text its bytes spell, as a message's)
                 key, value = parse_setting(pair[0], _typed_text(pair[1]), max_tokens_limit=self.llm.n_ctx)
-                if key == "max_tokens" and value != UNTIL_END and value < int(pair[1]):   # capped to the context
-                    self.out.notice(f"[{max_tokens_over_context(int(pair[1]), self.llm.n_ctx)}]")
+                capped = key == "max_tokens" and value != UNTIL_END and value < int(pair[1])   # to the context
                 setattr(self.settings, key, value)
                 if key == "seed":   # even the same value: the next answer is that seed's own, not seed + answers
                     self.seed_offset = 0
                 self._save_recovery()   # the copy carries the settings too
                 shown = "random" if value is None else json.dumps([*value]) if isinstance(value, tuple) else \
                     shown_max_tokens(value) if key == "max_tokens" else value
-                self.out.info(f"[{key} = {shown}]")   # a breaker list as /show prints it (JSON)
+                if capped:   # one line, which ends with the value taken (it was followed by "[max_tokens = 512]")
+                    self.out.notice(f"[{max_tokens_over_context(int(pair[1]), self.llm.n_ctx)}]")
+                elif key in ("reasoning_budget", "reasoning_budget_message") and not self.llm.thinks and \
+                        value != getattr(Settings(), key):   # (back to the default asks for nothing, as the flag)
+                    # as the flag's warning says it: kept (a /save loads into a model that thinks), but said
+                    self.out.notice(f"[{key} = {shown}: {self.llm.name}'s chat template does not think; it changes "
+                                    "nothing]")
+                else:
+                    self.out.info(f"[{key} = {shown}]")   # a breaker list as /show prints it (JSON)
         elif name == "/show":
             topic = arg.lower()
             if topic == "system":

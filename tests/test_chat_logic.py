@@ -564,6 +564,16 @@ def test_help_lists_every_command():
         assert name in text
 
 
+@pytest.mark.parametrize("value", ["/dev/null", "", "  "])
+def test_history_off_by_dev_null_or_empty(value, monkeypatch):
+    """BITCHAT_HISTORY=/dev/null, the usual way to turn a history off, was "not a regular file; history kept in
+    memory only" at every start: now it is off, as BITCHAT_RECOVERY=/dev/null is, and as an empty value."""
+    from bitnet_cpu.chat.repl import history_path
+
+    monkeypatch.setenv("BITCHAT_HISTORY", value)
+    assert history_path() is None
+
+
 def test_help_names_every_alias():
     """/exit, /quit, /? and /clear work: /help says so (only /clear was named)."""
     from bitnet_cpu.chat.commands import ALIASES

@@ -511,6 +511,39 @@ def test_a_system_prompt_over_several_lines_as_ollama_takes_it(llm):
     assert s.conv.system == "Be brief." and not s.had_errors
 
 
+def test_reset_leaves_no_context_in_use(llm):
+    """After /reset, /stats and /show info said the forgotten turn's tokens were in use ("34 / 512", 0 turns)."""
+    s, _ = new_session(llm)
+    s.ask("Hello?")
+    assert s.tokens_in_cache > 0
+    s.run_command(parse_command("/reset"))
+    assert f"context:     0 / {llm.n_ctx} tokens" in s.describe_stats() and "in use 0" in s.describe_model()
+    s.ask("Again?")
+    assert s.tokens_in_cache > 0
+
+
+def test_max_tokens_over_the_context_is_one_line(llm):
+    """/set max_tokens over the context: one line saying it is taken as the context's size (it was followed by a
+    second, "[max_tokens = N]")."""
+    s, sink = new_session(llm)
+    s.run_command(parse_command("/set max_tokens 100000"))
+    lines = sink.getvalue().splitlines()
+    assert len(lines) == 1 and lines[0].endswith(f"max_tokens = {llm.n_ctx}]"), lines
+    assert s.settings.max_tokens == llm.n_ctx
+
+
+@pytest.mark.parametrize("name, value", [("reasoning_budget", "5"), ("reasoning_budget_message", "Enough.")])
+def test_a_reasoning_budget_on_a_template_that_does_not_think_says_it_changes_nothing(llm, name, value):
+    """As the flag warns (--reasoning-budget N): /set reasoning_budget N on a template that does not think says in
+    its one line that it changes nothing (it said only "[reasoning_budget = 5]"); the value is kept for /save."""
+    assert not llm.thinks
+    s, sink = new_session(llm)
+    s.run_command(parse_command(f"/set {name} {value}"))
+    lines = sink.getvalue().splitlines()
+    assert len(lines) == 1 and "does not think; it changes nothing" in lines[0], lines
+    assert str(getattr(s.settings, name)) == value
+
+
 def test_piped_blocks_keep_the_text_after_a_quote_inside_a_line(llm, tmp_path):
     '''Piped, as typed: a """ inside a line is text, a line ending in """ ends the block. The message keeps every
     word (`"""Hello""" is what ...` sent "Hello"), and the command after a closed block runs.'''
