@@ -362,6 +362,12 @@ def run_repl(session: ChatSession) -> int:
     def _newline(event):
         event.current_buffer.insert_text("\n")
 
+    @keys.add("c-@")
+    def _nul(event):
+        # Ctrl-@ / Ctrl-Space is a NUL byte, taken as text as a paste or piped input takes it (shown ^@); it was
+        # emacs' set-mark, and the keys typed after it never reached the line: "hello^@world" sent "hello"
+        event.current_buffer.insert_text("\x00")
+
     @keys.add("c-c")
     def _interrupt(event):
         buf = event.current_buffer

@@ -466,6 +466,22 @@ def test_typed_lines_with_stdout_piped_say_line_mode_and_show_a_prompt(chat_mode
     assert plain(turns[0]["assistant"]) in plain(piped)
 
 
+def test_a_typed_nul_is_kept_with_the_text_after_it(chat_model, tmp_path):
+    """Ctrl-@ (Ctrl-Space: a NUL byte) typed mid-line was emacs' set-mark: the keys after it never reached the line,
+    and "hello<NUL>world" sent "hello". Now it is text, as a paste or piped input takes it."""
+    chat = Chat(chat_model, tmp_path)
+    chat.child.send("hello")
+    chat.child.send("\x00")
+    chat.child.send("world")
+    chat.expect("world")
+    chat.child.send("\r")
+    chat.expect(STATS_RE)
+    chat.wait_prompt()
+    chat.command(f"/save {tmp_path / 'c.json'}", r"\[saved 1 turn ")
+    assert json.loads((tmp_path / "c.json").read_text())["turns"][0]["user"] == "hello\x00world"
+    assert chat.finish("/bye") == 0
+
+
 def test_multiline_input(chat_model, tmp_path):
     chat = Chat(chat_model, tmp_path, "-n", "2")
     chat.child.send('"""')
