@@ -3,7 +3,7 @@
 stdout carries the answers; hints, notices and stats go to stderr when stdout is not a terminal
 (so `bitchat < questions.txt > answers.txt` gives only the answers), and to the terminal otherwise.
 Colour only on a terminal and never when NO_COLOR is set. On a terminal a streamed answer wraps at word
-boundaries at the terminal's width (measured at the start of each answer, so a resize is followed): the
+boundaries at the terminal's width (measured as each piece is written, so a resize is followed, mid-answer too): the
 word being written is held back until it is complete, then goes on this line or the next. A thinking model's
 thought (its <think> block) is shown as llama-cli shows it, between [Start thinking] and [End thinking], dim on a
 terminal, and beside the answers (stderr) when stdout is not one.
@@ -145,6 +145,10 @@ class Output:
         if self._wrap is None and self.at_line_start:   # a new answer: measure the terminal now
             width = self._terminal_width()
             self._wrap = WordWrapper(width) if width else None
+        elif self._wrap is not None and not self.width:   # and at every piece: a resize mid-answer is followed (an
+            width = self._terminal_width()                # ioctl, next to a token's milliseconds); it kept the width
+            if width:                                     # it began with, and a narrower terminal broke each line
+                self._wrap.width = max(8, width)          # mid-word
         if self._wrap is not None:
             text = self._wrap.feed(text)
             pending = bool(self._wrap.word)

@@ -666,6 +666,43 @@ def test_format_stats():
     assert format_stats(one).startswith("[1 token,") and format_stats(None, 1) == "[1 token]"
 
 
+def test_an_answer_follows_a_terminal_resized_while_it_streams():
+    """The answer wraps at the terminal's width as it is now: resized from 80 to 40 columns mid-answer, the lines
+    after are at most 40 wide (they stayed at 80, and the terminal broke each mid-word). A real pseudo-terminal."""
+    import fcntl
+    import select
+    import struct
+    import termios
+
+    master, slave = os.openpty()
+    try:
+        def columns(n):
+            fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, n, 0, 0))
+        columns(80)
+        out = open(slave, "w", encoding="utf-8", closefd=False)
+        o = Output(out, out, interactive=True)
+        words = [f"word{i:02d}" for i in range(60)]
+        for w in words[:30]:
+            o.stream(w + " ")
+        columns(40)
+        for w in words[30:]:
+            o.stream(w + " ")
+        o.end_answer()
+        out.close()
+        shown = b""
+        for _ in range(100):   # (all of it is written already: a read or two; bounded all the same)
+            if b"word59" in shown and shown.endswith(b"\n") or not select.select([master], [], [], 10)[0]:
+                break
+            shown += os.read(master, 4096)
+    finally:
+        os.close(master)
+        os.close(slave)
+    lines = shown.decode().replace("\r", "").rstrip("\n").split("\n")
+    after = lines[next(i for i, line in enumerate(lines) if "word30" in line) + 1:]
+    assert after and all(len(line.rstrip()) <= 40 for line in after), lines
+    assert " ".join(" ".join(lines).split()) == " ".join(words)   # every word whole, in order
+
+
 def test_output_plain_when_not_a_terminal():
     out, err = io.StringIO(), io.StringIO()
     o = Output(out, err, interactive=False)
