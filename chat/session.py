@@ -1173,13 +1173,40 @@ def _typed_text(text: str) -> str:
 
 
 def _locale_note() -> str:
-    """Where the bytes were read with a locale that is not UTF-8: said, with the way to one."""
+    """Where the bytes were read with a locale that is not UTF-8: said, with the way to one. Python reads a C or
+    POSIX locale (LANG=C, LC_ALL=C) in its UTF-8 mode, so its encoding says UTF-8 there: the locale as the user
+    set it is named instead (the docs promised it; the line was the one of a UTF-8 locale)."""
     import locale
 
     encoding = locale.getpreferredencoding(False)
-    if encoding.lower().replace("-", "").replace("_", "") in ("utf8", "cp65001"):
+    if not _utf8_name(encoding):
+        return f"; the locale's encoding is {encoding}, not UTF-8: set LANG/LC_ALL to a UTF-8 locale, e.g. C.UTF-8"
+    setting = _locale_setting()
+    if setting is None or _utf8_name(setting.partition("=")[2]):
         return ""
-    return f"; the locale's encoding is {encoding}, not UTF-8: set LANG/LC_ALL to a UTF-8 locale, e.g. C.UTF-8"
+    return f"; the locale ({setting}) is not UTF-8: set LANG/LC_ALL to a UTF-8 locale, e.g. C.UTF-8"
+
+
+def _utf8_name(name: str) -> bool:
+    """Whether an encoding or a locale's name (C.UTF-8, en_US.utf8) says UTF-8."""
+    name = name.lower().replace("-", "").replace("_", "")
+    return name in ("utf8", "cp65001") or name.endswith(".utf8") or ".utf8@" in name
+
+
+def _locale_setting() -> str | None:
+    """The variable that chose the character locale, as the user set it ("LC_ALL=C"), or None where no C or
+    POSIX locale made Python read in its UTF-8 mode. Python puts LC_CTYPE=C.UTF-8 in the environment itself when
+    it coerces LANG=C (PEP 538): that one is not the user's."""
+    import sys
+
+    if not sys.flags.utf8_mode:   # (then the locale's own encoding is the one read, said by the caller)
+        return None
+    coerced = not os.environ.get("LC_ALL") and _utf8_name(os.environ.get("LC_CTYPE", "")) and sys.flags.utf8_mode
+    for var in ("LC_ALL", "LC_CTYPE", "LANG"):
+        value = os.environ.get(var)
+        if value and not (var == "LC_CTYPE" and coerced):
+            return f"{var}={value}"
+    return "no LANG, LC_CTYPE or LC_ALL set: the C locale"
 
 
 def _short(text: str, width: int = 60) -> str:

@@ -482,6 +482,27 @@ def test_a_typed_nul_is_kept_with_the_text_after_it(chat_model, tmp_path):
     assert chat.finish("/bye") == 0
 
 
+@pytest.mark.parametrize("setting", [{"LANG": "C", "LC_ALL": "C"}, {"LANG": "C"}])
+def test_bytes_that_are_not_utf8_under_lang_c_name_the_locale(chat_model, tmp_path, setting):
+    """Typed in a C locale, a byte that is not UTF-8 is refused in one line that names the locale, as the docs say
+    (it read as under C.UTF-8: Python reads the C locale in its UTF-8 mode); typed UTF-8 is still taken."""
+    cmd = console_script("bitchat")
+    env = {k: v for k, v in test_env(tmp_path).items() if k not in ("LC_ALL", "LC_CTYPE", "LANG", "PYTHONUTF8")}
+    child = pexpect.spawn(cmd[0], cmd[1:] + ["-m", chat_model, "-t", "1", "-n", "2"], env={**env, **setting},
+                          encoding="utf-8", codec_errors="replace", timeout=TIMEOUT, dimensions=(50, 220))
+    try:
+        child.expect(PROMPT_RE)
+        os.write(child.child_fd, b"caf\xe9\r")   # (pexpect sends text as UTF-8)
+        child.expect(r"\[message: not UTF-8 text[^\]]*\]")
+        want = "LC_ALL=C" if "LC_ALL" in setting else "LANG=C"
+        assert f"the locale ({want}) is not UTF-8" in plain(child.after), child.after
+        child.expect(PROMPT_RE)
+        child.send("/bye\r")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close(force=True)
+
+
 def test_multiline_input(chat_model, tmp_path):
     chat = Chat(chat_model, tmp_path, "-n", "2")
     chat.child.send('"""')
