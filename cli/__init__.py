@@ -16,6 +16,10 @@ import io
 import os
 import signal
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:   # the parser's type only: argparse itself is imported where the parser is built
+    import argparse
 
 COMMANDS = ["run", "convert", "inspect", "info", "pull", "list", "rm", "serve", "bench", "perplexity", "embed"]
 

@@ -16,7 +16,6 @@ are not stopped at a 4 KB boundary every 64 lines. Linux has no huge pages for a
 from __future__ import annotations
 
 import mmap
-import os
 from typing import Callable
 
 from .errors import BitNetError, FormatError
