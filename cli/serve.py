@@ -315,31 +315,10 @@ def server_class(limits):
     every connection waiting without a word; asyncio says so to the loop's handler, where serve.limits'
     AcceptGuard answers them 503 out_of_resources and logs one line). Its signal handlers are ours: uvicorn
     re-raised the caught signal after shutdown (-> exit 130/143), where a drained server exits 0; ours are
-    installed before asyncio.run, so its own SIGINT handler (task cancel) stays out."""
-    import asyncio
-    import contextlib
-
-    import uvicorn
-
-    from ..serve.limits import guard_loop
-
-    class Server(uvicorn.Server):
-        @contextlib.contextmanager
-        def capture_signals(self):
-            yield
-
-        async def startup(self, sockets=None):
-            self.accept_guard = guard_loop(asyncio.get_running_loop(), limits)
-            await super().startup(sockets=sockets)
-
-        async def shutdown(self, sockets=None):
-            try:
-                await super().shutdown(sockets=sockets)
-            finally:
-                guard = getattr(self, "accept_guard", None)
-                if guard is not None:
-                    guard.flush()   # the connections refused since its last line are in the log too
-    return Server
+    installed before asyncio.run, so its own SIGINT handler (task cancel) stays out (serve.limits.guarded_server,
+    which Ray's front runs too)."""
+    from ..serve.limits import guarded_server
+    return guarded_server(limits)
 
 
 def limits_from_args(args) -> Limits:

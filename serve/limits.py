@@ -1001,3 +1001,31 @@ def guarded_protocol(limits: Limits, base=None):
             super().connection_lost(exc)
 
     return GuardedProtocol
+
+
+def guarded_server(limits):
+    """uvicorn's Server on asyncio's loop with this module's accept guard (guard_loop: out of descriptors, the
+    connections waiting are answered 503 out_of_resources and logged in one line), and no signal handlers of its
+    own: the caller's stop it (uvicorn re-raised a caught signal after shutdown, exit 130/143 for a drained
+    server, and in a thread it cannot install them). The plain server's and Ray's front's."""
+    import contextlib
+
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            yield
+
+        async def startup(self, sockets=None):
+            self.accept_guard = guard_loop(asyncio.get_running_loop(), limits)
+            await super().startup(sockets=sockets)
+
+        async def shutdown(self, sockets=None):
+            try:
+                await super().shutdown(sockets=sockets)
+            finally:
+                guard = getattr(self, "accept_guard", None)
+                if guard is not None:
+                    guard.flush()   # the connections refused since its last line are in the log too
+    return Server

@@ -21,7 +21,7 @@ import threading
 
 import httpx
 
-from .limits import Limits, LimitsMiddleware, guard_loop, guarded_protocol, send_error
+from .limits import Limits, LimitsMiddleware, guarded_protocol, guarded_server, send_error
 
 # what the front's forwarding and Ray's proxy add to a request (Ray: x-request-id), which the replicas' own
 # count of a client's headers must not hold against it: the front has counted them as they came
@@ -157,7 +157,7 @@ class Front:
         config = uvicorn.Config(app, log_level=log_level, lifespan="on", http=self.protocol,
                                 timeout_keep_alive=keep_alive, loop="asyncio", timeout_graceful_shutdown=drain_s,
                                 h11_max_incomplete_event_size=limits.max_header_bytes)
-        self.server = _server_class(limits)(config)
+        self.server = guarded_server(limits)(config)   # no signal handlers: run_ray's stop it
         self.sock, self.drain_s = sock, drain_s
         self.thread: threading.Thread | None = None
         from .router import CUT_ANSWERS
@@ -190,30 +190,6 @@ class Front:
         timer.start()
         self.thread.join(self.drain_s + 10)
         timer.cancel()
-
-
-def _server_class(limits: Limits):
-    """uvicorn's Server on asyncio's loop with serve.limits' accept guard, and no signal handlers of its own (it
-    runs in a thread; run_ray's handlers stop it)."""
-    import uvicorn
-
-    class Server(uvicorn.Server):
-        @contextlib.contextmanager
-        def capture_signals(self):
-            yield
-
-        async def startup(self, sockets=None):
-            self.accept_guard = guard_loop(asyncio.get_running_loop(), limits)
-            await super().startup(sockets=sockets)
-
-        async def shutdown(self, sockets=None):
-            try:
-                await super().shutdown(sockets=sockets)
-            finally:
-                guard = getattr(self, "accept_guard", None)
-                if guard is not None:
-                    guard.flush()
-    return Server
 
 
 def listen(host: str, port: int) -> socket.socket:
