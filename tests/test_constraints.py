@@ -994,3 +994,20 @@ def test_patternproperties_keys_read_as_ecma_patterns(llm):
                 {"type": "object", "properties": {"p": {"patternProperties": {key: {"type": "string"}}}}}))
         message = str(e.value)
         assert "/properties/p/patternProperties" in message and json.dumps(key) in message and what in message
+
+
+def test_patternproperties_keys_that_convert_alike_keep_both_schemas(llm):
+    """Two keys that ECMA's conversion writes as the same pattern ("^x.$" and the class it stands for) were merged
+    silently, the last one's schema winning: a key matching both now has to hold both schemas."""
+    dot = "^x[^\\n\\r\u2028\u2029]$"
+    schema = {"type": "object", "additionalProperties": False,
+              "patternProperties": {"^x.$": {"type": "integer"}, dot: {"minimum": 5}}}
+    assert _complete(llm, schema, '{"xa":7}')
+    assert not _complete(llm, schema, '{"xa":3}')       # the second key's schema holds
+    assert not _complete(llm, schema, '{"xa":"s"}')     # and the first's (it was a string schema's alone)
+
+
+def test_a_refused_key_at_the_root_is_named_by_a_json_pointer(llm):
+    with pytest.raises(ConstraintError) as e:
+        llm.compile_constraint(Constraint.json_schema({"type": "object", "patternProperties": {"(a)\\1": {}}}))
+    assert "at /patternProperties: key pattern" in str(e.value), str(e.value)

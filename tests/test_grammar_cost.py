@@ -41,11 +41,25 @@ COSTLY = [
     (Constraint.json_schema({"type": "object", "properties": {"tags": {"type": "array", "items": {
         "type": "string", "pattern": "(ab{100}){300}"}}}}), ["at /properties/tags/items: pattern"]),
     (Constraint.json_schema({"type": "object", "patternProperties": {"^(x{500}){500}$": {"type": "integer"}}}),
-     ["at the schema's root/patternProperties: patternProperties key pattern"]),
+     ["at /patternProperties: patternProperties key pattern"]),
     (Constraint.gbnf('root ::= s\ns ::= ([a]{1000}){1000}'), ["GBNF grammar: rule s:"]),
     (Constraint.gbnf('root ::= t{1000}\nt ::= "a"{1000}'), ["GBNF grammar: rule root:", "1,000,000"]),
     (Constraint.gbnf('root ::= ("a"{300}){300}'), ["rule root"]),
     (Constraint.lark('start: /(a{1000}){1000}/'), ["Lark grammar: regex"]),
+    # a one-character class however it is written is a literal to the engine
+    (Constraint.regex("^([a-a]{1000}){1000}$"), ["regex"]),
+    (Constraint.regex(r"^([\x61]{1000}){1000}$"), ["regex"]),
+    (Constraint.regex(r"^([\u0061]{1000}){1000}$"), ["regex"]),
+    (Constraint.regex(r"^([\x61a]{1000}){1000}$"), ["regex"]),
+    (Constraint.regex(r"^([^\x00-\x60\x62-\U0010FFFF]{1000}){1000}$"), ["regex"]),
+    (Constraint.json_schema({"type": "string", "pattern": "^([a-a]{1000}){1000}$"}), ["at the schema's root"]),
+    # verbose mode (the engine's syntax): the space is no atom, the count applies to the group
+    (Constraint.regex("(?x)(a{1000}) {1000}"), ["regex"]),
+    (Constraint.regex("(?x)(a{1000}) # a comment\n{1000}"), ["regex"]),
+    (Constraint.lark('start: /(?x)(a{1000}) {1000}/'), ["Lark grammar: regex"]),
+    # a JSON Schema inside a Lark grammar (%json): its patterns count too
+    (Constraint.lark('start: "a" | b\nb: %json {"type": "string", "pattern": "^(a{1000}){1000}$"}'),
+     ["Lark grammar: %json", "pattern"]),
 ]
 
 
@@ -91,6 +105,51 @@ def test_a_long_alternation_of_words_costs_nothing():
     assert regex_cost(f"^(?:{words})$") == 0
     assert regex_cost("^(a{300}){300}$") > MAX_REPEAT_COST >= regex_cost("^(a{100}){100}$")
     assert regex_cost("^([a]{1000}){300}$") > MAX_REPEAT_COST   # a class of one character is a literal
+    for free in ("[ab]", "[a-b]", r"[\x61\x62]", r"[\d]", "[^a]", r"[^\x00-\x60\x63-\U0010FFFF]", "[[:alpha:]]"):
+        assert regex_cost(f"^({free}{{1000}}){{1000}}$") == 0, free
+
+
+def test_the_refusal_s_example_is_the_measured_cost():
+    from bitnet_cpu.engine.runtime.grammar_cost import too_costly
+    assert "(a{300}){300} is 90,300" in too_costly(30_000) and str(regex_cost("(a{300}){300}")) == "90300"
+
+
+@pytest.mark.parametrize("spec", [Constraint.gbnf('root ::= "a"{' + "1" * 5000 + "}"), Constraint.regex("a{\u00b2}"),
+                                  Constraint.regex("a{" + "1" * 5000 + "}"), Constraint.lark("start: /a{\u00b2}/"),
+                                  Constraint.regex("a{1," + "9" * 5000 + "}")], ids=range(5))
+def test_a_huge_or_odd_count_is_a_constraint_error_not_a_value_error(llm, spec):
+    """A count of 5000 digits (or a superscript digit) raised Python's own ValueError (a 500 on the server)."""
+    for attempt in (lambda: spec.refuse_costly(), lambda: llm.compile_constraint(spec)):
+        try:
+            attempt()
+        except ConstraintError as e:
+            assert "\n" not in str(e) and "4300" not in str(e), str(e)
+        # (a pattern the engine takes is served: only a raw ValueError / other exception fails)
+
+
+@pytest.mark.parametrize("pattern", ["(?x)(a{10}) {10}", "(?i)abc", "a(?s).b", "(?x:a b)"])
+def test_an_inline_flag_in_a_json_schema_pattern_is_refused(llm, pattern):
+    """ECMA-262 patterns have no inline flags ((?x) hid a count from the cost check): refused, in one line."""
+    with pytest.raises(ConstraintError) as e:
+        llm.compile_constraint(Constraint.json_schema({"type": "string", "pattern": pattern}))
+    assert "inline flag" in str(e.value) and "\n" not in str(e.value), str(e.value)
+    with pytest.raises(ConstraintError, match="inline flag"):
+        llm.compile_constraint(Constraint.json_schema({"type": "object", "patternProperties": {pattern: {}}}))
+
+
+def test_a_format_beside_tools_is_costed_before_it_goes_into_the_grammar(llm):
+    """A format sent with tools (choice auto) went into the Lark grammar as %json {...}, and its patterns were never
+    costed: now refused, naming the format's field, the pointer and the limit."""
+    from bitnet_cpu.engine.runtime.tools import functions_from_tools, tool_format, with_answer_format
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    calls = tool_format(None).constraint(functions_from_tools(tools), "auto", True)
+    bad = {"type": "object", "properties": {"x": {"type": "string", "pattern": "^(a{1000}){1000}$"}},
+           "required": ["x"]}
+    with pytest.raises(ConstraintError) as e:
+        both = with_answer_format(calls, Constraint.json_schema(bad, where="response_format"))
+        llm.compile_constraint(both)
+    text = str(e.value)
+    assert text.startswith("response_format") and "/properties/x" in text and LIMIT in text, text
 
 
 def test_a_busy_server_answers_busy_and_starts_nothing(llm, monkeypatch):
@@ -176,6 +235,59 @@ def test_the_cache_is_bounded_in_bytes(llm, monkeypatch):
         llm.compile_constraint(Constraint.regex(f"^bytes{i}-[0-9]{{2}}$"))
         assert comp.cached_bytes <= C.CACHE_BYTES
     assert len(comp._cache) <= 3
+    assert ("regex", "^bytes9-[0-9]{2}$") in comp._cache   # the newest stays
+
+
+@pytest.mark.parametrize("value", ["256M", "-5", "1.5", ""])
+def test_a_bad_cache_size_is_one_line_naming_the_variable(llm, monkeypatch, value):
+    """BITNET_GRAMMAR_CACHE_MB=256M was a raw traceback at import (every command failed); -5 was taken silently."""
+    from bitnet_cpu.engine.errors import BitNetError
+    monkeypatch.setenv("BITNET_GRAMMAR_CACHE_MB", value)
+    with pytest.raises(BitNetError) as e:
+        llm.compile_constraint(Constraint.regex(f"^cachemb-{len(value)}[0-9]$"))
+    assert "BITNET_GRAMMAR_CACHE_MB" in str(e.value) and "\n" not in str(e.value)
+    monkeypatch.setenv("BITNET_GRAMMAR_CACHE_MB", "0")   # 0: nothing is cached, everything still compiles
+    comp = _compiler(llm)
+    assert llm.compile_constraint(Constraint.regex("^cachemb-zero[0-9]$")) is not None
+    assert ("regex", "^cachemb-zero[0-9]$") not in comp._cache
+
+
+def test_a_thread_that_cannot_start_gives_its_slot_back(llm, monkeypatch):
+    """A compile thread that failed to start (can't start new thread) kept its slot and its job: two such failures
+    and every new spec was a 503 for good, and the spec itself waited 60 s on every later request."""
+    import threading as T
+    comp = _compiler(llm)
+
+    class NoStart(T.Thread):
+        def start(self):
+            raise RuntimeError("can't start new thread")
+    monkeypatch.setattr(C.threading, "Thread", NoStart)
+    spec = Constraint.regex("^nostart-[0-9]{3}$")
+    for _ in range(C.COMPILE_SLOTS + 1):
+        with pytest.raises(GrammarBusyError) as e:
+            llm.compile_constraint(spec)
+        assert "\n" not in str(e.value)
+        assert (spec.kind, spec.source) not in comp._jobs
+    monkeypatch.undo()
+    taken = [C._COMPILE_SLOTS.acquire(blocking=False) for _ in range(C.COMPILE_SLOTS)]
+    for t in taken:
+        if t:
+            C._COMPILE_SLOTS.release()
+    assert all(taken)
+    assert llm.compile_constraint(spec) is not None
+
+
+def test_a_remembered_refusal_keeps_no_traceback(llm):
+    """A refused spec's stored error kept its traceback, and with it the parsed schema and matchers."""
+    comp = _compiler(llm)
+    spec = Constraint.json_schema({"type": "array", "items": {"type": "string"}, "uniqueItems": True,
+                                   "description": "remembered"})
+    with pytest.raises(ConstraintError):
+        llm.compile_constraint(spec)
+    kept = list(comp._refused.values())
+    assert kept and all(e.__traceback__ is None for e in kept)
+    with pytest.raises(ConstraintError, match="uniqueItems"):
+        llm.compile_constraint(spec)
 
 
 def test_a_schema_nested_past_the_engine_s_depth_says_the_limit(llm):

@@ -139,7 +139,10 @@ class Constraint:
         if size > MAX_SPEC_BYTES:
             raise ConstraintError(f"{self.where}: {size} bytes is larger than the"
                                   f" {MAX_SPEC_BYTES >> 10} KiB limit for a schema or grammar", where=self.where)
-        problem = repeat_problem(self)
+        try:
+            problem = repeat_problem(self)
+        except (ValueError, TypeError, OverflowError, RecursionError) as e:   # a count past what Python reads
+            raise ConstraintError(f"{self.where}: cannot be enforced: {_one_line(e)}", where=self.where) from None
         if problem:
             raise ConstraintError(f"{self.where}: {problem}", where=self.where)
 
@@ -670,8 +673,10 @@ def _pattern_problem(pattern: str) -> str | None:
     if pattern in _pattern_problems:
         return _pattern_problems[pattern]
     from llguidance import LLMatcher
-    problem = None
+    problem = _inline_flags(pattern)
     try:
+        if problem:
+            raise ValueError(problem)
         rest, beside = split_lookaheads(pattern)
         for rx in (ecma_pattern(rest), *beside):
             err = LLMatcher.validate_grammar(LLMatcher.grammar_from_regex(rx))
@@ -684,6 +689,34 @@ def _pattern_problem(pattern: str) -> str | None:
     if len(_pattern_problems) < 4096:
         _pattern_problems[pattern] = problem
     return problem
+
+
+_FLAG_GROUP = re.compile(r"\(\?[A-Za-z]*(?:-[A-Za-z]*)?[:)]")
+
+
+def _inline_flags(pattern: str) -> str | None:
+    """Why a JSON Schema pattern's inline flag group ((?x), (?i), (?s:...)) is refused: JSON Schema's patterns are
+    ECMA-262's, which the grammar engine would read otherwise ((?x) ignores spaces: it hid a count from the cost
+    check; (?i) and (?s) change what matches). None: the pattern has none (outside escapes and classes)."""
+    i, n, in_class = 0, len(pattern), False
+    while i < n:
+        c = pattern[i]
+        if c == "\\":
+            i += 2
+            continue
+        if in_class:
+            in_class = c != "]"
+        elif c == "[":
+            in_class = True
+            i += 1 + (pattern[i + 1:i + 2] == "]")   # a "]" first in a class is a character
+            continue
+        elif c == "(":
+            found = _FLAG_GROUP.match(pattern, i)
+            if found and found.group() not in ("(?:", "(?)"):
+                return (f"an inline flag group {found.group()} is not JSON Schema's (ECMA-262) pattern syntax, and "
+                        "the grammar engine would read it as a change of meaning; write the pattern without it")
+        i += 1
+    return None
 
 
 def _unknown_format(fmt: str) -> bool:
@@ -750,16 +783,7 @@ def repeat_problem(spec: "Constraint") -> str | None:
             schema = json.loads(spec.source)
         except (ValueError, RecursionError):
             return None   # refused later, in the schema's own words
-        for ptr, node in _schema_nodes(schema):
-            keys = node.get("patternProperties")
-            for what, pattern in [("pattern", node.get("pattern")),
-                                  *(("patternProperties key pattern", k) for k in
-                                    (keys if isinstance(keys, dict) else ()))]:
-                cost = _pattern_cost(pattern) if isinstance(pattern, str) else 0
-                if cost > MAX_REPEAT_COST:
-                    at = _pointer(ptr) + ("/patternProperties" if what != "pattern" else "")
-                    return f"{at}: {what} {json_text(pattern, 120)}: {too_costly(cost)}"
-        return None
+        return _schema_repeat_problem(schema, _pattern_cost)
     if spec.kind == "gbnf":
         from .gbnf import GbnfError, gbnf_costs
         try:
@@ -772,6 +796,33 @@ def repeat_problem(spec: "Constraint") -> str | None:
             cost = regex_cost(found.group(1))
             if cost > MAX_REPEAT_COST:
                 return f"Lark grammar: regex /{found.group(1)[:120]}/: {too_costly(cost)}"
+        # and the patterns of each %json {...} schema in it (a format beside tools is one: the engine's syntax)
+        for found in _LARK_JSON.finditer(spec.source):
+            try:
+                schema, _ = json.JSONDecoder().raw_decode(spec.source, found.end())
+            except (ValueError, RecursionError):
+                continue   # refused by the engine, in its words
+            problem = _schema_repeat_problem(schema, regex_cost)
+            if problem:
+                return f"Lark grammar: %json {problem}"
+    return None
+
+
+_LARK_JSON = re.compile(r"%json\s*")
+
+
+def _schema_repeat_problem(schema, cost_of) -> str | None:
+    """repeat_problem's words for the first pattern of a JSON Schema (or patternProperties key) that costs too
+    much, cost_of(pattern) being its cost; None: none does."""
+    for ptr, node in _schema_nodes(schema):
+        keys = node.get("patternProperties")
+        for what, pattern in [("pattern", node.get("pattern")),
+                              *(("patternProperties key pattern", k) for k in
+                                (keys if isinstance(keys, dict) else ()))]:
+            cost = cost_of(pattern) if isinstance(pattern, str) else 0
+            if cost > MAX_REPEAT_COST:
+                at = _pointer(ptr + ("/patternProperties" if what != "pattern" else ""))
+                return f"{at}: {what} {json_text(pattern, 120)}: {too_costly(cost)}"
     return None
 
 
@@ -794,7 +845,7 @@ def unwritable_strings(schema) -> str | None:
                 problem = ("a look-ahead cannot be enforced in a patternProperties key: the grammar engine's "
                            "regexes have none; write the key's pattern without it")
             if problem:
-                return f"{_pointer(ptr)}/patternProperties: key pattern {json_text(key, 120)}: {problem}"
+                return f"{_pointer(ptr + '/patternProperties')}: key pattern {json_text(key, 120)}: {problem}"
         if node.get("uniqueItems") is True:
             return (f"{_pointer(ptr)}: uniqueItems true (pydantic's set[...]) cannot be enforced: a grammar cannot "
                     "compare an item with the ones before it; use a list (list[str]) and drop repeats after "
@@ -816,7 +867,11 @@ def _exact_strings(out):
     before the "@" to 64 characters (EMAIL_PATTERN), and its pattern's and patternProperties keys' `.` as ECMA's."""
     keys = out.get("patternProperties")
     if isinstance(keys, dict):   # a key is a pattern too: ECMA's `.`, `\\s` and classes (a look-ahead was refused)
-        out["patternProperties"] = {ecma_pattern(k): v for k, v in keys.items()}
+        merged = {}
+        for k, v in keys.items():   # two keys written alike (^x.$ and the class it stands for): both schemas hold
+            k = ecma_pattern(k)
+            merged[k] = {"allOf": [merged[k], v]} if k in merged else v
+        out["patternProperties"] = merged
     if isinstance(out.get("pattern"), str):
         rest, beside = split_lookaheads(out["pattern"])
         out["pattern"] = ecma_pattern(rest)

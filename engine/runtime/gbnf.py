@@ -287,7 +287,8 @@ class _Parser:
             self.i += 1
         if self.i == j:
             self.fail("expected a number")
-        return int(self.s[j:self.i])
+        digits = self.s[j:self.i]
+        return int(digits) if len(digits) <= 18 else 10 ** 18   # past MAX_REPETITION either way (int() stops at 4300)
 
     def token(self) -> str:
         at = self.i

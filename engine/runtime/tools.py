@@ -436,6 +436,7 @@ def with_answer_format(calls: Constraint, answer: Constraint, *, forced: str = "
     if not calls.free_start:
         raise ConstraintError(f"tool_choice: it requires a call, so there is no text answer for {answer.where} to "
                               "shape (use tool_choice auto, or drop the format)", where="tool_choice")
+    answer.refuse_costly()   # its patterns, in its own words: inside the grammar's %json they are the grammar's
     schema = {"type": "object"} if answer.kind == "json_object" else prepared(json.loads(answer.source), answer.where)
     first, rest = calls.source.split("\n", 1)   # "start: TEXT | ...": text, or text leading to calls
     if not first.startswith("start: TEXT |") or "\ncalls:" not in "\n" + rest:
