@@ -19,6 +19,7 @@ is token for token what plain constrained decoding gives, at one weight read for
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -45,7 +46,18 @@ COMPILE_SLOTS = 2                   # compiles that run at once, in the whole pr
 COMPILE_WAIT_S = 30.0               # a request that waited this long for a slot gets GrammarBusyError (503)
 CACHE_SPECS = 64                    # compiled specs kept per tokenizer (LRU) ...
 # ... and the memory they may hold together (each one's estimate: the process's RSS growth while it compiled)
-CACHE_BYTES = int(os.environ.get("BITNET_GRAMMAR_CACHE_MB", "256")) << 20
+CACHE_BYTES = None                  # None: BITNET_GRAMMAR_CACHE_MB (MiB, default 256), read when used
+
+
+def cache_bytes() -> int:
+    """CACHE_BYTES, or BITNET_GRAMMAR_CACHE_MB in MiB (a whole number, 0 = no cache): BitNetError, one line, for
+    another value (256M was a traceback at import that stopped every command; -5 was taken silently)."""
+    if CACHE_BYTES is not None:
+        return CACHE_BYTES
+    value = os.environ.get("BITNET_GRAMMAR_CACHE_MB", "256").strip()
+    if not (value.isascii() and value.isdigit()) or len(value) > 9:
+        raise BitNetError(f"BITNET_GRAMMAR_CACHE_MB={value!r}: expected a whole number of MiB (0 = no cache)")
+    return int(value) << 20
 # compact JSON with OpenAI's separators: the model cannot pad an answer with endless whitespace, and more of
 # the text is forced (jump-forward) instead of sampled
 JSON_OPTIONS = {"whitespace_flexible": False}
@@ -1209,6 +1221,11 @@ def _ll_tokenizer(tok, n_vocab: int):
 
 
 _COMPILE_SLOTS = threading.BoundedSemaphore(COMPILE_SLOTS)
+REFUSED_SPECS = 64   # refusals remembered per tokenizer, by a digest of the spec (its text is not kept)
+
+
+def _refused_key(spec: "Constraint") -> tuple:
+    return spec.kind, hashlib.sha256(spec.source.encode("utf-8", "surrogatepass")).digest()
 
 
 def _rss_bytes() -> int:
@@ -1279,10 +1296,11 @@ class _Compiler:
                 self._cache.move_to_end(key)
                 return CompiledConstraint(spec, hit._template, self.n_vocab,   # this spec's where / jump_forward
                                           hit.complete_at_start)
-            refused = self._refused.get(key)
+            refused = self._refused.get(_refused_key(spec))
         if refused is not None:
             raise self._as_theirs(refused, refused.where, spec)
         spec.refuse_costly()   # by the text alone, before any thread or slot: the same answer under any load
+        budget = cache_bytes()
         ll = self.ll()
         with self._lock:
             hit = self._cache.get(key)   # (one that ended since the first look)
@@ -1303,8 +1321,18 @@ class _Compiler:
                 raise job.error
             with self._lock:
                 self.compiles_started += 1
-            threading.Thread(target=self._run, args=(spec, ll, key, job), name="bitnet-grammar-compile",
-                             daemon=True).start()
+            try:
+                threading.Thread(target=self._run, args=(spec, ll, key, job, budget), name="bitnet-grammar-compile",
+                                 daemon=True).start()
+            except BaseException as e:   # can't start new thread: the slot and the job go back, waiters are told
+                with self._lock:
+                    self.compiles_started -= 1
+                    self._jobs.pop(key, None)
+                _COMPILE_SLOTS.release()
+                job.error = GrammarBusyError(f"{spec.where}: the server could not start a compile ({_one_line(e)});"
+                                             " retry later")
+                job.done.set()
+                raise job.error from None
         if not job.done.wait(COMPILE_TIMEOUT_S):
             raise ConstraintError(f"{spec.where}: compiling it took more than {COMPILE_TIMEOUT_S:g} s, past the"
                                   " limit for a schema or grammar; simplify it", where=spec.where)
@@ -1314,14 +1342,14 @@ class _Compiler:
             raise self._as_theirs(job.error, job.where, spec)
         return CompiledConstraint(spec, job.compiled._template, self.n_vocab, job.compiled.complete_at_start)
 
-    def _run(self, spec: Constraint, ll, key: tuple, job: _Job):
+    def _run(self, spec: Constraint, ll, key: tuple, job: _Job, budget: int):
         """The compile thread: build, then cache (or note the refusal), give the slot back, wake the waiters."""
         rss0 = _rss_bytes()
         try:
             try:
                 job.compiled = self._build(spec, ll)
-            except ConstraintError as e:
-                job.error = e
+            except ConstraintError as e:   # kept without its traceback (the frames held the schema, the matchers)
+                job.error = ConstraintError(e.args[0] if e.args else str(e), e.hint, where=e.where)
             except Exception as e:   # a failure of the engine or the process (memory): this request's, not kept
                 job.error = ConstraintError(f"{spec.where}: cannot be enforced: {_one_line(e)}", where=spec.where)
                 job.error.transient = True
@@ -1330,14 +1358,14 @@ class _Compiler:
                     # its estimated size: the memory the process took while building it (what its matcher keeps:
                     # ~350 MB for (a{1000}){1000}, now refused before compiling); at least its grammar's text
                     size = max(_rss_bytes() - rss0, 2 * len(spec.source.encode("utf-8")), 64 << 10)
-                    if size <= CACHE_BYTES:
+                    if size <= budget:
                         self._cache[key], self._sizes[key] = job.compiled, size
-                        while len(self._cache) > CACHE_SPECS or sum(self._sizes.values()) > CACHE_BYTES:
+                        while len(self._cache) > CACHE_SPECS or sum(self._sizes.values()) > budget:
                             old, _ = self._cache.popitem(last=False)
                             self._sizes.pop(old, None)
                 elif not getattr(job.error, "transient", False):   # the spec's own fault: the same every time
-                    self._refused[key] = job.error
-                    while len(self._refused) > 256:
+                    self._refused[_refused_key(spec)] = job.error
+                    while len(self._refused) > REFUSED_SPECS:
                         self._refused.popitem(last=False)
                 self._jobs.pop(key, None)
         finally:
