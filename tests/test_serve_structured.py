@@ -282,3 +282,30 @@ def test_a_pattern_of_nested_counts_is_a_400_naming_the_limit_on_every_route(ser
         r = httpx.post(server.url + path, json=body(heavy), timeout=60)
         assert r.status_code == 400 and f"{MAX_REPEAT_COST:,}" in r.text and field in r.text, (path, r.text)
         assert "/properties/s" in r.text or "rule s" in r.text, (path, r.text)
+
+
+def test_a_costly_format_sent_with_tools_is_a_400_on_every_route(server):
+    """A format beside tools (tool_choice auto) went into the tool grammar as %json {...} without its patterns
+    being costed, and ^(a{1000}){1000}$ was compiled and served: a 400 naming the format's field, the pointer and
+    the limit on every API that takes the pair."""
+    from bitnet_cpu.engine.runtime.grammar_cost import MAX_REPEAT_COST
+    heavy = {"type": "object", "properties": {"s": {"type": "string", "pattern": "^(a{1000}){1000}$"}},
+             "required": ["s"]}
+    tool = {"name": "f", "description": "a tool", "parameters": {"type": "object",
+                                                                 "properties": {"a": {"type": "integer"}}}}
+    routes = [("/v1/chat/completions", {"messages": Q, "max_tokens": 8, "tool_choice": "auto",
+                                        "tools": [{"type": "function", "function": tool}],
+                                        "response_format": _fmt(heavy)}, "response_format"),
+              ("/v1/responses", {"input": "JSON?", "max_output_tokens": 16, "tool_choice": "auto",
+                                 "tools": [{"type": "function", **tool}],
+                                 "text": {"format": {"type": "json_schema", "name": "a", "schema": heavy}}}, "text"),
+              ("/v1/messages", {"model": "m", "max_tokens": 8, "messages": Q,
+                                "tools": [{"name": "f", "description": "a tool", "input_schema": tool["parameters"]}],
+                                "output_config": {"format": {"type": "json_schema", "schema": heavy}}},
+               "output_config.format"),
+              ("/api/chat", {"model": "m", "messages": Q, "stream": False, "format": heavy,
+                             "tools": [{"type": "function", "function": tool}]}, "format")]
+    for path, body, field in routes:
+        r = httpx.post(server.url + path, json=body, timeout=60)
+        assert r.status_code == 400 and f"{MAX_REPEAT_COST:,}" in r.text and field in r.text, (path, r.text)
+        assert "/properties/s" in r.text, (path, r.text)
