@@ -329,3 +329,16 @@ def test_a_body_nested_past_the_parser_says_the_limit_not_invalid_json():
         parse_bounded(body.encode(), None)
     text = e.value.detail
     assert "nested too deeply" in text and "levels" in text and "not valid JSON" not in text, text
+
+
+def test_the_size_estimate_leaves_out_file_pages(tmp_path):
+    """A compile's size was the process's whole RSS growth, file-backed pages included: the model's weights paged
+    in by forward passes during a compile were charged to the spec (hundreds of MB for a small schema, which
+    flushed the cache). Only anonymous memory counts now."""
+    import mmap
+    path = tmp_path / "pages.bin"
+    path.write_bytes(b"\1" * (64 << 20))
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as m:
+        before = C._rss_bytes()
+        assert sum(m[i] for i in range(0, len(m), 4096)) == (64 << 20) // 4096   # every page touched
+        assert C._rss_bytes() - before < (16 << 20)

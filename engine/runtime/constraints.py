@@ -1229,11 +1229,16 @@ def _refused_key(spec: "Constraint") -> tuple:
 
 
 def _rss_bytes() -> int:
+    """The process's anonymous resident memory (RssAnon): what a compile's matcher takes, without the file-backed
+    pages (the model's weights paged in by forward passes meanwhile) that statm's RSS counted too."""
     try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) << 10
     except (OSError, ValueError, IndexError):
-        return 0
+        pass
+    return 0
 
 
 class _Job:
