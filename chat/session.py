@@ -536,7 +536,7 @@ class ChatSession:
         except KeyboardInterrupt:   # a second Ctrl-C before the answer began (while the prompt was fitted)
             if turn.assistant is None and self.conv.last_turn() is turn:
                 with contextlib.suppress(KeyboardInterrupt):
-                    self._not_begun(turn)
+                    self._not_begun(turn, flag)
                 return
             self.out.end_answer()
             self.out.notice("[interrupted]")   # the turn was already answered, or dropped
@@ -558,13 +558,14 @@ class ChatSession:
                     self._save_recovery()
             raise
 
-    def _not_begun(self, turn) -> None:
+    def _not_begun(self, turn, flag) -> None:
         """A Ctrl-C before `turn`'s answer began: a new message is taken back out (_drop_unanswered); a /retry's turn
-        gets an empty answer, interrupted, saved and said (its earlier answer comes back: _keep_earlier)."""
+        gets an empty answer, interrupted, saved and said (its earlier answer comes back: _keep_earlier). SIGTERM /
+        SIGHUP never take a message back: bitchat leaves, and the recovery copy it names must hold it."""
         turn.assistant, turn.interrupted, turn.finish_reason = "", True, "interrupted"
         self.cached_turn = None
         self.out.end_answer()
-        if self._before_ask is not None:
+        if self._before_ask is not None and not flag.terminated:
             self._drop_unanswered(turn)
             return
         self.out.notice("[interrupted before the answer began]")
@@ -591,7 +592,7 @@ class ChatSession:
         try:
             ids = self._fit(flag=flag)
         except _FitStopped:   # Ctrl-C (or SIGTERM) while a huge turn was counted: the window stays as it was
-            self._not_begun(turn)
+            self._not_begun(turn, flag)
             return
         except BitNetError as e:   # the template cannot render this conversation (a role it refuses, ...)
             self.conv.drop_last_turn()
@@ -639,7 +640,7 @@ class ChatSession:
                 self.out.stream(content)
         self._save_recovery()   # the question is on disk before the model reads its weights again
         if flag.hit:   # Ctrl-C before the answer began: an empty one, interrupted
-            self._not_begun(turn)
+            self._not_begun(turn, flag)
             return
         try:
             with quiet_terminal(self.out.interactive):
@@ -690,7 +691,8 @@ class ChatSession:
             return
         self.out.end_answer()
         turn.assistant = "".join(pieces)
-        if interrupted and not pieces and self._before_ask is not None:   # nothing of it shown: never sent
+        # nothing of it shown, stopped by a Ctrl-C: never sent (a SIGTERM / SIGHUP keeps it, for the recovery copy)
+        if interrupted and not pieces and self._before_ask is not None and not flag.terminated:
             turn.interrupted, turn.finish_reason = True, "interrupted"
             self._drop_unanswered(turn)
             return

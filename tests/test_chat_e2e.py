@@ -306,6 +306,48 @@ def test_sigterm_and_sighup_restore_the_terminal_and_keep_the_answer_so_far(long
     assert after[3] & termios.ECHO and after[3] & termios.ICANON   # the terminal as it was (pexpect's: cooked)
 
 
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP"])
+def test_a_kill_while_a_long_paste_is_prefilled_keeps_it_in_the_recovery_copy(long_model, tmp_path, sig):
+    """kill, or the terminal closed, while a long pasted message is prefilled (no answer shown yet): bitchat ends
+    with the signal's status and the recovery copy it names holds the message. Only a Ctrl-C takes a message back;
+    the paste was dropped and the copy rewritten without it, so the one place bitchat said it was kept lost it."""
+    import signal
+
+    env = test_env(tmp_path)
+    cmd = console_script("bitchat") + ["-m", long_model, "-t", "1", "--seed", "1", "-n", "8", "-c", "8192"]
+    p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+    copy = tmp_path / "state" / "bitchat" / f"recovery-{p.pid}.json"
+    paste = "a long pasted paragraph of words " * 240   # thousands of tokens: seconds of prefill
+    try:
+        p.stdin.write(b"Short first question\n" + paste.encode() + b"\n")
+        p.stdin.flush()
+        deadline = time.monotonic() + TIMEOUT * 2
+        while time.monotonic() < deadline and p.poll() is None:   # the copy holds the paste as its prefill begins
+            try:
+                turns = json.loads(copy.read_text())["turns"]
+                if turns[-1]["user"].strip() == paste.strip():
+                    break
+            except (OSError, ValueError, IndexError):
+                pass
+            time.sleep(0.02)
+        else:
+            raise AssertionError(f"bitchat (exit {p.returncode}) never wrote the paste to {copy}")
+        p.send_signal(getattr(signal, sig))
+        _, err = p.communicate(timeout=TIMEOUT)
+    finally:
+        p.kill()
+        p.wait()
+    err = err.decode()
+    assert p.returncode == 128 + getattr(signal, sig), (p.returncode, err[-500:])
+    assert "dropped" not in err, err[-500:]
+    saved = re.search(r"saved in (\S+recovery-\d+\.json)", err)
+    assert saved, err[-500:]
+    turns = json.loads(open(saved.group(1)).read())["turns"]
+    users = [t["user"].strip() for t in turns]
+    assert users == ["Short first question", paste.strip()], [u[:40] for u in users]
+    assert isinstance(turns[-1]["assistant"], str) and turns[-1].get("interrupted"), turns[-1]
+
+
 def test_a_terminal_closed_mid_answer_keeps_the_answer_and_exits_as_sighup(long_model, tmp_path):
     """The terminal itself closes (its window, an ssh session) while an answer streams: the next write fails (EIO)
     before any SIGHUP arrives. That was an internal error (exit 70) that emptied the answer in the recovery copy;

@@ -423,9 +423,9 @@ def test_ctrl_c_during_a_long_prompt_stops_it_at_the_next_chunk(llm):
     assert len(s.conv.turns) == 1 and not s.conv.turns[0].interrupted and s.last_stats.n_cached >= 1
 
 
-def _ctrl_c_at_forward_pass(llm, s, text, at):
-    """Ask `text` in 8-token prefill chunks, pressing Ctrl-C (a real SIGINT) at the `at`-th forward pass; the passes
-    made."""
+def _ctrl_c_at_forward_pass(llm, s, text, at, sig=signal.SIGINT):
+    """Ask `text` in 8-token prefill chunks, pressing Ctrl-C (a real SIGINT; or sending `sig`) at the `at`-th
+    forward pass; the passes made."""
     import sys
 
     chunk, llm.model.chunk = llm.model.chunk, 8
@@ -435,7 +435,7 @@ def _ctrl_c_at_forward_pass(llm, s, text, at):
         if event == "call" and frame.f_code.co_name == "_blocks":
             passes.append(1)
             if len(passes) == at:
-                os.kill(os.getpid(), signal.SIGINT)
+                os.kill(os.getpid(), sig)
     try:
         sys.setprofile(watch)
         s.ask(text)
@@ -460,6 +460,32 @@ def test_a_message_stopped_before_its_answer_is_not_read_again_nor_saved(llm, tm
     assert s.last_stats.n_prompt <= alone and "word word" not in llm.detokenize(s.last_prompt_ids)
     s.run_command(parse_command(f"/save {tmp_path / 'c.json'}"))
     assert [t["user"] for t in json.loads((tmp_path / "c.json").read_text())["turns"]] == ["My name is Zed.", "Hi"]
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP"])
+def test_a_kill_while_a_new_message_is_prefilled_keeps_it_in_the_recovery_copy(llm, tmp_path, sig):
+    """SIGTERM or SIGHUP (bitchat killed, its terminal closed) while a long paste is prefilled: only a Ctrl-C takes
+    a message back. The paste was dropped and the recovery copy rewritten without it, then bitchat left saying the
+    conversation was saved there: the paste was lost. Now it stays, answered empty and interrupted."""
+    from bitnet_cpu.engine.errors import Terminated, raise_terminated
+
+    signum = getattr(signal, sig)
+    s, sink = new_session(llm, max_tokens=4, system=None)
+    s.enable_recovery(str(tmp_path / "recovery.json"))
+    s.ask("My name is Zed.")
+    paste = "A long pasted document I must not lose. " * 20
+    previous = signal.signal(signum, raise_terminated)   # as bitchat has it
+    try:
+        with pytest.raises(Terminated) as e:
+            _ctrl_c_at_forward_pass(llm, s, paste, 2, sig=signum)
+    finally:
+        signal.signal(signum, previous)
+    assert e.value.signum == signum
+    turns = json.loads((tmp_path / "recovery.json").read_text())["turns"]
+    assert [t["user"] for t in turns] == ["My name is Zed.", paste]
+    assert turns[-1]["assistant"] == "" and turns[-1]["interrupted"], turns[-1]
+    assert [t.user for t in s.conv.turns] == ["My name is Zed.", paste]
+    assert "dropped" not in sink.getvalue()
 
 
 def test_a_message_stopped_before_its_answer_gives_back_the_turns_it_pushed_out(llm):
