@@ -175,7 +175,7 @@ class ChatSession:
         self.interrupt_pending = False
         self._retrying = False        # a /retry with an earlier answer is being made (see _keep_earlier)
         # while a new message is asked: the window's start and n_dropped before it (see _drop_unanswered), else None
-        self._before_ask: tuple[int, int] | None = None
+        self._before_ask: tuple[int, int, CachedTurn | None] | None = None
         # Ctrl-C ends the whole run (stdin is not a terminal: `bitchat < questions.txt`, nobody at a prompt): the
         # answer so far is kept as in the REPL, then KeyboardInterrupt (exit 130); it only cut the one answer
         self.ctrl_c_ends = False
@@ -468,8 +468,8 @@ class ChatSession:
         with sigint_as_flag() as flag:   # from the turn's first moment: a Ctrl-C never leaves it half made
             flag.hit, self.interrupt_pending = self.interrupt_pending, False
             # a Ctrl-C before the answer's first word takes the message back out (_drop_unanswered): the window as
-            # it was before it, too
-            self._before_ask = (self.conv.window_start, self.n_dropped)
+            # it was before it, and the previous answer's exact tokens (the next prompt splices them), too
+            self._before_ask = (self.conv.window_start, self.n_dropped, self.cached_turn)
             turn = self.conv.add_user(text)
             try:
                 self._answer(turn, flag)
@@ -578,10 +578,10 @@ class ChatSession:
         message too long for the context pushed the real conversation out of view. Said in one line."""
         if self.conv.last_turn() is turn:
             self.conv.drop_last_turn()
-        if self._before_ask is not None:
-            start, dropped = self._before_ask
+        self.cached_turn = None
+        if self._before_ask is not None:   # the previous turn's tokens are data about it, whatever the cache holds
+            start, dropped, self.cached_turn = self._before_ask
             self.conv.window_start, self.n_dropped = min(start, len(self.conv.turns)), dropped
-        self.cached_turn = None   # the cache holds part of this prompt; the next turn reuses the prefix it shares
         self.out.notice("[interrupted before the answer began: the message is dropped from the conversation]")
         self._save_recovery()
 

@@ -462,6 +462,26 @@ def test_a_message_stopped_before_its_answer_is_not_read_again_nor_saved(llm, tm
     assert [t["user"] for t in json.loads((tmp_path / "c.json").read_text())["turns"]] == ["My name is Zed.", "Hi"]
 
 
+def test_a_dropped_message_leaves_the_next_prompt_as_if_never_sent(llm):
+    """A message stopped by Ctrl-C before its answer began: the next question's prompt is token for token the one
+    a session that never sent it builds, and the previous answer stays reused from the cache. The previous answer's
+    exact tokens were thrown away with the message, so the next prompt was rebuilt from text (other ids) and that
+    whole answer was prefilled again."""
+    def next_prompt(drop: bool):
+        s, _ = new_session(llm, max_tokens=8, system=None)
+        s.ask("Tell me about the sea and ships.")
+        if drop:
+            _ctrl_c_at_forward_pass(llm, s, "word " * 60, 2)
+            assert [t.user for t in s.conv.turns] == ["Tell me about the sea and ships."]
+        s.ask("Hi")
+        return s.last_prompt_ids, s.last_stats.n_cached
+
+    never, cached_never = next_prompt(False)
+    dropped, cached_dropped = next_prompt(True)
+    assert dropped == never
+    assert cached_dropped >= cached_never
+
+
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP"])
 def test_a_kill_while_a_new_message_is_prefilled_keeps_it_in_the_recovery_copy(llm, tmp_path, sig):
     """SIGTERM or SIGHUP (bitchat killed, its terminal closed) while a long paste is prefilled: only a Ctrl-C takes
