@@ -174,7 +174,8 @@ class ChatSession:
         # that line's answer starts stopped, as if the Ctrl-C had come a moment later (it was lost: a whole answer)
         self.interrupt_pending = False
         self._retrying = False        # a /retry with an earlier answer is being made (see _keep_earlier)
-        # while a new message is asked: the window's start and n_dropped before it (see _drop_unanswered), else None
+        # while a new message is asked: the window's start, n_dropped and cached_turn before it (see
+        # _drop_unanswered), else None
         self._before_ask: tuple[int, int, CachedTurn | None] | None = None
         # Ctrl-C ends the whole run (stdin is not a terminal: `bitchat < questions.txt`, nobody at a prompt): the
         # answer so far is kept as in the REPL, then KeyboardInterrupt (exit 130); it only cut the one answer
@@ -746,6 +747,8 @@ class ChatSession:
                 _prefill(self.llm, ids, self.sampling_params(), cancel=lambda: flag.hit)
             except KeyboardInterrupt:
                 interrupted = True
+            except ModelChangedError:   # no turn can be answered: bitchat ends (cli/chat.py), the conversation
+                raise                   # loaded is in the recovery copy it names
             except BitNetError as e:
                 self.out.notice(f"[prefill failed: {e}; the conversation is loaded, the next turn will retry]")
                 return

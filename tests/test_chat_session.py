@@ -223,6 +223,32 @@ def test_save_load_prefills_and_next_turn_is_cached(llm, tmp_path):
     assert len(s2.conv.turns) == 3
 
 
+def test_load_after_the_model_file_was_rewritten_ends_the_session(llm, tmp_path):
+    """The model file rewritten in place (a `cp` over it) before /load: its prefill fails with ModelChangedError,
+    which ends bitchat as everywhere else (one line naming the recovery copy, which holds the loaded conversation).
+    It was "[prefill failed: ...; the next turn will retry]", and the next message then ended bitchat anyway."""
+    import shutil
+
+    from bitnet_cpu.engine.api import load_model
+    from bitnet_cpu.engine.errors import ModelChangedError
+
+    store = tmp_path / "m.bnstore"
+    shutil.copyfile(llm.store.path, store)
+    mine = load_model(str(store), threads=1, progress=False)
+    sink = io.StringIO()
+    s = ChatSession(mine, Settings(temp=0.0, max_tokens=4), Output(sink, sink, interactive=False))
+    s.enable_recovery(str(tmp_path / "recovery.json"))
+    s.ask("Hello")
+    s.run_command(parse_command(f"/save {tmp_path / 'c.json'}"))
+    st = os.stat(store)
+    os.utime(store, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))   # as a cp over it leaves it
+    with pytest.raises(ModelChangedError):
+        s.run_command(parse_command(f"/load {tmp_path / 'c.json'}"))
+    assert "will retry" not in sink.getvalue()
+    turns = json.loads((tmp_path / "recovery.json").read_text())["turns"]
+    assert [t["user"] for t in turns] == ["Hello"] and turns[0]["assistant"] is not None
+
+
 def test_load_restores_the_settings_save_kept_and_the_recovery_copy_has_them(llm, tmp_path):
     """/save keeps every setting /set changes, the format included (a schema itself, so it loads where its file is
     gone), /load puts them back and says so in its loaded line (it restored none, and format was not saved); the
