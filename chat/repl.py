@@ -214,15 +214,20 @@ def handle_line(session: ChatSession, text: str) -> bool:
 
 def run_plain(session: ChatSession, stream=None, prompt=None) -> int:
     """Lines of `stream` (stdin's bytes by default; text or bytes) become turns; a line that is a command runs
-    it; \"\"\" blocks span lines. A line that is not UTF-8 is skipped with one line naming the byte. Exit 0
-    at end of input, 1 if a command or turn failed on the way. `prompt(text)`: lines typed at a terminal whose
-    output is not one (`bitchat | tee log`): it shows the prompt before each line (on stderr, so the answers'
-    pipe stays clean), and a Ctrl-C while a line is typed clears it (and an open block), as the REPL does."""
+    it; \"\"\" blocks span lines. A line that is not UTF-8 is
+    skipped with one line naming the byte. Exit 0 at end of input, 1 if a command or turn failed on the way.
+    `prompt(text)`: lines typed at a terminal whose output is not one (`bitchat | tee log`): it shows the prompt
+    before each line (on stderr, so the answers' pipe stays clean), a Ctrl-C while a line is typed clears it (and
+    an open block), a byte that is not UTF-8 names the locale, and the exit is 0, as in the REPL."""
+    from .session import _locale_note
     from ..engine.formats.tokenizer import decode_utf8
 
     stream = stream or getattr(sys.stdin, "buffer", sys.stdin)
     block: list[str] | None = None
     number = 0
+
+    def status() -> int:   # typed: a mistyped command was said and the user went on, as in the REPL (exit 0)
+        return 1 if session.had_errors and prompt is None else 0
 
     def run(text: str) -> bool:
         if prompt is None:
@@ -247,13 +252,14 @@ def run_plain(session: ChatSession, stream=None, prompt=None) -> int:
         if not raw:
             break
         number += 1
+        where = f"stdin line {number}" if prompt is None else "typed line"   # (typed: no file to convert)
         try:
             # start: the stream's UTF-8 BOM (a script saved by a Windows editor) is dropped, never a later line's;
             # it made the first line's command a chat message
-            line = decode_utf8(raw, f"stdin line {number}", start=number == 1).rstrip("\r\n") \
-                if isinstance(raw, bytes) else decode_utf8(raw.rstrip("\n"), f"stdin line {number}", start=number == 1)
+            line = decode_utf8(raw, where, start=number == 1).rstrip("\r\n") \
+                if isinstance(raw, bytes) else decode_utf8(raw.rstrip("\n"), where, start=number == 1)
         except ValueError as e:
-            session.out.notice(f"[{e}; the line was skipped]")
+            session.out.notice(f"[{e}; the line was skipped{'' if prompt is None else _locale_note()}]")
             session.had_errors = True
             continue
         if block is not None:
@@ -261,7 +267,7 @@ def run_plain(session: ChatSession, stream=None, prompt=None) -> int:
             if closes_block(line):
                 text, block = "\n".join(block), None
                 if not run(text):
-                    return 1 if session.had_errors else 0
+                    return status()
             continue
         if not line.strip():
             continue
@@ -269,10 +275,10 @@ def run_plain(session: ChatSession, stream=None, prompt=None) -> int:
             block = [line]
             continue
         if not run(line):
-            return 1 if session.had_errors else 0
+            return status()
     if block is not None:  # unterminated block at end of input: send what there is
         run("\n".join(block) + '\n"""')
-    return 1 if session.had_errors else 0
+    return status()
 
 
 @contextmanager

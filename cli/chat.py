@@ -370,7 +370,7 @@ def _run(args, settings: Settings, out: Output, interactive: bool, first_message
     else:
         if first_message and not handle_line(session, first_message):
             session.discard_recovery()
-            return 1 if session.had_errors else 0
+            return 1 if session.had_errors and not typed else 0   # (typed: as in the REPL)
         rc = run_plain(session, prompt=_line_prompt() if typed else None)
     session.discard_recovery()   # only on a normal end: after a crash the copy is the user's transcript
     return rc

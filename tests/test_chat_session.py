@@ -647,6 +647,42 @@ def test_utf8_typed_in_a_locale_that_is_not_utf8_is_sent(llm, monkeypatch):
     assert len(s.conv.turns) == 1
 
 
+def test_typed_line_mode_exits_0_after_a_mistyped_command_as_the_repl_does(llm):
+    """Lines typed at a terminal while stdout is not one (`bitchat > answers.txt`): a mistyped command or a refused
+    message is said and the session goes on; leaving exits 0, as the REPL does. It exited 1, the rule of piped
+    input, so `bitchat > out.txt && next-step` failed after a typo. Piped input keeps its rule."""
+    from bitnet_cpu.chat.repl import run_plain
+
+    script = b"/sett temp 1\nHello\n/bye\n"
+    s, sink = new_session(llm, max_tokens=2)
+    assert run_plain(s, io.BytesIO(script), prompt=lambda text: None) == 0
+    assert "/sett" in sink.getvalue() and [t.user for t in s.conv.turns] == ["Hello"]
+    s, _ = new_session(llm, max_tokens=2)
+    assert run_plain(s, io.BytesIO(script)) == 1
+    s, _ = new_session(llm, max_tokens=2)
+    assert run_plain(s, io.BytesIO(script[:-5]), prompt=lambda text: None) == 0   # ended by Ctrl-D
+
+
+def test_a_typed_byte_that_is_not_utf8_in_line_mode_names_the_locale(llm, monkeypatch):
+    """Typed line mode under a locale that is not UTF-8: a byte that is not UTF-8 is refused naming the locale, as
+    the REPL does and the docs say; it got the piped file's line ("stdin line 3", convert the file). Piped input
+    keeps naming its line."""
+    import locale
+
+    from bitnet_cpu.chat.repl import run_plain
+
+    monkeypatch.setattr(locale, "getpreferredencoding", lambda do_setlocale=True: "ANSI_X3.4-1968")
+    script = b"Hi\n\ncaf\xe9\n"
+    s, sink = new_session(llm, max_tokens=2)
+    run_plain(s, io.BytesIO(script), prompt=lambda text: None)
+    said = sink.getvalue()
+    assert "not UTF-8 text: byte 0xe9" in said and "the locale's encoding is ANSI_X3.4-1968, not UTF-8" in said
+    assert "stdin line" not in said and [t.user for t in s.conv.turns] == ["Hi"]
+    s, sink = new_session(llm, max_tokens=2)
+    run_plain(s, io.BytesIO(script))
+    assert "stdin line 3: not UTF-8 text: byte 0xe9" in sink.getvalue()
+
+
 def test_set_format_json_schema_and_off(llm, tmp_path):
     """/set format (ollama's words): answers are JSON (or match a schema file) until /set format off; a bad
     schema or file is a one-line CommandError and leaves the format as it was."""
