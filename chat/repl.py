@@ -214,7 +214,7 @@ def handle_line(session: ChatSession, text: str) -> bool:
 
 def run_plain(session: ChatSession, stream=None, prompt=None) -> int:
     """Lines of `stream` (stdin's bytes by default; text or bytes) become turns; a line that is a command runs
-    it; \"\"\" blocks span lines. A line that is not UTF-8 is
+    it; \"\"\" blocks span lines (input that ends inside one sends it, saying so). A line that is not UTF-8 is
     skipped with one line naming the byte. Exit 0 at end of input, 1 if a command or turn failed on the way.
     `prompt(text)`: lines typed at a terminal whose output is not one (`bitchat | tee log`): it shows the prompt
     before each line (on stderr, so the answers' pipe stays clean), a Ctrl-C while a line is typed clears it (and
@@ -224,7 +224,7 @@ def run_plain(session: ChatSession, stream=None, prompt=None) -> int:
 
     stream = stream or getattr(sys.stdin, "buffer", sys.stdin)
     block: list[str] | None = None
-    number = 0
+    number = opened = 0   # the line read last; the line the open block began on
 
     def status() -> int:   # typed: a mistyped command was said and the user went on, as in the REPL (exit 0)
         return 1 if session.had_errors and prompt is None else 0
@@ -272,11 +272,14 @@ def run_plain(session: ChatSession, stream=None, prompt=None) -> int:
         if not line.strip():
             continue
         if open_block(line):
-            block = [line]
+            block, opened = [line], number
             continue
         if not run(line):
             return status()
-    if block is not None:  # unterminated block at end of input: send what there is
+    if block is not None:  # unterminated block at end of input: send what there is, saying so (commands after the
+        # opening line went into it: a script's /save never ran)
+        session.out.notice(f'[input ended inside the """ block opened at line {opened}: sent as one message]')
+        session.had_errors = True
         run("\n".join(block) + '\n"""')
     return status()
 

@@ -683,6 +683,21 @@ def test_a_typed_byte_that_is_not_utf8_in_line_mode_names_the_locale(llm, monkey
     assert "stdin line 3: not UTF-8 text: byte 0xe9" in sink.getvalue()
 
 
+def test_piped_input_that_ends_inside_an_open_block_says_so(llm, tmp_path):
+    '''A piped script whose """ block is never closed: what follows it, commands included, is one message sent at
+    the end of input, and one line says so, naming the line the block opened on; exit 1 (a /save in it never ran).
+    It was sent with no word.'''
+    from bitnet_cpu.chat.repl import run_plain
+
+    script = f'Hi\n"""Hello""" is a greeting\n/save {tmp_path / "c.json"}\n/bye\n'
+    s, sink = new_session(llm, max_tokens=2)
+    assert run_plain(s, io.StringIO(script)) == 1
+    assert '[input ended inside the """ block opened at line 2: sent as one message]' in sink.getvalue()
+    assert not (tmp_path / "c.json").exists() and len(s.conv.turns) == 2
+    s, sink = new_session(llm, max_tokens=2)
+    assert run_plain(s, io.StringIO('Hi\n"""\nline\n"""\n')) == 0 and "input ended" not in sink.getvalue()
+
+
 def test_set_format_json_schema_and_off(llm, tmp_path):
     """/set format (ollama's words): answers are JSON (or match a schema file) until /set format off; a bad
     schema or file is a one-line CommandError and leaves the format as it was."""
