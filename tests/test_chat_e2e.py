@@ -258,6 +258,7 @@ def test_ctrl_c_at_any_moment_of_a_turn_leaves_it_answered(long_model, tmp_path)
                 str(template))
     chat.command(f"/load {tmp_path / 'long.json'}", r"\[loaded 100 turns[^\]]*\]")
     delays = [None, 0.0, 0.005, 0.01, 0.02, 0.03, 0.05, 0.08, 0.2]   # None: in one write with the Enter
+    said_kept = []   # the attempts whose notice said the answer so far is kept (the others: the message dropped)
     for i, delay in enumerate(delays):
         if delay is None:
             chat.child.send(f"interrupted {i}\r\x03")
@@ -266,6 +267,18 @@ def test_ctrl_c_at_any_moment_of_a_turn_leaves_it_answered(long_model, tmp_path)
             time.sleep(delay)
             chat.child.send("\x03")
         chat.wait_prompt()
+        said = plain(chat.child.before)
+        kept_notice, dropped_notice = "the answer so far is kept" in said, "the message is dropped" in said
+        assert kept_notice != dropped_notice, (i, said[-500:])   # exactly one of the two, every time
+        if kept_notice:
+            said_kept.append(f"interrupted {i}")
+    # and one stopped once its answer is on the screen, whatever the machine's speed: it is kept, with that text
+    chat.enter(f"interrupted {len(delays)}")
+    chat.expect(r"\S")   # the answer has started
+    chat.child.send("\x03")
+    chat.expect(r"\[interrupted: the answer so far is kept\]")
+    chat.wait_prompt()
+    said_kept.append(f"interrupted {len(delays)}")
     chat.command("/set max_tokens 2", r"\[max_tokens = 2\]")
     chat.enter("and a last question")
     chat.expect(STATS_RE)   # answered: not "[message not sent: ... roles must alternate ...]"
@@ -273,9 +286,8 @@ def test_ctrl_c_at_any_moment_of_a_turn_leaves_it_answered(long_model, tmp_path)
     chat.command(f"/save {tmp_path / 'after.json'}", r"\[saved \d+ turns")
     turns = json.loads((tmp_path / "after.json").read_text())["turns"]
     assert all(isinstance(t["assistant"], str) for t in turns), [t for t in turns if t["assistant"] is None]
-    stopped = [f"interrupted {i}" for i in range(len(delays))]
     kept = [t["user"] for t in turns[100:-1]]
-    assert kept == [u for u in stopped if u in kept] and turns[-1]["user"] == "and a last question", kept
+    assert kept == said_kept and turns[-1]["user"] == "and a last question", (kept, said_kept)
     assert "interrupted 0" not in kept   # stopped with its Enter: never answered, so never kept
     assert all(t.get("interrupted") and t["assistant"] for t in turns[100:-1]), turns[100:-1]
     assert chat.finish("/bye") == 0
