@@ -16,8 +16,8 @@ import io
 import os
 import signal
 import sys
-from typing import TYPE_CHECKING
 
+TYPE_CHECKING = False   # (typing's own constant: importing typing here cost bitchat's start before its Ctrl-C guard)
 if TYPE_CHECKING:   # the parser's type only: argparse itself is imported where the parser is built
     import argparse
 

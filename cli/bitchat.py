@@ -2,8 +2,8 @@
 (numpy, the engine: ~0.1 s) ends as one does later: exit 130, one line, no traceback. Python turns a Ctrl-C
 inside a C extension's import into another error (numpy's "PyCapsule_Import could not import module
 "datetime"", exit 1): the guard hears the signal itself, so such an error is known for the Ctrl-C it is.
-Everything before the guard is this module and its package's (cli/__init__.py imports only what Python has
-loaded already: argparse waits for the parser), so the moment a Ctrl-C could still give a traceback is short."""
+Everything before the guard is this module and its package's (cli/__init__.py imports little beyond what Python
+has loaded already, signal; argparse and typing wait), so the moment a Ctrl-C could still give a traceback is short."""
 from __future__ import annotations
 
 import sys

@@ -236,6 +236,29 @@ def test_ctrl_c_while_starting_is_one_exit_130(at, entry, args):
     assert r.returncode == 130 and "Traceback" not in r.stderr and not r.stdout, (r.returncode, r.stderr)
 
 
+BEFORE_THE_GUARD = """
+import importlib.util, sys
+root = sys.argv[1]
+before = set(sys.modules)
+spec = importlib.util.spec_from_file_location("bitnet_cpu", root + "/__init__.py", submodule_search_locations=[root])
+package = importlib.util.module_from_spec(spec)
+sys.modules["bitnet_cpu"] = package
+spec.loader.exec_module(package)
+import bitnet_cpu.cli
+print(" ".join(sorted(set(sys.modules) - before)))
+"""
+
+
+def test_bitchat_loads_nothing_heavy_before_its_ctrl_c_guard():
+    """bitchat imports cli/__init__.py before its Ctrl-C guard, so a Ctrl-C there is a raw traceback: it must not
+    load `typing` (not loaded at startup: -S, as where no editable install's .pth loads it first), nor argparse."""
+    r = subprocess.run([sys.executable, "-S", "-c", BEFORE_THE_GUARD, ROOT], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    loaded = r.stdout.split()
+    assert "bitnet_cpu.cli" in loaded and "typing" not in loaded and "argparse" not in loaded, loaded
+
+
 INTERRUPT_TURNED_INTO_IMPORT_ERROR = """
 import importlib.abc, os, signal, sys
 class Interrupt(importlib.abc.MetaPathFinder):   # a Ctrl-C inside an extension's import, which turns it into an
