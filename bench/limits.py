@@ -70,9 +70,12 @@ def stream_bandwidth(threads: int, mib: int = 1024, passes: int = 5) -> dict:
             "buffer_bytes": nbytes, "passes": passes, "method": method}
 
 
-def int8_peak(threads: int) -> dict | None:
+def int8_peak(threads: int, passes: int = 5, iters: int = 20_000_000) -> dict | None:
     """Peak int8 MAC/s of the kernel path: the register-only VNNI loop if exposed (64 MACs per 512-bit
-    vpdpbusd), and the ternary GEMM on cache-resident weights (what the prefill path can reach at best)."""
+    vpdpbusd), and the ternary GEMM on cache-resident weights (what the prefill path can reach at best).
+    The register loop runs `passes` times and the fastest is the peak, as for the bandwidth: on a shared machine
+    a single pass read a busy moment (348 G/s where a real multiply in the same call reached 636). Every pass is
+    kept with its process CPU / wall (about `threads` when nothing else ran)."""
     import numpy as np
 
     kern = _kernels()
@@ -84,16 +87,20 @@ def int8_peak(threads: int) -> dict | None:
     probes = _probes()
     if probes is not None:
         try:
-            iters = 20_000_000
-            probes.peak_dot(iters // 10)
-            t0 = time.perf_counter()
-            res = probes.peak_dot(iters)
-            dt = time.perf_counter() - t0
-            # peak_dot returns the number of int8 multiply-accumulates it did (all threads)
-            macs = res if isinstance(res, int) and res > iters else None
-            if macs:
-                out["register_peak_mac_per_s"] = macs / dt
-            out["peak_dot_s"] = dt
+            probes.peak_dot(max(iters // 10, 1))
+            runs = []
+            for _ in range(max(passes, 1)):
+                c0, t0 = time.process_time(), time.perf_counter()
+                res = probes.peak_dot(iters)
+                dt, cpu = time.perf_counter() - t0, time.process_time() - c0
+                # peak_dot returns the number of int8 multiply-accumulates it did (all threads)
+                macs = res if isinstance(res, int) and res > iters else None
+                runs.append({"s": dt, "cpu_per_wall": cpu / dt, "mac_per_s": macs / dt if macs else None})
+            best = min(runs, key=lambda r: r["s"])
+            if best["mac_per_s"]:
+                out["register_peak_mac_per_s"] = best["mac_per_s"]
+                out["register_peak_runs"] = runs
+            out["peak_dot_s"], out["peak_dot_cpu_per_wall"] = best["s"], best["cpu_per_wall"]
         except Exception as e:  # signature differs: report, do not guess
             out["peak_dot_error"] = str(e)
     if hasattr(kern, "gemm_ternary"):
@@ -128,10 +135,11 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--mib", type=int, default=1024, help="buffer size for the bandwidth test (MiB)")
     ap.add_argument("--passes", type=int, default=5)
+    ap.add_argument("--peak-passes", type=int, default=5, help="passes of the int8 peak loop (the best counts)")
     a = ap.parse_args(argv)
     res = {"threads": a.threads}
     res.update(stream_bandwidth(a.threads, a.mib, a.passes))
-    res["int8"] = int8_peak(a.threads)
+    res["int8"] = int8_peak(a.threads, a.peak_passes)
     print(json.dumps(res))
     return 0
 
