@@ -37,7 +37,9 @@ typedef struct {
     /* four queries over an f16 cache, hd a multiple of 16 (NULL: none for this path) */
     void (*wsum4_f16)(const float *const *p, const void *vc, kv_blocks bl, int n, int hd, float *const *out,
                       att_pf *pf);
-    int item_pf; /* a decode item prefetches the next one's keys and values (att_pf): scores4_f16, wsum4_f16 */
+    /* a decode item prefetches the next one's keys and values (att_pf) in scores4_f16 and wsum4_f16, whose steps
+     * each cover item_pf positions (scores) or value columns (weighted sum); 0: no such prefetch */
+    int item_pf;
     float (*row_max)(const float *x, int n); /* the largest of x[0..n-1] that is not NaN; -inf if none */
     /* softmax's last step over one score row: sc[t] *= inv for t < n, a subnormal weight becoming 0 (see
      * attention_items), and sc[t] = 0 for n <= t < n_end */
@@ -166,10 +168,12 @@ AVX2_FN static inline __m256 load8(const void *base, int f16, int64_t off, int v
  * register (the general body below keeps acc[][] in memory: a store-reload chain per FMA, measured 3x
  * slower). Same operations in the same order: the same floats. */
 AVX2_FN static inline void scores4_f16_avx2(const float *const *q, const uint16_t *kt, int64_t base, int hd,
-                                            __m256 vs, float *const *sc, int t0, const char *next, int s0) {
+                                            __m256 vs, float *const *sc, int t0, const char *next, int s0,
+                                            att_pf *pf) {
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, b0 = a0, b1 = a0, c0 = a0, c1 = a0, d0 = a0, d1 = a0;
     const float *q0 = q[0], *q1 = q[1], *q2 = q[2], *q3 = q[3];
     for (int i = 0; i < hd; i++) {
+        att_pf_step(pf);
         pf_lines(next, s0 + i, 1, hd); /* a block of f16 keys: 32 x hd x 2 bytes, hd lines */
         const uint16_t *kp = kt + base + (int64_t)i * KT_BLOCK;
         __m256 k0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)kp));
@@ -182,8 +186,38 @@ AVX2_FN static inline void scores4_f16_avx2(const float *const *q, const uint16_
     _mm256_storeu_ps(sc[3] + t0, _mm256_mul_ps(d0, vs)), _mm256_storeu_ps(sc[3] + t0 + 8, _mm256_mul_ps(d1, vs));
 }
 
+/* scores4_f16_avx2 over all n positions (a KV head's four query heads decoding, or four prefill rows): pf, a decode
+ * item's stream of the next item's keys and values (att_pf), a step per dimension of each 16 positions; vc unused
+ * (wsum4_f16_avx2 prefetches the values it reads) */
+AVX2_FN static void scores4_f16_run_avx2(const float *const *q, const void *kt, kv_blocks bl, int n, int hd,
+                                         float scale, float *const *sc, const void *vc, att_pf *pf) {
+    (void)vc;
+    const __m256 vs = _mm256_set1_ps(scale);
+    for (int t0 = 0; t0 < n; t0 += 16) {
+        const int valid = n - t0;
+        const int64_t base = BLK(bl, t0 / KT_BLOCK) + t0 % KT_BLOCK;
+        const char *next = pf_block(kt, bl, t0 / KT_BLOCK + 1, n, 2);
+        const int s0 = (t0 % KT_BLOCK / 16) * hd; /* steps of this half-run in its block */
+        /* A last, partial run of positions is computed on all 16 lanes and only its valid scores are kept: t0 is
+         * a multiple of 16, so the 16 lanes stay inside their allocated KT_BLOCK block (whatever a lane past n
+         * holds only reaches that lane's own discarded score). The per-element masked loads this replaces cost
+         * ~10 us per layer of a decode step (2B-4T, one tail per KV head) at any context length. */
+        if (valid >= 16) {
+            scores4_f16_avx2(q, (const uint16_t *)kt, base, hd, vs, sc, t0, next, s0, pf);
+        } else {
+            float tmp[4][16], *tp[4] = {tmp[0], tmp[1], tmp[2], tmp[3]};
+            scores4_f16_avx2(q, (const uint16_t *)kt, base, hd, vs, tp, 0, next, s0, pf);
+            for (int j = 0; j < 4; j++) memcpy(sc[j] + t0, tmp[j], sizeof(float) * (size_t)valid);
+        }
+    }
+}
+
 AVX2_FN static void scores_avx2(const float *const *q, int R, const void *kt, kv_blocks bl, int f16, int n, int hd,
                                 float scale, float *const *sc) {
+    if (R == 4 && f16) {
+        scores4_f16_run_avx2(q, kt, bl, n, hd, scale, sc, NULL, NULL);
+        return;
+    }
     const __m256 vs = _mm256_set1_ps(scale);
     const int64_t esize = f16 ? 2 : 4;
     const int lines = (int)(hd * esize / 2), per = f16 ? 1 : 2; /* a block: 32 x hd values */
@@ -192,20 +226,7 @@ AVX2_FN static void scores_avx2(const float *const *q, int R, const void *kt, kv
         const int64_t base = BLK(bl, t0 / KT_BLOCK) + t0 % KT_BLOCK;
         const char *next = pf_block(kt, bl, t0 / KT_BLOCK + 1, n, esize);
         const int s0 = (t0 % KT_BLOCK / 16) * hd; /* steps of this half-run in its block */
-        /* A last, partial run of positions is computed on all 16 lanes and only its valid scores are kept: t0 is
-         * a multiple of 16, so the 16 lanes stay inside their allocated KT_BLOCK block (whatever a lane past n
-         * holds only reaches that lane's own discarded score). The per-element masked loads this replaces cost
-         * ~10 us per layer of a decode step (2B-4T, one tail per KV head) at any context length. */
-        if (R == 4 && f16) {
-            if (valid >= 16) {
-                scores4_f16_avx2(q, (const uint16_t *)kt, base, hd, vs, sc, t0, next, s0);
-            } else {
-                float tmp[4][16], *tp[4] = {tmp[0], tmp[1], tmp[2], tmp[3]};
-                scores4_f16_avx2(q, (const uint16_t *)kt, base, hd, vs, tp, 0, next, s0);
-                for (int j = 0; j < 4; j++) memcpy(sc[j] + t0, tmp[j], sizeof(float) * (size_t)valid);
-            }
-            continue;
-        }
+        /* a last, partial run on all 16 lanes, its valid scores kept (see scores4_f16_run_avx2) */
         __m256 acc[MAXQ][2];
         for (int j = 0; j < MAXQ; j++) acc[j][0] = acc[j][1] = _mm256_setzero_ps();
         for (int i = 0; i < hd; i++) {
@@ -271,7 +292,6 @@ AVX2_FN static void wsum_avx2(const float *p, const void *vc, kv_blocks bl, int 
 #define WS4_BLOCK 64 /* a multiple of KT_BLOCK */
 AVX2_FN static void wsum4_f16_avx2(const float *const *p, const void *vc, kv_blocks bl, int n, int hd,
                                    float *const *out, att_pf *pf) {
-    (void)pf; /* item_pf is 0 on this path: never given one */
     const float *p0 = p[0], *p1 = p[1], *p2 = p[2], *p3 = p[3];
     float acc[4][WS4_MAX_HD]; /* between blocks; the first block starts from zero, the last writes out */
     if (n <= 0)
@@ -297,6 +317,7 @@ AVX2_FN static void wsum4_f16_avx2(const float *const *p, const void *vc, kv_blo
                  * the first half of the block) */
                 pf_lines(pf_block(vc, bl, ts / KT_BLOCK + WS4_BLOCK / KT_BLOCK, n, 2), col / 16, 16, hd);
                 for (int t = ts; t < tn; t++, v += hd) {
+                    att_pf_step(pf);
                     const __m256 v0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)v));
                     const __m256 v1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(v + 8)));
                     FMA4X2(p0, p1, p2, p3, t, v0, v1);
@@ -532,10 +553,11 @@ static att_kernels kernels_for(int isa) {
 #if defined(__x86_64__)
     if (isa >= OPS_ISA_AVX512) {
         k.scores = scores_avx512, k.scores4_f16 = scores4_f16_avx512, k.wsum = wsum_avx512, k.wsum2 = wsum2_avx512;
-        k.wsum4_f16 = wsum4_f16_avx512, k.item_pf = 1;
+        k.wsum4_f16 = wsum4_f16_avx512, k.item_pf = 64;
         k.row_max = row_max_avx2, k.normalize = normalize_avx512;
     } else if (isa >= OPS_ISA_AVX2) {
-        k.scores = scores_avx2, k.wsum = wsum_avx2, k.wsum4_f16 = wsum4_f16_avx2, k.row_max = row_max_avx2;
+        k.scores = scores_avx2, k.wsum = wsum_avx2, k.row_max = row_max_avx2;
+        k.scores4_f16 = scores4_f16_run_avx2, k.wsum4_f16 = wsum4_f16_avx2, k.item_pf = 16;
     }
 #endif
 #if defined(__aarch64__) /* attention_neon.c */
@@ -704,10 +726,10 @@ static void attention_items(void *ctx, int item_begin, int item_end) {
             const att_item N = J->items[item + 1];
             const att_seg S2 = J->segs[N.seg];
             if (S2.m == 1) {
-                /* this item's steps (scores4: a step per dimension and 64 positions; wsum4: a step per position
-                 * and 64 columns) carry the next item's 2 x nb blocks of head_dim lines */
-                const int here = piece_len(S.pos0 + 1, I.piece, head_dim);
-                const int steps = (here + 63) / 64 * head_dim + (head_dim + 63) / 64 * here;
+                /* this item's steps (scores4: a step per dimension and W positions; wsum4: a step per position
+                 * and W columns) carry the next item's 2 x nb blocks of head_dim lines */
+                const int here = piece_len(S.pos0 + 1, I.piece, head_dim), W = K.item_pf;
+                const int steps = (here + W - 1) / W * head_dim + (head_dim + W - 1) / W * here;
                 const int nb = (piece_len(S2.pos0 + 1, N.piece, head_dim) + KT_BLOCK - 1) / KT_BLOCK;
                 pf = (att_pf){(const char *)J->k_cache + (size_t)(N.it / n_sub) * k_head * esize,
                               (const char *)J->v_cache + (size_t)(N.it / n_sub) * v_head * esize,
