@@ -791,6 +791,7 @@ def guarded_protocol(limits: Limits, base=None):
             self._header_bytes = 0
             self._raw_header = 0     # bytes on the wire of the header block being read (httptools)
             self._in_body = False    # (httptools) between a request's end of headers and its end
+            self._fed_body = False   # (httptools) the bytes being fed held some of a body
             self._turned = False     # a request's headers or message ended within the bytes being fed
             self._quiet_since = self.loop.time()   # nothing of a request heard since (opened, or last answered)
             self._heard = False
@@ -900,18 +901,24 @@ def guarded_protocol(limits: Limits, base=None):
             self._heard = True
             if self._in_headers():
                 self._arm()   # a new request on a kept-alive connection: its headers are timed from here
-            self._turned = False
+            self._turned, self._fed_body = False, False
             super().data_received(data)
             if self.cycle is not before and self.cycle is not None:
                 self._disarm()
-            if httptools_base and not self._in_body and not self._rejected:
-                self._count_raw(len(data))
+            if httptools_base and not self._rejected:
+                if self._in_body and self._fed_body:
+                    self._raw_header = 0   # a body's bytes came: what preceded them was a chunk's framing
+                else:   # a header block, or (in a body) a chunked body's framing and trailer, which is header lines
+                    self._count_raw(len(data))
 
         def _count_raw(self, n):
             """httptools hands a header over only once its value has ended: one that never ends was read on and
             held (64 MiB of it before the 431, 74 MiB before a 408). The bytes of a header block are counted here
             as they arrive (those after a request that ended within the same read are not: at most one read's
-            worth more), and a block past the limit (with RAW_HEADER_SLACK for HTTP's own bytes) is a 431 at once."""
+            worth more), and a block past the limit (with RAW_HEADER_SLACK for HTTP's own bytes) is a 431 at once.
+            So are, within a chunked body, the reads that brought none of its bytes: a trailer (header lines after
+            the last chunk, which llhttp parses as headers) or a chunk extension that never ended was read on and
+            held until --body-timeout, its CPU growing with the square of its size, on the loop every stream shares."""
             self._raw_header = 0 if self._turned else self._raw_header + n
             if self._raw_header > limits.max_header_bytes + RAW_HEADER_SLACK:
                 self._reject(_raw_response(431, "Request Header Fields Too Large", f"request headers over "
@@ -934,6 +941,10 @@ def guarded_protocol(limits: Limits, base=None):
                 return
             self._count(len(name) + len(value) + 4)
             super().on_header(name, value)
+
+        def on_body(self, body):   # httptools
+            self._fed_body = True
+            super().on_body(body)
 
         def on_message_complete(self):
             if httptools_base and self.parser.should_upgrade():

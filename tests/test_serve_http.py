@@ -299,3 +299,38 @@ def test_an_unterminated_header_is_refused_while_it_arrives(parser):
     got = responses(out)
     assert [g[0] for g in got] == [431], out[:300]
     assert json.loads(got[0][2])["error"]["code"] == "headers_too_large", got[0]
+
+
+def test_a_chunked_trailer_that_never_ends_is_refused_while_it_arrives(parser):
+    """A chunked body's trailer section is header lines too: one that never ends is refused (431) once its bytes
+    pass --max-header-kb, as a header is (httptools read on and held it until --body-timeout, at a CPU cost that
+    grew with the square of its size, on the loop every stream shares). Sent as 1 MiB, then nothing more: the
+    answer can only be the size limit's, whatever the machine's speed."""
+    s, _ = parser
+    with socket.create_connection(("127.0.0.1", s.port)) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Transfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\nX-T: ")
+        try:
+            for _ in range(16):
+                sock.sendall(b"b" * (64 << 10))
+        except OSError:   # refused and closed while we sent: what follows reads its answer
+            pass
+        sock.settimeout(60)
+        out = b""
+        try:
+            while True:
+                chunk = sock.recv(65536)
+                if not chunk:
+                    break
+                out += chunk
+        except (ConnectionResetError, socket.timeout):
+            pass
+    got = responses(out)
+    assert [g[0] for g in got] == [431], out[:300]
+    assert json.loads(got[0][2])["error"]["code"] == "headers_too_large", got[0]
+    # a body in many tiny chunks (framing bytes far past the header limit) is a body, not a trailer: served
+    body = CHAT + b" " * (16 << 10)
+    chunks = b"".join(b"1\r\n" + body[i:i + 1] + b"\r\n" for i in range(len(body))) + b"0\r\nX-T: 1\r\n\r\n"
+    got = responses(exchange(s.port, b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                             b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n" + chunks + CLOSE))
+    assert [g[0] for g in got] == [200, 200], got
