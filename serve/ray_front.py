@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import http.cookiejar
 import socket
 import sys
 import threading
@@ -41,12 +42,24 @@ def replica_limits(limits: Limits) -> Limits:
 
 
 class Forwarder:
-    """The ASGI app that passes each request to Ray Serve's proxy at `upstream` (http://127.0.0.1:PORT)."""
+    """The ASGI app that passes each request to Ray Serve's proxy at `upstream` (http://127.0.0.1:PORT, or a
+    callable giving it: the port is chosen late)."""
 
-    def __init__(self, upstream: str, limits: Limits):
+    def __init__(self, upstream, limits: Limits):
         self.upstream, self.limits = upstream, limits
         self.ready = threading.Event()   # set once Serve's app is deployed: before, every request is a 503
         self.client: httpx.AsyncClient | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._cut: asyncio.Event | None = None   # set at the drain's deadline: every relay ends its answer itself
+
+    def cut(self):
+        """The drain's deadline (any thread): each request still running ends its own answer, a JSON 503
+        shutting_down before its first byte, a stream's last event after it (uvicorn's cancellation gave a
+        plain-text 500 and a traceback each)."""
+        loop, cut = self.loop, self._cut
+        if loop is not None and cut is not None:
+            with contextlib.suppress(RuntimeError):   # the loop has closed: nothing is left to cut
+                loop.call_soon_threadsafe(cut.set)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "lifespan":
@@ -59,17 +72,22 @@ class Forwarder:
         if scope["method"] in BODY_METHODS:   # read whole by LimitsMiddleware (its cap, its timeout): given at once
             msg = await receive()
             body = msg.get("body", b"") if msg["type"] == "http.request" else b""
+        said = {"started": False, "ctype": "", "tail": b"", "events": 0}   # what the relay has sent of its answer
         watcher = asyncio.ensure_future(_until_disconnect(receive))
-        relay = asyncio.ensure_future(self._relay(scope, body, send))
+        relay = asyncio.ensure_future(self._relay(scope, body, send, said))
+        cutter = asyncio.ensure_future(self._cut.wait())
         try:
-            done, _ = await asyncio.wait({relay, watcher}, return_when=asyncio.FIRST_COMPLETED)
-            if relay not in done:   # the client hung up: the upstream request is closed with the relay
+            done, _ = await asyncio.wait({relay, watcher, cutter}, return_when=asyncio.FIRST_COMPLETED)
+            if relay not in done:   # the client hung up, or the drain ended: the upstream request is closed
                 relay.cancel()
                 await asyncio.wait({relay})
+                if watcher not in done:
+                    await self._end_cut(send, scope, said)
                 return
             relay.result()
         finally:
             watcher.cancel()
+            cutter.cancel()
             if not relay.done():
                 relay.cancel()
                 await asyncio.wait({relay})
@@ -78,7 +96,10 @@ class Forwarder:
         while True:
             msg = await receive()
             if msg["type"] == "lifespan.startup":
-                self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0),
+                self.loop, self._cut = asyncio.get_running_loop(), asyncio.Event()
+                # no cookie kept: one client's Set-Cookie was sent on with every other client's requests
+                jar = http.cookiejar.CookieJar(policy=http.cookiejar.DefaultCookiePolicy(allowed_domains=[]))
+                self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0), cookies=jar,
                                                 limits=httpx.Limits(max_connections=None,
                                                                     max_keepalive_connections=256))
                 await send({"type": "lifespan.startup.complete"})
@@ -93,27 +114,54 @@ class Forwarder:
         await send_error(send, scope, 503, f"{why}; retry later", "server_error", "unavailable",
                          headers=((b"retry-after", str(self.limits.retry_after).encode()),))
 
-    async def _relay(self, scope, body: bytes, send):
+    async def _end_cut(self, send, scope, said):
+        """The drain's deadline came with this request running: a 503 to retry if nothing was sent, else the
+        stream's last event (an error saying so), the answer then left unended as on a replica's death."""
+        if not said["started"]:
+            return await send_error(send, scope, 503, "server is shutting down; retry later", "server_error",
+                                    "shutting_down",
+                                    headers=((b"retry-after", str(self.limits.retry_after).encode()),))
+        from .router import CUT_ANSWERS, cut_answer_event
+        last = cut_answer_event(said["ctype"], "the server stopped in the middle of this answer (--drain-timeout)",
+                                said["tail"], scope.get("path", ""), said["events"])
+        with contextlib.suppress(Exception):   # the client may be gone too
+            if last:
+                await send({"type": "http.response.body", "body": last, "more_body": True})
+        CUT_ANSWERS.pending += 1   # uvicorn's line on the answer left unended is expected here
+
+    async def _relay(self, scope, body: bytes, send, said=None):
+        said = {"started": False, "ctype": "", "tail": b"", "events": 0} if said is None else said
         headers = [(k, v) for k, v in scope.get("headers") or () if k.lower() not in REQUEST_DROP]
-        path = scope.get("raw_path") or scope["path"].encode()
-        url = self.upstream + path.decode("latin-1")
+        path = (scope.get("raw_path") or scope["path"].encode()).decode("latin-1")
+        if not path.startswith("/"):   # OPTIONS * (asterisk-form): nothing here serves it, Ray's proxy neither
+            return await send_error(send, scope, 400, f"not a valid HTTP/1.1 request (target {path[:40]!r}: "
+                                    "only a path starting with / is served)", "invalid_request_error",
+                                    "invalid_http")
+        url = (self.upstream() if callable(self.upstream) else self.upstream) + path
         if scope.get("query_string"):
             url += "?" + scope["query_string"].decode("latin-1")
-        request = self.client.build_request(scope["method"], url, headers=headers, content=body)
+        try:
+            request = self.client.build_request(scope["method"], url, headers=headers, content=body)
+        except httpx.InvalidURL as e:   # a target httpx refuses (over 64 KiB: --max-header-kb above 64)
+            why = " ".join(str(e).split())[:200]
+            return await send_error(send, scope, 400, f"not a valid HTTP/1.1 request ({why})",
+                                    "invalid_request_error", "invalid_http")
         sent = {k.lower() for k, _ in headers}
         for name in HTTPX_DEFAULTS:
             if name.encode() not in sent and name in request.headers:
                 del request.headers[name]
         try:
             upstream = await self.client.send(request, stream=True)
-        except httpx.HTTPError:
+        except (httpx.HTTPError, httpx.InvalidURL):
             return await self._unavailable(send, scope, "Ray Serve's proxy did not answer")
         try:
             ctype = upstream.headers.get("content-type", "")
+            said["ctype"] = ctype
             if upstream.status_code >= 500 and "json" not in ctype:
                 # Ray's own answer (a replica that died: "Internal Server Error" in plain text), never the app's
                 return await self._unavailable(send, scope, "the replica serving this request stopped")
             out = [(k, v) for k, v in upstream.headers.raw if k.lower() not in RESPONSE_DROP]
+            said["started"] = True
             await send({"type": "http.response.start", "status": upstream.status_code, "headers": out})
             tail, events = b"", 0
             try:
@@ -121,6 +169,7 @@ class Forwarder:
                     if chunk:
                         events += (tail[-1:] + chunk).count(b"\n\n")
                         tail = chunk[-2:]
+                        said["tail"], said["events"] = tail, events
                         await send({"type": "http.response.body", "body": chunk, "more_body": True})
             except httpx.HTTPError:   # the replica (or Ray's proxy) died mid-answer: say so in the stream, then cut
                 from .router import CUT_ANSWERS, cut_answer_event
@@ -145,21 +194,27 @@ async def _until_disconnect(receive):
 
 class Front:
     """The front's uvicorn on `sock` (the user's --host/--port, bound by the caller), in a thread of its own:
-    start(), then stop() (stop accepting; requests in flight get drain_s, then are cut) when Ray stops."""
+    start(), then stop() (stop accepting; requests in flight get drain_s, then each ends its own answer: a JSON
+    503 or a stream's last event) when Ray stops. on_exit: called when the front's thread ends with no stop()
+    asked for (its server failed): the process has no listener left, so the caller stops too."""
 
-    def __init__(self, sock: socket.socket, upstream: str, limits: Limits, *, keep_alive: float = 5.0,
-                 drain_s: float = 5.0, log_level: str = "warning"):
+    def __init__(self, sock: socket.socket, upstream, limits: Limits, *, keep_alive: float = 5.0,
+                 drain_s: float = 5.0, log_level: str = "warning", on_exit=None):
         import uvicorn
         self.forwarder = Forwarder(upstream, limits)
         front_limits = dataclasses.replace(limits, request_timeout=0)   # the replicas time their requests
         app = LimitsMiddleware(self.forwarder, limits=front_limits)
         self.protocol = guarded_protocol(limits)
         config = uvicorn.Config(app, log_level=log_level, lifespan="on", http=self.protocol,
-                                timeout_keep_alive=keep_alive, loop="asyncio", timeout_graceful_shutdown=drain_s,
+                                # uvicorn's own deadline after the front's (the relays end their answers at
+                                # drain_s): its cancellation gave a plain-text 500 and a traceback per request
+                                timeout_keep_alive=keep_alive, loop="asyncio", timeout_graceful_shutdown=drain_s + 2,
                                 h11_max_incomplete_event_size=limits.max_header_bytes)
         self.server = guarded_server(limits)(config)   # no signal handlers: run_ray's stop it
         self.sock, self.drain_s = sock, drain_s
         self.thread: threading.Thread | None = None
+        self.on_exit, self.stopping, self.failed = on_exit, False, False
+        self._timer: threading.Timer | None = None
         from .router import CUT_ANSWERS
         import logging
         log = logging.getLogger("uvicorn.error")
@@ -172,24 +227,45 @@ class Front:
 
     def start(self):
         def run():
+            why = "its server ended"
             try:
                 self.server.run(sockets=[self.sock])
-            except Exception as e:   # one line: the front's end is the server's, Ray is stopped after it
-                print(f"bitnet serve: error: the HTTP front stopped: {e}", file=sys.stderr, flush=True)
+                if not self.server.started:   # uvicorn returns when its lifespan startup failed
+                    why = "its server did not start"
+            except BaseException as e:   # SystemExit too (uvicorn's sys.exit(1) on some startup errors)
+                why = " ".join(str(e).split())[:300] or type(e).__name__
+            finally:
+                if not self.stopping:   # one line: the front's end is the server's, Ray is stopped after it
+                    self.failed = True
+                    print(f"bitnet serve: error: the HTTP front stopped: {why}", file=sys.stderr, flush=True)
+                    if self.on_exit is not None:
+                        self.on_exit()
         self.thread = threading.Thread(target=run, name="bitnet-front", daemon=True)
         self.thread.start()
 
+    def _deadline(self):
+        self.forwarder.cut()       # each request still running ends its answer itself
+        self.protocol.stopping()   # then clients that read nothing of it are cut
+
+    def hurry(self, force: bool = False):
+        """A second signal while stopping: the drain's deadline now; a third (force): stop at once."""
+        if force:
+            self.server.force_exit = True
+        elif self.stopping:
+            self._deadline()
+
     def stop(self):
+        self.stopping = True
         if self.thread is None:
             with contextlib.suppress(OSError):
                 self.sock.close()
             return
         self.server.should_exit = True
-        timer = threading.Timer(self.drain_s, self.protocol.stopping)   # then clients that read nothing are cut
-        timer.daemon = True
-        timer.start()
-        self.thread.join(self.drain_s + 10)
-        timer.cancel()
+        self._timer = threading.Timer(self.drain_s, self._deadline)
+        self._timer.daemon = True
+        self._timer.start()
+        self.thread.join(self.drain_s + 12)
+        self._timer.cancel()
 
 
 def listen(host: str, port: int) -> socket.socket:
