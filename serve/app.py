@@ -340,6 +340,14 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
                                                  "server_error", code="out_of_resources",
                                                  headers={"Retry-After": str(state.retry_after)}))
 
+    @app.exception_handler(Exception)
+    async def _bug(request, e: Exception):
+        """An exception nothing above maps (a bug): a JSON 500 server_error in the API's shape, its traceback still
+        in the log. Starlette's was a plain-text 500, which is what Ray's own failures look like: Ray's front made
+        it a 503 "the replica stopped" with Retry-After, and clients retried a bug at once."""
+        return in_family(request, error_response(500, f"internal server error ({type(e).__name__}); see the "
+                                                      "server's log", "server_error", code="server_error"))
+
     @app.exception_handler(StarletteHTTPException)
     async def _http(request, e):
         type_ = "not_found_error" if e.status_code == 404 else "invalid_request_error"

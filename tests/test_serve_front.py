@@ -202,3 +202,23 @@ def test_a_stopped_front_does_not_call_on_exit(upstream):
     assert not front.thread.is_alive() and not front.failed and not ended.is_set()
     with pytest.raises(httpx.TransportError):
         httpx.get(url + "/health", timeout=BOUND)
+
+
+def test_an_unhandled_error_in_the_app_is_a_json_500():
+    """A bug in a handler (an exception nothing maps): a JSON 500 server_error in the API's shape. Starlette's
+    plain-text "Internal Server Error" was what Ray's own failures look like, so the front turned the app's bug
+    into a 503 "the replica stopped" with Retry-After, and clients retried it at once."""
+    from fastapi.testclient import TestClient
+
+    from bitnet_cpu.serve.app import create_app
+
+    app = create_app(lambda: None)
+
+    @app.get("/v1/boom")
+    async def boom():   # a route whose handler has a bug: the app's handlers are what is tested
+        raise RuntimeError("a bug")
+
+    with TestClient(app, raise_server_exceptions=False) as tc:
+        r = tc.get("/v1/boom")
+    assert r.status_code == 500 and r.headers["content-type"] == "application/json", (r.status_code, r.text)
+    assert r.json()["error"]["code"] == "server_error", r.text
