@@ -32,6 +32,7 @@ REQUEST_DROP = {b"connection", b"keep-alive", b"transfer-encoding", b"content-le
 RESPONSE_DROP = {b"connection", b"keep-alive", b"transfer-encoding", b"date", b"server"}
 HTTPX_DEFAULTS = ("accept", "accept-encoding", "connection", "user-agent")   # httpx's own, never the client's
 BODY_METHODS = ("POST", "PUT", "PATCH", "DELETE")
+UPSTREAM_MARGIN_S = 10.0   # past --request-timeout, the front's own bound on Ray's answer
 
 
 def replica_limits(limits: Limits) -> Limits:
@@ -72,12 +73,15 @@ class Forwarder:
         if scope["method"] in BODY_METHODS:   # read whole by LimitsMiddleware (its cap, its timeout): given at once
             msg = await receive()
             body = msg.get("body", b"") if msg["type"] == "http.request" else b""
-        said = {"started": False, "ctype": "", "tail": b"", "events": 0}   # what the relay has sent of its answer
+        said = {"started": False, "ended": False, "ctype": "", "tail": b"", "events": 0}   # what the relay sent
         watcher = asyncio.ensure_future(_until_disconnect(receive))
         relay = asyncio.ensure_future(self._relay(scope, body, send, said))
         cutter = asyncio.ensure_future(self._cut.wait())
         try:
             done, _ = await asyncio.wait({relay, watcher, cutter}, return_when=asyncio.FIRST_COMPLETED)
+            if relay not in done and said["ended"]:   # its answer is sent (uvicorn then says disconnect): the relay
+                await asyncio.wait({relay})            # only puts its upstream connection back, not cancelled
+                done = {relay}
             if relay not in done:   # the client hung up, or the drain ended: the upstream request is closed
                 relay.cancel()
                 await asyncio.wait({relay})
@@ -99,7 +103,10 @@ class Forwarder:
                 self.loop, self._cut = asyncio.get_running_loop(), asyncio.Event()
                 # no cookie kept: one client's Set-Cookie was sent on with every other client's requests
                 jar = http.cookiejar.CookieJar(policy=http.cookiejar.DefaultCookiePolicy(allowed_domains=[]))
-                self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0), cookies=jar,
+                # a backstop past --request-timeout (the replica's own): a request held in Ray's proxy or router
+                # (its queue is unbounded), or a hung proxy, held its client for ever
+                read = self.limits.request_timeout + UPSTREAM_MARGIN_S if self.limits.request_timeout else None
+                self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0, read=read), cookies=jar,
                                                 limits=httpx.Limits(max_connections=None,
                                                                     max_keepalive_connections=256))
                 await send({"type": "lifespan.startup.complete"})
@@ -130,13 +137,13 @@ class Forwarder:
         CUT_ANSWERS.pending += 1   # uvicorn's line on the answer left unended is expected here
 
     async def _relay(self, scope, body: bytes, send, said=None):
-        said = {"started": False, "ctype": "", "tail": b"", "events": 0} if said is None else said
+        said = {"started": False, "ended": False, "ctype": "", "tail": b"", "events": 0} if said is None else said
         headers = [(k, v) for k, v in scope.get("headers") or () if k.lower() not in REQUEST_DROP]
         path = (scope.get("raw_path") or scope["path"].encode()).decode("latin-1")
         if not path.startswith("/"):   # OPTIONS * (asterisk-form): nothing here serves it, Ray's proxy neither
             return await send_error(send, scope, 400, f"not a valid HTTP/1.1 request (target {path[:40]!r}: "
                                     "only a path starting with / is served)", "invalid_request_error",
-                                    "invalid_http")
+                                    "invalid_http", close=True)
         url = (self.upstream() if callable(self.upstream) else self.upstream) + path
         if scope.get("query_string"):
             url += "?" + scope["query_string"].decode("latin-1")
@@ -145,13 +152,17 @@ class Forwarder:
         except httpx.InvalidURL as e:   # a target httpx refuses (over 64 KiB: --max-header-kb above 64)
             why = " ".join(str(e).split())[:200]
             return await send_error(send, scope, 400, f"not a valid HTTP/1.1 request ({why})",
-                                    "invalid_request_error", "invalid_http")
+                                    "invalid_request_error", "invalid_http", close=True)
         sent = {k.lower() for k, _ in headers}
         for name in HTTPX_DEFAULTS:
             if name.encode() not in sent and name in request.headers:
                 del request.headers[name]
         try:
             upstream = await self.client.send(request, stream=True)
+        except httpx.ReadTimeout:
+            return await send_error(send, scope, 504, f"no answer from Ray Serve within --request-timeout "
+                                    f"({self.limits.request_timeout:g} s) and {UPSTREAM_MARGIN_S:g} s more",
+                                    "server_error", "request_timeout")
         except (httpx.HTTPError, httpx.InvalidURL):
             return await self._unavailable(send, scope, "Ray Serve's proxy did not answer")
         try:
@@ -179,6 +190,7 @@ class Forwarder:
                     await send({"type": "http.response.body", "body": last, "more_body": True})
                 CUT_ANSWERS.pending += 1   # uvicorn's line on the answer left unended is expected here
                 return
+            said["ended"] = True
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             await upstream.aclose()

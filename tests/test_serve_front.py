@@ -222,3 +222,16 @@ def test_an_unhandled_error_in_the_app_is_a_json_500():
         r = tc.get("/v1/boom")
     assert r.status_code == 500 and r.headers["content-type"] == "application/json", (r.status_code, r.text)
     assert r.json()["error"]["code"] == "server_error", r.text
+
+
+def test_a_request_ray_never_answers_is_a_504_after_the_request_timeout(upstream):
+    """A request held inside Ray (its proxy's queue is unbounded, or the proxy hangs) never reaches the replica
+    whose --request-timeout would end it: the front answers 504 request_timeout --request-timeout plus a margin
+    after, where it held the client for ever."""
+    front, url, logged = start_front(upstream, Limits(request_timeout=0.5))
+    try:
+        r = httpx.post(url + "/slow", json={}, timeout=BOUND)
+    finally:
+        stop_front(front, logged)
+    assert r.status_code == 504 and r.headers["content-type"] == "application/json", (r.status_code, r.text)
+    assert r.json()["error"]["code"] == "request_timeout", r.text
