@@ -304,8 +304,13 @@ def run_ray(args, sampling=None, api_keys: tuple = (), limits=None, sock=None) -
 
     stop = threading.Event()
     starting = [True]
+    fronts, stops = [], []   # the front once made; the signals that came while stopping
 
     def on_signal(sig, frame):
+        if stop.is_set() and fronts and fronts[0].stopping:   # as the plain server: a second signal brings the
+            stops.append(sig)                                    # drain's deadline to now, a third stops at once
+            fronts[0].hurry(force=len(stops) >= 2)
+            return
         stop.set()
         if starting[0]:
             starting[0] = False   # once: Ray's shutdown below is not interrupted in turn
@@ -329,6 +334,10 @@ def run_ray(args, sampling=None, api_keys: tuple = (), limits=None, sock=None) -
     # to loopback): a ray.init() instance authenticates them with a token from Ray 2.59 on (the cluster extra's
     # minimum; RAY_AUTH_MODE=token set here instead broke that start on 2.60). No colour codes in Ray's lines.
     os.environ.setdefault("RAY_COLOR_PREFIX", "0")
+    # Ray's proxy binds its port with SO_REUSEPORT by default: a second server that picked the same private port
+    # listened on it too, and the kernel spread one front's requests (their keys) across both deployments.
+    # Without it such a collision fails loudly ("Ray Serve did not start")
+    os.environ.setdefault("SERVE_SOCKET_REUSE_PORT_ENABLED", "0")
     address = os.environ.pop("RAY_ADDRESS", None)   # workers inherit the environment: not theirs either
     if address:
         print(f"bitnet serve: warning: RAY_ADDRESS={address} is not used: --ray-replicas starts a Ray instance of "
@@ -345,9 +354,11 @@ def run_ray(args, sampling=None, api_keys: tuple = (), limits=None, sock=None) -
             sock = listen(args.host, args.port)
         except OSError as e:
             raise BitNetError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
-    proxy_port = private_port()
-    front = Front(sock, f"http://127.0.0.1:{proxy_port}", limits, keep_alive=args.keep_alive_timeout,
-                  drain_s=args.drain_timeout, log_level=args.log_level)
+    proxy_port = [0]   # chosen right before Serve's proxy binds it: the later, the less time for another to
+    front = Front(sock, lambda: f"http://127.0.0.1:{proxy_port[0]}", limits,   # take it
+                  keep_alive=args.keep_alive_timeout, drain_s=args.drain_timeout, log_level=args.log_level,
+                  on_exit=stop.set)
+    fronts.append(front)
     try:
         front.start()   # answers 503 + Retry-After until the replicas are up, as the plain server while it loads
         try:
@@ -364,14 +375,19 @@ def run_ray(args, sampling=None, api_keys: tuple = (), limits=None, sock=None) -
                               ) from e
         on_stop_signals()
         _quiet_ray_output(stop.is_set)
+        if front.failed:   # the front died while Ray started: no listener, nothing to serve
+            return 1
         try:
             # Ray's proxy on loopback, reached only through the front on --host/--port
-            serve.start(http_options={"host": "127.0.0.1", "port": proxy_port})
+            proxy_port[0] = private_port()
+            serve.start(http_options={"host": "127.0.0.1", "port": proxy_port[0]})
         except Exception as e:   # its controller or HTTP proxy actor died (a machine out of memory, a lost port)
             first = (str(e).strip().splitlines() or [type(e).__name__])[0]
             raise BitNetError(f"Ray Serve did not start: {first[:300]}",
                               hint="see Ray's logs under /tmp/ray/session_latest/logs") from e
         on_stop_signals()
+        if front.failed:
+            return 1
         from ..engine.runtime.speculative import lookup_from_flags
         from .auth import is_loopback
 
@@ -425,5 +441,7 @@ def run_ray(args, sampling=None, api_keys: tuple = (), limits=None, sock=None) -
             ray.shutdown()
         finally:   # a shutdown that failed leaves the most behind
             _end_leftovers()
+    if front.failed:   # its line is printed: no listener was left, so the server stopped with it
+        return 1
     print("bitnet serve: stopped", file=sys.stderr)
     return 0

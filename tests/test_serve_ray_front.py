@@ -45,9 +45,13 @@ def _kill_under(own: str, bound: float = 30.0) -> None:
         time.sleep(0.1)
 
 
+OWN: list[str] = []   # the module's RAY_TMPDIR
+
+
 @pytest.fixture(scope="module")
 def port():
     own = tempfile.mkdtemp(prefix="rt", dir="/tmp")   # short: Ray's socket paths have a length limit
+    OWN.append(own)
     p = free_port()
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
                RAY_USAGE_STATS_ENABLED="0", RAY_TMPDIR=own)
@@ -141,7 +145,8 @@ def test_expect_continue_with_a_body_over_the_cap_is_refused_before_it(port):
     b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: abc\r\n\r\n",
     b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 4\r\n"
     b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
-], ids=["bad-method", "bad-content-length", "cl-and-te"])
+    b"OPTIONS * HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n",
+], ids=["bad-method", "bad-content-length", "cl-and-te", "options-asterisk"])
 def test_malformed_http_is_a_json_400(port, raw):
     """What the parser refuses: 400 invalid_http in JSON, connection closed (Ray's: text/plain)."""
     got = responses(exchange(port, raw))
@@ -160,3 +165,62 @@ def test_max_headers_counts_the_clients_headers_only(port):
         return got[0][0]
     assert ask(MAX_HEADERS) == 200
     assert ask(MAX_HEADERS + 1) == 431
+
+
+def test_a_chunked_trailer_that_never_ends_is_refused_while_it_arrives(port):
+    """A chunked body's trailer that never ends: the 431 once --max-header-kb is passed, as a header's (it was
+    read on and held until --body-timeout, its CPU growing with the square of its size)."""
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n"
+                     b"\r\n2\r\n{}\r\n0\r\nX-T: ")
+        with contextlib.suppress(OSError):
+            for _ in range(16):
+                sock.sendall(b"b" * (64 << 10))
+        got = responses(_read_all(sock, 60 * slowness()))
+    assert [g[0] for g in got] == [431], got
+    assert json.loads(got[0][2])["error"]["code"] == "headers_too_large", got[0]
+
+
+def _listening_ports(pid: int) -> set[int]:
+    """The TCP ports process `pid` listens on at 127.0.0.1 (its sockets' inodes matched in /proc/net/tcp): Ray's
+    HTTP proxy's, not its gRPC servers' on the node's address."""
+    inodes = set()
+    with contextlib.suppress(OSError):
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if link.startswith("socket:["):
+                    inodes.add(link[8:-1])
+    ports = set()
+    with open(f"/proc/{pid}/net/tcp") as f:
+        for line in list(f)[1:]:
+            cols = line.split()
+            addr, _, hexport = cols[1].partition(":")
+            if cols[3] == "0A" and cols[9] in inodes and addr == "0100007F":   # LISTEN on 127.0.0.1
+                ports.add(int(hexport, 16))
+    return ports
+
+
+def test_rays_proxy_port_cannot_be_shared(port):
+    """Ray's proxy bound its private port with SO_REUSEPORT: a second `bitnet serve --ray-replicas` that picked
+    the same port listened there too, and the kernel spread one front's requests across both deployments. Now a
+    second listener on that port is refused."""
+    proxies = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            with contextlib.suppress(OSError):
+                with open(f"/proc/{d}/cmdline", "rb") as f:
+                    if not f.read().startswith(b"ray::ProxyActor"):
+                        continue
+                with open(f"/proc/{d}/environ", "rb") as f:
+                    if f"RAY_TMPDIR={OWN[0]}".encode() in f.read().split(b"\0"):
+                        proxies.append(int(d))
+    assert len(proxies) == 1, proxies
+    ports = _listening_ports(proxies[0])
+    assert ports, "the proxy listens on no port"
+    for p in ports:
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            with pytest.raises(OSError):
+                s.bind(("127.0.0.1", p))
+                s.listen(1)
